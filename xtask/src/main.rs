@@ -1,0 +1,3 @@
+//! Project tasks: `cargo xtask test | ci | tidy`.
+
+fn main() {}
