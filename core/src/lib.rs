@@ -3,3 +3,20 @@
 //! `keel-core` knows nothing about PostgreSQL, Redis, tokio or the system clock. Every
 //! function here is a plain function of its inputs; `now` is always an argument. The port
 //! traits (the `ports` module) describe what a backend must do; the backends implement them.
+
+pub mod error;
+pub mod ids;
+pub mod instance;
+pub mod limits;
+pub mod outcome;
+pub mod ports;
+pub mod time;
+
+pub use error::{ErrorKind, StoreError, StoreResult};
+pub use ids::{
+    DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
+    StatusSet, WorkerId,
+};
+pub use instance::{Instance, NewInstance, NewSignal, Signal, SignalTarget};
+pub use outcome::{Outcome, StepCommit, StepFailure};
+pub use time::Timestamp;

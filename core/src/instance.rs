@@ -1,0 +1,534 @@
+//! The instance row and the values that travel with it: new instances, signals, children
+//! summaries, history entries and dead letters. These are the store's logical schema.
+
+use crate::error::{StoreError, StoreResult};
+use crate::ids::{
+    DEFAULT_NAMESPACE, DEFAULT_QUEUE, DeadLetterId, FencingToken, InstanceId, MachineRef, Priority,
+    Revision, SignalId, Status, StatusSet, WorkerId,
+};
+use crate::limits;
+use crate::time::Timestamp;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The signal name that an `Await` uses to wake on any signal (chart instances park on it
+/// between events). Delivered signals may not use it as their own name.
+pub const ANY_SIGNAL: &str = "*";
+
+/// One error of one attempt, kept on the instance until the step progresses and copied
+/// into the dead letter when retries are exhausted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptError {
+    /// The attempt that failed (0-based).
+    pub attempt: i32,
+    /// The error message.
+    pub error: String,
+    /// When it failed.
+    pub at: Timestamp,
+}
+
+/// A uniqueness claim: `key` is occupied while the instance's status is in `scope`
+/// (seed 004 §7). The key is stored verbatim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UniqueSpec {
+    /// The user's key, verbatim.
+    pub key: Vec<u8>,
+    /// The statuses in which the key is occupied.
+    pub scope: StatusSet,
+}
+
+/// The guard value of a uniqueness claim: the key while `status` is in scope, else `None`
+/// (the generated column of seed 004 §7). Two instances may not have equal guards.
+pub fn unique_guard(unique: Option<&UniqueSpec>, status: Status) -> Option<&[u8]> {
+    unique.filter(|u| u.scope.contains(status)).map(|u| u.key.as_slice())
+}
+
+/// One instance: one aggregate, one row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Instance {
+    /// Store-assigned id.
+    pub id: InstanceId,
+    /// Tenancy boundary; workers and tokens are scoped to namespaces.
+    pub namespace: String,
+    /// The definition it runs, pinned for its whole life.
+    pub machine: MachineRef,
+    /// Optional business key (`order:abc123`), for addressing events.
+    pub business_key: Option<String>,
+    /// The queue it is claimed from.
+    pub queue: String,
+    /// Claim order under the `priority` strategy.
+    pub priority: Priority,
+    /// Instances sharing a key run one at a time.
+    pub concurrency_key: Option<String>,
+    /// Where it is in its life.
+    pub status: Status,
+    /// The current step (steps style) or the encoded active configuration (chart style).
+    pub position: String,
+    /// The JSON context (always an object).
+    pub context: Value,
+    /// The result of `Done`.
+    pub result: Option<Value>,
+    /// The signal name it awaits (`*` = any), kept after the wake-up for the step to see.
+    pub awaits: Option<String>,
+    /// The last error (`Stop` reason, exhausted retry, cancel reason).
+    pub last_error: Option<String>,
+    /// Attempts of the current step so far (0 on the first run).
+    pub attempt: i32,
+    /// The errors of the current step's failed attempts, oldest first.
+    pub errors: Vec<AttemptError>,
+    /// Accepted step commits so far.
+    pub revision: Revision,
+    /// Not claimable before this time.
+    pub eligible_at: Timestamp,
+    /// The worker holding the lease, while executing.
+    pub lease_owner: Option<WorkerId>,
+    /// When the lease runs out, while executing.
+    pub lease_expires_at: Option<Timestamp>,
+    /// The token of the latest claim.
+    pub fencing_token: FencingToken,
+    /// The parent that spawned it, if any.
+    pub parent: Option<InstanceId>,
+    /// Children not yet terminal that the parent's barrier waits on.
+    pub children_pending: i32,
+    /// Its uniqueness claim, if any.
+    pub unique: Option<UniqueSpec>,
+    /// Correlation (conversation) id carried into dead letters, for tracing across machines.
+    pub correlation_id: Option<String>,
+    /// Insert time.
+    pub created_at: Timestamp,
+    /// Last change.
+    pub updated_at: Timestamp,
+}
+
+impl Instance {
+    /// The instance's uniqueness guard in its current status.
+    pub fn unique_guard(&self) -> Option<&[u8]> {
+        unique_guard(self.unique.as_ref(), self.status)
+    }
+
+    /// Builds the row a store inserts for `new`, with the given id, parent and time. Stores
+    /// that assign ids themselves use this for everything else.
+    pub fn from_new(
+        id: InstanceId,
+        new: &NewInstance,
+        parent: Option<InstanceId>,
+        now: Timestamp,
+    ) -> Self {
+        Instance {
+            id,
+            namespace: new.namespace.clone(),
+            machine: new.machine.clone(),
+            business_key: new.business_key.clone(),
+            queue: new.queue.clone(),
+            priority: new.priority,
+            concurrency_key: new.concurrency_key.clone(),
+            status: Status::Runnable,
+            position: new.position.clone(),
+            context: new.context.clone(),
+            result: None,
+            awaits: None,
+            last_error: None,
+            attempt: 0,
+            errors: Vec::new(),
+            revision: Revision(0),
+            eligible_at: new.eligible_at.unwrap_or(now).max(now),
+            lease_owner: None,
+            lease_expires_at: None,
+            fencing_token: FencingToken(0),
+            parent,
+            children_pending: 0,
+            unique: new.unique.clone(),
+            correlation_id: new.correlation_id.clone(),
+            created_at: now,
+            updated_at: now,
+        }
+    }
+}
+
+/// What a caller supplies to start an instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewInstance {
+    /// Namespace (default `"default"`).
+    pub namespace: String,
+    /// The definition to run.
+    pub machine: MachineRef,
+    /// The first step, or the encoded initial configuration.
+    pub position: String,
+    /// The input context; must be a JSON object.
+    pub context: Value,
+    /// Optional business key.
+    pub business_key: Option<String>,
+    /// Queue (default `"default"`).
+    pub queue: String,
+    /// Priority (default normal).
+    pub priority: Priority,
+    /// Optional per-key serialization.
+    pub concurrency_key: Option<String>,
+    /// Optional uniqueness claim.
+    pub unique: Option<UniqueSpec>,
+    /// Not claimable before this time (a delayed start); `None` = now.
+    pub eligible_at: Option<Timestamp>,
+    /// Optional correlation id.
+    pub correlation_id: Option<String>,
+}
+
+impl NewInstance {
+    /// A new instance of `machine` starting at `position` with an empty context, in the
+    /// default namespace and queue.
+    pub fn new(machine: MachineRef, position: impl Into<String>) -> Self {
+        NewInstance {
+            namespace: DEFAULT_NAMESPACE.to_owned(),
+            machine,
+            position: position.into(),
+            context: Value::Object(serde_json::Map::new()),
+            business_key: None,
+            queue: DEFAULT_QUEUE.to_owned(),
+            priority: Priority::Normal,
+            concurrency_key: None,
+            unique: None,
+            eligible_at: None,
+            correlation_id: None,
+        }
+    }
+
+    /// Sets the context.
+    pub fn context(mut self, context: Value) -> Self {
+        self.context = context;
+        self
+    }
+    /// Sets the namespace.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+    /// Sets the queue.
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = queue.into();
+        self
+    }
+    /// Sets the priority.
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+    /// Sets the business key.
+    pub fn business_key(mut self, key: impl Into<String>) -> Self {
+        self.business_key = Some(key.into());
+        self
+    }
+    /// Sets the concurrency key.
+    pub fn concurrency_key(mut self, key: impl Into<String>) -> Self {
+        self.concurrency_key = Some(key.into());
+        self
+    }
+    /// Sets the uniqueness claim.
+    pub fn unique(mut self, key: impl Into<Vec<u8>>, scope: StatusSet) -> Self {
+        self.unique = Some(UniqueSpec { key: key.into(), scope });
+        self
+    }
+    /// Delays the first claim until `at`.
+    pub fn eligible_at(mut self, at: Timestamp) -> Self {
+        self.eligible_at = Some(at);
+        self
+    }
+    /// Sets the correlation id.
+    pub fn correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// Checks names, sizes and the context shape. Errors name the field and the fix.
+    pub fn validate(&self, field: &str) -> StoreResult<()> {
+        check_name(&format!("{field}.namespace"), &self.namespace)?;
+        check_name(&format!("{field}.machine.name"), &self.machine.name)?;
+        check_name(&format!("{field}.position"), &self.position)?;
+        check_name(&format!("{field}.queue"), &self.queue)?;
+        check_object(&format!("{field}.context"), &self.context)?;
+        for (name, value) in [
+            ("business_key", &self.business_key),
+            ("concurrency_key", &self.concurrency_key),
+            ("correlation_id", &self.correlation_id),
+        ] {
+            if let Some(v) = value {
+                check_name(&format!("{field}.{name}"), v)?;
+            }
+        }
+        if let Some(u) = &self.unique
+            && (u.key.is_empty() || u.key.len() > limits::NAME_BYTES_MAX)
+        {
+            return Err(StoreError::invalid(format!(
+                "{field}.unique.key: must be 1 to {} bytes (got {})",
+                limits::NAME_BYTES_MAX,
+                u.key.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where a signal goes: an instance id, or a business key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SignalTarget {
+    /// By instance id.
+    Id(InstanceId),
+    /// By `(namespace, machine name, business key)`: the newest instance with that key.
+    Key {
+        /// Namespace.
+        namespace: String,
+        /// Machine name (any version).
+        machine: String,
+        /// Business key.
+        key: String,
+    },
+}
+
+impl From<InstanceId> for SignalTarget {
+    fn from(id: InstanceId) -> Self {
+        SignalTarget::Id(id)
+    }
+}
+
+/// A signal (or chart event) to deliver into an instance's inbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewSignal {
+    /// Where it goes.
+    pub target: SignalTarget,
+    /// Its name (the event type).
+    pub name: String,
+    /// Its payload (any JSON value).
+    pub payload: Value,
+    /// Optional dedup key: a second signal with the same key for the same target is a
+    /// duplicate and is not stored again.
+    pub dedup_key: Option<String>,
+}
+
+impl NewSignal {
+    /// A signal with a null payload and no dedup key.
+    pub fn new(target: impl Into<SignalTarget>, name: impl Into<String>) -> Self {
+        NewSignal {
+            target: target.into(),
+            name: name.into(),
+            payload: Value::Null,
+            dedup_key: None,
+        }
+    }
+    /// Sets the payload.
+    pub fn payload(mut self, payload: Value) -> Self {
+        self.payload = payload;
+        self
+    }
+    /// Sets the dedup key.
+    pub fn dedup_key(mut self, key: impl Into<String>) -> Self {
+        self.dedup_key = Some(key.into());
+        self
+    }
+
+    /// Checks the name, dedup key and payload size.
+    pub fn validate(&self, field: &str) -> StoreResult<()> {
+        check_name(&format!("{field}.name"), &self.name)?;
+        if self.name == ANY_SIGNAL {
+            return Err(StoreError::invalid(format!(
+                "{field}.name: \"{ANY_SIGNAL}\" is reserved for awaiting any signal; use a real event name"
+            )));
+        }
+        if let Some(k) = &self.dedup_key {
+            check_name(&format!("{field}.dedup_key"), k)?;
+        }
+        check_size(&format!("{field}.payload"), &self.payload)
+    }
+}
+
+/// A stored signal in an inbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Signal {
+    /// Its id; ids increase in arrival order.
+    pub id: SignalId,
+    /// The instance whose inbox holds it.
+    pub target: InstanceId,
+    /// Its name.
+    pub name: String,
+    /// Its payload.
+    pub payload: Value,
+    /// Its dedup key.
+    pub dedup_key: Option<String>,
+    /// When it arrived.
+    pub inserted_at: Timestamp,
+}
+
+/// What a parent sees of a child after its barrier released (seed 004 §11).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChildSummary {
+    /// The child's id.
+    pub id: InstanceId,
+    /// Its machine.
+    pub machine: MachineRef,
+    /// Its status.
+    pub status: Status,
+    /// Its position.
+    pub position: String,
+    /// Its context.
+    pub context: Value,
+    /// Its result, when done.
+    pub result: Option<Value>,
+    /// Its last error, when failed or cancelled.
+    pub last_error: Option<String>,
+}
+
+impl ChildSummary {
+    /// The summary of a child row.
+    pub fn of(child: &Instance) -> Self {
+        ChildSummary {
+            id: child.id,
+            machine: child.machine.clone(),
+            status: child.status,
+            position: child.position.clone(),
+            context: child.context.clone(),
+            result: child.result.clone(),
+            last_error: child.last_error.clone(),
+        }
+    }
+}
+
+/// A history entry to append (the store adds instance, time, attempt and revision).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    /// What happened: `STEP_NEXT`, `EVENT_UNHANDLED`, `LEASE_EXPIRED`, `TIMER_FIRED`, …
+    pub kind: String,
+    /// Details, as the kind defines.
+    pub data: Value,
+}
+
+impl HistoryEntry {
+    /// Builds an entry.
+    pub fn new(kind: impl Into<String>, data: Value) -> Self {
+        HistoryEntry { kind: kind.into(), data }
+    }
+}
+
+/// A stored history row (append-only audit trail).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistoryRecord {
+    /// The instance it belongs to.
+    pub instance: InstanceId,
+    /// Sequence number within the store; increases with time.
+    pub seq: i64,
+    /// When it was recorded.
+    pub at: Timestamp,
+    /// The instance's revision after the change it records.
+    pub revision: Revision,
+    /// The attempt it was recorded in.
+    pub attempt: i32,
+    /// Kind and details.
+    pub entry: HistoryEntry,
+}
+
+/// A dead letter before the store assigns it an id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewDeadLetter {
+    /// The instance that failed.
+    pub instance: InstanceId,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its machine.
+    pub machine: MachineRef,
+    /// The step (or configuration) it failed in.
+    pub position: String,
+    /// The inbox signals the failing step was processing; `skip` consumes them.
+    pub signals: Vec<SignalId>,
+    /// The failing event (name and payload), when the step processed one.
+    pub event: Option<Value>,
+    /// The instance's correlation id.
+    pub correlation_id: Option<String>,
+    /// Why it was dead-lettered: `exhausted` or `non_retryable`.
+    pub reason: String,
+    /// Number of attempts made.
+    pub attempts: i32,
+    /// Every attempt's error, oldest first.
+    pub errors: Vec<AttemptError>,
+    /// First attempt's failure time.
+    pub first_attempt_at: Timestamp,
+    /// Last attempt's failure time.
+    pub last_attempt_at: Timestamp,
+}
+
+/// A stored dead letter.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    /// Its id.
+    pub id: DeadLetterId,
+    /// When it was recorded.
+    pub created_at: Timestamp,
+    /// Everything needed to debug and replay.
+    pub letter: NewDeadLetter,
+}
+
+/// A name-like field check: non-empty, at most [`limits::NAME_BYTES_MAX`] bytes.
+pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
+    if value.is_empty() {
+        return Err(StoreError::invalid(format!("{field}: must not be empty")));
+    }
+    if value.len() > limits::NAME_BYTES_MAX {
+        return Err(StoreError::invalid(format!(
+            "{field}: is {} bytes; the limit is {} bytes",
+            value.len(),
+            limits::NAME_BYTES_MAX
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `value` is a JSON object within the payload size limit.
+pub fn check_object(field: &str, value: &Value) -> StoreResult<()> {
+    if !value.is_object() {
+        return Err(StoreError::invalid(format!(
+            "{field}: must be a JSON object like {{\"key\": \"value\"}} (got {})",
+            json_type(value)
+        )));
+    }
+    check_size(field, value)
+}
+
+/// Checks that `value` serializes within [`limits::PAYLOAD_BYTES_MAX`].
+pub fn check_size(field: &str, value: &Value) -> StoreResult<()> {
+    let len = serde_json::to_vec(value).map_or(usize::MAX, |v| v.len());
+    if len > limits::PAYLOAD_BYTES_MAX {
+        return Err(StoreError::invalid(format!(
+            "{field}: is {len} bytes of JSON; the limit is {} bytes — keep large data outside Keel and store a reference",
+            limits::PAYLOAD_BYTES_MAX
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a batch length against its bound.
+pub fn check_batch(field: &str, len: usize, max: usize) -> StoreResult<()> {
+    if len > max {
+        return Err(StoreError::invalid(format!(
+            "{field}: {len} items is over the limit of {max}; split the batch"
+        )));
+    }
+    Ok(())
+}
+
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Cuts an error message to [`limits::ERROR_MESSAGE_BYTES_MAX`] at a char boundary.
+pub fn clip_error(message: &str) -> String {
+    if message.len() <= limits::ERROR_MESSAGE_BYTES_MAX {
+        return message.to_owned();
+    }
+    let mut end = limits::ERROR_MESSAGE_BYTES_MAX;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &message[..end])
+}

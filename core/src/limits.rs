@@ -1,0 +1,39 @@
+//! Named bounds on everything a caller can make large (STYLE 8). Backends enforce them
+//! with `Invalid` errors, and the conformance suite tests each one at the bound.
+
+/// Most instances one `instance_insert` call may carry.
+pub const INSERT_BATCH_MAX: usize = 10_000;
+/// Most rows one `instance_claim` call may return.
+pub const CLAIM_BATCH_MAX: usize = 1_000;
+/// Most step results one `step_commit` call may carry.
+pub const COMMIT_BATCH_MAX: usize = 1_000;
+/// Most signals one `signal_deliver` call may carry.
+pub const DELIVER_BATCH_MAX: usize = 10_000;
+/// Most inbox signals a claim hands to a step; older ones first, the rest wait.
+pub const CLAIM_INBOX_MAX: usize = 64;
+/// Most children one `ScheduleChildren` outcome may spawn.
+pub const CHILDREN_PER_STEP_MAX: usize = 1_000;
+/// Most children summaries a claim or an inspect returns.
+pub const CHILDREN_LIST_MAX: usize = 1_000;
+/// Most history entries one step commit may append.
+pub const HISTORY_PER_STEP_MAX: usize = 256;
+/// Most events one step commit may emit to other instances.
+pub const EMIT_PER_STEP_MAX: usize = 1_000;
+/// Largest serialized context, payload or result, in bytes (1 MiB).
+pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;
+/// Most attempt errors kept on an instance and copied into a dead letter.
+pub const ATTEMPT_ERRORS_MAX: usize = 100;
+/// Longest error message kept, in bytes; longer ones are cut at a char boundary.
+pub const ERROR_MESSAGE_BYTES_MAX: usize = 8 * 1024;
+/// Deepest chain of children a cascading cancel follows.
+pub const CANCEL_CASCADE_DEPTH_MAX: usize = 32;
+/// Most instances one cancel (with its cascade) may touch.
+pub const CANCEL_CASCADE_MAX: usize = 10_000;
+/// Most history rows an inspect returns (newest last).
+pub const HISTORY_LIST_MAX: usize = 1_000;
+/// Most dead letters one list or retry-by-machine call touches.
+pub const DEAD_LETTER_BATCH_MAX: usize = 10_000;
+/// Most rows one reap call returns to runnable.
+pub const REAP_BATCH_MAX: usize = 10_000;
+/// Longest name (machine, step, signal, queue, namespace, key), in bytes.
+pub const NAME_BYTES_MAX: usize = 256;

@@ -1,0 +1,516 @@
+//! Step outcomes and the pure reference transitions of an instance row (DESIGN §3.2,
+//! seed 004 §3, §5, §10, §11).
+//!
+//! Every store must change its rows exactly as these functions say; the in-memory store
+//! calls them directly and the conformance suite holds the real backends to the same
+//! results. The functions take the facts a store knows only at commit time (is a matching
+//! signal waiting in the inbox, how many children did uniqueness let in) as arguments, so
+//! they stay pure.
+
+use crate::error::{StoreError, StoreResult};
+use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
+use crate::instance::{
+    ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
+    check_batch, check_name, check_object, check_size, clip_error,
+};
+use crate::limits;
+use crate::time::Timestamp;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// What a step (or the error handler) returns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Outcome {
+    /// Move to `step` with the new context; runnable now; attempt reset.
+    Next {
+        /// The next step.
+        step: String,
+        /// The new context.
+        context: Value,
+    },
+    /// Run the same step again after `delay`; attempt + 1 (seed: `:replay`).
+    Retry {
+        /// The context to retry with.
+        context: Value,
+        /// How long to wait.
+        #[serde(with = "duration_ms")]
+        delay: Duration,
+    },
+    /// Park until a signal named `signal` (or any signal, for `*`) arrives; runnable at
+    /// once if one is already in the inbox (no lost wake-up).
+    Await {
+        /// The awaited signal name, or `*` for any.
+        signal: String,
+        /// The context to park with.
+        context: Value,
+    },
+    /// Spawn `children` and park until every one is terminal; then run `next`. Zero
+    /// children inserted (uniqueness may drop some) ⇒ runnable at `next` at once.
+    ScheduleChildren {
+        /// The step to run once the barrier releases.
+        next: String,
+        /// The children to spawn.
+        children: Vec<NewInstance>,
+        /// The context to park with.
+        context: Value,
+    },
+    /// Finish with a result (the context is not rewritten).
+    Done {
+        /// The result.
+        result: Value,
+    },
+    /// Finish as failed with a reason.
+    Stop {
+        /// Why.
+        reason: String,
+    },
+    /// Retries are exhausted (or the error is not retryable): park as `suspended` until an
+    /// operator retries, skips or cancels. The commit must carry a dead-lettering
+    /// [`StepFailure`]. Produced by the engine's retry policy, not by user steps.
+    Suspend,
+}
+
+impl Outcome {
+    /// The outcome's snake_case name.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            Outcome::Next { .. } => "next",
+            Outcome::Retry { .. } => "retry",
+            Outcome::Await { .. } => "await",
+            Outcome::ScheduleChildren { .. } => "schedule_children",
+            Outcome::Done { .. } => "done",
+            Outcome::Stop { .. } => "stop",
+            Outcome::Suspend => "suspend",
+        }
+    }
+
+    /// The context the outcome writes, if it writes one.
+    pub fn context(&self) -> Option<&Value> {
+        match self {
+            Outcome::Next { context, .. }
+            | Outcome::Retry { context, .. }
+            | Outcome::Await { context, .. }
+            | Outcome::ScheduleChildren { context, .. } => Some(context),
+            Outcome::Done { .. } | Outcome::Stop { .. } | Outcome::Suspend => None,
+        }
+    }
+}
+
+mod duration_ms {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+/// The failure behind a commit, when the step errored: its message is kept with the
+/// attempt, and it may dead-letter the step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepFailure {
+    /// The error message.
+    pub error: String,
+    /// Whether the error was retryable (decides the dead letter's reason).
+    pub retryable: bool,
+    /// Whether this failure produces a dead letter (always with `Suspend`; with a
+    /// progressing outcome under `on_dead_letter = skip`).
+    pub dead_letter: bool,
+    /// The inbox signals the failing step was processing.
+    pub signals: Vec<SignalId>,
+    /// The failing event (name and payload), when there was one.
+    pub event: Option<Value>,
+}
+
+/// One step's result, committed atomically: the outcome, the signals it consumed, the
+/// events it emitted to other instances (outbox), and history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepCommit {
+    /// The instance.
+    pub id: InstanceId,
+    /// The token of the claim this result belongs to.
+    pub token: FencingToken,
+    /// What the step decided.
+    pub outcome: Outcome,
+    /// Inbox signals the step saw and consumed; deleted in the same commit. Ids that are
+    /// no longer in the inbox are ignored.
+    pub consume: Vec<SignalId>,
+    /// Events for other instances, inserted in the same commit (transactional outbox).
+    pub emit: Vec<NewSignal>,
+    /// History entries to append before the engine's own outcome entry.
+    pub history: Vec<HistoryEntry>,
+    /// The error, when the step failed.
+    pub failure: Option<StepFailure>,
+}
+
+impl StepCommit {
+    /// A commit of `outcome` with nothing consumed, emitted or recorded.
+    pub fn new(id: InstanceId, token: FencingToken, outcome: Outcome) -> Self {
+        StepCommit {
+            id,
+            token,
+            outcome,
+            consume: Vec::new(),
+            emit: Vec::new(),
+            history: Vec::new(),
+            failure: None,
+        }
+    }
+    /// Sets the consumed signals.
+    pub fn consume(mut self, ids: impl IntoIterator<Item = SignalId>) -> Self {
+        self.consume = ids.into_iter().collect();
+        self
+    }
+    /// Adds an emitted event.
+    pub fn emit(mut self, signal: NewSignal) -> Self {
+        self.emit.push(signal);
+        self
+    }
+    /// Adds a history entry.
+    pub fn record(mut self, entry: HistoryEntry) -> Self {
+        self.history.push(entry);
+        self
+    }
+    /// Sets the failure.
+    pub fn failure(mut self, failure: StepFailure) -> Self {
+        self.failure = Some(failure);
+        self
+    }
+}
+
+/// Checks a commit against the row it targets: the fence first (`LeaseLost` when the
+/// instance is no longer executing under this token), then the shape and limits of the
+/// outcome (`Invalid`, naming the field). A rejected commit changes nothing.
+pub fn validate_commit(row: &Instance, commit: &StepCommit) -> StoreResult<()> {
+    if row.status != Status::Executing || row.fencing_token != commit.token {
+        return Err(StoreError::lease_lost(format!(
+            "instance {} is {} with fencing token {}; this commit holds token {} — another claim superseded it",
+            row.id, row.status, row.fencing_token.0, commit.token.0
+        )));
+    }
+    validate_commit_shape(commit)
+}
+
+/// The row-independent part of [`validate_commit`].
+pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
+    if let Some(ctx) = commit.outcome.context() {
+        check_object("outcome.context", ctx)?;
+    }
+    match &commit.outcome {
+        Outcome::Next { step, .. } => check_name("outcome.step", step)?,
+        Outcome::Await { signal, .. } => check_name("outcome.signal", signal)?,
+        Outcome::ScheduleChildren { next, children, .. } => {
+            check_name("outcome.next", next)?;
+            check_batch("outcome.children", children.len(), limits::CHILDREN_PER_STEP_MAX)?;
+            for (i, c) in children.iter().enumerate() {
+                c.validate(&format!("outcome.children[{i}]"))?;
+            }
+        }
+        Outcome::Done { result } => check_size("outcome.result", result)?,
+        Outcome::Suspend => {
+            if !commit.failure.as_ref().is_some_and(|f| f.dead_letter) {
+                return Err(StoreError::invalid(
+                    "outcome: Suspend needs a failure with dead_letter = true; it is the retry policy's exhaustion outcome",
+                ));
+            }
+        }
+        Outcome::Retry { .. } | Outcome::Stop { .. } => {}
+    }
+    check_batch("emit", commit.emit.len(), limits::EMIT_PER_STEP_MAX)?;
+    for (i, s) in commit.emit.iter().enumerate() {
+        s.validate(&format!("emit[{i}]"))?;
+    }
+    check_batch("history", commit.history.len(), limits::HISTORY_PER_STEP_MAX)?;
+    Ok(())
+}
+
+/// The facts a store knows only while committing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApplyFacts {
+    /// Commit time.
+    pub now: Timestamp,
+    /// For `Await`: after this commit's consumption, does the inbox hold a signal whose
+    /// name matches the awaited one (any signal, for `*`)?
+    pub signal_waiting: bool,
+    /// For `ScheduleChildren`: how many children were actually inserted.
+    pub children_inserted: i32,
+}
+
+/// The result of applying a commit to a row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Applied {
+    /// The row after the commit.
+    pub row: Instance,
+    /// History to append: the commit's entries, then the engine's own.
+    pub history: Vec<HistoryEntry>,
+    /// The dead letter to store, if the commit produced one.
+    pub dead_letter: Option<NewDeadLetter>,
+}
+
+impl Applied {
+    /// Whether the commit made the row terminal (so its parent's barrier counts it).
+    pub fn became_terminal(&self) -> bool {
+        self.row.status.is_terminal()
+    }
+}
+
+/// Whether a signal named `name` wakes an instance awaiting `awaits`.
+pub fn signal_matches(awaits: &str, name: &str) -> bool {
+    awaits == ANY_SIGNAL || awaits == name
+}
+
+fn release_lease(row: &mut Instance) {
+    row.lease_owner = None;
+    row.lease_expires_at = None;
+}
+
+fn push_error(errors: &mut Vec<AttemptError>, attempt: i32, error: &str, at: Timestamp) {
+    errors.push(AttemptError { attempt, error: clip_error(error), at });
+    if errors.len() > limits::ATTEMPT_ERRORS_MAX {
+        let excess = errors.len() - limits::ATTEMPT_ERRORS_MAX;
+        errors.drain(..excess);
+    }
+}
+
+/// The reference transition of DESIGN §3.2: the row after `commit`, given the commit-time
+/// `facts`. The caller has already checked [`validate_commit`].
+pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied {
+    let now = facts.now;
+    let mut next = row.clone();
+    release_lease(&mut next);
+    next.updated_at = now;
+    next.revision = Revision(row.revision.0 + 1);
+
+    let mut errors = row.errors.clone();
+    if let Some(f) = &commit.failure {
+        push_error(&mut errors, row.attempt, &f.error, now);
+    }
+
+    let mut history = commit.history.clone();
+    let engine_entry = match &commit.outcome {
+        Outcome::Next { step, context } => {
+            next.position.clone_from(step);
+            next.context = context.clone();
+            next.status = Status::Runnable;
+            next.eligible_at = now;
+            next.attempt = 0;
+            next.awaits = None;
+            errors.clear();
+            HistoryEntry::new("STEP_NEXT", json!({ "from": row.position, "to": step }))
+        }
+        Outcome::Retry { context, delay } => {
+            next.context = context.clone();
+            next.status = Status::Runnable;
+            next.eligible_at = now.plus(*delay);
+            next.attempt = row.attempt + 1;
+            next.awaits = None;
+            let error = commit.failure.as_ref().map(|f| clip_error(&f.error));
+            HistoryEntry::new(
+                "STEP_RETRY",
+                json!({ "step": row.position, "delay_ms": delay.as_millis() as u64, "error": error }),
+            )
+        }
+        Outcome::Await { signal, context } => {
+            next.context = context.clone();
+            next.awaits = Some(signal.clone());
+            next.eligible_at = now;
+            next.attempt = 0;
+            next.status =
+                if facts.signal_waiting { Status::Runnable } else { Status::AwaitingSignal };
+            errors.clear();
+            HistoryEntry::new(
+                "STEP_AWAIT",
+                json!({ "signal": signal, "parked": !facts.signal_waiting }),
+            )
+        }
+        Outcome::ScheduleChildren { next: step, context, children } => {
+            next.position.clone_from(step);
+            next.context = context.clone();
+            next.children_pending = facts.children_inserted;
+            next.status = if facts.children_inserted == 0 {
+                Status::Runnable
+            } else {
+                Status::AwaitingChildren
+            };
+            next.eligible_at = now;
+            next.attempt = 0;
+            next.awaits = None;
+            errors.clear();
+            HistoryEntry::new(
+                "STEP_SCHEDULE_CHILDREN",
+                json!({ "next": step, "requested": children.len(), "inserted": facts.children_inserted }),
+            )
+        }
+        Outcome::Done { result } => {
+            next.result = Some(result.clone());
+            next.status = Status::Done;
+            next.awaits = None;
+            errors.clear();
+            HistoryEntry::new("STEP_DONE", json!({ "step": row.position }))
+        }
+        Outcome::Stop { reason } => {
+            next.status = Status::Failed;
+            next.last_error = Some(clip_error(reason));
+            next.awaits = None;
+            errors.clear();
+            HistoryEntry::new(
+                "STEP_STOP",
+                json!({ "step": row.position, "reason": clip_error(reason) }),
+            )
+        }
+        Outcome::Suspend => {
+            next.status = Status::Suspended;
+            next.last_error = commit.failure.as_ref().map(|f| clip_error(&f.error));
+            HistoryEntry::new(
+                "STEP_SUSPENDED",
+                json!({ "step": row.position, "attempts": row.attempt + 1 }),
+            )
+        }
+    };
+    history.push(engine_entry);
+
+    let dead_letter = commit.failure.as_ref().filter(|f| f.dead_letter).map(|f| {
+        // The errors of every attempt of this step: those kept on the row, plus this one.
+        let mut all = row.errors.clone();
+        push_error(&mut all, row.attempt, &f.error, now);
+        let reason = if f.retryable { "exhausted" } else { "non_retryable" };
+        history.push(HistoryEntry::new(
+            "DEAD_LETTERED",
+            json!({ "reason": reason, "attempts": row.attempt + 1, "error": clip_error(&f.error) }),
+        ));
+        NewDeadLetter {
+            instance: row.id,
+            namespace: row.namespace.clone(),
+            machine: row.machine.clone(),
+            position: row.position.clone(),
+            signals: f.signals.clone(),
+            event: f.event.clone(),
+            correlation_id: row.correlation_id.clone(),
+            reason: reason.to_owned(),
+            attempts: row.attempt + 1,
+            first_attempt_at: all.first().map_or(now, |e| e.at),
+            last_attempt_at: now,
+            errors: all,
+        }
+    });
+    next.errors = errors;
+    Applied { row: next, history, dead_letter }
+}
+
+/// The row after a claim: executing under a new lease and the next fencing token.
+pub fn claim(row: &Instance, worker: &WorkerId, lease: Duration, now: Timestamp) -> Instance {
+    let mut next = row.clone();
+    next.status = Status::Executing;
+    next.lease_owner = Some(worker.clone());
+    next.lease_expires_at = Some(now.plus(lease));
+    next.fencing_token = FencingToken(row.fencing_token.0 + 1);
+    next.updated_at = now;
+    next
+}
+
+/// Whether a row may be claimed now (status and time only; filters, pauses and
+/// concurrency keys are the store's).
+pub fn claimable(row: &Instance, now: Timestamp) -> bool {
+    row.status == Status::Runnable && row.eligible_at <= now
+}
+
+/// The row after a signal named `name` was delivered: an instance awaiting that name
+/// becomes runnable now; `awaits` is kept for the woken step to see. Any other row is
+/// unchanged (the signal waits in the inbox).
+pub fn deliver(row: &Instance, name: &str, now: Timestamp) -> Option<Instance> {
+    let wakes = row.status == Status::AwaitingSignal
+        && row.awaits.as_deref().is_some_and(|a| signal_matches(a, name));
+    wakes.then(|| {
+        let mut next = row.clone();
+        next.status = Status::Runnable;
+        next.eligible_at = now;
+        next.updated_at = now;
+        next
+    })
+}
+
+/// Whether a lease has run out at `now`.
+pub fn lease_expired(row: &Instance, now: Timestamp) -> bool {
+    row.status == Status::Executing && row.lease_expires_at.is_some_and(|t| t < now)
+}
+
+/// The row after the reaper returns it (its worker died): runnable now, attempt + 1,
+/// no handler call (DESIGN §3.3, source 3).
+pub fn reap(row: &Instance, now: Timestamp) -> Instance {
+    let mut next = row.clone();
+    release_lease(&mut next);
+    next.status = Status::Runnable;
+    next.attempt = row.attempt + 1;
+    next.eligible_at = now;
+    next.updated_at = now;
+    next
+}
+
+/// The history entry the reaper records.
+pub fn reap_history(row: &Instance) -> HistoryEntry {
+    HistoryEntry::new(
+        "LEASE_EXPIRED",
+        json!({ "worker": row.lease_owner, "lease_expires_at": row.lease_expires_at, "attempt": row.attempt }),
+    )
+}
+
+/// The row after a graceful release (shutdown): runnable now, attempt unchanged — the
+/// step did not fail, it was not run to the end.
+pub fn release(row: &Instance, now: Timestamp) -> Instance {
+    let mut next = row.clone();
+    release_lease(&mut next);
+    next.status = Status::Runnable;
+    next.eligible_at = now;
+    next.updated_at = now;
+    next
+}
+
+/// The parent after one of its children became terminal: one less pending child, and
+/// runnable now when that was the last one and it is still waiting on the barrier. The
+/// count never goes below zero.
+pub fn release_parent(parent: &Instance, now: Timestamp) -> Instance {
+    let mut next = parent.clone();
+    next.children_pending = (parent.children_pending - 1).max(0);
+    if next.children_pending == 0 && parent.status == Status::AwaitingChildren {
+        next.status = Status::Runnable;
+        next.eligible_at = now;
+    }
+    next.updated_at = now;
+    next
+}
+
+/// The row after a cancel, or `None` when it is already terminal (nothing to do).
+pub fn cancel(row: &Instance, reason: &str, now: Timestamp) -> Option<Instance> {
+    (!row.status.is_terminal()).then(|| {
+        let mut next = row.clone();
+        release_lease(&mut next);
+        next.status = Status::Cancelled;
+        next.last_error = Some(clip_error(reason));
+        next.awaits = None;
+        next.updated_at = now;
+        next
+    })
+}
+
+/// The row after an operator retries its dead letter: runnable at `at`, a fresh attempt
+/// count and error list. `Conflict` unless the row is suspended.
+pub fn dead_letter_retry(row: &Instance, at: Timestamp, now: Timestamp) -> StoreResult<Instance> {
+    if row.status != Status::Suspended {
+        return Err(StoreError::conflict(format!(
+            "instance {} is {}, not suspended; only a suspended instance can be retried from the dead-letter queue",
+            row.id, row.status
+        )));
+    }
+    let mut next = row.clone();
+    next.status = Status::Runnable;
+    next.attempt = 0;
+    next.errors.clear();
+    next.eligible_at = at.max(now);
+    next.updated_at = now;
+    Ok(next)
+}

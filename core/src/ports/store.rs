@@ -1,0 +1,379 @@
+//! The store port: the source of truth (DESIGN §1 invariant 3, §3).
+//!
+//! The trait is **batch-first**: throughput on a real database is decided by how many rows
+//! one statement and one commit carry, so every hot operation takes and returns a batch
+//! and reports per item. Methods are named noun-first and take one params struct
+//! (STYLE 3). Every method takes `now` from the caller; a store never reads a clock.
+//!
+//! Every implementation — the in-memory reference included — must pass the conformance
+//! suite in `keel-testkit`, which compares it with the pure functions of
+//! [`crate::outcome`].
+
+use crate::error::StoreResult;
+use crate::ids::{
+    DeadLetterId, FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId,
+};
+use crate::instance::{
+    ChildSummary, DeadLetter, HistoryRecord, Instance, NewInstance, NewSignal, Signal, SignalTarget,
+};
+use crate::outcome::StepCommit;
+use crate::time::Timestamp;
+use async_trait::async_trait;
+use std::time::Duration;
+
+/// Insert a batch of instances.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InsertParams {
+    /// The instances, each validated; one invalid item rejects the whole batch.
+    pub instances: Vec<NewInstance>,
+    /// Insert time.
+    pub now: Timestamp,
+}
+
+/// What happened to one inserted instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InsertOutcome {
+    /// A new instance with this id.
+    Inserted(InstanceId),
+    /// Its unique key is occupied by this existing instance (possibly an earlier item of
+    /// the same batch); nothing was inserted.
+    Existing(InstanceId),
+}
+
+impl InsertOutcome {
+    /// The id the caller got, new or existing.
+    pub const fn id(self) -> InstanceId {
+        match self {
+            InsertOutcome::Inserted(id) | InsertOutcome::Existing(id) => id,
+        }
+    }
+}
+
+/// Claim up to `limit` runnable instances.
+///
+/// Empty filter lists mean "any". Order: priority, then `eligible_at`, then id. Rows in a
+/// paused queue are skipped. Of rows sharing a `concurrency_key`, none is claimed while
+/// another is executing, and at most one per claim.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimParams {
+    /// The lease owner.
+    pub worker: WorkerId,
+    /// Namespaces to claim from (empty = any).
+    pub namespaces: Vec<String>,
+    /// Queues to claim from (empty = any).
+    pub queues: Vec<String>,
+    /// The `(machine, version)` pairs the worker can run (empty = any).
+    pub machines: Vec<MachineRef>,
+    /// Most rows to claim; at most [`crate::limits::CLAIM_BATCH_MAX`].
+    pub limit: usize,
+    /// Lease length.
+    pub lease: Duration,
+    /// Claim time.
+    pub now: Timestamp,
+}
+
+/// A claimed instance: everything its step needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    /// The row after the claim (executing; `fencing_token` is this claim's token).
+    pub instance: Instance,
+    /// The oldest inbox signals, in arrival order, at most
+    /// [`crate::limits::CLAIM_INBOX_MAX`]. These are the signals the step "saw".
+    pub inbox: Vec<Signal>,
+    /// The instance's children, oldest first, at most [`crate::limits::CHILDREN_LIST_MAX`].
+    pub children: Vec<ChildSummary>,
+}
+
+impl Claim {
+    /// This claim's fencing token.
+    pub fn token(&self) -> FencingToken {
+        self.instance.fencing_token
+    }
+}
+
+/// Commit a batch of step results; each is fenced and accepted or rejected on its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommitParams {
+    /// The results.
+    pub commits: Vec<StepCommit>,
+    /// Commit time.
+    pub now: Timestamp,
+}
+
+/// An accepted commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitReceipt {
+    /// The instance.
+    pub id: InstanceId,
+    /// Its revision after the commit.
+    pub revision: Revision,
+    /// Its status after the commit.
+    pub status: Status,
+    /// For `ScheduleChildren`: per requested child, new or existing id.
+    pub children: Vec<InsertOutcome>,
+    /// The dead letter the commit produced, if any.
+    pub dead_letter: Option<DeadLetterId>,
+}
+
+/// Extend the leases of running steps (heartbeat).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseExtendParams {
+    /// The owner.
+    pub worker: WorkerId,
+    /// The claims to extend.
+    pub leases: Vec<(InstanceId, FencingToken)>,
+    /// New lease length from `now`.
+    pub lease: Duration,
+    /// Heartbeat time.
+    pub now: Timestamp,
+}
+
+/// Return expired leases to runnable (attempt + 1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseReapParams {
+    /// With `Some(worker)`: every row that worker holds, expired or not (a restarted
+    /// worker reclaiming what it held before a crash). With `None`: expired leases only.
+    pub owner: Option<WorkerId>,
+    /// Most rows to return; at most [`crate::limits::REAP_BATCH_MAX`].
+    pub limit: usize,
+    /// Reap time.
+    pub now: Timestamp,
+}
+
+/// Release leases without counting an attempt (graceful shutdown).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseReleaseParams {
+    /// The claims to release.
+    pub leases: Vec<(InstanceId, FencingToken)>,
+    /// Release time.
+    pub now: Timestamp,
+}
+
+/// Deliver a batch of signals.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalDeliverParams {
+    /// The signals.
+    pub signals: Vec<NewSignal>,
+    /// Delivery time.
+    pub now: Timestamp,
+}
+
+/// What happened to one delivered signal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryOutcome {
+    /// Stored in the target's inbox; `woke` when it made an awaiting target runnable.
+    Delivered {
+        /// The new signal.
+        id: SignalId,
+        /// The target.
+        target: InstanceId,
+        /// Whether the target was woken.
+        woke: bool,
+    },
+    /// A signal with the same dedup key is already in the target's inbox (or earlier in
+    /// the batch); nothing new was stored.
+    Duplicate {
+        /// The existing signal.
+        id: SignalId,
+        /// The target.
+        target: InstanceId,
+    },
+    /// The target is terminal: the signal is recorded (in the inbox, for inspection) but
+    /// will never be processed.
+    TargetTerminal {
+        /// The recorded signal.
+        id: SignalId,
+        /// The target.
+        target: InstanceId,
+        /// The target's terminal status.
+        status: Status,
+    },
+    /// No such instance; nothing was stored.
+    TargetMissing,
+}
+
+/// Cancel an instance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CancelParams {
+    /// The instance.
+    pub id: InstanceId,
+    /// Recorded as `last_error`.
+    pub reason: String,
+    /// Also cancel every non-terminal descendant.
+    pub cascade: bool,
+    /// Cancel time.
+    pub now: Timestamp,
+}
+
+/// An instance with everything an operator wants to see.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceDetail {
+    /// The row.
+    pub instance: Instance,
+    /// Its inbox, in arrival order.
+    pub inbox: Vec<Signal>,
+    /// Its children, oldest first.
+    pub children: Vec<ChildSummary>,
+    /// Its history, oldest first (the newest [`crate::limits::HISTORY_LIST_MAX`]).
+    pub history: Vec<HistoryRecord>,
+}
+
+/// Which dead letters to list.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DeadLetterFilter {
+    /// Only this namespace.
+    pub namespace: Option<String>,
+    /// Only this machine name.
+    pub machine: Option<String>,
+    /// Most to return (oldest first); `0` means [`crate::limits::DEAD_LETTER_BATCH_MAX`].
+    pub limit: usize,
+}
+
+/// Which dead letters a retry or purge touches.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeadLetterSelector {
+    /// One dead letter.
+    Id(DeadLetterId),
+    /// Every dead letter of a machine in a namespace (bounded by
+    /// [`crate::limits::DEAD_LETTER_BATCH_MAX`] per call).
+    Machine {
+        /// Namespace.
+        namespace: String,
+        /// Machine name.
+        machine: String,
+    },
+}
+
+/// Retry dead letters: their suspended instances become runnable at `now + delay` with a
+/// fresh attempt count; the dead letters are removed (history keeps the record).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetterRetryParams {
+    /// Which.
+    pub selector: DeadLetterSelector,
+    /// Wait before the retry runs.
+    pub delay: Duration,
+    /// Retry time.
+    pub now: Timestamp,
+}
+
+/// Skip a dead letter: consume the signals it recorded and make the instance runnable,
+/// so it carries on with its next event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetterSkipParams {
+    /// Which.
+    pub id: DeadLetterId,
+    /// Skip time.
+    pub now: Timestamp,
+}
+
+/// Purge dead letters (instances are not touched).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetterPurgeParams {
+    /// Which (`None` = all, subject to `older_than`).
+    pub selector: Option<DeadLetterSelector>,
+    /// Only those created before this time (retention pruning).
+    pub older_than: Option<Timestamp>,
+}
+
+/// Pause or resume claiming from a queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePauseParams {
+    /// Namespace.
+    pub namespace: String,
+    /// Queue.
+    pub queue: String,
+    /// `true` to pause, `false` to resume.
+    pub paused: bool,
+    /// Time of the change.
+    pub now: Timestamp,
+}
+
+/// A queue's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueState {
+    /// Namespace.
+    pub namespace: String,
+    /// Queue.
+    pub queue: String,
+    /// Whether claiming is paused.
+    pub paused: bool,
+}
+
+/// What a store can do beyond the contract, reported honestly (STYLE 6).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoreCapabilities {
+    /// Whether the store can push "work is ready" notifications (LISTEN/NOTIFY,
+    /// in-process); polling stays the correctness path either way.
+    pub notifications: bool,
+}
+
+/// The durable source of truth for instances, inboxes, history and dead letters.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// What this backend supports.
+    fn capabilities(&self) -> StoreCapabilities;
+
+    /// Inserts instances; per item, the new id or the occupant of its unique key.
+    async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>>;
+
+    /// Claims runnable instances under a new lease and fencing token.
+    async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>>;
+
+    /// Commits step results; per item, a receipt or the reason it was rejected
+    /// (`LeaseLost` for a stale token, `Invalid` for a malformed outcome). A rejected item
+    /// changes nothing; the others are unaffected.
+    async fn step_commit(
+        &self,
+        params: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>>;
+
+    /// Extends leases; per item, whether the lease is still held.
+    async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>>;
+
+    /// Returns expired (or a restarted owner's) leases to runnable with attempt + 1.
+    async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>>;
+
+    /// Releases leases without counting an attempt; per item, whether it was still held.
+    async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>>;
+
+    /// Delivers signals; per item, what happened.
+    async fn signal_deliver(
+        &self,
+        params: SignalDeliverParams,
+    ) -> StoreResult<Vec<DeliveryOutcome>>;
+
+    /// Cancels an instance (and with `cascade`, its non-terminal descendants); returns
+    /// the ids it cancelled. `NotFound` for a missing instance; an already terminal one
+    /// is left as it is (empty result).
+    async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>>;
+
+    /// An instance with its inbox, children and history. `NotFound` if missing.
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail>;
+
+    /// Resolves a signal target to an instance id (`None` when there is none).
+    async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>>;
+
+    /// Dead letters, oldest first.
+    async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>>;
+
+    /// One dead letter. `NotFound` if missing.
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter>;
+
+    /// Retries dead letters; returns the instances made runnable.
+    async fn dead_letter_retry(
+        &self,
+        params: DeadLetterRetryParams,
+    ) -> StoreResult<Vec<InstanceId>>;
+
+    /// Skips a dead letter; returns the instance made runnable.
+    async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId>;
+
+    /// Purges dead letters; returns how many were removed.
+    async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64>;
+
+    /// Pauses or resumes a queue.
+    async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()>;
+
+    /// Queues with settings in a namespace.
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>>;
+}
