@@ -1,3 +1,95 @@
-//! Project tasks: `cargo xtask test | ci | tidy`.
+//! Project tasks, run as `cargo xtask <task>`:
+//!
+//! - `test`: the workspace tests with every backend this machine can reach; prints which
+//!   backend suites ran and which were skipped.
+//! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
+//!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`.
+//! - `tidy`: the project's checkable style and architecture rules (also a `#[test]`).
 
-fn main() {}
+mod services;
+mod tidy;
+
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [store]|migrate --database-url URL>";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = project_root();
+    match args.first().map(String::as_str) {
+        Some("test") => test(&root, false),
+        Some("ci") => ci(&root),
+        Some("tidy") => {
+            let problems = tidy::check(&root)?;
+            tidy::report(&problems)
+        }
+        Some(other) => bail!("unknown task {other:?}\n{USAGE}"),
+        None => bail!("{USAGE}"),
+    }
+}
+
+/// The workspace root (the parent of `xtask/`).
+pub fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn cargo(root: &Path) -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root);
+    cmd
+}
+
+fn run(step: &str, mut cmd: Command) -> Result<()> {
+    let started = Instant::now();
+    eprintln!("==> {step}");
+    let status = cmd.status().with_context(|| format!("could not start {step}"))?;
+    eprintln!(
+        "<== {step}: {} in {:.1}s",
+        if status.success() { "ok" } else { "FAILED" },
+        started.elapsed().as_secs_f64()
+    );
+    if !status.success() {
+        bail!("{step} failed ({status})");
+    }
+    Ok(())
+}
+
+fn test(root: &Path, require: bool) -> Result<()> {
+    let backends = services::detect(root, require)?;
+    let mut cmd = cargo(root);
+    cmd.args(["test", "--workspace", "--all-targets"]);
+    for b in &backends {
+        if let Some(url) = &b.url {
+            cmd.env(b.env_var, url);
+        } else {
+            cmd.env_remove(b.env_var);
+        }
+    }
+    if require {
+        cmd.env("KEEL_REQUIRE_BACKENDS", "1");
+    }
+    let result = run("cargo test --workspace", cmd);
+    services::summary(&backends);
+    result
+}
+
+fn ci(root: &Path) -> Result<()> {
+    let started = Instant::now();
+    let mut fmt = cargo(root);
+    fmt.args(["fmt", "--all", "--", "--check"]);
+    run("cargo fmt --check", fmt)?;
+    let mut clippy = cargo(root);
+    clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+    run("cargo clippy -D warnings", clippy)?;
+    eprintln!("==> tidy");
+    tidy::report(&tidy::check(root)?)?;
+    test(root, true)?;
+    eprintln!("ci: all green in {:.0}s", started.elapsed().as_secs_f64());
+    Ok(())
+}
