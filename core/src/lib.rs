@@ -5,3 +5,6 @@
 //! traits (the `ports` module) describe what a backend must do; the backends implement them.
 
 pub mod duration;
+pub mod retry;
+
+mod names;
