@@ -111,7 +111,7 @@ impl RetryPolicy {
             return Err(InvalidPolicy::new(
                 "retry.initial_delay",
                 format!(
-                    "must not exceed retry.max_delay ({} > {})",
+                    "must not exceed max_delay ({} > {})",
                     crate::duration::format(self.initial_delay),
                     crate::duration::format(self.max_delay)
                 ),
@@ -537,9 +537,7 @@ mod tests {
                     initial_delay: S(600),
                     ..base
                 },
-                Err(
-                    "retry.initial_delay: must not exceed retry.max_delay (10 minutes > 5 minutes)",
-                ),
+                Err("retry.initial_delay: must not exceed max_delay (10 minutes > 5 minutes)"),
             ),
             (
                 RetryPolicy {
