@@ -42,6 +42,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::duration::serde_human;
+pub use crate::names::UnknownName;
 use crate::names::name_enum;
 use crate::retry::{Backoff, Jitter, RetryPolicy};
 

@@ -303,82 +303,29 @@ mod tests {
     fn backoff_schedules() {
         use Backoff::{Exponential, Linear};
         use Jitter::None as NoJitter;
+        let exp = |initial, max, jitter| policy(Exponential, initial, max, jitter);
+        let lin = |initial, max, jitter| policy(Linear, initial, max, jitter);
+        #[rustfmt::skip]
         let cases: &[(RetryPolicy, f64, &[Duration])] = &[
             // Seed 001 §8.2: 1 s, 2 s, 4 s …, here capped at 5 min from the defaults.
-            (
-                RetryPolicy::default(),
-                0.0,
-                &[
-                    S(1),
-                    S(2),
-                    S(4),
-                    S(8),
-                    S(16),
-                    S(32),
-                    S(64),
-                    S(128),
-                    S(256),
-                    S(300),
-                    S(300),
-                ],
-            ),
+            (RetryPolicy::default(),         0.0,  &[S(1), S(2), S(4), S(8), S(16), S(32), S(64), S(128), S(256), S(300), S(300)]),
             // Seed 001 §8.3: linear is the same delay every time.
-            (
-                policy(Linear, S(1), S(60), NoJitter),
-                0.0,
-                &[S(1), S(1), S(1), S(1)],
-            ),
-            (
-                policy(Exponential, MS(100), S(1), NoJitter),
-                0.0,
-                &[MS(100), MS(200), MS(400), MS(800), S(1), S(1)],
-            ),
+            (lin(S(1), S(60), NoJitter),     0.0,  &[S(1), S(1), S(1), S(1)]),
+            (exp(MS(100), S(1), NoJitter),   0.0,  &[MS(100), MS(200), MS(400), MS(800), S(1), S(1)]),
             // An initial delay above the cap is capped from the start, in both modes.
-            (
-                policy(Exponential, S(10), S(5), NoJitter),
-                0.0,
-                &[S(5), S(5)],
-            ),
-            (policy(Linear, S(10), S(5), NoJitter), 0.0, &[S(5), S(5)]),
-            (
-                policy(Exponential, S(0), S(5), NoJitter),
-                0.0,
-                &[S(0), S(0), S(0)],
-            ),
+            (exp(S(10), S(5), NoJitter),     0.0,  &[S(5), S(5)]),
+            (lin(S(10), S(5), NoJitter),     0.0,  &[S(5), S(5)]),
+            (exp(S(0), S(5), NoJitter),      0.0,  &[S(0), S(0), S(0)]),
             // Jitter shrinks the capped delay by a share driven by the injected random value.
-            (
-                policy(Exponential, S(1), S(60), Jitter::Full),
-                0.0,
-                &[S(1), S(2), S(4)],
-            ),
-            (
-                policy(Exponential, S(1), S(60), Jitter::Full),
-                0.5,
-                &[MS(500), S(1), S(2)],
-            ),
-            (
-                policy(Exponential, S(1), S(60), Jitter::Equal),
-                0.5,
-                &[MS(750), MS(1500), S(3)],
-            ),
-            (
-                policy(Linear, S(10), S(60), Jitter::Fraction(0.1)),
-                0.5,
-                &[MS(9500), MS(9500)],
-            ),
-            (
-                policy(Exponential, S(60), S(60), Jitter::Full),
-                0.25,
-                &[S(45), S(45)],
-            ),
+            (exp(S(1), S(60), Jitter::Full),  0.0,  &[S(1), S(2), S(4)]),
+            (exp(S(1), S(60), Jitter::Full),  0.5,  &[MS(500), S(1), S(2)]),
+            (exp(S(1), S(60), Jitter::Equal), 0.5,  &[MS(750), MS(1500), S(3)]),
+            (lin(S(10), S(60), Jitter::Fraction(0.1)), 0.5, &[MS(9500), MS(9500)]),
+            (exp(S(60), S(60), Jitter::Full), 0.25, &[S(45), S(45)]),
             // Out-of-range randoms are clamped rather than trusted.
-            (policy(Linear, S(10), S(60), Jitter::Full), 1.5, &[S(0)]),
-            (policy(Linear, S(10), S(60), Jitter::Full), -1.0, &[S(10)]),
-            (
-                policy(Linear, S(10), S(60), Jitter::Full),
-                f64::NAN,
-                &[S(10)],
-            ),
+            (lin(S(10), S(60), Jitter::Full), 1.5,      &[S(0)]),
+            (lin(S(10), S(60), Jitter::Full), -1.0,     &[S(10)]),
+            (lin(S(10), S(60), Jitter::Full), f64::NAN, &[S(10)]),
         ];
         for (policy, random, expected) in cases {
             check_schedule(policy, *random, expected);
@@ -387,36 +334,18 @@ mod tests {
 
     #[test]
     fn exponential_backoff_never_overflows() {
+        let exp = |initial, max, jitter| policy(Backoff::Exponential, initial, max, jitter);
+        let max = Duration::MAX;
+        #[rustfmt::skip]
         let cases: &[(RetryPolicy, u32, Duration)] = &[
-            (RetryPolicy::default(), 60, S(300)),
-            (RetryPolicy::default(), 127, S(300)),
-            (RetryPolicy::default(), 128, S(300)),
-            (RetryPolicy::default(), u32::MAX, S(300)),
-            (
-                policy(
-                    Backoff::Exponential,
-                    Duration::MAX,
-                    Duration::MAX,
-                    Jitter::None,
-                ),
-                1,
-                Duration::MAX,
-            ),
-            (
-                policy(Backoff::Exponential, S(1), Duration::MAX, Jitter::None),
-                60,
-                S(1 << 60),
-            ),
-            (
-                policy(Backoff::Exponential, S(1), Duration::MAX, Jitter::None),
-                u32::MAX,
-                Duration::MAX,
-            ),
-            (
-                policy(Backoff::Exponential, S(1), Duration::MAX, Jitter::Full),
-                u32::MAX,
-                Duration::MAX,
-            ),
+            (RetryPolicy::default(),          60,       S(300)),
+            (RetryPolicy::default(),          127,      S(300)),
+            (RetryPolicy::default(),          128,      S(300)),
+            (RetryPolicy::default(),          u32::MAX, S(300)),
+            (exp(max, max, Jitter::None),     1,        max),
+            (exp(S(1), max, Jitter::None),    60,       S(1 << 60)),
+            (exp(S(1), max, Jitter::None),    u32::MAX, max),
+            (exp(S(1), max, Jitter::Full),    u32::MAX, max),
         ];
         for (policy, attempt, expected) in cases {
             let delay = policy.delay_for(*attempt, 0.0);
@@ -478,6 +407,7 @@ mod tests {
             max_attempts: u32::MAX,
             ..three
         };
+        #[rustfmt::skip]
         let cases: &[(&RetryPolicy, u32, ErrorClass, RetryDecision)] = &[
             // max_attempts = 3: runs at attempts 0, 1, 2; the failure of 2 is final.
             (&three, 0, Retryable, retry(S(1))),
@@ -502,59 +432,31 @@ mod tests {
     #[test]
     fn validation_names_the_field_and_the_fix() {
         let base = RetryPolicy::default();
+        let attempts = |max_attempts| RetryPolicy {
+            max_attempts,
+            ..base
+        };
+        let jitter = |fraction| RetryPolicy {
+            jitter: Jitter::Fraction(fraction),
+            ..base
+        };
+        let initial = RetryPolicy {
+            initial_delay: S(600),
+            ..base
+        };
+        #[rustfmt::skip]
         let cases: &[(RetryPolicy, Result<(), &str>)] = &[
-            (base, Ok(())),
-            (
-                RetryPolicy {
-                    max_attempts: 1,
-                    ..base
-                },
-                Ok(()),
-            ),
-            (
-                RetryPolicy {
-                    max_attempts: 10_000,
-                    ..base
-                },
-                Ok(()),
-            ),
-            (
-                RetryPolicy {
-                    max_attempts: 0,
-                    ..base
-                },
-                Err("retry.max_attempts: must be at least 1 (got 0)"),
-            ),
-            (
-                RetryPolicy {
-                    max_attempts: 10_001,
-                    ..base
-                },
-                Err("retry.max_attempts: must be at most 10000 (got 10001)"),
-            ),
-            (
-                RetryPolicy {
-                    initial_delay: S(600),
-                    ..base
-                },
-                Err("retry.initial_delay: must not exceed max_delay (10 minutes > 5 minutes)"),
-            ),
-            (
-                RetryPolicy {
-                    jitter: Jitter::Fraction(1.0),
-                    ..base
-                },
-                Ok(()),
-            ),
-            (
-                RetryPolicy {
-                    jitter: Jitter::Fraction(1.5),
-                    ..base
-                },
-                Err(
-                    "retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got 1.5)",
-                ),
-            ),
+            (base,            Ok(())),
+            (attempts(1),     Ok(())),
+            (attempts(10_000), Ok(())),
+            (attempts(0),     Err("retry.max_attempts: must be at least 1 (got 0)")),
+            (attempts(10_001), Err("retry.max_attempts: must be at most 10000 (got 10001)")),
+            (initial,         Err("retry.initial_delay: must not exceed max_delay (10 minutes > 5 minutes)")),
+            (jitter(0.0),     Ok(())),
+            (jitter(1.0),     Ok(())),
+            (jitter(1.5),     Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got 1.5)")),
+            (jitter(-0.1),    Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got -0.1)")),
+            (jitter(f64::NAN), Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got NaN)")),
         ];
         for (policy, expected) in cases {
             let actual = policy.validate().map_err(|error| error.to_string());
