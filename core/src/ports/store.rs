@@ -376,4 +376,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Queues with settings in a namespace.
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>>;
+
+    /// Resolves when the store learns that work may have become ready (a commit, a
+    /// delivery, an insert) — a wake-up hint that only shortens latency. A store without
+    /// notifications never resolves; callers race it against their poll interval, which
+    /// stays the correctness path.
+    async fn ready_wait(&self) {
+        std::future::pending::<()>().await;
+    }
 }
