@@ -1,0 +1,98 @@
+//! Step machines (gen_durable style): a machine is a set of named async steps; each step
+//! sees its instance's context, attempt, inbox and children, and returns an outcome.
+
+use async_trait::async_trait;
+use keel_core::config::QueueConfig;
+use keel_core::instance::{ChildSummary, Signal};
+use keel_core::retry::ErrorClass;
+use keel_core::{InstanceId, MachineRef, Outcome};
+use serde_json::Value;
+use std::fmt;
+
+/// Everything a step can see. Built from the claim; read-only.
+#[derive(Debug, Clone)]
+pub struct StepContext {
+    /// The instance.
+    pub id: InstanceId,
+    /// Its machine.
+    pub machine: MachineRef,
+    /// The step to run.
+    pub step: String,
+    /// Attempts of this step so far (0 on the first run).
+    pub attempt: i32,
+    /// The context.
+    pub context: Value,
+    /// The signal it parked on, if it was woken by one.
+    pub awaits: Option<String>,
+    /// The inbox signals it may consume, oldest first.
+    pub signals: Vec<Signal>,
+    /// Its children (after a `ScheduleChildren` barrier released).
+    pub children: Vec<ChildSummary>,
+    /// Business key, if any.
+    pub business_key: Option<String>,
+}
+
+impl StepContext {
+    /// The first inbox signal named `name`, if any.
+    pub fn signal(&self, name: &str) -> Option<&Signal> {
+        self.signals.iter().find(|s| s.name == name)
+    }
+}
+
+/// A step failed. Retryable errors go through the retry policy; non-retryable ones are
+/// dead-lettered at once (DESIGN §5.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepError {
+    /// What went wrong.
+    pub message: String,
+    /// Whether trying again may help.
+    pub class: ErrorClass,
+}
+
+impl StepError {
+    /// A retryable error (timeouts, connection errors, rate limits).
+    pub fn retryable(message: impl Into<String>) -> Self {
+        StepError { message: message.into(), class: ErrorClass::Retryable }
+    }
+    /// A non-retryable error (validation, business failure, auth).
+    pub fn fatal(message: impl Into<String>) -> Self {
+        StepError { message: message.into(), class: ErrorClass::NonRetryable }
+    }
+}
+
+impl fmt::Display for StepError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for StepError {}
+
+/// A durable machine written as steps.
+///
+/// Effects inside a step must be idempotent: a crash before the step's commit re-runs the
+/// whole step.
+#[async_trait]
+pub trait StepMachine: Send + Sync + 'static {
+    /// The `(name, version)` this implementation runs.
+    fn machine(&self) -> MachineRef;
+
+    /// Runs one step.
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError>;
+
+    /// Decides what a failed step leads to. `Ok(None)` (the default) applies the queue's
+    /// retry policy; `Ok(Some(outcome))` commits that outcome; `Err` fails the instance.
+    async fn handle(
+        &self,
+        error: &StepError,
+        ctx: &StepContext,
+    ) -> Result<Option<Outcome>, StepError> {
+        let _ = (error, ctx);
+        Ok(None)
+    }
+
+    /// The queue configuration (timeout, retry policy) for this machine.
+    fn config(&self) -> QueueConfig {
+        QueueConfig::default()
+    }
+}
