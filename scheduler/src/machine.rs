@@ -3,11 +3,12 @@
 
 use async_trait::async_trait;
 use keel_core::config::QueueConfig;
-use keel_core::instance::{ChildSummary, Signal};
+use keel_core::instance::{ChildSummary, NewSignal, Signal};
 use keel_core::retry::ErrorClass;
 use keel_core::{InstanceId, MachineRef, Outcome};
 use serde_json::Value;
 use std::fmt;
+use std::sync::{Arc, Mutex};
 
 /// Everything a step can see. Built from the claim; read-only.
 #[derive(Debug, Clone)]
@@ -30,9 +31,24 @@ pub struct StepContext {
     pub children: Vec<ChildSummary>,
     /// Business key, if any.
     pub business_key: Option<String>,
+    /// Events emitted by this step, delivered in the step's own commit.
+    pub(crate) outbox: Arc<Mutex<Vec<NewSignal>>>,
 }
 
 impl StepContext {
+    /// Emits an event to another instance. It is inserted into the target's inbox in the
+    /// same commit as this step's outcome (transactional outbox): if the step's result is
+    /// discarded (error, lost lease, crash) the event is never sent; if it commits, the
+    /// event is there. An emit to a missing target rejects the commit, so the step re-runs.
+    pub fn emit(&self, signal: NewSignal) {
+        self.outbox.lock().expect("outbox lock").push(signal);
+    }
+
+    /// Takes the emitted events (the worker does this when it builds the commit).
+    pub(crate) fn take_outbox(&self) -> Vec<NewSignal> {
+        std::mem::take(&mut *self.outbox.lock().expect("outbox lock"))
+    }
+
     /// The first inbox signal named `name`, if any.
     pub fn signal(&self, name: &str) -> Option<&Signal> {
         self.signals.iter().find(|s| s.name == name)

@@ -300,6 +300,7 @@ fn context_of(claim: &Claim) -> StepContext {
         signals: claim.inbox.clone(),
         children: claim.children.clone(),
         business_key: row.business_key.clone(),
+        outbox: Arc::default(),
     }
 }
 
@@ -328,7 +329,11 @@ async fn run_step<S: Store, C: Clock>(
         .record(elapsed.as_secs_f64());
 
     let (commit, failed) = match result {
-        Ok(outcome) => (success_commit(&claim, outcome), false),
+        Ok(outcome) => {
+            let mut commit = success_commit(&claim, outcome);
+            commit.emit = ctx.take_outbox();
+            (commit, false)
+        }
         Err(error) => {
             tracing::warn!(parent: &span, error = %error, "step failed");
             (failure_commit(&claim, &ctx, machine.as_ref(), &config.retry, error).await, true)
