@@ -1,2 +1,2 @@
 //! Keel's runnable examples live next to this file; run one with
-//! `cargo run --example tour`. This library is empty on purpose.
+//! `cargo run --example steps`. This library is empty on purpose.

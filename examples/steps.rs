@@ -1,4 +1,4 @@
-//! A tour of Keel: an order workflow written as durable steps, run by a Keel worker on the
+//! A step machine on Keel: an order workflow written as durable steps, run by a Keel worker on the
 //! embedded in-memory store — nothing to install.
 //!
 //! It shows, in order: starting instances in one batch (with a uniqueness key), a step
@@ -103,12 +103,12 @@ async fn wait_until(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("the tour did not settle within 10 s");
+    panic!("the example did not settle within 10 s");
 }
 
 #[tokio::main]
 async fn main() {
-    println!("Keel tour — store: in-memory (embedded, nothing to install)\n");
+    println!("Keel steps example — store: in-memory (embedded, nothing to install)\n");
     let store = Arc::new(MemoryStore::new());
     let client = Client::new(Arc::clone(&store), SystemClock);
     let config =
