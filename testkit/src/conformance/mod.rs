@@ -156,10 +156,21 @@ macro_rules! store_conformance_tests {
 /// printing a loud skip line — or a panic naming `var` when [`REQUIRE_BACKENDS_VAR`] is
 /// `1`.
 pub fn backend_or_skip<S>(contract: &str, var: &str, store: Option<S>) -> Option<S> {
+    let required = std::env::var(REQUIRE_BACKENDS_VAR).is_ok_and(|v| v == "1");
+    backend_or_skip_with(contract, var, store, required)
+}
+
+/// [`backend_or_skip`] with the requirement passed in rather than read from the
+/// environment.
+pub fn backend_or_skip_with<S>(
+    contract: &str,
+    var: &str,
+    store: Option<S>,
+    required: bool,
+) -> Option<S> {
     if store.is_some() {
         return store;
     }
-    let required = std::env::var(REQUIRE_BACKENDS_VAR).is_ok_and(|v| v == "1");
     assert!(
         !required,
         "{contract}: backend not configured but {REQUIRE_BACKENDS_VAR}=1; set {var} to run it"
@@ -180,7 +191,14 @@ mod tests {
     }
 
     #[test]
-    fn configured_backend_is_used() {
-        assert_eq!(backend_or_skip("c", "V", Some(7)), Some(7));
+    fn configured_backend_is_used_and_a_missing_one_skips() {
+        assert_eq!(backend_or_skip_with("c", "V", Some(7), true), Some(7));
+        assert_eq!(backend_or_skip_with::<()>("c", "V", None, false), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "set KEEL_TEST_DATABASE_URL to run it")]
+    fn a_required_backend_that_is_missing_fails_and_names_the_variable() {
+        backend_or_skip_with::<()>("c", "KEEL_TEST_DATABASE_URL", None, true);
     }
 }
