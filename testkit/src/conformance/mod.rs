@@ -3,9 +3,10 @@
 //! (DESIGN §1 invariant 4, STYLE 5).
 //!
 //! Contracts know nothing about any backend. They use fixed timestamps (never the system
-//! clock) and their own namespaces, so a backend may share one database between them, and
-//! each one builds its own rows. The expected rows come from `keel_core::outcome`, the
-//! pure reference.
+//! clock) and build their own rows in their own namespaces. Each expects a fresh, empty
+//! store (some look at every namespace: a claim with no filter, a purge of all dead
+//! letters), so a database backend hands each test its own schema. The expected rows come
+//! from `keel_core::outcome`, the pure reference.
 //!
 //! A backend crate runs the suite from an integration test:
 //!

@@ -12,7 +12,7 @@ use keel_core::ports::Store;
 use keel_core::ports::store::{
     Claim, CommitParams, DeadLetterFilter, InsertOutcome, InstanceDetail, LeaseReleaseParams,
 };
-use keel_core::{ErrorKind, Status, StepCommit};
+use keel_core::{ErrorKind, InstanceId, Status, StepCommit};
 use serde_json::json;
 use std::time::Duration;
 
@@ -202,6 +202,12 @@ pub async fn stale_token_rejected_nothing_changed<S: Store>(s: &S) {
         (get(s, id).await, get(s, other).await),
         before,
         "a rejected commit changed something"
+    );
+    let missing = StepCommit::new(InstanceId(i64::MAX), current.token(), done());
+    expect_kind(
+        commit(s, missing, at(40_002)).await,
+        ErrorKind::NotFound,
+        "commit to a missing instance",
     );
     let ok = commit_ok(
         s,
