@@ -94,6 +94,24 @@ pub struct ActionError {
     pub message: String,
 }
 
+impl From<String> for ActionError {
+    fn from(message: String) -> Self {
+        Self { message }
+    }
+}
+
+impl From<&str> for ActionError {
+    fn from(message: &str) -> Self {
+        Self::new(message)
+    }
+}
+
+impl From<serde_json::Error> for ActionError {
+    fn from(e: serde_json::Error) -> Self {
+        Self::new(e.to_string())
+    }
+}
+
 impl ActionError {
     /// An action error with a message.
     pub fn new(message: impl Into<String>) -> Self {
