@@ -457,3 +457,111 @@ impl TestMachine {
         self
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use keel_core::chart::{Definition, Limits, Timer};
+    use serde_json::json;
+
+    use super::TestMachine;
+
+    fn def() -> Definition {
+        Definition::builder("t", 1)
+            .initial("a")
+            .state("a", |s| {
+                s.on("GO", |t| t.target("b").action("mark"))
+                    .on("WAIT", |t| t.action("nothing").after(Timer::hours(1)))
+            })
+            .state("b", |s| {
+                s.always(|b| b.target("b").action("spin"))
+                    .on_to("NEVER", "a")
+            })
+            .build()
+            .unwrap()
+    }
+
+    fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
+        let err = std::panic::catch_unwind(f).expect_err("should panic");
+        err.downcast_ref::<String>().cloned().unwrap_or_default()
+    }
+
+    #[test]
+    fn assertion_failures_explain_themselves() {
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_state("b");
+        });
+        assert!(msg.starts_with("expected state `b` to be active"), "{msg}");
+        assert!(
+            msg.contains("active: [\"a\"]") && msg.contains("enter a"),
+            "{msg}"
+        );
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_context("k", 1);
+        });
+        assert!(msg.contains("context key `k`"), "{msg}");
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_history(&["enter b"]);
+        });
+        assert!(
+            msg.contains("history record `enter b` missing or out of order"),
+            "{msg}"
+        );
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_final();
+        });
+        assert!(msg.starts_with("expected a final state"), "{msg}");
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_matches(json!({"b": "x"}));
+        });
+        assert!(msg.contains("state value is \"a\""), "{msg}");
+    }
+
+    #[test]
+    fn send_panics_on_macrostep_error_and_try_send_returns_it() {
+        let mut m = TestMachine::new(def()).with_limits(Limits {
+            max_transition_depth: 5,
+        });
+        let err = m.try_send("GO").unwrap_err();
+        assert!(
+            err.to_string().starts_with("MaxTransitionDepthExceeded"),
+            "{err}"
+        );
+        m.assert_state("a").assert_has_timer("WAIT");
+        let msg = panic_message(std::panic::AssertUnwindSafe(move || {
+            m.send("GO");
+        }));
+        assert!(
+            msg.starts_with("send(GO) failed: MaxTransitionDepthExceeded"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn sync_actions_and_snapshots() {
+        let def = Definition::builder("t", 1)
+            .initial("a")
+            .state("a", |s| s.on("GO", |t| t.target("b").action("mark")))
+            .leaf("b")
+            .build()
+            .unwrap();
+        let mut m = TestMachine::new(def)
+            .action_sync("mark", |ctx, event| ctx.set("by", event.name.clone()));
+        m.send("GO")
+            .assert_context("by", "GO")
+            .assert_no_timer("WAIT");
+        let snap = m.snapshot();
+        assert_eq!(snap.event.map(|e| e.name.as_str()), Some("GO"));
+        assert_eq!(snap.result.changed_keys, ["by"]);
+        assert_eq!(
+            m.history(),
+            [
+                "enter a",
+                "event GO",
+                "transition a -> b on GO",
+                "exit a",
+                "action mark",
+                "enter b"
+            ]
+        );
+    }
+}

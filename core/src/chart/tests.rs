@@ -1127,4 +1127,109 @@ fn history_records_read_as_text() {
     );
 }
 
+#[test]
+fn depth_limit_is_exact_at_the_bound() {
+    // Three eventless microsteps after the event: a limit of 3 is enough, 2 is not.
+    let chain = || {
+        chart()
+            .initial("a")
+            .state("a", |s| s.on_to("GO", "b"))
+            .state("b", |s| s.always(|b| b.target("c")))
+            .state("c", |s| s.always(|b| b.target("d")))
+            .state("d", |s| s.always(|b| b.target("e")))
+            .leaf("e")
+            .build()
+            .unwrap()
+    };
+    let ok = run(
+        &chain(),
+        &json!({}),
+        &events(&["GO"]),
+        Limits {
+            max_transition_depth: 3,
+        },
+    );
+    assert_eq!(ok[1].error, None);
+    assert_eq!(ok[1].configuration.leaves(&chain()), ["e"]);
+    let err = run(
+        &chain(),
+        &json!({}),
+        &events(&["GO"]),
+        Limits {
+            max_transition_depth: 2,
+        },
+    );
+    assert!(matches!(
+        err[1].error,
+        Some(MacrostepError::MaxTransitionDepthExceeded { limit: 2, .. })
+    ));
+}
+
+#[test]
+fn macrostep_can_move_to_an_async_worker() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Macrostep<'static>>();
+    assert_send::<Definition>();
+    assert_send::<MacrostepResult>();
+}
+
+#[test]
+fn definition_introspection() {
+    let def = timer_chart().build().unwrap();
+    assert_eq!(def.name(), "test");
+    assert_eq!(def.version(), 1);
+    assert_eq!(
+        def.event_alphabet(),
+        [
+            "CHECKOUT",
+            "GIVE_UP",
+            "ORDER_EXPIRED",
+            "PAY",
+            "REMIND",
+            "TOUCH",
+            "done.invoke.paid"
+        ]
+    );
+    assert_eq!(def.action_names(), ["remind"]);
+    assert_eq!(
+        def.state("awaiting").map(|s| s.kind),
+        Some(StateKind::Atomic)
+    );
+    assert_eq!(def.states().count(), 5);
+    assert!(def.warnings().is_empty());
+}
+
+#[test]
+fn mermaid_for_always_delegation_and_final() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.always(|b| b.guard("flag").target("child"))
+                .on("TICK", |t| t.action("tick").every(Timer::minutes(5)))
+        })
+        .state("child", |s| {
+            s.machine("payment")
+                .on_done(|b| b.target("done"))
+                .on_timeout(Timer::seconds(30), |b| b.target("done"))
+        })
+        .final_state("done")
+        .build()
+        .unwrap();
+    let expected = "---
+title: test v1
+---
+stateDiagram-v2
+    state \"a\" as a
+    state \"child\" as child
+    state \"done\" as done
+    [*] --> a
+    a --> a : TICK (every 5 minutes) / tick
+    a --> child : @always [flag]
+    child --> done : @done
+    child --> done : @timeout (after 30 seconds)
+    done --> [*]
+";
+    assert_eq!(def.to_mermaid(), expected);
+}
+
 mod properties;
