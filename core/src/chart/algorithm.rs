@@ -92,11 +92,19 @@ pub struct ActionRequest {
 pub struct ActionError {
     /// What went wrong.
     pub message: String,
+    /// Whether running the macrostep again may succeed (timeouts, connection errors, rate
+    /// limits) or not (validation, business failure, auth). Defaults to `true`.
+    #[serde(default = "retryable_default")]
+    pub retryable: bool,
+}
+
+fn retryable_default() -> bool {
+    true
 }
 
 impl From<String> for ActionError {
     fn from(message: String) -> Self {
-        Self { message }
+        Self::new(message)
     }
 }
 
@@ -113,10 +121,19 @@ impl From<serde_json::Error> for ActionError {
 }
 
 impl ActionError {
-    /// An action error with a message.
+    /// A retryable action error.
     pub fn new(message: impl Into<String>) -> Self {
         Self {
             message: message.into(),
+            retryable: true,
+        }
+    }
+
+    /// An action error that retrying cannot fix (validation, business failure, auth).
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            retryable: false,
         }
     }
 }
@@ -146,6 +163,8 @@ pub enum MacrostepError {
         state: String,
         /// The action's error message.
         message: String,
+        /// Whether the action said a retry may succeed.
+        retryable: bool,
     },
     /// The configuration given to [`Macrostep::start`] does not fit the definition.
     #[error(
@@ -157,6 +176,21 @@ pub enum MacrostepError {
         /// What is wrong.
         reason: String,
     },
+}
+
+impl MacrostepError {
+    /// Whether running the same macrostep again may succeed: only retryable action errors.
+    /// The other errors are deterministic (same definition, configuration, context and event
+    /// give the same error), so retrying them only burns attempts.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::Action {
+                retryable: true,
+                ..
+            }
+        )
+    }
 }
 
 /// One entry of the history a macrostep records, in the order things happened.
@@ -481,6 +515,7 @@ impl<'d> Macrostep<'d> {
                     action: request.name,
                     state: request.state,
                     message: e.message,
+                    retryable: e.retryable,
                 }));
             }
         }

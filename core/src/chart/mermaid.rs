@@ -29,27 +29,46 @@ impl Definition {
     fn mermaid_scope(&self, scope: usize, depth: usize, out: &mut String) {
         let pad = "    ".repeat(depth);
         let node = &self.states[scope];
+        if node.kind == StateKind::Parallel {
+            // Each region is one concurrent section holding its declaration, its block and
+            // its own edges, so nothing leaks into the neighbouring section.
+            for (i, &c) in node.children.iter().enumerate() {
+                if i > 0 {
+                    let _ = writeln!(out, "{pad}--");
+                }
+                self.mermaid_declare(c, &pad, out);
+                self.mermaid_block(c, depth, out);
+                self.mermaid_edges(c, &pad, out);
+            }
+            return;
+        }
         for &c in &node.children {
-            let child = &self.states[c];
-            let _ = writeln!(out, "{pad}state \"{}\" as {}", child.key, id(&child.path));
+            self.mermaid_declare(c, &pad, out);
         }
         if let Some(initial) = node.initial {
             let _ = writeln!(out, "{pad}[*] --> {}", id(self.path(initial)));
         }
-        for (i, &c) in node.children.iter().enumerate() {
-            let child = &self.states[c];
-            if !child.children.is_empty() {
-                if node.kind == StateKind::Parallel && i > 0 {
-                    let _ = writeln!(out, "{pad}--");
-                }
-                let _ = writeln!(out, "{pad}state {} {{", id(&child.path));
-                self.mermaid_scope(c, depth + 1, out);
-                let _ = writeln!(out, "{pad}}}");
-            }
+        for &c in &node.children {
+            self.mermaid_block(c, depth, out);
         }
         for &c in &node.children {
             self.mermaid_edges(c, &pad, out);
         }
+    }
+
+    fn mermaid_declare(&self, s: usize, pad: &str, out: &mut String) {
+        let node = &self.states[s];
+        let _ = writeln!(out, "{pad}state \"{}\" as {}", node.key, id(&node.path));
+    }
+
+    fn mermaid_block(&self, s: usize, depth: usize, out: &mut String) {
+        if self.states[s].children.is_empty() {
+            return;
+        }
+        let pad = "    ".repeat(depth);
+        let _ = writeln!(out, "{pad}state {} {{", id(self.path(s)));
+        self.mermaid_scope(s, depth + 1, out);
+        let _ = writeln!(out, "{pad}}}");
     }
 
     fn mermaid_edges(&self, s: usize, pad: &str, out: &mut String) {

@@ -26,6 +26,8 @@ fn exec(request: &ActionRequest, ctx: &ChartContext) -> Result<ActionResult, Act
         ctx.set(k, serde_json::from_str::<Value>(v).expect("json"));
     } else if name == "fail" {
         return Err(ActionError::new("boom"));
+    } else if name == "reject" {
+        return Err(ActionError::permanent("card rejected"));
     } else if name == "payload" {
         ctx.set("payload", request.event.payload.clone());
     }
@@ -627,6 +629,49 @@ fn action_error_fails_the_macrostep_and_commits_nothing() {
         config: a
         ",
     );
+}
+
+#[test]
+fn action_errors_say_whether_a_retry_can_help() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.on("RETRY", |t| t.action("fail"))
+                .on("REJECT", |t| t.action("reject"))
+        })
+        .state("b", |s| s.always(|b| b.target("b")))
+        .build()
+        .unwrap();
+    let results = run(
+        &def,
+        &json!({}),
+        &events(&["RETRY", "REJECT"]),
+        Limits::default(),
+    );
+    assert!(
+        results[1]
+            .error
+            .as_ref()
+            .is_some_and(MacrostepError::is_retryable)
+    );
+    let rejected = results[2].error.as_ref().expect("error");
+    assert!(!rejected.is_retryable());
+    assert_eq!(
+        rejected.to_string(),
+        "action `reject` of state `a` failed: card rejected"
+    );
+    let loop_config = Configuration::from_paths(["b"]);
+    let looped = run_to_completion(
+        Macrostep::start(
+            &def,
+            &loop_config,
+            json!({}),
+            Event::new("X"),
+            Limits::default(),
+        ),
+        exec,
+    );
+    assert!(!looped.error.expect("depth").is_retryable());
 }
 
 #[test]
