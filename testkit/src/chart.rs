@@ -29,14 +29,15 @@
 //!     .assert_final();
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use keel_core::chart::{
     ActionError, ActionResult, ChartContext, Configuration, Definition, Event, Limits, Macrostep,
-    MacrostepError, MacrostepResult, Next, Record, TimerArm,
+    MacrostepError, MacrostepResult, Next, Record, Timer, TimerArm, TimerKind,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -120,6 +121,35 @@ pub struct Snapshot<'a> {
     pub event: Option<&'a Event>,
 }
 
+/// A bound on timer fires per `advance_timers` call (STYLE 8).
+pub const MAX_TIMER_FIRES_PER_ADVANCE: usize = 10_000;
+
+/// How far to move the virtual clock: a [`Timer`] or a [`Duration`].
+#[derive(Debug, Clone, Copy)]
+pub struct Advance(Duration);
+
+impl From<Duration> for Advance {
+    fn from(d: Duration) -> Self {
+        Self(d)
+    }
+}
+
+impl From<Timer> for Advance {
+    fn from(t: Timer) -> Self {
+        Self(
+            t.duration()
+                .unwrap_or_else(|| panic!("advance_timers({t}): the duration must be positive")),
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Armed {
+    arm: TimerArm,
+    due: Duration,
+    fires: u32,
+}
+
 /// An in-memory chart instance for tests. See the module docs.
 pub struct TestMachine {
     def: Arc<Definition>,
@@ -128,7 +158,9 @@ pub struct TestMachine {
     context: Value,
     configuration: Configuration,
     results: Vec<(Option<Event>, MacrostepResult)>,
-    timers: BTreeMap<String, Vec<TimerArm>>,
+    timers: Vec<Armed>,
+    now: Duration,
+    fired: Vec<String>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -153,7 +185,9 @@ impl TestMachine {
             context: Value::Object(serde_json::Map::new()),
             configuration: Configuration::empty(),
             results: Vec::new(),
-            timers: BTreeMap::new(),
+            timers: Vec::new(),
+            now: Duration::ZERO,
+            fired: Vec::new(),
             runtime: None,
         }
     }
@@ -282,13 +316,14 @@ impl TestMachine {
 
     fn apply(&mut self, event: Option<Event>, result: MacrostepResult) {
         for cancel in &result.timers_to_cancel {
-            self.timers.remove(&cancel.state);
+            self.timers.retain(|t| t.arm.state != cancel.state);
         }
         for arm in &result.timers_to_arm {
-            self.timers
-                .entry(arm.state.clone())
-                .or_default()
-                .push(arm.clone());
+            self.timers.push(Armed {
+                arm: arm.clone(),
+                due: self.now + arm.interval,
+                fires: 0,
+            });
         }
         self.configuration = result.configuration.clone();
         self.context = result.context.clone();
@@ -322,10 +357,66 @@ impl TestMachine {
             .collect()
     }
 
-    /// The timers currently armed (as the runtime would hold them), by state.
+    /// The timers currently armed (as the runtime would hold them), in arming order.
     pub fn timers(&mut self) -> Vec<&TimerArm> {
         self.start();
-        self.timers.values().flatten().collect()
+        self.timers.iter().map(|t| &t.arm).collect()
+    }
+
+    /// Moves the virtual clock forward by `by`, firing every timer that falls due, in due
+    /// order (ties in arming order), each as a normal `send`: `after` fires once per state
+    /// entry, `every` fires each interval counted from its last fire (no back-fill), and
+    /// after `max` fires sends `then` once and stops. Leaving a state cancels its timers.
+    /// Panics when a fired event's macrostep fails, like `send`.
+    pub fn advance_timers(&mut self, by: impl Into<Advance>) -> &mut Self {
+        self.start();
+        let until = self.now + by.into().0;
+        // Each fire either removes a timer or moves it forward by a positive interval, and
+        // the loop is bounded so a pathological chart cannot spin forever.
+        for _ in 0..MAX_TIMER_FIRES_PER_ADVANCE {
+            let next = self
+                .timers
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.due <= until)
+                .min_by_key(|(i, t)| (t.due, *i));
+            let Some((index, _)) = next else {
+                break;
+            };
+            let mut timer = self.timers.remove(index);
+            self.now = timer.due;
+            timer.fires += 1;
+            let exhausted = timer.arm.max.is_some_and(|max| timer.fires >= max);
+            if timer.arm.kind == TimerKind::Every && !exhausted {
+                timer.due = self.now + timer.arm.interval;
+                self.timers.insert(index, timer.clone());
+            }
+            self.fired.push(timer.arm.event.clone());
+            self.send(timer.arm.event.as_str());
+            if exhausted && let Some(then) = &timer.arm.then {
+                self.fired.push(then.clone());
+                self.send(then.as_str());
+            }
+        }
+        self.now = until;
+        self
+    }
+
+    /// Virtual time elapsed since the machine started.
+    pub fn elapsed(&self) -> Duration {
+        self.now
+    }
+
+    /// Asserts that a timer delivered `event` at least once.
+    #[track_caller]
+    pub fn assert_timer_fired(&mut self, event: &str) -> &mut Self {
+        assert!(
+            self.fired.iter().any(|e| e == event),
+            "expected timer event `{event}` to have fired; fired: {:?}\n{}",
+            self.fired,
+            self.describe()
+        );
+        self
     }
 
     /// The state after the last step, for invariants.

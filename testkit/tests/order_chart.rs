@@ -253,3 +253,59 @@ fn mermaid_matches_the_golden_file() {
         "Mermaid output changed; rerun with KEEL_BLESS=1 to accept it"
     );
 }
+
+#[test]
+fn unpaid_orders_expire_after_seven_days() {
+    machine(true)
+        .send_with("ADD_ITEM", json!({"sku": "A-1"}))
+        .send("CHECKOUT")
+        .advance_timers(Timer::days(6))
+        .assert_state("awaiting_payment")
+        .advance_timers(Timer::days(1))
+        .assert_timer_fired("ORDER_EXPIRED")
+        .assert_state("cancelled")
+        .assert_no_timer("ORDER_EXPIRED");
+}
+
+#[test]
+fn paying_cancels_the_expiry_timer() {
+    machine(true)
+        .send_with("ADD_ITEM", json!({"sku": "A-1"}))
+        .send("CHECKOUT")
+        .advance_timers(Timer::days(3))
+        .send("PAY")
+        .advance_timers(Timer::weeks(2))
+        .assert_state("completed");
+}
+
+#[test]
+fn payment_retries_every_six_hours_then_gives_up() {
+    let mut m = machine(false);
+    m.send_with("ADD_ITEM", json!({"sku": "A-1"}))
+        .send("CHECKOUT")
+        .send("PAY")
+        .advance_timers(Timer::hours(17))
+        .assert_state("processing.payment.charging");
+    let retries = m
+        .history()
+        .iter()
+        .filter(|r| *r == "event RETRY_PAYMENT")
+        .count();
+    assert_eq!(retries, 2);
+    m.advance_timers(Timer::hours(1))
+        .assert_timer_fired("PAYMENT_FAILED")
+        .assert_state("failed")
+        .assert_history(&[
+            "event RETRY_PAYMENT",
+            "action charge_card",
+            "event PAYMENT_FAILED",
+            "enter failed",
+        ]);
+    assert_eq!(
+        m.history()
+            .iter()
+            .filter(|r| *r == "event RETRY_PAYMENT")
+            .count(),
+        3
+    );
+}
