@@ -176,6 +176,14 @@ pub enum MacrostepError {
         /// What is wrong.
         reason: String,
     },
+    /// The context is not a JSON object (`null` counts as an empty object).
+    #[error(
+        "the context must be a JSON object, got `{found}`; fix: wrap the value in a struct or map"
+    )]
+    ContextNotObject {
+        /// The JSON type found.
+        found: String,
+    },
 }
 
 impl MacrostepError {
@@ -407,7 +415,8 @@ impl<'d> Macrostep<'d> {
         event: Event,
         limits: Limits,
     ) -> Self {
-        let mut step = Self::new(def, context, limits);
+        let (context, context_error) = object_context(context);
+        let mut step = Self::blank(def, context, limits);
         let checked = configuration
             .check(def)
             .and_then(|()| configuration.to_ids(def));
@@ -424,19 +433,27 @@ impl<'d> Macrostep<'d> {
                     definition,
                     reason,
                 }));
+                return step;
             }
+        }
+        if let Some(e) = context_error {
+            step.finish(Some(e));
         }
         step
     }
 
     /// Enters the initial states of a new instance (entry actions included) and settles.
     pub fn init(def: &'d Definition, context: Value, limits: Limits) -> Self {
-        let mut step = Self::new(def, context, limits);
-        step.init_pending = true;
+        let (context, context_error) = object_context(context);
+        let mut step = Self::blank(def, context, limits);
+        match context_error {
+            Some(e) => step.finish(Some(e)),
+            None => step.init_pending = true,
+        }
         step
     }
 
-    fn new(def: &'d Definition, context: Value, limits: Limits) -> Self {
+    fn blank(def: &'d Definition, context: Value, limits: Limits) -> Self {
         Self {
             def,
             limits,
@@ -957,6 +974,22 @@ impl<'d> Macrostep<'d> {
         }
         (arm, cancel, start, stop)
     }
+}
+
+/// The context as an object (`null` becomes `{}`), or the error for any other JSON type.
+fn object_context(context: Value) -> (Value, Option<MacrostepError>) {
+    let found = match &context {
+        Value::Null => return (Value::Object(serde_json::Map::new()), None),
+        Value::Object(_) => return (context, None),
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+    };
+    let error = MacrostepError::ContextNotObject {
+        found: found.to_owned(),
+    };
+    (context, Some(error))
 }
 
 /// Runs a macrostep to completion with a synchronous action runner: handy for tests and for

@@ -704,6 +704,29 @@ fn illegal_configuration_is_reported() {
 }
 
 #[test]
+fn context_must_be_an_object() {
+    let def = chart().initial("a").leaf("a").build().unwrap();
+    let init = run_to_completion(Macrostep::init(&def, json!(null), Limits::default()), exec);
+    assert_eq!((init.error, init.context), (None, json!({})));
+    let bad = run_to_completion(Macrostep::init(&def, json!([1]), Limits::default()), exec);
+    let message = bad.error.expect("error").to_string();
+    assert_eq!(
+        message,
+        "the context must be a JSON object, got `array`; fix: wrap the value in a struct or map"
+    );
+    let config = Configuration::from_paths(["a"]);
+    let bad = run_to_completion(
+        Macrostep::start(&def, &config, json!(3), Event::new("E"), Limits::default()),
+        exec,
+    );
+    assert!(matches!(
+        bad.error,
+        Some(MacrostepError::ContextNotObject { .. })
+    ));
+    assert_eq!(bad.configuration, config);
+}
+
+#[test]
 fn top_level_final_completes_the_machine() {
     let def = chart()
         .initial("a")
