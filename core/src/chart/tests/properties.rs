@@ -64,7 +64,9 @@ const ACTIONS: [Option<&str>; 6] = [
 fn tree(rng: &mut Rng, depth: usize, key: String, paths: &mut Vec<String>, path: &str) -> Node {
     let roll = rng.below(10);
     let kind = if depth >= 3 || roll < 4 {
-        if rng.below(5) == 0 {
+        // A final first child (the initial one) would complete its parent on entry, which
+        // mostly produces `@done` loops; finals come later in document order.
+        if rng.below(4) == 0 && !key.ends_with('0') {
             Kind::Final
         } else {
             Kind::Atomic
@@ -86,30 +88,41 @@ fn tree(rng: &mut Rng, depth: usize, key: String, paths: &mut Vec<String>, path:
             tree(rng, depth + 1, format!("s{i}"), paths, &child)
         })
         .collect();
-    let entry = *rng.pick(&ACTIONS);
+    // Entry actions rarely raise: a raise on entry that re-enters the same state is a genuine
+    // loop, and too many of them would leave most generated instances stuck at init.
+    let entry = match rng.below(16) {
+        0 => Some("raise:E1"),
+        1..=6 => Some("inc"),
+        _ => None,
+    };
     Node {
         key,
         kind,
         children,
         branches: Vec::new(),
         done: Vec::new(),
-        entry: entry.filter(|a| *a != "fail"),
+        entry,
     }
 }
 
 fn branch(rng: &mut Rng, paths: &[String], eventless: bool) -> Branch {
-    let event = if eventless {
-        None
-    } else {
-        Some(*rng.pick(&EVENTS))
-    };
     let target = if rng.below(5) == 0 {
         None
     } else {
         Some(rng.pick(paths).clone())
     };
+    if eventless {
+        // Eventless branches count up to a bound so most settle; the few that loop through
+        // other paths still exercise the depth limit.
+        return Branch {
+            event: None,
+            target,
+            guard: Some("n_lt_3"),
+            action: Some("inc"),
+        };
+    }
     Branch {
-        event,
+        event: Some(*rng.pick(&EVENTS)),
         target,
         guard: *rng.pick(&GUARDS),
         action: *rng.pick(&ACTIONS),
@@ -124,7 +137,10 @@ fn transitions(rng: &mut Rng, node: &mut Node, paths: &[String]) {
         }
     }
     if matches!(node.kind, Kind::Compound | Kind::Parallel) && rng.below(2) == 0 {
-        node.done.push(branch(rng, paths, true));
+        let mut done = branch(rng, paths, true);
+        done.guard = *rng.pick(&GUARDS);
+        done.action = *rng.pick(&ACTIONS[..5]);
+        node.done.push(done);
     }
     for child in &mut node.children {
         transitions(rng, child, paths);
