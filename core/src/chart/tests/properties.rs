@@ -240,7 +240,7 @@ fn generated(seed: u64) -> ChartBuilder {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
 
     #[test]
     fn generated_charts_stay_legal_and_deterministic(
@@ -264,6 +264,11 @@ proptest! {
                 prop_assert_eq!(result.configuration.check(&def), Ok(()), "{:?}", result);
                 // Guards and timers only fire in legal states; arming is the net change.
                 prop_assert!(result.timers_to_arm.iter().all(|t| result.configuration.contains(&t.state)));
+                // Guards here read only the context, so an unhandled event changes nothing.
+                if result.unhandled {
+                    prop_assert_eq!(&result.configuration, &previous);
+                    prop_assert!(result.changed_keys.is_empty() && result.actions().is_empty());
+                }
             }
             previous = result.configuration.clone();
         }
