@@ -4,6 +4,7 @@
 //! function here is a plain function of its inputs; `now` is always an argument. The port
 //! traits (the `ports` module) describe what a backend must do; the backends implement them.
 
+pub mod chart;
 pub mod config;
 pub mod context;
 pub mod duration;
