@@ -37,3 +37,5 @@ pub const DEAD_LETTER_BATCH_MAX: usize = 10_000;
 pub const REAP_BATCH_MAX: usize = 10_000;
 /// Longest name (machine, step, signal, queue, namespace, key), in bytes.
 pub const NAME_BYTES_MAX: usize = 256;
+/// Most instances one broadcast may reach.
+pub const BROADCAST_MAX: usize = 100_000;

@@ -453,7 +453,7 @@ async fn await_wakes_on_the_signal_and_consumes_only_what_it_saw() {
     let m = steps(|ctx| match ctx.signal("GO") {
         Some(s) => Ok(Outcome::Next { step: "b".into(), context: json!({ "got": s.payload }) }),
         None if ctx.step == "a" => {
-            Ok(Outcome::Await { signal: "GO".into(), context: ctx.context.clone() })
+            Ok(Outcome::Await { signal: "GO".into(), context: ctx.context.clone(), step: None })
         }
         None => done(),
     });

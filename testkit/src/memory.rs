@@ -20,17 +20,18 @@
 
 use async_trait::async_trait;
 use keel_core::instance::{
-    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name, unique_guard,
+    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
+    position_in_state, unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt, DeadLetterFilter,
-    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, SignalDeliverParams,
-    StoreCapabilities,
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
 };
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
@@ -96,6 +97,7 @@ struct Plan {
     applied: Applied,
     consume: Vec<SignalId>,
     children: Vec<(NewInstance, InsertOutcome)>,
+    spawned: Vec<(NewInstance, InsertOutcome)>,
     emits: Vec<(NewSignal, InstanceId)>,
 }
 
@@ -216,11 +218,18 @@ impl State {
         }
     }
 
-    /// One child of `parent` became terminal (or was cancelled): count it on the barrier.
-    fn release_parent(&mut self, parent: Option<InstanceId>, now: Timestamp) {
-        if let Some(row) = parent.and_then(|p| self.rows.get(&p)) {
+    /// `child` became terminal (or was cancelled): count it on its parent's barrier, and
+    /// tell a chart parent through its inbox (`outcome::parent_notice`).
+    fn child_terminal(&mut self, child: &Instance, now: Timestamp) {
+        if let Some(row) = child.parent.and_then(|p| self.rows.get(&p)) {
             let next = outcome::release_parent(row, now);
             self.write(next);
+        }
+        if let Some(notice) = outcome::parent_notice(child)
+            && let SignalTarget::Id(parent) = notice.target
+            && self.rows.contains_key(&parent)
+        {
+            self.deliver_to(parent, &notice, now);
         }
     }
 
@@ -340,6 +349,22 @@ impl State {
         }
         let inserted =
             children.iter().filter(|(_, r)| matches!(r, InsertOutcome::Inserted(_))).count();
+        let mut spawned = Vec::new();
+        for spec in &c.spawn {
+            let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+            let existing =
+                guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
+            let result = if let Some(id) = existing {
+                InsertOutcome::Existing(id)
+            } else {
+                last_id += 1;
+                if let Some(g) = guard {
+                    planned.insert(g.to_vec(), InstanceId(last_id));
+                }
+                InsertOutcome::Inserted(InstanceId(last_id))
+            };
+            spawned.push((spec.clone(), result));
+        }
         let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted as i32 };
         let applied = outcome::apply(row, c, facts);
         if let Some(guard) = applied.row.unique_guard()
@@ -350,18 +375,18 @@ impl State {
                 c.id, applied.row.status
             )));
         }
-        Ok(Plan { applied, consume, children, emits })
+        Ok(Plan { applied, consume, children, spawned, emits })
     }
 
     /// Applies a planned commit: consumption, children, the row, history, dead letter,
     /// outbox, and the parent's barrier — all under the same lock hold.
     fn execute(&mut self, c: &StepCommit, plan: Plan, now: Timestamp) -> CommitReceipt {
-        let Plan { applied, consume, children, emits } = plan;
+        let Plan { applied, consume, children, spawned, emits } = plan;
         let attempt = self.rows[&c.id].attempt;
         for id in consume {
             self.remove_signal(c.id, id);
         }
-        for (spec, result) in &children {
+        for (spec, result) in children.iter().chain(&spawned) {
             if let InsertOutcome::Inserted(id) = result {
                 self.insert_row(Instance::from_new(*id, spec, Some(c.id), now));
             }
@@ -382,15 +407,16 @@ impl State {
             revision: row.revision,
             status: row.status,
             children: children.iter().map(|(_, r)| *r).collect(),
+            spawned: spawned.iter().map(|(_, r)| *r).collect(),
             dead_letter,
         };
-        let parent = row.parent;
+        let child = terminal.then(|| row.clone());
         self.write(row);
         for (signal, target) in emits {
             self.deliver_to(target, &signal, now);
         }
-        if terminal {
-            self.release_parent(parent, now);
+        if let Some(child) = child {
+            self.child_terminal(&child, now);
         }
         receipt
     }
@@ -441,6 +467,36 @@ impl State {
                 None => DeliveryOutcome::TargetMissing,
             })
             .collect())
+    }
+
+    fn signal_broadcast(&mut self, p: &SignalBroadcastParams) -> StoreResult<BroadcastReport> {
+        let probe = NewSignal {
+            target: SignalTarget::Id(InstanceId(0)),
+            name: p.name.clone(),
+            payload: p.payload.clone(),
+            dedup_key: p.dedup_key.clone(),
+        };
+        probe.validate("broadcast")?;
+        let targets: Vec<InstanceId> = self
+            .rows
+            .values()
+            .filter(|r| {
+                r.namespace == p.namespace && r.machine.name == p.machine && !r.status.is_terminal()
+            })
+            .filter(|r| p.in_state.as_deref().is_none_or(|st| position_in_state(&r.position, st)))
+            .map(|r| r.id)
+            .collect();
+        check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
+        let mut report = BroadcastReport::default();
+        for target in targets {
+            let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
+            if let DeliveryOutcome::Delivered { woke, .. } = self.deliver_to(target, &signal, p.now)
+            {
+                report.delivered += 1;
+                report.woke += u64::from(woke);
+            }
+        }
+        Ok(report)
     }
 
     // ----- leases -----------------------------------------------------------------------
@@ -544,9 +600,9 @@ impl State {
                 json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
             );
             self.record(&next, attempt, entry, p.now);
-            let parent = next.parent;
+            let child = next.clone();
             self.write(next);
-            self.release_parent(parent, p.now);
+            self.child_terminal(&child, p.now);
             cancelled.push(id);
         }
         Ok(cancelled)
@@ -710,6 +766,13 @@ impl Store for MemoryStore {
         params: SignalDeliverParams,
     ) -> StoreResult<Vec<DeliveryOutcome>> {
         self.state().signal_deliver(&params)
+    }
+
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        self.state().signal_broadcast(&params)
     }
 
     async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {

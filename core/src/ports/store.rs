@@ -111,6 +111,8 @@ pub struct CommitReceipt {
     pub status: Status,
     /// For `ScheduleChildren`: per requested child, new or existing id.
     pub children: Vec<InsertOutcome>,
+    /// Per `spawn` item, new or existing id.
+    pub spawned: Vec<InsertOutcome>,
     /// The dead letter the commit produced, if any.
     pub dead_letter: Option<DeadLetterId>,
 }
@@ -190,6 +192,37 @@ pub enum DeliveryOutcome {
     },
     /// No such instance; nothing was stored.
     TargetMissing,
+}
+
+/// Deliver one event to every instance of a machine in a given state, in one statement
+/// (seed 001 §4.6). Fails with `Invalid`, delivering nothing, when more than
+/// [`crate::limits::BROADCAST_MAX`] instances match.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalBroadcastParams {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name (any version).
+    pub machine: String,
+    /// Only instances in this state (`instance::position_in_state`); `None` = every
+    /// non-terminal instance of the machine.
+    pub in_state: Option<String>,
+    /// Event name.
+    pub name: String,
+    /// Event payload.
+    pub payload: serde_json::Value,
+    /// Optional dedup key, applied per target.
+    pub dedup_key: Option<String>,
+    /// Delivery time.
+    pub now: Timestamp,
+}
+
+/// What a broadcast did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BroadcastReport {
+    /// Instances that got the event (duplicates by dedup key not counted).
+    pub delivered: u64,
+    /// Of those, instances it woke.
+    pub woke: u64,
 }
 
 /// Cancel an instance.
@@ -341,6 +374,10 @@ pub trait Store: Send + Sync + 'static {
         &self,
         params: SignalDeliverParams,
     ) -> StoreResult<Vec<DeliveryOutcome>>;
+
+    /// Delivers one event to every non-terminal instance of a machine in a state.
+    async fn signal_broadcast(&self, params: SignalBroadcastParams)
+    -> StoreResult<BroadcastReport>;
 
     /// Cancels an instance (and with `cascade`, its non-terminal descendants); returns
     /// the ids it cancelled. `NotFound` for a missing instance; an already terminal one

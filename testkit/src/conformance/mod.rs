@@ -26,6 +26,7 @@
 
 pub mod support;
 
+mod charts;
 mod children;
 mod claims;
 mod dead_letters;
@@ -35,6 +36,7 @@ mod outcomes;
 mod signals;
 mod uniqueness;
 
+pub use charts::*;
 pub use children::*;
 pub use claims::*;
 pub use dead_letters::*;
@@ -103,6 +105,10 @@ macro_rules! __store_contract_list {
             instance_get_and_lookup,
             payload_over_limit_rejected,
             batch_over_limit_rejected,
+            await_with_step_moves_and_parks,
+            spawned_children_report_to_the_parent_inbox,
+            cancelled_child_reports_failure_to_the_parent,
+            broadcast_reaches_instances_in_state,
         }
     };
 }
