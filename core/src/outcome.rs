@@ -7,7 +7,7 @@
 //! signal waiting in the inbox, how many children did uniqueness let in) as arguments, so
 //! they stay pure.
 
-use crate::chart::Event;
+use crate::chart::{Event, TimerArm};
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
@@ -155,6 +155,13 @@ pub struct StepCommit {
     /// delegation states); their `parent` is this instance. Uniqueness applies.
     #[serde(default)]
     pub spawn: Vec<NewInstance>,
+    /// Timers to cancel: every timer of this instance owned by one of these states or
+    /// their descendants (`timers::owned_by`). Applied before `timers_arm`.
+    #[serde(default)]
+    pub timers_cancel: Vec<String>,
+    /// Timers to arm, due one interval after this commit (the state entry).
+    #[serde(default)]
+    pub timers_arm: Vec<TimerArm>,
 }
 
 impl StepCommit {
@@ -169,6 +176,8 @@ impl StepCommit {
             history: Vec::new(),
             failure: None,
             spawn: Vec::new(),
+            timers_cancel: Vec::new(),
+            timers_arm: Vec::new(),
         }
     }
     /// Sets the consumed signals.
@@ -243,6 +252,20 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     check_batch("spawn", commit.spawn.len() + scheduled, limits::CHILDREN_PER_STEP_MAX)?;
     for (i, c) in commit.spawn.iter().enumerate() {
         c.validate(&format!("spawn[{i}]"))?;
+    }
+    check_batch("timers_arm", commit.timers_arm.len(), limits::TIMERS_PER_STEP_MAX)?;
+    check_batch("timers_cancel", commit.timers_cancel.len(), limits::TIMERS_PER_STEP_MAX)?;
+    for (i, t) in commit.timers_arm.iter().enumerate() {
+        check_name(&format!("timers_arm[{i}].state"), &t.state)?;
+        check_name(&format!("timers_arm[{i}].event"), &t.event)?;
+        if t.interval.is_zero() {
+            return Err(StoreError::invalid(format!(
+                "timers_arm[{i}].interval: must be positive (InvalidTimerDefinition); use Timer::seconds(n) with n > 0"
+            )));
+        }
+        if let Some(then) = &t.then {
+            check_name(&format!("timers_arm[{i}].then"), then)?;
+        }
     }
     check_batch("emit", commit.emit.len(), limits::EMIT_PER_STEP_MAX)?;
     for (i, s) in commit.emit.iter().enumerate() {

@@ -19,6 +19,8 @@
 //!   [`limits::CANCEL_CASCADE_MAX`] instances per call.
 
 use async_trait::async_trait;
+use keel_core::TimerId;
+use keel_core::chart::TimerArm;
 use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
     position_in_state, unique_guard,
@@ -31,8 +33,10 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
+use keel_core::timers::{self, TimerRow, owned_by};
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
     SignalTarget, Status, StepCommit, StoreError, StoreResult, Timestamp,
@@ -90,6 +94,10 @@ struct State {
     dead_letters: BTreeMap<DeadLetterId, DeadLetter>,
     /// `(namespace, queue)` → paused.
     queues: BTreeMap<(String, String), bool>,
+    last_timer: i64,
+    timers: BTreeMap<TimerId, TimerRow>,
+    /// `(namespace or "*", machine or "*")` → last sweep time.
+    sweeps: HashMap<(String, String), Timestamp>,
 }
 
 /// A validated commit, ready to apply without any further check.
@@ -410,6 +418,10 @@ impl State {
             spawned: spawned.iter().map(|(_, r)| *r).collect(),
             dead_letter,
         };
+        self.timers_change(&row, &c.timers_cancel, &c.timers_arm, now);
+        if terminal {
+            self.timers_drop(row.id);
+        }
         let child = terminal.then(|| row.clone());
         self.write(row);
         for (signal, target) in emits {
@@ -602,6 +614,7 @@ impl State {
             self.record(&next, attempt, entry, p.now);
             let child = next.clone();
             self.write(next);
+            self.timers_drop(id);
             self.child_terminal(&child, p.now);
             cancelled.push(id);
         }
@@ -710,12 +723,162 @@ impl State {
             .ok_or_else(|| StoreError::not_found(format!("instance {id} does not exist")))?;
         let history = self.history.get(&id).map_or(&[][..], Vec::as_slice);
         let skip = history.len().saturating_sub(limits::HISTORY_LIST_MAX);
+        let mut timers: Vec<TimerRow> =
+            self.timers.values().filter(|t| t.instance == id).cloned().collect();
+        timers.sort_by_key(|t| (t.next_fire_at, t.id));
+        timers.truncate(limits::TIMER_LIST_MAX);
         Ok(InstanceDetail {
             instance: row.clone(),
             inbox: self.inbox_of(id).cloned().collect(),
             children: self.children_of(id),
             history: history[skip..].to_vec(),
+            timers,
         })
+    }
+
+    // ----- timers -----------------------------------------------------------------------
+
+    /// Applies a commit's timer changes: cancels first, then arms (due from `now`).
+    fn timers_change(
+        &mut self,
+        row: &Instance,
+        cancel: &[String],
+        arm: &[TimerArm],
+        now: Timestamp,
+    ) {
+        self.timers.retain(|_, t| {
+            t.instance != row.id || !cancel.iter().any(|left| owned_by(&t.spec.state, left))
+        });
+        for spec in arm {
+            self.last_timer += 1;
+            let id = TimerId(self.last_timer);
+            let timer =
+                TimerRow::armed(id, row.id, &row.namespace, &row.machine, spec.clone(), now);
+            self.timers.insert(id, timer);
+        }
+    }
+
+    /// A terminal instance has no timers.
+    fn timers_drop(&mut self, id: InstanceId) {
+        self.timers.retain(|_, t| t.instance != id);
+    }
+
+    fn timer_sweep(&mut self, p: &TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+        let in_scope = |t: &TimerRow| {
+            p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
+                && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
+        };
+        let mut due: Vec<(Timestamp, TimerId)> = self
+            .timers
+            .values()
+            .filter(|t| t.next_fire_at <= p.now && in_scope(t))
+            .map(|t| (t.next_fire_at, t.id))
+            .collect();
+        due.sort();
+        due.truncate(p.limit);
+        let mut report = TimerSweepReport::default();
+        for (_, id) in due {
+            report.processed += 1;
+            let timer = self.timers[&id].clone();
+            let live = self.rows.get(&timer.instance).is_some_and(|r| !r.status.is_terminal());
+            if !live {
+                self.timers.remove(&id);
+                continue;
+            }
+            let fired = timers::fire(&timer, p.now);
+            if timers::delivers(&fired)
+                && matches!(
+                    self.deliver_to(timer.instance, &fired.signal, p.now),
+                    DeliveryOutcome::Delivered { .. }
+                )
+            {
+                if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
+                    report.exhausted += 1;
+                } else {
+                    report.fired += 1;
+                }
+            }
+            let row = self.rows[&timer.instance].clone();
+            self.record(&row, row.attempt, fired.history, p.now);
+            match fired.next {
+                Some(next) => {
+                    self.timers.insert(id, next);
+                }
+                None => {
+                    self.timers.remove(&id);
+                }
+            }
+        }
+        let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
+        if p.machines.is_empty() {
+            self.sweeps.insert((ns, "*".into()), p.now);
+        } else {
+            for m in &p.machines {
+                self.sweeps.insert((ns.clone(), m.clone()), p.now);
+            }
+        }
+        Ok(report)
+    }
+
+    fn timer_status(&self, namespace: Option<&str>, now: Timestamp) -> Vec<TimerStatus> {
+        let mut out: BTreeMap<(String, String), TimerStatus> = BTreeMap::new();
+        for t in self.timers.values().filter(|t| namespace.is_none_or(|ns| t.namespace == ns)) {
+            let e = out.entry((t.namespace.clone(), t.machine.name.clone())).or_insert_with(|| {
+                TimerStatus {
+                    namespace: t.namespace.clone(),
+                    machine: t.machine.name.clone(),
+                    armed: 0,
+                    next_due: None,
+                    overdue: 0,
+                    last_sweep_at: None,
+                }
+            });
+            e.armed += 1;
+            e.next_due = Some(e.next_due.map_or(t.next_fire_at, |d| d.min(t.next_fire_at)));
+            e.overdue += u64::from(t.next_fire_at <= now);
+        }
+        for e in out.values_mut() {
+            let keys = [
+                (e.namespace.clone(), e.machine.clone()),
+                (e.namespace.clone(), "*".to_owned()),
+                ("*".to_owned(), e.machine.clone()),
+                ("*".to_owned(), "*".to_owned()),
+            ];
+            e.last_sweep_at = keys.iter().filter_map(|k| self.sweeps.get(k)).max().copied();
+        }
+        out.into_values().collect()
+    }
+
+    fn queue_stats(&self, namespace: Option<&str>, now: Timestamp) -> Vec<QueueStats> {
+        let mut out: BTreeMap<(String, String, String), QueueStats> = BTreeMap::new();
+        for r in self
+            .rows
+            .values()
+            .filter(|r| !r.status.is_terminal() && namespace.is_none_or(|ns| r.namespace == ns))
+        {
+            let e = out
+                .entry((r.namespace.clone(), r.queue.clone(), r.machine.name.clone()))
+                .or_insert_with(|| QueueStats {
+                    namespace: r.namespace.clone(),
+                    queue: r.queue.clone(),
+                    machine: r.machine.name.clone(),
+                    ..QueueStats::default()
+                });
+            match r.status {
+                Status::Runnable if r.eligible_at <= now => {
+                    e.ready += 1;
+                    e.oldest_ready_at =
+                        Some(e.oldest_ready_at.map_or(r.eligible_at, |t| t.min(r.eligible_at)));
+                }
+                Status::Runnable => e.scheduled += 1,
+                Status::Executing => e.executing += 1,
+                Status::AwaitingSignal | Status::AwaitingChildren => e.waiting += 1,
+                Status::Suspended => e.suspended += 1,
+                Status::Done | Status::Failed | Status::Cancelled => {}
+            }
+        }
+        out.into_values().collect()
     }
 }
 
@@ -827,6 +990,26 @@ impl Store for MemoryStore {
         check_name("queue", &params.queue)?;
         self.state().queues.insert((params.namespace, params.queue), params.paused);
         Ok(())
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        Ok(self.state().queue_stats(namespace.as_deref(), now))
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        self.state().timer_sweep(&params)
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        Ok(self.state().timer_status(namespace.as_deref(), now))
     }
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {

@@ -34,6 +34,7 @@ mod leases;
 mod operations;
 mod outcomes;
 mod signals;
+mod timers;
 mod uniqueness;
 
 pub use charts::*;
@@ -44,6 +45,7 @@ pub use leases::*;
 pub use operations::*;
 pub use outcomes::*;
 pub use signals::*;
+pub use timers::*;
 pub use uniqueness::*;
 
 /// The environment variable that turns a missing backend from a skip into a failure.
@@ -109,6 +111,13 @@ macro_rules! __store_contract_list {
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
             broadcast_reaches_instances_in_state,
+            timer_after_fires_once,
+            timer_cancelled_when_state_left,
+            timer_every_counts_from_last_fire,
+            timer_every_max_then_once,
+            timer_concurrent_sweeps_deliver_once,
+            timers_dropped_with_terminal_instances,
+            timer_status_and_queue_stats,
         }
     };
 }
