@@ -224,6 +224,12 @@ impl ChartMachine {
                 json!({ "event": e.name, "payload": e.payload }),
             ));
         }
+        for cancel in &result.timers_to_cancel {
+            ctx.timer_cancel(&cancel.state);
+        }
+        for arm in &result.timers_to_arm {
+            ctx.timer_arm(arm.clone());
+        }
         for child in &result.children_to_start {
             let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
             let spawn = NewInstance::new(MachineRef::new(&child.machine, version), INIT)

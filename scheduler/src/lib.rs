@@ -19,5 +19,6 @@ pub mod worker;
 pub use chart::{ActionContext, ChartMachine};
 pub use client::Client;
 pub use clock::SystemClock;
+pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{StepContext, StepError, StepMachine};
 pub use worker::{Worker, WorkerConfig, WorkerHandle};

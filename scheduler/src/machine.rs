@@ -3,6 +3,7 @@
 
 use async_trait::async_trait;
 use keel_core::SignalId;
+use keel_core::chart::TimerArm;
 use keel_core::config::QueueConfig;
 use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
 use keel_core::retry::ErrorClass;
@@ -47,6 +48,8 @@ pub(crate) struct Effects {
     pub(crate) consume: Option<Vec<SignalId>>,
     /// The inbox signal the step is processing, for dead letters.
     pub(crate) processing: Option<Signal>,
+    pub(crate) timers_cancel: Vec<String>,
+    pub(crate) timers_arm: Vec<TimerArm>,
 }
 
 impl StepContext {
@@ -63,6 +66,16 @@ impl StepContext {
     /// back into this instance's inbox.
     pub fn spawn(&self, child: NewInstance) {
         self.effects().spawn.push(child);
+    }
+
+    /// Arms a durable timer in this step's commit (due one interval after it).
+    pub fn timer_arm(&self, timer: TimerArm) {
+        self.effects().timers_arm.push(timer);
+    }
+
+    /// Cancels, in this step's commit, every timer owned by `state` or its descendants.
+    pub fn timer_cancel(&self, state: &str) {
+        self.effects().timers_cancel.push(state.to_owned());
     }
 
     /// Appends a history entry in this step's commit.

@@ -19,6 +19,7 @@ use keel_core::ports::store::{
 use keel_core::ports::{Clock, Store};
 use keel_core::retry::{self, ErrorClass, RetryDecision};
 use keel_core::{ErrorKind, FencingToken, InstanceId, MachineRef, WorkerId};
+use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +54,12 @@ pub struct WorkerConfig {
     pub commit_interval: Duration,
     /// How long shutdown waits for running steps before releasing their leases.
     pub shutdown_grace: Duration,
+    /// Run the timer sweep service in this worker (`None` = off, e.g. when dedicated
+    /// nodes run it).
+    pub timers: Option<SweepConfig>,
+    /// How often to sample `Store::queue_stats` into the pending / dead-letter gauges
+    /// (`None` = never).
+    pub stats_interval: Option<Duration>,
 }
 
 impl Default for WorkerConfig {
@@ -69,6 +76,8 @@ impl Default for WorkerConfig {
             commit_batch: 100,
             commit_interval: Duration::from_millis(2),
             shutdown_grace: Duration::from_secs(10),
+            timers: Some(SweepConfig::default()),
+            stats_interval: Some(Duration::from_secs(15)),
         }
     }
 }
@@ -188,6 +197,15 @@ async fn run<S: Store, C: Clock + Clone>(
     let committer = tokio::spawn(commit_loop(Arc::clone(&inner), rx));
     let heartbeat = tokio::spawn(heartbeat_loop(Arc::clone(&inner), shutdown.clone()));
     let reaper = tokio::spawn(reap_loop(Arc::clone(&inner), shutdown.clone()));
+    let sweeper = inner.config.timers.clone().map(|config| {
+        let sweeper = Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config)
+            .unwrap_or_else(|e| panic!("invalid worker timer configuration: {e}"));
+        tokio::spawn(sweeper.run(shutdown.clone()))
+    });
+    let sampler = inner
+        .config
+        .stats_interval
+        .map(|every| tokio::spawn(stats_loop(Arc::clone(&inner), every, shutdown.clone())));
 
     let queues: Vec<(String, Arc<Semaphore>)> = inner
         .config
@@ -255,6 +273,41 @@ async fn run<S: Store, C: Clock + Clone>(
     let _ = committer.await;
     let _ = heartbeat.await;
     let _ = reaper.await;
+    for task in [sweeper, sampler].into_iter().flatten() {
+        let _ = task.await;
+    }
+}
+
+/// Samples the store's counts into gauges: pending (ready), scheduled, executing, waiting
+/// and suspended (the dead-letter queue size) per queue and machine.
+async fn stats_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        match inner.store.queue_stats(None, inner.clock.now()).await {
+            Ok(stats) => {
+                for q in stats {
+                    let labels = [
+                        ("namespace", q.namespace.clone()),
+                        ("queue", q.queue.clone()),
+                        ("machine", q.machine.clone()),
+                    ];
+                    metrics::gauge!("keel_queue_pending", &labels).set(q.ready as f64);
+                    metrics::gauge!("keel_queue_scheduled", &labels).set(q.scheduled as f64);
+                    metrics::gauge!("keel_queue_processing", &labels).set(q.executing as f64);
+                    metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
+                    metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "queue stats sample failed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
 }
 
 /// Shutdown: wait (bounded) for running steps, then release the leases of the rest.
@@ -337,6 +390,8 @@ async fn run_step<S: Store, C: Clock>(
             commit.emit = std::mem::take(&mut effects.emit);
             commit.spawn = std::mem::take(&mut effects.spawn);
             commit.history = std::mem::take(&mut effects.history);
+            commit.timers_arm = std::mem::take(&mut effects.timers_arm);
+            commit.timers_cancel = std::mem::take(&mut effects.timers_cancel);
             if let Some(consume) = effects.consume.take() {
                 commit.consume = consume;
             }
