@@ -5,14 +5,16 @@
 //! IO), then configuration, context, history and the consumed event are committed
 //! together. Kill the process at any moment and nothing already committed is lost.
 //!
-//! Unpaid orders are cancelled by a `CANCEL` event here; once durable timers land, the
-//! chart's 7-day `after` timer expires them instead.
+//! Unpaid orders expire through the chart's `after` timer on `awaiting_payment` —
+//! shortened from 7 days to 3 seconds here — fired by the worker's timer sweeper.
 
-use keel_core::chart::ActionError;
+use keel_core::chart::{ActionError, Timer};
 use keel_core::ports::Store;
 use keel_core::{InstanceId, NewSignal, Status};
 use keel_examples::order;
-use keel_scheduler::{ChartMachine, Client, SystemClock, Worker, WorkerConfig};
+use keel_scheduler::{
+    ChartMachine, Client, SweepConfig, SweepGroup, SystemClock, Worker, WorkerConfig,
+};
 use keel_testkit::memory::MemoryStore;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -24,7 +26,7 @@ const ORDERS: usize = 100;
 /// The chart with its actions. Actions are async and may call other systems; here they
 /// only touch the context and raise the events the chart waits for.
 fn machine() -> ChartMachine {
-    ChartMachine::new(order::definition())
+    ChartMachine::new(order::definition_with_expiry(Timer::seconds(3)))
         .action("add_item", |ctx, event| async move {
             let mut items: Vec<String> = ctx.get_as("items").unwrap_or_default();
             let sku = event.payload["sku"]
@@ -99,8 +101,12 @@ async fn run<S: Store>(store: Arc<S>) {
             chart.new_instance(json!({ "card_ok": n % 10 != 6 })).business_key(format!("order-{n}"))
         })
         .collect();
-    let config =
-        WorkerConfig { poll_interval: Duration::from_millis(10), ..WorkerConfig::default() };
+    let sweep_often = SweepGroup { machines: vec![], cadence: Duration::from_millis(100) };
+    let config = WorkerConfig {
+        poll_interval: Duration::from_millis(10),
+        timers: Some(SweepConfig { groups: vec![sweep_often], ..SweepConfig::default() }),
+        ..WorkerConfig::default()
+    };
     let worker = Worker::new(Arc::clone(&store), SystemClock, config).register(chart).spawn();
     let started = Instant::now();
     let ids: Vec<InstanceId> =
@@ -120,12 +126,15 @@ async fn run<S: Store>(store: Arc<S>) {
     };
     settle(&client, &ids, "awaiting_payment", in_state("awaiting_payment")).await;
 
-    // 70 pay; 30 never do and are cancelled. Of the payers, cards ending in 6 are declined
-    // and the payment gives up (the event the retry timer's `then` would send).
-    let mut events = Vec::new();
-    for (n, id) in ids.iter().enumerate() {
-        events.push(NewSignal::new(*id, if n % 10 < 7 { "PAY" } else { "CANCEL" }));
-    }
+    // 70 pay; 30 never do and expire after the (shortened) payment deadline. Of the
+    // payers, cards ending in 6 are declined and the payment gives up (the event the
+    // 6-hourly retry timer's `then` would send after three tries).
+    let events = ids
+        .iter()
+        .enumerate()
+        .filter(|(n, _)| n % 10 < 7)
+        .map(|(_, id)| NewSignal::new(*id, "PAY"))
+        .collect();
     client.send_many(events).await.expect("send");
     settle(&client, &ids, "processed", |r| {
         r.status.is_terminal() || r.position.contains("charging")
@@ -154,7 +163,7 @@ async fn run<S: Store>(store: Arc<S>) {
         } else if result.get("charged").is_some() || result.get("stock").is_some() {
             "failed"
         } else {
-            "cancelled"
+            "expired"
         };
         *tally.entry(outcome.to_owned()).or_default() += 1;
     }
@@ -172,7 +181,7 @@ async fn run<S: Store>(store: Arc<S>) {
     }
     assert_eq!(tally.get("completed"), Some(&60));
     assert_eq!(tally.get("failed"), Some(&10));
-    assert_eq!(tally.get("cancelled"), Some(&30));
+    assert_eq!(tally.get("expired"), Some(&30));
 }
 
 #[tokio::main]

@@ -7,6 +7,12 @@ use keel_core::chart::{Definition, Timer};
 /// cart → awaiting_payment (expires after 7 days) → processing (inventory ∥ payment, with
 /// `@done` and conditional `@fail`) → completed / cancelled / failed.
 pub fn definition() -> Definition {
+    definition_with_expiry(Timer::days(7))
+}
+
+/// The same chart with a different payment deadline (the `order` example shortens it so
+/// you can watch orders expire).
+pub fn definition_with_expiry(expiry: Timer) -> Definition {
     Definition::builder("order", 1)
         .guard("has_items", |ctx, _| {
             ctx.get_as::<Vec<String>>("items").is_some_and(|i| !i.is_empty())
@@ -20,7 +26,7 @@ pub fn definition() -> Definition {
         })
         .state("awaiting_payment", |s| {
             s.on_to("PAY", "processing")
-                .on("ORDER_EXPIRED", |t| t.target("cancelled").after(Timer::days(7)))
+                .on("ORDER_EXPIRED", |t| t.target("cancelled").after(expiry))
                 .on_to("CANCEL", "cancelled")
         })
         .parallel("processing", |s| {
