@@ -60,6 +60,9 @@ pub struct WorkerConfig {
     /// How often to sample `Store::queue_stats` into the pending / dead-letter gauges
     /// (`None` = never).
     pub stats_interval: Option<Duration>,
+    /// Wake on the store's ready notifications (`Store::ready_wait`); `false` relies on
+    /// polling alone (the correctness path, and what benchmarks compare against).
+    pub notifications: bool,
 }
 
 impl Default for WorkerConfig {
@@ -78,6 +81,7 @@ impl Default for WorkerConfig {
             shutdown_grace: Duration::from_secs(10),
             timers: Some(SweepConfig::default()),
             stats_interval: Some(Duration::from_secs(15)),
+            notifications: true,
         }
     }
 }
@@ -260,7 +264,7 @@ async fn run<S: Store, C: Clock + Clone>(
         }
         if claimed == 0 || full {
             tokio::select! {
-                () = inner.store.ready_wait() => {}
+                () = inner.store.ready_wait(), if inner.config.notifications => {}
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
                 () = inner.slot_freed.notified(), if full => {}
                 _ = shutdown.changed() => {}

@@ -55,6 +55,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     state: Mutex<State>,
+    /// In-process "work may be ready" wake-ups for `ready_wait`.
+    ready: tokio::sync::Notify,
 }
 
 impl MemoryStore {
@@ -67,6 +69,15 @@ impl MemoryStore {
     /// panicked while holding it; the data is still consistent enough to inspect.
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wakes workers waiting in `ready_wait` (every current waiter, plus a stored permit
+    /// for one that is about to wait, so a wake-up between its claim and its wait is not
+    /// lost).
+    fn wake<T>(&self, result: T) -> T {
+        self.ready.notify_waiters();
+        self.ready.notify_one();
+        result
     }
 }
 
@@ -885,11 +896,12 @@ impl State {
 #[async_trait]
 impl Store for MemoryStore {
     fn capabilities(&self) -> StoreCapabilities {
-        StoreCapabilities { notifications: false }
+        StoreCapabilities { notifications: true }
     }
 
     async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        self.state().insert(&params)
+        let result = self.state().insert(&params);
+        self.wake(result)
     }
 
     async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
@@ -901,15 +913,18 @@ impl Store for MemoryStore {
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
-        let mut state = self.state();
-        Ok(params
-            .commits
-            .iter()
-            .map(|c| {
-                let plan = state.plan(c, params.now)?;
-                Ok(state.execute(c, plan, params.now))
-            })
-            .collect())
+        let receipts = {
+            let mut state = self.state();
+            params
+                .commits
+                .iter()
+                .map(|c| {
+                    let plan = state.plan(c, params.now)?;
+                    Ok(state.execute(c, plan, params.now))
+                })
+                .collect()
+        };
+        self.wake(Ok(receipts))
     }
 
     async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
@@ -917,29 +932,34 @@ impl Store for MemoryStore {
     }
 
     async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        self.state().lease_reap(&params)
+        let result = self.state().lease_reap(&params);
+        self.wake(result)
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
-        Ok(self.state().lease_release(&params))
+        let result = self.state().lease_release(&params);
+        self.wake(Ok(result))
     }
 
     async fn signal_deliver(
         &self,
         params: SignalDeliverParams,
     ) -> StoreResult<Vec<DeliveryOutcome>> {
-        self.state().signal_deliver(&params)
+        let result = self.state().signal_deliver(&params);
+        self.wake(result)
     }
 
     async fn signal_broadcast(
         &self,
         params: SignalBroadcastParams,
     ) -> StoreResult<BroadcastReport> {
-        self.state().signal_broadcast(&params)
+        let result = self.state().signal_broadcast(&params);
+        self.wake(result)
     }
 
     async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
-        self.state().cancel(&params)
+        let result = self.state().cancel(&params);
+        self.wake(result)
     }
 
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
@@ -974,11 +994,13 @@ impl Store for MemoryStore {
         &self,
         params: DeadLetterRetryParams,
     ) -> StoreResult<Vec<InstanceId>> {
-        self.state().dead_letter_retry(&params)
+        let result = self.state().dead_letter_retry(&params);
+        self.wake(result)
     }
 
     async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
-        self.state().dead_letter_skip(&params)
+        let result = self.state().dead_letter_skip(&params);
+        self.wake(result)
     }
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
@@ -989,7 +1011,7 @@ impl Store for MemoryStore {
         check_name("namespace", &params.namespace)?;
         check_name("queue", &params.queue)?;
         self.state().queues.insert((params.namespace, params.queue), params.paused);
-        Ok(())
+        self.wake(Ok(()))
     }
 
     async fn queue_stats(
@@ -1001,7 +1023,8 @@ impl Store for MemoryStore {
     }
 
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        self.state().timer_sweep(&params)
+        let result = self.state().timer_sweep(&params);
+        self.wake(result)
     }
 
     async fn timer_status(
@@ -1010,6 +1033,10 @@ impl Store for MemoryStore {
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         Ok(self.state().timer_status(namespace.as_deref(), now))
+    }
+
+    async fn ready_wait(&self) {
+        self.ready.notified().await;
     }
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
