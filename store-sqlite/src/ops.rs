@@ -23,6 +23,10 @@ use serde_json::json;
 use sqlx::Connection;
 use std::collections::{HashSet, VecDeque};
 
+/// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
+/// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
+pub(crate) const WHOLE_INBOX: usize = i64::MAX as usize;
+
 /// Most candidate rows one claim reads per page while it looks for claimable ones.
 const CLAIM_PAGE_MIN: usize = 64;
 
@@ -135,8 +139,10 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
 
 // ----- commits ---------------------------------------------------------------------------
 
-/// Commits one step result inside its own savepoint: any error rolls back exactly this
-/// item, and the caller carries on with the next.
+/// Commits one step result inside its own savepoint: a rejection rolls back exactly this
+/// item, and the caller carries on with the next. An `Unavailable` error means the
+/// database itself failed (busy, IO); the caller aborts the whole batch on it, since the
+/// transaction may no longer be usable.
 pub(crate) async fn commit_item(
     db: &mut Db<'_>,
     c: &StepCommit,
@@ -179,7 +185,7 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         })?;
         emits.push((signal, target));
     }
-    let inbox = db.inbox(c.id, usize::MAX >> 1 /* the whole inbox */).await?;
+    let inbox = db.inbox(c.id, WHOLE_INBOX).await?;
     let consume: Vec<SignalId> =
         inbox.iter().map(|s| s.id).filter(|id| c.consume.contains(id)).collect();
     let signal_waiting = match &c.outcome {

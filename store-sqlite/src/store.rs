@@ -16,7 +16,7 @@ use keel_core::ports::store::{
     InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams, LeaseReapParams,
     LeaseReleaseParams, QueuePauseParams, QueueState, SignalDeliverParams, StoreCapabilities,
 };
-use keel_core::{DeadLetterId, InstanceId, SignalTarget, StoreResult};
+use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
@@ -301,7 +301,10 @@ impl Store for SqliteStore {
         let out = write_tx!(self, |db| async {
             let mut out = Vec::with_capacity(params.commits.len());
             for c in &params.commits {
-                out.push(ops::commit_item(db, c, params.now).await);
+                match ops::commit_item(db, c, params.now).await {
+                    Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
+                    item => out.push(item),
+                }
             }
             StoreResult::Ok(out)
         })?;
@@ -356,12 +359,15 @@ impl Store for SqliteStore {
         let mut tx = conn.begin().await.map_err(|e| map(file, "starting a read", &e))?;
         let mut db = Db { conn: &mut tx, file };
         let instance = db.instance_required(id).await?;
-        Ok(InstanceDetail {
-            inbox: db.inbox(id, usize::MAX >> 1).await?,
+        let detail = InstanceDetail {
+            inbox: db.inbox(id, ops::WHOLE_INBOX).await?,
             children: db.children(id).await?,
             history: db.history(id).await?,
             instance,
-        })
+        };
+        // One snapshot for the row and its inbox, children and history; nothing to keep.
+        tx.rollback().await.map_err(|e| map(file, "ending a read", &e))?;
+        Ok(detail)
     }
 
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
