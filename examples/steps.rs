@@ -49,7 +49,7 @@ impl StepMachine for Order {
                     state["paid_cents"] = paid.payload["cents"].clone();
                     Outcome::Next { step: "ship".into(), context: state }
                 }
-                None => Outcome::Await { signal: "PAID".into(), context: state },
+                None => Outcome::Await { signal: "PAID".into(), context: state, step: None },
             },
             "ship" => {
                 let parcels = (0..2)

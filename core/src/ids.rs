@@ -35,6 +35,11 @@ int_id!(
     DeadLetterId,
     "dl"
 );
+int_id!(
+    /// The id of one armed timer.
+    TimerId,
+    "t"
+);
 
 /// A fencing token: increases on every claim of an instance. A commit names the token of
 /// its claim; a commit whose token is not the instance's current one is rejected

@@ -17,11 +17,12 @@ pub mod outcome;
 pub mod ports;
 pub mod retry;
 pub mod time;
+pub mod timers;
 
 pub use error::{ErrorKind, StoreError, StoreResult};
 pub use ids::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
-    StatusSet, WorkerId,
+    StatusSet, TimerId, WorkerId,
 };
 pub use instance::{Instance, NewInstance, NewSignal, Signal, SignalTarget};
 pub use outcome::{Outcome, StepCommit, StepFailure};

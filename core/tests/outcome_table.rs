@@ -151,7 +151,7 @@ fn outcome_table() {
         (
             "await with nothing waiting: park",
             executing(0, 0),
-            Outcome::Await { signal: "PAID".into(), context: ctx(1) },
+            Outcome::Await { signal: "PAID".into(), context: ctx(1), step: None },
             None,
             (false, 0),
             Row {
@@ -163,13 +163,25 @@ fn outcome_table() {
         (
             "await with a matching signal already in the inbox: runnable (no lost wake-up)",
             executing(0, 0),
-            Outcome::Await { signal: "PAID".into(), context: ctx(1) },
+            Outcome::Await { signal: "PAID".into(), context: ctx(1), step: None },
             None,
             (true, 0),
             Row {
                 awaits: Some("PAID"),
                 history: hist(&["STEP_AWAIT"]),
                 ..base(Status::Runnable, "a", 0, NOW.0)
+            },
+        ),
+        (
+            "await with a step: move there and park (a chart between events)",
+            executing(1, 1),
+            Outcome::Await { signal: "*".into(), context: ctx(1), step: Some("b".into()) },
+            None,
+            (false, 0),
+            Row {
+                awaits: Some("*"),
+                history: hist(&["STEP_AWAIT"]),
+                ..base(Status::AwaitingSignal, "b", 0, NOW.0)
             },
         ),
         (

@@ -5,9 +5,9 @@
 use keel_core::instance::DeadLetter;
 use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
 use keel_core::ports::store::{
-    CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    BroadcastReport, CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    InstanceDetail, QueuePauseParams, SignalDeliverParams,
+    InstanceDetail, QueuePauseParams, SignalBroadcastParams, SignalDeliverParams,
 };
 use keel_core::ports::{Clock, Store};
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult};
@@ -65,6 +65,28 @@ impl<S: Store, C: Clock> Client<S, C> {
     /// Sends many signals in one batch; per item, what happened.
     pub async fn send_many(&self, signals: Vec<NewSignal>) -> StoreResult<Vec<DeliveryOutcome>> {
         self.store.signal_deliver(SignalDeliverParams { signals, now: self.clock.now() }).await
+    }
+
+    /// Delivers `event` to every non-terminal instance of `machine` in `namespace` whose
+    /// position is in `in_state` (`None` = all of them), in one store call.
+    pub async fn broadcast(
+        &self,
+        namespace: &str,
+        machine: &str,
+        in_state: Option<&str>,
+        event: &str,
+        payload: serde_json::Value,
+    ) -> StoreResult<BroadcastReport> {
+        let params = SignalBroadcastParams {
+            namespace: namespace.to_owned(),
+            machine: machine.to_owned(),
+            in_state: in_state.map(str::to_owned),
+            name: event.to_owned(),
+            payload,
+            dedup_key: None,
+            now: self.clock.now(),
+        };
+        self.store.signal_broadcast(params).await
     }
 
     /// Cancels an instance (with `cascade`, its non-terminal descendants too).

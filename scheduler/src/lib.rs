@@ -10,11 +10,13 @@
 //!
 //! The scheduler is generic over `Store` and `Clock` and never names a concrete backend.
 
+pub mod chart;
 pub mod client;
 pub mod clock;
 pub mod machine;
 pub mod worker;
 
+pub use chart::{ActionContext, ChartMachine};
 pub use client::Client;
 pub use clock::SystemClock;
 pub use machine::{StepContext, StepError, StepMachine};

@@ -2,8 +2,9 @@
 //! sees its instance's context, attempt, inbox and children, and returns an outcome.
 
 use async_trait::async_trait;
+use keel_core::SignalId;
 use keel_core::config::QueueConfig;
-use keel_core::instance::{ChildSummary, NewSignal, Signal};
+use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
 use keel_core::retry::ErrorClass;
 use keel_core::{InstanceId, MachineRef, Outcome};
 use serde_json::Value;
@@ -31,8 +32,21 @@ pub struct StepContext {
     pub children: Vec<ChildSummary>,
     /// Business key, if any.
     pub business_key: Option<String>,
-    /// Events emitted by this step, delivered in the step's own commit.
-    pub(crate) outbox: Arc<Mutex<Vec<NewSignal>>>,
+    /// What the step asked for besides its outcome; goes into the step's own commit.
+    pub(crate) effects: Arc<Mutex<Effects>>,
+}
+
+/// Side effects a step requests; all of them ride the step's commit, and all of them are
+/// dropped when the step fails.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    pub(crate) emit: Vec<NewSignal>,
+    pub(crate) spawn: Vec<NewInstance>,
+    pub(crate) history: Vec<HistoryEntry>,
+    /// Overrides the default consumption rule.
+    pub(crate) consume: Option<Vec<SignalId>>,
+    /// The inbox signal the step is processing, for dead letters.
+    pub(crate) processing: Option<Signal>,
 }
 
 impl StepContext {
@@ -41,12 +55,35 @@ impl StepContext {
     /// discarded (error, lost lease, crash) the event is never sent; if it commits, the
     /// event is there. An emit to a missing target rejects the commit, so the step re-runs.
     pub fn emit(&self, signal: NewSignal) {
-        self.outbox.lock().expect("outbox lock").push(signal);
+        self.effects().emit.push(signal);
     }
 
-    /// Takes the emitted events (the worker does this when it builds the commit).
-    pub(crate) fn take_outbox(&self) -> Vec<NewSignal> {
-        std::mem::take(&mut *self.outbox.lock().expect("outbox lock"))
+    /// Starts a child instance in this step's commit, without waiting for it (its
+    /// `parent` is this instance). With `invoked_by` set, its terminal commit reports
+    /// back into this instance's inbox.
+    pub fn spawn(&self, child: NewInstance) {
+        self.effects().spawn.push(child);
+    }
+
+    /// Appends a history entry in this step's commit.
+    pub fn record(&self, entry: HistoryEntry) {
+        self.effects().history.push(entry);
+    }
+
+    /// Consumes exactly these inbox signals on success, instead of the default rule (the
+    /// seen signals that match what the instance awaited).
+    pub fn consume(&self, ids: Vec<SignalId>) {
+        self.effects().consume = Some(ids);
+    }
+
+    /// Marks the inbox signal this step processes: a dead letter then names it, and the
+    /// `skip` policy consumes it.
+    pub fn processing(&self, signal: &Signal) {
+        self.effects().processing = Some(signal.clone());
+    }
+
+    pub(crate) fn effects(&self) -> std::sync::MutexGuard<'_, Effects> {
+        self.effects.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The first inbox signal named `name`, if any.

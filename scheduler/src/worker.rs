@@ -9,6 +9,7 @@
 //! polling alone is correct.
 
 use crate::machine::{StepContext, StepError, StepMachine};
+use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::instance::ANY_SIGNAL;
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
@@ -18,6 +19,7 @@ use keel_core::ports::store::{
 use keel_core::ports::{Clock, Store};
 use keel_core::retry::{self, ErrorClass, RetryDecision};
 use keel_core::{ErrorKind, FencingToken, InstanceId, MachineRef, WorkerId};
+use serde_json::json;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -300,7 +302,7 @@ fn context_of(claim: &Claim) -> StepContext {
         signals: claim.inbox.clone(),
         children: claim.children.clone(),
         business_key: row.business_key.clone(),
-        outbox: Arc::default(),
+        effects: Arc::default(),
     }
 }
 
@@ -331,12 +333,19 @@ async fn run_step<S: Store, C: Clock>(
     let (commit, failed) = match result {
         Ok(outcome) => {
             let mut commit = success_commit(&claim, outcome);
-            commit.emit = ctx.take_outbox();
+            let mut effects = ctx.effects();
+            commit.emit = std::mem::take(&mut effects.emit);
+            commit.spawn = std::mem::take(&mut effects.spawn);
+            commit.history = std::mem::take(&mut effects.history);
+            if let Some(consume) = effects.consume.take() {
+                commit.consume = consume;
+            }
+            drop(effects);
             (commit, false)
         }
         Err(error) => {
             tracing::warn!(parent: &span, error = %error, "step failed");
-            (failure_commit(&claim, &ctx, machine.as_ref(), &config.retry, error).await, true)
+            (failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await, true)
         }
     };
     let finished = Finished { commit, machine: row.machine.name.clone(), failed, _permit: permit };
@@ -396,29 +405,44 @@ async fn failure_commit(
     claim: &Claim,
     ctx: &StepContext,
     machine: &dyn StepMachine,
-    policy: &retry::RetryPolicy,
+    config: &QueueConfig,
     error: StepError,
 ) -> StepCommit {
     let row = &claim.instance;
     let retryable = error.class == ErrorClass::Retryable;
+    let processing = ctx.effects().processing.take();
     let mut failure = StepFailure {
         error: error.message.clone(),
         retryable,
         dead_letter: false,
-        signals: claim.inbox.iter().map(|s| s.id).collect(),
-        event: None,
+        signals: processing
+            .as_ref()
+            .map_or_else(|| claim.inbox.iter().map(|s| s.id).collect(), |s| vec![s.id]),
+        event: processing.as_ref().map(|s| json!({ "name": s.name, "payload": s.payload })),
     };
+    let mut consume = Vec::new();
     let outcome = match machine.handle(&error, ctx).await {
         Ok(Some(outcome)) => outcome,
         Ok(None) => {
             let attempt = u32::try_from(row.attempt).unwrap_or(0);
-            match retry::decide(policy, attempt, error.class, fastrand::f64()) {
+            match retry::decide(&config.retry, attempt, error.class, fastrand::f64()) {
                 RetryDecision::Retry { delay } => {
                     Outcome::Retry { context: row.context.clone(), delay }
                 }
                 RetryDecision::DeadLetter { .. } => {
                     failure.dead_letter = true;
-                    Outcome::Suspend
+                    match (&processing, config.on_dead_letter) {
+                        // Skip: drop the failed event, keep the position, take the next one.
+                        (Some(event), OnDeadLetter::Skip) => {
+                            consume.push(event.id);
+                            Outcome::Await {
+                                signal: ANY_SIGNAL.into(),
+                                context: row.context.clone(),
+                                step: None,
+                            }
+                        }
+                        _ => Outcome::Suspend,
+                    }
                 }
             }
         }
@@ -426,7 +450,7 @@ async fn failure_commit(
             reason: format!("error handler failed: {handler_error} (while handling: {error})"),
         },
     };
-    StepCommit::new(row.id, claim.token(), outcome).failure(failure)
+    StepCommit::new(row.id, claim.token(), outcome).consume(consume).failure(failure)
 }
 
 async fn commit_loop<S: Store, C: Clock>(

@@ -5,85 +5,22 @@
 
 #![allow(clippy::items_after_statements, clippy::unnecessary_wraps, clippy::unused_self)]
 
+mod common;
+
 use async_trait::async_trait;
 use keel_core::config::QueueConfig;
 use keel_core::instance::NewInstance;
 use keel_core::ports::store::{ClaimParams, CommitParams, DeadLetterFilter, LeaseReapParams};
 use keel_core::ports::{Clock, Store};
 use keel_core::retry::RetryPolicy;
-use keel_core::{
-    InstanceId, MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, Timestamp, WorkerId,
-};
-use keel_scheduler::{
-    Client, StepContext, StepError, StepMachine, Worker, WorkerConfig, WorkerHandle,
-};
-use keel_testkit::clock::VirtualClock;
-use keel_testkit::memory::MemoryStore;
+use keel_core::{MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, WorkerId};
+use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const T0: Timestamp = Timestamp(1_700_000_000_000);
-
-struct Harness {
-    store: Arc<MemoryStore>,
-    clock: VirtualClock,
-    client: Client<MemoryStore, VirtualClock>,
-}
-
-impl Harness {
-    fn new() -> Self {
-        let store = Arc::new(MemoryStore::new());
-        let clock = VirtualClock::new(T0);
-        let client = Client::new(Arc::clone(&store), clock.clone());
-        Harness { store, clock, client }
-    }
-
-    fn config(&self) -> WorkerConfig {
-        WorkerConfig {
-            worker_id: WorkerId("test-worker".into()),
-            poll_interval: Duration::from_millis(5),
-            reap_interval: Duration::from_millis(10),
-            heartbeat: Duration::from_millis(10),
-            shutdown_grace: Duration::from_millis(200),
-            ..WorkerConfig::default()
-        }
-    }
-
-    fn worker(&self, config: WorkerConfig, machine: impl StepMachine) -> WorkerHandle {
-        Worker::new(Arc::clone(&self.store), self.clock.clone(), config).register(machine).spawn()
-    }
-
-    async fn start(&self, new: NewInstance) -> InstanceId {
-        self.client.start(new).await.expect("start").id()
-    }
-
-    async fn status(&self, id: InstanceId) -> Status {
-        self.client.get(id).await.expect("get").instance.status
-    }
-
-    /// Polls until `cond` holds for the instance (at most 5 s of real time).
-    async fn wait(
-        &self,
-        id: InstanceId,
-        what: &str,
-        cond: impl Fn(&keel_core::Instance) -> bool,
-    ) -> keel_core::Instance {
-        for _ in 0..1_000 {
-            let row = self.client.get(id).await.expect("get").instance;
-            if cond(&row) {
-                return row;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let row = self.client.get(id).await.expect("get").instance;
-        panic!(
-            "timed out waiting for {what}; instance is {:?} at {:?} attempt {}",
-            row.status, row.position, row.attempt
-        );
-    }
-}
+use common::Harness;
 
 fn machine() -> MachineRef {
     MachineRef::new("m", 1)
@@ -453,7 +390,7 @@ async fn await_wakes_on_the_signal_and_consumes_only_what_it_saw() {
     let m = steps(|ctx| match ctx.signal("GO") {
         Some(s) => Ok(Outcome::Next { step: "b".into(), context: json!({ "got": s.payload }) }),
         None if ctx.step == "a" => {
-            Ok(Outcome::Await { signal: "GO".into(), context: ctx.context.clone() })
+            Ok(Outcome::Await { signal: "GO".into(), context: ctx.context.clone(), step: None })
         }
         None => done(),
     });

@@ -90,6 +90,12 @@ fn ci(root: &Path) -> Result<()> {
     eprintln!("==> tidy");
     tidy::report(&tidy::check(root)?)?;
     test(root, true)?;
+    // The examples are the first thing a new user runs: they must run, not just compile.
+    for example in ["steps", "order"] {
+        let mut cmd = cargo(root);
+        cmd.args(["run", "--quiet", "--example", example]);
+        run(&format!("example {example}"), cmd)?;
+    }
     eprintln!("ci: all green in {:.0}s", started.elapsed().as_secs_f64());
     Ok(())
 }

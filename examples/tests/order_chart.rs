@@ -4,65 +4,12 @@
 
 use std::path::PathBuf;
 
-use keel_core::chart::{Definition, Timer};
+use keel_core::chart::Timer;
+use keel_examples::order::definition;
 use keel_testkit::TestMachine;
 use keel_testkit::prop::{InvariantOptions, check_invariant, check_invariant_with};
 use serde::Serialize;
 use serde_json::json;
-
-/// cart → awaiting_payment (expires after 7 days) → processing (inventory ∥ payment, with
-/// `@done` and conditional `@fail`) → completed / cancelled / failed.
-fn order_chart() -> Definition {
-    Definition::builder("order", 1)
-        .guard("has_items", |ctx, _| {
-            ctx.get_as::<Vec<String>>("items").is_some_and(|i| !i.is_empty())
-        })
-        .guard("can_retry", |ctx, _| ctx.get_as::<u32>("retries").unwrap_or(0) < 2)
-        .initial("cart")
-        .state("cart", |s| {
-            s.on("ADD_ITEM", |t| t.action("add_item")).on("CHECKOUT", |t| {
-                t.guard("has_items").target("awaiting_payment").action("snapshot_total")
-            })
-        })
-        .state("awaiting_payment", |s| {
-            s.on_to("PAY", "processing")
-                .on("ORDER_EXPIRED", |t| t.target("cancelled").after(Timer::days(7)))
-                .on_to("CANCEL", "cancelled")
-        })
-        .parallel("processing", |s| {
-            s.state("inventory", |r| {
-                r.initial("checking")
-                    .state("checking", |s| {
-                        s.entry("reserve_stock").on_to("STOCK_RESERVED", "reserved")
-                    })
-                    .final_state("reserved")
-            })
-            .state("payment", |r| {
-                r.initial("charging")
-                    .state("charging", |s| {
-                        s.entry("charge_card").on_to("PAYMENT_CAPTURED", "captured").on(
-                            "RETRY_PAYMENT",
-                            |t| {
-                                t.action("charge_card")
-                                    .every(Timer::hours(6))
-                                    .max(3)
-                                    .then("PAYMENT_FAILED")
-                            },
-                        )
-                    })
-                    .final_state("captured")
-            })
-            .on_to("PAYMENT_FAILED", "failed")
-            .on_done(|b| b.target("completed").action("send_receipt"))
-            .on_fail(|b| b.guard("can_retry").target("awaiting_payment").action("count_retry"))
-            .on_fail(|b| b.target("failed").action("alert"))
-        })
-        .final_state("completed")
-        .final_state("cancelled")
-        .final_state("failed")
-        .build()
-        .expect("the order chart is valid")
-}
 
 #[derive(Serialize)]
 struct Order {
@@ -71,7 +18,7 @@ struct Order {
 }
 
 fn machine(card_ok: bool) -> TestMachine {
-    TestMachine::new(order_chart())
+    TestMachine::new(definition())
         .with_context(Order { items: vec![], card_ok })
         .action("add_item", |ctx, event| async move {
             let mut items: Vec<String> = ctx.get_as("items").unwrap_or_default();
@@ -184,7 +131,7 @@ fn failing_action_reports_the_error_and_commits_nothing() {
 
 #[test]
 fn invariants_hold_for_random_event_sequences() {
-    let def = order_chart();
+    let def = definition();
     // Without actions: the structure alone.
     check_invariant(def.clone(), |s| {
         !(s.configuration.contains("completed") && s.configuration.contains("failed"))
@@ -205,13 +152,13 @@ fn invariants_hold_for_random_event_sequences() {
 #[test]
 #[should_panic(expected = "invariant of `order` violated")]
 fn a_false_invariant_is_reported() {
-    check_invariant(order_chart(), |s| !s.result.unhandled);
+    check_invariant(definition(), |s| !s.result.unhandled);
 }
 
 #[test]
 fn mermaid_matches_the_golden_file() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/order-chart.mmd");
-    let actual = order_chart().to_mermaid();
+    let actual = definition().to_mermaid();
     if std::env::var_os("KEEL_BLESS").is_some_and(|v| v == "1") {
         std::fs::write(&path, &actual).expect("write the golden file");
     }
