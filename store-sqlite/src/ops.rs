@@ -6,21 +6,28 @@
 //! `MemoryStore` — so the two cannot drift apart. The caller owns the transaction: it
 //! begins it with `BEGIN IMMEDIATE`, and commits only when the operation returns `Ok`.
 
-use crate::rows::{Db, dead_letter_cols, instance_cols};
-use keel_core::instance::{HistoryEntry, NewDeadLetter, check_batch, check_name, unique_guard};
+use crate::error::corrupt;
+use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
+use keel_core::chart::TimerArm;
+use keel_core::instance::{
+    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, unique_guard,
+};
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
 use keel_core::ports::store::{
-    CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, SignalDeliverParams,
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
+    DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
+    InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    SignalBroadcastParams, SignalDeliverParams, TimerSweepParams, TimerSweepReport,
 };
+use keel_core::timers::{self, TimerRow};
 use keel_core::{
-    DeadLetterId, FencingToken, Instance, InstanceId, NewSignal, SignalId, Status, StepCommit,
-    StoreError, StoreResult, Timestamp,
+    DeadLetterId, FencingToken, Instance, InstanceId, NewInstance, NewSignal, SignalId,
+    SignalTarget, Status, StepCommit, StoreError, StoreResult, TimerId, Timestamp,
 };
 use serde_json::json;
 use sqlx::Connection;
+use sqlx::Row;
 use std::collections::{HashSet, VecDeque};
 
 /// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
@@ -201,19 +208,16 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     let mut inserted = 0;
     if let Outcome::ScheduleChildren { children: specs, .. } = &c.outcome {
         for spec in specs {
-            let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
-            let existing = match guard {
-                Some(g) => db.occupant(g, InstanceId(0)).await?,
-                None => None,
-            };
-            children.push(if let Some(id) = existing {
-                InsertOutcome::Existing(id)
-            } else {
+            let result = insert_child(db, spec, c.id, now).await?;
+            if matches!(result, InsertOutcome::Inserted(_)) {
                 inserted += 1;
-                let child = Instance::from_new(InstanceId(0), spec, Some(c.id), now);
-                InsertOutcome::Inserted(db.instance_insert(&child).await?)
-            });
+            }
+            children.push(result);
         }
+    }
+    let mut spawned = Vec::with_capacity(c.spawn.len());
+    for spec in &c.spawn {
+        spawned.push(insert_child(db, spec, c.id, now).await?);
     }
     let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted };
     let applied = outcome::apply(&row, c, facts);
@@ -234,31 +238,82 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         Some(letter) => Some(db.dead_letter_insert(letter, now).await?),
         None => None,
     };
+    timers_change(db, &next, &c.timers_cancel, &c.timers_arm, now).await?;
+    if terminal {
+        db.timers_drop(next.id).await?;
+    }
     db.instance_write(&next).await?;
     for (signal, target) in emits {
         deliver_to(db, target, signal, now).await?;
     }
     if terminal {
-        release_parent(db, next.parent, now).await?;
+        child_terminal(db, &next, now).await?;
     }
     Ok(CommitReceipt {
         id: next.id,
         revision: next.revision,
         status: next.status,
         children,
+        spawned,
         dead_letter,
     })
 }
 
-/// One child of `parent` became terminal (or was cancelled): count it on the barrier.
-async fn release_parent(
+/// Inserts a child of `parent` unless uniqueness finds an occupant (a `ScheduleChildren`
+/// child or a `spawn` item; only the former counts on a barrier).
+async fn insert_child(
     db: &mut Db<'_>,
-    parent: Option<InstanceId>,
+    spec: &NewInstance,
+    parent: InstanceId,
+    now: Timestamp,
+) -> StoreResult<InsertOutcome> {
+    let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+    let existing = match guard {
+        Some(g) => db.occupant(g, InstanceId(0)).await?,
+        None => None,
+    };
+    if let Some(id) = existing {
+        return Ok(InsertOutcome::Existing(id));
+    }
+    let child = Instance::from_new(InstanceId(0), spec, Some(parent), now);
+    Ok(InsertOutcome::Inserted(db.instance_insert(&child).await?))
+}
+
+/// `child` became terminal (or was cancelled): count it on its parent's barrier, and tell
+/// a chart parent through its inbox (`outcome::parent_notice`), as `MemoryStore` does.
+async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> StoreResult<()> {
+    let Some(parent) = child.parent else { return Ok(()) };
+    let Some(row) = db.instance(parent).await? else { return Ok(()) };
+    db.instance_write(&outcome::release_parent(&row, now)).await?;
+    if let Some(notice) = outcome::parent_notice(child)
+        && let SignalTarget::Id(target) = notice.target
+        && db.instance(target).await?.is_some()
+    {
+        deliver_to(db, target, &notice, now).await?;
+    }
+    Ok(())
+}
+
+/// A commit's timer changes: cancels first (every timer of the instance owned by a left
+/// state or a descendant), then arms, due one interval after `now`.
+async fn timers_change(
+    db: &mut Db<'_>,
+    row: &Instance,
+    cancel: &[String],
+    arm: &[TimerArm],
     now: Timestamp,
 ) -> StoreResult<()> {
-    let Some(parent) = parent else { return Ok(()) };
-    if let Some(row) = db.instance(parent).await? {
-        db.instance_write(&outcome::release_parent(&row, now)).await?;
+    if !cancel.is_empty() {
+        for t in db.timers(row.id, WHOLE_INBOX).await? {
+            if cancel.iter().any(|left| timers::owned_by(&t.spec.state, left)) {
+                db.timer_remove(t.id).await?;
+            }
+        }
+    }
+    for spec in arm {
+        let t =
+            TimerRow::armed(TimerId(0), row.id, &row.namespace, &row.machine, spec.clone(), now);
+        db.timer_insert(&t).await?;
     }
     Ok(())
 }
@@ -306,6 +361,128 @@ pub(crate) async fn signal_deliver(
         });
     }
     Ok(out)
+}
+
+/// One event to every non-terminal instance of a machine whose position is in the state
+/// (`instance::position_in_state`), in id order; nothing when too many match.
+pub(crate) async fn signal_broadcast(
+    db: &mut Db<'_>,
+    p: &SignalBroadcastParams,
+) -> StoreResult<BroadcastReport> {
+    let probe = NewSignal {
+        target: SignalTarget::Id(InstanceId(0)),
+        name: p.name.clone(),
+        payload: p.payload.clone(),
+        dedup_key: p.dedup_key.clone(),
+    };
+    probe.validate("broadcast")?;
+    let rows = sqlx::query(
+        "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
+         AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
+    )
+    .bind(&p.namespace)
+    .bind(&p.machine)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("selecting broadcast targets"))?;
+    let mut targets = Vec::new();
+    for r in &rows {
+        let id: i64 = r.try_get("id").map_err(|e| corrupt(db.file, "id", e))?;
+        let position: String =
+            r.try_get("position").map_err(|e| corrupt(db.file, "position", e))?;
+        if p.in_state.as_deref().is_none_or(|st| position_in_state(&position, st)) {
+            targets.push(InstanceId(id));
+        }
+    }
+    check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
+    let mut report = BroadcastReport::default();
+    for target in targets {
+        let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
+        if let DeliveryOutcome::Delivered { woke, .. } =
+            deliver_to(db, target, &signal, p.now).await?
+        {
+            report.delivered += 1;
+            report.woke += u64::from(woke);
+        }
+    }
+    Ok(report)
+}
+
+// ----- timers ----------------------------------------------------------------------------
+
+/// Fires due timers in (due time, id) order through the core's `timers::fire`, as
+/// `MemoryStore` does; timers of missing or terminal instances are deleted silently.
+/// Records the sweep time per (namespace or `*`, machine or `*`).
+pub(crate) async fn timer_sweep(
+    db: &mut Db<'_>,
+    p: &TimerSweepParams,
+) -> StoreResult<TimerSweepReport> {
+    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+    let machines = serde_json::to_string(&p.machines).unwrap_or_default();
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        timer_cols!(),
+        " FROM keel_timers WHERE next_fire_at <= ? AND (? IS NULL OR namespace = ?) \
+           AND (? = '[]' OR machine IN (SELECT value FROM json_each(?))) \
+         ORDER BY next_fire_at, id LIMIT ?"
+    ))
+    .bind(p.now.0)
+    .bind(&p.namespace)
+    .bind(&p.namespace)
+    .bind(&machines)
+    .bind(&machines)
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("picking due timers"))?;
+    let due: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
+    let mut report = TimerSweepReport::default();
+    for timer in due {
+        report.processed += 1;
+        let live = db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal());
+        if !live {
+            db.timer_remove(timer.id).await?;
+            continue;
+        }
+        let fired = timers::fire(&timer, p.now);
+        if timers::delivers(&fired)
+            && matches!(
+                deliver_to(db, timer.instance, &fired.signal, p.now).await?,
+                DeliveryOutcome::Delivered { .. }
+            )
+        {
+            if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
+                report.exhausted += 1;
+            } else {
+                report.fired += 1;
+            }
+        }
+        let row = db.instance_required(timer.instance).await?;
+        db.record(&row, row.attempt, &fired.history, p.now).await?;
+        match &fired.next {
+            Some(next) => db.timer_write(next).await?,
+            None => db.timer_remove(timer.id).await?,
+        }
+    }
+    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
+    let scopes: Vec<&str> = if p.machines.is_empty() {
+        vec!["*"]
+    } else {
+        p.machines.iter().map(String::as_str).collect()
+    };
+    for machine in scopes {
+        sqlx::query(
+            "INSERT INTO keel_timer_sweeps (namespace, machine, swept_at) VALUES (?, ?, ?) \
+             ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at",
+        )
+        .bind(&ns)
+        .bind(machine)
+        .bind(p.now.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("recording a timer sweep"))?;
+    }
+    Ok(report)
 }
 
 // ----- leases ----------------------------------------------------------------------------
@@ -428,7 +605,8 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
         );
         db.record(&next, row.attempt, &entry, p.now).await?;
         db.instance_write(&next).await?;
-        release_parent(db, next.parent, p.now).await?;
+        db.timers_drop(id).await?;
+        child_terminal(db, &next, p.now).await?;
         cancelled.push(id);
     }
     Ok(cancelled)

@@ -9,9 +9,11 @@ use keel_core::instance::{
     AttemptError, ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, NewDeadLetter, UniqueSpec,
 };
 use keel_core::limits;
+use keel_core::timers::TimerRow;
 use keel_core::{
     DeadLetterId, FencingToken, Instance, InstanceId, MachineRef, Priority, Revision, Signal,
-    SignalId, SignalTarget, Status, StatusSet, StoreError, StoreResult, Timestamp, WorkerId,
+    SignalId, SignalTarget, Status, StatusSet, StoreError, StoreResult, TimerId, Timestamp,
+    WorkerId,
 };
 use serde_json::Value;
 use sqlx::sqlite::SqliteRow;
@@ -24,7 +26,7 @@ macro_rules! instance_cols {
          concurrency_key, status, position, context, result, awaits, last_error, attempt, \
          errors, revision, eligible_at, lease_owner, lease_expires_at, fencing_token, \
          parent_id, children_pending, unique_key, unique_scope, correlation_id, created_at, \
-         updated_at, unique_guard"
+         updated_at, unique_guard, invoked_by"
     };
 }
 pub(crate) use instance_cols;
@@ -44,6 +46,15 @@ macro_rules! dead_letter_cols {
     };
 }
 pub(crate) use dead_letter_cols;
+
+/// The timer columns.
+macro_rules! timer_cols {
+    () => {
+        "id, instance_id, namespace, machine, machine_version, spec, next_fire_at, fire_count, \
+         armed_at"
+    };
+}
+pub(crate) use timer_cols;
 
 /// The bit mask of a status set: bit `i` is `Status::ALL[i]`.
 pub(crate) fn scope_mask(set: StatusSet) -> i64 {
@@ -140,6 +151,7 @@ impl Db<'_> {
             children_pending: self.get(row, "children_pending")?,
             unique: unique_key
                 .map(|key| UniqueSpec { key, scope: scope_of(unique_scope.unwrap_or(0)) }),
+            invoked_by: self.get(row, "invoked_by")?,
             correlation_id: self.get(row, "correlation_id")?,
             created_at: Timestamp(self.get(row, "created_at")?),
             updated_at: Timestamp(self.get(row, "updated_at")?),
@@ -182,6 +194,24 @@ impl Db<'_> {
                 first_attempt_at: Timestamp(self.get(row, "first_attempt_at")?),
                 last_attempt_at: Timestamp(self.get(row, "last_attempt_at")?),
             },
+        })
+    }
+
+    /// Decodes a timer row selected with [`timer_cols`].
+    pub fn timer_of(&self, row: &SqliteRow) -> StoreResult<TimerRow> {
+        let spec: String = self.get(row, "spec")?;
+        Ok(TimerRow {
+            id: TimerId(self.get(row, "id")?),
+            instance: InstanceId(self.get(row, "instance_id")?),
+            namespace: self.get(row, "namespace")?,
+            machine: MachineRef {
+                name: self.get(row, "machine")?,
+                version: self.get(row, "machine_version")?,
+            },
+            spec: self.json("spec", &spec)?,
+            next_fire_at: Timestamp(self.get(row, "next_fire_at")?),
+            fire_count: self.get(row, "fire_count")?,
+            armed_at: Timestamp(self.get(row, "armed_at")?),
         })
     }
 
@@ -335,7 +365,7 @@ impl Db<'_> {
             "INSERT INTO keel_instances (",
             instance_cols!(),
             ") VALUES (NULL, ",
-            "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?",
+            "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?",
             ") RETURNING id"
         ));
         let id: i64 = bind_instance(q, row, guard)
@@ -357,7 +387,7 @@ impl Db<'_> {
              errors = ?, revision = ?, eligible_at = ?, lease_owner = ?, lease_expires_at = ?, \
              fencing_token = ?, parent_id = ?, children_pending = ?, unique_key = ?, \
              unique_scope = ?, correlation_id = ?, created_at = ?, updated_at = ?, \
-             unique_guard = ? WHERE id = ?",
+             unique_guard = ?, invoked_by = ? WHERE id = ?",
         );
         bind_instance(q, row, guard)
             .bind(row.id.0)
@@ -388,6 +418,75 @@ impl Db<'_> {
         .execute(&mut *self.conn)
         .await
         .map_err(self.err("appending history"))?;
+        Ok(())
+    }
+
+    // ----- timers -----------------------------------------------------------------------
+
+    /// The timers of `id`, soonest first, at most `limit`.
+    pub async fn timers(&mut self, id: InstanceId, limit: usize) -> StoreResult<Vec<TimerRow>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            timer_cols!(),
+            " FROM keel_timers WHERE instance_id = ? ORDER BY next_fire_at, id LIMIT ?"
+        ))
+        .bind(id.0)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading timers"))?;
+        rows.iter().map(|r| self.timer_of(r)).collect()
+    }
+
+    /// Stores a new timer (its `id` is ignored: the database assigns it).
+    pub async fn timer_insert(&mut self, t: &TimerRow) -> StoreResult<TimerId> {
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, spec, \
+             next_fire_at, fire_count, armed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(t.instance.0)
+        .bind(&t.namespace)
+        .bind(&t.machine.name)
+        .bind(t.machine.version)
+        .bind(serde_json::to_string(&t.spec).unwrap_or_else(|_| "null".to_owned()))
+        .bind(t.next_fire_at.0)
+        .bind(t.fire_count)
+        .bind(t.armed_at.0)
+        .fetch_one(&mut *self.conn)
+        .await
+        .map_err(self.err("arming a timer"))?;
+        Ok(TimerId(id))
+    }
+
+    /// Writes a timer's schedule after a fire.
+    pub async fn timer_write(&mut self, t: &TimerRow) -> StoreResult<()> {
+        sqlx::query("UPDATE keel_timers SET next_fire_at = ?, fire_count = ? WHERE id = ?")
+            .bind(t.next_fire_at.0)
+            .bind(t.fire_count)
+            .bind(t.id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("advancing a timer"))?;
+        Ok(())
+    }
+
+    /// Deletes one timer.
+    pub async fn timer_remove(&mut self, id: TimerId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_timers WHERE id = ?")
+            .bind(id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("deleting a timer"))?;
+        Ok(())
+    }
+
+    /// Deletes every timer of instance `id` (it became terminal).
+    pub async fn timers_drop(&mut self, id: InstanceId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_timers WHERE instance_id = ?")
+            .bind(id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("deleting timers"))?;
         Ok(())
     }
 
@@ -538,4 +637,5 @@ fn bind_instance<'q>(
         .bind(row.created_at.0)
         .bind(row.updated_at.0)
         .bind(guard)
+        .bind(row.invoked_by.clone())
 }

@@ -11,14 +11,17 @@ use keel_core::instance::check_batch;
 use keel_core::limits;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt, DeadLetterFilter,
-    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
-    InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams, LeaseReapParams,
-    LeaseReleaseParams, QueuePauseParams, QueueState, SignalDeliverParams, StoreCapabilities,
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus, TimerSweepParams,
+    TimerSweepReport,
 };
-use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult};
+use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
+use sqlx::sqlite::SqliteRow;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -75,11 +78,10 @@ fn migrator() -> Migrator {
             false,
         )
     };
-    Migrator::with_migrations(vec![migration(
-        1,
-        "schema",
-        include_str!("../migrations/0001_schema.sql"),
-    )])
+    Migrator::with_migrations(vec![
+        migration(1, "schema", include_str!("../migrations/0001_schema.sql")),
+        migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
+    ])
 }
 
 /// Deletes a temporary database (and its WAL files) when the store that owns it is dropped.
@@ -345,6 +347,17 @@ impl Store for SqliteStore {
         Ok(out)
     }
 
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        let out = write_tx!(self, |db| ops::signal_broadcast(db, &params))?;
+        if out.delivered > 0 {
+            self.wake();
+        }
+        Ok(out)
+    }
+
     async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
         let out = write_tx!(self, |db| ops::cancel(db, &params))?;
         if !out.is_empty() {
@@ -363,6 +376,7 @@ impl Store for SqliteStore {
             inbox: db.inbox(id, ops::WHOLE_INBOX).await?,
             children: db.children(id).await?,
             history: db.history(id).await?,
+            timers: db.timers(id, limits::TIMER_LIST_MAX).await?,
             instance,
         };
         // One snapshot for the row and its inbox, children and history; nothing to keep.
@@ -456,6 +470,115 @@ impl Store for SqliteStore {
                     .try_get("paused")
                     .map_err(|e| crate::error::corrupt(&self.file, "paused", e))?;
                 Ok(QueueState { namespace: namespace.clone(), queue, paused: paused != 0 })
+            })
+            .collect()
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        let mut conn = self.reader().await?;
+        let db = Db { conn: &mut conn, file: &self.file };
+        let rows = sqlx::query(
+            "SELECT namespace, queue, machine, \
+               SUM(status = 'runnable' AND eligible_at <= ?) AS ready, \
+               SUM(status = 'runnable' AND eligible_at > ?) AS scheduled, \
+               SUM(status = 'executing') AS executing, \
+               SUM(status IN ('awaiting_signal', 'awaiting_children')) AS waiting, \
+               SUM(status = 'suspended') AS suspended, \
+               MIN(CASE WHEN status = 'runnable' AND eligible_at <= ? THEN eligible_at END) \
+                 AS oldest_ready_at \
+             FROM keel_instances \
+             WHERE status NOT IN ('done', 'failed', 'cancelled') \
+               AND (? IS NULL OR namespace = ?) \
+             GROUP BY namespace, queue, machine ORDER BY namespace, queue, machine",
+        )
+        .bind(now.0)
+        .bind(now.0)
+        .bind(now.0)
+        .bind(&namespace)
+        .bind(&namespace)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("counting queues"))?;
+        let get = |r: &SqliteRow, col: &str| -> StoreResult<i64> {
+            r.try_get(col).map_err(|e| crate::error::corrupt(&self.file, col, e))
+        };
+        let text = |r: &SqliteRow, col: &str| -> StoreResult<String> {
+            r.try_get(col).map_err(|e| crate::error::corrupt(&self.file, col, e))
+        };
+        rows.iter()
+            .map(|r| {
+                let oldest: Option<i64> = r
+                    .try_get("oldest_ready_at")
+                    .map_err(|e| crate::error::corrupt(&self.file, "oldest_ready_at", e))?;
+                Ok(QueueStats {
+                    namespace: text(r, "namespace")?,
+                    queue: text(r, "queue")?,
+                    machine: text(r, "machine")?,
+                    ready: get(r, "ready")? as u64,
+                    scheduled: get(r, "scheduled")? as u64,
+                    executing: get(r, "executing")? as u64,
+                    waiting: get(r, "waiting")? as u64,
+                    suspended: get(r, "suspended")? as u64,
+                    oldest_ready_at: oldest.map(Timestamp),
+                })
+            })
+            .collect()
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        let out = write_tx!(self, |db| ops::timer_sweep(db, &params))?;
+        if out.fired + out.exhausted > 0 {
+            self.wake();
+        }
+        Ok(out)
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        let mut conn = self.reader().await?;
+        let db = Db { conn: &mut conn, file: &self.file };
+        let rows = sqlx::query(
+            "SELECT t.namespace, t.machine, t.armed, t.next_due, t.overdue, \
+               (SELECT MAX(s.swept_at) FROM keel_timer_sweeps s \
+                 WHERE s.namespace IN (t.namespace, '*') AND s.machine IN (t.machine, '*')) \
+                 AS last_sweep_at \
+             FROM (SELECT namespace, machine, COUNT(*) AS armed, MIN(next_fire_at) AS next_due, \
+                     SUM(next_fire_at <= ?) AS overdue \
+                   FROM keel_timers WHERE (? IS NULL OR namespace = ?) \
+                   GROUP BY namespace, machine) t \
+             ORDER BY t.namespace, t.machine",
+        )
+        .bind(now.0)
+        .bind(&namespace)
+        .bind(&namespace)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("reading timer status"))?;
+        let corrupt =
+            |col: &'static str| move |e: sqlx::Error| crate::error::corrupt(&self.file, col, e);
+        rows.iter()
+            .map(|r| {
+                Ok(TimerStatus {
+                    namespace: r.try_get("namespace").map_err(corrupt("namespace"))?,
+                    machine: r.try_get("machine").map_err(corrupt("machine"))?,
+                    armed: r.try_get::<i64, _>("armed").map_err(corrupt("armed"))? as u64,
+                    next_due: r
+                        .try_get::<Option<i64>, _>("next_due")
+                        .map_err(corrupt("next_due"))?
+                        .map(Timestamp),
+                    overdue: r.try_get::<i64, _>("overdue").map_err(corrupt("overdue"))? as u64,
+                    last_sweep_at: r
+                        .try_get::<Option<i64>, _>("last_sweep_at")
+                        .map_err(corrupt("last_sweep_at"))?
+                        .map(Timestamp),
+                })
             })
             .collect()
     }
