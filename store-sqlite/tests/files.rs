@@ -195,3 +195,71 @@ async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Ou
     })
     .await
 }
+
+/// A file written by the first schema (before charts and timers) migrates forward on open:
+/// its rows read back with the new column empty, and they can arm and fire timers.
+#[tokio::test]
+async fn a_file_from_the_first_schema_migrates_forward() {
+    use keel_core::chart::{TimerArm, TimerKind};
+    use keel_core::ports::store::TimerSweepParams;
+    use sqlx::SqlSafeStr;
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("old.db");
+    {
+        let url = format!("sqlite://{}?mode=rwc", path.display());
+        let mut old = SqliteConnection::connect(&url).await.expect("create the old file");
+        let first = Migration::new(
+            1,
+            "schema".into(),
+            MigrationType::Simple,
+            include_str!("../migrations/0001_schema.sql").into_sql_str(),
+            false,
+        );
+        Migrator::with_migrations(vec![first]).run(&mut old).await.expect("first schema");
+        sqlx::query(
+            "INSERT INTO keel_instances (namespace, machine, machine_version, queue, priority, \
+             status, position, context, attempt, errors, revision, eligible_at, fencing_token, \
+             created_at, updated_at) VALUES ('default', 'order', 1, 'default', 2, 'runnable', \
+             'start', '{}', 0, '[]', 0, ?, 0, ?, ?)",
+        )
+        .bind(at(0).as_millis())
+        .bind(at(0).as_millis())
+        .bind(at(0).as_millis())
+        .execute(&mut old)
+        .await
+        .expect("a row in the old schema");
+        old.close().await.expect("close");
+    }
+
+    let store = SqliteStore::open(&path).await.expect("open migrates forward");
+    let claim = store.instance_claim(claim_params(at(10))).await.expect("claim").remove(0);
+    assert_eq!(claim.instance.invoked_by, None);
+    let id = claim.instance.id;
+    let mut commit = StepCommit::new(
+        id,
+        claim.token(),
+        Outcome::Await { signal: "*".into(), context: json!({}), step: Some("waiting".into()) },
+    );
+    commit.timers_arm = vec![TimerArm {
+        state: "waiting".into(),
+        event: "EXPIRED".into(),
+        kind: TimerKind::After,
+        interval: Duration::from_secs(1),
+        max: None,
+        then: None,
+    }];
+    store
+        .step_commit(CommitParams { commits: vec![commit], now: at(20) })
+        .await
+        .expect("commit")
+        .remove(0)
+        .expect("accepted");
+    let params =
+        TimerSweepParams { namespace: None, machines: Vec::new(), limit: 10, now: at(5_000) };
+    assert_eq!(store.timer_sweep(params).await.expect("sweep").fired, 1);
+    let detail = store.instance_get(id).await.expect("get");
+    assert_eq!(detail.instance.status, Status::Runnable);
+    assert_eq!(detail.inbox[0].name, "EXPIRED");
+}
