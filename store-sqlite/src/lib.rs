@@ -19,11 +19,13 @@
 //!
 //! SQLite allows **one writer at a time** per database file. The store therefore keeps
 //! exactly one writer connection behind an async mutex, and every write operation (insert,
-//! claim, commit batch, delivery, heartbeat, reap, release, cancel, dead-letter and queue
-//! calls) is one `BEGIN IMMEDIATE` transaction on it: the write lock is taken up front, so
-//! a transaction never has to upgrade a read lock and fail half-way with `SQLITE_BUSY`.
-//! Inspection calls (`instance_get`, `instance_lookup`, dead-letter and queue lists) use a
-//! small read pool and, thanks to WAL mode, never wait for the writer.
+//! claim, commit batch, delivery, broadcast, timer sweep, heartbeat, reap, release, cancel,
+//! dead-letter and queue calls) is one `BEGIN IMMEDIATE` transaction on it: the write lock
+//! is taken up front, so a transaction never has to upgrade a read lock and fail half-way
+//! with `SQLITE_BUSY`. Inspection calls (`instance_get`, `instance_lookup`, dead-letter and
+//! queue lists, queue stats, timer status) use a small read pool and, thanks to WAL mode,
+//! never wait for the writer. Two concurrent timer sweeps simply run one after the other;
+//! the second finds the first's timers already advanced or gone.
 //!
 //! Consequences:
 //! - Writes from one process are **serialized**; throughput comes from batching (one
@@ -39,8 +41,8 @@
 //!   without changing anything. Each commit of a batch runs inside its own savepoint, so
 //!   one rejected item never affects the others.
 //! - Notifications are in-process ([`keel_core::ports::Store::ready_wait`] resolves after
-//!   inserts, commits, deliveries, reaps, releases, cancels and dead-letter retries of
-//!   *this* store value). Polling remains the correctness path.
+//!   inserts, commits, deliveries, broadcasts, timer fires, reaps, releases, cancels and
+//!   dead-letter retries of *this* store value). Polling remains the correctness path.
 //!
 //! # Semantics
 //!

@@ -2,7 +2,8 @@
 //!
 //! Each operation loads the rows it touches, runs the core's pure transitions
 //! (`validate_commit`, `apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`,
-//! `cancel`, `dead_letter_retry`) and writes the results back, in the same order as
+//! `cancel`, `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
+//! `timers::owned_by`) and writes the results back, in the same order as
 //! `MemoryStore` — so the two cannot drift apart. The caller owns the transaction: it
 //! begins it with `BEGIN IMMEDIATE`, and commits only when the operation returns `Ok`.
 
