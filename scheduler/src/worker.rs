@@ -543,7 +543,10 @@ async fn commit_loop<S: Store, C: Clock>(
                 Err(_) => break,
             }
         }
-        if buffer.len() >= batch_max {
+        // Flush at once when the group is full, or when every running step has finished
+        // (no more results can join this group).
+        let running = inner.in_flight.lock().expect("in_flight lock").len();
+        if buffer.len() >= batch_max || buffer.len() >= running {
             flush(&inner, &mut buffer).await;
         }
     }

@@ -107,6 +107,8 @@ struct State {
     queues: BTreeMap<(String, String), bool>,
     last_timer: i64,
     timers: BTreeMap<TimerId, TimerRow>,
+    /// Timers per instance (an index, so commits do not scan every timer).
+    timers_of: HashMap<InstanceId, BTreeSet<TimerId>>,
     /// `(namespace or "*", machine or "*")` → last sweep time.
     sweeps: HashMap<(String, String), Timestamp>,
 }
@@ -735,7 +737,7 @@ impl State {
         let history = self.history.get(&id).map_or(&[][..], Vec::as_slice);
         let skip = history.len().saturating_sub(limits::HISTORY_LIST_MAX);
         let mut timers: Vec<TimerRow> =
-            self.timers.values().filter(|t| t.instance == id).cloned().collect();
+            self.timers_of.get(&id).into_iter().flatten().map(|t| self.timers[t].clone()).collect();
         timers.sort_by_key(|t| (t.next_fire_at, t.id));
         timers.truncate(limits::TIMER_LIST_MAX);
         Ok(InstanceDetail {
@@ -757,21 +759,38 @@ impl State {
         arm: &[TimerArm],
         now: Timestamp,
     ) {
-        self.timers.retain(|_, t| {
-            t.instance != row.id || !cancel.iter().any(|left| owned_by(&t.spec.state, left))
-        });
+        if !cancel.is_empty() {
+            let mine: Vec<TimerId> =
+                self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
+            for id in mine {
+                if cancel.iter().any(|left| owned_by(&self.timers[&id].spec.state, left)) {
+                    self.timer_remove(id);
+                }
+            }
+        }
         for spec in arm {
             self.last_timer += 1;
             let id = TimerId(self.last_timer);
             let timer =
                 TimerRow::armed(id, row.id, &row.namespace, &row.machine, spec.clone(), now);
             self.timers.insert(id, timer);
+            self.timers_of.entry(row.id).or_default().insert(id);
         }
     }
 
     /// A terminal instance has no timers.
     fn timers_drop(&mut self, id: InstanceId) {
-        self.timers.retain(|_, t| t.instance != id);
+        for timer in self.timers_of.remove(&id).unwrap_or_default() {
+            self.timers.remove(&timer);
+        }
+    }
+
+    fn timer_remove(&mut self, id: TimerId) {
+        if let Some(t) = self.timers.remove(&id)
+            && let Some(set) = self.timers_of.get_mut(&t.instance)
+        {
+            set.remove(&id);
+        }
     }
 
     fn timer_sweep(&mut self, p: &TimerSweepParams) -> StoreResult<TimerSweepReport> {
@@ -794,7 +813,7 @@ impl State {
             let timer = self.timers[&id].clone();
             let live = self.rows.get(&timer.instance).is_some_and(|r| !r.status.is_terminal());
             if !live {
-                self.timers.remove(&id);
+                self.timer_remove(id);
                 continue;
             }
             let fired = timers::fire(&timer, p.now);
@@ -817,7 +836,7 @@ impl State {
                     self.timers.insert(id, next);
                 }
                 None => {
-                    self.timers.remove(&id);
+                    self.timer_remove(id);
                 }
             }
         }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [store]|migrate --database-url URL>";
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -22,6 +22,7 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(&root, false),
         Some("ci") => ci(&root),
+        Some("bench") => bench(&root, &args[1..]),
         Some("tidy") => {
             let problems = tidy::check(&root)?;
             tidy::report(&problems)
@@ -77,6 +78,25 @@ fn test(root: &Path, require: bool) -> Result<()> {
     let result = run("cargo test --workspace", cmd);
     services::summary(&backends);
     result
+}
+
+/// `cargo xtask bench [steps|chart|timers|store ...] [--store memory|sqlite|postgres] [...]`:
+/// the engine benchmarks in release mode (`keel-bench`), and `store` for the Postgres
+/// store's claim + commit micro-benchmark.
+fn bench(root: &Path, args: &[String]) -> Result<()> {
+    let (store_bench, rest): (Vec<&String>, Vec<&String>) =
+        args.iter().partition(|a| *a == "store");
+    if !store_bench.is_empty() {
+        let mut cmd = cargo(root);
+        cmd.args(["bench", "-p", "keel-store-postgres", "--bench", "store"]);
+        run("store micro-benchmark", cmd)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
+    }
+    let mut cmd = cargo(root);
+    cmd.args(["run", "--release", "--quiet", "-p", "keel-bench", "--"]).args(rest);
+    run("keel-bench", cmd)
 }
 
 fn ci(root: &Path) -> Result<()> {
