@@ -595,3 +595,158 @@ fn region_final(def: &Definition, configuration: &Configuration, s: usize) -> bo
         StateKind::Atomic => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::{ActionResult, MacrostepResult, run_to_completion};
+
+    fn def(second_entry: bool) -> Definition {
+        Definition::builder("p", 1)
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p").on_to("DEEP", "p.b.y"))
+            .parallel("p", |p| {
+                p.entry("p_entry")
+                    .state("a", |r| {
+                        r.initial("x")
+                            .state("x", |s| s.entry("ax").on_to("A", "fin"))
+                            .final_state("fin")
+                    })
+                    .state("b", |r| {
+                        r.entry("b_entry")
+                            .initial("x")
+                            .state("x", |s| {
+                                let s = s.on_to("B", "y");
+                                if second_entry { s.entry("bx") } else { s }
+                            })
+                            .state("y", |s| s.on_to("B", "fin"))
+                            .final_state("fin")
+                    })
+                    .on_done(|b| b.target("idle"))
+            })
+            .build()
+            .unwrap()
+    }
+
+    fn go(def: &Definition, event: &str) -> MacrostepResult {
+        let config = Configuration::from_paths(["idle"]);
+        let step = Macrostep::start(def, &config, json!({}), Event::new(event), Limits::default())
+            .dispatch_regions(true);
+        run_to_completion(step, |_, _| Ok(ActionResult::empty()))
+    }
+
+    #[test]
+    fn regions_with_entry_actions_are_reported_not_run() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        assert_eq!(result.actions(), ["p_entry"], "the parallel state's own entry still runs");
+        let regions: Vec<(&str, &[String])> = result
+            .regions_to_dispatch
+            .iter()
+            .map(|r| (r.region.as_str(), r.entered.as_slice()))
+            .collect();
+        assert_eq!(
+            regions,
+            [
+                ("p.a", &["p.a".to_owned(), "p.a.x".to_owned()][..]),
+                ("p.b", &["p.b".to_owned(), "p.b.x".to_owned()][..])
+            ]
+        );
+        let names: Vec<String> =
+            result.regions_to_dispatch[1].actions(&d).into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["b_entry", "bx"], "entry order, region first");
+        assert!(result.configuration.contains("p.b.x"), "the states are entered");
+    }
+
+    #[test]
+    fn entering_a_region_below_its_initial_state_dispatches_what_was_entered() {
+        let result = go(&def(false), "DEEP");
+        let b = result.regions_to_dispatch.iter().find(|r| r.region == "p.b").unwrap();
+        assert_eq!(b.entered, ["p.b", "p.b.y"]);
+    }
+
+    #[test]
+    fn without_dispatch_or_with_one_region_of_work_everything_runs_inline() {
+        let d = def(true);
+        let config = Configuration::from_paths(["idle"]);
+        let step = Macrostep::start(&d, &config, json!({}), Event::new("GO"), Limits::default());
+        let result = run_to_completion(step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(result.actions(), ["p_entry", "ax", "b_entry", "bx"]);
+        assert!(result.regions_to_dispatch.is_empty());
+
+        let one = Definition::builder("one", 1)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                    .state("b", |r| r.initial("y").leaf("y"))
+            })
+            .build()
+            .unwrap();
+        let step = Macrostep::init(&one, json!({}), Limits::default()).dispatch_regions(true);
+        let result = run_to_completion(step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(result.actions(), ["ax"]);
+        assert!(result.regions_to_dispatch.is_empty());
+    }
+
+    #[test]
+    fn the_book_round_trips_through_the_context_and_numbers_each_dispatch() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({"k": 1}));
+        assert_eq!(tasks.len(), 2);
+        assert!(tasks.iter().all(|t| t.key.dispatch == 1 && t.snapshot == json!({"k": 1})));
+        let mut context = json!({"k": 1});
+        book.put(&mut context);
+        assert!(context.get(BOOK_KEY).is_some());
+        assert_eq!(ParallelBook::take(&mut context), book);
+        assert_eq!(context, json!({"k": 1}));
+        let again = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        assert_eq!(again[0].key.dispatch, 2, "a new visit gets a new number");
+        assert_eq!(
+            check(&result.configuration, &book, &tasks[0].key),
+            Err(Skip::MachineLeftParallelState)
+        );
+        assert_eq!(check(&result.configuration, &book, &again[0].key), Ok(()));
+        assert_eq!(book.prune(&Configuration::from_paths(["idle"])), ["p"]);
+        assert_eq!(ParallelBook::take(&mut json!({})), ParallelBook::default());
+    }
+
+    #[test]
+    fn a_report_is_merged_then_its_raised_events_are_processed() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({"n": 0}));
+        let mut run = RegionRun::new(&d, &tasks[0]);
+        while run.poll().is_some() {
+            run.handle_action_result(Ok(ActionResult::empty().set("a", 1).raise("A"))).unwrap();
+        }
+        let report = run.report();
+        let plan = apply_report(
+            &d,
+            &result.configuration,
+            &json!({"n": 5}),
+            &mut book,
+            &report,
+            Limits::default(),
+        );
+        let ReportPlan::Run { records, step, followup } = plan else { panic!("runs") };
+        assert!(records.is_empty(), "no conflict: `a` was untouched since dispatch");
+        let after = run_to_completion(*step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(after.context, json!({"n": 5, "a": 1}));
+        assert!(after.configuration.contains("p.a.fin"));
+        let recorded = finish_report(&followup, &after.configuration);
+        assert_eq!(recorded.len(), 1, "entered, not stalled: {recorded:?}");
+        assert_eq!(recorded[0].kind, PARALLEL_REGION_ENTER);
+        let replay = apply_report(
+            &d,
+            &after.configuration,
+            &after.context,
+            &mut book,
+            &report,
+            Limits::default(),
+        );
+        assert!(matches!(replay, ReportPlan::Noop));
+    }
+}
