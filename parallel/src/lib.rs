@@ -25,16 +25,15 @@
 //! lease expires after `WorkerConfig::lease` and the reaper hands the row to another worker
 //! (the `lock_ttl`); fencing tokens reject a stale holder's late commit.
 
-use std::time::Duration;
-
 use keel_core::InstanceId;
 use keel_core::chart::parallel::{RegionReport, RegionTask};
 use keel_core::chart::{TimerArm, TimerKind};
-use keel_core::config::QueueConfig;
-use keel_core::retry::{Backoff, Jitter, RetryPolicy};
 use serde::{Deserialize, Serialize};
 
 pub use keel_core::chart::parallel;
+/// The settings (system → machine inheritance lives with the rest of the configuration
+/// in `keel_core::config`: `[parallel_dispatch]`, `[machines.<name>.parallel_dispatch]`).
+pub use keel_core::config::ParallelConfig;
 
 /// The position of a region task instance.
 pub const REGION_POSITION: &str = "@region";
@@ -43,75 +42,16 @@ pub const REGION_REPORT_EVENT: &str = "parallel.region";
 /// The prefix of region-timeout events: `parallel.timeout.<parallel state path>`.
 pub const TIMEOUT_EVENT_PREFIX: &str = "parallel.timeout.";
 
-/// Parallel dispatch settings of a machine (seed 000 "Configuration", same names and
-/// defaults; durations in seconds in TOML/JSON).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ParallelConfig {
-    /// Master switch (default off: region entry actions run inline).
-    pub enabled: bool,
-    /// The queue region tasks run on (`None` = the parent's queue).
-    pub queue: Option<String>,
-    /// Timeout of one region task attempt (default 300 s).
-    #[serde(with = "seconds")]
-    pub job_timeout: Duration,
-    /// Attempts of a region task before it fails the parallel state (default 3).
-    pub job_tries: u32,
-    /// Delay between attempts (default 30 s).
-    #[serde(with = "seconds")]
-    pub job_backoff: Duration,
-    /// How long a dispatched parallel state may stay unfinished before `@fail`
-    /// (default 0 = off).
-    #[serde(with = "seconds")]
-    pub region_timeout: Duration,
-}
-
-impl Default for ParallelConfig {
-    fn default() -> Self {
-        Self {
-            enabled: false,
-            queue: None,
-            job_timeout: Duration::from_secs(300),
-            job_tries: 3,
-            job_backoff: Duration::from_secs(30),
-            region_timeout: Duration::ZERO,
-        }
-    }
-}
-
-impl ParallelConfig {
-    /// Dispatch on, with the other settings at their defaults.
-    pub fn enabled() -> Self {
-        Self { enabled: true, ..Self::default() }
-    }
-
-    /// The queue settings of region tasks: `job_timeout` per attempt, `job_tries` attempts
-    /// `job_backoff` apart, everything else from `base` (the parent machine's settings).
-    pub fn job_config(&self, base: QueueConfig) -> QueueConfig {
-        QueueConfig {
-            timeout: self.job_timeout,
-            retry: RetryPolicy {
-                max_attempts: self.job_tries.max(1),
-                backoff: Backoff::Linear,
-                initial_delay: self.job_backoff,
-                max_delay: self.job_backoff,
-                jitter: Jitter::None,
-            },
-            ..base
-        }
-    }
-
-    /// The region-timeout timer for `parallel_state`, if the timeout is on.
-    pub fn timeout_timer(&self, parallel_state: &str) -> Option<TimerArm> {
-        (!self.region_timeout.is_zero()).then(|| TimerArm {
-            state: timeout_owner(parallel_state),
-            event: timeout_event(parallel_state),
-            kind: TimerKind::After,
-            interval: self.region_timeout,
-            max: None,
-            then: None,
-        })
-    }
+/// The region-timeout timer of `parallel_state`, if `config.region_timeout` is on.
+pub fn timeout_timer(config: &ParallelConfig, parallel_state: &str) -> Option<TimerArm> {
+    (!config.region_timeout.is_zero()).then(|| TimerArm {
+        state: timeout_owner(parallel_state),
+        event: timeout_event(parallel_state),
+        kind: TimerKind::After,
+        interval: config.region_timeout,
+        max: None,
+        then: None,
+    })
 }
 
 /// The timer owner of `parallel_state`'s region timeout: a name no state has, so that
@@ -162,53 +102,22 @@ pub fn decode_report(payload: &serde_json::Value) -> Result<RegionReport, serde_
     RegionReport::deserialize(payload)
 }
 
-mod seconds {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_secs())
-    }
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_secs(u64::deserialize(d)?))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn defaults_follow_the_seed() {
-        let c = ParallelConfig::default();
-        assert!(!c.enabled);
-        assert_eq!(c.queue, None);
-        assert_eq!(c.job_timeout, Duration::from_secs(300));
-        assert_eq!(c.job_tries, 3);
-        assert_eq!(c.job_backoff, Duration::from_secs(30));
-        assert!(c.region_timeout.is_zero());
-        assert!(c.timeout_timer("p").is_none());
-    }
-
-    #[test]
-    fn config_reads_seconds_and_rejects_unknown_fields() {
-        let c: ParallelConfig =
-            serde_json::from_value(serde_json::json!({"enabled": true, "region_timeout": 120}))
-                .unwrap();
-        assert_eq!(c.region_timeout, Duration::from_secs(120));
-        assert_eq!(c.timeout_timer("p").map(|t| t.event), Some("parallel.timeout.p".to_owned()));
-        assert!(
-            serde_json::from_value::<ParallelConfig>(serde_json::json!({"lock_ttl": 1})).is_err()
-        );
-    }
-
-    #[test]
-    fn job_config_maps_tries_backoff_and_timeout() {
-        let q = ParallelConfig::enabled().job_config(QueueConfig::default());
-        assert_eq!(q.timeout, Duration::from_secs(300));
-        assert_eq!(q.retry.max_attempts, 3);
-        assert_eq!(q.retry.delay_for(0, 0.5), Duration::from_secs(30));
-        assert_eq!(q.retry.delay_for(1, 0.5), Duration::from_secs(30));
+    fn the_region_timeout_is_one_after_timer_owned_by_a_name_no_state_has() {
+        assert!(timeout_timer(&ParallelConfig::enabled(), "p").is_none(), "0 = off");
+        let config = ParallelConfig {
+            region_timeout: std::time::Duration::from_secs(120),
+            ..ParallelConfig::enabled()
+        };
+        let timer = timeout_timer(&config, "order.processing").expect("armed");
+        assert_eq!(timer.state, "@timeout:order.processing");
+        assert_eq!(timer.event, "parallel.timeout.order.processing");
+        assert_eq!(timeout_state(&timer.event), Some("order.processing"));
+        assert_eq!(timer.kind, TimerKind::After);
     }
 
     #[test]

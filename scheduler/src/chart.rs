@@ -360,7 +360,7 @@ impl ChartMachine {
                     PARALLEL_DISPATCH,
                     json!({ "parallel_state_id": state, "dispatch": task.key.dispatch, "regions": regions }),
                 ));
-                if let Some(timer) = self.parallel.timeout_timer(state) {
+                if let Some(timer) = keel_parallel::timeout_timer(&self.parallel, state) {
                     ctx.timer_cancel(&timer.state);
                     ctx.timer_arm(timer);
                 }
