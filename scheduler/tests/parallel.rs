@@ -630,3 +630,57 @@ async fn the_region_timeout_fails_a_stuck_parallel_state_once() {
     assert!(h.client.get(id).await.unwrap().timers.is_empty(), "the timer was cancelled");
     worker.shutdown().await;
 }
+
+#[tokio::test]
+async fn two_workers_finish_many_dispatches_with_exactly_one_done_each() {
+    let h = Harness::new();
+    let slow = |key: &'static str, raise: &'static str| {
+        move |ctx: ActionContext, _: Event| async move {
+            tokio::time::sleep(Duration::from_millis(fastrand_ms())).await;
+            ctx.set(key, true);
+            ctx.raise(raise);
+            Ok(())
+        }
+    };
+    let make = || {
+        machine(true, config(3))
+            .action("check_inventory", slow("inventory", "INVENTORY_OK"))
+            .action("validate_payment", slow("payment", "PAYMENT_OK"))
+    };
+    let mut ids = Vec::new();
+    for n in 0..12 {
+        ids.push(h.start(make().new_instance(json!({ "n": n }))).await);
+    }
+    let workers: Vec<WorkerHandle> = ["w1", "w2"]
+        .into_iter()
+        .map(|w| {
+            let config = WorkerConfig {
+                worker_id: keel_core::WorkerId(w.into()),
+                timers: None,
+                ..h.config()
+            };
+            Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(make()).spawn()
+        })
+        .collect();
+    for &id in &ids {
+        let row = h.wait(id, "completed", |r| r.status == Status::Done).await;
+        let result = row.result.expect("result");
+        assert_eq!(
+            (result["inventory"].clone(), result["payment"].clone()),
+            (json!(true), json!(true))
+        );
+        assert_eq!(entries(&h, id, "PARALLEL_DONE").await.len(), 1);
+        assert_eq!(entries(&h, id, "PARALLEL_REGION_ENTER").await.len(), 2);
+        assert!(entries(&h, id, "PARALLEL_REGION_GUARD_ABORT").await.is_empty());
+    }
+    for w in workers {
+        w.shutdown().await;
+    }
+}
+
+/// A small varying delay (0–4 ms) so region tasks on two workers interleave differently.
+fn fastrand_ms() -> u64 {
+    use std::sync::atomic::AtomicU64;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(3, Ordering::Relaxed) % 5
+}
