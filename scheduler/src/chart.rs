@@ -341,30 +341,27 @@ impl ChartMachine {
         book: &mut ParallelBook,
     ) -> Result<(), StepError> {
         let tasks = book.dispatch(&result.regions_to_dispatch, &result.context);
-        let mut states: Vec<&str> = Vec::new();
-        for task in tasks {
-            let regions: Vec<&str> = result
-                .regions_to_dispatch
-                .iter()
-                .filter(|r| r.parallel_state == task.key.parallel_state)
-                .map(|r| r.region.as_str())
-                .collect();
-            if !states.contains(&task.key.parallel_state.as_str()) {
-                let state = result
-                    .regions_to_dispatch
-                    .iter()
-                    .find(|r| r.parallel_state == task.key.parallel_state)
-                    .map_or("", |r| r.parallel_state.as_str());
-                states.push(state);
-                ctx.record(HistoryEntry::new(
-                    PARALLEL_DISPATCH,
-                    json!({ "parallel_state_id": state, "dispatch": task.key.dispatch, "regions": regions }),
-                ));
-                if let Some(timer) = keel_parallel::timeout_timer(&self.parallel, state) {
-                    ctx.timer_cancel(&timer.state);
-                    ctx.timer_arm(timer);
-                }
+        // One PARALLEL_DISPATCH entry and one timeout timer per parallel state entered.
+        let mut by_state: Vec<(&str, u64, Vec<&str>)> = Vec::new();
+        for task in &tasks {
+            let key = &task.key;
+            match by_state.iter_mut().find(|(state, ..)| *state == key.parallel_state) {
+                Some((.., regions)) => regions.push(&key.region),
+                None => by_state.push((&key.parallel_state, key.dispatch, vec![&key.region])),
             }
+        }
+        for (state, dispatch, regions) in by_state {
+            ctx.record(HistoryEntry::new(
+                PARALLEL_DISPATCH,
+                json!({ "parallel_state_id": state, "dispatch": dispatch, "regions": regions }),
+            ));
+            if let Some(timer) = keel_parallel::timeout_timer(&self.parallel, state) {
+                // A re-entered state's previous timer goes (cancels apply before arms).
+                ctx.timer_cancel(&timer.state);
+                ctx.timer_arm(timer);
+            }
+        }
+        for task in tasks {
             let context = serde_json::to_value(RegionTaskContext { parent: ctx.id, task })
                 .map_err(|e| StepError::fatal(format!("region task does not serialize: {e}")))?;
             let mut spawn = NewInstance::new(self.machine_ref(), REGION_POSITION)
