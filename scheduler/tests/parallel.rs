@@ -684,3 +684,35 @@ fn fastrand_ms() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     NEXT.fetch_add(3, Ordering::Relaxed) % 5
 }
+
+#[tokio::test]
+async fn a_region_task_over_its_job_timeout_fails_with_a_timeout_on_its_own_queue() {
+    let h = Harness::new();
+    let parallel = ParallelConfig {
+        job_timeout: Duration::from_millis(30),
+        queue: Some("regions".into()),
+        ..config(1)
+    };
+    let m = machine(true, parallel)
+        .action("check_inventory", |_, _| async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok(())
+        })
+        .action("validate_payment", writes("payment", Some("PAYMENT_OK")));
+    let id = h.start(m.new_instance(json!({}))).await;
+    let config = WorkerConfig {
+        timers: None,
+        queues: vec![("default".into(), 4), ("regions".into(), 4)],
+        ..h.config()
+    };
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn();
+    h.wait(id, "failed", |r| r.status == Status::Done).await;
+    let fails = entries(&h, id, "PARALLEL_FAIL").await;
+    assert_eq!(fails.len(), 1);
+    assert_eq!(fails[0]["region_id"], json!("processing.inventory"));
+    assert_eq!(fails[0]["exception"], json!("Timeout"));
+    for task in region_tasks(&h, id).await {
+        assert_eq!(h.client.get(task.id).await.unwrap().instance.queue, "regions");
+    }
+    worker.shutdown().await;
+}

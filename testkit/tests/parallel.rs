@@ -276,3 +276,34 @@ proptest! {
         prop_assert_eq!(inline, dispatched);
     }
 }
+
+#[test]
+fn conditional_fail_branches_see_the_failure_and_the_context() {
+    let def = Definition::builder("retrying", 1)
+        .guard("can_retry", |ctx, event| {
+            ctx.get_as::<u32>("retries").unwrap_or(0) < 1 && event.payload["attempts"] == json!(1)
+        })
+        .initial("p")
+        .parallel("p", |p| {
+            p.state("a", |r| r.initial("x").state("x", |s| s.entry("a")))
+                .state("b", |r| r.initial("y").state("y", |s| s.entry("b")))
+                .on_fail(|b| b.guard("can_retry").target("retrying"))
+                .on_fail(|b| b.target("failed"))
+        })
+        .state("retrying", |s| s.entry("count_retry").on_to("RETRY", "p"))
+        .final_state("failed")
+        .build()
+        .unwrap();
+    let mut m = TestMachine::new(def).with_parallel_dispatch(true).hold_regions(true).action_sync(
+        "count_retry",
+        |ctx, _| {
+            let n: u32 = ctx.get_as("retries").unwrap_or(0);
+            ctx.set("retries", n + 1);
+        },
+    );
+    m.fail_region("p.a", "boom").assert_state("retrying").assert_context("retries", 1);
+    m.send("RETRY");
+    assert_eq!(m.pending_regions(), ["p.b", "p.a", "p.b"], "a new dispatch; the old p.b is stale");
+    m.run_region("p.b").assert_recorded("PARALLEL_REGION_ENTER", 0);
+    m.fail_region("p.a", "boom again").assert_state("failed").assert_recorded("PARALLEL_FAIL", 2);
+}
