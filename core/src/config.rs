@@ -403,12 +403,222 @@ fn nested<T: Copy>(base: Option<T>, over: Option<T>, merge: impl Fn(&T, &T) -> T
     }
 }
 
+/// Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Configuration", same
+/// names and defaults). Durations accept the seed's whole seconds (`300`) or a human
+/// string (`"5 minutes"`).
+///
+/// The seed's `lock_timeout` and `lock_ttl` have no field: Keel applies region results in
+/// the parent's one-event-at-a-time processing under its lease, so nothing waits on a lock,
+/// and the lease (`WorkerConfig::lease`) is what expires when a holder dies.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Master switch (default `false`: region entry actions run inline).
+    pub enabled: bool,
+    /// The queue region tasks run on (`None` = the default queue).
+    pub queue: Option<String>,
+    /// Timeout of one region task attempt (default 300 s).
+    #[serde(with = "seconds_or_human")]
+    pub job_timeout: Duration,
+    /// Attempts of a region task before it fails the parallel state (default 3).
+    pub job_tries: u32,
+    /// Delay between attempts (default 30 s).
+    #[serde(with = "seconds_or_human")]
+    pub job_backoff: Duration,
+    /// How long a dispatched parallel state may stay unfinished before `@fail` (default 0
+    /// = off).
+    #[serde(with = "seconds_or_human")]
+    pub region_timeout: Duration,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            queue: None,
+            job_timeout: Duration::from_secs(300),
+            job_tries: 3,
+            job_backoff: Duration::from_secs(30),
+            region_timeout: Duration::ZERO,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// Dispatch on, every other setting at its default.
+    pub fn enabled() -> Self {
+        Self { enabled: true, ..Self::default() }
+    }
+
+    /// The queue settings of region tasks: `job_timeout` per attempt, `job_tries` attempts
+    /// `job_backoff` apart (no jitter), everything else from `base` (the machine's).
+    pub fn job_config(&self, base: QueueConfig) -> QueueConfig {
+        QueueConfig {
+            timeout: self.job_timeout,
+            retry: RetryPolicy {
+                max_attempts: self.job_tries.max(1),
+                backoff: Backoff::Linear,
+                initial_delay: self.job_backoff,
+                max_delay: self.job_backoff,
+                jitter: Jitter::None,
+            },
+            ..base
+        }
+    }
+
+    /// Checks the ranges, naming fields under `path` (e.g. `parallel_dispatch`).
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        PartialParallelConfig::from(self.clone()).validate(path)
+    }
+}
+
+/// One level (system or machine) of [`ParallelConfig`]; unset fields inherit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PartialParallelConfig {
+    /// See [`ParallelConfig::enabled`].
+    pub enabled: Option<bool>,
+    /// See [`ParallelConfig::queue`].
+    pub queue: Option<String>,
+    /// See [`ParallelConfig::job_timeout`].
+    #[serde(with = "seconds_or_human::option")]
+    pub job_timeout: Option<Duration>,
+    /// See [`ParallelConfig::job_tries`].
+    pub job_tries: Option<u32>,
+    /// See [`ParallelConfig::job_backoff`].
+    #[serde(with = "seconds_or_human::option")]
+    pub job_backoff: Option<Duration>,
+    /// See [`ParallelConfig::region_timeout`].
+    #[serde(with = "seconds_or_human::option")]
+    pub region_timeout: Option<Duration>,
+}
+
+impl From<ParallelConfig> for PartialParallelConfig {
+    fn from(c: ParallelConfig) -> Self {
+        Self {
+            enabled: Some(c.enabled),
+            queue: c.queue,
+            job_timeout: Some(c.job_timeout),
+            job_tries: Some(c.job_tries),
+            job_backoff: Some(c.job_backoff),
+            region_timeout: Some(c.region_timeout),
+        }
+    }
+}
+
+impl PartialParallelConfig {
+    /// Merges two levels: values set in `over` win.
+    pub fn overlay(&self, over: &Self) -> Self {
+        Self {
+            enabled: over.enabled.or(self.enabled),
+            queue: over.queue.clone().or_else(|| self.queue.clone()),
+            job_timeout: over.job_timeout.or(self.job_timeout),
+            job_tries: over.job_tries.or(self.job_tries),
+            job_backoff: over.job_backoff.or(self.job_backoff),
+            region_timeout: over.region_timeout.or(self.region_timeout),
+        }
+    }
+
+    /// Fills unset fields with the seed's defaults.
+    pub fn resolve(&self) -> ParallelConfig {
+        let d = ParallelConfig::default();
+        ParallelConfig {
+            enabled: self.enabled.unwrap_or(d.enabled),
+            queue: self.queue.clone().or(d.queue),
+            job_timeout: self.job_timeout.unwrap_or(d.job_timeout),
+            job_tries: self.job_tries.unwrap_or(d.job_tries),
+            job_backoff: self.job_backoff.unwrap_or(d.job_backoff),
+            region_timeout: self.region_timeout.unwrap_or(d.region_timeout),
+        }
+    }
+
+    /// Checks the fields this level sets, naming them under `path`.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if let Some(tries) = self.job_tries
+            && !(1..=RetryPolicy::MAX_ATTEMPTS_LIMIT).contains(&tries)
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.job_tries"),
+                format!("must be between 1 and {} (got {tries})", RetryPolicy::MAX_ATTEMPTS_LIMIT),
+            ));
+        }
+        if self.job_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(ConfigError::invalid(
+                format!("{path}.job_timeout"),
+                "must be greater than zero, e.g. 300 (seconds)",
+            ));
+        }
+        if let Some(queue) = &self.queue
+            && queue.is_empty()
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.queue"),
+                "must not be empty; leave it out to use the default queue",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Durations as whole seconds (the seed's form) or a human string.
+mod seconds_or_human {
+    use std::fmt;
+    use std::time::Duration;
+
+    use serde::de::{self, Deserializer, Visitor};
+    use serde::ser::Serializer;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_secs())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        d.deserialize_any(SecondsOrHuman)
+    }
+
+    struct SecondsOrHuman;
+
+    impl Visitor<'_> for SecondsOrHuman {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("whole seconds such as 300, or a duration string such as \"5 minutes\"")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
+            Ok(Duration::from_secs(v))
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Duration, E> {
+            u64::try_from(v)
+                .map(Duration::from_secs)
+                .map_err(|_| E::custom(format!("must not be negative (got {v})")))
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Duration, E> {
+            crate::duration::parse(v).map_err(E::custom)
+        }
+    }
+
+    pub mod option {
+        use std::time::Duration;
+
+        use serde::Deserializer;
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            super::deserialize(d).map(Some)
+        }
+    }
+}
+
 /// Configuration of one machine: its queue level and its events.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MachineConfig {
     /// Overrides of the system queue settings for this machine.
     pub queue: PartialQueueConfig,
+    /// Overrides of the system parallel dispatch settings (`[machines.<name>.parallel_dispatch]`).
+    pub parallel_dispatch: PartialParallelConfig,
     /// Per-event overrides, by event name.
     pub events: BTreeMap<String, EventConfig>,
 }
@@ -429,6 +639,8 @@ pub struct KeelConfig {
     pub queue: PartialQueueConfig,
     /// Machines by name (`[machines.<name>.queue]`, `[machines.<name>.events.<event>.queue]`).
     pub machines: BTreeMap<String, MachineConfig>,
+    /// System-level parallel dispatch defaults (`[parallel_dispatch]`).
+    pub parallel_dispatch: PartialParallelConfig,
 }
 
 impl KeelConfig {
@@ -447,8 +659,12 @@ impl KeelConfig {
     /// Checks every level on its own (see [`PartialQueueConfig::validate`]).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.queue.validate("queue")?;
+        self.parallel_dispatch.validate("parallel_dispatch")?;
         for (machine_name, machine) in &self.machines {
             machine.queue.validate(&format!("machines.{machine_name}.queue"))?;
+            machine
+                .parallel_dispatch
+                .validate(&format!("machines.{machine_name}.parallel_dispatch"))?;
             for (event_name, event) in &machine.events {
                 event
                     .queue
@@ -468,6 +684,15 @@ impl KeelConfig {
         match event.and_then(|event| machine.events.get(event)) {
             Some(event) => merged.overlay(&event.queue),
             None => merged,
+        }
+    }
+
+    /// The parallel dispatch settings of a machine: its section over the system's, then
+    /// the seed's defaults.
+    pub fn parallel_for(&self, machine: &str) -> ParallelConfig {
+        match self.machines.get(machine) {
+            Some(m) => self.parallel_dispatch.overlay(&m.parallel_dispatch).resolve(),
+            None => self.parallel_dispatch.resolve(),
         }
     }
 
@@ -546,6 +771,72 @@ fn find_key_path(
         path.pop();
     }
     false
+}
+
+#[cfg(test)]
+mod parallel_tests {
+    use super::*;
+
+    #[test]
+    fn parallel_defaults_follow_the_seed() {
+        let c = ParallelConfig::default();
+        assert!(!c.enabled);
+        assert_eq!(c.queue, None);
+        assert_eq!(c.job_timeout, Duration::from_secs(300));
+        assert_eq!(c.job_tries, 3);
+        assert_eq!(c.job_backoff, Duration::from_secs(30));
+        assert!(c.region_timeout.is_zero());
+        assert_eq!(KeelConfig::default().parallel_for("any"), c);
+    }
+
+    #[test]
+    fn parallel_settings_inherit_system_then_machine() {
+        let config = KeelConfig::from_toml_str(
+            r#"
+            [parallel_dispatch]
+            enabled = true
+            job_backoff = 10
+            region_timeout = "2 minutes"
+
+            [machines.order.parallel_dispatch]
+            job_tries = 5
+            queue = "regions"
+            "#,
+        )
+        .unwrap();
+        let order = config.parallel_for("order");
+        assert!(order.enabled);
+        assert_eq!(order.job_tries, 5);
+        assert_eq!(order.queue.as_deref(), Some("regions"));
+        assert_eq!(order.job_backoff, Duration::from_secs(10));
+        assert_eq!(order.region_timeout, Duration::from_secs(120));
+        assert_eq!(order.job_timeout, Duration::from_secs(300));
+        assert_eq!(config.parallel_for("other").job_tries, 3);
+    }
+
+    #[test]
+    fn parallel_errors_name_the_field() {
+        let e = KeelConfig::from_toml_str("[machines.order.parallel_dispatch]\njob_tries = 0")
+            .unwrap_err();
+        assert!(e.to_string().starts_with("machines.order.parallel_dispatch.job_tries:"), "{e}");
+        let e = KeelConfig::from_toml_str("[parallel_dispatch]\nlock_ttl = 60").unwrap_err();
+        assert!(e.to_string().contains("lock_ttl"), "{e}");
+        let e = KeelConfig::from_toml_str("[parallel_dispatch]\njob_timeout = 0").unwrap_err();
+        assert!(e.to_string().starts_with("parallel_dispatch.job_timeout:"), "{e}");
+    }
+
+    #[test]
+    fn job_config_maps_tries_backoff_and_timeout() {
+        let q = ParallelConfig::enabled().job_config(QueueConfig::default());
+        assert_eq!(q.timeout, Duration::from_secs(300));
+        assert_eq!(q.retry.max_attempts, 3);
+        assert_eq!(q.retry.delay_for(0, 0.5), Duration::from_secs(30));
+        assert_eq!(q.retry.delay_for(1, 0.5), Duration::from_secs(30));
+        let json: ParallelConfig =
+            serde_json::from_value(serde_json::json!({"enabled": true, "job_timeout": "1 minute"}))
+                .unwrap();
+        assert_eq!(json.job_timeout, Duration::from_secs(60));
+    }
 }
 
 #[cfg(test)]
@@ -827,7 +1118,11 @@ mod tests {
                 "[database]\nurl = \"postgres://\"",
                 "m",
                 None,
-                &["database: ", "unknown field `database`", "expected `queue` or `machines`"],
+                &[
+                    "database: ",
+                    "unknown field `database`",
+                    "expected one of `queue`, `machines`, `parallel_dispatch`",
+                ],
             ),
             (
                 "[queue]\nconcurrency = 0",

@@ -7,7 +7,7 @@ use keel_core::chart::TimerArm;
 use keel_core::config::QueueConfig;
 use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
 use keel_core::retry::ErrorClass;
-use keel_core::{InstanceId, MachineRef, Outcome};
+use keel_core::{Instance, InstanceId, MachineRef, Outcome};
 use serde_json::Value;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -33,6 +33,10 @@ pub struct StepContext {
     pub children: Vec<ChildSummary>,
     /// Business key, if any.
     pub business_key: Option<String>,
+    /// The parent's row as read just before the step ran, when the machine asked for it
+    /// ([`StepMachine::wants_parent`]) and the instance has a parent. Read without any
+    /// lock: it may be stale by the time the step commits (a pre-check, not a guard).
+    pub parent: Option<Instance>,
     /// What the step asked for besides its outcome; goes into the step's own commit.
     pub(crate) effects: Arc<Mutex<Effects>>,
 }
@@ -148,6 +152,8 @@ pub trait StepMachine: Send + Sync + 'static {
 
     /// Decides what a failed step leads to. `Ok(None)` (the default) applies the queue's
     /// retry policy; `Ok(Some(outcome))` commits that outcome; `Err` fails the instance.
+    /// Events emitted and history recorded through `ctx` *during this call* ride the
+    /// failure commit (what the failed step itself emitted is dropped).
     async fn handle(
         &self,
         error: &StepError,
@@ -160,5 +166,19 @@ pub trait StepMachine: Send + Sync + 'static {
     /// The queue configuration (timeout, retry policy) for this machine.
     fn config(&self) -> QueueConfig {
         QueueConfig::default()
+    }
+
+    /// The queue configuration for one step of this machine (timeout, retry policy);
+    /// defaults to [`config`](Self::config). Charts give their region tasks their own.
+    fn step_config(&self, step: &str) -> QueueConfig {
+        let _ = step;
+        self.config()
+    }
+
+    /// Whether the worker should read the parent's row before running `step` (into
+    /// [`StepContext::parent`]). Default `false`: it costs a read.
+    fn wants_parent(&self, step: &str) -> bool {
+        let _ = step;
+        false
     }
 }

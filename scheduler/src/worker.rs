@@ -359,6 +359,7 @@ fn context_of(claim: &Claim) -> StepContext {
         signals: claim.inbox.clone(),
         children: claim.children.clone(),
         business_key: row.business_key.clone(),
+        parent: None,
         effects: Arc::default(),
     }
 }
@@ -379,8 +380,14 @@ async fn run_step<S: Store, C: Clock>(
     metrics::histogram!("keel_queue_wait_time_seconds", "machine" => row.machine.name.clone())
         .record(wait.as_secs_f64());
     let started = Instant::now();
-    let ctx = context_of(&claim);
-    let config = machine.config();
+    let mut ctx = context_of(&claim);
+    if let Some(parent) = row.parent.filter(|_| machine.wants_parent(&row.position)) {
+        match inner.store.instance_get(parent).await {
+            Ok(detail) => ctx.parent = Some(detail.instance),
+            Err(e) => tracing::debug!(parent: &span, error = %e, "reading the parent failed"),
+        }
+    }
+    let config = machine.step_config(&row.position);
     let result =
         guarded(Arc::clone(&machine), ctx.clone(), config.timeout).instrument(span.clone()).await;
     let elapsed = started.elapsed();
@@ -480,6 +487,12 @@ async fn failure_commit(
         event: processing.as_ref().map(|s| json!({ "name": s.name, "payload": s.payload })),
     };
     let mut consume = Vec::new();
+    // The failed step's own effects are dropped; the handler's ride the failure commit.
+    {
+        let mut effects = ctx.effects();
+        effects.emit.clear();
+        effects.history.clear();
+    }
     let outcome = match machine.handle(&error, ctx).await {
         Ok(Some(outcome)) => outcome,
         Ok(None) => {
@@ -509,7 +522,12 @@ async fn failure_commit(
             reason: format!("error handler failed: {handler_error} (while handling: {error})"),
         },
     };
-    StepCommit::new(row.id, claim.token(), outcome).consume(consume).failure(failure)
+    let mut commit =
+        StepCommit::new(row.id, claim.token(), outcome).consume(consume).failure(failure);
+    let mut effects = ctx.effects();
+    commit.emit = std::mem::take(&mut effects.emit);
+    commit.history = std::mem::take(&mut effects.history);
+    commit
 }
 
 async fn commit_loop<S: Store, C: Clock>(

@@ -457,3 +457,67 @@ async fn a_retry_policy_from_configuration_is_used() {
     assert_eq!(row.attempt, 0);
     worker.shutdown().await;
 }
+
+/// A machine exercising the hooks parallel dispatch relies on: `step_config` per step,
+/// `wants_parent`, and emits made by the error handler riding the failure commit.
+struct Hooks {
+    saw_parent: Arc<Mutex<Option<Status>>>,
+}
+
+#[async_trait]
+impl StepMachine for Hooks {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    fn step_config(&self, step: &str) -> QueueConfig {
+        let attempts = if step == "child" { 1 } else { 3 };
+        QueueConfig {
+            retry: RetryPolicy { max_attempts: attempts, ..RetryPolicy::default() },
+            ..QueueConfig::default()
+        }
+    }
+    fn wants_parent(&self, step: &str) -> bool {
+        step == "child"
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.step == "parent" {
+            if let Some(report) = ctx.signal("report") {
+                return Ok(Outcome::Done { result: report.payload.clone() });
+            }
+            ctx.spawn(NewInstance::new(machine(), "child"));
+            return Ok(Outcome::Await { signal: "report".into(), context: json!({}), step: None });
+        }
+        *self.saw_parent.lock().unwrap() = ctx.parent.as_ref().map(|p| p.status);
+        // Dropped: a failed step's own outbox never commits.
+        ctx.emit(NewSignal::new(ctx.parent.as_ref().unwrap().id, "from_step"));
+        Err(StepError::retryable("boom"))
+    }
+    async fn handle(
+        &self,
+        error: &StepError,
+        ctx: &StepContext,
+    ) -> Result<Option<Outcome>, StepError> {
+        let parent = ctx.parent.as_ref().map(|p| p.id).expect("parent read");
+        ctx.emit(NewSignal::new(parent, "report").payload(json!({ "error": error.message })));
+        Ok(Some(Outcome::Stop { reason: error.message.clone() }))
+    }
+}
+
+#[tokio::test]
+async fn the_error_handler_emits_in_the_failure_commit_and_steps_may_read_their_parent() {
+    let h = Harness::new();
+    let saw_parent = Arc::new(Mutex::new(None));
+    let worker = h.worker(h.config(), Hooks { saw_parent: Arc::clone(&saw_parent) });
+    let parent = h.start(NewInstance::new(machine(), "parent")).await;
+    let row = h
+        .wait(parent, "the handler's report finished the parent", |r| r.status == Status::Done)
+        .await;
+    assert_eq!(row.result, Some(json!({ "error": "boom" })));
+    let detail = h.client.get(parent).await.unwrap();
+    assert_eq!(detail.children.len(), 1);
+    assert_eq!(detail.children[0].status, Status::Failed, "the handler's Stop, one attempt");
+    assert_eq!(*saw_parent.lock().unwrap(), Some(Status::AwaitingSignal));
+    worker.shutdown().await;
+    let inbox: Vec<String> = detail.inbox.iter().map(|s| s.name.clone()).collect();
+    assert!(!inbox.contains(&"from_step".to_owned()));
+}

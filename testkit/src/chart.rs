@@ -35,10 +35,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use keel_core::chart::parallel::{
+    PARALLEL_DISPATCH, ParallelBook, RegionReport, RegionRun, RegionTask, ReportPlan, apply_report,
+    check, done_records, finish_report,
+};
 use keel_core::chart::{
     ActionError, ActionResult, ChartContext, Configuration, Definition, Event, Limits, Macrostep,
     MacrostepError, MacrostepResult, Next, Record, Timer, TimerArm, TimerKind,
 };
+use keel_core::instance::HistoryEntry;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -120,6 +125,14 @@ pub struct Snapshot<'a> {
 /// A bound on timer fires per `advance_timers` call (STYLE 8).
 pub const MAX_TIMER_FIRES_PER_ADVANCE: usize = 10_000;
 
+/// A bound on region tasks run after one step in dispatch mode (STYLE 8): each region task
+/// may enter parallel states that dispatch more.
+pub const MAX_REGION_TASKS_PER_STEP: usize = 10_000;
+
+/// The event name a region's report is processed under in [`TestMachine`]'s history (the
+/// scheduler's `keel_parallel::REGION_REPORT_EVENT`).
+pub const REGION_REPORT_EVENT: &str = "parallel.region";
+
 /// How far to move the virtual clock: a [`Timer`] or a [`Duration`].
 #[derive(Debug, Clone, Copy)]
 pub struct Advance(Duration);
@@ -158,6 +171,11 @@ pub struct TestMachine {
     now: Duration,
     fired: Vec<String>,
     runtime: Option<tokio::runtime::Runtime>,
+    dispatch: bool,
+    hold_regions: bool,
+    book: ParallelBook,
+    pending: std::collections::VecDeque<RegionTask>,
+    recorded: Vec<HistoryEntry>,
 }
 
 impl std::fmt::Debug for TestMachine {
@@ -185,7 +203,199 @@ impl TestMachine {
             now: Duration::ZERO,
             fired: Vec::new(),
             runtime: None,
+            dispatch: false,
+            hold_regions: false,
+            book: ParallelBook::default(),
+            pending: std::collections::VecDeque::new(),
+            recorded: Vec::new(),
         }
+    }
+
+    /// Parallel dispatch mode (DESIGN §4.4), with the durable runtime's semantics in
+    /// memory: entering a parallel state with two or more regions that have entry actions
+    /// leaves those actions to **region tasks**, which run (in document order, unless
+    /// [`hold_regions`](Self::hold_regions)) right after the step on a snapshot of the
+    /// context; their reports are applied one at a time with the double guard, merge,
+    /// conflict, stall, done and fail records. A region action error fails the region at
+    /// once (there are no retries in memory): `@fail` with `attempts: 1`.
+    pub fn with_parallel_dispatch(mut self, on: bool) -> Self {
+        self.dispatch = on;
+        self
+    }
+
+    /// Keeps dispatched region tasks pending until [`run_region`](Self::run_region) or
+    /// [`fail_region`](Self::fail_region), to test orderings and races.
+    pub fn hold_regions(mut self, hold: bool) -> Self {
+        self.hold_regions = hold;
+        self
+    }
+
+    /// The regions (paths) of the pending region tasks, in dispatch order.
+    pub fn pending_regions(&mut self) -> Vec<String> {
+        self.start();
+        self.pending.iter().map(|t| t.key.region.clone()).collect()
+    }
+
+    /// Runs the pending task of `region` now (its lock-free pre-check first: a task whose
+    /// work is no longer wanted does nothing). Panics when no task of `region` is pending.
+    pub fn run_region(&mut self, region: &str) -> &mut Self {
+        let task = self.take_region(region);
+        self.run_task(&task);
+        self
+    }
+
+    /// Makes the pending task of `region` fail for good with `error` (its report reaches
+    /// the parent even if the pre-check would skip it, like a task that started and then
+    /// ran out of tries).
+    pub fn fail_region(&mut self, region: &str, error: &str) -> &mut Self {
+        let task = self.take_region(region);
+        let report = RegionReport::Failed {
+            key: task.key,
+            error: error.to_owned(),
+            exception: "ActionError".to_owned(),
+            attempts: 1,
+        };
+        self.handle_report(&report);
+        self
+    }
+
+    /// Delivers a region report to the machine as the runtime would (for replays).
+    pub fn deliver_report(&mut self, report: &RegionReport) -> &mut Self {
+        self.start();
+        self.handle_report(report);
+        self
+    }
+
+    fn take_region(&mut self, region: &str) -> RegionTask {
+        self.start();
+        let index = self.pending.iter().position(|t| t.key.region == region).unwrap_or_else(|| {
+            panic!("no region task pending for `{region}`; pending: {:?}", self.pending_regions())
+        });
+        self.pending.remove(index).expect("index is in range")
+    }
+
+    fn run_pending(&mut self) {
+        if self.hold_regions {
+            return;
+        }
+        for _ in 0..MAX_REGION_TASKS_PER_STEP {
+            let Some(task) = self.pending.pop_front() else {
+                return;
+            };
+            self.run_task(&task);
+        }
+    }
+
+    /// Runs the pending task of `region` *without* its pre-check and returns its report
+    /// without applying it: deliver it later with [`deliver_report`](Self::deliver_report)
+    /// to test what the parent's under-lock guard does with work that finished late.
+    pub fn run_region_detached(&mut self, region: &str) -> RegionReport {
+        let task = self.take_region(region);
+        self.region_report(&task)
+    }
+
+    /// Pre-check, run the region's entry actions on the snapshot, apply the report.
+    fn run_task(&mut self, task: &RegionTask) {
+        if check(&self.configuration, &self.book, &task.key).is_err() {
+            return;
+        }
+        let report = self.region_report(task);
+        self.handle_report(&report);
+    }
+
+    fn region_report(&mut self, task: &RegionTask) -> RegionReport {
+        let mut run = RegionRun::new(&self.def, task);
+        while let Some(request) = run.poll().cloned() {
+            let ctx = ActionContext::new(run.context().clone());
+            let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
+            if let Err(e) = run.handle_action_result(outcome.map(|()| ctx.into_result())) {
+                return RegionReport::Failed {
+                    key: task.key.clone(),
+                    error: e.message,
+                    exception: "ActionError".to_owned(),
+                    attempts: 1,
+                };
+            }
+        }
+        run.report()
+    }
+
+    fn handle_report(&mut self, report: &RegionReport) {
+        let def = Arc::clone(&self.def);
+        let plan = apply_report(
+            &def,
+            &self.configuration,
+            &self.context,
+            &mut self.book,
+            report,
+            self.limits,
+        );
+        match plan {
+            ReportPlan::Noop => {}
+            ReportPlan::Abort(entry) => self.recorded.push(entry),
+            ReportPlan::Run { records, step, followup } => {
+                let result = self.drive(step.dispatch_regions(self.dispatch));
+                if let Some(e) = &result.error {
+                    panic!("applying the report of `{}` failed: {e}", report.key().region);
+                }
+                let after = finish_report(&followup, &result.configuration);
+                self.settle(Some(Event::new(REGION_REPORT_EVENT)), result, records, after);
+            }
+        }
+    }
+
+    /// Commits a macrostep in dispatch mode: records, book, region tasks.
+    fn settle(
+        &mut self,
+        event: Option<Event>,
+        result: MacrostepResult,
+        before: Vec<HistoryEntry>,
+        mut after: Vec<HistoryEntry>,
+    ) {
+        self.recorded.extend(before);
+        after.extend(done_records(&self.book, &result.internal_events));
+        self.book.prune(&result.configuration);
+        if self.dispatch && !result.is_final && !result.regions_to_dispatch.is_empty() {
+            let tasks = self.book.dispatch(&result.regions_to_dispatch, &result.context);
+            let regions: Vec<&str> = tasks.iter().map(|t| t.key.region.as_str()).collect();
+            self.recorded.push(HistoryEntry::new(
+                PARALLEL_DISPATCH,
+                serde_json::json!({ "regions": regions }),
+            ));
+            self.pending.extend(tasks);
+        }
+        self.recorded.extend(after);
+        self.apply(event, result);
+    }
+
+    /// The data of every recorded internal event of `kind` (`PARALLEL_DONE`,
+    /// `PARALLEL_CONTEXT_CONFLICT`, …), oldest first.
+    pub fn recorded(&mut self, kind: &str) -> Vec<Value> {
+        self.start();
+        self.recorded.iter().filter(|e| e.kind == kind).map(|e| e.data.clone()).collect()
+    }
+
+    /// Asserts that internal event `kind` was recorded exactly `times` times.
+    #[track_caller]
+    pub fn assert_recorded(&mut self, kind: &str, times: usize) -> &mut Self {
+        let found = self.recorded(kind);
+        assert_eq!(
+            found.len(),
+            times,
+            "internal event `{kind}` recorded {} times, expected {times}: {found:?}\n{}",
+            found.len(),
+            self.describe()
+        );
+        self
+    }
+
+    /// Asserts that the last `kind` internal event recorded has `data`.
+    #[track_caller]
+    pub fn assert_recorded_with(&mut self, kind: &str, data: impl Serialize) -> &mut Self {
+        let data = serde_json::to_value(data).expect("expected data serializes");
+        let found = self.recorded(kind);
+        assert_eq!(found.last(), Some(&data), "internal event `{kind}`\n{}", self.describe());
+        self
     }
 
     /// Sets the initial context from a typed value (it must serialize to a JSON object).
@@ -237,12 +447,14 @@ impl TestMachine {
     pub fn start(&mut self) -> &mut Self {
         if self.results.is_empty() {
             let def = Arc::clone(&self.def);
-            let step = Macrostep::init(&def, self.context.clone(), self.limits);
+            let step = Macrostep::init(&def, self.context.clone(), self.limits)
+                .dispatch_regions(self.dispatch);
             let result = self.drive(step);
             if let Some(e) = &result.error {
                 panic!("initial entry of `{}` failed: {e}", self.def.name());
             }
-            self.apply(None, result);
+            self.settle(None, result, Vec::new(), Vec::new());
+            self.run_pending();
         }
         self
     }
@@ -277,36 +489,41 @@ impl TestMachine {
             self.context.clone(),
             event.clone(),
             self.limits,
-        );
+        )
+        .dispatch_regions(self.dispatch);
         let result = self.drive(step);
         if let Some(e) = result.error {
             return Err(e);
         }
-        self.apply(Some(event), result);
+        self.settle(Some(event), result, Vec::new(), Vec::new());
+        self.run_pending();
         Ok(self.last())
     }
 
     fn drive(&mut self, mut step: Macrostep<'_>) -> MacrostepResult {
+        loop {
+            match step.poll() {
+                Next::RunAction(request) => {
+                    let ctx = ActionContext::new(step.context().clone());
+                    let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
+                    step.handle_action_result(outcome.map(|()| ctx.into_result()));
+                }
+                Next::Done(result) => return *result,
+            }
+        }
+    }
+
+    /// Runs a registered action (an unregistered one does nothing).
+    fn call(&mut self, name: &str, ctx: ActionContext, event: Event) -> Result<(), ActionError> {
         let runtime = self.runtime.get_or_insert_with(|| {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .expect("a current-thread tokio runtime")
         });
-        loop {
-            match step.poll() {
-                Next::RunAction(request) => {
-                    let ctx = ActionContext::new(step.context().clone());
-                    let outcome = match self.actions.get(&request.name) {
-                        Some(action) => {
-                            runtime.block_on(action(ctx.clone(), request.event.clone()))
-                        }
-                        None => Ok(()),
-                    };
-                    step.handle_action_result(outcome.map(|()| ctx.into_result()));
-                }
-                Next::Done(result) => return *result,
-            }
+        match self.actions.get(name) {
+            Some(action) => runtime.block_on(action(ctx, event)),
+            None => Ok(()),
         }
     }
 

@@ -43,6 +43,7 @@ use super::context::{ActionResult, ChartContext};
 use super::definition::{
     DONE_INVOKE, DONE_STATE, Definition, Event, FAIL_STATE, StateKind, TIMEOUT_INVOKE, Trigger,
 };
+use super::parallel::RegionDispatch;
 use super::timer::{TimerArm, TimerCancel, TimerKind};
 
 /// Bounds on one macrostep.
@@ -286,6 +287,11 @@ pub struct MacrostepResult {
     pub children_to_cancel: Vec<String>,
     /// A top-level final state is active: the instance is complete.
     pub is_final: bool,
+    /// With [`Macrostep::dispatch_regions`]: regions of a newly entered parallel state whose
+    /// entry actions were *not* run, for the runtime to run elsewhere (DESIGN §4.4). Only
+    /// regions still at the states they entered when the macrostep ended are listed.
+    #[serde(default)]
+    pub regions_to_dispatch: Vec<RegionDispatch>,
     /// Why the macrostep stopped early, if it did.
     pub error: Option<MacrostepError>,
 }
@@ -369,6 +375,9 @@ pub struct Macrostep<'d> {
     internal_events: Vec<Event>,
     unhandled: bool,
     done: Option<Box<MacrostepResult>>,
+    dispatch: bool,
+    skip_entry: BTreeSet<usize>,
+    dispatches: Vec<(usize, usize, Vec<usize>, Event)>,
 }
 
 impl<'d> Macrostep<'d> {
@@ -433,7 +442,38 @@ impl<'d> Macrostep<'d> {
             internal_events: Vec::new(),
             unhandled: false,
             done: None,
+            dispatch: false,
+            skip_entry: BTreeSet::new(),
+            dispatches: Vec::new(),
         }
+    }
+
+    /// Processes `events` as internal events (in order) from a stored `configuration`,
+    /// without an external event: eventless transitions first, then each event as its own
+    /// microstep. This is how the raised events of a dispatched region are applied.
+    pub fn resume(
+        def: &'d Definition,
+        configuration: &Configuration,
+        context: Value,
+        events: Vec<Event>,
+        limits: Limits,
+    ) -> Self {
+        let mut step = Self::start(def, configuration, context, Event::new("@resume"), limits);
+        if step.done.is_none() {
+            step.external = None;
+            step.internal.extend(events);
+        }
+        step
+    }
+
+    /// Parallel dispatch (DESIGN §4.4): when this macrostep enters a parallel state of which
+    /// at least two regions have entry actions, those regions' entry actions are not run
+    /// here; they are reported in [`MacrostepResult::regions_to_dispatch`] instead. The
+    /// states are entered (and their timers armed) as usual.
+    #[must_use]
+    pub fn dispatch_regions(mut self, on: bool) -> Self {
+        self.dispatch = on;
+        self
     }
 
     /// The context as it is now: give a copy to the action being run.
@@ -731,10 +771,15 @@ impl<'d> Macrostep<'d> {
             if s == 0 || !self.config.insert(s) {
                 continue;
             }
+            if self.dispatch && self.def.kind(s) == StateKind::Parallel {
+                self.plan_dispatch(s, set);
+            }
             let node = &self.def.states[s];
             self.ops.push_back(Op::Record(Record::Enter { state: node.path.clone() }));
-            for a in &node.entry {
-                self.ops.push_back(self.action(a, s, ActionPhase::Entry));
+            if !self.skip_entry.remove(&s) {
+                for a in &node.entry {
+                    self.ops.push_back(self.action(a, s, ActionPhase::Entry));
+                }
             }
             if node.kind != StateKind::Final {
                 continue;
@@ -752,6 +797,49 @@ impl<'d> Macrostep<'d> {
                 self.ops.push_back(Op::Raise(Event::done_state(self.def.path(grand))));
             }
         }
+    }
+
+    /// Marks the regions of parallel state `p` whose states in `set` have entry actions for
+    /// dispatch, when there are at least two of them (one region gains nothing).
+    fn plan_dispatch(&mut self, p: usize, set: &BTreeSet<usize>) {
+        let regions: Vec<(usize, Vec<usize>)> = self.def.states[p]
+            .children
+            .iter()
+            .map(|&r| {
+                let entered: Vec<usize> = set
+                    .iter()
+                    .copied()
+                    .filter(|&x| {
+                        (x == r || self.def.is_descendant(x, r)) && !self.config.contains(&x)
+                    })
+                    .collect();
+                (r, entered)
+            })
+            .filter(|(_, entered)| entered.iter().any(|&x| !self.def.states[x].entry.is_empty()))
+            .collect();
+        if regions.len() < 2 {
+            return;
+        }
+        for (region, entered) in regions {
+            self.skip_entry.extend(entered.iter().copied());
+            self.dispatches.push((p, region, entered, self.current.clone()));
+        }
+    }
+
+    /// The planned dispatches whose region is still exactly where it was entered.
+    fn regions_to_dispatch(&self) -> Vec<RegionDispatch> {
+        self.dispatches
+            .iter()
+            .filter(|(p, _, entered, _)| {
+                self.config.contains(p) && entered.iter().all(|x| self.config.contains(x))
+            })
+            .map(|(p, r, entered, event)| RegionDispatch {
+                parallel_state: self.def.path(*p).to_owned(),
+                region: self.def.path(*r).to_owned(),
+                entered: entered.iter().map(|&x| self.def.path(x).to_owned()).collect(),
+                event: event.clone(),
+            })
+            .collect()
     }
 
     fn in_final_state(&self, s: usize) -> bool {
@@ -820,6 +908,7 @@ impl<'d> Macrostep<'d> {
                 timers_to_cancel: Vec::new(),
                 children_to_start: Vec::new(),
                 children_to_cancel: Vec::new(),
+                regions_to_dispatch: Vec::new(),
                 error: Some(error),
             }
         } else {
@@ -838,6 +927,7 @@ impl<'d> Macrostep<'d> {
                 timers_to_cancel,
                 children_to_start,
                 children_to_cancel,
+                regions_to_dispatch: self.regions_to_dispatch(),
                 error: None,
             }
         };

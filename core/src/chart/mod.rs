@@ -11,6 +11,8 @@
 //!   timers and child machines to arm or cancel. No IO, no clock, no async.
 //! - [`ChartContext`]: the JSON context API actions use, with change tracking and `raise`.
 //! - [`Definition::to_mermaid`]: a `stateDiagram-v2` rendering.
+//! - [`parallel`]: the pure half of parallel dispatch (region tasks, reports, the guard,
+//!   merge, stall, done, fail and timeout records).
 //!
 //! # Decisions (where SCXML, XState and the seeds leave room)
 //!
@@ -47,6 +49,7 @@ mod configuration;
 mod context;
 mod definition;
 mod mermaid;
+pub mod parallel;
 mod timer;
 mod validate;
 
@@ -60,6 +63,7 @@ pub use definition::{
     Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, StateBuilder,
     StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
+pub use parallel::RegionDispatch;
 pub use timer::{Timer, TimerArm, TimerCancel, TimerKind, TimerSpec, TimerUnit};
 pub use validate::{ChartError, ChartWarning, ValidationErrors};
 
