@@ -8,7 +8,7 @@
 //! Unpaid orders expire through the chart's `after` timer on `awaiting_payment` —
 //! shortened from 7 days to 5 seconds here — fired by the worker's timer sweeper.
 
-use keel_core::chart::{ActionError, Timer};
+use keel_core::chart::Timer;
 use keel_core::ports::Store;
 use keel_core::ports::store::InsertOutcome;
 use keel_core::{Instance, InstanceId, NewSignal, Status, StatusSet};
@@ -16,60 +16,13 @@ use keel_examples::demo_store::DemoStore;
 use keel_examples::on_demo_store;
 use keel_examples::order;
 use keel_scheduler::chart::INIT;
-use keel_scheduler::{
-    ChartMachine, Client, SweepConfig, SweepGroup, SystemClock, Worker, WorkerConfig,
-};
+use keel_scheduler::{Client, SweepConfig, SweepGroup, SystemClock, Worker, WorkerConfig};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const ORDERS: usize = 100;
-
-/// The chart with its actions. Actions are async and may call other systems; here they
-/// only touch the context and raise the events the chart waits for.
-fn machine() -> ChartMachine {
-    ChartMachine::new(order::definition_with_expiry(Timer::seconds(5)))
-        .action("add_item", |ctx, event| async move {
-            let mut items: Vec<String> = ctx.get_as("items").unwrap_or_default();
-            let sku = event.payload["sku"]
-                .as_str()
-                .ok_or_else(|| ActionError::permanent("ADD_ITEM needs a sku"))?;
-            items.push(sku.to_owned());
-            ctx.set_from("items", &items)?;
-            Ok(())
-        })
-        .action("snapshot_total", |ctx, _| async move {
-            let n = ctx.get_as::<Vec<String>>("items").map_or(0, |i| i.len());
-            ctx.set("total_cents", n * 1_250);
-            Ok(())
-        })
-        .action("reserve_stock", |ctx, _| async move {
-            ctx.set("stock", "reserved"); // a call to the inventory service
-            ctx.raise("STOCK_RESERVED");
-            Ok(())
-        })
-        .action("charge_card", |ctx, _| async move {
-            if ctx.get_as::<bool>("card_ok") == Some(true) {
-                ctx.set("charged", true); // a call to the payment provider
-                ctx.raise("PAYMENT_CAPTURED");
-            }
-            Ok(())
-        })
-        .action("send_receipt", |ctx, _| async move {
-            ctx.set("receipt", format!("RCPT-{}", ctx.instance().0));
-            Ok(())
-        })
-        .action("count_retry", |ctx, _| async move {
-            let n = ctx.get_as::<u32>("retries").unwrap_or(0);
-            ctx.set("retries", n + 1);
-            Ok(())
-        })
-        .action("alert", |ctx, _| async move {
-            ctx.set("alerted", true);
-            Ok(())
-        })
-}
 
 /// Polls (bounded) until every order satisfies `done`.
 async fn settle<S: Store>(
@@ -118,7 +71,7 @@ async fn send_where<S: Store>(
 }
 
 async fn run<S: Store>(store: Arc<S>) {
-    let chart = machine();
+    let chart = order::machine(Timer::seconds(5));
     assert!(
         chart.missing_actions().is_empty(),
         "unregistered actions: {:?}",

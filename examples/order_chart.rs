@@ -2,7 +2,8 @@
 //! (expires after 7 days) → processing (inventory ∥ payment) → completed / cancelled /
 //! failed. Its Mermaid rendering is checked in as `docs/order-chart.mmd`.
 
-use keel_core::chart::{Definition, Timer};
+use keel_core::chart::{ActionError, Definition, Timer};
+use keel_scheduler::ChartMachine;
 
 /// cart → awaiting_payment (expires after 7 days) → processing (inventory ∥ payment, with
 /// `@done` and conditional `@fail`) → completed / cancelled / failed.
@@ -62,4 +63,49 @@ pub fn definition_with_expiry(expiry: Timer) -> Definition {
         .final_state("failed")
         .build()
         .expect("the order chart is valid")
+}
+
+/// The chart with its actions, the payment deadline set to `expiry`. Actions are async and may call other systems; here they
+/// only touch the context and raise the events the chart waits for.
+pub fn machine(expiry: Timer) -> ChartMachine {
+    ChartMachine::new(definition_with_expiry(expiry))
+        .action("add_item", |ctx, event| async move {
+            let mut items: Vec<String> = ctx.get_as("items").unwrap_or_default();
+            let sku = event.payload["sku"]
+                .as_str()
+                .ok_or_else(|| ActionError::permanent("ADD_ITEM needs a sku"))?;
+            items.push(sku.to_owned());
+            ctx.set_from("items", &items)?;
+            Ok(())
+        })
+        .action("snapshot_total", |ctx, _| async move {
+            let n = ctx.get_as::<Vec<String>>("items").map_or(0, |i| i.len());
+            ctx.set("total_cents", n * 1_250);
+            Ok(())
+        })
+        .action("reserve_stock", |ctx, _| async move {
+            ctx.set("stock", "reserved"); // a call to the inventory service
+            ctx.raise("STOCK_RESERVED");
+            Ok(())
+        })
+        .action("charge_card", |ctx, _| async move {
+            if ctx.get_as::<bool>("card_ok") == Some(true) {
+                ctx.set("charged", true); // a call to the payment provider
+                ctx.raise("PAYMENT_CAPTURED");
+            }
+            Ok(())
+        })
+        .action("send_receipt", |ctx, _| async move {
+            ctx.set("receipt", format!("RCPT-{}", ctx.instance().0));
+            Ok(())
+        })
+        .action("count_retry", |ctx, _| async move {
+            let n = ctx.get_as::<u32>("retries").unwrap_or(0);
+            ctx.set("retries", n + 1);
+            Ok(())
+        })
+        .action("alert", |ctx, _| async move {
+            ctx.set("alerted", true);
+            Ok(())
+        })
 }

@@ -572,7 +572,8 @@ impl TestMachine {
     /// Moves the virtual clock forward by `by`, firing every timer that falls due, in due
     /// order (ties in arming order), each as a normal `send`: `after` fires once per state
     /// entry, `every` fires each interval counted from its last fire (no back-fill), and
-    /// after `max` fires sends `then` once and stops. Leaving a state cancels its timers.
+    /// after `max` fires the next due time sends `then` once and the timer stops (as the
+    /// durable sweep does). Leaving a state cancels its timers.
     /// Panics when a fired event's macrostep fails, like `send`.
     pub fn advance_timers(&mut self, by: impl Into<Advance>) -> &mut Self {
         self.start();
@@ -591,18 +592,24 @@ impl TestMachine {
             };
             let mut timer = self.timers.remove(index);
             self.now = timer.due;
+            // The same rule as the durable sweep (`keel_core::timers::fire`): after `max`
+            // fires, the next due time sends `then` once and the timer is gone.
+            let exhausted = timer.arm.kind == TimerKind::Every
+                && timer.arm.max.is_some_and(|max| timer.fires >= max);
+            if exhausted {
+                if let Some(then) = timer.arm.then.clone() {
+                    self.fired.push(then.clone());
+                    self.send(then.as_str());
+                }
+                continue;
+            }
             timer.fires += 1;
-            let exhausted = timer.arm.max.is_some_and(|max| timer.fires >= max);
-            if timer.arm.kind == TimerKind::Every && !exhausted {
+            if timer.arm.kind == TimerKind::Every {
                 timer.due = self.now + timer.arm.interval;
                 self.timers.insert(index, timer.clone());
             }
             self.fired.push(timer.arm.event.clone());
             self.send(timer.arm.event.as_str());
-            if exhausted && let Some(then) = &timer.arm.then {
-                self.fired.push(then.clone());
-                self.send(then.as_str());
-            }
         }
         self.now = until;
         self
@@ -611,6 +618,19 @@ impl TestMachine {
     /// Virtual time elapsed since the machine started.
     pub fn elapsed(&self) -> Duration {
         self.now
+    }
+
+    /// Asserts that timers delivered `event` exactly `n` times so far.
+    #[track_caller]
+    pub fn assert_timer_fire_count(&mut self, event: &str, n: usize) -> &mut Self {
+        let count = self.fired.iter().filter(|e| *e == event).count();
+        assert_eq!(
+            count,
+            n,
+            "timer event `{event}` fired {count} times, expected {n}\n{}",
+            self.describe()
+        );
+        self
     }
 
     /// Asserts that a timer delivered `event` at least once.

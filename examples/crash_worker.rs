@@ -1,0 +1,70 @@
+//! `keel-crash-worker`: a worker process for the crash tests. It runs a five-step machine
+//! (`five_steps`) and the order chart on the store named on its command line, until it is
+//! killed. The tests start it, SIGKILL it at random moments, start it again, and check
+//! that nothing was lost and no step was applied twice.
+//!
+//! Usage: `keel-crash-worker --sqlite PATH --worker-id ID`
+
+use async_trait::async_trait;
+use keel_core::chart::Timer;
+use keel_core::{MachineRef, Outcome, WorkerId};
+use keel_examples::order;
+use keel_scheduler::{StepContext, StepError, StepMachine, SystemClock, Worker, WorkerConfig};
+use keel_store_sqlite::SqliteStore;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Five steps, each a little work, each committed before the next.
+struct FiveSteps;
+
+#[async_trait]
+impl StepMachine for FiveSteps {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("five_steps", 1)
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let n: u64 = ctx.step.trim_start_matches("step").parse().unwrap_or(0);
+        let mut state = ctx.context.clone();
+        state[format!("did_{n}")] = json!(true);
+        Ok(if n >= 5 {
+            Outcome::Done { result: state }
+        } else {
+            Outcome::Next { step: format!("step{}", n + 1), context: state }
+        })
+    }
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+#[tokio::main]
+async fn main() {
+    let worker_id = arg("--worker-id").unwrap_or_else(|| "crash-worker".to_owned());
+    let Some(path) = arg("--sqlite") else {
+        eprintln!("usage: keel-crash-worker --sqlite PATH --worker-id ID");
+        std::process::exit(2);
+    };
+    let store = Arc::new(SqliteStore::open(&path).await.unwrap_or_else(|e| panic!("{e}")));
+    let config = WorkerConfig {
+        worker_id: WorkerId(worker_id),
+        queues: vec![("default".into(), 20)],
+        lease: Duration::from_secs(2),
+        heartbeat: Duration::from_millis(500),
+        reap_interval: Duration::from_millis(200),
+        poll_interval: Duration::from_millis(20),
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::new(store, SystemClock, config)
+        .register(FiveSteps)
+        .register(order::machine(Timer::hours(1)))
+        .spawn();
+    println!("ready");
+    // Runs until killed; a clean stop on SIGTERM-less platforms is not needed here.
+    std::future::pending::<()>().await;
+    drop(worker);
+}

@@ -1,0 +1,198 @@
+//! Crash tests: worker *processes* are SIGKILLed at random moments while they run 500
+//! five-step instances and 100 order charts on a SQLite file, then started again (once
+//! with the same worker id, which reclaims its leases at start-up, once with a new id,
+//! which waits for the reaper). Afterwards every instance must be finished, no step may
+//! have been committed twice (each instance's revision grows by exactly one per step), and
+//! no lease may be left behind.
+
+use keel_core::instance::NewInstance;
+use keel_core::ports::Store;
+use keel_core::ports::store::{InsertParams, SignalDeliverParams};
+use keel_core::{InstanceId, MachineRef, NewSignal, Status, Timestamp};
+use keel_examples::order;
+use keel_store_sqlite::SqliteStore;
+use serde_json::json;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const STEPS: usize = 500;
+const ORDERS: usize = 100;
+
+fn now() -> Timestamp {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    Timestamp(i64::try_from(ms).unwrap_or(i64::MAX))
+}
+
+/// A worker process, SIGKILLed when dropped, so a failing test leaves none behind.
+struct WorkerProcess(Option<Child>);
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Starts a worker process and waits (bounded) until it says it is running.
+fn start_worker(db: &str, id: &str) -> WorkerProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel-crash-worker"))
+        .args(["--sqlite", db, "--worker-id", id])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start keel-crash-worker");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read");
+    assert_eq!(line.trim(), "ready", "the worker did not start");
+    WorkerProcess(Some(child))
+}
+
+/// SIGKILL, and reap the process.
+fn kill(mut worker: WorkerProcess) {
+    let mut child = worker.0.take().expect("running");
+    child.kill().expect("SIGKILL");
+    let status = child.wait().expect("wait");
+    assert!(!status.success(), "the worker was killed, not stopped");
+}
+
+/// Finished instances, from one cheap aggregate query (reading 600 instances one by one
+/// would take longer than the run it measures).
+async fn terminal(store: &SqliteStore, ids: &[InstanceId]) -> usize {
+    let stats = store.queue_stats(None, now()).await.expect("queue_stats");
+    let live: u64 =
+        stats.iter().map(|q| q.ready + q.scheduled + q.executing + q.waiting + q.suspended).sum();
+    ids.len() - usize::try_from(live).expect("count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("crash.db").display().to_string();
+    let store = SqliteStore::open(&db).await.expect("open");
+
+    let mut news: Vec<NewInstance> = (0..STEPS)
+        .map(|n| {
+            NewInstance::new(MachineRef::new("five_steps", 1), "step1").context(json!({ "n": n }))
+        })
+        .collect();
+    let chart = keel_scheduler::ChartMachine::new(order::definition());
+    news.extend((0..ORDERS).map(|_| chart.new_instance(json!({ "card_ok": true }))));
+    let ids: Vec<InstanceId> = store
+        .instance_insert(InsertParams { instances: news, now: now() })
+        .await
+        .expect("insert")
+        .iter()
+        .map(|o| o.id())
+        .collect();
+    let (steps, orders) = ids.split_at(STEPS);
+    let events = orders
+        .iter()
+        .flat_map(|id| {
+            [
+                NewSignal::new(*id, "ADD_ITEM").payload(json!({ "sku": "A" })),
+                NewSignal::new(*id, "CHECKOUT"),
+                NewSignal::new(*id, "PAY"),
+            ]
+        })
+        .collect();
+    store
+        .signal_deliver(SignalDeliverParams { signals: events, now: now() })
+        .await
+        .expect("deliver");
+
+    let seed = fastrand::u64(..);
+    eprintln!("crash test seed: {seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut kills = 0;
+    // Kill at a random moment once the worker is under way: after a random number of
+    // further instances finished (or a bounded wait).
+    let mut done = 0;
+    for worker_id in ["crash-a", "crash-a", "crash-b"] {
+        let child = start_worker(&db, worker_id);
+        let target = done + rng.usize(20..150);
+        let started = Instant::now();
+        while done < target && started.elapsed() < Duration::from_secs(20) {
+            tokio::time::sleep(Duration::from_millis(rng.u64(5..40))).await;
+            done = terminal(&store, &ids).await;
+        }
+        kill(child);
+        kills += 1;
+        done = terminal(&store, &ids).await;
+        let stats = store.queue_stats(None, now()).await.expect("queue_stats");
+        let executing: u64 = stats.iter().map(|q| q.executing).sum();
+        eprintln!(
+            "after kill {kills}: {done} of {} finished, {executing} executing under a dead lease",
+            ids.len()
+        );
+    }
+    assert!(done < ids.len(), "the kills happened mid-run");
+
+    let survivor = start_worker(&db, "crash-c");
+    let started = Instant::now();
+    loop {
+        let done = terminal(&store, &ids).await;
+        if done == ids.len() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "only {done} of {} finished after the restarts",
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    kill(survivor);
+    assert!(kills >= 2);
+
+    for id in steps {
+        let d = store.instance_get(*id).await.expect("get");
+        assert_eq!(d.instance.status, Status::Done, "{id}");
+        assert_eq!(d.instance.revision.0, 5, "{id}: five steps, five commits");
+        assert_eq!(
+            (d.instance.lease_owner.clone(), d.instance.lease_expires_at),
+            (None, None),
+            "{id}: no lease left"
+        );
+        let mut revisions: Vec<i64> = d
+            .history
+            .iter()
+            .filter(|h| h.entry.kind == "STEP_NEXT" || h.entry.kind == "STEP_DONE")
+            .map(|h| h.revision.0)
+            .collect();
+        revisions.sort_unstable();
+        assert_eq!(revisions, [1, 2, 3, 4, 5], "{id}: each step committed exactly once");
+        for n in 1..=5 {
+            assert_eq!(
+                d.instance.result.as_ref().map(|r| r[format!("did_{n}")].clone()),
+                Some(json!(true)),
+                "{id} step {n}"
+            );
+        }
+    }
+    for id in orders {
+        let d = store.instance_get(*id).await.expect("get");
+        assert_eq!(d.instance.status, Status::Done, "{id}");
+        assert!(d.inbox.is_empty(), "{id}: every event consumed");
+        let revisions: Vec<i64> = d
+            .history
+            .iter()
+            .filter(|h| h.entry.kind == "MACROSTEP")
+            .map(|h| h.revision.0)
+            .collect();
+        assert_eq!(
+            revisions,
+            (1..=d.instance.revision.0).collect::<Vec<_>>(),
+            "{id}: one macrostep per revision"
+        );
+        assert_eq!(d.instance.revision.0, 4, "{id}: init + three events");
+        assert!(
+            d.instance.result.as_ref().is_some_and(|r| r.get("receipt").is_some()),
+            "{id}: completed"
+        );
+    }
+}
