@@ -1,0 +1,2 @@
+//! Store micro-benchmark.
+fn main() {}

@@ -1,0 +1,371 @@
+//! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
+//! Each state change locks its rows, applies the pure transition and writes back.
+
+use super::{begin, commit_tx, notify};
+use crate::error::OpResult;
+use crate::rows::{
+    self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
+    lock_instances, release_parents, ts, write_history, write_instances,
+};
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{DeadLetter, HistoryEntry, Instance, SignalTarget, check_name};
+use keel_core::outcome;
+use keel_core::ports::store::{
+    CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
+};
+use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, limits};
+use serde_json::json;
+use std::collections::HashSet;
+
+const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
+      SELECT id, 1 FROM instances WHERE parent_id = $1 \
+      UNION ALL \
+      SELECT i.id, d.depth + 1 FROM instances i JOIN d ON i.parent_id = d.id WHERE d.depth < $2 \
+    ) SELECT id FROM d JOIN instances USING (id) \
+      WHERE status NOT IN ('done', 'failed', 'cancelled') LIMIT $3";
+
+/// Cancels an instance and, with `cascade`, its non-terminal descendants.
+pub(crate) async fn cancel<C: GenericClient + Sync>(
+    c: &C,
+    p: &CancelParams,
+) -> OpResult<Vec<InstanceId>> {
+    begin(c).await?;
+    let root = lock_instances(c, &[p.id.0]).await?;
+    let Some(root) = root.into_iter().next() else {
+        return Err(StoreError::not_found(format!("instance {} does not exist", p.id)).into());
+    };
+    if root.status.is_terminal() {
+        commit_tx(c).await?;
+        return Ok(Vec::new());
+    }
+    let mut targets = vec![root];
+    if p.cascade {
+        let stmt = c.prepare_cached(DESCENDANTS).await?;
+        let max = limits::CANCEL_CASCADE_MAX as i64;
+        let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
+        let ids: Vec<i64> = c
+            .query(&stmt, &[&p.id.0, &depth, &(max + 1)])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if ids.len() + 1 > limits::CANCEL_CASCADE_MAX {
+            return Err(StoreError::invalid(format!(
+                "cascade: instance {} has more than {} live descendants; cancel them in parts",
+                p.id,
+                limits::CANCEL_CASCADE_MAX
+            ))
+            .into());
+        }
+        targets.extend(lock_instances(c, &ids).await?);
+    }
+    let mut next: Vec<Instance> = Vec::new();
+    let mut history = HistoryWrite::default();
+    for row in &targets {
+        if let Some(n) = outcome::cancel(row, &p.reason, p.now) {
+            history.push(
+                &n,
+                row.attempt,
+                p.now,
+                HistoryEntry::new("CANCELLED", json!({ "reason": n.last_error })),
+            );
+            next.push(n);
+        }
+    }
+    let cancelled: HashSet<i64> = next.iter().map(|r| r.id.0).collect();
+    let parents: Vec<i64> = next
+        .iter()
+        .filter_map(|r| r.parent)
+        .map(|p| p.0)
+        .filter(|p| !cancelled.contains(p))
+        .collect();
+    write_instances(c, &next).await?;
+    write_history(c, &history).await?;
+    release_parents(c, &parents, p.now).await?;
+    commit_tx(c).await?;
+    Ok(next.iter().map(|r| r.id).collect())
+}
+
+/// An instance with its inbox, children and history.
+pub(crate) async fn get<C: GenericClient + Sync>(
+    c: &C,
+    id: InstanceId,
+) -> OpResult<InstanceDetail> {
+    let row =
+        c.prepare_cached(&format!("SELECT {INSTANCE_COLS} FROM instances WHERE id = $1")).await?;
+    let inbox = c
+        .prepare_cached(&format!(
+            "SELECT {SIGNAL_COLS} FROM signals WHERE target_id = $1 ORDER BY id"
+        ))
+        .await?;
+    let children = c
+        .prepare_cached(&format!(
+            "SELECT {CHILD_COLS} FROM instances WHERE parent_id = $1 ORDER BY id LIMIT {}",
+            limits::CHILDREN_LIST_MAX
+        ))
+        .await?;
+    let history = c
+        .prepare_cached(&format!(
+            "SELECT * FROM (SELECT {HISTORY_COLS} FROM history WHERE instance_id = $1 \
+             ORDER BY seq DESC LIMIT {}) h ORDER BY seq",
+            limits::HISTORY_LIST_MAX
+        ))
+        .await?;
+    let (found, inbox_rows, child_rows, history_rows) = tokio::join!(
+        async { c.query_opt(&row, &[&id.0]).await },
+        async { c.query(&inbox, &[&id.0]).await },
+        async { c.query(&children, &[&id.0]).await },
+        async { c.query(&history, &[&id.0]).await },
+    );
+    let Some(r) = found? else {
+        return Err(StoreError::not_found(format!("instance {id} does not exist")).into());
+    };
+    Ok(InstanceDetail {
+        instance: rows::instance(&r)?,
+        inbox: inbox_rows?.iter().map(rows::signal).collect(),
+        children: child_rows?.iter().map(rows::child).collect::<Result<_, _>>()?,
+        history: history_rows?.iter().map(rows::history).collect(),
+    })
+}
+
+/// Resolves a target to an instance id.
+pub(crate) async fn lookup<C: GenericClient + Sync>(
+    c: &C,
+    target: &SignalTarget,
+) -> OpResult<Option<InstanceId>> {
+    match target {
+        SignalTarget::Id(id) => {
+            let stmt = c.prepare_cached("SELECT id FROM instances WHERE id = $1").await?;
+            Ok(c.query_opt(&stmt, &[&id.0]).await?.map(|r| InstanceId(r.get(0))))
+        }
+        SignalTarget::Key { .. } => {
+            Ok(super::signal::resolve(c, &[target]).await?.into_iter().next().flatten())
+        }
+    }
+}
+
+/// Dead letters, oldest first.
+pub(crate) async fn dead_letter_list<C: GenericClient + Sync>(
+    c: &C,
+    f: &DeadLetterFilter,
+) -> OpResult<Vec<DeadLetter>> {
+    keel_core::instance::check_batch("limit", f.limit, limits::DEAD_LETTER_BATCH_MAX)?;
+    let limit = if f.limit == 0 { limits::DEAD_LETTER_BATCH_MAX } else { f.limit } as i64;
+    let stmt = c
+        .prepare_cached(&format!(
+            "SELECT {DEAD_LETTER_COLS} FROM dead_letters \
+             WHERE ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR machine = $2) \
+             ORDER BY id LIMIT $3"
+        ))
+        .await?;
+    let found = c.query(&stmt, &[&f.namespace, &f.machine, &limit]).await?;
+    Ok(found.iter().map(rows::dead_letter).collect::<Result<_, _>>()?)
+}
+
+/// One dead letter.
+pub(crate) async fn dead_letter_get<C: GenericClient + Sync>(
+    c: &C,
+    id: DeadLetterId,
+) -> OpResult<DeadLetter> {
+    let stmt = c
+        .prepare_cached(&format!("SELECT {DEAD_LETTER_COLS} FROM dead_letters WHERE id = $1"))
+        .await?;
+    match c.query_opt(&stmt, &[&id.0]).await? {
+        Some(r) => Ok(rows::dead_letter(&r)?),
+        None => Err(StoreError::not_found(format!("dead letter {id} does not exist")).into()),
+    }
+}
+
+/// The dead letters a selector names: `(letter id, instance id)`, oldest first, locked.
+async fn select_letters<C: GenericClient + Sync>(
+    c: &C,
+    s: &DeadLetterSelector,
+) -> OpResult<Vec<(i64, i64)>> {
+    let found = match s {
+        DeadLetterSelector::Id(id) => {
+            let stmt = c
+                .prepare_cached("SELECT id, instance_id FROM dead_letters WHERE id = $1 FOR UPDATE")
+                .await?;
+            let r = c.query(&stmt, &[&id.0]).await?;
+            if r.is_empty() {
+                return Err(
+                    StoreError::not_found(format!("dead letter {id} does not exist")).into()
+                );
+            }
+            r
+        }
+        DeadLetterSelector::Machine { namespace, machine } => {
+            let stmt = c
+                .prepare_cached(
+                    "SELECT id, instance_id FROM dead_letters WHERE namespace = $1 AND machine = $2 \
+                     ORDER BY id LIMIT $3 FOR UPDATE",
+                )
+                .await?;
+            c.query(&stmt, &[namespace, machine, &(limits::DEAD_LETTER_BATCH_MAX as i64)]).await?
+        }
+    };
+    Ok(found.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult<u64> {
+    let stmt = c.prepare_cached("DELETE FROM dead_letters WHERE id = ANY($1)").await?;
+    Ok(c.execute(&stmt, &[&ids]).await?)
+}
+
+/// Retries dead letters: suspended instances become runnable at `now + delay`.
+pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
+    c: &C,
+    p: &DeadLetterRetryParams,
+    channel: &str,
+) -> OpResult<Vec<InstanceId>> {
+    begin(c).await?;
+    let letters = select_letters(c, &p.selector).await?;
+    let mut ids: Vec<i64> = letters.iter().map(|l| l.1).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let rows = lock_instances(c, &ids).await?;
+    let at = p.now.plus(p.delay);
+    let mut next = Vec::new();
+    let mut history = HistoryWrite::default();
+    for row in &rows {
+        match outcome::dead_letter_retry(row, at, p.now) {
+            Ok(n) => {
+                history.push(
+                    &n,
+                    row.attempt,
+                    p.now,
+                    HistoryEntry::new(
+                        "DEAD_LETTER_RETRIED",
+                        json!({ "eligible_at": n.eligible_at }),
+                    ),
+                );
+                next.push(n);
+            }
+            Err(e) if matches!(p.selector, DeadLetterSelector::Id(_)) => return Err(e.into()),
+            Err(_) => {}
+        }
+    }
+    let retried: HashSet<i64> = next.iter().map(|r| r.id.0).collect();
+    let gone: Vec<i64> = letters.iter().filter(|l| retried.contains(&l.1)).map(|l| l.0).collect();
+    if let (DeadLetterSelector::Id(id), true) = (&p.selector, rows.is_empty()) {
+        return Err(StoreError::not_found(format!(
+            "dead letter {id}: its instance no longer exists"
+        ))
+        .into());
+    }
+    write_instances(c, &next).await?;
+    write_history(c, &history).await?;
+    delete_letters(c, &gone).await?;
+    if !next.is_empty() {
+        notify(c, channel).await?;
+    }
+    commit_tx(c).await?;
+    Ok(next.iter().map(|r| r.id).collect())
+}
+
+/// Skips a dead letter: consumes its signals and resumes the suspended instance now.
+pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
+    c: &C,
+    p: &DeadLetterSkipParams,
+    channel: &str,
+) -> OpResult<InstanceId> {
+    begin(c).await?;
+    let letter = dead_letter_get(c, p.id).await?;
+    let rows = lock_instances(c, &[letter.letter.instance.0]).await?;
+    let Some(row) = rows.first() else {
+        return Err(StoreError::not_found(format!(
+            "dead letter {}: its instance no longer exists",
+            p.id
+        ))
+        .into());
+    };
+    let next = outcome::dead_letter_retry(row, p.now, p.now)?;
+    let signals: Vec<i64> = letter.letter.signals.iter().map(|s| s.0).collect();
+    let stmt =
+        c.prepare_cached("DELETE FROM signals WHERE target_id = $1 AND id = ANY($2)").await?;
+    c.execute(&stmt, &[&row.id.0, &signals]).await?;
+    let mut history = HistoryWrite::default();
+    history.push(
+        &next,
+        row.attempt,
+        p.now,
+        HistoryEntry::new("DEAD_LETTER_SKIPPED", json!({ "signals": signals })),
+    );
+    write_instances(c, std::slice::from_ref(&next)).await?;
+    write_history(c, &history).await?;
+    delete_letters(c, &[p.id.0]).await?;
+    notify(c, channel).await?;
+    commit_tx(c).await?;
+    Ok(next.id)
+}
+
+/// Purges dead letters.
+pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
+    c: &C,
+    p: &DeadLetterPurgeParams,
+) -> OpResult<u64> {
+    let older = p.older_than.map(ts);
+    let (id, ns, machine): (Option<i64>, Option<&str>, Option<&str>) = match &p.selector {
+        None => (None, None, None),
+        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
+        Some(DeadLetterSelector::Machine { namespace, machine }) => {
+            (None, Some(namespace.as_str()), Some(machine.as_str()))
+        }
+    };
+    let limit = if ns.is_some() { limits::DEAD_LETTER_BATCH_MAX as i64 } else { i64::MAX };
+    let stmt = c
+        .prepare_cached(
+            "DELETE FROM dead_letters WHERE id IN (SELECT id FROM dead_letters \
+               WHERE ($1::int8 IS NULL OR id = $1) AND ($2::text IS NULL OR namespace = $2) \
+                 AND ($3::text IS NULL OR machine = $3) \
+                 AND ($4::timestamptz IS NULL OR created_at < $4) \
+               ORDER BY id LIMIT $5)",
+        )
+        .await?;
+    Ok(c.execute(&stmt, &[&id, &ns, &machine, &older, &limit]).await?)
+}
+
+/// Checks the queue names.
+pub(crate) fn validate_queue(p: &QueuePauseParams) -> StoreResult<()> {
+    check_name("namespace", &p.namespace)?;
+    check_name("queue", &p.queue)
+}
+
+/// Pauses or resumes a queue.
+pub(crate) async fn queue_pause<C: GenericClient + Sync>(
+    c: &C,
+    p: &QueuePauseParams,
+    channel: &str,
+) -> OpResult<()> {
+    begin(c).await?;
+    let stmt = c
+        .prepare_cached(
+            "INSERT INTO queues (namespace, queue, paused, updated_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (namespace, queue) DO UPDATE SET paused = $3, updated_at = $4",
+        )
+        .await?;
+    c.execute(&stmt, &[&p.namespace, &p.queue, &p.paused, &ts(p.now)]).await?;
+    if !p.paused {
+        notify(c, channel).await?;
+    }
+    commit_tx(c).await?;
+    Ok(())
+}
+
+/// Queues with settings in a namespace.
+pub(crate) async fn queue_list<C: GenericClient + Sync>(
+    c: &C,
+    namespace: &str,
+) -> OpResult<Vec<QueueState>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT namespace, queue, paused FROM queues WHERE namespace = $1 ORDER BY queue",
+        )
+        .await?;
+    Ok(c.query(&stmt, &[&namespace])
+        .await?
+        .iter()
+        .map(|r| QueueState { namespace: r.get(0), queue: r.get(1), paused: r.get(2) })
+        .collect())
+}

@@ -1,0 +1,310 @@
+//! `step_commit`: a batch of step results in one transaction.
+//!
+//! Round trip 1 (pipelined): `BEGIN`, lock the batch's rows (id order, `FOR NO KEY
+//! UPDATE`), and — for `Await` items — whether a matching signal outside the consumed set is
+//! in the inbox (read after the lock, so no delivery can slip between). Then each item is
+//! checked with the pure `validate_commit` (stale ⇒ `LeaseLost`, nothing written for it) and
+//! applied with the pure `apply`. `ScheduleChildren` children go in with one insert. The
+//! last round trip writes every accepted row (`UPDATE … FROM unnest`), deletes exactly the
+//! consumed signals, appends history, stores dead letters, decrements parents' barriers
+//! for children that became terminal, notifies once and commits. Outbox emits, when there
+//! are any, run the delivery path before that last round trip.
+
+use super::{begin, commit_tx, insert, notify, signal};
+use crate::error::OpResult;
+use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{Instance, NewDeadLetter, NewInstance, NewSignal, check_batch};
+use keel_core::outcome::{self, ApplyFacts, Outcome, StepCommit};
+use keel_core::ports::store::{CommitParams, CommitReceipt, InsertOutcome};
+use keel_core::{DeadLetterId, Status, StoreError, StoreResult, Timestamp, limits};
+use std::collections::{HashMap, HashSet};
+use std::time::SystemTime;
+
+/// Checks the batch bound (item shapes are checked per item, after the fence).
+pub(crate) fn validate(params: &CommitParams) -> StoreResult<()> {
+    check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)
+}
+
+const AWAIT_CHECK: &str = "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(id, name) \
+    WHERE EXISTS (SELECT 1 FROM signals s WHERE s.target_id = a.id \
+      AND (a.name = '*' OR s.name = a.name) \
+      AND NOT EXISTS (SELECT 1 FROM unnest($3::int8[], $4::int8[]) AS x(t, s) \
+                      WHERE x.t = s.target_id AND x.s = s.id))";
+
+const CONSUME: &str = "DELETE FROM signals s USING unnest($1::int8[], $2::int8[]) AS c(t, id) \
+    WHERE s.id = c.id AND s.target_id = c.t";
+
+const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, machine, \
+    machine_version, position, signals, event, correlation_id, reason, attempts, errors, \
+    first_attempt_at, last_attempt_at, created_at) \
+    SELECT d.instance_id, d.namespace, d.machine, d.machine_version, d.position, \
+      ARRAY(SELECT jsonb_array_elements_text(d.signals)::int8), d.event, d.correlation_id, \
+      d.reason, d.attempts, d.errors, d.first_attempt_at, d.last_attempt_at, $14 \
+    FROM unnest($1::int8[], $2::text[], $3::text[], $4::int4[], $5::text[], $6::jsonb[], \
+      $7::jsonb[], $8::text[], $9::text[], $10::int4[], $11::jsonb[], $12::timestamptz[], \
+      $13::timestamptz[]) AS d(instance_id, namespace, machine, machine_version, position, \
+      signals, event, correlation_id, reason, attempts, errors, first_attempt_at, \
+      last_attempt_at) \
+    RETURNING instance_id, id";
+
+/// One accepted item on its way to the database.
+struct Accepted {
+    index: usize,
+    before: Instance,
+    children: Vec<InsertOutcome>,
+}
+
+/// The transaction.
+pub(crate) async fn run<C: GenericClient + Sync>(
+    c: &C,
+    commits: &[StepCommit],
+    now: Timestamp,
+    channel: &str,
+) -> OpResult<Vec<StoreResult<CommitReceipt>>> {
+    let mut ids: Vec<i64> = commits.iter().map(|s| s.id.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let (mut await_ids, mut await_names) = (Vec::new(), Vec::new());
+    let (mut ct, mut cs) = (Vec::new(), Vec::new());
+    for s in commits {
+        if let Outcome::Await { signal, .. } = &s.outcome {
+            await_ids.push(s.id.0);
+            await_names.push(signal.as_str());
+        }
+        for sig in &s.consume {
+            ct.push(s.id.0);
+            cs.push(sig.0);
+        }
+    }
+    let lock = c
+        .prepare_cached(&format!(
+            "SELECT {} FROM instances WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
+            rows::INSTANCE_COLS
+        ))
+        .await?;
+    let check = c.prepare_cached(AWAIT_CHECK).await?;
+    let waiting = async {
+        if await_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        c.query(&check, &[&await_ids, &await_names, &ct, &cs]).await
+    };
+    let (b, locked, waiting) =
+        tokio::join!(begin(c), async { c.query(&lock, &[&ids]).await }, waiting);
+    b?;
+    let mut current: HashMap<i64, Instance> = HashMap::new();
+    for r in &locked? {
+        let row = rows::instance(r)?;
+        current.insert(row.id.0, row);
+    }
+    let waiting: HashSet<i64> = waiting?.iter().map(|r| r.get::<_, i64>(0)).collect();
+
+    // Fence and shape, in batch order; an accepted item leaves its row non-executing, so a
+    // second item for the same instance is stale.
+    let mut results: Vec<Option<StoreResult<CommitReceipt>>> = vec![None; commits.len()];
+    let mut accepted: Vec<Accepted> = Vec::new();
+    for (i, s) in commits.iter().enumerate() {
+        let Some(row) = current.get_mut(&s.id.0) else {
+            results[i] = Some(Err(StoreError::not_found(format!(
+                "instance {} does not exist; nothing was committed for it",
+                s.id
+            ))));
+            continue;
+        };
+        if let Err(e) = outcome::validate_commit(row, s) {
+            results[i] = Some(Err(e));
+            continue;
+        }
+        accepted.push(Accepted { index: i, before: row.clone(), children: Vec::new() });
+        row.status = Status::Runnable;
+    }
+
+    // Children of every accepted ScheduleChildren item, in one insert.
+    let mut kids: Vec<insert::Item<'_>> = Vec::new();
+    let mut spans = Vec::new();
+    for a in &accepted {
+        if let Outcome::ScheduleChildren { children, .. } = &commits[a.index].outcome {
+            spans.push((a.index, kids.len(), children.len()));
+            kids.extend(children.iter().map(|n: &NewInstance| (n, Some(a.before.id))));
+        }
+    }
+    let spawned = !kids.is_empty() && {
+        let out = insert::insert_batch(c, &kids, now).await?;
+        for (index, start, len) in spans {
+            if let Some(a) = accepted.iter_mut().find(|a| a.index == index) {
+                a.children = out[start..start + len].to_vec();
+            }
+        }
+        out.iter().any(|o| matches!(o, InsertOutcome::Inserted(_)))
+    };
+
+    // Apply.
+    let mut writes = InstanceWrite::default();
+    let mut history = HistoryWrite::default();
+    let mut letters = LetterWrite::default();
+    let (mut consume_t, mut consume_s) = (Vec::new(), Vec::new());
+    let mut parents = Vec::new();
+    let mut emits: Vec<NewSignal> = Vec::new();
+    let mut ready = spawned;
+    for a in &accepted {
+        let s = &commits[a.index];
+        let inserted =
+            a.children.iter().filter(|o| matches!(o, InsertOutcome::Inserted(_))).count();
+        let facts = ApplyFacts {
+            now,
+            signal_waiting: waiting.contains(&s.id.0),
+            children_inserted: inserted as i32,
+        };
+        let applied = outcome::apply(&a.before, s, facts);
+        let row = &applied.row;
+        writes.push(row);
+        for e in applied.history.iter().cloned() {
+            history.push(row, a.before.attempt, now, e);
+        }
+        if let Some(l) = &applied.dead_letter {
+            letters.push(l);
+        }
+        for sig in &s.consume {
+            consume_t.push(s.id.0);
+            consume_s.push(sig.0);
+        }
+        if applied.became_terminal()
+            && let Some(p) = row.parent
+        {
+            parents.push(p.0);
+            ready = true;
+        }
+        ready |= row.status == Status::Runnable && row.eligible_at <= now;
+        emits.extend(s.emit.iter().cloned());
+        results[a.index] = Some(Ok(CommitReceipt {
+            id: row.id,
+            revision: row.revision,
+            status: row.status,
+            children: a.children.clone(),
+            dead_letter: None,
+        }));
+    }
+
+    let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
+    let hist = c.prepare_cached(rows::WRITE_HISTORY).await?;
+    let cons = c.prepare_cached(CONSUME).await?;
+    let dl = c.prepare_cached(DEAD_LETTERS).await?;
+    let rel = c.prepare_cached(rows::RELEASE_PARENTS).await?;
+    let now_ts = ts(now);
+    let f_write =
+        async { if writes.is_empty() { Ok(0) } else { c.execute(&write, &writes.params()).await } };
+    let f_hist = async {
+        if history.is_empty() { Ok(0) } else { c.execute(&hist, &history.params()).await }
+    };
+    let f_consume = async {
+        if consume_t.is_empty() { Ok(0) } else { c.execute(&cons, &[&consume_t, &consume_s]).await }
+    };
+    let f_letters = async {
+        if letters.is_empty() {
+            Ok(Vec::new())
+        } else {
+            let mut p = letters.params();
+            p.push(&now_ts);
+            c.query(&dl, &p).await
+        }
+    };
+    let f_release = async {
+        if parents.is_empty() { Ok(0) } else { c.execute(&rel, &[&parents, &now_ts]).await }
+    };
+    let delivered = !emits.is_empty();
+    let tail = async {
+        if delivered {
+            return Ok(None);
+        }
+        if ready {
+            notify(c, channel).await?;
+        }
+        commit_tx(c).await?;
+        Ok::<_, crate::error::OpError>(Some(()))
+    };
+    let (written, hist_done, consumed, letter_rows, released, tail) =
+        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, tail);
+    written?;
+    hist_done?;
+    consumed?;
+    released?;
+    let letter_ids: HashMap<i64, i64> =
+        letter_rows?.iter().map(|row| (row.get::<_, i64>(0), row.get::<_, i64>(1))).collect();
+    tail?;
+    if delivered {
+        let plan = signal::plan(c, &emits, now).await?;
+        if ready && !plan.woke() {
+            notify(c, channel).await?;
+        }
+        signal::finish(c, &plan, Some(channel)).await?;
+    }
+    Ok(results
+        .into_iter()
+        .map(|r| {
+            let mut r = r.expect("every item decided");
+            if let Ok(receipt) = &mut r {
+                receipt.dead_letter = letter_ids.get(&receipt.id.0).map(|id| DeadLetterId(*id));
+            }
+            r
+        })
+        .collect())
+}
+
+/// The parameter arrays of the dead-letter insert.
+#[derive(Default)]
+struct LetterWrite {
+    instance: Vec<i64>,
+    namespace: Vec<String>,
+    machine: Vec<String>,
+    version: Vec<i32>,
+    position: Vec<String>,
+    signals: Vec<serde_json::Value>,
+    event: Vec<Option<serde_json::Value>>,
+    correlation_id: Vec<Option<String>>,
+    reason: Vec<String>,
+    attempts: Vec<i32>,
+    errors: Vec<serde_json::Value>,
+    first: Vec<SystemTime>,
+    last: Vec<SystemTime>,
+}
+
+impl LetterWrite {
+    fn push(&mut self, l: &NewDeadLetter) {
+        self.instance.push(l.instance.0);
+        self.namespace.push(l.namespace.clone());
+        self.machine.push(l.machine.name.clone());
+        self.version.push(l.machine.version);
+        self.position.push(l.position.clone());
+        self.signals.push(serde_json::json!(l.signals.iter().map(|s| s.0).collect::<Vec<_>>()));
+        self.event.push(l.event.clone());
+        self.correlation_id.push(l.correlation_id.clone());
+        self.reason.push(l.reason.clone());
+        self.attempts.push(l.attempts);
+        self.errors.push(serde_json::to_value(&l.errors).unwrap_or_default());
+        self.first.push(ts(l.first_attempt_at));
+        self.last.push(ts(l.last_attempt_at));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.instance.is_empty()
+    }
+
+    fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        vec![
+            &self.instance,
+            &self.namespace,
+            &self.machine,
+            &self.version,
+            &self.position,
+            &self.signals,
+            &self.event,
+            &self.correlation_id,
+            &self.reason,
+            &self.attempts,
+            &self.errors,
+            &self.first,
+            &self.last,
+        ]
+    }
+}
