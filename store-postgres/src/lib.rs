@@ -146,7 +146,12 @@ impl PgStore {
             .url
             .parse()
             .map_err(|e| StoreError::invalid(format!("url: not a PostgreSQL URL: {e}")))?;
-        pg.options(format!("-c search_path={}", config.schema));
+        // Keep any options the URL carries; the schema comes last so it wins.
+        let options = match pg.get_options() {
+            Some(o) if !o.is_empty() => format!("{o} -c search_path={}", config.schema),
+            _ => format!("-c search_path={}", config.schema),
+        };
+        pg.options(options);
         if pg.get_application_name().is_none() {
             pg.application_name("keel");
         }

@@ -31,8 +31,8 @@ fn sql() -> String {
              AND (cardinality($3::text[]) = 0 OR i.queue = ANY($3)) \
              AND (cardinality($4::text[]) = 0 OR (i.machine, i.machine_version) IN \
                   (SELECT m.name, m.version FROM unnest($4::text[], $5::int4[]) AS m(name, version))) \
-             AND NOT EXISTS (SELECT 1 FROM queues q WHERE q.paused \
-                  AND q.namespace = i.namespace AND q.queue = i.queue) \
+             AND (i.namespace, i.queue) NOT IN (SELECT q.namespace, q.queue FROM queues q \
+                  WHERE q.paused) \
              AND (i.concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM instances e \
                   WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key)) \
            ORDER BY i.priority, i.eligible_at, i.id \
