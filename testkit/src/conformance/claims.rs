@@ -1,0 +1,156 @@
+//! Contracts for claiming: order, eligibility, filters, paused queues, per-key
+//! serialization, and never handing out a row that a live claim holds.
+
+use super::support::{
+    LEASE, at, claim, claim_params, ids, insert, insert_one, new_in, next, order, step, worker,
+};
+use keel_core::ports::Store;
+use keel_core::ports::store::{QueuePauseParams, QueueState};
+use keel_core::{MachineRef, NewInstance, Priority};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// Claims come in priority order, then `eligible_at`, then id; `limit` is respected.
+pub async fn claim_order_priority_then_eligible_at<S: Store>(s: &S) {
+    let ns = "claim_order";
+    let mk = |p: Priority, ms: i64| new_in(ns).priority(p).eligible_at(at(ms));
+    let out = insert(
+        s,
+        vec![
+            mk(Priority::Normal, 5),
+            mk(Priority::High, 7),
+            mk(Priority::Normal, 3),
+            mk(Priority::Bulk, 0),
+            mk(Priority::Critical, 9),
+            mk(Priority::Normal, 5),
+            mk(Priority::Normal, 5),
+        ],
+        at(0),
+    )
+    .await;
+    let id = |i: usize| out[i].id();
+    let first = claim(s, claim_params(ns, 2, at(100))).await;
+    assert_eq!(ids(&first), vec![id(4), id(1)]);
+    let rest = claim(s, claim_params(ns, 10, at(100))).await;
+    assert_eq!(ids(&rest), vec![id(2), id(0), id(5), id(6), id(3)]);
+    assert!(claim(s, claim_params(ns, 0, at(100))).await.is_empty());
+}
+
+/// A row whose `eligible_at` is in the future is not claimed until that time.
+pub async fn claim_skips_future_eligible_at<S: Store>(s: &S) {
+    let ns = "claim_future";
+    let later = insert_one(s, new_in(ns).eligible_at(at(1_000)), at(0)).await;
+    let early = insert_one(s, new_in(ns).priority(Priority::Bulk), at(0)).await;
+    assert_eq!(ids(&claim(s, claim_params(ns, 10, at(999))).await), vec![early]);
+    assert_eq!(ids(&claim(s, claim_params(ns, 10, at(1_000))).await), vec![later]);
+}
+
+/// Namespace, queue and `(machine, version)` filters each narrow the claim; empty lists
+/// mean any.
+pub async fn claim_filters_namespace_queue_machine<S: Store>(s: &S) {
+    let (ns, other_ns) = ("claim_filters", "claim_filters_other");
+    let base =
+        |ns: &str, q: &str, m: MachineRef| NewInstance::new(m, "start").namespace(ns).queue(q);
+    let out = insert(
+        s,
+        vec![
+            base(ns, "q1", order()),
+            base(ns, "q2", order()),
+            base(ns, "q1", MachineRef::new("billing", 1)),
+            base(ns, "q1", MachineRef::new("order", 2)),
+            base(other_ns, "q1", order()),
+        ],
+        at(0),
+    )
+    .await;
+    let id = |i: usize| out[i].id();
+    let mut p = claim_params(ns, 10, at(10));
+    p.queues = vec!["q2".into()];
+    assert_eq!(ids(&claim(s, p).await), vec![id(1)], "queue filter");
+    let mut p = claim_params(ns, 10, at(10));
+    p.machines = vec![MachineRef::new("order", 2)];
+    assert_eq!(ids(&claim(s, p).await), vec![id(3)], "machine version filter");
+    let mut p = claim_params(ns, 10, at(10));
+    p.machines = vec![MachineRef::new("billing", 1), MachineRef::new("billing", 2)];
+    assert_eq!(ids(&claim(s, p).await), vec![id(2)], "machine name filter");
+    assert_eq!(
+        ids(&claim(s, claim_params(other_ns, 10, at(10))).await),
+        vec![id(4)],
+        "namespace filter"
+    );
+    let mut any = claim_params(ns, 10, at(10));
+    any.namespaces.clear();
+    assert_eq!(ids(&claim(s, any).await), vec![id(0)], "empty filters mean any");
+}
+
+/// A paused queue is not claimed from (in its namespace only) until it is resumed, and
+/// `queue_list` shows its state.
+pub async fn paused_queue_not_claimed_until_resumed<S: Store>(s: &S) {
+    let (ns, other_ns) = ("queue_pause", "queue_pause_other");
+    let held = insert_one(s, new_in(ns).queue("mail"), at(0)).await;
+    let free = insert_one(s, new_in(ns).queue("bulk"), at(0)).await;
+    let elsewhere = insert_one(s, new_in(other_ns).queue("mail"), at(0)).await;
+    let pause = |paused: bool, now| QueuePauseParams {
+        namespace: ns.into(),
+        queue: "mail".into(),
+        paused,
+        now,
+    };
+    s.queue_pause(pause(true, at(1))).await.expect("pause");
+    let state = |paused| QueueState { namespace: ns.into(), queue: "mail".into(), paused };
+    assert!(s.queue_list(ns.into()).await.expect("list").contains(&state(true)));
+    assert_eq!(
+        ids(&claim(s, claim_params(ns, 10, at(10))).await),
+        vec![free],
+        "a paused queue was claimed"
+    );
+    assert_eq!(
+        ids(&claim(s, claim_params(other_ns, 10, at(10))).await),
+        vec![elsewhere],
+        "pause leaked across namespaces"
+    );
+    s.queue_pause(pause(false, at(20))).await.expect("resume");
+    assert!(s.queue_list(ns.into()).await.expect("list").contains(&state(false)));
+    assert_eq!(ids(&claim(s, claim_params(ns, 10, at(30))).await), vec![held]);
+}
+
+/// Rows sharing a `concurrency_key` run one at a time, in `eligible_at` order; other
+/// keys run in parallel.
+pub async fn concurrency_key_serializes<S: Store>(s: &S) {
+    let ns = "concurrency_key";
+    let mk = |key: &str, ms: i64| new_in(ns).concurrency_key(key).eligible_at(at(ms));
+    let out =
+        insert(s, vec![mk("acct-1", 1), mk("acct-1", 2), mk("acct-1", 3), mk("acct-2", 4)], at(0))
+            .await;
+    let id = |i: usize| out[i].id();
+    let first = claim(s, claim_params(ns, 10, at(10))).await;
+    assert_eq!(ids(&first), vec![id(0), id(3)], "at most one per key per claim");
+    assert!(
+        claim(s, claim_params(ns, 10, at(10))).await.is_empty(),
+        "claimed a key that is executing"
+    );
+    step(s, &first[0], next("second", 1), at(20)).await;
+    assert_eq!(
+        ids(&claim(s, claim_params(ns, 10, at(20))).await),
+        vec![id(1)],
+        "next of the key in eligible_at order"
+    );
+}
+
+/// A claim never returns a row that another live claim holds — not under concurrent
+/// claims, and not after the lease ran out but before the reaper returned it.
+pub async fn claim_never_returns_held_row<S: Store>(s: &S) {
+    let ns = "claim_exclusive";
+    let out = insert(s, (0..6).map(|_| new_in(ns)).collect(), at(0)).await;
+    let mut p2 = claim_params(ns, 4, at(10));
+    p2.worker = worker("w2");
+    let (a, b) = tokio::join!(claim(s, claim_params(ns, 4, at(10))), claim(s, p2));
+    let (a, b): (BTreeSet<_>, BTreeSet<_>) =
+        (ids(&a).into_iter().collect(), ids(&b).into_iter().collect());
+    assert!(a.is_disjoint(&b), "two live claims hold the same row: {a:?} {b:?}");
+    let all: BTreeSet<_> = a.union(&b).copied().collect();
+    assert_eq!(all, out.iter().map(|o| o.id()).collect::<BTreeSet<_>>());
+    let mut p3 = claim_params(ns, 10, at(10).plus(LEASE).plus(Duration::from_secs(1)));
+    p3.worker = worker("w3");
+    assert!(claim(s, p3).await.is_empty(), "an expired but unreaped lease was claimed");
+}

@@ -1,0 +1,227 @@
+//! Contracts for retries and the dead-letter queue (DESIGN §5.3): exhaustion, retry by
+//! id and by machine, skip, purge.
+
+use super::support::{
+    assert_history_tail, assert_row, at, claim, claim_id, claim_params, commit_ok, expect_kind,
+    facts, failure, get, insert_one, new_in, reference, row, send, suspend,
+};
+use keel_core::instance::HistoryEntry;
+use keel_core::outcome::{self, Outcome, StepFailure};
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSelector, DeadLetterSkipParams,
+};
+use keel_core::{
+    DeadLetterId, ErrorKind, InstanceId, MachineRef, NewInstance, Status, StepCommit, Timestamp,
+};
+use serde_json::json;
+use std::time::Duration;
+
+fn retry_params(
+    selector: DeadLetterSelector,
+    delay: Duration,
+    now: Timestamp,
+) -> DeadLetterRetryParams {
+    DeadLetterRetryParams { selector, delay, now }
+}
+
+/// Inserts an instance of `machine` in `ns` and suspends it at `now`.
+async fn suspended<S: Store>(
+    s: &S,
+    ns: &str,
+    machine: &str,
+    now: Timestamp,
+) -> (InstanceId, DeadLetterId) {
+    let id =
+        insert_one(s, NewInstance::new(MachineRef::new(machine, 1), "start").namespace(ns), now)
+            .await;
+    let claimed = claim_id(s, ns, id, now).await;
+    (id, suspend(s, &claimed, "boom", vec![], now).await)
+}
+
+/// Retries exhausted: `Retry` with backoff twice, then `Suspend`; the dead letter holds
+/// every attempt's error; retrying it makes the instance runnable with attempt 0.
+pub async fn retry_exhaustion_dead_letter_then_retry<S: Store>(s: &S) {
+    let ns = "retry_exhaustion";
+    let id = insert_one(s, new_in(ns).correlation_id("corr-1"), at(0)).await;
+    let (sid, _) = send(s, id, "charge", at(1)).await;
+    let mut now = at(10);
+    for attempt in 0..2 {
+        let c = claim_id(s, ns, id, now).await;
+        assert_eq!(c.instance.attempt, attempt);
+        let retry =
+            Outcome::Retry { context: c.instance.context.clone(), delay: Duration::from_secs(1) };
+        let fail = failure(&format!("boom {attempt}"), false, vec![sid]);
+        commit_ok(s, StepCommit::new(id, c.token(), retry).failure(fail), now).await;
+        now = now.plus(Duration::from_secs(1));
+    }
+    let last = claim_id(s, ns, id, now).await;
+    assert_eq!(last.instance.attempt, 2);
+    let fail = StepFailure {
+        event: Some(json!({ "name": "charge" })),
+        ..failure("boom 2", true, vec![sid])
+    };
+    let c = StepCommit::new(id, last.token(), Outcome::Suspend).failure(fail);
+    let receipt = commit_ok(s, c.clone(), now).await;
+    let want = reference(&last.instance, &c, facts(now));
+    assert_row(&row(s, id).await, &want.row, "suspended row");
+    let dl = receipt.dead_letter.expect("a dead letter id in the receipt");
+    let letter = s.dead_letter_get(dl).await.expect("dead_letter_get");
+    assert_eq!(
+        letter.letter,
+        want.dead_letter.expect("reference dead letter"),
+        "dead letter content"
+    );
+    let errors: Vec<(i32, &str)> =
+        letter.letter.errors.iter().map(|e| (e.attempt, e.error.as_str())).collect();
+    assert_eq!(errors, vec![(0, "boom 0"), (1, "boom 1"), (2, "boom 2")]);
+    assert_eq!((letter.letter.attempts, letter.letter.reason.as_str()), (3, "exhausted"));
+    assert_eq!(letter.letter.correlation_id.as_deref(), Some("corr-1"));
+    let listed = s
+        .dead_letter_list(DeadLetterFilter {
+            namespace: Some(ns.into()),
+            ..DeadLetterFilter::default()
+        })
+        .await;
+    assert_eq!(listed.expect("list").iter().map(|d| d.id).collect::<Vec<_>>(), vec![dl]);
+    assert!(
+        claim(s, claim_params(ns, 10, now.plus(Duration::from_hours(1)))).await.is_empty(),
+        "a suspended row was claimed"
+    );
+
+    let later = now.plus(Duration::from_secs(10));
+    let before = row(s, id).await;
+    let retried = s
+        .dead_letter_retry(retry_params(DeadLetterSelector::Id(dl), Duration::from_secs(5), later))
+        .await;
+    assert_eq!(retried.expect("retry"), vec![id]);
+    let d = get(s, id).await;
+    let expected = outcome::dead_letter_retry(&before, later.plus(Duration::from_secs(5)), later)
+        .expect("reference retry");
+    assert_row(&d.instance, &expected, "retried row");
+    assert_eq!(d.history.last().map(|h| h.entry.kind.as_str()), Some("DEAD_LETTER_RETRIED"));
+    expect_kind(s.dead_letter_get(dl).await, ErrorKind::NotFound, "a retried letter is removed");
+    expect_kind(
+        s.dead_letter_retry(retry_params(DeadLetterSelector::Id(dl), Duration::ZERO, later)).await,
+        ErrorKind::NotFound,
+        "retry twice",
+    );
+    assert!(
+        claim(s, claim_params(ns, 10, later.plus(Duration::from_millis(4_999)))).await.is_empty(),
+        "retried before its delay"
+    );
+    let again = claim_id(s, ns, id, later.plus(Duration::from_secs(5))).await;
+    assert_eq!((again.instance.attempt, again.instance.errors.len()), (0, 0));
+}
+
+/// Retry by machine retries that machine's letters in that namespace and nothing else.
+pub async fn dead_letter_retry_by_machine<S: Store>(s: &S) {
+    let ns = "dlq_by_machine";
+    let (b1, _) = suspended(s, ns, "billing", at(10)).await;
+    let (b2, _) = suspended(s, ns, "billing", at(20)).await;
+    let (o1, o1_letter) = suspended(s, ns, "order", at(30)).await;
+    let (elsewhere, _) = suspended(s, "dlq_by_machine_other", "billing", at(40)).await;
+    let selector = DeadLetterSelector::Machine { namespace: ns.into(), machine: "billing".into() };
+    let mut retried =
+        s.dead_letter_retry(retry_params(selector, Duration::ZERO, at(50))).await.expect("retry");
+    retried.sort();
+    assert_eq!(retried, vec![b1, b2]);
+    for id in [b1, b2] {
+        assert_eq!(row(s, id).await.status, Status::Runnable);
+    }
+    assert_eq!(row(s, o1).await.status, Status::Suspended, "another machine was retried");
+    assert_eq!(row(s, elsewhere).await.status, Status::Suspended, "another namespace was retried");
+    let left = s
+        .dead_letter_list(DeadLetterFilter {
+            namespace: Some(ns.into()),
+            ..DeadLetterFilter::default()
+        })
+        .await;
+    assert_eq!(left.expect("list").iter().map(|d| d.id).collect::<Vec<_>>(), vec![o1_letter]);
+}
+
+/// Skip consumes the signals the failed step was processing, keeps later ones, and
+/// resumes the instance with attempt 0. A letter whose instance is no longer suspended
+/// cannot be retried (`Conflict`).
+pub async fn dead_letter_skip_consumes_signals<S: Store>(s: &S) {
+    let ns = "dlq_skip";
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let (e1, _) = send(s, id, "e1", at(1)).await;
+    let (e2, _) = send(s, id, "e2", at(2)).await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    let dl = suspend(s, &claimed, "bad event", vec![e1], at(20)).await;
+    let skipped =
+        s.dead_letter_skip(DeadLetterSkipParams { id: dl, now: at(30) }).await.expect("skip");
+    assert_eq!(skipped, id);
+    let d = get(s, id).await;
+    assert_eq!(
+        d.inbox.iter().map(|x| x.id).collect::<Vec<_>>(),
+        vec![e2],
+        "skip consumes exactly the letter's signals"
+    );
+    assert_eq!((d.instance.status, d.instance.attempt), (Status::Runnable, 0));
+    let entry =
+        HistoryEntry::new("DEAD_LETTER_SKIPPED", json!({ "dead_letter": dl, "signals": [e1] }));
+    assert_history_tail(&d, &[entry], 0, "skip");
+    expect_kind(s.dead_letter_get(dl).await, ErrorKind::NotFound, "a skipped letter is removed");
+    expect_kind(
+        s.dead_letter_skip(DeadLetterSkipParams { id: dl, now: at(31) }).await,
+        ErrorKind::NotFound,
+        "skip twice",
+    );
+
+    let (gone, letter) = suspended(s, "dlq_skip_cancelled", "order", at(40)).await;
+    s.instance_cancel(CancelParams {
+        id: gone,
+        reason: "operator".into(),
+        cascade: false,
+        now: at(41),
+    })
+    .await
+    .expect("cancel");
+    expect_kind(
+        s.dead_letter_retry(retry_params(DeadLetterSelector::Id(letter), Duration::ZERO, at(42)))
+            .await,
+        ErrorKind::Conflict,
+        "retry of a cancelled instance",
+    );
+    assert_eq!(row(s, gone).await.status, Status::Cancelled);
+}
+
+/// Purge removes letters older than the cutoff (by selector too) and leaves instances
+/// alone.
+pub async fn dead_letter_purge_older_than<S: Store>(s: &S) {
+    let ns = "dlq_purge";
+    let (i1, _) = suspended(s, ns, "billing", at(10)).await;
+    let (_, l2) = suspended(s, ns, "billing", at(20)).await;
+    let (_, l3) = suspended(s, ns, "order", at(30)).await;
+    let purge = |selector, older_than| DeadLetterPurgeParams { selector, older_than };
+    assert_eq!(
+        s.dead_letter_purge(purge(None, Some(at(20)))).await.expect("purge"),
+        1,
+        "only strictly older letters"
+    );
+    let list = || {
+        s.dead_letter_list(DeadLetterFilter {
+            namespace: Some(ns.into()),
+            ..DeadLetterFilter::default()
+        })
+    };
+    assert_eq!(list().await.expect("list").iter().map(|d| d.id).collect::<Vec<_>>(), vec![l2, l3]);
+    assert_eq!(row(s, i1).await.status, Status::Suspended, "purge touched an instance");
+    let by_machine = DeadLetterSelector::Machine { namespace: ns.into(), machine: "order".into() };
+    assert_eq!(s.dead_letter_purge(purge(Some(by_machine), None)).await.expect("purge"), 1);
+    assert_eq!(
+        s.dead_letter_purge(purge(Some(DeadLetterSelector::Id(l2)), Some(at(20))))
+            .await
+            .expect("purge"),
+        0,
+        "not older than the cutoff"
+    );
+    assert_eq!(
+        s.dead_letter_purge(purge(Some(DeadLetterSelector::Id(l2)), None)).await.expect("purge"),
+        1
+    );
+    assert!(list().await.expect("list").is_empty());
+}

@@ -1,0 +1,205 @@
+//! The store conformance suite: one generic async function per contract, run by every
+//! `Store` backend — the in-memory reference included — under the same test names
+//! (DESIGN §1 invariant 4, STYLE 5).
+//!
+//! Contracts know nothing about any backend. They use fixed timestamps (never the system
+//! clock) and build their own rows in their own namespaces. Each expects a fresh, empty
+//! store (some look at every namespace: a claim with no filter, a purge of all dead
+//! letters), so a database backend hands each test its own schema. The expected rows come
+//! from `keel_core::outcome`, the pure reference.
+//!
+//! A backend crate runs the suite from an integration test:
+//!
+//! ```text
+//! // store-postgres/tests/conformance.rs
+//! keel_testkit::store_conformance_tests!(
+//!     keel_store_postgres::testing::fresh_schema(),   // async, returns Option<PgStore>
+//!     "KEEL_TEST_DATABASE_URL"                         // what to set when it is None
+//! );
+//! ```
+//!
+//! Each generated `#[tokio::test]` evaluates the constructor expression itself, so every
+//! test may get a fresh schema. `None` means "backend not configured": the test prints
+//! `SKIPPED: …` to stderr and passes, unless `KEEL_REQUIRE_BACKENDS=1`, when it panics and
+//! names the variable to set. The calling crate needs `tokio` (macros, rt) as a
+//! dev-dependency.
+
+pub mod support;
+
+mod children;
+mod claims;
+mod dead_letters;
+mod leases;
+mod operations;
+mod outcomes;
+mod signals;
+mod uniqueness;
+
+pub use children::*;
+pub use claims::*;
+pub use dead_letters::*;
+pub use leases::*;
+pub use operations::*;
+pub use outcomes::*;
+pub use signals::*;
+pub use uniqueness::*;
+
+/// The environment variable that turns a missing backend from a skip into a failure.
+pub const REQUIRE_BACKENDS_VAR: &str = "KEEL_REQUIRE_BACKENDS";
+
+/// The one list of store contracts. It feeds both [`STORE_CONTRACTS`] and
+/// [`store_conformance_tests!`](crate::store_conformance_tests), so they cannot drift.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __store_contract_list {
+    ($callback:ident ; $($args:tt)*) => {
+        $crate::$callback! { [$($args)*]
+            outcome_next_matches_reference,
+            outcome_retry_matches_reference,
+            outcome_await_parks_matches_reference,
+            outcome_schedule_children_matches_reference,
+            outcome_done_matches_reference,
+            outcome_stop_matches_reference,
+            outcome_suspend_matches_reference,
+            stale_token_rejected_nothing_changed,
+            batch_commit_one_stale_others_succeed,
+            invalid_outcome_rejected_without_partial_write,
+            await_signal_before_park_commits_runnable,
+            await_park_then_signal_wakes,
+            await_any_signal_wakes_on_any_name,
+            consume_only_seen_signals,
+            signal_dedup_across_calls_and_within_batch,
+            signal_to_missing_target_reported,
+            signal_to_terminal_target_recorded_and_reported,
+            emit_outbox_delivered_in_same_commit,
+            emit_to_missing_target_rejects_item,
+            claim_inbox_bounded_in_arrival_order,
+            children_zero_inserted_runnable_at_once,
+            children_one_child_releases_parent,
+            children_many_release_on_last,
+            children_failed_child_releases_slot,
+            children_decremented_once_when_child_reruns,
+            children_uniqueness_counts_only_new,
+            lease_expiry_reap_increments_attempt,
+            reap_unexpired_lease_does_nothing,
+            reap_owner_reclaims_its_rows,
+            release_keeps_attempt,
+            heartbeat_extends_and_refuses_stale,
+            uniqueness_in_and_out_of_scope,
+            uniqueness_within_one_batch,
+            uniqueness_reinsert_after_key_leaves_scope,
+            claim_order_priority_then_eligible_at,
+            claim_skips_future_eligible_at,
+            claim_filters_namespace_queue_machine,
+            paused_queue_not_claimed_until_resumed,
+            concurrency_key_serializes,
+            claim_never_returns_held_row,
+            retry_exhaustion_dead_letter_then_retry,
+            dead_letter_retry_by_machine,
+            dead_letter_skip_consumes_signals,
+            dead_letter_purge_older_than,
+            cancel_cascade_releases_parent_barrier,
+            cancel_rules_terminal_missing_executing,
+            instance_get_and_lookup,
+            payload_over_limit_rejected,
+            batch_over_limit_rejected,
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __store_contract_names {
+    ([] $($name:ident),* $(,)?) => {
+        /// The names of every store contract, in suite order. A tidy check compares the
+        /// tests each backend generates against this list.
+        pub const STORE_CONTRACTS: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+
+__store_contract_list!(__store_contract_names;);
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __store_conformance_expand {
+    ([$ctor:expr, $var:expr] $($name:ident),* $(,)?) => {
+        $(
+            #[::tokio::test]
+            async fn $name() {
+                if let Some(store) = $crate::conformance::backend_or_skip(stringify!($name), $var, $ctor.await) {
+                    $crate::conformance::$name(&store).await;
+                }
+            }
+        )*
+    };
+}
+
+/// Expands the whole store conformance suite into one named `#[tokio::test]` per contract.
+///
+/// `store_conformance_tests!(ctor)` or `store_conformance_tests!(ctor, "ENV_VAR")`, where
+/// `ctor` is an expression evaluating to a future of `Option<S>` with `S: Store` (`None` =
+/// backend not configured) and `ENV_VAR` names what to set to configure it.
+///
+/// ```text
+/// keel_testkit::store_conformance_tests!(async { Some(keel_testkit::MemoryStore::new()) });
+/// ```
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($ctor:expr $(,)?) => {
+        $crate::store_conformance_tests!($ctor, "the variable its constructor reads");
+    };
+    ($ctor:expr, $var:expr $(,)?) => {
+        $crate::__store_contract_list!(__store_conformance_expand; $ctor, $var);
+    };
+}
+
+/// What a generated test does with its constructor's result: the store, or `None` after
+/// printing a loud skip line — or a panic naming `var` when [`REQUIRE_BACKENDS_VAR`] is
+/// `1`.
+pub fn backend_or_skip<S>(contract: &str, var: &str, store: Option<S>) -> Option<S> {
+    let required = std::env::var(REQUIRE_BACKENDS_VAR).is_ok_and(|v| v == "1");
+    backend_or_skip_with(contract, var, store, required)
+}
+
+/// [`backend_or_skip`] with the requirement passed in rather than read from the
+/// environment.
+pub fn backend_or_skip_with<S>(
+    contract: &str,
+    var: &str,
+    store: Option<S>,
+    required: bool,
+) -> Option<S> {
+    if store.is_some() {
+        return store;
+    }
+    assert!(
+        !required,
+        "{contract}: backend not configured but {REQUIRE_BACKENDS_VAR}=1; set {var} to run it"
+    );
+    eprintln!("SKIPPED: store contract {contract}: backend not configured (set {var} to run it)");
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contract_names_are_unique_and_enough() {
+        let unique: std::collections::BTreeSet<_> = STORE_CONTRACTS.iter().collect();
+        assert_eq!(unique.len(), STORE_CONTRACTS.len(), "duplicate contract name");
+        assert!(STORE_CONTRACTS.len() >= 30, "the suite promises at least 30 contracts");
+    }
+
+    #[test]
+    fn configured_backend_is_used_and_a_missing_one_skips() {
+        assert_eq!(backend_or_skip_with("c", "V", Some(7), true), Some(7));
+        assert_eq!(backend_or_skip_with::<()>("c", "V", None, false), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "set KEEL_TEST_DATABASE_URL to run it")]
+    fn a_required_backend_that_is_missing_fails_and_names_the_variable() {
+        backend_or_skip_with::<()>("c", "KEEL_TEST_DATABASE_URL", None, true);
+    }
+}

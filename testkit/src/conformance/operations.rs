@@ -1,0 +1,294 @@
+//! Contracts for operator calls and limits: cancel (with cascade), inspect and lookup,
+//! payload size and batch bounds.
+
+use super::support::{
+    at, claim, claim_id, claim_params, commit, ctx, deliver, done, expect_kind, get, insert,
+    insert_one, new_in, order, row, send, step,
+};
+use keel_core::instance::{NewSignal, SignalTarget};
+use keel_core::limits;
+use keel_core::outcome::Outcome;
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    CancelParams, CommitParams, InsertParams, LeaseReapParams, SignalDeliverParams,
+};
+use keel_core::{ErrorKind, InstanceId, NewInstance, Status, StepCommit, Timestamp};
+use serde_json::{Value, json};
+use std::collections::BTreeSet;
+
+fn cancel(id: InstanceId, cascade: bool, now: Timestamp) -> CancelParams {
+    CancelParams { id, reason: "operator".into(), cascade, now }
+}
+
+fn schedule(ns: &str, n: usize) -> Outcome {
+    Outcome::ScheduleChildren {
+        next: "join".into(),
+        children: vec![new_in(ns).queue("kids"); n],
+        context: ctx(1),
+    }
+}
+
+/// Cancel with cascade cancels every non-terminal descendant; each cancelled child
+/// releases its parent's barrier, and cancelling a lone child releases a waiting parent.
+pub async fn cancel_cascade_releases_parent_barrier<S: Store>(s: &S) {
+    let ns = "cancel_cascade";
+    let p = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, p, at(10)).await;
+    let kids: Vec<InstanceId> =
+        step(s, &claimed, schedule(ns, 2), at(20)).await.children.iter().map(|c| c.id()).collect();
+    let c1 = claim_id(s, ns, kids[0], at(30)).await;
+    let grandkids: Vec<InstanceId> =
+        step(s, &c1, schedule(ns, 1), at(40)).await.children.iter().map(|c| c.id()).collect();
+    assert_eq!(
+        s.instance_cancel(cancel(kids[1], false, at(50))).await.expect("cancel"),
+        vec![kids[1]]
+    );
+    let parent = row(s, p).await;
+    assert_eq!(
+        (parent.status, parent.children_pending),
+        (Status::AwaitingChildren, 1),
+        "a cancelled child did not count"
+    );
+    let cancelled: BTreeSet<_> =
+        s.instance_cancel(cancel(p, true, at(60))).await.expect("cancel").into_iter().collect();
+    assert_eq!(cancelled, BTreeSet::from([p, kids[0], grandkids[0]]));
+    for id in [p, kids[0], grandkids[0]] {
+        let d = get(s, id).await;
+        assert_eq!(
+            (d.instance.status, d.instance.last_error.as_deref()),
+            (Status::Cancelled, Some("operator"))
+        );
+        assert_eq!(d.history.last().map(|h| h.entry.kind.as_str()), Some("CANCELLED"));
+    }
+    assert_eq!(
+        row(s, kids[0]).await.children_pending,
+        0,
+        "the grandchild did not count on its parent"
+    );
+
+    let lone = insert_one(s, new_in(ns).queue("solo"), at(100)).await;
+    let mut params = claim_params(ns, 1, at(110));
+    params.queues = vec!["solo".into()];
+    let claimed = claim(s, params).await.remove(0);
+    assert_eq!(claimed.instance.id, lone);
+    let kid = step(s, &claimed, schedule(ns, 1), at(120)).await.children[0].id();
+    s.instance_cancel(cancel(kid, false, at(130))).await.expect("cancel");
+    let released = row(s, lone).await;
+    assert_eq!(
+        (released.status, released.position.as_str(), released.eligible_at),
+        (Status::Runnable, "join", at(130))
+    );
+}
+
+/// Cancel: missing → `NotFound`; terminal → nothing; executing → the worker's commit is
+/// `LeaseLost`; without cascade the children go on.
+pub async fn cancel_rules_terminal_missing_executing<S: Store>(s: &S) {
+    let ns = "cancel_rules";
+    expect_kind(
+        s.instance_cancel(cancel(InstanceId(i64::MAX), false, at(0))).await,
+        ErrorKind::NotFound,
+        "cancel of a missing instance",
+    );
+    let finished = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, finished, at(10)).await;
+    step(s, &claimed, done(), at(20)).await;
+    let before = get(s, finished).await;
+    assert!(s.instance_cancel(cancel(finished, true, at(30))).await.expect("cancel").is_empty());
+    assert_eq!(get(s, finished).await, before, "cancel changed a terminal instance");
+    let running = insert_one(s, new_in(ns), at(40)).await;
+    let claimed = claim_id(s, ns, running, at(50)).await;
+    let kid = step(s, &claimed, schedule(ns, 1), at(60)).await.children[0].id();
+    let next = claim(s, claim_params(ns, 1, at(70))).await.remove(0);
+    assert_eq!(next.instance.id, kid);
+    assert_eq!(
+        s.instance_cancel(cancel(running, false, at(80))).await.expect("cancel"),
+        vec![running]
+    );
+    assert_eq!(
+        row(s, kid).await.status,
+        Status::Executing,
+        "cancel without cascade touched a child"
+    );
+    assert_eq!(step(s, &next, done(), at(90)).await.status, Status::Done);
+    let victim = insert_one(s, new_in(ns), at(100)).await;
+    let claimed = claim_id(s, ns, victim, at(110)).await;
+    s.instance_cancel(cancel(victim, false, at(120))).await.expect("cancel");
+    let late = StepCommit::new(victim, claimed.token(), done());
+    expect_kind(commit(s, late, at(130)).await, ErrorKind::LeaseLost, "commit after cancel");
+    assert_eq!(row(s, victim).await.status, Status::Cancelled);
+}
+
+/// `instance_get` returns the row, inbox in arrival order, children and the history of
+/// every commit in order; `instance_lookup` resolves ids and business keys (newest).
+pub async fn instance_get_and_lookup<S: Store>(s: &S) {
+    let ns = "get_lookup";
+    expect_kind(
+        s.instance_get(InstanceId(i64::MAX)).await,
+        ErrorKind::NotFound,
+        "get of a missing instance",
+    );
+    let first = insert_one(s, new_in(ns).business_key("order-1"), at(0)).await;
+    let key = |ns: &str, k: &str| SignalTarget::Key {
+        namespace: ns.into(),
+        machine: order().name,
+        key: k.into(),
+    };
+    assert_eq!(s.instance_lookup(key(ns, "order-1")).await.expect("lookup"), Some(first));
+    let second =
+        insert_one(s, new_in(ns).business_key("order-1").eligible_at(at(1_000_000)), at(1)).await;
+    assert_eq!(
+        s.instance_lookup(key(ns, "order-1")).await.expect("lookup"),
+        Some(second),
+        "newest instance wins"
+    );
+    assert_eq!(s.instance_lookup(key("get_lookup_other", "order-1")).await.expect("lookup"), None);
+    let other_machine = SignalTarget::Key {
+        namespace: ns.into(),
+        machine: "billing".into(),
+        key: "order-1".into(),
+    };
+    assert_eq!(s.instance_lookup(other_machine).await.expect("lookup"), None);
+    assert_eq!(s.instance_lookup(SignalTarget::Id(first)).await.expect("lookup"), Some(first));
+    assert_eq!(
+        s.instance_lookup(SignalTarget::Id(InstanceId(i64::MAX))).await.expect("lookup"),
+        None
+    );
+    let (a, _) = send(s, first, "a", at(2)).await;
+    let (b, _) = send(s, first, "b", at(3)).await;
+    let c1 = claim_id(s, ns, first, at(10)).await;
+    step(s, &c1, super::support::next("second", 1), at(20)).await;
+    let c2 = claim_id(s, ns, first, at(30)).await;
+    step(s, &c2, super::support::next("third", 2), at(40)).await;
+    let d = get(s, first).await;
+    assert_eq!(d.instance.revision.0, 2, "one revision per accepted commit");
+    assert_eq!(d.inbox.iter().map(|x| x.id).collect::<Vec<_>>(), vec![a, b]);
+    let kinds: Vec<&str> = d.history.iter().map(|h| h.entry.kind.as_str()).collect();
+    assert_eq!(kinds, vec!["STEP_NEXT", "STEP_NEXT"]);
+    assert_eq!(
+        d.history.iter().map(|h| (h.revision.0, h.at)).collect::<Vec<_>>(),
+        vec![(1, at(20)), (2, at(40))]
+    );
+    assert_eq!(d.history[1].entry.data, json!({ "from": "second", "to": "third" }));
+}
+
+/// Contexts, payloads and results up to `PAYLOAD_BYTES_MAX` are accepted; one byte more
+/// is `Invalid`, naming the field, with nothing of the batch written.
+pub async fn payload_over_limit_rejected<S: Store>(s: &S) {
+    let ns = "payload_limit";
+    // `{"b":"…"}` is 8 bytes of JSON around the string.
+    let ctx_of = |len: usize| json!({ "b": "x".repeat(len) });
+    let fits = limits::PAYLOAD_BYTES_MAX - 8;
+    let id = insert_one(s, new_in(ns).context(ctx_of(fits)), at(0)).await;
+    let too_big = vec![new_in(ns), new_in(ns).context(ctx_of(fits + 1))];
+    let err = s
+        .instance_insert(InsertParams { instances: too_big, now: at(1) })
+        .await
+        .expect_err("oversized context");
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(
+        err.message.contains("instances[1].context"),
+        "message names the field: {}",
+        err.message
+    );
+    assert_eq!(
+        claim(s, claim_params(ns, 10, at(2))).await.len(),
+        1,
+        "a rejected batch inserted something"
+    );
+    // A string payload is its length plus two quotes.
+    let payload = |len: usize| Value::String("x".repeat(len));
+    let big = vec![
+        NewSignal::new(id, "ok"),
+        NewSignal::new(id, "big").payload(payload(limits::PAYLOAD_BYTES_MAX - 1)),
+    ];
+    expect_kind(
+        s.signal_deliver(SignalDeliverParams { signals: big, now: at(3) }).await,
+        ErrorKind::Invalid,
+        "oversized payload",
+    );
+    assert!(get(s, id).await.inbox.is_empty(), "a rejected delivery batch stored something");
+    deliver(
+        s,
+        vec![NewSignal::new(id, "max").payload(payload(limits::PAYLOAD_BYTES_MAX - 2))],
+        at(4),
+    )
+    .await;
+    let claimed = get(s, id).await.instance;
+    let result = StepCommit::new(
+        id,
+        claimed.fencing_token,
+        Outcome::Done { result: payload(limits::PAYLOAD_BYTES_MAX - 1) },
+    );
+    expect_kind(commit(s, result, at(5)).await, ErrorKind::Invalid, "oversized result");
+    assert_eq!(row(s, id).await, claimed, "a rejected commit changed the row");
+}
+
+/// Every batch bound is enforced with `Invalid` and nothing written; a batch at the bound
+/// is accepted.
+pub async fn batch_over_limit_rejected<S: Store>(s: &S) {
+    let ns = "batch_limit";
+    let many = |n: usize| -> Vec<NewInstance> { vec![new_in(ns).eligible_at(at(1_000_000)); n] };
+    expect_kind(
+        s.instance_insert(InsertParams {
+            instances: many(limits::INSERT_BATCH_MAX + 1),
+            now: at(0),
+        })
+        .await,
+        ErrorKind::Invalid,
+        "insert batch",
+    );
+    let bad_item = vec![new_in(ns), NewInstance::new(order(), "").namespace(ns)];
+    expect_kind(
+        s.instance_insert(InsertParams { instances: bad_item, now: at(0) }).await,
+        ErrorKind::Invalid,
+        "empty position",
+    );
+    assert!(
+        claim(s, claim_params(ns, 10, at(2_000_000))).await.is_empty(),
+        "a rejected insert wrote rows"
+    );
+    assert_eq!(
+        insert(s, many(limits::INSERT_BATCH_MAX), at(0)).await.len(),
+        limits::INSERT_BATCH_MAX,
+        "a batch at the bound"
+    );
+    expect_kind(
+        s.instance_claim(claim_params(ns, limits::CLAIM_BATCH_MAX + 1, at(1))).await,
+        ErrorKind::Invalid,
+        "claim limit",
+    );
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let signals = vec![NewSignal::new(id, "e"); limits::DELIVER_BATCH_MAX + 1];
+    expect_kind(
+        s.signal_deliver(SignalDeliverParams { signals, now: at(1) }).await,
+        ErrorKind::Invalid,
+        "deliver batch",
+    );
+    let reserved = vec![NewSignal::new(id, "*")];
+    expect_kind(
+        s.signal_deliver(SignalDeliverParams { signals: reserved, now: at(1) }).await,
+        ErrorKind::Invalid,
+        "`*` as a signal name",
+    );
+    assert!(get(s, id).await.inbox.is_empty());
+    let claimed = claim_id(s, ns, id, at(2)).await;
+    let commits = vec![StepCommit::new(id, claimed.token(), done()); limits::COMMIT_BATCH_MAX + 1];
+    expect_kind(
+        s.step_commit(CommitParams { commits, now: at(3) }).await,
+        ErrorKind::Invalid,
+        "commit batch",
+    );
+    let children = Outcome::ScheduleChildren {
+        next: "join".into(),
+        children: many(limits::CHILDREN_PER_STEP_MAX + 1),
+        context: ctx(1),
+    };
+    expect_kind(
+        commit(s, StepCommit::new(id, claimed.token(), children), at(4)).await,
+        ErrorKind::Invalid,
+        "children per step",
+    );
+    assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
+    let reap = LeaseReapParams { owner: None, limit: limits::REAP_BATCH_MAX + 1, now: at(5) };
+    expect_kind(s.lease_reap(reap).await, ErrorKind::Invalid, "reap limit");
+}

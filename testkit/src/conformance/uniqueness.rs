@@ -1,0 +1,96 @@
+//! Contracts for uniqueness (seed 004 §7): the key is occupied only while the status is
+//! in scope, within a batch too, and frees when the occupant leaves its scope.
+
+use super::support::{at, await_signal, claim_id, done, insert, insert_one, new_in, step};
+use keel_core::Status;
+use keel_core::ids::StatusSet;
+use keel_core::ports::Store;
+use keel_core::ports::store::{CancelParams, InsertOutcome};
+
+/// A key conflicts while its occupant's status is in scope (runnable, executing) and not
+/// once it is out of scope (awaiting a signal); empty scopes and absent keys never do.
+pub async fn uniqueness_in_and_out_of_scope<S: Store>(s: &S) {
+    let ns = "unique_scope";
+    let scope = StatusSet::of(&[Status::Runnable, Status::Executing]);
+    let a = insert_one(s, new_in(ns).unique("u", scope), at(0)).await;
+    let dup = insert(s, vec![new_in(ns).unique("u", scope)], at(1)).await;
+    assert_eq!(dup, vec![InsertOutcome::Existing(a)], "runnable occupant");
+    let claimed = claim_id(s, ns, a, at(10)).await;
+    let dup = insert(s, vec![new_in(ns).unique("u", scope)], at(11)).await;
+    assert_eq!(dup, vec![InsertOutcome::Existing(a)], "executing occupant");
+    step(s, &claimed, await_signal("never", 1), at(20)).await;
+    let out = insert(s, vec![new_in(ns).unique("u", scope)], at(21)).await;
+    assert!(
+        matches!(out[0], InsertOutcome::Inserted(id) if id != a),
+        "awaiting_signal is out of scope: {out:?}"
+    );
+    let free = insert(
+        s,
+        vec![new_in(ns).unique("e", StatusSet::EMPTY), new_in(ns).unique("e", StatusSet::EMPTY)],
+        at(22),
+    )
+    .await;
+    assert!(
+        free.iter().all(|o| matches!(o, InsertOutcome::Inserted(_))),
+        "an empty scope conflicted"
+    );
+}
+
+/// Within one batch, a later item conflicts with an earlier one; ids increase in order.
+pub async fn uniqueness_within_one_batch<S: Store>(s: &S) {
+    let ns = "unique_batch";
+    let live = StatusSet::LIVE;
+    let out = insert(
+        s,
+        vec![
+            new_in(ns).unique("k1", live),
+            new_in(ns).unique("k1", live),
+            new_in(ns).unique("k2", live),
+            new_in(ns),
+            new_in(ns),
+        ],
+        at(0),
+    )
+    .await;
+    let InsertOutcome::Inserted(first) = out[0] else {
+        panic!("first item should be new: {out:?}")
+    };
+    assert_eq!(out[1], InsertOutcome::Existing(first));
+    let new_ids: Vec<_> = [0, 2, 3, 4].iter().map(|i| out[*i]).collect();
+    assert!(new_ids.iter().all(|o| matches!(o, InsertOutcome::Inserted(_))), "{out:?}");
+    assert!(
+        new_ids.windows(2).all(|w| w[0].id() < w[1].id()),
+        "ids increase in batch order: {out:?}"
+    );
+    assert!(first.0 >= 1, "ids start at 1");
+}
+
+/// When the occupant leaves its scope (done, cancelled) the key can be taken again.
+pub async fn uniqueness_reinsert_after_key_leaves_scope<S: Store>(s: &S) {
+    let ns = "unique_reinsert";
+    let a = insert_one(s, new_in(ns).unique("once", StatusSet::LIVE), at(0)).await;
+    let claimed = claim_id(s, ns, a, at(10)).await;
+    step(s, &claimed, done(), at(20)).await;
+    let b = insert(s, vec![new_in(ns).unique("once", StatusSet::LIVE)], at(21)).await;
+    let InsertOutcome::Inserted(b) = b[0] else { panic!("a done occupant kept its key: {b:?}") };
+    assert_eq!(
+        insert(s, vec![new_in(ns).unique("once", StatusSet::LIVE)], at(22)).await,
+        vec![InsertOutcome::Existing(b)]
+    );
+    let cancel = CancelParams { id: b, reason: "operator".into(), cascade: false, now: at(30) };
+    s.instance_cancel(cancel).await.expect("cancel");
+    let c = insert(s, vec![new_in(ns).unique("once", StatusSet::LIVE)], at(31)).await;
+    assert!(
+        matches!(c[0], InsertOutcome::Inserted(id) if id != b),
+        "a cancelled occupant kept its key: {c:?}"
+    );
+    let ns = "unique_reinsert_all";
+    let forever = insert_one(s, new_in(ns).unique("all", StatusSet::ALL), at(40)).await;
+    let claimed = claim_id(s, ns, forever, at(50)).await;
+    step(s, &claimed, done(), at(60)).await;
+    assert_eq!(
+        insert(s, vec![new_in(ns).unique("all", StatusSet::ALL)], at(61)).await,
+        vec![InsertOutcome::Existing(forever)],
+        "scope ALL never frees"
+    );
+}

@@ -1,0 +1,787 @@
+//! [`MemoryStore`]: the in-memory reference implementation of the `Store` port.
+//!
+//! Every row change goes through the pure transitions of [`keel_core::outcome`]
+//! (`apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
+//! `dead_letter_retry`); this file only keeps the collections, the indexes and the order
+//! in which the transitions run inside one "transaction" (one lock hold). It is the model
+//! the conformance suite was written against, so it must stay boring and obviously right.
+//!
+//! Decisions the trait leaves open, made here and held to by the suite:
+//! - A commit whose new row would put its unique key back in scope while another instance
+//!   occupies that key is rejected with `Conflict` (PostgreSQL's unique index would refuse
+//!   the update). A claim skips such a row. Transitions the store drives on its own (reap,
+//!   release, delivery, barrier release, dead-letter retry) never fail: with a scope that
+//!   is not closed under them the first occupant keeps the key.
+//! - A heartbeat succeeds while the row is still executing under the same token and owner,
+//!   even if the lease time has passed but nobody reaped it yet.
+//! - Cancel with `cascade` walks descendants breadth first, at most
+//!   [`limits::CANCEL_CASCADE_DEPTH_MAX`] levels deep, and cancels at most
+//!   [`limits::CANCEL_CASCADE_MAX`] instances per call.
+
+use async_trait::async_trait;
+use keel_core::instance::{
+    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name, unique_guard,
+};
+use keel_core::limits;
+use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt, DeadLetterFilter,
+    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, SignalDeliverParams,
+    StoreCapabilities,
+};
+use keel_core::{
+    DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
+    SignalTarget, Status, StepCommit, StoreError, StoreResult, Timestamp,
+};
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// The in-memory reference `Store`. Cheap to create; one per test.
+///
+/// ```
+/// use keel_testkit::MemoryStore;
+/// let store = MemoryStore::new();
+/// # let _ = store;
+/// ```
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    state: Mutex<State>,
+}
+
+impl MemoryStore {
+    /// An empty store. Ids of instances, signals and dead letters start at 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The lock is never held across an await, so a poisoned lock only means a test
+    /// panicked while holding it; the data is still consistent enough to inspect.
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Everything the store holds, plus the indexes a database would keep.
+#[derive(Debug, Default)]
+struct State {
+    last_instance: i64,
+    last_signal: i64,
+    last_dead_letter: i64,
+    last_history: i64,
+    rows: BTreeMap<InstanceId, Instance>,
+    /// Runnable rows in claim order.
+    runnable: BTreeSet<(Priority, Timestamp, InstanceId)>,
+    executing: BTreeSet<InstanceId>,
+    /// Executing rows per concurrency key.
+    executing_keys: HashMap<String, usize>,
+    /// The unique guard index: key → the instance occupying it.
+    guards: HashMap<Vec<u8>, InstanceId>,
+    /// `(namespace, machine name, business key)` → newest instance.
+    business_keys: HashMap<(String, String, String), InstanceId>,
+    children: HashMap<InstanceId, Vec<InstanceId>>,
+    inbox: HashMap<InstanceId, BTreeMap<SignalId, Signal>>,
+    dedup: HashMap<(InstanceId, String), SignalId>,
+    history: HashMap<InstanceId, Vec<HistoryRecord>>,
+    dead_letters: BTreeMap<DeadLetterId, DeadLetter>,
+    /// `(namespace, queue)` → paused.
+    queues: BTreeMap<(String, String), bool>,
+}
+
+/// A validated commit, ready to apply without any further check.
+struct Plan {
+    applied: Applied,
+    consume: Vec<SignalId>,
+    children: Vec<(NewInstance, InsertOutcome)>,
+    emits: Vec<(NewSignal, InstanceId)>,
+}
+
+impl State {
+    // ----- rows and their indexes -------------------------------------------------------
+
+    /// Writes a row and keeps every index in step with its new status.
+    fn write(&mut self, row: Instance) {
+        if let Some(old) = self.rows.remove(&row.id) {
+            self.unindex(&old);
+        }
+        self.index(&row);
+        self.rows.insert(row.id, row);
+    }
+
+    fn unindex(&mut self, row: &Instance) {
+        match row.status {
+            Status::Runnable => {
+                self.runnable.remove(&(row.priority, row.eligible_at, row.id));
+            }
+            Status::Executing => {
+                self.executing.remove(&row.id);
+                if let Some(key) = &row.concurrency_key
+                    && let Some(n) = self.executing_keys.get_mut(key)
+                {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.executing_keys.remove(key);
+                    }
+                }
+            }
+            _ => {}
+        }
+        if let Some(guard) = row.unique_guard()
+            && self.guards.get(guard) == Some(&row.id)
+        {
+            self.guards.remove(guard);
+        }
+    }
+
+    fn index(&mut self, row: &Instance) {
+        match row.status {
+            Status::Runnable => {
+                self.runnable.insert((row.priority, row.eligible_at, row.id));
+            }
+            Status::Executing => {
+                self.executing.insert(row.id);
+                if let Some(key) = &row.concurrency_key {
+                    *self.executing_keys.entry(key.clone()).or_default() += 1;
+                }
+            }
+            _ => {}
+        }
+        if let Some(guard) = row.unique_guard() {
+            self.guards.entry(guard.to_vec()).or_insert(row.id);
+        }
+    }
+
+    /// The occupant of `guard` other than `me`, if any.
+    fn occupant(&self, guard: &[u8], me: InstanceId) -> Option<InstanceId> {
+        self.guards.get(guard).copied().filter(|id| *id != me)
+    }
+
+    /// Inserts a new row (id already reserved by the caller).
+    fn insert_row(&mut self, row: Instance) {
+        self.last_instance = self.last_instance.max(row.id.0);
+        if let Some(parent) = row.parent {
+            self.children.entry(parent).or_default().push(row.id);
+        }
+        if let Some(key) = &row.business_key {
+            let k = (row.namespace.clone(), row.machine.name.clone(), key.clone());
+            self.business_keys.insert(k, row.id);
+        }
+        self.write(row);
+    }
+
+    fn resolve(&self, target: &SignalTarget) -> Option<InstanceId> {
+        match target {
+            SignalTarget::Id(id) => self.rows.contains_key(id).then_some(*id),
+            SignalTarget::Key { namespace, machine, key } => {
+                self.business_keys.get(&(namespace.clone(), machine.clone(), key.clone())).copied()
+            }
+        }
+    }
+
+    fn record(&mut self, row: &Instance, attempt: i32, entry: HistoryEntry, now: Timestamp) {
+        self.last_history += 1;
+        let record = HistoryRecord {
+            instance: row.id,
+            seq: self.last_history,
+            at: now,
+            revision: row.revision,
+            attempt,
+            entry,
+        };
+        self.history.entry(row.id).or_default().push(record);
+    }
+
+    fn inbox_of(&self, id: InstanceId) -> impl Iterator<Item = &Signal> {
+        self.inbox.get(&id).into_iter().flat_map(BTreeMap::values)
+    }
+
+    fn children_of(&self, id: InstanceId) -> Vec<ChildSummary> {
+        self.children
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .take(limits::CHILDREN_LIST_MAX)
+            .filter_map(|c| self.rows.get(c).map(ChildSummary::of))
+            .collect()
+    }
+
+    fn remove_signal(&mut self, target: InstanceId, id: SignalId) {
+        if let Some(signal) = self.inbox.get_mut(&target).and_then(|b| b.remove(&id))
+            && let Some(key) = signal.dedup_key
+        {
+            self.dedup.remove(&(target, key));
+        }
+    }
+
+    /// One child of `parent` became terminal (or was cancelled): count it on the barrier.
+    fn release_parent(&mut self, parent: Option<InstanceId>, now: Timestamp) {
+        if let Some(row) = parent.and_then(|p| self.rows.get(&p)) {
+            let next = outcome::release_parent(row, now);
+            self.write(next);
+        }
+    }
+
+    // ----- inserts ----------------------------------------------------------------------
+
+    fn insert(&mut self, params: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        check_batch("instances", params.instances.len(), limits::INSERT_BATCH_MAX)?;
+        for (i, new) in params.instances.iter().enumerate() {
+            new.validate(&format!("instances[{i}]"))?;
+        }
+        let mut out = Vec::with_capacity(params.instances.len());
+        for new in &params.instances {
+            let guard = unique_guard(new.unique.as_ref(), Status::Runnable);
+            if let Some(existing) = guard.and_then(|g| self.guards.get(g)) {
+                out.push(InsertOutcome::Existing(*existing));
+                continue;
+            }
+            let id = InstanceId(self.last_instance + 1);
+            self.insert_row(Instance::from_new(id, new, None, params.now));
+            out.push(InsertOutcome::Inserted(id));
+        }
+        Ok(out)
+    }
+
+    // ----- claims -----------------------------------------------------------------------
+
+    fn claim(&mut self, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
+        check_batch("limit", p.limit, limits::CLAIM_BATCH_MAX)?;
+        let candidates: Vec<InstanceId> = self
+            .runnable
+            .iter()
+            .filter(|(_, eligible_at, _)| *eligible_at <= p.now)
+            .map(|(_, _, id)| *id)
+            .collect();
+        let mut claims = Vec::new();
+        for id in candidates {
+            if claims.len() >= p.limit {
+                break;
+            }
+            let row = &self.rows[&id];
+            if !self.may_claim(row, p) {
+                continue;
+            }
+            let next = outcome::claim(row, &p.worker, p.lease, p.now);
+            if next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some()) {
+                continue;
+            }
+            self.write(next.clone());
+            claims.push(Claim {
+                inbox: self.inbox_of(id).take(limits::CLAIM_INBOX_MAX).cloned().collect(),
+                children: self.children_of(id),
+                instance: next,
+            });
+        }
+        Ok(claims)
+    }
+
+    fn may_claim(&self, row: &Instance, p: &ClaimParams) -> bool {
+        outcome::claimable(row, p.now)
+            && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
+            && (p.queues.is_empty() || p.queues.contains(&row.queue))
+            && (p.machines.is_empty() || p.machines.contains(&row.machine))
+            && !self
+                .queues
+                .get(&(row.namespace.clone(), row.queue.clone()))
+                .copied()
+                .unwrap_or(false)
+            && row.concurrency_key.as_ref().is_none_or(|k| !self.executing_keys.contains_key(k))
+    }
+
+    // ----- commits ----------------------------------------------------------------------
+
+    /// Checks everything a commit needs and computes its effects, changing nothing.
+    fn plan(&self, c: &StepCommit, now: Timestamp) -> StoreResult<Plan> {
+        let row = self
+            .rows
+            .get(&c.id)
+            .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", c.id)))?;
+        outcome::validate_commit(row, c)?;
+        let mut emits = Vec::with_capacity(c.emit.len());
+        for (i, signal) in c.emit.iter().enumerate() {
+            let target = self.resolve(&signal.target).ok_or_else(|| {
+                StoreError::not_found(format!(
+                    "emit[{i}].target: no instance {:?}; the step result was rejected, nothing was committed",
+                    signal.target
+                ))
+            })?;
+            emits.push((signal.clone(), target));
+        }
+        let consume: Vec<SignalId> =
+            self.inbox_of(c.id).map(|s| s.id).filter(|id| c.consume.contains(id)).collect();
+        let signal_waiting = match &c.outcome {
+            Outcome::Await { signal, .. } => self
+                .inbox_of(c.id)
+                .any(|s| !consume.contains(&s.id) && outcome::signal_matches(signal, &s.name)),
+            _ => false,
+        };
+        let mut planned: HashMap<Vec<u8>, InstanceId> = HashMap::new();
+        let mut children = Vec::new();
+        let mut last_id = self.last_instance;
+        if let Outcome::ScheduleChildren { children: specs, .. } = &c.outcome {
+            for spec in specs {
+                let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+                let existing =
+                    guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
+                let result = if let Some(id) = existing {
+                    InsertOutcome::Existing(id)
+                } else {
+                    last_id += 1;
+                    if let Some(g) = guard {
+                        planned.insert(g.to_vec(), InstanceId(last_id));
+                    }
+                    InsertOutcome::Inserted(InstanceId(last_id))
+                };
+                children.push((spec.clone(), result));
+            }
+        }
+        let inserted =
+            children.iter().filter(|(_, r)| matches!(r, InsertOutcome::Inserted(_))).count();
+        let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted as i32 };
+        let applied = outcome::apply(row, c, facts);
+        if let Some(guard) = applied.row.unique_guard()
+            && let Some(other) = self.occupant(guard, c.id).or_else(|| planned.get(guard).copied())
+        {
+            return Err(StoreError::conflict(format!(
+                "instance {}: its unique key would be back in scope as {}, but instance {other} occupies it",
+                c.id, applied.row.status
+            )));
+        }
+        Ok(Plan { applied, consume, children, emits })
+    }
+
+    /// Applies a planned commit: consumption, children, the row, history, dead letter,
+    /// outbox, and the parent's barrier — all under the same lock hold.
+    fn execute(&mut self, c: &StepCommit, plan: Plan, now: Timestamp) -> CommitReceipt {
+        let Plan { applied, consume, children, emits } = plan;
+        let attempt = self.rows[&c.id].attempt;
+        for id in consume {
+            self.remove_signal(c.id, id);
+        }
+        for (spec, result) in &children {
+            if let InsertOutcome::Inserted(id) = result {
+                self.insert_row(Instance::from_new(*id, spec, Some(c.id), now));
+            }
+        }
+        let terminal = applied.became_terminal();
+        let row = applied.row;
+        for entry in applied.history {
+            self.record(&row, attempt, entry, now);
+        }
+        let dead_letter = applied.dead_letter.map(|letter| {
+            self.last_dead_letter += 1;
+            let id = DeadLetterId(self.last_dead_letter);
+            self.dead_letters.insert(id, DeadLetter { id, created_at: now, letter });
+            id
+        });
+        let receipt = CommitReceipt {
+            id: row.id,
+            revision: row.revision,
+            status: row.status,
+            children: children.iter().map(|(_, r)| *r).collect(),
+            dead_letter,
+        };
+        let parent = row.parent;
+        self.write(row);
+        for (signal, target) in emits {
+            self.deliver_to(target, &signal, now);
+        }
+        if terminal {
+            self.release_parent(parent, now);
+        }
+        receipt
+    }
+
+    // ----- signals ----------------------------------------------------------------------
+
+    fn deliver_to(&mut self, target: InstanceId, s: &NewSignal, now: Timestamp) -> DeliveryOutcome {
+        if let Some(key) = &s.dedup_key
+            && let Some(id) = self.dedup.get(&(target, key.clone()))
+        {
+            return DeliveryOutcome::Duplicate { id: *id, target };
+        }
+        self.last_signal += 1;
+        let id = SignalId(self.last_signal);
+        let signal = Signal {
+            id,
+            target,
+            name: s.name.clone(),
+            payload: s.payload.clone(),
+            dedup_key: s.dedup_key.clone(),
+            inserted_at: now,
+        };
+        self.inbox.entry(target).or_default().insert(id, signal);
+        if let Some(key) = &s.dedup_key {
+            self.dedup.insert((target, key.clone()), id);
+        }
+        let row = &self.rows[&target];
+        if row.status.is_terminal() {
+            return DeliveryOutcome::TargetTerminal { id, target, status: row.status };
+        }
+        let next = outcome::deliver(row, &s.name, now);
+        let woke = next.is_some();
+        if let Some(next) = next {
+            self.write(next);
+        }
+        DeliveryOutcome::Delivered { id, target, woke }
+    }
+
+    fn signal_deliver(&mut self, p: &SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
+        check_batch("signals", p.signals.len(), limits::DELIVER_BATCH_MAX)?;
+        for (i, s) in p.signals.iter().enumerate() {
+            s.validate(&format!("signals[{i}]"))?;
+        }
+        Ok(p.signals
+            .iter()
+            .map(|s| match self.resolve(&s.target) {
+                Some(target) => self.deliver_to(target, s, p.now),
+                None => DeliveryOutcome::TargetMissing,
+            })
+            .collect())
+    }
+
+    // ----- leases -----------------------------------------------------------------------
+
+    fn lease_reap(&mut self, p: &LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        check_batch("limit", p.limit, limits::REAP_BATCH_MAX)?;
+        let mut due: Vec<&Instance> = self
+            .executing
+            .iter()
+            .map(|id| &self.rows[id])
+            .filter(|row| match &p.owner {
+                Some(owner) => row.lease_owner.as_ref() == Some(owner),
+                None => outcome::lease_expired(row, p.now),
+            })
+            .collect();
+        due.sort_by_key(|row| (row.lease_expires_at, row.id));
+        let due: Vec<Instance> = due.into_iter().take(p.limit).cloned().collect();
+        let mut reaped = Vec::with_capacity(due.len());
+        for row in due {
+            let next = outcome::reap(&row, p.now);
+            self.record(&next, row.attempt, outcome::reap_history(&row), p.now);
+            self.write(next);
+            reaped.push(row.id);
+        }
+        Ok(reaped)
+    }
+
+    /// Whether `(id, token)` is a live claim now.
+    fn held(&self, id: InstanceId, token: keel_core::FencingToken) -> Option<&Instance> {
+        self.rows
+            .get(&id)
+            .filter(|row| row.status == Status::Executing && row.fencing_token == token)
+    }
+
+    fn lease_extend(&mut self, p: &LeaseExtendParams) -> Vec<bool> {
+        p.leases
+            .iter()
+            .map(|(id, token)| {
+                let Some(row) = self.held(*id, *token) else { return false };
+                if row.lease_owner.as_ref() != Some(&p.worker) {
+                    return false;
+                }
+                // The core has no transition for a heartbeat: it touches the lease only.
+                let mut next = row.clone();
+                next.lease_expires_at = Some(p.now.plus(p.lease));
+                next.updated_at = p.now;
+                self.write(next);
+                true
+            })
+            .collect()
+    }
+
+    fn lease_release(&mut self, p: &LeaseReleaseParams) -> Vec<bool> {
+        p.leases
+            .iter()
+            .map(|(id, token)| {
+                let Some(row) = self.held(*id, *token) else { return false };
+                let next = outcome::release(row, p.now);
+                self.write(next);
+                true
+            })
+            .collect()
+    }
+
+    // ----- cancel -----------------------------------------------------------------------
+
+    fn cancel(&mut self, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+        let root = self
+            .rows
+            .get(&p.id)
+            .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", p.id)))?;
+        if root.status.is_terminal() {
+            return Ok(Vec::new());
+        }
+        let mut order = vec![p.id];
+        if p.cascade {
+            let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
+            let mut seen: HashSet<InstanceId> = HashSet::from([p.id]);
+            while let Some((id, depth)) = queue.pop_front() {
+                if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
+                    continue;
+                }
+                for child in self.children.get(&id).into_iter().flatten() {
+                    if seen.insert(*child) {
+                        order.push(*child);
+                        queue.push_back((*child, depth + 1));
+                    }
+                }
+            }
+        }
+        let mut cancelled = Vec::new();
+        for id in order {
+            if cancelled.len() >= limits::CANCEL_CASCADE_MAX {
+                break;
+            }
+            let row = &self.rows[&id];
+            let Some(next) = outcome::cancel(row, &p.reason, p.now) else { continue };
+            let attempt = row.attempt;
+            let entry = HistoryEntry::new(
+                "CANCELLED",
+                json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
+            );
+            self.record(&next, attempt, entry, p.now);
+            let parent = next.parent;
+            self.write(next);
+            self.release_parent(parent, p.now);
+            cancelled.push(id);
+        }
+        Ok(cancelled)
+    }
+
+    // ----- dead letters -----------------------------------------------------------------
+
+    fn letters(&self, selector: Option<&DeadLetterSelector>) -> Vec<DeadLetterId> {
+        self.dead_letters
+            .values()
+            .filter(|d| match selector {
+                None => true,
+                Some(DeadLetterSelector::Id(id)) => d.id == *id,
+                Some(DeadLetterSelector::Machine { namespace, machine }) => {
+                    d.letter.namespace == *namespace && d.letter.machine.name == *machine
+                }
+            })
+            .take(limits::DEAD_LETTER_BATCH_MAX)
+            .map(|d| d.id)
+            .collect()
+    }
+
+    fn dead_letter(&self, id: DeadLetterId) -> StoreResult<&DeadLetter> {
+        self.dead_letters
+            .get(&id)
+            .ok_or_else(|| StoreError::not_found(format!("dead letter {id} does not exist")))
+    }
+
+    fn dead_letter_retry(&mut self, p: &DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
+        let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
+        if let DeadLetterSelector::Id(id) = p.selector {
+            self.dead_letter(id)?;
+        }
+        let at = p.now.plus(p.delay);
+        let mut retried = Vec::new();
+        for letter_id in self.letters(Some(&p.selector)) {
+            let instance = self.dead_letters[&letter_id].letter.instance;
+            let row = self.rows.get(&instance).ok_or_else(|| {
+                StoreError::not_found(format!(
+                    "instance {instance} of dead letter {letter_id} is gone"
+                ))
+            });
+            let next = row.and_then(|row| outcome::dead_letter_retry(row, at, p.now));
+            let next = match next {
+                Ok(next) => next,
+                // Retrying one named letter reports why it cannot; a machine-wide retry
+                // leaves letters whose instance moved on (cancelled, skipped) alone.
+                Err(e) if by_id => return Err(e),
+                Err(_) => continue,
+            };
+            let attempt = self.rows[&instance].attempt;
+            let entry = HistoryEntry::new(
+                "DEAD_LETTER_RETRIED",
+                json!({ "dead_letter": letter_id, "delay_ms": p.delay.as_millis() as u64 }),
+            );
+            self.record(&next, attempt, entry, p.now);
+            self.write(next);
+            self.dead_letters.remove(&letter_id);
+            retried.push(instance);
+        }
+        Ok(retried)
+    }
+
+    fn dead_letter_skip(&mut self, p: &DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        let letter = self.dead_letter(p.id)?.letter.clone();
+        let row = self.rows.get(&letter.instance).ok_or_else(|| {
+            StoreError::not_found(format!(
+                "instance {} of dead letter {} is gone",
+                letter.instance, p.id
+            ))
+        })?;
+        let attempt = row.attempt;
+        let next = outcome::dead_letter_retry(row, p.now, p.now)?;
+        for signal in &letter.signals {
+            self.remove_signal(letter.instance, *signal);
+        }
+        let entry = HistoryEntry::new(
+            "DEAD_LETTER_SKIPPED",
+            json!({ "dead_letter": p.id, "signals": letter.signals }),
+        );
+        self.record(&next, attempt, entry, p.now);
+        self.write(next);
+        self.dead_letters.remove(&p.id);
+        Ok(letter.instance)
+    }
+
+    fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> u64 {
+        let mut removed = 0;
+        for id in self.letters(p.selector.as_ref()) {
+            let old_enough = p.older_than.is_none_or(|t| self.dead_letters[&id].created_at < t);
+            if old_enough {
+                self.dead_letters.remove(&id);
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    // ----- inspection -------------------------------------------------------------------
+
+    fn detail(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        let row = self
+            .rows
+            .get(&id)
+            .ok_or_else(|| StoreError::not_found(format!("instance {id} does not exist")))?;
+        let history = self.history.get(&id).map_or(&[][..], Vec::as_slice);
+        let skip = history.len().saturating_sub(limits::HISTORY_LIST_MAX);
+        Ok(InstanceDetail {
+            instance: row.clone(),
+            inbox: self.inbox_of(id).cloned().collect(),
+            children: self.children_of(id),
+            history: history[skip..].to_vec(),
+        })
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    fn capabilities(&self) -> StoreCapabilities {
+        StoreCapabilities { notifications: false }
+    }
+
+    async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        self.state().insert(&params)
+    }
+
+    async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
+        self.state().claim(&params)
+    }
+
+    async fn step_commit(
+        &self,
+        params: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
+        let mut state = self.state();
+        Ok(params
+            .commits
+            .iter()
+            .map(|c| {
+                let plan = state.plan(c, params.now)?;
+                Ok(state.execute(c, plan, params.now))
+            })
+            .collect())
+    }
+
+    async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        Ok(self.state().lease_extend(&params))
+    }
+
+    async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        self.state().lease_reap(&params)
+    }
+
+    async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        Ok(self.state().lease_release(&params))
+    }
+
+    async fn signal_deliver(
+        &self,
+        params: SignalDeliverParams,
+    ) -> StoreResult<Vec<DeliveryOutcome>> {
+        self.state().signal_deliver(&params)
+    }
+
+    async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
+        self.state().cancel(&params)
+    }
+
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        self.state().detail(id)
+    }
+
+    async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
+        Ok(self.state().resolve(&target))
+    }
+
+    async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        let limit = match filter.limit {
+            0 => limits::DEAD_LETTER_BATCH_MAX,
+            n => n.min(limits::DEAD_LETTER_BATCH_MAX),
+        };
+        let state = self.state();
+        Ok(state
+            .dead_letters
+            .values()
+            .filter(|d| filter.namespace.as_ref().is_none_or(|ns| d.letter.namespace == *ns))
+            .filter(|d| filter.machine.as_ref().is_none_or(|m| d.letter.machine.name == *m))
+            .take(limit)
+            .cloned()
+            .collect())
+    }
+
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        self.state().dead_letter(id).cloned()
+    }
+
+    async fn dead_letter_retry(
+        &self,
+        params: DeadLetterRetryParams,
+    ) -> StoreResult<Vec<InstanceId>> {
+        self.state().dead_letter_retry(&params)
+    }
+
+    async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        self.state().dead_letter_skip(&params)
+    }
+
+    async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
+        Ok(self.state().dead_letter_purge(&params))
+    }
+
+    async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
+        check_name("namespace", &params.namespace)?;
+        check_name("queue", &params.queue)?;
+        self.state().queues.insert((params.namespace, params.queue), params.paused);
+        Ok(())
+    }
+
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        let state = self.state();
+        let mut queues: BTreeMap<String, bool> = state
+            .rows
+            .values()
+            .filter(|row| row.namespace == namespace)
+            .map(|row| (row.queue.clone(), false))
+            .collect();
+        for ((ns, queue), paused) in &state.queues {
+            if *ns == namespace {
+                queues.insert(queue.clone(), *paused);
+            }
+        }
+        Ok(queues
+            .into_iter()
+            .map(|(queue, paused)| QueueState { namespace: namespace.clone(), queue, paused })
+            .collect())
+    }
+}
