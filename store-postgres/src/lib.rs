@@ -67,6 +67,7 @@ mod migrate;
 mod notify;
 mod ops;
 mod rows;
+pub mod testing;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use keel_core::StoreError;

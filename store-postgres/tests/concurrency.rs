@@ -86,7 +86,10 @@ async fn uniqueness_contention_with_rollbacks_and_repeatable_read() {
                 } else {
                     IsolationLevel::ReadCommitted
                 };
+                let mut tries = 0;
                 loop {
+                    tries += 1;
+                    assert!(tries < 500, "inserter {n} could not commit in 500 tries (livelock?)");
                     let mut c = s.client().await.unwrap();
                     let tx =
                         c.build_transaction().isolation_level(isolation).start().await.unwrap();

@@ -16,14 +16,14 @@ use keel_core::ports::store::{
 };
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, limits};
 use serde_json::json;
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
       SELECT id, 1 FROM instances WHERE parent_id = $1 \
       UNION ALL \
       SELECT i.id, d.depth + 1 FROM instances i JOIN d ON i.parent_id = d.id WHERE d.depth < $2 \
     ) SELECT id FROM d JOIN instances USING (id) \
-      WHERE status NOT IN ('done', 'failed', 'cancelled') LIMIT $3";
+      WHERE status NOT IN ('done', 'failed', 'cancelled') ORDER BY d.depth, id LIMIT $3";
 
 /// Cancels an instance and, with `cascade`, its non-terminal descendants.
 pub(crate) async fn cancel<C: GenericClient + Sync>(
@@ -42,23 +42,16 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
     let mut targets = vec![root];
     if p.cascade {
         let stmt = c.prepare_cached(DESCENDANTS).await?;
-        let max = limits::CANCEL_CASCADE_MAX as i64;
+        // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
+        let max = limits::CANCEL_CASCADE_MAX as i64 - 1;
         let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
-        let ids: Vec<i64> = c
-            .query(&stmt, &[&p.id.0, &depth, &(max + 1)])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        if ids.len() + 1 > limits::CANCEL_CASCADE_MAX {
-            return Err(StoreError::invalid(format!(
-                "cascade: instance {} has more than {} live descendants; cancel them in parts",
-                p.id,
-                limits::CANCEL_CASCADE_MAX
-            ))
-            .into());
-        }
-        targets.extend(lock_instances(c, &ids).await?);
+        let ids: Vec<i64> =
+            c.query(&stmt, &[&p.id.0, &depth, &max]).await?.iter().map(|r| r.get(0)).collect();
+        let mut ids_sorted = ids.clone();
+        ids_sorted.sort_unstable();
+        let mut locked: HashMap<i64, Instance> =
+            lock_instances(c, &ids_sorted).await?.into_iter().map(|r| (r.id.0, r)).collect();
+        targets.extend(ids.iter().filter_map(|id| locked.remove(id)));
     }
     let mut next: Vec<Instance> = Vec::new();
     let mut history = HistoryWrite::default();
@@ -68,18 +61,16 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
                 &n,
                 row.attempt,
                 p.now,
-                HistoryEntry::new("CANCELLED", json!({ "reason": n.last_error })),
+                HistoryEntry::new(
+                    "CANCELLED",
+                    json!({ "reason": n.last_error, "cascade_from": (n.id != p.id).then_some(p.id) }),
+                ),
             );
             next.push(n);
         }
     }
-    let cancelled: HashSet<i64> = next.iter().map(|r| r.id.0).collect();
-    let parents: Vec<i64> = next
-        .iter()
-        .filter_map(|r| r.parent)
-        .map(|p| p.0)
-        .filter(|p| !cancelled.contains(p))
-        .collect();
+    // Every cancelled child counts on its parent's barrier, even a parent cancelled too.
+    let parents: Vec<i64> = next.iter().filter_map(|r| r.parent).map(|p| p.0).collect();
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
     release_parents(c, &parents, p.now).await?;
@@ -150,8 +141,10 @@ pub(crate) async fn dead_letter_list<C: GenericClient + Sync>(
     c: &C,
     f: &DeadLetterFilter,
 ) -> OpResult<Vec<DeadLetter>> {
-    keel_core::instance::check_batch("limit", f.limit, limits::DEAD_LETTER_BATCH_MAX)?;
-    let limit = if f.limit == 0 { limits::DEAD_LETTER_BATCH_MAX } else { f.limit } as i64;
+    let limit = match f.limit {
+        0 => limits::DEAD_LETTER_BATCH_MAX,
+        n => n.min(limits::DEAD_LETTER_BATCH_MAX),
+    } as i64;
     let stmt = c
         .prepare_cached(&format!(
             "SELECT {DEAD_LETTER_COLS} FROM dead_letters \
@@ -213,47 +206,51 @@ async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult
     Ok(c.execute(&stmt, &[&ids]).await?)
 }
 
-/// Retries dead letters: suspended instances become runnable at `now + delay`.
+/// Retries dead letters, oldest first: each one whose instance is suspended makes it
+/// runnable at `now + delay` and is removed. A named letter reports why it cannot be
+/// retried; a machine-wide retry leaves such letters alone.
 pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
     c: &C,
     p: &DeadLetterRetryParams,
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
+    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
     let letters = select_letters(c, &p.selector).await?;
     let mut ids: Vec<i64> = letters.iter().map(|l| l.1).collect();
     ids.sort_unstable();
     ids.dedup();
-    let rows = lock_instances(c, &ids).await?;
+    let mut rows: HashMap<i64, Instance> =
+        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
     let at = p.now.plus(p.delay);
-    let mut next = Vec::new();
+    let mut changed: Vec<i64> = Vec::new();
     let mut history = HistoryWrite::default();
-    for row in &rows {
-        match outcome::dead_letter_retry(row, at, p.now) {
-            Ok(n) => {
-                history.push(
-                    &n,
-                    row.attempt,
-                    p.now,
-                    HistoryEntry::new(
-                        "DEAD_LETTER_RETRIED",
-                        json!({ "eligible_at": n.eligible_at }),
-                    ),
-                );
-                next.push(n);
-            }
-            Err(e) if matches!(p.selector, DeadLetterSelector::Id(_)) => return Err(e.into()),
-            Err(_) => {}
-        }
+    let mut gone = Vec::new();
+    let mut retried = Vec::new();
+    for (letter, instance) in &letters {
+        let next = match rows.get(instance) {
+            None => Err(StoreError::not_found(format!(
+                "instance i{instance} of dead letter dl{letter} is gone"
+            ))),
+            Some(row) => outcome::dead_letter_retry(row, at, p.now),
+        };
+        let next = match next {
+            Ok(next) => next,
+            Err(e) if by_id => return Err(e.into()),
+            Err(_) => continue,
+        };
+        let attempt = rows[instance].attempt;
+        let entry = HistoryEntry::new(
+            "DEAD_LETTER_RETRIED",
+            json!({ "dead_letter": letter, "delay_ms": p.delay.as_millis() as u64 }),
+        );
+        history.push(&next, attempt, p.now, entry);
+        rows.insert(*instance, next);
+        changed.push(*instance);
+        gone.push(*letter);
+        retried.push(InstanceId(*instance));
     }
-    let retried: HashSet<i64> = next.iter().map(|r| r.id.0).collect();
-    let gone: Vec<i64> = letters.iter().filter(|l| retried.contains(&l.1)).map(|l| l.0).collect();
-    if let (DeadLetterSelector::Id(id), true) = (&p.selector, rows.is_empty()) {
-        return Err(StoreError::not_found(format!(
-            "dead letter {id}: its instance no longer exists"
-        ))
-        .into());
-    }
+    let next: Vec<Instance> = changed.iter().map(|id| rows[id].clone()).collect();
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
     delete_letters(c, &gone).await?;
@@ -261,7 +258,7 @@ pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
         notify(c, channel).await?;
     }
     commit_tx(c).await?;
-    Ok(next.iter().map(|r| r.id).collect())
+    Ok(retried)
 }
 
 /// Skips a dead letter: consumes its signals and resumes the suspended instance now.
@@ -290,7 +287,10 @@ pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
         &next,
         row.attempt,
         p.now,
-        HistoryEntry::new("DEAD_LETTER_SKIPPED", json!({ "signals": signals })),
+        HistoryEntry::new(
+            "DEAD_LETTER_SKIPPED",
+            json!({ "dead_letter": p.id, "signals": letter.letter.signals }),
+        ),
     );
     write_instances(c, std::slice::from_ref(&next)).await?;
     write_history(c, &history).await?;
@@ -313,7 +313,7 @@ pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
             (None, Some(namespace.as_str()), Some(machine.as_str()))
         }
     };
-    let limit = if ns.is_some() { limits::DEAD_LETTER_BATCH_MAX as i64 } else { i64::MAX };
+    let limit = limits::DEAD_LETTER_BATCH_MAX as i64;
     let stmt = c
         .prepare_cached(
             "DELETE FROM dead_letters WHERE id IN (SELECT id FROM dead_letters \

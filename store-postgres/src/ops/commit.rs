@@ -14,10 +14,12 @@ use super::{begin, commit_tx, insert, notify, signal};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
-use keel_core::instance::{Instance, NewDeadLetter, NewInstance, NewSignal, check_batch};
+use keel_core::instance::{
+    Instance, NewDeadLetter, NewInstance, NewSignal, SignalTarget, check_batch,
+};
 use keel_core::outcome::{self, ApplyFacts, Outcome, StepCommit};
 use keel_core::ports::store::{CommitParams, CommitReceipt, InsertOutcome};
-use keel_core::{DeadLetterId, Status, StoreError, StoreResult, Timestamp, limits};
+use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp, limits};
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
 
@@ -53,6 +55,64 @@ struct Accepted {
     index: usize,
     before: Instance,
     children: Vec<InsertOutcome>,
+    /// The unique key this commit would bring back into scope, if any.
+    key: Option<Vec<u8>>,
+}
+
+/// The unique key a commit would bring back into scope: the row's key when its scope
+/// leaves out `executing` but includes a status the outcome may land in (for
+/// `ScheduleChildren`, either of the two it may land in).
+fn reentering_key(row: &Instance, s: &StepCommit, waiting: bool) -> Option<Vec<u8>> {
+    let unique = row.unique.as_ref()?;
+    if unique.scope.contains(Status::Executing) {
+        return None;
+    }
+    let statuses: Vec<Status> = [0, 1]
+        .iter()
+        .map(|n| {
+            let facts =
+                ApplyFacts { now: row.updated_at, signal_waiting: waiting, children_inserted: *n };
+            outcome::apply(row, s, facts).row.status
+        })
+        .collect();
+    statuses.iter().any(|st| unique.scope.contains(*st)).then(|| unique.key.clone())
+}
+
+/// Rejects (`Conflict`) accepted items whose unique key would come back into scope while
+/// another instance — or an earlier item of this batch — occupies it.
+async fn reject_occupied_keys<C: GenericClient + Sync>(
+    c: &C,
+    accepted: &mut Vec<Accepted>,
+    results: &mut [Option<StoreResult<CommitReceipt>>],
+) -> OpResult<()> {
+    let keys: Vec<&[u8]> = accepted.iter().filter_map(|a| a.key.as_deref()).collect();
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let stmt = c
+        .prepare_cached(
+            "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])",
+        )
+        .await?;
+    let mut occupied: HashMap<Vec<u8>, i64> =
+        c.query(&stmt, &[&keys]).await?.iter().map(|r| (r.get(0), r.get(1))).collect();
+    accepted.retain(|a| {
+        let Some(key) = &a.key else { return true };
+        match occupied.get(key) {
+            Some(other) if *other != a.before.id.0 => {
+                results[a.index] = Some(Err(StoreError::conflict(format!(
+                    "instance {}: its unique key would be back in scope, but instance {other} occupies it",
+                    a.before.id
+                ))));
+                false
+            }
+            _ => {
+                occupied.insert(key.clone(), a.before.id.0);
+                true
+            }
+        }
+    });
+    Ok(())
 }
 
 /// The transaction.
@@ -90,8 +150,14 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         }
         c.query(&check, &[&await_ids, &await_names, &ct, &cs]).await
     };
-    let (b, locked, waiting) =
-        tokio::join!(begin(c), async { c.query(&lock, &[&ids]).await }, waiting);
+    let emit_targets: Vec<&SignalTarget> =
+        commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
+    let (b, locked, waiting, resolved) = tokio::join!(
+        begin(c),
+        async { c.query(&lock, &[&ids]).await },
+        waiting,
+        signal::resolve(c, &emit_targets)
+    );
     b?;
     let mut current: HashMap<i64, Instance> = HashMap::new();
     for r in &locked? {
@@ -99,6 +165,13 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         current.insert(row.id.0, row);
     }
     let waiting: HashSet<i64> = waiting?.iter().map(|r| r.get::<_, i64>(0)).collect();
+    let resolved = resolved?;
+    let mut emit_at = Vec::with_capacity(commits.len());
+    let mut n = 0;
+    for s in commits {
+        emit_at.push(n);
+        n += s.emit.len();
+    }
 
     // Fence and shape, in batch order; an accepted item leaves its row non-executing, so a
     // second item for the same instance is stale.
@@ -116,9 +189,19 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             results[i] = Some(Err(e));
             continue;
         }
-        accepted.push(Accepted { index: i, before: row.clone(), children: Vec::new() });
+        let targets = &resolved[emit_at[i]..emit_at[i] + s.emit.len()];
+        if let Some(j) = targets.iter().position(Option::is_none) {
+            results[i] = Some(Err(StoreError::not_found(format!(
+                "emit[{j}].target: no instance {:?}; the step result was rejected, nothing was committed",
+                s.emit[j].target
+            ))));
+            continue;
+        }
+        let key = reentering_key(row, s, waiting.contains(&s.id.0));
+        accepted.push(Accepted { index: i, before: row.clone(), children: Vec::new(), key });
         row.status = Status::Runnable;
     }
+    reject_occupied_keys(c, &mut accepted, &mut results).await?;
 
     // Children of every accepted ScheduleChildren item, in one insert.
     let mut kids: Vec<insert::Item<'_>> = Vec::new();
@@ -146,6 +229,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let (mut consume_t, mut consume_s) = (Vec::new(), Vec::new());
     let mut parents = Vec::new();
     let mut emits: Vec<NewSignal> = Vec::new();
+    let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
     let mut ready = spawned;
     for a in &accepted {
         let s = &commits[a.index];
@@ -177,6 +261,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         }
         ready |= row.status == Status::Runnable && row.eligible_at <= now;
         emits.extend(s.emit.iter().cloned());
+        emit_targets_ok
+            .extend_from_slice(&resolved[emit_at[a.index]..emit_at[a.index] + s.emit.len()]);
         results[a.index] = Some(Ok(CommitReceipt {
             id: row.id,
             revision: row.revision,
@@ -233,7 +319,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         letter_rows?.iter().map(|row| (row.get::<_, i64>(0), row.get::<_, i64>(1))).collect();
     tail?;
     if delivered {
-        let plan = signal::plan(c, &emits, now).await?;
+        let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
         if ready && !plan.woke() {
             notify(c, channel).await?;
         }

@@ -1,6 +1,10 @@
 //! `instance_insert`: one `INSERT … ON CONFLICT (unique_guard) DO NOTHING` for the whole
 //! batch with ids drawn up front, then one lookup of the occupants of the keys that did
 //! not go in. Used by `ScheduleChildren` commits too.
+//!
+//! Rows go in sorted by unique key (batch order among equal keys, so the first item of a
+//! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
+//! global order and cannot deadlock.
 
 use super::{begin, commit_tx, notify};
 use crate::error::OpResult;
@@ -59,7 +63,7 @@ const INSERT: &str = "WITH input AS MATERIALIZED ( \
       SELECT id, namespace, machine, machine_version, business_key, queue, priority, \
         concurrency_key, 'runnable', position, context, eligible_at, parent_id, unique_key, \
         unique_scope::status[], correlation_id, $15, $15 \
-      FROM input ORDER BY ord \
+      FROM input ORDER BY unique_key NULLS LAST, ord \
       ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
       RETURNING id \
     ) \

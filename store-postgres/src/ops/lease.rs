@@ -10,7 +10,7 @@ use keel_core::outcome;
 use keel_core::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleaseParams};
 use keel_core::{InstanceId, Status, StoreResult, limits};
 
-const EXTEND: &str = "UPDATE instances i SET lease_expires_at = $3 \
+const EXTEND: &str = "UPDATE instances i SET lease_expires_at = $3, updated_at = $5 \
     FROM unnest($1::int8[], $2::int8[]) WITH ORDINALITY AS l(id, token, ord) \
     WHERE i.id = l.id AND i.fencing_token = l.token AND i.status = 'executing' \
       AND i.lease_owner = $4 \
@@ -28,7 +28,8 @@ pub(crate) async fn extend<C: GenericClient + Sync>(
     let ids: Vec<i64> = p.leases.iter().map(|l| l.0.0).collect();
     let tokens: Vec<i64> = p.leases.iter().map(|l| l.1.0).collect();
     let stmt = c.prepare_cached(EXTEND).await?;
-    let rows = c.query(&stmt, &[&ids, &tokens, &ts(p.now.plus(p.lease)), &p.worker.0]).await?;
+    let rows =
+        c.query(&stmt, &[&ids, &tokens, &ts(p.now.plus(p.lease)), &p.worker.0, &ts(p.now)]).await?;
     let mut out = vec![false; p.leases.len()];
     for r in rows {
         out[(r.get::<_, i64>(0) - 1) as usize] = true;

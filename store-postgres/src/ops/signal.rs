@@ -56,9 +56,12 @@ impl Delivery {
     }
 }
 
-const RESOLVE: &str = "SELECT (SELECT i.id FROM instances i WHERE i.namespace = k.ns \
-    AND i.machine = k.machine AND i.business_key = k.key ORDER BY i.id DESC LIMIT 1) \
-    FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS k(ns, machine, key, ord) \
+const RESOLVE: &str = "SELECT CASE WHEN k.id IS NOT NULL \
+      THEN (SELECT i.id FROM instances i WHERE i.id = k.id) \
+      ELSE (SELECT i.id FROM instances i WHERE i.namespace = k.ns AND i.machine = k.machine \
+            AND i.business_key = k.key ORDER BY i.id DESC LIMIT 1) END \
+    FROM unnest($1::int8[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY \
+      AS k(id, ns, machine, key, ord) \
     ORDER BY k.ord";
 
 const EXISTING: &str = "SELECT s.target_id, s.dedup_key, s.id FROM signals s \
@@ -70,33 +73,35 @@ const INSERT: &str = "INSERT INTO signals (id, target_id, name, payload, dedup_k
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::text[], \
     $6::timestamptz[])";
 
-/// Resolves business-key targets to ids (the newest instance with that key).
+/// Resolves targets to existing instance ids (a business key to its newest instance);
+/// `None` for a target that does not exist.
 pub(crate) async fn resolve<C: GenericClient + Sync>(
     c: &C,
     targets: &[&SignalTarget],
 ) -> OpResult<Vec<Option<InstanceId>>> {
-    let mut out: Vec<Option<InstanceId>> = Vec::with_capacity(targets.len());
-    let (mut ns, mut machine, mut key, mut at) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (i, t) in targets.iter().enumerate() {
+    if targets.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (mut id, mut ns, mut machine, mut key) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for t in targets {
         match t {
-            SignalTarget::Id(id) => out.push(Some(*id)),
+            SignalTarget::Id(i) => {
+                id.push(Some(i.0));
+                ns.push(None);
+                machine.push(None);
+                key.push(None);
+            }
             SignalTarget::Key { namespace, machine: m, key: k } => {
-                out.push(None);
-                ns.push(namespace.as_str());
-                machine.push(m.as_str());
-                key.push(k.as_str());
-                at.push(i);
+                id.push(None);
+                ns.push(Some(namespace.as_str()));
+                machine.push(Some(m.as_str()));
+                key.push(Some(k.as_str()));
             }
         }
     }
-    if !at.is_empty() {
-        let stmt = c.prepare_cached(RESOLVE).await?;
-        let found = c.query(&stmt, &[&ns, &machine, &key]).await?;
-        for (i, r) in at.into_iter().zip(found.iter()) {
-            out[i] = r.get::<_, Option<i64>>(0).map(InstanceId);
-        }
-    }
-    Ok(out)
+    let stmt = c.prepare_cached(RESOLVE).await?;
+    let found = c.query(&stmt, &[&id, &ns, &machine, &key]).await?;
+    Ok(found.iter().map(|r| r.get::<_, Option<i64>>(0).map(InstanceId)).collect())
 }
 
 /// Resolves and locks the targets and decides every outcome (nothing written yet).
@@ -106,11 +111,21 @@ pub(crate) async fn plan<C: GenericClient + Sync>(
     now: Timestamp,
 ) -> OpResult<Delivery> {
     let targets = resolve(c, &signals.iter().map(|s| &s.target).collect::<Vec<_>>()).await?;
+    plan_resolved(c, signals, &targets, now).await
+}
+
+/// [`plan`] with the targets already resolved.
+pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    targets: &[Option<InstanceId>],
+    now: Timestamp,
+) -> OpResult<Delivery> {
     let mut ids: Vec<i64> = targets.iter().flatten().map(|t| t.0).collect();
     ids.sort_unstable();
     ids.dedup();
     let (mut dt, mut dk) = (Vec::new(), Vec::new());
-    for (s, t) in signals.iter().zip(&targets) {
+    for (s, t) in signals.iter().zip(targets) {
         if let (Some(t), Some(k)) = (t, &s.dedup_key) {
             dt.push(t.0);
             dk.push(k.as_str());
@@ -153,7 +168,7 @@ pub(crate) async fn plan<C: GenericClient + Sync>(
         woken: Vec::new(),
     };
     let mut woken: Vec<i64> = Vec::new();
-    for (s, t) in signals.iter().zip(&targets) {
+    for (s, t) in signals.iter().zip(targets) {
         let Some(row) = t.and_then(|t| rows.get_mut(&t.0)) else {
             d.outcomes.push(DeliveryOutcome::TargetMissing);
             continue;

@@ -1,48 +1,33 @@
-//! Shared test setup: a store on a fresh schema, or `None` (skip) when
-//! `KEEL_TEST_DATABASE_URL` is unset — unless `KEEL_REQUIRE_BACKENDS=1`.
+//! Shared test setup: a store on a fresh schema, or `None` (skip, saying so) when
+//! `KEEL_TEST_DATABASE_URL` is unset — unless `KEEL_REQUIRE_BACKENDS=1`, which fails.
 
 #![allow(dead_code)]
 
-use keel_store_postgres::{PgConfig, PgStore};
-use std::sync::atomic::{AtomicU64, Ordering};
+use keel_store_postgres::PgStore;
+use keel_store_postgres::testing;
 
 /// The test database URL, or `None` after printing why the test is skipped.
 pub fn database_url() -> Option<String> {
-    match std::env::var("KEEL_TEST_DATABASE_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
-                "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset"
-            );
-            eprintln!("SKIPPED: KEEL_TEST_DATABASE_URL is unset");
-            None
-        }
+    let url = testing::database_url();
+    if url.is_none() {
+        assert!(
+            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run this test"
+        );
+        eprintln!("SKIPPED: KEEL_TEST_DATABASE_URL is unset");
     }
+    url
 }
 
 /// A schema name no other test (or test process) uses.
 pub fn fresh_schema() -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!(
-        "keel_t_{}_{}_{}",
-        std::process::id(),
-        nanos % 1_000_000_000_000,
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    testing::unique_schema()
 }
 
 /// A migrated store on a fresh schema, with `pool_size` connections.
 pub async fn store_with(pool_size: usize) -> Option<PgStore> {
-    let url = database_url()?;
-    let store = PgStore::connect(PgConfig::new(url).schema(fresh_schema()).pool_size(pool_size))
-        .await
-        .expect("connect to KEEL_TEST_DATABASE_URL");
-    store.migrate().await.expect("migrate a fresh schema");
-    Some(store)
+    database_url()?;
+    testing::fresh_schema_with(pool_size).await
 }
 
 /// A migrated store on a fresh schema.
