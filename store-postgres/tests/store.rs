@@ -452,3 +452,43 @@ async fn lookup_by_business_key_and_notifications() {
     tokio::time::timeout(Duration::from_secs(5), listener.recv()).await.unwrap().unwrap();
     assert!(s.capabilities().notifications);
 }
+
+#[tokio::test]
+async fn a_claim_is_not_shortened_by_rows_of_a_busy_or_repeated_key() {
+    let Some(s) = common::store().await else { return };
+    let mut items: Vec<NewInstance> = (0..5).map(|_| new("k").concurrency_key("k")).collect();
+    items.extend((0..3).map(|_| new("free")));
+    insert(&s, items).await;
+    let claims = s.instance_claim(claim_params(4, T0)).await.unwrap();
+    let positions: Vec<&str> = claims.iter().map(|c| c.instance.position.as_str()).collect();
+    assert_eq!(positions, vec!["k", "free", "free", "free"]);
+}
+
+#[tokio::test]
+async fn a_key_scoped_to_executing_only_runs_one_at_a_time() {
+    let Some(s) = common::store().await else { return };
+    let scope = StatusSet::of(&[Status::Executing]);
+    let out = insert(
+        &s,
+        vec![new("a").unique(b"x".to_vec(), scope), new("b").unique(b"x".to_vec(), scope)],
+    )
+    .await;
+    assert!(
+        out.iter().all(|o| matches!(o, InsertOutcome::Inserted(_))),
+        "not occupied while runnable"
+    );
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 1);
+    assert!(s.instance_claim(claim_params(10, T0)).await.unwrap().is_empty());
+    commit_one(
+        &s,
+        StepCommit::new(
+            claims[0].instance.id,
+            claims[0].token(),
+            Outcome::Done { result: json!(1) },
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.instance_claim(claim_params(10, T0)).await.unwrap().len(), 1);
+}

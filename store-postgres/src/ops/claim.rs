@@ -1,6 +1,7 @@
 //! `instance_claim`: one statement. A `FOR UPDATE SKIP LOCKED` picker over runnable rows
-//! (partial index `instances_pick`), a window keeping the first row per concurrency key,
-//! the `UPDATE` to executing, and each claimed row's inbox and children as JSON.
+//! (partial index `instances_pick`) that skips keys with an executing row and every row of
+//! a key but its first in claim order (partial index `instances_key_runnable`), the
+//! `UPDATE` to executing, and each claimed row's inbox and children as JSON.
 
 use crate::error::{OpError, OpResult, is_unique_violation};
 use crate::rows::{self, ts};
@@ -21,27 +22,44 @@ pub(crate) fn is_key_race(e: &OpError) -> bool {
     matches!(e, OpError::Pg(e) if is_unique_violation(e, "instances_concurrency"))
 }
 
+/// The worker's filters (namespaces, queues, machines; empty = any) and the paused-queue
+/// exclusion, over the table alias `t`.
+fn filters(t: &str) -> String {
+    format!(
+        "(cardinality($2::text[]) = 0 OR {t}.namespace = ANY($2)) \
+         AND (cardinality($3::text[]) = 0 OR {t}.queue = ANY($3)) \
+         AND (cardinality($4::text[]) = 0 OR ({t}.machine, {t}.machine_version) IN \
+              (SELECT m.name, m.version FROM unnest($4::text[], $5::int4[]) AS m(name, version))) \
+         AND ({t}.namespace, {t}.queue) NOT IN (SELECT q.namespace, q.queue FROM queues q WHERE q.paused)"
+    )
+}
+
 fn sql() -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
     format!(
         "WITH cand AS ( \
-           SELECT i.id, i.concurrency_key, i.priority, i.eligible_at FROM instances i \
-           WHERE i.status = 'runnable' AND i.eligible_at <= $1 \
-             AND (cardinality($2::text[]) = 0 OR i.namespace = ANY($2)) \
-             AND (cardinality($3::text[]) = 0 OR i.queue = ANY($3)) \
-             AND (cardinality($4::text[]) = 0 OR (i.machine, i.machine_version) IN \
-                  (SELECT m.name, m.version FROM unnest($4::text[], $5::int4[]) AS m(name, version))) \
-             AND (i.namespace, i.queue) NOT IN (SELECT q.namespace, q.queue FROM queues q \
-                  WHERE q.paused) \
-             AND (i.concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM instances e \
-                  WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key)) \
+           SELECT i.id, i.priority, i.eligible_at, \
+             CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
+                   AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END AS guard \
+           FROM instances i \
+           WHERE i.status = 'runnable' AND i.eligible_at <= $1 AND {filters_i} \
+             AND (i.concurrency_key IS NULL OR ( \
+                  NOT EXISTS (SELECT 1 FROM instances e \
+                    WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
+                  AND NOT EXISTS (SELECT 1 FROM instances o \
+                    WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
+                      AND o.eligible_at <= $1 AND {filters_o} \
+                      AND (o.priority, o.eligible_at, o.id) < (i.priority, i.eligible_at, i.id)))) \
+             AND (i.unique_key IS NULL OR 'runnable' = ANY(i.unique_scope) \
+                  OR NOT 'executing' = ANY(i.unique_scope) \
+                  OR NOT EXISTS (SELECT 1 FROM instances g WHERE g.unique_guard = i.unique_key)) \
            ORDER BY i.priority, i.eligible_at, i.id \
            LIMIT $6 \
            FOR UPDATE SKIP LOCKED \
          ), pick AS ( \
-           SELECT id FROM (SELECT id, concurrency_key, row_number() OVER \
-             (PARTITION BY concurrency_key ORDER BY priority, eligible_at, id) AS rn FROM cand) r \
-           WHERE concurrency_key IS NULL OR rn = 1 \
+           SELECT id FROM (SELECT id, guard, row_number() OVER \
+             (PARTITION BY guard ORDER BY priority, eligible_at, id) AS rn FROM cand) r \
+           WHERE guard IS NULL OR rn = 1 \
          ), u AS ( \
            UPDATE instances i SET status = 'executing', lease_owner = $7, \
              lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1 \
@@ -60,6 +78,8 @@ fn sql() -> String {
                ORDER BY c.id), '[]') \
             FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
          FROM u ORDER BY u.priority, u.eligible_at, u.id",
+        filters_i = filters("i"),
+        filters_o = filters("o"),
         inbox = limits::CLAIM_INBOX_MAX,
         children = limits::CHILDREN_LIST_MAX,
     )
