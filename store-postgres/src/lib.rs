@@ -33,34 +33,56 @@
 //!
 //! # How the contracts are enforced
 //!
-//! - **Claim** is one statement: a `FOR UPDATE SKIP LOCKED` picker over runnable rows (filters,
-//!   paused queues and busy concurrency keys excluded, priority / `eligible_at` / id order),
-//!   a window that keeps the first row per concurrency key, and the `UPDATE` that flips them
-//!   to executing with the next fencing token — returning each row with its inbox and
-//!   children as JSON, so a claim is one round trip.
-//! - **Concurrency keys** are serialized by the database, not by a held connection: the
-//!   picker skips keys that have an executing row, and the unique index
-//!   `instances_concurrency` makes a racing second claim of the same key fail; the store
-//!   then re-runs the claim (whose fresh snapshot now sees the key busy).
-//! - **Fencing**: a commit locks its rows (`FOR NO KEY UPDATE`, id order), checks each item
-//!   against the pure `validate_commit`, computes the new row with the pure `apply`, and
-//!   writes every accepted row back in one `UPDATE … FROM unnest(…)`. A stale item is
-//!   reported `LeaseLost` and writes nothing; the others proceed. A batch of no-op `Done`
-//!   outcomes costs two round trips: `BEGIN` + lock, then update + history + barrier +
-//!   `COMMIT`, pipelined.
-//! - **No lost wake-up**: delivery locks the target row before inserting the signal, and an
-//!   `Await` commit checks the inbox only after it holds the row lock, so one of the two
-//!   always sees the other.
-//! - **Uniqueness**: `INSERT … ON CONFLICT (unique_guard) DO NOTHING` with pre-allocated ids,
+//! - **Claim** is one statement (one round trip): a `FOR UPDATE SKIP LOCKED` picker over
+//!   runnable rows in priority / `eligible_at` / id order (namespace, queue and
+//!   `(machine, version)` filters; paused queues excluded through a hashed subplan), the
+//!   `UPDATE` that flips them to executing with the next fencing token, and each row's inbox
+//!   (oldest 64) and children as JSON.
+//! - **Concurrency keys** are serialized by the database, never by a held connection or a
+//!   session advisory lock: the picker skips keys that have an executing row and takes only
+//!   the first runnable row of a key (same filters, claim order; index
+//!   `instances_key_runnable`), so at most one per key per claim and batches stay full. The
+//!   unique index `instances_concurrency` (executing rows only) makes a racing second
+//!   claimer of the same key fail; the store re-runs that claim, whose fresh snapshot now
+//!   sees the key busy.
+//! - **Commit** (fencing): a batch locks its rows (`FOR NO KEY UPDATE`, id order, so batches
+//!   cannot deadlock each other), checks each item with the pure `validate_commit` (stale ⇒
+//!   `LeaseLost`, malformed ⇒ `Invalid`, unknown id or emit target ⇒ `NotFound`; a rejected
+//!   item writes nothing, the others go on), computes each row with the pure `apply`, and
+//!   writes all accepted rows with one `UPDATE … FROM unnest(…)`, deletes exactly the
+//!   consumed signal ids, appends history, stores dead letters, and decrements each parent
+//!   whose child became terminal (`greatest(n - k, 0)`, plus a `CHECK` that it never goes
+//!   negative) — one transaction. A batch of no-op `Done` outcomes costs **two round
+//!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
+//!   `NOTIFY` + `COMMIT`, pipelined. `ScheduleChildren` adds one insert; outbox emits add
+//!   the delivery path below.
+//! - **Signals / no lost wake-up**: delivery locks the target rows (id order) before it
+//!   reads or writes their inbox, and an `Await` commit reads the inbox only after it holds
+//!   the row lock, so one of the two always sees the other. Dedup is `unique (target_id,
+//!   dedup_key)` plus the batch's own keys.
+//! - **Uniqueness**: `INSERT … ON CONFLICT (unique_guard) DO NOTHING` with ids drawn up
+//!   front, rows sorted by key (concurrent inserters wait in one order and cannot deadlock),
 //!   then one lookup of the occupants; each caller learns its id or the occupant's.
-//! - **Notifications**: a transaction that makes work ready sends one `pg_notify` on the
-//!   channel `keel_<schema>_ready`; [`PgStore::listen`] exposes it. Polling stays correct
-//!   without it.
+//!   [`PgStore::instance_insert_tx`] does the same inside the caller's transaction.
+//! - **Notifications**: a transaction that makes work ready sends one `pg_notify` on
+//!   `keel_<schema>_ready`; [`PgStore::listen`] exposes it. Polling stays correct without it.
+//! - **Limits** are keel-core's ([`keel_core::limits`]): payloads, contexts and results at
+//!   most 1 MiB of JSON, names 256 bytes, batch sizes per operation; an over-limit or
+//!   malformed input is `Invalid` and writes nothing.
 //! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
 //!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).
 //!   Every operation binds the caller's `now`; SQL never reads the clock.
-//! - **Transient errors** (deadlock, serialization failure) re-run the whole transaction, up
-//!   to [`TRANSACTION_RETRIES`] times, then surface as `Unavailable`.
+//! - **Errors**: connection loss, timeouts, cancellations, deadlocks and serialization
+//!   failures are `Unavailable` (retryable); deadlocks and serialization failures are first
+//!   retried internally, up to [`TRANSACTION_RETRIES`] times. A connection dropped inside a
+//!   transaction (error or cancelled future) is detached from the pool, never reused.
+//!
+//! # Known leaks
+//!
+//! - A claim whose rows share a unique key scoped to `executing` (but not `runnable`) takes
+//!   one of them; a commit that would bring a key back into scope over another occupant is
+//!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
+//! - `queue_list` scans the namespace's instances (operator path, not indexed).
 
 mod error;
 mod migrate;

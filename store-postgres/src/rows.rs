@@ -14,6 +14,7 @@ use keel_core::{
     StatusSet, StoreError, Timestamp, WorkerId,
 };
 use serde_json::Value;
+use std::sync::LazyLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_postgres::Row;
 
@@ -181,17 +182,20 @@ pub(crate) fn dead_letter(r: &Row) -> Result<DeadLetter, StoreError> {
     })
 }
 
+/// The statement [`lock_instances`] runs.
+pub(crate) static LOCK_INSTANCES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {INSTANCE_COLS} FROM instances WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE"
+    )
+});
+
 /// Locks rows by id (in id order, so concurrent batches cannot deadlock on each other)
 /// and returns them.
 pub(crate) async fn lock_instances<C: GenericClient + Sync>(
     c: &C,
     ids: &[i64],
 ) -> OpResult<Vec<Instance>> {
-    let stmt = c
-        .prepare_cached(&format!(
-            "SELECT {INSTANCE_COLS} FROM instances WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE"
-        ))
-        .await?;
+    let stmt = c.prepare_cached(&LOCK_INSTANCES).await?;
     let rows = c.query(&stmt, &[&ids]).await?;
     Ok(rows.iter().map(instance).collect::<Result<_, _>>()?)
 }

@@ -10,6 +10,7 @@ use keel_core::instance::{ChildSummary, Signal, check_batch};
 use keel_core::ports::store::{Claim, ClaimParams};
 use keel_core::{InstanceId, MachineRef, SignalId, StoreError, StoreResult, Timestamp, limits};
 use serde_json::Value;
+use std::sync::LazyLock;
 
 /// Checks the batch bound.
 pub(crate) fn validate(params: &ClaimParams) -> StoreResult<()> {
@@ -33,6 +34,9 @@ fn filters(t: &str) -> String {
          AND ({t}.namespace, {t}.queue) NOT IN (SELECT q.namespace, q.queue FROM queues q WHERE q.paused)"
     )
 }
+
+/// The claim statement, built once.
+static SQL: LazyLock<String> = LazyLock::new(sql);
 
 fn sql() -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
@@ -94,7 +98,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpRe
     let versions: Vec<i32> = p.machines.iter().map(|m| m.version).collect();
     let limit = p.limit as i64;
     let expires = ts(p.now.plus(p.lease));
-    let stmt = c.prepare_cached(&sql()).await?;
+    let stmt = c.prepare_cached(&SQL).await?;
     let found = c
         .query(
             &stmt,

@@ -137,12 +137,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             cs.push(sig.0);
         }
     }
-    let lock = c
-        .prepare_cached(&format!(
-            "SELECT {} FROM instances WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
-            rows::INSTANCE_COLS
-        ))
-        .await?;
+    let lock = c.prepare_cached(&rows::LOCK_INSTANCES).await?;
     let check = c.prepare_cached(AWAIT_CHECK).await?;
     let waiting = async {
         if await_ids.is_empty() {

@@ -134,12 +134,7 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     let n = signals.len() as i64;
     // Prepared first, so the pipelined queries go out in this order: the lock must come
     // before the inbox is read.
-    let lock = c
-        .prepare_cached(&format!(
-            "SELECT {} FROM instances WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
-            rows::INSTANCE_COLS
-        ))
-        .await?;
+    let lock = c.prepare_cached(&rows::LOCK_INSTANCES).await?;
     let existing = c.prepare_cached(EXISTING).await?;
     let alloc = c.prepare_cached(ALLOC).await?;
     let (locked, found, fresh) = tokio::join!(
