@@ -8,7 +8,7 @@ use keel_core::instance::{NewInstance, NewSignal};
 use keel_core::outcome::{Outcome, StepCommit};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ClaimParams, CommitParams, InsertOutcome, InsertParams, SignalDeliverParams,
+    ClaimParams, CommitParams, DeliveryOutcome, InsertOutcome, InsertParams, SignalDeliverParams,
 };
 use keel_core::{ErrorKind, InstanceId, MachineRef, Status, StatusSet, Timestamp, WorkerId};
 use keel_store_postgres::PgStore;
@@ -173,6 +173,7 @@ async fn signal_versus_park_race_loses_no_wake_up() {
         let (s1, tokens) = (s.clone(), tokens.clone());
         let mine: Vec<InstanceId> = commit_order.iter().skip(w).step_by(4).copied().collect();
         tasks.push(tokio::spawn(async move {
+            let mut saw = 0usize;
             for chunk in mine.chunks(CHUNK) {
                 let commits = chunk
                     .iter()
@@ -185,22 +186,36 @@ async fn signal_versus_park_race_loses_no_wake_up() {
                     })
                     .collect();
                 for r in s1.step_commit(CommitParams { commits, now: T0 }).await.unwrap() {
-                    r.unwrap();
+                    if r.unwrap().status == Status::Runnable {
+                        saw += 1;
+                    }
                 }
             }
+            saw
         }));
         let s2 = s.clone();
         let mine: Vec<InstanceId> = deliver_order.iter().skip(w).step_by(4).copied().collect();
         tasks.push(tokio::spawn(async move {
+            let mut woke = 0usize;
             for chunk in mine.chunks(CHUNK) {
                 let signals = chunk.iter().map(|id| NewSignal::new(*id, "go")).collect();
-                s2.signal_deliver(SignalDeliverParams { signals, now: T0 }).await.unwrap();
+                let out =
+                    s2.signal_deliver(SignalDeliverParams { signals, now: T0 }).await.unwrap();
+                woke += out
+                    .iter()
+                    .filter(|o| matches!(o, DeliveryOutcome::Delivered { woke: true, .. }))
+                    .count();
             }
+            woke
         }));
     }
+    // Every instance is made runnable exactly once: either its Await commit saw the
+    // signal, or the delivery woke it — never neither (a lost wake-up), never both.
+    let mut total = 0;
     for t in tasks {
-        t.await.unwrap();
+        total += t.await.unwrap();
     }
+    assert_eq!(total, TRIALS, "wake-ups: commits that saw the signal + deliveries that woke");
     let c = s.client().await.unwrap();
     let lost: i64 = c
         .query_one(

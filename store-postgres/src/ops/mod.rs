@@ -141,7 +141,12 @@ impl Store for PgStore {
         loop {
             let conn = self.client().await?;
             match claim::run(&conn, &params).await {
-                Err(e) if claim::is_key_race(&e) && tries < TRANSACTION_RETRIES => tries += 1,
+                Err(e)
+                    if (claim::is_key_race(&e) || e.is_transient())
+                        && tries < TRANSACTION_RETRIES =>
+                {
+                    tries += 1;
+                }
                 other => return other.map_err(StoreError::from),
             }
         }
