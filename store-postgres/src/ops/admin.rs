@@ -1,7 +1,7 @@
 //! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
 //! Each state change locks its rows, applies the pure transition and writes back.
 
-use super::{begin, commit_tx, notify};
+use super::{begin, commit_tx, end_tx};
 use crate::error::OpResult;
 use crate::rows::{
     self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
@@ -254,10 +254,7 @@ pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
     delete_letters(c, &gone).await?;
-    if !next.is_empty() {
-        notify(c, channel).await?;
-    }
-    commit_tx(c).await?;
+    end_tx(c, (!next.is_empty()).then_some(channel)).await?;
     Ok(retried)
 }
 
@@ -295,8 +292,7 @@ pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
     write_instances(c, std::slice::from_ref(&next)).await?;
     write_history(c, &history).await?;
     delete_letters(c, &[p.id.0]).await?;
-    notify(c, channel).await?;
-    commit_tx(c).await?;
+    end_tx(c, Some(channel)).await?;
     Ok(next.id)
 }
 
@@ -346,10 +342,7 @@ pub(crate) async fn queue_pause<C: GenericClient + Sync>(
         )
         .await?;
     c.execute(&stmt, &[&p.namespace, &p.queue, &p.paused, &ts(p.now)]).await?;
-    if !p.paused {
-        notify(c, channel).await?;
-    }
-    commit_tx(c).await?;
+    end_tx(c, (!p.paused).then_some(channel)).await?;
     Ok(())
 }
 

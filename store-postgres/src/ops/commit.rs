@@ -10,7 +10,7 @@
 //! for children that became terminal, notifies once and commits. Outbox emits, when there
 //! are any, run the delivery path before that last round trip.
 
-use super::{begin, commit_tx, insert, notify, signal};
+use super::{begin, end_tx, insert, signal};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
@@ -298,10 +298,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         if delivered {
             return Ok(None);
         }
-        if ready {
-            notify(c, channel).await?;
-        }
-        commit_tx(c).await?;
+        end_tx(c, ready.then_some(channel)).await?;
         Ok::<_, crate::error::OpError>(Some(()))
     };
     let (written, hist_done, consumed, letter_rows, released, tail) =
@@ -315,10 +312,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     tail?;
     if delivered {
         let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
-        if ready && !plan.woke() {
-            notify(c, channel).await?;
-        }
-        signal::finish(c, &plan, Some(channel)).await?;
+        signal::finish(c, &plan, Some((channel, ready))).await?;
     }
     Ok(results
         .into_iter()

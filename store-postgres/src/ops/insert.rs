@@ -6,7 +6,7 @@
 //! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
 //! global order and cannot deadlock.
 
-use super::{begin, commit_tx, notify};
+use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::ts;
 use deadpool_postgres::GenericClient;
@@ -42,9 +42,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let (b, out) = tokio::join!(begin(c), insert_batch(c, items, now));
     b?;
     let out = out?;
-    let (n, e) = tokio::join!(notify(c, channel), commit_tx(c));
-    n?;
-    e?;
+    end_tx(c, Some(channel)).await?;
     Ok(out)
 }
 

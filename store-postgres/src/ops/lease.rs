@@ -1,7 +1,7 @@
 //! Leases: heartbeat (one `UPDATE … FROM unnest`), the reaper and graceful release (lock,
 //! the pure `reap` / `release`, write back).
 
-use super::{begin, commit_tx, notify};
+use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, lock_instances, ts, write_history, write_instances};
 use deadpool_postgres::GenericClient;
@@ -71,10 +71,7 @@ pub(crate) async fn reap<C: GenericClient + Sync>(
     }
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
-    if !next.is_empty() {
-        notify(c, channel).await?;
-    }
-    commit_tx(c).await?;
+    end_tx(c, (!next.is_empty()).then_some(channel)).await?;
     Ok(next.iter().map(|r| r.id).collect())
 }
 
@@ -102,9 +99,6 @@ pub(crate) async fn release<C: GenericClient + Sync>(
         }
     }
     write_instances(c, &next).await?;
-    if !next.is_empty() {
-        notify(c, channel).await?;
-    }
-    commit_tx(c).await?;
+    end_tx(c, (!next.is_empty()).then_some(channel)).await?;
     Ok(out)
 }

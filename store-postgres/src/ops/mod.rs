@@ -113,6 +113,18 @@ pub(crate) async fn notify<C: GenericClient + Sync>(c: &C, channel: &str) -> OpR
     Ok(())
 }
 
+/// Ends the transaction: with a channel, one `pg_notify` and the `COMMIT` pipelined in one
+/// round trip (the notification is delivered when the commit lands).
+pub(crate) async fn end_tx<C: GenericClient + Sync>(c: &C, channel: Option<&str>) -> OpResult<()> {
+    let Some(channel) = channel else {
+        return commit_tx(c).await;
+    };
+    let stmt = c.prepare_cached("SELECT pg_notify($1, '')").await?;
+    let (n, e) = tokio::join!(async { c.execute(&stmt, &[&channel]).await }, commit_tx(c));
+    n?;
+    e
+}
+
 /// `BEGIN` as a pipelined future.
 pub(crate) async fn begin<C: GenericClient + Sync>(c: &C) -> OpResult<()> {
     c.batch_execute("BEGIN").await.map_err(OpError::from)

@@ -3,7 +3,7 @@
 //! targets with the pure `deliver`. Because the target row is locked before the inbox is
 //! read or written, a racing `Await` commit either sees the signal or is woken by it.
 
-use super::{begin, commit_tx, notify};
+use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -32,7 +32,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
 ) -> OpResult<Vec<DeliveryOutcome>> {
     begin(c).await?;
     let plan = plan(c, signals, now).await?;
-    finish(c, &plan, Some(channel)).await?;
+    finish(c, &plan, Some((channel, false))).await?;
     Ok(plan.outcomes)
 }
 
@@ -200,12 +200,13 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     Ok(d)
 }
 
-/// Writes a planned delivery; with `channel`, also notifies (when a target woke) and
-/// commits, all pipelined.
+/// Writes a planned delivery; with `end = Some((channel, ready))`, also ends the
+/// transaction, notifying when a target woke or `ready` says other work became ready —
+/// all pipelined.
 pub(crate) async fn finish<C: GenericClient + Sync>(
     c: &C,
     d: &Delivery,
-    channel: Option<&str>,
+    end: Option<(&str, bool)>,
 ) -> OpResult<()> {
     let insert = c.prepare_cached(INSERT).await?;
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
@@ -226,11 +227,8 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
         c.execute(&write, &w.params()).await
     };
     let tail = async {
-        if let Some(ch) = channel {
-            if d.woke() {
-                notify(c, ch).await?;
-            }
-            commit_tx(c).await?;
+        if let Some((ch, ready)) = end {
+            end_tx(c, (ready || d.woke()).then_some(ch)).await?;
         }
         Ok::<_, crate::error::OpError>(())
     };
