@@ -5,6 +5,8 @@
 //!       cargo bench -p keel-store-postgres --bench store`
 //! (falls back to `KEEL_TEST_DATABASE_URL`). Prints a table and writes
 //! `target/bench/store.json`. Each run uses its own schema and drops it afterwards.
+//! `KEEL_BENCH_QUICK=1` runs only batch 100 with one worker; `KEEL_BENCH_VERBOSE=1` prints
+//! the time spent claiming and committing per worker.
 
 use keel_core::instance::NewInstance;
 use keel_core::outcome::{Outcome, StepCommit};

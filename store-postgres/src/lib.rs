@@ -83,6 +83,10 @@
 //!   one of them; a commit that would bring a key back into scope over another occupant is
 //!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
 //! - `queue_list` scans the namespace's instances (operator path, not indexed).
+//! - Within one commit batch, an `Await` item checks its inbox before the batch's own
+//!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
+//!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry
+//!   say it parked, where the sequential reference store says it did not).
 
 mod error;
 mod migrate;
