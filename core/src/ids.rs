@@ -35,6 +35,11 @@ int_id!(
     DeadLetterId,
     "dl"
 );
+int_id!(
+    /// The id of one armed timer.
+    TimerId,
+    "t"
+);
 
 /// A fencing token: increases on every claim of an instance. A commit names the token of
 /// its claim; a commit whose token is not the instance's current one is rejected
@@ -94,10 +99,8 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 pub const DEFAULT_QUEUE: &str = "default";
 
 /// Scheduling priority. Lower runs first under the `priority` strategy (seed 001 §7.2).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
-)]
-#[serde(rename_all = "lowercase")]
+/// Serialized as its lowercase name; parsing ignores case and lists the accepted names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub enum Priority {
     /// System emergencies, circuit breakers (0).
     Critical = 0,
@@ -141,7 +144,7 @@ impl Priority {
 
 /// A value that is not the name of a [`Priority`] or [`Status`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown {what} {input:?}; accepted: {accepted}")]
+#[error("unknown value {input:?}; accepted: {accepted}")]
 pub struct UnknownName {
     /// What was being parsed (`priority`, `status`).
     pub what: &'static str,
@@ -161,6 +164,19 @@ impl FromStr for Priority {
                 accepted: Self::ALL.map(Priority::name).join(", "),
             }
         })
+    }
+}
+
+impl Serialize for Priority {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Priority {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -318,7 +334,7 @@ mod tests {
         let err = "urgent".parse::<Priority>().unwrap_err();
         assert_eq!(
             err.to_string(),
-            r#"unknown priority "urgent"; accepted: critical, high, normal, low, bulk"#
+            r#"unknown value "urgent"; accepted: critical, high, normal, low, bulk"#
         );
         assert!(Priority::Critical < Priority::Bulk);
         assert_eq!(Priority::default(), Priority::Normal);

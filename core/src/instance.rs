@@ -90,6 +90,10 @@ pub struct Instance {
     pub parent: Option<InstanceId>,
     /// Children not yet terminal that the parent's barrier waits on.
     pub children_pending: i32,
+    /// For a child machine started by a chart's delegation state: that state's path in
+    /// the parent. The child's terminal commit delivers `done.invoke.<path>` or
+    /// `fail.state.<path>` into the parent's inbox (DESIGN §3.8).
+    pub invoked_by: Option<String>,
     /// Its uniqueness claim, if any.
     pub unique: Option<UniqueSpec>,
     /// Correlation (conversation) id carried into dead letters, for tracing across machines.
@@ -137,6 +141,7 @@ impl Instance {
             fencing_token: FencingToken(0),
             parent,
             children_pending: 0,
+            invoked_by: new.invoked_by.clone(),
             unique: new.unique.clone(),
             correlation_id: new.correlation_id.clone(),
             created_at: now,
@@ -170,6 +175,8 @@ pub struct NewInstance {
     pub eligible_at: Option<Timestamp>,
     /// Optional correlation id.
     pub correlation_id: Option<String>,
+    /// For a child started by a chart delegation state: that state's path in the parent.
+    pub invoked_by: Option<String>,
 }
 
 impl NewInstance {
@@ -188,6 +195,7 @@ impl NewInstance {
             unique: None,
             eligible_at: None,
             correlation_id: None,
+            invoked_by: None,
         }
     }
 
@@ -236,6 +244,11 @@ impl NewInstance {
         self.correlation_id = Some(id.into());
         self
     }
+    /// Marks the instance as the child machine of the parent's delegation state `path`.
+    pub fn invoked_by(mut self, path: impl Into<String>) -> Self {
+        self.invoked_by = Some(path.into());
+        self
+    }
 
     /// Checks names, sizes and the context shape. Errors name the field and the fix.
     pub fn validate(&self, field: &str) -> StoreResult<()> {
@@ -248,6 +261,7 @@ impl NewInstance {
             ("business_key", &self.business_key),
             ("concurrency_key", &self.concurrency_key),
             ("correlation_id", &self.correlation_id),
+            ("invoked_by", &self.invoked_by),
         ] {
             if let Some(v) = value {
                 check_name(&format!("{field}.{name}"), v)?;
@@ -353,6 +367,17 @@ pub struct Signal {
     pub dedup_key: Option<String>,
     /// When it arrived.
     pub inserted_at: Timestamp,
+}
+
+/// Whether an instance at `position` is "in" `state`: the position is the state itself
+/// (step machines), or a JSON array of active state paths that contains it (charts).
+pub fn position_in_state(position: &str, state: &str) -> bool {
+    if position == state {
+        return true;
+    }
+    position.starts_with('[')
+        && serde_json::from_str::<Vec<String>>(position)
+            .is_ok_and(|paths| paths.iter().any(|p| p == state))
 }
 
 /// What a parent sees of a child after its barrier released (seed 004 §11).

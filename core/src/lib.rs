@@ -4,18 +4,25 @@
 //! function here is a plain function of its inputs; `now` is always an argument. The port
 //! traits (the `ports` module) describe what a backend must do; the backends implement them.
 
+pub mod chart;
+pub mod config;
+pub mod context;
+pub mod duration;
 pub mod error;
 pub mod ids;
 pub mod instance;
 pub mod limits;
+mod names;
 pub mod outcome;
 pub mod ports;
+pub mod retry;
 pub mod time;
+pub mod timers;
 
 pub use error::{ErrorKind, StoreError, StoreResult};
 pub use ids::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
-    StatusSet, WorkerId,
+    StatusSet, TimerId, WorkerId,
 };
 pub use instance::{Instance, NewInstance, NewSignal, Signal, SignalTarget};
 pub use outcome::{Outcome, StepCommit, StepFailure};

@@ -37,3 +37,11 @@ pub const DEAD_LETTER_BATCH_MAX: usize = 10_000;
 pub const REAP_BATCH_MAX: usize = 10_000;
 /// Longest name (machine, step, signal, queue, namespace, key), in bytes.
 pub const NAME_BYTES_MAX: usize = 256;
+/// Most instances one broadcast may reach.
+pub const BROADCAST_MAX: usize = 100_000;
+/// Most timers one step commit may arm (and, separately, cancel).
+pub const TIMERS_PER_STEP_MAX: usize = 256;
+/// Most due timers one sweep call fires.
+pub const TIMER_SWEEP_BATCH_MAX: usize = 10_000;
+/// Most timers an inspect returns.
+pub const TIMER_LIST_MAX: usize = 1_000;

@@ -7,6 +7,7 @@
 //! signal waiting in the inbox, how many children did uniqueness let in) as arguments, so
 //! they stay pure.
 
+use crate::chart::{Event, TimerArm};
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
@@ -39,12 +40,16 @@ pub enum Outcome {
         delay: Duration,
     },
     /// Park until a signal named `signal` (or any signal, for `*`) arrives; runnable at
-    /// once if one is already in the inbox (no lost wake-up).
+    /// once if one is already in the inbox (no lost wake-up). With `step`, move there
+    /// first (a chart instance parks at its new configuration after every event).
     Await {
         /// The awaited signal name, or `*` for any.
         signal: String,
         /// The context to park with.
         context: Value,
+        /// The step (or encoded configuration) to park at; `None` stays at the current one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        step: Option<String>,
     },
     /// Spawn `children` and park until every one is terminal; then run `next`. Zero
     /// children inserted (uniqueness may drop some) ⇒ runnable at `next` at once.
@@ -146,6 +151,17 @@ pub struct StepCommit {
     pub history: Vec<HistoryEntry>,
     /// The error, when the step failed.
     pub failure: Option<StepFailure>,
+    /// Child instances to start in the same commit without parking on a barrier (chart
+    /// delegation states); their `parent` is this instance. Uniqueness applies.
+    #[serde(default)]
+    pub spawn: Vec<NewInstance>,
+    /// Timers to cancel: every timer of this instance owned by one of these states or
+    /// their descendants (`timers::owned_by`). Applied before `timers_arm`.
+    #[serde(default)]
+    pub timers_cancel: Vec<String>,
+    /// Timers to arm, due one interval after this commit (the state entry).
+    #[serde(default)]
+    pub timers_arm: Vec<TimerArm>,
 }
 
 impl StepCommit {
@@ -159,6 +175,9 @@ impl StepCommit {
             emit: Vec::new(),
             history: Vec::new(),
             failure: None,
+            spawn: Vec::new(),
+            timers_cancel: Vec::new(),
+            timers_arm: Vec::new(),
         }
     }
     /// Sets the consumed signals.
@@ -203,7 +222,12 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     }
     match &commit.outcome {
         Outcome::Next { step, .. } => check_name("outcome.step", step)?,
-        Outcome::Await { signal, .. } => check_name("outcome.signal", signal)?,
+        Outcome::Await { signal, step, .. } => {
+            check_name("outcome.signal", signal)?;
+            if let Some(step) = step {
+                check_name("outcome.step", step)?;
+            }
+        }
         Outcome::ScheduleChildren { next, children, .. } => {
             check_name("outcome.next", next)?;
             check_batch("outcome.children", children.len(), limits::CHILDREN_PER_STEP_MAX)?;
@@ -220,6 +244,28 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
             }
         }
         Outcome::Retry { .. } | Outcome::Stop { .. } => {}
+    }
+    let scheduled = match &commit.outcome {
+        Outcome::ScheduleChildren { children, .. } => children.len(),
+        _ => 0,
+    };
+    check_batch("spawn", commit.spawn.len() + scheduled, limits::CHILDREN_PER_STEP_MAX)?;
+    for (i, c) in commit.spawn.iter().enumerate() {
+        c.validate(&format!("spawn[{i}]"))?;
+    }
+    check_batch("timers_arm", commit.timers_arm.len(), limits::TIMERS_PER_STEP_MAX)?;
+    check_batch("timers_cancel", commit.timers_cancel.len(), limits::TIMERS_PER_STEP_MAX)?;
+    for (i, t) in commit.timers_arm.iter().enumerate() {
+        check_name(&format!("timers_arm[{i}].state"), &t.state)?;
+        check_name(&format!("timers_arm[{i}].event"), &t.event)?;
+        if t.interval.is_zero() {
+            return Err(StoreError::invalid(format!(
+                "timers_arm[{i}].interval: must be positive (InvalidTimerDefinition); use Timer::seconds(n) with n > 0"
+            )));
+        }
+        if let Some(then) = &t.then {
+            check_name(&format!("timers_arm[{i}].then"), then)?;
+        }
     }
     check_batch("emit", commit.emit.len(), limits::EMIT_PER_STEP_MAX)?;
     for (i, s) in commit.emit.iter().enumerate() {
@@ -315,7 +361,10 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
                 json!({ "step": row.position, "delay_ms": delay.as_millis() as u64, "error": error }),
             )
         }
-        Outcome::Await { signal, context } => {
+        Outcome::Await { signal, context, step } => {
+            if let Some(step) = step {
+                next.position.clone_from(step);
+            }
             next.context = context.clone();
             next.awaits = Some(signal.clone());
             next.eligible_at = now;
@@ -325,7 +374,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             errors.clear();
             HistoryEntry::new(
                 "STEP_AWAIT",
-                json!({ "signal": signal, "parked": !facts.signal_waiting }),
+                json!({ "signal": signal, "parked": !facts.signal_waiting, "at": next.position }),
             )
         }
         Outcome::ScheduleChildren { next: step, context, children } => {
@@ -400,6 +449,27 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
     });
     next.errors = errors;
     Applied { row: next, history, dead_letter }
+}
+
+/// The event a child machine's terminal commit delivers into its parent's inbox, in the
+/// same transaction (DESIGN §3.8): `done.invoke.<path>` with the child's result, or
+/// `fail.state.<path>` with its error, for a child started by the parent's delegation state
+/// `path`. `None` for other rows. The dedup key makes it exactly once per child.
+pub fn parent_notice(child: &Instance) -> Option<NewSignal> {
+    let (parent, path) = (child.parent?, child.invoked_by.as_deref()?);
+    let event = match child.status {
+        Status::Done => Event::done_invoke(path, child.result.clone().unwrap_or(Value::Null)),
+        Status::Failed | Status::Cancelled => Event::fail_state(
+            path,
+            json!({ "child": child.id, "status": child.status, "error": child.last_error }),
+        ),
+        _ => return None,
+    };
+    Some(
+        NewSignal::new(parent, event.name.clone())
+            .payload(event.payload.clone())
+            .dedup_key(format!("child:{}:terminal", child.id.0)),
+    )
 }
 
 /// The row after a claim: executing under a new lease and the next fencing token.

@@ -140,6 +140,7 @@ pub struct PgStore {
     pg: tokio_postgres::Config,
     schema: String,
     channel: String,
+    wake: std::sync::Arc<notify::WakeHub>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -196,6 +197,7 @@ impl PgStore {
             pg,
             channel: format!("keel_{}_ready", config.schema),
             schema: config.schema,
+            wake: std::sync::Arc::default(),
         };
         drop(store.client().await?);
         Ok(store)

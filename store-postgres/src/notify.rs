@@ -52,3 +52,56 @@ impl PgStore {
         Ok(PgListener { rx, _client: client })
     }
 }
+
+/// The store's shared wake-up for [`keel_core::ports::Store::ready_wait`]: one listening
+/// connection per store (opened on the first wait, reopened after it drops) that wakes
+/// every current waiter and leaves a permit for the next one, so a NOTIFY that lands
+/// between a worker's claim and its wait is not lost.
+#[derive(Debug, Default)]
+pub(crate) struct WakeHub {
+    ready: tokio::sync::Notify,
+    listening: tokio::sync::Mutex<bool>,
+}
+
+impl WakeHub {
+    fn wake(&self) {
+        self.ready.notify_waiters();
+        self.ready.notify_one();
+    }
+}
+
+impl PgStore {
+    /// Resolves on the next NOTIFY on [`PgStore::channel`] (or a stored one).
+    pub(crate) async fn wait_ready(&self) {
+        let notified = self.wake.ready.notified();
+        if let Err(e) = self.ensure_listening().await {
+            // Without a listener only polling finds work; do not spin on a dead server.
+            let _ = e;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            return;
+        }
+        notified.await;
+    }
+
+    async fn ensure_listening(&self) -> StoreResult<()> {
+        let mut listening = self.wake.listening.lock().await;
+        if *listening {
+            return Ok(());
+        }
+        let mut listener = self.listen().await?;
+        *listening = true;
+        let hub = std::sync::Arc::downgrade(&self.wake);
+        tokio::spawn(async move {
+            while listener.recv().await.is_some() {
+                let Some(hub) = hub.upgrade() else { return };
+                hub.wake();
+            }
+            // The connection is gone: the next wait reconnects; wake waiters so they poll.
+            if let Some(hub) = hub.upgrade() {
+                *hub.listening.lock().await = false;
+                hub.wake();
+            }
+        });
+        Ok(())
+    }
+}

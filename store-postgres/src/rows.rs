@@ -56,7 +56,7 @@ pub(crate) const INSTANCE_COLS: &str = "id, namespace, machine, machine_version,
     queue, priority, concurrency_key, status::text, position, context, result, awaits, \
     last_error, attempt, errors, revision, eligible_at, lease_owner, lease_expires_at, \
     fencing_token, parent_id, children_pending, unique_key, unique_scope::text[], \
-    correlation_id, created_at, updated_at";
+    correlation_id, created_at, updated_at, invoked_by";
 
 /// [`INSTANCE_COLS`] qualified with the alias `i`.
 pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machine_version, \
@@ -64,7 +64,7 @@ pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machin
     i.context, i.result, i.awaits, i.last_error, i.attempt, i.errors, i.revision, \
     i.eligible_at, i.lease_owner, i.lease_expires_at, i.fencing_token, i.parent_id, \
     i.children_pending, i.unique_key, i.unique_scope::text[], i.correlation_id, \
-    i.created_at, i.updated_at";
+    i.created_at, i.updated_at, i.invoked_by";
 
 /// Decodes a row selected with [`INSTANCE_COLS`] (starting at column 0).
 pub(crate) fn instance(r: &Row) -> Result<Instance, StoreError> {
@@ -102,6 +102,7 @@ pub(crate) fn instance(r: &Row) -> Result<Instance, StoreError> {
         correlation_id: r.get(25),
         created_at: from_ts(r.get(26)),
         updated_at: from_ts(r.get(27)),
+        invoked_by: r.get(28),
     })
 }
 

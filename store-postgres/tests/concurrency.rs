@@ -181,7 +181,7 @@ async fn signal_versus_park_race_loses_no_wake_up() {
                         StepCommit::new(
                             *id,
                             tokens[id],
-                            Outcome::Await { signal: "go".into(), context: json!({}) },
+                            Outcome::Await { signal: "go".into(), context: json!({}), step: None },
                         )
                     })
                     .collect();

@@ -150,7 +150,11 @@ async fn await_parks_and_a_signal_wakes_with_dedup() {
     let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
     let r = commit_one(
         &s,
-        StepCommit::new(id, c.token(), Outcome::Await { signal: "go".into(), context: json!({}) }),
+        StepCommit::new(
+            id,
+            c.token(),
+            Outcome::Await { signal: "go".into(), context: json!({}), step: None },
+        ),
     )
     .await
     .unwrap();
@@ -194,7 +198,11 @@ async fn await_with_a_waiting_signal_stays_runnable() {
         .unwrap();
     let r = commit_one(
         &s,
-        StepCommit::new(id, c.token(), Outcome::Await { signal: "*".into(), context: json!({}) }),
+        StepCommit::new(
+            id,
+            c.token(),
+            Outcome::Await { signal: "*".into(), context: json!({}), step: None },
+        ),
     )
     .await
     .unwrap();

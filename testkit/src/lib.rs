@@ -10,10 +10,13 @@
 //! The constructor expression is evaluated once per generated test, so each test may get
 //! a fresh schema. It returns `Option<S>`; `None` means "backend not configured".
 
+pub mod chart;
 pub mod clock;
 pub mod conformance;
 pub mod memory;
+pub mod prop;
 
+pub use chart::TestMachine;
 pub use clock::VirtualClock;
 pub use conformance::STORE_CONTRACTS;
 pub use memory::MemoryStore;

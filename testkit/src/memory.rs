@@ -19,19 +19,24 @@
 //!   [`limits::CANCEL_CASCADE_MAX`] instances per call.
 
 use async_trait::async_trait;
+use keel_core::TimerId;
+use keel_core::chart::TimerArm;
 use keel_core::instance::{
-    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name, unique_guard,
+    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
+    position_in_state, unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt, DeadLetterFilter,
-    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, SignalDeliverParams,
-    StoreCapabilities,
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
+use keel_core::timers::{self, TimerRow, owned_by};
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
     SignalTarget, Status, StepCommit, StoreError, StoreResult, Timestamp,
@@ -50,6 +55,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     state: Mutex<State>,
+    /// In-process "work may be ready" wake-ups for `ready_wait`.
+    ready: tokio::sync::Notify,
 }
 
 impl MemoryStore {
@@ -62,6 +69,15 @@ impl MemoryStore {
     /// panicked while holding it; the data is still consistent enough to inspect.
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wakes workers waiting in `ready_wait` (every current waiter, plus a stored permit
+    /// for one that is about to wait, so a wake-up between its claim and its wait is not
+    /// lost).
+    fn wake<T>(&self, result: T) -> T {
+        self.ready.notify_waiters();
+        self.ready.notify_one();
+        result
     }
 }
 
@@ -89,6 +105,12 @@ struct State {
     dead_letters: BTreeMap<DeadLetterId, DeadLetter>,
     /// `(namespace, queue)` → paused.
     queues: BTreeMap<(String, String), bool>,
+    last_timer: i64,
+    timers: BTreeMap<TimerId, TimerRow>,
+    /// Timers per instance (an index, so commits do not scan every timer).
+    timers_of: HashMap<InstanceId, BTreeSet<TimerId>>,
+    /// `(namespace or "*", machine or "*")` → last sweep time.
+    sweeps: HashMap<(String, String), Timestamp>,
 }
 
 /// A validated commit, ready to apply without any further check.
@@ -96,6 +118,7 @@ struct Plan {
     applied: Applied,
     consume: Vec<SignalId>,
     children: Vec<(NewInstance, InsertOutcome)>,
+    spawned: Vec<(NewInstance, InsertOutcome)>,
     emits: Vec<(NewSignal, InstanceId)>,
 }
 
@@ -216,11 +239,18 @@ impl State {
         }
     }
 
-    /// One child of `parent` became terminal (or was cancelled): count it on the barrier.
-    fn release_parent(&mut self, parent: Option<InstanceId>, now: Timestamp) {
-        if let Some(row) = parent.and_then(|p| self.rows.get(&p)) {
+    /// `child` became terminal (or was cancelled): count it on its parent's barrier, and
+    /// tell a chart parent through its inbox (`outcome::parent_notice`).
+    fn child_terminal(&mut self, child: &Instance, now: Timestamp) {
+        if let Some(row) = child.parent.and_then(|p| self.rows.get(&p)) {
             let next = outcome::release_parent(row, now);
             self.write(next);
+        }
+        if let Some(notice) = outcome::parent_notice(child)
+            && let SignalTarget::Id(parent) = notice.target
+            && self.rows.contains_key(&parent)
+        {
+            self.deliver_to(parent, &notice, now);
         }
     }
 
@@ -340,6 +370,22 @@ impl State {
         }
         let inserted =
             children.iter().filter(|(_, r)| matches!(r, InsertOutcome::Inserted(_))).count();
+        let mut spawned = Vec::new();
+        for spec in &c.spawn {
+            let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+            let existing =
+                guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
+            let result = if let Some(id) = existing {
+                InsertOutcome::Existing(id)
+            } else {
+                last_id += 1;
+                if let Some(g) = guard {
+                    planned.insert(g.to_vec(), InstanceId(last_id));
+                }
+                InsertOutcome::Inserted(InstanceId(last_id))
+            };
+            spawned.push((spec.clone(), result));
+        }
         let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted as i32 };
         let applied = outcome::apply(row, c, facts);
         if let Some(guard) = applied.row.unique_guard()
@@ -350,18 +396,18 @@ impl State {
                 c.id, applied.row.status
             )));
         }
-        Ok(Plan { applied, consume, children, emits })
+        Ok(Plan { applied, consume, children, spawned, emits })
     }
 
     /// Applies a planned commit: consumption, children, the row, history, dead letter,
     /// outbox, and the parent's barrier — all under the same lock hold.
     fn execute(&mut self, c: &StepCommit, plan: Plan, now: Timestamp) -> CommitReceipt {
-        let Plan { applied, consume, children, emits } = plan;
+        let Plan { applied, consume, children, spawned, emits } = plan;
         let attempt = self.rows[&c.id].attempt;
         for id in consume {
             self.remove_signal(c.id, id);
         }
-        for (spec, result) in &children {
+        for (spec, result) in children.iter().chain(&spawned) {
             if let InsertOutcome::Inserted(id) = result {
                 self.insert_row(Instance::from_new(*id, spec, Some(c.id), now));
             }
@@ -382,15 +428,20 @@ impl State {
             revision: row.revision,
             status: row.status,
             children: children.iter().map(|(_, r)| *r).collect(),
+            spawned: spawned.iter().map(|(_, r)| *r).collect(),
             dead_letter,
         };
-        let parent = row.parent;
+        self.timers_change(&row, &c.timers_cancel, &c.timers_arm, now);
+        if terminal {
+            self.timers_drop(row.id);
+        }
+        let child = terminal.then(|| row.clone());
         self.write(row);
         for (signal, target) in emits {
             self.deliver_to(target, &signal, now);
         }
-        if terminal {
-            self.release_parent(parent, now);
+        if let Some(child) = child {
+            self.child_terminal(&child, now);
         }
         receipt
     }
@@ -441,6 +492,36 @@ impl State {
                 None => DeliveryOutcome::TargetMissing,
             })
             .collect())
+    }
+
+    fn signal_broadcast(&mut self, p: &SignalBroadcastParams) -> StoreResult<BroadcastReport> {
+        let probe = NewSignal {
+            target: SignalTarget::Id(InstanceId(0)),
+            name: p.name.clone(),
+            payload: p.payload.clone(),
+            dedup_key: p.dedup_key.clone(),
+        };
+        probe.validate("broadcast")?;
+        let targets: Vec<InstanceId> = self
+            .rows
+            .values()
+            .filter(|r| {
+                r.namespace == p.namespace && r.machine.name == p.machine && !r.status.is_terminal()
+            })
+            .filter(|r| p.in_state.as_deref().is_none_or(|st| position_in_state(&r.position, st)))
+            .map(|r| r.id)
+            .collect();
+        check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
+        let mut report = BroadcastReport::default();
+        for target in targets {
+            let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
+            if let DeliveryOutcome::Delivered { woke, .. } = self.deliver_to(target, &signal, p.now)
+            {
+                report.delivered += 1;
+                report.woke += u64::from(woke);
+            }
+        }
+        Ok(report)
     }
 
     // ----- leases -----------------------------------------------------------------------
@@ -544,9 +625,10 @@ impl State {
                 json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
             );
             self.record(&next, attempt, entry, p.now);
-            let parent = next.parent;
+            let child = next.clone();
             self.write(next);
-            self.release_parent(parent, p.now);
+            self.timers_drop(id);
+            self.child_terminal(&child, p.now);
             cancelled.push(id);
         }
         Ok(cancelled)
@@ -654,23 +736,191 @@ impl State {
             .ok_or_else(|| StoreError::not_found(format!("instance {id} does not exist")))?;
         let history = self.history.get(&id).map_or(&[][..], Vec::as_slice);
         let skip = history.len().saturating_sub(limits::HISTORY_LIST_MAX);
+        let mut timers: Vec<TimerRow> =
+            self.timers_of.get(&id).into_iter().flatten().map(|t| self.timers[t].clone()).collect();
+        timers.sort_by_key(|t| (t.next_fire_at, t.id));
+        timers.truncate(limits::TIMER_LIST_MAX);
         Ok(InstanceDetail {
             instance: row.clone(),
             inbox: self.inbox_of(id).cloned().collect(),
             children: self.children_of(id),
             history: history[skip..].to_vec(),
+            timers,
         })
+    }
+
+    // ----- timers -----------------------------------------------------------------------
+
+    /// Applies a commit's timer changes: cancels first, then arms (due from `now`).
+    fn timers_change(
+        &mut self,
+        row: &Instance,
+        cancel: &[String],
+        arm: &[TimerArm],
+        now: Timestamp,
+    ) {
+        if !cancel.is_empty() {
+            let mine: Vec<TimerId> =
+                self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
+            for id in mine {
+                if cancel.iter().any(|left| owned_by(&self.timers[&id].spec.state, left)) {
+                    self.timer_remove(id);
+                }
+            }
+        }
+        for spec in arm {
+            self.last_timer += 1;
+            let id = TimerId(self.last_timer);
+            let timer =
+                TimerRow::armed(id, row.id, &row.namespace, &row.machine, spec.clone(), now);
+            self.timers.insert(id, timer);
+            self.timers_of.entry(row.id).or_default().insert(id);
+        }
+    }
+
+    /// A terminal instance has no timers.
+    fn timers_drop(&mut self, id: InstanceId) {
+        for timer in self.timers_of.remove(&id).unwrap_or_default() {
+            self.timers.remove(&timer);
+        }
+    }
+
+    fn timer_remove(&mut self, id: TimerId) {
+        if let Some(t) = self.timers.remove(&id)
+            && let Some(set) = self.timers_of.get_mut(&t.instance)
+        {
+            set.remove(&id);
+        }
+    }
+
+    fn timer_sweep(&mut self, p: &TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+        let in_scope = |t: &TimerRow| {
+            p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
+                && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
+        };
+        let mut due: Vec<(Timestamp, TimerId)> = self
+            .timers
+            .values()
+            .filter(|t| t.next_fire_at <= p.now && in_scope(t))
+            .map(|t| (t.next_fire_at, t.id))
+            .collect();
+        due.sort();
+        due.truncate(p.limit);
+        let mut report = TimerSweepReport::default();
+        for (_, id) in due {
+            report.processed += 1;
+            let timer = self.timers[&id].clone();
+            let live = self.rows.get(&timer.instance).is_some_and(|r| !r.status.is_terminal());
+            if !live {
+                self.timer_remove(id);
+                continue;
+            }
+            let fired = timers::fire(&timer, p.now);
+            if timers::delivers(&fired)
+                && matches!(
+                    self.deliver_to(timer.instance, &fired.signal, p.now),
+                    DeliveryOutcome::Delivered { .. }
+                )
+            {
+                if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
+                    report.exhausted += 1;
+                } else {
+                    report.fired += 1;
+                }
+            }
+            let row = self.rows[&timer.instance].clone();
+            self.record(&row, row.attempt, fired.history, p.now);
+            match fired.next {
+                Some(next) => {
+                    self.timers.insert(id, next);
+                }
+                None => {
+                    self.timer_remove(id);
+                }
+            }
+        }
+        let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
+        if p.machines.is_empty() {
+            self.sweeps.insert((ns, "*".into()), p.now);
+        } else {
+            for m in &p.machines {
+                self.sweeps.insert((ns.clone(), m.clone()), p.now);
+            }
+        }
+        Ok(report)
+    }
+
+    fn timer_status(&self, namespace: Option<&str>, now: Timestamp) -> Vec<TimerStatus> {
+        let mut out: BTreeMap<(String, String), TimerStatus> = BTreeMap::new();
+        for t in self.timers.values().filter(|t| namespace.is_none_or(|ns| t.namespace == ns)) {
+            let e = out.entry((t.namespace.clone(), t.machine.name.clone())).or_insert_with(|| {
+                TimerStatus {
+                    namespace: t.namespace.clone(),
+                    machine: t.machine.name.clone(),
+                    armed: 0,
+                    next_due: None,
+                    overdue: 0,
+                    last_sweep_at: None,
+                }
+            });
+            e.armed += 1;
+            e.next_due = Some(e.next_due.map_or(t.next_fire_at, |d| d.min(t.next_fire_at)));
+            e.overdue += u64::from(t.next_fire_at <= now);
+        }
+        for e in out.values_mut() {
+            let keys = [
+                (e.namespace.clone(), e.machine.clone()),
+                (e.namespace.clone(), "*".to_owned()),
+                ("*".to_owned(), e.machine.clone()),
+                ("*".to_owned(), "*".to_owned()),
+            ];
+            e.last_sweep_at = keys.iter().filter_map(|k| self.sweeps.get(k)).max().copied();
+        }
+        out.into_values().collect()
+    }
+
+    fn queue_stats(&self, namespace: Option<&str>, now: Timestamp) -> Vec<QueueStats> {
+        let mut out: BTreeMap<(String, String, String), QueueStats> = BTreeMap::new();
+        for r in self
+            .rows
+            .values()
+            .filter(|r| !r.status.is_terminal() && namespace.is_none_or(|ns| r.namespace == ns))
+        {
+            let e = out
+                .entry((r.namespace.clone(), r.queue.clone(), r.machine.name.clone()))
+                .or_insert_with(|| QueueStats {
+                    namespace: r.namespace.clone(),
+                    queue: r.queue.clone(),
+                    machine: r.machine.name.clone(),
+                    ..QueueStats::default()
+                });
+            match r.status {
+                Status::Runnable if r.eligible_at <= now => {
+                    e.ready += 1;
+                    e.oldest_ready_at =
+                        Some(e.oldest_ready_at.map_or(r.eligible_at, |t| t.min(r.eligible_at)));
+                }
+                Status::Runnable => e.scheduled += 1,
+                Status::Executing => e.executing += 1,
+                Status::AwaitingSignal | Status::AwaitingChildren => e.waiting += 1,
+                Status::Suspended => e.suspended += 1,
+                Status::Done | Status::Failed | Status::Cancelled => {}
+            }
+        }
+        out.into_values().collect()
     }
 }
 
 #[async_trait]
 impl Store for MemoryStore {
     fn capabilities(&self) -> StoreCapabilities {
-        StoreCapabilities { notifications: false }
+        StoreCapabilities { notifications: true }
     }
 
     async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        self.state().insert(&params)
+        let result = self.state().insert(&params);
+        self.wake(result)
     }
 
     async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
@@ -682,15 +932,18 @@ impl Store for MemoryStore {
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
-        let mut state = self.state();
-        Ok(params
-            .commits
-            .iter()
-            .map(|c| {
-                let plan = state.plan(c, params.now)?;
-                Ok(state.execute(c, plan, params.now))
-            })
-            .collect())
+        let receipts = {
+            let mut state = self.state();
+            params
+                .commits
+                .iter()
+                .map(|c| {
+                    let plan = state.plan(c, params.now)?;
+                    Ok(state.execute(c, plan, params.now))
+                })
+                .collect()
+        };
+        self.wake(Ok(receipts))
     }
 
     async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
@@ -698,22 +951,34 @@ impl Store for MemoryStore {
     }
 
     async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        self.state().lease_reap(&params)
+        let result = self.state().lease_reap(&params);
+        self.wake(result)
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
-        Ok(self.state().lease_release(&params))
+        let result = self.state().lease_release(&params);
+        self.wake(Ok(result))
     }
 
     async fn signal_deliver(
         &self,
         params: SignalDeliverParams,
     ) -> StoreResult<Vec<DeliveryOutcome>> {
-        self.state().signal_deliver(&params)
+        let result = self.state().signal_deliver(&params);
+        self.wake(result)
+    }
+
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        let result = self.state().signal_broadcast(&params);
+        self.wake(result)
     }
 
     async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
-        self.state().cancel(&params)
+        let result = self.state().cancel(&params);
+        self.wake(result)
     }
 
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
@@ -748,11 +1013,13 @@ impl Store for MemoryStore {
         &self,
         params: DeadLetterRetryParams,
     ) -> StoreResult<Vec<InstanceId>> {
-        self.state().dead_letter_retry(&params)
+        let result = self.state().dead_letter_retry(&params);
+        self.wake(result)
     }
 
     async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
-        self.state().dead_letter_skip(&params)
+        let result = self.state().dead_letter_skip(&params);
+        self.wake(result)
     }
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
@@ -763,7 +1030,32 @@ impl Store for MemoryStore {
         check_name("namespace", &params.namespace)?;
         check_name("queue", &params.queue)?;
         self.state().queues.insert((params.namespace, params.queue), params.paused);
-        Ok(())
+        self.wake(Ok(()))
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        Ok(self.state().queue_stats(namespace.as_deref(), now))
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        let result = self.state().timer_sweep(&params);
+        self.wake(result)
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        Ok(self.state().timer_status(namespace.as_deref(), now))
+    }
+
+    async fn ready_wait(&self) {
+        self.ready.notified().await;
     }
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {

@@ -1,3 +1,121 @@
-//! Project tasks: `cargo xtask test | ci | tidy`.
+//! Project tasks, run as `cargo xtask <task>`:
+//!
+//! - `test`: the workspace tests with every backend this machine can reach; prints which
+//!   backend suites ran and which were skipped.
+//! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
+//!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`.
+//! - `tidy`: the project's checkable style and architecture rules (also a `#[test]`).
 
-fn main() {}
+mod services;
+mod tidy;
+
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]>";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = project_root();
+    match args.first().map(String::as_str) {
+        Some("test") => test(&root, false),
+        Some("ci") => ci(&root),
+        Some("bench") => bench(&root, &args[1..]),
+        Some("tidy") => {
+            let problems = tidy::check(&root)?;
+            tidy::report(&problems)
+        }
+        Some(other) => bail!("unknown task {other:?}\n{USAGE}"),
+        None => bail!("{USAGE}"),
+    }
+}
+
+/// The workspace root (the parent of `xtask/`).
+pub fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn cargo(root: &Path) -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root);
+    cmd
+}
+
+fn run(step: &str, mut cmd: Command) -> Result<()> {
+    let started = Instant::now();
+    eprintln!("==> {step}");
+    let status = cmd.status().with_context(|| format!("could not start {step}"))?;
+    eprintln!(
+        "<== {step}: {} in {:.1}s",
+        if status.success() { "ok" } else { "FAILED" },
+        started.elapsed().as_secs_f64()
+    );
+    if !status.success() {
+        bail!("{step} failed ({status})");
+    }
+    Ok(())
+}
+
+fn test(root: &Path, require: bool) -> Result<()> {
+    let backends = services::detect(root, require)?;
+    let mut cmd = cargo(root);
+    cmd.args(["test", "--workspace", "--all-targets"]);
+    for b in &backends {
+        if let Some(url) = &b.url {
+            cmd.env(b.env_var, url);
+        } else {
+            cmd.env_remove(b.env_var);
+        }
+    }
+    if require {
+        cmd.env("KEEL_REQUIRE_BACKENDS", "1");
+    }
+    let result = run("cargo test --workspace", cmd);
+    services::summary(&backends);
+    result
+}
+
+/// `cargo xtask bench [steps|chart|timers|store ...] [--store memory|sqlite|postgres] [...]`:
+/// the engine benchmarks in release mode (`keel-bench`), and `store` for the Postgres
+/// store's claim + commit micro-benchmark.
+fn bench(root: &Path, args: &[String]) -> Result<()> {
+    let (store_bench, rest): (Vec<&String>, Vec<&String>) =
+        args.iter().partition(|a| *a == "store");
+    if !store_bench.is_empty() {
+        let mut cmd = cargo(root);
+        cmd.args(["bench", "-p", "keel-store-postgres", "--bench", "store"]);
+        run("store micro-benchmark", cmd)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
+    }
+    let mut cmd = cargo(root);
+    cmd.args(["run", "--release", "--quiet", "-p", "keel-bench", "--"]).args(rest);
+    run("keel-bench", cmd)
+}
+
+fn ci(root: &Path) -> Result<()> {
+    let started = Instant::now();
+    let mut fmt = cargo(root);
+    fmt.args(["fmt", "--all", "--", "--check"]);
+    run("cargo fmt --check", fmt)?;
+    let mut clippy = cargo(root);
+    clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+    run("cargo clippy -D warnings", clippy)?;
+    eprintln!("==> tidy");
+    tidy::report(&tidy::check(root)?)?;
+    test(root, true)?;
+    // The examples are the first thing a new user runs: they must run, not just compile.
+    for example in ["steps", "order"] {
+        let mut cmd = cargo(root);
+        cmd.args(["run", "--quiet", "--example", example]);
+        run(&format!("example {example}"), cmd)?;
+    }
+    eprintln!("ci: all green in {:.0}s", started.elapsed().as_secs_f64());
+    Ok(())
+}

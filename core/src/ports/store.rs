@@ -18,6 +18,7 @@ use crate::instance::{
 };
 use crate::outcome::StepCommit;
 use crate::time::Timestamp;
+use crate::timers::TimerRow;
 use async_trait::async_trait;
 use std::time::Duration;
 
@@ -111,6 +112,8 @@ pub struct CommitReceipt {
     pub status: Status,
     /// For `ScheduleChildren`: per requested child, new or existing id.
     pub children: Vec<InsertOutcome>,
+    /// Per `spawn` item, new or existing id.
+    pub spawned: Vec<InsertOutcome>,
     /// The dead letter the commit produced, if any.
     pub dead_letter: Option<DeadLetterId>,
 }
@@ -192,6 +195,37 @@ pub enum DeliveryOutcome {
     TargetMissing,
 }
 
+/// Deliver one event to every instance of a machine in a given state, in one statement
+/// (seed 001 §4.6). Fails with `Invalid`, delivering nothing, when more than
+/// [`crate::limits::BROADCAST_MAX`] instances match.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalBroadcastParams {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name (any version).
+    pub machine: String,
+    /// Only instances in this state (`instance::position_in_state`); `None` = every
+    /// non-terminal instance of the machine.
+    pub in_state: Option<String>,
+    /// Event name.
+    pub name: String,
+    /// Event payload.
+    pub payload: serde_json::Value,
+    /// Optional dedup key, applied per target.
+    pub dedup_key: Option<String>,
+    /// Delivery time.
+    pub now: Timestamp,
+}
+
+/// What a broadcast did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BroadcastReport {
+    /// Instances that got the event (duplicates by dedup key not counted).
+    pub delivered: u64,
+    /// Of those, instances it woke.
+    pub woke: u64,
+}
+
 /// Cancel an instance.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CancelParams {
@@ -216,6 +250,76 @@ pub struct InstanceDetail {
     pub children: Vec<ChildSummary>,
     /// Its history, oldest first (the newest [`crate::limits::HISTORY_LIST_MAX`]).
     pub history: Vec<HistoryRecord>,
+    /// Its armed timers, soonest first (at most [`crate::limits::TIMER_LIST_MAX`]).
+    pub timers: Vec<TimerRow>,
+}
+
+/// Fire due timers: up to `limit` timers whose `next_fire_at <= now`, in due order, each
+/// delivered into its instance's inbox with its dedup key, recorded, and advanced or
+/// deleted (`timers::fire`) — in one transaction. Concurrent sweeps skip each other's
+/// timers (SKIP LOCKED) and the dedup keys make a re-run sweep harmless.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TimerSweepParams {
+    /// Only this namespace (`None` = all).
+    pub namespace: Option<String>,
+    /// Only these machine names (empty = all).
+    pub machines: Vec<String>,
+    /// Most timers to fire; at most [`crate::limits::TIMER_SWEEP_BATCH_MAX`].
+    pub limit: usize,
+    /// Sweep time.
+    pub now: Timestamp,
+}
+
+/// What a sweep did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TimerSweepReport {
+    /// Timer events delivered (not counting duplicates).
+    pub fired: u64,
+    /// `every` + `max` timers that ran out (their `then` delivered).
+    pub exhausted: u64,
+    /// Timers processed (fired, exhausted or found stale), at most `limit`. Equal to
+    /// `limit` means more may be due.
+    pub processed: u64,
+}
+
+/// Timer health per machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimerStatus {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name.
+    pub machine: String,
+    /// Armed timers.
+    pub armed: u64,
+    /// The soonest due time.
+    pub next_due: Option<Timestamp>,
+    /// Timers already due at `now` and not fired yet.
+    pub overdue: u64,
+    /// When a sweep covering this machine last ran.
+    pub last_sweep_at: Option<Timestamp>,
+}
+
+/// Counts per queue and machine, for metrics, health and backpressure.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct QueueStats {
+    /// Namespace.
+    pub namespace: String,
+    /// Queue.
+    pub queue: String,
+    /// Machine name.
+    pub machine: String,
+    /// Runnable and eligible now.
+    pub ready: u64,
+    /// Runnable but not eligible yet (delayed, backing off).
+    pub scheduled: u64,
+    /// Executing under a lease.
+    pub executing: u64,
+    /// Parked on a signal or on children.
+    pub waiting: u64,
+    /// Suspended (dead-lettered).
+    pub suspended: u64,
+    /// The oldest `eligible_at` among ready rows.
+    pub oldest_ready_at: Option<Timestamp>,
 }
 
 /// Which dead letters to list.
@@ -342,6 +446,10 @@ pub trait Store: Send + Sync + 'static {
         params: SignalDeliverParams,
     ) -> StoreResult<Vec<DeliveryOutcome>>;
 
+    /// Delivers one event to every non-terminal instance of a machine in a state.
+    async fn signal_broadcast(&self, params: SignalBroadcastParams)
+    -> StoreResult<BroadcastReport>;
+
     /// Cancels an instance (and with `cascade`, its non-terminal descendants); returns
     /// the ids it cancelled. `NotFound` for a missing instance; an already terminal one
     /// is left as it is (empty result).
@@ -376,4 +484,30 @@ pub trait Store: Send + Sync + 'static {
 
     /// Queues with settings in a namespace.
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>>;
+
+    /// Counts of non-terminal instances per (namespace, queue, machine); `None` = every
+    /// namespace. `now` splits runnable rows into ready and scheduled.
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>>;
+
+    /// Fires due timers.
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport>;
+
+    /// Timer health per (namespace, machine); `None` = every namespace.
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>>;
+
+    /// Resolves when the store learns that work may have become ready (a commit, a
+    /// delivery, an insert) — a wake-up hint that only shortens latency. A store without
+    /// notifications never resolves; callers race it against their poll interval, which
+    /// stays the correctness path.
+    async fn ready_wait(&self) {
+        std::future::pending::<()>().await;
+    }
 }

@@ -1,7 +1,7 @@
 //! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
 //! Each state change locks its rows, applies the pure transition and writes back.
 
-use super::{begin, commit_tx, end_tx};
+use super::{begin, commit_tx, end_tx, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{
     self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
@@ -29,6 +29,7 @@ const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
 pub(crate) async fn cancel<C: GenericClient + Sync>(
     c: &C,
     p: &CancelParams,
+    channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
     let root = lock_instances(c, &[p.id.0]).await?;
@@ -69,12 +70,20 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
             next.push(n);
         }
     }
-    // Every cancelled child counts on its parent's barrier, even a parent cancelled too.
+    // Every cancelled child counts on its parent's barrier, even a parent cancelled too,
+    // and a chart parent hears of it through its inbox (`outcome::parent_notice`).
     let parents: Vec<i64> = next.iter().filter_map(|r| r.parent).map(|p| p.0).collect();
+    let (notices, targets): (Vec<_>, Vec<_>) =
+        next.iter().filter_map(|r| outcome::parent_notice(r).map(|n| (n, r.parent))).unzip();
+    let cancelled: Vec<i64> = next.iter().map(|r| r.id.0).collect();
+    let drop_timers =
+        c.prepare_cached("DELETE FROM timers WHERE instance_id = ANY($1::int8[])").await?;
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
+    c.execute(&drop_timers, &[&cancelled]).await?;
     release_parents(c, &parents, p.now).await?;
-    commit_tx(c).await?;
+    let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
+    signal::finish(c, &plan, Some((channel, !parents.is_empty()))).await?;
     Ok(next.iter().map(|r| r.id).collect())
 }
 
@@ -103,11 +112,13 @@ pub(crate) async fn get<C: GenericClient + Sync>(
             limits::HISTORY_LIST_MAX
         ))
         .await?;
-    let (found, inbox_rows, child_rows, history_rows) = tokio::join!(
+    let timers = c.prepare_cached(&timer::list_sql()).await?;
+    let (found, inbox_rows, child_rows, history_rows, timer_rows) = tokio::join!(
         async { c.query_opt(&row, &[&id.0]).await },
         async { c.query(&inbox, &[&id.0]).await },
         async { c.query(&children, &[&id.0]).await },
         async { c.query(&history, &[&id.0]).await },
+        async { c.query(&timers, &[&id.0]).await },
     );
     let Some(r) = found? else {
         return Err(StoreError::not_found(format!("instance {id} does not exist")).into());
@@ -117,6 +128,7 @@ pub(crate) async fn get<C: GenericClient + Sync>(
         inbox: inbox_rows?.iter().map(rows::signal).collect(),
         children: child_rows?.iter().map(rows::child).collect::<Result<_, _>>()?,
         history: history_rows?.iter().map(rows::history).collect(),
+        timers: timer::list(&timer_rows?)?,
     })
 }
 

@@ -117,8 +117,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpRe
     let mut out = Vec::with_capacity(found.len());
     for r in &found {
         let instance = rows::instance(r)?;
-        let inbox = inbox(instance.id, r.get(28))?;
-        let children = children(r.get(29))?;
+        let inbox = inbox(instance.id, r.get(29))?;
+        let children = children(r.get(30))?;
         out.push(Claim { instance, inbox, children });
     }
     Ok(out)

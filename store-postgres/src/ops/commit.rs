@@ -10,7 +10,7 @@
 //! for children that became terminal, notifies once and commits. Outbox emits, when there
 //! are any, run the delivery path before that last round trip.
 
-use super::{begin, end_tx, insert, signal};
+use super::{begin, end_tx, insert, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
@@ -55,6 +55,8 @@ struct Accepted {
     index: usize,
     before: Instance,
     children: Vec<InsertOutcome>,
+    /// Per `spawn` item, new or existing id.
+    spawned: Vec<InsertOutcome>,
     /// The unique key this commit would bring back into scope, if any.
     key: Option<Vec<u8>>,
 }
@@ -193,25 +195,38 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             continue;
         }
         let key = reentering_key(row, s, waiting.contains(&s.id.0));
-        accepted.push(Accepted { index: i, before: row.clone(), children: Vec::new(), key });
+        accepted.push(Accepted {
+            index: i,
+            before: row.clone(),
+            children: Vec::new(),
+            spawned: Vec::new(),
+            key,
+        });
         row.status = Status::Runnable;
     }
     reject_occupied_keys(c, &mut accepted, &mut results).await?;
 
-    // Children of every accepted ScheduleChildren item, in one insert.
+    // Children of every accepted ScheduleChildren item and every item's `spawn` (children
+    // without a barrier), in one insert: per item, its barrier children then its spawn.
     let mut kids: Vec<insert::Item<'_>> = Vec::new();
     let mut spans = Vec::new();
     for a in &accepted {
-        if let Outcome::ScheduleChildren { children, .. } = &commits[a.index].outcome {
-            spans.push((a.index, kids.len(), children.len()));
+        let s = &commits[a.index];
+        let start = kids.len();
+        let mut barrier = 0;
+        if let Outcome::ScheduleChildren { children, .. } = &s.outcome {
+            barrier = children.len();
             kids.extend(children.iter().map(|n: &NewInstance| (n, Some(a.before.id))));
         }
+        kids.extend(s.spawn.iter().map(|n: &NewInstance| (n, Some(a.before.id))));
+        spans.push((a.index, start, barrier, s.spawn.len()));
     }
     let spawned = !kids.is_empty() && {
         let out = insert::insert_batch(c, &kids, now).await?;
-        for (index, start, len) in spans {
+        for (index, start, barrier, spawn) in spans {
             if let Some(a) = accepted.iter_mut().find(|a| a.index == index) {
-                a.children = out[start..start + len].to_vec();
+                a.children = out[start..start + barrier].to_vec();
+                a.spawned = out[start + barrier..start + barrier + spawn].to_vec();
             }
         }
         out.iter().any(|o| matches!(o, InsertOutcome::Inserted(_)))
@@ -225,6 +240,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut parents = Vec::new();
     let mut emits: Vec<NewSignal> = Vec::new();
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
+    let mut timers = timer::TimerWrite::default();
     let mut ready = spawned;
     for a in &accepted {
         let s = &commits[a.index];
@@ -248,9 +264,12 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             consume_t.push(s.id.0);
             consume_s.push(sig.0);
         }
-        if applied.became_terminal()
-            && let Some(p) = row.parent
-        {
+        timers.change(row, &s.timers_cancel, &s.timers_arm, now);
+        let terminal = applied.became_terminal();
+        if terminal {
+            timers.drop_all(row.id);
+        }
+        if terminal && let Some(p) = row.parent {
             parents.push(p.0);
             ready = true;
         }
@@ -258,11 +277,17 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         emits.extend(s.emit.iter().cloned());
         emit_targets_ok
             .extend_from_slice(&resolved[emit_at[a.index]..emit_at[a.index] + s.emit.len()]);
+        // A chart parent hears of its child's end through its inbox, after the outbox.
+        if terminal && let Some(notice) = outcome::parent_notice(row) {
+            emit_targets_ok.push(row.parent);
+            emits.push(notice);
+        }
         results[a.index] = Some(Ok(CommitReceipt {
             id: row.id,
             revision: row.revision,
             status: row.status,
             children: a.children.clone(),
+            spawned: a.spawned.clone(),
             dead_letter: None,
         }));
     }
@@ -293,6 +318,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let f_release = async {
         if parents.is_empty() { Ok(0) } else { c.execute(&rel, &[&parents, &now_ts]).await }
     };
+    let timer_stmt = c.prepare_cached(timer::CHANGE).await?;
+    let timers_empty = timers.is_empty();
+    let timer_params = timers.params(now);
+    let f_timers =
+        async { if timers_empty { Ok(0) } else { c.execute(&timer_stmt, &timer_params).await } };
     let delivered = !emits.is_empty();
     let tail = async {
         if delivered {
@@ -301,9 +331,10 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         end_tx(c, ready.then_some(channel)).await?;
         Ok::<_, crate::error::OpError>(Some(()))
     };
-    let (written, hist_done, consumed, letter_rows, released, tail) =
-        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, tail);
+    let (written, hist_done, consumed, letter_rows, released, timed, tail) =
+        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, f_timers, tail);
     written?;
+    timed?;
     hist_done?;
     consumed?;
     released?;

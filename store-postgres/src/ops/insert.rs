@@ -50,17 +50,17 @@ const INSERT: &str = "WITH input AS MATERIALIZED ( \
       SELECT nextval('instances_id_seq') AS id, t.* \
       FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::text[], $6::int2[], \
                   $7::text[], $8::text[], $9::jsonb[], $10::bytea[], $11::text[], \
-                  $12::timestamptz[], $13::text[], $14::int8[]) WITH ORDINALITY \
+                  $12::timestamptz[], $13::text[], $14::int8[], $16::text[]) WITH ORDINALITY \
         AS t(namespace, machine, machine_version, business_key, queue, priority, \
              concurrency_key, position, context, unique_key, unique_scope, eligible_at, \
-             correlation_id, parent_id, ord) \
+             correlation_id, parent_id, invoked_by, ord) \
     ), ins AS ( \
       INSERT INTO instances (id, namespace, machine, machine_version, business_key, queue, \
         priority, concurrency_key, status, position, context, eligible_at, parent_id, \
-        unique_key, unique_scope, correlation_id, created_at, updated_at) \
+        unique_key, unique_scope, correlation_id, created_at, updated_at, invoked_by) \
       SELECT id, namespace, machine, machine_version, business_key, queue, priority, \
         concurrency_key, 'runnable', position, context, eligible_at, parent_id, unique_key, \
-        unique_scope::status[], correlation_id, $15, $15 \
+        unique_scope::status[], correlation_id, $15, $15, invoked_by \
       FROM input ORDER BY unique_key NULLS LAST, ord \
       ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
       RETURNING id \
@@ -139,6 +139,7 @@ struct Cols {
     eligible_at: Vec<std::time::SystemTime>,
     correlation_id: Vec<Option<String>>,
     parent: Vec<Option<i64>>,
+    invoked_by: Vec<Option<String>>,
     now: Option<std::time::SystemTime>,
 }
 
@@ -162,9 +163,10 @@ impl Cols {
         self.eligible_at.push(ts(row.eligible_at));
         self.correlation_id.push(row.correlation_id);
         self.parent.push(row.parent.map(|p| p.0));
+        self.invoked_by.push(row.invoked_by);
     }
 
-    fn params(&mut self, now: Timestamp) -> [&(dyn tokio_postgres::types::ToSql + Sync); 15] {
+    fn params(&mut self, now: Timestamp) -> [&(dyn tokio_postgres::types::ToSql + Sync); 16] {
         self.now = Some(ts(now));
         [
             &self.namespace,
@@ -182,6 +184,7 @@ impl Cols {
             &self.correlation_id,
             &self.parent,
             &self.now,
+            &self.invoked_by,
         ]
     }
 }

@@ -7,6 +7,7 @@ mod commit;
 mod insert;
 mod lease;
 mod signal;
+mod timer;
 
 use crate::PgStore;
 use crate::TRANSACTION_RETRIES;
@@ -15,13 +16,14 @@ use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, SignalTarget};
 use keel_core::ports::store::{
-    CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt, DeadLetterFilter,
-    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
-    InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams, LeaseReapParams,
-    LeaseReleaseParams, QueuePauseParams, QueueState, SignalDeliverParams, Store,
-    StoreCapabilities,
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
-use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult};
+use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
 
 /// A pooled connection that may be inside a transaction. Dropped mid-transaction (an
 /// error path or a cancelled future), it is detached from the pool and closed, so the
@@ -194,8 +196,16 @@ impl Store for PgStore {
         in_tx!(self, |c| signal::run(c, &params.signals, params.now, &self.channel))
     }
 
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        signal::validate_broadcast(&params)?;
+        in_tx!(self, |c| signal::broadcast(c, &params, &self.channel))
+    }
+
     async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
-        in_tx!(self, |c| admin::cancel(c, &params))
+        in_tx!(self, |c| admin::cancel(c, &params, &self.channel))
     }
 
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
@@ -242,5 +252,32 @@ impl Store for PgStore {
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
         let conn = self.client().await?;
         admin::queue_list(&conn, &namespace).await.map_err(StoreError::from)
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        let conn = self.client().await?;
+        timer::queue_stats(&conn, namespace.as_deref(), now).await.map_err(StoreError::from)
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        timer::validate_sweep(&params)?;
+        in_tx!(self, |c| timer::sweep(c, &params, &self.channel))
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        let conn = self.client().await?;
+        timer::status(&conn, namespace.as_deref(), now).await.map_err(StoreError::from)
+    }
+
+    async fn ready_wait(&self) {
+        self.wait_ready().await;
     }
 }

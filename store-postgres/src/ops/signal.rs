@@ -9,7 +9,9 @@ use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{Instance, NewSignal, SignalTarget, check_batch};
 use keel_core::outcome;
-use keel_core::ports::store::{DeliveryOutcome, SignalDeliverParams};
+use keel_core::ports::store::{
+    BroadcastReport, DeliveryOutcome, SignalBroadcastParams, SignalDeliverParams,
+};
 use keel_core::{InstanceId, SignalId, StoreResult, Timestamp, limits};
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -237,4 +239,72 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
     woken?;
     tail?;
     Ok(())
+}
+
+/// The broadcast: lock every matching target (id order, at most `BROADCAST_MAX + 1`), insert
+/// the event for each (the dedup rule per target) only when no more than `BROADCAST_MAX`
+/// matched, wake the targets awaiting it (`outcome::deliver`), and notify once if any woke —
+/// one statement.
+const BROADCAST: &str = "WITH t AS MATERIALIZED ( \
+      SELECT id FROM instances \
+      WHERE namespace = $1 AND machine = $2 AND status NOT IN ('done', 'failed', 'cancelled') \
+        AND ($3::text IS NULL OR position = $3 \
+             OR (left(position, 1) = '[' AND position::jsonb ? $3)) \
+      ORDER BY id LIMIT $4 FOR NO KEY UPDATE \
+    ), n AS (SELECT count(*) AS n FROM t), \
+    ins AS ( \
+      INSERT INTO signals (target_id, name, payload, dedup_key, inserted_at) \
+      SELECT t.id, $5, $6, $7, $8 FROM t, n WHERE n.n < $4 ORDER BY t.id \
+      ON CONFLICT (target_id, dedup_key) DO NOTHING \
+      RETURNING target_id \
+    ), woke AS ( \
+      UPDATE instances i SET status = 'runnable', eligible_at = $8, updated_at = $8 \
+      FROM ins WHERE i.id = ins.target_id AND i.status = 'awaiting_signal' \
+        AND (i.awaits = '*' OR i.awaits = $5) \
+      RETURNING i.id \
+    ) \
+    SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
+      (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)";
+
+/// Checks the event.
+pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSignal> {
+    let probe = NewSignal {
+        target: SignalTarget::Id(InstanceId(0)),
+        name: p.name.clone(),
+        payload: p.payload.clone(),
+        dedup_key: p.dedup_key.clone(),
+    };
+    probe.validate("broadcast")?;
+    Ok(probe)
+}
+
+/// One statement (autocommit).
+pub(crate) async fn broadcast<C: GenericClient + Sync>(
+    c: &C,
+    p: &SignalBroadcastParams,
+    channel: &str,
+) -> OpResult<BroadcastReport> {
+    let stmt = c.prepare_cached(BROADCAST).await?;
+    let cap = limits::BROADCAST_MAX as i64 + 1;
+    let r = c
+        .query_one(
+            &stmt,
+            &[
+                &p.namespace,
+                &p.machine,
+                &p.in_state,
+                &cap,
+                &p.name,
+                &p.payload,
+                &p.dedup_key,
+                &ts(p.now),
+                &channel,
+            ],
+        )
+        .await?;
+    let matched: i64 = r.get(0);
+    if matched >= cap {
+        check_batch("broadcast targets", matched as usize, limits::BROADCAST_MAX)?;
+    }
+    Ok(BroadcastReport { delivered: r.get::<_, i64>(1) as u64, woke: r.get::<_, i64>(2) as u64 })
 }

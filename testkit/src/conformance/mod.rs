@@ -26,6 +26,7 @@
 
 pub mod support;
 
+mod charts;
 mod children;
 mod claims;
 mod dead_letters;
@@ -33,8 +34,10 @@ mod leases;
 mod operations;
 mod outcomes;
 mod signals;
+mod timers;
 mod uniqueness;
 
+pub use charts::*;
 pub use children::*;
 pub use claims::*;
 pub use dead_letters::*;
@@ -42,6 +45,7 @@ pub use leases::*;
 pub use operations::*;
 pub use outcomes::*;
 pub use signals::*;
+pub use timers::*;
 pub use uniqueness::*;
 
 /// The environment variable that turns a missing backend from a skip into a failure.
@@ -103,6 +107,17 @@ macro_rules! __store_contract_list {
             instance_get_and_lookup,
             payload_over_limit_rejected,
             batch_over_limit_rejected,
+            await_with_step_moves_and_parks,
+            spawned_children_report_to_the_parent_inbox,
+            cancelled_child_reports_failure_to_the_parent,
+            broadcast_reaches_instances_in_state,
+            timer_after_fires_once,
+            timer_cancelled_when_state_left,
+            timer_every_counts_from_last_fire,
+            timer_every_max_then_once,
+            timer_concurrent_sweeps_deliver_once,
+            timers_dropped_with_terminal_instances,
+            timer_status_and_queue_stats,
         }
     };
 }

@@ -52,7 +52,7 @@ pub fn next(step: &str, n: i64) -> Outcome {
 
 /// `Await` of `signal` with context `{"n": n}`.
 pub fn await_signal(signal: &str, n: i64) -> Outcome {
-    Outcome::Await { signal: signal.to_owned(), context: ctx(n) }
+    Outcome::Await { signal: signal.to_owned(), context: ctx(n), step: None }
 }
 
 /// `Done` with result `{"ok": true}`.

@@ -1,0 +1,78 @@
+//! `keel-bench`: Keel's benchmarks, normally run through `cargo xtask bench [SCENARIO]`.
+//!
+//! Scenarios (DESIGN §10):
+//! - `steps`: no-op step throughput, draining N instances at worker concurrency 1, 10, 100;
+//! - `chart`: a 3-state chart with one external signal per instance — macrosteps and
+//!   transitions per second, and signal → step-start latency p50 / p99 with the store's
+//!   notifications on and off;
+//! - `timers`: N timers due at the same instant — time until the last one fired, and
+//!   lateness p50 / p99.
+//!
+//! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
+
+mod report;
+mod scenarios;
+mod stores;
+
+use anyhow::Result;
+use clap::{Parser, ValueEnum};
+
+/// Keel benchmarks.
+#[derive(Debug, Parser)]
+#[command(name = "keel-bench", about = "Keel benchmarks: steps, chart, timers")]
+struct Cli {
+    /// Which scenarios to run (default: all).
+    #[arg(value_enum)]
+    scenarios: Vec<Scenario>,
+    /// The store to run against.
+    #[arg(long, value_enum, default_value_t = stores::StoreKind::Memory)]
+    store: stores::StoreKind,
+    /// Instances for `steps` (default 50 000).
+    #[arg(long, default_value_t = 50_000)]
+    instances: usize,
+    /// Instances for `chart` (default 5 000).
+    #[arg(long, default_value_t = 5_000)]
+    chart_instances: usize,
+    /// Timers for `timers` (default 50 000).
+    #[arg(long, default_value_t = 50_000)]
+    timers: usize,
+    /// Where JSON results go.
+    #[arg(long, default_value = "target/bench")]
+    out: std::path::PathBuf,
+}
+
+/// A benchmark scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Scenario {
+    /// No-op step throughput.
+    Steps,
+    /// Chart transitions and signal latency.
+    Chart,
+    /// A burst of due timers.
+    Timers,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let scenarios = if cli.scenarios.is_empty() {
+        vec![Scenario::Steps, Scenario::Chart, Scenario::Timers]
+    } else {
+        cli.scenarios.clone()
+    };
+    std::fs::create_dir_all(&cli.out)?;
+    let store = stores::Factory::new(cli.store).await?;
+    eprintln!("keel-bench: store {} ({})", cli.store.name(), store.describe());
+    for scenario in scenarios {
+        let report = match scenario {
+            Scenario::Steps => scenarios::steps(&store, cli.instances).await?,
+            Scenario::Chart => scenarios::chart(&store, cli.chart_instances).await?,
+            Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
+        };
+        report.print();
+        let path = cli.out.join(format!("{}-{}.json", report.name, cli.store.name()));
+        std::fs::write(&path, serde_json::to_vec_pretty(&report.json(cli.store.name()))?)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}

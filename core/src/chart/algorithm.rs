@@ -1,0 +1,1014 @@
+//! The macrostep: the W3C SCXML algorithm as an explicit, resumable state machine.
+//!
+//! One external event (or the initial entry) becomes a macrostep: select transitions
+//! (innermost active state first, document order, guards on the current context), remove
+//! conflicts, exit children-first, run transition actions, enter parents-first, raise
+//! `done.state.*` events, then run eventless transitions and internal events until stable.
+//!
+//! The core never calls an action. [`Macrostep::poll`] hands out one
+//! [`Next::RunAction`] at a time; the caller runs it (possibly async, with IO) and feeds the
+//! result to [`Macrostep::handle_action_result`]. Transition selection is lazy, so guards see
+//! every change the earlier actions made (SCXML's "current data model").
+//!
+//! ```
+//! use keel_core::chart::{ActionResult, Configuration, Definition, Event, Limits, Macrostep, Next};
+//! let def = Definition::builder("door", 1)
+//!     .initial("closed")
+//!     .state("closed", |s| s.on("OPEN", |t| t.target("open").action("log")))
+//!     .leaf("open")
+//!     .build()
+//!     .unwrap();
+//! let config = Configuration::from_paths(["closed"]);
+//! let mut step = Macrostep::start(&def, &config, serde_json::json!({}), Event::new("OPEN"), Limits::default());
+//! let result = loop {
+//!     match step.poll() {
+//!         Next::RunAction(request) => {
+//!             assert_eq!(request.name, "log");
+//!             step.handle_action_result(Ok(ActionResult::empty()));
+//!         }
+//!         Next::Done(result) => break result,
+//!     }
+//! };
+//! assert!(result.configuration.contains("open"));
+//! ```
+
+use std::collections::{BTreeSet, VecDeque};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::configuration::Configuration;
+use super::context::{ActionResult, ChartContext};
+use super::definition::{
+    DONE_INVOKE, DONE_STATE, Definition, Event, FAIL_STATE, StateKind, TIMEOUT_INVOKE, Trigger,
+};
+use super::parallel::RegionDispatch;
+use super::timer::{TimerArm, TimerCancel, TimerKind};
+
+/// Bounds on one macrostep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// How many microsteps may follow the external event (eventless transitions plus internal
+    /// events processed) before [`MacrostepError::MaxTransitionDepthExceeded`]. Default 100.
+    pub max_transition_depth: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_transition_depth: 100 }
+    }
+}
+
+/// Where an action comes from, which decides its place in the microstep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionPhase {
+    /// An exit action of `state`.
+    Exit,
+    /// An action of a transition whose source is `state`.
+    Transition,
+    /// An entry action of `state`.
+    Entry,
+}
+
+/// An action the caller must run now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActionRequest {
+    /// The action's name in the definition.
+    pub name: String,
+    /// The event being processed (SCXML `_event`).
+    pub event: Event,
+    /// The state that owns the action (for transition actions: the source).
+    pub state: String,
+    /// Exit, transition or entry.
+    pub phase: ActionPhase,
+}
+
+/// An action failed; the macrostep stops with [`MacrostepError::Action`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ActionError {
+    /// What went wrong.
+    pub message: String,
+    /// Whether running the macrostep again may succeed (timeouts, connection errors, rate
+    /// limits) or not (validation, business failure, auth). Defaults to `true`.
+    #[serde(default = "retryable_default")]
+    pub retryable: bool,
+}
+
+fn retryable_default() -> bool {
+    true
+}
+
+impl From<String> for ActionError {
+    fn from(message: String) -> Self {
+        Self::new(message)
+    }
+}
+
+impl From<&str> for ActionError {
+    fn from(message: &str) -> Self {
+        Self::new(message)
+    }
+}
+
+impl From<serde_json::Error> for ActionError {
+    fn from(e: serde_json::Error) -> Self {
+        Self::new(e.to_string())
+    }
+}
+
+impl ActionError {
+    /// A retryable action error.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self { message: message.into(), retryable: true }
+    }
+
+    /// An action error that retrying cannot fix (validation, business failure, auth).
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self { message: message.into(), retryable: false }
+    }
+}
+
+/// Why a macrostep stopped without a result to commit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MacrostepError {
+    /// Eventless transitions or raised events did not settle within the bound.
+    #[error(
+        "MaxTransitionDepthExceeded: more than {limit} microsteps after one event (last from state `{state}` on `{event}`); fix: break the @always/raise loop or raise Limits::max_transition_depth"
+    )]
+    MaxTransitionDepthExceeded {
+        /// The configured bound.
+        limit: usize,
+        /// A state active when the bound was hit.
+        state: String,
+        /// The event being processed when the bound was hit.
+        event: String,
+    },
+    /// An action returned an error; the caller decides whether to retry the macrostep.
+    #[error("action `{action}` of state `{state}` failed: {message}")]
+    Action {
+        /// The action name.
+        action: String,
+        /// The owning state.
+        state: String,
+        /// The action's error message.
+        message: String,
+        /// Whether the action said a retry may succeed.
+        retryable: bool,
+    },
+    /// The configuration given to [`Macrostep::start`] does not fit the definition.
+    #[error(
+        "the stored configuration does not fit definition `{definition}`: {reason}; fix: migrate the instance to this version"
+    )]
+    IllegalConfiguration {
+        /// Definition name and version.
+        definition: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The context is not a JSON object (`null` counts as an empty object).
+    #[error(
+        "the context must be a JSON object, got `{found}`; fix: wrap the value in a struct or map"
+    )]
+    ContextNotObject {
+        /// The JSON type found.
+        found: String,
+    },
+}
+
+impl MacrostepError {
+    /// Whether running the same macrostep again may succeed: only retryable action errors.
+    /// The other errors are deterministic (same definition, configuration, context and event
+    /// give the same error), so retrying them only burns attempts.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Action { retryable: true, .. })
+    }
+}
+
+/// One entry of the history a macrostep records, in the order things happened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// An event was taken for processing (`internal`: raised or `done.state`).
+    Event {
+        /// Event name.
+        name: String,
+        /// Whether it came from the internal queue.
+        internal: bool,
+    },
+    /// No transition was enabled for the event.
+    Unhandled {
+        /// Event name.
+        name: String,
+    },
+    /// A transition was selected.
+    Transition {
+        /// Source state path.
+        source: String,
+        /// Event name (`None`: eventless `@always`).
+        event: Option<String>,
+        /// Target state path (`None`: targetless).
+        target: Option<String>,
+    },
+    /// A state was exited.
+    Exit {
+        /// State path.
+        state: String,
+    },
+    /// A state was entered.
+    Enter {
+        /// State path.
+        state: String,
+    },
+    /// An action was run.
+    Action {
+        /// Action name.
+        name: String,
+        /// Owning state path.
+        state: String,
+    },
+}
+
+impl fmt::Display for Record {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Event { name, internal: false } => write!(f, "event {name}"),
+            Self::Event { name, internal: true } => write!(f, "internal {name}"),
+            Self::Unhandled { name } => write!(f, "unhandled {name}"),
+            Self::Transition { source, event, target } => {
+                write!(f, "transition {source}")?;
+                if let Some(target) = target {
+                    write!(f, " -> {target}")?;
+                }
+                write!(f, " on {}", event.as_deref().unwrap_or("@always"))
+            }
+            Self::Exit { state } => write!(f, "exit {state}"),
+            Self::Enter { state } => write!(f, "enter {state}"),
+            Self::Action { name, .. } => write!(f, "action {name}"),
+        }
+    }
+}
+
+/// A child machine the runtime must start because its delegation state became active.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChildStart {
+    /// The delegation state's path.
+    pub state: String,
+    /// The child machine's definition name.
+    pub machine: String,
+}
+
+/// Everything one macrostep did. On error the configuration and context are the ones the
+/// macrostep started from: commit nothing, the caller decides whether to retry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MacrostepResult {
+    /// The configuration after the macrostep.
+    pub configuration: Configuration,
+    /// The context after the macrostep.
+    pub context: Value,
+    /// Top-level context keys changed by actions, sorted.
+    pub changed_keys: Vec<String>,
+    /// The history, in order.
+    pub records: Vec<Record>,
+    /// Internal events (raised by actions or `done.state.*`), in the order they were queued.
+    pub internal_events: Vec<Event>,
+    /// The external event enabled no transition (the configuration is unchanged).
+    pub unhandled: bool,
+    /// Timers of states that became active.
+    pub timers_to_arm: Vec<TimerArm>,
+    /// Timers of states that are no longer active.
+    pub timers_to_cancel: Vec<TimerCancel>,
+    /// Child machines of delegation states that became active.
+    pub children_to_start: Vec<ChildStart>,
+    /// Delegation states (paths) that are no longer active: cancel their child machines.
+    pub children_to_cancel: Vec<String>,
+    /// A top-level final state is active: the instance is complete.
+    pub is_final: bool,
+    /// With [`Macrostep::dispatch_regions`]: regions of a newly entered parallel state whose
+    /// entry actions were *not* run, for the runtime to run elsewhere (DESIGN §4.4). Only
+    /// regions still at the states they entered when the macrostep ended are listed.
+    #[serde(default)]
+    pub regions_to_dispatch: Vec<RegionDispatch>,
+    /// Why the macrostep stopped early, if it did.
+    pub error: Option<MacrostepError>,
+}
+
+impl MacrostepResult {
+    /// States exited, in order.
+    pub fn exited(&self) -> Vec<&str> {
+        self.records
+            .iter()
+            .filter_map(
+                |r| {
+                    if let Record::Exit { state } = r { Some(state.as_str()) } else { None }
+                },
+            )
+            .collect()
+    }
+
+    /// States entered, in order.
+    pub fn entered(&self) -> Vec<&str> {
+        self.records
+            .iter()
+            .filter_map(
+                |r| {
+                    if let Record::Enter { state } = r { Some(state.as_str()) } else { None }
+                },
+            )
+            .collect()
+    }
+
+    /// Actions run, in order.
+    pub fn actions(&self) -> Vec<&str> {
+        self.records
+            .iter()
+            .filter_map(|r| {
+                if let Record::Action { name, .. } = r { Some(name.as_str()) } else { None }
+            })
+            .collect()
+    }
+
+    /// Transitions fired, in order, as history records.
+    pub fn transitions(&self) -> Vec<&Record> {
+        self.records.iter().filter(|r| matches!(r, Record::Transition { .. })).collect()
+    }
+}
+
+/// What the caller must do next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    /// Run this action against [`Macrostep::context`] and call
+    /// [`Macrostep::handle_action_result`]. Polling again before that returns the same request.
+    RunAction(ActionRequest),
+    /// The macrostep is over.
+    Done(Box<MacrostepResult>),
+}
+
+#[derive(Debug)]
+enum Op {
+    Record(Record),
+    Action(ActionRequest),
+    Raise(Event),
+}
+
+/// One macrostep in progress. See the module docs for the driving loop.
+#[derive(Debug)]
+pub struct Macrostep<'d> {
+    def: &'d Definition,
+    limits: Limits,
+    start_ids: BTreeSet<usize>,
+    start_context: Value,
+    config: BTreeSet<usize>,
+    context: ChartContext,
+    init_pending: bool,
+    external: Option<Event>,
+    current: Event,
+    internal: VecDeque<Event>,
+    ops: VecDeque<Op>,
+    pending: Option<ActionRequest>,
+    running: bool,
+    depth: usize,
+    records: Vec<Record>,
+    internal_events: Vec<Event>,
+    unhandled: bool,
+    done: Option<Box<MacrostepResult>>,
+    dispatch: bool,
+    skip_entry: BTreeSet<usize>,
+    dispatches: Vec<(usize, usize, Vec<usize>, Event)>,
+}
+
+impl<'d> Macrostep<'d> {
+    /// Processes one external `event` from a stored `configuration`.
+    pub fn start(
+        def: &'d Definition,
+        configuration: &Configuration,
+        context: Value,
+        event: Event,
+        limits: Limits,
+    ) -> Self {
+        let (context, context_error) = object_context(context);
+        let mut step = Self::blank(def, context, limits);
+        let checked = configuration.check(def).and_then(|()| configuration.to_ids(def));
+        match checked {
+            Ok(ids) => {
+                step.running = !configuration.is_final(def);
+                step.start_ids.clone_from(&ids);
+                step.config = ids;
+                step.external = Some(event);
+            }
+            Err(reason) => {
+                let definition = format!("{} v{}", def.name, def.version);
+                step.finish(Some(MacrostepError::IllegalConfiguration { definition, reason }));
+                return step;
+            }
+        }
+        if let Some(e) = context_error {
+            step.finish(Some(e));
+        }
+        step
+    }
+
+    /// Enters the initial states of a new instance (entry actions included) and settles.
+    pub fn init(def: &'d Definition, context: Value, limits: Limits) -> Self {
+        let (context, context_error) = object_context(context);
+        let mut step = Self::blank(def, context, limits);
+        match context_error {
+            Some(e) => step.finish(Some(e)),
+            None => step.init_pending = true,
+        }
+        step
+    }
+
+    fn blank(def: &'d Definition, context: Value, limits: Limits) -> Self {
+        Self {
+            def,
+            limits,
+            start_ids: BTreeSet::from([0]),
+            context: ChartContext::new(context.clone()),
+            start_context: context,
+            config: BTreeSet::from([0]),
+            init_pending: false,
+            external: None,
+            current: Event::new("@init"),
+            internal: VecDeque::new(),
+            ops: VecDeque::new(),
+            pending: None,
+            running: true,
+            depth: 0,
+            records: Vec::new(),
+            internal_events: Vec::new(),
+            unhandled: false,
+            done: None,
+            dispatch: false,
+            skip_entry: BTreeSet::new(),
+            dispatches: Vec::new(),
+        }
+    }
+
+    /// Processes `events` as internal events (in order) from a stored `configuration`,
+    /// without an external event: eventless transitions first, then each event as its own
+    /// microstep. This is how the raised events of a dispatched region are applied.
+    pub fn resume(
+        def: &'d Definition,
+        configuration: &Configuration,
+        context: Value,
+        events: Vec<Event>,
+        limits: Limits,
+    ) -> Self {
+        let mut step = Self::start(def, configuration, context, Event::new("@resume"), limits);
+        if step.done.is_none() {
+            step.external = None;
+            step.internal.extend(events);
+        }
+        step
+    }
+
+    /// Parallel dispatch (DESIGN §4.4): when this macrostep enters a parallel state of which
+    /// at least two regions have entry actions, those regions' entry actions are not run
+    /// here; they are reported in [`MacrostepResult::regions_to_dispatch`] instead. The
+    /// states are entered (and their timers armed) as usual.
+    #[must_use]
+    pub fn dispatch_regions(mut self, on: bool) -> Self {
+        self.dispatch = on;
+        self
+    }
+
+    /// The context as it is now: give a copy to the action being run.
+    pub fn context(&self) -> &ChartContext {
+        &self.context
+    }
+
+    /// The next thing to do.
+    pub fn poll(&mut self) -> Next {
+        loop {
+            if let Some(done) = &self.done {
+                return Next::Done(done.clone());
+            }
+            if let Some(request) = &self.pending {
+                return Next::RunAction(request.clone());
+            }
+            match self.ops.pop_front() {
+                Some(Op::Record(r)) => self.records.push(r),
+                Some(Op::Raise(e)) => {
+                    self.internal_events.push(e.clone());
+                    self.internal.push_back(e);
+                }
+                Some(Op::Action(request)) => {
+                    self.records.push(Record::Action {
+                        name: request.name.clone(),
+                        state: request.state.clone(),
+                    });
+                    self.pending = Some(request.clone());
+                    return Next::RunAction(request);
+                }
+                None => match self.next_microstep() {
+                    Ok(true) => {}
+                    Ok(false) => self.finish(None),
+                    Err(e) => self.finish(Some(e)),
+                },
+            }
+        }
+    }
+
+    /// Feeds the result of the action last returned by [`poll`](Self::poll). A result with no
+    /// action pending is ignored.
+    pub fn handle_action_result(&mut self, result: Result<ActionResult, ActionError>) {
+        let Some(request) = self.pending.take() else {
+            return;
+        };
+        match result {
+            Ok(result) => {
+                self.context.apply(&result);
+                for e in result.raised {
+                    self.internal_events.push(e.clone());
+                    self.internal.push_back(e);
+                }
+            }
+            Err(e) => {
+                self.finish(Some(MacrostepError::Action {
+                    action: request.name,
+                    state: request.state,
+                    message: e.message,
+                    retryable: e.retryable,
+                }));
+            }
+        }
+    }
+
+    /// Plans the next microstep; `Ok(false)` when the configuration is stable.
+    fn next_microstep(&mut self) -> Result<bool, MacrostepError> {
+        if self.init_pending {
+            self.init_pending = false;
+            let mut set = BTreeSet::new();
+            self.add_descendants(0, &mut set);
+            set.remove(&0);
+            self.enter(&set);
+            return Ok(true);
+        }
+        if !self.running {
+            if let Some(e) = self.external.take() {
+                self.unhandle(e);
+            }
+            return Ok(false);
+        }
+        if let Some(event) = self.external.take() {
+            self.records.push(Record::Event { name: event.name.clone(), internal: false });
+            self.current = event;
+            let selected = self.select(true);
+            if selected.is_empty() {
+                let e = self.current.clone();
+                self.unhandle(e);
+            } else {
+                self.microstep(&selected);
+            }
+            return Ok(true);
+        }
+        let selected = self.select(false);
+        if !selected.is_empty() {
+            self.count_depth()?;
+            self.microstep(&selected);
+            return Ok(true);
+        }
+        if let Some(event) = self.internal.pop_front() {
+            self.count_depth()?;
+            self.records.push(Record::Event { name: event.name.clone(), internal: true });
+            self.current = event;
+            let selected = self.select(true);
+            self.microstep(&selected);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn unhandle(&mut self, event: Event) {
+        self.unhandled = true;
+        self.records.push(Record::Unhandled { name: event.name });
+    }
+
+    fn count_depth(&mut self) -> Result<(), MacrostepError> {
+        self.depth += 1;
+        if self.depth > self.limits.max_transition_depth {
+            let leaf = self
+                .config
+                .iter()
+                .rev()
+                .find(|&&s| self.def.states[s].children.is_empty())
+                .copied()
+                .unwrap_or(0);
+            return Err(MacrostepError::MaxTransitionDepthExceeded {
+                limit: self.limits.max_transition_depth,
+                state: self.def.path(leaf).to_owned(),
+                event: self.current.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn matches(&self, source: usize, trigger: &Trigger, with_event: bool) -> bool {
+        let name = &self.current.name;
+        let path = self.def.path(source);
+        match trigger {
+            Trigger::Always => !with_event,
+            _ if !with_event => false,
+            Trigger::Event(e) => e == name,
+            Trigger::Done => {
+                name.strip_prefix(DONE_STATE).or_else(|| name.strip_prefix(DONE_INVOKE))
+                    == Some(path)
+            }
+            Trigger::Fail => name.strip_prefix(FAIL_STATE).is_some_and(|rest| {
+                rest == path || rest.strip_prefix(path).is_some_and(|r| r.starts_with('.'))
+            }),
+            Trigger::Timeout => name.strip_prefix(TIMEOUT_INVOKE) == Some(path),
+        }
+    }
+
+    /// SCXML `selectTransitions` / `selectEventlessTransitions`.
+    fn select(&self, with_event: bool) -> Vec<usize> {
+        let mut enabled: Vec<usize> = Vec::new();
+        let atomic =
+            self.config.iter().copied().filter(|&s| self.def.states[s].children.is_empty());
+        for leaf in atomic {
+            let mut state = Some(leaf);
+            'states: while let Some(s) = state {
+                for &t in &self.def.states[s].transitions {
+                    let tr = &self.def.transitions[t];
+                    if self.matches(s, &tr.trigger, with_event)
+                        && tr
+                            .guards
+                            .iter()
+                            .all(|g| self.def.evaluate_guard(g, &self.context, &self.current))
+                    {
+                        if !enabled.contains(&t) {
+                            enabled.push(t);
+                        }
+                        break 'states;
+                    }
+                }
+                state = self.def.parent(s);
+            }
+        }
+        self.remove_conflicts(enabled)
+    }
+
+    fn remove_conflicts(&self, enabled: Vec<usize>) -> Vec<usize> {
+        let mut filtered: Vec<usize> = Vec::new();
+        for t1 in enabled {
+            let exit1 = self.exit_set(&[t1]);
+            let mut preempted = false;
+            let mut remove = Vec::new();
+            for &t2 in &filtered {
+                if !exit1.is_disjoint(&self.exit_set(&[t2])) {
+                    if self.def.is_descendant(
+                        self.def.transitions[t1].source,
+                        self.def.transitions[t2].source,
+                    ) {
+                        remove.push(t2);
+                    } else {
+                        preempted = true;
+                        break;
+                    }
+                }
+            }
+            if !preempted {
+                filtered.retain(|t| !remove.contains(t));
+                filtered.push(t1);
+            }
+        }
+        filtered
+    }
+
+    fn exit_set(&self, transitions: &[usize]) -> BTreeSet<usize> {
+        let mut set = BTreeSet::new();
+        for &t in transitions {
+            if let Some(domain) = self.domain(t) {
+                set.extend(
+                    self.config.iter().copied().filter(|&s| self.def.is_descendant(s, domain)),
+                );
+            }
+        }
+        set
+    }
+
+    /// SCXML `getTransitionDomain`.
+    fn domain(&self, t: usize) -> Option<usize> {
+        let tr = &self.def.transitions[t];
+        let target = tr.target?;
+        if tr.internal
+            && self.def.kind(tr.source) == StateKind::Compound
+            && self.def.is_descendant(target, tr.source)
+        {
+            return Some(tr.source);
+        }
+        Some(self.lcca(tr.source, target))
+    }
+
+    /// SCXML `findLCCA` for two states: the innermost compound proper ancestor of `a` that
+    /// contains `b` (the root always qualifies).
+    fn lcca(&self, a: usize, b: usize) -> usize {
+        let mut anc = self.def.parent(a);
+        while let Some(s) = anc {
+            if (s == 0 || self.def.kind(s) == StateKind::Compound) && self.def.is_descendant(b, s) {
+                return s;
+            }
+            anc = self.def.parent(s);
+        }
+        0
+    }
+
+    fn microstep(&mut self, transitions: &[usize]) {
+        for &t in transitions {
+            let tr = &self.def.transitions[t];
+            let event =
+                if tr.trigger == Trigger::Always { None } else { Some(self.current.name.clone()) };
+            self.ops.push_back(Op::Record(Record::Transition {
+                source: self.def.path(tr.source).to_owned(),
+                event,
+                target: tr.target.map(|s| self.def.path(s).to_owned()),
+            }));
+        }
+        let exits = self.exit_set(transitions);
+        for &s in exits.iter().rev() {
+            let node = &self.def.states[s];
+            self.ops.push_back(Op::Record(Record::Exit { state: node.path.clone() }));
+            for a in &node.exit {
+                self.ops.push_back(self.action(a, s, ActionPhase::Exit));
+            }
+            self.config.remove(&s);
+        }
+        for &t in transitions {
+            let tr = &self.def.transitions[t];
+            for a in &tr.actions {
+                self.ops.push_back(self.action(a, tr.source, ActionPhase::Transition));
+            }
+        }
+        let mut set = BTreeSet::new();
+        for &t in transitions {
+            if let Some(target) = self.def.transitions[t].target {
+                self.add_descendants(target, &mut set);
+                let domain = self.domain(t);
+                self.add_ancestors(target, domain, &mut set);
+            }
+        }
+        self.enter(&set);
+    }
+
+    fn action(&self, name: &str, state: usize, phase: ActionPhase) -> Op {
+        Op::Action(ActionRequest {
+            name: name.to_owned(),
+            event: self.current.clone(),
+            state: self.def.path(state).to_owned(),
+            phase,
+        })
+    }
+
+    /// SCXML `enterStates` (without history and donedata): parents first, `done.state.*`
+    /// queued right after the final state's entry actions.
+    fn enter(&mut self, set: &BTreeSet<usize>) {
+        for &s in set {
+            if s == 0 || !self.config.insert(s) {
+                continue;
+            }
+            if self.dispatch && self.def.kind(s) == StateKind::Parallel {
+                self.plan_dispatch(s, set);
+            }
+            let node = &self.def.states[s];
+            self.ops.push_back(Op::Record(Record::Enter { state: node.path.clone() }));
+            if !self.skip_entry.remove(&s) {
+                for a in &node.entry {
+                    self.ops.push_back(self.action(a, s, ActionPhase::Entry));
+                }
+            }
+            if node.kind != StateKind::Final {
+                continue;
+            }
+            let parent = node.parent.unwrap_or(0);
+            if parent == 0 {
+                self.running = false;
+                continue;
+            }
+            self.ops.push_back(Op::Raise(Event::done_state(self.def.path(parent))));
+            if let Some(grand) = self.def.parent(parent)
+                && self.def.kind(grand) == StateKind::Parallel
+                && self.def.states[grand].children.iter().all(|&c| self.in_final_state(c))
+            {
+                self.ops.push_back(Op::Raise(Event::done_state(self.def.path(grand))));
+            }
+        }
+    }
+
+    /// Marks the regions of parallel state `p` whose states in `set` have entry actions for
+    /// dispatch, when there are at least two of them (one region gains nothing).
+    fn plan_dispatch(&mut self, p: usize, set: &BTreeSet<usize>) {
+        let regions: Vec<(usize, Vec<usize>)> = self.def.states[p]
+            .children
+            .iter()
+            .map(|&r| {
+                let entered: Vec<usize> = set
+                    .iter()
+                    .copied()
+                    .filter(|&x| {
+                        (x == r || self.def.is_descendant(x, r)) && !self.config.contains(&x)
+                    })
+                    .collect();
+                (r, entered)
+            })
+            .filter(|(_, entered)| entered.iter().any(|&x| !self.def.states[x].entry.is_empty()))
+            .collect();
+        if regions.len() < 2 {
+            return;
+        }
+        for (region, entered) in regions {
+            self.skip_entry.extend(entered.iter().copied());
+            self.dispatches.push((p, region, entered, self.current.clone()));
+        }
+    }
+
+    /// The planned dispatches whose region is still exactly where it was entered.
+    fn regions_to_dispatch(&self) -> Vec<RegionDispatch> {
+        self.dispatches
+            .iter()
+            .filter(|(p, _, entered, _)| {
+                self.config.contains(p) && entered.iter().all(|x| self.config.contains(x))
+            })
+            .map(|(p, r, entered, event)| RegionDispatch {
+                parallel_state: self.def.path(*p).to_owned(),
+                region: self.def.path(*r).to_owned(),
+                entered: entered.iter().map(|&x| self.def.path(x).to_owned()).collect(),
+                event: event.clone(),
+            })
+            .collect()
+    }
+
+    fn in_final_state(&self, s: usize) -> bool {
+        let node = &self.def.states[s];
+        match node.kind {
+            StateKind::Compound => node
+                .children
+                .iter()
+                .any(|&c| self.def.kind(c) == StateKind::Final && self.config.contains(&c)),
+            StateKind::Parallel => node.children.iter().all(|&c| self.in_final_state(c)),
+            _ => false,
+        }
+    }
+
+    fn add_descendants(&self, s: usize, set: &mut BTreeSet<usize>) {
+        set.insert(s);
+        let node = &self.def.states[s];
+        match node.kind {
+            StateKind::Compound => {
+                if let Some(initial) = node.initial {
+                    self.add_descendants(initial, set);
+                }
+            }
+            StateKind::Parallel => {
+                for &child in &node.children {
+                    if !set.iter().any(|&x| self.def.is_descendant(x, child)) {
+                        self.add_descendants(child, set);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn add_ancestors(&self, s: usize, upto: Option<usize>, set: &mut BTreeSet<usize>) {
+        let mut anc = self.def.parent(s);
+        while let Some(a) = anc {
+            if Some(a) == upto {
+                break;
+            }
+            set.insert(a);
+            if self.def.kind(a) == StateKind::Parallel {
+                for &child in &self.def.states[a].children {
+                    if !set.iter().any(|&x| x == child || self.def.is_descendant(x, child)) {
+                        self.add_descendants(child, set);
+                    }
+                }
+            }
+            anc = self.def.parent(a);
+        }
+    }
+
+    fn finish(&mut self, error: Option<MacrostepError>) {
+        self.pending = None;
+        let result = if let Some(error) = error {
+            let configuration = Configuration::from_ids(self.def, &self.start_ids);
+            MacrostepResult {
+                is_final: configuration.is_final(self.def),
+                configuration,
+                context: self.start_context.clone(),
+                changed_keys: Vec::new(),
+                records: std::mem::take(&mut self.records),
+                internal_events: std::mem::take(&mut self.internal_events),
+                unhandled: false,
+                timers_to_arm: Vec::new(),
+                timers_to_cancel: Vec::new(),
+                children_to_start: Vec::new(),
+                children_to_cancel: Vec::new(),
+                regions_to_dispatch: Vec::new(),
+                error: Some(error),
+            }
+        } else {
+            let configuration = Configuration::from_ids(self.def, &self.config);
+            let (timers_to_arm, timers_to_cancel, children_to_start, children_to_cancel) =
+                self.effects();
+            MacrostepResult {
+                is_final: configuration.is_final(self.def),
+                configuration,
+                context: self.context.to_value(),
+                changed_keys: self.context.changed_keys().map(str::to_owned).collect(),
+                records: std::mem::take(&mut self.records),
+                internal_events: std::mem::take(&mut self.internal_events),
+                unhandled: self.unhandled,
+                timers_to_arm,
+                timers_to_cancel,
+                children_to_start,
+                children_to_cancel,
+                regions_to_dispatch: self.regions_to_dispatch(),
+                error: None,
+            }
+        };
+        self.done = Some(Box::new(result));
+    }
+
+    /// Timers and children follow the net change of the configuration: a state exited and
+    /// re-entered in one macrostep (a self-loop) keeps its timers' original anchor (DESIGN §6).
+    fn effects(&self) -> (Vec<TimerArm>, Vec<TimerCancel>, Vec<ChildStart>, Vec<String>) {
+        let (mut arm, mut cancel, mut start, mut stop) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for &s in self.config.difference(&self.start_ids) {
+            let node = &self.def.states[s];
+            for t in &node.on {
+                if let Some(spec) = &t.timer {
+                    arm.push(TimerArm {
+                        state: node.path.clone(),
+                        event: t.event.clone(),
+                        kind: spec.kind,
+                        interval: spec.timer.duration().unwrap_or_default(),
+                        max: spec.max,
+                        then: spec.then.clone(),
+                    });
+                }
+            }
+            if let Some(d) = &node.delegation {
+                start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
+                if let Some(timeout) = d.timeout {
+                    arm.push(TimerArm {
+                        state: node.path.clone(),
+                        event: Event::timeout_invoke(&node.path).name,
+                        kind: TimerKind::After,
+                        interval: timeout.duration().unwrap_or_default(),
+                        max: None,
+                        then: None,
+                    });
+                }
+            }
+        }
+        for &s in self.start_ids.difference(&self.config) {
+            let node = &self.def.states[s];
+            let timed = node.on.iter().any(|t| t.timer.is_some())
+                || node.delegation.as_ref().is_some_and(|d| d.timeout.is_some());
+            if timed {
+                cancel.push(TimerCancel { state: node.path.clone() });
+            }
+            if node.delegation.is_some() {
+                stop.push(node.path.clone());
+            }
+        }
+        (arm, cancel, start, stop)
+    }
+}
+
+/// The context as an object (`null` becomes `{}`), or the error for any other JSON type.
+fn object_context(context: Value) -> (Value, Option<MacrostepError>) {
+    let found = match &context {
+        Value::Null => return (Value::Object(serde_json::Map::new()), None),
+        Value::Object(_) => return (context, None),
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+    };
+    let error = MacrostepError::ContextNotObject { found: found.to_owned() };
+    (context, Some(error))
+}
+
+/// Runs a macrostep to completion with a synchronous action runner: handy for tests and for
+/// charts whose actions are pure. `run(request, context)` returns the action's result.
+pub fn run_to_completion(
+    mut step: Macrostep<'_>,
+    mut run: impl FnMut(&ActionRequest, &ChartContext) -> Result<ActionResult, ActionError>,
+) -> MacrostepResult {
+    loop {
+        match step.poll() {
+            Next::RunAction(request) => {
+                let result = run(&request, step.context());
+                step.handle_action_result(result);
+            }
+            Next::Done(result) => return *result,
+        }
+    }
+}

@@ -1,0 +1,752 @@
+//! Parallel dispatch, the pure half (DESIGN §4.4–4.5; seed 000 "Parallel Dispatch").
+//!
+//! With [`Macrostep::dispatch_regions`] on, entering a parallel state whose regions (two or
+//! more) have entry actions reports them as [`RegionDispatch`]es instead of running them.
+//! The runtime then:
+//!
+//! 1. records the dispatch in the instance's [`ParallelBook`] (one [`DispatchRecord`] per
+//!    parallel state, with a dispatch number so that results of an earlier visit of the
+//!    same state are recognised) and starts one region task per [`RegionTask`];
+//! 2. in the task: [`check`] against the parent's state without any lock (a failed check
+//!    is a silent no-op), then [`RegionRun`] runs the region's entry actions on the
+//!    snapshot and yields a [`RegionReport::Completed`] (context diff + raised events);
+//!    a task that runs out of tries yields a [`RegionReport::Failed`];
+//! 3. in the parent's normal one-event-at-a-time processing: [`apply_report`] guards
+//!    against fresh state, merges the diff (last writer wins, conflicts recorded) and hands
+//!    back a macrostep for the raised events (or the `@fail` event); after running it,
+//!    [`finish_report`] records `PARALLEL_REGION_ENTER`, `PARALLEL_REGION_STALLED` and
+//!    `PARALLEL_DONE`;
+//! 4. [`timeout`] turns a due region-timeout timer into `PARALLEL_REGION_TIMEOUT` + `@fail`.
+//!
+//! Everything here is deterministic: the same inputs give the same records, so the
+//! in-memory `TestMachine` and the durable runtime share it.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+
+use super::algorithm::{ActionError, ActionPhase, ActionRequest, Limits, Macrostep};
+use super::configuration::Configuration;
+use super::context::{ActionResult, ChartContext};
+use super::definition::{Definition, Event, StateKind};
+use crate::context::{self, ContextDiff};
+use crate::instance::HistoryEntry;
+
+/// History kind: a region's result was applied.
+pub const PARALLEL_REGION_ENTER: &str = "PARALLEL_REGION_ENTER";
+/// History kind: a region's result was discarded by the under-lock guard.
+pub const PARALLEL_REGION_GUARD_ABORT: &str = "PARALLEL_REGION_GUARD_ABORT";
+/// History kind: a region overwrote keys a sibling had changed since dispatch.
+pub const PARALLEL_CONTEXT_CONFLICT: &str = "PARALLEL_CONTEXT_CONFLICT";
+/// History kind: a region's entry work finished but the region did not advance.
+pub const PARALLEL_REGION_STALLED: &str = "PARALLEL_REGION_STALLED";
+/// History kind: the region timeout passed with regions unfinished.
+pub const PARALLEL_REGION_TIMEOUT: &str = "PARALLEL_REGION_TIMEOUT";
+/// History kind: every region is final and `@done` fired.
+pub const PARALLEL_DONE: &str = "PARALLEL_DONE";
+/// History kind: a region task ran out of tries.
+pub const PARALLEL_FAIL: &str = "PARALLEL_FAIL";
+/// History kind: region tasks were started (the durable form of the `dispatched` flag).
+pub const PARALLEL_DISPATCH: &str = "PARALLEL_DISPATCH";
+
+/// The reserved top-level context key the runtime keeps the [`ParallelBook`] under. Actions
+/// and guards never see it; results never contain it.
+pub const BOOK_KEY: &str = "@parallel";
+
+/// A region whose entry actions the macrostep left for the runtime to run elsewhere.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionDispatch {
+    /// The parallel state's path.
+    pub parallel_state: String,
+    /// The region's path (a child of `parallel_state`).
+    pub region: String,
+    /// The region's states entered, in entry order (the region first, its leaf last); this
+    /// is "the region at its initial state".
+    pub entered: Vec<String>,
+    /// The event whose processing entered the parallel state (what the actions see).
+    pub event: Event,
+}
+
+impl RegionDispatch {
+    /// The entry actions to run, in order.
+    pub fn actions(&self, def: &Definition) -> Vec<ActionRequest> {
+        self.entered
+            .iter()
+            .filter_map(|path| def.state(path))
+            .flat_map(|node| {
+                node.entry.iter().map(|name| ActionRequest {
+                    name: name.clone(),
+                    event: self.event.clone(),
+                    state: node.path.clone(),
+                    phase: ActionPhase::Entry,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Which visit of which region a task or report belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionKey {
+    /// The dispatch number ([`DispatchRecord::dispatch`]).
+    pub dispatch: u64,
+    /// The parallel state's path.
+    pub parallel_state: String,
+    /// The region's path.
+    pub region: String,
+    /// The region's states as entered.
+    pub entered: Vec<String>,
+}
+
+/// What a region task carries: which region to enter, and the context snapshot at dispatch
+/// (also the baseline conflicts are detected against).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegionTask {
+    /// The region.
+    pub key: RegionKey,
+    /// The event that entered the parallel state.
+    pub event: Event,
+    /// The context at dispatch (without the book).
+    pub snapshot: Value,
+}
+
+impl RegionTask {
+    /// The region's entry actions, in order.
+    pub fn actions(&self, def: &Definition) -> Vec<ActionRequest> {
+        RegionDispatch {
+            parallel_state: self.key.parallel_state.clone(),
+            region: self.key.region.clone(),
+            entered: self.key.entered.clone(),
+            event: self.event.clone(),
+        }
+        .actions(def)
+    }
+}
+
+/// What a region task reports to its parent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum RegionReport {
+    /// The entry actions ran.
+    Completed {
+        /// The region.
+        key: RegionKey,
+        /// What they changed, against the snapshot.
+        diff: ContextDiff,
+        /// The snapshot's values of the keys in `diff` (absent = absent at dispatch).
+        baseline: Map<String, Value>,
+        /// The events they raised, in order.
+        raised: Vec<Event>,
+    },
+    /// The task ran out of tries (or failed permanently).
+    Failed {
+        /// The region.
+        key: RegionKey,
+        /// The last error message.
+        error: String,
+        /// The error's kind: `ActionError`, `Timeout`, `Panic`, …
+        exception: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+}
+
+impl RegionReport {
+    /// The region the report is about.
+    pub fn key(&self) -> &RegionKey {
+        match self {
+            Self::Completed { key, .. } | Self::Failed { key, .. } => key,
+        }
+    }
+}
+
+/// Runs one region's entry actions against a snapshot: [`poll`](Self::poll) the next
+/// action, run it on [`context`](Self::context), feed [`handle_action_result`]
+/// (Self::handle_action_result); then [`report`](Self::report).
+#[derive(Debug)]
+pub struct RegionRun {
+    key: RegionKey,
+    snapshot: Value,
+    context: ChartContext,
+    actions: std::collections::VecDeque<ActionRequest>,
+    raised: Vec<Event>,
+}
+
+impl RegionRun {
+    /// A run of `task`'s entry actions.
+    pub fn new(def: &Definition, task: &RegionTask) -> Self {
+        Self {
+            key: task.key.clone(),
+            snapshot: task.snapshot.clone(),
+            context: ChartContext::new(task.snapshot.clone()),
+            actions: task.actions(def).into(),
+            raised: Vec::new(),
+        }
+    }
+
+    /// The next action to run, or `None` when all ran.
+    pub fn poll(&self) -> Option<&ActionRequest> {
+        self.actions.front()
+    }
+
+    /// The context as the earlier actions left it.
+    pub fn context(&self) -> &ChartContext {
+        &self.context
+    }
+
+    /// Feeds the result of the action [`poll`](Self::poll) returned. An error ends the run:
+    /// the runtime retries the whole task (from the snapshot) per its policy.
+    pub fn handle_action_result(
+        &mut self,
+        result: Result<ActionResult, ActionError>,
+    ) -> Result<(), ActionError> {
+        self.actions.pop_front();
+        let result = result?;
+        self.context.apply(&result);
+        self.raised.extend(result.raised);
+        Ok(())
+    }
+
+    /// The report, once every action ran.
+    pub fn report(&self) -> RegionReport {
+        let after = self.context.to_value();
+        let diff = context::diff(&self.snapshot, &after).unwrap_or_default();
+        let baseline = diff
+            .keys()
+            .into_iter()
+            .filter_map(|k| self.snapshot.get(k).map(|v| (k.to_owned(), v.clone())))
+            .collect();
+        RegionReport::Completed {
+            key: self.key.clone(),
+            diff,
+            baseline,
+            raised: self.raised.clone(),
+        }
+    }
+}
+
+/// A region's progress within one dispatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RegionStatus {
+    /// Dispatched, no result applied yet.
+    Pending,
+    /// Its result was applied.
+    Applied,
+    /// Its task ran out of tries.
+    Failed,
+}
+
+/// One dispatch of one parallel state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DispatchRecord {
+    /// Unique within the instance; a result for another number is stale.
+    pub dispatch: u64,
+    /// Dispatched regions by path.
+    pub regions: BTreeMap<String, RegionStatus>,
+    /// `PARALLEL_FAIL` was recorded (later failures are no-ops).
+    #[serde(default)]
+    pub failed: bool,
+    /// The region timeout was handled (a second firing is a no-op).
+    #[serde(default)]
+    pub timed_out: bool,
+}
+
+/// The runtime's bookkeeping of dispatched parallel states, kept in the context under
+/// [`BOOK_KEY`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParallelBook {
+    /// The last dispatch number handed out.
+    pub last_dispatch: u64,
+    /// Active dispatches by parallel state path.
+    pub active: BTreeMap<String, DispatchRecord>,
+}
+
+impl ParallelBook {
+    /// Removes the book from `context` (a context without one gives an empty book).
+    pub fn take(context: &mut Value) -> Self {
+        context
+            .as_object_mut()
+            .and_then(|m| m.remove(BOOK_KEY))
+            .and_then(|v| serde_json::from_value(v).ok())
+            .unwrap_or_default()
+    }
+
+    /// Puts the book back into `context` (nothing when it is empty).
+    pub fn put(&self, context: &mut Value) {
+        if *self == Self::default() {
+            return;
+        }
+        if let (Some(map), Ok(value)) = (context.as_object_mut(), serde_json::to_value(self)) {
+            map.insert(BOOK_KEY.to_owned(), value);
+        }
+    }
+
+    /// Records `regions` as dispatched with `snapshot` and returns one task per region.
+    pub fn dispatch(&mut self, regions: &[RegionDispatch], snapshot: &Value) -> Vec<RegionTask> {
+        let mut numbers: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut tasks = Vec::with_capacity(regions.len());
+        for r in regions {
+            let dispatch = *numbers.entry(&r.parallel_state).or_insert_with(|| {
+                self.last_dispatch += 1;
+                self.last_dispatch
+            });
+            let record = self.active.entry(r.parallel_state.clone()).or_insert(DispatchRecord {
+                dispatch,
+                regions: BTreeMap::new(),
+                failed: false,
+                timed_out: false,
+            });
+            if record.dispatch != dispatch {
+                *record = DispatchRecord {
+                    dispatch,
+                    regions: BTreeMap::new(),
+                    failed: false,
+                    timed_out: false,
+                };
+            }
+            record.regions.insert(r.region.clone(), RegionStatus::Pending);
+            tasks.push(RegionTask {
+                key: RegionKey {
+                    dispatch,
+                    parallel_state: r.parallel_state.clone(),
+                    region: r.region.clone(),
+                    entered: r.entered.clone(),
+                },
+                event: r.event.clone(),
+                snapshot: snapshot.clone(),
+            });
+        }
+        tasks
+    }
+
+    /// Forgets the dispatches of parallel states no longer active; returns their paths.
+    pub fn prune(&mut self, configuration: &Configuration) -> Vec<String> {
+        let gone: Vec<String> =
+            self.active.keys().filter(|p| !configuration.contains(p)).cloned().collect();
+        for p in &gone {
+            self.active.remove(p);
+        }
+        gone
+    }
+}
+
+/// Why a region's work is not (or no longer) wanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Skip {
+    /// The machine is not in that visit of the parallel state any more.
+    MachineLeftParallelState,
+    /// The region moved away from the states it entered.
+    RegionAlreadyAdvanced,
+    /// This region's result was applied already (a replay).
+    AlreadyApplied,
+}
+
+impl Skip {
+    /// The `reason` written into `PARALLEL_REGION_GUARD_ABORT`.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Self::MachineLeftParallelState => "machine_left_parallel_state",
+            Self::RegionAlreadyAdvanced => "region_already_advanced",
+            Self::AlreadyApplied => "already_applied",
+        }
+    }
+}
+
+/// The double guard: is `key`'s work still wanted by an instance at `configuration` with
+/// `book`? The region task runs it without a lock before doing any work; [`apply_report`]
+/// runs it again on fresh state.
+pub fn check(
+    configuration: &Configuration,
+    book: &ParallelBook,
+    key: &RegionKey,
+) -> Result<(), Skip> {
+    let record = book
+        .active
+        .get(&key.parallel_state)
+        .filter(|r| r.dispatch == key.dispatch && configuration.contains(&key.parallel_state))
+        .ok_or(Skip::MachineLeftParallelState)?;
+    if record.regions.get(&key.region) != Some(&RegionStatus::Pending) {
+        return Err(Skip::AlreadyApplied);
+    }
+    if !key.entered.iter().all(|p| configuration.contains(p)) {
+        return Err(Skip::RegionAlreadyAdvanced);
+    }
+    Ok(())
+}
+
+/// What the parent does with a report.
+#[derive(Debug)]
+pub enum ReportPlan<'d> {
+    /// Nothing, and nothing recorded: a replayed result, or a failure that is already
+    /// handled or concerns a visit that is over.
+    Noop,
+    /// Record `PARALLEL_REGION_GUARD_ABORT` (the entry) and change nothing else.
+    Abort(HistoryEntry),
+    /// Record `records`, drive `step` (the raised events, or the `@fail` event) like any
+    /// macrostep, then call [`finish_report`] with `followup`.
+    Run {
+        /// Entries to record first (`PARALLEL_CONTEXT_CONFLICT`, `PARALLEL_FAIL`).
+        records: Vec<HistoryEntry>,
+        /// The macrostep to drive.
+        step: Box<Macrostep<'d>>,
+        /// What [`finish_report`] needs.
+        followup: Followup,
+    },
+}
+
+/// What [`finish_report`] needs to know about the report that was applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Followup {
+    /// The region, `None` for a failure (nothing to report about entering).
+    pub region: Option<RegionKey>,
+    /// The parallel state.
+    pub parallel_state: String,
+    /// Whether the region's entry actions changed the context.
+    pub context_changed: bool,
+}
+
+/// Applies a region's report to the parent's fresh `configuration` and `context` (without
+/// the book), updating `book`. See [`ReportPlan`].
+pub fn apply_report<'d>(
+    def: &'d Definition,
+    configuration: &Configuration,
+    context: &Value,
+    book: &mut ParallelBook,
+    report: &RegionReport,
+    limits: Limits,
+) -> ReportPlan<'d> {
+    match report {
+        RegionReport::Completed { key, diff, baseline, raised } => {
+            match check(configuration, book, key) {
+                Ok(()) => {}
+                Err(Skip::AlreadyApplied) => return ReportPlan::Noop,
+                Err(skip) => {
+                    let discarded: Vec<&str> = diff.keys().into_iter().collect();
+                    return ReportPlan::Abort(HistoryEntry::new(
+                        PARALLEL_REGION_GUARD_ABORT,
+                        json!({
+                            "region_id": key.region,
+                            "reason": skip.reason(),
+                            "discarded_context": discarded,
+                            "discarded_events": raised.len(),
+                            "work_was_discarded": !discarded.is_empty() || !raised.is_empty(),
+                        }),
+                    ));
+                }
+            }
+            let baseline_value = Value::Object(baseline.clone());
+            let merged = context::merge(context, diff, &baseline_value).unwrap_or_else(|_| {
+                context::MergeResult { context: context.clone(), conflicted_keys: Vec::new() }
+            });
+            let mut records = Vec::new();
+            if !merged.conflicted_keys.is_empty() {
+                records.push(HistoryEntry::new(
+                    PARALLEL_CONTEXT_CONFLICT,
+                    json!({ "region_id": key.region, "conflicted_keys": merged.conflicted_keys }),
+                ));
+            }
+            if let Some(record) = book.active.get_mut(&key.parallel_state) {
+                record.regions.insert(key.region.clone(), RegionStatus::Applied);
+            }
+            let step =
+                Macrostep::resume(def, configuration, merged.context, raised.clone(), limits);
+            ReportPlan::Run {
+                records,
+                step: Box::new(step),
+                followup: Followup {
+                    region: Some(key.clone()),
+                    parallel_state: key.parallel_state.clone(),
+                    context_changed: !diff.is_empty(),
+                },
+            }
+        }
+        RegionReport::Failed { key, error, exception, attempts } => {
+            let Some(record) = book
+                .active
+                .get_mut(&key.parallel_state)
+                .filter(|r| r.dispatch == key.dispatch && !r.failed)
+            else {
+                return ReportPlan::Noop;
+            };
+            if !configuration.contains(&key.parallel_state) {
+                return ReportPlan::Noop;
+            }
+            record.failed = true;
+            record.regions.insert(key.region.clone(), RegionStatus::Failed);
+            let payload = json!({
+                "region_id": key.region,
+                "error": error,
+                "exception": exception,
+                "attempts": attempts,
+            });
+            let event = Event::fail_state(&key.parallel_state, payload.clone());
+            ReportPlan::Run {
+                records: vec![HistoryEntry::new(PARALLEL_FAIL, payload)],
+                step: Box::new(Macrostep::start(
+                    def,
+                    configuration,
+                    context.clone(),
+                    event,
+                    limits,
+                )),
+                followup: Followup {
+                    region: None,
+                    parallel_state: key.parallel_state.clone(),
+                    context_changed: false,
+                },
+            }
+        }
+    }
+}
+
+/// The entries to record after the macrostep of a [`ReportPlan::Run`] ended at
+/// `configuration`: `PARALLEL_REGION_ENTER`, and `PARALLEL_REGION_STALLED` when the region
+/// is still at the states it entered.
+pub fn finish_report(followup: &Followup, configuration: &Configuration) -> Vec<HistoryEntry> {
+    let mut records = Vec::new();
+    if let Some(key) = &followup.region {
+        records.push(HistoryEntry::new(
+            PARALLEL_REGION_ENTER,
+            json!({ "region_id": key.region, "parallel_state_id": key.parallel_state }),
+        ));
+        if key.entered.iter().all(|p| configuration.contains(p)) {
+            records.push(HistoryEntry::new(
+                PARALLEL_REGION_STALLED,
+                json!({
+                    "region_id": key.region,
+                    "initial_state_id": key.entered.last(),
+                    "context_changed": followup.context_changed,
+                }),
+            ));
+        }
+    }
+    records
+}
+
+/// `PARALLEL_DONE` for every dispatched parallel state in `book` whose `done.state` event a
+/// macrostep queued (`internal_events`): every region became final, whether through region
+/// results or through events sent by hand. The core raises `done.state.<p>` once per
+/// completion, so the entry is recorded exactly once per dispatch.
+pub fn done_records(book: &ParallelBook, internal_events: &[Event]) -> Vec<HistoryEntry> {
+    book.active
+        .keys()
+        .filter(|p| internal_events.iter().any(|e| e.name == Event::done_state(p).name))
+        .map(|p| HistoryEntry::new(PARALLEL_DONE, json!({ "parallel_state_id": p })))
+        .collect()
+}
+
+/// The region timeout of `parallel_state` is due. `None` (a no-op) when that state is not
+/// active under a dispatch any more, the timeout was handled already, or every region is
+/// final; else the `PARALLEL_REGION_TIMEOUT` entry and the macrostep that delivers `@fail`.
+pub fn timeout<'d>(
+    def: &'d Definition,
+    configuration: &Configuration,
+    context: &Value,
+    book: &mut ParallelBook,
+    parallel_state: &str,
+    timeout_seconds: u64,
+    limits: Limits,
+) -> Option<(HistoryEntry, Box<Macrostep<'d>>)> {
+    let record = book.active.get_mut(parallel_state).filter(|r| !r.timed_out)?;
+    let &id = def.by_path.get(parallel_state)?;
+    if !configuration.contains(parallel_state) {
+        return None;
+    }
+    let stalled: Vec<&str> = def.states[id]
+        .children
+        .iter()
+        .filter(|&&r| !region_final(def, configuration, r))
+        .map(|&r| def.path(r))
+        .collect();
+    if stalled.is_empty() {
+        return None;
+    }
+    record.timed_out = true;
+    let payload = json!({
+        "parallel_state_id": parallel_state,
+        "timeout_seconds": timeout_seconds,
+        "stalled_regions": stalled,
+    });
+    let mut fail = payload.clone();
+    fail["error"] = json!(format!("parallel state did not complete within {timeout_seconds} s"));
+    fail["exception"] = json!("RegionTimeout");
+    let step = Macrostep::start(
+        def,
+        configuration,
+        context.clone(),
+        Event::fail_state(parallel_state, fail),
+        limits,
+    );
+    Some((HistoryEntry::new(PARALLEL_REGION_TIMEOUT, payload), Box::new(step)))
+}
+
+fn region_final(def: &Definition, configuration: &Configuration, s: usize) -> bool {
+    let node = &def.states[s];
+    match node.kind {
+        StateKind::Compound => node
+            .children
+            .iter()
+            .any(|&c| def.kind(c) == StateKind::Final && configuration.contains(def.path(c))),
+        StateKind::Parallel => node.children.iter().all(|&c| region_final(def, configuration, c)),
+        StateKind::Final => configuration.contains(&node.path),
+        StateKind::Atomic => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::{ActionResult, MacrostepResult, run_to_completion};
+
+    fn def(second_entry: bool) -> Definition {
+        Definition::builder("p", 1)
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p").on_to("DEEP", "p.b.y"))
+            .parallel("p", |p| {
+                p.entry("p_entry")
+                    .state("a", |r| {
+                        r.initial("x")
+                            .state("x", |s| s.entry("ax").on_to("A", "fin"))
+                            .final_state("fin")
+                    })
+                    .state("b", |r| {
+                        r.entry("b_entry")
+                            .initial("x")
+                            .state("x", |s| {
+                                let s = s.on_to("B", "y");
+                                if second_entry { s.entry("bx") } else { s }
+                            })
+                            .state("y", |s| s.on_to("B", "fin"))
+                            .final_state("fin")
+                    })
+                    .on_done(|b| b.target("idle"))
+            })
+            .build()
+            .unwrap()
+    }
+
+    fn go(def: &Definition, event: &str) -> MacrostepResult {
+        let config = Configuration::from_paths(["idle"]);
+        let step = Macrostep::start(def, &config, json!({}), Event::new(event), Limits::default())
+            .dispatch_regions(true);
+        run_to_completion(step, |_, _| Ok(ActionResult::empty()))
+    }
+
+    #[test]
+    fn regions_with_entry_actions_are_reported_not_run() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        assert_eq!(result.actions(), ["p_entry"], "the parallel state's own entry still runs");
+        let regions: Vec<(&str, &[String])> = result
+            .regions_to_dispatch
+            .iter()
+            .map(|r| (r.region.as_str(), r.entered.as_slice()))
+            .collect();
+        assert_eq!(
+            regions,
+            [
+                ("p.a", &["p.a".to_owned(), "p.a.x".to_owned()][..]),
+                ("p.b", &["p.b".to_owned(), "p.b.x".to_owned()][..])
+            ]
+        );
+        let names: Vec<String> =
+            result.regions_to_dispatch[1].actions(&d).into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["b_entry", "bx"], "entry order, region first");
+        assert!(result.configuration.contains("p.b.x"), "the states are entered");
+    }
+
+    #[test]
+    fn entering_a_region_below_its_initial_state_dispatches_what_was_entered() {
+        let result = go(&def(false), "DEEP");
+        let b = result.regions_to_dispatch.iter().find(|r| r.region == "p.b").unwrap();
+        assert_eq!(b.entered, ["p.b", "p.b.y"]);
+    }
+
+    #[test]
+    fn without_dispatch_or_with_one_region_of_work_everything_runs_inline() {
+        let d = def(true);
+        let config = Configuration::from_paths(["idle"]);
+        let step = Macrostep::start(&d, &config, json!({}), Event::new("GO"), Limits::default());
+        let result = run_to_completion(step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(result.actions(), ["p_entry", "ax", "b_entry", "bx"]);
+        assert!(result.regions_to_dispatch.is_empty());
+
+        let one = Definition::builder("one", 1)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                    .state("b", |r| r.initial("y").leaf("y"))
+            })
+            .build()
+            .unwrap();
+        let step = Macrostep::init(&one, json!({}), Limits::default()).dispatch_regions(true);
+        let result = run_to_completion(step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(result.actions(), ["ax"]);
+        assert!(result.regions_to_dispatch.is_empty());
+    }
+
+    #[test]
+    fn the_book_round_trips_through_the_context_and_numbers_each_dispatch() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({"k": 1}));
+        assert_eq!(tasks.len(), 2);
+        assert!(tasks.iter().all(|t| t.key.dispatch == 1 && t.snapshot == json!({"k": 1})));
+        let mut context = json!({"k": 1});
+        book.put(&mut context);
+        assert!(context.get(BOOK_KEY).is_some());
+        assert_eq!(ParallelBook::take(&mut context), book);
+        assert_eq!(context, json!({"k": 1}));
+        let again = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        assert_eq!(again[0].key.dispatch, 2, "a new visit gets a new number");
+        assert_eq!(
+            check(&result.configuration, &book, &tasks[0].key),
+            Err(Skip::MachineLeftParallelState)
+        );
+        assert_eq!(check(&result.configuration, &book, &again[0].key), Ok(()));
+        assert_eq!(book.prune(&Configuration::from_paths(["idle"])), ["p"]);
+        assert_eq!(ParallelBook::take(&mut json!({})), ParallelBook::default());
+    }
+
+    #[test]
+    fn a_report_is_merged_then_its_raised_events_are_processed() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({"n": 0}));
+        let mut run = RegionRun::new(&d, &tasks[0]);
+        while run.poll().is_some() {
+            run.handle_action_result(Ok(ActionResult::empty().set("a", 1).raise("A"))).unwrap();
+        }
+        let report = run.report();
+        let plan = apply_report(
+            &d,
+            &result.configuration,
+            &json!({"n": 5}),
+            &mut book,
+            &report,
+            Limits::default(),
+        );
+        let ReportPlan::Run { records, step, followup } = plan else { panic!("runs") };
+        assert!(records.is_empty(), "no conflict: `a` was untouched since dispatch");
+        let after = run_to_completion(*step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(after.context, json!({"n": 5, "a": 1}));
+        assert!(after.configuration.contains("p.a.fin"));
+        let recorded = finish_report(&followup, &after.configuration);
+        assert_eq!(recorded.len(), 1, "entered, not stalled: {recorded:?}");
+        assert_eq!(recorded[0].kind, PARALLEL_REGION_ENTER);
+        let replay = apply_report(
+            &d,
+            &after.configuration,
+            &after.context,
+            &mut book,
+            &report,
+            Limits::default(),
+        );
+        assert!(matches!(replay, ReportPlan::Noop));
+    }
+}

@@ -1,0 +1,1077 @@
+//! Table-driven tests of the chart semantics.
+//!
+//! Every behaviour test goes through one helper, [`check`]: build a definition, run the
+//! initial entry and a list of events with a tiny synchronous action runner, and compare a
+//! textual dump (exits, entries, actions, unhandled events, final configuration, context)
+//! with the expected text. Actions in these charts are interpreted by name:
+//! `inc` adds one to `n`, `raise:X` raises `X`, `set:k=json` sets a key, `fail` fails;
+//! anything else does nothing.
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use super::*;
+
+fn exec(request: &ActionRequest, ctx: &ChartContext) -> Result<ActionResult, ActionError> {
+    let mut ctx = ChartContext::new(ctx.to_value());
+    let name = request.name.as_str();
+    if name == "inc" {
+        let n = ctx.get_as::<i64>("n").unwrap_or(0);
+        ctx.set("n", n + 1);
+    } else if let Some(event) = name.strip_prefix("raise:") {
+        ctx.raise(event);
+    } else if let Some(kv) = name.strip_prefix("set:") {
+        let (k, v) = kv.split_once('=').expect("set:k=v");
+        ctx.set(k, serde_json::from_str::<Value>(v).expect("json"));
+    } else if name == "fail" {
+        return Err(ActionError::new("boom"));
+    } else if name == "reject" {
+        return Err(ActionError::permanent("card rejected"));
+    } else if name == "payload" {
+        ctx.set("payload", request.event.payload.clone());
+    }
+    Ok(ctx.into_result())
+}
+
+/// A builder with the guards the tables use.
+fn chart() -> ChartBuilder {
+    Definition::builder("test", 1)
+        .guard("yes", |_, _| true)
+        .guard("no", |_, _| false)
+        .guard("n_ge_3", |c, _| c.get_as::<i64>("n").unwrap_or(0) >= 3)
+        .guard("n_lt_3", |c, _| c.get_as::<i64>("n").unwrap_or(0) < 3)
+        .guard("flag", |c, _| c.get("flag") == Some(&Value::Bool(true)))
+        .guard("payload_ok", |_, e| e.payload == json!({"ok": true}))
+}
+
+fn events(list: &[&str]) -> Vec<Event> {
+    list.iter()
+        .map(|e| match e.split_once(' ') {
+            Some((name, payload)) => {
+                Event::with_payload(name, serde_json::from_str(payload).expect("payload json"))
+            }
+            None => Event::new(*e),
+        })
+        .collect()
+}
+
+/// Runs `init` then every event; returns every macrostep result.
+fn run(
+    def: &Definition,
+    context: &Value,
+    events: &[Event],
+    limits: Limits,
+) -> Vec<MacrostepResult> {
+    let mut results = vec![run_to_completion(Macrostep::init(def, context.clone(), limits), exec)];
+    for event in events {
+        let last = results.last().expect("init ran");
+        let step =
+            Macrostep::start(def, &last.configuration, last.context.clone(), event.clone(), limits);
+        let result = run_to_completion(step, exec);
+        results.push(result);
+    }
+    results
+}
+
+fn dump(def: &Definition, results: &[MacrostepResult], names: &[String]) -> String {
+    let mut out = Vec::new();
+    for (result, name) in results.iter().zip(names) {
+        let mut line = format!("{name}:");
+        let parts =
+            [("exit", result.exited()), ("enter", result.entered()), ("actions", result.actions())];
+        for (label, items) in parts {
+            if !items.is_empty() {
+                let _ = write!(line, " {label} {}", items.join(","));
+            }
+        }
+        if result.unhandled {
+            line.push_str(" unhandled");
+        }
+        if let Some(e) = &result.error {
+            let _ = write!(line, " error {e}");
+        }
+        out.push(line);
+    }
+    let last = results.last().expect("init ran");
+    out.push(format!("config: {}", last.configuration.leaves(def).join(",")));
+    if last.context != json!({}) {
+        out.push(format!("context: {}", last.context));
+    }
+    out.join("\n")
+}
+
+/// The one helper: `events` entries are `NAME` or `NAME {json payload}`.
+fn check_with(builder: ChartBuilder, context: &Value, limits: Limits, list: &[&str], expect: &str) {
+    let def = builder.build().unwrap_or_else(|e| panic!("{e}"));
+    let evs = events(list);
+    let results = run(&def, context, &evs, limits);
+    let names: Vec<String> =
+        std::iter::once("@init".to_owned()).chain(evs.iter().map(|e| e.name.clone())).collect();
+    for r in &results {
+        assert_eq!(
+            r.configuration.check(&def),
+            Ok(()),
+            "illegal configuration {:?}",
+            r.configuration
+        );
+    }
+    let got = dump(&def, &results, &names);
+    let want: Vec<&str> = expect.trim().lines().map(str::trim).collect();
+    assert_eq!(got, want.join("\n"), "\n--- got ---\n{got}\n");
+}
+
+fn check(builder: ChartBuilder, list: &[&str], expect: &str) {
+    check_with(builder, &json!({}), Limits::default(), list, expect);
+}
+
+#[test]
+fn entry_parents_first_exit_children_first() {
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| {
+                s.entry("in_a").exit("out_a").initial("a1").state("a1", |s| {
+                    s.entry("in_a1").exit("out_a1").initial("a11").state("a11", |s| {
+                        s.entry("in_a11")
+                            .exit("out_a11")
+                            .on("GO", |t| t.target("b.b1").action("go"))
+                    })
+                })
+            })
+            .state("b", |s| s.entry("in_b").initial("b1").state("b1", |s| s.entry("in_b1"))),
+        &["GO"],
+        "
+        @init: enter a,a.a1,a.a1.a11 actions in_a,in_a1,in_a11
+        GO: exit a.a1.a11,a.a1,a enter b,b.b1 actions out_a11,out_a1,out_a,go,in_b,in_b1
+        config: b.b1
+        ",
+    );
+}
+
+#[test]
+fn document_order_selection() {
+    // Two transitions for the same event on one state: the first in document order wins;
+    // guards that fail are skipped.
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| {
+                s.on("E", |t| t.guard("no").target("x"))
+                    .on("E", |t| t.target("y").action("second"))
+                    .on("E", |t| t.target("z").action("third"))
+            })
+            .leaf("x")
+            .leaf("y")
+            .leaf("z"),
+        &["E"],
+        "
+        @init: enter a
+        E: exit a enter y actions second
+        config: y
+        ",
+    );
+    // Parallel regions: both enabled transitions fire, in document order.
+    check(
+        chart().initial("p").parallel("p", |s| {
+            s.state("r1", |r| {
+                r.initial("a").state("a", |s| s.on("E", |t| t.target("b").action("r1"))).leaf("b")
+            })
+            .state("r2", |r| {
+                r.initial("a").state("a", |s| s.on("E", |t| t.target("b").action("r2"))).leaf("b")
+            })
+        }),
+        &["E"],
+        "
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.a
+        E: exit p.r2.a,p.r1.a enter p.r1.b,p.r2.b actions r1,r2
+        config: p.r1.b,p.r2.b
+        ",
+    );
+}
+
+#[test]
+fn inner_transition_preempts_outer() {
+    check(
+        chart()
+            .initial("p")
+            .state("p", |s| {
+                s.on("E", |t| t.target("outer").action("outer"))
+                    .initial("c")
+                    .state("c", |s| s.on("E", |t| t.target("d").action("inner")))
+                    .leaf("d")
+            })
+            .leaf("outer"),
+        &["E", "E"],
+        "
+        @init: enter p,p.c
+        E: exit p.c enter p.d actions inner
+        E: exit p.d,p enter outer actions outer
+        config: outer
+        ",
+    );
+    // In a parallel state, a transition in a later region that conflicts with an earlier
+    // one (both leave the parallel state) is pre-empted: document order wins.
+    check(
+        chart()
+            .initial("p")
+            .parallel("p", |s| {
+                s.state("r1", |r| {
+                    r.initial("a").state("a", |s| s.on("E", |t| t.target("x").action("first")))
+                })
+                .state("r2", |r| {
+                    r.initial("a").state("a", |s| s.on("E", |t| t.target("y").action("second")))
+                })
+            })
+            .leaf("x")
+            .leaf("y"),
+        &["E"],
+        "
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.a
+        E: exit p.r2.a,p.r2,p.r1.a,p.r1,p enter x actions first
+        config: x
+        ",
+    );
+}
+
+#[test]
+fn targetless_transitions_do_not_exit_or_enter() {
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| s.entry("in_a").exit("out_a").on("TICK", |t| t.action("inc"))),
+        &["TICK", "TICK"],
+        r#"
+        @init: enter a actions in_a
+        TICK: actions inc
+        TICK: actions inc
+        config: a
+        context: {"n":2}
+        "#,
+    );
+    // A self-transition, by contrast, exits and re-enters (SCXML external).
+    check(
+        chart().initial("a").state("a", |s| s.entry("in_a").exit("out_a").on_to("SELF", "a")),
+        &["SELF"],
+        "
+        @init: enter a actions in_a
+        SELF: exit a enter a actions out_a,in_a
+        config: a
+        ",
+    );
+    // An internal transition to a child does not exit its compound source.
+    check(
+        chart().initial("p").state("p", |s| {
+            s.exit("out_p").initial("a").leaf("a").leaf("b").on("E", |t| t.target(".b").internal())
+        }),
+        &["E"],
+        "
+        @init: enter p,p.a
+        E: exit p.a enter p.b
+        config: p.b
+        ",
+    );
+}
+
+#[test]
+fn raised_events_run_before_the_next_external_event() {
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| s.on("GO", |t| t.target("b").action("raise:R1").action("raise:R2")))
+            .state("b", |s| {
+                s.on("R1", |t| t.target("c").action("got_r1")).on("LATER", |t| t.target("z"))
+            })
+            .state("c", |s| s.on("R2", |t| t.target("d").action("got_r2")))
+            .state("d", |s| s.on_to("LATER", "e"))
+            .leaf("e")
+            .leaf("z"),
+        &["GO", "LATER"],
+        "
+        @init: enter a
+        GO: exit a,b,c enter b,c,d actions raise:R1,raise:R2,got_r1,got_r2
+        LATER: exit d enter e
+        config: e
+        ",
+    );
+}
+
+#[test]
+fn always_chains_until_stable_and_guards_see_fresh_context() {
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| s.on("GO", |t| t.target("b")))
+            .state("b", |s| s.always(|b| b.target("c").action("inc")))
+            .state("c", |s| s.always(|b| b.guard("n_lt_3").target("b")).always(|b| b.target("d")))
+            .leaf("d"),
+        &["GO"],
+        r#"
+        @init: enter a
+        GO: exit a,b,c,b,c,b,c enter b,c,b,c,b,c,d actions inc,inc,inc
+        config: d
+        context: {"n":3}
+        "#,
+    );
+}
+
+#[test]
+fn always_loop_hits_the_depth_limit() {
+    let looping = || {
+        chart()
+            .initial("a")
+            .state("a", |s| s.on_to("GO", "b"))
+            .state("b", |s| s.always(|b| b.target("c")))
+            .state("c", |s| s.always(|b| b.target("b")))
+    };
+    check_with(
+        looping(),
+        &json!({}),
+        Limits { max_transition_depth: 10 },
+        &["GO"],
+        "
+        @init: enter a
+        GO: exit a,b,c,b,c,b,c,b,c,b,c enter b,c,b,c,b,c,b,c,b,c,b error MaxTransitionDepthExceeded: more than 10 microsteps after one event (last from state `b` on `GO`); fix: break the @always/raise loop or raise Limits::max_transition_depth
+        config: a
+        ",
+    );
+    // A raise loop is bounded the same way, with the default limit.
+    let def = chart()
+        .initial("a")
+        .state("a", |s| s.on("PING", |t| t.action("raise:PING")))
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["PING"]), Limits::default());
+    let err = results[1].error.as_ref().expect("depth error");
+    assert!(matches!(err, MacrostepError::MaxTransitionDepthExceeded { limit: 100, .. }), "{err}");
+    assert_eq!(results[1].configuration, results[0].configuration);
+}
+
+#[test]
+fn compound_done() {
+    check(
+        chart()
+            .initial("p")
+            .state("p", |s| {
+                s.initial("work")
+                    .state("work", |s| s.on_to("FINISH", "end"))
+                    .final_with("end", |s| s.entry("in_end"))
+                    .on_done(|b| b.target("next").action("p_done"))
+            })
+            .leaf("next"),
+        &["FINISH"],
+        "
+        @init: enter p,p.work
+        FINISH: exit p.work,p.end,p enter p.end,next actions in_end,p_done
+        config: next
+        ",
+    );
+}
+
+#[test]
+fn parallel_done_waits_for_every_region_and_follows_region_done() {
+    let def = chart()
+        .initial("p")
+        .parallel("p", |s| {
+            s.state("r1", |r| {
+                r.initial("a")
+                    .state("a", |s| s.on_to("A", "fin"))
+                    .final_state("fin")
+                    .on_done(|b| b.action("r1_done"))
+            })
+            .state("r2", |r| {
+                r.initial("b")
+                    .state("b", |s| s.on_to("B", "fin"))
+                    .final_state("fin")
+                    .on_done(|b| b.action("r2_done"))
+            })
+            .on_done(|b| b.target("out").action("p_done"))
+        })
+        .leaf("out");
+    check(
+        def,
+        &["A", "B"],
+        "
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.b
+        A: exit p.r1.a enter p.r1.fin actions r1_done
+        B: exit p.r2.b,p.r2.fin,p.r2,p.r1.fin,p.r1,p enter p.r2.fin,out actions r2_done,p_done
+        config: out
+        ",
+    );
+}
+
+#[test]
+fn parallel_done_event_order() {
+    let def = chart()
+        .initial("p")
+        .parallel("p", |s| {
+            s.state("r1", |r| {
+                r.initial("a").state("a", |s| s.on_to("GO", "fin")).final_state("fin")
+            })
+            .state("r2", |r| r.initial("b").state("b", |s| s.on_to("GO", "fin")).final_state("fin"))
+            .on_done(|b| b.target("out"))
+        })
+        .leaf("out")
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["GO"]), Limits::default());
+    let names: Vec<&str> = results[1].internal_events.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["done.state.p.r1", "done.state.p.r2", "done.state.p"]);
+}
+
+#[test]
+fn conditional_done_and_fail() {
+    let def = || {
+        chart()
+            .initial("p")
+            .parallel("p", |s| {
+                s.state("r1", |r| {
+                    r.initial("a").state("a", |s| s.on_to("GO", "fin")).final_state("fin")
+                })
+                .state("r2", |r| {
+                    r.initial("b").state("b", |s| s.on_to("GO", "fin")).final_state("fin")
+                })
+                .on_done(|b| b.guard("n_ge_3").target("big"))
+                .on_done(|b| b.target("small"))
+                .on_fail(|b| b.guard("flag").target("retrying").action("inc"))
+                .on_fail(|b| b.target("failed").action("payload"))
+            })
+            .leaf("big")
+            .leaf("small")
+            .leaf("retrying")
+            .leaf("failed")
+    };
+    let done = "
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.b
+        GO: exit p.r2.b,p.r1.a,p.r2.fin,p.r2,p.r1.fin,p.r1,p enter p.r1.fin,p.r2.fin,{target}
+        config: {target}
+        context: {context}
+    ";
+    let n3 = json!({"n": 3});
+    let expect = done.replace("{target}", "big").replace("{context}", &n3.to_string());
+    check_with(def(), &n3, Limits::default(), &["GO"], &expect);
+    let n1 = json!({"n": 1});
+    let expect = done.replace("{target}", "small").replace("{context}", &n1.to_string());
+    check_with(def(), &n1, Limits::default(), &["GO"], &expect);
+    // @fail from a region's failure (as the runtime delivers it): first matching branch wins.
+    check_with(
+        def(),
+        &json!({"flag": true}),
+        Limits::default(),
+        &["fail.state.p.r1 {\"region_id\":\"p.r1\"}"],
+        r#"
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.b
+        fail.state.p.r1: exit p.r2.b,p.r2,p.r1.a,p.r1,p enter retrying actions inc
+        config: retrying
+        context: {"flag":true,"n":1}
+        "#,
+    );
+    check(
+        def(),
+        &["fail.state.p.r1 {\"region_id\":\"p.r1\"}"],
+        r#"
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.b
+        fail.state.p.r1: exit p.r2.b,p.r2,p.r1.a,p.r1,p enter failed actions payload
+        config: failed
+        context: {"payload":{"region_id":"p.r1"}}
+        "#,
+    );
+}
+
+#[test]
+fn leaving_a_parallel_state_exits_every_region() {
+    check(
+        chart()
+            .initial("p")
+            .parallel("p", |s| {
+                s.exit("out_p")
+                    .on("CANCEL", |t| t.target("cancelled").action("cancel"))
+                    .state("r1", |r| r.exit("out_r1").initial("a").state("a", |s| s.exit("out_r1a")))
+                    .state("r2", |r| r.exit("out_r2").initial("b").state("b", |s| s.exit("out_r2b")))
+            })
+            .leaf("cancelled"),
+        &["CANCEL"],
+        "
+        @init: enter p,p.r1,p.r1.a,p.r2,p.r2.b
+        CANCEL: exit p.r2.b,p.r2,p.r1.a,p.r1,p enter cancelled actions out_r2b,out_r2,out_r1a,out_r1,out_p,cancel
+        config: cancelled
+        ",
+    );
+}
+
+#[test]
+fn unhandled_events_leave_the_configuration_unchanged() {
+    check(
+        chart().initial("a").state("a", |s| s.on("E", |t| t.guard("no").target("b"))).leaf("b"),
+        &["NOPE", "E"],
+        "
+        @init: enter a
+        NOPE: unhandled
+        E: unhandled
+        config: a
+        ",
+    );
+}
+
+#[test]
+fn guards_see_payload_and_actions_see_event() {
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| s.on("PAY", |t| t.guard("payload_ok").target("paid").action("payload")))
+            .final_state("paid"),
+        &["PAY {\"ok\":false}", "PAY {\"ok\":true}", "PAY"],
+        r#"
+        @init: enter a
+        PAY: unhandled
+        PAY: exit a enter paid actions payload
+        PAY: unhandled
+        config: paid
+        context: {"payload":{"ok":true}}
+        "#,
+    );
+}
+
+#[test]
+fn action_error_fails_the_macrostep_and_commits_nothing() {
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| s.on("GO", |t| t.target("b").action("inc").action("fail")))
+            .leaf("b"),
+        &["GO"],
+        "
+        @init: enter a
+        GO: exit a actions inc,fail error action `fail` of state `a` failed: boom
+        config: a
+        ",
+    );
+}
+
+#[test]
+fn action_errors_say_whether_a_retry_can_help() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| s.on("RETRY", |t| t.action("fail")).on("REJECT", |t| t.action("reject")))
+        .state("b", |s| s.always(|b| b.target("b")))
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["RETRY", "REJECT"]), Limits::default());
+    assert!(results[1].error.as_ref().is_some_and(MacrostepError::is_retryable));
+    let rejected = results[2].error.as_ref().expect("error");
+    assert!(!rejected.is_retryable());
+    assert_eq!(rejected.to_string(), "action `reject` of state `a` failed: card rejected");
+    let loop_config = Configuration::from_paths(["b"]);
+    let looped = run_to_completion(
+        Macrostep::start(&def, &loop_config, json!({}), Event::new("X"), Limits::default()),
+        exec,
+    );
+    assert!(!looped.error.expect("depth").is_retryable());
+}
+
+#[test]
+fn illegal_configuration_is_reported() {
+    let def = chart().initial("a").leaf("a").leaf("b").build().unwrap();
+    for (paths, reason) in [
+        (vec![], "compound `(root)` has 0 active children, expected exactly 1"),
+        (vec!["a", "b"], "compound `(root)` has 2 active children, expected exactly 1"),
+        (vec!["zz"], "unknown state `zz`"),
+    ] {
+        let config = Configuration::from_paths(paths);
+        let result = run_to_completion(
+            Macrostep::start(&def, &config, json!({}), Event::new("E"), Limits::default()),
+            exec,
+        );
+        let message = result.error.expect("error").to_string();
+        assert_eq!(
+            message,
+            format!(
+                "the stored configuration does not fit definition `test v1`: {reason}; fix: migrate the instance to this version"
+            )
+        );
+    }
+}
+
+#[test]
+fn context_must_be_an_object() {
+    let def = chart().initial("a").leaf("a").build().unwrap();
+    let init = run_to_completion(Macrostep::init(&def, json!(null), Limits::default()), exec);
+    assert_eq!((init.error, init.context), (None, json!({})));
+    let bad = run_to_completion(Macrostep::init(&def, json!([1]), Limits::default()), exec);
+    let message = bad.error.expect("error").to_string();
+    assert_eq!(
+        message,
+        "the context must be a JSON object, got `array`; fix: wrap the value in a struct or map"
+    );
+    let config = Configuration::from_paths(["a"]);
+    let bad = run_to_completion(
+        Macrostep::start(&def, &config, json!(3), Event::new("E"), Limits::default()),
+        exec,
+    );
+    assert!(matches!(bad.error, Some(MacrostepError::ContextNotObject { .. })));
+    assert_eq!(bad.configuration, config);
+}
+
+#[test]
+fn top_level_final_completes_the_machine() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| s.on_to("END", "done"))
+        .final_state("done")
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["END", "END"]), Limits::default());
+    assert!(!results[0].is_final);
+    assert!(results[1].is_final);
+    assert!(results[2].unhandled);
+    assert_eq!(results[2].configuration.leaves(&def), ["done"]);
+}
+
+/// State, event, kind, interval in seconds, max, then.
+type Arm = (String, String, TimerKind, u64, Option<u32>, Option<String>);
+
+fn timer_chart() -> ChartBuilder {
+    chart()
+        .initial("cart")
+        .state("cart", |s| s.on_to("CHECKOUT", "awaiting"))
+        .state("awaiting", |s| {
+            s.on_to("PAY", "paid")
+                .on("ORDER_EXPIRED", |t| t.target("cancelled").after(Timer::days(7)))
+                .on("REMIND", |t| t.action("remind").every(Timer::hours(6)).max(3).then("GIVE_UP"))
+                .on_to("GIVE_UP", "cancelled")
+                .on("TOUCH", |t| t.target("awaiting"))
+        })
+        .state("paid", |s| {
+            s.machine("shipping")
+                .on_timeout(Timer::minutes(5), |b| b.target("cancelled"))
+                .on("done.invoke.paid", |t| t.target("shipped"))
+        })
+        .final_state("shipped")
+        .final_state("cancelled")
+}
+
+#[test]
+fn timers_and_children_follow_state_entry_and_exit() {
+    let def = timer_chart().build().unwrap();
+    let results = run(&def, &json!({}), &events(&["CHECKOUT", "TOUCH", "PAY"]), Limits::default());
+    let arm: Vec<Arm> = results[1]
+        .timers_to_arm
+        .iter()
+        .map(|t| {
+            (t.state.clone(), t.event.clone(), t.kind, t.interval.as_secs(), t.max, t.then.clone())
+        })
+        .collect();
+    assert_eq!(
+        arm,
+        vec![
+            ("awaiting".into(), "ORDER_EXPIRED".into(), TimerKind::After, 604_800, None, None),
+            (
+                "awaiting".into(),
+                "REMIND".into(),
+                TimerKind::Every,
+                21_600,
+                Some(3),
+                Some("GIVE_UP".into())
+            ),
+        ]
+    );
+    assert!(results[1].timers_to_cancel.is_empty());
+    // A self-loop exits and re-enters, but the timers keep their original anchor.
+    assert_eq!(results[2].exited(), ["awaiting"]);
+    assert!(results[2].timers_to_arm.is_empty() && results[2].timers_to_cancel.is_empty());
+    // Leaving cancels; entering a delegation state starts the child and arms @timeout.
+    assert_eq!(results[3].timers_to_cancel, [TimerCancel { state: "awaiting".into() }]);
+    assert_eq!(
+        results[3].children_to_start,
+        [ChildStart { state: "paid".into(), machine: "shipping".into() }]
+    );
+    assert_eq!(results[3].timers_to_arm[0].event, "timeout.invoke.paid");
+    assert_eq!(results[3].timers_to_arm[0].interval.as_secs(), 300);
+    // @timeout fires from the runtime's timer event.
+    let timeout = run_to_completion(
+        Macrostep::start(
+            &def,
+            &results[3].configuration,
+            json!({}),
+            Event::timeout_invoke("paid"),
+            Limits::default(),
+        ),
+        exec,
+    );
+    assert_eq!(timeout.configuration.leaves(&def), ["cancelled"]);
+    assert_eq!(timeout.children_to_cancel, ["paid"]);
+    assert!(timeout.is_final);
+}
+
+#[test]
+fn macrostep_protocol_repeats_pending_action_and_ignores_stray_results() {
+    let def = chart().initial("a").state("a", |s| s.on("E", |t| t.action("x"))).build().unwrap();
+    let config = Configuration::from_paths(["a"]);
+    let mut step = Macrostep::start(&def, &config, json!({}), Event::new("E"), Limits::default());
+    let Next::RunAction(first) = step.poll() else { panic!("expected an action") };
+    assert_eq!(step.poll(), Next::RunAction(first.clone()));
+    assert_eq!(first.phase, ActionPhase::Transition);
+    assert_eq!(first.state, "a");
+    step.handle_action_result(Ok(ActionResult::empty().set("k", 1)));
+    step.handle_action_result(Ok(ActionResult::empty().set("k", 2)));
+    let Next::Done(result) = step.poll() else { panic!("expected done") };
+    assert_eq!(result.context, json!({"k": 1}));
+    assert_eq!(result.changed_keys, ["k"]);
+    assert_eq!(step.poll(), Next::Done(result));
+}
+
+#[test]
+fn configuration_state_value_and_matches() {
+    let def = chart()
+        .initial("p")
+        .parallel("p", |s| {
+            s.state("inventory", |r| r.initial("checking").leaf("checking"))
+                .state("payment", |r| r.initial("charging").leaf("charging"))
+        })
+        .build()
+        .unwrap();
+    let init = run(&def, &json!({}), &[], Limits::default()).remove(0);
+    let config = init.configuration;
+    assert_eq!(
+        config.state_value(&def),
+        json!({"p": {"inventory": "checking", "payment": "charging"}})
+    );
+    assert!(config.matches(&json!("p")));
+    assert!(config.matches(&json!("p.inventory.checking")));
+    assert!(config.matches(&json!({"p": {"payment": "charging"}})));
+    assert!(!config.matches(&json!({"p": {"payment": "done"}})));
+    let json = serde_json::to_string(&config).unwrap();
+    assert_eq!(
+        json,
+        r#"["p","p.inventory","p.inventory.checking","p.payment","p.payment.charging"]"#
+    );
+    assert_eq!(serde_json::from_str::<Configuration>(&json).unwrap(), config);
+}
+
+/// Every validation error, with its full message.
+#[test]
+fn validation_errors_name_the_state_and_the_fix() {
+    let cases: Vec<(ChartBuilder, &str)> = vec![
+        (
+            chart().initial("a").state("a", |s| s.on_to("GO", "nowhere")),
+            "state `a`: transition on `GO` targets unknown state `nowhere`; fix: use the key of a sibling or ancestor's sibling, `.child` for a child, or a full dotted path",
+        ),
+        (
+            chart().initial("a").state("a", |s| s.leaf("x").leaf("y")),
+            "compound state `a` has no initial state; fix: call `.initial(\"<child key>\")` on it",
+        ),
+        (
+            chart().leaf("a"),
+            "compound state `(root)` has no initial state; fix: call `.initial(\"<child key>\")` on it",
+        ),
+        (
+            chart().initial("b").leaf("a"),
+            "state `(root)`: initial `b` is not one of its children (a); fix: name a direct child",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").after(Timer::days(1)).max(3))),
+            "state `a`: transition on `E` has `max` but no `every` timer; fix: add `.every(Timer::…)` or drop `max`",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").every(Timer::days(1)).then("E"))),
+            "state `a`: transition on `E` has `then` but no `max`; fix: add `.max(n)` so `then` knows when to fire",
+        ),
+        (
+            chart().initial("a").state("a", |s| {
+                s.on("E", |t| t.action("x").every(Timer::days(1)).max(2).then("MAX"))
+            }),
+            "state `a`: transition on `E` has `then` event `MAX`, which no state has a transition for; fix: add `.on(\"MAX\", …)` where it should be handled or correct the name",
+        ),
+        (
+            chart().initial("a").state("a", |s| {
+                s.on("E", |t| t.action("x").every(Timer::days(1)).after(Timer::days(2)))
+            }),
+            "state `a`: transition on `E` has both `after` and `every`; fix: keep one timer per event",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").after(Timer::seconds(0)))),
+            "state `a`: timer on `E` is `0 seconds`, which is not positive (InvalidTimerDefinition); fix: use a duration of at least 1 unit",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").every(Timer::weeks(-2)))),
+            "state `a`: timer on `E` is `-2 weeks`, which is not positive (InvalidTimerDefinition); fix: use a duration of at least 1 unit",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.machine("child").on_timeout(Timer::minutes(0), |b| b)),
+            "state `a`: timer on `@timeout` is `0 minutes`, which is not positive (InvalidTimerDefinition); fix: use a duration of at least 1 unit",
+        ),
+        (
+            chart().initial("a").state("a", |s| s.initial("x").leaf("x").leaf("x")),
+            "duplicate state id `a.x`; fix: give sibling states distinct keys",
+        ),
+        (
+            chart().initial("a.b").leaf("a.b"),
+            "state key `a.b` under `(root)` is invalid; fix: use a non-empty key without `.`",
+        ),
+        (
+            chart().initial("a").leaf("a").final_with("f", |s| s.on_to("E", "a")),
+            "final state `f` has outgoing transitions; fix: remove them or make it a normal state",
+        ),
+        (
+            chart().initial("a").leaf("a").final_with("f", |s| s.leaf("x")),
+            "final state `f` has child states; fix: make it a compound state with a final child",
+        ),
+        (
+            chart().initial("p").parallel("p", |s| s.state("r1", |r| r.initial("a").leaf("a"))),
+            "parallel state `p` has 1 region(s); fix: give it at least two regions or make it a compound state",
+        ),
+        (
+            chart().initial("a").state("a", |s| s.always(|b| b.guard("missing").target("a"))),
+            "state `a`: transition on `@always` uses unknown guard `missing`; fix: register it with `ChartBuilder::guard(\"missing\", …)`",
+        ),
+        (
+            chart().initial("a").state("a", |s| s.on_timeout(Timer::minutes(1), |b| b)),
+            "state `a` has `@timeout` but no child machine; fix: add `.machine(\"<name>\")` or use an `after` timer",
+        ),
+    ];
+    for (builder, message) in cases {
+        let errors = builder.build().expect_err(message).errors;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].to_string(), message);
+    }
+}
+
+#[test]
+fn unreachable_states_are_warnings() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| s.on_to("GO", "b"))
+        .leaf("b")
+        .state("island", |s| s.on_to("X", "island2"))
+        .leaf("island2")
+        .build()
+        .unwrap();
+    let warnings: Vec<String> = def.warnings().iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "state `island` is unreachable: no initial state or transition leads to it; fix: add a transition targeting it or remove it",
+            "state `island2` is unreachable: no initial state or transition leads to it; fix: add a transition targeting it or remove it",
+        ]
+    );
+}
+
+#[test]
+fn validation_collects_every_error() {
+    let errors =
+        chart().initial("a").state("a", |s| s.on_to("E", "x").on_to("F", "y")).build().unwrap_err();
+    assert_eq!(errors.errors.len(), 2);
+    assert!(errors.to_string().starts_with("invalid chart definition (2 error(s)):"));
+}
+
+/// The ten transition + timer combinations of seed 002 all build, and their timers are
+/// recorded when the state is entered.
+#[test]
+fn seed_002_timer_combinations() {
+    let def = chart()
+        .initial("s")
+        .state("s", |s| {
+            s.on_to("PAY", "done") // 1. simple target
+                .on("ORDER_EXPIRED", |t| t.target("done").after(Timer::days(7))) // 2.
+                .on("HEARTBEAT", |t| t.target("s").every(Timer::hours(1))) // 3.
+                .on("EXPIRE_GUARDED", |t| t.target("done").guard("flag").after(Timer::days(7))) // 4.
+                .on("BILLING", |t| t.action("bill").guard("flag").every(Timer::days(30))) // 5.
+                .on("EXPIRE_MULTI", |t| {
+                    t.branch(|b| b.target("done").guard("flag"))
+                        .branch(|b| b.target("late"))
+                        .after(Timer::days(7))
+                }) // 6.
+                .on("RETRY", |t| {
+                    t.branch(|b| b.target("done").guard("flag"))
+                        .branch(|b| b.action("retry"))
+                        .every(Timer::hours(6))
+                        .max(3)
+                        .then("MAX_RETRIES")
+                }) // 7.
+                .on("SEND_REMINDER", |t| t.action("remind").after(Timer::days(1))) // 8.
+                .on("CHECK_STATUS", |t| t.action("check").every(Timer::hours(6))) // 9.
+                .on_to("MAX_RETRIES", "late")
+        })
+        .state("child", |s| {
+            // 10. timers on a delegation state with @done/@fail/@timeout
+            s.machine("payment")
+                .on_done(|b| b.target("done"))
+                .on_fail(|b| b.target("late"))
+                .on_timeout(Timer::seconds(300), |b| b.target("late"))
+                .on("REMIND_CHILD", |t| t.action("nudge").every(Timer::hours(6)))
+                .on("FORCE_CANCEL", |t| t.target("late").after(Timer::days(7)))
+        })
+        .leaf("late")
+        .final_state("done")
+        .build()
+        .unwrap();
+    let init = run(&def, &json!({}), &[], Limits::default()).remove(0);
+    let events: Vec<&str> = init.timers_to_arm.iter().map(|t| t.event.as_str()).collect();
+    assert_eq!(
+        events,
+        [
+            "ORDER_EXPIRED",
+            "HEARTBEAT",
+            "EXPIRE_GUARDED",
+            "BILLING",
+            "EXPIRE_MULTI",
+            "RETRY",
+            "SEND_REMINDER",
+            "CHECK_STATUS"
+        ]
+    );
+    // Multi-branch timer event: first matching branch wins (flag unset ⇒ late).
+    let r = run_to_completion(
+        Macrostep::start(
+            &def,
+            &init.configuration,
+            json!({}),
+            Event::new("EXPIRE_MULTI"),
+            Limits::default(),
+        ),
+        exec,
+    );
+    assert_eq!(r.configuration.leaves(&def), ["late"]);
+    let child = Configuration::from_paths(["child"]);
+    let done = run_to_completion(
+        Macrostep::start(
+            &def,
+            &child,
+            json!({}),
+            Event::done_invoke("child", json!(null)),
+            Limits::default(),
+        ),
+        exec,
+    );
+    assert_eq!(done.configuration.leaves(&def), ["done"]);
+    let failed = run_to_completion(
+        Macrostep::start(
+            &def,
+            &child,
+            json!({}),
+            Event::fail_state("child", json!({"error": "x"})),
+            Limits::default(),
+        ),
+        exec,
+    );
+    assert_eq!(failed.configuration.leaves(&def), ["late"]);
+}
+
+#[test]
+fn history_records_read_as_text() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| s.on("GO", |t| t.target("b").action("x")))
+        .state("b", |s| s.always(|b| b.action("y").target("c")))
+        .leaf("c")
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["GO"]), Limits::default());
+    let text: Vec<String> = results[1].records.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        text,
+        [
+            "event GO",
+            "transition a -> b on GO",
+            "exit a",
+            "action x",
+            "enter b",
+            "transition b -> c on @always",
+            "exit b",
+            "action y",
+            "enter c",
+        ]
+    );
+}
+
+#[test]
+fn depth_limit_is_exact_at_the_bound() {
+    // Three eventless microsteps after the event: a limit of 3 is enough, 2 is not.
+    let chain = || {
+        chart()
+            .initial("a")
+            .state("a", |s| s.on_to("GO", "b"))
+            .state("b", |s| s.always(|b| b.target("c")))
+            .state("c", |s| s.always(|b| b.target("d")))
+            .state("d", |s| s.always(|b| b.target("e")))
+            .leaf("e")
+            .build()
+            .unwrap()
+    };
+    let ok = run(&chain(), &json!({}), &events(&["GO"]), Limits { max_transition_depth: 3 });
+    assert_eq!(ok[1].error, None);
+    assert_eq!(ok[1].configuration.leaves(&chain()), ["e"]);
+    let err = run(&chain(), &json!({}), &events(&["GO"]), Limits { max_transition_depth: 2 });
+    assert!(matches!(
+        err[1].error,
+        Some(MacrostepError::MaxTransitionDepthExceeded { limit: 2, .. })
+    ));
+}
+
+#[test]
+fn macrostep_can_move_to_an_async_worker() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Macrostep<'static>>();
+    assert_send::<Definition>();
+    assert_send::<MacrostepResult>();
+}
+
+#[test]
+fn definition_introspection() {
+    let def = timer_chart().build().unwrap();
+    assert_eq!(def.name(), "test");
+    assert_eq!(def.version(), 1);
+    assert_eq!(
+        def.event_alphabet(),
+        ["CHECKOUT", "GIVE_UP", "ORDER_EXPIRED", "PAY", "REMIND", "TOUCH", "done.invoke.paid"]
+    );
+    assert_eq!(def.action_names(), ["remind"]);
+    assert_eq!(def.state("awaiting").map(|s| s.kind), Some(StateKind::Atomic));
+    assert_eq!(def.states().count(), 5);
+    assert!(def.warnings().is_empty());
+}
+
+#[test]
+fn mermaid_for_always_delegation_and_final() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.always(|b| b.guard("flag").target("child"))
+                .on("TICK", |t| t.action("tick").every(Timer::minutes(5)))
+        })
+        .state("child", |s| {
+            s.machine("payment")
+                .on_done(|b| b.target("done"))
+                .on_timeout(Timer::seconds(30), |b| b.target("done"))
+        })
+        .final_state("done")
+        .build()
+        .unwrap();
+    let expected = "---
+title: test v1
+---
+stateDiagram-v2
+    state \"a\" as a
+    state \"child\" as child
+    state \"done\" as done
+    [*] --> a
+    a --> a : TICK (every 5 minutes) / tick
+    a --> child : @always [flag]
+    child --> done : @done
+    child --> done : @timeout (after 30 seconds)
+    done --> [*]
+";
+    assert_eq!(def.to_mermaid(), expected);
+}
+
+mod properties;

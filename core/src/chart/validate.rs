@@ -1,0 +1,509 @@
+//! Build-time validation: turns a [`ChartBuilder`] into a [`Definition`] or a list of errors
+//! that each name the state path and the fix.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::definition::{
+    Branch, ChartBuilder, Definition, Delegation, RawTimer, StateBuilder, StateKind, StateNode,
+    Transition, TransitionDef, Trigger,
+};
+use super::timer::{TimerKind, TimerSpec};
+
+/// A definition error. Every message names the state (by dotted path, `(root)` for the top
+/// level) and says how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ChartError {
+    /// A transition targets a state that does not exist.
+    #[error(
+        "state `{state}`: transition on `{trigger}` targets unknown state `{target}`; fix: use the key of a sibling or ancestor's sibling, `.child` for a child, or a full dotted path"
+    )]
+    UnknownTarget {
+        /// Source state path.
+        state: String,
+        /// Event name or `@always` / `@done` / `@fail` / `@timeout`.
+        trigger: String,
+        /// The target as written.
+        target: String,
+    },
+    /// A compound state has no `initial`.
+    #[error(
+        "compound state `{state}` has no initial state; fix: call `.initial(\"<child key>\")` on it"
+    )]
+    MissingInitial {
+        /// State path.
+        state: String,
+    },
+    /// `initial` names a state that is not a child.
+    #[error(
+        "state `{state}`: initial `{initial}` is not one of its children ({children}); fix: name a direct child"
+    )]
+    UnknownInitial {
+        /// State path.
+        state: String,
+        /// The initial key as written.
+        initial: String,
+        /// The children's keys, comma separated.
+        children: String,
+    },
+    /// `max` given without `every`.
+    #[error(
+        "state `{state}`: transition on `{event}` has `max` but no `every` timer; fix: add `.every(Timer::…)` or drop `max`"
+    )]
+    MaxWithoutEvery {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+    },
+    /// `then` given without `max`.
+    #[error(
+        "state `{state}`: transition on `{event}` has `then` but no `max`; fix: add `.max(n)` so `then` knows when to fire"
+    )]
+    ThenWithoutMax {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+    },
+    /// `then` names an event no state handles.
+    #[error(
+        "state `{state}`: transition on `{event}` has `then` event `{then}`, which no state has a transition for; fix: add `.on(\"{then}\", …)` where it should be handled or correct the name"
+    )]
+    ThenUnknownEvent {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+        /// The `then` event as written.
+        then: String,
+    },
+    /// Both `after` and `every` on one transition.
+    #[error(
+        "state `{state}`: transition on `{event}` has both `after` and `every`; fix: keep one timer per event"
+    )]
+    ConflictingTimers {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+    },
+    /// A non-positive timer duration.
+    #[error(
+        "state `{state}`: timer on `{event}` is `{timer}`, which is not positive (InvalidTimerDefinition); fix: use a duration of at least 1 unit"
+    )]
+    InvalidTimerDefinition {
+        /// State path.
+        state: String,
+        /// Event name (or `@timeout`).
+        event: String,
+        /// The timer as written.
+        timer: String,
+    },
+    /// Two states with the same path (siblings with the same key).
+    #[error("duplicate state id `{state}`; fix: give sibling states distinct keys")]
+    DuplicateStateId {
+        /// The duplicated path.
+        state: String,
+    },
+    /// A state key that is empty or contains a dot.
+    #[error("state key `{key}` under `{state}` is invalid; fix: use a non-empty key without `.`")]
+    InvalidStateKey {
+        /// Parent state path.
+        state: String,
+        /// The key as written.
+        key: String,
+    },
+    /// A final state with outgoing transitions.
+    #[error(
+        "final state `{state}` has outgoing transitions; fix: remove them or make it a normal state"
+    )]
+    FinalWithTransitions {
+        /// State path.
+        state: String,
+    },
+    /// A final state with children.
+    #[error(
+        "final state `{state}` has child states; fix: make it a compound state with a final child"
+    )]
+    FinalWithChildren {
+        /// State path.
+        state: String,
+    },
+    /// A parallel state with fewer than two regions.
+    #[error(
+        "parallel state `{state}` has {regions} region(s); fix: give it at least two regions or make it a compound state"
+    )]
+    ParallelTooFewRegions {
+        /// State path.
+        state: String,
+        /// The number of regions.
+        regions: usize,
+    },
+    /// A guard name with no registered guard.
+    #[error(
+        "state `{state}`: transition on `{trigger}` uses unknown guard `{guard}`; fix: register it with `ChartBuilder::guard(\"{guard}\", …)`"
+    )]
+    UnknownGuard {
+        /// State path.
+        state: String,
+        /// Event name or `@always` / `@done` / `@fail` / `@timeout`.
+        trigger: String,
+        /// The guard name.
+        guard: String,
+    },
+    /// `@timeout` on a state that does not delegate to a child machine.
+    #[error(
+        "state `{state}` has `@timeout` but no child machine; fix: add `.machine(\"<name>\")` or use an `after` timer"
+    )]
+    TimeoutWithoutMachine {
+        /// State path.
+        state: String,
+    },
+}
+
+/// A problem worth reporting that does not stop the build.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum ChartWarning {
+    /// No transition or initial state can ever enter this state.
+    #[error(
+        "state `{state}` is unreachable: no initial state or transition leads to it; fix: add a transition targeting it or remove it"
+    )]
+    UnreachableState {
+        /// State path.
+        state: String,
+    },
+}
+
+/// All errors found while building a definition, in document order.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationErrors {
+    /// The errors.
+    pub errors: Vec<ChartError>,
+}
+
+impl fmt::Display for ValidationErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "invalid chart definition ({} error(s)):", self.errors.len())?;
+        for e in &self.errors {
+            writeln!(f, "  - {e}")?;
+        }
+        Ok(())
+    }
+}
+
+fn display(path: &str) -> String {
+    if path.is_empty() { "(root)".to_owned() } else { path.to_owned() }
+}
+
+fn join(parent: &str, key: &str) -> String {
+    if parent.is_empty() { key.to_owned() } else { format!("{parent}.{key}") }
+}
+
+struct Flat<'a> {
+    states: Vec<StateNode>,
+    builders: Vec<&'a StateBuilder>,
+    by_path: BTreeMap<String, usize>,
+    errors: Vec<ChartError>,
+}
+
+impl<'a> Flat<'a> {
+    fn push(&mut self, b: &'a StateBuilder, parent: Option<usize>) -> usize {
+        let path = match parent {
+            Some(p) => join(&self.states[p].path, &b.key),
+            None => String::new(),
+        };
+        if let Some(p) = parent
+            && (b.key.is_empty() || b.key.contains('.'))
+        {
+            self.errors.push(ChartError::InvalidStateKey {
+                state: display(&self.states[p].path),
+                key: b.key.clone(),
+            });
+        }
+        let id = self.states.len();
+        if self.by_path.contains_key(&path) {
+            self.errors.push(ChartError::DuplicateStateId { state: display(&path) });
+        } else {
+            self.by_path.insert(path.clone(), id);
+        }
+        self.states.push(StateNode {
+            key: b.key.clone(),
+            path,
+            kind: b.kind,
+            entry: b.entry.clone(),
+            exit: b.exit.clone(),
+            on: Vec::new(),
+            always: b.always.clone(),
+            on_done: b.on_done.clone(),
+            on_fail: b.on_fail.clone(),
+            on_timeout: b.on_timeout.clone(),
+            delegation: b.machine.clone().map(|machine| Delegation { machine, timeout: b.timeout }),
+            parent,
+            children: Vec::new(),
+            initial: None,
+            transitions: Vec::new(),
+        });
+        self.builders.push(b);
+        for child in &b.children {
+            let c = self.push(child, Some(id));
+            self.states[id].children.push(c);
+        }
+        id
+    }
+}
+
+pub(crate) fn build(builder: ChartBuilder) -> Result<Definition, ValidationErrors> {
+    let mut flat = Flat {
+        states: Vec::new(),
+        builders: Vec::new(),
+        by_path: BTreeMap::new(),
+        errors: Vec::new(),
+    };
+    flat.push(&builder.root, None);
+    let alphabet: BTreeSet<&str> =
+        flat.builders.iter().flat_map(|b| b.on.iter().map(|(e, _, _)| e.as_str())).collect();
+    let mut transitions = Vec::new();
+    for id in 0..flat.states.len() {
+        check_structure(&mut flat, id);
+        let on = check_timers(&mut flat, id, &alphabet);
+        flat.states[id].on = on;
+        let ids = flatten_transitions(&mut flat, id, &builder, &mut transitions);
+        flat.states[id].transitions = ids;
+    }
+    if !flat.errors.is_empty() {
+        return Err(ValidationErrors { errors: flat.errors });
+    }
+    let mut def = Definition {
+        name: builder.name,
+        version: builder.version,
+        states: flat.states,
+        transitions,
+        guards: builder.guards,
+        by_path: flat.by_path,
+        warnings: Vec::new(),
+    };
+    def.warnings = unreachable(&def);
+    Ok(def)
+}
+
+fn check_structure(flat: &mut Flat<'_>, id: usize) {
+    let b = flat.builders[id];
+    let path = display(&flat.states[id].path);
+    match b.kind {
+        StateKind::Compound => match &b.initial {
+            None => flat.errors.push(ChartError::MissingInitial { state: path }),
+            Some(initial) => {
+                let found = flat.states[id]
+                    .children
+                    .iter()
+                    .copied()
+                    .find(|&c| flat.states[c].key == *initial);
+                match found {
+                    Some(c) => flat.states[id].initial = Some(c),
+                    None => flat.errors.push(ChartError::UnknownInitial {
+                        state: path,
+                        initial: initial.clone(),
+                        children: b
+                            .children
+                            .iter()
+                            .map(|c| c.key.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    }),
+                }
+            }
+        },
+        StateKind::Parallel if b.children.len() < 2 => {
+            flat.errors
+                .push(ChartError::ParallelTooFewRegions { state: path, regions: b.children.len() });
+        }
+        StateKind::Final => {
+            let has_transitions = !(b.on.is_empty()
+                && b.always.is_empty()
+                && b.on_done.is_empty()
+                && b.on_fail.is_empty()
+                && b.on_timeout.is_empty());
+            if has_transitions {
+                flat.errors.push(ChartError::FinalWithTransitions { state: path.clone() });
+            }
+            if !b.children.is_empty() {
+                flat.errors.push(ChartError::FinalWithChildren { state: path });
+            }
+        }
+        _ => {}
+    }
+    let b = flat.builders[id];
+    if !b.on_timeout.is_empty() && b.machine.is_none() {
+        flat.errors
+            .push(ChartError::TimeoutWithoutMachine { state: display(&flat.states[id].path) });
+    }
+    if let Some(t) = b.timeout
+        && t.duration().is_none()
+    {
+        flat.errors.push(ChartError::InvalidTimerDefinition {
+            state: display(&flat.states[id].path),
+            event: "@timeout".to_owned(),
+            timer: t.to_string(),
+        });
+    }
+}
+
+fn check_timers(flat: &mut Flat<'_>, id: usize, alphabet: &BTreeSet<&str>) -> Vec<TransitionDef> {
+    let b = flat.builders[id];
+    let state = display(&flat.states[id].path);
+    let mut out = Vec::with_capacity(b.on.len());
+    for (event, branches, raw) in &b.on {
+        let RawTimer { timer, both, max, then } = raw;
+        let err = |e: fn(String, String) -> ChartError| e(state.clone(), event.clone());
+        if *both {
+            flat.errors.push(err(|state, event| ChartError::ConflictingTimers { state, event }));
+        }
+        let every = matches!(timer, Some((TimerKind::Every, _)));
+        if max.is_some() && !every {
+            flat.errors.push(err(|state, event| ChartError::MaxWithoutEvery { state, event }));
+        }
+        if let Some(then) = then {
+            if max.is_none() {
+                flat.errors.push(err(|state, event| ChartError::ThenWithoutMax { state, event }));
+            }
+            if !alphabet.contains(then.as_str()) {
+                flat.errors.push(ChartError::ThenUnknownEvent {
+                    state: state.clone(),
+                    event: event.clone(),
+                    then: then.clone(),
+                });
+            }
+        }
+        if let Some((_, t)) = timer
+            && t.duration().is_none()
+        {
+            flat.errors.push(ChartError::InvalidTimerDefinition {
+                state: state.clone(),
+                event: event.clone(),
+                timer: t.to_string(),
+            });
+        }
+        out.push(TransitionDef {
+            event: event.clone(),
+            branches: branches.clone(),
+            timer: timer.map(|(kind, timer)| TimerSpec {
+                kind,
+                timer,
+                max: *max,
+                then: then.clone(),
+            }),
+        });
+    }
+    out
+}
+
+fn flatten_transitions(
+    flat: &mut Flat<'_>,
+    id: usize,
+    builder: &ChartBuilder,
+    out: &mut Vec<Transition>,
+) -> Vec<usize> {
+    let b = flat.builders[id];
+    let mut groups: Vec<(Trigger, String, &Vec<Branch>)> = Vec::new();
+    for (event, branches, _) in &b.on {
+        groups.push((Trigger::Event(event.clone()), event.clone(), branches));
+    }
+    groups.push((Trigger::Always, "@always".to_owned(), &b.always));
+    groups.push((Trigger::Done, "@done".to_owned(), &b.on_done));
+    groups.push((Trigger::Fail, "@fail".to_owned(), &b.on_fail));
+    groups.push((Trigger::Timeout, "@timeout".to_owned(), &b.on_timeout));
+    let mut ids = Vec::new();
+    for (trigger, label, branches) in groups {
+        for branch in branches {
+            let target = branch.target.as_ref().and_then(|t| {
+                let found = resolve(flat, id, t);
+                if found.is_none() {
+                    flat.errors.push(ChartError::UnknownTarget {
+                        state: display(&flat.states[id].path),
+                        trigger: label.clone(),
+                        target: t.clone(),
+                    });
+                }
+                found
+            });
+            for guard in &branch.guards {
+                if !builder.guards.contains_key(guard) {
+                    flat.errors.push(ChartError::UnknownGuard {
+                        state: display(&flat.states[id].path),
+                        trigger: label.clone(),
+                        guard: guard.clone(),
+                    });
+                }
+            }
+            ids.push(out.len());
+            out.push(Transition {
+                source: id,
+                trigger: trigger.clone(),
+                guards: branch.guards.clone(),
+                actions: branch.actions.clone(),
+                target,
+                internal: branch.internal,
+            });
+        }
+    }
+    ids
+}
+
+/// Resolves a target as written: `.child` is a child of the source; otherwise the nearest
+/// enclosing scope (the source's parent, then its ancestors up to the root) that has a state
+/// at that relative path wins, so a full dotted path always resolves at the root.
+fn resolve(flat: &Flat<'_>, source: usize, target: &str) -> Option<usize> {
+    if let Some(child) = target.strip_prefix('.') {
+        return flat.by_path.get(&join(&flat.states[source].path, child)).copied();
+    }
+    let mut scope = flat.states[source].parent;
+    while let Some(s) = scope {
+        if let Some(&found) = flat.by_path.get(&join(&flat.states[s].path, target)) {
+            return Some(found);
+        }
+        scope = flat.states[s].parent;
+    }
+    None
+}
+
+/// States that no sequence of transitions can enter, in document order.
+fn unreachable(def: &Definition) -> Vec<ChartWarning> {
+    let mut reached = vec![false; def.states.len()];
+    let mut work = vec![0];
+    while let Some(s) = work.pop() {
+        // Entering `s` enters its ancestors and its default descendants.
+        let mut stack = vec![s];
+        let mut anc = def.parent(s);
+        while let Some(a) = anc {
+            stack.push(a);
+            anc = def.parent(a);
+        }
+        while let Some(x) = stack.pop() {
+            if reached[x] {
+                continue;
+            }
+            reached[x] = true;
+            let node = &def.states[x];
+            match node.kind {
+                StateKind::Compound => stack.extend(node.initial),
+                StateKind::Parallel => stack.extend(node.children.iter().copied()),
+                _ => {}
+            }
+            for &t in &node.transitions {
+                if let Some(target) = def.transitions[t].target
+                    && !reached[target]
+                {
+                    work.push(target);
+                }
+            }
+        }
+    }
+    (1..def.states.len())
+        .filter(|&s| !reached[s])
+        .map(|s| ChartWarning::UnreachableState { state: def.states[s].path.clone() })
+        .collect()
+}

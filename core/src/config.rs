@@ -1,0 +1,1206 @@
+//! Queue configuration with inheritance: system → machine → event (seed 001 §6, §8, §9,
+//! §11.3; DESIGN §5.1).
+//!
+//! Each level is a [`PartialQueueConfig`]: every field optional, unknown keys rejected.
+//! [`PartialQueueConfig::overlay`] merges two levels key by key (the upper level wins,
+//! unspecified keys inherit, nested blocks such as `retry` merge recursively), and
+//! [`PartialQueueConfig::resolve`] fills the remaining gaps with the seed's defaults and
+//! validates the result into a complete [`QueueConfig`].
+//!
+//! [`KeelConfig`] is the TOML file shape the CLI loads:
+//!
+//! ```
+//! use std::time::Duration;
+//! use keel_core::config::KeelConfig;
+//! use keel_core::Priority;
+//!
+//! let config = KeelConfig::from_toml_str(r#"
+//!     [queue]
+//!     concurrency = 10
+//!     timeout = "30 seconds"
+//!
+//!     [machines.order.queue]
+//!     concurrency = 5
+//!
+//!     [machines.order.events.checkout.queue]
+//!     priority = "high"
+//! "#).unwrap();
+//!
+//! let checkout = config.queue_for("order", Some("checkout")).unwrap();
+//! assert_eq!(checkout.concurrency, 5);                   // from the machine
+//! assert_eq!(checkout.timeout, Duration::from_secs(30)); // inherited from the system
+//! assert_eq!(checkout.priority, Priority::High);     // from the event
+//! ```
+//!
+//! Every error names the field by its full path (`machines.order.queue.retry.max_attempts`)
+//! and says which values are accepted.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Range;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::duration::serde_human;
+use crate::ids::Priority;
+pub use crate::names::UnknownName;
+use crate::names::name_enum;
+use crate::retry::{Backoff, Jitter, RetryPolicy};
+
+name_enum! {
+    /// The order in which a queue hands out events (seed 001 §6.4).
+    #[derive(Default)]
+    pub enum Strategy {
+        /// Oldest first; priorities are ignored.
+        #[default]
+        Fifo = "fifo",
+        /// Lowest priority value first, oldest first within a priority.
+        Priority = "priority",
+    }
+}
+
+name_enum! {
+    /// What happens to an instance when one of its events is dead-lettered (DESIGN §5.3).
+    #[derive(Default)]
+    pub enum OnDeadLetter {
+        /// Suspend the instance until the entry is retried or purged, so later events for
+        /// the same aggregate keep their order.
+        #[default]
+        Suspend = "suspend",
+        /// Drop the event and carry on with the next one.
+        Skip = "skip",
+    }
+}
+
+/// Dead-letter queue settings (seed 001 §9.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeadLetterConfig {
+    /// Whether failed events are kept at all.
+    pub enabled: bool,
+    /// How long an entry is kept before the pruner removes it.
+    pub retention: Duration,
+}
+
+impl Default for DeadLetterConfig {
+    /// Enabled, kept for 7 days.
+    fn default() -> Self {
+        Self { enabled: true, retention: Duration::from_hours(7 * 24) }
+    }
+}
+
+/// Alerting thresholds (seed 001 §11.3). Every threshold is optional; none are set by
+/// default. The same type serves as a configuration level, merged field by field.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlertThresholds {
+    /// Pending events that raise a warning.
+    pub pending_warning: Option<u64>,
+    /// Pending events that raise a critical alert.
+    pub pending_critical: Option<u64>,
+    /// Dead-letter entries that raise a warning.
+    pub dlq_warning: Option<u64>,
+    /// Dead-letter entries that raise a critical alert.
+    pub dlq_critical: Option<u64>,
+    /// Processing time that raises a warning.
+    #[serde(with = "serde_human::option")]
+    pub processing_time_warning: Option<Duration>,
+    /// Processing time that raises a critical alert.
+    #[serde(with = "serde_human::option")]
+    pub processing_time_critical: Option<Duration>,
+}
+
+impl AlertThresholds {
+    /// Merges two levels: values set in `over` win.
+    pub fn overlay(&self, over: &Self) -> Self {
+        Self {
+            pending_warning: over.pending_warning.or(self.pending_warning),
+            pending_critical: over.pending_critical.or(self.pending_critical),
+            dlq_warning: over.dlq_warning.or(self.dlq_warning),
+            dlq_critical: over.dlq_critical.or(self.dlq_critical),
+            processing_time_warning: over.processing_time_warning.or(self.processing_time_warning),
+            processing_time_critical: over
+                .processing_time_critical
+                .or(self.processing_time_critical),
+        }
+    }
+
+    fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        ordered(path, "pending", self.pending_warning, self.pending_critical)?;
+        ordered(path, "dlq", self.dlq_warning, self.dlq_critical)?;
+        ordered(
+            path,
+            "processing_time",
+            self.processing_time_warning,
+            self.processing_time_critical,
+        )
+    }
+}
+
+/// A warning threshold above its critical threshold would never warn first.
+fn ordered<T: PartialOrd + fmt::Debug>(
+    path: &str,
+    name: &str,
+    warning: Option<T>,
+    critical: Option<T>,
+) -> Result<(), ConfigError> {
+    match (warning, critical) {
+        (Some(warning), Some(critical)) if warning > critical => Err(ConfigError::invalid(
+            format!("{path}.{name}_warning"),
+            format!(
+                "must not exceed {path}.{name}_critical ({warning:?} > {critical:?}); a warning should fire before the critical alert"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A complete, validated queue configuration for one machine or event.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueConfig {
+    /// Processing order (default `fifo`).
+    pub strategy: Strategy,
+    /// Events of this queue processed at once on one worker (default 10).
+    pub concurrency: u32,
+    /// Processing timeout per event (default 30 seconds).
+    pub timeout: Duration,
+    /// Priority given to events that do not say otherwise (default `normal`).
+    pub priority: Priority,
+    /// Retry policy (defaults: 3 attempts, exponential from 1 s, capped at 5 min).
+    pub retry: RetryPolicy,
+    /// Dead-letter settings (default: enabled, 7 days).
+    pub dead_letter: DeadLetterConfig,
+    /// What a dead-lettered event does to its instance (default `suspend`).
+    pub on_dead_letter: OnDeadLetter,
+    /// Alerting thresholds (default: none).
+    pub alerts: AlertThresholds,
+}
+
+impl QueueConfig {
+    /// The upper bound on `concurrency`: every queue has an explicit bound (architecture
+    /// invariant 5), and more in-flight events than this on one worker is a typo.
+    pub const CONCURRENCY_LIMIT: u32 = 10_000;
+
+    /// Checks every field, naming it under `path` (normally `queue`) in the error.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        check_concurrency(path, self.concurrency)?;
+        check_timeout(path, self.timeout)?;
+        self.retry.validate().map_err(|error| {
+            ConfigError::invalid(format!("{path}.{}", error.field), error.reason)
+        })?;
+        check_retention(path, self.dead_letter.retention)?;
+        self.alerts.validate(&format!("{path}.alerts"))
+    }
+}
+
+impl Default for QueueConfig {
+    /// The seed 001 §6.4 defaults.
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::default(),
+            concurrency: 10,
+            timeout: Duration::from_secs(30),
+            priority: Priority::default(),
+            retry: RetryPolicy::default(),
+            dead_letter: DeadLetterConfig::default(),
+            on_dead_letter: OnDeadLetter::default(),
+            alerts: AlertThresholds::default(),
+        }
+    }
+}
+
+fn check_concurrency(path: &str, concurrency: u32) -> Result<(), ConfigError> {
+    let limit = QueueConfig::CONCURRENCY_LIMIT;
+    if (1..=limit).contains(&concurrency) {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            format!("{path}.concurrency"),
+            format!("must be at least 1 and at most {limit} (got {concurrency})"),
+        ))
+    }
+}
+
+fn check_timeout(path: &str, timeout: Duration) -> Result<(), ConfigError> {
+    if timeout.is_zero() {
+        return Err(ConfigError::invalid(
+            format!("{path}.timeout"),
+            "must be greater than zero, e.g. \"30 seconds\"",
+        ));
+    }
+    Ok(())
+}
+
+fn check_retention(path: &str, retention: Duration) -> Result<(), ConfigError> {
+    if retention.is_zero() {
+        return Err(ConfigError::invalid(
+            format!("{path}.dead_letter.retention"),
+            "must be greater than zero, e.g. \"7 days\"; to keep no entries set dead_letter.enabled = false",
+        ));
+    }
+    Ok(())
+}
+
+/// One level of retry settings; unset fields inherit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PartialRetryPolicy {
+    /// See [`RetryPolicy::max_attempts`].
+    pub max_attempts: Option<u32>,
+    /// See [`RetryPolicy::backoff`].
+    pub backoff: Option<Backoff>,
+    /// See [`RetryPolicy::initial_delay`].
+    #[serde(with = "serde_human::option")]
+    pub initial_delay: Option<Duration>,
+    /// See [`RetryPolicy::max_delay`].
+    #[serde(with = "serde_human::option")]
+    pub max_delay: Option<Duration>,
+    /// See [`RetryPolicy::jitter`].
+    pub jitter: Option<Jitter>,
+}
+
+impl PartialRetryPolicy {
+    /// Merges two levels: values set in `over` win.
+    pub fn overlay(&self, over: &Self) -> Self {
+        Self {
+            max_attempts: over.max_attempts.or(self.max_attempts),
+            backoff: over.backoff.or(self.backoff),
+            initial_delay: over.initial_delay.or(self.initial_delay),
+            max_delay: over.max_delay.or(self.max_delay),
+            jitter: over.jitter.or(self.jitter),
+        }
+    }
+
+    /// Fills unset fields from `defaults`.
+    pub fn resolve(&self, defaults: &RetryPolicy) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
+            backoff: self.backoff.unwrap_or(defaults.backoff),
+            initial_delay: self.initial_delay.unwrap_or(defaults.initial_delay),
+            max_delay: self.max_delay.unwrap_or(defaults.max_delay),
+            jitter: self.jitter.unwrap_or(defaults.jitter),
+        }
+    }
+}
+
+/// One level of dead-letter settings; unset fields inherit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PartialDeadLetterConfig {
+    /// See [`DeadLetterConfig::enabled`].
+    pub enabled: Option<bool>,
+    /// See [`DeadLetterConfig::retention`].
+    #[serde(with = "serde_human::option")]
+    pub retention: Option<Duration>,
+}
+
+impl PartialDeadLetterConfig {
+    /// Merges two levels: values set in `over` win.
+    pub fn overlay(&self, over: &Self) -> Self {
+        Self {
+            enabled: over.enabled.or(self.enabled),
+            retention: over.retention.or(self.retention),
+        }
+    }
+}
+
+/// One level of queue configuration (system, machine or event); unset fields inherit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PartialQueueConfig {
+    /// See [`QueueConfig::strategy`].
+    pub strategy: Option<Strategy>,
+    /// See [`QueueConfig::concurrency`].
+    pub concurrency: Option<u32>,
+    /// See [`QueueConfig::timeout`].
+    #[serde(with = "serde_human::option")]
+    pub timeout: Option<Duration>,
+    /// See [`QueueConfig::priority`]; usually set on an event.
+    pub priority: Option<Priority>,
+    /// See [`QueueConfig::retry`].
+    pub retry: Option<PartialRetryPolicy>,
+    /// See [`QueueConfig::dead_letter`].
+    pub dead_letter: Option<PartialDeadLetterConfig>,
+    /// See [`QueueConfig::on_dead_letter`].
+    pub on_dead_letter: Option<OnDeadLetter>,
+    /// See [`QueueConfig::alerts`].
+    pub alerts: Option<AlertThresholds>,
+}
+
+impl PartialQueueConfig {
+    /// Merges two levels key by key: values set in `over` win, unset ones inherit from
+    /// `self`, and nested blocks merge recursively.
+    pub fn overlay(&self, over: &Self) -> Self {
+        Self {
+            strategy: over.strategy.or(self.strategy),
+            concurrency: over.concurrency.or(self.concurrency),
+            timeout: over.timeout.or(self.timeout),
+            priority: over.priority.or(self.priority),
+            retry: nested(self.retry, over.retry, PartialRetryPolicy::overlay),
+            dead_letter: nested(self.dead_letter, over.dead_letter, |base, over| {
+                base.overlay(over)
+            }),
+            on_dead_letter: over.on_dead_letter.or(self.on_dead_letter),
+            alerts: nested(self.alerts, over.alerts, AlertThresholds::overlay),
+        }
+    }
+
+    /// Fills unset fields with the defaults and validates the result; errors name the
+    /// field under `queue.`.
+    pub fn resolve(&self) -> Result<QueueConfig, ConfigError> {
+        let defaults = QueueConfig::default();
+        let dead_letter = self.dead_letter.unwrap_or_default();
+        let config = QueueConfig {
+            strategy: self.strategy.unwrap_or(defaults.strategy),
+            concurrency: self.concurrency.unwrap_or(defaults.concurrency),
+            timeout: self.timeout.unwrap_or(defaults.timeout),
+            priority: self.priority.unwrap_or(defaults.priority),
+            retry: self.retry.unwrap_or_default().resolve(&defaults.retry),
+            dead_letter: DeadLetterConfig {
+                enabled: dead_letter.enabled.unwrap_or(defaults.dead_letter.enabled),
+                retention: dead_letter.retention.unwrap_or(defaults.dead_letter.retention),
+            },
+            on_dead_letter: self.on_dead_letter.unwrap_or(defaults.on_dead_letter),
+            alerts: self.alerts.unwrap_or_default(),
+        };
+        config.validate("queue")?;
+        Ok(config)
+    }
+
+    /// Checks the fields this level sets on their own, naming them under `path`.
+    ///
+    /// Rules that relate two fields (`initial_delay` ≤ `max_delay`, warning ≤ critical)
+    /// wait for [`resolve`](Self::resolve): the other field may come from another level.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if let Some(concurrency) = self.concurrency {
+            check_concurrency(path, concurrency)?;
+        }
+        if let Some(timeout) = self.timeout {
+            check_timeout(path, timeout)?;
+        }
+        if let Some(retry) = &self.retry {
+            // Validate the set fields against values that pass every relational rule.
+            let probe = RetryPolicy {
+                initial_delay: Duration::ZERO,
+                max_delay: Duration::MAX,
+                ..retry.resolve(&RetryPolicy::default())
+            };
+            probe.validate().map_err(|error| {
+                ConfigError::invalid(format!("{path}.{}", error.field), error.reason)
+            })?;
+        }
+        if let Some(retention) = self.dead_letter.and_then(|dead_letter| dead_letter.retention) {
+            check_retention(path, retention)?;
+        }
+        Ok(())
+    }
+}
+
+fn nested<T: Copy>(base: Option<T>, over: Option<T>, merge: impl Fn(&T, &T) -> T) -> Option<T> {
+    match (base, over) {
+        (Some(base), Some(over)) => Some(merge(&base, &over)),
+        (base, over) => over.or(base),
+    }
+}
+
+/// Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Configuration", same
+/// names and defaults). Durations accept the seed's whole seconds (`300`) or a human
+/// string (`"5 minutes"`).
+///
+/// The seed's `lock_timeout` and `lock_ttl` have no field: Keel applies region results in
+/// the parent's one-event-at-a-time processing under its lease, so nothing waits on a lock,
+/// and the lease (`WorkerConfig::lease`) is what expires when a holder dies.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Master switch (default `false`: region entry actions run inline).
+    pub enabled: bool,
+    /// The queue region tasks run on (`None` = the default queue).
+    pub queue: Option<String>,
+    /// Timeout of one region task attempt (default 300 s).
+    #[serde(with = "seconds_or_human")]
+    pub job_timeout: Duration,
+    /// Attempts of a region task before it fails the parallel state (default 3).
+    pub job_tries: u32,
+    /// Delay between attempts (default 30 s).
+    #[serde(with = "seconds_or_human")]
+    pub job_backoff: Duration,
+    /// How long a dispatched parallel state may stay unfinished before `@fail` (default 0
+    /// = off).
+    #[serde(with = "seconds_or_human")]
+    pub region_timeout: Duration,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            queue: None,
+            job_timeout: Duration::from_secs(300),
+            job_tries: 3,
+            job_backoff: Duration::from_secs(30),
+            region_timeout: Duration::ZERO,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// Dispatch on, every other setting at its default.
+    pub fn enabled() -> Self {
+        Self { enabled: true, ..Self::default() }
+    }
+
+    /// The queue settings of region tasks: `job_timeout` per attempt, `job_tries` attempts
+    /// `job_backoff` apart (no jitter), everything else from `base` (the machine's).
+    pub fn job_config(&self, base: QueueConfig) -> QueueConfig {
+        QueueConfig {
+            timeout: self.job_timeout,
+            retry: RetryPolicy {
+                max_attempts: self.job_tries.max(1),
+                backoff: Backoff::Linear,
+                initial_delay: self.job_backoff,
+                max_delay: self.job_backoff,
+                jitter: Jitter::None,
+            },
+            ..base
+        }
+    }
+
+    /// Checks the ranges, naming fields under `path` (e.g. `parallel_dispatch`).
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        PartialParallelConfig::from(self.clone()).validate(path)
+    }
+}
+
+/// One level (system or machine) of [`ParallelConfig`]; unset fields inherit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PartialParallelConfig {
+    /// See [`ParallelConfig::enabled`].
+    pub enabled: Option<bool>,
+    /// See [`ParallelConfig::queue`].
+    pub queue: Option<String>,
+    /// See [`ParallelConfig::job_timeout`].
+    #[serde(with = "seconds_or_human::option")]
+    pub job_timeout: Option<Duration>,
+    /// See [`ParallelConfig::job_tries`].
+    pub job_tries: Option<u32>,
+    /// See [`ParallelConfig::job_backoff`].
+    #[serde(with = "seconds_or_human::option")]
+    pub job_backoff: Option<Duration>,
+    /// See [`ParallelConfig::region_timeout`].
+    #[serde(with = "seconds_or_human::option")]
+    pub region_timeout: Option<Duration>,
+}
+
+impl From<ParallelConfig> for PartialParallelConfig {
+    fn from(c: ParallelConfig) -> Self {
+        Self {
+            enabled: Some(c.enabled),
+            queue: c.queue,
+            job_timeout: Some(c.job_timeout),
+            job_tries: Some(c.job_tries),
+            job_backoff: Some(c.job_backoff),
+            region_timeout: Some(c.region_timeout),
+        }
+    }
+}
+
+impl PartialParallelConfig {
+    /// Merges two levels: values set in `over` win.
+    pub fn overlay(&self, over: &Self) -> Self {
+        Self {
+            enabled: over.enabled.or(self.enabled),
+            queue: over.queue.clone().or_else(|| self.queue.clone()),
+            job_timeout: over.job_timeout.or(self.job_timeout),
+            job_tries: over.job_tries.or(self.job_tries),
+            job_backoff: over.job_backoff.or(self.job_backoff),
+            region_timeout: over.region_timeout.or(self.region_timeout),
+        }
+    }
+
+    /// Fills unset fields with the seed's defaults.
+    pub fn resolve(&self) -> ParallelConfig {
+        let d = ParallelConfig::default();
+        ParallelConfig {
+            enabled: self.enabled.unwrap_or(d.enabled),
+            queue: self.queue.clone().or(d.queue),
+            job_timeout: self.job_timeout.unwrap_or(d.job_timeout),
+            job_tries: self.job_tries.unwrap_or(d.job_tries),
+            job_backoff: self.job_backoff.unwrap_or(d.job_backoff),
+            region_timeout: self.region_timeout.unwrap_or(d.region_timeout),
+        }
+    }
+
+    /// Checks the fields this level sets, naming them under `path`.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if let Some(tries) = self.job_tries
+            && !(1..=RetryPolicy::MAX_ATTEMPTS_LIMIT).contains(&tries)
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.job_tries"),
+                format!("must be between 1 and {} (got {tries})", RetryPolicy::MAX_ATTEMPTS_LIMIT),
+            ));
+        }
+        if self.job_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(ConfigError::invalid(
+                format!("{path}.job_timeout"),
+                "must be greater than zero, e.g. 300 (seconds)",
+            ));
+        }
+        if let Some(queue) = &self.queue
+            && queue.is_empty()
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.queue"),
+                "must not be empty; leave it out to use the default queue",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Durations as whole seconds (the seed's form) or a human string.
+mod seconds_or_human {
+    use std::fmt;
+    use std::time::Duration;
+
+    use serde::de::{self, Deserializer, Visitor};
+    use serde::ser::Serializer;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_secs())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        d.deserialize_any(SecondsOrHuman)
+    }
+
+    struct SecondsOrHuman;
+
+    impl Visitor<'_> for SecondsOrHuman {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("whole seconds such as 300, or a duration string such as \"5 minutes\"")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
+            Ok(Duration::from_secs(v))
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Duration, E> {
+            u64::try_from(v)
+                .map(Duration::from_secs)
+                .map_err(|_| E::custom(format!("must not be negative (got {v})")))
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Duration, E> {
+            crate::duration::parse(v).map_err(E::custom)
+        }
+    }
+
+    pub mod option {
+        use std::time::Duration;
+
+        use serde::Deserializer;
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            super::deserialize(d).map(Some)
+        }
+    }
+}
+
+/// Configuration of one machine: its queue level and its events.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MachineConfig {
+    /// Overrides of the system queue settings for this machine.
+    pub queue: PartialQueueConfig,
+    /// Overrides of the system parallel dispatch settings (`[machines.<name>.parallel_dispatch]`).
+    pub parallel_dispatch: PartialParallelConfig,
+    /// Per-event overrides, by event name.
+    pub events: BTreeMap<String, EventConfig>,
+}
+
+/// Configuration of one event of a machine.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EventConfig {
+    /// Overrides of the machine queue settings for this event.
+    pub queue: PartialQueueConfig,
+}
+
+/// The configuration file: system defaults and per-machine, per-event overrides.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KeelConfig {
+    /// System-level queue defaults (`[queue]`).
+    pub queue: PartialQueueConfig,
+    /// Machines by name (`[machines.<name>.queue]`, `[machines.<name>.events.<event>.queue]`).
+    pub machines: BTreeMap<String, MachineConfig>,
+    /// System-level parallel dispatch defaults (`[parallel_dispatch]`).
+    pub parallel_dispatch: PartialParallelConfig,
+}
+
+impl KeelConfig {
+    /// Parses and checks a TOML configuration. Syntax errors, unknown keys and unknown
+    /// values keep the toml crate's line/column report, prefixed by the key's full path;
+    /// out-of-range values name the full path of the offending level.
+    pub fn from_toml_str(source: &str) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(source).map_err(|error| ConfigError::Toml {
+            path: error.span().and_then(|span| key_path_at(source, &span)),
+            error,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every level on its own (see [`PartialQueueConfig::validate`]).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.queue.validate("queue")?;
+        self.parallel_dispatch.validate("parallel_dispatch")?;
+        for (machine_name, machine) in &self.machines {
+            machine.queue.validate(&format!("machines.{machine_name}.queue"))?;
+            machine
+                .parallel_dispatch
+                .validate(&format!("machines.{machine_name}.parallel_dispatch"))?;
+            for (event_name, event) in &machine.events {
+                event
+                    .queue
+                    .validate(&format!("machines.{machine_name}.events.{event_name}.queue"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The merged, not yet resolved levels for a machine and optionally one of its events.
+    /// A machine or event without a section simply inherits.
+    pub fn layered(&self, machine: &str, event: Option<&str>) -> PartialQueueConfig {
+        let Some(machine) = self.machines.get(machine) else {
+            return self.queue;
+        };
+        let merged = self.queue.overlay(&machine.queue);
+        match event.and_then(|event| machine.events.get(event)) {
+            Some(event) => merged.overlay(&event.queue),
+            None => merged,
+        }
+    }
+
+    /// The parallel dispatch settings of a machine: its section over the system's, then
+    /// the seed's defaults.
+    pub fn parallel_for(&self, machine: &str) -> ParallelConfig {
+        match self.machines.get(machine) {
+            Some(m) => self.parallel_dispatch.overlay(&m.parallel_dispatch).resolve(),
+            None => self.parallel_dispatch.resolve(),
+        }
+    }
+
+    /// The complete queue configuration for a machine, or for one of its events.
+    pub fn queue_for(
+        &self,
+        machine: &str,
+        event: Option<&str>,
+    ) -> Result<QueueConfig, ConfigError> {
+        self.layered(machine, event).resolve()
+    }
+}
+
+/// A configuration that cannot be used, with the field's path and how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The TOML did not parse or did not match the expected shape.
+    // toml's report ends with a newline; trim it so the message composes with others.
+    #[error(
+        "{}{}",
+        path.as_ref().map(|path| format!("{path}: ")).unwrap_or_default(),
+        error.to_string().trim_end()
+    )]
+    Toml {
+        /// The dotted path of the key the error points at, when it could be determined.
+        path: Option<String>,
+        /// The toml crate's error, with line and column.
+        error: toml::de::Error,
+    },
+    /// A value out of its accepted range.
+    #[error("{path}: {reason}")]
+    Invalid {
+        /// The dotted path of the field, e.g. `queue.retry.max_attempts`.
+        path: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(path: String, reason: impl Into<String>) -> Self {
+        Self::Invalid { path, reason: reason.into() }
+    }
+}
+
+/// The dotted path of the key an error span points at, so an error can name
+/// `machines.order.queue.strategy` rather than only a line number.
+fn key_path_at(source: &str, span: &Range<usize>) -> Option<String> {
+    let root = toml::de::DeTable::parse(source).ok()?;
+    let mut path = Vec::new();
+    find_key_path(root.get_ref(), span, &mut path).then(|| path.join("."))
+}
+
+/// Depth-first search for the key or value containing `span`. A `[header]` table's span
+/// covers only its header, not its body, so every table is searched, not only the ones
+/// whose span contains the error.
+fn find_key_path(
+    table: &toml::de::DeTable<'_>,
+    span: &Range<usize>,
+    path: &mut Vec<String>,
+) -> bool {
+    let contains = |outer: Range<usize>| outer.start <= span.start && span.end <= outer.end;
+    for (key, value) in table {
+        path.push(key.get_ref().to_string());
+        if contains(key.span()) {
+            return true;
+        }
+        if let toml::de::DeValue::Table(inner) = value.get_ref()
+            && find_key_path(inner, span, path)
+        {
+            return true;
+        }
+        if contains(value.span()) {
+            return true;
+        }
+        path.pop();
+    }
+    false
+}
+
+#[cfg(test)]
+mod parallel_tests {
+    use super::*;
+
+    #[test]
+    fn parallel_defaults_follow_the_seed() {
+        let c = ParallelConfig::default();
+        assert!(!c.enabled);
+        assert_eq!(c.queue, None);
+        assert_eq!(c.job_timeout, Duration::from_secs(300));
+        assert_eq!(c.job_tries, 3);
+        assert_eq!(c.job_backoff, Duration::from_secs(30));
+        assert!(c.region_timeout.is_zero());
+        assert_eq!(KeelConfig::default().parallel_for("any"), c);
+    }
+
+    #[test]
+    fn parallel_settings_inherit_system_then_machine() {
+        let config = KeelConfig::from_toml_str(
+            r#"
+            [parallel_dispatch]
+            enabled = true
+            job_backoff = 10
+            region_timeout = "2 minutes"
+
+            [machines.order.parallel_dispatch]
+            job_tries = 5
+            queue = "regions"
+            "#,
+        )
+        .unwrap();
+        let order = config.parallel_for("order");
+        assert!(order.enabled);
+        assert_eq!(order.job_tries, 5);
+        assert_eq!(order.queue.as_deref(), Some("regions"));
+        assert_eq!(order.job_backoff, Duration::from_secs(10));
+        assert_eq!(order.region_timeout, Duration::from_secs(120));
+        assert_eq!(order.job_timeout, Duration::from_secs(300));
+        assert_eq!(config.parallel_for("other").job_tries, 3);
+    }
+
+    #[test]
+    fn parallel_errors_name_the_field() {
+        let e = KeelConfig::from_toml_str("[machines.order.parallel_dispatch]\njob_tries = 0")
+            .unwrap_err();
+        assert!(e.to_string().starts_with("machines.order.parallel_dispatch.job_tries:"), "{e}");
+        let e = KeelConfig::from_toml_str("[parallel_dispatch]\nlock_ttl = 60").unwrap_err();
+        assert!(e.to_string().contains("lock_ttl"), "{e}");
+        let e = KeelConfig::from_toml_str("[parallel_dispatch]\njob_timeout = 0").unwrap_err();
+        assert!(e.to_string().starts_with("parallel_dispatch.job_timeout:"), "{e}");
+    }
+
+    #[test]
+    fn job_config_maps_tries_backoff_and_timeout() {
+        let q = ParallelConfig::enabled().job_config(QueueConfig::default());
+        assert_eq!(q.timeout, Duration::from_secs(300));
+        assert_eq!(q.retry.max_attempts, 3);
+        assert_eq!(q.retry.delay_for(0, 0.5), Duration::from_secs(30));
+        assert_eq!(q.retry.delay_for(1, 0.5), Duration::from_secs(30));
+        let json: ParallelConfig =
+            serde_json::from_value(serde_json::json!({"enabled": true, "job_timeout": "1 minute"}))
+                .unwrap();
+        assert_eq!(json.job_timeout, Duration::from_secs(60));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    /// One inheritance case: a TOML file, the machine and event asked for, and the
+    /// expected differences from the defaults.
+    fn check(toml: &str, machine: &str, event: Option<&str>, expected: fn(&mut QueueConfig)) {
+        let config = KeelConfig::from_toml_str(toml).unwrap_or_else(|error| panic!("{error}"));
+        let mut want = QueueConfig::default();
+        expected(&mut want);
+        let got = config.queue_for(machine, event).unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(got, want, "queue_for({machine:?}, {event:?}) of\n{toml}");
+    }
+
+    const FILE: &str = r#"
+        [queue]
+        concurrency = 10
+        timeout = "30 seconds"
+        [queue.retry]
+        max_attempts = 4
+        backoff = "exponential"
+        initial_delay = "2s"
+        [queue.dead_letter]
+        retention = "14 days"
+
+        [machines.order.queue]
+        concurrency = 5
+        timeout = "60 seconds"
+        [machines.order.queue.retry]
+        backoff = "linear"
+
+        [machines.order.events.checkout.queue]
+        priority = "high"
+        [machines.order.events.checkout.queue.retry]
+        max_attempts = 6
+
+        [machines.report.queue]
+        concurrency = 1
+        timeout = "10 minutes"
+        on_dead_letter = "skip"
+        [machines.report.queue.dead_letter]
+        enabled = false
+    "#;
+
+    /// TOML, machine, event, and the expected differences from the defaults.
+    type InheritanceCase = (&'static str, &'static str, Option<&'static str>, fn(&mut QueueConfig));
+
+    #[test]
+    fn inheritance_system_machine_event() {
+        let cases: &[InheritanceCase] = &[
+            // Empty file: the seed defaults.
+            ("", "order", None, |_| {}),
+            ("", "order", Some("checkout"), |_| {}),
+            // System only: a machine without a section inherits everything.
+            (FILE, "invoice", None, |q| {
+                q.retry.max_attempts = 4;
+                q.retry.initial_delay = S(2);
+                q.dead_letter.retention = S(14 * 86_400);
+            }),
+            // Machine override; nested retry merges (backoff from machine, rest from system).
+            (FILE, "order", None, |q| {
+                q.concurrency = 5;
+                q.timeout = S(60);
+                q.retry.max_attempts = 4;
+                q.retry.initial_delay = S(2);
+                q.retry.backoff = Backoff::Linear;
+                q.dead_letter.retention = S(14 * 86_400);
+            }),
+            // An event without a section is the machine's configuration.
+            (FILE, "order", Some("add_item"), |q| {
+                q.concurrency = 5;
+                q.timeout = S(60);
+                q.retry.max_attempts = 4;
+                q.retry.initial_delay = S(2);
+                q.retry.backoff = Backoff::Linear;
+                q.dead_letter.retention = S(14 * 86_400);
+            }),
+            // Event override on top of machine on top of system, nested retry three deep.
+            (FILE, "order", Some("checkout"), |q| {
+                q.concurrency = 5;
+                q.timeout = S(60);
+                q.priority = Priority::High;
+                q.retry.max_attempts = 6;
+                q.retry.initial_delay = S(2);
+                q.retry.backoff = Backoff::Linear;
+                q.dead_letter.retention = S(14 * 86_400);
+            }),
+            // Nested dead_letter merges: enabled from machine, retention from system.
+            (FILE, "report", Some("generate"), |q| {
+                q.concurrency = 1;
+                q.timeout = S(600);
+                q.on_dead_letter = OnDeadLetter::Skip;
+                q.retry.max_attempts = 4;
+                q.retry.initial_delay = S(2);
+                q.dead_letter = DeadLetterConfig { enabled: false, retention: S(14 * 86_400) };
+            }),
+            // Every option, including alerts and jitter forms.
+            (
+                r#"
+                [queue]
+                strategy = "priority"
+                priority = "bulk"
+                [queue.retry]
+                jitter = 0.25
+                max_delay = "1 minute"
+                [queue.alerts]
+                pending_warning = 100
+                pending_critical = 500
+                dlq_warning = 10
+                dlq_critical = 50
+                processing_time_warning = "5 seconds"
+                processing_time_critical = "30 seconds"
+                [machines.a.queue.retry]
+                jitter = "full"
+                [machines.a.queue.alerts]
+                pending_warning = 200
+                "#,
+                "a",
+                None,
+                |q| {
+                    q.strategy = Strategy::Priority;
+                    q.priority = Priority::Bulk;
+                    q.retry.jitter = Jitter::Full;
+                    q.retry.max_delay = S(60);
+                    q.alerts = AlertThresholds {
+                        pending_warning: Some(200),
+                        pending_critical: Some(500),
+                        dlq_warning: Some(10),
+                        dlq_critical: Some(50),
+                        processing_time_warning: Some(S(5)),
+                        processing_time_critical: Some(S(30)),
+                    };
+                },
+            ),
+            // Bounds are inclusive.
+            ("[queue]\nconcurrency = 10000", "m", None, |q| {
+                q.concurrency = 10_000;
+            }),
+            ("[queue.retry]\nmax_attempts = 1", "m", None, |q| {
+                q.retry.max_attempts = 1;
+            }),
+        ];
+        for &(toml, machine, event, expected) in cases {
+            check(toml, machine, event, expected);
+        }
+    }
+
+    #[test]
+    fn overlay_merges_partials_key_by_key() {
+        let system = PartialQueueConfig {
+            concurrency: Some(10),
+            retry: Some(PartialRetryPolicy {
+                max_attempts: Some(3),
+                ..PartialRetryPolicy::default()
+            }),
+            ..PartialQueueConfig::default()
+        };
+        let machine = PartialQueueConfig {
+            concurrency: Some(5),
+            retry: Some(PartialRetryPolicy {
+                backoff: Some(Backoff::Linear),
+                ..PartialRetryPolicy::default()
+            }),
+            ..PartialQueueConfig::default()
+        };
+        let merged = system.overlay(&machine);
+        assert_eq!(merged.concurrency, Some(5));
+        assert_eq!(
+            merged.retry,
+            Some(PartialRetryPolicy {
+                max_attempts: Some(3),
+                backoff: Some(Backoff::Linear),
+                ..PartialRetryPolicy::default()
+            })
+        );
+        assert_eq!(PartialQueueConfig::default().overlay(&system), system);
+        assert_eq!(system.overlay(&PartialQueueConfig::default()), system);
+    }
+
+    /// One bad-input case: a TOML file, where to resolve, and fragments the error text
+    /// must contain (the field's path, the bad value, the accepted values or the fix).
+    fn check_error(toml: &str, machine: &str, event: Option<&str>, expected: &[&str]) {
+        let error = KeelConfig::from_toml_str(toml)
+            .and_then(|config| config.queue_for(machine, event))
+            .expect_err("configuration should be rejected")
+            .to_string();
+        for fragment in expected {
+            assert!(error.contains(fragment), "{fragment:?} not in error:\n{error}");
+        }
+    }
+
+    #[test]
+    fn bad_input_names_the_field_and_the_fix() {
+        let units = "accepted units: milliseconds (ms), seconds (s), minutes (m), hours (h), days (d), weeks (w)";
+        let cases: &[(&str, &str, Option<&str>, &[&str])] = &[
+            (
+                "[machines.order.events.checkout.queue]\npriority = \"urgent\"",
+                "order",
+                Some("checkout"),
+                &[
+                    "machines.order.events.checkout.queue.priority: ",
+                    "line 2",
+                    "unknown value \"urgent\"; accepted: critical, high, normal, low, bulk",
+                ],
+            ),
+            (
+                "[queue]\ntimeout = \"5 fortnights\"",
+                "m",
+                None,
+                &[
+                    "queue.timeout: ",
+                    "line 2, column 11",
+                    "invalid duration \"5 fortnights\": unknown unit \"fortnights\"",
+                    units,
+                ],
+            ),
+            (
+                "[queue.retry]\ninitial_delay = \"-5 seconds\"",
+                "m",
+                None,
+                &[
+                    "queue.retry.initial_delay: ",
+                    "invalid duration \"-5 seconds\": durations must not be negative",
+                ],
+            ),
+            (
+                "[queue.retry]\nmax_attempts = 0",
+                "m",
+                None,
+                &["queue.retry.max_attempts: must be at least 1 (got 0)"],
+            ),
+            (
+                "[machines.order.queue.retry]\nmax_attempts = 0",
+                "order",
+                None,
+                &["machines.order.queue.retry.max_attempts: must be at least 1 (got 0)"],
+            ),
+            (
+                "[queue.retry]\nmax_attempts = 10001",
+                "m",
+                None,
+                &["queue.retry.max_attempts: must be at most 10000 (got 10001)"],
+            ),
+            (
+                "[queue]\nstrategy = \"lifo\"",
+                "m",
+                None,
+                &["queue.strategy: ", "line 2", "unknown value \"lifo\"; accepted: fifo, priority"],
+            ),
+            (
+                "[queue.retry]\nbackoff = \"quadratic\"",
+                "m",
+                None,
+                &["queue.retry.backoff: ", "accepted: linear, exponential"],
+            ),
+            (
+                "[machines.order.queue]\non_dead_letter = \"drop\"",
+                "order",
+                None,
+                &["machines.order.queue.on_dead_letter: ", "accepted: suspend, skip"],
+            ),
+            (
+                "[queue]\nconcurrency = 10\nconcurency = 5",
+                "m",
+                None,
+                &["queue.concurency: ", "line 3", "unknown field `concurency`", "`concurrency`"],
+            ),
+            (
+                "[queue.retry]\nattempts = 5",
+                "m",
+                None,
+                &["queue.retry.attempts: ", "unknown field `attempts`", "`max_attempts`"],
+            ),
+            (
+                "[database]\nurl = \"postgres://\"",
+                "m",
+                None,
+                &[
+                    "database: ",
+                    "unknown field `database`",
+                    "expected one of `queue`, `machines`, `parallel_dispatch`",
+                ],
+            ),
+            (
+                "[queue]\nconcurrency = 0",
+                "m",
+                None,
+                &["queue.concurrency: must be at least 1 and at most 10000 (got 0)"],
+            ),
+            (
+                "[machines.m.events.e.queue]\ntimeout = \"0s\"",
+                "m",
+                Some("e"),
+                &["machines.m.events.e.queue.timeout: must be greater than zero"],
+            ),
+            (
+                "[queue.dead_letter]\nretention = \"0 days\"",
+                "m",
+                None,
+                &["queue.dead_letter.retention: must be greater than zero", "enabled = false"],
+            ),
+            (
+                "[queue.retry]\njitter = 2.0",
+                "m",
+                None,
+                &[
+                    "queue.retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got 2)",
+                ],
+            ),
+            // Relational rules are checked on the merged result, where both values are known.
+            (
+                "[queue.retry]\nmax_delay = \"1 minute\"\n[machines.m.queue.retry]\ninitial_delay = \"2 minutes\"",
+                "m",
+                None,
+                &["queue.retry.initial_delay: must not exceed max_delay (2 minutes > 1 minute)"],
+            ),
+            (
+                "[queue.alerts]\ndlq_warning = 60\ndlq_critical = 50",
+                "m",
+                None,
+                &["queue.alerts.dlq_warning: must not exceed queue.alerts.dlq_critical (60 > 50)"],
+            ),
+            // Syntax errors keep toml's line and column.
+            ("[queue]\nconcurrency = = 3", "m", None, &["TOML parse error at line 2"]),
+            (
+                "[queue]\nconcurrency = \"ten\"",
+                "m",
+                None,
+                &["queue.concurrency: ", "line 2", "invalid type: string \"ten\", expected u32"],
+            ),
+        ];
+        for &(toml, machine, event, expected) in cases {
+            check_error(toml, machine, event, expected);
+        }
+    }
+
+    #[test]
+    fn resolve_validates_programmatic_layers_too() {
+        let layer = PartialQueueConfig {
+            retry: Some(PartialRetryPolicy {
+                max_attempts: Some(0),
+                ..PartialRetryPolicy::default()
+            }),
+            ..PartialQueueConfig::default()
+        };
+        assert_eq!(
+            layer.resolve().unwrap_err().to_string(),
+            "queue.retry.max_attempts: must be at least 1 (got 0)"
+        );
+        assert_eq!(PartialQueueConfig::default().resolve(), Ok(QueueConfig::default()));
+    }
+
+    #[test]
+    fn priority_names_map_to_seed_levels() {
+        let cases: &[(&str, u8)] =
+            &[("critical", 0), ("high", 1), ("normal", 2), ("low", 3), ("bulk", 4), ("HIGH", 1)];
+        for &(name, value) in cases {
+            let parsed: Priority = name.parse().unwrap();
+            assert_eq!(parsed.level(), i16::from(value), "{name}");
+        }
+        assert_eq!(Priority::default(), Priority::Normal);
+    }
+}

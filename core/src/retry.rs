@@ -1,0 +1,435 @@
+//! Retry policy, backoff schedule and the retry-or-dead-letter decision (seed 001 §8, §9).
+//!
+//! Attempts are counted from 0. With `max_attempts = 3` a step runs at attempts 0, 1 and 2;
+//! the failure of attempt 2 sends it to the dead-letter queue. A non-retryable failure goes
+//! to the dead-letter queue at once, whatever attempt it was.
+//!
+//! Everything here is a plain function of its inputs. Jitter needs randomness, so the caller
+//! passes in a uniform random number in `[0, 1)`; tests pass fixed values.
+//!
+//! ```
+//! use std::time::Duration;
+//! use keel_core::retry::{decide, ErrorClass, RetryDecision, RetryPolicy};
+//!
+//! let policy = RetryPolicy::default(); // 3 attempts, exponential from 1 s, capped at 5 min
+//! assert_eq!(
+//!     decide(&policy, 1, ErrorClass::Retryable, 0.0),
+//!     RetryDecision::Retry { delay: Duration::from_secs(2) },
+//! );
+//! ```
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::names::name_enum;
+
+name_enum! {
+    /// How the delay grows between attempts.
+    pub enum Backoff {
+        /// The same delay (`initial_delay`) before every retry (seed 001 §8.3).
+        Linear = "linear",
+        /// `initial_delay`, then double each time: 1 s, 2 s, 4 s, … (seed 001 §8.2).
+        Exponential = "exponential",
+    }
+}
+
+/// Randomization of the backoff delay, so that many steps failing together do not all
+/// retry at the same instant.
+///
+/// Each kind shrinks the computed delay `d` by a random share, so jitter never lengthens a
+/// delay beyond `max_delay`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    /// Exactly `d`.
+    #[default]
+    None,
+    /// Uniform in `[0, d)` ("full jitter").
+    Full,
+    /// Uniform in `[d/2, d)` ("equal jitter").
+    Equal,
+    /// Uniform in `(d·(1 − f), d]` for a fraction `f` in `[0, 1]`; `Full` is `Fraction(1.0)`
+    /// and `Equal` is `Fraction(0.5)`. Written as a bare number in configuration.
+    #[serde(untagged)]
+    Fraction(f64),
+}
+
+impl Jitter {
+    /// The share of the delay that may be taken away: 0 for none, 1 for full.
+    pub fn fraction(self) -> f64 {
+        match self {
+            Self::None => 0.0,
+            Self::Full => 1.0,
+            Self::Equal => 0.5,
+            Self::Fraction(fraction) => fraction,
+        }
+    }
+}
+
+/// A user's retry configuration, as in seed 001 §6.4.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// How many times the step runs in total, the first run included. At least 1.
+    pub max_attempts: u32,
+    /// How the delay grows.
+    pub backoff: Backoff,
+    /// The delay before the first retry.
+    pub initial_delay: Duration,
+    /// No delay is ever longer than this.
+    pub max_delay: Duration,
+    /// Randomization applied after the cap.
+    pub jitter: Jitter,
+}
+
+impl RetryPolicy {
+    /// The upper bound on `max_attempts`: a retry count must be bounded (architecture
+    /// invariant 5), and more than this many attempts means a misconfiguration, not
+    /// patience.
+    pub const MAX_ATTEMPTS_LIMIT: u32 = 10_000;
+
+    /// Checks the invariants a policy must hold. The error names the field under `retry.`;
+    /// configuration prefixes it with where the block came from.
+    pub fn validate(&self) -> Result<(), InvalidPolicy> {
+        if self.max_attempts < 1 {
+            return Err(InvalidPolicy::new(
+                "retry.max_attempts",
+                format!("must be at least 1 (got {})", self.max_attempts),
+            ));
+        }
+        if self.max_attempts > Self::MAX_ATTEMPTS_LIMIT {
+            return Err(InvalidPolicy::new(
+                "retry.max_attempts",
+                format!("must be at most {} (got {})", Self::MAX_ATTEMPTS_LIMIT, self.max_attempts),
+            ));
+        }
+        if self.initial_delay > self.max_delay {
+            return Err(InvalidPolicy::new(
+                "retry.initial_delay",
+                format!(
+                    "must not exceed max_delay ({} > {})",
+                    crate::duration::format(self.initial_delay),
+                    crate::duration::format(self.max_delay)
+                ),
+            ));
+        }
+        let fraction = self.jitter.fraction();
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(InvalidPolicy::new(
+                "retry.jitter",
+                format!(
+                    "must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got {fraction})"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The delay before the retry that follows the failure of `failed_attempt` (0-based),
+    /// with `random` (uniform in `[0, 1)`, supplied by the caller) driving the jitter.
+    ///
+    /// Exponential: `initial_delay · 2^failed_attempt`; linear: `initial_delay`. Both are
+    /// capped at `max_delay` without overflow for any attempt number. A `random` outside
+    /// `[0, 1]` is clamped into it (NaN counts as 0).
+    pub fn delay_for(&self, failed_attempt: u32, random: f64) -> Duration {
+        let base = match self.backoff {
+            Backoff::Linear => self.initial_delay,
+            Backoff::Exponential => doubled(self.initial_delay, failed_attempt, self.max_delay),
+        };
+        apply_jitter(base.min(self.max_delay), self.jitter, random)
+    }
+}
+
+impl Default for RetryPolicy {
+    /// Seed 001 §6.4: 3 attempts, exponential from 1 second, capped at 5 minutes, no jitter.
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            backoff: Backoff::Exponential,
+            initial_delay: Duration::from_secs(1),
+            max_delay: Duration::from_mins(5),
+            jitter: Jitter::None,
+        }
+    }
+}
+
+/// `initial · 2^exponent`, or `cap` when that would exceed it (or overflow).
+fn doubled(initial: Duration, exponent: u32, cap: Duration) -> Duration {
+    let cap_nanos = cap.as_nanos();
+    let factor = 1u128.checked_shl(exponent).unwrap_or(0);
+    match initial.as_nanos().checked_mul(factor) {
+        Some(nanos) if factor != 0 && nanos <= cap_nanos => from_nanos(nanos),
+        _ => cap,
+    }
+}
+
+/// Shrinks `delay` by a random share of at most `jitter.fraction()`.
+fn apply_jitter(delay: Duration, jitter: Jitter, random: f64) -> Duration {
+    let fraction = clamp_unit(jitter.fraction());
+    if fraction == 0.0 {
+        return delay;
+    }
+    let keep = 1.0 - fraction * clamp_unit(random);
+    let nanos = delay.as_nanos();
+    // The float product is at most `nanos`; `min` guards against rounding up past it, and
+    // the cast saturates, so this never panics.
+    from_nanos(((nanos as f64 * keep) as u128).min(nanos))
+}
+
+fn clamp_unit(value: f64) -> f64 {
+    if value.is_nan() { 0.0 } else { value.clamp(0.0, 1.0) }
+}
+
+/// Builds a duration from nanoseconds known to fit (they came from a `Duration`).
+fn from_nanos(nanos: u128) -> Duration {
+    const NANOS_PER_SEC: u128 = 1_000_000_000;
+    let secs = u64::try_from(nanos / NANOS_PER_SEC).unwrap_or(u64::MAX);
+    Duration::new(secs, (nanos % NANOS_PER_SEC) as u32)
+}
+
+/// A retry policy field with a value it must not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidPolicy {
+    /// The field, e.g. `retry.max_attempts`.
+    pub field: &'static str,
+    /// What is wrong and how to fix it.
+    pub reason: String,
+}
+
+impl InvalidPolicy {
+    fn new(field: &'static str, reason: String) -> Self {
+        Self { field, reason }
+    }
+}
+
+/// Whether a failure is worth retrying (seed 001 §8.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// Timeouts, connection errors, rate limits: the same input may succeed later.
+    Retryable,
+    /// Validation errors, business-rule failures, authentication errors: it will fail
+    /// the same way every time.
+    NonRetryable,
+}
+
+/// Why an event or step went to the dead-letter queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadLetterReason {
+    /// Every allowed attempt failed.
+    Exhausted,
+    /// The failure was classed as non-retryable.
+    NonRetryable,
+}
+
+/// What to do after a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryDecision {
+    /// Run the step again after `delay`.
+    Retry {
+        /// How long to wait before the next attempt.
+        delay: Duration,
+    },
+    /// Stop and move the event (or step) to the dead-letter queue.
+    DeadLetter {
+        /// Why.
+        reason: DeadLetterReason,
+    },
+}
+
+/// Decides what follows the failure of attempt `failed_attempt` (0-based).
+///
+/// `random` is a uniform number in `[0, 1)` for jitter (see [`RetryPolicy::delay_for`]).
+/// A policy with `max_attempts = 0` (which [`RetryPolicy::validate`] rejects) behaves as
+/// if it were 1: the first failure is final.
+pub fn decide(
+    policy: &RetryPolicy,
+    failed_attempt: u32,
+    class: ErrorClass,
+    random: f64,
+) -> RetryDecision {
+    if class == ErrorClass::NonRetryable {
+        return RetryDecision::DeadLetter { reason: DeadLetterReason::NonRetryable };
+    }
+    if failed_attempt.saturating_add(1) >= policy.max_attempts {
+        return RetryDecision::DeadLetter { reason: DeadLetterReason::Exhausted };
+    }
+    RetryDecision::Retry { delay: policy.delay_for(failed_attempt, random) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    fn policy(backoff: Backoff, initial: Duration, max: Duration, jitter: Jitter) -> RetryPolicy {
+        RetryPolicy { max_attempts: 10, backoff, initial_delay: initial, max_delay: max, jitter }
+    }
+
+    /// One schedule: the delays after the failures of attempts 0, 1, 2, … with the given
+    /// random value.
+    fn check_schedule(policy: &RetryPolicy, random: f64, expected: &[Duration]) {
+        let actual: Vec<Duration> =
+            (0..expected.len() as u32).map(|attempt| policy.delay_for(attempt, random)).collect();
+        assert_eq!(actual, expected, "{policy:?} with random {random}");
+    }
+
+    #[test]
+    fn backoff_schedules() {
+        use Backoff::{Exponential, Linear};
+        use Jitter::None as NoJitter;
+        let exp = |initial, max, jitter| policy(Exponential, initial, max, jitter);
+        let lin = |initial, max, jitter| policy(Linear, initial, max, jitter);
+        #[rustfmt::skip]
+        let cases: &[(RetryPolicy, f64, &[Duration])] = &[
+            // Seed 001 §8.2: 1 s, 2 s, 4 s …, here capped at 5 min from the defaults.
+            (RetryPolicy::default(),         0.0,  &[S(1), S(2), S(4), S(8), S(16), S(32), S(64), S(128), S(256), S(300), S(300)]),
+            // Seed 001 §8.3: linear is the same delay every time.
+            (lin(S(1), S(60), NoJitter),     0.0,  &[S(1), S(1), S(1), S(1)]),
+            (exp(MS(100), S(1), NoJitter),   0.0,  &[MS(100), MS(200), MS(400), MS(800), S(1), S(1)]),
+            // An initial delay above the cap is capped from the start, in both modes.
+            (exp(S(10), S(5), NoJitter),     0.0,  &[S(5), S(5)]),
+            (lin(S(10), S(5), NoJitter),     0.0,  &[S(5), S(5)]),
+            (exp(S(0), S(5), NoJitter),      0.0,  &[S(0), S(0), S(0)]),
+            // Jitter shrinks the capped delay by a share driven by the injected random value.
+            (exp(S(1), S(60), Jitter::Full),  0.0,  &[S(1), S(2), S(4)]),
+            (exp(S(1), S(60), Jitter::Full),  0.5,  &[MS(500), S(1), S(2)]),
+            (exp(S(1), S(60), Jitter::Equal), 0.5,  &[MS(750), MS(1500), S(3)]),
+            (lin(S(10), S(60), Jitter::Fraction(0.1)), 0.5, &[MS(9500), MS(9500)]),
+            (exp(S(60), S(60), Jitter::Full), 0.25, &[S(45), S(45)]),
+            // Out-of-range randoms are clamped rather than trusted.
+            (lin(S(10), S(60), Jitter::Full), 1.5,      &[S(0)]),
+            (lin(S(10), S(60), Jitter::Full), -1.0,     &[S(10)]),
+            (lin(S(10), S(60), Jitter::Full), f64::NAN, &[S(10)]),
+        ];
+        for (policy, random, expected) in cases {
+            check_schedule(policy, *random, expected);
+        }
+    }
+
+    #[test]
+    fn exponential_backoff_never_overflows() {
+        let exp = |initial, max, jitter| policy(Backoff::Exponential, initial, max, jitter);
+        let max = Duration::MAX;
+        #[rustfmt::skip]
+        let cases: &[(RetryPolicy, u32, Duration)] = &[
+            (RetryPolicy::default(),          60,       S(300)),
+            (RetryPolicy::default(),          127,      S(300)),
+            (RetryPolicy::default(),          128,      S(300)),
+            (RetryPolicy::default(),          u32::MAX, S(300)),
+            (exp(max, max, Jitter::None),     1,        max),
+            (exp(S(1), max, Jitter::None),    60,       S(1 << 60)),
+            (exp(S(1), max, Jitter::None),    u32::MAX, max),
+            (exp(S(1), max, Jitter::Full),    u32::MAX, max),
+        ];
+        for (policy, attempt, expected) in cases {
+            let delay = policy.delay_for(*attempt, 0.0);
+            assert_eq!(delay, *expected, "attempt {attempt} of {policy:?}");
+        }
+    }
+
+    #[test]
+    fn jitter_stays_within_bounds_for_any_random() {
+        let cases: &[(Jitter, Duration, Duration)] = &[
+            (Jitter::None, S(8), S(8)),
+            (Jitter::Full, S(0), S(8)),
+            (Jitter::Equal, S(4), S(8)),
+            (Jitter::Fraction(0.25), S(6), S(8)),
+        ];
+        for &(jitter, low, high) in cases {
+            let policy = policy(Backoff::Exponential, S(1), S(60), jitter);
+            for step in 0..=100 {
+                let random = f64::from(step) / 100.0;
+                let delay = policy.delay_for(3, random);
+                assert!(low <= delay && delay <= high, "{jitter:?} random {random}: {delay:?}");
+            }
+        }
+    }
+
+    /// One decision: policy, failed attempt, error class, expected decision.
+    fn check(
+        policy: &RetryPolicy,
+        failed_attempt: u32,
+        class: ErrorClass,
+        expected: RetryDecision,
+    ) {
+        assert_eq!(
+            decide(policy, failed_attempt, class, 0.0),
+            expected,
+            "attempt {failed_attempt}, {class:?}, {policy:?}"
+        );
+    }
+
+    #[test]
+    fn retry_decisions() {
+        use DeadLetterReason::{Exhausted, NonRetryable as Fatal};
+        use ErrorClass::{NonRetryable, Retryable};
+        let retry = |delay| RetryDecision::Retry { delay };
+        let dead = |reason| RetryDecision::DeadLetter { reason };
+        let three = RetryPolicy::default();
+        let one = RetryPolicy { max_attempts: 1, ..three };
+        let zero = RetryPolicy { max_attempts: 0, ..three };
+        let limit = RetryPolicy { max_attempts: u32::MAX, ..three };
+        #[rustfmt::skip]
+        let cases: &[(&RetryPolicy, u32, ErrorClass, RetryDecision)] = &[
+            // max_attempts = 3: runs at attempts 0, 1, 2; the failure of 2 is final.
+            (&three, 0, Retryable, retry(S(1))),
+            (&three, 1, Retryable, retry(S(2))),
+            (&three, 2, Retryable, dead(Exhausted)),
+            (&three, 3, Retryable, dead(Exhausted)),
+            (&three, u32::MAX, Retryable, dead(Exhausted)),
+            // Non-retryable failures skip the remaining attempts.
+            (&three, 0, NonRetryable, dead(Fatal)),
+            (&three, 1, NonRetryable, dead(Fatal)),
+            (&one, 0, Retryable, dead(Exhausted)),
+            // An invalid policy still gives a safe answer: no retries.
+            (&zero, 0, Retryable, dead(Exhausted)),
+            (&limit, u32::MAX - 2, Retryable, retry(S(300))),
+            (&limit, u32::MAX - 1, Retryable, dead(Exhausted)),
+        ];
+        for &(policy, attempt, class, expected) in cases {
+            check(policy, attempt, class, expected);
+        }
+    }
+
+    #[test]
+    fn validation_names_the_field_and_the_fix() {
+        let base = RetryPolicy::default();
+        let attempts = |max_attempts| RetryPolicy { max_attempts, ..base };
+        let jitter = |fraction| RetryPolicy { jitter: Jitter::Fraction(fraction), ..base };
+        let initial = RetryPolicy { initial_delay: S(600), ..base };
+        #[rustfmt::skip]
+        let cases: &[(RetryPolicy, Result<(), &str>)] = &[
+            (base,            Ok(())),
+            (attempts(1),     Ok(())),
+            (attempts(10_000), Ok(())),
+            (attempts(0),     Err("retry.max_attempts: must be at least 1 (got 0)")),
+            (attempts(10_001), Err("retry.max_attempts: must be at most 10000 (got 10001)")),
+            (initial,         Err("retry.initial_delay: must not exceed max_delay (10 minutes > 5 minutes)")),
+            (jitter(0.0),     Ok(())),
+            (jitter(1.0),     Ok(())),
+            (jitter(1.5),     Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got 1.5)")),
+            (jitter(-0.1),    Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got -0.1)")),
+            (jitter(f64::NAN), Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got NaN)")),
+        ];
+        for (policy, expected) in cases {
+            let actual = policy.validate().map_err(|error| error.to_string());
+            assert_eq!(actual, expected.map_err(str::to_owned), "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn names_parse_case_insensitively_and_list_the_accepted_values() {
+        assert_eq!("exponential".parse(), Ok(Backoff::Exponential));
+        assert_eq!("Linear".parse(), Ok(Backoff::Linear));
+        let error = "quadratic".parse::<Backoff>().unwrap_err().to_string();
+        assert_eq!(error, "unknown value \"quadratic\"; accepted: linear, exponential");
+        let jitters: Vec<Jitter> =
+            serde_json::from_str(r#"["none", "full", "equal", 0.25]"#).unwrap();
+        assert_eq!(jitters, [Jitter::None, Jitter::Full, Jitter::Equal, Jitter::Fraction(0.25)]);
+    }
+}

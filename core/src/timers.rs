@@ -1,0 +1,213 @@
+//! Durable timers as rows (DESIGN §6, seed 002): armed in the commit that enters a state,
+//! deleted in the commit that leaves it, and fired by a sweep that delivers each fire into
+//! the instance's inbox with a dedup key, so two sweeps (or a re-run sweep) never deliver
+//! the same fire twice.
+//!
+//! [`fire`] is the pure reference of one due timer: what to deliver, what to record, and
+//! the row that remains. Every store's sweep must do exactly this, in one transaction per
+//! batch.
+
+use crate::chart::{TimerArm, TimerKind};
+use crate::ids::{InstanceId, MachineRef, TimerId};
+use crate::instance::{HistoryEntry, NewSignal};
+use crate::time::Timestamp;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// An armed timer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimerRow {
+    /// Its id.
+    pub id: TimerId,
+    /// The instance it belongs to.
+    pub instance: InstanceId,
+    /// The instance's namespace.
+    pub namespace: String,
+    /// The instance's machine.
+    pub machine: MachineRef,
+    /// What it delivers and when: owning state, event, kind, interval, `max`, `then`.
+    pub spec: TimerArm,
+    /// When it is due next.
+    pub next_fire_at: Timestamp,
+    /// How many times it has fired.
+    pub fire_count: u32,
+    /// When it was armed (the state entry).
+    pub armed_at: Timestamp,
+}
+
+impl TimerRow {
+    /// The row a store inserts when a commit at `now` arms `spec` for `instance`.
+    pub fn armed(
+        id: TimerId,
+        instance: InstanceId,
+        namespace: &str,
+        machine: &MachineRef,
+        spec: TimerArm,
+        now: Timestamp,
+    ) -> Self {
+        TimerRow {
+            id,
+            instance,
+            namespace: namespace.to_owned(),
+            machine: machine.clone(),
+            next_fire_at: now.plus(spec.interval),
+            spec,
+            fire_count: 0,
+            armed_at: now,
+        }
+    }
+}
+
+/// What firing one due timer does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fired {
+    /// The event to deliver into the instance's inbox (with its dedup key).
+    pub signal: NewSignal,
+    /// The history entry to record on the instance.
+    pub history: HistoryEntry,
+    /// The timer after the fire; `None` deletes it.
+    pub next: Option<TimerRow>,
+}
+
+/// The dedup key of fire number `n` of timer `id`: `timer:{id}:{n}`.
+pub fn fire_dedup_key(id: TimerId, n: u32) -> String {
+    format!("timer:{}:{n}", id.0)
+}
+
+/// Fires a due timer at `now` (seed 002):
+/// - `after`: delivers its event once, then the timer is gone;
+/// - `every`: delivers its event and is due again `interval` after this fire (missed
+///   intervals are not back-filled);
+/// - `every` + `max`: after `max` fires, the next due time delivers `then` exactly once
+///   (`TIMER_EXHAUSTED`) and the timer is gone.
+pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
+    let spec = &timer.spec;
+    let exhausted =
+        spec.kind == TimerKind::Every && spec.max.is_some_and(|max| timer.fire_count >= max);
+    if exhausted {
+        let event = spec.then.clone().unwrap_or_default();
+        let signal = NewSignal::new(timer.instance, event.clone())
+            .payload(json!({ "timer": timer.id, "state": spec.state, "fires": timer.fire_count }))
+            .dedup_key(format!("timer:{}:then", timer.id.0));
+        let history = HistoryEntry::new(
+            "TIMER_EXHAUSTED",
+            json!({ "timer": timer.id, "state": spec.state, "event": spec.event, "then": spec.then, "fires": timer.fire_count }),
+        );
+        return Fired { signal, history, next: None };
+    }
+    let n = timer.fire_count + 1;
+    let signal = NewSignal::new(timer.instance, spec.event.clone())
+        .payload(json!({ "timer": timer.id, "state": spec.state, "fire": n }))
+        .dedup_key(fire_dedup_key(timer.id, n));
+    let history = HistoryEntry::new(
+        "TIMER_FIRED",
+        json!({ "timer": timer.id, "state": spec.state, "event": spec.event, "fire": n, "due": timer.next_fire_at, "at": now }),
+    );
+    let next = (spec.kind == TimerKind::Every).then(|| TimerRow {
+        fire_count: n,
+        next_fire_at: now.plus(spec.interval),
+        ..timer.clone()
+    });
+    Fired { signal, history, next }
+}
+
+/// Whether an exhausted `every` timer has a `then` event to deliver (without one, the
+/// exhausted timer is deleted and nothing is delivered).
+pub fn delivers(fired: &Fired) -> bool {
+    !fired.signal.name.is_empty()
+}
+
+/// Whether a timer owned by `state` is cancelled when `left` is left: the same state or
+/// one of its descendants.
+pub fn owned_by(state: &str, left: &str) -> bool {
+    state == left || state.strip_prefix(left).is_some_and(|rest| rest.starts_with('.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn row(kind: TimerKind, max: Option<u32>, then: Option<&str>, fires: u32) -> TimerRow {
+        let spec = TimerArm {
+            state: "awaiting".into(),
+            event: "TICK".into(),
+            kind,
+            interval: Duration::from_secs(10),
+            max,
+            then: then.map(str::to_owned),
+        };
+        let mut t = TimerRow::armed(
+            TimerId(4),
+            InstanceId(9),
+            "ns",
+            &MachineRef::new("m", 1),
+            spec,
+            Timestamp(0),
+        );
+        t.fire_count = fires;
+        t
+    }
+
+    /// (case, timer, sweep time) → (event delivered, dedup key, history, next due, next count)
+    #[test]
+    fn fire_table() {
+        type Want = (&'static str, &'static str, &'static str, Option<(i64, u32)>);
+        let cases: Vec<(&str, TimerRow, i64, Want)> = vec![
+            (
+                "after fires once",
+                row(TimerKind::After, None, None, 0),
+                10_000,
+                ("TICK", "timer:4:1", "TIMER_FIRED", None),
+            ),
+            (
+                "every: next counts from this fire",
+                row(TimerKind::Every, None, None, 0),
+                13_000,
+                ("TICK", "timer:4:1", "TIMER_FIRED", Some((23_000, 1))),
+            ),
+            (
+                "every: a late sweep does not back-fill",
+                row(TimerKind::Every, None, None, 1),
+                95_000,
+                ("TICK", "timer:4:2", "TIMER_FIRED", Some((105_000, 2))),
+            ),
+            (
+                "every+max: the max-th fire is an ordinary fire",
+                row(TimerKind::Every, Some(3), Some("GIVE_UP"), 2),
+                30_000,
+                ("TICK", "timer:4:3", "TIMER_FIRED", Some((40_000, 3))),
+            ),
+            (
+                "every+max: then after max fires, once",
+                row(TimerKind::Every, Some(3), Some("GIVE_UP"), 3),
+                40_000,
+                ("GIVE_UP", "timer:4:then", "TIMER_EXHAUSTED", None),
+            ),
+            (
+                "every+max without then: just stops",
+                row(TimerKind::Every, Some(1), None, 1),
+                20_000,
+                ("", "timer:4:then", "TIMER_EXHAUSTED", None),
+            ),
+        ];
+        for (case, timer, now, (event, key, kind, next)) in cases {
+            let fired = fire(&timer, Timestamp(now));
+            assert_eq!(fired.signal.name, event, "{case}");
+            assert_eq!(fired.signal.dedup_key.as_deref(), Some(key), "{case}");
+            assert_eq!(fired.history.kind, kind, "{case}");
+            assert_eq!(fired.next.map(|n| (n.next_fire_at.0, n.fire_count)), next, "{case}");
+            assert_eq!(delivers(&fire(&timer, Timestamp(now))), !event.is_empty(), "{case}");
+        }
+    }
+
+    #[test]
+    fn arming_and_ownership() {
+        let t = row(TimerKind::After, None, None, 0);
+        assert_eq!(t.next_fire_at, Timestamp(10_000), "due one interval after the state entry");
+        assert!(owned_by("processing.payment", "processing"));
+        assert!(owned_by("processing", "processing"));
+        assert!(!owned_by("processing_extra", "processing"));
+        assert!(!owned_by("processing", "processing.payment"));
+    }
+}

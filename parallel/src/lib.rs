@@ -1,0 +1,129 @@
+//! Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Parallel Dispatch"):
+//! the configuration, and the durable shape of region tasks, reports and the region
+//! timeout. The semantics (guard, merge, stall, done, fail, timeout) are pure and live in
+//! [`keel_core::chart::parallel`]; the scheduler's `ChartMachine` runs them on a store.
+//!
+//! # How a dispatch is stored
+//!
+//! - A **region task** is a child instance of the chart's own machine at position
+//!   [`REGION_POSITION`], whose context is a [`RegionTaskContext`] (the parent's id and the
+//!   [`RegionTask`]: which region, which dispatch, the context snapshot). It runs under the
+//!   worker's normal lease, with [`ParallelConfig::job_config`] as its queue settings.
+//! - It reports by emitting [`REGION_REPORT_EVENT`] (a [`RegionReport`]) into the parent's
+//!   inbox in its own terminal commit (transactional outbox, deduplicated per task), so a
+//!   task whose pre-check finds nothing to do finishes without touching the parent.
+//! - The region timeout is one durable timer per dispatch, owned by
+//!   [`timeout_owner`]`(path)` and firing [`timeout_event`]`(path)`; it is cancelled when
+//!   the parallel state is left.
+//!
+//! # Seed lock settings and Keel leases
+//!
+//! The seed serializes region results with a database lock (`lock_timeout` 30 s to wait,
+//! `lock_ttl` 60 s before a stale lock is cleaned up). Keel needs neither: results are
+//! events in the parent's inbox, applied one at a time by whichever worker holds the
+//! parent's **lease**; nobody waits on a lock (so no `lock_timeout`), and a crashed holder's
+//! lease expires after `WorkerConfig::lease` and the reaper hands the row to another worker
+//! (the `lock_ttl`); fencing tokens reject a stale holder's late commit.
+
+use keel_core::InstanceId;
+use keel_core::chart::parallel::{RegionReport, RegionTask};
+use keel_core::chart::{TimerArm, TimerKind};
+use serde::{Deserialize, Serialize};
+
+pub use keel_core::chart::parallel;
+/// The settings (system → machine inheritance lives with the rest of the configuration
+/// in `keel_core::config`: `[parallel_dispatch]`, `[machines.<name>.parallel_dispatch]`).
+pub use keel_core::config::ParallelConfig;
+
+/// The position of a region task instance.
+pub const REGION_POSITION: &str = "@region";
+/// The event a region task emits to its parent; the payload is a [`RegionReport`].
+pub const REGION_REPORT_EVENT: &str = "parallel.region";
+/// The prefix of region-timeout events: `parallel.timeout.<parallel state path>`.
+pub const TIMEOUT_EVENT_PREFIX: &str = "parallel.timeout.";
+
+/// The region-timeout timer of `parallel_state`, if `config.region_timeout` is on.
+pub fn timeout_timer(config: &ParallelConfig, parallel_state: &str) -> Option<TimerArm> {
+    (!config.region_timeout.is_zero()).then(|| TimerArm {
+        state: timeout_owner(parallel_state),
+        event: timeout_event(parallel_state),
+        kind: TimerKind::After,
+        interval: config.region_timeout,
+        max: None,
+        then: None,
+    })
+}
+
+/// The timer owner of `parallel_state`'s region timeout: a name no state has, so that
+/// cancelling it never touches the timers of the parallel state's own descendants.
+pub fn timeout_owner(parallel_state: &str) -> String {
+    format!("@timeout:{parallel_state}")
+}
+
+/// The region-timeout event of `parallel_state`.
+pub fn timeout_event(parallel_state: &str) -> String {
+    format!("{TIMEOUT_EVENT_PREFIX}{parallel_state}")
+}
+
+/// The parallel state a region-timeout event is about, if `event` is one.
+pub fn timeout_state(event: &str) -> Option<&str> {
+    event.strip_prefix(TIMEOUT_EVENT_PREFIX)
+}
+
+/// The context of a region task instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegionTaskContext {
+    /// The chart instance that dispatched it (where the report goes).
+    pub parent: InstanceId,
+    /// The work.
+    pub task: RegionTask,
+}
+
+/// The `exception` of a failed region: the kind of the last error, from the worker's
+/// message shapes (`step timed out…`, `step panicked…`), else `ActionError`.
+pub fn exception_of(message: &str) -> &'static str {
+    if message.starts_with("step timed out") {
+        "Timeout"
+    } else if message.starts_with("step panicked") {
+        "Panic"
+    } else {
+        "ActionError"
+    }
+}
+
+/// The dedup key of a task's report: one report per task instance, however often the
+/// terminal commit is retried.
+pub fn report_dedup_key(task: InstanceId) -> String {
+    format!("region:{}:report", task.0)
+}
+
+/// Decodes a report event's payload.
+pub fn decode_report(payload: &serde_json::Value) -> Result<RegionReport, serde_json::Error> {
+    RegionReport::deserialize(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_region_timeout_is_one_after_timer_owned_by_a_name_no_state_has() {
+        assert!(timeout_timer(&ParallelConfig::enabled(), "p").is_none(), "0 = off");
+        let config = ParallelConfig {
+            region_timeout: std::time::Duration::from_secs(120),
+            ..ParallelConfig::enabled()
+        };
+        let timer = timeout_timer(&config, "order.processing").expect("armed");
+        assert_eq!(timer.state, "@timeout:order.processing");
+        assert_eq!(timer.event, "parallel.timeout.order.processing");
+        assert_eq!(timeout_state(&timer.event), Some("order.processing"));
+        assert_eq!(timer.kind, TimerKind::After);
+    }
+
+    #[test]
+    fn exceptions_are_named_after_the_error_kind() {
+        assert_eq!(exception_of("step timed out after 5 ms"), "Timeout");
+        assert_eq!(exception_of("step panicked: boom"), "Panic");
+        assert_eq!(exception_of("inventory API down"), "ActionError");
+    }
+}

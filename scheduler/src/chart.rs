@@ -1,0 +1,566 @@
+//! Charts on the engine: a [`ChartMachine`] runs a statechart definition durably. Each
+//! step takes the oldest event in the instance's inbox and processes it as one macrostep
+//! (the core's sans-IO algorithm), running the actions it asks for — async, with IO —
+//! and commits the new configuration, context, the consumed event, history, emitted
+//! events and started child machines in one commit. Then it parks until the next event.
+//!
+//! A new chart instance starts at the position [`INIT`]; its first step enters the
+//! initial states (running their entry actions). The configuration is stored as the
+//! instance's position: the JSON array of active state paths.
+
+use crate::machine::{StepContext, StepError, StepMachine};
+use async_trait::async_trait;
+use keel_core::chart::parallel::{
+    PARALLEL_DISPATCH, ParallelBook, RegionReport, RegionRun, ReportPlan, Skip, apply_report,
+    check, done_records, finish_report, timeout,
+};
+use keel_core::chart::{
+    ActionError, ActionRequest, ActionResult, ChartContext, Configuration, Definition, Event,
+    Limits, Macrostep, MacrostepResult, Next,
+};
+use keel_core::config::QueueConfig;
+use keel_core::instance::{ANY_SIGNAL, HistoryEntry, NewInstance, NewSignal};
+use keel_core::ports::store::InstanceDetail;
+use keel_core::retry::ErrorClass;
+use keel_core::{Instance, InstanceId, MachineRef, Outcome};
+use keel_parallel::{ParallelConfig, REGION_POSITION, REGION_REPORT_EVENT, RegionTaskContext};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+/// The position of a chart instance that has not entered its initial states yet.
+pub const INIT: &str = "@init";
+
+/// The context an action sees: read and change the instance's JSON context, raise events
+/// for this instance, and emit events to other instances (delivered with the step's
+/// commit). Cheap to clone; clones share state.
+#[derive(Clone)]
+pub struct ActionContext {
+    context: Arc<Mutex<ChartContext>>,
+    step: StepContext,
+}
+
+impl ActionContext {
+    fn new(context: ChartContext, step: StepContext) -> Self {
+        ActionContext { context: Arc::new(Mutex::new(context)), step }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ChartContext> {
+        self.context.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The instance this action runs for.
+    pub fn instance(&self) -> InstanceId {
+        self.step.id
+    }
+
+    /// The attempt of this step (0 on the first run).
+    pub fn attempt(&self) -> i32 {
+        self.step.attempt
+    }
+
+    /// A context value.
+    pub fn get(&self, key: &str) -> Option<Value> {
+        self.lock().get(key).cloned()
+    }
+
+    /// A context value, deserialized.
+    pub fn get_as<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
+        self.lock().get_as(key)
+    }
+
+    /// Sets a context value.
+    pub fn set(&self, key: impl Into<String>, value: impl Into<Value>) {
+        self.lock().set(key, value);
+    }
+
+    /// Sets a context value from any serializable value.
+    pub fn set_from<T: Serialize>(
+        &self,
+        key: impl Into<String>,
+        value: &T,
+    ) -> Result<(), serde_json::Error> {
+        self.lock().set_from(key, value)
+    }
+
+    /// Removes a context value.
+    pub fn remove(&self, key: &str) -> Option<Value> {
+        self.lock().remove(key)
+    }
+
+    /// Raises an event for this instance, processed within the same macrostep.
+    pub fn raise(&self, event: impl Into<Event>) {
+        self.lock().raise(event);
+    }
+
+    /// Emits an event to another instance, inserted in the same commit as this step.
+    pub fn emit(&self, signal: NewSignal) {
+        self.step.emit(signal);
+    }
+
+    fn into_result(self) -> ActionResult {
+        self.lock().clone().into_result()
+    }
+}
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<(), ActionError>> + Send>>;
+type ActionFn = Arc<dyn Fn(ActionContext, Event) -> BoxFuture + Send + Sync>;
+
+/// A statechart definition with its actions, runnable by a [`Worker`](crate::Worker).
+pub struct ChartMachine {
+    definition: Arc<Definition>,
+    actions: HashMap<String, ActionFn>,
+    config: QueueConfig,
+    limits: Limits,
+    child_versions: HashMap<String, i32>,
+    parallel: ParallelConfig,
+}
+
+impl ChartMachine {
+    /// A machine for `definition`. Register every action the definition names with
+    /// [`ChartMachine::action`]; [`ChartMachine::missing_actions`] lists any you forgot.
+    pub fn new(definition: Definition) -> Self {
+        ChartMachine {
+            definition: Arc::new(definition),
+            actions: HashMap::new(),
+            config: QueueConfig::default(),
+            limits: Limits::default(),
+            child_versions: HashMap::new(),
+            parallel: ParallelConfig::default(),
+        }
+    }
+
+    /// Registers an async action by name.
+    #[must_use]
+    pub fn action<F, Fut>(mut self, name: &str, f: F) -> Self
+    where
+        F: Fn(ActionContext, Event) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), ActionError>> + Send + 'static,
+    {
+        let f: ActionFn = Arc::new(move |ctx, event| Box::pin(f(ctx, event)));
+        self.actions.insert(name.to_owned(), f);
+        self
+    }
+
+    /// Sets the queue configuration (timeout, retry policy, `on_dead_letter`).
+    #[must_use]
+    pub fn with_config(mut self, config: QueueConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets the macrostep limits.
+    #[must_use]
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Parallel dispatch settings (DESIGN §4.4): with `enabled`, entering a parallel state
+    /// whose regions (two or more) have entry actions commits the state and starts one
+    /// region task per region (a child instance of this machine at
+    /// [`REGION_POSITION`](keel_parallel::REGION_POSITION)) instead of running the actions
+    /// inline. Register this machine on every worker that should run region tasks.
+    #[must_use]
+    pub fn with_parallel(mut self, parallel: ParallelConfig) -> Self {
+        self.parallel = parallel;
+        self
+    }
+
+    /// Child machines started by delegation states run this version of `machine`
+    /// (default 1).
+    #[must_use]
+    pub fn with_child_version(mut self, machine: &str, version: i32) -> Self {
+        self.child_versions.insert(machine.to_owned(), version);
+        self
+    }
+
+    /// Action names the definition uses that have no registered implementation.
+    pub fn missing_actions(&self) -> Vec<String> {
+        let mut missing: Vec<String> = self
+            .definition
+            .action_names()
+            .into_iter()
+            .filter(|a| !self.actions.contains_key(a))
+            .collect();
+        missing.sort();
+        missing
+    }
+
+    /// The definition.
+    pub fn definition(&self) -> &Definition {
+        &self.definition
+    }
+
+    /// A new instance of this machine with `context`, ready to enter its initial states.
+    pub fn new_instance(&self, context: Value) -> NewInstance {
+        NewInstance::new(self.machine_ref(), INIT).context(context)
+    }
+
+    fn machine_ref(&self) -> MachineRef {
+        MachineRef::new(
+            self.definition.name(),
+            i32::try_from(self.definition.version()).unwrap_or(i32::MAX),
+        )
+    }
+
+    async fn call(
+        &self,
+        request: &ActionRequest,
+        actx: ActionContext,
+    ) -> Result<ActionResult, ActionError> {
+        match self.actions.get(&request.name) {
+            Some(f) => f(actx.clone(), request.event.clone()).await.map(|()| actx.into_result()),
+            None => Err(ActionError::permanent(format!(
+                "action {:?} is not registered on machine {}; register it with ChartMachine::action",
+                request.name,
+                self.definition.name()
+            ))),
+        }
+    }
+
+    async fn run(&self, mut step: Macrostep<'_>, ctx: &StepContext) -> MacrostepResult {
+        loop {
+            match step.poll() {
+                Next::RunAction(request) => {
+                    let actx = ActionContext::new(step.context().clone(), ctx.clone());
+                    let result = self.call(&request, actx).await;
+                    step.handle_action_result(result);
+                }
+                Next::Done(result) => return *result,
+            }
+        }
+    }
+
+    /// A region task (DESIGN §4.4): pre-check against the parent without a lock, run the
+    /// region's entry actions on the snapshot, report the diff and raised events to the
+    /// parent in this task's terminal commit.
+    async fn region_step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let task: RegionTaskContext = serde_json::from_value(ctx.context.clone())
+            .map_err(|e| StepError::fatal(format!("region task context does not decode: {e}")))?;
+        if let Some(skip) = ctx.parent.as_ref().and_then(|p| precheck(p, &task)) {
+            // Nothing to do and nobody to tell: the parent is not touched at all.
+            return Ok(Outcome::Done { result: json!({ "skipped": skip }) });
+        }
+        let mut run = RegionRun::new(&self.definition, &task.task);
+        while let Some(request) = run.poll().cloned() {
+            let actx = ActionContext::new(run.context().clone(), ctx.clone());
+            let result = self.call(&request, actx).await;
+            run.handle_action_result(result).map_err(|e| {
+                let message = format!(
+                    "action `{}` of state `{}` failed: {}",
+                    request.name, request.state, e.message
+                );
+                if e.retryable { StepError::retryable(message) } else { StepError::fatal(message) }
+            })?;
+        }
+        let report = run.report();
+        Self::report(ctx, &task, &report)?;
+        Ok(Outcome::Done { result: json!({ "region_id": task.task.key.region, "reported": true }) })
+    }
+
+    /// Emits a region's report to its parent, in the task's own terminal commit.
+    fn report(
+        ctx: &StepContext,
+        task: &RegionTaskContext,
+        report: &RegionReport,
+    ) -> Result<(), StepError> {
+        let payload = serde_json::to_value(report)
+            .map_err(|e| StepError::fatal(format!("region report does not serialize: {e}")))?;
+        ctx.emit(
+            NewSignal::new(task.parent, REGION_REPORT_EVENT)
+                .payload(payload)
+                .dedup_key(keel_parallel::report_dedup_key(ctx.id)),
+        );
+        Ok(())
+    }
+
+    /// Parks at the current position with `context` (and the book): an event that changed
+    /// nothing but was consumed.
+    fn park(context: Value, book: &ParallelBook) -> Outcome {
+        let mut context = context;
+        book.put(&mut context);
+        Outcome::Await { signal: ANY_SIGNAL.into(), context, step: None }
+    }
+
+    /// Commits a macrostep: history, timers, children, region tasks, and the outcome.
+    fn settle(
+        &self,
+        ctx: &StepContext,
+        event: Option<&Event>,
+        result: &MacrostepResult,
+        mut book: ParallelBook,
+        records: Records,
+    ) -> Result<Outcome, StepError> {
+        if let Some(error) = &result.error {
+            return Err(if error.is_retryable() {
+                StepError::retryable(error.to_string())
+            } else {
+                StepError::fatal(error.to_string())
+            });
+        }
+        for entry in records.before {
+            ctx.record(entry);
+        }
+        let mut after = records.after;
+        after.extend(done_records(&book, &result.internal_events));
+        for gone in book.prune(&result.configuration) {
+            if !self.parallel.region_timeout.is_zero() {
+                ctx.timer_cancel(&keel_parallel::timeout_owner(&gone));
+            }
+        }
+        let dispatched =
+            self.parallel.enabled && !result.is_final && !result.regions_to_dispatch.is_empty();
+        self.commit_effects(ctx, event, result, dispatched, records.internal);
+        if dispatched {
+            self.dispatch(ctx, result, &mut book)?;
+        }
+        for entry in after {
+            ctx.record(entry);
+        }
+        if result.is_final {
+            return Ok(Outcome::Done { result: result.context.clone() });
+        }
+        let position = serde_json::to_string(&result.configuration)
+            .map_err(|e| StepError::fatal(format!("configuration does not serialize: {e}")))?;
+        let mut context = result.context.clone();
+        book.put(&mut context);
+        Ok(Outcome::Await { signal: ANY_SIGNAL.into(), context, step: Some(position) })
+    }
+
+    /// Starts one region task per dispatched region, in this step's commit, and arms the
+    /// region timeouts.
+    fn dispatch(
+        &self,
+        ctx: &StepContext,
+        result: &MacrostepResult,
+        book: &mut ParallelBook,
+    ) -> Result<(), StepError> {
+        let tasks = book.dispatch(&result.regions_to_dispatch, &result.context);
+        // One PARALLEL_DISPATCH entry and one timeout timer per parallel state entered.
+        let mut by_state: Vec<(&str, u64, Vec<&str>)> = Vec::new();
+        for task in &tasks {
+            let key = &task.key;
+            match by_state.iter_mut().find(|(state, ..)| *state == key.parallel_state) {
+                Some((.., regions)) => regions.push(&key.region),
+                None => by_state.push((&key.parallel_state, key.dispatch, vec![&key.region])),
+            }
+        }
+        for (state, dispatch, regions) in by_state {
+            ctx.record(HistoryEntry::new(
+                PARALLEL_DISPATCH,
+                json!({ "parallel_state_id": state, "dispatch": dispatch, "regions": regions }),
+            ));
+            if let Some(timer) = keel_parallel::timeout_timer(&self.parallel, state) {
+                // A re-entered state's previous timer goes (cancels apply before arms).
+                ctx.timer_cancel(&timer.state);
+                ctx.timer_arm(timer);
+            }
+        }
+        for task in tasks {
+            let context = serde_json::to_value(RegionTaskContext { parent: ctx.id, task })
+                .map_err(|e| StepError::fatal(format!("region task does not serialize: {e}")))?;
+            let mut spawn = NewInstance::new(self.machine_ref(), REGION_POSITION)
+                .context(context)
+                .correlation_id(format!("{}", ctx.id.0));
+            if let Some(queue) = &self.parallel.queue {
+                spawn = spawn.queue(queue);
+            }
+            ctx.spawn(spawn);
+        }
+        Ok(())
+    }
+
+    fn commit_effects(
+        &self,
+        ctx: &StepContext,
+        event: Option<&Event>,
+        result: &MacrostepResult,
+        dispatched: bool,
+        internal: bool,
+    ) {
+        let records: Vec<String> = result.records.iter().map(ToString::to_string).collect();
+        ctx.record(HistoryEntry::new(
+            "MACROSTEP",
+            json!({
+                "event": event.map(|e| &e.name),
+                "records": records,
+                "configuration": result.configuration,
+                "dispatched": dispatched,
+            }),
+        ));
+        if result.unhandled
+            && !internal
+            && let Some(e) = event
+        {
+            ctx.record(HistoryEntry::new(
+                "EVENT_UNHANDLED",
+                json!({ "event": e.name, "payload": e.payload }),
+            ));
+        }
+        for cancel in &result.timers_to_cancel {
+            ctx.timer_cancel(&cancel.state);
+        }
+        for arm in &result.timers_to_arm {
+            ctx.timer_arm(arm.clone());
+        }
+        for child in &result.children_to_start {
+            let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
+            let spawn = NewInstance::new(MachineRef::new(&child.machine, version), INIT)
+                .context(json!({ "parent": ctx.id, "state": child.state }))
+                .invoked_by(&child.state)
+                .correlation_id(format!("{}", ctx.id.0));
+            ctx.spawn(spawn);
+        }
+    }
+}
+
+#[async_trait]
+impl StepMachine for ChartMachine {
+    fn machine(&self) -> MachineRef {
+        self.machine_ref()
+    }
+
+    fn config(&self) -> QueueConfig {
+        self.config
+    }
+
+    fn step_config(&self, step: &str) -> QueueConfig {
+        if step == REGION_POSITION { self.parallel.job_config(self.config) } else { self.config }
+    }
+
+    fn wants_parent(&self, step: &str) -> bool {
+        step == REGION_POSITION
+    }
+
+    async fn handle(
+        &self,
+        error: &StepError,
+        ctx: &StepContext,
+    ) -> Result<Option<Outcome>, StepError> {
+        if ctx.step != REGION_POSITION {
+            return Ok(None);
+        }
+        let attempts = u32::try_from(ctx.attempt).unwrap_or(0) + 1;
+        if error.class == ErrorClass::Retryable && attempts < self.parallel.job_tries {
+            return Ok(Some(Outcome::Retry {
+                context: ctx.context.clone(),
+                delay: self.parallel.job_backoff,
+            }));
+        }
+        // Out of tries: tell the parent (its `@fail`), and fail the task itself.
+        let Ok(task) = serde_json::from_value::<RegionTaskContext>(ctx.context.clone()) else {
+            return Ok(None);
+        };
+        let report = RegionReport::Failed {
+            key: task.task.key.clone(),
+            error: error.message.clone(),
+            exception: keel_parallel::exception_of(&error.message).to_owned(),
+            attempts,
+        };
+        Self::report(ctx, &task, &report)?;
+        Ok(Some(Outcome::Stop { reason: error.message.clone() }))
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.step == REGION_POSITION {
+            return self.region_step(ctx).await;
+        }
+        let def = &*self.definition;
+        let dispatch = self.parallel.enabled;
+        let mut context = ctx.context.clone();
+        let mut book = ParallelBook::take(&mut context);
+        if ctx.step == INIT {
+            ctx.consume(Vec::new());
+            let step = Macrostep::init(def, context, self.limits).dispatch_regions(dispatch);
+            let result = self.run(step, ctx).await;
+            return self.settle(ctx, None, &result, book, Records::default());
+        }
+        let Some(signal) = ctx.signals.first() else {
+            // Woken with an empty inbox (a re-run after its event was consumed): park.
+            ctx.consume(Vec::new());
+            return Ok(Outcome::Await {
+                signal: ANY_SIGNAL.into(),
+                context: ctx.context.clone(),
+                step: None,
+            });
+        };
+        ctx.processing(signal);
+        ctx.consume(vec![signal.id]);
+        let paths: Vec<String> = serde_json::from_str(&ctx.step).map_err(|e| {
+            StepError::fatal(format!("position {:?} is not a chart configuration: {e}", ctx.step))
+        })?;
+        let configuration = Configuration::from_paths(paths);
+        let event = Event::with_payload(signal.name.clone(), signal.payload.clone());
+        if signal.name == REGION_REPORT_EVENT {
+            let report = keel_parallel::decode_report(&signal.payload)
+                .map_err(|e| StepError::fatal(format!("region report does not decode: {e}")))?;
+            let plan = apply_report(def, &configuration, &context, &mut book, &report, self.limits);
+            return match plan {
+                ReportPlan::Noop => Ok(Self::park(context, &book)),
+                ReportPlan::Abort(entry) => {
+                    ctx.record(entry);
+                    Ok(Self::park(context, &book))
+                }
+                ReportPlan::Run { records, step, followup } => {
+                    let result = self.run(step.dispatch_regions(dispatch), ctx).await;
+                    let after = finish_report(&followup, &result.configuration);
+                    let records = Records { before: records, after, internal: true };
+                    self.settle(ctx, Some(&event), &result, book, records)
+                }
+            };
+        }
+        if let Some(state) = keel_parallel::timeout_state(&signal.name) {
+            let seconds = self.parallel.region_timeout.as_secs();
+            let due =
+                timeout(def, &configuration, &context, &mut book, state, seconds, self.limits);
+            let Some((entry, step)) = due else {
+                return Ok(Self::park(context, &book));
+            };
+            let result = self.run(step.dispatch_regions(dispatch), ctx).await;
+            let records = Records { before: vec![entry], after: Vec::new(), internal: true };
+            return self.settle(ctx, Some(&event), &result, book, records);
+        }
+        let step = Macrostep::start(def, &configuration, context, event.clone(), self.limits)
+            .dispatch_regions(dispatch);
+        let result = self.run(step, ctx).await;
+        self.settle(ctx, Some(&event), &result, book, Records::default())
+    }
+}
+
+/// History entries a step records around its macrostep.
+#[derive(Default)]
+struct Records {
+    before: Vec<HistoryEntry>,
+    after: Vec<HistoryEntry>,
+    /// The event was generated by the runtime (`@fail` of a region): never "unhandled".
+    internal: bool,
+}
+
+/// The region task's lock-free pre-check against the parent's row: `Some(reason)` when
+/// its work is no longer wanted.
+fn precheck(parent: &Instance, task: &RegionTaskContext) -> Option<&'static str> {
+    if parent.status.is_terminal() {
+        return Some(Skip::MachineLeftParallelState.reason());
+    }
+    let paths: Vec<String> = serde_json::from_str(&parent.position).ok()?;
+    let mut context = parent.context.clone();
+    let book = ParallelBook::take(&mut context);
+    check(&Configuration::from_paths(paths), &book, &task.task.key).err().map(Skip::reason)
+}
+
+/// Whether the latest committed macrostep of an instance dispatched region tasks (the
+/// seed's `dispatched` flag): `true` means regions are running on workers and the client
+/// may answer "accepted" instead of waiting; `false` for inline entry or no parallel state.
+pub fn dispatched(detail: &InstanceDetail) -> bool {
+    detail
+        .history
+        .iter()
+        .rev()
+        .find(|r| r.entry.kind == "MACROSTEP")
+        .is_some_and(|r| r.entry.data["dispatched"] == json!(true))
+}

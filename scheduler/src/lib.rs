@@ -1,0 +1,24 @@
+//! Keel's worker runtime and client API.
+//!
+//! - [`Client`] starts instances, sends signals, cancels, inspects and operates dead
+//!   letters and queues — against any [`Store`](keel_core::ports::Store).
+//! - [`StepMachine`] is a gen_durable-style machine: named async steps that each return an
+//!   [`Outcome`](keel_core::Outcome).
+//! - [`Worker`] claims ready instances in batches, runs their steps concurrently within
+//!   per-queue limits, and group-commits the results; it heartbeats leases, reaps expired
+//!   ones, times out slow steps, applies the retry policy and shuts down gracefully.
+//!
+//! The scheduler is generic over `Store` and `Clock` and never names a concrete backend.
+
+pub mod chart;
+pub mod client;
+pub mod clock;
+pub mod machine;
+pub mod worker;
+
+pub use chart::{ActionContext, ChartMachine};
+pub use client::Client;
+pub use clock::SystemClock;
+pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
+pub use machine::{StepContext, StepError, StepMachine};
+pub use worker::{Worker, WorkerConfig, WorkerHandle};

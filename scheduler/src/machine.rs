@@ -1,0 +1,184 @@
+//! Step machines (gen_durable style): a machine is a set of named async steps; each step
+//! sees its instance's context, attempt, inbox and children, and returns an outcome.
+
+use async_trait::async_trait;
+use keel_core::SignalId;
+use keel_core::chart::TimerArm;
+use keel_core::config::QueueConfig;
+use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
+use keel_core::retry::ErrorClass;
+use keel_core::{Instance, InstanceId, MachineRef, Outcome};
+use serde_json::Value;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+/// Everything a step can see. Built from the claim; read-only.
+#[derive(Debug, Clone)]
+pub struct StepContext {
+    /// The instance.
+    pub id: InstanceId,
+    /// Its machine.
+    pub machine: MachineRef,
+    /// The step to run.
+    pub step: String,
+    /// Attempts of this step so far (0 on the first run).
+    pub attempt: i32,
+    /// The context.
+    pub context: Value,
+    /// The signal it parked on, if it was woken by one.
+    pub awaits: Option<String>,
+    /// The inbox signals it may consume, oldest first.
+    pub signals: Vec<Signal>,
+    /// Its children (after a `ScheduleChildren` barrier released).
+    pub children: Vec<ChildSummary>,
+    /// Business key, if any.
+    pub business_key: Option<String>,
+    /// The parent's row as read just before the step ran, when the machine asked for it
+    /// ([`StepMachine::wants_parent`]) and the instance has a parent. Read without any
+    /// lock: it may be stale by the time the step commits (a pre-check, not a guard).
+    pub parent: Option<Instance>,
+    /// What the step asked for besides its outcome; goes into the step's own commit.
+    pub(crate) effects: Arc<Mutex<Effects>>,
+}
+
+/// Side effects a step requests; all of them ride the step's commit, and all of them are
+/// dropped when the step fails.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    pub(crate) emit: Vec<NewSignal>,
+    pub(crate) spawn: Vec<NewInstance>,
+    pub(crate) history: Vec<HistoryEntry>,
+    /// Overrides the default consumption rule.
+    pub(crate) consume: Option<Vec<SignalId>>,
+    /// The inbox signal the step is processing, for dead letters.
+    pub(crate) processing: Option<Signal>,
+    pub(crate) timers_cancel: Vec<String>,
+    pub(crate) timers_arm: Vec<TimerArm>,
+}
+
+impl StepContext {
+    /// Emits an event to another instance. It is inserted into the target's inbox in the
+    /// same commit as this step's outcome (transactional outbox): if the step's result is
+    /// discarded (error, lost lease, crash) the event is never sent; if it commits, the
+    /// event is there. An emit to a missing target rejects the commit, so the step re-runs.
+    pub fn emit(&self, signal: NewSignal) {
+        self.effects().emit.push(signal);
+    }
+
+    /// Starts a child instance in this step's commit, without waiting for it (its
+    /// `parent` is this instance). With `invoked_by` set, its terminal commit reports
+    /// back into this instance's inbox.
+    pub fn spawn(&self, child: NewInstance) {
+        self.effects().spawn.push(child);
+    }
+
+    /// Arms a durable timer in this step's commit (due one interval after it).
+    pub fn timer_arm(&self, timer: TimerArm) {
+        self.effects().timers_arm.push(timer);
+    }
+
+    /// Cancels, in this step's commit, every timer owned by `state` or its descendants.
+    pub fn timer_cancel(&self, state: &str) {
+        self.effects().timers_cancel.push(state.to_owned());
+    }
+
+    /// Appends a history entry in this step's commit.
+    pub fn record(&self, entry: HistoryEntry) {
+        self.effects().history.push(entry);
+    }
+
+    /// Consumes exactly these inbox signals on success, instead of the default rule (the
+    /// seen signals that match what the instance awaited).
+    pub fn consume(&self, ids: Vec<SignalId>) {
+        self.effects().consume = Some(ids);
+    }
+
+    /// Marks the inbox signal this step processes: a dead letter then names it, and the
+    /// `skip` policy consumes it.
+    pub fn processing(&self, signal: &Signal) {
+        self.effects().processing = Some(signal.clone());
+    }
+
+    pub(crate) fn effects(&self) -> std::sync::MutexGuard<'_, Effects> {
+        self.effects.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The first inbox signal named `name`, if any.
+    pub fn signal(&self, name: &str) -> Option<&Signal> {
+        self.signals.iter().find(|s| s.name == name)
+    }
+}
+
+/// A step failed. Retryable errors go through the retry policy; non-retryable ones are
+/// dead-lettered at once (DESIGN §5.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepError {
+    /// What went wrong.
+    pub message: String,
+    /// Whether trying again may help.
+    pub class: ErrorClass,
+}
+
+impl StepError {
+    /// A retryable error (timeouts, connection errors, rate limits).
+    pub fn retryable(message: impl Into<String>) -> Self {
+        StepError { message: message.into(), class: ErrorClass::Retryable }
+    }
+    /// A non-retryable error (validation, business failure, auth).
+    pub fn fatal(message: impl Into<String>) -> Self {
+        StepError { message: message.into(), class: ErrorClass::NonRetryable }
+    }
+}
+
+impl fmt::Display for StepError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for StepError {}
+
+/// A durable machine written as steps.
+///
+/// Effects inside a step must be idempotent: a crash before the step's commit re-runs the
+/// whole step.
+#[async_trait]
+pub trait StepMachine: Send + Sync + 'static {
+    /// The `(name, version)` this implementation runs.
+    fn machine(&self) -> MachineRef;
+
+    /// Runs one step.
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError>;
+
+    /// Decides what a failed step leads to. `Ok(None)` (the default) applies the queue's
+    /// retry policy; `Ok(Some(outcome))` commits that outcome; `Err` fails the instance.
+    /// Events emitted and history recorded through `ctx` *during this call* ride the
+    /// failure commit (what the failed step itself emitted is dropped).
+    async fn handle(
+        &self,
+        error: &StepError,
+        ctx: &StepContext,
+    ) -> Result<Option<Outcome>, StepError> {
+        let _ = (error, ctx);
+        Ok(None)
+    }
+
+    /// The queue configuration (timeout, retry policy) for this machine.
+    fn config(&self) -> QueueConfig {
+        QueueConfig::default()
+    }
+
+    /// The queue configuration for one step of this machine (timeout, retry policy);
+    /// defaults to [`config`](Self::config). Charts give their region tasks their own.
+    fn step_config(&self, step: &str) -> QueueConfig {
+        let _ = step;
+        self.config()
+    }
+
+    /// Whether the worker should read the parent's row before running `step` (into
+    /// [`StepContext::parent`]). Default `false`: it costs a read.
+    fn wants_parent(&self, step: &str) -> bool {
+        let _ = step;
+        false
+    }
+}

@@ -1,0 +1,696 @@
+//! The worker: claim → run → group commit, with leases, heartbeats, a reaper, step
+//! timeouts, the retry policy and graceful shutdown (DESIGN §3.3–3.4, §5).
+//!
+//! One loop claims batches per queue while that queue has free slots; each claimed step
+//! runs in its own task holding a slot; finished steps go through a bounded channel to a
+//! committer that flushes them in batches (on size or after a short interval). A heartbeat
+//! task extends the leases of running steps; a reaper returns expired leases of dead
+//! workers. Wake-ups come from the store's `ready_wait`, raced against a poll interval —
+//! polling alone is correct.
+
+use crate::machine::{StepContext, StepError, StepMachine};
+use keel_core::config::{OnDeadLetter, QueueConfig};
+use keel_core::instance::ANY_SIGNAL;
+use keel_core::limits;
+use keel_core::outcome::{Outcome, StepCommit, StepFailure};
+use keel_core::ports::store::{
+    Claim, ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+};
+use keel_core::ports::{Clock, Store};
+use keel_core::retry::{self, ErrorClass, RetryDecision};
+use keel_core::{ErrorKind, FencingToken, InstanceId, MachineRef, WorkerId};
+use keel_timers::{SweepConfig, Sweeper};
+use serde_json::json;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+/// How a worker runs. Every field has a bound or a default that is one.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Lease owner name; a worker restarted with the same id reclaims its old leases.
+    pub worker_id: WorkerId,
+    /// Namespaces to claim from (empty = any).
+    pub namespaces: Vec<String>,
+    /// Queues to claim from, each with its concurrency on this worker.
+    pub queues: Vec<(String, usize)>,
+    /// Most instances one claim statement returns.
+    pub claim_batch: usize,
+    /// Lease length; heartbeats extend it while a step runs.
+    pub lease: Duration,
+    /// Heartbeat period (well under `lease`).
+    pub heartbeat: Duration,
+    /// Longest wait between claims when idle and not woken.
+    pub poll_interval: Duration,
+    /// Reaper period.
+    pub reap_interval: Duration,
+    /// Most step results per commit.
+    pub commit_batch: usize,
+    /// Longest a finished step waits for its group commit.
+    pub commit_interval: Duration,
+    /// How long shutdown waits for running steps before releasing their leases.
+    pub shutdown_grace: Duration,
+    /// Run the timer sweep service in this worker (`None` = off, e.g. when dedicated
+    /// nodes run it).
+    pub timers: Option<SweepConfig>,
+    /// How often to sample `Store::queue_stats` into the pending / dead-letter gauges
+    /// (`None` = never).
+    pub stats_interval: Option<Duration>,
+    /// Wake on the store's ready notifications (`Store::ready_wait`); `false` relies on
+    /// polling alone (the correctness path, and what benchmarks compare against).
+    pub notifications: bool,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            worker_id: WorkerId(format!("worker-{}", std::process::id())),
+            namespaces: Vec::new(),
+            queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 10)],
+            claim_batch: 100,
+            lease: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(10),
+            poll_interval: Duration::from_secs(1),
+            reap_interval: Duration::from_secs(5),
+            commit_batch: 100,
+            commit_interval: Duration::from_millis(2),
+            shutdown_grace: Duration::from_secs(10),
+            timers: Some(SweepConfig::default()),
+            stats_interval: Some(Duration::from_secs(15)),
+            notifications: true,
+        }
+    }
+}
+
+/// Counters a worker keeps about itself.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    /// Steps whose commit was accepted.
+    pub committed: AtomicU64,
+    /// Steps whose commit was rejected as `LeaseLost` (discarded).
+    pub lease_lost: AtomicU64,
+    /// Steps that failed (error, panic or timeout).
+    pub failed_steps: AtomicU64,
+    /// Rows the reaper returned to runnable.
+    pub reaped: AtomicU64,
+    /// Leases released at shutdown.
+    pub released: AtomicU64,
+}
+
+impl WorkerStats {
+    /// Accepted commits so far.
+    pub fn committed(&self) -> u64 {
+        self.committed.load(Ordering::Relaxed)
+    }
+}
+
+struct Inner<S, C> {
+    store: Arc<S>,
+    clock: C,
+    config: WorkerConfig,
+    machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
+    in_flight: Mutex<HashMap<InstanceId, (FencingToken, JoinHandle<()>)>>,
+    slot_freed: Notify,
+    stats: Arc<WorkerStats>,
+}
+
+/// A worker under construction: add machines, then [`Worker::spawn`].
+pub struct Worker<S, C> {
+    store: Arc<S>,
+    clock: C,
+    config: WorkerConfig,
+    machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
+}
+
+impl<S: Store, C: Clock + Clone> Worker<S, C> {
+    /// A worker over `store` with `config`.
+    pub fn new(store: Arc<S>, clock: C, config: WorkerConfig) -> Self {
+        Worker { store, clock, config, machines: HashMap::new() }
+    }
+
+    /// Registers a machine; the worker claims only the `(name, version)` pairs it has.
+    #[must_use]
+    pub fn register(mut self, machine: impl StepMachine) -> Self {
+        self.machines.insert(machine.machine(), Arc::new(machine));
+        self
+    }
+
+    /// Starts the worker's tasks on the current tokio runtime.
+    pub fn spawn(self) -> WorkerHandle {
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let stats = Arc::new(WorkerStats::default());
+        let inner = Arc::new(Inner {
+            store: self.store,
+            clock: self.clock,
+            config: self.config,
+            machines: self.machines,
+            in_flight: Mutex::new(HashMap::new()),
+            slot_freed: Notify::new(),
+            stats: Arc::clone(&stats),
+        });
+        let join = tokio::spawn(run(inner, shutdown_rx));
+        WorkerHandle { shutdown: shutdown_tx, join, stats }
+    }
+}
+
+/// A running worker.
+pub struct WorkerHandle {
+    shutdown: watch::Sender<bool>,
+    join: JoinHandle<()>,
+    stats: Arc<WorkerStats>,
+}
+
+impl WorkerHandle {
+    /// The worker's counters.
+    pub fn stats(&self) -> &Arc<WorkerStats> {
+        &self.stats
+    }
+
+    /// Graceful shutdown: stop claiming, let running steps finish within the grace period,
+    /// release the leases of the rest, flush pending commits. Returns the final counters.
+    pub async fn shutdown(self) -> Arc<WorkerStats> {
+        let _ = self.shutdown.send(true);
+        if let Err(e) = self.join.await {
+            tracing::error!(error = %e, "worker task ended abnormally");
+        }
+        self.stats
+    }
+}
+
+/// A finished step on its way to the committer, holding its slot until committed.
+struct Finished {
+    commit: StepCommit,
+    machine: String,
+    failed: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+async fn run<S: Store, C: Clock + Clone>(
+    inner: Arc<Inner<S, C>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    // A restarted worker first takes back what it held before it crashed.
+    reap(&inner, Some(inner.config.worker_id.clone())).await;
+
+    let total: usize = inner.config.queues.iter().map(|(_, n)| *n).sum();
+    let (tx, rx) = mpsc::channel::<Finished>(total.max(1) * 2);
+    let committer = tokio::spawn(commit_loop(Arc::clone(&inner), rx));
+    let heartbeat = tokio::spawn(heartbeat_loop(Arc::clone(&inner), shutdown.clone()));
+    let reaper = tokio::spawn(reap_loop(Arc::clone(&inner), shutdown.clone()));
+    let sweeper = inner.config.timers.clone().map(|config| {
+        let sweeper = Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config)
+            .unwrap_or_else(|e| panic!("invalid worker timer configuration: {e}"));
+        tokio::spawn(sweeper.run(shutdown.clone()))
+    });
+    let sampler = inner
+        .config
+        .stats_interval
+        .map(|every| tokio::spawn(stats_loop(Arc::clone(&inner), every, shutdown.clone())));
+
+    let queues: Vec<(String, Arc<Semaphore>)> = inner
+        .config
+        .queues
+        .iter()
+        .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
+        .collect();
+    let machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
+
+    while !*shutdown.borrow() {
+        let mut claimed = 0;
+        let mut full = true;
+        for (queue, slots) in &queues {
+            let free = slots
+                .available_permits()
+                .min(inner.config.claim_batch)
+                .min(limits::CLAIM_BATCH_MAX);
+            if free == 0 {
+                continue;
+            }
+            full = false;
+            let params = ClaimParams {
+                worker: inner.config.worker_id.clone(),
+                namespaces: inner.config.namespaces.clone(),
+                queues: vec![queue.clone()],
+                machines: machines.clone(),
+                limit: free,
+                lease: inner.config.lease,
+                now: inner.clock.now(),
+            };
+            let claims = match inner.store.instance_claim(params).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, queue, "claim failed; retrying after the poll interval");
+                    Vec::new()
+                }
+            };
+            claimed += claims.len();
+            for claim in claims {
+                let Ok(permit) = Arc::clone(slots).try_acquire_owned() else {
+                    // Cannot happen (we asked for at most the free slots); release it.
+                    release(&inner, vec![(claim.instance.id, claim.token())]).await;
+                    continue;
+                };
+                let id = claim.instance.id;
+                let token = claim.token();
+                // Register before spawning, so the heartbeat sees the lease at once.
+                let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+                let task = tokio::spawn(run_step(Arc::clone(&inner), claim, permit, tx.clone()));
+                in_flight.insert(id, (token, task));
+            }
+        }
+        if claimed == 0 || full {
+            tokio::select! {
+                () = inner.store.ready_wait(), if inner.config.notifications => {}
+                () = tokio::time::sleep(inner.config.poll_interval) => {}
+                () = inner.slot_freed.notified(), if full => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    drain(&inner).await;
+    drop(tx);
+    let _ = committer.await;
+    let _ = heartbeat.await;
+    let _ = reaper.await;
+    for task in [sweeper, sampler].into_iter().flatten() {
+        let _ = task.await;
+    }
+}
+
+/// Samples the store's counts into gauges: pending (ready), scheduled, executing, waiting
+/// and suspended (the dead-letter queue size) per queue and machine.
+async fn stats_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        match inner.store.queue_stats(None, inner.clock.now()).await {
+            Ok(stats) => {
+                for q in stats {
+                    let labels = [
+                        ("namespace", q.namespace.clone()),
+                        ("queue", q.queue.clone()),
+                        ("machine", q.machine.clone()),
+                    ];
+                    metrics::gauge!("keel_queue_pending", &labels).set(q.ready as f64);
+                    metrics::gauge!("keel_queue_scheduled", &labels).set(q.scheduled as f64);
+                    metrics::gauge!("keel_queue_processing", &labels).set(q.executing as f64);
+                    metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
+                    metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "queue stats sample failed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+/// Shutdown: wait (bounded) for running steps, then release the leases of the rest.
+async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
+    let deadline = Instant::now() + inner.config.shutdown_grace;
+    while Instant::now() < deadline && !inner.in_flight.lock().expect("in_flight lock").is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rest: Vec<(InstanceId, FencingToken)> = {
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        in_flight
+            .drain()
+            .map(|(id, (token, task))| {
+                task.abort();
+                (id, token)
+            })
+            .collect()
+    };
+    if !rest.is_empty() {
+        release(inner, rest).await;
+    }
+}
+
+async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceId, FencingToken)>) {
+    let n = leases.len() as u64;
+    match inner.store.lease_release(LeaseReleaseParams { leases, now: inner.clock.now() }).await {
+        Ok(_) => {
+            inner.stats.released.fetch_add(n, Ordering::Relaxed);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "releasing leases failed; the reaper will return them");
+        }
+    }
+}
+
+fn context_of(claim: &Claim) -> StepContext {
+    let row = &claim.instance;
+    StepContext {
+        id: row.id,
+        machine: row.machine.clone(),
+        step: row.position.clone(),
+        attempt: row.attempt,
+        context: row.context.clone(),
+        awaits: row.awaits.clone(),
+        signals: claim.inbox.clone(),
+        children: claim.children.clone(),
+        business_key: row.business_key.clone(),
+        parent: None,
+        effects: Arc::default(),
+    }
+}
+
+async fn run_step<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    claim: Claim,
+    permit: OwnedSemaphorePermit,
+    tx: mpsc::Sender<Finished>,
+) {
+    let row = &claim.instance;
+    let span = tracing::info_span!("step", instance = %row.id, machine = %row.machine, step = %row.position, attempt = row.attempt);
+    let Some(machine) = inner.machines.get(&row.machine).cloned() else {
+        tracing::error!(parent: &span, "claimed a machine this worker does not run; releasing");
+        return;
+    };
+    let wait = inner.clock.now().since(row.eligible_at);
+    metrics::histogram!("keel_queue_wait_time_seconds", "machine" => row.machine.name.clone())
+        .record(wait.as_secs_f64());
+    let started = Instant::now();
+    let mut ctx = context_of(&claim);
+    if let Some(parent) = row.parent.filter(|_| machine.wants_parent(&row.position)) {
+        match inner.store.instance_get(parent).await {
+            Ok(detail) => ctx.parent = Some(detail.instance),
+            Err(e) => tracing::debug!(parent: &span, error = %e, "reading the parent failed"),
+        }
+    }
+    let config = machine.step_config(&row.position);
+    let result =
+        guarded(Arc::clone(&machine), ctx.clone(), config.timeout).instrument(span.clone()).await;
+    let elapsed = started.elapsed();
+    metrics::histogram!("keel_queue_processing_time_seconds", "machine" => row.machine.name.clone())
+        .record(elapsed.as_secs_f64());
+
+    let (commit, failed) = match result {
+        Ok(outcome) => {
+            let mut commit = success_commit(&claim, outcome);
+            let mut effects = ctx.effects();
+            commit.emit = std::mem::take(&mut effects.emit);
+            commit.spawn = std::mem::take(&mut effects.spawn);
+            commit.history = std::mem::take(&mut effects.history);
+            commit.timers_arm = std::mem::take(&mut effects.timers_arm);
+            commit.timers_cancel = std::mem::take(&mut effects.timers_cancel);
+            if let Some(consume) = effects.consume.take() {
+                commit.consume = consume;
+            }
+            drop(effects);
+            (commit, false)
+        }
+        Err(error) => {
+            tracing::warn!(parent: &span, error = %error, "step failed");
+            (failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await, true)
+        }
+    };
+    let finished = Finished { commit, machine: row.machine.name.clone(), failed, _permit: permit };
+    if tx.send(finished).await.is_err() {
+        tracing::warn!(parent: &span, "committer stopped; the lease will expire and the step re-run");
+    }
+}
+
+/// Runs the step in its own task, so a panic becomes an error and a timeout cancels it.
+async fn guarded(
+    machine: Arc<dyn StepMachine>,
+    ctx: StepContext,
+    timeout: Duration,
+) -> Result<Outcome, StepError> {
+    let task = tokio::spawn(async move { machine.step(&ctx).await });
+    let abort = task.abort_handle();
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(join)) => {
+            Err(StepError::retryable(format!("step panicked: {}", panic_message(join))))
+        }
+        Err(_) => {
+            abort.abort();
+            Err(StepError::retryable(format!("step timed out after {} ms", timeout.as_millis())))
+        }
+    }
+}
+
+fn panic_message(join: tokio::task::JoinError) -> String {
+    match join.try_into_panic() {
+        Ok(payload) => payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".to_owned()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A successful step consumes the signals it saw that match what it awaited (all of
+/// them for `*`), unless it parks again.
+fn success_commit(claim: &Claim, outcome: Outcome) -> StepCommit {
+    let row = &claim.instance;
+    let consume: Vec<_> = match (&outcome, row.awaits.as_deref()) {
+        (Outcome::Await { .. }, _) | (_, None) => Vec::new(),
+        (_, Some(awaits)) => claim
+            .inbox
+            .iter()
+            .filter(|s| awaits == ANY_SIGNAL || s.name == awaits)
+            .map(|s| s.id)
+            .collect(),
+    };
+    StepCommit::new(row.id, claim.token(), outcome).consume(consume)
+}
+
+async fn failure_commit(
+    claim: &Claim,
+    ctx: &StepContext,
+    machine: &dyn StepMachine,
+    config: &QueueConfig,
+    error: StepError,
+) -> StepCommit {
+    let row = &claim.instance;
+    let retryable = error.class == ErrorClass::Retryable;
+    let processing = ctx.effects().processing.take();
+    let mut failure = StepFailure {
+        error: error.message.clone(),
+        retryable,
+        dead_letter: false,
+        signals: processing
+            .as_ref()
+            .map_or_else(|| claim.inbox.iter().map(|s| s.id).collect(), |s| vec![s.id]),
+        event: processing.as_ref().map(|s| json!({ "name": s.name, "payload": s.payload })),
+    };
+    let mut consume = Vec::new();
+    // The failed step's own effects are dropped; the handler's ride the failure commit.
+    {
+        let mut effects = ctx.effects();
+        effects.emit.clear();
+        effects.history.clear();
+    }
+    let outcome = match machine.handle(&error, ctx).await {
+        Ok(Some(outcome)) => outcome,
+        Ok(None) => {
+            let attempt = u32::try_from(row.attempt).unwrap_or(0);
+            match retry::decide(&config.retry, attempt, error.class, fastrand::f64()) {
+                RetryDecision::Retry { delay } => {
+                    Outcome::Retry { context: row.context.clone(), delay }
+                }
+                RetryDecision::DeadLetter { .. } => {
+                    failure.dead_letter = true;
+                    match (&processing, config.on_dead_letter) {
+                        // Skip: drop the failed event, keep the position, take the next one.
+                        (Some(event), OnDeadLetter::Skip) => {
+                            consume.push(event.id);
+                            Outcome::Await {
+                                signal: ANY_SIGNAL.into(),
+                                context: row.context.clone(),
+                                step: None,
+                            }
+                        }
+                        _ => Outcome::Suspend,
+                    }
+                }
+            }
+        }
+        Err(handler_error) => Outcome::Stop {
+            reason: format!("error handler failed: {handler_error} (while handling: {error})"),
+        },
+    };
+    let mut commit =
+        StepCommit::new(row.id, claim.token(), outcome).consume(consume).failure(failure);
+    let mut effects = ctx.effects();
+    commit.emit = std::mem::take(&mut effects.emit);
+    commit.history = std::mem::take(&mut effects.history);
+    commit
+}
+
+async fn commit_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    mut rx: mpsc::Receiver<Finished>,
+) {
+    let batch_max = inner.config.commit_batch.clamp(1, limits::COMMIT_BATCH_MAX);
+    let mut buffer: Vec<Finished> = Vec::with_capacity(batch_max);
+    // The oldest buffered result waits at most `commit_interval` for its group.
+    let mut deadline = tokio::time::Instant::now();
+    loop {
+        let msg = if buffer.is_empty() {
+            let m = rx.recv().await;
+            deadline = tokio::time::Instant::now() + inner.config.commit_interval;
+            m
+        } else if let Ok(m) = tokio::time::timeout_at(deadline, rx.recv()).await {
+            m
+        } else {
+            flush(&inner, &mut buffer).await;
+            continue;
+        };
+        let Some(f) = msg else {
+            flush(&inner, &mut buffer).await;
+            return;
+        };
+        buffer.push(f);
+        // Take whatever else is already waiting, up to the batch bound.
+        while buffer.len() < batch_max {
+            match rx.try_recv() {
+                Ok(f) => buffer.push(f),
+                Err(_) => break,
+            }
+        }
+        // Flush at once when the group is full, or when every running step has finished
+        // (no more results can join this group).
+        let running = inner.in_flight.lock().expect("in_flight lock").len();
+        if buffer.len() >= batch_max || buffer.len() >= running {
+            flush(&inner, &mut buffer).await;
+        }
+    }
+}
+
+/// Commits a group of step results; retries the whole call (bounded) when the store is
+/// unavailable. Results that cannot be committed are dropped: their leases expire and the
+/// reaper re-runs the steps (at-least-once).
+async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finished>) {
+    if buffer.is_empty() {
+        return;
+    }
+    let batch: Vec<Finished> = std::mem::take(buffer);
+    let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
+    let mut result = None;
+    for attempt in 0..5u32 {
+        let params = CommitParams { commits: commits.clone(), now: inner.clock.now() };
+        match inner.store.step_commit(params).await {
+            Ok(r) => {
+                result = Some(r);
+                break;
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, attempt, "group commit failed; retrying");
+                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "group commit rejected");
+                break;
+            }
+        }
+    }
+    let receipts = result.unwrap_or_default();
+    for (i, f) in batch.iter().enumerate() {
+        let labels = [("machine", f.machine.clone())];
+        match receipts.get(i) {
+            Some(Ok(_)) => {
+                inner.stats.committed.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("keel_queue_completed_total", &labels).increment(1);
+                if f.failed {
+                    inner.stats.failed_steps.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("keel_queue_failed_total", &labels).increment(1);
+                }
+                if matches!(f.commit.outcome, Outcome::Retry { .. }) {
+                    metrics::counter!("keel_queue_retried_total", &labels).increment(1);
+                }
+            }
+            Some(Err(e)) if e.kind == ErrorKind::LeaseLost => {
+                inner.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(instance = %f.commit.id, "lease lost before commit; result discarded");
+            }
+            Some(Err(e)) => {
+                tracing::error!(instance = %f.commit.id, error = %e, "commit item rejected");
+            }
+            None => {}
+        }
+    }
+    {
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        for f in &batch {
+            in_flight.remove(&f.commit.id);
+        }
+    }
+    drop(batch); // frees the slots
+    inner.slot_freed.notify_one();
+}
+
+async fn heartbeat_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(inner.config.heartbeat) => {}
+            _ = shutdown.changed() => return,
+        }
+        let leases: Vec<(InstanceId, FencingToken)> = inner
+            .in_flight
+            .lock()
+            .expect("in_flight lock")
+            .iter()
+            .map(|(id, (t, _))| (*id, *t))
+            .collect();
+        if leases.is_empty() {
+            continue;
+        }
+        let params = LeaseExtendParams {
+            worker: inner.config.worker_id.clone(),
+            leases: leases.clone(),
+            lease: inner.config.lease,
+            now: inner.clock.now(),
+        };
+        match inner.store.lease_extend(params).await {
+            Ok(held) => {
+                for ((id, _), ok) in leases.iter().zip(held) {
+                    if !ok {
+                        tracing::warn!(instance = %id, "heartbeat: lease no longer held; its commit will be rejected");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+        }
+    }
+}
+
+async fn reap_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(inner.config.reap_interval) => {}
+            _ = shutdown.changed() => return,
+        }
+        reap(&inner, None).await;
+    }
+}
+
+async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) {
+    let params = LeaseReapParams { owner, limit: limits::REAP_BATCH_MAX, now: inner.clock.now() };
+    match inner.store.lease_reap(params).await {
+        Ok(ids) if !ids.is_empty() => {
+            inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
+            tracing::info!(count = ids.len(), "returned expired leases to runnable");
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "reaper failed"),
+    }
+}

@@ -1,0 +1,248 @@
+//! Durable chart timers end to end (issue: keel-timers), on `MemoryStore` + `VirtualClock`:
+//! the worker runs the chart, the test moves virtual time and runs the sweep by hand.
+
+mod common;
+
+use common::Harness;
+use keel_core::Instance;
+use keel_core::chart::{Definition, Timer};
+use keel_core::{InstanceId, NewSignal, Status};
+use keel_scheduler::{ChartMachine, SweepConfig, Sweeper, Worker, WorkerConfig, WorkerHandle};
+use keel_testkit::VirtualClock;
+use keel_testkit::memory::MemoryStore;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn sweeper(h: &Harness) -> Sweeper<MemoryStore, VirtualClock> {
+    Sweeper::new(Arc::clone(&h.store), h.clock.clone(), SweepConfig::default())
+        .expect("valid config")
+}
+
+fn worker(h: &Harness, m: ChartMachine) -> WorkerHandle {
+    // The test sweeps by hand: no sweeper inside the worker.
+    let config = WorkerConfig { timers: None, ..h.config() };
+    Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn()
+}
+
+fn in_state(state: &'static str) -> impl Fn(&Instance) -> bool {
+    move |r| {
+        r.status != Status::Executing
+            && serde_json::from_str::<Vec<String>>(&r.position)
+                .is_ok_and(|p| p.iter().any(|s| s == state))
+    }
+}
+
+/// Moves time, sweeps once, and returns how many timer events were delivered.
+async fn advance(h: &Harness, s: &Sweeper<MemoryStore, VirtualClock>, by: Duration) -> u64 {
+    h.clock.advance(by);
+    match s.sweep(&[]).await.expect("sweep") {
+        keel_timers::SweepOutcome::Swept { report, .. } => report.fired + report.exhausted,
+        keel_timers::SweepOutcome::Skipped { .. } => 0,
+    }
+}
+
+async fn fired(h: &Harness, id: InstanceId, event: &str) -> usize {
+    let history = h.client.get(id).await.unwrap().history;
+    history
+        .iter()
+        .filter(|r| r.entry.kind == "TIMER_FIRED" && r.entry.data["event"] == json!(event))
+        .count()
+}
+
+fn checkout() -> ChartMachine {
+    let def = Definition::builder("checkout", 1)
+        .guard("vip", |ctx, _| ctx.get_as::<bool>("vip") == Some(true))
+        .initial("awaiting")
+        .state("awaiting", |s| {
+            s.on_to("PAY", "paid")
+                .on("EXPIRE", |t| {
+                    t.after(Timer::seconds(10))
+                        .branch(|b| b.guard("vip").target("grace"))
+                        .branch(|b| b.target("expired"))
+                })
+                .on("REMIND", |t| t.every(Timer::seconds(4)).action("remind"))
+        })
+        .state("grace", |s| s.on("EXPIRE_GRACE", |t| t.target("expired").after(Timer::seconds(20))))
+        .state("paid", |s| s.on_to("ARCHIVE", "archived"))
+        .final_state("expired")
+        .final_state("archived")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def).action("remind", |ctx, _| async move {
+        let n: u64 = ctx.get_as("reminders").unwrap_or(0);
+        ctx.set("reminders", n + 1);
+        Ok(())
+    })
+}
+
+#[tokio::test]
+async fn an_after_timer_fires_once_after_its_duration() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let m = checkout();
+    let id = h.start(m.new_instance(json!({}))).await;
+    let w = worker(&h, m);
+    h.wait(id, "awaiting", in_state("awaiting")).await;
+    let detail = h.client.get(id).await.unwrap();
+    assert_eq!(
+        detail.timers.iter().map(|t| t.spec.event.as_str()).collect::<Vec<_>>(),
+        ["REMIND", "EXPIRE"]
+    );
+
+    assert_eq!(advance(&h, &s, Duration::from_secs(4)).await, 1, "a reminder at 4 s");
+    assert_eq!(
+        advance(&h, &s, Duration::from_secs(5)).await,
+        1,
+        "one at 9 s, counted from the last fire"
+    );
+    h.wait(id, "reminded twice", |r| r.context["reminders"] == json!(2)).await;
+    assert_eq!(
+        advance(&h, &s, Duration::from_secs(1)).await,
+        1,
+        "the expiry at 10 s; the next reminder is due at 13 s"
+    );
+    let row = h.wait(id, "expired", |r| r.status == Status::Done).await;
+    assert!(in_state("expired")(&row) || row.result.is_some());
+    assert_eq!(fired(&h, id, "EXPIRE").await, 1);
+    assert_eq!(
+        advance(&h, &s, Duration::from_secs(60)).await,
+        0,
+        "a finished instance has no timers"
+    );
+    w.shutdown().await;
+}
+
+#[tokio::test]
+async fn leaving_the_state_before_the_deadline_cancels_its_timers() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let m = checkout();
+    let id = h.start(m.new_instance(json!({}))).await;
+    let w = worker(&h, m);
+    h.wait(id, "awaiting", in_state("awaiting")).await;
+    h.clock.advance(Duration::from_secs(3));
+    h.client.send(NewSignal::new(id, "PAY")).await.unwrap();
+    h.wait(id, "paid", in_state("paid")).await;
+    assert!(h.client.get(id).await.unwrap().timers.is_empty());
+    assert_eq!(
+        advance(&h, &s, Duration::from_secs(10)).await,
+        0,
+        "a sweep at the deadline changes nothing"
+    );
+    assert_eq!(fired(&h, id, "EXPIRE").await, 0);
+    w.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_guarded_timer_event_takes_the_branch_whose_guard_holds_when_processed() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let m = checkout();
+    let vip = h.start(m.new_instance(json!({ "vip": true }))).await;
+    let w = worker(&h, m);
+    h.wait(vip, "awaiting", in_state("awaiting")).await;
+    advance(&h, &s, Duration::from_secs(10)).await;
+    h.wait(vip, "grace", in_state("grace")).await;
+    let timers = h.client.get(vip).await.unwrap().timers;
+    assert_eq!(
+        timers.iter().map(|t| t.spec.event.as_str()).collect::<Vec<_>>(),
+        ["EXPIRE_GRACE"],
+        "entering grace armed its own timer"
+    );
+    advance(&h, &s, Duration::from_secs(20)).await;
+    h.wait(vip, "expired after the grace period", |r| r.status == Status::Done).await;
+    w.shutdown().await;
+}
+
+fn retrying() -> ChartMachine {
+    let def = Definition::builder("retrying", 1)
+        .initial("charging")
+        .state("charging", |s| {
+            s.on("RETRY", |t| t.every(Timer::seconds(10)).max(3).then("GIVE_UP").action("charge"))
+                .on_to("GIVE_UP", "failed")
+        })
+        .final_state("failed")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def).action("charge", |ctx, _| async move {
+        let n: u64 = ctx.get_as("charges").unwrap_or(0);
+        ctx.set("charges", n + 1);
+        Ok(())
+    })
+}
+
+#[tokio::test]
+async fn every_with_max_fires_max_times_then_sends_then_exactly_once() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let m = retrying();
+    let id = h.start(m.new_instance(json!({}))).await;
+    let w = worker(&h, m);
+    h.wait(id, "charging", in_state("charging")).await;
+    for n in 1..=3 {
+        assert_eq!(advance(&h, &s, Duration::from_secs(10)).await, 1, "sweep {n}");
+        h.wait(id, "charged", |r| r.context["charges"] == json!(n)).await;
+        assert_eq!(advance(&h, &s, Duration::ZERO).await, 0, "an immediate re-sweep fires nothing");
+    }
+    assert_eq!(advance(&h, &s, Duration::from_secs(10)).await, 1, "sweep 4 delivers GIVE_UP");
+    h.wait(id, "failed", |r| r.status == Status::Done).await;
+    assert_eq!(advance(&h, &s, Duration::from_secs(10)).await, 0, "sweep 5 is a no-op");
+    let history = h.client.get(id).await.unwrap().history;
+    assert_eq!(history.iter().filter(|r| r.entry.kind == "TIMER_EXHAUSTED").count(), 1);
+    w.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_delegation_states_timeout_and_its_own_timer_coexist() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let def = Definition::builder("delegating", 1)
+        .initial("waiting")
+        .state("waiting", |st| {
+            st.machine("slow_child")
+                .on("NUDGE", |t| t.every(Timer::seconds(10)).action("nudge"))
+                .on_timeout(Timer::seconds(30), |b| b.target("timed_out"))
+        })
+        .final_state("timed_out")
+        .build()
+        .expect("valid chart");
+    let m = ChartMachine::new(def).action("nudge", |ctx, _| async move {
+        let n: u64 = ctx.get_as("nudges").unwrap_or(0);
+        ctx.set("nudges", n + 1);
+        Ok(())
+    });
+    let id = h.start(m.new_instance(json!({}))).await;
+    let w = worker(&h, m); // nobody runs slow_child: it never finishes
+    h.wait(id, "waiting", in_state("waiting")).await;
+    let mut nudges = 0;
+    for _ in 0..2 {
+        nudges += advance(&h, &s, Duration::from_secs(10)).await;
+    }
+    assert_eq!(nudges, 2);
+    h.wait(id, "nudged", |r| r.context["nudges"] == json!(2)).await;
+    advance(&h, &s, Duration::from_secs(10)).await; // 30 s: the nudge and the timeout
+    let row = h.wait(id, "timed out", |r| r.status == Status::Done).await;
+    // Both were due at 30 s; fires are delivered in due order, then timer id (the nudge
+    // was armed first), and the inbox is processed in arrival order.
+    assert_eq!(row.result.as_ref().map(|r| r["nudges"].clone()), Some(json!(3)));
+    w.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_worker_runs_the_sweeper_when_configured() {
+    let h = Harness::new();
+    let m = checkout();
+    let id = h.start(m.new_instance(json!({}))).await;
+    let cadence =
+        keel_scheduler::SweepGroup { machines: vec![], cadence: Duration::from_millis(100) };
+    let config = WorkerConfig {
+        timers: Some(SweepConfig { groups: vec![cadence], ..SweepConfig::default() }),
+        ..h.config()
+    };
+    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn();
+    h.wait(id, "awaiting", in_state("awaiting")).await;
+    h.clock.advance(Duration::from_secs(11));
+    h.wait(id, "expired by the worker's own sweeper", |r| r.status == Status::Done).await;
+    w.shutdown().await;
+}

@@ -1,0 +1,523 @@
+//! The worker runtime on `MemoryStore` + `VirtualClock`: retries with the policy's delays,
+//! dead letters, timeouts, lease loss, the reaper, shutdown, pause, per-key serialization,
+//! priority and the emit outbox. Virtual time drives eligibility; real time only paces the
+//! worker's polling, with every wait bounded.
+
+#![allow(clippy::items_after_statements, clippy::unnecessary_wraps, clippy::unused_self)]
+
+mod common;
+
+use async_trait::async_trait;
+use keel_core::config::QueueConfig;
+use keel_core::instance::NewInstance;
+use keel_core::ports::store::{ClaimParams, CommitParams, DeadLetterFilter, LeaseReapParams};
+use keel_core::ports::{Clock, Store};
+use keel_core::retry::RetryPolicy;
+use keel_core::{MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, WorkerId};
+use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
+use serde_json::json;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::Harness;
+
+fn machine() -> MachineRef {
+    MachineRef::new("m", 1)
+}
+
+fn new() -> NewInstance {
+    NewInstance::new(machine(), "a")
+}
+
+/// A machine whose steps are a closure.
+struct Fn_<F>(F, QueueConfig);
+
+#[async_trait]
+impl<F> StepMachine for Fn_<F>
+where
+    F: Fn(&StepContext) -> Result<Outcome, StepError> + Send + Sync + 'static,
+{
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        (self.0)(ctx)
+    }
+    fn config(&self) -> QueueConfig {
+        self.1
+    }
+}
+
+fn steps<F>(f: F) -> Fn_<F>
+where
+    F: Fn(&StepContext) -> Result<Outcome, StepError> + Send + Sync + 'static,
+{
+    Fn_(f, QueueConfig::default())
+}
+
+fn done() -> Result<Outcome, StepError> {
+    Ok(Outcome::Done { result: json!("ok") })
+}
+
+#[tokio::test]
+async fn retries_wait_the_policy_delays_then_suspend_and_a_dead_letter_retry_resumes() {
+    let h = Harness::new();
+    let healed = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&healed);
+    let m = steps(move |_| {
+        if flag.load(Ordering::SeqCst) { done() } else { Err(StepError::retryable("db down")) }
+    });
+    let worker = h.worker(h.config(), m);
+    let id = h.start(new()).await;
+
+    // Exponential from 1 s (the default policy): 1 s, 2 s, then dead-lettered after 3 attempts.
+    for (attempt, delay_ms) in [(1, 1000), (2, 2000)] {
+        let row =
+            h.wait(id, "a retry", |r| r.attempt == attempt && r.status == Status::Runnable).await;
+        assert_eq!(
+            row.eligible_at,
+            h.clock.now().plus(Duration::from_millis(delay_ms)),
+            "attempt {attempt}"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert_eq!(h.status(id).await, Status::Runnable, "not run before its delay");
+        h.clock.advance(Duration::from_millis(delay_ms));
+    }
+    let row = h.wait(id, "suspension", |r| r.status == Status::Suspended).await;
+    assert_eq!(row.last_error.as_deref(), Some("db down"));
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].letter.attempts, 3);
+    assert_eq!(letters[0].letter.errors.len(), 3, "every attempt's error is kept");
+
+    healed.store(true, Ordering::SeqCst);
+    h.client.dead_letter_retry(letters[0].id, Duration::ZERO).await.unwrap();
+    h.wait(id, "done after the dead-letter retry", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_non_retryable_error_is_dead_lettered_at_once() {
+    let h = Harness::new();
+    let worker = h.worker(h.config(), steps(|_| Err(StepError::fatal("card number invalid"))));
+    let id = h.start(new()).await;
+    let row = h.wait(id, "suspension", |r| r.status == Status::Suspended).await;
+    assert_eq!(row.attempt, 0, "no retries for a non-retryable error");
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.unwrap();
+    assert_eq!(letters[0].letter.reason, "non_retryable");
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_step_over_its_timeout_is_cancelled_and_retried() {
+    let h = Harness::new();
+    struct Slow(Arc<AtomicUsize>);
+    #[async_trait]
+    impl StepMachine for Slow {
+        fn machine(&self) -> MachineRef {
+            machine()
+        }
+        async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+            if ctx.attempt == 0 {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                self.0.fetch_add(1, Ordering::SeqCst); // never reached: the step is cancelled
+            }
+            done()
+        }
+        fn config(&self) -> QueueConfig {
+            QueueConfig { timeout: Duration::from_millis(50), ..QueueConfig::default() }
+        }
+    }
+    let finished_slow = Arc::new(AtomicUsize::new(0));
+    let worker = h.worker(h.config(), Slow(Arc::clone(&finished_slow)));
+    let id = h.start(new()).await;
+    let row = h.wait(id, "a retry after the timeout", |r| r.attempt == 1).await;
+    assert!(row.errors[0].error.contains("timed out after 50 ms"), "{:?}", row.errors);
+    h.clock.advance(Duration::from_secs(1));
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    assert_eq!(finished_slow.load(Ordering::SeqCst), 0);
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_panicking_step_is_a_retryable_failure() {
+    let h = Harness::new();
+    let worker = h.worker(
+        h.config(),
+        steps(|ctx| if ctx.attempt == 0 { panic!("bug in step") } else { done() }),
+    );
+    let id = h.start(new()).await;
+    let row = h.wait(id, "retry", |r| r.attempt == 1).await;
+    assert!(row.errors[0].error.contains("step panicked: bug in step"), "{:?}", row.errors);
+    h.clock.advance(Duration::from_secs(1));
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_result_whose_lease_was_lost_is_discarded() {
+    let h = Harness::new();
+    struct Sleepy;
+    #[async_trait]
+    impl StepMachine for Sleepy {
+        fn machine(&self) -> MachineRef {
+            machine()
+        }
+        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(Outcome::Done { result: json!("from the slow worker") })
+        }
+    }
+    let config = WorkerConfig { heartbeat: Duration::from_secs(3600), ..h.config() };
+    let worker = h.worker(config, Sleepy);
+    let id = h.start(new()).await;
+    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
+
+    // The slow worker's lease runs out; another worker reaps, claims and finishes it.
+    h.clock.advance(Duration::from_secs(31));
+    h.store
+        .lease_reap(LeaseReapParams { owner: None, limit: 10, now: h.clock.now() })
+        .await
+        .unwrap();
+    let other = WorkerId("other".into());
+    let claim = h
+        .store
+        .instance_claim(ClaimParams {
+            worker: other,
+            namespaces: vec![],
+            queues: vec![],
+            machines: vec![],
+            limit: 1,
+            lease: Duration::from_secs(30),
+            now: h.clock.now(),
+        })
+        .await
+        .unwrap()
+        .pop()
+        .expect("claimable after the reap");
+    let commit = StepCommit::new(
+        id,
+        claim.token(),
+        Outcome::Done { result: json!("from the other worker") },
+    );
+    h.store.step_commit(CommitParams { commits: vec![commit], now: h.clock.now() }).await.unwrap()
+        [0]
+    .clone()
+    .unwrap();
+
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 1);
+    let row = h.client.get(id).await.unwrap().instance;
+    assert_eq!(row.result, Some(json!("from the other worker")));
+}
+
+#[tokio::test]
+async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
+    let h = Harness::new();
+    let id = h.start(new()).await;
+    // A worker claims it and dies.
+    let params = ClaimParams {
+        worker: WorkerId("dead".into()),
+        namespaces: vec![],
+        queues: vec![],
+        machines: vec![],
+        limit: 1,
+        lease: Duration::from_secs(30),
+        now: h.clock.now(),
+    };
+    assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
+    let worker = h.worker(h.config(), steps(|_| done()));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.status(id).await, Status::Executing, "an unexpired lease is left alone");
+    h.clock.advance(Duration::from_secs(31));
+    let row = h.wait(id, "done after the reap", |r| r.status == Status::Done).await;
+    let history = h.client.get(id).await.unwrap().history;
+    assert!(history.iter().any(|r| r.entry.kind == "LEASE_EXPIRED"));
+    assert_eq!(row.revision.0, 1, "the step was committed once");
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_releases_unfinished_steps_without_counting_an_attempt() {
+    let h = Harness::new();
+    struct Forever;
+    #[async_trait]
+    impl StepMachine for Forever {
+        fn machine(&self) -> MachineRef {
+            machine()
+        }
+        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            done()
+        }
+    }
+    let worker =
+        h.worker(WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() }, Forever);
+    let id = h.start(new()).await;
+    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.released.load(Ordering::Relaxed), 1);
+    let row = h.client.get(id).await.unwrap().instance;
+    assert_eq!((row.status, row.attempt, row.lease_owner), (Status::Runnable, 0, None));
+}
+
+#[tokio::test]
+async fn graceful_shutdown_lets_quick_steps_finish_and_commit() {
+    let h = Harness::new();
+    struct Quick;
+    #[async_trait]
+    impl StepMachine for Quick {
+        fn machine(&self) -> MachineRef {
+            machine()
+        }
+        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            done()
+        }
+    }
+    let worker = h.worker(h.config(), Quick);
+    let id = h.start(new()).await;
+    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
+    worker.shutdown().await;
+    assert_eq!(h.status(id).await, Status::Done);
+}
+
+#[tokio::test]
+async fn a_paused_queue_is_not_claimed_until_resumed() {
+    let h = Harness::new();
+    h.client.queue_pause("default", "default").await.unwrap();
+    let worker = h.worker(h.config(), steps(|_| done()));
+    let id = h.start(new()).await;
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(h.status(id).await, Status::Runnable);
+    h.client.queue_resume("default", "default").await.unwrap();
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn instances_sharing_a_concurrency_key_run_one_at_a_time() {
+    let h = Harness::new();
+    let running = Arc::new(AtomicUsize::new(0));
+    let max_seen = Arc::new(AtomicUsize::new(0));
+    struct Counting(Arc<AtomicUsize>, Arc<AtomicUsize>);
+    #[async_trait]
+    impl StepMachine for Counting {
+        fn machine(&self) -> MachineRef {
+            machine()
+        }
+        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+            let now = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+            self.1.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            self.0.fetch_sub(1, Ordering::SeqCst);
+            done()
+        }
+    }
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(h.start(new().concurrency_key("account:1")).await);
+    }
+    let free = h.start(new()).await;
+    let worker = h.worker(h.config(), Counting(Arc::clone(&running), Arc::clone(&max_seen)));
+    for id in ids.iter().chain([&free]) {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    worker.shutdown().await;
+    assert_eq!(
+        max_seen.load(Ordering::SeqCst),
+        2,
+        "one of the key at a time, plus the keyless one"
+    );
+}
+
+#[tokio::test]
+async fn higher_priority_runs_first() {
+    let h = Harness::new();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&order);
+    let m = steps(move |ctx| {
+        seen.lock().unwrap().push(ctx.context["name"].as_str().unwrap_or_default().to_owned());
+        done()
+    });
+    for (name, p) in
+        [("bulk", Priority::Bulk), ("normal", Priority::Normal), ("critical", Priority::Critical)]
+    {
+        h.start(new().priority(p).context(json!({ "name": name }))).await;
+    }
+    let config = WorkerConfig { queues: vec![("default".into(), 1)], claim_batch: 1, ..h.config() };
+    let worker = h.worker(config, m);
+    for _ in 0..1_000 {
+        if order.lock().unwrap().len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    worker.shutdown().await;
+    assert_eq!(*order.lock().unwrap(), ["critical", "normal", "bulk"]);
+}
+
+#[tokio::test]
+async fn emitted_events_are_delivered_with_the_step_commit() {
+    let h = Harness::new();
+    let target = h.start(NewInstance::new(MachineRef::new("other", 1), "x")).await;
+    let m = steps(move |ctx| {
+        if ctx.attempt == 0 {
+            // This emit is discarded with the failed attempt.
+            ctx.emit(NewSignal::new(target, "FROM_FAILED_ATTEMPT"));
+            return Err(StepError::retryable("flaky"));
+        }
+        ctx.emit(NewSignal::new(target, "HELLO").payload(json!({ "from": ctx.id })));
+        done()
+    });
+    let worker = h.worker(h.config(), m);
+    let id = h.start(new()).await;
+    h.wait(id, "retry", |r| r.attempt == 1).await;
+    assert!(h.client.get(target).await.unwrap().inbox.is_empty(), "a failed step emits nothing");
+    h.clock.advance(Duration::from_secs(1));
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+    let inbox = h.client.get(target).await.unwrap().inbox;
+    assert_eq!(inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["HELLO"]);
+    assert_eq!(inbox[0].payload, json!({ "from": id }));
+}
+
+#[tokio::test]
+async fn await_wakes_on_the_signal_and_consumes_only_what_it_saw() {
+    let h = Harness::new();
+    let m = steps(|ctx| match ctx.signal("GO") {
+        Some(s) => Ok(Outcome::Next { step: "b".into(), context: json!({ "got": s.payload }) }),
+        None if ctx.step == "a" => {
+            Ok(Outcome::Await { signal: "GO".into(), context: ctx.context.clone(), step: None })
+        }
+        None => done(),
+    });
+    let worker = h.worker(h.config(), m);
+    let id = h.start(new()).await;
+    h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+    let other = NewSignal::new(id, "UNRELATED");
+    h.client.send_many(vec![other, NewSignal::new(id, "GO").payload(json!(7))]).await.unwrap();
+    let row = h.wait(id, "done", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+    assert_eq!(row.context, json!({ "got": 7 }));
+    let inbox = h.client.get(id).await.unwrap().inbox;
+    assert_eq!(
+        inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+        ["UNRELATED"],
+        "only GO was consumed"
+    );
+}
+
+#[tokio::test]
+async fn cancel_with_cascade_ends_the_children_too() {
+    let h = Harness::new();
+    let m = steps(|ctx| match ctx.step.as_str() {
+        "a" => Ok(Outcome::ScheduleChildren {
+            next: "b".into(),
+            children: vec![NewInstance::new(MachineRef::new("child", 1), "wait"); 2],
+            context: ctx.context.clone(),
+        }),
+        _ => done(),
+    });
+    let worker = h.worker(h.config(), m);
+    let id = h.start(new()).await;
+    h.wait(id, "waiting on children", |r| r.status == Status::AwaitingChildren).await;
+    let cancelled = h.client.cancel(id, "operator", true).await.unwrap();
+    assert_eq!(cancelled.len(), 3);
+    let detail = h.client.get(id).await.unwrap();
+    assert!(detail.children.iter().all(|c| c.status == Status::Cancelled));
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_worker_claims_only_the_versions_it_runs() {
+    let h = Harness::new();
+    let worker = h.worker(h.config(), steps(|_| done()));
+    let v2 = h.start(NewInstance::new(MachineRef::new("m", 2), "a")).await;
+    let v1 = h.start(new()).await;
+    h.wait(v1, "v1 done", |r| r.status == Status::Done).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert_eq!(h.status(v2).await, Status::Runnable, "v2 waits for a worker that runs v2");
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_retry_policy_from_configuration_is_used() {
+    let h = Harness::new();
+    let policy = RetryPolicy { max_attempts: 1, ..RetryPolicy::default() };
+    let m = Fn_(
+        |_: &StepContext| Err(StepError::retryable("nope")),
+        QueueConfig { retry: policy, ..QueueConfig::default() },
+    );
+    let worker = h.worker(h.config(), m);
+    let id = h.start(new()).await;
+    let row = h.wait(id, "suspended after one attempt", |r| r.status == Status::Suspended).await;
+    assert_eq!(row.attempt, 0);
+    worker.shutdown().await;
+}
+
+/// A machine exercising the hooks parallel dispatch relies on: `step_config` per step,
+/// `wants_parent`, and emits made by the error handler riding the failure commit.
+struct Hooks {
+    saw_parent: Arc<Mutex<Option<Status>>>,
+}
+
+#[async_trait]
+impl StepMachine for Hooks {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    fn step_config(&self, step: &str) -> QueueConfig {
+        let attempts = if step == "child" { 1 } else { 3 };
+        QueueConfig {
+            retry: RetryPolicy { max_attempts: attempts, ..RetryPolicy::default() },
+            ..QueueConfig::default()
+        }
+    }
+    fn wants_parent(&self, step: &str) -> bool {
+        step == "child"
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.step == "parent" {
+            if let Some(report) = ctx.signal("report") {
+                return Ok(Outcome::Done { result: report.payload.clone() });
+            }
+            ctx.spawn(NewInstance::new(machine(), "child"));
+            return Ok(Outcome::Await { signal: "report".into(), context: json!({}), step: None });
+        }
+        *self.saw_parent.lock().unwrap() = ctx.parent.as_ref().map(|p| p.status);
+        // Dropped: a failed step's own outbox never commits.
+        ctx.emit(NewSignal::new(ctx.parent.as_ref().unwrap().id, "from_step"));
+        Err(StepError::retryable("boom"))
+    }
+    async fn handle(
+        &self,
+        error: &StepError,
+        ctx: &StepContext,
+    ) -> Result<Option<Outcome>, StepError> {
+        let parent = ctx.parent.as_ref().map(|p| p.id).expect("parent read");
+        ctx.emit(NewSignal::new(parent, "report").payload(json!({ "error": error.message })));
+        Ok(Some(Outcome::Stop { reason: error.message.clone() }))
+    }
+}
+
+#[tokio::test]
+async fn the_error_handler_emits_in_the_failure_commit_and_steps_may_read_their_parent() {
+    let h = Harness::new();
+    let saw_parent = Arc::new(Mutex::new(None));
+    let worker = h.worker(h.config(), Hooks { saw_parent: Arc::clone(&saw_parent) });
+    let parent = h.start(NewInstance::new(machine(), "parent")).await;
+    let row = h
+        .wait(parent, "the handler's report finished the parent", |r| r.status == Status::Done)
+        .await;
+    assert_eq!(row.result, Some(json!({ "error": "boom" })));
+    let detail = h.client.get(parent).await.unwrap();
+    assert_eq!(detail.children.len(), 1);
+    assert_eq!(detail.children[0].status, Status::Failed, "the handler's Stop, one attempt");
+    assert_eq!(*saw_parent.lock().unwrap(), Some(Status::AwaitingSignal));
+    worker.shutdown().await;
+    let inbox: Vec<String> = detail.inbox.iter().map(|s| s.name.clone()).collect();
+    assert!(!inbox.contains(&"from_step".to_owned()));
+}

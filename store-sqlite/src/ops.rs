@@ -1,0 +1,746 @@
+//! The `Store` operations as functions of one open transaction.
+//!
+//! Each operation loads the rows it touches, runs the core's pure transitions
+//! (`validate_commit`, `apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`,
+//! `cancel`, `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
+//! `timers::owned_by`) and writes the results back, in the same order as
+//! `MemoryStore` — so the two cannot drift apart. The caller owns the transaction: it
+//! begins it with `BEGIN IMMEDIATE`, and commits only when the operation returns `Ok`.
+
+use crate::error::corrupt;
+use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
+use keel_core::chart::TimerArm;
+use keel_core::instance::{
+    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, unique_guard,
+};
+use keel_core::limits;
+use keel_core::outcome::{self, ApplyFacts, Outcome};
+use keel_core::ports::store::{
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
+    DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
+    InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    SignalBroadcastParams, SignalDeliverParams, TimerSweepParams, TimerSweepReport,
+};
+use keel_core::timers::{self, TimerRow};
+use keel_core::{
+    DeadLetterId, FencingToken, Instance, InstanceId, NewInstance, NewSignal, SignalId,
+    SignalTarget, Status, StepCommit, StoreError, StoreResult, TimerId, Timestamp,
+};
+use serde_json::json;
+use sqlx::Connection;
+use sqlx::Row;
+use std::collections::{HashSet, VecDeque};
+
+/// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
+/// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
+pub(crate) const WHOLE_INBOX: usize = i64::MAX as usize;
+
+/// Most candidate rows one claim reads per page while it looks for claimable ones.
+const CLAIM_PAGE_MIN: usize = 64;
+
+// ----- inserts ---------------------------------------------------------------------------
+
+/// Validates the whole batch first, so an invalid item writes nothing.
+pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+    check_batch("instances", p.instances.len(), limits::INSERT_BATCH_MAX)?;
+    for (i, new) in p.instances.iter().enumerate() {
+        new.validate(&format!("instances[{i}]"))?;
+    }
+    let mut out = Vec::with_capacity(p.instances.len());
+    for new in &p.instances {
+        if let Some(guard) = unique_guard(new.unique.as_ref(), Status::Runnable)
+            && let Some(existing) = db.occupant(guard, InstanceId(0)).await?
+        {
+            out.push(InsertOutcome::Existing(existing));
+            continue;
+        }
+        let row = Instance::from_new(InstanceId(0), new, None, p.now);
+        out.push(InsertOutcome::Inserted(db.instance_insert(&row).await?));
+    }
+    Ok(out)
+}
+
+// ----- claims ----------------------------------------------------------------------------
+
+/// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the
+/// filters, pauses and the executing-concurrency-key rule; the loop applies the core's
+/// `claim` and the rules that depend on rows claimed earlier in the same call (one row
+/// per concurrency key, unique keys).
+pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
+    check_batch("limit", p.limit, limits::CLAIM_BATCH_MAX)?;
+    let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
+    let queues = serde_json::to_string(&p.queues).unwrap_or_default();
+    let machines: Vec<(&str, i32)> =
+        p.machines.iter().map(|m| (m.name.as_str(), m.version)).collect();
+    let machines = serde_json::to_string(&machines).unwrap_or_default();
+    let page = p.limit.max(CLAIM_PAGE_MIN);
+    let mut after: (i64, i64, i64) = (-1, i64::MIN, i64::MIN);
+    let mut claims = Vec::new();
+    let mut keys: HashSet<String> = HashSet::new();
+    while claims.len() < p.limit {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            instance_cols!(),
+            " FROM keel_instances i \
+             WHERE status = 'runnable' AND eligible_at <= ? \
+               AND (priority, eligible_at, id) > (?, ?, ?) \
+               AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
+                     WHERE json_extract(m.value, '$[0]') = i.machine \
+                       AND json_extract(m.value, '$[1]') = i.machine_version)) \
+               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = i.namespace \
+                     AND q.queue = i.queue AND q.paused <> 0) \
+               AND (concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM keel_instances e \
+                     WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key)) \
+             ORDER BY priority, eligible_at, id LIMIT ?"
+        ))
+        .bind(p.now.0)
+        .bind(after.0)
+        .bind(after.1)
+        .bind(after.2)
+        .bind(&namespaces)
+        .bind(&namespaces)
+        .bind(&queues)
+        .bind(&queues)
+        .bind(&machines)
+        .bind(&machines)
+        .bind(page as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("picking rows to claim"))?;
+        let candidates: Vec<Instance> =
+            rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
+        let exhausted = candidates.len() < page;
+        for row in candidates {
+            after = (i64::from(row.priority.level()), row.eligible_at.0, row.id.0);
+            if claims.len() >= p.limit {
+                break;
+            }
+            if !outcome::claimable(&row, p.now)
+                || row.concurrency_key.as_ref().is_some_and(|k| keys.contains(k))
+            {
+                continue;
+            }
+            let next = outcome::claim(&row, &p.worker, p.lease, p.now);
+            if let Some(guard) = next.unique_guard()
+                && db.occupant(guard, next.id).await?.is_some()
+            {
+                continue;
+            }
+            if let Some(k) = &next.concurrency_key {
+                keys.insert(k.clone());
+            }
+            db.instance_write(&next).await?;
+            claims.push(Claim {
+                inbox: db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?,
+                children: db.children(next.id).await?,
+                instance: next,
+            });
+        }
+        if exhausted {
+            break;
+        }
+    }
+    Ok(claims)
+}
+
+// ----- commits ---------------------------------------------------------------------------
+
+/// Commits one step result inside its own savepoint: a rejection rolls back exactly this
+/// item, and the caller carries on with the next. An `Unavailable` error means the
+/// database itself failed (busy, IO); the caller aborts the whole batch on it, since the
+/// transaction may no longer be usable.
+pub(crate) async fn commit_item(
+    db: &mut Db<'_>,
+    c: &StepCommit,
+    now: Timestamp,
+) -> StoreResult<CommitReceipt> {
+    let file = db.file;
+    let mut sp =
+        db.conn.begin().await.map_err(|e| crate::error::map(file, "opening a savepoint", &e))?;
+    let result = {
+        let mut inner = Db { conn: &mut sp, file };
+        commit_one(&mut inner, c, now).await
+    };
+    match result {
+        Ok(receipt) => {
+            sp.commit().await.map_err(|e| crate::error::map(file, "releasing a savepoint", &e))?;
+            Ok(receipt)
+        }
+        Err(e) => {
+            sp.rollback()
+                .await
+                .map_err(|e| crate::error::map(file, "rolling back a savepoint", &e))?;
+            Err(e)
+        }
+    }
+}
+
+/// The order of `MemoryStore::plan` + `execute`: check, consume, insert children, the
+/// row, history, dead letter, outbox, the parent's barrier. Rows are written as the plan
+/// goes; the savepoint undoes them if a later check rejects the item.
+async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreResult<CommitReceipt> {
+    let row = db.instance_required(c.id).await?;
+    outcome::validate_commit(&row, c)?;
+    let mut emits = Vec::with_capacity(c.emit.len());
+    for (i, signal) in c.emit.iter().enumerate() {
+        let target = db.resolve(&signal.target).await?.ok_or_else(|| {
+            StoreError::not_found(format!(
+                "emit[{i}].target: no instance {:?}; the step result was rejected, nothing was committed",
+                signal.target
+            ))
+        })?;
+        emits.push((signal, target));
+    }
+    let inbox = db.inbox(c.id, WHOLE_INBOX).await?;
+    let consume: Vec<SignalId> =
+        inbox.iter().map(|s| s.id).filter(|id| c.consume.contains(id)).collect();
+    let signal_waiting = match &c.outcome {
+        Outcome::Await { signal, .. } => inbox
+            .iter()
+            .any(|s| !consume.contains(&s.id) && outcome::signal_matches(signal, &s.name)),
+        _ => false,
+    };
+    for id in &consume {
+        db.signal_remove(c.id, *id).await?;
+    }
+    let mut children = Vec::new();
+    let mut inserted = 0;
+    if let Outcome::ScheduleChildren { children: specs, .. } = &c.outcome {
+        for spec in specs {
+            let result = insert_child(db, spec, c.id, now).await?;
+            if matches!(result, InsertOutcome::Inserted(_)) {
+                inserted += 1;
+            }
+            children.push(result);
+        }
+    }
+    let mut spawned = Vec::with_capacity(c.spawn.len());
+    for spec in &c.spawn {
+        spawned.push(insert_child(db, spec, c.id, now).await?);
+    }
+    let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted };
+    let applied = outcome::apply(&row, c, facts);
+    if let Some(guard) = applied.row.unique_guard()
+        && let Some(other) = db.occupant(guard, c.id).await?
+    {
+        return Err(StoreError::conflict(format!(
+            "instance {}: its unique key would be back in scope as {}, but instance {other} occupies it",
+            c.id, applied.row.status
+        )));
+    }
+    let terminal = applied.became_terminal();
+    let next = applied.row;
+    for entry in &applied.history {
+        db.record(&next, row.attempt, entry, now).await?;
+    }
+    let dead_letter = match &applied.dead_letter {
+        Some(letter) => Some(db.dead_letter_insert(letter, now).await?),
+        None => None,
+    };
+    timers_change(db, &next, &c.timers_cancel, &c.timers_arm, now).await?;
+    if terminal {
+        db.timers_drop(next.id).await?;
+    }
+    db.instance_write(&next).await?;
+    for (signal, target) in emits {
+        deliver_to(db, target, signal, now).await?;
+    }
+    if terminal {
+        child_terminal(db, &next, now).await?;
+    }
+    Ok(CommitReceipt {
+        id: next.id,
+        revision: next.revision,
+        status: next.status,
+        children,
+        spawned,
+        dead_letter,
+    })
+}
+
+/// Inserts a child of `parent` unless uniqueness finds an occupant (a `ScheduleChildren`
+/// child or a `spawn` item; only the former counts on a barrier).
+async fn insert_child(
+    db: &mut Db<'_>,
+    spec: &NewInstance,
+    parent: InstanceId,
+    now: Timestamp,
+) -> StoreResult<InsertOutcome> {
+    let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+    let existing = match guard {
+        Some(g) => db.occupant(g, InstanceId(0)).await?,
+        None => None,
+    };
+    if let Some(id) = existing {
+        return Ok(InsertOutcome::Existing(id));
+    }
+    let child = Instance::from_new(InstanceId(0), spec, Some(parent), now);
+    Ok(InsertOutcome::Inserted(db.instance_insert(&child).await?))
+}
+
+/// `child` became terminal (or was cancelled): count it on its parent's barrier, and tell
+/// a chart parent through its inbox (`outcome::parent_notice`), as `MemoryStore` does.
+async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> StoreResult<()> {
+    let Some(parent) = child.parent else { return Ok(()) };
+    let Some(row) = db.instance(parent).await? else { return Ok(()) };
+    db.instance_write(&outcome::release_parent(&row, now)).await?;
+    if let Some(notice) = outcome::parent_notice(child)
+        && let SignalTarget::Id(target) = notice.target
+        && db.instance(target).await?.is_some()
+    {
+        deliver_to(db, target, &notice, now).await?;
+    }
+    Ok(())
+}
+
+/// A commit's timer changes: cancels first (every timer of the instance owned by a left
+/// state or a descendant), then arms, due one interval after `now`.
+async fn timers_change(
+    db: &mut Db<'_>,
+    row: &Instance,
+    cancel: &[String],
+    arm: &[TimerArm],
+    now: Timestamp,
+) -> StoreResult<()> {
+    if !cancel.is_empty() {
+        for t in db.timers(row.id, WHOLE_INBOX).await? {
+            if cancel.iter().any(|left| timers::owned_by(&t.spec.state, left)) {
+                db.timer_remove(t.id).await?;
+            }
+        }
+    }
+    for spec in arm {
+        let t =
+            TimerRow::armed(TimerId(0), row.id, &row.namespace, &row.machine, spec.clone(), now);
+        db.timer_insert(&t).await?;
+    }
+    Ok(())
+}
+
+// ----- signals ---------------------------------------------------------------------------
+
+async fn deliver_to(
+    db: &mut Db<'_>,
+    target: InstanceId,
+    s: &NewSignal,
+    now: Timestamp,
+) -> StoreResult<DeliveryOutcome> {
+    if let Some(key) = &s.dedup_key
+        && let Some(id) = db.dedup(target, key).await?
+    {
+        return Ok(DeliveryOutcome::Duplicate { id, target });
+    }
+    let id = db.signal_insert(target, &s.name, &s.payload, s.dedup_key.as_deref(), now).await?;
+    let row = db.instance_required(target).await?;
+    if row.status.is_terminal() {
+        return Ok(DeliveryOutcome::TargetTerminal { id, target, status: row.status });
+    }
+    let next = outcome::deliver(&row, &s.name, now);
+    let woke = next.is_some();
+    if let Some(next) = next {
+        db.instance_write(&next).await?;
+    }
+    Ok(DeliveryOutcome::Delivered { id, target, woke })
+}
+
+/// Validates the whole batch first, so an invalid item writes nothing.
+pub(crate) async fn signal_deliver(
+    db: &mut Db<'_>,
+    p: &SignalDeliverParams,
+) -> StoreResult<Vec<DeliveryOutcome>> {
+    check_batch("signals", p.signals.len(), limits::DELIVER_BATCH_MAX)?;
+    for (i, s) in p.signals.iter().enumerate() {
+        s.validate(&format!("signals[{i}]"))?;
+    }
+    let mut out = Vec::with_capacity(p.signals.len());
+    for s in &p.signals {
+        out.push(match db.resolve(&s.target).await? {
+            Some(target) => deliver_to(db, target, s, p.now).await?,
+            None => DeliveryOutcome::TargetMissing,
+        });
+    }
+    Ok(out)
+}
+
+/// One event to every non-terminal instance of a machine whose position is in the state
+/// (`instance::position_in_state`), in id order; nothing when too many match.
+pub(crate) async fn signal_broadcast(
+    db: &mut Db<'_>,
+    p: &SignalBroadcastParams,
+) -> StoreResult<BroadcastReport> {
+    let probe = NewSignal {
+        target: SignalTarget::Id(InstanceId(0)),
+        name: p.name.clone(),
+        payload: p.payload.clone(),
+        dedup_key: p.dedup_key.clone(),
+    };
+    probe.validate("broadcast")?;
+    let rows = sqlx::query(
+        "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
+         AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
+    )
+    .bind(&p.namespace)
+    .bind(&p.machine)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("selecting broadcast targets"))?;
+    let mut targets = Vec::new();
+    for r in &rows {
+        let id: i64 = r.try_get("id").map_err(|e| corrupt(db.file, "id", e))?;
+        let position: String =
+            r.try_get("position").map_err(|e| corrupt(db.file, "position", e))?;
+        if p.in_state.as_deref().is_none_or(|st| position_in_state(&position, st)) {
+            targets.push(InstanceId(id));
+        }
+    }
+    check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
+    let mut report = BroadcastReport::default();
+    for target in targets {
+        let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
+        if let DeliveryOutcome::Delivered { woke, .. } =
+            deliver_to(db, target, &signal, p.now).await?
+        {
+            report.delivered += 1;
+            report.woke += u64::from(woke);
+        }
+    }
+    Ok(report)
+}
+
+// ----- timers ----------------------------------------------------------------------------
+
+/// Fires due timers in (due time, id) order through the core's `timers::fire`, as
+/// `MemoryStore` does; timers of missing or terminal instances are deleted silently.
+/// Records the sweep time per (namespace or `*`, machine or `*`).
+pub(crate) async fn timer_sweep(
+    db: &mut Db<'_>,
+    p: &TimerSweepParams,
+) -> StoreResult<TimerSweepReport> {
+    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+    let machines = serde_json::to_string(&p.machines).unwrap_or_default();
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        timer_cols!(),
+        " FROM keel_timers WHERE next_fire_at <= ? AND (? IS NULL OR namespace = ?) \
+           AND (? = '[]' OR machine IN (SELECT value FROM json_each(?))) \
+         ORDER BY next_fire_at, id LIMIT ?"
+    ))
+    .bind(p.now.0)
+    .bind(&p.namespace)
+    .bind(&p.namespace)
+    .bind(&machines)
+    .bind(&machines)
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("picking due timers"))?;
+    let due: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
+    let mut report = TimerSweepReport::default();
+    for timer in due {
+        report.processed += 1;
+        let live = db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal());
+        if !live {
+            db.timer_remove(timer.id).await?;
+            continue;
+        }
+        let fired = timers::fire(&timer, p.now);
+        if timers::delivers(&fired)
+            && matches!(
+                deliver_to(db, timer.instance, &fired.signal, p.now).await?,
+                DeliveryOutcome::Delivered { .. }
+            )
+        {
+            if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
+                report.exhausted += 1;
+            } else {
+                report.fired += 1;
+            }
+        }
+        let row = db.instance_required(timer.instance).await?;
+        db.record(&row, row.attempt, &fired.history, p.now).await?;
+        match &fired.next {
+            Some(next) => db.timer_write(next).await?,
+            None => db.timer_remove(timer.id).await?,
+        }
+    }
+    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
+    let scopes: Vec<&str> = if p.machines.is_empty() {
+        vec!["*"]
+    } else {
+        p.machines.iter().map(String::as_str).collect()
+    };
+    for machine in scopes {
+        sqlx::query(
+            "INSERT INTO keel_timer_sweeps (namespace, machine, swept_at) VALUES (?, ?, ?) \
+             ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at",
+        )
+        .bind(&ns)
+        .bind(machine)
+        .bind(p.now.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("recording a timer sweep"))?;
+    }
+    Ok(report)
+}
+
+// ----- leases ----------------------------------------------------------------------------
+
+pub(crate) async fn lease_reap(
+    db: &mut Db<'_>,
+    p: &LeaseReapParams,
+) -> StoreResult<Vec<InstanceId>> {
+    check_batch("limit", p.limit, limits::REAP_BATCH_MAX)?;
+    let owner = p.owner.as_ref().map(|w| w.0.clone());
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        instance_cols!(),
+        " FROM keel_instances \
+         WHERE status = 'executing' \
+           AND (CASE WHEN ? IS NULL THEN lease_expires_at < ? ELSE lease_owner = ? END) \
+         ORDER BY lease_expires_at, id LIMIT ?"
+    ))
+    .bind(&owner)
+    .bind(p.now.0)
+    .bind(&owner)
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("picking expired leases"))?;
+    let due: Vec<Instance> = rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
+    let mut reaped = Vec::with_capacity(due.len());
+    for row in due {
+        let next = outcome::reap(&row, p.now);
+        db.record(&next, row.attempt, &outcome::reap_history(&row), p.now).await?;
+        db.instance_write(&next).await?;
+        reaped.push(row.id);
+    }
+    Ok(reaped)
+}
+
+/// The row of a live claim `(id, token)`, if it still is one.
+async fn held(
+    db: &mut Db<'_>,
+    id: InstanceId,
+    token: FencingToken,
+) -> StoreResult<Option<Instance>> {
+    Ok(db
+        .instance(id)
+        .await?
+        .filter(|row| row.status == Status::Executing && row.fencing_token == token))
+}
+
+/// A heartbeat touches the lease only (the core has no transition for it).
+pub(crate) async fn lease_extend(db: &mut Db<'_>, p: &LeaseExtendParams) -> StoreResult<Vec<bool>> {
+    let mut out = Vec::with_capacity(p.leases.len());
+    for (id, token) in &p.leases {
+        let done = sqlx::query(
+            "UPDATE keel_instances SET lease_expires_at = ?, updated_at = ? \
+             WHERE id = ? AND status = 'executing' AND fencing_token = ? AND lease_owner = ?",
+        )
+        .bind(p.now.plus(p.lease).0)
+        .bind(p.now.0)
+        .bind(id.0)
+        .bind(token.0)
+        .bind(&p.worker.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("extending a lease"))?;
+        out.push(done.rows_affected() == 1);
+    }
+    Ok(out)
+}
+
+pub(crate) async fn lease_release(
+    db: &mut Db<'_>,
+    p: &LeaseReleaseParams,
+) -> StoreResult<Vec<bool>> {
+    let mut out = Vec::with_capacity(p.leases.len());
+    for (id, token) in &p.leases {
+        let Some(row) = held(db, *id, *token).await? else {
+            out.push(false);
+            continue;
+        };
+        db.instance_write(&outcome::release(&row, p.now)).await?;
+        out.push(true);
+    }
+    Ok(out)
+}
+
+// ----- cancel ----------------------------------------------------------------------------
+
+/// Breadth first over descendants, bounded in depth and count like `MemoryStore`.
+pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+    let root = db.instance_required(p.id).await?;
+    if root.status.is_terminal() {
+        return Ok(Vec::new());
+    }
+    let mut order = vec![p.id];
+    if p.cascade {
+        let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
+        let mut seen: HashSet<InstanceId> = HashSet::from([p.id]);
+        while let Some((id, depth)) = queue.pop_front() {
+            if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
+                continue;
+            }
+            for child in db.child_ids(id).await? {
+                if seen.insert(child) {
+                    order.push(child);
+                    queue.push_back((child, depth + 1));
+                }
+            }
+        }
+    }
+    let mut cancelled = Vec::new();
+    for id in order {
+        if cancelled.len() >= limits::CANCEL_CASCADE_MAX {
+            break;
+        }
+        let row = db.instance_required(id).await?;
+        let Some(next) = outcome::cancel(&row, &p.reason, p.now) else { continue };
+        let entry = HistoryEntry::new(
+            "CANCELLED",
+            json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
+        );
+        db.record(&next, row.attempt, &entry, p.now).await?;
+        db.instance_write(&next).await?;
+        db.timers_drop(id).await?;
+        child_terminal(db, &next, p.now).await?;
+        cancelled.push(id);
+    }
+    Ok(cancelled)
+}
+
+// ----- dead letters ----------------------------------------------------------------------
+
+/// The dead letters a selector names, oldest first, bounded.
+async fn letters(
+    db: &mut Db<'_>,
+    selector: Option<&DeadLetterSelector>,
+) -> StoreResult<Vec<(DeadLetterId, NewDeadLetter, Timestamp)>> {
+    let (id, ns, machine) = match selector {
+        None => (None, None, None),
+        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
+        Some(DeadLetterSelector::Machine { namespace, machine }) => {
+            (None, Some(namespace.clone()), Some(machine.clone()))
+        }
+    };
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        dead_letter_cols!(),
+        " FROM keel_dead_letters \
+         WHERE (? IS NULL OR id = ?) AND (? IS NULL OR namespace = ?) \
+           AND (? IS NULL OR machine = ?) ORDER BY id LIMIT ?"
+    ))
+    .bind(id)
+    .bind(id)
+    .bind(&ns)
+    .bind(&ns)
+    .bind(&machine)
+    .bind(&machine)
+    .bind(limits::DEAD_LETTER_BATCH_MAX as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("selecting dead letters"))?;
+    rows.iter().map(|r| db.dead_letter_of(r).map(|d| (d.id, d.letter, d.created_at))).collect()
+}
+
+pub(crate) async fn dead_letter_retry(
+    db: &mut Db<'_>,
+    p: &DeadLetterRetryParams,
+) -> StoreResult<Vec<InstanceId>> {
+    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
+    if let DeadLetterSelector::Id(id) = p.selector {
+        db.dead_letter(id).await?;
+    }
+    let at = p.now.plus(p.delay);
+    let mut retried = Vec::new();
+    for (letter_id, letter, _) in letters(db, Some(&p.selector)).await? {
+        let instance = letter.instance;
+        let row = db.instance(instance).await?.ok_or_else(|| {
+            StoreError::not_found(format!("instance {instance} of dead letter {letter_id} is gone"))
+        });
+        let next =
+            row.and_then(|row| outcome::dead_letter_retry(&row, at, p.now).map(|n| (row, n)));
+        let (row, next) = match next {
+            Ok(pair) => pair,
+            // Retrying one named letter reports why it cannot; a machine-wide retry leaves
+            // letters whose instance moved on (cancelled, skipped) alone.
+            Err(e) if by_id => return Err(e),
+            Err(_) => continue,
+        };
+        let entry = HistoryEntry::new(
+            "DEAD_LETTER_RETRIED",
+            json!({ "dead_letter": letter_id, "delay_ms": p.delay.as_millis() as u64 }),
+        );
+        db.record(&next, row.attempt, &entry, p.now).await?;
+        db.instance_write(&next).await?;
+        db.dead_letter_remove(letter_id).await?;
+        retried.push(instance);
+    }
+    Ok(retried)
+}
+
+pub(crate) async fn dead_letter_skip(
+    db: &mut Db<'_>,
+    p: &DeadLetterSkipParams,
+) -> StoreResult<InstanceId> {
+    let letter = db.dead_letter(p.id).await?.letter;
+    let row = db.instance(letter.instance).await?.ok_or_else(|| {
+        StoreError::not_found(format!(
+            "instance {} of dead letter {} is gone",
+            letter.instance, p.id
+        ))
+    })?;
+    let next = outcome::dead_letter_retry(&row, p.now, p.now)?;
+    for signal in &letter.signals {
+        db.signal_remove(letter.instance, *signal).await?;
+    }
+    let entry = HistoryEntry::new(
+        "DEAD_LETTER_SKIPPED",
+        json!({ "dead_letter": p.id, "signals": letter.signals }),
+    );
+    db.record(&next, row.attempt, &entry, p.now).await?;
+    db.instance_write(&next).await?;
+    db.dead_letter_remove(p.id).await?;
+    Ok(letter.instance)
+}
+
+pub(crate) async fn dead_letter_purge(
+    db: &mut Db<'_>,
+    p: &DeadLetterPurgeParams,
+) -> StoreResult<u64> {
+    let mut removed = 0;
+    for (id, _, created_at) in letters(db, p.selector.as_ref()).await? {
+        if p.older_than.is_none_or(|t| created_at < t) {
+            db.dead_letter_remove(id).await?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+// ----- queues ----------------------------------------------------------------------------
+
+pub(crate) async fn queue_pause(
+    db: &mut Db<'_>,
+    p: &keel_core::ports::store::QueuePauseParams,
+) -> StoreResult<()> {
+    check_name("namespace", &p.namespace)?;
+    check_name("queue", &p.queue)?;
+    sqlx::query(
+        "INSERT INTO keel_queues (namespace, queue, paused, updated_at) VALUES (?, ?, ?, ?) \
+         ON CONFLICT (namespace, queue) DO UPDATE SET paused = excluded.paused, \
+         updated_at = excluded.updated_at",
+    )
+    .bind(&p.namespace)
+    .bind(&p.queue)
+    .bind(p.paused)
+    .bind(p.now.0)
+    .execute(&mut *db.conn)
+    .await
+    .map_err(db.err("pausing a queue"))?;
+    Ok(())
+}

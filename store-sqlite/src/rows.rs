@@ -1,0 +1,641 @@
+//! The SQL side of the logical rows: column lists, decoding rows into the core's types,
+//! and the few primitive reads and writes every operation is built from.
+//!
+//! Every function here runs on a connection that is already inside a transaction (or, for
+//! the read-only helpers, on any connection); none of them commits.
+
+use crate::error::{corrupt, map};
+use keel_core::instance::{
+    AttemptError, ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, NewDeadLetter, UniqueSpec,
+};
+use keel_core::limits;
+use keel_core::timers::TimerRow;
+use keel_core::{
+    DeadLetterId, FencingToken, Instance, InstanceId, MachineRef, Priority, Revision, Signal,
+    SignalId, SignalTarget, Status, StatusSet, StoreError, StoreResult, TimerId, Timestamp,
+    WorkerId,
+};
+use serde_json::Value;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection};
+
+/// The instance columns, in the order [`Db::instance_bind`] binds them (after `id`).
+macro_rules! instance_cols {
+    () => {
+        "id, namespace, machine, machine_version, business_key, queue, priority, \
+         concurrency_key, status, position, context, result, awaits, last_error, attempt, \
+         errors, revision, eligible_at, lease_owner, lease_expires_at, fencing_token, \
+         parent_id, children_pending, unique_key, unique_scope, correlation_id, created_at, \
+         updated_at, unique_guard, invoked_by"
+    };
+}
+pub(crate) use instance_cols;
+
+/// The signal columns.
+macro_rules! signal_cols {
+    () => {
+        "id, target_id, name, payload, dedup_key, inserted_at"
+    };
+}
+
+/// The dead-letter columns.
+macro_rules! dead_letter_cols {
+    () => {
+        "id, instance_id, namespace, machine, machine_version, position, signals, event, \
+         correlation_id, reason, attempts, errors, first_attempt_at, last_attempt_at, created_at"
+    };
+}
+pub(crate) use dead_letter_cols;
+
+/// The timer columns.
+macro_rules! timer_cols {
+    () => {
+        "id, instance_id, namespace, machine, machine_version, spec, next_fire_at, fire_count, \
+         armed_at"
+    };
+}
+pub(crate) use timer_cols;
+
+/// The bit mask of a status set: bit `i` is `Status::ALL[i]`.
+pub(crate) fn scope_mask(set: StatusSet) -> i64 {
+    Status::ALL
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| set.contains(**s))
+        .fold(0, |m, (i, _)| m | 1 << i)
+}
+
+fn scope_of(mask: i64) -> StatusSet {
+    let statuses: Vec<Status> = Status::ALL
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| mask >> i & 1 == 1)
+        .map(|(_, s)| *s)
+        .collect();
+    StatusSet::of(&statuses)
+}
+
+fn json_text(v: &Value) -> String {
+    // Serializing a `Value` cannot fail: its map keys are strings.
+    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
+}
+
+/// A connection inside a transaction, and the file it belongs to (for error messages).
+pub(crate) struct Db<'c> {
+    /// The connection.
+    pub conn: &'c mut SqliteConnection,
+    /// The database file, as the user named it.
+    pub file: &'c str,
+}
+
+impl Db<'_> {
+    /// Maps a driver error, naming the file and what was being done.
+    pub fn err(&self, during: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
+        move |e| map(self.file, during, &e)
+    }
+
+    fn get<'r, T>(&self, row: &'r SqliteRow, col: &str) -> StoreResult<T>
+    where
+        T: sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
+    {
+        row.try_get(col).map_err(|e| corrupt(self.file, col, e))
+    }
+
+    fn json<T: serde::de::DeserializeOwned>(&self, col: &str, text: &str) -> StoreResult<T> {
+        serde_json::from_str(text).map_err(|e| corrupt(self.file, col, e))
+    }
+
+    fn json_opt(&self, row: &SqliteRow, col: &str) -> StoreResult<Option<Value>> {
+        let text: Option<String> = self.get(row, col)?;
+        text.map(|t| self.json(col, &t)).transpose()
+    }
+
+    // ----- decoding ---------------------------------------------------------------------
+
+    /// Decodes an instance row selected with [`instance_cols`].
+    pub fn instance_of(&self, row: &SqliteRow) -> StoreResult<Instance> {
+        let status: String = self.get(row, "status")?;
+        let status = status.parse::<Status>().map_err(|e| corrupt(self.file, "status", e))?;
+        let priority: i64 = self.get(row, "priority")?;
+        let priority = Priority::from_level(priority as i16)
+            .ok_or_else(|| corrupt(self.file, "priority", priority))?;
+        let unique_key: Option<Vec<u8>> = self.get(row, "unique_key")?;
+        let unique_scope: Option<i64> = self.get(row, "unique_scope")?;
+        let context: String = self.get(row, "context")?;
+        let errors: String = self.get(row, "errors")?;
+        Ok(Instance {
+            id: InstanceId(self.get(row, "id")?),
+            namespace: self.get(row, "namespace")?,
+            machine: MachineRef {
+                name: self.get(row, "machine")?,
+                version: self.get(row, "machine_version")?,
+            },
+            business_key: self.get(row, "business_key")?,
+            queue: self.get(row, "queue")?,
+            priority,
+            concurrency_key: self.get(row, "concurrency_key")?,
+            status,
+            position: self.get(row, "position")?,
+            context: self.json("context", &context)?,
+            result: self.json_opt(row, "result")?,
+            awaits: self.get(row, "awaits")?,
+            last_error: self.get(row, "last_error")?,
+            attempt: self.get(row, "attempt")?,
+            errors: self.json::<Vec<AttemptError>>("errors", &errors)?,
+            revision: Revision(self.get(row, "revision")?),
+            eligible_at: Timestamp(self.get(row, "eligible_at")?),
+            lease_owner: self.get::<Option<String>>(row, "lease_owner")?.map(WorkerId),
+            lease_expires_at: self.get::<Option<i64>>(row, "lease_expires_at")?.map(Timestamp),
+            fencing_token: FencingToken(self.get(row, "fencing_token")?),
+            parent: self.get::<Option<i64>>(row, "parent_id")?.map(InstanceId),
+            children_pending: self.get(row, "children_pending")?,
+            unique: unique_key
+                .map(|key| UniqueSpec { key, scope: scope_of(unique_scope.unwrap_or(0)) }),
+            invoked_by: self.get(row, "invoked_by")?,
+            correlation_id: self.get(row, "correlation_id")?,
+            created_at: Timestamp(self.get(row, "created_at")?),
+            updated_at: Timestamp(self.get(row, "updated_at")?),
+        })
+    }
+
+    fn signal_of(&self, row: &SqliteRow) -> StoreResult<Signal> {
+        let payload: String = self.get(row, "payload")?;
+        Ok(Signal {
+            id: SignalId(self.get(row, "id")?),
+            target: InstanceId(self.get(row, "target_id")?),
+            name: self.get(row, "name")?,
+            payload: self.json("payload", &payload)?,
+            dedup_key: self.get(row, "dedup_key")?,
+            inserted_at: Timestamp(self.get(row, "inserted_at")?),
+        })
+    }
+
+    /// Decodes a dead letter selected with [`dead_letter_cols`].
+    pub fn dead_letter_of(&self, row: &SqliteRow) -> StoreResult<DeadLetter> {
+        let signals: String = self.get(row, "signals")?;
+        let errors: String = self.get(row, "errors")?;
+        Ok(DeadLetter {
+            id: DeadLetterId(self.get(row, "id")?),
+            created_at: Timestamp(self.get(row, "created_at")?),
+            letter: NewDeadLetter {
+                instance: InstanceId(self.get(row, "instance_id")?),
+                namespace: self.get(row, "namespace")?,
+                machine: MachineRef {
+                    name: self.get(row, "machine")?,
+                    version: self.get(row, "machine_version")?,
+                },
+                position: self.get(row, "position")?,
+                signals: self.json("signals", &signals)?,
+                event: self.json_opt(row, "event")?,
+                correlation_id: self.get(row, "correlation_id")?,
+                reason: self.get(row, "reason")?,
+                attempts: self.get(row, "attempts")?,
+                errors: self.json("errors", &errors)?,
+                first_attempt_at: Timestamp(self.get(row, "first_attempt_at")?),
+                last_attempt_at: Timestamp(self.get(row, "last_attempt_at")?),
+            },
+        })
+    }
+
+    /// Decodes a timer row selected with [`timer_cols`].
+    pub fn timer_of(&self, row: &SqliteRow) -> StoreResult<TimerRow> {
+        let spec: String = self.get(row, "spec")?;
+        Ok(TimerRow {
+            id: TimerId(self.get(row, "id")?),
+            instance: InstanceId(self.get(row, "instance_id")?),
+            namespace: self.get(row, "namespace")?,
+            machine: MachineRef {
+                name: self.get(row, "machine")?,
+                version: self.get(row, "machine_version")?,
+            },
+            spec: self.json("spec", &spec)?,
+            next_fire_at: Timestamp(self.get(row, "next_fire_at")?),
+            fire_count: self.get(row, "fire_count")?,
+            armed_at: Timestamp(self.get(row, "armed_at")?),
+        })
+    }
+
+    // ----- instance reads ---------------------------------------------------------------
+
+    /// The row of `id`, if it exists.
+    pub async fn instance(&mut self, id: InstanceId) -> StoreResult<Option<Instance>> {
+        let row =
+            sqlx::query(concat!("SELECT ", instance_cols!(), " FROM keel_instances WHERE id = ?"))
+                .bind(id.0)
+                .fetch_optional(&mut *self.conn)
+                .await
+                .map_err(self.err("reading an instance"))?;
+        row.map(|r| self.instance_of(&r)).transpose()
+    }
+
+    /// The row of `id`, or `NotFound`.
+    pub async fn instance_required(&mut self, id: InstanceId) -> StoreResult<Instance> {
+        self.instance(id)
+            .await?
+            .ok_or_else(|| StoreError::not_found(format!("instance {id} does not exist")))
+    }
+
+    /// Resolves a signal target to an existing instance.
+    pub async fn resolve(&mut self, target: &SignalTarget) -> StoreResult<Option<InstanceId>> {
+        let id: Option<i64> = match target {
+            SignalTarget::Id(id) => {
+                sqlx::query_scalar("SELECT id FROM keel_instances WHERE id = ?")
+                    .bind(id.0)
+                    .fetch_optional(&mut *self.conn)
+                    .await
+                    .map_err(self.err("resolving a signal target"))?
+            }
+            SignalTarget::Key { namespace, machine, key } => sqlx::query_scalar(
+                "SELECT id FROM keel_instances WHERE namespace = ? AND machine = ? \
+                 AND business_key = ? ORDER BY id DESC LIMIT 1",
+            )
+            .bind(namespace)
+            .bind(machine)
+            .bind(key)
+            .fetch_optional(&mut *self.conn)
+            .await
+            .map_err(self.err("resolving a business key"))?,
+        };
+        Ok(id.map(InstanceId))
+    }
+
+    /// The instance holding the unique `guard`, other than `me`.
+    pub async fn occupant(
+        &mut self,
+        guard: &[u8],
+        me: InstanceId,
+    ) -> StoreResult<Option<InstanceId>> {
+        let id: Option<i64> =
+            sqlx::query_scalar("SELECT id FROM keel_instances WHERE unique_guard = ? AND id <> ?")
+                .bind(guard)
+                .bind(me.0)
+                .fetch_optional(&mut *self.conn)
+                .await
+                .map_err(self.err("checking a unique key"))?;
+        Ok(id.map(InstanceId))
+    }
+
+    /// The oldest `limit` signals in the inbox of `id`, in arrival order.
+    pub async fn inbox(&mut self, id: InstanceId, limit: usize) -> StoreResult<Vec<Signal>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            signal_cols!(),
+            " FROM keel_signals WHERE target_id = ? ORDER BY id LIMIT ?"
+        ))
+        .bind(id.0)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading an inbox"))?;
+        rows.iter().map(|r| self.signal_of(r)).collect()
+    }
+
+    /// Summaries of the children of `id`, oldest first, bounded.
+    pub async fn children(&mut self, id: InstanceId) -> StoreResult<Vec<ChildSummary>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            instance_cols!(),
+            " FROM keel_instances WHERE parent_id = ? ORDER BY id LIMIT ?"
+        ))
+        .bind(id.0)
+        .bind(limits::CHILDREN_LIST_MAX as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading children"))?;
+        rows.iter().map(|r| self.instance_of(r).map(|c| ChildSummary::of(&c))).collect()
+    }
+
+    /// The ids of the children of `id`, oldest first (for a cascading cancel).
+    pub async fn child_ids(&mut self, id: InstanceId) -> StoreResult<Vec<InstanceId>> {
+        let ids: Vec<i64> =
+            sqlx::query_scalar("SELECT id FROM keel_instances WHERE parent_id = ? ORDER BY id")
+                .bind(id.0)
+                .fetch_all(&mut *self.conn)
+                .await
+                .map_err(self.err("reading children"))?;
+        Ok(ids.into_iter().map(InstanceId).collect())
+    }
+
+    /// The newest [`limits::HISTORY_LIST_MAX`] history rows of `id`, oldest first.
+    pub async fn history(&mut self, id: InstanceId) -> StoreResult<Vec<HistoryRecord>> {
+        let rows = sqlx::query(
+            "SELECT seq, instance_id, at, revision, attempt, kind, data FROM ( \
+               SELECT * FROM keel_history WHERE instance_id = ? ORDER BY seq DESC LIMIT ? \
+             ) ORDER BY seq",
+        )
+        .bind(id.0)
+        .bind(limits::HISTORY_LIST_MAX as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading history"))?;
+        rows.iter()
+            .map(|r| {
+                let data: String = self.get(r, "data")?;
+                Ok(HistoryRecord {
+                    instance: InstanceId(self.get(r, "instance_id")?),
+                    seq: self.get(r, "seq")?,
+                    at: Timestamp(self.get(r, "at")?),
+                    revision: Revision(self.get(r, "revision")?),
+                    attempt: self.get(r, "attempt")?,
+                    entry: HistoryEntry {
+                        kind: self.get(r, "kind")?,
+                        data: self.json("data", &data)?,
+                    },
+                })
+            })
+            .collect()
+    }
+
+    // ----- instance writes --------------------------------------------------------------
+
+    /// The guard value to store for `row`: its key while in scope, unless another instance
+    /// already holds that key (the first occupant keeps it, as in `MemoryStore`).
+    async fn guard_for(&mut self, row: &Instance) -> StoreResult<Option<Vec<u8>>> {
+        let Some(guard) = row.unique_guard() else { return Ok(None) };
+        Ok(match self.occupant(guard, row.id).await? {
+            Some(_) => None,
+            None => Some(guard.to_vec()),
+        })
+    }
+
+    /// Inserts a new row; the database assigns its id, which is returned.
+    pub async fn instance_insert(&mut self, row: &Instance) -> StoreResult<InstanceId> {
+        let guard = self.guard_for(row).await?;
+        let q = sqlx::query(concat!(
+            "INSERT INTO keel_instances (",
+            instance_cols!(),
+            ") VALUES (NULL, ",
+            "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?",
+            ") RETURNING id"
+        ));
+        let id: i64 = bind_instance(q, row, guard)
+            .fetch_one(&mut *self.conn)
+            .await
+            .map_err(self.err("inserting an instance"))?
+            .try_get("id")
+            .map_err(|e| corrupt(self.file, "id", e))?;
+        Ok(InstanceId(id))
+    }
+
+    /// Writes every column of an existing row.
+    pub async fn instance_write(&mut self, row: &Instance) -> StoreResult<()> {
+        let guard = self.guard_for(row).await?;
+        let q = sqlx::query(
+            "UPDATE keel_instances SET namespace = ?, machine = ?, machine_version = ?, \
+             business_key = ?, queue = ?, priority = ?, concurrency_key = ?, status = ?, \
+             position = ?, context = ?, result = ?, awaits = ?, last_error = ?, attempt = ?, \
+             errors = ?, revision = ?, eligible_at = ?, lease_owner = ?, lease_expires_at = ?, \
+             fencing_token = ?, parent_id = ?, children_pending = ?, unique_key = ?, \
+             unique_scope = ?, correlation_id = ?, created_at = ?, updated_at = ?, \
+             unique_guard = ?, invoked_by = ? WHERE id = ?",
+        );
+        bind_instance(q, row, guard)
+            .bind(row.id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("writing an instance"))?;
+        Ok(())
+    }
+
+    /// Appends a history row for `row` (its id and revision) in `attempt`.
+    pub async fn record(
+        &mut self,
+        row: &Instance,
+        attempt: i32,
+        entry: &HistoryEntry,
+        now: Timestamp,
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO keel_history (instance_id, at, revision, attempt, kind, data) \
+             VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(row.id.0)
+        .bind(now.0)
+        .bind(row.revision.0)
+        .bind(attempt)
+        .bind(&entry.kind)
+        .bind(json_text(&entry.data))
+        .execute(&mut *self.conn)
+        .await
+        .map_err(self.err("appending history"))?;
+        Ok(())
+    }
+
+    // ----- timers -----------------------------------------------------------------------
+
+    /// The timers of `id`, soonest first, at most `limit`.
+    pub async fn timers(&mut self, id: InstanceId, limit: usize) -> StoreResult<Vec<TimerRow>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            timer_cols!(),
+            " FROM keel_timers WHERE instance_id = ? ORDER BY next_fire_at, id LIMIT ?"
+        ))
+        .bind(id.0)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading timers"))?;
+        rows.iter().map(|r| self.timer_of(r)).collect()
+    }
+
+    /// Stores a new timer (its `id` is ignored: the database assigns it).
+    pub async fn timer_insert(&mut self, t: &TimerRow) -> StoreResult<TimerId> {
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, spec, \
+             next_fire_at, fire_count, armed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(t.instance.0)
+        .bind(&t.namespace)
+        .bind(&t.machine.name)
+        .bind(t.machine.version)
+        .bind(serde_json::to_string(&t.spec).unwrap_or_else(|_| "null".to_owned()))
+        .bind(t.next_fire_at.0)
+        .bind(t.fire_count)
+        .bind(t.armed_at.0)
+        .fetch_one(&mut *self.conn)
+        .await
+        .map_err(self.err("arming a timer"))?;
+        Ok(TimerId(id))
+    }
+
+    /// Writes a timer's schedule after a fire.
+    pub async fn timer_write(&mut self, t: &TimerRow) -> StoreResult<()> {
+        sqlx::query("UPDATE keel_timers SET next_fire_at = ?, fire_count = ? WHERE id = ?")
+            .bind(t.next_fire_at.0)
+            .bind(t.fire_count)
+            .bind(t.id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("advancing a timer"))?;
+        Ok(())
+    }
+
+    /// Deletes one timer.
+    pub async fn timer_remove(&mut self, id: TimerId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_timers WHERE id = ?")
+            .bind(id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("deleting a timer"))?;
+        Ok(())
+    }
+
+    /// Deletes every timer of instance `id` (it became terminal).
+    pub async fn timers_drop(&mut self, id: InstanceId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_timers WHERE instance_id = ?")
+            .bind(id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("deleting timers"))?;
+        Ok(())
+    }
+
+    // ----- signals and dead letters -----------------------------------------------------
+
+    /// The signal of `target` with dedup key `key`, if any.
+    pub async fn dedup(&mut self, target: InstanceId, key: &str) -> StoreResult<Option<SignalId>> {
+        let id: Option<i64> =
+            sqlx::query_scalar("SELECT id FROM keel_signals WHERE target_id = ? AND dedup_key = ?")
+                .bind(target.0)
+                .bind(key)
+                .fetch_optional(&mut *self.conn)
+                .await
+                .map_err(self.err("checking a dedup key"))?;
+        Ok(id.map(SignalId))
+    }
+
+    /// Stores a signal in `target`'s inbox.
+    pub async fn signal_insert(
+        &mut self,
+        target: InstanceId,
+        name: &str,
+        payload: &Value,
+        dedup_key: Option<&str>,
+        now: Timestamp,
+    ) -> StoreResult<SignalId> {
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at) \
+             VALUES (?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(target.0)
+        .bind(name)
+        .bind(json_text(payload))
+        .bind(dedup_key)
+        .bind(now.0)
+        .fetch_one(&mut *self.conn)
+        .await
+        .map_err(self.err("storing a signal"))?;
+        Ok(SignalId(id))
+    }
+
+    /// Deletes signal `id` from the inbox of `target` (a no-op when it is not there).
+    pub async fn signal_remove(&mut self, target: InstanceId, id: SignalId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_signals WHERE id = ? AND target_id = ?")
+            .bind(id.0)
+            .bind(target.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("consuming a signal"))?;
+        Ok(())
+    }
+
+    /// Stores a dead letter.
+    pub async fn dead_letter_insert(
+        &mut self,
+        letter: &NewDeadLetter,
+        now: Timestamp,
+    ) -> StoreResult<DeadLetterId> {
+        let signals = serde_json::to_string(&letter.signals).unwrap_or_else(|_| "[]".to_owned());
+        let errors = serde_json::to_string(&letter.errors).unwrap_or_else(|_| "[]".to_owned());
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO keel_dead_letters (instance_id, namespace, machine, machine_version, \
+             position, signals, event, correlation_id, reason, attempts, errors, \
+             first_attempt_at, last_attempt_at, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(letter.instance.0)
+        .bind(&letter.namespace)
+        .bind(&letter.machine.name)
+        .bind(letter.machine.version)
+        .bind(&letter.position)
+        .bind(signals)
+        .bind(letter.event.as_ref().map(json_text))
+        .bind(&letter.correlation_id)
+        .bind(&letter.reason)
+        .bind(letter.attempts)
+        .bind(errors)
+        .bind(letter.first_attempt_at.0)
+        .bind(letter.last_attempt_at.0)
+        .bind(now.0)
+        .fetch_one(&mut *self.conn)
+        .await
+        .map_err(self.err("storing a dead letter"))?;
+        Ok(DeadLetterId(id))
+    }
+
+    /// One dead letter, or `NotFound`.
+    pub async fn dead_letter(&mut self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            dead_letter_cols!(),
+            " FROM keel_dead_letters WHERE id = ?"
+        ))
+        .bind(id.0)
+        .fetch_optional(&mut *self.conn)
+        .await
+        .map_err(self.err("reading a dead letter"))?;
+        match row {
+            Some(r) => self.dead_letter_of(&r),
+            None => Err(StoreError::not_found(format!("dead letter {id} does not exist"))),
+        }
+    }
+
+    /// Deletes one dead letter.
+    pub async fn dead_letter_remove(&mut self, id: DeadLetterId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_dead_letters WHERE id = ?")
+            .bind(id.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("removing a dead letter"))?;
+        Ok(())
+    }
+}
+
+type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
+
+/// Binds every instance column but `id`, in [`instance_cols`] order.
+fn bind_instance<'q>(
+    q: SqliteQuery<'q>,
+    row: &Instance,
+    guard: Option<Vec<u8>>,
+) -> SqliteQuery<'q> {
+    q.bind(row.namespace.clone())
+        .bind(row.machine.name.clone())
+        .bind(row.machine.version)
+        .bind(row.business_key.clone())
+        .bind(row.queue.clone())
+        .bind(i64::from(row.priority.level()))
+        .bind(row.concurrency_key.clone())
+        .bind(row.status.name())
+        .bind(row.position.clone())
+        .bind(json_text(&row.context))
+        .bind(row.result.as_ref().map(json_text))
+        .bind(row.awaits.clone())
+        .bind(row.last_error.clone())
+        .bind(row.attempt)
+        .bind(serde_json::to_string(&row.errors).unwrap_or_else(|_| "[]".to_owned()))
+        .bind(row.revision.0)
+        .bind(row.eligible_at.0)
+        .bind(row.lease_owner.as_ref().map(|w| w.0.clone()))
+        .bind(row.lease_expires_at.map(|t| t.0))
+        .bind(row.fencing_token.0)
+        .bind(row.parent.map(|p| p.0))
+        .bind(row.children_pending)
+        .bind(row.unique.as_ref().map(|u| u.key.clone()))
+        .bind(row.unique.as_ref().map(|u| scope_mask(u.scope)))
+        .bind(row.correlation_id.clone())
+        .bind(row.created_at.0)
+        .bind(row.updated_at.0)
+        .bind(guard)
+        .bind(row.invoked_by.clone())
+}

@@ -1,0 +1,830 @@
+//! `TestMachine`: run a chart in memory with inline actions, and assert on it.
+//!
+//! No store, no queue, no clock: each `send` drives one [`Macrostep`] to completion, running
+//! the registered actions (async closures are awaited on a private current-thread tokio
+//! runtime, so call it from a plain `#[test]`, not from inside `#[tokio::test]`). Actions
+//! that are not registered do nothing, so a definition can be explored before its actions
+//! exist. Assertions panic with the configuration, context and history in the message.
+//!
+//! ```
+//! use keel_core::chart::Definition;
+//! use keel_testkit::chart::TestMachine;
+//! let def = Definition::builder("order", 1)
+//!     .initial("cart")
+//!     .state("cart", |s| s.on("CHECKOUT", |t| t.target("paid").action("charge")))
+//!     .final_state("paid")
+//!     .build()
+//!     .unwrap();
+//! TestMachine::new(def)
+//!     .with_context(serde_json::json!({"total": 10}))
+//!     .action("charge", |ctx, _event| async move {
+//!         let total: i64 = ctx.get_as("total").unwrap_or(0);
+//!         ctx.set("charged", total);
+//!         Ok(())
+//!     })
+//!     .send("CHECKOUT")
+//!     .assert_state("paid")
+//!     .assert_context("charged", 10)
+//!     .assert_history(&["event CHECKOUT", "action charge", "enter paid"])
+//!     .assert_final();
+//! ```
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use keel_core::chart::parallel::{
+    PARALLEL_DISPATCH, ParallelBook, RegionReport, RegionRun, RegionTask, ReportPlan, apply_report,
+    check, done_records, finish_report,
+};
+use keel_core::chart::{
+    ActionError, ActionResult, ChartContext, Configuration, Definition, Event, Limits, Macrostep,
+    MacrostepError, MacrostepResult, Next, Record, Timer, TimerArm, TimerKind,
+};
+use keel_core::instance::HistoryEntry;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+/// The context handle an inline action receives: a shared [`ChartContext`] (clone it freely;
+/// the lock is only held inside each method, never across an `.await`).
+#[derive(Debug, Clone, Default)]
+pub struct ActionContext {
+    inner: Arc<Mutex<ChartContext>>,
+}
+
+impl ActionContext {
+    fn new(context: ChartContext) -> Self {
+        Self { inner: Arc::new(Mutex::new(context)) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ChartContext> {
+        // A panicking action poisons the lock; the data is still the best we have.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A copy of the value of a top-level key.
+    pub fn get(&self, key: &str) -> Option<Value> {
+        self.lock().get(key).cloned()
+    }
+
+    /// The value of a top-level key deserialized as `T`.
+    pub fn get_as<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
+        self.lock().get_as(key)
+    }
+
+    /// Sets a top-level key.
+    pub fn set(&self, key: impl Into<String>, value: impl Into<Value>) {
+        self.lock().set(key, value);
+    }
+
+    /// Sets a top-level key from any serializable value.
+    pub fn set_from<T: Serialize>(
+        &self,
+        key: impl Into<String>,
+        value: &T,
+    ) -> Result<(), serde_json::Error> {
+        self.lock().set_from(key, value)
+    }
+
+    /// Removes a top-level key.
+    pub fn remove(&self, key: &str) -> Option<Value> {
+        self.lock().remove(key)
+    }
+
+    /// Raises an internal event.
+    pub fn raise(&self, event: impl Into<Event>) {
+        self.lock().raise(event);
+    }
+
+    fn into_result(self) -> ActionResult {
+        self.lock().clone().into_result()
+    }
+}
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<(), ActionError>> + Send>>;
+type ActionFn = Arc<dyn Fn(ActionContext, Event) -> BoxFuture + Send + Sync>;
+
+/// What a [`check_invariant`](crate::prop::check_invariant) invariant sees after each step.
+#[derive(Debug, Clone, Copy)]
+pub struct Snapshot<'a> {
+    /// The definition.
+    pub definition: &'a Definition,
+    /// The configuration after the step.
+    pub configuration: &'a Configuration,
+    /// The context after the step.
+    pub context: &'a Value,
+    /// The step's full result.
+    pub result: &'a MacrostepResult,
+    /// The event of the step (`None` for the initial entry).
+    pub event: Option<&'a Event>,
+}
+
+/// A bound on timer fires per `advance_timers` call (STYLE 8).
+pub const MAX_TIMER_FIRES_PER_ADVANCE: usize = 10_000;
+
+/// A bound on region tasks run after one step in dispatch mode (STYLE 8): each region task
+/// may enter parallel states that dispatch more.
+pub const MAX_REGION_TASKS_PER_STEP: usize = 10_000;
+
+/// The event name a region's report is processed under in [`TestMachine`]'s history (the
+/// scheduler's `keel_parallel::REGION_REPORT_EVENT`).
+pub const REGION_REPORT_EVENT: &str = "parallel.region";
+
+/// How far to move the virtual clock: a [`Timer`] or a [`Duration`].
+#[derive(Debug, Clone, Copy)]
+pub struct Advance(Duration);
+
+impl From<Duration> for Advance {
+    fn from(d: Duration) -> Self {
+        Self(d)
+    }
+}
+
+impl From<Timer> for Advance {
+    fn from(t: Timer) -> Self {
+        Self(
+            t.duration()
+                .unwrap_or_else(|| panic!("advance_timers({t}): the duration must be positive")),
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Armed {
+    arm: TimerArm,
+    due: Duration,
+    fires: u32,
+}
+
+/// An in-memory chart instance for tests. See the module docs.
+pub struct TestMachine {
+    def: Arc<Definition>,
+    actions: HashMap<String, ActionFn>,
+    limits: Limits,
+    context: Value,
+    configuration: Configuration,
+    results: Vec<(Option<Event>, MacrostepResult)>,
+    timers: Vec<Armed>,
+    now: Duration,
+    fired: Vec<String>,
+    runtime: Option<tokio::runtime::Runtime>,
+    dispatch: bool,
+    hold_regions: bool,
+    book: ParallelBook,
+    pending: std::collections::VecDeque<RegionTask>,
+    recorded: Vec<HistoryEntry>,
+}
+
+impl std::fmt::Debug for TestMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestMachine")
+            .field("definition", &self.def.name())
+            .field("configuration", &self.configuration)
+            .field("context", &self.context)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TestMachine {
+    /// A machine for `definition`, with an empty context. Nothing runs until the first
+    /// `send` or assertion, so actions can be registered first.
+    pub fn new(definition: impl Into<Arc<Definition>>) -> Self {
+        Self {
+            def: definition.into(),
+            actions: HashMap::new(),
+            limits: Limits::default(),
+            context: Value::Object(serde_json::Map::new()),
+            configuration: Configuration::empty(),
+            results: Vec::new(),
+            timers: Vec::new(),
+            now: Duration::ZERO,
+            fired: Vec::new(),
+            runtime: None,
+            dispatch: false,
+            hold_regions: false,
+            book: ParallelBook::default(),
+            pending: std::collections::VecDeque::new(),
+            recorded: Vec::new(),
+        }
+    }
+
+    /// Parallel dispatch mode (DESIGN §4.4), with the durable runtime's semantics in
+    /// memory: entering a parallel state with two or more regions that have entry actions
+    /// leaves those actions to **region tasks**, which run (in document order, unless
+    /// [`hold_regions`](Self::hold_regions)) right after the step on a snapshot of the
+    /// context; their reports are applied one at a time with the double guard, merge,
+    /// conflict, stall, done and fail records. A region action error fails the region at
+    /// once (there are no retries in memory): `@fail` with `attempts: 1`.
+    pub fn with_parallel_dispatch(mut self, on: bool) -> Self {
+        self.dispatch = on;
+        self
+    }
+
+    /// Keeps dispatched region tasks pending until [`run_region`](Self::run_region) or
+    /// [`fail_region`](Self::fail_region), to test orderings and races.
+    pub fn hold_regions(mut self, hold: bool) -> Self {
+        self.hold_regions = hold;
+        self
+    }
+
+    /// The regions (paths) of the pending region tasks, in dispatch order.
+    pub fn pending_regions(&mut self) -> Vec<String> {
+        self.start();
+        self.pending.iter().map(|t| t.key.region.clone()).collect()
+    }
+
+    /// Runs the pending task of `region` now (its lock-free pre-check first: a task whose
+    /// work is no longer wanted does nothing). Panics when no task of `region` is pending.
+    pub fn run_region(&mut self, region: &str) -> &mut Self {
+        let task = self.take_region(region);
+        self.run_task(&task);
+        self
+    }
+
+    /// Makes the pending task of `region` fail for good with `error` (its report reaches
+    /// the parent even if the pre-check would skip it, like a task that started and then
+    /// ran out of tries).
+    pub fn fail_region(&mut self, region: &str, error: &str) -> &mut Self {
+        let task = self.take_region(region);
+        let report = RegionReport::Failed {
+            key: task.key,
+            error: error.to_owned(),
+            exception: "ActionError".to_owned(),
+            attempts: 1,
+        };
+        self.handle_report(&report);
+        self
+    }
+
+    /// Delivers a region report to the machine as the runtime would (for replays).
+    pub fn deliver_report(&mut self, report: &RegionReport) -> &mut Self {
+        self.start();
+        self.handle_report(report);
+        self
+    }
+
+    fn take_region(&mut self, region: &str) -> RegionTask {
+        self.start();
+        let index = self.pending.iter().position(|t| t.key.region == region).unwrap_or_else(|| {
+            panic!("no region task pending for `{region}`; pending: {:?}", self.pending_regions())
+        });
+        self.pending.remove(index).expect("index is in range")
+    }
+
+    fn run_pending(&mut self) {
+        if self.hold_regions {
+            return;
+        }
+        for _ in 0..MAX_REGION_TASKS_PER_STEP {
+            let Some(task) = self.pending.pop_front() else {
+                return;
+            };
+            self.run_task(&task);
+        }
+    }
+
+    /// Runs the pending task of `region` *without* its pre-check and returns its report
+    /// without applying it: deliver it later with [`deliver_report`](Self::deliver_report)
+    /// to test what the parent's under-lock guard does with work that finished late.
+    pub fn run_region_detached(&mut self, region: &str) -> RegionReport {
+        let task = self.take_region(region);
+        self.region_report(&task)
+    }
+
+    /// Pre-check, run the region's entry actions on the snapshot, apply the report.
+    fn run_task(&mut self, task: &RegionTask) {
+        if check(&self.configuration, &self.book, &task.key).is_err() {
+            return;
+        }
+        let report = self.region_report(task);
+        self.handle_report(&report);
+    }
+
+    fn region_report(&mut self, task: &RegionTask) -> RegionReport {
+        let mut run = RegionRun::new(&self.def, task);
+        while let Some(request) = run.poll().cloned() {
+            let ctx = ActionContext::new(run.context().clone());
+            let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
+            if let Err(e) = run.handle_action_result(outcome.map(|()| ctx.into_result())) {
+                return RegionReport::Failed {
+                    key: task.key.clone(),
+                    error: e.message,
+                    exception: "ActionError".to_owned(),
+                    attempts: 1,
+                };
+            }
+        }
+        run.report()
+    }
+
+    fn handle_report(&mut self, report: &RegionReport) {
+        let def = Arc::clone(&self.def);
+        let plan = apply_report(
+            &def,
+            &self.configuration,
+            &self.context,
+            &mut self.book,
+            report,
+            self.limits,
+        );
+        match plan {
+            ReportPlan::Noop => {}
+            ReportPlan::Abort(entry) => self.recorded.push(entry),
+            ReportPlan::Run { records, step, followup } => {
+                let result = self.drive(step.dispatch_regions(self.dispatch));
+                if let Some(e) = &result.error {
+                    panic!("applying the report of `{}` failed: {e}", report.key().region);
+                }
+                let after = finish_report(&followup, &result.configuration);
+                self.settle(Some(Event::new(REGION_REPORT_EVENT)), result, records, after);
+            }
+        }
+    }
+
+    /// Commits a macrostep in dispatch mode: records, book, region tasks.
+    fn settle(
+        &mut self,
+        event: Option<Event>,
+        result: MacrostepResult,
+        before: Vec<HistoryEntry>,
+        mut after: Vec<HistoryEntry>,
+    ) {
+        self.recorded.extend(before);
+        after.extend(done_records(&self.book, &result.internal_events));
+        self.book.prune(&result.configuration);
+        if self.dispatch && !result.is_final && !result.regions_to_dispatch.is_empty() {
+            let tasks = self.book.dispatch(&result.regions_to_dispatch, &result.context);
+            let regions: Vec<&str> = tasks.iter().map(|t| t.key.region.as_str()).collect();
+            self.recorded.push(HistoryEntry::new(
+                PARALLEL_DISPATCH,
+                serde_json::json!({ "regions": regions }),
+            ));
+            self.pending.extend(tasks);
+        }
+        self.recorded.extend(after);
+        self.apply(event, result);
+    }
+
+    /// The data of every recorded internal event of `kind` (`PARALLEL_DONE`,
+    /// `PARALLEL_CONTEXT_CONFLICT`, …), oldest first.
+    pub fn recorded(&mut self, kind: &str) -> Vec<Value> {
+        self.start();
+        self.recorded.iter().filter(|e| e.kind == kind).map(|e| e.data.clone()).collect()
+    }
+
+    /// Asserts that internal event `kind` was recorded exactly `times` times.
+    #[track_caller]
+    pub fn assert_recorded(&mut self, kind: &str, times: usize) -> &mut Self {
+        let found = self.recorded(kind);
+        assert_eq!(
+            found.len(),
+            times,
+            "internal event `{kind}` recorded {} times, expected {times}: {found:?}\n{}",
+            found.len(),
+            self.describe()
+        );
+        self
+    }
+
+    /// Asserts that the last `kind` internal event recorded has `data`.
+    #[track_caller]
+    pub fn assert_recorded_with(&mut self, kind: &str, data: impl Serialize) -> &mut Self {
+        let data = serde_json::to_value(data).expect("expected data serializes");
+        let found = self.recorded(kind);
+        assert_eq!(found.last(), Some(&data), "internal event `{kind}`\n{}", self.describe());
+        self
+    }
+
+    /// Sets the initial context from a typed value (it must serialize to a JSON object).
+    pub fn with_context<C: Serialize>(mut self, context: C) -> Self {
+        let context =
+            ChartContext::from_serialize(&context).unwrap_or_else(|e| panic!("with_context: {e}"));
+        self.context = context.to_value();
+        self
+    }
+
+    /// Sets the macrostep limits.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Registers an async action under `name`.
+    pub fn action<F, Fut>(mut self, name: impl Into<String>, action: F) -> Self
+    where
+        F: Fn(ActionContext, Event) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), ActionError>> + Send + 'static,
+    {
+        let action: ActionFn = Arc::new(move |ctx, event| Box::pin(action(ctx, event)));
+        self.actions.insert(name.into(), action);
+        self
+    }
+
+    /// Registers a synchronous action that cannot fail.
+    pub fn action_sync<F>(self, name: impl Into<String>, action: F) -> Self
+    where
+        F: Fn(&ActionContext, &Event) + Send + Sync + 'static,
+    {
+        let action = Arc::new(action);
+        self.action(name, move |ctx, event| {
+            let action = Arc::clone(&action);
+            async move {
+                action(&ctx, &event);
+                Ok(())
+            }
+        })
+    }
+
+    /// The definition.
+    pub fn definition(&self) -> &Definition {
+        &self.def
+    }
+
+    /// Runs the initial entry if it has not run yet.
+    pub fn start(&mut self) -> &mut Self {
+        if self.results.is_empty() {
+            let def = Arc::clone(&self.def);
+            let step = Macrostep::init(&def, self.context.clone(), self.limits)
+                .dispatch_regions(self.dispatch);
+            let result = self.drive(step);
+            if let Some(e) = &result.error {
+                panic!("initial entry of `{}` failed: {e}", self.def.name());
+            }
+            self.settle(None, result, Vec::new(), Vec::new());
+            self.run_pending();
+        }
+        self
+    }
+
+    /// Sends an event and runs its macrostep; panics when the macrostep fails.
+    pub fn send(&mut self, event: impl Into<Event>) -> &mut Self {
+        let event = event.into();
+        if let Err(e) = self.try_send(event.clone()) {
+            panic!("send({}) failed: {e}\n{}", event.name, self.describe());
+        }
+        self
+    }
+
+    /// Sends an event with a JSON payload.
+    pub fn send_with(&mut self, event: &str, payload: impl Serialize) -> &mut Self {
+        let payload =
+            serde_json::to_value(payload).unwrap_or_else(|e| panic!("send_with({event}): {e}"));
+        self.send(Event::with_payload(event, payload))
+    }
+
+    /// Sends an event; a failed macrostep commits nothing and returns its error.
+    pub fn try_send(
+        &mut self,
+        event: impl Into<Event>,
+    ) -> Result<&MacrostepResult, MacrostepError> {
+        self.start();
+        let event = event.into();
+        let def = Arc::clone(&self.def);
+        let step = Macrostep::start(
+            &def,
+            &self.configuration,
+            self.context.clone(),
+            event.clone(),
+            self.limits,
+        )
+        .dispatch_regions(self.dispatch);
+        let result = self.drive(step);
+        if let Some(e) = result.error {
+            return Err(e);
+        }
+        self.settle(Some(event), result, Vec::new(), Vec::new());
+        self.run_pending();
+        Ok(self.last())
+    }
+
+    fn drive(&mut self, mut step: Macrostep<'_>) -> MacrostepResult {
+        loop {
+            match step.poll() {
+                Next::RunAction(request) => {
+                    let ctx = ActionContext::new(step.context().clone());
+                    let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
+                    step.handle_action_result(outcome.map(|()| ctx.into_result()));
+                }
+                Next::Done(result) => return *result,
+            }
+        }
+    }
+
+    /// Runs a registered action (an unregistered one does nothing).
+    fn call(&mut self, name: &str, ctx: ActionContext, event: Event) -> Result<(), ActionError> {
+        let runtime = self.runtime.get_or_insert_with(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a current-thread tokio runtime")
+        });
+        match self.actions.get(name) {
+            Some(action) => runtime.block_on(action(ctx, event)),
+            None => Ok(()),
+        }
+    }
+
+    fn apply(&mut self, event: Option<Event>, result: MacrostepResult) {
+        for cancel in &result.timers_to_cancel {
+            self.timers.retain(|t| t.arm.state != cancel.state);
+        }
+        for arm in &result.timers_to_arm {
+            self.timers.push(Armed { arm: arm.clone(), due: self.now + arm.interval, fires: 0 });
+        }
+        self.configuration = result.configuration.clone();
+        self.context = result.context.clone();
+        self.results.push((event, result));
+    }
+
+    /// The result of the last macrostep (the initial entry if nothing was sent).
+    pub fn last(&mut self) -> &MacrostepResult {
+        self.start();
+        &self.results.last().expect("started").1
+    }
+
+    /// The current configuration.
+    pub fn configuration(&mut self) -> &Configuration {
+        self.start();
+        &self.configuration
+    }
+
+    /// The current context.
+    pub fn context(&mut self) -> &Value {
+        self.start();
+        &self.context
+    }
+
+    /// Every history record so far, in order, as text (see [`Record`]'s `Display`).
+    pub fn history(&mut self) -> Vec<String> {
+        self.start();
+        self.results.iter().flat_map(|(_, r)| r.records.iter().map(Record::to_string)).collect()
+    }
+
+    /// The timers currently armed (as the runtime would hold them), in arming order.
+    pub fn timers(&mut self) -> Vec<&TimerArm> {
+        self.start();
+        self.timers.iter().map(|t| &t.arm).collect()
+    }
+
+    /// Moves the virtual clock forward by `by`, firing every timer that falls due, in due
+    /// order (ties in arming order), each as a normal `send`: `after` fires once per state
+    /// entry, `every` fires each interval counted from its last fire (no back-fill), and
+    /// after `max` fires sends `then` once and stops. Leaving a state cancels its timers.
+    /// Panics when a fired event's macrostep fails, like `send`.
+    pub fn advance_timers(&mut self, by: impl Into<Advance>) -> &mut Self {
+        self.start();
+        let until = self.now + by.into().0;
+        // Each fire either removes a timer or moves it forward by a positive interval, and
+        // the loop is bounded so a pathological chart cannot spin forever.
+        for _ in 0..MAX_TIMER_FIRES_PER_ADVANCE {
+            let next = self
+                .timers
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.due <= until)
+                .min_by_key(|(i, t)| (t.due, *i));
+            let Some((index, _)) = next else {
+                break;
+            };
+            let mut timer = self.timers.remove(index);
+            self.now = timer.due;
+            timer.fires += 1;
+            let exhausted = timer.arm.max.is_some_and(|max| timer.fires >= max);
+            if timer.arm.kind == TimerKind::Every && !exhausted {
+                timer.due = self.now + timer.arm.interval;
+                self.timers.insert(index, timer.clone());
+            }
+            self.fired.push(timer.arm.event.clone());
+            self.send(timer.arm.event.as_str());
+            if exhausted && let Some(then) = &timer.arm.then {
+                self.fired.push(then.clone());
+                self.send(then.as_str());
+            }
+        }
+        self.now = until;
+        self
+    }
+
+    /// Virtual time elapsed since the machine started.
+    pub fn elapsed(&self) -> Duration {
+        self.now
+    }
+
+    /// Asserts that a timer delivered `event` at least once.
+    #[track_caller]
+    pub fn assert_timer_fired(&mut self, event: &str) -> &mut Self {
+        assert!(
+            self.fired.iter().any(|e| e == event),
+            "expected timer event `{event}` to have fired; fired: {:?}\n{}",
+            self.fired,
+            self.describe()
+        );
+        self
+    }
+
+    /// The state after the last step, for invariants.
+    pub fn snapshot(&mut self) -> Snapshot<'_> {
+        self.start();
+        let (event, result) = self.results.last().expect("started");
+        Snapshot {
+            definition: &self.def,
+            configuration: &self.configuration,
+            context: &self.context,
+            result,
+            event: event.as_ref(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let history: Vec<String> = self
+            .results
+            .iter()
+            .flat_map(|(_, r)| r.records.iter().map(Record::to_string))
+            .collect();
+        format!(
+            "  active: {:?}\n  context: {}\n  history:\n    {}",
+            self.configuration.leaves(&self.def),
+            self.context,
+            history.join("\n    ")
+        )
+    }
+
+    /// Asserts that the state at `path` is active (its ancestors then are too).
+    #[track_caller]
+    pub fn assert_state(&mut self, path: &str) -> &mut Self {
+        self.start();
+        assert!(
+            self.configuration.contains(path),
+            "expected state `{path}` to be active\n{}",
+            self.describe()
+        );
+        self
+    }
+
+    /// Asserts an XState-style match: `"a.b"` or `json!({"a": {"r1": "x", "r2": "y"}})`.
+    #[track_caller]
+    pub fn assert_matches(&mut self, pattern: impl Into<Value>) -> &mut Self {
+        self.start();
+        let pattern = pattern.into();
+        assert!(
+            self.configuration.matches(&pattern),
+            "expected the configuration to match {pattern}, state value is {}\n{}",
+            self.configuration.state_value(&self.def),
+            self.describe()
+        );
+        self
+    }
+
+    /// Asserts that context key `key` equals `expected` (serialized to JSON).
+    #[track_caller]
+    pub fn assert_context(&mut self, key: &str, expected: impl Serialize) -> &mut Self {
+        self.start();
+        let expected = serde_json::to_value(expected).expect("expected value serializes");
+        let actual = self.context.get(key).cloned().unwrap_or(Value::Null);
+        assert_eq!(actual, expected, "context key `{key}`\n{}", self.describe());
+        self
+    }
+
+    /// Asserts that `expected` history records (as text, e.g. `"enter paid"`,
+    /// `"action charge"`, `"transition cart -> paid on PAY"`) occur in this order; other
+    /// records may come between them.
+    #[track_caller]
+    pub fn assert_history(&mut self, expected: &[&str]) -> &mut Self {
+        let history = self.history();
+        let mut rest = history.iter();
+        for want in expected {
+            assert!(
+                rest.any(|r| r == want),
+                "history record `{want}` missing or out of order\n{}",
+                self.describe()
+            );
+        }
+        self
+    }
+
+    /// Asserts that a top-level final state is active.
+    #[track_caller]
+    pub fn assert_final(&mut self) -> &mut Self {
+        self.start();
+        assert!(
+            self.configuration.is_final(&self.def),
+            "expected a final state\n{}",
+            self.describe()
+        );
+        self
+    }
+
+    /// Asserts that the last event was not handled.
+    #[track_caller]
+    pub fn assert_unhandled(&mut self) -> &mut Self {
+        let unhandled = self.last().unhandled;
+        assert!(unhandled, "expected the last event to be unhandled\n{}", self.describe());
+        self
+    }
+
+    /// Asserts that a timer for `event` is armed.
+    #[track_caller]
+    pub fn assert_has_timer(&mut self, event: &str) -> &mut Self {
+        let armed = self.timers().iter().any(|t| t.event == event);
+        assert!(
+            armed,
+            "expected a timer for `{event}`, armed: {:?}\n{}",
+            self.timers,
+            self.describe()
+        );
+        self
+    }
+
+    /// Asserts that no timer for `event` is armed.
+    #[track_caller]
+    pub fn assert_no_timer(&mut self, event: &str) -> &mut Self {
+        let armed = self.timers().iter().any(|t| t.event == event);
+        assert!(!armed, "expected no timer for `{event}`\n{}", self.describe());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_core::chart::{Definition, Limits, Timer};
+    use serde_json::json;
+
+    use super::TestMachine;
+
+    fn def() -> Definition {
+        Definition::builder("t", 1)
+            .initial("a")
+            .state("a", |s| {
+                s.on("GO", |t| t.target("b").action("mark"))
+                    .on("WAIT", |t| t.action("nothing").after(Timer::hours(1)))
+            })
+            .state("b", |s| s.always(|b| b.target("b").action("spin")).on_to("NEVER", "a"))
+            .build()
+            .unwrap()
+    }
+
+    fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
+        let err = std::panic::catch_unwind(f).expect_err("should panic");
+        err.downcast_ref::<String>().cloned().unwrap_or_default()
+    }
+
+    #[test]
+    fn assertion_failures_explain_themselves() {
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_state("b");
+        });
+        assert!(msg.starts_with("expected state `b` to be active"), "{msg}");
+        assert!(msg.contains("active: [\"a\"]") && msg.contains("enter a"), "{msg}");
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_context("k", 1);
+        });
+        assert!(msg.contains("context key `k`"), "{msg}");
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_history(&["enter b"]);
+        });
+        assert!(msg.contains("history record `enter b` missing or out of order"), "{msg}");
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_final();
+        });
+        assert!(msg.starts_with("expected a final state"), "{msg}");
+        let msg = panic_message(|| {
+            TestMachine::new(def()).assert_matches(json!({"b": "x"}));
+        });
+        assert!(msg.contains("state value is \"a\""), "{msg}");
+    }
+
+    #[test]
+    fn send_panics_on_macrostep_error_and_try_send_returns_it() {
+        let mut m = TestMachine::new(def()).with_limits(Limits { max_transition_depth: 5 });
+        let err = m.try_send("GO").unwrap_err();
+        assert!(err.to_string().starts_with("MaxTransitionDepthExceeded"), "{err}");
+        m.assert_state("a").assert_has_timer("WAIT");
+        let msg = panic_message(std::panic::AssertUnwindSafe(move || {
+            m.send("GO");
+        }));
+        assert!(msg.starts_with("send(GO) failed: MaxTransitionDepthExceeded"), "{msg}");
+    }
+
+    #[test]
+    fn sync_actions_and_snapshots() {
+        let def = Definition::builder("t", 1)
+            .initial("a")
+            .state("a", |s| s.on("GO", |t| t.target("b").action("mark")))
+            .leaf("b")
+            .build()
+            .unwrap();
+        let mut m = TestMachine::new(def)
+            .action_sync("mark", |ctx, event| ctx.set("by", event.name.clone()));
+        m.send("GO").assert_context("by", "GO").assert_no_timer("WAIT");
+        let snap = m.snapshot();
+        assert_eq!(snap.event.map(|e| e.name.as_str()), Some("GO"));
+        assert_eq!(snap.result.changed_keys, ["by"]);
+        assert_eq!(
+            m.history(),
+            ["enter a", "event GO", "transition a -> b on GO", "exit a", "action mark", "enter b"]
+        );
+    }
+}

@@ -1,0 +1,161 @@
+//! Contracts the chart runtime relies on: parking at a new position, delegated children
+//! that report back through the parent's inbox without a barrier, and broadcast to every
+//! instance of a machine in a state.
+
+use super::support::{
+    at, claim, claim_id, claim_params, commit_ok, ctx, get, insert_one, new_in, row, step,
+};
+use keel_core::instance::ANY_SIGNAL;
+use keel_core::outcome::Outcome;
+use keel_core::ports::Store;
+use keel_core::ports::store::{InsertOutcome, LeaseReleaseParams, SignalBroadcastParams};
+use keel_core::{ErrorKind, InstanceId, MachineRef, NewInstance, Status, StepCommit, Timestamp};
+use serde_json::json;
+
+fn park_at(step: &str) -> Outcome {
+    Outcome::Await { signal: ANY_SIGNAL.into(), context: ctx(1), step: Some(step.into()) }
+}
+
+/// `Await` with a step moves the position and parks in one commit.
+pub async fn await_with_step_moves_and_parks<S: Store>(s: &S) {
+    let ns = "await_step";
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    let receipt = step(s, &claimed, park_at(r#"["cart"]"#), at(20)).await;
+    assert_eq!(receipt.status, Status::AwaitingSignal);
+    let r = row(s, id).await;
+    assert_eq!((r.position.as_str(), r.awaits.as_deref()), (r#"["cart"]"#, Some(ANY_SIGNAL)));
+}
+
+/// Claims `id` among the rows of `ns` in queue `default` at `now`, releasing the others.
+async fn claim_only<S: Store>(
+    s: &S,
+    ns: &str,
+    id: InstanceId,
+    now: Timestamp,
+) -> keel_core::ports::store::Claim {
+    let claims = claim(s, claim_params(ns, 100, now)).await;
+    let others =
+        claims.iter().filter(|c| c.instance.id != id).map(|c| (c.instance.id, c.token())).collect();
+    s.lease_release(LeaseReleaseParams { leases: others, now }).await.expect("release");
+    claims.into_iter().find(|c| c.instance.id == id).expect("claimable")
+}
+
+/// Spawned children start in the parent's commit without parking it; each one's
+/// terminal commit puts `done.invoke.<path>` / `fail.state.<path>` in the parent's inbox
+/// (waking it), exactly once, and does not touch a barrier the parent never set.
+pub async fn spawned_children_report_to_the_parent_inbox<S: Store>(s: &S) {
+    let ns = "spawn_notice";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let kid = |n: i64| {
+        NewInstance::new(MachineRef::new("payment", 1), "charge")
+            .namespace(ns)
+            .context(ctx(n))
+            .invoked_by("processing.payment")
+    };
+    let mut c =
+        StepCommit::new(parent, claimed.token(), park_at(r#"["processing","processing.payment"]"#));
+    c.spawn = vec![kid(1), kid(2)];
+    let receipt = commit_ok(s, c, at(20)).await;
+    assert_eq!(receipt.status, Status::AwaitingSignal, "spawning does not park on a barrier");
+    let kids: Vec<InstanceId> = receipt.spawned.iter().map(|o| o.id()).collect();
+    assert!(receipt.spawned.iter().all(|o| matches!(o, InsertOutcome::Inserted(_))));
+    let p = row(s, parent).await;
+    assert_eq!(p.children_pending, 0);
+    let child = row(s, kids[0]).await;
+    assert_eq!(
+        (child.parent, child.invoked_by.as_deref()),
+        (Some(parent), Some("processing.payment"))
+    );
+
+    let c0 = claim_only(s, ns, kids[0], at(30)).await;
+    step(s, &c0, Outcome::Done { result: json!({ "charged": 42 }) }, at(40)).await;
+    let d = get(s, parent).await;
+    assert_eq!(
+        d.instance.status,
+        Status::Runnable,
+        "the notice wakes a parent awaiting any signal"
+    );
+    assert_eq!(d.inbox.len(), 1);
+    assert_eq!(
+        (d.inbox[0].name.as_str(), d.inbox[0].payload.clone()),
+        ("done.invoke.processing.payment", json!({ "charged": 42 }))
+    );
+
+    let c1 = claim_only(s, ns, kids[1], at(50)).await;
+    step(s, &c1, Outcome::Stop { reason: "card declined".into() }, at(60)).await;
+    let d = get(s, parent).await;
+    assert_eq!(d.inbox.len(), 2);
+    assert_eq!(d.inbox[1].name, "fail.state.processing.payment");
+    assert_eq!(d.inbox[1].payload["error"], json!("card declined"));
+    assert_eq!(d.inbox[1].payload["child"], json!(kids[1]));
+    assert_eq!(d.instance.children_pending, 0, "never negative");
+    assert_eq!(d.children.len(), 2);
+}
+
+/// Cancelling a delegated child reports `fail.state.<path>` to its parent.
+pub async fn cancelled_child_reports_failure_to_the_parent<S: Store>(s: &S) {
+    let ns = "spawn_cancel";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["waiting"]"#));
+    c.spawn = vec![new_in(ns).invoked_by("waiting")];
+    let kid = commit_ok(s, c, at(20)).await.spawned[0].id();
+    let params = keel_core::ports::store::CancelParams {
+        id: kid,
+        reason: "operator".into(),
+        cascade: false,
+        now: at(30),
+    };
+    assert_eq!(s.instance_cancel(params).await.expect("cancel"), vec![kid]);
+    let d = get(s, parent).await;
+    assert_eq!(d.inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["fail.state.waiting"]);
+    assert_eq!(d.inbox[0].payload["status"], json!("cancelled"));
+    assert_eq!(d.instance.status, Status::Runnable);
+}
+
+/// Broadcast reaches every non-terminal instance of the machine in the state (by step
+/// name, or inside a chart's configuration array), and wakes those waiting for it.
+pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
+    let ns = "broadcast";
+    let parked = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parked, at(1)).await;
+    step(s, &claimed, park_at(r#"["open","open.idle"]"#), at(2)).await;
+    let runnable = insert_one(s, new_in(ns).context(ctx(2)), at(3)).await;
+    let elsewhere =
+        insert_one(s, NewInstance::new(MachineRef::new("order", 1), "closed").namespace(ns), at(4))
+            .await;
+    let finished = insert_one(s, new_in(ns), at(5)).await;
+    let c = claim_only(s, ns, finished, at(6)).await;
+    step(s, &c, Outcome::Done { result: json!(null) }, at(7)).await;
+    let other_machine = insert_one(
+        s,
+        NewInstance::new(MachineRef::new("invoice", 1), "open.idle").namespace(ns),
+        at(8),
+    )
+    .await;
+    // `new_in` starts at step "a": put the runnable one "in" open.idle by position.
+    let c = claim_only(s, ns, runnable, at(9)).await;
+    step(s, &c, Outcome::Next { step: "open.idle".into(), context: ctx(2) }, at(10)).await;
+
+    let params = |state: &str| SignalBroadcastParams {
+        namespace: ns.into(),
+        machine: "order".into(),
+        in_state: Some(state.into()),
+        name: "PRICE_CHANGED".into(),
+        payload: json!({ "pct": 5 }),
+        dedup_key: Some("price:1".into()),
+        now: at(20),
+    };
+    let report = s.signal_broadcast(params("open.idle")).await.expect("broadcast");
+    assert_eq!((report.delivered, report.woke), (2, 1));
+    assert_eq!(row(s, parked).await.status, Status::Runnable);
+    for (id, n) in [(parked, 1), (runnable, 1), (elsewhere, 0), (finished, 0), (other_machine, 0)] {
+        assert_eq!(get(s, id).await.inbox.len(), n, "inbox of {id}");
+    }
+    let again = s.signal_broadcast(params("open.idle")).await.expect("broadcast");
+    assert_eq!(again.delivered, 0, "the dedup key holds per target");
+    let bad = SignalBroadcastParams { name: String::new(), ..params("open") };
+    assert_eq!(s.signal_broadcast(bad).await.expect_err("empty name").kind, ErrorKind::Invalid);
+}

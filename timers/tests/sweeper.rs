@@ -1,0 +1,241 @@
+//! The sweeper on `MemoryStore` + `VirtualClock`: batching, backpressure (skipped and
+//! logged, fired on the next sweep below the threshold), configuration bounds, and the
+//! cadence loop.
+
+use keel_core::chart::{TimerArm, TimerKind};
+use keel_core::instance::{ANY_SIGNAL, NewInstance};
+use keel_core::ports::store::{ClaimParams, CommitParams};
+use keel_core::ports::{Clock, Store};
+use keel_core::{InstanceId, MachineRef, Outcome, StepCommit, Timestamp, WorkerId};
+use keel_testkit::{MemoryStore, VirtualClock};
+use keel_timers::{SweepConfig, SweepGroup, SweepOutcome, Sweeper};
+use serde_json::json;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const T0: Timestamp = Timestamp(1_700_000_000_000);
+
+/// Inserts `n` instances of `machine`, each parked with one `after 1 s` timer.
+async fn with_timers(
+    store: &MemoryStore,
+    machine: &str,
+    n: usize,
+    now: Timestamp,
+) -> Vec<InstanceId> {
+    let news = (0..n).map(|_| NewInstance::new(MachineRef::new(machine, 1), "wait")).collect();
+    let ids: Vec<InstanceId> = store
+        .instance_insert(keel_core::ports::store::InsertParams { instances: news, now })
+        .await
+        .unwrap()
+        .iter()
+        .map(|o| o.id())
+        .collect();
+    let params = ClaimParams {
+        worker: WorkerId("w".into()),
+        namespaces: vec![],
+        queues: vec![],
+        machines: vec![MachineRef::new(machine, 1)],
+        limit: n,
+        lease: Duration::from_secs(30),
+        now,
+    };
+    let claims = store.instance_claim(params).await.unwrap();
+    let commits = claims
+        .iter()
+        .map(|c| {
+            let mut commit = StepCommit::new(
+                c.instance.id,
+                c.token(),
+                Outcome::Await { signal: ANY_SIGNAL.into(), context: json!({}), step: None },
+            );
+            commit.timers_arm = vec![TimerArm {
+                state: "wait".into(),
+                event: "WAKE".into(),
+                kind: TimerKind::After,
+                interval: Duration::from_secs(1),
+                max: None,
+                then: None,
+            }];
+            commit
+        })
+        .collect();
+    let receipts = store.step_commit(CommitParams { commits, now }).await.unwrap();
+    assert!(receipts.iter().all(Result::is_ok));
+    ids
+}
+
+fn fired(outcome: SweepOutcome) -> u64 {
+    match outcome {
+        SweepOutcome::Swept { report, .. } => report.fired,
+        SweepOutcome::Skipped { .. } => 0,
+    }
+}
+
+#[tokio::test]
+async fn a_sweep_fires_everything_due_in_bounded_batches() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    with_timers(&store, "m", 250, clock.now()).await;
+    let config = SweepConfig { batch: 100, ..SweepConfig::default() };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 0, "nothing due yet");
+    clock.advance(Duration::from_secs(1));
+    match sweeper.sweep(&[]).await.unwrap() {
+        SweepOutcome::Swept { report, batches } => assert_eq!((report.fired, batches), (250, 3)),
+        other @ SweepOutcome::Skipped { .. } => panic!("{other:?}"),
+    }
+    let bounded = Sweeper::new(
+        Arc::clone(&store),
+        clock.clone(),
+        SweepConfig { batch: 10, batches_per_sweep: 2, ..SweepConfig::default() },
+    )
+    .unwrap();
+    with_timers(&store, "m", 30, clock.now()).await;
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(fired(bounded.sweep(&[]).await.unwrap()), 20, "a sweep stops at its batch bound");
+    assert_eq!(fired(bounded.sweep(&[]).await.unwrap()), 10, "the rest fire on the next sweep");
+}
+
+#[tokio::test]
+async fn a_sweep_covers_only_its_groups_machines() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    with_timers(&store, "fast", 3, clock.now()).await;
+    with_timers(&store, "slow", 2, clock.now()).await;
+    clock.advance(Duration::from_secs(2));
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), SweepConfig::default()).unwrap();
+    assert_eq!(fired(sweeper.sweep(&["fast".to_owned()]).await.unwrap()), 3);
+    assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 2);
+}
+
+/// A `MakeWriter` into a shared buffer, to read what the sweeper logged.
+#[derive(Clone, Default)]
+struct Buffer(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Buffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Buffer {
+    type Writer = Buffer;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn backpressure_skips_and_logs_then_fires_below_the_threshold() {
+    let logs = Buffer::default();
+    let subscriber = tracing_subscriber::fmt().with_writer(logs.clone()).with_ansi(false).finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let parked = with_timers(&store, "m", 5, clock.now()).await;
+    // A backlog of 4 ready instances, over a threshold of 3.
+    let backlog: Vec<NewInstance> =
+        (0..4).map(|_| NewInstance::new(MachineRef::new("busy", 1), "go")).collect();
+    let ids = store
+        .instance_insert(keel_core::ports::store::InsertParams {
+            instances: backlog,
+            now: clock.now(),
+        })
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(5));
+    let config = SweepConfig { backpressure_threshold: 3, ..SweepConfig::default() };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    assert_eq!(sweeper.sweep(&[]).await.unwrap(), SweepOutcome::Skipped { backlog: 4 });
+    let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        logged.contains("WARN")
+            && logged.contains("timer sweep skipped")
+            && logged.contains("backlog=4"),
+        "{logged}"
+    );
+    for id in &parked {
+        assert!(
+            store.instance_get(*id).await.unwrap().inbox.is_empty(),
+            "nothing fired while skipped"
+        );
+    }
+
+    // The backlog drains below the threshold: the next sweep fires every overdue timer.
+    let params = keel_core::ports::store::CancelParams {
+        id: ids[0].id(),
+        reason: "drained".into(),
+        cascade: false,
+        now: clock.now(),
+    };
+    store.instance_cancel(params).await.unwrap();
+    assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 5);
+}
+
+#[test]
+fn configuration_bounds_name_the_field() {
+    let cases = [
+        (
+            SweepConfig { batch: 0, ..SweepConfig::default() },
+            "timers.batch: must be 1 to 10000 (got 0)",
+        ),
+        (
+            SweepConfig { batches_per_sweep: 0, ..SweepConfig::default() },
+            "timers.batches_per_sweep: must be at least 1",
+        ),
+        (
+            SweepConfig { groups: vec![], ..SweepConfig::default() },
+            "timers.groups: give at least one group",
+        ),
+        (
+            SweepConfig {
+                groups: vec![SweepGroup { machines: vec![], cadence: Duration::from_millis(50) }],
+                ..SweepConfig::default()
+            },
+            "timers.groups[0].cadence: 50 ms is below the minimum of 100 ms",
+        ),
+    ];
+    for (config, expected) in cases {
+        let err = config.validate().unwrap_err();
+        assert!(err.starts_with(expected), "{err}");
+    }
+    assert!(SweepConfig::default().validate().is_ok());
+}
+
+#[tokio::test]
+async fn the_run_loop_sweeps_each_group_at_its_cadence_until_shutdown() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let ids = with_timers(&store, "m", 3, clock.now()).await;
+    let group = SweepGroup { machines: vec![], cadence: Duration::from_millis(100) };
+    let sweeper = Sweeper::new(
+        Arc::clone(&store),
+        clock.clone(),
+        SweepConfig { groups: vec![group], ..SweepConfig::default() },
+    )
+    .unwrap();
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(sweeper.run(rx));
+    clock.advance(Duration::from_secs(1));
+    for _ in 0..200 {
+        let mut all = true;
+        for id in &ids {
+            all &= !store.instance_get(*id).await.unwrap().inbox.is_empty();
+        }
+        if all {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for id in &ids {
+        assert_eq!(store.instance_get(*id).await.unwrap().inbox.len(), 1);
+    }
+    tx.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(2), task).await.expect("stops on shutdown").unwrap();
+}

@@ -1,0 +1,193 @@
+//! `cargo xtask tidy`: the rules we can check by code (STYLE 10), each with its reason.
+//!
+//! 1. keel-core's normal dependencies contain no runtime, database or network crate — the
+//!    core is pure (ARCHITECTURE invariant 1).
+//! 2. No crate under `store-*` or `queue-*` depends on `keel-scheduler` — backends depend
+//!    on the core only (invariant 2).
+//! 3. Every Rust file starts with a `//!` doc comment — a reader opening any file learns
+//!    what it is for.
+//! 4. No `#[ignore]` without a reason naming a tracking issue — an ignored failure is a
+//!    hidden failure.
+
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Crate name prefixes that must never appear in keel-core's normal dependency tree.
+pub const FORBIDDEN_IN_CORE: &[&str] = &[
+    "tokio",
+    "postgres",
+    "tokio-postgres",
+    "deadpool",
+    "redis",
+    "aws-",
+    "sqlx",
+    "hyper",
+    "reqwest",
+    "mio",
+    "async-std",
+    "smol",
+    "axum",
+    "rusqlite",
+    "libsqlite3",
+];
+
+/// Runs every check and returns the problems found.
+pub fn check(root: &Path) -> Result<Vec<String>> {
+    let mut problems = Vec::new();
+    problems.extend(core_is_pure(&core_tree(root)?));
+    problems.extend(backends_skip_scheduler(root)?);
+    for file in rust_files(root)? {
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
+        problems.extend(doc_comment_first(&rel, &text));
+        problems.extend(ignores_have_reasons(&rel, &text));
+    }
+    Ok(problems)
+}
+
+/// Prints problems and fails when there are any.
+pub fn report(problems: &[String]) -> Result<()> {
+    if problems.is_empty() {
+        eprintln!("tidy: ok");
+        return Ok(());
+    }
+    for p in problems {
+        eprintln!("tidy: {p}");
+    }
+    bail!("tidy found {} problem(s)", problems.len())
+}
+
+fn core_tree(root: &Path) -> Result<String> {
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(root)
+        .args(["tree", "-p", "keel-core", "-e", "normal", "--prefix", "none", "--format", "{p}"])
+        .output()
+        .context("running cargo tree")?;
+    if !out.status.success() {
+        bail!("cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// Rule 1, on the output of `cargo tree --prefix none --format {p}` (one `name vX` a line).
+pub fn core_is_pure(tree: &str) -> Vec<String> {
+    let mut problems: Vec<String> = tree
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| FORBIDDEN_IN_CORE.iter().any(|f| name == f || (f.ends_with('-') && name.starts_with(f)) || name.starts_with(&format!("{f}-"))))
+        .map(|name| format!("keel-core depends on `{name}` (normal dependencies); the core must stay free of runtimes, databases and networks — move that code to a backend or the scheduler"))
+        .collect();
+    problems.sort();
+    problems.dedup();
+    problems
+}
+
+fn backends_skip_scheduler(root: &Path) -> Result<Vec<String>> {
+    let mut problems = Vec::new();
+    for entry in std::fs::read_dir(root)? {
+        let dir = entry?.path();
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
+        let manifest = dir.join("Cargo.toml");
+        if !(name.starts_with("store-") || name.starts_with("queue-")) || !manifest.exists() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&manifest)?;
+        problems.extend(manifest_avoids(&format!("{name}/Cargo.toml"), &text, "keel-scheduler")?);
+    }
+    Ok(problems)
+}
+
+/// Rule 2 on one manifest: `forbidden` appears in no dependency table.
+pub fn manifest_avoids(label: &str, manifest: &str, forbidden: &str) -> Result<Vec<String>> {
+    let doc: toml::Table = toml::from_str(manifest).with_context(|| format!("parsing {label}"))?;
+    let mut problems = Vec::new();
+    for table in ["dependencies", "dev-dependencies", "build-dependencies"] {
+        if doc.get(table).and_then(|t| t.as_table()).is_some_and(|t| t.contains_key(forbidden)) {
+            problems.push(format!(
+                "{label} has `{forbidden}` in [{table}]; backends depend on keel-core only"
+            ));
+        }
+    }
+    Ok(problems)
+}
+
+fn rust_files(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if path.is_dir() {
+                if !(name.starts_with('.') || name == "target") {
+                    stack.push(path);
+                }
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Rule 3: the first non-blank line is a `//!` comment.
+pub fn doc_comment_first(label: &str, text: &str) -> Option<String> {
+    let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or_default();
+    (!first.trim_start().starts_with("//!")).then(|| {
+        format!("{label}: does not start with a `//!` doc comment saying what the file is for")
+    })
+}
+
+/// Rule 4: every `#[ignore` carries a reason that names a tracking issue (`#N`).
+pub fn ignores_have_reasons(label: &str, text: &str) -> Vec<String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| l.trim_start().starts_with("#[ignore"))
+        .filter(|(_, l)| !(l.contains("= \"") && l.contains('#') && l.matches('#').count() >= 2))
+        .map(|(i, _)| format!("{label}:{}: `#[ignore]` without a reason naming a tracking issue (`#[ignore = \"flaky, see #12\"]`)", i + 1))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tidy() {
+        let problems = check(&crate::project_root()).expect("tidy runs");
+        assert!(problems.is_empty(), "tidy problems:\n{}", problems.join("\n"));
+    }
+
+    #[test]
+    fn core_purity_flags_runtime_database_and_network_crates() {
+        let tree = "keel-core v0.1.0\nserde v1.0.0\ntokio v1.40.0\ntokio-macros v2.0.0\naws-sdk-sqs v1.0.0\nsqlx-core v0.9.0\nserde_json v1.0.0\n";
+        let mut flagged: Vec<String> =
+            core_is_pure(tree).iter().map(|p| p.split('`').nth(1).unwrap().to_owned()).collect();
+        flagged.sort();
+        assert_eq!(flagged, ["aws-sdk-sqs", "sqlx-core", "tokio", "tokio-macros"]);
+        assert!(
+            core_is_pure("keel-core v0.1.0\nserde v1\nthiserror v2\nasync-trait v0.1\n").is_empty()
+        );
+    }
+
+    #[test]
+    fn backends_must_not_depend_on_the_scheduler() {
+        let bad = "[package]\nname='x'\n[dependencies]\nkeel-core = { path = '../core' }\nkeel-scheduler = { path = '../scheduler' }\n";
+        assert_eq!(manifest_avoids("store-x/Cargo.toml", bad, "keel-scheduler").unwrap().len(), 1);
+        let good = "[package]\nname='x'\n[dependencies]\nkeel-core = { path = '../core' }\n";
+        assert!(manifest_avoids("store-x/Cargo.toml", good, "keel-scheduler").unwrap().is_empty());
+    }
+
+    #[test]
+    fn files_start_with_a_doc_comment_and_ignores_name_an_issue() {
+        assert!(doc_comment_first("a.rs", "\n//! What this is.\nfn f() {}").is_none());
+        assert!(doc_comment_first("a.rs", "use x;\n").is_some());
+        assert!(doc_comment_first("a.rs", "").is_some());
+        assert_eq!(ignores_have_reasons("a.rs", "#[test]\n#[ignore]\nfn t() {}").len(), 1);
+        assert_eq!(ignores_have_reasons("a.rs", "#[ignore = \"slow\"]").len(), 1);
+        assert!(ignores_have_reasons("a.rs", "#[ignore = \"flaky, see #12\"]").is_empty());
+    }
+}
