@@ -383,3 +383,106 @@ async fn fifty_children_completing_concurrently_release_the_parent_once() {
         .unwrap();
     }
 }
+
+/// Four sweepers race each other and a stream of deliveries to the same instances (which
+/// lock the rows a sweep needs): every timer fires exactly once, none is left, and no call
+/// fails (a sweep never waits for a lock, so it cannot deadlock with a delivery or commit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn timer_sweeps_race_deliveries_fire_each_once() {
+    use keel_core::chart::{TimerArm, TimerKind};
+    use keel_core::ports::store::TimerSweepParams;
+    const N: usize = 300;
+    let Some(s) = common::store_with(12).await else { return };
+    let ids = insert(&s, (0..N).map(|_| new("a")).collect()).await;
+    let claims = s.instance_claim(claim("w", N)).await.unwrap();
+    assert_eq!(claims.len(), N);
+    let arm = TimerArm {
+        state: "a".into(),
+        event: "WAKE".into(),
+        kind: TimerKind::After,
+        interval: Duration::from_millis(1),
+        max: None,
+        then: None,
+    };
+    let commits = claims
+        .iter()
+        .map(|c| {
+            let mut sc = StepCommit::new(
+                c.instance.id,
+                c.token(),
+                Outcome::Await { signal: "WAKE".into(), context: json!({}), step: None },
+            );
+            sc.timers_arm = vec![arm.clone()];
+            sc
+        })
+        .collect();
+    let r = s.step_commit(CommitParams { commits, now: T0 }).await.unwrap();
+    assert!(r.iter().all(Result::is_ok));
+    let now = Timestamp(T0.0 + 10_000);
+    let mut sweepers = Vec::new();
+    for _ in 0..4 {
+        let s = s.clone();
+        sweepers.push(tokio::spawn(async move {
+            let mut fired = 0;
+            for _ in 0..200 {
+                let p = TimerSweepParams { namespace: None, machines: vec![], limit: 20, now };
+                let r = s.timer_sweep(p).await.expect("sweep");
+                fired += r.fired;
+                if r.processed == 0 {
+                    let armed: u64 =
+                        s.timer_status(None, now).await.unwrap().iter().map(|t| t.armed).sum();
+                    if armed == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            fired
+        }));
+    }
+    let noise = {
+        let s = s.clone();
+        let ids = ids.clone();
+        tokio::spawn(async move {
+            for chunk in ids.chunks(10) {
+                let signals =
+                    chunk.iter().map(|id| NewSignal::new(*id, "NOISE").payload(json!(1))).collect();
+                s.signal_deliver(SignalDeliverParams { signals, now }).await.expect("deliver");
+            }
+        })
+    };
+    let mut total = 0;
+    for t in sweepers {
+        total += t.await.unwrap();
+    }
+    noise.await.unwrap();
+    assert_eq!(total, N as u64, "every timer fired exactly once");
+    for id in ids {
+        let d = s.instance_get(id).await.unwrap();
+        let wakes = d.inbox.iter().filter(|m| m.name == "WAKE").count();
+        assert_eq!(wakes, 1, "instance {id}");
+        assert!(d.timers.is_empty());
+        assert_eq!(d.instance.status, Status::Runnable);
+    }
+}
+
+/// `ready_wait` resolves on another handle's NOTIFY (an insert), and keeps a permit for a
+/// wake-up that lands while nobody waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_wait_wakes_on_notify() {
+    let Some(s) = common::store().await else { return };
+    let waiter = {
+        let s = s.clone();
+        tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(10), s.ready_wait()).await.is_ok()
+        })
+    };
+    // Let the waiter open its LISTEN connection, then make work ready from elsewhere.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    insert(&s, vec![new("a")]).await;
+    assert!(waiter.await.unwrap(), "ready_wait resolved on the insert's NOTIFY");
+    insert(&s, vec![new("b")]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = tokio::time::timeout(Duration::from_secs(5), s.ready_wait()).await;
+    assert!(again.is_ok(), "a NOTIFY with nobody waiting is kept for the next wait");
+}

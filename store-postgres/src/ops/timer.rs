@@ -157,12 +157,24 @@ pub(crate) fn validate_sweep(p: &TimerSweepParams) -> StoreResult<()> {
     check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)
 }
 
+/// The pick: due timers not held by another sweep, then each one's instance, also
+/// without waiting. A sweep never waits for a lock (a commit locks the instance before its
+/// timers, the sweep the other way round), so it cannot deadlock with commits or other
+/// sweeps; a timer whose instance is busy (`held` false, instance present) is left for the
+/// next sweep and not counted.
 fn due_sql() -> String {
     format!(
-        "SELECT {TIMER_COLS} FROM timers t WHERE t.next_fire_at <= $1 \
-           AND ($2::text IS NULL OR t.namespace = $2) \
-           AND (cardinality($3::text[]) = 0 OR t.machine = ANY($3)) \
-         ORDER BY t.next_fire_at, t.id LIMIT $4 FOR UPDATE SKIP LOCKED"
+        "WITH t AS MATERIALIZED ( \
+           SELECT * FROM timers t WHERE t.next_fire_at <= $1 \
+             AND ($2::text IS NULL OR t.namespace = $2) \
+             AND (cardinality($3::text[]) = 0 OR t.machine = ANY($3)) \
+           ORDER BY t.next_fire_at, t.id LIMIT $4 FOR UPDATE SKIP LOCKED \
+         ) \
+         SELECT {TIMER_COLS}, i.id IS NOT NULL, \
+           i.id IS NULL AND EXISTS (SELECT 1 FROM instances x WHERE x.id = t.instance_id) \
+         FROM t LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = t.instance_id \
+           FOR NO KEY UPDATE SKIP LOCKED) i ON true \
+         ORDER BY t.next_fire_at, t.id"
     )
 }
 
@@ -191,8 +203,16 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         c.query(&due, &[&now_ts, &p.namespace, &p.machines, &limit]).await
     });
     began?;
-    let picked = picked?.iter().map(timer).collect::<Result<Vec<_>, _>>()?;
-    let mut ids: Vec<i64> = picked.iter().map(|t| t.instance.0).collect();
+    let found = picked?;
+    let mut picked = Vec::new();
+    for r in &found {
+        // Busy instance: leave the timer for the next sweep.
+        if !r.get::<_, bool>(10) {
+            picked.push((timer(r)?, r.get::<_, bool>(9)));
+        }
+    }
+    let mut ids: Vec<i64> =
+        picked.iter().filter(|(_, held)| *held).map(|(t, _)| t.instance.0).collect();
     ids.sort_unstable();
     ids.dedup();
     let live: HashMap<i64, Instance> = rows::lock_instances(c, &ids)
@@ -210,7 +230,7 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     // Per delivered signal: whether it is an exhaustion (`then`).
     let mut kinds: Vec<bool> = Vec::new();
     let mut history = HistoryWrite::default();
-    for t in &picked {
+    for (t, _) in &picked {
         report.processed += 1;
         let Some(row) = live.get(&t.instance.0) else {
             gone.push(t.id.0);
