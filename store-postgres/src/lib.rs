@@ -30,6 +30,11 @@
 //! - `signals`: the inbox, `unique (target_id, dedup_key)`, ids in arrival order.
 //! - `history`: append-only audit trail. `dead_letters`: every attempt's error.
 //! - `queues`: per-queue settings (paused).
+//! - V3: `instances.invoked_by` (a chart child's delegation state in its parent);
+//!   `timers` (one row per armed timer: owning `state`, the `TimerArm` as `spec jsonb`,
+//!   `next_fire_at`, `fire_count`), indexed `(next_fire_at, id)` for the sweep and
+//!   `(instance_id, next_fire_at, id)` per instance; `timer_sweeps` (last sweep time per
+//!   namespace-or-`*` × machine-or-`*`).
 //!
 //! # How the contracts are enforced
 //!
@@ -60,12 +65,36 @@
 //!   reads or writes their inbox, and an `Await` commit reads the inbox only after it holds
 //!   the row lock, so one of the two always sees the other. Dedup is `unique (target_id,
 //!   dedup_key)` plus the batch's own keys.
+//! - **Spawned children and parent notices**: a commit's `spawn` goes into the same
+//!   insert as its `ScheduleChildren` children (per item: barrier children, then spawn),
+//!   parent = the committing instance, no barrier. A child that becomes terminal (commit or
+//!   cancel) decrements its parent's barrier and, when `outcome::parent_notice` says so,
+//!   delivers the notice into the parent's inbox through the delivery path above (after
+//!   the item's outbox emits, like the reference store).
+//! - **Broadcast** is one statement: lock the matching targets (id order, at most
+//!   `BROADCAST_MAX + 1`; `position = $s OR (left(position, 1) = '[' AND position::jsonb ? $s)`),
+//!   insert the event per target (`ON CONFLICT (target_id, dedup_key) DO NOTHING`) only
+//!   when at most `BROADCAST_MAX` matched, wake the awaiting ones, `pg_notify` if any woke.
+//! - **Timers**: a commit cancels (`state = s OR state LIKE s || '.%'`), drops (terminal)
+//!   and arms timers in one statement pipelined with the rest of the commit; a cancel drops
+//!   the timers of every instance it cancels. A sweep is one transaction: one statement
+//!   picks the due timers `FOR UPDATE SKIP LOCKED` (concurrent sweeps split them) and locks
+//!   each one's instance `FOR NO KEY UPDATE SKIP LOCKED` — a sweep never waits for a lock,
+//!   so it cannot deadlock with a commit (instance, then timers) or another sweep; a timer
+//!   whose instance is busy is left for the next sweep (not counted in `processed`). Each
+//!   picked timer goes through the pure `timers::fire`; the deliveries use the normal
+//!   path, and history, timer advance/delete and the sweep record are batch writes
+//!   pipelined with the `COMMIT`.
 //! - **Uniqueness**: `INSERT … ON CONFLICT (unique_guard) DO NOTHING` with ids drawn up
 //!   front, rows sorted by key (concurrent inserters wait in one order and cannot deadlock),
 //!   then one lookup of the occupants; each caller learns its id or the occupant's.
 //!   [`PgStore::instance_insert_tx`] does the same inside the caller's transaction.
-//! - **Notifications**: a transaction that makes work ready sends one `pg_notify` on
-//!   `keel_<schema>_ready`; [`PgStore::listen`] exposes it. Polling stays correct without it.
+//! - **Notifications**: a transaction that makes work ready (insert, a delivery or
+//!   broadcast that wakes, a commit, sweep, reap, release, cancel, dead-letter retry/skip,
+//!   queue resume) sends one `pg_notify` on `keel_<schema>_ready`, pipelined with its
+//!   `COMMIT`; [`PgStore::listen`] exposes it, and `Store::ready_wait` waits on one shared
+//!   LISTEN connection per store (opened on the first wait, reopened after it drops; a
+//!   wake-up with nobody waiting is kept for the next wait). Polling stays correct without it.
 //! - **Limits** are keel-core's ([`keel_core::limits`]): payloads, contexts and results at
 //!   most 1 MiB of JSON, names 256 bytes, batch sizes per operation; an over-limit or
 //!   malformed input is `Invalid` and writes nothing.
@@ -82,7 +111,11 @@
 //! - A claim whose rows share a unique key scoped to `executing` (but not `runnable`) takes
 //!   one of them; a commit that would bring a key back into scope over another occupant is
 //!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
-//! - `queue_list` scans the namespace's instances (operator path, not indexed).
+//! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
+//! - A broadcast whose `in_state` filter meets a position that starts with `[` but is not
+//!   JSON fails (`position::jsonb`); chart positions are always JSON arrays.
+//! - A sweep leaves a due timer whose instance is locked at that moment for the next
+//!   sweep, so `processed < limit` does not prove that nothing is due.
 //! - Within one commit batch, an `Await` item checks its inbox before the batch's own
 //!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
 //!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry
