@@ -6,16 +6,19 @@
 //! together. Kill the process at any moment and nothing already committed is lost.
 //!
 //! Unpaid orders expire through the chart's `after` timer on `awaiting_payment` —
-//! shortened from 7 days to 3 seconds here — fired by the worker's timer sweeper.
+//! shortened from 7 days to 5 seconds here — fired by the worker's timer sweeper.
 
 use keel_core::chart::{ActionError, Timer};
 use keel_core::ports::Store;
-use keel_core::{InstanceId, NewSignal, Status};
+use keel_core::ports::store::InsertOutcome;
+use keel_core::{Instance, InstanceId, NewSignal, Status, StatusSet};
+use keel_examples::demo_store::DemoStore;
+use keel_examples::on_demo_store;
 use keel_examples::order;
+use keel_scheduler::chart::INIT;
 use keel_scheduler::{
     ChartMachine, Client, SweepConfig, SweepGroup, SystemClock, Worker, WorkerConfig,
 };
-use keel_testkit::memory::MemoryStore;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,7 +29,7 @@ const ORDERS: usize = 100;
 /// The chart with its actions. Actions are async and may call other systems; here they
 /// only touch the context and raise the events the chart waits for.
 fn machine() -> ChartMachine {
-    ChartMachine::new(order::definition_with_expiry(Timer::seconds(3)))
+    ChartMachine::new(order::definition_with_expiry(Timer::seconds(5)))
         .action("add_item", |ctx, event| async move {
             let mut items: Vec<String> = ctx.get_as("items").unwrap_or_default();
             let sku = event.payload["sku"]
@@ -68,14 +71,15 @@ fn machine() -> ChartMachine {
         })
 }
 
+/// Polls (bounded) until every order satisfies `done`.
 async fn settle<S: Store>(
     client: &Client<S, SystemClock>,
     ids: &[InstanceId],
     what: &str,
-    done: impl Fn(&keel_core::Instance) -> bool,
+    done: impl Fn(&Instance) -> bool,
 ) {
     let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(60) {
+    while started.elapsed() < Duration::from_secs(120) {
         let mut all = true;
         for id in ids {
             all &= done(&client.get(*id).await.expect("get").instance);
@@ -83,9 +87,34 @@ async fn settle<S: Store>(
         if all {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Reading every order is not free on a real store: look five times a second.
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    panic!("orders did not reach '{what}' within 60 s");
+    panic!("orders did not reach '{what}' within 120 s");
+}
+
+fn in_state(r: &Instance, state: &str) -> bool {
+    r.position.contains(&format!("\"{state}\""))
+}
+
+/// Sends `event` to every order (index, id) that `pick` selects and that has nothing
+/// pending in its inbox — so a resumed run never sends an event twice.
+async fn send_where<S: Store>(
+    client: &Client<S, SystemClock>,
+    ids: &[InstanceId],
+    events: impl Fn(usize) -> Vec<NewSignal>,
+    pick: impl Fn(usize, &Instance) -> bool,
+) {
+    let mut batch = Vec::new();
+    for (n, id) in ids.iter().enumerate() {
+        let d = client.get(*id).await.expect("get");
+        if d.inbox.is_empty() && pick(n, &d.instance) {
+            batch.extend(events(n));
+        }
+    }
+    if !batch.is_empty() {
+        client.send_many(batch).await.expect("send");
+    }
 }
 
 async fn run<S: Store>(store: Arc<S>) {
@@ -96,9 +125,13 @@ async fn run<S: Store>(store: Arc<S>) {
         chart.missing_actions()
     );
     let client = Client::new(Arc::clone(&store), SystemClock);
+    // A unique key per order: running the example again finds the orders it started.
     let starts = (0..ORDERS)
         .map(|n| {
-            chart.new_instance(json!({ "card_ok": n % 10 != 6 })).business_key(format!("order-{n}"))
+            chart
+                .new_instance(json!({ "card_ok": n % 10 != 6 }))
+                .business_key(format!("order-{n}"))
+                .unique(format!("order-{n}"), StatusSet::ALL)
         })
         .collect();
     let sweep_often = SweepGroup { machines: vec![], cadence: Duration::from_millis(100) };
@@ -109,47 +142,51 @@ async fn run<S: Store>(store: Arc<S>) {
     };
     let worker = Worker::new(Arc::clone(&store), SystemClock, config).register(chart).spawn();
     let started = Instant::now();
-    let ids: Vec<InstanceId> =
-        client.start_many(starts).await.expect("start").iter().map(|o| o.id()).collect();
+    let outcomes = client.start_many(starts).await.expect("start");
+    let resumed = outcomes.iter().filter(|o| matches!(o, InsertOutcome::Existing(_))).count();
+    if resumed > 0 {
+        println!("resuming: {resumed} of {ORDERS} orders were already in the store");
+    }
+    let ids: Vec<InstanceId> = outcomes.iter().map(|o| o.id()).collect();
+    settle(&client, &ids, "their initial state", |r| r.position != INIT).await;
 
     // Shoppers fill their carts and check out.
-    let mut events = Vec::new();
-    for (n, id) in ids.iter().enumerate() {
-        events.push(
-            NewSignal::new(*id, "ADD_ITEM").payload(json!({ "sku": format!("SKU-{}", n % 7) })),
-        );
-        events.push(NewSignal::new(*id, "CHECKOUT"));
-    }
-    client.send_many(events).await.expect("send");
-    let in_state = |state: &'static str| {
-        move |r: &keel_core::Instance| r.position.contains(&format!("\"{state}\""))
-    };
-    settle(&client, &ids, "awaiting_payment", in_state("awaiting_payment")).await;
+    let sku = |n: usize| json!({ "sku": format!("SKU-{}", n % 7) });
+    send_where(
+        &client,
+        &ids,
+        |n| {
+            vec![
+                NewSignal::new(ids[n], "ADD_ITEM").payload(sku(n)),
+                NewSignal::new(ids[n], "CHECKOUT"),
+            ]
+        },
+        |_, r| in_state(r, "cart"),
+    )
+    .await;
+    settle(&client, &ids, "checkout", |r| !in_state(r, "cart")).await;
 
     // 70 pay; 30 never do and expire after the (shortened) payment deadline. Of the
     // payers, cards ending in 6 are declined and the payment gives up (the event the
     // 6-hourly retry timer's `then` would send after three tries).
-    let events = ids
-        .iter()
-        .enumerate()
-        .filter(|(n, _)| n % 10 < 7)
-        .map(|(_, id)| NewSignal::new(*id, "PAY"))
-        .collect();
-    client.send_many(events).await.expect("send");
-    settle(&client, &ids, "processed", |r| {
-        r.status.is_terminal() || r.position.contains("charging")
+    send_where(
+        &client,
+        &ids,
+        |n| vec![NewSignal::new(ids[n], "PAY")],
+        |n, r| n % 10 < 7 && in_state(r, "awaiting_payment"),
+    )
+    .await;
+    settle(&client, &ids, "payment", |r| {
+        r.status.is_terminal() || in_state(r, "processing.payment.charging")
     })
     .await;
-    let stuck: Vec<NewSignal> = {
-        let mut v = Vec::new();
-        for id in &ids {
-            if !client.get(*id).await.expect("get").instance.status.is_terminal() {
-                v.push(NewSignal::new(*id, "PAYMENT_FAILED"));
-            }
-        }
-        v
-    };
-    client.send_many(stuck).await.expect("send");
+    send_where(
+        &client,
+        &ids,
+        |n| vec![NewSignal::new(ids[n], "PAYMENT_FAILED")],
+        |_, r| in_state(r, "processing.payment.charging"),
+    )
+    .await;
     settle(&client, &ids, "a final state", |r| r.status == Status::Done).await;
     let elapsed = started.elapsed();
     let stats = worker.shutdown().await;
@@ -167,25 +204,37 @@ async fn run<S: Store>(store: Arc<S>) {
         };
         *tally.entry(outcome.to_owned()).or_default() += 1;
     }
-    println!("{ORDERS} orders, {} committed macrosteps in {:.2?}", stats.committed(), elapsed);
+    println!(
+        "{ORDERS} orders, {} macrosteps committed by this run in {:.2?}",
+        stats.committed(),
+        elapsed
+    );
     println!("final tally: {tally:?}");
     let sample = client.get(ids[0]).await.expect("get");
     println!("\nhistory of {} (order-0):", ids[0]);
     for h in sample.history.iter().filter(|h| h.entry.kind == "MACROSTEP") {
+        let records = h.entry.data["records"].as_array().map_or(0, Vec::len);
         println!(
-            "  rev {:>2}  {:<10} {}",
+            "  rev {:>2}  {:<10} {records:>2} records",
             h.revision.0,
-            h.entry.data["event"].as_str().unwrap_or("(start)"),
-            h.entry.data["records"]
+            h.entry.data["event"].as_str().unwrap_or("(start)")
         );
     }
-    assert_eq!(tally.get("completed"), Some(&60));
-    assert_eq!(tally.get("failed"), Some(&10));
-    assert_eq!(tally.get("expired"), Some(&30));
+    assert_eq!(tally.values().sum::<usize>(), ORDERS, "every order reached a final state");
+    if resumed == 0 {
+        assert_eq!(
+            (tally.get("completed"), tally.get("failed"), tally.get("expired")),
+            (Some(&60), Some(&10), Some(&30))
+        );
+    }
 }
 
 #[tokio::main]
 async fn main() {
-    println!("Keel order example — store: in-memory (embedded, nothing to install)\n");
-    run(Arc::new(MemoryStore::new())).await;
+    let demo = DemoStore::from_env().await.unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    });
+    println!("Keel order example — store: {}\n", demo.describe());
+    on_demo_store!(demo, |store| run(store).await);
 }

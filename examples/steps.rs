@@ -9,11 +9,13 @@
 
 use async_trait::async_trait;
 use keel_core::instance::NewInstance;
+use keel_core::ports::Store;
 use keel_core::{MachineRef, NewSignal, Outcome, Status, StatusSet};
+use keel_examples::demo_store::DemoStore;
+use keel_examples::on_demo_store;
 use keel_scheduler::{
     Client, StepContext, StepError, StepMachine, SystemClock, Worker, WorkerConfig,
 };
-use keel_testkit::memory::MemoryStore;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -87,8 +89,8 @@ impl StepMachine for Parcel {
     }
 }
 
-async fn wait_until(
-    client: &Client<MemoryStore, SystemClock>,
+async fn wait_until<S: Store>(
+    client: &Client<S, SystemClock>,
     ids: &[keel_core::InstanceId],
     done: impl Fn(Status) -> bool,
 ) {
@@ -108,8 +110,15 @@ async fn wait_until(
 
 #[tokio::main]
 async fn main() {
-    println!("Keel steps example — store: in-memory (embedded, nothing to install)\n");
-    let store = Arc::new(MemoryStore::new());
+    let demo = DemoStore::from_env().await.unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    });
+    println!("Keel steps example — store: {}\n", demo.describe());
+    on_demo_store!(demo, |store| run(store).await);
+}
+
+async fn run<S: Store>(store: Arc<S>) {
     let client = Client::new(Arc::clone(&store), SystemClock);
     let config =
         WorkerConfig { poll_interval: Duration::from_millis(20), ..WorkerConfig::default() };
@@ -123,7 +132,7 @@ async fn main() {
         .map(|n| {
             NewInstance::new(MachineRef::new("order", 1), "reserve")
                 .business_key(format!("order:{n}"))
-                .unique(format!("order:{n}"), StatusSet::LIVE)
+                .unique(format!("order:{n}"), StatusSet::ALL)
                 .context(json!({ "n": n }))
         })
         .collect();
@@ -133,7 +142,7 @@ async fn main() {
     println!("started {ORDERS} orders; starting order:0 again returned {:?}", inserted[ORDERS]);
 
     // 2. Orders reserve stock (every third fails once and is retried after 1 s) and park.
-    wait_until(&client, &ids, |s| s == Status::AwaitingSignal).await;
+    wait_until(&client, &ids, |s| s == Status::AwaitingSignal || s.is_terminal()).await;
     println!("all orders reserved and waiting for payment");
 
     // 3. Customers pay 15 orders (order:0 pays twice: the dedup key keeps one); 5 are cancelled.
