@@ -1,0 +1,254 @@
+//! Keel's PostgreSQL store: the durable source of truth on tokio-postgres and
+//! deadpool-postgres, batch-first, holding every `Store` contract of keel-core.
+//!
+//! # Using it
+//!
+//! ```no_run
+//! # async fn demo() -> keel_core::StoreResult<()> {
+//! use keel_store_postgres::{PgConfig, PgStore};
+//! let store = PgStore::connect(PgConfig::new("postgres://postgres@127.0.0.1/keel")).await?;
+//! store.migrate().await?;
+//! let mut wake = store.listen().await?; // optional: `wake.recv()` resolves when work is ready
+//! # let _ = &mut wake;
+//! # Ok(()) }
+//! ```
+//!
+//! # Schema (migrations under `store-postgres/migrations/`)
+//!
+//! Every object lives in the configured schema (default `keel`; each pooled connection sets
+//! its `search_path`), so deployments and tests can share a database.
+//!
+//! - `status` enum: the eight statuses of DESIGN §3.1.
+//! - `instances`: one row per instance. `context`/`result`/`errors` are `jsonb`; `revision`
+//!   counts accepted commits; `fencing_token` grows on every claim; `unique_key bytea` +
+//!   `unique_scope status[]` feed a generated `unique_guard` column (the key while the status
+//!   is in scope, else NULL) under the partial unique index `instances_unique`.
+//!   Partial hot indexes: `instances_pick` (runnable rows, claim order), `instances_lease`
+//!   and `instances_lease_owner` (executing rows, for the reaper), `instances_concurrency`
+//!   (unique on `concurrency_key` over executing rows), `instances_parent`,
+//!   `instances_business_key`.
+//! - `signals`: the inbox, `unique (target_id, dedup_key)`, ids in arrival order.
+//! - `history`: append-only audit trail. `dead_letters`: every attempt's error.
+//! - `queues`: per-queue settings (paused).
+//! - V3: `instances.invoked_by` (a chart child's delegation state in its parent);
+//!   `timers` (one row per armed timer: owning `state`, the `TimerArm` as `spec jsonb`,
+//!   `next_fire_at`, `fire_count`), indexed `(next_fire_at, id)` for the sweep and
+//!   `(instance_id, next_fire_at, id)` per instance; `timer_sweeps` (last sweep time per
+//!   namespace-or-`*` × machine-or-`*`).
+//!
+//! # How the contracts are enforced
+//!
+//! - **Claim** is one statement (one round trip): a `FOR UPDATE SKIP LOCKED` picker over
+//!   runnable rows in priority / `eligible_at` / id order (namespace, queue and
+//!   `(machine, version)` filters; paused queues excluded through a hashed subplan), the
+//!   `UPDATE` that flips them to executing with the next fencing token, and each row's inbox
+//!   (oldest 64) and children as JSON.
+//! - **Concurrency keys** are serialized by the database, never by a held connection or a
+//!   session advisory lock: the picker skips keys that have an executing row and takes only
+//!   the first runnable row of a key (same filters, claim order; index
+//!   `instances_key_runnable`), so at most one per key per claim and batches stay full. The
+//!   unique index `instances_concurrency` (executing rows only) makes a racing second
+//!   claimer of the same key fail; the store re-runs that claim, whose fresh snapshot now
+//!   sees the key busy.
+//! - **Commit** (fencing): a batch locks its rows (`FOR NO KEY UPDATE`, id order, so batches
+//!   cannot deadlock each other), checks each item with the pure `validate_commit` (stale ⇒
+//!   `LeaseLost`, malformed ⇒ `Invalid`, unknown id or emit target ⇒ `NotFound`; a rejected
+//!   item writes nothing, the others go on), computes each row with the pure `apply`, and
+//!   writes all accepted rows with one `UPDATE … FROM unnest(…)`, deletes exactly the
+//!   consumed signal ids, appends history, stores dead letters, and decrements each parent
+//!   whose child became terminal (`greatest(n - k, 0)`, plus a `CHECK` that it never goes
+//!   negative) — one transaction. A batch of no-op `Done` outcomes costs **two round
+//!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
+//!   `NOTIFY` + `COMMIT`, pipelined. `ScheduleChildren` adds one insert; outbox emits add
+//!   the delivery path below.
+//! - **Signals / no lost wake-up**: delivery locks the target rows (id order) before it
+//!   reads or writes their inbox, and an `Await` commit reads the inbox only after it holds
+//!   the row lock, so one of the two always sees the other. Dedup is `unique (target_id,
+//!   dedup_key)` plus the batch's own keys.
+//! - **Spawned children and parent notices**: a commit's `spawn` goes into the same
+//!   insert as its `ScheduleChildren` children (per item: barrier children, then spawn),
+//!   parent = the committing instance, no barrier. A child that becomes terminal (commit or
+//!   cancel) decrements its parent's barrier and, when `outcome::parent_notice` says so,
+//!   delivers the notice into the parent's inbox through the delivery path above (after
+//!   the item's outbox emits, like the reference store).
+//! - **Broadcast** is one statement: lock the matching targets (id order, at most
+//!   `BROADCAST_MAX + 1`; `position = $s OR (left(position, 1) = '[' AND position::jsonb ? $s)`),
+//!   insert the event per target (`ON CONFLICT (target_id, dedup_key) DO NOTHING`) only
+//!   when at most `BROADCAST_MAX` matched, wake the awaiting ones, `pg_notify` if any woke.
+//! - **Timers**: a commit cancels (`state = s OR state LIKE s || '.%'`), drops (terminal)
+//!   and arms timers in one statement pipelined with the rest of the commit; a cancel drops
+//!   the timers of every instance it cancels. A sweep is one transaction: one statement
+//!   picks the due timers `FOR UPDATE SKIP LOCKED` (concurrent sweeps split them) and locks
+//!   each one's instance `FOR NO KEY UPDATE SKIP LOCKED` — a sweep never waits for a lock,
+//!   so it cannot deadlock with a commit (instance, then timers) or another sweep; a timer
+//!   whose instance is busy is left for the next sweep (not counted in `processed`). Each
+//!   picked timer goes through the pure `timers::fire`; the deliveries use the normal
+//!   path, and history, timer advance/delete and the sweep record are batch writes
+//!   pipelined with the `COMMIT`.
+//! - **Uniqueness**: `INSERT … ON CONFLICT (unique_guard) DO NOTHING` with ids drawn up
+//!   front, rows sorted by key (concurrent inserters wait in one order and cannot deadlock),
+//!   then one lookup of the occupants; each caller learns its id or the occupant's.
+//!   [`PgStore::instance_insert_tx`] does the same inside the caller's transaction.
+//! - **Notifications**: a transaction that makes work ready (insert, a delivery or
+//!   broadcast that wakes, a commit, sweep, reap, release, cancel, dead-letter retry/skip,
+//!   queue resume) sends one `pg_notify` on `keel_<schema>_ready`, pipelined with its
+//!   `COMMIT`; [`PgStore::listen`] exposes it, and `Store::ready_wait` waits on one shared
+//!   LISTEN connection per store (opened on the first wait, reopened after it drops; a
+//!   wake-up with nobody waiting is kept for the next wait). Polling stays correct without it.
+//! - **Limits** are keel-core's ([`keel_core::limits`]): payloads, contexts and results at
+//!   most 1 MiB of JSON, names 256 bytes, batch sizes per operation; an over-limit or
+//!   malformed input is `Invalid` and writes nothing.
+//! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
+//!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).
+//!   Every operation binds the caller's `now`; SQL never reads the clock.
+//! - **Errors**: connection loss, timeouts, cancellations, deadlocks and serialization
+//!   failures are `Unavailable` (retryable); deadlocks and serialization failures are first
+//!   retried internally, up to [`TRANSACTION_RETRIES`] times. A connection dropped inside a
+//!   transaction (error or cancelled future) is detached from the pool, never reused.
+//!
+//! # Known leaks
+//!
+//! - A claim whose rows share a unique key scoped to `executing` (but not `runnable`) takes
+//!   one of them; a commit that would bring a key back into scope over another occupant is
+//!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
+//! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
+//! - A broadcast whose `in_state` filter meets a position that starts with `[` but is not
+//!   JSON fails (`position::jsonb`); chart positions are always JSON arrays.
+//! - A sweep leaves a due timer whose instance is locked at that moment for the next
+//!   sweep, so `processed < limit` does not prove that nothing is due.
+//! - Within one commit batch, an `Await` item checks its inbox before the batch's own
+//!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
+//!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry
+//!   say it parked, where the sequential reference store says it did not).
+
+mod error;
+mod migrate;
+mod notify;
+mod ops;
+mod rows;
+pub mod testing;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use keel_core::StoreError;
+use keel_core::StoreResult;
+
+pub use migrate::SCHEMA_VERSION;
+pub use notify::PgListener;
+
+/// How many times a transaction that hit a deadlock or serialization failure is re-run.
+pub const TRANSACTION_RETRIES: u32 = 8;
+
+/// Connection settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgConfig {
+    /// A libpq-style URL or key/value string, e.g. `postgres://user@host:5432/db`.
+    pub url: String,
+    /// The schema every object lives in (lowercase letters, digits and `_`; default `keel`).
+    pub schema: String,
+    /// Most pooled connections (default 16).
+    pub pool_size: usize,
+}
+
+impl PgConfig {
+    /// Settings for `url` with the default schema and pool size.
+    pub fn new(url: impl Into<String>) -> Self {
+        PgConfig { url: url.into(), schema: "keel".to_owned(), pool_size: 16 }
+    }
+    /// Sets the schema.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+    /// Sets the pool size.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size;
+        self
+    }
+}
+
+/// The PostgreSQL [`keel_core::ports::Store`].
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+    pg: tokio_postgres::Config,
+    schema: String,
+    channel: String,
+    wake: std::sync::Arc<notify::WakeHub>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore").field("schema", &self.schema).finish_non_exhaustive()
+    }
+}
+
+fn check_schema(schema: &str) -> StoreResult<()> {
+    let ok = !schema.is_empty()
+        && schema.len() <= 63
+        && schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && schema.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::invalid(format!(
+            "schema: {schema:?} is not a plain identifier; use 1 to 63 lowercase letters, digits or '_', not starting with a digit"
+        )))
+    }
+}
+
+impl PgStore {
+    /// Builds a pool for `config` and checks that the server answers. Does not migrate.
+    pub async fn connect(config: PgConfig) -> StoreResult<Self> {
+        check_schema(&config.schema)?;
+        if config.pool_size == 0 {
+            return Err(StoreError::invalid("pool_size: must be at least 1"));
+        }
+        let mut pg: tokio_postgres::Config = config
+            .url
+            .parse()
+            .map_err(|e| StoreError::invalid(format!("url: not a PostgreSQL URL: {e}")))?;
+        // Keep any options the URL carries; the schema comes last so it wins.
+        let options = match pg.get_options() {
+            Some(o) if !o.is_empty() => format!("{o} -c search_path={}", config.schema),
+            _ => format!("-c search_path={}", config.schema),
+        };
+        pg.options(options);
+        if pg.get_application_name().is_none() {
+            pg.application_name("keel");
+        }
+        let mgr = Manager::from_config(
+            pg.clone(),
+            tokio_postgres::NoTls,
+            ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(config.pool_size)
+            .build()
+            .map_err(|e| StoreError::invalid(format!("pool: {e}")))?;
+        let store = PgStore {
+            pool,
+            pg,
+            channel: format!("keel_{}_ready", config.schema),
+            schema: config.schema,
+            wake: std::sync::Arc::default(),
+        };
+        drop(store.client().await?);
+        Ok(store)
+    }
+
+    /// The schema this store uses.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The NOTIFY channel this store signals ready work on.
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// A pooled connection (its `search_path` is the store's schema), for callers that want
+    /// to enqueue in their own transaction (see [`PgStore::instance_insert_tx`]).
+    pub async fn client(&self) -> StoreResult<deadpool_postgres::Client> {
+        self.pool.get().await.map_err(|e| error::pool(&e))
+    }
+}

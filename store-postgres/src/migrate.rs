@@ -1,0 +1,81 @@
+//! Schema migrations: versioned SQL files under `store-postgres/migrations/`, embedded at
+//! build time and applied by `refinery` under a session advisory lock, so two workers
+//! starting together apply them once. A database whose schema is newer than this build is
+//! refused.
+
+use crate::PgStore;
+use crate::error::pg;
+use keel_core::{StoreError, StoreResult};
+
+refinery::embed_migrations!("migrations");
+
+/// The newest schema version this build knows (the highest `V<n>__` migration).
+pub const SCHEMA_VERSION: i32 = 3;
+
+/// The table refinery records applied migrations in (inside the store's schema).
+const HISTORY_TABLE: &str = "keel_schema_history";
+
+impl PgStore {
+    /// Creates the schema if needed and applies pending migrations. Safe to call from many
+    /// processes at once: the run holds a session advisory lock keyed by the schema name.
+    /// Fails with `Conflict` when the database was migrated by a newer build.
+    pub async fn migrate(&self) -> StoreResult<()> {
+        let (mut client, conn) =
+            self.pg.connect(tokio_postgres::NoTls).await.map_err(|e| pg(&e))?;
+        let driver = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let result = self.migrate_on(&mut client).await;
+        drop(client);
+        let _ = driver.await;
+        result
+    }
+
+    async fn migrate_on(&self, client: &mut tokio_postgres::Client) -> StoreResult<()> {
+        let key = format!("keel.migrate.{}", self.schema);
+        client
+            .execute("SELECT pg_advisory_lock(hashtext($1))", &[&key])
+            .await
+            .map_err(|e| pg(&e))?;
+        let result = self.migrate_locked(client).await;
+        let unlock = client.execute("SELECT pg_advisory_unlock(hashtext($1))", &[&key]).await;
+        result?;
+        unlock.map_err(|e| pg(&e))?;
+        Ok(())
+    }
+
+    async fn migrate_locked(&self, client: &mut tokio_postgres::Client) -> StoreResult<()> {
+        client
+            .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema))
+            .await
+            .map_err(|e| pg(&e))?;
+        let exists: bool = client
+            .query_one(
+                "SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL",
+                &[&self.schema, &HISTORY_TABLE],
+            )
+            .await
+            .map_err(|e| pg(&e))?
+            .get(0);
+        if exists {
+            let newest: Option<i32> = client
+                .query_one(&format!("SELECT max(version) FROM {HISTORY_TABLE}"), &[])
+                .await
+                .map_err(|e| pg(&e))?
+                .get(0);
+            if let Some(v) = newest.filter(|v| *v > SCHEMA_VERSION) {
+                return Err(StoreError::conflict(format!(
+                    "schema {:?} is at version {v}, newer than this build's {SCHEMA_VERSION}; \
+                     upgrade keel before running it against this database",
+                    self.schema
+                )));
+            }
+        }
+        let mut runner = migrations::runner().set_abort_divergent(true).set_abort_missing(true);
+        runner.set_migration_table_name(HISTORY_TABLE);
+        runner.run_async(client).await.map_err(|e| {
+            StoreError::conflict(format!("migrating schema {:?}: {e}", self.schema))
+        })?;
+        Ok(())
+    }
+}

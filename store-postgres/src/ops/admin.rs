@@ -1,0 +1,376 @@
+//! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
+//! Each state change locks its rows, applies the pure transition and writes back.
+
+use super::{begin, commit_tx, end_tx, signal, timer};
+use crate::error::OpResult;
+use crate::rows::{
+    self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
+    lock_instances, release_parents, ts, write_history, write_instances,
+};
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{DeadLetter, HistoryEntry, Instance, SignalTarget, check_name};
+use keel_core::outcome;
+use keel_core::ports::store::{
+    CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
+};
+use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, limits};
+use serde_json::json;
+use std::collections::HashMap;
+
+const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
+      SELECT id, 1 FROM instances WHERE parent_id = $1 \
+      UNION ALL \
+      SELECT i.id, d.depth + 1 FROM instances i JOIN d ON i.parent_id = d.id WHERE d.depth < $2 \
+    ) SELECT id FROM d JOIN instances USING (id) \
+      WHERE status NOT IN ('done', 'failed', 'cancelled') ORDER BY d.depth, id LIMIT $3";
+
+/// Cancels an instance and, with `cascade`, its non-terminal descendants.
+pub(crate) async fn cancel<C: GenericClient + Sync>(
+    c: &C,
+    p: &CancelParams,
+    channel: &str,
+) -> OpResult<Vec<InstanceId>> {
+    begin(c).await?;
+    let root = lock_instances(c, &[p.id.0]).await?;
+    let Some(root) = root.into_iter().next() else {
+        return Err(StoreError::not_found(format!("instance {} does not exist", p.id)).into());
+    };
+    if root.status.is_terminal() {
+        commit_tx(c).await?;
+        return Ok(Vec::new());
+    }
+    let mut targets = vec![root];
+    if p.cascade {
+        let stmt = c.prepare_cached(DESCENDANTS).await?;
+        // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
+        let max = limits::CANCEL_CASCADE_MAX as i64 - 1;
+        let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
+        let ids: Vec<i64> =
+            c.query(&stmt, &[&p.id.0, &depth, &max]).await?.iter().map(|r| r.get(0)).collect();
+        let mut ids_sorted = ids.clone();
+        ids_sorted.sort_unstable();
+        let mut locked: HashMap<i64, Instance> =
+            lock_instances(c, &ids_sorted).await?.into_iter().map(|r| (r.id.0, r)).collect();
+        targets.extend(ids.iter().filter_map(|id| locked.remove(id)));
+    }
+    let mut next: Vec<Instance> = Vec::new();
+    let mut history = HistoryWrite::default();
+    for row in &targets {
+        if let Some(n) = outcome::cancel(row, &p.reason, p.now) {
+            history.push(
+                &n,
+                row.attempt,
+                p.now,
+                HistoryEntry::new(
+                    "CANCELLED",
+                    json!({ "reason": n.last_error, "cascade_from": (n.id != p.id).then_some(p.id) }),
+                ),
+            );
+            next.push(n);
+        }
+    }
+    // Every cancelled child counts on its parent's barrier, even a parent cancelled too,
+    // and a chart parent hears of it through its inbox (`outcome::parent_notice`).
+    let parents: Vec<i64> = next.iter().filter_map(|r| r.parent).map(|p| p.0).collect();
+    let (notices, targets): (Vec<_>, Vec<_>) =
+        next.iter().filter_map(|r| outcome::parent_notice(r).map(|n| (n, r.parent))).unzip();
+    let cancelled: Vec<i64> = next.iter().map(|r| r.id.0).collect();
+    let drop_timers =
+        c.prepare_cached("DELETE FROM timers WHERE instance_id = ANY($1::int8[])").await?;
+    write_instances(c, &next).await?;
+    write_history(c, &history).await?;
+    c.execute(&drop_timers, &[&cancelled]).await?;
+    release_parents(c, &parents, p.now).await?;
+    let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
+    signal::finish(c, &plan, Some((channel, !parents.is_empty()))).await?;
+    Ok(next.iter().map(|r| r.id).collect())
+}
+
+/// An instance with its inbox, children and history.
+pub(crate) async fn get<C: GenericClient + Sync>(
+    c: &C,
+    id: InstanceId,
+) -> OpResult<InstanceDetail> {
+    let row =
+        c.prepare_cached(&format!("SELECT {INSTANCE_COLS} FROM instances WHERE id = $1")).await?;
+    let inbox = c
+        .prepare_cached(&format!(
+            "SELECT {SIGNAL_COLS} FROM signals WHERE target_id = $1 ORDER BY id"
+        ))
+        .await?;
+    let children = c
+        .prepare_cached(&format!(
+            "SELECT {CHILD_COLS} FROM instances WHERE parent_id = $1 ORDER BY id LIMIT {}",
+            limits::CHILDREN_LIST_MAX
+        ))
+        .await?;
+    let history = c
+        .prepare_cached(&format!(
+            "SELECT * FROM (SELECT {HISTORY_COLS} FROM history WHERE instance_id = $1 \
+             ORDER BY seq DESC LIMIT {}) h ORDER BY seq",
+            limits::HISTORY_LIST_MAX
+        ))
+        .await?;
+    let timers = c.prepare_cached(&timer::list_sql()).await?;
+    let (found, inbox_rows, child_rows, history_rows, timer_rows) = tokio::join!(
+        async { c.query_opt(&row, &[&id.0]).await },
+        async { c.query(&inbox, &[&id.0]).await },
+        async { c.query(&children, &[&id.0]).await },
+        async { c.query(&history, &[&id.0]).await },
+        async { c.query(&timers, &[&id.0]).await },
+    );
+    let Some(r) = found? else {
+        return Err(StoreError::not_found(format!("instance {id} does not exist")).into());
+    };
+    Ok(InstanceDetail {
+        instance: rows::instance(&r)?,
+        inbox: inbox_rows?.iter().map(rows::signal).collect(),
+        children: child_rows?.iter().map(rows::child).collect::<Result<_, _>>()?,
+        history: history_rows?.iter().map(rows::history).collect(),
+        timers: timer::list(&timer_rows?)?,
+    })
+}
+
+/// Resolves a target to an instance id.
+pub(crate) async fn lookup<C: GenericClient + Sync>(
+    c: &C,
+    target: &SignalTarget,
+) -> OpResult<Option<InstanceId>> {
+    match target {
+        SignalTarget::Id(id) => {
+            let stmt = c.prepare_cached("SELECT id FROM instances WHERE id = $1").await?;
+            Ok(c.query_opt(&stmt, &[&id.0]).await?.map(|r| InstanceId(r.get(0))))
+        }
+        SignalTarget::Key { .. } => {
+            Ok(super::signal::resolve(c, &[target]).await?.into_iter().next().flatten())
+        }
+    }
+}
+
+/// Dead letters, oldest first.
+pub(crate) async fn dead_letter_list<C: GenericClient + Sync>(
+    c: &C,
+    f: &DeadLetterFilter,
+) -> OpResult<Vec<DeadLetter>> {
+    let limit = match f.limit {
+        0 => limits::DEAD_LETTER_BATCH_MAX,
+        n => n.min(limits::DEAD_LETTER_BATCH_MAX),
+    } as i64;
+    let stmt = c
+        .prepare_cached(&format!(
+            "SELECT {DEAD_LETTER_COLS} FROM dead_letters \
+             WHERE ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR machine = $2) \
+             ORDER BY id LIMIT $3"
+        ))
+        .await?;
+    let found = c.query(&stmt, &[&f.namespace, &f.machine, &limit]).await?;
+    Ok(found.iter().map(rows::dead_letter).collect::<Result<_, _>>()?)
+}
+
+/// One dead letter.
+pub(crate) async fn dead_letter_get<C: GenericClient + Sync>(
+    c: &C,
+    id: DeadLetterId,
+) -> OpResult<DeadLetter> {
+    let stmt = c
+        .prepare_cached(&format!("SELECT {DEAD_LETTER_COLS} FROM dead_letters WHERE id = $1"))
+        .await?;
+    match c.query_opt(&stmt, &[&id.0]).await? {
+        Some(r) => Ok(rows::dead_letter(&r)?),
+        None => Err(StoreError::not_found(format!("dead letter {id} does not exist")).into()),
+    }
+}
+
+/// The dead letters a selector names: `(letter id, instance id)`, oldest first, locked.
+async fn select_letters<C: GenericClient + Sync>(
+    c: &C,
+    s: &DeadLetterSelector,
+) -> OpResult<Vec<(i64, i64)>> {
+    let found = match s {
+        DeadLetterSelector::Id(id) => {
+            let stmt = c
+                .prepare_cached("SELECT id, instance_id FROM dead_letters WHERE id = $1 FOR UPDATE")
+                .await?;
+            let r = c.query(&stmt, &[&id.0]).await?;
+            if r.is_empty() {
+                return Err(
+                    StoreError::not_found(format!("dead letter {id} does not exist")).into()
+                );
+            }
+            r
+        }
+        DeadLetterSelector::Machine { namespace, machine } => {
+            let stmt = c
+                .prepare_cached(
+                    "SELECT id, instance_id FROM dead_letters WHERE namespace = $1 AND machine = $2 \
+                     ORDER BY id LIMIT $3 FOR UPDATE",
+                )
+                .await?;
+            c.query(&stmt, &[namespace, machine, &(limits::DEAD_LETTER_BATCH_MAX as i64)]).await?
+        }
+    };
+    Ok(found.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult<u64> {
+    let stmt = c.prepare_cached("DELETE FROM dead_letters WHERE id = ANY($1)").await?;
+    Ok(c.execute(&stmt, &[&ids]).await?)
+}
+
+/// Retries dead letters, oldest first: each one whose instance is suspended makes it
+/// runnable at `now + delay` and is removed. A named letter reports why it cannot be
+/// retried; a machine-wide retry leaves such letters alone.
+pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
+    c: &C,
+    p: &DeadLetterRetryParams,
+    channel: &str,
+) -> OpResult<Vec<InstanceId>> {
+    begin(c).await?;
+    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
+    let letters = select_letters(c, &p.selector).await?;
+    let mut ids: Vec<i64> = letters.iter().map(|l| l.1).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut rows: HashMap<i64, Instance> =
+        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
+    let at = p.now.plus(p.delay);
+    let mut changed: Vec<i64> = Vec::new();
+    let mut history = HistoryWrite::default();
+    let mut gone = Vec::new();
+    let mut retried = Vec::new();
+    for (letter, instance) in &letters {
+        let next = match rows.get(instance) {
+            None => Err(StoreError::not_found(format!(
+                "instance i{instance} of dead letter dl{letter} is gone"
+            ))),
+            Some(row) => outcome::dead_letter_retry(row, at, p.now),
+        };
+        let next = match next {
+            Ok(next) => next,
+            Err(e) if by_id => return Err(e.into()),
+            Err(_) => continue,
+        };
+        let attempt = rows[instance].attempt;
+        let entry = HistoryEntry::new(
+            "DEAD_LETTER_RETRIED",
+            json!({ "dead_letter": letter, "delay_ms": p.delay.as_millis() as u64 }),
+        );
+        history.push(&next, attempt, p.now, entry);
+        rows.insert(*instance, next);
+        changed.push(*instance);
+        gone.push(*letter);
+        retried.push(InstanceId(*instance));
+    }
+    let next: Vec<Instance> = changed.iter().map(|id| rows[id].clone()).collect();
+    write_instances(c, &next).await?;
+    write_history(c, &history).await?;
+    delete_letters(c, &gone).await?;
+    end_tx(c, (!next.is_empty()).then_some(channel)).await?;
+    Ok(retried)
+}
+
+/// Skips a dead letter: consumes its signals and resumes the suspended instance now.
+pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
+    c: &C,
+    p: &DeadLetterSkipParams,
+    channel: &str,
+) -> OpResult<InstanceId> {
+    begin(c).await?;
+    let letter = dead_letter_get(c, p.id).await?;
+    let rows = lock_instances(c, &[letter.letter.instance.0]).await?;
+    let Some(row) = rows.first() else {
+        return Err(StoreError::not_found(format!(
+            "dead letter {}: its instance no longer exists",
+            p.id
+        ))
+        .into());
+    };
+    let next = outcome::dead_letter_retry(row, p.now, p.now)?;
+    let signals: Vec<i64> = letter.letter.signals.iter().map(|s| s.0).collect();
+    let stmt =
+        c.prepare_cached("DELETE FROM signals WHERE target_id = $1 AND id = ANY($2)").await?;
+    c.execute(&stmt, &[&row.id.0, &signals]).await?;
+    let mut history = HistoryWrite::default();
+    history.push(
+        &next,
+        row.attempt,
+        p.now,
+        HistoryEntry::new(
+            "DEAD_LETTER_SKIPPED",
+            json!({ "dead_letter": p.id, "signals": letter.letter.signals }),
+        ),
+    );
+    write_instances(c, std::slice::from_ref(&next)).await?;
+    write_history(c, &history).await?;
+    delete_letters(c, &[p.id.0]).await?;
+    end_tx(c, Some(channel)).await?;
+    Ok(next.id)
+}
+
+/// Purges dead letters.
+pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
+    c: &C,
+    p: &DeadLetterPurgeParams,
+) -> OpResult<u64> {
+    let older = p.older_than.map(ts);
+    let (id, ns, machine): (Option<i64>, Option<&str>, Option<&str>) = match &p.selector {
+        None => (None, None, None),
+        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
+        Some(DeadLetterSelector::Machine { namespace, machine }) => {
+            (None, Some(namespace.as_str()), Some(machine.as_str()))
+        }
+    };
+    let limit = limits::DEAD_LETTER_BATCH_MAX as i64;
+    let stmt = c
+        .prepare_cached(
+            "DELETE FROM dead_letters WHERE id IN (SELECT id FROM dead_letters \
+               WHERE ($1::int8 IS NULL OR id = $1) AND ($2::text IS NULL OR namespace = $2) \
+                 AND ($3::text IS NULL OR machine = $3) \
+                 AND ($4::timestamptz IS NULL OR created_at < $4) \
+               ORDER BY id LIMIT $5)",
+        )
+        .await?;
+    Ok(c.execute(&stmt, &[&id, &ns, &machine, &older, &limit]).await?)
+}
+
+/// Checks the queue names.
+pub(crate) fn validate_queue(p: &QueuePauseParams) -> StoreResult<()> {
+    check_name("namespace", &p.namespace)?;
+    check_name("queue", &p.queue)
+}
+
+/// Pauses or resumes a queue.
+pub(crate) async fn queue_pause<C: GenericClient + Sync>(
+    c: &C,
+    p: &QueuePauseParams,
+    channel: &str,
+) -> OpResult<()> {
+    begin(c).await?;
+    let stmt = c
+        .prepare_cached(
+            "INSERT INTO queues (namespace, queue, paused, updated_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (namespace, queue) DO UPDATE SET paused = $3, updated_at = $4",
+        )
+        .await?;
+    c.execute(&stmt, &[&p.namespace, &p.queue, &p.paused, &ts(p.now)]).await?;
+    end_tx(c, (!p.paused).then_some(channel)).await?;
+    Ok(())
+}
+
+/// Queues with settings in a namespace.
+pub(crate) async fn queue_list<C: GenericClient + Sync>(
+    c: &C,
+    namespace: &str,
+) -> OpResult<Vec<QueueState>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT namespace, queue, paused FROM queues WHERE namespace = $1 ORDER BY queue",
+        )
+        .await?;
+    Ok(c.query(&stmt, &[&namespace])
+        .await?
+        .iter()
+        .map(|r| QueueState { namespace: r.get(0), queue: r.get(1), paused: r.get(2) })
+        .collect())
+}

@@ -1,0 +1,173 @@
+//! `instance_claim`: one statement. A `FOR UPDATE SKIP LOCKED` picker over runnable rows
+//! (partial index `instances_pick`) that skips keys with an executing row and every row of
+//! a key but its first in claim order (partial index `instances_key_runnable`), the
+//! `UPDATE` to executing, and each claimed row's inbox and children as JSON.
+
+use crate::error::{OpError, OpResult, is_unique_violation};
+use crate::rows::{self, ts};
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{ChildSummary, Signal, check_batch};
+use keel_core::ports::store::{Claim, ClaimParams};
+use keel_core::{InstanceId, MachineRef, SignalId, StoreError, StoreResult, Timestamp, limits};
+use serde_json::Value;
+use std::sync::LazyLock;
+
+/// Checks the batch bound.
+pub(crate) fn validate(params: &ClaimParams) -> StoreResult<()> {
+    check_batch("limit", params.limit, limits::CLAIM_BATCH_MAX)
+}
+
+/// Whether a claim lost a race for a concurrency key (another claimer's row with the same
+/// key became executing after this statement's snapshot): re-running it is correct.
+pub(crate) fn is_key_race(e: &OpError) -> bool {
+    matches!(e, OpError::Pg(e) if is_unique_violation(e, "instances_concurrency"))
+}
+
+/// The worker's filters (namespaces, queues, machines; empty = any) and the paused-queue
+/// exclusion, over the table alias `t`.
+fn filters(t: &str) -> String {
+    format!(
+        "(cardinality($2::text[]) = 0 OR {t}.namespace = ANY($2)) \
+         AND (cardinality($3::text[]) = 0 OR {t}.queue = ANY($3)) \
+         AND (cardinality($4::text[]) = 0 OR ({t}.machine, {t}.machine_version) IN \
+              (SELECT m.name, m.version FROM unnest($4::text[], $5::int4[]) AS m(name, version))) \
+         AND ({t}.namespace, {t}.queue) NOT IN (SELECT q.namespace, q.queue FROM queues q WHERE q.paused)"
+    )
+}
+
+/// The claim statement, built once.
+static SQL: LazyLock<String> = LazyLock::new(sql);
+
+fn sql() -> String {
+    let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
+    format!(
+        "WITH cand AS ( \
+           SELECT i.id, i.priority, i.eligible_at, \
+             CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
+                   AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END AS guard \
+           FROM instances i \
+           WHERE i.status = 'runnable' AND i.eligible_at <= $1 AND {filters_i} \
+             AND (i.concurrency_key IS NULL OR ( \
+                  NOT EXISTS (SELECT 1 FROM instances e \
+                    WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
+                  AND NOT EXISTS (SELECT 1 FROM instances o \
+                    WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
+                      AND o.eligible_at <= $1 AND {filters_o} \
+                      AND (o.priority, o.eligible_at, o.id) < (i.priority, i.eligible_at, i.id)))) \
+             AND (i.unique_key IS NULL OR 'runnable' = ANY(i.unique_scope) \
+                  OR NOT 'executing' = ANY(i.unique_scope) \
+                  OR NOT EXISTS (SELECT 1 FROM instances g WHERE g.unique_guard = i.unique_key)) \
+           ORDER BY i.priority, i.eligible_at, i.id \
+           LIMIT $6 \
+           FOR UPDATE SKIP LOCKED \
+         ), pick AS ( \
+           SELECT id FROM (SELECT id, guard, row_number() OVER \
+             (PARTITION BY guard ORDER BY priority, eligible_at, id) AS rn FROM cand) r \
+           WHERE guard IS NULL OR rn = 1 \
+         ), u AS ( \
+           UPDATE instances i SET status = 'executing', lease_owner = $7, \
+             lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1 \
+           FROM pick WHERE i.id = pick.id \
+           RETURNING i.* \
+         ) \
+         SELECT {cols}, \
+           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', s.id, 'name', s.name, \
+               'payload', s.payload, 'dedup_key', s.dedup_key, \
+               'at', floor(extract(epoch FROM s.inserted_at) * 1000)::int8) ORDER BY s.id), '[]') \
+            FROM (SELECT * FROM signals WHERE target_id = u.id ORDER BY id LIMIT {inbox}) s), \
+           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', c.id, 'machine', c.machine, \
+               'version', c.machine_version, 'status', c.status, 'position', c.position, \
+               'context', c.context, \
+               'result', CASE WHEN c.result IS NULL THEN NULL ELSE jsonb_build_array(c.result) END, 'last_error', c.last_error) \
+               ORDER BY c.id), '[]') \
+            FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
+         FROM u ORDER BY u.priority, u.eligible_at, u.id",
+        filters_i = filters("i"),
+        filters_o = filters("o"),
+        inbox = limits::CLAIM_INBOX_MAX,
+        children = limits::CHILDREN_LIST_MAX,
+    )
+}
+
+/// Runs the claim statement (autocommit: the claim is its own short transaction).
+pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpResult<Vec<Claim>> {
+    if p.limit == 0 {
+        return Ok(Vec::new());
+    }
+    let names: Vec<&str> = p.machines.iter().map(|m| m.name.as_str()).collect();
+    let versions: Vec<i32> = p.machines.iter().map(|m| m.version).collect();
+    let limit = p.limit as i64;
+    let expires = ts(p.now.plus(p.lease));
+    let stmt = c.prepare_cached(&SQL).await?;
+    let found = c
+        .query(
+            &stmt,
+            &[
+                &ts(p.now),
+                &p.namespaces,
+                &p.queues,
+                &names,
+                &versions,
+                &limit,
+                &p.worker.0,
+                &expires,
+            ],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(found.len());
+    for r in &found {
+        let instance = rows::instance(r)?;
+        let inbox = inbox(instance.id, r.get(29))?;
+        let children = children(r.get(30))?;
+        out.push(Claim { instance, inbox, children });
+    }
+    Ok(out)
+}
+
+fn bad(what: &str) -> StoreError {
+    StoreError::conflict(format!("claim: malformed {what} JSON from the database"))
+}
+
+/// Decodes the inbox JSON built by the claim statement.
+pub(crate) fn inbox(target: InstanceId, v: Value) -> Result<Vec<Signal>, StoreError> {
+    let Value::Array(items) = v else { return Err(bad("inbox")) };
+    items
+        .into_iter()
+        .map(|mut s| {
+            Ok(Signal {
+                id: SignalId(s["id"].as_i64().ok_or_else(|| bad("inbox id"))?),
+                target,
+                name: s["name"].as_str().ok_or_else(|| bad("inbox name"))?.to_owned(),
+                payload: s["payload"].take(),
+                dedup_key: s["dedup_key"].as_str().map(str::to_owned),
+                inserted_at: Timestamp(s["at"].as_i64().ok_or_else(|| bad("inbox time"))?),
+            })
+        })
+        .collect()
+}
+
+/// Decodes the children JSON built by the claim statement.
+pub(crate) fn children(v: Value) -> Result<Vec<ChildSummary>, StoreError> {
+    let Value::Array(items) = v else { return Err(bad("children")) };
+    items
+        .into_iter()
+        .map(|mut c| {
+            let opt = |v: Value| match v {
+                Value::Array(mut a) if a.len() == 1 => a.pop(),
+                _ => None,
+            };
+            Ok(ChildSummary {
+                id: InstanceId(c["id"].as_i64().ok_or_else(|| bad("child id"))?),
+                machine: MachineRef {
+                    name: c["machine"].as_str().ok_or_else(|| bad("child machine"))?.to_owned(),
+                    version: c["version"].as_i64().ok_or_else(|| bad("child version"))? as i32,
+                },
+                status: rows::status(c["status"].as_str().ok_or_else(|| bad("child status"))?)?,
+                position: c["position"].as_str().ok_or_else(|| bad("child position"))?.to_owned(),
+                context: c["context"].take(),
+                result: opt(c["result"].take()),
+                last_error: c["last_error"].as_str().map(str::to_owned),
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,190 @@
+//! `instance_insert`: one `INSERT … ON CONFLICT (unique_guard) DO NOTHING` for the whole
+//! batch with ids drawn up front, then one lookup of the occupants of the keys that did
+//! not go in. Used by `ScheduleChildren` commits too.
+//!
+//! Rows go in sorted by unique key (batch order among equal keys, so the first item of a
+//! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
+//! global order and cannot deadlock.
+
+use super::{begin, end_tx};
+use crate::error::OpResult;
+use crate::rows::ts;
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{Instance, NewInstance, check_batch};
+use keel_core::ports::store::{InsertOutcome, InsertParams};
+use keel_core::{InstanceId, StoreError, StoreResult, Timestamp, limits};
+use std::collections::HashMap;
+
+/// One instance to insert, with its parent when it is a child.
+pub(crate) type Item<'a> = (&'a NewInstance, Option<InstanceId>);
+
+/// Checks the batch bound and every item; one bad item rejects the batch.
+pub(crate) fn validate(params: &InsertParams) -> StoreResult<()> {
+    check_batch("instances", params.instances.len(), limits::INSERT_BATCH_MAX)?;
+    for (i, n) in params.instances.iter().enumerate() {
+        n.validate(&format!("instances[{i}]"))?;
+    }
+    Ok(())
+}
+
+/// The items of a top-level insert.
+pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {
+    params.instances.iter().map(|n| (n, None)).collect()
+}
+
+/// A transaction: insert, notify, commit.
+pub(crate) async fn run<C: GenericClient + Sync>(
+    c: &C,
+    items: &[Item<'_>],
+    now: Timestamp,
+    channel: &str,
+) -> OpResult<Vec<InsertOutcome>> {
+    let (b, out) = tokio::join!(begin(c), insert_batch(c, items, now));
+    b?;
+    let out = out?;
+    end_tx(c, Some(channel)).await?;
+    Ok(out)
+}
+
+const INSERT: &str = "WITH input AS MATERIALIZED ( \
+      SELECT nextval('instances_id_seq') AS id, t.* \
+      FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::text[], $6::int2[], \
+                  $7::text[], $8::text[], $9::jsonb[], $10::bytea[], $11::text[], \
+                  $12::timestamptz[], $13::text[], $14::int8[], $16::text[]) WITH ORDINALITY \
+        AS t(namespace, machine, machine_version, business_key, queue, priority, \
+             concurrency_key, position, context, unique_key, unique_scope, eligible_at, \
+             correlation_id, parent_id, invoked_by, ord) \
+    ), ins AS ( \
+      INSERT INTO instances (id, namespace, machine, machine_version, business_key, queue, \
+        priority, concurrency_key, status, position, context, eligible_at, parent_id, \
+        unique_key, unique_scope, correlation_id, created_at, updated_at, invoked_by) \
+      SELECT id, namespace, machine, machine_version, business_key, queue, priority, \
+        concurrency_key, 'runnable', position, context, eligible_at, parent_id, unique_key, \
+        unique_scope::status[], correlation_id, $15, $15, invoked_by \
+      FROM input ORDER BY unique_key NULLS LAST, ord \
+      ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
+      RETURNING id \
+    ) \
+    SELECT input.id, ins.id IS NOT NULL FROM input LEFT JOIN ins ON ins.id = input.id \
+    ORDER BY input.ord";
+
+const OCCUPANTS: &str =
+    "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])";
+
+/// Inserts `items` in the current transaction; per item, its new id or its key's occupant.
+pub(crate) async fn insert_batch<C: GenericClient + Sync>(
+    c: &C,
+    items: &[Item<'_>],
+    now: Timestamp,
+) -> OpResult<Vec<InsertOutcome>> {
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut cols = Cols::default();
+    for (n, parent) in items {
+        cols.push(n, *parent, now);
+    }
+    let stmt = c.prepare_cached(INSERT).await?;
+    let rows = c.query(&stmt, &cols.params(now)).await?;
+    let mut out = Vec::with_capacity(items.len());
+    let mut missing = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        let id = InstanceId(r.get(0));
+        if r.get::<_, bool>(1) {
+            out.push(InsertOutcome::Inserted(id));
+        } else {
+            out.push(InsertOutcome::Existing(InstanceId(0)));
+            missing.push(i);
+        }
+    }
+    if !missing.is_empty() {
+        let keys: Vec<&[u8]> = missing
+            .iter()
+            .filter_map(|i| items[*i].0.unique.as_ref().map(|u| u.key.as_slice()))
+            .collect();
+        let stmt = c.prepare_cached(OCCUPANTS).await?;
+        let found: HashMap<Vec<u8>, i64> = c
+            .query(&stmt, &[&keys])
+            .await?
+            .iter()
+            .map(|r| (r.get::<_, Vec<u8>>(0), r.get::<_, i64>(1)))
+            .collect();
+        for i in missing {
+            let key = items[i].0.unique.as_ref().map(|u| u.key.clone()).unwrap_or_default();
+            let Some(id) = found.get(&key) else {
+                return Err(StoreError::unavailable(format!(
+                    "instances[{i}].unique.key: its occupant left its scope while this insert ran; retry the insert"
+                ))
+                .into());
+            };
+            out[i] = InsertOutcome::Existing(InstanceId(*id));
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Default)]
+struct Cols {
+    namespace: Vec<String>,
+    machine: Vec<String>,
+    version: Vec<i32>,
+    business_key: Vec<Option<String>>,
+    queue: Vec<String>,
+    priority: Vec<i16>,
+    concurrency_key: Vec<Option<String>>,
+    position: Vec<String>,
+    context: Vec<serde_json::Value>,
+    unique_key: Vec<Option<Vec<u8>>>,
+    unique_scope: Vec<String>,
+    eligible_at: Vec<std::time::SystemTime>,
+    correlation_id: Vec<Option<String>>,
+    parent: Vec<Option<i64>>,
+    invoked_by: Vec<Option<String>>,
+    now: Option<std::time::SystemTime>,
+}
+
+impl Cols {
+    fn push(&mut self, n: &NewInstance, parent: Option<InstanceId>, now: Timestamp) {
+        // The pure row builder decides every default (eligible_at never before now).
+        let row = Instance::from_new(InstanceId(0), n, parent, now);
+        self.namespace.push(row.namespace);
+        self.machine.push(row.machine.name);
+        self.version.push(row.machine.version);
+        self.business_key.push(row.business_key);
+        self.queue.push(row.queue);
+        self.priority.push(row.priority.level());
+        self.concurrency_key.push(row.concurrency_key);
+        self.position.push(row.position);
+        self.context.push(row.context);
+        let scope = row.unique.as_ref().map_or_else(Vec::new, |u| u.scope.to_vec());
+        let names: Vec<&str> = scope.iter().map(|s| s.name()).collect();
+        self.unique_scope.push(format!("{{{}}}", names.join(",")));
+        self.unique_key.push(row.unique.map(|u| u.key));
+        self.eligible_at.push(ts(row.eligible_at));
+        self.correlation_id.push(row.correlation_id);
+        self.parent.push(row.parent.map(|p| p.0));
+        self.invoked_by.push(row.invoked_by);
+    }
+
+    fn params(&mut self, now: Timestamp) -> [&(dyn tokio_postgres::types::ToSql + Sync); 16] {
+        self.now = Some(ts(now));
+        [
+            &self.namespace,
+            &self.machine,
+            &self.version,
+            &self.business_key,
+            &self.queue,
+            &self.priority,
+            &self.concurrency_key,
+            &self.position,
+            &self.context,
+            &self.unique_key,
+            &self.unique_scope,
+            &self.eligible_at,
+            &self.correlation_id,
+            &self.parent,
+            &self.now,
+            &self.invoked_by,
+        ]
+    }
+}

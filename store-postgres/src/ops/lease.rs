@@ -1,0 +1,104 @@
+//! Leases: heartbeat (one `UPDATE … FROM unnest`), the reaper and graceful release (lock,
+//! the pure `reap` / `release`, write back).
+
+use super::{begin, end_tx};
+use crate::error::OpResult;
+use crate::rows::{self, HistoryWrite, lock_instances, ts, write_history, write_instances};
+use deadpool_postgres::GenericClient;
+use keel_core::instance::check_batch;
+use keel_core::outcome;
+use keel_core::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleaseParams};
+use keel_core::{InstanceId, Status, StoreResult, limits};
+
+const EXTEND: &str = "UPDATE instances i SET lease_expires_at = $3, updated_at = $5 \
+    FROM unnest($1::int8[], $2::int8[]) WITH ORDINALITY AS l(id, token, ord) \
+    WHERE i.id = l.id AND i.fencing_token = l.token AND i.status = 'executing' \
+      AND i.lease_owner = $4 \
+    RETURNING l.ord";
+
+/// Extends the leases still held by `worker` under the named tokens.
+pub(crate) async fn extend<C: GenericClient + Sync>(
+    c: &C,
+    p: &LeaseExtendParams,
+) -> OpResult<Vec<bool>> {
+    check_batch("leases", p.leases.len(), limits::COMMIT_BATCH_MAX)?;
+    if p.leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = p.leases.iter().map(|l| l.0.0).collect();
+    let tokens: Vec<i64> = p.leases.iter().map(|l| l.1.0).collect();
+    let stmt = c.prepare_cached(EXTEND).await?;
+    let rows =
+        c.query(&stmt, &[&ids, &tokens, &ts(p.now.plus(p.lease)), &p.worker.0, &ts(p.now)]).await?;
+    let mut out = vec![false; p.leases.len()];
+    for r in rows {
+        out[(r.get::<_, i64>(0) - 1) as usize] = true;
+    }
+    Ok(out)
+}
+
+/// Checks the reap bound.
+pub(crate) fn validate_reap(p: &LeaseReapParams) -> StoreResult<()> {
+    check_batch("limit", p.limit, limits::REAP_BATCH_MAX)
+}
+
+fn reap_sql() -> String {
+    format!(
+        "SELECT {} FROM instances WHERE status = 'executing' \
+           AND (($1::text IS NULL AND lease_expires_at < $2) OR lease_owner = $1) \
+         ORDER BY lease_expires_at, id LIMIT $3 FOR NO KEY UPDATE SKIP LOCKED",
+        rows::INSTANCE_COLS
+    )
+}
+
+/// Returns expired (or the restarted owner's) leases to runnable, attempt + 1.
+pub(crate) async fn reap<C: GenericClient + Sync>(
+    c: &C,
+    p: &LeaseReapParams,
+    channel: &str,
+) -> OpResult<Vec<InstanceId>> {
+    begin(c).await?;
+    let stmt = c.prepare_cached(&reap_sql()).await?;
+    let owner = p.owner.as_ref().map(|w| w.0.as_str());
+    let found = c.query(&stmt, &[&owner, &ts(p.now), &(p.limit as i64)]).await?;
+    let mut next = Vec::with_capacity(found.len());
+    let mut history = HistoryWrite::default();
+    for r in &found {
+        let row = rows::instance(r)?;
+        let reaped = outcome::reap(&row, p.now);
+        history.push(&reaped, row.attempt, p.now, outcome::reap_history(&row));
+        next.push(reaped);
+    }
+    write_instances(c, &next).await?;
+    write_history(c, &history).await?;
+    end_tx(c, (!next.is_empty()).then_some(channel)).await?;
+    Ok(next.iter().map(|r| r.id).collect())
+}
+
+/// Releases the named leases (if still held) without counting an attempt.
+pub(crate) async fn release<C: GenericClient + Sync>(
+    c: &C,
+    p: &LeaseReleaseParams,
+    channel: &str,
+) -> OpResult<Vec<bool>> {
+    check_batch("leases", p.leases.len(), limits::COMMIT_BATCH_MAX)?;
+    begin(c).await?;
+    let ids: Vec<i64> = p.leases.iter().map(|l| l.0.0).collect();
+    let mut rows: std::collections::HashMap<i64, _> =
+        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
+    let mut out = Vec::with_capacity(p.leases.len());
+    let mut next = Vec::new();
+    for (id, token) in &p.leases {
+        match rows.get_mut(&id.0) {
+            Some(row) if row.status == Status::Executing && row.fencing_token == *token => {
+                *row = outcome::release(row, p.now);
+                next.push(row.clone());
+                out.push(true);
+            }
+            _ => out.push(false),
+        }
+    }
+    write_instances(c, &next).await?;
+    end_tx(c, (!next.is_empty()).then_some(channel)).await?;
+    Ok(out)
+}

@@ -1,0 +1,283 @@
+//! The `Store` operations. Each lives in its own module as a function over a pooled
+//! connection; this module holds the transaction guard, the retry loop and the trait impl.
+
+mod admin;
+mod claim;
+mod commit;
+mod insert;
+mod lease;
+mod signal;
+mod timer;
+
+use crate::PgStore;
+use crate::TRANSACTION_RETRIES;
+use crate::error::{OpError, OpResult};
+use async_trait::async_trait;
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{DeadLetter, SignalTarget};
+use keel_core::ports::store::{
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
+};
+use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
+
+/// A pooled connection that may be inside a transaction. Dropped mid-transaction (an
+/// error path or a cancelled future), it is detached from the pool and closed, so the
+/// server rolls the transaction back and no later user inherits it.
+pub(crate) struct Conn {
+    client: Option<deadpool_postgres::Client>,
+    in_tx: bool,
+}
+
+impl Conn {
+    /// The connection.
+    pub(crate) fn client(&self) -> &deadpool_postgres::Client {
+        self.client.as_ref().expect("connection present until drop")
+    }
+
+    async fn rollback(&mut self) {
+        if self.in_tx && self.client().batch_execute("ROLLBACK").await.is_ok() {
+            self.in_tx = false;
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if self.in_tx
+            && let Some(c) = self.client.take()
+        {
+            drop(deadpool_postgres::Object::take(c));
+        }
+    }
+}
+
+/// Runs `$body` (an expression using the connection `$c` that BEGINs and COMMITs itself)
+/// and re-runs it on a deadlock or serialization failure.
+macro_rules! in_tx {
+    ($store:expr, |$c:ident| $body:expr) => {{
+        let mut tries = 0u32;
+        loop {
+            let mut conn = $store.conn().await?;
+            let result = {
+                let $c = conn.client();
+                $body.await
+            };
+            match result {
+                Ok(v) => {
+                    conn.in_tx = false;
+                    break Ok::<_, StoreError>(v);
+                }
+                Err(e) => {
+                    conn.rollback().await;
+                    if e.is_transient() && tries < TRANSACTION_RETRIES {
+                        tries += 1;
+                        continue;
+                    }
+                    break Err(StoreError::from(e));
+                }
+            }
+        }
+    }};
+}
+
+impl PgStore {
+    pub(crate) async fn conn(&self) -> Result<Conn, StoreError> {
+        let client = self.client().await?;
+        Ok(Conn { client: Some(client), in_tx: true })
+    }
+
+    /// Inserts instances inside the caller's transaction (transactional enqueue: the
+    /// instances exist if and only if the caller's transaction commits). Same contract as
+    /// [`Store::instance_insert`]; a competing inserter's uncommitted row makes this wait
+    /// for it. At `REPEATABLE READ` a conflict with a row committed after the snapshot is a
+    /// serialization failure (`Unavailable`): retry the transaction.
+    pub async fn instance_insert_tx<C: GenericClient + Sync>(
+        &self,
+        tx: &C,
+        params: InsertParams,
+    ) -> StoreResult<Vec<InsertOutcome>> {
+        insert::validate(&params)?;
+        let out = insert::insert_batch(tx, &insert::items(&params), params.now).await?;
+        notify(tx, &self.channel).await?;
+        Ok(out)
+    }
+}
+
+/// Sends the store's one wake-up for this transaction.
+pub(crate) async fn notify<C: GenericClient + Sync>(c: &C, channel: &str) -> OpResult<()> {
+    let stmt = c.prepare_cached("SELECT pg_notify($1, '')").await?;
+    c.execute(&stmt, &[&channel]).await?;
+    Ok(())
+}
+
+/// Ends the transaction: with a channel, one `pg_notify` and the `COMMIT` pipelined in one
+/// round trip (the notification is delivered when the commit lands).
+pub(crate) async fn end_tx<C: GenericClient + Sync>(c: &C, channel: Option<&str>) -> OpResult<()> {
+    let Some(channel) = channel else {
+        return commit_tx(c).await;
+    };
+    let stmt = c.prepare_cached("SELECT pg_notify($1, '')").await?;
+    let (n, e) = tokio::join!(async { c.execute(&stmt, &[&channel]).await }, commit_tx(c));
+    n?;
+    e
+}
+
+/// `BEGIN` as a pipelined future.
+pub(crate) async fn begin<C: GenericClient + Sync>(c: &C) -> OpResult<()> {
+    c.batch_execute("BEGIN").await.map_err(OpError::from)
+}
+
+/// `COMMIT` as a pipelined future.
+pub(crate) async fn commit_tx<C: GenericClient + Sync>(c: &C) -> OpResult<()> {
+    c.batch_execute("COMMIT").await.map_err(OpError::from)
+}
+
+#[async_trait]
+impl Store for PgStore {
+    fn capabilities(&self) -> StoreCapabilities {
+        StoreCapabilities { notifications: true }
+    }
+
+    async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        insert::validate(&params)?;
+        let items = insert::items(&params);
+        in_tx!(self, |c| insert::run(c, &items, params.now, &self.channel))
+    }
+
+    async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
+        claim::validate(&params)?;
+        let mut tries = 0u32;
+        loop {
+            let conn = self.client().await?;
+            match claim::run(&conn, &params).await {
+                Err(e)
+                    if (claim::is_key_race(&e) || e.is_transient())
+                        && tries < TRANSACTION_RETRIES =>
+                {
+                    tries += 1;
+                }
+                other => return other.map_err(StoreError::from),
+            }
+        }
+    }
+
+    async fn step_commit(
+        &self,
+        params: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        commit::validate(&params)?;
+        in_tx!(self, |c| commit::run(c, &params.commits, params.now, &self.channel))
+    }
+
+    async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        let conn = self.client().await?;
+        lease::extend(&conn, &params).await.map_err(StoreError::from)
+    }
+
+    async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        lease::validate_reap(&params)?;
+        in_tx!(self, |c| lease::reap(c, &params, &self.channel))
+    }
+
+    async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        in_tx!(self, |c| lease::release(c, &params, &self.channel))
+    }
+
+    async fn signal_deliver(
+        &self,
+        params: SignalDeliverParams,
+    ) -> StoreResult<Vec<DeliveryOutcome>> {
+        signal::validate(&params)?;
+        in_tx!(self, |c| signal::run(c, &params.signals, params.now, &self.channel))
+    }
+
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        signal::validate_broadcast(&params)?;
+        in_tx!(self, |c| signal::broadcast(c, &params, &self.channel))
+    }
+
+    async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
+        in_tx!(self, |c| admin::cancel(c, &params, &self.channel))
+    }
+
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        let conn = self.client().await?;
+        admin::get(&conn, id).await.map_err(StoreError::from)
+    }
+
+    async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
+        let conn = self.client().await?;
+        admin::lookup(&conn, &target).await.map_err(StoreError::from)
+    }
+
+    async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        let conn = self.client().await?;
+        admin::dead_letter_list(&conn, &filter).await.map_err(StoreError::from)
+    }
+
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        let conn = self.client().await?;
+        admin::dead_letter_get(&conn, id).await.map_err(StoreError::from)
+    }
+
+    async fn dead_letter_retry(
+        &self,
+        params: DeadLetterRetryParams,
+    ) -> StoreResult<Vec<InstanceId>> {
+        in_tx!(self, |c| admin::dead_letter_retry(c, &params, &self.channel))
+    }
+
+    async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        in_tx!(self, |c| admin::dead_letter_skip(c, &params, &self.channel))
+    }
+
+    async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
+        let conn = self.client().await?;
+        admin::dead_letter_purge(&conn, &params).await.map_err(StoreError::from)
+    }
+
+    async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
+        admin::validate_queue(&params)?;
+        in_tx!(self, |c| admin::queue_pause(c, &params, &self.channel))
+    }
+
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        let conn = self.client().await?;
+        admin::queue_list(&conn, &namespace).await.map_err(StoreError::from)
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        let conn = self.client().await?;
+        timer::queue_stats(&conn, namespace.as_deref(), now).await.map_err(StoreError::from)
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        timer::validate_sweep(&params)?;
+        in_tx!(self, |c| timer::sweep(c, &params, &self.channel))
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        let conn = self.client().await?;
+        timer::status(&conn, namespace.as_deref(), now).await.map_err(StoreError::from)
+    }
+
+    async fn ready_wait(&self) {
+        self.wait_ready().await;
+    }
+}

@@ -1,0 +1,310 @@
+//! `signal_deliver` (and a commit's outbox): resolve targets, lock them (id order), look up
+//! dedup keys already in the inbox, then insert the new signals and wake the awaiting
+//! targets with the pure `deliver`. Because the target row is locked before the inbox is
+//! read or written, a racing `Await` commit either sees the signal or is woken by it.
+
+use super::{begin, end_tx};
+use crate::error::OpResult;
+use crate::rows::{self, ts};
+use deadpool_postgres::GenericClient;
+use keel_core::instance::{Instance, NewSignal, SignalTarget, check_batch};
+use keel_core::outcome;
+use keel_core::ports::store::{
+    BroadcastReport, DeliveryOutcome, SignalBroadcastParams, SignalDeliverParams,
+};
+use keel_core::{InstanceId, SignalId, StoreResult, Timestamp, limits};
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+/// Checks the batch bound and every signal.
+pub(crate) fn validate(params: &SignalDeliverParams) -> StoreResult<()> {
+    check_batch("signals", params.signals.len(), limits::DELIVER_BATCH_MAX)?;
+    for (i, s) in params.signals.iter().enumerate() {
+        s.validate(&format!("signals[{i}]"))?;
+    }
+    Ok(())
+}
+
+/// A transaction: plan, write, notify, commit.
+pub(crate) async fn run<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    now: Timestamp,
+    channel: &str,
+) -> OpResult<Vec<DeliveryOutcome>> {
+    begin(c).await?;
+    let plan = plan(c, signals, now).await?;
+    finish(c, &plan, Some((channel, false))).await?;
+    Ok(plan.outcomes)
+}
+
+/// What a delivery will write.
+pub(crate) struct Delivery {
+    /// Per input signal.
+    pub(crate) outcomes: Vec<DeliveryOutcome>,
+    ids: Vec<i64>,
+    targets: Vec<i64>,
+    names: Vec<String>,
+    payloads: Vec<serde_json::Value>,
+    dedup: Vec<Option<String>>,
+    at: Vec<SystemTime>,
+    woken: Vec<Instance>,
+}
+
+impl Delivery {
+    /// Whether any target was woken (work became ready).
+    pub(crate) fn woke(&self) -> bool {
+        !self.woken.is_empty()
+    }
+}
+
+const RESOLVE: &str = "SELECT CASE WHEN k.id IS NOT NULL \
+      THEN (SELECT i.id FROM instances i WHERE i.id = k.id) \
+      ELSE (SELECT i.id FROM instances i WHERE i.namespace = k.ns AND i.machine = k.machine \
+            AND i.business_key = k.key ORDER BY i.id DESC LIMIT 1) END \
+    FROM unnest($1::int8[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY \
+      AS k(id, ns, machine, key, ord) \
+    ORDER BY k.ord";
+
+const EXISTING: &str = "SELECT s.target_id, s.dedup_key, s.id FROM signals s \
+    JOIN unnest($1::int8[], $2::text[]) AS d(t, k) ON s.target_id = d.t AND s.dedup_key = d.k";
+
+const ALLOC: &str = "SELECT nextval('signals_id_seq') FROM generate_series(1, $1::int8)";
+
+const INSERT: &str = "INSERT INTO signals (id, target_id, name, payload, dedup_key, inserted_at) \
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::text[], \
+    $6::timestamptz[])";
+
+/// Resolves targets to existing instance ids (a business key to its newest instance);
+/// `None` for a target that does not exist.
+pub(crate) async fn resolve<C: GenericClient + Sync>(
+    c: &C,
+    targets: &[&SignalTarget],
+) -> OpResult<Vec<Option<InstanceId>>> {
+    if targets.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (mut id, mut ns, mut machine, mut key) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for t in targets {
+        match t {
+            SignalTarget::Id(i) => {
+                id.push(Some(i.0));
+                ns.push(None);
+                machine.push(None);
+                key.push(None);
+            }
+            SignalTarget::Key { namespace, machine: m, key: k } => {
+                id.push(None);
+                ns.push(Some(namespace.as_str()));
+                machine.push(Some(m.as_str()));
+                key.push(Some(k.as_str()));
+            }
+        }
+    }
+    let stmt = c.prepare_cached(RESOLVE).await?;
+    let found = c.query(&stmt, &[&id, &ns, &machine, &key]).await?;
+    Ok(found.iter().map(|r| r.get::<_, Option<i64>>(0).map(InstanceId)).collect())
+}
+
+/// Resolves and locks the targets and decides every outcome (nothing written yet).
+pub(crate) async fn plan<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    now: Timestamp,
+) -> OpResult<Delivery> {
+    let targets = resolve(c, &signals.iter().map(|s| &s.target).collect::<Vec<_>>()).await?;
+    plan_resolved(c, signals, &targets, now).await
+}
+
+/// [`plan`] with the targets already resolved.
+pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    targets: &[Option<InstanceId>],
+    now: Timestamp,
+) -> OpResult<Delivery> {
+    let mut ids: Vec<i64> = targets.iter().flatten().map(|t| t.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let (mut dt, mut dk) = (Vec::new(), Vec::new());
+    for (s, t) in signals.iter().zip(targets) {
+        if let (Some(t), Some(k)) = (t, &s.dedup_key) {
+            dt.push(t.0);
+            dk.push(k.as_str());
+        }
+    }
+    let n = signals.len() as i64;
+    // Prepared first, so the pipelined queries go out in this order: the lock must come
+    // before the inbox is read.
+    let lock = c.prepare_cached(&rows::LOCK_INSTANCES).await?;
+    let existing = c.prepare_cached(EXISTING).await?;
+    let alloc = c.prepare_cached(ALLOC).await?;
+    let (locked, found, fresh) = tokio::join!(
+        async { c.query(&lock, &[&ids]).await },
+        async { c.query(&existing, &[&dt, &dk]).await },
+        async { c.query(&alloc, &[&n]).await },
+    );
+    let mut rows: HashMap<i64, Instance> = HashMap::new();
+    for r in &locked? {
+        let row = rows::instance(r)?;
+        rows.insert(row.id.0, row);
+    }
+    let mut seen: HashMap<(i64, String), i64> = found?
+        .iter()
+        .map(|r| ((r.get::<_, i64>(0), r.get::<_, String>(1)), r.get::<_, i64>(2)))
+        .collect();
+    let mut fresh = fresh?.into_iter().map(|r| r.get::<_, i64>(0));
+    let mut d = Delivery {
+        outcomes: Vec::with_capacity(signals.len()),
+        ids: Vec::new(),
+        targets: Vec::new(),
+        names: Vec::new(),
+        payloads: Vec::new(),
+        dedup: Vec::new(),
+        at: Vec::new(),
+        woken: Vec::new(),
+    };
+    let mut woken: Vec<i64> = Vec::new();
+    for (s, t) in signals.iter().zip(targets) {
+        let Some(row) = t.and_then(|t| rows.get_mut(&t.0)) else {
+            d.outcomes.push(DeliveryOutcome::TargetMissing);
+            continue;
+        };
+        let target = row.id;
+        if let Some(k) = &s.dedup_key
+            && let Some(id) = seen.get(&(target.0, k.clone()))
+        {
+            d.outcomes.push(DeliveryOutcome::Duplicate { id: SignalId(*id), target });
+            continue;
+        }
+        let id = fresh.next().expect("one id allocated per signal");
+        if let Some(k) = &s.dedup_key {
+            seen.insert((target.0, k.clone()), id);
+        }
+        d.ids.push(id);
+        d.targets.push(target.0);
+        d.names.push(s.name.clone());
+        d.payloads.push(s.payload.clone());
+        d.dedup.push(s.dedup_key.clone());
+        d.at.push(ts(now));
+        let id = SignalId(id);
+        if row.status.is_terminal() {
+            d.outcomes.push(DeliveryOutcome::TargetTerminal { id, target, status: row.status });
+        } else if let Some(next) = outcome::deliver(row, &s.name, now) {
+            *row = next;
+            woken.push(target.0);
+            d.outcomes.push(DeliveryOutcome::Delivered { id, target, woke: true });
+        } else {
+            d.outcomes.push(DeliveryOutcome::Delivered { id, target, woke: false });
+        }
+    }
+    d.woken = woken.iter().filter_map(|id| rows.remove(id)).collect();
+    Ok(d)
+}
+
+/// Writes a planned delivery; with `end = Some((channel, ready))`, also ends the
+/// transaction, notifying when a target woke or `ready` says other work became ready —
+/// all pipelined.
+pub(crate) async fn finish<C: GenericClient + Sync>(
+    c: &C,
+    d: &Delivery,
+    end: Option<(&str, bool)>,
+) -> OpResult<()> {
+    let insert = c.prepare_cached(INSERT).await?;
+    let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
+    let mut w = rows::InstanceWrite::default();
+    for r in &d.woken {
+        w.push(r);
+    }
+    let ins = async {
+        if d.ids.is_empty() {
+            return Ok(0);
+        }
+        c.execute(&insert, &[&d.ids, &d.targets, &d.names, &d.payloads, &d.dedup, &d.at]).await
+    };
+    let wake = async {
+        if w.is_empty() {
+            return Ok(0);
+        }
+        c.execute(&write, &w.params()).await
+    };
+    let tail = async {
+        if let Some((ch, ready)) = end {
+            end_tx(c, (ready || d.woke()).then_some(ch)).await?;
+        }
+        Ok::<_, crate::error::OpError>(())
+    };
+    let (inserted, woken, tail) = tokio::join!(ins, wake, tail);
+    inserted?;
+    woken?;
+    tail?;
+    Ok(())
+}
+
+/// The broadcast: lock every matching target (id order, at most `BROADCAST_MAX + 1`), insert
+/// the event for each (the dedup rule per target) only when no more than `BROADCAST_MAX`
+/// matched, wake the targets awaiting it (`outcome::deliver`), and notify once if any woke —
+/// one statement.
+const BROADCAST: &str = "WITH t AS MATERIALIZED ( \
+      SELECT id FROM instances \
+      WHERE namespace = $1 AND machine = $2 AND status NOT IN ('done', 'failed', 'cancelled') \
+        AND ($3::text IS NULL OR position = $3 \
+             OR (left(position, 1) = '[' AND position::jsonb ? $3)) \
+      ORDER BY id LIMIT $4 FOR NO KEY UPDATE \
+    ), n AS (SELECT count(*) AS n FROM t), \
+    ins AS ( \
+      INSERT INTO signals (target_id, name, payload, dedup_key, inserted_at) \
+      SELECT t.id, $5, $6, $7, $8 FROM t, n WHERE n.n < $4 ORDER BY t.id \
+      ON CONFLICT (target_id, dedup_key) DO NOTHING \
+      RETURNING target_id \
+    ), woke AS ( \
+      UPDATE instances i SET status = 'runnable', eligible_at = $8, updated_at = $8 \
+      FROM ins WHERE i.id = ins.target_id AND i.status = 'awaiting_signal' \
+        AND (i.awaits = '*' OR i.awaits = $5) \
+      RETURNING i.id \
+    ) \
+    SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
+      (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)";
+
+/// Checks the event.
+pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSignal> {
+    let probe = NewSignal {
+        target: SignalTarget::Id(InstanceId(0)),
+        name: p.name.clone(),
+        payload: p.payload.clone(),
+        dedup_key: p.dedup_key.clone(),
+    };
+    probe.validate("broadcast")?;
+    Ok(probe)
+}
+
+/// One statement (autocommit).
+pub(crate) async fn broadcast<C: GenericClient + Sync>(
+    c: &C,
+    p: &SignalBroadcastParams,
+    channel: &str,
+) -> OpResult<BroadcastReport> {
+    let stmt = c.prepare_cached(BROADCAST).await?;
+    let cap = limits::BROADCAST_MAX as i64 + 1;
+    let r = c
+        .query_one(
+            &stmt,
+            &[
+                &p.namespace,
+                &p.machine,
+                &p.in_state,
+                &cap,
+                &p.name,
+                &p.payload,
+                &p.dedup_key,
+                &ts(p.now),
+                &channel,
+            ],
+        )
+        .await?;
+    let matched: i64 = r.get(0);
+    if matched >= cap {
+        check_batch("broadcast targets", matched as usize, limits::BROADCAST_MAX)?;
+    }
+    Ok(BroadcastReport { delivered: r.get::<_, i64>(1) as u64, woke: r.get::<_, i64>(2) as u64 })
+}

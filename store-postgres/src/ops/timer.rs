@@ -1,0 +1,368 @@
+//! Durable timers: a commit's cancel/arm/drop changes (one statement), the sweep (one
+//! transaction per call, `FOR UPDATE SKIP LOCKED` so concurrent sweeps split the due
+//! timers), the inspect listing, timer health and queue stats (one `GROUP BY` each).
+
+use super::{begin, signal};
+use crate::error::OpResult;
+use crate::rows::{self, HistoryWrite, from_ts, ts};
+use deadpool_postgres::GenericClient;
+use keel_core::chart::TimerArm;
+use keel_core::instance::{Instance, NewSignal, check_batch};
+use keel_core::ports::store::{
+    DeliveryOutcome, QueueStats, TimerStatus, TimerSweepParams, TimerSweepReport,
+};
+use keel_core::timers::{self, TimerRow};
+use keel_core::{InstanceId, MachineRef, StoreError, StoreResult, TimerId, Timestamp, limits};
+use std::collections::HashMap;
+use std::time::SystemTime;
+use tokio_postgres::Row;
+
+/// A commit batch's timer changes in one statement: cancel the timers owned by the left
+/// states (or their descendants), drop every timer of instances that became terminal, and
+/// arm the new ones (never for a terminal instance). The deletes see the statement's
+/// snapshot, so the freshly armed rows are untouched by them.
+pub(crate) const CHANGE: &str = "WITH cancelled AS ( \
+      DELETE FROM timers t USING unnest($1::int8[], $2::text[]) AS c(inst, state) \
+      WHERE t.instance_id = c.inst \
+        AND (t.state = c.state OR left(t.state, length(c.state) + 1) = c.state || '.') \
+      RETURNING t.id \
+    ), dropped AS ( \
+      DELETE FROM timers t WHERE t.instance_id = ANY($3::int8[]) RETURNING t.id \
+    ) \
+    INSERT INTO timers (instance_id, namespace, machine, machine_version, state, spec, \
+      next_fire_at, fire_count, armed_at) \
+    SELECT a.inst, a.ns, a.machine, a.version, a.state, a.spec, a.due, 0, $11 \
+    FROM unnest($4::int8[], $5::text[], $6::text[], $7::int4[], $8::text[], $9::jsonb[], \
+      $10::timestamptz[]) WITH ORDINALITY AS a(inst, ns, machine, version, state, spec, due, ord) \
+    ORDER BY a.ord";
+
+/// The parameter arrays of [`CHANGE`].
+#[derive(Default)]
+pub(crate) struct TimerWrite {
+    cancel_inst: Vec<i64>,
+    cancel_state: Vec<String>,
+    drop: Vec<i64>,
+    inst: Vec<i64>,
+    ns: Vec<String>,
+    machine: Vec<String>,
+    version: Vec<i32>,
+    state: Vec<String>,
+    spec: Vec<serde_json::Value>,
+    due: Vec<SystemTime>,
+    now: Option<SystemTime>,
+}
+
+impl TimerWrite {
+    /// A commit's changes for `row` (its row after the commit): cancels, then arms.
+    pub(crate) fn change(
+        &mut self,
+        row: &Instance,
+        cancel: &[String],
+        arm: &[TimerArm],
+        now: Timestamp,
+    ) {
+        for left in cancel {
+            self.cancel_inst.push(row.id.0);
+            self.cancel_state.push(left.clone());
+        }
+        if row.status.is_terminal() {
+            return;
+        }
+        for spec in arm {
+            let t = TimerRow::armed(
+                TimerId(0),
+                row.id,
+                &row.namespace,
+                &row.machine,
+                spec.clone(),
+                now,
+            );
+            self.inst.push(row.id.0);
+            self.ns.push(row.namespace.clone());
+            self.machine.push(row.machine.name.clone());
+            self.version.push(row.machine.version);
+            self.state.push(spec.state.clone());
+            self.spec.push(serde_json::to_value(spec).unwrap_or_default());
+            self.due.push(ts(t.next_fire_at));
+        }
+    }
+
+    /// Every timer of `id` goes (the instance became terminal).
+    pub(crate) fn drop_all(&mut self, id: InstanceId) {
+        self.drop.push(id.0);
+    }
+
+    /// Whether there is nothing to write.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.cancel_inst.is_empty() && self.drop.is_empty() && self.inst.is_empty()
+    }
+
+    /// The statement's parameters.
+    pub(crate) fn params(
+        &mut self,
+        now: Timestamp,
+    ) -> [&(dyn tokio_postgres::types::ToSql + Sync); 11] {
+        self.now = Some(ts(now));
+        [
+            &self.cancel_inst,
+            &self.cancel_state,
+            &self.drop,
+            &self.inst,
+            &self.ns,
+            &self.machine,
+            &self.version,
+            &self.state,
+            &self.spec,
+            &self.due,
+            &self.now,
+        ]
+    }
+}
+
+/// Timer columns, in the order [`timer`] decodes them.
+const TIMER_COLS: &str = "t.id, t.instance_id, t.namespace, t.machine, t.machine_version, \
+    t.spec, t.next_fire_at, t.fire_count, t.armed_at";
+
+fn timer(r: &Row) -> Result<TimerRow, StoreError> {
+    let spec: serde_json::Value = r.get(5);
+    Ok(TimerRow {
+        id: TimerId(r.get(0)),
+        instance: InstanceId(r.get(1)),
+        namespace: r.get(2),
+        machine: MachineRef { name: r.get(3), version: r.get(4) },
+        spec: serde_json::from_value(spec)
+            .map_err(|e| StoreError::conflict(format!("stored timer spec: {e}")))?,
+        next_fire_at: from_ts(r.get(6)),
+        fire_count: r.get::<_, i32>(7) as u32,
+        armed_at: from_ts(r.get(8)),
+    })
+}
+
+/// The inspect listing: an instance's timers, soonest first.
+pub(crate) fn list_sql() -> String {
+    format!(
+        "SELECT {TIMER_COLS} FROM timers t WHERE t.instance_id = $1 \
+         ORDER BY t.next_fire_at, t.id LIMIT {}",
+        limits::TIMER_LIST_MAX
+    )
+}
+
+/// Decodes [`list_sql`] rows.
+pub(crate) fn list(found: &[Row]) -> Result<Vec<TimerRow>, StoreError> {
+    found.iter().map(timer).collect()
+}
+
+/// Checks the sweep bound.
+pub(crate) fn validate_sweep(p: &TimerSweepParams) -> StoreResult<()> {
+    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)
+}
+
+/// The pick: due timers not held by another sweep, then each one's instance, also
+/// without waiting. A sweep never waits for a lock (a commit locks the instance before its
+/// timers, the sweep the other way round), so it cannot deadlock with commits or other
+/// sweeps; a timer whose instance is busy (`held` false, instance present) is left for the
+/// next sweep and not counted.
+fn due_sql() -> String {
+    format!(
+        "WITH t AS MATERIALIZED ( \
+           SELECT * FROM timers t WHERE t.next_fire_at <= $1 \
+             AND ($2::text IS NULL OR t.namespace = $2) \
+             AND (cardinality($3::text[]) = 0 OR t.machine = ANY($3)) \
+           ORDER BY t.next_fire_at, t.id LIMIT $4 FOR UPDATE SKIP LOCKED \
+         ) \
+         SELECT {TIMER_COLS}, i.id IS NOT NULL, \
+           i.id IS NULL AND EXISTS (SELECT 1 FROM instances x WHERE x.id = t.instance_id) \
+         FROM t LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = t.instance_id \
+           FOR NO KEY UPDATE SKIP LOCKED) i ON true \
+         ORDER BY t.next_fire_at, t.id"
+    )
+}
+
+const ADVANCE: &str = "UPDATE timers t SET fire_count = u.n, next_fire_at = u.due \
+    FROM unnest($1::int8[], $2::int4[], $3::timestamptz[]) AS u(id, n, due) WHERE t.id = u.id";
+
+const DELETE: &str = "DELETE FROM timers WHERE id = ANY($1::int8[])";
+
+const SWEPT: &str = "INSERT INTO timer_sweeps (namespace, machine, swept_at) \
+    SELECT $1, m, $3 FROM unnest($2::text[]) AS m \
+    ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at";
+
+/// One sweep transaction: pick the due timers (skipping other sweeps' picks), lock their
+/// instances (id order), fire each with the pure `timers::fire`, deliver through the
+/// normal path, record history, advance or delete the timers, note the sweep time, and
+/// notify when an instance woke — the writes pipelined with the `COMMIT`.
+pub(crate) async fn sweep<C: GenericClient + Sync>(
+    c: &C,
+    p: &TimerSweepParams,
+    channel: &str,
+) -> OpResult<TimerSweepReport> {
+    let due = c.prepare_cached(&due_sql()).await?;
+    let limit = p.limit as i64;
+    let now_ts = ts(p.now);
+    let (began, picked) = tokio::join!(begin(c), async {
+        c.query(&due, &[&now_ts, &p.namespace, &p.machines, &limit]).await
+    });
+    began?;
+    let found = picked?;
+    let mut picked = Vec::new();
+    for r in &found {
+        // Busy instance: leave the timer for the next sweep.
+        if !r.get::<_, bool>(10) {
+            picked.push((timer(r)?, r.get::<_, bool>(9)));
+        }
+    }
+    let mut ids: Vec<i64> =
+        picked.iter().filter(|(_, held)| *held).map(|(t, _)| t.instance.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let live: HashMap<i64, Instance> = rows::lock_instances(c, &ids)
+        .await?
+        .into_iter()
+        .filter(|r| !r.status.is_terminal())
+        .map(|r| (r.id.0, r))
+        .collect();
+
+    let mut report = TimerSweepReport::default();
+    let (mut adv_id, mut adv_n, mut adv_due) = (Vec::new(), Vec::new(), Vec::new());
+    let mut gone: Vec<i64> = Vec::new();
+    let mut signals: Vec<NewSignal> = Vec::new();
+    let mut targets: Vec<Option<InstanceId>> = Vec::new();
+    // Per delivered signal: whether it is an exhaustion (`then`).
+    let mut kinds: Vec<bool> = Vec::new();
+    let mut history = HistoryWrite::default();
+    for (t, _) in &picked {
+        report.processed += 1;
+        let Some(row) = live.get(&t.instance.0) else {
+            gone.push(t.id.0);
+            continue;
+        };
+        let fired = timers::fire(t, p.now);
+        if timers::delivers(&fired) {
+            kinds.push(fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED");
+            targets.push(Some(t.instance));
+            signals.push(fired.signal.clone());
+        }
+        history.push(row, row.attempt, p.now, fired.history);
+        match fired.next {
+            Some(next) => {
+                adv_id.push(t.id.0);
+                adv_n.push(next.fire_count as i32);
+                adv_due.push(ts(next.next_fire_at));
+            }
+            None => gone.push(t.id.0),
+        }
+    }
+    let plan = signal::plan_resolved(c, &signals, &targets, p.now).await?;
+    for (o, exhausted) in plan.outcomes.iter().zip(&kinds) {
+        if matches!(o, DeliveryOutcome::Delivered { .. }) {
+            if *exhausted {
+                report.exhausted += 1;
+            } else {
+                report.fired += 1;
+            }
+        }
+    }
+    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
+    let machines: Vec<String> =
+        if p.machines.is_empty() { vec!["*".into()] } else { p.machines.clone() };
+
+    let adv = c.prepare_cached(ADVANCE).await?;
+    let del = c.prepare_cached(DELETE).await?;
+    let swept = c.prepare_cached(SWEPT).await?;
+    let hist = c.prepare_cached(rows::WRITE_HISTORY).await?;
+    let writes = async {
+        let f_adv = async {
+            if adv_id.is_empty() {
+                Ok(0)
+            } else {
+                c.execute(&adv, &[&adv_id, &adv_n, &adv_due]).await
+            }
+        };
+        let f_del = async { if gone.is_empty() { Ok(0) } else { c.execute(&del, &[&gone]).await } };
+        let f_hist = async {
+            if history.is_empty() { Ok(0) } else { c.execute(&hist, &history.params()).await }
+        };
+        let f_swept = async { c.execute(&swept, &[&ns, &machines, &now_ts]).await };
+        let (advanced, deleted, recorded, noted) = tokio::join!(f_adv, f_del, f_hist, f_swept);
+        advanced?;
+        deleted?;
+        recorded?;
+        noted?;
+        Ok::<_, tokio_postgres::Error>(())
+    };
+    let (written, finished) =
+        tokio::join!(writes, signal::finish(c, &plan, Some((channel, false))));
+    written?;
+    finished?;
+    Ok(report)
+}
+
+/// Timer health per (namespace, machine), in name order.
+pub(crate) async fn status<C: GenericClient + Sync>(
+    c: &C,
+    namespace: Option<&str>,
+    now: Timestamp,
+) -> OpResult<Vec<TimerStatus>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT t.namespace, t.machine, count(*), min(t.next_fire_at), \
+               count(*) FILTER (WHERE t.next_fire_at <= $2), \
+               (SELECT max(s.swept_at) FROM timer_sweeps s \
+                 WHERE s.namespace IN (t.namespace, '*') AND s.machine IN (t.machine, '*')) \
+             FROM timers t WHERE $1::text IS NULL OR t.namespace = $1 \
+             GROUP BY t.namespace, t.machine \
+             ORDER BY t.namespace COLLATE \"C\", t.machine COLLATE \"C\"",
+        )
+        .await?;
+    let found = c.query(&stmt, &[&namespace, &ts(now)]).await?;
+    Ok(found
+        .iter()
+        .map(|r| TimerStatus {
+            namespace: r.get(0),
+            machine: r.get(1),
+            armed: r.get::<_, i64>(2) as u64,
+            next_due: Some(from_ts(r.get(3))),
+            overdue: r.get::<_, i64>(4) as u64,
+            last_sweep_at: r.get::<_, Option<SystemTime>>(5).map(from_ts),
+        })
+        .collect())
+}
+
+/// Counts of non-terminal instances per (namespace, queue, machine), in name order.
+pub(crate) async fn queue_stats<C: GenericClient + Sync>(
+    c: &C,
+    namespace: Option<&str>,
+    now: Timestamp,
+) -> OpResult<Vec<QueueStats>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT namespace, queue, machine, \
+               count(*) FILTER (WHERE status = 'runnable' AND eligible_at <= $2), \
+               count(*) FILTER (WHERE status = 'runnable' AND eligible_at > $2), \
+               count(*) FILTER (WHERE status = 'executing'), \
+               count(*) FILTER (WHERE status IN ('awaiting_signal', 'awaiting_children')), \
+               count(*) FILTER (WHERE status = 'suspended'), \
+               min(eligible_at) FILTER (WHERE status = 'runnable' AND eligible_at <= $2) \
+             FROM instances \
+             WHERE status NOT IN ('done', 'failed', 'cancelled') \
+               AND ($1::text IS NULL OR namespace = $1) \
+             GROUP BY namespace, queue, machine \
+             ORDER BY namespace COLLATE \"C\", queue COLLATE \"C\", machine COLLATE \"C\"",
+        )
+        .await?;
+    let found = c.query(&stmt, &[&namespace, &ts(now)]).await?;
+    Ok(found
+        .iter()
+        .map(|r| QueueStats {
+            namespace: r.get(0),
+            queue: r.get(1),
+            machine: r.get(2),
+            ready: r.get::<_, i64>(3) as u64,
+            scheduled: r.get::<_, i64>(4) as u64,
+            executing: r.get::<_, i64>(5) as u64,
+            waiting: r.get::<_, i64>(6) as u64,
+            suspended: r.get::<_, i64>(7) as u64,
+            oldest_ready_at: r.get::<_, Option<SystemTime>>(8).map(from_ts),
+        })
+        .collect())
+}

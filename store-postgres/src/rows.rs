@@ -1,0 +1,380 @@
+//! Conversions between keel-core values and SQL rows: timestamps, statuses, the instance
+//! row, signals, children summaries, history and dead letters; plus the batch writers that
+//! every operation shares (one `UPDATE … FROM unnest(…)` for any number of rows).
+
+use crate::error::OpResult;
+use deadpool_postgres::GenericClient;
+use keel_core::instance::HistoryEntry;
+use keel_core::instance::{
+    AttemptError, ChildSummary, DeadLetter, HistoryRecord, Instance, NewDeadLetter, Signal,
+    UniqueSpec,
+};
+use keel_core::{
+    DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
+    StatusSet, StoreError, Timestamp, WorkerId,
+};
+use serde_json::Value;
+use std::sync::LazyLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio_postgres::Row;
+
+/// Latest instant stored losslessly (about year 255 000; PostgreSQL's own limit is 294 276).
+const TS_MAX_MS: i64 = 8_000_000_000_000_000;
+/// Earliest instant stored (PostgreSQL's limit is 4713 BC).
+const TS_MIN_MS: i64 = -200_000_000_000_000;
+
+/// A [`Timestamp`] as a `timestamptz` parameter (clamped to the range PostgreSQL stores).
+pub(crate) fn ts(t: Timestamp) -> SystemTime {
+    let ms = t.0.clamp(TS_MIN_MS, TS_MAX_MS);
+    if ms >= 0 {
+        UNIX_EPOCH + Duration::from_millis(ms as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_millis(ms.unsigned_abs())
+    }
+}
+
+/// A `timestamptz` column as a [`Timestamp`].
+pub(crate) fn from_ts(s: SystemTime) -> Timestamp {
+    match s.duration_since(UNIX_EPOCH) {
+        Ok(d) => Timestamp(d.as_millis() as i64),
+        Err(e) => Timestamp(-(e.duration().as_millis() as i64)),
+    }
+}
+
+/// An optional timestamp column.
+pub(crate) fn from_ts_opt(s: Option<SystemTime>) -> Option<Timestamp> {
+    s.map(from_ts)
+}
+
+/// A status column selected as text.
+pub(crate) fn status(s: &str) -> Result<Status, StoreError> {
+    s.parse::<Status>().map_err(|e| StoreError::conflict(format!("stored row: {e}")))
+}
+
+/// Every instance column, in the order [`instance`] decodes them.
+pub(crate) const INSTANCE_COLS: &str = "id, namespace, machine, machine_version, business_key, \
+    queue, priority, concurrency_key, status::text, position, context, result, awaits, \
+    last_error, attempt, errors, revision, eligible_at, lease_owner, lease_expires_at, \
+    fencing_token, parent_id, children_pending, unique_key, unique_scope::text[], \
+    correlation_id, created_at, updated_at, invoked_by";
+
+/// [`INSTANCE_COLS`] qualified with the alias `i`.
+pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machine_version, \
+    i.business_key, i.queue, i.priority, i.concurrency_key, i.status::text, i.position, \
+    i.context, i.result, i.awaits, i.last_error, i.attempt, i.errors, i.revision, \
+    i.eligible_at, i.lease_owner, i.lease_expires_at, i.fencing_token, i.parent_id, \
+    i.children_pending, i.unique_key, i.unique_scope::text[], i.correlation_id, \
+    i.created_at, i.updated_at, i.invoked_by";
+
+/// Decodes a row selected with [`INSTANCE_COLS`] (starting at column 0).
+pub(crate) fn instance(r: &Row) -> Result<Instance, StoreError> {
+    let scope: Vec<String> = r.get(24);
+    let scope = scope.iter().map(|s| status(s)).collect::<Result<Vec<_>, _>>()?;
+    let unique_key: Option<Vec<u8>> = r.get(23);
+    let errors: Value = r.get(15);
+    let errors: Vec<AttemptError> = serde_json::from_value(errors)
+        .map_err(|e| StoreError::conflict(format!("stored errors column: {e}")))?;
+    let priority: i16 = r.get(6);
+    Ok(Instance {
+        id: InstanceId(r.get(0)),
+        namespace: r.get(1),
+        machine: MachineRef { name: r.get(2), version: r.get(3) },
+        business_key: r.get(4),
+        queue: r.get(5),
+        priority: Priority::from_level(priority).unwrap_or_default(),
+        concurrency_key: r.get(7),
+        status: status(r.get(8))?,
+        position: r.get(9),
+        context: r.get(10),
+        result: r.get(11),
+        awaits: r.get(12),
+        last_error: r.get(13),
+        attempt: r.get(14),
+        errors,
+        revision: Revision(r.get(16)),
+        eligible_at: from_ts(r.get(17)),
+        lease_owner: r.get::<_, Option<String>>(18).map(WorkerId),
+        lease_expires_at: from_ts_opt(r.get(19)),
+        fencing_token: FencingToken(r.get(20)),
+        parent: r.get::<_, Option<i64>>(21).map(InstanceId),
+        children_pending: r.get(22),
+        unique: unique_key.map(|key| UniqueSpec { key, scope: StatusSet::of(&scope) }),
+        correlation_id: r.get(25),
+        created_at: from_ts(r.get(26)),
+        updated_at: from_ts(r.get(27)),
+        invoked_by: r.get(28),
+    })
+}
+
+/// Signal columns, in the order [`signal`] decodes them.
+pub(crate) const SIGNAL_COLS: &str = "id, target_id, name, payload, dedup_key, inserted_at";
+
+/// Decodes a row selected with [`SIGNAL_COLS`].
+pub(crate) fn signal(r: &Row) -> Signal {
+    Signal {
+        id: SignalId(r.get(0)),
+        target: InstanceId(r.get(1)),
+        name: r.get(2),
+        payload: r.get(3),
+        dedup_key: r.get(4),
+        inserted_at: from_ts(r.get(5)),
+    }
+}
+
+/// Children-summary columns, in the order [`child`] decodes them.
+pub(crate) const CHILD_COLS: &str =
+    "id, machine, machine_version, status::text, position, context, result, last_error";
+
+/// Decodes a row selected with [`CHILD_COLS`].
+pub(crate) fn child(r: &Row) -> Result<ChildSummary, StoreError> {
+    Ok(ChildSummary {
+        id: InstanceId(r.get(0)),
+        machine: MachineRef { name: r.get(1), version: r.get(2) },
+        status: status(r.get(3))?,
+        position: r.get(4),
+        context: r.get(5),
+        result: r.get(6),
+        last_error: r.get(7),
+    })
+}
+
+/// History columns, in the order [`history`] decodes them.
+pub(crate) const HISTORY_COLS: &str = "instance_id, seq, at, revision, attempt, kind, data";
+
+/// Decodes a row selected with [`HISTORY_COLS`].
+pub(crate) fn history(r: &Row) -> HistoryRecord {
+    HistoryRecord {
+        instance: InstanceId(r.get(0)),
+        seq: r.get(1),
+        at: from_ts(r.get(2)),
+        revision: Revision(r.get(3)),
+        attempt: r.get(4),
+        entry: HistoryEntry { kind: r.get(5), data: r.get(6) },
+    }
+}
+
+/// Dead-letter columns, in the order [`dead_letter`] decodes them.
+pub(crate) const DEAD_LETTER_COLS: &str = "id, created_at, instance_id, namespace, machine, \
+    machine_version, position, signals, event, correlation_id, reason, attempts, errors, \
+    first_attempt_at, last_attempt_at";
+
+/// Decodes a row selected with [`DEAD_LETTER_COLS`].
+pub(crate) fn dead_letter(r: &Row) -> Result<DeadLetter, StoreError> {
+    let signals: Vec<i64> = r.get(7);
+    let errors: Value = r.get(12);
+    Ok(DeadLetter {
+        id: DeadLetterId(r.get(0)),
+        created_at: from_ts(r.get(1)),
+        letter: NewDeadLetter {
+            instance: InstanceId(r.get(2)),
+            namespace: r.get(3),
+            machine: MachineRef { name: r.get(4), version: r.get(5) },
+            position: r.get(6),
+            signals: signals.into_iter().map(SignalId).collect(),
+            event: r.get(8),
+            correlation_id: r.get(9),
+            reason: r.get(10),
+            attempts: r.get(11),
+            errors: serde_json::from_value(errors)
+                .map_err(|e| StoreError::conflict(format!("stored dead letter errors: {e}")))?,
+            first_attempt_at: from_ts(r.get(13)),
+            last_attempt_at: from_ts(r.get(14)),
+        },
+    })
+}
+
+/// The statement [`lock_instances`] runs.
+pub(crate) static LOCK_INSTANCES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {INSTANCE_COLS} FROM instances WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE"
+    )
+});
+
+/// Locks rows by id (in id order, so concurrent batches cannot deadlock on each other)
+/// and returns them.
+pub(crate) async fn lock_instances<C: GenericClient + Sync>(
+    c: &C,
+    ids: &[i64],
+) -> OpResult<Vec<Instance>> {
+    let stmt = c.prepare_cached(&LOCK_INSTANCES).await?;
+    let rows = c.query(&stmt, &[&ids]).await?;
+    Ok(rows.iter().map(instance).collect::<Result<_, _>>()?)
+}
+
+/// The statement [`write_instances`] runs.
+pub(crate) const WRITE_INSTANCES: &str = "UPDATE instances i SET status = u.status::status, \
+    position = u.position, context = u.context, result = u.result, awaits = u.awaits, \
+    last_error = u.last_error, attempt = u.attempt, errors = u.errors, revision = u.revision, \
+    eligible_at = u.eligible_at, lease_owner = u.lease_owner, \
+    lease_expires_at = u.lease_expires_at, fencing_token = u.fencing_token, \
+    children_pending = u.children_pending, updated_at = u.updated_at \
+    FROM unnest($1::int8[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[], \
+    $7::text[], $8::int4[], $9::jsonb[], $10::int8[], $11::timestamptz[], $12::text[], \
+    $13::timestamptz[], $14::int8[], $15::int4[], $16::timestamptz[]) \
+    AS u(id, status, position, context, result, awaits, last_error, attempt, errors, \
+    revision, eligible_at, lease_owner, lease_expires_at, fencing_token, children_pending, \
+    updated_at) WHERE i.id = u.id";
+
+/// The parameter arrays of [`WRITE_INSTANCES`] for a set of rows.
+#[derive(Default)]
+pub(crate) struct InstanceWrite {
+    id: Vec<i64>,
+    status: Vec<&'static str>,
+    position: Vec<String>,
+    context: Vec<Value>,
+    result: Vec<Option<Value>>,
+    awaits: Vec<Option<String>>,
+    last_error: Vec<Option<String>>,
+    attempt: Vec<i32>,
+    errors: Vec<Value>,
+    revision: Vec<i64>,
+    eligible_at: Vec<SystemTime>,
+    lease_owner: Vec<Option<String>>,
+    lease_expires_at: Vec<Option<SystemTime>>,
+    fencing_token: Vec<i64>,
+    children_pending: Vec<i32>,
+    updated_at: Vec<SystemTime>,
+}
+
+impl InstanceWrite {
+    /// Adds a row (every mutable column is written back).
+    pub(crate) fn push(&mut self, row: &Instance) {
+        self.id.push(row.id.0);
+        self.status.push(row.status.name());
+        self.position.push(row.position.clone());
+        self.context.push(row.context.clone());
+        self.result.push(row.result.clone());
+        self.awaits.push(row.awaits.clone());
+        self.last_error.push(row.last_error.clone());
+        self.attempt.push(row.attempt);
+        self.errors.push(serde_json::to_value(&row.errors).unwrap_or(Value::Array(Vec::new())));
+        self.revision.push(row.revision.0);
+        self.eligible_at.push(ts(row.eligible_at));
+        self.lease_owner.push(row.lease_owner.as_ref().map(|w| w.0.clone()));
+        self.lease_expires_at.push(row.lease_expires_at.map(ts));
+        self.fencing_token.push(row.fencing_token.0);
+        self.children_pending.push(row.children_pending);
+        self.updated_at.push(ts(row.updated_at));
+    }
+
+    /// Whether no row was added.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.id.is_empty()
+    }
+
+    /// The statement's parameters.
+    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 16] {
+        [
+            &self.id,
+            &self.status,
+            &self.position,
+            &self.context,
+            &self.result,
+            &self.awaits,
+            &self.last_error,
+            &self.attempt,
+            &self.errors,
+            &self.revision,
+            &self.eligible_at,
+            &self.lease_owner,
+            &self.lease_expires_at,
+            &self.fencing_token,
+            &self.children_pending,
+            &self.updated_at,
+        ]
+    }
+}
+
+/// Writes rows back in one statement.
+pub(crate) async fn write_instances<C: GenericClient + Sync>(
+    c: &C,
+    rows: &[Instance],
+) -> OpResult<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut w = InstanceWrite::default();
+    for r in rows {
+        w.push(r);
+    }
+    let stmt = c.prepare_cached(WRITE_INSTANCES).await?;
+    c.execute(&stmt, &w.params()).await?;
+    Ok(())
+}
+
+/// The statement [`HistoryWrite`] feeds.
+pub(crate) const WRITE_HISTORY: &str = "INSERT INTO history (instance_id, at, revision, attempt, kind, data) \
+    SELECT instance_id, at, revision, attempt, kind, data FROM unnest($1::int8[], $2::timestamptz[], $3::int8[], $4::int4[], $5::text[], $6::jsonb[]) \
+    WITH ORDINALITY AS h(instance_id, at, revision, attempt, kind, data, ord) ORDER BY ord";
+
+/// The parameter arrays of [`WRITE_HISTORY`].
+#[derive(Default)]
+pub(crate) struct HistoryWrite {
+    instance: Vec<i64>,
+    at: Vec<SystemTime>,
+    revision: Vec<i64>,
+    attempt: Vec<i32>,
+    kind: Vec<String>,
+    data: Vec<Value>,
+}
+
+impl HistoryWrite {
+    /// Adds an entry for `row` (its revision after the change), recorded in `attempt`.
+    pub(crate) fn push(&mut self, row: &Instance, attempt: i32, at: Timestamp, e: HistoryEntry) {
+        self.instance.push(row.id.0);
+        self.at.push(ts(at));
+        self.revision.push(row.revision.0);
+        self.attempt.push(attempt);
+        self.kind.push(e.kind);
+        self.data.push(e.data);
+    }
+
+    /// Whether no entry was added.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.instance.is_empty()
+    }
+
+    /// The statement's parameters.
+    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 6] {
+        [&self.instance, &self.at, &self.revision, &self.attempt, &self.kind, &self.data]
+    }
+}
+
+/// Appends history in one statement.
+pub(crate) async fn write_history<C: GenericClient + Sync>(
+    c: &C,
+    h: &HistoryWrite,
+) -> OpResult<()> {
+    if h.is_empty() {
+        return Ok(());
+    }
+    let stmt = c.prepare_cached(WRITE_HISTORY).await?;
+    c.execute(&stmt, &h.params()).await?;
+    Ok(())
+}
+
+/// Decrements parents' barriers for children that became terminal (`release_parent` applied
+/// once per child): never below zero; the last one makes an awaiting parent runnable.
+pub(crate) const RELEASE_PARENTS: &str = "UPDATE instances p SET \
+    children_pending = greatest(p.children_pending - d.n, 0), \
+    status = CASE WHEN p.children_pending - d.n <= 0 AND p.status = 'awaiting_children' \
+                  THEN 'runnable'::status ELSE p.status END, \
+    eligible_at = CASE WHEN p.children_pending - d.n <= 0 AND p.status = 'awaiting_children' \
+                  THEN $2 ELSE p.eligible_at END, \
+    updated_at = $2 \
+    FROM (SELECT parent, count(*)::int AS n FROM unnest($1::int8[]) AS t(parent) GROUP BY parent) d \
+    WHERE p.id = d.parent";
+
+/// Runs [`RELEASE_PARENTS`] for the given parents (one entry per terminal child).
+pub(crate) async fn release_parents<C: GenericClient + Sync>(
+    c: &C,
+    parents: &[i64],
+    now: Timestamp,
+) -> OpResult<()> {
+    if parents.is_empty() {
+        return Ok(());
+    }
+    let stmt = c.prepare_cached(RELEASE_PARENTS).await?;
+    c.execute(&stmt, &[&parents, &ts(now)]).await?;
+    Ok(())
+}

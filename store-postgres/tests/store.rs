@@ -1,0 +1,502 @@
+//! Focused tests of the PostgreSQL store: migrations, the main paths, and invalid input
+//! (typed errors, no partial writes).
+
+mod common;
+
+use keel_core::instance::{HistoryEntry, NewInstance, NewSignal, SignalTarget};
+use keel_core::outcome::{Outcome, StepCommit, StepFailure};
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    CancelParams, ClaimParams, CommitParams, DeadLetterFilter, DeadLetterRetryParams,
+    DeadLetterSelector, DeliveryOutcome, InsertOutcome, InsertParams, LeaseReapParams,
+    QueuePauseParams, SignalDeliverParams,
+};
+use keel_core::{
+    ErrorKind, InstanceId, MachineRef, Status, StatusSet, Timestamp, WorkerId, limits,
+};
+use keel_store_postgres::{PgConfig, PgStore};
+use serde_json::json;
+use std::time::Duration;
+
+const T0: Timestamp = Timestamp(1_700_000_000_000);
+
+fn new(pos: &str) -> NewInstance {
+    NewInstance::new(MachineRef::new("m", 1), pos)
+}
+
+fn claim_params(limit: usize, now: Timestamp) -> ClaimParams {
+    ClaimParams {
+        worker: WorkerId("w1".into()),
+        namespaces: vec![],
+        queues: vec![],
+        machines: vec![],
+        limit,
+        lease: Duration::from_secs(30),
+        now,
+    }
+}
+
+async fn insert(s: &PgStore, items: Vec<NewInstance>) -> Vec<InsertOutcome> {
+    s.instance_insert(InsertParams { instances: items, now: T0 }).await.unwrap()
+}
+
+async fn commit_one(
+    s: &PgStore,
+    c: StepCommit,
+) -> keel_core::StoreResult<keel_core::ports::store::CommitReceipt> {
+    s.step_commit(CommitParams { commits: vec![c], now: T0 }).await.unwrap().remove(0)
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
+    let Some(s) = common::store().await else { return };
+    s.migrate().await.unwrap();
+    let c = s.client().await.unwrap();
+    c.batch_execute(
+        "INSERT INTO keel_schema_history (version, name, applied_on, checksum) VALUES (99, 'future', '', '0')",
+    )
+    .await
+    .unwrap();
+    let err = s.migrate().await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Conflict, "{err}");
+    assert!(err.message.contains("newer"), "{err}");
+}
+
+#[tokio::test]
+async fn concurrent_migrations_apply_once() {
+    let Some(url) = common::database_url() else { return };
+    let schema = common::fresh_schema();
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let cfg = PgConfig::new(url.clone()).schema(schema.clone()).pool_size(1);
+        tasks.push(tokio::spawn(
+            async move { PgStore::connect(cfg).await.unwrap().migrate().await },
+        ));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test]
+async fn bad_schema_names_are_refused() {
+    let Some(url) = common::database_url() else { return };
+    let err = PgStore::connect(PgConfig::new(url).schema("Robert'); DROP")).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+}
+
+#[tokio::test]
+async fn insert_claim_commit_done_round_trip() {
+    let Some(s) = common::store().await else { return };
+    let ids = insert(&s, vec![new("a"), new("b")]).await;
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 2);
+    assert_eq!(claims[0].instance.id, ids[0].id());
+    assert_eq!(claims[0].instance.status, Status::Executing);
+    assert_eq!(claims[0].token().0, 1);
+    let commits = claims
+        .iter()
+        .map(|c| {
+            StepCommit::new(c.instance.id, c.token(), Outcome::Done { result: json!({"ok": 1}) })
+        })
+        .collect();
+    let out = s.step_commit(CommitParams { commits, now: T0 }).await.unwrap();
+    for r in &out {
+        let r = r.as_ref().unwrap();
+        assert_eq!(r.status, Status::Done);
+        assert_eq!(r.revision.0, 1);
+    }
+    let d = s.instance_get(ids[0].id()).await.unwrap();
+    assert_eq!(d.instance.result, Some(json!({"ok": 1})));
+    assert_eq!(d.history.len(), 1);
+    assert_eq!(d.history[0].entry.kind, "STEP_DONE");
+    // A stale commit is rejected and changes nothing.
+    let stale = commit_one(
+        &s,
+        StepCommit::new(ids[0].id(), claims[0].token(), Outcome::Stop { reason: "x".into() }),
+    )
+    .await;
+    assert_eq!(stale.unwrap_err().kind, ErrorKind::LeaseLost);
+    assert_eq!(s.instance_get(ids[0].id()).await.unwrap().instance.status, Status::Done);
+}
+
+#[tokio::test]
+async fn uniqueness_within_a_batch_and_against_existing_rows() {
+    let Some(s) = common::store().await else { return };
+    let a = new("a").unique(b"k".to_vec(), StatusSet::LIVE);
+    let out = insert(&s, vec![a.clone(), a.clone(), new("x")]).await;
+    assert!(matches!(out[0], InsertOutcome::Inserted(_)));
+    assert_eq!(out[1], InsertOutcome::Existing(out[0].id()));
+    assert!(matches!(out[2], InsertOutcome::Inserted(_)));
+    let again = insert(&s, vec![a.clone()]).await;
+    assert_eq!(again[0], InsertOutcome::Existing(out[0].id()));
+    // Leaving the scope frees the key.
+    s.instance_cancel(CancelParams {
+        id: out[0].id(),
+        reason: "r".into(),
+        cascade: false,
+        now: T0,
+    })
+    .await
+    .unwrap();
+    let third = insert(&s, vec![a]).await;
+    assert!(matches!(third[0], InsertOutcome::Inserted(id) if id != out[0].id()));
+}
+
+#[tokio::test]
+async fn await_parks_and_a_signal_wakes_with_dedup() {
+    let Some(s) = common::store().await else { return };
+    let id = insert(&s, vec![new("a")]).await[0].id();
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    let r = commit_one(
+        &s,
+        StepCommit::new(
+            id,
+            c.token(),
+            Outcome::Await { signal: "go".into(), context: json!({}), step: None },
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, Status::AwaitingSignal);
+    let sig = NewSignal::new(id, "go").dedup_key("d1");
+    let out = s
+        .signal_deliver(SignalDeliverParams {
+            signals: vec![sig.clone(), sig, NewSignal::new(InstanceId(999_999), "go")],
+            now: T0,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(out[0], DeliveryOutcome::Delivered { woke: true, .. }));
+    assert!(matches!(out[1], DeliveryOutcome::Duplicate { .. }));
+    assert_eq!(out[2], DeliveryOutcome::TargetMissing);
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    assert_eq!(c.inbox.len(), 1);
+    assert_eq!(c.inbox[0].name, "go");
+    let r = commit_one(
+        &s,
+        StepCommit::new(
+            id,
+            c.token(),
+            Outcome::Next { step: "b".into(), context: json!({"n": 1}) },
+        )
+        .consume([c.inbox[0].id]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, Status::Runnable);
+    assert!(s.instance_get(id).await.unwrap().inbox.is_empty());
+}
+
+#[tokio::test]
+async fn await_with_a_waiting_signal_stays_runnable() {
+    let Some(s) = common::store().await else { return };
+    let id = insert(&s, vec![new("a")]).await[0].id();
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    s.signal_deliver(SignalDeliverParams { signals: vec![NewSignal::new(id, "go")], now: T0 })
+        .await
+        .unwrap();
+    let r = commit_one(
+        &s,
+        StepCommit::new(
+            id,
+            c.token(),
+            Outcome::Await { signal: "*".into(), context: json!({}), step: None },
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, Status::Runnable);
+}
+
+#[tokio::test]
+async fn children_barrier_releases_the_parent_once() {
+    let Some(s) = common::store().await else { return };
+    let parent = insert(&s, vec![new("p")]).await[0].id();
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    let kids = vec![
+        new("c"),
+        new("c"),
+        new("c").unique(b"u".to_vec(), StatusSet::LIVE),
+        new("c").unique(b"u".to_vec(), StatusSet::LIVE),
+    ];
+    let r = commit_one(
+        &s,
+        StepCommit::new(
+            parent,
+            c.token(),
+            Outcome::ScheduleChildren { next: "join".into(), children: kids, context: json!({}) },
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, Status::AwaitingChildren);
+    assert_eq!(r.children.len(), 4);
+    assert_eq!(r.children[3], InsertOutcome::Existing(r.children[2].id()));
+    assert_eq!(s.instance_get(parent).await.unwrap().instance.children_pending, 3);
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 3);
+    let commits = claims
+        .iter()
+        .map(|c| StepCommit::new(c.instance.id, c.token(), Outcome::Done { result: json!(null) }))
+        .collect();
+    s.step_commit(CommitParams { commits, now: T0 }).await.unwrap();
+    let p = s.instance_get(parent).await.unwrap();
+    assert_eq!(p.instance.status, Status::Runnable);
+    assert_eq!(p.instance.children_pending, 0);
+    assert_eq!(p.instance.position, "join");
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    assert_eq!(c.children.len(), 3);
+    assert_eq!(c.children[0].result, Some(json!(null)));
+}
+
+#[tokio::test]
+async fn concurrency_key_one_at_a_time_and_paused_queues_skipped() {
+    let Some(s) = common::store().await else { return };
+    insert(
+        &s,
+        vec![new("a").concurrency_key("k"), new("b").concurrency_key("k"), new("c").queue("q2")],
+    )
+    .await;
+    s.queue_pause(QueuePauseParams {
+        namespace: "default".into(),
+        queue: "q2".into(),
+        paused: true,
+        now: T0,
+    })
+    .await
+    .unwrap();
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 1);
+    assert_eq!(claims[0].instance.position, "a");
+    assert!(s.instance_claim(claim_params(10, T0)).await.unwrap().is_empty());
+    commit_one(
+        &s,
+        StepCommit::new(
+            claims[0].instance.id,
+            claims[0].token(),
+            Outcome::Done { result: json!(1) },
+        ),
+    )
+    .await
+    .unwrap();
+    s.queue_pause(QueuePauseParams {
+        namespace: "default".into(),
+        queue: "q2".into(),
+        paused: false,
+        now: T0,
+    })
+    .await
+    .unwrap();
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 2);
+}
+
+#[tokio::test]
+async fn reaper_and_dead_letters() {
+    let Some(s) = common::store().await else { return };
+    let id = insert(&s, vec![new("a")]).await[0].id();
+    s.instance_claim(claim_params(1, T0)).await.unwrap();
+    let later = T0.plus(Duration::from_mins(1));
+    let reaped =
+        s.lease_reap(LeaseReapParams { owner: None, limit: 10, now: later }).await.unwrap();
+    assert_eq!(reaped, vec![id]);
+    let c = s.instance_claim(claim_params(1, later)).await.unwrap().remove(0);
+    assert_eq!(c.instance.attempt, 1);
+    let failure = StepFailure {
+        error: "boom".into(),
+        retryable: true,
+        dead_letter: true,
+        signals: vec![],
+        event: None,
+    };
+    let r = s
+        .step_commit(CommitParams {
+            commits: vec![
+                StepCommit::new(id, c.token(), Outcome::Suspend)
+                    .failure(failure)
+                    .record(HistoryEntry::new("X", json!({}))),
+            ],
+            now: later,
+        })
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    assert_eq!(r.status, Status::Suspended);
+    let dl = r.dead_letter.unwrap();
+    let letters = s.dead_letter_list(DeadLetterFilter::default()).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].id, dl);
+    assert_eq!(letters[0].letter.attempts, 2);
+    let retried = s
+        .dead_letter_retry(DeadLetterRetryParams {
+            selector: DeadLetterSelector::Id(dl),
+            delay: Duration::ZERO,
+            now: later,
+        })
+        .await
+        .unwrap();
+    assert_eq!(retried, vec![id]);
+    assert!(s.dead_letter_list(DeadLetterFilter::default()).await.unwrap().is_empty());
+    assert_eq!(s.instance_get(id).await.unwrap().instance.status, Status::Runnable);
+}
+
+#[tokio::test]
+async fn invalid_input_gets_a_typed_error_and_writes_nothing() {
+    let Some(s) = common::store().await else { return };
+    // A context that is not an object, in the middle of a batch: nothing is inserted.
+    let err = s
+        .instance_insert(InsertParams {
+            instances: vec![new("a"), new("b").context(json!([1])), new("c")],
+            now: T0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(err.message.contains("instances[1].context"), "{err}");
+    assert!(s.instance_claim(claim_params(10, T0)).await.unwrap().is_empty());
+    // Over-limit payload.
+    let big = json!({ "x": "a".repeat(limits::PAYLOAD_BYTES_MAX) });
+    let err = s
+        .instance_insert(InsertParams { instances: vec![new("a").context(big.clone())], now: T0 })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    let err = s
+        .signal_deliver(SignalDeliverParams {
+            signals: vec![NewSignal::new(InstanceId(1), "s").payload(big.clone())],
+            now: T0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    // Unknown ids.
+    assert_eq!(s.instance_get(InstanceId(424_242)).await.unwrap_err().kind, ErrorKind::NotFound);
+    let err = s
+        .instance_cancel(CancelParams {
+            id: InstanceId(424_242),
+            reason: "r".into(),
+            cascade: true,
+            now: T0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound);
+    let r = commit_one(
+        &s,
+        StepCommit::new(
+            InstanceId(424_242),
+            keel_core::FencingToken(1),
+            Outcome::Done { result: json!(1) },
+        ),
+    )
+    .await;
+    assert_eq!(r.unwrap_err().kind, ErrorKind::NotFound);
+    // A bad item in a commit batch is rejected alone; its row is unchanged, the good one commits.
+    let ids = insert(&s, vec![new("a"), new("b")]).await;
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    let bad = StepCommit::new(
+        ids[0].id(),
+        claims[0].token(),
+        Outcome::Next { step: "n".into(), context: json!("str") },
+    );
+    let bad_big = StepCommit::new(ids[1].id(), claims[1].token(), Outcome::Done { result: big });
+    let good = StepCommit::new(ids[1].id(), claims[1].token(), Outcome::Done { result: json!(2) });
+    let out =
+        s.step_commit(CommitParams { commits: vec![bad, bad_big, good], now: T0 }).await.unwrap();
+    assert_eq!(out[0].as_ref().unwrap_err().kind, ErrorKind::Invalid);
+    assert_eq!(out[1].as_ref().unwrap_err().kind, ErrorKind::Invalid);
+    assert_eq!(out[2].as_ref().unwrap().status, Status::Done);
+    let row = s.instance_get(ids[0].id()).await.unwrap();
+    assert_eq!(row.instance.status, Status::Executing);
+    assert_eq!(row.instance.revision.0, 0);
+    assert!(row.history.is_empty());
+    // Over-limit batch.
+    let err = s.instance_claim(claim_params(limits::CLAIM_BATCH_MAX + 1, T0)).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+}
+
+#[tokio::test]
+async fn cancel_cascades_to_descendants() {
+    let Some(s) = common::store().await else { return };
+    let parent = insert(&s, vec![new("p")]).await[0].id();
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    let r = commit_one(
+        &s,
+        StepCommit::new(
+            parent,
+            c.token(),
+            Outcome::ScheduleChildren {
+                next: "j".into(),
+                children: vec![new("c"), new("c")],
+                context: json!({}),
+            },
+        ),
+    )
+    .await
+    .unwrap();
+    let cancelled = s
+        .instance_cancel(CancelParams { id: parent, reason: "stop".into(), cascade: true, now: T0 })
+        .await
+        .unwrap();
+    assert_eq!(cancelled.len(), 3);
+    for o in r.children {
+        assert_eq!(s.instance_get(o.id()).await.unwrap().instance.status, Status::Cancelled);
+    }
+}
+
+#[tokio::test]
+async fn lookup_by_business_key_and_notifications() {
+    let Some(s) = common::store().await else { return };
+    let mut listener = s.listen().await.unwrap();
+    let id = insert(&s, vec![new("a").business_key("order:1")]).await[0].id();
+    let target = SignalTarget::Key {
+        namespace: "default".into(),
+        machine: "m".into(),
+        key: "order:1".into(),
+    };
+    assert_eq!(s.instance_lookup(target).await.unwrap(), Some(id));
+    tokio::time::timeout(Duration::from_secs(5), listener.recv()).await.unwrap().unwrap();
+    assert!(s.capabilities().notifications);
+}
+
+#[tokio::test]
+async fn a_claim_is_not_shortened_by_rows_of_a_busy_or_repeated_key() {
+    let Some(s) = common::store().await else { return };
+    let mut items: Vec<NewInstance> = (0..5).map(|_| new("k").concurrency_key("k")).collect();
+    items.extend((0..3).map(|_| new("free")));
+    insert(&s, items).await;
+    let claims = s.instance_claim(claim_params(4, T0)).await.unwrap();
+    let positions: Vec<&str> = claims.iter().map(|c| c.instance.position.as_str()).collect();
+    assert_eq!(positions, vec!["k", "free", "free", "free"]);
+}
+
+#[tokio::test]
+async fn a_key_scoped_to_executing_only_runs_one_at_a_time() {
+    let Some(s) = common::store().await else { return };
+    let scope = StatusSet::of(&[Status::Executing]);
+    let out = insert(
+        &s,
+        vec![new("a").unique(b"x".to_vec(), scope), new("b").unique(b"x".to_vec(), scope)],
+    )
+    .await;
+    assert!(
+        out.iter().all(|o| matches!(o, InsertOutcome::Inserted(_))),
+        "not occupied while runnable"
+    );
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 1);
+    assert!(s.instance_claim(claim_params(10, T0)).await.unwrap().is_empty());
+    commit_one(
+        &s,
+        StepCommit::new(
+            claims[0].instance.id,
+            claims[0].token(),
+            Outcome::Done { result: json!(1) },
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.instance_claim(claim_params(10, T0)).await.unwrap().len(), 1);
+}
