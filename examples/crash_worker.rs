@@ -3,13 +3,14 @@
 //! killed. The tests start it, SIGKILL it at random moments, start it again, and check
 //! that nothing was lost and no step was applied twice.
 //!
-//! Usage: `keel-crash-worker --sqlite PATH --worker-id ID`
+//! Usage: `keel-crash-worker (--sqlite PATH | --postgres URL --schema NAME) --worker-id ID`
 
 use async_trait::async_trait;
 use keel_core::chart::Timer;
 use keel_core::{MachineRef, Outcome, WorkerId};
 use keel_examples::order;
 use keel_scheduler::{StepContext, StepError, StepMachine, SystemClock, Worker, WorkerConfig};
+use keel_store_postgres::{PgConfig, PgStore};
 use keel_store_sqlite::SqliteStore;
 use serde_json::json;
 use std::sync::Arc;
@@ -45,11 +46,6 @@ fn arg(name: &str) -> Option<String> {
 #[tokio::main]
 async fn main() {
     let worker_id = arg("--worker-id").unwrap_or_else(|| "crash-worker".to_owned());
-    let Some(path) = arg("--sqlite") else {
-        eprintln!("usage: keel-crash-worker --sqlite PATH --worker-id ID");
-        std::process::exit(2);
-    };
-    let store = Arc::new(SqliteStore::open(&path).await.unwrap_or_else(|e| panic!("{e}")));
     let config = WorkerConfig {
         worker_id: WorkerId(worker_id),
         queues: vec![("default".into(), 20)],
@@ -59,12 +55,25 @@ async fn main() {
         poll_interval: Duration::from_millis(20),
         ..WorkerConfig::default()
     };
-    let worker = Worker::new(store, SystemClock, config)
-        .register(FiveSteps)
-        .register(order::machine(Timer::hours(1)))
-        .spawn();
+    let machine = || order::machine(Timer::hours(1));
+    let _worker = if let Some(path) = arg("--sqlite") {
+        let store = Arc::new(SqliteStore::open(&path).await.unwrap_or_else(|e| panic!("{e}")));
+        Worker::new(store, SystemClock, config).register(FiveSteps).register(machine()).spawn()
+    } else if let (Some(url), Some(schema)) = (arg("--postgres"), arg("--schema")) {
+        let store = PgStore::connect(PgConfig::new(url).schema(schema))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        Worker::new(Arc::new(store), SystemClock, config)
+            .register(FiveSteps)
+            .register(machine())
+            .spawn()
+    } else {
+        eprintln!(
+            "usage: keel-crash-worker (--sqlite PATH | --postgres URL --schema NAME) --worker-id ID"
+        );
+        std::process::exit(2);
+    };
     println!("ready");
-    // Runs until killed; a clean stop on SIGTERM-less platforms is not needed here.
+    // Runs until killed.
     std::future::pending::<()>().await;
-    drop(worker);
 }

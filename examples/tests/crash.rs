@@ -1,5 +1,7 @@
 //! Crash tests: worker *processes* are SIGKILLed at random moments while they run 500
-//! five-step instances and 100 order charts on a SQLite file, then started again (once
+//! five-step instances and 100 order charts — on a SQLite file, and on PostgreSQL when
+//! `KEEL_TEST_DATABASE_URL` is set (required under `KEEL_REQUIRE_BACKENDS=1`) — then
+//! started again (once
 //! with the same worker id, which reclaims its leases at start-up, once with a new id,
 //! which waits for the reaper). Afterwards every instance must be finished, no step may
 //! have been committed twice (each instance's revision grows by exactly one per step), and
@@ -38,10 +40,12 @@ impl Drop for WorkerProcess {
     }
 }
 
-/// Starts a worker process and waits (bounded) until it says it is running.
-fn start_worker(db: &str, id: &str) -> WorkerProcess {
+/// Starts a worker process on the store `store_args` names and waits (bounded) until it
+/// says it is running.
+fn start_worker(store_args: &[String], id: &str) -> WorkerProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel-crash-worker"))
-        .args(["--sqlite", db, "--worker-id", id])
+        .args(store_args)
+        .args(["--worker-id", id])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -62,7 +66,7 @@ fn kill(mut worker: WorkerProcess) {
 
 /// Finished instances, from one cheap aggregate query (reading 600 instances one by one
 /// would take longer than the run it measures).
-async fn terminal(store: &SqliteStore, ids: &[InstanceId]) -> usize {
+async fn terminal<S: Store>(store: &S, ids: &[InstanceId]) -> usize {
     let stats = store.queue_stats(None, now()).await.expect("queue_stats");
     let live: u64 =
         stats.iter().map(|q| q.ready + q.scheduled + q.executing + q.waiting + q.suspended).sum();
@@ -70,11 +74,27 @@ async fn terminal(store: &SqliteStore, ids: &[InstanceId]) -> usize {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
+async fn sqlite_sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("crash.db").display().to_string();
     let store = SqliteStore::open(&db).await.expect("open");
+    crash_run(&store, &["--sqlite".to_owned(), db]).await;
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
+    let store = keel_testkit::conformance::backend_or_skip(
+        "postgres_sigkilled_workers_lose_nothing_and_apply_no_step_twice",
+        keel_store_postgres::testing::DATABASE_URL_VAR,
+        keel_store_postgres::testing::fresh_schema().await,
+    );
+    let Some(store) = store else { return };
+    let url = keel_store_postgres::testing::database_url().expect("configured");
+    let args = ["--postgres".to_owned(), url, "--schema".to_owned(), store.schema().to_owned()];
+    crash_run(&store, &args).await;
+}
+
+async fn crash_run<S: Store>(store: &S, store_args: &[String]) {
     let mut news: Vec<NewInstance> = (0..STEPS)
         .map(|n| {
             NewInstance::new(MachineRef::new("five_steps", 1), "step1").context(json!({ "n": n }))
@@ -113,16 +133,16 @@ async fn sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
     // further instances finished (or a bounded wait).
     let mut done = 0;
     for worker_id in ["crash-a", "crash-a", "crash-b"] {
-        let child = start_worker(&db, worker_id);
+        let child = start_worker(store_args, worker_id);
         let target = done + rng.usize(20..150);
         let started = Instant::now();
         while done < target && started.elapsed() < Duration::from_secs(20) {
             tokio::time::sleep(Duration::from_millis(rng.u64(5..40))).await;
-            done = terminal(&store, &ids).await;
+            done = terminal(store, &ids).await;
         }
         kill(child);
         kills += 1;
-        done = terminal(&store, &ids).await;
+        done = terminal(store, &ids).await;
         let stats = store.queue_stats(None, now()).await.expect("queue_stats");
         let executing: u64 = stats.iter().map(|q| q.executing).sum();
         eprintln!(
@@ -132,10 +152,10 @@ async fn sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
     }
     assert!(done < ids.len(), "the kills happened mid-run");
 
-    let survivor = start_worker(&db, "crash-c");
+    let survivor = start_worker(store_args, "crash-c");
     let started = Instant::now();
     loop {
-        let done = terminal(&store, &ids).await;
+        let done = terminal(store, &ids).await;
         if done == ids.len() {
             break;
         }
