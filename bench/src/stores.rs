@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 use clap::ValueEnum;
+use keel_store_postgres::{PgConfig, PgStore};
 use keel_store_sqlite::SqliteStore;
 use keel_testkit::MemoryStore;
 use std::sync::Arc;
@@ -13,6 +14,9 @@ pub enum StoreKind {
     Memory,
     /// SQLite in a temporary file (WAL, synchronous = FULL).
     Sqlite,
+    /// PostgreSQL at `KEEL_BENCH_DATABASE_URL` (or `KEEL_TEST_DATABASE_URL`), a fresh
+    /// schema per run, dropped afterwards.
+    Postgres,
 }
 
 impl StoreKind {
@@ -21,6 +25,7 @@ impl StoreKind {
         match self {
             StoreKind::Memory => "memory",
             StoreKind::Sqlite => "sqlite",
+            StoreKind::Postgres => "postgres",
         }
     }
 }
@@ -28,13 +33,22 @@ impl StoreKind {
 /// Makes fresh stores of one kind.
 pub struct Factory {
     kind: StoreKind,
+    url: Option<String>,
 }
 
 impl Factory {
     /// A factory for `kind` (connecting to its server if it has one).
-    #[allow(clippy::unused_async)] // server-backed stores connect here
+    #[allow(clippy::unused_async)] // kept async: a server check may move here
     pub async fn new(kind: StoreKind) -> Result<Self> {
-        Ok(Factory { kind })
+        let url = ["KEEL_BENCH_DATABASE_URL", "KEEL_TEST_DATABASE_URL"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()));
+        if kind == StoreKind::Postgres && url.is_none() {
+            anyhow::bail!(
+                "--store postgres needs KEEL_BENCH_DATABASE_URL or KEEL_TEST_DATABASE_URL"
+            );
+        }
+        Ok(Factory { kind, url })
     }
 
     /// What the store is.
@@ -44,6 +58,9 @@ impl Factory {
             StoreKind::Sqlite => {
                 "a fresh temporary file per run, WAL, synchronous = FULL".to_owned()
             }
+            StoreKind::Postgres => {
+                "a fresh schema per run on the local server, pool of 16".to_owned()
+            }
         }
     }
 
@@ -51,6 +68,21 @@ impl Factory {
     #[allow(clippy::unused_async)] // async like every other store constructor, for `with_store!`
     pub async fn memory(&self) -> Result<Arc<MemoryStore>> {
         Ok(Arc::new(MemoryStore::new()))
+    }
+
+    /// A fresh, migrated PostgreSQL schema (dropped when the `Scratch` guard drops).
+    pub async fn postgres(&self) -> Result<(Arc<PgStore>, Scratch)> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let url = self.url.clone().expect("checked in new");
+        let schema = format!(
+            "keel_bench_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let store = PgStore::connect(PgConfig::new(url).schema(schema.clone())).await?;
+        store.migrate().await?;
+        let store = Arc::new(store);
+        Ok((Arc::clone(&store), Scratch(Some((store, schema)))))
     }
 
     /// A fresh SQLite store in a temporary file.
@@ -73,6 +105,12 @@ macro_rules! with_store {
                 let $store = $factory.sqlite().await?;
                 $body
             }
+            $crate::stores::StoreKind::Postgres => {
+                let ($store, scratch) = $factory.postgres().await?;
+                let out = $body;
+                scratch.drop_schema().await;
+                out
+            }
         }
     };
 }
@@ -81,5 +119,26 @@ impl Factory {
     /// The kind.
     pub fn kind(&self) -> StoreKind {
         self.kind
+    }
+}
+
+/// Drops a benchmark's Postgres schema when the run is over.
+pub struct Scratch(Option<(Arc<PgStore>, String)>);
+
+impl Scratch {
+    /// Drops the schema (errors are reported, not fatal: the data is disposable).
+    pub async fn drop_schema(mut self) {
+        if let Some((store, schema)) = self.0.take() {
+            let dropped = match store.client().await {
+                Ok(c) => c
+                    .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = dropped {
+                eprintln!("keel-bench: could not drop schema {schema}: {e}");
+            }
+        }
     }
 }
