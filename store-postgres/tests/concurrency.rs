@@ -384,14 +384,15 @@ async fn fifty_children_completing_concurrently_release_the_parent_once() {
     }
 }
 
-/// Four sweepers race each other and a stream of deliveries to the same instances (which
+/// Four sweepers race each other over 1 000 due timers and a stream of deliveries to the
+/// same instances (which
 /// lock the rows a sweep needs): every timer fires exactly once, none is left, and no call
 /// fails (a sweep never waits for a lock, so it cannot deadlock with a delivery or commit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn timer_sweeps_race_deliveries_fire_each_once() {
     use keel_core::chart::{TimerArm, TimerKind};
     use keel_core::ports::store::TimerSweepParams;
-    const N: usize = 300;
+    const N: usize = 1_000;
     let Some(s) = common::store_with(12).await else { return };
     let ids = insert(&s, (0..N).map(|_| new("a")).collect()).await;
     let claims = s.instance_claim(claim("w", N)).await.unwrap();
@@ -425,7 +426,7 @@ async fn timer_sweeps_race_deliveries_fire_each_once() {
         sweepers.push(tokio::spawn(async move {
             let mut fired = 0;
             for _ in 0..200 {
-                let p = TimerSweepParams { namespace: None, machines: vec![], limit: 20, now };
+                let p = TimerSweepParams { namespace: None, machines: vec![], limit: 50, now };
                 let r = s.timer_sweep(p).await.expect("sweep");
                 fired += r.fired;
                 if r.processed == 0 {

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]>";
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -23,6 +23,7 @@ fn main() -> Result<()> {
         Some("test") => test(&root, false),
         Some("ci") => ci(&root),
         Some("bench") => bench(&root, &args[1..]),
+        Some("migrate") => migrate(&args[1..]),
         Some("tidy") => {
             let problems = tidy::check(&root)?;
             tidy::report(&problems)
@@ -78,6 +79,26 @@ fn test(root: &Path, require: bool) -> Result<()> {
     let result = run("cargo test --workspace", cmd);
     services::summary(&backends);
     result
+}
+
+/// `cargo xtask migrate --database-url URL [--schema NAME]`: applies Keel's PostgreSQL
+/// migrations (the same ones `PgStore::migrate` runs at start-up, under the same lock).
+fn migrate(args: &[String]) -> Result<()> {
+    let value =
+        |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let url = value("--database-url")
+        .or_else(|| std::env::var("KEEL_DATABASE_URL").ok())
+        .context("--database-url URL (or KEEL_DATABASE_URL) is required")?;
+    let schema = value("--schema").unwrap_or_else(|| "keel".to_owned());
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let config = keel_store_postgres::PgConfig::new(url).schema(schema.clone());
+        let store = keel_store_postgres::PgStore::connect(config).await?;
+        store.migrate().await?;
+        eprintln!("migrate: schema {schema} is at version {}", keel_store_postgres::SCHEMA_VERSION);
+        Ok::<(), keel_core::StoreError>(())
+    })?;
+    Ok(())
 }
 
 /// `cargo xtask bench [steps|chart|timers|store ...] [--store memory|sqlite|postgres] [...]`:
