@@ -14,7 +14,9 @@ pub fn database_url() -> Option<String> {
             std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
             "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run this test"
         );
-        eprintln!("SKIPPED: KEEL_TEST_DATABASE_URL is unset");
+        keel_testkit::conformance::skip_notice(
+            "SKIPPED: a Postgres test: KEEL_TEST_DATABASE_URL is unset",
+        );
     }
     url
 }

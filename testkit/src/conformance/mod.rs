@@ -48,6 +48,14 @@ pub use signals::*;
 pub use timers::*;
 pub use uniqueness::*;
 
+/// Prints a skip notice straight to the process's stderr. The test harness captures
+/// `eprintln!` of passing tests, which would hide the notice; a direct write is not
+/// captured, so a skipped backend is visible in a plain `cargo test` run.
+pub fn skip_notice(message: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{message}");
+}
+
 /// The environment variable that turns a missing backend from a skip into a failure.
 pub const REQUIRE_BACKENDS_VAR: &str = "KEEL_REQUIRE_BACKENDS";
 
@@ -191,7 +199,9 @@ pub fn backend_or_skip_with<S>(
         !required,
         "{contract}: backend not configured but {REQUIRE_BACKENDS_VAR}=1; set {var} to run it"
     );
-    eprintln!("SKIPPED: store contract {contract}: backend not configured (set {var} to run it)");
+    skip_notice(&format!(
+        "SKIPPED: store contract {contract}: backend not configured (set {var} to run it)"
+    ));
     None
 }
 
