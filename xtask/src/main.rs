@@ -65,7 +65,9 @@ fn run(step: &str, mut cmd: Command) -> Result<()> {
 fn test(root: &Path, require: bool) -> Result<()> {
     let backends = services::detect(root, require)?;
     let mut cmd = cargo(root);
-    cmd.args(["test", "--workspace", "--all-targets"]);
+    // Default targets: libraries, binaries, integration tests, examples (built) and doc
+    // tests; clippy --all-targets already checks that the benches compile.
+    cmd.args(["test", "--workspace"]);
     for b in &backends {
         if let Some(url) = &b.url {
             cmd.env(b.env_var, url);
