@@ -6,7 +6,9 @@
 //!   transitions per second, and signal → step-start latency p50 / p99 with the store's
 //!   notifications on and off;
 //! - `timers`: N timers due at the same instant — time until the last one fired, and
-//!   lateness p50 / p99.
+//!   lateness p50 / p99;
+//! - `parallel`: a parallel state whose regions sleep 500 ms and 200 ms — event → `@done`
+//!   inline and dispatched, and the dispatch overhead.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
@@ -50,13 +52,15 @@ enum Scenario {
     Chart,
     /// A burst of due timers.
     Timers,
+    /// Inline vs dispatched parallel regions.
+    Parallel,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     let scenarios = if cli.scenarios.is_empty() {
-        vec![Scenario::Steps, Scenario::Chart, Scenario::Timers]
+        vec![Scenario::Steps, Scenario::Chart, Scenario::Timers, Scenario::Parallel]
     } else {
         cli.scenarios.clone()
     };
@@ -68,6 +72,7 @@ async fn main() -> Result<()> {
             Scenario::Steps => scenarios::steps(&store, cli.instances).await?,
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
+            Scenario::Parallel => scenarios::parallel(&store, 10).await?,
         };
         report.print();
         let path = cli.out.join(format!("{}-{}.json", report.name, cli.store.name()));
