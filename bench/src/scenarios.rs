@@ -417,19 +417,31 @@ pub async fn parallel(factory: &Factory, n: usize) -> Result<Report> {
             }
             let signals = ids.iter().map(|id| NewSignal::new(*id, "GO")).collect();
             let sent = Instant::now();
-            store.signal_deliver(SignalDeliverParams { signals, now: SystemClock.now() }).await?;
-            let mut done: HashMap<InstanceId, f64> = HashMap::new();
-            while done.len() < n && sent.elapsed() < Duration::from_secs(60) {
-                for id in &ids {
-                    if !done.contains_key(id)
-                        && store.instance_get(*id).await?.instance.status == keel_core::Status::Done
-                    {
-                        done.insert(*id, sent.elapsed().as_secs_f64() * 1000.0);
-                    }
+            let sent_at = SystemClock.now();
+            store.signal_deliver(SignalDeliverParams { signals, now: sent_at }).await?;
+            // Wait cheaply (one aggregate query), then read when each finished from its
+            // history: polling every instance would itself load the store.
+            loop {
+                let live: u64 = store
+                    .queue_stats(None, SystemClock.now())
+                    .await?
+                    .iter()
+                    .filter(|q| q.machine == "bench_parallel")
+                    .map(|q| q.ready + q.scheduled + q.executing + q.waiting + q.suspended)
+                    .sum();
+                if live == 0 || sent.elapsed() > Duration::from_secs(60) {
+                    break;
                 }
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
             worker.shutdown().await;
+            let mut done = HashMap::new();
+            for id in &ids {
+                let d = store.instance_get(*id).await?;
+                if let Some(h) = d.history.iter().find(|h| h.entry.kind == "STEP_DONE") {
+                    done.insert(*id, h.at.since(sent_at).as_secs_f64() * 1000.0);
+                }
+            }
             if done.len() < n {
                 bail!("parallel: {} of {n} finished", done.len());
             }
