@@ -323,6 +323,35 @@ impl State {
 
     // ----- commits ----------------------------------------------------------------------
 
+    /// Plans the insertion of `specs` (barrier children or spawned ones) with uniqueness
+    /// against existing rows and earlier plans of the same commit: per spec, the id it
+    /// will get or the occupant of its key. Changes nothing.
+    fn plan_inserts(
+        &self,
+        specs: &[NewInstance],
+        planned: &mut HashMap<Vec<u8>, InstanceId>,
+        last_id: &mut i64,
+    ) -> Vec<(NewInstance, InsertOutcome)> {
+        specs
+            .iter()
+            .map(|spec| {
+                let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+                let existing =
+                    guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
+                let result = if let Some(id) = existing {
+                    InsertOutcome::Existing(id)
+                } else {
+                    *last_id += 1;
+                    if let Some(g) = guard {
+                        planned.insert(g.to_vec(), InstanceId(*last_id));
+                    }
+                    InsertOutcome::Inserted(InstanceId(*last_id))
+                };
+                (spec.clone(), result)
+            })
+            .collect()
+    }
+
     /// Checks everything a commit needs and computes its effects, changing nothing.
     fn plan(&self, c: &StepCommit, now: Timestamp) -> StoreResult<Plan> {
         let row = self
@@ -349,43 +378,15 @@ impl State {
             _ => false,
         };
         let mut planned: HashMap<Vec<u8>, InstanceId> = HashMap::new();
-        let mut children = Vec::new();
         let mut last_id = self.last_instance;
-        if let Outcome::ScheduleChildren { children: specs, .. } = &c.outcome {
-            for spec in specs {
-                let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
-                let existing =
-                    guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
-                let result = if let Some(id) = existing {
-                    InsertOutcome::Existing(id)
-                } else {
-                    last_id += 1;
-                    if let Some(g) = guard {
-                        planned.insert(g.to_vec(), InstanceId(last_id));
-                    }
-                    InsertOutcome::Inserted(InstanceId(last_id))
-                };
-                children.push((spec.clone(), result));
-            }
-        }
+        let scheduled: &[NewInstance] = match &c.outcome {
+            Outcome::ScheduleChildren { children, .. } => children,
+            _ => &[],
+        };
+        let children = self.plan_inserts(scheduled, &mut planned, &mut last_id);
         let inserted =
             children.iter().filter(|(_, r)| matches!(r, InsertOutcome::Inserted(_))).count();
-        let mut spawned = Vec::new();
-        for spec in &c.spawn {
-            let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
-            let existing =
-                guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
-            let result = if let Some(id) = existing {
-                InsertOutcome::Existing(id)
-            } else {
-                last_id += 1;
-                if let Some(g) = guard {
-                    planned.insert(g.to_vec(), InstanceId(last_id));
-                }
-                InsertOutcome::Inserted(InstanceId(last_id))
-            };
-            spawned.push((spec.clone(), result));
-        }
+        let spawned = self.plan_inserts(&c.spawn, &mut planned, &mut last_id);
         let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted as i32 };
         let applied = outcome::apply(row, c, facts);
         if let Some(guard) = applied.row.unique_guard()
