@@ -16,7 +16,7 @@ use keel_core::chart::parallel::{
 };
 use keel_core::chart::{
     ActionError, ActionRequest, ActionResult, ChartContext, Configuration, Definition, Event,
-    Limits, Macrostep, MacrostepResult, Next,
+    Limits, Macrostep, MacrostepResult, Next, SharedContext,
 };
 use keel_core::config::QueueConfig;
 use keel_core::instance::{ANY_SIGNAL, HistoryEntry, NewInstance, NewSignal};
@@ -24,13 +24,11 @@ use keel_core::ports::store::InstanceDetail;
 use keel_core::retry::ErrorClass;
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
 use keel_parallel::{ParallelConfig, REGION_POSITION, REGION_REPORT_EVENT, RegionTaskContext};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 /// The position of a chart instance that has not entered its initial states yet.
 pub const INIT: &str = "@init";
@@ -40,17 +38,22 @@ pub const INIT: &str = "@init";
 /// commit). Cheap to clone; clones share state.
 #[derive(Clone)]
 pub struct ActionContext {
-    context: Arc<Mutex<ChartContext>>,
+    context: SharedContext,
     step: StepContext,
+}
+
+/// The context methods (`get`, `get_as`, `set`, `set_from`, `remove`, `raise`) are the
+/// core's [`SharedContext`]'s.
+impl std::ops::Deref for ActionContext {
+    type Target = SharedContext;
+    fn deref(&self) -> &SharedContext {
+        &self.context
+    }
 }
 
 impl ActionContext {
     fn new(context: ChartContext, step: StepContext) -> Self {
-        ActionContext { context: Arc::new(Mutex::new(context)), step }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, ChartContext> {
-        self.context.lock().unwrap_or_else(PoisonError::into_inner)
+        ActionContext { context: SharedContext::new(context), step }
     }
 
     /// The instance this action runs for.
@@ -63,47 +66,13 @@ impl ActionContext {
         self.step.attempt
     }
 
-    /// A context value.
-    pub fn get(&self, key: &str) -> Option<Value> {
-        self.lock().get(key).cloned()
-    }
-
-    /// A context value, deserialized.
-    pub fn get_as<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
-        self.lock().get_as(key)
-    }
-
-    /// Sets a context value.
-    pub fn set(&self, key: impl Into<String>, value: impl Into<Value>) {
-        self.lock().set(key, value);
-    }
-
-    /// Sets a context value from any serializable value.
-    pub fn set_from<T: Serialize>(
-        &self,
-        key: impl Into<String>,
-        value: &T,
-    ) -> Result<(), serde_json::Error> {
-        self.lock().set_from(key, value)
-    }
-
-    /// Removes a context value.
-    pub fn remove(&self, key: &str) -> Option<Value> {
-        self.lock().remove(key)
-    }
-
-    /// Raises an event for this instance, processed within the same macrostep.
-    pub fn raise(&self, event: impl Into<Event>) {
-        self.lock().raise(event);
-    }
-
     /// Emits an event to another instance, inserted in the same commit as this step.
     pub fn emit(&self, signal: NewSignal) {
         self.step.emit(signal);
     }
 
     fn into_result(self) -> ActionResult {
-        self.lock().clone().into_result()
+        self.context.to_result()
     }
 }
 

@@ -32,7 +32,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::chart::parallel::{
@@ -40,69 +40,16 @@ use keel_core::chart::parallel::{
     check, done_records, finish_report,
 };
 use keel_core::chart::{
-    ActionError, ActionResult, ChartContext, Configuration, Definition, Event, Limits, Macrostep,
-    MacrostepError, MacrostepResult, Next, Record, Timer, TimerArm, TimerKind,
+    ActionError, ChartContext, Configuration, Definition, Event, Limits, Macrostep, MacrostepError,
+    MacrostepResult, Next, Record, SharedContext, Timer, TimerArm, TimerKind,
 };
 use keel_core::instance::HistoryEntry;
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-/// The context handle an inline action receives: a shared [`ChartContext`] (clone it freely;
-/// the lock is only held inside each method, never across an `.await`).
-#[derive(Debug, Clone, Default)]
-pub struct ActionContext {
-    inner: Arc<Mutex<ChartContext>>,
-}
-
-impl ActionContext {
-    fn new(context: ChartContext) -> Self {
-        Self { inner: Arc::new(Mutex::new(context)) }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, ChartContext> {
-        // A panicking action poisons the lock; the data is still the best we have.
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// A copy of the value of a top-level key.
-    pub fn get(&self, key: &str) -> Option<Value> {
-        self.lock().get(key).cloned()
-    }
-
-    /// The value of a top-level key deserialized as `T`.
-    pub fn get_as<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
-        self.lock().get_as(key)
-    }
-
-    /// Sets a top-level key.
-    pub fn set(&self, key: impl Into<String>, value: impl Into<Value>) {
-        self.lock().set(key, value);
-    }
-
-    /// Sets a top-level key from any serializable value.
-    pub fn set_from<T: Serialize>(
-        &self,
-        key: impl Into<String>,
-        value: &T,
-    ) -> Result<(), serde_json::Error> {
-        self.lock().set_from(key, value)
-    }
-
-    /// Removes a top-level key.
-    pub fn remove(&self, key: &str) -> Option<Value> {
-        self.lock().remove(key)
-    }
-
-    /// Raises an internal event.
-    pub fn raise(&self, event: impl Into<Event>) {
-        self.lock().raise(event);
-    }
-
-    fn into_result(self) -> ActionResult {
-        self.lock().clone().into_result()
-    }
-}
+/// The context handle an inline action receives: the core's [`SharedContext`], the same
+/// handle the durable runtime gives actions.
+pub type ActionContext = SharedContext;
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<(), ActionError>> + Send>>;
 type ActionFn = Arc<dyn Fn(ActionContext, Event) -> BoxFuture + Send + Sync>;
@@ -306,9 +253,9 @@ impl TestMachine {
     fn region_report(&mut self, task: &RegionTask) -> RegionReport {
         let mut run = RegionRun::new(&self.def, task);
         while let Some(request) = run.poll().cloned() {
-            let ctx = ActionContext::new(run.context().clone());
+            let ctx = SharedContext::new(run.context().clone());
             let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
-            if let Err(e) = run.handle_action_result(outcome.map(|()| ctx.into_result())) {
+            if let Err(e) = run.handle_action_result(outcome.map(|()| ctx.to_result())) {
                 return RegionReport::Failed {
                     key: task.key.clone(),
                     error: e.message,
@@ -504,9 +451,9 @@ impl TestMachine {
         loop {
             match step.poll() {
                 Next::RunAction(request) => {
-                    let ctx = ActionContext::new(step.context().clone());
+                    let ctx = SharedContext::new(step.context().clone());
                     let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
-                    step.handle_action_result(outcome.map(|()| ctx.into_result()));
+                    step.handle_action_result(outcome.map(|()| ctx.to_result()));
                 }
                 Next::Done(result) => return *result,
             }

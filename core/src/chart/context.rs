@@ -170,6 +170,65 @@ impl ChartContext {
     }
 }
 
+/// A [`ChartContext`] shared between an action and the code that runs it: what an async
+/// action receives (clone it freely; the lock is only held inside each method, never
+/// across an `.await`). The runtime and `TestMachine` both hand actions this handle.
+#[derive(Debug, Clone, Default)]
+pub struct SharedContext {
+    inner: std::sync::Arc<std::sync::Mutex<ChartContext>>,
+}
+
+impl SharedContext {
+    /// Wraps a context.
+    pub fn new(context: ChartContext) -> Self {
+        Self { inner: std::sync::Arc::new(std::sync::Mutex::new(context)) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ChartContext> {
+        // A panicking action poisons the lock; the data is still the best we have.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A copy of the value of a top-level key.
+    pub fn get(&self, key: &str) -> Option<Value> {
+        self.lock().get(key).cloned()
+    }
+
+    /// The value of a top-level key deserialized as `T`.
+    pub fn get_as<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
+        self.lock().get_as(key)
+    }
+
+    /// Sets a top-level key.
+    pub fn set(&self, key: impl Into<String>, value: impl Into<Value>) {
+        self.lock().set(key, value);
+    }
+
+    /// Sets a top-level key from any serializable value.
+    pub fn set_from<T: Serialize>(
+        &self,
+        key: impl Into<String>,
+        value: &T,
+    ) -> Result<(), serde_json::Error> {
+        self.lock().set_from(key, value)
+    }
+
+    /// Removes a top-level key.
+    pub fn remove(&self, key: &str) -> Option<Value> {
+        self.lock().remove(key)
+    }
+
+    /// Raises an internal event, processed within the same macrostep.
+    pub fn raise(&self, event: impl Into<Event>) {
+        self.lock().raise(event);
+    }
+
+    /// What the action did: the changes and raised events, for `handle_action_result`.
+    pub fn to_result(&self) -> ActionResult {
+        self.lock().clone().into_result()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;

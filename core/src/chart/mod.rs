@@ -58,7 +58,7 @@ pub use algorithm::{
     MacrostepResult, Next, Record, run_to_completion,
 };
 pub use configuration::Configuration;
-pub use context::{ActionResult, ChartContext};
+pub use context::{ActionResult, ChartContext, SharedContext};
 pub use definition::{
     Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, StateBuilder,
     StateKind, StateNode, TransitionBuilder, TransitionDef,
