@@ -80,6 +80,9 @@ type BoxFuture = Pin<Box<dyn Future<Output = Result<(), ActionError>> + Send>>;
 type ActionFn = Arc<dyn Fn(ActionContext, Event) -> BoxFuture + Send + Sync>;
 
 /// A statechart definition with its actions, runnable by a [`Worker`](crate::Worker).
+/// Cloning is cheap (the definition and actions are shared), so one machine can be
+/// registered with several workers in a process.
+#[derive(Clone)]
 pub struct ChartMachine {
     definition: Arc<Definition>,
     actions: HashMap<String, ActionFn>,

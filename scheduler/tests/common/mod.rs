@@ -1,9 +1,10 @@
-//! Shared harness for the scheduler's tests: a `MemoryStore`, a `VirtualClock`, a client,
-//! and bounded waits.
+//! Shared harness for the scheduler's tests: a store (`MemoryStore` unless a test brings
+//! another), a `VirtualClock`, a client, and bounded waits.
 
 #![allow(dead_code, clippy::unused_self)]
 
 use keel_core::instance::NewInstance;
+use keel_core::ports::Store;
 use keel_core::{Instance, InstanceId, Status, Timestamp, WorkerId};
 use keel_scheduler::{Client, StepMachine, Worker, WorkerConfig, WorkerHandle};
 use keel_testkit::clock::VirtualClock;
@@ -13,15 +14,23 @@ use std::time::Duration;
 
 pub const T0: Timestamp = Timestamp(1_700_000_000_000);
 
-pub struct Harness {
-    pub store: Arc<MemoryStore>,
+pub struct Harness<S: Store = MemoryStore> {
+    pub store: Arc<S>,
     pub clock: VirtualClock,
-    pub client: Client<MemoryStore, VirtualClock>,
+    pub client: Client<S, VirtualClock>,
 }
 
-impl Harness {
+impl Harness<MemoryStore> {
     pub fn new() -> Self {
-        let store = Arc::new(MemoryStore::new());
+        Harness::with_store(MemoryStore::new())
+    }
+}
+
+impl<S: Store> Harness<S> {
+    /// A harness over `store` (stores take `now` from the caller, so the virtual clock
+    /// drives any backend).
+    pub fn with_store(store: S) -> Self {
+        let store = Arc::new(store);
         let clock = VirtualClock::new(T0);
         let client = Client::new(Arc::clone(&store), clock.clone());
         Harness { store, clock, client }
