@@ -33,7 +33,8 @@ pub struct StepContext {
     pub children: Vec<ChildSummary>,
     /// Business key, if any.
     pub business_key: Option<String>,
-    /// The parent's row as read just before the step ran, when the machine asked for it
+    /// The parent's row as read just after the step was claimed (one batched read per
+    /// claim), when the machine asked for it
     /// ([`StepMachine::wants_parent`]) and the instance has a parent. Read without any
     /// lock: it may be stale by the time the step commits (a pre-check, not a guard).
     pub parent: Option<Instance>,
@@ -176,7 +177,8 @@ pub trait StepMachine: Send + Sync + 'static {
     }
 
     /// Whether the worker should read the parent's row before running `step` (into
-    /// [`StepContext::parent`]). Default `false`: it costs a read.
+    /// [`StepContext::parent`]). Default `false`: it costs a read (one `instance_rows`
+    /// call per claim, shared by every claimed step that wants its parent).
     fn wants_parent(&self, step: &str) -> bool {
         let _ = step;
         false

@@ -228,6 +228,23 @@ impl Db<'_> {
         row.map(|r| self.instance_of(&r)).transpose()
     }
 
+    /// The rows of `ids` that exist, in id order (one statement; ids as a JSON array).
+    pub async fn instances(&mut self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
+        let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
+        let ids =
+            serde_json::to_string(&ids).map_err(|e| StoreError::invalid(format!("ids: {e}")))?;
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            instance_cols!(),
+            " FROM keel_instances WHERE id IN (SELECT value FROM json_each(?)) ORDER BY id"
+        ))
+        .bind(ids)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading instances"))?;
+        rows.iter().map(|r| self.instance_of(r)).collect()
+    }
+
     /// The row of `id`, or `NotFound`.
     pub async fn instance_required(&mut self, id: InstanceId) -> StoreResult<Instance> {
         self.instance(id)

@@ -6,8 +6,8 @@ use crate::error::map;
 use crate::ops;
 use crate::rows::{Db, dead_letter_cols};
 use async_trait::async_trait;
-use keel_core::instance::DeadLetter;
 use keel_core::instance::check_batch;
+use keel_core::instance::{DeadLetter, Instance};
 use keel_core::limits;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
@@ -382,6 +382,12 @@ impl Store for SqliteStore {
         // One snapshot for the row and its inbox, children and history; nothing to keep.
         tx.rollback().await.map_err(|e| map(file, "ending a read", &e))?;
         Ok(detail)
+    }
+
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
+        let mut conn = self.reader().await?;
+        Db { conn: &mut conn, file: self.file.as_str() }.instances(&ids).await
     }
 
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {

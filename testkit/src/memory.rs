@@ -730,6 +730,12 @@ impl State {
 
     // ----- inspection -------------------------------------------------------------------
 
+    fn rows_of(&self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
+        check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
+        let wanted: BTreeSet<InstanceId> = ids.iter().copied().collect();
+        Ok(wanted.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect())
+    }
+
     fn detail(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
         let row = self
             .rows
@@ -984,6 +990,10 @@ impl Store for MemoryStore {
 
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
         self.state().detail(id)
+    }
+
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        self.state().rows_of(&ids)
     }
 
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {

@@ -458,6 +458,12 @@ pub trait Store: Send + Sync + 'static {
     /// An instance with its inbox, children and history. `NotFound` if missing.
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail>;
 
+    /// The rows of several instances at once, without inbox, children or history: each
+    /// existing id once, in id order; missing ids are left out. At most
+    /// [`crate::limits::ROWS_BATCH_MAX`] ids (`Invalid` beyond, naming `ids`). What a
+    /// worker reads, in one call per claim, for its steps' lock-free pre-checks.
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>>;
+
     /// Resolves a signal target to an instance id (`None` when there is none).
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>>;
 

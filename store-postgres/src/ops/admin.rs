@@ -8,7 +8,9 @@ use crate::rows::{
     lock_instances, release_parents, ts, write_history, write_instances,
 };
 use deadpool_postgres::GenericClient;
-use keel_core::instance::{DeadLetter, HistoryEntry, Instance, SignalTarget, check_name};
+use keel_core::instance::{
+    DeadLetter, HistoryEntry, Instance, SignalTarget, check_batch, check_name,
+};
 use keel_core::outcome;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
@@ -130,6 +132,22 @@ pub(crate) async fn get<C: GenericClient + Sync>(
         history: history_rows?.iter().map(rows::history).collect(),
         timers: timer::list(&timer_rows?)?,
     })
+}
+
+/// The rows of `ids` that exist, in id order: one statement.
+pub(crate) async fn rows_of<C: GenericClient + Sync>(
+    c: &C,
+    ids: &[InstanceId],
+) -> OpResult<Vec<Instance>> {
+    check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
+    let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
+    let stmt = c
+        .prepare_cached(&format!(
+            "SELECT {INSTANCE_COLS} FROM instances WHERE id = ANY($1) ORDER BY id"
+        ))
+        .await?;
+    let found = c.query(&stmt, &[&ids]).await?;
+    Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 
 /// Resolves a target to an instance id.

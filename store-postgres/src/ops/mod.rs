@@ -14,7 +14,7 @@ use crate::TRANSACTION_RETRIES;
 use crate::error::{OpError, OpResult};
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
-use keel_core::instance::{DeadLetter, SignalTarget};
+use keel_core::instance::{DeadLetter, Instance, SignalTarget};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
@@ -211,6 +211,11 @@ impl Store for PgStore {
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
         let conn = self.client().await?;
         admin::get(&conn, id).await.map_err(StoreError::from)
+    }
+
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        let conn = self.client().await?;
+        admin::rows_of(&conn, &ids).await.map_err(StoreError::from)
     }
 
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {

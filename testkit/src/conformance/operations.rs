@@ -171,6 +171,32 @@ pub async fn instance_get_and_lookup<S: Store>(s: &S) {
     assert_eq!(d.history[1].entry.data, json!({ "from": "second", "to": "third" }));
 }
 
+/// `instance_rows` returns the rows of the ids that exist — each once, in id order, equal
+/// to what `instance_get` reports — and refuses more than `ROWS_BATCH_MAX` ids.
+pub async fn instance_rows_read_many_at_once<S: Store>(s: &S) {
+    let ns = "rows_many";
+    let a = insert_one(s, new_in(ns).context(json!({ "n": 1 })), at(0)).await;
+    let b = insert_one(s, new_in(ns).context(json!({ "n": 2 })), at(0)).await;
+    let c1 = claim_id(s, ns, a, at(10)).await;
+    step(s, &c1, super::support::next("second", 3), at(20)).await;
+    let missing = InstanceId(i64::MAX);
+    let rows = s.instance_rows(vec![b, missing, a, b]).await.expect("instance_rows");
+    assert_eq!(
+        rows.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![a, b],
+        "existing ids, once each, in id order"
+    );
+    assert_eq!(rows[0], get(s, a).await.instance, "the same row instance_get reads");
+    assert_eq!(rows[0].position, "second");
+    assert_eq!(rows[1], get(s, b).await.instance);
+    assert!(s.instance_rows(Vec::new()).await.expect("no ids").is_empty());
+    assert!(s.instance_rows(vec![missing]).await.expect("only missing").is_empty());
+    let err =
+        s.instance_rows(vec![a; limits::ROWS_BATCH_MAX + 1]).await.expect_err("over the limit");
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(err.message.contains("ids"), "the error names the field: {err}");
+}
+
 /// Contexts, payloads and results up to `PAYLOAD_BYTES_MAX` are accepted; one byte more
 /// is `Invalid`, naming the field, with nothing of the batch written.
 pub async fn payload_over_limit_rejected<S: Store>(s: &S) {
