@@ -227,6 +227,17 @@ async fn last_configuration<S: TestStore>(h: &Harness<S>, id: InstanceId) -> Vec
     steps.last().and_then(|s| s["configuration"].as_array().cloned()).unwrap_or_default()
 }
 
+/// Waits (at most 2 s) until the instance's history holds `n` or more entries of `kind`.
+async fn until_recorded<S: TestStore>(h: &Harness<S>, id: InstanceId, kind: &str, n: usize) {
+    for _ in 0..400 {
+        if entries(h, id, kind).await.len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("instance {id:?} never recorded {n} `{kind}` entries");
+}
+
 async fn history_len<S: TestStore>(h: &Harness<S>, id: InstanceId) -> usize {
     h.client.get(id).await.expect("get").history.len()
 }
@@ -421,12 +432,7 @@ async fn without_fail_the_machine_stays_and_records_parallel_fail_once<S: TestSt
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = spawn(&h, m);
     h.wait(id, "payment finished", in_state("processing.payment.ok")).await;
-    for _ in 0..200 {
-        if !entries(&h, id, "PARALLEL_FAIL").await.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_FAIL", 1).await;
     settled(&h, id).await;
     let fails = entries(&h, id, "PARALLEL_FAIL").await;
     assert_eq!(fails.len(), 1);
@@ -499,22 +505,12 @@ async fn guard_abort_after<S: TestStore>(event: &str, until: &'static str) -> (V
     );
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = spawn(&h, m);
-    for _ in 0..400 {
-        if entries(&h, id, "PARALLEL_REGION_ENTER").await.len() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_REGION_ENTER", 1).await;
     settled(&h, id).await;
     h.client.send(NewSignal::new(id, event)).await.unwrap();
     h.wait(id, "moved on", in_state(until)).await;
     gate.notify_one();
-    for _ in 0..400 {
-        if !entries(&h, id, "PARALLEL_REGION_GUARD_ABORT").await.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_REGION_GUARD_ABORT", 1).await;
     settled(&h, id).await;
     let aborts = entries(&h, id, "PARALLEL_REGION_GUARD_ABORT").await;
     let context = h.client.get(id).await.unwrap().instance.context;
@@ -554,12 +550,7 @@ async fn a_replayed_region_task_or_report_after_completion_is_a_no_op<S: TestSto
         .action("validate_payment", writes("payment", None));
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = spawn(&h, m);
-    for _ in 0..400 {
-        if entries(&h, id, "PARALLEL_REGION_ENTER").await.len() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_REGION_ENTER", 2).await;
     settled(&h, id).await;
     let before = history_len(&h, id).await;
     let context = h.client.get(id).await.unwrap().instance.context;
@@ -649,12 +640,7 @@ async fn a_region_that_does_not_advance_is_recorded_as_stalled<S: TestStore>() {
         .action("validate_payment", noop);
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = spawn(&h, m);
-    for _ in 0..400 {
-        if entries(&h, id, "PARALLEL_REGION_STALLED").await.len() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_REGION_STALLED", 2).await;
     let mut stalls = entries(&h, id, "PARALLEL_REGION_STALLED").await;
     stalls.sort_by_key(|s| s["region_id"].as_str().unwrap_or_default().to_owned());
     assert_eq!(
@@ -699,21 +685,11 @@ async fn the_region_timeout_fails_a_stuck_parallel_state_once<S: TestStore>() {
         .action("validate_payment", noop);
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = spawn(&h, m);
-    for _ in 0..400 {
-        if entries(&h, id, "PARALLEL_REGION_ENTER").await.len() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_REGION_ENTER", 2).await;
     settled(&h, id).await;
     h.clock.advance(Duration::from_secs(121));
     sweep(&h).await;
-    for _ in 0..400 {
-        if !entries(&h, id, "PARALLEL_REGION_TIMEOUT").await.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_recorded(&h, id, "PARALLEL_REGION_TIMEOUT", 1).await;
     settled(&h, id).await;
     assert_eq!(
         entries(&h, id, "PARALLEL_REGION_TIMEOUT").await,
