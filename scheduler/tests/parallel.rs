@@ -15,7 +15,8 @@ mod common;
 use common::Harness;
 use keel_core::chart::{ActionError, Definition, Event};
 use keel_core::config::QueueConfig;
-use keel_core::ports::Store;
+use keel_core::ports::store::LeaseReapParams;
+use keel_core::ports::{Clock, Store};
 use keel_core::retry::RetryPolicy;
 use keel_core::{Instance, InstanceId, NewInstance, NewSignal, Status, WorkerId};
 use keel_parallel::{ParallelConfig, REGION_POSITION, REGION_REPORT_EVENT};
@@ -105,6 +106,7 @@ on_every_store!(
     a_result_arriving_after_the_state_was_left_is_guard_aborted,
     a_replayed_region_task_or_report_after_completion_is_a_no_op,
     if_the_commit_entering_the_parallel_state_fails_no_region_task_exists,
+    a_rejected_commit_entering_the_parallel_state_leaves_no_region_task,
     a_key_written_by_both_regions_is_recorded_as_a_conflict,
     a_region_that_does_not_advance_is_recorded_as_stalled,
     the_region_timeout_fails_a_stuck_parallel_state_once,
@@ -186,6 +188,11 @@ fn happy(parallel: ParallelConfig) -> ChartMachine {
 struct Workers(Vec<WorkerHandle>);
 
 impl Workers {
+    /// Commits refused as `LeaseLost`, over every worker.
+    fn lease_lost(&self) -> u64 {
+        self.0.iter().map(|w| w.stats().lease_lost.load(Ordering::Relaxed)).sum()
+    }
+
     async fn shutdown(self) {
         for w in self.0 {
             w.shutdown().await;
@@ -606,6 +613,58 @@ async fn if_the_commit_entering_the_parallel_state_fails_no_region_task_exists<S
     h.wait(id, "completed", |r| r.status == Status::Done).await;
     assert_eq!(region_tasks(&h, id).await.len(), 2, "the successful retry dispatched");
     worker.shutdown().await;
+}
+
+/// The commit itself rejected: the entering step's lease is taken away while its action
+/// runs (as when a worker stalls past its lease and the reaper hands the row on), another
+/// run dispatches, and the stale run's commit — with its region tasks — is refused whole.
+async fn a_rejected_commit_entering_the_parallel_state_leaves_no_region_task<S: TestStore>() {
+    let h = S::harness().await;
+    let calls = Arc::new(AtomicU32::new(0));
+    let (entered, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (count, entering, gating) = (Arc::clone(&calls), Arc::clone(&entered), Arc::clone(&gate));
+    let m = happy(config(3)).action("prepare", move |_, _| {
+        let first = count.fetch_add(1, Ordering::SeqCst) == 0;
+        let (entering, gating) = (Arc::clone(&entering), Arc::clone(&gating));
+        async move {
+            if first {
+                entering.notify_one();
+                gating.notified().await;
+            }
+            Ok(())
+        }
+    });
+    let id = h.start(m.new_instance(json!({}))).await;
+    let workers = spawn(&h, m);
+    tokio::time::timeout(Duration::from_secs(5), entered.notified()).await.expect("first run");
+    // Take the lease from the worker that holds it: the row is runnable again. A reap
+    // skips a row another transaction has locked (here: the holder's heartbeat), so try
+    // again, like the reaper's next round.
+    let holder = h.client.get(id).await.expect("get").instance.lease_owner.expect("held");
+    let mut reaped = Vec::new();
+    for _ in 0..400 {
+        let params = LeaseReapParams { owner: Some(holder.clone()), limit: 10, now: h.clock.now() };
+        reaped = h.store.lease_reap(params).await.expect("reap");
+        if !reaped.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(reaped, [id]);
+    // The second run dispatches and the machine completes while the first still waits.
+    h.wait(id, "completed", |r| r.status == Status::Done).await;
+    gate.notify_one();
+    for _ in 0..400 {
+        if workers.lease_lost() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(workers.lease_lost(), 1, "the stale run's commit was refused");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(region_tasks(&h, id).await.len(), 2, "only the accepted commit's tasks exist");
+    assert_eq!(entries(&h, id, "PARALLEL_DISPATCH").await.len(), 1);
+    workers.shutdown().await;
 }
 
 async fn a_key_written_by_both_regions_is_recorded_as_a_conflict<S: TestStore>() {
