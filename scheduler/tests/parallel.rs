@@ -234,15 +234,21 @@ async fn last_configuration<S: TestStore>(h: &Harness<S>, id: InstanceId) -> Vec
     steps.last().and_then(|s| s["configuration"].as_array().cloned()).unwrap_or_default()
 }
 
-/// Waits (at most 2 s) until the instance's history holds `n` or more entries of `kind`.
-async fn until_recorded<S: TestStore>(h: &Harness<S>, id: InstanceId, kind: &str, n: usize) {
+/// Polls `done` every 5 ms until it holds; panics naming `what` after 2 s.
+async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
     for _ in 0..400 {
-        if entries(h, id, kind).await.len() >= n {
+        if done().await {
             return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    panic!("instance {id:?} never recorded {n} `{kind}` entries");
+    panic!("timed out waiting for {what}");
+}
+
+/// Waits until the instance's history holds `n` or more entries of `kind`.
+async fn until_recorded<S: TestStore>(h: &Harness<S>, id: InstanceId, kind: &str, n: usize) {
+    let what = format!("instance {id:?} to record {n} `{kind}` entries");
+    eventually(&what, async || entries(h, id, kind).await.len() >= n).await;
 }
 
 async fn history_len<S: TestStore>(h: &Harness<S>, id: InstanceId) -> usize {
@@ -476,12 +482,10 @@ async fn a_late_sibling_after_fail_is_a_no_op_adding_no_history<S: TestStore>() 
     h.wait(id, "failed", |r| r.status == Status::Done).await;
     let before = history_len(&h, id).await;
     h.clock.advance(Duration::from_secs(30));
-    for _ in 0..400 {
-        if region_tasks(&h, id).await.iter().all(|t| t.status.is_terminal()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually("every region task to end", async || {
+        region_tasks(&h, id).await.iter().all(|t| t.status.is_terminal())
+    })
+    .await;
     let tasks = region_tasks(&h, id).await;
     assert!(tasks.iter().all(|t| t.status.is_terminal()), "{tasks:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry did not run the action again");
@@ -642,24 +646,17 @@ async fn a_rejected_commit_entering_the_parallel_state_leaves_no_region_task<S: 
     // again, like the reaper's next round.
     let holder = h.client.get(id).await.expect("get").instance.lease_owner.expect("held");
     let mut reaped = Vec::new();
-    for _ in 0..400 {
+    eventually("the lease to be reaped", async || {
         let params = LeaseReapParams { owner: Some(holder.clone()), limit: 10, now: h.clock.now() };
         reaped = h.store.lease_reap(params).await.expect("reap");
-        if !reaped.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+        !reaped.is_empty()
+    })
+    .await;
     assert_eq!(reaped, [id]);
     // The second run dispatches and the machine completes while the first still waits.
     h.wait(id, "completed", |r| r.status == Status::Done).await;
     gate.notify_one();
-    for _ in 0..400 {
-        if workers.lease_lost() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually("the stale commit to be refused", async || workers.lease_lost() == 1).await;
     assert_eq!(workers.lease_lost(), 1, "the stale run's commit was refused");
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     assert_eq!(region_tasks(&h, id).await.len(), 2, "only the accepted commit's tasks exist");
@@ -725,15 +722,11 @@ async fn a_region_that_does_not_advance_is_recorded_as_stalled<S: TestStore>() {
 async fn sweep<S: TestStore>(h: &Harness<S>) {
     let sweeper = Sweeper::new(Arc::clone(&h.store), h.clock.clone(), SweepConfig::default())
         .expect("sweeper");
-    for _ in 0..400 {
-        if let SweepOutcome::Swept { report, .. } = sweeper.sweep(&[]).await.expect("sweep")
-            && report.processed > 0
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("the due timer was never swept");
+    eventually("the due timer to be swept", async || {
+        matches!(sweeper.sweep(&[]).await.expect("sweep"),
+            SweepOutcome::Swept { report, .. } if report.processed > 0)
+    })
+    .await;
 }
 
 async fn the_region_timeout_fails_a_stuck_parallel_state_once<S: TestStore>() {
