@@ -214,7 +214,7 @@ fn outcome_table() {
         (
             "done: terminal, result stored, context untouched",
             executing(0, 0),
-            Outcome::Done { result: json!({"ok": true}) },
+            Outcome::Done { result: json!({"ok": true}), step: None },
             None,
             (false, 0),
             Row {
@@ -222,6 +222,19 @@ fn outcome_table() {
                 result: Some(json!({"ok": true})),
                 history: hist(&["STEP_DONE"]),
                 ..base(Status::Done, "a", 0, 0)
+            },
+        ),
+        (
+            "done with a step: finish there (a chart at its final configuration)",
+            executing(1, 1),
+            Outcome::Done { result: json!({"ok": true}), step: Some("[\"rejected\"]".into()) },
+            None,
+            (false, 0),
+            Row {
+                context: ctx(0),
+                result: Some(json!({"ok": true})),
+                history: hist(&["STEP_DONE"]),
+                ..base(Status::Done, "[\"rejected\"]", 1, 0)
             },
         ),
         (
@@ -301,7 +314,7 @@ fn fencing_and_shape_are_checked_before_anything_changes() {
     let stale = StepCommit::new(
         row.id,
         FencingToken(row.fencing_token.0 - 1),
-        Outcome::Done { result: json!(1) },
+        Outcome::Done { result: json!(1), step: None },
     );
     let err = outcome::validate_commit(&row, &stale).unwrap_err();
     assert_eq!(err.kind, keel_core::ErrorKind::LeaseLost);
@@ -315,13 +328,23 @@ fn fencing_and_shape_are_checked_before_anything_changes() {
     assert_eq!(err.kind, keel_core::ErrorKind::Invalid);
     assert!(err.message.contains("outcome.context: must be a JSON object"), "{}", err.message);
 
+    let nameless = StepCommit::new(
+        row.id,
+        row.fencing_token,
+        Outcome::Done { result: json!(1), step: Some(String::new()) },
+    );
+    let err = outcome::validate_commit(&row, &nameless).unwrap_err();
+    assert_eq!(err.kind, keel_core::ErrorKind::Invalid);
+    assert!(err.message.contains("outcome.step"), "{}", err.message);
+
     let suspend = StepCommit::new(row.id, row.fencing_token, Outcome::Suspend);
     let err = outcome::validate_commit(&row, &suspend).unwrap_err();
     assert!(err.message.contains("Suspend needs a failure"), "{}", err.message);
 
     let mut not_executing = row.clone();
     not_executing.status = Status::Runnable;
-    let done = StepCommit::new(row.id, row.fencing_token, Outcome::Done { result: json!(1) });
+    let done =
+        StepCommit::new(row.id, row.fencing_token, Outcome::Done { result: json!(1), step: None });
     assert_eq!(
         outcome::validate_commit(&not_executing, &done).unwrap_err().kind,
         keel_core::ErrorKind::LeaseLost

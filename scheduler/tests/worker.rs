@@ -57,7 +57,7 @@ where
 }
 
 fn done() -> Result<Outcome, StepError> {
-    Ok(Outcome::Done { result: json!("ok") })
+    Ok(Outcome::Done { result: json!("ok"), step: None })
 }
 
 #[tokio::test]
@@ -166,7 +166,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
         }
         async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            Ok(Outcome::Done { result: json!("from the slow worker") })
+            Ok(Outcome::Done { result: json!("from the slow worker"), step: None })
         }
     }
     let config = WorkerConfig { heartbeat: Duration::from_secs(3600), ..h.config() };
@@ -199,7 +199,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
     let commit = StepCommit::new(
         id,
         claim.token(),
-        Outcome::Done { result: json!("from the other worker") },
+        Outcome::Done { result: json!("from the other worker"), step: None },
     );
     h.store.step_commit(CommitParams { commits: vec![commit], now: h.clock.now() }).await.unwrap()
         [0]
@@ -482,7 +482,7 @@ impl StepMachine for Hooks {
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
         if ctx.step == "parent" {
             if let Some(report) = ctx.signal("report") {
-                return Ok(Outcome::Done { result: report.payload.clone() });
+                return Ok(Outcome::Done { result: report.payload.clone(), step: None });
             }
             ctx.spawn(NewInstance::new(machine(), "child"));
             return Ok(Outcome::Await { signal: "report".into(), context: json!({}), step: None });
