@@ -11,6 +11,7 @@ mod common;
 use common::Harness;
 use keel_core::chart::Definition;
 use keel_core::ports::Store;
+use keel_core::ports::store::DeliveryOutcome;
 use keel_core::{Instance, NewSignal, Status};
 use keel_scheduler::ChartMachine;
 use keel_store_postgres::PgStore;
@@ -75,7 +76,10 @@ macro_rules! on_every_store {
     };
 }
 
-on_every_store!(a_finished_chart_shows_which_final_state_it_reached,);
+on_every_store!(
+    a_finished_chart_shows_which_final_state_it_reached,
+    a_finished_chart_closes_its_inbox,
+);
 
 /// A review with two ways to finish.
 fn review() -> Definition {
@@ -108,4 +112,34 @@ async fn a_finished_chart_shows_which_final_state_it_reached<S: TestStore>() {
     // The in-memory harness encodes the same final configuration the same way.
     assert_eq!(a.position, TestMachine::new(review()).send("APPROVE").position());
     assert_eq!(r.position, TestMachine::new(review()).send("REJECT").position());
+}
+
+async fn a_finished_chart_closes_its_inbox<S: TestStore>() {
+    let h = S::harness().await;
+    let m = ChartMachine::new(review());
+    let id = h.start(m.new_instance(json!({}))).await;
+    // Delivered together: the chart finishes on APPROVE and never consumes the two
+    // events behind it.
+    let batch = ["APPROVE", "NOTE", "REJECT"].iter().map(|e| NewSignal::new(id, *e)).collect();
+    h.client.send_many(batch).await.expect("send");
+    let worker = h.worker(h.config(), m);
+    h.wait(id, "approved", finished).await;
+    worker.shutdown().await;
+    let detail = h.client.get(id).await.expect("get");
+    assert!(detail.inbox.is_empty(), "a finished instance keeps no signals: {:?}", detail.inbox);
+    let drained: Vec<_> =
+        detail.history.iter().filter(|r| r.entry.kind == "INBOX_DRAINED").collect();
+    assert_eq!(drained.len(), 1, "one history entry records what was left unread");
+    assert_eq!(drained[0].entry.data["count"], json!(2));
+    assert_eq!(detail.history.last().map(|r| r.entry.kind.as_str()), Some("INBOX_DRAINED"));
+    let names: Vec<_> = drained[0].entry.data["signals"]
+        .as_array()
+        .expect("signals listed")
+        .iter()
+        .map(|s| s["name"].clone())
+        .collect();
+    assert_eq!(names, [json!("NOTE"), json!("REJECT")]);
+    let late = h.client.send(NewSignal::new(id, "APPROVE")).await.expect("send");
+    assert_eq!(late, DeliveryOutcome::TargetTerminal { target: id, status: Status::Done });
+    assert!(h.client.get(id).await.expect("get").inbox.is_empty(), "a late signal was stored");
 }
