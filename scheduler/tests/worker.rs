@@ -402,12 +402,24 @@ async fn await_wakes_on_the_signal_and_consumes_only_what_it_saw() {
     let row = h.wait(id, "done", |r| r.status == Status::Done).await;
     worker.shutdown().await;
     assert_eq!(row.context, json!({ "got": 7 }));
-    let inbox = h.client.get(id).await.unwrap().inbox;
-    assert_eq!(
-        inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
-        ["UNRELATED"],
-        "only GO was consumed"
-    );
+    // Only GO was consumed: UNRELATED was still pending when the instance finished, so
+    // the finish drained it from the inbox into history.
+    let detail = h.client.get(id).await.unwrap();
+    assert!(detail.inbox.is_empty(), "a finished instance keeps no signals");
+    let drained: Vec<&serde_json::Value> = detail
+        .history
+        .iter()
+        .filter(|r| r.entry.kind == "INBOX_DRAINED")
+        .map(|r| &r.entry.data)
+        .collect();
+    assert_eq!(drained.len(), 1, "one drain entry");
+    let names: Vec<&str> = drained[0]["signals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert_eq!(names, ["UNRELATED"], "only GO was consumed");
 }
 
 #[tokio::test]
