@@ -2,6 +2,7 @@
 //! commit-time facts, and the fields of the row that the reference transition produces.
 
 use keel_core::ids::{FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId};
+use keel_core::inbox;
 use keel_core::instance::{AttemptError, Instance, NewInstance};
 use keel_core::outcome::{self, ApplyFacts, Outcome, StepCommit, StepFailure};
 use keel_core::time::Timestamp;
@@ -68,6 +69,8 @@ fn check(
     outcome::validate_commit(row, &commit).expect("valid commit");
     let facts = ApplyFacts { now: NOW, signal_waiting: facts.0, children_inserted: facts.1 };
     let applied = outcome::apply(row, &commit, facts);
+    // Stores decide which inboxes to read for a drain before they apply anything.
+    assert_eq!(inbox::drains(&commit.outcome), applied.became_terminal(), "inbox::drains");
     let got = &applied.row;
     let actual = Row {
         status: got.status,
