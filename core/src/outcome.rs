@@ -61,10 +61,16 @@ pub enum Outcome {
         /// The context to park with.
         context: Value,
     },
-    /// Finish with a result (the context is not rewritten).
+    /// Finish with a result (the context is not rewritten). With `step`, move there
+    /// first: a chart instance finishes at its final configuration, so its position says
+    /// which final state it reached.
     Done {
         /// The result.
         result: Value,
+        /// The step (or encoded final configuration) to finish at; `None` stays at the
+        /// current one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        step: Option<String>,
     },
     /// Finish as failed with a reason.
     Stop {
@@ -235,7 +241,12 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
                 c.validate(&format!("outcome.children[{i}]"))?;
             }
         }
-        Outcome::Done { result } => check_size("outcome.result", result)?,
+        Outcome::Done { result, step } => {
+            check_size("outcome.result", result)?;
+            if let Some(step) = step {
+                check_name("outcome.step", step)?;
+            }
+        }
         Outcome::Suspend => {
             if !commit.failure.as_ref().is_some_and(|f| f.dead_letter) {
                 return Err(StoreError::invalid(
@@ -395,12 +406,15 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
                 json!({ "next": step, "requested": children.len(), "inserted": facts.children_inserted }),
             )
         }
-        Outcome::Done { result } => {
+        Outcome::Done { result, step } => {
+            if let Some(step) = step {
+                next.position.clone_from(step);
+            }
             next.result = Some(result.clone());
             next.status = Status::Done;
             next.awaits = None;
             errors.clear();
-            HistoryEntry::new("STEP_DONE", json!({ "step": row.position }))
+            HistoryEntry::new("STEP_DONE", json!({ "step": row.position, "at": next.position }))
         }
         Outcome::Stop { reason } => {
             next.status = Status::Failed;

@@ -2,6 +2,7 @@
 //! commit-time facts, and the fields of the row that the reference transition produces.
 
 use keel_core::ids::{FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId};
+use keel_core::inbox;
 use keel_core::instance::{AttemptError, Instance, NewInstance};
 use keel_core::outcome::{self, ApplyFacts, Outcome, StepCommit, StepFailure};
 use keel_core::time::Timestamp;
@@ -68,6 +69,8 @@ fn check(
     outcome::validate_commit(row, &commit).expect("valid commit");
     let facts = ApplyFacts { now: NOW, signal_waiting: facts.0, children_inserted: facts.1 };
     let applied = outcome::apply(row, &commit, facts);
+    // Stores decide which inboxes to read for a drain before they apply anything.
+    assert_eq!(inbox::drains(&commit.outcome), applied.became_terminal(), "inbox::drains");
     let got = &applied.row;
     let actual = Row {
         status: got.status,
@@ -214,7 +217,7 @@ fn outcome_table() {
         (
             "done: terminal, result stored, context untouched",
             executing(0, 0),
-            Outcome::Done { result: json!({"ok": true}) },
+            Outcome::Done { result: json!({"ok": true}), step: None },
             None,
             (false, 0),
             Row {
@@ -222,6 +225,19 @@ fn outcome_table() {
                 result: Some(json!({"ok": true})),
                 history: hist(&["STEP_DONE"]),
                 ..base(Status::Done, "a", 0, 0)
+            },
+        ),
+        (
+            "done with a step: finish there (a chart at its final configuration)",
+            executing(1, 1),
+            Outcome::Done { result: json!({"ok": true}), step: Some("[\"rejected\"]".into()) },
+            None,
+            (false, 0),
+            Row {
+                context: ctx(0),
+                result: Some(json!({"ok": true})),
+                history: hist(&["STEP_DONE"]),
+                ..base(Status::Done, "[\"rejected\"]", 1, 0)
             },
         ),
         (
@@ -301,7 +317,7 @@ fn fencing_and_shape_are_checked_before_anything_changes() {
     let stale = StepCommit::new(
         row.id,
         FencingToken(row.fencing_token.0 - 1),
-        Outcome::Done { result: json!(1) },
+        Outcome::Done { result: json!(1), step: None },
     );
     let err = outcome::validate_commit(&row, &stale).unwrap_err();
     assert_eq!(err.kind, keel_core::ErrorKind::LeaseLost);
@@ -315,13 +331,23 @@ fn fencing_and_shape_are_checked_before_anything_changes() {
     assert_eq!(err.kind, keel_core::ErrorKind::Invalid);
     assert!(err.message.contains("outcome.context: must be a JSON object"), "{}", err.message);
 
+    let nameless = StepCommit::new(
+        row.id,
+        row.fencing_token,
+        Outcome::Done { result: json!(1), step: Some(String::new()) },
+    );
+    let err = outcome::validate_commit(&row, &nameless).unwrap_err();
+    assert_eq!(err.kind, keel_core::ErrorKind::Invalid);
+    assert!(err.message.contains("outcome.step"), "{}", err.message);
+
     let suspend = StepCommit::new(row.id, row.fencing_token, Outcome::Suspend);
     let err = outcome::validate_commit(&row, &suspend).unwrap_err();
     assert!(err.message.contains("Suspend needs a failure"), "{}", err.message);
 
     let mut not_executing = row.clone();
     not_executing.status = Status::Runnable;
-    let done = StepCommit::new(row.id, row.fencing_token, Outcome::Done { result: json!(1) });
+    let done =
+        StepCommit::new(row.id, row.fencing_token, Outcome::Done { result: json!(1), step: None });
     assert_eq!(
         outcome::validate_commit(&not_executing, &done).unwrap_err().kind,
         keel_core::ErrorKind::LeaseLost

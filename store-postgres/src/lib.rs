@@ -55,12 +55,19 @@
 //!   `LeaseLost`, malformed ⇒ `Invalid`, unknown id or emit target ⇒ `NotFound`; a rejected
 //!   item writes nothing, the others go on), computes each row with the pure `apply`, and
 //!   writes all accepted rows with one `UPDATE … FROM unnest(…)`, deletes exactly the
-//!   consumed signal ids, appends history, stores dead letters, and decrements each parent
+//!   consumed signal ids (and, in the same statement, the whole inbox of every item that
+//!   ended its instance), appends history, stores dead letters, and decrements each parent
 //!   whose child became terminal (`greatest(n - k, 0)`, plus a `CHECK` that it never goes
 //!   negative) — one transaction. A batch of no-op `Done` outcomes costs **two round
 //!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
 //!   `NOTIFY` + `COMMIT`, pipelined. `ScheduleChildren` adds one insert; outbox emits add
 //!   the delivery path below.
+//! - **Terminal inboxes** (`keel_core::inbox`): round trip 1 of a commit also reads, after
+//!   the lock, what the `Done` / `Stop` items leave unread in their inboxes — per target
+//!   the count and the oldest few (one windowed `SELECT`) — for each drain's one history
+//!   entry, so a drain adds no round trip; a cancel reads its cancelled instances' inboxes
+//!   the same way and deletes them in one statement. Delivery to a terminal target stores
+//!   nothing (`TargetTerminal`), and the broadcast only matches non-terminal rows.
 //! - **Signals / no lost wake-up**: delivery locks the target rows (id order) before it
 //!   reads or writes their inbox, and an `Await` commit reads the inbox only after it holds
 //!   the row lock, so one of the two always sees the other. Dedup is `unique (target_id,
@@ -120,6 +127,10 @@
 //!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
 //!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry
 //!   say it parked, where the sequential reference store says it did not).
+//! - Likewise, an emit to an instance whose terminal commit is in the same batch is
+//!   delivered after that commit and so is not stored (`TargetTerminal`); the sequential
+//!   reference store may store it first and then list it in the instance's drain entry.
+//!   Either way the finished instance's inbox ends empty.
 
 mod error;
 mod migrate;

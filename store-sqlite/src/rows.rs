@@ -556,6 +556,16 @@ impl Db<'_> {
         Ok(())
     }
 
+    /// Removes every signal in `target`'s inbox (the instance ended).
+    pub async fn signals_drop(&mut self, target: InstanceId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_signals WHERE target_id = ?")
+            .bind(target.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("draining an inbox"))?;
+        Ok(())
+    }
+
     /// Stores a dead letter.
     pub async fn dead_letter_insert(
         &mut self,

@@ -181,11 +181,9 @@ pub enum DeliveryOutcome {
         /// The target.
         target: InstanceId,
     },
-    /// The target is terminal: the signal is recorded (in the inbox, for inspection) but
-    /// will never be processed.
+    /// The target is terminal: its inbox is closed (`keel_core::inbox`), so nothing was
+    /// stored — the signal would never be processed.
     TargetTerminal {
-        /// The recorded signal.
-        id: SignalId,
         /// The target.
         target: InstanceId,
         /// The target's terminal status.

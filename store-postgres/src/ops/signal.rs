@@ -7,6 +7,7 @@ use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
+use keel_core::inbox::{self, Pending};
 use keel_core::instance::{Instance, NewSignal, SignalTarget, check_batch};
 use keel_core::outcome;
 use keel_core::ports::store::{
@@ -74,6 +75,43 @@ const ALLOC: &str = "SELECT nextval('signals_id_seq') FROM generate_series(1, $1
 const INSERT: &str = "INSERT INTO signals (id, target_id, name, payload, dedup_key, inserted_at) \
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::text[], \
     $6::timestamptz[])";
+
+/// The signals pending in the inboxes of `$1` (leaving out the `($2, $3)` target and id
+/// pairs a commit consumes): per target, the total and the oldest `$4` by id and name.
+/// Read after the targets are locked, so no delivery slips in before their drain.
+pub(crate) const PENDING: &str = "SELECT target_id, total, id, name FROM ( \
+      SELECT s.target_id, s.id, s.name, count(*) OVER (PARTITION BY s.target_id) AS total, \
+        row_number() OVER (PARTITION BY s.target_id ORDER BY s.id) AS n \
+      FROM signals s WHERE s.target_id = ANY($1::int8[]) \
+        AND NOT EXISTS (SELECT 1 FROM unnest($2::int8[], $3::int8[]) AS x(t, s) \
+                        WHERE x.t = s.target_id AND x.s = s.id) \
+    ) p WHERE n <= $4 ORDER BY target_id, id";
+
+/// Removes `(target, id)` pairs from the inboxes, where a NULL id stands for every signal
+/// of that target (an inbox drained because its instance ended): a batch's consumption
+/// and drains in one statement.
+pub(crate) const REMOVE: &str = "DELETE FROM signals s \
+    USING unnest($1::int8[], $2::int8[]) AS c(t, id) \
+    WHERE s.target_id = c.t AND (c.id IS NULL OR s.id = c.id)";
+
+/// How many rows per target [`PENDING`] lists.
+pub(crate) fn pending_listed() -> i64 {
+    limits::INBOX_DRAIN_LISTED_MAX as i64
+}
+
+/// The rows of [`PENDING`], per target.
+pub(crate) fn pending_of(rows: &[tokio_postgres::Row]) -> OpResult<HashMap<i64, Pending>> {
+    let mut out: HashMap<i64, Pending> = HashMap::new();
+    for r in rows {
+        let target: i64 = r.try_get(0)?;
+        let total: i64 = r.try_get(1)?;
+        let (id, name): (i64, String) = (r.try_get(2)?, r.try_get(3)?);
+        let first = !out.contains_key(&target);
+        let count = if first { u64::try_from(total).unwrap_or(0) } else { 0 };
+        out.entry(target).or_default().push(SignalId(id), &name, count);
+    }
+    Ok(out)
+}
 
 /// Resolves targets to existing instance ids (a business key to its newest instance);
 /// `None` for a target that does not exist.
@@ -171,6 +209,10 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
             continue;
         };
         let target = row.id;
+        if !inbox::accepts_signals(row) {
+            d.outcomes.push(DeliveryOutcome::TargetTerminal { target, status: row.status });
+            continue;
+        }
         if let Some(k) = &s.dedup_key
             && let Some(id) = seen.get(&(target.0, k.clone()))
         {
@@ -188,9 +230,7 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
         d.dedup.push(s.dedup_key.clone());
         d.at.push(ts(now));
         let id = SignalId(id);
-        if row.status.is_terminal() {
-            d.outcomes.push(DeliveryOutcome::TargetTerminal { id, target, status: row.status });
-        } else if let Some(next) = outcome::deliver(row, &s.name, now) {
+        if let Some(next) = outcome::deliver(row, &s.name, now) {
             *row = next;
             woken.push(target.0);
             d.outcomes.push(DeliveryOutcome::Delivered { id, target, woke: true });

@@ -30,6 +30,7 @@ mod charts;
 mod children;
 mod claims;
 mod dead_letters;
+mod inbox;
 mod leases;
 mod operations;
 mod outcomes;
@@ -41,6 +42,7 @@ pub use charts::*;
 pub use children::*;
 pub use claims::*;
 pub use dead_letters::*;
+pub use inbox::*;
 pub use leases::*;
 pub use operations::*;
 pub use outcomes::*;
@@ -82,7 +84,10 @@ macro_rules! __store_contract_list {
             consume_only_seen_signals,
             signal_dedup_across_calls_and_within_batch,
             signal_to_missing_target_reported,
-            signal_to_terminal_target_recorded_and_reported,
+            signal_to_terminal_target_reported_not_stored,
+            terminal_commit_drains_inbox_into_one_history_entry,
+            cancel_drains_every_cancelled_inbox,
+            notices_and_broadcasts_to_terminal_instances_store_nothing,
             emit_outbox_delivered_in_same_commit,
             emit_to_missing_target_rejects_item,
             claim_inbox_bounded_in_arrival_order,

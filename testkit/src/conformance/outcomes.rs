@@ -125,7 +125,8 @@ pub async fn outcome_schedule_children_matches_reference<S: Store>(s: &S) {
     );
 }
 
-/// `Done`: terminal with the result; the context is not rewritten.
+/// `Done`: terminal with the result; the context is not rewritten; with a step, the
+/// position moves there.
 pub async fn outcome_done_matches_reference<S: Store>(s: &S) {
     let (_, d) =
         check_outcome(s, "outcome_done", |c| StepCommit::new(c.instance.id, c.token(), done()))
@@ -135,6 +136,14 @@ pub async fn outcome_done_matches_reference<S: Store>(s: &S) {
         (Status::Done, Some(json!({ "ok": true })))
     );
     assert_eq!(d.instance.context, ctx(0));
+    // With a step, the instance finishes there: a chart's final configuration.
+    let final_position = r#"["rejected"]"#;
+    let (_, d) = check_outcome(s, "outcome_done_at", |c| {
+        let outcome = Outcome::Done { result: json!(1), step: Some(final_position.into()) };
+        StepCommit::new(c.instance.id, c.token(), outcome)
+    })
+    .await;
+    assert_eq!((d.instance.status, d.instance.position.as_str()), (Status::Done, final_position));
 }
 
 /// `Stop`: terminal `failed` with `last_error`.
