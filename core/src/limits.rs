@@ -47,3 +47,16 @@ pub const TIMERS_PER_STEP_MAX: usize = 256;
 pub const TIMER_SWEEP_BATCH_MAX: usize = 10_000;
 /// Most timers an inspect returns.
 pub const TIMER_LIST_MAX: usize = 1_000;
+/// Deepest nesting of arrays and objects in any JSON value a caller hands Keel (contexts,
+/// payloads, results, history data). Stores read values back wrapped a few levels deeper
+/// (a claim returns the inbox as an array of objects), and common JSON readers, serde_json
+/// included, stop at 128 levels; 64 leaves room for that wrapping on every backend.
+pub const JSON_DEPTH_MAX: usize = 64;
+/// Longest delay of a `Retry` outcome (one year). A longer one is almost certainly a unit
+/// mistake; park the instance on a signal or a timer instead.
+pub const RETRY_DELAY_MAX: std::time::Duration = std::time::Duration::from_secs(366 * 86_400);
+/// Longest timer interval (`after`, `every`, a delegation's `@timeout`): ten years of days.
+pub const TIMER_INTERVAL_MAX: std::time::Duration = std::time::Duration::from_secs(3_660 * 86_400);
+/// Latest time a caller may name (`NewInstance::eligible_at`): the last millisecond of the
+/// year 9999, the end of the calendar that every store and date library represents exactly.
+pub const TIMESTAMP_MAX: crate::time::Timestamp = crate::time::Timestamp(253_402_300_799_999);

@@ -243,7 +243,16 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
                 ));
             }
         }
-        Outcome::Retry { .. } | Outcome::Stop { .. } => {}
+        Outcome::Retry { delay, .. } => {
+            if *delay > limits::RETRY_DELAY_MAX {
+                return Err(StoreError::invalid(format!(
+                    "outcome.delay: {} s is longer than the limit of {} s (one year); to wait that long, park on a signal or a timer",
+                    delay.as_secs(),
+                    limits::RETRY_DELAY_MAX.as_secs()
+                )));
+            }
+        }
+        Outcome::Stop { .. } => {}
     }
     let scheduled = match &commit.outcome {
         Outcome::ScheduleChildren { children, .. } => children.len(),
@@ -263,6 +272,18 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
                 "timers_arm[{i}].interval: must be positive (InvalidTimerDefinition); use Timer::seconds(n) with n > 0"
             )));
         }
+        if t.interval > limits::TIMER_INTERVAL_MAX {
+            return Err(StoreError::invalid(format!(
+                "timers_arm[{i}].interval: {} s is longer than the limit of {} s (ten years); use a shorter timer",
+                t.interval.as_secs(),
+                limits::TIMER_INTERVAL_MAX.as_secs()
+            )));
+        }
+        if t.max == Some(0) {
+            return Err(StoreError::invalid(format!(
+                "timers_arm[{i}].max: must be at least 1 fire; drop `max` for a timer that repeats while the state is active"
+            )));
+        }
         if let Some(then) = &t.then {
             check_name(&format!("timers_arm[{i}].then"), then)?;
         }
@@ -272,6 +293,13 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
         s.validate(&format!("emit[{i}]"))?;
     }
     check_batch("history", commit.history.len(), limits::HISTORY_PER_STEP_MAX)?;
+    for (i, h) in commit.history.iter().enumerate() {
+        check_name(&format!("history[{i}].kind"), &h.kind)?;
+        check_size(&format!("history[{i}].data"), &h.data)?;
+    }
+    if let Some(event) = commit.failure.as_ref().and_then(|f| f.event.as_ref()) {
+        check_size("failure.event", event)?;
+    }
     Ok(())
 }
 
@@ -449,6 +477,51 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
     });
     next.errors = errors;
     Applied { row: next, history, dead_letter }
+}
+
+/// Why a dead letter was made for a row the store could not decode.
+pub const UNDECODABLE_REASON: &str = "undecodable";
+
+/// What becomes of a claimed row the store could not fully decode (a stored context, result
+/// or inbox payload no JSON reader accepts): it fails alone. The row is suspended with its
+/// lease released and `last_error` naming the decode error, a dead letter with reason
+/// [`UNDECODABLE_REASON`] carries the error, and history records both. The caller is the
+/// claim, holding `row` (already executing under the claim's token); it writes the result
+/// back without touching the undecodable columns, so the stored value is kept for an
+/// operator to inspect, fix by hand, retry or cancel.
+pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
+    let error = clip_error(&format!("stored value cannot be read back: {error}"));
+    let mut next = row.clone();
+    release_lease(&mut next);
+    next.status = Status::Suspended;
+    next.last_error = Some(error.clone());
+    next.updated_at = now;
+    next.revision = Revision(row.revision.0 + 1);
+    let mut errors = row.errors.clone();
+    push_error(&mut errors, row.attempt, &error, now);
+    next.errors.clone_from(&errors);
+    let history = vec![
+        HistoryEntry::new("ROW_UNDECODABLE", json!({ "error": error })),
+        HistoryEntry::new(
+            "DEAD_LETTERED",
+            json!({ "reason": UNDECODABLE_REASON, "attempts": row.attempt + 1, "error": error }),
+        ),
+    ];
+    let dead_letter = NewDeadLetter {
+        instance: row.id,
+        namespace: row.namespace.clone(),
+        machine: row.machine.clone(),
+        position: row.position.clone(),
+        signals: Vec::new(),
+        event: None,
+        correlation_id: row.correlation_id.clone(),
+        reason: UNDECODABLE_REASON.to_owned(),
+        attempts: row.attempt + 1,
+        first_attempt_at: errors.first().map_or(now, |e| e.at),
+        last_attempt_at: now,
+        errors,
+    };
+    Applied { row: next, history, dead_letter: Some(dead_letter) }
 }
 
 /// The event a child machine's terminal commit delivers into its parent's inbox, in the

@@ -1,0 +1,186 @@
+//! Contracts for what every store refuses at the door, the same way: JSON nested deeper
+//! than any store can read back, NUL characters, the key reserved for undecodable-value
+//! markers, and times and delays past their bounds. Each refusal is `Invalid`, names the
+//! field, and writes nothing; a value at the bound is accepted and reads back unchanged.
+
+use super::support::{
+    at, claim, claim_id, claim_params, commit, ctx, deliver, get, insert_one, new_in, row,
+};
+use keel_core::chart::{TimerArm, TimerKind};
+use keel_core::instance::{HistoryEntry, NewSignal, SignalTarget, UNDECODABLE};
+use keel_core::limits;
+use keel_core::outcome::Outcome;
+use keel_core::ports::Store;
+use keel_core::ports::store::{InsertParams, SignalDeliverParams};
+use keel_core::{ErrorKind, NewInstance, StepCommit, StoreResult, Timestamp};
+use serde_json::{Value, json};
+use std::fmt::Debug;
+use std::time::Duration;
+
+/// `levels` arrays nested in one another (`[[…]]`).
+fn nested(levels: usize) -> Value {
+    let mut v = json!([]);
+    for _ in 1..levels {
+        v = Value::Array(vec![v]);
+    }
+    v
+}
+
+/// A context object whose whole nesting is `levels` deep.
+fn deep_ctx(levels: usize) -> Value {
+    json!({ "d": nested(levels - 1) })
+}
+
+/// Expects `Invalid` naming `field`.
+fn expect_invalid<T: Debug>(result: StoreResult<T>, field: &str) {
+    match result {
+        Err(e) => {
+            assert_eq!(e.kind, ErrorKind::Invalid, "{field}: wrong error kind ({e})");
+            assert!(e.message.contains(field), "the message names {field}: {}", e.message);
+        }
+        Ok(v) => panic!("{field}: expected Invalid, got Ok({v:?})"),
+    }
+}
+
+async fn insert_invalid<S: Store>(s: &S, new: NewInstance, field: &str) {
+    let params = InsertParams { instances: vec![new], now: at(1) };
+    expect_invalid(s.instance_insert(params).await, field);
+}
+
+async fn deliver_invalid<S: Store>(s: &S, signal: NewSignal, field: &str) {
+    let params = SignalDeliverParams { signals: vec![signal], now: at(2) };
+    expect_invalid(s.signal_deliver(params).await, field);
+}
+
+async fn commit_invalid<S: Store>(s: &S, c: StepCommit, field: &str) {
+    expect_invalid(commit(s, c, at(20)).await, field);
+}
+
+/// JSON nested deeper than [`limits::JSON_DEPTH_MAX`] is refused wherever it enters: an
+/// instance's context, a signal's payload, and a commit's context, result, emitted
+/// payload, history data and spawned child. At the bound it is stored and read back whole,
+/// by the claim (inbox included) and by an inspect.
+pub async fn json_nested_too_deep_rejected_everywhere<S: Store>(s: &S) {
+    let ns = "json_depth";
+    let max = limits::JSON_DEPTH_MAX;
+    insert_invalid(s, new_in(ns).context(deep_ctx(max + 1)), "instances[0].context").await;
+    let id = insert_one(s, new_in(ns).context(deep_ctx(max)), at(0)).await;
+    deliver_invalid(s, NewSignal::new(id, "deep").payload(nested(max + 1)), "signals[0].payload")
+        .await;
+    deliver(s, vec![NewSignal::new(id, "deep").payload(nested(max))], at(3)).await;
+
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    assert_eq!(claimed.instance.context, deep_ctx(max), "the context at the bound reads back");
+    assert_eq!(claimed.inbox.len(), 1);
+    assert_eq!(claimed.inbox[0].payload, nested(max), "the payload at the bound reads back");
+
+    let token = claimed.token();
+    let next = |context: Value| Outcome::Next { step: "b".into(), context };
+    let too_deep = StepCommit::new(id, token, next(deep_ctx(max + 1)));
+    commit_invalid(s, too_deep, "outcome.context").await;
+    let result = StepCommit::new(id, token, Outcome::Done { result: nested(max + 1) });
+    commit_invalid(s, result, "outcome.result").await;
+    let emit = StepCommit::new(id, token, next(ctx(1)))
+        .emit(NewSignal::new(id, "e").payload(nested(max + 1)));
+    commit_invalid(s, emit, "emit[0].payload").await;
+    let history =
+        StepCommit::new(id, token, next(ctx(1))).record(HistoryEntry::new("NOTE", nested(max + 1)));
+    commit_invalid(s, history, "history[0].data").await;
+    let mut spawn = StepCommit::new(id, token, next(ctx(1)));
+    spawn.spawn.push(new_in(ns).context(deep_ctx(max + 1)));
+    commit_invalid(s, spawn, "spawn[0].context").await;
+    assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
+
+    let done = StepCommit::new(id, token, Outcome::Done { result: nested(max) });
+    commit(s, done, at(30)).await.expect("a result at the bound is accepted");
+    assert_eq!(row(s, id).await.result, Some(nested(max)), "the result at the bound reads back");
+}
+
+/// A NUL character is refused in names, keys and JSON (strings and object keys) on every
+/// store, naming the field; error texts (a `Stop` reason) are kept with the NUL replaced.
+pub async fn nul_characters_rejected_everywhere<S: Store>(s: &S) {
+    let ns = "nul_chars";
+    insert_invalid(s, new_in(ns).business_key("a\0b"), "instances[0].business_key").await;
+    insert_invalid(s, new_in(ns).queue("q\0"), "instances[0].queue").await;
+    insert_invalid(s, new_in(ns).context(json!({ "k": "a\0" })), "instances[0].context").await;
+    insert_invalid(s, new_in(ns).context(json!({ "a\0": 1 })), "instances[0].context").await;
+    let id = insert_one(s, new_in(ns).business_key("k1"), at(0)).await;
+
+    deliver_invalid(s, NewSignal::new(id, "E\0"), "signals[0].name").await;
+    deliver_invalid(s, NewSignal::new(id, "E").payload(json!("x\0")), "signals[0].payload").await;
+    deliver_invalid(s, NewSignal::new(id, "E").dedup_key("d\0"), "signals[0].dedup_key").await;
+    let by_key = SignalTarget::Key {
+        namespace: ns.into(),
+        machine: new_in(ns).machine.name,
+        key: "k\0".into(),
+    };
+    deliver_invalid(s, NewSignal::new(by_key, "E"), "signals[0].target.key").await;
+    assert!(get(s, id).await.inbox.is_empty(), "a rejected delivery stored something");
+
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    let token = claimed.token();
+    let step = StepCommit::new(id, token, Outcome::Next { step: "s\0".into(), context: ctx(1) });
+    commit_invalid(s, step, "outcome.step").await;
+    let context = json!({ "note": "\0" });
+    let step = StepCommit::new(id, token, Outcome::Next { step: "s".into(), context });
+    commit_invalid(s, step, "outcome.context").await;
+    assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
+
+    let stop = StepCommit::new(id, token, Outcome::Stop { reason: "bad\0reason".into() });
+    commit(s, stop, at(20)).await.expect("a reason with NUL is kept, cleaned");
+    assert_eq!(row(s, id).await.last_error.as_deref(), Some("bad\u{fffd}reason"));
+}
+
+/// The key that marks undecodable values is reserved: a context, payload or result that is
+/// an object carrying it is refused.
+pub async fn undecodable_marker_key_reserved<S: Store>(s: &S) {
+    let ns = "marker_key";
+    let marked = json!({ UNDECODABLE: { "column": "context", "error": "x" } });
+    insert_invalid(s, new_in(ns).context(marked.clone()), "instances[0].context").await;
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    deliver_invalid(s, NewSignal::new(id, "E").payload(marked.clone()), "signals[0].payload").await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    let done = StepCommit::new(id, claimed.token(), Outcome::Done { result: marked });
+    commit_invalid(s, done, "outcome.result").await;
+    assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
+}
+
+/// Times and delays have bounds: a start time after [`limits::TIMESTAMP_MAX`], a `Retry`
+/// delay over [`limits::RETRY_DELAY_MAX`], a timer interval over
+/// [`limits::TIMER_INTERVAL_MAX`] and a timer `max` of zero are refused; the bounds
+/// themselves are accepted and stored exactly.
+pub async fn time_and_delay_bounds_enforced<S: Store>(s: &S) {
+    let ns = "time_bounds";
+    let never = new_in(ns).eligible_at(Timestamp(i64::MAX));
+    insert_invalid(s, never, "instances[0].eligible_at").await;
+    let late = insert_one(s, new_in(ns).eligible_at(limits::TIMESTAMP_MAX), at(0)).await;
+    assert_eq!(row(s, late).await.eligible_at, limits::TIMESTAMP_MAX);
+
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    let token = claimed.token();
+    let retry = |delay| Outcome::Retry { context: ctx(1), delay };
+    commit_invalid(s, StepCommit::new(id, token, retry(Duration::MAX)), "outcome.delay").await;
+    let over = limits::RETRY_DELAY_MAX + Duration::from_millis(1);
+    commit_invalid(s, StepCommit::new(id, token, retry(over)), "outcome.delay").await;
+    let arm = |interval, max| TimerArm {
+        state: "a".into(),
+        event: "TICK".into(),
+        kind: TimerKind::Every,
+        interval,
+        max,
+        then: None,
+    };
+    let long = limits::TIMER_INTERVAL_MAX + Duration::from_secs(1);
+    let mut timer = StepCommit::new(id, token, Outcome::Next { step: "a".into(), context: ctx(1) });
+    timer.timers_arm.push(arm(long, None));
+    commit_invalid(s, timer.clone(), "timers_arm[0].interval").await;
+    timer.timers_arm = vec![arm(Duration::from_secs(1), Some(0))];
+    commit_invalid(s, timer, "timers_arm[0].max").await;
+    assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
+
+    let at_bound = StepCommit::new(id, token, retry(limits::RETRY_DELAY_MAX));
+    commit(s, at_bound, at(20)).await.expect("a delay at the bound is accepted");
+    assert_eq!(row(s, id).await.eligible_at, at(20).plus(limits::RETRY_DELAY_MAX));
+    assert!(claim(s, claim_params(ns, 10, at(30))).await.is_empty(), "nothing is due yet");
+}
