@@ -1,9 +1,10 @@
 //! A poison row — a stored value no JSON reader accepts, planted straight into the
-//! database past every check the client makes — must fail that instance alone. A real
-//! `Worker` runs 100 two-step instances next to it, on a SQLite file and on PostgreSQL
-//! (when `KEEL_TEST_DATABASE_URL` is set; required under `KEEL_REQUIRE_BACKENDS=1`): all
-//! 100 finish, the poison instance ends suspended in the dead-letter queue with the decode
-//! error, `get` shows it, `cancel` ends it, and the stored value is still there.
+//! database past every check the client makes — must fail that instance alone. One
+//! instance gets a poison context, another a poison signal in its inbox; a real `Worker`
+//! runs 100 two-step instances next to them, on a SQLite file and on PostgreSQL (when
+//! `KEEL_TEST_DATABASE_URL` is set; required under `KEEL_REQUIRE_BACKENDS=1`): all 100
+//! finish, both poisoned instances end suspended in the dead-letter queue with the decode
+//! error, `get` shows them, `cancel` ends them, and the stored value is still there.
 
 use async_trait::async_trait;
 use keel_core::instance::{NewInstance, undecodable_error};
@@ -49,12 +50,13 @@ fn poison_text() -> String {
     format!("{}{{}}{}", "{\"d\": ".repeat(POISON_DEPTH), "}".repeat(POISON_DEPTH))
 }
 
-/// Runs the scenario on `store`; `plant` overwrites the context of the instance it is given
-/// with [`poison_text`] behind the store's back, and `stored` reads that column's raw text.
+/// Runs the scenario on `store`. `plant(a, b)` writes [`poison_text`] behind the store's
+/// back as the context of `a` and as the payload of a new signal in the inbox of `b`;
+/// `stored` reads the raw text of an instance's context column.
 async fn poison_fails_alone<S, P, PF, R, RF>(store: S, plant: P, stored: R)
 where
     S: Store + 'static,
-    P: FnOnce(InstanceId) -> PF,
+    P: FnOnce(InstanceId, InstanceId) -> PF,
     PF: Future<Output = ()>,
     R: FnOnce(InstanceId) -> RF,
     RF: Future<Output = String>,
@@ -62,13 +64,12 @@ where
     let store = Arc::new(store);
     let client = Client::new(Arc::clone(&store), SystemClock);
     let new = || NewInstance::new(TwoSteps.machine(), "one");
-    // The poison row is inserted first, so it is in the first claim batch with the others.
-    let mut batch = vec![new()];
-    batch.extend((0..NEIGHBOURS).map(|_| new()));
+    // The poison rows are inserted first, so they are in the first claim batch with others.
+    let batch = (0..NEIGHBOURS + 2).map(|_| new()).collect();
     let ids: Vec<InstanceId> =
         client.start_many(batch).await.expect("start").iter().map(|o| o.id()).collect();
-    let (poison, neighbours) = (ids[0], &ids[1..]);
-    plant(poison).await;
+    let (poison, poison_inbox, neighbours) = (ids[0], ids[1], &ids[2..]);
+    plant(poison, poison_inbox).await;
 
     let config = WorkerConfig {
         worker_id: WorkerId("poison-test".into()),
@@ -89,6 +90,7 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let detail = client.get(poison).await.expect("get works on the poison row");
+    let inbox_detail = client.get(poison_inbox).await.expect("get works on the poison inbox");
     worker.shutdown().await;
     assert!(
         unfinished.is_empty(),
@@ -107,16 +109,25 @@ where
         row.context
     );
     let letters = client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
-    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters.len(), 2, "{letters:?}");
     let letter = &letters[0].letter;
     assert_eq!((letter.instance, letter.reason.as_str()), (poison, UNDECODABLE_REASON));
     assert_eq!(letter.errors.last().map(|e| e.error.as_str()), Some(error.as_str()));
     let kinds: Vec<&str> = detail.history.iter().map(|h| h.entry.kind.as_str()).collect();
     assert!(kinds.ends_with(&["ROW_UNDECODABLE", "DEAD_LETTERED"]), "{kinds:?}");
 
-    let cancelled = client.cancel(poison, "poison", false).await.expect("cancel works");
-    assert_eq!(cancelled, vec![poison]);
-    assert_eq!(client.get(poison).await.expect("get").instance.status, Status::Cancelled);
+    let row = &inbox_detail.instance;
+    assert_eq!(row.status, Status::Suspended, "a poison signal dead-letters its target");
+    let error = row.last_error.clone().unwrap_or_default();
+    assert!(error.contains("inbox") && error.contains("recursion limit"), "{error}");
+    assert_eq!(letters[1].letter.instance, poison_inbox);
+    assert_eq!(inbox_detail.inbox.len(), 1, "the poison signal is kept");
+
+    for id in [poison, poison_inbox] {
+        let cancelled = client.cancel(id, "poison", false).await.expect("cancel works");
+        assert_eq!(cancelled, vec![id]);
+        assert_eq!(client.get(id).await.expect("get").instance.status, Status::Cancelled);
+    }
     let text = stored(poison).await;
     assert_eq!(text.matches("\"d\"").count(), POISON_DEPTH, "the stored value is kept: {text}");
 }
@@ -127,7 +138,7 @@ async fn sqlite_poison_row_fails_alone() {
     let path = dir.path().join("poison.db").display().to_string();
     let store = SqliteStore::open(&path).await.expect("open");
     let url = format!("sqlite://{path}");
-    let plant = |id: InstanceId| {
+    let plant = |context: InstanceId, inbox: InstanceId| {
         let url = url.clone();
         async move {
             let mut c = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url)
@@ -135,10 +146,19 @@ async fn sqlite_poison_row_fails_alone() {
                 .expect("a second connection to the file");
             sqlx::query("UPDATE keel_instances SET context = ? WHERE id = ?")
                 .bind(poison_text())
-                .bind(id.0)
+                .bind(context.0)
                 .execute(&mut c)
                 .await
                 .expect("plant the poison value");
+            sqlx::query(
+                "INSERT INTO keel_signals (target_id, name, payload, inserted_at) \
+                 VALUES (?, 'POISON', ?, 0)",
+            )
+            .bind(inbox.0)
+            .bind(poison_text())
+            .execute(&mut c)
+            .await
+            .expect("plant the poison signal");
         }
     };
     let stored = |id: InstanceId| {
@@ -169,14 +189,21 @@ async fn postgres_poison_row_fails_alone() {
     let raw: Arc<PgStore> = Arc::new(store.clone());
     let plant = {
         let raw = Arc::clone(&raw);
-        move |id: InstanceId| async move {
+        move |context: InstanceId, inbox: InstanceId| async move {
             let c = raw.client().await.expect("a connection");
             c.execute(
                 "UPDATE instances SET context = $1::text::jsonb WHERE id = $2",
-                &[&poison_text(), &id.0],
+                &[&poison_text(), &context.0],
             )
             .await
             .expect("plant the poison value");
+            c.execute(
+                "INSERT INTO signals (target_id, name, payload, inserted_at) \
+                 VALUES ($1, 'POISON', $2::text::jsonb, now())",
+                &[&inbox.0, &poison_text()],
+            )
+            .await
+            .expect("plant the poison signal");
         }
     };
     let stored = move |id: InstanceId| async move {
