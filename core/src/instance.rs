@@ -277,11 +277,17 @@ impl NewInstance {
 
     /// Checks names, sizes and the context shape. Errors name the field and the fix.
     pub fn validate(&self, field: &str) -> StoreResult<()> {
+        self.validate_within(field, limits::JSON_DEPTH_MAX)
+    }
+
+    /// [`validate`](Self::validate) with another bound on the context's nesting (a step
+    /// commit's children use [`limits::JSON_DEPTH_STORED_MAX`]).
+    pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.namespace"), &self.namespace)?;
         check_name(&format!("{field}.machine.name"), &self.machine.name)?;
         check_name(&format!("{field}.position"), &self.position)?;
         check_name(&format!("{field}.queue"), &self.queue)?;
-        check_object(&format!("{field}.context"), &self.context)?;
+        check_object_within(&format!("{field}.context"), &self.context, depth_max)?;
         for (name, value) in [
             ("business_key", &self.business_key),
             ("concurrency_key", &self.concurrency_key),
@@ -373,6 +379,12 @@ impl NewSignal {
 
     /// Checks the name, dedup key and payload size.
     pub fn validate(&self, field: &str) -> StoreResult<()> {
+        self.validate_within(field, limits::JSON_DEPTH_MAX)
+    }
+
+    /// [`validate`](Self::validate) with another bound on the payload's nesting (a step
+    /// commit's emits use [`limits::JSON_DEPTH_STORED_MAX`]).
+    pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.name"), &self.name)?;
         if self.name == ANY_SIGNAL {
             return Err(StoreError::invalid(format!(
@@ -387,7 +399,7 @@ impl NewSignal {
             check_name(&format!("{field}.target.machine"), machine)?;
             check_name(&format!("{field}.target.key"), key)?;
         }
-        check_size(&format!("{field}.payload"), &self.payload)
+        check_size_within(&format!("{field}.payload"), &self.payload, depth_max)
     }
 }
 
@@ -544,13 +556,18 @@ pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
 
 /// Checks that `value` is a JSON object within the payload size limit.
 pub fn check_object(field: &str, value: &Value) -> StoreResult<()> {
+    check_object_within(field, value, limits::JSON_DEPTH_MAX)
+}
+
+/// [`check_object`] with another depth bound.
+pub fn check_object_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
     if !value.is_object() {
         return Err(StoreError::invalid(format!(
             "{field}: must be a JSON object like {{\"key\": \"value\"}} (got {})",
             json_type(value)
         )));
     }
-    check_size(field, value)
+    check_size_within(field, value, depth_max)
 }
 
 /// Checks that a text field has no NUL character. Some stores (PostgreSQL) cannot hold one
@@ -569,6 +586,11 @@ pub fn check_text(field: &str, value: &str) -> StoreResult<()> {
 /// [`UNDECODABLE`] key (stores use it to mark values they cannot read back). Walks the value
 /// with an explicit stack, so a hostile value cannot exhaust the call stack here.
 pub fn check_json(field: &str, value: &Value) -> StoreResult<()> {
+    check_json_within(field, value, limits::JSON_DEPTH_MAX)
+}
+
+/// [`check_json`] with another depth bound (a commit's is [`limits::JSON_DEPTH_STORED_MAX`]).
+pub fn check_json_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
     if let Value::Object(map) = value
         && map.contains_key(UNDECODABLE)
     {
@@ -592,10 +614,9 @@ pub fn check_json(field: &str, value: &Value) -> StoreResult<()> {
             }
             Value::Null | Value::Bool(_) | Value::Number(_) => continue,
         };
-        if depth + 1 > limits::JSON_DEPTH_MAX {
+        if depth + 1 > depth_max {
             return Err(StoreError::invalid(format!(
-                "{field}: JSON is nested deeper than {} levels of arrays and objects; flatten it (stores and JSON readers cannot read such values back)",
-                limits::JSON_DEPTH_MAX
+                "{field}: JSON is nested deeper than {depth_max} levels of arrays and objects; flatten it (stores and JSON readers cannot read such values back)"
             )));
         }
         stack.extend(children.map(|c| (c, depth + 1)));
@@ -606,7 +627,12 @@ pub fn check_json(field: &str, value: &Value) -> StoreResult<()> {
 /// Checks that `value` is a well-formed JSON value for Keel ([`check_json`]) that serializes
 /// within [`limits::PAYLOAD_BYTES_MAX`].
 pub fn check_size(field: &str, value: &Value) -> StoreResult<()> {
-    check_json(field, value)?;
+    check_size_within(field, value, limits::JSON_DEPTH_MAX)
+}
+
+/// [`check_size`] with another depth bound.
+pub fn check_size_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
+    check_json_within(field, value, depth_max)?;
     let len = serde_json::to_vec(value).map_or(usize::MAX, |v| v.len());
     if len > limits::PAYLOAD_BYTES_MAX {
         return Err(StoreError::invalid(format!(

@@ -12,7 +12,7 @@ use crate::error::{StoreError, StoreResult};
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
-    check_batch, check_name, check_object, check_size, clip_error,
+    check_batch, check_name, check_object_within, check_size_within, clip_error,
 };
 use crate::limits;
 use crate::time::Timestamp;
@@ -217,8 +217,11 @@ pub fn validate_commit(row: &Instance, commit: &StepCommit) -> StoreResult<()> {
 
 /// The row-independent part of [`validate_commit`].
 pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
+    // Everything a commit carries may be nested up to the stored bound: the engine wraps
+    // callers' values (bounded tighter at the door) before it commits them.
+    let depth = limits::JSON_DEPTH_STORED_MAX;
     if let Some(ctx) = commit.outcome.context() {
-        check_object("outcome.context", ctx)?;
+        check_object_within("outcome.context", ctx, depth)?;
     }
     match &commit.outcome {
         Outcome::Next { step, .. } => check_name("outcome.step", step)?,
@@ -232,10 +235,10 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
             check_name("outcome.next", next)?;
             check_batch("outcome.children", children.len(), limits::CHILDREN_PER_STEP_MAX)?;
             for (i, c) in children.iter().enumerate() {
-                c.validate(&format!("outcome.children[{i}]"))?;
+                c.validate_within(&format!("outcome.children[{i}]"), depth)?;
             }
         }
-        Outcome::Done { result } => check_size("outcome.result", result)?,
+        Outcome::Done { result } => check_size_within("outcome.result", result, depth)?,
         Outcome::Suspend => {
             if !commit.failure.as_ref().is_some_and(|f| f.dead_letter) {
                 return Err(StoreError::invalid(
@@ -260,7 +263,7 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     };
     check_batch("spawn", commit.spawn.len() + scheduled, limits::CHILDREN_PER_STEP_MAX)?;
     for (i, c) in commit.spawn.iter().enumerate() {
-        c.validate(&format!("spawn[{i}]"))?;
+        c.validate_within(&format!("spawn[{i}]"), depth)?;
     }
     check_batch("timers_arm", commit.timers_arm.len(), limits::TIMERS_PER_STEP_MAX)?;
     check_batch("timers_cancel", commit.timers_cancel.len(), limits::TIMERS_PER_STEP_MAX)?;
@@ -290,15 +293,15 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     }
     check_batch("emit", commit.emit.len(), limits::EMIT_PER_STEP_MAX)?;
     for (i, s) in commit.emit.iter().enumerate() {
-        s.validate(&format!("emit[{i}]"))?;
+        s.validate_within(&format!("emit[{i}]"), depth)?;
     }
     check_batch("history", commit.history.len(), limits::HISTORY_PER_STEP_MAX)?;
     for (i, h) in commit.history.iter().enumerate() {
         check_name(&format!("history[{i}].kind"), &h.kind)?;
-        check_size(&format!("history[{i}].data"), &h.data)?;
+        check_size_within(&format!("history[{i}].data"), &h.data, depth)?;
     }
     if let Some(event) = commit.failure.as_ref().and_then(|f| f.event.as_ref()) {
-        check_size("failure.event", event)?;
+        check_size_within("failure.event", event, depth)?;
     }
     Ok(())
 }

@@ -56,10 +56,12 @@ async fn commit_invalid<S: Store>(s: &S, c: StepCommit, field: &str) {
     expect_invalid(commit(s, c, at(20)).await, field);
 }
 
-/// JSON nested deeper than [`limits::JSON_DEPTH_MAX`] is refused wherever it enters: an
-/// instance's context, a signal's payload, and a commit's context, result, emitted
-/// payload, history data and spawned child. At the bound it is stored and read back whole,
-/// by the claim (inbox included) and by an inspect.
+/// JSON nested deeper than [`limits::JSON_DEPTH_MAX`] is refused where callers hand it in
+/// (an instance's context, a signal's payload); what a step commit carries (context,
+/// result, emitted payload, history data, spawned child) may be nested up to
+/// [`limits::JSON_DEPTH_STORED_MAX`], leaving the engine room to wrap callers' values, and
+/// no deeper. At each bound the value is stored and read back whole, by the claim (inbox
+/// included) and by an inspect.
 pub async fn json_nested_too_deep_rejected_everywhere<S: Store>(s: &S) {
     let ns = "json_depth";
     let max = limits::JSON_DEPTH_MAX;
@@ -74,26 +76,34 @@ pub async fn json_nested_too_deep_rejected_everywhere<S: Store>(s: &S) {
     assert_eq!(claimed.inbox.len(), 1);
     assert_eq!(claimed.inbox[0].payload, nested(max), "the payload at the bound reads back");
 
+    let stored = limits::JSON_DEPTH_STORED_MAX;
     let token = claimed.token();
     let next = |context: Value| Outcome::Next { step: "b".into(), context };
-    let too_deep = StepCommit::new(id, token, next(deep_ctx(max + 1)));
+    let too_deep = StepCommit::new(id, token, next(deep_ctx(stored + 1)));
     commit_invalid(s, too_deep, "outcome.context").await;
-    let result = StepCommit::new(id, token, Outcome::Done { result: nested(max + 1) });
+    let result = StepCommit::new(id, token, Outcome::Done { result: nested(stored + 1) });
     commit_invalid(s, result, "outcome.result").await;
     let emit = StepCommit::new(id, token, next(ctx(1)))
-        .emit(NewSignal::new(id, "e").payload(nested(max + 1)));
+        .emit(NewSignal::new(id, "e").payload(nested(stored + 1)));
     commit_invalid(s, emit, "emit[0].payload").await;
-    let history =
-        StepCommit::new(id, token, next(ctx(1))).record(HistoryEntry::new("NOTE", nested(max + 1)));
+    let history = StepCommit::new(id, token, next(ctx(1)))
+        .record(HistoryEntry::new("NOTE", nested(stored + 1)));
     commit_invalid(s, history, "history[0].data").await;
     let mut spawn = StepCommit::new(id, token, next(ctx(1)));
-    spawn.spawn.push(new_in(ns).context(deep_ctx(max + 1)));
+    spawn.spawn.push(new_in(ns).context(deep_ctx(stored + 1)));
     commit_invalid(s, spawn, "spawn[0].context").await;
     assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
 
-    let done = StepCommit::new(id, token, Outcome::Done { result: nested(max) });
-    commit(s, done, at(30)).await.expect("a result at the bound is accepted");
-    assert_eq!(row(s, id).await.result, Some(nested(max)), "the result at the bound reads back");
+    let deep_next = StepCommit::new(id, token, next(deep_ctx(stored)))
+        .emit(NewSignal::new(id, "e").payload(nested(stored)));
+    commit(s, deep_next, at(30)).await.expect("a commit at the stored bound is accepted");
+    let again = claim_id(s, ns, id, at(40)).await;
+    assert_eq!(again.instance.context, deep_ctx(stored), "the context reads back");
+    let payloads: Vec<&Value> = again.inbox.iter().map(|sig| &sig.payload).collect();
+    assert_eq!(payloads, [&nested(max), &nested(stored)], "the payloads read back");
+    let done = StepCommit::new(id, again.token(), Outcome::Done { result: nested(stored) });
+    commit(s, done, at(50)).await.expect("a result at the stored bound is accepted");
+    assert_eq!(row(s, id).await.result, Some(nested(stored)), "the result reads back");
 }
 
 /// A NUL character is refused in names, keys and JSON (strings and object keys) on every
