@@ -598,16 +598,42 @@ pub fn check_json_within(field: &str, value: &Value, depth_max: usize) -> StoreR
             "{field}: the key \"{UNDECODABLE}\" is reserved for values a store cannot read back; rename it"
         )));
     }
+    walk_json(field, value, depth_max, true)
+}
+
+/// Checks only the nesting of `value` (and its size): for records Keel writes itself, such
+/// as history data and a dead letter's failing event, whose NUL characters are replaced
+/// ([`scrub_nul`]) rather than refused.
+pub fn check_record_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
+    walk_json(field, value, depth_max, false)?;
+    check_bytes(field, value)
+}
+
+/// `value` with every NUL character in its strings and keys replaced by U+FFFD.
+pub fn scrub_nul(value: &Value) -> Value {
+    match value {
+        Value::String(s) if s.contains('\0') => Value::String(s.replace('\0', "\u{fffd}")),
+        Value::Array(items) => Value::Array(items.iter().map(scrub_nul).collect()),
+        Value::Object(map) => Value::Object(
+            map.iter().map(|(k, v)| (k.replace('\0', "\u{fffd}"), scrub_nul(v))).collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+fn walk_json(field: &str, value: &Value, depth_max: usize, refuse_nul: bool) -> StoreResult<()> {
     let mut stack: Vec<(&Value, usize)> = vec![(value, 0)];
     while let Some((v, depth)) = stack.pop() {
         let children: Box<dyn Iterator<Item = &Value>> = match v {
             Value::String(s) => {
-                check_text(field, s)?;
+                if refuse_nul {
+                    check_text(field, s)?;
+                }
                 continue;
             }
             Value::Array(items) => Box::new(items.iter()),
             Value::Object(map) => {
-                for key in map.keys() {
+                for key in map.keys().filter(|_| refuse_nul) {
                     check_text(&format!("{field} (an object key)"), key)?;
                 }
                 Box::new(map.values())
@@ -633,6 +659,10 @@ pub fn check_size(field: &str, value: &Value) -> StoreResult<()> {
 /// [`check_size`] with another depth bound.
 pub fn check_size_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
     check_json_within(field, value, depth_max)?;
+    check_bytes(field, value)
+}
+
+fn check_bytes(field: &str, value: &Value) -> StoreResult<()> {
     let len = serde_json::to_vec(value).map_or(usize::MAX, |v| v.len());
     if len > limits::PAYLOAD_BYTES_MAX {
         return Err(StoreError::invalid(format!(

@@ -12,7 +12,8 @@ use crate::error::{StoreError, StoreResult};
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
-    check_batch, check_name, check_object_within, check_size_within, clip_error,
+    check_batch, check_name, check_object_within, check_record_within, check_size_within,
+    clip_error, scrub_nul,
 };
 use crate::limits;
 use crate::time::Timestamp;
@@ -298,10 +299,10 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     check_batch("history", commit.history.len(), limits::HISTORY_PER_STEP_MAX)?;
     for (i, h) in commit.history.iter().enumerate() {
         check_name(&format!("history[{i}].kind"), &h.kind)?;
-        check_size_within(&format!("history[{i}].data"), &h.data, depth)?;
+        check_record_within(&format!("history[{i}].data"), &h.data, depth)?;
     }
     if let Some(event) = commit.failure.as_ref().and_then(|f| f.event.as_ref()) {
-        check_size_within("failure.event", event, depth)?;
+        check_record_within("failure.event", event, depth)?;
     }
     Ok(())
 }
@@ -368,7 +369,13 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         push_error(&mut errors, row.attempt, &f.error, now);
     }
 
-    let mut history = commit.history.clone();
+    // History is Keel's own record of what happened, often quoting errors; a NUL in it is
+    // replaced rather than refused (which would lose the step's result).
+    let mut history: Vec<HistoryEntry> = commit
+        .history
+        .iter()
+        .map(|h| HistoryEntry::new(h.kind.clone(), scrub_nul(&h.data)))
+        .collect();
     let engine_entry = match &commit.outcome {
         Outcome::Next { step, context } => {
             next.position.clone_from(step);
@@ -469,7 +476,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             machine: row.machine.clone(),
             position: row.position.clone(),
             signals: f.signals.clone(),
-            event: f.event.clone(),
+            event: f.event.as_ref().map(scrub_nul),
             correlation_id: row.correlation_id.clone(),
             reason: reason.to_owned(),
             attempts: row.attempt + 1,

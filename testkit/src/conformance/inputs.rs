@@ -107,7 +107,8 @@ pub async fn json_nested_too_deep_rejected_everywhere<S: Store>(s: &S) {
 }
 
 /// A NUL character is refused in names, keys and JSON (strings and object keys) on every
-/// store, naming the field; error texts (a `Stop` reason) are kept with the NUL replaced.
+/// store, naming the field; Keel's own records (a `Stop` reason, history data) are kept
+/// with the NUL replaced.
 pub async fn nul_characters_rejected_everywhere<S: Store>(s: &S) {
     let ns = "nul_chars";
     insert_invalid(s, new_in(ns).business_key("a\0b"), "instances[0].business_key").await;
@@ -136,9 +137,13 @@ pub async fn nul_characters_rejected_everywhere<S: Store>(s: &S) {
     commit_invalid(s, step, "outcome.context").await;
     assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
 
-    let stop = StepCommit::new(id, token, Outcome::Stop { reason: "bad\0reason".into() });
-    commit(s, stop, at(20)).await.expect("a reason with NUL is kept, cleaned");
-    assert_eq!(row(s, id).await.last_error.as_deref(), Some("bad\u{fffd}reason"));
+    let stop = StepCommit::new(id, token, Outcome::Stop { reason: "bad\0reason".into() })
+        .record(HistoryEntry::new("NOTE", json!({ "error\0": "x\0y" })));
+    commit(s, stop, at(20)).await.expect("texts with NUL in a reason and history are kept");
+    let detail = get(s, id).await;
+    assert_eq!(detail.instance.last_error.as_deref(), Some("bad\u{fffd}reason"));
+    let note = detail.history.iter().find(|h| h.entry.kind == "NOTE").expect("the note");
+    assert_eq!(note.entry.data, json!({ "error\u{fffd}": "x\u{fffd}y" }), "NUL replaced");
 }
 
 /// The key that marks undecodable values is reserved: a context, payload or result that is
