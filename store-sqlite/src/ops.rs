@@ -393,6 +393,7 @@ pub(crate) async fn signal_broadcast(
         dedup_key: p.dedup_key.clone(),
     };
     probe.validate("broadcast")?;
+    p.validate_selector()?;
     let rows = sqlx::query(
         "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
          AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",

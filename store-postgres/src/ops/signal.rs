@@ -280,6 +280,7 @@ pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSi
         dedup_key: p.dedup_key.clone(),
     };
     probe.validate("broadcast")?;
+    p.validate_selector()?;
     Ok(probe)
 }
 

@@ -11,7 +11,7 @@ use keel_core::instance::{HistoryEntry, NewSignal, SignalTarget, UNDECODABLE};
 use keel_core::limits;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
-use keel_core::ports::store::{InsertParams, SignalDeliverParams};
+use keel_core::ports::store::{InsertParams, SignalBroadcastParams, SignalDeliverParams};
 use keel_core::{ErrorKind, NewInstance, StepCommit, StoreResult, Timestamp};
 use serde_json::{Value, json};
 use std::fmt::Debug;
@@ -126,6 +126,19 @@ pub async fn nul_characters_rejected_everywhere<S: Store>(s: &S) {
         key: "k\0".into(),
     };
     deliver_invalid(s, NewSignal::new(by_key, "E"), "signals[0].target.key").await;
+    let broadcast = |in_state: &str, payload: Value| SignalBroadcastParams {
+        namespace: ns.into(),
+        machine: new_in(ns).machine.name,
+        in_state: Some(in_state.into()),
+        name: "E".into(),
+        payload,
+        dedup_key: None,
+        now: at(3),
+    };
+    let selector = s.signal_broadcast(broadcast("start\0", Value::Null)).await;
+    expect_invalid(selector, "broadcast.in_state");
+    let payload = s.signal_broadcast(broadcast("start", json!(["\0"]))).await;
+    expect_invalid(payload, "broadcast.payload");
     assert!(get(s, id).await.inbox.is_empty(), "a rejected delivery stored something");
 
     let claimed = claim_id(s, ns, id, at(10)).await;
