@@ -413,3 +413,56 @@ fn lifecycle_table() {
     );
     assert!(outcome::dead_letter_retry(&claimed, NOW, NOW).is_err());
 }
+
+#[test]
+fn an_undecodable_row_fails_alone_into_the_dead_letter_queue() {
+    let mut row = executing(2, 1);
+    row.context = keel_core::instance::undecodable("context", "recursion limit exceeded");
+    let damage = row.damage().expect("the marker is seen as damage");
+    assert_eq!(damage, "context: recursion limit exceeded");
+    let applied = outcome::undecodable_row(&row, &damage, NOW);
+    let next = &applied.row;
+    assert_eq!(
+        (next.status, next.lease_owner.as_ref(), next.revision),
+        (Status::Suspended, None, Revision(row.revision.0 + 1))
+    );
+    let error = "stored value cannot be read back: context: recursion limit exceeded";
+    assert_eq!(next.last_error.as_deref(), Some(error));
+    assert_eq!(next.context, row.context, "the stored value is not replaced");
+    assert_eq!(hist(&["ROW_UNDECODABLE", "DEAD_LETTERED"]), {
+        applied.history.iter().map(|h| h.kind.clone()).collect::<Vec<_>>()
+    });
+    let letter = applied.dead_letter.expect("a dead letter");
+    assert_eq!(
+        (letter.reason.as_str(), letter.attempts, letter.errors.last().map(|e| e.error.as_str())),
+        (outcome::UNDECODABLE_REASON, 3, Some(error))
+    );
+    assert!(executing(0, 0).damage().is_none(), "a whole row has no damage");
+}
+
+#[test]
+fn json_checks_bound_depth_and_refuse_nul() {
+    use keel_core::instance::{check_json, check_name, clip_error};
+    use keel_core::limits::JSON_DEPTH_MAX;
+    let nested = |levels: usize| {
+        let mut v = json!([]);
+        for _ in 1..levels {
+            v = Value::Array(vec![v]);
+        }
+        v
+    };
+    assert!(check_json("p", &nested(JSON_DEPTH_MAX)).is_ok());
+    let err = check_json("p", &nested(JSON_DEPTH_MAX + 1)).unwrap_err();
+    assert!(err.message.starts_with("p: JSON is nested deeper than 64 levels"), "{err}");
+    // Far deeper than any call stack could recurse through: the check walks iteratively.
+    let hostile = nested(100_000);
+    assert!(check_json("p", &hostile).is_err());
+    // Dropping a value recurses as deep as it is nested, which this one is too deep for.
+    std::mem::forget(hostile);
+    assert!(check_json("p", &json!({ "k": "a\u{0}b" })).unwrap_err().message.contains("NUL"));
+    assert!(check_json("p", &json!({ "a\u{0}": 1 })).unwrap_err().message.contains("object key"));
+    assert!(
+        check_name("queue", "q\u{0}").unwrap_err().message.starts_with("queue: contains a NUL")
+    );
+    assert_eq!(clip_error("a\u{0}b"), "a\u{fffd}b");
+}

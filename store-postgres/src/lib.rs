@@ -105,6 +105,13 @@
 //! - **Limits** are keel-core's ([`keel_core::limits`]): payloads, contexts and results at
 //!   most 1 MiB of JSON, names 256 bytes, batch sizes per operation; an over-limit or
 //!   malformed input is `Invalid` and writes nothing.
+//! - **Undecodable values** never panic and never fail a batch: every column is read with
+//!   `try_get`; a JSON column no reader accepts (a value stored behind Keel's back) is shown
+//!   as an `instance::undecodable` marker naming the error, and `WRITE_INSTANCES` keeps the
+//!   stored value wherever it is given a marker. A claimed row whose context, result, inbox
+//!   or children cannot be decoded is not handed out: a second transaction, fenced on the
+//!   claim's token, applies `outcome::undecodable_row` (suspended, dead letter `undecodable`
+//!   naming the error); if that write fails, the lease runs out and a later claim retries.
 //! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
 //!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).
 //!   Every operation binds the caller's `now`; SQL never reads the clock.

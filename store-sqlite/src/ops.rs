@@ -12,7 +12,8 @@ use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
-    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, unique_guard,
+    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, undecodable_error,
+    unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
@@ -133,11 +134,26 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
                 keys.insert(k.clone());
             }
             db.instance_write(&next).await?;
-            claims.push(Claim {
-                inbox: db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?,
-                children: db.children(next.id).await?,
-                instance: next,
+            let inbox = db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?;
+            let damage = next.damage().or_else(|| {
+                inbox
+                    .iter()
+                    .find_map(|s| undecodable_error(&s.payload).map(|e| format!("inbox {e}")))
             });
+            if let Some(error) = damage {
+                // A row that cannot be read fails alone: dead-lettered, never handed out,
+                // and its neighbours are claimed as usual.
+                let applied = outcome::undecodable_row(&next, &error, p.now);
+                for entry in &applied.history {
+                    db.record(&applied.row, next.attempt, entry, p.now).await?;
+                }
+                if let Some(letter) = &applied.dead_letter {
+                    db.dead_letter_insert(letter, p.now).await?;
+                }
+                db.instance_write(&applied.row).await?;
+                continue;
+            }
+            claims.push(Claim { inbox, children: db.children(next.id).await?, instance: next });
         }
         if exhausted {
             break;
@@ -398,6 +414,7 @@ pub(crate) async fn signal_broadcast(
         dedup_key: p.dedup_key.clone(),
     };
     probe.validate("broadcast")?;
+    p.validate_selector()?;
     let rows = sqlx::query(
         "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
          AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",

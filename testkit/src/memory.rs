@@ -521,6 +521,7 @@ impl State {
             dedup_key: p.dedup_key.clone(),
         };
         probe.validate("broadcast")?;
+        p.validate_selector()?;
         let targets: Vec<InstanceId> = self
             .rows
             .values()

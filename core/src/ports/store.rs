@@ -215,6 +215,19 @@ pub struct SignalBroadcastParams {
     pub now: Timestamp,
 }
 
+impl SignalBroadcastParams {
+    /// Checks the names that select the targets (the event itself is checked like any
+    /// delivered signal).
+    pub fn validate_selector(&self) -> StoreResult<()> {
+        crate::instance::check_name("broadcast.namespace", &self.namespace)?;
+        crate::instance::check_name("broadcast.machine", &self.machine)?;
+        match &self.in_state {
+            Some(state) => crate::instance::check_name("broadcast.in_state", state),
+            None => Ok(()),
+        }
+    }
+}
+
 /// What a broadcast did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BroadcastReport {

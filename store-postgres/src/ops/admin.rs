@@ -49,8 +49,12 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
         // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
         let max = limits::CANCEL_CASCADE_MAX as i64 - 1;
         let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
-        let ids: Vec<i64> =
-            c.query(&stmt, &[&p.id.0, &depth, &max]).await?.iter().map(|r| r.get(0)).collect();
+        let ids: Vec<i64> = c
+            .query(&stmt, &[&p.id.0, &depth, &max])
+            .await?
+            .iter()
+            .map(|r| rows::col(r, 0))
+            .collect::<Result<_, _>>()?;
         let mut ids_sorted = ids.clone();
         ids_sorted.sort_unstable();
         let mut locked: HashMap<i64, Instance> =
@@ -142,9 +146,9 @@ pub(crate) async fn get<C: GenericClient + Sync>(
     };
     Ok(InstanceDetail {
         instance: rows::instance(&r)?,
-        inbox: inbox_rows?.iter().map(rows::signal).collect(),
+        inbox: inbox_rows?.iter().map(rows::signal).collect::<Result<_, _>>()?,
         children: child_rows?.iter().map(rows::child).collect::<Result<_, _>>()?,
-        history: history_rows?.iter().map(rows::history).collect(),
+        history: history_rows?.iter().map(rows::history).collect::<Result<_, _>>()?,
         timers: timer::list(&timer_rows?)?,
     })
 }
@@ -173,7 +177,10 @@ pub(crate) async fn lookup<C: GenericClient + Sync>(
     match target {
         SignalTarget::Id(id) => {
             let stmt = c.prepare_cached("SELECT id FROM instances WHERE id = $1").await?;
-            Ok(c.query_opt(&stmt, &[&id.0]).await?.map(|r| InstanceId(r.get(0))))
+            Ok(c.query_opt(&stmt, &[&id.0])
+                .await?
+                .map(|r| rows::col(&r, 0).map(InstanceId))
+                .transpose()?)
         }
         SignalTarget::Key { .. } => {
             Ok(super::signal::resolve(c, &[target]).await?.into_iter().next().flatten())
@@ -243,7 +250,10 @@ async fn select_letters<C: GenericClient + Sync>(
             c.query(&stmt, &[namespace, machine, &(limits::DEAD_LETTER_BATCH_MAX as i64)]).await?
         }
     };
-    Ok(found.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(found
+        .iter()
+        .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
+        .collect::<Result<_, StoreError>>()?)
 }
 
 async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult<u64> {
@@ -404,6 +414,12 @@ pub(crate) async fn queue_list<C: GenericClient + Sync>(
     Ok(c.query(&stmt, &[&namespace])
         .await?
         .iter()
-        .map(|r| QueueState { namespace: r.get(0), queue: r.get(1), paused: r.get(2) })
-        .collect())
+        .map(|r| {
+            Ok(QueueState {
+                namespace: rows::col(r, 0)?,
+                queue: rows::col(r, 1)?,
+                paused: rows::col(r, 2)?,
+            })
+        })
+        .collect::<Result<_, StoreError>>()?)
 }

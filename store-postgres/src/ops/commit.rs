@@ -96,8 +96,12 @@ async fn reject_occupied_keys<C: GenericClient + Sync>(
             "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])",
         )
         .await?;
-    let mut occupied: HashMap<Vec<u8>, i64> =
-        c.query(&stmt, &[&keys]).await?.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut occupied: HashMap<Vec<u8>, i64> = c
+        .query(&stmt, &[&keys])
+        .await?
+        .iter()
+        .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
+        .collect::<Result<_, StoreError>>()?;
     accepted.retain(|a| {
         let Some(key) = &a.key else { return true };
         match occupied.get(key) {
@@ -177,7 +181,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         let row = rows::instance(r)?;
         current.insert(row.id.0, row);
     }
-    let waiting: HashSet<i64> = waiting?.iter().map(|r| r.get::<_, i64>(0)).collect();
+    let waiting: HashSet<i64> =
+        waiting?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     let resolved = resolved?;
     let mut emit_at = Vec::with_capacity(commits.len());
     let mut n = 0;
@@ -364,8 +369,10 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     hist_done?;
     consumed?;
     released?;
-    let letter_ids: HashMap<i64, i64> =
-        letter_rows?.iter().map(|row| (row.get::<_, i64>(0), row.get::<_, i64>(1))).collect();
+    let letter_ids: HashMap<i64, i64> = letter_rows?
+        .iter()
+        .map(|row| Ok((rows::col(row, 0)?, rows::col(row, 1)?)))
+        .collect::<Result<_, StoreError>>()?;
     tail?;
     if delivered {
         let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
@@ -381,6 +388,27 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             r
         })
         .collect())
+}
+
+/// Inserts dead letters in one statement (outside a step commit: an undecodable row).
+pub(crate) async fn write_dead_letters<C: GenericClient + Sync>(
+    c: &C,
+    letters: &[NewDeadLetter],
+    now: Timestamp,
+) -> OpResult<()> {
+    if letters.is_empty() {
+        return Ok(());
+    }
+    let mut w = LetterWrite::default();
+    for l in letters {
+        w.push(l);
+    }
+    let now_ts = ts(now);
+    let mut p = w.params();
+    p.push(&now_ts);
+    let stmt = c.prepare_cached(DEAD_LETTERS).await?;
+    c.query(&stmt, &p).await?;
+    Ok(())
 }
 
 /// The parameter arrays of the dead-letter insert.

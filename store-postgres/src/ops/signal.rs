@@ -141,7 +141,10 @@ pub(crate) async fn resolve<C: GenericClient + Sync>(
     }
     let stmt = c.prepare_cached(RESOLVE).await?;
     let found = c.query(&stmt, &[&id, &ns, &machine, &key]).await?;
-    Ok(found.iter().map(|r| r.get::<_, Option<i64>>(0).map(InstanceId)).collect())
+    Ok(found
+        .iter()
+        .map(|r| rows::col::<Option<i64>>(r, 0).map(|id| id.map(InstanceId)))
+        .collect::<Result<_, _>>()?)
 }
 
 /// Resolves and locks the targets and decides every outcome (nothing written yet).
@@ -189,9 +192,11 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     }
     let mut seen: HashMap<(i64, String), i64> = found?
         .iter()
-        .map(|r| ((r.get::<_, i64>(0), r.get::<_, String>(1)), r.get::<_, i64>(2)))
-        .collect();
-    let mut fresh = fresh?.into_iter().map(|r| r.get::<_, i64>(0));
+        .map(|r| Ok(((rows::col(r, 0)?, rows::col(r, 1)?), rows::col(r, 2)?)))
+        .collect::<Result<_, keel_core::StoreError>>()?;
+    let fresh: Vec<i64> =
+        fresh?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, keel_core::StoreError>>()?;
+    let mut fresh = fresh.into_iter();
     let mut d = Delivery {
         outcomes: Vec::with_capacity(signals.len()),
         ids: Vec::new(),
@@ -315,6 +320,7 @@ pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSi
         dedup_key: p.dedup_key.clone(),
     };
     probe.validate("broadcast")?;
+    p.validate_selector()?;
     Ok(probe)
 }
 
@@ -342,9 +348,12 @@ pub(crate) async fn broadcast<C: GenericClient + Sync>(
             ],
         )
         .await?;
-    let matched: i64 = r.get(0);
+    let matched: i64 = rows::col(&r, 0)?;
     if matched >= cap {
         check_batch("broadcast targets", matched as usize, limits::BROADCAST_MAX)?;
     }
-    Ok(BroadcastReport { delivered: r.get::<_, i64>(1) as u64, woke: r.get::<_, i64>(2) as u64 })
+    Ok(BroadcastReport {
+        delivered: rows::col::<i64>(&r, 1)? as u64,
+        woke: rows::col::<i64>(&r, 2)? as u64,
+    })
 }

@@ -31,6 +31,7 @@ mod children;
 mod claims;
 mod dead_letters;
 mod inbox;
+mod inputs;
 mod leases;
 mod operations;
 mod outcomes;
@@ -43,6 +44,7 @@ pub use children::*;
 pub use claims::*;
 pub use dead_letters::*;
 pub use inbox::*;
+pub use inputs::*;
 pub use leases::*;
 pub use operations::*;
 pub use outcomes::*;
@@ -121,6 +123,10 @@ macro_rules! __store_contract_list {
             instance_rows_read_many_at_once,
             payload_over_limit_rejected,
             batch_over_limit_rejected,
+            json_nested_too_deep_rejected_everywhere,
+            nul_characters_rejected_everywhere,
+            undecodable_marker_key_reserved,
+            time_and_delay_bounds_enforced,
             await_with_step_moves_and_parks,
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
