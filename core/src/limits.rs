@@ -50,3 +50,6 @@ pub const TIMERS_PER_STEP_MAX: usize = 256;
 pub const TIMER_SWEEP_BATCH_MAX: usize = 10_000;
 /// Most timers an inspect returns.
 pub const TIMER_LIST_MAX: usize = 1_000;
+/// Most "a commit armed a timer" hints a store keeps for sweepers that have not read them
+/// yet; a sweeper that falls further behind reads the earliest due time from the store.
+pub const TIMER_HINTS_MAX: usize = 1_024;

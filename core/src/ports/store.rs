@@ -18,7 +18,7 @@ use crate::instance::{
 };
 use crate::outcome::StepCommit;
 use crate::time::Timestamp;
-use crate::timers::TimerRow;
+use crate::timers::{TimerHint, TimerRow};
 use async_trait::async_trait;
 use std::time::Duration;
 
@@ -280,6 +280,16 @@ pub struct TimerSweepReport {
     pub processed: u64,
 }
 
+/// Which timers [`Store::timer_next_due`] looks at: the ones a sweep with the same
+/// filters would fire.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TimerNextDueParams {
+    /// Only this namespace (`None` = all).
+    pub namespace: Option<String>,
+    /// Only these machine names (empty = all).
+    pub machines: Vec<String>,
+}
+
 /// Timer health per machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TimerStatus {
@@ -404,8 +414,8 @@ pub struct QueueState {
 /// What a store can do beyond the contract, reported honestly (STYLE 6).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StoreCapabilities {
-    /// Whether the store can push "work is ready" notifications (LISTEN/NOTIFY,
-    /// in-process); polling stays the correctness path either way.
+    /// Whether the store can push "work is ready" notifications and timer hints
+    /// (LISTEN/NOTIFY, in-process); polling stays the correctness path either way.
     pub notifications: bool,
 }
 
@@ -500,6 +510,10 @@ pub trait Store: Send + Sync + 'static {
     /// Fires due timers.
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport>;
 
+    /// The earliest `next_fire_at` among the armed timers in scope (`None` when there are
+    /// none), overdue ones included. One cheap indexed read: what a sweeper sleeps until.
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>>;
+
     /// Timer health per (namespace, machine); `None` = every namespace.
     async fn timer_status(
         &self,
@@ -513,5 +527,17 @@ pub trait Store: Send + Sync + 'static {
     /// stays the correctness path.
     async fn ready_wait(&self) {
         std::future::pending::<()>().await;
+    }
+
+    /// Resolves once a commit has armed timers since hint number `seen` (0 at first), with
+    /// the earliest due time among them, so a sweeper asleep until a later due time can
+    /// wake up earlier. Every caller reads every hint with its own cursor (see
+    /// [`crate::timers::TimerHints`]); when hints may have been lost the result says so and
+    /// the caller reads [`Store::timer_next_due`]. A hint may be spurious (a rolled back or
+    /// rejected item, another sweeper's machines). A store without notifications never
+    /// resolves; sweepers race it against their cadence, which stays the correctness path.
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        let _ = seen;
+        std::future::pending::<TimerHint>().await
     }
 }
