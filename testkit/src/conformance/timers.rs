@@ -188,6 +188,33 @@ pub async fn timer_concurrent_sweeps_deliver_once<S: Store>(s: &S) {
     }
 }
 
+/// A commit that cancels a state's timers and arms them again (a state left for a transit
+/// state and entered again within one step) renews them: the old timers are gone, the new
+/// ones count from this commit, and only the renewed deadline fires.
+pub async fn timer_cancel_and_arm_in_one_commit_renews<S: Store>(s: &S) {
+    let ns = "timer_renew";
+    let deadline = || arm("idle", "LOGOUT", TimerKind::After, 30, None, None);
+    let nested = || arm("idle.typing", "NUDGE", TimerKind::After, 40, None, None);
+    let id = armed(s, ns, vec![deadline(), nested()]).await;
+    super::support::send(s, id, "ACTIVITY", at(20_000)).await;
+    let claimed = claim_id(s, ns, id, at(20_000)).await;
+    let mut c =
+        StepCommit::new(id, claimed.token(), park()).consume(claimed.inbox.iter().map(|s| s.id));
+    c.timers_cancel = vec!["idle".into()];
+    c.timers_arm = vec![deadline()];
+    commit_ok(s, c, at(20_000)).await;
+    let timers: Vec<(String, Timestamp)> =
+        get(s, id).await.timers.iter().map(|t| (t.spec.event.clone(), t.next_fire_at)).collect();
+    assert_eq!(
+        timers,
+        [("LOGOUT".to_owned(), at(50_000))],
+        "renewed from the commit; the descendant's timer went with its ancestor"
+    );
+    assert_eq!(sweep(s, ns, at(45_000)).await.processed, 0, "the old deadline is gone");
+    assert_eq!(sweep(s, ns, at(50_000)).await.fired, 1);
+    assert_eq!(inbox_names(s, id).await, ["LOGOUT"]);
+}
+
 /// The earliest due time in scope: overdue timers count, the namespace and machine
 /// filters apply, and it moves on as sweeps fire and commits cancel.
 pub async fn timer_next_due_is_the_earliest_in_scope<S: Store>(s: &S) {
