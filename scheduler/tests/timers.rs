@@ -349,8 +349,10 @@ async fn a_default_worker_fires_a_due_timer_well_before_the_cadence<S: TestStore
     h.clock.advance(Duration::from_secs(1));
     let row = h.wait(id, "expired by the worker's own sweeper", |r| r.status == Status::Done).await;
     assert!(row.result.is_some());
+    // Typically within a few hundred milliseconds; the bound is generous for a loaded
+    // machine and still far below the 60 s cadence.
     assert!(
-        due.elapsed() < Duration::from_secs(5),
+        due.elapsed() < Duration::from_secs(20),
         "fired {:?} after its due time; the cadence is 60 s",
         due.elapsed()
     );

@@ -294,10 +294,10 @@ async fn a_default_sweeper_wakes_for_a_timer_armed_while_it_sleeps_and_never_fir
         !all_fired(&store, &ids, Duration::from_millis(500)).await,
         "not due on the injected clock: nothing fires"
     );
-    let due = std::time::Instant::now();
     clock.advance(Duration::from_millis(300));
-    assert!(all_fired(&store, &ids, Duration::from_secs(5)).await, "fired once due");
-    assert!(due.elapsed() < Duration::from_secs(2), "took {:?}", due.elapsed());
+    // Typically within a few hundred milliseconds; the bound is generous for a loaded
+    // machine and still far below the 60 s cadence.
+    assert!(all_fired(&store, &ids, Duration::from_secs(10)).await, "fired once due");
     tx.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(2), task).await.expect("stops on shutdown").unwrap();
 }
