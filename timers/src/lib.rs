@@ -20,8 +20,9 @@
 //! in-process for the memory and SQLite stores, a NOTIFY on PostgreSQL). Its cadence is the
 //! correctness fallback: a group sweeps at least that often even if every hint is lost.
 //! Two sweeps of one group are at least [`SWEEP_GAP`] apart, so timers falling due in a
-//! steady stream are fired in batches rather than one sweep each; and after a sweep skipped
-//! for backpressure the group waits its full cadence.
+//! steady stream are fired in batches rather than one sweep each (and reuse a ready-backlog
+//! reading up to [`BACKLOG_MAX_AGE`] old); after a sweep skipped for backpressure the
+//! group waits its full cadence.
 //!
 //! **Precision.** With [`SweepConfig::default`] a due timer is fired within [`SWEEP_GAP`]
 //! plus one sweep's duration of its due time — well within a second — and never before it.
@@ -56,6 +57,12 @@ pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
 
 /// How long a group waits before trying again after a store call failed.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How old a ready-backlog reading the run loop may reuse for its next sweep. Reading the
+/// backlog counts the instance table, and sweeps that follow each other closely (timers
+/// falling due in a steady stream) need not count it each time; backpressure is a
+/// heuristic that a one-second-old count serves as well.
+pub const BACKLOG_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// Machines swept together.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -177,8 +184,23 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     /// One sweep of `machines` (empty = all) at the clock's current time.
     pub async fn sweep(&self, machines: &[String]) -> StoreResult<SweepOutcome> {
         let now = self.clock.now();
+        let backlog = self.backlog(now).await?;
+        self.sweep_with_backlog(machines, backlog, now).await
+    }
+
+    /// The ready backlog that backpressure compares with its threshold.
+    async fn backlog(&self, now: Timestamp) -> StoreResult<u64> {
         let stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
-        let backlog: u64 = stats.iter().map(|q| q.ready).sum();
+        Ok(stats.iter().map(|q| q.ready).sum())
+    }
+
+    /// One sweep at `now`, given the ready backlog.
+    async fn sweep_with_backlog(
+        &self,
+        machines: &[String],
+        backlog: u64,
+        now: Timestamp,
+    ) -> StoreResult<SweepOutcome> {
         if backlog > self.config.backpressure_threshold {
             tracing::warn!(
                 backlog,
@@ -240,6 +262,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     /// [`RETRY_AFTER`]; they never end the loop.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut plans = vec![GroupPlan::default(); self.config.groups.len()];
+        let mut backlog: Option<(Instant, u64)> = None;
         let mut cursor = 0;
         let mut hints = self.store.timer_hint_wait(cursor);
         while !*shutdown.borrow() {
@@ -252,7 +275,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
                 .min_by_key(|(_, at)| *at)
                 .expect("at least one group");
             if at <= now {
-                self.sweep_group(i, &mut plans[i]).await;
+                self.sweep_group(i, &mut plans[i], &mut backlog).await;
                 continue;
             }
             tokio::select! {
@@ -270,12 +293,27 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         }
     }
 
-    /// Sweeps group `i` and learns its next due time.
-    async fn sweep_group(&self, i: usize, plan: &mut GroupPlan) {
+    /// Sweeps group `i` and learns its next due time; `backlog` is the last ready-backlog
+    /// reading, reused while younger than [`BACKLOG_MAX_AGE`].
+    async fn sweep_group(
+        &self,
+        i: usize,
+        plan: &mut GroupPlan,
+        backlog: &mut Option<(Instant, u64)>,
+    ) {
         let machines = &self.config.groups[i].machines;
         plan.last = Some(Instant::now());
         plan.skipped = false;
-        match self.sweep(machines).await {
+        let now = self.clock.now();
+        let reading = match *backlog {
+            Some((read_at, n)) if read_at.elapsed() < BACKLOG_MAX_AGE => Ok(n),
+            _ => self.backlog(now).await.inspect(|n| *backlog = Some((Instant::now(), *n))),
+        };
+        let outcome = match reading {
+            Ok(n) => self.sweep_with_backlog(machines, n, now).await,
+            Err(e) => Err(e),
+        };
+        match outcome {
             Ok(SweepOutcome::Skipped { .. }) => {
                 plan.skipped = true;
                 plan.due = None;
