@@ -16,7 +16,7 @@ use keel_examples::demo_store::DemoStore;
 use keel_examples::on_demo_store;
 use keel_examples::order;
 use keel_scheduler::chart::INIT;
-use keel_scheduler::{Client, SweepConfig, SweepGroup, SystemClock, Worker, WorkerConfig};
+use keel_scheduler::{Client, SweepConfig, SystemClock, Worker, WorkerConfig};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -87,10 +87,9 @@ async fn run<S: Store>(store: Arc<S>) {
                 .unique(format!("order-{n}"), StatusSet::ALL)
         })
         .collect();
-    let sweep_often = SweepGroup { machines: vec![], cadence: Duration::from_millis(100) };
     let config = WorkerConfig {
         poll_interval: Duration::from_millis(10),
-        timers: Some(SweepConfig { groups: vec![sweep_often], ..SweepConfig::default() }),
+        timers: Some(SweepConfig::default()),
         ..WorkerConfig::default()
     };
     let worker = Worker::new(Arc::clone(&store), SystemClock, config).register(chart).spawn();

@@ -70,3 +70,6 @@ pub const TIMER_INTERVAL_MAX: std::time::Duration = std::time::Duration::from_se
 /// Latest time a caller may name (`NewInstance::eligible_at`): the last millisecond of the
 /// year 9999, the end of the calendar that every store and date library represents exactly.
 pub const TIMESTAMP_MAX: crate::time::Timestamp = crate::time::Timestamp(253_402_300_799_999);
+/// Most "a commit armed a timer" hints a store keeps for sweepers that have not read them
+/// yet; a sweeper that falls further behind reads the earliest due time from the store.
+pub const TIMER_HINTS_MAX: usize = 1_024;

@@ -10,9 +10,12 @@
 use crate::chart::{TimerArm, TimerKind};
 use crate::ids::{InstanceId, MachineRef, TimerId};
 use crate::instance::{HistoryEntry, NewSignal};
+use crate::limits;
+use crate::outcome::StepCommit;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::collections::VecDeque;
 
 /// An armed timer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,6 +126,83 @@ pub fn owned_by(state: &str, left: &str) -> bool {
     state == left || state.strip_prefix(left).is_some_and(|rest| rest.starts_with('.'))
 }
 
+/// The earliest due time among the timers a batch of commits at `now` arms (`None` when
+/// it arms none): what a store tells the sweepers after the batch commits, so a sweeper
+/// asleep until a later due time wakes up for this one.
+pub fn armed_due<'a>(
+    commits: impl IntoIterator<Item = &'a StepCommit>,
+    now: Timestamp,
+) -> Option<Timestamp> {
+    commits.into_iter().flat_map(|c| &c.timers_arm).map(|spec| now.plus(spec.interval)).min()
+}
+
+/// What a sweeper learns from [`TimerHints::since`]: the hints after the one it saw last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimerHint {
+    /// The newest hint's number; pass it as `seen` next time.
+    pub cursor: u64,
+    /// The earliest due time among the new hints. `None` when some were lost (the log
+    /// overflowed, a listening connection dropped): read the earliest due time from the
+    /// store instead.
+    pub due: Option<Timestamp>,
+}
+
+/// A bounded log of "a commit armed timers due at `t`" hints, numbered from 1, that every
+/// sweeper reads at its own pace with a cursor, so no sweeper misses a hint another one
+/// read and a hint that lands while a sweeper is busy waits for it. Hints only shorten
+/// latency: the sweeper's cadence stays the correctness path.
+#[derive(Debug, Clone, Default)]
+pub struct TimerHints {
+    /// The newest hints, oldest first: `(number, due)`, `None` marking a gap.
+    log: VecDeque<(u64, Option<Timestamp>)>,
+    last: u64,
+}
+
+impl TimerHints {
+    /// Records that a commit armed timers, the earliest due at `due`.
+    pub fn push(&mut self, due: Timestamp) {
+        self.append(Some(due));
+    }
+
+    /// Records that hints may have been lost (a listener reconnected): every reader whose
+    /// cursor is older must read the earliest due time from the store.
+    pub fn push_gap(&mut self) {
+        self.append(None);
+    }
+
+    fn append(&mut self, due: Option<Timestamp>) {
+        self.last += 1;
+        if self.log.len() == limits::TIMER_HINTS_MAX {
+            self.log.pop_front();
+        }
+        self.log.push_back((self.last, due));
+    }
+
+    /// The newest hint's number (0 before the first).
+    pub fn last(&self) -> u64 {
+        self.last
+    }
+
+    /// The hints after number `seen`, or `None` when there are none yet. A cursor from
+    /// the future (another log) or older than what the log still holds reads as a gap.
+    pub fn since(&self, seen: u64) -> Option<TimerHint> {
+        if seen == self.last {
+            return None;
+        }
+        let oldest = self.log.front().map_or(self.last + 1, |(n, _)| *n);
+        let lost = seen > self.last || seen + 1 < oldest;
+        let mut due: Option<Timestamp> = None;
+        let mut gap = lost;
+        for (_, d) in self.log.iter().filter(|(n, _)| *n > seen) {
+            match d {
+                Some(d) => due = Some(due.map_or(*d, |e| e.min(*d))),
+                None => gap = true,
+            }
+        }
+        Some(TimerHint { cursor: self.last, due: if gap { None } else { due } })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +289,51 @@ mod tests {
         assert!(owned_by("processing", "processing"));
         assert!(!owned_by("processing_extra", "processing"));
         assert!(!owned_by("processing", "processing.payment"));
+    }
+
+    #[test]
+    fn hints_are_read_per_cursor_with_gaps_and_overflow() {
+        let mut h = TimerHints::default();
+        assert_eq!(h.since(0), None, "nothing armed yet");
+        h.push(Timestamp(50));
+        h.push(Timestamp(20));
+        assert_eq!(h.since(0), Some(TimerHint { cursor: 2, due: Some(Timestamp(20)) }));
+        assert_eq!(h.since(1), Some(TimerHint { cursor: 2, due: Some(Timestamp(20)) }));
+        assert_eq!(h.since(2), None, "a reader that saw everything waits");
+        h.push_gap();
+        h.push(Timestamp(5));
+        assert_eq!(h.since(2), Some(TimerHint { cursor: 4, due: None }), "a gap: re-read");
+        assert_eq!(h.since(3), Some(TimerHint { cursor: 4, due: Some(Timestamp(5)) }));
+        assert_eq!(h.since(9), Some(TimerHint { cursor: 4, due: None }), "a foreign cursor");
+        for n in 0..limits::TIMER_HINTS_MAX {
+            h.push(Timestamp(1_000 + n as i64));
+        }
+        let last = h.last();
+        assert_eq!(h.since(4).map(|x| x.due), Some(Some(Timestamp(1_000))), "all still held");
+        h.push(Timestamp(7));
+        assert_eq!(h.since(4), Some(TimerHint { cursor: last + 1, due: None }), "overflowed");
+        assert_eq!(h.since(last).map(|x| x.due), Some(Some(Timestamp(7))));
+    }
+
+    #[test]
+    fn armed_due_is_the_earliest_arm_of_the_batch() {
+        use crate::ids::FencingToken;
+        use crate::outcome::Outcome;
+        let spec = |secs| TimerArm {
+            state: "s".into(),
+            event: "E".into(),
+            kind: TimerKind::After,
+            interval: Duration::from_secs(secs),
+            max: None,
+            then: None,
+        };
+        let park = || Outcome::Done { result: json!(null), step: None };
+        let mut a = StepCommit::new(InstanceId(1), FencingToken(1), park());
+        a.timers_arm = vec![spec(30), spec(10)];
+        let mut b = StepCommit::new(InstanceId(2), FencingToken(1), park());
+        b.timers_arm = vec![spec(5)];
+        let none = StepCommit::new(InstanceId(3), FencingToken(1), park());
+        assert_eq!(armed_due([&a, &b, &none], Timestamp(1_000)), Some(Timestamp(6_000)));
+        assert_eq!(armed_due([&none], Timestamp(1_000)), None);
     }
 }

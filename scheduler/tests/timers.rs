@@ -1,11 +1,17 @@
 //! Durable chart timers end to end (issue: keel-timers), on `MemoryStore` + `VirtualClock`:
 //! the worker runs the chart, the test moves virtual time and runs the sweep by hand.
+//!
+//! The tests at the end run twice, on `MemoryStore` (`memory::*`) and on PostgreSQL
+//! (`postgres::*`, a fresh schema per test; skipped loudly without
+//! `KEEL_TEST_DATABASE_URL`, failing under `KEEL_REQUIRE_BACKENDS=1`): a worker with the
+//! default sweep settings fires a due timer promptly, and a transit state renews a deadline.
 
 mod common;
 
 use common::Harness;
 use keel_core::Instance;
 use keel_core::chart::{Definition, Timer};
+use keel_core::ports::{Clock, Store};
 use keel_core::{InstanceId, NewSignal, Status};
 use keel_scheduler::{ChartMachine, SweepConfig, Sweeper, Worker, WorkerConfig, WorkerHandle};
 use keel_testkit::VirtualClock;
@@ -42,7 +48,7 @@ async fn advance(h: &Harness, s: &Sweeper<MemoryStore, VirtualClock>, by: Durati
     }
 }
 
-async fn fired(h: &Harness, id: InstanceId, event: &str) -> usize {
+async fn fired<S: Store>(h: &Harness<S>, id: InstanceId, event: &str) -> usize {
     let history = h.client.get(id).await.unwrap().history;
     history
         .iter()
@@ -244,5 +250,191 @@ async fn the_worker_runs_the_sweeper_when_configured() {
     h.wait(id, "awaiting", in_state("awaiting")).await;
     h.clock.advance(Duration::from_secs(11));
     h.wait(id, "expired by the worker's own sweeper", |r| r.status == Status::Done).await;
+    w.shutdown().await;
+}
+
+/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
+/// `KEEL_REQUIRE_BACKENDS=1`.
+fn postgres_available(test: &str) -> bool {
+    if keel_store_postgres::testing::database_url().is_some() {
+        return true;
+    }
+    assert!(
+        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
+        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
+    );
+    keel_testkit::conformance::skip_notice(&format!(
+        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
+    ));
+    false
+}
+
+/// A store the generic tests run on.
+trait TestStore: Store + Sized {
+    async fn harness() -> Harness<Self>;
+}
+
+impl TestStore for MemoryStore {
+    async fn harness() -> Harness<Self> {
+        Harness::new()
+    }
+}
+
+impl TestStore for keel_store_postgres::PgStore {
+    async fn harness() -> Harness<Self> {
+        let store = keel_store_postgres::testing::fresh_schema_with(8).await;
+        Harness::with_store(store.expect("checked by `postgres_available`"))
+    }
+}
+
+/// Instantiates each generic test on every store.
+macro_rules! on_every_store {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name::<keel_testkit::memory::MemoryStore>().await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if super::postgres_available(stringify!($name)) {
+                        super::$name::<keel_store_postgres::PgStore>().await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+on_every_store!(
+    a_default_worker_fires_a_due_timer_well_before_the_cadence,
+    a_transit_state_renews_a_deadline_and_a_self_loop_keeps_it,
+);
+
+fn expiring() -> ChartMachine {
+    let def = Definition::builder("expiring", 1)
+        .initial("awaiting")
+        .state("awaiting", |s| {
+            s.on("EXPIRE", |t| t.target("expired").after(Timer::seconds(1))).on_to("PAY", "paid")
+        })
+        .final_state("expired")
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+/// A worker on the default sweep settings (a one-minute fallback cadence) fires an `after`
+/// timer as soon as it falls due: its sweeper sleeps until the earliest due time and a
+/// commit arming an earlier timer wakes it. Real time allowed: a few seconds, far below
+/// the cadence.
+async fn a_default_worker_fires_a_due_timer_well_before_the_cadence<S: TestStore>() {
+    let h = S::harness().await;
+    let config = h.config();
+    assert_eq!(config.timers, Some(SweepConfig::default()), "the default sweep settings");
+    let m = expiring();
+    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()).spawn();
+    // Let the sweeper run its start-up sweep and go to sleep before the timer exists.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let id = h.start(m.new_instance(json!({}))).await;
+    h.wait(id, "awaiting", in_state("awaiting")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.status(id).await, Status::AwaitingSignal, "never before the due time");
+    let due = std::time::Instant::now();
+    h.clock.advance(Duration::from_secs(1));
+    let row = h.wait(id, "expired by the worker's own sweeper", |r| r.status == Status::Done).await;
+    assert!(row.result.is_some());
+    // Typically within a few hundred milliseconds; the bound is generous for a loaded
+    // machine and still far below the 60 s cadence.
+    assert!(
+        due.elapsed() < Duration::from_secs(20),
+        "fired {:?} after its due time; the cadence is 60 s",
+        due.elapsed()
+    );
+    assert_eq!(fired(&h, id, "EXPIRE").await, 1);
+    w.shutdown().await;
+}
+
+fn session() -> ChartMachine {
+    let def = Definition::builder("session", 1)
+        .initial("idle")
+        .state("idle", |s| {
+            s.on("LOGOUT", |t| t.target("closed").after(Timer::seconds(30)))
+                .on_to("ACTIVITY", "renewing")
+                .on_to("TOUCH", "idle")
+        })
+        .state("renewing", |s| s.always(|b| b.target("idle")))
+        .final_state("closed")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+/// Sweeps by hand until a sweep fired something (PostgreSQL leaves a timer whose instance
+/// is locked at that moment for the next sweep), at most a bounded number of times.
+async fn sweep_until_fired<S: Store>(s: &Sweeper<S, VirtualClock>) -> u64 {
+    for _ in 0..200 {
+        if let keel_timers::SweepOutcome::Swept { report, .. } = s.sweep(&[]).await.expect("sweep")
+            && report.fired > 0
+        {
+            return report.fired;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    0
+}
+
+async fn due_times<S: Store>(h: &Harness<S>, id: InstanceId) -> Vec<keel_core::Timestamp> {
+    h.client.get(id).await.unwrap().timers.iter().map(|t| t.next_fire_at).collect()
+}
+
+/// Waits until the instance's timers are due at `want` (the commit that re-arms them has
+/// landed).
+async fn wait_due<S: Store>(h: &Harness<S>, id: InstanceId, want: keel_core::Timestamp) {
+    for _ in 0..1_000 {
+        if due_times(h, id).await == [want] {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timers of {id} are due at {:?}, expected [{want:?}]", due_times(h, id).await);
+}
+
+/// Event → transit state → `@always` back renews the `after` deadline durably (the commit
+/// cancels and re-arms it from the event's time); a self-loop keeps the original one.
+async fn a_transit_state_renews_a_deadline_and_a_self_loop_keeps_it<S: TestStore>() {
+    let h = S::harness().await;
+    let s = Sweeper::new(Arc::clone(&h.store), h.clock.clone(), SweepConfig::default())
+        .expect("valid config");
+    let m = session();
+    let config = WorkerConfig { timers: None, ..h.config() };
+    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()).spawn();
+    let renewed = h.start(m.new_instance(json!({}))).await;
+    let kept = h.start(m.new_instance(json!({}))).await;
+    let t0 = h.clock.now();
+    wait_due(&h, renewed, t0.plus(Duration::from_secs(30))).await;
+    wait_due(&h, kept, t0.plus(Duration::from_secs(30))).await;
+
+    h.clock.advance(Duration::from_secs(20));
+    h.client.send(NewSignal::new(renewed, "ACTIVITY")).await.unwrap();
+    h.client.send(NewSignal::new(kept, "TOUCH")).await.unwrap();
+    wait_due(&h, renewed, t0.plus(Duration::from_secs(50))).await;
+    h.wait(kept, "touched", |r| r.status == Status::AwaitingSignal && r.revision.0 >= 2).await;
+    assert_eq!(due_times(&h, kept).await, [t0.plus(Duration::from_secs(30))], "kept");
+
+    h.clock.advance(Duration::from_secs(15)); // 35 s: only the kept deadline is due
+    assert_eq!(sweep_until_fired(&s).await, 1);
+    h.wait(kept, "closed at the original deadline", |r| r.status == Status::Done).await;
+    assert_eq!(h.status(renewed).await, Status::AwaitingSignal, "renewed: not due before 50 s");
+    assert_eq!(fired(&h, renewed, "LOGOUT").await, 0);
+
+    h.clock.advance(Duration::from_secs(15)); // 50 s: the renewed deadline
+    assert_eq!(sweep_until_fired(&s).await, 1);
+    h.wait(renewed, "closed at the renewed deadline", |r| r.status == Status::Done).await;
     w.shutdown().await;
 }

@@ -102,6 +102,11 @@
 //!   `COMMIT`; [`PgStore::listen`] exposes it, and `Store::ready_wait` waits on one shared
 //!   LISTEN connection per store (opened on the first wait, reopened after it drops; a
 //!   wake-up with nobody waiting is kept for the next wait). Polling stays correct without it.
+//!   A commit that arms timers also sends a timer hint on the same channel (payload
+//!   `timer:<earliest due, ms>`, sent with the timer write ahead of the `COMMIT`), which the
+//!   shared connection adds to the hint log behind `Store::timer_hint_wait`; opening or
+//!   losing that connection logs a gap, so sweepers re-read `timer_next_due` (one index
+//!   read in due order). [`PgStore::listen`] leaves timer hints out.
 //! - **Limits** are keel-core's ([`keel_core::limits`]): payloads, contexts and results at
 //!   most 1 MiB of JSON, names 256 bytes, batch sizes per operation; an over-limit or
 //!   malformed input is `Invalid` and writes nothing.

@@ -43,6 +43,9 @@
 //! - Notifications are in-process ([`keel_core::ports::Store::ready_wait`] resolves after
 //!   inserts, commits, deliveries, broadcasts, timer fires, reaps, releases, cancels and
 //!   dead-letter retries of *this* store value). Polling remains the correctness path.
+//!   Timer hints ([`keel_core::ports::Store::timer_hint_wait`]) are in-process too: a
+//!   timer armed by another process on the same file is fired by that process's sweeper
+//!   on time, and by this one's at its next sweep (at the latest its cadence).
 //!
 //! # Semantics
 //!

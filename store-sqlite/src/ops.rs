@@ -21,7 +21,8 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    SignalBroadcastParams, SignalDeliverParams, TimerSweepParams, TimerSweepReport,
+    SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams, TimerSweepParams,
+    TimerSweepReport,
 };
 use keel_core::timers::{self, TimerRow};
 use keel_core::{
@@ -448,6 +449,31 @@ pub(crate) async fn signal_broadcast(
 }
 
 // ----- timers ----------------------------------------------------------------------------
+
+/// The earliest due time among the timers a sweep with these filters would fire (the
+/// `keel_timers_due` index, read in due order until the first match).
+pub(crate) async fn timer_next_due(
+    db: &mut Db<'_>,
+    p: &TimerNextDueParams,
+) -> StoreResult<Option<Timestamp>> {
+    let machines = serde_json::to_string(&p.machines).unwrap_or_default();
+    let row = sqlx::query(
+        "SELECT next_fire_at FROM keel_timers WHERE (? IS NULL OR namespace = ?) \
+           AND (? = '[]' OR machine IN (SELECT value FROM json_each(?))) \
+         ORDER BY next_fire_at LIMIT 1",
+    )
+    .bind(&p.namespace)
+    .bind(&p.namespace)
+    .bind(&machines)
+    .bind(&machines)
+    .fetch_optional(&mut *db.conn)
+    .await
+    .map_err(db.err("reading the earliest timer due time"))?;
+    row.map(|r| {
+        r.try_get::<i64, _>(0).map(Timestamp).map_err(|e| corrupt(db.file, "next_fire_at", e))
+    })
+    .transpose()
+}
 
 /// Fires due timers in (due time, id) order through the core's `timers::fire`, as
 /// `MemoryStore` does; timers of missing or terminal instances are deleted silently.

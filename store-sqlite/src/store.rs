@@ -15,9 +15,10 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus, TimerSweepParams,
-    TimerSweepReport,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
+use keel_core::timers::{self, TimerHint, TimerHints};
 use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
@@ -121,6 +122,10 @@ pub struct SqliteStore {
     file: String,
     /// Fired after writes that may have made work ready.
     ready: Notify,
+    /// Timer hints for `timer_hint_wait` (in-process only, like `ready`), and the wake-up of
+    /// their readers.
+    hints: std::sync::Mutex<TimerHints>,
+    hinted: Notify,
     /// Declared last so the connections close before the files go.
     temp: Option<TempFiles>,
 }
@@ -214,6 +219,8 @@ impl SqliteStore {
             readers: Some(readers),
             file,
             ready: Notify::new(),
+            hints: std::sync::Mutex::default(),
+            hinted: Notify::new(),
             temp: None,
         })
     }
@@ -235,6 +242,8 @@ impl SqliteStore {
             readers: None,
             file,
             ready: Notify::new(),
+            hints: std::sync::Mutex::default(),
+            hinted: Notify::new(),
             temp: None,
         })
     }
@@ -275,6 +284,14 @@ impl SqliteStore {
     fn wake(&self) {
         self.ready.notify_waiters();
     }
+
+    /// Tells this process's sweepers that a commit armed timers, the earliest due at `due`.
+    fn hint_timers(&self, due: Option<Timestamp>) {
+        if let Some(due) = due {
+            self.hints.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(due);
+            self.hinted.notify_waiters();
+        }
+    }
 }
 
 #[async_trait]
@@ -313,6 +330,12 @@ impl Store for SqliteStore {
         if out.iter().any(Result::is_ok) {
             self.wake();
         }
+        // Only accepted items that stay live kept the timers they armed.
+        let armed =
+            params.commits.iter().zip(&out).filter_map(|(c, r)| {
+                r.as_ref().is_ok_and(|r| !r.status.is_terminal()).then_some(c)
+            });
+        self.hint_timers(timers::armed_due(armed, params.now));
         Ok(out)
     }
 
@@ -591,5 +614,26 @@ impl Store for SqliteStore {
 
     async fn ready_wait(&self) {
         self.ready.notified().await;
+    }
+
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
+        let mut conn = self.reader().await?;
+        let mut db = Db { conn: &mut conn, file: &self.file };
+        ops::timer_next_due(&mut db, &params).await
+    }
+
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        loop {
+            // Registered before the log is read, so a hint pushed in between still wakes us.
+            let notified = self.hinted.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let news =
+                self.hints.lock().unwrap_or_else(std::sync::PoisonError::into_inner).since(seen);
+            if let Some(hint) = news {
+                return hint;
+            }
+            notified.await;
+        }
     }
 }

@@ -44,6 +44,7 @@ use keel_core::chart::{
     MacrostepResult, Next, Record, SharedContext, Timer, TimerArm, TimerKind,
 };
 use keel_core::instance::HistoryEntry;
+use keel_core::timers::owned_by;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -475,8 +476,9 @@ impl TestMachine {
     }
 
     fn apply(&mut self, event: Option<Event>, result: MacrostepResult) {
+        // The durable stores' rule: a cancelled state takes its descendants' timers along.
         for cancel in &result.timers_to_cancel {
-            self.timers.retain(|t| t.arm.state != cancel.state);
+            self.timers.retain(|t| !owned_by(&t.arm.state, &cancel.state));
         }
         for arm in &result.timers_to_arm {
             self.timers.push(Armed { arm: arm.clone(), due: self.now + arm.interval, fires: 0 });
@@ -815,6 +817,34 @@ mod tests {
             m.send("GO");
         }));
         assert!(msg.starts_with("send(GO) failed: MaxTransitionDepthExceeded"), "{msg}");
+    }
+
+    /// A deadline is renewed by a trip through a transit state (event → transit →
+    /// `@always` back) and kept by a self-loop, as on the durable stores.
+    #[test]
+    fn a_transit_state_renews_an_after_deadline_and_a_self_loop_keeps_it() {
+        let def = Definition::builder("t", 1)
+            .initial("idle")
+            .state("idle", |s| {
+                s.on("LOGOUT", |t| t.target("closed").after(Timer::minutes(30)))
+                    .on_to("ACTIVITY", "renewing")
+                    .on_to("TOUCH", "idle")
+            })
+            .state("renewing", |s| s.always(|b| b.target("idle")))
+            .final_state("closed")
+            .build()
+            .unwrap();
+        let mut renewed = TestMachine::new(def.clone());
+        renewed.advance_timers(Timer::minutes(20)).send("ACTIVITY").assert_state("idle");
+        renewed.advance_timers(Timer::minutes(20)).assert_state("idle");
+        renewed.assert_timer_fire_count("LOGOUT", 0);
+        renewed.advance_timers(Timer::minutes(10)).assert_state("closed");
+        renewed.assert_timer_fire_count("LOGOUT", 1);
+
+        let mut kept = TestMachine::new(def);
+        kept.advance_timers(Timer::minutes(20)).send("TOUCH").assert_state("idle");
+        kept.advance_timers(Timer::minutes(10)).assert_state("closed");
+        kept.assert_timer_fired("LOGOUT");
     }
 
     #[test]

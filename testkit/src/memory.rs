@@ -34,10 +34,10 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport,
 };
-use keel_core::timers::{self, TimerRow, owned_by};
+use keel_core::timers::{self, TimerHint, TimerHints, TimerRow, owned_by};
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
     SignalTarget, Status, StepCommit, StoreError, StoreResult, Timestamp,
@@ -58,6 +58,9 @@ pub struct MemoryStore {
     state: Mutex<State>,
     /// In-process "work may be ready" wake-ups for `ready_wait`.
     ready: tokio::sync::Notify,
+    /// Timer hints for `timer_hint_wait`, and the wake-up of their readers.
+    hints: Mutex<TimerHints>,
+    hinted: tokio::sync::Notify,
 }
 
 impl MemoryStore {
@@ -79,6 +82,14 @@ impl MemoryStore {
         self.ready.notify_waiters();
         self.ready.notify_one();
         result
+    }
+
+    /// Tells the sweepers that a commit armed timers, the earliest due at `due`.
+    fn hint_timers(&self, due: Option<Timestamp>) {
+        if let Some(due) = due {
+            self.hints.lock().unwrap_or_else(PoisonError::into_inner).push(due);
+            self.hinted.notify_waiters();
+        }
     }
 }
 
@@ -878,6 +889,17 @@ impl State {
         Ok(report)
     }
 
+    fn timer_next_due(&self, p: &TimerNextDueParams) -> Option<Timestamp> {
+        self.timers
+            .values()
+            .filter(|t| {
+                p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
+                    && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
+            })
+            .map(|t| t.next_fire_at)
+            .min()
+    }
+
     fn timer_status(&self, namespace: Option<&str>, now: Timestamp) -> Vec<TimerStatus> {
         let mut out: BTreeMap<(String, String), TimerStatus> = BTreeMap::new();
         for t in self.timers.values().filter(|t| namespace.is_none_or(|ns| t.namespace == ns)) {
@@ -959,7 +981,7 @@ impl Store for MemoryStore {
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
-        let receipts = {
+        let receipts: Vec<StoreResult<CommitReceipt>> = {
             let mut state = self.state();
             params
                 .commits
@@ -970,6 +992,12 @@ impl Store for MemoryStore {
                 })
                 .collect()
         };
+        // Only accepted items that stay live kept the timers they armed.
+        let armed =
+            params.commits.iter().zip(&receipts).filter_map(|(c, r)| {
+                r.as_ref().is_ok_and(|r| !r.status.is_terminal()).then_some(c)
+            });
+        self.hint_timers(timers::armed_due(armed, params.now));
         self.wake(Ok(receipts))
     }
 
@@ -1087,6 +1115,24 @@ impl Store for MemoryStore {
 
     async fn ready_wait(&self) {
         self.ready.notified().await;
+    }
+
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
+        Ok(self.state().timer_next_due(&params))
+    }
+
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        loop {
+            // Registered before the log is read, so a hint pushed in between still wakes us.
+            let notified = self.hinted.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let news = self.hints.lock().unwrap_or_else(PoisonError::into_inner).since(seen);
+            if let Some(hint) = news {
+                return hint;
+            }
+            notified.await;
+        }
     }
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {

@@ -14,40 +14,81 @@
 //! warning. Skipped timers are only late, never lost: they fire on the next sweep below
 //! the threshold.
 //!
-//! **Cadence.** Each [`SweepGroup`] (a set of machine names, or all of them) has its own
-//! cadence, from 100 ms up; the default group sweeps every machine once a minute. A
-//! machine's timers fire no later than the shortest cadence of a group that covers it.
+//! **When it sweeps.** Each [`SweepGroup`] (a set of machine names, or all of them) sleeps
+//! until the earliest due time of its timers (`Store::timer_next_due`, read after each
+//! sweep) and is woken early when a commit arms an earlier timer (`Store::timer_hint_wait`:
+//! in-process for the memory and SQLite stores, a NOTIFY on PostgreSQL). Its cadence is the
+//! correctness fallback: a group sweeps at least that often even if every hint is lost.
+//! Two sweeps of one group are at least [`SWEEP_GAP`] apart, so timers falling due in a
+//! steady stream are fired in batches rather than one sweep each (and reuse a ready-backlog
+//! reading up to [`BACKLOG_MAX_AGE`] old); after a sweep skipped for backpressure the
+//! group waits its full cadence.
+//!
+//! **Precision.** With [`SweepConfig::default`] a due timer is fired within [`SWEEP_GAP`]
+//! plus one sweep's duration of its due time — well within a second — and never before it.
+//! It fires later only while the ready backlog is above the backpressure threshold, or when
+//! no sweeper heard of it (hints lost, or armed by another process on the same SQLite
+//! file), and then at the latest one cadence (a minute by default) after it fell due.
+//! Sleeping is measured against the injected clock, re-read at least every
+//! [`CLOCK_CHECK`] without touching the store, so a clock that jumps (or a virtual clock a
+//! test moves) is noticed promptly.
 
-use keel_core::StoreResult;
 use keel_core::limits;
-use keel_core::ports::store::{TimerSweepParams, TimerSweepReport};
+use keel_core::ports::store::{TimerNextDueParams, TimerSweepParams, TimerSweepReport};
 use keel_core::ports::{Clock, Store};
+use keel_core::{StoreResult, Timestamp};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// The shortest cadence a group may have.
 pub const CADENCE_MIN: Duration = Duration::from_millis(100);
 
-/// Machines swept together at one cadence.
+/// The longest cadence a group may have: the fallback must still come round.
+pub const CADENCE_MAX: Duration = Duration::from_secs(24 * 3_600);
+
+/// The shortest pause between two sweeps of one group: what a due timer may wait at most
+/// beyond its due time when the group swept just before.
+pub const SWEEP_GAP: Duration = Duration::from_millis(100);
+
+/// The longest a sleeping sweeper goes without re-reading its clock (no store access).
+pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
+
+/// How long a group waits before trying again after a store call failed.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How old a ready-backlog reading the run loop may reuse for its next sweep. Reading the
+/// backlog counts the instance table, and sweeps that follow each other closely (timers
+/// falling due in a steady stream) need not count it each time; backpressure is a
+/// heuristic that a one-second-old count serves as well.
+pub const BACKLOG_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// Machines swept together.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweepGroup {
     /// Machine names (empty = every machine).
     pub machines: Vec<String>,
-    /// How often.
+    /// The longest the group goes without a sweep. Due timers do not wait for it (the
+    /// group wakes at their due time); it is the fallback when wake-ups are lost.
     pub cadence: Duration,
 }
 
 /// How the sweeper runs.
+///
+/// The default — one group of every machine, a one-minute fallback cadence — fires a due
+/// timer within about a second of its due time (see the crate docs for the precision and
+/// its exceptions); a shorter cadence only shortens the wait when wake-ups are lost.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweepConfig {
     /// Only this namespace (`None` = all).
     pub namespace: Option<String>,
-    /// Sweep groups; by default one group of every machine, once a minute.
+    /// Sweep groups; by default one group of every machine, with a one-minute fallback
+    /// cadence.
     pub groups: Vec<SweepGroup>,
     /// Most timers one store call fires (default 100).
     pub batch: usize,
-    /// Most batches one sweep runs before yielding to the next cadence tick (default 100).
+    /// Most batches one sweep runs before the group pauses for [`SWEEP_GAP`] (default 100).
     pub batches_per_sweep: usize,
     /// Skip a sweep while more than this many instances are ready to run (default 10 000).
     pub backpressure_threshold: u64,
@@ -90,6 +131,13 @@ impl SweepConfig {
                     "timers.groups[{i}].cadence: {} ms is below the minimum of {} ms",
                     g.cadence.as_millis(),
                     CADENCE_MIN.as_millis()
+                ));
+            }
+            if g.cadence > CADENCE_MAX {
+                return Err(format!(
+                    "timers.groups[{i}].cadence: {} s is above the maximum of {} s; due timers do not wait for the cadence, so a shorter one costs little",
+                    g.cadence.as_secs(),
+                    CADENCE_MAX.as_secs()
                 ));
             }
         }
@@ -136,8 +184,23 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     /// One sweep of `machines` (empty = all) at the clock's current time.
     pub async fn sweep(&self, machines: &[String]) -> StoreResult<SweepOutcome> {
         let now = self.clock.now();
+        let backlog = self.backlog(now).await?;
+        self.sweep_with_backlog(machines, backlog, now).await
+    }
+
+    /// The ready backlog that backpressure compares with its threshold.
+    async fn backlog(&self, now: Timestamp) -> StoreResult<u64> {
         let stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
-        let backlog: u64 = stats.iter().map(|q| q.ready).sum();
+        Ok(stats.iter().map(|q| q.ready).sum())
+    }
+
+    /// One sweep at `now`, given the ready backlog.
+    async fn sweep_with_backlog(
+        &self,
+        machines: &[String],
+        backlog: u64,
+        now: Timestamp,
+    ) -> StoreResult<SweepOutcome> {
         if backlog > self.config.backpressure_threshold {
             tracing::warn!(
                 backlog,
@@ -184,26 +247,188 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         Ok(out)
     }
 
-    /// Runs every group at its cadence until `shutdown` turns true.
+    /// The earliest due time of the timers `machines` (empty = all) covers.
+    pub async fn next_due(&self, machines: &[String]) -> StoreResult<Option<Timestamp>> {
+        let params = TimerNextDueParams {
+            namespace: self.config.namespace.clone(),
+            machines: machines.to_vec(),
+        };
+        self.store.timer_next_due(params).await
+    }
+
+    /// Runs until `shutdown` turns true: each group sweeps at once, then whenever its
+    /// earliest timer falls due (at least [`SWEEP_GAP`] after its last sweep), and at the
+    /// latest one cadence after its last sweep. Store errors are logged and retried after
+    /// [`RETRY_AFTER`]; they never end the loop.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
-        let mut next: Vec<tokio::time::Instant> =
-            vec![tokio::time::Instant::now(); self.config.groups.len()];
+        let mut plans = vec![GroupPlan::default(); self.config.groups.len()];
+        let mut backlog: Option<(Instant, u64)> = None;
+        let mut cursor = 0;
+        let mut hints = self.store.timer_hint_wait(cursor);
         while !*shutdown.borrow() {
-            let (i, at) = next
+            let (now, now_ts) = (Instant::now(), self.clock.now());
+            let (i, at) = plans
                 .iter()
+                .zip(&self.config.groups)
+                .map(|(p, g)| p.sweep_at(g.cadence, now, now_ts))
                 .enumerate()
-                .min_by_key(|(_, t)| **t)
-                .map(|(i, t)| (i, *t))
+                .min_by_key(|(_, at)| *at)
                 .expect("at least one group");
+            if at <= now {
+                self.sweep_group(i, &mut plans[i], &mut backlog).await;
+                continue;
+            }
             tokio::select! {
-                () = tokio::time::sleep_until(at) => {}
+                () = tokio::time::sleep_until(at.min(now + CLOCK_CHECK)) => {}
+                hint = &mut hints => {
+                    cursor = hint.cursor;
+                    hints = self.store.timer_hint_wait(cursor);
+                    match hint.due {
+                        Some(due) => plans.iter_mut().for_each(|p| p.hear(due)),
+                        None => self.reread(&mut plans).await,
+                    }
+                }
                 _ = shutdown.changed() => return,
             }
-            let group = &self.config.groups[i];
-            if let Err(e) = self.sweep(&group.machines).await {
-                tracing::warn!(error = %e, "timer sweep failed; retrying at the next tick");
-            }
-            next[i] = tokio::time::Instant::now() + group.cadence;
         }
+    }
+
+    /// Sweeps group `i` and learns its next due time; `backlog` is the last ready-backlog
+    /// reading, reused while younger than [`BACKLOG_MAX_AGE`].
+    async fn sweep_group(
+        &self,
+        i: usize,
+        plan: &mut GroupPlan,
+        backlog: &mut Option<(Instant, u64)>,
+    ) {
+        let machines = &self.config.groups[i].machines;
+        plan.last = Some(Instant::now());
+        plan.skipped = false;
+        let now = self.clock.now();
+        let reading = match *backlog {
+            Some((read_at, n)) if read_at.elapsed() < BACKLOG_MAX_AGE => Ok(n),
+            _ => self.backlog(now).await.inspect(|n| *backlog = Some((Instant::now(), *n))),
+        };
+        let outcome = match reading {
+            Ok(n) => self.sweep_with_backlog(machines, n, now).await,
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(SweepOutcome::Skipped { .. }) => {
+                plan.skipped = true;
+                plan.due = None;
+            }
+            Ok(SweepOutcome::Swept { .. }) => plan.due = self.due_or_retry(machines).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "timer sweep failed; retrying shortly");
+                plan.due = Some(self.clock.now().plus(RETRY_AFTER));
+            }
+        }
+    }
+
+    /// After lost hints: every group reads its earliest due time again.
+    async fn reread(&self, plans: &mut [GroupPlan]) {
+        for (plan, group) in plans.iter_mut().zip(&self.config.groups) {
+            if plan.last.is_some() {
+                plan.due = self.due_or_retry(&group.machines).await;
+            }
+        }
+    }
+
+    async fn due_or_retry(&self, machines: &[String]) -> Option<Timestamp> {
+        match self.next_due(machines).await {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the next timer due time failed; retrying shortly");
+                Some(self.clock.now().plus(RETRY_AFTER))
+            }
+        }
+    }
+}
+
+/// What one group knows about its next sweep.
+#[derive(Debug, Clone, Copy, Default)]
+struct GroupPlan {
+    /// When it last swept (`None`: never; it sweeps at once).
+    last: Option<Instant>,
+    /// The earliest due time of its timers as far as it knows (`None`: none known).
+    due: Option<Timestamp>,
+    /// Its last sweep was skipped for backpressure: it waits its full cadence.
+    skipped: bool,
+}
+
+impl GroupPlan {
+    /// When the group sweeps next, given the time on both clocks now: at its earliest due
+    /// time (measured on the injected clock) but not within [`SWEEP_GAP`] of its last
+    /// sweep, and no later than one cadence after it.
+    fn sweep_at(&self, cadence: Duration, now: Instant, now_ts: Timestamp) -> Instant {
+        let Some(last) = self.last else { return now };
+        let fallback = last + cadence;
+        match self.due {
+            Some(due) if !self.skipped => {
+                // Never further than the cadence: the fallback comes first anyway.
+                let ms = u64::try_from(due.0.saturating_sub(now_ts.0)).unwrap_or(0);
+                let wait = Duration::from_millis(ms).min(cadence);
+                (now + wait).max(last + SWEEP_GAP).min(fallback)
+            }
+            _ => fallback,
+        }
+    }
+
+    /// A commit armed a timer due at `due`.
+    fn hear(&mut self, due: Timestamp) {
+        self.due = Some(self.due.map_or(due, |d| d.min(due)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (case, plan, cadence) → when the group sweeps next, in ms after `now`; the plan's
+    /// last sweep is `last_ago` ms before `now`, and the injected clock reads 10 000.
+    #[test]
+    fn sweep_at_table() {
+        let now = Instant::now();
+        let minute = Duration::from_secs(60);
+        let plan = |last_ago: Option<u64>, due: Option<i64>, skipped: bool| GroupPlan {
+            last: last_ago.map(|ms| now - Duration::from_millis(ms)),
+            due: due.map(Timestamp),
+            skipped,
+        };
+        let cases = [
+            ("never swept: at once", plan(None, None, false), minute, 0),
+            ("nothing due: the cadence", plan(Some(1_000), None, false), minute, 59_000),
+            ("due later: at the due time", plan(Some(1_000), Some(10_300), false), minute, 300),
+            ("overdue: at once", plan(Some(1_000), Some(9_000), false), minute, 0),
+            (
+                "overdue right after a sweep: the gap",
+                plan(Some(40), Some(9_000), false),
+                minute,
+                60,
+            ),
+            (
+                "due past the cadence: the cadence",
+                plan(Some(0), Some(99_000), false),
+                minute,
+                60_000,
+            ),
+            ("skipped: the cadence", plan(Some(1_000), Some(10_300), true), minute, 59_000),
+            ("far future due: no overflow", plan(Some(0), Some(i64::MAX), false), minute, 60_000),
+            ("far past due: no overflow", plan(Some(500), Some(i64::MIN), false), minute, 0),
+        ];
+        for (case, plan, cadence, want) in cases {
+            let at = plan.sweep_at(cadence, now, Timestamp(10_000));
+            assert_eq!(at.duration_since(now).as_millis(), want, "{case}");
+        }
+    }
+
+    #[test]
+    fn hearing_keeps_the_earliest() {
+        let mut p = GroupPlan { due: Some(Timestamp(50)), ..GroupPlan::default() };
+        p.hear(Timestamp(70));
+        assert_eq!(p.due, Some(Timestamp(50)));
+        p.hear(Timestamp(20));
+        assert_eq!(p.due, Some(Timestamp(20)));
     }
 }

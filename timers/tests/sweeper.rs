@@ -1,6 +1,6 @@
 //! The sweeper on `MemoryStore` + `VirtualClock`: batching, backpressure (skipped and
-//! logged, fired on the next sweep below the threshold), configuration bounds, and the
-//! cadence loop.
+//! logged, fired on the next sweep below the threshold), configuration bounds, the
+//! cadence loop, and the run loop's sleeping until the earliest due time.
 
 use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::instance::{ANY_SIGNAL, NewInstance};
@@ -22,6 +22,17 @@ async fn with_timers(
     machine: &str,
     n: usize,
     now: Timestamp,
+) -> Vec<InstanceId> {
+    with_timers_after(store, machine, n, now, Duration::from_secs(1)).await
+}
+
+/// Inserts `n` instances of `machine`, each parked with one `after` timer of `interval`.
+async fn with_timers_after(
+    store: &MemoryStore,
+    machine: &str,
+    n: usize,
+    now: Timestamp,
+    interval: Duration,
 ) -> Vec<InstanceId> {
     let news = (0..n).map(|_| NewInstance::new(MachineRef::new(machine, 1), "wait")).collect();
     let ids: Vec<InstanceId> = store
@@ -53,7 +64,7 @@ async fn with_timers(
                 state: "wait".into(),
                 event: "WAKE".into(),
                 kind: TimerKind::After,
-                interval: Duration::from_secs(1),
+                interval,
                 max: None,
                 then: None,
             }];
@@ -200,6 +211,16 @@ fn configuration_bounds_name_the_field() {
             },
             "timers.groups[0].cadence: 50 ms is below the minimum of 100 ms",
         ),
+        (
+            SweepConfig {
+                groups: vec![SweepGroup {
+                    machines: vec![],
+                    cadence: Duration::from_secs(2 * 24 * 3_600),
+                }],
+                ..SweepConfig::default()
+            },
+            "timers.groups[0].cadence: 172800 s is above the maximum of 86400 s",
+        ),
     ];
     for (config, expected) in cases {
         let err = config.validate().unwrap_err();
@@ -236,6 +257,79 @@ async fn the_run_loop_sweeps_each_group_at_its_cadence_until_shutdown() {
     for id in &ids {
         assert_eq!(store.instance_get(*id).await.unwrap().inbox.len(), 1);
     }
+    tx.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(2), task).await.expect("stops on shutdown").unwrap();
+}
+
+/// Polls (at most `limit` of real time) until every instance has a signal in its inbox.
+async fn all_fired(store: &MemoryStore, ids: &[InstanceId], limit: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        let mut all = true;
+        for id in ids {
+            all &= !store.instance_get(*id).await.unwrap().inbox.is_empty();
+        }
+        if all {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+/// With the default settings (a one-minute cadence) the run loop sleeps until the earliest
+/// due time on the injected clock: a timer armed while it sleeps wakes it, nothing fires
+/// before its due time, and it fires promptly once due — far sooner than the cadence.
+#[tokio::test]
+async fn a_default_sweeper_wakes_for_a_timer_armed_while_it_sleeps_and_never_fires_early() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), SweepConfig::default()).unwrap();
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(sweeper.run(rx));
+    // The start-up sweep finds nothing; the sweeper goes to sleep for its cadence.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let ids = with_timers_after(&store, "m", 2, clock.now(), Duration::from_millis(300)).await;
+    assert!(
+        !all_fired(&store, &ids, Duration::from_millis(500)).await,
+        "not due on the injected clock: nothing fires"
+    );
+    clock.advance(Duration::from_millis(300));
+    // Typically within a few hundred milliseconds; the bound is generous for a loaded
+    // machine and still far below the 60 s cadence.
+    assert!(all_fired(&store, &ids, Duration::from_secs(10)).await, "fired once due");
+    tx.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(2), task).await.expect("stops on shutdown").unwrap();
+}
+
+/// A sweep skipped for backpressure is not retried at every due time: the group waits its
+/// cadence, so an overloaded store is not scanned many times a second.
+#[tokio::test(flavor = "current_thread")]
+async fn after_a_skipped_sweep_the_run_loop_waits_its_cadence() {
+    let logs = Buffer::default();
+    let subscriber = tracing_subscriber::fmt().with_writer(logs.clone()).with_ansi(false).finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let parked = with_timers(&store, "m", 2, clock.now()).await;
+    let backlog: Vec<NewInstance> =
+        (0..4).map(|_| NewInstance::new(MachineRef::new("busy", 1), "go")).collect();
+    store
+        .instance_insert(keel_core::ports::store::InsertParams {
+            instances: backlog,
+            now: clock.now(),
+        })
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(5));
+    let config = SweepConfig { backpressure_threshold: 3, ..SweepConfig::default() };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(sweeper.run(rx));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(logged.matches("timer sweep skipped").count(), 1, "{logged}");
+    assert!(!all_fired(&store, &parked, Duration::ZERO).await);
     tx.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(2), task).await.expect("stops on shutdown").unwrap();
 }

@@ -378,6 +378,9 @@ pub struct Macrostep<'d> {
     dispatch: bool,
     skip_entry: BTreeSet<usize>,
     dispatches: Vec<(usize, usize, Vec<usize>, Event)>,
+    /// States that were inactive after some microstep of this macrostep: exited to another
+    /// state, not re-entered by the same microstep. Their timers belong to a new entry.
+    left: BTreeSet<usize>,
 }
 
 impl<'d> Macrostep<'d> {
@@ -445,6 +448,7 @@ impl<'d> Macrostep<'d> {
             dispatch: false,
             skip_entry: BTreeSet::new(),
             dispatches: Vec::new(),
+            left: BTreeSet::new(),
         }
     }
 
@@ -753,6 +757,14 @@ impl<'d> Macrostep<'d> {
             }
         }
         self.enter(&set);
+        // A state the same microstep exits and enters again (a self-transition) was never
+        // left; one that stays out after the microstep was, even if a later microstep of
+        // this macrostep comes back to it.
+        for s in exits {
+            if !self.config.contains(&s) {
+                self.left.insert(s);
+            }
+        }
     }
 
     fn action(&self, name: &str, state: usize, phase: ActionPhase) -> Op {
@@ -934,12 +946,22 @@ impl<'d> Macrostep<'d> {
         self.done = Some(Box::new(result));
     }
 
-    /// Timers and children follow the net change of the configuration: a state exited and
-    /// re-entered in one macrostep (a self-loop) keeps its timers' original anchor (DESIGN §6).
+    /// Timers belong to state entries. A state active afterwards arms its timers when it was
+    /// not active before, or when it was left for another state during the macrostep and
+    /// came back (a transit state with `@always`): the deadline counts from this entry. A
+    /// state exited and re-entered by one transition (a self-loop) was never left and keeps
+    /// its timers' original anchor. Child machines follow the net change of the
+    /// configuration only: a renewed delegation state re-arms its `@timeout` but keeps its
+    /// running child.
     fn effects(&self) -> (Vec<TimerArm>, Vec<TimerCancel>, Vec<ChildStart>, Vec<String>) {
         let (mut arm, mut cancel, mut start, mut stop) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for &s in self.config.difference(&self.start_ids) {
+        let renewed = |s: &usize| self.left.contains(s) && self.start_ids.contains(s);
+        for &s in &self.config {
+            let entered = !self.start_ids.contains(&s);
+            if !entered && !renewed(&s) {
+                continue;
+            }
             let node = &self.def.states[s];
             for t in &node.on {
                 if let Some(spec) = &t.timer {
@@ -954,7 +976,9 @@ impl<'d> Macrostep<'d> {
                 }
             }
             if let Some(d) = &node.delegation {
-                start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
+                if entered {
+                    start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
+                }
                 if let Some(timeout) = d.timeout {
                     arm.push(TimerArm {
                         state: node.path.clone(),
@@ -967,14 +991,18 @@ impl<'d> Macrostep<'d> {
                 }
             }
         }
-        for &s in self.start_ids.difference(&self.config) {
+        for &s in &self.start_ids {
+            let gone = !self.config.contains(&s);
+            if !gone && !renewed(&s) {
+                continue;
+            }
             let node = &self.def.states[s];
             let timed = node.on.iter().any(|t| t.timer.is_some())
                 || node.delegation.as_ref().is_some_and(|d| d.timeout.is_some());
             if timed {
                 cancel.push(TimerCancel { state: node.path.clone() });
             }
-            if node.delegation.is_some() {
+            if gone && node.delegation.is_some() {
                 stop.push(node.path.clone());
             }
         }

@@ -343,6 +343,16 @@ impl TransitionBuilder {
     }
 
     /// A one-shot timer: the runtime delivers the event `timer` after the state was entered.
+    ///
+    /// The deadline counts from the state's latest entry: a self-loop keeps it, while
+    /// leaving for another state and coming back — even within one macrostep, through a
+    /// transit state with `@always` — starts a new one. With the sweeper's default
+    /// configuration the event is delivered within about a second of its due time (the
+    /// sweeper sleeps until the earliest due timer and a commit arming an earlier one wakes
+    /// it); it is later only when the ready backlog is above the sweeper's backpressure
+    /// threshold or no sweeper heard of the timer, and then at the latest at the sweep
+    /// cadence (a minute by default). It is never early. The event goes through the inbox,
+    /// so it is processed after the events that arrived before it.
     pub fn after(mut self, timer: Timer) -> Self {
         self.extra_timer |= self.timer.is_some();
         self.timer = Some((TimerKind::After, timer));

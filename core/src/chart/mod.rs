@@ -31,11 +31,14 @@
 //! - **Action errors fail the macrostep** and the result carries the configuration and context
 //!   it started from: commit nothing, retry per policy, and after the last try deliver
 //!   `fail.state.<owner>` to run the `@fail` hooks.
-//! - **Timers and children follow the net change** of the configuration over a macrostep:
-//!   states active afterwards but not before arm their timers (and start their child
-//!   machine), states active before but not afterwards cancel them. A self-loop therefore keeps
-//!   its timers' original anchor (seed 002), and a state entered and left within one macrostep
-//!   arms nothing.
+//! - **Timers belong to state entries.** A state active after a macrostep arms its timers
+//!   when it was not active before, or when it was left for another state and entered again
+//!   within the macrostep (event → transit state → `@always` back: the way to renew a
+//!   deadline). A self-loop exits and re-enters its state in one transition, so it was never
+//!   left and keeps its timers' original anchor; a targetless transition exits
+//!   nothing. A state entered and left within one macrostep arms nothing. Child machines
+//!   follow the net change of the configuration: a state active before and after keeps its
+//!   child.
 //! - **Guards are evaluated lazily**, when a microstep's transitions are selected, on the
 //!   context as changed by every action that ran before (SCXML's current data model).
 //! - **One bound**, [`Limits::max_transition_depth`], counts the eventless microsteps and

@@ -703,6 +703,53 @@ fn timers_and_children_follow_state_entry_and_exit() {
     assert!(timeout.is_final);
 }
 
+/// Renewable timers: a deadline is renewed by leaving its state for a transit state that
+/// comes straight back with `@always`; a self-loop and a targetless transition keep it.
+/// A parent that was never left keeps its own timers while its child renews.
+#[test]
+fn a_transit_state_renews_timers_and_a_self_loop_keeps_them() {
+    let def = chart()
+        .initial("session")
+        .state("session", |s| {
+            s.initial("idle")
+                .on("SESSION_END", |t| t.target("closed").after(Timer::hours(8)))
+                .state("idle", |i| {
+                    i.on("LOGOUT", |t| t.target("closed").after(Timer::minutes(30)))
+                        .on("PING", |t| t.every(Timer::minutes(5)).action("ping"))
+                        .on_to("ACTIVITY", "renewing")
+                        .on_to("TOUCH", "idle")
+                        .on("NOTE", |t| t.action("note"))
+                })
+                .state("renewing", |r| r.always(|b| b.target("idle")))
+        })
+        .final_state("closed")
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["ACTIVITY", "TOUCH", "NOTE"]), Limits::default());
+    let arms = |r: &MacrostepResult| {
+        r.timers_to_arm.iter().map(|t| format!("{}:{}", t.state, t.event)).collect::<Vec<_>>()
+    };
+    let cancels = |r: &MacrostepResult| {
+        r.timers_to_cancel.iter().map(|t| t.state.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        arms(&results[0]),
+        ["session:SESSION_END", "session.idle:LOGOUT", "session.idle:PING"]
+    );
+    // ACTIVITY: idle → renewing → @always → idle. The net configuration is unchanged, but
+    // idle was left and entered again: its timers count from now. session was never left.
+    assert_eq!(results[1].configuration.leaves(&def), ["session.idle"]);
+    assert_eq!(results[1].exited(), ["session.idle", "session.renewing"]);
+    assert_eq!(cancels(&results[1]), ["session.idle"]);
+    assert_eq!(arms(&results[1]), ["session.idle:LOGOUT", "session.idle:PING"]);
+    // TOUCH is a self-loop: idle is exited and re-entered by one transition, never left.
+    assert_eq!(results[2].exited(), ["session.idle"]);
+    assert!(cancels(&results[2]).is_empty() && arms(&results[2]).is_empty());
+    // NOTE is targetless: nothing is exited.
+    assert!(results[3].exited().is_empty());
+    assert!(cancels(&results[3]).is_empty() && arms(&results[3]).is_empty());
+}
+
 #[test]
 fn macrostep_protocol_repeats_pending_action_and_ignores_stray_results() {
     let def = chart().initial("a").state("a", |s| s.on("E", |t| t.action("x"))).build().unwrap();

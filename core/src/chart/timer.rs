@@ -149,8 +149,8 @@ impl fmt::Display for TimerSpec {
     }
 }
 
-/// A timer the runtime must arm because the macrostep left its state active when it was not
-/// active before.
+/// A timer the runtime must arm because the macrostep entered its state: the state was not
+/// active before, or it was left for another state and entered again within the macrostep.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TimerArm {
     /// Path of the state that owns the timer; leaving it cancels the timer.

@@ -18,7 +18,7 @@ use crate::instance::{
 };
 use crate::outcome::StepCommit;
 use crate::time::Timestamp;
-use crate::timers::TimerRow;
+use crate::timers::{TimerHint, TimerRow};
 use async_trait::async_trait;
 use std::time::Duration;
 
@@ -293,6 +293,29 @@ pub struct TimerSweepReport {
     pub processed: u64,
 }
 
+/// Which timers [`Store::timer_next_due`] looks at: the ones a sweep with the same
+/// filters would fire.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TimerNextDueParams {
+    /// Only this namespace (`None` = all).
+    pub namespace: Option<String>,
+    /// Only these machine names (empty = all).
+    pub machines: Vec<String>,
+}
+
+impl TimerNextDueParams {
+    /// The earliest due time in scope among per-machine timer statuses (of this namespace,
+    /// or of every namespace when it is `None`).
+    pub fn earliest_in(&self, status: &[TimerStatus]) -> Option<Timestamp> {
+        status
+            .iter()
+            .filter(|s| self.namespace.as_ref().is_none_or(|ns| &s.namespace == ns))
+            .filter(|s| self.machines.is_empty() || self.machines.contains(&s.machine))
+            .filter_map(|s| s.next_due)
+            .min()
+    }
+}
+
 /// Timer health per machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TimerStatus {
@@ -417,8 +440,8 @@ pub struct QueueState {
 /// What a store can do beyond the contract, reported honestly (STYLE 6).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StoreCapabilities {
-    /// Whether the store can push "work is ready" notifications (LISTEN/NOTIFY,
-    /// in-process); polling stays the correctness path either way.
+    /// Whether the store can push "work is ready" notifications and timer hints
+    /// (LISTEN/NOTIFY, in-process); polling stays the correctness path either way.
     pub notifications: bool,
 }
 
@@ -513,6 +536,16 @@ pub trait Store: Send + Sync + 'static {
     /// Fires due timers.
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport>;
 
+    /// The earliest `next_fire_at` among the armed timers in scope (`None` when there are
+    /// none), overdue ones included: what a sweeper sleeps until. Stores answer it with one
+    /// indexed read; this default derives it from [`Store::timer_status`] (a scan), so a
+    /// store that wraps another stays correct without overriding it.
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
+        // `now` only splits overdue timers from the others in the status; any value will do.
+        let status = self.timer_status(params.namespace.clone(), Timestamp(0)).await?;
+        Ok(params.earliest_in(&status))
+    }
+
     /// Timer health per (namespace, machine); `None` = every namespace.
     async fn timer_status(
         &self,
@@ -526,5 +559,45 @@ pub trait Store: Send + Sync + 'static {
     /// stays the correctness path.
     async fn ready_wait(&self) {
         std::future::pending::<()>().await;
+    }
+
+    /// Resolves once a commit has armed timers since hint number `seen` (0 at first), with
+    /// the earliest due time among them, so a sweeper asleep until a later due time can
+    /// wake up earlier. Every caller reads every hint with its own cursor (see
+    /// [`crate::timers::TimerHints`]); when hints may have been lost the result says so and
+    /// the caller reads [`Store::timer_next_due`]. A hint may be spurious (a rolled back or
+    /// rejected item, another sweeper's machines). A store without notifications never
+    /// resolves; sweepers race it against their cadence, which stays the correctness path.
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        let _ = seen;
+        std::future::pending::<TimerHint>().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn earliest_due_from_timer_status() {
+        let st = |ns: &str, machine: &str, due: Option<i64>| TimerStatus {
+            namespace: ns.into(),
+            machine: machine.into(),
+            armed: 1,
+            next_due: due.map(Timestamp),
+            overdue: 0,
+            last_sweep_at: None,
+        };
+        let status = [st("a", "m", Some(30)), st("a", "n", Some(10)), st("b", "m", Some(5))];
+        let p = |ns: Option<&str>, machines: &[&str]| TimerNextDueParams {
+            namespace: ns.map(str::to_owned),
+            machines: machines.iter().map(|m| (*m).to_owned()).collect(),
+        };
+        assert_eq!(p(None, &[]).earliest_in(&status), Some(Timestamp(5)));
+        assert_eq!(p(Some("a"), &[]).earliest_in(&status), Some(Timestamp(10)));
+        assert_eq!(p(Some("a"), &["m"]).earliest_in(&status), Some(Timestamp(30)));
+        assert_eq!(p(Some("c"), &[]).earliest_in(&status), None);
+        assert_eq!(p(None, &["x"]).earliest_in(&status), None);
+        assert_eq!(p(None, &[]).earliest_in(&[st("a", "m", None)]), None);
     }
 }

@@ -350,10 +350,22 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         if parents.is_empty() { Ok(0) } else { c.execute(&rel, &[&parents, &now_ts]).await }
     };
     let timer_stmt = c.prepare_cached(timer::CHANGE).await?;
+    let hint_stmt = c.prepare_cached(timer::HINT).await?;
     let timers_empty = timers.is_empty();
+    let timer_hint = timers.hint();
     let timer_params = timers.params(now);
-    let f_timers =
-        async { if timers_empty { Ok(0) } else { c.execute(&timer_stmt, &timer_params).await } };
+    // The hint is sent with the timer write, ahead of the COMMIT in the pipeline.
+    let f_timers = async {
+        if timers_empty {
+            return Ok(0);
+        }
+        let (written, hinted) = tokio::join!(
+            c.execute(&timer_stmt, &timer_params),
+            timer::hint_send(c, &hint_stmt, channel, timer_hint.as_deref())
+        );
+        hinted?;
+        written
+    };
     let delivered = !emits.is_empty();
     let tail = async {
         if delivered {

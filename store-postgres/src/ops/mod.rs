@@ -9,6 +9,8 @@ mod lease;
 mod signal;
 mod timer;
 
+pub(crate) use timer::{Notice, parse_notice};
+
 use crate::PgStore;
 use crate::TRANSACTION_RETRIES;
 use crate::error::{OpError, OpResult};
@@ -20,9 +22,10 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
+    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport,
 };
+use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
 
 /// A pooled connection that may be inside a transaction. Dropped mid-transaction (an
@@ -295,5 +298,14 @@ impl Store for PgStore {
 
     async fn ready_wait(&self) {
         self.wait_ready().await;
+    }
+
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
+        let conn = self.client().await?;
+        timer::next_due(&conn, &params).await.map_err(StoreError::from)
+    }
+
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        self.wait_timer_hint(seen).await
     }
 }

@@ -9,7 +9,8 @@ use deadpool_postgres::GenericClient;
 use keel_core::chart::TimerArm;
 use keel_core::instance::{Instance, NewSignal, check_batch};
 use keel_core::ports::store::{
-    DeliveryOutcome, QueueStats, TimerStatus, TimerSweepParams, TimerSweepReport,
+    DeliveryOutcome, QueueStats, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport,
 };
 use keel_core::timers::{self, TimerRow};
 use keel_core::{InstanceId, MachineRef, StoreError, StoreResult, TimerId, Timestamp, limits};
@@ -50,6 +51,8 @@ pub(crate) struct TimerWrite {
     spec: Vec<serde_json::Value>,
     due: Vec<SystemTime>,
     now: Option<SystemTime>,
+    /// The earliest due time armed, for the sweepers' hint.
+    earliest: Option<Timestamp>,
 }
 
 impl TimerWrite {
@@ -84,7 +87,14 @@ impl TimerWrite {
             self.state.push(spec.state.clone());
             self.spec.push(serde_json::to_value(spec).unwrap_or_default());
             self.due.push(ts(t.next_fire_at));
+            self.earliest = Some(self.earliest.map_or(t.next_fire_at, |e| e.min(t.next_fire_at)));
         }
+    }
+
+    /// The NOTIFY payload that tells sweepers this write armed timers (`None`: it armed
+    /// none).
+    pub(crate) fn hint(&self) -> Option<String> {
+        self.earliest.map(hint_payload)
     }
 
     /// Every timer of `id` goes (the instance became terminal).
@@ -117,6 +127,74 @@ impl TimerWrite {
             &self.now,
         ]
     }
+}
+
+/// Timer hints share the store's NOTIFY channel with the "work is ready" wake-ups; their
+/// payload is this prefix and the earliest due time armed, in milliseconds.
+const HINT_PREFIX: &str = "timer:";
+
+/// The payload of a timer hint due at `due`.
+pub(crate) fn hint_payload(due: Timestamp) -> String {
+    format!("{HINT_PREFIX}{}", due.0)
+}
+
+/// What a notification on the store's channel says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Notice {
+    /// Work may be ready (an empty payload, or anything that is not a timer hint).
+    Ready,
+    /// A commit armed timers, the earliest due then.
+    Timer(Timestamp),
+    /// A timer hint that does not parse: treated as lost hints.
+    TimerUnreadable,
+}
+
+/// Reads a notification payload.
+pub(crate) fn parse_notice(payload: &str) -> Notice {
+    match payload.strip_prefix(HINT_PREFIX) {
+        None => Notice::Ready,
+        Some(due) => {
+            due.parse::<i64>().map_or(Notice::TimerUnreadable, |ms| Notice::Timer(Timestamp(ms)))
+        }
+    }
+}
+
+/// The statement that sends a timer hint; prepare it before the writes are pipelined, so
+/// the hint is queued ahead of the `COMMIT`.
+pub(crate) const HINT: &str = "SELECT pg_notify($1, $2)";
+
+/// Sends a timer hint with the prepared [`HINT`] inside the caller's transaction (it is
+/// delivered when the transaction commits, and never if it rolls back).
+pub(crate) async fn hint_send<C: GenericClient + Sync>(
+    c: &C,
+    stmt: &tokio_postgres::Statement,
+    channel: &str,
+    payload: Option<&str>,
+) -> Result<u64, tokio_postgres::Error> {
+    match payload {
+        Some(payload) => c.execute(stmt, &[&channel, &payload]).await,
+        None => Ok(0),
+    }
+}
+
+/// The earliest due time among the timers a sweep with these filters would fire: the
+/// `timers_due` index in due order, stopping at the first match.
+pub(crate) async fn next_due<C: GenericClient + Sync>(
+    c: &C,
+    p: &TimerNextDueParams,
+) -> OpResult<Option<Timestamp>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT t.next_fire_at FROM timers t \
+             WHERE ($1::text IS NULL OR t.namespace = $1) \
+               AND (cardinality($2::text[]) = 0 OR t.machine = ANY($2)) \
+             ORDER BY t.next_fire_at, t.id LIMIT 1",
+        )
+        .await?;
+    let found = c.query_opt(&stmt, &[&p.namespace, &p.machines]).await?;
+    let Some(row) = found else { return Ok(None) };
+    let due: SystemTime = row.try_get(0)?;
+    Ok(Some(from_ts(due)))
 }
 
 /// Timer columns, in the order [`timer`] decodes them.

@@ -1,13 +1,15 @@
 //! Timer contracts (DESIGN §6, seed 002): armed and cancelled by commits, fired by sweeps
 //! exactly once per fire, `every` counted from the last fire without back-fill, `max` +
-//! `then` delivered once, and the status and stats a sweep service relies on.
+//! `then` delivered once, the status and stats a sweep service relies on, and what a
+//! sweeper sleeps on: the earliest due time and the hints of commits that arm timers.
 
 use super::support::{at, claim_id, commit_ok, ctx, get, insert_one, new_in, row};
 use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::instance::ANY_SIGNAL;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
-use keel_core::ports::store::{TimerSweepParams, TimerSweepReport};
+use keel_core::ports::store::{TimerNextDueParams, TimerSweepParams, TimerSweepReport};
+use keel_core::timers::TimerHint;
 use keel_core::{InstanceId, Status, StepCommit, Timestamp};
 use serde_json::json;
 use std::time::Duration;
@@ -184,6 +186,125 @@ pub async fn timer_concurrent_sweeps_deliver_once<S: Store>(s: &S) {
     for id in ids {
         assert_eq!(inbox_names(s, id).await, ["WAKE"], "instance {id}");
     }
+}
+
+/// A commit that cancels a state's timers and arms them again (a state left for a transit
+/// state and entered again within one step) renews them: the old timers are gone, the new
+/// ones count from this commit, and only the renewed deadline fires.
+pub async fn timer_cancel_and_arm_in_one_commit_renews<S: Store>(s: &S) {
+    let ns = "timer_renew";
+    let deadline = || arm("idle", "LOGOUT", TimerKind::After, 30, None, None);
+    let nested = || arm("idle.typing", "NUDGE", TimerKind::After, 40, None, None);
+    let id = armed(s, ns, vec![deadline(), nested()]).await;
+    super::support::send(s, id, "ACTIVITY", at(20_000)).await;
+    let claimed = claim_id(s, ns, id, at(20_000)).await;
+    let mut c =
+        StepCommit::new(id, claimed.token(), park()).consume(claimed.inbox.iter().map(|s| s.id));
+    c.timers_cancel = vec!["idle".into()];
+    c.timers_arm = vec![deadline()];
+    commit_ok(s, c, at(20_000)).await;
+    let timers: Vec<(String, Timestamp)> =
+        get(s, id).await.timers.iter().map(|t| (t.spec.event.clone(), t.next_fire_at)).collect();
+    assert_eq!(
+        timers,
+        [("LOGOUT".to_owned(), at(50_000))],
+        "renewed from the commit; the descendant's timer went with its ancestor"
+    );
+    assert_eq!(sweep(s, ns, at(45_000)).await.processed, 0, "the old deadline is gone");
+    assert_eq!(sweep(s, ns, at(50_000)).await.fired, 1);
+    assert_eq!(inbox_names(s, id).await, ["LOGOUT"]);
+}
+
+/// The earliest due time in scope: overdue timers count, the namespace and machine
+/// filters apply, and it moves on as sweeps fire and commits cancel.
+pub async fn timer_next_due_is_the_earliest_in_scope<S: Store>(s: &S) {
+    let ns = "timer_next_due";
+    let next_due = |namespace: Option<&str>, machines: &[&str]| TimerNextDueParams {
+        namespace: namespace.map(str::to_owned),
+        machines: machines.iter().map(|m| (*m).to_owned()).collect(),
+    };
+    let due = |p: TimerNextDueParams| async move { s.timer_next_due(p).await.expect("next due") };
+    assert_eq!(due(next_due(Some(ns), &[])).await, None, "no timers, no due time");
+    let id = armed(
+        s,
+        ns,
+        vec![
+            arm("a", "LATE", TimerKind::After, 50, None, None),
+            arm("a", "SOON", TimerKind::Every, 20, None, None),
+        ],
+    )
+    .await;
+    let other = "timer_next_due_other";
+    armed(s, other, vec![arm("a", "EARLY", TimerKind::After, 5, None, None)]).await;
+    assert_eq!(due(next_due(Some(ns), &[])).await, Some(at(20_010)));
+    assert_eq!(due(next_due(Some(other), &[])).await, Some(at(5_010)));
+    assert_eq!(due(next_due(None, &[])).await, Some(at(5_010)), "every namespace");
+    assert_eq!(due(next_due(Some(ns), &["order"])).await, Some(at(20_010)), "its machine");
+    assert_eq!(due(next_due(None, &["billing"])).await, None, "another machine has none");
+    assert_eq!(sweep(s, other, at(6_000)).await.fired, 1);
+    assert_eq!(due(next_due(Some(other), &[])).await, None, "a fired after timer is gone");
+    // Overdue timers count: a sweeper must not sleep past them.
+    assert_eq!(due(next_due(Some(ns), &[])).await, Some(at(20_010)));
+    assert_eq!(sweep(s, ns, at(25_000)).await.fired, 1);
+    assert_eq!(
+        due(next_due(Some(ns), &[])).await,
+        Some(at(45_000)),
+        "the every timer counts from its fire"
+    );
+    settle(s, ns, id, at(30_000), vec!["a".into()]).await;
+    assert_eq!(due(next_due(Some(ns), &[])).await, None, "leaving the state cancels both");
+}
+
+/// Waits (boundedly) for the next timer hint after `seen`, passing over gaps (a listener
+/// that just connected reports one); `None` when none came.
+async fn next_hint<S: Store>(s: &S, mut seen: u64, wait: Duration) -> (u64, Option<TimerHint>) {
+    for _ in 0..3 {
+        match tokio::time::timeout(wait, s.timer_hint_wait(seen)).await {
+            Ok(hint @ TimerHint { due: Some(_), .. }) => return (hint.cursor, Some(hint)),
+            Ok(gap) => seen = gap.cursor,
+            Err(_) => return (seen, None),
+        }
+    }
+    (seen, None)
+}
+
+/// A store with notifications tells waiting sweepers when a commit arms timers, with the
+/// earliest due time armed; a commit that arms nothing, or is rejected, tells nothing.
+pub async fn timer_hint_follows_a_commit_that_arms<S: Store>(s: &S) {
+    if !s.capabilities().notifications {
+        return;
+    }
+    let ns = "timer_hint";
+    let short = Duration::from_millis(300);
+    // Whatever came before (a listener's first gap) is not this contract's business.
+    let (seen, _) = next_hint(s, 0, short).await;
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let first = claim_id(s, ns, id, at(5)).await;
+    let (seen, hint) = next_hint(s, seen, short).await;
+    assert_eq!(hint, None, "inserting and claiming arm nothing");
+
+    let mut c = StepCommit::new(id, first.token(), park());
+    c.timers_arm = vec![
+        arm("a", "LATER", TimerKind::After, 90, None, None),
+        arm("a", "SOONER", TimerKind::After, 30, None, None),
+    ];
+    commit_ok(s, c, at(10)).await;
+    let (seen, hint) = next_hint(s, seen, Duration::from_secs(5)).await;
+    assert_eq!(hint.and_then(|h| h.due), Some(at(30_010)), "the earliest due time armed");
+    assert_eq!(s.timer_hint_wait(seen - 1).await.due, Some(at(30_010)), "re-readable");
+
+    // A stale commit arming a sooner timer is rejected and hints nothing.
+    super::support::send(s, id, "GO", at(20)).await;
+    let second = claim_id(s, ns, id, at(30)).await;
+    let mut stale = StepCommit::new(id, first.token(), park());
+    stale.timers_arm = vec![arm("a", "STALE", TimerKind::After, 1, None, None)];
+    assert!(super::support::commit(s, stale, at(40)).await.is_err(), "stale token");
+    let mut plain =
+        StepCommit::new(id, second.token(), park()).consume(second.inbox.iter().map(|s| s.id));
+    plain.timers_cancel = vec!["b".into()];
+    commit_ok(s, plain, at(40)).await;
+    let (_, hint) = next_hint(s, seen, short).await;
+    assert_eq!(hint, None, "a rejected commit and one that arms nothing hint nothing");
 }
 
 /// A terminal instance keeps no timers; a timer found for a missing or terminal instance
