@@ -21,4 +21,4 @@ pub use client::Client;
 pub use clock::SystemClock;
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{StepContext, StepError, StepMachine};
-pub use worker::{Worker, WorkerConfig, WorkerHandle};
+pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};

@@ -32,7 +32,12 @@ use tracing::Instrument;
 /// How a worker runs. Every field has a bound or a default that is one.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// Lease owner name; a worker restarted with the same id reclaims its old leases.
+    /// Lease owner name; a worker restarted with the same id reclaims its old leases at
+    /// start-up instead of waiting for them to expire. The default, [`worker_id_for`] of
+    /// the program's name, stays the same across restarts of one program on one host; two
+    /// workers on one host that share a store must have different ids (see
+    /// [`WorkerConfig::named`]), or each would take back the other's live leases when it
+    /// starts.
     pub worker_id: WorkerId,
     /// Namespaces to claim from (empty = any).
     pub namespaces: Vec<String>,
@@ -68,7 +73,7 @@ pub struct WorkerConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            worker_id: WorkerId(format!("worker-{}", std::process::id())),
+            worker_id: worker_id_for(&program_name()),
             namespaces: Vec::new(),
             queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 10)],
             claim_batch: 100,
@@ -84,6 +89,44 @@ impl Default for WorkerConfig {
             notifications: true,
         }
     }
+}
+
+impl WorkerConfig {
+    /// The defaults, with the worker id [`worker_id_for`]`(name)`: give each worker
+    /// process on one host its own `name` (for example `"billing"` and `"shipping"`), and
+    /// keep it when the process restarts.
+    pub fn named(name: &str) -> Self {
+        WorkerConfig { worker_id: worker_id_for(name), ..WorkerConfig::default() }
+    }
+}
+
+/// The worker id `<host>/<name>`. It depends only on the host name and `name`, never on
+/// the process id, so a worker restarted after a crash recognises the leases it held and
+/// reclaims them at start-up rather than waiting out the lease.
+pub fn worker_id_for(name: &str) -> WorkerId {
+    WorkerId(format!("{}/{name}", host_name()))
+}
+
+/// The host name as the kernel reports it, or `localhost` where it cannot be read (the
+/// standard library has no portable call for it).
+fn host_name() -> String {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok())
+        .map(|name| name.trim().to_owned())
+        .find(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// The running program's file name without extension (`order` for
+/// `target/debug/examples/order`): the same for every restart of one deployment, and
+/// different for two different programs on one host.
+fn program_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|path| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "worker".to_owned())
 }
 
 /// Counters a worker keeps about itself.
