@@ -14,11 +14,12 @@ use keel_core::instance::{ANY_SIGNAL, Instance};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
 use keel_core::ports::store::{
-    Claim, ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    Claim, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
+    LeaseReleaseParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::retry::{self, ErrorClass, RetryDecision};
-use keel_core::{ErrorKind, FencingToken, InstanceId, MachineRef, WorkerId};
+use keel_core::retry::{self, ErrorClass, RefusedCommit, RetryDecision};
+use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
 use std::collections::{BTreeSet, HashMap};
@@ -142,6 +143,9 @@ pub struct WorkerStats {
     pub reaped: AtomicU64,
     /// Leases released at shutdown.
     pub released: AtomicU64,
+    /// Step results the store refused (an invalid outcome, an emit to a missing
+    /// instance, …); each was committed as a non-retryable step failure instead.
+    pub refused: AtomicU64,
 }
 
 impl WorkerStats {
@@ -229,8 +233,21 @@ struct Finished {
     commit: StepCommit,
     machine: String,
     failed: bool,
+    /// What the step ran with, kept to turn a result the store refuses into a failure.
+    origin: Origin,
     _permit: OwnedSemaphorePermit,
 }
+
+/// The claim, context, machine and settings a step ran with.
+struct Origin {
+    claim: Claim,
+    ctx: StepContext,
+    machine: Arc<dyn StepMachine>,
+    config: QueueConfig,
+}
+
+/// How many times a group commit is tried while the store is unavailable.
+const COMMIT_TRIES: u32 = 5;
 
 async fn run<S: Store, C: Clock + Clone>(
     inner: Arc<Inner<S, C>>,
@@ -484,7 +501,9 @@ async fn run_step<S: Store, C: Clock>(
             (failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await, true)
         }
     };
-    let finished = Finished { commit, machine: row.machine.name.clone(), failed, _permit: permit };
+    let machine_name = row.machine.name.clone();
+    let origin = Origin { claim, ctx, machine, config };
+    let finished = Finished { commit, machine: machine_name, failed, origin, _permit: permit };
     if tx.send(finished).await.is_err() {
         tracing::warn!(parent: &span, "committer stopped; the lease will expire and the step re-run");
     }
@@ -640,57 +659,25 @@ async fn commit_loop<S: Store, C: Clock>(
     }
 }
 
-/// Commits a group of step results; retries the whole call (bounded) when the store is
-/// unavailable. Results that cannot be committed are dropped: their leases expire and the
-/// reaper re-runs the steps (at-least-once).
+/// Commits a group of step results. A result the store refuses becomes a non-retryable
+/// failure of its step, committed in a second round (see [`commit_refused`]); results that
+/// cannot be committed at all (the store stayed unavailable) are dropped: their leases
+/// expire and the reaper re-runs the steps (at-least-once).
 async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finished>) {
     if buffer.is_empty() {
         return;
     }
     let batch: Vec<Finished> = std::mem::take(buffer);
     let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
-    let mut result = None;
-    for attempt in 0..5u32 {
-        let params = CommitParams { commits: commits.clone(), now: inner.clock.now() };
-        match inner.store.step_commit(params).await {
-            Ok(r) => {
-                result = Some(r);
-                break;
-            }
-            Err(e) if e.is_retryable() => {
-                tracing::warn!(error = %e, attempt, "group commit failed; retrying");
-                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "group commit rejected");
-                break;
-            }
+    let results = commit_group(inner, commits).await;
+    let mut refused = Vec::new();
+    for (f, result) in batch.iter().zip(results) {
+        if let Some(error) = settle(inner, f, result, f.failed) {
+            refused.push((f, error));
         }
     }
-    let receipts = result.unwrap_or_default();
-    for (i, f) in batch.iter().enumerate() {
-        let labels = [("machine", f.machine.clone())];
-        match receipts.get(i) {
-            Some(Ok(_)) => {
-                inner.stats.committed.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("keel_queue_completed_total", &labels).increment(1);
-                if f.failed {
-                    inner.stats.failed_steps.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("keel_queue_failed_total", &labels).increment(1);
-                }
-                if matches!(f.commit.outcome, Outcome::Retry { .. }) {
-                    metrics::counter!("keel_queue_retried_total", &labels).increment(1);
-                }
-            }
-            Some(Err(e)) if e.kind == ErrorKind::LeaseLost => {
-                inner.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(instance = %f.commit.id, "lease lost before commit; result discarded");
-            }
-            Some(Err(e)) => {
-                tracing::error!(instance = %f.commit.id, error = %e, "commit item rejected");
-            }
-            None => {}
-        }
+    if !refused.is_empty() {
+        commit_refused(inner, refused).await;
     }
     {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
@@ -700,6 +687,188 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finishe
     }
     drop(batch); // frees the slots
     inner.slot_freed.notify_one();
+}
+
+/// Counts and logs what happened to one result; returns the store's error when the
+/// result was refused in a way that makes it a step failure.
+fn settle<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    f: &Finished,
+    result: Option<StoreResult<CommitReceipt>>,
+    failed: bool,
+) -> Option<StoreError> {
+    let labels = [("machine", f.machine.clone())];
+    match result {
+        Some(Ok(_)) => {
+            inner.stats.committed.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("keel_queue_completed_total", &labels).increment(1);
+            if failed {
+                inner.stats.failed_steps.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("keel_queue_failed_total", &labels).increment(1);
+            }
+            if matches!(f.commit.outcome, Outcome::Retry { .. }) {
+                metrics::counter!("keel_queue_retried_total", &labels).increment(1);
+            }
+            None
+        }
+        Some(Err(e)) => match retry::refused_commit(e.kind) {
+            RefusedCommit::Discard => {
+                inner.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(instance = %f.commit.id, "lease lost before commit; result discarded");
+                None
+            }
+            RefusedCommit::Retry => {
+                tracing::warn!(instance = %f.commit.id, error = %e, "commit item failed; the lease will expire and the step re-run");
+                None
+            }
+            RefusedCommit::Fail(_) => Some(e),
+        },
+        None => None,
+    }
+}
+
+/// Turns results the store refused into failures of their steps and commits those: the
+/// machine's error handling decides, with a non-retryable error carrying the store's
+/// message, so the instance is dead-lettered by default (or whatever `handle` and
+/// `on_dead_letter` say). Should the store refuse that failure commit too, a last one
+/// suspends the instance with nothing but the error; if even that is refused, the result
+/// is dropped and the lease expires.
+async fn commit_refused<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    refused: Vec<(&Finished, StoreError)>,
+) {
+    let mut failures = Vec::with_capacity(refused.len());
+    for (f, e) in &refused {
+        tracing::error!(instance = %f.commit.id, error = %e, "the store refused the step's result; failing the step");
+        let error = StepError::fatal(format!("the store refused the step's result: {e}"));
+        failures.push(failure_for_refused(&f.origin, error).await);
+    }
+    let results = commit_group(inner, failures.clone()).await;
+    let mut last = Vec::new();
+    for ((f, first), (commit, result)) in refused.iter().zip(failures.into_iter().zip(results)) {
+        if result.as_ref().is_some_and(Result::is_ok) {
+            inner.stats.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(second) = settle(inner, f, result, true) {
+            last.push((f, last_resort(&commit, &format!(
+                "the store refused the step's result ({first}) and then its failure commit ({second})"
+            ))));
+        }
+    }
+    if last.is_empty() {
+        return;
+    }
+    let commits: Vec<StepCommit> = last.iter().map(|(_, c)| c.clone()).collect();
+    for ((f, _), result) in last.iter().zip(commit_group(inner, commits).await) {
+        if result.as_ref().is_some_and(Result::is_ok) {
+            inner.stats.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(e) = settle(inner, f, result, true) {
+            tracing::error!(instance = %f.commit.id, error = %e, "the store refused even the suspension of a failed step; the lease will expire and the step re-run");
+        }
+    }
+}
+
+/// The failure commit for a refused result, from the machine's error handling. The
+/// handler runs in its own task under the step's timeout, so a panicking or hanging
+/// handler cannot stop the committer; it then gets the last-resort commit.
+async fn failure_for_refused(origin: &Origin, error: StepError) -> StepCommit {
+    let message = error.message.clone();
+    let (claim, ctx) = (origin.claim.clone(), origin.ctx.clone());
+    let (machine, config) = (Arc::clone(&origin.machine), origin.config);
+    let timeout = config.timeout;
+    let task = tokio::spawn(async move {
+        failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await
+    });
+    let abort = task.abort_handle();
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(commit)) => commit,
+        outcome => {
+            abort.abort();
+            let why = match outcome {
+                Ok(Err(join)) => format!("the error handler panicked: {}", panic_message(join)),
+                _ => format!("the error handler timed out after {} ms", timeout.as_millis()),
+            };
+            tracing::error!(instance = %origin.claim.instance.id, "{why}");
+            let base =
+                StepCommit::new(origin.claim.instance.id, origin.claim.token(), Outcome::Suspend);
+            last_resort(&base, &format!("{message} ({why})"))
+        }
+    }
+}
+
+/// The smallest failure commit: suspend with a dead letter carrying `error`, keeping the
+/// signals the failed commit named, and nothing else (no context, emits or history, which
+/// may be what the store refused). A NUL in the message is escaped, as some stores refuse
+/// it in text.
+fn last_resort(refused: &StepCommit, error: &str) -> StepCommit {
+    let signals = refused.failure.as_ref().map(|f| f.signals.clone()).unwrap_or_default();
+    let failure = StepFailure {
+        error: error.replace('\0', "\\u0000"),
+        retryable: false,
+        dead_letter: true,
+        signals,
+        event: None,
+    };
+    StepCommit::new(refused.id, refused.token, Outcome::Suspend).failure(failure)
+}
+
+/// One `step_commit` of `commits`, with a result per item (`None`: unknown, the store
+/// stayed unavailable). When the store refuses the whole call rather than single items,
+/// the items are committed one by one, so one bad result cannot sink its neighbours.
+async fn commit_group<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    commits: Vec<StepCommit>,
+) -> Vec<Option<StoreResult<CommitReceipt>>> {
+    let n = commits.len();
+    match commit_call(inner, &commits).await {
+        Ok(receipts) if receipts.len() == n => receipts.into_iter().map(Some).collect(),
+        Ok(receipts) => {
+            tracing::error!(
+                sent = n,
+                got = receipts.len(),
+                "the store answered a group commit with the wrong number of results"
+            );
+            vec![None; n]
+        }
+        Err(None) => vec![None; n],
+        Err(Some(e)) if n == 1 => vec![Some(Err(e))],
+        Err(Some(e)) => {
+            tracing::warn!(error = %e, items = n, "the store refused a whole group commit; committing its items one by one");
+            let mut out = Vec::with_capacity(n);
+            for commit in commits {
+                out.push(match commit_call(inner, std::slice::from_ref(&commit)).await {
+                    Ok(mut receipts) if receipts.len() == 1 => receipts.pop(),
+                    Ok(_) | Err(None) => None,
+                    Err(Some(e)) => Some(Err(e)),
+                });
+            }
+            out
+        }
+    }
+}
+
+/// One `step_commit` call, tried up to [`COMMIT_TRIES`] times while the store is
+/// unavailable. `Err(None)`: still unavailable; `Err(Some(e))`: refused as a whole.
+async fn commit_call<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    commits: &[StepCommit],
+) -> Result<Vec<StoreResult<CommitReceipt>>, Option<StoreError>> {
+    for attempt in 0..COMMIT_TRIES {
+        let params = CommitParams { commits: commits.to_vec(), now: inner.clock.now() };
+        match inner.store.step_commit(params).await {
+            Ok(receipts) => return Ok(receipts),
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, attempt, "group commit failed; retrying");
+                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
+            }
+            Err(e) => return Err(Some(e)),
+        }
+    }
+    tracing::error!(
+        "group commit still failing after {COMMIT_TRIES} tries; the leases will expire and the steps re-run"
+    );
+    Err(None)
 }
 
 async fn heartbeat_loop<S: Store, C: Clock>(
