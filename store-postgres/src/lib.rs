@@ -61,6 +61,10 @@
 //!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
 //!   `NOTIFY` + `COMMIT`, pipelined. `ScheduleChildren` adds one insert; outbox emits add
 //!   the delivery path below.
+//! - **Heartbeat**: one statement locks the named rows in id order (`FOR NO KEY UPDATE`)
+//!   and extends those still executing under the worker and token named, so it cannot
+//!   deadlock with a commit or another heartbeat; a deadlock with any other writer is
+//!   retried like a transaction.
 //! - **Signals / no lost wake-up**: delivery locks the target rows (id order) before it
 //!   reads or writes their inbox, and an `Await` commit reads the inbox only after it holds
 //!   the row lock, so one of the two always sees the other. Dedup is `unique (target_id,
