@@ -139,6 +139,10 @@ pub struct WorkerStats {
     pub lease_lost: AtomicU64,
     /// Steps that failed (error, panic or timeout).
     pub failed_steps: AtomicU64,
+    /// Running steps whose lease a heartbeat found taken (their results will be
+    /// discarded). Steps whose commit was under way are not counted: committing gives
+    /// the lease up.
+    pub lease_lost_on_heartbeat: AtomicU64,
     /// Rows the reaper returned to runnable.
     pub reaped: AtomicU64,
     /// Leases released at shutdown.
@@ -155,12 +159,23 @@ impl WorkerStats {
     }
 }
 
+/// A claimed step this worker holds the lease of, from its claim until its result's commit
+/// went through (or its lease was released).
+struct InFlight {
+    token: FencingToken,
+    task: JoinHandle<()>,
+    /// Its result is being committed right now. Once the commit lands the lease is gone,
+    /// so a heartbeat that finds it not held is no news; only running (or finished but
+    /// not yet committing) steps can lose a lease that matters.
+    committing: bool,
+}
+
 struct Inner<S, C> {
     store: Arc<S>,
     clock: C,
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
-    in_flight: Mutex<HashMap<InstanceId, (FencingToken, JoinHandle<()>)>>,
+    in_flight: Mutex<HashMap<InstanceId, InFlight>>,
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
 }
@@ -322,7 +337,7 @@ async fn run<S: Store, C: Clock + Clone>(
                 let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
                 let task =
                     tokio::spawn(run_step(Arc::clone(&inner), claim, parent, permit, tx.clone()));
-                in_flight.insert(id, (token, task));
+                in_flight.insert(id, InFlight { token, task, committing: false });
             }
         }
         if claimed == 0 || full {
@@ -387,9 +402,9 @@ async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         in_flight
             .drain()
-            .map(|(id, (token, task))| {
-                task.abort();
-                (id, token)
+            .map(|(id, f)| {
+                f.task.abort();
+                (id, f.token)
             })
             .collect()
     };
@@ -668,6 +683,14 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finishe
         return;
     }
     let batch: Vec<Finished> = std::mem::take(buffer);
+    {
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        for f in &batch {
+            if let Some(entry) = in_flight.get_mut(&f.commit.id) {
+                entry.committing = true;
+            }
+        }
+    }
     let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
     let results = commit_group(inner, commits).await;
     let mut refused = Vec::new();
@@ -885,27 +908,46 @@ async fn heartbeat_loop<S: Store, C: Clock>(
             .lock()
             .expect("in_flight lock")
             .iter()
-            .map(|(id, (t, _))| (*id, *t))
+            .map(|(id, f)| (*id, f.token))
             .collect();
-        if leases.is_empty() {
-            continue;
+        for chunk in leases.chunks(limits::COMMIT_BATCH_MAX) {
+            heartbeat(&inner, chunk).await;
         }
-        let params = LeaseExtendParams {
-            worker: inner.config.worker_id.clone(),
-            leases: leases.clone(),
-            lease: inner.config.lease,
-            now: inner.clock.now(),
-        };
-        match inner.store.lease_extend(params).await {
-            Ok(held) => {
-                for ((id, _), ok) in leases.iter().zip(held) {
-                    if !ok {
-                        tracing::warn!(instance = %id, "heartbeat: lease no longer held; its commit will be rejected");
-                    }
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+    }
+}
+
+/// Extends one bounded set of leases, and reports the ones lost. A step whose commit
+/// started (or went through) since the set was read has given its lease up on purpose,
+/// so only a step still running, or finished but not yet committing, under the same
+/// token counts as a lost lease.
+async fn heartbeat<S: Store, C: Clock>(inner: &Inner<S, C>, leases: &[(InstanceId, FencingToken)]) {
+    let params = LeaseExtendParams {
+        worker: inner.config.worker_id.clone(),
+        leases: leases.to_vec(),
+        lease: inner.config.lease,
+        now: inner.clock.now(),
+    };
+    let held = match inner.store.lease_extend(params).await {
+        Ok(held) => held,
+        Err(e) => {
+            tracing::warn!(error = %e, "heartbeat failed");
+            return;
         }
+    };
+    let lost: Vec<InstanceId> = {
+        let in_flight = inner.in_flight.lock().expect("in_flight lock");
+        leases
+            .iter()
+            .zip(held)
+            .filter(|&(&(id, token), ok)| {
+                !ok && in_flight.get(&id).is_some_and(|f| f.token == token && !f.committing)
+            })
+            .map(|(&(id, _), _)| id)
+            .collect()
+    };
+    for id in lost {
+        inner.stats.lease_lost_on_heartbeat.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(instance = %id, "heartbeat: lease no longer held; its commit will be rejected");
     }
 }
 

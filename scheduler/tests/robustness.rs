@@ -6,40 +6,55 @@
 //! Postgres tests need `KEEL_TEST_DATABASE_URL`; without it they are skipped loudly, and
 //! under `KEEL_REQUIRE_BACKENDS=1` they fail.
 
-#![allow(clippy::items_after_statements)]
+#![allow(clippy::items_after_statements, clippy::unnecessary_wraps)]
 
 mod common;
 
 use async_trait::async_trait;
 use common::Harness;
-use keel_core::instance::NewInstance;
+use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
 use keel_core::ports::Store;
-use keel_core::ports::store::DeadLetterFilter;
-use keel_core::{InstanceId, MachineRef, NewSignal, Outcome, Status};
+use keel_core::ports::store::{
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus, TimerSweepParams,
+    TimerSweepReport,
+};
+use keel_core::{
+    DeadLetterId, InstanceId, MachineRef, NewSignal, Outcome, Status, StoreResult, Timestamp,
+};
 use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
 use keel_store_postgres::PgStore;
 use keel_testkit::memory::MemoryStore;
 use serde_json::{Value, json};
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Barrier;
 
 /// A store the suite runs on.
 trait TestStore: Store + Sized {
-    async fn harness() -> Harness<Self>;
+    /// A fresh, empty store.
+    async fn fresh() -> Self;
+
+    async fn harness() -> Harness<Self> {
+        Harness::with_store(Self::fresh().await)
+    }
 }
 
 impl TestStore for MemoryStore {
-    async fn harness() -> Harness<Self> {
-        Harness::new()
+    async fn fresh() -> Self {
+        MemoryStore::new()
     }
 }
 
 impl TestStore for PgStore {
-    async fn harness() -> Harness<Self> {
+    async fn fresh() -> Self {
         let store = keel_store_postgres::testing::fresh_schema_with(8).await;
-        Harness::with_store(store.expect("checked by `postgres_available`"))
+        store.expect("checked by `postgres_available`")
     }
 }
 
@@ -89,6 +104,7 @@ on_stores!(
         a_context_that_is_not_an_object_is_dead_lettered_and_its_neighbours_finish,
         an_empty_step_name_is_dead_lettered_and_its_neighbours_finish,
         an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
+        many_short_steps_never_report_a_lost_lease_on_heartbeat,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -96,6 +112,7 @@ on_stores!(
         an_empty_step_name_is_dead_lettered_and_its_neighbours_finish,
         an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
         a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish,
+        many_short_steps_never_report_a_lost_lease_on_heartbeat,
     ],
 );
 
@@ -212,4 +229,170 @@ async fn a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_f
     S: TestStore,
 >() {
     refused::<S>(Bad::Nul, &["22P05", "22021", "NUL", "nul"]).await;
+}
+
+/// A store that counts calls per operation and delays heartbeats; everything else goes
+/// to the store inside.
+struct Faulty<S> {
+    inner: S,
+    extend_delay: Duration,
+    calls: Mutex<HashMap<&'static str, u64>>,
+}
+
+impl<S: Store> Faulty<S> {
+    fn new(inner: S) -> Self {
+        Faulty { inner, extend_delay: Duration::ZERO, calls: Mutex::default() }
+    }
+
+    fn calls(&self, op: &str) -> u64 {
+        self.calls.lock().unwrap().get(op).copied().unwrap_or(0)
+    }
+
+    /// Counts the call.
+    fn gate(&self, op: &'static str) -> StoreResult<()> {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for Faulty<S> {
+    fn capabilities(&self) -> StoreCapabilities {
+        self.inner.capabilities()
+    }
+    async fn instance_insert(&self, p: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        self.inner.instance_insert(p).await
+    }
+    async fn instance_claim(&self, p: ClaimParams) -> StoreResult<Vec<Claim>> {
+        self.gate("instance_claim")?;
+        self.inner.instance_claim(p).await
+    }
+    async fn step_commit(&self, p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        self.gate("step_commit")?;
+        self.inner.step_commit(p).await
+    }
+    async fn lease_extend(&self, p: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        self.gate("lease_extend")?;
+        tokio::time::sleep(self.extend_delay).await;
+        self.inner.lease_extend(p).await
+    }
+    async fn lease_reap(&self, p: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        self.gate("lease_reap")?;
+        self.inner.lease_reap(p).await
+    }
+    async fn lease_release(&self, p: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        self.inner.lease_release(p).await
+    }
+    async fn signal_deliver(&self, p: SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
+        self.inner.signal_deliver(p).await
+    }
+    async fn signal_broadcast(&self, p: SignalBroadcastParams) -> StoreResult<BroadcastReport> {
+        self.inner.signal_broadcast(p).await
+    }
+    async fn instance_cancel(&self, p: CancelParams) -> StoreResult<Vec<InstanceId>> {
+        self.inner.instance_cancel(p).await
+    }
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        self.inner.instance_get(id).await
+    }
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        self.inner.instance_rows(ids).await
+    }
+    async fn instance_lookup(&self, t: SignalTarget) -> StoreResult<Option<InstanceId>> {
+        self.inner.instance_lookup(t).await
+    }
+    async fn dead_letter_list(&self, f: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        self.inner.dead_letter_list(f).await
+    }
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        self.inner.dead_letter_get(id).await
+    }
+    async fn dead_letter_retry(&self, p: DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
+        self.inner.dead_letter_retry(p).await
+    }
+    async fn dead_letter_skip(&self, p: DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        self.inner.dead_letter_skip(p).await
+    }
+    async fn dead_letter_purge(&self, p: DeadLetterPurgeParams) -> StoreResult<u64> {
+        self.inner.dead_letter_purge(p).await
+    }
+    async fn queue_pause(&self, p: QueuePauseParams) -> StoreResult<()> {
+        self.inner.queue_pause(p).await
+    }
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        self.inner.queue_list(namespace).await
+    }
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        self.gate("queue_stats")?;
+        self.inner.queue_stats(namespace, now).await
+    }
+    async fn timer_sweep(&self, p: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        self.gate("timer_sweep")?;
+        self.inner.timer_sweep(p).await
+    }
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        self.inner.timer_status(namespace, now).await
+    }
+    async fn ready_wait(&self) {
+        self.inner.ready_wait().await;
+    }
+}
+
+/// Three short steps each, finishing in a steady stream.
+struct ShortSteps;
+
+#[async_trait]
+impl StepMachine for ShortSteps {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        Ok(match ctx.step.as_str() {
+            "a" => Outcome::Next { step: "b".into(), context: ctx.context.clone() },
+            "b" => Outcome::Next { step: "c".into(), context: ctx.context.clone() },
+            _ => Outcome::Done { result: json!({ "ok": true }) },
+        })
+    }
+}
+
+/// Many short steps under a heartbeat that runs all the time and whose store call takes
+/// a while: results committed while a heartbeat was under way gave their lease up on
+/// purpose, and no lease is reported lost.
+async fn many_short_steps_never_report_a_lost_lease_on_heartbeat<S: TestStore>() {
+    const INSTANCES: usize = 100;
+    let store = Faulty { extend_delay: Duration::from_millis(3), ..Faulty::new(S::fresh().await) };
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    let config = WorkerConfig {
+        heartbeat: Duration::from_millis(1),
+        commit_interval: Duration::from_millis(5),
+        timers: None,
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert!(h.store.calls("lease_extend") > 10, "the heartbeat ran while steps finished");
+    assert_eq!(stats.committed(), 3 * INSTANCES as u64);
+    assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 0, "no commit lost its lease");
+    assert_eq!(
+        stats.lease_lost_on_heartbeat.load(Ordering::Relaxed),
+        0,
+        "no lease was lost, so none may be reported lost"
+    );
 }
