@@ -7,7 +7,15 @@
 //! task extends the leases of running steps; a reaper returns expired leases of dead
 //! workers. Wake-ups come from the store's `ready_wait`, raced against a poll interval —
 //! polling alone is correct.
+//!
+//! No background loop dies while the worker lives: a failed iteration is logged and
+//! recorded in the worker's health, and the loop carries on after a bounded back-off; a
+//! loop that panics (a store that cannot decode a row, say) is restarted after the same
+//! back-off. Store calls whose panic would lose work — a group commit, the start-up
+//! reclaim, a step's error handler — run in their own tasks, so their panic is an error
+//! of that call only. [`WorkerHandle::health`] reports each loop.
 
+use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
 use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::instance::{ANY_SIGNAL, Instance};
@@ -178,6 +186,27 @@ struct Inner<S, C> {
     in_flight: Mutex<HashMap<InstanceId, InFlight>>,
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
+    health: Arc<HealthBook>,
+}
+
+impl<S, C: Clock> Inner<S, C> {
+    /// Records a successful iteration of `which`.
+    fn loop_ok(&self, which: WorkerLoop) {
+        self.health.success(which, self.clock.now());
+    }
+
+    /// Records and logs a failed iteration of `which`; returns how long the loop waits
+    /// at least before its next iteration.
+    fn loop_failed(&self, which: WorkerLoop, error: &dyn std::fmt::Display) -> Duration {
+        let pause = self.health.failure(which, self.clock.now(), error.to_string());
+        tracing::error!(
+            worker_loop = which.name(),
+            error = %error,
+            retry_in_ms = pause.as_millis() as u64,
+            "background loop iteration failed; it carries on after a back-off"
+        );
+        pause
+    }
 }
 
 /// A worker under construction: add machines, then [`Worker::spawn`].
@@ -202,9 +231,19 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     }
 
     /// Starts the worker's tasks on the current tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// When `config.timers` is invalid ([`SweepConfig::validate`]).
     pub fn spawn(self) -> WorkerHandle {
+        if let Some(timers) = &self.config.timers
+            && let Err(e) = timers.validate()
+        {
+            panic!("invalid worker timer configuration: {e}");
+        }
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());
+        let health = Arc::new(HealthBook::default());
         let inner = Arc::new(Inner {
             store: self.store,
             clock: self.clock,
@@ -213,9 +252,10 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             in_flight: Mutex::new(HashMap::new()),
             slot_freed: Notify::new(),
             stats: Arc::clone(&stats),
+            health: Arc::clone(&health),
         });
         let join = tokio::spawn(run(inner, shutdown_rx));
-        WorkerHandle { shutdown: shutdown_tx, join, stats }
+        WorkerHandle { shutdown: shutdown_tx, join, stats, health }
     }
 }
 
@@ -224,12 +264,19 @@ pub struct WorkerHandle {
     shutdown: watch::Sender<bool>,
     join: JoinHandle<()>,
     stats: Arc<WorkerStats>,
+    health: Arc<HealthBook>,
 }
 
 impl WorkerHandle {
     /// The worker's counters.
     pub fn stats(&self) -> &Arc<WorkerStats> {
         &self.stats
+    }
+
+    /// Each background loop's health: whether it runs, when it last succeeded, its last
+    /// error and how often it was restarted after a panic.
+    pub fn health(&self) -> WorkerHealth {
+        self.health.snapshot()
     }
 
     /// Graceful shutdown: stop claiming, let running steps finish within the grace period,
@@ -264,40 +311,173 @@ struct Origin {
 /// How many times a group commit is tried while the store is unavailable.
 const COMMIT_TRIES: u32 = 5;
 
-async fn run<S: Store, C: Clock + Clone>(
-    inner: Arc<Inner<S, C>>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    // A restarted worker first takes back what it held before it crashed.
-    reap(&inner, Some(inner.config.worker_id.clone())).await;
+/// How many times a starting worker tries to take back its own old leases before it
+/// leaves them to expire.
+const RECLAIM_TRIES: u32 = 5;
+
+async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watch::Receiver<bool>) {
+    // A restarted worker first takes back what it held before it crashed, before it
+    // claims anything new under the same id.
+    reclaim_own_leases(&inner).await;
 
     let total: usize = inner.config.queues.iter().map(|(_, n)| *n).sum();
     let (tx, rx) = mpsc::channel::<Finished>(total.max(1) * 2);
-    let committer = tokio::spawn(commit_loop(Arc::clone(&inner), rx));
-    let heartbeat = tokio::spawn(heartbeat_loop(Arc::clone(&inner), shutdown.clone()));
-    let reaper = tokio::spawn(reap_loop(Arc::clone(&inner), shutdown.clone()));
+    // The receiver outlives a committer that panicked, so its restart finds the results
+    // still queued.
+    let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    let committer = {
+        let inner_ = Arc::clone(&inner);
+        // The committer ends only when every sender is gone, so it drains at shutdown.
+        tokio::spawn(supervise(Arc::clone(&inner), WorkerLoop::Committer, None, move || {
+            commit_loop(Arc::clone(&inner_), Arc::clone(&rx))
+        }))
+    };
+    let heartbeat = {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Heartbeat,
+            Some(shutdown.clone()),
+            move || heartbeat_loop(Arc::clone(&inner_), stop.clone()),
+        ))
+    };
+    let reaper = {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Reaper,
+            Some(shutdown.clone()),
+            move || reap_loop(Arc::clone(&inner_), stop.clone()),
+        ))
+    };
     let sweeper = inner.config.timers.clone().map(|config| {
-        let sweeper = Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config)
-            .unwrap_or_else(|e| panic!("invalid worker timer configuration: {e}"));
-        tokio::spawn(sweeper.run(shutdown.clone()))
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Sweeper,
+            Some(shutdown.clone()),
+            move || {
+                let sweeper =
+                    Sweeper::new(Arc::clone(&inner_.store), inner_.clock.clone(), config.clone())
+                        .expect("validated by Worker::spawn");
+                sweeper.run(stop.clone())
+            },
+        ))
     });
-    let sampler = inner
-        .config
-        .stats_interval
-        .map(|every| tokio::spawn(stats_loop(Arc::clone(&inner), every, shutdown.clone())));
+    let sampler = inner.config.stats_interval.map(|every| {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Stats,
+            Some(shutdown.clone()),
+            move || stats_loop(Arc::clone(&inner_), every, stop.clone()),
+        ))
+    });
 
-    let queues: Vec<(String, Arc<Semaphore>)> = inner
-        .config
-        .queues
-        .iter()
-        .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
-        .collect();
+    let queues: Arc<Vec<(String, Arc<Semaphore>)>> = Arc::new(
+        inner
+            .config
+            .queues
+            .iter()
+            .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
+            .collect(),
+    );
+    {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        let tx = tx.clone();
+        supervise(Arc::clone(&inner), WorkerLoop::Claim, Some(shutdown.clone()), move || {
+            claim_loop(Arc::clone(&inner_), Arc::clone(&queues), tx.clone(), stop.clone())
+        })
+        .await;
+    }
+
+    drain(&inner).await;
+    drop(tx);
+    let _ = committer.await;
+    let _ = heartbeat.await;
+    let _ = reaper.await;
+    for task in [sweeper, sampler].into_iter().flatten() {
+        let _ = task.await;
+    }
+}
+
+/// Runs a background loop in its own task and restarts it, after a bounded back-off,
+/// whenever it panics (a store decoder that panics on a bad row, say), so no loop dies
+/// while the worker lives. The loop returns normally only at shutdown. With `shutdown`,
+/// a pending restart is dropped once shutdown began; without, the loop is restarted
+/// until it returns (the committer, which must drain).
+async fn supervise<S: Store, C: Clock, F, Fut>(
+    inner: Arc<Inner<S, C>>,
+    which: WorkerLoop,
+    mut shutdown: Option<watch::Receiver<bool>>,
+    start: F,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    loop {
+        inner.health.started(which);
+        let panic = match tokio::spawn(start()).await {
+            Ok(()) => break,
+            Err(join) if join.is_panic() => panic_message(join),
+            Err(join) => join.to_string(),
+        };
+        let pause = inner.health.panicked(which, inner.clock.now(), &panic);
+        tracing::error!(
+            worker_loop = which.name(),
+            panic = %panic,
+            restart_in_ms = pause.as_millis() as u64,
+            "background loop panicked; restarting it"
+        );
+        match &mut shutdown {
+            Some(stop) => {
+                if *stop.borrow() {
+                    break;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = stop.changed() => break,
+                }
+            }
+            None => tokio::time::sleep(pause).await,
+        }
+    }
+    inner.health.stopped(which);
+}
+
+/// Takes back every lease this worker id still holds (a restart after a crash), trying a
+/// bounded number of times; a store call that panics counts as a failed try.
+async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
+    for _ in 0..RECLAIM_TRIES {
+        let task = {
+            let inner = Arc::clone(inner);
+            tokio::spawn(async move { reap(&inner, Some(inner.config.worker_id.clone())).await })
+        };
+        let error = match task.await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(join) => format!("panicked: {}", panic_message(join)),
+        };
+        tokio::time::sleep(inner.loop_failed(WorkerLoop::Reaper, &error)).await;
+    }
+    tracing::error!(
+        "could not take back this worker's old leases at start-up; they return when they expire"
+    );
+}
+
+/// Claims batches per queue while the queue has free slots, and starts each claimed step.
+async fn claim_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    queues: Arc<Vec<(String, Arc<Semaphore>)>>,
+    tx: mpsc::Sender<Finished>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
-
     while !*shutdown.borrow() {
         let mut claimed = 0;
         let mut full = true;
-        for (queue, slots) in &queues {
+        let mut failure = None;
+        for (queue, slots) in queues.iter() {
             let free = slots
                 .available_permits()
                 .min(inner.config.claim_batch)
@@ -318,7 +498,7 @@ async fn run<S: Store, C: Clock + Clone>(
             let claims = match inner.store.instance_claim(params).await {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::warn!(error = %e, queue, "claim failed; retrying after the poll interval");
+                    failure = Some(format!("claim from queue {queue}: {e}"));
                     Vec::new()
                 }
             };
@@ -340,6 +520,16 @@ async fn run<S: Store, C: Clock + Clone>(
                 in_flight.insert(id, InFlight { token, task, committing: false });
             }
         }
+        if let Some(error) = failure {
+            let pause =
+                inner.loop_failed(WorkerLoop::Claim, &error).max(inner.config.poll_interval);
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                _ = shutdown.changed() => {}
+            }
+            continue;
+        }
+        inner.loop_ok(WorkerLoop::Claim);
         if claimed == 0 || full {
             tokio::select! {
                 () = inner.store.ready_wait(), if inner.config.notifications => {}
@@ -348,15 +538,6 @@ async fn run<S: Store, C: Clock + Clone>(
                 _ = shutdown.changed() => {}
             }
         }
-    }
-
-    drain(&inner).await;
-    drop(tx);
-    let _ = committer.await;
-    let _ = heartbeat.await;
-    let _ = reaper.await;
-    for task in [sweeper, sampler].into_iter().flatten() {
-        let _ = task.await;
     }
 }
 
@@ -367,8 +548,8 @@ async fn stats_loop<S: Store, C: Clock>(
     every: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    loop {
-        match inner.store.queue_stats(None, inner.clock.now()).await {
+    while !*shutdown.borrow() {
+        let pause = match inner.store.queue_stats(None, inner.clock.now()).await {
             Ok(stats) => {
                 for q in stats {
                     let labels = [
@@ -382,11 +563,13 @@ async fn stats_loop<S: Store, C: Clock>(
                     metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
                     metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
                 }
+                inner.loop_ok(WorkerLoop::Stats);
+                every
             }
-            Err(e) => tracing::debug!(error = %e, "queue stats sample failed"),
-        }
+            Err(e) => inner.loop_failed(WorkerLoop::Stats, &e).max(every),
+        };
         tokio::select! {
-            () = tokio::time::sleep(every) => {}
+            () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
         }
     }
@@ -513,7 +696,13 @@ async fn run_step<S: Store, C: Clock>(
         }
         Err(error) => {
             tracing::warn!(parent: &span, error = %error, "step failed");
-            (failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await, true)
+            let origin = Origin {
+                claim: claim.clone(),
+                ctx: ctx.clone(),
+                machine: Arc::clone(&machine),
+                config,
+            };
+            (guarded_failure(&origin, error).await, true)
         }
     };
     let machine_name = row.machine.name.clone();
@@ -636,8 +825,9 @@ async fn failure_commit(
 
 async fn commit_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
-    mut rx: mpsc::Receiver<Finished>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Finished>>>,
 ) {
+    let mut rx = rx.lock().await;
     let batch_max = inner.config.commit_batch.clamp(1, limits::COMMIT_BATCH_MAX);
     let mut buffer: Vec<Finished> = Vec::with_capacity(batch_max);
     // The oldest buffered result waits at most `commit_interval` for its group.
@@ -682,10 +872,11 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finishe
     if buffer.is_empty() {
         return;
     }
-    let batch: Vec<Finished> = std::mem::take(buffer);
+    let settled = Settled { inner, batch: std::mem::take(buffer) };
+    let batch = &settled.batch;
     {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-        for f in &batch {
+        for f in batch {
             if let Some(entry) = in_flight.get_mut(&f.commit.id) {
                 entry.committing = true;
             }
@@ -702,14 +893,30 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finishe
     if !refused.is_empty() {
         commit_refused(inner, refused).await;
     }
-    {
-        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-        for f in &batch {
-            in_flight.remove(&f.commit.id);
+    // `settled` drops here: the steps leave the running set and free their slots.
+}
+
+/// A group of results being committed. Dropping it — after the commit, or while the
+/// committer unwinds from a panic — takes the steps out of the running set and frees
+/// their slots, so a group that is lost never has its leases kept alive by the heartbeat:
+/// they expire and the reaper re-runs the steps.
+struct Settled<'a, S, C> {
+    inner: &'a Inner<S, C>,
+    batch: Vec<Finished>,
+}
+
+impl<S, C> Drop for Settled<'_, S, C> {
+    fn drop(&mut self) {
+        {
+            let mut in_flight =
+                self.inner.in_flight.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for f in &self.batch {
+                in_flight.remove(&f.commit.id);
+            }
         }
+        self.batch.clear(); // frees the slots
+        self.inner.slot_freed.notify_one();
     }
-    drop(batch); // frees the slots
-    inner.slot_freed.notify_one();
 }
 
 /// Counts and logs what happened to one result; returns the store's error when the
@@ -764,7 +971,7 @@ async fn commit_refused<S: Store, C: Clock>(
     for (f, e) in &refused {
         tracing::error!(instance = %f.commit.id, error = %e, "the store refused the step's result; failing the step");
         let error = StepError::fatal(format!("the store refused the step's result: {e}"));
-        failures.push(failure_for_refused(&f.origin, error).await);
+        failures.push(guarded_failure(&f.origin, error).await);
     }
     let results = commit_group(inner, failures.clone()).await;
     let mut last = Vec::new();
@@ -792,10 +999,11 @@ async fn commit_refused<S: Store, C: Clock>(
     }
 }
 
-/// The failure commit for a refused result, from the machine's error handling. The
-/// handler runs in its own task under the step's timeout, so a panicking or hanging
-/// handler cannot stop the committer; it then gets the last-resort commit.
-async fn failure_for_refused(origin: &Origin, error: StepError) -> StepCommit {
+/// The failure commit of a step, from the machine's error handling. The handler runs in
+/// its own task under the step's timeout, so a panicking or hanging handler cannot stop
+/// the step's task or the committer (which would leave the lease held for ever); like a
+/// handler that returns an error, it makes the instance fail.
+async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
     let message = error.message.clone();
     let (claim, ctx) = (origin.claim.clone(), origin.ctx.clone());
     let (machine, config) = (Arc::clone(&origin.machine), origin.config);
@@ -813,9 +1021,18 @@ async fn failure_for_refused(origin: &Origin, error: StepError) -> StepCommit {
                 _ => format!("the error handler timed out after {} ms", timeout.as_millis()),
             };
             tracing::error!(instance = %origin.claim.instance.id, "{why}");
-            let base =
-                StepCommit::new(origin.claim.instance.id, origin.claim.token(), Outcome::Suspend);
-            last_resort(&base, &format!("{message} ({why})"))
+            // As when the handler returns an error: the instance fails.
+            let claim = &origin.claim;
+            let failure = StepFailure {
+                error: message.clone(),
+                retryable: false,
+                dead_letter: false,
+                signals: claim.inbox.iter().map(|s| s.id).collect(),
+                event: None,
+            };
+            let reason = format!("error handler failed: {why} (while handling: {message})");
+            StepCommit::new(claim.instance.id, claim.token(), Outcome::Stop { reason })
+                .failure(failure)
         }
     }
 }
@@ -879,17 +1096,33 @@ async fn commit_call<S: Store, C: Clock>(
 ) -> Result<Vec<StoreResult<CommitReceipt>>, Option<StoreError>> {
     for attempt in 0..COMMIT_TRIES {
         let params = CommitParams { commits: commits.to_vec(), now: inner.clock.now() };
-        match inner.store.step_commit(params).await {
-            Ok(receipts) => return Ok(receipts),
-            Err(e) if e.is_retryable() => {
+        // In its own task, so a store that panics (on a row it cannot decode, say) fails
+        // this call, not the committer.
+        let store = Arc::clone(&inner.store);
+        match tokio::spawn(async move { store.step_commit(params).await }).await {
+            Ok(Ok(receipts)) => {
+                inner.loop_ok(WorkerLoop::Committer);
+                return Ok(receipts);
+            }
+            Ok(Err(e)) if e.is_retryable() => {
                 tracing::warn!(error = %e, attempt, "group commit failed; retrying");
                 tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
             }
-            Err(e) => return Err(Some(e)),
+            Ok(Err(e)) => {
+                // The store answered: the committer works, the group was refused.
+                inner.loop_ok(WorkerLoop::Committer);
+                return Err(Some(e));
+            }
+            Err(join) => {
+                let panic = panic_message(join);
+                inner.loop_failed(WorkerLoop::Committer, &format!("step_commit panicked: {panic}"));
+                return Err(None);
+            }
         }
     }
-    tracing::error!(
-        "group commit still failing after {COMMIT_TRIES} tries; the leases will expire and the steps re-run"
+    inner.loop_failed(
+        WorkerLoop::Committer,
+        &format!("group commit still failing after {COMMIT_TRIES} tries; the leases will expire and the steps re-run"),
     );
     Err(None)
 }
@@ -898,9 +1131,10 @@ async fn heartbeat_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut pause = inner.config.heartbeat;
     loop {
         tokio::select! {
-            () = tokio::time::sleep(inner.config.heartbeat) => {}
+            () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
         }
         let leases: Vec<(InstanceId, FencingToken)> = inner
@@ -910,9 +1144,21 @@ async fn heartbeat_loop<S: Store, C: Clock>(
             .iter()
             .map(|(id, f)| (*id, f.token))
             .collect();
+        let mut failure = None;
         for chunk in leases.chunks(limits::COMMIT_BATCH_MAX) {
-            heartbeat(&inner, chunk).await;
+            if let Err(e) = heartbeat(&inner, chunk).await {
+                failure = Some(e);
+            }
         }
+        pause = match failure {
+            None => {
+                inner.loop_ok(WorkerLoop::Heartbeat);
+                inner.config.heartbeat
+            }
+            // After a failure the leases are running out: try again after the back-off
+            // if that is sooner than the period, never in a tight loop.
+            Some(e) => inner.loop_failed(WorkerLoop::Heartbeat, &e).min(inner.config.heartbeat),
+        };
     }
 }
 
@@ -920,20 +1166,17 @@ async fn heartbeat_loop<S: Store, C: Clock>(
 /// started (or went through) since the set was read has given its lease up on purpose,
 /// so only a step still running, or finished but not yet committing, under the same
 /// token counts as a lost lease.
-async fn heartbeat<S: Store, C: Clock>(inner: &Inner<S, C>, leases: &[(InstanceId, FencingToken)]) {
+async fn heartbeat<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    leases: &[(InstanceId, FencingToken)],
+) -> StoreResult<()> {
     let params = LeaseExtendParams {
         worker: inner.config.worker_id.clone(),
         leases: leases.to_vec(),
         lease: inner.config.lease,
         now: inner.clock.now(),
     };
-    let held = match inner.store.lease_extend(params).await {
-        Ok(held) => held,
-        Err(e) => {
-            tracing::warn!(error = %e, "heartbeat failed");
-            return;
-        }
-    };
+    let held = inner.store.lease_extend(params).await?;
     let lost: Vec<InstanceId> = {
         let in_flight = inner.in_flight.lock().expect("in_flight lock");
         leases
@@ -949,29 +1192,35 @@ async fn heartbeat<S: Store, C: Clock>(inner: &Inner<S, C>, leases: &[(InstanceI
         inner.stats.lease_lost_on_heartbeat.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(instance = %id, "heartbeat: lease no longer held; its commit will be rejected");
     }
+    Ok(())
 }
 
 async fn reap_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut pause = inner.config.reap_interval;
     loop {
         tokio::select! {
-            () = tokio::time::sleep(inner.config.reap_interval) => {}
+            () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
         }
-        reap(&inner, None).await;
+        pause = match reap(&inner, None).await {
+            Ok(()) => {
+                inner.loop_ok(WorkerLoop::Reaper);
+                inner.config.reap_interval
+            }
+            Err(e) => inner.loop_failed(WorkerLoop::Reaper, &e).max(inner.config.reap_interval),
+        };
     }
 }
 
-async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) {
+async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) -> StoreResult<()> {
     let params = LeaseReapParams { owner, limit: limits::REAP_BATCH_MAX, now: inner.clock.now() };
-    match inner.store.lease_reap(params).await {
-        Ok(ids) if !ids.is_empty() => {
-            inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
-            tracing::info!(count = ids.len(), "returned expired leases to runnable");
-        }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "reaper failed"),
+    let ids = inner.store.lease_reap(params).await?;
+    if !ids.is_empty() {
+        inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        tracing::info!(count = ids.len(), "returned expired leases to runnable");
     }
+    Ok(())
 }

@@ -13,7 +13,6 @@ mod common;
 use async_trait::async_trait;
 use common::Harness;
 use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
-use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
@@ -22,14 +21,18 @@ use keel_core::ports::store::{
     SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus, TimerSweepParams,
     TimerSweepReport,
 };
+use keel_core::ports::{Clock, Store};
 use keel_core::{
-    DeadLetterId, InstanceId, MachineRef, NewSignal, Outcome, Status, StoreResult, Timestamp,
+    DeadLetterId, InstanceId, MachineRef, NewSignal, Outcome, Status, StoreError, StoreResult,
+    Timestamp, WorkerId,
 };
-use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
+use keel_scheduler::{
+    StepContext, StepError, StepMachine, SweepConfig, SweepGroup, WorkerConfig, WorkerLoop,
+};
 use keel_store_postgres::PgStore;
 use keel_testkit::memory::MemoryStore;
 use serde_json::{Value, json};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -105,6 +108,8 @@ on_stores!(
         an_empty_step_name_is_dead_lettered_and_its_neighbours_finish,
         an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
         many_short_steps_never_report_a_lost_lease_on_heartbeat,
+        background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
+        a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -113,6 +118,8 @@ on_stores!(
         an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
         a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish,
         many_short_steps_never_report_a_lost_lease_on_heartbeat,
+        background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
+        a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
     ],
 );
 
@@ -231,27 +238,54 @@ async fn a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_f
     refused::<S>(Bad::Nul, &["22P05", "22021", "NUL", "nul"]).await;
 }
 
-/// A store that counts calls per operation and delays heartbeats; everything else goes
-/// to the store inside.
+/// What a [`Faulty`] store does on one call of an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Fail with `Unavailable`.
+    Error,
+    /// Panic, as a store decoder meeting a row it cannot read once did.
+    Panic,
+}
+
+/// A store that counts calls per operation, delays heartbeats, and fails or panics on
+/// the calls it is told to; everything else goes to the store inside. A reap is
+/// `lease_reap_owner` when it names an owner (a start-up reclaim), else `lease_reap`.
 struct Faulty<S> {
     inner: S,
     extend_delay: Duration,
+    faults: Mutex<HashMap<&'static str, VecDeque<Fault>>>,
     calls: Mutex<HashMap<&'static str, u64>>,
 }
 
 impl<S: Store> Faulty<S> {
     fn new(inner: S) -> Self {
-        Faulty { inner, extend_delay: Duration::ZERO, calls: Mutex::default() }
+        Faulty {
+            inner,
+            extend_delay: Duration::ZERO,
+            faults: Mutex::default(),
+            calls: Mutex::default(),
+        }
+    }
+
+    /// The next calls of `op` do `faults`, in order; later calls go through.
+    fn failing(self, op: &'static str, faults: &[Fault]) -> Self {
+        self.faults.lock().unwrap().entry(op).or_default().extend(faults);
+        self
     }
 
     fn calls(&self, op: &str) -> u64 {
         self.calls.lock().unwrap().get(op).copied().unwrap_or(0)
     }
 
-    /// Counts the call.
+    /// Counts the call, then does its fault, if one is due.
     fn gate(&self, op: &'static str) -> StoreResult<()> {
         *self.calls.lock().unwrap().entry(op).or_default() += 1;
-        Ok(())
+        let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
+        match fault {
+            None => Ok(()),
+            Some(Fault::Error) => Err(StoreError::unavailable(format!("injected {op} failure"))),
+            Some(Fault::Panic) => panic!("injected {op} panic"),
+        }
     }
 }
 
@@ -277,7 +311,7 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.lease_extend(p).await
     }
     async fn lease_reap(&self, p: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        self.gate("lease_reap")?;
+        self.gate(if p.owner.is_some() { "lease_reap_owner" } else { "lease_reap" })?;
         self.inner.lease_reap(p).await
     }
     async fn lease_release(&self, p: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
@@ -395,4 +429,119 @@ async fn many_short_steps_never_report_a_lost_lease_on_heartbeat<S: TestStore>()
         0,
         "no lease was lost, so none may be reported lost"
     );
+}
+
+/// Claims, reaps, timer sweeps and stats samples that fail and panic a few times: every
+/// loop logs, backs off and carries on (a panicking loop is restarted), the work is
+/// finished — including a dead worker's instance, which only the reaper can return — and
+/// the health report shows each loop running, with its restarts and last error.
+async fn background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work<
+    S: TestStore,
+>() {
+    use Fault::{Error, Panic};
+    const INSTANCES: usize = 20;
+    let store = Faulty::new(S::fresh().await)
+        .failing("instance_claim", &[Error, Panic, Error, Panic, Panic])
+        .failing("lease_reap_owner", &[Panic, Error])
+        .failing("lease_reap", &[Panic, Error, Panic])
+        .failing("timer_sweep", &[Panic, Error])
+        .failing("queue_stats", &[Error, Panic]);
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    // A worker that died holding a lease: only the reaper brings its instance back.
+    let orphan = h.start(NewInstance::new(machine(), "a")).await;
+    let ghost = keel_core::ports::store::ClaimParams {
+        worker: WorkerId("ghost".into()),
+        namespaces: vec![],
+        queues: vec![],
+        machines: vec![],
+        limit: 1,
+        lease: Duration::from_secs(30),
+        now: h.clock.now(),
+    };
+    let claimed = h.store.inner.instance_claim(ghost).await.expect("claim");
+    assert_eq!(claimed.iter().map(|c| c.instance.id).collect::<Vec<_>>(), [ids[0]]);
+    let config = WorkerConfig {
+        timers: Some(SweepConfig {
+            groups: vec![SweepGroup { machines: vec![], cadence: Duration::from_millis(100) }],
+            ..SweepConfig::default()
+        }),
+        stats_interval: Some(Duration::from_millis(20)),
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    for id in ids.iter().skip(1).chain([&orphan]) {
+        h.wait(*id, "done despite the faults", |r| r.status == Status::Done).await;
+    }
+    h.clock.advance(Duration::from_secs(31));
+    h.wait(ids[0], "the dead worker's instance, reaped and done", |r| r.status == Status::Done)
+        .await;
+
+    let health = worker.health();
+    for which in [
+        WorkerLoop::Claim,
+        WorkerLoop::Committer,
+        WorkerLoop::Heartbeat,
+        WorkerLoop::Reaper,
+        WorkerLoop::Stats,
+        WorkerLoop::Sweeper,
+    ] {
+        let loop_ = health.get(which).unwrap_or_else(|| panic!("{which:?} reported"));
+        assert!(loop_.running, "{which:?} runs: {loop_:?}");
+    }
+    let claim = health.get(WorkerLoop::Claim).unwrap();
+    assert_eq!(claim.restarts, 3, "one restart per claim that panicked: {claim:?}");
+    assert!(claim.last_success.is_some(), "{claim:?}");
+    assert_eq!(claim.consecutive_failures, 0, "the last claim succeeded: {claim:?}");
+    let error = &claim.last_error.as_ref().expect("the failures are reported").1;
+    assert!(error.contains("injected instance_claim panic"), "{error}");
+    let reaper = health.get(WorkerLoop::Reaper).unwrap();
+    assert_eq!(reaper.restarts, 2, "one restart per reap that panicked: {reaper:?}");
+    assert!(reaper.last_success.is_some(), "{reaper:?}");
+    for which in [WorkerLoop::Committer, WorkerLoop::Heartbeat] {
+        let loop_ = health.get(which).unwrap();
+        assert!(loop_.last_success.is_some(), "{which:?}: {loop_:?}");
+    }
+    assert_eq!(
+        h.store.calls("lease_reap_owner"),
+        3,
+        "the start-up reclaim was tried until it worked"
+    );
+
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), 3 * (INSTANCES as u64 + 1));
+}
+
+/// A group commit whose store call panics loses that group only: the steps leave the
+/// running set (so no heartbeat keeps their leases alive), the leases expire, the reaper
+/// returns them and the steps re-run and finish; the committer reports the panic.
+async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: TestStore>() {
+    let store = Faulty::new(S::fresh().await).failing("step_commit", &[Fault::Panic]);
+    let h = Harness::with_store(store);
+    let id = h.start(NewInstance::new(machine(), "c")).await;
+    // A heartbeat far more often than the reaper looks: a lost result whose step stayed
+    // in the running set would have its lease extended before the reaper could see it
+    // expire.
+    let config = WorkerConfig {
+        heartbeat: Duration::from_millis(1),
+        reap_interval: Duration::from_millis(100),
+        timers: None,
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    h.wait(id, "the panicking commit", |_| h.store.calls("step_commit") >= 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.status(id).await, Status::Executing, "its result was lost with the panic");
+    // Well past the lease: nothing extends it any more, so the reaper takes it back.
+    h.clock.advance(Duration::from_secs(31));
+    let row = h.wait(id, "done after the re-run", |r| r.status == Status::Done).await;
+    assert_eq!(row.revision.0, 1, "committed once");
+    let committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
+    let error = &committer.last_error.as_ref().expect("the panic is reported").1;
+    assert!(error.contains("step_commit panicked: injected step_commit panic"), "{error}");
+    assert!(committer.running && committer.last_success.is_some(), "{committer:?}");
+    worker.shutdown().await;
 }
