@@ -12,6 +12,8 @@ mod common;
 
 use async_trait::async_trait;
 use common::Harness;
+use keel_core::chart::{ActionError, Definition, Event};
+use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -27,7 +29,8 @@ use keel_core::{
     Timestamp, WorkerId,
 };
 use keel_scheduler::{
-    StepContext, StepError, StepMachine, SweepConfig, SweepGroup, WorkerConfig, WorkerLoop,
+    ActionContext, ChartMachine, StepContext, StepError, StepMachine, SweepConfig, SweepGroup,
+    WorkerConfig, WorkerLoop,
 };
 use keel_store_postgres::PgStore;
 use keel_testkit::memory::MemoryStore;
@@ -110,6 +113,7 @@ on_stores!(
         many_short_steps_never_report_a_lost_lease_on_heartbeat,
         background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
         a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
+        a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -120,6 +124,7 @@ on_stores!(
         many_short_steps_never_report_a_lost_lease_on_heartbeat,
         background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
         a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
+        a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
     ],
 );
 
@@ -544,4 +549,43 @@ async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: Tes
     assert!(error.contains("step_commit panicked: injected step_commit panic"), "{error}");
     assert!(committer.running && committer.last_success.is_some(), "{committer:?}");
     worker.shutdown().await;
+}
+
+/// A refused result goes through the machine's error handling like any failure: a chart
+/// under `on_dead_letter = skip` records the dead letter of the event whose macrostep the
+/// store refused, drops that event, and carries on with the next one.
+async fn a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    let definition = Definition::builder("bloat", 1)
+        .initial("idle")
+        .state("idle", |s| s.on("BIG", |t| t.action("inflate")).on_to("SMALL", "finished"))
+        .final_state("finished")
+        .build()
+        .expect("valid chart");
+    let chart = ChartMachine::new(definition)
+        .action("inflate", |ctx: ActionContext, _: Event| {
+            ctx.set("blob", "x".repeat(keel_core::limits::PAYLOAD_BYTES_MAX));
+            std::future::ready(Ok::<(), ActionError>(()))
+        })
+        .with_config(QueueConfig { on_dead_letter: OnDeadLetter::Skip, ..QueueConfig::default() });
+    let id = h.start(chart.new_instance(json!({}))).await;
+    let worker = h.worker(h.config(), chart);
+    h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+    h.client
+        .send_many(vec![NewSignal::new(id, "BIG"), NewSignal::new(id, "SMALL")])
+        .await
+        .expect("send");
+    let row = h.wait(id, "finished after skipping BIG", |r| r.status == Status::Done).await;
+    assert!(row.result.as_ref().is_none_or(|r| r.get("blob").is_none()), "{:?}", row.result);
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0].letter;
+    assert_eq!((letter.instance, letter.reason.as_str()), (id, "non_retryable"));
+    assert_eq!(letter.event.as_ref().map(|e| e["name"].clone()), Some(json!("BIG")));
+    let error = &letter.errors.last().expect("the error is kept").error;
+    assert!(error.contains("the store refused the step's result"), "{error}");
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.refused.load(Ordering::Relaxed), 1);
 }
