@@ -33,7 +33,7 @@ impl StepMachine for FiveSteps {
         let mut state = ctx.context.clone();
         state[format!("did_{n}")] = json!(true);
         Ok(if n >= 5 {
-            Outcome::Done { result: state }
+            Outcome::Done { result: state, step: None }
         } else {
             Outcome::Next { step: format!("step{}", n + 1), context: state }
         })

@@ -68,7 +68,7 @@ impl StepMachine for Order {
             }
             "complete" => {
                 let packed = ctx.children.iter().filter(|c| c.status == Status::Done).count();
-                Outcome::Done { result: json!({ "parcels_packed": packed }) }
+                Outcome::Done { result: json!({ "parcels_packed": packed }), step: None }
             }
             other => Outcome::Stop { reason: format!("unknown step {other}") },
         })
@@ -85,7 +85,7 @@ impl StepMachine for Parcel {
     }
 
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
-        Ok(Outcome::Done { result: json!({ "label": format!("PARCEL-{}", ctx.id) }) })
+        Ok(Outcome::Done { result: json!({ "label": format!("PARCEL-{}", ctx.id) }), step: None })
     }
 }
 

@@ -52,7 +52,7 @@ impl StepMachine for Noop {
         MachineRef::new("noop", 1)
     }
     async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
-        Ok(Outcome::Done { result: json!(null) })
+        Ok(Outcome::Done { result: json!(null), step: None })
     }
 }
 

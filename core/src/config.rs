@@ -382,7 +382,7 @@ impl PartialQueueConfig {
             // Validate the set fields against values that pass every relational rule.
             let probe = RetryPolicy {
                 initial_delay: Duration::ZERO,
-                max_delay: Duration::MAX,
+                max_delay: retry.max_delay.unwrap_or(crate::limits::RETRY_DELAY_MAX),
                 ..retry.resolve(&RetryPolicy::default())
             };
             probe.validate().map_err(|error| {

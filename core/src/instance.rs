@@ -15,6 +15,24 @@ use serde_json::Value;
 /// between events). Delivered signals may not use it as their own name.
 pub const ANY_SIGNAL: &str = "*";
 
+/// The key of the marker object a store shows in place of a stored JSON value it cannot
+/// read back (`{"keel_undecodable": {"column": …, "error": …}}`). Writers never write a
+/// marker over the stored value, so nothing stored is lost; callers may not use the key.
+pub const UNDECODABLE: &str = "keel_undecodable";
+
+/// The marker for a stored `column` that could not be decoded, naming the decode error.
+pub fn undecodable(column: &str, error: &str) -> Value {
+    serde_json::json!({ UNDECODABLE: { "column": column, "error": clip_error(error) } })
+}
+
+/// For a marker made by [`undecodable`]: `"<column>: <error>"`; `None` for any other value.
+pub fn undecodable_error(value: &Value) -> Option<String> {
+    let inner = value.as_object().filter(|m| m.len() == 1)?.get(UNDECODABLE)?;
+    let column = inner.get("column").and_then(Value::as_str).unwrap_or("a column");
+    let error = inner.get("error").and_then(Value::as_str).unwrap_or("cannot be decoded");
+    Some(format!("{column}: {error}"))
+}
+
 /// One error of one attempt, kept on the instance until the step progresses and copied
 /// into the dead letter when retries are exhausted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,6 +123,13 @@ pub struct Instance {
 }
 
 impl Instance {
+    /// What the store could not decode of this row (its context or result shown as an
+    /// [`undecodable`] marker), or `None` for a whole row.
+    pub fn damage(&self) -> Option<String> {
+        undecodable_error(&self.context)
+            .or_else(|| self.result.as_ref().and_then(undecodable_error))
+    }
+
     /// The instance's uniqueness guard in its current status.
     pub fn unique_guard(&self) -> Option<&[u8]> {
         unique_guard(self.unique.as_ref(), self.status)
@@ -252,11 +277,17 @@ impl NewInstance {
 
     /// Checks names, sizes and the context shape. Errors name the field and the fix.
     pub fn validate(&self, field: &str) -> StoreResult<()> {
+        self.validate_within(field, limits::JSON_DEPTH_MAX)
+    }
+
+    /// [`validate`](Self::validate) with another bound on the context's nesting (a step
+    /// commit's children use [`limits::JSON_DEPTH_STORED_MAX`]).
+    pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.namespace"), &self.namespace)?;
         check_name(&format!("{field}.machine.name"), &self.machine.name)?;
         check_name(&format!("{field}.position"), &self.position)?;
         check_name(&format!("{field}.queue"), &self.queue)?;
-        check_object(&format!("{field}.context"), &self.context)?;
+        check_object_within(&format!("{field}.context"), &self.context, depth_max)?;
         for (name, value) in [
             ("business_key", &self.business_key),
             ("concurrency_key", &self.concurrency_key),
@@ -266,6 +297,15 @@ impl NewInstance {
             if let Some(v) = value {
                 check_name(&format!("{field}.{name}"), v)?;
             }
+        }
+        if let Some(at) = self.eligible_at
+            && at > limits::TIMESTAMP_MAX
+        {
+            return Err(StoreError::invalid(format!(
+                "{field}.eligible_at: {} ms since the epoch is after the latest allowed time {} (the end of year 9999); pick a real date, or park the instance on a signal instead",
+                at.0,
+                limits::TIMESTAMP_MAX.0
+            )));
         }
         if let Some(u) = &self.unique
             && (u.key.is_empty() || u.key.len() > limits::NAME_BYTES_MAX)
@@ -339,6 +379,12 @@ impl NewSignal {
 
     /// Checks the name, dedup key and payload size.
     pub fn validate(&self, field: &str) -> StoreResult<()> {
+        self.validate_within(field, limits::JSON_DEPTH_MAX)
+    }
+
+    /// [`validate`](Self::validate) with another bound on the payload's nesting (a step
+    /// commit's emits use [`limits::JSON_DEPTH_STORED_MAX`]).
+    pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.name"), &self.name)?;
         if self.name == ANY_SIGNAL {
             return Err(StoreError::invalid(format!(
@@ -348,7 +394,12 @@ impl NewSignal {
         if let Some(k) = &self.dedup_key {
             check_name(&format!("{field}.dedup_key"), k)?;
         }
-        check_size(&format!("{field}.payload"), &self.payload)
+        if let SignalTarget::Key { namespace, machine, key } = &self.target {
+            check_name(&format!("{field}.target.namespace"), namespace)?;
+            check_name(&format!("{field}.target.machine"), machine)?;
+            check_name(&format!("{field}.target.key"), key)?;
+        }
+        check_size_within(&format!("{field}.payload"), &self.payload, depth_max)
     }
 }
 
@@ -487,11 +538,12 @@ pub struct DeadLetter {
     pub letter: NewDeadLetter,
 }
 
-/// A name-like field check: non-empty, at most [`limits::NAME_BYTES_MAX`] bytes.
+/// A name-like field check: non-empty, at most [`limits::NAME_BYTES_MAX`] bytes, no NUL.
 pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
     if value.is_empty() {
         return Err(StoreError::invalid(format!("{field}: must not be empty")));
     }
+    check_text(field, value)?;
     if value.len() > limits::NAME_BYTES_MAX {
         return Err(StoreError::invalid(format!(
             "{field}: is {} bytes; the limit is {} bytes",
@@ -504,17 +556,113 @@ pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
 
 /// Checks that `value` is a JSON object within the payload size limit.
 pub fn check_object(field: &str, value: &Value) -> StoreResult<()> {
+    check_object_within(field, value, limits::JSON_DEPTH_MAX)
+}
+
+/// [`check_object`] with another depth bound.
+pub fn check_object_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
     if !value.is_object() {
         return Err(StoreError::invalid(format!(
             "{field}: must be a JSON object like {{\"key\": \"value\"}} (got {})",
             json_type(value)
         )));
     }
-    check_size(field, value)
+    check_size_within(field, value, depth_max)
 }
 
-/// Checks that `value` serializes within [`limits::PAYLOAD_BYTES_MAX`].
+/// Checks that a text field has no NUL character. Some stores (PostgreSQL) cannot hold one
+/// in text or JSON at all, so every store refuses it at the door to behave the same.
+pub fn check_text(field: &str, value: &str) -> StoreResult<()> {
+    match value.find('\0') {
+        Some(at) => Err(StoreError::invalid(format!(
+            "{field}: contains a NUL character (\\0) at byte {at}; remove it, or encode binary data (base64, hex) before passing it to Keel"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Checks a JSON value a caller hands Keel: nested at most [`limits::JSON_DEPTH_MAX`]
+/// levels, no NUL character in any string or key, and not an object carrying the reserved
+/// [`UNDECODABLE`] key (stores use it to mark values they cannot read back). Walks the value
+/// with an explicit stack, so a hostile value cannot exhaust the call stack here.
+pub fn check_json(field: &str, value: &Value) -> StoreResult<()> {
+    check_json_within(field, value, limits::JSON_DEPTH_MAX)
+}
+
+/// [`check_json`] with another depth bound (a commit's is [`limits::JSON_DEPTH_STORED_MAX`]).
+pub fn check_json_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
+    if let Value::Object(map) = value
+        && map.contains_key(UNDECODABLE)
+    {
+        return Err(StoreError::invalid(format!(
+            "{field}: the key \"{UNDECODABLE}\" is reserved for values a store cannot read back; rename it"
+        )));
+    }
+    walk_json(field, value, depth_max, true)
+}
+
+/// Checks only the nesting of `value` (and its size): for records Keel writes itself, such
+/// as history data and a dead letter's failing event, whose NUL characters are replaced
+/// ([`scrub_nul`]) rather than refused.
+pub fn check_record_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
+    walk_json(field, value, depth_max, false)?;
+    check_bytes(field, value)
+}
+
+/// `value` with every NUL character in its strings and keys replaced by U+FFFD.
+pub fn scrub_nul(value: &Value) -> Value {
+    match value {
+        Value::String(s) if s.contains('\0') => Value::String(s.replace('\0', "\u{fffd}")),
+        Value::Array(items) => Value::Array(items.iter().map(scrub_nul).collect()),
+        Value::Object(map) => Value::Object(
+            map.iter().map(|(k, v)| (k.replace('\0', "\u{fffd}"), scrub_nul(v))).collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+fn walk_json(field: &str, value: &Value, depth_max: usize, refuse_nul: bool) -> StoreResult<()> {
+    let mut stack: Vec<(&Value, usize)> = vec![(value, 0)];
+    while let Some((v, depth)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match v {
+            Value::String(s) => {
+                if refuse_nul {
+                    check_text(field, s)?;
+                }
+                continue;
+            }
+            Value::Array(items) => Box::new(items.iter()),
+            Value::Object(map) => {
+                for key in map.keys().filter(|_| refuse_nul) {
+                    check_text(&format!("{field} (an object key)"), key)?;
+                }
+                Box::new(map.values())
+            }
+            Value::Null | Value::Bool(_) | Value::Number(_) => continue,
+        };
+        if depth + 1 > depth_max {
+            return Err(StoreError::invalid(format!(
+                "{field}: JSON is nested deeper than {depth_max} levels of arrays and objects; flatten it (stores and JSON readers cannot read such values back)"
+            )));
+        }
+        stack.extend(children.map(|c| (c, depth + 1)));
+    }
+    Ok(())
+}
+
+/// Checks that `value` is a well-formed JSON value for Keel ([`check_json`]) that serializes
+/// within [`limits::PAYLOAD_BYTES_MAX`].
 pub fn check_size(field: &str, value: &Value) -> StoreResult<()> {
+    check_size_within(field, value, limits::JSON_DEPTH_MAX)
+}
+
+/// [`check_size`] with another depth bound.
+pub fn check_size_within(field: &str, value: &Value, depth_max: usize) -> StoreResult<()> {
+    check_json_within(field, value, depth_max)?;
+    check_bytes(field, value)
+}
+
+fn check_bytes(field: &str, value: &Value) -> StoreResult<()> {
     let len = serde_json::to_vec(value).map_or(usize::MAX, |v| v.len());
     if len > limits::PAYLOAD_BYTES_MAX {
         return Err(StoreError::invalid(format!(
@@ -546,8 +694,14 @@ fn json_type(v: &Value) -> &'static str {
     }
 }
 
-/// Cuts an error message to [`limits::ERROR_MESSAGE_BYTES_MAX`] at a char boundary.
+/// Cuts an error message to [`limits::ERROR_MESSAGE_BYTES_MAX`] at a char boundary, and
+/// replaces NUL characters (which not every store can hold) with U+FFFD. Error messages come
+/// from anywhere, so they are cleaned rather than refused: refusing one would lose the
+/// failure it reports.
 pub fn clip_error(message: &str) -> String {
+    if message.contains('\0') {
+        return clip_error(&message.replace('\0', "\u{fffd}"));
+    }
     if message.len() <= limits::ERROR_MESSAGE_BYTES_MAX {
         return message.to_owned();
     }

@@ -10,6 +10,7 @@ pub mod context;
 pub mod duration;
 pub mod error;
 pub mod ids;
+pub mod inbox;
 pub mod instance;
 pub mod limits;
 mod names;

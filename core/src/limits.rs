@@ -11,6 +11,9 @@ pub const COMMIT_BATCH_MAX: usize = 1_000;
 pub const DELIVER_BATCH_MAX: usize = 10_000;
 /// Most inbox signals a claim hands to a step; older ones first, the rest wait.
 pub const CLAIM_INBOX_MAX: usize = 64;
+/// Most pending signals (id and name) the history entry of a drained inbox lists; its
+/// count covers every signal removed. An instance's inbox is drained when it ends.
+pub const INBOX_DRAIN_LISTED_MAX: usize = 16;
 /// Most children one `ScheduleChildren` outcome may spawn.
 pub const CHILDREN_PER_STEP_MAX: usize = 1_000;
 /// Most children summaries a claim or an inspect returns.
@@ -47,3 +50,23 @@ pub const TIMERS_PER_STEP_MAX: usize = 256;
 pub const TIMER_SWEEP_BATCH_MAX: usize = 10_000;
 /// Most timers an inspect returns.
 pub const TIMER_LIST_MAX: usize = 1_000;
+/// Deepest nesting of arrays and objects in a JSON value a caller hands Keel from outside
+/// (a new instance's context, a delivered or broadcast payload). Common JSON readers,
+/// serde_json included, stop at 128 levels; see [`JSON_DEPTH_STORED_MAX`] for the room
+/// this leaves.
+pub const JSON_DEPTH_MAX: usize = 64;
+/// Deepest nesting of a JSON value a step commit may store (outcome contexts and results,
+/// emitted payloads, children, history data, the failing event). Above
+/// [`JSON_DEPTH_MAX`] because the engine wraps callers' values before committing them (a
+/// region task carries the chart context two levels down; history and dead letters carry
+/// an event one level down), and below 128 because stores wrap values again when they read
+/// them back (a claim returns a child's result three levels down).
+pub const JSON_DEPTH_STORED_MAX: usize = 100;
+/// Longest delay of a `Retry` outcome (one year). A longer one is almost certainly a unit
+/// mistake; park the instance on a signal or a timer instead.
+pub const RETRY_DELAY_MAX: std::time::Duration = std::time::Duration::from_secs(366 * 86_400);
+/// Longest timer interval (`after`, `every`, a delegation's `@timeout`): ten years of days.
+pub const TIMER_INTERVAL_MAX: std::time::Duration = std::time::Duration::from_secs(3_660 * 86_400);
+/// Latest time a caller may name (`NewInstance::eligible_at`): the last millisecond of the
+/// year 9999, the end of the calendar that every store and date library represents exactly.
+pub const TIMESTAMP_MAX: crate::time::Timestamp = crate::time::Timestamp(253_402_300_799_999);

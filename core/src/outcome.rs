@@ -12,7 +12,8 @@ use crate::error::{StoreError, StoreResult};
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
-    check_batch, check_name, check_object, check_size, clip_error,
+    check_batch, check_name, check_object_within, check_record_within, check_size_within,
+    clip_error, scrub_nul,
 };
 use crate::limits;
 use crate::time::Timestamp;
@@ -61,10 +62,16 @@ pub enum Outcome {
         /// The context to park with.
         context: Value,
     },
-    /// Finish with a result (the context is not rewritten).
+    /// Finish with a result (the context is not rewritten). With `step`, move there
+    /// first: a chart instance finishes at its final configuration, so its position says
+    /// which final state it reached.
     Done {
         /// The result.
         result: Value,
+        /// The step (or encoded final configuration) to finish at; `None` stays at the
+        /// current one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        step: Option<String>,
     },
     /// Finish as failed with a reason.
     Stop {
@@ -217,8 +224,11 @@ pub fn validate_commit(row: &Instance, commit: &StepCommit) -> StoreResult<()> {
 
 /// The row-independent part of [`validate_commit`].
 pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
+    // Everything a commit carries may be nested up to the stored bound: the engine wraps
+    // callers' values (bounded tighter at the door) before it commits them.
+    let depth = limits::JSON_DEPTH_STORED_MAX;
     if let Some(ctx) = commit.outcome.context() {
-        check_object("outcome.context", ctx)?;
+        check_object_within("outcome.context", ctx, depth)?;
     }
     match &commit.outcome {
         Outcome::Next { step, .. } => check_name("outcome.step", step)?,
@@ -232,10 +242,15 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
             check_name("outcome.next", next)?;
             check_batch("outcome.children", children.len(), limits::CHILDREN_PER_STEP_MAX)?;
             for (i, c) in children.iter().enumerate() {
-                c.validate(&format!("outcome.children[{i}]"))?;
+                c.validate_within(&format!("outcome.children[{i}]"), depth)?;
             }
         }
-        Outcome::Done { result } => check_size("outcome.result", result)?,
+        Outcome::Done { result, step } => {
+            check_size_within("outcome.result", result, depth)?;
+            if let Some(step) = step {
+                check_name("outcome.step", step)?;
+            }
+        }
         Outcome::Suspend => {
             if !commit.failure.as_ref().is_some_and(|f| f.dead_letter) {
                 return Err(StoreError::invalid(
@@ -243,7 +258,16 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
                 ));
             }
         }
-        Outcome::Retry { .. } | Outcome::Stop { .. } => {}
+        Outcome::Retry { delay, .. } => {
+            if *delay > limits::RETRY_DELAY_MAX {
+                return Err(StoreError::invalid(format!(
+                    "outcome.delay: {} s is longer than the limit of {} s (one year); to wait that long, park on a signal or a timer",
+                    delay.as_secs(),
+                    limits::RETRY_DELAY_MAX.as_secs()
+                )));
+            }
+        }
+        Outcome::Stop { .. } => {}
     }
     let scheduled = match &commit.outcome {
         Outcome::ScheduleChildren { children, .. } => children.len(),
@@ -251,7 +275,7 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     };
     check_batch("spawn", commit.spawn.len() + scheduled, limits::CHILDREN_PER_STEP_MAX)?;
     for (i, c) in commit.spawn.iter().enumerate() {
-        c.validate(&format!("spawn[{i}]"))?;
+        c.validate_within(&format!("spawn[{i}]"), depth)?;
     }
     check_batch("timers_arm", commit.timers_arm.len(), limits::TIMERS_PER_STEP_MAX)?;
     check_batch("timers_cancel", commit.timers_cancel.len(), limits::TIMERS_PER_STEP_MAX)?;
@@ -263,15 +287,34 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
                 "timers_arm[{i}].interval: must be positive (InvalidTimerDefinition); use Timer::seconds(n) with n > 0"
             )));
         }
+        if t.interval > limits::TIMER_INTERVAL_MAX {
+            return Err(StoreError::invalid(format!(
+                "timers_arm[{i}].interval: {} s is longer than the limit of {} s (ten years); use a shorter timer",
+                t.interval.as_secs(),
+                limits::TIMER_INTERVAL_MAX.as_secs()
+            )));
+        }
+        if t.max == Some(0) {
+            return Err(StoreError::invalid(format!(
+                "timers_arm[{i}].max: must be at least 1 fire; drop `max` for a timer that repeats while the state is active"
+            )));
+        }
         if let Some(then) = &t.then {
             check_name(&format!("timers_arm[{i}].then"), then)?;
         }
     }
     check_batch("emit", commit.emit.len(), limits::EMIT_PER_STEP_MAX)?;
     for (i, s) in commit.emit.iter().enumerate() {
-        s.validate(&format!("emit[{i}]"))?;
+        s.validate_within(&format!("emit[{i}]"), depth)?;
     }
     check_batch("history", commit.history.len(), limits::HISTORY_PER_STEP_MAX)?;
+    for (i, h) in commit.history.iter().enumerate() {
+        check_name(&format!("history[{i}].kind"), &h.kind)?;
+        check_record_within(&format!("history[{i}].data"), &h.data, depth)?;
+    }
+    if let Some(event) = commit.failure.as_ref().and_then(|f| f.event.as_ref()) {
+        check_record_within("failure.event", event, depth)?;
+    }
     Ok(())
 }
 
@@ -337,7 +380,13 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         push_error(&mut errors, row.attempt, &f.error, now);
     }
 
-    let mut history = commit.history.clone();
+    // History is Keel's own record of what happened, often quoting errors; a NUL in it is
+    // replaced rather than refused (which would lose the step's result).
+    let mut history: Vec<HistoryEntry> = commit
+        .history
+        .iter()
+        .map(|h| HistoryEntry::new(h.kind.clone(), scrub_nul(&h.data)))
+        .collect();
     let engine_entry = match &commit.outcome {
         Outcome::Next { step, context } => {
             next.position.clone_from(step);
@@ -395,12 +444,15 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
                 json!({ "next": step, "requested": children.len(), "inserted": facts.children_inserted }),
             )
         }
-        Outcome::Done { result } => {
+        Outcome::Done { result, step } => {
+            if let Some(step) = step {
+                next.position.clone_from(step);
+            }
             next.result = Some(result.clone());
             next.status = Status::Done;
             next.awaits = None;
             errors.clear();
-            HistoryEntry::new("STEP_DONE", json!({ "step": row.position }))
+            HistoryEntry::new("STEP_DONE", json!({ "step": row.position, "at": next.position }))
         }
         Outcome::Stop { reason } => {
             next.status = Status::Failed;
@@ -438,7 +490,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             machine: row.machine.clone(),
             position: row.position.clone(),
             signals: f.signals.clone(),
-            event: f.event.clone(),
+            event: f.event.as_ref().map(scrub_nul),
             correlation_id: row.correlation_id.clone(),
             reason: reason.to_owned(),
             attempts: row.attempt + 1,
@@ -449,6 +501,51 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
     });
     next.errors = errors;
     Applied { row: next, history, dead_letter }
+}
+
+/// Why a dead letter was made for a row the store could not decode.
+pub const UNDECODABLE_REASON: &str = "undecodable";
+
+/// What becomes of a claimed row the store could not fully decode (a stored context, result
+/// or inbox payload no JSON reader accepts): it fails alone. The row is suspended with its
+/// lease released and `last_error` naming the decode error, a dead letter with reason
+/// [`UNDECODABLE_REASON`] carries the error, and history records both. The caller is the
+/// claim, holding `row` (already executing under the claim's token); it writes the result
+/// back without touching the undecodable columns, so the stored value is kept for an
+/// operator to inspect, fix by hand, retry or cancel.
+pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
+    let error = clip_error(&format!("stored value cannot be read back: {error}"));
+    let mut next = row.clone();
+    release_lease(&mut next);
+    next.status = Status::Suspended;
+    next.last_error = Some(error.clone());
+    next.updated_at = now;
+    next.revision = Revision(row.revision.0 + 1);
+    let mut errors = row.errors.clone();
+    push_error(&mut errors, row.attempt, &error, now);
+    next.errors.clone_from(&errors);
+    let history = vec![
+        HistoryEntry::new("ROW_UNDECODABLE", json!({ "error": error })),
+        HistoryEntry::new(
+            "DEAD_LETTERED",
+            json!({ "reason": UNDECODABLE_REASON, "attempts": row.attempt + 1, "error": error }),
+        ),
+    ];
+    let dead_letter = NewDeadLetter {
+        instance: row.id,
+        namespace: row.namespace.clone(),
+        machine: row.machine.clone(),
+        position: row.position.clone(),
+        signals: Vec::new(),
+        event: None,
+        correlation_id: row.correlation_id.clone(),
+        reason: UNDECODABLE_REASON.to_owned(),
+        attempts: row.attempt + 1,
+        first_attempt_at: errors.first().map_or(now, |e| e.at),
+        last_attempt_at: now,
+        errors,
+    };
+    Applied { row: next, history, dead_letter: Some(dead_letter) }
 }
 
 /// The event a child machine's terminal commit delivers into its parent's inbox, in the

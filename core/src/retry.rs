@@ -104,6 +104,18 @@ impl RetryPolicy {
                 format!("must be at most {} (got {})", Self::MAX_ATTEMPTS_LIMIT, self.max_attempts),
             ));
         }
+        if self.max_delay > crate::limits::RETRY_DELAY_MAX {
+            // The store refuses a `Retry` delay over the limit, so a longer policy would
+            // produce retries that can never be committed.
+            return Err(InvalidPolicy::new(
+                "retry.max_delay",
+                format!(
+                    "must be at most {} (got {}); to wait longer, park on a signal or a timer",
+                    crate::duration::format(crate::limits::RETRY_DELAY_MAX),
+                    crate::duration::format(self.max_delay)
+                ),
+            ));
+        }
         if self.initial_delay > self.max_delay {
             return Err(InvalidPolicy::new(
                 "retry.initial_delay",
@@ -454,6 +466,8 @@ mod tests {
         let attempts = |max_attempts| RetryPolicy { max_attempts, ..base };
         let jitter = |fraction| RetryPolicy { jitter: Jitter::Fraction(fraction), ..base };
         let initial = RetryPolicy { initial_delay: S(600), ..base };
+        let max_delay = |max_delay| RetryPolicy { max_delay, ..base };
+        let year = crate::limits::RETRY_DELAY_MAX;
         #[rustfmt::skip]
         let cases: &[(RetryPolicy, Result<(), &str>)] = &[
             (base,            Ok(())),
@@ -462,6 +476,8 @@ mod tests {
             (attempts(0),     Err("retry.max_attempts: must be at least 1 (got 0)")),
             (attempts(10_001), Err("retry.max_attempts: must be at most 10000 (got 10001)")),
             (initial,         Err("retry.initial_delay: must not exceed max_delay (10 minutes > 5 minutes)")),
+            (max_delay(year), Ok(())),
+            (max_delay(year + S(86_400)), Err("retry.max_delay: must be at most 366 days (got 367 days); to wait longer, park on a signal or a timer")),
             (jitter(0.0),     Ok(())),
             (jitter(1.0),     Ok(())),
             (jitter(1.5),     Err("retry.jitter: must be \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0 (got 1.5)")),

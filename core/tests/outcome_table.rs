@@ -2,6 +2,7 @@
 //! commit-time facts, and the fields of the row that the reference transition produces.
 
 use keel_core::ids::{FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId};
+use keel_core::inbox;
 use keel_core::instance::{AttemptError, Instance, NewInstance};
 use keel_core::outcome::{self, ApplyFacts, Outcome, StepCommit, StepFailure};
 use keel_core::time::Timestamp;
@@ -68,6 +69,8 @@ fn check(
     outcome::validate_commit(row, &commit).expect("valid commit");
     let facts = ApplyFacts { now: NOW, signal_waiting: facts.0, children_inserted: facts.1 };
     let applied = outcome::apply(row, &commit, facts);
+    // Stores decide which inboxes to read for a drain before they apply anything.
+    assert_eq!(inbox::drains(&commit.outcome), applied.became_terminal(), "inbox::drains");
     let got = &applied.row;
     let actual = Row {
         status: got.status,
@@ -214,7 +217,7 @@ fn outcome_table() {
         (
             "done: terminal, result stored, context untouched",
             executing(0, 0),
-            Outcome::Done { result: json!({"ok": true}) },
+            Outcome::Done { result: json!({"ok": true}), step: None },
             None,
             (false, 0),
             Row {
@@ -222,6 +225,19 @@ fn outcome_table() {
                 result: Some(json!({"ok": true})),
                 history: hist(&["STEP_DONE"]),
                 ..base(Status::Done, "a", 0, 0)
+            },
+        ),
+        (
+            "done with a step: finish there (a chart at its final configuration)",
+            executing(1, 1),
+            Outcome::Done { result: json!({"ok": true}), step: Some("[\"rejected\"]".into()) },
+            None,
+            (false, 0),
+            Row {
+                context: ctx(0),
+                result: Some(json!({"ok": true})),
+                history: hist(&["STEP_DONE"]),
+                ..base(Status::Done, "[\"rejected\"]", 1, 0)
             },
         ),
         (
@@ -301,7 +317,7 @@ fn fencing_and_shape_are_checked_before_anything_changes() {
     let stale = StepCommit::new(
         row.id,
         FencingToken(row.fencing_token.0 - 1),
-        Outcome::Done { result: json!(1) },
+        Outcome::Done { result: json!(1), step: None },
     );
     let err = outcome::validate_commit(&row, &stale).unwrap_err();
     assert_eq!(err.kind, keel_core::ErrorKind::LeaseLost);
@@ -315,13 +331,23 @@ fn fencing_and_shape_are_checked_before_anything_changes() {
     assert_eq!(err.kind, keel_core::ErrorKind::Invalid);
     assert!(err.message.contains("outcome.context: must be a JSON object"), "{}", err.message);
 
+    let nameless = StepCommit::new(
+        row.id,
+        row.fencing_token,
+        Outcome::Done { result: json!(1), step: Some(String::new()) },
+    );
+    let err = outcome::validate_commit(&row, &nameless).unwrap_err();
+    assert_eq!(err.kind, keel_core::ErrorKind::Invalid);
+    assert!(err.message.contains("outcome.step"), "{}", err.message);
+
     let suspend = StepCommit::new(row.id, row.fencing_token, Outcome::Suspend);
     let err = outcome::validate_commit(&row, &suspend).unwrap_err();
     assert!(err.message.contains("Suspend needs a failure"), "{}", err.message);
 
     let mut not_executing = row.clone();
     not_executing.status = Status::Runnable;
-    let done = StepCommit::new(row.id, row.fencing_token, Outcome::Done { result: json!(1) });
+    let done =
+        StepCommit::new(row.id, row.fencing_token, Outcome::Done { result: json!(1), step: None });
     assert_eq!(
         outcome::validate_commit(&not_executing, &done).unwrap_err().kind,
         keel_core::ErrorKind::LeaseLost
@@ -386,4 +412,57 @@ fn lifecycle_table() {
         (Status::Runnable, 0, NOW.plus(Duration::from_mins(1)))
     );
     assert!(outcome::dead_letter_retry(&claimed, NOW, NOW).is_err());
+}
+
+#[test]
+fn an_undecodable_row_fails_alone_into_the_dead_letter_queue() {
+    let mut row = executing(2, 1);
+    row.context = keel_core::instance::undecodable("context", "recursion limit exceeded");
+    let damage = row.damage().expect("the marker is seen as damage");
+    assert_eq!(damage, "context: recursion limit exceeded");
+    let applied = outcome::undecodable_row(&row, &damage, NOW);
+    let next = &applied.row;
+    assert_eq!(
+        (next.status, next.lease_owner.as_ref(), next.revision),
+        (Status::Suspended, None, Revision(row.revision.0 + 1))
+    );
+    let error = "stored value cannot be read back: context: recursion limit exceeded";
+    assert_eq!(next.last_error.as_deref(), Some(error));
+    assert_eq!(next.context, row.context, "the stored value is not replaced");
+    assert_eq!(hist(&["ROW_UNDECODABLE", "DEAD_LETTERED"]), {
+        applied.history.iter().map(|h| h.kind.clone()).collect::<Vec<_>>()
+    });
+    let letter = applied.dead_letter.expect("a dead letter");
+    assert_eq!(
+        (letter.reason.as_str(), letter.attempts, letter.errors.last().map(|e| e.error.as_str())),
+        (outcome::UNDECODABLE_REASON, 3, Some(error))
+    );
+    assert!(executing(0, 0).damage().is_none(), "a whole row has no damage");
+}
+
+#[test]
+fn json_checks_bound_depth_and_refuse_nul() {
+    use keel_core::instance::{check_json, check_name, clip_error};
+    use keel_core::limits::JSON_DEPTH_MAX;
+    let nested = |levels: usize| {
+        let mut v = json!([]);
+        for _ in 1..levels {
+            v = Value::Array(vec![v]);
+        }
+        v
+    };
+    assert!(check_json("p", &nested(JSON_DEPTH_MAX)).is_ok());
+    let err = check_json("p", &nested(JSON_DEPTH_MAX + 1)).unwrap_err();
+    assert!(err.message.starts_with("p: JSON is nested deeper than 64 levels"), "{err}");
+    // Far deeper than any call stack could recurse through: the check walks iteratively.
+    let hostile = nested(100_000);
+    assert!(check_json("p", &hostile).is_err());
+    // Dropping a value recurses as deep as it is nested, which this one is too deep for.
+    std::mem::forget(hostile);
+    assert!(check_json("p", &json!({ "k": "a\u{0}b" })).unwrap_err().message.contains("NUL"));
+    assert!(check_json("p", &json!({ "a\u{0}": 1 })).unwrap_err().message.contains("object key"));
+    assert!(
+        check_name("queue", "q\u{0}").unwrap_err().message.starts_with("queue: contains a NUL")
+    );
+    assert_eq!(clip_error("a\u{0}b"), "a\u{fffd}b");
 }

@@ -6,7 +6,9 @@
 //!
 //! A new chart instance starts at the position [`INIT`]; its first step enters the
 //! initial states (running their entry actions). The configuration is stored as the
-//! instance's position: the JSON array of active state paths.
+//! instance's position: the JSON array of active state paths. A finished instance keeps
+//! its final configuration there, so `["approved"]` and `["rejected"]` tell two final
+//! states apart.
 
 use crate::machine::{StepContext, StepError, StepMachine};
 use async_trait::async_trait;
@@ -216,7 +218,7 @@ impl ChartMachine {
             .map_err(|e| StepError::fatal(format!("region task context does not decode: {e}")))?;
         if let Some(skip) = ctx.parent.as_ref().and_then(|p| precheck(p, &task)) {
             // Nothing to do and nobody to tell: the parent is not touched at all.
-            return Ok(Outcome::Done { result: json!({ "skipped": skip }) });
+            return Ok(Outcome::Done { result: json!({ "skipped": skip }), step: None });
         }
         let mut run = RegionRun::new(&self.definition, &task.task);
         while let Some(request) = run.poll().cloned() {
@@ -232,7 +234,10 @@ impl ChartMachine {
         }
         let report = run.report();
         Self::report(ctx, &task, &report)?;
-        Ok(Outcome::Done { result: json!({ "region_id": task.task.key.region, "reported": true }) })
+        Ok(Outcome::Done {
+            result: json!({ "region_id": task.task.key.region, "reported": true }),
+            step: None,
+        })
     }
 
     /// Emits a region's report to its parent, in the task's own terminal commit.
@@ -294,11 +299,12 @@ impl ChartMachine {
         for entry in after {
             ctx.record(entry);
         }
+        // A finished instance keeps its final configuration as its position, so which
+        // final state it reached is visible without reading its history.
+        let position = result.configuration.position();
         if result.is_final {
-            return Ok(Outcome::Done { result: result.context.clone() });
+            return Ok(Outcome::Done { result: result.context.clone(), step: Some(position) });
         }
-        let position = serde_json::to_string(&result.configuration)
-            .map_err(|e| StepError::fatal(format!("configuration does not serialize: {e}")))?;
         let mut context = result.context.clone();
         book.put(&mut context);
         Ok(Outcome::Await { signal: ANY_SIGNAL.into(), context, step: Some(position) })

@@ -49,7 +49,8 @@ impl<S: Store, C: Clock> Client<S, C> {
     }
 
     /// Sends one signal (event). `NotFound` when the target does not exist; a terminal
-    /// target is reported as `TargetTerminal` (recorded, never processed).
+    /// target is reported as `TargetTerminal` and nothing is stored (it would never be
+    /// processed).
     pub async fn send(&self, signal: NewSignal) -> StoreResult<DeliveryOutcome> {
         let target = signal.target.clone();
         let mut out = self.send_many(vec![signal]).await?;

@@ -217,7 +217,10 @@ impl StepMachine for Payment {
     }
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
         assert_eq!(ctx.step, INIT, "delegated children start at @init");
-        Ok(Outcome::Done { result: json!({ "charged": true, "parent": ctx.context["parent"] }) })
+        Ok(Outcome::Done {
+            result: json!({ "charged": true, "parent": ctx.context["parent"] }),
+            step: None,
+        })
     }
 }
 

@@ -227,8 +227,8 @@ async fn entries<S: TestStore>(h: &Harness<S>, id: InstanceId, kind: &str) -> Ve
     history.iter().filter(|r| r.entry.kind == kind).map(|r| r.entry.data.clone()).collect()
 }
 
-/// The configuration the last macrostep ended in (a finished instance keeps its last
-/// parked position).
+/// The configuration the last macrostep ended in, from history (the same for a waiting
+/// and a finished instance, whose position is its final configuration).
 async fn last_configuration<S: TestStore>(h: &Harness<S>, id: InstanceId) -> Vec<Value> {
     let steps = entries(h, id, "MACROSTEP").await;
     steps.last().and_then(|s| s["configuration"].as_array().cloned()).unwrap_or_default()

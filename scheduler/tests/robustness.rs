@@ -110,6 +110,7 @@ on_stores!(
         a_context_that_is_not_an_object_is_dead_lettered_and_its_neighbours_finish,
         an_empty_step_name_is_dead_lettered_and_its_neighbours_finish,
         an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
+        a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish,
         many_short_steps_never_report_a_lost_lease_on_heartbeat,
         background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
         a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
@@ -161,7 +162,7 @@ impl StepMachine for Refusable {
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
         self.together.wait().await;
         if ctx.context["bad"] != json!(true) {
-            return Ok(Outcome::Done { result: json!({ "ok": true }) });
+            return Ok(Outcome::Done { result: json!({ "ok": true }), step: None });
         }
         let next = |context: Value| Outcome::Next { step: "b".into(), context };
         Ok(match self.bad {
@@ -173,7 +174,7 @@ impl StepMachine for Refusable {
             Bad::Nul => next(json!({ "note": "a\u{0}b" })),
             Bad::EmitToMissing => {
                 ctx.emit(NewSignal::new(InstanceId(i64::MAX - 7), "hello"));
-                Outcome::Done { result: json!({}) }
+                Outcome::Done { result: json!({}), step: None }
             }
         })
     }
@@ -235,8 +236,8 @@ async fn an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finis
     refused::<S>(Bad::EmitToMissing, &["emit[0].target"]).await;
 }
 
-/// PostgreSQL cannot store a NUL character in text or JSON; whichever layer refuses it
-/// (the input checks or the database), the result is a dead letter, not a loop.
+/// A NUL character cannot be stored by every database; whichever layer refuses it (the
+/// input checks or the database itself), the result is a dead letter, not a loop.
 async fn a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish<
     S: TestStore,
 >() {
@@ -399,7 +400,7 @@ impl StepMachine for ShortSteps {
         Ok(match ctx.step.as_str() {
             "a" => Outcome::Next { step: "b".into(), context: ctx.context.clone() },
             "b" => Outcome::Next { step: "c".into(), context: ctx.context.clone() },
-            _ => Outcome::Done { result: json!({ "ok": true }) },
+            _ => Outcome::Done { result: json!({ "ok": true }), step: None },
         })
     }
 }

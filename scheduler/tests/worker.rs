@@ -57,7 +57,7 @@ where
 }
 
 fn done() -> Result<Outcome, StepError> {
-    Ok(Outcome::Done { result: json!("ok") })
+    Ok(Outcome::Done { result: json!("ok"), step: None })
 }
 
 #[tokio::test]
@@ -166,7 +166,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
         }
         async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            Ok(Outcome::Done { result: json!("from the slow worker") })
+            Ok(Outcome::Done { result: json!("from the slow worker"), step: None })
         }
     }
     let config = WorkerConfig { heartbeat: Duration::from_secs(3600), ..h.config() };
@@ -199,7 +199,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
     let commit = StepCommit::new(
         id,
         claim.token(),
-        Outcome::Done { result: json!("from the other worker") },
+        Outcome::Done { result: json!("from the other worker"), step: None },
     );
     h.store.step_commit(CommitParams { commits: vec![commit], now: h.clock.now() }).await.unwrap()
         [0]
@@ -402,12 +402,24 @@ async fn await_wakes_on_the_signal_and_consumes_only_what_it_saw() {
     let row = h.wait(id, "done", |r| r.status == Status::Done).await;
     worker.shutdown().await;
     assert_eq!(row.context, json!({ "got": 7 }));
-    let inbox = h.client.get(id).await.unwrap().inbox;
-    assert_eq!(
-        inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
-        ["UNRELATED"],
-        "only GO was consumed"
-    );
+    // Only GO was consumed: UNRELATED was still pending when the instance finished, so
+    // the finish drained it from the inbox into history.
+    let detail = h.client.get(id).await.unwrap();
+    assert!(detail.inbox.is_empty(), "a finished instance keeps no signals");
+    let drained: Vec<&serde_json::Value> = detail
+        .history
+        .iter()
+        .filter(|r| r.entry.kind == "INBOX_DRAINED")
+        .map(|r| &r.entry.data)
+        .collect();
+    assert_eq!(drained.len(), 1, "one drain entry");
+    let names: Vec<&str> = drained[0]["signals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert_eq!(names, ["UNRELATED"], "only GO was consumed");
 }
 
 #[tokio::test]
@@ -482,7 +494,7 @@ impl StepMachine for Hooks {
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
         if ctx.step == "parent" {
             if let Some(report) = ctx.signal("report") {
-                return Ok(Outcome::Done { result: report.payload.clone() });
+                return Ok(Outcome::Done { result: report.payload.clone(), step: None });
             }
             ctx.spawn(NewInstance::new(machine(), "child"));
             return Ok(Outcome::Await { signal: "report".into(), context: json!({}), step: None });

@@ -72,7 +72,7 @@ async fn run(store: &PgStore, batch: usize, workers: usize, rows: usize) -> Row 
                         StepCommit::new(
                             c.instance.id,
                             c.token(),
-                            Outcome::Done { result: json!(null) },
+                            Outcome::Done { result: json!(null), step: None },
                         )
                     })
                     .collect();

@@ -55,7 +55,8 @@
 //!   `LeaseLost`, malformed ⇒ `Invalid`, unknown id or emit target ⇒ `NotFound`; a rejected
 //!   item writes nothing, the others go on), computes each row with the pure `apply`, and
 //!   writes all accepted rows with one `UPDATE … FROM unnest(…)`, deletes exactly the
-//!   consumed signal ids, appends history, stores dead letters, and decrements each parent
+//!   consumed signal ids (and, in the same statement, the whole inbox of every item that
+//!   ended its instance), appends history, stores dead letters, and decrements each parent
 //!   whose child became terminal (`greatest(n - k, 0)`, plus a `CHECK` that it never goes
 //!   negative) — one transaction. A batch of no-op `Done` outcomes costs **two round
 //!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
@@ -65,6 +66,12 @@
 //!   and extends those still executing under the worker and token named, so it cannot
 //!   deadlock with a commit or another heartbeat; a deadlock with any other writer is
 //!   retried like a transaction.
+//! - **Terminal inboxes** (`keel_core::inbox`): round trip 1 of a commit also reads, after
+//!   the lock, what the `Done` / `Stop` items leave unread in their inboxes — per target
+//!   the count and the oldest few (one windowed `SELECT`) — for each drain's one history
+//!   entry, so a drain adds no round trip; a cancel reads its cancelled instances' inboxes
+//!   the same way and deletes them in one statement. Delivery to a terminal target stores
+//!   nothing (`TargetTerminal`), and the broadcast only matches non-terminal rows.
 //! - **Signals / no lost wake-up**: delivery locks the target rows (id order) before it
 //!   reads or writes their inbox, and an `Await` commit reads the inbox only after it holds
 //!   the row lock, so one of the two always sees the other. Dedup is `unique (target_id,
@@ -102,6 +109,13 @@
 //! - **Limits** are keel-core's ([`keel_core::limits`]): payloads, contexts and results at
 //!   most 1 MiB of JSON, names 256 bytes, batch sizes per operation; an over-limit or
 //!   malformed input is `Invalid` and writes nothing.
+//! - **Undecodable values** never panic and never fail a batch: every column is read with
+//!   `try_get`; a JSON column no reader accepts (a value stored behind Keel's back) is shown
+//!   as an `instance::undecodable` marker naming the error, and `WRITE_INSTANCES` keeps the
+//!   stored value wherever it is given a marker. A claimed row whose context, result, inbox
+//!   or children cannot be decoded is not handed out: a second transaction, fenced on the
+//!   claim's token, applies `outcome::undecodable_row` (suspended, dead letter `undecodable`
+//!   naming the error); if that write fails, the lease runs out and a later claim retries.
 //! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
 //!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).
 //!   Every operation binds the caller's `now`; SQL never reads the clock.
@@ -124,6 +138,10 @@
 //!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
 //!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry
 //!   say it parked, where the sequential reference store says it did not).
+//! - Likewise, an emit to an instance whose terminal commit is in the same batch is
+//!   delivered after that commit and so is not stored (`TargetTerminal`); the sequential
+//!   reference store may store it first and then list it in the instance's drain entry.
+//!   Either way the finished instance's inbox ends empty.
 
 mod error;
 mod migrate;

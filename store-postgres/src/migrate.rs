@@ -56,13 +56,15 @@ impl PgStore {
             )
             .await
             .map_err(|e| pg(&e))?
-            .get(0);
+            .try_get(0)
+            .map_err(|e| pg(&e))?;
         if exists {
             let newest: Option<i32> = client
                 .query_one(&format!("SELECT max(version) FROM {HISTORY_TABLE}"), &[])
                 .await
                 .map_err(|e| pg(&e))?
-                .get(0);
+                .try_get(0)
+                .map_err(|e| pg(&e))?;
             if let Some(v) = newest.filter(|v| *v > SCHEMA_VERSION) {
                 return Err(StoreError::conflict(format!(
                     "schema {:?} is at version {v}, newer than this build's {SCHEMA_VERSION}; \

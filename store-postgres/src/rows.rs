@@ -7,7 +7,7 @@ use deadpool_postgres::GenericClient;
 use keel_core::instance::HistoryEntry;
 use keel_core::instance::{
     AttemptError, ChildSummary, DeadLetter, HistoryRecord, Instance, NewDeadLetter, Signal,
-    UniqueSpec,
+    UniqueSpec, undecodable, undecodable_error,
 };
 use keel_core::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
@@ -17,6 +17,7 @@ use serde_json::Value;
 use std::sync::LazyLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_postgres::Row;
+use tokio_postgres::types::FromSql;
 
 /// Latest instant stored losslessly (about year 255 000; PostgreSQL's own limit is 294 276).
 const TS_MAX_MS: i64 = 8_000_000_000_000_000;
@@ -51,6 +52,42 @@ pub(crate) fn status(s: &str) -> Result<Status, StoreError> {
     s.parse::<Status>().map_err(|e| StoreError::conflict(format!("stored row: {e}")))
 }
 
+/// A driver error with its causes ("error deserializing column 10: recursion limit
+/// exceeded …"): the driver's own message names only the column.
+fn describe(e: &tokio_postgres::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
+}
+
+/// One column, decoded with a check: a value the driver cannot decode is an error naming
+/// the column, never a panic (a panic would kill the worker loop that read it).
+pub(crate) fn col<'a, T: FromSql<'a>>(r: &'a Row, i: usize) -> Result<T, StoreError> {
+    r.try_get(i).map_err(|e| {
+        let name = r.columns().get(i).map_or("?", |c| c.name());
+        StoreError::conflict(format!(
+            "stored row: column {name} cannot be decoded: {}",
+            describe(&e)
+        ))
+    })
+}
+
+/// A JSON column, decoded leniently: a value no JSON reader accepts (nested too deep, say)
+/// becomes an `undecodable` marker naming the error, so the row can still be shown,
+/// cancelled or dead-lettered. Writers keep the stored value where they find a marker.
+pub(crate) fn json_col(r: &Row, i: usize, column: &str) -> Value {
+    r.try_get(i).unwrap_or_else(|e| undecodable(column, &describe(&e)))
+}
+
+/// [`json_col`] for a nullable column.
+pub(crate) fn json_col_opt(r: &Row, i: usize, column: &str) -> Option<Value> {
+    r.try_get(i).unwrap_or_else(|e| Some(undecodable(column, &describe(&e))))
+}
+
 /// Every instance column, in the order [`instance`] decodes them.
 pub(crate) const INSTANCE_COLS: &str = "id, namespace, machine, machine_version, business_key, \
     queue, priority, concurrency_key, status::text, position, context, result, awaits, \
@@ -66,91 +103,96 @@ pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machin
     i.children_pending, i.unique_key, i.unique_scope::text[], i.correlation_id, \
     i.created_at, i.updated_at, i.invoked_by";
 
-/// Decodes a row selected with [`INSTANCE_COLS`] (starting at column 0).
+/// Decodes a row selected with [`INSTANCE_COLS`] (starting at column 0). The context and
+/// result decode leniently ([`json_col`]); a damaged `errors` list reads as empty.
 pub(crate) fn instance(r: &Row) -> Result<Instance, StoreError> {
-    let scope: Vec<String> = r.get(24);
+    let scope: Vec<String> = col(r, 24)?;
     let scope = scope.iter().map(|s| status(s)).collect::<Result<Vec<_>, _>>()?;
-    let unique_key: Option<Vec<u8>> = r.get(23);
-    let errors: Value = r.get(15);
-    let errors: Vec<AttemptError> = serde_json::from_value(errors)
-        .map_err(|e| StoreError::conflict(format!("stored errors column: {e}")))?;
-    let priority: i16 = r.get(6);
+    let unique_key: Option<Vec<u8>> = col(r, 23)?;
+    // Keel alone writes the errors list; if it cannot be read, showing none keeps the row
+    // usable (the next write replaces it).
+    let errors: Vec<AttemptError> = r
+        .try_get::<_, Value>(15)
+        .ok()
+        .and_then(|v| serde_json::from_value(v).ok())
+        .unwrap_or_default();
+    let priority: i16 = col(r, 6)?;
     Ok(Instance {
-        id: InstanceId(r.get(0)),
-        namespace: r.get(1),
-        machine: MachineRef { name: r.get(2), version: r.get(3) },
-        business_key: r.get(4),
-        queue: r.get(5),
+        id: InstanceId(col(r, 0)?),
+        namespace: col(r, 1)?,
+        machine: MachineRef { name: col(r, 2)?, version: col(r, 3)? },
+        business_key: col(r, 4)?,
+        queue: col(r, 5)?,
         priority: Priority::from_level(priority).unwrap_or_default(),
-        concurrency_key: r.get(7),
-        status: status(r.get(8))?,
-        position: r.get(9),
-        context: r.get(10),
-        result: r.get(11),
-        awaits: r.get(12),
-        last_error: r.get(13),
-        attempt: r.get(14),
+        concurrency_key: col(r, 7)?,
+        status: status(col(r, 8)?)?,
+        position: col(r, 9)?,
+        context: json_col(r, 10, "context"),
+        result: json_col_opt(r, 11, "result"),
+        awaits: col(r, 12)?,
+        last_error: col(r, 13)?,
+        attempt: col(r, 14)?,
         errors,
-        revision: Revision(r.get(16)),
-        eligible_at: from_ts(r.get(17)),
-        lease_owner: r.get::<_, Option<String>>(18).map(WorkerId),
-        lease_expires_at: from_ts_opt(r.get(19)),
-        fencing_token: FencingToken(r.get(20)),
-        parent: r.get::<_, Option<i64>>(21).map(InstanceId),
-        children_pending: r.get(22),
+        revision: Revision(col(r, 16)?),
+        eligible_at: from_ts(col(r, 17)?),
+        lease_owner: col::<Option<String>>(r, 18)?.map(WorkerId),
+        lease_expires_at: from_ts_opt(col(r, 19)?),
+        fencing_token: FencingToken(col(r, 20)?),
+        parent: col::<Option<i64>>(r, 21)?.map(InstanceId),
+        children_pending: col(r, 22)?,
         unique: unique_key.map(|key| UniqueSpec { key, scope: StatusSet::of(&scope) }),
-        correlation_id: r.get(25),
-        created_at: from_ts(r.get(26)),
-        updated_at: from_ts(r.get(27)),
-        invoked_by: r.get(28),
+        correlation_id: col(r, 25)?,
+        created_at: from_ts(col(r, 26)?),
+        updated_at: from_ts(col(r, 27)?),
+        invoked_by: col(r, 28)?,
     })
 }
 
 /// Signal columns, in the order [`signal`] decodes them.
 pub(crate) const SIGNAL_COLS: &str = "id, target_id, name, payload, dedup_key, inserted_at";
 
-/// Decodes a row selected with [`SIGNAL_COLS`].
-pub(crate) fn signal(r: &Row) -> Signal {
-    Signal {
-        id: SignalId(r.get(0)),
-        target: InstanceId(r.get(1)),
-        name: r.get(2),
-        payload: r.get(3),
-        dedup_key: r.get(4),
-        inserted_at: from_ts(r.get(5)),
-    }
+/// Decodes a row selected with [`SIGNAL_COLS`] (the payload leniently).
+pub(crate) fn signal(r: &Row) -> Result<Signal, StoreError> {
+    Ok(Signal {
+        id: SignalId(col(r, 0)?),
+        target: InstanceId(col(r, 1)?),
+        name: col(r, 2)?,
+        payload: json_col(r, 3, "payload"),
+        dedup_key: col(r, 4)?,
+        inserted_at: from_ts(col(r, 5)?),
+    })
 }
 
 /// Children-summary columns, in the order [`child`] decodes them.
 pub(crate) const CHILD_COLS: &str =
     "id, machine, machine_version, status::text, position, context, result, last_error";
 
-/// Decodes a row selected with [`CHILD_COLS`].
+/// Decodes a row selected with [`CHILD_COLS`] (context and result leniently).
 pub(crate) fn child(r: &Row) -> Result<ChildSummary, StoreError> {
     Ok(ChildSummary {
-        id: InstanceId(r.get(0)),
-        machine: MachineRef { name: r.get(1), version: r.get(2) },
-        status: status(r.get(3))?,
-        position: r.get(4),
-        context: r.get(5),
-        result: r.get(6),
-        last_error: r.get(7),
+        id: InstanceId(col(r, 0)?),
+        machine: MachineRef { name: col(r, 1)?, version: col(r, 2)? },
+        status: status(col(r, 3)?)?,
+        position: col(r, 4)?,
+        context: json_col(r, 5, "context"),
+        result: json_col_opt(r, 6, "result"),
+        last_error: col(r, 7)?,
     })
 }
 
 /// History columns, in the order [`history`] decodes them.
 pub(crate) const HISTORY_COLS: &str = "instance_id, seq, at, revision, attempt, kind, data";
 
-/// Decodes a row selected with [`HISTORY_COLS`].
-pub(crate) fn history(r: &Row) -> HistoryRecord {
-    HistoryRecord {
-        instance: InstanceId(r.get(0)),
-        seq: r.get(1),
-        at: from_ts(r.get(2)),
-        revision: Revision(r.get(3)),
-        attempt: r.get(4),
-        entry: HistoryEntry { kind: r.get(5), data: r.get(6) },
-    }
+/// Decodes a row selected with [`HISTORY_COLS`] (the data leniently).
+pub(crate) fn history(r: &Row) -> Result<HistoryRecord, StoreError> {
+    Ok(HistoryRecord {
+        instance: InstanceId(col(r, 0)?),
+        seq: col(r, 1)?,
+        at: from_ts(col(r, 2)?),
+        revision: Revision(col(r, 3)?),
+        attempt: col(r, 4)?,
+        entry: HistoryEntry { kind: col(r, 5)?, data: json_col(r, 6, "data") },
+    })
 }
 
 /// Dead-letter columns, in the order [`dead_letter`] decodes them.
@@ -158,27 +200,27 @@ pub(crate) const DEAD_LETTER_COLS: &str = "id, created_at, instance_id, namespac
     machine_version, position, signals, event, correlation_id, reason, attempts, errors, \
     first_attempt_at, last_attempt_at";
 
-/// Decodes a row selected with [`DEAD_LETTER_COLS`].
+/// Decodes a row selected with [`DEAD_LETTER_COLS`] (the event leniently).
 pub(crate) fn dead_letter(r: &Row) -> Result<DeadLetter, StoreError> {
-    let signals: Vec<i64> = r.get(7);
-    let errors: Value = r.get(12);
+    let signals: Vec<i64> = col(r, 7)?;
+    let errors: Value = col(r, 12)?;
     Ok(DeadLetter {
-        id: DeadLetterId(r.get(0)),
-        created_at: from_ts(r.get(1)),
+        id: DeadLetterId(col(r, 0)?),
+        created_at: from_ts(col(r, 1)?),
         letter: NewDeadLetter {
-            instance: InstanceId(r.get(2)),
-            namespace: r.get(3),
-            machine: MachineRef { name: r.get(4), version: r.get(5) },
-            position: r.get(6),
+            instance: InstanceId(col(r, 2)?),
+            namespace: col(r, 3)?,
+            machine: MachineRef { name: col(r, 4)?, version: col(r, 5)? },
+            position: col(r, 6)?,
             signals: signals.into_iter().map(SignalId).collect(),
-            event: r.get(8),
-            correlation_id: r.get(9),
-            reason: r.get(10),
-            attempts: r.get(11),
+            event: json_col_opt(r, 8, "event"),
+            correlation_id: col(r, 9)?,
+            reason: col(r, 10)?,
+            attempts: col(r, 11)?,
             errors: serde_json::from_value(errors)
                 .map_err(|e| StoreError::conflict(format!("stored dead letter errors: {e}")))?,
-            first_attempt_at: from_ts(r.get(13)),
-            last_attempt_at: from_ts(r.get(14)),
+            first_attempt_at: from_ts(col(r, 13)?),
+            last_attempt_at: from_ts(col(r, 14)?),
         },
     })
 }
@@ -203,17 +245,19 @@ pub(crate) async fn lock_instances<C: GenericClient + Sync>(
 
 /// The statement [`write_instances`] runs.
 pub(crate) const WRITE_INSTANCES: &str = "UPDATE instances i SET status = u.status::status, \
-    position = u.position, context = u.context, result = u.result, awaits = u.awaits, \
+    position = u.position, \
+    context = CASE WHEN u.keep_context THEN i.context ELSE u.context END, \
+    result = CASE WHEN u.keep_result THEN i.result ELSE u.result END, awaits = u.awaits, \
     last_error = u.last_error, attempt = u.attempt, errors = u.errors, revision = u.revision, \
     eligible_at = u.eligible_at, lease_owner = u.lease_owner, \
     lease_expires_at = u.lease_expires_at, fencing_token = u.fencing_token, \
     children_pending = u.children_pending, updated_at = u.updated_at \
     FROM unnest($1::int8[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[], \
     $7::text[], $8::int4[], $9::jsonb[], $10::int8[], $11::timestamptz[], $12::text[], \
-    $13::timestamptz[], $14::int8[], $15::int4[], $16::timestamptz[]) \
+    $13::timestamptz[], $14::int8[], $15::int4[], $16::timestamptz[], $17::bool[], $18::bool[]) \
     AS u(id, status, position, context, result, awaits, last_error, attempt, errors, \
     revision, eligible_at, lease_owner, lease_expires_at, fencing_token, children_pending, \
-    updated_at) WHERE i.id = u.id";
+    updated_at, keep_context, keep_result) WHERE i.id = u.id";
 
 /// The parameter arrays of [`WRITE_INSTANCES`] for a set of rows.
 #[derive(Default)]
@@ -234,11 +278,16 @@ pub(crate) struct InstanceWrite {
     fencing_token: Vec<i64>,
     children_pending: Vec<i32>,
     updated_at: Vec<SystemTime>,
+    keep_context: Vec<bool>,
+    keep_result: Vec<bool>,
 }
 
 impl InstanceWrite {
-    /// Adds a row (every mutable column is written back).
+    /// Adds a row (every mutable column is written back, except a context or result that
+    /// was read as an `undecodable` marker: the stored value stays as it is).
     pub(crate) fn push(&mut self, row: &Instance) {
+        self.keep_context.push(undecodable_error(&row.context).is_some());
+        self.keep_result.push(row.result.as_ref().and_then(undecodable_error).is_some());
         self.id.push(row.id.0);
         self.status.push(row.status.name());
         self.position.push(row.position.clone());
@@ -263,7 +312,7 @@ impl InstanceWrite {
     }
 
     /// The statement's parameters.
-    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 16] {
+    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 18] {
         [
             &self.id,
             &self.status,
@@ -281,6 +330,8 @@ impl InstanceWrite {
             &self.fencing_token,
             &self.children_pending,
             &self.updated_at,
+            &self.keep_context,
+            &self.keep_result,
         ]
     }
 }

@@ -42,7 +42,7 @@ async fn drop_stale_schemas(store: &PgStore) {
         return;
     };
     for r in rows {
-        let name: String = r.get(0);
+        let Ok(name) = r.try_get::<_, String>(0) else { continue };
         let _ = c.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE")).await;
     }
 }

@@ -297,7 +297,7 @@ async fn concurrency_keys_hold_under_eight_claimers() {
                         StepCommit::new(
                             c.instance.id,
                             c.token(),
-                            Outcome::Done { result: json!(null) },
+                            Outcome::Done { result: json!(null), step: None },
                         )
                     })
                     .collect();
@@ -351,7 +351,7 @@ async fn fifty_children_completing_concurrently_release_the_parent_once() {
                     commits: vec![StepCommit::new(
                         k.instance.id,
                         k.token(),
-                        Outcome::Done { result: json!(null) },
+                        Outcome::Done { result: json!(null), step: None },
                     )],
                     now: T0,
                 })
@@ -375,7 +375,7 @@ async fn fifty_children_completing_concurrently_release_the_parent_once() {
             commits: vec![StepCommit::new(
                 parent,
                 again[0].token(),
-                Outcome::Done { result: json!(null) },
+                Outcome::Done { result: json!(null), step: None },
             )],
             now: T0,
         })

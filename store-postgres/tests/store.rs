@@ -97,7 +97,11 @@ async fn insert_claim_commit_done_round_trip() {
     let commits = claims
         .iter()
         .map(|c| {
-            StepCommit::new(c.instance.id, c.token(), Outcome::Done { result: json!({"ok": 1}) })
+            StepCommit::new(
+                c.instance.id,
+                c.token(),
+                Outcome::Done { result: json!({"ok": 1}), step: None },
+            )
         })
         .collect();
     let out = s.step_commit(CommitParams { commits, now: T0 }).await.unwrap();
@@ -238,7 +242,13 @@ async fn children_barrier_releases_the_parent_once() {
     assert_eq!(claims.len(), 3);
     let commits = claims
         .iter()
-        .map(|c| StepCommit::new(c.instance.id, c.token(), Outcome::Done { result: json!(null) }))
+        .map(|c| {
+            StepCommit::new(
+                c.instance.id,
+                c.token(),
+                Outcome::Done { result: json!(null), step: None },
+            )
+        })
         .collect();
     s.step_commit(CommitParams { commits, now: T0 }).await.unwrap();
     let p = s.instance_get(parent).await.unwrap();
@@ -275,7 +285,7 @@ async fn concurrency_key_one_at_a_time_and_paused_queues_skipped() {
         StepCommit::new(
             claims[0].instance.id,
             claims[0].token(),
-            Outcome::Done { result: json!(1) },
+            Outcome::Done { result: json!(1), step: None },
         ),
     )
     .await
@@ -388,7 +398,7 @@ async fn invalid_input_gets_a_typed_error_and_writes_nothing() {
         StepCommit::new(
             InstanceId(424_242),
             keel_core::FencingToken(1),
-            Outcome::Done { result: json!(1) },
+            Outcome::Done { result: json!(1), step: None },
         ),
     )
     .await;
@@ -401,8 +411,13 @@ async fn invalid_input_gets_a_typed_error_and_writes_nothing() {
         claims[0].token(),
         Outcome::Next { step: "n".into(), context: json!("str") },
     );
-    let bad_big = StepCommit::new(ids[1].id(), claims[1].token(), Outcome::Done { result: big });
-    let good = StepCommit::new(ids[1].id(), claims[1].token(), Outcome::Done { result: json!(2) });
+    let bad_big =
+        StepCommit::new(ids[1].id(), claims[1].token(), Outcome::Done { result: big, step: None });
+    let good = StepCommit::new(
+        ids[1].id(),
+        claims[1].token(),
+        Outcome::Done { result: json!(2), step: None },
+    );
     let out =
         s.step_commit(CommitParams { commits: vec![bad, bad_big, good], now: T0 }).await.unwrap();
     assert_eq!(out[0].as_ref().unwrap_err().kind, ErrorKind::Invalid);
@@ -493,7 +508,7 @@ async fn a_key_scoped_to_executing_only_runs_one_at_a_time() {
         StepCommit::new(
             claims[0].instance.id,
             claims[0].token(),
-            Outcome::Done { result: json!(1) },
+            Outcome::Done { result: json!(1), step: None },
         ),
     )
     .await

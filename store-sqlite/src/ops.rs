@@ -3,15 +3,17 @@
 //! Each operation loads the rows it touches, runs the core's pure transitions
 //! (`validate_commit`, `apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`,
 //! `cancel`, `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
-//! `timers::owned_by`) and writes the results back, in the same order as
+//! `timers::owned_by`, the inbox rules of `inbox`) and writes the results back, in the same order as
 //! `MemoryStore` — so the two cannot drift apart. The caller owns the transaction: it
 //! begins it with `BEGIN IMMEDIATE`, and commits only when the operation returns `Ok`.
 
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::chart::TimerArm;
+use keel_core::inbox;
 use keel_core::instance::{
-    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, unique_guard,
+    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, undecodable_error,
+    unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
@@ -132,11 +134,26 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
                 keys.insert(k.clone());
             }
             db.instance_write(&next).await?;
-            claims.push(Claim {
-                inbox: db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?,
-                children: db.children(next.id).await?,
-                instance: next,
+            let inbox = db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?;
+            let damage = next.damage().or_else(|| {
+                inbox
+                    .iter()
+                    .find_map(|s| undecodable_error(&s.payload).map(|e| format!("inbox {e}")))
             });
+            if let Some(error) = damage {
+                // A row that cannot be read fails alone: dead-lettered, never handed out,
+                // and its neighbours are claimed as usual.
+                let applied = outcome::undecodable_row(&next, &error, p.now);
+                for entry in &applied.history {
+                    db.record(&applied.row, next.attempt, entry, p.now).await?;
+                }
+                if let Some(letter) = &applied.dead_letter {
+                    db.dead_letter_insert(letter, p.now).await?;
+                }
+                db.instance_write(&applied.row).await?;
+                continue;
+            }
+            claims.push(Claim { inbox, children: db.children(next.id).await?, instance: next });
         }
         if exhausted {
             break;
@@ -235,6 +252,10 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     for entry in &applied.history {
         db.record(&next, row.attempt, entry, now).await?;
     }
+    if terminal {
+        let pending = inbox::Pending::of(inbox.iter().filter(|s| !consume.contains(&s.id)));
+        inbox_drain(db, &next, row.attempt, &pending, now).await?;
+    }
     let dead_letter = match &applied.dead_letter {
         Some(letter) => Some(db.dead_letter_insert(letter, now).await?),
         None => None,
@@ -278,6 +299,22 @@ async fn insert_child(
     }
     let child = Instance::from_new(InstanceId(0), spec, Some(parent), now);
     Ok(InsertOutcome::Inserted(db.instance_insert(&child).await?))
+}
+
+/// `row` just became terminal: its inbox closes, and the signals still pending in it are
+/// removed and recorded in one history entry (`inbox::drained`), as `MemoryStore` does.
+async fn inbox_drain(
+    db: &mut Db<'_>,
+    row: &Instance,
+    attempt: i32,
+    pending: &inbox::Pending,
+    now: Timestamp,
+) -> StoreResult<()> {
+    if let Some(entry) = inbox::drained(pending) {
+        db.signals_drop(row.id).await?;
+        db.record(row, attempt, &entry, now).await?;
+    }
+    Ok(())
 }
 
 /// `child` became terminal (or was cancelled): count it on its parent's barrier, and tell
@@ -327,16 +364,16 @@ async fn deliver_to(
     s: &NewSignal,
     now: Timestamp,
 ) -> StoreResult<DeliveryOutcome> {
+    let row = db.instance_required(target).await?;
+    if !inbox::accepts_signals(&row) {
+        return Ok(DeliveryOutcome::TargetTerminal { target, status: row.status });
+    }
     if let Some(key) = &s.dedup_key
         && let Some(id) = db.dedup(target, key).await?
     {
         return Ok(DeliveryOutcome::Duplicate { id, target });
     }
     let id = db.signal_insert(target, &s.name, &s.payload, s.dedup_key.as_deref(), now).await?;
-    let row = db.instance_required(target).await?;
-    if row.status.is_terminal() {
-        return Ok(DeliveryOutcome::TargetTerminal { id, target, status: row.status });
-    }
     let next = outcome::deliver(&row, &s.name, now);
     let woke = next.is_some();
     if let Some(next) = next {
@@ -377,6 +414,7 @@ pub(crate) async fn signal_broadcast(
         dedup_key: p.dedup_key.clone(),
     };
     probe.validate("broadcast")?;
+    p.validate_selector()?;
     let rows = sqlx::query(
         "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
          AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
@@ -605,6 +643,8 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
             json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
         );
         db.record(&next, row.attempt, &entry, p.now).await?;
+        let pending = inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?);
+        inbox_drain(db, &next, row.attempt, &pending, p.now).await?;
         db.instance_write(&next).await?;
         db.timers_drop(id).await?;
         child_terminal(db, &next, p.now).await?;

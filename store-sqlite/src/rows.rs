@@ -7,6 +7,7 @@
 use crate::error::{corrupt, map};
 use keel_core::instance::{
     AttemptError, ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, NewDeadLetter, UniqueSpec,
+    undecodable, undecodable_error,
 };
 use keel_core::limits;
 use keel_core::timers::TimerRow;
@@ -110,6 +111,14 @@ impl Db<'_> {
         text.map(|t| self.json(col, &t)).transpose()
     }
 
+    /// A JSON column decoded leniently: text no JSON reader accepts (nested too deep, say)
+    /// becomes an `undecodable` marker naming the error, so the row can still be shown,
+    /// cancelled or dead-lettered. [`Db::instance_write`] keeps the stored text where it
+    /// finds a marker.
+    fn json_lenient(col: &str, text: &str) -> Value {
+        serde_json::from_str(text).unwrap_or_else(|e| undecodable(col, &e.to_string()))
+    }
+
     // ----- decoding ---------------------------------------------------------------------
 
     /// Decodes an instance row selected with [`instance_cols`].
@@ -136,12 +145,16 @@ impl Db<'_> {
             concurrency_key: self.get(row, "concurrency_key")?,
             status,
             position: self.get(row, "position")?,
-            context: self.json("context", &context)?,
-            result: self.json_opt(row, "result")?,
+            context: Self::json_lenient("context", &context),
+            result: self
+                .get::<Option<String>>(row, "result")?
+                .map(|t| Self::json_lenient("result", &t)),
             awaits: self.get(row, "awaits")?,
             last_error: self.get(row, "last_error")?,
             attempt: self.get(row, "attempt")?,
-            errors: self.json::<Vec<AttemptError>>("errors", &errors)?,
+            // Keel alone writes the errors list; if it cannot be read, showing none keeps
+            // the row usable (the next write replaces it).
+            errors: serde_json::from_str::<Vec<AttemptError>>(&errors).unwrap_or_default(),
             revision: Revision(self.get(row, "revision")?),
             eligible_at: Timestamp(self.get(row, "eligible_at")?),
             lease_owner: self.get::<Option<String>>(row, "lease_owner")?.map(WorkerId),
@@ -164,7 +177,7 @@ impl Db<'_> {
             id: SignalId(self.get(row, "id")?),
             target: InstanceId(self.get(row, "target_id")?),
             name: self.get(row, "name")?,
-            payload: self.json("payload", &payload)?,
+            payload: Self::json_lenient("payload", &payload),
             dedup_key: self.get(row, "dedup_key")?,
             inserted_at: Timestamp(self.get(row, "inserted_at")?),
         })
@@ -356,7 +369,7 @@ impl Db<'_> {
                     attempt: self.get(r, "attempt")?,
                     entry: HistoryEntry {
                         kind: self.get(r, "kind")?,
-                        data: self.json("data", &data)?,
+                        data: Self::json_lenient("data", &data),
                     },
                 })
             })
@@ -385,13 +398,35 @@ impl Db<'_> {
             "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?",
             ") RETURNING id"
         ));
-        let id: i64 = bind_instance(q, row, guard)
+        let json = (json_text(&row.context), row.result.as_ref().map(json_text));
+        let id: i64 = bind_instance(q, row, json, guard)
             .fetch_one(&mut *self.conn)
             .await
             .map_err(self.err("inserting an instance"))?
             .try_get("id")
             .map_err(|e| corrupt(self.file, "id", e))?;
         Ok(InstanceId(id))
+    }
+
+    /// The context and result text to write for `row`: its values, except that a column
+    /// read as an `undecodable` marker keeps the text stored now, so nothing stored is lost.
+    async fn json_columns(&mut self, row: &Instance) -> StoreResult<(String, Option<String>)> {
+        let context = json_text(&row.context);
+        let result = row.result.as_ref().map(json_text);
+        if row.damage().is_none() {
+            return Ok((context, result));
+        }
+        let (stored_context, stored_result): (String, Option<String>) =
+            sqlx::query_as("SELECT context, result FROM keel_instances WHERE id = ?")
+                .bind(row.id.0)
+                .fetch_one(&mut *self.conn)
+                .await
+                .map_err(self.err("reading stored JSON"))?;
+        let keep_result = row.result.as_ref().and_then(undecodable_error).is_some();
+        Ok((
+            if undecodable_error(&row.context).is_some() { stored_context } else { context },
+            if keep_result { stored_result } else { result },
+        ))
     }
 
     /// Writes every column of an existing row.
@@ -406,7 +441,8 @@ impl Db<'_> {
              unique_scope = ?, correlation_id = ?, created_at = ?, updated_at = ?, \
              unique_guard = ?, invoked_by = ? WHERE id = ?",
         );
-        bind_instance(q, row, guard)
+        let json = self.json_columns(row).await?;
+        bind_instance(q, row, json, guard)
             .bind(row.id.0)
             .execute(&mut *self.conn)
             .await
@@ -556,6 +592,16 @@ impl Db<'_> {
         Ok(())
     }
 
+    /// Removes every signal in `target`'s inbox (the instance ended).
+    pub async fn signals_drop(&mut self, target: InstanceId) -> StoreResult<()> {
+        sqlx::query("DELETE FROM keel_signals WHERE target_id = ?")
+            .bind(target.0)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("draining an inbox"))?;
+        Ok(())
+    }
+
     /// Stores a dead letter.
     pub async fn dead_letter_insert(
         &mut self,
@@ -624,6 +670,7 @@ type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::Sqlite
 fn bind_instance<'q>(
     q: SqliteQuery<'q>,
     row: &Instance,
+    (context, result): (String, Option<String>),
     guard: Option<Vec<u8>>,
 ) -> SqliteQuery<'q> {
     q.bind(row.namespace.clone())
@@ -635,8 +682,8 @@ fn bind_instance<'q>(
         .bind(row.concurrency_key.clone())
         .bind(row.status.name())
         .bind(row.position.clone())
-        .bind(json_text(&row.context))
-        .bind(row.result.as_ref().map(json_text))
+        .bind(context)
+        .bind(result)
         .bind(row.awaits.clone())
         .bind(row.last_error.clone())
         .bind(row.attempt)

@@ -157,7 +157,7 @@ async fn scenario<S: Store>(s: &S) -> Vec<String> {
     for claim in claim_all(s, at(14_000)).await {
         let id = claim.instance.id;
         let outcome = match id.0 {
-            4 => Outcome::Done { result: json!({ "charged": 1 }) },
+            4 => Outcome::Done { result: json!({ "charged": 1 }), step: None },
             1 => {
                 // The parent leaves `a` (its timers and its descendants' go) and arms anew.
                 let mut c = StepCommit::new(id, claim.token(), park_at(r#"["c"]"#))

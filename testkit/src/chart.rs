@@ -498,6 +498,24 @@ impl TestMachine {
         &self.configuration
     }
 
+    /// The configuration encoded as the durable runtime stores it in the instance's
+    /// position (a sorted JSON array of active paths). A finished machine's position is its
+    /// final configuration, as a finished durable instance's is.
+    pub fn position(&mut self) -> String {
+        self.start();
+        self.configuration.position()
+    }
+
+    /// Asserts that [`position`](Self::position) is exactly `expected` (the active paths,
+    /// in any order).
+    #[track_caller]
+    pub fn assert_position(&mut self, expected: &[&str]) -> &mut Self {
+        let want = Configuration::from_paths(expected.iter().copied()).position();
+        let got = self.position();
+        assert_eq!(got, want, "position\n{}", self.describe());
+        self
+    }
+
     /// The current context.
     pub fn context(&mut self) -> &Value {
         self.start();
@@ -761,6 +779,30 @@ mod tests {
             TestMachine::new(def()).assert_matches(json!({"b": "x"}));
         });
         assert!(msg.contains("state value is \"a\""), "{msg}");
+    }
+
+    #[test]
+    fn a_finished_machine_shows_which_final_state_it_reached() {
+        let review = || {
+            Definition::builder("review", 1)
+                .initial("pending")
+                .state("pending", |s| s.on_to("APPROVE", "approved").on_to("REJECT", "rejected"))
+                .final_state("approved")
+                .final_state("rejected")
+                .build()
+                .unwrap()
+        };
+        let mut approved = TestMachine::new(review());
+        assert_eq!(approved.position(), r#"["pending"]"#);
+        approved.send("APPROVE").assert_final().assert_position(&["approved"]);
+        assert_eq!(approved.position(), r#"["approved"]"#);
+        // A finished machine takes no more events, as a finished durable instance.
+        approved.send("REJECT").assert_unhandled().assert_position(&["approved"]);
+        TestMachine::new(review()).send("REJECT").assert_final().assert_position(&["rejected"]);
+        let msg = panic_message(|| {
+            TestMachine::new(review()).send("REJECT").assert_position(&["approved"]);
+        });
+        assert!(msg.contains("position") && msg.contains("rejected"), "{msg}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //!
 //! Every row change goes through the pure transitions of [`keel_core::outcome`]
 //! (`apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
-//! `dead_letter_retry`); this file only keeps the collections, the indexes and the order
+//! `dead_letter_retry`) and the inbox rules of [`keel_core::inbox`]; this file only keeps the collections, the indexes and the order
 //! in which the transitions run inside one "transaction" (one lock hold). It is the model
 //! the conformance suite was written against, so it must stay boring and obviously right.
 //!
@@ -21,6 +21,7 @@
 use async_trait::async_trait;
 use keel_core::TimerId;
 use keel_core::chart::TimerArm;
+use keel_core::inbox;
 use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
     position_in_state, unique_guard,
@@ -239,6 +240,20 @@ impl State {
         }
     }
 
+    /// `row` just became terminal: its inbox closes, and the signals still pending in it
+    /// are removed and recorded in one history entry (`inbox::drained`).
+    fn inbox_drain(&mut self, row: &Instance, attempt: i32, now: Timestamp) {
+        let pending = inbox::Pending::of(self.inbox_of(row.id));
+        for signal in self.inbox.remove(&row.id).into_iter().flat_map(BTreeMap::into_values) {
+            if let Some(key) = signal.dedup_key {
+                self.dedup.remove(&(row.id, key));
+            }
+        }
+        if let Some(entry) = inbox::drained(&pending) {
+            self.record(row, attempt, entry, now);
+        }
+    }
+
     /// `child` became terminal (or was cancelled): count it on its parent's barrier, and
     /// tell a chart parent through its inbox (`outcome::parent_notice`).
     fn child_terminal(&mut self, child: &Instance, now: Timestamp) {
@@ -418,6 +433,9 @@ impl State {
         for entry in applied.history {
             self.record(&row, attempt, entry, now);
         }
+        if terminal {
+            self.inbox_drain(&row, attempt, now);
+        }
         let dead_letter = applied.dead_letter.map(|letter| {
             self.last_dead_letter += 1;
             let id = DeadLetterId(self.last_dead_letter);
@@ -450,6 +468,10 @@ impl State {
     // ----- signals ----------------------------------------------------------------------
 
     fn deliver_to(&mut self, target: InstanceId, s: &NewSignal, now: Timestamp) -> DeliveryOutcome {
+        let row = &self.rows[&target];
+        if !inbox::accepts_signals(row) {
+            return DeliveryOutcome::TargetTerminal { target, status: row.status };
+        }
         if let Some(key) = &s.dedup_key
             && let Some(id) = self.dedup.get(&(target, key.clone()))
         {
@@ -469,11 +491,7 @@ impl State {
         if let Some(key) = &s.dedup_key {
             self.dedup.insert((target, key.clone()), id);
         }
-        let row = &self.rows[&target];
-        if row.status.is_terminal() {
-            return DeliveryOutcome::TargetTerminal { id, target, status: row.status };
-        }
-        let next = outcome::deliver(row, &s.name, now);
+        let next = outcome::deliver(&self.rows[&target], &s.name, now);
         let woke = next.is_some();
         if let Some(next) = next {
             self.write(next);
@@ -503,6 +521,7 @@ impl State {
             dedup_key: p.dedup_key.clone(),
         };
         probe.validate("broadcast")?;
+        p.validate_selector()?;
         let targets: Vec<InstanceId> = self
             .rows
             .values()
@@ -626,6 +645,7 @@ impl State {
                 json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
             );
             self.record(&next, attempt, entry, p.now);
+            self.inbox_drain(&next, attempt, p.now);
             let child = next.clone();
             self.write(next);
             self.timers_drop(id);

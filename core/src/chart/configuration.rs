@@ -27,6 +27,13 @@ impl Configuration {
         Self { active: paths.into_iter().map(Into::into).collect() }
     }
 
+    /// The configuration as an instance's position: the sorted JSON array of active paths,
+    /// e.g. `["processing","processing.inventory"]`. The durable runtime stores this for
+    /// a waiting instance and for a finished one alike.
+    pub fn position(&self) -> String {
+        Value::from(self.active.iter().map(String::as_str).collect::<Vec<_>>()).to_string()
+    }
+
     /// Whether no state is active.
     pub fn is_empty(&self) -> bool {
         self.active.is_empty()

@@ -811,6 +811,36 @@ fn validation_errors_name_the_state_and_the_fix() {
             "state `a`: timer on `@timeout` is `0 minutes`, which is not positive (InvalidTimerDefinition); fix: use a duration of at least 1 unit",
         ),
         (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").after(Timer::days(i64::MAX)))),
+            "state `a`: timer on `E` is `9223372036854775807 days`, which is longer than the limit of 3660 days (InvalidTimerDefinition); fix: use a shorter timer, or park on a signal",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").every(Timer::seconds(i64::MAX)))),
+            "state `a`: timer on `E` is `9223372036854775807 seconds`, which is longer than the limit of 3660 days (InvalidTimerDefinition); fix: use a shorter timer, or park on a signal",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").after(Timer::days(3_661)))),
+            "state `a`: timer on `E` is `3661 days`, which is longer than the limit of 3660 days (InvalidTimerDefinition); fix: use a shorter timer, or park on a signal",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.machine("child").on_timeout(Timer::weeks(i64::MAX), |b| b)),
+            "state `a`: timer on `@timeout` is `9223372036854775807 weeks`, which is longer than the limit of 3660 days (InvalidTimerDefinition); fix: use a shorter timer, or park on a signal",
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on("E", |t| t.action("x").every(Timer::days(1)).max(0))),
+            "state `a`: transition on `E` has `max(0)`, so its timer would never fire; fix: use `.max(n)` with n >= 1, or drop `max`",
+        ),
+        (
             chart().initial("a").state("a", |s| s.initial("x").leaf("x").leaf("x")),
             "duplicate state id `a.x`; fix: give sibling states distinct keys",
         ),
@@ -862,6 +892,46 @@ fn unreachable_states_are_warnings() {
         [
             "state `island` is unreachable: no initial state or transition leads to it; fix: add a transition targeting it or remove it",
             "state `island2` is unreachable: no initial state or transition leads to it; fix: add a transition targeting it or remove it",
+        ]
+    );
+}
+
+#[test]
+fn timers_at_the_limits_are_valid() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.on("E", |t| t.action("x").after(Timer::days(3_660)))
+                .on("F", |t| t.action("y").every(Timer::seconds(1)).max(1))
+        })
+        .build()
+        .unwrap();
+    assert!(def.warnings().is_empty());
+}
+
+#[test]
+fn shadowed_unguarded_transitions_are_warnings() {
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.on_to("GO", "b")
+                .on_to("GO", "c")
+                .on("CHECK", |t| t.guard("ok").target("b").branch(|b| b.target("c")))
+                .always(|b| b.guard("ok").target("b"))
+                .always(|b| b.target("c"))
+                .always(|b| b.target("b"))
+        })
+        .leaf("b")
+        .leaf("c")
+        .guard("ok", |_, _| true)
+        .build()
+        .unwrap();
+    let warnings: Vec<String> = def.warnings().iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "state `a`: 2 transitions on `GO` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions",
+            "state `a`: 2 transitions on `@always` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions",
         ]
     );
 }

@@ -10,7 +10,8 @@ use super::definition::{
     Branch, ChartBuilder, Definition, Delegation, RawTimer, StateBuilder, StateKind, StateNode,
     Transition, TransitionDef, Trigger,
 };
-use super::timer::{TimerKind, TimerSpec};
+use super::timer::{Timer, TimerKind, TimerSpec};
+use crate::limits;
 
 /// A definition error. Every message names the state (by dotted path, `(root)` for the top
 /// level) and says how to fix it.
@@ -103,6 +104,30 @@ pub enum ChartError {
         /// The timer as written.
         timer: String,
     },
+    /// A timer longer than [`limits::TIMER_INTERVAL_MAX`] (or too long to compute at all).
+    #[error(
+        "state `{state}`: timer on `{event}` is `{timer}`, which is longer than the limit of {max_days} days (InvalidTimerDefinition); fix: use a shorter timer, or park on a signal"
+    )]
+    TimerTooLong {
+        /// State path.
+        state: String,
+        /// Event name (or `@timeout`).
+        event: String,
+        /// The timer as written.
+        timer: String,
+        /// The limit, in days.
+        max_days: u64,
+    },
+    /// `max(0)` on an `every` timer.
+    #[error(
+        "state `{state}`: transition on `{event}` has `max(0)`, so its timer would never fire; fix: use `.max(n)` with n >= 1, or drop `max`"
+    )]
+    MaxZero {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+    },
     /// Two states with the same path (siblings with the same key).
     #[error("duplicate state id `{state}`; fix: give sibling states distinct keys")]
     DuplicateStateId {
@@ -175,6 +200,19 @@ pub enum ChartWarning {
     UnreachableState {
         /// State path.
         state: String,
+    },
+    /// A state has more than one transition without a guard on the same trigger: the first
+    /// is always taken, so the others can never run.
+    #[error(
+        "state `{state}`: {count} transitions on `{trigger}` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions"
+    )]
+    ShadowedTransition {
+        /// State path.
+        state: String,
+        /// Event name or `@always` / `@done` / `@fail` / `@timeout`.
+        trigger: String,
+        /// How many unguarded transitions share the trigger.
+        count: usize,
     },
 }
 
@@ -287,7 +325,44 @@ pub(crate) fn build(builder: ChartBuilder) -> Result<Definition, ValidationError
         warnings: Vec::new(),
     };
     def.warnings = unreachable(&def);
+    def.warnings.extend(shadowed(&def));
     Ok(def)
+}
+
+/// Triggers with more than one unguarded transition in one state, in document order.
+fn shadowed(def: &Definition) -> Vec<ChartWarning> {
+    let mut out = Vec::new();
+    for node in &def.states {
+        let mut counts: Vec<(&Trigger, usize)> = Vec::new();
+        for &t in &node.transitions {
+            let t = &def.transitions[t];
+            if !t.guards.is_empty() {
+                continue;
+            }
+            match counts.iter_mut().find(|(trigger, _)| **trigger == t.trigger) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((&t.trigger, 1)),
+            }
+        }
+        out.extend(counts.into_iter().filter(|(_, n)| *n > 1).map(|(trigger, count)| {
+            ChartWarning::ShadowedTransition {
+                state: display(&node.path),
+                trigger: trigger_label(trigger),
+                count,
+            }
+        }));
+    }
+    out
+}
+
+fn trigger_label(trigger: &Trigger) -> String {
+    match trigger {
+        Trigger::Event(e) => e.clone(),
+        Trigger::Always => "@always".to_owned(),
+        Trigger::Done => "@done".to_owned(),
+        Trigger::Fail => "@fail".to_owned(),
+        Trigger::Timeout => "@timeout".to_owned(),
+    }
 }
 
 fn check_structure(flat: &mut Flat<'_>, id: usize) {
@@ -342,13 +417,27 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
             .push(ChartError::TimeoutWithoutMachine { state: display(&flat.states[id].path) });
     }
     if let Some(t) = b.timeout
-        && t.duration().is_none()
+        && let Some(e) = timer_error(&display(&flat.states[id].path), "@timeout", t)
     {
-        flat.errors.push(ChartError::InvalidTimerDefinition {
-            state: display(&flat.states[id].path),
-            event: "@timeout".to_owned(),
-            timer: t.to_string(),
-        });
+        flat.errors.push(e);
+    }
+}
+
+/// The error of a timer that is not positive or is longer than the limit, if any. An amount
+/// so large that the duration overflows is "too long", not "not positive".
+fn timer_error(state: &str, event: &str, t: Timer) -> Option<ChartError> {
+    let (state, event, timer) = (state.to_owned(), event.to_owned(), t.to_string());
+    if t.amount <= 0 {
+        return Some(ChartError::InvalidTimerDefinition { state, event, timer });
+    }
+    match t.duration() {
+        Some(d) if d <= limits::TIMER_INTERVAL_MAX => None,
+        _ => Some(ChartError::TimerTooLong {
+            state,
+            event,
+            timer,
+            max_days: limits::TIMER_INTERVAL_MAX.as_secs() / 86_400,
+        }),
     }
 }
 
@@ -378,14 +467,13 @@ fn check_timers(flat: &mut Flat<'_>, id: usize, alphabet: &BTreeSet<&str>) -> Ve
                 });
             }
         }
+        if *max == Some(0) && every {
+            flat.errors.push(err(|state, event| ChartError::MaxZero { state, event }));
+        }
         if let Some((_, t)) = timer
-            && t.duration().is_none()
+            && let Some(e) = timer_error(&state, event, *t)
         {
-            flat.errors.push(ChartError::InvalidTimerDefinition {
-                state: state.clone(),
-                event: event.clone(),
-                timer: t.to_string(),
-            });
+            flat.errors.push(e);
         }
         out.push(TransitionDef {
             event: event.clone(),

@@ -181,11 +181,9 @@ pub enum DeliveryOutcome {
         /// The target.
         target: InstanceId,
     },
-    /// The target is terminal: the signal is recorded (in the inbox, for inspection) but
-    /// will never be processed.
+    /// The target is terminal: its inbox is closed (`keel_core::inbox`), so nothing was
+    /// stored — the signal would never be processed.
     TargetTerminal {
-        /// The recorded signal.
-        id: SignalId,
         /// The target.
         target: InstanceId,
         /// The target's terminal status.
@@ -215,6 +213,19 @@ pub struct SignalBroadcastParams {
     pub dedup_key: Option<String>,
     /// Delivery time.
     pub now: Timestamp,
+}
+
+impl SignalBroadcastParams {
+    /// Checks the names that select the targets (the event itself is checked like any
+    /// delivered signal).
+    pub fn validate_selector(&self) -> StoreResult<()> {
+        crate::instance::check_name("broadcast.namespace", &self.namespace)?;
+        crate::instance::check_name("broadcast.machine", &self.machine)?;
+        match &self.in_state {
+            Some(state) => crate::instance::check_name("broadcast.in_state", state),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What a broadcast did.

@@ -8,6 +8,7 @@ use crate::rows::{
     lock_instances, release_parents, ts, write_history, write_instances,
 };
 use deadpool_postgres::GenericClient;
+use keel_core::inbox;
 use keel_core::instance::{
     DeadLetter, HistoryEntry, Instance, SignalTarget, check_batch, check_name,
 };
@@ -48,41 +49,59 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
         // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
         let max = limits::CANCEL_CASCADE_MAX as i64 - 1;
         let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
-        let ids: Vec<i64> =
-            c.query(&stmt, &[&p.id.0, &depth, &max]).await?.iter().map(|r| r.get(0)).collect();
+        let ids: Vec<i64> = c
+            .query(&stmt, &[&p.id.0, &depth, &max])
+            .await?
+            .iter()
+            .map(|r| rows::col(r, 0))
+            .collect::<Result<_, _>>()?;
         let mut ids_sorted = ids.clone();
         ids_sorted.sort_unstable();
         let mut locked: HashMap<i64, Instance> =
             lock_instances(c, &ids_sorted).await?.into_iter().map(|r| (r.id.0, r)).collect();
         targets.extend(ids.iter().filter_map(|id| locked.remove(id)));
     }
-    let mut next: Vec<Instance> = Vec::new();
+    let cancels: Vec<(Instance, i32)> = targets
+        .iter()
+        .filter_map(|row| outcome::cancel(row, &p.reason, p.now).map(|n| (n, row.attempt)))
+        .collect();
+    let cancelled: Vec<i64> = cancels.iter().map(|(n, _)| n.id.0).collect();
+    // Every cancelled inbox is drained; what it held unread is recorded first (the rows
+    // are locked, so nothing arrives in between).
+    let none: &[i64] = &[];
+    let pending_stmt = c.prepare_cached(signal::PENDING).await?;
+    let pending =
+        c.query(&pending_stmt, &[&cancelled, &none, &none, &signal::pending_listed()]).await?;
+    let pending = signal::pending_of(&pending)?;
     let mut history = HistoryWrite::default();
-    for row in &targets {
-        if let Some(n) = outcome::cancel(row, &p.reason, p.now) {
-            history.push(
-                &n,
-                row.attempt,
-                p.now,
-                HistoryEntry::new(
-                    "CANCELLED",
-                    json!({ "reason": n.last_error, "cascade_from": (n.id != p.id).then_some(p.id) }),
-                ),
-            );
-            next.push(n);
+    for (n, attempt) in &cancels {
+        history.push(
+            n,
+            *attempt,
+            p.now,
+            HistoryEntry::new(
+                "CANCELLED",
+                json!({ "reason": n.last_error, "cascade_from": (n.id != p.id).then_some(p.id) }),
+            ),
+        );
+        if let Some(e) = pending.get(&n.id.0).and_then(inbox::drained) {
+            history.push(n, *attempt, p.now, e);
         }
     }
+    let next: Vec<Instance> = cancels.into_iter().map(|(n, _)| n).collect();
     // Every cancelled child counts on its parent's barrier, even a parent cancelled too,
     // and a chart parent hears of it through its inbox (`outcome::parent_notice`).
     let parents: Vec<i64> = next.iter().filter_map(|r| r.parent).map(|p| p.0).collect();
     let (notices, targets): (Vec<_>, Vec<_>) =
         next.iter().filter_map(|r| outcome::parent_notice(r).map(|n| (n, r.parent))).unzip();
-    let cancelled: Vec<i64> = next.iter().map(|r| r.id.0).collect();
     let drop_timers =
         c.prepare_cached("DELETE FROM timers WHERE instance_id = ANY($1::int8[])").await?;
+    let drain = c.prepare_cached(signal::REMOVE).await?;
+    let whole: Vec<Option<i64>> = vec![None; cancelled.len()];
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
     c.execute(&drop_timers, &[&cancelled]).await?;
+    c.execute(&drain, &[&cancelled, &whole]).await?;
     release_parents(c, &parents, p.now).await?;
     let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
     signal::finish(c, &plan, Some((channel, !parents.is_empty()))).await?;
@@ -127,9 +146,9 @@ pub(crate) async fn get<C: GenericClient + Sync>(
     };
     Ok(InstanceDetail {
         instance: rows::instance(&r)?,
-        inbox: inbox_rows?.iter().map(rows::signal).collect(),
+        inbox: inbox_rows?.iter().map(rows::signal).collect::<Result<_, _>>()?,
         children: child_rows?.iter().map(rows::child).collect::<Result<_, _>>()?,
-        history: history_rows?.iter().map(rows::history).collect(),
+        history: history_rows?.iter().map(rows::history).collect::<Result<_, _>>()?,
         timers: timer::list(&timer_rows?)?,
     })
 }
@@ -158,7 +177,10 @@ pub(crate) async fn lookup<C: GenericClient + Sync>(
     match target {
         SignalTarget::Id(id) => {
             let stmt = c.prepare_cached("SELECT id FROM instances WHERE id = $1").await?;
-            Ok(c.query_opt(&stmt, &[&id.0]).await?.map(|r| InstanceId(r.get(0))))
+            Ok(c.query_opt(&stmt, &[&id.0])
+                .await?
+                .map(|r| rows::col(&r, 0).map(InstanceId))
+                .transpose()?)
         }
         SignalTarget::Key { .. } => {
             Ok(super::signal::resolve(c, &[target]).await?.into_iter().next().flatten())
@@ -228,7 +250,10 @@ async fn select_letters<C: GenericClient + Sync>(
             c.query(&stmt, &[namespace, machine, &(limits::DEAD_LETTER_BATCH_MAX as i64)]).await?
         }
     };
-    Ok(found.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(found
+        .iter()
+        .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
+        .collect::<Result<_, StoreError>>()?)
 }
 
 async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult<u64> {
@@ -389,6 +414,12 @@ pub(crate) async fn queue_list<C: GenericClient + Sync>(
     Ok(c.query(&stmt, &[&namespace])
         .await?
         .iter()
-        .map(|r| QueueState { namespace: r.get(0), queue: r.get(1), paused: r.get(2) })
-        .collect())
+        .map(|r| {
+            Ok(QueueState {
+                namespace: rows::col(r, 0)?,
+                queue: rows::col(r, 1)?,
+                paused: rows::col(r, 2)?,
+            })
+        })
+        .collect::<Result<_, StoreError>>()?)
 }

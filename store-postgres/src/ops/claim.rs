@@ -3,13 +3,18 @@
 //! a key but its first in claim order (partial index `instances_key_runnable`), the
 //! `UPDATE` to executing, and each claimed row's inbox and children as JSON.
 
+use super::{begin, commit, end_tx};
 use crate::error::{OpError, OpResult, is_unique_violation};
-use crate::rows::{self, ts};
+use crate::rows::{self, HistoryWrite, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{ChildSummary, Signal, check_batch};
+use keel_core::outcome;
 use keel_core::ports::store::{Claim, ClaimParams};
-use keel_core::{InstanceId, MachineRef, SignalId, StoreError, StoreResult, Timestamp, limits};
+use keel_core::{
+    Instance, InstanceId, MachineRef, SignalId, Status, StoreError, StoreResult, Timestamp, limits,
+};
 use serde_json::Value;
+use std::collections::HashMap;
 use std::sync::LazyLock;
 
 /// Checks the batch bound.
@@ -89,10 +94,20 @@ fn sql() -> String {
     )
 }
 
-/// Runs the claim statement (autocommit: the claim is its own short transaction).
-pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpResult<Vec<Claim>> {
+/// What one claim statement returned: the claims to hand out, and the claimed rows that
+/// could not be decoded (each with the decode error), which [`poison`] dead-letters.
+#[derive(Default)]
+pub(crate) struct Claimed {
+    pub(crate) claims: Vec<Claim>,
+    pub(crate) undecodable: Vec<(Instance, String)>,
+}
+
+/// Runs the claim statement (autocommit: the claim is its own short transaction). A row
+/// whose context, result, inbox or children cannot be decoded is set aside, never an error
+/// for the whole batch.
+pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpResult<Claimed> {
     if p.limit == 0 {
-        return Ok(Vec::new());
+        return Ok(Claimed::default());
     }
     let names: Vec<&str> = p.machines.iter().map(|m| m.name.as_str()).collect();
     let versions: Vec<i32> = p.machines.iter().map(|m| m.version).collect();
@@ -114,14 +129,56 @@ pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpRe
             ],
         )
         .await?;
-    let mut out = Vec::with_capacity(found.len());
+    let mut out = Claimed::default();
     for r in &found {
         let instance = rows::instance(r)?;
-        let inbox = inbox(instance.id, r.get(29))?;
-        let children = children(r.get(30))?;
-        out.push(Claim { instance, inbox, children });
+        if let Some(damage) = instance.damage() {
+            out.undecodable.push((instance, damage));
+            continue;
+        }
+        let inbox = rows::col(r, 29).and_then(|v| inbox(instance.id, v));
+        let children = rows::col(r, 30).and_then(children);
+        match (inbox, children) {
+            (Ok(inbox), Ok(children)) => out.claims.push(Claim { instance, inbox, children }),
+            (Err(e), _) => out.undecodable.push((instance, format!("inbox: {}", e.message))),
+            (_, Err(e)) => out.undecodable.push((instance, format!("children: {}", e.message))),
+        }
     }
     Ok(out)
+}
+
+/// Dead-letters claimed rows that could not be decoded, as the core's `undecodable_row`
+/// decides, in one transaction. A row that is no longer executing under this claim's token
+/// (cancelled meanwhile, say) is left alone. The write keeps the stored undecodable values.
+pub(crate) async fn poison<C: GenericClient + Sync>(
+    c: &C,
+    rows_in: &[(Instance, String)],
+    now: Timestamp,
+) -> OpResult<()> {
+    begin(c).await?;
+    let mut ids: Vec<i64> = rows_in.iter().map(|(r, _)| r.id.0).collect();
+    ids.sort_unstable();
+    let current: HashMap<i64, Instance> =
+        rows::lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
+    let mut writes = Vec::new();
+    let mut history = HistoryWrite::default();
+    let mut letters = Vec::new();
+    for (claimed, error) in rows_in {
+        let Some(now_row) = current.get(&claimed.id.0) else { continue };
+        if now_row.status != Status::Executing || now_row.fencing_token != claimed.fencing_token {
+            continue;
+        }
+        let applied = outcome::undecodable_row(now_row, error, now);
+        for entry in applied.history {
+            history.push(&applied.row, now_row.attempt, now, entry);
+        }
+        letters.extend(applied.dead_letter);
+        writes.push(applied.row);
+    }
+    rows::write_instances(c, &writes).await?;
+    rows::write_history(c, &history).await?;
+    commit::write_dead_letters(c, &letters, now).await?;
+    end_tx(c, None).await
 }
 
 fn bad(what: &str) -> StoreError {

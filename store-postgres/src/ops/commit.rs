@@ -6,7 +6,9 @@
 //! checked with the pure `validate_commit` (stale ⇒ `LeaseLost`, nothing written for it) and
 //! applied with the pure `apply`. `ScheduleChildren` children go in with one insert. The
 //! last round trip writes every accepted row (`UPDATE … FROM unnest`), deletes exactly the
-//! consumed signals, appends history, stores dead letters, decrements parents' barriers
+//! consumed signals — and the whole inbox of every item that ended its instance, whose
+//! unread signals round trip 1 also read (count and oldest few, for the one history entry
+//! of the drain) — appends history, stores dead letters, decrements parents' barriers
 //! for children that became terminal, notifies once and commits. Outbox emits, when there
 //! are any, run the delivery path before that last round trip.
 
@@ -14,6 +16,7 @@ use super::{begin, end_tx, insert, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
+use keel_core::inbox;
 use keel_core::instance::{
     Instance, NewDeadLetter, NewInstance, NewSignal, SignalTarget, check_batch,
 };
@@ -33,9 +36,6 @@ const AWAIT_CHECK: &str = "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(
       AND (a.name = '*' OR s.name = a.name) \
       AND NOT EXISTS (SELECT 1 FROM unnest($3::int8[], $4::int8[]) AS x(t, s) \
                       WHERE x.t = s.target_id AND x.s = s.id))";
-
-const CONSUME: &str = "DELETE FROM signals s USING unnest($1::int8[], $2::int8[]) AS c(t, id) \
-    WHERE s.id = c.id AND s.target_id = c.t";
 
 const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, machine, \
     machine_version, position, signals, event, correlation_id, reason, attempts, errors, \
@@ -96,8 +96,12 @@ async fn reject_occupied_keys<C: GenericClient + Sync>(
             "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])",
         )
         .await?;
-    let mut occupied: HashMap<Vec<u8>, i64> =
-        c.query(&stmt, &[&keys]).await?.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut occupied: HashMap<Vec<u8>, i64> = c
+        .query(&stmt, &[&keys])
+        .await?
+        .iter()
+        .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
+        .collect::<Result<_, StoreError>>()?;
     accepted.retain(|a| {
         let Some(key) = &a.key else { return true };
         match occupied.get(key) {
@@ -129,10 +133,14 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     ids.dedup();
     let (mut await_ids, mut await_names) = (Vec::new(), Vec::new());
     let (mut ct, mut cs) = (Vec::new(), Vec::new());
+    let mut drain_ids: Vec<i64> = Vec::new();
     for s in commits {
         if let Outcome::Await { signal, .. } = &s.outcome {
             await_ids.push(s.id.0);
             await_names.push(signal.as_str());
+        }
+        if inbox::drains(&s.outcome) {
+            drain_ids.push(s.id.0);
         }
         for sig in &s.consume {
             ct.push(s.id.0);
@@ -147,21 +155,34 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         }
         c.query(&check, &[&await_ids, &await_names, &ct, &cs]).await
     };
+    // What items that end their instance leave unread in its inbox, for the drain's
+    // history entry; read after the lock, like the await check.
+    let pending_stmt = c.prepare_cached(signal::PENDING).await?;
+    let listed = signal::pending_listed();
+    let pending = async {
+        if drain_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        c.query(&pending_stmt, &[&drain_ids, &ct, &cs, &listed]).await
+    };
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
-    let (b, locked, waiting, resolved) = tokio::join!(
+    let (b, locked, waiting, pending, resolved) = tokio::join!(
         begin(c),
         async { c.query(&lock, &[&ids]).await },
         waiting,
+        pending,
         signal::resolve(c, &emit_targets)
     );
     b?;
+    let pending = signal::pending_of(&pending?)?;
     let mut current: HashMap<i64, Instance> = HashMap::new();
     for r in &locked? {
         let row = rows::instance(r)?;
         current.insert(row.id.0, row);
     }
-    let waiting: HashSet<i64> = waiting?.iter().map(|r| r.get::<_, i64>(0)).collect();
+    let waiting: HashSet<i64> =
+        waiting?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     let resolved = resolved?;
     let mut emit_at = Vec::with_capacity(commits.len());
     let mut n = 0;
@@ -236,7 +257,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut writes = InstanceWrite::default();
     let mut history = HistoryWrite::default();
     let mut letters = LetterWrite::default();
-    let (mut consume_t, mut consume_s) = (Vec::new(), Vec::new());
+    let (mut consume_t, mut consume_s): (Vec<i64>, Vec<Option<i64>>) = (Vec::new(), Vec::new());
     let mut parents = Vec::new();
     let mut emits: Vec<NewSignal> = Vec::new();
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
@@ -260,12 +281,22 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         if let Some(l) = &applied.dead_letter {
             letters.push(l);
         }
-        for sig in &s.consume {
+        let terminal = applied.became_terminal();
+        if terminal {
+            // The whole inbox goes (a NULL id), the consumed signals with it.
             consume_t.push(s.id.0);
-            consume_s.push(sig.0);
+            consume_s.push(None);
+            let unread = pending.get(&s.id.0).cloned().unwrap_or_default();
+            if let Some(e) = inbox::drained(&unread) {
+                history.push(row, a.before.attempt, now, e);
+            }
+        } else {
+            for sig in &s.consume {
+                consume_t.push(s.id.0);
+                consume_s.push(Some(sig.0));
+            }
         }
         timers.change(row, &s.timers_cancel, &s.timers_arm, now);
-        let terminal = applied.became_terminal();
         if terminal {
             timers.drop_all(row.id);
         }
@@ -294,7 +325,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
 
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
     let hist = c.prepare_cached(rows::WRITE_HISTORY).await?;
-    let cons = c.prepare_cached(CONSUME).await?;
+    let cons = c.prepare_cached(signal::REMOVE).await?;
     let dl = c.prepare_cached(DEAD_LETTERS).await?;
     let rel = c.prepare_cached(rows::RELEASE_PARENTS).await?;
     let now_ts = ts(now);
@@ -338,8 +369,10 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     hist_done?;
     consumed?;
     released?;
-    let letter_ids: HashMap<i64, i64> =
-        letter_rows?.iter().map(|row| (row.get::<_, i64>(0), row.get::<_, i64>(1))).collect();
+    let letter_ids: HashMap<i64, i64> = letter_rows?
+        .iter()
+        .map(|row| Ok((rows::col(row, 0)?, rows::col(row, 1)?)))
+        .collect::<Result<_, StoreError>>()?;
     tail?;
     if delivered {
         let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
@@ -355,6 +388,27 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             r
         })
         .collect())
+}
+
+/// Inserts dead letters in one statement (outside a step commit: an undecodable row).
+pub(crate) async fn write_dead_letters<C: GenericClient + Sync>(
+    c: &C,
+    letters: &[NewDeadLetter],
+    now: Timestamp,
+) -> OpResult<()> {
+    if letters.is_empty() {
+        return Ok(());
+    }
+    let mut w = LetterWrite::default();
+    for l in letters {
+        w.push(l);
+    }
+    let now_ts = ts(now);
+    let mut p = w.params();
+    p.push(&now_ts);
+    let stmt = c.prepare_cached(DEAD_LETTERS).await?;
+    c.query(&stmt, &p).await?;
+    Ok(())
 }
 
 /// The parameter arrays of the dead-letter insert.

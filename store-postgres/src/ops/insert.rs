@@ -8,7 +8,7 @@
 
 use super::{begin, end_tx};
 use crate::error::OpResult;
-use crate::rows::ts;
+use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{Instance, NewInstance, check_batch};
 use keel_core::ports::store::{InsertOutcome, InsertParams};
@@ -89,8 +89,8 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     let mut out = Vec::with_capacity(items.len());
     let mut missing = Vec::new();
     for (i, r) in rows.iter().enumerate() {
-        let id = InstanceId(r.get(0));
-        if r.get::<_, bool>(1) {
+        let id = InstanceId(rows::col(r, 0)?);
+        if rows::col::<bool>(r, 1)? {
             out.push(InsertOutcome::Inserted(id));
         } else {
             out.push(InsertOutcome::Existing(InstanceId(0)));
@@ -107,8 +107,8 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
             .query(&stmt, &[&keys])
             .await?
             .iter()
-            .map(|r| (r.get::<_, Vec<u8>>(0), r.get::<_, i64>(1)))
-            .collect();
+            .map(|r| Ok((rows::col::<Vec<u8>>(r, 0)?, rows::col::<i64>(r, 1)?)))
+            .collect::<Result<_, StoreError>>()?;
         for i in missing {
             let key = items[i].0.unique.as_ref().map(|u| u.key.clone()).unwrap_or_default();
             let Some(id) = found.get(&key) else {

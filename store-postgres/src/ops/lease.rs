@@ -42,7 +42,10 @@ pub(crate) async fn extend<C: GenericClient + Sync>(
         c.query(&stmt, &[&ids, &tokens, &ts(p.now.plus(p.lease)), &p.worker.0, &ts(p.now)]).await?;
     let mut out = vec![false; p.leases.len()];
     for r in rows {
-        out[(r.get::<_, i64>(0) - 1) as usize] = true;
+        let ordinal: i64 = rows::col(&r, 0)?;
+        if let Some(slot) = usize::try_from(ordinal - 1).ok().and_then(|i| out.get_mut(i)) {
+            *slot = true;
+        }
     }
     Ok(out)
 }

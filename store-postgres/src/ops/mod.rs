@@ -161,7 +161,18 @@ impl Store for PgStore {
                 {
                     tries += 1;
                 }
-                other => return other.map_err(StoreError::from),
+                Err(e) => return Err(StoreError::from(e)),
+                Ok(claimed) => {
+                    drop(conn);
+                    if !claimed.undecodable.is_empty() {
+                        // If this fails, the rows keep their lease, the reaper returns them
+                        // and a later claim tries again; the good claims are handed out
+                        // either way, so an error here must not fail the whole call.
+                        let bad = &claimed.undecodable;
+                        let _ = in_tx!(self, |c| claim::poison(c, bad, params.now));
+                    }
+                    return Ok(claimed.claims);
+                }
             }
         }
     }

@@ -7,6 +7,7 @@ use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
+use keel_core::inbox::{self, Pending};
 use keel_core::instance::{Instance, NewSignal, SignalTarget, check_batch};
 use keel_core::outcome;
 use keel_core::ports::store::{
@@ -75,6 +76,43 @@ const INSERT: &str = "INSERT INTO signals (id, target_id, name, payload, dedup_k
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::text[], \
     $6::timestamptz[])";
 
+/// The signals pending in the inboxes of `$1` (leaving out the `($2, $3)` target and id
+/// pairs a commit consumes): per target, the total and the oldest `$4` by id and name.
+/// Read after the targets are locked, so no delivery slips in before their drain.
+pub(crate) const PENDING: &str = "SELECT target_id, total, id, name FROM ( \
+      SELECT s.target_id, s.id, s.name, count(*) OVER (PARTITION BY s.target_id) AS total, \
+        row_number() OVER (PARTITION BY s.target_id ORDER BY s.id) AS n \
+      FROM signals s WHERE s.target_id = ANY($1::int8[]) \
+        AND NOT EXISTS (SELECT 1 FROM unnest($2::int8[], $3::int8[]) AS x(t, s) \
+                        WHERE x.t = s.target_id AND x.s = s.id) \
+    ) p WHERE n <= $4 ORDER BY target_id, id";
+
+/// Removes `(target, id)` pairs from the inboxes, where a NULL id stands for every signal
+/// of that target (an inbox drained because its instance ended): a batch's consumption
+/// and drains in one statement.
+pub(crate) const REMOVE: &str = "DELETE FROM signals s \
+    USING unnest($1::int8[], $2::int8[]) AS c(t, id) \
+    WHERE s.target_id = c.t AND (c.id IS NULL OR s.id = c.id)";
+
+/// How many rows per target [`PENDING`] lists.
+pub(crate) fn pending_listed() -> i64 {
+    limits::INBOX_DRAIN_LISTED_MAX as i64
+}
+
+/// The rows of [`PENDING`], per target.
+pub(crate) fn pending_of(rows: &[tokio_postgres::Row]) -> OpResult<HashMap<i64, Pending>> {
+    let mut out: HashMap<i64, Pending> = HashMap::new();
+    for r in rows {
+        let target: i64 = r.try_get(0)?;
+        let total: i64 = r.try_get(1)?;
+        let (id, name): (i64, String) = (r.try_get(2)?, r.try_get(3)?);
+        let first = !out.contains_key(&target);
+        let count = if first { u64::try_from(total).unwrap_or(0) } else { 0 };
+        out.entry(target).or_default().push(SignalId(id), &name, count);
+    }
+    Ok(out)
+}
+
 /// Resolves targets to existing instance ids (a business key to its newest instance);
 /// `None` for a target that does not exist.
 pub(crate) async fn resolve<C: GenericClient + Sync>(
@@ -103,7 +141,10 @@ pub(crate) async fn resolve<C: GenericClient + Sync>(
     }
     let stmt = c.prepare_cached(RESOLVE).await?;
     let found = c.query(&stmt, &[&id, &ns, &machine, &key]).await?;
-    Ok(found.iter().map(|r| r.get::<_, Option<i64>>(0).map(InstanceId)).collect())
+    Ok(found
+        .iter()
+        .map(|r| rows::col::<Option<i64>>(r, 0).map(|id| id.map(InstanceId)))
+        .collect::<Result<_, _>>()?)
 }
 
 /// Resolves and locks the targets and decides every outcome (nothing written yet).
@@ -151,9 +192,11 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     }
     let mut seen: HashMap<(i64, String), i64> = found?
         .iter()
-        .map(|r| ((r.get::<_, i64>(0), r.get::<_, String>(1)), r.get::<_, i64>(2)))
-        .collect();
-    let mut fresh = fresh?.into_iter().map(|r| r.get::<_, i64>(0));
+        .map(|r| Ok(((rows::col(r, 0)?, rows::col(r, 1)?), rows::col(r, 2)?)))
+        .collect::<Result<_, keel_core::StoreError>>()?;
+    let fresh: Vec<i64> =
+        fresh?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, keel_core::StoreError>>()?;
+    let mut fresh = fresh.into_iter();
     let mut d = Delivery {
         outcomes: Vec::with_capacity(signals.len()),
         ids: Vec::new(),
@@ -171,6 +214,10 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
             continue;
         };
         let target = row.id;
+        if !inbox::accepts_signals(row) {
+            d.outcomes.push(DeliveryOutcome::TargetTerminal { target, status: row.status });
+            continue;
+        }
         if let Some(k) = &s.dedup_key
             && let Some(id) = seen.get(&(target.0, k.clone()))
         {
@@ -188,9 +235,7 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
         d.dedup.push(s.dedup_key.clone());
         d.at.push(ts(now));
         let id = SignalId(id);
-        if row.status.is_terminal() {
-            d.outcomes.push(DeliveryOutcome::TargetTerminal { id, target, status: row.status });
-        } else if let Some(next) = outcome::deliver(row, &s.name, now) {
+        if let Some(next) = outcome::deliver(row, &s.name, now) {
             *row = next;
             woken.push(target.0);
             d.outcomes.push(DeliveryOutcome::Delivered { id, target, woke: true });
@@ -275,6 +320,7 @@ pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSi
         dedup_key: p.dedup_key.clone(),
     };
     probe.validate("broadcast")?;
+    p.validate_selector()?;
     Ok(probe)
 }
 
@@ -302,9 +348,12 @@ pub(crate) async fn broadcast<C: GenericClient + Sync>(
             ],
         )
         .await?;
-    let matched: i64 = r.get(0);
+    let matched: i64 = rows::col(&r, 0)?;
     if matched >= cap {
         check_batch("broadcast targets", matched as usize, limits::BROADCAST_MAX)?;
     }
-    Ok(BroadcastReport { delivered: r.get::<_, i64>(1) as u64, woke: r.get::<_, i64>(2) as u64 })
+    Ok(BroadcastReport {
+        delivered: rows::col::<i64>(&r, 1)? as u64,
+        woke: rows::col::<i64>(&r, 2)? as u64,
+    })
 }

@@ -4,7 +4,7 @@
 
 use super::{begin, signal};
 use crate::error::OpResult;
-use crate::rows::{self, HistoryWrite, from_ts, ts};
+use crate::rows::{self, HistoryWrite, col, from_ts, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::chart::TimerArm;
 use keel_core::instance::{Instance, NewSignal, check_batch};
@@ -124,17 +124,17 @@ const TIMER_COLS: &str = "t.id, t.instance_id, t.namespace, t.machine, t.machine
     t.spec, t.next_fire_at, t.fire_count, t.armed_at";
 
 fn timer(r: &Row) -> Result<TimerRow, StoreError> {
-    let spec: serde_json::Value = r.get(5);
+    let spec: serde_json::Value = col(r, 5)?;
     Ok(TimerRow {
-        id: TimerId(r.get(0)),
-        instance: InstanceId(r.get(1)),
-        namespace: r.get(2),
-        machine: MachineRef { name: r.get(3), version: r.get(4) },
+        id: TimerId(col(r, 0)?),
+        instance: InstanceId(col(r, 1)?),
+        namespace: col(r, 2)?,
+        machine: MachineRef { name: col(r, 3)?, version: col(r, 4)? },
         spec: serde_json::from_value(spec)
             .map_err(|e| StoreError::conflict(format!("stored timer spec: {e}")))?,
-        next_fire_at: from_ts(r.get(6)),
-        fire_count: r.get::<_, i32>(7) as u32,
-        armed_at: from_ts(r.get(8)),
+        next_fire_at: from_ts(col(r, 6)?),
+        fire_count: col::<i32>(r, 7)? as u32,
+        armed_at: from_ts(col(r, 8)?),
     })
 }
 
@@ -207,8 +207,8 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     let mut picked = Vec::new();
     for r in &found {
         // Busy instance: leave the timer for the next sweep.
-        if !r.get::<_, bool>(10) {
-            picked.push((timer(r)?, r.get::<_, bool>(9)));
+        if !col::<bool>(r, 10)? {
+            picked.push((timer(r)?, col::<bool>(r, 9)?));
         }
     }
     let mut ids: Vec<i64> =
@@ -317,15 +317,17 @@ pub(crate) async fn status<C: GenericClient + Sync>(
     let found = c.query(&stmt, &[&namespace, &ts(now)]).await?;
     Ok(found
         .iter()
-        .map(|r| TimerStatus {
-            namespace: r.get(0),
-            machine: r.get(1),
-            armed: r.get::<_, i64>(2) as u64,
-            next_due: Some(from_ts(r.get(3))),
-            overdue: r.get::<_, i64>(4) as u64,
-            last_sweep_at: r.get::<_, Option<SystemTime>>(5).map(from_ts),
+        .map(|r| {
+            Ok(TimerStatus {
+                namespace: col(r, 0)?,
+                machine: col(r, 1)?,
+                armed: col::<i64>(r, 2)? as u64,
+                next_due: Some(from_ts(col(r, 3)?)),
+                overdue: col::<i64>(r, 4)? as u64,
+                last_sweep_at: col::<Option<SystemTime>>(r, 5)?.map(from_ts),
+            })
         })
-        .collect())
+        .collect::<Result<_, StoreError>>()?)
 }
 
 /// Counts of non-terminal instances per (namespace, queue, machine), in name order.
@@ -353,16 +355,18 @@ pub(crate) async fn queue_stats<C: GenericClient + Sync>(
     let found = c.query(&stmt, &[&namespace, &ts(now)]).await?;
     Ok(found
         .iter()
-        .map(|r| QueueStats {
-            namespace: r.get(0),
-            queue: r.get(1),
-            machine: r.get(2),
-            ready: r.get::<_, i64>(3) as u64,
-            scheduled: r.get::<_, i64>(4) as u64,
-            executing: r.get::<_, i64>(5) as u64,
-            waiting: r.get::<_, i64>(6) as u64,
-            suspended: r.get::<_, i64>(7) as u64,
-            oldest_ready_at: r.get::<_, Option<SystemTime>>(8).map(from_ts),
+        .map(|r| {
+            Ok(QueueStats {
+                namespace: col(r, 0)?,
+                queue: col(r, 1)?,
+                machine: col(r, 2)?,
+                ready: col::<i64>(r, 3)? as u64,
+                scheduled: col::<i64>(r, 4)? as u64,
+                executing: col::<i64>(r, 5)? as u64,
+                waiting: col::<i64>(r, 6)? as u64,
+                suspended: col::<i64>(r, 7)? as u64,
+                oldest_ready_at: col::<Option<SystemTime>>(r, 8)?.map(from_ts),
+            })
         })
-        .collect())
+        .collect::<Result<_, StoreError>>()?)
 }

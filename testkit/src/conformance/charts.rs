@@ -70,7 +70,7 @@ pub async fn spawned_children_report_to_the_parent_inbox<S: Store>(s: &S) {
     );
 
     let c0 = claim_only(s, ns, kids[0], at(30)).await;
-    step(s, &c0, Outcome::Done { result: json!({ "charged": 42 }) }, at(40)).await;
+    step(s, &c0, Outcome::Done { result: json!({ "charged": 42 }), step: None }, at(40)).await;
     let d = get(s, parent).await;
     assert_eq!(
         d.instance.status,
@@ -128,7 +128,7 @@ pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
             .await;
     let finished = insert_one(s, new_in(ns), at(5)).await;
     let c = claim_only(s, ns, finished, at(6)).await;
-    step(s, &c, Outcome::Done { result: json!(null) }, at(7)).await;
+    step(s, &c, Outcome::Done { result: json!(null), step: None }, at(7)).await;
     let other_machine = insert_one(
         s,
         NewInstance::new(MachineRef::new("invoice", 1), "open.idle").namespace(ns),

@@ -93,7 +93,7 @@ pub async fn children_one_child_releases_parent<S: Store>(s: &S) {
     let (parent, outs) = parent_with(s, ns, vec![new_in(ns)]).await;
     let child = child_ids(&outs)[0];
     assert_eq!(row(s, parent).await.status, Status::AwaitingChildren);
-    finish(s, ns, child, Outcome::Done { result: json!({ "sum": 3 }) }, at(50)).await;
+    finish(s, ns, child, Outcome::Done { result: json!({ "sum": 3 }), step: None }, at(50)).await;
     let p = row(s, parent).await;
     assert_eq!((p.status, p.children_pending, p.eligible_at), (Status::Runnable, 0, at(50)));
     let claimed = claim_id(s, ns, parent, at(50)).await;

@@ -30,6 +30,8 @@ mod charts;
 mod children;
 mod claims;
 mod dead_letters;
+mod inbox;
+mod inputs;
 mod leases;
 mod operations;
 mod outcomes;
@@ -41,6 +43,8 @@ pub use charts::*;
 pub use children::*;
 pub use claims::*;
 pub use dead_letters::*;
+pub use inbox::*;
+pub use inputs::*;
 pub use leases::*;
 pub use operations::*;
 pub use outcomes::*;
@@ -83,7 +87,10 @@ macro_rules! __store_contract_list {
             consume_only_seen_signals,
             signal_dedup_across_calls_and_within_batch,
             signal_to_missing_target_reported,
-            signal_to_terminal_target_recorded_and_reported,
+            signal_to_terminal_target_reported_not_stored,
+            terminal_commit_drains_inbox_into_one_history_entry,
+            cancel_drains_every_cancelled_inbox,
+            notices_and_broadcasts_to_terminal_instances_store_nothing,
             emit_outbox_delivered_in_same_commit,
             emit_to_missing_target_rejects_item,
             claim_inbox_bounded_in_arrival_order,
@@ -117,6 +124,10 @@ macro_rules! __store_contract_list {
             instance_rows_read_many_at_once,
             payload_over_limit_rejected,
             batch_over_limit_rejected,
+            json_nested_too_deep_rejected_everywhere,
+            nul_characters_rejected_everywhere,
+            undecodable_marker_key_reserved,
+            time_and_delay_bounds_enforced,
             await_with_step_moves_and_parks,
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,

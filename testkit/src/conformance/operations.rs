@@ -243,7 +243,7 @@ pub async fn payload_over_limit_rejected<S: Store>(s: &S) {
     let result = StepCommit::new(
         id,
         claimed.fencing_token,
-        Outcome::Done { result: payload(limits::PAYLOAD_BYTES_MAX - 1) },
+        Outcome::Done { result: payload(limits::PAYLOAD_BYTES_MAX - 1), step: None },
     );
     expect_kind(commit(s, result, at(5)).await, ErrorKind::Invalid, "oversized result");
     assert_eq!(row(s, id).await, claimed, "a rejected commit changed the row");

@@ -125,7 +125,8 @@ pub async fn outcome_schedule_children_matches_reference<S: Store>(s: &S) {
     );
 }
 
-/// `Done`: terminal with the result; the context is not rewritten.
+/// `Done`: terminal with the result; the context is not rewritten; with a step, the
+/// position moves there.
 pub async fn outcome_done_matches_reference<S: Store>(s: &S) {
     let (_, d) =
         check_outcome(s, "outcome_done", |c| StepCommit::new(c.instance.id, c.token(), done()))
@@ -135,6 +136,14 @@ pub async fn outcome_done_matches_reference<S: Store>(s: &S) {
         (Status::Done, Some(json!({ "ok": true })))
     );
     assert_eq!(d.instance.context, ctx(0));
+    // With a step, the instance finishes there: a chart's final configuration.
+    let final_position = r#"["rejected"]"#;
+    let (_, d) = check_outcome(s, "outcome_done_at", |c| {
+        let outcome = Outcome::Done { result: json!(1), step: Some(final_position.into()) };
+        StepCommit::new(c.instance.id, c.token(), outcome)
+    })
+    .await;
+    assert_eq!((d.instance.status, d.instance.position.as_str()), (Status::Done, final_position));
 }
 
 /// `Stop`: terminal `failed` with `last_error`.
@@ -258,10 +267,11 @@ pub async fn batch_commit_refused_items_do_not_drop_their_neighbours<S: Store>(s
     let ns = "batch_refused";
     let huge = json!({ "blob": "x".repeat(keel_core::limits::PAYLOAD_BYTES_MAX) });
     #[rustfmt::skip]
-    let refusals: [(&str, Outcome, Build, ErrorKind, &str); 4] = [
+    let refusals: [(&str, Outcome, Build, ErrorKind, &str); 5] = [
         ("context over the size limit", Outcome::Next { step: "x".into(), context: huge }, |c| c, ErrorKind::Invalid, "outcome.context"),
         ("context not an object", Outcome::Next { step: "x".into(), context: json!([1]) }, |c| c, ErrorKind::Invalid, "outcome.context"),
         ("empty step name", Outcome::Next { step: String::new(), context: ctx(1) }, |c| c, ErrorKind::Invalid, "outcome.step"),
+        ("NUL in the context", Outcome::Next { step: "x".into(), context: json!({ "s": "a\u{0}b" }) }, |c| c, ErrorKind::Invalid, "outcome.context"),
         ("emit to a missing instance", done(), |c| c.emit(NewSignal::new(MISSING, "ping")), ErrorKind::NotFound, "emit[0].target"),
     ];
     let news = (0..=refusals.len() * 2).map(|_| new_in(ns)).collect();

@@ -1,9 +1,9 @@
 //! Contracts for signals and the inbox: no lost wake-up in both orders, `*`, consuming
-//! exactly what the step saw, dedup, missing and terminal targets, the outbox, and the
+//! exactly what the step saw, dedup, missing targets, the outbox, and the
 //! bounded inbox of a claim.
 
 use super::support::{
-    assert_row, at, await_signal, claim, claim_id, claim_params, commit, commit_ok, deliver, done,
+    assert_row, at, await_signal, claim, claim_id, claim_params, commit, commit_ok, deliver,
     expect_kind, facts, get, insert_one, new_in, next, order, reference, row, send, step,
 };
 use keel_core::instance::{NewSignal, SignalTarget};
@@ -183,27 +183,6 @@ pub async fn signal_to_missing_target_reported<S: Store>(s: &S) {
         "by business key"
     );
     assert_eq!(get(s, id).await.inbox.len(), 1);
-}
-
-/// Delivery to a terminal instance is recorded in its inbox and reported as such; the
-/// row does not change.
-pub async fn signal_to_terminal_target_recorded_and_reported<S: Store>(s: &S) {
-    let ns = "signal_terminal";
-    let id = insert_one(s, new_in(ns), at(0)).await;
-    let claimed = claim_id(s, ns, id, at(10)).await;
-    step(s, &claimed, done(), at(20)).await;
-    let before = row(s, id).await;
-    let out = deliver(s, vec![NewSignal::new(id, "late").payload(json!(1))], at(30)).await;
-    let DeliveryOutcome::TargetTerminal { id: sid, target, status } = out[0] else {
-        panic!("expected TargetTerminal, got {:?}", out[0])
-    };
-    assert_eq!((target, status), (id, Status::Done));
-    let after = get(s, id).await;
-    assert_eq!(after.instance, before, "delivery changed a terminal row");
-    assert_eq!(
-        after.inbox.iter().map(|x| (x.id, x.name.as_str())).collect::<Vec<_>>(),
-        vec![(sid, "late")]
-    );
 }
 
 /// Emits travel in the step's own commit (outbox), by id and by business key, and wake

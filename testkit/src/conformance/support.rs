@@ -57,7 +57,7 @@ pub fn await_signal(signal: &str, n: i64) -> Outcome {
 
 /// `Done` with result `{"ok": true}`.
 pub fn done() -> Outcome {
-    Outcome::Done { result: json!({ "ok": true }) }
+    Outcome::Done { result: json!({ "ok": true }), step: None }
 }
 
 /// A failure record of a step.

@@ -195,7 +195,7 @@ pub async fn timers_dropped_with_terminal_instances<S: Store>(s: &S) {
     let claimed = claim_id(s, ns, done, at(30)).await;
     commit_ok(
         s,
-        StepCommit::new(done, claimed.token(), Outcome::Done { result: json!(1) }),
+        StepCommit::new(done, claimed.token(), Outcome::Done { result: json!(1), step: None }),
         at(40),
     )
     .await;

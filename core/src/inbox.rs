@@ -1,0 +1,146 @@
+//! The inbox of a terminal instance: closed.
+//!
+//! A terminal instance (done, failed, cancelled) never runs another step, so nothing in
+//! its inbox will ever be processed. Keeping those signals would let the inbox table grow
+//! for ever, so the lifecycle is:
+//! - the transaction that makes an instance terminal (its final step commit, a cancel, a
+//!   cascading cancel) removes every signal still pending in its inbox and records them in
+//!   **one** `INBOX_DRAINED` history entry: how many there were, and the oldest
+//!   [`limits::INBOX_DRAIN_LISTED_MAX`] of them by id and name;
+//! - a signal delivered to a terminal instance afterwards (by a client, an outbox emit, a
+//!   child's notice to its parent) is reported as `TargetTerminal` and not stored at all;
+//!   broadcasts and timers never reach terminal instances in the first place.
+//!
+//! Every store executes these rules; this module decides them.
+
+use crate::instance::{HistoryEntry, Instance, Signal};
+use crate::limits;
+use crate::{Outcome, SignalId};
+use serde_json::json;
+
+/// The history entry kind a drained inbox is recorded under.
+pub const INBOX_DRAINED: &str = "INBOX_DRAINED";
+
+/// Whether a delivery to `row` is stored: only a non-terminal instance's inbox is open.
+pub fn accepts_signals(row: &Instance) -> bool {
+    !row.status.is_terminal()
+}
+
+/// Whether committing `outcome` ends the instance, so the commit must drain its inbox. A
+/// store that batches its reads asks this before it knows whether each item is accepted.
+pub fn drains(outcome: &Outcome) -> bool {
+    matches!(outcome, Outcome::Done { .. } | Outcome::Stop { .. })
+}
+
+/// The signals still pending in an inbox (after the terminal step's own consumption), as
+/// a store reads them: how many, and the oldest ones, at most
+/// [`limits::INBOX_DRAIN_LISTED_MAX`], by id and name in arrival order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pending {
+    /// Every pending signal, listed or not.
+    pub count: u64,
+    /// The oldest pending signals.
+    pub oldest: Vec<(SignalId, String)>,
+}
+
+impl Pending {
+    /// From every pending signal, in arrival order (a store that reads them all).
+    pub fn of<'a>(signals: impl IntoIterator<Item = &'a Signal>) -> Self {
+        let mut pending = Pending::default();
+        for s in signals {
+            pending.push(s.id, &s.name, 1);
+        }
+        pending
+    }
+
+    /// Counts `count` more pending signals, listing `(id, name)` while there is room.
+    /// A store that counts in SQL passes each target's total once (with its first row)
+    /// and zero for the rest of its listed rows.
+    pub fn push(&mut self, id: SignalId, name: &str, count: u64) {
+        self.count += count;
+        if self.oldest.len() < limits::INBOX_DRAIN_LISTED_MAX {
+            self.oldest.push((id, name.to_owned()));
+        }
+    }
+}
+
+/// The one history entry that records a drained inbox, or `None` when nothing was
+/// pending (an empty inbox leaves no trace).
+pub fn drained(pending: &Pending) -> Option<HistoryEntry> {
+    if pending.count == 0 {
+        return None;
+    }
+    let listed: Vec<_> =
+        pending.oldest.iter().map(|(id, name)| json!({ "id": id, "name": name })).collect();
+    Some(HistoryEntry::new(INBOX_DRAINED, json!({ "count": pending.count, "signals": listed })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{InstanceId, MachineRef, Status};
+    use crate::instance::NewInstance;
+    use crate::time::Timestamp;
+
+    fn signal(id: i64) -> Signal {
+        Signal {
+            id: SignalId(id),
+            target: InstanceId(1),
+            name: format!("e{id}"),
+            payload: json!(null),
+            dedup_key: None,
+            inserted_at: Timestamp(id),
+        }
+    }
+
+    #[test]
+    fn a_terminal_inbox_is_closed_and_a_terminal_outcome_drains() {
+        let new = NewInstance::new(MachineRef::new("m", 1), "a");
+        let mut row = Instance::from_new(InstanceId(1), &new, None, Timestamp(0));
+        for (status, open) in [
+            (Status::Runnable, true),
+            (Status::Executing, true),
+            (Status::AwaitingSignal, true),
+            (Status::AwaitingChildren, true),
+            (Status::Suspended, true),
+            (Status::Done, false),
+            (Status::Failed, false),
+            (Status::Cancelled, false),
+        ] {
+            row.status = status;
+            assert_eq!(accepts_signals(&row), open, "{status}");
+        }
+        assert!(drains(&Outcome::Done { result: json!(1), step: None }));
+        assert!(drains(&Outcome::Stop { reason: "no".into() }));
+        assert!(!drains(&Outcome::Suspend), "a suspended instance may still resume");
+        assert!(!drains(&Outcome::Next { step: "b".into(), context: json!({}) }));
+    }
+
+    #[test]
+    fn one_entry_counts_everything_and_lists_the_oldest_at_the_bound() {
+        assert_eq!(drained(&Pending::default()), None, "an empty inbox records nothing");
+        let few: Vec<Signal> = (1..=3).map(signal).collect();
+        let entry = drained(&Pending::of(&few)).expect("entry");
+        assert_eq!(entry.kind, INBOX_DRAINED);
+        assert_eq!(
+            entry.data,
+            json!({ "count": 3, "signals": [
+                { "id": 1, "name": "e1" }, { "id": 2, "name": "e2" }, { "id": 3, "name": "e3" }
+            ] })
+        );
+        let total = limits::INBOX_DRAIN_LISTED_MAX as i64 + 5;
+        let many: Vec<Signal> = (1..=total).map(signal).collect();
+        let entry = drained(&Pending::of(&many)).expect("entry");
+        assert_eq!(entry.data["count"], json!(total));
+        let listed = entry.data["signals"].as_array().expect("list");
+        assert_eq!(listed.len(), limits::INBOX_DRAIN_LISTED_MAX, "the list is bounded");
+        assert_eq!(listed[0]["id"], json!(1), "oldest first");
+        // A store that counts in SQL: the total once, then the listed rows.
+        let mut counted = Pending::default();
+        counted.push(SignalId(1), "e1", total as u64);
+        for s in &many[1..limits::INBOX_DRAIN_LISTED_MAX] {
+            counted.push(s.id, &s.name, 0);
+        }
+        assert_eq!(counted, Pending::of(&many));
+    }
+}

@@ -1,0 +1,145 @@
+//! What a finished chart instance looks like to its users: its position is the final
+//! configuration it reached, and its inbox is closed (signals it never consumed are
+//! recorded and removed when it finishes; later signals are reported, not stored).
+//!
+//! Every test runs on `MemoryStore` (`memory::*`) and on PostgreSQL (`postgres::*`, a
+//! fresh schema per test, needs `KEEL_TEST_DATABASE_URL`; skipped loudly without it, and
+//! failing under `KEEL_REQUIRE_BACKENDS=1`), each driven by a durable worker.
+
+mod common;
+
+use common::Harness;
+use keel_core::chart::Definition;
+use keel_core::ports::Store;
+use keel_core::ports::store::DeliveryOutcome;
+use keel_core::{Instance, NewSignal, Status};
+use keel_scheduler::ChartMachine;
+use keel_store_postgres::PgStore;
+use keel_testkit::chart::TestMachine;
+use keel_testkit::memory::MemoryStore;
+use serde_json::json;
+
+/// A store the suite runs on.
+trait TestStore: Store + Sized {
+    async fn harness() -> Harness<Self>;
+}
+
+impl TestStore for MemoryStore {
+    async fn harness() -> Harness<Self> {
+        Harness::new()
+    }
+}
+
+impl TestStore for PgStore {
+    async fn harness() -> Harness<Self> {
+        let store = keel_store_postgres::testing::fresh_schema().await;
+        Harness::with_store(store.expect("checked by `postgres_available`"))
+    }
+}
+
+/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
+/// `KEEL_REQUIRE_BACKENDS=1`.
+fn postgres_available(test: &str) -> bool {
+    if keel_store_postgres::testing::database_url().is_some() {
+        return true;
+    }
+    assert!(
+        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
+        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
+    );
+    keel_testkit::conformance::skip_notice(&format!(
+        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
+    ));
+    false
+}
+
+macro_rules! on_every_store {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name::<keel_testkit::memory::MemoryStore>().await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if super::postgres_available(stringify!($name)) {
+                        super::$name::<keel_store_postgres::PgStore>().await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+on_every_store!(
+    a_finished_chart_shows_which_final_state_it_reached,
+    a_finished_chart_closes_its_inbox,
+);
+
+/// A review with two ways to finish.
+fn review() -> Definition {
+    Definition::builder("review", 1)
+        .initial("pending")
+        .state("pending", |s| s.on_to("APPROVE", "approved").on_to("REJECT", "rejected"))
+        .final_state("approved")
+        .final_state("rejected")
+        .build()
+        .expect("valid chart")
+}
+
+fn finished(r: &Instance) -> bool {
+    r.status == Status::Done
+}
+
+async fn a_finished_chart_shows_which_final_state_it_reached<S: TestStore>() {
+    let h = S::harness().await;
+    let m = ChartMachine::new(review());
+    let approved = h.start(m.new_instance(json!({}))).await;
+    let rejected = h.start(m.new_instance(json!({}))).await;
+    let worker = h.worker(h.config(), m);
+    h.client.send(NewSignal::new(approved, "APPROVE")).await.expect("send");
+    h.client.send(NewSignal::new(rejected, "REJECT")).await.expect("send");
+    let a = h.wait(approved, "approved", finished).await;
+    let r = h.wait(rejected, "rejected", finished).await;
+    worker.shutdown().await;
+    assert_eq!(a.position, r#"["approved"]"#, "a done chart's position is its final configuration");
+    assert_eq!(r.position, r#"["rejected"]"#, "a done chart's position is its final configuration");
+    // The in-memory harness encodes the same final configuration the same way.
+    assert_eq!(a.position, TestMachine::new(review()).send("APPROVE").position());
+    assert_eq!(r.position, TestMachine::new(review()).send("REJECT").position());
+}
+
+async fn a_finished_chart_closes_its_inbox<S: TestStore>() {
+    let h = S::harness().await;
+    let m = ChartMachine::new(review());
+    let id = h.start(m.new_instance(json!({}))).await;
+    // Delivered together: the chart finishes on APPROVE and never consumes the two
+    // events behind it.
+    let batch = ["APPROVE", "NOTE", "REJECT"].iter().map(|e| NewSignal::new(id, *e)).collect();
+    h.client.send_many(batch).await.expect("send");
+    let worker = h.worker(h.config(), m);
+    h.wait(id, "approved", finished).await;
+    worker.shutdown().await;
+    let detail = h.client.get(id).await.expect("get");
+    assert!(detail.inbox.is_empty(), "a finished instance keeps no signals: {:?}", detail.inbox);
+    let drained: Vec<_> =
+        detail.history.iter().filter(|r| r.entry.kind == "INBOX_DRAINED").collect();
+    assert_eq!(drained.len(), 1, "one history entry records what was left unread");
+    assert_eq!(drained[0].entry.data["count"], json!(2));
+    assert_eq!(detail.history.last().map(|r| r.entry.kind.as_str()), Some("INBOX_DRAINED"));
+    let names: Vec<_> = drained[0].entry.data["signals"]
+        .as_array()
+        .expect("signals listed")
+        .iter()
+        .map(|s| s["name"].clone())
+        .collect();
+    assert_eq!(names, [json!("NOTE"), json!("REJECT")]);
+    let late = h.client.send(NewSignal::new(id, "APPROVE")).await.expect("send");
+    assert_eq!(late, DeliveryOutcome::TargetTerminal { target: id, status: Status::Done });
+    assert!(h.client.get(id).await.expect("get").inbox.is_empty(), "a late signal was stored");
+}
