@@ -3,7 +3,9 @@
 //! killed. The tests start it, SIGKILL it at random moments, start it again, and check
 //! that nothing was lost and no step was applied twice.
 //!
-//! Usage: `keel-crash-worker (--sqlite PATH | --postgres URL --schema NAME) --worker-id ID`
+//! Usage: `keel-crash-worker (--sqlite PATH | --postgres URL --schema NAME) [--worker-id ID]
+//! [--lease-secs N]`. Without `--worker-id` it runs under the default worker id, the one a
+//! user's worker gets; the lease is 2 s unless `--lease-secs` says otherwise.
 
 use async_trait::async_trait;
 use keel_core::chart::Timer;
@@ -45,15 +47,16 @@ fn arg(name: &str) -> Option<String> {
 
 #[tokio::main]
 async fn main() {
-    let worker_id = arg("--worker-id").unwrap_or_else(|| "crash-worker".to_owned());
+    let lease_secs = arg("--lease-secs").map_or(2, |s| s.parse().expect("--lease-secs N"));
+    let defaults = WorkerConfig::default();
     let config = WorkerConfig {
-        worker_id: WorkerId(worker_id),
+        worker_id: arg("--worker-id").map_or(defaults.worker_id.clone(), WorkerId),
         queues: vec![("default".into(), 20)],
-        lease: Duration::from_secs(2),
+        lease: Duration::from_secs(lease_secs),
         heartbeat: Duration::from_millis(500),
         reap_interval: Duration::from_millis(200),
         poll_interval: Duration::from_millis(20),
-        ..WorkerConfig::default()
+        ..defaults
     };
     let machine = || order::machine(Timer::hours(1));
     let _worker = if let Some(path) = arg("--sqlite") {
@@ -69,7 +72,7 @@ async fn main() {
             .spawn()
     } else {
         eprintln!(
-            "usage: keel-crash-worker (--sqlite PATH | --postgres URL --schema NAME) --worker-id ID"
+            "usage: keel-crash-worker (--sqlite PATH | --postgres URL --schema NAME) [--worker-id ID] [--lease-secs N]"
         );
         std::process::exit(2);
     };

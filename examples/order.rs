@@ -172,12 +172,13 @@ async fn run<S: Store>(store: Arc<S>) {
             h.entry.data["event"].as_str().unwrap_or("(start)")
         );
     }
-    assert_eq!(tally.values().sum::<usize>(), ORDERS, "every order reached a final state");
-    if resumed == 0 {
-        assert_eq!(
-            (tally.get("completed"), tally.get("failed"), tally.get("expired")),
-            (Some(&60), Some(&10), Some(&30))
-        );
+    // A resumed run must end exactly where an uninterrupted one does: a crash may delay
+    // orders, never change how they end.
+    let expected: BTreeMap<String, usize> =
+        [("completed", 60), ("expired", 30), ("failed", 10)].map(|(k, n)| (k.to_owned(), n)).into();
+    if tally != expected {
+        eprintln!("error: the tally {tally:?} differs from the expected {expected:?}");
+        std::process::exit(1);
     }
 }
 

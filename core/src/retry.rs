@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::ErrorKind;
 use crate::names::name_enum;
 
 name_enum! {
@@ -271,6 +272,41 @@ pub fn decide(
     RetryDecision::Retry { delay: policy.delay_for(failed_attempt, random) }
 }
 
+/// What a runtime does with a step result the store refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusedCommit {
+    /// The claim was superseded (`LeaseLost`): another worker owns the instance now, so
+    /// this result is stale and is dropped without touching the instance.
+    Discard,
+    /// The store could not be reached (`Unavailable`): the same commit may be accepted
+    /// later, so it is tried again within the runtime's bound.
+    Retry,
+    /// The store refused the result itself (`Invalid`, `NotFound`, `Conflict`): it will
+    /// be refused every time, so re-running the step cannot help. The step has failed
+    /// with a non-retryable error carrying the store's message, and goes through the
+    /// machine's error handling like any other failure (by default: dead-lettered).
+    Fail(ErrorClass),
+}
+
+/// Decides what a refused step result means, from the portable kind of the refusal.
+///
+/// ```
+/// use keel_core::ErrorKind;
+/// use keel_core::retry::{refused_commit, ErrorClass, RefusedCommit};
+///
+/// assert_eq!(refused_commit(ErrorKind::Invalid), RefusedCommit::Fail(ErrorClass::NonRetryable));
+/// assert_eq!(refused_commit(ErrorKind::LeaseLost), RefusedCommit::Discard);
+/// ```
+pub const fn refused_commit(kind: ErrorKind) -> RefusedCommit {
+    match kind {
+        ErrorKind::LeaseLost => RefusedCommit::Discard,
+        ErrorKind::Unavailable => RefusedCommit::Retry,
+        ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Conflict => {
+            RefusedCommit::Fail(ErrorClass::NonRetryable)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,6 +441,22 @@ mod tests {
         ];
         for &(policy, attempt, class, expected) in cases {
             check(policy, attempt, class, expected);
+        }
+    }
+
+    #[test]
+    fn a_refused_commit_is_discarded_retried_or_a_non_retryable_failure_by_kind() {
+        use RefusedCommit::{Discard, Fail, Retry};
+        #[rustfmt::skip]
+        let cases = [
+            (ErrorKind::LeaseLost,   Discard),
+            (ErrorKind::Unavailable, Retry),
+            (ErrorKind::Invalid,     Fail(ErrorClass::NonRetryable)),
+            (ErrorKind::NotFound,    Fail(ErrorClass::NonRetryable)),
+            (ErrorKind::Conflict,    Fail(ErrorClass::NonRetryable)),
+        ];
+        for (kind, expected) in cases {
+            assert_eq!(refused_commit(kind), expected, "{kind:?}");
         }
     }
 

@@ -5,7 +5,8 @@
 //! with the same worker id, which reclaims its leases at start-up, once with a new id,
 //! which waits for the reaper). Afterwards every instance must be finished, no step may
 //! have been committed twice (each instance's revision grows by exactly one per step), and
-//! no lease may be left behind.
+//! no lease may be left behind. A worker killed under the default worker id (what a user
+//! gets) and started again must take its 30 s leases back at once, finishing within 10 s.
 
 use keel_core::instance::NewInstance;
 use keel_core::ports::Store;
@@ -43,9 +44,14 @@ impl Drop for WorkerProcess {
 /// Starts a worker process on the store `store_args` names and waits (bounded) until it
 /// says it is running.
 fn start_worker(store_args: &[String], id: &str) -> WorkerProcess {
+    start_worker_with(store_args, &["--worker-id", id])
+}
+
+/// Starts a worker process with further command-line arguments (see `keel-crash-worker`).
+fn start_worker_with(store_args: &[String], extra: &[&str]) -> WorkerProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel-crash-worker"))
         .args(store_args)
-        .args(["--worker-id", id])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -214,5 +220,85 @@ async fn crash_run<S: Store>(store: &S, store_args: &[String]) {
             d.instance.result.as_ref().is_some_and(|r| r.get("receipt").is_some()),
             "{id}: completed"
         );
+    }
+}
+
+/// Rows executing under a lease right now.
+async fn executing<S: Store>(store: &S) -> u64 {
+    let stats = store.queue_stats(None, now()).await.expect("queue_stats");
+    stats.iter().map(|q| q.executing).sum()
+}
+
+/// A worker that runs under the default worker id, killed while it holds leases and
+/// started again, takes its leases back at start-up: everything finishes long before the
+/// 30 s lease of the killed process would have run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_worker_restarted_under_the_default_id_reclaims_its_leases_at_start_up() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("restart.db").display().to_string();
+    let store = SqliteStore::open(&db).await.expect("open");
+    restart_run(&store, &["--sqlite".to_owned(), db]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_worker_restarted_under_the_default_id_reclaims_its_leases_at_start_up() {
+    let store = keel_testkit::conformance::backend_or_skip(
+        "postgres_a_worker_restarted_under_the_default_id_reclaims_its_leases_at_start_up",
+        keel_store_postgres::testing::DATABASE_URL_VAR,
+        keel_store_postgres::testing::fresh_schema().await,
+    );
+    let Some(store) = store else { return };
+    let url = keel_store_postgres::testing::database_url().expect("configured");
+    let args = ["--postgres".to_owned(), url, "--schema".to_owned(), store.schema().to_owned()];
+    restart_run(&store, &args).await;
+}
+
+async fn restart_run<S: Store>(store: &S, store_args: &[String]) {
+    const LEASE_SECS: &str = "30";
+    const KILL_TRIES: usize = 5;
+    let news: Vec<NewInstance> = (0..STEPS)
+        .map(|n| {
+            NewInstance::new(MachineRef::new("five_steps", 1), "step1").context(json!({ "n": n }))
+        })
+        .collect();
+    let ids: Vec<InstanceId> = store
+        .instance_insert(InsertParams { instances: news, now: now() })
+        .await
+        .expect("insert")
+        .iter()
+        .map(|o| o.id())
+        .collect();
+
+    // Kill the worker at a moment when it holds leases; a run that happened to hold none
+    // at the kill is started again (a bounded number of times).
+    let mut held = 0;
+    for _ in 0..KILL_TRIES {
+        let worker = start_worker_with(store_args, &["--lease-secs", LEASE_SECS]);
+        let started = Instant::now();
+        while executing(store).await == 0 && started.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        kill(worker);
+        held = executing(store).await;
+        if held > 0 {
+            break;
+        }
+    }
+    assert!(held > 0, "no kill in {KILL_TRIES} tries caught the worker holding a lease");
+    eprintln!("killed holding {held} leases");
+
+    let restarted = Instant::now();
+    let _worker = start_worker_with(store_args, &["--lease-secs", LEASE_SECS]);
+    loop {
+        let done = terminal(store, &ids).await;
+        if done == ids.len() {
+            break;
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(10),
+            "only {done} of {} finished 10 s after the restart: the restarted worker did not reclaim its {held} leases",
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -13,12 +13,14 @@
 pub mod chart;
 pub mod client;
 pub mod clock;
+pub mod health;
 pub mod machine;
 pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
 pub use client::Client;
 pub use clock::SystemClock;
+pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{StepContext, StepError, StepMachine};
-pub use worker::{Worker, WorkerConfig, WorkerHandle};
+pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};

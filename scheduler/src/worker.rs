@@ -7,18 +7,27 @@
 //! task extends the leases of running steps; a reaper returns expired leases of dead
 //! workers. Wake-ups come from the store's `ready_wait`, raced against a poll interval —
 //! polling alone is correct.
+//!
+//! No background loop dies while the worker lives: a failed iteration is logged and
+//! recorded in the worker's health, and the loop carries on after a bounded back-off; a
+//! loop that panics (a store that cannot decode a row, say) is restarted after the same
+//! back-off. Store calls whose panic would lose work — a group commit, the start-up
+//! reclaim, a step's error handler — run in their own tasks, so their panic is an error
+//! of that call only. [`WorkerHandle::health`] reports each loop.
 
+use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
 use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::instance::{ANY_SIGNAL, Instance};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
 use keel_core::ports::store::{
-    Claim, ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    Claim, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
+    LeaseReleaseParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::retry::{self, ErrorClass, RetryDecision};
-use keel_core::{ErrorKind, FencingToken, InstanceId, MachineRef, WorkerId};
+use keel_core::retry::{self, ErrorClass, RefusedCommit, RetryDecision};
+use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
 use std::collections::{BTreeSet, HashMap};
@@ -32,7 +41,12 @@ use tracing::Instrument;
 /// How a worker runs. Every field has a bound or a default that is one.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// Lease owner name; a worker restarted with the same id reclaims its old leases.
+    /// Lease owner name; a worker restarted with the same id reclaims its old leases at
+    /// start-up instead of waiting for them to expire. The default, [`worker_id_for`] of
+    /// the program's name, stays the same across restarts of one program on one host; two
+    /// workers on one host that share a store must have different ids (see
+    /// [`WorkerConfig::named`]), or each would take back the other's live leases when it
+    /// starts.
     pub worker_id: WorkerId,
     /// Namespaces to claim from (empty = any).
     pub namespaces: Vec<String>,
@@ -68,7 +82,7 @@ pub struct WorkerConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            worker_id: WorkerId(format!("worker-{}", std::process::id())),
+            worker_id: worker_id_for(&program_name()),
             namespaces: Vec::new(),
             queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 10)],
             claim_batch: 100,
@@ -86,6 +100,44 @@ impl Default for WorkerConfig {
     }
 }
 
+impl WorkerConfig {
+    /// The defaults, with the worker id [`worker_id_for`]`(name)`: give each worker
+    /// process on one host its own `name` (for example `"billing"` and `"shipping"`), and
+    /// keep it when the process restarts.
+    pub fn named(name: &str) -> Self {
+        WorkerConfig { worker_id: worker_id_for(name), ..WorkerConfig::default() }
+    }
+}
+
+/// The worker id `<host>/<name>`. It depends only on the host name and `name`, never on
+/// the process id, so a worker restarted after a crash recognises the leases it held and
+/// reclaims them at start-up rather than waiting out the lease.
+pub fn worker_id_for(name: &str) -> WorkerId {
+    WorkerId(format!("{}/{name}", host_name()))
+}
+
+/// The host name as the kernel reports it, or `localhost` where it cannot be read (the
+/// standard library has no portable call for it).
+fn host_name() -> String {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok())
+        .map(|name| name.trim().to_owned())
+        .find(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// The running program's file name without extension (`order` for
+/// `target/debug/examples/order`): the same for every restart of one deployment, and
+/// different for two different programs on one host.
+fn program_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|path| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "worker".to_owned())
+}
+
 /// Counters a worker keeps about itself.
 #[derive(Debug, Default)]
 pub struct WorkerStats {
@@ -95,10 +147,17 @@ pub struct WorkerStats {
     pub lease_lost: AtomicU64,
     /// Steps that failed (error, panic or timeout).
     pub failed_steps: AtomicU64,
+    /// Running steps whose lease a heartbeat found taken (their results will be
+    /// discarded). Steps whose commit was under way are not counted: committing gives
+    /// the lease up.
+    pub lease_lost_on_heartbeat: AtomicU64,
     /// Rows the reaper returned to runnable.
     pub reaped: AtomicU64,
     /// Leases released at shutdown.
     pub released: AtomicU64,
+    /// Step results the store refused (an invalid outcome, an emit to a missing
+    /// instance, …); each was committed as a non-retryable step failure instead.
+    pub refused: AtomicU64,
 }
 
 impl WorkerStats {
@@ -108,14 +167,46 @@ impl WorkerStats {
     }
 }
 
+/// A claimed step this worker holds the lease of, from its claim until its result's commit
+/// went through (or its lease was released).
+struct InFlight {
+    token: FencingToken,
+    task: JoinHandle<()>,
+    /// Its result is being committed right now. Once the commit lands the lease is gone,
+    /// so a heartbeat that finds it not held is no news; only running (or finished but
+    /// not yet committing) steps can lose a lease that matters.
+    committing: bool,
+}
+
 struct Inner<S, C> {
     store: Arc<S>,
     clock: C,
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
-    in_flight: Mutex<HashMap<InstanceId, (FencingToken, JoinHandle<()>)>>,
+    in_flight: Mutex<HashMap<InstanceId, InFlight>>,
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
+    health: Arc<HealthBook>,
+}
+
+impl<S, C: Clock> Inner<S, C> {
+    /// Records a successful iteration of `which`.
+    fn loop_ok(&self, which: WorkerLoop) {
+        self.health.success(which, self.clock.now());
+    }
+
+    /// Records and logs a failed iteration of `which`; returns how long the loop waits
+    /// at least before its next iteration.
+    fn loop_failed(&self, which: WorkerLoop, error: &dyn std::fmt::Display) -> Duration {
+        let pause = self.health.failure(which, self.clock.now(), error.to_string());
+        tracing::error!(
+            worker_loop = which.name(),
+            error = %error,
+            retry_in_ms = pause.as_millis() as u64,
+            "background loop iteration failed; it carries on after a back-off"
+        );
+        pause
+    }
 }
 
 /// A worker under construction: add machines, then [`Worker::spawn`].
@@ -140,9 +231,19 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     }
 
     /// Starts the worker's tasks on the current tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// When `config.timers` is invalid ([`SweepConfig::validate`]).
     pub fn spawn(self) -> WorkerHandle {
+        if let Some(timers) = &self.config.timers
+            && let Err(e) = timers.validate()
+        {
+            panic!("invalid worker timer configuration: {e}");
+        }
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());
+        let health = Arc::new(HealthBook::default());
         let inner = Arc::new(Inner {
             store: self.store,
             clock: self.clock,
@@ -151,9 +252,10 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             in_flight: Mutex::new(HashMap::new()),
             slot_freed: Notify::new(),
             stats: Arc::clone(&stats),
+            health: Arc::clone(&health),
         });
         let join = tokio::spawn(run(inner, shutdown_rx));
-        WorkerHandle { shutdown: shutdown_tx, join, stats }
+        WorkerHandle { shutdown: shutdown_tx, join, stats, health }
     }
 }
 
@@ -162,12 +264,19 @@ pub struct WorkerHandle {
     shutdown: watch::Sender<bool>,
     join: JoinHandle<()>,
     stats: Arc<WorkerStats>,
+    health: Arc<HealthBook>,
 }
 
 impl WorkerHandle {
     /// The worker's counters.
     pub fn stats(&self) -> &Arc<WorkerStats> {
         &self.stats
+    }
+
+    /// Each background loop's health: whether it runs, when it last succeeded, its last
+    /// error and how often it was restarted after a panic.
+    pub fn health(&self) -> WorkerHealth {
+        self.health.snapshot()
     }
 
     /// Graceful shutdown: stop claiming, let running steps finish within the grace period,
@@ -186,43 +295,189 @@ struct Finished {
     commit: StepCommit,
     machine: String,
     failed: bool,
+    /// What the step ran with, kept to turn a result the store refuses into a failure.
+    origin: Origin,
     _permit: OwnedSemaphorePermit,
 }
 
-async fn run<S: Store, C: Clock + Clone>(
-    inner: Arc<Inner<S, C>>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    // A restarted worker first takes back what it held before it crashed.
-    reap(&inner, Some(inner.config.worker_id.clone())).await;
+/// The claim, context, machine and settings a step ran with.
+struct Origin {
+    claim: Claim,
+    ctx: StepContext,
+    machine: Arc<dyn StepMachine>,
+    config: QueueConfig,
+}
+
+/// How many times a group commit is tried while the store is unavailable.
+const COMMIT_TRIES: u32 = 5;
+
+/// How many times a starting worker tries to take back its own old leases before it
+/// leaves them to expire.
+const RECLAIM_TRIES: u32 = 5;
+
+async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watch::Receiver<bool>) {
+    // A restarted worker first takes back what it held before it crashed, before it
+    // claims anything new under the same id.
+    reclaim_own_leases(&inner).await;
 
     let total: usize = inner.config.queues.iter().map(|(_, n)| *n).sum();
     let (tx, rx) = mpsc::channel::<Finished>(total.max(1) * 2);
-    let committer = tokio::spawn(commit_loop(Arc::clone(&inner), rx));
-    let heartbeat = tokio::spawn(heartbeat_loop(Arc::clone(&inner), shutdown.clone()));
-    let reaper = tokio::spawn(reap_loop(Arc::clone(&inner), shutdown.clone()));
+    // The receiver outlives a committer that panicked, so its restart finds the results
+    // still queued.
+    let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    let committer = {
+        let inner_ = Arc::clone(&inner);
+        // The committer ends only when every sender is gone, so it drains at shutdown.
+        tokio::spawn(supervise(Arc::clone(&inner), WorkerLoop::Committer, None, move || {
+            commit_loop(Arc::clone(&inner_), Arc::clone(&rx))
+        }))
+    };
+    let heartbeat = {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Heartbeat,
+            Some(shutdown.clone()),
+            move || heartbeat_loop(Arc::clone(&inner_), stop.clone()),
+        ))
+    };
+    let reaper = {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Reaper,
+            Some(shutdown.clone()),
+            move || reap_loop(Arc::clone(&inner_), stop.clone()),
+        ))
+    };
     let sweeper = inner.config.timers.clone().map(|config| {
-        let sweeper = Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config)
-            .unwrap_or_else(|e| panic!("invalid worker timer configuration: {e}"));
-        tokio::spawn(sweeper.run(shutdown.clone()))
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Sweeper,
+            Some(shutdown.clone()),
+            move || {
+                let sweeper =
+                    Sweeper::new(Arc::clone(&inner_.store), inner_.clock.clone(), config.clone())
+                        .expect("validated by Worker::spawn");
+                sweeper.run(stop.clone())
+            },
+        ))
     });
-    let sampler = inner
-        .config
-        .stats_interval
-        .map(|every| tokio::spawn(stats_loop(Arc::clone(&inner), every, shutdown.clone())));
+    let sampler = inner.config.stats_interval.map(|every| {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        tokio::spawn(supervise(
+            Arc::clone(&inner),
+            WorkerLoop::Stats,
+            Some(shutdown.clone()),
+            move || stats_loop(Arc::clone(&inner_), every, stop.clone()),
+        ))
+    });
 
-    let queues: Vec<(String, Arc<Semaphore>)> = inner
-        .config
-        .queues
-        .iter()
-        .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
-        .collect();
+    let queues: Arc<Vec<(String, Arc<Semaphore>)>> = Arc::new(
+        inner
+            .config
+            .queues
+            .iter()
+            .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
+            .collect(),
+    );
+    {
+        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
+        let tx = tx.clone();
+        supervise(Arc::clone(&inner), WorkerLoop::Claim, Some(shutdown.clone()), move || {
+            claim_loop(Arc::clone(&inner_), Arc::clone(&queues), tx.clone(), stop.clone())
+        })
+        .await;
+    }
+
+    drain(&inner).await;
+    drop(tx);
+    let _ = committer.await;
+    let _ = heartbeat.await;
+    let _ = reaper.await;
+    for task in [sweeper, sampler].into_iter().flatten() {
+        let _ = task.await;
+    }
+}
+
+/// Runs a background loop in its own task and restarts it, after a bounded back-off,
+/// whenever it panics (a store decoder that panics on a bad row, say), so no loop dies
+/// while the worker lives. The loop returns normally only at shutdown. With `shutdown`,
+/// a pending restart is dropped once shutdown began; without, the loop is restarted
+/// until it returns (the committer, which must drain).
+async fn supervise<S: Store, C: Clock, F, Fut>(
+    inner: Arc<Inner<S, C>>,
+    which: WorkerLoop,
+    mut shutdown: Option<watch::Receiver<bool>>,
+    start: F,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    loop {
+        inner.health.started(which);
+        let panic = match tokio::spawn(start()).await {
+            Ok(()) => break,
+            Err(join) if join.is_panic() => panic_message(join),
+            Err(join) => join.to_string(),
+        };
+        let pause = inner.health.panicked(which, inner.clock.now(), &panic);
+        tracing::error!(
+            worker_loop = which.name(),
+            panic = %panic,
+            restart_in_ms = pause.as_millis() as u64,
+            "background loop panicked; restarting it"
+        );
+        match &mut shutdown {
+            Some(stop) => {
+                if *stop.borrow() {
+                    break;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = stop.changed() => break,
+                }
+            }
+            None => tokio::time::sleep(pause).await,
+        }
+    }
+    inner.health.stopped(which);
+}
+
+/// Takes back every lease this worker id still holds (a restart after a crash), trying a
+/// bounded number of times; a store call that panics counts as a failed try.
+async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
+    for _ in 0..RECLAIM_TRIES {
+        let task = {
+            let inner = Arc::clone(inner);
+            tokio::spawn(async move { reap(&inner, Some(inner.config.worker_id.clone())).await })
+        };
+        let error = match task.await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(join) => format!("panicked: {}", panic_message(join)),
+        };
+        tokio::time::sleep(inner.loop_failed(WorkerLoop::Reaper, &error)).await;
+    }
+    tracing::error!(
+        "could not take back this worker's old leases at start-up; they return when they expire"
+    );
+}
+
+/// Claims batches per queue while the queue has free slots, and starts each claimed step.
+async fn claim_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    queues: Arc<Vec<(String, Arc<Semaphore>)>>,
+    tx: mpsc::Sender<Finished>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
-
     while !*shutdown.borrow() {
         let mut claimed = 0;
         let mut full = true;
-        for (queue, slots) in &queues {
+        let mut failure = None;
+        for (queue, slots) in queues.iter() {
             let free = slots
                 .available_permits()
                 .min(inner.config.claim_batch)
@@ -243,7 +498,7 @@ async fn run<S: Store, C: Clock + Clone>(
             let claims = match inner.store.instance_claim(params).await {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::warn!(error = %e, queue, "claim failed; retrying after the poll interval");
+                    failure = Some(format!("claim from queue {queue}: {e}"));
                     Vec::new()
                 }
             };
@@ -262,9 +517,19 @@ async fn run<S: Store, C: Clock + Clone>(
                 let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
                 let task =
                     tokio::spawn(run_step(Arc::clone(&inner), claim, parent, permit, tx.clone()));
-                in_flight.insert(id, (token, task));
+                in_flight.insert(id, InFlight { token, task, committing: false });
             }
         }
+        if let Some(error) = failure {
+            let pause =
+                inner.loop_failed(WorkerLoop::Claim, &error).max(inner.config.poll_interval);
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                _ = shutdown.changed() => {}
+            }
+            continue;
+        }
+        inner.loop_ok(WorkerLoop::Claim);
         if claimed == 0 || full {
             tokio::select! {
                 () = inner.store.ready_wait(), if inner.config.notifications => {}
@@ -273,15 +538,6 @@ async fn run<S: Store, C: Clock + Clone>(
                 _ = shutdown.changed() => {}
             }
         }
-    }
-
-    drain(&inner).await;
-    drop(tx);
-    let _ = committer.await;
-    let _ = heartbeat.await;
-    let _ = reaper.await;
-    for task in [sweeper, sampler].into_iter().flatten() {
-        let _ = task.await;
     }
 }
 
@@ -292,8 +548,8 @@ async fn stats_loop<S: Store, C: Clock>(
     every: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    loop {
-        match inner.store.queue_stats(None, inner.clock.now()).await {
+    while !*shutdown.borrow() {
+        let pause = match inner.store.queue_stats(None, inner.clock.now()).await {
             Ok(stats) => {
                 for q in stats {
                     let labels = [
@@ -307,11 +563,13 @@ async fn stats_loop<S: Store, C: Clock>(
                     metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
                     metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
                 }
+                inner.loop_ok(WorkerLoop::Stats);
+                every
             }
-            Err(e) => tracing::debug!(error = %e, "queue stats sample failed"),
-        }
+            Err(e) => inner.loop_failed(WorkerLoop::Stats, &e).max(every),
+        };
         tokio::select! {
-            () = tokio::time::sleep(every) => {}
+            () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
         }
     }
@@ -327,9 +585,9 @@ async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         in_flight
             .drain()
-            .map(|(id, (token, task))| {
-                task.abort();
-                (id, token)
+            .map(|(id, f)| {
+                f.task.abort();
+                (id, f.token)
             })
             .collect()
     };
@@ -438,10 +696,18 @@ async fn run_step<S: Store, C: Clock>(
         }
         Err(error) => {
             tracing::warn!(parent: &span, error = %error, "step failed");
-            (failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await, true)
+            let origin = Origin {
+                claim: claim.clone(),
+                ctx: ctx.clone(),
+                machine: Arc::clone(&machine),
+                config,
+            };
+            (guarded_failure(&origin, error).await, true)
         }
     };
-    let finished = Finished { commit, machine: row.machine.name.clone(), failed, _permit: permit };
+    let machine_name = row.machine.name.clone();
+    let origin = Origin { claim, ctx, machine, config };
+    let finished = Finished { commit, machine: machine_name, failed, origin, _permit: permit };
     if tx.send(finished).await.is_err() {
         tracing::warn!(parent: &span, "committer stopped; the lease will expire and the step re-run");
     }
@@ -559,8 +825,9 @@ async fn failure_commit(
 
 async fn commit_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
-    mut rx: mpsc::Receiver<Finished>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Finished>>>,
 ) {
+    let mut rx = rx.lock().await;
     let batch_max = inner.config.commit_batch.clamp(1, limits::COMMIT_BATCH_MAX);
     let mut buffer: Vec<Finished> = Vec::with_capacity(batch_max);
     // The oldest buffered result waits at most `commit_interval` for its group.
@@ -597,75 +864,277 @@ async fn commit_loop<S: Store, C: Clock>(
     }
 }
 
-/// Commits a group of step results; retries the whole call (bounded) when the store is
-/// unavailable. Results that cannot be committed are dropped: their leases expire and the
-/// reaper re-runs the steps (at-least-once).
+/// Commits a group of step results. A result the store refuses becomes a non-retryable
+/// failure of its step, committed in a second round (see [`commit_refused`]); results that
+/// cannot be committed at all (the store stayed unavailable) are dropped: their leases
+/// expire and the reaper re-runs the steps (at-least-once).
 async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finished>) {
     if buffer.is_empty() {
         return;
     }
-    let batch: Vec<Finished> = std::mem::take(buffer);
-    let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
-    let mut result = None;
-    for attempt in 0..5u32 {
-        let params = CommitParams { commits: commits.clone(), now: inner.clock.now() };
-        match inner.store.step_commit(params).await {
-            Ok(r) => {
-                result = Some(r);
-                break;
+    let settled = Settled { inner, batch: std::mem::take(buffer) };
+    let batch = &settled.batch;
+    {
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        for f in batch {
+            if let Some(entry) = in_flight.get_mut(&f.commit.id) {
+                entry.committing = true;
             }
-            Err(e) if e.is_retryable() => {
+        }
+    }
+    let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
+    let results = commit_group(inner, commits).await;
+    let mut refused = Vec::new();
+    for (f, result) in batch.iter().zip(results) {
+        if let Some(error) = settle(inner, f, result, f.failed) {
+            refused.push((f, error));
+        }
+    }
+    if !refused.is_empty() {
+        commit_refused(inner, refused).await;
+    }
+    // `settled` drops here: the steps leave the running set and free their slots.
+}
+
+/// A group of results being committed. Dropping it — after the commit, or while the
+/// committer unwinds from a panic — takes the steps out of the running set and frees
+/// their slots, so a group that is lost never has its leases kept alive by the heartbeat:
+/// they expire and the reaper re-runs the steps.
+struct Settled<'a, S, C> {
+    inner: &'a Inner<S, C>,
+    batch: Vec<Finished>,
+}
+
+impl<S, C> Drop for Settled<'_, S, C> {
+    fn drop(&mut self) {
+        {
+            let mut in_flight =
+                self.inner.in_flight.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for f in &self.batch {
+                in_flight.remove(&f.commit.id);
+            }
+        }
+        self.batch.clear(); // frees the slots
+        self.inner.slot_freed.notify_one();
+    }
+}
+
+/// Counts and logs what happened to one result; returns the store's error when the
+/// result was refused in a way that makes it a step failure.
+fn settle<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    f: &Finished,
+    result: Option<StoreResult<CommitReceipt>>,
+    failed: bool,
+) -> Option<StoreError> {
+    let labels = [("machine", f.machine.clone())];
+    match result {
+        Some(Ok(_)) => {
+            inner.stats.committed.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("keel_queue_completed_total", &labels).increment(1);
+            if failed {
+                inner.stats.failed_steps.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("keel_queue_failed_total", &labels).increment(1);
+            }
+            if matches!(f.commit.outcome, Outcome::Retry { .. }) {
+                metrics::counter!("keel_queue_retried_total", &labels).increment(1);
+            }
+            None
+        }
+        Some(Err(e)) => match retry::refused_commit(e.kind) {
+            RefusedCommit::Discard => {
+                inner.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(instance = %f.commit.id, "lease lost before commit; result discarded");
+                None
+            }
+            RefusedCommit::Retry => {
+                tracing::warn!(instance = %f.commit.id, error = %e, "commit item failed; the lease will expire and the step re-run");
+                None
+            }
+            RefusedCommit::Fail(_) => Some(e),
+        },
+        None => None,
+    }
+}
+
+/// Turns results the store refused into failures of their steps and commits those: the
+/// machine's error handling decides, with a non-retryable error carrying the store's
+/// message, so the instance is dead-lettered by default (or whatever `handle` and
+/// `on_dead_letter` say). Should the store refuse that failure commit too, a last one
+/// suspends the instance with nothing but the error; if even that is refused, the result
+/// is dropped and the lease expires.
+async fn commit_refused<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    refused: Vec<(&Finished, StoreError)>,
+) {
+    let mut failures = Vec::with_capacity(refused.len());
+    for (f, e) in &refused {
+        tracing::error!(instance = %f.commit.id, error = %e, "the store refused the step's result; failing the step");
+        let error = StepError::fatal(format!("the store refused the step's result: {e}"));
+        failures.push(guarded_failure(&f.origin, error).await);
+    }
+    let results = commit_group(inner, failures.clone()).await;
+    let mut last = Vec::new();
+    for ((f, first), (commit, result)) in refused.iter().zip(failures.into_iter().zip(results)) {
+        if result.as_ref().is_some_and(Result::is_ok) {
+            inner.stats.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(second) = settle(inner, f, result, true) {
+            last.push((f, last_resort(&commit, &format!(
+                "the store refused the step's result ({first}) and then its failure commit ({second})"
+            ))));
+        }
+    }
+    if last.is_empty() {
+        return;
+    }
+    let commits: Vec<StepCommit> = last.iter().map(|(_, c)| c.clone()).collect();
+    for ((f, _), result) in last.iter().zip(commit_group(inner, commits).await) {
+        if result.as_ref().is_some_and(Result::is_ok) {
+            inner.stats.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(e) = settle(inner, f, result, true) {
+            tracing::error!(instance = %f.commit.id, error = %e, "the store refused even the suspension of a failed step; the lease will expire and the step re-run");
+        }
+    }
+}
+
+/// The failure commit of a step, from the machine's error handling. The handler runs in
+/// its own task under the step's timeout, so a panicking or hanging handler cannot stop
+/// the step's task or the committer (which would leave the lease held for ever); like a
+/// handler that returns an error, it makes the instance fail.
+async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
+    let message = error.message.clone();
+    let (claim, ctx) = (origin.claim.clone(), origin.ctx.clone());
+    let (machine, config) = (Arc::clone(&origin.machine), origin.config);
+    let timeout = config.timeout;
+    let task = tokio::spawn(async move {
+        failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await
+    });
+    let abort = task.abort_handle();
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(commit)) => commit,
+        outcome => {
+            abort.abort();
+            let why = match outcome {
+                Ok(Err(join)) => format!("the error handler panicked: {}", panic_message(join)),
+                _ => format!("the error handler timed out after {} ms", timeout.as_millis()),
+            };
+            tracing::error!(instance = %origin.claim.instance.id, "{why}");
+            // As when the handler returns an error: the instance fails.
+            let claim = &origin.claim;
+            let failure = StepFailure {
+                error: message.clone(),
+                retryable: false,
+                dead_letter: false,
+                signals: claim.inbox.iter().map(|s| s.id).collect(),
+                event: None,
+            };
+            let reason = format!("error handler failed: {why} (while handling: {message})");
+            StepCommit::new(claim.instance.id, claim.token(), Outcome::Stop { reason })
+                .failure(failure)
+        }
+    }
+}
+
+/// The smallest failure commit: suspend with a dead letter carrying `error`, keeping the
+/// signals the failed commit named, and nothing else (no context, emits or history, which
+/// may be what the store refused). A NUL in the message is escaped, as some stores refuse
+/// it in text.
+fn last_resort(refused: &StepCommit, error: &str) -> StepCommit {
+    let signals = refused.failure.as_ref().map(|f| f.signals.clone()).unwrap_or_default();
+    let failure = StepFailure {
+        error: error.replace('\0', "\\u0000"),
+        retryable: false,
+        dead_letter: true,
+        signals,
+        event: None,
+    };
+    StepCommit::new(refused.id, refused.token, Outcome::Suspend).failure(failure)
+}
+
+/// One `step_commit` of `commits`, with a result per item (`None`: unknown, the store
+/// stayed unavailable). When the store refuses the whole call rather than single items,
+/// the items are committed one by one, so one bad result cannot sink its neighbours.
+async fn commit_group<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    commits: Vec<StepCommit>,
+) -> Vec<Option<StoreResult<CommitReceipt>>> {
+    let n = commits.len();
+    match commit_call(inner, &commits).await {
+        Ok(receipts) if receipts.len() == n => receipts.into_iter().map(Some).collect(),
+        Ok(receipts) => {
+            tracing::error!(
+                sent = n,
+                got = receipts.len(),
+                "the store answered a group commit with the wrong number of results"
+            );
+            vec![None; n]
+        }
+        Err(None) => vec![None; n],
+        Err(Some(e)) if n == 1 => vec![Some(Err(e))],
+        Err(Some(e)) => {
+            tracing::warn!(error = %e, items = n, "the store refused a whole group commit; committing its items one by one");
+            let mut out = Vec::with_capacity(n);
+            for commit in commits {
+                out.push(match commit_call(inner, std::slice::from_ref(&commit)).await {
+                    Ok(mut receipts) if receipts.len() == 1 => receipts.pop(),
+                    Ok(_) | Err(None) => None,
+                    Err(Some(e)) => Some(Err(e)),
+                });
+            }
+            out
+        }
+    }
+}
+
+/// One `step_commit` call, tried up to [`COMMIT_TRIES`] times while the store is
+/// unavailable. `Err(None)`: still unavailable; `Err(Some(e))`: refused as a whole.
+async fn commit_call<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    commits: &[StepCommit],
+) -> Result<Vec<StoreResult<CommitReceipt>>, Option<StoreError>> {
+    for attempt in 0..COMMIT_TRIES {
+        let params = CommitParams { commits: commits.to_vec(), now: inner.clock.now() };
+        // In its own task, so a store that panics (on a row it cannot decode, say) fails
+        // this call, not the committer.
+        let store = Arc::clone(&inner.store);
+        match tokio::spawn(async move { store.step_commit(params).await }).await {
+            Ok(Ok(receipts)) => {
+                inner.loop_ok(WorkerLoop::Committer);
+                return Ok(receipts);
+            }
+            Ok(Err(e)) if e.is_retryable() => {
                 tracing::warn!(error = %e, attempt, "group commit failed; retrying");
                 tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
             }
-            Err(e) => {
-                tracing::error!(error = %e, "group commit rejected");
-                break;
+            Ok(Err(e)) => {
+                // The store answered: the committer works, the group was refused.
+                inner.loop_ok(WorkerLoop::Committer);
+                return Err(Some(e));
+            }
+            Err(join) => {
+                let panic = panic_message(join);
+                inner.loop_failed(WorkerLoop::Committer, &format!("step_commit panicked: {panic}"));
+                return Err(None);
             }
         }
     }
-    let receipts = result.unwrap_or_default();
-    for (i, f) in batch.iter().enumerate() {
-        let labels = [("machine", f.machine.clone())];
-        match receipts.get(i) {
-            Some(Ok(_)) => {
-                inner.stats.committed.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("keel_queue_completed_total", &labels).increment(1);
-                if f.failed {
-                    inner.stats.failed_steps.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("keel_queue_failed_total", &labels).increment(1);
-                }
-                if matches!(f.commit.outcome, Outcome::Retry { .. }) {
-                    metrics::counter!("keel_queue_retried_total", &labels).increment(1);
-                }
-            }
-            Some(Err(e)) if e.kind == ErrorKind::LeaseLost => {
-                inner.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(instance = %f.commit.id, "lease lost before commit; result discarded");
-            }
-            Some(Err(e)) => {
-                tracing::error!(instance = %f.commit.id, error = %e, "commit item rejected");
-            }
-            None => {}
-        }
-    }
-    {
-        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-        for f in &batch {
-            in_flight.remove(&f.commit.id);
-        }
-    }
-    drop(batch); // frees the slots
-    inner.slot_freed.notify_one();
+    inner.loop_failed(
+        WorkerLoop::Committer,
+        &format!("group commit still failing after {COMMIT_TRIES} tries; the leases will expire and the steps re-run"),
+    );
+    Err(None)
 }
 
 async fn heartbeat_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut pause = inner.config.heartbeat;
     loop {
         tokio::select! {
-            () = tokio::time::sleep(inner.config.heartbeat) => {}
+            () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
         }
         let leases: Vec<(InstanceId, FencingToken)> = inner
@@ -673,51 +1142,85 @@ async fn heartbeat_loop<S: Store, C: Clock>(
             .lock()
             .expect("in_flight lock")
             .iter()
-            .map(|(id, (t, _))| (*id, *t))
+            .map(|(id, f)| (*id, f.token))
             .collect();
-        if leases.is_empty() {
-            continue;
-        }
-        let params = LeaseExtendParams {
-            worker: inner.config.worker_id.clone(),
-            leases: leases.clone(),
-            lease: inner.config.lease,
-            now: inner.clock.now(),
-        };
-        match inner.store.lease_extend(params).await {
-            Ok(held) => {
-                for ((id, _), ok) in leases.iter().zip(held) {
-                    if !ok {
-                        tracing::warn!(instance = %id, "heartbeat: lease no longer held; its commit will be rejected");
-                    }
-                }
+        let mut failure = None;
+        for chunk in leases.chunks(limits::COMMIT_BATCH_MAX) {
+            if let Err(e) = heartbeat(&inner, chunk).await {
+                failure = Some(e);
             }
-            Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
         }
+        pause = match failure {
+            None => {
+                inner.loop_ok(WorkerLoop::Heartbeat);
+                inner.config.heartbeat
+            }
+            // After a failure the leases are running out: try again after the back-off
+            // if that is sooner than the period, never in a tight loop.
+            Some(e) => inner.loop_failed(WorkerLoop::Heartbeat, &e).min(inner.config.heartbeat),
+        };
     }
+}
+
+/// Extends one bounded set of leases, and reports the ones lost. A step whose commit
+/// started (or went through) since the set was read has given its lease up on purpose,
+/// so only a step still running, or finished but not yet committing, under the same
+/// token counts as a lost lease.
+async fn heartbeat<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    leases: &[(InstanceId, FencingToken)],
+) -> StoreResult<()> {
+    let params = LeaseExtendParams {
+        worker: inner.config.worker_id.clone(),
+        leases: leases.to_vec(),
+        lease: inner.config.lease,
+        now: inner.clock.now(),
+    };
+    let held = inner.store.lease_extend(params).await?;
+    let lost: Vec<InstanceId> = {
+        let in_flight = inner.in_flight.lock().expect("in_flight lock");
+        leases
+            .iter()
+            .zip(held)
+            .filter(|&(&(id, token), ok)| {
+                !ok && in_flight.get(&id).is_some_and(|f| f.token == token && !f.committing)
+            })
+            .map(|(&(id, _), _)| id)
+            .collect()
+    };
+    for id in lost {
+        inner.stats.lease_lost_on_heartbeat.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(instance = %id, "heartbeat: lease no longer held; its commit will be rejected");
+    }
+    Ok(())
 }
 
 async fn reap_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut pause = inner.config.reap_interval;
     loop {
         tokio::select! {
-            () = tokio::time::sleep(inner.config.reap_interval) => {}
+            () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
         }
-        reap(&inner, None).await;
+        pause = match reap(&inner, None).await {
+            Ok(()) => {
+                inner.loop_ok(WorkerLoop::Reaper);
+                inner.config.reap_interval
+            }
+            Err(e) => inner.loop_failed(WorkerLoop::Reaper, &e).max(inner.config.reap_interval),
+        };
     }
 }
 
-async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) {
+async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) -> StoreResult<()> {
     let params = LeaseReapParams { owner, limit: limits::REAP_BATCH_MAX, now: inner.clock.now() };
-    match inner.store.lease_reap(params).await {
-        Ok(ids) if !ids.is_empty() => {
-            inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
-            tracing::info!(count = ids.len(), "returned expired leases to runnable");
-        }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "reaper failed"),
+    let ids = inner.store.lease_reap(params).await?;
+    if !ids.is_empty() {
+        inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        tracing::info!(count = ids.len(), "returned expired leases to runnable");
     }
+    Ok(())
 }

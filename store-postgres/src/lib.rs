@@ -62,6 +62,10 @@
 //!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
 //!   `NOTIFY` + `COMMIT`, pipelined. `ScheduleChildren` adds one insert; outbox emits add
 //!   the delivery path below.
+//! - **Heartbeat**: one statement locks the named rows in id order (`FOR NO KEY UPDATE`)
+//!   and extends those still executing under the worker and token named, so it cannot
+//!   deadlock with a commit or another heartbeat; a deadlock with any other writer is
+//!   retried like a transaction.
 //! - **Terminal inboxes** (`keel_core::inbox`): round trip 1 of a commit also reads, after
 //!   the lock, what the `Done` / `Stop` items leave unread in their inboxes — per target
 //!   the count and the oldest few (one windowed `SELECT`) — for each drain's one history

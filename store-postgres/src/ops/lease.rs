@@ -10,13 +10,23 @@ use keel_core::outcome;
 use keel_core::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleaseParams};
 use keel_core::{InstanceId, Status, StoreResult, limits};
 
-const EXTEND: &str = "UPDATE instances i SET lease_expires_at = $3, updated_at = $5 \
-    FROM unnest($1::int8[], $2::int8[]) WITH ORDINALITY AS l(id, token, ord) \
-    WHERE i.id = l.id AND i.fencing_token = l.token AND i.status = 'executing' \
-      AND i.lease_owner = $4 \
+/// The heartbeat. Rows are locked in id order first (the order every other write locks
+/// instances in), so two heartbeats naming overlapping rows in different orders, or a
+/// heartbeat and a group commit, wait for each other instead of deadlocking; the update
+/// then touches only rows this statement already holds.
+const EXTEND: &str = "WITH l AS MATERIALIZED ( \
+      SELECT * FROM unnest($1::int8[], $2::int8[]) WITH ORDINALITY AS l(id, token, ord)), \
+    held AS MATERIALIZED ( \
+      SELECT i.id FROM instances i JOIN l ON l.id = i.id \
+      WHERE i.fencing_token = l.token AND i.status = 'executing' AND i.lease_owner = $4 \
+      ORDER BY i.id FOR NO KEY UPDATE OF i) \
+    UPDATE instances i SET lease_expires_at = $3, updated_at = $5 \
+    FROM held JOIN l ON l.id = held.id \
+    WHERE i.id = held.id \
     RETURNING l.ord";
 
-/// Extends the leases still held by `worker` under the named tokens.
+/// Extends the leases still held by `worker` under the named tokens (one statement; the
+/// caller retries it on a deadlock).
 pub(crate) async fn extend<C: GenericClient + Sync>(
     c: &C,
     p: &LeaseExtendParams,

@@ -189,8 +189,16 @@ impl Store for PgStore {
     }
 
     async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
-        let conn = self.client().await?;
-        lease::extend(&conn, &params).await.map_err(StoreError::from)
+        // Rows are locked in id order, so a deadlock needs a writer that does not; retry
+        // it like every other write rather than failing the heartbeat.
+        let mut tries = 0u32;
+        loop {
+            let conn = self.client().await?;
+            match lease::extend(&conn, &params).await {
+                Err(e) if e.is_transient() && tries < TRANSACTION_RETRIES => tries += 1,
+                other => return other.map_err(StoreError::from),
+            }
+        }
     }
 
     async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {

@@ -80,6 +80,7 @@ macro_rules! __store_contract_list {
             stale_token_rejected_nothing_changed,
             batch_commit_one_stale_others_succeed,
             invalid_outcome_rejected_without_partial_write,
+            batch_commit_refused_items_do_not_drop_their_neighbours,
             await_signal_before_park_commits_runnable,
             await_park_then_signal_wakes,
             await_any_signal_wakes_on_any_name,

@@ -257,6 +257,75 @@ pub async fn batch_commit_one_stale_others_succeed<S: Store>(s: &S) {
     assert_eq!(row(s, claims[2].instance.id).await.status, Status::Done);
 }
 
+/// A group commit with one refused item of every kind between good items: each refused
+/// item gets its own error (naming the field) and changes nothing, and every good item
+/// commits — a store never fails the whole call, and never drops a neighbour, for one
+/// bad result.
+pub async fn batch_commit_refused_items_do_not_drop_their_neighbours<S: Store>(s: &S) {
+    const MISSING: InstanceId = InstanceId(i64::MAX - 7);
+    type Build = fn(StepCommit) -> StepCommit;
+    let ns = "batch_refused";
+    let huge = json!({ "blob": "x".repeat(keel_core::limits::PAYLOAD_BYTES_MAX) });
+    #[rustfmt::skip]
+    let refusals: [(&str, Outcome, Build, ErrorKind, &str); 5] = [
+        ("context over the size limit", Outcome::Next { step: "x".into(), context: huge }, |c| c, ErrorKind::Invalid, "outcome.context"),
+        ("context not an object", Outcome::Next { step: "x".into(), context: json!([1]) }, |c| c, ErrorKind::Invalid, "outcome.context"),
+        ("empty step name", Outcome::Next { step: String::new(), context: ctx(1) }, |c| c, ErrorKind::Invalid, "outcome.step"),
+        ("NUL in the context", Outcome::Next { step: "x".into(), context: json!({ "s": "a\u{0}b" }) }, |c| c, ErrorKind::Invalid, "outcome.context"),
+        ("emit to a missing instance", done(), |c| c.emit(NewSignal::new(MISSING, "ping")), ErrorKind::NotFound, "emit[0].target"),
+    ];
+    let news = (0..=refusals.len() * 2).map(|_| new_in(ns)).collect();
+    insert(s, news, at(0)).await;
+    let claims = claim(s, claim_params(ns, 20, at(10))).await;
+    assert_eq!(claims.len(), refusals.len() * 2 + 1);
+    // Good, bad, good, bad, …, good.
+    let mut commits = Vec::new();
+    for (i, c) in claims.iter().enumerate() {
+        let commit = StepCommit::new(c.instance.id, c.token(), next("second", 1));
+        commits.push(match refusals.get(i / 2) {
+            Some((_, outcome, build, _, _)) if i % 2 == 1 => {
+                build(StepCommit::new(c.instance.id, c.token(), outcome.clone()))
+            }
+            _ => commit,
+        });
+    }
+    let before: Vec<InstanceDetail> = {
+        let mut v = Vec::new();
+        for c in &claims {
+            v.push(get(s, c.instance.id).await);
+        }
+        v
+    };
+    let results = s
+        .step_commit(CommitParams { commits, now: at(20) })
+        .await
+        .expect("one refused item must not fail the whole call");
+    assert_eq!(results.len(), claims.len(), "one result per item");
+    for (i, result) in results.iter().enumerate() {
+        let id = claims[i].instance.id;
+        match refusals.get(i / 2) {
+            Some((what, _, _, kind, field)) if i % 2 == 1 => {
+                let err = result.as_ref().expect_err(what);
+                assert_eq!(err.kind, *kind, "{what}: {}", err.message);
+                assert!(
+                    err.message.contains(field),
+                    "{what}: the message names {field}: {}",
+                    err.message
+                );
+                assert_eq!(get(s, id).await, before[i], "{what}: the refused item changed its row");
+            }
+            _ => {
+                assert_eq!(
+                    result.as_ref().map(|r| r.status),
+                    Ok(Status::Runnable),
+                    "item {i}, a good neighbour of refused items, commits"
+                );
+                assert_eq!(row(s, id).await.position, "second", "item {i}");
+            }
+        }
+    }
+}
+
 /// An invalid outcome (context not an object) is rejected as `Invalid` with nothing of
 /// that item written — no consumption, no emit — while the rest of the batch commits.
 pub async fn invalid_outcome_rejected_without_partial_write<S: Store>(s: &S) {

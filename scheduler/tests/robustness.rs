@@ -1,0 +1,592 @@
+//! The worker under conditions a new user meets early: step results the store refuses,
+//! heartbeats racing commits, and failing or panicking store calls in background loops.
+//!
+//! Every test runs twice, driven by a `VirtualClock`: `memory::*` on `MemoryStore`, and
+//! `postgres::*` on PostgreSQL (a fresh schema per test) on a multi-threaded runtime. The
+//! Postgres tests need `KEEL_TEST_DATABASE_URL`; without it they are skipped loudly, and
+//! under `KEEL_REQUIRE_BACKENDS=1` they fail.
+
+#![allow(clippy::items_after_statements, clippy::unnecessary_wraps)]
+
+mod common;
+
+use async_trait::async_trait;
+use common::Harness;
+use keel_core::chart::{ActionError, Definition, Event};
+use keel_core::config::{OnDeadLetter, QueueConfig};
+use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
+use keel_core::ports::store::{
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus, TimerSweepParams,
+    TimerSweepReport,
+};
+use keel_core::ports::{Clock, Store};
+use keel_core::{
+    DeadLetterId, InstanceId, MachineRef, NewSignal, Outcome, Status, StoreError, StoreResult,
+    Timestamp, WorkerId,
+};
+use keel_scheduler::{
+    ActionContext, ChartMachine, StepContext, StepError, StepMachine, SweepConfig, SweepGroup,
+    WorkerConfig, WorkerLoop,
+};
+use keel_store_postgres::PgStore;
+use keel_testkit::memory::MemoryStore;
+use serde_json::{Value, json};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Barrier;
+
+/// A store the suite runs on.
+trait TestStore: Store + Sized {
+    /// A fresh, empty store.
+    async fn fresh() -> Self;
+
+    async fn harness() -> Harness<Self> {
+        Harness::with_store(Self::fresh().await)
+    }
+}
+
+impl TestStore for MemoryStore {
+    async fn fresh() -> Self {
+        MemoryStore::new()
+    }
+}
+
+impl TestStore for PgStore {
+    async fn fresh() -> Self {
+        let store = keel_store_postgres::testing::fresh_schema_with(8).await;
+        store.expect("checked by `postgres_available`")
+    }
+}
+
+/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
+/// `KEEL_REQUIRE_BACKENDS=1`.
+fn postgres_available(test: &str) -> bool {
+    if keel_store_postgres::testing::database_url().is_some() {
+        return true;
+    }
+    assert!(
+        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
+        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
+    );
+    keel_testkit::conformance::skip_notice(&format!(
+        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
+    ));
+    false
+}
+
+/// Instantiates each generic test on the stores named: `memory` and `postgres`.
+macro_rules! on_stores {
+    (memory: [$($m:ident),* $(,)?], postgres: [$($p:ident),* $(,)?] $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $m() {
+                    super::$m::<keel_testkit::memory::MemoryStore>().await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $p() {
+                    if super::postgres_available(stringify!($p)) {
+                        super::$p::<keel_store_postgres::PgStore>().await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+on_stores!(
+    memory: [
+        a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
+        a_context_that_is_not_an_object_is_dead_lettered_and_its_neighbours_finish,
+        an_empty_step_name_is_dead_lettered_and_its_neighbours_finish,
+        an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
+        a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish,
+        many_short_steps_never_report_a_lost_lease_on_heartbeat,
+        background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
+        a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
+        a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
+    ],
+    postgres: [
+        a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
+        a_context_that_is_not_an_object_is_dead_lettered_and_its_neighbours_finish,
+        an_empty_step_name_is_dead_lettered_and_its_neighbours_finish,
+        an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish,
+        a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish,
+        many_short_steps_never_report_a_lost_lease_on_heartbeat,
+        background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
+        a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
+        a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
+    ],
+);
+
+fn machine() -> MachineRef {
+    MachineRef::new("m", 1)
+}
+
+/// How a step's result is bad.
+#[derive(Debug, Clone, Copy)]
+enum Bad {
+    HugeContext,
+    NotAnObject,
+    EmptyStep,
+    Nul,
+    EmitToMissing,
+}
+
+/// Good neighbours of the one bad step, claimed and committed in the same group.
+const NEIGHBOURS: usize = 5;
+
+/// A machine whose first steps all finish together (so their results share one group
+/// commit); the instance with `{"bad": true}` returns a result the store must refuse.
+struct Refusable {
+    bad: Bad,
+    together: Arc<Barrier>,
+}
+
+#[async_trait]
+impl StepMachine for Refusable {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        self.together.wait().await;
+        if ctx.context["bad"] != json!(true) {
+            return Ok(Outcome::Done { result: json!({ "ok": true }), step: None });
+        }
+        let next = |context: Value| Outcome::Next { step: "b".into(), context };
+        Ok(match self.bad {
+            Bad::HugeContext => {
+                next(json!({ "blob": "x".repeat(keel_core::limits::PAYLOAD_BYTES_MAX) }))
+            }
+            Bad::NotAnObject => next(json!([1, 2, 3])),
+            Bad::EmptyStep => Outcome::Next { step: String::new(), context: json!({}) },
+            Bad::Nul => next(json!({ "note": "a\u{0}b" })),
+            Bad::EmitToMissing => {
+                ctx.emit(NewSignal::new(InstanceId(i64::MAX - 7), "hello"));
+                Outcome::Done { result: json!({}), step: None }
+            }
+        })
+    }
+}
+
+/// One bad result among good ones: the bad instance is dead-lettered at once (suspended,
+/// attempt 0, a non-retryable dead letter, the store's message in `last_error`), it is
+/// not re-run, and every neighbour finishes.
+async fn refused<S: TestStore>(bad: Bad, names: &[&str]) {
+    let h = S::harness().await;
+    let mut good = Vec::new();
+    for n in 0..NEIGHBOURS {
+        good.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    let id = h.start(NewInstance::new(machine(), "a").context(json!({ "bad": true }))).await;
+    // A long commit interval: the group is flushed once every running step has finished.
+    let config = WorkerConfig { commit_interval: Duration::from_secs(1), ..h.config() };
+    let together = Arc::new(Barrier::new(NEIGHBOURS + 1));
+    let worker = h.worker(config, Refusable { bad, together });
+
+    let row = h.wait(id, "the dead letter", |r| r.status == Status::Suspended).await;
+    let error = row.last_error.clone().unwrap_or_default();
+    assert!(error.contains("the store refused the step's result"), "{bad:?}: {error}");
+    assert!(names.iter().any(|n| error.contains(n)), "{bad:?}: names one of {names:?}: {error}");
+    assert_eq!(row.attempt, 0, "{bad:?}: a refused result is not retried");
+    for n in &good {
+        h.wait(*n, "a neighbour finished", |r| r.status == Status::Done).await;
+    }
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
+    assert_eq!(letters.len(), 1, "{bad:?}");
+    assert_eq!(letters[0].letter.instance, id);
+    assert_eq!(letters[0].letter.reason, "non_retryable");
+
+    // Long after any lease would have run out, nothing re-ran it.
+    h.clock.advance(Duration::from_secs(120));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let row = h.client.get(id).await.expect("get").instance;
+    assert_eq!((row.status, row.attempt), (Status::Suspended, 0), "{bad:?}");
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.refused.load(Ordering::Relaxed), 1, "{bad:?}");
+    assert_eq!(stats.committed(), NEIGHBOURS as u64 + 1, "{bad:?}");
+}
+
+async fn a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish<S: TestStore>() {
+    refused::<S>(Bad::HugeContext, &["outcome.context"]).await;
+}
+
+async fn a_context_that_is_not_an_object_is_dead_lettered_and_its_neighbours_finish<
+    S: TestStore,
+>() {
+    refused::<S>(Bad::NotAnObject, &["outcome.context"]).await;
+}
+
+async fn an_empty_step_name_is_dead_lettered_and_its_neighbours_finish<S: TestStore>() {
+    refused::<S>(Bad::EmptyStep, &["outcome.step"]).await;
+}
+
+async fn an_emit_to_a_missing_instance_is_dead_lettered_and_its_neighbours_finish<S: TestStore>() {
+    refused::<S>(Bad::EmitToMissing, &["emit[0].target"]).await;
+}
+
+/// A NUL character cannot be stored by every database; whichever layer refuses it (the
+/// input checks or the database itself), the result is a dead letter, not a loop.
+async fn a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_finish<
+    S: TestStore,
+>() {
+    refused::<S>(Bad::Nul, &["22P05", "22021", "NUL", "nul"]).await;
+}
+
+/// What a [`Faulty`] store does on one call of an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Fail with `Unavailable`.
+    Error,
+    /// Panic, as a store decoder meeting a row it cannot read once did.
+    Panic,
+}
+
+/// A store that counts calls per operation, delays heartbeats, and fails or panics on
+/// the calls it is told to; everything else goes to the store inside. A reap is
+/// `lease_reap_owner` when it names an owner (a start-up reclaim), else `lease_reap`.
+struct Faulty<S> {
+    inner: S,
+    extend_delay: Duration,
+    faults: Mutex<HashMap<&'static str, VecDeque<Fault>>>,
+    calls: Mutex<HashMap<&'static str, u64>>,
+}
+
+impl<S: Store> Faulty<S> {
+    fn new(inner: S) -> Self {
+        Faulty {
+            inner,
+            extend_delay: Duration::ZERO,
+            faults: Mutex::default(),
+            calls: Mutex::default(),
+        }
+    }
+
+    /// The next calls of `op` do `faults`, in order; later calls go through.
+    fn failing(self, op: &'static str, faults: &[Fault]) -> Self {
+        self.faults.lock().unwrap().entry(op).or_default().extend(faults);
+        self
+    }
+
+    fn calls(&self, op: &str) -> u64 {
+        self.calls.lock().unwrap().get(op).copied().unwrap_or(0)
+    }
+
+    /// Counts the call, then does its fault, if one is due.
+    fn gate(&self, op: &'static str) -> StoreResult<()> {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+        let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
+        match fault {
+            None => Ok(()),
+            Some(Fault::Error) => Err(StoreError::unavailable(format!("injected {op} failure"))),
+            Some(Fault::Panic) => panic!("injected {op} panic"),
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for Faulty<S> {
+    fn capabilities(&self) -> StoreCapabilities {
+        self.inner.capabilities()
+    }
+    async fn instance_insert(&self, p: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        self.inner.instance_insert(p).await
+    }
+    async fn instance_claim(&self, p: ClaimParams) -> StoreResult<Vec<Claim>> {
+        self.gate("instance_claim")?;
+        self.inner.instance_claim(p).await
+    }
+    async fn step_commit(&self, p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        self.gate("step_commit")?;
+        self.inner.step_commit(p).await
+    }
+    async fn lease_extend(&self, p: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        self.gate("lease_extend")?;
+        tokio::time::sleep(self.extend_delay).await;
+        self.inner.lease_extend(p).await
+    }
+    async fn lease_reap(&self, p: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        self.gate(if p.owner.is_some() { "lease_reap_owner" } else { "lease_reap" })?;
+        self.inner.lease_reap(p).await
+    }
+    async fn lease_release(&self, p: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        self.inner.lease_release(p).await
+    }
+    async fn signal_deliver(&self, p: SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
+        self.inner.signal_deliver(p).await
+    }
+    async fn signal_broadcast(&self, p: SignalBroadcastParams) -> StoreResult<BroadcastReport> {
+        self.inner.signal_broadcast(p).await
+    }
+    async fn instance_cancel(&self, p: CancelParams) -> StoreResult<Vec<InstanceId>> {
+        self.inner.instance_cancel(p).await
+    }
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        self.inner.instance_get(id).await
+    }
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        self.inner.instance_rows(ids).await
+    }
+    async fn instance_lookup(&self, t: SignalTarget) -> StoreResult<Option<InstanceId>> {
+        self.inner.instance_lookup(t).await
+    }
+    async fn dead_letter_list(&self, f: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        self.inner.dead_letter_list(f).await
+    }
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        self.inner.dead_letter_get(id).await
+    }
+    async fn dead_letter_retry(&self, p: DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
+        self.inner.dead_letter_retry(p).await
+    }
+    async fn dead_letter_skip(&self, p: DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        self.inner.dead_letter_skip(p).await
+    }
+    async fn dead_letter_purge(&self, p: DeadLetterPurgeParams) -> StoreResult<u64> {
+        self.inner.dead_letter_purge(p).await
+    }
+    async fn queue_pause(&self, p: QueuePauseParams) -> StoreResult<()> {
+        self.inner.queue_pause(p).await
+    }
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        self.inner.queue_list(namespace).await
+    }
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        self.gate("queue_stats")?;
+        self.inner.queue_stats(namespace, now).await
+    }
+    async fn timer_sweep(&self, p: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        self.gate("timer_sweep")?;
+        self.inner.timer_sweep(p).await
+    }
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        self.inner.timer_status(namespace, now).await
+    }
+    async fn ready_wait(&self) {
+        self.inner.ready_wait().await;
+    }
+}
+
+/// Three short steps each, finishing in a steady stream.
+struct ShortSteps;
+
+#[async_trait]
+impl StepMachine for ShortSteps {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        Ok(match ctx.step.as_str() {
+            "a" => Outcome::Next { step: "b".into(), context: ctx.context.clone() },
+            "b" => Outcome::Next { step: "c".into(), context: ctx.context.clone() },
+            _ => Outcome::Done { result: json!({ "ok": true }), step: None },
+        })
+    }
+}
+
+/// Many short steps under a heartbeat that runs all the time and whose store call takes
+/// a while: results committed while a heartbeat was under way gave their lease up on
+/// purpose, and no lease is reported lost.
+async fn many_short_steps_never_report_a_lost_lease_on_heartbeat<S: TestStore>() {
+    const INSTANCES: usize = 100;
+    let store = Faulty { extend_delay: Duration::from_millis(3), ..Faulty::new(S::fresh().await) };
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    let config = WorkerConfig {
+        heartbeat: Duration::from_millis(1),
+        commit_interval: Duration::from_millis(5),
+        timers: None,
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert!(h.store.calls("lease_extend") > 10, "the heartbeat ran while steps finished");
+    assert_eq!(stats.committed(), 3 * INSTANCES as u64);
+    assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 0, "no commit lost its lease");
+    assert_eq!(
+        stats.lease_lost_on_heartbeat.load(Ordering::Relaxed),
+        0,
+        "no lease was lost, so none may be reported lost"
+    );
+}
+
+/// Claims, reaps, timer sweeps and stats samples that fail and panic a few times: every
+/// loop logs, backs off and carries on (a panicking loop is restarted), the work is
+/// finished — including a dead worker's instance, which only the reaper can return — and
+/// the health report shows each loop running, with its restarts and last error.
+async fn background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work<
+    S: TestStore,
+>() {
+    use Fault::{Error, Panic};
+    const INSTANCES: usize = 20;
+    let store = Faulty::new(S::fresh().await)
+        .failing("instance_claim", &[Error, Panic, Error, Panic, Panic])
+        .failing("lease_reap_owner", &[Panic, Error])
+        .failing("lease_reap", &[Panic, Error, Panic])
+        .failing("timer_sweep", &[Panic, Error])
+        .failing("queue_stats", &[Error, Panic]);
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    // A worker that died holding a lease: only the reaper brings its instance back.
+    let orphan = h.start(NewInstance::new(machine(), "a")).await;
+    let ghost = keel_core::ports::store::ClaimParams {
+        worker: WorkerId("ghost".into()),
+        namespaces: vec![],
+        queues: vec![],
+        machines: vec![],
+        limit: 1,
+        lease: Duration::from_secs(30),
+        now: h.clock.now(),
+    };
+    let claimed = h.store.inner.instance_claim(ghost).await.expect("claim");
+    assert_eq!(claimed.iter().map(|c| c.instance.id).collect::<Vec<_>>(), [ids[0]]);
+    let config = WorkerConfig {
+        timers: Some(SweepConfig {
+            groups: vec![SweepGroup { machines: vec![], cadence: Duration::from_millis(100) }],
+            ..SweepConfig::default()
+        }),
+        stats_interval: Some(Duration::from_millis(20)),
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    for id in ids.iter().skip(1).chain([&orphan]) {
+        h.wait(*id, "done despite the faults", |r| r.status == Status::Done).await;
+    }
+    h.clock.advance(Duration::from_secs(31));
+    h.wait(ids[0], "the dead worker's instance, reaped and done", |r| r.status == Status::Done)
+        .await;
+
+    let health = worker.health();
+    for which in [
+        WorkerLoop::Claim,
+        WorkerLoop::Committer,
+        WorkerLoop::Heartbeat,
+        WorkerLoop::Reaper,
+        WorkerLoop::Stats,
+        WorkerLoop::Sweeper,
+    ] {
+        let loop_ = health.get(which).unwrap_or_else(|| panic!("{which:?} reported"));
+        assert!(loop_.running, "{which:?} runs: {loop_:?}");
+    }
+    let claim = health.get(WorkerLoop::Claim).unwrap();
+    assert_eq!(claim.restarts, 3, "one restart per claim that panicked: {claim:?}");
+    assert!(claim.last_success.is_some(), "{claim:?}");
+    assert_eq!(claim.consecutive_failures, 0, "the last claim succeeded: {claim:?}");
+    let error = &claim.last_error.as_ref().expect("the failures are reported").1;
+    assert!(error.contains("injected instance_claim panic"), "{error}");
+    let reaper = health.get(WorkerLoop::Reaper).unwrap();
+    assert_eq!(reaper.restarts, 2, "one restart per reap that panicked: {reaper:?}");
+    assert!(reaper.last_success.is_some(), "{reaper:?}");
+    for which in [WorkerLoop::Committer, WorkerLoop::Heartbeat] {
+        let loop_ = health.get(which).unwrap();
+        assert!(loop_.last_success.is_some(), "{which:?}: {loop_:?}");
+    }
+    assert_eq!(
+        h.store.calls("lease_reap_owner"),
+        3,
+        "the start-up reclaim was tried until it worked"
+    );
+
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), 3 * (INSTANCES as u64 + 1));
+}
+
+/// A group commit whose store call panics loses that group only: the steps leave the
+/// running set (so no heartbeat keeps their leases alive), the leases expire, the reaper
+/// returns them and the steps re-run and finish; the committer reports the panic.
+async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: TestStore>() {
+    let store = Faulty::new(S::fresh().await).failing("step_commit", &[Fault::Panic]);
+    let h = Harness::with_store(store);
+    let id = h.start(NewInstance::new(machine(), "c")).await;
+    // A heartbeat far more often than the reaper looks: a lost result whose step stayed
+    // in the running set would have its lease extended before the reaper could see it
+    // expire.
+    let config = WorkerConfig {
+        heartbeat: Duration::from_millis(1),
+        reap_interval: Duration::from_millis(100),
+        timers: None,
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    h.wait(id, "the panicking commit", |_| h.store.calls("step_commit") >= 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.status(id).await, Status::Executing, "its result was lost with the panic");
+    // Well past the lease: nothing extends it any more, so the reaper takes it back.
+    h.clock.advance(Duration::from_secs(31));
+    let row = h.wait(id, "done after the re-run", |r| r.status == Status::Done).await;
+    assert_eq!(row.revision.0, 1, "committed once");
+    let committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
+    let error = &committer.last_error.as_ref().expect("the panic is reported").1;
+    assert!(error.contains("step_commit panicked: injected step_commit panic"), "{error}");
+    assert!(committer.running && committer.last_success.is_some(), "{committer:?}");
+    worker.shutdown().await;
+}
+
+/// A refused result goes through the machine's error handling like any failure: a chart
+/// under `on_dead_letter = skip` records the dead letter of the event whose macrostep the
+/// store refused, drops that event, and carries on with the next one.
+async fn a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    let definition = Definition::builder("bloat", 1)
+        .initial("idle")
+        .state("idle", |s| s.on("BIG", |t| t.action("inflate")).on_to("SMALL", "finished"))
+        .final_state("finished")
+        .build()
+        .expect("valid chart");
+    let chart = ChartMachine::new(definition)
+        .action("inflate", |ctx: ActionContext, _: Event| {
+            ctx.set("blob", "x".repeat(keel_core::limits::PAYLOAD_BYTES_MAX));
+            std::future::ready(Ok::<(), ActionError>(()))
+        })
+        .with_config(QueueConfig { on_dead_letter: OnDeadLetter::Skip, ..QueueConfig::default() });
+    let id = h.start(chart.new_instance(json!({}))).await;
+    let worker = h.worker(h.config(), chart);
+    h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+    h.client
+        .send_many(vec![NewSignal::new(id, "BIG"), NewSignal::new(id, "SMALL")])
+        .await
+        .expect("send");
+    let row = h.wait(id, "finished after skipping BIG", |r| r.status == Status::Done).await;
+    assert!(row.result.as_ref().is_none_or(|r| r.get("blob").is_none()), "{:?}", row.result);
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0].letter;
+    assert_eq!((letter.instance, letter.reason.as_str()), (id, "non_retryable"));
+    assert_eq!(letter.event.as_ref().map(|e| e["name"].clone()), Some(json!("BIG")));
+    let error = &letter.errors.last().expect("the error is kept").error;
+    assert!(error.contains("the store refused the step's result"), "{error}");
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.refused.load(Ordering::Relaxed), 1);
+}
