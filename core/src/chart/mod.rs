@@ -10,7 +10,8 @@
 //!   [`MacrostepResult`] with the new [`Configuration`], context, history records, and the
 //!   timers and child machines to arm or cancel. No IO, no clock, no async.
 //! - [`ChartContext`]: the JSON context API actions use, with change tracking and `raise`.
-//! - [`Definition::to_mermaid`]: a `stateDiagram-v2` rendering.
+//! - [`Definition::to_mermaid`]: a `stateDiagram-v2` rendering; [`Definition::to_dot`] for
+//!   Graphviz, and [`Definition::to_svg`] / [`Definition::to_svg_highlighted`] drawn in Rust.
 //! - [`ChartJson`]: the JSON form of a definition ([`Definition::to_json`],
 //!   [`ChartBuilder::from_json`]); guards stay Rust functions referenced by name.
 //! - [`parallel`]: the pure half of parallel dispatch (region tasks, reports, the guard,
@@ -53,6 +54,7 @@ mod algorithm;
 mod configuration;
 mod context;
 mod definition;
+mod diagram;
 mod json;
 mod mermaid;
 pub mod parallel;
