@@ -17,6 +17,10 @@
 //!     { "key": "paid", "type": "final" } ] }
 //! ```
 //!
+//! The JSON Schema of this form is generated from these types and committed as
+//! `docs/chart-definition.schema.json` (`cargo xtask json-schema` rewrites it); a chart may name
+//! it in `$schema` for editor support.
+//!
 //! A transition with one branch writes it inline (`guards`, `actions`, `target`,
 //! `internal`); more branches go in `branches`, tried in order after the inline one (as with
 //! the builder's shorthand methods followed by `.branch(…)`). A state without `type` is atomic,
@@ -198,7 +202,9 @@ pub enum DefinitionJsonError {
         /// How to fix it.
         fix: String,
     },
-    /// The chart is well-formed JSON but not a valid chart (unknown target, missing initial…).
+    /// The chart is well-formed JSON but not a valid chart (unknown target, missing initial…):
+    /// what [`ChartBuilder::build`] reports, converted by `?` so that a loader can return one
+    /// error type.
     #[error(transparent)]
     Invalid(#[from] ValidationErrors),
 }
