@@ -5,3 +5,11 @@
 pub mod demo_store;
 #[path = "order_chart.rs"]
 pub mod order;
+
+use keel_core::chart::{Definition, Timer};
+
+/// Every chart the examples build, for tests that must cover all of them (the JSON round
+/// trip, for one). Add a chart here when an example gains one.
+pub fn charts() -> Vec<Definition> {
+    vec![order::definition(), order::definition_with_expiry(Timer::seconds(5))]
+}

@@ -1,6 +1,7 @@
 //! The order chart shared by the `order` example and its tests: cart → awaiting payment
 //! (expires after 7 days) → processing (inventory ∥ payment) → completed / cancelled /
-//! failed. Its Mermaid rendering is checked in as `docs/order-chart.mmd`.
+//! failed. Its renderings are checked in under `docs/`: `order-chart.mmd` (Mermaid),
+//! `order-chart.dot` (Graphviz), `order-chart.svg` and its JSON form `order-chart.json`.
 
 use keel_core::chart::{ActionError, Definition, Timer};
 use keel_scheduler::ChartMachine;

@@ -73,3 +73,6 @@ pub const TIMESTAMP_MAX: crate::time::Timestamp = crate::time::Timestamp(253_402
 /// Most "a commit armed a timer" hints a store keeps for sweepers that have not read them
 /// yet; a sweeper that falls further behind reads the earliest due time from the store.
 pub const TIMER_HINTS_MAX: usize = 1_024;
+/// Largest chart definition accepted as JSON text; a chart that big is better split into child
+/// machines, and the bound keeps a hostile file from exhausting memory while parsing.
+pub const DEFINITION_JSON_BYTES_MAX: usize = 4 << 20;

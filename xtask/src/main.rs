@@ -5,7 +5,10 @@
 //! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
 //!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`.
 //! - `tidy`: the project's checkable style and architecture rules (also a `#[test]`).
+//! - `json-schema`: rewrites `docs/chart-definition.schema.json` from the chart JSON types
+//!   (a `#[test]` fails while the committed file is stale).
 
+mod json_schema;
 mod services;
 mod tidy;
 
@@ -14,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci|tidy|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|json-schema|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -28,6 +31,7 @@ fn main() -> Result<()> {
             let problems = tidy::check(&root)?;
             tidy::report(&problems)
         }
+        Some("json-schema") => json_schema::write(&root),
         Some(other) => bail!("unknown task {other:?}\n{USAGE}"),
         None => bail!("{USAGE}"),
     }

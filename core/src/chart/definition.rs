@@ -86,6 +86,7 @@ pub type Guard = Arc<dyn Fn(&ChartContext, &Event) -> bool + Send + Sync>;
 
 /// The kind of a state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum StateKind {
     /// No children.
@@ -145,7 +146,7 @@ pub(crate) enum Trigger {
 }
 
 /// A flattened, resolved transition (one branch), as the algorithm sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Transition {
     pub(crate) source: usize,
     pub(crate) trigger: Trigger,
@@ -156,7 +157,7 @@ pub(crate) struct Transition {
 }
 
 /// A validated state.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateNode {
     /// The state's key within its parent.
     pub key: String,
@@ -445,7 +446,7 @@ pub struct StateBuilder {
 }
 
 impl StateBuilder {
-    fn new(key: impl Into<String>, kind: StateKind) -> Self {
+    pub(crate) fn new(key: impl Into<String>, kind: StateKind) -> Self {
         Self {
             key: key.into(),
             kind,
@@ -463,7 +464,7 @@ impl StateBuilder {
         }
     }
 
-    fn child(mut self, child: StateBuilder) -> Self {
+    pub(crate) fn child(mut self, child: StateBuilder) -> Self {
         if self.kind == StateKind::Atomic {
             self.kind = StateKind::Compound;
         }

@@ -10,7 +10,10 @@
 //!   [`MacrostepResult`] with the new [`Configuration`], context, history records, and the
 //!   timers and child machines to arm or cancel. No IO, no clock, no async.
 //! - [`ChartContext`]: the JSON context API actions use, with change tracking and `raise`.
-//! - [`Definition::to_mermaid`]: a `stateDiagram-v2` rendering.
+//! - [`Definition::to_mermaid`]: a `stateDiagram-v2` rendering; [`Definition::to_dot`] for
+//!   Graphviz, and [`Definition::to_svg`] / [`Definition::to_svg_highlighted`] drawn in Rust.
+//! - [`ChartJson`]: the JSON form of a definition ([`Definition::to_json`],
+//!   [`ChartBuilder::from_json`]); guards stay Rust functions referenced by name.
 //! - [`parallel`]: the pure half of parallel dispatch (region tasks, reports, the guard,
 //!   merge, stall, done, fail and timeout records).
 //!
@@ -45,12 +48,14 @@
 //!   internal events after the external event, so runaway `@always` chains and raise loops
 //!   both end in [`MacrostepError::MaxTransitionDepthExceeded`].
 //! - **Not yet**: history states, multiple targets per transition, `donedata`, and
-//!   definitions loaded from JSON/SCXML.
+//!   definitions loaded from SCXML.
 
 mod algorithm;
 mod configuration;
 mod context;
 mod definition;
+mod diagram;
+mod json;
 mod mermaid;
 pub mod parallel;
 mod timer;
@@ -66,6 +71,7 @@ pub use definition::{
     Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, StateBuilder,
     StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
+pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use parallel::RegionDispatch;
 pub use timer::{Timer, TimerArm, TimerCancel, TimerKind, TimerSpec, TimerUnit};
 pub use validate::{ChartError, ChartWarning, ValidationErrors};

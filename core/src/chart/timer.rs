@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 /// The unit a [`Timer`] was written in; kept so error messages and diagrams show what the user
 /// wrote ("7 days", not "604800 s").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum TimerUnit {
     /// Seconds.
@@ -69,6 +70,7 @@ impl TimerUnit {
 /// assert_eq!(Timer::seconds(0).duration(), None);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct Timer {
     /// The amount as written (may be non-positive in an invalid definition).
     pub amount: i64,

@@ -295,6 +295,17 @@ impl<'a> Flat<'a> {
 }
 
 pub(crate) fn build(builder: ChartBuilder) -> Result<Definition, ValidationErrors> {
+    let def = build_unchecked(builder)?;
+    // In keel-core's own tests, and in any test build that turns the feature on, every chart
+    // that builds must survive a JSON round trip unchanged: that way each chart a test writes
+    // in Rust also proves the JSON form complete.
+    #[cfg(any(test, feature = "json-round-trip-check"))]
+    super::json::assert_round_trip(&def);
+    Ok(def)
+}
+
+/// Validates and builds without the round-trip check (which itself builds).
+pub(crate) fn build_unchecked(builder: ChartBuilder) -> Result<Definition, ValidationErrors> {
     let mut flat = Flat {
         states: Vec::new(),
         builders: Vec::new(),
