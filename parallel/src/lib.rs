@@ -28,6 +28,7 @@
 use keel_core::InstanceId;
 use keel_core::chart::parallel::{RegionReport, RegionTask};
 use keel_core::chart::{TimerArm, TimerKind};
+use keel_core::retry::FailureKind;
 use serde::{Deserialize, Serialize};
 
 pub use keel_core::chart::parallel;
@@ -79,16 +80,10 @@ pub struct RegionTaskContext {
     pub task: RegionTask,
 }
 
-/// The `exception` of a failed region: the kind of the last error, from the worker's
-/// message shapes (`step timed out…`, `step panicked…`), else `ActionError`.
-pub fn exception_of(message: &str) -> &'static str {
-    if message.starts_with("step timed out") {
-        "Timeout"
-    } else if message.starts_with("step panicked") {
-        "Panic"
-    } else {
-        "ActionError"
-    }
+/// The `exception` of a failed region: the kind of its last error (`Timeout`, `Panic`,
+/// else `ActionError`).
+pub fn exception_of(kind: FailureKind) -> &'static str {
+    kind.exception()
 }
 
 /// The dedup key of a task's report: one report per task instance, however often the
@@ -122,8 +117,9 @@ mod tests {
 
     #[test]
     fn exceptions_are_named_after_the_error_kind() {
-        assert_eq!(exception_of("step timed out after 5 ms"), "Timeout");
-        assert_eq!(exception_of("step panicked: boom"), "Panic");
-        assert_eq!(exception_of("inventory API down"), "ActionError");
+        assert_eq!(exception_of(FailureKind::Timeout), "Timeout");
+        assert_eq!(exception_of(FailureKind::Panic), "Panic");
+        assert_eq!(exception_of(FailureKind::Action), "ActionError");
+        assert_eq!(exception_of(FailureKind::NonRetryable), "ActionError");
     }
 }

@@ -23,7 +23,7 @@ use keel_core::chart::{
 use keel_core::config::QueueConfig;
 use keel_core::instance::{ANY_SIGNAL, HistoryEntry, NewInstance, NewSignal};
 use keel_core::ports::store::InstanceDetail;
-use keel_core::retry::ErrorClass;
+use keel_core::retry::{self, RetryDecision};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
 use keel_parallel::{ParallelConfig, REGION_POSITION, REGION_REPORT_EVENT, RegionTaskContext};
 use serde_json::{Value, json};
@@ -423,13 +423,12 @@ impl StepMachine for ChartMachine {
         if ctx.step != REGION_POSITION {
             return Ok(None);
         }
-        let attempts = u32::try_from(ctx.attempt).unwrap_or(0) + 1;
-        if error.class == ErrorClass::Retryable && attempts < self.parallel.job_tries {
-            return Ok(Some(Outcome::Retry {
-                context: ctx.context.clone(),
-                delay: self.parallel.job_backoff,
-            }));
+        let attempt = u32::try_from(ctx.attempt).unwrap_or(0);
+        let policy = self.parallel.job_config(self.config).retry;
+        if let RetryDecision::Retry { delay } = retry::decide(&policy, attempt, error.kind, 0.0) {
+            return Ok(Some(Outcome::Retry { context: ctx.context.clone(), delay }));
         }
+        let attempts = attempt + 1;
         // Out of tries: tell the parent (its `@fail`), and fail the task itself.
         let Ok(task) = serde_json::from_value::<RegionTaskContext>(ctx.context.clone()) else {
             return Ok(None);
@@ -437,7 +436,7 @@ impl StepMachine for ChartMachine {
         let report = RegionReport::Failed {
             key: task.task.key.clone(),
             error: error.message.clone(),
-            exception: keel_parallel::exception_of(&error.message).to_owned(),
+            exception: keel_parallel::exception_of(error.kind).to_owned(),
             attempts,
         };
         Self::report(ctx, &task, &report)?;
