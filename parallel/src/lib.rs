@@ -27,7 +27,6 @@
 
 use keel_core::InstanceId;
 use keel_core::chart::parallel::{RegionReport, RegionTask};
-use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::retry::FailureKind;
 use serde::{Deserialize, Serialize};
 
@@ -38,38 +37,13 @@ pub use keel_core::config::ParallelConfig;
 
 /// The position of a region task instance.
 pub const REGION_POSITION: &str = "@region";
-/// The event a region task emits to its parent; the payload is a [`RegionReport`].
-pub const REGION_REPORT_EVENT: &str = "parallel.region";
-/// The prefix of region-timeout events: `parallel.timeout.<parallel state path>`.
-pub const TIMEOUT_EVENT_PREFIX: &str = "parallel.timeout.";
 
-/// The region-timeout timer of `parallel_state`, if `config.region_timeout` is on.
-pub fn timeout_timer(config: &ParallelConfig, parallel_state: &str) -> Option<TimerArm> {
-    (!config.region_timeout.is_zero()).then(|| TimerArm {
-        state: timeout_owner(parallel_state),
-        event: timeout_event(parallel_state),
-        kind: TimerKind::After,
-        interval: config.region_timeout,
-        max: None,
-        then: None,
-    })
-}
-
-/// The timer owner of `parallel_state`'s region timeout: a name no state has, so that
-/// cancelling it never touches the timers of the parallel state's own descendants.
-pub fn timeout_owner(parallel_state: &str) -> String {
-    format!("@timeout:{parallel_state}")
-}
-
-/// The region-timeout event of `parallel_state`.
-pub fn timeout_event(parallel_state: &str) -> String {
-    format!("{TIMEOUT_EVENT_PREFIX}{parallel_state}")
-}
-
-/// The parallel state a region-timeout event is about, if `event` is one.
-pub fn timeout_state(event: &str) -> Option<&str> {
-    event.strip_prefix(TIMEOUT_EVENT_PREFIX)
-}
+/// The report event, its payload type and the region-timeout timer live with the chart
+/// step in the core, which both produces and consumes them.
+pub use keel_core::chart::step::{
+    REGION_REPORT_EVENT, TIMEOUT_EVENT_PREFIX, timeout_event, timeout_owner, timeout_state,
+    timeout_timer,
+};
 
 /// The context of a region task instance.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,6 +74,7 @@ pub fn decode_report(payload: &serde_json::Value) -> Result<RegionReport, serde_
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keel_core::chart::TimerKind;
 
     #[test]
     fn the_region_timeout_is_one_after_timer_owned_by_a_name_no_state_has() {

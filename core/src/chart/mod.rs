@@ -11,6 +11,8 @@
 //!   timers and child machines to arm or cancel. No IO, no clock, no async.
 //! - [`ChartContext`]: the JSON context API actions use, with change tracking and `raise`.
 //! - [`Definition::to_mermaid`]: a `stateDiagram-v2` rendering.
+//! - [`step`]: one chart step (an event or the initial entry) from the stored state to the
+//!   plan a runtime commits; every chart runtime drives it.
 //! - [`parallel`]: the pure half of parallel dispatch (region tasks, reports, the guard,
 //!   merge, stall, done, fail and timeout records).
 //!
@@ -53,6 +55,7 @@ mod context;
 mod definition;
 mod mermaid;
 pub mod parallel;
+pub mod step;
 mod timer;
 mod validate;
 
