@@ -409,3 +409,133 @@ fn by_parallel_state(tasks: &[RegionTask]) -> Vec<(String, u64, Vec<String>)> {
     }
     by_state
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::ActionPhase;
+    use std::time::Duration;
+
+    /// Two regions with entry actions under `p`, left by `LEAVE`.
+    fn def() -> Definition {
+        Definition::builder("t", 1)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("r1", |r| r.initial("a").state("a", |s| s.entry("one")))
+                    .state("r2", |r| r.initial("b").state("b", |s| s.entry("two")))
+                    .on_to("LEAVE", "out")
+            })
+            .leaf("out")
+            .build()
+            .unwrap()
+    }
+
+    fn timed() -> ParallelConfig {
+        ParallelConfig { region_timeout: Duration::from_secs(60), ..ParallelConfig::enabled() }
+    }
+
+    /// Runs a step to its plan, answering every action with an unchanged context.
+    fn run(mut step: ChartStep<'_>) -> (Vec<String>, Result<StepPlan, MacrostepError>) {
+        let mut ran = Vec::new();
+        while let Some(call) = step.poll() {
+            ran.push(call.request.name.clone());
+            step.handle_action_result(Ok(call.context.into_result()));
+        }
+        (ran, step.finish())
+    }
+
+    fn kinds(plan: &StepPlan) -> Vec<&str> {
+        plan.history.iter().map(|e| e.kind.as_str()).collect()
+    }
+
+    #[test]
+    fn entering_a_parallel_state_in_dispatch_mode_plans_region_tasks_and_one_timeout() {
+        let def = def();
+        let (ran, plan) = run(ChartStep::init(&def, json!({}), Limits::default(), &timed()));
+        let plan = plan.unwrap();
+        assert!(ran.is_empty(), "region entry actions are left to region tasks: {ran:?}");
+        assert_eq!(kinds(&plan), [MACROSTEP, PARALLEL_DISPATCH]);
+        assert_eq!(plan.history[0].data["dispatched"], json!(true));
+        assert_eq!(
+            plan.history[1].data,
+            json!({ "parallel_state_id": "p", "dispatch": 1, "regions": ["p.r1", "p.r2"] })
+        );
+        let regions: Vec<&str> = plan.region_tasks.iter().map(|t| t.key.region.as_str()).collect();
+        assert_eq!(regions, ["p.r1", "p.r2"]);
+        assert_eq!(plan.timers_cancel, ["@timeout:p"], "a re-entered state's timer goes first");
+        assert_eq!(plan.timers_arm, [timeout_timer(&timed(), "p").unwrap()]);
+        assert!(plan.stored_context()[super::super::parallel::BOOK_KEY].is_object());
+        assert_eq!(plan.position().as_deref(), Some(r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#));
+    }
+
+    #[test]
+    fn without_dispatch_the_entry_actions_run_in_the_step() {
+        let def = def();
+        let parallel = ParallelConfig::default();
+        let (ran, plan) = run(ChartStep::init(&def, json!({}), Limits::default(), &parallel));
+        let plan = plan.unwrap();
+        assert_eq!(ran, ["one", "two"]);
+        assert_eq!(kinds(&plan), [MACROSTEP]);
+        assert_eq!(plan.history[0].data["dispatched"], json!(false));
+        assert!(plan.region_tasks.is_empty() && plan.timers_arm.is_empty());
+    }
+
+    #[test]
+    fn leaving_a_dispatched_state_cancels_its_region_timeout() {
+        let def = def();
+        let (_, entered) = run(ChartStep::init(&def, json!({}), Limits::default(), &timed()));
+        let entered = entered.unwrap();
+        let configuration = entered.configuration.clone().unwrap();
+        let step = ChartStep::event(
+            &def,
+            &configuration,
+            entered.stored_context(),
+            Event::new("LEAVE"),
+            Limits::default(),
+            &timed(),
+        )
+        .unwrap();
+        let plan = run(step).1.unwrap();
+        assert!(plan.timers_cancel.contains(&"@timeout:p".to_owned()), "{:?}", plan.timers_cancel);
+        assert_eq!(plan.position().as_deref(), Some(r#"["out"]"#));
+        assert!(plan.book.active.is_empty(), "the dispatch is forgotten: {:?}", plan.book);
+        assert_eq!(plan.book.last_dispatch, 1, "dispatch numbers are never reused");
+    }
+
+    #[test]
+    fn runtime_events_with_nothing_to_do_park_and_bad_reports_are_refused() {
+        let def = def();
+        let configuration = Configuration::from_paths(["out"]);
+        let at = |event: Event| {
+            ChartStep::event(&def, &configuration, json!({}), event, Limits::default(), &timed())
+        };
+        // A region timeout for a state with no active dispatch: consumed, nothing else.
+        let plan = run(at(Event::new(timeout_event("p"))).unwrap()).1.unwrap();
+        assert_eq!(plan.configuration, None);
+        assert!(plan.history.is_empty() && plan.macrostep.is_none());
+        // A report payload that is not a report is an error, not a guess.
+        assert!(at(Event::with_payload(REGION_REPORT_EVENT, json!({ "nope": 1 }))).is_err());
+        // An event the chart does not handle is recorded as such.
+        let plan = run(at(Event::with_payload("BOGUS", json!({ "x": 1 }))).unwrap()).1.unwrap();
+        assert_eq!(kinds(&plan), [MACROSTEP, EVENT_UNHANDLED]);
+        assert_eq!(plan.history[1].data, json!({ "event": "BOGUS", "payload": { "x": 1 } }));
+    }
+
+    #[test]
+    fn finishing_before_every_action_ran_fails_instead_of_committing_half_a_step() {
+        let def = def();
+        let parallel = ParallelConfig::default();
+        let mut step = ChartStep::init(&def, json!({}), Limits::default(), &parallel);
+        let call = step.poll().expect("an entry action");
+        assert_eq!(call.request.phase, ActionPhase::Entry);
+        let error = step.finish().unwrap_err();
+        assert!(!error.is_retryable());
+        assert!(error.to_string().contains("run every action"), "{error}");
+        // A failed action fails the step: the runtime commits nothing.
+        let mut step = ChartStep::init(&def, json!({}), Limits::default(), &parallel);
+        step.poll().expect("an entry action");
+        step.handle_action_result(Err(ActionError::new("down")));
+        let (_, result) = run(step);
+        assert!(result.unwrap_err().is_retryable());
+    }
+}
