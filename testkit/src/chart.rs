@@ -39,11 +39,13 @@ use keel_core::chart::parallel::{ParallelBook, RegionReport, RegionRun, RegionTa
 use keel_core::chart::step::{ChartStep, StepPlan};
 use keel_core::chart::{
     ActionError, ChartContext, Configuration, Definition, Event, Limits, MacrostepError,
-    MacrostepResult, Record, SharedContext, Timer, TimerArm, TimerKind,
+    MacrostepResult, Record, SharedContext, Timer, TimerArm,
 };
 use keel_core::config::ParallelConfig;
 use keel_core::instance::HistoryEntry;
-use keel_core::timers::owned_by;
+use keel_core::time::Timestamp;
+use keel_core::timers::{TimerRow, fire, owned_by};
+use keel_core::{InstanceId, MachineRef, TimerId};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -99,11 +101,13 @@ impl From<Timer> for Advance {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Armed {
-    arm: TimerArm,
-    due: Duration,
-    fires: u32,
+/// The virtual clock's origin: `TestMachine` keeps its timers as the durable stores keep
+/// them (rows due at a timestamp), counted from here.
+const EPOCH: Timestamp = Timestamp(0);
+
+/// A virtual time as a timestamp.
+fn at(elapsed: Duration) -> Timestamp {
+    EPOCH.plus(elapsed)
 }
 
 /// An in-memory chart instance for tests. See the module docs.
@@ -114,7 +118,8 @@ pub struct TestMachine {
     context: Value,
     configuration: Configuration,
     results: Vec<(Option<Event>, MacrostepResult)>,
-    timers: Vec<Armed>,
+    timers: Vec<TimerRow>,
+    next_timer_id: i64,
     now: Duration,
     fired: Vec<String>,
     runtime: Option<tokio::runtime::Runtime>,
@@ -147,6 +152,7 @@ impl TestMachine {
             configuration: Configuration::empty(),
             results: Vec::new(),
             timers: Vec::new(),
+            next_timer_id: 1,
             now: Duration::ZERO,
             fired: Vec::new(),
             runtime: None,
@@ -475,11 +481,15 @@ impl TestMachine {
         // The durable stores' rule: cancels apply before arms, and a cancelled state
         // takes its descendants' timers along.
         for owner in &plan.timers_cancel {
-            self.timers.retain(|t| !owned_by(&t.arm.state, owner));
+            self.timers.retain(|t| !owned_by(&t.spec.state, owner));
         }
+        let machine =
+            MachineRef::new(self.def.name(), i32::try_from(self.def.version()).unwrap_or(i32::MAX));
         for arm in plan.timers_arm {
-            let due = self.now + arm.interval;
-            self.timers.push(Armed { arm, due, fires: 0 });
+            let id = TimerId(self.next_timer_id);
+            self.next_timer_id += 1;
+            let row = TimerRow::armed(id, InstanceId(0), "", &machine, arm, at(self.now));
+            self.timers.push(row);
         }
         self.pending.extend(plan.region_tasks);
         self.book = plan.book;
@@ -537,7 +547,7 @@ impl TestMachine {
     /// The timers currently armed (as the runtime would hold them), in arming order.
     pub fn timers(&mut self) -> Vec<&TimerArm> {
         self.start();
-        self.timers.iter().map(|t| &t.arm).collect()
+        self.timers.iter().map(|t| &t.spec).collect()
     }
 
     /// Moves the virtual clock forward by `by`, firing every timer that falls due, in due
@@ -556,31 +566,26 @@ impl TestMachine {
                 .timers
                 .iter()
                 .enumerate()
-                .filter(|(_, t)| t.due <= until)
-                .min_by_key(|(i, t)| (t.due, *i));
+                .filter(|(_, t)| t.next_fire_at <= at(until))
+                .min_by_key(|(i, t)| (t.next_fire_at, *i));
             let Some((index, _)) = next else {
                 break;
             };
-            let mut timer = self.timers.remove(index);
-            self.now = timer.due;
-            // The same rule as the durable sweep (`keel_core::timers::fire`): after `max`
-            // fires, the next due time sends `then` once and the timer is gone.
-            let exhausted = timer.arm.kind == TimerKind::Every
-                && timer.arm.max.is_some_and(|max| timer.fires >= max);
-            if exhausted {
-                if let Some(then) = timer.arm.then.clone() {
-                    self.fired.push(then.clone());
-                    self.send(then.as_str());
-                }
-                continue;
+            let timer = self.timers.remove(index);
+            let due = timer.next_fire_at;
+            self.now = Duration::from_millis(u64::try_from(due.0 - EPOCH.0).unwrap_or(0));
+            // The durable sweep's rule, from the core: what to deliver, and the timer
+            // that remains (an `every` timer due again, or none).
+            let fired = fire(&timer, due);
+            if let Some(next) = fired.next {
+                self.timers.insert(index, next);
             }
-            timer.fires += 1;
-            if timer.arm.kind == TimerKind::Every {
-                timer.due = self.now + timer.arm.interval;
-                self.timers.insert(index, timer.clone());
+            let event = fired.signal.name;
+            // An exhausted timer without a `then` event has nothing to deliver.
+            if !event.is_empty() {
+                self.fired.push(event.clone());
+                self.send(event.as_str());
             }
-            self.fired.push(timer.arm.event.clone());
-            self.send(timer.arm.event.as_str());
         }
         self.now = until;
         self
