@@ -1,7 +1,9 @@
 //! Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Parallel Dispatch"):
 //! the configuration, and the durable shape of region tasks, reports and the region
 //! timeout. The semantics (guard, merge, stall, done, fail, timeout) are pure and live in
-//! [`keel_core::chart::parallel`]; the scheduler's `ChartMachine` runs them on a store.
+//! [`keel_core::chart::parallel`], and the chart step that applies them to an instance
+//! (dispatch, reports, the region timeout) in [`keel_core::chart::step`]; the scheduler's
+//! `ChartMachine` and the in-memory `TestMachine` both drive that step.
 //!
 //! # How a dispatch is stored
 //!

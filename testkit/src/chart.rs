@@ -43,6 +43,7 @@ use keel_core::chart::{
 };
 use keel_core::config::ParallelConfig;
 use keel_core::instance::HistoryEntry;
+use keel_core::retry::FailureKind;
 use keel_core::time::Timestamp;
 use keel_core::timers::{TimerRow, fire, owned_by};
 use keel_core::{InstanceId, MachineRef, TimerId};
@@ -216,7 +217,7 @@ impl TestMachine {
         let report = RegionReport::Failed {
             key: task.key,
             error: error.to_owned(),
-            exception: "ActionError".to_owned(),
+            exception: FailureKind::Action.exception().to_owned(),
             attempts: 1,
         };
         self.handle_report(&report);
@@ -276,7 +277,7 @@ impl TestMachine {
                 return RegionReport::Failed {
                     key: task.key.clone(),
                     error: e.message,
-                    exception: "ActionError".to_owned(),
+                    exception: FailureKind::Action.exception().to_owned(),
                     attempts: 1,
                 };
             }
