@@ -1,8 +1,10 @@
 //! Charts on the engine: a [`ChartMachine`] runs a statechart definition durably. Each
-//! step takes the oldest event in the instance's inbox and processes it as one macrostep
-//! (the core's sans-IO algorithm), running the actions it asks for — async, with IO —
-//! and commits the new configuration, context, the consumed event, history, emitted
-//! events and started child machines in one commit. Then it parks until the next event.
+//! step takes the oldest event in the instance's inbox and drives the core's sans-IO
+//! chart step ([`keel_core::chart::step::ChartStep`]) with it, running the actions it asks
+//! for — async, with IO — and commits the step's plan (the new configuration, context,
+//! the consumed event, history, timers, emitted events, started child machines and region
+//! tasks) in one commit. Then it parks until the next event. The in-memory `TestMachine`
+//! drives the same step, so both record the same history for the same events.
 //!
 //! A new chart instance starts at the position [`INIT`]; its first step enters the
 //! initial states (running their entry actions). The configuration is stored as the
