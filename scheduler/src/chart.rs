@@ -14,7 +14,9 @@
 
 use crate::machine::{StepContext, StepError, StepMachine};
 use async_trait::async_trait;
-use keel_core::chart::parallel::{ParallelBook, RegionReport, RegionRun, Skip, check};
+use keel_core::chart::parallel::{
+    ParallelBook, RegionReport, RegionRun, Skip, action_failure, check,
+};
 use keel_core::chart::step::{ChartStep, MACROSTEP, StepPlan};
 use keel_core::chart::{
     ActionError, ActionRequest, ActionResult, ChartContext, Configuration, Definition, Event,
@@ -226,10 +228,7 @@ impl ChartMachine {
             let actx = ActionContext::new(run.context().clone(), ctx.clone());
             let result = self.call(&request, actx).await;
             run.handle_action_result(result).map_err(|e| {
-                let message = format!(
-                    "action `{}` of state `{}` failed: {}",
-                    request.name, request.state, e.message
-                );
+                let message = action_failure(&request, &e);
                 if e.retryable { StepError::retryable(message) } else { StepError::fatal(message) }
             })?;
         }

@@ -57,14 +57,18 @@ fn parallel() -> ParallelConfig {
 
 type Done = Ready<Result<(), ActionError>>;
 
-fn durable() -> ChartMachine {
+/// The durable machine; with `out_of_stock` the inventory check fails for good.
+fn durable(out_of_stock: bool) -> ChartMachine {
     ChartMachine::new(checkout())
         .with_parallel(parallel())
         .action("note", |ctx: ActionContext, e: Event| -> Done {
             ctx.set("checked_out_by", e.name);
             ready(Ok(()))
         })
-        .action("check_inventory", |ctx: ActionContext, _| -> Done {
+        .action("check_inventory", move |ctx: ActionContext, _| -> Done {
+            if out_of_stock {
+                return ready(Err(ActionError::permanent("no stock")));
+            }
             ctx.set("inventory", true);
             ctx.raise("INVENTORY_OK");
             ready(Ok(()))
@@ -75,13 +79,18 @@ fn durable() -> ChartMachine {
         })
 }
 
-fn in_memory() -> TestMachine {
+/// The same machine in memory.
+fn in_memory(out_of_stock: bool) -> TestMachine {
     TestMachine::new(checkout())
         .with_parallel(parallel())
         .action_sync("note", |ctx, e| ctx.set("checked_out_by", e.name.clone()))
-        .action_sync("check_inventory", |ctx, _| {
+        .action("check_inventory", move |ctx, _| async move {
+            if out_of_stock {
+                return Err(ActionError::permanent("no stock"));
+            }
             ctx.set("inventory", true);
             ctx.raise("INVENTORY_OK");
+            Ok(())
         })
         .action_sync("validate_payment", |ctx, _| ctx.set("payment_checked", true))
 }
@@ -141,7 +150,7 @@ async fn sweep(h: &Harness) {
 /// runs them.
 async fn durable_history() -> (Vec<(String, Value)>, String, Value) {
     let h: Harness<MemoryStore> = Harness::new();
-    let machine = durable();
+    let machine = durable(false);
     let id = h.start(machine.new_instance(json!({}))).await;
     let config = WorkerConfig {
         worker_id: WorkerId("same-step".into()),
@@ -174,7 +183,7 @@ async fn test_machine_and_the_durable_runtime_record_the_same_history() {
 
     // TestMachine drives its actions on a private runtime, so it runs off this one.
     let (memory, memory_position, memory_context) = tokio::task::spawn_blocking(|| {
-        let mut m = in_memory();
+        let mut m = in_memory(false);
         m.send("BOGUS").send("CHECKOUT");
         m.advance_timers(REGION_TIMEOUT + Duration::from_secs(1));
         m.assert_final().assert_state("failed");
@@ -212,4 +221,52 @@ async fn test_machine_and_the_durable_runtime_record_the_same_history() {
         durable_context,
         json!({ "checked_out_by": "CHECKOUT", "inventory": true, "payment_checked": true })
     );
+}
+
+/// A region whose entry action fails for good fails the parallel state through `@fail`,
+/// with the same `PARALLEL_FAIL` (region, error, exception, attempts) in both runtimes.
+#[tokio::test]
+async fn a_failing_region_records_the_same_history_in_memory_and_durably() {
+    let h: Harness<MemoryStore> = Harness::new();
+    let machine = durable(true);
+    let id = h.start(machine.new_instance(json!({}))).await;
+    let config = WorkerConfig {
+        worker_id: WorkerId("same-step".into()),
+        queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 1)],
+        timers: None,
+        ..h.config()
+    };
+    let worker =
+        Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(machine).spawn();
+    settled(&h, id).await;
+    h.client.send(NewSignal::new(id, "CHECKOUT")).await.expect("send");
+    // The payment region's report may still sit in the finished instance's inbox: wait
+    // for the finish itself rather than for an empty inbox.
+    h.wait(id, "the failed parallel state", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+    let detail = h.client.get(id).await.expect("get");
+    let durable = chart_entries(detail.history.into_iter().map(|r| (r.entry.kind, r.entry.data)));
+
+    let memory = tokio::task::spawn_blocking(|| {
+        let mut m = in_memory(true);
+        m.send("CHECKOUT").assert_final().assert_state("failed");
+        let history = m.history_entries().iter().map(|e| (e.kind.clone(), e.data.clone()));
+        chart_entries(history.collect::<Vec<_>>())
+    })
+    .await
+    .expect("the in-memory run");
+
+    let fail: Vec<&Value> =
+        durable.iter().filter(|(kind, _)| kind == "PARALLEL_FAIL").map(|(_, data)| data).collect();
+    assert_eq!(
+        fail,
+        [&json!({
+            "region_id": "processing.inventory",
+            "error": "action `check_inventory` of state `processing.inventory.checking` failed: no stock",
+            "exception": "ActionError",
+            "attempts": 1,
+        })]
+    );
+    assert_eq!(memory, durable, "the same events give the same history in memory and durably");
+    assert_eq!(detail.instance.position, r#"["failed"]"#);
 }

@@ -35,7 +35,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::chart::parallel::{ParallelBook, RegionReport, RegionRun, RegionTask, check};
+use keel_core::chart::parallel::{
+    ParallelBook, RegionReport, RegionRun, RegionTask, action_failure, check,
+};
 use keel_core::chart::step::{ChartStep, StepPlan};
 use keel_core::chart::{
     ActionError, ChartContext, Configuration, Definition, Event, Limits, MacrostepError,
@@ -276,7 +278,7 @@ impl TestMachine {
             if let Err(e) = run.handle_action_result(outcome.map(|()| ctx.to_result())) {
                 return RegionReport::Failed {
                     key: task.key.clone(),
-                    error: e.message,
+                    error: action_failure(&request, &e),
                     exception: FailureKind::Action.exception().to_owned(),
                     attempts: 1,
                 };
