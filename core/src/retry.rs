@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::OnDeadLetter;
 use crate::error::ErrorKind;
 use crate::names::name_enum;
 
@@ -355,6 +356,53 @@ pub fn decide(
     RetryDecision::Retry { delay: policy.delay_for(failed_attempt, random) }
 }
 
+/// What a failed step leads to, all things considered: the retry decision, and for a
+/// dead letter, what the instance does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePlan {
+    /// Run the step again after `delay`, with its attempt counted.
+    Retry {
+        /// How long to wait before the next attempt.
+        delay: Duration,
+    },
+    /// Dead-letter the failure and suspend the instance until the dead letter is retried
+    /// or purged, so later events keep their order.
+    Suspend {
+        /// Why it was dead-lettered.
+        reason: DeadLetterReason,
+    },
+    /// Dead-letter the event being processed, consume it, and carry on with the next one
+    /// at the same position.
+    Skip {
+        /// Why it was dead-lettered.
+        reason: DeadLetterReason,
+    },
+    /// Leave the instance untouched (see [`RetryDecision::Discard`]).
+    Discard,
+}
+
+/// Plans what follows the failure of attempt `failed_attempt` (0-based) of a step: the
+/// retry decision of [`decide`], then, for a dead letter, `on_dead_letter`: `skip` drops
+/// the event the step was processing (`processing_event`) and carries on; a step that
+/// processed no single event, or `suspend`, suspends the instance.
+pub fn plan_failure(
+    policy: &RetryPolicy,
+    on_dead_letter: OnDeadLetter,
+    failed_attempt: u32,
+    kind: impl Into<FailureKind>,
+    processing_event: bool,
+    random: f64,
+) -> FailurePlan {
+    match decide(policy, failed_attempt, kind, random) {
+        RetryDecision::Retry { delay } => FailurePlan::Retry { delay },
+        RetryDecision::Discard => FailurePlan::Discard,
+        RetryDecision::DeadLetter { reason } => match (on_dead_letter, processing_event) {
+            (OnDeadLetter::Skip, true) => FailurePlan::Skip { reason },
+            _ => FailurePlan::Suspend { reason },
+        },
+    }
+}
+
 /// What a runtime does with a step result the store refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefusedCommit {
@@ -560,6 +608,42 @@ mod tests {
         // An error class is the kind of an error the step's code returned.
         assert_eq!(FailureKind::from(ErrorClass::Retryable), Action);
         assert_eq!(FailureKind::from(ErrorClass::NonRetryable), NonRetryable);
+    }
+
+    /// Retry, dead-letter and suspend, dead-letter and skip, or discard: one table over
+    /// kind, attempt, the dead-letter policy and whether the step processed one event.
+    #[test]
+    fn failure_plans_by_kind_attempt_and_dead_letter_policy() {
+        use DeadLetterReason::{Exhausted, NonRetryable as Fatal};
+        use FailureKind::*;
+        use OnDeadLetter::{Skip as S_, Suspend as P_};
+        let retry = |delay| FailurePlan::Retry { delay };
+        let suspend = |reason| FailurePlan::Suspend { reason };
+        let skip = |reason| FailurePlan::Skip { reason };
+        let three = RetryPolicy::default();
+        #[rustfmt::skip]
+        let cases: &[(FailureKind, u32, OnDeadLetter, bool, FailurePlan)] = &[
+            (Action,       0, P_, true,  retry(S(1))),
+            (Action,       0, S_, true,  retry(S(1))),
+            (Timeout,      1, S_, true,  retry(S(2))),
+            (Action,       2, P_, true,  suspend(Exhausted)),
+            (Action,       2, S_, true,  skip(Exhausted)),
+            (Panic,        2, S_, true,  skip(Exhausted)),
+            // Skipping needs an event to drop; without one the instance suspends.
+            (Action,       2, S_, false, suspend(Exhausted)),
+            (NonRetryable, 0, P_, true,  suspend(Fatal)),
+            (NonRetryable, 0, S_, true,  skip(Fatal)),
+            (Refused,      0, S_, false, suspend(Fatal)),
+            (LeaseLost,    0, S_, true,  FailurePlan::Discard),
+            (Unavailable,  2, P_, true,  FailurePlan::Discard),
+        ];
+        for &(kind, attempt, on_dead_letter, processing, expected) in cases {
+            assert_eq!(
+                plan_failure(&three, on_dead_letter, attempt, kind, processing, 0.0),
+                expected,
+                "{kind:?}, attempt {attempt}, {on_dead_letter:?}, processing an event: {processing}"
+            );
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@
 
 use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
-use keel_core::config::{OnDeadLetter, QueueConfig};
+use keel_core::config::QueueConfig;
 use keel_core::instance::{ANY_SIGNAL, Instance};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
@@ -26,7 +26,7 @@ use keel_core::ports::store::{
     LeaseReleaseParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::retry::{self, ErrorClass, FailureKind, RefusedCommit, RetryDecision};
+use keel_core::retry::{self, ErrorClass, FailureKind, FailurePlan, RefusedCommit};
 use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
@@ -801,24 +801,35 @@ async fn failure_commit(
                 FailureKind::LeaseLost | FailureKind::Unavailable => FailureKind::Action,
                 kind => kind,
             };
-            match retry::decide(&config.retry, attempt, kind, fastrand::f64()) {
-                RetryDecision::Retry { delay } => {
+            let processing_event = processing.as_ref();
+            let plan = retry::plan_failure(
+                &config.retry,
+                config.on_dead_letter,
+                attempt,
+                kind,
+                processing_event.is_some(),
+                fastrand::f64(),
+            );
+            match (plan, processing_event) {
+                (FailurePlan::Retry { delay }, _) => {
                     Outcome::Retry { context: row.context.clone(), delay }
                 }
-                RetryDecision::DeadLetter { .. } | RetryDecision::Discard => {
+                // Skip: drop the failed event, keep the position, take the next one.
+                (FailurePlan::Skip { .. }, Some(event)) => {
                     failure.dead_letter = true;
-                    match (&processing, config.on_dead_letter) {
-                        // Skip: drop the failed event, keep the position, take the next one.
-                        (Some(event), OnDeadLetter::Skip) => {
-                            consume.push(event.id);
-                            Outcome::Await {
-                                signal: ANY_SIGNAL.into(),
-                                context: row.context.clone(),
-                                step: None,
-                            }
-                        }
-                        _ => Outcome::Suspend,
+                    consume.push(event.id);
+                    Outcome::Await {
+                        signal: ANY_SIGNAL.into(),
+                        context: row.context.clone(),
+                        step: None,
                     }
+                }
+                (
+                    FailurePlan::Skip { .. } | FailurePlan::Suspend { .. } | FailurePlan::Discard,
+                    _,
+                ) => {
+                    failure.dead_letter = true;
+                    Outcome::Suspend
                 }
             }
         }
