@@ -10,21 +10,20 @@
 
 #![allow(clippy::items_after_statements)]
 
+#[macro_use]
 mod common;
 
-use common::Harness;
+use common::{Harness, TestStore};
 use keel_core::chart::{ActionError, Definition, Event};
 use keel_core::config::QueueConfig;
+use keel_core::ports::Clock;
 use keel_core::ports::store::LeaseReapParams;
-use keel_core::ports::{Clock, Store};
 use keel_core::retry::RetryPolicy;
 use keel_core::{Instance, InstanceId, NewInstance, NewSignal, Status, WorkerId};
 use keel_parallel::{ParallelConfig, REGION_POSITION, REGION_REPORT_EVENT};
 use keel_scheduler::WorkerHandle;
 use keel_scheduler::chart::dispatched;
 use keel_scheduler::{ActionContext, ChartMachine, SweepConfig, Sweeper, Worker, WorkerConfig};
-use keel_store_postgres::PgStore;
-use keel_testkit::memory::MemoryStore;
 use keel_timers::SweepOutcome;
 use serde_json::{Value, json};
 use std::future::{Ready, ready};
@@ -32,68 +31,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::{Barrier, Notify};
-
-/// A store the suite runs on, and how many workers share it.
-trait TestStore: Store + Sized {
-    const WORKERS: usize;
-    async fn harness() -> Harness<Self>;
-}
-
-impl TestStore for MemoryStore {
-    const WORKERS: usize = 1;
-    async fn harness() -> Harness<Self> {
-        Harness::new()
-    }
-}
-
-impl TestStore for PgStore {
-    const WORKERS: usize = 2;
-    async fn harness() -> Harness<Self> {
-        // Two workers (claim, commit, heartbeat, reaper each), the client and a sweeper.
-        let store = keel_store_postgres::testing::fresh_schema_with(12).await;
-        Harness::with_store(store.expect("checked by `postgres_available`"))
-    }
-}
-
-/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
-/// `KEEL_REQUIRE_BACKENDS=1`.
-fn postgres_available(test: &str) -> bool {
-    if keel_store_postgres::testing::database_url().is_some() {
-        return true;
-    }
-    assert!(
-        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
-        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
-    );
-    keel_testkit::conformance::skip_notice(&format!(
-        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
-    ));
-    false
-}
-
-/// Instantiates each generic test on every store.
-macro_rules! on_every_store {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name::<keel_testkit::memory::MemoryStore>().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    if super::postgres_available(stringify!($name)) {
-                        super::$name::<keel_store_postgres::PgStore>().await;
-                    }
-                }
-            )*
-        }
-    };
-}
 
 on_every_store!(
     regions_finishing_together_fire_exactly_one_done,

@@ -8,10 +8,11 @@
 
 #![allow(clippy::items_after_statements, clippy::unnecessary_wraps)]
 
+#[macro_use]
 mod common;
 
 use async_trait::async_trait;
-use common::Harness;
+use common::{Harness, TestStore};
 use keel_core::chart::{ActionError, Definition, Event};
 use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
@@ -32,77 +33,12 @@ use keel_scheduler::{
     ActionContext, ChartMachine, StepContext, StepError, StepMachine, SweepConfig, SweepGroup,
     WorkerConfig, WorkerLoop,
 };
-use keel_store_postgres::PgStore;
-use keel_testkit::memory::MemoryStore;
 use serde_json::{Value, json};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Barrier;
-
-/// A store the suite runs on.
-trait TestStore: Store + Sized {
-    /// A fresh, empty store.
-    async fn fresh() -> Self;
-
-    async fn harness() -> Harness<Self> {
-        Harness::with_store(Self::fresh().await)
-    }
-}
-
-impl TestStore for MemoryStore {
-    async fn fresh() -> Self {
-        MemoryStore::new()
-    }
-}
-
-impl TestStore for PgStore {
-    async fn fresh() -> Self {
-        let store = keel_store_postgres::testing::fresh_schema_with(8).await;
-        store.expect("checked by `postgres_available`")
-    }
-}
-
-/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
-/// `KEEL_REQUIRE_BACKENDS=1`.
-fn postgres_available(test: &str) -> bool {
-    if keel_store_postgres::testing::database_url().is_some() {
-        return true;
-    }
-    assert!(
-        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
-        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
-    );
-    keel_testkit::conformance::skip_notice(&format!(
-        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
-    ));
-    false
-}
-
-/// Instantiates each generic test on the stores named: `memory` and `postgres`.
-macro_rules! on_stores {
-    (memory: [$($m:ident),* $(,)?], postgres: [$($p:ident),* $(,)?] $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test]
-                async fn $m() {
-                    super::$m::<keel_testkit::memory::MemoryStore>().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $p() {
-                    if super::postgres_available(stringify!($p)) {
-                        super::$p::<keel_store_postgres::PgStore>().await;
-                    }
-                }
-            )*
-        }
-    };
-}
 
 on_stores!(
     memory: [

@@ -6,75 +6,16 @@
 //! fresh schema per test, needs `KEEL_TEST_DATABASE_URL`; skipped loudly without it, and
 //! failing under `KEEL_REQUIRE_BACKENDS=1`), each driven by a durable worker.
 
+#[macro_use]
 mod common;
 
-use common::Harness;
+use common::TestStore;
 use keel_core::chart::Definition;
-use keel_core::ports::Store;
 use keel_core::ports::store::DeliveryOutcome;
 use keel_core::{Instance, NewSignal, Status};
 use keel_scheduler::ChartMachine;
-use keel_store_postgres::PgStore;
 use keel_testkit::chart::TestMachine;
-use keel_testkit::memory::MemoryStore;
 use serde_json::json;
-
-/// A store the suite runs on.
-trait TestStore: Store + Sized {
-    async fn harness() -> Harness<Self>;
-}
-
-impl TestStore for MemoryStore {
-    async fn harness() -> Harness<Self> {
-        Harness::new()
-    }
-}
-
-impl TestStore for PgStore {
-    async fn harness() -> Harness<Self> {
-        let store = keel_store_postgres::testing::fresh_schema().await;
-        Harness::with_store(store.expect("checked by `postgres_available`"))
-    }
-}
-
-/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
-/// `KEEL_REQUIRE_BACKENDS=1`.
-fn postgres_available(test: &str) -> bool {
-    if keel_store_postgres::testing::database_url().is_some() {
-        return true;
-    }
-    assert!(
-        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
-        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
-    );
-    keel_testkit::conformance::skip_notice(&format!(
-        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
-    ));
-    false
-}
-
-macro_rules! on_every_store {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name::<keel_testkit::memory::MemoryStore>().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    if super::postgres_available(stringify!($name)) {
-                        super::$name::<keel_store_postgres::PgStore>().await;
-                    }
-                }
-            )*
-        }
-    };
-}
 
 on_every_store!(
     a_finished_chart_shows_which_final_state_it_reached,

@@ -6,9 +6,10 @@
 //! `KEEL_TEST_DATABASE_URL`, failing under `KEEL_REQUIRE_BACKENDS=1`): a worker with the
 //! default sweep settings fires a due timer promptly, and a transit state renews a deadline.
 
+#[macro_use]
 mod common;
 
-use common::Harness;
+use common::{Harness, TestStore};
 use keel_core::Instance;
 use keel_core::chart::{Definition, Timer};
 use keel_core::ports::{Clock, Store};
@@ -251,64 +252,6 @@ async fn the_worker_runs_the_sweeper_when_configured() {
     h.clock.advance(Duration::from_secs(11));
     h.wait(id, "expired by the worker's own sweeper", |r| r.status == Status::Done).await;
     w.shutdown().await;
-}
-
-/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
-/// `KEEL_REQUIRE_BACKENDS=1`.
-fn postgres_available(test: &str) -> bool {
-    if keel_store_postgres::testing::database_url().is_some() {
-        return true;
-    }
-    assert!(
-        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
-        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
-    );
-    keel_testkit::conformance::skip_notice(&format!(
-        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
-    ));
-    false
-}
-
-/// A store the generic tests run on.
-trait TestStore: Store + Sized {
-    async fn harness() -> Harness<Self>;
-}
-
-impl TestStore for MemoryStore {
-    async fn harness() -> Harness<Self> {
-        Harness::new()
-    }
-}
-
-impl TestStore for keel_store_postgres::PgStore {
-    async fn harness() -> Harness<Self> {
-        let store = keel_store_postgres::testing::fresh_schema_with(8).await;
-        Harness::with_store(store.expect("checked by `postgres_available`"))
-    }
-}
-
-/// Instantiates each generic test on every store.
-macro_rules! on_every_store {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name::<keel_testkit::memory::MemoryStore>().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    if super::postgres_available(stringify!($name)) {
-                        super::$name::<keel_store_postgres::PgStore>().await;
-                    }
-                }
-            )*
-        }
-    };
 }
 
 on_every_store!(

@@ -56,10 +56,12 @@ impl TimerUnit {
 
 /// A timer duration as written in a definition, e.g. `Timer::days(7)`.
 ///
-/// Construction never fails so that definitions read like the seed; a non-positive amount is
-/// reported by [`ChartBuilder::build`](super::ChartBuilder::build) as
-/// [`ChartError::InvalidTimerDefinition`](super::ChartError::InvalidTimerDefinition), naming
-/// the state and event.
+/// Construction never fails, so that definitions read as plainly as the durations they
+/// name; [`ChartBuilder::build`](super::ChartBuilder::build) reports a non-positive amount
+/// as [`ChartError::InvalidTimerDefinition`](super::ChartError::InvalidTimerDefinition) and
+/// one longer than [`limits::TIMER_INTERVAL_MAX`](crate::limits::TIMER_INTERVAL_MAX) (or too
+/// large to compute) as [`ChartError::TimerTooLong`](super::ChartError::TimerTooLong), each
+/// naming the state and event.
 ///
 /// ```
 /// use keel_core::chart::Timer;

@@ -1,7 +1,7 @@
 //! Shared harness for the scheduler's tests: a store (`MemoryStore` unless a test brings
 //! another), a `VirtualClock`, a client, and bounded waits.
 
-#![allow(dead_code, clippy::unused_self)]
+#![allow(dead_code, unused_macros, clippy::unused_self)]
 
 use keel_core::instance::NewInstance;
 use keel_core::ports::Store;
@@ -79,4 +79,83 @@ impl<S: Store> Harness<S> {
             row.status, row.position, row.attempt
         );
     }
+}
+
+/// A store the generic tests run on, and how many workers share it in tests that race
+/// several (`MemoryStore` is exercised with one; PostgreSQL with two).
+pub trait TestStore: Store + Sized {
+    /// Workers a multi-worker test starts.
+    const WORKERS: usize;
+
+    /// A fresh, empty store.
+    async fn fresh() -> Self;
+
+    /// A harness over a fresh store.
+    async fn harness() -> Harness<Self> {
+        Harness::with_store(Self::fresh().await)
+    }
+}
+
+impl TestStore for MemoryStore {
+    const WORKERS: usize = 1;
+    async fn fresh() -> Self {
+        MemoryStore::new()
+    }
+}
+
+impl TestStore for keel_store_postgres::PgStore {
+    const WORKERS: usize = 2;
+    async fn fresh() -> Self {
+        // Two workers (claim, commit, heartbeat, reaper each), the client and a sweeper.
+        let store = keel_store_postgres::testing::fresh_schema_with(12).await;
+        store.expect("checked by `postgres_available`")
+    }
+}
+
+/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
+/// `KEEL_REQUIRE_BACKENDS=1`.
+pub fn postgres_available(test: &str) -> bool {
+    if keel_store_postgres::testing::database_url().is_some() {
+        return true;
+    }
+    assert!(
+        std::env::var(keel_testkit::conformance::REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
+        "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run postgres::{test}"
+    );
+    keel_testkit::conformance::skip_notice(&format!(
+        "SKIPPED postgres::{test}: set KEEL_TEST_DATABASE_URL to run it on PostgreSQL"
+    ));
+    false
+}
+
+/// Instantiates each generic test on the stores named: `memory` (`MemoryStore`) and
+/// `postgres` (a fresh schema per test, on a multi-threaded runtime).
+macro_rules! on_stores {
+    (memory: [$($m:ident),* $(,)?], postgres: [$($p:ident),* $(,)?] $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $m() {
+                    super::$m::<keel_testkit::memory::MemoryStore>().await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $p() {
+                    if crate::common::postgres_available(stringify!($p)) {
+                        super::$p::<keel_store_postgres::PgStore>().await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+/// Instantiates each generic test on every store.
+macro_rules! on_every_store {
+    ($($name:ident),* $(,)?) => {
+        on_stores!(memory: [$($name),*], postgres: [$($name),*]);
+    };
 }

@@ -174,16 +174,22 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         pending,
         signal::resolve(c, &emit_targets)
     );
+    // Results are read in the order the statements went out: once one fails (a deadlock on
+    // the lock, say) every later one only reports 25P02 "transaction is aborted", and that
+    // would hide the retryable cause behind a refusal.
     b?;
-    let pending = signal::pending_of(&pending?)?;
+    let locked = locked?;
+    let waiting = waiting?;
+    let pending = pending?;
+    let resolved = resolved?;
+    let pending = signal::pending_of(&pending)?;
     let mut current: HashMap<i64, Instance> = HashMap::new();
-    for r in &locked? {
+    for r in &locked {
         let row = rows::instance(r)?;
         current.insert(row.id.0, row);
     }
     let waiting: HashSet<i64> =
-        waiting?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
-    let resolved = resolved?;
+        waiting.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     let mut emit_at = Vec::with_capacity(commits.len());
     let mut n = 0;
     for s in commits {
@@ -357,14 +363,16 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     // The hint is sent with the timer write, ahead of the COMMIT in the pipeline.
     let f_timers = async {
         if timers_empty {
-            return Ok(0);
+            return Ok::<u64, tokio_postgres::Error>(0);
         }
         let (written, hinted) = tokio::join!(
             c.execute(&timer_stmt, &timer_params),
             timer::hint_send(c, &hint_stmt, channel, timer_hint.as_deref())
         );
+        // The timer write went out first; its error explains the hint's.
+        let written = written?;
         hinted?;
-        written
+        Ok(written)
     };
     let delivered = !emits.is_empty();
     let tail = async {
@@ -376,16 +384,18 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     };
     let (written, hist_done, consumed, letter_rows, released, timed, tail) =
         tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, f_timers, tail);
+    // In the order the statements went out (see the first round trip).
     written?;
-    timed?;
     hist_done?;
     consumed?;
+    let letter_rows = letter_rows?;
     released?;
-    let letter_ids: HashMap<i64, i64> = letter_rows?
+    timed?;
+    tail?;
+    let letter_ids: HashMap<i64, i64> = letter_rows
         .iter()
         .map(|row| Ok((rows::col(row, 0)?, rows::col(row, 1)?)))
         .collect::<Result<_, StoreError>>()?;
-    tail?;
     if delivered {
         let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
         signal::finish(c, &plan, Some((channel, ready))).await?;
