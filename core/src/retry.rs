@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::OnDeadLetter;
 use crate::error::ErrorKind;
 use crate::names::name_enum;
 
@@ -227,6 +228,78 @@ pub enum ErrorClass {
     NonRetryable,
 }
 
+/// What kind of failure a step had. Every decision about a failed step (retry, dead-letter,
+/// skip, discard) and every name a failure is reported under is made from this kind, never
+/// from the error's message, so rewording a message cannot change behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// The step's own code returned an error that may go away (a dependency was down, a
+    /// rate limit was hit).
+    Action,
+    /// The step's own code returned an error that will recur on every attempt (bad input,
+    /// a business rule, an authentication failure).
+    NonRetryable,
+    /// The step ran past its timeout and was cancelled.
+    Timeout,
+    /// The step panicked.
+    Panic,
+    /// The claim was superseded before the result was committed: another worker owns the
+    /// instance now, so this result is stale.
+    LeaseLost,
+    /// The store could not be reached while committing the result; the same commit may be
+    /// accepted later.
+    Unavailable,
+    /// The store refused the result itself (an invalid outcome, a missing target, a
+    /// conflict): it would be refused on every attempt.
+    Refused,
+}
+
+impl FailureKind {
+    /// Whether trying the step again may help.
+    pub const fn class(self) -> ErrorClass {
+        match self {
+            Self::Action | Self::Timeout | Self::Panic | Self::LeaseLost | Self::Unavailable => {
+                ErrorClass::Retryable
+            }
+            Self::NonRetryable | Self::Refused => ErrorClass::NonRetryable,
+        }
+    }
+
+    /// The kind of a step result the store refused, from the portable kind of the refusal.
+    pub const fn of_refusal(kind: ErrorKind) -> Self {
+        match kind {
+            ErrorKind::LeaseLost => Self::LeaseLost,
+            ErrorKind::Unavailable => Self::Unavailable,
+            ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Conflict => Self::Refused,
+        }
+    }
+
+    /// The exception name a failure is reported under to a parent (a failed region's
+    /// `exception`): `Timeout`, `Panic`, or `ActionError` for everything else.
+    pub const fn exception(self) -> &'static str {
+        match self {
+            Self::Timeout => "Timeout",
+            Self::Panic => "Panic",
+            Self::Action
+            | Self::NonRetryable
+            | Self::LeaseLost
+            | Self::Unavailable
+            | Self::Refused => "ActionError",
+        }
+    }
+}
+
+impl From<ErrorClass> for FailureKind {
+    /// An error the step's code returned, retryable or not.
+    fn from(class: ErrorClass) -> Self {
+        match class {
+            ErrorClass::Retryable => Self::Action,
+            ErrorClass::NonRetryable => Self::NonRetryable,
+        }
+    }
+}
+
 /// Why an event or step went to the dead-letter queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -250,26 +323,84 @@ pub enum RetryDecision {
         /// Why.
         reason: DeadLetterReason,
     },
+    /// Leave the instance untouched: the result is stale (its lease was lost) or could not
+    /// reach the store. Either another worker owns the instance, or the lease expires and
+    /// the reaper hands the step to a worker again.
+    Discard,
 }
 
-/// Decides what follows the failure of attempt `failed_attempt` (0-based).
+/// Decides what follows the failure of attempt `failed_attempt` (0-based), from the kind
+/// of the failure (an [`ErrorClass`] stands for an error the step's code returned).
 ///
+/// A lost lease or an unreachable store discards the result; a non-retryable kind
+/// dead-letters at once; any other kind retries until the policy's attempts are used up.
 /// `random` is a uniform number in `[0, 1)` for jitter (see [`RetryPolicy::delay_for`]).
 /// A policy with `max_attempts = 0` (which [`RetryPolicy::validate`] rejects) behaves as
 /// if it were 1: the first failure is final.
 pub fn decide(
     policy: &RetryPolicy,
     failed_attempt: u32,
-    class: ErrorClass,
+    kind: impl Into<FailureKind>,
     random: f64,
 ) -> RetryDecision {
-    if class == ErrorClass::NonRetryable {
+    let kind = kind.into();
+    if matches!(kind, FailureKind::LeaseLost | FailureKind::Unavailable) {
+        return RetryDecision::Discard;
+    }
+    if kind.class() == ErrorClass::NonRetryable {
         return RetryDecision::DeadLetter { reason: DeadLetterReason::NonRetryable };
     }
     if failed_attempt.saturating_add(1) >= policy.max_attempts {
         return RetryDecision::DeadLetter { reason: DeadLetterReason::Exhausted };
     }
     RetryDecision::Retry { delay: policy.delay_for(failed_attempt, random) }
+}
+
+/// What a failed step leads to, all things considered: the retry decision, and for a
+/// dead letter, what the instance does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePlan {
+    /// Run the step again after `delay`, with its attempt counted.
+    Retry {
+        /// How long to wait before the next attempt.
+        delay: Duration,
+    },
+    /// Dead-letter the failure and suspend the instance until the dead letter is retried
+    /// or purged, so later events keep their order.
+    Suspend {
+        /// Why it was dead-lettered.
+        reason: DeadLetterReason,
+    },
+    /// Dead-letter the event being processed, consume it, and carry on with the next one
+    /// at the same position.
+    Skip {
+        /// Why it was dead-lettered.
+        reason: DeadLetterReason,
+    },
+    /// Leave the instance untouched (see [`RetryDecision::Discard`]).
+    Discard,
+}
+
+/// Plans what follows the failure of attempt `failed_attempt` (0-based) of a step: the
+/// retry decision of [`decide`], then, for a dead letter, `on_dead_letter`: `skip` drops
+/// the event the step was processing (`processing_event`) and carries on; a step that
+/// processed no single event, or `suspend`, suspends the instance.
+pub fn plan_failure(
+    policy: &RetryPolicy,
+    on_dead_letter: OnDeadLetter,
+    failed_attempt: u32,
+    kind: impl Into<FailureKind>,
+    processing_event: bool,
+    random: f64,
+) -> FailurePlan {
+    match decide(policy, failed_attempt, kind, random) {
+        RetryDecision::Retry { delay } => FailurePlan::Retry { delay },
+        RetryDecision::Discard => FailurePlan::Discard,
+        RetryDecision::DeadLetter { reason } => match (on_dead_letter, processing_event) {
+            (OnDeadLetter::Skip, true) => FailurePlan::Skip { reason },
+            _ => FailurePlan::Suspend { reason },
+        },
+    }
 }
 
 /// What a runtime does with a step result the store refused.
@@ -298,12 +429,10 @@ pub enum RefusedCommit {
 /// assert_eq!(refused_commit(ErrorKind::LeaseLost), RefusedCommit::Discard);
 /// ```
 pub const fn refused_commit(kind: ErrorKind) -> RefusedCommit {
-    match kind {
-        ErrorKind::LeaseLost => RefusedCommit::Discard,
-        ErrorKind::Unavailable => RefusedCommit::Retry,
-        ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Conflict => {
-            RefusedCommit::Fail(ErrorClass::NonRetryable)
-        }
+    match FailureKind::of_refusal(kind) {
+        FailureKind::LeaseLost => RefusedCommit::Discard,
+        FailureKind::Unavailable => RefusedCommit::Retry,
+        failure => RefusedCommit::Fail(failure.class()),
     }
 }
 
@@ -441,6 +570,109 @@ mod tests {
         ];
         for &(policy, attempt, class, expected) in cases {
             check(policy, attempt, class, expected);
+        }
+    }
+
+    /// The whole decision table by failure kind: the same policy and attempt give a retry,
+    /// a dead letter or a discard depending only on what kind of failure it was.
+    #[test]
+    fn decisions_by_failure_kind() {
+        use DeadLetterReason::{Exhausted, NonRetryable as Fatal};
+        use FailureKind::*;
+        let retry = |delay| RetryDecision::Retry { delay };
+        let dead = |reason| RetryDecision::DeadLetter { reason };
+        let three = RetryPolicy::default();
+        let one = RetryPolicy { max_attempts: 1, ..three };
+        #[rustfmt::skip]
+        let cases: &[(FailureKind, &RetryPolicy, u32, RetryDecision)] = &[
+            // Failures that may go away retry with the policy's backoff until exhausted.
+            (Action,       &three, 0, retry(S(1))),
+            (Action,       &three, 2, dead(Exhausted)),
+            (Timeout,      &three, 0, retry(S(1))),
+            (Timeout,      &three, 1, retry(S(2))),
+            (Timeout,      &three, 2, dead(Exhausted)),
+            (Panic,        &three, 0, retry(S(1))),
+            (Panic,        &one,   0, dead(Exhausted)),
+            // Failures that recur every time skip the remaining attempts.
+            (NonRetryable, &three, 0, dead(Fatal)),
+            (Refused,      &three, 0, dead(Fatal)),
+            (Refused,      &three, 1, dead(Fatal)),
+            // A stale or undeliverable result never touches the instance, whatever attempt.
+            (LeaseLost,    &three, 0, RetryDecision::Discard),
+            (LeaseLost,    &one,   5, RetryDecision::Discard),
+            (Unavailable,  &three, 2, RetryDecision::Discard),
+        ];
+        for &(kind, policy, attempt, expected) in cases {
+            assert_eq!(decide(policy, attempt, kind, 0.0), expected, "{kind:?}, attempt {attempt}");
+        }
+        // An error class is the kind of an error the step's code returned.
+        assert_eq!(FailureKind::from(ErrorClass::Retryable), Action);
+        assert_eq!(FailureKind::from(ErrorClass::NonRetryable), NonRetryable);
+    }
+
+    /// Retry, dead-letter and suspend, dead-letter and skip, or discard: one table over
+    /// kind, attempt, the dead-letter policy and whether the step processed one event.
+    #[test]
+    fn failure_plans_by_kind_attempt_and_dead_letter_policy() {
+        use DeadLetterReason::{Exhausted, NonRetryable as Fatal};
+        use FailureKind::*;
+        use OnDeadLetter::{Skip as S_, Suspend as P_};
+        let retry = |delay| FailurePlan::Retry { delay };
+        let suspend = |reason| FailurePlan::Suspend { reason };
+        let skip = |reason| FailurePlan::Skip { reason };
+        let three = RetryPolicy::default();
+        #[rustfmt::skip]
+        let cases: &[(FailureKind, u32, OnDeadLetter, bool, FailurePlan)] = &[
+            (Action,       0, P_, true,  retry(S(1))),
+            (Action,       0, S_, true,  retry(S(1))),
+            (Timeout,      1, S_, true,  retry(S(2))),
+            (Action,       2, P_, true,  suspend(Exhausted)),
+            (Action,       2, S_, true,  skip(Exhausted)),
+            (Panic,        2, S_, true,  skip(Exhausted)),
+            // Skipping needs an event to drop; without one the instance suspends.
+            (Action,       2, S_, false, suspend(Exhausted)),
+            (NonRetryable, 0, P_, true,  suspend(Fatal)),
+            (NonRetryable, 0, S_, true,  skip(Fatal)),
+            (Refused,      0, S_, false, suspend(Fatal)),
+            (LeaseLost,    0, S_, true,  FailurePlan::Discard),
+            (Unavailable,  2, P_, true,  FailurePlan::Discard),
+        ];
+        for &(kind, attempt, on_dead_letter, processing, expected) in cases {
+            assert_eq!(
+                plan_failure(&three, on_dead_letter, attempt, kind, processing, 0.0),
+                expected,
+                "{kind:?}, attempt {attempt}, {on_dead_letter:?}, processing an event: {processing}"
+            );
+        }
+    }
+
+    #[test]
+    fn failures_are_classed_and_named_by_kind() {
+        use ErrorClass::{NonRetryable as Fatal, Retryable};
+        use FailureKind::*;
+        #[rustfmt::skip]
+        let cases = [
+            (Action,       Retryable, "ActionError"),
+            (NonRetryable, Fatal,     "ActionError"),
+            (Timeout,      Retryable, "Timeout"),
+            (Panic,        Retryable, "Panic"),
+            (LeaseLost,    Retryable, "ActionError"),
+            (Unavailable,  Retryable, "ActionError"),
+            (Refused,      Fatal,     "ActionError"),
+        ];
+        for (kind, class, exception) in cases {
+            assert_eq!((kind.class(), kind.exception()), (class, exception), "{kind:?}");
+        }
+        #[rustfmt::skip]
+        let refusals = [
+            (ErrorKind::LeaseLost,   LeaseLost),
+            (ErrorKind::Unavailable, Unavailable),
+            (ErrorKind::Invalid,     Refused),
+            (ErrorKind::NotFound,    Refused),
+            (ErrorKind::Conflict,    Refused),
+        ];
+        for (store, kind) in refusals {
+            assert_eq!(FailureKind::of_refusal(store), kind, "{store:?}");
         }
     }
 

@@ -1,7 +1,9 @@
 //! Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Parallel Dispatch"):
 //! the configuration, and the durable shape of region tasks, reports and the region
 //! timeout. The semantics (guard, merge, stall, done, fail, timeout) are pure and live in
-//! [`keel_core::chart::parallel`]; the scheduler's `ChartMachine` runs them on a store.
+//! [`keel_core::chart::parallel`], and the chart step that applies them to an instance
+//! (dispatch, reports, the region timeout) in [`keel_core::chart::step`]; the scheduler's
+//! `ChartMachine` and the in-memory `TestMachine` both drive that step.
 //!
 //! # How a dispatch is stored
 //!
@@ -27,7 +29,7 @@
 
 use keel_core::InstanceId;
 use keel_core::chart::parallel::{RegionReport, RegionTask};
-use keel_core::chart::{TimerArm, TimerKind};
+use keel_core::retry::FailureKind;
 use serde::{Deserialize, Serialize};
 
 pub use keel_core::chart::parallel;
@@ -37,38 +39,13 @@ pub use keel_core::config::ParallelConfig;
 
 /// The position of a region task instance.
 pub const REGION_POSITION: &str = "@region";
-/// The event a region task emits to its parent; the payload is a [`RegionReport`].
-pub const REGION_REPORT_EVENT: &str = "parallel.region";
-/// The prefix of region-timeout events: `parallel.timeout.<parallel state path>`.
-pub const TIMEOUT_EVENT_PREFIX: &str = "parallel.timeout.";
 
-/// The region-timeout timer of `parallel_state`, if `config.region_timeout` is on.
-pub fn timeout_timer(config: &ParallelConfig, parallel_state: &str) -> Option<TimerArm> {
-    (!config.region_timeout.is_zero()).then(|| TimerArm {
-        state: timeout_owner(parallel_state),
-        event: timeout_event(parallel_state),
-        kind: TimerKind::After,
-        interval: config.region_timeout,
-        max: None,
-        then: None,
-    })
-}
-
-/// The timer owner of `parallel_state`'s region timeout: a name no state has, so that
-/// cancelling it never touches the timers of the parallel state's own descendants.
-pub fn timeout_owner(parallel_state: &str) -> String {
-    format!("@timeout:{parallel_state}")
-}
-
-/// The region-timeout event of `parallel_state`.
-pub fn timeout_event(parallel_state: &str) -> String {
-    format!("{TIMEOUT_EVENT_PREFIX}{parallel_state}")
-}
-
-/// The parallel state a region-timeout event is about, if `event` is one.
-pub fn timeout_state(event: &str) -> Option<&str> {
-    event.strip_prefix(TIMEOUT_EVENT_PREFIX)
-}
+/// The report event, its payload type and the region-timeout timer live with the chart
+/// step in the core, which both produces and consumes them.
+pub use keel_core::chart::step::{
+    REGION_REPORT_EVENT, TIMEOUT_EVENT_PREFIX, timeout_event, timeout_owner, timeout_state,
+    timeout_timer,
+};
 
 /// The context of a region task instance.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,16 +56,10 @@ pub struct RegionTaskContext {
     pub task: RegionTask,
 }
 
-/// The `exception` of a failed region: the kind of the last error, from the worker's
-/// message shapes (`step timed out…`, `step panicked…`), else `ActionError`.
-pub fn exception_of(message: &str) -> &'static str {
-    if message.starts_with("step timed out") {
-        "Timeout"
-    } else if message.starts_with("step panicked") {
-        "Panic"
-    } else {
-        "ActionError"
-    }
+/// The `exception` of a failed region: the kind of its last error (`Timeout`, `Panic`,
+/// else `ActionError`).
+pub fn exception_of(kind: FailureKind) -> &'static str {
+    kind.exception()
 }
 
 /// The dedup key of a task's report: one report per task instance, however often the
@@ -105,6 +76,7 @@ pub fn decode_report(payload: &serde_json::Value) -> Result<RegionReport, serde_
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keel_core::chart::TimerKind;
 
     #[test]
     fn the_region_timeout_is_one_after_timer_owned_by_a_name_no_state_has() {
@@ -122,8 +94,9 @@ mod tests {
 
     #[test]
     fn exceptions_are_named_after_the_error_kind() {
-        assert_eq!(exception_of("step timed out after 5 ms"), "Timeout");
-        assert_eq!(exception_of("step panicked: boom"), "Panic");
-        assert_eq!(exception_of("inventory API down"), "ActionError");
+        assert_eq!(exception_of(FailureKind::Timeout), "Timeout");
+        assert_eq!(exception_of(FailureKind::Panic), "Panic");
+        assert_eq!(exception_of(FailureKind::Action), "ActionError");
+        assert_eq!(exception_of(FailureKind::NonRetryable), "ActionError");
     }
 }

@@ -1,8 +1,10 @@
 //! Charts on the engine: a [`ChartMachine`] runs a statechart definition durably. Each
-//! step takes the oldest event in the instance's inbox and processes it as one macrostep
-//! (the core's sans-IO algorithm), running the actions it asks for — async, with IO —
-//! and commits the new configuration, context, the consumed event, history, emitted
-//! events and started child machines in one commit. Then it parks until the next event.
+//! step takes the oldest event in the instance's inbox and drives the core's sans-IO
+//! chart step ([`keel_core::chart::step::ChartStep`]) with it, running the actions it asks
+//! for — async, with IO — and commits the step's plan (the new configuration, context,
+//! the consumed event, history, timers, emitted events, started child machines and region
+//! tasks) in one commit. Then it parks until the next event. The in-memory `TestMachine`
+//! drives the same step, so both record the same history for the same events.
 //!
 //! A new chart instance starts at the position [`INIT`]; its first step enters the
 //! initial states (running their entry actions). The configuration is stored as the
@@ -13,17 +15,17 @@
 use crate::machine::{StepContext, StepError, StepMachine};
 use async_trait::async_trait;
 use keel_core::chart::parallel::{
-    PARALLEL_DISPATCH, ParallelBook, RegionReport, RegionRun, ReportPlan, Skip, apply_report,
-    check, done_records, finish_report, timeout,
+    ParallelBook, RegionReport, RegionRun, Skip, action_failure, check,
 };
+use keel_core::chart::step::{ChartStep, MACROSTEP, StepPlan};
 use keel_core::chart::{
     ActionError, ActionRequest, ActionResult, ChartContext, Configuration, Definition, Event,
-    Limits, Macrostep, MacrostepResult, Next, SharedContext,
+    Limits, SharedContext,
 };
 use keel_core::config::QueueConfig;
-use keel_core::instance::{ANY_SIGNAL, HistoryEntry, NewInstance, NewSignal};
+use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal};
 use keel_core::ports::store::InstanceDetail;
-use keel_core::retry::ErrorClass;
+use keel_core::retry::{self, FailureKind, RetryDecision};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
 use keel_parallel::{ParallelConfig, REGION_POSITION, REGION_REPORT_EVENT, RegionTaskContext};
 use serde_json::{Value, json};
@@ -197,17 +199,18 @@ impl ChartMachine {
         }
     }
 
-    async fn run(&self, mut step: Macrostep<'_>, ctx: &StepContext) -> MacrostepResult {
-        loop {
-            match step.poll() {
-                Next::RunAction(request) => {
-                    let actx = ActionContext::new(step.context().clone(), ctx.clone());
-                    let result = self.call(&request, actx).await;
-                    step.handle_action_result(result);
-                }
-                Next::Done(result) => return *result,
-            }
+    /// Runs the actions the chart step asks for, one at a time, and returns its plan.
+    async fn run(&self, mut step: ChartStep<'_>, ctx: &StepContext) -> Result<StepPlan, StepError> {
+        while let Some(call) = step.poll() {
+            let actx = ActionContext::new(call.context, ctx.clone());
+            let result = self.call(&call.request, actx).await;
+            step.handle_action_result(result);
         }
+        step.finish().map_err(|error| {
+            let kind =
+                if error.is_retryable() { FailureKind::Action } else { FailureKind::NonRetryable };
+            StepError::of_kind(kind, error.to_string())
+        })
     }
 
     /// A region task (DESIGN §4.4): pre-check against the parent without a lock, run the
@@ -225,10 +228,7 @@ impl ChartMachine {
             let actx = ActionContext::new(run.context().clone(), ctx.clone());
             let result = self.call(&request, actx).await;
             run.handle_action_result(result).map_err(|e| {
-                let message = format!(
-                    "action `{}` of state `{}` failed: {}",
-                    request.name, request.state, e.message
-                );
+                let message = action_failure(&request, &e);
                 if e.retryable { StepError::retryable(message) } else { StepError::fatal(message) }
             })?;
         }
@@ -256,92 +256,32 @@ impl ChartMachine {
         Ok(())
     }
 
-    /// Parks at the current position with `context` (and the book): an event that changed
-    /// nothing but was consumed.
-    fn park(context: Value, book: &ParallelBook) -> Outcome {
-        let mut context = context;
-        book.put(&mut context);
-        Outcome::Await { signal: ANY_SIGNAL.into(), context, step: None }
-    }
-
-    /// Commits a macrostep: history, timers, children, region tasks, and the outcome.
-    fn settle(
-        &self,
-        ctx: &StepContext,
-        event: Option<&Event>,
-        result: &MacrostepResult,
-        mut book: ParallelBook,
-        records: Records,
-    ) -> Result<Outcome, StepError> {
-        if let Some(error) = &result.error {
-            return Err(if error.is_retryable() {
-                StepError::retryable(error.to_string())
-            } else {
-                StepError::fatal(error.to_string())
-            });
+    /// Commits a chart step's plan: history, timers, children, region tasks, and the
+    /// outcome.
+    fn commit(&self, ctx: &StepContext, plan: StepPlan) -> Result<Outcome, StepError> {
+        for entry in &plan.history {
+            ctx.record(entry.clone());
         }
-        for entry in records.before {
-            ctx.record(entry);
+        for owner in &plan.timers_cancel {
+            ctx.timer_cancel(owner);
         }
-        let mut after = records.after;
-        after.extend(done_records(&book, &result.internal_events));
-        for gone in book.prune(&result.configuration) {
-            if !self.parallel.region_timeout.is_zero() {
-                ctx.timer_cancel(&keel_parallel::timeout_owner(&gone));
-            }
+        for arm in &plan.timers_arm {
+            ctx.timer_arm(arm.clone());
         }
-        let dispatched =
-            self.parallel.enabled && !result.is_final && !result.regions_to_dispatch.is_empty();
-        self.commit_effects(ctx, event, result, dispatched, records.internal);
-        if dispatched {
-            self.dispatch(ctx, result, &mut book)?;
+        for child in &plan.children {
+            let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
+            let spawn = NewInstance::new(MachineRef::new(&child.machine, version), INIT)
+                .context(json!({ "parent": ctx.id, "state": child.state }))
+                .invoked_by(&child.state)
+                .correlation_id(format!("{}", ctx.id.0));
+            ctx.spawn(spawn);
         }
-        for entry in after {
-            ctx.record(entry);
-        }
-        // A finished instance keeps its final configuration as its position, so which
-        // final state it reached is visible without reading its history.
-        let position = result.configuration.position();
-        if result.is_final {
-            return Ok(Outcome::Done { result: result.context.clone(), step: Some(position) });
-        }
-        let mut context = result.context.clone();
-        book.put(&mut context);
-        Ok(Outcome::Await { signal: ANY_SIGNAL.into(), context, step: Some(position) })
-    }
-
-    /// Starts one region task per dispatched region, in this step's commit, and arms the
-    /// region timeouts.
-    fn dispatch(
-        &self,
-        ctx: &StepContext,
-        result: &MacrostepResult,
-        book: &mut ParallelBook,
-    ) -> Result<(), StepError> {
-        let tasks = book.dispatch(&result.regions_to_dispatch, &result.context);
-        // One PARALLEL_DISPATCH entry and one timeout timer per parallel state entered.
-        let mut by_state: Vec<(&str, u64, Vec<&str>)> = Vec::new();
-        for task in &tasks {
-            let key = &task.key;
-            match by_state.iter_mut().find(|(state, ..)| *state == key.parallel_state) {
-                Some((.., regions)) => regions.push(&key.region),
-                None => by_state.push((&key.parallel_state, key.dispatch, vec![&key.region])),
-            }
-        }
-        for (state, dispatch, regions) in by_state {
-            ctx.record(HistoryEntry::new(
-                PARALLEL_DISPATCH,
-                json!({ "parallel_state_id": state, "dispatch": dispatch, "regions": regions }),
-            ));
-            if let Some(timer) = keel_parallel::timeout_timer(&self.parallel, state) {
-                // A re-entered state's previous timer goes (cancels apply before arms).
-                ctx.timer_cancel(&timer.state);
-                ctx.timer_arm(timer);
-            }
-        }
-        for task in tasks {
-            let context = serde_json::to_value(RegionTaskContext { parent: ctx.id, task })
-                .map_err(|e| StepError::fatal(format!("region task does not serialize: {e}")))?;
+        for task in &plan.region_tasks {
+            let context =
+                serde_json::to_value(RegionTaskContext { parent: ctx.id, task: task.clone() })
+                    .map_err(|e| {
+                        StepError::fatal(format!("region task does not serialize: {e}"))
+                    })?;
             let mut spawn = NewInstance::new(self.machine_ref(), REGION_POSITION)
                 .context(context)
                 .correlation_id(format!("{}", ctx.id.0));
@@ -350,50 +290,17 @@ impl ChartMachine {
             }
             ctx.spawn(spawn);
         }
-        Ok(())
-    }
-
-    fn commit_effects(
-        &self,
-        ctx: &StepContext,
-        event: Option<&Event>,
-        result: &MacrostepResult,
-        dispatched: bool,
-        internal: bool,
-    ) {
-        let records: Vec<String> = result.records.iter().map(ToString::to_string).collect();
-        ctx.record(HistoryEntry::new(
-            "MACROSTEP",
-            json!({
-                "event": event.map(|e| &e.name),
-                "records": records,
-                "configuration": result.configuration,
-                "dispatched": dispatched,
-            }),
-        ));
-        if result.unhandled
-            && !internal
-            && let Some(e) = event
-        {
-            ctx.record(HistoryEntry::new(
-                "EVENT_UNHANDLED",
-                json!({ "event": e.name, "payload": e.payload }),
-            ));
+        // A finished instance keeps its final configuration as its position, so which
+        // final state it reached is visible without reading its history.
+        let position = plan.position();
+        if plan.is_final {
+            return Ok(Outcome::Done { result: plan.context, step: position });
         }
-        for cancel in &result.timers_to_cancel {
-            ctx.timer_cancel(&cancel.state);
-        }
-        for arm in &result.timers_to_arm {
-            ctx.timer_arm(arm.clone());
-        }
-        for child in &result.children_to_start {
-            let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
-            let spawn = NewInstance::new(MachineRef::new(&child.machine, version), INIT)
-                .context(json!({ "parent": ctx.id, "state": child.state }))
-                .invoked_by(&child.state)
-                .correlation_id(format!("{}", ctx.id.0));
-            ctx.spawn(spawn);
-        }
+        Ok(Outcome::Await {
+            signal: ANY_SIGNAL.into(),
+            context: plan.stored_context(),
+            step: position,
+        })
     }
 }
 
@@ -423,13 +330,12 @@ impl StepMachine for ChartMachine {
         if ctx.step != REGION_POSITION {
             return Ok(None);
         }
-        let attempts = u32::try_from(ctx.attempt).unwrap_or(0) + 1;
-        if error.class == ErrorClass::Retryable && attempts < self.parallel.job_tries {
-            return Ok(Some(Outcome::Retry {
-                context: ctx.context.clone(),
-                delay: self.parallel.job_backoff,
-            }));
+        let attempt = u32::try_from(ctx.attempt).unwrap_or(0);
+        let policy = self.parallel.job_config(self.config).retry;
+        if let RetryDecision::Retry { delay } = retry::decide(&policy, attempt, error.kind, 0.0) {
+            return Ok(Some(Outcome::Retry { context: ctx.context.clone(), delay }));
         }
+        let attempts = attempt + 1;
         // Out of tries: tell the parent (its `@fail`), and fail the task itself.
         let Ok(task) = serde_json::from_value::<RegionTaskContext>(ctx.context.clone()) else {
             return Ok(None);
@@ -437,7 +343,7 @@ impl StepMachine for ChartMachine {
         let report = RegionReport::Failed {
             key: task.task.key.clone(),
             error: error.message.clone(),
-            exception: keel_parallel::exception_of(&error.message).to_owned(),
+            exception: keel_parallel::exception_of(error.kind).to_owned(),
             attempts,
         };
         Self::report(ctx, &task, &report)?;
@@ -449,14 +355,11 @@ impl StepMachine for ChartMachine {
             return self.region_step(ctx).await;
         }
         let def = &*self.definition;
-        let dispatch = self.parallel.enabled;
-        let mut context = ctx.context.clone();
-        let mut book = ParallelBook::take(&mut context);
         if ctx.step == INIT {
             ctx.consume(Vec::new());
-            let step = Macrostep::init(def, context, self.limits).dispatch_regions(dispatch);
-            let result = self.run(step, ctx).await;
-            return self.settle(ctx, None, &result, book, Records::default());
+            let step = ChartStep::init(def, ctx.context.clone(), self.limits, &self.parallel);
+            let plan = self.run(step, ctx).await?;
+            return self.commit(ctx, plan);
         }
         let Some(signal) = ctx.signals.first() else {
             // Woken with an empty inbox (a re-run after its event was consumed): park.
@@ -474,49 +377,18 @@ impl StepMachine for ChartMachine {
         })?;
         let configuration = Configuration::from_paths(paths);
         let event = Event::with_payload(signal.name.clone(), signal.payload.clone());
-        if signal.name == REGION_REPORT_EVENT {
-            let report = keel_parallel::decode_report(&signal.payload)
-                .map_err(|e| StepError::fatal(format!("region report does not decode: {e}")))?;
-            let plan = apply_report(def, &configuration, &context, &mut book, &report, self.limits);
-            return match plan {
-                ReportPlan::Noop => Ok(Self::park(context, &book)),
-                ReportPlan::Abort(entry) => {
-                    ctx.record(entry);
-                    Ok(Self::park(context, &book))
-                }
-                ReportPlan::Run { records, step, followup } => {
-                    let result = self.run(step.dispatch_regions(dispatch), ctx).await;
-                    let after = finish_report(&followup, &result.configuration);
-                    let records = Records { before: records, after, internal: true };
-                    self.settle(ctx, Some(&event), &result, book, records)
-                }
-            };
-        }
-        if let Some(state) = keel_parallel::timeout_state(&signal.name) {
-            let seconds = self.parallel.region_timeout.as_secs();
-            let due =
-                timeout(def, &configuration, &context, &mut book, state, seconds, self.limits);
-            let Some((entry, step)) = due else {
-                return Ok(Self::park(context, &book));
-            };
-            let result = self.run(step.dispatch_regions(dispatch), ctx).await;
-            let records = Records { before: vec![entry], after: Vec::new(), internal: true };
-            return self.settle(ctx, Some(&event), &result, book, records);
-        }
-        let step = Macrostep::start(def, &configuration, context, event.clone(), self.limits)
-            .dispatch_regions(dispatch);
-        let result = self.run(step, ctx).await;
-        self.settle(ctx, Some(&event), &result, book, Records::default())
+        let step = ChartStep::event(
+            def,
+            &configuration,
+            ctx.context.clone(),
+            event,
+            self.limits,
+            &self.parallel,
+        )
+        .map_err(|e| StepError::fatal(format!("region report does not decode: {e}")))?;
+        let plan = self.run(step, ctx).await?;
+        self.commit(ctx, plan)
     }
-}
-
-/// History entries a step records around its macrostep.
-#[derive(Default)]
-struct Records {
-    before: Vec<HistoryEntry>,
-    after: Vec<HistoryEntry>,
-    /// The event was generated by the runtime (`@fail` of a region): never "unhandled".
-    internal: bool,
 }
 
 /// The region task's lock-free pre-check against the parent's row: `Some(reason)` when
@@ -539,6 +411,6 @@ pub fn dispatched(detail: &InstanceDetail) -> bool {
         .history
         .iter()
         .rev()
-        .find(|r| r.entry.kind == "MACROSTEP")
+        .find(|r| r.entry.kind == MACROSTEP)
         .is_some_and(|r| r.entry.data["dispatched"] == json!(true))
 }

@@ -6,7 +6,7 @@ use keel_core::SignalId;
 use keel_core::chart::TimerArm;
 use keel_core::config::QueueConfig;
 use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
-use keel_core::retry::ErrorClass;
+use keel_core::retry::{ErrorClass, FailureKind};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
 use serde_json::Value;
 use std::fmt;
@@ -110,24 +110,33 @@ impl StepContext {
     }
 }
 
-/// A step failed. Retryable errors go through the retry policy; non-retryable ones are
-/// dead-lettered at once (DESIGN §5.3).
+/// A step failed. What happens next (retry, dead-letter, skip) is decided from its
+/// [`kind`](Self::kind) and the retry policy by `keel_core::retry::decide`; the message is
+/// for people and never inspected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepError {
     /// What went wrong.
     pub message: String,
-    /// Whether trying again may help.
-    pub class: ErrorClass,
+    /// What kind of failure it was.
+    pub kind: FailureKind,
 }
 
 impl StepError {
     /// A retryable error (timeouts, connection errors, rate limits).
     pub fn retryable(message: impl Into<String>) -> Self {
-        StepError { message: message.into(), class: ErrorClass::Retryable }
+        Self::of_kind(FailureKind::Action, message)
     }
     /// A non-retryable error (validation, business failure, auth).
     pub fn fatal(message: impl Into<String>) -> Self {
-        StepError { message: message.into(), class: ErrorClass::NonRetryable }
+        Self::of_kind(FailureKind::NonRetryable, message)
+    }
+    /// An error of `kind` (the runtime's own failures: timeouts, panics, refused results).
+    pub fn of_kind(kind: FailureKind, message: impl Into<String>) -> Self {
+        StepError { message: message.into(), kind }
+    }
+    /// Whether trying again may help.
+    pub fn class(&self) -> ErrorClass {
+        self.kind.class()
     }
 }
 

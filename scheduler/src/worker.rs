@@ -17,7 +17,7 @@
 
 use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
-use keel_core::config::{OnDeadLetter, QueueConfig};
+use keel_core::config::QueueConfig;
 use keel_core::instance::{ANY_SIGNAL, Instance};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
@@ -26,7 +26,7 @@ use keel_core::ports::store::{
     LeaseReleaseParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::retry::{self, ErrorClass, RefusedCommit, RetryDecision};
+use keel_core::retry::{self, ErrorClass, FailureKind, FailurePlan, RefusedCommit};
 use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
@@ -723,12 +723,16 @@ async fn guarded(
     let abort = task.abort_handle();
     match tokio::time::timeout(timeout, task).await {
         Ok(Ok(result)) => result,
-        Ok(Err(join)) => {
-            Err(StepError::retryable(format!("step panicked: {}", panic_message(join))))
-        }
+        Ok(Err(join)) => Err(StepError::of_kind(
+            FailureKind::Panic,
+            format!("step panicked: {}", panic_message(join)),
+        )),
         Err(_) => {
             abort.abort();
-            Err(StepError::retryable(format!("step timed out after {} ms", timeout.as_millis())))
+            Err(StepError::of_kind(
+                FailureKind::Timeout,
+                format!("step timed out after {} ms", timeout.as_millis()),
+            ))
         }
     }
 }
@@ -768,7 +772,7 @@ async fn failure_commit(
     error: StepError,
 ) -> StepCommit {
     let row = &claim.instance;
-    let retryable = error.class == ErrorClass::Retryable;
+    let retryable = error.class() == ErrorClass::Retryable;
     let processing = ctx.effects().processing.take();
     let mut failure = StepFailure {
         error: error.message.clone(),
@@ -790,24 +794,42 @@ async fn failure_commit(
         Ok(Some(outcome)) => outcome,
         Ok(None) => {
             let attempt = u32::try_from(row.attempt).unwrap_or(0);
-            match retry::decide(&config.retry, attempt, error.class, fastrand::f64()) {
-                RetryDecision::Retry { delay } => {
+            // The instance is still leased to this worker, so a step that reports a lost
+            // lease or an unreachable store cannot have its result discarded here: it
+            // counts as a retryable failure, bounded by the policy like any other.
+            let kind = match error.kind {
+                FailureKind::LeaseLost | FailureKind::Unavailable => FailureKind::Action,
+                kind => kind,
+            };
+            let processing_event = processing.as_ref();
+            let plan = retry::plan_failure(
+                &config.retry,
+                config.on_dead_letter,
+                attempt,
+                kind,
+                processing_event.is_some(),
+                fastrand::f64(),
+            );
+            match (plan, processing_event) {
+                (FailurePlan::Retry { delay }, _) => {
                     Outcome::Retry { context: row.context.clone(), delay }
                 }
-                RetryDecision::DeadLetter { .. } => {
+                // Skip: drop the failed event, keep the position, take the next one.
+                (FailurePlan::Skip { .. }, Some(event)) => {
                     failure.dead_letter = true;
-                    match (&processing, config.on_dead_letter) {
-                        // Skip: drop the failed event, keep the position, take the next one.
-                        (Some(event), OnDeadLetter::Skip) => {
-                            consume.push(event.id);
-                            Outcome::Await {
-                                signal: ANY_SIGNAL.into(),
-                                context: row.context.clone(),
-                                step: None,
-                            }
-                        }
-                        _ => Outcome::Suspend,
+                    consume.push(event.id);
+                    Outcome::Await {
+                        signal: ANY_SIGNAL.into(),
+                        context: row.context.clone(),
+                        step: None,
                     }
+                }
+                (
+                    FailurePlan::Skip { .. } | FailurePlan::Suspend { .. } | FailurePlan::Discard,
+                    _,
+                ) => {
+                    failure.dead_letter = true;
+                    Outcome::Suspend
                 }
             }
         }
@@ -970,7 +992,10 @@ async fn commit_refused<S: Store, C: Clock>(
     let mut failures = Vec::with_capacity(refused.len());
     for (f, e) in &refused {
         tracing::error!(instance = %f.commit.id, error = %e, "the store refused the step's result; failing the step");
-        let error = StepError::fatal(format!("the store refused the step's result: {e}"));
+        let error = StepError::of_kind(
+            FailureKind::of_refusal(e.kind),
+            format!("the store refused the step's result: {e}"),
+        );
         failures.push(guarded_failure(&f.origin, error).await);
     }
     let results = commit_group(inner, failures.clone()).await;

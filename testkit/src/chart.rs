@@ -36,15 +36,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::chart::parallel::{
-    PARALLEL_DISPATCH, ParallelBook, RegionReport, RegionRun, RegionTask, ReportPlan, apply_report,
-    check, done_records, finish_report,
+    ParallelBook, RegionReport, RegionRun, RegionTask, action_failure, check,
 };
+use keel_core::chart::step::{ChartStep, StepPlan};
 use keel_core::chart::{
-    ActionError, ChartContext, Configuration, Definition, Event, Limits, Macrostep, MacrostepError,
-    MacrostepResult, Next, Record, SharedContext, Timer, TimerArm, TimerKind,
+    ActionError, ChartContext, Configuration, Definition, Event, Limits, MacrostepError,
+    MacrostepResult, Record, SharedContext, Timer, TimerArm,
 };
+use keel_core::config::ParallelConfig;
 use keel_core::instance::HistoryEntry;
-use keel_core::timers::owned_by;
+use keel_core::retry::FailureKind;
+use keel_core::time::Timestamp;
+use keel_core::timers::{TimerRow, fire, owned_by};
+use keel_core::{InstanceId, MachineRef, TimerId};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -77,9 +81,9 @@ pub const MAX_TIMER_FIRES_PER_ADVANCE: usize = 10_000;
 /// may enter parallel states that dispatch more.
 pub const MAX_REGION_TASKS_PER_STEP: usize = 10_000;
 
-/// The event name a region's report is processed under in [`TestMachine`]'s history (the
-/// scheduler's `keel_parallel::REGION_REPORT_EVENT`).
-pub const REGION_REPORT_EVENT: &str = "parallel.region";
+/// The event name a region's report is processed under, in [`TestMachine`]'s history as in
+/// the durable runtime's.
+pub use keel_core::chart::step::REGION_REPORT_EVENT;
 
 /// How far to move the virtual clock: a [`Timer`] or a [`Duration`].
 #[derive(Debug, Clone, Copy)]
@@ -100,11 +104,13 @@ impl From<Timer> for Advance {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Armed {
-    arm: TimerArm,
-    due: Duration,
-    fires: u32,
+/// The virtual clock's origin: `TestMachine` keeps its timers as the durable stores keep
+/// them (rows due at a timestamp), counted from here.
+const EPOCH: Timestamp = Timestamp(0);
+
+/// A virtual time as a timestamp.
+fn at(elapsed: Duration) -> Timestamp {
+    EPOCH.plus(elapsed)
 }
 
 /// An in-memory chart instance for tests. See the module docs.
@@ -115,11 +121,12 @@ pub struct TestMachine {
     context: Value,
     configuration: Configuration,
     results: Vec<(Option<Event>, MacrostepResult)>,
-    timers: Vec<Armed>,
+    timers: Vec<TimerRow>,
+    next_timer_id: i64,
     now: Duration,
     fired: Vec<String>,
     runtime: Option<tokio::runtime::Runtime>,
-    dispatch: bool,
+    parallel: ParallelConfig,
     hold_regions: bool,
     book: ParallelBook,
     pending: std::collections::VecDeque<RegionTask>,
@@ -148,10 +155,11 @@ impl TestMachine {
             configuration: Configuration::empty(),
             results: Vec::new(),
             timers: Vec::new(),
+            next_timer_id: 1,
             now: Duration::ZERO,
             fired: Vec::new(),
             runtime: None,
-            dispatch: false,
+            parallel: ParallelConfig::default(),
             hold_regions: false,
             book: ParallelBook::default(),
             pending: std::collections::VecDeque::new(),
@@ -167,7 +175,18 @@ impl TestMachine {
     /// conflict, stall, done and fail records. A region action error fails the region at
     /// once (there are no retries in memory): `@fail` with `attempts: 1`.
     pub fn with_parallel_dispatch(mut self, on: bool) -> Self {
-        self.dispatch = on;
+        self.parallel.enabled = on;
+        self
+    }
+
+    /// The parallel dispatch settings, as the durable runtime takes them: `enabled`
+    /// switches dispatch mode on (see
+    /// [`with_parallel_dispatch`](Self::with_parallel_dispatch)), and a non-zero
+    /// `region_timeout` arms the region timeout when a dispatch starts, a timer that
+    /// [`advance_timers`](Self::advance_timers) fires like any other. The job settings
+    /// (tries, backoff, queue) do not apply in memory.
+    pub fn with_parallel(mut self, parallel: ParallelConfig) -> Self {
+        self.parallel = parallel;
         self
     }
 
@@ -200,7 +219,7 @@ impl TestMachine {
         let report = RegionReport::Failed {
             key: task.key,
             error: error.to_owned(),
-            exception: "ActionError".to_owned(),
+            exception: FailureKind::Action.exception().to_owned(),
             attempts: 1,
         };
         self.handle_report(&report);
@@ -259,8 +278,8 @@ impl TestMachine {
             if let Err(e) = run.handle_action_result(outcome.map(|()| ctx.to_result())) {
                 return RegionReport::Failed {
                     key: task.key.clone(),
-                    error: e.message,
-                    exception: "ActionError".to_owned(),
+                    error: action_failure(&request, &e),
+                    exception: FailureKind::Action.exception().to_owned(),
                     attempts: 1,
                 };
             }
@@ -269,54 +288,39 @@ impl TestMachine {
     }
 
     fn handle_report(&mut self, report: &RegionReport) {
+        let payload = serde_json::to_value(report).expect("a region report serializes");
+        let event = Event::with_payload(REGION_REPORT_EVENT, payload);
         let def = Arc::clone(&self.def);
-        let plan = apply_report(
+        let step = ChartStep::event(
             &def,
             &self.configuration,
-            &self.context,
-            &mut self.book,
-            report,
+            self.stored_context(),
+            event.clone(),
             self.limits,
-        );
-        match plan {
-            ReportPlan::Noop => {}
-            ReportPlan::Abort(entry) => self.recorded.push(entry),
-            ReportPlan::Run { records, step, followup } => {
-                let result = self.drive(step.dispatch_regions(self.dispatch));
-                if let Some(e) = &result.error {
-                    panic!("applying the report of `{}` failed: {e}", report.key().region);
-                }
-                let after = finish_report(&followup, &result.configuration);
-                self.settle(Some(Event::new(REGION_REPORT_EVENT)), result, records, after);
-            }
+            &self.parallel,
+        )
+        .expect("a serialized region report decodes");
+        match self.drive(step) {
+            Ok(plan) => self.apply(Some(event), plan),
+            Err(e) => panic!("applying the report of `{}` failed: {e}", report.key().region),
         }
     }
 
-    /// Commits a macrostep in dispatch mode: records, book, region tasks.
-    fn settle(
-        &mut self,
-        event: Option<Event>,
-        result: MacrostepResult,
-        before: Vec<HistoryEntry>,
-        mut after: Vec<HistoryEntry>,
-    ) {
-        self.recorded.extend(before);
-        after.extend(done_records(&self.book, &result.internal_events));
-        self.book.prune(&result.configuration);
-        if self.dispatch && !result.is_final && !result.regions_to_dispatch.is_empty() {
-            let tasks = self.book.dispatch(&result.regions_to_dispatch, &result.context);
-            let regions: Vec<&str> = tasks.iter().map(|t| t.key.region.as_str()).collect();
-            self.recorded.push(HistoryEntry::new(
-                PARALLEL_DISPATCH,
-                serde_json::json!({ "regions": regions }),
-            ));
-            self.pending.extend(tasks);
-        }
-        self.recorded.extend(after);
-        self.apply(event, result);
+    /// The context as the durable runtime stores it: with the parallel bookkeeping.
+    fn stored_context(&self) -> Value {
+        let mut context = self.context.clone();
+        self.book.put(&mut context);
+        context
     }
 
-    /// The data of every recorded internal event of `kind` (`PARALLEL_DONE`,
+    /// Every history entry the durable runtime would have committed for this machine so
+    /// far, in commit order (`MACROSTEP`, `EVENT_UNHANDLED`, `PARALLEL_*`).
+    pub fn history_entries(&mut self) -> &[HistoryEntry] {
+        self.start();
+        &self.recorded
+    }
+
+    /// The data of every recorded history entry of `kind` (`PARALLEL_DONE`,
     /// `PARALLEL_CONTEXT_CONFLICT`, …), oldest first.
     pub fn recorded(&mut self, kind: &str) -> Vec<Value> {
         self.start();
@@ -395,13 +399,11 @@ impl TestMachine {
     pub fn start(&mut self) -> &mut Self {
         if self.results.is_empty() {
             let def = Arc::clone(&self.def);
-            let step = Macrostep::init(&def, self.context.clone(), self.limits)
-                .dispatch_regions(self.dispatch);
-            let result = self.drive(step);
-            if let Some(e) = &result.error {
-                panic!("initial entry of `{}` failed: {e}", self.def.name());
+            let step = ChartStep::init(&def, self.stored_context(), self.limits, &self.parallel);
+            match self.drive(step) {
+                Ok(plan) => self.apply(None, plan),
+                Err(e) => panic!("initial entry of `{}` failed: {e}", self.def.name()),
             }
-            self.settle(None, result, Vec::new(), Vec::new());
             self.run_pending();
         }
         self
@@ -431,34 +433,35 @@ impl TestMachine {
         self.start();
         let event = event.into();
         let def = Arc::clone(&self.def);
-        let step = Macrostep::start(
+        let step = ChartStep::event(
             &def,
             &self.configuration,
-            self.context.clone(),
+            self.stored_context(),
             event.clone(),
             self.limits,
+            &self.parallel,
         )
-        .dispatch_regions(self.dispatch);
-        let result = self.drive(step);
-        if let Some(e) = result.error {
-            return Err(e);
-        }
-        self.settle(Some(event), result, Vec::new(), Vec::new());
+        .map_err(|e| MacrostepError::Action {
+            action: String::new(),
+            state: String::new(),
+            message: format!("the region report in event `{}` does not decode: {e}", event.name),
+            retryable: false,
+        })?;
+        let plan = self.drive(step)?;
+        self.apply(Some(event), plan);
         self.run_pending();
         Ok(self.last())
     }
 
-    fn drive(&mut self, mut step: Macrostep<'_>) -> MacrostepResult {
-        loop {
-            match step.poll() {
-                Next::RunAction(request) => {
-                    let ctx = SharedContext::new(step.context().clone());
-                    let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
-                    step.handle_action_result(outcome.map(|()| ctx.to_result()));
-                }
-                Next::Done(result) => return *result,
-            }
+    /// Runs the actions the chart step asks for and returns its plan.
+    fn drive(&mut self, mut step: ChartStep<'_>) -> Result<StepPlan, MacrostepError> {
+        while let Some(call) = step.poll() {
+            let ctx = SharedContext::new(call.context);
+            let request = call.request;
+            let outcome = self.call(&request.name, ctx.clone(), request.event.clone());
+            step.handle_action_result(outcome.map(|()| ctx.to_result()));
         }
+        step.finish()
     }
 
     /// Runs a registered action (an unregistered one does nothing).
@@ -475,17 +478,31 @@ impl TestMachine {
         }
     }
 
-    fn apply(&mut self, event: Option<Event>, result: MacrostepResult) {
-        // The durable stores' rule: a cancelled state takes its descendants' timers along.
-        for cancel in &result.timers_to_cancel {
-            self.timers.retain(|t| !owned_by(&t.arm.state, &cancel.state));
+    /// Commits a chart step's plan in memory, as a durable store commits it.
+    fn apply(&mut self, event: Option<Event>, plan: StepPlan) {
+        self.recorded.extend(plan.history);
+        // The durable stores' rule: cancels apply before arms, and a cancelled state
+        // takes its descendants' timers along.
+        for owner in &plan.timers_cancel {
+            self.timers.retain(|t| !owned_by(&t.spec.state, owner));
         }
-        for arm in &result.timers_to_arm {
-            self.timers.push(Armed { arm: arm.clone(), due: self.now + arm.interval, fires: 0 });
+        let machine =
+            MachineRef::new(self.def.name(), i32::try_from(self.def.version()).unwrap_or(i32::MAX));
+        for arm in plan.timers_arm {
+            let id = TimerId(self.next_timer_id);
+            self.next_timer_id += 1;
+            let row = TimerRow::armed(id, InstanceId(0), "", &machine, arm, at(self.now));
+            self.timers.push(row);
         }
-        self.configuration = result.configuration.clone();
-        self.context = result.context.clone();
-        self.results.push((event, result));
+        self.pending.extend(plan.region_tasks);
+        self.book = plan.book;
+        self.context = plan.context;
+        if let Some(configuration) = plan.configuration {
+            self.configuration = configuration;
+        }
+        if let Some(result) = plan.macrostep {
+            self.results.push((event, result));
+        }
     }
 
     /// The result of the last macrostep (the initial entry if nothing was sent).
@@ -533,7 +550,7 @@ impl TestMachine {
     /// The timers currently armed (as the runtime would hold them), in arming order.
     pub fn timers(&mut self) -> Vec<&TimerArm> {
         self.start();
-        self.timers.iter().map(|t| &t.arm).collect()
+        self.timers.iter().map(|t| &t.spec).collect()
     }
 
     /// Moves the virtual clock forward by `by`, firing every timer that falls due, in due
@@ -552,31 +569,26 @@ impl TestMachine {
                 .timers
                 .iter()
                 .enumerate()
-                .filter(|(_, t)| t.due <= until)
-                .min_by_key(|(i, t)| (t.due, *i));
+                .filter(|(_, t)| t.next_fire_at <= at(until))
+                .min_by_key(|(i, t)| (t.next_fire_at, *i));
             let Some((index, _)) = next else {
                 break;
             };
-            let mut timer = self.timers.remove(index);
-            self.now = timer.due;
-            // The same rule as the durable sweep (`keel_core::timers::fire`): after `max`
-            // fires, the next due time sends `then` once and the timer is gone.
-            let exhausted = timer.arm.kind == TimerKind::Every
-                && timer.arm.max.is_some_and(|max| timer.fires >= max);
-            if exhausted {
-                if let Some(then) = timer.arm.then.clone() {
-                    self.fired.push(then.clone());
-                    self.send(then.as_str());
-                }
-                continue;
+            let timer = self.timers.remove(index);
+            let due = timer.next_fire_at;
+            self.now = Duration::from_millis(u64::try_from(due.0 - EPOCH.0).unwrap_or(0));
+            // The durable sweep's rule, from the core: what to deliver, and the timer
+            // that remains (an `every` timer due again, or none).
+            let fired = fire(&timer, due);
+            if let Some(next) = fired.next {
+                self.timers.insert(index, next);
             }
-            timer.fires += 1;
-            if timer.arm.kind == TimerKind::Every {
-                timer.due = self.now + timer.arm.interval;
-                self.timers.insert(index, timer.clone());
+            let event = fired.signal.name;
+            // An exhausted timer without a `then` event has nothing to deliver.
+            if !event.is_empty() {
+                self.fired.push(event.clone());
+                self.send(event.as_str());
             }
-            self.fired.push(timer.arm.event.clone());
-            self.send(timer.arm.event.as_str());
         }
         self.now = until;
         self

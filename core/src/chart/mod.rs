@@ -14,6 +14,8 @@
 //!   Graphviz, and [`Definition::to_svg`] / [`Definition::to_svg_highlighted`] drawn in Rust.
 //! - [`ChartJson`]: the JSON form of a definition ([`Definition::to_json`],
 //!   [`ChartBuilder::from_json`]); guards stay Rust functions referenced by name.
+//! - [`step`]: one chart step (an event or the initial entry) from the stored state to the
+//!   plan a runtime commits; every chart runtime drives it.
 //! - [`parallel`]: the pure half of parallel dispatch (region tasks, reports, the guard,
 //!   merge, stall, done, fail and timeout records).
 //!
@@ -58,6 +60,7 @@ mod diagram;
 mod json;
 mod mermaid;
 pub mod parallel;
+pub mod step;
 mod timer;
 mod validate;
 

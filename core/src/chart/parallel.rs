@@ -226,6 +226,13 @@ impl RegionRun {
     }
 }
 
+/// The error a region task reports when its action `request` failed with `error`: it
+/// names the action and its state, so the parent's `PARALLEL_FAIL` says where the region
+/// failed, whichever runtime ran the task.
+pub fn action_failure(request: &ActionRequest, error: &ActionError) -> String {
+    format!("action `{}` of state `{}` failed: {}", request.name, request.state, error.message)
+}
+
 /// A region's progress within one dispatch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
