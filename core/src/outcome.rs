@@ -366,6 +366,22 @@ fn push_error(errors: &mut Vec<AttemptError>, attempt: i32, error: &str, at: Tim
     }
 }
 
+/// The status a row lands in when `outcome` is committed with the commit-time `facts`.
+/// [`apply`] sets exactly this status; a store that must know where a row may land before
+/// it knows every fact (how many children uniqueness lets in) asks this.
+pub fn status_after(outcome: &Outcome, facts: ApplyFacts) -> Status {
+    match outcome {
+        Outcome::Next { .. } | Outcome::Retry { .. } => Status::Runnable,
+        Outcome::Await { .. } if facts.signal_waiting => Status::Runnable,
+        Outcome::Await { .. } => Status::AwaitingSignal,
+        Outcome::ScheduleChildren { .. } if facts.children_inserted == 0 => Status::Runnable,
+        Outcome::ScheduleChildren { .. } => Status::AwaitingChildren,
+        Outcome::Done { .. } => Status::Done,
+        Outcome::Stop { .. } => Status::Failed,
+        Outcome::Suspend => Status::Suspended,
+    }
+}
+
 /// The reference transition of DESIGN §3.2: the row after `commit`, given the commit-time
 /// `facts`. The caller has already checked [`validate_commit`].
 pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied {
@@ -374,6 +390,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
     release_lease(&mut next);
     next.updated_at = now;
     next.revision = Revision(row.revision.0 + 1);
+    next.status = status_after(&commit.outcome, facts);
 
     let mut errors = row.errors.clone();
     if let Some(f) = &commit.failure {
@@ -391,7 +408,6 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         Outcome::Next { step, context } => {
             next.position.clone_from(step);
             next.context = context.clone();
-            next.status = Status::Runnable;
             next.eligible_at = now;
             next.attempt = 0;
             next.awaits = None;
@@ -400,7 +416,6 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         }
         Outcome::Retry { context, delay } => {
             next.context = context.clone();
-            next.status = Status::Runnable;
             next.eligible_at = now.plus(*delay);
             next.attempt = row.attempt + 1;
             next.awaits = None;
@@ -418,8 +433,6 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.awaits = Some(signal.clone());
             next.eligible_at = now;
             next.attempt = 0;
-            next.status =
-                if facts.signal_waiting { Status::Runnable } else { Status::AwaitingSignal };
             errors.clear();
             HistoryEntry::new(
                 "STEP_AWAIT",
@@ -430,11 +443,6 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.position.clone_from(step);
             next.context = context.clone();
             next.children_pending = facts.children_inserted;
-            next.status = if facts.children_inserted == 0 {
-                Status::Runnable
-            } else {
-                Status::AwaitingChildren
-            };
             next.eligible_at = now;
             next.attempt = 0;
             next.awaits = None;
@@ -449,13 +457,11 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
                 next.position.clone_from(step);
             }
             next.result = Some(result.clone());
-            next.status = Status::Done;
             next.awaits = None;
             errors.clear();
             HistoryEntry::new("STEP_DONE", json!({ "step": row.position, "at": next.position }))
         }
         Outcome::Stop { reason } => {
-            next.status = Status::Failed;
             next.last_error = Some(clip_error(reason));
             next.awaits = None;
             errors.clear();
@@ -465,7 +471,6 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             )
         }
         Outcome::Suspend => {
-            next.status = Status::Suspended;
             next.last_error = commit.failure.as_ref().map(|f| clip_error(&f.error));
             HistoryEntry::new(
                 "STEP_SUSPENDED",
