@@ -9,6 +9,7 @@ pub mod config;
 pub mod context;
 pub mod duration;
 pub mod error;
+pub mod history;
 pub mod ids;
 pub mod inbox;
 pub mod instance;
@@ -22,6 +23,7 @@ pub mod time;
 pub mod timers;
 
 pub use error::{ErrorKind, StoreError, StoreResult};
+pub use history::HistoryKind;
 pub use ids::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
     StatusSet, TimerId, WorkerId,

@@ -9,6 +9,7 @@
 
 use crate::chart::{Event, TimerArm};
 use crate::error::{StoreError, StoreResult};
+use crate::history::HistoryKind;
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
@@ -412,7 +413,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.attempt = 0;
             next.awaits = None;
             errors.clear();
-            HistoryEntry::new("STEP_NEXT", json!({ "from": row.position, "to": step }))
+            HistoryEntry::new(HistoryKind::StepNext, json!({ "from": row.position, "to": step }))
         }
         Outcome::Retry { context, delay } => {
             next.context = context.clone();
@@ -421,7 +422,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.awaits = None;
             let error = commit.failure.as_ref().map(|f| clip_error(&f.error));
             HistoryEntry::new(
-                "STEP_RETRY",
+                HistoryKind::StepRetry,
                 json!({ "step": row.position, "delay_ms": delay.as_millis() as u64, "error": error }),
             )
         }
@@ -435,7 +436,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.attempt = 0;
             errors.clear();
             HistoryEntry::new(
-                "STEP_AWAIT",
+                HistoryKind::StepAwait,
                 json!({ "signal": signal, "parked": !facts.signal_waiting, "at": next.position }),
             )
         }
@@ -448,7 +449,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.awaits = None;
             errors.clear();
             HistoryEntry::new(
-                "STEP_SCHEDULE_CHILDREN",
+                HistoryKind::StepScheduleChildren,
                 json!({ "next": step, "requested": children.len(), "inserted": facts.children_inserted }),
             )
         }
@@ -459,21 +460,24 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.result = Some(result.clone());
             next.awaits = None;
             errors.clear();
-            HistoryEntry::new("STEP_DONE", json!({ "step": row.position, "at": next.position }))
+            HistoryEntry::new(
+                HistoryKind::StepDone,
+                json!({ "step": row.position, "at": next.position }),
+            )
         }
         Outcome::Stop { reason } => {
             next.last_error = Some(clip_error(reason));
             next.awaits = None;
             errors.clear();
             HistoryEntry::new(
-                "STEP_STOP",
+                HistoryKind::StepStop,
                 json!({ "step": row.position, "reason": clip_error(reason) }),
             )
         }
         Outcome::Suspend => {
             next.last_error = commit.failure.as_ref().map(|f| clip_error(&f.error));
             HistoryEntry::new(
-                "STEP_SUSPENDED",
+                HistoryKind::StepSuspended,
                 json!({ "step": row.position, "attempts": row.attempt + 1 }),
             )
         }
@@ -486,7 +490,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         push_error(&mut all, row.attempt, &f.error, now);
         let reason = if f.retryable { "exhausted" } else { "non_retryable" };
         history.push(HistoryEntry::new(
-            "DEAD_LETTERED",
+            HistoryKind::DeadLettered,
             json!({ "reason": reason, "attempts": row.attempt + 1, "error": clip_error(&f.error) }),
         ));
         NewDeadLetter {
@@ -530,9 +534,9 @@ pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
     push_error(&mut errors, row.attempt, &error, now);
     next.errors.clone_from(&errors);
     let history = vec![
-        HistoryEntry::new("ROW_UNDECODABLE", json!({ "error": error })),
+        HistoryEntry::new(HistoryKind::RowUndecodable, json!({ "error": error })),
         HistoryEntry::new(
-            "DEAD_LETTERED",
+            HistoryKind::DeadLettered,
             json!({ "reason": UNDECODABLE_REASON, "attempts": row.attempt + 1, "error": error }),
         ),
     ];
@@ -626,7 +630,7 @@ pub fn reap(row: &Instance, now: Timestamp) -> Instance {
 /// The history entry the reaper records.
 pub fn reap_history(row: &Instance) -> HistoryEntry {
     HistoryEntry::new(
-        "LEASE_EXPIRED",
+        HistoryKind::LeaseExpired,
         json!({ "worker": row.lease_owner, "lease_expires_at": row.lease_expires_at, "attempt": row.attempt }),
     )
 }
