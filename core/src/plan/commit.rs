@@ -18,7 +18,9 @@ use crate::chart::TimerArm;
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{InstanceId, SignalId, Status};
 use crate::inbox;
-use crate::instance::{HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal, Signal};
+use crate::instance::{
+    HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal, Signal, unique_guard,
+};
 use crate::outcome::{self, ApplyFacts, Outcome, StepCommit};
 use crate::ports::store::{CommitReceipt, InsertOutcome};
 use crate::time::Timestamp;
@@ -98,6 +100,16 @@ pub fn reentering_key<'a>(
     lands.then_some(unique.key.as_slice())
 }
 
+/// Every child a commit starts, named by its field.
+fn child_fields(commit: &StepCommit) -> impl Iterator<Item = (String, &NewInstance)> {
+    let barrier: &[NewInstance] = match &commit.outcome {
+        Outcome::ScheduleChildren { children, .. } => children,
+        _ => &[],
+    };
+    let barrier = barrier.iter().enumerate().map(|(i, c)| (format!("outcome.children[{i}]"), c));
+    barrier.chain(commit.spawn.iter().enumerate().map(|(i, c)| (format!("spawn[{i}]"), c)))
+}
+
 /// Plans the items of one commit batch in order, remembering what earlier items changed:
 /// an admitted item takes its row out of `executing` (so a second item for the same
 /// instance is stale) and may take a unique key (so a later item that would bring the same
@@ -147,6 +159,16 @@ impl CommitPlanner {
                 return Err(StoreError::conflict(format!(
                     "instance {}: its unique key would be back in scope, but instance {other} occupies it",
                     row.id
+                )));
+            }
+            // A child started by this commit would take the key first (children are
+            // inserted before the row is written), leaving two holders of one key.
+            if let Some(field) = child_fields(commit)
+                .find(|(_, spec)| unique_guard(spec.unique.as_ref(), Status::Runnable) == Some(key))
+            {
+                return Err(StoreError::conflict(format!(
+                    "{}: the child's unique key is the one instance {} brings back into scope; give the child another key",
+                    field.0, row.id
                 )));
             }
             self.keys.insert(key.to_vec(), row.id);

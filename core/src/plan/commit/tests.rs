@@ -190,3 +190,16 @@ fn a_live_commit_changes_timers_and_leaves_the_parent_alone() {
     assert_eq!(plan.parent_notice, None);
     assert!(plan.history.iter().all(|h| h.kind != inbox::INBOX_DRAINED));
 }
+
+#[test]
+fn a_child_holding_the_key_its_parent_brings_back_is_refused() {
+    let mut row = executing(1);
+    row.unique = Some(UniqueSpec { key: b"k".to_vec(), scope: StatusSet::of(&[Status::Runnable]) });
+    let mut child = NewInstance::new(MachineRef::new("c", 1), "start");
+    child.unique = Some(UniqueSpec { key: b"k".to_vec(), scope: StatusSet::ALL });
+    let mut commit = next(1);
+    commit.spawn = vec![child];
+    let err = CommitPlanner::new(NOW).admit(&commit, read(row)).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Conflict);
+    assert!(err.message.starts_with("spawn[0]"), "{}", err.message);
+}
