@@ -12,7 +12,6 @@
 
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
-use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
     HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, undecodable_error,
@@ -31,7 +30,7 @@ use keel_core::ports::store::{
 use keel_core::timers::{self, TimerRow};
 use keel_core::{
     DeadLetterId, FencingToken, Instance, InstanceId, NewSignal, SignalTarget, Status, StepCommit,
-    StoreError, StoreResult, TimerId, Timestamp,
+    StoreError, StoreResult, Timestamp,
 };
 use serde_json::json;
 use sqlx::Connection;
@@ -238,7 +237,7 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         receipt.dead_letter = Some(db.dead_letter_insert(letter, now).await?);
     }
     match &plan.timers {
-        TimerPlan::Change { cancel, arm } => timers_change(db, row, cancel, arm, now).await?,
+        TimerPlan::Change { cancel, arm } => timers_change(db, row, cancel, arm).await?,
         TimerPlan::DropAll => db.timers_drop(row.id).await?,
     }
     db.instance_write(row).await?;
@@ -309,13 +308,12 @@ async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> St
 }
 
 /// A commit's timer changes: cancels first (every timer of the instance owned by a left
-/// state or a descendant), then arms, due one interval after `now`.
+/// state or a descendant), then arms.
 async fn timers_change(
     db: &mut Db<'_>,
     row: &Instance,
     cancel: &[String],
-    arm: &[TimerArm],
-    now: Timestamp,
+    arm: &[TimerRow],
 ) -> StoreResult<()> {
     if !cancel.is_empty() {
         for t in db.timers(row.id, WHOLE_INBOX).await? {
@@ -324,10 +322,8 @@ async fn timers_change(
             }
         }
     }
-    for spec in arm {
-        let t =
-            TimerRow::armed(TimerId(0), row.id, &row.namespace, &row.machine, spec.clone(), now);
-        db.timer_insert(&t).await?;
+    for t in arm {
+        db.timer_insert(t).await?;
     }
     Ok(())
 }

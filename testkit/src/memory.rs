@@ -22,7 +22,6 @@
 
 use async_trait::async_trait;
 use keel_core::TimerId;
-use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
@@ -413,7 +412,7 @@ impl State {
             id
         });
         match timers {
-            TimerPlan::Change { cancel, arm } => self.timers_change(&row, &cancel, &arm, now),
+            TimerPlan::Change { cancel, arm } => self.timers_change(&row, &cancel, arm),
             TimerPlan::DropAll => self.timers_drop(row.id),
         }
         self.write(row);
@@ -755,14 +754,8 @@ impl State {
 
     // ----- timers -----------------------------------------------------------------------
 
-    /// Applies a commit's timer changes: cancels first, then arms (due from `now`).
-    fn timers_change(
-        &mut self,
-        row: &Instance,
-        cancel: &[String],
-        arm: &[TimerArm],
-        now: Timestamp,
-    ) {
+    /// Applies a commit's timer changes: cancels first, then arms.
+    fn timers_change(&mut self, row: &Instance, cancel: &[String], arm: Vec<TimerRow>) {
         if !cancel.is_empty() {
             let mine: Vec<TimerId> =
                 self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
@@ -772,13 +765,11 @@ impl State {
                 }
             }
         }
-        for spec in arm {
+        for mut timer in arm {
             self.last_timer += 1;
-            let id = TimerId(self.last_timer);
-            let timer =
-                TimerRow::armed(id, row.id, &row.namespace, &row.machine, spec.clone(), now);
-            self.timers.insert(id, timer);
-            self.timers_of.entry(row.id).or_default().insert(id);
+            timer.id = TimerId(self.last_timer);
+            self.timers_of.entry(row.id).or_default().insert(timer.id);
+            self.timers.insert(timer.id, timer);
         }
     }
 

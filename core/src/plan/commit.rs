@@ -14,9 +14,8 @@
 //! children uniqueness let in by inserting them, and the row's new status depends on that
 //! count (zero children inserted releases the barrier at once).
 
-use crate::chart::TimerArm;
 use crate::error::{StoreError, StoreResult};
-use crate::ids::{InstanceId, SignalId, Status};
+use crate::ids::{InstanceId, SignalId, Status, TimerId};
 use crate::inbox;
 use crate::instance::{
     HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal, Signal, unique_guard,
@@ -24,6 +23,7 @@ use crate::instance::{
 use crate::outcome::{self, ApplyFacts, Outcome, StepCommit};
 use crate::ports::store::{CommitReceipt, InsertOutcome};
 use crate::time::Timestamp;
+use crate::timers::TimerRow;
 use std::collections::HashMap;
 
 /// What a store read for one commit item, under the lock of the item's row.
@@ -253,10 +253,17 @@ impl Admitted {
         let timers = if terminal {
             TimerPlan::DropAll
         } else {
-            TimerPlan::Change {
-                cancel: commit.timers_cancel.clone(),
-                arm: commit.timers_arm.clone(),
-            }
+            let arm = commit.timers_arm.iter().map(|spec| {
+                TimerRow::armed(
+                    TimerId(0),
+                    row.id,
+                    &row.namespace,
+                    &row.machine,
+                    spec.clone(),
+                    self.now,
+                )
+            });
+            TimerPlan::Change { cancel: commit.timers_cancel.clone(), arm: arm.collect() }
         };
         let parent = if terminal { row.parent } else { None };
         let parent_notice = if terminal { outcome::parent_notice(&row) } else { None };
@@ -288,13 +295,13 @@ impl Admitted {
 #[derive(Debug, Clone, PartialEq)]
 pub enum TimerPlan {
     /// Delete every timer of the instance owned by one of the `cancel` states or their
-    /// descendants (see `timers::owned_by`), then arm `arm`, each due one interval after
-    /// the commit.
+    /// descendants (see `timers::owned_by`), then insert `arm`.
     Change {
         /// The states whose timers end.
         cancel: Vec<String>,
-        /// The timers to arm.
-        arm: Vec<TimerArm>,
+        /// The timers to arm, each due one interval after the commit; their ids are
+        /// placeholders the store replaces with ones it assigns.
+        arm: Vec<TimerRow>,
     },
     /// The instance became terminal: delete every timer it has.
     DropAll,

@@ -221,7 +221,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             }
         }
         match &plan.timers {
-            TimerPlan::Change { cancel, arm } => timers.change(row, cancel, arm, now),
+            TimerPlan::Change { cancel, arm } => timers.change(row, cancel, arm),
             TimerPlan::DropAll => timers.drop_all(row.id),
         }
         if let Some(p) = plan.barrier_release {

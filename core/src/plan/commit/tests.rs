@@ -1,4 +1,5 @@
 use super::*;
+use crate::chart::{TimerArm, TimerKind};
 use crate::error::ErrorKind;
 use crate::ids::{FencingToken, MachineRef, StatusSet};
 use crate::instance::{SignalTarget, UniqueSpec};
@@ -184,8 +185,21 @@ fn a_live_commit_changes_timers_and_leaves_the_parent_alone() {
     row.parent = Some(InstanceId(50));
     let mut commit = next(1);
     commit.timers_cancel = vec!["a".into()];
+    let arm = TimerArm {
+        state: "b".into(),
+        event: "TICK".into(),
+        kind: TimerKind::After,
+        interval: std::time::Duration::from_secs(30),
+        max: None,
+        then: None,
+    };
+    commit.timers_arm = vec![arm];
     let plan = CommitPlanner::new(NOW).admit(&commit, read(row)).unwrap().finish(&commit, &[]);
-    assert_eq!(plan.timers, TimerPlan::Change { cancel: vec!["a".into()], arm: Vec::new() });
+    let TimerPlan::Change { cancel, arm } = &plan.timers else { panic!("{:?}", plan.timers) };
+    assert_eq!(cancel, &["a".to_owned()]);
+    assert_eq!(arm.len(), 1);
+    assert_eq!((arm[0].instance, arm[0].armed_at), (InstanceId(1), NOW));
+    assert_eq!(arm[0].next_fire_at, NOW.plus(std::time::Duration::from_secs(30)));
     assert_eq!(plan.barrier_release, None);
     assert_eq!(plan.parent_notice, None);
     assert!(plan.history.iter().all(|h| h.kind != inbox::INBOX_DRAINED));
