@@ -943,12 +943,7 @@ impl Store for MemoryStore {
             let mut planner = CommitPlanner::new(params.now);
             params.commits.iter().map(|c| state.commit(&mut planner, c, params.now)).collect()
         };
-        // Only accepted items that stay live kept the timers they armed.
-        let armed =
-            params.commits.iter().zip(&receipts).filter_map(|(c, r)| {
-                r.as_ref().is_ok_and(|r| !r.status.is_terminal()).then_some(c)
-            });
-        self.hint_timers(timers::armed_due(armed, params.now));
+        self.hint_timers(commit::armed_due(&params.commits, &receipts, params.now));
         self.wake(Ok(receipts))
     }
 

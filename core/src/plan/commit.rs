@@ -23,7 +23,7 @@ use crate::instance::{
 use crate::outcome::{self, ApplyFacts, Outcome, StepCommit};
 use crate::ports::store::{CommitReceipt, InsertOutcome};
 use crate::time::Timestamp;
-use crate::timers::TimerRow;
+use crate::timers::{self, TimerRow};
 use std::collections::HashMap;
 
 /// What a store read for one commit item, under the lock of the item's row.
@@ -108,6 +108,21 @@ fn child_fields(commit: &StepCommit) -> impl Iterator<Item = (String, &NewInstan
     };
     let barrier = barrier.iter().enumerate().map(|(i, c)| (format!("outcome.children[{i}]"), c));
     barrier.chain(commit.spawn.iter().enumerate().map(|(i, c)| (format!("spawn[{i}]"), c)))
+}
+
+/// The earliest due time among the timers a committed batch armed, for the sweepers' hint:
+/// only accepted items that stay live keep the timers they armed. `None` when none did.
+pub fn armed_due(
+    commits: &[StepCommit],
+    results: &[StoreResult<CommitReceipt>],
+    now: Timestamp,
+) -> Option<Timestamp> {
+    let armed = commits
+        .iter()
+        .zip(results)
+        .filter(|(_, r)| r.as_ref().is_ok_and(|r| !r.status.is_terminal()))
+        .map(|(c, _)| c);
+    timers::armed_due(armed, now)
 }
 
 /// Plans the items of one commit batch in order, remembering what earlier items changed:

@@ -217,3 +217,36 @@ fn a_child_holding_the_key_its_parent_brings_back_is_refused() {
     assert_eq!(err.kind, ErrorKind::Conflict);
     assert!(err.message.starts_with("spawn[0]"), "{}", err.message);
 }
+
+#[test]
+fn only_accepted_items_that_stay_live_hint_their_armed_timers() {
+    let arm = |secs| TimerArm {
+        state: "s".into(),
+        event: "E".into(),
+        kind: TimerKind::After,
+        interval: std::time::Duration::from_secs(secs),
+        max: None,
+        then: None,
+    };
+    let mut live = next(1);
+    live.timers_arm = vec![arm(30)];
+    let mut refused = next(2);
+    refused.timers_arm = vec![arm(5)];
+    let mut ended = done(3);
+    ended.timers_arm = vec![arm(1)];
+    let receipt = |status| CommitReceipt {
+        id: InstanceId(1),
+        revision: crate::ids::Revision(1),
+        status,
+        children: Vec::new(),
+        spawned: Vec::new(),
+        dead_letter: None,
+    };
+    let results = [
+        Ok(receipt(Status::Runnable)),
+        Err(StoreError::lease_lost("stale")),
+        Ok(receipt(Status::Done)),
+    ];
+    let due = armed_due(&[live, refused, ended], &results, NOW);
+    assert_eq!(due, Some(NOW.plus(std::time::Duration::from_secs(30))));
+}
