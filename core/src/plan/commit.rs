@@ -240,11 +240,6 @@ pub struct Admitted {
 }
 
 impl Admitted {
-    /// The row as it was read, before the commit.
-    pub fn before(&self) -> &Instance {
-        &self.row
-    }
-
     /// The complete plan, given one insert outcome per entry of
     /// [`children`](Self::children), in the same order.
     pub fn finish(self, commit: &StepCommit, inserted: &[InsertOutcome]) -> CommitPlan {
@@ -322,10 +317,11 @@ pub enum TimerPlan {
     DropAll,
 }
 
-/// Every write of one accepted commit item. A store performs them in this order, in the
-/// same transaction: consume (or drain) the inbox, insert nothing more (children are
-/// already in), write the row, append the history, store the dead letter, change the
-/// timers, deliver the emits, then release the parent's barrier and deliver its notice.
+/// Every write of one accepted commit item, performed in the same transaction as its
+/// read. The children are already inserted. The row must be written before the emits and
+/// the parent notice are delivered (an instance may signal itself, and a delivery wakes
+/// the row as written), and the parent's barrier is released before its notice arrives;
+/// the other writes are independent of each other.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommitPlan {
     /// The row after the commit.
