@@ -1,3 +1,6 @@
+//! Tests of the commit planner: the refusals, the batch memory, and the plan of each
+//! kind of outcome, without a store.
+
 use super::*;
 use crate::chart::{TimerArm, TimerKind};
 use crate::error::ErrorKind;
