@@ -13,13 +13,14 @@
 //!
 //! Every store executes these rules; this module decides them.
 
+use crate::history::HistoryKind;
 use crate::instance::{HistoryEntry, Instance, Signal};
 use crate::limits;
 use crate::{Outcome, SignalId};
 use serde_json::json;
 
 /// The history entry kind a drained inbox is recorded under.
-pub const INBOX_DRAINED: &str = "INBOX_DRAINED";
+pub const INBOX_DRAINED: &str = HistoryKind::InboxDrained.as_str();
 
 /// Whether a delivery to `row` is stored: only a non-terminal instance's inbox is open.
 pub fn accepts_signals(row: &Instance) -> bool {
@@ -72,7 +73,10 @@ pub fn drained(pending: &Pending) -> Option<HistoryEntry> {
     }
     let listed: Vec<_> =
         pending.oldest.iter().map(|(id, name)| json!({ "id": id, "name": name })).collect();
-    Some(HistoryEntry::new(INBOX_DRAINED, json!({ "count": pending.count, "signals": listed })))
+    Some(HistoryEntry::new(
+        HistoryKind::InboxDrained,
+        json!({ "count": pending.count, "signals": listed }),
+    ))
 }
 
 #[cfg(test)]

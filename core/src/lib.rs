@@ -9,18 +9,21 @@ pub mod config;
 pub mod context;
 pub mod duration;
 pub mod error;
+pub mod history;
 pub mod ids;
 pub mod inbox;
 pub mod instance;
 pub mod limits;
 mod names;
 pub mod outcome;
+pub mod plan;
 pub mod ports;
 pub mod retry;
 pub mod time;
 pub mod timers;
 
 pub use error::{ErrorKind, StoreError, StoreResult};
+pub use history::HistoryKind;
 pub use ids::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Priority, Revision, SignalId, Status,
     StatusSet, TimerId, WorkerId,

@@ -9,6 +9,7 @@
 
 use crate::chart::{Event, TimerArm};
 use crate::error::{StoreError, StoreResult};
+use crate::history::HistoryKind;
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
@@ -366,6 +367,22 @@ fn push_error(errors: &mut Vec<AttemptError>, attempt: i32, error: &str, at: Tim
     }
 }
 
+/// The status a row lands in when `outcome` is committed with the commit-time `facts`.
+/// [`apply`] sets exactly this status; a store that must know where a row may land before
+/// it knows every fact (how many children uniqueness lets in) asks this.
+pub fn status_after(outcome: &Outcome, facts: ApplyFacts) -> Status {
+    match outcome {
+        Outcome::Next { .. } | Outcome::Retry { .. } => Status::Runnable,
+        Outcome::Await { .. } if facts.signal_waiting => Status::Runnable,
+        Outcome::Await { .. } => Status::AwaitingSignal,
+        Outcome::ScheduleChildren { .. } if facts.children_inserted == 0 => Status::Runnable,
+        Outcome::ScheduleChildren { .. } => Status::AwaitingChildren,
+        Outcome::Done { .. } => Status::Done,
+        Outcome::Stop { .. } => Status::Failed,
+        Outcome::Suspend => Status::Suspended,
+    }
+}
+
 /// The reference transition of DESIGN §3.2: the row after `commit`, given the commit-time
 /// `facts`. The caller has already checked [`validate_commit`].
 pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied {
@@ -374,6 +391,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
     release_lease(&mut next);
     next.updated_at = now;
     next.revision = Revision(row.revision.0 + 1);
+    next.status = status_after(&commit.outcome, facts);
 
     let mut errors = row.errors.clone();
     if let Some(f) = &commit.failure {
@@ -391,22 +409,20 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         Outcome::Next { step, context } => {
             next.position.clone_from(step);
             next.context = context.clone();
-            next.status = Status::Runnable;
             next.eligible_at = now;
             next.attempt = 0;
             next.awaits = None;
             errors.clear();
-            HistoryEntry::new("STEP_NEXT", json!({ "from": row.position, "to": step }))
+            HistoryEntry::new(HistoryKind::StepNext, json!({ "from": row.position, "to": step }))
         }
         Outcome::Retry { context, delay } => {
             next.context = context.clone();
-            next.status = Status::Runnable;
             next.eligible_at = now.plus(*delay);
             next.attempt = row.attempt + 1;
             next.awaits = None;
             let error = commit.failure.as_ref().map(|f| clip_error(&f.error));
             HistoryEntry::new(
-                "STEP_RETRY",
+                HistoryKind::StepRetry,
                 json!({ "step": row.position, "delay_ms": delay.as_millis() as u64, "error": error }),
             )
         }
@@ -418,11 +434,9 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.awaits = Some(signal.clone());
             next.eligible_at = now;
             next.attempt = 0;
-            next.status =
-                if facts.signal_waiting { Status::Runnable } else { Status::AwaitingSignal };
             errors.clear();
             HistoryEntry::new(
-                "STEP_AWAIT",
+                HistoryKind::StepAwait,
                 json!({ "signal": signal, "parked": !facts.signal_waiting, "at": next.position }),
             )
         }
@@ -430,17 +444,12 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.position.clone_from(step);
             next.context = context.clone();
             next.children_pending = facts.children_inserted;
-            next.status = if facts.children_inserted == 0 {
-                Status::Runnable
-            } else {
-                Status::AwaitingChildren
-            };
             next.eligible_at = now;
             next.attempt = 0;
             next.awaits = None;
             errors.clear();
             HistoryEntry::new(
-                "STEP_SCHEDULE_CHILDREN",
+                HistoryKind::StepScheduleChildren,
                 json!({ "next": step, "requested": children.len(), "inserted": facts.children_inserted }),
             )
         }
@@ -449,26 +458,26 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
                 next.position.clone_from(step);
             }
             next.result = Some(result.clone());
-            next.status = Status::Done;
             next.awaits = None;
             errors.clear();
-            HistoryEntry::new("STEP_DONE", json!({ "step": row.position, "at": next.position }))
+            HistoryEntry::new(
+                HistoryKind::StepDone,
+                json!({ "step": row.position, "at": next.position }),
+            )
         }
         Outcome::Stop { reason } => {
-            next.status = Status::Failed;
             next.last_error = Some(clip_error(reason));
             next.awaits = None;
             errors.clear();
             HistoryEntry::new(
-                "STEP_STOP",
+                HistoryKind::StepStop,
                 json!({ "step": row.position, "reason": clip_error(reason) }),
             )
         }
         Outcome::Suspend => {
-            next.status = Status::Suspended;
             next.last_error = commit.failure.as_ref().map(|f| clip_error(&f.error));
             HistoryEntry::new(
-                "STEP_SUSPENDED",
+                HistoryKind::StepSuspended,
                 json!({ "step": row.position, "attempts": row.attempt + 1 }),
             )
         }
@@ -481,7 +490,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         push_error(&mut all, row.attempt, &f.error, now);
         let reason = if f.retryable { "exhausted" } else { "non_retryable" };
         history.push(HistoryEntry::new(
-            "DEAD_LETTERED",
+            HistoryKind::DeadLettered,
             json!({ "reason": reason, "attempts": row.attempt + 1, "error": clip_error(&f.error) }),
         ));
         NewDeadLetter {
@@ -525,9 +534,9 @@ pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
     push_error(&mut errors, row.attempt, &error, now);
     next.errors.clone_from(&errors);
     let history = vec![
-        HistoryEntry::new("ROW_UNDECODABLE", json!({ "error": error })),
+        HistoryEntry::new(HistoryKind::RowUndecodable, json!({ "error": error })),
         HistoryEntry::new(
-            "DEAD_LETTERED",
+            HistoryKind::DeadLettered,
             json!({ "reason": UNDECODABLE_REASON, "attempts": row.attempt + 1, "error": error }),
         ),
     ];
@@ -621,7 +630,7 @@ pub fn reap(row: &Instance, now: Timestamp) -> Instance {
 /// The history entry the reaper records.
 pub fn reap_history(row: &Instance) -> HistoryEntry {
     HistoryEntry::new(
-        "LEASE_EXPIRED",
+        HistoryKind::LeaseExpired,
         json!({ "worker": row.lease_owner, "lease_expires_at": row.lease_expires_at, "attempt": row.attempt }),
     )
 }

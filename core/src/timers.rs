@@ -8,6 +8,7 @@
 //! batch.
 
 use crate::chart::{TimerArm, TimerKind};
+use crate::history::HistoryKind;
 use crate::ids::{InstanceId, MachineRef, TimerId};
 use crate::instance::{HistoryEntry, NewSignal};
 use crate::limits;
@@ -93,7 +94,7 @@ pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
             .payload(json!({ "timer": timer.id, "state": spec.state, "fires": timer.fire_count }))
             .dedup_key(format!("timer:{}:then", timer.id.0));
         let history = HistoryEntry::new(
-            "TIMER_EXHAUSTED",
+            HistoryKind::TimerExhausted,
             json!({ "timer": timer.id, "state": spec.state, "event": spec.event, "then": spec.then, "fires": timer.fire_count }),
         );
         return Fired { signal, history, next: None };
@@ -103,7 +104,7 @@ pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
         .payload(json!({ "timer": timer.id, "state": spec.state, "fire": n }))
         .dedup_key(fire_dedup_key(timer.id, n));
     let history = HistoryEntry::new(
-        "TIMER_FIRED",
+        HistoryKind::TimerFired,
         json!({ "timer": timer.id, "state": spec.state, "event": spec.event, "fire": n, "due": timer.next_fire_at, "at": now }),
     );
     let next = (spec.kind == TimerKind::Every).then(|| TimerRow {

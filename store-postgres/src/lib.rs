@@ -51,10 +51,10 @@
 //!   claimer of the same key fail; the store re-runs that claim, whose fresh snapshot now
 //!   sees the key busy.
 //! - **Commit** (fencing): a batch locks its rows (`FOR NO KEY UPDATE`, id order, so batches
-//!   cannot deadlock each other), checks each item with the pure `validate_commit` (stale ⇒
-//!   `LeaseLost`, malformed ⇒ `Invalid`, unknown id or emit target ⇒ `NotFound`; a rejected
-//!   item writes nothing, the others go on), computes each row with the pure `apply`, and
-//!   writes all accepted rows with one `UPDATE … FROM unnest(…)`, deletes exactly the
+//!   cannot deadlock each other), reads each item's read set and lets the core's commit
+//!   planner (`keel_core::plan::commit`) admit or refuse it (stale ⇒ `LeaseLost`, malformed
+//!   ⇒ `Invalid`, unknown id or emit target ⇒ `NotFound`; a rejected item writes nothing,
+//!   the others go on), and executes the plans: it writes all accepted rows with one `UPDATE … FROM unnest(…)`, deletes exactly the
 //!   consumed signal ids (and, in the same statement, the whole inbox of every item that
 //!   ended its instance), appends history, stores dead letters, and decrements each parent
 //!   whose child became terminal (`greatest(n - k, 0)`, plus a `CHECK` that it never goes

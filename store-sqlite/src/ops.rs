@@ -1,22 +1,25 @@
 //! The `Store` operations as functions of one open transaction.
 //!
-//! Each operation loads the rows it touches, runs the core's pure transitions
-//! (`validate_commit`, `apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`,
-//! `cancel`, `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
-//! `timers::owned_by`, the inbox rules of `inbox`) and writes the results back, in the same order as
-//! `MemoryStore` — so the two cannot drift apart. The caller owns the transaction: it
-//! begins it with `BEGIN IMMEDIATE`, and commits only when the operation returns `Ok`.
+//! A step commit is planned by `keel_core::plan::commit`: this module reads what the
+//! planner asks for, inserts the children it admits and performs the writes of its plan.
+//! Every other operation loads the rows it touches, runs the core's pure transitions
+//! (`claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
+//! `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
+//! `timers::owned_by`, the inbox rules of `inbox`) and writes the results back, in the
+//! same order as `MemoryStore`, so the two cannot drift apart. The caller owns the
+//! transaction: it begins it with `BEGIN IMMEDIATE`, and commits only when the operation
+//! returns `Ok`.
 
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
-use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
     HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, undecodable_error,
     unique_guard,
 };
 use keel_core::limits;
-use keel_core::outcome::{self, ApplyFacts, Outcome};
+use keel_core::outcome;
+use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
@@ -26,8 +29,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::{self, TimerRow};
 use keel_core::{
-    DeadLetterId, FencingToken, Instance, InstanceId, NewInstance, NewSignal, SignalId,
-    SignalTarget, Status, StepCommit, StoreError, StoreResult, TimerId, Timestamp,
+    DeadLetterId, FencingToken, Instance, InstanceId, NewSignal, SignalTarget, Status, StepCommit,
+    StoreError, StoreResult, Timestamp,
 };
 use serde_json::json;
 use sqlx::Connection;
@@ -195,102 +198,73 @@ pub(crate) async fn commit_item(
     }
 }
 
-/// The order of `MemoryStore::plan` + `execute`: check, consume, insert children, the
-/// row, history, dead letter, outbox, the parent's barrier. Rows are written as the plan
-/// goes; the savepoint undoes them if a later check rejects the item.
+/// Reads what the commit planner needs for one item, lets it decide, inserts the children
+/// it admits and performs the writes of its plan, in the plan's order. A refusal writes
+/// nothing; the savepoint undoes the writes if the database fails half way.
 async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreResult<CommitReceipt> {
-    let row = db.instance_required(c.id).await?;
-    outcome::validate_commit(&row, c)?;
-    let mut emits = Vec::with_capacity(c.emit.len());
-    for (i, signal) in c.emit.iter().enumerate() {
-        let target = db.resolve(&signal.target).await?.ok_or_else(|| {
-            StoreError::not_found(format!(
-                "emit[{i}].target: no instance {:?}; the step result was rejected, nothing was committed",
-                signal.target
-            ))
-        })?;
-        emits.push((signal, target));
+    let row = db.instance(c.id).await?;
+    let inbox = InboxRead::of(&db.inbox(c.id, WHOLE_INBOX).await?, c);
+    let mut emit_targets = Vec::with_capacity(c.emit.len());
+    for signal in &c.emit {
+        emit_targets.push(db.resolve(&signal.target).await?);
     }
-    let inbox = db.inbox(c.id, WHOLE_INBOX).await?;
-    let consume: Vec<SignalId> =
-        inbox.iter().map(|s| s.id).filter(|id| c.consume.contains(id)).collect();
-    let signal_waiting = match &c.outcome {
-        Outcome::Await { signal, .. } => inbox
-            .iter()
-            .any(|s| !consume.contains(&s.id) && outcome::signal_matches(signal, &s.name)),
-        _ => false,
-    };
-    for id in &consume {
-        db.signal_remove(c.id, *id).await?;
+    let key_occupant =
+        match row.as_ref().and_then(|r| commit::reentering_key(r, c, inbox.signal_waiting)) {
+            Some(key) => db.occupant(key, c.id).await?,
+            None => None,
+        };
+    // Each item is read after the ones before it were written, so a planner per item sees
+    // the batch's earlier effects through the database.
+    let admitted =
+        CommitPlanner::new(now).admit(c, CommitRead { row, emit_targets, inbox, key_occupant })?;
+    let mut inserted = Vec::with_capacity(admitted.children.len());
+    for child in &admitted.children {
+        inserted.push(child_insert(db, child, now).await?);
     }
-    let mut children = Vec::new();
-    let mut inserted = 0;
-    if let Outcome::ScheduleChildren { children: specs, .. } = &c.outcome {
-        for spec in specs {
-            let result = insert_child(db, spec, c.id, now).await?;
-            if matches!(result, InsertOutcome::Inserted(_)) {
-                inserted += 1;
-            }
-            children.push(result);
-        }
+    let plan = admitted.finish(c, &inserted);
+    let row = &plan.row;
+    for id in &plan.consume {
+        db.signal_remove(row.id, *id).await?;
     }
-    let mut spawned = Vec::with_capacity(c.spawn.len());
-    for spec in &c.spawn {
-        spawned.push(insert_child(db, spec, c.id, now).await?);
+    if plan.drain_inbox {
+        db.signals_drop(row.id).await?;
     }
-    let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted };
-    let applied = outcome::apply(&row, c, facts);
-    if let Some(guard) = applied.row.unique_guard()
-        && let Some(other) = db.occupant(guard, c.id).await?
+    for entry in &plan.history {
+        db.record(row, plan.attempt, entry, now).await?;
+    }
+    let mut receipt = plan.receipt.clone();
+    if let Some(letter) = &plan.dead_letter {
+        receipt.dead_letter = Some(db.dead_letter_insert(letter, now).await?);
+    }
+    match &plan.timers {
+        TimerPlan::Change { cancel, arm } => timers_change(db, row, cancel, arm).await?,
+        TimerPlan::DropAll => db.timers_drop(row.id).await?,
+    }
+    db.instance_write(row).await?;
+    for (signal, target) in &plan.emits {
+        deliver_to(db, *target, signal, now).await?;
+    }
+    if let Some(parent) = plan.barrier_release
+        && let Some(parent) = db.instance(parent).await?
     {
-        return Err(StoreError::conflict(format!(
-            "instance {}: its unique key would be back in scope as {}, but instance {other} occupies it",
-            c.id, applied.row.status
-        )));
+        db.instance_write(&outcome::release_parent(&parent, now)).await?;
     }
-    let terminal = applied.became_terminal();
-    let next = applied.row;
-    for entry in &applied.history {
-        db.record(&next, row.attempt, entry, now).await?;
+    if let Some(notice) = &plan.parent_notice
+        && let SignalTarget::Id(parent) = notice.target
+        && db.instance(parent).await?.is_some()
+    {
+        deliver_to(db, parent, notice, now).await?;
     }
-    if terminal {
-        let pending = inbox::Pending::of(inbox.iter().filter(|s| !consume.contains(&s.id)));
-        inbox_drain(db, &next, row.attempt, &pending, now).await?;
-    }
-    let dead_letter = match &applied.dead_letter {
-        Some(letter) => Some(db.dead_letter_insert(letter, now).await?),
-        None => None,
-    };
-    timers_change(db, &next, &c.timers_cancel, &c.timers_arm, now).await?;
-    if terminal {
-        db.timers_drop(next.id).await?;
-    }
-    db.instance_write(&next).await?;
-    for (signal, target) in emits {
-        deliver_to(db, target, signal, now).await?;
-    }
-    if terminal {
-        child_terminal(db, &next, now).await?;
-    }
-    Ok(CommitReceipt {
-        id: next.id,
-        revision: next.revision,
-        status: next.status,
-        children,
-        spawned,
-        dead_letter,
-    })
+    Ok(receipt)
 }
 
-/// Inserts a child of `parent` unless uniqueness finds an occupant (a `ScheduleChildren`
-/// child or a `spawn` item; only the former counts on a barrier).
-async fn insert_child(
+/// Inserts a child a commit starts, unless another instance occupies its unique key.
+async fn child_insert(
     db: &mut Db<'_>,
-    spec: &NewInstance,
-    parent: InstanceId,
+    child: &ChildInsert,
     now: Timestamp,
 ) -> StoreResult<InsertOutcome> {
-    let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
+    let guard = unique_guard(child.spec.unique.as_ref(), Status::Runnable);
     let existing = match guard {
         Some(g) => db.occupant(g, InstanceId(0)).await?,
         None => None,
@@ -298,8 +272,8 @@ async fn insert_child(
     if let Some(id) = existing {
         return Ok(InsertOutcome::Existing(id));
     }
-    let child = Instance::from_new(InstanceId(0), spec, Some(parent), now);
-    Ok(InsertOutcome::Inserted(db.instance_insert(&child).await?))
+    let row = Instance::from_new(InstanceId(0), &child.spec, Some(child.parent), now);
+    Ok(InsertOutcome::Inserted(db.instance_insert(&row).await?))
 }
 
 /// `row` just became terminal: its inbox closes, and the signals still pending in it are
@@ -334,13 +308,12 @@ async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> St
 }
 
 /// A commit's timer changes: cancels first (every timer of the instance owned by a left
-/// state or a descendant), then arms, due one interval after `now`.
+/// state or a descendant), then arms.
 async fn timers_change(
     db: &mut Db<'_>,
     row: &Instance,
     cancel: &[String],
-    arm: &[TimerArm],
-    now: Timestamp,
+    arm: &[TimerRow],
 ) -> StoreResult<()> {
     if !cancel.is_empty() {
         for t in db.timers(row.id, WHOLE_INBOX).await? {
@@ -349,10 +322,8 @@ async fn timers_change(
             }
         }
     }
-    for spec in arm {
-        let t =
-            TimerRow::armed(TimerId(0), row.id, &row.namespace, &row.machine, spec.clone(), now);
-        db.timer_insert(&t).await?;
+    for t in arm {
+        db.timer_insert(t).await?;
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use keel_core::instance::check_batch;
 use keel_core::instance::{DeadLetter, Instance};
 use keel_core::limits;
+use keel_core::plan::commit;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -18,7 +19,7 @@ use keel_core::ports::store::{
     SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
     TimerSweepParams, TimerSweepReport,
 };
-use keel_core::timers::{self, TimerHint, TimerHints};
+use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
@@ -330,12 +331,7 @@ impl Store for SqliteStore {
         if out.iter().any(Result::is_ok) {
             self.wake();
         }
-        // Only accepted items that stay live kept the timers they armed.
-        let armed =
-            params.commits.iter().zip(&out).filter_map(|(c, r)| {
-                r.as_ref().is_ok_and(|r| !r.status.is_terminal()).then_some(c)
-            });
-        self.hint_timers(timers::armed_due(armed, params.now));
+        self.hint_timers(commit::armed_due(&params.commits, &out, params.now));
         Ok(out)
     }
 

@@ -1,17 +1,19 @@
-//! [`MemoryStore`]: the in-memory reference implementation of the `Store` port.
+//! [`MemoryStore`]: the in-memory implementation of the `Store` port.
 //!
-//! Every row change goes through the pure transitions of [`keel_core::outcome`]
-//! (`apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
-//! `dead_letter_retry`) and the inbox rules of [`keel_core::inbox`]; this file only keeps the collections, the indexes and the order
-//! in which the transitions run inside one "transaction" (one lock hold). It is the model
-//! the conformance suite was written against, so it must stay boring and obviously right.
+//! A step commit is planned by [`keel_core::plan::commit`]: this file reads what the
+//! planner asks for, inserts the children it admits and performs the writes of its plan.
+//! Every other row change goes through the pure transitions of [`keel_core::outcome`]
+//! (`claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
+//! `dead_letter_retry`) and the inbox rules of [`keel_core::inbox`]; this file only keeps
+//! the collections, the indexes and the order in which the transitions run inside one
+//! "transaction" (one lock hold).
 //!
 //! Decisions the trait leaves open, made here and held to by the suite:
-//! - A commit whose new row would put its unique key back in scope while another instance
-//!   occupies that key is rejected with `Conflict` (PostgreSQL's unique index would refuse
-//!   the update). A claim skips such a row. Transitions the store drives on its own (reap,
-//!   release, delivery, barrier release, dead-letter retry) never fail: with a scope that
-//!   is not closed under them the first occupant keeps the key.
+//! - A claim skips a row whose unique key would come back into scope while another
+//!   instance occupies it (the commit planner refuses such a commit with `Conflict`).
+//!   Transitions the store drives on its own (reap, release, delivery, barrier release,
+//!   dead-letter retry) never fail: with a scope that is not closed under them the first
+//!   occupant keeps the key.
 //! - A heartbeat succeeds while the row is still executing under the same token and owner,
 //!   even if the lease time has passed but nobody reaped it yet.
 //! - Cancel with `cascade` walks descendants breadth first, at most
@@ -20,14 +22,16 @@
 
 use async_trait::async_trait;
 use keel_core::TimerId;
-use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
     position_in_state, unique_guard,
 };
 use keel_core::limits;
-use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
+use keel_core::outcome;
+use keel_core::plan::commit::{
+    self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
+};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -39,8 +43,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::{self, TimerHint, TimerHints, TimerRow, owned_by};
 use keel_core::{
-    DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
-    SignalTarget, Status, StepCommit, StoreError, StoreResult, Timestamp,
+    DeadLetterId, Instance, InstanceId, NewSignal, Priority, Signal, SignalId, SignalTarget,
+    Status, StepCommit, StoreError, StoreResult, Timestamp,
 };
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -123,15 +127,6 @@ struct State {
     timers_of: HashMap<InstanceId, BTreeSet<TimerId>>,
     /// `(namespace or "*", machine or "*")` → last sweep time.
     sweeps: HashMap<(String, String), Timestamp>,
-}
-
-/// A validated commit, ready to apply without any further check.
-struct Plan {
-    applied: Applied,
-    consume: Vec<SignalId>,
-    children: Vec<(NewInstance, InsertOutcome)>,
-    spawned: Vec<(NewInstance, InsertOutcome)>,
-    emits: Vec<(NewSignal, InstanceId)>,
 }
 
 impl State {
@@ -349,131 +344,101 @@ impl State {
 
     // ----- commits ----------------------------------------------------------------------
 
-    /// Plans the insertion of `specs` (barrier children or spawned ones) with uniqueness
-    /// against existing rows and earlier plans of the same commit: per spec, the id it
-    /// will get or the occupant of its key. Changes nothing.
-    fn plan_inserts(
-        &self,
-        specs: &[NewInstance],
-        planned: &mut HashMap<Vec<u8>, InstanceId>,
-        last_id: &mut i64,
-    ) -> Vec<(NewInstance, InsertOutcome)> {
-        specs
-            .iter()
-            .map(|spec| {
-                let guard = unique_guard(spec.unique.as_ref(), Status::Runnable);
-                let existing =
-                    guard.and_then(|g| self.guards.get(g).or_else(|| planned.get(g)).copied());
-                let result = if let Some(id) = existing {
-                    InsertOutcome::Existing(id)
-                } else {
-                    *last_id += 1;
-                    if let Some(g) = guard {
-                        planned.insert(g.to_vec(), InstanceId(*last_id));
-                    }
-                    InsertOutcome::Inserted(InstanceId(*last_id))
-                };
-                (spec.clone(), result)
-            })
-            .collect()
+    /// Commits one item of a batch: reads what the planner needs, lets it decide, inserts
+    /// the children it admits and executes its plan, all under the same lock hold.
+    fn commit(
+        &mut self,
+        planner: &mut CommitPlanner,
+        c: &StepCommit,
+        now: Timestamp,
+    ) -> StoreResult<CommitReceipt> {
+        let row = self.rows.get(&c.id).cloned();
+        let inbox = InboxRead::of(self.inbox_of(c.id), c);
+        let key_occupant = row
+            .as_ref()
+            .and_then(|row| commit::reentering_key(row, c, inbox.signal_waiting))
+            .and_then(|key| self.occupant(key, c.id));
+        let read = CommitRead {
+            row,
+            emit_targets: c.emit.iter().map(|s| self.resolve(&s.target)).collect(),
+            inbox,
+            key_occupant,
+        };
+        let admitted = planner.admit(c, read)?;
+        let inserted: Vec<InsertOutcome> =
+            admitted.children.iter().map(|child| self.child_insert(child, now)).collect();
+        Ok(self.execute(admitted.finish(c, &inserted), now))
     }
 
-    /// Checks everything a commit needs and computes its effects, changing nothing.
-    fn plan(&self, c: &StepCommit, now: Timestamp) -> StoreResult<Plan> {
-        let row = self
-            .rows
-            .get(&c.id)
-            .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", c.id)))?;
-        outcome::validate_commit(row, c)?;
-        let mut emits = Vec::with_capacity(c.emit.len());
-        for (i, signal) in c.emit.iter().enumerate() {
-            let target = self.resolve(&signal.target).ok_or_else(|| {
-                StoreError::not_found(format!(
-                    "emit[{i}].target: no instance {:?}; the step result was rejected, nothing was committed",
-                    signal.target
-                ))
-            })?;
-            emits.push((signal.clone(), target));
+    /// Inserts a child a commit starts, unless another instance occupies its unique key.
+    fn child_insert(&mut self, child: &ChildInsert, now: Timestamp) -> InsertOutcome {
+        let guard = unique_guard(child.spec.unique.as_ref(), Status::Runnable);
+        if let Some(existing) = guard.and_then(|g| self.guards.get(g)) {
+            return InsertOutcome::Existing(*existing);
         }
-        let consume: Vec<SignalId> =
-            self.inbox_of(c.id).map(|s| s.id).filter(|id| c.consume.contains(id)).collect();
-        let signal_waiting = match &c.outcome {
-            Outcome::Await { signal, .. } => self
-                .inbox_of(c.id)
-                .any(|s| !consume.contains(&s.id) && outcome::signal_matches(signal, &s.name)),
-            _ => false,
-        };
-        let mut planned: HashMap<Vec<u8>, InstanceId> = HashMap::new();
-        let mut last_id = self.last_instance;
-        let scheduled: &[NewInstance] = match &c.outcome {
-            Outcome::ScheduleChildren { children, .. } => children,
-            _ => &[],
-        };
-        let children = self.plan_inserts(scheduled, &mut planned, &mut last_id);
-        let inserted =
-            children.iter().filter(|(_, r)| matches!(r, InsertOutcome::Inserted(_))).count();
-        let spawned = self.plan_inserts(&c.spawn, &mut planned, &mut last_id);
-        let facts = ApplyFacts { now, signal_waiting, children_inserted: inserted as i32 };
-        let applied = outcome::apply(row, c, facts);
-        if let Some(guard) = applied.row.unique_guard()
-            && let Some(other) = self.occupant(guard, c.id).or_else(|| planned.get(guard).copied())
-        {
-            return Err(StoreError::conflict(format!(
-                "instance {}: its unique key would be back in scope as {}, but instance {other} occupies it",
-                c.id, applied.row.status
-            )));
-        }
-        Ok(Plan { applied, consume, children, spawned, emits })
+        let id = InstanceId(self.last_instance + 1);
+        self.insert_row(Instance::from_new(id, &child.spec, Some(child.parent), now));
+        InsertOutcome::Inserted(id)
     }
 
-    /// Applies a planned commit: consumption, children, the row, history, dead letter,
-    /// outbox, and the parent's barrier — all under the same lock hold.
-    fn execute(&mut self, c: &StepCommit, plan: Plan, now: Timestamp) -> CommitReceipt {
-        let Plan { applied, consume, children, spawned, emits } = plan;
-        let attempt = self.rows[&c.id].attempt;
+    /// Performs the writes of a planned commit, in the plan's order.
+    fn execute(&mut self, plan: CommitPlan, now: Timestamp) -> CommitReceipt {
+        let CommitPlan {
+            row,
+            attempt,
+            consume,
+            drain_inbox,
+            history,
+            dead_letter,
+            timers,
+            emits,
+            barrier_release,
+            parent_notice,
+            mut receipt,
+        } = plan;
         for id in consume {
-            self.remove_signal(c.id, id);
+            self.remove_signal(row.id, id);
         }
-        for (spec, result) in children.iter().chain(&spawned) {
-            if let InsertOutcome::Inserted(id) = result {
-                self.insert_row(Instance::from_new(*id, spec, Some(c.id), now));
-            }
+        if drain_inbox {
+            self.inbox_clear(row.id);
         }
-        let terminal = applied.became_terminal();
-        let row = applied.row;
-        for entry in applied.history {
+        for entry in history {
             self.record(&row, attempt, entry, now);
         }
-        if terminal {
-            self.inbox_drain(&row, attempt, now);
-        }
-        let dead_letter = applied.dead_letter.map(|letter| {
+        receipt.dead_letter = dead_letter.map(|letter| {
             self.last_dead_letter += 1;
             let id = DeadLetterId(self.last_dead_letter);
             self.dead_letters.insert(id, DeadLetter { id, created_at: now, letter });
             id
         });
-        let receipt = CommitReceipt {
-            id: row.id,
-            revision: row.revision,
-            status: row.status,
-            children: children.iter().map(|(_, r)| *r).collect(),
-            spawned: spawned.iter().map(|(_, r)| *r).collect(),
-            dead_letter,
-        };
-        self.timers_change(&row, &c.timers_cancel, &c.timers_arm, now);
-        if terminal {
-            self.timers_drop(row.id);
+        match timers {
+            TimerPlan::Change { cancel, arm } => self.timers_change(&row, &cancel, arm),
+            TimerPlan::DropAll => self.timers_drop(row.id),
         }
-        let child = terminal.then(|| row.clone());
         self.write(row);
         for (signal, target) in emits {
             self.deliver_to(target, &signal, now);
         }
-        if let Some(child) = child {
-            self.child_terminal(&child, now);
+        if let Some(parent) = barrier_release.and_then(|p| self.rows.get(&p)) {
+            let next = outcome::release_parent(parent, now);
+            self.write(next);
+        }
+        if let Some(notice) = parent_notice
+            && let SignalTarget::Id(parent) = notice.target
+            && self.rows.contains_key(&parent)
+        {
+            self.deliver_to(parent, &notice, now);
         }
         receipt
+    }
+
+    /// Removes every signal in an inbox, with its dedup entries.
+    fn inbox_clear(&mut self, id: InstanceId) {
+        for signal in self.inbox.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
+            if let Some(key) = signal.dedup_key {
+                self.dedup.remove(&(id, key));
+            }
+        }
     }
 
     // ----- signals ----------------------------------------------------------------------
@@ -789,14 +754,8 @@ impl State {
 
     // ----- timers -----------------------------------------------------------------------
 
-    /// Applies a commit's timer changes: cancels first, then arms (due from `now`).
-    fn timers_change(
-        &mut self,
-        row: &Instance,
-        cancel: &[String],
-        arm: &[TimerArm],
-        now: Timestamp,
-    ) {
+    /// Applies a commit's timer changes: cancels first, then arms.
+    fn timers_change(&mut self, row: &Instance, cancel: &[String], arm: Vec<TimerRow>) {
         if !cancel.is_empty() {
             let mine: Vec<TimerId> =
                 self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
@@ -806,13 +765,11 @@ impl State {
                 }
             }
         }
-        for spec in arm {
+        for mut timer in arm {
             self.last_timer += 1;
-            let id = TimerId(self.last_timer);
-            let timer =
-                TimerRow::armed(id, row.id, &row.namespace, &row.machine, spec.clone(), now);
-            self.timers.insert(id, timer);
-            self.timers_of.entry(row.id).or_default().insert(id);
+            timer.id = TimerId(self.last_timer);
+            self.timers_of.entry(row.id).or_default().insert(timer.id);
+            self.timers.insert(timer.id, timer);
         }
     }
 
@@ -983,21 +940,10 @@ impl Store for MemoryStore {
         check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
         let receipts: Vec<StoreResult<CommitReceipt>> = {
             let mut state = self.state();
-            params
-                .commits
-                .iter()
-                .map(|c| {
-                    let plan = state.plan(c, params.now)?;
-                    Ok(state.execute(c, plan, params.now))
-                })
-                .collect()
+            let mut planner = CommitPlanner::new(params.now);
+            params.commits.iter().map(|c| state.commit(&mut planner, c, params.now)).collect()
         };
-        // Only accepted items that stay live kept the timers they armed.
-        let armed =
-            params.commits.iter().zip(&receipts).filter_map(|(c, r)| {
-                r.as_ref().is_ok_and(|r| !r.status.is_terminal()).then_some(c)
-            });
-        self.hint_timers(timers::armed_due(armed, params.now));
+        self.hint_timers(commit::armed_due(&params.commits, &receipts, params.now));
         self.wake(Ok(receipts))
     }
 

@@ -1,26 +1,27 @@
 //! `step_commit`: a batch of step results in one transaction.
 //!
-//! Round trip 1 (pipelined): `BEGIN`, lock the batch's rows (id order, `FOR NO KEY
-//! UPDATE`), and — for `Await` items — whether a matching signal outside the consumed set is
-//! in the inbox (read after the lock, so no delivery can slip between). Then each item is
-//! checked with the pure `validate_commit` (stale ⇒ `LeaseLost`, nothing written for it) and
-//! applied with the pure `apply`. `ScheduleChildren` children go in with one insert. The
-//! last round trip writes every accepted row (`UPDATE … FROM unnest`), deletes exactly the
-//! consumed signals — and the whole inbox of every item that ended its instance, whose
-//! unread signals round trip 1 also read (count and oldest few, for the one history entry
-//! of the drain) — appends history, stores dead letters, decrements parents' barriers
-//! for children that became terminal, notifies once and commits. Outbox emits, when there
-//! are any, run the delivery path before that last round trip.
+//! The store reads, the core decides, the store writes. Round trip 1 (pipelined):
+//! `BEGIN`, lock the batch's rows (id order, `FOR NO KEY UPDATE`), and, read after the lock
+//! so no delivery can slip in between, the inbox facts of every item (for `Await`, whether
+//! a matching signal outside the consumed set is waiting; for an item that would end its
+//! instance, the count and oldest few of its unread signals) and the emit targets. When
+//! an item could bring a unique key back into scope, one more statement reads who holds
+//! those keys. The commit planner (`keel_core::plan::commit`) then admits or refuses each
+//! item in batch order; the children of every admitted item go in with one insert; and
+//! the planner's plans are gathered into batched `unnest` writes. The last round trip
+//! writes every row, deletes the consumed signals (the whole inbox of an instance that
+//! ended), appends history, stores dead letters, releases parents' barriers, changes
+//! timers, notifies once and commits. Outbox emits and parent notices, when there are
+//! any, run the delivery path before that last round trip.
 
 use super::{begin, end_tx, insert, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::inbox;
-use keel_core::instance::{
-    Instance, NewDeadLetter, NewInstance, NewSignal, SignalTarget, check_batch,
-};
-use keel_core::outcome::{self, ApplyFacts, Outcome, StepCommit};
+use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget, check_batch};
+use keel_core::outcome::{Outcome, StepCommit};
+use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::ports::store::{CommitParams, CommitReceipt, InsertOutcome};
 use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp, limits};
 use std::collections::{HashMap, HashSet};
@@ -50,75 +51,24 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
       last_attempt_at) \
     RETURNING instance_id, id";
 
-/// One accepted item on its way to the database.
-struct Accepted {
-    index: usize,
-    before: Instance,
-    children: Vec<InsertOutcome>,
-    /// Per `spawn` item, new or existing id.
-    spawned: Vec<InsertOutcome>,
-    /// The unique key this commit would bring back into scope, if any.
-    key: Option<Vec<u8>>,
-}
-
-/// The unique key a commit would bring back into scope: the row's key when its scope
-/// leaves out `executing` but includes a status the outcome may land in (for
-/// `ScheduleChildren`, either of the two it may land in).
-fn reentering_key(row: &Instance, s: &StepCommit, waiting: bool) -> Option<Vec<u8>> {
-    let unique = row.unique.as_ref()?;
-    if unique.scope.contains(Status::Executing) {
-        return None;
-    }
-    let statuses: Vec<Status> = [0, 1]
-        .iter()
-        .map(|n| {
-            let facts =
-                ApplyFacts { now: row.updated_at, signal_waiting: waiting, children_inserted: *n };
-            outcome::apply(row, s, facts).row.status
-        })
-        .collect();
-    statuses.iter().any(|st| unique.scope.contains(*st)).then(|| unique.key.clone())
-}
-
-/// Rejects (`Conflict`) accepted items whose unique key would come back into scope while
-/// another instance — or an earlier item of this batch — occupies it.
-async fn reject_occupied_keys<C: GenericClient + Sync>(
+/// Who holds each of `keys` now, read after the lock (one statement).
+async fn occupants<C: GenericClient + Sync>(
     c: &C,
-    accepted: &mut Vec<Accepted>,
-    results: &mut [Option<StoreResult<CommitReceipt>>],
-) -> OpResult<()> {
-    let keys: Vec<&[u8]> = accepted.iter().filter_map(|a| a.key.as_deref()).collect();
+    keys: &[&[u8]],
+) -> OpResult<HashMap<Vec<u8>, InstanceId>> {
     if keys.is_empty() {
-        return Ok(());
+        return Ok(HashMap::new());
     }
     let stmt = c
         .prepare_cached(
             "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])",
         )
         .await?;
-    let mut occupied: HashMap<Vec<u8>, i64> = c
-        .query(&stmt, &[&keys])
+    Ok(c.query(&stmt, &[&keys])
         .await?
         .iter()
-        .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
-        .collect::<Result<_, StoreError>>()?;
-    accepted.retain(|a| {
-        let Some(key) = &a.key else { return true };
-        match occupied.get(key) {
-            Some(other) if *other != a.before.id.0 => {
-                results[a.index] = Some(Err(StoreError::conflict(format!(
-                    "instance {}: its unique key would be back in scope, but instance {other} occupies it",
-                    a.before.id
-                ))));
-                false
-            }
-            _ => {
-                occupied.insert(key.clone(), a.before.id.0);
-                true
-            }
-        }
-    });
-    Ok(())
+        .map(|r| Ok((rows::col(r, 0)?, InstanceId(rows::col(r, 1)?))))
+        .collect::<Result<_, StoreError>>()?)
 }
 
 /// The transaction.
@@ -190,76 +140,60 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     }
     let waiting: HashSet<i64> =
         waiting.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
+
+    // The read set of every item: its row, inbox facts and emit targets from round trip 1,
+    // and the occupants of the unique keys items could bring back into scope.
     let mut emit_at = Vec::with_capacity(commits.len());
     let mut n = 0;
     for s in commits {
         emit_at.push(n);
         n += s.emit.len();
     }
+    let keys: Vec<&[u8]> = commits
+        .iter()
+        .filter_map(|s| {
+            let row = current.get(&s.id.0)?;
+            commit::reentering_key(row, s, waiting.contains(&s.id.0))
+        })
+        .collect();
+    let occupied = occupants(c, &keys).await?;
 
-    // Fence and shape, in batch order; an accepted item leaves its row non-executing, so a
-    // second item for the same instance is stale.
+    // Plan in batch order; the planner remembers what earlier items changed.
+    let mut planner = CommitPlanner::new(now);
     let mut results: Vec<Option<StoreResult<CommitReceipt>>> = vec![None; commits.len()];
-    let mut accepted: Vec<Accepted> = Vec::new();
+    let mut admitted = Vec::new();
     for (i, s) in commits.iter().enumerate() {
-        let Some(row) = current.get_mut(&s.id.0) else {
-            results[i] = Some(Err(StoreError::not_found(format!(
-                "instance {} does not exist; nothing was committed for it",
-                s.id
-            ))));
-            continue;
+        let row = current.get(&s.id.0).cloned();
+        let inbox = InboxRead {
+            signal_waiting: waiting.contains(&s.id.0),
+            pending: pending.get(&s.id.0).cloned().unwrap_or_default(),
         };
-        if let Err(e) = outcome::validate_commit(row, s) {
-            results[i] = Some(Err(e));
-            continue;
+        let key_occupant = row
+            .as_ref()
+            .and_then(|r| commit::reentering_key(r, s, inbox.signal_waiting))
+            .and_then(|key| occupied.get(key).copied());
+        let read = CommitRead {
+            row,
+            emit_targets: resolved[emit_at[i]..emit_at[i] + s.emit.len()].to_vec(),
+            inbox,
+            key_occupant,
+        };
+        match planner.admit(s, read) {
+            Ok(a) => admitted.push((i, a)),
+            Err(e) => results[i] = Some(Err(e)),
         }
-        let targets = &resolved[emit_at[i]..emit_at[i] + s.emit.len()];
-        if let Some(j) = targets.iter().position(Option::is_none) {
-            results[i] = Some(Err(StoreError::not_found(format!(
-                "emit[{j}].target: no instance {:?}; the step result was rejected, nothing was committed",
-                s.emit[j].target
-            ))));
-            continue;
-        }
-        let key = reentering_key(row, s, waiting.contains(&s.id.0));
-        accepted.push(Accepted {
-            index: i,
-            before: row.clone(),
-            children: Vec::new(),
-            spawned: Vec::new(),
-            key,
-        });
-        row.status = Status::Runnable;
     }
-    reject_occupied_keys(c, &mut accepted, &mut results).await?;
 
-    // Children of every accepted ScheduleChildren item and every item's `spawn` (children
-    // without a barrier), in one insert: per item, its barrier children then its spawn.
-    let mut kids: Vec<insert::Item<'_>> = Vec::new();
-    let mut spans = Vec::new();
-    for a in &accepted {
-        let s = &commits[a.index];
-        let start = kids.len();
-        let mut barrier = 0;
-        if let Outcome::ScheduleChildren { children, .. } = &s.outcome {
-            barrier = children.len();
-            kids.extend(children.iter().map(|n: &NewInstance| (n, Some(a.before.id))));
-        }
-        kids.extend(s.spawn.iter().map(|n: &NewInstance| (n, Some(a.before.id))));
-        spans.push((a.index, start, barrier, s.spawn.len()));
-    }
-    let spawned = !kids.is_empty() && {
-        let out = insert::insert_batch(c, &kids, now).await?;
-        for (index, start, barrier, spawn) in spans {
-            if let Some(a) = accepted.iter_mut().find(|a| a.index == index) {
-                a.children = out[start..start + barrier].to_vec();
-                a.spawned = out[start + barrier..start + barrier + spawn].to_vec();
-            }
-        }
-        out.iter().any(|o| matches!(o, InsertOutcome::Inserted(_)))
-    };
+    // Every admitted item's children in one insert, in batch order.
+    let kids: Vec<insert::Item<'_>> = admitted
+        .iter()
+        .flat_map(|(_, a)| a.children.iter().map(|k| (&k.spec, Some(k.parent))))
+        .collect();
+    let inserted =
+        if kids.is_empty() { Vec::new() } else { insert::insert_batch(c, &kids, now).await? };
+    let mut ready = inserted.iter().any(|o| matches!(o, InsertOutcome::Inserted(_)));
 
-    // Apply.
+    // Gather every plan's writes into the batched statements.
     let mut writes = InstanceWrite::default();
     let mut history = HistoryWrite::default();
     let mut letters = LetterWrite::default();
@@ -268,65 +202,50 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut emits: Vec<NewSignal> = Vec::new();
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
     let mut timers = timer::TimerWrite::default();
-    let mut ready = spawned;
-    for a in &accepted {
-        let s = &commits[a.index];
-        let inserted =
-            a.children.iter().filter(|o| matches!(o, InsertOutcome::Inserted(_))).count();
-        let facts = ApplyFacts {
-            now,
-            signal_waiting: waiting.contains(&s.id.0),
-            children_inserted: inserted as i32,
-        };
-        let applied = outcome::apply(&a.before, s, facts);
-        let row = &applied.row;
+    let mut start = 0;
+    for (i, a) in admitted {
+        let s = &commits[i];
+        let end = start + a.children.len();
+        let plan = a.finish(s, &inserted[start..end]);
+        start = end;
+        let row = &plan.row;
         writes.push(row);
-        for e in applied.history.iter().cloned() {
-            history.push(row, a.before.attempt, now, e);
+        for e in plan.history.iter().cloned() {
+            history.push(row, plan.attempt, now, e);
         }
-        if let Some(l) = &applied.dead_letter {
+        if let Some(l) = &plan.dead_letter {
             letters.push(l);
         }
-        let terminal = applied.became_terminal();
-        if terminal {
+        if plan.drain_inbox {
             // The whole inbox goes (a NULL id), the consumed signals with it.
             consume_t.push(s.id.0);
             consume_s.push(None);
-            let unread = pending.get(&s.id.0).cloned().unwrap_or_default();
-            if let Some(e) = inbox::drained(&unread) {
-                history.push(row, a.before.attempt, now, e);
-            }
         } else {
-            for sig in &s.consume {
+            for sig in &plan.consume {
                 consume_t.push(s.id.0);
                 consume_s.push(Some(sig.0));
             }
         }
-        timers.change(row, &s.timers_cancel, &s.timers_arm, now);
-        if terminal {
-            timers.drop_all(row.id);
+        match &plan.timers {
+            TimerPlan::Change { cancel, arm } => timers.change(row, cancel, arm),
+            TimerPlan::DropAll => timers.drop_all(row.id),
         }
-        if terminal && let Some(p) = row.parent {
+        if let Some(p) = plan.barrier_release {
             parents.push(p.0);
             ready = true;
         }
         ready |= row.status == Status::Runnable && row.eligible_at <= now;
-        emits.extend(s.emit.iter().cloned());
-        emit_targets_ok
-            .extend_from_slice(&resolved[emit_at[a.index]..emit_at[a.index] + s.emit.len()]);
-        // A chart parent hears of its child's end through its inbox, after the outbox.
-        if terminal && let Some(notice) = outcome::parent_notice(row) {
-            emit_targets_ok.push(row.parent);
-            emits.push(notice);
+        for (signal, target) in &plan.emits {
+            emits.push(signal.clone());
+            emit_targets_ok.push(Some(*target));
         }
-        results[a.index] = Some(Ok(CommitReceipt {
-            id: row.id,
-            revision: row.revision,
-            status: row.status,
-            children: a.children.clone(),
-            spawned: a.spawned.clone(),
-            dead_letter: None,
-        }));
+        if let Some(notice) = &plan.parent_notice
+            && let SignalTarget::Id(parent) = notice.target
+        {
+            emits.push(notice.clone());
+            emit_targets_ok.push(Some(parent));
+        }
+        results[i] = Some(Ok(plan.receipt));
     }
 
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;

@@ -6,7 +6,6 @@ use super::{begin, signal};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, col, from_ts, ts};
 use deadpool_postgres::GenericClient;
-use keel_core::chart::TimerArm;
 use keel_core::instance::{Instance, NewSignal, check_batch};
 use keel_core::ports::store::{
     DeliveryOutcome, QueueStats, TimerNextDueParams, TimerStatus, TimerSweepParams,
@@ -56,36 +55,19 @@ pub(crate) struct TimerWrite {
 }
 
 impl TimerWrite {
-    /// A commit's changes for `row` (its row after the commit): cancels, then arms.
-    pub(crate) fn change(
-        &mut self,
-        row: &Instance,
-        cancel: &[String],
-        arm: &[TimerArm],
-        now: Timestamp,
-    ) {
+    /// A commit's changes for `row`: cancels, then the timers its plan arms.
+    pub(crate) fn change(&mut self, row: &Instance, cancel: &[String], arm: &[TimerRow]) {
         for left in cancel {
             self.cancel_inst.push(row.id.0);
             self.cancel_state.push(left.clone());
         }
-        if row.status.is_terminal() {
-            return;
-        }
-        for spec in arm {
-            let t = TimerRow::armed(
-                TimerId(0),
-                row.id,
-                &row.namespace,
-                &row.machine,
-                spec.clone(),
-                now,
-            );
-            self.inst.push(row.id.0);
-            self.ns.push(row.namespace.clone());
-            self.machine.push(row.machine.name.clone());
-            self.version.push(row.machine.version);
-            self.state.push(spec.state.clone());
-            self.spec.push(serde_json::to_value(spec).unwrap_or_default());
+        for t in arm {
+            self.inst.push(t.instance.0);
+            self.ns.push(t.namespace.clone());
+            self.machine.push(t.machine.name.clone());
+            self.version.push(t.machine.version);
+            self.state.push(t.spec.state.clone());
+            self.spec.push(serde_json::to_value(&t.spec).unwrap_or_default());
             self.due.push(ts(t.next_fire_at));
             self.earliest = Some(self.earliest.map_or(t.next_fire_at, |e| e.min(t.next_fire_at)));
         }

@@ -108,6 +108,7 @@ macro_rules! __store_contract_list {
             uniqueness_in_and_out_of_scope,
             uniqueness_within_one_batch,
             uniqueness_reinsert_after_key_leaves_scope,
+            uniqueness_commit_bringing_a_held_key_back_conflicts,
             claim_order_priority_then_eligible_at,
             claim_skips_future_eligible_at,
             claim_filters_namespace_queue_machine,

@@ -1,11 +1,14 @@
 //! Contracts for uniqueness (seed 004 §7): the key is occupied only while the status is
 //! in scope, within a batch too, and frees when the occupant leaves its scope.
 
-use super::support::{at, await_signal, claim_id, done, insert, insert_one, new_in, step};
-use keel_core::Status;
+use super::support::{
+    at, await_signal, claim_id, commit, commit_ok, done, expect_kind, get, insert, insert_one,
+    new_in, next, step,
+};
 use keel_core::ids::StatusSet;
 use keel_core::ports::Store;
-use keel_core::ports::store::{CancelParams, InsertOutcome};
+use keel_core::ports::store::{CancelParams, CommitParams, InsertOutcome};
+use keel_core::{ErrorKind, Status, StepCommit};
 
 /// A key conflicts while its occupant's status is in scope (runnable, executing) and not
 /// once it is out of scope (awaiting a signal); empty scopes and absent keys never do.
@@ -93,4 +96,41 @@ pub async fn uniqueness_reinsert_after_key_leaves_scope<S: Store>(s: &S) {
         vec![InsertOutcome::Existing(forever)],
         "scope ALL never frees"
     );
+}
+
+/// A claim takes a key whose scope leaves out `executing` out of scope, so another instance
+/// may take it meanwhile. A commit that would bring the key back while another instance
+/// holds it is refused with `Conflict` and changes nothing; a commit landing out of scope
+/// is accepted. Within one batch, the first item that brings a free key back takes it, and
+/// a later item bringing the same key back is refused.
+pub async fn uniqueness_commit_bringing_a_held_key_back_conflicts<S: Store>(s: &S) {
+    let ns = "unique_commit";
+    let scope = StatusSet::of(&[Status::Runnable]);
+    let holder = insert_one(s, new_in(ns).unique("k", scope), at(0)).await;
+    let claimed = claim_id(s, ns, holder, at(10)).await;
+    let taker = insert(s, vec![new_in(ns).unique("k", scope)], at(11)).await;
+    assert!(
+        matches!(taker[0], InsertOutcome::Inserted(id) if id != holder),
+        "executing is out of scope"
+    );
+    let before = get(s, holder).await;
+    let back = StepCommit::new(holder, claimed.token(), next("second", 1));
+    expect_kind(commit(s, back, at(20)).await, ErrorKind::Conflict, "key held by another");
+    assert_eq!(get(s, holder).await, before, "the refused commit changed the instance");
+    let out = commit_ok(s, StepCommit::new(holder, claimed.token(), done()), at(21)).await;
+    assert_eq!(out.status, Status::Done, "a commit out of scope is accepted");
+
+    let ns = "unique_commit_batch";
+    let early = insert_one(s, new_in(ns).unique("j", scope), at(30)).await;
+    let first = claim_id(s, ns, early, at(31)).await;
+    let late = insert_one(s, new_in(ns).unique("j", scope), at(32)).await;
+    let second = claim_id(s, ns, late, at(33)).await;
+    let commits = vec![
+        StepCommit::new(early, first.token(), next("second", 1)),
+        StepCommit::new(late, second.token(), next("second", 1)),
+    ];
+    let results = s.step_commit(CommitParams { commits, now: at(40) }).await.expect("step_commit");
+    assert_eq!(results[0].as_ref().map(|r| r.status), Ok(Status::Runnable));
+    assert_eq!(results[1].as_ref().map_err(|e| e.kind), Err(ErrorKind::Conflict));
+    assert_eq!(get(s, late).await.instance.status, Status::Executing, "the refused item changed");
 }
