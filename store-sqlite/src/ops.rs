@@ -12,8 +12,7 @@ use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
-    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, undecodable_error,
-    unique_guard,
+    HistoryEntry, NewDeadLetter, check_batch, position_in_state, undecodable_error, unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
@@ -45,10 +44,7 @@ const CLAIM_PAGE_MIN: usize = 64;
 
 /// Validates the whole batch first, so an invalid item writes nothing.
 pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-    check_batch("instances", p.instances.len(), limits::INSERT_BATCH_MAX)?;
-    for (i, new) in p.instances.iter().enumerate() {
-        new.validate(&format!("instances[{i}]"))?;
-    }
+    p.validate()?;
     let mut out = Vec::with_capacity(p.instances.len());
     for new in &p.instances {
         if let Some(guard) = unique_guard(new.unique.as_ref(), Status::Runnable)
@@ -70,7 +66,7 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 /// `claim` and the rules that depend on rows claimed earlier in the same call (one row
 /// per concurrency key, unique keys).
 pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
-    check_batch("limit", p.limit, limits::CLAIM_BATCH_MAX)?;
+    p.validate()?;
     let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
     let queues = serde_json::to_string(&p.queues).unwrap_or_default();
     let machines: Vec<(&str, i32)> =
@@ -388,10 +384,7 @@ pub(crate) async fn signal_deliver(
     db: &mut Db<'_>,
     p: &SignalDeliverParams,
 ) -> StoreResult<Vec<DeliveryOutcome>> {
-    check_batch("signals", p.signals.len(), limits::DELIVER_BATCH_MAX)?;
-    for (i, s) in p.signals.iter().enumerate() {
-        s.validate(&format!("signals[{i}]"))?;
-    }
+    p.validate()?;
     let mut out = Vec::with_capacity(p.signals.len());
     for s in &p.signals {
         out.push(match db.resolve(&s.target).await? {
@@ -408,14 +401,7 @@ pub(crate) async fn signal_broadcast(
     db: &mut Db<'_>,
     p: &SignalBroadcastParams,
 ) -> StoreResult<BroadcastReport> {
-    let probe = NewSignal {
-        target: SignalTarget::Id(InstanceId(0)),
-        name: p.name.clone(),
-        payload: p.payload.clone(),
-        dedup_key: p.dedup_key.clone(),
-    };
-    probe.validate("broadcast")?;
-    p.validate_selector()?;
+    p.validate()?;
     let rows = sqlx::query(
         "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
          AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
@@ -437,7 +423,7 @@ pub(crate) async fn signal_broadcast(
     check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
     let mut report = BroadcastReport::default();
     for target in targets {
-        let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
+        let signal = p.signal(target);
         if let DeliveryOutcome::Delivered { woke, .. } =
             deliver_to(db, target, &signal, p.now).await?
         {
@@ -482,7 +468,7 @@ pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,
 ) -> StoreResult<TimerSweepReport> {
-    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+    p.validate()?;
     let machines = serde_json::to_string(&p.machines).unwrap_or_default();
     let rows = sqlx::query(concat!(
         "SELECT ",
@@ -556,7 +542,7 @@ pub(crate) async fn lease_reap(
     db: &mut Db<'_>,
     p: &LeaseReapParams,
 ) -> StoreResult<Vec<InstanceId>> {
-    check_batch("limit", p.limit, limits::REAP_BATCH_MAX)?;
+    p.validate()?;
     let owner = p.owner.as_ref().map(|w| w.0.clone());
     let rows = sqlx::query(concat!(
         "SELECT ",
@@ -598,6 +584,7 @@ async fn held(
 
 /// A heartbeat touches the lease only (the core has no transition for it).
 pub(crate) async fn lease_extend(db: &mut Db<'_>, p: &LeaseExtendParams) -> StoreResult<Vec<bool>> {
+    p.validate()?;
     let mut out = Vec::with_capacity(p.leases.len());
     for (id, token) in &p.leases {
         let done = sqlx::query(
@@ -621,6 +608,7 @@ pub(crate) async fn lease_release(
     db: &mut Db<'_>,
     p: &LeaseReleaseParams,
 ) -> StoreResult<Vec<bool>> {
+    p.validate()?;
     let mut out = Vec::with_capacity(p.leases.len());
     for (id, token) in &p.leases {
         let Some(row) = held(db, *id, *token).await? else {
@@ -794,8 +782,7 @@ pub(crate) async fn queue_pause(
     db: &mut Db<'_>,
     p: &keel_core::ports::store::QueuePauseParams,
 ) -> StoreResult<()> {
-    check_name("namespace", &p.namespace)?;
-    check_name("queue", &p.queue)?;
+    p.validate()?;
     sqlx::query(
         "INSERT INTO keel_queues (namespace, queue, paused, updated_at) VALUES (?, ?, ?, ?) \
          ON CONFLICT (namespace, queue) DO UPDATE SET paused = excluded.paused, \

@@ -23,8 +23,8 @@ use keel_core::TimerId;
 use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
-    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
-    position_in_state, unique_guard,
+    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, position_in_state,
+    unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
@@ -283,10 +283,7 @@ impl State {
     // ----- inserts ----------------------------------------------------------------------
 
     fn insert(&mut self, params: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        check_batch("instances", params.instances.len(), limits::INSERT_BATCH_MAX)?;
-        for (i, new) in params.instances.iter().enumerate() {
-            new.validate(&format!("instances[{i}]"))?;
-        }
+        params.validate()?;
         let mut out = Vec::with_capacity(params.instances.len());
         for new in &params.instances {
             let guard = unique_guard(new.unique.as_ref(), Status::Runnable);
@@ -304,7 +301,7 @@ impl State {
     // ----- claims -----------------------------------------------------------------------
 
     fn claim(&mut self, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
-        check_batch("limit", p.limit, limits::CLAIM_BATCH_MAX)?;
+        p.validate()?;
         let candidates: Vec<InstanceId> = self
             .runnable
             .iter()
@@ -511,10 +508,7 @@ impl State {
     }
 
     fn signal_deliver(&mut self, p: &SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
-        check_batch("signals", p.signals.len(), limits::DELIVER_BATCH_MAX)?;
-        for (i, s) in p.signals.iter().enumerate() {
-            s.validate(&format!("signals[{i}]"))?;
-        }
+        p.validate()?;
         Ok(p.signals
             .iter()
             .map(|s| match self.resolve(&s.target) {
@@ -525,14 +519,7 @@ impl State {
     }
 
     fn signal_broadcast(&mut self, p: &SignalBroadcastParams) -> StoreResult<BroadcastReport> {
-        let probe = NewSignal {
-            target: SignalTarget::Id(InstanceId(0)),
-            name: p.name.clone(),
-            payload: p.payload.clone(),
-            dedup_key: p.dedup_key.clone(),
-        };
-        probe.validate("broadcast")?;
-        p.validate_selector()?;
+        p.validate()?;
         let targets: Vec<InstanceId> = self
             .rows
             .values()
@@ -545,7 +532,7 @@ impl State {
         check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
         let mut report = BroadcastReport::default();
         for target in targets {
-            let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
+            let signal = p.signal(target);
             if let DeliveryOutcome::Delivered { woke, .. } = self.deliver_to(target, &signal, p.now)
             {
                 report.delivered += 1;
@@ -558,7 +545,7 @@ impl State {
     // ----- leases -----------------------------------------------------------------------
 
     fn lease_reap(&mut self, p: &LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        check_batch("limit", p.limit, limits::REAP_BATCH_MAX)?;
+        p.validate()?;
         let mut due: Vec<&Instance> = self
             .executing
             .iter()
@@ -832,7 +819,7 @@ impl State {
     }
 
     fn timer_sweep(&mut self, p: &TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+        p.validate()?;
         let in_scope = |t: &TimerRow| {
             p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
                 && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
@@ -980,7 +967,7 @@ impl Store for MemoryStore {
         &self,
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
-        check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
+        params.validate()?;
         let receipts: Vec<StoreResult<CommitReceipt>> = {
             let mut state = self.state();
             params
@@ -1002,6 +989,7 @@ impl Store for MemoryStore {
     }
 
     async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
         Ok(self.state().lease_extend(&params))
     }
 
@@ -1011,6 +999,7 @@ impl Store for MemoryStore {
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
         let result = self.state().lease_release(&params);
         self.wake(Ok(result))
     }
@@ -1086,8 +1075,7 @@ impl Store for MemoryStore {
     }
 
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
-        check_name("namespace", &params.namespace)?;
-        check_name("queue", &params.queue)?;
+        params.validate()?;
         self.state().queues.insert((params.namespace, params.queue), params.paused);
         self.wake(Ok(()))
     }

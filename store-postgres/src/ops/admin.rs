@@ -9,15 +9,13 @@ use crate::rows::{
 };
 use deadpool_postgres::GenericClient;
 use keel_core::inbox;
-use keel_core::instance::{
-    DeadLetter, HistoryEntry, Instance, SignalTarget, check_batch, check_name,
-};
+use keel_core::instance::{DeadLetter, HistoryEntry, Instance, SignalTarget, check_batch};
 use keel_core::outcome;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
 };
-use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, limits};
+use keel_core::{DeadLetterId, InstanceId, StoreError, limits};
 use serde_json::json;
 use std::collections::HashMap;
 
@@ -375,12 +373,6 @@ pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
         )
         .await?;
     Ok(c.execute(&stmt, &[&id, &ns, &machine, &older, &limit]).await?)
-}
-
-/// Checks the queue names.
-pub(crate) fn validate_queue(p: &QueuePauseParams) -> StoreResult<()> {
-    check_name("namespace", &p.namespace)?;
-    check_name("queue", &p.queue)
 }
 
 /// Pauses or resumes a queue.

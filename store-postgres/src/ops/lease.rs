@@ -5,10 +5,9 @@ use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, lock_instances, ts, write_history, write_instances};
 use deadpool_postgres::GenericClient;
-use keel_core::instance::check_batch;
 use keel_core::outcome;
 use keel_core::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleaseParams};
-use keel_core::{InstanceId, Status, StoreResult, limits};
+use keel_core::{InstanceId, Status};
 
 /// The heartbeat. Rows are locked in id order first (the order every other write locks
 /// instances in), so two heartbeats naming overlapping rows in different orders, or a
@@ -31,7 +30,6 @@ pub(crate) async fn extend<C: GenericClient + Sync>(
     c: &C,
     p: &LeaseExtendParams,
 ) -> OpResult<Vec<bool>> {
-    check_batch("leases", p.leases.len(), limits::COMMIT_BATCH_MAX)?;
     if p.leases.is_empty() {
         return Ok(Vec::new());
     }
@@ -48,11 +46,6 @@ pub(crate) async fn extend<C: GenericClient + Sync>(
         }
     }
     Ok(out)
-}
-
-/// Checks the reap bound.
-pub(crate) fn validate_reap(p: &LeaseReapParams) -> StoreResult<()> {
-    check_batch("limit", p.limit, limits::REAP_BATCH_MAX)
 }
 
 fn reap_sql() -> String {
@@ -94,7 +87,6 @@ pub(crate) async fn release<C: GenericClient + Sync>(
     p: &LeaseReleaseParams,
     channel: &str,
 ) -> OpResult<Vec<bool>> {
-    check_batch("leases", p.leases.len(), limits::COMMIT_BATCH_MAX)?;
     begin(c).await?;
     let ids: Vec<i64> = p.leases.iter().map(|l| l.0.0).collect();
     let mut rows: std::collections::HashMap<i64, _> =

@@ -10,21 +10,10 @@ use deadpool_postgres::GenericClient;
 use keel_core::inbox::{self, Pending};
 use keel_core::instance::{Instance, NewSignal, SignalTarget, check_batch};
 use keel_core::outcome;
-use keel_core::ports::store::{
-    BroadcastReport, DeliveryOutcome, SignalBroadcastParams, SignalDeliverParams,
-};
-use keel_core::{InstanceId, SignalId, StoreResult, Timestamp, limits};
+use keel_core::ports::store::{BroadcastReport, DeliveryOutcome, SignalBroadcastParams};
+use keel_core::{InstanceId, SignalId, Timestamp, limits};
 use std::collections::HashMap;
 use std::time::SystemTime;
-
-/// Checks the batch bound and every signal.
-pub(crate) fn validate(params: &SignalDeliverParams) -> StoreResult<()> {
-    check_batch("signals", params.signals.len(), limits::DELIVER_BATCH_MAX)?;
-    for (i, s) in params.signals.iter().enumerate() {
-        s.validate(&format!("signals[{i}]"))?;
-    }
-    Ok(())
-}
 
 /// A transaction: plan, write, notify, commit.
 pub(crate) async fn run<C: GenericClient + Sync>(
@@ -310,19 +299,6 @@ const BROADCAST: &str = "WITH t AS MATERIALIZED ( \
     ) \
     SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
       (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)";
-
-/// Checks the event.
-pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSignal> {
-    let probe = NewSignal {
-        target: SignalTarget::Id(InstanceId(0)),
-        name: p.name.clone(),
-        payload: p.payload.clone(),
-        dedup_key: p.dedup_key.clone(),
-    };
-    probe.validate("broadcast")?;
-    p.validate_selector()?;
-    Ok(probe)
-}
 
 /// One statement (autocommit).
 pub(crate) async fn broadcast<C: GenericClient + Sync>(

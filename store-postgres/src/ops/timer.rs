@@ -7,13 +7,13 @@ use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, col, from_ts, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::chart::TimerArm;
-use keel_core::instance::{Instance, NewSignal, check_batch};
+use keel_core::instance::{Instance, NewSignal};
 use keel_core::ports::store::{
     DeliveryOutcome, QueueStats, TimerNextDueParams, TimerStatus, TimerSweepParams,
     TimerSweepReport,
 };
 use keel_core::timers::{self, TimerRow};
-use keel_core::{InstanceId, MachineRef, StoreError, StoreResult, TimerId, Timestamp, limits};
+use keel_core::{InstanceId, MachineRef, StoreError, TimerId, Timestamp, limits};
 use std::collections::HashMap;
 use std::time::SystemTime;
 use tokio_postgres::Row;
@@ -228,11 +228,6 @@ pub(crate) fn list_sql() -> String {
 /// Decodes [`list_sql`] rows.
 pub(crate) fn list(found: &[Row]) -> Result<Vec<TimerRow>, StoreError> {
     found.iter().map(timer).collect()
-}
-
-/// Checks the sweep bound.
-pub(crate) fn validate_sweep(p: &TimerSweepParams) -> StoreResult<()> {
-    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)
 }
 
 /// The pick: due timers not held by another sweep, then each one's instance, also
