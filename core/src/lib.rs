@@ -15,6 +15,7 @@ pub mod instance;
 pub mod limits;
 mod names;
 pub mod outcome;
+pub mod plan;
 pub mod ports;
 pub mod retry;
 pub mod time;

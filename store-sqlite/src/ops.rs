@@ -11,11 +11,10 @@ use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::chart::TimerArm;
 use keel_core::inbox;
-use keel_core::instance::{
-    HistoryEntry, NewDeadLetter, check_batch, position_in_state, undecodable_error, unique_guard,
-};
+use keel_core::instance::{HistoryEntry, NewDeadLetter, undecodable_error, unique_guard};
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
+use keel_core::plan::{self, deliver::DeliverRead};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
@@ -361,22 +360,42 @@ async fn deliver_to(
     s: &NewSignal,
     now: Timestamp,
 ) -> StoreResult<DeliveryOutcome> {
-    let row = db.instance_required(target).await?;
-    if !inbox::accepts_signals(&row) {
-        return Ok(DeliveryOutcome::TargetTerminal { target, status: row.status });
+    let mut out = deliver(db, std::slice::from_ref(s), vec![Some(target)], now).await?;
+    Ok(out.remove(0))
+}
+
+/// Reads what `plan::deliver` needs for `signals` (with their resolved `targets`), plans
+/// and writes the plan.
+async fn deliver(
+    db: &mut Db<'_>,
+    signals: &[NewSignal],
+    targets: Vec<Option<InstanceId>>,
+    now: Timestamp,
+) -> StoreResult<Vec<DeliveryOutcome>> {
+    let mut read = DeliverRead::default();
+    for (s, target) in signals.iter().zip(&targets) {
+        let Some(target) = *target else { continue };
+        if let std::collections::hash_map::Entry::Vacant(slot) = read.rows.entry(target) {
+            slot.insert(db.instance_required(target).await?);
+        }
+        if let Some(key) = &s.dedup_key
+            && !read.dedup.contains_key(&(target, key.clone()))
+            && let Some(id) = db.dedup(target, key).await?
+        {
+            read.dedup.insert((target, key.clone()), id);
+        }
     }
-    if let Some(key) = &s.dedup_key
-        && let Some(id) = db.dedup(target, key).await?
-    {
-        return Ok(DeliveryOutcome::Duplicate { id, target });
+    read.targets = targets;
+    let plan = plan::deliver::deliver(read, signals, now);
+    let mut ids = Vec::with_capacity(plan.inserts.len());
+    for i in &plan.inserts {
+        let key = i.dedup_key.as_deref();
+        ids.push(db.signal_insert(i.target, &i.name, &i.payload, key, i.inserted_at).await?);
     }
-    let id = db.signal_insert(target, &s.name, &s.payload, s.dedup_key.as_deref(), now).await?;
-    let next = outcome::deliver(&row, &s.name, now);
-    let woke = next.is_some();
-    if let Some(next) = next {
-        db.instance_write(&next).await?;
+    for row in &plan.woken {
+        db.instance_write(row).await?;
     }
-    Ok(DeliveryOutcome::Delivered { id, target, woke })
+    Ok(plan.outcomes(&ids))
 }
 
 /// Validates the whole batch first, so an invalid item writes nothing.
@@ -385,25 +404,22 @@ pub(crate) async fn signal_deliver(
     p: &SignalDeliverParams,
 ) -> StoreResult<Vec<DeliveryOutcome>> {
     p.validate()?;
-    let mut out = Vec::with_capacity(p.signals.len());
+    let mut targets = Vec::with_capacity(p.signals.len());
     for s in &p.signals {
-        out.push(match db.resolve(&s.target).await? {
-            Some(target) => deliver_to(db, target, s, p.now).await?,
-            None => DeliveryOutcome::TargetMissing,
-        });
+        targets.push(db.resolve(&s.target).await?);
     }
-    Ok(out)
+    deliver(db, &p.signals, targets, p.now).await
 }
 
-/// One event to every non-terminal instance of a machine whose position is in the state
-/// (`instance::position_in_state`), in id order; nothing when too many match.
+/// One event to every target `plan::deliver::broadcast_targets` picks among the machine's
+/// live instances; nothing when too many match.
 pub(crate) async fn signal_broadcast(
     db: &mut Db<'_>,
     p: &SignalBroadcastParams,
 ) -> StoreResult<BroadcastReport> {
     p.validate()?;
     let rows = sqlx::query(
-        "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
+        "SELECT id, position, status FROM keel_instances WHERE namespace = ? AND machine = ? \
          AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
     )
     .bind(&p.namespace)
@@ -411,27 +427,22 @@ pub(crate) async fn signal_broadcast(
     .fetch_all(&mut *db.conn)
     .await
     .map_err(db.err("selecting broadcast targets"))?;
-    let mut targets = Vec::new();
+    let mut candidates = Vec::with_capacity(rows.len());
     for r in &rows {
         let id: i64 = r.try_get("id").map_err(|e| corrupt(db.file, "id", e))?;
         let position: String =
             r.try_get("position").map_err(|e| corrupt(db.file, "position", e))?;
-        if p.in_state.as_deref().is_none_or(|st| position_in_state(&position, st)) {
-            targets.push(InstanceId(id));
-        }
+        let status: String = r.try_get("status").map_err(|e| corrupt(db.file, "status", e))?;
+        let status = status.parse::<Status>().map_err(|e| corrupt(db.file, "status", e))?;
+        candidates.push((InstanceId(id), position, status));
     }
-    check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
-    let mut report = BroadcastReport::default();
-    for target in targets {
-        let signal = p.signal(target);
-        if let DeliveryOutcome::Delivered { woke, .. } =
-            deliver_to(db, target, &signal, p.now).await?
-        {
-            report.delivered += 1;
-            report.woke += u64::from(woke);
-        }
-    }
-    Ok(report)
+    let targets = plan::deliver::broadcast_targets(
+        p,
+        candidates.iter().map(|(id, position, status)| (*id, position.as_str(), *status)),
+    )?;
+    let signals: Vec<NewSignal> = targets.iter().map(|t| p.signal(*t)).collect();
+    let outcomes = deliver(db, &signals, targets.into_iter().map(Some).collect(), p.now).await?;
+    Ok(plan::deliver::broadcast_report(&outcomes))
 }
 
 // ----- timers ----------------------------------------------------------------------------

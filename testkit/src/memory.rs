@@ -23,11 +23,11 @@ use keel_core::TimerId;
 use keel_core::chart::TimerArm;
 use keel_core::inbox;
 use keel_core::instance::{
-    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, position_in_state,
-    unique_guard,
+    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
+use keel_core::plan::{self, deliver::DeliverRead};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -476,70 +476,71 @@ impl State {
     // ----- signals ----------------------------------------------------------------------
 
     fn deliver_to(&mut self, target: InstanceId, s: &NewSignal, now: Timestamp) -> DeliveryOutcome {
-        let row = &self.rows[&target];
-        if !inbox::accepts_signals(row) {
-            return DeliveryOutcome::TargetTerminal { target, status: row.status };
+        self.deliver(std::slice::from_ref(s), vec![Some(target)], now).remove(0)
+    }
+
+    /// Reads what `plan::deliver` needs for `signals` (with their resolved `targets`),
+    /// plans and writes the plan.
+    fn deliver(
+        &mut self,
+        signals: &[NewSignal],
+        targets: Vec<Option<InstanceId>>,
+        now: Timestamp,
+    ) -> Vec<DeliveryOutcome> {
+        let mut read = DeliverRead::default();
+        for (s, target) in signals.iter().zip(&targets) {
+            let Some(target) = *target else { continue };
+            read.rows.insert(target, self.rows[&target].clone());
+            if let Some(key) = &s.dedup_key
+                && let Some(id) = self.dedup.get(&(target, key.clone()))
+            {
+                read.dedup.insert((target, key.clone()), *id);
+            }
         }
-        if let Some(key) = &s.dedup_key
-            && let Some(id) = self.dedup.get(&(target, key.clone()))
-        {
-            return DeliveryOutcome::Duplicate { id: *id, target };
+        read.targets = targets;
+        let plan = plan::deliver::deliver(read, signals, now);
+        let mut ids = Vec::with_capacity(plan.inserts.len());
+        for insert in &plan.inserts {
+            self.last_signal += 1;
+            let id = SignalId(self.last_signal);
+            let signal = Signal {
+                id,
+                target: insert.target,
+                name: insert.name.clone(),
+                payload: insert.payload.clone(),
+                dedup_key: insert.dedup_key.clone(),
+                inserted_at: insert.inserted_at,
+            };
+            if let Some(key) = &signal.dedup_key {
+                self.dedup.insert((signal.target, key.clone()), id);
+            }
+            self.inbox.entry(signal.target).or_default().insert(id, signal);
+            ids.push(id);
         }
-        self.last_signal += 1;
-        let id = SignalId(self.last_signal);
-        let signal = Signal {
-            id,
-            target,
-            name: s.name.clone(),
-            payload: s.payload.clone(),
-            dedup_key: s.dedup_key.clone(),
-            inserted_at: now,
-        };
-        self.inbox.entry(target).or_default().insert(id, signal);
-        if let Some(key) = &s.dedup_key {
-            self.dedup.insert((target, key.clone()), id);
+        let outcomes = plan.outcomes(&ids);
+        for row in plan.woken {
+            self.write(row);
         }
-        let next = outcome::deliver(&self.rows[&target], &s.name, now);
-        let woke = next.is_some();
-        if let Some(next) = next {
-            self.write(next);
-        }
-        DeliveryOutcome::Delivered { id, target, woke }
+        outcomes
     }
 
     fn signal_deliver(&mut self, p: &SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
         p.validate()?;
-        Ok(p.signals
-            .iter()
-            .map(|s| match self.resolve(&s.target) {
-                Some(target) => self.deliver_to(target, s, p.now),
-                None => DeliveryOutcome::TargetMissing,
-            })
-            .collect())
+        let targets = p.signals.iter().map(|s| self.resolve(&s.target)).collect();
+        Ok(self.deliver(&p.signals, targets, p.now))
     }
 
     fn signal_broadcast(&mut self, p: &SignalBroadcastParams) -> StoreResult<BroadcastReport> {
         p.validate()?;
-        let targets: Vec<InstanceId> = self
+        let candidates = self
             .rows
             .values()
-            .filter(|r| {
-                r.namespace == p.namespace && r.machine.name == p.machine && !r.status.is_terminal()
-            })
-            .filter(|r| p.in_state.as_deref().is_none_or(|st| position_in_state(&r.position, st)))
-            .map(|r| r.id)
-            .collect();
-        check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
-        let mut report = BroadcastReport::default();
-        for target in targets {
-            let signal = p.signal(target);
-            if let DeliveryOutcome::Delivered { woke, .. } = self.deliver_to(target, &signal, p.now)
-            {
-                report.delivered += 1;
-                report.woke += u64::from(woke);
-            }
-        }
-        Ok(report)
+            .filter(|r| r.namespace == p.namespace && r.machine.name == p.machine)
+            .map(|r| (r.id, r.position.as_str(), r.status));
+        let targets = plan::deliver::broadcast_targets(p, candidates)?;
+        let signals: Vec<NewSignal> = targets.iter().map(|t| p.signal(*t)).collect();
+        let outcomes = self.deliver(&signals, targets.into_iter().map(Some).collect(), p.now);
+        Ok(plan::deliver::broadcast_report(&outcomes))
     }
 
     // ----- leases -----------------------------------------------------------------------
