@@ -14,7 +14,7 @@ use keel_core::inbox;
 use keel_core::instance::{HistoryEntry, NewDeadLetter, undecodable_error, unique_guard};
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
-use keel_core::plan::{self, deliver::DeliverRead};
+use keel_core::plan::{self, RowWrite, deliver::DeliverRead};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
@@ -24,8 +24,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::{self, TimerRow};
 use keel_core::{
-    DeadLetterId, FencingToken, Instance, InstanceId, NewInstance, NewSignal, SignalId,
-    SignalTarget, Status, StepCommit, StoreError, StoreResult, TimerId, Timestamp,
+    DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, SignalId, SignalTarget, Status,
+    StepCommit, StoreError, StoreResult, TimerId, Timestamp,
 };
 use serde_json::json;
 use sqlx::Connection;
@@ -572,25 +572,19 @@ pub(crate) async fn lease_reap(
     .map_err(db.err("picking expired leases"))?;
     let due: Vec<Instance> = rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
     let mut reaped = Vec::with_capacity(due.len());
-    for row in due {
-        let next = outcome::reap(&row, p.now);
-        db.record(&next, row.attempt, &outcome::reap_history(&row), p.now).await?;
-        db.instance_write(&next).await?;
-        reaped.push(row.id);
+    for w in plan::lease::reap(p, due) {
+        reaped.push(write_planned(db, &w, p.now).await?);
     }
     Ok(reaped)
 }
 
-/// The row of a live claim `(id, token)`, if it still is one.
-async fn held(
-    db: &mut Db<'_>,
-    id: InstanceId,
-    token: FencingToken,
-) -> StoreResult<Option<Instance>> {
-    Ok(db
-        .instance(id)
-        .await?
-        .filter(|row| row.status == Status::Executing && row.fencing_token == token))
+/// Records a planned row change and writes the row; returns its id.
+async fn write_planned(db: &mut Db<'_>, w: &RowWrite, now: Timestamp) -> StoreResult<InstanceId> {
+    for entry in &w.history {
+        db.record(&w.row, w.attempt, entry, now).await?;
+    }
+    db.instance_write(&w.row).await?;
+    Ok(w.row.id)
 }
 
 /// A heartbeat touches the lease only (the core has no transition for it).
@@ -620,16 +614,16 @@ pub(crate) async fn lease_release(
     p: &LeaseReleaseParams,
 ) -> StoreResult<Vec<bool>> {
     p.validate()?;
-    let mut out = Vec::with_capacity(p.leases.len());
-    for (id, token) in &p.leases {
-        let Some(row) = held(db, *id, *token).await? else {
-            out.push(false);
-            continue;
-        };
-        db.instance_write(&outcome::release(&row, p.now)).await?;
-        out.push(true);
+    let ids: std::collections::BTreeSet<InstanceId> = p.leases.iter().map(|l| l.0).collect();
+    let mut rows = Vec::with_capacity(ids.len());
+    for id in ids {
+        rows.extend(db.instance(id).await?);
     }
-    Ok(out)
+    let plan = plan::lease::release(p, rows);
+    for row in &plan.rows {
+        db.instance_write(row).await?;
+    }
+    Ok(plan.held)
 }
 
 // ----- cancel ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ use keel_core::instance::{
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
-use keel_core::plan::{self, deliver::DeliverRead};
+use keel_core::plan::{self, RowWrite, deliver::DeliverRead};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -547,62 +547,37 @@ impl State {
 
     fn lease_reap(&mut self, p: &LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
         p.validate()?;
-        let mut due: Vec<&Instance> = self
-            .executing
-            .iter()
-            .map(|id| &self.rows[id])
-            .filter(|row| match &p.owner {
-                Some(owner) => row.lease_owner.as_ref() == Some(owner),
-                None => outcome::lease_expired(row, p.now),
-            })
-            .collect();
-        due.sort_by_key(|row| (row.lease_expires_at, row.id));
-        let due: Vec<Instance> = due.into_iter().take(p.limit).cloned().collect();
-        let mut reaped = Vec::with_capacity(due.len());
-        for row in due {
-            let next = outcome::reap(&row, p.now);
-            self.record(&next, row.attempt, outcome::reap_history(&row), p.now);
-            self.write(next);
-            reaped.push(row.id);
-        }
-        Ok(reaped)
+        let executing = self.executing.iter().map(|id| self.rows[id].clone()).collect::<Vec<_>>();
+        let writes = plan::lease::reap(p, executing);
+        Ok(writes.into_iter().map(|w| self.write_planned(w, p.now)).collect())
     }
 
-    /// Whether `(id, token)` is a live claim now.
-    fn held(&self, id: InstanceId, token: keel_core::FencingToken) -> Option<&Instance> {
-        self.rows
-            .get(&id)
-            .filter(|row| row.status == Status::Executing && row.fencing_token == token)
+    /// Records a planned row change and writes the row; returns its id.
+    fn write_planned(&mut self, w: RowWrite, now: Timestamp) -> InstanceId {
+        for entry in w.history {
+            self.record(&w.row, w.attempt, entry, now);
+        }
+        let id = w.row.id;
+        self.write(w.row);
+        id
+    }
+
+    /// The rows of the named leases, for a lease planner.
+    fn lease_rows(&self, leases: &[(InstanceId, keel_core::FencingToken)]) -> Vec<Instance> {
+        let ids: BTreeSet<InstanceId> = leases.iter().map(|(id, _)| *id).collect();
+        ids.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect()
     }
 
     fn lease_extend(&mut self, p: &LeaseExtendParams) -> Vec<bool> {
-        p.leases
-            .iter()
-            .map(|(id, token)| {
-                let Some(row) = self.held(*id, *token) else { return false };
-                if row.lease_owner.as_ref() != Some(&p.worker) {
-                    return false;
-                }
-                // The core has no transition for a heartbeat: it touches the lease only.
-                let mut next = row.clone();
-                next.lease_expires_at = Some(p.now.plus(p.lease));
-                next.updated_at = p.now;
-                self.write(next);
-                true
-            })
-            .collect()
+        let plan = plan::lease::extend(p, self.lease_rows(&p.leases));
+        plan.rows.into_iter().for_each(|row| self.write(row));
+        plan.held
     }
 
     fn lease_release(&mut self, p: &LeaseReleaseParams) -> Vec<bool> {
-        p.leases
-            .iter()
-            .map(|(id, token)| {
-                let Some(row) = self.held(*id, *token) else { return false };
-                let next = outcome::release(row, p.now);
-                self.write(next);
-                true
-            })
-            .collect()
+        let plan = plan::lease::release(p, self.lease_rows(&p.leases));
+        plan.rows.into_iter().for_each(|row| self.write(row));
+        plan.held
     }
 
     // ----- cancel -----------------------------------------------------------------------

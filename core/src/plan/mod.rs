@@ -13,3 +13,19 @@
 //! the plan turns that into the caller's result once the store knows the ids.
 
 pub mod deliver;
+pub mod lease;
+
+use crate::instance::{HistoryEntry, Instance};
+
+/// A row a plan writes, in its new state, with the history entries the change records (in
+/// order, at the row's new revision, each marked with `attempt`: the attempt the instance
+/// was in when the change happened).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowWrite {
+    /// The row after the change.
+    pub row: Instance,
+    /// The attempt the history entries belong to.
+    pub attempt: i32,
+    /// The history to append.
+    pub history: Vec<HistoryEntry>,
+}
