@@ -710,75 +710,51 @@ pub(crate) async fn dead_letter_retry(
     db: &mut Db<'_>,
     p: &DeadLetterRetryParams,
 ) -> StoreResult<Vec<InstanceId>> {
-    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
-    if let DeadLetterSelector::Id(id) = p.selector {
-        db.dead_letter(id).await?;
+    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector))
+        .await?
+        .into_iter()
+        .map(|(id, letter, _)| (id, letter.instance))
+        .collect();
+    let mut rows = Vec::with_capacity(letters.len());
+    for (_, instance) in &letters {
+        rows.extend(db.instance(*instance).await?);
     }
-    let at = p.now.plus(p.delay);
-    let mut retried = Vec::new();
-    for (letter_id, letter, _) in letters(db, Some(&p.selector)).await? {
-        let instance = letter.instance;
-        let row = db.instance(instance).await?.ok_or_else(|| {
-            StoreError::not_found(format!("instance {instance} of dead letter {letter_id} is gone"))
-        });
-        let next =
-            row.and_then(|row| outcome::dead_letter_retry(&row, at, p.now).map(|n| (row, n)));
-        let (row, next) = match next {
-            Ok(pair) => pair,
-            // Retrying one named letter reports why it cannot; a machine-wide retry leaves
-            // letters whose instance moved on (cancelled, skipped) alone.
-            Err(e) if by_id => return Err(e),
-            Err(_) => continue,
-        };
-        let entry = HistoryEntry::new(
-            "DEAD_LETTER_RETRIED",
-            json!({ "dead_letter": letter_id, "delay_ms": p.delay.as_millis() as u64 }),
-        );
-        db.record(&next, row.attempt, &entry, p.now).await?;
-        db.instance_write(&next).await?;
-        db.dead_letter_remove(letter_id).await?;
-        retried.push(instance);
+    let plan = plan::dead_letter::retry(p, &letters, rows)?;
+    for w in &plan.rows {
+        write_planned(db, w, p.now).await?;
     }
-    Ok(retried)
+    for id in &plan.remove {
+        db.dead_letter_remove(*id).await?;
+    }
+    Ok(plan.retried())
 }
 
 pub(crate) async fn dead_letter_skip(
     db: &mut Db<'_>,
     p: &DeadLetterSkipParams,
 ) -> StoreResult<InstanceId> {
-    let letter = db.dead_letter(p.id).await?.letter;
-    let row = db.instance(letter.instance).await?.ok_or_else(|| {
-        StoreError::not_found(format!(
-            "instance {} of dead letter {} is gone",
-            letter.instance, p.id
-        ))
-    })?;
-    let next = outcome::dead_letter_retry(&row, p.now, p.now)?;
-    for signal in &letter.signals {
-        db.signal_remove(letter.instance, *signal).await?;
+    let letter = db.dead_letter(p.id).await?;
+    let row = db.instance(letter.letter.instance).await?;
+    let plan = plan::dead_letter::skip(p, &letter, row.as_ref())?;
+    let id = plan.row.row.id;
+    for signal in &plan.consume {
+        db.signal_remove(id, *signal).await?;
     }
-    let entry = HistoryEntry::new(
-        "DEAD_LETTER_SKIPPED",
-        json!({ "dead_letter": p.id, "signals": letter.signals }),
-    );
-    db.record(&next, row.attempt, &entry, p.now).await?;
-    db.instance_write(&next).await?;
-    db.dead_letter_remove(p.id).await?;
-    Ok(letter.instance)
+    write_planned(db, &plan.row, p.now).await?;
+    db.dead_letter_remove(plan.remove).await?;
+    Ok(id)
 }
 
 pub(crate) async fn dead_letter_purge(
     db: &mut Db<'_>,
     p: &DeadLetterPurgeParams,
 ) -> StoreResult<u64> {
-    let mut removed = 0;
-    for (id, _, created_at) in letters(db, p.selector.as_ref()).await? {
-        if p.older_than.is_none_or(|t| created_at < t) {
-            db.dead_letter_remove(id).await?;
-            removed += 1;
-        }
+    let letters = letters(db, p.selector.as_ref()).await?;
+    let gone = plan::dead_letter::purge(p, letters.into_iter().map(|(id, _, at)| (id, at)));
+    for id in &gone {
+        db.dead_letter_remove(*id).await?;
     }
-    Ok(removed)
+    Ok(gone.len() as u64)
 }
 
 // ----- queues ----------------------------------------------------------------------------

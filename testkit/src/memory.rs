@@ -631,19 +631,15 @@ impl State {
 
     // ----- dead letters -----------------------------------------------------------------
 
-    fn letters(&self, selector: Option<&DeadLetterSelector>) -> Vec<DeadLetterId> {
-        self.dead_letters
-            .values()
-            .filter(|d| match selector {
-                None => true,
-                Some(DeadLetterSelector::Id(id)) => d.id == *id,
-                Some(DeadLetterSelector::Machine { namespace, machine }) => {
-                    d.letter.namespace == *namespace && d.letter.machine.name == *machine
-                }
-            })
-            .take(limits::DEAD_LETTER_BATCH_MAX)
-            .map(|d| d.id)
-            .collect()
+    /// The dead letters `selector` names (`None` = all), oldest first.
+    fn letters(&self, selector: Option<&DeadLetterSelector>) -> impl Iterator<Item = &DeadLetter> {
+        self.dead_letters.values().filter(move |d| match selector {
+            None => true,
+            Some(DeadLetterSelector::Id(id)) => d.id == *id,
+            Some(DeadLetterSelector::Machine { namespace, machine }) => {
+                d.letter.namespace == *namespace && d.letter.machine.name == *machine
+            }
+        })
     }
 
     fn dead_letter(&self, id: DeadLetterId) -> StoreResult<&DeadLetter> {
@@ -653,73 +649,43 @@ impl State {
     }
 
     fn dead_letter_retry(&mut self, p: &DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
-        let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
-        if let DeadLetterSelector::Id(id) = p.selector {
-            self.dead_letter(id)?;
+        let letters: Vec<(DeadLetterId, InstanceId)> = self
+            .letters(Some(&p.selector))
+            .take(limits::DEAD_LETTER_BATCH_MAX)
+            .map(|d| (d.id, d.letter.instance))
+            .collect();
+        let rows: Vec<Instance> =
+            letters.iter().filter_map(|(_, i)| self.rows.get(i).cloned()).collect();
+        let plan = plan::dead_letter::retry(p, &letters, rows)?;
+        let retried = plan.retried();
+        for w in plan.rows {
+            self.write_planned(w, p.now);
         }
-        let at = p.now.plus(p.delay);
-        let mut retried = Vec::new();
-        for letter_id in self.letters(Some(&p.selector)) {
-            let instance = self.dead_letters[&letter_id].letter.instance;
-            let row = self.rows.get(&instance).ok_or_else(|| {
-                StoreError::not_found(format!(
-                    "instance {instance} of dead letter {letter_id} is gone"
-                ))
-            });
-            let next = row.and_then(|row| outcome::dead_letter_retry(row, at, p.now));
-            let next = match next {
-                Ok(next) => next,
-                // Retrying one named letter reports why it cannot; a machine-wide retry
-                // leaves letters whose instance moved on (cancelled, skipped) alone.
-                Err(e) if by_id => return Err(e),
-                Err(_) => continue,
-            };
-            let attempt = self.rows[&instance].attempt;
-            let entry = HistoryEntry::new(
-                "DEAD_LETTER_RETRIED",
-                json!({ "dead_letter": letter_id, "delay_ms": p.delay.as_millis() as u64 }),
-            );
-            self.record(&next, attempt, entry, p.now);
-            self.write(next);
-            self.dead_letters.remove(&letter_id);
-            retried.push(instance);
+        for id in plan.remove {
+            self.dead_letters.remove(&id);
         }
         Ok(retried)
     }
 
     fn dead_letter_skip(&mut self, p: &DeadLetterSkipParams) -> StoreResult<InstanceId> {
-        let letter = self.dead_letter(p.id)?.letter.clone();
-        let row = self.rows.get(&letter.instance).ok_or_else(|| {
-            StoreError::not_found(format!(
-                "instance {} of dead letter {} is gone",
-                letter.instance, p.id
-            ))
-        })?;
-        let attempt = row.attempt;
-        let next = outcome::dead_letter_retry(row, p.now, p.now)?;
-        for signal in &letter.signals {
-            self.remove_signal(letter.instance, *signal);
+        let letter = self.dead_letter(p.id)?;
+        let plan = plan::dead_letter::skip(p, letter, self.rows.get(&letter.letter.instance))?;
+        let id = plan.row.row.id;
+        for signal in &plan.consume {
+            self.remove_signal(id, *signal);
         }
-        let entry = HistoryEntry::new(
-            "DEAD_LETTER_SKIPPED",
-            json!({ "dead_letter": p.id, "signals": letter.signals }),
-        );
-        self.record(&next, attempt, entry, p.now);
-        self.write(next);
-        self.dead_letters.remove(&p.id);
-        Ok(letter.instance)
+        self.write_planned(plan.row, p.now);
+        self.dead_letters.remove(&plan.remove);
+        Ok(id)
     }
 
     fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> u64 {
-        let mut removed = 0;
-        for id in self.letters(p.selector.as_ref()) {
-            let old_enough = p.older_than.is_none_or(|t| self.dead_letters[&id].created_at < t);
-            if old_enough {
-                self.dead_letters.remove(&id);
-                removed += 1;
-            }
+        let letters = self.letters(p.selector.as_ref()).map(|d| (d.id, d.created_at));
+        let gone = plan::dead_letter::purge(p, letters);
+        for id in &gone {
+            self.dead_letters.remove(id);
         }
-        removed
+        gone.len() as u64
     }
 
     // ----- inspection -------------------------------------------------------------------

@@ -10,12 +10,12 @@ use crate::rows::{
 use deadpool_postgres::GenericClient;
 use keel_core::inbox;
 use keel_core::instance::{DeadLetter, HistoryEntry, Instance, SignalTarget, check_batch};
-use keel_core::outcome;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
 };
 use keel_core::{DeadLetterId, InstanceId, StoreError, limits};
+use keel_core::{outcome, plan};
 use serde_json::json;
 use std::collections::HashMap;
 
@@ -259,59 +259,40 @@ async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult
     Ok(c.execute(&stmt, &[&ids]).await?)
 }
 
-/// Retries dead letters, oldest first: each one whose instance is suspended makes it
-/// runnable at `now + delay` and is removed. A named letter reports why it cannot be
-/// retried; a machine-wide retry leaves such letters alone.
+/// Retries dead letters, oldest first, as `plan::dead_letter::retry` decides.
 pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
     c: &C,
     p: &DeadLetterRetryParams,
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
-    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
-    let letters = select_letters(c, &p.selector).await?;
-    let mut ids: Vec<i64> = letters.iter().map(|l| l.1).collect();
+    let letters: Vec<(DeadLetterId, InstanceId)> = select_letters(c, &p.selector)
+        .await?
+        .into_iter()
+        .map(|(l, i)| (DeadLetterId(l), InstanceId(i)))
+        .collect();
+    let mut ids: Vec<i64> = letters.iter().map(|l| l.1.0).collect();
     ids.sort_unstable();
     ids.dedup();
-    let mut rows: HashMap<i64, Instance> =
-        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
-    let at = p.now.plus(p.delay);
-    let mut changed: Vec<i64> = Vec::new();
+    let plan = plan::dead_letter::retry(p, &letters, lock_instances(c, &ids).await?)?;
     let mut history = HistoryWrite::default();
-    let mut gone = Vec::new();
-    let mut retried = Vec::new();
-    for (letter, instance) in &letters {
-        let next = match rows.get(instance) {
-            None => Err(StoreError::not_found(format!(
-                "instance i{instance} of dead letter dl{letter} is gone"
-            ))),
-            Some(row) => outcome::dead_letter_retry(row, at, p.now),
-        };
-        let next = match next {
-            Ok(next) => next,
-            Err(e) if by_id => return Err(e.into()),
-            Err(_) => continue,
-        };
-        let attempt = rows[instance].attempt;
-        let entry = HistoryEntry::new(
-            "DEAD_LETTER_RETRIED",
-            json!({ "dead_letter": letter, "delay_ms": p.delay.as_millis() as u64 }),
-        );
-        history.push(&next, attempt, p.now, entry);
-        rows.insert(*instance, next);
-        changed.push(*instance);
-        gone.push(*letter);
-        retried.push(InstanceId(*instance));
+    let mut next = Vec::with_capacity(plan.rows.len());
+    for w in &plan.rows {
+        for entry in &w.history {
+            history.push(&w.row, w.attempt, p.now, entry.clone());
+        }
+        next.push(w.row.clone());
     }
-    let next: Vec<Instance> = changed.iter().map(|id| rows[id].clone()).collect();
+    let gone: Vec<i64> = plan.remove.iter().map(|id| id.0).collect();
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
     delete_letters(c, &gone).await?;
     end_tx(c, (!next.is_empty()).then_some(channel)).await?;
-    Ok(retried)
+    Ok(plan.retried())
 }
 
-/// Skips a dead letter: consumes its signals and resumes the suspended instance now.
+/// Skips a dead letter: consumes its signals and resumes the suspended instance now
+/// (`plan::dead_letter::skip`).
 pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
     c: &C,
     p: &DeadLetterSkipParams,
@@ -320,33 +301,21 @@ pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
     begin(c).await?;
     let letter = dead_letter_get(c, p.id).await?;
     let rows = lock_instances(c, &[letter.letter.instance.0]).await?;
-    let Some(row) = rows.first() else {
-        return Err(StoreError::not_found(format!(
-            "dead letter {}: its instance no longer exists",
-            p.id
-        ))
-        .into());
-    };
-    let next = outcome::dead_letter_retry(row, p.now, p.now)?;
-    let signals: Vec<i64> = letter.letter.signals.iter().map(|s| s.0).collect();
+    let plan = plan::dead_letter::skip(p, &letter, rows.first())?;
+    let id = plan.row.row.id;
+    let signals: Vec<i64> = plan.consume.iter().map(|s| s.0).collect();
     let stmt =
         c.prepare_cached("DELETE FROM signals WHERE target_id = $1 AND id = ANY($2)").await?;
-    c.execute(&stmt, &[&row.id.0, &signals]).await?;
+    c.execute(&stmt, &[&id.0, &signals]).await?;
     let mut history = HistoryWrite::default();
-    history.push(
-        &next,
-        row.attempt,
-        p.now,
-        HistoryEntry::new(
-            "DEAD_LETTER_SKIPPED",
-            json!({ "dead_letter": p.id, "signals": letter.letter.signals }),
-        ),
-    );
-    write_instances(c, std::slice::from_ref(&next)).await?;
+    for entry in &plan.row.history {
+        history.push(&plan.row.row, plan.row.attempt, p.now, entry.clone());
+    }
+    write_instances(c, std::slice::from_ref(&plan.row.row)).await?;
     write_history(c, &history).await?;
-    delete_letters(c, &[p.id.0]).await?;
+    delete_letters(c, &[plan.remove.0]).await?;
     end_tx(c, Some(channel)).await?;
-    Ok(next.id)
+    Ok(id)
 }
 
 /// Purges dead letters.
