@@ -14,7 +14,7 @@ use keel_core::inbox;
 use keel_core::instance::{HistoryEntry, NewDeadLetter, undecodable_error, unique_guard};
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
-use keel_core::plan::{self, RowWrite, deliver::DeliverRead};
+use keel_core::plan::{self, RowWrite, deliver::DeliverRead, insert::InsertRead};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
@@ -44,18 +44,19 @@ const CLAIM_PAGE_MIN: usize = 64;
 /// Validates the whole batch first, so an invalid item writes nothing.
 pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
     p.validate()?;
-    let mut out = Vec::with_capacity(p.instances.len());
-    for new in &p.instances {
-        if let Some(guard) = unique_guard(new.unique.as_ref(), Status::Runnable)
-            && let Some(existing) = db.occupant(guard, InstanceId(0)).await?
-        {
-            out.push(InsertOutcome::Existing(existing));
-            continue;
+    let mut read = InsertRead::default();
+    for key in plan::insert::keys(&p.instances) {
+        if let Some(id) = db.occupant(key, InstanceId(0)).await? {
+            read.occupants.insert(key.to_vec(), id);
         }
-        let row = Instance::from_new(InstanceId(0), new, None, p.now);
-        out.push(InsertOutcome::Inserted(db.instance_insert(&row).await?));
     }
-    Ok(out)
+    let plan = plan::insert::insert(&p.instances, read);
+    let mut ids = Vec::with_capacity(plan.inserts.len());
+    for i in &plan.inserts {
+        let row = Instance::from_new(InstanceId(0), &p.instances[*i], None, p.now);
+        ids.push(db.instance_insert(&row).await?);
+    }
+    Ok(plan.outcomes(&ids))
 }
 
 // ----- claims ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ use keel_core::instance::{
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
-use keel_core::plan::{self, RowWrite, deliver::DeliverRead};
+use keel_core::plan::{self, RowWrite, deliver::DeliverRead, insert::InsertRead};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -284,18 +284,20 @@ impl State {
 
     fn insert(&mut self, params: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
         params.validate()?;
-        let mut out = Vec::with_capacity(params.instances.len());
-        for new in &params.instances {
-            let guard = unique_guard(new.unique.as_ref(), Status::Runnable);
-            if let Some(existing) = guard.and_then(|g| self.guards.get(g)) {
-                out.push(InsertOutcome::Existing(*existing));
-                continue;
+        let mut read = InsertRead::default();
+        for key in plan::insert::keys(&params.instances) {
+            if let Some(id) = self.guards.get(key) {
+                read.occupants.insert(key.to_vec(), *id);
             }
-            let id = InstanceId(self.last_instance + 1);
-            self.insert_row(Instance::from_new(id, new, None, params.now));
-            out.push(InsertOutcome::Inserted(id));
         }
-        Ok(out)
+        let plan = plan::insert::insert(&params.instances, read);
+        let mut ids = Vec::with_capacity(plan.inserts.len());
+        for i in &plan.inserts {
+            let id = InstanceId(self.last_instance + 1);
+            self.insert_row(Instance::from_new(id, &params.instances[*i], None, params.now));
+            ids.push(id);
+        }
+        Ok(plan.outcomes(&ids))
     }
 
     // ----- claims -----------------------------------------------------------------------

@@ -14,6 +14,7 @@
 
 pub mod dead_letter;
 pub mod deliver;
+pub mod insert;
 pub mod lease;
 
 use crate::instance::{HistoryEntry, Instance};
