@@ -499,52 +499,37 @@ pub(crate) async fn timer_sweep(
     .await
     .map_err(db.err("picking due timers"))?;
     let due: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
-    let mut report = TimerSweepReport::default();
-    for timer in due {
-        report.processed += 1;
-        let live = db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal());
-        if !live {
-            db.timer_remove(timer.id).await?;
-            continue;
-        }
-        let fired = timers::fire(&timer, p.now);
-        if timers::delivers(&fired)
-            && matches!(
-                deliver_to(db, timer.instance, &fired.signal, p.now).await?,
-                DeliveryOutcome::Delivered { .. }
-            )
-        {
-            if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
-                report.exhausted += 1;
-            } else {
-                report.fired += 1;
-            }
-        }
-        let row = db.instance_required(timer.instance).await?;
-        db.record(&row, row.attempt, &fired.history, p.now).await?;
-        match &fired.next {
-            Some(next) => db.timer_write(next).await?,
-            None => db.timer_remove(timer.id).await?,
+    let mut live = std::collections::HashSet::new();
+    for timer in &due {
+        if db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal()) {
+            live.insert(timer.instance);
         }
     }
-    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
-    let scopes: Vec<&str> = if p.machines.is_empty() {
-        vec!["*"]
-    } else {
-        p.machines.iter().map(String::as_str).collect()
-    };
-    for machine in scopes {
+    let plan = plan::timer::sweep(p, &due, |id| live.contains(&id));
+    let delivered = deliver(db, &plan.signals, plan.targets(), p.now).await?;
+    for (instance, entry) in &plan.history {
+        let row = db.instance_required(*instance).await?;
+        db.record(&row, row.attempt, entry, p.now).await?;
+    }
+    for next in &plan.advance {
+        db.timer_write(next).await?;
+    }
+    for id in &plan.delete {
+        db.timer_remove(*id).await?;
+    }
+    for (ns, machine) in plan::timer::swept_scopes(p) {
         sqlx::query(
             "INSERT INTO keel_timer_sweeps (namespace, machine, swept_at) VALUES (?, ?, ?) \
              ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at",
         )
         .bind(&ns)
-        .bind(machine)
+        .bind(&machine)
         .bind(p.now.0)
         .execute(&mut *db.conn)
         .await
         .map_err(db.err("recording a timer sweep"))?;
     }
+    let report = plan.report(&delivered);
     Ok(report)
 }
 

@@ -768,55 +768,31 @@ impl State {
             p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
                 && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
         };
-        let mut due: Vec<(Timestamp, TimerId)> = self
+        let mut due: Vec<TimerRow> = self
             .timers
             .values()
             .filter(|t| t.next_fire_at <= p.now && in_scope(t))
-            .map(|t| (t.next_fire_at, t.id))
+            .cloned()
             .collect();
-        due.sort();
+        due.sort_by_key(|t| (t.next_fire_at, t.id));
         due.truncate(p.limit);
-        let mut report = TimerSweepReport::default();
-        for (_, id) in due {
-            report.processed += 1;
-            let timer = self.timers[&id].clone();
-            let live = self.rows.get(&timer.instance).is_some_and(|r| !r.status.is_terminal());
-            if !live {
-                self.timer_remove(id);
-                continue;
-            }
-            let fired = timers::fire(&timer, p.now);
-            if timers::delivers(&fired)
-                && matches!(
-                    self.deliver_to(timer.instance, &fired.signal, p.now),
-                    DeliveryOutcome::Delivered { .. }
-                )
-            {
-                if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
-                    report.exhausted += 1;
-                } else {
-                    report.fired += 1;
-                }
-            }
-            let row = self.rows[&timer.instance].clone();
-            self.record(&row, row.attempt, fired.history, p.now);
-            match fired.next {
-                Some(next) => {
-                    self.timers.insert(id, next);
-                }
-                None => {
-                    self.timer_remove(id);
-                }
-            }
+        let live = |id| self.rows.get(&id).is_some_and(|r| !r.status.is_terminal());
+        let plan = plan::timer::sweep(p, &due, live);
+        let delivered = self.deliver(&plan.signals, plan.targets(), p.now);
+        for (instance, entry) in &plan.history {
+            let row = self.rows[instance].clone();
+            self.record(&row, row.attempt, entry.clone(), p.now);
         }
-        let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
-        if p.machines.is_empty() {
-            self.sweeps.insert((ns, "*".into()), p.now);
-        } else {
-            for m in &p.machines {
-                self.sweeps.insert((ns.clone(), m.clone()), p.now);
-            }
+        for next in &plan.advance {
+            self.timers.insert(next.id, next.clone());
         }
+        for id in &plan.delete {
+            self.timer_remove(*id);
+        }
+        for scope in plan::timer::swept_scopes(p) {
+            self.sweeps.insert(scope, p.now);
+        }
+        let report = plan.report(&delivered);
         Ok(report)
     }
 

@@ -16,6 +16,7 @@ pub mod dead_letter;
 pub mod deliver;
 pub mod insert;
 pub mod lease;
+pub mod timer;
 
 use crate::instance::{HistoryEntry, Instance};
 
