@@ -11,10 +11,12 @@ use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::chart::TimerArm;
 use keel_core::inbox;
-use keel_core::instance::{HistoryEntry, NewDeadLetter, undecodable_error, unique_guard};
+use keel_core::instance::{NewDeadLetter, undecodable_error, unique_guard};
 use keel_core::limits;
 use keel_core::outcome::{self, ApplyFacts, Outcome};
-use keel_core::plan::{self, RowWrite, deliver::DeliverRead, insert::InsertRead};
+use keel_core::plan::{
+    self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
+};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
@@ -27,7 +29,6 @@ use keel_core::{
     DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, SignalId, SignalTarget, Status,
     StepCommit, StoreError, StoreResult, TimerId, Timestamp,
 };
-use serde_json::json;
 use sqlx::Connection;
 use sqlx::Row;
 use std::collections::{HashSet, VecDeque};
@@ -616,46 +617,38 @@ pub(crate) async fn lease_release(
 
 /// Breadth first over descendants, bounded in depth and count like `MemoryStore`.
 pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
-    let root = db.instance_required(p.id).await?;
-    if root.status.is_terminal() {
-        return Ok(Vec::new());
-    }
-    let mut order = vec![p.id];
-    if p.cascade {
+    let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
+    if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
+        // Breadth first down to the depth bound, so the read stays bounded too.
         let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
-        let mut seen: HashSet<InstanceId> = HashSet::from([p.id]);
         while let Some((id, depth)) = queue.pop_front() {
             if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
                 continue;
             }
             for child in db.child_ids(id).await? {
-                if seen.insert(child) {
-                    order.push(child);
-                    queue.push_back((child, depth + 1));
-                }
+                read.descendants.push((db.instance_required(child).await?, depth + 1));
+                queue.push_back((child, depth + 1));
             }
         }
     }
-    let mut cancelled = Vec::new();
-    for id in order {
-        if cancelled.len() >= limits::CANCEL_CASCADE_MAX {
-            break;
-        }
-        let row = db.instance_required(id).await?;
-        let Some(next) = outcome::cancel(&row, &p.reason, p.now) else { continue };
-        let entry = HistoryEntry::new(
-            "CANCELLED",
-            json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
-        );
-        db.record(&next, row.attempt, &entry, p.now).await?;
-        let pending = inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?);
-        inbox_drain(db, &next, row.attempt, &pending, p.now).await?;
-        db.instance_write(&next).await?;
-        db.timers_drop(id).await?;
-        child_terminal(db, &next, p.now).await?;
-        cancelled.push(id);
+    let ids: Vec<InstanceId> = read
+        .root
+        .iter()
+        .chain(read.descendants.iter().map(|(r, _)| r))
+        .filter(|r| !r.status.is_terminal())
+        .map(|r| r.id)
+        .collect();
+    for id in ids {
+        read.pending.insert(id, inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?));
     }
-    Ok(cancelled)
+    let plan = plan::cancel::cancel(p, read)?;
+    for w in &plan.rows {
+        write_planned(db, w, p.now).await?;
+        db.signals_drop(w.row.id).await?;
+        db.timers_drop(w.row.id).await?;
+        child_terminal(db, &w.row, p.now).await?;
+    }
+    Ok(plan.cancelled())
 }
 
 // ----- dead letters ----------------------------------------------------------------------

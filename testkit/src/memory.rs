@@ -27,7 +27,9 @@ use keel_core::instance::{
 };
 use keel_core::limits;
 use keel_core::outcome::{self, Applied, ApplyFacts, Outcome};
-use keel_core::plan::{self, RowWrite, deliver::DeliverRead, insert::InsertRead};
+use keel_core::plan::{
+    self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
+};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
@@ -42,8 +44,7 @@ use keel_core::{
     DeadLetterId, Instance, InstanceId, NewInstance, NewSignal, Priority, Signal, SignalId,
     SignalTarget, Status, StepCommit, StoreError, StoreResult, Timestamp,
 };
-use serde_json::json;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// The in-memory reference `Store`. Cheap to create; one per test.
@@ -255,13 +256,18 @@ impl State {
     /// are removed and recorded in one history entry (`inbox::drained`).
     fn inbox_drain(&mut self, row: &Instance, attempt: i32, now: Timestamp) {
         let pending = inbox::Pending::of(self.inbox_of(row.id));
-        for signal in self.inbox.remove(&row.id).into_iter().flat_map(BTreeMap::into_values) {
-            if let Some(key) = signal.dedup_key {
-                self.dedup.remove(&(row.id, key));
-            }
-        }
+        self.inbox_drop(row.id);
         if let Some(entry) = inbox::drained(&pending) {
             self.record(row, attempt, entry, now);
+        }
+    }
+
+    /// Empties an inbox (its instance ended; the plan recorded what it held).
+    fn inbox_drop(&mut self, id: InstanceId) {
+        for signal in self.inbox.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
+            if let Some(key) = signal.dedup_key {
+                self.dedup.remove(&(id, key));
+            }
         }
     }
 
@@ -585,48 +591,30 @@ impl State {
     // ----- cancel -----------------------------------------------------------------------
 
     fn cancel(&mut self, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
-        let root = self
-            .rows
-            .get(&p.id)
-            .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", p.id)))?;
-        if root.status.is_terminal() {
-            return Ok(Vec::new());
-        }
-        let mut order = vec![p.id];
+        let mut read = CancelRead { root: self.rows.get(&p.id).cloned(), ..CancelRead::default() };
         if p.cascade {
+            // Breadth first down to the depth bound, so the read stays bounded too.
             let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
-            let mut seen: HashSet<InstanceId> = HashSet::from([p.id]);
             while let Some((id, depth)) = queue.pop_front() {
                 if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
                     continue;
                 }
                 for child in self.children.get(&id).into_iter().flatten() {
-                    if seen.insert(*child) {
-                        order.push(*child);
-                        queue.push_back((*child, depth + 1));
-                    }
+                    read.descendants.push((self.rows[child].clone(), depth + 1));
+                    queue.push_back((*child, depth + 1));
                 }
             }
         }
-        let mut cancelled = Vec::new();
-        for id in order {
-            if cancelled.len() >= limits::CANCEL_CASCADE_MAX {
-                break;
-            }
-            let row = &self.rows[&id];
-            let Some(next) = outcome::cancel(row, &p.reason, p.now) else { continue };
-            let attempt = row.attempt;
-            let entry = HistoryEntry::new(
-                "CANCELLED",
-                json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
-            );
-            self.record(&next, attempt, entry, p.now);
-            self.inbox_drain(&next, attempt, p.now);
-            let child = next.clone();
-            self.write(next);
-            self.timers_drop(id);
+        let ids = read.root.iter().chain(read.descendants.iter().map(|(r, _)| r)).map(|r| r.id);
+        read.pending = ids.map(|id| (id, inbox::Pending::of(self.inbox_of(id)))).collect();
+        let plan = plan::cancel::cancel(p, read)?;
+        let cancelled = plan.cancelled();
+        for w in plan.rows {
+            let child = w.row.clone();
+            self.write_planned(w, p.now);
+            self.inbox_drop(child.id);
+            self.timers_drop(child.id);
             self.child_terminal(&child, p.now);
-            cancelled.push(id);
         }
         Ok(cancelled)
     }

@@ -12,6 +12,7 @@
 //! planner: a plan refers to the rows it inserts by their index in its insert list, and
 //! the plan turns that into the caller's result once the store knows the ids.
 
+pub mod cancel;
 pub mod dead_letter;
 pub mod deliver;
 pub mod insert;
