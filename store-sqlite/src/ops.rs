@@ -1,11 +1,13 @@
 //! The `Store` operations as functions of one open transaction.
 //!
-//! Each operation loads the rows it touches, runs the core's pure transitions
-//! (`validate_commit`, `apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`,
-//! `cancel`, `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
-//! `timers::owned_by`, the inbox rules of `inbox`) and writes the results back, in the same order as
-//! `MemoryStore` — so the two cannot drift apart. The caller owns the transaction: it
-//! begins it with `BEGIN IMMEDIATE`, and commits only when the operation returns `Ok`.
+//! Each operation reads what its decision depends on, lets the core decide and writes the
+//! result back: inserts, deliveries, broadcasts, leases, cancels, dead-letter actions and
+//! the timer sweep through the planners of `keel_core::plan`; claims and step commits
+//! through the pure transitions of `outcome` (`validate_commit`, `apply`, `claim`,
+//! `release_parent`, `parent_notice`), `timers::owned_by` and the inbox rules of `inbox`,
+//! in the same order as `MemoryStore`, so the two cannot drift apart. The caller owns the
+//! transaction: it begins it with `BEGIN IMMEDIATE`, and commits only when the operation
+//! returns `Ok`.
 
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};

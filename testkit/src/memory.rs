@@ -1,10 +1,12 @@
 //! [`MemoryStore`]: the in-memory reference implementation of the `Store` port.
 //!
-//! Every row change goes through the pure transitions of [`keel_core::outcome`]
-//! (`apply`, `claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
-//! `dead_letter_retry`) and the inbox rules of [`keel_core::inbox`]; this file only keeps the collections, the indexes and the order
-//! in which the transitions run inside one "transaction" (one lock hold). It is the model
-//! the conformance suite was written against, so it must stay boring and obviously right.
+//! Inserts, deliveries, broadcasts, leases, cancels, dead-letter actions and the timer
+//! sweep are planned by [`keel_core::plan`]: this file reads the read set each planner
+//! needs from its collections, calls the planner and writes the plan. Step commits and
+//! claims go through the pure transitions of [`keel_core::outcome`] and the inbox rules of
+//! [`keel_core::inbox`]. What is left here is the collections, the indexes and the order in
+//! which writes run inside one "transaction" (one lock hold), so it must stay boring and
+//! obviously right.
 //!
 //! Decisions the trait leaves open, made here and held to by the suite:
 //! - A commit whose new row would put its unique key back in scope while another instance
@@ -13,10 +15,7 @@
 //!   release, delivery, barrier release, dead-letter retry) never fail: with a scope that
 //!   is not closed under them the first occupant keeps the key.
 //! - A heartbeat succeeds while the row is still executing under the same token and owner,
-//!   even if the lease time has passed but nobody reaped it yet.
-//! - Cancel with `cascade` walks descendants breadth first, at most
-//!   [`limits::CANCEL_CASCADE_DEPTH_MAX`] levels deep, and cancels at most
-//!   [`limits::CANCEL_CASCADE_MAX`] instances per call.
+//!   even if the lease time has passed but nobody reaped it yet (`plan::lease::extend`).
 
 use async_trait::async_trait;
 use keel_core::TimerId;
