@@ -691,6 +691,7 @@ pub(crate) async fn dead_letter_retry(
     db: &mut Db<'_>,
     p: &DeadLetterRetryParams,
 ) -> StoreResult<Vec<InstanceId>> {
+    p.validate()?;
     let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector))
         .await?
         .into_iter()
@@ -730,6 +731,7 @@ pub(crate) async fn dead_letter_purge(
     db: &mut Db<'_>,
     p: &DeadLetterPurgeParams,
 ) -> StoreResult<u64> {
+    p.validate()?;
     let letters = letters(db, p.selector.as_ref()).await?;
     let gone = plan::dead_letter::purge(p, letters.into_iter().map(|(id, _, at)| (id, at)));
     for id in &gone {

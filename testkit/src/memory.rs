@@ -638,6 +638,7 @@ impl State {
     }
 
     fn dead_letter_retry(&mut self, p: &DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
+        p.validate()?;
         let letters: Vec<(DeadLetterId, InstanceId)> = self
             .letters(Some(&p.selector))
             .take(limits::DEAD_LETTER_BATCH_MAX)
@@ -668,13 +669,14 @@ impl State {
         Ok(id)
     }
 
-    fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> u64 {
+    fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> StoreResult<u64> {
+        p.validate()?;
         let letters = self.letters(p.selector.as_ref()).map(|d| (d.id, d.created_at));
         let gone = plan::dead_letter::purge(p, letters);
         for id in &gone {
             self.dead_letters.remove(id);
         }
-        gone.len() as u64
+        Ok(gone.len() as u64)
     }
 
     // ----- inspection -------------------------------------------------------------------
@@ -978,7 +980,7 @@ impl Store for MemoryStore {
     }
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
-        Ok(self.state().dead_letter_purge(&params))
+        self.state().dead_letter_purge(&params)
     }
 
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {

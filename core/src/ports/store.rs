@@ -11,7 +11,7 @@
 //! suite in `keel-testkit`, which compares it with the pure functions of
 //! [`crate::outcome`].
 
-use crate::error::StoreResult;
+use crate::error::{StoreError, StoreResult};
 use crate::ids::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId,
 };
@@ -462,6 +462,19 @@ pub enum DeadLetterSelector {
     },
 }
 
+impl DeadLetterSelector {
+    /// Checks the names of a machine selector.
+    pub fn validate(&self) -> StoreResult<()> {
+        match self {
+            DeadLetterSelector::Id(_) => Ok(()),
+            DeadLetterSelector::Machine { namespace, machine } => {
+                check_name("selector.namespace", namespace)?;
+                check_name("selector.machine", machine)
+            }
+        }
+    }
+}
+
 /// Retry dead letters: their suspended instances become runnable at `now + delay` with a
 /// fresh attempt count; the dead letters are removed (history keeps the record).
 #[derive(Debug, Clone, PartialEq)]
@@ -472,6 +485,21 @@ pub struct DeadLetterRetryParams {
     pub delay: Duration,
     /// Retry time.
     pub now: Timestamp,
+}
+
+impl DeadLetterRetryParams {
+    /// Checks the selector and the delay, which is bounded like a step's own retry delay.
+    pub fn validate(&self) -> StoreResult<()> {
+        self.selector.validate()?;
+        if self.delay > limits::RETRY_DELAY_MAX {
+            return Err(StoreError::invalid(format!(
+                "delay: {} s is longer than the limit of {} s (one year); retry sooner, or leave the dead letter until it is time",
+                self.delay.as_secs(),
+                limits::RETRY_DELAY_MAX.as_secs()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Skip a dead letter: consume the signals it recorded and make the instance runnable,
@@ -491,6 +519,13 @@ pub struct DeadLetterPurgeParams {
     pub selector: Option<DeadLetterSelector>,
     /// Only those created before this time (retention pruning).
     pub older_than: Option<Timestamp>,
+}
+
+impl DeadLetterPurgeParams {
+    /// Checks the selector.
+    pub fn validate(&self) -> StoreResult<()> {
+        self.selector.as_ref().map_or(Ok(()), DeadLetterSelector::validate)
+    }
 }
 
 /// Pause or resume claiming from a queue.
@@ -746,6 +781,16 @@ mod tests {
         };
         check(deliver("go").validate(), Ok(()));
         check(deliver("").validate(), Err("signals[0]"));
+        let machine =
+            |ns: &str| DeadLetterSelector::Machine { namespace: ns.into(), machine: "m".into() };
+        let retry = |selector, delay| DeadLetterRetryParams { selector, delay, now: Timestamp(0) };
+        check(retry(machine("ns"), limits::RETRY_DELAY_MAX).validate(), Ok(()));
+        check(retry(machine(""), Duration::ZERO).validate(), Err("selector.namespace"));
+        let long = limits::RETRY_DELAY_MAX + Duration::from_secs(1);
+        check(retry(DeadLetterSelector::Id(DeadLetterId(1)), long).validate(), Err("delay"));
+        let purge = |selector| DeadLetterPurgeParams { selector, older_than: None };
+        check(purge(None).validate(), Ok(()));
+        check(purge(Some(machine(""))).validate(), Err("selector.namespace"));
     }
 
     #[test]

@@ -261,6 +261,7 @@ impl Store for PgStore {
         &self,
         params: DeadLetterRetryParams,
     ) -> StoreResult<Vec<InstanceId>> {
+        params.validate()?;
         in_tx!(self, |c| admin::dead_letter_retry(c, &params, &self.channel))
     }
 
@@ -269,6 +270,7 @@ impl Store for PgStore {
     }
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
+        params.validate()?;
         let conn = self.client().await?;
         admin::dead_letter_purge(&conn, &params).await.map_err(StoreError::from)
     }
