@@ -1,25 +1,25 @@
 //! The `Store` operations as functions of one open transaction.
 //!
-//! A step commit is planned by `keel_core::plan::commit`: this module reads what the
-//! planner asks for, inserts the children it admits and performs the writes of its plan.
-//! Every other operation loads the rows it touches, runs the core's pure transitions
-//! (`claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
-//! `dead_letter_retry`, `parent_notice`, `position_in_state`, `timers::fire`,
-//! `timers::owned_by`, the inbox rules of `inbox`) and writes the results back, in the
-//! same order as `MemoryStore`, so the two cannot drift apart. The caller owns the
+//! Each operation reads what its decision depends on, lets the core decide and writes the
+//! result back: step commits through `keel_core::plan::commit` (this module reads what the
+//! planner asks for, inserts the children it admits and performs the writes of its plan);
+//! inserts, deliveries, broadcasts, leases, cancels, dead-letter actions and the timer sweep
+//! through the other planners of `keel_core::plan`; claims through the pure transitions of
+//! `outcome` and the inbox rules of `inbox`, in the same order as `MemoryStore`, so the two
+//! cannot drift apart. The caller owns the
 //! transaction: it begins it with `BEGIN IMMEDIATE`, and commits only when the operation
 //! returns `Ok`.
 
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::inbox;
-use keel_core::instance::{
-    HistoryEntry, NewDeadLetter, check_batch, check_name, position_in_state, undecodable_error,
-    unique_guard,
-};
+use keel_core::instance::{NewDeadLetter, undecodable_error, unique_guard};
 use keel_core::limits;
 use keel_core::outcome;
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
+use keel_core::plan::{
+    self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
+};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
@@ -29,10 +29,9 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::{self, TimerRow};
 use keel_core::{
-    DeadLetterId, FencingToken, Instance, InstanceId, NewSignal, SignalTarget, Status, StepCommit,
-    StoreError, StoreResult, Timestamp,
+    DeadLetterId, Instance, InstanceId, NewSignal, SignalTarget, Status, StepCommit, StoreResult,
+    Timestamp,
 };
-use serde_json::json;
 use sqlx::Connection;
 use sqlx::Row;
 use std::collections::{HashSet, VecDeque};
@@ -48,22 +47,20 @@ const CLAIM_PAGE_MIN: usize = 64;
 
 /// Validates the whole batch first, so an invalid item writes nothing.
 pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-    check_batch("instances", p.instances.len(), limits::INSERT_BATCH_MAX)?;
-    for (i, new) in p.instances.iter().enumerate() {
-        new.validate(&format!("instances[{i}]"))?;
-    }
-    let mut out = Vec::with_capacity(p.instances.len());
-    for new in &p.instances {
-        if let Some(guard) = unique_guard(new.unique.as_ref(), Status::Runnable)
-            && let Some(existing) = db.occupant(guard, InstanceId(0)).await?
-        {
-            out.push(InsertOutcome::Existing(existing));
-            continue;
+    p.validate()?;
+    let mut read = InsertRead::default();
+    for key in plan::insert::keys(&p.instances) {
+        if let Some(id) = db.occupant(key, InstanceId(0)).await? {
+            read.occupants.insert(key.to_vec(), id);
         }
-        let row = Instance::from_new(InstanceId(0), new, None, p.now);
-        out.push(InsertOutcome::Inserted(db.instance_insert(&row).await?));
     }
-    Ok(out)
+    let plan = plan::insert::insert(&p.instances, read);
+    let mut ids = Vec::with_capacity(plan.inserts.len());
+    for i in &plan.inserts {
+        let row = Instance::from_new(InstanceId(0), &p.instances[*i], None, p.now);
+        ids.push(db.instance_insert(&row).await?);
+    }
+    Ok(plan.outcomes(&ids))
 }
 
 // ----- claims ----------------------------------------------------------------------------
@@ -73,7 +70,7 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 /// `claim` and the rules that depend on rows claimed earlier in the same call (one row
 /// per concurrency key, unique keys).
 pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
-    check_batch("limit", p.limit, limits::CLAIM_BATCH_MAX)?;
+    p.validate()?;
     let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
     let queues = serde_json::to_string(&p.queues).unwrap_or_default();
     let machines: Vec<(&str, i32)> =
@@ -276,22 +273,6 @@ async fn child_insert(
     Ok(InsertOutcome::Inserted(db.instance_insert(&row).await?))
 }
 
-/// `row` just became terminal: its inbox closes, and the signals still pending in it are
-/// removed and recorded in one history entry (`inbox::drained`), as `MemoryStore` does.
-async fn inbox_drain(
-    db: &mut Db<'_>,
-    row: &Instance,
-    attempt: i32,
-    pending: &inbox::Pending,
-    now: Timestamp,
-) -> StoreResult<()> {
-    if let Some(entry) = inbox::drained(pending) {
-        db.signals_drop(row.id).await?;
-        db.record(row, attempt, &entry, now).await?;
-    }
-    Ok(())
-}
-
 /// `child` became terminal (or was cancelled): count it on its parent's barrier, and tell
 /// a chart parent through its inbox (`outcome::parent_notice`), as `MemoryStore` does.
 async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> StoreResult<()> {
@@ -336,22 +317,42 @@ async fn deliver_to(
     s: &NewSignal,
     now: Timestamp,
 ) -> StoreResult<DeliveryOutcome> {
-    let row = db.instance_required(target).await?;
-    if !inbox::accepts_signals(&row) {
-        return Ok(DeliveryOutcome::TargetTerminal { target, status: row.status });
+    let mut out = deliver(db, std::slice::from_ref(s), vec![Some(target)], now).await?;
+    Ok(out.remove(0))
+}
+
+/// Reads what `plan::deliver` needs for `signals` (with their resolved `targets`), plans
+/// and writes the plan.
+async fn deliver(
+    db: &mut Db<'_>,
+    signals: &[NewSignal],
+    targets: Vec<Option<InstanceId>>,
+    now: Timestamp,
+) -> StoreResult<Vec<DeliveryOutcome>> {
+    let mut read = DeliverRead::default();
+    for (s, target) in signals.iter().zip(&targets) {
+        let Some(target) = *target else { continue };
+        if let std::collections::hash_map::Entry::Vacant(slot) = read.rows.entry(target) {
+            slot.insert(db.instance_required(target).await?);
+        }
+        if let Some(key) = &s.dedup_key
+            && !read.dedup.contains_key(&(target, key.clone()))
+            && let Some(id) = db.dedup(target, key).await?
+        {
+            read.dedup.insert((target, key.clone()), id);
+        }
     }
-    if let Some(key) = &s.dedup_key
-        && let Some(id) = db.dedup(target, key).await?
-    {
-        return Ok(DeliveryOutcome::Duplicate { id, target });
+    read.targets = targets;
+    let plan = plan::deliver::deliver(read, signals, now);
+    let mut ids = Vec::with_capacity(plan.inserts.len());
+    for i in &plan.inserts {
+        let key = i.dedup_key.as_deref();
+        ids.push(db.signal_insert(i.target, &i.name, &i.payload, key, i.inserted_at).await?);
     }
-    let id = db.signal_insert(target, &s.name, &s.payload, s.dedup_key.as_deref(), now).await?;
-    let next = outcome::deliver(&row, &s.name, now);
-    let woke = next.is_some();
-    if let Some(next) = next {
-        db.instance_write(&next).await?;
+    for row in &plan.woken {
+        db.instance_write(row).await?;
     }
-    Ok(DeliveryOutcome::Delivered { id, target, woke })
+    Ok(plan.outcomes(&ids))
 }
 
 /// Validates the whole batch first, so an invalid item writes nothing.
@@ -359,36 +360,23 @@ pub(crate) async fn signal_deliver(
     db: &mut Db<'_>,
     p: &SignalDeliverParams,
 ) -> StoreResult<Vec<DeliveryOutcome>> {
-    check_batch("signals", p.signals.len(), limits::DELIVER_BATCH_MAX)?;
-    for (i, s) in p.signals.iter().enumerate() {
-        s.validate(&format!("signals[{i}]"))?;
-    }
-    let mut out = Vec::with_capacity(p.signals.len());
+    p.validate()?;
+    let mut targets = Vec::with_capacity(p.signals.len());
     for s in &p.signals {
-        out.push(match db.resolve(&s.target).await? {
-            Some(target) => deliver_to(db, target, s, p.now).await?,
-            None => DeliveryOutcome::TargetMissing,
-        });
+        targets.push(db.resolve(&s.target).await?);
     }
-    Ok(out)
+    deliver(db, &p.signals, targets, p.now).await
 }
 
-/// One event to every non-terminal instance of a machine whose position is in the state
-/// (`instance::position_in_state`), in id order; nothing when too many match.
+/// One event to every target `plan::deliver::broadcast_targets` picks among the machine's
+/// live instances; nothing when too many match.
 pub(crate) async fn signal_broadcast(
     db: &mut Db<'_>,
     p: &SignalBroadcastParams,
 ) -> StoreResult<BroadcastReport> {
-    let probe = NewSignal {
-        target: SignalTarget::Id(InstanceId(0)),
-        name: p.name.clone(),
-        payload: p.payload.clone(),
-        dedup_key: p.dedup_key.clone(),
-    };
-    probe.validate("broadcast")?;
-    p.validate_selector()?;
+    p.validate()?;
     let rows = sqlx::query(
-        "SELECT id, position FROM keel_instances WHERE namespace = ? AND machine = ? \
+        "SELECT id, position, status FROM keel_instances WHERE namespace = ? AND machine = ? \
          AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
     )
     .bind(&p.namespace)
@@ -396,27 +384,22 @@ pub(crate) async fn signal_broadcast(
     .fetch_all(&mut *db.conn)
     .await
     .map_err(db.err("selecting broadcast targets"))?;
-    let mut targets = Vec::new();
+    let mut candidates = Vec::with_capacity(rows.len());
     for r in &rows {
         let id: i64 = r.try_get("id").map_err(|e| corrupt(db.file, "id", e))?;
         let position: String =
             r.try_get("position").map_err(|e| corrupt(db.file, "position", e))?;
-        if p.in_state.as_deref().is_none_or(|st| position_in_state(&position, st)) {
-            targets.push(InstanceId(id));
-        }
+        let status: String = r.try_get("status").map_err(|e| corrupt(db.file, "status", e))?;
+        let status = status.parse::<Status>().map_err(|e| corrupt(db.file, "status", e))?;
+        candidates.push((InstanceId(id), position, status));
     }
-    check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
-    let mut report = BroadcastReport::default();
-    for target in targets {
-        let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
-        if let DeliveryOutcome::Delivered { woke, .. } =
-            deliver_to(db, target, &signal, p.now).await?
-        {
-            report.delivered += 1;
-            report.woke += u64::from(woke);
-        }
-    }
-    Ok(report)
+    let targets = plan::deliver::broadcast_targets(
+        p,
+        candidates.iter().map(|(id, position, status)| (*id, position.as_str(), *status)),
+    )?;
+    let signals: Vec<NewSignal> = targets.iter().map(|t| p.signal(*t)).collect();
+    let outcomes = deliver(db, &signals, targets.into_iter().map(Some).collect(), p.now).await?;
+    Ok(plan::deliver::broadcast_report(&outcomes))
 }
 
 // ----- timers ----------------------------------------------------------------------------
@@ -453,7 +436,7 @@ pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,
 ) -> StoreResult<TimerSweepReport> {
-    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+    p.validate()?;
     let machines = serde_json::to_string(&p.machines).unwrap_or_default();
     let rows = sqlx::query(concat!(
         "SELECT ",
@@ -472,52 +455,37 @@ pub(crate) async fn timer_sweep(
     .await
     .map_err(db.err("picking due timers"))?;
     let due: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
-    let mut report = TimerSweepReport::default();
-    for timer in due {
-        report.processed += 1;
-        let live = db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal());
-        if !live {
-            db.timer_remove(timer.id).await?;
-            continue;
-        }
-        let fired = timers::fire(&timer, p.now);
-        if timers::delivers(&fired)
-            && matches!(
-                deliver_to(db, timer.instance, &fired.signal, p.now).await?,
-                DeliveryOutcome::Delivered { .. }
-            )
-        {
-            if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
-                report.exhausted += 1;
-            } else {
-                report.fired += 1;
-            }
-        }
-        let row = db.instance_required(timer.instance).await?;
-        db.record(&row, row.attempt, &fired.history, p.now).await?;
-        match &fired.next {
-            Some(next) => db.timer_write(next).await?,
-            None => db.timer_remove(timer.id).await?,
+    let mut live = std::collections::HashSet::new();
+    for timer in &due {
+        if db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal()) {
+            live.insert(timer.instance);
         }
     }
-    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
-    let scopes: Vec<&str> = if p.machines.is_empty() {
-        vec!["*"]
-    } else {
-        p.machines.iter().map(String::as_str).collect()
-    };
-    for machine in scopes {
+    let plan = plan::timer::sweep(p, &due, |id| live.contains(&id));
+    let delivered = deliver(db, &plan.signals, plan.targets(), p.now).await?;
+    for (instance, entry) in &plan.history {
+        let row = db.instance_required(*instance).await?;
+        db.record(&row, row.attempt, entry, p.now).await?;
+    }
+    for next in &plan.advance {
+        db.timer_write(next).await?;
+    }
+    for id in &plan.delete {
+        db.timer_remove(*id).await?;
+    }
+    for (ns, machine) in plan::timer::swept_scopes(p) {
         sqlx::query(
             "INSERT INTO keel_timer_sweeps (namespace, machine, swept_at) VALUES (?, ?, ?) \
              ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at",
         )
         .bind(&ns)
-        .bind(machine)
+        .bind(&machine)
         .bind(p.now.0)
         .execute(&mut *db.conn)
         .await
         .map_err(db.err("recording a timer sweep"))?;
     }
+    let report = plan.report(&delivered);
     Ok(report)
 }
 
@@ -527,7 +495,7 @@ pub(crate) async fn lease_reap(
     db: &mut Db<'_>,
     p: &LeaseReapParams,
 ) -> StoreResult<Vec<InstanceId>> {
-    check_batch("limit", p.limit, limits::REAP_BATCH_MAX)?;
+    p.validate()?;
     let owner = p.owner.as_ref().map(|w| w.0.clone());
     let rows = sqlx::query(concat!(
         "SELECT ",
@@ -546,29 +514,24 @@ pub(crate) async fn lease_reap(
     .map_err(db.err("picking expired leases"))?;
     let due: Vec<Instance> = rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
     let mut reaped = Vec::with_capacity(due.len());
-    for row in due {
-        let next = outcome::reap(&row, p.now);
-        db.record(&next, row.attempt, &outcome::reap_history(&row), p.now).await?;
-        db.instance_write(&next).await?;
-        reaped.push(row.id);
+    for w in plan::lease::reap(p, due) {
+        reaped.push(write_planned(db, &w, p.now).await?);
     }
     Ok(reaped)
 }
 
-/// The row of a live claim `(id, token)`, if it still is one.
-async fn held(
-    db: &mut Db<'_>,
-    id: InstanceId,
-    token: FencingToken,
-) -> StoreResult<Option<Instance>> {
-    Ok(db
-        .instance(id)
-        .await?
-        .filter(|row| row.status == Status::Executing && row.fencing_token == token))
+/// Records a planned row change and writes the row; returns its id.
+async fn write_planned(db: &mut Db<'_>, w: &RowWrite, now: Timestamp) -> StoreResult<InstanceId> {
+    for entry in &w.history {
+        db.record(&w.row, w.attempt, entry, now).await?;
+    }
+    db.instance_write(&w.row).await?;
+    Ok(w.row.id)
 }
 
 /// A heartbeat touches the lease only (the core has no transition for it).
 pub(crate) async fn lease_extend(db: &mut Db<'_>, p: &LeaseExtendParams) -> StoreResult<Vec<bool>> {
+    p.validate()?;
     let mut out = Vec::with_capacity(p.leases.len());
     for (id, token) in &p.leases {
         let done = sqlx::query(
@@ -592,62 +555,55 @@ pub(crate) async fn lease_release(
     db: &mut Db<'_>,
     p: &LeaseReleaseParams,
 ) -> StoreResult<Vec<bool>> {
-    let mut out = Vec::with_capacity(p.leases.len());
-    for (id, token) in &p.leases {
-        let Some(row) = held(db, *id, *token).await? else {
-            out.push(false);
-            continue;
-        };
-        db.instance_write(&outcome::release(&row, p.now)).await?;
-        out.push(true);
+    p.validate()?;
+    let ids: std::collections::BTreeSet<InstanceId> = p.leases.iter().map(|l| l.0).collect();
+    let mut rows = Vec::with_capacity(ids.len());
+    for id in ids {
+        rows.extend(db.instance(id).await?);
     }
-    Ok(out)
+    let plan = plan::lease::release(p, rows);
+    for row in &plan.rows {
+        db.instance_write(row).await?;
+    }
+    Ok(plan.held)
 }
 
 // ----- cancel ----------------------------------------------------------------------------
 
 /// Breadth first over descendants, bounded in depth and count like `MemoryStore`.
 pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
-    let root = db.instance_required(p.id).await?;
-    if root.status.is_terminal() {
-        return Ok(Vec::new());
-    }
-    let mut order = vec![p.id];
-    if p.cascade {
+    let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
+    if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
+        // Breadth first down to the depth bound, so the read stays bounded too.
         let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
-        let mut seen: HashSet<InstanceId> = HashSet::from([p.id]);
         while let Some((id, depth)) = queue.pop_front() {
             if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
                 continue;
             }
             for child in db.child_ids(id).await? {
-                if seen.insert(child) {
-                    order.push(child);
-                    queue.push_back((child, depth + 1));
-                }
+                read.descendants.push((db.instance_required(child).await?, depth + 1));
+                queue.push_back((child, depth + 1));
             }
         }
     }
-    let mut cancelled = Vec::new();
-    for id in order {
-        if cancelled.len() >= limits::CANCEL_CASCADE_MAX {
-            break;
-        }
-        let row = db.instance_required(id).await?;
-        let Some(next) = outcome::cancel(&row, &p.reason, p.now) else { continue };
-        let entry = HistoryEntry::new(
-            "CANCELLED",
-            json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
-        );
-        db.record(&next, row.attempt, &entry, p.now).await?;
-        let pending = inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?);
-        inbox_drain(db, &next, row.attempt, &pending, p.now).await?;
-        db.instance_write(&next).await?;
-        db.timers_drop(id).await?;
-        child_terminal(db, &next, p.now).await?;
-        cancelled.push(id);
+    let ids: Vec<InstanceId> = read
+        .root
+        .iter()
+        .chain(read.descendants.iter().map(|(r, _)| r))
+        .filter(|r| !r.status.is_terminal())
+        .map(|r| r.id)
+        .collect();
+    for id in ids {
+        read.pending.insert(id, inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?));
     }
-    Ok(cancelled)
+    let plan = plan::cancel::cancel(p, read)?;
+    for w in &plan.rows {
+        write_planned(db, w, p.now).await?;
+        db.signals_drop(w.row.id).await?;
+        db.timers_drop(w.row.id).await?;
+        child_terminal(db, &w.row, p.now).await?;
+    }
+    Ok(plan.cancelled())
 }
 
 // ----- dead letters ----------------------------------------------------------------------
@@ -688,75 +644,53 @@ pub(crate) async fn dead_letter_retry(
     db: &mut Db<'_>,
     p: &DeadLetterRetryParams,
 ) -> StoreResult<Vec<InstanceId>> {
-    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
-    if let DeadLetterSelector::Id(id) = p.selector {
-        db.dead_letter(id).await?;
+    p.validate()?;
+    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector))
+        .await?
+        .into_iter()
+        .map(|(id, letter, _)| (id, letter.instance))
+        .collect();
+    let mut rows = Vec::with_capacity(letters.len());
+    for (_, instance) in &letters {
+        rows.extend(db.instance(*instance).await?);
     }
-    let at = p.now.plus(p.delay);
-    let mut retried = Vec::new();
-    for (letter_id, letter, _) in letters(db, Some(&p.selector)).await? {
-        let instance = letter.instance;
-        let row = db.instance(instance).await?.ok_or_else(|| {
-            StoreError::not_found(format!("instance {instance} of dead letter {letter_id} is gone"))
-        });
-        let next =
-            row.and_then(|row| outcome::dead_letter_retry(&row, at, p.now).map(|n| (row, n)));
-        let (row, next) = match next {
-            Ok(pair) => pair,
-            // Retrying one named letter reports why it cannot; a machine-wide retry leaves
-            // letters whose instance moved on (cancelled, skipped) alone.
-            Err(e) if by_id => return Err(e),
-            Err(_) => continue,
-        };
-        let entry = HistoryEntry::new(
-            "DEAD_LETTER_RETRIED",
-            json!({ "dead_letter": letter_id, "delay_ms": p.delay.as_millis() as u64 }),
-        );
-        db.record(&next, row.attempt, &entry, p.now).await?;
-        db.instance_write(&next).await?;
-        db.dead_letter_remove(letter_id).await?;
-        retried.push(instance);
+    let plan = plan::dead_letter::retry(p, &letters, rows)?;
+    for w in &plan.rows {
+        write_planned(db, w, p.now).await?;
     }
-    Ok(retried)
+    for id in &plan.remove {
+        db.dead_letter_remove(*id).await?;
+    }
+    Ok(plan.retried())
 }
 
 pub(crate) async fn dead_letter_skip(
     db: &mut Db<'_>,
     p: &DeadLetterSkipParams,
 ) -> StoreResult<InstanceId> {
-    let letter = db.dead_letter(p.id).await?.letter;
-    let row = db.instance(letter.instance).await?.ok_or_else(|| {
-        StoreError::not_found(format!(
-            "instance {} of dead letter {} is gone",
-            letter.instance, p.id
-        ))
-    })?;
-    let next = outcome::dead_letter_retry(&row, p.now, p.now)?;
-    for signal in &letter.signals {
-        db.signal_remove(letter.instance, *signal).await?;
+    let letter = db.dead_letter(p.id).await?;
+    let row = db.instance(letter.letter.instance).await?;
+    let plan = plan::dead_letter::skip(p, &letter, row.as_ref())?;
+    let id = plan.row.row.id;
+    for signal in &plan.consume {
+        db.signal_remove(id, *signal).await?;
     }
-    let entry = HistoryEntry::new(
-        "DEAD_LETTER_SKIPPED",
-        json!({ "dead_letter": p.id, "signals": letter.signals }),
-    );
-    db.record(&next, row.attempt, &entry, p.now).await?;
-    db.instance_write(&next).await?;
-    db.dead_letter_remove(p.id).await?;
-    Ok(letter.instance)
+    write_planned(db, &plan.row, p.now).await?;
+    db.dead_letter_remove(plan.remove).await?;
+    Ok(id)
 }
 
 pub(crate) async fn dead_letter_purge(
     db: &mut Db<'_>,
     p: &DeadLetterPurgeParams,
 ) -> StoreResult<u64> {
-    let mut removed = 0;
-    for (id, _, created_at) in letters(db, p.selector.as_ref()).await? {
-        if p.older_than.is_none_or(|t| created_at < t) {
-            db.dead_letter_remove(id).await?;
-            removed += 1;
-        }
+    p.validate()?;
+    let letters = letters(db, p.selector.as_ref()).await?;
+    let gone = plan::dead_letter::purge(p, letters.into_iter().map(|(id, _, at)| (id, at)));
+    for id in &gone {
+        db.dead_letter_remove(*id).await?;
     }
-    Ok(removed)
+    Ok(gone.len() as u64)
 }
 
 // ----- queues ----------------------------------------------------------------------------
@@ -765,8 +699,7 @@ pub(crate) async fn queue_pause(
     db: &mut Db<'_>,
     p: &keel_core::ports::store::QueuePauseParams,
 ) -> StoreResult<()> {
-    check_name("namespace", &p.namespace)?;
-    check_name("queue", &p.queue)?;
+    p.validate()?;
     sqlx::query(
         "INSERT INTO keel_queues (namespace, queue, paused, updated_at) VALUES (?, ?, ?, ?) \
          ON CONFLICT (namespace, queue) DO UPDATE SET paused = excluded.paused, \

@@ -317,7 +317,7 @@ impl Store for SqliteStore {
         &self,
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
-        check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
+        params.validate()?;
         let out = write_tx!(self, |db| async {
             let mut out = Vec::with_capacity(params.commits.len());
             for c in &params.commits {

@@ -1,12 +1,13 @@
 //! [`MemoryStore`]: the in-memory implementation of the `Store` port.
 //!
-//! A step commit is planned by [`keel_core::plan::commit`]: this file reads what the
-//! planner asks for, inserts the children it admits and performs the writes of its plan.
-//! Every other row change goes through the pure transitions of [`keel_core::outcome`]
-//! (`claim`, `deliver`, `reap`, `release`, `release_parent`, `cancel`,
-//! `dead_letter_retry`) and the inbox rules of [`keel_core::inbox`]; this file only keeps
-//! the collections, the indexes and the order in which the transitions run inside one
-//! "transaction" (one lock hold).
+//! Every store operation is planned in [`keel_core::plan`]: a step commit by
+//! [`keel_core::plan::commit`] (this file reads what the planner asks for, inserts the
+//! children it admits and performs the writes of its plan), and inserts, deliveries,
+//! broadcasts, leases, cancels, dead-letter actions and the timer sweep by the other
+//! planners. Claims go through the pure transitions of [`keel_core::outcome`] and the inbox
+//! rules of [`keel_core::inbox`]. What is left here is the collections, the indexes and the
+//! order in which writes run inside one "transaction" (one lock hold), so it must stay
+//! boring and obviously right.
 //!
 //! Decisions the trait leaves open, made here and held to by the suite:
 //! - A claim skips a row whose unique key would come back into scope while another
@@ -15,22 +16,21 @@
 //!   dead-letter retry) never fail: with a scope that is not closed under them the first
 //!   occupant keeps the key.
 //! - A heartbeat succeeds while the row is still executing under the same token and owner,
-//!   even if the lease time has passed but nobody reaped it yet.
-//! - Cancel with `cascade` walks descendants breadth first, at most
-//!   [`limits::CANCEL_CASCADE_DEPTH_MAX`] levels deep, and cancels at most
-//!   [`limits::CANCEL_CASCADE_MAX`] instances per call.
+//!   even if the lease time has passed but nobody reaped it yet (`plan::lease::extend`).
 
 use async_trait::async_trait;
 use keel_core::TimerId;
 use keel_core::inbox;
 use keel_core::instance::{
-    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, check_name,
-    position_in_state, unique_guard,
+    ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, unique_guard,
 };
 use keel_core::limits;
 use keel_core::outcome;
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
+};
+use keel_core::plan::{
+    self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{
@@ -41,13 +41,12 @@ use keel_core::ports::store::{
     QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
     TimerStatus, TimerSweepParams, TimerSweepReport,
 };
-use keel_core::timers::{self, TimerHint, TimerHints, TimerRow, owned_by};
+use keel_core::timers::{TimerHint, TimerHints, TimerRow, owned_by};
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewSignal, Priority, Signal, SignalId, SignalTarget,
     Status, StepCommit, StoreError, StoreResult, Timestamp,
 };
-use serde_json::json;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// The in-memory reference `Store`. Cheap to create; one per test.
@@ -246,17 +245,12 @@ impl State {
         }
     }
 
-    /// `row` just became terminal: its inbox closes, and the signals still pending in it
-    /// are removed and recorded in one history entry (`inbox::drained`).
-    fn inbox_drain(&mut self, row: &Instance, attempt: i32, now: Timestamp) {
-        let pending = inbox::Pending::of(self.inbox_of(row.id));
-        for signal in self.inbox.remove(&row.id).into_iter().flat_map(BTreeMap::into_values) {
+    /// Empties an inbox (its instance ended; the plan recorded what it held).
+    fn inbox_drop(&mut self, id: InstanceId) {
+        for signal in self.inbox.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
             if let Some(key) = signal.dedup_key {
-                self.dedup.remove(&(row.id, key));
+                self.dedup.remove(&(id, key));
             }
-        }
-        if let Some(entry) = inbox::drained(&pending) {
-            self.record(row, attempt, entry, now);
         }
     }
 
@@ -278,28 +272,27 @@ impl State {
     // ----- inserts ----------------------------------------------------------------------
 
     fn insert(&mut self, params: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        check_batch("instances", params.instances.len(), limits::INSERT_BATCH_MAX)?;
-        for (i, new) in params.instances.iter().enumerate() {
-            new.validate(&format!("instances[{i}]"))?;
-        }
-        let mut out = Vec::with_capacity(params.instances.len());
-        for new in &params.instances {
-            let guard = unique_guard(new.unique.as_ref(), Status::Runnable);
-            if let Some(existing) = guard.and_then(|g| self.guards.get(g)) {
-                out.push(InsertOutcome::Existing(*existing));
-                continue;
+        params.validate()?;
+        let mut read = InsertRead::default();
+        for key in plan::insert::keys(&params.instances) {
+            if let Some(id) = self.guards.get(key) {
+                read.occupants.insert(key.to_vec(), *id);
             }
-            let id = InstanceId(self.last_instance + 1);
-            self.insert_row(Instance::from_new(id, new, None, params.now));
-            out.push(InsertOutcome::Inserted(id));
         }
-        Ok(out)
+        let plan = plan::insert::insert(&params.instances, read);
+        let mut ids = Vec::with_capacity(plan.inserts.len());
+        for i in &plan.inserts {
+            let id = InstanceId(self.last_instance + 1);
+            self.insert_row(Instance::from_new(id, &params.instances[*i], None, params.now));
+            ids.push(id);
+        }
+        Ok(plan.outcomes(&ids))
     }
 
     // ----- claims -----------------------------------------------------------------------
 
     fn claim(&mut self, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
-        check_batch("limit", p.limit, limits::CLAIM_BATCH_MAX)?;
+        p.validate()?;
         let candidates: Vec<InstanceId> = self
             .runnable
             .iter()
@@ -444,208 +437,152 @@ impl State {
     // ----- signals ----------------------------------------------------------------------
 
     fn deliver_to(&mut self, target: InstanceId, s: &NewSignal, now: Timestamp) -> DeliveryOutcome {
-        let row = &self.rows[&target];
-        if !inbox::accepts_signals(row) {
-            return DeliveryOutcome::TargetTerminal { target, status: row.status };
+        self.deliver(std::slice::from_ref(s), vec![Some(target)], now).remove(0)
+    }
+
+    /// Reads what `plan::deliver` needs for `signals` (with their resolved `targets`),
+    /// plans and writes the plan.
+    fn deliver(
+        &mut self,
+        signals: &[NewSignal],
+        targets: Vec<Option<InstanceId>>,
+        now: Timestamp,
+    ) -> Vec<DeliveryOutcome> {
+        let mut read = DeliverRead::default();
+        for (s, target) in signals.iter().zip(&targets) {
+            let Some(target) = *target else { continue };
+            read.rows.insert(target, self.rows[&target].clone());
+            if let Some(key) = &s.dedup_key
+                && let Some(id) = self.dedup.get(&(target, key.clone()))
+            {
+                read.dedup.insert((target, key.clone()), *id);
+            }
         }
-        if let Some(key) = &s.dedup_key
-            && let Some(id) = self.dedup.get(&(target, key.clone()))
-        {
-            return DeliveryOutcome::Duplicate { id: *id, target };
+        read.targets = targets;
+        let plan = plan::deliver::deliver(read, signals, now);
+        let mut ids = Vec::with_capacity(plan.inserts.len());
+        for insert in &plan.inserts {
+            self.last_signal += 1;
+            let id = SignalId(self.last_signal);
+            let signal = Signal {
+                id,
+                target: insert.target,
+                name: insert.name.clone(),
+                payload: insert.payload.clone(),
+                dedup_key: insert.dedup_key.clone(),
+                inserted_at: insert.inserted_at,
+            };
+            if let Some(key) = &signal.dedup_key {
+                self.dedup.insert((signal.target, key.clone()), id);
+            }
+            self.inbox.entry(signal.target).or_default().insert(id, signal);
+            ids.push(id);
         }
-        self.last_signal += 1;
-        let id = SignalId(self.last_signal);
-        let signal = Signal {
-            id,
-            target,
-            name: s.name.clone(),
-            payload: s.payload.clone(),
-            dedup_key: s.dedup_key.clone(),
-            inserted_at: now,
-        };
-        self.inbox.entry(target).or_default().insert(id, signal);
-        if let Some(key) = &s.dedup_key {
-            self.dedup.insert((target, key.clone()), id);
+        let outcomes = plan.outcomes(&ids);
+        for row in plan.woken {
+            self.write(row);
         }
-        let next = outcome::deliver(&self.rows[&target], &s.name, now);
-        let woke = next.is_some();
-        if let Some(next) = next {
-            self.write(next);
-        }
-        DeliveryOutcome::Delivered { id, target, woke }
+        outcomes
     }
 
     fn signal_deliver(&mut self, p: &SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
-        check_batch("signals", p.signals.len(), limits::DELIVER_BATCH_MAX)?;
-        for (i, s) in p.signals.iter().enumerate() {
-            s.validate(&format!("signals[{i}]"))?;
-        }
-        Ok(p.signals
-            .iter()
-            .map(|s| match self.resolve(&s.target) {
-                Some(target) => self.deliver_to(target, s, p.now),
-                None => DeliveryOutcome::TargetMissing,
-            })
-            .collect())
+        p.validate()?;
+        let targets = p.signals.iter().map(|s| self.resolve(&s.target)).collect();
+        Ok(self.deliver(&p.signals, targets, p.now))
     }
 
     fn signal_broadcast(&mut self, p: &SignalBroadcastParams) -> StoreResult<BroadcastReport> {
-        let probe = NewSignal {
-            target: SignalTarget::Id(InstanceId(0)),
-            name: p.name.clone(),
-            payload: p.payload.clone(),
-            dedup_key: p.dedup_key.clone(),
-        };
-        probe.validate("broadcast")?;
-        p.validate_selector()?;
-        let targets: Vec<InstanceId> = self
+        p.validate()?;
+        let candidates = self
             .rows
             .values()
-            .filter(|r| {
-                r.namespace == p.namespace && r.machine.name == p.machine && !r.status.is_terminal()
-            })
-            .filter(|r| p.in_state.as_deref().is_none_or(|st| position_in_state(&r.position, st)))
-            .map(|r| r.id)
-            .collect();
-        check_batch("broadcast targets", targets.len(), limits::BROADCAST_MAX)?;
-        let mut report = BroadcastReport::default();
-        for target in targets {
-            let signal = NewSignal { target: SignalTarget::Id(target), ..probe.clone() };
-            if let DeliveryOutcome::Delivered { woke, .. } = self.deliver_to(target, &signal, p.now)
-            {
-                report.delivered += 1;
-                report.woke += u64::from(woke);
-            }
-        }
-        Ok(report)
+            .filter(|r| r.namespace == p.namespace && r.machine.name == p.machine)
+            .map(|r| (r.id, r.position.as_str(), r.status));
+        let targets = plan::deliver::broadcast_targets(p, candidates)?;
+        let signals: Vec<NewSignal> = targets.iter().map(|t| p.signal(*t)).collect();
+        let outcomes = self.deliver(&signals, targets.into_iter().map(Some).collect(), p.now);
+        Ok(plan::deliver::broadcast_report(&outcomes))
     }
 
     // ----- leases -----------------------------------------------------------------------
 
     fn lease_reap(&mut self, p: &LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        check_batch("limit", p.limit, limits::REAP_BATCH_MAX)?;
-        let mut due: Vec<&Instance> = self
-            .executing
-            .iter()
-            .map(|id| &self.rows[id])
-            .filter(|row| match &p.owner {
-                Some(owner) => row.lease_owner.as_ref() == Some(owner),
-                None => outcome::lease_expired(row, p.now),
-            })
-            .collect();
-        due.sort_by_key(|row| (row.lease_expires_at, row.id));
-        let due: Vec<Instance> = due.into_iter().take(p.limit).cloned().collect();
-        let mut reaped = Vec::with_capacity(due.len());
-        for row in due {
-            let next = outcome::reap(&row, p.now);
-            self.record(&next, row.attempt, outcome::reap_history(&row), p.now);
-            self.write(next);
-            reaped.push(row.id);
-        }
-        Ok(reaped)
+        p.validate()?;
+        let executing = self.executing.iter().map(|id| self.rows[id].clone()).collect::<Vec<_>>();
+        let writes = plan::lease::reap(p, executing);
+        Ok(writes.into_iter().map(|w| self.write_planned(w, p.now)).collect())
     }
 
-    /// Whether `(id, token)` is a live claim now.
-    fn held(&self, id: InstanceId, token: keel_core::FencingToken) -> Option<&Instance> {
-        self.rows
-            .get(&id)
-            .filter(|row| row.status == Status::Executing && row.fencing_token == token)
+    /// Records a planned row change and writes the row; returns its id.
+    fn write_planned(&mut self, w: RowWrite, now: Timestamp) -> InstanceId {
+        for entry in w.history {
+            self.record(&w.row, w.attempt, entry, now);
+        }
+        let id = w.row.id;
+        self.write(w.row);
+        id
+    }
+
+    /// The rows of the named leases, for a lease planner.
+    fn lease_rows(&self, leases: &[(InstanceId, keel_core::FencingToken)]) -> Vec<Instance> {
+        let ids: BTreeSet<InstanceId> = leases.iter().map(|(id, _)| *id).collect();
+        ids.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect()
     }
 
     fn lease_extend(&mut self, p: &LeaseExtendParams) -> Vec<bool> {
-        p.leases
-            .iter()
-            .map(|(id, token)| {
-                let Some(row) = self.held(*id, *token) else { return false };
-                if row.lease_owner.as_ref() != Some(&p.worker) {
-                    return false;
-                }
-                // The core has no transition for a heartbeat: it touches the lease only.
-                let mut next = row.clone();
-                next.lease_expires_at = Some(p.now.plus(p.lease));
-                next.updated_at = p.now;
-                self.write(next);
-                true
-            })
-            .collect()
+        let plan = plan::lease::extend(p, self.lease_rows(&p.leases));
+        plan.rows.into_iter().for_each(|row| self.write(row));
+        plan.held
     }
 
     fn lease_release(&mut self, p: &LeaseReleaseParams) -> Vec<bool> {
-        p.leases
-            .iter()
-            .map(|(id, token)| {
-                let Some(row) = self.held(*id, *token) else { return false };
-                let next = outcome::release(row, p.now);
-                self.write(next);
-                true
-            })
-            .collect()
+        let plan = plan::lease::release(p, self.lease_rows(&p.leases));
+        plan.rows.into_iter().for_each(|row| self.write(row));
+        plan.held
     }
 
     // ----- cancel -----------------------------------------------------------------------
 
     fn cancel(&mut self, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
-        let root = self
-            .rows
-            .get(&p.id)
-            .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", p.id)))?;
-        if root.status.is_terminal() {
-            return Ok(Vec::new());
-        }
-        let mut order = vec![p.id];
+        let mut read = CancelRead { root: self.rows.get(&p.id).cloned(), ..CancelRead::default() };
         if p.cascade {
+            // Breadth first down to the depth bound, so the read stays bounded too.
             let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
-            let mut seen: HashSet<InstanceId> = HashSet::from([p.id]);
             while let Some((id, depth)) = queue.pop_front() {
                 if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
                     continue;
                 }
                 for child in self.children.get(&id).into_iter().flatten() {
-                    if seen.insert(*child) {
-                        order.push(*child);
-                        queue.push_back((*child, depth + 1));
-                    }
+                    read.descendants.push((self.rows[child].clone(), depth + 1));
+                    queue.push_back((*child, depth + 1));
                 }
             }
         }
-        let mut cancelled = Vec::new();
-        for id in order {
-            if cancelled.len() >= limits::CANCEL_CASCADE_MAX {
-                break;
-            }
-            let row = &self.rows[&id];
-            let Some(next) = outcome::cancel(row, &p.reason, p.now) else { continue };
-            let attempt = row.attempt;
-            let entry = HistoryEntry::new(
-                "CANCELLED",
-                json!({ "reason": next.last_error, "cascade_from": (id != p.id).then_some(p.id) }),
-            );
-            self.record(&next, attempt, entry, p.now);
-            self.inbox_drain(&next, attempt, p.now);
-            let child = next.clone();
-            self.write(next);
-            self.timers_drop(id);
+        let ids = read.root.iter().chain(read.descendants.iter().map(|(r, _)| r)).map(|r| r.id);
+        read.pending = ids.map(|id| (id, inbox::Pending::of(self.inbox_of(id)))).collect();
+        let plan = plan::cancel::cancel(p, read)?;
+        let cancelled = plan.cancelled();
+        for w in plan.rows {
+            let child = w.row.clone();
+            self.write_planned(w, p.now);
+            self.inbox_drop(child.id);
+            self.timers_drop(child.id);
             self.child_terminal(&child, p.now);
-            cancelled.push(id);
         }
         Ok(cancelled)
     }
 
     // ----- dead letters -----------------------------------------------------------------
 
-    fn letters(&self, selector: Option<&DeadLetterSelector>) -> Vec<DeadLetterId> {
-        self.dead_letters
-            .values()
-            .filter(|d| match selector {
-                None => true,
-                Some(DeadLetterSelector::Id(id)) => d.id == *id,
-                Some(DeadLetterSelector::Machine { namespace, machine }) => {
-                    d.letter.namespace == *namespace && d.letter.machine.name == *machine
-                }
-            })
-            .take(limits::DEAD_LETTER_BATCH_MAX)
-            .map(|d| d.id)
-            .collect()
+    /// The dead letters `selector` names (`None` = all), oldest first.
+    fn letters(&self, selector: Option<&DeadLetterSelector>) -> impl Iterator<Item = &DeadLetter> {
+        self.dead_letters.values().filter(move |d| match selector {
+            None => true,
+            Some(DeadLetterSelector::Id(id)) => d.id == *id,
+            Some(DeadLetterSelector::Machine { namespace, machine }) => {
+                d.letter.namespace == *namespace && d.letter.machine.name == *machine
+            }
+        })
     }
 
     fn dead_letter(&self, id: DeadLetterId) -> StoreResult<&DeadLetter> {
@@ -655,73 +592,45 @@ impl State {
     }
 
     fn dead_letter_retry(&mut self, p: &DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
-        let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
-        if let DeadLetterSelector::Id(id) = p.selector {
-            self.dead_letter(id)?;
+        p.validate()?;
+        let letters: Vec<(DeadLetterId, InstanceId)> = self
+            .letters(Some(&p.selector))
+            .take(limits::DEAD_LETTER_BATCH_MAX)
+            .map(|d| (d.id, d.letter.instance))
+            .collect();
+        let rows: Vec<Instance> =
+            letters.iter().filter_map(|(_, i)| self.rows.get(i).cloned()).collect();
+        let plan = plan::dead_letter::retry(p, &letters, rows)?;
+        let retried = plan.retried();
+        for w in plan.rows {
+            self.write_planned(w, p.now);
         }
-        let at = p.now.plus(p.delay);
-        let mut retried = Vec::new();
-        for letter_id in self.letters(Some(&p.selector)) {
-            let instance = self.dead_letters[&letter_id].letter.instance;
-            let row = self.rows.get(&instance).ok_or_else(|| {
-                StoreError::not_found(format!(
-                    "instance {instance} of dead letter {letter_id} is gone"
-                ))
-            });
-            let next = row.and_then(|row| outcome::dead_letter_retry(row, at, p.now));
-            let next = match next {
-                Ok(next) => next,
-                // Retrying one named letter reports why it cannot; a machine-wide retry
-                // leaves letters whose instance moved on (cancelled, skipped) alone.
-                Err(e) if by_id => return Err(e),
-                Err(_) => continue,
-            };
-            let attempt = self.rows[&instance].attempt;
-            let entry = HistoryEntry::new(
-                "DEAD_LETTER_RETRIED",
-                json!({ "dead_letter": letter_id, "delay_ms": p.delay.as_millis() as u64 }),
-            );
-            self.record(&next, attempt, entry, p.now);
-            self.write(next);
-            self.dead_letters.remove(&letter_id);
-            retried.push(instance);
+        for id in plan.remove {
+            self.dead_letters.remove(&id);
         }
         Ok(retried)
     }
 
     fn dead_letter_skip(&mut self, p: &DeadLetterSkipParams) -> StoreResult<InstanceId> {
-        let letter = self.dead_letter(p.id)?.letter.clone();
-        let row = self.rows.get(&letter.instance).ok_or_else(|| {
-            StoreError::not_found(format!(
-                "instance {} of dead letter {} is gone",
-                letter.instance, p.id
-            ))
-        })?;
-        let attempt = row.attempt;
-        let next = outcome::dead_letter_retry(row, p.now, p.now)?;
-        for signal in &letter.signals {
-            self.remove_signal(letter.instance, *signal);
+        let letter = self.dead_letter(p.id)?;
+        let plan = plan::dead_letter::skip(p, letter, self.rows.get(&letter.letter.instance))?;
+        let id = plan.row.row.id;
+        for signal in &plan.consume {
+            self.remove_signal(id, *signal);
         }
-        let entry = HistoryEntry::new(
-            "DEAD_LETTER_SKIPPED",
-            json!({ "dead_letter": p.id, "signals": letter.signals }),
-        );
-        self.record(&next, attempt, entry, p.now);
-        self.write(next);
-        self.dead_letters.remove(&p.id);
-        Ok(letter.instance)
+        self.write_planned(plan.row, p.now);
+        self.dead_letters.remove(&plan.remove);
+        Ok(id)
     }
 
-    fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> u64 {
-        let mut removed = 0;
-        for id in self.letters(p.selector.as_ref()) {
-            let old_enough = p.older_than.is_none_or(|t| self.dead_letters[&id].created_at < t);
-            if old_enough {
-                self.dead_letters.remove(&id);
-                removed += 1;
-            }
+    fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> StoreResult<u64> {
+        p.validate()?;
+        let letters = self.letters(p.selector.as_ref()).map(|d| (d.id, d.created_at));
+        let gone = plan::dead_letter::purge(p, letters);
+        for id in &gone {
+            self.dead_letters.remove(id);
         }
-        removed
+        Ok(gone.len() as u64)
     }
 
     // ----- inspection -------------------------------------------------------------------
@@ -789,60 +698,36 @@ impl State {
     }
 
     fn timer_sweep(&mut self, p: &TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)?;
+        p.validate()?;
         let in_scope = |t: &TimerRow| {
             p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
                 && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
         };
-        let mut due: Vec<(Timestamp, TimerId)> = self
+        let mut due: Vec<TimerRow> = self
             .timers
             .values()
             .filter(|t| t.next_fire_at <= p.now && in_scope(t))
-            .map(|t| (t.next_fire_at, t.id))
+            .cloned()
             .collect();
-        due.sort();
+        due.sort_by_key(|t| (t.next_fire_at, t.id));
         due.truncate(p.limit);
-        let mut report = TimerSweepReport::default();
-        for (_, id) in due {
-            report.processed += 1;
-            let timer = self.timers[&id].clone();
-            let live = self.rows.get(&timer.instance).is_some_and(|r| !r.status.is_terminal());
-            if !live {
-                self.timer_remove(id);
-                continue;
-            }
-            let fired = timers::fire(&timer, p.now);
-            if timers::delivers(&fired)
-                && matches!(
-                    self.deliver_to(timer.instance, &fired.signal, p.now),
-                    DeliveryOutcome::Delivered { .. }
-                )
-            {
-                if fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED" {
-                    report.exhausted += 1;
-                } else {
-                    report.fired += 1;
-                }
-            }
-            let row = self.rows[&timer.instance].clone();
-            self.record(&row, row.attempt, fired.history, p.now);
-            match fired.next {
-                Some(next) => {
-                    self.timers.insert(id, next);
-                }
-                None => {
-                    self.timer_remove(id);
-                }
-            }
+        let live = |id| self.rows.get(&id).is_some_and(|r| !r.status.is_terminal());
+        let plan = plan::timer::sweep(p, &due, live);
+        let delivered = self.deliver(&plan.signals, plan.targets(), p.now);
+        for (instance, entry) in &plan.history {
+            let row = self.rows[instance].clone();
+            self.record(&row, row.attempt, entry.clone(), p.now);
         }
-        let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
-        if p.machines.is_empty() {
-            self.sweeps.insert((ns, "*".into()), p.now);
-        } else {
-            for m in &p.machines {
-                self.sweeps.insert((ns.clone(), m.clone()), p.now);
-            }
+        for next in &plan.advance {
+            self.timers.insert(next.id, next.clone());
         }
+        for id in &plan.delete {
+            self.timer_remove(*id);
+        }
+        for scope in plan::timer::swept_scopes(p) {
+            self.sweeps.insert(scope, p.now);
+        }
+        let report = plan.report(&delivered);
         Ok(report)
     }
 
@@ -937,7 +822,7 @@ impl Store for MemoryStore {
         &self,
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
-        check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)?;
+        params.validate()?;
         let receipts: Vec<StoreResult<CommitReceipt>> = {
             let mut state = self.state();
             let mut planner = CommitPlanner::new(params.now);
@@ -948,6 +833,7 @@ impl Store for MemoryStore {
     }
 
     async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
         Ok(self.state().lease_extend(&params))
     }
 
@@ -957,6 +843,7 @@ impl Store for MemoryStore {
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
         let result = self.state().lease_release(&params);
         self.wake(Ok(result))
     }
@@ -1028,12 +915,11 @@ impl Store for MemoryStore {
     }
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
-        Ok(self.state().dead_letter_purge(&params))
+        self.state().dead_letter_purge(&params)
     }
 
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
-        check_name("namespace", &params.namespace)?;
-        check_name("queue", &params.queue)?;
+        params.validate()?;
         self.state().queues.insert((params.namespace, params.queue), params.paused);
         self.wake(Ok(()))
     }

@@ -4,18 +4,22 @@
 //! one statement and one commit carry, so every hot operation takes and returns a batch
 //! and reports per item. Methods are named noun-first and take one params struct
 //! (STYLE 3). Every method takes `now` from the caller; a store never reads a clock.
+//! Every params struct with something to check has a `validate()` that every store calls
+//! before it reads or writes anything, so bad input is refused the same way everywhere.
 //!
 //! Every implementation — the in-memory reference included — must pass the conformance
 //! suite in `keel-testkit`, which compares it with the pure functions of
 //! [`crate::outcome`].
 
-use crate::error::StoreResult;
+use crate::error::{StoreError, StoreResult};
 use crate::ids::{
     DeadLetterId, FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId,
 };
 use crate::instance::{
-    ChildSummary, DeadLetter, HistoryRecord, Instance, NewInstance, NewSignal, Signal, SignalTarget,
+    ChildSummary, DeadLetter, HistoryRecord, Instance, NewInstance, NewSignal, Signal,
+    SignalTarget, check_batch, check_name,
 };
+use crate::limits;
 use crate::outcome::StepCommit;
 use crate::time::Timestamp;
 use crate::timers::{TimerHint, TimerRow};
@@ -29,6 +33,17 @@ pub struct InsertParams {
     pub instances: Vec<NewInstance>,
     /// Insert time.
     pub now: Timestamp,
+}
+
+impl InsertParams {
+    /// Checks the batch size and every new instance; one invalid item rejects the batch.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("instances", self.instances.len(), limits::INSERT_BATCH_MAX)?;
+        for (i, new) in self.instances.iter().enumerate() {
+            new.validate(&format!("instances[{i}]"))?;
+        }
+        Ok(())
+    }
 }
 
 /// What happened to one inserted instance.
@@ -73,6 +88,13 @@ pub struct ClaimParams {
     pub now: Timestamp,
 }
 
+impl ClaimParams {
+    /// Checks the claim bound.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("limit", self.limit, limits::CLAIM_BATCH_MAX)
+    }
+}
+
 /// A claimed instance: everything its step needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {
@@ -99,6 +121,14 @@ pub struct CommitParams {
     pub commits: Vec<StepCommit>,
     /// Commit time.
     pub now: Timestamp,
+}
+
+impl CommitParams {
+    /// Checks the batch size; each commit is checked against its row on its own
+    /// ([`crate::outcome::validate_commit`]), so one bad item does not reject the others.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("commits", self.commits.len(), limits::COMMIT_BATCH_MAX)
+    }
 }
 
 /// An accepted commit.
@@ -131,6 +161,13 @@ pub struct LeaseExtendParams {
     pub now: Timestamp,
 }
 
+impl LeaseExtendParams {
+    /// Checks the batch size: a worker holds at most one claim batch per heartbeat.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("leases", self.leases.len(), limits::COMMIT_BATCH_MAX)
+    }
+}
+
 /// Return expired leases to runnable (attempt + 1).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseReapParams {
@@ -143,6 +180,13 @@ pub struct LeaseReapParams {
     pub now: Timestamp,
 }
 
+impl LeaseReapParams {
+    /// Checks the reap bound.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("limit", self.limit, limits::REAP_BATCH_MAX)
+    }
+}
+
 /// Release leases without counting an attempt (graceful shutdown).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseReleaseParams {
@@ -152,6 +196,13 @@ pub struct LeaseReleaseParams {
     pub now: Timestamp,
 }
 
+impl LeaseReleaseParams {
+    /// Checks the batch size, the same bound as a heartbeat.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("leases", self.leases.len(), limits::COMMIT_BATCH_MAX)
+    }
+}
+
 /// Deliver a batch of signals.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SignalDeliverParams {
@@ -159,6 +210,17 @@ pub struct SignalDeliverParams {
     pub signals: Vec<NewSignal>,
     /// Delivery time.
     pub now: Timestamp,
+}
+
+impl SignalDeliverParams {
+    /// Checks the batch size and every signal; one invalid item rejects the batch.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("signals", self.signals.len(), limits::DELIVER_BATCH_MAX)?;
+        for (i, s) in self.signals.iter().enumerate() {
+            s.validate(&format!("signals[{i}]"))?;
+        }
+        Ok(())
+    }
 }
 
 /// What happened to one delivered signal.
@@ -216,14 +278,25 @@ pub struct SignalBroadcastParams {
 }
 
 impl SignalBroadcastParams {
-    /// Checks the names that select the targets (the event itself is checked like any
-    /// delivered signal).
-    pub fn validate_selector(&self) -> StoreResult<()> {
-        crate::instance::check_name("broadcast.namespace", &self.namespace)?;
-        crate::instance::check_name("broadcast.machine", &self.machine)?;
+    /// Checks the names that select the targets and the event, which is held to the same
+    /// rules as any delivered signal.
+    pub fn validate(&self) -> StoreResult<()> {
+        self.signal(InstanceId(0)).validate("broadcast")?;
+        check_name("broadcast.namespace", &self.namespace)?;
+        check_name("broadcast.machine", &self.machine)?;
         match &self.in_state {
-            Some(state) => crate::instance::check_name("broadcast.in_state", state),
+            Some(state) => check_name("broadcast.in_state", state),
             None => Ok(()),
+        }
+    }
+
+    /// The event as a signal to one target.
+    pub fn signal(&self, target: InstanceId) -> NewSignal {
+        NewSignal {
+            target: SignalTarget::Id(target),
+            name: self.name.clone(),
+            payload: self.payload.clone(),
+            dedup_key: self.dedup_key.clone(),
         }
     }
 }
@@ -279,6 +352,13 @@ pub struct TimerSweepParams {
     pub limit: usize,
     /// Sweep time.
     pub now: Timestamp,
+}
+
+impl TimerSweepParams {
+    /// Checks the sweep bound.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("limit", self.limit, limits::TIMER_SWEEP_BATCH_MAX)
+    }
 }
 
 /// What a sweep did.
@@ -382,6 +462,19 @@ pub enum DeadLetterSelector {
     },
 }
 
+impl DeadLetterSelector {
+    /// Checks the names of a machine selector.
+    pub fn validate(&self) -> StoreResult<()> {
+        match self {
+            DeadLetterSelector::Id(_) => Ok(()),
+            DeadLetterSelector::Machine { namespace, machine } => {
+                check_name("selector.namespace", namespace)?;
+                check_name("selector.machine", machine)
+            }
+        }
+    }
+}
+
 /// Retry dead letters: their suspended instances become runnable at `now + delay` with a
 /// fresh attempt count; the dead letters are removed (history keeps the record).
 #[derive(Debug, Clone, PartialEq)]
@@ -392,6 +485,21 @@ pub struct DeadLetterRetryParams {
     pub delay: Duration,
     /// Retry time.
     pub now: Timestamp,
+}
+
+impl DeadLetterRetryParams {
+    /// Checks the selector and the delay, which is bounded like a step's own retry delay.
+    pub fn validate(&self) -> StoreResult<()> {
+        self.selector.validate()?;
+        if self.delay > limits::RETRY_DELAY_MAX {
+            return Err(StoreError::invalid(format!(
+                "delay: {} s is longer than the limit of {} s (one year); retry sooner, or leave the dead letter until it is time",
+                self.delay.as_secs(),
+                limits::RETRY_DELAY_MAX.as_secs()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Skip a dead letter: consume the signals it recorded and make the instance runnable,
@@ -413,6 +521,13 @@ pub struct DeadLetterPurgeParams {
     pub older_than: Option<Timestamp>,
 }
 
+impl DeadLetterPurgeParams {
+    /// Checks the selector.
+    pub fn validate(&self) -> StoreResult<()> {
+        self.selector.as_ref().map_or(Ok(()), DeadLetterSelector::validate)
+    }
+}
+
 /// Pause or resume claiming from a queue.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueuePauseParams {
@@ -424,6 +539,14 @@ pub struct QueuePauseParams {
     pub paused: bool,
     /// Time of the change.
     pub now: Timestamp,
+}
+
+impl QueuePauseParams {
+    /// Checks the queue's names.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_name("namespace", &self.namespace)?;
+        check_name("queue", &self.queue)
+    }
 }
 
 /// A queue's settings.
@@ -577,6 +700,98 @@ pub trait Store: Send + Sync + 'static {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ErrorKind;
+
+    /// `Ok` for valid input, or the start of the `Invalid` message (the field it names).
+    fn check(result: StoreResult<()>, expected: Result<(), &str>) {
+        match (result, expected) {
+            (Ok(()), Ok(())) => {}
+            (Err(e), Err(field)) => {
+                assert_eq!(e.kind, ErrorKind::Invalid, "{e:?}");
+                assert!(e.message.starts_with(field), "{} does not name {field}", e.message);
+            }
+            (got, want) => panic!("got {got:?}, expected {want:?}"),
+        }
+    }
+
+    #[test]
+    fn params_refuse_batches_over_their_bound_naming_the_field() {
+        let now = Timestamp(0);
+        let leases = |n: usize| vec![(InstanceId(1), FencingToken(1)); n];
+        let worker = WorkerId("w".into());
+        let claim = |limit| ClaimParams {
+            worker: worker.clone(),
+            namespaces: vec![],
+            queues: vec![],
+            machines: vec![],
+            limit,
+            lease: Duration::from_secs(1),
+            now,
+        };
+        let extend = |n| LeaseExtendParams {
+            worker: worker.clone(),
+            leases: leases(n),
+            lease: Duration::from_secs(1),
+            now,
+        };
+        let reap = |limit| LeaseReapParams { owner: None, limit, now };
+        let release = |n| LeaseReleaseParams { leases: leases(n), now };
+        let sweep = |limit| TimerSweepParams { namespace: None, machines: vec![], limit, now };
+        let commits = CommitParams { commits: vec![], now };
+        check(claim(limits::CLAIM_BATCH_MAX).validate(), Ok(()));
+        check(claim(limits::CLAIM_BATCH_MAX + 1).validate(), Err("limit"));
+        check(extend(limits::COMMIT_BATCH_MAX).validate(), Ok(()));
+        check(extend(limits::COMMIT_BATCH_MAX + 1).validate(), Err("leases"));
+        check(reap(limits::REAP_BATCH_MAX).validate(), Ok(()));
+        check(reap(limits::REAP_BATCH_MAX + 1).validate(), Err("limit"));
+        check(release(limits::COMMIT_BATCH_MAX).validate(), Ok(()));
+        check(release(limits::COMMIT_BATCH_MAX + 1).validate(), Err("leases"));
+        check(sweep(limits::TIMER_SWEEP_BATCH_MAX).validate(), Ok(()));
+        check(sweep(limits::TIMER_SWEEP_BATCH_MAX + 1).validate(), Err("limit"));
+        check(commits.validate(), Ok(()));
+    }
+
+    #[test]
+    fn params_refuse_bad_names_naming_the_field() {
+        let broadcast = |ns: &str, state: Option<&str>, name: &str| SignalBroadcastParams {
+            namespace: ns.into(),
+            machine: "m".into(),
+            in_state: state.map(str::to_owned),
+            name: name.into(),
+            payload: serde_json::Value::Null,
+            dedup_key: None,
+            now: Timestamp(0),
+        };
+        check(broadcast("ns", Some("a.b"), "go").validate(), Ok(()));
+        check(broadcast("", None, "go").validate(), Err("broadcast.namespace"));
+        check(broadcast("ns", Some(""), "go").validate(), Err("broadcast.in_state"));
+        check(broadcast("ns", None, "").validate(), Err("broadcast"));
+        let pause = |ns: &str, queue: &str| QueuePauseParams {
+            namespace: ns.into(),
+            queue: queue.into(),
+            paused: true,
+            now: Timestamp(0),
+        };
+        check(pause("ns", "q").validate(), Ok(()));
+        check(pause("", "q").validate(), Err("namespace"));
+        check(pause("ns", "").validate(), Err("queue"));
+        let deliver = |name: &str| SignalDeliverParams {
+            signals: vec![NewSignal::new(InstanceId(1), name.to_owned())],
+            now: Timestamp(0),
+        };
+        check(deliver("go").validate(), Ok(()));
+        check(deliver("").validate(), Err("signals[0]"));
+        let machine =
+            |ns: &str| DeadLetterSelector::Machine { namespace: ns.into(), machine: "m".into() };
+        let retry = |selector, delay| DeadLetterRetryParams { selector, delay, now: Timestamp(0) };
+        check(retry(machine("ns"), limits::RETRY_DELAY_MAX).validate(), Ok(()));
+        check(retry(machine(""), Duration::ZERO).validate(), Err("selector.namespace"));
+        let long = limits::RETRY_DELAY_MAX + Duration::from_secs(1);
+        check(retry(DeadLetterSelector::Id(DeadLetterId(1)), long).validate(), Err("delay"));
+        let purge = |selector| DeadLetterPurgeParams { selector, older_than: None };
+        check(purge(None).validate(), Ok(()));
+        check(purge(Some(machine(""))).validate(), Err("selector.namespace"));
+    }
 
     #[test]
     fn earliest_due_from_timer_status() {

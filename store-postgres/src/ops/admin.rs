@@ -8,24 +8,20 @@ use crate::rows::{
     lock_instances, release_parents, ts, write_history, write_instances,
 };
 use deadpool_postgres::GenericClient;
-use keel_core::inbox;
-use keel_core::instance::{
-    DeadLetter, HistoryEntry, Instance, SignalTarget, check_batch, check_name,
-};
-use keel_core::outcome;
+use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
 };
-use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, limits};
-use serde_json::json;
+use keel_core::{DeadLetterId, InstanceId, StoreError, limits};
+use keel_core::{outcome, plan};
 use std::collections::HashMap;
 
 const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
       SELECT id, 1 FROM instances WHERE parent_id = $1 \
       UNION ALL \
       SELECT i.id, d.depth + 1 FROM instances i JOIN d ON i.parent_id = d.id WHERE d.depth < $2 \
-    ) SELECT id FROM d JOIN instances USING (id) \
+    ) SELECT id, depth FROM d JOIN instances USING (id) \
       WHERE status NOT IN ('done', 'failed', 'cancelled') ORDER BY d.depth, id LIMIT $3";
 
 /// Cancels an instance and, with `cascade`, its non-terminal descendants.
@@ -35,60 +31,58 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
-    let root = lock_instances(c, &[p.id.0]).await?;
-    let Some(root) = root.into_iter().next() else {
-        return Err(StoreError::not_found(format!("instance {} does not exist", p.id)).into());
-    };
-    if root.status.is_terminal() {
-        commit_tx(c).await?;
-        return Ok(Vec::new());
-    }
-    let mut targets = vec![root];
-    if p.cascade {
+    let root = lock_instances(c, &[p.id.0]).await?.into_iter().next();
+    // Descendants and inboxes matter only when the root is still live.
+    let live = root.as_ref().is_some_and(|r| !r.status.is_terminal());
+    let mut read = plan::cancel::CancelRead { root, ..Default::default() };
+    if live && p.cascade {
         let stmt = c.prepare_cached(DESCENDANTS).await?;
         // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
         let max = limits::CANCEL_CASCADE_MAX as i64 - 1;
         let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
-        let ids: Vec<i64> = c
+        let found: Vec<(i64, i32)> = c
             .query(&stmt, &[&p.id.0, &depth, &max])
             .await?
             .iter()
-            .map(|r| rows::col(r, 0))
-            .collect::<Result<_, _>>()?;
-        let mut ids_sorted = ids.clone();
+            .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
+            .collect::<Result<_, StoreError>>()?;
+        let mut ids_sorted: Vec<i64> = found.iter().map(|f| f.0).collect();
         ids_sorted.sort_unstable();
         let mut locked: HashMap<i64, Instance> =
             lock_instances(c, &ids_sorted).await?.into_iter().map(|r| (r.id.0, r)).collect();
-        targets.extend(ids.iter().filter_map(|id| locked.remove(id)));
+        read.descendants = found
+            .iter()
+            .filter_map(|(id, depth)| locked.remove(id).map(|r| (r, *depth as usize)))
+            .collect();
     }
-    let cancels: Vec<(Instance, i32)> = targets
+    // What each inbox held unread is read now: the rows are locked, so nothing arrives
+    // before the drain.
+    let candidates: Vec<i64> = read
+        .root
         .iter()
-        .filter_map(|row| outcome::cancel(row, &p.reason, p.now).map(|n| (n, row.attempt)))
+        .filter(|_| live)
+        .chain(read.descendants.iter().map(|(r, _)| r))
+        .map(|r| r.id.0)
         .collect();
-    let cancelled: Vec<i64> = cancels.iter().map(|(n, _)| n.id.0).collect();
-    // Every cancelled inbox is drained; what it held unread is recorded first (the rows
-    // are locked, so nothing arrives in between).
     let none: &[i64] = &[];
     let pending_stmt = c.prepare_cached(signal::PENDING).await?;
     let pending =
-        c.query(&pending_stmt, &[&cancelled, &none, &none, &signal::pending_listed()]).await?;
-    let pending = signal::pending_of(&pending)?;
+        c.query(&pending_stmt, &[&candidates, &none, &none, &signal::pending_listed()]).await?;
+    read.pending =
+        signal::pending_of(&pending)?.into_iter().map(|(id, p)| (InstanceId(id), p)).collect();
+    let plan = plan::cancel::cancel(p, read)?;
+    if plan.rows.is_empty() {
+        commit_tx(c).await?;
+        return Ok(Vec::new());
+    }
+    let cancelled: Vec<i64> = plan.rows.iter().map(|w| w.row.id.0).collect();
     let mut history = HistoryWrite::default();
-    for (n, attempt) in &cancels {
-        history.push(
-            n,
-            *attempt,
-            p.now,
-            HistoryEntry::new(
-                "CANCELLED",
-                json!({ "reason": n.last_error, "cascade_from": (n.id != p.id).then_some(p.id) }),
-            ),
-        );
-        if let Some(e) = pending.get(&n.id.0).and_then(inbox::drained) {
-            history.push(n, *attempt, p.now, e);
+    for w in &plan.rows {
+        for entry in &w.history {
+            history.push(&w.row, w.attempt, p.now, entry.clone());
         }
     }
-    let next: Vec<Instance> = cancels.into_iter().map(|(n, _)| n).collect();
+    let next: Vec<Instance> = plan.rows.into_iter().map(|w| w.row).collect();
     // Every cancelled child counts on its parent's barrier, even a parent cancelled too,
     // and a chart parent hears of it through its inbox (`outcome::parent_notice`).
     let parents: Vec<i64> = next.iter().filter_map(|r| r.parent).map(|p| p.0).collect();
@@ -261,59 +255,40 @@ async fn delete_letters<C: GenericClient + Sync>(c: &C, ids: &[i64]) -> OpResult
     Ok(c.execute(&stmt, &[&ids]).await?)
 }
 
-/// Retries dead letters, oldest first: each one whose instance is suspended makes it
-/// runnable at `now + delay` and is removed. A named letter reports why it cannot be
-/// retried; a machine-wide retry leaves such letters alone.
+/// Retries dead letters, oldest first, as `plan::dead_letter::retry` decides.
 pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
     c: &C,
     p: &DeadLetterRetryParams,
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
-    let by_id = matches!(p.selector, DeadLetterSelector::Id(_));
-    let letters = select_letters(c, &p.selector).await?;
-    let mut ids: Vec<i64> = letters.iter().map(|l| l.1).collect();
+    let letters: Vec<(DeadLetterId, InstanceId)> = select_letters(c, &p.selector)
+        .await?
+        .into_iter()
+        .map(|(l, i)| (DeadLetterId(l), InstanceId(i)))
+        .collect();
+    let mut ids: Vec<i64> = letters.iter().map(|l| l.1.0).collect();
     ids.sort_unstable();
     ids.dedup();
-    let mut rows: HashMap<i64, Instance> =
-        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
-    let at = p.now.plus(p.delay);
-    let mut changed: Vec<i64> = Vec::new();
+    let plan = plan::dead_letter::retry(p, &letters, lock_instances(c, &ids).await?)?;
     let mut history = HistoryWrite::default();
-    let mut gone = Vec::new();
-    let mut retried = Vec::new();
-    for (letter, instance) in &letters {
-        let next = match rows.get(instance) {
-            None => Err(StoreError::not_found(format!(
-                "instance i{instance} of dead letter dl{letter} is gone"
-            ))),
-            Some(row) => outcome::dead_letter_retry(row, at, p.now),
-        };
-        let next = match next {
-            Ok(next) => next,
-            Err(e) if by_id => return Err(e.into()),
-            Err(_) => continue,
-        };
-        let attempt = rows[instance].attempt;
-        let entry = HistoryEntry::new(
-            "DEAD_LETTER_RETRIED",
-            json!({ "dead_letter": letter, "delay_ms": p.delay.as_millis() as u64 }),
-        );
-        history.push(&next, attempt, p.now, entry);
-        rows.insert(*instance, next);
-        changed.push(*instance);
-        gone.push(*letter);
-        retried.push(InstanceId(*instance));
+    let mut next = Vec::with_capacity(plan.rows.len());
+    for w in &plan.rows {
+        for entry in &w.history {
+            history.push(&w.row, w.attempt, p.now, entry.clone());
+        }
+        next.push(w.row.clone());
     }
-    let next: Vec<Instance> = changed.iter().map(|id| rows[id].clone()).collect();
+    let gone: Vec<i64> = plan.remove.iter().map(|id| id.0).collect();
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
     delete_letters(c, &gone).await?;
     end_tx(c, (!next.is_empty()).then_some(channel)).await?;
-    Ok(retried)
+    Ok(plan.retried())
 }
 
-/// Skips a dead letter: consumes its signals and resumes the suspended instance now.
+/// Skips a dead letter: consumes its signals and resumes the suspended instance now
+/// (`plan::dead_letter::skip`).
 pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
     c: &C,
     p: &DeadLetterSkipParams,
@@ -322,33 +297,21 @@ pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
     begin(c).await?;
     let letter = dead_letter_get(c, p.id).await?;
     let rows = lock_instances(c, &[letter.letter.instance.0]).await?;
-    let Some(row) = rows.first() else {
-        return Err(StoreError::not_found(format!(
-            "dead letter {}: its instance no longer exists",
-            p.id
-        ))
-        .into());
-    };
-    let next = outcome::dead_letter_retry(row, p.now, p.now)?;
-    let signals: Vec<i64> = letter.letter.signals.iter().map(|s| s.0).collect();
+    let plan = plan::dead_letter::skip(p, &letter, rows.first())?;
+    let id = plan.row.row.id;
+    let signals: Vec<i64> = plan.consume.iter().map(|s| s.0).collect();
     let stmt =
         c.prepare_cached("DELETE FROM signals WHERE target_id = $1 AND id = ANY($2)").await?;
-    c.execute(&stmt, &[&row.id.0, &signals]).await?;
+    c.execute(&stmt, &[&id.0, &signals]).await?;
     let mut history = HistoryWrite::default();
-    history.push(
-        &next,
-        row.attempt,
-        p.now,
-        HistoryEntry::new(
-            "DEAD_LETTER_SKIPPED",
-            json!({ "dead_letter": p.id, "signals": letter.letter.signals }),
-        ),
-    );
-    write_instances(c, std::slice::from_ref(&next)).await?;
+    for entry in &plan.row.history {
+        history.push(&plan.row.row, plan.row.attempt, p.now, entry.clone());
+    }
+    write_instances(c, std::slice::from_ref(&plan.row.row)).await?;
     write_history(c, &history).await?;
-    delete_letters(c, &[p.id.0]).await?;
+    delete_letters(c, &[plan.remove.0]).await?;
     end_tx(c, Some(channel)).await?;
-    Ok(next.id)
+    Ok(id)
 }
 
 /// Purges dead letters.
@@ -375,12 +338,6 @@ pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
         )
         .await?;
     Ok(c.execute(&stmt, &[&id, &ns, &machine, &older, &limit]).await?)
-}
-
-/// Checks the queue names.
-pub(crate) fn validate_queue(p: &QueuePauseParams) -> StoreResult<()> {
-    check_name("namespace", &p.namespace)?;
-    check_name("queue", &p.queue)
 }
 
 /// Pauses or resumes a queue.

@@ -7,20 +7,15 @@ use super::{begin, commit, end_tx};
 use crate::error::{OpError, OpResult, is_unique_violation};
 use crate::rows::{self, HistoryWrite, ts};
 use deadpool_postgres::GenericClient;
-use keel_core::instance::{ChildSummary, Signal, check_batch};
+use keel_core::instance::{ChildSummary, Signal};
 use keel_core::outcome;
 use keel_core::ports::store::{Claim, ClaimParams};
 use keel_core::{
-    Instance, InstanceId, MachineRef, SignalId, Status, StoreError, StoreResult, Timestamp, limits,
+    Instance, InstanceId, MachineRef, SignalId, Status, StoreError, Timestamp, limits,
 };
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::LazyLock;
-
-/// Checks the batch bound.
-pub(crate) fn validate(params: &ClaimParams) -> StoreResult<()> {
-    check_batch("limit", params.limit, limits::CLAIM_BATCH_MAX)
-}
 
 /// Whether a claim lost a race for a concurrency key (another claimer's row with the same
 /// key became executing after this statement's snapshot): re-running it is correct.

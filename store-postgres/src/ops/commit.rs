@@ -19,18 +19,13 @@ use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::inbox;
-use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget, check_batch};
+use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget};
 use keel_core::outcome::{Outcome, StepCommit};
 use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan};
-use keel_core::ports::store::{CommitParams, CommitReceipt, InsertOutcome};
-use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp, limits};
+use keel_core::ports::store::{CommitReceipt, InsertOutcome};
+use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp};
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
-
-/// Checks the batch bound (item shapes are checked per item, after the fence).
-pub(crate) fn validate(params: &CommitParams) -> StoreResult<()> {
-    check_batch("commits", params.commits.len(), limits::COMMIT_BATCH_MAX)
-}
 
 const AWAIT_CHECK: &str = "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(id, name) \
     WHERE EXISTS (SELECT 1 FROM signals s WHERE s.target_id = a.id \

@@ -10,22 +10,13 @@ use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
-use keel_core::instance::{Instance, NewInstance, check_batch};
+use keel_core::instance::{Instance, NewInstance};
 use keel_core::ports::store::{InsertOutcome, InsertParams};
-use keel_core::{InstanceId, StoreError, StoreResult, Timestamp, limits};
+use keel_core::{InstanceId, StoreError, Timestamp};
 use std::collections::HashMap;
 
 /// One instance to insert, with its parent when it is a child.
 pub(crate) type Item<'a> = (&'a NewInstance, Option<InstanceId>);
-
-/// Checks the batch bound and every item; one bad item rejects the batch.
-pub(crate) fn validate(params: &InsertParams) -> StoreResult<()> {
-    check_batch("instances", params.instances.len(), limits::INSERT_BATCH_MAX)?;
-    for (i, n) in params.instances.iter().enumerate() {
-        n.validate(&format!("instances[{i}]"))?;
-    }
-    Ok(())
-}
 
 /// The items of a top-level insert.
 pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {

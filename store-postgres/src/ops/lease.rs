@@ -1,14 +1,13 @@
 //! Leases: heartbeat (one `UPDATE … FROM unnest`), the reaper and graceful release (lock,
-//! the pure `reap` / `release`, write back).
+//! plan with the core's `plan::lease`, write back).
 
 use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, lock_instances, ts, write_history, write_instances};
 use deadpool_postgres::GenericClient;
-use keel_core::instance::check_batch;
-use keel_core::outcome;
+use keel_core::InstanceId;
+use keel_core::plan;
 use keel_core::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleaseParams};
-use keel_core::{InstanceId, Status, StoreResult, limits};
 
 /// The heartbeat. Rows are locked in id order first (the order every other write locks
 /// instances in), so two heartbeats naming overlapping rows in different orders, or a
@@ -31,7 +30,6 @@ pub(crate) async fn extend<C: GenericClient + Sync>(
     c: &C,
     p: &LeaseExtendParams,
 ) -> OpResult<Vec<bool>> {
-    check_batch("leases", p.leases.len(), limits::COMMIT_BATCH_MAX)?;
     if p.leases.is_empty() {
         return Ok(Vec::new());
     }
@@ -48,11 +46,6 @@ pub(crate) async fn extend<C: GenericClient + Sync>(
         }
     }
     Ok(out)
-}
-
-/// Checks the reap bound.
-pub(crate) fn validate_reap(p: &LeaseReapParams) -> StoreResult<()> {
-    check_batch("limit", p.limit, limits::REAP_BATCH_MAX)
 }
 
 fn reap_sql() -> String {
@@ -74,13 +67,14 @@ pub(crate) async fn reap<C: GenericClient + Sync>(
     let stmt = c.prepare_cached(&reap_sql()).await?;
     let owner = p.owner.as_ref().map(|w| w.0.as_str());
     let found = c.query(&stmt, &[&owner, &ts(p.now), &(p.limit as i64)]).await?;
-    let mut next = Vec::with_capacity(found.len());
+    let due = found.iter().map(rows::instance).collect::<Result<Vec<_>, _>>()?;
+    let mut next = Vec::with_capacity(due.len());
     let mut history = HistoryWrite::default();
-    for r in &found {
-        let row = rows::instance(r)?;
-        let reaped = outcome::reap(&row, p.now);
-        history.push(&reaped, row.attempt, p.now, outcome::reap_history(&row));
-        next.push(reaped);
+    for w in plan::lease::reap(p, due) {
+        for entry in w.history {
+            history.push(&w.row, w.attempt, p.now, entry);
+        }
+        next.push(w.row);
     }
     write_instances(c, &next).await?;
     write_history(c, &history).await?;
@@ -94,23 +88,10 @@ pub(crate) async fn release<C: GenericClient + Sync>(
     p: &LeaseReleaseParams,
     channel: &str,
 ) -> OpResult<Vec<bool>> {
-    check_batch("leases", p.leases.len(), limits::COMMIT_BATCH_MAX)?;
     begin(c).await?;
     let ids: Vec<i64> = p.leases.iter().map(|l| l.0.0).collect();
-    let mut rows: std::collections::HashMap<i64, _> =
-        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
-    let mut out = Vec::with_capacity(p.leases.len());
-    let mut next = Vec::new();
-    for (id, token) in &p.leases {
-        match rows.get_mut(&id.0) {
-            Some(row) if row.status == Status::Executing && row.fencing_token == *token => {
-                *row = outcome::release(row, p.now);
-                next.push(row.clone());
-                out.push(true);
-            }
-            _ => out.push(false),
-        }
-    }
+    let plan = plan::lease::release(p, lock_instances(c, &ids).await?);
+    let (out, next) = (plan.held, plan.rows);
     write_instances(c, &next).await?;
     end_tx(c, (!next.is_empty()).then_some(channel)).await?;
     Ok(out)

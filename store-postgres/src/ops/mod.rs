@@ -104,7 +104,7 @@ impl PgStore {
         tx: &C,
         params: InsertParams,
     ) -> StoreResult<Vec<InsertOutcome>> {
-        insert::validate(&params)?;
+        params.validate()?;
         let out = insert::insert_batch(tx, &insert::items(&params), params.now).await?;
         notify(tx, &self.channel).await?;
         Ok(out)
@@ -147,13 +147,13 @@ impl Store for PgStore {
     }
 
     async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        insert::validate(&params)?;
+        params.validate()?;
         let items = insert::items(&params);
         in_tx!(self, |c| insert::run(c, &items, params.now, &self.channel))
     }
 
     async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
-        claim::validate(&params)?;
+        params.validate()?;
         let mut tries = 0u32;
         loop {
             let conn = self.client().await?;
@@ -184,11 +184,12 @@ impl Store for PgStore {
         &self,
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
-        commit::validate(&params)?;
+        params.validate()?;
         in_tx!(self, |c| commit::run(c, &params.commits, params.now, &self.channel))
     }
 
     async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
         // Rows are locked in id order, so a deadlock needs a writer that does not; retry
         // it like every other write rather than failing the heartbeat.
         let mut tries = 0u32;
@@ -202,11 +203,12 @@ impl Store for PgStore {
     }
 
     async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        lease::validate_reap(&params)?;
+        params.validate()?;
         in_tx!(self, |c| lease::reap(c, &params, &self.channel))
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
         in_tx!(self, |c| lease::release(c, &params, &self.channel))
     }
 
@@ -214,7 +216,7 @@ impl Store for PgStore {
         &self,
         params: SignalDeliverParams,
     ) -> StoreResult<Vec<DeliveryOutcome>> {
-        signal::validate(&params)?;
+        params.validate()?;
         in_tx!(self, |c| signal::run(c, &params.signals, params.now, &self.channel))
     }
 
@@ -222,7 +224,7 @@ impl Store for PgStore {
         &self,
         params: SignalBroadcastParams,
     ) -> StoreResult<BroadcastReport> {
-        signal::validate_broadcast(&params)?;
+        params.validate()?;
         in_tx!(self, |c| signal::broadcast(c, &params, &self.channel))
     }
 
@@ -259,6 +261,7 @@ impl Store for PgStore {
         &self,
         params: DeadLetterRetryParams,
     ) -> StoreResult<Vec<InstanceId>> {
+        params.validate()?;
         in_tx!(self, |c| admin::dead_letter_retry(c, &params, &self.channel))
     }
 
@@ -267,12 +270,13 @@ impl Store for PgStore {
     }
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
+        params.validate()?;
         let conn = self.client().await?;
         admin::dead_letter_purge(&conn, &params).await.map_err(StoreError::from)
     }
 
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
-        admin::validate_queue(&params)?;
+        params.validate()?;
         in_tx!(self, |c| admin::queue_pause(c, &params, &self.channel))
     }
 
@@ -291,7 +295,7 @@ impl Store for PgStore {
     }
 
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        timer::validate_sweep(&params)?;
+        params.validate()?;
         in_tx!(self, |c| timer::sweep(c, &params, &self.channel))
     }
 

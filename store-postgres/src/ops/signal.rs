@@ -1,30 +1,19 @@
 //! `signal_deliver` (and a commit's outbox): resolve targets, lock them (id order), look up
-//! dedup keys already in the inbox, then insert the new signals and wake the awaiting
-//! targets with the pure `deliver`. Because the target row is locked before the inbox is
+//! dedup keys already in the inbox, plan with the core's `plan::deliver`, then insert the
+//! planned signals and write the woken targets. Because the target row is locked before the inbox is
 //! read or written, a racing `Await` commit either sees the signal or is woken by it.
 
 use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
-use keel_core::inbox::{self, Pending};
+use keel_core::inbox::Pending;
 use keel_core::instance::{Instance, NewSignal, SignalTarget, check_batch};
-use keel_core::outcome;
-use keel_core::ports::store::{
-    BroadcastReport, DeliveryOutcome, SignalBroadcastParams, SignalDeliverParams,
-};
-use keel_core::{InstanceId, SignalId, StoreResult, Timestamp, limits};
+use keel_core::plan::{self, deliver::DeliverRead};
+use keel_core::ports::store::{BroadcastReport, DeliveryOutcome, SignalBroadcastParams};
+use keel_core::{InstanceId, SignalId, Timestamp, limits};
 use std::collections::HashMap;
 use std::time::SystemTime;
-
-/// Checks the batch bound and every signal.
-pub(crate) fn validate(params: &SignalDeliverParams) -> StoreResult<()> {
-    check_batch("signals", params.signals.len(), limits::DELIVER_BATCH_MAX)?;
-    for (i, s) in params.signals.iter().enumerate() {
-        s.validate(&format!("signals[{i}]"))?;
-    }
-    Ok(())
-}
 
 /// A transaction: plan, write, notify, commit.
 pub(crate) async fn run<C: GenericClient + Sync>(
@@ -147,7 +136,8 @@ pub(crate) async fn resolve<C: GenericClient + Sync>(
         .collect::<Result<_, _>>()?)
 }
 
-/// Resolves and locks the targets and decides every outcome (nothing written yet).
+/// Resolves and locks the targets and plans the delivery (`plan::deliver`); nothing is
+/// written yet.
 pub(crate) async fn plan<C: GenericClient + Sync>(
     c: &C,
     signals: &[NewSignal],
@@ -185,66 +175,32 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
         async { c.query(&existing, &[&dt, &dk]).await },
         async { c.query(&alloc, &[&n]).await },
     );
-    let mut rows: HashMap<i64, Instance> = HashMap::new();
+    let mut read = DeliverRead { targets: targets.to_vec(), ..DeliverRead::default() };
     for r in &locked? {
         let row = rows::instance(r)?;
-        rows.insert(row.id.0, row);
+        read.rows.insert(row.id, row);
     }
-    let mut seen: HashMap<(i64, String), i64> = found?
+    for r in &found? {
+        let (target, key, id): (i64, String, i64) =
+            (rows::col(r, 0)?, rows::col(r, 1)?, rows::col(r, 2)?);
+        read.dedup.insert((InstanceId(target), key), SignalId(id));
+    }
+    let fresh: Vec<SignalId> = fresh?
         .iter()
-        .map(|r| Ok(((rows::col(r, 0)?, rows::col(r, 1)?), rows::col(r, 2)?)))
+        .map(|r| rows::col(r, 0).map(SignalId))
         .collect::<Result<_, keel_core::StoreError>>()?;
-    let fresh: Vec<i64> =
-        fresh?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, keel_core::StoreError>>()?;
-    let mut fresh = fresh.into_iter();
-    let mut d = Delivery {
-        outcomes: Vec::with_capacity(signals.len()),
-        ids: Vec::new(),
-        targets: Vec::new(),
-        names: Vec::new(),
-        payloads: Vec::new(),
-        dedup: Vec::new(),
-        at: Vec::new(),
-        woken: Vec::new(),
-    };
-    let mut woken: Vec<i64> = Vec::new();
-    for (s, t) in signals.iter().zip(targets) {
-        let Some(row) = t.and_then(|t| rows.get_mut(&t.0)) else {
-            d.outcomes.push(DeliveryOutcome::TargetMissing);
-            continue;
-        };
-        let target = row.id;
-        if !inbox::accepts_signals(row) {
-            d.outcomes.push(DeliveryOutcome::TargetTerminal { target, status: row.status });
-            continue;
-        }
-        if let Some(k) = &s.dedup_key
-            && let Some(id) = seen.get(&(target.0, k.clone()))
-        {
-            d.outcomes.push(DeliveryOutcome::Duplicate { id: SignalId(*id), target });
-            continue;
-        }
-        let id = fresh.next().expect("one id allocated per signal");
-        if let Some(k) = &s.dedup_key {
-            seen.insert((target.0, k.clone()), id);
-        }
-        d.ids.push(id);
-        d.targets.push(target.0);
-        d.names.push(s.name.clone());
-        d.payloads.push(s.payload.clone());
-        d.dedup.push(s.dedup_key.clone());
-        d.at.push(ts(now));
-        let id = SignalId(id);
-        if let Some(next) = outcome::deliver(row, &s.name, now) {
-            *row = next;
-            woken.push(target.0);
-            d.outcomes.push(DeliveryOutcome::Delivered { id, target, woke: true });
-        } else {
-            d.outcomes.push(DeliveryOutcome::Delivered { id, target, woke: false });
-        }
-    }
-    d.woken = woken.iter().filter_map(|id| rows.remove(id)).collect();
-    Ok(d)
+    let plan = plan::deliver::deliver(read, signals, now);
+    let n = plan.inserts.len();
+    Ok(Delivery {
+        outcomes: plan.outcomes(&fresh),
+        ids: fresh[..n].iter().map(|id| id.0).collect(),
+        targets: plan.inserts.iter().map(|i| i.target.0).collect(),
+        names: plan.inserts.iter().map(|i| i.name.clone()).collect(),
+        payloads: plan.inserts.iter().map(|i| i.payload.clone()).collect(),
+        dedup: plan.inserts.iter().map(|i| i.dedup_key.clone()).collect(),
+        at: plan.inserts.iter().map(|i| ts(i.inserted_at)).collect(),
+        woken: plan.woken,
+    })
 }
 
 /// Writes a planned delivery; with `end = Some((channel, ready))`, also ends the
@@ -310,19 +266,6 @@ const BROADCAST: &str = "WITH t AS MATERIALIZED ( \
     ) \
     SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
       (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)";
-
-/// Checks the event.
-pub(crate) fn validate_broadcast(p: &SignalBroadcastParams) -> StoreResult<NewSignal> {
-    let probe = NewSignal {
-        target: SignalTarget::Id(InstanceId(0)),
-        name: p.name.clone(),
-        payload: p.payload.clone(),
-        dedup_key: p.dedup_key.clone(),
-    };
-    probe.validate("broadcast")?;
-    p.validate_selector()?;
-    Ok(probe)
-}
 
 /// One statement (autocommit).
 pub(crate) async fn broadcast<C: GenericClient + Sync>(

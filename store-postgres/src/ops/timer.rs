@@ -6,13 +6,14 @@ use super::{begin, signal};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, col, from_ts, ts};
 use deadpool_postgres::GenericClient;
-use keel_core::instance::{Instance, NewSignal, check_batch};
+
+use keel_core::instance::Instance;
+use keel_core::plan;
 use keel_core::ports::store::{
-    DeliveryOutcome, QueueStats, TimerNextDueParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport,
+    QueueStats, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
-use keel_core::timers::{self, TimerRow};
-use keel_core::{InstanceId, MachineRef, StoreError, StoreResult, TimerId, Timestamp, limits};
+use keel_core::timers::TimerRow;
+use keel_core::{InstanceId, MachineRef, StoreError, TimerId, Timestamp, limits};
 use std::collections::HashMap;
 use std::time::SystemTime;
 use tokio_postgres::Row;
@@ -212,11 +213,6 @@ pub(crate) fn list(found: &[Row]) -> Result<Vec<TimerRow>, StoreError> {
     found.iter().map(timer).collect()
 }
 
-/// Checks the sweep bound.
-pub(crate) fn validate_sweep(p: &TimerSweepParams) -> StoreResult<()> {
-    check_batch("limit", p.limit, limits::TIMER_SWEEP_BATCH_MAX)
-}
-
 /// The pick: due timers not held by another sweep, then each one's instance, also
 /// without waiting. A sweep never waits for a lock (a commit locks the instance before its
 /// timers, the sweep the other way round), so it cannot deadlock with commits or other
@@ -282,49 +278,22 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         .map(|r| (r.id.0, r))
         .collect();
 
-    let mut report = TimerSweepReport::default();
-    let (mut adv_id, mut adv_n, mut adv_due) = (Vec::new(), Vec::new(), Vec::new());
-    let mut gone: Vec<i64> = Vec::new();
-    let mut signals: Vec<NewSignal> = Vec::new();
-    let mut targets: Vec<Option<InstanceId>> = Vec::new();
-    // Per delivered signal: whether it is an exhaustion (`then`).
-    let mut kinds: Vec<bool> = Vec::new();
+    let due: Vec<TimerRow> = picked.into_iter().map(|(t, _)| t).collect();
+    let plan = plan::timer::sweep(p, &due, |id| live.contains_key(&id.0));
+    let adv_id: Vec<i64> = plan.advance.iter().map(|t| t.id.0).collect();
+    let adv_n: Vec<i32> = plan.advance.iter().map(|t| t.fire_count as i32).collect();
+    let adv_due: Vec<_> = plan.advance.iter().map(|t| ts(t.next_fire_at)).collect();
+    let gone: Vec<i64> = plan.delete.iter().map(|id| id.0).collect();
     let mut history = HistoryWrite::default();
-    for (t, _) in &picked {
-        report.processed += 1;
-        let Some(row) = live.get(&t.instance.0) else {
-            gone.push(t.id.0);
-            continue;
-        };
-        let fired = timers::fire(t, p.now);
-        if timers::delivers(&fired) {
-            kinds.push(fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED");
-            targets.push(Some(t.instance));
-            signals.push(fired.signal.clone());
-        }
-        history.push(row, row.attempt, p.now, fired.history);
-        match fired.next {
-            Some(next) => {
-                adv_id.push(t.id.0);
-                adv_n.push(next.fire_count as i32);
-                adv_due.push(ts(next.next_fire_at));
-            }
-            None => gone.push(t.id.0),
-        }
+    for (instance, entry) in &plan.history {
+        let row = &live[&instance.0];
+        history.push(row, row.attempt, p.now, entry.clone());
     }
-    let plan = signal::plan_resolved(c, &signals, &targets, p.now).await?;
-    for (o, exhausted) in plan.outcomes.iter().zip(&kinds) {
-        if matches!(o, DeliveryOutcome::Delivered { .. }) {
-            if *exhausted {
-                report.exhausted += 1;
-            } else {
-                report.fired += 1;
-            }
-        }
-    }
-    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
-    let machines: Vec<String> =
-        if p.machines.is_empty() { vec!["*".into()] } else { p.machines.clone() };
+    let delivery = signal::plan_resolved(c, &plan.signals, &plan.targets(), p.now).await?;
+    let report = plan.report(&delivery.outcomes);
+    let (ns, machines): (Vec<String>, Vec<String>) =
+        plan::timer::swept_scopes(p).into_iter().unzip();
+    let ns = ns.into_iter().next().unwrap_or_else(|| "*".into());
 
     let adv = c.prepare_cached(ADVANCE).await?;
     let del = c.prepare_cached(DELETE).await?;
@@ -351,7 +320,7 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         Ok::<_, tokio_postgres::Error>(())
     };
     let (written, finished) =
-        tokio::join!(writes, signal::finish(c, &plan, Some((channel, false))));
+        tokio::join!(writes, signal::finish(c, &delivery, Some((channel, false))));
     written?;
     finished?;
     Ok(report)

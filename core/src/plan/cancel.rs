@@ -1,0 +1,139 @@
+//! Cancelling an instance and, with `cascade`, its live descendants.
+//!
+//! A terminal instance is left as it is. Otherwise it is cancelled ([`outcome::cancel`]),
+//! then, with `cascade`, its descendants breadth first, at most
+//! [`limits::CANCEL_CASCADE_DEPTH_MAX`] levels below it, skipping terminal ones, and at
+//! most [`limits::CANCEL_CASCADE_MAX`] instances in all. Each cancelled instance records
+//! why (and, for a descendant, which cancel reached it), its inbox closes and is drained
+//! (what it held unread is recorded, [`inbox::drained`]), its timers go, and it counts as
+//! a terminal child on its parent.
+
+use super::RowWrite;
+use crate::error::{StoreError, StoreResult};
+use crate::ids::InstanceId;
+use crate::inbox::{self, Pending};
+use crate::instance::{HistoryEntry, Instance};
+use crate::limits;
+use crate::outcome;
+use crate::ports::store::CancelParams;
+use serde_json::json;
+use std::collections::{HashMap, HashSet};
+
+/// What a store read for a cancel.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CancelRead {
+    /// The instance named by the cancel (`None` when it does not exist).
+    pub root: Option<Instance>,
+    /// With `cascade`: its descendants breadth first, each with its depth below the root
+    /// (children are at depth 1), at least down to [`limits::CANCEL_CASCADE_DEPTH_MAX`].
+    pub descendants: Vec<(Instance, usize)>,
+    /// The pending inbox signals of the instances that may be cancelled (absent = empty).
+    pub pending: HashMap<InstanceId, Pending>,
+}
+
+/// The writes of a cancel, in cancel order. For each row: write it with its history, empty
+/// its inbox, delete its timers, then count it on its parent (`outcome::release_parent`)
+/// and notify a chart parent (`outcome::parent_notice`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CancelPlan {
+    /// The cancelled rows.
+    pub rows: Vec<RowWrite>,
+}
+
+impl CancelPlan {
+    /// The ids cancelled: the caller's result.
+    pub fn cancelled(&self) -> Vec<InstanceId> {
+        self.rows.iter().map(|w| w.row.id).collect()
+    }
+}
+
+/// Plans `p`. `NotFound` when the named instance does not exist.
+pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
+    let root = read
+        .root
+        .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", p.id)))?;
+    let mut plan = CancelPlan::default();
+    if root.status.is_terminal() {
+        return Ok(plan);
+    }
+    let descendants = read
+        .descendants
+        .into_iter()
+        .filter(|(_, depth)| p.cascade && *depth <= limits::CANCEL_CASCADE_DEPTH_MAX)
+        .map(|(row, _)| row);
+    let mut seen = HashSet::new();
+    for row in std::iter::once(root).chain(descendants) {
+        if plan.rows.len() >= limits::CANCEL_CASCADE_MAX {
+            break;
+        }
+        if !seen.insert(row.id) {
+            continue;
+        }
+        let Some(next) = outcome::cancel(&row, &p.reason, p.now) else { continue };
+        let cascade_from = (row.id != p.id).then_some(p.id);
+        let mut history = vec![HistoryEntry::new(
+            "CANCELLED",
+            json!({ "reason": next.last_error, "cascade_from": cascade_from }),
+        )];
+        history.extend(read.pending.get(&row.id).and_then(inbox::drained));
+        plan.rows.push(RowWrite { row: next, attempt: row.attempt, history });
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{MachineRef, SignalId, Status};
+    use crate::instance::NewInstance;
+    use crate::time::Timestamp;
+
+    fn row(id: i64, status: Status) -> Instance {
+        let new = NewInstance::new(MachineRef::new("m", 1), "start");
+        let mut row = Instance::from_new(InstanceId(id), &new, None, Timestamp(0));
+        row.status = status;
+        row.attempt = 1;
+        row
+    }
+
+    fn params(cascade: bool) -> CancelParams {
+        CancelParams { id: InstanceId(1), reason: "stop".into(), cascade, now: Timestamp(5) }
+    }
+
+    fn read(root: Status) -> CancelRead {
+        let mut pending = Pending::default();
+        pending.push(SignalId(3), "go", 1);
+        CancelRead {
+            root: Some(row(1, root)),
+            descendants: vec![
+                (row(2, Status::AwaitingSignal), 1),
+                (row(3, Status::Done), 1),
+                (row(4, Status::Runnable), limits::CANCEL_CASCADE_DEPTH_MAX),
+                (row(5, Status::Runnable), limits::CANCEL_CASCADE_DEPTH_MAX + 1),
+            ],
+            pending: HashMap::from([(InstanceId(2), pending)]),
+        }
+    }
+
+    #[test]
+    fn a_cascade_cancels_live_descendants_within_the_depth_bound() {
+        let plan = cancel(&params(true), read(Status::Runnable)).unwrap();
+        assert_eq!(plan.cancelled(), [InstanceId(1), InstanceId(2), InstanceId(4)]);
+        let kinds = |w: &RowWrite| w.history.iter().map(|h| h.kind.clone()).collect::<Vec<_>>();
+        assert_eq!(kinds(&plan.rows[0]), ["CANCELLED"]);
+        assert_eq!(kinds(&plan.rows[1]), ["CANCELLED", inbox::INBOX_DRAINED]);
+        assert_eq!(plan.rows[1].history[0].data["cascade_from"], json!(1));
+        assert!(plan.rows.iter().all(|w| w.row.status == Status::Cancelled));
+    }
+
+    #[test]
+    fn without_cascade_or_on_a_terminal_root_less_is_cancelled() {
+        assert_eq!(
+            cancel(&params(false), read(Status::Runnable)).unwrap().cancelled(),
+            [InstanceId(1)]
+        );
+        assert!(cancel(&params(true), read(Status::Failed)).unwrap().rows.is_empty());
+        let missing = CancelRead::default();
+        assert_eq!(cancel(&params(true), missing).unwrap_err().kind, crate::ErrorKind::NotFound);
+    }
+}

@@ -1,0 +1,173 @@
+//! The timer sweep: what firing a batch of due timers delivers, records and leaves armed.
+//!
+//! Per due timer, soonest first: a timer whose instance is gone or terminal is deleted
+//! without firing; any other fires ([`timers::fire`]): its event is delivered into the
+//! instance's inbox under the fire's dedup key (so a re-run sweep is harmless), the fire is
+//! recorded in the instance's history, and the timer is advanced or deleted. Only events
+//! actually stored count as fired (or, for an exhausted `every` + `max` timer, exhausted).
+
+use crate::ids::{InstanceId, TimerId};
+use crate::instance::{HistoryEntry, NewSignal};
+use crate::ports::store::{DeliveryOutcome, TimerSweepParams, TimerSweepReport};
+use crate::timers::{self, TimerRow};
+
+/// The writes of a sweep. The signals are delivered with [`super::deliver::deliver`]; the
+/// report needs the outcomes of that delivery.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SweepPlan {
+    /// Timers processed (fired or found stale).
+    pub processed: u64,
+    /// The events to deliver, each to its timer's instance, in timer order.
+    pub signals: Vec<NewSignal>,
+    /// Per signal, whether it is an exhausted timer's `then` event.
+    exhausted: Vec<bool>,
+    /// History to record, per instance, in timer order.
+    pub history: Vec<(InstanceId, HistoryEntry)>,
+    /// Timers to write back, advanced to their next fire.
+    pub advance: Vec<TimerRow>,
+    /// Timers to delete.
+    pub delete: Vec<TimerId>,
+}
+
+impl SweepPlan {
+    /// The resolved targets of [`SweepPlan::signals`]: every timer's instance is live.
+    pub fn targets(&self) -> Vec<Option<InstanceId>> {
+        self.signals
+            .iter()
+            .map(|s| match s.target {
+                crate::SignalTarget::Id(id) => Some(id),
+                crate::SignalTarget::Key { .. } => None,
+            })
+            .collect()
+    }
+
+    /// The sweep's report, given the outcome of delivering [`SweepPlan::signals`].
+    pub fn report(&self, delivered: &[DeliveryOutcome]) -> TimerSweepReport {
+        let mut report = TimerSweepReport { processed: self.processed, ..Default::default() };
+        for (o, exhausted) in delivered.iter().zip(&self.exhausted) {
+            if matches!(o, DeliveryOutcome::Delivered { .. }) {
+                if *exhausted {
+                    report.exhausted += 1;
+                } else {
+                    report.fired += 1;
+                }
+            }
+        }
+        report
+    }
+}
+
+/// Plans firing `due`, the timers a store picked (due at `p.now`, in scope, soonest first,
+/// at most `p.limit`); `live` says whether a timer's instance exists and is not terminal.
+pub fn sweep(
+    p: &TimerSweepParams,
+    due: &[TimerRow],
+    live: impl Fn(InstanceId) -> bool,
+) -> SweepPlan {
+    let mut plan = SweepPlan::default();
+    for timer in due.iter().take(p.limit) {
+        plan.processed += 1;
+        if !live(timer.instance) {
+            plan.delete.push(timer.id);
+            continue;
+        }
+        let fired = timers::fire(timer, p.now);
+        if timers::delivers(&fired) {
+            plan.exhausted.push(fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED");
+            plan.signals.push(fired.signal);
+        }
+        plan.history.push((timer.instance, fired.history));
+        match fired.next {
+            Some(next) => plan.advance.push(next),
+            None => plan.delete.push(timer.id),
+        }
+    }
+    plan
+}
+
+/// The `(namespace, machine)` scopes a sweep records its time under: its namespace or `*`,
+/// and each of its machines, or `*` for all.
+pub fn swept_scopes(p: &TimerSweepParams) -> Vec<(String, String)> {
+    let ns = p.namespace.clone().unwrap_or_else(|| "*".into());
+    if p.machines.is_empty() {
+        vec![(ns, "*".into())]
+    } else {
+        p.machines.iter().map(|m| (ns.clone(), m.clone())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::{TimerArm, TimerKind};
+    use crate::ids::{MachineRef, SignalId};
+    use crate::time::Timestamp;
+    use std::time::Duration;
+
+    const NOW: Timestamp = Timestamp(10_000);
+
+    fn timer(id: i64, instance: i64, every: bool, max: Option<u32>, fires: u32) -> TimerRow {
+        let arm = TimerArm {
+            state: "s".into(),
+            event: "tick".into(),
+            interval: Duration::from_secs(1),
+            kind: if every { TimerKind::Every } else { TimerKind::After },
+            max,
+            then: max.map(|_| "done".into()),
+        };
+        let mut t = TimerRow::armed(
+            TimerId(id),
+            InstanceId(instance),
+            "ns",
+            &MachineRef::new("m", 1),
+            arm,
+            Timestamp(0),
+        );
+        t.fire_count = fires;
+        t
+    }
+
+    #[test]
+    fn a_sweep_fires_live_timers_and_drops_stale_ones() {
+        let p = TimerSweepParams { namespace: None, machines: vec![], limit: 10, now: NOW };
+        let due = [
+            timer(1, 1, false, None, 0),
+            timer(2, 1, true, None, 3),
+            timer(3, 2, false, None, 0),
+            timer(4, 1, true, Some(2), 2),
+        ];
+        let plan = sweep(&p, &due, |i| i == InstanceId(1));
+        assert_eq!(plan.processed, 4);
+        assert_eq!(plan.delete, [TimerId(1), TimerId(3), TimerId(4)]);
+        assert_eq!(plan.advance.len(), 1);
+        assert_eq!(
+            (plan.advance[0].fire_count, plan.advance[0].next_fire_at),
+            (4, Timestamp(11_000))
+        );
+        let names: Vec<&str> = plan.signals.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["tick", "tick", "done"]);
+        assert_eq!(plan.history.len(), 3);
+        assert_eq!(plan.targets(), [Some(InstanceId(1)); 3]);
+        let delivered = |id| DeliveryOutcome::Delivered {
+            id: SignalId(id),
+            target: InstanceId(1),
+            woke: false,
+        };
+        let dup = DeliveryOutcome::Duplicate { id: SignalId(9), target: InstanceId(1) };
+        let report = plan.report(&[delivered(1), dup, delivered(2)]);
+        assert_eq!(report, TimerSweepReport { fired: 1, exhausted: 1, processed: 4 });
+    }
+
+    #[test]
+    fn a_sweep_records_its_time_per_scope() {
+        let p = |ns: Option<&str>, machines: &[&str]| TimerSweepParams {
+            namespace: ns.map(str::to_owned),
+            machines: machines.iter().map(|m| (*m).to_owned()).collect(),
+            limit: 1,
+            now: NOW,
+        };
+        let pair = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+        assert_eq!(swept_scopes(&p(None, &[])), [pair("*", "*")]);
+        assert_eq!(swept_scopes(&p(Some("a"), &["m", "n"])), [pair("a", "m"), pair("a", "n")]);
+    }
+}
