@@ -65,14 +65,14 @@ mod timer;
 mod validate;
 
 pub use algorithm::{
-    ActionError, ActionPhase, ActionRequest, ChildStart, Limits, Macrostep, MacrostepError,
-    MacrostepResult, Next, Record, run_to_completion,
+    ActionError, ActionPhase, ActionRequest, ChildStart, HISTORY_CONTEXT_KEY, Limits, Macrostep,
+    MacrostepError, MacrostepResult, Next, Record, run_to_completion,
 };
 pub use configuration::Configuration;
 pub use context::{ActionResult, ChartContext, SharedContext};
 pub use definition::{
-    Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, StateBuilder,
-    StateKind, StateNode, TransitionBuilder, TransitionDef,
+    Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, HistoryDef,
+    HistoryDepth, StateBuilder, StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use parallel::RegionDispatch;

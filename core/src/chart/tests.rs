@@ -1191,4 +1191,5 @@ stateDiagram-v2
     assert_eq!(def.to_mermaid(), expected);
 }
 
+mod history;
 mod properties;
