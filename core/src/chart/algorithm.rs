@@ -52,6 +52,11 @@ use super::definition::{
 /// the plain set of active states that timers, diagrams and checks read. Charts without
 /// history never get the key.
 pub const HISTORY_CONTEXT_KEY: &str = "@history";
+
+/// Actions named `@raise:<event>` are run by the core itself: they put `<event>` on the
+/// internal queue at their place among the other actions (SCXML `<raise>`), so a chart can
+/// raise events without binding an action in Rust.
+pub const RAISE_ACTION_PREFIX: &str = "@raise:";
 use super::parallel::RegionDispatch;
 use super::timer::{TimerArm, TimerCancel, TimerKind};
 
@@ -889,6 +894,9 @@ impl<'d> Macrostep<'d> {
     }
 
     fn action(&self, name: &str, state: usize, phase: ActionPhase) -> Op {
+        if let Some(event) = name.strip_prefix(RAISE_ACTION_PREFIX) {
+            return Op::Raise(Event::new(event));
+        }
         Op::Action(ActionRequest {
             name: name.to_owned(),
             event: self.current.clone(),

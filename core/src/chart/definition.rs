@@ -305,13 +305,15 @@ impl Definition {
         names
     }
 
-    /// Every action name the definition mentions, sorted and deduplicated.
+    /// Every action name the definition mentions, sorted and deduplicated, without the
+    /// core's built-in `@raise:<event>` actions (nothing needs binding for them).
     pub fn action_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self
             .states
             .iter()
             .flat_map(|s| s.entry.iter().chain(&s.exit).cloned())
             .chain(self.transitions.iter().flat_map(|t| t.actions.iter().cloned()))
+            .filter(|name| !name.starts_with(super::algorithm::RAISE_ACTION_PREFIX))
             .collect();
         names.sort();
         names.dedup();

@@ -60,6 +60,8 @@ mod diagram;
 mod json;
 mod mermaid;
 pub mod parallel;
+#[cfg(feature = "scxml")]
+mod scxml;
 pub mod step;
 mod timer;
 mod validate;
@@ -76,6 +78,8 @@ pub use definition::{
 };
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use parallel::RegionDispatch;
+#[cfg(feature = "scxml")]
+pub use scxml::{KEEL_SCXML_NAMESPACE, ScxmlError};
 pub use timer::{Timer, TimerArm, TimerCancel, TimerKind, TimerSpec, TimerUnit};
 pub use validate::{ChartError, ChartWarning, ValidationErrors};
 
