@@ -199,9 +199,6 @@ pub(crate) struct Transition {
     pub(crate) trigger: Trigger,
     pub(crate) guards: Vec<String>,
     pub(crate) actions: Vec<String>,
-    /// The first target as a state (a history target counts as its parent): what diagrams
-    /// draw an arrow to.
-    pub(crate) target: Option<usize>,
     /// Every target, in the order written.
     pub(crate) targets: Vec<TargetRef>,
     pub(crate) internal: bool,
@@ -318,6 +315,19 @@ impl Definition {
         names.sort();
         names.dedup();
         names
+    }
+
+    /// The states diagrams draw an arrow to for transition `t`: each target, with a history
+    /// pseudo-state drawn as its parent (empty for a targetless transition).
+    pub(crate) fn drawn_targets(&self, t: usize) -> Vec<usize> {
+        self.transitions[t]
+            .targets
+            .iter()
+            .map(|&target| match target {
+                TargetRef::State(s) => s,
+                TargetRef::History(h) => self.histories[h].parent,
+            })
+            .collect()
     }
 
     pub(crate) fn parent(&self, s: usize) -> Option<usize> {

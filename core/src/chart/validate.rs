@@ -581,10 +581,6 @@ fn flatten_transitions(
                     target: String::new(),
                 });
             }
-            let target = targets.first().map(|&t| match t {
-                TargetRef::State(s) => s,
-                TargetRef::History(h) => flat.histories[h].parent,
-            });
             for guard in &branch.guards {
                 if !builder.guards.contains_key(guard) {
                     flat.errors.push(ChartError::UnknownGuard {
@@ -600,7 +596,6 @@ fn flatten_transitions(
                 trigger: trigger.clone(),
                 guards: branch.guards.clone(),
                 actions: branch.actions.clone(),
-                target,
                 targets,
                 internal: branch.internal,
             });

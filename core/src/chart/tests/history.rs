@@ -264,3 +264,17 @@ fn history_loads_from_json() {
         [HistoryDef { key: "h".into(), depth: HistoryDepth::Deep, default: "a".into() }]
     );
 }
+
+#[test]
+fn diagrams_draw_one_arrow_per_target_and_history_as_its_parent() {
+    let def = regions().build().expect("valid");
+    let mermaid = def.to_mermaid();
+    let both: Vec<&str> = mermaid.lines().filter(|l| l.ends_with(": BOTH")).collect();
+    assert_eq!(both.len(), 2, "{mermaid}");
+    assert!(both[0].contains("r1") && both[1].contains("r2"), "{mermaid}");
+    let back: Vec<&str> = mermaid.lines().filter(|l| l.ends_with(": BACK")).collect();
+    assert_eq!(back.len(), 1, "{mermaid}");
+    assert!(back[0].trim().ends_with("--> w : BACK"), "{mermaid}");
+    let dot = def.to_dot();
+    assert_eq!(dot.matches("\"BOTH\"").count(), 2, "{dot}");
+}
