@@ -123,7 +123,9 @@ pub struct TransitionJson {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub actions: Vec<String>,
     /// Target of the inline branch: a sibling or ancestor's sibling key, `.child`, or a full
-    /// dotted path. Without it the branch only runs its actions.
+    /// dotted path; a history pseudo-state is named like a state, and one target per region
+    /// of a parallel state may be given, separated by spaces. Without it the branch only runs
+    /// its actions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
     /// The inline branch does not exit and re-enter the source for a descendant target.
@@ -157,7 +159,8 @@ pub struct BranchJson {
     /// Action names, run in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub actions: Vec<String>,
-    /// The target; without it the branch only runs its actions (no exit, no entry).
+    /// The target, written as for the inline branch (several separated by spaces); without it
+    /// the branch only runs its actions (no exit, no entry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
     /// Do not exit and re-enter the source for a descendant target.
