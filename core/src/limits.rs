@@ -76,3 +76,8 @@ pub const TIMER_HINTS_MAX: usize = 1_024;
 /// Largest chart definition accepted as JSON text; a chart that big is better split into child
 /// machines, and the bound keeps a hostile file from exhausting memory while parsing.
 pub const DEFINITION_JSON_BYTES_MAX: usize = 4 << 20;
+/// Largest chart definition accepted as SCXML text, for the same reasons as the JSON bound.
+pub const DEFINITION_SCXML_BYTES_MAX: usize = 4 << 20;
+/// Deepest nesting of states an SCXML document may have; the importer recurses once per
+/// level, and no real chart comes near it.
+pub const SCXML_DEPTH_MAX: usize = 64;

@@ -9,7 +9,7 @@ mod common;
 
 use async_trait::async_trait;
 use common::Harness;
-use keel_core::chart::{ActionError, Definition};
+use keel_core::chart::{ActionError, Definition, HistoryDepth};
 use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::ports::store::DeadLetterFilter;
 use keel_core::retry::RetryPolicy;
@@ -316,4 +316,41 @@ fn missing_actions_are_listed() {
     let m = ChartMachine::new(light());
     assert_eq!(m.missing_actions(), ["count_green", "emit_hello"]);
     assert!(light_machine(Arc::default(), None).missing_actions().is_empty());
+}
+
+/// A player that remembers, through deep history, where it was when switched off.
+fn player() -> ChartMachine {
+    let def = Definition::builder("player", 1)
+        .initial("on")
+        .state("on", |s| {
+            s.initial("stopped")
+                .history("resume", HistoryDepth::Deep, "stopped")
+                .on_to("POWER_OFF", "off")
+                .state("stopped", |s| s.on_to("PLAY", "playing"))
+                .state("playing", |s| {
+                    s.initial("normal").state("normal", |s| s.on_to("FAST", "fast")).leaf("fast")
+                })
+        })
+        .state("off", |s| s.on_to("POWER_ON", "on.resume"))
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+#[tokio::test]
+async fn recorded_history_survives_the_commit_and_a_claim_by_another_worker() {
+    let h = Harness::new();
+    let id = h.start(player().new_instance(json!({}))).await;
+    let first = spawn(&h, player());
+    send(&h, id, &["PLAY", "FAST", "POWER_OFF"]).await;
+    let row = h.wait(id, "switched off", |r| r.revision.0 == 4 && at_state("off")(r)).await;
+    assert_eq!(position(&row), ["off"], "the position holds active states only");
+    assert_eq!(row.context["@history"], json!({"on.resume": ["on.playing.fast"]}));
+    first.shutdown().await;
+
+    let second = spawn(&h, player());
+    send(&h, id, &["POWER_ON"]).await;
+    let row = h.wait(id, "resumed", at_state("on.playing.fast")).await;
+    assert_eq!(position(&row), ["on", "on.playing", "on.playing.fast"]);
+    second.shutdown().await;
 }

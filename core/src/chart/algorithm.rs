@@ -32,7 +32,7 @@
 //! assert!(result.configuration.contains("open"));
 //! ```
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -41,8 +41,22 @@ use serde_json::Value;
 use super::configuration::Configuration;
 use super::context::{ActionResult, ChartContext};
 use super::definition::{
-    DONE_INVOKE, DONE_STATE, Definition, Event, FAIL_STATE, StateKind, TIMEOUT_INVOKE, Trigger,
+    DONE_INVOKE, DONE_STATE, Definition, Event, FAIL_STATE, HistoryDepth, StateKind,
+    TIMEOUT_INVOKE, TargetRef, Trigger,
 };
+
+/// The reserved context key under which a chart keeps what its history pseudo-states
+/// recorded: an object from history path to the recorded state paths. It lives in the
+/// context because the context is committed atomically with the configuration, so the
+/// record survives a commit and a later claim by another worker, while the position stays
+/// the plain set of active states that timers, diagrams and checks read. Charts without
+/// history never get the key.
+pub const HISTORY_CONTEXT_KEY: &str = "@history";
+
+/// Actions named `@raise:<event>` are run by the core itself: they put `<event>` on the
+/// internal queue at their place among the other actions (SCXML `<raise>`), so a chart can
+/// raise events without binding an action in Rust.
+pub const RAISE_ACTION_PREFIX: &str = "@raise:";
 use super::parallel::RegionDispatch;
 use super::timer::{TimerArm, TimerCancel, TimerKind};
 
@@ -381,6 +395,9 @@ pub struct Macrostep<'d> {
     /// States that were inactive after some microstep of this macrostep: exited to another
     /// state, not re-entered by the same microstep. Their timers belong to a new entry.
     left: BTreeSet<usize>,
+    /// What each history pseudo-state (by index) recorded, loaded from the context.
+    history: BTreeMap<usize, Vec<usize>>,
+    history_changed: bool,
 }
 
 impl<'d> Macrostep<'d> {
@@ -410,8 +427,40 @@ impl<'d> Macrostep<'d> {
         }
         if let Some(e) = context_error {
             step.finish(Some(e));
+            return step;
+        }
+        if let Err(reason) = step.load_history() {
+            let definition = format!("{} v{}", def.name, def.version);
+            step.finish(Some(MacrostepError::IllegalConfiguration { definition, reason }));
         }
         step
+    }
+
+    /// Reads the recorded history from the reserved context key. A record naming a history
+    /// or state this definition does not have is refused like a stale configuration.
+    fn load_history(&mut self) -> Result<(), String> {
+        let Some(value) = self.context.get(HISTORY_CONTEXT_KEY) else {
+            return Ok(());
+        };
+        let Some(map) = value.as_object() else {
+            return Err(format!("context key `{HISTORY_CONTEXT_KEY}` is not an object"));
+        };
+        for (path, states) in map {
+            let h =
+                self.def.histories.iter().position(|h| h.path == *path).ok_or_else(|| {
+                    format!("unknown history `{path}` in `{HISTORY_CONTEXT_KEY}`")
+                })?;
+            let mut ids = Vec::new();
+            for state in states.as_array().into_iter().flatten() {
+                let id = state
+                    .as_str()
+                    .and_then(|p| self.def.by_path.get(p))
+                    .ok_or_else(|| format!("history `{path}` records unknown state `{state}`"))?;
+                ids.push(*id);
+            }
+            self.history.insert(h, ids);
+        }
+        Ok(())
     }
 
     /// Enters the initial states of a new instance (entry actions included) and settles.
@@ -449,6 +498,8 @@ impl<'d> Macrostep<'d> {
             skip_entry: BTreeSet::new(),
             dispatches: Vec::new(),
             left: BTreeSet::new(),
+            history: BTreeMap::new(),
+            history_changed: false,
         }
     }
 
@@ -699,27 +750,80 @@ impl<'d> Macrostep<'d> {
     /// SCXML `getTransitionDomain`.
     fn domain(&self, t: usize) -> Option<usize> {
         let tr = &self.def.transitions[t];
-        let target = tr.target?;
+        let targets = self.effective_targets(t);
+        if targets.is_empty() {
+            return None;
+        }
         if tr.internal
             && self.def.kind(tr.source) == StateKind::Compound
-            && self.def.is_descendant(target, tr.source)
+            && targets.iter().all(|&s| self.def.is_descendant(s, tr.source))
         {
             return Some(tr.source);
         }
-        Some(self.lcca(tr.source, target))
+        Some(self.lcca(tr.source, &targets))
     }
 
-    /// SCXML `findLCCA` for two states: the innermost compound proper ancestor of `a` that
-    /// contains `b` (the root always qualifies).
-    fn lcca(&self, a: usize, b: usize) -> usize {
+    /// SCXML `getEffectiveTargetStates`: the targets with each history pseudo-state replaced
+    /// by what it recorded, or by its default when nothing is recorded.
+    fn effective_targets(&self, t: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        for &target in &self.def.transitions[t].targets {
+            let states = match target {
+                TargetRef::State(s) => vec![s],
+                TargetRef::History(h) => self
+                    .history
+                    .get(&h)
+                    .cloned()
+                    .unwrap_or_else(|| self.def.histories[h].default.clone()),
+            };
+            for s in states {
+                if !out.contains(&s) {
+                    out.push(s);
+                }
+            }
+        }
+        out
+    }
+
+    /// SCXML `findLCCA`: the innermost compound proper ancestor of `a` that contains every
+    /// state of `b` (the root always qualifies).
+    fn lcca(&self, a: usize, b: &[usize]) -> usize {
         let mut anc = self.def.parent(a);
         while let Some(s) = anc {
-            if (s == 0 || self.def.kind(s) == StateKind::Compound) && self.def.is_descendant(b, s) {
+            if (s == 0 || self.def.kind(s) == StateKind::Compound)
+                && b.iter().all(|&x| self.def.is_descendant(x, s))
+            {
                 return s;
             }
             anc = self.def.parent(s);
         }
         0
+    }
+
+    /// Records, for every history pseudo-state of a state about to be exited, what the
+    /// state holds now: its active children (shallow) or active atomic descendants (deep).
+    fn record_history(&mut self, exits: &BTreeSet<usize>) {
+        for (h, node) in self.def.histories.iter().enumerate() {
+            if !exits.contains(&node.parent) {
+                continue;
+            }
+            let recorded: Vec<usize> = self
+                .config
+                .iter()
+                .copied()
+                .filter(|&s| match node.depth {
+                    HistoryDepth::Shallow => self.def.parent(s) == Some(node.parent),
+                    HistoryDepth::Deep => {
+                        self.def.states[s].children.is_empty()
+                            && self.def.is_descendant(s, node.parent)
+                    }
+                })
+                .collect();
+            if self.history.get(&h) != Some(&recorded) {
+                self.history.insert(h, recorded);
+                self.history_changed = true;
+            }
+        }
     }
 
     fn microstep(&mut self, transitions: &[usize]) {
@@ -730,10 +834,11 @@ impl<'d> Macrostep<'d> {
             self.ops.push_back(Op::Record(Record::Transition {
                 source: self.def.path(tr.source).to_owned(),
                 event,
-                target: tr.target.map(|s| self.def.path(s).to_owned()),
+                target: self.written_targets(t),
             }));
         }
         let exits = self.exit_set(transitions);
+        self.record_history(&exits);
         for &s in exits.iter().rev() {
             let node = &self.def.states[s];
             self.ops.push_back(Op::Record(Record::Exit { state: node.path.clone() }));
@@ -748,12 +853,19 @@ impl<'d> Macrostep<'d> {
                 self.ops.push_back(self.action(a, tr.source, ActionPhase::Transition));
             }
         }
+        // Every target's descendants go in before any target's ancestors, so that an
+        // ancestor parallel state fills with defaults only the regions no target covers.
         let mut set = BTreeSet::new();
-        for &t in transitions {
-            if let Some(target) = self.def.transitions[t].target {
-                self.add_descendants(target, &mut set);
-                let domain = self.domain(t);
-                self.add_ancestors(target, domain, &mut set);
+        let targets: Vec<(Vec<usize>, Option<usize>)> =
+            transitions.iter().map(|&t| (self.effective_targets(t), self.domain(t))).collect();
+        for (states, _) in &targets {
+            for &s in states {
+                self.add_descendants(s, &mut set);
+            }
+        }
+        for (states, domain) in &targets {
+            for &s in states {
+                self.add_ancestors(s, *domain, &mut set);
             }
         }
         self.enter(&set);
@@ -767,7 +879,24 @@ impl<'d> Macrostep<'d> {
         }
     }
 
+    /// The targets of transition `t` as paths (history pseudo-states by their own path),
+    /// space-separated when there are several.
+    fn written_targets(&self, t: usize) -> Option<String> {
+        let paths: Vec<&str> = self.def.transitions[t]
+            .targets
+            .iter()
+            .map(|&target| match target {
+                TargetRef::State(s) => self.def.path(s),
+                TargetRef::History(h) => self.def.histories[h].path.as_str(),
+            })
+            .collect();
+        (!paths.is_empty()).then(|| paths.join(" "))
+    }
+
     fn action(&self, name: &str, state: usize, phase: ActionPhase) -> Op {
+        if let Some(event) = name.strip_prefix(RAISE_ACTION_PREFIX) {
+            return Op::Raise(Event::new(event));
+        }
         Op::Action(ActionRequest {
             name: name.to_owned(),
             event: self.current.clone(),
@@ -924,6 +1053,17 @@ impl<'d> Macrostep<'d> {
                 error: Some(error),
             }
         } else {
+            if self.history_changed {
+                let recorded: serde_json::Map<String, Value> = self
+                    .history
+                    .iter()
+                    .map(|(&h, states)| {
+                        let paths = states.iter().map(|&s| self.def.path(s)).collect::<Vec<_>>();
+                        (self.def.histories[h].path.clone(), Value::from(paths))
+                    })
+                    .collect();
+                self.context.set(HISTORY_CONTEXT_KEY, Value::Object(recorded));
+            }
             let configuration = Configuration::from_ids(self.def, &self.config);
             let (timers_to_arm, timers_to_cancel, children_to_start, children_to_cancel) =
                 self.effects();

@@ -99,6 +99,51 @@ pub enum StateKind {
     Final,
 }
 
+/// How much of its parent's past configuration a history pseudo-state restores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum HistoryDepth {
+    /// The parent's active child as it was when the parent was last exited; entering the
+    /// child then follows its own initial states.
+    Shallow,
+    /// Every active atomic descendant of the parent as it was when the parent was last
+    /// exited, so the whole subtree comes back.
+    Deep,
+}
+
+/// A history pseudo-state of a compound or parallel state, as written. A transition that
+/// targets it (by `parent.key` like any state) enters what the parent held when it was last
+/// exited, or `default` when the parent was never exited.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct HistoryDef {
+    /// The pseudo-state's key within its parent.
+    pub key: String,
+    /// Shallow or deep.
+    pub depth: HistoryDepth,
+    /// The target(s) entered when nothing is recorded yet, written like a transition target
+    /// relative to the parent's children (space-separated for several parallel regions).
+    pub default: String,
+}
+
+/// A resolved history pseudo-state, as the algorithm sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HistoryNode {
+    pub(crate) parent: usize,
+    pub(crate) path: String,
+    pub(crate) depth: HistoryDepth,
+    pub(crate) default: Vec<usize>,
+}
+
+/// One target of a resolved transition: a state, or a history pseudo-state (by index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TargetRef {
+    State(usize),
+    History(usize),
+}
+
 /// One guarded alternative of a transition: if every guard holds, run `actions` and go to
 /// `target` (or stay, without exit/entry, when there is no target).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +153,8 @@ pub struct Branch {
     /// Action names, run in order.
     pub actions: Vec<String>,
     /// The target as written (sibling key, `.child`, or full dotted path); `None` = targetless.
+    /// Several targets, one per region of a parallel state, are separated by spaces, and a
+    /// target may name a history pseudo-state.
     pub target: Option<String>,
     /// SCXML `type="internal"`: a transition from a compound state to one of its descendants
     /// does not exit and re-enter the source.
@@ -152,7 +199,8 @@ pub(crate) struct Transition {
     pub(crate) trigger: Trigger,
     pub(crate) guards: Vec<String>,
     pub(crate) actions: Vec<String>,
-    pub(crate) target: Option<usize>,
+    /// Every target, in the order written.
+    pub(crate) targets: Vec<TargetRef>,
     pub(crate) internal: bool,
 }
 
@@ -181,6 +229,8 @@ pub struct StateNode {
     pub on_timeout: Vec<Branch>,
     /// The child machine, for delegation states.
     pub delegation: Option<Delegation>,
+    /// History pseudo-states of this state, in document order.
+    pub history: Vec<HistoryDef>,
     pub(crate) parent: Option<usize>,
     pub(crate) children: Vec<usize>,
     pub(crate) initial: Option<usize>,
@@ -196,6 +246,7 @@ pub struct Definition {
     pub(crate) transitions: Vec<Transition>,
     pub(crate) guards: BTreeMap<String, Guard>,
     pub(crate) by_path: BTreeMap<String, usize>,
+    pub(crate) histories: Vec<HistoryNode>,
     pub(crate) warnings: Vec<ChartWarning>,
 }
 
@@ -251,17 +302,32 @@ impl Definition {
         names
     }
 
-    /// Every action name the definition mentions, sorted and deduplicated.
+    /// Every action name the definition mentions, sorted and deduplicated, without the
+    /// core's built-in `@raise:<event>` actions (nothing needs binding for them).
     pub fn action_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self
             .states
             .iter()
             .flat_map(|s| s.entry.iter().chain(&s.exit).cloned())
             .chain(self.transitions.iter().flat_map(|t| t.actions.iter().cloned()))
+            .filter(|name| !name.starts_with(super::algorithm::RAISE_ACTION_PREFIX))
             .collect();
         names.sort();
         names.dedup();
         names
+    }
+
+    /// The states diagrams draw an arrow to for transition `t`: each target, with a history
+    /// pseudo-state drawn as its parent (empty for a targetless transition).
+    pub(crate) fn drawn_targets(&self, t: usize) -> Vec<usize> {
+        self.transitions[t]
+            .targets
+            .iter()
+            .map(|&target| match target {
+                TargetRef::State(s) => s,
+                TargetRef::History(h) => self.histories[h].parent,
+            })
+            .collect()
     }
 
     pub(crate) fn parent(&self, s: usize) -> Option<usize> {
@@ -443,6 +509,7 @@ pub struct StateBuilder {
     pub(crate) on_timeout: Vec<Branch>,
     pub(crate) machine: Option<String>,
     pub(crate) timeout: Option<Timer>,
+    pub(crate) history: Vec<HistoryDef>,
 }
 
 impl StateBuilder {
@@ -461,6 +528,7 @@ impl StateBuilder {
             on_timeout: Vec::new(),
             machine: None,
             timeout: None,
+            history: Vec::new(),
         }
     }
 
@@ -513,6 +581,21 @@ impl StateBuilder {
         f: impl FnOnce(StateBuilder) -> StateBuilder,
     ) -> Self {
         self.child(f(StateBuilder::new(key, StateKind::Final)))
+    }
+
+    /// Adds a history pseudo-state `key`: a transition targeting `<this state>.<key>`
+    /// re-enters what this state held when it was last exited (its active child for
+    /// [`HistoryDepth::Shallow`], every active descendant for [`HistoryDepth::Deep`]), or
+    /// `default` (a child, or for deep history any descendant; space-separated for several
+    /// regions) when it was never exited.
+    pub fn history(
+        mut self,
+        key: impl Into<String>,
+        depth: HistoryDepth,
+        default: impl Into<String>,
+    ) -> Self {
+        self.history.push(HistoryDef { key: key.into(), depth, default: default.into() });
+        self
     }
 
     /// Adds an entry action.

@@ -52,8 +52,13 @@ impl Definition {
                 if !branch.actions.is_empty() {
                     let _ = write!(label, " / {}", branch.actions.join(", "));
                 }
-                let to = self.transitions[t].target.unwrap_or(s);
-                edges.push(Edge { from: s, to, label });
+                let mut targets = self.drawn_targets(t);
+                if targets.is_empty() {
+                    targets.push(s);
+                }
+                for to in targets {
+                    edges.push(Edge { from: s, to, label: label.clone() });
+                }
             }
         }
         edges

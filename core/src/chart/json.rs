@@ -28,7 +28,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::definition::{Branch, BranchBuilder, ChartBuilder, Definition, StateBuilder, StateKind};
+use super::definition::{
+    Branch, BranchBuilder, ChartBuilder, Definition, HistoryDef, StateBuilder, StateKind,
+};
 use super::timer::{Timer, TimerKind};
 use super::validate::ValidationErrors;
 use crate::limits;
@@ -96,6 +98,9 @@ pub struct StateJson {
     /// The child machine's deadline; requires `@timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout: Option<Timer>,
+    /// History pseudo-states, targeted as `<this state's path>.<key>`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<HistoryDef>,
     /// Branches taken when `timeout` passes before the child machine finished.
     #[serde(rename = "@timeout", default, skip_serializing_if = "Vec::is_empty")]
     pub on_timeout: Vec<BranchJson>,
@@ -118,7 +123,9 @@ pub struct TransitionJson {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub actions: Vec<String>,
     /// Target of the inline branch: a sibling or ancestor's sibling key, `.child`, or a full
-    /// dotted path. Without it the branch only runs its actions.
+    /// dotted path; a history pseudo-state is named like a state, and one target per region
+    /// of a parallel state may be given, separated by spaces. Without it the branch only runs
+    /// its actions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
     /// The inline branch does not exit and re-enter the source for a descendant target.
@@ -152,7 +159,8 @@ pub struct BranchJson {
     /// Action names, run in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub actions: Vec<String>,
-    /// The target; without it the branch only runs its actions (no exit, no entry).
+    /// The target, written as for the inline branch (several separated by spaces); without it
+    /// the branch only runs its actions (no exit, no entry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
     /// Do not exit and re-enter the source for a descendant target.
@@ -274,6 +282,7 @@ impl Definition {
             machine: node.delegation.as_ref().map(|d| d.machine.clone()),
             timeout: node.delegation.as_ref().and_then(|d| d.timeout),
             on_timeout: branches(&node.on_timeout),
+            history: node.history.clone(),
             states: node.children.iter().map(|&c| self.state_json(c)).collect(),
         }
     }
@@ -288,6 +297,7 @@ impl Definition {
             && self.transitions == other.transitions
             && self.guards.keys().eq(other.guards.keys())
             && self.by_path == other.by_path
+            && self.histories == other.histories
             && self.warnings == other.warnings
     }
 }
@@ -527,6 +537,9 @@ fn configure(mut s: StateBuilder, json: &StateJson) -> StateBuilder {
     }
     if let Some(machine) = &json.machine {
         s = s.machine(machine);
+    }
+    for h in &json.history {
+        s = s.history(h.key.clone(), h.depth, h.default.clone());
     }
     if let Some(timeout) = json.timeout {
         for b in &json.on_timeout {

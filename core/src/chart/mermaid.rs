@@ -71,14 +71,13 @@ impl Definition {
         let node = &self.states[s];
         let from = id(&node.path);
         let mut edge = |branch: &Branch, label: String| {
-            let target = branch.target.as_ref().map_or_else(
-                || from.clone(),
-                |_| {
-                    // Resolved targets are stored on the flattened transitions; look them up.
-                    self.resolved_target(s, branch)
-                        .map_or_else(|| from.clone(), |t| id(self.path(t)))
-                },
-            );
+            // Resolved targets are stored on the flattened transitions; look them up. A
+            // transition into several regions draws one arrow per target.
+            let mut targets: Vec<String> =
+                self.resolved_targets(s, branch).into_iter().map(|t| id(self.path(t))).collect();
+            if targets.is_empty() {
+                targets.push(from.clone());
+            }
             let mut label = label;
             if !branch.guards.is_empty() {
                 let _ = write!(label, " [{}]", branch.guards.join(" && "));
@@ -86,7 +85,9 @@ impl Definition {
             if !branch.actions.is_empty() {
                 let _ = write!(label, " / {}", branch.actions.join(", "));
             }
-            let _ = writeln!(out, "{pad}{from} --> {target} : {label}");
+            for target in targets {
+                let _ = writeln!(out, "{pad}{from} --> {target} : {label}");
+            }
         };
         for t in &node.on {
             let timer = t.timer.as_ref().map(|spec| format!(" ({spec})")).unwrap_or_default();
@@ -114,7 +115,7 @@ impl Definition {
         }
     }
 
-    fn resolved_target(&self, s: usize, branch: &Branch) -> Option<usize> {
+    fn resolved_targets(&self, s: usize, branch: &Branch) -> Vec<usize> {
         // Branches are flattened in declaration order; match on the exact branch contents.
         let node = &self.states[s];
         let written: Vec<&Branch> = node
@@ -126,7 +127,10 @@ impl Definition {
             .chain(&node.on_fail)
             .chain(&node.on_timeout)
             .collect();
-        let index = written.iter().position(|b| std::ptr::eq(*b, branch))?;
-        self.transitions[node.transitions[index]].target
+        written
+            .iter()
+            .position(|b| std::ptr::eq(*b, branch))
+            .map(|index| self.drawn_targets(node.transitions[index]))
+            .unwrap_or_default()
     }
 }

@@ -60,22 +60,26 @@ mod diagram;
 mod json;
 mod mermaid;
 pub mod parallel;
+#[cfg(feature = "scxml")]
+mod scxml;
 pub mod step;
 mod timer;
 mod validate;
 
 pub use algorithm::{
-    ActionError, ActionPhase, ActionRequest, ChildStart, Limits, Macrostep, MacrostepError,
-    MacrostepResult, Next, Record, run_to_completion,
+    ActionError, ActionPhase, ActionRequest, ChildStart, HISTORY_CONTEXT_KEY, Limits, Macrostep,
+    MacrostepError, MacrostepResult, Next, Record, run_to_completion,
 };
 pub use configuration::Configuration;
 pub use context::{ActionResult, ChartContext, SharedContext};
 pub use definition::{
-    Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, StateBuilder,
-    StateKind, StateNode, TransitionBuilder, TransitionDef,
+    Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, HistoryDef,
+    HistoryDepth, StateBuilder, StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use parallel::RegionDispatch;
+#[cfg(feature = "scxml")]
+pub use scxml::{KEEL_SCXML_NAMESPACE, ScxmlError};
 pub use timer::{Timer, TimerArm, TimerCancel, TimerKind, TimerSpec, TimerUnit};
 pub use validate::{ChartError, ChartWarning, ValidationErrors};
 

@@ -176,12 +176,27 @@ pub struct RegionRun {
 impl RegionRun {
     /// A run of `task`'s entry actions.
     pub fn new(def: &Definition, task: &RegionTask) -> Self {
-        Self {
+        let mut run = Self {
             key: task.key.clone(),
             snapshot: task.snapshot.clone(),
             context: ChartContext::new(task.snapshot.clone()),
             actions: task.actions(def).into(),
             raised: Vec::new(),
+        };
+        run.raise_builtins();
+        run
+    }
+
+    /// Runs the core's built-in raise actions at the front of the queue, as the macrostep
+    /// does, so that the runtime is only ever asked for actions it binds.
+    fn raise_builtins(&mut self) {
+        while let Some(event) = self
+            .actions
+            .front()
+            .and_then(|a| a.name.strip_prefix(super::algorithm::RAISE_ACTION_PREFIX))
+        {
+            self.raised.push(Event::new(event));
+            self.actions.pop_front();
         }
     }
 
@@ -205,6 +220,7 @@ impl RegionRun {
         let result = result?;
         self.context.apply(&result);
         self.raised.extend(result.raised);
+        self.raise_builtins();
         Ok(())
     }
 
@@ -755,5 +771,33 @@ mod tests {
             Limits::default(),
         );
         assert!(matches!(replay, ReportPlan::Noop));
+    }
+
+    #[test]
+    fn a_region_task_raises_built_in_raise_actions_itself() {
+        let d = Definition::builder("raising", 1)
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p"))
+            .parallel("p", |p| {
+                p.state("a", |r| r.entry("@raise:A_READY").entry("ax").initial("x").leaf("x"))
+                    .state("b", |r| r.entry("bx").initial("x").leaf("x"))
+            })
+            .build()
+            .unwrap();
+        let result = go(&d, "GO");
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        let mut run = RegionRun::new(&d, &tasks[0]);
+        let mut asked = Vec::new();
+        while let Some(request) = run.poll() {
+            asked.push(request.name.clone());
+            run.handle_action_result(Ok(ActionResult::empty().raise("AFTER"))).unwrap();
+        }
+        assert_eq!(asked, ["ax"], "the runtime is never asked for a built-in action");
+        let RegionReport::Completed { raised, .. } = run.report() else {
+            panic!("the run completed");
+        };
+        let names: Vec<&str> = raised.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["A_READY", "AFTER"], "raised in action order");
     }
 }

@@ -1191,4 +1191,28 @@ stateDiagram-v2
     assert_eq!(def.to_mermaid(), expected);
 }
 
+mod history;
 mod properties;
+
+#[test]
+fn raise_actions_are_run_by_the_core_in_action_order() {
+    // `@raise:X` needs no binding: it queues `X` between the actions around it, and
+    // `X` is processed after the microstep, before the next external event.
+    check(
+        chart()
+            .initial("a")
+            .state("a", |s| {
+                s.on("GO", |t| t.target("b").action("first").action("@raise:NEXT").action("last"))
+            })
+            .state("b", |s| s.on("NEXT", |t| t.target("c").action("next")))
+            .leaf("c"),
+        &["GO"],
+        "
+        @init: enter a
+        GO: exit a,b enter b,c actions first,last,next
+        config: c
+        ",
+    );
+    let def = chart().initial("a").state("a", |s| s.entry("@raise:X").entry("log")).build();
+    assert_eq!(def.expect("valid").action_names(), ["log"]);
+}

@@ -7,8 +7,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::definition::{
-    Branch, ChartBuilder, Definition, Delegation, RawTimer, StateBuilder, StateKind, StateNode,
-    Transition, TransitionDef, Trigger,
+    Branch, ChartBuilder, Definition, Delegation, HistoryNode, RawTimer, StateBuilder, StateKind,
+    StateNode, TargetRef, Transition, TransitionDef, Trigger,
 };
 use super::timer::{Timer, TimerKind, TimerSpec};
 use crate::limits;
@@ -188,6 +188,18 @@ pub enum ChartError {
         /// State path.
         state: String,
     },
+    /// A history pseudo-state that cannot work as written.
+    #[error("state `{state}`: history `{history}` {problem}; fix: {fix}")]
+    InvalidHistory {
+        /// The parent state's path.
+        state: String,
+        /// The history's key.
+        history: String,
+        /// What is wrong.
+        problem: String,
+        /// How to fix it.
+        fix: String,
+    },
 }
 
 /// A problem worth reporting that does not stop the build.
@@ -245,6 +257,10 @@ struct Flat<'a> {
     states: Vec<StateNode>,
     builders: Vec<&'a StateBuilder>,
     by_path: BTreeMap<String, usize>,
+    history_by_path: BTreeMap<String, usize>,
+    histories: Vec<HistoryNode>,
+    /// The history pseudo-states as written, in the order of `histories`.
+    history_written: Vec<super::definition::HistoryDef>,
     errors: Vec<ChartError>,
 }
 
@@ -280,6 +296,7 @@ impl<'a> Flat<'a> {
             on_fail: b.on_fail.clone(),
             on_timeout: b.on_timeout.clone(),
             delegation: b.machine.clone().map(|machine| Delegation { machine, timeout: b.timeout }),
+            history: b.history.clone(),
             parent,
             children: Vec::new(),
             initial: None,
@@ -289,6 +306,27 @@ impl<'a> Flat<'a> {
         for child in &b.children {
             let c = self.push(child, Some(id));
             self.states[id].children.push(c);
+        }
+        for h in &b.history {
+            let path = join(&self.states[id].path, &h.key);
+            if h.key.is_empty() || h.key.contains('.') {
+                self.errors.push(ChartError::InvalidStateKey {
+                    state: display(&self.states[id].path),
+                    key: h.key.clone(),
+                });
+            }
+            if self.by_path.contains_key(&path) || self.history_by_path.contains_key(&path) {
+                self.errors.push(ChartError::DuplicateStateId { state: display(&path) });
+                continue;
+            }
+            self.history_by_path.insert(path.clone(), self.histories.len());
+            self.history_written.push(h.clone());
+            self.histories.push(HistoryNode {
+                parent: id,
+                path,
+                depth: h.depth,
+                default: Vec::new(),
+            });
         }
         id
     }
@@ -310,6 +348,9 @@ pub(crate) fn build_unchecked(builder: ChartBuilder) -> Result<Definition, Valid
         states: Vec::new(),
         builders: Vec::new(),
         by_path: BTreeMap::new(),
+        history_by_path: BTreeMap::new(),
+        histories: Vec::new(),
+        history_written: Vec::new(),
         errors: Vec::new(),
     };
     flat.push(&builder.root, None);
@@ -323,6 +364,9 @@ pub(crate) fn build_unchecked(builder: ChartBuilder) -> Result<Definition, Valid
         let ids = flatten_transitions(&mut flat, id, &builder, &mut transitions);
         flat.states[id].transitions = ids;
     }
+    for h in 0..flat.histories.len() {
+        check_history(&mut flat, h);
+    }
     if !flat.errors.is_empty() {
         return Err(ValidationErrors { errors: flat.errors });
     }
@@ -333,6 +377,7 @@ pub(crate) fn build_unchecked(builder: ChartBuilder) -> Result<Definition, Valid
         transitions,
         guards: builder.guards,
         by_path: flat.by_path,
+        histories: flat.histories,
         warnings: Vec::new(),
     };
     def.warnings = unreachable(&def);
@@ -518,17 +563,24 @@ fn flatten_transitions(
     let mut ids = Vec::new();
     for (trigger, label, branches) in groups {
         for branch in branches {
-            let target = branch.target.as_ref().and_then(|t| {
-                let found = resolve(flat, id, t);
-                if found.is_none() {
-                    flat.errors.push(ChartError::UnknownTarget {
+            let mut targets = Vec::new();
+            for t in branch.target.iter().flat_map(|t| t.split_whitespace()) {
+                match resolve_target(flat, flat.states[id].parent, Some(id), t) {
+                    Some(found) => targets.push(found),
+                    None => flat.errors.push(ChartError::UnknownTarget {
                         state: display(&flat.states[id].path),
                         trigger: label.clone(),
-                        target: t.clone(),
-                    });
+                        target: t.to_owned(),
+                    }),
                 }
-                found
-            });
+            }
+            if branch.target.as_ref().is_some_and(|t| t.trim().is_empty()) {
+                flat.errors.push(ChartError::UnknownTarget {
+                    state: display(&flat.states[id].path),
+                    trigger: label.clone(),
+                    target: String::new(),
+                });
+            }
             for guard in &branch.guards {
                 if !builder.guards.contains_key(guard) {
                     flat.errors.push(ChartError::UnknownGuard {
@@ -544,7 +596,7 @@ fn flatten_transitions(
                 trigger: trigger.clone(),
                 guards: branch.guards.clone(),
                 actions: branch.actions.clone(),
-                target,
+                targets,
                 internal: branch.internal,
             });
         }
@@ -552,16 +604,28 @@ fn flatten_transitions(
     ids
 }
 
-/// Resolves a target as written: `.child` is a child of the source; otherwise the nearest
-/// enclosing scope (the source's parent, then its ancestors up to the root) that has a state
-/// at that relative path wins, so a full dotted path always resolves at the root.
-fn resolve(flat: &Flat<'_>, source: usize, target: &str) -> Option<usize> {
+/// Resolves one target as written: `.child` is a child of `source`; otherwise the nearest
+/// enclosing scope (starting at `scope`, then its ancestors up to the root) that has a state
+/// or history pseudo-state at that relative path wins, so a full dotted path always resolves
+/// at the root.
+fn resolve_target(
+    flat: &Flat<'_>,
+    scope: Option<usize>,
+    source: Option<usize>,
+    target: &str,
+) -> Option<TargetRef> {
+    let lookup = |path: String| {
+        flat.by_path
+            .get(&path)
+            .map(|&s| TargetRef::State(s))
+            .or_else(|| flat.history_by_path.get(&path).map(|&h| TargetRef::History(h)))
+    };
     if let Some(child) = target.strip_prefix('.') {
-        return flat.by_path.get(&join(&flat.states[source].path, child)).copied();
+        return source.and_then(|s| lookup(join(&flat.states[s].path, child)));
     }
-    let mut scope = flat.states[source].parent;
+    let mut scope = scope;
     while let Some(s) = scope {
-        if let Some(&found) = flat.by_path.get(&join(&flat.states[s].path, target)) {
+        if let Some(found) = lookup(join(&flat.states[s].path, target)) {
             return Some(found);
         }
         scope = flat.states[s].parent;
@@ -569,11 +633,76 @@ fn resolve(flat: &Flat<'_>, source: usize, target: &str) -> Option<usize> {
     None
 }
 
+/// Resolves a history's default target(s) in its parent's scope (children by key, `.child`
+/// likewise) and checks that the history can work: its parent has children, and every
+/// default is a state below the parent (a direct child for shallow history).
+fn check_history(flat: &mut Flat<'_>, h: usize) {
+    let parent = flat.histories[h].parent;
+    let written = &flat.history_written[h];
+    let (key, default, depth) = (written.key.clone(), written.default.clone(), written.depth);
+    let error = |problem: String, fix: &str| ChartError::InvalidHistory {
+        state: display(&flat.states[parent].path),
+        history: key.clone(),
+        problem,
+        fix: fix.to_owned(),
+    };
+    if !matches!(flat.states[parent].kind, StateKind::Compound | StateKind::Parallel) || parent == 0
+    {
+        let e = error(
+            "belongs to a state without children".to_owned(),
+            "put the history inside a compound or parallel state, next to the children it remembers",
+        );
+        flat.errors.push(e);
+        return;
+    }
+    let mut resolved = Vec::new();
+    for t in default.split_whitespace() {
+        match resolve_target(flat, Some(parent), Some(parent), t) {
+            Some(TargetRef::State(s))
+                if flat.states[s].parent == Some(parent)
+                    || (depth == super::definition::HistoryDepth::Deep
+                        && is_below(flat, s, parent)) =>
+            {
+                resolved.push(s);
+            }
+            _ => {
+                let e = error(
+                    format!("has default target `{t}`, which is not a state inside its parent"),
+                    "name a child of the parent (any descendant for deep history) as the default",
+                );
+                flat.errors.push(e);
+            }
+        }
+    }
+    if resolved.is_empty() && !default.split_whitespace().any(|_| true) {
+        let e = error(
+            "has no default target".to_owned(),
+            "give the state entered when nothing is recorded yet, e.g. the parent's initial child",
+        );
+        flat.errors.push(e);
+    }
+    flat.histories[h].default = resolved;
+}
+
+fn is_below(flat: &Flat<'_>, s: usize, of: usize) -> bool {
+    let mut cur = flat.states[s].parent;
+    while let Some(p) = cur {
+        if p == of {
+            return true;
+        }
+        cur = flat.states[p].parent;
+    }
+    false
+}
+
 /// States that no sequence of transitions can enter, in document order.
 fn unreachable(def: &Definition) -> Vec<ChartWarning> {
     let mut reached = vec![false; def.states.len()];
     let mut work = vec![0];
     while let Some(s) = work.pop() {
+        if reached[s] {
+            continue;
+        }
         // Entering `s` enters its ancestors and its default descendants.
         let mut stack = vec![s];
         let mut anc = def.parent(s);
@@ -593,10 +722,16 @@ fn unreachable(def: &Definition) -> Vec<ChartWarning> {
                 _ => {}
             }
             for &t in &node.transitions {
-                if let Some(target) = def.transitions[t].target
-                    && !reached[target]
-                {
-                    work.push(target);
+                for &target in &def.transitions[t].targets {
+                    match target {
+                        TargetRef::State(s) => work.push(s),
+                        TargetRef::History(h) => {
+                            // What a history restores was entered before; only its
+                            // defaults are new ways in.
+                            work.push(def.histories[h].parent);
+                            work.extend(def.histories[h].default.iter().copied());
+                        }
+                    }
                 }
             }
         }
