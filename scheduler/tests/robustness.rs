@@ -481,7 +481,16 @@ async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: Tes
     h.clock.advance(Duration::from_secs(31));
     let row = h.wait(id, "done after the re-run", |r| r.status == Status::Done).await;
     assert_eq!(row.revision.0, 1, "committed once");
-    let committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
+    // The committer records its success just after the store accepted the commit, so the
+    // row can read as done a moment before the health report says so.
+    let mut committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
+    for _ in 0..500 {
+        if committer.last_success.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
+    }
     let error = &committer.last_error.as_ref().expect("the panic is reported").1;
     assert!(error.contains("step_commit panicked: injected step_commit panic"), "{error}");
     assert!(committer.running && committer.last_success.is_some(), "{committer:?}");
