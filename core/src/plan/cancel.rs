@@ -10,6 +10,7 @@
 
 use super::RowWrite;
 use crate::error::{StoreError, StoreResult};
+use crate::history::HistoryKind;
 use crate::ids::InstanceId;
 use crate::inbox::{self, Pending};
 use crate::instance::{HistoryEntry, Instance};
@@ -72,7 +73,7 @@ pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
         let Some(next) = outcome::cancel(&row, &p.reason, p.now) else { continue };
         let cascade_from = (row.id != p.id).then_some(p.id);
         let mut history = vec![HistoryEntry::new(
-            "CANCELLED",
+            HistoryKind::Cancelled,
             json!({ "reason": next.last_error, "cascade_from": cascade_from }),
         )];
         history.extend(read.pending.get(&row.id).and_then(inbox::drained));
