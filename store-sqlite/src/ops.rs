@@ -29,8 +29,7 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::{self, TimerRow};
 use keel_core::{
-    DeadLetterId, Instance, InstanceId, NewSignal, SignalTarget, Status, StepCommit, StoreResult,
-    Timestamp,
+    DeadLetterId, Instance, InstanceId, NewSignal, Status, StepCommit, StoreResult, Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
@@ -241,16 +240,8 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     for (signal, target) in &plan.emits {
         deliver_to(db, *target, signal, now).await?;
     }
-    if let Some(parent) = plan.barrier_release
-        && let Some(parent) = db.instance(parent).await?
-    {
-        db.instance_write(&outcome::release_parent(&parent, now)).await?;
-    }
-    if let Some(notice) = &plan.parent_notice
-        && let SignalTarget::Id(parent) = notice.target
-        && db.instance(parent).await?.is_some()
-    {
-        deliver_to(db, parent, notice, now).await?;
+    if let Some(parent) = plan.barrier_release {
+        parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
     }
     Ok(receipt)
 }
@@ -273,17 +264,19 @@ async fn child_insert(
     Ok(InsertOutcome::Inserted(db.instance_insert(&row).await?))
 }
 
-/// `child` became terminal (or was cancelled): count it on its parent's barrier, and tell
-/// a chart parent through its inbox (`outcome::parent_notice`), as `MemoryStore` does.
-async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> StoreResult<()> {
-    let Some(parent) = child.parent else { return Ok(()) };
+/// Executes a planned parent release: the parent's barrier counts the ended child against
+/// its row as it stands now, then the parent's notice is delivered. A parent that no
+/// longer exists is left alone.
+async fn parent_release(
+    db: &mut Db<'_>,
+    parent: InstanceId,
+    notice: Option<&NewSignal>,
+    now: Timestamp,
+) -> StoreResult<()> {
     let Some(row) = db.instance(parent).await? else { return Ok(()) };
-    db.instance_write(&outcome::release_parent(&row, now)).await?;
-    if let Some(notice) = outcome::parent_notice(child)
-        && let SignalTarget::Id(target) = notice.target
-        && db.instance(target).await?.is_some()
-    {
-        deliver_to(db, target, &notice, now).await?;
+    db.instance_write(&plan::parent::release(&row, now)).await?;
+    if let Some(notice) = notice {
+        deliver_to(db, parent, notice, now).await?;
     }
     Ok(())
 }
@@ -601,7 +594,9 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
         write_planned(db, w, p.now).await?;
         db.signals_drop(w.row.id).await?;
         db.timers_drop(w.row.id).await?;
-        child_terminal(db, &w.row, p.now).await?;
+    }
+    for r in &plan.releases {
+        parent_release(db, r.parent, r.notice.as_ref(), p.now).await?;
     }
     Ok(plan.cancelled())
 }

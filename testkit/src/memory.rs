@@ -254,18 +254,15 @@ impl State {
         }
     }
 
-    /// `child` became terminal (or was cancelled): count it on its parent's barrier, and
-    /// tell a chart parent through its inbox (`outcome::parent_notice`).
-    fn child_terminal(&mut self, child: &Instance, now: Timestamp) {
-        if let Some(row) = child.parent.and_then(|p| self.rows.get(&p)) {
-            let next = outcome::release_parent(row, now);
-            self.write(next);
-        }
-        if let Some(notice) = outcome::parent_notice(child)
-            && let SignalTarget::Id(parent) = notice.target
-            && self.rows.contains_key(&parent)
-        {
-            self.deliver_to(parent, &notice, now);
+    /// Executes a planned parent release: the parent's barrier counts the ended child
+    /// against its row as it stands now, then the parent's notice is delivered. A parent
+    /// that no longer exists is left alone.
+    fn parent_release(&mut self, parent: InstanceId, notice: Option<&NewSignal>, now: Timestamp) {
+        let Some(row) = self.rows.get(&parent) else { return };
+        let next = plan::parent::release(row, now);
+        self.write(next);
+        if let Some(notice) = notice {
+            self.deliver_to(parent, notice, now);
         }
     }
 
@@ -412,15 +409,8 @@ impl State {
         for (signal, target) in emits {
             self.deliver_to(target, &signal, now);
         }
-        if let Some(parent) = barrier_release.and_then(|p| self.rows.get(&p)) {
-            let next = outcome::release_parent(parent, now);
-            self.write(next);
-        }
-        if let Some(notice) = parent_notice
-            && let SignalTarget::Id(parent) = notice.target
-            && self.rows.contains_key(&parent)
-        {
-            self.deliver_to(parent, &notice, now);
+        if let Some(parent) = barrier_release {
+            self.parent_release(parent, parent_notice.as_ref(), now);
         }
         receipt
     }
@@ -563,11 +553,13 @@ impl State {
         let plan = plan::cancel::cancel(p, read)?;
         let cancelled = plan.cancelled();
         for w in plan.rows {
-            let child = w.row.clone();
+            let id = w.row.id;
             self.write_planned(w, p.now);
-            self.inbox_drop(child.id);
-            self.timers_drop(child.id);
-            self.child_terminal(&child, p.now);
+            self.inbox_drop(id);
+            self.timers_drop(id);
+        }
+        for r in &plan.releases {
+            self.parent_release(r.parent, r.notice.as_ref(), p.now);
         }
         Ok(cancelled)
     }

@@ -275,8 +275,11 @@ impl Admitted {
             });
             TimerPlan::Change { cancel: commit.timers_cancel.clone(), arm: arm.collect() }
         };
-        let parent = if terminal { row.parent } else { None };
-        let parent_notice = if terminal { outcome::parent_notice(&row) } else { None };
+        let release = super::parent::ended(&row);
+        let (parent, parent_notice) = match release {
+            Some(r) => (Some(r.parent), r.notice),
+            None => (None, None),
+        };
         let receipt = CommitReceipt {
             id: row.id,
             revision: row.revision,
@@ -343,7 +346,7 @@ pub struct CommitPlan {
     /// delivery rules.
     pub emits: Vec<(NewSignal, InstanceId)>,
     /// The parent whose barrier counts this instance as ended (see
-    /// `outcome::release_parent`); the parent may no longer exist.
+    /// [`super::parent::release`]); the parent may no longer exist.
     pub barrier_release: Option<InstanceId>,
     /// The event the parent hears of this instance's end through its inbox, delivered
     /// after the barrier release; dropped when the parent no longer exists.

@@ -18,6 +18,7 @@ pub mod dead_letter;
 pub mod deliver;
 pub mod insert;
 pub mod lease;
+pub mod parent;
 pub mod timer;
 
 use crate::instance::{HistoryEntry, Instance};
