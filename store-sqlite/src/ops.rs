@@ -13,9 +13,9 @@
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::inbox;
-use keel_core::instance::{NewDeadLetter, undecodable_error, unique_guard};
+use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
-use keel_core::outcome;
+use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -33,7 +33,7 @@ use keel_core::{
 };
 use sqlx::Connection;
 use sqlx::Row;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 
 /// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
 /// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
@@ -65,9 +65,10 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 // ----- claims ----------------------------------------------------------------------------
 
 /// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the
-/// filters, pauses and the executing-concurrency-key rule; the loop applies the core's
-/// `claim` and the rules that depend on rows claimed earlier in the same call (one row
-/// per concurrency key, unique keys).
+/// filters, pauses and the executing-concurrency-key rule (so each candidate's read says
+/// neither paused nor key executing); the core's claim planner decides each candidate,
+/// including the rules that depend on rows claimed earlier in the same call (one row per
+/// concurrency key, unique keys) and what happens to a row that cannot be read.
 pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
     p.validate()?;
     let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
@@ -78,8 +79,8 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
     let page = p.limit.max(CLAIM_PAGE_MIN);
     let mut after: (i64, i64, i64) = (-1, i64::MIN, i64::MIN);
     let mut claims = Vec::new();
-    let mut keys: HashSet<String> = HashSet::new();
-    while claims.len() < p.limit {
+    let mut planner = ClaimPlanner::new(p);
+    while !planner.is_full() {
         let rows = sqlx::query(concat!(
             "SELECT ",
             instance_cols!(),
@@ -116,34 +117,21 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
         let exhausted = candidates.len() < page;
         for row in candidates {
             after = (i64::from(row.priority.level()), row.eligible_at.0, row.id.0);
-            if claims.len() >= p.limit {
+            if planner.is_full() {
                 break;
             }
-            if !outcome::claimable(&row, p.now)
-                || row.concurrency_key.as_ref().is_some_and(|k| keys.contains(k))
-            {
+            let Some(next) = planner.offer(&row, CandidateRead::default()) else { continue };
+            let occupied = match next.unique_guard() {
+                Some(guard) => db.occupant(guard, next.id).await?.is_some(),
+                None => false,
+            };
+            if !planner.take(&next, occupied) {
                 continue;
-            }
-            let next = outcome::claim(&row, &p.worker, p.lease, p.now);
-            if let Some(guard) = next.unique_guard()
-                && db.occupant(guard, next.id).await?.is_some()
-            {
-                continue;
-            }
-            if let Some(k) = &next.concurrency_key {
-                keys.insert(k.clone());
             }
             db.instance_write(&next).await?;
             let inbox = db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?;
-            let damage = next.damage().or_else(|| {
-                inbox
-                    .iter()
-                    .find_map(|s| undecodable_error(&s.payload).map(|e| format!("inbox {e}")))
-            });
-            if let Some(error) = damage {
-                // A row that cannot be read fails alone: dead-lettered, never handed out,
-                // and its neighbours are claimed as usual.
-                let applied = outcome::undecodable_row(&next, &error, p.now);
+            if let Some(error) = claim::damage(&next, &inbox) {
+                let applied = claim::undecodable(&next, &error, p.now);
                 for entry in &applied.history {
                     db.record(&applied.row, next.attempt, entry, p.now).await?;
                 }

@@ -25,7 +25,7 @@ use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, unique_guard,
 };
 use keel_core::limits;
-use keel_core::outcome;
+use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
@@ -297,16 +297,26 @@ impl State {
             .map(|(_, _, id)| *id)
             .collect();
         let mut claims = Vec::new();
+        let mut planner = ClaimPlanner::new(p);
         for id in candidates {
-            if claims.len() >= p.limit {
+            if planner.is_full() {
                 break;
             }
             let row = &self.rows[&id];
-            if !self.may_claim(row, p) {
-                continue;
-            }
-            let next = outcome::claim(row, &p.worker, p.lease, p.now);
-            if next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some()) {
+            let read = CandidateRead {
+                queue_paused: self
+                    .queues
+                    .get(&(row.namespace.clone(), row.queue.clone()))
+                    .copied()
+                    .unwrap_or(false),
+                key_executing: row
+                    .concurrency_key
+                    .as_ref()
+                    .is_some_and(|k| self.executing_keys.contains_key(k)),
+            };
+            let Some(next) = planner.offer(row, read) else { continue };
+            let occupied = next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some());
+            if !planner.take(&next, occupied) {
                 continue;
             }
             self.write(next.clone());
@@ -317,19 +327,6 @@ impl State {
             });
         }
         Ok(claims)
-    }
-
-    fn may_claim(&self, row: &Instance, p: &ClaimParams) -> bool {
-        outcome::claimable(row, p.now)
-            && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
-            && (p.queues.is_empty() || p.queues.contains(&row.queue))
-            && (p.machines.is_empty() || p.machines.contains(&row.machine))
-            && !self
-                .queues
-                .get(&(row.namespace.clone(), row.queue.clone()))
-                .copied()
-                .unwrap_or(false)
-            && row.concurrency_key.as_ref().is_none_or(|k| !self.executing_keys.contains_key(k))
     }
 
     // ----- commits ----------------------------------------------------------------------

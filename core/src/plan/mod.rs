@@ -13,6 +13,7 @@
 //! the plan turns that into the caller's result once the store knows the ids.
 
 pub mod cancel;
+pub mod claim;
 pub mod commit;
 pub mod dead_letter;
 pub mod deliver;
