@@ -121,7 +121,7 @@
 //!   as an `instance::undecodable` marker naming the error, and `WRITE_INSTANCES` keeps the
 //!   stored value wherever it is given a marker. A claimed row whose context, result, inbox
 //!   or children cannot be decoded is not handed out: a second transaction, fenced on the
-//!   claim's token, applies `outcome::undecodable_row` (suspended, dead letter `undecodable`
+//!   claim's token, applies `plan::claim::undecodable` (suspended, dead letter `undecodable`
 //!   naming the error); if that write fails, the lease runs out and a later claim retries.
 //! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
 //!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).
