@@ -27,7 +27,7 @@ use keel_core::ports::store::{
     SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams, TimerSweepParams,
     TimerSweepReport,
 };
-use keel_core::timers::{self, TimerRow};
+use keel_core::timers::TimerRow;
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewSignal, Status, StepCommit, StoreResult, Timestamp,
 };
@@ -221,7 +221,7 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         receipt.dead_letter = Some(db.dead_letter_insert(letter, now).await?);
     }
     match &plan.timers {
-        TimerPlan::Change { cancel, arm } => timers_change(db, row, cancel, arm).await?,
+        TimerPlan::Change { arm, .. } => timers_change(db, row, &plan.timers, arm).await?,
         TimerPlan::DropAll => db.timers_drop(row.id).await?,
     }
     db.instance_write(row).await?;
@@ -269,17 +269,17 @@ async fn parent_release(
     Ok(())
 }
 
-/// A commit's timer changes: cancels first (every timer of the instance owned by a left
-/// state or a descendant), then arms.
+/// A commit's timer changes: cancels first (the timers the plan says it cancels), then
+/// arms.
 async fn timers_change(
     db: &mut Db<'_>,
     row: &Instance,
-    cancel: &[String],
+    plan: &TimerPlan,
     arm: &[TimerRow],
 ) -> StoreResult<()> {
-    if !cancel.is_empty() {
+    if matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
         for t in db.timers(row.id, WHOLE_INBOX).await? {
-            if cancel.iter().any(|left| timers::owned_by(&t.spec.state, left)) {
+            if plan.cancels(&t.spec.state) {
                 db.timer_remove(t.id).await?;
             }
         }

@@ -41,7 +41,7 @@ use keel_core::ports::store::{
     QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
     TimerStatus, TimerSweepParams, TimerSweepReport,
 };
-use keel_core::timers::{TimerHint, TimerHints, TimerRow, owned_by};
+use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewSignal, Priority, Signal, SignalId, SignalTarget,
     Status, StepCommit, StoreError, StoreResult, Timestamp,
@@ -261,8 +261,8 @@ impl State {
             self.dead_letters.insert(id, DeadLetter { id, created_at: now, letter });
             id
         });
-        match timers {
-            TimerPlan::Change { cancel, arm } => self.timers_change(&row, &cancel, arm),
+        match &timers {
+            TimerPlan::Change { arm, .. } => self.timers_change(&row, &timers, arm.clone()),
             TimerPlan::DropAll => self.timers_drop(row.id),
         }
         self.write(row);

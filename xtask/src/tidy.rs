@@ -58,6 +58,7 @@ pub const DECISIONS: &[(&str, &str, &str)] = &[
     ("outcome", "dead_letter_retry", "plan::dead_letter"),
     ("timers", "fire", "plan::timer"),
     ("timers", "delivers", "plan::timer"),
+    ("timers", "owned_by", "plan::commit::TimerPlan::cancels"),
     ("inbox", "drained", "plan::commit or plan::cancel"),
     ("inbox", "accepts_signals", "plan::deliver"),
 ];

@@ -304,11 +304,25 @@ impl Admitted {
     }
 }
 
+impl TimerPlan {
+    /// Whether this plan deletes a timer of the instance owned by `state`: every timer
+    /// when the instance ended, otherwise those owned by a cancelled state or one of its
+    /// descendants.
+    pub fn cancels(&self, state: &str) -> bool {
+        match self {
+            TimerPlan::Change { cancel, .. } => {
+                cancel.iter().any(|left| timers::owned_by(state, left))
+            }
+            TimerPlan::DropAll => true,
+        }
+    }
+}
+
 /// What happens to the committing instance's timers.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TimerPlan {
     /// Delete every timer of the instance owned by one of the `cancel` states or their
-    /// descendants (see `timers::owned_by`), then insert `arm`.
+    /// descendants (see [`TimerPlan::cancels`]), then insert `arm`.
     Change {
         /// The states whose timers end.
         cancel: Vec<String>,

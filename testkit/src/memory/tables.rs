@@ -4,8 +4,9 @@
 
 use super::{
     BTreeMap, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId, NewSignal, Signal,
-    SignalId, SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, owned_by, plan,
+    SignalId, SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, plan,
 };
+use keel_core::plan::commit::TimerPlan;
 
 impl State {
     /// Writes a row and keeps every index in step with its new status.
@@ -154,13 +155,14 @@ impl State {
         }
     }
 
-    /// Applies a commit's timer changes: cancels first, then arms.
-    pub(super) fn timers_change(&mut self, row: &Instance, cancel: &[String], arm: Vec<TimerRow>) {
-        if !cancel.is_empty() {
+    /// Applies a commit's timer changes: cancels first (the timers the plan says it
+    /// cancels), then arms.
+    pub(super) fn timers_change(&mut self, row: &Instance, plan: &TimerPlan, arm: Vec<TimerRow>) {
+        if matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
             let mine: Vec<TimerId> =
                 self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
             for id in mine {
-                if cancel.iter().any(|left| owned_by(&self.timers[&id].spec.state, left)) {
+                if plan.cancels(&self.timers[&id].spec.state) {
                     self.timer_remove(id);
                 }
             }
