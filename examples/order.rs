@@ -11,7 +11,7 @@
 use keel_core::chart::Timer;
 use keel_core::ports::Store;
 use keel_core::ports::store::InsertOutcome;
-use keel_core::{Instance, InstanceId, NewSignal, Status, StatusSet};
+use keel_core::{HistoryKind, Instance, InstanceId, NewSignal, Status, StatusSet};
 use keel_examples::demo_store::DemoStore;
 use keel_examples::on_demo_store;
 use keel_examples::order;
@@ -164,7 +164,7 @@ async fn run<S: Store>(store: Arc<S>) {
     println!("final tally: {tally:?}");
     let sample = client.get(ids[0]).await.expect("get");
     println!("\nhistory of {} (order-0):", ids[0]);
-    for h in sample.history.iter().filter(|h| h.entry.kind == "MACROSTEP") {
+    for h in sample.history.iter().filter(|h| h.entry.kind == HistoryKind::Macrostep.as_str()) {
         let records = h.entry.data["records"].as_array().map_or(0, Vec::len);
         println!(
             "  rev {:>2}  {:<10} {records:>2} records",

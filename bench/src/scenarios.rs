@@ -6,6 +6,7 @@ use crate::with_store;
 use anyhow::{Result, bail};
 use async_trait::async_trait;
 use indicatif::{ProgressBar, ProgressStyle};
+use keel_core::HistoryKind;
 use keel_core::chart::{Definition, TimerArm, TimerKind};
 use keel_core::instance::{ANY_SIGNAL, NewInstance};
 use keel_core::ports::store::{ClaimParams, CommitParams, InsertParams, SignalDeliverParams};
@@ -438,7 +439,9 @@ pub async fn parallel(factory: &Factory, n: usize) -> Result<Report> {
             let mut done = HashMap::new();
             for id in &ids {
                 let d = store.instance_get(*id).await?;
-                if let Some(h) = d.history.iter().find(|h| h.entry.kind == "STEP_DONE") {
+                if let Some(h) =
+                    d.history.iter().find(|h| h.entry.kind == HistoryKind::StepDone.as_str())
+                {
                     done.insert(*id, h.at.since(sent_at).as_secs_f64() * 1000.0);
                 }
             }

@@ -79,9 +79,11 @@
 //! - **Spawned children and parent notices**: a commit's `spawn` goes into the same
 //!   insert as its `ScheduleChildren` children (per item: barrier children, then spawn),
 //!   parent = the committing instance, no barrier. A child that becomes terminal (commit or
-//!   cancel) decrements its parent's barrier and, when `outcome::parent_notice` says so,
-//!   delivers the notice into the parent's inbox through the delivery path above (after
-//!   the item's outbox emits, like the reference store).
+//!   cancel) carries a parent release in its plan (`plan::parent`): the parent's barrier is
+//!   decremented by `RELEASE_PARENTS`, the same rule as `plan::parent::release` written in
+//!   SQL so that one statement counts a whole batch, and the plan's notice is delivered
+//!   into the parent's inbox through the delivery path above (after the item's outbox
+//!   emits, like the reference store).
 //! - **Broadcast** is one statement: lock the matching targets (id order, at most
 //!   `BROADCAST_MAX + 1`; `position = $s OR (left(position, 1) = '[' AND position::jsonb ? $s)`),
 //!   insert the event per target (`ON CONFLICT (target_id, dedup_key) DO NOTHING`) only
@@ -119,7 +121,7 @@
 //!   as an `instance::undecodable` marker naming the error, and `WRITE_INSTANCES` keeps the
 //!   stored value wherever it is given a marker. A claimed row whose context, result, inbox
 //!   or children cannot be decoded is not handed out: a second transaction, fenced on the
-//!   claim's token, applies `outcome::undecodable_row` (suspended, dead letter `undecodable`
+//!   claim's token, applies `plan::claim::undecodable` (suspended, dead letter `undecodable`
 //!   naming the error); if that write fails, the lease runs out and a later claim retries.
 //! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
 //!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).

@@ -404,8 +404,8 @@ pub(crate) async fn write_history<C: GenericClient + Sync>(
     Ok(())
 }
 
-/// Decrements parents' barriers for children that became terminal (`release_parent` applied
-/// once per child): never below zero; the last one makes an awaiting parent runnable.
+/// Decrements parents' barriers for children that became terminal (`plan::parent::release`
+/// applied once per child, in SQL): never below zero; the last one makes an awaiting parent runnable.
 pub(crate) const RELEASE_PARENTS: &str = "UPDATE instances p SET \
     children_pending = greatest(p.children_pending - d.n, 0), \
     status = CASE WHEN p.children_pending - d.n <= 0 AND p.status = 'awaiting_children' \

@@ -61,7 +61,7 @@
 //! context, result, payload or history entry that cannot be decoded reads as an
 //! `instance::undecodable` marker naming the error, an instance write keeps the stored
 //! text wherever it is given a marker, and a claim dead-letters such a row through
-//! `outcome::undecodable_row` in the same transaction instead of handing it out.
+//! `plan::claim::undecodable` in the same transaction instead of handing it out.
 //!
 //! Durability: WAL with `synchronous = FULL`, so a committed step survives a process kill
 //! and a power loss. Timestamps are stored as INTEGER milliseconds, JSON as TEXT.

@@ -13,9 +13,9 @@
 use crate::error::corrupt;
 use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::inbox;
-use keel_core::instance::{NewDeadLetter, undecodable_error, unique_guard};
+use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
-use keel_core::outcome;
+use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -27,14 +27,13 @@ use keel_core::ports::store::{
     SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams, TimerSweepParams,
     TimerSweepReport,
 };
-use keel_core::timers::{self, TimerRow};
+use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, Instance, InstanceId, NewSignal, SignalTarget, Status, StepCommit, StoreResult,
-    Timestamp,
+    DeadLetterId, Instance, InstanceId, NewSignal, Status, StepCommit, StoreResult, Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 
 /// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
 /// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
@@ -66,9 +65,10 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 // ----- claims ----------------------------------------------------------------------------
 
 /// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the
-/// filters, pauses and the executing-concurrency-key rule; the loop applies the core's
-/// `claim` and the rules that depend on rows claimed earlier in the same call (one row
-/// per concurrency key, unique keys).
+/// filters, pauses and the executing-concurrency-key rule (so each candidate's read says
+/// neither paused nor key executing); the core's claim planner decides each candidate,
+/// including the rules that depend on rows claimed earlier in the same call (one row per
+/// concurrency key, unique keys) and what happens to a row that cannot be read.
 pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
     p.validate()?;
     let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
@@ -79,8 +79,8 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
     let page = p.limit.max(CLAIM_PAGE_MIN);
     let mut after: (i64, i64, i64) = (-1, i64::MIN, i64::MIN);
     let mut claims = Vec::new();
-    let mut keys: HashSet<String> = HashSet::new();
-    while claims.len() < p.limit {
+    let mut planner = ClaimPlanner::new(p);
+    while !planner.is_full() {
         let rows = sqlx::query(concat!(
             "SELECT ",
             instance_cols!(),
@@ -117,34 +117,21 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
         let exhausted = candidates.len() < page;
         for row in candidates {
             after = (i64::from(row.priority.level()), row.eligible_at.0, row.id.0);
-            if claims.len() >= p.limit {
+            if planner.is_full() {
                 break;
             }
-            if !outcome::claimable(&row, p.now)
-                || row.concurrency_key.as_ref().is_some_and(|k| keys.contains(k))
-            {
+            let Some(next) = planner.offer(&row, CandidateRead::default()) else { continue };
+            let occupied = match next.unique_guard() {
+                Some(guard) => db.occupant(guard, next.id).await?.is_some(),
+                None => false,
+            };
+            if !planner.take(&next, occupied) {
                 continue;
-            }
-            let next = outcome::claim(&row, &p.worker, p.lease, p.now);
-            if let Some(guard) = next.unique_guard()
-                && db.occupant(guard, next.id).await?.is_some()
-            {
-                continue;
-            }
-            if let Some(k) = &next.concurrency_key {
-                keys.insert(k.clone());
             }
             db.instance_write(&next).await?;
             let inbox = db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?;
-            let damage = next.damage().or_else(|| {
-                inbox
-                    .iter()
-                    .find_map(|s| undecodable_error(&s.payload).map(|e| format!("inbox {e}")))
-            });
-            if let Some(error) = damage {
-                // A row that cannot be read fails alone: dead-lettered, never handed out,
-                // and its neighbours are claimed as usual.
-                let applied = outcome::undecodable_row(&next, &error, p.now);
+            if let Some(error) = claim::damage(&next, &inbox) {
+                let applied = claim::undecodable(&next, &error, p.now);
                 for entry in &applied.history {
                     db.record(&applied.row, next.attempt, entry, p.now).await?;
                 }
@@ -234,23 +221,15 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         receipt.dead_letter = Some(db.dead_letter_insert(letter, now).await?);
     }
     match &plan.timers {
-        TimerPlan::Change { cancel, arm } => timers_change(db, row, cancel, arm).await?,
+        TimerPlan::Change { arm, .. } => timers_change(db, row, &plan.timers, arm).await?,
         TimerPlan::DropAll => db.timers_drop(row.id).await?,
     }
     db.instance_write(row).await?;
     for (signal, target) in &plan.emits {
         deliver_to(db, *target, signal, now).await?;
     }
-    if let Some(parent) = plan.barrier_release
-        && let Some(parent) = db.instance(parent).await?
-    {
-        db.instance_write(&outcome::release_parent(&parent, now)).await?;
-    }
-    if let Some(notice) = &plan.parent_notice
-        && let SignalTarget::Id(parent) = notice.target
-        && db.instance(parent).await?.is_some()
-    {
-        deliver_to(db, parent, notice, now).await?;
+    if let Some(parent) = plan.barrier_release {
+        parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
     }
     Ok(receipt)
 }
@@ -273,32 +252,34 @@ async fn child_insert(
     Ok(InsertOutcome::Inserted(db.instance_insert(&row).await?))
 }
 
-/// `child` became terminal (or was cancelled): count it on its parent's barrier, and tell
-/// a chart parent through its inbox (`outcome::parent_notice`), as `MemoryStore` does.
-async fn child_terminal(db: &mut Db<'_>, child: &Instance, now: Timestamp) -> StoreResult<()> {
-    let Some(parent) = child.parent else { return Ok(()) };
+/// Executes a planned parent release: the parent's barrier counts the ended child against
+/// its row as it stands now, then the parent's notice is delivered. A parent that no
+/// longer exists is left alone.
+async fn parent_release(
+    db: &mut Db<'_>,
+    parent: InstanceId,
+    notice: Option<&NewSignal>,
+    now: Timestamp,
+) -> StoreResult<()> {
     let Some(row) = db.instance(parent).await? else { return Ok(()) };
-    db.instance_write(&outcome::release_parent(&row, now)).await?;
-    if let Some(notice) = outcome::parent_notice(child)
-        && let SignalTarget::Id(target) = notice.target
-        && db.instance(target).await?.is_some()
-    {
-        deliver_to(db, target, &notice, now).await?;
+    db.instance_write(&plan::parent::release(&row, now)).await?;
+    if let Some(notice) = notice {
+        deliver_to(db, parent, notice, now).await?;
     }
     Ok(())
 }
 
-/// A commit's timer changes: cancels first (every timer of the instance owned by a left
-/// state or a descendant), then arms.
+/// A commit's timer changes: cancels first (the timers the plan says it cancels), then
+/// arms.
 async fn timers_change(
     db: &mut Db<'_>,
     row: &Instance,
-    cancel: &[String],
+    plan: &TimerPlan,
     arm: &[TimerRow],
 ) -> StoreResult<()> {
-    if !cancel.is_empty() {
+    if matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
         for t in db.timers(row.id, WHOLE_INBOX).await? {
-            if cancel.iter().any(|left| timers::owned_by(&t.spec.state, left)) {
+            if plan.cancels(&t.spec.state) {
                 db.timer_remove(t.id).await?;
             }
         }
@@ -601,7 +582,9 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
         write_planned(db, w, p.now).await?;
         db.signals_drop(w.row.id).await?;
         db.timers_drop(w.row.id).await?;
-        child_terminal(db, &w.row, p.now).await?;
+    }
+    for r in &plan.releases {
+        parent_release(db, r.parent, r.notice.as_ref(), p.now).await?;
     }
     Ok(plan.cancelled())
 }

@@ -4,9 +4,9 @@
 //! [`keel_core::plan::commit`] (this file reads what the planner asks for, inserts the
 //! children it admits and performs the writes of its plan), and inserts, deliveries,
 //! broadcasts, leases, cancels, dead-letter actions and the timer sweep by the other
-//! planners. Claims go through the pure transitions of [`keel_core::outcome`] and the inbox
-//! rules of [`keel_core::inbox`]. What is left here is the collections, the indexes and the
-//! order in which writes run inside one "transaction" (one lock hold), so it must stay
+//! planners, and claims by [`keel_core::plan::claim`]. What is left here is the
+//! collections, the indexes (`tables`), the reads (`read`), the port's locking (`port`) and
+//! the order in which writes run inside one "transaction" (one lock hold), so it must stay
 //! boring and obviously right.
 //!
 //! Decisions the trait leaves open, made here and held to by the suite:
@@ -25,7 +25,7 @@ use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, unique_guard,
 };
 use keel_core::limits;
-use keel_core::outcome;
+use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
@@ -41,7 +41,7 @@ use keel_core::ports::store::{
     QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
     TimerStatus, TimerSweepParams, TimerSweepReport,
 };
-use keel_core::timers::{TimerHint, TimerHints, TimerRow, owned_by};
+use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
     DeadLetterId, Instance, InstanceId, NewSignal, Priority, Signal, SignalId, SignalTarget,
     Status, StepCommit, StoreError, StoreResult, Timestamp,
@@ -129,146 +129,6 @@ struct State {
 }
 
 impl State {
-    // ----- rows and their indexes -------------------------------------------------------
-
-    /// Writes a row and keeps every index in step with its new status.
-    fn write(&mut self, row: Instance) {
-        if let Some(old) = self.rows.remove(&row.id) {
-            self.unindex(&old);
-        }
-        self.index(&row);
-        self.rows.insert(row.id, row);
-    }
-
-    fn unindex(&mut self, row: &Instance) {
-        match row.status {
-            Status::Runnable => {
-                self.runnable.remove(&(row.priority, row.eligible_at, row.id));
-            }
-            Status::Executing => {
-                self.executing.remove(&row.id);
-                if let Some(key) = &row.concurrency_key
-                    && let Some(n) = self.executing_keys.get_mut(key)
-                {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.executing_keys.remove(key);
-                    }
-                }
-            }
-            _ => {}
-        }
-        if let Some(guard) = row.unique_guard()
-            && self.guards.get(guard) == Some(&row.id)
-        {
-            self.guards.remove(guard);
-        }
-    }
-
-    fn index(&mut self, row: &Instance) {
-        match row.status {
-            Status::Runnable => {
-                self.runnable.insert((row.priority, row.eligible_at, row.id));
-            }
-            Status::Executing => {
-                self.executing.insert(row.id);
-                if let Some(key) = &row.concurrency_key {
-                    *self.executing_keys.entry(key.clone()).or_default() += 1;
-                }
-            }
-            _ => {}
-        }
-        if let Some(guard) = row.unique_guard() {
-            self.guards.entry(guard.to_vec()).or_insert(row.id);
-        }
-    }
-
-    /// The occupant of `guard` other than `me`, if any.
-    fn occupant(&self, guard: &[u8], me: InstanceId) -> Option<InstanceId> {
-        self.guards.get(guard).copied().filter(|id| *id != me)
-    }
-
-    /// Inserts a new row (id already reserved by the caller).
-    fn insert_row(&mut self, row: Instance) {
-        self.last_instance = self.last_instance.max(row.id.0);
-        if let Some(parent) = row.parent {
-            self.children.entry(parent).or_default().push(row.id);
-        }
-        if let Some(key) = &row.business_key {
-            let k = (row.namespace.clone(), row.machine.name.clone(), key.clone());
-            self.business_keys.insert(k, row.id);
-        }
-        self.write(row);
-    }
-
-    fn resolve(&self, target: &SignalTarget) -> Option<InstanceId> {
-        match target {
-            SignalTarget::Id(id) => self.rows.contains_key(id).then_some(*id),
-            SignalTarget::Key { namespace, machine, key } => {
-                self.business_keys.get(&(namespace.clone(), machine.clone(), key.clone())).copied()
-            }
-        }
-    }
-
-    fn record(&mut self, row: &Instance, attempt: i32, entry: HistoryEntry, now: Timestamp) {
-        self.last_history += 1;
-        let record = HistoryRecord {
-            instance: row.id,
-            seq: self.last_history,
-            at: now,
-            revision: row.revision,
-            attempt,
-            entry,
-        };
-        self.history.entry(row.id).or_default().push(record);
-    }
-
-    fn inbox_of(&self, id: InstanceId) -> impl Iterator<Item = &Signal> {
-        self.inbox.get(&id).into_iter().flat_map(BTreeMap::values)
-    }
-
-    fn children_of(&self, id: InstanceId) -> Vec<ChildSummary> {
-        self.children
-            .get(&id)
-            .into_iter()
-            .flatten()
-            .take(limits::CHILDREN_LIST_MAX)
-            .filter_map(|c| self.rows.get(c).map(ChildSummary::of))
-            .collect()
-    }
-
-    fn remove_signal(&mut self, target: InstanceId, id: SignalId) {
-        if let Some(signal) = self.inbox.get_mut(&target).and_then(|b| b.remove(&id))
-            && let Some(key) = signal.dedup_key
-        {
-            self.dedup.remove(&(target, key));
-        }
-    }
-
-    /// Empties an inbox (its instance ended; the plan recorded what it held).
-    fn inbox_drop(&mut self, id: InstanceId) {
-        for signal in self.inbox.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
-            if let Some(key) = signal.dedup_key {
-                self.dedup.remove(&(id, key));
-            }
-        }
-    }
-
-    /// `child` became terminal (or was cancelled): count it on its parent's barrier, and
-    /// tell a chart parent through its inbox (`outcome::parent_notice`).
-    fn child_terminal(&mut self, child: &Instance, now: Timestamp) {
-        if let Some(row) = child.parent.and_then(|p| self.rows.get(&p)) {
-            let next = outcome::release_parent(row, now);
-            self.write(next);
-        }
-        if let Some(notice) = outcome::parent_notice(child)
-            && let SignalTarget::Id(parent) = notice.target
-            && self.rows.contains_key(&parent)
-        {
-            self.deliver_to(parent, &notice, now);
-        }
-    }
-
     // ----- inserts ----------------------------------------------------------------------
 
     fn insert(&mut self, params: &InsertParams) -> StoreResult<Vec<InsertOutcome>> {
@@ -300,16 +160,26 @@ impl State {
             .map(|(_, _, id)| *id)
             .collect();
         let mut claims = Vec::new();
+        let mut planner = ClaimPlanner::new(p);
         for id in candidates {
-            if claims.len() >= p.limit {
+            if planner.is_full() {
                 break;
             }
             let row = &self.rows[&id];
-            if !self.may_claim(row, p) {
-                continue;
-            }
-            let next = outcome::claim(row, &p.worker, p.lease, p.now);
-            if next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some()) {
+            let read = CandidateRead {
+                queue_paused: self
+                    .queues
+                    .get(&(row.namespace.clone(), row.queue.clone()))
+                    .copied()
+                    .unwrap_or(false),
+                key_executing: row
+                    .concurrency_key
+                    .as_ref()
+                    .is_some_and(|k| self.executing_keys.contains_key(k)),
+            };
+            let Some(next) = planner.offer(row, read) else { continue };
+            let occupied = next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some());
+            if !planner.take(&next, occupied) {
                 continue;
             }
             self.write(next.clone());
@@ -320,19 +190,6 @@ impl State {
             });
         }
         Ok(claims)
-    }
-
-    fn may_claim(&self, row: &Instance, p: &ClaimParams) -> bool {
-        outcome::claimable(row, p.now)
-            && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
-            && (p.queues.is_empty() || p.queues.contains(&row.queue))
-            && (p.machines.is_empty() || p.machines.contains(&row.machine))
-            && !self
-                .queues
-                .get(&(row.namespace.clone(), row.queue.clone()))
-                .copied()
-                .unwrap_or(false)
-            && row.concurrency_key.as_ref().is_none_or(|k| !self.executing_keys.contains_key(k))
     }
 
     // ----- commits ----------------------------------------------------------------------
@@ -393,7 +250,7 @@ impl State {
             self.remove_signal(row.id, id);
         }
         if drain_inbox {
-            self.inbox_clear(row.id);
+            self.inbox_drop(row.id);
         }
         for entry in history {
             self.record(&row, attempt, entry, now);
@@ -404,34 +261,18 @@ impl State {
             self.dead_letters.insert(id, DeadLetter { id, created_at: now, letter });
             id
         });
-        match timers {
-            TimerPlan::Change { cancel, arm } => self.timers_change(&row, &cancel, arm),
+        match &timers {
+            TimerPlan::Change { arm, .. } => self.timers_change(&row, &timers, arm.clone()),
             TimerPlan::DropAll => self.timers_drop(row.id),
         }
         self.write(row);
         for (signal, target) in emits {
             self.deliver_to(target, &signal, now);
         }
-        if let Some(parent) = barrier_release.and_then(|p| self.rows.get(&p)) {
-            let next = outcome::release_parent(parent, now);
-            self.write(next);
-        }
-        if let Some(notice) = parent_notice
-            && let SignalTarget::Id(parent) = notice.target
-            && self.rows.contains_key(&parent)
-        {
-            self.deliver_to(parent, &notice, now);
+        if let Some(parent) = barrier_release {
+            self.parent_release(parent, parent_notice.as_ref(), now);
         }
         receipt
-    }
-
-    /// Removes every signal in an inbox, with its dedup entries.
-    fn inbox_clear(&mut self, id: InstanceId) {
-        for signal in self.inbox.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
-            if let Some(key) = signal.dedup_key {
-                self.dedup.remove(&(id, key));
-            }
-        }
     }
 
     // ----- signals ----------------------------------------------------------------------
@@ -563,11 +404,13 @@ impl State {
         let plan = plan::cancel::cancel(p, read)?;
         let cancelled = plan.cancelled();
         for w in plan.rows {
-            let child = w.row.clone();
+            let id = w.row.id;
             self.write_planned(w, p.now);
-            self.inbox_drop(child.id);
-            self.timers_drop(child.id);
-            self.child_terminal(&child, p.now);
+            self.inbox_drop(id);
+            self.timers_drop(id);
+        }
+        for r in &plan.releases {
+            self.parent_release(r.parent, r.notice.as_ref(), p.now);
         }
         Ok(cancelled)
     }
@@ -633,69 +476,7 @@ impl State {
         Ok(gone.len() as u64)
     }
 
-    // ----- inspection -------------------------------------------------------------------
-
-    fn rows_of(&self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
-        check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
-        let wanted: BTreeSet<InstanceId> = ids.iter().copied().collect();
-        Ok(wanted.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect())
-    }
-
-    fn detail(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
-        let row = self
-            .rows
-            .get(&id)
-            .ok_or_else(|| StoreError::not_found(format!("instance {id} does not exist")))?;
-        let history = self.history.get(&id).map_or(&[][..], Vec::as_slice);
-        let skip = history.len().saturating_sub(limits::HISTORY_LIST_MAX);
-        let mut timers: Vec<TimerRow> =
-            self.timers_of.get(&id).into_iter().flatten().map(|t| self.timers[t].clone()).collect();
-        timers.sort_by_key(|t| (t.next_fire_at, t.id));
-        timers.truncate(limits::TIMER_LIST_MAX);
-        Ok(InstanceDetail {
-            instance: row.clone(),
-            inbox: self.inbox_of(id).cloned().collect(),
-            children: self.children_of(id),
-            history: history[skip..].to_vec(),
-            timers,
-        })
-    }
-
     // ----- timers -----------------------------------------------------------------------
-
-    /// Applies a commit's timer changes: cancels first, then arms.
-    fn timers_change(&mut self, row: &Instance, cancel: &[String], arm: Vec<TimerRow>) {
-        if !cancel.is_empty() {
-            let mine: Vec<TimerId> =
-                self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
-            for id in mine {
-                if cancel.iter().any(|left| owned_by(&self.timers[&id].spec.state, left)) {
-                    self.timer_remove(id);
-                }
-            }
-        }
-        for mut timer in arm {
-            self.last_timer += 1;
-            timer.id = TimerId(self.last_timer);
-            self.timers_of.entry(row.id).or_default().insert(timer.id);
-            self.timers.insert(timer.id, timer);
-        }
-    }
-
-    /// A terminal instance has no timers.
-    fn timers_drop(&mut self, id: InstanceId) {
-        for timer in self.timers_of.remove(&id).unwrap_or_default() {
-            self.timers.remove(&timer);
-        }
-    }
-
-    fn timer_remove(&mut self, id: TimerId) {
-        if let Some(t) = self.timers.remove(&id)
-            && let Some(set) = self.timers_of.get_mut(&t.instance)
-        {
-            set.remove(&id);
-        }
-    }
 
     fn timer_sweep(&mut self, p: &TimerSweepParams) -> StoreResult<TimerSweepReport> {
         p.validate()?;
@@ -730,259 +511,8 @@ impl State {
         let report = plan.report(&delivered);
         Ok(report)
     }
-
-    fn timer_next_due(&self, p: &TimerNextDueParams) -> Option<Timestamp> {
-        self.timers
-            .values()
-            .filter(|t| {
-                p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
-                    && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
-            })
-            .map(|t| t.next_fire_at)
-            .min()
-    }
-
-    fn timer_status(&self, namespace: Option<&str>, now: Timestamp) -> Vec<TimerStatus> {
-        let mut out: BTreeMap<(String, String), TimerStatus> = BTreeMap::new();
-        for t in self.timers.values().filter(|t| namespace.is_none_or(|ns| t.namespace == ns)) {
-            let e = out.entry((t.namespace.clone(), t.machine.name.clone())).or_insert_with(|| {
-                TimerStatus {
-                    namespace: t.namespace.clone(),
-                    machine: t.machine.name.clone(),
-                    armed: 0,
-                    next_due: None,
-                    overdue: 0,
-                    last_sweep_at: None,
-                }
-            });
-            e.armed += 1;
-            e.next_due = Some(e.next_due.map_or(t.next_fire_at, |d| d.min(t.next_fire_at)));
-            e.overdue += u64::from(t.next_fire_at <= now);
-        }
-        for e in out.values_mut() {
-            let keys = [
-                (e.namespace.clone(), e.machine.clone()),
-                (e.namespace.clone(), "*".to_owned()),
-                ("*".to_owned(), e.machine.clone()),
-                ("*".to_owned(), "*".to_owned()),
-            ];
-            e.last_sweep_at = keys.iter().filter_map(|k| self.sweeps.get(k)).max().copied();
-        }
-        out.into_values().collect()
-    }
-
-    fn queue_stats(&self, namespace: Option<&str>, now: Timestamp) -> Vec<QueueStats> {
-        let mut out: BTreeMap<(String, String, String), QueueStats> = BTreeMap::new();
-        for r in self
-            .rows
-            .values()
-            .filter(|r| !r.status.is_terminal() && namespace.is_none_or(|ns| r.namespace == ns))
-        {
-            let e = out
-                .entry((r.namespace.clone(), r.queue.clone(), r.machine.name.clone()))
-                .or_insert_with(|| QueueStats {
-                    namespace: r.namespace.clone(),
-                    queue: r.queue.clone(),
-                    machine: r.machine.name.clone(),
-                    ..QueueStats::default()
-                });
-            match r.status {
-                Status::Runnable if r.eligible_at <= now => {
-                    e.ready += 1;
-                    e.oldest_ready_at =
-                        Some(e.oldest_ready_at.map_or(r.eligible_at, |t| t.min(r.eligible_at)));
-                }
-                Status::Runnable => e.scheduled += 1,
-                Status::Executing => e.executing += 1,
-                Status::AwaitingSignal | Status::AwaitingChildren => e.waiting += 1,
-                Status::Suspended => e.suspended += 1,
-                Status::Done | Status::Failed | Status::Cancelled => {}
-            }
-        }
-        out.into_values().collect()
-    }
 }
 
-#[async_trait]
-impl Store for MemoryStore {
-    fn capabilities(&self) -> StoreCapabilities {
-        StoreCapabilities { notifications: true }
-    }
-
-    async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        let result = self.state().insert(&params);
-        self.wake(result)
-    }
-
-    async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
-        self.state().claim(&params)
-    }
-
-    async fn step_commit(
-        &self,
-        params: CommitParams,
-    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
-        params.validate()?;
-        let receipts: Vec<StoreResult<CommitReceipt>> = {
-            let mut state = self.state();
-            let mut planner = CommitPlanner::new(params.now);
-            params.commits.iter().map(|c| state.commit(&mut planner, c, params.now)).collect()
-        };
-        self.hint_timers(commit::armed_due(&params.commits, &receipts, params.now));
-        self.wake(Ok(receipts))
-    }
-
-    async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
-        params.validate()?;
-        Ok(self.state().lease_extend(&params))
-    }
-
-    async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        let result = self.state().lease_reap(&params);
-        self.wake(result)
-    }
-
-    async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
-        params.validate()?;
-        let result = self.state().lease_release(&params);
-        self.wake(Ok(result))
-    }
-
-    async fn signal_deliver(
-        &self,
-        params: SignalDeliverParams,
-    ) -> StoreResult<Vec<DeliveryOutcome>> {
-        let result = self.state().signal_deliver(&params);
-        self.wake(result)
-    }
-
-    async fn signal_broadcast(
-        &self,
-        params: SignalBroadcastParams,
-    ) -> StoreResult<BroadcastReport> {
-        let result = self.state().signal_broadcast(&params);
-        self.wake(result)
-    }
-
-    async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
-        let result = self.state().cancel(&params);
-        self.wake(result)
-    }
-
-    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
-        self.state().detail(id)
-    }
-
-    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
-        self.state().rows_of(&ids)
-    }
-
-    async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
-        Ok(self.state().resolve(&target))
-    }
-
-    async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
-        let limit = match filter.limit {
-            0 => limits::DEAD_LETTER_BATCH_MAX,
-            n => n.min(limits::DEAD_LETTER_BATCH_MAX),
-        };
-        let state = self.state();
-        Ok(state
-            .dead_letters
-            .values()
-            .filter(|d| filter.namespace.as_ref().is_none_or(|ns| d.letter.namespace == *ns))
-            .filter(|d| filter.machine.as_ref().is_none_or(|m| d.letter.machine.name == *m))
-            .take(limit)
-            .cloned()
-            .collect())
-    }
-
-    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
-        self.state().dead_letter(id).cloned()
-    }
-
-    async fn dead_letter_retry(
-        &self,
-        params: DeadLetterRetryParams,
-    ) -> StoreResult<Vec<InstanceId>> {
-        let result = self.state().dead_letter_retry(&params);
-        self.wake(result)
-    }
-
-    async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
-        let result = self.state().dead_letter_skip(&params);
-        self.wake(result)
-    }
-
-    async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
-        self.state().dead_letter_purge(&params)
-    }
-
-    async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
-        params.validate()?;
-        self.state().queues.insert((params.namespace, params.queue), params.paused);
-        self.wake(Ok(()))
-    }
-
-    async fn queue_stats(
-        &self,
-        namespace: Option<String>,
-        now: Timestamp,
-    ) -> StoreResult<Vec<QueueStats>> {
-        Ok(self.state().queue_stats(namespace.as_deref(), now))
-    }
-
-    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        let result = self.state().timer_sweep(&params);
-        self.wake(result)
-    }
-
-    async fn timer_status(
-        &self,
-        namespace: Option<String>,
-        now: Timestamp,
-    ) -> StoreResult<Vec<TimerStatus>> {
-        Ok(self.state().timer_status(namespace.as_deref(), now))
-    }
-
-    async fn ready_wait(&self) {
-        self.ready.notified().await;
-    }
-
-    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
-        Ok(self.state().timer_next_due(&params))
-    }
-
-    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
-        loop {
-            // Registered before the log is read, so a hint pushed in between still wakes us.
-            let notified = self.hinted.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let news = self.hints.lock().unwrap_or_else(PoisonError::into_inner).since(seen);
-            if let Some(hint) = news {
-                return hint;
-            }
-            notified.await;
-        }
-    }
-
-    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
-        let state = self.state();
-        let mut queues: BTreeMap<String, bool> = state
-            .rows
-            .values()
-            .filter(|row| row.namespace == namespace)
-            .map(|row| (row.queue.clone(), false))
-            .collect();
-        for ((ns, queue), paused) in &state.queues {
-            if *ns == namespace {
-                queues.insert(queue.clone(), *paused);
-            }
-        }
-        Ok(queues
-            .into_iter()
-            .map(|(queue, paused)| QueueState { namespace: namespace.clone(), queue, paused })
-            .collect())
-    }
-}
+mod port;
+mod read;
+mod tables;

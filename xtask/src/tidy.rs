@@ -8,6 +8,10 @@
 //!    what it is for.
 //! 4. No `#[ignore]` without a reason naming a tracking issue — an ignored failure is a
 //!    hidden failure.
+//! 5. Stores read and write; the core decides. The store crates and `MemoryStore` neither
+//!    call nor import the core's decision functions (the ones the planners are built
+//!    from): they call a `keel_core::plan` planner and execute its plan, so that a rule
+//!    changes in one place for every backend.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -32,6 +36,33 @@ pub const FORBIDDEN_IN_CORE: &[&str] = &[
     "libsqlite3",
 ];
 
+/// The core decision functions a store must not call, each with the planner that makes
+/// that decision for it. Only functions no store needs any more are listed: a store that
+/// calls one of them is deciding semantics itself.
+pub const DECISIONS: &[(&str, &str, &str)] = &[
+    ("outcome", "apply", "plan::commit"),
+    ("outcome", "validate_commit", "plan::commit"),
+    ("outcome", "status_after", "plan::commit"),
+    ("outcome", "signal_matches", "plan::commit or plan::deliver"),
+    ("outcome", "release_parent", "plan::parent::release, with the release a plan carries"),
+    ("outcome", "parent_notice", "the release a commit or cancel plan carries (plan::parent)"),
+    ("outcome", "cancel", "plan::cancel"),
+    ("outcome", "reap", "plan::lease"),
+    ("outcome", "reap_history", "plan::lease"),
+    ("outcome", "lease_expired", "plan::lease"),
+    ("outcome", "release", "plan::lease"),
+    ("outcome", "deliver", "plan::deliver"),
+    ("outcome", "claim", "plan::claim::ClaimPlanner"),
+    ("outcome", "claimable", "plan::claim::ClaimPlanner"),
+    ("outcome", "undecodable_row", "plan::claim::undecodable"),
+    ("outcome", "dead_letter_retry", "plan::dead_letter"),
+    ("timers", "fire", "plan::timer"),
+    ("timers", "delivers", "plan::timer"),
+    ("timers", "owned_by", "plan::commit::TimerPlan::cancels"),
+    ("inbox", "drained", "plan::commit or plan::cancel"),
+    ("inbox", "accepts_signals", "plan::deliver"),
+];
+
 /// Runs every check and returns the problems found.
 pub fn check(root: &Path) -> Result<Vec<String>> {
     let mut problems = Vec::new();
@@ -43,6 +74,9 @@ pub fn check(root: &Path) -> Result<Vec<String>> {
         let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
         problems.extend(doc_comment_first(&rel, &text));
         problems.extend(ignores_have_reasons(&rel, &text));
+        if is_store_code(&rel) {
+            problems.extend(stores_only_plan(&rel, &text));
+        }
     }
     Ok(problems)
 }
@@ -151,6 +185,47 @@ pub fn ignores_have_reasons(label: &str, text: &str) -> Vec<String> {
         .collect()
 }
 
+/// Whether `rel` (a path from the repository root) is store code: the sources of a
+/// `store-*` crate, or `MemoryStore` and its modules.
+pub fn is_store_code(rel: &str) -> bool {
+    let rel = rel.replace('\\', "/");
+    (rel.starts_with("store-") && rel.contains("/src/"))
+        || rel == "testkit/src/memory.rs"
+        || rel.starts_with("testkit/src/memory/")
+}
+
+/// Calls and imports of the core's decision functions ([`DECISIONS`]) in store code,
+/// each named with its file, line and the planner to use instead. Comments are skipped:
+/// a store may say which rule its SQL mirrors.
+pub fn stores_only_plan(label: &str, text: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let code = line.trim_start();
+        if code.starts_with("//") {
+            continue;
+        }
+        let code = code.split("//").next().unwrap_or(code);
+        for (module, name, planner) in DECISIONS {
+            let call = format!("{module}::{name}(");
+            let imported = code.starts_with("use ")
+                && code.contains(&format!("{module}::"))
+                && code
+                    .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .any(|word| word == *name);
+            let called = code
+                .match_indices(&call)
+                .any(|(at, _)| !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_'));
+            if called || imported {
+                problems.push(format!(
+                    "{label}:{}: uses the core decision `{module}::{name}`; a store executes a plan instead: use `keel_core::{planner}`",
+                    i + 1
+                ));
+            }
+        }
+    }
+    problems
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,5 +264,23 @@ mod tests {
         assert_eq!(ignores_have_reasons("a.rs", "#[test]\n#[ignore]\nfn t() {}").len(), 1);
         assert_eq!(ignores_have_reasons("a.rs", "#[ignore = \"slow\"]").len(), 1);
         assert!(ignores_have_reasons("a.rs", "#[ignore = \"flaky, see #12\"]").is_empty());
+    }
+
+    #[test]
+    fn stores_call_planners_not_the_core_decisions() {
+        let bad = "//! A store.\nfn f() {\n    let next = outcome::release_parent(&row, now);\n}\n";
+        let problems = stores_only_plan("store-x/src/ops.rs", bad);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("store-x/src/ops.rs:3: "), "{}", problems[0]);
+        assert!(problems[0].contains("plan::parent::release"), "{}", problems[0]);
+        let imported = "use keel_core::timers::{self, fire};\n";
+        assert_eq!(stores_only_plan("store-x/src/ops.rs", imported).len(), 1);
+        let good = "/// Mirrors `outcome::release_parent` in SQL.\nlet next = plan::parent::release(&row, now);\nlet c = my_outcome::claim(x);\nuse keel_core::timers::TimerRow;\n";
+        assert!(stores_only_plan("store-x/src/ops.rs", good).is_empty());
+        assert!(is_store_code("store-sqlite/src/ops.rs"));
+        assert!(is_store_code("testkit/src/memory.rs"));
+        assert!(is_store_code("testkit/src/memory/tables.rs"));
+        assert!(!is_store_code("store-sqlite/tests/files.rs"));
+        assert!(!is_store_code("core/src/plan/commit.rs"));
     }
 }

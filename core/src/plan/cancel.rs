@@ -9,7 +9,9 @@
 //! a terminal child on its parent.
 
 use super::RowWrite;
+use super::parent::{self, ParentRelease};
 use crate::error::{StoreError, StoreResult};
+use crate::history::HistoryKind;
 use crate::ids::InstanceId;
 use crate::inbox::{self, Pending};
 use crate::instance::{HistoryEntry, Instance};
@@ -31,13 +33,16 @@ pub struct CancelRead {
     pub pending: HashMap<InstanceId, Pending>,
 }
 
-/// The writes of a cancel, in cancel order. For each row: write it with its history, empty
-/// its inbox, delete its timers, then count it on its parent (`outcome::release_parent`)
-/// and notify a chart parent (`outcome::parent_notice`).
+/// The writes of a cancel. First, for each row in cancel order: write it with its history,
+/// empty its inbox and delete its timers. Then, for each release in order: count the ended
+/// child on its parent ([`parent::release`]) and deliver the parent's notice.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CancelPlan {
     /// The cancelled rows.
     pub rows: Vec<RowWrite>,
+    /// What each cancelled row that has a parent tells it, in cancel order. Every cancelled
+    /// child counts on its parent's barrier, even when that parent is cancelled too.
+    pub releases: Vec<ParentRelease>,
 }
 
 impl CancelPlan {
@@ -72,10 +77,11 @@ pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
         let Some(next) = outcome::cancel(&row, &p.reason, p.now) else { continue };
         let cascade_from = (row.id != p.id).then_some(p.id);
         let mut history = vec![HistoryEntry::new(
-            "CANCELLED",
+            HistoryKind::Cancelled,
             json!({ "reason": next.last_error, "cascade_from": cascade_from }),
         )];
         history.extend(read.pending.get(&row.id).and_then(inbox::drained));
+        plan.releases.extend(parent::ended(&next));
         plan.rows.push(RowWrite { row: next, attempt: row.attempt, history });
     }
     Ok(plan)
@@ -124,6 +130,21 @@ mod tests {
         assert_eq!(kinds(&plan.rows[1]), ["CANCELLED", inbox::INBOX_DRAINED]);
         assert_eq!(plan.rows[1].history[0].data["cascade_from"], json!(1));
         assert!(plan.rows.iter().all(|w| w.row.status == Status::Cancelled));
+    }
+
+    #[test]
+    fn every_cancelled_row_with_a_parent_releases_it_in_cancel_order() {
+        let mut read = read(Status::Runnable);
+        read.root.as_mut().unwrap().parent = Some(InstanceId(9));
+        for (row, _) in &mut read.descendants {
+            row.parent = Some(InstanceId(1));
+        }
+        read.descendants[0].0.invoked_by = Some("work".into());
+        let plan = cancel(&params(true), read).unwrap();
+        let parents: Vec<_> = plan.releases.iter().map(|r| r.parent).collect();
+        assert_eq!(parents, [InstanceId(9), InstanceId(1), InstanceId(1)]);
+        let notices: Vec<_> = plan.releases.iter().map(|r| r.notice.is_some()).collect();
+        assert_eq!(notices, [false, true, false], "only the delegated child notifies");
     }
 
     #[test]

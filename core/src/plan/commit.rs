@@ -275,8 +275,11 @@ impl Admitted {
             });
             TimerPlan::Change { cancel: commit.timers_cancel.clone(), arm: arm.collect() }
         };
-        let parent = if terminal { row.parent } else { None };
-        let parent_notice = if terminal { outcome::parent_notice(&row) } else { None };
+        let release = super::parent::ended(&row);
+        let (parent, parent_notice) = match release {
+            Some(r) => (Some(r.parent), r.notice),
+            None => (None, None),
+        };
         let receipt = CommitReceipt {
             id: row.id,
             revision: row.revision,
@@ -301,11 +304,25 @@ impl Admitted {
     }
 }
 
+impl TimerPlan {
+    /// Whether this plan deletes a timer of the instance owned by `state`: every timer
+    /// when the instance ended, otherwise those owned by a cancelled state or one of its
+    /// descendants.
+    pub fn cancels(&self, state: &str) -> bool {
+        match self {
+            TimerPlan::Change { cancel, .. } => {
+                cancel.iter().any(|left| timers::owned_by(state, left))
+            }
+            TimerPlan::DropAll => true,
+        }
+    }
+}
+
 /// What happens to the committing instance's timers.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TimerPlan {
     /// Delete every timer of the instance owned by one of the `cancel` states or their
-    /// descendants (see `timers::owned_by`), then insert `arm`.
+    /// descendants (see [`TimerPlan::cancels`]), then insert `arm`.
     Change {
         /// The states whose timers end.
         cancel: Vec<String>,
@@ -343,7 +360,7 @@ pub struct CommitPlan {
     /// delivery rules.
     pub emits: Vec<(NewSignal, InstanceId)>,
     /// The parent whose barrier counts this instance as ended (see
-    /// `outcome::release_parent`); the parent may no longer exist.
+    /// [`super::parent::release`]); the parent may no longer exist.
     pub barrier_release: Option<InstanceId>,
     /// The event the parent hears of this instance's end through its inbox, delivered
     /// after the barrier release; dropped when the parent no longer exists.

@@ -9,6 +9,7 @@
 
 use super::RowWrite;
 use crate::error::{StoreError, StoreResult};
+use crate::history::HistoryKind;
 use crate::ids::{DeadLetterId, InstanceId, SignalId};
 use crate::instance::{DeadLetter, HistoryEntry, Instance};
 use crate::limits;
@@ -73,7 +74,7 @@ pub fn retry(
             Err(_) => continue,
         };
         let entry = HistoryEntry::new(
-            "DEAD_LETTER_RETRIED",
+            HistoryKind::DeadLetterRetried,
             json!({ "dead_letter": letter, "delay_ms": p.delay.as_millis() as u64 }),
         );
         let attempt = rows[instance].attempt;
@@ -106,7 +107,7 @@ pub fn skip(
     let row = row.ok_or_else(|| instance_gone(p.id, instance))?;
     let next = outcome::dead_letter_retry(row, p.now, p.now)?;
     let entry = HistoryEntry::new(
-        "DEAD_LETTER_SKIPPED",
+        HistoryKind::DeadLetterSkipped,
         json!({ "dead_letter": p.id, "signals": letter.letter.signals }),
     );
     Ok(SkipPlan {

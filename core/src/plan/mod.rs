@@ -13,11 +13,13 @@
 //! the plan turns that into the caller's result once the store knows the ids.
 
 pub mod cancel;
+pub mod claim;
 pub mod commit;
 pub mod dead_letter;
 pub mod deliver;
 pub mod insert;
 pub mod lease;
+pub mod parent;
 pub mod timer;
 
 use crate::instance::{HistoryEntry, Instance};

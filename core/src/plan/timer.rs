@@ -6,6 +6,7 @@
 //! recorded in the instance's history, and the timer is advanced or deleted. Only events
 //! actually stored count as fired (or, for an exhausted `every` + `max` timer, exhausted).
 
+use crate::history::HistoryKind;
 use crate::ids::{InstanceId, TimerId};
 use crate::instance::{HistoryEntry, NewSignal};
 use crate::ports::store::{DeliveryOutcome, TimerSweepParams, TimerSweepReport};
@@ -73,7 +74,9 @@ pub fn sweep(
         }
         let fired = timers::fire(timer, p.now);
         if timers::delivers(&fired) {
-            plan.exhausted.push(fired.next.is_none() && fired.history.kind == "TIMER_EXHAUSTED");
+            plan.exhausted.push(
+                fired.next.is_none() && fired.history.kind == HistoryKind::TimerExhausted.as_str(),
+            );
             plan.signals.push(fired.signal);
         }
         plan.history.push((timer.instance, fired.history));

@@ -9,12 +9,12 @@ use crate::rows::{
 };
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
+use keel_core::plan;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
 };
 use keel_core::{DeadLetterId, InstanceId, StoreError, limits};
-use keel_core::{outcome, plan};
 use std::collections::HashMap;
 
 const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
@@ -82,12 +82,13 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
             history.push(&w.row, w.attempt, p.now, entry.clone());
         }
     }
-    let next: Vec<Instance> = plan.rows.into_iter().map(|w| w.row).collect();
-    // Every cancelled child counts on its parent's barrier, even a parent cancelled too,
-    // and a chart parent hears of it through its inbox (`outcome::parent_notice`).
-    let parents: Vec<i64> = next.iter().filter_map(|r| r.parent).map(|p| p.0).collect();
+    // The plan's releases run after every cancelled row is written, as the plan says: the
+    // barrier counts go in one statement that applies the parent release rule in SQL, and
+    // the notices are delivered as one batch.
+    let parents: Vec<i64> = plan.releases.iter().map(|r| r.parent.0).collect();
     let (notices, targets): (Vec<_>, Vec<_>) =
-        next.iter().filter_map(|r| outcome::parent_notice(r).map(|n| (n, r.parent))).unzip();
+        plan.releases.iter().filter_map(|r| r.notice.clone().map(|n| (n, Some(r.parent)))).unzip();
+    let next: Vec<Instance> = plan.rows.into_iter().map(|w| w.row).collect();
     let drop_timers =
         c.prepare_cached("DELETE FROM timers WHERE instance_id = ANY($1::int8[])").await?;
     let drain = c.prepare_cached(signal::REMOVE).await?;

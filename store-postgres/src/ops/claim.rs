@@ -1,14 +1,18 @@
 //! `instance_claim`: one statement. A `FOR UPDATE SKIP LOCKED` picker over runnable rows
 //! (partial index `instances_pick`) that skips keys with an executing row and every row of
 //! a key but its first in claim order (partial index `instances_key_runnable`), the
-//! `UPDATE` to executing, and each claimed row's inbox and children as JSON.
+//! `UPDATE` to executing, and each claimed row's inbox and children as JSON. The picker and
+//! the `UPDATE` are the core's claim rule (`plan::claim::ClaimPlanner`) written in SQL, so
+//! that a whole batch is claimed in one round trip: the same filters, pauses, one row per
+//! concurrency key, claim order and limit, and the same row transition (executing under a
+//! new lease and the next fencing token).
 
 use super::{begin, commit, end_tx};
 use crate::error::{OpError, OpResult, is_unique_violation};
 use crate::rows::{self, HistoryWrite, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{ChildSummary, Signal};
-use keel_core::outcome;
+use keel_core::plan;
 use keel_core::ports::store::{Claim, ClaimParams};
 use keel_core::{
     Instance, InstanceId, MachineRef, SignalId, Status, StoreError, Timestamp, limits,
@@ -142,8 +146,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpRe
     Ok(out)
 }
 
-/// Dead-letters claimed rows that could not be decoded, as the core's `undecodable_row`
-/// decides, in one transaction. A row that is no longer executing under this claim's token
+/// Dead-letters claimed rows that could not be decoded, as the core's
+/// `plan::claim::undecodable` decides, in one transaction. A row that is no longer executing under this claim's token
 /// (cancelled meanwhile, say) is left alone. The write keeps the stored undecodable values.
 pub(crate) async fn poison<C: GenericClient + Sync>(
     c: &C,
@@ -163,7 +167,7 @@ pub(crate) async fn poison<C: GenericClient + Sync>(
         if now_row.status != Status::Executing || now_row.fencing_token != claimed.fencing_token {
             continue;
         }
-        let applied = outcome::undecodable_row(now_row, error, now);
+        let applied = plan::claim::undecodable(now_row, error, now);
         for entry in applied.history {
             history.push(&applied.row, now_row.attempt, now, entry);
         }

@@ -253,3 +253,13 @@ fn only_accepted_items_that_stay_live_hint_their_armed_timers() {
     let due = armed_due(&[live, refused, ended], &results, NOW);
     assert_eq!(due, Some(NOW.plus(std::time::Duration::from_secs(30))));
 }
+
+#[test]
+fn a_timer_plan_cancels_timers_of_left_states_and_their_descendants_or_all_when_ended() {
+    let change = TimerPlan::Change { cancel: vec!["processing".into()], arm: vec![] };
+    assert!(change.cancels("processing"));
+    assert!(change.cancels("processing.payment"));
+    assert!(!change.cancels("processing_extra"));
+    assert!(!TimerPlan::Change { cancel: vec![], arm: vec![] }.cancels("processing"));
+    assert!(TimerPlan::DropAll.cancels("anything"));
+}

@@ -1,0 +1,197 @@
+//! `MemoryStore`'s side of the `Store` port: each method takes the lock, runs the
+//! operation on the state and wakes waiters. No decisions are made here.
+
+use super::{
+    BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitPlanner,
+    CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
+    DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
+    Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    MemoryStore, PoisonError, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
+    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp, async_trait,
+    commit, limits,
+};
+
+#[async_trait]
+impl Store for MemoryStore {
+    fn capabilities(&self) -> StoreCapabilities {
+        StoreCapabilities { notifications: true }
+    }
+
+    async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        let result = self.state().insert(&params);
+        self.wake(result)
+    }
+
+    async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
+        self.state().claim(&params)
+    }
+
+    async fn step_commit(
+        &self,
+        params: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        params.validate()?;
+        let receipts: Vec<StoreResult<CommitReceipt>> = {
+            let mut state = self.state();
+            let mut planner = CommitPlanner::new(params.now);
+            params.commits.iter().map(|c| state.commit(&mut planner, c, params.now)).collect()
+        };
+        self.hint_timers(commit::armed_due(&params.commits, &receipts, params.now));
+        self.wake(Ok(receipts))
+    }
+
+    async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
+        Ok(self.state().lease_extend(&params))
+    }
+
+    async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        let result = self.state().lease_reap(&params);
+        self.wake(result)
+    }
+
+    async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        params.validate()?;
+        let result = self.state().lease_release(&params);
+        self.wake(Ok(result))
+    }
+
+    async fn signal_deliver(
+        &self,
+        params: SignalDeliverParams,
+    ) -> StoreResult<Vec<DeliveryOutcome>> {
+        let result = self.state().signal_deliver(&params);
+        self.wake(result)
+    }
+
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        let result = self.state().signal_broadcast(&params);
+        self.wake(result)
+    }
+
+    async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
+        let result = self.state().cancel(&params);
+        self.wake(result)
+    }
+
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        self.state().detail(id)
+    }
+
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        self.state().rows_of(&ids)
+    }
+
+    async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
+        Ok(self.state().resolve(&target))
+    }
+
+    async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        let limit = match filter.limit {
+            0 => limits::DEAD_LETTER_BATCH_MAX,
+            n => n.min(limits::DEAD_LETTER_BATCH_MAX),
+        };
+        let state = self.state();
+        Ok(state
+            .dead_letters
+            .values()
+            .filter(|d| filter.namespace.as_ref().is_none_or(|ns| d.letter.namespace == *ns))
+            .filter(|d| filter.machine.as_ref().is_none_or(|m| d.letter.machine.name == *m))
+            .take(limit)
+            .cloned()
+            .collect())
+    }
+
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        self.state().dead_letter(id).cloned()
+    }
+
+    async fn dead_letter_retry(
+        &self,
+        params: DeadLetterRetryParams,
+    ) -> StoreResult<Vec<InstanceId>> {
+        let result = self.state().dead_letter_retry(&params);
+        self.wake(result)
+    }
+
+    async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        let result = self.state().dead_letter_skip(&params);
+        self.wake(result)
+    }
+
+    async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
+        self.state().dead_letter_purge(&params)
+    }
+
+    async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
+        params.validate()?;
+        self.state().queues.insert((params.namespace, params.queue), params.paused);
+        self.wake(Ok(()))
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        Ok(self.state().queue_stats(namespace.as_deref(), now))
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        let result = self.state().timer_sweep(&params);
+        self.wake(result)
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        Ok(self.state().timer_status(namespace.as_deref(), now))
+    }
+
+    async fn ready_wait(&self) {
+        self.ready.notified().await;
+    }
+
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
+        Ok(self.state().timer_next_due(&params))
+    }
+
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        loop {
+            // Registered before the log is read, so a hint pushed in between still wakes us.
+            let notified = self.hinted.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let news = self.hints.lock().unwrap_or_else(PoisonError::into_inner).since(seen);
+            if let Some(hint) = news {
+                return hint;
+            }
+            notified.await;
+        }
+    }
+
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        let state = self.state();
+        let mut queues: BTreeMap<String, bool> = state
+            .rows
+            .values()
+            .filter(|row| row.namespace == namespace)
+            .map(|row| (row.queue.clone(), false))
+            .collect();
+        for ((ns, queue), paused) in &state.queues {
+            if *ns == namespace {
+                queues.insert(queue.clone(), *paused);
+            }
+        }
+        Ok(queues
+            .into_iter()
+            .map(|(queue, paused)| QueueState { namespace: namespace.clone(), queue, paused })
+            .collect())
+    }
+}

@@ -1,0 +1,107 @@
+//! What `MemoryStore` answers without writing: rows, an instance's detail, timer and
+//! queue figures. These are reads of the collections, not decisions.
+
+use super::{
+    BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId, QueueStats, State, Status,
+    StoreError, StoreResult, TimerNextDueParams, TimerRow, TimerStatus, Timestamp, check_batch,
+    limits,
+};
+
+impl State {
+    pub(super) fn rows_of(&self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
+        check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
+        let wanted: BTreeSet<InstanceId> = ids.iter().copied().collect();
+        Ok(wanted.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect())
+    }
+
+    pub(super) fn detail(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        let row = self
+            .rows
+            .get(&id)
+            .ok_or_else(|| StoreError::not_found(format!("instance {id} does not exist")))?;
+        let history = self.history.get(&id).map_or(&[][..], Vec::as_slice);
+        let skip = history.len().saturating_sub(limits::HISTORY_LIST_MAX);
+        let mut timers: Vec<TimerRow> =
+            self.timers_of.get(&id).into_iter().flatten().map(|t| self.timers[t].clone()).collect();
+        timers.sort_by_key(|t| (t.next_fire_at, t.id));
+        timers.truncate(limits::TIMER_LIST_MAX);
+        Ok(InstanceDetail {
+            instance: row.clone(),
+            inbox: self.inbox_of(id).cloned().collect(),
+            children: self.children_of(id),
+            history: history[skip..].to_vec(),
+            timers,
+        })
+    }
+
+    pub(super) fn timer_next_due(&self, p: &TimerNextDueParams) -> Option<Timestamp> {
+        self.timers
+            .values()
+            .filter(|t| {
+                p.namespace.as_ref().is_none_or(|ns| &t.namespace == ns)
+                    && (p.machines.is_empty() || p.machines.contains(&t.machine.name))
+            })
+            .map(|t| t.next_fire_at)
+            .min()
+    }
+
+    pub(super) fn timer_status(&self, namespace: Option<&str>, now: Timestamp) -> Vec<TimerStatus> {
+        let mut out: BTreeMap<(String, String), TimerStatus> = BTreeMap::new();
+        for t in self.timers.values().filter(|t| namespace.is_none_or(|ns| t.namespace == ns)) {
+            let e = out.entry((t.namespace.clone(), t.machine.name.clone())).or_insert_with(|| {
+                TimerStatus {
+                    namespace: t.namespace.clone(),
+                    machine: t.machine.name.clone(),
+                    armed: 0,
+                    next_due: None,
+                    overdue: 0,
+                    last_sweep_at: None,
+                }
+            });
+            e.armed += 1;
+            e.next_due = Some(e.next_due.map_or(t.next_fire_at, |d| d.min(t.next_fire_at)));
+            e.overdue += u64::from(t.next_fire_at <= now);
+        }
+        for e in out.values_mut() {
+            let keys = [
+                (e.namespace.clone(), e.machine.clone()),
+                (e.namespace.clone(), "*".to_owned()),
+                ("*".to_owned(), e.machine.clone()),
+                ("*".to_owned(), "*".to_owned()),
+            ];
+            e.last_sweep_at = keys.iter().filter_map(|k| self.sweeps.get(k)).max().copied();
+        }
+        out.into_values().collect()
+    }
+
+    pub(super) fn queue_stats(&self, namespace: Option<&str>, now: Timestamp) -> Vec<QueueStats> {
+        let mut out: BTreeMap<(String, String, String), QueueStats> = BTreeMap::new();
+        for r in self
+            .rows
+            .values()
+            .filter(|r| !r.status.is_terminal() && namespace.is_none_or(|ns| r.namespace == ns))
+        {
+            let e = out
+                .entry((r.namespace.clone(), r.queue.clone(), r.machine.name.clone()))
+                .or_insert_with(|| QueueStats {
+                    namespace: r.namespace.clone(),
+                    queue: r.queue.clone(),
+                    machine: r.machine.name.clone(),
+                    ..QueueStats::default()
+                });
+            match r.status {
+                Status::Runnable if r.eligible_at <= now => {
+                    e.ready += 1;
+                    e.oldest_ready_at =
+                        Some(e.oldest_ready_at.map_or(r.eligible_at, |t| t.min(r.eligible_at)));
+                }
+                Status::Runnable => e.scheduled += 1,
+                Status::Executing => e.executing += 1,
+                Status::AwaitingSignal | Status::AwaitingChildren => e.waiting += 1,
+                Status::Suspended => e.suspended += 1,
+                Status::Done | Status::Failed | Status::Cancelled => {}
+            }
+        }
+        out.into_values().collect()
+    }
+}

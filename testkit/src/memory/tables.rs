@@ -1,0 +1,192 @@
+//! `MemoryStore`'s collections: writing a row keeps every index in step with it (status
+//! and claim order, unique keys, concurrency keys, children), and the inbox, history and
+//! parent-release and timer writes a plan asks for. Bookkeeping only; the plans decide.
+
+use super::{
+    BTreeMap, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId, NewSignal, Signal,
+    SignalId, SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, plan,
+};
+use keel_core::plan::commit::TimerPlan;
+
+impl State {
+    /// Writes a row and keeps every index in step with its new status.
+    pub(super) fn write(&mut self, row: Instance) {
+        if let Some(old) = self.rows.remove(&row.id) {
+            self.unindex(&old);
+        }
+        self.index(&row);
+        self.rows.insert(row.id, row);
+    }
+
+    pub(super) fn unindex(&mut self, row: &Instance) {
+        match row.status {
+            Status::Runnable => {
+                self.runnable.remove(&(row.priority, row.eligible_at, row.id));
+            }
+            Status::Executing => {
+                self.executing.remove(&row.id);
+                if let Some(key) = &row.concurrency_key
+                    && let Some(n) = self.executing_keys.get_mut(key)
+                {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.executing_keys.remove(key);
+                    }
+                }
+            }
+            _ => {}
+        }
+        if let Some(guard) = row.unique_guard()
+            && self.guards.get(guard) == Some(&row.id)
+        {
+            self.guards.remove(guard);
+        }
+    }
+
+    pub(super) fn index(&mut self, row: &Instance) {
+        match row.status {
+            Status::Runnable => {
+                self.runnable.insert((row.priority, row.eligible_at, row.id));
+            }
+            Status::Executing => {
+                self.executing.insert(row.id);
+                if let Some(key) = &row.concurrency_key {
+                    *self.executing_keys.entry(key.clone()).or_default() += 1;
+                }
+            }
+            _ => {}
+        }
+        if let Some(guard) = row.unique_guard() {
+            self.guards.entry(guard.to_vec()).or_insert(row.id);
+        }
+    }
+
+    /// The occupant of `guard` other than `me`, if any.
+    pub(super) fn occupant(&self, guard: &[u8], me: InstanceId) -> Option<InstanceId> {
+        self.guards.get(guard).copied().filter(|id| *id != me)
+    }
+
+    /// Inserts a new row (id already reserved by the caller).
+    pub(super) fn insert_row(&mut self, row: Instance) {
+        self.last_instance = self.last_instance.max(row.id.0);
+        if let Some(parent) = row.parent {
+            self.children.entry(parent).or_default().push(row.id);
+        }
+        if let Some(key) = &row.business_key {
+            let k = (row.namespace.clone(), row.machine.name.clone(), key.clone());
+            self.business_keys.insert(k, row.id);
+        }
+        self.write(row);
+    }
+
+    pub(super) fn resolve(&self, target: &SignalTarget) -> Option<InstanceId> {
+        match target {
+            SignalTarget::Id(id) => self.rows.contains_key(id).then_some(*id),
+            SignalTarget::Key { namespace, machine, key } => {
+                self.business_keys.get(&(namespace.clone(), machine.clone(), key.clone())).copied()
+            }
+        }
+    }
+
+    pub(super) fn record(
+        &mut self,
+        row: &Instance,
+        attempt: i32,
+        entry: HistoryEntry,
+        now: Timestamp,
+    ) {
+        self.last_history += 1;
+        let record = HistoryRecord {
+            instance: row.id,
+            seq: self.last_history,
+            at: now,
+            revision: row.revision,
+            attempt,
+            entry,
+        };
+        self.history.entry(row.id).or_default().push(record);
+    }
+
+    pub(super) fn inbox_of(&self, id: InstanceId) -> impl Iterator<Item = &Signal> {
+        self.inbox.get(&id).into_iter().flat_map(BTreeMap::values)
+    }
+
+    pub(super) fn children_of(&self, id: InstanceId) -> Vec<ChildSummary> {
+        self.children
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .take(limits::CHILDREN_LIST_MAX)
+            .filter_map(|c| self.rows.get(c).map(ChildSummary::of))
+            .collect()
+    }
+
+    pub(super) fn remove_signal(&mut self, target: InstanceId, id: SignalId) {
+        if let Some(signal) = self.inbox.get_mut(&target).and_then(|b| b.remove(&id))
+            && let Some(key) = signal.dedup_key
+        {
+            self.dedup.remove(&(target, key));
+        }
+    }
+
+    /// Empties an inbox (its instance ended; the plan recorded what it held).
+    pub(super) fn inbox_drop(&mut self, id: InstanceId) {
+        for signal in self.inbox.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
+            if let Some(key) = signal.dedup_key {
+                self.dedup.remove(&(id, key));
+            }
+        }
+    }
+
+    /// Executes a planned parent release: the parent's barrier counts the ended child
+    /// against its row as it stands now, then the parent's notice is delivered. A parent
+    /// that no longer exists is left alone.
+    pub(super) fn parent_release(
+        &mut self,
+        parent: InstanceId,
+        notice: Option<&NewSignal>,
+        now: Timestamp,
+    ) {
+        let Some(row) = self.rows.get(&parent) else { return };
+        let next = plan::parent::release(row, now);
+        self.write(next);
+        if let Some(notice) = notice {
+            self.deliver_to(parent, notice, now);
+        }
+    }
+
+    /// Applies a commit's timer changes: cancels first (the timers the plan says it
+    /// cancels), then arms.
+    pub(super) fn timers_change(&mut self, row: &Instance, plan: &TimerPlan, arm: Vec<TimerRow>) {
+        if matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
+            let mine: Vec<TimerId> =
+                self.timers_of.get(&row.id).into_iter().flatten().copied().collect();
+            for id in mine {
+                if plan.cancels(&self.timers[&id].spec.state) {
+                    self.timer_remove(id);
+                }
+            }
+        }
+        for mut timer in arm {
+            self.last_timer += 1;
+            timer.id = TimerId(self.last_timer);
+            self.timers_of.entry(row.id).or_default().insert(timer.id);
+            self.timers.insert(timer.id, timer);
+        }
+    }
+
+    /// A terminal instance has no timers.
+    pub(super) fn timers_drop(&mut self, id: InstanceId) {
+        for timer in self.timers_of.remove(&id).unwrap_or_default() {
+            self.timers.remove(&timer);
+        }
+    }
+
+    pub(super) fn timer_remove(&mut self, id: TimerId) {
+        if let Some(t) = self.timers.remove(&id)
+            && let Some(set) = self.timers_of.get_mut(&t.instance)
+        {
+            set.remove(&id);
+        }
+    }
+}
