@@ -332,46 +332,20 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
             commit_loop(Arc::clone(&inner_), Arc::clone(&rx))
         }))
     };
-    let heartbeat = {
-        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
-        tokio::spawn(supervise(
-            Arc::clone(&inner),
-            WorkerLoop::Heartbeat,
-            Some(shutdown.clone()),
-            move || heartbeat_loop(Arc::clone(&inner_), stop.clone()),
-        ))
-    };
-    let reaper = {
-        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
-        tokio::spawn(supervise(
-            Arc::clone(&inner),
-            WorkerLoop::Reaper,
-            Some(shutdown.clone()),
-            move || reap_loop(Arc::clone(&inner_), stop.clone()),
-        ))
-    };
+    let heartbeat = spawn_loop(&inner, WorkerLoop::Heartbeat, &shutdown, heartbeat_loop);
+    let reaper = spawn_loop(&inner, WorkerLoop::Reaper, &shutdown, reap_loop);
     let sweeper = inner.config.timers.clone().map(|config| {
-        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
-        tokio::spawn(supervise(
-            Arc::clone(&inner),
-            WorkerLoop::Sweeper,
-            Some(shutdown.clone()),
-            move || {
-                let sweeper =
-                    Sweeper::new(Arc::clone(&inner_.store), inner_.clock.clone(), config.clone())
-                        .expect("validated by Worker::spawn");
-                sweeper.run(stop.clone())
-            },
-        ))
+        spawn_loop(&inner, WorkerLoop::Sweeper, &shutdown, move |inner, stop| {
+            let sweeper =
+                Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config.clone())
+                    .expect("validated by Worker::spawn");
+            sweeper.run(stop)
+        })
     });
     let sampler = inner.config.stats_interval.map(|every| {
-        let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
-        tokio::spawn(supervise(
-            Arc::clone(&inner),
-            WorkerLoop::Stats,
-            Some(shutdown.clone()),
-            move || stats_loop(Arc::clone(&inner_), every, stop.clone()),
-        ))
+        spawn_loop(&inner, WorkerLoop::Stats, &shutdown, move |inner, stop| {
+            stats_loop(inner, every, stop)
+        })
     });
 
     let queues: Arc<Vec<(String, Arc<Semaphore>)>> = Arc::new(
@@ -406,6 +380,24 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
 /// while the worker lives. The loop returns normally only at shutdown. With `shutdown`,
 /// a pending restart is dropped once shutdown began; without, the loop is restarted
 /// until it returns (the committer, which must drain).
+/// Spawns a background loop that ends with `shutdown`, under [`supervise`]: `start` gets
+/// the worker and a fresh shutdown receiver on every (re)start.
+fn spawn_loop<S: Store, C: Clock, F, Fut>(
+    inner: &Arc<Inner<S, C>>,
+    which: WorkerLoop,
+    shutdown: &watch::Receiver<bool>,
+    start: F,
+) -> JoinHandle<()>
+where
+    F: Fn(Arc<Inner<S, C>>, watch::Receiver<bool>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (worker, stop) = (Arc::clone(inner), shutdown.clone());
+    tokio::spawn(supervise(Arc::clone(inner), which, Some(shutdown.clone()), move || {
+        start(Arc::clone(&worker), stop.clone())
+    }))
+}
+
 async fn supervise<S: Store, C: Clock, F, Fut>(
     inner: Arc<Inner<S, C>>,
     which: WorkerLoop,
