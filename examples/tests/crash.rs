@@ -81,23 +81,40 @@ async fn terminal<S: Store>(store: &S, ids: &[InstanceId]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let db = dir.path().join("crash.db").display().to_string();
-    let store = SqliteStore::open(&db).await.expect("open");
-    crash_run(&store, &["--sqlite".to_owned(), db]).await;
+    let (_dir, store, args) = sqlite_store().await;
+    crash_run(&store, &args).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_sigkilled_workers_lose_nothing_and_apply_no_step_twice() {
+    let Some((store, args)) =
+        postgres_store("postgres_sigkilled_workers_lose_nothing_and_apply_no_step_twice").await
+    else {
+        return;
+    };
+    crash_run(&store, &args).await;
+}
+
+/// A fresh SQLite file (kept alive by the returned directory) and the worker's arguments
+/// for it.
+async fn sqlite_store() -> (tempfile::TempDir, SqliteStore, Vec<String>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("keel.db").display().to_string();
+    let store = SqliteStore::open(&db).await.expect("open");
+    (dir, store, vec!["--sqlite".to_owned(), db])
+}
+
+/// A fresh PostgreSQL schema and the worker's arguments for it; `None` (said loudly) when
+/// no database is configured.
+async fn postgres_store(test: &str) -> Option<(keel_store_postgres::PgStore, Vec<String>)> {
     let store = keel_testkit::conformance::backend_or_skip(
-        "postgres_sigkilled_workers_lose_nothing_and_apply_no_step_twice",
+        test,
         keel_store_postgres::testing::DATABASE_URL_VAR,
         keel_store_postgres::testing::fresh_schema().await,
-    );
-    let Some(store) = store else { return };
+    )?;
     let url = keel_store_postgres::testing::database_url().expect("configured");
-    let args = ["--postgres".to_owned(), url, "--schema".to_owned(), store.schema().to_owned()];
-    crash_run(&store, &args).await;
+    let args = vec!["--postgres".to_owned(), url, "--schema".to_owned(), store.schema().to_owned()];
+    Some((store, args))
 }
 
 async fn crash_run<S: Store>(store: &S, store_args: &[String]) {
@@ -234,22 +251,19 @@ async fn executing<S: Store>(store: &S) -> u64 {
 /// 30 s lease of the killed process would have run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_worker_restarted_under_the_default_id_reclaims_its_leases_at_start_up() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let db = dir.path().join("restart.db").display().to_string();
-    let store = SqliteStore::open(&db).await.expect("open");
-    restart_run(&store, &["--sqlite".to_owned(), db]).await;
+    let (_dir, store, args) = sqlite_store().await;
+    restart_run(&store, &args).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_worker_restarted_under_the_default_id_reclaims_its_leases_at_start_up() {
-    let store = keel_testkit::conformance::backend_or_skip(
+    let Some((store, args)) = postgres_store(
         "postgres_a_worker_restarted_under_the_default_id_reclaims_its_leases_at_start_up",
-        keel_store_postgres::testing::DATABASE_URL_VAR,
-        keel_store_postgres::testing::fresh_schema().await,
-    );
-    let Some(store) = store else { return };
-    let url = keel_store_postgres::testing::database_url().expect("configured");
-    let args = ["--postgres".to_owned(), url, "--schema".to_owned(), store.schema().to_owned()];
+    )
+    .await
+    else {
+        return;
+    };
     restart_run(&store, &args).await;
 }
 
