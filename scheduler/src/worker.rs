@@ -2,8 +2,12 @@
 //! timeouts, the retry policy and graceful shutdown (DESIGN §3.3–3.4, §5).
 //!
 //! One loop claims batches per queue while that queue has free slots; each claimed step
-//! runs in its own task holding a slot; finished steps go through a bounded channel to a
-//! committer that flushes them in batches (on size or after a short interval). A heartbeat
+//! runs in its own task holding a slot. A finished step gives its running slot back at
+//! once — the next claim overlaps its commit — and goes through a bounded channel to a
+//! committer that gathers results into groups and commits up to `commits_in_flight`
+//! groups at once, each on its own store connection: a group goes out when it is full,
+//! when no step is running any more (an idle worker commits a single step immediately),
+//! or after `commit_interval`. A heartbeat
 //! task extends the leases of running steps; a reaper returns expired leases of dead
 //! workers. Wake-ups come from the store's `ready_wait`, raced against a poll interval —
 //! polling alone is correct.
@@ -31,7 +35,7 @@ use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, W
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
@@ -64,8 +68,13 @@ pub struct WorkerConfig {
     pub reap_interval: Duration,
     /// Most step results per commit.
     pub commit_batch: usize,
-    /// Longest a finished step waits for its group commit.
+    /// Longest a finished step waits for its group commit while other steps are still
+    /// running (with none running, its group is committed at once).
     pub commit_interval: Duration,
+    /// Most group commits in flight at once, each on its own store connection (1 to
+    /// [`COMMITS_IN_FLIGHT_MAX`]). Finished steps gather into the next group while earlier
+    /// groups commit.
+    pub commits_in_flight: usize,
     /// How long shutdown waits for running steps before releasing their leases.
     pub shutdown_grace: Duration,
     /// Run the timer sweep service in this worker (`None` = off, e.g. when dedicated
@@ -92,6 +101,7 @@ impl Default for WorkerConfig {
             reap_interval: Duration::from_secs(5),
             commit_batch: 100,
             commit_interval: Duration::from_millis(2),
+            commits_in_flight: 4,
             shutdown_grace: Duration::from_secs(10),
             timers: Some(SweepConfig::default()),
             stats_interval: Some(Duration::from_secs(15)),
@@ -184,6 +194,8 @@ struct Inner<S, C> {
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
     in_flight: Mutex<HashMap<InstanceId, InFlight>>,
+    /// Steps running user code now (claimed, not yet finished).
+    running: AtomicUsize,
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
@@ -250,6 +262,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             config: self.config,
             machines: self.machines,
             in_flight: Mutex::new(HashMap::new()),
+            running: AtomicUsize::new(0),
             slot_freed: Notify::new(),
             stats: Arc::clone(&stats),
             health: Arc::clone(&health),
@@ -290,7 +303,8 @@ impl WorkerHandle {
     }
 }
 
-/// A finished step on its way to the committer, holding its slot until committed.
+/// A finished step on its way to the committer, holding its lease slot until committed
+/// (its running slot was given back when the step finished).
 struct Finished {
     commit: StepCommit,
     machine: String,
@@ -307,6 +321,9 @@ struct Origin {
     machine: Arc<dyn StepMachine>,
     config: QueueConfig,
 }
+
+/// Most group commits one worker keeps in flight ([`WorkerConfig::commits_in_flight`]).
+pub const COMMITS_IN_FLIGHT_MAX: usize = 32;
 
 /// How many times a group commit is tried while the store is unavailable.
 const COMMIT_TRIES: u32 = 5;
@@ -348,14 +365,8 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
         })
     });
 
-    let queues: Arc<Vec<(String, Arc<Semaphore>)>> = Arc::new(
-        inner
-            .config
-            .queues
-            .iter()
-            .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
-            .collect(),
-    );
+    let queues: Arc<Vec<QueueSlots>> =
+        Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
     {
         let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
         let tx = tx.clone();
@@ -457,10 +468,61 @@ async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     );
 }
 
+/// A queue's slots on this worker. `running` bounds the steps running user code at once
+/// (the queue's configured concurrency); `held` bounds the leases held, by running steps
+/// and by finished ones waiting for their group commit (twice the concurrency). A step
+/// gives its running slot back as soon as it finishes, so the next claim overlaps its
+/// commit; it keeps its lease slot until the commit lands.
+struct QueueSlots {
+    name: String,
+    running: Arc<Semaphore>,
+    held: Arc<Semaphore>,
+}
+
+impl QueueSlots {
+    fn new(name: &str, concurrency: usize) -> Self {
+        QueueSlots {
+            name: name.to_owned(),
+            running: Arc::new(Semaphore::new(concurrency)),
+            held: Arc::new(Semaphore::new(concurrency.saturating_mul(2))),
+        }
+    }
+
+    /// How many more steps this queue can take now.
+    fn free(&self) -> usize {
+        self.running.available_permits().min(self.held.available_permits())
+    }
+
+    /// Both slots for one claimed step, if free.
+    fn take<S, C>(
+        &self,
+        inner: &Arc<Inner<S, C>>,
+    ) -> Option<(Running<S, C>, OwnedSemaphorePermit)> {
+        let held = Arc::clone(&self.held).try_acquire_owned().ok()?;
+        let running = Arc::clone(&self.running).try_acquire_owned().ok()?;
+        inner.running.fetch_add(1, Ordering::SeqCst);
+        Some((Running { inner: Arc::clone(inner), _permit: running }, held))
+    }
+}
+
+/// A step running user code. Dropping it — when the step finished, or when its task was
+/// aborted — gives the running slot back and wakes the claimer.
+struct Running<S, C> {
+    inner: Arc<Inner<S, C>>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl<S, C> Drop for Running<S, C> {
+    fn drop(&mut self) {
+        self.inner.running.fetch_sub(1, Ordering::SeqCst);
+        self.inner.slot_freed.notify_one();
+    }
+}
+
 /// Claims batches per queue while the queue has free slots, and starts each claimed step.
 async fn claim_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
-    queues: Arc<Vec<(String, Arc<Semaphore>)>>,
+    queues: Arc<Vec<QueueSlots>>,
     tx: mpsc::Sender<Finished>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -469,11 +531,9 @@ async fn claim_loop<S: Store, C: Clock>(
         let mut claimed = 0;
         let mut full = true;
         let mut failure = None;
-        for (queue, slots) in queues.iter() {
-            let free = slots
-                .available_permits()
-                .min(inner.config.claim_batch)
-                .min(limits::CLAIM_BATCH_MAX);
+        for slots in queues.iter() {
+            let queue = &slots.name;
+            let free = slots.free().min(inner.config.claim_batch).min(limits::CLAIM_BATCH_MAX);
             if free == 0 {
                 continue;
             }
@@ -497,7 +557,7 @@ async fn claim_loop<S: Store, C: Clock>(
             claimed += claims.len();
             let parents = parents_of(&inner, &claims).await;
             for claim in claims {
-                let Ok(permit) = Arc::clone(slots).try_acquire_owned() else {
+                let Some((running, permit)) = slots.take(&inner) else {
                     // Cannot happen (we asked for at most the free slots); release it.
                     release(&inner, vec![(claim.instance.id, claim.token())]).await;
                     continue;
@@ -507,8 +567,13 @@ async fn claim_loop<S: Store, C: Clock>(
                 let parent = claim.instance.parent.and_then(|p| parents.get(&p).cloned());
                 // Register before spawning, so the heartbeat sees the lease at once.
                 let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-                let task =
-                    tokio::spawn(run_step(Arc::clone(&inner), claim, parent, permit, tx.clone()));
+                let task = tokio::spawn(run_step(
+                    Arc::clone(&inner),
+                    claim,
+                    parent,
+                    (running, permit),
+                    tx.clone(),
+                ));
                 in_flight.insert(id, InFlight { token, task, committing: false });
             }
         }
@@ -649,7 +714,7 @@ async fn run_step<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     claim: Claim,
     parent: Option<Instance>,
-    permit: OwnedSemaphorePermit,
+    (running, permit): (Running<S, C>, OwnedSemaphorePermit),
     tx: mpsc::Sender<Finished>,
 ) {
     let row = &claim.instance;
@@ -697,6 +762,9 @@ async fn run_step<S: Store, C: Clock>(
             (guarded_failure(&origin, error).await, true)
         }
     };
+    // The step is done running: its slot goes to the next claim while this result waits
+    // for its group commit.
+    drop(running);
     let machine_name = row.machine.name.clone();
     let origin = Origin { claim, ctx, machine, config };
     let finished = Finished { commit, machine: machine_name, failed, origin, _permit: permit };
@@ -843,6 +911,8 @@ async fn commit_loop<S: Store, C: Clock>(
 ) {
     let mut rx = rx.lock().await;
     let batch_max = inner.config.commit_batch.clamp(1, limits::COMMIT_BATCH_MAX);
+    let lanes_max = inner.config.commits_in_flight.clamp(1, COMMITS_IN_FLIGHT_MAX);
+    let lanes = Arc::new(Semaphore::new(lanes_max));
     let mut buffer: Vec<Finished> = Vec::with_capacity(batch_max);
     // The oldest buffered result waits at most `commit_interval` for its group.
     let mut deadline = tokio::time::Instant::now();
@@ -854,39 +924,76 @@ async fn commit_loop<S: Store, C: Clock>(
         } else if let Ok(m) = tokio::time::timeout_at(deadline, rx.recv()).await {
             m
         } else {
-            flush(&inner, &mut buffer).await;
+            dispatch(&inner, &lanes, &mut rx, &mut buffer, batch_max).await;
             continue;
         };
         let Some(f) = msg else {
-            flush(&inner, &mut buffer).await;
+            dispatch(&inner, &lanes, &mut rx, &mut buffer, batch_max).await;
+            // Every group in flight has landed once all the lanes are free again.
+            let _ = lanes.acquire_many(lanes_max as u32).await;
             return;
         };
         buffer.push(f);
         // Take whatever else is already waiting, up to the batch bound.
-        while buffer.len() < batch_max {
-            match rx.try_recv() {
-                Ok(f) => buffer.push(f),
-                Err(_) => break,
-            }
-        }
-        // Flush at once when the group is full, or when every running step has finished
-        // (no more results can join this group).
-        let running = inner.in_flight.lock().expect("in_flight lock").len();
-        if buffer.len() >= batch_max || buffer.len() >= running {
-            flush(&inner, &mut buffer).await;
+        top_up(&mut rx, &mut buffer, batch_max);
+        // Commit at once when the group is full, or when no step is running (no more
+        // results can join this group soon: an idle worker never waits out the interval).
+        if buffer.len() >= batch_max || inner.running.load(Ordering::SeqCst) == 0 {
+            dispatch(&inner, &lanes, &mut rx, &mut buffer, batch_max).await;
         }
     }
+}
+
+/// Moves the results already waiting into `buffer`, up to `batch_max`.
+fn top_up(rx: &mut mpsc::Receiver<Finished>, buffer: &mut Vec<Finished>, batch_max: usize) {
+    while buffer.len() < batch_max {
+        match rx.try_recv() {
+            Ok(f) => buffer.push(f),
+            Err(_) => break,
+        }
+    }
+}
+
+/// Sends the buffered group to a commit lane of its own, waiting for a free lane first
+/// (at most [`WorkerConfig::commits_in_flight`] groups commit at once); results that
+/// finish while it waits join the group. The group commits in its own task, so a panic
+/// there fails that group only (its leases expire and the steps re-run).
+async fn dispatch<S: Store, C: Clock>(
+    inner: &Arc<Inner<S, C>>,
+    lanes: &Arc<Semaphore>,
+    rx: &mut mpsc::Receiver<Finished>,
+    buffer: &mut Vec<Finished>,
+    batch_max: usize,
+) {
+    if buffer.is_empty() {
+        return;
+    }
+    let lane = Arc::clone(lanes).acquire_owned().await.expect("the lanes are never closed");
+    top_up(rx, buffer, batch_max);
+    let batch = std::mem::replace(buffer, Vec::with_capacity(batch_max));
+    let inner = Arc::clone(inner);
+    tokio::spawn(async move {
+        let group = tokio::spawn({
+            let inner = Arc::clone(&inner);
+            async move { flush(&inner, batch).await }
+        });
+        if let Err(join) = group.await {
+            let panic = panic_message(join);
+            inner.loop_failed(WorkerLoop::Committer, &format!("a group commit panicked: {panic}"));
+        }
+        drop(lane);
+    });
 }
 
 /// Commits a group of step results. A result the store refuses becomes a non-retryable
 /// failure of its step, committed in a second round (see [`commit_refused`]); results that
 /// cannot be committed at all (the store stayed unavailable) are dropped: their leases
 /// expire and the reaper re-runs the steps (at-least-once).
-async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finished>) {
-    if buffer.is_empty() {
+async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, batch: Vec<Finished>) {
+    if batch.is_empty() {
         return;
     }
-    let settled = Settled { inner, batch: std::mem::take(buffer) };
+    let settled = Settled { inner, batch };
     let batch = &settled.batch;
     {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");

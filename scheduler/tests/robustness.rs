@@ -51,6 +51,8 @@ on_stores!(
         background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
         a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
         a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
+        the_next_claim_overlaps_a_slow_commit_within_twice_the_concurrency,
+        group_commits_run_side_by_side_up_to_the_configured_bound,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -62,6 +64,8 @@ on_stores!(
         background_loops_survive_failing_and_panicking_store_calls_and_finish_the_work,
         a_panicking_group_commit_loses_only_its_group_whose_steps_re_run,
         a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
+        the_next_claim_overlaps_a_slow_commit_within_twice_the_concurrency,
+        group_commits_run_side_by_side_up_to_the_configured_bound,
     ],
 );
 
@@ -195,6 +199,10 @@ enum Fault {
 struct Faulty<S> {
     inner: S,
     extend_delay: Duration,
+    /// How long each `step_commit` takes on top of the store's own time.
+    commit_delay: Duration,
+    /// `step_commit` calls under way now, and the most seen at once.
+    commits: Mutex<(usize, usize)>,
     faults: Mutex<HashMap<&'static str, VecDeque<Fault>>>,
     calls: Mutex<HashMap<&'static str, u64>>,
 }
@@ -204,6 +212,8 @@ impl<S: Store> Faulty<S> {
         Faulty {
             inner,
             extend_delay: Duration::ZERO,
+            commit_delay: Duration::ZERO,
+            commits: Mutex::default(),
             faults: Mutex::default(),
             calls: Mutex::default(),
         }
@@ -245,7 +255,15 @@ impl<S: Store> Store for Faulty<S> {
     }
     async fn step_commit(&self, p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         self.gate("step_commit")?;
-        self.inner.step_commit(p).await
+        {
+            let mut commits = self.commits.lock().unwrap();
+            commits.0 += 1;
+            commits.1 = commits.1.max(commits.0);
+        }
+        tokio::time::sleep(self.commit_delay).await;
+        let result = self.inner.step_commit(p).await;
+        self.commits.lock().unwrap().0 -= 1;
+        result
     }
     async fn lease_extend(&self, p: LeaseExtendParams) -> StoreResult<Vec<bool>> {
         self.gate("lease_extend")?;
@@ -339,6 +357,71 @@ impl StepMachine for ShortSteps {
             _ => Outcome::Done { result: json!({ "ok": true }), step: None },
         })
     }
+}
+
+/// A worker of concurrency 1 whose commits are slow: it claims and runs the next step
+/// while the previous result commits (two commits under way at once), but never holds
+/// more than twice its concurrency in leases (never three), and finishes everything.
+async fn the_next_claim_overlaps_a_slow_commit_within_twice_the_concurrency<S: TestStore>() {
+    const INSTANCES: usize = 6;
+    let store =
+        Faulty { commit_delay: Duration::from_millis(150), ..Faulty::new(S::fresh().await) };
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
+    }
+    let config = WorkerConfig {
+        queues: vec![("default".into(), 1)],
+        claim_batch: 1,
+        commits_in_flight: 4,
+        timers: None,
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), INSTANCES as u64);
+    assert_eq!(
+        h.store.commits.lock().unwrap().1,
+        2,
+        "one step ran while the previous result committed, and no third lease was taken"
+    );
+}
+
+/// Many steps finishing while commits are slow: full groups commit side by side, never
+/// more at once than `commits_in_flight`, and every result lands exactly once.
+async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>() {
+    const INSTANCES: usize = 60;
+    let store =
+        Faulty { commit_delay: Duration::from_millis(100), ..Faulty::new(S::fresh().await) };
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
+    }
+    let config = WorkerConfig {
+        queues: vec![("default".into(), 24)],
+        commit_batch: 8,
+        commits_in_flight: 3,
+        commit_interval: Duration::from_millis(1),
+        timers: None,
+        ..h.config()
+    };
+    let worker = h.worker(config, ShortSteps);
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), INSTANCES as u64);
+    assert_eq!(h.store.commits.lock().unwrap().1, 3, "three groups at once, never four");
+    assert!(
+        h.store.calls("step_commit") < INSTANCES as u64,
+        "results were grouped: {} commits for {INSTANCES} results",
+        h.store.calls("step_commit")
+    );
 }
 
 /// Many short steps under a heartbeat that runs all the time and whose store call takes

@@ -245,7 +245,23 @@ async fn a_failing_region_records_the_same_history_in_memory_and_durably() {
     h.wait(id, "the failed parallel state", |r| r.status == Status::Done).await;
     worker.shutdown().await;
     let detail = h.client.get(id).await.expect("get");
-    let durable = chart_entries(detail.history.into_iter().map(|r| (r.entry.kind, r.entry.data)));
+    let mut durable =
+        chart_entries(detail.history.into_iter().map(|r| (r.entry.kind, r.entry.data)));
+    // Whether the payment region reports before or after the parallel state failed is a
+    // race between two instances (the worker claims the region while the failing report
+    // commits); a late report is drained unread when the instance ends. Only such a
+    // report may be drained.
+    if let Some((kind, data)) = durable.last()
+        && kind == "INBOX_DRAINED"
+    {
+        let names: Vec<&Value> =
+            data["signals"].as_array().into_iter().flatten().map(|s| &s["name"]).collect();
+        assert!(
+            names.iter().all(|n| *n == "parallel.region"),
+            "only late region reports are drained: {data}"
+        );
+        durable.pop();
+    }
 
     let memory = tokio::task::spawn_blocking(|| {
         let mut m = in_memory(true);
