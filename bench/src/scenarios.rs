@@ -181,6 +181,9 @@ pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
             let init_rate = (n + sample) as f64 / started.elapsed().as_secs_f64();
 
             // Burst: one GO per instance at once; each macrostep takes two transitions.
+            // The count is read before the first signal goes out: the worker starts on
+            // the burst while later chunks are still being delivered.
+            let base = stats.committed();
             let burst_started = Instant::now();
             for chunk in burst.chunks(INSERT_BATCH) {
                 let signals = chunk.iter().map(|id| NewSignal::new(*id, "GO")).collect();
@@ -189,7 +192,6 @@ pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
                     .await?;
             }
             let pb = bar(n, &format!("signal burst, notify {notifications}"));
-            let base = stats.committed();
             let ok = committed(&stats, base + n as u64, None).await;
             pb.finish_and_clear();
             if !ok {
