@@ -1,12 +1,17 @@
 //! `instance_insert`: one `INSERT … ON CONFLICT (unique_guard) DO NOTHING` for the whole
-//! batch with ids drawn up front, then one lookup of the occupants of the keys that did
-//! not go in. Used by `ScheduleChildren` commits too.
+//! batch with ids drawn up front, which also reads the occupant of every key that did not
+//! go in. Used by `ScheduleChildren` commits too. A top-level insert is that one statement
+//! run on its own (autocommit), with the store's wake-up sent from inside it: one round
+//! trip and one commit, for a single start as for a batch of ten thousand.
+//!
+//! An occupant that committed after the statement's snapshot (a concurrent inserter of
+//! the same key, which the conflict waited for) is not visible to it; those few keys are
+//! looked up with one more statement.
 //!
 //! Rows go in sorted by unique key (batch order among equal keys, so the first item of a
 //! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
 //! global order and cannot deadlock.
 
-use super::{begin, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -14,6 +19,7 @@ use keel_core::instance::{Instance, NewInstance};
 use keel_core::ports::store::{InsertOutcome, InsertParams};
 use keel_core::{InstanceId, StoreError, Timestamp};
 use std::collections::HashMap;
+use std::sync::LazyLock;
 
 /// One instance to insert, with its parent when it is a child.
 pub(crate) type Item<'a> = (&'a NewInstance, Option<InstanceId>);
@@ -23,21 +29,30 @@ pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {
     params.instances.iter().map(|n| (n, None)).collect()
 }
 
-/// A transaction: insert, notify, commit.
+/// One statement in its own transaction: insert, read the occupants, notify.
 pub(crate) async fn run<C: GenericClient + Sync>(
     c: &C,
     items: &[Item<'_>],
     now: Timestamp,
     channel: &str,
 ) -> OpResult<Vec<InsertOutcome>> {
-    let (b, out) = tokio::join!(begin(c), insert_batch(c, items, now));
-    b?;
-    let out = out?;
-    end_tx(c, Some(channel)).await?;
-    Ok(out)
+    insert(c, items, now, Some(channel)).await
 }
 
-const INSERT: &str = "WITH input AS MATERIALIZED ( \
+/// The insert statement; with `notify`, it also sends `pg_notify($17, '')` once.
+fn insert_sql(notify: bool) -> String {
+    let (note, join) = if notify {
+        (", note AS MATERIALIZED (SELECT pg_notify($17, '') AS sent)", " CROSS JOIN note")
+    } else {
+        ("", "")
+    };
+    format!("{INSERT_HEAD}{note} {INSERT_TAIL}{join} ORDER BY input.ord")
+}
+
+static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(false));
+static INSERT_NOTIFY: LazyLock<String> = LazyLock::new(|| insert_sql(true));
+
+const INSERT_HEAD: &str = "WITH input AS MATERIALIZED ( \
       SELECT nextval('instances_id_seq') AS id, t.* \
       FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::text[], $6::int2[], \
                   $7::text[], $8::text[], $9::jsonb[], $10::bytea[], $11::text[], \
@@ -55,9 +70,12 @@ const INSERT: &str = "WITH input AS MATERIALIZED ( \
       FROM input ORDER BY unique_key NULLS LAST, ord \
       ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
       RETURNING id \
-    ) \
-    SELECT input.id, ins.id IS NOT NULL FROM input LEFT JOIN ins ON ins.id = input.id \
-    ORDER BY input.ord";
+    )";
+
+const INSERT_TAIL: &str = "SELECT input.id, ins.id IS NOT NULL, \
+      CASE WHEN ins.id IS NULL THEN \
+        (SELECT o.id FROM instances o WHERE o.unique_guard = input.unique_key) END \
+    FROM input LEFT JOIN ins ON ins.id = input.id";
 
 const OCCUPANTS: &str =
     "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])";
@@ -68,6 +86,15 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
+    insert(c, items, now, None).await
+}
+
+async fn insert<C: GenericClient + Sync>(
+    c: &C,
+    items: &[Item<'_>],
+    now: Timestamp,
+    channel: Option<&str>,
+) -> OpResult<Vec<InsertOutcome>> {
     if items.is_empty() {
         return Ok(Vec::new());
     }
@@ -75,14 +102,26 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     for (n, parent) in items {
         cols.push(n, *parent, now);
     }
-    let stmt = c.prepare_cached(INSERT).await?;
-    let rows = c.query(&stmt, &cols.params(now)).await?;
+    let rows = match channel {
+        None => {
+            let stmt = c.prepare_cached(&INSERT).await?;
+            c.query(&stmt, &cols.params(now)).await?
+        }
+        Some(channel) => {
+            let stmt = c.prepare_cached(&INSERT_NOTIFY).await?;
+            let mut params = cols.params(now).to_vec();
+            params.push(&channel);
+            c.query(&stmt, &params).await?
+        }
+    };
     let mut out = Vec::with_capacity(items.len());
     let mut missing = Vec::new();
     for (i, r) in rows.iter().enumerate() {
         let id = InstanceId(rows::col(r, 0)?);
         if rows::col::<bool>(r, 1)? {
             out.push(InsertOutcome::Inserted(id));
+        } else if let Some(occupant) = rows::col::<Option<i64>>(r, 2)? {
+            out.push(InsertOutcome::Existing(InstanceId(occupant)));
         } else {
             out.push(InsertOutcome::Existing(InstanceId(0)));
             missing.push(i);
