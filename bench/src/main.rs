@@ -8,12 +8,15 @@
 //! - `timers`: N timers due at the same instant — time until the last one fired, and
 //!   lateness p50 / p99;
 //! - `parallel`: a parallel state whose regions sleep 500 ms and 200 ms — event → `@done`
-//!   inline and dispatched, and the dispatch overhead.
+//!   inline and dispatched, and the dispatch overhead;
+//! - `start`: single start p50 / p99, bulk start rate, and the process's memory with a
+//!   worker holding 10 000 parked instances.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
 mod report;
 mod scenarios;
+mod starts;
 mod stores;
 
 use anyhow::Result;
@@ -21,7 +24,7 @@ use clap::{Parser, ValueEnum};
 
 /// Keel benchmarks.
 #[derive(Debug, Parser)]
-#[command(name = "keel-bench", about = "Keel benchmarks: steps, chart, timers")]
+#[command(name = "keel-bench", about = "Keel benchmarks: steps, chart, timers, parallel, start")]
 struct Cli {
     /// Which scenarios to run (default: all).
     #[arg(value_enum)]
@@ -54,13 +57,21 @@ enum Scenario {
     Timers,
     /// Inline vs dispatched parallel regions.
     Parallel,
+    /// Single and bulk starts, and memory with parked instances.
+    Start,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     let scenarios = if cli.scenarios.is_empty() {
-        vec![Scenario::Steps, Scenario::Chart, Scenario::Timers, Scenario::Parallel]
+        vec![
+            Scenario::Steps,
+            Scenario::Chart,
+            Scenario::Timers,
+            Scenario::Parallel,
+            Scenario::Start,
+        ]
     } else {
         cli.scenarios.clone()
     };
@@ -73,6 +84,7 @@ async fn main() -> Result<()> {
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
+            Scenario::Start => starts::start(&store, cli.instances).await?,
         };
         report.print();
         let path = cli.out.join(format!("{}-{}.json", report.name, cli.store.name()));

@@ -48,7 +48,10 @@ impl Report {
 
 fn cell(v: &Value) -> String {
     match v {
-        Value::Number(n) if n.is_f64() => format!("{:.1}", n.as_f64().unwrap_or_default()),
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or_default();
+            if x.abs() < 10.0 { format!("{x:.2}") } else { format!("{x:.1}") }
+        }
         Value::String(s) => s.clone(),
         other => other.to_string(),
     }

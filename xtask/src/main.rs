@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci|tidy|json-schema|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|json-schema|bench [steps|chart|timers|parallel|start|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
