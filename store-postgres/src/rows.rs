@@ -106,45 +106,50 @@ pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machin
 /// Decodes a row selected with [`INSTANCE_COLS`] (starting at column 0). The context and
 /// result decode leniently ([`json_col`]); a damaged `errors` list reads as empty.
 pub(crate) fn instance(r: &Row) -> Result<Instance, StoreError> {
-    let scope: Vec<String> = col(r, 24)?;
+    instance_at(r, 0)
+}
+
+/// Decodes the [`INSTANCE_COLS`] of a row that selects them from column `base` on.
+pub(crate) fn instance_at(r: &Row, base: usize) -> Result<Instance, StoreError> {
+    let scope: Vec<String> = col(r, base + 24)?;
     let scope = scope.iter().map(|s| status(s)).collect::<Result<Vec<_>, _>>()?;
-    let unique_key: Option<Vec<u8>> = col(r, 23)?;
+    let unique_key: Option<Vec<u8>> = col(r, base + 23)?;
     // Keel alone writes the errors list; if it cannot be read, showing none keeps the row
     // usable (the next write replaces it).
     let errors: Vec<AttemptError> = r
-        .try_get::<_, Value>(15)
+        .try_get::<_, Value>(base + 15)
         .ok()
         .and_then(|v| serde_json::from_value(v).ok())
         .unwrap_or_default();
-    let priority: i16 = col(r, 6)?;
+    let priority: i16 = col(r, base + 6)?;
     Ok(Instance {
-        id: InstanceId(col(r, 0)?),
-        namespace: col(r, 1)?,
-        machine: MachineRef { name: col(r, 2)?, version: col(r, 3)? },
-        business_key: col(r, 4)?,
-        queue: col(r, 5)?,
+        id: InstanceId(col(r, base + 0)?),
+        namespace: col(r, base + 1)?,
+        machine: MachineRef { name: col(r, base + 2)?, version: col(r, base + 3)? },
+        business_key: col(r, base + 4)?,
+        queue: col(r, base + 5)?,
         priority: Priority::from_level(priority).unwrap_or_default(),
-        concurrency_key: col(r, 7)?,
-        status: status(col(r, 8)?)?,
-        position: col(r, 9)?,
-        context: json_col(r, 10, "context"),
-        result: json_col_opt(r, 11, "result"),
-        awaits: col(r, 12)?,
-        last_error: col(r, 13)?,
-        attempt: col(r, 14)?,
+        concurrency_key: col(r, base + 7)?,
+        status: status(col(r, base + 8)?)?,
+        position: col(r, base + 9)?,
+        context: json_col(r, base + 10, "context"),
+        result: json_col_opt(r, base + 11, "result"),
+        awaits: col(r, base + 12)?,
+        last_error: col(r, base + 13)?,
+        attempt: col(r, base + 14)?,
         errors,
-        revision: Revision(col(r, 16)?),
-        eligible_at: from_ts(col(r, 17)?),
-        lease_owner: col::<Option<String>>(r, 18)?.map(WorkerId),
-        lease_expires_at: from_ts_opt(col(r, 19)?),
-        fencing_token: FencingToken(col(r, 20)?),
-        parent: col::<Option<i64>>(r, 21)?.map(InstanceId),
-        children_pending: col(r, 22)?,
+        revision: Revision(col(r, base + 16)?),
+        eligible_at: from_ts(col(r, base + 17)?),
+        lease_owner: col::<Option<String>>(r, base + 18)?.map(WorkerId),
+        lease_expires_at: from_ts_opt(col(r, base + 19)?),
+        fencing_token: FencingToken(col(r, base + 20)?),
+        parent: col::<Option<i64>>(r, base + 21)?.map(InstanceId),
+        children_pending: col(r, base + 22)?,
         unique: unique_key.map(|key| UniqueSpec { key, scope: StatusSet::of(&scope) }),
-        correlation_id: col(r, 25)?,
-        created_at: from_ts(col(r, 26)?),
-        updated_at: from_ts(col(r, 27)?),
-        invoked_by: col(r, 28)?,
+        correlation_id: col(r, base + 25)?,
+        created_at: from_ts(col(r, base + 26)?),
+        updated_at: from_ts(col(r, base + 27)?),
+        invoked_by: col(r, base + 28)?,
     })
 }
 

@@ -154,6 +154,28 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     targets: &[Option<InstanceId>],
     now: Timestamp,
 ) -> OpResult<Delivery> {
+    plan_with(c, signals, targets, None, now).await
+}
+
+/// [`plan_resolved`] for a caller that already holds the lock on every target and read
+/// its row in this transaction (the timer sweep): the rows are not read again.
+pub(crate) async fn plan_held<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    targets: &[Option<InstanceId>],
+    held: &HashMap<i64, Instance>,
+    now: Timestamp,
+) -> OpResult<Delivery> {
+    plan_with(c, signals, targets, Some(held), now).await
+}
+
+async fn plan_with<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    targets: &[Option<InstanceId>],
+    held: Option<&HashMap<i64, Instance>>,
+    now: Timestamp,
+) -> OpResult<Delivery> {
     let mut ids: Vec<i64> = targets.iter().flatten().map(|t| t.0).collect();
     ids.sort_unstable();
     ids.dedup();
@@ -171,7 +193,9 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     let existing = c.prepare_cached(EXISTING).await?;
     let alloc = c.prepare_cached(ALLOC).await?;
     let (locked, found, fresh) = tokio::join!(
-        async { c.query(&lock, &[&ids]).await },
+        async {
+            if held.is_some() { Ok(Vec::new()) } else { c.query(&lock, &[&ids]).await }
+        },
         async { c.query(&existing, &[&dt, &dk]).await },
         async { c.query(&alloc, &[&n]).await },
     );
@@ -179,6 +203,13 @@ pub(crate) async fn plan_resolved<C: GenericClient + Sync>(
     for r in &locked? {
         let row = rows::instance(r)?;
         read.rows.insert(row.id, row);
+    }
+    if let Some(held) = held {
+        for id in &ids {
+            if let Some(row) = held.get(id) {
+                read.rows.insert(row.id, row.clone());
+            }
+        }
     }
     for r in &found? {
         let (target, key, id): (i64, String, i64) =

@@ -15,6 +15,7 @@ use keel_core::ports::store::{
 use keel_core::timers::TimerRow;
 use keel_core::{InstanceId, MachineRef, StoreError, TimerId, Timestamp, limits};
 use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::time::SystemTime;
 use tokio_postgres::Row;
 
@@ -213,12 +214,18 @@ pub(crate) fn list(found: &[Row]) -> Result<Vec<TimerRow>, StoreError> {
     found.iter().map(timer).collect()
 }
 
-/// The pick: due timers not held by another sweep, then each one's instance, also
-/// without waiting. A sweep never waits for a lock (a commit locks the instance before its
-/// timers, the sweep the other way round), so it cannot deadlock with commits or other
+/// The pick: due timers not held by another sweep, then each one's instance row, locked
+/// also without waiting. A sweep never waits for a lock (a commit locks the instance before
+/// its timers, the sweep the other way round), so it cannot deadlock with commits or other
 /// sweeps; a timer whose instance is busy (`held` false, instance present) is left for the
-/// next sweep and not counted.
+/// next sweep and not counted. The instance columns start at column [`DUE_INSTANCE`].
+static DUE: LazyLock<String> = LazyLock::new(due_sql);
+
+/// Where the instance columns start in a [`DUE`] row.
+const DUE_INSTANCE: usize = 11;
+
 fn due_sql() -> String {
+    let cols = rows::INSTANCE_COLS_I;
     format!(
         "WITH t AS MATERIALIZED ( \
            SELECT * FROM timers t WHERE t.next_fire_at <= $1 \
@@ -227,8 +234,9 @@ fn due_sql() -> String {
            ORDER BY t.next_fire_at, t.id LIMIT $4 FOR UPDATE SKIP LOCKED \
          ) \
          SELECT {TIMER_COLS}, i.id IS NOT NULL, \
-           i.id IS NULL AND EXISTS (SELECT 1 FROM instances x WHERE x.id = t.instance_id) \
-         FROM t LEFT JOIN LATERAL (SELECT id FROM instances WHERE id = t.instance_id \
+           i.id IS NULL AND EXISTS (SELECT 1 FROM instances x WHERE x.id = t.instance_id), \
+           {cols} \
+         FROM t LEFT JOIN LATERAL (SELECT * FROM instances WHERE id = t.instance_id \
            FOR NO KEY UPDATE SKIP LOCKED) i ON true \
          ORDER BY t.next_fire_at, t.id"
     )
@@ -243,16 +251,17 @@ const SWEPT: &str = "INSERT INTO timer_sweeps (namespace, machine, swept_at) \
     SELECT $1, m, $3 FROM unnest($2::text[]) AS m \
     ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at";
 
-/// One sweep transaction: pick the due timers (skipping other sweeps' picks), lock their
-/// instances (id order), fire each with the pure `timers::fire`, deliver through the
-/// normal path, record history, advance or delete the timers, note the sweep time, and
-/// notify when an instance woke — the writes pipelined with the `COMMIT`.
+/// One sweep transaction: pick the due timers with their instances (skipping other
+/// sweeps' picks and busy instances; each instance locked and read once), plan the firing
+/// with the core's timer planner, deliver through the normal path with the rows already
+/// held, record history, advance or delete the timers, note the sweep time, and notify
+/// when an instance woke — the writes pipelined with the `COMMIT`. Three round trips.
 pub(crate) async fn sweep<C: GenericClient + Sync>(
     c: &C,
     p: &TimerSweepParams,
     channel: &str,
 ) -> OpResult<TimerSweepReport> {
-    let due = c.prepare_cached(&due_sql()).await?;
+    let due = c.prepare_cached(&DUE).await?;
     let limit = p.limit as i64;
     let now_ts = ts(p.now);
     let (began, picked) = tokio::join!(begin(c), async {
@@ -260,36 +269,31 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     });
     began?;
     let found = picked?;
-    let mut picked = Vec::new();
+    let mut due = Vec::new();
+    let mut held: HashMap<i64, Instance> = HashMap::new();
     for r in &found {
         // Busy instance: leave the timer for the next sweep.
-        if !col::<bool>(r, 10)? {
-            picked.push((timer(r)?, col::<bool>(r, 9)?));
+        if col::<bool>(r, 10)? {
+            continue;
+        }
+        due.push(timer(r)?);
+        if col::<bool>(r, 9)? {
+            let row = rows::instance_at(r, DUE_INSTANCE)?;
+            held.insert(row.id.0, row);
         }
     }
-    let mut ids: Vec<i64> =
-        picked.iter().filter(|(_, held)| *held).map(|(t, _)| t.instance.0).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    let live: HashMap<i64, Instance> = rows::lock_instances(c, &ids)
-        .await?
-        .into_iter()
-        .filter(|r| !r.status.is_terminal())
-        .map(|r| (r.id.0, r))
-        .collect();
-
-    let due: Vec<TimerRow> = picked.into_iter().map(|(t, _)| t).collect();
-    let plan = plan::timer::sweep(p, &due, |id| live.contains_key(&id.0));
+    let live = |id: InstanceId| held.get(&id.0).is_some_and(|r| !r.status.is_terminal());
+    let plan = plan::timer::sweep(p, &due, live);
     let adv_id: Vec<i64> = plan.advance.iter().map(|t| t.id.0).collect();
     let adv_n: Vec<i32> = plan.advance.iter().map(|t| t.fire_count as i32).collect();
     let adv_due: Vec<_> = plan.advance.iter().map(|t| ts(t.next_fire_at)).collect();
     let gone: Vec<i64> = plan.delete.iter().map(|id| id.0).collect();
     let mut history = HistoryWrite::default();
     for (instance, entry) in &plan.history {
-        let row = &live[&instance.0];
+        let row = &held[&instance.0];
         history.push(row, row.attempt, p.now, entry.clone());
     }
-    let delivery = signal::plan_resolved(c, &plan.signals, &plan.targets(), p.now).await?;
+    let delivery = signal::plan_held(c, &plan.signals, &plan.targets(), &held, p.now).await?;
     let report = plan.report(&delivery.outcomes);
     let (ns, machines): (Vec<String>, Vec<String>) =
         plan::timer::swept_scopes(p).into_iter().unzip();
