@@ -123,7 +123,7 @@ pub(crate) fn instance_at(r: &Row, base: usize) -> Result<Instance, StoreError> 
         .unwrap_or_default();
     let priority: i16 = col(r, base + 6)?;
     Ok(Instance {
-        id: InstanceId(col(r, base + 0)?),
+        id: InstanceId(col(r, base)?),
         namespace: col(r, base + 1)?,
         machine: MachineRef { name: col(r, base + 2)?, version: col(r, base + 3)? },
         business_key: col(r, base + 4)?,
