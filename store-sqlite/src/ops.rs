@@ -78,7 +78,7 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
     let machines = serde_json::to_string(&machines).unwrap_or_default();
     let page = p.limit.max(CLAIM_PAGE_MIN);
     let mut after: (i64, i64, i64) = (-1, i64::MIN, i64::MIN);
-    let mut claims = Vec::new();
+    let mut taken = Vec::new();
     let mut planner = ClaimPlanner::new(p);
     while !planner.is_full() {
         let rows = sqlx::query(concat!(
@@ -129,23 +129,32 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
                 continue;
             }
             db.instance_write(&next).await?;
-            let inbox = db.inbox(next.id, limits::CLAIM_INBOX_MAX).await?;
-            if let Some(error) = claim::damage(&next, &inbox) {
-                let applied = claim::undecodable(&next, &error, p.now);
-                for entry in &applied.history {
-                    db.record(&applied.row, next.attempt, entry, p.now).await?;
-                }
-                if let Some(letter) = &applied.dead_letter {
-                    db.dead_letter_insert(letter, p.now).await?;
-                }
-                db.instance_write(&applied.row).await?;
-                continue;
-            }
-            claims.push(Claim { inbox, children: db.children(next.id).await?, instance: next });
+            taken.push(next);
         }
         if exhausted {
             break;
         }
+    }
+    // Every claimed row's inbox and children, in one query each.
+    let ids: Vec<InstanceId> = taken.iter().map(|r| r.id).collect();
+    let mut inboxes = db.inboxes(&ids, limits::CLAIM_INBOX_MAX).await?;
+    let mut children = db.children_of(&ids).await?;
+    let mut claims = Vec::with_capacity(taken.len());
+    for next in taken {
+        let inbox = inboxes.remove(&next.id).unwrap_or_default();
+        if let Some(error) = claim::damage(&next, &inbox) {
+            let applied = claim::undecodable(&next, &error, p.now);
+            for entry in &applied.history {
+                db.record(&applied.row, next.attempt, entry, p.now).await?;
+            }
+            if let Some(letter) = &applied.dead_letter {
+                db.dead_letter_insert(letter, p.now).await?;
+            }
+            db.instance_write(&applied.row).await?;
+            continue;
+        }
+        let children = children.remove(&next.id).unwrap_or_default();
+        claims.push(Claim { inbox, children, instance: next });
     }
     Ok(claims)
 }
@@ -187,7 +196,9 @@ pub(crate) async fn commit_item(
 /// nothing; the savepoint undoes the writes if the database fails half way.
 async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreResult<CommitReceipt> {
     let row = db.instance(c.id).await?;
-    let inbox = InboxRead::of(&db.inbox(c.id, WHOLE_INBOX).await?, c);
+    let whole_inbox = db.inbox(c.id, WHOLE_INBOX).await?;
+    let inbox_empty = whole_inbox.is_empty();
+    let inbox = InboxRead::of(&whole_inbox, c);
     let mut emit_targets = Vec::with_capacity(c.emit.len());
     for signal in &c.emit {
         emit_targets.push(db.resolve(&signal.target).await?);
@@ -210,7 +221,9 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     for id in &plan.consume {
         db.signal_remove(row.id, *id).await?;
     }
-    if plan.drain_inbox {
+    // Nothing in this item adds to its own inbox before here, so an inbox read empty
+    // has nothing to drain.
+    if plan.drain_inbox && !inbox_empty {
         db.signals_drop(row.id).await?;
     }
     for entry in &plan.history {

@@ -17,6 +17,7 @@ use keel_core::{
     WorkerId,
 };
 use serde_json::Value;
+use std::collections::HashMap;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
@@ -333,6 +334,65 @@ impl Db<'_> {
         .await
         .map_err(self.err("reading children"))?;
         rows.iter().map(|r| self.instance_of(r).map(|c| ChildSummary::of(&c))).collect()
+    }
+
+    /// The inboxes of `ids` (each oldest first, at most `limit` signals), in one query.
+    pub async fn inboxes(
+        &mut self,
+        ids: &[InstanceId],
+        limit: usize,
+    ) -> StoreResult<HashMap<InstanceId, Vec<Signal>>> {
+        let mut out: HashMap<InstanceId, Vec<Signal>> = HashMap::new();
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let ids_json = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
+            .unwrap_or_else(|_| "[]".to_owned());
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            signal_cols!(),
+            " FROM (SELECT s.*, row_number() OVER (PARTITION BY s.target_id ORDER BY s.id) AS rn                FROM keel_signals s WHERE s.target_id IN (SELECT value FROM json_each(?)))              WHERE rn <= ? ORDER BY target_id, id"
+        ))
+        .bind(ids_json)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading inboxes"))?;
+        for r in &rows {
+            let signal = self.signal_of(r)?;
+            out.entry(signal.target).or_default().push(signal);
+        }
+        Ok(out)
+    }
+
+    /// Summaries of the children of each of `ids` (oldest first, bounded), in one query.
+    pub async fn children_of(
+        &mut self,
+        ids: &[InstanceId],
+    ) -> StoreResult<HashMap<InstanceId, Vec<ChildSummary>>> {
+        let mut out: HashMap<InstanceId, Vec<ChildSummary>> = HashMap::new();
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let ids_json = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
+            .unwrap_or_else(|_| "[]".to_owned());
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            instance_cols!(),
+            " FROM (SELECT c.*, row_number() OVER (PARTITION BY c.parent_id ORDER BY c.id) AS rn                FROM keel_instances c WHERE c.parent_id IN (SELECT value FROM json_each(?)))              WHERE rn <= ? ORDER BY parent_id, id"
+        ))
+        .bind(ids_json)
+        .bind(limits::CHILDREN_LIST_MAX as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading children"))?;
+        for r in &rows {
+            let child = self.instance_of(r)?;
+            if let Some(parent) = child.parent {
+                out.entry(parent).or_default().push(ChildSummary::of(&child));
+            }
+        }
+        Ok(out)
     }
 
     /// The ids of the children of `id`, oldest first (for a cascading cancel).
