@@ -225,6 +225,26 @@ fn check_schema(schema: &str) -> StoreResult<()> {
     }
 }
 
+/// The longest channel name PostgreSQL accepts (`NAMEDATALEN - 1`): `LISTEN` cuts a longer
+/// one short while `pg_notify` refuses it, so the two would never meet.
+const CHANNEL_MAX: usize = 63;
+
+/// The NOTIFY channel of a schema: `keel_<schema>_ready`, or, where that is longer than
+/// PostgreSQL allows, the schema's first 35 characters and a hash of the whole name, so
+/// two long schema names that share a prefix still get different channels. The hash is
+/// FNV-1a, fixed here, so every worker build computes the same channel.
+fn channel_for(schema: &str) -> String {
+    let plain = format!("keel_{schema}_ready");
+    if plain.len() <= CHANNEL_MAX {
+        return plain;
+    }
+    let hash = schema.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    // The schema is ASCII (checked by `check_schema`), so any byte index is a boundary.
+    format!("keel_{}_{hash:016x}_ready", &schema[..35])
+}
+
 impl PgStore {
     /// Builds a pool for `config` and checks that the server answers. Does not migrate.
     pub async fn connect(config: PgConfig) -> StoreResult<Self> {
@@ -257,7 +277,7 @@ impl PgStore {
         let store = PgStore {
             pool,
             pg,
-            channel: format!("keel_{}_ready", config.schema),
+            channel: channel_for(&config.schema),
             schema: config.schema,
             wake: std::sync::Arc::default(),
         };

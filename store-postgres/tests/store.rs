@@ -476,6 +476,38 @@ async fn lookup_by_business_key_and_notifications() {
     assert!(s.capabilities().notifications);
 }
 
+/// The longest schema names still get their wake-ups: the channel (`keel_<schema>_ready`
+/// would be longer than PostgreSQL allows) is shortened the same way for `LISTEN` and
+/// `pg_notify`, and two long names with the same prefix get different channels.
+#[tokio::test]
+async fn a_schema_name_of_63_characters_still_gets_wake_ups() {
+    let Some(url) = common::database_url() else { return };
+    let base = common::fresh_schema();
+    let long = |tail: char| {
+        let mut name = base.clone();
+        while name.len() < 62 {
+            name.push('x');
+        }
+        name.push(tail);
+        name
+    };
+    let (a, b) = (long('a'), long('b'));
+    assert_eq!(a.len(), 63);
+    let store = PgStore::connect(PgConfig::new(&url).schema(a.clone())).await.unwrap();
+    let other = PgStore::connect(PgConfig::new(&url).schema(b)).await.unwrap();
+    assert!(store.channel().len() <= 63, "{}", store.channel());
+    assert_ne!(store.channel(), other.channel());
+    store.migrate().await.unwrap();
+    let mut listener = store.listen().await.unwrap();
+    insert(&store, vec![new("a")]).await;
+    tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("the insert's wake-up arrives")
+        .unwrap();
+    let c = store.client().await.unwrap();
+    c.batch_execute(&format!("DROP SCHEMA \"{a}\" CASCADE")).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_claim_is_not_shortened_by_rows_of_a_busy_or_repeated_key() {
     let Some(s) = common::store().await else { return };

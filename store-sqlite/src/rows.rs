@@ -17,9 +17,9 @@ use keel_core::{
     WorkerId,
 };
 use serde_json::Value;
-use std::collections::HashMap;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
+use std::collections::HashMap;
 
 /// The instance columns, in the order [`Db::instance_bind`] binds them (after `id`).
 macro_rules! instance_cols {

@@ -193,9 +193,7 @@ async fn plan_with<C: GenericClient + Sync>(
     let existing = c.prepare_cached(EXISTING).await?;
     let alloc = c.prepare_cached(ALLOC).await?;
     let (locked, found, fresh) = tokio::join!(
-        async {
-            if held.is_some() { Ok(Vec::new()) } else { c.query(&lock, &[&ids]).await }
-        },
+        async { if held.is_some() { Ok(Vec::new()) } else { c.query(&lock, &[&ids]).await } },
         async { c.query(&existing, &[&dt, &dk]).await },
         async { c.query(&alloc, &[&n]).await },
     );
