@@ -199,31 +199,92 @@ pub fn is_store_code(rel: &str) -> bool {
 /// a store may say which rule its SQL mirrors.
 pub fn stores_only_plan(label: &str, text: &str) -> Vec<String> {
     let mut problems = Vec::new();
+    // A `use` statement may span lines: it is checked as a whole, at its first line.
+    let mut import: Option<(usize, String)> = None;
     for (i, line) in text.lines().enumerate() {
         let code = line.trim_start();
         if code.starts_with("//") {
             continue;
         }
         let code = code.split("//").next().unwrap_or(code);
+        if let Some((at, mut statement)) = import.take() {
+            statement.push_str(code);
+            if statement.contains(';') {
+                problems.extend(imported_decisions(label, at, &statement));
+            } else {
+                import = Some((at, statement));
+            }
+            continue;
+        }
+        let bare = code.strip_prefix("pub ").or_else(|| code.strip_prefix("pub(crate) "));
+        if let Some(statement) = bare.unwrap_or(code).strip_prefix("use ") {
+            if statement.contains(';') {
+                problems.extend(imported_decisions(label, i + 1, statement));
+            } else {
+                import = Some((i + 1, statement.to_owned()));
+            }
+            continue;
+        }
         for (module, name, planner) in DECISIONS {
             let call = format!("{module}::{name}(");
-            let imported = code.starts_with("use ")
-                && code.contains(&format!("{module}::"))
-                && code
-                    .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-                    .any(|word| word == *name);
             let called = code
                 .match_indices(&call)
                 .any(|(at, _)| !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_'));
-            if called || imported {
-                problems.push(format!(
-                    "{label}:{}: uses the core decision `{module}::{name}`; a store executes a plan instead: use `keel_core::{planner}`",
-                    i + 1
-                ));
+            if called {
+                problems.push(decision_problem(label, i + 1, module, name, planner));
             }
         }
     }
     problems
+}
+
+fn decision_problem(label: &str, line: usize, module: &str, name: &str, planner: &str) -> String {
+    format!(
+        "{label}:{line}: uses the core decision `{module}::{name}`; a store executes a plan instead: use `keel_core::{planner}`"
+    )
+}
+
+/// The decision functions a `use` statement (the text after `use`) imports.
+fn imported_decisions(label: &str, line: usize, statement: &str) -> Vec<String> {
+    // `x as y` is kept apart as `x@y` before the whitespace goes.
+    let statement = statement.split(';').next().unwrap_or("").split_whitespace();
+    let tree: String =
+        statement.collect::<Vec<_>>().join(" ").replace(" as ", "@").replace(' ', "");
+    let mut problems = Vec::new();
+    for path in use_paths(&tree) {
+        let path = path.split('@').next().unwrap_or(&path).to_owned();
+        let segments: Vec<&str> = path.split("::").collect();
+        for (module, name, planner) in DECISIONS {
+            if segments.windows(2).any(|w| w[0] == *module && w[1] == *name) {
+                problems.push(decision_problem(label, line, module, name, planner));
+            }
+        }
+    }
+    problems
+}
+
+/// The full paths a use tree names: `a::{b, c::{d, e}}` gives `a::b`, `a::c::d`, `a::c::e`.
+/// Whitespace must already be removed.
+fn use_paths(tree: &str) -> Vec<String> {
+    let Some(open) = tree.find('{') else { return vec![tree.to_owned()] };
+    let prefix = &tree[..open];
+    let inner = tree[open + 1..].strip_suffix('}').unwrap_or(&tree[open + 1..]);
+    let (mut depth, mut start, mut out) = (0usize, 0usize, Vec::new());
+    for (i, c) in inner.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                out.extend(use_paths(&inner[start..i]).into_iter().map(|p| format!("{prefix}{p}")));
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if start < inner.len() {
+        out.extend(use_paths(&inner[start..]).into_iter().map(|p| format!("{prefix}{p}")));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -275,6 +336,19 @@ mod tests {
         assert!(problems[0].contains("plan::parent::release"), "{}", problems[0]);
         let imported = "use keel_core::timers::{self, fire};\n";
         assert_eq!(stores_only_plan("store-x/src/ops.rs", imported).len(), 1);
+        let multi_line = "//! A store.\nuse keel_core::{\n    outcome::{Outcome, apply},\n    timers::TimerRow,\n};\n";
+        let problems = stores_only_plan("store-x/src/ops.rs", multi_line);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("store-x/src/ops.rs:2: "), "{}", problems[0]);
+        assert!(problems[0].contains("outcome::apply"), "{}", problems[0]);
+        let elsewhere =
+            "use keel_core::{\n    outcome::Outcome,\n    plan::commit::{self, apply},\n};\n";
+        assert!(
+            stores_only_plan("store-x/src/ops.rs", elsewhere).is_empty(),
+            "a planner's own `apply` is fine"
+        );
+        let renamed = "use keel_core::outcome::{lease_expired as expired, Outcome as O};\n";
+        assert_eq!(stores_only_plan("store-x/src/ops.rs", renamed).len(), 1);
         let good = "/// Mirrors `outcome::release_parent` in SQL.\nlet next = plan::parent::release(&row, now);\nlet c = my_outcome::claim(x);\nuse keel_core::timers::TimerRow;\n";
         assert!(stores_only_plan("store-x/src/ops.rs", good).is_empty());
         assert!(is_store_code("store-sqlite/src/ops.rs"));
