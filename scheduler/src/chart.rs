@@ -167,6 +167,27 @@ impl ChartMachine {
         missing
     }
 
+    /// The machines the definition's delegation states start, sorted and deduplicated.
+    pub fn delegated_machines(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .definition
+            .states()
+            .filter_map(|s| s.delegation.as_ref().map(|d| d.machine.clone()))
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    /// A new instance of this machine whose context is `context` serialized. The context
+    /// must serialize as a JSON object (a struct or a map).
+    pub fn new_instance_of<T: serde::Serialize>(
+        &self,
+        context: &T,
+    ) -> Result<NewInstance, serde_json::Error> {
+        Ok(self.new_instance(serde_json::to_value(context)?))
+    }
+
     /// The definition.
     pub fn definition(&self) -> &Definition {
         &self.definition
@@ -308,6 +329,14 @@ impl ChartMachine {
 impl StepMachine for ChartMachine {
     fn machine(&self) -> MachineRef {
         self.machine_ref()
+    }
+
+    fn unbound(&self) -> Vec<String> {
+        self.missing_actions().into_iter().map(|a| format!("action `{a}`")).collect()
+    }
+
+    fn delegates(&self) -> Vec<String> {
+        self.delegated_machines()
     }
 
     fn config(&self) -> QueueConfig {

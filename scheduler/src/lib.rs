@@ -22,5 +22,6 @@ pub use client::Client;
 pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
-pub use machine::{StepContext, StepError, StepMachine};
+pub use client::{Broadcast, Cancel, Ended, StateValue};
+pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
 pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};

@@ -304,7 +304,7 @@ async fn broadcast_reaches_charts_in_a_state() {
     send(&h, b, &["NEXT"]).await;
     h.wait(b, "yellow", at_state("yellow")).await;
     let report =
-        h.client.broadcast("default", "light", Some("green"), "NEXT", json!(null)).await.unwrap();
+        h.client.broadcast(keel_scheduler::Broadcast::new("light", "NEXT").in_state("green")).await.unwrap();
     assert_eq!((report.delivered, report.woke), (1, 1));
     h.wait(a, "a moved on", at_state("yellow")).await;
     assert_eq!(h.client.get(b).await.unwrap().instance.revision.0, 2, "b was not in green");

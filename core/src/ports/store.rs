@@ -684,6 +684,14 @@ pub trait Store: Send + Sync + 'static {
         std::future::pending::<()>().await;
     }
 
+    /// Resolves when the store learns that an instance may have changed status (a commit,
+    /// a cancel) — a wake-up hint for callers waiting on an instance's result, never a
+    /// promise that one ended. A store without such notifications never resolves; callers
+    /// race it against polling with a bounded back-off, which stays the correctness path.
+    async fn instance_change_wait(&self) {
+        std::future::pending::<()>().await;
+    }
+
     /// Resolves once a commit has armed timers since hint number `seen` (0 at first), with
     /// the earliest due time among them, so a sweeper asleep until a later due time can
     /// wake up earlier. Every caller reads every hint with its own cursor (see
