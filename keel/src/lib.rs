@@ -78,7 +78,7 @@
 //! | `sqlite://keel.db` | `sqlite` (default) | one process, durable in a file, nothing to install; several processes may share the file, but only one writes at a time and wake-ups stay inside each process |
 //! | `sqlite::memory:` | `sqlite` (default) | tests and demos: the real SQL store, gone with the process |
 //! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]) |
-//! | `memory://` | `testkit` | the in-memory reference store, with [`Keel::testing`] for a virtual clock |
+//! | `memory://` | `testkit` | the in-memory reference store, with `Keel::testing` for a virtual clock |
 //!
 //! Queue backends (Redis, SQS) that carry "work is ready" hints between processes get a
 //! feature each here when they ship; the database stays the only source of truth.
@@ -101,10 +101,11 @@
 //!
 //! Keel logs through [`tracing`](https://docs.rs/tracing) and counts through
 //! [`metrics`](https://docs.rs/metrics); it installs neither a subscriber nor a recorder.
-//! For logs on stderr, add `tracing-subscriber` and call, at the start of `main`:
+//! For logs on stderr, add `tracing-subscriber = "0.3"` and `tracing = "0.1"` to your
+//! dependencies and call, at the start of `main`:
 //!
-//! ```ignore
-//! tracing_subscriber::fmt().with_env_filter("keel=info,keel_scheduler=info").init();
+//! ```text
+//! tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
 //! ```
 //!
 //! ## Timer precision
@@ -167,7 +168,7 @@ use std::sync::Arc;
 pub type Client = keel_scheduler::Client<AnyStore, AnyClock>;
 
 /// Any [`Clock`] behind one type: the system clock in production, a virtual one in tests
-/// ([`Keel::testing`]).
+/// (`Keel::testing`, with the `testkit` feature).
 #[derive(Clone)]
 pub struct AnyClock(Arc<dyn Clock>);
 
