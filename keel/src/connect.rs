@@ -1,7 +1,7 @@
 //! `Keel::connect`: the store a URL names, opened and migrated.
 
-use crate::store::AnyStore;
 use crate::Error;
+use crate::store::AnyStore;
 
 /// Settings [`Keel::connect_with`](crate::Keel::connect_with) takes besides the URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,13 +85,15 @@ pub(crate) async fn open(url: &str, options: &ConnectOptions) -> Result<(AnyStor
 
 #[cfg(feature = "sqlite")]
 async fn sqlite_memory(url: &str) -> Result<(AnyStore, String), Error> {
-    let store = keel_store_sqlite::SqliteStore::memory().await.map_err(|e| Error::connect(url, e))?;
+    let store =
+        keel_store_sqlite::SqliteStore::memory().await.map_err(|e| Error::connect(url, e))?;
     Ok((AnyStore::new(store), "SQLite in memory".to_owned()))
 }
 
 #[cfg(feature = "sqlite")]
 async fn sqlite_file(url: &str, path: &str) -> Result<(AnyStore, String), Error> {
-    let store = keel_store_sqlite::SqliteStore::open(path).await.map_err(|e| Error::connect(url, e))?;
+    let store =
+        keel_store_sqlite::SqliteStore::open(path).await.map_err(|e| Error::connect(url, e))?;
     Ok((AnyStore::new(store), format!("SQLite file {path}")))
 }
 

@@ -138,11 +138,11 @@ pub use keel_core::{
     ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Status, StatusSet,
     StoreError, StoreResult,
 };
-pub use keel_scheduler::{
-    ActionContext, Broadcast, Cancel, ChartMachine, Ended, NonRetryable, StateValue,
-    StepContext, StepError, StepMachine, SweepConfig, WorkerConfig, WorkerHandle,
-};
 pub use keel_scheduler::worker::WorkerStats;
+pub use keel_scheduler::{
+    ActionContext, Broadcast, Cancel, ChartMachine, Ended, NonRetryable, StateValue, StepContext,
+    StepError, StepMachine, SweepConfig, WorkerConfig, WorkerHandle,
+};
 
 /// The layers under this crate, for what it does not re-export: the pure semantics
 /// (chart definitions in full, outcomes, retry policies, the `Store` port), the runtime,
@@ -229,7 +229,9 @@ impl Error {
     pub(crate) fn feature(url: &str, feature: &str) -> Self {
         Error::url(
             url,
-            &format!("this build of keel has no `{feature}` feature; enable it in Cargo.toml: keel = {{ version = \"0.1\", features = [\"{feature}\"] }}"),
+            &format!(
+                "this build of keel has no `{feature}` feature; enable it in Cargo.toml: keel = {{ version = \"0.1\", features = [\"{feature}\"] }}"
+            ),
         )
     }
 }

@@ -2,16 +2,16 @@
 //! and user code name no store type and carry no generic parameter.
 
 use async_trait::async_trait;
+use keel_core::instance::DeadLetter;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
-use keel_core::instance::DeadLetter;
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
 use std::sync::Arc;
@@ -60,7 +60,10 @@ impl Store for AnyStore {
         self.0.instance_claim(params).await
     }
 
-    async fn step_commit(&self, params: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+    async fn step_commit(
+        &self,
+        params: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         self.0.step_commit(params).await
     }
 
@@ -76,11 +79,17 @@ impl Store for AnyStore {
         self.0.lease_release(params).await
     }
 
-    async fn signal_deliver(&self, params: SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
+    async fn signal_deliver(
+        &self,
+        params: SignalDeliverParams,
+    ) -> StoreResult<Vec<DeliveryOutcome>> {
         self.0.signal_deliver(params).await
     }
 
-    async fn signal_broadcast(&self, params: SignalBroadcastParams) -> StoreResult<BroadcastReport> {
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
         self.0.signal_broadcast(params).await
     }
 
@@ -108,7 +117,10 @@ impl Store for AnyStore {
         self.0.dead_letter_get(id).await
     }
 
-    async fn dead_letter_retry(&self, params: DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
+    async fn dead_letter_retry(
+        &self,
+        params: DeadLetterRetryParams,
+    ) -> StoreResult<Vec<InstanceId>> {
         self.0.dead_letter_retry(params).await
     }
 
@@ -128,7 +140,11 @@ impl Store for AnyStore {
         self.0.queue_list(namespace).await
     }
 
-    async fn queue_stats(&self, namespace: Option<String>, now: Timestamp) -> StoreResult<Vec<QueueStats>> {
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
         self.0.queue_stats(namespace, now).await
     }
 
@@ -140,7 +156,11 @@ impl Store for AnyStore {
         self.0.timer_next_due(params).await
     }
 
-    async fn timer_status(&self, namespace: Option<String>, now: Timestamp) -> StoreResult<Vec<TimerStatus>> {
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
         self.0.timer_status(namespace, now).await
     }
 

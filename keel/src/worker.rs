@@ -85,7 +85,10 @@ impl WorkerBuilder {
                 .map(|d| format!("delegated machine `{d}`"))
                 .collect();
             if !missing.is_empty() {
-                return Err(RegistrationError { machine: format!("{machine} v{version}"), missing });
+                return Err(RegistrationError {
+                    machine: format!("{machine} v{version}"),
+                    missing,
+                });
             }
         }
         Ok(())

@@ -55,7 +55,9 @@ async fn spawn_lists_every_delegated_machine_nobody_serves() {
 async fn a_chart_guard_nobody_registered_is_refused_when_the_definition_is_built() {
     let built = Definition::builder("claim", 1)
         .initial("a")
-        .state("a", |s| s.on("GO", |t| t.guard("approved").target("b")).on("X", |t| t.guard("vip").target("b")))
+        .state("a", |s| {
+            s.on("GO", |t| t.guard("approved").target("b")).on("X", |t| t.guard("vip").target("b"))
+        })
         .final_state("b")
         .build();
     let message = built.expect_err("unknown guards").to_string();

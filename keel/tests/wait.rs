@@ -67,7 +67,10 @@ impl StepMachine for Steps {
                 // The first attempt reads a file that is not there: an io::Error, through `?`.
                 let path = if ctx.attempt == 0 { "/no/such/keel/file" } else { "/dev/null" };
                 let text = std::fs::read_to_string(path)?;
-                Ok(Outcome::Done { result: json!({ "attempt": ctx.attempt, "len": text.len() }), step: None })
+                Ok(Outcome::Done {
+                    result: json!({ "attempt": ctx.attempt, "len": text.len() }),
+                    step: None,
+                })
             }
             "parse" => {
                 let port: u16 = "not a number".parse().non_retryable()?;
@@ -95,15 +98,22 @@ fn start(step: &str) -> NewInstance {
 async fn wait_reports_how_each_instance_ended_on_every_store() {
     for keel in keels("wait_reports_how_each_instance_ended_on_every_store").await {
         let store = keel.describe().to_owned();
-        let worker = keel.worker_with(config()).register(ticket()).unwrap().register(Steps).unwrap();
+        let worker =
+            keel.worker_with(config()).register(ticket()).unwrap().register(Steps).unwrap();
         let worker = worker.spawn().unwrap();
 
         // Done: the final configuration and the result context.
         let id = keel.start(ticket().new_instance(json!({ "n": 1 }))).await.unwrap().id();
-        keel.send_many(vec![NewSignal::new(id, "CLOSE"), NewSignal::new(id, "ARCHIVE")]).await.unwrap();
+        keel.send_many(vec![NewSignal::new(id, "CLOSE"), NewSignal::new(id, "ARCHIVE")])
+            .await
+            .unwrap();
         let ended = keel.wait(id).await.unwrap();
         assert_eq!(ended.status, Status::Done, "{store}");
-        assert!(ended.state.matches("archived") && !ended.state.matches("closed"), "{store}: {:?}", ended.state);
+        assert!(
+            ended.state.matches("archived") && !ended.state.matches("closed"),
+            "{store}: {:?}",
+            ended.state
+        );
         assert_eq!(ended.result, Some(json!({ "n": 1, "stamped": true })), "{store}");
         assert_eq!(ended.error, None, "{store}");
 
@@ -120,7 +130,10 @@ async fn wait_reports_how_each_instance_ended_on_every_store() {
         let waited = keel.wait_timeout(parked, Duration::from_millis(300)).await.unwrap();
         assert!(waited.is_none(), "{store}: a parked instance has not ended");
         let took = began.elapsed();
-        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(5), "{store}: {took:?}");
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+            "{store}: {took:?}"
+        );
         assert!(keel.state(parked).await.unwrap().matches("park"), "{store}");
 
         // Cancelled, while someone waits: the waiter wakes with the reason.

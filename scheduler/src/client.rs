@@ -12,8 +12,8 @@ use keel_core::ports::store::{
 use keel_core::ports::{Clock, Store};
 use keel_core::{DeadLetterId, Instance, InstanceId, Status, StoreError, StoreResult, Timestamp};
 use serde_json::Value;
-use std::sync::Arc;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The longest [`Client::wait`] waits before it gives up.
@@ -130,7 +130,11 @@ impl<S: Store, C: Clock> Client<S, C> {
 
     /// Like [`wait`](Self::wait), but returns `Ok(None)` when `id` is still running after
     /// `timeout`. `NotFound` when there is no such instance.
-    pub async fn wait_timeout(&self, id: InstanceId, timeout: Duration) -> StoreResult<Option<Ended>> {
+    pub async fn wait_timeout(
+        &self,
+        id: InstanceId,
+        timeout: Duration,
+    ) -> StoreResult<Option<Ended>> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = WAIT_POLL_MIN;
         loop {
@@ -405,7 +409,11 @@ impl StateValue {
     pub fn leaves(&self) -> Vec<&str> {
         self.active
             .iter()
-            .filter(|p| !self.active.iter().any(|q| q.len() > p.len() && q.starts_with(p.as_str()) && q.as_bytes()[p.len()] == b'.'))
+            .filter(|p| {
+                !self.active.iter().any(|q| {
+                    q.len() > p.len() && q.starts_with(p.as_str()) && q.as_bytes()[p.len()] == b'.'
+                })
+            })
             .map(String::as_str)
             .collect()
     }
@@ -424,7 +432,9 @@ mod tests {
 
     #[test]
     fn state_value_reads_chart_and_step_positions() {
-        let chart = StateValue::from_position(r#"["processing","processing.payment","processing.payment.charging","processing.stock"]"#);
+        let chart = StateValue::from_position(
+            r#"["processing","processing.payment","processing.payment.charging","processing.stock"]"#,
+        );
         assert!(chart.matches("processing.payment"));
         assert!(!chart.matches("processing.pay"));
         assert_eq!(chart.leaves(), ["processing.payment.charging", "processing.stock"]);

@@ -19,9 +19,9 @@ pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
 pub use client::Client;
+pub use client::{Broadcast, Cancel, Ended, StateValue};
 pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
-pub use client::{Broadcast, Cancel, Ended, StateValue};
 pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
 pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};

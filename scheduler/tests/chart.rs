@@ -303,8 +303,11 @@ async fn broadcast_reaches_charts_in_a_state() {
     h.wait(b, "green", at_state("green")).await;
     send(&h, b, &["NEXT"]).await;
     h.wait(b, "yellow", at_state("yellow")).await;
-    let report =
-        h.client.broadcast(keel_scheduler::Broadcast::new("light", "NEXT").in_state("green")).await.unwrap();
+    let report = h
+        .client
+        .broadcast(keel_scheduler::Broadcast::new("light", "NEXT").in_state("green"))
+        .await
+        .unwrap();
     assert_eq!((report.delivered, report.woke), (1, 1));
     h.wait(a, "a moved on", at_state("yellow")).await;
     assert_eq!(h.client.get(b).await.unwrap().instance.revision.0, 2, "b was not in green");

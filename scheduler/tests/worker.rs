@@ -436,7 +436,11 @@ async fn cancel_with_cascade_ends_the_children_too() {
     let worker = h.worker(h.config(), m);
     let id = h.start(new()).await;
     h.wait(id, "waiting on children", |r| r.status == Status::AwaitingChildren).await;
-    let cancelled = h.client.cancel(keel_scheduler::Cancel::new(id).cascade().reason("operator")).await.unwrap();
+    let cancelled = h
+        .client
+        .cancel(keel_scheduler::Cancel::new(id).cascade().reason("operator"))
+        .await
+        .unwrap();
     assert_eq!(cancelled.len(), 3);
     let detail = h.client.get(id).await.unwrap();
     assert!(detail.children.iter().all(|c| c.status == Status::Cancelled));
