@@ -9,7 +9,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("KEEL_DATABASE_URL").unwrap_or_else(|_| "sqlite://ticket.db".into());
     let keel = Keel::connect(&url).await?;
     let chart = Definition::builder("ticket", 1)
-        .guard("assigned", |ctx, _| ctx.get("assignee").is_some_and(|a| a.is_string()))
+        .guard("assigned", |ctx, _| ctx.get("assignee").is_some_and(keel::Value::is_string))
         .initial("open")
         .state("open", |s| {
             s.on("START", |t| t.guard("assigned").target("in_progress")).on_to("CLOSE", "closed")

@@ -125,6 +125,10 @@ async fn postgres(url: &str, _options: &ConnectOptions) -> Result<(AnyStore, Str
 }
 
 #[cfg(feature = "testkit")]
+#[allow(
+    clippy::unnecessary_wraps,
+    reason = "the same signature as without the feature, where it is an error"
+)]
 fn memory(_url: &str) -> Result<(AnyStore, String), Error> {
     Ok((AnyStore::new(keel_testkit::MemoryStore::new()), "in memory (testkit)".to_owned()))
 }

@@ -165,11 +165,11 @@ impl Store for AnyStore {
     }
 
     async fn ready_wait(&self) {
-        self.0.ready_wait().await
+        self.0.ready_wait().await;
     }
 
     async fn instance_change_wait(&self) {
-        self.0.instance_change_wait().await
+        self.0.instance_change_wait().await;
     }
 
     async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
