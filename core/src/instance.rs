@@ -45,8 +45,8 @@ pub struct AttemptError {
     pub at: Timestamp,
 }
 
-/// A uniqueness claim: `key` is occupied while the instance's status is in `scope`
-/// (seed 004 §7). The key is stored verbatim.
+/// A uniqueness claim: `key` is occupied while the instance's status is in `scope`.
+/// The key is stored verbatim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UniqueSpec {
     /// The user's key, verbatim.
@@ -56,7 +56,7 @@ pub struct UniqueSpec {
 }
 
 /// The guard value of a uniqueness claim: the key while `status` is in scope, else `None`
-/// (the generated column of seed 004 §7). Two instances may not have equal guards.
+/// (a generated column). Two instances may not have equal guards.
 pub fn unique_guard(unique: Option<&UniqueSpec>, status: Status) -> Option<&[u8]> {
     unique.filter(|u| u.scope.contains(status)).map(|u| u.key.as_slice())
 }
@@ -110,7 +110,7 @@ pub struct Instance {
     pub children_pending: i32,
     /// For a child machine started by a chart's delegation state: that state's path in
     /// the parent. The child's terminal commit delivers `done.invoke.<path>` or
-    /// `fail.state.<path>` into the parent's inbox (DESIGN §3.8).
+    /// `fail.state.<path>` into the parent's inbox.
     pub invoked_by: Option<String>,
     /// Its uniqueness claim, if any.
     pub unique: Option<UniqueSpec>,
@@ -431,7 +431,7 @@ pub fn position_in_state(position: &str, state: &str) -> bool {
             .is_ok_and(|paths| paths.iter().any(|p| p == state))
 }
 
-/// What a parent sees of a child after its barrier released (seed 004 §11).
+/// What a parent sees of a child after its barrier released.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChildSummary {
     /// The child's id.

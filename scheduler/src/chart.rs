@@ -136,7 +136,7 @@ impl ChartMachine {
         self
     }
 
-    /// Parallel dispatch settings (DESIGN §4.4): with `enabled`, entering a parallel state
+    /// Parallel dispatch settings: with `enabled`, entering a parallel state
     /// whose regions (two or more) have entry actions commits the state and starts one
     /// region task per region (a child instance of this machine at
     /// [`REGION_POSITION`](keel_parallel::REGION_POSITION)) instead of running the actions
@@ -234,7 +234,7 @@ impl ChartMachine {
         })
     }
 
-    /// A region task (DESIGN §4.4): pre-check against the parent without a lock, run the
+    /// A region task: pre-check against the parent without a lock, run the
     /// region's entry actions on the snapshot, report the diff and raised events to the
     /// parent in this task's terminal commit.
     async fn region_step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
