@@ -140,8 +140,8 @@ pub use keel_core::{
 };
 pub use keel_scheduler::worker::WorkerStats;
 pub use keel_scheduler::{
-    ActionContext, Broadcast, Cancel, ChartMachine, Ended, NonRetryable, StateValue, StepContext,
-    StepError, StepMachine, SweepConfig, WorkerConfig, WorkerHandle,
+    ActionContext, Broadcast, Cancel, ChartMachine, DeadLetterRetry, Ended, NonRetryable,
+    StateValue, StepContext, StepError, StepMachine, SweepConfig, WorkerConfig, WorkerHandle,
 };
 
 /// The layers under this crate, for what it does not re-export: the pure semantics

@@ -186,34 +186,24 @@ impl<S: Store, C: Clock> Client<S, C> {
         self.store.dead_letter_list(filter).await
     }
 
-    /// Retries one dead letter after `delay`.
-    pub async fn dead_letter_retry(
-        &self,
-        id: DeadLetterId,
-        delay: Duration,
-    ) -> StoreResult<Vec<InstanceId>> {
+    /// Retries what a [`DeadLetterRetry`] selects: one dead letter, or every dead letter
+    /// of a machine; returns the instances made runnable.
+    ///
+    /// ```no_run
+    /// # async fn demo<S: keel_core::ports::Store>(client: keel_scheduler::Client<S, keel_scheduler::SystemClock>, id: keel_core::DeadLetterId) -> keel_core::StoreResult<()> {
+    /// use keel_scheduler::client::DeadLetterRetry;
+    /// use std::time::Duration;
+    /// client.dead_letter_retry(DeadLetterRetry::one(id)).await?;
+    /// client.dead_letter_retry(DeadLetterRetry::machine("order").after(Duration::from_secs(60))).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn dead_letter_retry(&self, retry: DeadLetterRetry) -> StoreResult<Vec<InstanceId>> {
         let params = DeadLetterRetryParams {
-            selector: DeadLetterSelector::Id(id),
-            delay,
+            selector: retry.selector,
+            delay: retry.delay,
             now: self.clock.now(),
         };
         self.store.dead_letter_retry(params).await
-    }
-
-    /// Retries every dead letter of a machine after `delay`.
-    pub async fn dead_letter_retry_machine(
-        &self,
-        namespace: &str,
-        machine: &str,
-        delay: Duration,
-    ) -> StoreResult<Vec<InstanceId>> {
-        let selector = DeadLetterSelector::Machine {
-            namespace: namespace.to_owned(),
-            machine: machine.to_owned(),
-        };
-        self.store
-            .dead_letter_retry(DeadLetterRetryParams { selector, delay, now: self.clock.now() })
-            .await
     }
 
     /// Skips a dead letter: its signals are dropped and the instance carries on.
@@ -272,6 +262,45 @@ impl Cancel {
     /// The reason, recorded as the instance's last error.
     pub fn reason(mut self, reason: impl Into<String>) -> Self {
         self.reason = reason.into();
+        self
+    }
+}
+
+/// Which dead letters to retry, and when: what [`Client::dead_letter_retry`] takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetterRetry {
+    selector: DeadLetterSelector,
+    delay: Duration,
+}
+
+impl DeadLetterRetry {
+    /// Retries dead letter `id`, at once.
+    pub fn one(id: DeadLetterId) -> Self {
+        DeadLetterRetry { selector: DeadLetterSelector::Id(id), delay: Duration::ZERO }
+    }
+
+    /// Retries every dead letter of `machine` (any version) in the default namespace, at
+    /// once.
+    pub fn machine(machine: impl Into<String>) -> Self {
+        let selector = DeadLetterSelector::Machine {
+            namespace: keel_core::ids::DEFAULT_NAMESPACE.to_owned(),
+            machine: machine.into(),
+        };
+        DeadLetterRetry { selector, delay: Duration::ZERO }
+    }
+
+    /// For [`machine`](Self::machine): the machine's namespace instead of the default one
+    /// (no effect on a retry of one dead letter, which its id names already).
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        if let DeadLetterSelector::Machine { namespace: ns, .. } = &mut self.selector {
+            *ns = namespace.into();
+        }
+        self
+    }
+
+    /// Makes the instances runnable after `delay` instead of at once.
+    pub fn after(mut self, delay: Duration) -> Self {
+        self.delay = delay;
         self
     }
 }

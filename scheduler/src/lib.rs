@@ -19,7 +19,7 @@ pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
 pub use client::Client;
-pub use client::{Broadcast, Cancel, Ended, StateValue};
+pub use client::{Broadcast, Cancel, DeadLetterRetry, Ended, StateValue};
 pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};

@@ -161,7 +161,10 @@ async fn an_action_error_retries_then_suspends_keeping_later_events_in_order() {
     assert_eq!(inbox, ["NEXT", "NEXT"], "the failed event and the one after it wait, in order");
 
     fail.store(false, Ordering::SeqCst);
-    h.client.dead_letter_retry(letters[0].id, Duration::ZERO).await.unwrap();
+    h.client
+        .dead_letter_retry(keel_scheduler::client::DeadLetterRetry::one(letters[0].id))
+        .await
+        .unwrap();
     let row = h.wait(id, "yellow after both events", at_state("yellow")).await;
     assert_eq!(row.context["greens"], json!(2));
     worker.shutdown().await;
