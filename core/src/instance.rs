@@ -229,6 +229,10 @@ impl NewInstance {
         self.context = context;
         self
     }
+    /// Sets the context from a typed value (a struct or a map: contexts are JSON objects).
+    pub fn context_of<C: Serialize>(self, context: &C) -> Result<Self, serde_json::Error> {
+        Ok(self.context(serde_json::to_value(context)?))
+    }
     /// Sets the namespace.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = namespace.into();
@@ -371,6 +375,10 @@ impl NewSignal {
         self.payload = payload;
         self
     }
+    /// Sets the payload from a typed value.
+    pub fn payload_of<P: Serialize>(self, payload: &P) -> Result<Self, serde_json::Error> {
+        Ok(self.payload(serde_json::to_value(payload)?))
+    }
     /// Sets the dedup key.
     pub fn dedup_key(mut self, key: impl Into<String>) -> Self {
         self.dedup_key = Some(key.into());
@@ -418,6 +426,13 @@ pub struct Signal {
     pub dedup_key: Option<String>,
     /// When it arrived.
     pub inserted_at: Timestamp,
+}
+
+impl Signal {
+    /// The payload deserialized as `P`.
+    pub fn payload_as<P: serde::de::DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
+        serde_json::from_value(self.payload.clone())
+    }
 }
 
 /// Whether an instance at `position` is "in" `state`: the position is the state itself
