@@ -10,14 +10,16 @@ use std::time::{Duration, Instant};
 /// The order example's binary, built by this test with the same cargo and profile, so it is
 /// never stale.
 fn order_example() -> PathBuf {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "keel-examples", "--example", "order"])
-        .status()
-        .expect("run cargo build");
-    assert!(status.success(), "building the order example failed");
     // Tests run from target/<profile>/deps; examples are built into target/<profile>/examples.
     let exe = std::env::current_exe().expect("test binary path");
     let profile = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>");
+    let mut build = Command::new(env!("CARGO"));
+    build.args(["build", "--quiet", "-p", "keel-examples", "--example", "order"]);
+    if profile.file_name().is_some_and(|name| name == "release") {
+        build.arg("--release");
+    }
+    let status = build.status().expect("run cargo build");
+    assert!(status.success(), "building the order example failed");
     let path = profile.join("examples").join("order");
     assert!(path.exists(), "no order example at {}", path.display());
     path

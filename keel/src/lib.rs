@@ -97,6 +97,17 @@
 //! [`std::error::Error`] into a retryable [`StepError`]; use [`StepError::fatal`] or
 //! [`NonRetryable::non_retryable`] for failures that another attempt cannot fix.
 //!
+//! ## Your own types
+//!
+//! Contexts and payloads are JSON in the store; code can stay typed at both ends.
+//! Start with [`NewInstance::context_of`] or [`ChartMachine::new_instance_of`], send with
+//! [`NewSignal::payload_of`]; read with [`StepContext::context_as`],
+//! `Signal::payload_as`, [`Event::payload_as`] and, in chart actions and guards,
+//! `ctx.get_as` / `ctx.set_from` and `ChartBuilder::guard_typed`; answer with
+//! [`Outcome::next_with`], [`Outcome::await_with`] or [`Outcome::done_with`]; read the
+//! result with [`Ended::result_as`]. A serde error inside a step is a retryable
+//! [`StepError`] through `?`; a context that does not fit its type is a fatal one.
+//!
 //! ## Logs and metrics
 //!
 //! Keel logs through [`tracing`](https://docs.rs/tracing) and counts through

@@ -50,6 +50,37 @@ fn ticket() -> ChartMachine {
     })
 }
 
+/// A claim whose review is delegated to the `assessor` machine: `@done` approves it,
+/// `@fail` rejects it.
+fn claim() -> ChartMachine {
+    let chart = Definition::builder("claim", 1)
+        .initial("review")
+        .state("review", |s| {
+            s.machine("assessor")
+                .on_done(|b| b.target("approved"))
+                .on_fail(|b| b.target("rejected"))
+        })
+        .final_state("approved")
+        .final_state("rejected")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(chart)
+}
+
+/// The delegated child machine: it always gives up.
+struct Assessor;
+
+#[keel::async_trait]
+impl StepMachine for Assessor {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("assessor", 1)
+    }
+
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Stop { reason: "the assessor found no cover".into() })
+    }
+}
+
 /// Steps named after what they do to the instance.
 struct Steps;
 
@@ -100,6 +131,7 @@ async fn wait_reports_how_each_instance_ended_on_every_store() {
         let store = keel.describe().to_owned();
         let worker =
             keel.worker_with(config()).register(ticket()).unwrap().register(Steps).unwrap();
+        let worker = worker.register(claim()).unwrap().register(Assessor).unwrap();
         let worker = worker.spawn().unwrap();
 
         // Done: the final configuration and the result context.
@@ -123,6 +155,12 @@ async fn wait_reports_how_each_instance_ended_on_every_store() {
         assert_eq!(ended.status, Status::Failed, "{store}");
         assert_eq!(ended.error.as_deref(), Some("the order is invalid"), "{store}");
         assert_eq!(ended.result, None, "{store}");
+
+        // A chart whose delegated machine failed: its `@fail` branch leads to a final state.
+        let id = keel.start(claim().new_instance(json!({}))).await.unwrap().id();
+        let ended = keel.wait_timeout(id, Duration::from_secs(20)).await.unwrap().expect("ends");
+        assert_eq!(ended.status, Status::Done, "{store}");
+        assert_eq!(ended.state.to_string(), "rejected", "{store}");
 
         // Still running: the wait times out after about its bound and says so.
         let parked = keel.start(start("park")).await.unwrap().id();
