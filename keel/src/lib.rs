@@ -197,7 +197,10 @@ impl Clock for AnyClock {
 }
 
 /// Everything that can go wrong in this crate's own calls.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` output is its message, so `fn main() -> Result<(), Box<dyn Error>>` prints
+/// a sentence a person can act on rather than a struct dump.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// A URL Keel cannot use.
     #[error("cannot use the store URL {url:?}: {message}")]
@@ -244,6 +247,12 @@ impl Error {
                 "this build of keel has no `{feature}` feature; enable it in Cargo.toml: keel = {{ version = \"0.1\", features = [\"{feature}\"] }}"
             ),
         )
+    }
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }
 

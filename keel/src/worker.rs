@@ -9,8 +9,9 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 
-/// A machine a worker cannot run as given: every name it uses but was not given.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A machine a worker cannot run as given: every name it uses but was not given. Its
+/// `Debug` output is its message, for `main` functions that return errors.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RegistrationError {
     /// The machine, as `name vN`.
     pub machine: String,
@@ -22,12 +23,26 @@ impl fmt::Display for RegistrationError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "machine {} cannot run on this worker; missing: {}. Fix: bind each action with \
-             `ChartMachine::action`, register each delegated machine on this worker, or \
-             declare it with `WorkerBuilder::served_elsewhere` when another worker runs it",
+            "machine {} cannot run on this worker; missing: {}.",
             self.machine,
             self.missing.join(", ")
-        )
+        )?;
+        if self.missing.iter().any(|m| m.starts_with("action ")) {
+            f.write_str(" Fix: bind each action with `ChartMachine::action(name, …)`.")?;
+        }
+        if self.missing.iter().any(|m| m.starts_with("delegated machine ")) {
+            f.write_str(
+                " Fix: register each delegated machine on this worker, or declare it with \
+                 `WorkerBuilder::served_elsewhere(name)` when another worker runs it.",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RegistrationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
