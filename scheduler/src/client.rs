@@ -14,12 +14,15 @@ use keel_core::{DeadLetterId, Instance, InstanceId, Status, StoreError, StoreRes
 use serde_json::Value;
 use std::fmt;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 /// The longest [`Client::wait`] waits before it gives up.
 pub const WAIT_MAX: Duration = Duration::from_secs(30 * 86_400);
 /// The first pause of a wait's polling.
 pub const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
+/// The shortest gap between two reads of a wait that store wake-ups cut short.
+pub const WAIT_WAKE_GAP: Duration = Duration::from_millis(10);
 /// The longest pause between two reads of a wait's polling.
 pub const WAIT_POLL_MAX: Duration = Duration::from_millis(250);
 
@@ -138,8 +141,13 @@ impl<S: Store, C: Clock> Client<S, C> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = WAIT_POLL_MIN;
         loop {
-            // Listen before reading, so a change between the read and the wait still wakes us.
-            let changed = self.store.instance_change_wait();
+            // Listen before reading: polling the wake-up once registers this waiter with
+            // the store, so a change that lands between the read and the wait still wakes it.
+            let mut changed = self.store.instance_change_wait();
+            let already =
+                std::future::poll_fn(|cx| Poll::Ready(changed.as_mut().poll(cx).is_ready()));
+            let mut changed_now = already.await;
+            let read_at = tokio::time::Instant::now();
             let row = self.row(id).await?;
             if row.status.is_terminal() {
                 return Ok(Some(Ended::from_row(row)));
@@ -149,9 +157,18 @@ impl<S: Store, C: Clock> Client<S, C> {
                 return Ok(None);
             }
             let sleep_until = deadline.min(now + pause);
-            tokio::select! {
-                () = changed => {}
-                () = tokio::time::sleep_until(sleep_until) => {}
+            if !changed_now {
+                tokio::select! {
+                    () = &mut changed => changed_now = true,
+                    () = tokio::time::sleep_until(sleep_until) => {}
+                }
+            }
+            // A wake-up reads again soon, but never sooner than WAIT_WAKE_GAP after the
+            // last read: a store busy with other instances must not turn every waiter
+            // into a busy loop. Only a quiet poll backs off further.
+            if changed_now {
+                tokio::time::sleep_until(deadline.min(read_at + WAIT_WAKE_GAP)).await;
+                continue;
             }
             pause = (pause * 2).min(WAIT_POLL_MAX);
         }
