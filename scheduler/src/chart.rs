@@ -139,7 +139,7 @@ impl ChartMachine {
     /// Parallel dispatch settings: with `enabled`, entering a parallel state
     /// whose regions (two or more) have entry actions commits the state and starts one
     /// region task per region (a child instance of this machine at
-    /// [`REGION_POSITION`](keel_parallel::REGION_POSITION)) instead of running the actions
+    /// [`REGION_POSITION`]) instead of running the actions
     /// inline. Register this machine on every worker that should run region tasks.
     #[must_use]
     pub fn with_parallel(mut self, parallel: ParallelConfig) -> Self {
