@@ -7,18 +7,11 @@
 //! and the fan-in barrier (`ScheduleChildren`), cancellation, and the history an operator
 //! sees. Every step's outcome is committed before the next step runs.
 
-use async_trait::async_trait;
-use keel_core::instance::NewInstance;
-use keel_core::ports::Store;
-use keel_core::{MachineRef, NewSignal, Outcome, Status, StatusSet};
-use keel_examples::demo_store::DemoStore;
-use keel_examples::on_demo_store;
-use keel_scheduler::{
-    Client, StepContext, StepError, StepMachine, SystemClock, Worker, WorkerConfig,
+use keel::{
+    Cancel, InstanceId, Keel, MachineRef, NewInstance, NewSignal, Outcome, Status, StatusSet,
+    StepContext, StepError, StepMachine, WorkerConfig, async_trait, json,
 };
-use serde_json::json;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 const ORDERS: usize = 20;
@@ -89,19 +82,19 @@ impl StepMachine for Parcel {
     }
 }
 
-async fn wait_until<S: Store>(
-    client: &Client<S, SystemClock>,
-    ids: &[keel_core::InstanceId],
+/// Polls (bounded: 10 s at most) until every instance's status satisfies `done`.
+async fn wait_until(
+    keel: &Keel,
+    ids: &[InstanceId],
     done: impl Fn(Status) -> bool,
-) {
-    // Bounded: 10 s at most.
+) -> Result<(), keel::Error> {
     for _ in 0..1_000 {
         let mut all = true;
         for id in ids {
-            all &= done(client.get(*id).await.expect("get").instance.status);
+            all &= done(keel.get(*id).await?.instance.status);
         }
         if all {
-            return;
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -109,23 +102,12 @@ async fn wait_until<S: Store>(
 }
 
 #[tokio::main]
-async fn main() {
-    let demo = DemoStore::from_env().await.unwrap_or_else(|e| {
-        eprintln!("error: {e}");
-        std::process::exit(2);
-    });
-    println!("Keel steps example — store: {}\n", demo.describe());
-    on_demo_store!(demo, |store| run(store).await);
-}
-
-async fn run<S: Store>(store: Arc<S>) {
-    let client = Client::new(Arc::clone(&store), SystemClock);
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (keel, described) = keel_examples::demo_store::connect().await?;
+    println!("Keel steps example — store: {described}\n");
     let config =
         WorkerConfig { poll_interval: Duration::from_millis(20), ..WorkerConfig::default() };
-    let worker = Worker::new(Arc::clone(&store), SystemClock, config)
-        .register(Order)
-        .register(Parcel)
-        .spawn();
+    let worker = keel.worker_with(config).register(Order)?.register(Parcel)?.spawn()?;
 
     // 1. Start orders in one batch. The unique key makes a second start of order:0 a no-op.
     let mut batch: Vec<NewInstance> = (0..ORDERS)
@@ -137,12 +119,12 @@ async fn run<S: Store>(store: Arc<S>) {
         })
         .collect();
     batch.push(batch[0].clone());
-    let inserted = client.start_many(batch).await.expect("start");
+    let inserted = keel.start_many(batch).await?;
     let ids: Vec<_> = inserted.iter().take(ORDERS).map(|o| o.id()).collect();
     println!("started {ORDERS} orders; starting order:0 again returned {:?}", inserted[ORDERS]);
 
     // 2. Orders reserve stock (every third fails once and is retried after 1 s) and park.
-    wait_until(&client, &ids, |s| s == Status::AwaitingSignal || s.is_terminal()).await;
+    wait_until(&keel, &ids, |s| s == Status::AwaitingSignal || s.is_terminal()).await?;
     println!("all orders reserved and waiting for payment");
 
     // 3. Customers pay 15 orders (order:0 pays twice: the dedup key keeps one); 5 are cancelled.
@@ -155,23 +137,23 @@ async fn run<S: Store>(store: Arc<S>) {
                 .dedup_key(format!("payment:{id}"))
         })
         .collect();
-    client.send_many(payments).await.expect("pay");
+    keel.send_many(payments).await?;
     for id in &ids[15..] {
-        client.cancel(*id, "customer changed their mind", true).await.expect("cancel");
+        keel.cancel(Cancel::new(*id).cascade().reason("customer changed their mind")).await?;
     }
 
     // 4. Paid orders ship two parcels each (child instances), join, and complete.
-    wait_until(&client, &ids, Status::is_terminal).await;
+    for id in &ids {
+        keel.wait(*id).await?;
+    }
     let stats = worker.shutdown().await;
 
     let mut tally: BTreeMap<String, usize> = BTreeMap::new();
     for id in &ids {
-        *tally
-            .entry(client.get(*id).await.expect("get").instance.status.to_string())
-            .or_default() += 1;
+        *tally.entry(keel.get(*id).await?.instance.status.to_string()).or_default() += 1;
     }
     println!("worker committed {} steps; final tally of orders: {tally:?}", stats.committed());
-    let detail = client.get(ids[0]).await.expect("get");
+    let detail = keel.get(ids[0]).await?;
     println!(
         "\nhistory of {} ({}):",
         ids[0],
@@ -184,4 +166,5 @@ async fn run<S: Store>(store: Arc<S>) {
     println!("result: {}", detail.instance.result.clone().unwrap_or_default());
     assert_eq!(tally.get("done"), Some(&15), "every paid order completes");
     assert_eq!(tally.get("cancelled"), Some(&5), "every unpaid order is cancelled");
+    Ok(())
 }

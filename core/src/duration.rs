@@ -1,7 +1,7 @@
 //! Human-readable durations: `"30 seconds"`, `"5 minutes"`, `"500ms"`, `"7d"`.
 //!
 //! Configuration files (seed 001 §6.4) write durations as a whole number followed by a unit.
-//! [`parse`] turns such a string into a [`std::time::Duration`]; [`format`] writes the
+//! [`parse`] turns such a string into a [`std::time::Duration`]; [`format()`] writes the
 //! canonical form back (the largest unit that represents the value exactly), so a parsed
 //! and re-serialized config reads the way a person would have written it.
 //!
@@ -190,7 +190,7 @@ pub fn format(duration: Duration) -> String {
 /// field, or `serde_human::option` on an `Option<Duration>` field.
 ///
 /// Deserializes from a human string (see [`parse`]); serializes to the canonical string
-/// (see [`format`]). Serializing a duration with a sub-millisecond part is an error rather
+/// (see [`format()`]). Serializing a duration with a sub-millisecond part is an error rather
 /// than a silent rounding.
 pub mod serde_human {
     use std::fmt;

@@ -45,8 +45,8 @@ pub struct AttemptError {
     pub at: Timestamp,
 }
 
-/// A uniqueness claim: `key` is occupied while the instance's status is in `scope`
-/// (seed 004 §7). The key is stored verbatim.
+/// A uniqueness claim: `key` is occupied while the instance's status is in `scope`.
+/// The key is stored verbatim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UniqueSpec {
     /// The user's key, verbatim.
@@ -56,7 +56,7 @@ pub struct UniqueSpec {
 }
 
 /// The guard value of a uniqueness claim: the key while `status` is in scope, else `None`
-/// (the generated column of seed 004 §7). Two instances may not have equal guards.
+/// (a generated column). Two instances may not have equal guards.
 pub fn unique_guard(unique: Option<&UniqueSpec>, status: Status) -> Option<&[u8]> {
     unique.filter(|u| u.scope.contains(status)).map(|u| u.key.as_slice())
 }
@@ -110,7 +110,7 @@ pub struct Instance {
     pub children_pending: i32,
     /// For a child machine started by a chart's delegation state: that state's path in
     /// the parent. The child's terminal commit delivers `done.invoke.<path>` or
-    /// `fail.state.<path>` into the parent's inbox (DESIGN §3.8).
+    /// `fail.state.<path>` into the parent's inbox.
     pub invoked_by: Option<String>,
     /// Its uniqueness claim, if any.
     pub unique: Option<UniqueSpec>,
@@ -228,6 +228,10 @@ impl NewInstance {
     pub fn context(mut self, context: Value) -> Self {
         self.context = context;
         self
+    }
+    /// Sets the context from a typed value (a struct or a map: contexts are JSON objects).
+    pub fn context_of<C: Serialize>(self, context: &C) -> Result<Self, serde_json::Error> {
+        Ok(self.context(serde_json::to_value(context)?))
     }
     /// Sets the namespace.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
@@ -371,6 +375,10 @@ impl NewSignal {
         self.payload = payload;
         self
     }
+    /// Sets the payload from a typed value.
+    pub fn payload_of<P: Serialize>(self, payload: &P) -> Result<Self, serde_json::Error> {
+        Ok(self.payload(serde_json::to_value(payload)?))
+    }
     /// Sets the dedup key.
     pub fn dedup_key(mut self, key: impl Into<String>) -> Self {
         self.dedup_key = Some(key.into());
@@ -420,6 +428,13 @@ pub struct Signal {
     pub inserted_at: Timestamp,
 }
 
+impl Signal {
+    /// The payload deserialized as `P`.
+    pub fn payload_as<P: serde::de::DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
+        serde_json::from_value(self.payload.clone())
+    }
+}
+
 /// Whether an instance at `position` is "in" `state`: the position is the state itself
 /// (step machines), or a JSON array of active state paths that contains it (charts).
 pub fn position_in_state(position: &str, state: &str) -> bool {
@@ -431,7 +446,7 @@ pub fn position_in_state(position: &str, state: &str) -> bool {
             .is_ok_and(|paths| paths.iter().any(|p| p == state))
 }
 
-/// What a parent sees of a child after its barrier released (seed 004 §11).
+/// What a parent sees of a child after its barrier released.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChildSummary {
     /// The child's id.

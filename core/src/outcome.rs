@@ -86,6 +86,28 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// [`Outcome::Next`] with a typed context, serialized.
+    pub fn next_with<C: Serialize>(
+        step: impl Into<String>,
+        context: &C,
+    ) -> Result<Outcome, serde_json::Error> {
+        Ok(Outcome::Next { step: step.into(), context: serde_json::to_value(context)? })
+    }
+
+    /// [`Outcome::Await`] of `signal`, staying at the current step, with a typed context.
+    pub fn await_with<C: Serialize>(
+        signal: impl Into<String>,
+        context: &C,
+    ) -> Result<Outcome, serde_json::Error> {
+        let context = serde_json::to_value(context)?;
+        Ok(Outcome::Await { signal: signal.into(), context, step: None })
+    }
+
+    /// [`Outcome::Done`] with a typed result, serialized, staying at the current step.
+    pub fn done_with<R: Serialize>(result: &R) -> Result<Outcome, serde_json::Error> {
+        Ok(Outcome::Done { result: serde_json::to_value(result)?, step: None })
+    }
+
     /// The outcome's snake_case name.
     pub const fn name(&self) -> &'static str {
         match self {

@@ -124,7 +124,10 @@ where
     assert_eq!(inbox_detail.inbox.len(), 1, "the poison signal is kept");
 
     for id in [poison, poison_inbox] {
-        let cancelled = client.cancel(id, "poison", false).await.expect("cancel works");
+        let cancelled = client
+            .cancel(keel_scheduler::Cancel::new(id).reason("poison"))
+            .await
+            .expect("cancel works");
         assert_eq!(cancelled, vec![id]);
         assert_eq!(client.get(id).await.expect("get").instance.status, Status::Cancelled);
     }

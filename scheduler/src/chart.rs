@@ -136,10 +136,10 @@ impl ChartMachine {
         self
     }
 
-    /// Parallel dispatch settings (DESIGN §4.4): with `enabled`, entering a parallel state
+    /// Parallel dispatch settings: with `enabled`, entering a parallel state
     /// whose regions (two or more) have entry actions commits the state and starts one
     /// region task per region (a child instance of this machine at
-    /// [`REGION_POSITION`](keel_parallel::REGION_POSITION)) instead of running the actions
+    /// [`REGION_POSITION`]) instead of running the actions
     /// inline. Register this machine on every worker that should run region tasks.
     #[must_use]
     pub fn with_parallel(mut self, parallel: ParallelConfig) -> Self {
@@ -165,6 +165,27 @@ impl ChartMachine {
             .collect();
         missing.sort();
         missing
+    }
+
+    /// The machines the definition's delegation states start, sorted and deduplicated.
+    pub fn delegated_machines(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .definition
+            .states()
+            .filter_map(|s| s.delegation.as_ref().map(|d| d.machine.clone()))
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    /// A new instance of this machine whose context is `context` serialized. The context
+    /// must serialize as a JSON object (a struct or a map).
+    pub fn new_instance_of<T: serde::Serialize>(
+        &self,
+        context: &T,
+    ) -> Result<NewInstance, serde_json::Error> {
+        Ok(self.new_instance(serde_json::to_value(context)?))
     }
 
     /// The definition.
@@ -213,7 +234,7 @@ impl ChartMachine {
         })
     }
 
-    /// A region task (DESIGN §4.4): pre-check against the parent without a lock, run the
+    /// A region task: pre-check against the parent without a lock, run the
     /// region's entry actions on the snapshot, report the diff and raised events to the
     /// parent in this task's terminal commit.
     async fn region_step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
@@ -308,6 +329,14 @@ impl ChartMachine {
 impl StepMachine for ChartMachine {
     fn machine(&self) -> MachineRef {
         self.machine_ref()
+    }
+
+    fn unbound(&self) -> Vec<String> {
+        self.missing_actions().into_iter().map(|a| format!("action `{a}`")).collect()
+    }
+
+    fn delegates(&self) -> Vec<String> {
+        self.delegated_machines()
     }
 
     fn config(&self) -> QueueConfig {

@@ -10,9 +10,21 @@ use keel_core::ports::store::{
     InstanceDetail, QueuePauseParams, SignalBroadcastParams, SignalDeliverParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult};
+use keel_core::{DeadLetterId, Instance, InstanceId, Status, StoreError, StoreResult, Timestamp};
+use serde_json::Value;
+use std::fmt;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
+
+/// The longest [`Client::wait`] waits before it gives up.
+pub const WAIT_MAX: Duration = Duration::from_secs(30 * 86_400);
+/// The first pause of a wait's polling.
+pub const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
+/// The shortest gap between two reads of a wait that store wake-ups cut short.
+pub const WAIT_WAKE_GAP: Duration = Duration::from_millis(10);
+/// The longest pause between two reads of a wait's polling.
+pub const WAIT_POLL_MAX: Duration = Duration::from_millis(250);
 
 /// A handle applications use to talk to Keel.
 pub struct Client<S: Store, C: Clock> {
@@ -68,37 +80,112 @@ impl<S: Store, C: Clock> Client<S, C> {
         self.store.signal_deliver(SignalDeliverParams { signals, now: self.clock.now() }).await
     }
 
-    /// Delivers `event` to every non-terminal instance of `machine` in `namespace` whose
-    /// position is in `in_state` (`None` = all of them), in one store call.
-    pub async fn broadcast(
-        &self,
-        namespace: &str,
-        machine: &str,
-        in_state: Option<&str>,
-        event: &str,
-        payload: serde_json::Value,
-    ) -> StoreResult<BroadcastReport> {
-        let params = SignalBroadcastParams {
-            namespace: namespace.to_owned(),
-            machine: machine.to_owned(),
-            in_state: in_state.map(str::to_owned),
-            name: event.to_owned(),
-            payload,
-            dedup_key: None,
-            now: self.clock.now(),
-        };
-        self.store.signal_broadcast(params).await
+    /// Delivers one event to every non-terminal instance a [`Broadcast`] selects, in one
+    /// store call.
+    ///
+    /// ```no_run
+    /// # async fn demo<S: keel_core::ports::Store>(client: keel_scheduler::Client<S, keel_scheduler::SystemClock>) -> keel_core::StoreResult<()> {
+    /// use keel_scheduler::client::Broadcast;
+    /// let report = client
+    ///     .broadcast(Broadcast::new("light", "NEXT").in_state("green"))
+    ///     .await?;
+    /// println!("{} lights got the event", report.delivered);
+    /// # Ok(()) }
+    /// ```
+    pub async fn broadcast(&self, broadcast: Broadcast) -> StoreResult<BroadcastReport> {
+        self.store.signal_broadcast(broadcast.into_params(self.clock.now())).await
     }
 
-    /// Cancels an instance (with `cascade`, its non-terminal descendants too).
-    pub async fn cancel(
+    /// Cancels what a [`Cancel`] describes; returns the ids it cancelled (empty when the
+    /// instance had already ended).
+    ///
+    /// ```no_run
+    /// # async fn demo<S: keel_core::ports::Store>(client: keel_scheduler::Client<S, keel_scheduler::SystemClock>, id: keel_core::InstanceId) -> keel_core::StoreResult<()> {
+    /// use keel_scheduler::client::Cancel;
+    /// client.cancel(Cancel::new(id).cascade().reason("customer changed their mind")).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn cancel(&self, cancel: Cancel) -> StoreResult<Vec<InstanceId>> {
+        let params = CancelParams {
+            id: cancel.id,
+            reason: cancel.reason,
+            cascade: cancel.cascade,
+            now: self.clock.now(),
+        };
+        self.store.instance_cancel(params).await
+    }
+
+    /// Waits until instance `id` ends (done, failed or cancelled) and returns how it ended.
+    /// It wakes on the store's change notifications where the store has them and polls
+    /// with a back-off (a few milliseconds, growing to [`WAIT_POLL_MAX`]) otherwise.
+    /// A suspended instance (its failure is a dead letter) has not ended: it waits for an
+    /// operator. Gives up with an `Unavailable` error after [`WAIT_MAX`]; use
+    /// [`wait_timeout`](Self::wait_timeout) for a shorter bound.
+    pub async fn wait(&self, id: InstanceId) -> StoreResult<Ended> {
+        match self.wait_timeout(id, WAIT_MAX).await? {
+            Some(ended) => Ok(ended),
+            None => Err(StoreError::unavailable(format!(
+                "instance {id} has not ended after {} days of waiting; use wait_timeout to choose the bound",
+                WAIT_MAX.as_secs() / 86_400
+            ))),
+        }
+    }
+
+    /// Like [`wait`](Self::wait), but returns `Ok(None)` when `id` is still running after
+    /// `timeout`. `NotFound` when there is no such instance.
+    pub async fn wait_timeout(
         &self,
         id: InstanceId,
-        reason: &str,
-        cascade: bool,
-    ) -> StoreResult<Vec<InstanceId>> {
-        let params = CancelParams { id, reason: reason.to_owned(), cascade, now: self.clock.now() };
-        self.store.instance_cancel(params).await
+        timeout: Duration,
+    ) -> StoreResult<Option<Ended>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pause = WAIT_POLL_MIN;
+        loop {
+            // Listen before reading: polling the wake-up once registers this waiter with
+            // the store, so a change that lands between the read and the wait still wakes it.
+            let mut changed = self.store.instance_change_wait();
+            let already =
+                std::future::poll_fn(|cx| Poll::Ready(changed.as_mut().poll(cx).is_ready()));
+            let mut changed_now = already.await;
+            let read_at = tokio::time::Instant::now();
+            let row = self.row(id).await?;
+            if row.status.is_terminal() {
+                return Ok(Some(Ended::from_row(row)));
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            let sleep_until = deadline.min(now + pause);
+            if !changed_now {
+                tokio::select! {
+                    () = &mut changed => changed_now = true,
+                    () = tokio::time::sleep_until(sleep_until) => {}
+                }
+            }
+            // A wake-up reads again soon, but never sooner than WAIT_WAKE_GAP after the
+            // last read: a store busy with other instances must not turn every waiter
+            // into a busy loop. Only a quiet poll backs off further.
+            if changed_now {
+                tokio::time::sleep_until(deadline.min(read_at + WAIT_WAKE_GAP)).await;
+                continue;
+            }
+            pause = (pause * 2).min(WAIT_POLL_MAX);
+        }
+    }
+
+    /// The current state of instance `id`: its active chart configuration (or, for a step
+    /// machine, its current step), like a statechart snapshot's value.
+    pub async fn state(&self, id: InstanceId) -> StoreResult<StateValue> {
+        Ok(StateValue::from_position(&self.row(id).await?.position))
+    }
+
+    async fn row(&self, id: InstanceId) -> StoreResult<Instance> {
+        self.store
+            .instance_rows(vec![id])
+            .await?
+            .pop()
+            .ok_or_else(|| StoreError::not_found(format!("no instance with id {id}")))
     }
 
     /// An instance with its inbox, children and history.
@@ -116,34 +203,24 @@ impl<S: Store, C: Clock> Client<S, C> {
         self.store.dead_letter_list(filter).await
     }
 
-    /// Retries one dead letter after `delay`.
-    pub async fn dead_letter_retry(
-        &self,
-        id: DeadLetterId,
-        delay: Duration,
-    ) -> StoreResult<Vec<InstanceId>> {
+    /// Retries what a [`DeadLetterRetry`] selects: one dead letter, or every dead letter
+    /// of a machine; returns the instances made runnable.
+    ///
+    /// ```no_run
+    /// # async fn demo<S: keel_core::ports::Store>(client: keel_scheduler::Client<S, keel_scheduler::SystemClock>, id: keel_core::DeadLetterId) -> keel_core::StoreResult<()> {
+    /// use keel_scheduler::client::DeadLetterRetry;
+    /// use std::time::Duration;
+    /// client.dead_letter_retry(DeadLetterRetry::one(id)).await?;
+    /// client.dead_letter_retry(DeadLetterRetry::machine("order").after(Duration::from_secs(60))).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn dead_letter_retry(&self, retry: DeadLetterRetry) -> StoreResult<Vec<InstanceId>> {
         let params = DeadLetterRetryParams {
-            selector: DeadLetterSelector::Id(id),
-            delay,
+            selector: retry.selector,
+            delay: retry.delay,
             now: self.clock.now(),
         };
         self.store.dead_letter_retry(params).await
-    }
-
-    /// Retries every dead letter of a machine after `delay`.
-    pub async fn dead_letter_retry_machine(
-        &self,
-        namespace: &str,
-        machine: &str,
-        delay: Duration,
-    ) -> StoreResult<Vec<InstanceId>> {
-        let selector = DeadLetterSelector::Machine {
-            namespace: namespace.to_owned(),
-            machine: machine.to_owned(),
-        };
-        self.store
-            .dead_letter_retry(DeadLetterRetryParams { selector, delay, now: self.clock.now() })
-            .await
     }
 
     /// Skips a dead letter: its signals are dropped and the instance carries on.
@@ -176,5 +253,240 @@ impl<S: Store, C: Clock> Client<S, C> {
             now: self.clock.now(),
         };
         self.store.queue_pause(params).await
+    }
+}
+
+/// Cancels an instance: what [`Client::cancel`] takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cancel {
+    id: InstanceId,
+    reason: String,
+    cascade: bool,
+}
+
+impl Cancel {
+    /// Cancels instance `id` alone, with the reason `"cancelled"`.
+    pub fn new(id: InstanceId) -> Self {
+        Cancel { id, reason: "cancelled".to_owned(), cascade: false }
+    }
+
+    /// Also cancels every non-terminal descendant (children it started, their children…).
+    pub fn cascade(mut self) -> Self {
+        self.cascade = true;
+        self
+    }
+
+    /// The reason, recorded as the instance's last error.
+    pub fn reason(mut self, reason: impl Into<String>) -> Self {
+        self.reason = reason.into();
+        self
+    }
+}
+
+/// Which dead letters to retry, and when: what [`Client::dead_letter_retry`] takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetterRetry {
+    selector: DeadLetterSelector,
+    delay: Duration,
+}
+
+impl DeadLetterRetry {
+    /// Retries dead letter `id`, at once.
+    pub fn one(id: DeadLetterId) -> Self {
+        DeadLetterRetry { selector: DeadLetterSelector::Id(id), delay: Duration::ZERO }
+    }
+
+    /// Retries every dead letter of `machine` (any version) in the default namespace, at
+    /// once.
+    pub fn machine(machine: impl Into<String>) -> Self {
+        let selector = DeadLetterSelector::Machine {
+            namespace: keel_core::ids::DEFAULT_NAMESPACE.to_owned(),
+            machine: machine.into(),
+        };
+        DeadLetterRetry { selector, delay: Duration::ZERO }
+    }
+
+    /// For [`machine`](Self::machine): the machine's namespace instead of the default one
+    /// (no effect on a retry of one dead letter, which its id names already).
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        if let DeadLetterSelector::Machine { namespace: ns, .. } = &mut self.selector {
+            *ns = namespace.into();
+        }
+        self
+    }
+
+    /// Makes the instances runnable after `delay` instead of at once.
+    pub fn after(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+}
+
+/// One event for every non-terminal instance of a machine: what [`Client::broadcast`]
+/// takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Broadcast {
+    namespace: String,
+    machine: String,
+    in_state: Option<String>,
+    event: String,
+    payload: Value,
+    dedup_key: Option<String>,
+}
+
+impl Broadcast {
+    /// `event` (payload `null`) for every non-terminal instance of `machine` (any
+    /// version) in the default namespace.
+    pub fn new(machine: impl Into<String>, event: impl Into<String>) -> Self {
+        Broadcast {
+            namespace: keel_core::ids::DEFAULT_NAMESPACE.to_owned(),
+            machine: machine.into(),
+            in_state: None,
+            event: event.into(),
+            payload: Value::Null,
+            dedup_key: None,
+        }
+    }
+
+    /// Only instances whose active configuration contains `state` (a dotted path).
+    pub fn in_state(mut self, state: impl Into<String>) -> Self {
+        self.in_state = Some(state.into());
+        self
+    }
+
+    /// Instances of this namespace instead of the default one.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The event's payload.
+    pub fn payload(mut self, payload: Value) -> Self {
+        self.payload = payload;
+        self
+    }
+
+    /// A dedup key, applied per target: a target that still holds an event with this key
+    /// does not get a second one.
+    pub fn dedup_key(mut self, key: impl Into<String>) -> Self {
+        self.dedup_key = Some(key.into());
+        self
+    }
+
+    fn into_params(self, now: Timestamp) -> SignalBroadcastParams {
+        SignalBroadcastParams {
+            namespace: self.namespace,
+            machine: self.machine,
+            in_state: self.in_state,
+            name: self.event,
+            payload: self.payload,
+            dedup_key: self.dedup_key,
+            now,
+        }
+    }
+}
+
+/// How an instance ended: what [`Client::wait`] returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ended {
+    /// `Done`, `Failed` or `Cancelled`.
+    pub status: Status,
+    /// The final state: a chart's final configuration, a step machine's last step.
+    pub state: StateValue,
+    /// The result context of a finished instance (`None` when it failed or was cancelled).
+    pub result: Option<Value>,
+    /// The last error: why it failed or was cancelled.
+    pub error: Option<String>,
+    /// The whole row, for everything else.
+    pub instance: Instance,
+}
+
+impl Ended {
+    fn from_row(row: Instance) -> Self {
+        Ended {
+            status: row.status,
+            state: StateValue::from_position(&row.position),
+            result: row.result.clone(),
+            error: row.last_error.clone(),
+            instance: row,
+        }
+    }
+
+    /// Whether it finished with a result.
+    pub fn is_done(&self) -> bool {
+        self.status == Status::Done
+    }
+
+    /// The result deserialized as `T`.
+    pub fn result_as<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_value(self.result.clone().unwrap_or(Value::Null))
+    }
+}
+
+/// Where an instance is: the active states of a chart (every active state path, parents
+/// included, sorted), or the current step of a step machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateValue {
+    active: Vec<String>,
+}
+
+impl StateValue {
+    /// Reads a stored position: a chart's JSON array of active paths, or a step name.
+    pub fn from_position(position: &str) -> Self {
+        let active = match serde_json::from_str::<Vec<String>>(position) {
+            Ok(paths) if position.trim_start().starts_with('[') => paths,
+            _ => vec![position.to_owned()],
+        };
+        StateValue { active }
+    }
+
+    /// Whether the state at the dotted `path` is active (`"processing"` and
+    /// `"processing.payment"` both match inside `processing.payment.charging`).
+    pub fn matches(&self, path: &str) -> bool {
+        self.active.iter().any(|p| p == path)
+    }
+
+    /// Every active path, sorted.
+    pub fn active(&self) -> &[String] {
+        &self.active
+    }
+
+    /// The active states without an active child: the innermost ones.
+    pub fn leaves(&self) -> Vec<&str> {
+        self.active
+            .iter()
+            .filter(|p| {
+                !self.active.iter().any(|q| {
+                    q.len() > p.len() && q.starts_with(p.as_str()) && q.as_bytes()[p.len()] == b'.'
+                })
+            })
+            .map(String::as_str)
+            .collect()
+    }
+}
+
+/// The innermost states, comma-separated (`closed`, `processing.inventory.done, processing.payment.charging`).
+impl fmt::Display for StateValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.leaves().join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StateValue;
+
+    #[test]
+    fn state_value_reads_chart_and_step_positions() {
+        let chart = StateValue::from_position(
+            r#"["processing","processing.payment","processing.payment.charging","processing.stock"]"#,
+        );
+        assert!(chart.matches("processing.payment"));
+        assert!(!chart.matches("processing.pay"));
+        assert_eq!(chart.leaves(), ["processing.payment.charging", "processing.stock"]);
+        assert_eq!(chart.to_string(), "processing.payment.charging, processing.stock");
+        let step = StateValue::from_position("await_payment");
+        assert!(step.matches("await_payment"));
+        assert_eq!(step.to_string(), "await_payment");
     }
 }

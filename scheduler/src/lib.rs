@@ -19,8 +19,9 @@ pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
 pub use client::Client;
+pub use client::{Broadcast, Cancel, DeadLetterRetry, Ended, StateValue};
 pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
-pub use machine::{StepContext, StepError, StepMachine};
+pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
 pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};

@@ -104,6 +104,17 @@ impl StepContext {
         self.effects.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The context deserialized as `T`. A context that does not fit `T` is a
+    /// non-retryable error (it will not fit on the next attempt either).
+    pub fn context_as<T: serde::de::DeserializeOwned>(&self) -> Result<T, StepError> {
+        serde_json::from_value(self.context.clone()).map_err(|e| {
+            StepError::fatal(format!(
+                "the context of instance {} does not fit the machine's context type: {e}",
+                self.id
+            ))
+        })
+    }
+
     /// The first inbox signal named `name`, if any.
     pub fn signal(&self, name: &str) -> Option<&Signal> {
         self.signals.iter().find(|s| s.name == name)
@@ -113,6 +124,26 @@ impl StepContext {
 /// A step failed. What happens next (retry, dead-letter, skip) is decided from its
 /// [`kind`](Self::kind) and the retry policy by `keel_core::retry::decide`; the message is
 /// for people and never inspected.
+///
+/// Any [`std::error::Error`] converts into a *retryable* `StepError`, so `?` works inside a
+/// step; mark the failures that trying again cannot fix with [`StepError::fatal`],
+/// [`StepError::non_retryable`] or [`NonRetryable::non_retryable`] on a `Result`:
+///
+/// ```
+/// use keel_scheduler::machine::{NonRetryable, StepError};
+///
+/// fn read_config(path: &str) -> Result<String, StepError> {
+///     // A missing file may appear later: retried with the machine's back-off.
+///     let text = std::fs::read_to_string(path)?;
+///     // A malformed number will stay malformed: no retry, straight to the dead letters.
+///     let _port: u16 = text.trim().parse().non_retryable()?;
+///     Ok(text)
+/// }
+/// assert!(read_config("/no/such/file").is_err());
+/// ```
+///
+/// Because of that blanket conversion `StepError` itself does not implement
+/// `std::error::Error` (the same trade-off `anyhow::Error` makes); it implements `Display`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepError {
     /// What went wrong.
@@ -130,6 +161,10 @@ impl StepError {
     pub fn fatal(message: impl Into<String>) -> Self {
         Self::of_kind(FailureKind::NonRetryable, message)
     }
+    /// The same error, marked non-retryable.
+    pub fn non_retryable(self) -> Self {
+        StepError { kind: FailureKind::NonRetryable, ..self }
+    }
     /// An error of `kind` (the runtime's own failures: timeouts, panics, refused results).
     pub fn of_kind(kind: FailureKind, message: impl Into<String>) -> Self {
         StepError { message: message.into(), kind }
@@ -140,13 +175,43 @@ impl StepError {
     }
 }
 
+/// The error's message followed by its sources (`reading order 7: connection refused`).
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    // Bounded: a source chain deeper than this is cut, not followed forever.
+    for _ in 0..16 {
+        let Some(cause) = source else { break };
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
+impl<E: std::error::Error> From<E> for StepError {
+    fn from(error: E) -> Self {
+        StepError::retryable(chain(&error))
+    }
+}
+
 impl fmt::Display for StepError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)
     }
 }
 
-impl std::error::Error for StepError {}
+/// Marks the error of a `Result` as one trying again cannot fix.
+pub trait NonRetryable<T> {
+    /// `Err(e)` becomes a non-retryable [`StepError`] carrying `e`'s message.
+    fn non_retryable(self) -> Result<T, StepError>;
+}
+
+impl<T, E: Into<StepError>> NonRetryable<T> for Result<T, E> {
+    fn non_retryable(self) -> Result<T, StepError> {
+        self.map_err(|e| e.into().non_retryable())
+    }
+}
 
 /// A durable machine written as steps.
 ///
@@ -183,6 +248,20 @@ pub trait StepMachine: Send + Sync + 'static {
     fn step_config(&self, step: &str) -> QueueConfig {
         let _ = step;
         self.config()
+    }
+
+    /// What this machine names but was not given, each as `kind `name``, e.g.
+    /// ``action `notify` ``: a worker refuses to register a machine while this is not
+    /// empty. Default: nothing (a step machine's steps are its own code).
+    fn unbound(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Machines this one starts as children by name (chart delegation states). A worker
+    /// checks at start-up that each is registered with it or declared as served by
+    /// another worker.
+    fn delegates(&self) -> Vec<String> {
+        Vec::new()
     }
 
     /// Whether the worker should read the parent's row before running `step` (into

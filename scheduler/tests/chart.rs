@@ -161,7 +161,10 @@ async fn an_action_error_retries_then_suspends_keeping_later_events_in_order() {
     assert_eq!(inbox, ["NEXT", "NEXT"], "the failed event and the one after it wait, in order");
 
     fail.store(false, Ordering::SeqCst);
-    h.client.dead_letter_retry(letters[0].id, Duration::ZERO).await.unwrap();
+    h.client
+        .dead_letter_retry(keel_scheduler::client::DeadLetterRetry::one(letters[0].id))
+        .await
+        .unwrap();
     let row = h.wait(id, "yellow after both events", at_state("yellow")).await;
     assert_eq!(row.context["greens"], json!(2));
     worker.shutdown().await;
@@ -303,8 +306,11 @@ async fn broadcast_reaches_charts_in_a_state() {
     h.wait(b, "green", at_state("green")).await;
     send(&h, b, &["NEXT"]).await;
     h.wait(b, "yellow", at_state("yellow")).await;
-    let report =
-        h.client.broadcast("default", "light", Some("green"), "NEXT", json!(null)).await.unwrap();
+    let report = h
+        .client
+        .broadcast(keel_scheduler::Broadcast::new("light", "NEXT").in_state("green"))
+        .await
+        .unwrap();
     assert_eq!((report.delivered, report.woke), (1, 1));
     h.wait(a, "a moved on", at_state("yellow")).await;
     assert_eq!(h.client.get(b).await.unwrap().instance.revision.0, 2, "b was not in green");

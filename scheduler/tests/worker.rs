@@ -92,7 +92,10 @@ async fn retries_wait_the_policy_delays_then_suspend_and_a_dead_letter_retry_res
     assert_eq!(letters[0].letter.errors.len(), 3, "every attempt's error is kept");
 
     healed.store(true, Ordering::SeqCst);
-    h.client.dead_letter_retry(letters[0].id, Duration::ZERO).await.unwrap();
+    h.client
+        .dead_letter_retry(keel_scheduler::client::DeadLetterRetry::one(letters[0].id))
+        .await
+        .unwrap();
     h.wait(id, "done after the dead-letter retry", |r| r.status == Status::Done).await;
     worker.shutdown().await;
 }
@@ -436,7 +439,11 @@ async fn cancel_with_cascade_ends_the_children_too() {
     let worker = h.worker(h.config(), m);
     let id = h.start(new()).await;
     h.wait(id, "waiting on children", |r| r.status == Status::AwaitingChildren).await;
-    let cancelled = h.client.cancel(id, "operator", true).await.unwrap();
+    let cancelled = h
+        .client
+        .cancel(keel_scheduler::Cancel::new(id).cascade().reason("operator"))
+        .await
+        .unwrap();
     assert_eq!(cancelled.len(), 3);
     let detail = h.client.get(id).await.unwrap();
     assert!(detail.children.iter().all(|c| c.status == Status::Cancelled));

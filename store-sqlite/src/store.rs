@@ -127,6 +127,8 @@ pub struct SqliteStore {
     /// their readers.
     hints: std::sync::Mutex<TimerHints>,
     hinted: Notify,
+    /// Wake-ups for `instance_change_wait`: every write may change a status.
+    changed: Notify,
     /// Declared last so the connections close before the files go.
     temp: Option<TempFiles>,
 }
@@ -222,6 +224,7 @@ impl SqliteStore {
             ready: Notify::new(),
             hints: std::sync::Mutex::default(),
             hinted: Notify::new(),
+            changed: Notify::new(),
             temp: None,
         })
     }
@@ -245,6 +248,7 @@ impl SqliteStore {
             ready: Notify::new(),
             hints: std::sync::Mutex::default(),
             hinted: Notify::new(),
+            changed: Notify::new(),
             temp: None,
         })
     }
@@ -284,6 +288,7 @@ impl SqliteStore {
     /// Wakes everyone in `ready_wait`.
     fn wake(&self) {
         self.ready.notify_waiters();
+        self.changed.notify_waiters();
     }
 
     /// Tells this process's sweepers that a commit armed timers, the earliest due at `due`.
@@ -610,6 +615,10 @@ impl Store for SqliteStore {
 
     async fn ready_wait(&self) {
         self.ready.notified().await;
+    }
+
+    async fn instance_change_wait(&self) {
+        self.changed.notified().await;
     }
 
     async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {

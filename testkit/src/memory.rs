@@ -64,6 +64,8 @@ pub struct MemoryStore {
     /// Timer hints for `timer_hint_wait`, and the wake-up of their readers.
     hints: Mutex<TimerHints>,
     hinted: tokio::sync::Notify,
+    /// Wake-ups for `instance_change_wait` (every write may change a status).
+    changed: tokio::sync::Notify,
 }
 
 impl MemoryStore {
@@ -84,6 +86,7 @@ impl MemoryStore {
     fn wake<T>(&self, result: T) -> T {
         self.ready.notify_waiters();
         self.ready.notify_one();
+        self.changed.notify_waiters();
         result
     }
 

@@ -139,10 +139,14 @@ fn ci(root: &Path) -> Result<()> {
     test(root, true)?;
     // The examples are the first thing a new user runs: they must run, not just compile.
     // On SQLite, as a new user runs them, each in a fresh file.
-    for example in ["steps", "order"] {
+    for example in ["steps", "order", "ticket"] {
         let db = std::env::temp_dir().join(format!("keel-ci-{example}-{}.db", std::process::id()));
         let mut cmd = cargo(root);
-        cmd.args(["run", "--quiet", "--example", example]).env("KEEL_DEMO_DB", &db);
+        // `ticket` takes any store URL in KEEL_DATABASE_URL; the others read KEEL_DEMO_DB.
+        let url = format!("sqlite://{}", db.display());
+        cmd.args(["run", "--quiet", "--example", example])
+            .env("KEEL_DEMO_DB", &db)
+            .env("KEEL_DATABASE_URL", if example == "ticket" { url.as_str() } else { "" });
         let result = run(&format!("example {example}"), cmd);
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));

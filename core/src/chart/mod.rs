@@ -2,7 +2,7 @@
 //!
 //! The semantics follow the W3C SCXML algorithm (document order, exit and entry sets,
 //! `done.state.*` events, eventless transitions, conflict resolution) for everything that does
-//! not need a scripting data model (DESIGN §4). The pieces:
+//! not need a scripting data model. The pieces:
 //!
 //! - [`ChartBuilder`] → [`Definition`]: the states tree with named actions, guards registered
 //!   as pure functions, and timer specs; [`ChartBuilder::build`] validates (`validate`).

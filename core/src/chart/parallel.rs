@@ -162,8 +162,8 @@ impl RegionReport {
 }
 
 /// Runs one region's entry actions against a snapshot: [`poll`](Self::poll) the next
-/// action, run it on [`context`](Self::context), feed [`handle_action_result`]
-/// (Self::handle_action_result); then [`report`](Self::report).
+/// action, run it on [`context`](Self::context), feed
+/// [`handle_action_result`](Self::handle_action_result); then [`report`](Self::report).
 #[derive(Debug)]
 pub struct RegionRun {
     key: RegionKey,

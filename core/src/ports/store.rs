@@ -1,4 +1,4 @@
-//! The store port: the source of truth (DESIGN §1 invariant 3, §3).
+//! The store port: the source of truth for instances, inboxes, history and dead letters.
 //!
 //! The trait is **batch-first**: throughput on a real database is decided by how many rows
 //! one statement and one commit carry, so every hot operation takes and returns a batch
@@ -255,8 +255,8 @@ pub enum DeliveryOutcome {
     TargetMissing,
 }
 
-/// Deliver one event to every instance of a machine in a given state, in one statement
-/// (seed 001 §4.6). Fails with `Invalid`, delivering nothing, when more than
+/// Deliver one event to every instance of a machine in a given state, in one statement.
+/// Fails with `Invalid`, delivering nothing, when more than
 /// [`crate::limits::BROADCAST_MAX`] instances match.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SignalBroadcastParams {
@@ -681,6 +681,14 @@ pub trait Store: Send + Sync + 'static {
     /// notifications never resolves; callers race it against their poll interval, which
     /// stays the correctness path.
     async fn ready_wait(&self) {
+        std::future::pending::<()>().await;
+    }
+
+    /// Resolves when the store learns that an instance may have changed status (a commit,
+    /// a cancel) — a wake-up hint for callers waiting on an instance's result, never a
+    /// promise that one ended. A store without such notifications never resolves; callers
+    /// race it against polling with a bounded back-off, which stays the correctness path.
+    async fn instance_change_wait(&self) {
         std::future::pending::<()>().await;
     }
 

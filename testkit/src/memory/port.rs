@@ -158,6 +158,10 @@ impl Store for MemoryStore {
         self.ready.notified().await;
     }
 
+    async fn instance_change_wait(&self) {
+        self.changed.notified().await;
+    }
+
     async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
         Ok(self.state().timer_next_due(&params))
     }

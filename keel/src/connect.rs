@@ -1,0 +1,187 @@
+//! `Keel::connect`: the store a URL names, opened and migrated.
+
+use crate::Error;
+use crate::store::AnyStore;
+
+/// Settings [`Keel::connect_with`](crate::Keel::connect_with) takes besides the URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectOptions {
+    pub(crate) schema: String,
+    pub(crate) pool_size: usize,
+    pub(crate) migrate: bool,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions { schema: "keel".to_owned(), pool_size: 16, migrate: true }
+    }
+}
+
+impl ConnectOptions {
+    /// The PostgreSQL schema Keel's tables live in (default `keel`; lowercase letters,
+    /// digits and `_`). Ignored by the other stores.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Most pooled PostgreSQL connections (default 16). Ignored by the other stores.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// Whether to bring a PostgreSQL schema up to date on connect (default `true`). SQLite
+    /// files are always migrated when opened.
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+}
+
+/// Which backend a URL names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Target {
+    SqliteMemory,
+    SqliteFile(String),
+    Postgres(String),
+    Memory,
+}
+
+/// Reads the URL's scheme; an unknown one is an error listing the ones Keel knows.
+pub(crate) fn parse(url: &str) -> Result<Target, Error> {
+    let url = url.trim();
+    if url == "sqlite::memory:" || url == "sqlite://:memory:" {
+        return Ok(Target::SqliteMemory);
+    }
+    if let Some(path) = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")) {
+        let path = path.split('?').next().unwrap_or_default();
+        if path.is_empty() {
+            return Err(Error::url(url, "the SQLite URL names no file; write `sqlite://keel.db`"));
+        }
+        return Ok(Target::SqliteFile(path.to_owned()));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok(Target::Postgres(url.to_owned()));
+    }
+    if url == "memory:" || url == "memory://" {
+        return Ok(Target::Memory);
+    }
+    Err(Error::url(
+        url,
+        "unknown scheme; use `sqlite://<file>`, `sqlite::memory:`, `postgres://…` or `memory://`",
+    ))
+}
+
+/// Opens the store `url` names.
+pub(crate) async fn open(url: &str, options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
+    match parse(url)? {
+        Target::SqliteMemory => sqlite_memory(url).await,
+        Target::SqliteFile(path) => sqlite_file(url, &path).await,
+        Target::Postgres(pg) => postgres(&pg, options).await,
+        Target::Memory => memory(url),
+    }
+}
+
+#[cfg(feature = "sqlite")]
+async fn sqlite_memory(url: &str) -> Result<(AnyStore, String), Error> {
+    let store =
+        keel_store_sqlite::SqliteStore::memory().await.map_err(|e| Error::connect(url, e))?;
+    Ok((AnyStore::new(store), "SQLite in memory".to_owned()))
+}
+
+#[cfg(feature = "sqlite")]
+async fn sqlite_file(url: &str, path: &str) -> Result<(AnyStore, String), Error> {
+    let store =
+        keel_store_sqlite::SqliteStore::open(path).await.map_err(|e| Error::connect(url, e))?;
+    Ok((AnyStore::new(store), format!("SQLite file {path}")))
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn sqlite_memory(url: &str) -> Result<(AnyStore, String), Error> {
+    Err(Error::feature(url, "sqlite"))
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn sqlite_file(url: &str, _path: &str) -> Result<(AnyStore, String), Error> {
+    Err(Error::feature(url, "sqlite"))
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres(url: &str, options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
+    use keel_store_postgres::{PgConfig, PgStore};
+    let config = PgConfig::new(url).schema(options.schema.clone()).pool_size(options.pool_size);
+    let store = PgStore::connect(config).await.map_err(|e| Error::connect(redact(url), e))?;
+    if options.migrate {
+        store.migrate().await.map_err(|e| Error::connect(redact(url), e))?;
+    }
+    let described = format!("PostgreSQL {}, schema {}", redact(url), options.schema);
+    Ok((AnyStore::new(store), described))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres(url: &str, _options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
+    Err(Error::feature(&redact(url), "postgres"))
+}
+
+#[cfg(feature = "testkit")]
+#[allow(
+    clippy::unnecessary_wraps,
+    reason = "the same signature as without the feature, where it is an error"
+)]
+fn memory(_url: &str) -> Result<(AnyStore, String), Error> {
+    Ok((AnyStore::new(keel_testkit::MemoryStore::new()), "in memory (testkit)".to_owned()))
+}
+
+#[cfg(not(feature = "testkit"))]
+fn memory(url: &str) -> Result<(AnyStore, String), Error> {
+    Err(Error::url(
+        url,
+        "the in-memory store comes with the `testkit` feature; enable it, or use `sqlite::memory:`",
+    ))
+}
+
+/// The URL without its password, for messages and logs.
+pub(crate) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let (authority, tail) = rest.split_once('/').map_or((rest, ""), |(a, t)| (a, t));
+    let Some((credentials, host)) = authority.rsplit_once('@') else { return url.to_owned() };
+    let user = credentials.split(':').next().unwrap_or_default();
+    let sep = if tail.is_empty() && !rest.contains('/') { "" } else { "/" };
+    if credentials.contains(':') {
+        format!("{scheme}://{user}:***@{host}{sep}{tail}")
+    } else {
+        url.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Target, parse, redact};
+
+    fn check(url: &str, expected: Result<Target, &str>) {
+        match (parse(url), expected) {
+            (Ok(got), Ok(want)) => assert_eq!(got, want, "{url}"),
+            (Err(got), Err(want)) => assert!(got.to_string().contains(want), "{url}: {got}"),
+            (got, want) => panic!("{url}: got {got:?}, expected {want:?}"),
+        }
+    }
+
+    #[test]
+    fn urls_name_their_backend() {
+        check("sqlite://keel.db", Ok(Target::SqliteFile("keel.db".into())));
+        check("sqlite:data/keel.db?mode=rwc", Ok(Target::SqliteFile("data/keel.db".into())));
+        check("sqlite::memory:", Ok(Target::SqliteMemory));
+        check("postgres://u@h/db", Ok(Target::Postgres("postgres://u@h/db".into())));
+        check("postgresql://u@h/db", Ok(Target::Postgres("postgresql://u@h/db".into())));
+        check("memory://", Ok(Target::Memory));
+        check("sqlite://", Err("names no file"));
+        check("mysql://u@h/db", Err("unknown scheme; use `sqlite://<file>`"));
+    }
+
+    #[test]
+    fn passwords_never_reach_messages() {
+        assert_eq!(redact("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+    }
+}

@@ -1,0 +1,340 @@
+//! # Keel: durable state machines
+//!
+//! Keel runs many long-lived **instances** of a machine — a statechart, or a list of async
+//! steps — and commits every step an instance takes (its new state, its context, the
+//! events it consumed and sent, its timers) to a database before the next one starts. A
+//! crash, a deploy or a Ctrl-C loses nothing: the next worker carries on from the last
+//! commit.
+//!
+//! This crate is the one dependency an application needs. It re-exports what user code
+//! names, opens the store a URL points at with [`Keel::connect`], and hands out one
+//! client type ([`Client`], which [`Keel`] dereferences to) and workers
+//! ([`Keel::worker`]) — no generic parameters in user code.
+//!
+//! ## Quickstart
+//!
+//! A ticket chart and a step machine, run by one worker on an in-memory SQLite database:
+//!
+//! ```
+//! use keel::{
+//!     ChartMachine, Definition, Keel, MachineRef, NewInstance, NewSignal, Outcome, Status,
+//!     StepContext, StepError, StepMachine, json,
+//! };
+//!
+//! /// A step machine: one step that reads a file (an IO error is retried) and finishes.
+//! struct Greeter;
+//!
+//! #[keel::async_trait]
+//! impl StepMachine for Greeter {
+//!     fn machine(&self) -> MachineRef {
+//!         MachineRef::new("greeter", 1)
+//!     }
+//!     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+//!         let name = ctx.context["name"].as_str().unwrap_or("world");
+//!         Ok(Outcome::Done { result: json!({ "greeting": format!("hello, {name}") }), step: None })
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let keel = Keel::connect("sqlite::memory:").await?;
+//!
+//! let ticket = Definition::builder("ticket", 1)
+//!     .initial("open")
+//!     .state("open", |s| s.on_to("START", "in_progress"))
+//!     .state("in_progress", |s| s.entry("stamp").on_to("CLOSE", "closed"))
+//!     .final_state("closed")
+//!     .build()?;
+//! let ticket = ChartMachine::new(ticket).action("stamp", |ctx, _event| async move {
+//!     ctx.set("started", true);
+//!     Ok(())
+//! });
+//!
+//! let worker = keel.worker().register(ticket.clone())?.register(Greeter)?.spawn()?;
+//!
+//! let id = keel.start(ticket.new_instance(json!({}))).await?.id();
+//! keel.send(NewSignal::new(id, "START")).await?;
+//! keel.send(NewSignal::new(id, "CLOSE")).await?;
+//! let ended = keel.wait(id).await?;
+//! assert_eq!(ended.status, Status::Done);
+//! assert!(ended.state.matches("closed"));
+//! assert_eq!(ended.result.unwrap()["started"], json!(true));
+//!
+//! let hello = keel
+//!     .start(NewInstance::new(MachineRef::new("greeter", 1), "greet").context(json!({ "name": "Ada" })))
+//!     .await?
+//!     .id();
+//! assert_eq!(keel.wait(hello).await?.result.unwrap()["greeting"], "hello, Ada");
+//!
+//! worker.shutdown().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Choosing a backend
+//!
+//! | URL | feature | what it is for |
+//! |---|---|---|
+//! | `sqlite://keel.db` | `sqlite` (default) | one process, durable in a file, nothing to install; several processes may share the file, but only one writes at a time and wake-ups stay inside each process |
+//! | `sqlite::memory:` | `sqlite` (default) | tests and demos: the real SQL store, gone with the process |
+//! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]) |
+//! | `memory://` | `testkit` | the in-memory reference store, with `Keel::testing` for a virtual clock |
+//!
+//! Queue backends (Redis, SQS) that carry "work is ready" hints between processes get a
+//! feature each here when they ship; the database stays the only source of truth.
+//!
+//! ```toml
+//! [dependencies]
+//! keel = { version = "0.1", features = ["postgres"] }
+//! tokio = { version = "1", features = ["macros", "rt-multi-thread"] }
+//! ```
+//!
+//! ## Steps are re-run after a crash
+//!
+//! A step is the unit of re-execution: a crash before its commit runs it again from the
+//! start, so effects inside a step (a payment call, an e-mail) must be idempotent — pass
+//! the instance id as an idempotency key. Inside a step, `?` turns any
+//! [`std::error::Error`] into a retryable [`StepError`]; use [`StepError::fatal`] or
+//! [`NonRetryable::non_retryable`] for failures that another attempt cannot fix.
+//!
+//! ## Your own types
+//!
+//! Contexts and payloads are JSON in the store; code can stay typed at both ends.
+//! Start with [`NewInstance::context_of`] or [`ChartMachine::new_instance_of`], send with
+//! [`NewSignal::payload_of`]; read with [`StepContext::context_as`],
+//! `Signal::payload_as`, [`Event::payload_as`] and, in chart actions and guards,
+//! `ctx.get_as` / `ctx.set_from` and `ChartBuilder::guard_typed`; answer with
+//! [`Outcome::next_with`], [`Outcome::await_with`] or [`Outcome::done_with`]; read the
+//! result with [`Ended::result_as`]. A serde error inside a step is a retryable
+//! [`StepError`] through `?`; a context that does not fit its type is a fatal one.
+//!
+//! ## Logs and metrics
+//!
+//! Keel logs through [`tracing`](https://docs.rs/tracing) and counts through
+//! [`metrics`](https://docs.rs/metrics); it installs neither a subscriber nor a recorder.
+//! For logs on stderr, add `tracing-subscriber = "0.3"` and `tracing = "0.1"` to your
+//! dependencies and call, at the start of `main`:
+//!
+//! ```text
+//! tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
+//! ```
+//!
+//! ## Timer precision
+//!
+//! `after` and `every` timers are rows in the store, fired by the sweeper each worker runs
+//! (see [`WorkerConfig::timers`]). A due timer never fires early; with the default settings
+//! it fires within about 100 ms plus one sweep's duration of its due time. It fires later
+//! only while the ready backlog is above the sweeper's backpressure threshold, or when no
+//! sweeper in the process heard of it (a timer armed by another process on the same SQLite
+//! file): then at the latest one sweep cadence (60 s by default) after it fell due.
+//! Time is kept in milliseconds since the epoch; run NTP on every worker host.
+
+mod connect;
+mod shutdown;
+mod store;
+mod worker;
+
+pub use connect::ConnectOptions;
+pub use shutdown::shutdown_signal;
+pub use store::AnyStore;
+pub use worker::{RegistrationError, WorkerBuilder};
+
+pub use async_trait::async_trait;
+pub use serde_json::{Value, json};
+
+pub use keel_core::chart::{ActionError, Definition, Event, Timer};
+pub use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
+pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
+pub use keel_core::{
+    ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Status, StatusSet,
+    StoreError, StoreResult,
+};
+pub use keel_scheduler::worker::WorkerStats;
+pub use keel_scheduler::{
+    ActionContext, Broadcast, Cancel, ChartMachine, DeadLetterRetry, Ended, NonRetryable,
+    StateValue, StepContext, StepError, StepMachine, SweepConfig, WorkerConfig, WorkerHandle,
+};
+
+/// The layers under this crate, for what it does not re-export: the pure semantics
+/// (chart definitions in full, outcomes, retry policies, the `Store` port), the runtime,
+/// and each backend enabled by a feature.
+pub mod layers {
+    pub use keel_core as core;
+    pub use keel_scheduler as scheduler;
+    #[cfg(feature = "postgres")]
+    pub use keel_store_postgres as postgres;
+    #[cfg(feature = "sqlite")]
+    pub use keel_store_sqlite as sqlite;
+    #[cfg(feature = "testkit")]
+    pub use keel_testkit as testkit;
+}
+
+use keel_core::Timestamp;
+use keel_core::ports::{Clock, Store};
+use keel_scheduler::SystemClock;
+use std::sync::Arc;
+
+/// The client: start instances, send them events, wait for their results, cancel them,
+/// look at them, operate dead letters and queues. Cheap to clone.
+pub type Client = keel_scheduler::Client<AnyStore, AnyClock>;
+
+/// Any [`Clock`] behind one type: the system clock in production, a virtual one in tests
+/// (`Keel::testing`, with the `testkit` feature).
+#[derive(Clone)]
+pub struct AnyClock(Arc<dyn Clock>);
+
+impl AnyClock {
+    /// Wraps `clock`.
+    pub fn new(clock: impl Clock) -> Self {
+        AnyClock(Arc::new(clock))
+    }
+}
+
+impl Clock for AnyClock {
+    fn now(&self) -> Timestamp {
+        self.0.now()
+    }
+}
+
+/// Everything that can go wrong in this crate's own calls.
+///
+/// Its `Debug` output is its message, so `fn main() -> Result<(), Box<dyn Error>>` prints
+/// a sentence a person can act on rather than a struct dump.
+#[derive(thiserror::Error)]
+pub enum Error {
+    /// A URL Keel cannot use.
+    #[error("cannot use the store URL {url:?}: {message}")]
+    Url {
+        /// The URL, password removed.
+        url: String,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// The store could not be opened or migrated.
+    #[error("cannot open the store at {url}: {source}")]
+    Connect {
+        /// The URL, password removed.
+        url: String,
+        /// The store's error.
+        source: StoreError,
+    },
+    /// A store call failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A machine cannot be registered as given.
+    #[error(transparent)]
+    Registration(#[from] RegistrationError),
+}
+
+impl Error {
+    pub(crate) fn url(url: &str, message: &str) -> Self {
+        Error::Url { url: connect::redact(url), message: message.to_owned() }
+    }
+
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres")),
+        allow(dead_code, reason = "only the database stores can fail to open")
+    )]
+    pub(crate) fn connect(url: impl Into<String>, source: StoreError) -> Self {
+        Error::Connect { url: url.into(), source }
+    }
+
+    #[allow(dead_code, reason = "used only when a backend feature is off")]
+    pub(crate) fn feature(url: &str, feature: &str) -> Self {
+        Error::url(
+            url,
+            &format!(
+                "this build of keel has no `{feature}` feature; enable it in Cargo.toml: keel = {{ version = \"0.1\", features = [\"{feature}\"] }}"
+            ),
+        )
+    }
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// A connection to Keel: the [`Client`] (through `Deref`) plus [`worker`](Self::worker)s
+/// on the same store.
+#[derive(Clone)]
+pub struct Keel {
+    client: Client,
+    store: AnyStore,
+    clock: AnyClock,
+    described: String,
+}
+
+impl Keel {
+    /// Opens the store `url` names (see the table in the crate docs), bringing its schema
+    /// up to date, with the system clock.
+    pub async fn connect(url: &str) -> Result<Keel, Error> {
+        Self::connect_with(url, ConnectOptions::default()).await
+    }
+
+    /// [`connect`](Self::connect) with settings.
+    pub async fn connect_with(url: &str, options: ConnectOptions) -> Result<Keel, Error> {
+        let (store, described) = connect::open(url, &options).await?;
+        Ok(Self::assemble(store, AnyClock::new(SystemClock), described))
+    }
+
+    /// Uses a store you built yourself (any [`Store`]), with the system clock.
+    pub fn from_store(store: impl Store) -> Keel {
+        Self::assemble(AnyStore::new(store), AnyClock::new(SystemClock), "a custom store".into())
+    }
+
+    /// The in-memory store driven by `clock`: tests move time with
+    /// [`VirtualClock::advance`](keel_testkit::VirtualClock::advance) instead of sleeping.
+    #[cfg(feature = "testkit")]
+    pub fn testing(clock: keel_testkit::VirtualClock) -> Keel {
+        Self::assemble(
+            AnyStore::new(keel_testkit::MemoryStore::new()),
+            AnyClock::new(clock),
+            "in memory, virtual clock (testkit)".into(),
+        )
+    }
+
+    fn assemble(store: AnyStore, clock: AnyClock, described: String) -> Keel {
+        let client = Client::new(Arc::new(store.clone()), clock.clone());
+        Keel { client, store, clock, described }
+    }
+
+    /// The client (also reachable through `Deref`: `keel.start(…)`).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The store, type-erased.
+    pub fn store(&self) -> &AnyStore {
+        &self.store
+    }
+
+    /// Which store this is, for banners and logs (passwords removed).
+    pub fn describe(&self) -> &str {
+        &self.described
+    }
+
+    /// A worker on this store with the default [`WorkerConfig`].
+    pub fn worker(&self) -> WorkerBuilder {
+        self.worker_with(WorkerConfig::default())
+    }
+
+    /// A worker on this store with `config`.
+    pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
+        WorkerBuilder::new(self.store.clone(), self.clock.clone(), config)
+    }
+}
+
+impl std::ops::Deref for Keel {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl std::fmt::Debug for Keel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keel").field("store", &self.described).finish_non_exhaustive()
+    }
+}

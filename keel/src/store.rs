@@ -1,0 +1,178 @@
+//! The type-erased store: one concrete type for every backend, so the client, the worker
+//! and user code name no store type and carry no generic parameter.
+
+use async_trait::async_trait;
+use keel_core::instance::DeadLetter;
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
+    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
+};
+use keel_core::timers::TimerHint;
+use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
+use std::sync::Arc;
+
+/// Any [`Store`] behind one type. Cloning shares the store.
+///
+/// Every method forwards to the wrapped store, the provided ones (wake-ups, the
+/// earliest due timer) included, so a backend's own overrides stay in effect.
+#[derive(Clone)]
+pub struct AnyStore(Arc<dyn Store>);
+
+impl AnyStore {
+    /// Wraps `store`.
+    pub fn new(store: impl Store) -> Self {
+        AnyStore(Arc::new(store))
+    }
+
+    /// Wraps a store that is already shared.
+    pub fn from_arc(store: Arc<dyn Store>) -> Self {
+        AnyStore(store)
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &Arc<dyn Store> {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for AnyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AnyStore").field("capabilities", &self.0.capabilities()).finish()
+    }
+}
+
+#[async_trait]
+impl Store for AnyStore {
+    fn capabilities(&self) -> StoreCapabilities {
+        self.0.capabilities()
+    }
+
+    async fn instance_insert(&self, params: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        self.0.instance_insert(params).await
+    }
+
+    async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
+        self.0.instance_claim(params).await
+    }
+
+    async fn step_commit(
+        &self,
+        params: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        self.0.step_commit(params).await
+    }
+
+    async fn lease_extend(&self, params: LeaseExtendParams) -> StoreResult<Vec<bool>> {
+        self.0.lease_extend(params).await
+    }
+
+    async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        self.0.lease_reap(params).await
+    }
+
+    async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
+        self.0.lease_release(params).await
+    }
+
+    async fn signal_deliver(
+        &self,
+        params: SignalDeliverParams,
+    ) -> StoreResult<Vec<DeliveryOutcome>> {
+        self.0.signal_deliver(params).await
+    }
+
+    async fn signal_broadcast(
+        &self,
+        params: SignalBroadcastParams,
+    ) -> StoreResult<BroadcastReport> {
+        self.0.signal_broadcast(params).await
+    }
+
+    async fn instance_cancel(&self, params: CancelParams) -> StoreResult<Vec<InstanceId>> {
+        self.0.instance_cancel(params).await
+    }
+
+    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
+        self.0.instance_get(id).await
+    }
+
+    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
+        self.0.instance_rows(ids).await
+    }
+
+    async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
+        self.0.instance_lookup(target).await
+    }
+
+    async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        self.0.dead_letter_list(filter).await
+    }
+
+    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
+        self.0.dead_letter_get(id).await
+    }
+
+    async fn dead_letter_retry(
+        &self,
+        params: DeadLetterRetryParams,
+    ) -> StoreResult<Vec<InstanceId>> {
+        self.0.dead_letter_retry(params).await
+    }
+
+    async fn dead_letter_skip(&self, params: DeadLetterSkipParams) -> StoreResult<InstanceId> {
+        self.0.dead_letter_skip(params).await
+    }
+
+    async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
+        self.0.dead_letter_purge(params).await
+    }
+
+    async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
+        self.0.queue_pause(params).await
+    }
+
+    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        self.0.queue_list(namespace).await
+    }
+
+    async fn queue_stats(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
+        self.0.queue_stats(namespace, now).await
+    }
+
+    async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
+        self.0.timer_sweep(params).await
+    }
+
+    async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
+        self.0.timer_next_due(params).await
+    }
+
+    async fn timer_status(
+        &self,
+        namespace: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
+        self.0.timer_status(namespace, now).await
+    }
+
+    async fn ready_wait(&self) {
+        self.0.ready_wait().await;
+    }
+
+    async fn instance_change_wait(&self) {
+        self.0.instance_change_wait().await;
+    }
+
+    async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
+        self.0.timer_hint_wait(seen).await
+    }
+}

@@ -1,0 +1,129 @@
+//! Workers from a [`Keel`](crate::Keel): machines are checked when they are registered,
+//! and [`WorkerBuilder::run`] stops gracefully on Ctrl-C or SIGTERM.
+
+use crate::store::AnyStore;
+use crate::{AnyClock, Error};
+use keel_scheduler::worker::WorkerStats;
+use keel_scheduler::{StepMachine, Worker, WorkerConfig, WorkerHandle};
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::Arc;
+
+/// A machine a worker cannot run as given: every name it uses but was not given. Its
+/// `Debug` output is its message, for `main` functions that return errors.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RegistrationError {
+    /// The machine, as `name vN`.
+    pub machine: String,
+    /// Each missing piece, as ``action `notify` `` or ``delegated machine `payment` ``.
+    pub missing: Vec<String>,
+}
+
+impl fmt::Display for RegistrationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "machine {} cannot run on this worker; missing: {}.",
+            self.machine,
+            self.missing.join(", ")
+        )?;
+        if self.missing.iter().any(|m| m.starts_with("action ")) {
+            f.write_str(" Fix: bind each action with `ChartMachine::action(name, …)`.")?;
+        }
+        if self.missing.iter().any(|m| m.starts_with("delegated machine ")) {
+            f.write_str(
+                " Fix: register each delegated machine on this worker, or declare it with \
+                 `WorkerBuilder::served_elsewhere(name)` when another worker runs it.",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RegistrationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::error::Error for RegistrationError {}
+
+/// A worker being put together: register machines, then [`spawn`](Self::spawn) it or
+/// [`run`](Self::run) it until the process is asked to stop.
+pub struct WorkerBuilder {
+    worker: Worker<AnyStore, AnyClock>,
+    /// Registered machines: name, version and the machines they delegate to.
+    machines: Vec<(String, i32, Vec<String>)>,
+    elsewhere: BTreeSet<String>,
+}
+
+impl WorkerBuilder {
+    pub(crate) fn new(store: AnyStore, clock: AnyClock, config: WorkerConfig) -> Self {
+        WorkerBuilder {
+            worker: Worker::new(Arc::new(store), clock, config),
+            machines: Vec::new(),
+            elsewhere: BTreeSet::new(),
+        }
+    }
+
+    /// Registers a machine. A chart whose definition names actions that were not bound is
+    /// refused here, with every missing name in the error, instead of failing its instances
+    /// later.
+    pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
+        let unbound = machine.unbound();
+        let name = machine.machine();
+        if !unbound.is_empty() {
+            return Err(RegistrationError {
+                machine: format!("{} v{}", name.name, name.version),
+                missing: unbound,
+            });
+        }
+        self.machines.push((name.name.clone(), name.version, machine.delegates()));
+        self.worker = self.worker.register(machine);
+        Ok(self)
+    }
+
+    /// Declares that `machine` (a chart's delegated child machine) is served by another
+    /// worker, so this one may start without it.
+    pub fn served_elsewhere(mut self, machine: impl Into<String>) -> Self {
+        self.elsewhere.insert(machine.into());
+        self
+    }
+
+    /// Checks that every delegated machine is registered here or served elsewhere.
+    fn check(&self) -> Result<(), RegistrationError> {
+        let here: BTreeSet<&str> = self.machines.iter().map(|(m, _, _)| m.as_str()).collect();
+        for (machine, version, delegates) in &self.machines {
+            let missing: Vec<String> = delegates
+                .iter()
+                .filter(|d| !here.contains(d.as_str()) && !self.elsewhere.contains(*d))
+                .map(|d| format!("delegated machine `{d}`"))
+                .collect();
+            if !missing.is_empty() {
+                return Err(RegistrationError {
+                    machine: format!("{machine} v{version}"),
+                    missing,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the worker's tasks on the current tokio runtime; stop it with
+    /// [`WorkerHandle::shutdown`].
+    pub fn spawn(self) -> Result<WorkerHandle, RegistrationError> {
+        self.check()?;
+        Ok(self.worker.spawn())
+    }
+
+    /// Runs the worker until the process gets Ctrl-C (SIGINT) or SIGTERM, then shuts it
+    /// down gracefully: no new claims, running steps get the configured grace period
+    /// to finish and commit, the leases of the rest are released so another worker (or
+    /// this one, restarted) takes them at once.
+    pub async fn run(self) -> Result<Arc<WorkerStats>, Error> {
+        let handle = self.spawn()?;
+        crate::shutdown_signal().await;
+        tracing::info!("stop requested; shutting the worker down");
+        Ok(handle.shutdown().await)
+    }
+}
