@@ -47,8 +47,8 @@ use crate::MemoryStore;
 use keel_core::limits;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    Claim, ClaimParams, CommitParams, InsertParams, LeaseExtendParams, LeaseReapParams,
-    SignalDeliverParams, TimerSweepParams,
+    Claim, ClaimParams, CommitParams, DeliveryOutcome, InsertParams, LeaseExtendParams,
+    LeaseReapParams, SignalDeliverParams, TimerSweepParams,
 };
 use keel_core::{
     ErrorKind, Instance, InstanceId, MachineRef, NewInstance, NewSignal, Revision, Signal, Status,
@@ -151,7 +151,11 @@ pub struct SimFailure {
 
 impl fmt::Display for SimFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "simulation failed: seed {} broke `{}`: {}", self.seed, self.kind, self.detail)?;
+        writeln!(
+            f,
+            "simulation failed: seed {} broke `{}`: {}",
+            self.seed, self.kind, self.detail
+        )?;
         writeln!(
             f,
             "shortest trace ({} events, shrunk from {}):",
@@ -579,21 +583,28 @@ impl<'a, S: Store> World<'a, S> {
             {
                 return Err(violation(
                     "claim-not-runnable",
-                    format!("{} claimed instance {id}, which was {}", self.workers[w].id, before.status),
+                    format!(
+                        "{} claimed instance {id}, which was {}",
+                        self.workers[w].id, before.status
+                    ),
                 ));
             }
             let latest = self.latest_token.entry(id).or_insert(i64::MIN);
             if claim.token().0 <= *latest {
                 return Err(violation(
                     "token-reused",
-                    format!("instance {id} claimed with token {}, not above {}", claim.token().0, latest),
+                    format!(
+                        "instance {id} claimed with token {}, not above {}",
+                        claim.token().0,
+                        latest
+                    ),
                 ));
             }
             *latest = claim.token().0;
         }
         let name = self.workers[w].id.0.clone();
         let got: Vec<String> =
-            claims.iter().map(|c| format!("#{} token {}", c.instance.id, c.token().0)).collect();
+            claims.iter().map(|c| format!("{} token {}", c.instance.id, c.token().0)).collect();
         self.say(|| format!("{name} claims [{}]", got.join(", ")));
         self.workers[w].claimed.extend(claims);
         Ok(())
@@ -620,7 +631,7 @@ impl<'a, S: Store> World<'a, S> {
         commit.token = claim.token();
         self.report.executions += 1;
         let line = format!(
-            "{} runs #{} at `{}` (revision {}, token {}) -> {}",
+            "{} runs {} at `{}` (revision {}, token {}) -> {}",
             worker.id.0,
             row.id,
             row.position,
@@ -651,7 +662,10 @@ impl<'a, S: Store> World<'a, S> {
                 match result {
                     Ok(receipt) => {
                         self.report.commits += 1;
-                        lines.push(format!("#{} accepted (now revision {})", commit.id, receipt.revision.0));
+                        lines.push(format!(
+                            "{} accepted (now revision {})",
+                            commit.id, receipt.revision.0
+                        ));
                         let latest = self.latest_token.get(&commit.id).copied();
                         if latest != Some(commit.token.0) {
                             return Err(violation(
@@ -669,13 +683,19 @@ impl<'a, S: Store> World<'a, S> {
                         if *count > 1 {
                             return Err(violation(
                                 "double-commit",
-                                format!("instance {}'s step at revision {} was committed {count} times", commit.id, claimed_at.0),
+                                format!(
+                                    "instance {}'s step at revision {} was committed {count} times",
+                                    commit.id, claimed_at.0
+                                ),
                             ));
                         }
                         if receipt.revision.0 != claimed_at.0 + 1 {
                             return Err(violation(
                                 "revision-skip",
-                                format!("instance {} went from revision {} to {} in one commit", commit.id, claimed_at.0, receipt.revision.0),
+                                format!(
+                                    "instance {} went from revision {} to {} in one commit",
+                                    commit.id, claimed_at.0, receipt.revision.0
+                                ),
                             ));
                         }
                         for outcome in receipt.children.iter().chain(&receipt.spawned) {
@@ -686,7 +706,7 @@ impl<'a, S: Store> World<'a, S> {
                     }
                     Err(e) if e.kind == ErrorKind::LeaseLost => {
                         self.report.commits_refused += 1;
-                        lines.push(format!("#{} refused: lease lost", commit.id));
+                        lines.push(format!("{} refused: lease lost", commit.id));
                     }
                     Err(e) => {
                         return Err(violation(
@@ -733,13 +753,16 @@ impl<'a, S: Store> World<'a, S> {
             if expires.is_none_or(|at| at > now) {
                 return Err(violation(
                     "early-reap",
-                    format!("instance {id} was reaped at {} while its lease runs until {expires:?}", now.as_millis()),
+                    format!(
+                        "instance {id} was reaped at {} while its lease runs until {expires:?}",
+                        now.as_millis()
+                    ),
                 ));
             }
         }
         self.report.reaped += reaped.len() as u64;
         let name = self.workers[w].id.0.clone();
-        self.say(|| format!("{name} reaps expired leases: {reaped:?}"));
+        self.say(|| format!("{name} reaps expired leases: [{}]", list(&reaped)));
         Ok(())
     }
 
@@ -765,7 +788,7 @@ impl<'a, S: Store> World<'a, S> {
         let id = self.ids[target % self.ids.len()];
         let offered = self.rows.get(&id).map(|row| source(row)).unwrap_or_default();
         if offered.is_empty() {
-            self.say(|| format!("no signal to offer #{id}"));
+            self.say(|| format!("no signal to offer {id}"));
             return Ok(());
         }
         let signal = offered[pick % offered.len()].clone();
@@ -776,12 +799,22 @@ impl<'a, S: Store> World<'a, S> {
         };
         let outcomes = now_or_never(self.store.signal_deliver(params))
             .map_err(|e| violation("store-error", format!("deliver `{}`: {e}", signal.name)))?;
-        let delivered = outcomes
-            .iter()
-            .filter(|o| matches!(o, keel_core::ports::store::DeliveryOutcome::Delivered { .. }))
-            .count();
+        let delivered =
+            outcomes.iter().filter(|o| matches!(o, DeliveryOutcome::Delivered { .. })).count();
         self.report.delivered += delivered as u64;
-        self.say(|| format!("deliver `{}` ×{copies} to #{id}: {outcomes:?}", signal.name));
+        self.say(|| {
+            let what: Vec<&str> = outcomes
+                .iter()
+                .map(|o| match o {
+                    DeliveryOutcome::Delivered { woke: true, .. } => "delivered, woke it",
+                    DeliveryOutcome::Delivered { .. } => "delivered",
+                    DeliveryOutcome::Duplicate { .. } => "duplicate",
+                    DeliveryOutcome::TargetTerminal { .. } => "inbox closed",
+                    DeliveryOutcome::TargetMissing => "no such instance",
+                })
+                .collect();
+            format!("deliver `{}` ×{copies} to {id}: {}", signal.name, what.join(", "))
+        });
         Ok(())
     }
 
@@ -803,7 +836,12 @@ impl<'a, S: Store> World<'a, S> {
             let reclaimed = now_or_never(self.store.lease_reap(params))
                 .map_err(|e| violation("store-error", format!("reclaim: {e}")))?;
             self.report.reaped += reclaimed.len() as u64;
-            self.say(|| format!("{old} crashes (losing {lost} steps) and restarts, reclaiming {reclaimed:?}"));
+            self.say(|| {
+                format!(
+                    "{old} crashes (losing {lost} steps) and restarts, reclaiming [{}]",
+                    list(&reclaimed)
+                )
+            });
         } else {
             worker.id = WorkerId(format!("w{}.{}", worker.index, worker.generation));
             let new = worker.id.0.clone();
@@ -827,7 +865,10 @@ impl<'a, S: Store> World<'a, S> {
             if (row.status == Status::Executing) != leased {
                 return Err(violation(
                     "lease-shape",
-                    format!("instance {id} is {} with lease owner {:?} until {:?}", row.status, row.lease_owner, row.lease_expires_at),
+                    format!(
+                        "instance {id} is {} with lease owner {:?} until {:?}",
+                        row.status, row.lease_owner, row.lease_expires_at
+                    ),
                 ));
             }
             if row.children_pending < 0 {
@@ -842,7 +883,10 @@ impl<'a, S: Store> World<'a, S> {
                         "went-back",
                         format!(
                             "instance {id} went from revision {} token {} to revision {} token {}",
-                            before.revision.0, before.fencing_token.0, row.revision.0, row.fencing_token.0
+                            before.revision.0,
+                            before.fencing_token.0,
+                            row.revision.0,
+                            row.fencing_token.0
                         ),
                     ));
                 }
@@ -851,7 +895,10 @@ impl<'a, S: Store> World<'a, S> {
                 {
                     return Err(violation(
                         "terminal-changed",
-                        format!("instance {id} was {} and is now {} at revision {}", before.status, row.status, row.revision.0),
+                        format!(
+                            "instance {id} was {} and is now {} at revision {}",
+                            before.status, row.status, row.revision.0
+                        ),
                     ));
                 }
             }
@@ -884,7 +931,9 @@ impl<'a, S: Store> World<'a, S> {
             self.sweep(0)?;
             self.check()?;
             let waiting: Vec<usize> = (0..self.ids.len())
-                .filter(|i| self.rows.get(&self.ids[*i]).is_some_and(|r| r.status == Status::AwaitingSignal))
+                .filter(|i| {
+                    self.rows.get(&self.ids[*i]).is_some_and(|r| r.status == Status::AwaitingSignal)
+                })
                 .collect();
             for target in waiting {
                 self.deliver(target, round, false)?;
@@ -903,7 +952,7 @@ impl<'a, S: Store> World<'a, S> {
             .rows
             .values()
             .filter(|r| !r.status.is_terminal())
-            .map(|r| format!("#{} {} at `{}`", r.id, r.status, r.position))
+            .map(|r| format!("{} {} at `{}`", r.id, r.status, r.position))
             .collect();
         if !unfinished.is_empty() {
             return Err(violation(
@@ -945,4 +994,8 @@ fn outcome_name(commit: &StepCommit) -> String {
         Outcome::Stop { reason } => format!("stop: {reason}"),
         Outcome::Suspend => "suspend".to_owned(),
     }
+}
+
+fn list(ids: &[InstanceId]) -> String {
+    ids.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }

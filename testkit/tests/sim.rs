@@ -10,8 +10,8 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{
@@ -119,7 +119,10 @@ impl Store for ForgetsFencing {
     async fn instance_claim(&self, p: ClaimParams) -> StoreResult<Vec<Claim>> {
         self.0.instance_claim(p).await
     }
-    async fn step_commit(&self, mut p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+    async fn step_commit(
+        &self,
+        mut p: CommitParams,
+    ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         let ids = p.commits.iter().map(|c| c.id).collect();
         let rows = self.0.instance_rows(ids).await?;
         for commit in &mut p.commits {
@@ -158,10 +161,16 @@ impl Store for ForgetsFencing {
     async fn instance_lookup(&self, t: SignalTarget) -> StoreResult<Option<InstanceId>> {
         self.0.instance_lookup(t).await
     }
-    async fn dead_letter_list(&self, f: DeadLetterFilter) -> StoreResult<Vec<keel_core::instance::DeadLetter>> {
+    async fn dead_letter_list(
+        &self,
+        f: DeadLetterFilter,
+    ) -> StoreResult<Vec<keel_core::instance::DeadLetter>> {
         self.0.dead_letter_list(f).await
     }
-    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<keel_core::instance::DeadLetter> {
+    async fn dead_letter_get(
+        &self,
+        id: DeadLetterId,
+    ) -> StoreResult<keel_core::instance::DeadLetter> {
         self.0.dead_letter_get(id).await
     }
     async fn dead_letter_retry(&self, p: DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
@@ -179,7 +188,11 @@ impl Store for ForgetsFencing {
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
         self.0.queue_list(namespace).await
     }
-    async fn queue_stats(&self, ns: Option<String>, now: Timestamp) -> StoreResult<Vec<QueueStats>> {
+    async fn queue_stats(
+        &self,
+        ns: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<QueueStats>> {
         self.0.queue_stats(ns, now).await
     }
     async fn timer_sweep(&self, p: TimerSweepParams) -> StoreResult<TimerSweepReport> {
@@ -188,7 +201,11 @@ impl Store for ForgetsFencing {
     async fn timer_next_due(&self, p: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
         self.0.timer_next_due(p).await
     }
-    async fn timer_status(&self, ns: Option<String>, now: Timestamp) -> StoreResult<Vec<TimerStatus>> {
+    async fn timer_status(
+        &self,
+        ns: Option<String>,
+        now: Timestamp,
+    ) -> StoreResult<Vec<TimerStatus>> {
         self.0.timer_status(ns, now).await
     }
     async fn ready_wait(&self) {
@@ -206,10 +223,7 @@ fn a_planted_fencing_bug_is_found_with_a_seed_that_replays() {
         .clone()
         .find_map(|seed| buggy.run(seed).err())
         .expect("the simulator must catch a store that accepts superseded commits");
-    assert!(
-        ["stale-commit", "double-commit"].contains(&failure.kind.as_str()),
-        "{failure}"
-    );
+    assert!(["stale-commit", "double-commit"].contains(&failure.kind.as_str()), "{failure}");
     // The printed report names the seed and how to replay it, with a short trace.
     let text = failure.to_string();
     assert!(text.contains(&format!("SIM_SEED={}", failure.seed)), "{text}");
@@ -241,7 +255,9 @@ fn a_broken_user_invariant_is_reported_with_its_name_and_a_short_trace() {
 
 #[test]
 fn an_instance_that_waits_for_a_signal_nobody_sends_is_reported_hung() {
-    let sim = payments(1).signals(|_| Vec::new()).config(SimConfig { events: 50, ..SimConfig::default() });
+    let sim = payments(1)
+        .signals(|_| Vec::new())
+        .config(SimConfig { events: 50, ..SimConfig::default() });
     let failure = sim.run(1).expect_err("nothing confirms the payment");
     assert_eq!(failure.kind, "hung");
     assert!(failure.detail.contains("awaiting_signal at `confirm`"), "{failure}");
