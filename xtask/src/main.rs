@@ -5,9 +5,15 @@
 //! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
 //!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`.
 //! - `tidy`: the project's checkable style and architecture rules (also a `#[test]`).
+//! - `chaos`: faults against real databases (worker kills, server crashes and an outage,
+//!   cut commits, a stepped clock) and a checker; see `chaos.rs`.
 //! - `json-schema`: rewrites `docs/chart-definition.schema.json` from the chart JSON types
 //!   (a `#[test]` fails while the committed file is stale).
 
+mod chaos;
+mod chaos_pg;
+mod chaos_proxy;
+mod chaos_worker;
 mod json_schema;
 mod services;
 mod tidy;
@@ -17,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci|tidy|json-schema|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
+const USAGE: &str = "usage: cargo xtask <test|ci|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S]|bench [steps|chart|timers|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -25,6 +31,8 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(&root, false),
         Some("ci") => ci(&root),
+        Some("chaos") => chaos::main(&root, &args[1..]),
+        Some("chaos-worker") => chaos_worker::main(&args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("migrate") => migrate(&args[1..]),
         Some("tidy") => {
