@@ -786,7 +786,7 @@ impl<'a, S: Store> World<'a, S> {
             return Ok(());
         }
         let id = self.ids[target % self.ids.len()];
-        let offered = self.rows.get(&id).map(|row| source(row)).unwrap_or_default();
+        let offered = self.rows.get(&id).map(source).unwrap_or_default();
         if offered.is_empty() {
             self.say(|| format!("no signal to offer {id}"));
             return Ok(());

@@ -359,7 +359,7 @@ async fn insert<S: Store>(store: &S, start: usize, end: usize) -> Result<Vec<Ins
     for chunk in all.chunks(limits::INSERT_BATCH_MAX) {
         let out =
             store.instance_insert(InsertParams { instances: chunk.to_vec(), now: now() }).await?;
-        ids.extend(out.into_iter().map(|o| o.id()));
+        ids.extend(out.into_iter().map(keel_core::ports::store::InsertOutcome::id));
     }
     Ok(ids)
 }
@@ -473,7 +473,7 @@ async fn live<S: Store>(store: &S) -> Result<u64> {
 }
 
 /// Polls until nothing is live or `max` passed; returns how long it took.
-fn drain<S: Store>(rt: &tokio::runtime::Runtime, store: &S, max: Duration) -> Result<Duration> {
+fn drain<S: Store>(rt: &tokio::runtime::Runtime, store: &S, max: Duration) -> Duration {
     let started = Instant::now();
     while started.elapsed() < max {
         match rt.block_on(live(store)) {
@@ -481,7 +481,7 @@ fn drain<S: Store>(rt: &tokio::runtime::Runtime, store: &S, max: Duration) -> Re
             Ok(_) | Err(_) => std::thread::sleep(Duration::from_secs(1)),
         }
     }
-    Ok(started.elapsed())
+    started.elapsed()
 }
 
 /// A fault log line, printed and kept for the JSON.
@@ -695,7 +695,7 @@ fn run_postgres(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     }
     faults.note("faults stop; draining");
     rt.block_on(waves.finish(&store))?;
-    let drained = drain(&rt, &store, DRAIN_MAX)?;
+    let drained = drain(&rt, &store, DRAIN_MAX);
     faults.note(format!("drained in {:.0} s", drained.as_secs_f64()));
     let tally = rt.block_on(check(&store, &waves.ids, run_dir))?;
     for slot in &mut slots {
@@ -770,7 +770,7 @@ fn run_sqlite(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     }
     faults.note("faults stop; draining");
     rt.block_on(waves.finish(&store))?;
-    let drained = drain(&rt, &store, DRAIN_MAX)?;
+    let drained = drain(&rt, &store, DRAIN_MAX);
     faults.note(format!("drained in {:.0} s", drained.as_secs_f64()));
     let tally = rt.block_on(check(&store, &waves.ids, run_dir))?;
     slot.process.kill();
