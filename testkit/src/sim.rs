@@ -43,6 +43,10 @@
 //! assert_eq!(sweep.seeds, 20);
 //! ```
 
+mod chart;
+
+pub use chart::{CHART_INIT, SimChart};
+
 use crate::MemoryStore;
 use keel_core::limits;
 use keel_core::ports::Store;
@@ -269,6 +273,13 @@ impl<S: Store> Simulation<S> {
         self
     }
 
+    /// Registers a chart (see [`SimChart`]); start its instances with
+    /// [`SimChart::new_instance`].
+    pub fn chart(self, chart: SimChart) -> Self {
+        let machine = chart.machine();
+        self.machine(machine, move |row, inbox| chart.step(row, inbox))
+    }
+
     /// Starts this instance at the beginning of every seed.
     pub fn start(mut self, instance: NewInstance) -> Self {
         self.starts.push(instance);
@@ -417,10 +428,14 @@ impl<S: Store> Simulation<S> {
         }
         for (i, event) in events.iter().enumerate() {
             if let Err(v) = world.apply(*event).and_then(|()| world.check()) {
+                world.say(|| format!("!! broke `{}`", v.kind));
                 return (Err((i + 1, v)), world.lines);
             }
         }
         let result = world.settle().map(|()| world.report).map_err(|v| (events.len(), v));
+        if let Err((_, v)) = &result {
+            world.say(|| format!("!! broke `{}`", v.kind));
+        }
         (result, world.lines)
     }
 }
@@ -651,6 +666,18 @@ impl<'a, S: Store> World<'a, S> {
             return Ok(());
         }
         let mut lines = Vec::new();
+        let result = self.commit_batches(&name, &ran, &mut lines);
+        self.say(|| format!("{name} commits: {}", lines.join(", ")));
+        result
+    }
+
+    fn commit_batches(
+        &mut self,
+        name: &str,
+        ran: &[(StepCommit, Revision)],
+        lines: &mut Vec<String>,
+    ) -> Result<(), Violation> {
+        let w = self.workers.iter().position(|w| w.id.0 == name).unwrap_or(0);
         for batch in ran.chunks(limits::COMMIT_BATCH_MAX) {
             let params = CommitParams {
                 commits: batch.iter().map(|(c, _)| c.clone()).collect(),
@@ -717,7 +744,6 @@ impl<'a, S: Store> World<'a, S> {
                 }
             }
         }
-        self.say(|| format!("{name} commits: {}", lines.join(", ")));
         Ok(())
     }
 

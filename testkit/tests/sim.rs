@@ -226,6 +226,7 @@ fn a_planted_fencing_bug_is_found_with_a_seed_that_replays() {
     assert!(["stale-commit", "double-commit"].contains(&failure.kind.as_str()), "{failure}");
     // The printed report names the seed and how to replay it, with a short trace.
     let text = failure.to_string();
+    println!("{text}");
     assert!(text.contains(&format!("SIM_SEED={}", failure.seed)), "{text}");
     assert!(failure.trace.len() <= failure.events_before_shrinking, "{text}");
     assert!(failure.trace.len() < 30, "the trace should shrink to a handful of events:\n{text}");
@@ -261,4 +262,77 @@ fn an_instance_that_waits_for_a_signal_nobody_sends_is_reported_hung() {
     let failure = sim.run(1).expect_err("nothing confirms the payment");
     assert_eq!(failure.kind, "hung");
     assert!(failure.detail.contains("awaiting_signal at `confirm`"), "{failure}");
+}
+
+mod charts {
+    use super::*;
+    use keel_core::chart::{Definition, Timer};
+    use keel_testkit::sim::SimChart;
+
+    /// cart → (CHECKOUT) awaiting_payment, whose entry reserves stock → (PAY) paid, or
+    /// cancelled when its two-minute timer fires first.
+    fn order() -> SimChart {
+        let def = Definition::builder("sim_order", 1)
+            .initial("cart")
+            .state("cart", |s| s.on_to("CHECKOUT", "awaiting_payment"))
+            .state("awaiting_payment", |s| {
+                s.entry("reserve")
+                    .on_to("PAY", "paid")
+                    .on("EXPIRED", |t| t.target("cancelled").after(Timer::minutes(2)))
+            })
+            .final_state("paid")
+            .final_state("cancelled")
+            .build()
+            .unwrap();
+        SimChart::new(def).action("reserve", |ctx, _event| {
+            let n = ctx.get("reserved").and_then(|v| v.as_i64()).unwrap_or(0);
+            ctx.set("reserved", n + 1);
+            Ok(())
+        })
+    }
+
+    fn orders() -> Simulation {
+        let chart = order();
+        let start = chart.new_instance(json!({}));
+        Simulation::new()
+            .chart(chart)
+            .start(start.clone())
+            .start(start.clone())
+            .start(start)
+            .signals(|row| {
+                ["CHECKOUT", "PAY"]
+                    .map(|name| NewSignal::new(SignalTarget::Id(row.id), name).dedup_key(name))
+                    .to_vec()
+            })
+            .invariant("reserved once", |row| {
+                let ctx = row.result.as_ref().unwrap_or(&row.context);
+                match ctx["reserved"].as_i64().unwrap_or(0) {
+                    0 | 1 => Ok(()),
+                    n => Err(format!("reserved {n} times")),
+                }
+            })
+    }
+
+    #[test]
+    fn a_chart_keeps_every_rule_under_faults() {
+        let sweep = orders().check_seeds(0..200);
+        assert_eq!(sweep.total.instances, 3 * 200);
+        assert!(sweep.total.crashes > 0 && sweep.total.commits_refused > 0, "{:?}", sweep.total);
+    }
+
+    #[test]
+    fn chart_timers_fire_in_simulated_time() {
+        // Some seeds leave an order unpaid for two simulated minutes: its timer cancels it.
+        let sim = orders().invariant("never expires", |row| {
+            if row.position.contains("cancelled") { Err("expired".into()) } else { Ok(()) }
+        });
+        let failure = (0..200)
+            .find_map(|seed| sim.run(seed).err())
+            .expect("an unpaid order expires on some seed");
+        assert_eq!(failure.kind, "invariant:never expires", "{failure}");
+        assert!(
+            failure.trace.iter().any(|line| line.contains("sweeps timers: 1 fired")),
+            "{failure}"
+        );
+    }
 }
