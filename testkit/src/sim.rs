@@ -440,12 +440,15 @@ impl<S: Store> Simulation<S> {
     }
 }
 
+/// How often a store future is polled before the simulator gives up on it.
+const POLLS_MAX: usize = 64;
+
 /// Polls a store future to completion without a runtime. The simulator's stores answer at
 /// once (they never wait on IO), which is what makes a run deterministic.
 fn now_or_never<F: Future>(future: F) -> F::Output {
     let mut future = pin!(future);
     let mut cx = Context::from_waker(Waker::noop());
-    for _ in 0..limits::CLAIM_BATCH_MAX {
+    for _ in 0..POLLS_MAX {
         if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
             return out;
         }

@@ -787,3 +787,44 @@ fn run_sqlite(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     let _ = std::fs::remove_dir_all(&tmp);
     Ok((tally, report))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_testkit::MemoryStore;
+
+    fn args(text: &str) -> Vec<String> {
+        text.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn bad_options_name_the_flag_and_the_fix() {
+        let error = |text: &str| parse(&args(text)).err().expect("refused").to_string();
+        assert!(error("--store mysql").contains("--store postgres or --store sqlite"));
+        assert!(error("--minutes 0").contains("--minutes"));
+        assert!(error("--seed x").contains("--seed 42"));
+        assert!(error("--instances 0").contains("--instances"));
+        assert!(error("--seed").contains("--seed needs a value"));
+        let ok = parse(&args("--store sqlite --seed 9")).expect("valid");
+        assert_eq!((ok.store, ok.seed, ok.instances), (StoreKind::Sqlite, 9, 1_000));
+    }
+
+    #[test]
+    fn the_checker_fails_a_run_that_left_work_unfinished() {
+        let store = MemoryStore::new();
+        let dir = std::env::temp_dir().join(format!("keel-chaos-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("exec-w-0.log"), "1 s0 0\n1 s0 1\n2 s0 0\n").expect("log");
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let tally = rt
+            .block_on(async {
+                let ids = insert(&store, 0, 3).await?;
+                check(&store, &ids, &dir).await
+            })
+            .expect("check");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(tally.not_terminal, 3);
+        assert!(tally.failed(), "work that never ran is lost or hung");
+        assert_eq!((tally.executions, tally.max_executions_of_one_step), (3, 2));
+    }
+}
