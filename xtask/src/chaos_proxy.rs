@@ -1,11 +1,12 @@
 //! The commit-unknown proxy: a TCP proxy between the workers and PostgreSQL that reads the
 //! wire protocol's message frames and, on a share of the transactions, cuts the client's
-//! connection right after forwarding its `COMMIT`. The client never learns whether the
-//! commit happened; the proxy keeps reading the server's answer and counts how many of the
-//! cut commits did commit.
+//! connection as it sends `COMMIT`: by coin, right after forwarding the `COMMIT` (the
+//! proxy keeps reading the server's answer to learn whether it committed) or instead of
+//! forwarding it (the server rolls back when the connection ends). Either way the client
+//! never learns whether its commit happened.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -15,6 +16,10 @@ const SSL_REQUEST: u32 = 80_877_103;
 const GSS_REQUEST: u32 = 80_877_104;
 /// The largest frame the proxy accepts (PostgreSQL's own limit for a message is 1 GB).
 const FRAME_MAX: usize = 1 << 30;
+/// The connection's state: not cut, cut after forwarding `COMMIT`, cut instead of it.
+const OPEN: u8 = 0;
+const CUT_AFTER_COMMIT: u8 = 1;
+const CUT_BEFORE_COMMIT: u8 = 2;
 /// How long the proxy waits for the server's answer to a cut commit.
 const OUTCOME_WAIT: Duration = Duration::from_secs(10);
 
@@ -77,7 +82,7 @@ async fn connection(
 ) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let cut = Arc::new(AtomicBool::new(false));
+    let cut = Arc::new(AtomicU8::new(OPEN));
     let cut_up = cut.clone();
     let stats_up = stats.clone();
     let (refuse_tx, mut refuse_rx) = tokio::sync::mpsc::channel::<()>(4);
@@ -101,8 +106,14 @@ async fn connection(
                 stats_up.commits.fetch_add(1, Ordering::Relaxed);
                 if rng.u32(..one_in.max(1)) == 0 {
                     stats_up.cuts.fetch_add(1, Ordering::Relaxed);
-                    cut_up.store(true, Ordering::SeqCst);
-                    server_write.write_all(&frame).await?;
+                    if rng.bool() {
+                        cut_up.store(CUT_AFTER_COMMIT, Ordering::SeqCst);
+                        server_write.write_all(&frame).await?;
+                    } else {
+                        // The server never sees the COMMIT: it rolls back at the EOF.
+                        cut_up.store(CUT_BEFORE_COMMIT, Ordering::SeqCst);
+                        stats_up.cut_rolled_back.fetch_add(1, Ordering::Relaxed);
+                    }
                     // Stop reading the client; the other half closes its socket.
                     return Ok::<(), std::io::Error>(());
                 }
@@ -116,7 +127,11 @@ async fn connection(
                 Some(()) = refuse_rx.recv() => client_write.write_all(b"N").await?,
                 frame = read_frame(&mut server_read, true) => {
                     let frame = frame?;
-                    if cut.load(Ordering::SeqCst) {
+                    let state = cut.load(Ordering::SeqCst);
+                    if state == CUT_BEFORE_COMMIT {
+                        return Ok(());
+                    }
+                    if state == CUT_AFTER_COMMIT {
                         drop(client_write);
                         let outcome = tokio::time::timeout(OUTCOME_WAIT, async {
                             let mut frame = frame;
