@@ -645,6 +645,7 @@ fn run_postgres(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     let mut restarts_at = vec![total * 15 / 100, total * 30 / 100, total * 45 / 100];
     let mut outage_at = Some(total * 55 / 100);
     let mut clock_at = Some(total * 25 / 100);
+    let mut clock_step_ms = 0;
     let chaos_started = Instant::now();
     let mut next_kill = Duration::from_millis(rng.u64(3_000..=8_000));
     let mut restarts = 0;
@@ -675,6 +676,7 @@ fn run_postgres(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
         if clock_at.is_some_and(|at| t >= at) {
             clock_at = None;
             let step = if rng.bool() { CLOCK_STEP_MS } else { -CLOCK_STEP_MS };
+            clock_step_ms = step;
             let slot = &mut slots[PG_WORKERS - 1];
             slot.clock_offset_ms = step;
             slot.kill_and_restart(&launch, true)?;
@@ -708,7 +710,7 @@ fn run_postgres(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
         "same_id_restarts": faults.same_id_restarts,
         "postgres_restarts": restarts,
         "outage_seconds": outage.as_secs(),
-        "clock_step_ms": CLOCK_STEP_MS,
+        "clock_step_ms": clock_step_ms,
         "drain_seconds": drained.as_secs(),
         "proxy": {
             "connections": stats.connections.load(Ordering::Relaxed),
