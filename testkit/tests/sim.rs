@@ -104,12 +104,20 @@ fn a_seed_replays_exactly() {
     assert_ne!(sim.run(3), sim.run(4), "different seeds should schedule differently");
 }
 
-/// A deliberately wrong commit rule: it forgets fencing and lets a superseded claim's
-/// commit through while the instance is executing under a newer claim.
-struct ForgetsFencing(MemoryStore);
+/// A store with one deliberately wrong rule.
+struct Broken(MemoryStore, Bug);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Bug {
+    /// The commit rule forgets fencing and lets a superseded claim's commit through while
+    /// the instance is executing under a newer claim.
+    ForgetsFencing,
+    /// The reaper treats leases as expired a lease length early.
+    ReapsEarly,
+}
 
 #[async_trait]
-impl Store for ForgetsFencing {
+impl Store for Broken {
     fn capabilities(&self) -> StoreCapabilities {
         self.0.capabilities()
     }
@@ -123,6 +131,9 @@ impl Store for ForgetsFencing {
         &self,
         mut p: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+        if self.1 != Bug::ForgetsFencing {
+            return self.0.step_commit(p).await;
+        }
         let ids = p.commits.iter().map(|c| c.id).collect();
         let rows = self.0.instance_rows(ids).await?;
         for commit in &mut p.commits {
@@ -137,7 +148,10 @@ impl Store for ForgetsFencing {
     async fn lease_extend(&self, p: LeaseExtendParams) -> StoreResult<Vec<bool>> {
         self.0.lease_extend(p).await
     }
-    async fn lease_reap(&self, p: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+    async fn lease_reap(&self, mut p: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
+        if self.1 == Bug::ReapsEarly && p.owner.is_none() {
+            p.now = p.now.plus(std::time::Duration::from_secs(30));
+        }
         self.0.lease_reap(p).await
     }
     async fn lease_release(&self, p: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
@@ -218,7 +232,7 @@ impl Store for ForgetsFencing {
 
 #[test]
 fn a_planted_fencing_bug_is_found_with_a_seed_that_replays() {
-    let buggy = payments(6).with_store(|| ForgetsFencing(MemoryStore::new()));
+    let buggy = payments(6).with_store(|| Broken(MemoryStore::new(), Bug::ForgetsFencing));
     let failure = SEEDS
         .clone()
         .find_map(|seed| buggy.run(seed).err())
@@ -237,6 +251,18 @@ fn a_planted_fencing_bug_is_found_with_a_seed_that_replays() {
     for seed in SEEDS.start..=failure.seed {
         assert!(real.run(seed).is_ok(), "seed {seed} fails on the real store");
     }
+}
+
+#[test]
+fn a_reaper_that_reaps_live_leases_is_found() {
+    let buggy = payments(6).with_store(|| Broken(MemoryStore::new(), Bug::ReapsEarly));
+    let failure = SEEDS
+        .clone()
+        .find_map(|seed| buggy.run(seed).err())
+        .expect("the simulator must catch a reaper that takes live leases");
+    assert_eq!(failure.kind, "early-reap", "{failure}");
+    assert_eq!(buggy.run(failure.seed).err(), Some(failure.clone()));
+    assert!(payments(6).run(failure.seed).is_ok());
 }
 
 #[test]
