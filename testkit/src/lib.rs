@@ -15,6 +15,7 @@ pub mod clock;
 pub mod conformance;
 pub mod memory;
 pub mod prop;
+pub mod sim;
 
 pub use chart::TestMachine;
 pub use clock::VirtualClock;

@@ -3,11 +3,18 @@
 //! - `test`: the workspace tests with every backend this machine can reach; prints which
 //!   backend suites ran and which were skipped.
 //! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
-//!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`.
+//!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`; with `--chaos`
+//!   (or `KEEL_CI_CHAOS=1`) also a short chaos run on SQLite and PostgreSQL.
 //! - `tidy`: the project's checkable style and architecture rules (also a `#[test]`).
+//! - `chaos`: faults against real databases (worker kills, server crashes and an outage,
+//!   cut commits, a stepped clock) and a checker; see `chaos.rs`.
 //! - `json-schema`: rewrites `docs/chart-definition.schema.json` from the chart JSON types
 //!   (a `#[test]` fails while the committed file is stale).
 
+mod chaos;
+mod chaos_pg;
+mod chaos_proxy;
+mod chaos_worker;
 mod json_schema;
 mod services;
 mod tidy;
@@ -17,14 +24,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci|tidy|json-schema|bench [steps|chart|timers|parallel|start|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
+const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S]|bench [steps|chart|timers|parallel|start|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = project_root();
     match args.first().map(String::as_str) {
         Some("test") => test(&root, false),
-        Some("ci") => ci(&root),
+        Some("ci") => ci(&root, args[1..].iter().any(|a| a == "--chaos")),
+        Some("chaos") => chaos::main(&root, &args[1..]),
+        Some("chaos-worker") => chaos_worker::main(&args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("migrate") => migrate(&args[1..]),
         Some("tidy") => {
@@ -126,7 +135,10 @@ fn bench(root: &Path, args: &[String]) -> Result<()> {
     run("keel-bench", cmd)
 }
 
-fn ci(root: &Path) -> Result<()> {
+/// `cargo xtask ci [--chaos]`; with `--chaos` (or `KEEL_CI_CHAOS=1`) it ends with a short
+/// chaos run on both stores.
+fn ci(root: &Path, chaos: bool) -> Result<()> {
+    let chaos = chaos || std::env::var("KEEL_CI_CHAOS").is_ok_and(|v| v == "1");
     let started = Instant::now();
     let mut fmt = cargo(root);
     fmt.args(["fmt", "--all", "--", "--check"]);
@@ -152,6 +164,23 @@ fn ci(root: &Path) -> Result<()> {
             let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
         }
         result?;
+    }
+    // A fixed-seed sweep of the simulator on a user's machine, as a new user runs it (the
+    // simulator's own tests sweep more seeds inside `cargo test`).
+    let mut sim = cargo(root);
+    sim.args(["run", "--quiet", "-p", "keel-examples", "--example", "sim_transfer", "--", "300"]);
+    run("example sim_transfer (300 seeds)", sim)?;
+    if chaos {
+        // Short runs, fixed seeds: about four minutes together on two cores.
+        for args in [
+            ["--store", "sqlite", "--minutes", "0.5", "--instances", "500", "--seed", "1"],
+            ["--store", "postgres", "--minutes", "2", "--instances", "1000", "--seed", "1"],
+        ] {
+            let step = Instant::now();
+            eprintln!("==> chaos {}", args.join(" "));
+            chaos::main(root, &args.map(String::from))?;
+            eprintln!("<== chaos {}: ok in {:.1}s", args[1], step.elapsed().as_secs_f64());
+        }
     }
     eprintln!("ci: all green in {:.0}s", started.elapsed().as_secs_f64());
     Ok(())
