@@ -62,11 +62,13 @@ pub enum HistoryKind {
     ParallelFail,
     /// A parallel state dispatched its regions as tasks.
     ParallelDispatch,
+    /// An operator moved the instance to another version of its chart.
+    Migrated,
 }
 
 impl HistoryKind {
     /// Every kind, in declaration order.
-    pub const ALL: [HistoryKind; 26] = [
+    pub const ALL: [HistoryKind; 27] = [
         HistoryKind::StepNext,
         HistoryKind::StepRetry,
         HistoryKind::StepAwait,
@@ -93,6 +95,7 @@ impl HistoryKind {
         HistoryKind::ParallelDone,
         HistoryKind::ParallelFail,
         HistoryKind::ParallelDispatch,
+        HistoryKind::Migrated,
     ];
 
     /// The stored name. These strings are what existing databases hold, so they never
@@ -125,6 +128,7 @@ impl HistoryKind {
             HistoryKind::ParallelDone => "PARALLEL_DONE",
             HistoryKind::ParallelFail => "PARALLEL_FAIL",
             HistoryKind::ParallelDispatch => "PARALLEL_DISPATCH",
+            HistoryKind::Migrated => "MIGRATED",
         }
     }
 

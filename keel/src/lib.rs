@@ -142,7 +142,7 @@ pub use worker::{RegistrationError, WorkerBuilder};
 pub use async_trait::async_trait;
 pub use serde_json::{Value, json};
 
-pub use keel_core::chart::{ActionError, Definition, Event, Timer};
+pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
 pub use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
 pub use keel_core::{

@@ -8,9 +8,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -154,6 +154,10 @@ impl Store for AnyStore {
 
     async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
         self.0.timer_next_due(params).await
+    }
+
+    async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
+        self.0.instance_migrate(params).await
     }
 
     async fn timer_status(

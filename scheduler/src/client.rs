@@ -49,6 +49,11 @@ impl<S: Store, C: Clock> Client<S, C> {
         &self.store
     }
 
+    /// The client's clock reading.
+    pub(crate) fn now(&self) -> Timestamp {
+        self.clock.now()
+    }
+
     /// Starts one instance; the new id, or the occupant of its unique key.
     pub async fn start(&self, instance: NewInstance) -> StoreResult<InsertOutcome> {
         let mut out = self.start_many(vec![instance]).await?;

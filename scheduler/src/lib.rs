@@ -15,6 +15,7 @@ pub mod client;
 pub mod clock;
 pub mod health;
 pub mod machine;
+pub mod migrate;
 pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
@@ -24,4 +25,5 @@ pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
+pub use migrate::{Migrate, MigrationReport};
 pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};

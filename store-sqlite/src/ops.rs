@@ -24,8 +24,8 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams, TimerSweepParams,
-    TimerSweepReport,
+    MigratePage, MigrateParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
+    TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -515,6 +515,46 @@ pub(crate) async fn lease_reap(
 }
 
 /// Records a planned row change and writes the row; returns its id.
+/// One page of a chart version migration: read the page's rows and their timers, let
+/// `plan::migrate` decide, write the moves (row, history, the timers replaced).
+pub(crate) async fn migrate(db: &mut Db<'_>, p: &MigrateParams) -> StoreResult<MigratePage> {
+    p.validate()?;
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        instance_cols!(),
+        " FROM keel_instances \
+         WHERE machine = ? AND machine_version = ? \
+           AND status NOT IN ('done', 'failed', 'cancelled') \
+           AND (? IS NULL OR namespace = ?) AND id > ? \
+         ORDER BY id LIMIT ?"
+    ))
+    .bind(p.migration.machine())
+    .bind(i64::from(p.migration.from_version()))
+    .bind(&p.namespace)
+    .bind(&p.namespace)
+    .bind(p.after.map_or(i64::MIN, |a| a.0))
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading instances to migrate"))?;
+    let mut read = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let row = db.instance_of(r)?;
+        let timers = db.timers(row.id, WHOLE_INBOX).await?;
+        read.push((row, timers));
+    }
+    let last = read.last().map(|(r, _)| r.id);
+    let plan = plan::migrate::page(p, read);
+    for (w, timers) in plan.rows.iter().zip(&plan.timers) {
+        write_planned(db, w, p.now).await?;
+        db.timers_drop(w.row.id).await?;
+        for t in timers {
+            db.timer_insert(t).await?;
+        }
+    }
+    Ok(MigratePage { items: plan.items, last })
+}
+
 async fn write_planned(db: &mut Db<'_>, w: &RowWrite, now: Timestamp) -> StoreResult<InstanceId> {
     for entry in &w.history {
         db.record(&w.row, w.attempt, entry, now).await?;

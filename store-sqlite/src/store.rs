@@ -15,9 +15,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -350,6 +350,13 @@ impl Store for SqliteStore {
             self.wake();
         }
         Ok(out)
+    }
+
+    async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
+        let page = write_tx!(self, |db| ops::migrate(db, &params))?;
+        self.hint_timers(Some(params.now));
+        self.wake();
+        Ok(page)
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

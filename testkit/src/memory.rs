@@ -37,9 +37,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
+    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
+    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -383,6 +383,43 @@ impl State {
         let plan = plan::lease::release(p, self.lease_rows(&p.leases));
         plan.rows.into_iter().for_each(|row| self.write(row));
         plan.held
+    }
+
+    // ----- version migration ------------------------------------------------------------
+
+    fn migrate(&mut self, p: &MigrateParams) -> MigratePage {
+        let (name, version) = (p.migration.machine(), p.migration.from_version() as i32);
+        let start = p.after.map_or(InstanceId(i64::MIN), |a| InstanceId(a.0.saturating_add(1)));
+        let read: Vec<(Instance, Vec<TimerRow>)> = self
+            .rows
+            .range(start..)
+            .map(|(_, r)| r)
+            .filter(|r| {
+                r.machine.name == name
+                    && r.machine.version == version
+                    && !r.status.is_terminal()
+                    && p.namespace.as_ref().is_none_or(|ns| *ns == r.namespace)
+            })
+            .take(p.limit)
+            .map(|r| {
+                let timers = self.timers_of.get(&r.id).into_iter().flatten();
+                (r.clone(), timers.map(|t| self.timers[t].clone()).collect())
+            })
+            .collect();
+        let last = read.last().map(|(r, _)| r.id);
+        let plan = plan::migrate::page(p, read);
+        for (w, timers) in plan.rows.into_iter().zip(plan.timers) {
+            let id = w.row.id;
+            let row = w.row.clone();
+            self.write_planned(w, p.now);
+            self.timers_drop(id);
+            self.timers_change(
+                &row,
+                &TimerPlan::Change { cancel: Vec::new(), arm: Vec::new() },
+                timers,
+            );
+        }
+        MigratePage { items: plan.items, last }
     }
 
     // ----- cancel -----------------------------------------------------------------------

@@ -137,6 +137,9 @@ fn bench(root: &Path, args: &[String]) -> Result<()> {
 
 /// `cargo xtask ci [--chaos]`; with `--chaos` (or `KEEL_CI_CHAOS=1`) it ends with a short
 /// chaos run on both stores.
+/// Cases per loader property in CI: about a minute on two cores (50 000 took 19 s).
+const LOADER_FUZZ_CI_CASES: &str = "150000";
+
 fn ci(root: &Path, chaos: bool) -> Result<()> {
     let chaos = chaos || std::env::var("KEEL_CI_CHAOS").is_ok_and(|v| v == "1");
     let started = Instant::now();
@@ -170,6 +173,13 @@ fn ci(root: &Path, chaos: bool) -> Result<()> {
     let mut sim = cargo(root);
     sim.args(["run", "--quiet", "-p", "keel-examples", "--example", "sim_transfer", "--", "300"]);
     run("example sim_transfer (300 seeds)", sim)?;
+    // The chart loaders under a minute of fuzzing (the test suite's own run is a few
+    // seconds): arbitrary and mutated JSON and SCXML must never panic, and every refusal
+    // must name a place.
+    let mut fuzz = cargo(root);
+    fuzz.args(["test", "--quiet", "-p", "keel-testkit", "--test", "loaders_fuzz"])
+        .env("LOADER_FUZZ_CASES", LOADER_FUZZ_CI_CASES);
+    run("loader fuzzing (about a minute)", fuzz)?;
     if chaos {
         // Short runs, fixed seeds: about four minutes together on two cores.
         for args in [

@@ -59,6 +59,7 @@ mod definition;
 mod diagram;
 mod json;
 mod mermaid;
+pub mod migrate;
 pub mod parallel;
 #[cfg(feature = "scxml")]
 mod scxml;
@@ -77,6 +78,7 @@ pub use definition::{
     HistoryDepth, StateBuilder, StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
+pub use migrate::Migration;
 pub use parallel::RegionDispatch;
 #[cfg(feature = "scxml")]
 pub use scxml::{KEEL_SCXML_NAMESPACE, ScxmlError};

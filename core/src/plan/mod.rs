@@ -19,6 +19,7 @@ pub mod dead_letter;
 pub mod deliver;
 pub mod insert;
 pub mod lease;
+pub mod migrate;
 pub mod parent;
 pub mod timer;
 

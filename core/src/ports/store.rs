@@ -203,6 +203,68 @@ impl LeaseReleaseParams {
     }
 }
 
+/// One page of a chart version migration: the waiting instances of the migration's old
+/// version with ids above `after`, in id order, at most `limit` of them, each locked,
+/// planned with its timers (`plan::migrate`) and — unless `dry_run` — moved.
+#[derive(Debug, Clone)]
+pub struct MigrateParams {
+    /// How states, context and timers map.
+    pub migration: crate::chart::Migration,
+    /// Only this namespace (`None` = every namespace).
+    pub namespace: Option<String>,
+    /// Continue after this id (`None` = from the start).
+    pub after: Option<InstanceId>,
+    /// Most instances this page reads.
+    pub limit: usize,
+    /// Report what would happen, write nothing.
+    pub dry_run: bool,
+    /// Migration time.
+    pub now: Timestamp,
+}
+
+impl MigrateParams {
+    /// Checks the page size.
+    pub fn validate(&self) -> StoreResult<()> {
+        if self.limit == 0 {
+            return Err(StoreError::invalid("limit: must be at least 1"));
+        }
+        check_batch("limit", self.limit, limits::MIGRATE_BATCH_MAX)
+    }
+}
+
+/// What one migration page did (or, in a dry run, would do) to each instance it read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MigratePage {
+    /// One entry per instance read, in id order.
+    pub items: Vec<MigrateItem>,
+    /// The last id read: pass it as `after` for the next page (`None`: nothing was left).
+    pub last: Option<InstanceId>,
+}
+
+/// One instance of a migration page.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MigrateItem {
+    /// The instance.
+    pub id: InstanceId,
+    /// Its configuration before (its stored position).
+    pub old: String,
+    /// The move, or why it cannot move now.
+    pub outcome: Result<MigrateMoved, crate::chart::migrate::Refusal>,
+}
+
+/// A move a migration made (or would make).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrateMoved {
+    /// The configuration after, as a stored position.
+    pub new: String,
+    /// Timers that keep their due time.
+    pub kept: usize,
+    /// Timers dropped.
+    pub dropped: usize,
+    /// Timers armed from now.
+    pub armed: usize,
+}
+
 /// Deliver a batch of signals.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SignalDeliverParams {
@@ -667,6 +729,15 @@ pub trait Store: Send + Sync + 'static {
         // `now` only splits overdue timers from the others in the status; any value will do.
         let status = self.timer_status(params.namespace.clone(), Timestamp(0)).await?;
         Ok(params.earliest_in(&status))
+    }
+
+    /// One page of a chart version migration ([`MigrateParams`]). A store without its own
+    /// implementation refuses (a wrapper store forwards it).
+    async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "instance_migrate: this store cannot migrate instances; use MemoryStore, SQLite or PostgreSQL",
+        ))
     }
 
     /// Timer health per (namespace, machine); `None` = every namespace.

@@ -6,6 +6,7 @@ mod claim;
 mod commit;
 mod insert;
 mod lease;
+mod migrate;
 mod signal;
 mod timer;
 
@@ -21,9 +22,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
+    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -205,6 +206,11 @@ impl Store for PgStore {
     async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
         params.validate()?;
         in_tx!(self, |c| lease::reap(c, &params, &self.channel))
+    }
+
+    async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
+        params.validate()?;
+        in_tx!(self, |c| migrate::run(c, &params, &self.channel))
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

@@ -185,7 +185,7 @@ pub(crate) async fn next_due<C: GenericClient + Sync>(
 const TIMER_COLS: &str = "t.id, t.instance_id, t.namespace, t.machine, t.machine_version, \
     t.spec, t.next_fire_at, t.fire_count, t.armed_at";
 
-fn timer(r: &Row) -> Result<TimerRow, StoreError> {
+pub(crate) fn timer(r: &Row) -> Result<TimerRow, StoreError> {
     let spec: serde_json::Value = col(r, 5)?;
     Ok(TimerRow {
         id: TimerId(col(r, 0)?),
@@ -198,6 +198,14 @@ fn timer(r: &Row) -> Result<TimerRow, StoreError> {
         fire_count: col::<i32>(r, 7)? as u32,
         armed_at: from_ts(col(r, 8)?),
     })
+}
+
+/// Every timer of a set of instances (`$1`), by instance, soonest first.
+pub(crate) fn of_instances_sql() -> String {
+    format!(
+        "SELECT {TIMER_COLS} FROM timers t WHERE t.instance_id = ANY($1::int8[]) \
+         ORDER BY t.instance_id, t.next_fire_at, t.id"
+    )
 }
 
 /// The inspect listing: an instance's timers, soonest first.

@@ -33,6 +33,7 @@ mod dead_letters;
 mod inbox;
 mod inputs;
 mod leases;
+mod migration;
 mod operations;
 mod outcomes;
 mod signals;
@@ -46,6 +47,7 @@ pub use dead_letters::*;
 pub use inbox::*;
 pub use inputs::*;
 pub use leases::*;
+pub use migration::*;
 pub use operations::*;
 pub use outcomes::*;
 pub use signals::*;
@@ -143,6 +145,7 @@ macro_rules! __store_contract_list {
             timer_hint_follows_a_commit_that_arms,
             timers_dropped_with_terminal_instances,
             timer_status_and_queue_stats,
+            migration_dry_run_reports_and_apply_moves_mapped_instances,
         }
     };
 }

@@ -6,10 +6,10 @@ use super::{
     CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MemoryStore, PoisonError, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
-    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp, async_trait,
-    commit, limits,
+    MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
+    StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    Timestamp, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -49,6 +49,13 @@ impl Store for MemoryStore {
     async fn lease_reap(&self, params: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
         let result = self.state().lease_reap(&params);
         self.wake(result)
+    }
+
+    async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
+        params.validate()?;
+        let page = self.state().migrate(&params);
+        self.hint_timers(Some(params.now));
+        self.wake(Ok(page))
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

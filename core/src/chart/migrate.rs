@@ -1,0 +1,443 @@
+//! Moving waiting instances from one version of a chart to another.
+//!
+//! Instances are pinned to the version they started on; nothing moves them implicitly. A
+//! [`Migration`] says how the states of version `from` map to those of version `to`: an
+//! explicit map of old state paths to new ones, where a mapped state carries its
+//! descendants along (`"a" → "x"` moves `a.b` to `x.b`), and every state that is not
+//! mapped keeps its path if version `to` has it. It may also transform the context.
+//!
+//! [`Migration::plan`] decides the move of one instance, from its row and its armed timers:
+//! the new configuration (which must be legal in `to`), the context, the recorded history
+//! states (remapped, or dropped where `to` has no counterpart), and the timers — one whose
+//! owning state and event still exist in the new configuration keeps its due time, one
+//! whose state or event is gone is dropped, and a timer of the new configuration with no
+//! old counterpart is armed from now. Anything it cannot map is a refusal that names the
+//! old state, so a dry run can show it and an apply leaves the instance untouched.
+
+use crate::chart::algorithm::HISTORY_CONTEXT_KEY;
+use crate::chart::{Configuration, Definition, Event, TimerArm, TimerKind};
+use crate::history::HistoryKind;
+use crate::instance::{HistoryEntry, Instance};
+use crate::timers::TimerRow;
+use crate::{Status, TimerId, Timestamp};
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+/// A context transform: the old context in, the new one out, or why it cannot be moved.
+pub type ContextTransform = Arc<dyn Fn(&Value) -> Result<Value, String> + Send + Sync>;
+
+/// How instances of one chart move from version `from` to version `to`.
+#[derive(Clone)]
+pub struct Migration {
+    from: Arc<Definition>,
+    to: Arc<Definition>,
+    states: BTreeMap<String, String>,
+    context: Option<ContextTransform>,
+}
+
+impl fmt::Debug for Migration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Migration")
+            .field("machine", &self.from.name())
+            .field("from", &self.from.version())
+            .field("to", &self.to.version())
+            .field("states", &self.states)
+            .field("context", &self.context.is_some())
+            .finish()
+    }
+}
+
+/// Why one instance cannot be moved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// An active state has no counterpart in the new version: map it.
+    Unmapped {
+        /// The old state path.
+        state: String,
+    },
+    /// The mapped states do not form a legal configuration of the new version.
+    Illegal {
+        /// The mapped configuration.
+        configuration: Vec<String>,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The context transform refused the instance's context.
+    Context(String),
+    /// The instance is running a step now; a later pass moves it.
+    Busy,
+    /// The instance is not of the version being migrated (it moved or finished meanwhile).
+    Stale,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::Unmapped { state } => write!(
+                f,
+                "state `{state}` has no counterpart in the new version; map it with `Migration::map(\"{state}\", …)`"
+            ),
+            Refusal::Illegal { configuration, reason } => write!(
+                f,
+                "the mapped states {configuration:?} are not a legal configuration of the new version: {reason}"
+            ),
+            Refusal::Context(why) => write!(f, "the context transform refused: {why}"),
+            Refusal::Busy => f.write_str("a step is running; a later pass moves the instance"),
+            Refusal::Stale => {
+                f.write_str("the instance is no longer a waiting instance of the old version")
+            }
+        }
+    }
+}
+
+/// The move of one instance, as [`Migration::plan`] decided it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Move {
+    /// The row after the move (new version, position, context and revision).
+    pub row: Instance,
+    /// The history entry the move records.
+    pub history: HistoryEntry,
+    /// The old configuration.
+    pub old: Configuration,
+    /// The new configuration.
+    pub new: Configuration,
+    /// The instance's timers after the move, replacing all it had: the kept ones (same id,
+    /// due time and fire count, under their possibly renamed state) and the newly armed
+    /// ones (id 0: the store assigns it).
+    pub timers: Vec<TimerRow>,
+    /// How many timers kept their due time.
+    pub kept: usize,
+    /// How many timers were dropped (their state or event is gone).
+    pub dropped: usize,
+    /// How many timers were armed from now (the new configuration has them, the old did
+    /// not).
+    pub armed: usize,
+}
+
+impl Migration {
+    /// A migration from `from` to `to`, two versions of one chart, mapping every state to
+    /// the state of the same path until [`map`](Self::map) says otherwise.
+    ///
+    /// # Errors
+    ///
+    /// When the definitions are of different charts or the same version.
+    pub fn new(from: Definition, to: Definition) -> Result<Self, String> {
+        if from.name() != to.name() {
+            return Err(format!(
+                "to: chart `{}` is not a version of chart `{}`; migrate between versions of one chart",
+                to.name(),
+                from.name()
+            ));
+        }
+        if from.version() == to.version() {
+            return Err(format!(
+                "to: both definitions are version {}; give the new definition a new version",
+                to.version()
+            ));
+        }
+        Ok(Migration {
+            from: Arc::new(from),
+            to: Arc::new(to),
+            states: BTreeMap::new(),
+            context: None,
+        })
+    }
+
+    /// Maps the old state `old` (and its descendants) to the new state `new`.
+    ///
+    /// # Errors
+    ///
+    /// When `old` is not a state of the old version or `new` not one of the new version.
+    pub fn map(mut self, old: &str, new: &str) -> Result<Self, String> {
+        if self.from.state(old).is_none_or(|_| old.is_empty()) {
+            return Err(format!(
+                "map: `{old}` is not a state of {} v{}",
+                self.from.name(),
+                self.from.version()
+            ));
+        }
+        if self.to.state(new).is_none_or(|_| new.is_empty()) {
+            return Err(format!(
+                "map: `{new}` is not a state of {} v{}",
+                self.to.name(),
+                self.to.version()
+            ));
+        }
+        self.states.insert(old.to_owned(), new.to_owned());
+        Ok(self)
+    }
+
+    /// Transforms each instance's context on the way (the `@history` record is remapped
+    /// by the migration itself, after the transform).
+    #[must_use]
+    pub fn context(mut self, transform: ContextTransform) -> Self {
+        self.context = Some(transform);
+        self
+    }
+
+    /// The chart's name.
+    pub fn machine(&self) -> &str {
+        self.from.name()
+    }
+
+    /// The version instances move from.
+    pub fn from_version(&self) -> u32 {
+        self.from.version()
+    }
+
+    /// The version instances move to.
+    pub fn to_version(&self) -> u32 {
+        self.to.version()
+    }
+
+    /// The new path of the old state `path`: its longest mapped ancestor-or-self carries
+    /// it, else it keeps its path; `None` when the new version has no such state.
+    fn map_path(&self, path: &str) -> Option<String> {
+        let mut prefix = path;
+        let mapped = loop {
+            if let Some(new) = self.states.get(prefix) {
+                break format!("{new}{}", &path[prefix.len()..]);
+            }
+            match prefix.rfind('.') {
+                Some(dot) => prefix = &prefix[..dot],
+                None => break path.to_owned(),
+            }
+        };
+        self.to.state(&mapped).is_some().then_some(mapped)
+    }
+
+    /// The timers the states of `config` arm in the new version, as a state entry would.
+    fn timers_of(&self, config: &Configuration) -> Vec<TimerArm> {
+        let mut arm = Vec::new();
+        for path in config.paths() {
+            let Some(node) = self.to.state(path) else { continue };
+            for t in &node.on {
+                if let Some(spec) = &t.timer {
+                    arm.push(TimerArm {
+                        state: node.path.clone(),
+                        event: t.event.clone(),
+                        kind: spec.kind,
+                        interval: spec.timer.duration().unwrap_or_default(),
+                        max: spec.max,
+                        then: spec.then.clone(),
+                    });
+                }
+            }
+            if let Some(timeout) = node.delegation.as_ref().and_then(|d| d.timeout) {
+                arm.push(TimerArm {
+                    state: node.path.clone(),
+                    event: Event::timeout_invoke(&node.path).name,
+                    kind: TimerKind::After,
+                    interval: timeout.duration().unwrap_or_default(),
+                    max: None,
+                    then: None,
+                });
+            }
+        }
+        arm
+    }
+
+    /// The recorded history states, remapped; an entry whose pseudo-state or recorded
+    /// states the new version lacks is dropped (its history state then takes its default).
+    fn remap_history(&self, recorded: &Value) -> Option<Value> {
+        let Value::Object(entries) = recorded else { return None };
+        let mut out = Map::new();
+        for (key, states) in entries {
+            let (parent, name) = key.rsplit_once('.').unwrap_or(("", key.as_str()));
+            let new_parent =
+                if parent.is_empty() { Some(String::new()) } else { self.map_path(parent) };
+            let Some(new_parent) = new_parent else { continue };
+            let has_pseudo =
+                self.to.state(&new_parent).is_some_and(|n| n.history.iter().any(|h| h.key == name));
+            let mapped: Option<Vec<Value>> = states.as_array().and_then(|list| {
+                list.iter()
+                    .map(|s| s.as_str().and_then(|s| self.map_path(s)).map(Value::String))
+                    .collect()
+            });
+            if let (true, Some(mapped)) = (has_pseudo, mapped) {
+                let new_key = if new_parent.is_empty() {
+                    name.to_owned()
+                } else {
+                    format!("{new_parent}.{name}")
+                };
+                out.insert(new_key, Value::Array(mapped));
+            }
+        }
+        (!out.is_empty()).then_some(Value::Object(out))
+    }
+
+    /// Decides the move of `row` (a waiting instance of the old version) with its armed
+    /// `timers`, at `now`.
+    ///
+    /// # Errors
+    ///
+    /// A [`Refusal`] naming what stops the move; nothing is written for it.
+    pub fn plan(
+        &self,
+        row: &Instance,
+        timers: &[TimerRow],
+        now: Timestamp,
+    ) -> Result<Move, Refusal> {
+        if row.machine.name != self.from.name()
+            || row.machine.version != self.from.version() as i32
+            || row.status.is_terminal()
+        {
+            return Err(Refusal::Stale);
+        }
+        if row.status == Status::Executing {
+            return Err(Refusal::Busy);
+        }
+        let old: Configuration = serde_json::from_str(&row.position)
+            .map_err(|_| Refusal::Unmapped { state: row.position.clone() })?;
+        let mut paths = Vec::new();
+        for path in old.paths() {
+            match self.map_path(path) {
+                Some(new) => paths.push(new),
+                None => return Err(Refusal::Unmapped { state: path.to_owned() }),
+            }
+        }
+        let new = Configuration::from_paths(paths);
+        new.check(&self.to).map_err(|reason| Refusal::Illegal {
+            configuration: new.paths().map(str::to_owned).collect(),
+            reason,
+        })?;
+
+        let mut context = match &self.context {
+            Some(transform) => transform(&row.context).map_err(Refusal::Context)?,
+            None => row.context.clone(),
+        };
+        if let Value::Object(fields) = &mut context
+            && let Some(recorded) = fields.remove(HISTORY_CONTEXT_KEY)
+            && let Some(remapped) = self.remap_history(&recorded)
+        {
+            fields.insert(HISTORY_CONTEXT_KEY.to_owned(), remapped);
+        }
+
+        let machine = crate::MachineRef::new(self.to.name(), self.to.version() as i32);
+        let wanted = self.timers_of(&new);
+        let mut kept = Vec::new();
+        let mut dropped = 0;
+        let mut taken = vec![false; wanted.len()];
+        for t in timers {
+            let target = self.map_path(&t.spec.state);
+            let found = wanted.iter().enumerate().find(|(i, w)| {
+                !taken[*i] && Some(&w.state) == target.as_ref() && w.event == t.spec.event
+            });
+            match found {
+                Some((i, w)) => {
+                    taken[i] = true;
+                    kept.push(TimerRow { spec: w.clone(), machine: machine.clone(), ..t.clone() });
+                }
+                None => dropped += 1,
+            }
+        }
+        let (kept_n, mut all) = (kept.len(), kept);
+        let mut armed = 0;
+        for (spec, taken) in wanted.into_iter().zip(taken) {
+            if !taken {
+                armed += 1;
+                all.push(TimerRow::armed(TimerId(0), row.id, &row.namespace, &machine, spec, now));
+            }
+        }
+
+        let mut moved = row.clone();
+        moved.machine = machine;
+        moved.position = new.position();
+        moved.context = context;
+        moved.revision = crate::Revision(row.revision.0 + 1);
+        moved.updated_at = now;
+        let history = HistoryEntry::new(
+            HistoryKind::Migrated.as_str(),
+            json!({
+                "from": self.from.version(),
+                "to": self.to.version(),
+                "old": old.paths().collect::<Vec<_>>(),
+                "new": new.paths().collect::<Vec<_>>(),
+                "timers": { "kept": kept_n, "dropped": dropped, "armed": armed },
+            }),
+        );
+        Ok(Move { row: moved, history, old, new, timers: all, kept: kept_n, dropped, armed })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chart::HistoryDepth;
+    use crate::instance::NewInstance;
+    use crate::{InstanceId, MachineRef};
+
+    /// `p` (with a shallow history `h` over `a` / `b`) and `out`; version 2 renames `p` to
+    /// `q` and `b` to `c`, and `extra` replaces `out`.
+    fn versions() -> (Definition, Definition) {
+        let chart = |v: u32, p: &'static str, b: &'static str, out: &'static str| {
+            Definition::builder("m", v)
+                .initial(p)
+                .state(p, move |s| {
+                    s.initial("a")
+                        .history("h", HistoryDepth::Shallow, "a")
+                        .on_to("LEAVE", out)
+                        .state("a", move |s| s.on_to("NEXT", b))
+                        .leaf(b)
+                })
+                .state(out, move |s| s.on_to("BACK", format!("{p}.h")))
+                .build()
+                .expect("valid")
+        };
+        (chart(1, "p", "b", "out"), chart(2, "q", "c", "extra"))
+    }
+
+    fn waiting(position: &str, context: Value) -> Instance {
+        let new = NewInstance::new(MachineRef::new("m", 1), position).context(context);
+        let mut row = Instance::from_new(InstanceId(7), &new, None, Timestamp(0));
+        row.status = Status::AwaitingSignal;
+        row
+    }
+
+    #[test]
+    fn recorded_history_follows_the_map_and_the_context_transform_runs_first() {
+        let (v1, v2) = versions();
+        let m = Migration::new(v1, v2)
+            .and_then(|m| m.map("p", "q"))
+            .and_then(|m| m.map("p.b", "q.c"))
+            .and_then(|m| m.map("out", "extra"))
+            .expect("valid")
+            .context(Arc::new(|c: &Value| {
+                let mut c = c.clone();
+                c["v2"] = json!(true);
+                Ok(c)
+            }));
+        let row = waiting(r#"["out"]"#, json!({ "@history": { "p.h": ["p.b"] }, "n": 1 }));
+        let moved = m.plan(&row, &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.row.position, r#"["extra"]"#);
+        assert_eq!(
+            moved.row.context,
+            json!({ "@history": { "q.h": ["q.c"] }, "n": 1, "v2": true })
+        );
+        assert_eq!((moved.row.machine.version, moved.row.revision.0), (2, row.revision.0 + 1));
+    }
+
+    #[test]
+    fn what_cannot_be_mapped_is_refused_by_name() {
+        let (v1, v2) = versions();
+        let renames_only_p = Migration::new(v1.clone(), v2.clone()).and_then(|m| m.map("p", "q"));
+        let m = renames_only_p.expect("valid");
+        // `p.b` is carried to `q.b`, which version 2 does not have.
+        let refusal = m.plan(&waiting(r#"["p","p.b"]"#, json!({})), &[], Timestamp(5));
+        assert_eq!(refusal, Err(Refusal::Unmapped { state: "p.b".into() }));
+        // A leaf mapped onto a compound state without its child is no configuration.
+        let m =
+            Migration::new(v1.clone(), v2.clone()).and_then(|m| m.map("out", "q")).expect("valid");
+        let Err(Refusal::Illegal { configuration, .. }) =
+            m.plan(&waiting(r#"["out"]"#, json!({})), &[], Timestamp(5))
+        else {
+            panic!("expected an illegal configuration");
+        };
+        assert_eq!(configuration, ["q"]);
+        assert!(Migration::new(v1.clone(), v1.clone()).is_err(), "same version");
+        let err = Migration::new(v1, v2).and_then(|m| m.map("nowhere", "q")).unwrap_err();
+        assert!(err.contains("`nowhere` is not a state of m v1"), "{err}");
+    }
+}
