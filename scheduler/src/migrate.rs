@@ -1,9 +1,29 @@
 //! Moving instances to a new version of their chart, page by page, with a dry run.
 //!
-//! ```ignore
-//! let report = client.migrate(migration).dry_run().await?;   // what would move where
+//! ```
+//! # use keel_core::chart::{Definition, Migration};
+//! # use keel_core::instance::NewInstance;
+//! # use keel_core::MachineRef;
+//! # use keel_scheduler::{Client, SystemClock};
+//! # use std::sync::Arc;
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let store = Arc::new(keel_testkit::memory::MemoryStore::new());
+//! # let client = Client::new(store, SystemClock);
+//! let v1 = Definition::builder("order", 1).initial("cart")
+//!     .state("cart", |s| s.on_to("PAY", "paid")).final_state("paid").build()?;
+//! let v2 = Definition::builder("order", 2).initial("basket")
+//!     .state("basket", |s| s.on_to("PAY", "paid")).final_state("paid").build()?;
+//! client.start(NewInstance::new(MachineRef::new("order", 1), r#"["cart"]"#)).await?;
+//!
+//! let migration = Migration::new(v1, v2)?.map("cart", "basket")?;
+//! let report = client.migrate(migration.clone()).dry_run().await?; // what would move where
+//! assert_eq!(report.moved(), 1);
 //! println!("{report}");
-//! let report = client.migrate(migration).apply().await?;     // move them
+//! let report = client.migrate(migration).apply().await?;           // move them
+//! assert_eq!((report.moved(), report.refusals()), (1, 0));
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! Each page is one store call over at most [`Migrate::batch`] instances, locked and moved

@@ -49,6 +49,11 @@ impl fmt::Debug for Migration {
     }
 }
 
+/// A migration that cannot be built: the message names the argument and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MigrationError(pub String);
+
 /// Why one instance cannot be moved.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
@@ -123,19 +128,19 @@ impl Migration {
     /// # Errors
     ///
     /// When the definitions are of different charts or the same version.
-    pub fn new(from: Definition, to: Definition) -> Result<Self, String> {
+    pub fn new(from: Definition, to: Definition) -> Result<Self, MigrationError> {
         if from.name() != to.name() {
-            return Err(format!(
+            return Err(MigrationError(format!(
                 "to: chart `{}` is not a version of chart `{}`; migrate between versions of one chart",
                 to.name(),
                 from.name()
-            ));
+            )));
         }
         if from.version() == to.version() {
-            return Err(format!(
+            return Err(MigrationError(format!(
                 "to: both definitions are version {}; give the new definition a new version",
                 to.version()
-            ));
+            )));
         }
         Ok(Migration {
             from: Arc::new(from),
@@ -150,20 +155,20 @@ impl Migration {
     /// # Errors
     ///
     /// When `old` is not a state of the old version or `new` not one of the new version.
-    pub fn map(mut self, old: &str, new: &str) -> Result<Self, String> {
+    pub fn map(mut self, old: &str, new: &str) -> Result<Self, MigrationError> {
         if self.from.state(old).is_none_or(|_| old.is_empty()) {
-            return Err(format!(
+            return Err(MigrationError(format!(
                 "map: `{old}` is not a state of {} v{}",
                 self.from.name(),
                 self.from.version()
-            ));
+            )));
         }
         if self.to.state(new).is_none_or(|_| new.is_empty()) {
-            return Err(format!(
+            return Err(MigrationError(format!(
                 "map: `{new}` is not a state of {} v{}",
                 self.to.name(),
                 self.to.version()
-            ));
+            )));
         }
         self.states.insert(old.to_owned(), new.to_owned());
         Ok(self)
@@ -438,6 +443,6 @@ mod tests {
         assert_eq!(configuration, ["q"]);
         assert!(Migration::new(v1.clone(), v1.clone()).is_err(), "same version");
         let err = Migration::new(v1, v2).and_then(|m| m.map("nowhere", "q")).unwrap_err();
-        assert!(err.contains("`nowhere` is not a state of m v1"), "{err}");
+        assert!(err.to_string().contains("`nowhere` is not a state of m v1"), "{err}");
     }
 }
