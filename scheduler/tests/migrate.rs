@@ -77,6 +77,7 @@ async fn a_thousand_instances_move_to_version_two_after_a_dry_run<S: TestStore>(
     assert!(why.contains("`parked` has no counterpart") && why.contains("Migration::map"), "{why}");
     assert_eq!(dry.timers_armed, PER_STATE, "each `new` instance gets its reminder");
     let text = dry.to_string();
+    println!("{text}");
     assert!(text.starts_with("would move 750 instance(s):"), "{text}");
     assert_eq!(h.client.get(ids[0]).await.expect("get").instance.machine.version, 1, "dry");
 
@@ -100,6 +101,7 @@ async fn a_thousand_instances_move_to_version_two_after_a_dry_run<S: TestStore>(
     let applied = h.client.migrate(full.clone()).batch(300).apply().await.expect("apply");
     assert_eq!(applied.moved(), 1_000 - 10, "{applied}");
     assert_eq!((applied.busy, applied.refusals()), (10, 0), "{applied}");
+    println!("{applied}");
 
     let busy: Vec<_> = claims.iter().map(|c| c.instance.id).collect();
     let mapped = |old: &str| match old {
