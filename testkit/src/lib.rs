@@ -15,8 +15,11 @@ pub mod clock;
 pub mod conformance;
 pub mod memory;
 pub mod prop;
+pub mod queue;
 
 pub use chart::TestMachine;
 pub use clock::VirtualClock;
 pub use conformance::STORE_CONTRACTS;
+pub use conformance::queue::QUEUE_CONTRACTS;
 pub use memory::MemoryStore;
+pub use queue::MemoryQueue;
