@@ -35,7 +35,7 @@ use async_trait::async_trait;
 use keel_core::limits::NAME_BYTES_MAX;
 use keel_core::ports::Queue;
 use keel_core::ports::queue::{
-    Delivery, Hint, QueueCapabilities, validate_delay, validate_enqueue, validate_receipts,
+    Delivery, Hint, QueueCapabilities, validate_enqueue, validate_nack_delay, validate_receipts,
     validate_receive, validate_visibility,
 };
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
@@ -322,7 +322,7 @@ impl Queue for RedisQueue {
 
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
         validate_receipts(std::slice::from_ref(&receipt))?;
-        validate_delay("delay", delay, &self.capabilities())?;
+        validate_nack_delay(delay, &self.capabilities())?;
         self.reschedule(&receipt, millis(delay), delay.is_zero(), "nack").await
     }
 

@@ -8,7 +8,7 @@
 use async_trait::async_trait;
 use keel_core::ports::Queue;
 use keel_core::ports::queue::{
-    Delivery, Hint, QueueCapabilities, validate_delay, validate_enqueue, validate_receipts,
+    Delivery, Hint, QueueCapabilities, validate_enqueue, validate_nack_delay, validate_receipts,
     validate_receive, validate_visibility,
 };
 use keel_core::{StoreError, StoreResult};
@@ -197,7 +197,7 @@ impl Queue for MemoryQueue {
 
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
         validate_receipts(std::slice::from_ref(&receipt))?;
-        validate_delay("delay", delay, &self.capabilities())?;
+        validate_nack_delay(delay, &self.capabilities())?;
         self.with_leased(&receipt, |entry| {
             entry.leased = false;
             entry.visible_at = Instant::now() + delay;

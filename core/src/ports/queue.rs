@@ -23,15 +23,17 @@ use std::time::Duration;
 /// What a queue backend can and cannot do, reported honestly.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueCapabilities {
-    /// The longest delay `enqueue` and `nack` accept; longer ones must wait in the store
-    /// until a sweep publishes them (SQS: 15 minutes). `None`: no limit.
+    /// The longest delay `enqueue` accepts; longer ones must wait in the store until a
+    /// sweep publishes them (SQS: 15 minutes; SQS FIFO: none at all). `None`: no limit.
     pub delay_max: Option<Duration>,
-    /// Whether hints of one ordering group are delivered one at a time, in publish order:
-    /// while one is leased, the next of its group is not handed out.
+    /// Whether hints of one ordering group are delivered in publish order: while one is
+    /// leased, no later hint of its group is handed out (one receive may carry several
+    /// of a group, in order).
     pub ordered_groups: bool,
     /// Whether `priority` influences delivery order among hints visible at once.
     pub priorities: bool,
-    /// The longest visibility lease `receive` and `extend` accept. `None`: no limit.
+    /// The longest visibility lease `receive` and `extend` accept, and the longest delay
+    /// of a `nack` (which only moves a lease's end). `None`: no limit.
     pub visibility_max: Option<Duration>,
     /// The unit delays and leases are kept in; shorter non-zero values are rounded up to
     /// it (SQS counts whole seconds).
@@ -108,7 +110,8 @@ pub trait Queue: Send + Sync + 'static {
     /// Acknowledges up to [`HINT_BATCH_MAX`] hints: they are gone. Acking a receipt
     /// twice is not an error.
     async fn ack(&self, receipts: Vec<String>) -> StoreResult<()>;
-    /// Returns a leased hint to the queue, visible again after `delay`.
+    /// Returns a leased hint to the queue, visible again after `delay` (at most
+    /// `visibility_max`).
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()>;
     /// Extends a hint's visibility lease to `visibility` from now.
     async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()>;
@@ -177,6 +180,18 @@ pub fn validate_visibility(visibility: Duration, caps: &QueueCapabilities) -> St
         }
     }
     Ok(())
+}
+
+/// Checks a `nack`'s delay: a nack moves the end of a lease, so `visibility_max` bounds
+/// it.
+pub fn validate_nack_delay(delay: Duration, caps: &QueueCapabilities) -> StoreResult<()> {
+    match caps.visibility_max {
+        Some(most) if delay > most => Err(StoreError::invalid(format!(
+            "delay: a nack delay of {delay:?} is over this queue's {most:?}; ack the hint and \
+             let the store publish it again when it is due"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Checks a delay (`field` names it in the error) against `delay_max`.
