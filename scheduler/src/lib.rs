@@ -23,4 +23,4 @@ pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{StepContext, StepError, StepMachine};
-pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};
+pub use worker::{HintConfig, HintStats, Worker, WorkerConfig, WorkerHandle, worker_id_for};

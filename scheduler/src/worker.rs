@@ -38,6 +38,12 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
+// Queue hints (publish after commit, claim by hint). A child module, so it reaches the
+// worker's internals without widening their visibility.
+#[path = "queue.rs"]
+mod queue;
+pub use queue::{HintConfig, HintStats};
+
 /// How a worker runs. Every field has a bound or a default that is one.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -187,6 +193,8 @@ struct Inner<S, C> {
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
+    /// Queue hints: the one hook of `queue.rs` into the worker's state.
+    hints: Option<Arc<queue::HintLink>>,
 }
 
 impl<S, C: Clock> Inner<S, C> {
@@ -215,12 +223,13 @@ pub struct Worker<S, C> {
     clock: C,
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
+    hints: Option<Arc<queue::HintLink>>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// A worker over `store` with `config`.
     pub fn new(store: Arc<S>, clock: C, config: WorkerConfig) -> Self {
-        Worker { store, clock, config, machines: HashMap::new() }
+        Worker { store, clock, config, machines: HashMap::new(), hints: None }
     }
 
     /// Registers a machine; the worker claims only the `(name, version)` pairs it has.
@@ -253,6 +262,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             slot_freed: Notify::new(),
             stats: Arc::clone(&stats),
             health: Arc::clone(&health),
+            hints: self.hints,
         });
         let join = tokio::spawn(run(inner, shutdown_rx));
         WorkerHandle { shutdown: shutdown_tx, join, stats, health }
@@ -356,6 +366,8 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
             .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n))))
             .collect(),
     );
+    // Queue hook: the hint loop, when the worker has a queue.
+    let hint_loop = queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx);
     {
         let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
         let tx = tx.clone();
@@ -365,6 +377,10 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
         .await;
     }
 
+    // The hint loop stops with shutdown too; it must not start steps once draining began.
+    if let Some(hints) = hint_loop {
+        let _ = hints.await;
+    }
     drain(&inner).await;
     drop(tx);
     let _ = committer.await;
@@ -526,7 +542,8 @@ async fn claim_loop<S: Store, C: Clock>(
             tokio::select! {
                 () = inner.store.ready_wait(), if inner.config.notifications => {}
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
-                () = inner.slot_freed.notified(), if full => {}
+                // Queue hook: while hints flow, freed slots are theirs; polling repairs.
+                () = inner.slot_freed.notified(), if full && !queue::hints_flowing(&inner) => {}
                 _ = shutdown.changed() => {}
             }
         }
@@ -898,6 +915,8 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, buffer: &mut Vec<Finishe
     }
     let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
     let results = commit_group(inner, commits).await;
+    // Queue hook: hints for what this commit left ready.
+    queue::publish_committed(inner, batch, &results);
     let mut refused = Vec::new();
     for (f, result) in batch.iter().zip(results) {
         if let Some(error) = settle(inner, f, result, f.failed) {

@@ -1,0 +1,265 @@
+//! Workers with a queue of hints in the loop: hints drive the steps, and losing them,
+//! duplicating them or losing the queue for a while loses nothing and runs nothing twice.
+//! Each test runs on `MemoryQueue`, and on Redis when `KEEL_TEST_REDIS_URL` is set.
+
+mod common;
+
+use async_trait::async_trait;
+use common::Harness;
+use keel_core::instance::NewInstance;
+use keel_core::ports::Queue;
+use keel_core::ports::queue::{Delivery, Hint, QueueCapabilities};
+use keel_core::ports::store::InsertOutcome;
+use keel_core::ports::Store;
+use keel_core::{InstanceId, MachineRef, Outcome, Status, StoreError, StoreResult};
+use keel_scheduler::{HintConfig, HintStats, StepContext, StepError, StepMachine, Worker, WorkerConfig};
+use keel_testkit::MemoryQueue;
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Steps per instance before `Done`.
+const STEPS: i64 = 3;
+
+/// Counts `n` up to `STEPS`, one step per commit, then finishes.
+struct Counter;
+
+#[async_trait]
+impl StepMachine for Counter {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("counter", 1)
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let n = ctx.context["n"].as_i64().unwrap_or(0);
+        if n < STEPS {
+            Ok(Outcome::Next { step: "count".into(), context: json!({ "n": n + 1 }) })
+        } else {
+            Ok(Outcome::Done { result: json!({ "n": n }), step: None })
+        }
+    }
+}
+
+/// A queue in front of another that can publish every hint twice and can be "down".
+struct Flaky<Q> {
+    inner: Arc<Q>,
+    twice: bool,
+    down: AtomicBool,
+}
+
+impl<Q> Flaky<Q> {
+    fn new(inner: Arc<Q>, twice: bool) -> Self {
+        Flaky { inner, twice, down: AtomicBool::new(false) }
+    }
+    fn check(&self) -> StoreResult<()> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable("queue down (test)"));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<Q: Queue> Queue for Flaky<Q> {
+    fn capabilities(&self) -> QueueCapabilities {
+        self.inner.capabilities()
+    }
+    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        self.check()?;
+        if self.twice {
+            // A second copy under another revision, so no backend collapses the pair.
+            let copies = hints.iter().map(|h| Hint { revision: h.revision + 1_000_000, ..h.clone() });
+            self.inner.enqueue(hints.iter().cloned().chain(copies).collect()).await
+        } else {
+            self.inner.enqueue(hints).await
+        }
+    }
+    async fn receive(&self, max: usize, visibility: Duration, wait: Duration) -> StoreResult<Vec<Delivery>> {
+        if self.check().is_err() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.check()?;
+        self.inner.receive(max, visibility, wait).await
+    }
+    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        self.check()?;
+        self.inner.ack(receipts).await
+    }
+    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        self.inner.nack(receipt, delay).await
+    }
+    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
+        self.inner.extend(receipt, visibility).await
+    }
+}
+
+/// A worker with `queue` whose polling is slow enough that hints carry the run.
+fn config(h: &Harness) -> WorkerConfig {
+    WorkerConfig {
+        notifications: false,
+        poll_interval: Duration::from_millis(200),
+        queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 16)],
+        ..h.config()
+    }
+}
+
+async fn start_all(h: &Harness, n: usize) -> Vec<InstanceId> {
+    let mut ids = Vec::with_capacity(n);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+        let news = chunk
+            .iter()
+            .map(|_| NewInstance::new(MachineRef::new("counter", 1), "count").context(json!({ "n": 0 })))
+            .collect();
+        for outcome in h.client.start_many(news).await.expect("start") {
+            let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// Waits (bounded) until every instance is done; checks each committed exactly its
+/// steps and the worker committed nothing twice.
+async fn finish(h: &Harness, ids: &[InstanceId], committed: impl Fn() -> u64, limit: Duration) {
+    let expected = ids.len() as u64 * (STEPS as u64 + 1);
+    let started = tokio::time::Instant::now();
+    while committed() < expected {
+        assert!(started.elapsed() < limit, "only {} of {expected} steps after {limit:?}", committed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(committed(), expected, "a step was committed twice");
+    for chunk in ids.chunks(1_000) {
+        for row in h.store.instance_rows(chunk.to_vec()).await.expect("rows") {
+            assert_eq!(row.status, Status::Done, "{}", row.id);
+            assert_eq!(row.result, Some(json!({ "n": STEPS })), "{}", row.id);
+        }
+    }
+}
+
+/// Runs `n` instances through a worker with `queue`; `during` runs once a third of the
+/// steps are committed. Returns the hint counters.
+async fn run<Q: Queue>(
+    queue: Arc<Q>,
+    n: usize,
+    during: impl AsyncFnOnce(&Q),
+) -> Arc<HintStats> {
+    let h = Harness::new();
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h))
+        .register(Counter)
+        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, HintConfig {
+            visibility: Duration::from_secs(5),
+            wait: Duration::from_millis(100),
+        });
+    let worker = worker.spawn();
+    let ids = start_all(&h, n).await;
+    let stats = Arc::clone(worker.stats());
+    let third = ids.len() as u64 * (STEPS as u64 + 1) / 3;
+    let started = tokio::time::Instant::now();
+    while stats.committed() < third {
+        assert!(started.elapsed() < Duration::from_secs(60), "stuck at {}", stats.committed());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    during(&queue).await;
+    finish(&h, &ids, || stats.committed(), Duration::from_secs(120)).await;
+    assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 0);
+    worker.shutdown().await;
+    hints
+}
+
+fn claimed(stats: &HintStats) -> u64 {
+    stats.claimed.load(Ordering::Relaxed)
+}
+
+/// The queue carries the run: most steps are claimed by hint.
+async fn hints_carry_the_steps<Q: Queue>(queue: Arc<Q>) {
+    let stats = run(queue, 300, async |_| {}).await;
+    let total = 300 * (STEPS as u64 + 1);
+    assert!(claimed(&stats) * 2 > total, "only {} of {total} steps came by hint", claimed(&stats));
+}
+
+/// Every hint published twice: the second claim of an instance finds nothing to claim.
+async fn duplicate_hints_commit_nothing_twice<Q: Queue>(queue: Arc<Q>) {
+    let stats = run(Arc::new(Flaky::new(queue, true)), 300, async |_| {}).await;
+    assert!(stats.received.load(Ordering::Relaxed) > claimed(&stats), "duplicates were received");
+}
+
+/// The queue is down for a while mid-run: polling carries the work, then hints resume.
+async fn queue_down_falls_back_to_polling<Q: Queue>(queue: Arc<Q>) {
+    let flaky = Arc::new(Flaky::new(queue, false));
+    let hints = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&hints);
+    let stats = run(Arc::clone(&flaky), 300, async move |q: &Flaky<Q>| {
+        q.down.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        q.down.store(false, Ordering::SeqCst);
+        seen.store(1, Ordering::SeqCst);
+    })
+    .await;
+    assert_eq!(hints.load(Ordering::SeqCst), 1);
+    assert!(claimed(&stats) > 0);
+}
+
+mod memory {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_carry_the_steps() {
+        super::hints_carry_the_steps(Arc::new(MemoryQueue::new())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn purging_the_queue_mid_run_loses_nothing() {
+        run(Arc::new(MemoryQueue::new()), 10_000, async |q: &MemoryQueue| q.purge()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicate_hints_commit_nothing_twice() {
+        super::duplicate_hints_commit_nothing_twice(Arc::new(MemoryQueue::new())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queue_down_falls_back_to_polling() {
+        super::queue_down_falls_back_to_polling(Arc::new(MemoryQueue::new())).await;
+    }
+}
+
+mod redis {
+    use super::*;
+    use keel_queue_redis::RedisQueue;
+
+    async fn queue(test: &str) -> Option<Arc<RedisQueue>> {
+        let q = keel_queue_redis::testing::fresh_queue().await;
+        keel_testkit::conformance::queue::queue_or_skip(
+            &format!("redis::{test}"),
+            keel_queue_redis::testing::URL_VAR,
+            q,
+        )
+        .map(Arc::new)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_carry_the_steps() {
+        let Some(q) = queue("hints_carry_the_steps").await else { return };
+        super::hints_carry_the_steps(q).await;
+    }
+
+    /// What `FLUSHALL` does to a queue: every key gone, leased hints included.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn flushing_the_queue_mid_run_loses_nothing() {
+        let Some(q) = queue("flushing_the_queue_mid_run_loses_nothing").await else { return };
+        run(q, 10_000, async |q: &RedisQueue| q.purge().await.expect("purge")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicate_hints_commit_nothing_twice() {
+        let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
+        super::duplicate_hints_commit_nothing_twice(q).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queue_down_falls_back_to_polling() {
+        let Some(q) = queue("queue_down_falls_back_to_polling").await else { return };
+        super::queue_down_falls_back_to_polling(q).await;
+    }
+}
