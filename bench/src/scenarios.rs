@@ -10,13 +10,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use keel_core::HistoryKind;
 use keel_core::chart::{Definition, TimerArm, TimerKind};
 use keel_core::instance::{ANY_SIGNAL, NewInstance};
+use keel_core::ports::queue::Hint;
 use keel_core::ports::store::{ClaimParams, CommitParams, InsertParams, SignalDeliverParams};
 use keel_core::ports::{Clock, Store};
 use keel_core::{InstanceId, MachineRef, NewSignal, Outcome, StepCommit, WorkerId};
-use keel_core::ports::queue::Hint;
 use keel_scheduler::{
-    ChartMachine, HintConfig, StepContext, StepError, StepMachine, SweepConfig, Sweeper, SystemClock, Worker,
-    WorkerConfig,
+    ChartMachine, HintConfig, StepContext, StepError, StepMachine, SweepConfig, Sweeper,
+    SystemClock, Worker, WorkerConfig,
 };
 use serde_json::json;
 use std::collections::HashMap;

@@ -84,7 +84,11 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// When `config.visibility` is zero or `config.wait` is over `HINT_WAIT_MAX`.
     #[must_use]
-    pub fn with_queue(mut self, queue: Arc<dyn Queue>, config: HintConfig) -> (Self, Arc<HintStats>) {
+    pub fn with_queue(
+        mut self,
+        queue: Arc<dyn Queue>,
+        config: HintConfig,
+    ) -> (Self, Arc<HintStats>) {
         assert!(!config.visibility.is_zero(), "HintConfig::visibility must be positive");
         assert!(
             config.wait <= keel_core::limits::HINT_WAIT_MAX,
@@ -258,13 +262,11 @@ fn claim_params<S: Store, C: Clock>(
     queues: &[(String, Arc<Semaphore>)],
     most: usize,
 ) -> Option<ClaimParams> {
-    let open: Vec<String> = queues
-        .iter()
-        .filter(|(_, s)| s.available_permits() > 0)
-        .map(|(q, _)| q.clone())
-        .collect();
+    let open: Vec<String> =
+        queues.iter().filter(|(_, s)| s.available_permits() > 0).map(|(q, _)| q.clone()).collect();
     let free: usize = queues.iter().map(|(_, s)| s.available_permits()).sum();
-    let limit = free.min(most).min(inner.config.claim_batch).min(keel_core::limits::CLAIM_BATCH_MAX);
+    let limit =
+        free.min(most).min(inner.config.claim_batch).min(keel_core::limits::CLAIM_BATCH_MAX);
     (limit > 0).then(|| ClaimParams {
         worker: inner.config.worker_id.clone(),
         namespaces: inner.config.namespaces.clone(),

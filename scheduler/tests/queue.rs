@@ -5,15 +5,18 @@
 mod common;
 
 use async_trait::async_trait;
-use common::Harness;
+use common::{Harness, TestStore};
 use keel_core::instance::NewInstance;
 use keel_core::ports::Queue;
+use keel_core::ports::Store;
 use keel_core::ports::queue::{Delivery, Hint, QueueCapabilities};
 use keel_core::ports::store::InsertOutcome;
-use keel_core::ports::Store;
 use keel_core::{InstanceId, MachineRef, Outcome, Status, StoreError, StoreResult};
-use keel_scheduler::{HintConfig, HintStats, StepContext, StepError, StepMachine, Worker, WorkerConfig};
+use keel_scheduler::{
+    HintConfig, HintStats, StepContext, StepError, StepMachine, Worker, WorkerConfig,
+};
 use keel_testkit::MemoryQueue;
+use keel_testkit::memory::MemoryStore;
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -68,13 +71,19 @@ impl<Q: Queue> Queue for Flaky<Q> {
         self.check()?;
         if self.twice {
             // A second copy under another revision, so no backend collapses the pair.
-            let copies = hints.iter().map(|h| Hint { revision: h.revision + 1_000_000, ..h.clone() });
+            let copies =
+                hints.iter().map(|h| Hint { revision: h.revision + 1_000_000, ..h.clone() });
             self.inner.enqueue(hints.iter().cloned().chain(copies).collect()).await
         } else {
             self.inner.enqueue(hints).await
         }
     }
-    async fn receive(&self, max: usize, visibility: Duration, wait: Duration) -> StoreResult<Vec<Delivery>> {
+    async fn receive(
+        &self,
+        max: usize,
+        visibility: Duration,
+        wait: Duration,
+    ) -> StoreResult<Vec<Delivery>> {
         if self.check().is_err() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -94,7 +103,7 @@ impl<Q: Queue> Queue for Flaky<Q> {
 }
 
 /// A worker with `queue` whose polling is slow enough that hints carry the run.
-fn config(h: &Harness) -> WorkerConfig {
+fn config<S: Store>(h: &Harness<S>) -> WorkerConfig {
     WorkerConfig {
         notifications: false,
         poll_interval: Duration::from_millis(200),
@@ -103,12 +112,14 @@ fn config(h: &Harness) -> WorkerConfig {
     }
 }
 
-async fn start_all(h: &Harness, n: usize) -> Vec<InstanceId> {
+async fn start_all<S: Store>(h: &Harness<S>, n: usize) -> Vec<InstanceId> {
     let mut ids = Vec::with_capacity(n);
     for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
         let news = chunk
             .iter()
-            .map(|_| NewInstance::new(MachineRef::new("counter", 1), "count").context(json!({ "n": 0 })))
+            .map(|_| {
+                NewInstance::new(MachineRef::new("counter", 1), "count").context(json!({ "n": 0 }))
+            })
             .collect();
         for outcome in h.client.start_many(news).await.expect("start") {
             let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
@@ -120,11 +131,20 @@ async fn start_all(h: &Harness, n: usize) -> Vec<InstanceId> {
 
 /// Waits (bounded) until every instance is done; checks each committed exactly its
 /// steps and the worker committed nothing twice.
-async fn finish(h: &Harness, ids: &[InstanceId], committed: impl Fn() -> u64, limit: Duration) {
+async fn finish<S: Store>(
+    h: &Harness<S>,
+    ids: &[InstanceId],
+    committed: impl Fn() -> u64,
+    limit: Duration,
+) {
     let expected = ids.len() as u64 * (STEPS as u64 + 1);
     let started = tokio::time::Instant::now();
     while committed() < expected {
-        assert!(started.elapsed() < limit, "only {} of {expected} steps after {limit:?}", committed());
+        assert!(
+            started.elapsed() < limit,
+            "only {} of {expected} steps after {limit:?}",
+            committed()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -139,18 +159,18 @@ async fn finish(h: &Harness, ids: &[InstanceId], committed: impl Fn() -> u64, li
 
 /// Runs `n` instances through a worker with `queue`; `during` runs once a third of the
 /// steps are committed. Returns the hint counters.
-async fn run<Q: Queue>(
+async fn run<S: TestStore, Q: Queue>(
     queue: Arc<Q>,
     n: usize,
     during: impl AsyncFnOnce(&Q),
 ) -> Arc<HintStats> {
-    let h = Harness::new();
+    let h = S::harness().await;
     let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h))
         .register(Counter)
-        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, HintConfig {
-            visibility: Duration::from_secs(5),
-            wait: Duration::from_millis(100),
-        });
+        .with_queue(
+            Arc::clone(&queue) as Arc<dyn Queue>,
+            HintConfig { visibility: Duration::from_secs(5), wait: Duration::from_millis(100) },
+        );
     let worker = worker.spawn();
     let ids = start_all(&h, n).await;
     let stats = Arc::clone(worker.stats());
@@ -172,24 +192,24 @@ fn claimed(stats: &HintStats) -> u64 {
 }
 
 /// The queue carries the run: most steps are claimed by hint.
-async fn hints_carry_the_steps<Q: Queue>(queue: Arc<Q>) {
-    let stats = run(queue, 300, async |_| {}).await;
+async fn hints_carry_the_steps<S: TestStore, Q: Queue>(queue: Arc<Q>) {
+    let stats = run::<S, _>(queue, 300, async |_| {}).await;
     let total = 300 * (STEPS as u64 + 1);
     assert!(claimed(&stats) * 2 > total, "only {} of {total} steps came by hint", claimed(&stats));
 }
 
 /// Every hint published twice: the second claim of an instance finds nothing to claim.
-async fn duplicate_hints_commit_nothing_twice<Q: Queue>(queue: Arc<Q>) {
-    let stats = run(Arc::new(Flaky::new(queue, true)), 300, async |_| {}).await;
+async fn duplicate_hints_commit_nothing_twice<S: TestStore, Q: Queue>(queue: Arc<Q>) {
+    let stats = run::<S, _>(Arc::new(Flaky::new(queue, true)), 300, async |_| {}).await;
     assert!(stats.received.load(Ordering::Relaxed) > claimed(&stats), "duplicates were received");
 }
 
 /// The queue is down for a while mid-run: polling carries the work, then hints resume.
-async fn queue_down_falls_back_to_polling<Q: Queue>(queue: Arc<Q>) {
+async fn queue_down_falls_back_to_polling<S: TestStore, Q: Queue>(queue: Arc<Q>) {
     let flaky = Arc::new(Flaky::new(queue, false));
     let hints = Arc::new(AtomicU64::new(0));
     let seen = Arc::clone(&hints);
-    let stats = run(Arc::clone(&flaky), 300, async move |q: &Flaky<Q>| {
+    let stats = run::<S, _>(Arc::clone(&flaky), 300, async move |q: &Flaky<Q>| {
         q.down.store(true, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         q.down.store(false, Ordering::SeqCst);
@@ -205,22 +225,27 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
-        super::hints_carry_the_steps(Arc::new(MemoryQueue::new())).await;
+        super::hints_carry_the_steps::<MemoryStore, _>(Arc::new(MemoryQueue::new())).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn purging_the_queue_mid_run_loses_nothing() {
-        run(Arc::new(MemoryQueue::new()), 10_000, async |q: &MemoryQueue| q.purge()).await;
+        run::<MemoryStore, _>(Arc::new(MemoryQueue::new()), 10_000, async |q: &MemoryQueue| {
+            q.purge();
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
-        super::duplicate_hints_commit_nothing_twice(Arc::new(MemoryQueue::new())).await;
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(Arc::new(MemoryQueue::new()))
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn queue_down_falls_back_to_polling() {
-        super::queue_down_falls_back_to_polling(Arc::new(MemoryQueue::new())).await;
+        super::queue_down_falls_back_to_polling::<MemoryStore, _>(Arc::new(MemoryQueue::new()))
+            .await;
     }
 }
 
@@ -228,7 +253,7 @@ mod redis {
     use super::*;
     use keel_queue_redis::RedisQueue;
 
-    async fn queue(test: &str) -> Option<Arc<RedisQueue>> {
+    pub(super) async fn queue(test: &str) -> Option<Arc<RedisQueue>> {
         let q = keel_queue_redis::testing::fresh_queue().await;
         keel_testkit::conformance::queue::queue_or_skip(
             &format!("redis::{test}"),
@@ -241,25 +266,67 @@ mod redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
         let Some(q) = queue("hints_carry_the_steps").await else { return };
-        super::hints_carry_the_steps(q).await;
+        super::hints_carry_the_steps::<MemoryStore, _>(q).await;
     }
 
     /// What `FLUSHALL` does to a queue: every key gone, leased hints included.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn flushing_the_queue_mid_run_loses_nothing() {
         let Some(q) = queue("flushing_the_queue_mid_run_loses_nothing").await else { return };
-        run(q, 10_000, async |q: &RedisQueue| q.purge().await.expect("purge")).await;
+        run::<MemoryStore, _>(q, 10_000, async |q: &RedisQueue| q.purge().await.expect("purge"))
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        super::duplicate_hints_commit_nothing_twice(q).await;
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn queue_down_falls_back_to_polling() {
         let Some(q) = queue("queue_down_falls_back_to_polling").await else { return };
-        super::queue_down_falls_back_to_polling(q).await;
+        super::queue_down_falls_back_to_polling::<MemoryStore, _>(q).await;
+    }
+}
+
+/// PostgreSQL with a Redis queue: its claim by id is the trait's default (an ordinary
+/// claim per hint), and the same guarantees hold.
+mod postgres_redis {
+    use super::*;
+    use keel_store_postgres::PgStore;
+
+    async fn queue(test: &str) -> Option<Arc<keel_queue_redis::RedisQueue>> {
+        if !common::postgres_available(test) {
+            return None;
+        }
+        super::redis::queue(&format!("postgres_redis::{test}")).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_carry_the_steps() {
+        let Some(q) = queue("hints_carry_the_steps").await else { return };
+        super::hints_carry_the_steps::<PgStore, _>(q).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn flushing_the_queue_mid_run_loses_nothing() {
+        let Some(q) = queue("flushing_the_queue_mid_run_loses_nothing").await else { return };
+        run::<PgStore, _>(q, 10_000, async |q: &keel_queue_redis::RedisQueue| {
+            q.purge().await.expect("purge");
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicate_hints_commit_nothing_twice() {
+        let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
+        super::duplicate_hints_commit_nothing_twice::<PgStore, _>(q).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queue_down_falls_back_to_polling() {
+        let Some(q) = queue("queue_down_falls_back_to_polling").await else { return };
+        super::queue_down_falls_back_to_polling::<PgStore, _>(q).await;
     }
 }
