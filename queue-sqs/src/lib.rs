@@ -91,6 +91,13 @@ fn unavailable<E: std::error::Error + 'static>(what: &str, url: &str, e: &E) -> 
     StoreError::unavailable(format!("sqs {what} on {url}: {}", DisplayErrorContext(e)))
 }
 
+/// Whether a queue name or URL names a FIFO queue. SQS requires the suffix in lowercase,
+/// so the comparison is case-sensitive on purpose.
+#[allow(clippy::case_sensitive_file_extension_comparisons)]
+fn is_fifo(name_or_url: &str) -> bool {
+    name_or_url.ends_with(".fifo")
+}
+
 fn secs(d: Duration) -> i32 {
     i32::try_from(round_up(d, Duration::from_secs(1)).as_secs()).unwrap_or(i32::MAX)
 }
@@ -124,7 +131,7 @@ impl SqsQueue {
     /// A queue that already exists, by URL; a URL ending in `.fifo` is a FIFO queue.
     pub fn open(client: Client, url: impl Into<String>) -> Self {
         let url = url.into();
-        let fifo = url.ends_with(".fifo");
+        let fifo = is_fifo(&url);
         SqsQueue { client, url, fifo }
     }
 
@@ -136,7 +143,7 @@ impl SqsQueue {
         name: &str,
         max_receives: Option<u32>,
     ) -> StoreResult<Self> {
-        let fifo = name.ends_with(".fifo");
+        let fifo = is_fifo(name);
         let base = name.strip_suffix(".fifo").unwrap_or(name);
         if base.is_empty()
             || base.len() > 70

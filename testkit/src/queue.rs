@@ -73,10 +73,10 @@ impl MemoryQueue {
         let mut candidates: Vec<(u8, u64)> = Vec::new();
         let mut next_visible: Option<Instant> = None;
         for (&seq, entry) in &state.entries {
-            if let Some(group) = &entry.hint.group {
-                if !heads.insert(group.clone()) {
-                    continue;
-                }
+            if let Some(group) = &entry.hint.group
+                && !heads.insert(group.clone())
+            {
+                continue;
             }
             if entry.visible_at <= now {
                 candidates.push((entry.hint.priority.level() as u8, seq));

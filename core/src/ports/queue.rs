@@ -128,15 +128,15 @@ pub fn validate_enqueue(hints: &[Hint], caps: &QueueCapabilities) -> StoreResult
     }
     for hint in hints {
         validate_delay("hint.delay", hint.delay, caps)?;
-        if let Some(group) = &hint.group {
-            if group.is_empty() || group.len() > NAME_BYTES_MAX {
-                return Err(StoreError::invalid(format!(
-                    "hint.group of {}: {} bytes, must be 1 to {NAME_BYTES_MAX}; use a shorter \
-                     concurrency key or none",
-                    hint.instance,
-                    group.len()
-                )));
-            }
+        if let Some(group) = &hint.group
+            && (group.is_empty() || group.len() > NAME_BYTES_MAX)
+        {
+            return Err(StoreError::invalid(format!(
+                "hint.group of {}: {} bytes, must be 1 to {NAME_BYTES_MAX}; use a shorter \
+                 concurrency key or none",
+                hint.instance,
+                group.len()
+            )));
         }
     }
     Ok(())
@@ -172,12 +172,12 @@ pub fn validate_visibility(visibility: Duration, caps: &QueueCapabilities) -> St
              the time a claim takes",
         ));
     }
-    if let Some(most) = caps.visibility_max {
-        if visibility > most {
-            return Err(StoreError::invalid(format!(
-                "visibility: {visibility:?} is over this queue's {most:?}; extend the lease instead"
-            )));
-        }
+    if let Some(most) = caps.visibility_max
+        && visibility > most
+    {
+        return Err(StoreError::invalid(format!(
+            "visibility: {visibility:?} is over this queue's {most:?}; extend the lease instead"
+        )));
     }
     Ok(())
 }

@@ -262,7 +262,7 @@ pub async fn queue_receive_waits_for_a_later_publish<Q: Queue>(q: &Q) {
         q.enqueue(vec![hint(5)]).await.expect("enqueue");
     });
     assert_eq!(instances(&got), vec![5]);
-    assert!(started.elapsed() < wait, "the receive waited out its deadline ({:?})", wait);
+    assert!(started.elapsed() < wait, "the receive waited out its deadline ({wait:?})");
     q.ack(receipts(&got)).await.expect("ack");
 }
 
