@@ -2,6 +2,8 @@
 //!
 //! Scenarios (DESIGN §10):
 //! - `steps`: no-op step throughput, draining N instances at worker concurrency 1, 10, 100;
+//!   with `--queue redis|sqs`, the instances are announced through that queue and the
+//!   worker claims what it is told about;
 //! - `chart`: a 3-state chart with one external signal per instance — macrosteps and
 //!   transitions per second, and signal → step-start latency p50 / p99 with the store's
 //!   notifications on and off;
@@ -14,6 +16,7 @@
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
+mod queues;
 mod report;
 mod scenarios;
 mod starts;
@@ -32,6 +35,9 @@ struct Cli {
     /// The store to run against.
     #[arg(long, value_enum, default_value_t = stores::StoreKind::Memory)]
     store: stores::StoreKind,
+    /// The queue carrying ready-work hints in `steps` (none: the store's own wake-ups).
+    #[arg(long, value_enum, default_value_t = queues::QueueKind::None)]
+    queue: queues::QueueKind,
     /// Instances for `steps` (default 50 000).
     #[arg(long, default_value_t = 50_000)]
     instances: usize,
@@ -80,14 +86,18 @@ async fn main() -> Result<()> {
     eprintln!("keel-bench: store {} ({})", cli.store.name(), store.describe());
     for scenario in scenarios {
         let report = match scenario {
-            Scenario::Steps => scenarios::steps(&store, cli.instances).await?,
+            Scenario::Steps => scenarios::steps(&store, cli.instances, cli.queue).await?,
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
             Scenario::Start => starts::start(&store, cli.instances).await?,
         };
         report.print();
-        let path = cli.out.join(format!("{}-{}.json", report.name, cli.store.name()));
+        let suffix = match (scenario, cli.queue) {
+            (Scenario::Steps, q) if q != queues::QueueKind::None => format!("-{}", q.name()),
+            _ => String::new(),
+        };
+        let path = cli.out.join(format!("{}-{}{suffix}.json", report.name, cli.store.name()));
         std::fs::write(&path, serde_json::to_vec_pretty(&report.json(cli.store.name()))?)?;
         eprintln!("wrote {}", path.display());
     }

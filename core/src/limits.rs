@@ -83,3 +83,12 @@ pub const DEFINITION_SCXML_BYTES_MAX: usize = 4 << 20;
 /// Deepest nesting of states an SCXML document may have; the importer recurses once per
 /// level, and no real chart comes near it.
 pub const SCXML_DEPTH_MAX: usize = 64;
+/// Most hints one `Queue::enqueue` call may carry (and receipts one `Queue::ack` call);
+/// backends with smaller native batches split them.
+pub const HINT_BATCH_MAX: usize = 1_000;
+/// Most hints one `Queue::receive` call may return.
+pub const HINT_RECEIVE_MAX: usize = 100;
+/// Longest a `Queue::receive` call may wait for its first hint (the SQS long-poll bound).
+pub const HINT_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(20);
+/// Longest receipt a queue hands out and takes back, in bytes (SQS receipts are ~1 KiB).
+pub const HINT_RECEIPT_BYTES_MAX: usize = 4 * 1024;

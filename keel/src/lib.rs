@@ -169,6 +169,17 @@ pub mod layers {
     pub use keel_testkit as testkit;
 }
 
+/// Wake-up transports: a worker given a queue (`Worker::with_queue` on the layer below)
+/// publishes a hint for each instance a commit made ready and claims hinted instances by
+/// id; the store stays the only truth, so losing hints only delays work.
+pub mod queue {
+    pub use keel_core::ports::Queue;
+    #[cfg(feature = "redis")]
+    pub use keel_queue_redis as redis;
+    #[cfg(feature = "sqs")]
+    pub use keel_queue_sqs as sqs;
+}
+
 use keel_core::Timestamp;
 use keel_core::ports::{Clock, Store};
 use keel_scheduler::SystemClock;

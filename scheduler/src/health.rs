@@ -29,6 +29,8 @@ pub enum WorkerLoop {
     /// Fires due timers. Its sweeps report their own errors in the log; here it reports
     /// only that it runs and when it was restarted.
     Sweeper,
+    /// Receives queue hints and claims their instances (only with a queue).
+    Hints,
 }
 
 impl WorkerLoop {
@@ -41,6 +43,7 @@ impl WorkerLoop {
             WorkerLoop::Reaper => "reaper",
             WorkerLoop::Stats => "stats",
             WorkerLoop::Sweeper => "sweeper",
+            WorkerLoop::Hints => "hints",
         }
     }
 }

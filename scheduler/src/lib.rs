@@ -26,4 +26,4 @@ pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
 pub use migrate::{Migrate, MigrationReport};
-pub use worker::{Worker, WorkerConfig, WorkerHandle, worker_id_for};
+pub use worker::{HintConfig, HintStats, Worker, WorkerConfig, WorkerHandle, worker_id_for};

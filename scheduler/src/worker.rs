@@ -42,6 +42,12 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
+// Queue hints (publish after commit, claim by hint). A child module, so it reaches the
+// worker's internals without widening their visibility.
+#[path = "queue.rs"]
+mod queue;
+pub use queue::{HintConfig, HintStats};
+
 /// How a worker runs. Every field has a bound or a default that is one.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -199,6 +205,8 @@ struct Inner<S, C> {
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
+    /// Queue hints: the one hook of `queue.rs` into the worker's state.
+    hints: Option<Arc<queue::HintLink>>,
 }
 
 impl<S, C: Clock> Inner<S, C> {
@@ -227,12 +235,13 @@ pub struct Worker<S, C> {
     clock: C,
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
+    hints: Option<Arc<queue::HintLink>>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// A worker over `store` with `config`.
     pub fn new(store: Arc<S>, clock: C, config: WorkerConfig) -> Self {
-        Worker { store, clock, config, machines: HashMap::new() }
+        Worker { store, clock, config, machines: HashMap::new(), hints: None }
     }
 
     /// Registers a machine; the worker claims only the `(name, version)` pairs it has.
@@ -266,6 +275,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             slot_freed: Notify::new(),
             stats: Arc::clone(&stats),
             health: Arc::clone(&health),
+            hints: self.hints,
         });
         let join = tokio::spawn(run(inner, shutdown_rx));
         WorkerHandle { shutdown: shutdown_tx, join, stats, health }
@@ -367,6 +377,8 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
 
     let queues: Arc<Vec<QueueSlots>> =
         Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
+    // Queue hook: the hint loop, when the worker has a queue.
+    let hint_loop = queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx);
     {
         let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
         let tx = tx.clone();
@@ -376,6 +388,10 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
         .await;
     }
 
+    // The hint loop stops with shutdown too; it must not start steps once draining began.
+    if let Some(hints) = hint_loop {
+        let _ = hints.await;
+    }
     drain(&inner).await;
     drop(tx);
     let _ = committer.await;
@@ -591,7 +607,8 @@ async fn claim_loop<S: Store, C: Clock>(
             tokio::select! {
                 () = inner.store.ready_wait(), if inner.config.notifications => {}
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
-                () = inner.slot_freed.notified(), if full => {}
+                // Queue hook: while hints flow, freed slots are theirs; polling repairs.
+                () = inner.slot_freed.notified(), if full && !queue::hints_flowing(&inner) => {}
                 _ = shutdown.changed() => {}
             }
         }
@@ -1005,6 +1022,8 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, batch: Vec<Finished>) {
     }
     let commits: Vec<StepCommit> = batch.iter().map(|f| f.commit.clone()).collect();
     let results = commit_group(inner, commits).await;
+    // Queue hook: hints for what this commit left ready.
+    queue::publish_committed(inner, batch, &results);
     let mut refused = Vec::new();
     for (f, result) in batch.iter().zip(results) {
         if let Some(error) = settle(inner, f, result, f.failed) {

@@ -15,9 +15,12 @@ pub mod clock;
 pub mod conformance;
 pub mod memory;
 pub mod prop;
+pub mod queue;
 pub mod sim;
 
 pub use chart::TestMachine;
 pub use clock::VirtualClock;
 pub use conformance::STORE_CONTRACTS;
+pub use conformance::queue::QUEUE_CONTRACTS;
 pub use memory::MemoryStore;
+pub use queue::MemoryQueue;

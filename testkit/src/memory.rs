@@ -155,11 +155,22 @@ impl State {
     // ----- claims -----------------------------------------------------------------------
 
     fn claim(&mut self, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
+        self.claim_among(p, None)
+    }
+
+    /// A claim restricted to `only` when given (a claim by id), in claim order.
+    pub(crate) fn claim_among(
+        &mut self,
+        p: &ClaimParams,
+        only: Option<&std::collections::BTreeSet<InstanceId>>,
+    ) -> StoreResult<Vec<Claim>> {
         p.validate()?;
         let candidates: Vec<InstanceId> = self
             .runnable
             .iter()
-            .filter(|(_, eligible_at, _)| *eligible_at <= p.now)
+            .filter(|(_, eligible_at, id)| {
+                *eligible_at <= p.now && only.is_none_or(|ids| ids.contains(id))
+            })
             .map(|(_, _, id)| *id)
             .collect();
         let mut claims = Vec::new();

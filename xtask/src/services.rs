@@ -79,7 +79,7 @@ pub fn detect(root: &Path, require: bool) -> Result<Vec<Backend>> {
 /// Prints which backend suites ran and which were skipped.
 pub fn summary(backends: &[Backend]) {
     eprintln!("backend suites:");
-    eprintln!("  memory (MemoryStore): ran");
+    eprintln!("  memory (MemoryStore, MemoryQueue): ran");
     for b in backends {
         match (&b.url, &b.skipped_because) {
             (Some(url), _) => eprintln!("  {} ({}): ran against {url}", b.name, b.crate_dir),

@@ -642,6 +642,26 @@ pub trait Store: Send + Sync + 'static {
     /// Claims runnable instances under a new lease and fencing token.
     async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>>;
 
+    /// Claims the instances `ids` names (a queue hint's targets) under the usual lease and
+    /// fencing, with `params`' filters; `params.limit` still bounds the batch. An id that
+    /// is not ready, is held, is filtered out or does not exist is skipped: a hint is never
+    /// the truth.
+    ///
+    /// The default, for a store without a claim by id, is an ordinary claim of up to
+    /// `ids.len()` ready instances. That keeps what a hint means ("work is ready") but may
+    /// take other instances than the named ones.
+    async fn instance_claim_ids(
+        &self,
+        ids: Vec<InstanceId>,
+        params: ClaimParams,
+    ) -> StoreResult<Vec<Claim>> {
+        let limit = params.limit.min(ids.len());
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        self.instance_claim(ClaimParams { limit, ..params }).await
+    }
+
     /// Commits step results; per item, a receipt or the reason it was rejected
     /// (`LeaseLost` for a stale token, `Invalid` for a malformed outcome). A rejected item
     /// changes nothing; the others are unaffected.

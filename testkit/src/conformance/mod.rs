@@ -24,6 +24,7 @@
 //! names the variable to set. The calling crate needs `tokio` (macros, rt) as a
 //! dev-dependency.
 
+pub mod queue;
 pub mod support;
 
 mod charts;

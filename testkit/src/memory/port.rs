@@ -27,6 +27,15 @@ impl Store for MemoryStore {
         self.state().claim(&params)
     }
 
+    async fn instance_claim_ids(
+        &self,
+        ids: Vec<InstanceId>,
+        params: ClaimParams,
+    ) -> StoreResult<Vec<Claim>> {
+        let only = ids.into_iter().collect();
+        self.state().claim_among(&params, Some(&only))
+    }
+
     async fn step_commit(
         &self,
         params: CommitParams,

@@ -1,0 +1,362 @@
+//! Keel's Redis queue: ready-work hints for workers, held in Redis.
+//!
+//! The store stays the only truth; a hint only says "instance 42 is ready". Losing every
+//! hint (a `FLUSHALL`, a restart without persistence) delays work until the repair pass
+//! publishes it again, and never loses it.
+//!
+//! # Shape
+//!
+//! One sorted set per queue scores each hint with the millisecond from which it may be
+//! handed out. Publishing with a delay sets that score in the future; receiving moves it
+//! to the end of the lease; a nack or an extension moves it again; an ack removes it. A
+//! receiver that crashes simply lets its lease run out, and the next receive hands the
+//! hint out again, counted once more — no separate reclaim step to run or forget. Every
+//! operation is one Lua script (atomic, on the server's clock). Receivers wait on a short
+//! list with `BLPOP`, pushed whenever hints become visible, so a hint published to an idle
+//! queue is picked up at once rather than at the next poll.
+//!
+//! What it does not do, and says so in [`QueueCapabilities`]: priorities and ordered
+//! groups (hints visible at the same time come in publish order across all groups).
+//!
+//! ```no_run
+//! # async fn demo() -> keel_core::StoreResult<()> {
+//! use keel_core::ports::Queue;
+//! use keel_core::ports::queue::Hint;
+//! use keel_queue_redis::{RedisQueue, RedisQueueConfig};
+//! let queue = RedisQueue::connect(RedisQueueConfig::new("redis://127.0.0.1:6379", "default")).await?;
+//! queue.enqueue(vec![Hint::new(keel_core::InstanceId(42), 1)]).await?;
+//! # Ok(()) }
+//! ```
+
+mod scripts;
+pub mod testing;
+
+use async_trait::async_trait;
+use keel_core::limits::NAME_BYTES_MAX;
+use keel_core::ports::Queue;
+use keel_core::ports::queue::{
+    Delivery, Hint, QueueCapabilities, validate_enqueue, validate_nack_delay, validate_receipts,
+    validate_receive, validate_visibility,
+};
+use keel_core::{InstanceId, Priority, StoreError, StoreResult};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How long a command may take before the queue reports itself unavailable.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a (re)connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a receiver that could not take the blocking connection sleeps between looks.
+const POLL_STEP: Duration = Duration::from_millis(20);
+
+/// Connection settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisQueueConfig {
+    /// A Redis URL, e.g. `redis://127.0.0.1:6379/0`.
+    pub url: String,
+    /// The queue's name; its keys are `keel:{<name>}:…`.
+    pub name: String,
+}
+
+impl RedisQueueConfig {
+    /// Settings for queue `name` on the server at `url`.
+    pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
+        RedisQueueConfig { url: url.into(), name: name.into() }
+    }
+}
+
+/// The keys of one queue.
+#[derive(Debug, Clone)]
+struct Keys {
+    vis: String,
+    body: String,
+    count: String,
+    wake: String,
+}
+
+/// A `Queue` on Redis.
+pub struct RedisQueue {
+    name: String,
+    keys: Keys,
+    conn: ConnectionManager,
+    /// A second connection for `BLPOP`, which would hold up every other command on a
+    /// shared connection while it waits.
+    blocking: tokio::sync::Mutex<ConnectionManager>,
+}
+
+impl std::fmt::Debug for RedisQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisQueue").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl RedisQueue {
+    /// Connects to the server and checks that it answers.
+    pub async fn connect(config: RedisQueueConfig) -> StoreResult<Self> {
+        let name = config.name;
+        if name.is_empty()
+            || name.len() > NAME_BYTES_MAX
+            || name.contains(['{', '}'])
+            || name.chars().any(char::is_control)
+        {
+            return Err(StoreError::invalid(format!(
+                "name {name:?}: a queue name is 1 to {NAME_BYTES_MAX} bytes without braces or \
+                 control characters"
+            )));
+        }
+        let client = redis::Client::open(config.url.as_str()).map_err(|e| {
+            StoreError::invalid(format!(
+                "url {:?}: {e}; expected redis://host:port[/db]",
+                config.url
+            ))
+        })?;
+        let unavailable =
+            |e: redis::RedisError| StoreError::unavailable(format!("redis at {}: {e}", config.url));
+        let settings = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_number_of_retries(1);
+        let conn = ConnectionManager::new_with_config(
+            client.clone(),
+            settings.clone().set_response_timeout(Some(RESPONSE_TIMEOUT)),
+        )
+        .await
+        .map_err(unavailable)?;
+        let blocking = ConnectionManager::new_with_config(
+            client,
+            settings
+                .set_response_timeout(Some(keel_core::limits::HINT_WAIT_MAX + RESPONSE_TIMEOUT)),
+        )
+        .await
+        .map_err(unavailable)?;
+        let prefix = format!("keel:{{{name}}}");
+        let keys = Keys {
+            vis: format!("{prefix}:vis"),
+            body: format!("{prefix}:body"),
+            count: format!("{prefix}:count"),
+            wake: format!("{prefix}:wake"),
+        };
+        Ok(RedisQueue { name, keys, conn, blocking: tokio::sync::Mutex::new(blocking) })
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Deletes every hint of this queue, leased or not (what a `FLUSHALL` does to it).
+    pub async fn purge(&self) -> StoreResult<()> {
+        let k = &self.keys;
+        redis::cmd("DEL")
+            .arg(&k.vis)
+            .arg(&k.body)
+            .arg(&k.count)
+            .arg(&k.wake)
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.unavailable(&e))
+    }
+
+    /// How many hints the queue holds, leased and delayed ones included.
+    pub async fn len(&self) -> StoreResult<u64> {
+        redis::cmd("ZCARD")
+            .arg(&self.keys.vis)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.unavailable(&e))
+    }
+
+    fn unavailable(&self, e: &redis::RedisError) -> StoreError {
+        StoreError::unavailable(format!("redis queue {}: {e}", self.name))
+    }
+
+    /// Waits up to `block` for a wake token; a receiver that finds the blocking connection
+    /// busy sleeps a short step instead.
+    async fn wait_for_wake(&self, block: Duration) -> StoreResult<()> {
+        let block = block.max(Duration::from_millis(1));
+        let Ok(mut conn) = self.blocking.try_lock() else {
+            tokio::time::sleep(block.min(POLL_STEP)).await;
+            return Ok(());
+        };
+        redis::cmd("BLPOP")
+            .arg(&self.keys.wake)
+            .arg(block.as_secs_f64())
+            .query_async::<Option<(String, String)>>(&mut *conn)
+            .await
+            .map(drop)
+            .map_err(|e| self.unavailable(&e))
+    }
+
+    async fn reschedule(&self, receipt: &str, ms: u64, wake: bool, what: &str) -> StoreResult<()> {
+        let (id, count) = split_receipt(receipt)?;
+        let done: i64 = scripts::RESCHEDULE
+            .key(&self.keys.vis)
+            .key(&self.keys.count)
+            .key(&self.keys.wake)
+            .arg(id)
+            .arg(count)
+            .arg(ms)
+            .arg(u8::from(wake))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.unavailable(&e))?;
+        if done == 0 {
+            return Err(StoreError::not_found(format!(
+                "{what} of receipt {receipt}: the hint was acked or received again since"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn hint_id(hint: &Hint) -> String {
+    format!("{}:{}", hint.instance.0, hint.revision)
+}
+
+/// The stored part of a hint that its id does not carry: `<priority level>|<group>`.
+fn encode_body(hint: &Hint) -> String {
+    format!("{}|{}", hint.priority.level(), hint.group.as_deref().unwrap_or(""))
+}
+
+fn decode(id: &str, body: &str) -> Option<Hint> {
+    let (instance, revision) = id.split_once(':')?;
+    let (level, group) = body.split_once('|')?;
+    Some(Hint {
+        instance: InstanceId(instance.parse().ok()?),
+        revision: revision.parse().ok()?,
+        delay: Duration::ZERO,
+        priority: Priority::from_level(level.parse().ok()?)?,
+        group: (!group.is_empty()).then(|| group.to_owned()),
+    })
+}
+
+/// A receipt is `<hint id>#<receive count>`: it names one delivery, so a receiver whose
+/// lease ran out cannot ack or extend the delivery that replaced it.
+fn split_receipt(receipt: &str) -> StoreResult<(&str, &str)> {
+    receipt
+        .rsplit_once('#')
+        .filter(|(id, count)| id.contains(':') && count.parse::<u32>().is_ok())
+        .ok_or_else(|| {
+            StoreError::invalid(format!("receipt {receipt:?}: not a receipt this queue handed out"))
+        })
+}
+
+#[async_trait]
+impl Queue for RedisQueue {
+    fn capabilities(&self) -> QueueCapabilities {
+        QueueCapabilities {
+            delay_max: None,
+            ordered_groups: false,
+            priorities: false,
+            visibility_max: None,
+            resolution: Duration::from_millis(1),
+        }
+    }
+
+    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        validate_enqueue(&hints, &self.capabilities())?;
+        if hints.is_empty() {
+            return Ok(());
+        }
+        let mut call = scripts::ENQUEUE.prepare_invoke();
+        call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.wake);
+        for hint in &hints {
+            call.arg(hint_id(hint)).arg(millis(hint.delay)).arg(encode_body(hint));
+        }
+        call.invoke_async::<i64>(&mut self.conn.clone())
+            .await
+            .map(drop)
+            .map_err(|e| self.unavailable(&e))
+    }
+
+    async fn receive(
+        &self,
+        max: usize,
+        visibility: Duration,
+        wait: Duration,
+    ) -> StoreResult<Vec<Delivery>> {
+        validate_receive(max, visibility, wait, &self.capabilities())?;
+        let deadline = Instant::now() + wait;
+        // Each round leases what is visible or waits for a wake token, the next visible
+        // hint or the deadline, whichever comes first; the deadline bounds the rounds.
+        loop {
+            let reply: Vec<redis::Value> = scripts::RECEIVE
+                .key(&self.keys.vis)
+                .key(&self.keys.body)
+                .key(&self.keys.count)
+                .arg(max)
+                .arg(millis(visibility).max(1))
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| self.unavailable(&e))?;
+            let (next_ms, deliveries) = self.parse_receive(&reply)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !deliveries.is_empty() || left.is_zero() {
+                return Ok(deliveries);
+            }
+            let block = next_ms.map_or(left, |ms| left.min(Duration::from_millis(ms)));
+            self.wait_for_wake(block).await?;
+        }
+    }
+
+    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        validate_receipts(&receipts)?;
+        if receipts.is_empty() {
+            return Ok(());
+        }
+        let mut call = scripts::ACK.prepare_invoke();
+        call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count);
+        for receipt in &receipts {
+            let (id, count) = split_receipt(receipt)?;
+            call.arg(id).arg(count);
+        }
+        call.invoke_async::<i64>(&mut self.conn.clone())
+            .await
+            .map(drop)
+            .map_err(|e| self.unavailable(&e))
+    }
+
+    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        validate_receipts(std::slice::from_ref(&receipt))?;
+        validate_nack_delay(delay, &self.capabilities())?;
+        self.reschedule(&receipt, millis(delay), delay.is_zero(), "nack").await
+    }
+
+    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
+        validate_receipts(std::slice::from_ref(&receipt))?;
+        validate_visibility(visibility, &self.capabilities())?;
+        self.reschedule(&receipt, millis(visibility).max(1), false, "extend").await
+    }
+}
+
+impl RedisQueue {
+    /// Reads the receive script's reply: the wait until the next visible hint, and the
+    /// leased hints.
+    fn parse_receive(&self, reply: &[redis::Value]) -> StoreResult<(Option<u64>, Vec<Delivery>)> {
+        let bad = || StoreError::unavailable(format!("redis queue {}: malformed reply", self.name));
+        let (first, rest) = reply.split_first().ok_or_else(bad)?;
+        let next_ms = match first {
+            redis::Value::Int(ms) if *ms >= 0 => Some(*ms as u64),
+            redis::Value::Int(_) => None,
+            _ => return Err(bad()),
+        };
+        let mut deliveries = Vec::with_capacity(rest.len() / 3);
+        for item in rest.chunks(3) {
+            let [id, count, body] = item else { return Err(bad()) };
+            let id: String = redis::from_redis_value_ref(id).map_err(|_| bad())?;
+            let count: u32 = redis::from_redis_value_ref(count).map_err(|_| bad())?;
+            let body: String = redis::from_redis_value_ref(body).map_err(|_| bad())?;
+            let hint = decode(&id, &body).ok_or_else(bad)?;
+            deliveries.push(Delivery {
+                hint,
+                receipt: format!("{id}#{count}"),
+                receive_count: count,
+            });
+        }
+        Ok((next_ms, deliveries))
+    }
+}

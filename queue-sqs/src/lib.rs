@@ -1,0 +1,429 @@
+//! Keel's Amazon SQS queue: ready-work hints on a standard or FIFO queue.
+//!
+//! The store stays the only truth; a hint only says "instance 42 is ready", and a purged
+//! queue delays work until the repair pass publishes it again.
+//!
+//! # What maps to what
+//!
+//! - A hint is one message whose body is `<instance>|<revision>|<priority>|<group>`.
+//! - Batches are split into SQS's 10 entries per call (send, delete); a receive of more
+//!   than 10 makes further calls without waiting while full pages keep coming.
+//! - Visibility: `receive` sets `VisibilityTimeout`; `extend` and `nack` are
+//!   `ChangeMessageVisibility` (a nack moves the lease's end to the delay). SQS counts
+//!   whole seconds, so leases and delays are rounded up to a second (`resolution`).
+//! - Delays: standard queues take per-message delays up to 15 minutes; FIFO queues take
+//!   none (`delay_max` is zero). Longer or unsupported delays are refused with
+//!   `Invalid`, never shortened: that work stays in the store until it is due.
+//! - FIFO: `MessageGroupId` is the hint's group (its concurrency key) or else the
+//!   instance, and the deduplication id is `<instance>-<revision>`, so the same hint
+//!   published twice within SQS's five-minute window is delivered once.
+//! - Redrive: [`SqsQueue::create`] can create a dead-letter queue and a redrive policy, so
+//!   a hint that keeps failing to be acked leaves the main queue after `max_receives`.
+//!
+//! There is no `aws-config` here: build the client with the credential chain you use
+//! (`aws_config::load_from_env().await` gives an `SdkConfig`, then
+//! `aws_sdk_sqs::Client::new(&sdk_config)`) and hand it to [`SqsQueue::open`], or use
+//! [`static_client`] for an emulator.
+//!
+//! ```no_run
+//! # async fn demo() -> keel_core::StoreResult<()> {
+//! use keel_queue_sqs::{SqsQueue, static_client};
+//! let client = static_client("http://127.0.0.1:9324", "us-east-1");
+//! let queue = SqsQueue::create(client, "keel-hints.fifo", Some(5)).await?;
+//! # let _ = queue;
+//! # Ok(()) }
+//! ```
+
+pub mod testing;
+
+use async_trait::async_trait;
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_sqs::types::{
+    DeleteMessageBatchRequestEntry, MessageSystemAttributeName, QueueAttributeName,
+    SendMessageBatchRequestEntry,
+};
+use keel_core::ports::Queue;
+use keel_core::ports::queue::{
+    Delivery, Hint, QueueCapabilities, round_up, validate_enqueue, validate_nack_delay,
+    validate_receipts, validate_receive, validate_visibility,
+};
+use keel_core::{InstanceId, Priority, StoreError, StoreResult};
+use std::time::Duration;
+
+/// Most entries SQS takes in one batch call (send, delete) and returns from one receive.
+pub const SQS_BATCH_MAX: usize = 10;
+/// The longest per-message delay of a standard queue.
+pub const SQS_DELAY_MAX: Duration = Duration::from_secs(15 * 60);
+/// The longest visibility timeout SQS accepts.
+pub const SQS_VISIBILITY_MAX: Duration = Duration::from_secs(12 * 3600);
+/// How long one call may take (a long poll waits up to 20 s of it).
+pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A client with static credentials for an SQS endpoint such as a local emulator.
+pub fn static_client(endpoint: &str, region: &str) -> Client {
+    use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region, timeout::TimeoutConfig};
+    let credentials = Credentials::new("keel", "keel", None, None, "keel-static");
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(region.to_owned()))
+        .credentials_provider(credentials)
+        .endpoint_url(endpoint)
+        .timeout_config(
+            TimeoutConfig::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .operation_timeout(OPERATION_TIMEOUT)
+                .build(),
+        )
+        .build();
+    Client::from_conf(config)
+}
+
+/// A `Queue` on one SQS queue.
+#[derive(Debug, Clone)]
+pub struct SqsQueue {
+    client: Client,
+    url: String,
+    fifo: bool,
+}
+
+fn unavailable<E: std::error::Error + 'static>(what: &str, url: &str, e: &E) -> StoreError {
+    StoreError::unavailable(format!("sqs {what} on {url}: {}", DisplayErrorContext(e)))
+}
+
+/// Whether a queue name or URL names a FIFO queue. SQS requires the suffix in lowercase,
+/// so the comparison is case-sensitive on purpose.
+#[allow(clippy::case_sensitive_file_extension_comparisons)]
+fn is_fifo(name_or_url: &str) -> bool {
+    name_or_url.ends_with(".fifo")
+}
+
+fn secs(d: Duration) -> i32 {
+    i32::try_from(round_up(d, Duration::from_secs(1)).as_secs()).unwrap_or(i32::MAX)
+}
+
+fn encode(hint: &Hint) -> String {
+    format!(
+        "{}|{}|{}|{}",
+        hint.instance.0,
+        hint.revision,
+        hint.priority.level(),
+        hint.group.as_deref().unwrap_or("")
+    )
+}
+
+fn decode(body: &str) -> Option<Hint> {
+    let mut parts = body.splitn(4, '|');
+    let instance = InstanceId(parts.next()?.parse().ok()?);
+    let revision = parts.next()?.parse().ok()?;
+    let priority = Priority::from_level(parts.next()?.parse().ok()?)?;
+    let group = parts.next()?;
+    Some(Hint {
+        instance,
+        revision,
+        delay: Duration::ZERO,
+        priority,
+        group: (!group.is_empty()).then(|| group.to_owned()),
+    })
+}
+
+impl SqsQueue {
+    /// A queue that already exists, by URL; a URL ending in `.fifo` is a FIFO queue.
+    pub fn open(client: Client, url: impl Into<String>) -> Self {
+        let url = url.into();
+        let fifo = is_fifo(&url);
+        SqsQueue { client, url, fifo }
+    }
+
+    /// Creates queue `name` (FIFO when it ends in `.fifo`) if it does not exist. With
+    /// `max_receives`, also creates `<name>-dlq` and a redrive policy: a hint received
+    /// that many times without an ack moves there.
+    pub async fn create(
+        client: Client,
+        name: &str,
+        max_receives: Option<u32>,
+    ) -> StoreResult<Self> {
+        let fifo = is_fifo(name);
+        let base = name.strip_suffix(".fifo").unwrap_or(name);
+        if base.is_empty()
+            || base.len() > 70
+            || !base.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(StoreError::invalid(format!(
+                "name {name:?}: 1 to 70 letters, digits, `-` or `_`, then `.fifo` for a FIFO queue"
+            )));
+        }
+        let redrive = match max_receives {
+            None => None,
+            Some(0) => {
+                return Err(StoreError::invalid(
+                    "max_receives: 0 would move every hint to the dead-letter queue; use 1 or more",
+                ));
+            }
+            Some(n) => {
+                let dlq_name =
+                    if fifo { format!("{base}-dlq.fifo") } else { format!("{base}-dlq") };
+                let dlq = Self::create_one(&client, &dlq_name, fifo, None).await?;
+                let arn = dlq.attribute(QueueAttributeName::QueueArn).await?;
+                Some(format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{n}"}}"#))
+            }
+        };
+        Self::create_one(&client, name, fifo, redrive).await
+    }
+
+    async fn create_one(
+        client: &Client,
+        name: &str,
+        fifo: bool,
+        redrive: Option<String>,
+    ) -> StoreResult<Self> {
+        let mut call = client.create_queue().queue_name(name);
+        if fifo {
+            call = call.attributes(QueueAttributeName::FifoQueue, "true");
+        }
+        if let Some(policy) = redrive {
+            call = call.attributes(QueueAttributeName::RedrivePolicy, policy);
+        }
+        let out = call.send().await.map_err(|e| unavailable("CreateQueue", name, &e))?;
+        let url = out.queue_url().unwrap_or_default().to_owned();
+        Ok(SqsQueue { client: client.clone(), url, fifo })
+    }
+
+    /// The queue's URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The dead-letter queue of a queue made by [`SqsQueue::create`] with `max_receives`.
+    pub async fn dead_letter_queue(&self) -> StoreResult<SqsQueue> {
+        let name = self.url.rsplit('/').next().unwrap_or_default();
+        let base = name.strip_suffix(".fifo").unwrap_or(name);
+        let dlq = if self.fifo { format!("{base}-dlq.fifo") } else { format!("{base}-dlq") };
+        let out = self
+            .client
+            .get_queue_url()
+            .queue_name(&dlq)
+            .send()
+            .await
+            .map_err(|e| unavailable("GetQueueUrl", &dlq, &e))?;
+        Ok(SqsQueue::open(self.client.clone(), out.queue_url().unwrap_or_default()))
+    }
+
+    /// Deletes every message of the queue (SQS allows one purge a minute per queue).
+    pub async fn purge(&self) -> StoreResult<()> {
+        self.client
+            .purge_queue()
+            .queue_url(&self.url)
+            .send()
+            .await
+            .map(drop)
+            .map_err(|e| unavailable("PurgeQueue", &self.url, &e))
+    }
+
+    async fn attribute(&self, name: QueueAttributeName) -> StoreResult<String> {
+        let out = self
+            .client
+            .get_queue_attributes()
+            .queue_url(&self.url)
+            .attribute_names(name.clone())
+            .send()
+            .await
+            .map_err(|e| unavailable("GetQueueAttributes", &self.url, &e))?;
+        out.attributes().and_then(|a| a.get(&name)).cloned().ok_or_else(|| {
+            StoreError::unavailable(format!("sqs {}: no attribute {name}", self.url))
+        })
+    }
+
+    /// Approximate number of visible hints (SQS's own estimate).
+    pub async fn approximate_len(&self) -> StoreResult<u64> {
+        let n = self.attribute(QueueAttributeName::ApproximateNumberOfMessages).await?;
+        n.parse()
+            .map_err(|_| StoreError::unavailable(format!("sqs {}: message count {n:?}", self.url)))
+    }
+
+    async fn send_batch(&self, hints: &[Hint]) -> StoreResult<()> {
+        let mut call = self.client.send_message_batch().queue_url(&self.url);
+        for (i, hint) in hints.iter().enumerate() {
+            let mut entry = SendMessageBatchRequestEntry::builder()
+                .id(i.to_string())
+                .message_body(encode(hint));
+            if self.fifo {
+                let group = hint.group.clone().unwrap_or_else(|| hint.instance.0.to_string());
+                entry = entry
+                    .message_group_id(group)
+                    .message_deduplication_id(format!("{}-{}", hint.instance.0, hint.revision));
+            } else if !hint.delay.is_zero() {
+                entry = entry.delay_seconds(secs(hint.delay));
+            }
+            call = call.entries(
+                entry.build().map_err(|e| unavailable("SendMessageBatch", &self.url, &e))?,
+            );
+        }
+        let out = call.send().await.map_err(|e| unavailable("SendMessageBatch", &self.url, &e))?;
+        if let Some(failed) = out.failed().first() {
+            return Err(StoreError::unavailable(format!(
+                "sqs SendMessageBatch on {}: {} of {} entries refused, first: {} {}",
+                self.url,
+                out.failed().len(),
+                hints.len(),
+                failed.code(),
+                failed.message().unwrap_or_default()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn delete_batch(&self, receipts: &[String]) -> StoreResult<()> {
+        let mut call = self.client.delete_message_batch().queue_url(&self.url);
+        for (i, receipt) in receipts.iter().enumerate() {
+            let entry = DeleteMessageBatchRequestEntry::builder()
+                .id(i.to_string())
+                .receipt_handle(receipt)
+                .build()
+                .map_err(|e| unavailable("DeleteMessageBatch", &self.url, &e))?;
+            call = call.entries(entry);
+        }
+        let out =
+            call.send().await.map_err(|e| unavailable("DeleteMessageBatch", &self.url, &e))?;
+        // A receipt that is no longer valid belongs to a hint that is gone or was handed
+        // to someone else: the ack has nothing left to do.
+        if let Some(failed) = out.failed().iter().find(|f| f.code() != "ReceiptHandleIsInvalid") {
+            return Err(StoreError::unavailable(format!(
+                "sqs DeleteMessageBatch on {}: {} {}",
+                self.url,
+                failed.code(),
+                failed.message().unwrap_or_default()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn receive_page(
+        &self,
+        max: usize,
+        visibility: i32,
+        wait: i32,
+    ) -> StoreResult<Vec<Delivery>> {
+        let out = self
+            .client
+            .receive_message()
+            .queue_url(&self.url)
+            .max_number_of_messages(max.min(SQS_BATCH_MAX) as i32)
+            .visibility_timeout(visibility)
+            .wait_time_seconds(wait)
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .send()
+            .await
+            .map_err(|e| unavailable("ReceiveMessage", &self.url, &e))?;
+        let mut deliveries = Vec::new();
+        for message in out.messages() {
+            let (Some(body), Some(receipt)) = (message.body(), message.receipt_handle()) else {
+                continue;
+            };
+            let Some(hint) = decode(body) else {
+                // Not a hint of ours: delete it so it cannot block a FIFO group forever.
+                self.delete_batch(&[receipt.to_owned()]).await?;
+                continue;
+            };
+            let receive_count = message
+                .attributes()
+                .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(1);
+            deliveries.push(Delivery { hint, receipt: receipt.to_owned(), receive_count });
+        }
+        Ok(deliveries)
+    }
+
+    async fn change_visibility(
+        &self,
+        receipt: String,
+        timeout: i32,
+        what: &str,
+    ) -> StoreResult<()> {
+        match self
+            .client
+            .change_message_visibility()
+            .queue_url(&self.url)
+            .receipt_handle(receipt)
+            .visibility_timeout(timeout)
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e)
+                if matches!(e.code(), Some("ReceiptHandleIsInvalid" | "MessageNotInflight"))
+                    || e.code().is_some_and(|c| c.ends_with("MessageNotInflight")) =>
+            {
+                Err(StoreError::not_found(format!(
+                    "{what} on {}: the hint was acked or received again since ({})",
+                    self.url,
+                    e.code().unwrap_or_default()
+                )))
+            }
+            Err(e) => Err(unavailable("ChangeMessageVisibility", &self.url, &e)),
+        }
+    }
+}
+
+#[async_trait]
+impl Queue for SqsQueue {
+    fn capabilities(&self) -> QueueCapabilities {
+        QueueCapabilities {
+            delay_max: Some(if self.fifo { Duration::ZERO } else { SQS_DELAY_MAX }),
+            ordered_groups: self.fifo,
+            priorities: false,
+            visibility_max: Some(SQS_VISIBILITY_MAX),
+            resolution: Duration::from_secs(1),
+        }
+    }
+
+    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        validate_enqueue(&hints, &self.capabilities())?;
+        // One batch after the other, so a group's hints reach a FIFO queue in order.
+        for chunk in hints.chunks(SQS_BATCH_MAX) {
+            self.send_batch(chunk).await?;
+        }
+        Ok(())
+    }
+
+    async fn receive(
+        &self,
+        max: usize,
+        visibility: Duration,
+        wait: Duration,
+    ) -> StoreResult<Vec<Delivery>> {
+        validate_receive(max, visibility, wait, &self.capabilities())?;
+        let visibility = secs(visibility);
+        let mut out = self.receive_page(max, visibility, secs(wait)).await?;
+        // Further pages only while full ones keep coming, without waiting; bounded by
+        // `max`, which is at most a few pages.
+        let mut last = out.len();
+        while last == SQS_BATCH_MAX && out.len() < max {
+            let page = self.receive_page(max - out.len(), visibility, 0).await?;
+            last = page.len();
+            out.extend(page);
+        }
+        Ok(out)
+    }
+
+    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        validate_receipts(&receipts)?;
+        for chunk in receipts.chunks(SQS_BATCH_MAX) {
+            self.delete_batch(chunk).await?;
+        }
+        Ok(())
+    }
+
+    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        validate_receipts(std::slice::from_ref(&receipt))?;
+        validate_nack_delay(delay, &self.capabilities())?;
+        self.change_visibility(receipt, secs(delay), "nack").await
+    }
+
+    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
+        validate_receipts(std::slice::from_ref(&receipt))?;
+        validate_visibility(visibility, &self.capabilities())?;
+        self.change_visibility(receipt, secs(visibility), "extend").await
+    }
+}
