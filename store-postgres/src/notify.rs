@@ -94,6 +94,8 @@ pub(crate) struct WakeHub {
     listener: std::sync::Mutex<Option<tokio_postgres::Client>>,
     hints: std::sync::Mutex<TimerHints>,
     hinted: tokio::sync::Notify,
+    /// Instances ended: wakes callers waiting for a result.
+    changed: tokio::sync::Notify,
 }
 
 impl WakeHub {
@@ -124,10 +126,12 @@ impl WakeHub {
             Some(Notice::Ready) => self.wake(),
             Some(Notice::Timer(due)) => self.hint(Some(due)),
             Some(Notice::TimerUnreadable) => self.hint(None),
+            Some(Notice::Ended) => self.changed.notify_waiters(),
             None => {
                 self.listener().take();
                 self.wake();
                 self.hint(None);
+                self.changed.notify_waiters();
             }
         }
     }
@@ -140,6 +144,20 @@ impl PgStore {
         if let Err(e) = self.ensure_listening().await {
             // Without a listener only polling finds work; do not spin on a dead server.
             let _ = e;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            return;
+        }
+        notified.await;
+    }
+
+    /// Resolves on the next "instances ended" NOTIFY (see `Store::instance_change_wait`);
+    /// without a listener it waits a second, and the caller's polling finds the result.
+    pub(crate) async fn wait_changed(&self) {
+        // Registered before anything else, so a notification during the connect counts.
+        let notified = self.wake.changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.ensure_listening().await.is_err() {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             return;
         }

@@ -85,6 +85,61 @@ async fn bad_schema_names_are_refused() {
     assert_eq!(err.kind, ErrorKind::Invalid);
 }
 
+/// A caller waiting for results is woken when a commit ends an instance and when a cancel
+/// ends one; a commit that only parks one does not wake it.
+#[tokio::test]
+async fn waiters_for_results_are_woken_when_instances_end() {
+    let Some(s) = common::store().await else { return };
+    let s = std::sync::Arc::new(s);
+    let ids = insert(&s, vec![new("a"), new("b")]).await;
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    let woken = |s: std::sync::Arc<PgStore>| {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let wait = s.instance_change_wait();
+            tokio::pin!(wait);
+            // Poll once so the wait is registered (and listening) before the commit.
+            let _ = futures_poll_once(&mut wait).await;
+            let _ = ready_tx.send(());
+            wait.await;
+        });
+        (task, ready_rx)
+    };
+    // Parking does not end anything.
+    let (task, ready) = woken(std::sync::Arc::clone(&s));
+    ready.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let park = Outcome::Await { signal: "*".into(), context: json!({}), step: None };
+    commit_one(&s, StepCommit::new(ids[0].id(), claims[0].token(), park)).await.unwrap();
+    let parked = tokio::time::timeout(Duration::from_millis(500), task).await;
+    assert!(parked.is_err(), "a park is not an end");
+    // A commit that ends an instance wakes the waiter.
+    let (task, ready) = woken(std::sync::Arc::clone(&s));
+    ready.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let done = Outcome::Done { result: json!({}), step: None };
+    commit_one(&s, StepCommit::new(ids[1].id(), claims[1].token(), done)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), task).await.expect("woken by the end").unwrap();
+    // So does a cancel.
+    let (task, ready) = woken(std::sync::Arc::clone(&s));
+    ready.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let cancel = CancelParams { id: ids[0].id(), reason: "test".into(), cascade: false, now: T0 };
+    s.instance_cancel(cancel).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), task).await.expect("woken by the cancel").unwrap();
+}
+
+/// Polls `fut` once without blocking.
+async fn futures_poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Option<F::Output> {
+    std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(match std::pin::Pin::new(&mut *fut).poll(cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        })
+    })
+    .await
+}
+
 #[tokio::test]
 async fn insert_claim_commit_done_round_trip() {
     let Some(s) = common::store().await else { return };

@@ -98,6 +98,8 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
     c.execute(&drop_timers, &[&cancelled]).await?;
     c.execute(&drain, &[&cancelled, &whole]).await?;
     release_parents(c, &parents, p.now).await?;
+    let ended = c.prepare_cached(timer::HINT).await?;
+    timer::ended_send(c, &ended, channel).await?;
     let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
     signal::finish(c, &plan, Some((channel, !parents.is_empty()))).await?;
     Ok(next.iter().map(|r| r.id).collect())

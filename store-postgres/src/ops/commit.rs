@@ -197,6 +197,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut emits: Vec<NewSignal> = Vec::new();
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
     let mut timers = timer::TimerWrite::default();
+    let mut ended = false;
     let mut start = 0;
     for (i, a) in admitted {
         let s = &commits[i];
@@ -230,6 +231,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             ready = true;
         }
         ready |= row.status == Status::Runnable && row.eligible_at <= now;
+        ended |= row.status.is_terminal() || row.status == Status::Suspended;
         for (signal, target) in &plan.emits {
             emits.push(signal.clone());
             emit_targets_ok.push(Some(*target));
@@ -288,6 +290,10 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         hinted?;
         Ok(written)
     };
+    // Callers waiting for these instances' results hear of it when the commit lands.
+    let ended_stmt = c.prepare_cached(timer::HINT).await?;
+    let f_ended =
+        async { if ended { timer::ended_send(c, &ended_stmt, channel).await } else { Ok(0) } };
     let delivered = !emits.is_empty();
     let tail = async {
         if delivered {
@@ -296,8 +302,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         end_tx(c, ready.then_some(channel)).await?;
         Ok::<_, crate::error::OpError>(Some(()))
     };
-    let (written, hist_done, consumed, letter_rows, released, timed, tail) =
-        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, f_timers, tail);
+    let (written, hist_done, consumed, letter_rows, released, timed, ended_sent, tail) =
+        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, f_timers, f_ended, tail);
     // In the order the statements went out (see the first round trip).
     written?;
     hist_done?;
@@ -305,6 +311,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let letter_rows = letter_rows?;
     released?;
     timed?;
+    ended_sent?;
     tail?;
     let letter_ids: HashMap<i64, i64> = letter_rows
         .iter()

@@ -213,6 +213,10 @@ impl Store for PgStore {
         in_tx!(self, |c| migrate::run(c, &params, &self.channel))
     }
 
+    async fn instance_change_wait(&self) {
+        self.wait_changed().await;
+    }
+
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
         params.validate()?;
         in_tx!(self, |c| lease::release(c, &params, &self.channel))

@@ -131,10 +131,28 @@ pub(crate) enum Notice {
     Timer(Timestamp),
     /// A timer hint that does not parse: treated as lost hints.
     TimerUnreadable,
+    /// Instances ended or were suspended: waiters for results re-read.
+    Ended,
+}
+
+/// The payload a transaction sends when it ended (or suspended) instances: callers waiting
+/// for a result re-read them.
+pub(crate) const ENDED: &str = "ended";
+
+/// Sends [`ENDED`] inside the caller's transaction (delivered when it commits).
+pub(crate) async fn ended_send<C: GenericClient + Sync>(
+    c: &C,
+    stmt: &tokio_postgres::Statement,
+    channel: &str,
+) -> Result<u64, tokio_postgres::Error> {
+    c.execute(stmt, &[&channel, &ENDED]).await
 }
 
 /// Reads a notification payload.
 pub(crate) fn parse_notice(payload: &str) -> Notice {
+    if payload == ENDED {
+        return Notice::Ended;
+    }
     match payload.strip_prefix(HINT_PREFIX) {
         None => Notice::Ready,
         Some(due) => {
