@@ -31,6 +31,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     }
     let keel = connect(&cli, migrate).await?;
     let ns = cli.namespace.as_str();
+    if let Command::Serve { listen } = cli.command {
+        crate::serve::run(&cli, keel, listen).await?;
+        return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
+    }
     match cli.command {
         Command::Status { machine } => status(&keel, ns, machine.as_deref()).await,
         Command::Pause { queue } => pause(&keel, ns, &queue, true).await,
@@ -49,7 +53,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             json!({ "migrated": true, "store": keel.describe() }),
             format!("The store is up to date: {}.", keel.describe()),
         )),
-        Command::Health => unreachable!("handled above"),
+        Command::Health | Command::Serve { .. } => unreachable!("handled above"),
     }
 }
 

@@ -49,14 +49,16 @@ pub enum Level {
 /// One threshold crossed.
 #[derive(Debug, Serialize)]
 pub struct Finding {
-    level: Level,
+    /// How bad.
+    pub level: Level,
     machine: String,
     check: &'static str,
     value: u64,
     threshold: u64,
 }
 
-fn read_config(cli: &Cli) -> anyhow::Result<KeelConfig> {
+/// The configuration file `--config` names, or the defaults (no thresholds).
+pub fn read_config(cli: &Cli) -> anyhow::Result<KeelConfig> {
     let Some(path) = &cli.config else {
         return Ok(KeelConfig::default());
     };

@@ -8,6 +8,7 @@ mod commands;
 mod exit;
 mod health;
 mod output;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -104,6 +105,12 @@ pub enum Command {
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
+    /// Serve the event and instance API, `/metrics` and `/health` over HTTP.
+    Serve {
+        /// The address to listen on; loopback only (there is no authentication yet).
+        #[arg(long, default_value = "127.0.0.1:7878")]
+        listen: std::net::SocketAddr,
+    },
 }
 
 /// `keel start`.
