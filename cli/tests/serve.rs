@@ -372,3 +372,144 @@ async fn an_embedded_worker_serves_its_metrics_with_one_call() {
         .unwrap_or_else(|| panic!("no completed counter in\n{text}"));
     assert!(completed.2 >= 1.0, "{text}");
 }
+
+/// Starts the Python example worker against `base` with extra arguments.
+fn python_worker(base: &str, args: &[&str]) -> std::process::Child {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/http-worker/worker.py");
+    std::process::Command::new("python3")
+        .arg(script)
+        .args(["--base", base])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs the example worker")
+}
+
+/// Waits for a worker; its exit code and its JSON lines.
+fn lines(child: std::process::Child) -> (i32, Vec<Value>) {
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let parsed = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (out.status.code().unwrap_or(-1), parsed)
+}
+
+#[test]
+fn a_python_worker_runs_steps_over_the_worker_protocol() {
+    for (name, s) in servers("a_python_worker_runs_steps_over_the_worker_protocol", None) {
+        let ns = "/v1/namespaces/default/instances";
+        let (_, a) = s.post(ns, r#"{"machine":"greeter","at":"greet","context":{"name":"Ada"}}"#);
+        let (_, b) = s.post(ns, r#"{"machine":"greeter","at":"greet","context":{"refuse":true}}"#);
+        let (code, out) = lines(python_worker(&s.base, &["--tasks", "2"]));
+        assert_eq!(code, 0, "{name}: {out:?}");
+        assert!(out.iter().all(|l| l["status"] == 200), "{name}: {out:?}");
+
+        let (_, done) = s.get_json(&format!("{ns}/{}", a["id"]));
+        assert_eq!(done["instance"]["status"], "done", "{name}: {done}");
+        assert_eq!(done["instance"]["result"]["greeting"], "hello, Ada");
+        let (_, refused) = s.get_json(&format!("{ns}/{}", b["id"]));
+        assert_eq!(refused["instance"]["status"], "suspended", "{name}: {refused}");
+        let (code, text) = s.get("/metrics");
+        assert_eq!(code, 200);
+        let letters = parse_prometheus(&text)
+            .into_iter()
+            .find(|(m, l, _)| m == "keel_dead_letters" && l.contains("greeter"))
+            .unwrap_or_else(|| panic!("{name}: no dead letter gauge in\n{text}"));
+        assert_eq!(letters.2, 1.0, "{name}");
+
+        // Nothing to do: a poll waits, then answers 204.
+        let poll = r#"{"worker":"rust","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":200}"#;
+        let (code, _) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 204, "{name}");
+        for (body, field) in [
+            (r#"{"worker":"w","namespace":"default","machines":[]}"#, "machines"),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":999999}"#,
+                "wait_ms",
+            ),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":1}],"lease_ms":1}"#,
+                "lease_ms",
+            ),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":"1"}]}"#,
+                "machines[0].version",
+            ),
+        ] {
+            let (code, answer) = s.post("/v1/worker/tasks/poll", body);
+            assert_eq!(
+                (code, answer["field"].as_str()),
+                (400, Some(field)),
+                "{name}: {body}: {answer}"
+            );
+        }
+        let (code, answer) = s.post(
+            "/v1/worker/tasks/x1/complete",
+            r#"{"worker":"w","token":1,"outcome":{"type":"done","result":{}}}"#,
+        );
+        assert_eq!((code, answer["field"].as_str()), (400, Some("id")), "{name}");
+    }
+}
+
+#[test]
+fn a_lease_that_expires_mid_task_hands_the_task_over_and_the_stale_token_gets_409() {
+    for (name, s) in servers(
+        "a_lease_that_expires_mid_task_hands_the_task_over_and_the_stale_token_gets_409",
+        None,
+    ) {
+        let ns = "/v1/namespaces/default/instances";
+        let (_, a) = s.post(ns, r#"{"machine":"greeter","at":"greet","context":{"name":"slow"}}"#);
+        let id = a["id"].as_i64().unwrap();
+        // The Python worker takes the task with a short lease and no heartbeat, then
+        // sleeps past it.
+        let slow = python_worker(
+            &s.base,
+            &["--tasks", "1", "--lease-ms", "300", "--pause-ms", "2500", "--worker", "slow"],
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let first_token = loop {
+            let (_, row) = s.get_json(&format!("{ns}/{id}"));
+            if row["instance"]["status"] == "executing" {
+                break row["instance"]["fencing_token"].as_i64().unwrap();
+            }
+            assert!(std::time::Instant::now() < deadline, "{name}: the worker never claimed");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // Another worker polls: the expired lease is reaped and the task is claimed anew.
+        let poll = r#"{"worker":"fast","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":5000}"#;
+        let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+        let token = task["token"].as_i64().unwrap();
+        assert!(token > first_token, "{name}");
+        let (code, _) = s.post(
+            &format!("/v1/worker/tasks/{id}/heartbeat"),
+            &format!(r#"{{"worker":"slow","token":{first_token}}}"#),
+        );
+        assert_eq!(code, 409, "{name}: a stale heartbeat");
+        let (code, _) = s.post(
+            &format!("/v1/worker/tasks/{id}/heartbeat"),
+            &format!(r#"{{"worker":"fast","token":{token}}}"#),
+        );
+        assert_eq!(code, 200, "{name}");
+        let (code, answer) = s.post(
+            &format!("/v1/worker/tasks/{id}/complete"),
+            &format!(r#"{{"worker":"fast","token":{token},"outcome":{{"type":"done","result":{{"by":"rust"}}}}}}"#),
+        );
+        assert_eq!((code, answer["status"].as_str()), (200, Some("done")), "{name}: {answer}");
+
+        // The slow worker wakes up, completes with its old token, and is refused.
+        let (code, out) = lines(slow);
+        assert_eq!(code, 0, "{name}");
+        assert_eq!(out[0]["status"], 409, "{name}: {out:?}");
+        let (_, row) = s.get_json(&format!("{ns}/{id}"));
+        assert_eq!(
+            row["instance"]["result"],
+            json!({ "by": "rust" }),
+            "{name}: the stale result was dropped"
+        );
+        let (code, _) = s.post(
+            &format!("/v1/worker/tasks/{id}/fail"),
+            &format!(r#"{{"worker":"fast","token":{token},"error":"late"}}"#),
+        );
+        assert_eq!(code, 409, "{name}: a committed task cannot fail afterwards");
+    }
+}

@@ -33,7 +33,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad(field: &str, message: impl Into<String>) -> Self {
+    pub(super) fn bad(field: &str, message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             field: Some(field.to_owned()),
@@ -41,8 +41,12 @@ impl ApiError {
         }
     }
 
-    fn not_found(message: impl Into<String>) -> Self {
+    pub(super) fn not_found(message: impl Into<String>) -> Self {
         ApiError { status: StatusCode::NOT_FOUND, field: None, message: message.into() }
+    }
+
+    pub(super) fn conflict(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::CONFLICT, field: None, message: message.into() }
     }
 }
 
@@ -71,7 +75,7 @@ impl IntoResponse for ApiError {
 type ApiResult = Result<Response, ApiError>;
 
 /// Parses a JSON body; the error names the field at fault (its path in the document).
-fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
+pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(&mut de).map_err(|error| {
         let path = error.path().to_string();
@@ -86,7 +90,7 @@ fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
 }
 
 /// The raw body, or 413 / 400 in the API's JSON shape when it cannot be read.
-fn read(bytes: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(super) fn read(bytes: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     bytes.map_err(|rejection| ApiError {
         status: rejection.status(),
         field: Some("body".into()),

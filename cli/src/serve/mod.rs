@@ -6,6 +6,7 @@
 
 mod api;
 mod metrics;
+mod worker;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -50,6 +51,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/namespaces/{ns}/instances/{id}", get(api::get_instance))
         .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
         .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
+        .route("/v1/worker/tasks/poll", post(worker::poll))
+        .route("/v1/worker/tasks/{id}/heartbeat", post(worker::heartbeat))
+        .route("/v1/worker/tasks/{id}/complete", post(worker::complete))
+        .route("/v1/worker/tasks/{id}/fail", post(worker::fail))
         .fallback(api::not_found)
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)
