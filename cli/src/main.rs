@@ -107,9 +107,12 @@ pub enum Command {
     Migrate,
     /// Serve the event and instance API, `/metrics` and `/health` over HTTP.
     Serve {
-        /// The address to listen on; loopback only (there is no authentication yet).
+        /// The address to listen on; loopback only without `--tokens`.
         #[arg(long, default_value = "127.0.0.1:7878")]
         listen: std::net::SocketAddr,
+        /// The bearer tokens file (TOML `[[tokens]]` with `token`, `namespaces`, `access`).
+        #[arg(long, env = "KEEL_TOKENS")]
+        tokens: Option<PathBuf>,
     },
 }
 

@@ -25,6 +25,15 @@ impl Drop for Server {
 
 /// Whichever stores this run can reach, each with `keel serve` started on port 0.
 fn servers(test: &str, config: Option<&str>) -> Vec<(&'static str, Server)> {
+    servers_with(test, config, None)
+}
+
+/// As [`servers`], with a tokens file when `tokens` is given.
+fn servers_with(
+    test: &str,
+    config: Option<&str>,
+    tokens: Option<&str>,
+) -> Vec<(&'static str, Server)> {
     let mut stores = Vec::new();
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("keel.db").display());
@@ -40,11 +49,17 @@ fn servers(test: &str, config: Option<&str>) -> Vec<(&'static str, Server)> {
     }
     stores
         .into_iter()
-        .map(|(name, url, schema, dir)| (name, spawn(&url, &schema, config, dir)))
+        .map(|(name, url, schema, dir)| (name, spawn(&url, &schema, config, tokens, dir)))
         .collect()
 }
 
-fn spawn(url: &str, schema: &str, config: Option<&str>, dir: Option<tempfile::TempDir>) -> Server {
+fn spawn(
+    url: &str,
+    schema: &str,
+    config: Option<&str>,
+    tokens: Option<&str>,
+    dir: Option<tempfile::TempDir>,
+) -> Server {
     let bin = assert_cmd::cargo::cargo_bin("keel");
     let migrate = std::process::Command::new(&bin)
         .args(["--database-url", url, "--schema", schema, "migrate"])
@@ -58,6 +73,11 @@ fn spawn(url: &str, schema: &str, config: Option<&str>, dir: Option<tempfile::Te
         let path = config_dir.path().join("keel.toml");
         std::fs::write(&path, text).unwrap();
         cmd.arg("--config").arg(path);
+    }
+    if let Some(text) = tokens {
+        let path = config_dir.path().join("tokens.toml");
+        std::fs::write(&path, text).unwrap();
+        cmd.arg("--tokens").arg(path);
     }
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
     let mut line = String::new();
@@ -73,12 +93,17 @@ fn spawn(url: &str, schema: &str, config: Option<&str>, dir: Option<tempfile::Te
 
 impl Server {
     fn post(&self, path: &str, body: &str) -> (u16, Value) {
-        let mut resp = self
-            .agent
-            .post(&format!("{}{path}", self.base))
-            .content_type("application/json")
-            .send(body)
-            .unwrap();
+        self.post_as("", path, body)
+    }
+
+    /// A POST with a bearer token (none when empty).
+    fn post_as(&self, token: &str, path: &str, body: &str) -> (u16, Value) {
+        let mut req =
+            self.agent.post(&format!("{}{path}", self.base)).content_type("application/json");
+        if !token.is_empty() {
+            req = req.header("Authorization", &format!("Bearer {token}"));
+        }
+        let mut resp = req.send(body).unwrap();
         let text = resp.body_mut().read_to_string().unwrap();
         (resp.status().as_u16(), serde_json::from_str(&text).unwrap_or(Value::String(text)))
     }
@@ -112,7 +137,16 @@ impl Server {
     }
 
     fn get(&self, path: &str) -> (u16, String) {
-        let mut resp = self.agent.get(&format!("{}{path}", self.base)).call().unwrap();
+        self.get_as("", path)
+    }
+
+    /// A GET with a bearer token (none when empty).
+    fn get_as(&self, token: &str, path: &str) -> (u16, String) {
+        let mut req = self.agent.get(&format!("{}{path}", self.base));
+        if !token.is_empty() {
+            req = req.header("Authorization", &format!("Bearer {token}"));
+        }
+        let mut resp = req.call().unwrap();
         (resp.status().as_u16(), resp.body_mut().read_to_string().unwrap())
     }
 
@@ -512,4 +546,117 @@ fn a_lease_that_expires_mid_task_hands_the_task_over_and_the_stale_token_gets_40
         );
         assert_eq!(code, 409, "{name}: a committed task cannot fail afterwards");
     }
+}
+
+const TOKENS: &str = r#"
+[[tokens]]
+token = "token-for-namespace-a"
+namespaces = ["a"]
+access = "operate"
+
+[[tokens]]
+token = "token-for-namespace-b"
+namespaces = ["b"]
+access = "operate"
+
+[[tokens]]
+token = "read-only-token-for-a"
+namespaces = ["a"]
+access = "read"
+
+[[tokens]]
+token = "operator-of-everything"
+namespaces = ["*"]
+access = "read"
+"#;
+
+#[test]
+fn a_token_never_sees_or_changes_another_namespace() {
+    let (a, b, ra, all) = (
+        "token-for-namespace-a",
+        "token-for-namespace-b",
+        "read-only-token-for-a",
+        "operator-of-everything",
+    );
+    for (name, s) in
+        servers_with("a_token_never_sees_or_changes_another_namespace", None, Some(TOKENS))
+    {
+        let start = r#"{"machine":"greeter","at":"greet","key":"K"}"#;
+        assert_eq!(s.post("/v1/namespaces/a/instances", start).0, 401, "{name}: no token");
+        assert_eq!(
+            s.post_as("wrong-token-wrong-token", "/v1/namespaces/a/instances", start).0,
+            401
+        );
+        let (code, started) = s.post_as(a, "/v1/namespaces/a/instances", start);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let before = s.get_as(a, &format!("/v1/namespaces/a/instances/{id}"));
+        assert_eq!(before.0, 200, "{name}");
+
+        // Token b: every read and write on a's instance, by either namespace path, is 404.
+        let event = format!(r#"{{"instance":{id},"event":"X"}}"#);
+        let by_key = r#"{"machine":"greeter","key":"K","event":"X"}"#;
+        assert_eq!(s.get_as(b, &format!("/v1/namespaces/a/instances/{id}")).0, 404, "{name}");
+        assert_eq!(s.get_as(b, &format!("/v1/namespaces/b/instances/{id}")).0, 404, "{name}");
+        assert_eq!(s.get_as(b, "/v1/namespaces/a/machines/greeter/keys/K").0, 404, "{name}");
+        assert_eq!(s.post_as(b, "/v1/namespaces/a/events", &event).0, 404, "{name}");
+        assert_eq!(s.post_as(b, "/v1/namespaces/b/events", &event).0, 404, "{name}");
+        assert_eq!(s.post_as(b, "/v1/namespaces/b/events", by_key).0, 404, "{name}");
+        assert_eq!(s.post_as(b, &format!("/v1/namespaces/a/instances/{id}/cancel"), "").0, 404);
+        assert_eq!(s.post_as(b, &format!("/v1/namespaces/b/instances/{id}/cancel"), "").0, 404);
+        let poll_a =
+            r#"{"worker":"w","namespace":"a","machines":[{"name":"greeter","version":1}]}"#;
+        assert_eq!(s.post_as(b, "/v1/worker/tasks/poll", poll_a).0, 404, "{name}");
+        for call in ["heartbeat", "complete", "fail"] {
+            let body = r#"{"worker":"w","token":1,"lease_ms":1000,"error":"x","outcome":{"type":"done","result":{}}}"#;
+            assert_eq!(
+                s.post_as(b, &format!("/v1/worker/tasks/{id}/{call}"), body).0,
+                404,
+                "{name}: {call}"
+            );
+        }
+        // Operator endpoints span every namespace: only a "*" token.
+        for path in ["/metrics", "/health", "/v1/cluster/info"] {
+            assert_eq!(s.get_as(a, path).0, 404, "{name}: {path}");
+            assert_eq!(s.get_as(all, path).0, 200, "{name}: {path}");
+        }
+        // A read-only token reads its namespace and writes nothing.
+        assert_eq!(s.get_as(ra, &format!("/v1/namespaces/a/instances/{id}")).0, 200);
+        let (code, answer) = s.post_as(ra, "/v1/namespaces/a/events", &event);
+        assert_eq!((code, answer["field"].as_str()), (403, Some("authorization")), "{name}");
+        assert_eq!(
+            s.get_as(a, &format!("/v1/namespaces/a/instances/{id}")),
+            before,
+            "{name}: nothing changed"
+        );
+
+        assert_eq!(s.post_as(a, "/v1/namespaces/a/events", &event).0, 202, "{name}");
+        assert_eq!(s.post_as(a, "/v1/worker/tasks/poll", poll_a).0, 200, "{name}");
+    }
+}
+
+#[test]
+fn serve_refuses_a_public_address_without_tokens_and_bad_tokens_files() {
+    let bin = assert_cmd::cargo::cargo_bin("keel");
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+    let out = std::process::Command::new(&bin)
+        .args(["--database-url", &url, "serve", "--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a loopback address"));
+    let short = dir.path().join("short.toml");
+    std::fs::write(
+        &short,
+        "[[tokens]]\ntoken = \"abc\"\nnamespaces = [\"a\"]\naccess = \"operate\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["--database-url", &url, "serve", "--listen", "127.0.0.1:0", "--tokens"])
+        .arg(&short)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tokens[0].token is shorter"), "{out:?}");
 }

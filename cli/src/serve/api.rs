@@ -33,6 +33,10 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    pub(super) fn new(status: StatusCode, field: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError { status, field: field.map(str::to_owned), message: message.into() }
+    }
+
     pub(super) fn bad(field: &str, message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,

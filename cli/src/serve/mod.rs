@@ -1,10 +1,12 @@
 //! `keel serve`: the HTTP face of a store — the event and instance API, `/metrics` in
 //! Prometheus text and `/health` with the same thresholds as `keel health`.
 //!
-//! There is no authentication yet, so the server refuses any address that is not a
-//! loopback one and says so when it starts.
+//! With a tokens file every request needs a bearer token scoped to namespaces (`auth`);
+//! without one the server refuses any address that is not a loopback one and says so
+//! when it starts.
 
 mod api;
+mod auth;
 mod metrics;
 mod worker;
 
@@ -38,6 +40,8 @@ pub struct AppState {
     pub namespace: String,
     /// The Prometheus recorder `/metrics` renders.
     pub metrics: PrometheusHandle,
+    /// The bearer tokens, when a tokens file was given; `None` = no authentication.
+    pub tokens: Option<Vec<auth::Grant>>,
 }
 
 /// The router, on a shared state.
@@ -56,27 +60,38 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/worker/tasks/{id}/complete", post(worker::complete))
         .route("/v1/worker/tasks/{id}/fail", post(worker::fail))
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::check))
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)
 }
 
 /// Runs the server until Ctrl-C or SIGTERM.
-pub async fn run(cli: &Cli, keel: Keel, listen: SocketAddr) -> anyhow::Result<()> {
-    if !listen.ip().is_loopback() {
+pub async fn run(
+    cli: &Cli,
+    keel: Keel,
+    listen: SocketAddr,
+    tokens: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let tokens = tokens.map(auth::load).transpose()?;
+    if tokens.is_none() && !listen.ip().is_loopback() {
         bail!(
-            "--listen: {listen} is not a loopback address; keel serve has no authentication yet, so it only listens on 127.0.0.1 or ::1 (put a proxy with authentication in front to expose it)"
+            "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
         );
     }
     let config = health::read_config(cli)?;
     let metrics = keel::prometheus::install()?;
-    let state = Arc::new(AppState { keel, config, namespace: cli.namespace.clone(), metrics });
+    let open = tokens.is_none();
+    let state =
+        Arc::new(AppState { keel, config, namespace: cli.namespace.clone(), metrics, tokens });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("--listen: cannot bind {listen}"))?;
     let bound = listener.local_addr()?;
-    eprintln!(
-        "WARNING: no authentication: anyone who can reach {bound} can read and change every namespace; listening on loopback only"
-    );
+    if open {
+        eprintln!(
+            "WARNING: no authentication (no --tokens): anyone who can reach {bound} can read and change every namespace; listening on loopback only"
+        );
+    }
     println!("listening on http://{bound}");
     axum::serve(listener, router(state))
         .with_graceful_shutdown(keel::shutdown_signal())

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Extension;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -30,6 +31,7 @@ use serde_json::json;
 
 use super::AppState;
 use super::api::{ApiError, body, read};
+use super::auth::Grant;
 use crate::commands::now;
 
 /// Longest a poll waits for work.
@@ -85,9 +87,13 @@ fn lease(lease_ms: u64) -> Result<Duration, ApiError> {
 /// Claims one task, waiting up to `wait_ms` for one: 200 with the task, 204 without.
 pub async fn poll(
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let b: PollBody = body(&read(bytes)?)?;
+    if grant.is_some_and(|Extension(g)| !g.sees(&b.namespace)) {
+        return Err(ApiError::not_found(format!("no namespace {:?}", b.namespace)));
+    }
     let lease = lease(b.lease_ms)?;
     if b.machines.is_empty() {
         return Err(ApiError::bad(
@@ -149,6 +155,23 @@ pub struct HeartbeatBody {
     lease_ms: u64,
 }
 
+/// A task of a namespace the token does not see is "not found", like a missing one.
+async fn visible(
+    state: &AppState,
+    grant: Option<Extension<Grant>>,
+    id: InstanceId,
+) -> Result<(), ApiError> {
+    let Some(Extension(grant)) = grant else {
+        return Ok(());
+    };
+    let rows = state.keel.store().instance_rows(vec![id]).await?;
+    if rows.iter().any(|row| row.id == id && grant.sees(&row.namespace)) {
+        Ok(())
+    } else {
+        Err(ApiError::not_found(format!("no task {id}")))
+    }
+}
+
 fn task_id(raw: &str) -> Result<InstanceId, ApiError> {
     raw.parse::<i64>().ok().filter(|n| *n > 0).map(InstanceId).ok_or_else(|| {
         ApiError::bad(
@@ -167,10 +190,12 @@ fn stale(id: InstanceId) -> ApiError {
 /// Extends a task's lease: 200, or 409 when the token is stale.
 pub async fn heartbeat(
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     Path(id): Path<String>,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let id = task_id(&id)?;
+    visible(&state, grant, id).await?;
     let b: HeartbeatBody = body(&read(bytes)?)?;
     let lease = lease(b.lease_ms)?;
     let held = state
@@ -217,10 +242,12 @@ fn retryable_by_default() -> bool {
 /// Commits a successful step: 200 with the new status, 409 for a stale token.
 pub async fn complete(
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     Path(id): Path<String>,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let id = task_id(&id)?;
+    visible(&state, grant, id).await?;
     let b: CompleteBody = body(&read(bytes)?)?;
     let detail = state.keel.get(id).await?;
     let row = &detail.instance;
@@ -244,10 +271,12 @@ pub async fn complete(
 /// Commits a failed step through the retry and dead-letter plan: 200, or 409.
 pub async fn fail(
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     Path(id): Path<String>,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let id = task_id(&id)?;
+    visible(&state, grant, id).await?;
     let b: FailBody = body(&read(bytes)?)?;
     let detail = state.keel.get(id).await?;
     let row = &detail.instance;
