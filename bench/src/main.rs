@@ -7,11 +7,14 @@
 //!   notifications on and off;
 //! - `timers`: N timers due at the same instant — time until the last one fired, and
 //!   lateness p50 / p99;
+//! - `http`: `keel serve` on loopback — events accepted per second and worker-protocol
+//!   steps per second with 16 concurrent HTTP clients;
 //! - `parallel`: a parallel state whose regions sleep 500 ms and 200 ms — event → `@done`
 //!   inline and dispatched, and the dispatch overhead.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
+mod http;
 mod report;
 mod scenarios;
 mod stores;
@@ -38,6 +41,12 @@ struct Cli {
     /// Timers for `timers` (default 50 000).
     #[arg(long, default_value_t = 50_000)]
     timers: usize,
+    /// Events for `http` (default 20 000).
+    #[arg(long, default_value_t = 20_000)]
+    http_events: usize,
+    /// Worker-protocol steps for `http` (default 5 000).
+    #[arg(long, default_value_t = 5_000)]
+    http_steps: usize,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -54,6 +63,8 @@ enum Scenario {
     Timers,
     /// Inline vs dispatched parallel regions.
     Parallel,
+    /// `keel serve`: events and worker-protocol steps per second over HTTP.
+    Http,
 }
 
 #[tokio::main]
@@ -73,6 +84,7 @@ async fn main() -> Result<()> {
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
+            Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
         };
         report.print();
         let path = cli.out.join(format!("{}-{}.json", report.name, cli.store.name()));

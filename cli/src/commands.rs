@@ -75,16 +75,27 @@ pub fn now() -> Timestamp {
 /// One row of `status`.
 #[derive(Debug, Serialize)]
 pub struct StatusRow {
+    /// Namespace.
     pub namespace: String,
+    /// Queue (empty for a machine with only dead letters left).
     pub queue: String,
+    /// Machine name.
     pub machine: String,
+    /// Runnable now.
     pub ready: u64,
+    /// Runnable later (back-off, delayed start).
     pub scheduled: u64,
+    /// Under a lease.
     pub executing: u64,
+    /// Parked on a signal or on children.
     pub waiting: u64,
+    /// Dead-lettered, waiting for an operator.
     pub suspended: u64,
+    /// Dead-letter records.
     pub dead_letters: u64,
+    /// Age of the oldest ready instance.
     pub oldest_ready_age_ms: Option<i64>,
+    /// Whether the queue is paused.
     pub paused: bool,
 }
 

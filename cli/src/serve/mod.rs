@@ -6,7 +6,7 @@
 //! when it starts.
 
 mod api;
-mod auth;
+pub mod auth;
 mod metrics;
 mod worker;
 
@@ -42,6 +42,19 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// The bearer tokens, when a tokens file was given; `None` = no authentication.
     pub tokens: Option<Vec<auth::Grant>>,
+}
+
+impl AppState {
+    /// A state without tokens, checking health in `namespace` with no thresholds.
+    pub fn open(keel: Keel, namespace: &str, metrics: PrometheusHandle) -> Self {
+        AppState {
+            keel,
+            config: KeelConfig::default(),
+            namespace: namespace.to_owned(),
+            metrics,
+            tokens: None,
+        }
+    }
 }
 
 /// The router, on a shared state.
