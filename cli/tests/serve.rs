@@ -631,7 +631,53 @@ fn a_token_never_sees_or_changes_another_namespace() {
         );
 
         assert_eq!(s.post_as(a, "/v1/namespaces/a/events", &event).0, 202, "{name}");
-        assert_eq!(s.post_as(a, "/v1/worker/tasks/poll", poll_a).0, 200, "{name}");
+        let (code, task) = s.post_as(a, "/v1/worker/tasks/poll", poll_a);
+        assert_eq!(code, 200, "{name}");
+        let fail =
+            format!(r#"{{"worker":"w","token":{},"error":"no","retryable":false}}"#, task["token"]);
+        assert_eq!(s.post_as(a, &format!("/v1/worker/tasks/{id}/fail"), &fail).0, 200, "{name}");
+
+        // Dead letters and queues of `a` are invisible to token b, by either path.
+        let (code, list) = s.get_as(a, "/v1/namespaces/a/dead-letters");
+        assert_eq!(code, 200, "{name}");
+        let list: Value = serde_json::from_str(&list).unwrap();
+        let dl = list["dead_letters"][0]["id"].as_i64().unwrap_or_else(|| panic!("{name}: {list}"));
+        let (_, theirs) = s.get_as(b, "/v1/namespaces/b/dead-letters");
+        assert_eq!(
+            serde_json::from_str::<Value>(&theirs).unwrap()["dead_letters"],
+            json!([]),
+            "{name}"
+        );
+        for path in [
+            "/v1/namespaces/a/dead-letters".to_owned(),
+            format!("/v1/namespaces/a/dead-letters/{dl}"),
+            format!("/v1/namespaces/b/dead-letters/{dl}"),
+            "/v1/namespaces/a/status".to_owned(),
+        ] {
+            assert_eq!(s.get_as(b, &path).0, 404, "{name}: GET {path}");
+        }
+        for path in [
+            format!("/v1/namespaces/a/dead-letters/{dl}/retry"),
+            format!("/v1/namespaces/b/dead-letters/{dl}/retry"),
+            "/v1/namespaces/a/queues/default/pause".to_owned(),
+            "/v1/namespaces/a/queues/default/resume".to_owned(),
+        ] {
+            assert_eq!(s.post_as(b, &path, "").0, 404, "{name}: POST {path}");
+        }
+        let (_, status) = s.get_as(a, "/v1/namespaces/a/status");
+        let status: Value = serde_json::from_str(&status).unwrap();
+        assert_eq!(status["queues"][0]["paused"], false, "{name}: token b paused nothing");
+        assert_eq!(status["queues"][0]["suspended"], 1, "{name}: {status}");
+        assert_eq!(s.get_as(a, &format!("/v1/namespaces/a/dead-letters/{dl}")).0, 200);
+        assert_eq!(s.get_as(a, "/v1/namespaces/a/dead-letters/dl'--").0, 400, "{name}");
+
+        // Token a operates its own namespace.
+        let (code, paused) = s.post_as(a, "/v1/namespaces/a/queues/default/pause", "");
+        assert_eq!((code, &paused["paused"]), (200, &json!(true)), "{name}");
+        let (code, retried) =
+            s.post_as(a, &format!("/v1/namespaces/a/dead-letters/{dl}/retry"), "");
+        assert_eq!((code, &retried["retried"]), (200, &json!([id])), "{name}");
+        assert_eq!(s.post_as(a, "/v1/namespaces/a/queues/default/resume", "").0, 200);
     }
 }
 

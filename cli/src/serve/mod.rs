@@ -8,6 +8,7 @@
 mod api;
 pub mod auth;
 mod metrics;
+mod ops;
 mod worker;
 
 use std::net::SocketAddr;
@@ -68,6 +69,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/namespaces/{ns}/instances/{id}", get(api::get_instance))
         .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
         .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
+        .route("/v1/namespaces/{ns}/status", get(ops::status))
+        .route("/v1/namespaces/{ns}/queues/{queue}/pause", post(ops::pause))
+        .route("/v1/namespaces/{ns}/queues/{queue}/resume", post(ops::resume))
+        .route("/v1/namespaces/{ns}/dead-letters", get(ops::dead_letters))
+        .route("/v1/namespaces/{ns}/dead-letters/{id}", get(ops::dead_letter))
+        .route("/v1/namespaces/{ns}/dead-letters/{id}/retry", post(ops::dead_letter_retry))
         .route("/v1/worker/tasks/poll", post(worker::poll))
         .route("/v1/worker/tasks/{id}/heartbeat", post(worker::heartbeat))
         .route("/v1/worker/tasks/{id}/complete", post(worker::complete))
