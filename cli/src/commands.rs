@@ -530,19 +530,18 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
         }
         DlqCommand::Retry { id, machine, all: _, delay } => {
             let delay = parse_duration("delay", delay.as_deref())?;
-            let retry = match (id, machine) {
-                (Some(id), _) => DeadLetterRetry::one(DeadLetterId(parse_id("id", "dl", &id)?)),
-                (None, Some(machine)) => DeadLetterRetry::machine(machine).namespace(ns),
-                (None, None) => bail!("give a dead letter id, or --machine M --all"),
-            };
-            let retry = match delay {
+            let with_delay = |retry: DeadLetterRetry| match delay {
                 Some(delay) => retry.after(delay),
                 None => retry,
             };
-            let bar = indicatif::ProgressBar::new_spinner().with_message("retrying dead letters");
-            let retried = keel.dead_letter_retry(retry).await;
-            bar.finish_and_clear();
-            let retried = retried?;
+            let retried = match (id, machine) {
+                (Some(id), _) => {
+                    let id = DeadLetterId(parse_id("id", "dl", &id)?);
+                    keel.dead_letter_retry(with_delay(DeadLetterRetry::one(id))).await?
+                }
+                (None, Some(machine)) => retry_machine(keel, ns, &machine, &with_delay).await?,
+                (None, None) => bail!("give a dead letter id, or --machine M --all"),
+            };
             let human = format!("Retried {} instance(s): {}.", retried.len(), ids(&retried));
             Ok(Report::ok(json!({ "retried": retried }), human))
         }
@@ -561,6 +560,41 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
             ))
         }
     }
+}
+
+/// Most rounds of a machine-wide retry; each round retries up to the store's batch bound,
+/// so this covers far more dead letters than a store holds in practice.
+const RETRY_ROUNDS_MAX: usize = 1000;
+
+/// Retries every dead letter of a machine, one store batch per round, with a progress bar
+/// sized by the dead letters counted first.
+async fn retry_machine(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    with_delay: &impl Fn(DeadLetterRetry) -> DeadLetterRetry,
+) -> anyhow::Result<Vec<InstanceId>> {
+    let filter = DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine: Some(machine.to_owned()),
+        limit: DEAD_LETTER_COUNT_MAX,
+    };
+    let counted = keel.dead_letters(filter).await?.len();
+    let bar = indicatif::ProgressBar::new(counted as u64).with_message("retrying dead letters");
+    let mut retried = Vec::new();
+    for _ in 0..RETRY_ROUNDS_MAX {
+        let batch = keel
+            .dead_letter_retry(with_delay(DeadLetterRetry::machine(machine).namespace(ns)))
+            .await?;
+        bar.inc(batch.len() as u64);
+        let last = batch.len() < keel_core::limits::DEAD_LETTER_BATCH_MAX;
+        retried.extend(batch);
+        if last {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    Ok(retried)
 }
 
 fn ids(list: &[InstanceId]) -> String {
