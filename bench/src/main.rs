@@ -9,6 +9,8 @@
 //!   notifications on and off;
 //! - `timers`: N timers due at the same instant — time until the last one fired, and
 //!   lateness p50 / p99;
+//! - `http`: `keel serve` on loopback — events accepted per second and worker-protocol
+//!   steps per second with 16 concurrent HTTP clients;
 //! - `parallel`: a parallel state whose regions sleep 500 ms and 200 ms — event → `@done`
 //!   inline and dispatched, and the dispatch overhead;
 //! - `start`: single start p50 / p99, bulk start rate, and the process's memory with a
@@ -16,6 +18,7 @@
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
+mod http;
 mod queues;
 mod report;
 mod scenarios;
@@ -47,6 +50,12 @@ struct Cli {
     /// Timers for `timers` (default 50 000).
     #[arg(long, default_value_t = 50_000)]
     timers: usize,
+    /// Events for `http` (default 20 000).
+    #[arg(long, default_value_t = 20_000)]
+    http_events: usize,
+    /// Worker-protocol steps for `http` (default 5 000).
+    #[arg(long, default_value_t = 5_000)]
+    http_steps: usize,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -65,6 +74,8 @@ enum Scenario {
     Parallel,
     /// Single and bulk starts, and memory with parked instances.
     Start,
+    /// `keel serve`: events and worker-protocol steps per second over HTTP.
+    Http,
 }
 
 #[tokio::main]
@@ -91,6 +102,7 @@ async fn main() -> Result<()> {
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
             Scenario::Start => starts::start(&store, cli.instances).await?,
+            Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
         };
         report.print();
         let suffix = match (scenario, cli.queue) {

@@ -112,6 +112,8 @@
 //!
 //! Keel logs through [`tracing`](https://docs.rs/tracing) and counts through
 //! [`metrics`](https://docs.rs/metrics); it installs neither a subscriber nor a recorder.
+//! With the `prometheus` feature, `keel::prometheus::serve(addr)` installs a recorder and
+//! serves the counts as Prometheus text at `http://addr/metrics`.
 //! For logs on stderr, add `tracing-subscriber = "0.3"` and `tracing = "0.1"` to your
 //! dependencies and call, at the start of `main`:
 //!
@@ -130,6 +132,8 @@
 //! Time is kept in milliseconds since the epoch; run NTP on every worker host.
 
 mod connect;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 mod shutdown;
 mod store;
 mod worker;

@@ -1,0 +1,612 @@
+//! The commands, each a function from its arguments and a connected store to a [`Report`].
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, anyhow, bail};
+use keel::layers::core::ids::DeadLetterId;
+use keel::layers::core::ports::Store;
+use keel::layers::core::ports::store::QueuePauseParams;
+use keel::{
+    Cancel, ConnectOptions, DeadLetterFilter, DeadLetterRetry, DeliveryOutcome, InsertOutcome,
+    InstanceId, Keel, MachineRef, NewInstance, NewSignal, SignalTarget, Value, json,
+};
+use keel_core::Timestamp;
+use keel_core::duration;
+use serde::Serialize;
+
+use crate::output::{Report, age, table, time};
+use crate::{Cli, Command, DlqCommand, StartArgs, TimersCommand};
+
+/// Most dead letters `status` and `health` count per namespace; more read as "at least".
+const DEAD_LETTER_COUNT_MAX: usize = 10_000;
+
+/// Runs the parsed command line.
+pub async fn run(cli: Cli) -> anyhow::Result<Report> {
+    let migrate = matches!(cli.command, Command::Migrate);
+    if matches!(cli.command, Command::Health) {
+        let keel = crate::health::connect(&cli).await?;
+        return crate::health::run(&keel, &cli).await;
+    }
+    let keel = connect(&cli, migrate).await?;
+    let ns = cli.namespace.as_str();
+    if let Command::Serve { listen, tokens } = &cli.command {
+        crate::serve::run(&cli, keel, *listen, tokens.as_deref()).await?;
+        return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
+    }
+    match cli.command {
+        Command::Status { machine } => status(&keel, ns, machine.as_deref()).await,
+        Command::Pause { queue } => pause(&keel, ns, &queue, true).await,
+        Command::Resume { queue } => pause(&keel, ns, &queue, false).await,
+        Command::Dlq(command) => dlq(&keel, ns, command).await,
+        Command::Inspect { target } => inspect(&keel, ns, &target).await,
+        Command::Start(args) => start(&keel, ns, args).await,
+        Command::Send { target, event, payload, dedup_key } => {
+            send(&keel, ns, &target, &event, payload.as_deref(), dedup_key).await
+        }
+        Command::Cancel { target, cascade, reason } => {
+            cancel(&keel, ns, &target, cascade, reason).await
+        }
+        Command::Timers(TimersCommand::Status) => timers(&keel, ns).await,
+        Command::Migrate => Ok(Report::ok(
+            json!({ "migrated": true, "store": keel.describe() }),
+            format!("The store is up to date: {}.", keel.describe()),
+        )),
+        Command::Health | Command::Serve { .. } => unreachable!("handled above"),
+    }
+}
+
+/// Opens the store. Only `migrate` creates or changes PostgreSQL tables; the other
+/// commands leave a schema as they find it (SQLite files are always brought up to date).
+pub async fn connect(cli: &Cli, migrate: bool) -> anyhow::Result<Keel> {
+    let options = ConnectOptions::default().schema(&cli.schema).migrate(migrate);
+    Keel::connect_with(&cli.database_url, options)
+        .await
+        .context("connect with --database-url or KEEL_DATABASE_URL (run `keel migrate` first on a new PostgreSQL database)")
+}
+
+/// The wall clock in the store's unit.
+pub fn now() -> Timestamp {
+    let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    Timestamp(i64::try_from(ms).unwrap_or(i64::MAX))
+}
+
+/// One row of `status`.
+#[derive(Debug, Serialize)]
+pub struct StatusRow {
+    /// Namespace.
+    pub namespace: String,
+    /// Queue (empty for a machine with only dead letters left).
+    pub queue: String,
+    /// Machine name.
+    pub machine: String,
+    /// Runnable now.
+    pub ready: u64,
+    /// Runnable later (back-off, delayed start).
+    pub scheduled: u64,
+    /// Under a lease.
+    pub executing: u64,
+    /// Parked on a signal or on children.
+    pub waiting: u64,
+    /// Dead-lettered, waiting for an operator.
+    pub suspended: u64,
+    /// Dead-letter records.
+    pub dead_letters: u64,
+    /// Age of the oldest ready instance.
+    pub oldest_ready_age_ms: Option<i64>,
+    /// Whether the queue is paused.
+    pub paused: bool,
+}
+
+/// Per queue and machine counts, joined with dead letters and pause flags.
+pub async fn status_rows(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+) -> anyhow::Result<Vec<StatusRow>> {
+    let now = now();
+    let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
+    let paused: BTreeMap<String, bool> = keel
+        .store()
+        .queue_list(ns.to_owned())
+        .await?
+        .into_iter()
+        .map(|q| (q.queue, q.paused))
+        .collect();
+    let dead = dead_letter_counts(keel, ns).await?;
+    let mut rows: BTreeMap<(String, String), StatusRow> = BTreeMap::new();
+    for s in stats {
+        rows.insert(
+            (s.queue.clone(), s.machine.clone()),
+            StatusRow {
+                paused: paused.get(&s.queue).copied().unwrap_or(false),
+                dead_letters: dead.get(&s.machine).copied().unwrap_or(0),
+                oldest_ready_age_ms: s.oldest_ready_at.map(|at| now.0 - at.0),
+                namespace: s.namespace,
+                queue: s.queue,
+                machine: s.machine,
+                ready: s.ready,
+                scheduled: s.scheduled,
+                executing: s.executing,
+                waiting: s.waiting,
+                suspended: s.suspended,
+            },
+        );
+    }
+    // A machine whose instances all ended can still hold dead letters worth showing.
+    for (name, count) in dead {
+        if !rows.keys().any(|(_, m)| *m == name) {
+            rows.insert(
+                (String::new(), name.clone()),
+                StatusRow {
+                    namespace: ns.to_owned(),
+                    queue: String::new(),
+                    machine: name,
+                    ready: 0,
+                    scheduled: 0,
+                    executing: 0,
+                    waiting: 0,
+                    suspended: 0,
+                    dead_letters: count,
+                    oldest_ready_age_ms: None,
+                    paused: false,
+                },
+            );
+        }
+    }
+    Ok(rows.into_values().filter(|r| machine.is_none_or(|m| r.machine == m)).collect())
+}
+
+async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<String, u64>> {
+    let letters = keel
+        .dead_letters(DeadLetterFilter {
+            namespace: Some(ns.to_owned()),
+            machine: None,
+            limit: DEAD_LETTER_COUNT_MAX,
+        })
+        .await?;
+    let mut counts = BTreeMap::new();
+    for letter in letters {
+        *counts.entry(letter.letter.machine.name).or_insert(0) += 1;
+    }
+    Ok(counts)
+}
+
+async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<Report> {
+    let rows = status_rows(keel, ns, machine).await?;
+    let mut t = table(&[
+        "queue",
+        "machine",
+        "ready",
+        "scheduled",
+        "executing",
+        "waiting",
+        "suspended",
+        "dead letters",
+        "oldest ready",
+        "paused",
+    ]);
+    for r in &rows {
+        t.add_row(vec![
+            r.queue.clone(),
+            r.machine.clone(),
+            r.ready.to_string(),
+            r.scheduled.to_string(),
+            r.executing.to_string(),
+            r.waiting.to_string(),
+            r.suspended.to_string(),
+            r.dead_letters.to_string(),
+            r.oldest_ready_age_ms.map(age).unwrap_or_default(),
+            if r.paused { "PAUSED".into() } else { String::new() },
+        ]);
+    }
+    let human = if rows.is_empty() {
+        format!("No unfinished instances and no dead letters in namespace {ns:?}.")
+    } else {
+        format!("Namespace {ns:?}\n{t}")
+    };
+    Ok(Report::ok(json!({ "namespace": ns, "queues": rows }), human))
+}
+
+async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
+    keel.store()
+        .queue_pause(QueuePauseParams {
+            namespace: ns.to_owned(),
+            queue: queue.to_owned(),
+            paused,
+            now: now(),
+        })
+        .await?;
+    let pending: u64 = keel
+        .store()
+        .queue_stats(Some(ns.to_owned()), now())
+        .await?
+        .iter()
+        .filter(|s| s.queue == queue)
+        .map(|s| s.ready + s.scheduled)
+        .sum();
+    let human = if paused {
+        format!("Queue {queue:?} in namespace {ns:?}: PAUSED ({pending} pending)")
+    } else {
+        format!("Queue {queue:?} in namespace {ns:?}: running ({pending} pending)")
+    };
+    Ok(Report::ok(
+        json!({ "namespace": ns, "queue": queue, "paused": paused, "pending": pending }),
+        human,
+    ))
+}
+
+/// Reads `i42`, `42`, `dl3` or `3` as a number; the error names the field and the form.
+fn parse_id(field: &str, prefix: &str, input: &str) -> anyhow::Result<i64> {
+    let digits = input.trim().strip_prefix(prefix).unwrap_or(input.trim());
+    digits.parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+        anyhow!("{field}: {input:?} is not an id; write a positive number such as {prefix}42 or 42")
+    })
+}
+
+/// An instance id, or `machine:key` resolved to the newest instance with that key.
+async fn resolve(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<InstanceId> {
+    if let Some((machine, key)) = target.split_once(':') {
+        let found = keel
+            .lookup(SignalTarget::Key {
+                namespace: ns.to_owned(),
+                machine: machine.to_owned(),
+                key: key.to_owned(),
+            })
+            .await?;
+        return found.ok_or_else(|| {
+            anyhow!(
+                "target: no instance of machine {machine:?} with key {key:?} in namespace {ns:?}"
+            )
+        });
+    }
+    let id = InstanceId(parse_id("target", "i", target)?);
+    let rows = keel.store().instance_rows(vec![id]).await?;
+    if !rows.iter().any(|row| row.id == id && row.namespace == ns) {
+        bail!("target: no instance {id} in namespace {ns:?}");
+    }
+    Ok(id)
+}
+
+fn parse_json(field: &str, input: &str) -> anyhow::Result<Value> {
+    serde_json::from_str(input).map_err(|error| {
+        anyhow!("{field}: not valid JSON ({error}); quote it for the shell, e.g. --{field} '{{\"a\":1}}'")
+    })
+}
+
+async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report> {
+    let context = match args.context.as_deref() {
+        Some(text) => parse_json("context", text)?,
+        None => json!({}),
+    };
+    if !context.is_object() {
+        bail!("context: must be a JSON object, e.g. --context '{{\"order\":42}}'");
+    }
+    let mut new = NewInstance::new(MachineRef::new(&args.machine, args.version), &args.at)
+        .namespace(ns)
+        .context(context);
+    if let Some(key) = &args.key {
+        new = new.business_key(key);
+    }
+    if let Some(queue) = &args.queue {
+        new = new.queue(queue);
+    }
+    let outcome = keel.start(new).await?;
+    let (id, inserted) = match outcome {
+        InsertOutcome::Inserted(id) => (id, true),
+        InsertOutcome::Existing(id) => (id, false),
+    };
+    let human = if inserted {
+        format!("Started {id} ({} v{}).", args.machine, args.version)
+    } else {
+        format!("Not started: {id} already holds that unique key.")
+    };
+    Ok(Report::ok(json!({ "id": id, "inserted": inserted }), human))
+}
+
+async fn send(
+    keel: &Keel,
+    ns: &str,
+    target: &str,
+    event: &str,
+    payload: Option<&str>,
+    dedup_key: Option<String>,
+) -> anyhow::Result<Report> {
+    let id = resolve(keel, ns, target).await?;
+    let mut signal = NewSignal::new(id, event);
+    if let Some(text) = payload {
+        signal = signal.payload(parse_json("payload", text)?);
+    }
+    if let Some(key) = dedup_key {
+        signal = signal.dedup_key(key);
+    }
+    match keel.send(signal).await? {
+        DeliveryOutcome::Delivered { id: signal, target, woke } => Ok(Report::ok(
+            json!({ "outcome": "delivered", "signal": signal, "target": target, "woke": woke }),
+            format!(
+                "Delivered {event} to {target} as {signal}{}.",
+                if woke { " (woke it)" } else { "" }
+            ),
+        )),
+        DeliveryOutcome::Duplicate { id: signal, target } => Ok(Report::ok(
+            json!({ "outcome": "duplicate", "signal": signal, "target": target }),
+            format!("Already delivered: {signal} in {target} has the same dedup key."),
+        )),
+        DeliveryOutcome::TargetTerminal { target, status } => {
+            bail!("target: {target} has ended ({status}); its inbox is closed")
+        }
+        DeliveryOutcome::TargetMissing => bail!("target: no instance {id}"),
+    }
+}
+
+async fn cancel(
+    keel: &Keel,
+    ns: &str,
+    target: &str,
+    cascade: bool,
+    reason: String,
+) -> anyhow::Result<Report> {
+    let id = resolve(keel, ns, target).await?;
+    let mut request = Cancel::new(id).reason(reason);
+    if cascade {
+        request = request.cascade();
+    }
+    let cancelled = keel.cancel(request).await?;
+    let list: Vec<String> = cancelled.iter().map(ToString::to_string).collect();
+    let human = if list.is_empty() {
+        format!("Nothing to cancel: {id} has already ended.")
+    } else {
+        format!("Cancelled {}.", list.join(", "))
+    };
+    Ok(Report::ok(json!({ "cancelled": cancelled }), human))
+}
+
+async fn inspect(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Report> {
+    let id = resolve(keel, ns, target).await?;
+    let detail = keel.get(id).await?;
+    let i = &detail.instance;
+    let mut human = format!(
+        "{} {} ({}) in {}/{}\nstatus:   {}\nposition: {}\nattempt:  {}{}\ncontext:  {}\n",
+        i.id,
+        i.machine,
+        i.business_key.as_deref().unwrap_or("no key"),
+        i.namespace,
+        i.queue,
+        i.status,
+        i.position,
+        i.attempt,
+        i.last_error.as_ref().map(|e| format!(" (last error: {e})")).unwrap_or_default(),
+        i.context,
+    );
+    if let Some(result) = &i.result {
+        let _ = writeln!(human, "result:   {result}");
+    }
+    if !detail.inbox.is_empty() {
+        let mut t = table(&["signal", "event", "payload", "received"]);
+        for s in &detail.inbox {
+            t.add_row(vec![
+                s.id.to_string(),
+                s.name.clone(),
+                s.payload.to_string(),
+                time(s.inserted_at.0),
+            ]);
+        }
+        let _ = writeln!(human, "inbox:\n{t}");
+    }
+    if !detail.timers.is_empty() {
+        let mut t = table(&["timer", "next fire", "fired"]);
+        for timer in &detail.timers {
+            t.add_row(vec![
+                timer.id.to_string(),
+                time(timer.next_fire_at.0),
+                timer.fire_count.to_string(),
+            ]);
+        }
+        let _ = writeln!(human, "timers:\n{t}");
+    }
+    if !detail.children.is_empty() {
+        let mut t = table(&["child", "machine", "status", "position"]);
+        for c in &detail.children {
+            t.add_row(vec![
+                c.id.to_string(),
+                c.machine.to_string(),
+                c.status.to_string(),
+                c.position.clone(),
+            ]);
+        }
+        let _ = writeln!(human, "children:\n{t}");
+    }
+    let mut t = table(&["at", "rev", "attempt", "entry"]);
+    for h in &detail.history {
+        t.add_row(vec![
+            time(h.at.0),
+            h.revision.0.to_string(),
+            h.attempt.to_string(),
+            serde_json::to_string(&h.entry).unwrap_or_default(),
+        ]);
+    }
+    if detail.history.is_empty() {
+        human.push_str("history:  none yet (no step has run)");
+    } else {
+        let _ = write!(human, "history:\n{t}");
+    }
+    let body = json!({
+        "instance": detail.instance,
+        "inbox": detail.inbox,
+        "timers": detail.timers,
+        "children": detail.children,
+        "history": detail.history,
+    });
+    Ok(Report::ok(body, human))
+}
+
+async fn timers(keel: &Keel, ns: &str) -> anyhow::Result<Report> {
+    let now = now();
+    let status = keel.store().timer_status(Some(ns.to_owned()), now).await?;
+    let mut t = table(&["machine", "armed", "overdue", "next due", "last sweep"]);
+    let mut rows = Vec::new();
+    for s in &status {
+        t.add_row(vec![
+            s.machine.clone(),
+            s.armed.to_string(),
+            s.overdue.to_string(),
+            s.next_due.map(|at| time(at.0)).unwrap_or_default(),
+            s.last_sweep_at.map_or_else(|| "never".into(), |at| time(at.0)),
+        ]);
+        rows.push(json!({
+            "namespace": s.namespace,
+            "machine": s.machine,
+            "armed": s.armed,
+            "overdue": s.overdue,
+            "next_due": s.next_due,
+            "last_sweep_at": s.last_sweep_at,
+        }));
+    }
+    let human = if status.is_empty() {
+        format!("No armed timers in namespace {ns:?}.")
+    } else {
+        t.to_string()
+    };
+    Ok(Report::ok(json!({ "namespace": ns, "machines": rows }), human))
+}
+
+async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Report> {
+    match command {
+        DlqCommand::List { machine, limit } => {
+            let letters = keel
+                .dead_letters(DeadLetterFilter { namespace: Some(ns.to_owned()), machine, limit })
+                .await?;
+            let mut t = table(&[
+                "id",
+                "instance",
+                "machine",
+                "position",
+                "reason",
+                "attempts",
+                "last error",
+            ]);
+            for d in &letters {
+                t.add_row(vec![
+                    d.id.to_string(),
+                    d.letter.instance.to_string(),
+                    d.letter.machine.to_string(),
+                    d.letter.position.clone(),
+                    d.letter.reason.clone(),
+                    d.letter.attempts.to_string(),
+                    d.letter.errors.last().map(|e| e.error.clone()).unwrap_or_default(),
+                ]);
+            }
+            let human = if letters.is_empty() {
+                format!("No dead letters in namespace {ns:?}.")
+            } else {
+                t.to_string()
+            };
+            Ok(Report::ok(json!({ "namespace": ns, "dead_letters": letters }), human))
+        }
+        DlqCommand::Inspect { id } => {
+            let id = DeadLetterId(parse_id("id", "dl", &id)?);
+            let d = keel.store().dead_letter_get(id).await?;
+            if d.letter.namespace != ns {
+                bail!("id: no dead letter {id} in namespace {ns:?}");
+            }
+            let mut human = format!(
+                "{} for {} ({}) at {}\nreason:   {} after {} attempts\nevent:    {}\ncorrelation: {}\nerrors:\n",
+                d.id,
+                d.letter.instance,
+                d.letter.machine,
+                d.letter.position,
+                d.letter.reason,
+                d.letter.attempts,
+                d.letter.event.as_ref().map_or_else(|| "none (a step)".into(), ToString::to_string),
+                d.letter.correlation_id.as_deref().unwrap_or("none"),
+            );
+            let mut t = table(&["attempt", "at", "error"]);
+            for e in &d.letter.errors {
+                t.add_row(vec![e.attempt.to_string(), time(e.at.0), e.error.clone()]);
+            }
+            human.push_str(&t.to_string());
+            Ok(Report::ok(json!(d), human))
+        }
+        DlqCommand::Retry { id, machine, all: _, delay } => {
+            let delay = parse_duration("delay", delay.as_deref())?;
+            let with_delay = |retry: DeadLetterRetry| match delay {
+                Some(delay) => retry.after(delay),
+                None => retry,
+            };
+            let retried = match (id, machine) {
+                (Some(id), _) => {
+                    let id = DeadLetterId(parse_id("id", "dl", &id)?);
+                    keel.dead_letter_retry(with_delay(DeadLetterRetry::one(id))).await?
+                }
+                (None, Some(machine)) => retry_machine(keel, ns, &machine, &with_delay).await?,
+                (None, None) => bail!("give a dead letter id, or --machine M --all"),
+            };
+            let human = format!("Retried {} instance(s): {}.", retried.len(), ids(&retried));
+            Ok(Report::ok(json!({ "retried": retried }), human))
+        }
+        DlqCommand::Purge { older_than, confirm } => {
+            let age = parse_duration("older-than", Some(&older_than))?.unwrap_or_default();
+            if !confirm {
+                bail!("purge deletes dead letters for good; add --confirm to proceed");
+            }
+            let bar = indicatif::ProgressBar::new_spinner().with_message("purging dead letters");
+            let purged = keel.dead_letter_purge_older_than(age).await;
+            bar.finish_and_clear();
+            let purged = purged?;
+            Ok(Report::ok(
+                json!({ "purged": purged }),
+                format!("Purged {purged} dead letter(s) older than {}.", duration::format(age)),
+            ))
+        }
+    }
+}
+
+/// Most rounds of a machine-wide retry; each round retries up to the store's batch bound,
+/// so this covers far more dead letters than a store holds in practice.
+const RETRY_ROUNDS_MAX: usize = 1000;
+
+/// Retries every dead letter of a machine, one store batch per round, with a progress bar
+/// sized by the dead letters counted first.
+async fn retry_machine(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    with_delay: &impl Fn(DeadLetterRetry) -> DeadLetterRetry,
+) -> anyhow::Result<Vec<InstanceId>> {
+    let filter = DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine: Some(machine.to_owned()),
+        limit: DEAD_LETTER_COUNT_MAX,
+    };
+    let counted = keel.dead_letters(filter).await?.len();
+    let bar = indicatif::ProgressBar::new(counted as u64).with_message("retrying dead letters");
+    let mut retried = Vec::new();
+    for _ in 0..RETRY_ROUNDS_MAX {
+        let batch = keel
+            .dead_letter_retry(with_delay(DeadLetterRetry::machine(machine).namespace(ns)))
+            .await?;
+        bar.inc(batch.len() as u64);
+        let last = batch.len() < keel_core::limits::DEAD_LETTER_BATCH_MAX;
+        retried.extend(batch);
+        if last {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    Ok(retried)
+}
+
+fn ids(list: &[InstanceId]) -> String {
+    if list.is_empty() {
+        "none".into()
+    } else {
+        list.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    }
+}
+
+fn parse_duration(field: &str, input: Option<&str>) -> anyhow::Result<Option<Duration>> {
+    input
+        .map(|text| duration::parse(text).map_err(|error| anyhow!("--{field}: {error}")))
+        .transpose()
+}

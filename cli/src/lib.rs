@@ -1,0 +1,191 @@
+//! The `keel` command as a library: its argument definitions, its commands and the
+//! `keel serve` router, so benchmarks and tests can run the HTTP API in-process.
+//!
+//! Every command connects to the store named by `--database-url` (or `KEEL_DATABASE_URL`),
+//! prints a human table by default and a stable JSON document with `--json`, and exits
+//! with a code a script can rely on (see [`exit`]).
+
+pub mod commands;
+pub mod exit;
+pub mod health;
+pub mod output;
+pub mod serve;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Operate a Keel store: queues, dead letters, instances, timers and health.
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, about, long_about = None)]
+pub struct Cli {
+    /// The store: `sqlite://<file>` or `postgres://user@host/db`.
+    #[arg(long, env = "KEEL_DATABASE_URL", default_value = "sqlite://keel.db", global = true)]
+    pub database_url: String,
+
+    /// The PostgreSQL schema Keel's tables live in.
+    #[arg(long, env = "KEEL_SCHEMA", default_value = "keel", global = true)]
+    pub schema: String,
+
+    /// The namespace to work in.
+    #[arg(long, short = 'n', env = "KEEL_NAMESPACE", default_value = "default", global = true)]
+    pub namespace: String,
+
+    /// The configuration file (TOML) whose `alerts` sections `health` reads.
+    #[arg(long, env = "KEEL_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Per queue and machine: ready, scheduled, executing, waiting, suspended, dead
+    /// letters, oldest ready age and whether the queue is paused.
+    Status {
+        /// Only this machine.
+        #[arg(long)]
+        machine: Option<String>,
+    },
+    /// Stop workers claiming from a queue (instances already running finish their step).
+    Pause {
+        /// The queue.
+        queue: String,
+    },
+    /// Let workers claim from a paused queue again.
+    Resume {
+        /// The queue.
+        queue: String,
+    },
+    /// Dead letters: list, inspect, retry, purge.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+    /// An instance: status, position, context, inbox, timers, children and history.
+    Inspect {
+        /// An instance id (`i42` or `42`) or `machine:key`.
+        target: String,
+    },
+    /// Start an instance of a machine.
+    Start(StartArgs),
+    /// Send an event to an instance.
+    Send {
+        /// An instance id (`i42` or `42`) or `machine:key`.
+        target: String,
+        /// The event's name.
+        event: String,
+        /// The event's payload, a JSON value.
+        #[arg(long)]
+        payload: Option<String>,
+        /// A key that makes a second send with the same key a no-op.
+        #[arg(long)]
+        dedup_key: Option<String>,
+    },
+    /// Cancel an instance.
+    Cancel {
+        /// An instance id (`i42` or `42`) or `machine:key`.
+        target: String,
+        /// Cancel its descendants too.
+        #[arg(long)]
+        cascade: bool,
+        /// Why, recorded in the history.
+        #[arg(long, default_value = "cancelled from the keel command line")]
+        reason: String,
+    },
+    /// Timers per machine: armed, overdue, next due, last sweep.
+    #[command(subcommand)]
+    Timers(TimersCommand),
+    /// Check the thresholds of the configuration's `alerts` sections; exit 0 healthy,
+    /// 1 warning, 2 critical.
+    Health,
+    /// Create or bring up to date the store's tables.
+    Migrate,
+    /// Serve the event and instance API, `/metrics` and `/health` over HTTP.
+    Serve {
+        /// The address to listen on; loopback only without `--tokens`.
+        #[arg(long, default_value = "127.0.0.1:7878")]
+        listen: std::net::SocketAddr,
+        /// The bearer tokens file (TOML `[[tokens]]` with `token`, `namespaces`, `access`).
+        #[arg(long, env = "KEEL_TOKENS")]
+        tokens: Option<PathBuf>,
+    },
+}
+
+/// `keel start`.
+#[derive(Debug, Args)]
+pub struct StartArgs {
+    /// The machine's name.
+    pub machine: String,
+    /// The machine's version.
+    #[arg(long, default_value_t = 1)]
+    pub version: i32,
+    /// The initial context, a JSON object.
+    #[arg(long)]
+    pub context: Option<String>,
+    /// A business key: `send` and `inspect` accept `machine:key` afterwards.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Where the instance starts: `@init` for a chart, the first step's name for a step
+    /// machine.
+    #[arg(long, default_value = "@init")]
+    pub at: String,
+    /// The queue it runs in.
+    #[arg(long)]
+    pub queue: Option<String>,
+}
+
+/// `keel dlq …`.
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Dead letters, oldest first.
+    List {
+        /// Only this machine.
+        #[arg(long)]
+        machine: Option<String>,
+        /// Most to show.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// One dead letter: the failing event, the error of every attempt.
+    Inspect {
+        /// Its id (`dl3` or `3`).
+        id: String,
+    },
+    /// Make dead-lettered instances runnable again with a fresh attempt count.
+    Retry {
+        /// One dead letter's id.
+        #[arg(conflicts_with_all = ["machine", "all"], required_unless_present = "machine")]
+        id: Option<String>,
+        /// Every dead letter of this machine (needs `--all`).
+        #[arg(long, requires = "all")]
+        machine: Option<String>,
+        /// Confirms retrying every dead letter of `--machine`.
+        #[arg(long, requires = "machine")]
+        all: bool,
+        /// Wait this long before the retry runs (`30s`, `5 minutes`).
+        #[arg(long)]
+        delay: Option<String>,
+    },
+    /// Delete dead letters older than an age (the instances stay suspended).
+    Purge {
+        /// The age (`7d`, `12 hours`).
+        #[arg(long)]
+        older_than: String,
+        /// Confirms the deletion.
+        #[arg(long)]
+        confirm: bool,
+    },
+}
+
+/// `keel timers …`.
+#[derive(Debug, Subcommand)]
+pub enum TimersCommand {
+    /// Armed and overdue timers per machine.
+    Status,
+}

@@ -1,0 +1,32 @@
+//! The `keel` command: operate a Keel store from a shell (see the library for the commands).
+
+use clap::Parser as _;
+use keel_cli::{Cli, commands, exit};
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return exit::Code::Failure.into();
+        }
+    };
+    let json = cli.json;
+    match runtime.block_on(commands::run(cli)) {
+        Ok(report) => {
+            report.print(json);
+            report.code.into()
+        }
+        Err(error) => {
+            let code = exit::classify(&error);
+            if json {
+                let body = serde_json::json!({ "error": format!("{error:#}") });
+                println!("{body}");
+            } else {
+                eprintln!("error: {error:#}");
+            }
+            code.into()
+        }
+    }
+}

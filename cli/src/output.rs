@@ -1,0 +1,106 @@
+//! What a command prints: a JSON document and the human rendering of the same data.
+
+use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+use serde_json::Value;
+
+use crate::exit::Code;
+
+/// The result of one command.
+#[derive(Debug)]
+pub struct Report {
+    /// The `--json` form: a stable document per command.
+    pub json: Value,
+    /// The human form.
+    pub human: String,
+    /// The exit code.
+    pub code: Code,
+}
+
+impl Report {
+    /// A successful report.
+    pub fn ok(json: Value, human: impl Into<String>) -> Self {
+        Report { json, human: human.into(), code: Code::Ok }
+    }
+
+    /// Prints the chosen form on stdout.
+    pub fn print(&self, json: bool) {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&self.json).unwrap_or_default());
+        } else {
+            println!("{}", self.human.trim_end());
+        }
+    }
+}
+
+/// A table with the given header, sized to the terminal when there is one.
+pub fn table(header: &[&str]) -> Table {
+    let mut table = Table::new();
+    table.load_preset(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    table.set_header(header.iter().copied());
+    table
+}
+
+/// A millisecond timestamp as RFC 3339-like UTC text (`2026-11-23 04:18:52.123Z`).
+pub fn time(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let millis = ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{millis:03}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// An age in milliseconds as a short human text (`3.2s`, `4m 10s`, `2h 5m`).
+pub fn age(ms: i64) -> String {
+    let ms = ms.max(0);
+    if ms < 60_000 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else if ms < 3_600_000 {
+        format!("{}m {}s", ms / 60_000, (ms % 60_000) / 1000)
+    } else {
+        format!("{}h {}m", ms / 3_600_000, (ms % 3_600_000) / 60_000)
+    }
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(ms: i64, expected: &str) {
+        assert_eq!(time(ms), expected);
+    }
+
+    #[test]
+    fn times_read_as_utc_dates() {
+        check(0, "1970-01-01 00:00:00.000Z");
+        check(951_782_400_000, "2000-02-29 00:00:00.000Z");
+        check(1_795_407_532_123, "2026-11-23 04:18:52.123Z");
+    }
+
+    #[test]
+    fn ages_pick_a_readable_unit() {
+        assert_eq!(age(3_200), "3.2s");
+        assert_eq!(age(250_000), "4m 10s");
+        assert_eq!(age(7_500_000), "2h 5m");
+        assert_eq!(age(-5), "0.0s");
+    }
+}

@@ -1,0 +1,329 @@
+//! The event and instance API under `/v1/namespaces/{ns}/…`.
+//!
+//! Bodies are parsed by hand from bytes so that every bad input — malformed JSON, a wrong
+//! type, an unknown field — is answered with 400 and a message naming the field, never
+//! with the framework's plain-text rejection. An instance of another namespace answers
+//! 404, exactly like one that does not exist.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use keel::{
+    Cancel, DeliveryOutcome, ErrorKind, InsertOutcome, InstanceId, MachineRef, NewInstance,
+    NewSignal, SignalTarget, StoreError, Value,
+};
+use keel_core::ports::Store;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use super::AppState;
+
+/// An API error: a status, the field at fault when there is one, and how to fix it.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    field: Option<String>,
+    message: String,
+}
+
+impl ApiError {
+    pub(super) fn new(status: StatusCode, field: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError { status, field: field.map(str::to_owned), message: message.into() }
+    }
+
+    pub(super) fn bad(field: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            field: Some(field.to_owned()),
+            message: message.into(),
+        }
+    }
+
+    pub(super) fn not_found(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::NOT_FOUND, field: None, message: message.into() }
+    }
+
+    pub(super) fn conflict(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::CONFLICT, field: None, message: message.into() }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        let status = match error.kind {
+            ErrorKind::Invalid => StatusCode::BAD_REQUEST,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::Conflict | ErrorKind::LeaseLost => StatusCode::CONFLICT,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        // Store messages start with the field they are about (`name: …`).
+        let field = (status == StatusCode::BAD_REQUEST)
+            .then(|| error.message.split(':').next().unwrap_or_default().trim().to_owned())
+            .filter(|f| !f.is_empty() && !f.contains(' '));
+        ApiError { status, field, message: error.message }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message, "field": self.field }))).into_response()
+    }
+}
+
+type ApiResult = Result<Response, ApiError>;
+
+/// Parses a JSON body; the error names the field at fault (its path in the document).
+pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(&mut de).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner().to_string();
+        let field = if path == "." || path == "?" {
+            inner.split('`').nth(1).filter(|_| inner.contains("field")).unwrap_or("body").to_owned()
+        } else {
+            path
+        };
+        ApiError::bad(&field, format!("{field}: {inner}"))
+    })
+}
+
+/// The raw body, or 413 / 400 in the API's JSON shape when it cannot be read.
+pub(super) fn read(bytes: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    bytes.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        field: Some("body".into()),
+        message: format!(
+            "body: {}; bodies are at most {} bytes",
+            rejection.body_text(),
+            super::BODY_BYTES_MAX
+        ),
+    })
+}
+
+fn parse_id(raw: &str) -> Result<InstanceId, ApiError> {
+    let digits = raw.strip_prefix('i').unwrap_or(raw);
+    digits.parse::<i64>().ok().filter(|n| *n > 0).map(InstanceId).ok_or_else(|| {
+        ApiError::bad(
+            "id",
+            format!("{raw:?} is not an instance id; write a positive number such as 42 or i42"),
+        )
+    })
+}
+
+/// The instance, when it exists in `ns`; otherwise 404 (another namespace's included).
+async fn instance_in(state: &AppState, ns: &str, id: InstanceId) -> Result<(), ApiError> {
+    let rows = state.keel.store().instance_rows(vec![id]).await?;
+    if rows.iter().any(|row| row.id == id && row.namespace == ns) {
+        Ok(())
+    } else {
+        Err(ApiError::not_found(format!("no instance {id} in namespace {ns:?}")))
+    }
+}
+
+/// `POST …/events`: where it goes, the event's name, its payload.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventBody {
+    /// An instance id.
+    instance: Option<i64>,
+    /// With `key`: the newest instance of this machine with that business key.
+    machine: Option<String>,
+    /// The business key.
+    key: Option<String>,
+    /// The event's name.
+    event: String,
+    /// The payload (default `{}`).
+    #[serde(default)]
+    payload: Option<Value>,
+    /// A second event with the same key to the same instance is not stored again.
+    dedup_key: Option<String>,
+}
+
+async fn target(state: &AppState, ns: &str, b: &EventBody) -> Result<InstanceId, ApiError> {
+    match (b.instance, &b.machine, &b.key) {
+        (Some(raw), None, None) => {
+            let id = parse_id(&raw.to_string())?;
+            instance_in(state, ns, id).await?;
+            Ok(id)
+        }
+        (None, Some(machine), Some(key)) => {
+            let target = SignalTarget::Key {
+                namespace: ns.to_owned(),
+                machine: machine.clone(),
+                key: key.clone(),
+            };
+            state.keel.lookup(target).await?.ok_or_else(|| {
+                ApiError::not_found(format!(
+                    "no instance of machine {machine:?} with key {key:?} in namespace {ns:?}"
+                ))
+            })
+        }
+        _ => Err(ApiError::bad(
+            "instance",
+            "name the target with either \"instance\": <id> or both \"machine\" and \"key\"",
+        )),
+    }
+}
+
+/// Stores an event for an instance: 202 with the signal id.
+pub async fn send_event(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> ApiResult {
+    let b: EventBody = body(&read(bytes)?)?;
+    let id = target(&state, &ns, &b).await?;
+    let mut signal = NewSignal::new(id, &b.event);
+    if let Some(payload) = b.payload.clone() {
+        signal = signal.payload(payload);
+    }
+    if let Some(key) = b.dedup_key.clone() {
+        signal = signal.dedup_key(key);
+    }
+    match state.keel.send(signal).await? {
+        DeliveryOutcome::Delivered { id: signal, target, .. } => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({ "signal": signal.0, "instance": target.0, "duplicate": false })),
+        )
+            .into_response()),
+        DeliveryOutcome::Duplicate { id: signal, target } => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({ "signal": signal.0, "instance": target.0, "duplicate": true })),
+        )
+            .into_response()),
+        DeliveryOutcome::TargetTerminal { target, status } => Err(ApiError {
+            status: StatusCode::CONFLICT,
+            field: Some("instance".into()),
+            message: format!("instance {target} has ended ({status}); its inbox is closed"),
+        }),
+        DeliveryOutcome::TargetMissing => Err(ApiError::not_found(format!("no instance {id}"))),
+    }
+}
+
+/// `POST …/instances`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartBody {
+    machine: String,
+    #[serde(default = "first_version")]
+    version: i32,
+    #[serde(default)]
+    context: Option<Value>,
+    key: Option<String>,
+    #[serde(default = "chart_start")]
+    at: String,
+    queue: Option<String>,
+}
+
+fn first_version() -> i32 {
+    1
+}
+
+fn chart_start() -> String {
+    "@init".to_owned()
+}
+
+/// Starts an instance: 201 with its id, or 200 with the existing one's.
+pub async fn start_instance(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> ApiResult {
+    let b: StartBody = body(&read(bytes)?)?;
+    let context = b.context.unwrap_or_else(|| json!({}));
+    if !context.is_object() {
+        return Err(ApiError::bad("context", "must be a JSON object such as {\"order\": 42}"));
+    }
+    let mut new = NewInstance::new(MachineRef::new(&b.machine, b.version), &b.at)
+        .namespace(&ns)
+        .context(context);
+    if let Some(key) = b.key {
+        new = new.business_key(key);
+    }
+    if let Some(queue) = b.queue {
+        new = new.queue(queue);
+    }
+    Ok(match state.keel.start(new).await? {
+        InsertOutcome::Inserted(id) => {
+            (StatusCode::CREATED, Json(json!({ "id": id.0, "inserted": true }))).into_response()
+        }
+        InsertOutcome::Existing(id) => {
+            (StatusCode::OK, Json(json!({ "id": id.0, "inserted": false }))).into_response()
+        }
+    })
+}
+
+async fn detail(state: &AppState, ns: &str, id: InstanceId) -> ApiResult {
+    instance_in(state, ns, id).await?;
+    let d = state.keel.get(id).await?;
+    Ok(Json(json!({
+        "instance": d.instance,
+        "inbox": d.inbox,
+        "timers": d.timers,
+        "children": d.children,
+        "history": d.history,
+    }))
+    .into_response())
+}
+
+/// One instance with its inbox, timers, children and history.
+pub async fn get_instance(
+    State(state): State<Arc<AppState>>,
+    Path((ns, id)): Path<(String, String)>,
+) -> ApiResult {
+    detail(&state, &ns, parse_id(&id)?).await
+}
+
+/// The newest instance of a machine with a business key.
+pub async fn get_by_key(
+    State(state): State<Arc<AppState>>,
+    Path((ns, machine, key)): Path<(String, String, String)>,
+) -> ApiResult {
+    let target =
+        SignalTarget::Key { namespace: ns.clone(), machine: machine.clone(), key: key.clone() };
+    let id = state.keel.lookup(target).await?.ok_or_else(|| {
+        ApiError::not_found(format!(
+            "no instance of machine {machine:?} with key {key:?} in namespace {ns:?}"
+        ))
+    })?;
+    detail(&state, &ns, id).await
+}
+
+/// `POST …/instances/{id}/cancel` (an empty body is allowed).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelBody {
+    #[serde(default)]
+    cascade: bool,
+    reason: Option<String>,
+}
+
+/// Cancels an instance (and its descendants with `cascade`).
+pub async fn cancel_instance(
+    State(state): State<Arc<AppState>>,
+    Path((ns, id)): Path<(String, String)>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> ApiResult {
+    let id = parse_id(&id)?;
+    let bytes = read(bytes)?;
+    let b: CancelBody = if bytes.is_empty() { CancelBody::default() } else { body(&bytes)? };
+    instance_in(&state, &ns, id).await?;
+    let mut cancel =
+        Cancel::new(id).reason(b.reason.unwrap_or_else(|| "cancelled over HTTP".into()));
+    if b.cascade {
+        cancel = cancel.cascade();
+    }
+    let cancelled: Vec<i64> = state.keel.cancel(cancel).await?.iter().map(|i| i.0).collect();
+    Ok(Json(json!({ "cancelled": cancelled })).into_response())
+}
+
+/// Any other path.
+pub async fn not_found() -> ApiError {
+    ApiError::not_found("no such endpoint; see the README for the API")
+}

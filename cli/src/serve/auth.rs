@@ -1,0 +1,159 @@
+//! Bearer tokens, each scoped to namespaces and to reading or operating.
+//!
+//! The tokens file (`keel serve --tokens tokens.toml`):
+//!
+//! ```toml
+//! [[tokens]]
+//! token = "a long random secret"
+//! namespaces = ["billing"]   # "*" = every namespace
+//! access = "operate"         # or "read"
+//! ```
+//!
+//! A request outside a token's namespaces is answered 404, like a missing instance, so a
+//! token cannot even learn what exists elsewhere. `/metrics`, `/health` and
+//! `/v1/cluster/info` span every namespace and need a `"*"` token.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use super::AppState;
+use super::api::ApiError;
+
+/// Shortest secret accepted.
+const TOKEN_BYTES_MIN: usize = 16;
+/// Most tokens in a file.
+const TOKENS_MAX: usize = 1000;
+
+/// What a token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Access {
+    /// Only reads.
+    Read,
+    /// Reads and writes.
+    Operate,
+}
+
+/// One token.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    token: String,
+    namespaces: Vec<String>,
+    access: Access,
+}
+
+impl Grant {
+    /// Whether the token sees `ns`.
+    pub fn sees(&self, ns: &str) -> bool {
+        self.namespaces.iter().any(|n| n == "*" || n == ns)
+    }
+
+    fn sees_all(&self) -> bool {
+        self.namespaces.iter().any(|n| n == "*")
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokensFile {
+    tokens: Vec<Grant>,
+}
+
+/// Reads and checks a tokens file.
+pub fn load(path: &Path) -> anyhow::Result<Vec<Grant>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--tokens: cannot read {}", path.display()))?;
+    let file: TokensFile =
+        toml::from_str(&text).with_context(|| format!("--tokens: {}", path.display()))?;
+    if file.tokens.is_empty() || file.tokens.len() > TOKENS_MAX {
+        bail!("--tokens: {} must hold between 1 and {TOKENS_MAX} [[tokens]]", path.display());
+    }
+    for (i, grant) in file.tokens.iter().enumerate() {
+        if grant.token.len() < TOKEN_BYTES_MIN {
+            bail!(
+                "--tokens: tokens[{i}].token is shorter than {TOKEN_BYTES_MIN} bytes; use a long random secret"
+            );
+        }
+        if grant.namespaces.is_empty() {
+            bail!(
+                "--tokens: tokens[{i}].namespaces is empty; name the namespaces it may use, or \"*\""
+            );
+        }
+    }
+    Ok(file.tokens)
+}
+
+/// Equal-length comparison that takes the same time wherever the first difference is.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn find<'a>(grants: &'a [Grant], presented: &str) -> Option<&'a Grant> {
+    grants.iter().find(|g| same(g.token.as_bytes(), presented.as_bytes()))
+}
+
+/// Checks every request when tokens are configured, and hands the grant to handlers.
+pub async fn check(
+    State(state): State<Arc<AppState>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let Some(grants) = &state.tokens else {
+        return next.run(request).await;
+    };
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let Some(grant) = presented.and_then(|p| find(grants, p)) else {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            Some("authorization"),
+            "authorization: send `Authorization: Bearer <token>` with a token from the server's tokens file",
+        )
+        .into_response();
+    };
+    let path = request.uri().path().to_owned();
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let write = request.method() != Method::GET;
+    match segments.as_slice() {
+        ["v1", "namespaces", ns, ..] if !grant.sees(ns) => {
+            return ApiError::not_found("not found").into_response();
+        }
+        ["v1", "worker" | "namespaces", ..] => {}
+        _ if !grant.sees_all() => return ApiError::not_found("not found").into_response(),
+        _ => {}
+    }
+    if write && grant.access == Access::Read {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            Some("authorization"),
+            "authorization: this token may only read; use a token with access = \"operate\"",
+        )
+        .into_response();
+    }
+    request.extensions_mut().insert(grant.clone());
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(same(b"secret-secret-01", b"secret-secret-01"));
+        assert!(!same(b"secret-secret-01", b"secret-secret-02"));
+        assert!(!same(b"secret-secret-01", b"secret-secret-0"));
+        assert!(!same(b"", b"x"));
+    }
+}

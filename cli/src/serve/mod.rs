@@ -1,0 +1,156 @@
+//! `keel serve`: the HTTP face of a store — the event and instance API, `/metrics` in
+//! Prometheus text and `/health` with the same thresholds as `keel health`.
+//!
+//! With a tokens file every request needs a bearer token scoped to namespaces (`auth`);
+//! without one the server refuses any address that is not a loopback one and says so
+//! when it starts.
+
+mod api;
+pub mod auth;
+mod metrics;
+mod ops;
+mod worker;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use keel::Keel;
+use keel::prometheus::PrometheusHandle;
+use keel_core::config::KeelConfig;
+use serde_json::json;
+
+use crate::Cli;
+use crate::health::{self, Level};
+
+/// Largest request body accepted; a larger one gets 413 before it is read.
+pub const BODY_BYTES_MAX: usize = 1024 * 1024;
+
+/// What every handler shares.
+pub struct AppState {
+    /// The store.
+    pub keel: Keel,
+    /// Alert thresholds for `/health`.
+    pub config: KeelConfig,
+    /// The namespace `/health` checks.
+    pub namespace: String,
+    /// The Prometheus recorder `/metrics` renders.
+    pub metrics: PrometheusHandle,
+    /// The bearer tokens, when a tokens file was given; `None` = no authentication.
+    pub tokens: Option<Vec<auth::Grant>>,
+}
+
+impl AppState {
+    /// A state without tokens, checking health in `namespace` with no thresholds.
+    pub fn open(keel: Keel, namespace: &str, metrics: PrometheusHandle) -> Self {
+        AppState {
+            keel,
+            config: KeelConfig::default(),
+            namespace: namespace.to_owned(),
+            metrics,
+            tokens: None,
+        }
+    }
+}
+
+/// The router, on a shared state.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health_handler))
+        .route("/metrics", get(metrics::handler))
+        .route("/v1/cluster/info", get(cluster_info))
+        .route("/v1/namespaces/{ns}/events", post(api::send_event))
+        .route("/v1/namespaces/{ns}/instances", post(api::start_instance))
+        .route("/v1/namespaces/{ns}/instances/{id}", get(api::get_instance))
+        .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
+        .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
+        .route("/v1/namespaces/{ns}/status", get(ops::status))
+        .route("/v1/namespaces/{ns}/queues/{queue}/pause", post(ops::pause))
+        .route("/v1/namespaces/{ns}/queues/{queue}/resume", post(ops::resume))
+        .route("/v1/namespaces/{ns}/dead-letters", get(ops::dead_letters))
+        .route("/v1/namespaces/{ns}/dead-letters/{id}", get(ops::dead_letter))
+        .route("/v1/namespaces/{ns}/dead-letters/{id}/retry", post(ops::dead_letter_retry))
+        .route("/v1/worker/tasks/poll", post(worker::poll))
+        .route("/v1/worker/tasks/{id}/heartbeat", post(worker::heartbeat))
+        .route("/v1/worker/tasks/{id}/complete", post(worker::complete))
+        .route("/v1/worker/tasks/{id}/fail", post(worker::fail))
+        .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::check))
+        .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
+        .with_state(state)
+}
+
+/// Runs the server until Ctrl-C or SIGTERM.
+pub async fn run(
+    cli: &Cli,
+    keel: Keel,
+    listen: SocketAddr,
+    tokens: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let tokens = tokens.map(auth::load).transpose()?;
+    if tokens.is_none() && !listen.ip().is_loopback() {
+        bail!(
+            "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
+        );
+    }
+    let config = health::read_config(cli)?;
+    let metrics = keel::prometheus::install()?;
+    let open = tokens.is_none();
+    let state =
+        Arc::new(AppState { keel, config, namespace: cli.namespace.clone(), metrics, tokens });
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("--listen: cannot bind {listen}"))?;
+    let bound = listener.local_addr()?;
+    if open {
+        eprintln!(
+            "WARNING: no authentication (no --tokens): anyone who can reach {bound} can read and change every namespace; listening on loopback only"
+        );
+    }
+    println!("listening on http://{bound}");
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(keel::shutdown_signal())
+        .await
+        .context("the HTTP server stopped")
+}
+
+async fn health_handler(State(state): State<Arc<AppState>>) -> Response {
+    let rows = match crate::commands::status_rows(&state.keel, &state.namespace, None).await {
+        Ok(rows) => rows,
+        Err(error) => {
+            let body = json!({ "status": "critical", "error": format!("{error:#}") });
+            return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+        }
+    };
+    match health::evaluate(&state.config, &rows) {
+        Ok(findings) => {
+            let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
+            let code = if level == Level::Critical {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::OK
+            };
+            let body =
+                json!({ "status": level, "namespace": state.namespace, "findings": findings });
+            (code, axum::Json(body)).into_response()
+        }
+        Err(error) => {
+            let body = json!({ "status": "critical", "error": format!("{error:#}") });
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+        }
+    }
+}
+
+async fn cluster_info(State(state): State<Arc<AppState>>) -> Response {
+    let body = json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "store": state.keel.describe(),
+        "body_bytes_max": BODY_BYTES_MAX,
+    });
+    axum::Json(body).into_response()
+}

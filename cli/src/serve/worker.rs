@@ -1,0 +1,340 @@
+//! The worker protocol: a step machine served by a program in any language over HTTP.
+//!
+//! A worker polls for a task (a claim under a lease, with its fencing token), runs the
+//! step, and completes it with an outcome or fails it with an error; it heartbeats to keep
+//! a long step's lease. Every call after the poll names the token; once the lease has
+//! been reaped and the instance claimed again, the old token gets 409 and its result is
+//! dropped, exactly as a Rust worker's would be. Failures go through the same retry and
+//! dead-letter plan as in-process steps, with the machine's queue settings from the
+//! configuration file.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Extension;
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use keel::{InstanceId, MachineRef, Outcome, StoreError};
+use keel_core::config::OnDeadLetter;
+use keel_core::ids::{FencingToken, WorkerId};
+use keel_core::instance::ANY_SIGNAL;
+use keel_core::ports::Store;
+use keel_core::ports::store::{ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams};
+use keel_core::retry::{FailureKind, FailurePlan, plan_failure};
+use keel_core::{StepCommit, StepFailure};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::AppState;
+use super::api::{ApiError, body, read};
+use super::auth::Grant;
+use crate::commands::now;
+
+/// Longest a poll waits for work.
+pub const POLL_WAIT_MAX: Duration = Duration::from_secs(30);
+/// Between two claim attempts of one long poll.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Shortest and longest lease a worker may ask for.
+const LEASE_MIN: Duration = Duration::from_millis(100);
+const LEASE_MAX: Duration = Duration::from_secs(3600);
+/// Expired leases returned to runnable per poll.
+const REAP_BATCH: usize = 100;
+
+/// `POST /v1/worker/tasks/poll`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollBody {
+    worker: String,
+    namespace: String,
+    machines: Vec<MachineSpec>,
+    #[serde(default = "default_lease")]
+    lease_ms: u64,
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+/// A machine (and version) a worker serves.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineSpec {
+    name: String,
+    version: i32,
+}
+
+fn default_lease() -> u64 {
+    30_000
+}
+
+fn lease(lease_ms: u64) -> Result<Duration, ApiError> {
+    let lease = Duration::from_millis(lease_ms);
+    if lease < LEASE_MIN || lease > LEASE_MAX {
+        return Err(ApiError::bad(
+            "lease_ms",
+            format!(
+                "lease_ms: {lease_ms} is outside {}..={} ms",
+                LEASE_MIN.as_millis(),
+                LEASE_MAX.as_millis()
+            ),
+        ));
+    }
+    Ok(lease)
+}
+
+/// Claims one task, waiting up to `wait_ms` for one: 200 with the task, 204 without.
+pub async fn poll(
+    State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let b: PollBody = body(&read(bytes)?)?;
+    if grant.is_some_and(|Extension(g)| !g.sees(&b.namespace)) {
+        return Err(ApiError::not_found(format!("no namespace {:?}", b.namespace)));
+    }
+    let lease = lease(b.lease_ms)?;
+    if b.machines.is_empty() {
+        return Err(ApiError::bad(
+            "machines",
+            "machines: name at least one {\"name\", \"version\"} the worker serves",
+        ));
+    }
+    if b.wait_ms > POLL_WAIT_MAX.as_millis() as u64 {
+        return Err(ApiError::bad(
+            "wait_ms",
+            format!("wait_ms: at most {} ms", POLL_WAIT_MAX.as_millis()),
+        ));
+    }
+    let store = state.keel.store();
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
+    loop {
+        store.lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() }).await?;
+        let claims = store
+            .instance_claim(ClaimParams {
+                worker: WorkerId(b.worker.clone()),
+                namespaces: vec![b.namespace.clone()],
+                queues: Vec::new(),
+                machines: b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect(),
+                limit: 1,
+                lease,
+                now: now(),
+            })
+            .await?;
+        if let Some(claim) = claims.into_iter().next() {
+            let i = &claim.instance;
+            let task = json!({
+                "id": i.id.0,
+                "token": claim.token().0,
+                "machine": i.machine.name,
+                "version": i.machine.version,
+                "step": i.position,
+                "context": i.context,
+                "attempt": i.attempt,
+                "awaits": i.awaits,
+                "inbox": claim.inbox,
+                "lease_expires_at": i.lease_expires_at,
+            });
+            return Ok(Json(task).into_response());
+        }
+        if tokio::time::Instant::now() + POLL_INTERVAL > deadline {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// The worker and token every call after the poll names.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeartbeatBody {
+    worker: String,
+    token: i64,
+    #[serde(default = "default_lease")]
+    lease_ms: u64,
+}
+
+/// A task of a namespace the token does not see is "not found", like a missing one.
+async fn visible(
+    state: &AppState,
+    grant: Option<Extension<Grant>>,
+    id: InstanceId,
+) -> Result<(), ApiError> {
+    let Some(Extension(grant)) = grant else {
+        return Ok(());
+    };
+    let rows = state.keel.store().instance_rows(vec![id]).await?;
+    if rows.iter().any(|row| row.id == id && grant.sees(&row.namespace)) {
+        Ok(())
+    } else {
+        Err(ApiError::not_found(format!("no task {id}")))
+    }
+}
+
+fn task_id(raw: &str) -> Result<InstanceId, ApiError> {
+    raw.parse::<i64>().ok().filter(|n| *n > 0).map(InstanceId).ok_or_else(|| {
+        ApiError::bad(
+            "id",
+            format!("id: {raw:?} is not a task id; use the \"id\" the poll returned"),
+        )
+    })
+}
+
+fn stale(id: InstanceId) -> ApiError {
+    ApiError::conflict(format!(
+        "task {id}: the lease is no longer yours (it expired and the task was claimed again, or it was committed); drop this result and poll again"
+    ))
+}
+
+/// Extends a task's lease: 200, or 409 when the token is stale.
+pub async fn heartbeat(
+    State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
+    Path(id): Path<String>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let id = task_id(&id)?;
+    visible(&state, grant, id).await?;
+    let b: HeartbeatBody = body(&read(bytes)?)?;
+    let lease = lease(b.lease_ms)?;
+    let held = state
+        .keel
+        .store()
+        .lease_extend(LeaseExtendParams {
+            worker: WorkerId(b.worker),
+            leases: vec![(id, FencingToken(b.token))],
+            lease,
+            now: now(),
+        })
+        .await?;
+    if held.first().copied().unwrap_or(false) {
+        Ok(Json(json!({ "id": id.0, "lease_ms": b.lease_ms })).into_response())
+    } else {
+        Err(stale(id))
+    }
+}
+
+/// `POST …/complete`: the step's outcome, as the `Outcome` JSON (`{"type": "done", …}`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompleteBody {
+    worker: String,
+    token: i64,
+    outcome: Outcome,
+}
+
+/// `POST …/fail`: the step's error.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailBody {
+    worker: String,
+    token: i64,
+    error: String,
+    #[serde(default = "retryable_by_default")]
+    retryable: bool,
+}
+
+fn retryable_by_default() -> bool {
+    true
+}
+
+/// Commits a successful step: 200 with the new status, 409 for a stale token.
+pub async fn complete(
+    State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
+    Path(id): Path<String>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let id = task_id(&id)?;
+    visible(&state, grant, id).await?;
+    let b: CompleteBody = body(&read(bytes)?)?;
+    let detail = state.keel.get(id).await?;
+    let row = &detail.instance;
+    if !holds(row, &b.worker, b.token) {
+        return Err(stale(id));
+    }
+    // As in-process: a step that does not park again consumes the signals it awaited.
+    let consume = match (&b.outcome, row.awaits.as_deref()) {
+        (Outcome::Await { .. }, _) | (_, None) => Vec::new(),
+        (_, Some(awaits)) => detail
+            .inbox
+            .iter()
+            .filter(|s| awaits == ANY_SIGNAL || s.name == awaits)
+            .map(|s| s.id)
+            .collect(),
+    };
+    let commit = StepCommit::new(id, FencingToken(b.token), b.outcome).consume(consume);
+    commit_one(&state, id, commit).await
+}
+
+/// Commits a failed step through the retry and dead-letter plan: 200, or 409.
+pub async fn fail(
+    State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
+    Path(id): Path<String>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let id = task_id(&id)?;
+    visible(&state, grant, id).await?;
+    let b: FailBody = body(&read(bytes)?)?;
+    let detail = state.keel.get(id).await?;
+    let row = &detail.instance;
+    if !holds(row, &b.worker, b.token) {
+        return Err(stale(id));
+    }
+    let config = state
+        .config
+        .queue_for(&row.machine.name, None)
+        .map_err(|error| ApiError::bad("config", error.to_string()))?;
+    let kind = if b.retryable { FailureKind::Action } else { FailureKind::NonRetryable };
+    let attempt = u32::try_from(row.attempt).unwrap_or(0);
+    // A remote step reports no single event it was processing, so `skip` suspends too.
+    let plan = plan_failure(&config.retry, OnDeadLetter::Suspend, attempt, kind, false, 0.5);
+    let mut failure = StepFailure {
+        error: b.error,
+        retryable: b.retryable,
+        dead_letter: false,
+        signals: detail.inbox.iter().map(|s| s.id).collect(),
+        event: None,
+    };
+    let outcome = if let FailurePlan::Retry { delay } = plan {
+        Outcome::Retry { context: row.context.clone(), delay }
+    } else {
+        failure.dead_letter = true;
+        Outcome::Suspend
+    };
+    let mut commit = StepCommit::new(id, FencingToken(b.token), outcome);
+    commit.failure = Some(failure);
+    commit_one(&state, id, commit).await
+}
+
+async fn commit_one(
+    state: &AppState,
+    id: InstanceId,
+    commit: StepCommit,
+) -> Result<Response, ApiError> {
+    let results =
+        state.keel.store().step_commit(CommitParams { commits: vec![commit], now: now() }).await?;
+    match results.into_iter().next() {
+        Some(Ok(receipt)) => {
+            Ok(Json(json!({ "id": id.0, "status": receipt.status })).into_response())
+        }
+        Some(Err(error)) if is_stale(&error) => Err(stale(id)),
+        Some(Err(error)) => Err(error.into()),
+        None => Err(ApiError::from(StoreError::unavailable(
+            "the store returned no result for the commit",
+        ))),
+    }
+}
+
+/// Whether `worker` still holds the lease of `token`; the store checks the token again
+/// when it commits, so this only answers early and names the worker's mistake.
+fn holds(row: &keel::Instance, worker: &str, token: i64) -> bool {
+    row.fencing_token == FencingToken(token)
+        && row.lease_owner.as_ref().is_some_and(|owner| owner.0 == worker)
+}
+
+fn is_stale(error: &StoreError) -> bool {
+    matches!(error.kind, keel::ErrorKind::LeaseLost | keel::ErrorKind::Conflict)
+}

@@ -1,0 +1,313 @@
+//! The real `keel` binary against SQLite (a file in a temporary directory) and PostgreSQL
+//! (a fresh schema, when `KEEL_TEST_DATABASE_URL` is set; SKIPPED loudly otherwise and a
+//! failure under `KEEL_REQUIRE_BACKENDS=1`). Every command runs in its human and `--json`
+//! form; failures are checked by exit code and message, and by reading the store after.
+
+use std::time::Duration;
+
+use assert_cmd::Command;
+use keel::{
+    ConnectOptions, Keel, MachineRef, NewInstance, Outcome, Status, StepContext, StepError,
+    StepMachine, WorkerConfig, json,
+};
+use serde_json::Value;
+
+/// One store the binary and the test both open.
+struct Backend {
+    name: &'static str,
+    url: String,
+    schema: String,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Backend {
+    fn keel_cmd(&self) -> Command {
+        let mut cmd = Command::cargo_bin("keel").expect("the keel binary is built");
+        cmd.env("KEEL_DATABASE_URL", &self.url)
+            .env("KEEL_SCHEMA", &self.schema)
+            .env_remove("KEEL_NAMESPACE")
+            .env_remove("KEEL_CONFIG");
+        cmd
+    }
+
+    /// Runs `keel <args>`, expects `code`, and returns stdout and stderr.
+    fn run(&self, args: &[&str], code: i32) -> (String, String) {
+        let out = self.keel_cmd().args(args).output().expect("keel runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{}: keel {args:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            self.name
+        );
+        (stdout, stderr)
+    }
+
+    /// Runs `keel --json <args>`, expects success, and parses the document.
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let (stdout, _) = self.run(&all, 0);
+        serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("{}: {args:?}: {e}: {stdout}", self.name))
+    }
+
+    async fn open(&self) -> Keel {
+        let options = ConnectOptions::default().schema(&self.schema).pool_size(2);
+        Keel::connect_with(&self.url, options).await.expect("the test opens the store")
+    }
+}
+
+/// SQLite in a fresh file, and PostgreSQL on a fresh schema when configured.
+fn backends(test: &str) -> Vec<Backend> {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+    let mut all = vec![Backend { name: "sqlite", url, schema: "keel".into(), _dir: Some(dir) }];
+    if let Some(url) = keel::layers::postgres::testing::database_url() {
+        let schema = keel::layers::postgres::testing::unique_schema();
+        all.push(Backend { name: "postgres", url, schema, _dir: None });
+    } else {
+        assert!(
+            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run {test}"
+        );
+        eprintln!("SKIPPED postgres part of {test}: set KEEL_TEST_DATABASE_URL to run it");
+    }
+    all
+}
+
+#[test]
+fn instances_start_receive_events_pause_and_cancel() {
+    for b in backends("instances_start_receive_events_pause_and_cancel") {
+        let (out, _) = b.run(&["migrate"], 0);
+        assert!(out.contains("up to date"), "{out}");
+
+        let started = b.json(&["start", "ticket", "--key", "T-1", "--context", r#"{"n":1}"#]);
+        assert_eq!(started["inserted"], true);
+        let id = started["id"].as_i64().expect("an id");
+        let (out, _) = b.run(&["start", "ticket", "--key", "T-2"], 0);
+        assert!(out.starts_with("Started i"), "{out}");
+
+        let sent = b.json(&["send", "ticket:T-1", "START", "--payload", r#"{"by":"ops"}"#]);
+        assert_eq!(sent["outcome"], "delivered");
+        assert_eq!(sent["target"], id);
+        let (out, _) = b.run(&["send", &format!("i{id}"), "PING"], 0);
+        assert!(out.contains("Delivered PING"), "{out}");
+
+        let shown = b.json(&["inspect", "ticket:T-1"]);
+        assert_eq!(shown["instance"]["id"], id);
+        assert_eq!(shown["instance"]["context"], json!({ "n": 1 }));
+        let events: Vec<&str> = shown["inbox"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(events, ["START", "PING"]);
+        let (out, _) = b.run(&["inspect", &id.to_string()], 0);
+        assert!(out.contains("status:   runnable") && out.contains("START"), "{out}");
+
+        let status = b.json(&["status"]);
+        let row = &status["queues"][0];
+        assert_eq!((row["machine"].as_str(), row["ready"].as_u64()), (Some("ticket"), Some(2)));
+        assert_eq!(row["paused"], false);
+
+        let paused = b.json(&["pause", "default"]);
+        assert_eq!((paused["paused"].as_bool(), paused["pending"].as_u64()), (Some(true), Some(2)));
+        let (out, _) = b.run(&["status", "--machine", "ticket"], 0);
+        assert!(out.contains("PAUSED"), "{out}");
+        assert_eq!(b.json(&["status"])["queues"][0]["paused"], true);
+        let (out, _) = b.run(&["resume", "default"], 0);
+        assert!(out.contains("running (2 pending)"), "{out}");
+        assert_eq!(b.json(&["status", "--machine", "ticket"])["queues"][0]["paused"], false);
+        assert_eq!(b.json(&["status", "--machine", "nothing"])["queues"], json!([]));
+
+        let cancelled = b.json(&["cancel", "ticket:T-1", "--reason", "duplicate"]);
+        assert_eq!(cancelled["cancelled"], json!([id]));
+        let (_, err) = b.run(&["send", "ticket:T-1", "START"], 1);
+        assert!(err.contains("has ended (cancelled)"), "{err}");
+        let (out, _) = b.run(&["cancel", "ticket:T-1"], 0);
+        assert!(out.contains("already ended"), "{out}");
+
+        assert_eq!(b.json(&["timers", "status"])["machines"], json!([]));
+        let (out, _) = b.run(&["timers", "status"], 0);
+        assert!(out.contains("No armed timers"), "{out}");
+    }
+}
+
+/// A step machine whose only step fails for good: every instance ends in the dead-letter
+/// queue.
+struct Refuser;
+
+#[keel::async_trait]
+impl StepMachine for Refuser {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("refuser", 1)
+    }
+
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Err(StepError::fatal("card declined"))
+    }
+}
+
+/// Two dead letters of `refuser`, made by a real worker.
+async fn two_dead_letters(b: &Backend) {
+    let keel = b.open().await;
+    let config =
+        WorkerConfig { poll_interval: Duration::from_millis(20), ..WorkerConfig::default() };
+    let worker = keel.worker_with(config).register(Refuser).unwrap().spawn().unwrap();
+    let mut ids = Vec::new();
+    for key in ["a", "b"] {
+        let new = NewInstance::new(MachineRef::new("refuser", 1), "charge").business_key(key);
+        ids.push(keel.start(new).await.unwrap().id());
+    }
+    for id in ids {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while keel.get(id).await.unwrap().instance.status != Status::Suspended {
+            assert!(std::time::Instant::now() < deadline, "{}: {id} never dead-lettered", b.name);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    worker.shutdown().await;
+}
+
+fn write_config(dir: &tempfile::TempDir, alerts: &str) -> String {
+    let path = dir.path().join("keel.toml");
+    std::fs::write(&path, format!("[queue.alerts]\n{alerts}\n")).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
+    for b in backends("dead_letters_drive_health_and_can_be_retried_and_purged") {
+        b.run(&["migrate"], 0);
+        two_dead_letters(&b).await;
+        let dir = tempfile::tempdir().unwrap();
+
+        let listed = b.json(&["dlq", "list", "--machine", "refuser"]);
+        let letters = listed["dead_letters"].as_array().unwrap();
+        assert_eq!(letters.len(), 2, "{}: {listed}", b.name);
+        let first = letters[0]["id"].as_i64().unwrap();
+        let (out, _) = b.run(&["dlq", "list"], 0);
+        assert!(out.contains("card declined") && out.contains("non_retryable"), "{out}");
+
+        let one = b.json(&["dlq", "inspect", &format!("dl{first}")]);
+        assert_eq!(one["letter"]["errors"][0]["error"], "card declined");
+        let (out, _) = b.run(&["dlq", "inspect", &first.to_string()], 0);
+        assert!(out.contains("card declined") && out.contains("charge"), "{out}");
+
+        let status = b.json(&["status", "--machine", "refuser"]);
+        assert_eq!(status["queues"][0]["dead_letters"], 2);
+        assert_eq!(status["queues"][0]["suspended"], 2);
+
+        // No thresholds: healthy whatever the counts.
+        let (out, _) = b.run(&["health"], 0);
+        assert!(out.starts_with("HEALTHY"), "{out}");
+        let warn = write_config(&dir, "dlq_warning = 2\ndlq_critical = 5");
+        let (out, _) = b.run(&["health", "--config", &warn], 1);
+        assert!(out.starts_with("WARNING") && out.contains("dead_letters"), "{out}");
+        let crit = write_config(&dir, "dlq_warning = 1\ndlq_critical = 2");
+        let out = b.keel_cmd().args(["--json", "health", "--config", &crit]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["status"], "critical");
+        assert_eq!(report["findings"][0]["value"], 2);
+        let pending = write_config(&dir, "pending_warning = 1");
+        b.run(&["health", "--config", &pending], 0);
+        let wrong = write_config(&dir, "dlq_warning = 9\ndlq_critical = 2");
+        let (_, err) = b.run(&["health", "--config", &wrong], 1);
+        assert!(err.contains("queue.alerts.dlq_warning"), "{err}");
+
+        let retried = b.json(&["dlq", "retry", &first.to_string()]);
+        assert_eq!(retried["retried"].as_array().unwrap().len(), 1);
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 1);
+
+        let (_, err) = b.run(&["dlq", "purge", "--older-than", "0s"], 1);
+        assert!(err.contains("--confirm"), "{err}");
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 1);
+        let purged = b.json(&["dlq", "purge", "--older-than", "0s", "--confirm"]);
+        assert_eq!(purged["purged"], 1);
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"], json!([]));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_of_a_whole_machine_needs_all_and_takes_a_delay() {
+    for b in backends("retry_of_a_whole_machine_needs_all_and_takes_a_delay") {
+        b.run(&["migrate"], 0);
+        two_dead_letters(&b).await;
+        let (_, err) = b.run(&["dlq", "retry", "--machine", "refuser"], 2);
+        assert!(err.contains("--all"), "{err}");
+        let (_, err) =
+            b.run(&["dlq", "retry", "--machine", "refuser", "--all", "--delay", "soon"], 1);
+        assert!(err.contains("--delay"), "{err}");
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 2);
+        let retried =
+            b.json(&["dlq", "retry", "--machine", "refuser", "--all", "--delay", "1 hour"]);
+        assert_eq!(retried["retried"].as_array().unwrap().len(), 2);
+        let row = &b.json(&["status", "--machine", "refuser"])["queues"][0];
+        assert_eq!((row["scheduled"].as_u64(), row["suspended"].as_u64()), (Some(2), Some(0)));
+    }
+}
+
+#[test]
+fn bad_input_is_refused_with_the_field_named_and_nothing_changes() {
+    for b in backends("bad_input_is_refused_with_the_field_named_and_nothing_changes") {
+        b.run(&["migrate"], 0);
+        b.run(&["start", "ticket", "--key", "K"], 0);
+        let before = b.json(&["inspect", "ticket:K"]);
+
+        let cases: &[(&[&str], i32, &str)] = &[
+            (&["send", "1; DROP TABLE instances", "X"], 1, "target:"),
+            (&["send", "ticket:K", "X", "--payload", "{not json"], 1, "payload: not valid JSON"),
+            (&["send", "ticket:nobody", "X"], 1, "no instance of machine \"ticket\""),
+            (&["send", "i999999", "X"], 1, "no instance i999999"),
+            (&["send", "ticket:K", ""], 1, "name"),
+            (&["start", "ticket", "--context", "[1,2]"], 1, "context: must be a JSON object"),
+            (&["start", "ticket", "--context", "{\"a\":"], 1, "context: not valid JSON"),
+            (&["start", "", "--key", "Z"], 1, "machine"),
+            (&["inspect", "-5"], 2, ""),
+            (&["inspect", "0"], 1, "target:"),
+            (&["dlq", "inspect", "dl'or'1"], 1, "id:"),
+            (&["dlq", "inspect", "424242"], 1, "not_found"),
+            (&["dlq", "purge", "--older-than", "1.5 hours", "--confirm"], 1, "--older-than"),
+            (&["cancel", "ticket:K", "--namespace", "other"], 1, "namespace \"other\""),
+            (&["pause", ""], 1, "queue"),
+            (&["frobnicate"], 2, "unrecognized subcommand"),
+        ];
+        for (args, code, needle) in cases {
+            let (_, err) = b.run(args, *code);
+            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+        }
+        let out = b
+            .keel_cmd()
+            .args(["--json", "send", "ticket:K", "X", "--payload", "{"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let body: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(body["error"].as_str().unwrap().contains("payload"), "{body}");
+
+        let after = b.json(&["inspect", "ticket:K"]);
+        assert_eq!(before, after, "{}: bad input changed the instance", b.name);
+        assert_eq!(b.json(&["status"])["queues"][0]["ready"], 1, "{}", b.name);
+    }
+}
+
+#[test]
+fn an_unreachable_store_is_a_failure_and_a_critical_health() {
+    let b = Backend {
+        name: "unreachable",
+        url: "postgres://postgres@127.0.0.1:1/nothing".into(),
+        schema: "keel".into(),
+        _dir: None,
+    };
+    let (_, err) = b.run(&["status"], 1);
+    assert!(err.contains("--database-url"), "{err}");
+    let (_, err) = b.run(&["health"], 2);
+    assert!(err.contains("critical: the store cannot be reached"), "{err}");
+    let b = Backend { name: "bad url", url: "mysql://x".into(), schema: "keel".into(), _dir: None };
+    let (_, err) = b.run(&["status"], 1);
+    assert!(err.contains("unknown scheme"), "{err}");
+}

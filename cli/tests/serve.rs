@@ -1,0 +1,708 @@
+//! `keel serve` as a real process on a loopback port, driven over HTTP, on SQLite and on
+//! PostgreSQL (a fresh schema when `KEEL_TEST_DATABASE_URL` is set; SKIPPED loudly
+//! otherwise, a failure under `KEEL_REQUIRE_BACKENDS=1`).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use keel::{MachineRef, Outcome, StepContext, StepError, StepMachine, WorkerConfig};
+use serde_json::{Value, json};
+
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whichever stores this run can reach, each with `keel serve` started on port 0.
+fn servers(test: &str, config: Option<&str>) -> Vec<(&'static str, Server)> {
+    servers_with(test, config, None)
+}
+
+/// As [`servers`], with a tokens file when `tokens` is given.
+fn servers_with(
+    test: &str,
+    config: Option<&str>,
+    tokens: Option<&str>,
+) -> Vec<(&'static str, Server)> {
+    let mut stores = Vec::new();
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+    stores.push(("sqlite", url, "keel".to_owned(), Some(dir)));
+    if let Some(url) = keel::layers::postgres::testing::database_url() {
+        stores.push(("postgres", url, keel::layers::postgres::testing::unique_schema(), None));
+    } else {
+        assert!(
+            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run {test}"
+        );
+        eprintln!("SKIPPED postgres part of {test}: set KEEL_TEST_DATABASE_URL to run it");
+    }
+    stores
+        .into_iter()
+        .map(|(name, url, schema, dir)| (name, spawn(&url, &schema, config, tokens, dir)))
+        .collect()
+}
+
+fn spawn(
+    url: &str,
+    schema: &str,
+    config: Option<&str>,
+    tokens: Option<&str>,
+    dir: Option<tempfile::TempDir>,
+) -> Server {
+    let bin = assert_cmd::cargo::cargo_bin("keel");
+    let migrate = std::process::Command::new(&bin)
+        .args(["--database-url", url, "--schema", schema, "migrate"])
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    let mut cmd = std::process::Command::new(&bin);
+    cmd.args(["--database-url", url, "--schema", schema, "serve", "--listen", "127.0.0.1:0"]);
+    let config_dir = tempfile::tempdir().unwrap();
+    if let Some(text) = config {
+        let path = config_dir.path().join("keel.toml");
+        std::fs::write(&path, text).unwrap();
+        cmd.arg("--config").arg(path);
+    }
+    if let Some(text) = tokens {
+        let path = config_dir.path().join("tokens.toml");
+        std::fs::write(&path, text).unwrap();
+        cmd.arg("--tokens").arg(path);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let base = line.trim().strip_prefix("listening on ").expect("the address line").to_owned();
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(20)))
+        .build()
+        .into();
+    Server { child, base, agent, _dir: dir.or(Some(config_dir)) }
+}
+
+impl Server {
+    fn post(&self, path: &str, body: &str) -> (u16, Value) {
+        self.post_as("", path, body)
+    }
+
+    /// A POST with a bearer token (none when empty).
+    fn post_as(&self, token: &str, path: &str, body: &str) -> (u16, Value) {
+        let mut req =
+            self.agent.post(&format!("{}{path}", self.base)).content_type("application/json");
+        if !token.is_empty() {
+            req = req.header("Authorization", &format!("Bearer {token}"));
+        }
+        let mut resp = req.send(body).unwrap();
+        let text = resp.body_mut().read_to_string().unwrap();
+        (resp.status().as_u16(), serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    /// A raw request announcing a body with `Expect: 100-continue`, as curl does for large
+    /// bodies; returns the final response's text.
+    fn post_expecting_continue(&self, path: &str, body: &str) -> String {
+        use std::io::{Read, Write};
+        let addr = self.base.strip_prefix("http://").unwrap();
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = stream.read(&mut buf).unwrap();
+        let first = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if !first.starts_with("HTTP/1.1 100") {
+            let mut rest = String::new();
+            let _ = stream.read_to_string(&mut rest);
+            return first + &rest;
+        }
+        // The server may stop reading (and close) once the body passes its limit; what
+        // it answered is still there to read.
+        let _ = stream.write_all(body.as_bytes());
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest);
+        String::from_utf8_lossy(&rest).into_owned()
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        self.get_as("", path)
+    }
+
+    /// A GET with a bearer token (none when empty).
+    fn get_as(&self, token: &str, path: &str) -> (u16, String) {
+        let mut req = self.agent.get(&format!("{}{path}", self.base));
+        if !token.is_empty() {
+            req = req.header("Authorization", &format!("Bearer {token}"));
+        }
+        let mut resp = req.call().unwrap();
+        (resp.status().as_u16(), resp.body_mut().read_to_string().unwrap())
+    }
+
+    fn get_json(&self, path: &str) -> (u16, Value) {
+        let (code, text) = self.get(path);
+        (code, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+}
+
+#[test]
+fn events_are_accepted_validated_and_scoped_to_their_namespace() {
+    for (name, s) in servers("events_are_accepted_validated_and_scoped_to_their_namespace", None) {
+        let (code, started) = s.post(
+            "/v1/namespaces/a/instances",
+            r#"{"machine":"ticket","key":"T-1","context":{"n":1}}"#,
+        );
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+
+        let (code, sent) = s.post(
+            "/v1/namespaces/a/events",
+            r#"{"machine":"ticket","key":"T-1","event":"START","payload":{"by":"ops"}}"#,
+        );
+        assert_eq!(code, 202, "{name}: {sent}");
+        assert_eq!(sent["instance"], id);
+        let (code, again) = s.post(
+            "/v1/namespaces/a/events",
+            &format!(r#"{{"instance":{id},"event":"PING","dedup_key":"p"}}"#),
+        );
+        assert_eq!((code, again["duplicate"].as_bool()), (202, Some(false)), "{name}: {again}");
+        let (code, dup) = s.post(
+            "/v1/namespaces/a/events",
+            &format!(r#"{{"instance":{id},"event":"PING","dedup_key":"p"}}"#),
+        );
+        assert_eq!((code, dup["duplicate"].as_bool()), (202, Some(true)), "{name}: {dup}");
+
+        let (code, detail) = s.get_json(&format!("/v1/namespaces/a/instances/{id}"));
+        assert_eq!(code, 200, "{name}: {detail}");
+        let inbox: Vec<&str> = detail["inbox"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(inbox, ["START", "PING"], "{name}");
+        assert_eq!(detail["inbox"][0]["payload"], json!({ "by": "ops" }));
+        let (code, by_key) = s.get_json("/v1/namespaces/a/machines/ticket/keys/T-1");
+        assert_eq!((code, &by_key["instance"]["id"]), (200, &json!(id)), "{name}");
+
+        // Namespace `b` sees nothing of `a`: every read and write is a 404.
+        let before = s.get_json(&format!("/v1/namespaces/a/instances/{id}")).1;
+        let other: [(&str, String); 4] = [
+            ("GET", format!("/v1/namespaces/b/instances/{id}")),
+            ("GET", "/v1/namespaces/b/machines/ticket/keys/T-1".into()),
+            ("POST", "/v1/namespaces/b/events".into()),
+            ("POST", format!("/v1/namespaces/b/instances/{id}/cancel")),
+        ];
+        for (method, path) in other {
+            let code = if method == "GET" {
+                s.get(&path).0
+            } else {
+                let body = format!(r#"{{"instance":{id},"event":"STOP"}}"#);
+                let body = if path.ends_with("cancel") { String::new() } else { body };
+                s.post(&path, &body).0
+            };
+            assert_eq!(code, 404, "{name}: {method} {path}");
+        }
+        let (code, by_key) =
+            s.post("/v1/namespaces/b/events", r#"{"machine":"ticket","key":"T-1","event":"X"}"#);
+        assert_eq!(code, 404, "{name}: {by_key}");
+        assert_eq!(s.get_json(&format!("/v1/namespaces/a/instances/{id}")).1, before, "{name}");
+
+        let (code, cancelled) = s.post(&format!("/v1/namespaces/a/instances/{id}/cancel"), "");
+        assert_eq!((code, &cancelled["cancelled"]), (200, &json!([id])), "{name}");
+        let (code, ended) =
+            s.post("/v1/namespaces/a/events", &format!(r#"{{"instance":{id},"event":"X"}}"#));
+        assert_eq!(code, 409, "{name}: {ended}");
+        assert!(ended["error"].as_str().unwrap().contains("has ended"), "{ended}");
+    }
+}
+
+#[test]
+fn bad_input_gets_400_naming_the_field_and_stores_nothing() {
+    for (name, s) in servers("bad_input_gets_400_naming_the_field_and_stores_nothing", None) {
+        let (_, started) =
+            s.post("/v1/namespaces/a/instances", r#"{"machine":"ticket","key":"K"}"#);
+        let id = started["id"].as_i64().unwrap();
+        let before = s.get_json(&format!("/v1/namespaces/a/instances/{id}")).1;
+
+        let events = "/v1/namespaces/a/events";
+        let instances = "/v1/namespaces/a/instances";
+        let cancel = format!("/v1/namespaces/a/instances/{id}/cancel");
+        let cases: Vec<(&str, String, u16, &str)> = vec![
+            (events, "{not json".into(), 400, "body"),
+            (
+                events,
+                r#"{"instance":"1; DROP TABLE instances","event":"X"}"#.into(),
+                400,
+                "instance",
+            ),
+            (events, format!(r#"{{"instance":{id}}}"#), 400, "event"),
+            (events, format!(r#"{{"instance":{id},"event":7}}"#), 400, "event"),
+            (events, format!(r#"{{"instance":{id},"event":""}}"#), 400, "name"),
+            (events, format!(r#"{{"instance":{id},"event":"X","colour":1}}"#), 400, "colour"),
+            (events, r#"{"event":"X"}"#.into(), 400, "instance"),
+            (events, r#"{"instance":-3,"event":"X"}"#.into(), 400, "id"),
+            (events, r#"{"instance":999999,"event":"X"}"#.into(), 404, ""),
+            (events, r#"{"machine":"nobody","key":"K","event":"X"}"#.into(), 404, ""),
+            (instances, r#"{"machine":"ticket","context":[1]}"#.into(), 400, "context"),
+            (instances, r#"{"machine":"ticket","version":"one"}"#.into(), 400, "version"),
+            (instances, r#"{"key":"K2"}"#.into(), 400, "machine"),
+            (instances, r#"{"machine":""}"#.into(), 400, "machine"),
+            (&cancel, r#"{"cascade":"yes"}"#.into(), 400, "cascade"),
+        ];
+        for (path, body, code, field) in &cases {
+            let (got, answer) = s.post(path, body);
+            assert_eq!(got, *code, "{name}: POST {path} {body}: {answer}");
+            if *code == 400 {
+                assert!(
+                    answer["field"].as_str().unwrap_or_default().contains(field),
+                    "{name}: {body}: {answer}"
+                );
+                assert!(!answer["error"].as_str().unwrap().is_empty());
+            }
+        }
+        for path in ["/v1/namespaces/a/instances/1%3B%20DROP", "/v1/namespaces/a/instances/0"] {
+            let (code, answer) = s.get_json(path);
+            assert_eq!(
+                (code, answer["field"].as_str()),
+                (400, Some("id")),
+                "{name}: {path}: {answer}"
+            );
+        }
+        let huge =
+            format!(r#"{{"instance":{id},"event":"X","payload":"{}"}}"#, "x".repeat(10 << 20));
+        let answer = s.post_expecting_continue(events, &huge);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{name}: {answer}");
+        assert!(answer.contains(r#""field":"body""#), "{name}: {answer}");
+        assert_eq!(s.get_json(&format!("/v1/namespaces/a/instances/{id}")).1, before, "{name}");
+    }
+}
+
+#[test]
+fn metrics_are_prometheus_text_and_health_follows_the_thresholds() {
+    let config = "[queue.alerts]\npending_warning = 1\npending_critical = 2\n";
+    for (name, s) in
+        servers("metrics_are_prometheus_text_and_health_follows_the_thresholds", Some(config))
+    {
+        let (code, body) = s.get_json("/health");
+        assert_eq!((code, body["status"].as_str()), (200, Some("healthy")), "{name}: {body}");
+        s.post("/v1/namespaces/default/instances", r#"{"machine":"ticket"}"#);
+        let (code, body) = s.get_json("/health");
+        assert_eq!((code, body["status"].as_str()), (200, Some("warning")), "{name}: {body}");
+        s.post("/v1/namespaces/default/instances", r#"{"machine":"ticket"}"#);
+        let (code, body) = s.get_json("/health");
+        assert_eq!((code, body["status"].as_str()), (503, Some("critical")), "{name}: {body}");
+
+        let (code, text) = s.get("/metrics");
+        assert_eq!(code, 200, "{name}");
+        let samples = parse_prometheus(&text);
+        let pending = samples
+            .iter()
+            .find(|(metric, labels, _)| {
+                metric == "keel_queue_pending" && labels.contains("machine=\"ticket\"")
+            })
+            .unwrap_or_else(|| panic!("{name}: no keel_queue_pending in\n{text}"));
+        assert_eq!(pending.2, 2.0, "{name}");
+        for documented in [
+            "keel_queue_processing",
+            "keel_queue_scheduled",
+            "keel_queue_dlq_size",
+            "keel_queue_oldest_ready_seconds",
+        ] {
+            assert!(
+                samples.iter().any(|(m, _, _)| m == documented),
+                "{name}: {documented} missing\n{text}"
+            );
+        }
+        let (code, info) = s.get_json("/v1/cluster/info");
+        assert_eq!(
+            (code, info["version"].as_str()),
+            (200, Some(env!("CARGO_PKG_VERSION"))),
+            "{name}"
+        );
+        assert_eq!(s.get("/no/such/thing").0, 404);
+    }
+}
+
+/// Every sample line of Prometheus text format: name, label text, value. Panics on a line
+/// that is neither a comment, blank, nor a well-formed sample.
+fn parse_prometheus(text: &str) -> Vec<(String, String, f64)> {
+    let mut samples = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line {line:?}"));
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let (metric, labels) = match series.split_once('{') {
+            Some((m, rest)) => {
+                (m, rest.strip_suffix('}').unwrap_or_else(|| panic!("bad labels {line:?}")))
+            }
+            None => (series, ""),
+        };
+        assert!(
+            metric.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line:?}"
+        );
+        samples.push((metric.to_owned(), labels.to_owned(), value));
+    }
+    samples
+}
+
+struct Greeter;
+
+#[keel::async_trait]
+impl StepMachine for Greeter {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("greeter", 1)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!({ "hello": "world" }), step: None })
+    }
+}
+
+/// An embedded worker exposes its counts with one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_worker_serves_its_metrics_with_one_call() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    keel::prometheus::serve(addr).expect("the exporter installs");
+    let keel = keel::Keel::connect("sqlite::memory:").await.unwrap();
+    let config =
+        WorkerConfig { poll_interval: Duration::from_millis(20), ..WorkerConfig::default() };
+    let worker = keel.worker_with(config).register(Greeter).unwrap().spawn().unwrap();
+    let id = keel
+        .start(keel::NewInstance::new(MachineRef::new("greeter", 1), "greet"))
+        .await
+        .unwrap()
+        .id();
+    keel.wait(id).await.unwrap();
+    worker.shutdown().await;
+    let text = tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent =
+            ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        agent
+            .get(&format!("http://{addr}/metrics"))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let samples = parse_prometheus(&text);
+    let completed = samples
+        .iter()
+        .find(|(m, l, _)| m == "keel_queue_completed_total" && l.contains("greeter"))
+        .unwrap_or_else(|| panic!("no completed counter in\n{text}"));
+    assert!(completed.2 >= 1.0, "{text}");
+}
+
+/// Starts the Python example worker against `base` with extra arguments.
+fn python_worker(base: &str, args: &[&str]) -> std::process::Child {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/http-worker/worker.py");
+    std::process::Command::new("python3")
+        .arg(script)
+        .args(["--base", base])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs the example worker")
+}
+
+/// Waits for a worker; its exit code and its JSON lines.
+fn lines(child: std::process::Child) -> (i32, Vec<Value>) {
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let parsed = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (out.status.code().unwrap_or(-1), parsed)
+}
+
+#[test]
+fn a_python_worker_runs_steps_over_the_worker_protocol() {
+    for (name, s) in servers("a_python_worker_runs_steps_over_the_worker_protocol", None) {
+        let ns = "/v1/namespaces/default/instances";
+        let (_, a) = s.post(ns, r#"{"machine":"greeter","at":"greet","context":{"name":"Ada"}}"#);
+        let (_, b) = s.post(ns, r#"{"machine":"greeter","at":"greet","context":{"refuse":true}}"#);
+        let (code, out) = lines(python_worker(&s.base, &["--tasks", "2"]));
+        assert_eq!(code, 0, "{name}: {out:?}");
+        assert!(out.iter().all(|l| l["status"] == 200), "{name}: {out:?}");
+
+        let (_, done) = s.get_json(&format!("{ns}/{}", a["id"]));
+        assert_eq!(done["instance"]["status"], "done", "{name}: {done}");
+        assert_eq!(done["instance"]["result"]["greeting"], "hello, Ada");
+        let (_, refused) = s.get_json(&format!("{ns}/{}", b["id"]));
+        assert_eq!(refused["instance"]["status"], "suspended", "{name}: {refused}");
+        let (code, text) = s.get("/metrics");
+        assert_eq!(code, 200);
+        let letters = parse_prometheus(&text)
+            .into_iter()
+            .find(|(m, l, _)| m == "keel_dead_letters" && l.contains("greeter"))
+            .unwrap_or_else(|| panic!("{name}: no dead letter gauge in\n{text}"));
+        assert_eq!(letters.2, 1.0, "{name}");
+
+        // Nothing to do: a poll waits, then answers 204.
+        let poll = r#"{"worker":"rust","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":200}"#;
+        let (code, _) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 204, "{name}");
+        for (body, field) in [
+            (r#"{"worker":"w","namespace":"default","machines":[]}"#, "machines"),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":999999}"#,
+                "wait_ms",
+            ),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":1}],"lease_ms":1}"#,
+                "lease_ms",
+            ),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":"1"}]}"#,
+                "machines[0].version",
+            ),
+        ] {
+            let (code, answer) = s.post("/v1/worker/tasks/poll", body);
+            assert_eq!(
+                (code, answer["field"].as_str()),
+                (400, Some(field)),
+                "{name}: {body}: {answer}"
+            );
+        }
+        let (code, answer) = s.post(
+            "/v1/worker/tasks/x1/complete",
+            r#"{"worker":"w","token":1,"outcome":{"type":"done","result":{}}}"#,
+        );
+        assert_eq!((code, answer["field"].as_str()), (400, Some("id")), "{name}");
+    }
+}
+
+#[test]
+fn a_lease_that_expires_mid_task_hands_the_task_over_and_the_stale_token_gets_409() {
+    for (name, s) in servers(
+        "a_lease_that_expires_mid_task_hands_the_task_over_and_the_stale_token_gets_409",
+        None,
+    ) {
+        let ns = "/v1/namespaces/default/instances";
+        let (_, a) = s.post(ns, r#"{"machine":"greeter","at":"greet","context":{"name":"slow"}}"#);
+        let id = a["id"].as_i64().unwrap();
+        // The Python worker takes the task with a short lease and no heartbeat, then
+        // sleeps past it.
+        let slow = python_worker(
+            &s.base,
+            &["--tasks", "1", "--lease-ms", "300", "--pause-ms", "2500", "--worker", "slow"],
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let first_token = loop {
+            let (_, row) = s.get_json(&format!("{ns}/{id}"));
+            if row["instance"]["status"] == "executing" {
+                break row["instance"]["fencing_token"].as_i64().unwrap();
+            }
+            assert!(std::time::Instant::now() < deadline, "{name}: the worker never claimed");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // Another worker polls: the expired lease is reaped and the task is claimed anew.
+        let poll = r#"{"worker":"fast","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":5000}"#;
+        let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+        let token = task["token"].as_i64().unwrap();
+        assert!(token > first_token, "{name}");
+        let (code, _) = s.post(
+            &format!("/v1/worker/tasks/{id}/heartbeat"),
+            &format!(r#"{{"worker":"slow","token":{first_token}}}"#),
+        );
+        assert_eq!(code, 409, "{name}: a stale heartbeat");
+        let (code, _) = s.post(
+            &format!("/v1/worker/tasks/{id}/heartbeat"),
+            &format!(r#"{{"worker":"fast","token":{token}}}"#),
+        );
+        assert_eq!(code, 200, "{name}");
+        let (code, answer) = s.post(
+            &format!("/v1/worker/tasks/{id}/complete"),
+            &format!(r#"{{"worker":"fast","token":{token},"outcome":{{"type":"done","result":{{"by":"rust"}}}}}}"#),
+        );
+        assert_eq!((code, answer["status"].as_str()), (200, Some("done")), "{name}: {answer}");
+
+        // The slow worker wakes up, completes with its old token, and is refused.
+        let (code, out) = lines(slow);
+        assert_eq!(code, 0, "{name}");
+        assert_eq!(out[0]["status"], 409, "{name}: {out:?}");
+        let (_, row) = s.get_json(&format!("{ns}/{id}"));
+        assert_eq!(
+            row["instance"]["result"],
+            json!({ "by": "rust" }),
+            "{name}: the stale result was dropped"
+        );
+        let (code, _) = s.post(
+            &format!("/v1/worker/tasks/{id}/fail"),
+            &format!(r#"{{"worker":"fast","token":{token},"error":"late"}}"#),
+        );
+        assert_eq!(code, 409, "{name}: a committed task cannot fail afterwards");
+    }
+}
+
+const TOKENS: &str = r#"
+[[tokens]]
+token = "token-for-namespace-a"
+namespaces = ["a"]
+access = "operate"
+
+[[tokens]]
+token = "token-for-namespace-b"
+namespaces = ["b"]
+access = "operate"
+
+[[tokens]]
+token = "read-only-token-for-a"
+namespaces = ["a"]
+access = "read"
+
+[[tokens]]
+token = "operator-of-everything"
+namespaces = ["*"]
+access = "read"
+"#;
+
+#[test]
+fn a_token_never_sees_or_changes_another_namespace() {
+    let (a, b, ra, all) = (
+        "token-for-namespace-a",
+        "token-for-namespace-b",
+        "read-only-token-for-a",
+        "operator-of-everything",
+    );
+    for (name, s) in
+        servers_with("a_token_never_sees_or_changes_another_namespace", None, Some(TOKENS))
+    {
+        let start = r#"{"machine":"greeter","at":"greet","key":"K"}"#;
+        assert_eq!(s.post("/v1/namespaces/a/instances", start).0, 401, "{name}: no token");
+        assert_eq!(
+            s.post_as("wrong-token-wrong-token", "/v1/namespaces/a/instances", start).0,
+            401
+        );
+        let (code, started) = s.post_as(a, "/v1/namespaces/a/instances", start);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let before = s.get_as(a, &format!("/v1/namespaces/a/instances/{id}"));
+        assert_eq!(before.0, 200, "{name}");
+
+        // Token b: every read and write on a's instance, by either namespace path, is 404.
+        let event = format!(r#"{{"instance":{id},"event":"X"}}"#);
+        let by_key = r#"{"machine":"greeter","key":"K","event":"X"}"#;
+        assert_eq!(s.get_as(b, &format!("/v1/namespaces/a/instances/{id}")).0, 404, "{name}");
+        assert_eq!(s.get_as(b, &format!("/v1/namespaces/b/instances/{id}")).0, 404, "{name}");
+        assert_eq!(s.get_as(b, "/v1/namespaces/a/machines/greeter/keys/K").0, 404, "{name}");
+        assert_eq!(s.post_as(b, "/v1/namespaces/a/events", &event).0, 404, "{name}");
+        assert_eq!(s.post_as(b, "/v1/namespaces/b/events", &event).0, 404, "{name}");
+        assert_eq!(s.post_as(b, "/v1/namespaces/b/events", by_key).0, 404, "{name}");
+        assert_eq!(s.post_as(b, &format!("/v1/namespaces/a/instances/{id}/cancel"), "").0, 404);
+        assert_eq!(s.post_as(b, &format!("/v1/namespaces/b/instances/{id}/cancel"), "").0, 404);
+        let poll_a =
+            r#"{"worker":"w","namespace":"a","machines":[{"name":"greeter","version":1}]}"#;
+        assert_eq!(s.post_as(b, "/v1/worker/tasks/poll", poll_a).0, 404, "{name}");
+        for call in ["heartbeat", "complete", "fail"] {
+            let body = r#"{"worker":"w","token":1,"lease_ms":1000,"error":"x","outcome":{"type":"done","result":{}}}"#;
+            assert_eq!(
+                s.post_as(b, &format!("/v1/worker/tasks/{id}/{call}"), body).0,
+                404,
+                "{name}: {call}"
+            );
+        }
+        // Operator endpoints span every namespace: only a "*" token.
+        for path in ["/metrics", "/health", "/v1/cluster/info"] {
+            assert_eq!(s.get_as(a, path).0, 404, "{name}: {path}");
+            assert_eq!(s.get_as(all, path).0, 200, "{name}: {path}");
+        }
+        // A read-only token reads its namespace and writes nothing.
+        assert_eq!(s.get_as(ra, &format!("/v1/namespaces/a/instances/{id}")).0, 200);
+        let (code, answer) = s.post_as(ra, "/v1/namespaces/a/events", &event);
+        assert_eq!((code, answer["field"].as_str()), (403, Some("authorization")), "{name}");
+        assert_eq!(
+            s.get_as(a, &format!("/v1/namespaces/a/instances/{id}")),
+            before,
+            "{name}: nothing changed"
+        );
+
+        assert_eq!(s.post_as(a, "/v1/namespaces/a/events", &event).0, 202, "{name}");
+        let (code, task) = s.post_as(a, "/v1/worker/tasks/poll", poll_a);
+        assert_eq!(code, 200, "{name}");
+        let fail =
+            format!(r#"{{"worker":"w","token":{},"error":"no","retryable":false}}"#, task["token"]);
+        assert_eq!(s.post_as(a, &format!("/v1/worker/tasks/{id}/fail"), &fail).0, 200, "{name}");
+
+        // Dead letters and queues of `a` are invisible to token b, by either path.
+        let (code, list) = s.get_as(a, "/v1/namespaces/a/dead-letters");
+        assert_eq!(code, 200, "{name}");
+        let list: Value = serde_json::from_str(&list).unwrap();
+        let dl = list["dead_letters"][0]["id"].as_i64().unwrap_or_else(|| panic!("{name}: {list}"));
+        let (_, theirs) = s.get_as(b, "/v1/namespaces/b/dead-letters");
+        assert_eq!(
+            serde_json::from_str::<Value>(&theirs).unwrap()["dead_letters"],
+            json!([]),
+            "{name}"
+        );
+        for path in [
+            "/v1/namespaces/a/dead-letters".to_owned(),
+            format!("/v1/namespaces/a/dead-letters/{dl}"),
+            format!("/v1/namespaces/b/dead-letters/{dl}"),
+            "/v1/namespaces/a/status".to_owned(),
+        ] {
+            assert_eq!(s.get_as(b, &path).0, 404, "{name}: GET {path}");
+        }
+        for path in [
+            format!("/v1/namespaces/a/dead-letters/{dl}/retry"),
+            format!("/v1/namespaces/b/dead-letters/{dl}/retry"),
+            "/v1/namespaces/a/queues/default/pause".to_owned(),
+            "/v1/namespaces/a/queues/default/resume".to_owned(),
+        ] {
+            assert_eq!(s.post_as(b, &path, "").0, 404, "{name}: POST {path}");
+        }
+        let (_, status) = s.get_as(a, "/v1/namespaces/a/status");
+        let status: Value = serde_json::from_str(&status).unwrap();
+        assert_eq!(status["queues"][0]["paused"], false, "{name}: token b paused nothing");
+        assert_eq!(status["queues"][0]["suspended"], 1, "{name}: {status}");
+        assert_eq!(s.get_as(a, &format!("/v1/namespaces/a/dead-letters/{dl}")).0, 200);
+        assert_eq!(s.get_as(a, "/v1/namespaces/a/dead-letters/dl'--").0, 400, "{name}");
+
+        // Token a operates its own namespace.
+        let (code, paused) = s.post_as(a, "/v1/namespaces/a/queues/default/pause", "");
+        assert_eq!((code, &paused["paused"]), (200, &json!(true)), "{name}");
+        let (code, retried) =
+            s.post_as(a, &format!("/v1/namespaces/a/dead-letters/{dl}/retry"), "");
+        assert_eq!((code, &retried["retried"]), (200, &json!([id])), "{name}");
+        assert_eq!(s.post_as(a, "/v1/namespaces/a/queues/default/resume", "").0, 200);
+    }
+}
+
+#[test]
+fn serve_refuses_a_public_address_without_tokens_and_bad_tokens_files() {
+    let bin = assert_cmd::cargo::cargo_bin("keel");
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+    let out = std::process::Command::new(&bin)
+        .args(["--database-url", &url, "serve", "--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a loopback address"));
+    let short = dir.path().join("short.toml");
+    std::fs::write(
+        &short,
+        "[[tokens]]\ntoken = \"abc\"\nnamespaces = [\"a\"]\naccess = \"operate\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["--database-url", &url, "serve", "--listen", "127.0.0.1:0", "--tokens"])
+        .arg(&short)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tokens[0].token is shorter"), "{out:?}");
+}

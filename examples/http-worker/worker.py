@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""A Keel step machine served from Python over `keel serve`'s worker protocol.
+
+Only the standard library: poll for a task, run the step, complete it with an outcome
+(or fail it), heartbeat while a step is long. Serves the machine `greeter` v1, whose one
+step `greet` answers with a greeting for the context's `name`; a context with
+`"refuse": true` fails the step for good (it ends in the dead-letter queue).
+
+    python3 examples/http-worker/worker.py --base http://127.0.0.1:7878 --tasks 1
+
+Each finished task prints one JSON line: {"task": id, "status": HTTP status, ...}.
+A 409 means the lease was lost (it expired and another worker took the task): the
+result is dropped, which is what a worker must do.
+"""
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def call(base, path, body):
+    """POSTs JSON; returns (status, parsed body or None)."""
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(
+        base + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = response.read().decode()
+            return response.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as error:
+        text = error.read().decode()
+        return error.code, json.loads(text) if text else None
+
+
+def step(task):
+    """The machine's logic: an outcome, or an error message for a non-retryable failure."""
+    context = task["context"]
+    if task["step"] != "greet":
+        return None, "unknown step %r" % task["step"]
+    if context.get("refuse"):
+        return None, "refused by the Python worker"
+    name = context.get("name", "world")
+    return {"type": "done", "result": {"greeting": "hello, %s" % name, "by": "python"}}, None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", required=True)
+    parser.add_argument("--namespace", default="default")
+    parser.add_argument("--worker", default="python-1")
+    parser.add_argument("--tasks", type=int, default=1, help="stop after this many tasks")
+    parser.add_argument("--lease-ms", type=int, default=30000)
+    parser.add_argument("--wait-ms", type=int, default=5000)
+    parser.add_argument("--pause-ms", type=int, default=0, help="sleep inside each step")
+    parser.add_argument("--heartbeat", action="store_true", help="heartbeat during the pause")
+    args = parser.parse_args()
+
+    done = 0
+    polls = 0
+    while done < args.tasks:
+        polls += 1
+        if polls > 100:
+            print(json.dumps({"error": "no task after 100 polls"}), flush=True)
+            return 1
+        status, task = call(args.base, "/v1/worker/tasks/poll", {
+            "worker": args.worker,
+            "namespace": args.namespace,
+            "machines": [{"name": "greeter", "version": 1}],
+            "lease_ms": args.lease_ms,
+            "wait_ms": args.wait_ms,
+        })
+        if status == 204:
+            continue
+        if status != 200:
+            print(json.dumps({"error": "poll failed", "status": status, "body": task}), flush=True)
+            return 1
+        ident = {"worker": args.worker, "token": task["token"]}
+        paused = 0
+        while paused < args.pause_ms:
+            time.sleep(0.1)
+            paused += 100
+            if args.heartbeat:
+                hb, _ = call(args.base, "/v1/worker/tasks/%d/heartbeat" % task["id"],
+                             dict(ident, lease_ms=args.lease_ms))
+                if hb != 200:
+                    break
+        outcome, error = step(task)
+        if outcome is not None:
+            status, answer = call(args.base, "/v1/worker/tasks/%d/complete" % task["id"],
+                                  dict(ident, outcome=outcome))
+        else:
+            status, answer = call(args.base, "/v1/worker/tasks/%d/fail" % task["id"],
+                                  dict(ident, error=error, retryable=False))
+        print(json.dumps({"task": task["id"], "token": task["token"], "status": status,
+                          "answer": answer}), flush=True)
+        done += 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
