@@ -6,8 +6,8 @@
 //! once — the next claim overlaps its commit — and goes through a bounded channel to a
 //! committer that gathers results into groups and commits up to `commits_in_flight`
 //! groups at once, each on its own store connection: a group goes out when it is full,
-//! when no step is running any more (an idle worker commits a single step immediately),
-//! or after `commit_interval`. A heartbeat
+//! when no group is committing or no step is running any more (a lightly loaded worker
+//! commits a single step immediately), or after `commit_interval`. A heartbeat
 //! task extends the leases of running steps; a reaper returns expired leases of dead
 //! workers. Wake-ups come from the store's `ready_wait`, raced against a poll interval —
 //! polling alone is correct.
@@ -491,6 +491,7 @@ async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
 /// commit; it keeps its lease slot until the commit lands.
 struct QueueSlots {
     name: String,
+    concurrency: usize,
     running: Arc<Semaphore>,
     held: Arc<Semaphore>,
 }
@@ -499,6 +500,7 @@ impl QueueSlots {
     fn new(name: &str, concurrency: usize) -> Self {
         QueueSlots {
             name: name.to_owned(),
+            concurrency,
             running: Arc::new(Semaphore::new(concurrency)),
             held: Arc::new(Semaphore::new(concurrency.saturating_mul(2))),
         }
@@ -507,6 +509,14 @@ impl QueueSlots {
     /// How many more steps this queue can take now.
     fn free(&self) -> usize {
         self.running.available_permits().min(self.held.available_permits())
+    }
+
+    /// The fewest free slots worth a claim while steps are still running: half a batch.
+    /// Claiming every slot the moment it frees would cost a claim round trip and a commit
+    /// flush per step or two; waiting for half a batch keeps claims batched and still
+    /// overlaps them with the running steps and the commits in flight.
+    fn worth_claiming(&self, claim_batch: usize) -> usize {
+        (self.concurrency.min(claim_batch) / 2).max(1)
     }
 
     /// Both slots for one claimed step, if free.
@@ -550,7 +560,8 @@ async fn claim_loop<S: Store, C: Clock>(
         for slots in queues.iter() {
             let queue = &slots.name;
             let free = slots.free().min(inner.config.claim_batch).min(limits::CLAIM_BATCH_MAX);
-            if free == 0 {
+            let busy = inner.running.load(Ordering::SeqCst) > 0;
+            if free == 0 || (busy && free < slots.worth_claiming(inner.config.claim_batch)) {
                 continue;
             }
             full = false;
@@ -953,9 +964,18 @@ async fn commit_loop<S: Store, C: Clock>(
         buffer.push(f);
         // Take whatever else is already waiting, up to the batch bound.
         top_up(&mut rx, &mut buffer, batch_max);
-        // Commit at once when the group is full, or when no step is running (no more
-        // results can join this group soon: an idle worker never waits out the interval).
-        if buffer.len() >= batch_max || inner.running.load(Ordering::SeqCst) == 0 {
+        // Commit at once when the group is full, when no group is committing (nothing to
+        // batch behind: a lightly loaded worker never waits out the interval), or when no
+        // step is running (no more results can join this group soon).
+        let idle = lanes.available_permits() == lanes_max;
+        let running = inner.running.load(Ordering::SeqCst);
+        if idle && running > 0 && buffer.len() < batch_max {
+            // Steps that finished together are still handing in their results: let them
+            // run once, so the group takes them rather than going out with the first.
+            tokio::task::yield_now().await;
+            top_up(&mut rx, &mut buffer, batch_max);
+        }
+        if buffer.len() >= batch_max || idle || running == 0 {
             dispatch(&inner, &lanes, &mut rx, &mut buffer, batch_max).await;
         }
     }
