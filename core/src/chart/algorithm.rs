@@ -53,6 +53,35 @@ use super::definition::{
 /// history never get the key.
 pub const HISTORY_CONTEXT_KEY: &str = "@history";
 
+/// The timers entering `node` arms: one per timed transition, and its delegation's
+/// `@timeout` deadline.
+pub(crate) fn entry_timers(node: &super::definition::StateNode) -> Vec<TimerArm> {
+    let mut arm = Vec::new();
+    for t in &node.on {
+        if let Some(spec) = &t.timer {
+            arm.push(TimerArm {
+                state: node.path.clone(),
+                event: t.event.clone(),
+                kind: spec.kind,
+                interval: spec.timer.duration().unwrap_or_default(),
+                max: spec.max,
+                then: spec.then.clone(),
+            });
+        }
+    }
+    if let Some(timeout) = node.delegation.as_ref().and_then(|d| d.timeout) {
+        arm.push(TimerArm {
+            state: node.path.clone(),
+            event: Event::timeout_invoke(&node.path).name,
+            kind: TimerKind::After,
+            interval: timeout.duration().unwrap_or_default(),
+            max: None,
+            then: None,
+        });
+    }
+    arm
+}
+
 /// Actions named `@raise:<event>` are run by the core itself: they put `<event>` on the
 /// internal queue at their place among the other actions (SCXML `<raise>`), so a chart can
 /// raise events without binding an action in Rust.
@@ -1103,32 +1132,11 @@ impl<'d> Macrostep<'d> {
                 continue;
             }
             let node = &self.def.states[s];
-            for t in &node.on {
-                if let Some(spec) = &t.timer {
-                    arm.push(TimerArm {
-                        state: node.path.clone(),
-                        event: t.event.clone(),
-                        kind: spec.kind,
-                        interval: spec.timer.duration().unwrap_or_default(),
-                        max: spec.max,
-                        then: spec.then.clone(),
-                    });
-                }
-            }
-            if let Some(d) = &node.delegation {
-                if entered {
-                    start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
-                }
-                if let Some(timeout) = d.timeout {
-                    arm.push(TimerArm {
-                        state: node.path.clone(),
-                        event: Event::timeout_invoke(&node.path).name,
-                        kind: TimerKind::After,
-                        interval: timeout.duration().unwrap_or_default(),
-                        max: None,
-                        then: None,
-                    });
-                }
+            arm.extend(entry_timers(node));
+            if let Some(d) = &node.delegation
+                && entered
+            {
+                start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
             }
         }
         for &s in &self.start_ids {

@@ -14,8 +14,8 @@
 //! old counterpart is armed from now. Anything it cannot map is a refusal that names the
 //! old state, so a dry run can show it and an apply leaves the instance untouched.
 
-use crate::chart::algorithm::HISTORY_CONTEXT_KEY;
-use crate::chart::{Configuration, Definition, Event, TimerArm, TimerKind};
+use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, entry_timers};
+use crate::chart::{Configuration, Definition, TimerArm};
 use crate::history::HistoryKind;
 use crate::instance::{HistoryEntry, Instance};
 use crate::timers::TimerRow;
@@ -215,33 +215,7 @@ impl Migration {
 
     /// The timers the states of `config` arm in the new version, as a state entry would.
     fn timers_of(&self, config: &Configuration) -> Vec<TimerArm> {
-        let mut arm = Vec::new();
-        for path in config.paths() {
-            let Some(node) = self.to.state(path) else { continue };
-            for t in &node.on {
-                if let Some(spec) = &t.timer {
-                    arm.push(TimerArm {
-                        state: node.path.clone(),
-                        event: t.event.clone(),
-                        kind: spec.kind,
-                        interval: spec.timer.duration().unwrap_or_default(),
-                        max: spec.max,
-                        then: spec.then.clone(),
-                    });
-                }
-            }
-            if let Some(timeout) = node.delegation.as_ref().and_then(|d| d.timeout) {
-                arm.push(TimerArm {
-                    state: node.path.clone(),
-                    event: Event::timeout_invoke(&node.path).name,
-                    kind: TimerKind::After,
-                    interval: timeout.duration().unwrap_or_default(),
-                    max: None,
-                    then: None,
-                });
-            }
-        }
-        arm
+        config.paths().filter_map(|path| self.to.state(path)).flat_map(entry_timers).collect()
     }
 
     /// The recorded history states, remapped; an entry whose pseudo-state or recorded
