@@ -60,6 +60,14 @@ impl Store for AnyStore {
         self.0.instance_claim(params).await
     }
 
+    async fn instance_claim_ids(
+        &self,
+        ids: Vec<InstanceId>,
+        params: ClaimParams,
+    ) -> StoreResult<Vec<Claim>> {
+        self.0.instance_claim_ids(ids, params).await
+    }
+
     async fn step_commit(
         &self,
         params: CommitParams,

@@ -69,8 +69,19 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 /// neither paused nor key executing); the core's claim planner decides each candidate,
 /// including the rules that depend on rows claimed earlier in the same call (one row per
 /// concurrency key, unique keys) and what happens to a row that cannot be read.
-pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<Claim>> {
+pub(crate) async fn claim(
+    db: &mut Db<'_>,
+    p: &ClaimParams,
+    ids: Option<&[InstanceId]>,
+) -> StoreResult<Vec<Claim>> {
     p.validate()?;
+    if ids.is_some_and(<[InstanceId]>::is_empty) {
+        return Ok(Vec::new());
+    }
+    // A claim of named instances (a queue hint's targets) narrows the candidates to them.
+    let only =
+        serde_json::to_string(&ids.unwrap_or_default().iter().map(|i| i.0).collect::<Vec<_>>())
+            .unwrap_or_else(|_| "[]".to_owned());
     let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
     let queues = serde_json::to_string(&p.queues).unwrap_or_default();
     let machines: Vec<(&str, i32)> =
@@ -87,6 +98,7 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
             " FROM keel_instances i \
              WHERE status = 'runnable' AND eligible_at <= ? \
                AND (priority, eligible_at, id) > (?, ?, ?) \
+               AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
@@ -102,6 +114,8 @@ pub(crate) async fn claim(db: &mut Db<'_>, p: &ClaimParams) -> StoreResult<Vec<C
         .bind(after.0)
         .bind(after.1)
         .bind(after.2)
+        .bind(&only)
+        .bind(&only)
         .bind(&namespaces)
         .bind(&namespaces)
         .bind(&queues)

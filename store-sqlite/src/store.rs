@@ -315,7 +315,15 @@ impl Store for SqliteStore {
     }
 
     async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
-        write_tx!(self, |db| ops::claim(db, &params))
+        write_tx!(self, |db| ops::claim(db, &params, None))
+    }
+
+    async fn instance_claim_ids(
+        &self,
+        ids: Vec<InstanceId>,
+        params: ClaimParams,
+    ) -> StoreResult<Vec<Claim>> {
+        write_tx!(self, |db| ops::claim(db, &params, Some(&ids)))
     }
 
     async fn step_commit(

@@ -40,9 +40,13 @@ fn filters(t: &str) -> String {
 }
 
 /// The claim statement, built once.
-static SQL: LazyLock<String> = LazyLock::new(sql);
+static SQL: LazyLock<String> = LazyLock::new(|| sql(""));
 
-fn sql() -> String {
+/// The claim of named instances (a queue hint's targets, `$9`): the same statement with
+/// the candidates narrowed to those ids.
+static SQL_IDS: LazyLock<String> = LazyLock::new(|| sql("AND i.id = ANY($9::int8[])"));
+
+fn sql(only: &str) -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
     format!(
         "WITH cand AS ( \
@@ -50,7 +54,7 @@ fn sql() -> String {
              CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
                    AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END AS guard \
            FROM instances i \
-           WHERE i.status = 'runnable' AND i.eligible_at <= $1 AND {filters_i} \
+           WHERE i.status = 'runnable' AND i.eligible_at <= $1 {only} AND {filters_i} \
              AND (i.concurrency_key IS NULL OR ( \
                   NOT EXISTS (SELECT 1 FROM instances e \
                     WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
@@ -104,30 +108,29 @@ pub(crate) struct Claimed {
 /// Runs the claim statement (autocommit: the claim is its own short transaction). A row
 /// whose context, result, inbox or children cannot be decoded is set aside, never an error
 /// for the whole batch.
-pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpResult<Claimed> {
-    if p.limit == 0 {
+pub(crate) async fn run<C: GenericClient + Sync>(
+    c: &C,
+    p: &ClaimParams,
+    ids: Option<&[i64]>,
+) -> OpResult<Claimed> {
+    if p.limit == 0 || ids.is_some_and(<[i64]>::is_empty) {
         return Ok(Claimed::default());
     }
     let names: Vec<&str> = p.machines.iter().map(|m| m.name.as_str()).collect();
     let versions: Vec<i32> = p.machines.iter().map(|m| m.version).collect();
     let limit = p.limit as i64;
     let expires = ts(p.now.plus(p.lease));
-    let stmt = c.prepare_cached(&SQL).await?;
-    let found = c
-        .query(
-            &stmt,
-            &[
-                &ts(p.now),
-                &p.namespaces,
-                &p.queues,
-                &names,
-                &versions,
-                &limit,
-                &p.worker.0,
-                &expires,
-            ],
-        )
-        .await?;
+    let now = ts(p.now);
+    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+        vec![&now, &p.namespaces, &p.queues, &names, &versions, &limit, &p.worker.0, &expires];
+    let stmt = match &ids {
+        Some(ids) => {
+            params.push(ids);
+            c.prepare_cached(&SQL_IDS).await?
+        }
+        None => c.prepare_cached(&SQL).await?,
+    };
+    let found = c.query(&stmt, &params).await?;
     let mut out = Claimed::default();
     for r in &found {
         let instance = rows::instance(r)?;

@@ -90,6 +90,35 @@ macro_rules! in_tx {
 }
 
 impl PgStore {
+    /// A claim, of any ready instances or (with `ids`) of the named ones only.
+    async fn claim(&self, params: ClaimParams, ids: Option<&[i64]>) -> StoreResult<Vec<Claim>> {
+        params.validate()?;
+        let mut tries = 0u32;
+        loop {
+            let conn = self.client().await?;
+            match claim::run(&conn, &params, ids).await {
+                Err(e)
+                    if (claim::is_key_race(&e) || e.is_transient())
+                        && tries < TRANSACTION_RETRIES =>
+                {
+                    tries += 1;
+                }
+                Err(e) => return Err(StoreError::from(e)),
+                Ok(claimed) => {
+                    drop(conn);
+                    if !claimed.undecodable.is_empty() {
+                        // If this fails, the rows keep their lease, the reaper returns them
+                        // and a later claim tries again; the good claims are handed out
+                        // either way, so an error here must not fail the whole call.
+                        let bad = &claimed.undecodable;
+                        let _ = in_tx!(self, |c| claim::poison(c, bad, params.now));
+                    }
+                    return Ok(claimed.claims);
+                }
+            }
+        }
+    }
+
     pub(crate) async fn conn(&self) -> Result<Conn, StoreError> {
         let client = self.client().await?;
         Ok(Conn { client: Some(client), in_tx: true })
@@ -154,31 +183,16 @@ impl Store for PgStore {
     }
 
     async fn instance_claim(&self, params: ClaimParams) -> StoreResult<Vec<Claim>> {
-        params.validate()?;
-        let mut tries = 0u32;
-        loop {
-            let conn = self.client().await?;
-            match claim::run(&conn, &params).await {
-                Err(e)
-                    if (claim::is_key_race(&e) || e.is_transient())
-                        && tries < TRANSACTION_RETRIES =>
-                {
-                    tries += 1;
-                }
-                Err(e) => return Err(StoreError::from(e)),
-                Ok(claimed) => {
-                    drop(conn);
-                    if !claimed.undecodable.is_empty() {
-                        // If this fails, the rows keep their lease, the reaper returns them
-                        // and a later claim tries again; the good claims are handed out
-                        // either way, so an error here must not fail the whole call.
-                        let bad = &claimed.undecodable;
-                        let _ = in_tx!(self, |c| claim::poison(c, bad, params.now));
-                    }
-                    return Ok(claimed.claims);
-                }
-            }
-        }
+        self.claim(params, None).await
+    }
+
+    async fn instance_claim_ids(
+        &self,
+        ids: Vec<InstanceId>,
+        params: ClaimParams,
+    ) -> StoreResult<Vec<Claim>> {
+        let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
+        self.claim(params, Some(&ids)).await
     }
 
     async fn step_commit(

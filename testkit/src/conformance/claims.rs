@@ -154,3 +154,27 @@ pub async fn claim_never_returns_held_row<S: Store>(s: &S) {
     p3.worker = worker("w3");
     assert!(claim(s, p3).await.is_empty(), "an expired but unreaped lease was claimed");
 }
+
+/// A claim by id (a queue hint's targets) takes exactly the named instances that are
+/// ready, in claim order, and skips the rest: one already held, one that does not exist,
+/// one filtered out by the claim's namespace. Ordinary claims still find the others.
+pub async fn claim_by_ids_takes_only_the_named_ready_instances<S: Store>(s: &S) {
+    let ns = "claim_ids";
+    let mut made = Vec::new();
+    for _ in 0..4 {
+        made.push(super::support::insert_one(s, super::support::new_in(ns), at(0)).await);
+    }
+    let elsewhere =
+        super::support::insert_one(s, super::support::new_in("claim_ids_other"), at(0)).await;
+    let missing = keel_core::InstanceId(made[3].0 + 1_000_000);
+    let named = vec![made[2], made[0], missing, elsewhere];
+    let claims =
+        s.instance_claim_ids(named.clone(), claim_params(ns, 10, at(5))).await.expect("claim ids");
+    assert_eq!(ids(&claims), vec![made[0], made[2]], "only the named ready ones, in claim order");
+    let again = s.instance_claim_ids(named, claim_params(ns, 10, at(6))).await.expect("claim ids");
+    assert!(again.is_empty(), "a held instance is not claimed twice: {:?}", ids(&again));
+    let rest = s.instance_claim(claim_params(ns, 10, at(7))).await.expect("claim");
+    assert_eq!(ids(&rest), vec![made[1], made[3]]);
+    let none = s.instance_claim_ids(Vec::new(), claim_params(ns, 10, at(8))).await.expect("empty");
+    assert!(none.is_empty());
+}
