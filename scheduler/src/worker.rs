@@ -636,17 +636,8 @@ async fn stats_loop<S: Store, C: Clock>(
     while !*shutdown.borrow() {
         let pause = match inner.store.queue_stats(None, inner.clock.now()).await {
             Ok(stats) => {
-                for q in stats {
-                    let labels = [
-                        ("namespace", q.namespace.clone()),
-                        ("queue", q.queue.clone()),
-                        ("machine", q.machine.clone()),
-                    ];
-                    metrics::gauge!("keel_queue_pending", &labels).set(q.ready as f64);
-                    metrics::gauge!("keel_queue_scheduled", &labels).set(q.scheduled as f64);
-                    metrics::gauge!("keel_queue_processing", &labels).set(q.executing as f64);
-                    metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
-                    metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
+                for q in &stats {
+                    record_queue_gauges(q);
                 }
                 inner.loop_ok(WorkerLoop::Stats);
                 every
@@ -658,6 +649,23 @@ async fn stats_loop<S: Store, C: Clock>(
             _ = shutdown.changed() => return,
         }
     }
+}
+
+/// Records one queue's counts in the `keel_queue_*` gauges (labelled by namespace, queue
+/// and machine): pending (ready), scheduled, processing (executing), waiting, and the
+/// dead-letter queue size (suspended). The worker's sampler and `keel serve`'s `/metrics`
+/// both record through this one function, so the two never disagree on names or meaning.
+pub fn record_queue_gauges(q: &keel_core::ports::store::QueueStats) {
+    let labels = [
+        ("namespace", q.namespace.clone()),
+        ("queue", q.queue.clone()),
+        ("machine", q.machine.clone()),
+    ];
+    metrics::gauge!("keel_queue_pending", &labels).set(q.ready as f64);
+    metrics::gauge!("keel_queue_scheduled", &labels).set(q.scheduled as f64);
+    metrics::gauge!("keel_queue_processing", &labels).set(q.executing as f64);
+    metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
+    metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
 }
 
 /// Shutdown: wait (bounded) for running steps, then release the leases of the rest.

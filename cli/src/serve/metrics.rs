@@ -33,16 +33,12 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
     let now = now();
     let store = state.keel.store();
     for q in store.queue_stats(None, now).await? {
+        keel::layers::scheduler::worker::record_queue_gauges(&q);
         let labels = [
             ("namespace", q.namespace.clone()),
             ("queue", q.queue.clone()),
             ("machine", q.machine.clone()),
         ];
-        metrics::gauge!("keel_queue_pending", &labels).set(q.ready as f64);
-        metrics::gauge!("keel_queue_scheduled", &labels).set(q.scheduled as f64);
-        metrics::gauge!("keel_queue_processing", &labels).set(q.executing as f64);
-        metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
-        metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
         let age = q.oldest_ready_at.map_or(0.0, |at| (now.0 - at.0).max(0) as f64 / 1000.0);
         metrics::gauge!("keel_queue_oldest_ready_seconds", &labels).set(age);
     }
