@@ -22,6 +22,20 @@ use serde_json::json;
 /// The history entry kind a drained inbox is recorded under.
 pub const INBOX_DRAINED: &str = HistoryKind::InboxDrained.as_str();
 
+/// The signals a successful step consumes: those it saw in `inbox` that match what the
+/// instance awaited (`awaits`; every one for `*`) — none when the step parks again or the
+/// instance awaited nothing. The in-process worker and remote workers both commit this.
+pub fn consumed_by(outcome: &Outcome, awaits: Option<&str>, inbox: &[Signal]) -> Vec<SignalId> {
+    match (outcome, awaits) {
+        (Outcome::Await { .. }, _) | (_, None) => Vec::new(),
+        (_, Some(awaits)) => inbox
+            .iter()
+            .filter(|s| awaits == crate::instance::ANY_SIGNAL || s.name == awaits)
+            .map(|s| s.id)
+            .collect(),
+    }
+}
+
 /// Whether a delivery to `row` is stored: only a non-terminal instance's inbox is open.
 pub fn accepts_signals(row: &Instance) -> bool {
     !row.status.is_terminal()

@@ -848,15 +848,7 @@ fn panic_message(join: tokio::task::JoinError) -> String {
 /// them for `*`), unless it parks again.
 fn success_commit(claim: &Claim, outcome: Outcome) -> StepCommit {
     let row = &claim.instance;
-    let consume: Vec<_> = match (&outcome, row.awaits.as_deref()) {
-        (Outcome::Await { .. }, _) | (_, None) => Vec::new(),
-        (_, Some(awaits)) => claim
-            .inbox
-            .iter()
-            .filter(|s| awaits == ANY_SIGNAL || s.name == awaits)
-            .map(|s| s.id)
-            .collect(),
-    };
+    let consume = keel_core::inbox::consumed_by(&outcome, row.awaits.as_deref(), &claim.inbox);
     StepCommit::new(row.id, claim.token(), outcome).consume(consume)
 }
 

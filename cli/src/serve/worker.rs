@@ -21,7 +21,6 @@ use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::config::OnDeadLetter;
 use keel_core::ids::{FencingToken, WorkerId};
-use keel_core::instance::ANY_SIGNAL;
 use keel_core::ports::Store;
 use keel_core::ports::store::{ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams};
 use keel_core::retry::{FailureKind, FailurePlan, plan_failure};
@@ -255,15 +254,7 @@ pub async fn complete(
         return Err(stale(id));
     }
     // As in-process: a step that does not park again consumes the signals it awaited.
-    let consume = match (&b.outcome, row.awaits.as_deref()) {
-        (Outcome::Await { .. }, _) | (_, None) => Vec::new(),
-        (_, Some(awaits)) => detail
-            .inbox
-            .iter()
-            .filter(|s| awaits == ANY_SIGNAL || s.name == awaits)
-            .map(|s| s.id)
-            .collect(),
-    };
+    let consume = keel_core::inbox::consumed_by(&b.outcome, row.awaits.as_deref(), &detail.inbox);
     let commit = StepCommit::new(id, FencingToken(b.token), b.outcome).consume(consume);
     commit_one(&state, id, commit).await
 }
