@@ -93,6 +93,7 @@ pub struct ChartMachine {
     config: QueueConfig,
     limits: Limits,
     child_versions: HashMap<String, i32>,
+    child_queues: HashMap<String, String>,
     parallel: ParallelConfig,
 }
 
@@ -106,6 +107,7 @@ impl ChartMachine {
             config: QueueConfig::default(),
             limits: Limits::default(),
             child_versions: HashMap::new(),
+            child_queues: HashMap::new(),
             parallel: ParallelConfig::default(),
         }
     }
@@ -152,6 +154,14 @@ impl ChartMachine {
     #[must_use]
     pub fn with_child_version(mut self, machine: &str, version: i32) -> Self {
         self.child_versions.insert(machine.to_owned(), version);
+        self
+    }
+
+    /// Child machines started by delegation states run on `queue` instead of this
+    /// instance's queue (children inherit their parent's namespace and queue otherwise).
+    #[must_use]
+    pub fn with_child_queue(mut self, machine: &str, queue: &str) -> Self {
+        self.child_queues.insert(machine.to_owned(), queue.to_owned());
         self
     }
 
@@ -289,12 +299,19 @@ impl ChartMachine {
         for arm in &plan.timers_arm {
             ctx.timer_arm(arm.clone());
         }
+        for state in &plan.children_cancel {
+            ctx.cancel_children(state);
+        }
         for child in &plan.children {
             let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
-            let spawn = NewInstance::new(MachineRef::new(&child.machine, version), INIT)
+            let spawn = ctx
+                .child(MachineRef::new(&child.machine, version), INIT)
                 .context(json!({ "parent": ctx.id, "state": child.state }))
-                .invoked_by(&child.state)
-                .correlation_id(format!("{}", ctx.id.0));
+                .invoked_by(&child.state);
+            let spawn = match self.child_queues.get(&child.machine) {
+                Some(queue) => spawn.queue(queue),
+                None => spawn,
+            };
             ctx.spawn(spawn);
         }
         for task in &plan.region_tasks {
@@ -303,9 +320,7 @@ impl ChartMachine {
                     .map_err(|e| {
                         StepError::fatal(format!("region task does not serialize: {e}"))
                     })?;
-            let mut spawn = NewInstance::new(self.machine_ref(), REGION_POSITION)
-                .context(context)
-                .correlation_id(format!("{}", ctx.id.0));
+            let mut spawn = ctx.child(self.machine_ref(), REGION_POSITION).context(context);
             if let Some(queue) = &self.parallel.queue {
                 spawn = spawn.queue(queue);
             }

@@ -706,6 +706,8 @@ fn context_of(claim: &Claim) -> StepContext {
     StepContext {
         id: row.id,
         machine: row.machine.clone(),
+        namespace: row.namespace.clone(),
+        queue: row.queue.clone(),
         step: row.position.clone(),
         attempt: row.attempt,
         context: row.context.clone(),
@@ -781,6 +783,7 @@ async fn run_step<S: Store, C: Clock>(
             commit.history = std::mem::take(&mut effects.history);
             commit.timers_arm = std::mem::take(&mut effects.timers_arm);
             commit.timers_cancel = std::mem::take(&mut effects.timers_cancel);
+            commit.children_cancel = std::mem::take(&mut effects.children_cancel);
             if let Some(consume) = effects.consume.take() {
                 commit.consume = consume;
             }

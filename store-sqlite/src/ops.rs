@@ -258,6 +258,17 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     if let Some(parent) = plan.barrier_release {
         parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
     }
+    if !plan.children_cancel.is_empty() {
+        for child in db.delegated_children(row.id).await? {
+            let Some(child) = db.instance(child).await? else { continue };
+            if !plan::cancel::started_from(&child, row.id, &plan.children_cancel) {
+                continue;
+            }
+            let state = child.invoked_by.clone().unwrap_or_default();
+            let p = plan::cancel::delegation_left(child.id, &state, now);
+            cancel_with(db, &p, plan::cancel::left_delegation).await?;
+        }
+    }
     Ok(receipt)
 }
 
@@ -620,6 +631,15 @@ pub(crate) async fn lease_release(
 
 /// Breadth first over descendants, bounded in depth and count like `MemoryStore`.
 pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+    cancel_with(db, p, plan::cancel::cancel).await
+}
+
+/// Reads what a cancel needs, plans it with `planner` and writes the plan.
+async fn cancel_with(
+    db: &mut Db<'_>,
+    p: &CancelParams,
+    planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+) -> StoreResult<Vec<InstanceId>> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
         // Breadth first down to the depth bound, so the read stays bounded too.
@@ -644,7 +664,7 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
     for id in ids {
         read.pending.insert(id, inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?));
     }
-    let plan = plan::cancel::cancel(p, read)?;
+    let plan = planner(p, read)?;
     for w in &plan.rows {
         write_planned(db, w, p.now).await?;
         db.signals_drop(w.row.id).await?;

@@ -406,6 +406,21 @@ impl Db<'_> {
         Ok(ids.into_iter().map(InstanceId).collect())
     }
 
+    /// The live children of `id` that carry a delegation state (`invoked_by`), at most
+    /// [`limits::CHILDREN_PER_STEP_MAX`]; the caller picks the ones a commit cancels.
+    pub async fn delegated_children(&mut self, id: InstanceId) -> StoreResult<Vec<InstanceId>> {
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM keel_instances WHERE parent_id = ? AND invoked_by IS NOT NULL \
+               AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id LIMIT ?",
+        )
+        .bind(id.0)
+        .bind(limits::CHILDREN_PER_STEP_MAX as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading delegated children"))?;
+        Ok(ids.into_iter().map(InstanceId).collect())
+    }
+
     /// The newest [`limits::HISTORY_LIST_MAX`] history rows of `id`, oldest first.
     pub async fn history(&mut self, id: InstanceId) -> StoreResult<Vec<HistoryRecord>> {
         let rows = sqlx::query(

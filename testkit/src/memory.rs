@@ -231,7 +231,7 @@ impl State {
         let admitted = planner.admit(c, read)?;
         let inserted: Vec<InsertOutcome> =
             admitted.children.iter().map(|child| self.child_insert(child, now)).collect();
-        Ok(self.execute(admitted.finish(c, &inserted), now))
+        self.execute(admitted.finish(c, &inserted), now)
     }
 
     /// Inserts a child a commit starts, unless another instance occupies its unique key.
@@ -246,7 +246,7 @@ impl State {
     }
 
     /// Performs the writes of a planned commit, in the plan's order.
-    fn execute(&mut self, plan: CommitPlan, now: Timestamp) -> CommitReceipt {
+    fn execute(&mut self, plan: CommitPlan, now: Timestamp) -> StoreResult<CommitReceipt> {
         let CommitPlan {
             row,
             attempt,
@@ -258,8 +258,10 @@ impl State {
             emits,
             barrier_release,
             parent_notice,
+            children_cancel,
             mut receipt,
         } = plan;
+        let id = row.id;
         for id in consume {
             self.remove_signal(row.id, id);
         }
@@ -286,7 +288,22 @@ impl State {
         if let Some(parent) = barrier_release {
             self.parent_release(parent, parent_notice.as_ref(), now);
         }
-        receipt
+        if !children_cancel.is_empty() {
+            let left: Vec<(InstanceId, String)> = self
+                .children
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .map(|child| &self.rows[child])
+                .filter(|child| plan::cancel::started_from(child, id, &children_cancel))
+                .map(|child| (child.id, child.invoked_by.clone().unwrap_or_default()))
+                .collect();
+            for (child, state) in left {
+                let p = plan::cancel::delegation_left(child, &state, now);
+                self.cancel_with(&p, plan::cancel::left_delegation)?;
+            }
+        }
+        Ok(receipt)
     }
 
     // ----- signals ----------------------------------------------------------------------
@@ -436,6 +453,15 @@ impl State {
     // ----- cancel -----------------------------------------------------------------------
 
     fn cancel(&mut self, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+        self.cancel_with(p, plan::cancel::cancel)
+    }
+
+    /// Reads what a cancel needs, plans it with `planner` and writes the plan.
+    fn cancel_with(
+        &mut self,
+        p: &CancelParams,
+        planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+    ) -> StoreResult<Vec<InstanceId>> {
         let mut read = CancelRead { root: self.rows.get(&p.id).cloned(), ..CancelRead::default() };
         if p.cascade {
             // Breadth first down to the depth bound, so the read stays bounded too.
@@ -452,7 +478,7 @@ impl State {
         }
         let ids = read.root.iter().chain(read.descendants.iter().map(|(r, _)| r)).map(|r| r.id);
         read.pending = ids.map(|id| (id, inbox::Pending::of(self.inbox_of(id)))).collect();
-        let plan = plan::cancel::cancel(p, read)?;
+        let plan = planner(p, read)?;
         let cancelled = plan.cancelled();
         for w in plan.rows {
             let id = w.row.id;

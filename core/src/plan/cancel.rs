@@ -18,6 +18,7 @@ use crate::instance::{HistoryEntry, Instance};
 use crate::limits;
 use crate::outcome;
 use crate::ports::store::CancelParams;
+use crate::time::Timestamp;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 
@@ -87,12 +88,44 @@ pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
     Ok(plan)
 }
 
+/// Whether `child` is a live child machine that `parent` started from one of the
+/// delegation `states`: what a commit leaving those states cancels.
+pub fn started_from(child: &Instance, parent: InstanceId, states: &[String]) -> bool {
+    child.parent == Some(parent)
+        && !child.status.is_terminal()
+        && child.invoked_by.as_deref().is_some_and(|s| states.iter().any(|left| left == s))
+}
+
+/// The cancel a commit performs on `child`, a live child machine started from the
+/// delegation state `state` its parent just left: the child and its descendants.
+pub fn delegation_left(child: InstanceId, state: &str, now: Timestamp) -> CancelParams {
+    CancelParams {
+        id: child,
+        reason: format!("its parent left the delegation state `{state}`"),
+        cascade: true,
+        now,
+    }
+}
+
+/// Plans a [`delegation_left`] cancel: as [`cancel`], except that the parent hears nothing
+/// of it through its inbox, since it has left the state the notice would be for. Its
+/// barrier still counts the child as ended.
+pub fn left_delegation(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
+    let parent = read.root.as_ref().and_then(|r| r.parent);
+    let mut plan = cancel(p, read)?;
+    for release in &mut plan.releases {
+        if Some(release.parent) == parent {
+            release.notice = None;
+        }
+    }
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ids::{MachineRef, SignalId, Status};
     use crate::instance::NewInstance;
-    use crate::time::Timestamp;
 
     fn row(id: i64, status: Status) -> Instance {
         let new = NewInstance::new(MachineRef::new("m", 1), "start");
@@ -156,5 +189,37 @@ mod tests {
         assert!(cancel(&params(true), read(Status::Failed)).unwrap().rows.is_empty());
         let missing = CancelRead::default();
         assert_eq!(cancel(&params(true), missing).unwrap_err().kind, crate::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn leaving_a_delegation_state_cancels_the_child_without_telling_the_parent() {
+        let mut read = read(Status::Executing);
+        let child = read.root.as_mut().unwrap();
+        child.parent = Some(InstanceId(9));
+        child.invoked_by = Some("pay".into());
+        let grandchild = &mut read.descendants[0].0;
+        grandchild.parent = Some(InstanceId(1));
+        grandchild.invoked_by = Some("charge".into());
+        let p = delegation_left(InstanceId(1), "pay", Timestamp(5));
+        assert!(p.cascade && p.reason.contains("`pay`"), "{}", p.reason);
+        let plan = left_delegation(&p, read).unwrap();
+        assert_eq!(plan.cancelled(), [InstanceId(1), InstanceId(2), InstanceId(4)]);
+        assert_eq!(plan.releases[0].parent, InstanceId(9), "the barrier still counts it");
+        assert_eq!(plan.releases[0].notice, None, "the parent left the state");
+        assert!(plan.releases[1].notice.is_some(), "the child's own child still reports");
+    }
+
+    #[test]
+    fn only_live_children_started_from_a_left_state_are_cancelled() {
+        let left = ["pay".to_owned()];
+        let mut child = row(2, Status::Executing);
+        child.parent = Some(InstanceId(1));
+        assert!(!started_from(&child, InstanceId(1), &left), "not a delegated child");
+        child.invoked_by = Some("pay".into());
+        assert!(started_from(&child, InstanceId(1), &left));
+        assert!(!started_from(&child, InstanceId(7), &left), "another parent's child");
+        assert!(!started_from(&child, InstanceId(1), &["ship".to_owned()]));
+        child.status = Status::Done;
+        assert!(!started_from(&child, InstanceId(1), &left), "already ended");
     }
 }

@@ -298,6 +298,7 @@ impl Admitted {
             emits: self.emits,
             barrier_release: parent,
             parent_notice,
+            children_cancel: commit.children_cancel.clone(),
             receipt,
             row,
         }
@@ -365,6 +366,10 @@ pub struct CommitPlan {
     /// The event the parent hears of this instance's end through its inbox, delivered
     /// after the barrier release; dropped when the parent no longer exists.
     pub parent_notice: Option<NewSignal>,
+    /// Delegation states the instance left: after the writes above, the store cancels
+    /// each live child this instance started from one of them, with
+    /// [`super::cancel::left_delegation`] (its descendants too), in the same transaction.
+    pub children_cancel: Vec<String>,
     /// The receipt; the store fills in the dead letter's id once it has one.
     pub receipt: CommitReceipt,
 }

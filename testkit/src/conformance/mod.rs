@@ -135,6 +135,7 @@ macro_rules! __store_contract_list {
             await_with_step_moves_and_parks,
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
+            leaving_a_delegation_state_cancels_its_children,
             broadcast_reaches_instances_in_state,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
