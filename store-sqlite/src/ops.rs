@@ -258,15 +258,13 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     if let Some(parent) = plan.barrier_release {
         parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
     }
-    if !plan.children_cancel.is_empty() {
+    if !plan.children_cancel.is_none() {
         for child in db.delegated_children(row.id).await? {
             let Some(child) = db.instance(child).await? else { continue };
-            if !plan::cancel::started_from(&child, row.id, &plan.children_cancel) {
-                continue;
+            if plan.children_cancel.covers(&child, row.id) {
+                let p = plan.children_cancel.cancel_params(&child, now);
+                cancel_with(db, &p, plan::cancel::left_delegation).await?;
             }
-            let state = child.invoked_by.clone().unwrap_or_default();
-            let p = plan::cancel::delegation_left(child.id, &state, now);
-            cancel_with(db, &p, plan::cancel::left_delegation).await?;
         }
     }
     Ok(receipt)

@@ -288,18 +288,17 @@ impl State {
         if let Some(parent) = barrier_release {
             self.parent_release(parent, parent_notice.as_ref(), now);
         }
-        if !children_cancel.is_empty() {
-            let left: Vec<(InstanceId, String)> = self
+        if !children_cancel.is_none() {
+            let left: Vec<keel_core::ports::store::CancelParams> = self
                 .children
                 .get(&id)
                 .into_iter()
                 .flatten()
                 .map(|child| &self.rows[child])
-                .filter(|child| plan::cancel::started_from(child, id, &children_cancel))
-                .map(|child| (child.id, child.invoked_by.clone().unwrap_or_default()))
+                .filter(|child| children_cancel.covers(child, id))
+                .map(|child| children_cancel.cancel_params(child, now))
                 .collect();
-            for (child, state) in left {
-                let p = plan::cancel::delegation_left(child, &state, now);
+            for p in left {
                 self.cancel_with(&p, plan::cancel::left_delegation)?;
             }
         }

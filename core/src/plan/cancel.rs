@@ -88,26 +88,65 @@ pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
     Ok(plan)
 }
 
-/// Whether `child` is a live child machine that `parent` started from one of the
-/// delegation `states`: what a commit leaving those states cancels.
-pub fn started_from(child: &Instance, parent: InstanceId, states: &[String]) -> bool {
-    child.parent == Some(parent)
-        && !child.status.is_terminal()
-        && child.invoked_by.as_deref().is_some_and(|s| states.iter().any(|left| left == s))
+/// The delegated children a step commit cancels: child machines exist for their
+/// delegation state, so they go when the parent leaves that state or fails. (A chart that
+/// finishes has left every delegation state; a step machine that finishes and started
+/// children itself lets them run.)
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LeftDelegations {
+    /// None.
+    #[default]
+    None,
+    /// The live children started from one of these delegation states, which the commit
+    /// leaves.
+    States(Vec<String>),
+    /// Every live delegated child: the commit fails the instance.
+    All,
 }
 
-/// The cancel a commit performs on `child`, a live child machine started from the
-/// delegation state `state` its parent just left: the child and its descendants.
-pub fn delegation_left(child: InstanceId, state: &str, now: Timestamp) -> CancelParams {
-    CancelParams {
-        id: child,
-        reason: format!("its parent left the delegation state `{state}`"),
-        cascade: true,
-        now,
+impl LeftDelegations {
+    /// What a commit that leaves `states` cancels; everything delegated when it `fails`
+    /// the instance.
+    pub fn of(states: &[String], fails: bool) -> Self {
+        match (fails, states.is_empty()) {
+            (true, _) => LeftDelegations::All,
+            (false, true) => LeftDelegations::None,
+            (false, false) => LeftDelegations::States(states.to_vec()),
+        }
+    }
+
+    /// Whether there is nothing to cancel.
+    pub fn is_none(&self) -> bool {
+        *self == LeftDelegations::None
+    }
+
+    /// Whether `child` is a live child machine of `parent` that this cancels.
+    pub fn covers(&self, child: &Instance, parent: InstanceId) -> bool {
+        let Some(state) = child.invoked_by.as_deref() else { return false };
+        if child.parent != Some(parent) || child.status.is_terminal() {
+            return false;
+        }
+        match self {
+            LeftDelegations::None => false,
+            LeftDelegations::States(left) => left.iter().any(|l| l == state),
+            LeftDelegations::All => true,
+        }
+    }
+
+    /// The cancel of `child` (one this covers), with its descendants.
+    pub fn cancel_params(&self, child: &Instance, now: Timestamp) -> CancelParams {
+        let state = child.invoked_by.as_deref().unwrap_or_default();
+        let reason = match self {
+            LeftDelegations::All => {
+                format!("its parent failed while in the delegation state `{state}`")
+            }
+            _ => format!("its parent left the delegation state `{state}`"),
+        };
+        CancelParams { id: child.id, reason, cascade: true, now }
     }
 }
 
-/// Plans a [`delegation_left`] cancel: as [`cancel`], except that the parent hears nothing
+/// Plans a [`LeftDelegations::cancel_params`] cancel: as [`cancel`], except that the parent hears nothing
 /// of it through its inbox, since it has left the state the notice would be for. Its
 /// barrier still counts the child as ended.
 pub fn left_delegation(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
@@ -200,7 +239,8 @@ mod tests {
         let grandchild = &mut read.descendants[0].0;
         grandchild.parent = Some(InstanceId(1));
         grandchild.invoked_by = Some("charge".into());
-        let p = delegation_left(InstanceId(1), "pay", Timestamp(5));
+        let left = LeftDelegations::of(&["pay".to_owned()], false);
+        let p = left.cancel_params(read.root.as_ref().unwrap(), Timestamp(5));
         assert!(p.cascade && p.reason.contains("`pay`"), "{}", p.reason);
         let plan = left_delegation(&p, read).unwrap();
         assert_eq!(plan.cancelled(), [InstanceId(1), InstanceId(2), InstanceId(4)]);
@@ -211,15 +251,21 @@ mod tests {
 
     #[test]
     fn only_live_children_started_from_a_left_state_are_cancelled() {
-        let left = ["pay".to_owned()];
+        let left = LeftDelegations::of(&["pay".to_owned()], false);
         let mut child = row(2, Status::Executing);
         child.parent = Some(InstanceId(1));
-        assert!(!started_from(&child, InstanceId(1), &left), "not a delegated child");
+        assert!(!left.covers(&child, InstanceId(1)), "not a delegated child");
+        assert!(!LeftDelegations::All.covers(&child, InstanceId(1)), "not a delegated child");
         child.invoked_by = Some("pay".into());
-        assert!(started_from(&child, InstanceId(1), &left));
-        assert!(!started_from(&child, InstanceId(7), &left), "another parent's child");
-        assert!(!started_from(&child, InstanceId(1), &["ship".to_owned()]));
+        assert!(left.covers(&child, InstanceId(1)));
+        assert!(!left.covers(&child, InstanceId(7)), "another parent's child");
+        let ship = LeftDelegations::of(&["ship".to_owned()], false);
+        assert!(!ship.covers(&child, InstanceId(1)));
+        let failed = LeftDelegations::of(&[], true);
+        assert!(failed.covers(&child, InstanceId(1)), "a parent that fails takes them all");
+        assert!(failed.cancel_params(&child, Timestamp(1)).reason.contains("failed"));
+        assert!(LeftDelegations::of(&[], false).is_none());
         child.status = Status::Done;
-        assert!(!started_from(&child, InstanceId(1), &left), "already ended");
+        assert!(!left.covers(&child, InstanceId(1)), "already ended");
     }
 }

@@ -21,6 +21,7 @@ use deadpool_postgres::GenericClient;
 use keel_core::inbox;
 use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget};
 use keel_core::outcome::{Outcome, StepCommit};
+use keel_core::plan::cancel::LeftDelegations;
 use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::ports::store::{CommitReceipt, InsertOutcome};
 use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp};
@@ -204,7 +205,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
     let mut timers = timer::TimerWrite::default();
     let mut ended = false;
-    let mut leaving: Vec<(InstanceId, Vec<String>)> = Vec::new();
+    let mut leaving: Vec<(InstanceId, LeftDelegations)> = Vec::new();
     let mut start = 0;
     for (i, a) in admitted {
         let s = &commits[i];
@@ -249,7 +250,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             emits.push(notice.clone());
             emit_targets_ok.push(Some(parent));
         }
-        if !plan.children_cancel.is_empty() {
+        if !plan.children_cancel.is_none() {
             leaving.push((row.id, plan.children_cancel.clone()));
         }
         results[i] = Some(Ok(plan.receipt));
@@ -361,7 +362,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
 /// made work ready.
 async fn cancel_left<C: GenericClient + Sync>(
     c: &C,
-    leaving: &[(InstanceId, Vec<String>)],
+    leaving: &[(InstanceId, LeftDelegations)],
     now: Timestamp,
     channel: &str,
 ) -> OpResult<bool> {
@@ -376,15 +377,13 @@ async fn cancel_left<C: GenericClient + Sync>(
         .collect::<Result<_, StoreError>>()?;
     let mut ready = false;
     for child in rows::lock_instances(c, &ids).await? {
-        let Some((_, left)) = leaving.iter().find(|(id, _)| Some(*id) == child.parent) else {
+        let Some((parent, left)) = leaving.iter().find(|(id, _)| Some(*id) == child.parent) else {
             continue;
         };
-        let Some(parent) = child.parent else { continue };
-        if !keel_core::plan::cancel::started_from(&child, parent, left) {
+        if !left.covers(&child, *parent) {
             continue;
         }
-        let state = child.invoked_by.clone().unwrap_or_default();
-        let p = keel_core::plan::cancel::delegation_left(child.id, &state, now);
+        let p = left.cancel_params(&child, now);
         let (_, woke) =
             admin::cancel_locked(c, &p, channel, keel_core::plan::cancel::left_delegation).await?;
         ready |= woke;

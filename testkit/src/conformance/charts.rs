@@ -221,3 +221,23 @@ pub async fn leaving_a_delegation_state_cancels_its_children<S: Store>(s: &S) {
     assert!(err.message.contains("children_cancel[0]"), "{}", err.message);
     assert_eq!(row(s, other).await.status, Status::Executing, "a refused commit writes nothing");
 }
+
+/// An instance that fails takes its live delegated children with it (and their
+/// descendants); children it started without a delegation state are left alone.
+pub async fn failing_instance_cancels_its_delegated_children<S: Store>(s: &S) {
+    let ns = "spawn_fail";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
+    c.spawn = vec![new_in(ns).invoked_by("paying"), new_in(ns)];
+    let kids: Vec<InstanceId> =
+        commit_ok(s, c, at(20)).await.spawned.iter().map(|o| o.id()).collect();
+    super::support::send(s, parent, "BROKEN", at(30)).await;
+    let woken = claim_only(s, ns, parent, at(40)).await;
+    step(s, &woken, Outcome::Stop { reason: "bad order".into() }, at(50)).await;
+    assert_eq!(row(s, parent).await.status, Status::Failed);
+    let delegated = row(s, kids[0]).await;
+    assert_eq!(delegated.status, Status::Cancelled);
+    assert!(delegated.last_error.as_deref().is_some_and(|e| e.contains("failed")));
+    assert_eq!(row(s, kids[1]).await.status, Status::Runnable, "a plain child runs on");
+}

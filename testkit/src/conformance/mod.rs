@@ -136,6 +136,7 @@ macro_rules! __store_contract_list {
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
             leaving_a_delegation_state_cancels_its_children,
+            failing_instance_cancels_its_delegated_children,
             broadcast_reaches_instances_in_state,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
