@@ -350,6 +350,10 @@ impl StepMachine for ChartMachine {
         self.missing_actions().into_iter().map(|a| format!("action `{a}`")).collect()
     }
 
+    fn followed_timers(&self) -> Vec<keel_core::chart::TimerArm> {
+        self.definition.followed_timers()
+    }
+
     fn delegates(&self) -> Vec<String> {
         self.delegated_machines()
     }

@@ -279,6 +279,13 @@ pub trait StepMachine: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// The timers this machine's instances follow when it is deployed
+    /// (`Definition::followed_timers` for a chart): at start-up the worker moves timers
+    /// already armed to these durations. Default: none.
+    fn followed_timers(&self) -> Vec<keel_core::chart::TimerArm> {
+        Vec::new()
+    }
+
     /// Machines this one starts as children by name (chart delegation states). A worker
     /// checks at start-up that each is registered with it or declared as served by
     /// another worker.

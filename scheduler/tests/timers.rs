@@ -465,3 +465,61 @@ async fn a_delegation_timeout_cancels_the_running_child() {
     assert!(parent.inbox.is_empty(), "no notice for a state already left: {:?}", parent.inbox);
     w.shutdown().await;
 }
+
+fn deadline(after: Timer, keep_armed: bool) -> ChartMachine {
+    let def = Definition::builder("deadline", 1)
+        .initial("awaiting")
+        .state("awaiting", |s| {
+            s.on("EXPIRE", |t| {
+                let t = t.target("expired").after(after);
+                if keep_armed { t.keep_armed() } else { t }
+            })
+        })
+        .final_state("expired")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+/// A deploy that shortens an `after` from 7 days to 1 day: a worker starting with the new
+/// definition moves the timer of an instance that has waited 2 days, which then fires at
+/// the next sweep; with `keep_armed` it keeps its 7 days.
+#[tokio::test]
+async fn a_deploy_that_shortens_a_deadline_moves_waiting_timers() {
+    for keep_armed in [false, true] {
+        let h = Harness::new();
+        let s = sweeper(&h);
+        let old = deadline(Timer::days(7), false);
+        let id = h.start(old.new_instance(json!({}))).await;
+        let w = worker(&h, old);
+        h.wait(id, "awaiting", in_state("awaiting")).await;
+        w.shutdown().await;
+
+        h.clock.advance(Duration::from_secs(2 * 86_400));
+        let w = worker(&h, deadline(Timer::days(1), keep_armed));
+        let moved = |h: &Harness| {
+            let h = h.client.clone();
+            async move {
+                let history = h.get(id).await.unwrap().history;
+                history.iter().any(|r| r.entry.kind == "TIMER_RETIMED")
+            }
+        };
+        if keep_armed {
+            // Give the start-up pass time to run; it must leave the timer alone.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(!moved(&h).await, "keep_armed keeps the armed duration");
+            assert_eq!(advance(&h, &s, Duration::ZERO).await, 0, "not due before 7 days");
+        } else {
+            for _ in 0..200 {
+                if moved(&h).await {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(moved(&h).await, "the start-up pass moved the timer");
+            assert_eq!(advance(&h, &s, Duration::ZERO).await, 1, "due at the next sweep");
+            h.wait(id, "expired", |r| r.status == Status::Done).await;
+        }
+        w.shutdown().await;
+    }
+}

@@ -25,7 +25,7 @@ use keel_core::ports::store::{
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
-    TimerSweepParams, TimerSweepReport,
+    TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -449,6 +449,44 @@ pub(crate) async fn timer_next_due(
 /// Fires due timers in (due time, id) order through the core's `timers::fire`, as
 /// `MemoryStore` does; timers of missing or terminal instances are deleted silently.
 /// Records the sweep time per (namespace or `*`, machine or `*`).
+/// One page of a retime: the machine version's timers after the cursor in id order, the
+/// core's plan, and per moved timer its write and history entry. Returns the page and the
+/// earliest new due time.
+pub(crate) async fn timers_retime(
+    db: &mut Db<'_>,
+    p: &TimerRetimeParams,
+) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
+    p.validate()?;
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        timer_cols!(),
+        " FROM keel_timers WHERE machine = ? AND machine_version = ? AND id > ? \
+         ORDER BY id LIMIT ?"
+    ))
+    .bind(&p.machine.name)
+    .bind(p.machine.version)
+    .bind(p.after.map_or(0, |t| t.0))
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading timers to retime"))?;
+    let read: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
+    let plan = plan::timer::retime(p, &read);
+    let mut page = TimerRetimePage { retimed: Vec::new(), next: plan.next };
+    let mut earliest: Option<Timestamp> = None;
+    for r in &plan.retimed {
+        let before = read.iter().find(|t| t.id == r.next.id).expect("planned from the read");
+        if !db.timer_retime(before, &r.next).await? {
+            continue;
+        }
+        let row = db.instance_required(r.next.instance).await?;
+        db.record(&row, row.attempt, &r.history, p.now).await?;
+        page.retimed.push(r.next.id);
+        earliest = Some(earliest.map_or(r.next.next_fire_at, |e| e.min(r.next.next_fire_at)));
+    }
+    Ok((page, earliest))
+}
+
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,

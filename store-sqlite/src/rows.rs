@@ -598,6 +598,26 @@ impl Db<'_> {
         Ok(())
     }
 
+    /// Moves one timer to a deployed duration, unless it changed since it was read (fired,
+    /// or moved by another pass); says whether it moved.
+    pub async fn timer_retime(&mut self, read: &TimerRow, next: &TimerRow) -> StoreResult<bool> {
+        let spec = serde_json::to_string(&next.spec)
+            .map_err(|e| StoreError::invalid(format!("timer spec: {e}")))?;
+        let done = sqlx::query(
+            "UPDATE keel_timers SET spec = ?, next_fire_at = ? \
+             WHERE id = ? AND next_fire_at = ? AND fire_count = ?",
+        )
+        .bind(spec)
+        .bind(next.next_fire_at.0)
+        .bind(read.id.0)
+        .bind(read.next_fire_at.0)
+        .bind(read.fire_count)
+        .execute(&mut *self.conn)
+        .await
+        .map_err(self.err("moving a timer"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
     /// Deletes one timer.
     pub async fn timer_remove(&mut self, id: TimerId) -> StoreResult<()> {
         sqlx::query("DELETE FROM keel_timers WHERE id = ?")

@@ -39,7 +39,8 @@ use keel_core::ports::store::{
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
     QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
-    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -586,6 +587,31 @@ impl State {
         }
         let report = plan.report(&delivered);
         Ok(report)
+    }
+
+    /// One page of a retime, and the earliest new due time (for the sweepers' hint).
+    fn timers_retime(
+        &mut self,
+        p: &TimerRetimeParams,
+    ) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
+        p.validate()?;
+        let read: Vec<TimerRow> = self
+            .timers
+            .values()
+            .filter(|t| t.machine == p.machine && p.after.is_none_or(|after| t.id > after))
+            .take(p.limit)
+            .cloned()
+            .collect();
+        let plan = plan::timer::retime(p, &read);
+        let earliest = plan.retimed.iter().map(|r| r.next.next_fire_at).min();
+        let mut retimed = Vec::with_capacity(plan.retimed.len());
+        for r in plan.retimed {
+            let row = self.rows[&r.next.instance].clone();
+            self.record(&row, row.attempt, r.history, p.now);
+            retimed.push(r.next.id);
+            self.timers.insert(r.next.id, r.next);
+        }
+        Ok((TimerRetimePage { retimed, next: plan.next }, earliest))
     }
 }
 

@@ -148,6 +148,7 @@ macro_rules! __store_contract_list {
             timer_hint_follows_a_commit_that_arms,
             timers_dropped_with_terminal_instances,
             timer_status_and_queue_stats,
+            timers_follow_a_deployed_duration,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             claim_by_ids_takes_only_the_named_ready_instances,
         }
