@@ -23,7 +23,7 @@ use keel_core::chart::{
     Limits, SharedContext,
 };
 use keel_core::config::QueueConfig;
-use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal};
+use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal, SignalTarget};
 use keel_core::ports::store::InstanceDetail;
 use keel_core::retry::{self, FailureKind, RetryDecision};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
@@ -73,6 +73,15 @@ impl ActionContext {
     /// Emits an event to another instance, inserted in the same commit as this step.
     pub fn emit(&self, signal: NewSignal) {
         self.step.emit(signal);
+    }
+
+    /// Sends an event to the child machine this instance's delegation state `state`
+    /// started (in an earlier step), in the same commit as this step. Without such a
+    /// child the commit is refused like any emit to a missing target, and the step is
+    /// retried under its policy.
+    pub fn send_to_child(&self, state: &str, event: &str, payload: Value) {
+        let target = SignalTarget::Child { parent: self.step.id, state: state.to_owned() };
+        self.step.emit(NewSignal::new(target, event).payload(payload));
     }
 
     fn into_result(self) -> ActionResult {

@@ -286,6 +286,15 @@ impl Db<'_> {
             .fetch_optional(&mut *self.conn)
             .await
             .map_err(self.err("resolving a business key"))?,
+            SignalTarget::Child { parent, state } => sqlx::query_scalar(
+                "SELECT id FROM keel_instances WHERE parent_id = ? AND invoked_by = ? \
+                 ORDER BY id DESC LIMIT 1",
+            )
+            .bind(parent.0)
+            .bind(state)
+            .fetch_optional(&mut *self.conn)
+            .await
+            .map_err(self.err("resolving a delegated child"))?,
         };
         Ok(id.map(InstanceId))
     }

@@ -59,7 +59,7 @@ impl SweepPlan {
             .iter()
             .map(|s| match s.target {
                 crate::SignalTarget::Id(id) => Some(id),
-                crate::SignalTarget::Key { .. } => None,
+                crate::SignalTarget::Key { .. } | crate::SignalTarget::Child { .. } => None,
             })
             .collect()
     }

@@ -191,7 +191,7 @@ pub(crate) async fn lookup<C: GenericClient + Sync>(
                 .map(|r| rows::col(&r, 0).map(InstanceId))
                 .transpose()?)
         }
-        SignalTarget::Key { .. } => {
+        SignalTarget::Key { .. } | SignalTarget::Child { .. } => {
             Ok(super::signal::resolve(c, &[target]).await?.into_iter().next().flatten())
         }
     }

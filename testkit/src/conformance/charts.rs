@@ -241,3 +241,39 @@ pub async fn failing_instance_cancels_its_delegated_children<S: Store>(s: &S) {
     assert!(delegated.last_error.as_deref().is_some_and(|e| e.contains("failed")));
     assert_eq!(row(s, kids[1]).await.status, Status::Runnable, "a plain child runs on");
 }
+
+/// A signal addressed to the child a parent started from a delegation state reaches the
+/// newest such child, from a step commit's outbox or a plain send; with no such child the
+/// emit refuses the commit, and a plain send reports it missing.
+pub async fn signals_reach_a_delegated_child<S: Store>(s: &S) {
+    use keel_core::instance::SignalTarget;
+    let ns = "to_child";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
+    c.spawn = vec![new_in(ns).invoked_by("paying"), new_in(ns).invoked_by("shipping")];
+    let kids: Vec<InstanceId> =
+        commit_ok(s, c, at(20)).await.spawned.iter().map(|o| o.id()).collect();
+    let to = |state: &str| SignalTarget::Child { parent, state: state.into() };
+
+    super::support::send(s, parent, "NUDGE", at(30)).await;
+    let woken = claim_only(s, ns, parent, at(40)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
+    c.consume = woken.inbox.iter().map(|s| s.id).collect();
+    c.emit = vec![keel_core::NewSignal::new(to("paying"), "CAPTURE").payload(json!(7))];
+    commit_ok(s, c, at(50)).await;
+    let inbox = get(s, kids[0]).await.inbox;
+    assert_eq!(inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["CAPTURE"]);
+    assert!(get(s, kids[1]).await.inbox.is_empty(), "only the paying child");
+
+    super::support::send(s, parent, "NUDGE", at(60)).await;
+    let woken = claim_only(s, ns, parent, at(70)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
+    c.emit = vec![keel_core::NewSignal::new(to("refunding"), "CAPTURE")];
+    let refused = super::support::commit(s, c, at(80)).await;
+    assert_eq!(refused.expect_err("no such child").kind, ErrorKind::NotFound);
+
+    assert_eq!(s.instance_lookup(to("shipping")).await.expect("lookup"), Some(kids[1]));
+    let outside = SignalTarget::Child { parent: kids[0], state: "paying".into() };
+    assert_eq!(s.instance_lookup(outside).await.expect("lookup"), None);
+}

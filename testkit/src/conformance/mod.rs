@@ -137,6 +137,7 @@ macro_rules! __store_contract_list {
             cancelled_child_reports_failure_to_the_parent,
             leaving_a_delegation_state_cancels_its_children,
             failing_instance_cancels_its_delegated_children,
+            signals_reach_a_delegated_child,
             broadcast_reaches_instances_in_state,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
