@@ -160,6 +160,13 @@ impl Store for AnyStore {
         self.0.timer_sweep(params).await
     }
 
+    async fn timers_retime(
+        &self,
+        params: keel_core::ports::store::TimerRetimeParams,
+    ) -> StoreResult<keel_core::ports::store::TimerRetimePage> {
+        self.0.timers_retime(params).await
+    }
+
     async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
         self.0.timer_next_due(params).await
     }

@@ -48,6 +48,10 @@ use tracing::Instrument;
 mod queue;
 pub use queue::{HintConfig, HintStats};
 
+// Armed timers follow the deployed definition (a one-shot pass at start-up).
+#[path = "retime.rs"]
+mod retime;
+
 /// How a worker runs. Every field has a bound or a default that is one.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -346,6 +350,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     // A restarted worker first takes back what it held before it crashed, before it
     // claims anything new under the same id.
     reclaim_own_leases(&inner).await;
+    let retiming = tokio::spawn(retime::retime_all(Arc::clone(&inner)));
 
     let total: usize = inner.config.queues.iter().map(|(_, n)| *n).sum();
     let (tx, rx) = mpsc::channel::<Finished>(total.max(1) * 2);
@@ -392,6 +397,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     if let Some(hints) = hint_loop {
         let _ = hints.await;
     }
+    retiming.abort();
     drain(&inner).await;
     drop(tx);
     let _ = committer.await;
@@ -706,6 +712,8 @@ fn context_of(claim: &Claim) -> StepContext {
     StepContext {
         id: row.id,
         machine: row.machine.clone(),
+        namespace: row.namespace.clone(),
+        queue: row.queue.clone(),
         step: row.position.clone(),
         attempt: row.attempt,
         context: row.context.clone(),
@@ -781,6 +789,7 @@ async fn run_step<S: Store, C: Clock>(
             commit.history = std::mem::take(&mut effects.history);
             commit.timers_arm = std::mem::take(&mut effects.timers_arm);
             commit.timers_cancel = std::mem::take(&mut effects.timers_cancel);
+            commit.children_cancel = std::mem::take(&mut effects.children_cancel);
             if let Some(consume) = effects.consume.take() {
                 commit.consume = consume;
             }

@@ -25,7 +25,7 @@ use keel_core::ports::store::{
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
-    TimerSweepParams, TimerSweepReport,
+    TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -258,6 +258,15 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     if let Some(parent) = plan.barrier_release {
         parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
     }
+    if !plan.children_cancel.is_none() {
+        for child in db.delegated_children(row.id).await? {
+            let Some(child) = db.instance(child).await? else { continue };
+            if plan.children_cancel.covers(&child, row.id) {
+                let p = plan.children_cancel.cancel_params(&child, now);
+                cancel_with(db, &p, plan::cancel::left_delegation).await?;
+            }
+        }
+    }
     Ok(receipt)
 }
 
@@ -440,6 +449,44 @@ pub(crate) async fn timer_next_due(
 /// Fires due timers in (due time, id) order through the core's `timers::fire`, as
 /// `MemoryStore` does; timers of missing or terminal instances are deleted silently.
 /// Records the sweep time per (namespace or `*`, machine or `*`).
+/// One page of a retime: the machine version's timers after the cursor in id order, the
+/// core's plan, and per moved timer its write and history entry. Returns the page and the
+/// earliest new due time.
+pub(crate) async fn timers_retime(
+    db: &mut Db<'_>,
+    p: &TimerRetimeParams,
+) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
+    p.validate()?;
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        timer_cols!(),
+        " FROM keel_timers WHERE machine = ? AND machine_version = ? AND id > ? \
+         ORDER BY id LIMIT ?"
+    ))
+    .bind(&p.machine.name)
+    .bind(p.machine.version)
+    .bind(p.after.map_or(0, |t| t.0))
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading timers to retime"))?;
+    let read: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
+    let plan = plan::timer::retime(p, &read);
+    let mut page = TimerRetimePage { retimed: Vec::new(), next: plan.next };
+    let mut earliest: Option<Timestamp> = None;
+    for r in &plan.retimed {
+        let before = read.iter().find(|t| t.id == r.next.id).expect("planned from the read");
+        if !db.timer_retime(before, &r.next).await? {
+            continue;
+        }
+        let row = db.instance_required(r.next.instance).await?;
+        db.record(&row, row.attempt, &r.history, p.now).await?;
+        page.retimed.push(r.next.id);
+        earliest = Some(earliest.map_or(r.next.next_fire_at, |e| e.min(r.next.next_fire_at)));
+    }
+    Ok((page, earliest))
+}
+
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,
@@ -620,6 +667,15 @@ pub(crate) async fn lease_release(
 
 /// Breadth first over descendants, bounded in depth and count like `MemoryStore`.
 pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+    cancel_with(db, p, plan::cancel::cancel).await
+}
+
+/// Reads what a cancel needs, plans it with `planner` and writes the plan.
+async fn cancel_with(
+    db: &mut Db<'_>,
+    p: &CancelParams,
+    planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+) -> StoreResult<Vec<InstanceId>> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
         // Breadth first down to the depth bound, so the read stays bounded too.
@@ -644,7 +700,7 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
     for id in ids {
         read.pending.insert(id, inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?));
     }
-    let plan = plan::cancel::cancel(p, read)?;
+    let plan = planner(p, read)?;
     for w in &plan.rows {
         write_planned(db, w, p.now).await?;
         db.signals_drop(w.row.id).await?;

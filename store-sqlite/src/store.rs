@@ -17,7 +17,7 @@ use keel_core::ports::store::{
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
     QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -580,6 +580,12 @@ impl Store for SqliteStore {
             self.wake();
         }
         Ok(out)
+    }
+
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage> {
+        let (page, earliest) = write_tx!(self, |db| ops::timers_retime(db, &params))?;
+        self.hint_timers(earliest);
+        Ok(page)
     }
 
     async fn timer_status(

@@ -146,6 +146,10 @@ pub struct TransitionJson {
     /// With `every` and `max`: the event sent once after the last fire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub then: Option<String>,
+    /// With a timer: instances already waiting keep the duration they were armed with
+    /// when a later deploy changes it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub keep_armed: bool,
 }
 
 /// One guarded alternative: if every guard holds, run the actions and go to the target.
@@ -272,6 +276,7 @@ impl Definition {
                         }
                         json.max = spec.max;
                         json.then.clone_from(&spec.then);
+                        json.keep_armed = spec.keep_armed;
                     }
                     json
                 })
@@ -328,6 +333,7 @@ impl TransitionJson {
             every: None,
             max: None,
             then: None,
+            keep_armed: false,
         }
     }
 }
@@ -522,6 +528,9 @@ fn configure(mut s: StateBuilder, json: &StateJson) -> StateBuilder {
             }
             if let Some(then) = &t.then {
                 tb = tb.then(then);
+            }
+            if t.keep_armed {
+                tb = tb.keep_armed();
             }
             tb
         });

@@ -423,6 +423,53 @@ impl TimerSweepParams {
     }
 }
 
+/// Moves the armed timers of one machine version to the durations its deployed definition
+/// gives them (`timers::retime`), one page at a time in timer id order: for a deploy that
+/// changed an `after` / `every` duration, so instances already waiting follow it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TimerRetimeParams {
+    /// The machine version whose instances' timers are moved.
+    pub machine: MachineRef,
+    /// The deployed definition's timers that follow deploys (`Definition::followed_timers`).
+    pub timers: Vec<crate::chart::TimerArm>,
+    /// Only timers with a greater id: the previous page's [`TimerRetimePage::next`].
+    pub after: Option<crate::ids::TimerId>,
+    /// Most armed timers to read; at most [`crate::limits::TIMER_RETIME_BATCH_MAX`].
+    pub limit: usize,
+    /// When (the history entries' time).
+    pub now: Timestamp,
+}
+
+impl TimerRetimeParams {
+    /// Checks the bounds and names.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_name("machine.name", &self.machine.name)?;
+        check_batch("limit", self.limit, limits::TIMER_RETIME_BATCH_MAX)?;
+        if self.limit == 0 {
+            return Err(StoreError::invalid("limit: must be at least 1; pass the page size"));
+        }
+        check_batch("timers", self.timers.len(), limits::TIMER_RETIME_SPECS_MAX)?;
+        for (i, t) in self.timers.iter().enumerate() {
+            if t.interval.is_zero() {
+                return Err(StoreError::invalid(format!(
+                    "timers[{i}].interval: must be positive; take the timers from Definition::followed_timers"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One page of a retime.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TimerRetimePage {
+    /// The timers moved, in id order.
+    pub retimed: Vec<crate::ids::TimerId>,
+    /// Where the next page starts (pass it as [`TimerRetimeParams::after`]); `None` when
+    /// this page was the last.
+    pub next: Option<crate::ids::TimerId>,
+}
+
 /// What a sweep did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TimerSweepReport {
@@ -740,6 +787,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Fires due timers.
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport>;
+
+    /// Moves one page of a machine version's armed timers to its deployed durations
+    /// ([`TimerRetimeParams`]), recording `TIMER_RETIMED` on each instance whose timer
+    /// moved, in one transaction. A timer fired, cancelled or moved meanwhile is left as
+    /// it now is.
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage>;
 
     /// The earliest `next_fire_at` among the armed timers in scope (`None` when there are
     /// none), overdue ones included: what a sweeper sleeps until. Stores answer it with one

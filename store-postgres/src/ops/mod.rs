@@ -24,7 +24,8 @@ use keel_core::ports::store::{
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
     QueueStats, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
-    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -321,6 +322,11 @@ impl Store for PgStore {
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         params.validate()?;
         in_tx!(self, |c| timer::sweep(c, &params, &self.channel))
+    }
+
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage> {
+        params.validate()?;
+        in_tx!(self, |c| timer::retime(c, &params, &self.channel))
     }
 
     async fn timer_status(

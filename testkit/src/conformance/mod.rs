@@ -135,6 +135,9 @@ macro_rules! __store_contract_list {
             await_with_step_moves_and_parks,
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
+            leaving_a_delegation_state_cancels_its_children,
+            failing_instance_cancels_its_delegated_children,
+            signals_reach_a_delegated_child,
             broadcast_reaches_instances_in_state,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
@@ -146,6 +149,7 @@ macro_rules! __store_contract_list {
             timer_hint_follows_a_commit_that_arms,
             timers_dropped_with_terminal_instances,
             timer_status_and_queue_stats,
+            timers_follow_a_deployed_duration,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             claim_by_ids_takes_only_the_named_ready_instances,
         }

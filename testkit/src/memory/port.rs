@@ -8,8 +8,8 @@ use super::{
     Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
     SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    Timestamp, async_trait, commit, limits,
+    StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport, Timestamp, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -160,6 +160,13 @@ impl Store for MemoryStore {
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         let result = self.state().timer_sweep(&params);
         self.wake(result)
+    }
+
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage> {
+        let (page, earliest) = self.state().timers_retime(&params)?;
+        // A moved timer may now be due before what the sweepers sleep until.
+        self.hint_timers(earliest);
+        Ok(page)
     }
 
     async fn timer_status(
