@@ -40,6 +40,7 @@ use keel_core::ports::store::{
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
     QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
     StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    ActivityBucket, ActivityParams, InstanceListParams, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -129,6 +130,8 @@ struct State {
     timers_of: HashMap<InstanceId, BTreeSet<TimerId>>,
     /// `(namespace or "*", machine or "*")` → last sweep time.
     sweeps: HashMap<(String, String), Timestamp>,
+    /// The worker registry: id → last heartbeat.
+    workers: BTreeMap<String, WorkerRecord>,
 }
 
 impl State {

@@ -217,6 +217,30 @@ pub enum DefinitionJsonError {
     Invalid(#[from] ValidationErrors),
 }
 
+impl ChartJson {
+    /// Every guard name the chart references, sorted: what a caller must register before
+    /// [`ChartBuilder::build`] (tools that only draw or inspect a chart register
+    /// placeholders under these names).
+    pub fn guard_names(&self) -> std::collections::BTreeSet<String> {
+        fn branch(b: &BranchJson, out: &mut std::collections::BTreeSet<String>) {
+            out.extend(b.guards.iter().cloned());
+        }
+        fn state(s: &StateJson, out: &mut std::collections::BTreeSet<String>) {
+            for t in &s.on {
+                out.extend(t.guards.iter().cloned());
+                t.branches.iter().for_each(|b| branch(b, out));
+            }
+            for list in [&s.always, &s.done, &s.fail, &s.on_timeout] {
+                list.iter().for_each(|b| branch(b, out));
+            }
+            s.states.iter().for_each(|c| state(c, out));
+        }
+        let mut out = std::collections::BTreeSet::new();
+        self.states.iter().for_each(|s| state(s, &mut out));
+        out
+    }
+}
+
 impl Definition {
     /// The JSON form of this definition; [`ChartBuilder::from_json`] of it, with the same
     /// guards registered, builds a definition with the same structure.

@@ -2,6 +2,7 @@
 //! operation on the state and wakes waiters. No decisions are made here.
 
 use super::{
+    ActivityBucket, ActivityParams, InstanceListParams, WorkerBeatParams, WorkerRecord,
     BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitPlanner,
     CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
@@ -168,6 +169,22 @@ impl Store for MemoryStore {
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         Ok(self.state().timer_status(namespace.as_deref(), now))
+    }
+
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.state().instance_list(&params)
+    }
+
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        self.state().instance_activity(&params)
+    }
+
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        self.state().worker_heartbeat(&params)
+    }
+
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        Ok(self.state().worker_list(seen_since))
     }
 
     async fn ready_wait(&self) {
