@@ -107,6 +107,9 @@ pub async fn poll(
         ));
     }
     let store = state.keel.store();
+    let declared: Vec<MachineRef> =
+        b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect();
+    state.beats.poll(store, &b.worker, &b.namespace, declared).await;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
     loop {
         store.lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() }).await?;
