@@ -161,7 +161,7 @@ async fn unserved(
 }
 
 /// Executing instances (one page) whose lease has expired.
-async fn stuck_leases(keel: &Keel, ns: &str, machine: &str, now: Timestamp) -> anyhow::Result<u64> {
+pub async fn stuck_leases(keel: &Keel, ns: &str, machine: &str, now: Timestamp) -> anyhow::Result<u64> {
     let page = keel.store().instance_list(list_params(ns, machine, Status::Executing)).await?;
     Ok(page.iter().filter(|r| r.lease_expires_at.is_some_and(|at| at < now)).count() as u64)
 }

@@ -1411,6 +1411,7 @@ async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) 
     let ids = inner.store.lease_reap(params).await?;
     if !ids.is_empty() {
         inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        metrics::counter!("keel_leases_reaped_total").increment(ids.len() as u64);
         tracing::info!(count = ids.len(), "returned expired leases to runnable");
     }
     Ok(())

@@ -77,6 +77,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
         .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
         .route("/v1/namespaces/{ns}/status", get(ops::status))
+        .route("/v1/namespaces/{ns}/activity", get(ops::activity))
+        .route("/v1/namespaces/{ns}/machines/{machine}/instances", get(ops::list_instances))
+        .route("/v1/workers", get(ops::workers))
         .route("/v1/namespaces/{ns}/queues/{queue}/pause", post(ops::pause))
         .route("/v1/namespaces/{ns}/queues/{queue}/resume", post(ops::resume))
         .route("/v1/namespaces/{ns}/dead-letters", get(ops::dead_letters))
@@ -136,15 +139,8 @@ pub async fn run(
 }
 
 async fn health_handler(State(state): State<Arc<AppState>>) -> Response {
-    let rows = match crate::commands::status_rows(&state.keel, &state.namespace, None).await {
-        Ok(rows) => rows,
-        Err(error) => {
-            let body = json!({ "status": "critical", "error": format!("{error:#}") });
-            return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
-        }
-    };
-    match health::evaluate(&state.config, &rows) {
-        Ok(findings) => {
+    match health::probe(&state.keel, &state.namespace, &state.config).await {
+        Ok((_, findings)) => {
             let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
             let code = if level == Level::Critical {
                 StatusCode::SERVICE_UNAVAILABLE
