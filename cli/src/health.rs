@@ -88,7 +88,10 @@ fn check(
 }
 
 fn alerts_for(config: &KeelConfig, machine: &str) -> anyhow::Result<AlertThresholds> {
-    Ok(config.queue_for(machine, None).with_context(|| format!("--config: machine {machine}"))?.alerts)
+    Ok(config
+        .queue_for(machine, None)
+        .with_context(|| format!("--config: machine {machine}"))?
+        .alerts)
 }
 
 fn millis(d: Option<std::time::Duration>) -> Option<u64> {

@@ -161,7 +161,12 @@ async fn unserved(
 }
 
 /// Executing instances (one page) whose lease has expired.
-pub async fn stuck_leases(keel: &Keel, ns: &str, machine: &str, now: Timestamp) -> anyhow::Result<u64> {
+pub async fn stuck_leases(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    now: Timestamp,
+) -> anyhow::Result<u64> {
     let page = keel.store().instance_list(list_params(ns, machine, Status::Executing)).await?;
     Ok(page.iter().filter(|r| r.lease_expires_at.is_some_and(|at| at < now)).count() as u64)
 }
@@ -277,13 +282,14 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
 
 /// `keel workers`.
 pub async fn workers(keel: &Keel, stale_after: &str) -> anyhow::Result<Report> {
-    let stale = keel_core::duration::parse(stale_after)
-        .map_err(|e| anyhow!("--stale-after: {e}"))?;
+    let stale =
+        keel_core::duration::parse(stale_after).map_err(|e| anyhow!("--stale-after: {e}"))?;
     let now = now();
     // Stale workers are listed for a day past the threshold, then left out.
     let shown_since = now.minus(stale + Duration::from_secs(86_400));
     let list = keel.store().worker_list(shown_since).await?;
-    let mut t = table(&["worker", "name", "state", "last seen", "started", "machines", "namespaces"]);
+    let mut t =
+        table(&["worker", "name", "state", "last seen", "started", "machines", "namespaces"]);
     let mut items = Vec::with_capacity(list.len());
     let (mut live, mut stale_count) = (0, 0);
     for w in &list {
@@ -361,7 +367,11 @@ pub async fn purge(
             }
         );
     }
-    if pending { purge_pending(keel, ns, machine).await } else { purge_dlq(keel, ns, machine).await }
+    if pending {
+        purge_pending(keel, ns, machine).await
+    } else {
+        purge_dlq(keel, ns, machine).await
+    }
 }
 
 async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
@@ -447,9 +457,9 @@ pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result
     let to = defs.find(&args.machine, Some(args.to)).context("--to")?.clone();
     let mut migration = Migration::new(from, to).map_err(|e| anyhow!("{e}"))?;
     for map in &args.maps {
-        let (old, new) = map
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--map: {map:?} is not OLD=NEW; write e.g. --map cart=basket"))?;
+        let (old, new) = map.split_once('=').ok_or_else(|| {
+            anyhow!("--map: {map:?} is not OLD=NEW; write e.g. --map cart=basket")
+        })?;
         migration =
             migration.map(old.trim(), new.trim()).map_err(|e| anyhow!("--map {map}: {e}"))?;
     }

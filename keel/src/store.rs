@@ -5,12 +5,13 @@ use async_trait::async_trait;
 use keel_core::instance::DeadLetter;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, InstanceListParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
+    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};

@@ -894,16 +894,18 @@ pub(crate) async fn worker_list(
             Ok(keel_core::ports::store::WorkerRecord {
                 id: keel_core::ids::WorkerId(r.try_get("id").map_err(bad("id"))?),
                 name: r.try_get("name").map_err(bad("name"))?,
-                machines: decode(file, "machines", r.try_get("machines").map_err(bad("machines"))?)?,
+                machines: decode(
+                    file,
+                    "machines",
+                    r.try_get("machines").map_err(bad("machines"))?,
+                )?,
                 namespaces: decode(
                     file,
                     "namespaces",
                     r.try_get("namespaces").map_err(bad("namespaces"))?,
                 )?,
                 started_at: Timestamp(r.try_get("started_at").map_err(bad("started_at"))?),
-                last_seen_at: Timestamp(
-                    r.try_get("last_seen_at").map_err(bad("last_seen_at"))?,
-                ),
+                last_seen_at: Timestamp(r.try_get("last_seen_at").map_err(bad("last_seen_at"))?),
             })
         })
         .collect()

@@ -34,13 +34,13 @@ use keel_core::plan::{
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
-    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
-    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
-    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    ActivityBucket, ActivityParams, InstanceListParams, WorkerBeatParams, WorkerRecord,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
+    InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    MigratePage, MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{

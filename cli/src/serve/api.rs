@@ -174,7 +174,9 @@ async fn target(state: &AppState, ns: &str, b: &EventBody) -> Result<InstanceId,
 fn unknown_machine(machine: &str) -> ApiError {
     ApiError::bad(
         "machine",
-        format!("machine: {machine:?} is not a machine this server knows; check the name against the definitions file"),
+        format!(
+            "machine: {machine:?} is not a machine this server knows; check the name against the definitions file"
+        ),
     )
 }
 

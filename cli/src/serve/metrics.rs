@@ -77,7 +77,8 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
         let labels = [("namespace", t.namespace.clone()), ("machine", t.machine.clone())];
         metrics::gauge!("keel_timers_armed", &labels).set(t.armed as f64);
         metrics::gauge!("keel_timers_overdue", &labels).set(t.overdue as f64);
-        let lateness = t.next_due.filter(|due| *due <= now).map_or(0.0, |due| (now.0 - due.0) as f64 / 1000.0);
+        let lateness =
+            t.next_due.filter(|due| *due <= now).map_or(0.0, |due| (now.0 - due.0) as f64 / 1000.0);
         metrics::gauge!("keel_timers_sweep_lateness_seconds", &labels).set(lateness);
         if let Some(at) = t.last_sweep_at {
             let lag = (now.0 - at.0).max(0) as f64 / 1000.0;

@@ -129,9 +129,10 @@ pub async fn activity(
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
 ) -> Result<Response, ApiError> {
-    let machines = crate::operate::activity(&state.keel, &ns, None, now()).await.map_err(|error| {
-        ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
-    })?;
+    let machines =
+        crate::operate::activity(&state.keel, &ns, None, now()).await.map_err(|error| {
+            ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
+        })?;
     Ok(Json(json!({
         "namespace": ns,
         "window_ms": crate::operate::ACTIVITY_WINDOW.as_millis() as u64,
@@ -179,8 +180,9 @@ pub async fn list_instances(
 /// Workers seen by heartbeat, live and stale (every namespace: a token that sees them all).
 pub async fn workers(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
     let stale = keel_core::ports::store::WORKER_STALE_AFTER.as_secs();
-    let report = crate::operate::workers(&state.keel, &format!("{stale}s")).await.map_err(|error| {
-        ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
-    })?;
+    let report =
+        crate::operate::workers(&state.keel, &format!("{stale}s")).await.map_err(|error| {
+            ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
+        })?;
     Ok(Json(report.json).into_response())
 }

@@ -36,7 +36,8 @@ impl Beats {
             return Some(*started);
         }
         if seen.len() >= REMEMBERED_MAX
-            && let Some(oldest) = seen.iter().min_by_key(|(_, (_, last))| *last).map(|(k, _)| k.clone())
+            && let Some(oldest) =
+                seen.iter().min_by_key(|(_, (_, last))| *last).map(|(k, _)| k.clone())
         {
             seen.remove(&oldest);
         }

@@ -112,8 +112,9 @@ pub async fn poll(
     state.beats.poll(store, &b.worker, &b.namespace, declared).await;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
     loop {
-        let reaped =
-            store.lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() }).await?;
+        let reaped = store
+            .lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() })
+            .await?;
         metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
         let claims = store
             .instance_claim(ClaimParams {

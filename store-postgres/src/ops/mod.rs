@@ -20,13 +20,13 @@ use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget};
 use keel_core::ports::store::{
-    ActivityBucket, ActivityParams, InstanceListParams, WorkerBeatParams, WorkerRecord,
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
-    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
+    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};

@@ -30,10 +30,7 @@ pub(crate) async fn list<C: GenericClient + Sync>(
     let before = p.before.map_or(i64::MAX, |id| id.0);
     let status = p.status.map(|s| s.name());
     let found = c
-        .query(
-            &stmt,
-            &[&p.namespace, &p.machine, &before, &status, &p.in_state, &(p.limit as i64)],
-        )
+        .query(&stmt, &[&p.namespace, &p.machine, &before, &status, &p.in_state, &(p.limit as i64)])
         .await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
@@ -117,9 +114,7 @@ pub(crate) async fn workers<C: GenericClient + Sync>(
         .map(|r| {
             let machines: serde_json::Value = col(r, 2)?;
             let machines: Vec<MachineRef> = serde_json::from_value(machines).map_err(|e| {
-                StoreError::conflict(format!(
-                    "stored row: column machines cannot be decoded: {e}"
-                ))
+                StoreError::conflict(format!("stored row: column machines cannot be decoded: {e}"))
             })?;
             Ok(WorkerRecord {
                 id: WorkerId(col(r, 0)?),

@@ -2,15 +2,15 @@
 //! operation on the state and wakes waiters. No decisions are made here.
 
 use super::{
-    ActivityBucket, ActivityParams, InstanceListParams, WorkerBeatParams, WorkerRecord,
-    BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitPlanner,
-    CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
-    DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    Timestamp, async_trait, commit, limits,
+    ActivityBucket, ActivityParams, BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitPlanner, CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId,
+    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
+    InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
+    MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
+    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
+    WorkerBeatParams, WorkerRecord, async_trait, commit, limits,
 };
 
 #[async_trait]

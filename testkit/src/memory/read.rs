@@ -2,10 +2,9 @@
 //! queue figures. These are reads of the collections, not decisions.
 
 use super::{
-    ActivityBucket, ActivityParams, InstanceListParams, WorkerBeatParams, WorkerRecord,
-    BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId, QueueStats, State, Status,
-    StoreError, StoreResult, TimerNextDueParams, TimerRow, TimerStatus, Timestamp, check_batch,
-    limits,
+    ActivityBucket, ActivityParams, BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId,
+    InstanceListParams, QueueStats, State, Status, StoreError, StoreResult, TimerNextDueParams,
+    TimerRow, TimerStatus, Timestamp, WorkerBeatParams, WorkerRecord, check_batch, limits,
 };
 
 impl State {
