@@ -8,6 +8,7 @@
 //! and waits included).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
@@ -109,9 +110,7 @@ pub async fn activity(
     }
     for (name, e) in &mut out {
         let ended = e.completed_last_hour + e.failed_last_hour;
-        if ended > 0 {
-            e.avg_processing_ms = Some(turnaround.get(name).copied().unwrap_or(0) / ended);
-        }
+        e.avg_processing_ms = turnaround.get(name).copied().unwrap_or(0).checked_div(ended);
         e.throughput_per_minute = ended as f64 / (ACTIVITY_WINDOW.as_secs_f64() / 60.0);
         if ready.get(name).copied().unwrap_or(0) > 0 {
             let (count, versions) = unserved(keel, ns, name, &live, now).await?;
@@ -272,7 +271,7 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
         t.to_string()
     };
     if let Some(next) = next {
-        human.push_str(&format!("\nMore: keel list {} --after {next}", args.machine));
+        let _ = write!(human, "\nMore: keel list {} --after {next}", args.machine);
     }
     Ok(Report::ok(
         json!({ "namespace": ns, "machine": args.machine, "instances": items, "next": next }),

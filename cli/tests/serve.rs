@@ -811,8 +811,7 @@ fn a_polling_http_worker_is_listed_and_lease_gauges_are_exported() {
             samples
                 .iter()
                 .find(|(m, labels, _)| m == metric && labels.contains("machine=\"echo\""))
-                .map(|s| s.2)
-                .unwrap_or_else(|| panic!("{name}: no {metric} for echo in\n{text}"))
+                .map_or_else(|| panic!("{name}: no {metric} for echo in\n{text}"), |s| s.2)
         };
         assert_eq!(value("keel_leases_held"), 1.0, "{name}");
         assert_eq!(value("keel_leases_expired"), 1.0, "{name}: the lease ran out unreaped");

@@ -866,6 +866,15 @@ pub(crate) async fn worker_heartbeat(
     Ok(())
 }
 
+/// A JSON column of the worker registry, or a "damaged file" error naming it.
+fn decode<T: serde::de::DeserializeOwned>(
+    file: &str,
+    col: &'static str,
+    text: &str,
+) -> StoreResult<T> {
+    serde_json::from_str(text).map_err(|e| corrupt(file, col, e))
+}
+
 /// Workers seen since a time, most recent first (`Store::worker_list`).
 pub(crate) async fn worker_list(
     db: &mut Db<'_>,
@@ -882,13 +891,6 @@ pub(crate) async fn worker_list(
     .map_err(db.err("listing workers"))?;
     let file = db.file;
     let bad = |col: &'static str| move |e: sqlx::Error| corrupt(file, col, e);
-    fn decode<T: serde::de::DeserializeOwned>(
-        file: &str,
-        col: &'static str,
-        text: &str,
-    ) -> StoreResult<T> {
-        serde_json::from_str(text).map_err(|e| corrupt(file, col, e))
-    }
     rows.iter()
         .map(|r| {
             Ok(keel_core::ports::store::WorkerRecord {

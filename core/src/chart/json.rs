@@ -222,21 +222,26 @@ impl ChartJson {
     /// [`ChartBuilder::build`] (tools that only draw or inspect a chart register
     /// placeholders under these names).
     pub fn guard_names(&self) -> std::collections::BTreeSet<String> {
-        fn branch(b: &BranchJson, out: &mut std::collections::BTreeSet<String>) {
-            out.extend(b.guards.iter().cloned());
-        }
         fn state(s: &StateJson, out: &mut std::collections::BTreeSet<String>) {
             for t in &s.on {
                 out.extend(t.guards.iter().cloned());
-                t.branches.iter().for_each(|b| branch(b, out));
+                for b in &t.branches {
+                    out.extend(b.guards.iter().cloned());
+                }
             }
             for list in [&s.always, &s.done, &s.fail, &s.on_timeout] {
-                list.iter().for_each(|b| branch(b, out));
+                for b in list {
+                    out.extend(b.guards.iter().cloned());
+                }
             }
-            s.states.iter().for_each(|c| state(c, out));
+            for child in &s.states {
+                state(child, out);
+            }
         }
         let mut out = std::collections::BTreeSet::new();
-        self.states.iter().for_each(|s| state(s, &mut out));
+        for s in &self.states {
+            state(s, &mut out);
+        }
         out
     }
 }

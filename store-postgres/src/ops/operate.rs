@@ -28,7 +28,7 @@ pub(crate) async fn list<C: GenericClient + Sync>(
         ))
         .await?;
     let before = p.before.map_or(i64::MAX, |id| id.0);
-    let status = p.status.map(|s| s.name());
+    let status = p.status.map(keel_core::Status::name);
     let found = c
         .query(&stmt, &[&p.namespace, &p.machine, &before, &status, &p.in_state, &(p.limit as i64)])
         .await?;

@@ -31,38 +31,38 @@ fn ids(rows: &[keel_core::Instance]) -> Vec<InstanceId> {
 /// out of range naming the field.
 pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
     let ns = "instance_list";
-    let a = insert_one(s, new_in(ns), at(0)).await;
-    let b = insert_one(s, new_in(ns), at(1)).await;
-    let c = insert_one(s, new_in(ns), at(2)).await;
+    let first = insert_one(s, new_in(ns), at(0)).await;
+    let second = insert_one(s, new_in(ns), at(1)).await;
+    let third = insert_one(s, new_in(ns), at(2)).await;
     insert_one(s, new_in("instance_list_other"), at(3)).await;
     let other_machine = keel_core::NewInstance::new(MachineRef::new("invoice", 1), "start")
         .namespace(ns)
         .context(serde_json::json!({}));
     insert_one(s, other_machine, at(4)).await;
-    let claimed = claim_id(s, ns, a, at(10)).await;
+    let claimed = claim_id(s, ns, first, at(10)).await;
     step(s, &claimed, next("pack", 1), at(20)).await;
 
     let all = s.instance_list(list(ns, 10)).await.expect("instance_list");
-    assert_eq!(ids(&all), [c, b, a], "newest first, one namespace, one machine");
-    let first = s.instance_list(list(ns, 2)).await.expect("page 1");
-    assert_eq!(ids(&first), [c, b]);
+    assert_eq!(ids(&all), [third, second, first], "newest first, one namespace, one machine");
+    let page = s.instance_list(list(ns, 2)).await.expect("page 1");
+    assert_eq!(ids(&page), [third, second]);
     let rest = s
-        .instance_list(InstanceListParams { before: Some(b), ..list(ns, 2) })
+        .instance_list(InstanceListParams { before: Some(second), ..list(ns, 2) })
         .await
         .expect("page 2");
-    assert_eq!(ids(&rest), [a], "the next page starts below the last id");
+    assert_eq!(ids(&rest), [first], "the next page starts below the last id");
     let packing = s
         .instance_list(InstanceListParams { in_state: Some("pack".into()), ..list(ns, 10) })
         .await
         .expect("by state");
-    assert_eq!(ids(&packing), [a]);
+    assert_eq!(ids(&packing), [first]);
     let runnable = s
         .instance_list(InstanceListParams { status: Some(Status::Runnable), ..list(ns, 10) })
         .await
         .expect("by status");
-    assert_eq!(ids(&runnable), [c, b, a]);
+    assert_eq!(ids(&runnable), [third, second, first]);
 
-    let claimed = claim_id(s, ns, b, at(30)).await;
+    let claimed = claim_id(s, ns, second, at(30)).await;
     let chart_position = Outcome::Next {
         step: r#"["shipping.boxed","billing"]"#.into(),
         context: serde_json::json!({}),
@@ -72,7 +72,7 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
         .instance_list(InstanceListParams { in_state: Some("billing".into()), ..list(ns, 10) })
         .await
         .expect("by chart state");
-    assert_eq!(ids(&billing), [b], "a chart state inside a JSON position matches");
+    assert_eq!(ids(&billing), [second], "a chart state inside a JSON position matches");
     let executing = s
         .instance_list(InstanceListParams { status: Some(Status::Executing), ..list(ns, 10) })
         .await
