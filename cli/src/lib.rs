@@ -50,7 +50,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Per queue and machine: ready, scheduled, executing, waiting, suspended, dead
-    /// letters, oldest ready age and whether the queue is paused.
+    /// letters, oldest ready age and whether the queue is paused; per machine, the last
+    /// hour: completed, failed, average processing time, throughput, stuck leases and
+    /// ready work no live worker can take.
     Status {
         /// Only this machine.
         #[arg(long)]
