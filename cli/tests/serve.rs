@@ -634,7 +634,7 @@ fn a_token_never_sees_or_changes_another_namespace() {
             );
         }
         // Operator endpoints span every namespace: only a "*" token.
-        for path in ["/metrics", "/health", "/v1/cluster/info"] {
+        for path in ["/metrics", "/health", "/v1/cluster/info", "/v1/workers"] {
             assert_eq!(s.get_as(a, path).0, 404, "{name}: {path}");
             assert_eq!(s.get_as(all, path).0, 200, "{name}: {path}");
         }
@@ -671,6 +671,8 @@ fn a_token_never_sees_or_changes_another_namespace() {
             format!("/v1/namespaces/a/dead-letters/{dl}"),
             format!("/v1/namespaces/b/dead-letters/{dl}"),
             "/v1/namespaces/a/status".to_owned(),
+            "/v1/namespaces/a/activity".to_owned(),
+            "/v1/namespaces/a/machines/greeter/instances".to_owned(),
         ] {
             assert_eq!(s.get_as(b, &path).0, 404, "{name}: GET {path}");
         }
@@ -723,6 +725,16 @@ fn serve_refuses_a_public_address_without_tokens_and_bad_tokens_files() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tokens[0].token is shorter"), "{out:?}");
+    let charts = dir.path().join("charts.json");
+    std::fs::write(&charts, r#"[{"name": "door", "version": 1, "states": "none"}]"#).unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["--database-url", &url, "serve", "--listen", "127.0.0.1:0", "--definitions"])
+        .arg(&charts)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--definitions") && err.contains("chart [0]"), "{err}");
 }
 
 const DOORS: &str = r#"[
