@@ -169,11 +169,16 @@ pub async fn list_instances(
     };
     match crate::operate::list(&state.keel, &ns, args).await {
         Ok(report) => Ok(Json(report.json).into_response()),
-        Err(error) => {
-            let text = format!("{error:#}");
-            let field = text.split(':').next().unwrap_or("query").trim_start_matches("--");
-            Err(ApiError::bad(field, text.replacen("--", "", 1)))
-        }
+        // A store error keeps its own status (503 when the store is down); the rest is
+        // the query's fault and names its parameter.
+        Err(error) => match error.downcast::<keel::StoreError>() {
+            Ok(store) => Err(ApiError::from(store)),
+            Err(error) => {
+                let text = format!("{error:#}");
+                let field = text.split(':').next().unwrap_or("query").trim_start_matches("--");
+                Err(ApiError::bad(field, text.replacen("--", "", 1)))
+            }
+        },
     }
 }
 
