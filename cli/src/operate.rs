@@ -70,13 +70,15 @@ pub async fn activity(
     machine: Option<&str>,
     now: Timestamp,
 ) -> anyhow::Result<Vec<MachineActivity>> {
+    // The window is (now - 1 h, now]: exactly 60 buckets, the last one ending now.
+    let until = now.plus(Duration::from_millis(1));
     let params = ActivityParams {
         namespace: Some(ns.to_owned()),
-        since: now.minus(ACTIVITY_WINDOW),
-        until: now.plus(Duration::from_millis(1)),
+        since: until.minus(ACTIVITY_WINDOW),
+        until,
         bucket: ACTIVITY_BUCKET,
     };
-    let buckets_len = (ACTIVITY_WINDOW.as_secs() / ACTIVITY_BUCKET.as_secs()) as usize + 1;
+    let buckets_len = (ACTIVITY_WINDOW.as_secs() / ACTIVITY_BUCKET.as_secs()) as usize;
     let mut out: BTreeMap<String, MachineActivity> = BTreeMap::new();
     let blank = |name: &str| MachineActivity {
         machine: name.to_owned(),

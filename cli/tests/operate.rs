@@ -262,7 +262,7 @@ async fn workers_activity_and_health_thresholds_come_from_stored_rows() {
                 .sum::<u64>(),
             3
         );
-        assert_eq!(m["completed_per_minute"].as_array().unwrap().len(), 61);
+        assert_eq!(m["completed_per_minute"].as_array().unwrap().len(), 60);
         assert_eq!(
             (m["ready_without_worker"].as_u64(), &m["unserved_versions"]),
             (Some(1), &json!([2]))

@@ -790,7 +790,7 @@ fn with_definitions_unknown_machines_versions_and_events_get_400_naming_the_fiel
             (door["machine"].as_str(), door["ready_without_worker"].as_u64()),
             (Some("door"), Some(1))
         );
-        assert_eq!(door["completed_per_minute"].as_array().unwrap().len(), 61);
+        assert_eq!(door["completed_per_minute"].as_array().unwrap().len(), 60);
         let (code, workers) = s.get_json("/v1/workers");
         assert_eq!((code, workers["live"].as_u64()), (200, Some(0)), "{name}: {workers}");
     }
