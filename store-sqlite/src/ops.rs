@@ -820,3 +820,151 @@ pub(crate) async fn queue_pause(
     .map_err(db.err("pausing a queue"))?;
     Ok(())
 }
+
+/// One page of a machine's instances, newest first (`Store::instance_list`).
+pub(crate) async fn instance_list(
+    db: &mut Db<'_>,
+    p: &keel_core::ports::store::InstanceListParams,
+) -> StoreResult<Vec<Instance>> {
+    p.validate()?;
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        instance_cols!(),
+        " FROM keel_instances \
+         WHERE namespace = ? AND machine = ? AND id < ? AND (? IS NULL OR status = ?) \
+           AND (? IS NULL OR position = ? OR (substr(position, 1, 1) = '[' AND json_valid(position) \
+                AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?))) \
+         ORDER BY id DESC LIMIT ?"
+    ))
+    .bind(&p.namespace)
+    .bind(&p.machine)
+    .bind(p.before.map_or(i64::MAX, |id| id.0))
+    .bind(p.status.map(Status::name))
+    .bind(p.status.map(Status::name))
+    .bind(&p.in_state)
+    .bind(&p.in_state)
+    .bind(&p.in_state)
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("listing instances"))?;
+    rows.iter().map(|r| db.instance_of(r)).collect()
+}
+
+/// Done and failed instances per machine and bucket (`Store::instance_activity`).
+pub(crate) async fn instance_activity(
+    db: &mut Db<'_>,
+    p: &keel_core::ports::store::ActivityParams,
+) -> StoreResult<Vec<keel_core::ports::store::ActivityBucket>> {
+    p.validate()?;
+    let rows = sqlx::query(
+        "SELECT namespace, machine, (updated_at - ?) / ? AS bucket, \
+           SUM(status = 'done') AS completed, SUM(status = 'failed') AS failed, \
+           SUM(MAX(updated_at - created_at, 0)) AS turnaround \
+         FROM keel_instances \
+         WHERE status IN ('done', 'failed') AND updated_at >= ? AND updated_at < ? \
+           AND (? IS NULL OR namespace = ?) \
+         GROUP BY namespace, machine, bucket ORDER BY namespace, machine, bucket",
+    )
+    .bind(p.since.0)
+    .bind(p.bucket_ms())
+    .bind(p.since.0)
+    .bind(p.until.0)
+    .bind(&p.namespace)
+    .bind(&p.namespace)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("counting activity"))?;
+    let file = db.file;
+    let bad = |col: &'static str| move |e: sqlx::Error| corrupt(file, col, e);
+    rows.iter()
+        .map(|r| {
+            Ok(keel_core::ports::store::ActivityBucket {
+                namespace: r.try_get("namespace").map_err(bad("namespace"))?,
+                machine: r.try_get("machine").map_err(bad("machine"))?,
+                bucket: r.try_get("bucket").map_err(bad("bucket"))?,
+                completed: r.try_get::<i64, _>("completed").map_err(bad("completed"))? as u64,
+                failed: r.try_get::<i64, _>("failed").map_err(bad("failed"))? as u64,
+                turnaround_ms_total: r.try_get::<i64, _>("turnaround").map_err(bad("turnaround"))?
+                    as u64,
+            })
+        })
+        .collect()
+}
+
+/// Records a heartbeat and forgets long-silent workers (`Store::worker_heartbeat`).
+pub(crate) async fn worker_heartbeat(
+    db: &mut Db<'_>,
+    p: &keel_core::ports::store::WorkerBeatParams,
+) -> StoreResult<()> {
+    p.validate()?;
+    sqlx::query("DELETE FROM keel_workers WHERE last_seen_at < ?")
+        .bind(p.forget_before.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("forgetting silent workers"))?;
+    sqlx::query(
+        "INSERT INTO keel_workers (id, name, machines, namespaces, started_at, last_seen_at) \
+         VALUES (?, ?, ?, ?, ?, ?) \
+         ON CONFLICT (id) DO UPDATE SET name = excluded.name, machines = excluded.machines, \
+           namespaces = excluded.namespaces, started_at = excluded.started_at, \
+           last_seen_at = excluded.last_seen_at",
+    )
+    .bind(&p.id.0)
+    .bind(&p.name)
+    .bind(serde_json::to_string(&p.machines).unwrap_or_default())
+    .bind(serde_json::to_string(&p.namespaces).unwrap_or_default())
+    .bind(p.started_at.0)
+    .bind(p.now.0)
+    .execute(&mut *db.conn)
+    .await
+    .map_err(db.err("recording a worker heartbeat"))?;
+    Ok(())
+}
+
+/// A JSON column of the worker registry, or a "damaged file" error naming it.
+fn decode<T: serde::de::DeserializeOwned>(
+    file: &str,
+    col: &'static str,
+    text: &str,
+) -> StoreResult<T> {
+    serde_json::from_str(text).map_err(|e| corrupt(file, col, e))
+}
+
+/// Workers seen since a time, most recent first (`Store::worker_list`).
+pub(crate) async fn worker_list(
+    db: &mut Db<'_>,
+    seen_since: Timestamp,
+) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
+    let rows = sqlx::query(
+        "SELECT id, name, machines, namespaces, started_at, last_seen_at FROM keel_workers \
+         WHERE last_seen_at >= ? ORDER BY last_seen_at DESC, id LIMIT ?",
+    )
+    .bind(seen_since.0)
+    .bind(keel_core::ports::store::WORKER_LIST_MAX as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("listing workers"))?;
+    let file = db.file;
+    let bad = |col: &'static str| move |e: sqlx::Error| corrupt(file, col, e);
+    rows.iter()
+        .map(|r| {
+            Ok(keel_core::ports::store::WorkerRecord {
+                id: keel_core::ids::WorkerId(r.try_get("id").map_err(bad("id"))?),
+                name: r.try_get("name").map_err(bad("name"))?,
+                machines: decode(
+                    file,
+                    "machines",
+                    r.try_get("machines").map_err(bad("machines"))?,
+                )?,
+                namespaces: decode(
+                    file,
+                    "namespaces",
+                    r.try_get("namespaces").map_err(bad("namespaces"))?,
+                )?,
+                started_at: Timestamp(r.try_get("started_at").map_err(bad("started_at"))?),
+                last_seen_at: Timestamp(r.try_get("last_seen_at").map_err(bad("last_seen_at"))?),
+            })
+        })
+        .collect()
+}

@@ -34,13 +34,13 @@ use keel_core::plan::{
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
-    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
-    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
-    StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
+    InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    MigratePage, MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -130,6 +130,8 @@ struct State {
     timers_of: HashMap<InstanceId, BTreeSet<TimerId>>,
     /// `(namespace or "*", machine or "*")` → last sweep time.
     sweeps: HashMap<(String, String), Timestamp>,
+    /// The worker registry: id → last heartbeat.
+    workers: BTreeMap<String, WorkerRecord>,
 }
 
 impl State {

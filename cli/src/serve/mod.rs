@@ -9,6 +9,7 @@ mod api;
 pub mod auth;
 mod metrics;
 mod ops;
+pub mod registry;
 mod worker;
 
 use std::net::SocketAddr;
@@ -43,6 +44,10 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// The bearer tokens, when a tokens file was given; `None` = no authentication.
     pub tokens: Option<Vec<auth::Grant>>,
+    /// The charts events and starts are checked against; `None` = not checked.
+    pub definitions: Option<crate::definitions::Definitions>,
+    /// Remote workers' registry beats.
+    pub beats: registry::Beats,
 }
 
 impl AppState {
@@ -54,6 +59,8 @@ impl AppState {
             namespace: namespace.to_owned(),
             metrics,
             tokens: None,
+            definitions: None,
+            beats: registry::Beats::default(),
         }
     }
 }
@@ -70,6 +77,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
         .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
         .route("/v1/namespaces/{ns}/status", get(ops::status))
+        .route("/v1/namespaces/{ns}/activity", get(ops::activity))
+        .route("/v1/namespaces/{ns}/machines/{machine}/instances", get(ops::list_instances))
+        .route("/v1/workers", get(ops::workers))
         .route("/v1/namespaces/{ns}/queues/{queue}/pause", post(ops::pause))
         .route("/v1/namespaces/{ns}/queues/{queue}/resume", post(ops::resume))
         .route("/v1/namespaces/{ns}/dead-letters", get(ops::dead_letters))
@@ -91,8 +101,10 @@ pub async fn run(
     keel: Keel,
     listen: SocketAddr,
     tokens: Option<&std::path::Path>,
+    definitions: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
+    let definitions = definitions.map(crate::definitions::Definitions::load).transpose()?;
     if tokens.is_none() && !listen.ip().is_loopback() {
         bail!(
             "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
@@ -101,8 +113,15 @@ pub async fn run(
     let config = health::read_config(cli)?;
     let metrics = keel::prometheus::install()?;
     let open = tokens.is_none();
-    let state =
-        Arc::new(AppState { keel, config, namespace: cli.namespace.clone(), metrics, tokens });
+    let state = Arc::new(AppState {
+        keel,
+        config,
+        namespace: cli.namespace.clone(),
+        metrics,
+        tokens,
+        definitions,
+        beats: registry::Beats::default(),
+    });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("--listen: cannot bind {listen}"))?;
@@ -120,15 +139,8 @@ pub async fn run(
 }
 
 async fn health_handler(State(state): State<Arc<AppState>>) -> Response {
-    let rows = match crate::commands::status_rows(&state.keel, &state.namespace, None).await {
-        Ok(rows) => rows,
-        Err(error) => {
-            let body = json!({ "status": "critical", "error": format!("{error:#}") });
-            return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
-        }
-    };
-    match health::evaluate(&state.config, &rows) {
-        Ok(findings) => {
+    match health::probe(&state.keel, &state.namespace, &state.config).await {
+        Ok((_, findings)) => {
             let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
             let code = if level == Level::Critical {
                 StatusCode::SERVICE_UNAVAILABLE

@@ -221,6 +221,35 @@ pub enum DefinitionJsonError {
     Invalid(#[from] ValidationErrors),
 }
 
+impl ChartJson {
+    /// Every guard name the chart references, sorted: what a caller must register before
+    /// [`ChartBuilder::build`] (tools that only draw or inspect a chart register
+    /// placeholders under these names).
+    pub fn guard_names(&self) -> std::collections::BTreeSet<String> {
+        fn state(s: &StateJson, out: &mut std::collections::BTreeSet<String>) {
+            for t in &s.on {
+                out.extend(t.guards.iter().cloned());
+                for b in &t.branches {
+                    out.extend(b.guards.iter().cloned());
+                }
+            }
+            for list in [&s.always, &s.done, &s.fail, &s.on_timeout] {
+                for b in list {
+                    out.extend(b.guards.iter().cloned());
+                }
+            }
+            for child in &s.states {
+                state(child, out);
+            }
+        }
+        let mut out = std::collections::BTreeSet::new();
+        for s in &self.states {
+            state(s, &mut out);
+        }
+        out
+    }
+}
+
 impl Definition {
     /// The JSON form of this definition; [`ChartBuilder::from_json`] of it, with the same
     /// guards registered, builds a definition with the same structure.

@@ -37,6 +37,7 @@ mod leases;
 mod migration;
 mod operations;
 mod outcomes;
+mod registry;
 mod signals;
 mod timers;
 mod uniqueness;
@@ -51,6 +52,7 @@ pub use leases::*;
 pub use migration::*;
 pub use operations::*;
 pub use outcomes::*;
+pub use registry::*;
 pub use signals::*;
 pub use timers::*;
 pub use uniqueness::*;
@@ -152,6 +154,9 @@ macro_rules! __store_contract_list {
             timers_follow_a_deployed_duration,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             claim_by_ids_takes_only_the_named_ready_instances,
+            instance_list_pages_newest_first_with_filters,
+            instance_activity_counts_ended_instances_per_bucket,
+            worker_heartbeat_records_and_lists_live_workers,
         }
     };
 }

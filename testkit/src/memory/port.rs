@@ -2,14 +2,15 @@
 //! operation on the state and wakes waiters. No decisions are made here.
 
 use super::{
-    BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitPlanner,
-    CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
-    DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport, Timestamp, async_trait, commit, limits,
+    ActivityBucket, ActivityParams, BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitPlanner, CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId,
+    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
+    InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
+    MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -175,6 +176,22 @@ impl Store for MemoryStore {
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         Ok(self.state().timer_status(namespace.as_deref(), now))
+    }
+
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.state().instance_list(&params)
+    }
+
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        self.state().instance_activity(&params)
+    }
+
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        self.state().worker_heartbeat(&params)
+    }
+
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        Ok(self.state().worker_list(seen_since))
     }
 
     async fn ready_wait(&self) {
