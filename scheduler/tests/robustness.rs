@@ -328,6 +328,18 @@ impl<S: Store> Store for Faulty<S> {
         self.gate("timer_sweep")?;
         self.inner.timer_sweep(p).await
     }
+    async fn worker_heartbeat(
+        &self,
+        p: keel_core::ports::store::WorkerBeatParams,
+    ) -> StoreResult<()> {
+        self.inner.worker_heartbeat(p).await
+    }
+    async fn worker_list(
+        &self,
+        seen_since: Timestamp,
+    ) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
+        self.inner.worker_list(seen_since).await
+    }
     async fn timers_retime(
         &self,
         p: keel_core::ports::store::TimerRetimeParams,

@@ -212,6 +212,18 @@ impl Store for Broken {
     async fn timer_sweep(&self, p: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         self.0.timer_sweep(p).await
     }
+    async fn worker_heartbeat(
+        &self,
+        p: keel_core::ports::store::WorkerBeatParams,
+    ) -> StoreResult<()> {
+        self.0.worker_heartbeat(p).await
+    }
+    async fn worker_list(
+        &self,
+        seen_since: Timestamp,
+    ) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
+        self.0.worker_list(seen_since).await
+    }
     async fn timers_retime(
         &self,
         p: keel_core::ports::store::TimerRetimeParams,
