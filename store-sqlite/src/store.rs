@@ -4,7 +4,7 @@
 
 use crate::error::map;
 use crate::ops;
-use crate::rows::{Db, dead_letter_cols};
+use crate::rows::{Db, dead_letter_cols, instance_cols};
 use async_trait::async_trait;
 use keel_core::instance::check_batch;
 use keel_core::instance::{DeadLetter, Instance};
@@ -14,13 +14,15 @@ use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
+    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
+    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints};
-use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
+use keel_core::{
+    DeadLetterId, ErrorKind, InstanceId, SignalTarget, Status, StoreResult, Timestamp,
+};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteRow;
@@ -427,6 +429,41 @@ impl Store for SqliteStore {
         check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
         let mut conn = self.reader().await?;
         Db { conn: &mut conn, file: self.file.as_str() }.instances(&ids).await
+    }
+
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        params.validate()?;
+        let mut conn = self.reader().await?;
+        let db = Db { conn: &mut conn, file: &self.file };
+        // One statement for every filter: an unset filter is a NULL that lets every row pass.
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            instance_cols!(),
+            " FROM keel_instances \
+             WHERE namespace = ? AND (? IS NULL OR machine = ?) AND (? IS NULL OR status = ?) \
+               AND (? IS NULL OR business_key = ?) AND (? IS NULL OR id < ?) \
+               AND (? IS NULL OR position = ? OR (substr(position, 1, 1) = '[' \
+                    AND json_valid(position) \
+                    AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?))) \
+             ORDER BY id DESC LIMIT ?"
+        ))
+        .bind(&params.namespace)
+        .bind(&params.machine)
+        .bind(&params.machine)
+        .bind(params.status.map(Status::name))
+        .bind(params.status.map(Status::name))
+        .bind(&params.business_key)
+        .bind(&params.business_key)
+        .bind(params.before.map(|b| b.0))
+        .bind(params.before.map(|b| b.0))
+        .bind(&params.state)
+        .bind(&params.state)
+        .bind(&params.state)
+        .bind(params.limit as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("listing instances"))?;
+        rows.iter().map(|r| db.instance_of(r)).collect()
     }
 
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {

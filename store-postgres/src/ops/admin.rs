@@ -12,9 +12,10 @@ use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
 use keel_core::plan;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
+    DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, InstanceListParams, QueuePauseParams,
+    QueueState,
 };
-use keel_core::{DeadLetterId, InstanceId, StoreError, limits};
+use keel_core::{DeadLetterId, InstanceId, Status, StoreError, limits};
 use std::collections::HashMap;
 
 const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
@@ -163,6 +164,36 @@ pub(crate) async fn rows_of<C: GenericClient + Sync>(
         ))
         .await?;
     let found = c.query(&stmt, &[&ids]).await?;
+    Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
+}
+
+/// One page of a namespace's instances, newest first; an unset filter is a NULL that lets
+/// every row pass. The state filter is the broadcast's: the step's name, or an element of a
+/// chart's JSON array of active paths.
+pub(crate) async fn list<C: GenericClient + Sync>(
+    c: &C,
+    p: &InstanceListParams,
+) -> OpResult<Vec<Instance>> {
+    let stmt = c
+        .prepare_cached(&format!(
+            "SELECT {INSTANCE_COLS} FROM instances \
+             WHERE namespace = $1 AND ($2::text IS NULL OR machine = $2) \
+               AND ($3::text IS NULL OR status = $3::text::status) \
+               AND ($4::text IS NULL OR business_key = $4) AND ($5::int8 IS NULL OR id < $5) \
+               AND ($6::text IS NULL OR position = $6 \
+                    OR (left(position, 1) = '[' AND position::jsonb ? $6)) \
+             ORDER BY id DESC LIMIT $7"
+        ))
+        .await?;
+    let status = p.status.map(Status::name);
+    let before = p.before.map(|b| b.0);
+    let limit = p.limit as i64;
+    let found = c
+        .query(
+            &stmt,
+            &[&p.namespace, &p.machine, &status, &p.business_key, &before, &p.state, &limit],
+        )
+        .await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 

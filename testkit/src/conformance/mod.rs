@@ -136,6 +136,7 @@ macro_rules! __store_contract_list {
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
             broadcast_reaches_instances_in_state,
+            instance_list_filters_and_pages,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
             timer_every_counts_from_last_fire,

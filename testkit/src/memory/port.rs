@@ -5,11 +5,11 @@ use super::{
     BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitPlanner,
     CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    Timestamp, async_trait, commit, limits,
+    Instance, InstanceDetail, InstanceId, InstanceListParams, LeaseExtendParams, LeaseReapParams,
+    LeaseReleaseParams, MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams,
+    QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
+    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -100,6 +100,10 @@ impl Store for MemoryStore {
 
     async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
         self.state().rows_of(&ids)
+    }
+
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.state().list(&params)
     }
 
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {

@@ -2,9 +2,9 @@
 //! queue figures. These are reads of the collections, not decisions.
 
 use super::{
-    BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId, QueueStats, State, Status,
-    StoreError, StoreResult, TimerNextDueParams, TimerRow, TimerStatus, Timestamp, check_batch,
-    limits,
+    BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId, InstanceListParams, QueueStats,
+    State, Status, StoreError, StoreResult, TimerNextDueParams, TimerRow, TimerStatus, Timestamp,
+    check_batch, limits,
 };
 
 impl State {
@@ -12,6 +12,18 @@ impl State {
         check_batch("ids", ids.len(), limits::ROWS_BATCH_MAX)?;
         let wanted: BTreeSet<InstanceId> = ids.iter().copied().collect();
         Ok(wanted.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect())
+    }
+
+    pub(super) fn list(&self, params: &InstanceListParams) -> StoreResult<Vec<Instance>> {
+        params.validate()?;
+        Ok(self
+            .rows
+            .values()
+            .rev()
+            .filter(|row| params.matches(row))
+            .take(params.limit)
+            .cloned()
+            .collect())
     }
 
     pub(super) fn detail(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
