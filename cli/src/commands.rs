@@ -31,8 +31,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     }
     let keel = connect(&cli, migrate).await?;
     let ns = cli.namespace.as_str();
-    if let Command::Serve { listen, tokens } = &cli.command {
-        crate::serve::run(&cli, keel, *listen, tokens.as_deref()).await?;
+    if let Command::Serve { listen, tokens, charts } = &cli.command {
+        crate::serve::run(&cli, keel, *listen, tokens.as_deref(), charts.as_deref()).await?;
         return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
     }
     match cli.command {

@@ -114,6 +114,10 @@ pub enum Command {
         /// The bearer tokens file (TOML `[[tokens]]` with `token`, `namespaces`, `access`).
         #[arg(long, env = "KEEL_TOKENS")]
         tokens: Option<PathBuf>,
+        /// A directory of chart definitions (`*.json`) the dashboard draws for their
+        /// instances.
+        #[arg(long, env = "KEEL_CHARTS")]
+        charts: Option<PathBuf>,
     },
 }
 

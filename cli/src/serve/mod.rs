@@ -9,6 +9,7 @@ mod api;
 pub mod auth;
 mod metrics;
 mod ops;
+pub mod ui;
 mod worker;
 
 use std::net::SocketAddr;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// The bearer tokens, when a tokens file was given; `None` = no authentication.
     pub tokens: Option<Vec<auth::Grant>>,
+    /// The chart definitions the dashboard draws (`--charts`).
+    pub charts: ui::Charts,
 }
 
 impl AppState {
@@ -54,6 +57,7 @@ impl AppState {
             namespace: namespace.to_owned(),
             metrics,
             tokens: None,
+            charts: ui::Charts::default(),
         }
     }
 }
@@ -81,6 +85,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/worker/tasks/{id}/fail", post(worker::fail))
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::check))
+        .merge(ui::router(Arc::clone(&state)))
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)
 }
@@ -91,8 +96,10 @@ pub async fn run(
     keel: Keel,
     listen: SocketAddr,
     tokens: Option<&std::path::Path>,
+    charts: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
+    let charts = charts.map(ui::Charts::load).transpose()?.unwrap_or_default();
     if tokens.is_none() && !listen.ip().is_loopback() {
         bail!(
             "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
@@ -101,8 +108,14 @@ pub async fn run(
     let config = health::read_config(cli)?;
     let metrics = keel::prometheus::install()?;
     let open = tokens.is_none();
-    let state =
-        Arc::new(AppState { keel, config, namespace: cli.namespace.clone(), metrics, tokens });
+    let state = Arc::new(AppState {
+        keel,
+        config,
+        namespace: cli.namespace.clone(),
+        metrics,
+        tokens,
+        charts,
+    });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("--listen: cannot bind {listen}"))?;
@@ -113,6 +126,7 @@ pub async fn run(
         );
     }
     println!("listening on http://{bound}");
+    eprintln!("dashboard: http://{bound}/ui ({} chart definition(s) loaded)", state.charts.len());
     axum::serve(listener, router(state))
         .with_graceful_shutdown(keel::shutdown_signal())
         .await
