@@ -167,33 +167,46 @@ pub(crate) async fn rows_of<C: GenericClient + Sync>(
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 
-/// One page of a namespace's instances, newest first; an unset filter is a NULL that lets
-/// every row pass. The state filter is the broadcast's: the step's name, or an element of a
-/// chart's JSON array of active paths.
+/// One page of a namespace's instances, newest first. Only the filters that are set go
+/// into the statement, so the planner sees each shape as it is (a generic plan for
+/// `$n IS NULL OR …` would scan). The state filter is the broadcast's: the step's name,
+/// or an element of a chart's JSON array of active paths.
 pub(crate) async fn list<C: GenericClient + Sync>(
     c: &C,
     p: &InstanceListParams,
 ) -> OpResult<Vec<Instance>> {
-    let stmt = c
-        .prepare_cached(&format!(
-            "SELECT {INSTANCE_COLS} FROM instances \
-             WHERE namespace = $1 AND ($2::text IS NULL OR machine = $2) \
-               AND ($3::text IS NULL OR status = $3::text::status) \
-               AND ($4::text IS NULL OR business_key = $4) AND ($5::int8 IS NULL OR id < $5) \
-               AND ($6::text IS NULL OR position = $6 \
-                    OR (left(position, 1) = '[' AND position::jsonb ? $6)) \
-             ORDER BY id DESC LIMIT $7"
-        ))
-        .await?;
     let status = p.status.map(Status::name);
     let before = p.before.map(|b| b.0);
     let limit = p.limit as i64;
-    let found = c
-        .query(
-            &stmt,
-            &[&p.namespace, &p.machine, &status, &p.business_key, &before, &p.state, &limit],
-        )
-        .await?;
+    let mut sql = format!("SELECT {INSTANCE_COLS} FROM instances WHERE namespace = $1");
+    let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&p.namespace];
+    if let Some(machine) = &p.machine {
+        args.push(machine);
+        sql.push_str(&format!(" AND machine = ${}", args.len()));
+    }
+    if let Some(status) = &status {
+        args.push(status);
+        sql.push_str(&format!(" AND status = ${}::text::status", args.len()));
+    }
+    if let Some(key) = &p.business_key {
+        args.push(key);
+        sql.push_str(&format!(" AND business_key = ${}", args.len()));
+    }
+    if let Some(before) = &before {
+        args.push(before);
+        sql.push_str(&format!(" AND id < ${}", args.len()));
+    }
+    if let Some(state) = &p.state {
+        args.push(state);
+        let n = args.len();
+        sql.push_str(&format!(
+            " AND (position = ${n} OR (left(position, 1) = '[' AND position::jsonb ? ${n}))"
+        ));
+    }
+    args.push(&limit);
+    sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", args.len()));
+    let stmt = c.prepare_cached(&sql).await?;
+    let found = c.query(&stmt, &args).await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 
