@@ -261,6 +261,12 @@ async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
     c.goto(&format!("{base}/ui/ns/a/instances")).await.unwrap();
     c.find(Locator::Css("#filter-key")).await.unwrap().send_keys("door-7").await.unwrap();
     c.find(Locator::Css("#filter-apply")).await.unwrap().click().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !c.current_url().await.unwrap().as_str().contains("key=door-7") {
+        assert!(Instant::now() < deadline, "{store}: the filter form did not submit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.wait().for_element(Locator::Css("table#instances")).await.unwrap();
     let rows = c.find_all(Locator::Css("table#instances tr td:first-child a")).await.unwrap();
     assert_eq!(rows.len(), 1, "{store}: exactly door-7 matches its key");
     shot(c, store, "instances").await;
