@@ -106,7 +106,8 @@ pub enum Command {
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
-    /// Serve the event and instance API, `/metrics` and `/health` over HTTP.
+    /// Serve the event and instance API, `/metrics`, `/health` and the web dashboard
+    /// (`/`) over HTTP.
     Serve {
         /// The address to listen on; loopback only without `--tokens`.
         #[arg(long, default_value = "127.0.0.1:7878")]
