@@ -17,6 +17,7 @@ use keel_core::ports::store::{
 };
 use keel_core::{DeadLetterId, InstanceId, Status, StoreError, limits};
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
       SELECT id, 1 FROM instances WHERE parent_id = $1 \
@@ -182,29 +183,30 @@ pub(crate) async fn list<C: GenericClient + Sync>(
     let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&p.namespace];
     if let Some(machine) = &p.machine {
         args.push(machine);
-        sql.push_str(&format!(" AND machine = ${}", args.len()));
+        let _ = write!(sql, " AND machine = ${}", args.len());
     }
     if let Some(status) = &status {
         args.push(status);
-        sql.push_str(&format!(" AND status = ${}::text::status", args.len()));
+        let _ = write!(sql, " AND status = ${}::text::status", args.len());
     }
     if let Some(key) = &p.business_key {
         args.push(key);
-        sql.push_str(&format!(" AND business_key = ${}", args.len()));
+        let _ = write!(sql, " AND business_key = ${}", args.len());
     }
     if let Some(before) = &before {
         args.push(before);
-        sql.push_str(&format!(" AND id < ${}", args.len()));
+        let _ = write!(sql, " AND id < ${}", args.len());
     }
     if let Some(state) = &p.state {
         args.push(state);
         let n = args.len();
-        sql.push_str(&format!(
+        let _ = write!(
+            sql,
             " AND (position = ${n} OR (left(position, 1) = '[' AND position::jsonb ? ${n}))"
-        ));
+        );
     }
     args.push(&limit);
-    sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", args.len()));
+    let _ = write!(sql, " ORDER BY id DESC LIMIT ${}", args.len());
     let stmt = c.prepare_cached(&sql).await?;
     let found = c.query(&stmt, &args).await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
