@@ -19,6 +19,7 @@ use keel::{
 
 const TOKEN_A: &str = "ui-token-for-namespace-a";
 const TOKEN_B: &str = "ui-token-for-namespace-b";
+const READ_A: &str = "ui-read-only-token-for-a";
 const TOKENS: &str = r#"
 [[tokens]]
 token = "ui-token-for-namespace-a"
@@ -29,6 +30,11 @@ access = "operate"
 token = "ui-token-for-namespace-b"
 namespaces = ["b"]
 access = "operate"
+
+[[tokens]]
+token = "ui-read-only-token-for-a"
+namespaces = ["a"]
+access = "read"
 "#;
 
 fn required() -> bool {
@@ -235,16 +241,20 @@ async fn source(c: &Client) -> String {
     c.source().await.unwrap()
 }
 
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).max_redirects(0).build().into()
+}
+
 fn status_of(base: &str, path: &str, token: &str) -> u16 {
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().http_status_as_error(false).max_redirects(0).build().into();
-    agent
-        .get(&format!("{base}{path}"))
-        .header("Authorization", &format!("Bearer {token}"))
-        .call()
-        .unwrap()
-        .status()
-        .as_u16()
+    let request = agent().get(&format!("{base}{path}"));
+    let request = request.header("Authorization", &format!("Bearer {token}"));
+    request.call().unwrap().status().as_u16()
+}
+
+fn post_status(base: &str, path: &str, token: &str) -> u16 {
+    let request = agent().post(&format!("{base}{path}"));
+    let request = request.header("Authorization", &format!("Bearer {token}"));
+    request.send("").unwrap().status().as_u16()
 }
 
 async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
@@ -309,6 +319,15 @@ async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
         .await
         .unwrap_or_else(|e| panic!("{store}: no PAUSED flag on jobs: {e}"));
     shot(c, store, "paused").await;
+
+    // A read-only token reads the overview but may not resume the queue.
+    assert_eq!(status_of(base, "/ui/ns/a", READ_A), 200, "{store}: read token reads");
+    assert_eq!(post_status(base, "/ui/ns/a/queues/jobs/resume", READ_A), 403, "{store}");
+    c.refresh().await.unwrap();
+    c.wait()
+        .for_element(Locator::Css("tr[data-queue=\"jobs\"] .badge.paused"))
+        .await
+        .unwrap_or_else(|e| panic!("{store}: a read token's resume changed the queue: {e}"));
 
     // Token a sees nothing of namespace b, on any page or fragment, by either path.
     let b_paths = [
