@@ -24,6 +24,9 @@ const DEAD_LETTER_COUNT_MAX: usize = 10_000;
 
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<Report> {
+    if let Command::Graph { machine, format, definitions, version } = &cli.command {
+        return crate::operate::graph(machine, *format, definitions, *version);
+    }
     let migrate = matches!(cli.command, Command::Migrate);
     if matches!(cli.command, Command::Health) {
         let keel = crate::health::connect(&cli).await?;
@@ -31,8 +34,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     }
     let keel = connect(&cli, migrate).await?;
     let ns = cli.namespace.as_str();
-    if let Command::Serve { listen, tokens, charts } = &cli.command {
-        crate::serve::run(&cli, keel, *listen, tokens.as_deref(), charts.as_deref()).await?;
+    if let Command::Serve { listen, tokens, definitions } = &cli.command {
+        crate::serve::run(&cli, keel, *listen, tokens.as_deref(), definitions.as_deref()).await?;
         return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
     }
     match cli.command {
@@ -53,7 +56,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             json!({ "migrated": true, "store": keel.describe() }),
             format!("The store is up to date: {}.", keel.describe()),
         )),
-        Command::Health | Command::Serve { .. } => unreachable!("handled above"),
+        Command::List(args) => crate::operate::list(&keel, ns, args).await,
+        Command::Workers { stale_after } => crate::operate::workers(&keel, &stale_after).await,
+        Command::Purge { machine, pending, dlq: _, confirm } => {
+            crate::operate::purge(&keel, ns, &machine, pending, confirm).await
+        }
+        Command::Upgrade(args) => crate::operate::upgrade(&keel, ns, args).await,
+        Command::Health | Command::Serve { .. } | Command::Graph { .. } => {
+            unreachable!("handled above")
+        }
     }
 }
 
@@ -201,12 +212,16 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
             if r.paused { "PAUSED".into() } else { String::new() },
         ]);
     }
-    let human = if rows.is_empty() {
+    let activity = crate::operate::activity(keel, ns, machine, now()).await?;
+    let mut human = if rows.is_empty() {
         format!("No unfinished instances and no dead letters in namespace {ns:?}.")
     } else {
         format!("Namespace {ns:?}\n{t}")
     };
-    Ok(Report::ok(json!({ "namespace": ns, "queues": rows }), human))
+    if !activity.is_empty() {
+        let _ = write!(human, "\nLast hour\n{}", crate::operate::activity_table(&activity));
+    }
+    Ok(Report::ok(json!({ "namespace": ns, "queues": rows, "machines": activity }), human))
 }
 
 async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {

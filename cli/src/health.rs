@@ -15,6 +15,7 @@ use serde_json::json;
 use crate::Cli;
 use crate::commands::{self, StatusRow};
 use crate::exit::Code;
+use crate::operate::MachineActivity;
 use crate::output::{Report, table};
 
 /// The store could not be reached: a health probe reports it as critical.
@@ -86,14 +87,59 @@ fn check(
     findings.push(Finding { level, machine: machine.to_owned(), check: name, value, threshold });
 }
 
-/// The findings for the rows under the thresholds each machine resolves to.
-pub fn evaluate(config: &KeelConfig, rows: &[StatusRow]) -> anyhow::Result<Vec<Finding>> {
+fn alerts_for(config: &KeelConfig, machine: &str) -> anyhow::Result<AlertThresholds> {
+    Ok(config
+        .queue_for(machine, None)
+        .with_context(|| format!("--config: machine {machine}"))?
+        .alerts)
+}
+
+fn millis(d: Option<std::time::Duration>) -> Option<u64> {
+    d.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The findings for the rows and the last hour's activity under the thresholds each
+/// machine resolves to. Processing time is the mean turnaround of the instances that
+/// ended in the last hour; a machine with none has no processing-time finding.
+pub fn evaluate(
+    config: &KeelConfig,
+    rows: &[StatusRow],
+    activity: &[MachineActivity],
+) -> anyhow::Result<Vec<Finding>> {
     let mut findings = Vec::new();
+    for a in activity {
+        let alerts = alerts_for(config, &a.machine)?;
+        if let Some(ms) = a.avg_processing_ms {
+            check(
+                &mut findings,
+                &a.machine,
+                "processing_time_ms",
+                ms,
+                millis(alerts.processing_time_warning),
+                millis(alerts.processing_time_critical),
+            );
+        }
+        check(
+            &mut findings,
+            &a.machine,
+            "stuck_leases",
+            a.stuck_leases,
+            alerts.stuck_leases_warning,
+            alerts.stuck_leases_critical,
+        );
+    }
     for row in rows {
-        let alerts: AlertThresholds = config
-            .queue_for(&row.machine, None)
-            .with_context(|| format!("--config: machine {}", row.machine))?
-            .alerts;
+        let alerts = alerts_for(config, &row.machine)?;
+        if let Some(age) = row.oldest_ready_age_ms {
+            check(
+                &mut findings,
+                &row.machine,
+                "oldest_ready_age_ms",
+                u64::try_from(age).unwrap_or(0),
+                millis(alerts.oldest_ready_age_warning),
+                millis(alerts.oldest_ready_age_critical),
+            );
+        }
         let pending = row.ready + row.scheduled;
         check(
             &mut findings,
@@ -115,13 +161,28 @@ pub fn evaluate(config: &KeelConfig, rows: &[StatusRow]) -> anyhow::Result<Vec<F
     Ok(findings)
 }
 
+/// Reads the store and evaluates the thresholds: what `keel health` and `GET /health`
+/// share. A store that cannot be read is [`Unreachable`].
+pub async fn probe(
+    keel: &Keel,
+    ns: &str,
+    config: &KeelConfig,
+) -> anyhow::Result<(Vec<StatusRow>, Vec<Finding>)> {
+    let now = commands::now();
+    let rows = commands::status_rows(keel, ns, None)
+        .await
+        .map_err(|error| Unreachable(format!("{error:#}")))?;
+    let activity = crate::operate::activity(keel, ns, None, now)
+        .await
+        .map_err(|error| Unreachable(format!("{error:#}")))?;
+    let findings = evaluate(config, &rows, &activity)?;
+    Ok((rows, findings))
+}
+
 /// Runs the probe.
 pub async fn run(keel: &Keel, cli: &Cli) -> anyhow::Result<Report> {
     let config = read_config(cli)?;
-    let rows = commands::status_rows(keel, &cli.namespace, None)
-        .await
-        .map_err(|error| Unreachable(format!("{error:#}")))?;
-    let findings = evaluate(&config, &rows)?;
+    let (rows, findings) = probe(keel, &cli.namespace, &config).await?;
     let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
     let mut t = table(&["level", "machine", "check", "value", "threshold"]);
     for f in &findings {

@@ -6,8 +6,10 @@
 //! with a code a script can rely on (see [`exit`]).
 
 pub mod commands;
+pub mod definitions;
 pub mod exit;
 pub mod health;
+pub mod operate;
 pub mod output;
 pub mod serve;
 
@@ -48,7 +50,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Per queue and machine: ready, scheduled, executing, waiting, suspended, dead
-    /// letters, oldest ready age and whether the queue is paused.
+    /// letters, oldest ready age and whether the queue is paused; per machine, the last
+    /// hour: completed, failed, average processing time, throughput, stuck leases and
+    /// ready work no live worker can take.
     Status {
         /// Only this machine.
         #[arg(long)]
@@ -115,11 +119,102 @@ pub enum Command {
         /// The bearer tokens file (TOML `[[tokens]]` with `token`, `namespaces`, `access`).
         #[arg(long, env = "KEEL_TOKENS")]
         tokens: Option<PathBuf>,
-        /// A directory of chart definitions (`*.json`) the dashboard draws for their
-        /// instances.
-        #[arg(long, env = "KEEL_CHARTS")]
-        charts: Option<PathBuf>,
+        /// Chart definitions: a JSON file (one chart or an array) or a directory of
+        /// them. With it, events and starts naming a machine, version or event they lack
+        /// get 400, and the dashboard draws those charts for their instances.
+        #[arg(long, env = "KEEL_DEFINITIONS")]
+        definitions: Option<PathBuf>,
     },
+    /// Instances of a machine, newest first, a page at a time.
+    List(ListArgs),
+    /// Workers seen by heartbeat: live or stale, and the machines each serves.
+    Workers {
+        /// Seen within this long counts as live (`30s`, `2m`).
+        #[arg(long, default_value = "60s")]
+        stale_after: String,
+    },
+    /// Draw a chart from a definitions file as Mermaid or Graphviz DOT.
+    Graph {
+        /// The chart's name.
+        machine: String,
+        /// `mermaid` or `dot`.
+        #[arg(long, value_enum, default_value_t = GraphFormat::Mermaid)]
+        format: GraphFormat,
+        /// The chart definitions (JSON: one chart or an array).
+        #[arg(long, env = "KEEL_DEFINITIONS")]
+        definitions: PathBuf,
+        /// The version to draw (default: the newest in the file).
+        #[arg(long)]
+        version: Option<u32>,
+    },
+    /// Delete a machine's pending instances (cancelled, with history) or its dead letters.
+    #[command(group(clap::ArgGroup::new("what").required(true).args(["pending", "dlq"])))]
+    Purge {
+        /// The machine.
+        machine: String,
+        /// Cancel every ready or scheduled instance of the machine.
+        #[arg(long)]
+        pending: bool,
+        /// Delete every dead letter of the machine (its instances stay suspended).
+        #[arg(long)]
+        dlq: bool,
+        /// Confirms the purge.
+        #[arg(long)]
+        confirm: bool,
+    },
+    /// Move a chart's waiting instances from one version to another.
+    Upgrade(UpgradeArgs),
+}
+
+/// How `graph` draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GraphFormat {
+    /// A Mermaid `stateDiagram-v2`.
+    Mermaid,
+    /// Graphviz DOT.
+    Dot,
+}
+
+/// `keel list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// The machine.
+    pub machine: String,
+    /// Only instances at this state (a step's name, or a chart state's key or path).
+    #[arg(long)]
+    pub state: Option<String>,
+    /// Only instances with this status (`runnable`, `executing`, `awaiting_signal`,
+    /// `awaiting_children`, `suspended`, `done`, `failed`, `cancelled`).
+    #[arg(long)]
+    pub status: Option<String>,
+    /// Most to show (at most 1000).
+    #[arg(long, default_value_t = 50)]
+    pub limit: usize,
+    /// Continue after this instance id (the `next` of the previous page).
+    #[arg(long)]
+    pub after: Option<String>,
+}
+
+/// `keel upgrade`.
+#[derive(Debug, Args)]
+pub struct UpgradeArgs {
+    /// The chart's name.
+    pub machine: String,
+    /// The version instances are on.
+    #[arg(long)]
+    pub from: u32,
+    /// The version to move them to.
+    #[arg(long)]
+    pub to: u32,
+    /// The chart definitions holding both versions (JSON: one chart or an array).
+    #[arg(long, env = "KEEL_DEFINITIONS")]
+    pub definitions: PathBuf,
+    /// Where instances in an old state go: `OLD=NEW` (repeat for several).
+    #[arg(long = "map", value_name = "OLD=NEW")]
+    pub maps: Vec<String>,
+    /// Show what would move and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// `keel start`.

@@ -24,11 +24,14 @@ impl Report {
 
     /// Prints the chosen form on stdout.
     pub fn print(&self, json: bool) {
-        if json {
-            println!("{}", serde_json::to_string_pretty(&self.json).unwrap_or_default());
+        use std::io::Write as _;
+        let text = if json {
+            serde_json::to_string_pretty(&self.json).unwrap_or_default()
         } else {
-            println!("{}", self.human.trim_end());
-        }
+            self.human.trim_end().to_owned()
+        };
+        // A closed pipe (`keel graph … | head`) is the reader's choice, not an error.
+        let _ = writeln!(std::io::stdout(), "{text}");
     }
 }
 

@@ -34,6 +34,16 @@ fn servers_with(
     config: Option<&str>,
     tokens: Option<&str>,
 ) -> Vec<(&'static str, Server)> {
+    servers_full(test, config, tokens, None)
+}
+
+/// As [`servers_with`], with a chart definitions file when `definitions` is given.
+fn servers_full(
+    test: &str,
+    config: Option<&str>,
+    tokens: Option<&str>,
+    definitions: Option<&str>,
+) -> Vec<(&'static str, Server)> {
     let mut stores = Vec::new();
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("keel.db").display());
@@ -49,7 +59,9 @@ fn servers_with(
     }
     stores
         .into_iter()
-        .map(|(name, url, schema, dir)| (name, spawn(&url, &schema, config, tokens, dir)))
+        .map(|(name, url, schema, dir)| {
+            (name, spawn(&url, &schema, config, tokens, definitions, dir))
+        })
         .collect()
 }
 
@@ -58,6 +70,7 @@ fn spawn(
     schema: &str,
     config: Option<&str>,
     tokens: Option<&str>,
+    definitions: Option<&str>,
     dir: Option<tempfile::TempDir>,
 ) -> Server {
     let bin = assert_cmd::cargo::cargo_bin("keel");
@@ -78,6 +91,11 @@ fn spawn(
         let path = config_dir.path().join("tokens.toml");
         std::fs::write(&path, text).unwrap();
         cmd.arg("--tokens").arg(path);
+    }
+    if let Some(text) = definitions {
+        let path = config_dir.path().join("charts.json");
+        std::fs::write(&path, text).unwrap();
+        cmd.arg("--definitions").arg(path);
     }
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
     let mut line = String::new();
@@ -616,7 +634,7 @@ fn a_token_never_sees_or_changes_another_namespace() {
             );
         }
         // Operator endpoints span every namespace: only a "*" token.
-        for path in ["/metrics", "/health", "/v1/cluster/info"] {
+        for path in ["/metrics", "/health", "/v1/cluster/info", "/v1/workers"] {
             assert_eq!(s.get_as(a, path).0, 404, "{name}: {path}");
             assert_eq!(s.get_as(all, path).0, 200, "{name}: {path}");
         }
@@ -653,6 +671,8 @@ fn a_token_never_sees_or_changes_another_namespace() {
             format!("/v1/namespaces/a/dead-letters/{dl}"),
             format!("/v1/namespaces/b/dead-letters/{dl}"),
             "/v1/namespaces/a/status".to_owned(),
+            "/v1/namespaces/a/activity".to_owned(),
+            "/v1/namespaces/a/machines/greeter/instances".to_owned(),
         ] {
             assert_eq!(s.get_as(b, &path).0, 404, "{name}: GET {path}");
         }
@@ -705,4 +725,117 @@ fn serve_refuses_a_public_address_without_tokens_and_bad_tokens_files() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tokens[0].token is shorter"), "{out:?}");
+    let charts = dir.path().join("charts.json");
+    std::fs::write(&charts, r#"[{"name": "door", "version": 1, "states": "none"}]"#).unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["--database-url", &url, "serve", "--listen", "127.0.0.1:0", "--definitions"])
+        .arg(&charts)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--definitions") && err.contains("chart [0]"), "{err}");
+}
+
+const DOORS: &str = r#"[
+  { "name": "door", "version": 1, "initial": "closed", "states": [
+    { "key": "closed", "on": [ { "event": "OPEN", "target": "open" } ] },
+    { "key": "open", "on": [ { "event": "CLOSE", "target": "closed" } ] } ] } ]"#;
+
+#[test]
+fn with_definitions_unknown_machines_versions_and_events_get_400_naming_the_field() {
+    for (name, s) in servers_full("with_definitions_unknown_get_400", None, None, Some(DOORS)) {
+        let ns = "/v1/namespaces/default";
+        let (code, started) =
+            s.post(&format!("{ns}/instances"), r#"{"machine":"door","key":"d1"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let cases = [
+            (format!(r#"{{"instance":{id},"event":"KNOCK"}}"#), "event", "has no event \"KNOCK\""),
+            (r#"{"machine":"gate","key":"d1","event":"OPEN"}"#.to_owned(), "machine", "gate"),
+        ];
+        for (body, field, needle) in &cases {
+            let (code, err) = s.post(&format!("{ns}/events"), body);
+            assert_eq!((code, err["field"].as_str()), (400, Some(*field)), "{name}: {body}: {err}");
+            assert!(err["error"].as_str().unwrap().contains(needle), "{name}: {err}");
+        }
+        for (body, field) in
+            [(r#"{"machine":"gate"}"#, "machine"), (r#"{"machine":"door","version":3}"#, "version")]
+        {
+            let (code, err) = s.post(&format!("{ns}/instances"), body);
+            assert_eq!((code, err["field"].as_str()), (400, Some(field)), "{name}: {body}: {err}");
+        }
+        let (code, detail) = s.get_json(&format!("{ns}/instances/{id}"));
+        assert_eq!(code, 200);
+        assert_eq!(detail["inbox"], json!([]), "{name}: a refused event stored nothing: {detail}");
+        let (code, ok) =
+            s.post(&format!("{ns}/events"), &format!(r#"{{"instance":{id},"event":"OPEN"}}"#));
+        assert_eq!(code, 202, "{name}: a known event is accepted: {ok}");
+        let (code, ok) =
+            s.post(&format!("{ns}/events"), r#"{"machine":"door","key":"d1","event":"CLOSE"}"#);
+        assert_eq!(code, 202, "{name}: {ok}");
+
+        // The operator views over HTTP.
+        let (code, list) =
+            s.get_json(&format!("{ns}/machines/door/instances?status=runnable&limit=5"));
+        assert_eq!((code, list["instances"][0]["id"].as_i64()), (200, Some(id)), "{name}: {list}");
+        let (code, err) = s.get_json(&format!("{ns}/machines/door/instances?limit=0"));
+        assert_eq!((code, err["field"].as_str()), (400, Some("limit")), "{name}: {err}");
+        let (code, err) = s.get_json(&format!("{ns}/machines/door/instances?limit=x"));
+        assert_eq!((code, err["field"].as_str()), (400, Some("query")), "{name}: {err}");
+        let (code, activity) = s.get_json(&format!("{ns}/activity"));
+        assert_eq!((code, activity["bucket_ms"].as_u64()), (200, Some(60_000)), "{name}");
+        let door = &activity["machines"][0];
+        assert_eq!(
+            (door["machine"].as_str(), door["ready_without_worker"].as_u64()),
+            (Some("door"), Some(1))
+        );
+        assert_eq!(door["completed_per_minute"].as_array().unwrap().len(), 60);
+        let (code, workers) = s.get_json("/v1/workers");
+        assert_eq!((code, workers["live"].as_u64()), (200, Some(0)), "{name}: {workers}");
+    }
+}
+
+#[test]
+fn a_polling_http_worker_is_listed_and_lease_gauges_are_exported() {
+    for (name, s) in servers("a_polling_http_worker_is_listed", None) {
+        let poll = r#"{"worker":"py-1","namespace":"default","machines":[{"name":"echo","version":1}],"wait_ms":0}"#;
+        let (code, _) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 204, "{name}: nothing to do yet");
+        let (code, workers) = s.get_json("/v1/workers");
+        assert_eq!((code, workers["live"].as_u64()), (200, Some(1)), "{name}: {workers}");
+        let w = &workers["workers"][0];
+        assert_eq!(
+            (w["id"].as_str(), &w["machines"]),
+            (Some("py-1"), &json!([{ "name": "echo", "version": 1 }]))
+        );
+        assert_eq!(w["namespaces"], json!(["default"]));
+
+        s.post("/v1/namespaces/default/instances", r#"{"machine":"echo","at":"run"}"#);
+        let lease = r#"{"worker":"py-1","namespace":"default","machines":[{"name":"echo","version":1}],"lease_ms":100}"#;
+        let (code, task) = s.post("/v1/worker/tasks/poll", lease);
+        assert_eq!(code, 200, "{name}: {task}");
+        std::thread::sleep(Duration::from_millis(300));
+        let (code, text) = s.get("/metrics");
+        assert_eq!(code, 200, "{name}");
+        let samples = parse_prometheus(&text);
+        let value = |metric: &str| {
+            samples
+                .iter()
+                .find(|(m, labels, _)| m == metric && labels.contains("machine=\"echo\""))
+                .map_or_else(|| panic!("{name}: no {metric} for echo in\n{text}"), |s| s.2)
+        };
+        assert_eq!(value("keel_leases_held"), 1.0, "{name}");
+        assert_eq!(value("keel_leases_expired"), 1.0, "{name}: the lease ran out unreaped");
+        // The next poll reaps it.
+        s.post("/v1/worker/tasks/poll", poll);
+        let (_, text) = s.get("/metrics");
+        let samples = parse_prometheus(&text);
+        let reaped = samples.iter().find(|(m, _, _)| m == "keel_leases_reaped_total");
+        assert!(reaped.is_some_and(|r| r.2 >= 1.0), "{name}: {text}");
+        let (_, text) = s.get("/metrics");
+        for documented in ["keel_leases_held", "keel_leases_expired", "keel_leases_reaped_total"] {
+            assert!(text.contains(documented), "{name}: {documented} missing\n{text}");
+        }
+    }
 }

@@ -187,7 +187,7 @@ fn serve(url: &str, schema: &str, dir: &Path) -> (Reaped, String) {
         .args(["--database-url", url, "--schema", schema, "serve", "--listen", "127.0.0.1:0"])
         .arg("--tokens")
         .arg(&tokens)
-        .arg("--charts")
+        .arg("--definitions")
         .arg(&charts)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -108,6 +108,16 @@ pub struct AlertThresholds {
     /// Processing time that raises a critical alert.
     #[serde(with = "serde_human::option")]
     pub processing_time_critical: Option<Duration>,
+    /// Age of the oldest ready instance that raises a warning.
+    #[serde(with = "serde_human::option")]
+    pub oldest_ready_age_warning: Option<Duration>,
+    /// Age of the oldest ready instance that raises a critical alert.
+    #[serde(with = "serde_human::option")]
+    pub oldest_ready_age_critical: Option<Duration>,
+    /// Executing instances whose lease ran out (stuck leases) that raise a warning.
+    pub stuck_leases_warning: Option<u64>,
+    /// Stuck leases that raise a critical alert.
+    pub stuck_leases_critical: Option<u64>,
 }
 
 impl AlertThresholds {
@@ -122,6 +132,14 @@ impl AlertThresholds {
             processing_time_critical: over
                 .processing_time_critical
                 .or(self.processing_time_critical),
+            oldest_ready_age_warning: over
+                .oldest_ready_age_warning
+                .or(self.oldest_ready_age_warning),
+            oldest_ready_age_critical: over
+                .oldest_ready_age_critical
+                .or(self.oldest_ready_age_critical),
+            stuck_leases_warning: over.stuck_leases_warning.or(self.stuck_leases_warning),
+            stuck_leases_critical: over.stuck_leases_critical.or(self.stuck_leases_critical),
         }
     }
 
@@ -133,7 +151,14 @@ impl AlertThresholds {
             "processing_time",
             self.processing_time_warning,
             self.processing_time_critical,
-        )
+        )?;
+        ordered(
+            path,
+            "oldest_ready_age",
+            self.oldest_ready_age_warning,
+            self.oldest_ready_age_critical,
+        )?;
+        ordered(path, "stuck_leases", self.stuck_leases_warning, self.stuck_leases_critical)
     }
 }
 
@@ -972,6 +997,7 @@ mod tests {
                         dlq_critical: Some(50),
                         processing_time_warning: Some(S(5)),
                         processing_time_critical: Some(S(30)),
+                        ..AlertThresholds::default()
                     };
                 },
             ),

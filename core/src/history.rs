@@ -36,6 +36,8 @@ pub enum HistoryKind {
     TimerFired,
     /// A repeating timer reached its last fire.
     TimerExhausted,
+    /// A deploy changed an armed timer's duration; its due time moved.
+    TimerRetimed,
     /// The instance was cancelled (directly or by a cascade).
     Cancelled,
     /// An operator retried the instance's dead letter.
@@ -68,7 +70,7 @@ pub enum HistoryKind {
 
 impl HistoryKind {
     /// Every kind, in declaration order.
-    pub const ALL: [HistoryKind; 27] = [
+    pub const ALL: [HistoryKind; 28] = [
         HistoryKind::StepNext,
         HistoryKind::StepRetry,
         HistoryKind::StepAwait,
@@ -82,6 +84,7 @@ impl HistoryKind {
         HistoryKind::InboxDrained,
         HistoryKind::TimerFired,
         HistoryKind::TimerExhausted,
+        HistoryKind::TimerRetimed,
         HistoryKind::Cancelled,
         HistoryKind::DeadLetterRetried,
         HistoryKind::DeadLetterSkipped,
@@ -115,6 +118,7 @@ impl HistoryKind {
             HistoryKind::InboxDrained => "INBOX_DRAINED",
             HistoryKind::TimerFired => "TIMER_FIRED",
             HistoryKind::TimerExhausted => "TIMER_EXHAUSTED",
+            HistoryKind::TimerRetimed => "TIMER_RETIMED",
             HistoryKind::Cancelled => "CANCELLED",
             HistoryKind::DeadLetterRetried => "DEAD_LETTER_RETRIED",
             HistoryKind::DeadLetterSkipped => "DEAD_LETTER_SKIPPED",

@@ -338,6 +338,14 @@ pub enum SignalTarget {
         /// Business key.
         key: String,
     },
+    /// The child machine `parent` started from its delegation state `state` (the newest,
+    /// when the state was entered more than once).
+    Child {
+        /// The parent instance.
+        parent: InstanceId,
+        /// The parent's delegation state path.
+        state: String,
+    },
 }
 
 impl From<InstanceId> for SignalTarget {
@@ -402,10 +410,16 @@ impl NewSignal {
         if let Some(k) = &self.dedup_key {
             check_name(&format!("{field}.dedup_key"), k)?;
         }
-        if let SignalTarget::Key { namespace, machine, key } = &self.target {
-            check_name(&format!("{field}.target.namespace"), namespace)?;
-            check_name(&format!("{field}.target.machine"), machine)?;
-            check_name(&format!("{field}.target.key"), key)?;
+        match &self.target {
+            SignalTarget::Id(_) => {}
+            SignalTarget::Key { namespace, machine, key } => {
+                check_name(&format!("{field}.target.namespace"), namespace)?;
+                check_name(&format!("{field}.target.machine"), machine)?;
+                check_name(&format!("{field}.target.key"), key)?;
+            }
+            SignalTarget::Child { state, .. } => {
+                check_name(&format!("{field}.target.state"), state)?;
+            }
         }
         check_size_within(&format!("{field}.payload"), &self.payload, depth_max)
     }

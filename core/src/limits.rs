@@ -37,7 +37,7 @@ pub const CANCEL_CASCADE_MAX: usize = 10_000;
 /// Most ids one `instance_rows` call reads.
 pub const ROWS_BATCH_MAX: usize = 1_000;
 /// Most instances one `instance_list` page returns.
-pub const INSTANCE_LIST_MAX: usize = 500;
+pub const INSTANCE_LIST_MAX: usize = 1_000;
 /// Most history rows an inspect returns (newest last).
 pub const HISTORY_LIST_MAX: usize = 1_000;
 /// Most dead letters one list or retry-by-machine call touches.
@@ -52,6 +52,10 @@ pub const BROADCAST_MAX: usize = 100_000;
 pub const TIMERS_PER_STEP_MAX: usize = 256;
 /// Most due timers one sweep call fires.
 pub const TIMER_SWEEP_BATCH_MAX: usize = 10_000;
+/// Most armed timers one `timers_retime` call reads.
+pub const TIMER_RETIME_BATCH_MAX: usize = 1_000;
+/// Most deployed timers one `timers_retime` call matches against.
+pub const TIMER_RETIME_SPECS_MAX: usize = 10_000;
 /// Most timers an inspect returns.
 pub const TIMER_LIST_MAX: usize = 1_000;
 /// Deepest nesting of arrays and objects in a JSON value a caller hands Keel from outside

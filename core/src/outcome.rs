@@ -192,6 +192,10 @@ pub struct StepCommit {
     /// Timers to arm, due one interval after this commit (the state entry).
     #[serde(default)]
     pub timers_arm: Vec<TimerArm>,
+    /// Delegation states the step left: the live child machines this instance started
+    /// from one of them are cancelled in the same commit, with their own descendants.
+    #[serde(default)]
+    pub children_cancel: Vec<String>,
 }
 
 impl StepCommit {
@@ -208,6 +212,7 @@ impl StepCommit {
             spawn: Vec::new(),
             timers_cancel: Vec::new(),
             timers_arm: Vec::new(),
+            children_cancel: Vec::new(),
         }
     }
     /// Sets the consumed signals.
@@ -302,6 +307,10 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
     }
     check_batch("timers_arm", commit.timers_arm.len(), limits::TIMERS_PER_STEP_MAX)?;
     check_batch("timers_cancel", commit.timers_cancel.len(), limits::TIMERS_PER_STEP_MAX)?;
+    check_batch("children_cancel", commit.children_cancel.len(), limits::CHILDREN_PER_STEP_MAX)?;
+    for (i, state) in commit.children_cancel.iter().enumerate() {
+        check_name(&format!("children_cancel[{i}]"), state)?;
+    }
     for (i, t) in commit.timers_arm.iter().enumerate() {
         check_name(&format!("timers_arm[{i}].state"), &t.state)?;
         check_name(&format!("timers_arm[{i}].event"), &t.event)?;

@@ -115,6 +115,54 @@ pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
     Fired { signal, history, next }
 }
 
+/// What following the deployed definition does to one armed timer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Retimed {
+    /// The timer with the deployed duration and its new due time.
+    pub next: TimerRow,
+    /// The history entry recorded on the instance.
+    pub history: HistoryEntry,
+}
+
+/// Moves an armed timer to the duration the deployed definition gives it (`deployed`: the
+/// timers of the instance's machine version that follow deploys, matched by state, event
+/// and kind). The due time counts from the original anchor: the state entry for a timer
+/// that has not fired, the last fire for an `every` timer that has. A due time that is
+/// already past makes the timer due at the next sweep. `None` when no deployed timer
+/// matches or its duration is unchanged.
+pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
+    let spec = deployed.iter().find(|d| {
+        d.state == timer.spec.state && d.event == timer.spec.event && d.kind == timer.spec.kind
+    })?;
+    if spec.interval == timer.spec.interval || spec.interval.is_zero() {
+        return None;
+    }
+    let anchor = if timer.fire_count == 0 {
+        timer.armed_at
+    } else {
+        timer.next_fire_at.minus(timer.spec.interval)
+    };
+    let due = anchor.plus(spec.interval);
+    let history = HistoryEntry::new(
+        HistoryKind::TimerRetimed,
+        json!({
+            "timer": timer.id,
+            "state": timer.spec.state,
+            "event": timer.spec.event,
+            "from_ms": u64::try_from(timer.spec.interval.as_millis()).unwrap_or(u64::MAX),
+            "to_ms": u64::try_from(spec.interval.as_millis()).unwrap_or(u64::MAX),
+            "due_before": timer.next_fire_at,
+            "due": due,
+        }),
+    );
+    let next = TimerRow {
+        spec: TimerArm { interval: spec.interval, ..timer.spec.clone() },
+        next_fire_at: due,
+        ..timer.clone()
+    };
+    Some(Retimed { next, history })
+}
+
 /// Whether an exhausted `every` timer has a `then` event to deliver (without one, the
 /// exhausted timer is deleted and nothing is delivered).
 pub fn delivers(fired: &Fired) -> bool {
@@ -336,5 +384,31 @@ mod tests {
         let none = StepCommit::new(InstanceId(3), FencingToken(1), park());
         assert_eq!(armed_due([&a, &b, &none], Timestamp(1_000)), Some(Timestamp(6_000)));
         assert_eq!(armed_due([&none], Timestamp(1_000)), None);
+    }
+
+    #[test]
+    fn retime_follows_the_deployed_duration_from_the_original_anchor() {
+        let day = Duration::from_secs(86_400);
+        let mut week = row(TimerKind::After, None, None, 0);
+        week.spec.interval = day * 7;
+        week.next_fire_at = Timestamp(0).plus(day * 7);
+        let deployed = |interval| TimerArm { interval, ..week.spec.clone() };
+        let r = retime(&week, &[deployed(day)]).expect("shortened");
+        assert_eq!(r.next.next_fire_at, Timestamp(0).plus(day), "from the state entry");
+        assert_eq!(r.next.spec.interval, day);
+        assert_eq!(r.history.kind, "TIMER_RETIMED");
+        assert_eq!(r.history.data["to_ms"], json!(86_400_000));
+        assert_eq!(retime(&week, &[deployed(day * 7)]), None, "unchanged");
+        assert_eq!(retime(&r.next, &[deployed(day)]), None, "a second pass does nothing");
+        let other = TimerArm { event: "OTHER".into(), ..deployed(day) };
+        assert_eq!(retime(&week, &[other]), None, "another timer of the state");
+
+        // An `every` timer that fired twice counts from its last fire.
+        let every = row(TimerKind::Every, None, None, 2);
+        let every = TimerRow { next_fire_at: Timestamp(30_000), ..every };
+        let faster = TimerArm { interval: Duration::from_secs(4), ..every.spec.clone() };
+        let r = retime(&every, &[faster]).expect("changed");
+        assert_eq!(r.next.next_fire_at, Timestamp(24_000));
+        assert_eq!(r.next.fire_count, 2);
     }
 }

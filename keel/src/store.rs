@@ -5,12 +5,13 @@ use async_trait::async_trait;
 use keel_core::instance::DeadLetter;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
-    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
-    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
+    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -164,6 +165,13 @@ impl Store for AnyStore {
         self.0.timer_sweep(params).await
     }
 
+    async fn timers_retime(
+        &self,
+        params: keel_core::ports::store::TimerRetimeParams,
+    ) -> StoreResult<keel_core::ports::store::TimerRetimePage> {
+        self.0.timers_retime(params).await
+    }
+
     async fn timer_next_due(&self, params: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
         self.0.timer_next_due(params).await
     }
@@ -178,6 +186,18 @@ impl Store for AnyStore {
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         self.0.timer_status(namespace, now).await
+    }
+
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        self.0.instance_activity(params).await
+    }
+
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        self.0.worker_heartbeat(params).await
+    }
+
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        self.0.worker_list(seen_since).await
     }
 
     async fn ready_wait(&self) {

@@ -23,7 +23,7 @@ use keel_core::chart::{
     Limits, SharedContext,
 };
 use keel_core::config::QueueConfig;
-use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal};
+use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal, SignalTarget};
 use keel_core::ports::store::InstanceDetail;
 use keel_core::retry::{self, FailureKind, RetryDecision};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
@@ -75,6 +75,15 @@ impl ActionContext {
         self.step.emit(signal);
     }
 
+    /// Sends an event to the child machine this instance's delegation state `state`
+    /// started (in an earlier step), in the same commit as this step. Without such a
+    /// child the commit is refused like any emit to a missing target, and the step is
+    /// retried under its policy.
+    pub fn send_to_child(&self, state: &str, event: &str, payload: Value) {
+        let target = SignalTarget::Child { parent: self.step.id, state: state.to_owned() };
+        self.step.emit(NewSignal::new(target, event).payload(payload));
+    }
+
     fn into_result(self) -> ActionResult {
         self.context.to_result()
     }
@@ -93,6 +102,7 @@ pub struct ChartMachine {
     config: QueueConfig,
     limits: Limits,
     child_versions: HashMap<String, i32>,
+    child_queues: HashMap<String, String>,
     parallel: ParallelConfig,
 }
 
@@ -106,6 +116,7 @@ impl ChartMachine {
             config: QueueConfig::default(),
             limits: Limits::default(),
             child_versions: HashMap::new(),
+            child_queues: HashMap::new(),
             parallel: ParallelConfig::default(),
         }
     }
@@ -152,6 +163,14 @@ impl ChartMachine {
     #[must_use]
     pub fn with_child_version(mut self, machine: &str, version: i32) -> Self {
         self.child_versions.insert(machine.to_owned(), version);
+        self
+    }
+
+    /// Child machines started by delegation states run on `queue` instead of this
+    /// instance's queue (children inherit their parent's namespace and queue otherwise).
+    #[must_use]
+    pub fn with_child_queue(mut self, machine: &str, queue: &str) -> Self {
+        self.child_queues.insert(machine.to_owned(), queue.to_owned());
         self
     }
 
@@ -289,12 +308,19 @@ impl ChartMachine {
         for arm in &plan.timers_arm {
             ctx.timer_arm(arm.clone());
         }
+        for state in &plan.children_cancel {
+            ctx.cancel_children(state);
+        }
         for child in &plan.children {
             let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
-            let spawn = NewInstance::new(MachineRef::new(&child.machine, version), INIT)
+            let spawn = ctx
+                .child(MachineRef::new(&child.machine, version), INIT)
                 .context(json!({ "parent": ctx.id, "state": child.state }))
-                .invoked_by(&child.state)
-                .correlation_id(format!("{}", ctx.id.0));
+                .invoked_by(&child.state);
+            let spawn = match self.child_queues.get(&child.machine) {
+                Some(queue) => spawn.queue(queue),
+                None => spawn,
+            };
             ctx.spawn(spawn);
         }
         for task in &plan.region_tasks {
@@ -303,9 +329,7 @@ impl ChartMachine {
                     .map_err(|e| {
                         StepError::fatal(format!("region task does not serialize: {e}"))
                     })?;
-            let mut spawn = NewInstance::new(self.machine_ref(), REGION_POSITION)
-                .context(context)
-                .correlation_id(format!("{}", ctx.id.0));
+            let mut spawn = ctx.child(self.machine_ref(), REGION_POSITION).context(context);
             if let Some(queue) = &self.parallel.queue {
                 spawn = spawn.queue(queue);
             }
@@ -333,6 +357,10 @@ impl StepMachine for ChartMachine {
 
     fn unbound(&self) -> Vec<String> {
         self.missing_actions().into_iter().map(|a| format!("action `{a}`")).collect()
+    }
+
+    fn followed_timers(&self) -> Vec<keel_core::chart::TimerArm> {
+        self.definition.followed_timers()
     }
 
     fn delegates(&self) -> Vec<String> {

@@ -19,6 +19,10 @@ pub struct StepContext {
     pub id: InstanceId,
     /// Its machine.
     pub machine: MachineRef,
+    /// Its namespace.
+    pub namespace: String,
+    /// The queue it runs on.
+    pub queue: String,
     /// The step to run.
     pub step: String,
     /// Attempts of this step so far (0 on the first run).
@@ -55,6 +59,7 @@ pub(crate) struct Effects {
     pub(crate) processing: Option<Signal>,
     pub(crate) timers_cancel: Vec<String>,
     pub(crate) timers_arm: Vec<TimerArm>,
+    pub(crate) children_cancel: Vec<String>,
 }
 
 impl StepContext {
@@ -73,6 +78,16 @@ impl StepContext {
         self.effects().spawn.push(child);
     }
 
+    /// A new child instance of `machine` starting at `position`, in this instance's
+    /// namespace and queue and carrying its correlation: pass it to [`spawn`](Self::spawn)
+    /// or a `ScheduleChildren` outcome. Override any of these on the returned value.
+    pub fn child(&self, machine: MachineRef, position: impl Into<String>) -> NewInstance {
+        NewInstance::new(machine, position)
+            .namespace(&self.namespace)
+            .queue(&self.queue)
+            .correlation_id(self.id.0.to_string())
+    }
+
     /// Arms a durable timer in this step's commit (due one interval after it).
     pub fn timer_arm(&self, timer: TimerArm) {
         self.effects().timers_arm.push(timer);
@@ -81,6 +96,13 @@ impl StepContext {
     /// Cancels, in this step's commit, every timer owned by `state` or its descendants.
     pub fn timer_cancel(&self, state: &str) {
         self.effects().timers_cancel.push(state.to_owned());
+    }
+
+    /// Cancels, in this step's commit, the live child machines this instance started from
+    /// its delegation state `state`, with their own descendants. A cancelled child's step
+    /// that is still running cannot commit afterwards.
+    pub fn cancel_children(&self, state: &str) {
+        self.effects().children_cancel.push(state.to_owned());
     }
 
     /// Appends a history entry in this step's commit.
@@ -254,6 +276,13 @@ pub trait StepMachine: Send + Sync + 'static {
     /// ``action `notify` ``: a worker refuses to register a machine while this is not
     /// empty. Default: nothing (a step machine's steps are its own code).
     fn unbound(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// The timers this machine's instances follow when it is deployed
+    /// (`Definition::followed_timers` for a chart): at start-up the worker moves timers
+    /// already armed to these durations. Default: none.
+    fn followed_timers(&self) -> Vec<keel_core::chart::TimerArm> {
         Vec::new()
     }
 

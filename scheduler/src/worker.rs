@@ -27,7 +27,7 @@ use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
 use keel_core::ports::store::{
     Claim, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
-    LeaseReleaseParams,
+    LeaseReleaseParams, WORKER_BEAT_INTERVAL, WorkerBeatParams,
 };
 use keel_core::ports::{Clock, Store};
 use keel_core::retry::{self, ErrorClass, FailureKind, FailurePlan, RefusedCommit};
@@ -47,6 +47,10 @@ use tracing::Instrument;
 #[path = "queue.rs"]
 mod queue;
 pub use queue::{HintConfig, HintStats};
+
+// Armed timers follow the deployed definition (a one-shot pass at start-up).
+#[path = "retime.rs"]
+mod retime;
 
 /// How a worker runs. Every field has a bound or a default that is one.
 #[derive(Debug, Clone)]
@@ -207,6 +211,8 @@ struct Inner<S, C> {
     health: Arc<HealthBook>,
     /// Queue hints: the one hook of `queue.rs` into the worker's state.
     hints: Option<Arc<queue::HintLink>>,
+    /// When it started, as the worker registry shows it.
+    started_at: keel_core::Timestamp,
 }
 
 impl<S, C: Clock> Inner<S, C> {
@@ -265,7 +271,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());
         let health = Arc::new(HealthBook::default());
+        let started_at = self.clock.now();
         let inner = Arc::new(Inner {
+            started_at,
             store: self.store,
             clock: self.clock,
             config: self.config,
@@ -346,6 +354,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     // A restarted worker first takes back what it held before it crashed, before it
     // claims anything new under the same id.
     reclaim_own_leases(&inner).await;
+    let retiming = tokio::spawn(retime::retime_all(Arc::clone(&inner)));
 
     let total: usize = inner.config.queues.iter().map(|(_, n)| *n).sum();
     let (tx, rx) = mpsc::channel::<Finished>(total.max(1) * 2);
@@ -392,6 +401,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     if let Some(hints) = hint_loop {
         let _ = hints.await;
     }
+    retiming.abort();
     drain(&inner).await;
     drop(tx);
     let _ = committer.await;
@@ -706,6 +716,8 @@ fn context_of(claim: &Claim) -> StepContext {
     StepContext {
         id: row.id,
         machine: row.machine.clone(),
+        namespace: row.namespace.clone(),
+        queue: row.queue.clone(),
         step: row.position.clone(),
         attempt: row.attempt,
         context: row.context.clone(),
@@ -781,6 +793,7 @@ async fn run_step<S: Store, C: Clock>(
             commit.history = std::mem::take(&mut effects.history);
             commit.timers_arm = std::mem::take(&mut effects.timers_arm);
             commit.timers_cancel = std::mem::take(&mut effects.timers_cancel);
+            commit.children_cancel = std::mem::take(&mut effects.children_cancel);
             if let Some(consume) = effects.consume.take() {
                 commit.consume = consume;
             }
@@ -1363,7 +1376,13 @@ async fn reap_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut pause = inner.config.reap_interval;
+    let mut last_beat: Option<Instant> = None;
     loop {
+        // The registry beat rides on the reaper's cadence, at most once per interval.
+        if last_beat.is_none_or(|at| at.elapsed() >= WORKER_BEAT_INTERVAL) {
+            last_beat = Some(Instant::now());
+            beat(&inner).await;
+        }
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
@@ -1378,11 +1397,30 @@ async fn reap_loop<S: Store, C: Clock>(
     }
 }
 
+/// Records this worker in the store's worker registry (what `keel workers` lists). A
+/// failure is logged and never stops the worker: the registry is for people.
+async fn beat<S: Store, C: Clock>(inner: &Inner<S, C>) {
+    let mut machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
+    machines.sort();
+    let params = WorkerBeatParams::at(
+        inner.config.worker_id.clone(),
+        format!("{} (pid {})", program_name(), std::process::id()),
+        machines,
+        inner.config.namespaces.clone(),
+        inner.started_at,
+        inner.clock.now(),
+    );
+    if let Err(e) = inner.store.worker_heartbeat(params).await {
+        tracing::warn!(error = %e, "could not record this worker in the worker registry");
+    }
+}
+
 async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) -> StoreResult<()> {
     let params = LeaseReapParams { owner, limit: limits::REAP_BATCH_MAX, now: inner.clock.now() };
     let ids = inner.store.lease_reap(params).await?;
     if !ids.is_empty() {
         inner.stats.reaped.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        metrics::counter!("keel_leases_reaped_total").increment(ids.len() as u64);
         tracing::info!(count = ids.len(), "returned expired leases to runnable");
     }
     Ok(())

@@ -360,3 +360,66 @@ async fn recorded_history_survives_the_commit_and_a_claim_by_another_worker() {
     assert_eq!(position(&row), ["on", "on.playing", "on.playing.fast"]);
     second.shutdown().await;
 }
+
+/// A delegated child that waits for its parent to say how much to capture.
+struct Capture;
+
+#[async_trait]
+impl StepMachine for Capture {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("capture", 1)
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        match ctx.signal("CAPTURE") {
+            None => Ok(Outcome::Await {
+                signal: "CAPTURE".into(),
+                context: ctx.context.clone(),
+                step: Some("waiting".into()),
+            }),
+            Some(s) => Ok(Outcome::Done { result: json!({ "captured": s.payload }), step: None }),
+        }
+    }
+}
+
+/// An action sends an event to the child its delegation state started, in the parent's
+/// commit; the child's result comes back through `@done`.
+#[tokio::test]
+async fn an_action_sends_an_event_to_its_delegated_child() {
+    let h = Harness::new();
+    let def = Definition::builder("capturing", 1)
+        .initial("paying")
+        .state("paying", |s| {
+            s.machine("capture")
+                .on("SHIP", |t| t.action("capture_now"))
+                .on_done(|b| b.target("paid").action("note"))
+        })
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    let m = ChartMachine::new(def)
+        .action("capture_now", |ctx, event| async move {
+            ctx.send_to_child("paying", "CAPTURE", event.payload.clone());
+            Ok(())
+        })
+        .action("note", |ctx, event| async move {
+            ctx.set("payment", event.payload.clone());
+            Ok(())
+        });
+    let id = h.start(m.new_instance(json!({}))).await;
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(m)
+        .register(Capture)
+        .spawn();
+    let child = loop {
+        let detail = h.client.get(id).await.unwrap();
+        if let Some(c) = detail.children.first() {
+            break c.id;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    h.wait(child, "the child waits", |r| r.status == Status::AwaitingSignal).await;
+    h.client.send(NewSignal::new(id, "SHIP").payload(json!({ "cents": 4200 }))).await.unwrap();
+    let row = h.wait(id, "paid", |r| r.status == Status::Done).await;
+    assert_eq!(row.result.unwrap_or_default()["payment"]["captured"], json!({ "cents": 4200 }));
+    worker.shutdown().await;
+}

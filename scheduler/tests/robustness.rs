@@ -331,6 +331,13 @@ impl<S: Store> Store for Faulty<S> {
         self.gate("timer_sweep")?;
         self.inner.timer_sweep(p).await
     }
+    async fn timers_retime(
+        &self,
+        p: keel_core::ports::store::TimerRetimeParams,
+    ) -> StoreResult<keel_core::ports::store::TimerRetimePage> {
+        self.gate("timers_retime")?;
+        self.inner.timers_retime(p).await
+    }
     async fn timer_status(
         &self,
         namespace: Option<String>,

@@ -381,3 +381,145 @@ async fn a_transit_state_renews_a_deadline_and_a_self_loop_keeps_it<S: TestStore
     h.wait(renewed, "closed at the renewed deadline", |r| r.status == Status::Done).await;
     w.shutdown().await;
 }
+
+/// A child machine whose step runs until the test lets it go.
+struct HeldPayment(Arc<tokio::sync::Notify>);
+
+#[async_trait::async_trait]
+impl keel_scheduler::StepMachine for HeldPayment {
+    fn machine(&self) -> keel_core::MachineRef {
+        keel_core::MachineRef::new("held_payment", 1)
+    }
+    async fn step(
+        &self,
+        _: &keel_scheduler::StepContext,
+    ) -> Result<keel_core::Outcome, keel_scheduler::StepError> {
+        self.0.notified().await;
+        Ok(keel_core::Outcome::Done { result: json!({ "charged": true }), step: None })
+    }
+}
+
+/// A delegation state left by its `@timeout` cancels the child machine it started: the
+/// child is cancelled in the parent's commit, the step it was running cannot commit
+/// afterwards, and the parent hears no failure notice for the state it already left.
+/// The child runs in the parent's namespace and queue.
+#[tokio::test]
+async fn a_delegation_timeout_cancels_the_running_child() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let def = Definition::builder("paying_order", 1)
+        .initial("paying")
+        .state("paying", |st| {
+            st.machine("held_payment")
+                .on_done(|b| b.target("paid"))
+                .on_timeout(Timer::seconds(30), |b| b.target("gave_up"))
+        })
+        .state("gave_up", |st| st.on_to("RETRY", "paying"))
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    let m = ChartMachine::new(def);
+    let release = Arc::new(tokio::sync::Notify::new());
+    let config = WorkerConfig {
+        timers: None,
+        namespaces: vec!["shop".into()],
+        queues: vec![("orders".into(), 4)],
+        ..h.config()
+    };
+    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        .register(m.clone())
+        .register(HeldPayment(Arc::clone(&release)))
+        .spawn();
+    let start = m.new_instance(json!({})).namespace("shop").queue("orders");
+    let id = h.start(start).await;
+    h.wait(id, "paying", in_state("paying")).await;
+    let child = loop {
+        let detail = h.client.get(id).await.unwrap();
+        if let Some(c) = detail.children.first() {
+            break c.id;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let running =
+        h.wait(child, "the child's step running", |r| r.status == Status::Executing).await;
+    assert_eq!(running.parent, Some(id));
+    assert_eq!((running.namespace.as_str(), running.queue.as_str()), ("shop", "orders"));
+
+    assert_eq!(advance(&h, &s, Duration::from_secs(30)).await, 1, "the deadline fires");
+    h.wait(id, "gave up", in_state("gave_up")).await;
+    let cancelled = h.client.get(child).await.unwrap();
+    assert_eq!(cancelled.instance.status, Status::Cancelled);
+    assert!(
+        cancelled.instance.last_error.as_deref().is_some_and(|e| e.contains("`paying`")),
+        "{:?}",
+        cancelled.instance.last_error
+    );
+
+    release.notify_waiters();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = h.client.get(child).await.unwrap();
+    assert_eq!(after.instance.status, Status::Cancelled, "the late step did not commit");
+    assert_eq!(after.instance.result, None);
+    let parent = h.client.get(id).await.unwrap();
+    assert!(in_state("gave_up")(&parent.instance), "the parent stays where its deadline put it");
+    assert!(parent.inbox.is_empty(), "no notice for a state already left: {:?}", parent.inbox);
+    w.shutdown().await;
+}
+
+fn deadline(after: Timer, keep_armed: bool) -> ChartMachine {
+    let def = Definition::builder("deadline", 1)
+        .initial("awaiting")
+        .state("awaiting", |s| {
+            s.on("EXPIRE", |t| {
+                let t = t.target("expired").after(after);
+                if keep_armed { t.keep_armed() } else { t }
+            })
+        })
+        .final_state("expired")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+/// A deploy that shortens an `after` from 7 days to 1 day: a worker starting with the new
+/// definition moves the timer of an instance that has waited 2 days, which then fires at
+/// the next sweep; with `keep_armed` it keeps its 7 days.
+#[tokio::test]
+async fn a_deploy_that_shortens_a_deadline_moves_waiting_timers() {
+    for keep_armed in [false, true] {
+        let h = Harness::new();
+        let s = sweeper(&h);
+        let old = deadline(Timer::days(7), false);
+        let id = h.start(old.new_instance(json!({}))).await;
+        let w = worker(&h, old);
+        h.wait(id, "awaiting", in_state("awaiting")).await;
+        w.shutdown().await;
+
+        h.clock.advance(Duration::from_secs(2 * 86_400));
+        let w = worker(&h, deadline(Timer::days(1), keep_armed));
+        let moved = |h: &Harness| {
+            let h = h.client.clone();
+            async move {
+                let history = h.get(id).await.unwrap().history;
+                history.iter().any(|r| r.entry.kind == "TIMER_RETIMED")
+            }
+        };
+        if keep_armed {
+            // Give the start-up pass time to run; it must leave the timer alone.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(!moved(&h).await, "keep_armed keeps the armed duration");
+            assert_eq!(advance(&h, &s, Duration::ZERO).await, 0, "not due before 7 days");
+        } else {
+            for _ in 0..200 {
+                if moved(&h).await {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(moved(&h).await, "the start-up pass moved the timer");
+            assert_eq!(advance(&h, &s, Duration::ZERO).await, 1, "due at the next sweep");
+            h.wait(id, "expired", |r| r.status == Status::Done).await;
+        }
+        w.shutdown().await;
+    }
+}

@@ -25,7 +25,7 @@ use keel_core::ports::store::{
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
-    TimerSweepParams, TimerSweepReport,
+    TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -258,6 +258,15 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     if let Some(parent) = plan.barrier_release {
         parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
     }
+    if !plan.children_cancel.is_none() {
+        for child in db.delegated_children(row.id).await? {
+            let Some(child) = db.instance(child).await? else { continue };
+            if plan.children_cancel.covers(&child, row.id) {
+                let p = plan.children_cancel.cancel_params(&child, now);
+                cancel_with(db, &p, plan::cancel::left_delegation).await?;
+            }
+        }
+    }
     Ok(receipt)
 }
 
@@ -440,6 +449,44 @@ pub(crate) async fn timer_next_due(
 /// Fires due timers in (due time, id) order through the core's `timers::fire`, as
 /// `MemoryStore` does; timers of missing or terminal instances are deleted silently.
 /// Records the sweep time per (namespace or `*`, machine or `*`).
+/// One page of a retime: the machine version's timers after the cursor in id order, the
+/// core's plan, and per moved timer its write and history entry. Returns the page and the
+/// earliest new due time.
+pub(crate) async fn timers_retime(
+    db: &mut Db<'_>,
+    p: &TimerRetimeParams,
+) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
+    p.validate()?;
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        timer_cols!(),
+        " FROM keel_timers WHERE machine = ? AND machine_version = ? AND id > ? \
+         ORDER BY id LIMIT ?"
+    ))
+    .bind(&p.machine.name)
+    .bind(p.machine.version)
+    .bind(p.after.map_or(0, |t| t.0))
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading timers to retime"))?;
+    let read: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
+    let plan = plan::timer::retime(p, &read);
+    let mut page = TimerRetimePage { retimed: Vec::new(), next: plan.next };
+    let mut earliest: Option<Timestamp> = None;
+    for r in &plan.retimed {
+        let before = read.iter().find(|t| t.id == r.next.id).expect("planned from the read");
+        if !db.timer_retime(before, &r.next).await? {
+            continue;
+        }
+        let row = db.instance_required(r.next.instance).await?;
+        db.record(&row, row.attempt, &r.history, p.now).await?;
+        page.retimed.push(r.next.id);
+        earliest = Some(earliest.map_or(r.next.next_fire_at, |e| e.min(r.next.next_fire_at)));
+    }
+    Ok((page, earliest))
+}
+
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,
@@ -620,6 +667,15 @@ pub(crate) async fn lease_release(
 
 /// Breadth first over descendants, bounded in depth and count like `MemoryStore`.
 pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+    cancel_with(db, p, plan::cancel::cancel).await
+}
+
+/// Reads what a cancel needs, plans it with `planner` and writes the plan.
+async fn cancel_with(
+    db: &mut Db<'_>,
+    p: &CancelParams,
+    planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+) -> StoreResult<Vec<InstanceId>> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
         // Breadth first down to the depth bound, so the read stays bounded too.
@@ -644,7 +700,7 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
     for id in ids {
         read.pending.insert(id, inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?));
     }
-    let plan = plan::cancel::cancel(p, read)?;
+    let plan = planner(p, read)?;
     for w in &plan.rows {
         write_planned(db, w, p.now).await?;
         db.signals_drop(w.row.id).await?;
@@ -763,4 +819,122 @@ pub(crate) async fn queue_pause(
     .await
     .map_err(db.err("pausing a queue"))?;
     Ok(())
+}
+
+/// Done and failed instances per machine and bucket (`Store::instance_activity`).
+pub(crate) async fn instance_activity(
+    db: &mut Db<'_>,
+    p: &keel_core::ports::store::ActivityParams,
+) -> StoreResult<Vec<keel_core::ports::store::ActivityBucket>> {
+    p.validate()?;
+    let rows = sqlx::query(
+        "SELECT namespace, machine, (updated_at - ?) / ? AS bucket, \
+           SUM(status = 'done') AS completed, SUM(status = 'failed') AS failed, \
+           SUM(MAX(updated_at - created_at, 0)) AS turnaround \
+         FROM keel_instances \
+         WHERE status IN ('done', 'failed') AND updated_at >= ? AND updated_at < ? \
+           AND (? IS NULL OR namespace = ?) \
+         GROUP BY namespace, machine, bucket ORDER BY namespace, machine, bucket",
+    )
+    .bind(p.since.0)
+    .bind(p.bucket_ms())
+    .bind(p.since.0)
+    .bind(p.until.0)
+    .bind(&p.namespace)
+    .bind(&p.namespace)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("counting activity"))?;
+    let file = db.file;
+    let bad = |col: &'static str| move |e: sqlx::Error| corrupt(file, col, e);
+    rows.iter()
+        .map(|r| {
+            Ok(keel_core::ports::store::ActivityBucket {
+                namespace: r.try_get("namespace").map_err(bad("namespace"))?,
+                machine: r.try_get("machine").map_err(bad("machine"))?,
+                bucket: r.try_get("bucket").map_err(bad("bucket"))?,
+                completed: r.try_get::<i64, _>("completed").map_err(bad("completed"))? as u64,
+                failed: r.try_get::<i64, _>("failed").map_err(bad("failed"))? as u64,
+                turnaround_ms_total: r.try_get::<i64, _>("turnaround").map_err(bad("turnaround"))?
+                    as u64,
+            })
+        })
+        .collect()
+}
+
+/// Records a heartbeat and forgets long-silent workers (`Store::worker_heartbeat`).
+pub(crate) async fn worker_heartbeat(
+    db: &mut Db<'_>,
+    p: &keel_core::ports::store::WorkerBeatParams,
+) -> StoreResult<()> {
+    p.validate()?;
+    sqlx::query("DELETE FROM keel_workers WHERE last_seen_at < ?")
+        .bind(p.forget_before.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("forgetting silent workers"))?;
+    sqlx::query(
+        "INSERT INTO keel_workers (id, name, machines, namespaces, started_at, last_seen_at) \
+         VALUES (?, ?, ?, ?, ?, ?) \
+         ON CONFLICT (id) DO UPDATE SET name = excluded.name, machines = excluded.machines, \
+           namespaces = excluded.namespaces, started_at = excluded.started_at, \
+           last_seen_at = excluded.last_seen_at",
+    )
+    .bind(&p.id.0)
+    .bind(&p.name)
+    .bind(serde_json::to_string(&p.machines).unwrap_or_default())
+    .bind(serde_json::to_string(&p.namespaces).unwrap_or_default())
+    .bind(p.started_at.0)
+    .bind(p.now.0)
+    .execute(&mut *db.conn)
+    .await
+    .map_err(db.err("recording a worker heartbeat"))?;
+    Ok(())
+}
+
+/// A JSON column of the worker registry, or a "damaged file" error naming it.
+fn decode<T: serde::de::DeserializeOwned>(
+    file: &str,
+    col: &'static str,
+    text: &str,
+) -> StoreResult<T> {
+    serde_json::from_str(text).map_err(|e| corrupt(file, col, e))
+}
+
+/// Workers seen since a time, most recent first (`Store::worker_list`).
+pub(crate) async fn worker_list(
+    db: &mut Db<'_>,
+    seen_since: Timestamp,
+) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
+    let rows = sqlx::query(
+        "SELECT id, name, machines, namespaces, started_at, last_seen_at FROM keel_workers \
+         WHERE last_seen_at >= ? ORDER BY last_seen_at DESC, id LIMIT ?",
+    )
+    .bind(seen_since.0)
+    .bind(keel_core::ports::store::WORKER_LIST_MAX as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("listing workers"))?;
+    let file = db.file;
+    let bad = |col: &'static str| move |e: sqlx::Error| corrupt(file, col, e);
+    rows.iter()
+        .map(|r| {
+            Ok(keel_core::ports::store::WorkerRecord {
+                id: keel_core::ids::WorkerId(r.try_get("id").map_err(bad("id"))?),
+                name: r.try_get("name").map_err(bad("name"))?,
+                machines: decode(
+                    file,
+                    "machines",
+                    r.try_get("machines").map_err(bad("machines"))?,
+                )?,
+                namespaces: decode(
+                    file,
+                    "namespaces",
+                    r.try_get("namespaces").map_err(bad("namespaces"))?,
+                )?,
+                started_at: Timestamp(r.try_get("started_at").map_err(bad("started_at"))?),
+                last_seen_at: Timestamp(r.try_get("last_seen_at").map_err(bad("last_seen_at"))?),
+            })
+        })
+        .collect()
 }

@@ -286,6 +286,15 @@ impl Db<'_> {
             .fetch_optional(&mut *self.conn)
             .await
             .map_err(self.err("resolving a business key"))?,
+            SignalTarget::Child { parent, state } => sqlx::query_scalar(
+                "SELECT id FROM keel_instances WHERE parent_id = ? AND invoked_by = ? \
+                 ORDER BY id DESC LIMIT 1",
+            )
+            .bind(parent.0)
+            .bind(state)
+            .fetch_optional(&mut *self.conn)
+            .await
+            .map_err(self.err("resolving a delegated child"))?,
         };
         Ok(id.map(InstanceId))
     }
@@ -403,6 +412,21 @@ impl Db<'_> {
                 .fetch_all(&mut *self.conn)
                 .await
                 .map_err(self.err("reading children"))?;
+        Ok(ids.into_iter().map(InstanceId).collect())
+    }
+
+    /// The live children of `id` that carry a delegation state (`invoked_by`), at most
+    /// [`limits::CHILDREN_PER_STEP_MAX`]; the caller picks the ones a commit cancels.
+    pub async fn delegated_children(&mut self, id: InstanceId) -> StoreResult<Vec<InstanceId>> {
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM keel_instances WHERE parent_id = ? AND invoked_by IS NOT NULL \
+               AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id LIMIT ?",
+        )
+        .bind(id.0)
+        .bind(limits::CHILDREN_PER_STEP_MAX as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading delegated children"))?;
         Ok(ids.into_iter().map(InstanceId).collect())
     }
 
@@ -581,6 +605,26 @@ impl Db<'_> {
             .await
             .map_err(self.err("advancing a timer"))?;
         Ok(())
+    }
+
+    /// Moves one timer to a deployed duration, unless it changed since it was read (fired,
+    /// or moved by another pass); says whether it moved.
+    pub async fn timer_retime(&mut self, read: &TimerRow, next: &TimerRow) -> StoreResult<bool> {
+        let spec = serde_json::to_string(&next.spec)
+            .map_err(|e| StoreError::invalid(format!("timer spec: {e}")))?;
+        let done = sqlx::query(
+            "UPDATE keel_timers SET spec = ?, next_fire_at = ? \
+             WHERE id = ? AND next_fire_at = ? AND fire_count = ?",
+        )
+        .bind(spec)
+        .bind(next.next_fire_at.0)
+        .bind(read.id.0)
+        .bind(read.next_fire_at.0)
+        .bind(read.fire_count)
+        .execute(&mut *self.conn)
+        .await
+        .map_err(self.err("moving a timer"))?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// Deletes one timer.

@@ -12,12 +12,13 @@ use keel_core::limits;
 use keel_core::plan::commit;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
-    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
-    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
+    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{
@@ -85,6 +86,7 @@ fn migrator() -> Migrator {
     Migrator::with_migrations(vec![
         migration(1, "schema", include_str!("../migrations/0001_schema.sql")),
         migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
+        migration(3, "operations", include_str!("../migrations/0003_operations.sql")),
     ])
 }
 
@@ -611,12 +613,33 @@ impl Store for SqliteStore {
             .collect()
     }
 
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        let mut conn = self.reader().await?;
+        ops::instance_activity(&mut Db { conn: &mut conn, file: &self.file }, &params).await
+    }
+
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        params.validate()?;
+        write_tx!(self, |db| ops::worker_heartbeat(db, &params))
+    }
+
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        let mut conn = self.reader().await?;
+        ops::worker_list(&mut Db { conn: &mut conn, file: &self.file }, seen_since).await
+    }
+
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         let out = write_tx!(self, |db| ops::timer_sweep(db, &params))?;
         if out.fired + out.exhausted > 0 {
             self.wake();
         }
         Ok(out)
+    }
+
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage> {
+        let (page, earliest) = write_tx!(self, |db| ops::timers_retime(db, &params))?;
+        self.hint_timers(earliest);
+        Ok(page)
     }
 
     async fn timer_status(

@@ -34,13 +34,13 @@ use keel_core::plan::{
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
-    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
+    InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
+    MigratePage, MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -130,6 +130,8 @@ struct State {
     timers_of: HashMap<InstanceId, BTreeSet<TimerId>>,
     /// `(namespace or "*", machine or "*")` → last sweep time.
     sweeps: HashMap<(String, String), Timestamp>,
+    /// The worker registry: id → last heartbeat.
+    workers: BTreeMap<String, WorkerRecord>,
 }
 
 impl State {
@@ -232,7 +234,7 @@ impl State {
         let admitted = planner.admit(c, read)?;
         let inserted: Vec<InsertOutcome> =
             admitted.children.iter().map(|child| self.child_insert(child, now)).collect();
-        Ok(self.execute(admitted.finish(c, &inserted), now))
+        self.execute(admitted.finish(c, &inserted), now)
     }
 
     /// Inserts a child a commit starts, unless another instance occupies its unique key.
@@ -247,7 +249,7 @@ impl State {
     }
 
     /// Performs the writes of a planned commit, in the plan's order.
-    fn execute(&mut self, plan: CommitPlan, now: Timestamp) -> CommitReceipt {
+    fn execute(&mut self, plan: CommitPlan, now: Timestamp) -> StoreResult<CommitReceipt> {
         let CommitPlan {
             row,
             attempt,
@@ -259,8 +261,10 @@ impl State {
             emits,
             barrier_release,
             parent_notice,
+            children_cancel,
             mut receipt,
         } = plan;
+        let id = row.id;
         for id in consume {
             self.remove_signal(row.id, id);
         }
@@ -287,7 +291,21 @@ impl State {
         if let Some(parent) = barrier_release {
             self.parent_release(parent, parent_notice.as_ref(), now);
         }
-        receipt
+        if !children_cancel.is_none() {
+            let left: Vec<keel_core::ports::store::CancelParams> = self
+                .children
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .map(|child| &self.rows[child])
+                .filter(|child| children_cancel.covers(child, id))
+                .map(|child| children_cancel.cancel_params(child, now))
+                .collect();
+            for p in left {
+                self.cancel_with(&p, plan::cancel::left_delegation)?;
+            }
+        }
+        Ok(receipt)
     }
 
     // ----- signals ----------------------------------------------------------------------
@@ -437,6 +455,15 @@ impl State {
     // ----- cancel -----------------------------------------------------------------------
 
     fn cancel(&mut self, p: &CancelParams) -> StoreResult<Vec<InstanceId>> {
+        self.cancel_with(p, plan::cancel::cancel)
+    }
+
+    /// Reads what a cancel needs, plans it with `planner` and writes the plan.
+    fn cancel_with(
+        &mut self,
+        p: &CancelParams,
+        planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+    ) -> StoreResult<Vec<InstanceId>> {
         let mut read = CancelRead { root: self.rows.get(&p.id).cloned(), ..CancelRead::default() };
         if p.cascade {
             // Breadth first down to the depth bound, so the read stays bounded too.
@@ -453,7 +480,7 @@ impl State {
         }
         let ids = read.root.iter().chain(read.descendants.iter().map(|(r, _)| r)).map(|r| r.id);
         read.pending = ids.map(|id| (id, inbox::Pending::of(self.inbox_of(id)))).collect();
-        let plan = plan::cancel::cancel(p, read)?;
+        let plan = planner(p, read)?;
         let cancelled = plan.cancelled();
         for w in plan.rows {
             let id = w.row.id;
@@ -562,6 +589,31 @@ impl State {
         }
         let report = plan.report(&delivered);
         Ok(report)
+    }
+
+    /// One page of a retime, and the earliest new due time (for the sweepers' hint).
+    fn timers_retime(
+        &mut self,
+        p: &TimerRetimeParams,
+    ) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
+        p.validate()?;
+        let read: Vec<TimerRow> = self
+            .timers
+            .values()
+            .filter(|t| t.machine == p.machine && p.after.is_none_or(|after| t.id > after))
+            .take(p.limit)
+            .cloned()
+            .collect();
+        let plan = plan::timer::retime(p, &read);
+        let earliest = plan.retimed.iter().map(|r| r.next.next_fire_at).min();
+        let mut retimed = Vec::with_capacity(plan.retimed.len());
+        for r in plan.retimed {
+            let row = self.rows[&r.next.instance].clone();
+            self.record(&row, row.attempt, r.history, p.now);
+            retimed.push(r.next.id);
+            self.timers.insert(r.next.id, r.next);
+        }
+        Ok((TimerRetimePage { retimed, next: plan.next }, earliest))
     }
 }
 

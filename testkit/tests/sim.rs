@@ -215,6 +215,12 @@ impl Store for Broken {
     async fn timer_sweep(&self, p: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         self.0.timer_sweep(p).await
     }
+    async fn timers_retime(
+        &self,
+        p: keel_core::ports::store::TimerRetimeParams,
+    ) -> StoreResult<keel_core::ports::store::TimerRetimePage> {
+        self.0.timers_retime(p).await
+    }
     async fn timer_next_due(&self, p: TimerNextDueParams) -> StoreResult<Option<Timestamp>> {
         self.0.timer_next_due(p).await
     }

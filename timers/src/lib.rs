@@ -227,6 +227,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
                 break;
             }
         }
+        metrics::counter!("keel_timers_fired_total").increment(total.fired);
         if total.processed > 0 {
             tracing::debug!(
                 fired = total.fired,

@@ -171,6 +171,51 @@ async fn target(state: &AppState, ns: &str, b: &EventBody) -> Result<InstanceId,
     }
 }
 
+fn unknown_machine(machine: &str) -> ApiError {
+    ApiError::bad(
+        "machine",
+        format!(
+            "machine: {machine:?} is not a machine this server knows; check the name against the definitions file"
+        ),
+    )
+}
+
+/// Against the known charts: the target's machine and version exist and the event is one
+/// of the chart's events; 400 naming the field otherwise.
+fn check_event(
+    defs: &crate::definitions::Definitions,
+    machine: &MachineRef,
+    event: &str,
+) -> Result<(), ApiError> {
+    let versions = defs.versions(&machine.name);
+    if versions.is_empty() {
+        return Err(unknown_machine(&machine.name));
+    }
+    let version = u32::try_from(machine.version).unwrap_or(0);
+    let Some(chart) = defs.get(&machine.name, version) else {
+        return Err(ApiError::bad(
+            "version",
+            format!(
+                "version: {} has no version {} in the definitions file (it holds {versions:?})",
+                machine.name, machine.version
+            ),
+        ));
+    };
+    let events = chart.event_alphabet();
+    if !events.iter().any(|e| e == event) {
+        return Err(ApiError::bad(
+            "event",
+            format!(
+                "event: {} v{} has no event {event:?}; it accepts {}",
+                machine.name,
+                machine.version,
+                events.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Stores an event for an instance: 202 with the signal id.
 pub async fn send_event(
     State(state): State<Arc<AppState>>,
@@ -178,7 +223,18 @@ pub async fn send_event(
     bytes: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let b: EventBody = body(&read(bytes)?)?;
+    if let (Some(defs), Some(machine)) = (&state.definitions, &b.machine)
+        && !defs.has_machine(machine)
+    {
+        return Err(unknown_machine(machine));
+    }
     let id = target(&state, &ns, &b).await?;
+    if let Some(defs) = &state.definitions {
+        let rows = state.keel.store().instance_rows(vec![id]).await?;
+        if let Some(row) = rows.iter().find(|r| r.id == id) {
+            check_event(defs, &row.machine, &b.event)?;
+        }
+    }
     let mut signal = NewSignal::new(id, &b.event);
     if let Some(payload) = b.payload.clone() {
         signal = signal.payload(payload);
@@ -236,6 +292,23 @@ pub async fn start_instance(
     bytes: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let b: StartBody = body(&read(bytes)?)?;
+    if let Some(defs) = &state.definitions {
+        if !defs.has_machine(&b.machine) {
+            return Err(unknown_machine(&b.machine));
+        }
+        let version = u32::try_from(b.version).unwrap_or(0);
+        if defs.get(&b.machine, version).is_none() {
+            return Err(ApiError::bad(
+                "version",
+                format!(
+                    "version: {} has no version {} in the definitions file (it holds {:?})",
+                    b.machine,
+                    b.version,
+                    defs.versions(&b.machine)
+                ),
+            ));
+        }
+    }
     let context = b.context.unwrap_or_else(|| json!({}));
     if !context.is_object() {
         return Err(ApiError::bad("context", "must be a JSON object such as {\"order\": 42}"));

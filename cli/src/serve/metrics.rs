@@ -32,8 +32,10 @@ pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
 async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
     let now = now();
     let store = state.keel.store();
-    for q in store.queue_stats(None, now).await? {
-        keel::layers::scheduler::worker::record_queue_gauges(&q);
+    let stats = store.queue_stats(None, now).await?;
+    let mut expired: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for q in &stats {
+        keel::layers::scheduler::worker::record_queue_gauges(q);
         let labels = [
             ("namespace", q.namespace.clone()),
             ("queue", q.queue.clone()),
@@ -41,6 +43,19 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
         ];
         let age = q.oldest_ready_at.map_or(0.0, |at| (now.0 - at.0).max(0) as f64 / 1000.0);
         metrics::gauge!("keel_queue_oldest_ready_seconds", &labels).set(age);
+        metrics::gauge!("keel_leases_held", &labels).set(q.executing as f64);
+        let n = if q.executing == 0 {
+            0
+        } else {
+            crate::operate::stuck_leases(&state.keel, &q.namespace, &q.machine, now)
+                .await
+                .map_err(|e| keel::StoreError::unavailable(format!("{e:#}")))?
+        };
+        *expired.entry((q.namespace.clone(), q.machine.clone())).or_default() = n;
+    }
+    for ((namespace, machine), n) in expired {
+        let labels = [("namespace", namespace), ("machine", machine)];
+        metrics::gauge!("keel_leases_expired", &labels).set(n as f64);
     }
     let letters = state
         .keel
@@ -62,6 +77,9 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
         let labels = [("namespace", t.namespace.clone()), ("machine", t.machine.clone())];
         metrics::gauge!("keel_timers_armed", &labels).set(t.armed as f64);
         metrics::gauge!("keel_timers_overdue", &labels).set(t.overdue as f64);
+        let lateness =
+            t.next_due.filter(|due| *due <= now).map_or(0.0, |due| (now.0 - due.0) as f64 / 1000.0);
+        metrics::gauge!("keel_timers_sweep_lateness_seconds", &labels).set(lateness);
         if let Some(at) = t.last_sweep_at {
             let lag = (now.0 - at.0).max(0) as f64 / 1000.0;
             metrics::gauge!("keel_timers_since_last_sweep_seconds", &labels).set(lag);

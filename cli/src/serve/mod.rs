@@ -9,6 +9,7 @@ mod api;
 pub mod auth;
 mod metrics;
 mod ops;
+pub mod registry;
 pub mod ui;
 mod worker;
 
@@ -44,7 +45,11 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// The bearer tokens, when a tokens file was given; `None` = no authentication.
     pub tokens: Option<Vec<auth::Grant>>,
-    /// The chart definitions the dashboard draws (`--charts`).
+    /// The charts events and starts are checked against; `None` = not checked.
+    pub definitions: Option<crate::definitions::Definitions>,
+    /// Remote workers' registry beats.
+    pub beats: registry::Beats,
+    /// The charts the dashboard draws (from `--definitions`).
     pub charts: ui::Charts,
 }
 
@@ -57,6 +62,8 @@ impl AppState {
             namespace: namespace.to_owned(),
             metrics,
             tokens: None,
+            definitions: None,
+            beats: registry::Beats::default(),
             charts: ui::Charts::default(),
         }
     }
@@ -74,6 +81,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
         .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
         .route("/v1/namespaces/{ns}/status", get(ops::status))
+        .route("/v1/namespaces/{ns}/activity", get(ops::activity))
+        .route("/v1/namespaces/{ns}/machines/{machine}/instances", get(ops::list_instances))
+        .route("/v1/workers", get(ops::workers))
         .route("/v1/namespaces/{ns}/queues/{queue}/pause", post(ops::pause))
         .route("/v1/namespaces/{ns}/queues/{queue}/resume", post(ops::resume))
         .route("/v1/namespaces/{ns}/dead-letters", get(ops::dead_letters))
@@ -96,10 +106,11 @@ pub async fn run(
     keel: Keel,
     listen: SocketAddr,
     tokens: Option<&std::path::Path>,
-    charts: Option<&std::path::Path>,
+    definitions: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
-    let charts = charts.map(ui::Charts::load).transpose()?.unwrap_or_default();
+    let definitions = definitions.map(crate::definitions::Definitions::load).transpose()?;
+    let charts = definitions.as_ref().map(ui::Charts::new).unwrap_or_default();
     if tokens.is_none() && !listen.ip().is_loopback() {
         bail!(
             "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
@@ -114,6 +125,8 @@ pub async fn run(
         namespace: cli.namespace.clone(),
         metrics,
         tokens,
+        definitions,
+        beats: registry::Beats::default(),
         charts,
     });
     let listener = tokio::net::TcpListener::bind(listen)
@@ -134,15 +147,8 @@ pub async fn run(
 }
 
 async fn health_handler(State(state): State<Arc<AppState>>) -> Response {
-    let rows = match crate::commands::status_rows(&state.keel, &state.namespace, None).await {
-        Ok(rows) => rows,
-        Err(error) => {
-            let body = json!({ "status": "critical", "error": format!("{error:#}") });
-            return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
-        }
-    };
-    match health::evaluate(&state.config, &rows) {
-        Ok(findings) => {
+    match health::probe(&state.keel, &state.namespace, &state.config).await {
+        Ok((_, findings)) => {
             let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
             let code = if level == Level::Critical {
                 StatusCode::SERVICE_UNAVAILABLE

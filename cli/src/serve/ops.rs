@@ -122,3 +122,72 @@ pub async fn dead_letter_retry(
     let ids: Vec<i64> = retried.iter().map(|i| i.0).collect();
     Ok(Json(json!({ "retried": ids })).into_response())
 }
+
+/// The last hour per machine (completed / failed per minute for sparklines, turnaround,
+/// throughput, ready work with no live worker), as in `keel status --json`'s `machines`.
+pub async fn activity(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+) -> Result<Response, ApiError> {
+    let machines =
+        crate::operate::activity(&state.keel, &ns, None, now()).await.map_err(|error| {
+            ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
+        })?;
+    Ok(Json(json!({
+        "namespace": ns,
+        "window_ms": crate::operate::ACTIVITY_WINDOW.as_millis() as u64,
+        "bucket_ms": crate::operate::ACTIVITY_BUCKET.as_millis() as u64,
+        "machines": machines,
+    }))
+    .into_response())
+}
+
+/// `GET …/machines/{machine}/instances?status=&state=&limit=&after=`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    status: Option<String>,
+    state: Option<String>,
+    limit: Option<usize>,
+    after: Option<String>,
+}
+
+/// One page of a machine's instances, as `keel list --json`.
+pub async fn list_instances(
+    State(state): State<Arc<AppState>>,
+    Path((ns, machine)): Path<(String, String)>,
+    query: Result<axum::extract::Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let axum::extract::Query(q) =
+        query.map_err(|rejection| ApiError::bad("query", rejection.body_text()))?;
+    let args = crate::ListArgs {
+        machine,
+        state: q.state,
+        status: q.status,
+        limit: q.limit.unwrap_or(50),
+        after: q.after,
+    };
+    match crate::operate::list(&state.keel, &ns, args).await {
+        Ok(report) => Ok(Json(report.json).into_response()),
+        // A store error keeps its own status (503 when the store is down); the rest is
+        // the query's fault and names its parameter.
+        Err(error) => match error.downcast::<keel::StoreError>() {
+            Ok(store) => Err(ApiError::from(store)),
+            Err(error) => {
+                let text = format!("{error:#}");
+                let field = text.split(':').next().unwrap_or("query").trim_start_matches("--");
+                Err(ApiError::bad(field, text.replacen("--", "", 1)))
+            }
+        },
+    }
+}
+
+/// Workers seen by heartbeat, live and stale (every namespace: a token that sees them all).
+pub async fn workers(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let stale = keel_core::ports::store::WORKER_STALE_AFTER.as_secs();
+    let report =
+        crate::operate::workers(&state.keel, &format!("{stale}s")).await.map_err(|error| {
+            ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
+        })?;
+    Ok(Json(report.json).into_response())
+}

@@ -107,9 +107,15 @@ pub async fn poll(
         ));
     }
     let store = state.keel.store();
+    let declared: Vec<MachineRef> =
+        b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect();
+    state.beats.poll(store, &b.worker, &b.namespace, declared).await;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
     loop {
-        store.lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() }).await?;
+        let reaped = store
+            .lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() })
+            .await?;
+        metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
         let claims = store
             .instance_claim(ClaimParams {
                 worker: WorkerId(b.worker.clone()),

@@ -282,6 +282,27 @@ impl Definition {
         self.version
     }
 
+    /// The timers instances of this definition follow when it is deployed: every state's
+    /// entry timers (its `after` / `every` transitions and a delegation's `@timeout`),
+    /// except those marked [`keep_armed`](TransitionBuilder::keep_armed). A store's
+    /// `timers_retime` moves already armed timers to these durations.
+    pub fn followed_timers(&self) -> Vec<super::TimerArm> {
+        self.states
+            .iter()
+            .flat_map(|node| {
+                let kept: Vec<&str> = node
+                    .on
+                    .iter()
+                    .filter(|t| t.timer.as_ref().is_some_and(|spec| spec.keep_armed))
+                    .map(|t| t.event.as_str())
+                    .collect();
+                super::algorithm::entry_timers(node)
+                    .into_iter()
+                    .filter(move |arm| !kept.contains(&arm.event.as_str()))
+            })
+            .collect()
+    }
+
     /// The state at `path` (`""` is the root).
     pub fn state(&self, path: &str) -> Option<&StateNode> {
         self.by_path.get(path).map(|&i| &self.states[i])
@@ -376,6 +397,7 @@ pub struct TransitionBuilder {
     extra_timer: bool,
     max: Option<u32>,
     then: Option<String>,
+    keep_armed: bool,
 }
 
 impl TransitionBuilder {
@@ -450,14 +472,27 @@ impl TransitionBuilder {
         self
     }
 
+    /// With a timer: instances already waiting in the state keep the duration their timer
+    /// was armed with when a later deploy changes it. Without this, a changed `after` /
+    /// `every` duration applies to them too, counted from the original anchor.
+    pub fn keep_armed(mut self) -> Self {
+        self.keep_armed = true;
+        self
+    }
+
     fn finish(self) -> (Vec<Branch>, RawTimer) {
         let mut branches = Vec::with_capacity(self.branches.len() + 1);
         if self.implicit_used || self.branches.is_empty() {
             branches.push(self.implicit);
         }
         branches.extend(self.branches);
-        let raw =
-            RawTimer { timer: self.timer, both: self.extra_timer, max: self.max, then: self.then };
+        let raw = RawTimer {
+            timer: self.timer,
+            both: self.extra_timer,
+            max: self.max,
+            then: self.then,
+            keep_armed: self.keep_armed,
+        };
         (branches, raw)
     }
 }
@@ -469,6 +504,7 @@ pub(crate) struct RawTimer {
     pub(crate) both: bool,
     pub(crate) max: Option<u32>,
     pub(crate) then: Option<String>,
+    pub(crate) keep_armed: bool,
 }
 
 /// Builds one branch of `@always`, `@done`, `@fail`, `@timeout` or an event transition.

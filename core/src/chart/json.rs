@@ -146,6 +146,10 @@ pub struct TransitionJson {
     /// With `every` and `max`: the event sent once after the last fire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub then: Option<String>,
+    /// With a timer: instances already waiting keep the duration they were armed with
+    /// when a later deploy changes it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub keep_armed: bool,
 }
 
 /// One guarded alternative: if every guard holds, run the actions and go to the target.
@@ -217,6 +221,35 @@ pub enum DefinitionJsonError {
     Invalid(#[from] ValidationErrors),
 }
 
+impl ChartJson {
+    /// Every guard name the chart references, sorted: what a caller must register before
+    /// [`ChartBuilder::build`] (tools that only draw or inspect a chart register
+    /// placeholders under these names).
+    pub fn guard_names(&self) -> std::collections::BTreeSet<String> {
+        fn state(s: &StateJson, out: &mut std::collections::BTreeSet<String>) {
+            for t in &s.on {
+                out.extend(t.guards.iter().cloned());
+                for b in &t.branches {
+                    out.extend(b.guards.iter().cloned());
+                }
+            }
+            for list in [&s.always, &s.done, &s.fail, &s.on_timeout] {
+                for b in list {
+                    out.extend(b.guards.iter().cloned());
+                }
+            }
+            for child in &s.states {
+                state(child, out);
+            }
+        }
+        let mut out = std::collections::BTreeSet::new();
+        for s in &self.states {
+            state(s, &mut out);
+        }
+        out
+    }
+}
+
 impl Definition {
     /// The JSON form of this definition; [`ChartBuilder::from_json`] of it, with the same
     /// guards registered, builds a definition with the same structure.
@@ -272,6 +305,7 @@ impl Definition {
                         }
                         json.max = spec.max;
                         json.then.clone_from(&spec.then);
+                        json.keep_armed = spec.keep_armed;
                     }
                     json
                 })
@@ -328,6 +362,7 @@ impl TransitionJson {
             every: None,
             max: None,
             then: None,
+            keep_armed: false,
         }
     }
 }
@@ -522,6 +557,9 @@ fn configure(mut s: StateBuilder, json: &StateJson) -> StateBuilder {
             }
             if let Some(then) = &t.then {
                 tb = tb.then(then);
+            }
+            if t.keep_armed {
+                tb = tb.keep_armed();
             }
             tb
         });

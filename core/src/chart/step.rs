@@ -120,6 +120,8 @@ pub struct StepPlan {
     pub timers_arm: Vec<TimerArm>,
     /// Child machines started by delegation states.
     pub children: Vec<ChildStart>,
+    /// Delegation states left: their live child machines are cancelled in the commit.
+    pub children_cancel: Vec<String>,
     /// Region tasks to start (parallel dispatch).
     pub region_tasks: Vec<RegionTask>,
     /// The macrostep that ran, if one did.
@@ -151,6 +153,7 @@ impl StepPlan {
             timers_cancel: Vec::new(),
             timers_arm: Vec::new(),
             children: Vec::new(),
+            children_cancel: Vec::new(),
             region_tasks: Vec::new(),
             macrostep: None,
         }
@@ -388,6 +391,7 @@ impl<'d> ChartStep<'d> {
             timers_cancel,
             timers_arm,
             children: result.children_to_start.clone(),
+            children_cancel: result.children_to_cancel.clone(),
             region_tasks,
             macrostep: Some(result),
         })

@@ -135,6 +135,10 @@ pub struct TimerSpec {
     pub max: Option<u32>,
     /// For `every` + `max`: the event sent exactly once after the last fire.
     pub then: Option<String>,
+    /// Instances already waiting keep the duration their timer was armed with when a
+    /// deploy changes it (by default they follow the deployed definition).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_armed: bool,
 }
 
 impl fmt::Display for TimerSpec {
@@ -148,6 +152,9 @@ impl fmt::Display for TimerSpec {
         }
         if let Some(then) = &self.then {
             write!(f, ", then {then}")?;
+        }
+        if self.keep_armed {
+            write!(f, ", keeps its armed duration")?;
         }
         Ok(())
     }

@@ -60,6 +60,16 @@ pub enum ChartError {
         /// Event name.
         event: String,
     },
+    /// `keep_armed` given without a timer.
+    #[error(
+        "state `{state}`: transition on `{event}` has `keep_armed` but no timer; fix: add `.after(Timer::…)` / `.every(Timer::…)` or drop `keep_armed`"
+    )]
+    KeepArmedWithoutTimer {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+    },
     /// `then` given without `max`.
     #[error(
         "state `{state}`: transition on `{event}` has `then` but no `max`; fix: add `.max(n)` so `then` knows when to fire"
@@ -502,12 +512,16 @@ fn check_timers(flat: &mut Flat<'_>, id: usize, alphabet: &BTreeSet<&str>) -> Ve
     let state = display(&flat.states[id].path);
     let mut out = Vec::with_capacity(b.on.len());
     for (event, branches, raw) in &b.on {
-        let RawTimer { timer, both, max, then } = raw;
+        let RawTimer { timer, both, max, then, keep_armed } = raw;
         let err = |e: fn(String, String) -> ChartError| e(state.clone(), event.clone());
         if *both {
             flat.errors.push(err(|state, event| ChartError::ConflictingTimers { state, event }));
         }
         let every = matches!(timer, Some((TimerKind::Every, _)));
+        if *keep_armed && timer.is_none() {
+            flat.errors
+                .push(err(|state, event| ChartError::KeepArmedWithoutTimer { state, event }));
+        }
         if max.is_some() && !every {
             flat.errors.push(err(|state, event| ChartError::MaxWithoutEvery { state, event }));
         }
@@ -539,6 +553,7 @@ fn check_timers(flat: &mut Flat<'_>, id: usize, alphabet: &BTreeSet<&str>) -> Ve
                 timer,
                 max: *max,
                 then: then.clone(),
+                keep_armed: *keep_armed,
             }),
         });
     }

@@ -18,6 +18,7 @@ use crate::instance::{HistoryEntry, Instance};
 use crate::limits;
 use crate::outcome;
 use crate::ports::store::CancelParams;
+use crate::time::Timestamp;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 
@@ -87,12 +88,83 @@ pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
     Ok(plan)
 }
 
+/// The delegated children a step commit cancels: child machines exist for their
+/// delegation state, so they go when the parent leaves that state or fails. (A chart that
+/// finishes has left every delegation state; a step machine that finishes and started
+/// children itself lets them run.)
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LeftDelegations {
+    /// None.
+    #[default]
+    None,
+    /// The live children started from one of these delegation states, which the commit
+    /// leaves.
+    States(Vec<String>),
+    /// Every live delegated child: the commit fails the instance.
+    All,
+}
+
+impl LeftDelegations {
+    /// What a commit that leaves `states` cancels; everything delegated when it `fails`
+    /// the instance.
+    pub fn of(states: &[String], fails: bool) -> Self {
+        match (fails, states.is_empty()) {
+            (true, _) => LeftDelegations::All,
+            (false, true) => LeftDelegations::None,
+            (false, false) => LeftDelegations::States(states.to_vec()),
+        }
+    }
+
+    /// Whether there is nothing to cancel.
+    pub fn is_none(&self) -> bool {
+        *self == LeftDelegations::None
+    }
+
+    /// Whether `child` is a live child machine of `parent` that this cancels.
+    pub fn covers(&self, child: &Instance, parent: InstanceId) -> bool {
+        let Some(state) = child.invoked_by.as_deref() else { return false };
+        if child.parent != Some(parent) || child.status.is_terminal() {
+            return false;
+        }
+        match self {
+            LeftDelegations::None => false,
+            LeftDelegations::States(left) => left.iter().any(|l| l == state),
+            LeftDelegations::All => true,
+        }
+    }
+
+    /// The cancel of `child` (one this covers), with its descendants.
+    pub fn cancel_params(&self, child: &Instance, now: Timestamp) -> CancelParams {
+        let state = child.invoked_by.as_deref().unwrap_or_default();
+        let reason = match self {
+            LeftDelegations::All => {
+                format!("its parent failed while in the delegation state `{state}`")
+            }
+            _ => format!("its parent left the delegation state `{state}`"),
+        };
+        CancelParams { id: child.id, reason, cascade: true, now }
+    }
+}
+
+/// Plans a [`LeftDelegations::cancel_params`] cancel: as [`cancel`], except that the parent hears nothing
+/// of it through its inbox, since it has left the state the notice would be for. Its
+/// barrier still counts the child as ended.
+pub fn left_delegation(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
+    let parent = read.root.as_ref().and_then(|r| r.parent);
+    let mut plan = cancel(p, read)?;
+    for release in &mut plan.releases {
+        if Some(release.parent) == parent {
+            release.notice = None;
+        }
+    }
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ids::{MachineRef, SignalId, Status};
     use crate::instance::NewInstance;
-    use crate::time::Timestamp;
 
     fn row(id: i64, status: Status) -> Instance {
         let new = NewInstance::new(MachineRef::new("m", 1), "start");
@@ -156,5 +228,44 @@ mod tests {
         assert!(cancel(&params(true), read(Status::Failed)).unwrap().rows.is_empty());
         let missing = CancelRead::default();
         assert_eq!(cancel(&params(true), missing).unwrap_err().kind, crate::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn leaving_a_delegation_state_cancels_the_child_without_telling_the_parent() {
+        let mut read = read(Status::Executing);
+        let child = read.root.as_mut().unwrap();
+        child.parent = Some(InstanceId(9));
+        child.invoked_by = Some("pay".into());
+        let grandchild = &mut read.descendants[0].0;
+        grandchild.parent = Some(InstanceId(1));
+        grandchild.invoked_by = Some("charge".into());
+        let left = LeftDelegations::of(&["pay".to_owned()], false);
+        let p = left.cancel_params(read.root.as_ref().unwrap(), Timestamp(5));
+        assert!(p.cascade && p.reason.contains("`pay`"), "{}", p.reason);
+        let plan = left_delegation(&p, read).unwrap();
+        assert_eq!(plan.cancelled(), [InstanceId(1), InstanceId(2), InstanceId(4)]);
+        assert_eq!(plan.releases[0].parent, InstanceId(9), "the barrier still counts it");
+        assert_eq!(plan.releases[0].notice, None, "the parent left the state");
+        assert!(plan.releases[1].notice.is_some(), "the child's own child still reports");
+    }
+
+    #[test]
+    fn only_live_children_started_from_a_left_state_are_cancelled() {
+        let left = LeftDelegations::of(&["pay".to_owned()], false);
+        let mut child = row(2, Status::Executing);
+        child.parent = Some(InstanceId(1));
+        assert!(!left.covers(&child, InstanceId(1)), "not a delegated child");
+        assert!(!LeftDelegations::All.covers(&child, InstanceId(1)), "not a delegated child");
+        child.invoked_by = Some("pay".into());
+        assert!(left.covers(&child, InstanceId(1)));
+        assert!(!left.covers(&child, InstanceId(7)), "another parent's child");
+        let ship = LeftDelegations::of(&["ship".to_owned()], false);
+        assert!(!ship.covers(&child, InstanceId(1)));
+        let failed = LeftDelegations::of(&[], true);
+        assert!(failed.covers(&child, InstanceId(1)), "a parent that fails takes them all");
+        assert!(failed.cancel_params(&child, Timestamp(1)).reason.contains("failed"));
+        assert!(LeftDelegations::of(&[], false).is_none());
+        child.status = Status::Done;
+        assert!(!left.covers(&child, InstanceId(1)), "already ended");
     }
 }

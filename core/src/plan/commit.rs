@@ -14,6 +14,7 @@
 //! children uniqueness let in by inserting them, and the row's new status depends on that
 //! count (zero children inserted releases the barrier at once).
 
+use super::cancel::LeftDelegations;
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{InstanceId, SignalId, Status, TimerId};
 use crate::inbox;
@@ -298,6 +299,10 @@ impl Admitted {
             emits: self.emits,
             barrier_release: parent,
             parent_notice,
+            children_cancel: LeftDelegations::of(
+                &commit.children_cancel,
+                row.status == Status::Failed,
+            ),
             receipt,
             row,
         }
@@ -365,6 +370,12 @@ pub struct CommitPlan {
     /// The event the parent hears of this instance's end through its inbox, delivered
     /// after the barrier release; dropped when the parent no longer exists.
     pub parent_notice: Option<NewSignal>,
+    /// The delegated children the commit cancels (those of the delegation states it
+    /// left, or all of them when the instance failed): after the writes above, the store
+    /// plans each live child [`LeftDelegations::covers`] with
+    /// [`super::cancel::left_delegation`] (its descendants too) and writes it, in the same
+    /// transaction.
+    pub children_cancel: LeftDelegations,
     /// The receipt; the store fills in the dead letter's id once it has one.
     pub receipt: CommitReceipt,
 }

@@ -9,8 +9,30 @@
 use crate::history::HistoryKind;
 use crate::ids::{InstanceId, TimerId};
 use crate::instance::{HistoryEntry, NewSignal};
-use crate::ports::store::{DeliveryOutcome, TimerSweepParams, TimerSweepReport};
+use crate::ports::store::{DeliveryOutcome, TimerRetimeParams, TimerSweepParams, TimerSweepReport};
 use crate::timers::{self, TimerRow};
+
+/// One page of a retime: the timers read (id order, after the cursor, at most the limit)
+/// that move, each with its history entry, and where the next page starts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RetimePlan {
+    /// The moved timers, in id order.
+    pub retimed: Vec<timers::Retimed>,
+    /// The next page's cursor; `None` when the read was the last page.
+    pub next: Option<TimerId>,
+}
+
+/// Plans one page of `p` over `read`, the machine version's timers after the cursor in
+/// id order (at most `p.limit`).
+pub fn retime(p: &TimerRetimeParams, read: &[TimerRow]) -> RetimePlan {
+    let retimed = read
+        .iter()
+        .filter(|t| t.machine == p.machine)
+        .filter_map(|t| timers::retime(t, &p.timers))
+        .collect();
+    let next = (read.len() >= p.limit).then(|| read.last().map(|t| t.id)).flatten();
+    RetimePlan { retimed, next }
+}
 
 /// The writes of a sweep. The signals are delivered with [`super::deliver::deliver`]; the
 /// report needs the outcomes of that delivery.
@@ -37,7 +59,7 @@ impl SweepPlan {
             .iter()
             .map(|s| match s.target {
                 crate::SignalTarget::Id(id) => Some(id),
-                crate::SignalTarget::Key { .. } => None,
+                crate::SignalTarget::Key { .. } | crate::SignalTarget::Child { .. } => None,
             })
             .collect()
     }

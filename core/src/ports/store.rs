@@ -423,6 +423,53 @@ impl TimerSweepParams {
     }
 }
 
+/// Moves the armed timers of one machine version to the durations its deployed definition
+/// gives them (`timers::retime`), one page at a time in timer id order: for a deploy that
+/// changed an `after` / `every` duration, so instances already waiting follow it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TimerRetimeParams {
+    /// The machine version whose instances' timers are moved.
+    pub machine: MachineRef,
+    /// The deployed definition's timers that follow deploys (`Definition::followed_timers`).
+    pub timers: Vec<crate::chart::TimerArm>,
+    /// Only timers with a greater id: the previous page's [`TimerRetimePage::next`].
+    pub after: Option<crate::ids::TimerId>,
+    /// Most armed timers to read; at most [`crate::limits::TIMER_RETIME_BATCH_MAX`].
+    pub limit: usize,
+    /// When (the history entries' time).
+    pub now: Timestamp,
+}
+
+impl TimerRetimeParams {
+    /// Checks the bounds and names.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_name("machine.name", &self.machine.name)?;
+        check_batch("limit", self.limit, limits::TIMER_RETIME_BATCH_MAX)?;
+        if self.limit == 0 {
+            return Err(StoreError::invalid("limit: must be at least 1; pass the page size"));
+        }
+        check_batch("timers", self.timers.len(), limits::TIMER_RETIME_SPECS_MAX)?;
+        for (i, t) in self.timers.iter().enumerate() {
+            if t.interval.is_zero() {
+                return Err(StoreError::invalid(format!(
+                    "timers[{i}].interval: must be positive; take the timers from Definition::followed_timers"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One page of a retime.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TimerRetimePage {
+    /// The timers moved, in id order.
+    pub retimed: Vec<crate::ids::TimerId>,
+    /// Where the next page starts (pass it as [`TimerRetimeParams::after`]); `None` when
+    /// this page was the last.
+    pub next: Option<crate::ids::TimerId>,
+}
+
 /// What a sweep did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TimerSweepReport {
@@ -496,6 +543,168 @@ pub struct QueueStats {
     pub suspended: u64,
     /// The oldest `eligible_at` among ready rows.
     pub oldest_ready_at: Option<Timestamp>,
+}
+
+/// Most buckets one [`Store::instance_activity`] call may ask for (a day of minutes).
+pub const ACTIVITY_BUCKETS_MAX: i64 = 1_440;
+
+/// Most workers one [`Store::worker_list`] call returns.
+pub const WORKER_LIST_MAX: usize = 1_000;
+
+/// Most machines one worker heartbeat may declare.
+pub const WORKER_MACHINES_MAX: usize = 1_000;
+
+/// How often a worker records itself in the worker registry.
+pub const WORKER_BEAT_INTERVAL: Duration = Duration::from_secs(15);
+
+/// A worker not seen for this long counts as stale: four missed registry beats.
+pub const WORKER_STALE_AFTER: Duration = Duration::from_secs(60);
+
+/// A worker not seen for this long is dropped from the registry by the next beat.
+pub const WORKER_FORGET_AFTER: Duration = Duration::from_secs(7 * 86_400);
+
+impl WorkerBeatParams {
+    /// A beat at `now`, forgetting workers silent for [`WORKER_FORGET_AFTER`].
+    pub fn at(
+        id: WorkerId,
+        name: String,
+        machines: Vec<MachineRef>,
+        namespaces: Vec<String>,
+        started_at: Timestamp,
+        now: Timestamp,
+    ) -> Self {
+        let forget_before = now.minus(WORKER_FORGET_AFTER);
+        WorkerBeatParams { id, name, machines, namespaces, started_at, now, forget_before }
+    }
+}
+
+/// Instances that ended (done or failed) between `since` and `until`, counted per machine
+/// and per bucket of `bucket` width: throughput and turnaround from stored rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActivityParams {
+    /// Only this namespace; `None` = every namespace.
+    pub namespace: Option<String>,
+    /// Start of the window (inclusive).
+    pub since: Timestamp,
+    /// End of the window (exclusive), normally `now`.
+    pub until: Timestamp,
+    /// Bucket width.
+    pub bucket: Duration,
+}
+
+impl ActivityParams {
+    /// The bucket width in milliseconds (at least 1).
+    pub fn bucket_ms(&self) -> i64 {
+        i64::try_from(self.bucket.as_millis()).unwrap_or(i64::MAX).max(1)
+    }
+
+    /// Which bucket an end time falls in, or `None` outside the window.
+    pub fn bucket_of(&self, at: Timestamp) -> Option<i64> {
+        (at >= self.since && at < self.until).then(|| (at.0 - self.since.0) / self.bucket_ms())
+    }
+
+    /// Checks the window: ordered, buckets of at least a second, at most
+    /// [`ACTIVITY_BUCKETS_MAX`] of them.
+    pub fn validate(&self) -> StoreResult<()> {
+        if let Some(ns) = &self.namespace {
+            check_name("activity.namespace", ns)?;
+        }
+        if self.bucket < Duration::from_secs(1) {
+            return Err(StoreError::invalid(
+                "activity.bucket: buckets are at least one second wide",
+            ));
+        }
+        if self.until < self.since {
+            return Err(StoreError::invalid(
+                "activity.until: the window ends before it starts; swap since and until",
+            ));
+        }
+        let width = self.bucket_ms();
+        let buckets = (self.until.0 - self.since.0 + width - 1) / width;
+        if buckets > ACTIVITY_BUCKETS_MAX {
+            return Err(StoreError::invalid(format!(
+                "activity.bucket: the window holds {buckets} buckets, more than {ACTIVITY_BUCKETS_MAX}; widen the bucket or shorten the window"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What ended in one bucket for one machine.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ActivityBucket {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name.
+    pub machine: String,
+    /// Bucket number from the window's start (`0..`).
+    pub bucket: i64,
+    /// Instances that finished `done`.
+    pub completed: u64,
+    /// Instances that finished `failed`.
+    pub failed: u64,
+    /// Sum over both of (last change - insert time), in milliseconds.
+    pub turnaround_ms_total: u64,
+}
+
+/// A worker saying it is alive: recorded at a bounded rate, listed by `worker_list`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerBeatParams {
+    /// The worker's id (unique per process).
+    pub id: WorkerId,
+    /// A name for people: host and process, or what the worker calls itself.
+    pub name: String,
+    /// The machines and versions it runs.
+    pub machines: Vec<MachineRef>,
+    /// The namespaces it claims from (empty = every namespace).
+    pub namespaces: Vec<String>,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// Now: its last-seen time.
+    pub now: Timestamp,
+    /// Forget workers last seen before this (the registry stays bounded).
+    pub forget_before: Timestamp,
+}
+
+impl WorkerBeatParams {
+    /// Checks names and bounds.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_name("worker.id", &self.id.0)?;
+        check_name("worker.name", &self.name)?;
+        check_batch("worker.machines", self.machines.len(), WORKER_MACHINES_MAX)?;
+        for m in &self.machines {
+            check_name("worker.machines", &m.name)?;
+        }
+        for ns in &self.namespaces {
+            check_name("worker.namespaces", ns)?;
+        }
+        Ok(())
+    }
+}
+
+/// One worker as last recorded.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerRecord {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its name.
+    pub name: String,
+    /// The machines and versions it runs.
+    pub machines: Vec<MachineRef>,
+    /// The namespaces it claims from (empty = every namespace).
+    pub namespaces: Vec<String>,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// Its last heartbeat.
+    pub last_seen_at: Timestamp,
+}
+
+impl WorkerRecord {
+    /// Whether it serves `machine` in `namespace`.
+    pub fn serves(&self, namespace: &str, machine: &MachineRef) -> bool {
+        (self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace))
+            && self.machines.contains(machine)
+    }
 }
 
 /// Which dead letters to list.
@@ -800,6 +1009,12 @@ pub trait Store: Send + Sync + 'static {
     /// Fires due timers.
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport>;
 
+    /// Moves one page of a machine version's armed timers to its deployed durations
+    /// ([`TimerRetimeParams`]), recording `TIMER_RETIMED` on each instance whose timer
+    /// moved, in one transaction. A timer fired, cancelled or moved meanwhile is left as
+    /// it now is.
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage>;
+
     /// The earliest `next_fire_at` among the armed timers in scope (`None` when there are
     /// none), overdue ones included: what a sweeper sleeps until. Stores answer it with one
     /// indexed read; this default derives it from [`Store::timer_status`] (a scan), so a
@@ -816,6 +1031,33 @@ pub trait Store: Send + Sync + 'static {
         let _ = params;
         Err(StoreError::invalid(
             "instance_migrate: this store cannot migrate instances; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// Done and failed instances per machine and time bucket, from their rows' insert and
+    /// last-change times. The default refuses (a wrapper store forwards it).
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "instance_activity: this store cannot count activity; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// Records a worker's heartbeat (insert or update by id) and forgets workers not seen
+    /// since `forget_before`. The default refuses (a wrapper store forwards it).
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "worker_heartbeat: this store keeps no worker registry; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// Workers seen since `seen_since`, most recently seen first, at most
+    /// [`WORKER_LIST_MAX`]. The default refuses (a wrapper store forwards it).
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        let _ = seen_since;
+        Err(StoreError::invalid(
+            "worker_list: this store keeps no worker registry; use MemoryStore, SQLite or PostgreSQL",
         ))
     }
 

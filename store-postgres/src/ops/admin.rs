@@ -1,7 +1,7 @@
 //! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
 //! Each state change locks its rows, applies the pure transition and writes back.
 
-use super::{begin, commit_tx, end_tx, signal, timer};
+use super::{begin, end_tx, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{
     self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
@@ -15,7 +15,7 @@ use keel_core::ports::store::{
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, InstanceListParams, QueuePauseParams,
     QueueState,
 };
-use keel_core::{DeadLetterId, InstanceId, Status, StoreError, limits};
+use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, limits};
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
@@ -33,6 +33,19 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
+    let (cancelled, ready) = cancel_locked(c, p, channel, plan::cancel::cancel).await?;
+    end_tx(c, ready.then_some(channel)).await?;
+    Ok(cancelled)
+}
+
+/// A cancel inside the caller's transaction, planned by `planner`: locks, reads, plans and
+/// writes, and says whether it made work ready (the caller's commit should notify).
+pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
+    c: &C,
+    p: &CancelParams,
+    channel: &str,
+    planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+) -> OpResult<(Vec<InstanceId>, bool)> {
     let root = lock_instances(c, &[p.id.0]).await?.into_iter().next();
     // Descendants and inboxes matter only when the root is still live.
     let live = root.as_ref().is_some_and(|r| !r.status.is_terminal());
@@ -72,10 +85,9 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
         c.query(&pending_stmt, &[&candidates, &none, &none, &signal::pending_listed()]).await?;
     read.pending =
         signal::pending_of(&pending)?.into_iter().map(|(id, p)| (InstanceId(id), p)).collect();
-    let plan = plan::cancel::cancel(p, read)?;
+    let plan = planner(p, read)?;
     if plan.rows.is_empty() {
-        commit_tx(c).await?;
-        return Ok(Vec::new());
+        return Ok((Vec::new(), false));
     }
     let cancelled: Vec<i64> = plan.rows.iter().map(|w| w.row.id.0).collect();
     let mut history = HistoryWrite::default();
@@ -103,8 +115,8 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
     let ended = c.prepare_cached(timer::HINT).await?;
     timer::ended_send(c, &ended, channel).await?;
     let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
-    signal::finish(c, &plan, Some((channel, !parents.is_empty()))).await?;
-    Ok(next.iter().map(|r| r.id).collect())
+    signal::finish(c, &plan, None).await?;
+    Ok((next.iter().map(|r| r.id).collect(), !parents.is_empty() || plan.woke()))
 }
 
 /// An instance with its inbox, children and history.
@@ -225,7 +237,7 @@ pub(crate) async fn lookup<C: GenericClient + Sync>(
                 .map(|r| rows::col(&r, 0).map(InstanceId))
                 .transpose()?)
         }
-        SignalTarget::Key { .. } => {
+        SignalTarget::Key { .. } | SignalTarget::Child { .. } => {
             Ok(super::signal::resolve(c, &[target]).await?.into_iter().next().flatten())
         }
     }

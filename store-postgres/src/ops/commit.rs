@@ -14,13 +14,14 @@
 //! timers, notifies once and commits. Outbox emits and parent notices, when there are
 //! any, run the delivery path before that last round trip.
 
-use super::{begin, end_tx, insert, signal, timer};
+use super::{admin, begin, end_tx, insert, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::inbox;
 use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget};
 use keel_core::outcome::{Outcome, StepCommit};
+use keel_core::plan::cancel::LeftDelegations;
 use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::ports::store::{CommitReceipt, InsertOutcome};
 use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp};
@@ -45,6 +46,12 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
       signals, event, correlation_id, reason, attempts, errors, first_attempt_at, \
       last_attempt_at) \
     RETURNING instance_id, id";
+
+/// The live children of the given parents that a delegation state started; the commit
+/// picks those whose state it left.
+const DELEGATED: &str = "SELECT id FROM instances WHERE parent_id = ANY($1::int8[]) \
+    AND invoked_by IS NOT NULL AND status NOT IN ('done', 'failed', 'cancelled') \
+    ORDER BY id LIMIT $2";
 
 /// Who holds each of `keys` now, read after the lock (one statement).
 async fn occupants<C: GenericClient + Sync>(
@@ -198,6 +205,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
     let mut timers = timer::TimerWrite::default();
     let mut ended = false;
+    let mut leaving: Vec<(InstanceId, LeftDelegations)> = Vec::new();
     let mut start = 0;
     for (i, a) in admitted {
         let s = &commits[i];
@@ -241,6 +249,9 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         {
             emits.push(notice.clone());
             emit_targets_ok.push(Some(parent));
+        }
+        if !plan.children_cancel.is_none() {
+            leaving.push((row.id, plan.children_cancel.clone()));
         }
         results[i] = Some(Ok(plan.receipt));
     }
@@ -295,8 +306,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let f_ended =
         async { if ended { timer::ended_send(c, &ended_stmt, channel).await } else { Ok(0) } };
     let delivered = !emits.is_empty();
+    // Children cancelled for a left delegation state go after every other write, so the
+    // transaction stays open for them.
+    let deferred = delivered || !leaving.is_empty();
     let tail = async {
-        if delivered {
+        if deferred {
             return Ok(None);
         }
         end_tx(c, ready.then_some(channel)).await?;
@@ -317,9 +331,19 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         .iter()
         .map(|row| Ok((rows::col(row, 0)?, rows::col(row, 1)?)))
         .collect::<Result<_, StoreError>>()?;
-    if delivered {
-        let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
-        signal::finish(c, &plan, Some((channel, ready))).await?;
+    if leaving.is_empty() {
+        if delivered {
+            let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
+            signal::finish(c, &plan, Some((channel, ready))).await?;
+        }
+    } else {
+        if delivered {
+            let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
+            signal::finish(c, &plan, None).await?;
+            ready |= plan.woke();
+        }
+        ready |= cancel_left(c, &leaving, now, channel).await?;
+        end_tx(c, ready.then_some(channel)).await?;
     }
     Ok(results
         .into_iter()
@@ -331,6 +355,40 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             r
         })
         .collect())
+}
+
+/// Cancels, in the commit's transaction, the live children each committing instance
+/// started from a delegation state it left, with their descendants; says whether that
+/// made work ready.
+async fn cancel_left<C: GenericClient + Sync>(
+    c: &C,
+    leaving: &[(InstanceId, LeftDelegations)],
+    now: Timestamp,
+    channel: &str,
+) -> OpResult<bool> {
+    let parents: Vec<i64> = leaving.iter().map(|(id, _)| id.0).collect();
+    let max = keel_core::limits::CHILDREN_PER_STEP_MAX as i64;
+    let stmt = c.prepare_cached(DELEGATED).await?;
+    let ids: Vec<i64> = c
+        .query(&stmt, &[&parents, &max])
+        .await?
+        .iter()
+        .map(|r| rows::col(r, 0))
+        .collect::<Result<_, StoreError>>()?;
+    let mut ready = false;
+    for child in rows::lock_instances(c, &ids).await? {
+        let Some((parent, left)) = leaving.iter().find(|(id, _)| Some(*id) == child.parent) else {
+            continue;
+        };
+        if !left.covers(&child, *parent) {
+            continue;
+        }
+        let p = left.cancel_params(&child, now);
+        let (_, woke) =
+            admin::cancel_locked(c, &p, channel, keel_core::plan::cancel::left_delegation).await?;
+        ready |= woke;
+    }
+    Ok(ready)
 }
 
 /// Inserts dead letters in one statement (outside a step commit: an undecodable row).

@@ -7,6 +7,7 @@ mod commit;
 mod insert;
 mod lease;
 mod migrate;
+mod operate;
 mod signal;
 mod timer;
 
@@ -19,12 +20,14 @@ use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget};
 use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
-    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams, Store,
-    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
+    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
+    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams, TimerRetimePage,
+    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams,
+    WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -324,9 +327,31 @@ impl Store for PgStore {
         timer::queue_stats(&conn, namespace.as_deref(), now).await.map_err(StoreError::from)
     }
 
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        params.validate()?;
+        let conn = self.client().await?;
+        operate::activity(&conn, &params).await.map_err(StoreError::from)
+    }
+
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        params.validate()?;
+        let conn = self.client().await?;
+        operate::heartbeat(&conn, &params).await.map_err(StoreError::from)
+    }
+
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        let conn = self.client().await?;
+        operate::workers(&conn, seen_since).await.map_err(StoreError::from)
+    }
+
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         params.validate()?;
         in_tx!(self, |c| timer::sweep(c, &params, &self.channel))
+    }
+
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage> {
+        params.validate()?;
+        in_tx!(self, |c| timer::retime(c, &params, &self.channel))
     }
 
     async fn timer_status(

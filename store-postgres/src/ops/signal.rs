@@ -50,10 +50,13 @@ impl Delivery {
 
 const RESOLVE: &str = "SELECT CASE WHEN k.id IS NOT NULL \
       THEN (SELECT i.id FROM instances i WHERE i.id = k.id) \
+      WHEN k.parent IS NOT NULL \
+      THEN (SELECT i.id FROM instances i WHERE i.parent_id = k.parent \
+            AND i.invoked_by = k.key ORDER BY i.id DESC LIMIT 1) \
       ELSE (SELECT i.id FROM instances i WHERE i.namespace = k.ns AND i.machine = k.machine \
             AND i.business_key = k.key ORDER BY i.id DESC LIMIT 1) END \
-    FROM unnest($1::int8[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY \
-      AS k(id, ns, machine, key, ord) \
+    FROM unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::int8[]) WITH ORDINALITY \
+      AS k(id, ns, machine, key, parent, ord) \
     ORDER BY k.ord";
 
 const EXISTING: &str = "SELECT s.target_id, s.dedup_key, s.id FROM signals s \
@@ -112,6 +115,7 @@ pub(crate) async fn resolve<C: GenericClient + Sync>(
         return Ok(Vec::new());
     }
     let (mut id, mut ns, mut machine, mut key) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut parent: Vec<Option<i64>> = Vec::new();
     for t in targets {
         match t {
             SignalTarget::Id(i) => {
@@ -119,17 +123,26 @@ pub(crate) async fn resolve<C: GenericClient + Sync>(
                 ns.push(None);
                 machine.push(None);
                 key.push(None);
+                parent.push(None);
             }
             SignalTarget::Key { namespace, machine: m, key: k } => {
                 id.push(None);
                 ns.push(Some(namespace.as_str()));
                 machine.push(Some(m.as_str()));
                 key.push(Some(k.as_str()));
+                parent.push(None);
+            }
+            SignalTarget::Child { parent: p, state } => {
+                id.push(None);
+                ns.push(None);
+                machine.push(None);
+                key.push(Some(state.as_str()));
+                parent.push(Some(p.0));
             }
         }
     }
     let stmt = c.prepare_cached(RESOLVE).await?;
-    let found = c.query(&stmt, &[&id, &ns, &machine, &key]).await?;
+    let found = c.query(&stmt, &[&id, &ns, &machine, &key, &parent]).await?;
     Ok(found
         .iter()
         .map(|r| rows::col::<Option<i64>>(r, 0).map(|id| id.map(InstanceId)))

@@ -10,7 +10,8 @@ use deadpool_postgres::GenericClient;
 use keel_core::instance::Instance;
 use keel_core::plan;
 use keel_core::ports::store::{
-    QueueStats, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    QueueStats, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{InstanceId, MachineRef, StoreError, TimerId, Timestamp, limits};
@@ -266,6 +267,91 @@ fn due_sql() -> String {
            FOR NO KEY UPDATE SKIP LOCKED) i ON true \
          ORDER BY t.next_fire_at, t.id"
     )
+}
+
+/// A page of a machine version's timers after the cursor, in id order, locked (waiting for
+/// a sweep or commit holding one: the cursor must not pass a timer it skipped).
+fn retime_read_sql() -> String {
+    format!(
+        "SELECT {TIMER_COLS} FROM timers t WHERE t.machine = $1 AND t.machine_version = $2 \
+           AND t.id > $3 ORDER BY t.id LIMIT $4 FOR UPDATE"
+    )
+}
+
+/// The moved timers' new spec and due time; returns each moved timer's instance.
+const RETIME: &str = "UPDATE timers t SET spec = u.spec, next_fire_at = u.due \
+    FROM unnest($1::int8[], $2::jsonb[], $3::timestamptz[]) AS u(id, spec, due) \
+    WHERE t.id = u.id RETURNING t.id";
+
+/// One page of a retime in one transaction: lock the page, plan it with the core, write
+/// the moved timers and their history, and hint the sweepers of the earliest new due time.
+pub(crate) async fn retime<C: GenericClient + Sync>(
+    c: &C,
+    p: &TimerRetimeParams,
+    channel: &str,
+) -> OpResult<TimerRetimePage> {
+    let read_stmt = c.prepare_cached(&retime_read_sql()).await?;
+    let after = p.after.map_or(0, |t| t.0);
+    let limit = p.limit as i64;
+    let (began, found) = tokio::join!(begin(c), async {
+        c.query(&read_stmt, &[&p.machine.name, &p.machine.version, &after, &limit]).await
+    });
+    began?;
+    let read: Vec<TimerRow> = found?.iter().map(timer).collect::<Result<_, StoreError>>()?;
+    let plan = plan::timer::retime(p, &read);
+    if plan.retimed.is_empty() {
+        super::commit_tx(c).await?;
+        return Ok(TimerRetimePage { retimed: Vec::new(), next: plan.next });
+    }
+    let ids: Vec<i64> = plan.retimed.iter().map(|r| r.next.id.0).collect();
+    let specs: Vec<serde_json::Value> = plan
+        .retimed
+        .iter()
+        .map(|r| serde_json::to_value(&r.next.spec))
+        .collect::<Result<_, _>>()
+        .map_err(|e| StoreError::invalid(format!("timer spec: {e}")))?;
+    let dues: Vec<SystemTime> = plan.retimed.iter().map(|r| ts(r.next.next_fire_at)).collect();
+    let instances: Vec<i64> = plan.retimed.iter().map(|r| r.next.instance.0).collect();
+    let inst_stmt = c
+        .prepare_cached(&format!(
+            "SELECT {} FROM instances WHERE id = ANY($1::int8[])",
+            rows::INSTANCE_COLS
+        ))
+        .await?;
+    let upd = c.prepare_cached(RETIME).await?;
+    let (updated, found) =
+        tokio::join!(async { c.execute(&upd, &[&ids, &specs, &dues]).await }, async {
+            c.query(&inst_stmt, &[&instances]).await
+        });
+    updated?;
+    let mut held: HashMap<i64, Instance> = HashMap::new();
+    for r in &found? {
+        let row = rows::instance(r)?;
+        held.insert(row.id.0, row);
+    }
+    let mut history = HistoryWrite::default();
+    for r in &plan.retimed {
+        if let Some(row) = held.get(&r.next.instance.0) {
+            history.push(row, row.attempt, p.now, r.history.clone());
+        }
+    }
+    let hist = c.prepare_cached(rows::WRITE_HISTORY).await?;
+    let hint = c.prepare_cached(HINT).await?;
+    let earliest = plan.retimed.iter().map(|r| r.next.next_fire_at).min().map(hint_payload);
+    let (recorded, hinted, committed) = tokio::join!(
+        async {
+            if history.is_empty() { Ok(0) } else { c.execute(&hist, &history.params()).await }
+        },
+        hint_send(c, &hint, channel, earliest.as_deref()),
+        super::commit_tx(c)
+    );
+    recorded?;
+    hinted?;
+    committed?;
+    Ok(TimerRetimePage {
+        retimed: plan.retimed.iter().map(|r| r.next.id).collect(),
+        next: plan.next,
+    })
 }
 
 const ADVANCE: &str = "UPDATE timers t SET fire_count = u.n, next_fire_at = u.due \

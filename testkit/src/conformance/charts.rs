@@ -210,3 +210,121 @@ pub async fn instance_list_filters_and_pages<S: Store>(s: &S) {
     let err = s.instance_list(list(&|p| p.namespace.clear())).await.expect_err("no namespace");
     assert!(err.message.contains("namespace"), "the error names the field: {err}");
 }
+
+/// A commit that leaves a delegation state cancels, in the same transaction, the live
+/// child machines the instance started from it, with their descendants; the parent hears
+/// nothing of it through its inbox (it left that state). A cancelled child's running step
+/// cannot commit afterwards, and children started from another state are left alone.
+pub async fn leaving_a_delegation_state_cancels_its_children<S: Store>(s: &S) {
+    let ns = "spawn_leave";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
+    c.spawn = vec![new_in(ns).invoked_by("paying"), new_in(ns).invoked_by("shipping")];
+    let kids: Vec<InstanceId> =
+        commit_ok(s, c, at(20)).await.spawned.iter().map(|o| o.id()).collect();
+    let (paying, shipping) = (kids[0], kids[1]);
+    // The paying child is mid-step and has started a child of its own.
+    let running = claim_only(s, ns, paying, at(30)).await;
+    let next = Outcome::Next { step: "charge".into(), context: ctx(2) };
+    let mut c = StepCommit::new(paying, running.token(), next);
+    c.spawn = vec![new_in(ns).invoked_by("charging")];
+    let grandchild = commit_ok(s, c, at(35)).await.spawned[0].id();
+    let running = claim_only(s, ns, paying, at(36)).await;
+
+    // The parent's deadline fires: it leaves `paying` for `cancelled_order`.
+    super::support::send(s, parent, "timeout.invoke.paying", at(40)).await;
+    let woken = claim_only(s, ns, parent, at(50)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["cancelled_order"]"#));
+    c.consume = woken.inbox.iter().map(|s| s.id).collect();
+    c.children_cancel = vec!["paying".into()];
+    commit_ok(s, c, at(60)).await;
+
+    for id in [paying, grandchild] {
+        let r = row(s, id).await;
+        assert_eq!(r.status, Status::Cancelled, "instance {id} is cancelled with the state");
+        assert_eq!(r.lease_owner, None);
+    }
+    assert!(
+        row(s, paying).await.last_error.as_deref().is_some_and(|e| e.contains("`paying`")),
+        "the reason names the state left"
+    );
+    assert_ne!(row(s, shipping).await.status, Status::Cancelled, "another state's child stays");
+    let p = get(s, parent).await;
+    assert_eq!(p.instance.status, Status::AwaitingSignal);
+    assert!(p.inbox.is_empty(), "no notice for a state already left: {:?}", p.inbox);
+
+    let late = StepCommit::new(
+        paying,
+        running.token(),
+        Outcome::Done { result: json!({ "charged": true }), step: None },
+    );
+    let refused = super::support::commit(s, late, at(70)).await;
+    assert_eq!(refused.expect_err("the child was cancelled").kind, ErrorKind::LeaseLost);
+    assert_eq!(row(s, paying).await.status, Status::Cancelled);
+
+    let other = insert_one(s, new_in(ns).context(ctx(9)), at(75)).await;
+    let held = claim_only(s, ns, other, at(76)).await;
+    let mut bad = StepCommit::new(other, held.token(), park_at(r#"["x"]"#));
+    bad.children_cancel = vec![String::new()];
+    let refused = super::support::commit(s, bad, at(80)).await;
+    let err = refused.expect_err("an empty state name");
+    assert!(err.message.contains("children_cancel[0]"), "{}", err.message);
+    assert_eq!(row(s, other).await.status, Status::Executing, "a refused commit writes nothing");
+}
+
+/// An instance that fails takes its live delegated children with it (and their
+/// descendants); children it started without a delegation state are left alone.
+pub async fn failing_instance_cancels_its_delegated_children<S: Store>(s: &S) {
+    let ns = "spawn_fail";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
+    c.spawn = vec![new_in(ns).invoked_by("paying"), new_in(ns)];
+    let kids: Vec<InstanceId> =
+        commit_ok(s, c, at(20)).await.spawned.iter().map(|o| o.id()).collect();
+    super::support::send(s, parent, "BROKEN", at(30)).await;
+    let woken = claim_only(s, ns, parent, at(40)).await;
+    step(s, &woken, Outcome::Stop { reason: "bad order".into() }, at(50)).await;
+    assert_eq!(row(s, parent).await.status, Status::Failed);
+    let delegated = row(s, kids[0]).await;
+    assert_eq!(delegated.status, Status::Cancelled);
+    assert!(delegated.last_error.as_deref().is_some_and(|e| e.contains("failed")));
+    assert_eq!(row(s, kids[1]).await.status, Status::Runnable, "a plain child runs on");
+}
+
+/// A signal addressed to the child a parent started from a delegation state reaches the
+/// newest such child, from a step commit's outbox or a plain send; with no such child the
+/// emit refuses the commit, and a plain send reports it missing.
+pub async fn signals_reach_a_delegated_child<S: Store>(s: &S) {
+    use keel_core::instance::SignalTarget;
+    let ns = "to_child";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
+    c.spawn = vec![new_in(ns).invoked_by("paying"), new_in(ns).invoked_by("shipping")];
+    let kids: Vec<InstanceId> =
+        commit_ok(s, c, at(20)).await.spawned.iter().map(|o| o.id()).collect();
+    let to = |state: &str| SignalTarget::Child { parent, state: state.into() };
+
+    super::support::send(s, parent, "NUDGE", at(30)).await;
+    let woken = claim_only(s, ns, parent, at(40)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
+    c.consume = woken.inbox.iter().map(|s| s.id).collect();
+    c.emit = vec![keel_core::NewSignal::new(to("paying"), "CAPTURE").payload(json!(7))];
+    commit_ok(s, c, at(50)).await;
+    let inbox = get(s, kids[0]).await.inbox;
+    assert_eq!(inbox.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["CAPTURE"]);
+    assert!(get(s, kids[1]).await.inbox.is_empty(), "only the paying child");
+
+    super::support::send(s, parent, "NUDGE", at(60)).await;
+    let woken = claim_only(s, ns, parent, at(70)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
+    c.emit = vec![keel_core::NewSignal::new(to("refunding"), "CAPTURE")];
+    let refused = super::support::commit(s, c, at(80)).await;
+    assert_eq!(refused.expect_err("no such child").kind, ErrorKind::NotFound);
+
+    assert_eq!(s.instance_lookup(to("shipping")).await.expect("lookup"), Some(kids[1]));
+    let outside = SignalTarget::Child { parent: kids[0], state: "paying".into() };
+    assert_eq!(s.instance_lookup(outside).await.expect("lookup"), None);
+}

@@ -37,6 +37,7 @@ mod leases;
 mod migration;
 mod operations;
 mod outcomes;
+mod registry;
 mod signals;
 mod timers;
 mod uniqueness;
@@ -51,6 +52,7 @@ pub use leases::*;
 pub use migration::*;
 pub use operations::*;
 pub use outcomes::*;
+pub use registry::*;
 pub use signals::*;
 pub use timers::*;
 pub use uniqueness::*;
@@ -135,6 +137,9 @@ macro_rules! __store_contract_list {
             await_with_step_moves_and_parks,
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
+            leaving_a_delegation_state_cancels_its_children,
+            failing_instance_cancels_its_delegated_children,
+            signals_reach_a_delegated_child,
             broadcast_reaches_instances_in_state,
             instance_list_filters_and_pages,
             timer_after_fires_once,
@@ -147,8 +152,12 @@ macro_rules! __store_contract_list {
             timer_hint_follows_a_commit_that_arms,
             timers_dropped_with_terminal_instances,
             timer_status_and_queue_stats,
+            timers_follow_a_deployed_duration,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             claim_by_ids_takes_only_the_named_ready_instances,
+            instance_list_pages_newest_first_with_filters,
+            instance_activity_counts_ended_instances_per_bucket,
+            worker_heartbeat_records_and_lists_live_workers,
         }
     };
 }

@@ -371,3 +371,66 @@ pub async fn timer_status_and_queue_stats<S: Store>(s: &S) {
     assert_eq!(row(s, id).await.status, Status::Runnable);
     assert_eq!(stats[1].oldest_ready_at, Some(at(0)));
 }
+
+/// A deploy that changes a timer's duration moves the timers instances of that machine
+/// version already armed, from their original anchor, one page at a time in id order,
+/// recording `TIMER_RETIMED`: a 7-day deadline shortened to 1 day fires at the next sweep
+/// for an instance that has waited 2 days. Other versions, other timers and a second pass
+/// are left alone; a bad page size is refused.
+pub async fn timers_follow_a_deployed_duration<S: Store>(s: &S) {
+    use keel_core::ports::store::TimerRetimeParams;
+    let ns = "retime";
+    let day = Duration::from_secs(86_400);
+    let expire = |d: Duration| TimerArm {
+        state: "awaiting".into(),
+        event: "EXPIRE".into(),
+        kind: TimerKind::After,
+        interval: d,
+        max: None,
+        then: None,
+    };
+    let remind = arm("awaiting", "REMIND", TimerKind::Every, 3_600, None, None);
+    let start = |version: i32| {
+        keel_core::NewInstance::new(keel_core::MachineRef::new("retimed", version), "start")
+            .namespace(ns)
+    };
+    let mut ids = Vec::new();
+    for version in [1, 1, 1, 2] {
+        let id = insert_one(s, start(version), at(0)).await;
+        let claimed = claim_id(s, ns, id, at(5)).await;
+        let mut c = StepCommit::new(id, claimed.token(), park());
+        c.timers_arm = vec![expire(day * 7), remind.clone()];
+        commit_ok(s, c, at(10)).await;
+        ids.push(id);
+    }
+    let two_days = at(10).plus(day * 2);
+    let params = |after| TimerRetimeParams {
+        machine: keel_core::MachineRef::new("retimed", 1),
+        timers: vec![expire(day), remind.clone()],
+        after,
+        limit: 4,
+        now: two_days,
+    };
+    let first = s.timers_retime(params(None)).await.expect("page 1");
+    assert_eq!(first.retimed.len(), 2, "4 timers read, the 2 deadlines moved: {first:?}");
+    let second = s.timers_retime(params(first.next)).await.expect("page 2");
+    assert_eq!(second.retimed.len(), 1, "{second:?}");
+    assert_eq!(second.next, None, "the last page");
+
+    let report = sweep(s, ns, two_days).await;
+    assert_eq!(report.fired, 3 + 4, "3 moved deadlines and one fire per reminder (no back-fill)");
+    for id in &ids[..3] {
+        assert!(inbox_names(s, *id).await.contains(&"EXPIRE".to_owned()), "instance {id}");
+        let history = get(s, *id).await.history;
+        let moved: Vec<_> = history.iter().filter(|h| h.entry.kind == "TIMER_RETIMED").collect();
+        assert_eq!(moved.len(), 1);
+        assert_eq!(moved[0].entry.data["to_ms"], json!(86_400_000));
+    }
+    assert!(!inbox_names(s, ids[3]).await.contains(&"EXPIRE".to_owned()), "version 2 waits");
+
+    let again = s.timers_retime(params(None)).await.expect("again");
+    assert!(again.retimed.is_empty(), "nothing left to move: {again:?}");
+    let zero = TimerRetimeParams { limit: 0, ..params(None) };
+    let err = s.timers_retime(zero).await.expect_err("a zero page");
+    assert!(err.message.contains("limit"), "{}", err.message);
+}

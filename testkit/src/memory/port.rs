@@ -2,14 +2,15 @@
 //! operation on the state and wakes waiters. No decisions are made here.
 
 use super::{
-    BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitPlanner,
-    CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
-    DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    Instance, InstanceDetail, InstanceId, InstanceListParams, LeaseExtendParams, LeaseReapParams,
-    LeaseReleaseParams, MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams,
-    QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
-    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, Timestamp, async_trait, commit, limits,
+    ActivityBucket, ActivityParams, BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams,
+    CommitParams, CommitPlanner, CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId,
+    DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
+    InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
+    MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -166,12 +167,31 @@ impl Store for MemoryStore {
         self.wake(result)
     }
 
+    async fn timers_retime(&self, params: TimerRetimeParams) -> StoreResult<TimerRetimePage> {
+        let (page, earliest) = self.state().timers_retime(&params)?;
+        // A moved timer may now be due before what the sweepers sleep until.
+        self.hint_timers(earliest);
+        Ok(page)
+    }
+
     async fn timer_status(
         &self,
         namespace: Option<String>,
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         Ok(self.state().timer_status(namespace.as_deref(), now))
+    }
+
+    async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        self.state().instance_activity(&params)
+    }
+
+    async fn worker_heartbeat(&self, params: WorkerBeatParams) -> StoreResult<()> {
+        self.state().worker_heartbeat(&params)
+    }
+
+    async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
+        Ok(self.state().worker_list(seen_since))
     }
 
     async fn ready_wait(&self) {

@@ -2,9 +2,9 @@
 //! queue figures. These are reads of the collections, not decisions.
 
 use super::{
-    BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId, InstanceListParams, QueueStats,
-    State, Status, StoreError, StoreResult, TimerNextDueParams, TimerRow, TimerStatus, Timestamp,
-    check_batch, limits,
+    ActivityBucket, ActivityParams, BTreeMap, BTreeSet, Instance, InstanceDetail, InstanceId,
+    InstanceListParams, QueueStats, State, Status, StoreError, StoreResult, TimerNextDueParams,
+    TimerRow, TimerStatus, Timestamp, WorkerBeatParams, WorkerRecord, check_batch, limits,
 };
 
 impl State {
@@ -115,5 +115,58 @@ impl State {
             }
         }
         out.into_values().collect()
+    }
+
+    pub(super) fn instance_activity(&self, p: &ActivityParams) -> StoreResult<Vec<ActivityBucket>> {
+        p.validate()?;
+        let mut out: BTreeMap<(String, String, i64), ActivityBucket> = BTreeMap::new();
+        for r in self.rows.values().filter(|r| {
+            matches!(r.status, Status::Done | Status::Failed)
+                && p.namespace.as_deref().is_none_or(|ns| r.namespace == ns)
+        }) {
+            let Some(bucket) = p.bucket_of(r.updated_at) else { continue };
+            let e = out
+                .entry((r.namespace.clone(), r.machine.name.clone(), bucket))
+                .or_insert_with(|| ActivityBucket {
+                    namespace: r.namespace.clone(),
+                    machine: r.machine.name.clone(),
+                    bucket,
+                    completed: 0,
+                    failed: 0,
+                    turnaround_ms_total: 0,
+                });
+            if r.status == Status::Done {
+                e.completed += 1;
+            } else {
+                e.failed += 1;
+            }
+            e.turnaround_ms_total += u64::try_from(r.updated_at.0 - r.created_at.0).unwrap_or(0);
+        }
+        Ok(out.into_values().collect())
+    }
+
+    pub(super) fn worker_heartbeat(&mut self, p: &WorkerBeatParams) -> StoreResult<()> {
+        p.validate()?;
+        self.workers.retain(|_, w| w.last_seen_at >= p.forget_before);
+        self.workers.insert(
+            p.id.0.clone(),
+            WorkerRecord {
+                id: p.id.clone(),
+                name: p.name.clone(),
+                machines: p.machines.clone(),
+                namespaces: p.namespaces.clone(),
+                started_at: p.started_at,
+                last_seen_at: p.now,
+            },
+        );
+        Ok(())
+    }
+
+    pub(super) fn worker_list(&self, seen_since: Timestamp) -> Vec<WorkerRecord> {
+        let mut list: Vec<WorkerRecord> =
+            self.workers.values().filter(|w| w.last_seen_at >= seen_since).cloned().collect();
+        list.sort_by(|a, b| b.last_seen_at.cmp(&a.last_seen_at).then_with(|| a.id.0.cmp(&b.id.0)));
+        list.truncate(keel_core::ports::store::WORKER_LIST_MAX);
+        list
     }
 }

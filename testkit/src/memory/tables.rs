@@ -85,6 +85,14 @@ impl State {
             SignalTarget::Key { namespace, machine, key } => {
                 self.business_keys.get(&(namespace.clone(), machine.clone(), key.clone())).copied()
             }
+            SignalTarget::Child { parent, state } => self
+                .children
+                .get(parent)
+                .into_iter()
+                .flatten()
+                .filter(|c| self.rows[c].invoked_by.as_deref() == Some(state.as_str()))
+                .max()
+                .copied(),
         }
     }
 

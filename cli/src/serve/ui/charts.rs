@@ -1,17 +1,10 @@
-//! The chart definitions `keel serve --charts DIR` draws: every `*.json` file in the
-//! directory, in the JSON form `keel_core::chart::json` reads and writes.
-//!
-//! The server only draws these charts, it never runs them, so each guard a definition
-//! names is bound to one that is never taken: the drawing needs the names, not the code.
+//! The chart definitions `keel serve --definitions PATH` loaded, by machine name and
+//! version, for the dashboard to draw. The server never runs them (their guards are bound
+//! to ones never taken): the drawing needs the names, not the code.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
-use anyhow::{Context as _, bail};
-use keel_core::chart::{ChartBuilder, ChartError, Configuration, Definition};
-
-/// Most chart files one directory may hold.
-const CHART_FILES_MAX: usize = 1000;
+use keel_core::chart::{Configuration, Definition};
 
 /// Chart definitions by machine name and version.
 #[derive(Default)]
@@ -20,30 +13,17 @@ pub struct Charts {
 }
 
 impl Charts {
-    /// Reads every `*.json` file of `dir`; a file that is not a valid chart is an error
-    /// naming the file and what is wrong, so the server does not start half-configured.
-    pub fn load(dir: &Path) -> anyhow::Result<Self> {
-        let entries = std::fs::read_dir(dir)
-            .with_context(|| format!("--charts: cannot read the directory {}", dir.display()))?;
-        let mut paths: Vec<_> = entries
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "json"))
-            .take(CHART_FILES_MAX + 1)
+    /// The charts of `keel serve --definitions`.
+    pub fn new(definitions: &crate::definitions::Definitions) -> Self {
+        let by_machine = definitions
+            .charts()
+            .iter()
+            .map(|def| {
+                let version = i32::try_from(def.version()).unwrap_or(i32::MAX);
+                ((def.name().to_owned(), version), def.clone())
+            })
             .collect();
-        if paths.len() > CHART_FILES_MAX {
-            bail!("--charts: {} holds more than {CHART_FILES_MAX} .json files", dir.display());
-        }
-        paths.sort();
-        let mut by_machine = BTreeMap::new();
-        for path in paths {
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("--charts: cannot read {}", path.display()))?;
-            let def = drawable(&text).with_context(|| format!("--charts: {}", path.display()))?;
-            let version = i32::try_from(def.version()).unwrap_or(i32::MAX);
-            by_machine.insert((def.name().to_owned(), version), def);
-        }
-        Ok(Charts { by_machine })
+        Charts { by_machine }
     }
 
     /// The definition of `machine` at `version`, if it was loaded.
@@ -60,31 +40,6 @@ impl Charts {
     pub fn is_empty(&self) -> bool {
         self.by_machine.is_empty()
     }
-}
-
-/// A definition from its JSON, with every guard it names bound to "never".
-fn drawable(text: &str) -> anyhow::Result<Definition> {
-    let first = ChartBuilder::from_json(text)?.build();
-    let errors = match first {
-        Ok(def) => return Ok(def),
-        Err(errors) => errors,
-    };
-    let guards: Vec<String> = errors
-        .errors
-        .iter()
-        .filter_map(|e| match e {
-            ChartError::UnknownGuard { guard, .. } => Some(guard.clone()),
-            _ => None,
-        })
-        .collect();
-    if guards.len() < errors.errors.len() {
-        bail!("{errors}");
-    }
-    let mut builder = ChartBuilder::from_json(text)?;
-    for guard in guards {
-        builder = builder.guard(guard, |_, _| false);
-    }
-    Ok(builder.build()?)
 }
 
 /// The SVG of `def` with an instance's position highlighted: a chart's position is the
@@ -107,7 +62,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("door.json"), DOOR).unwrap();
         std::fs::write(dir.path().join("notes.txt"), "not a chart").unwrap();
-        let charts = Charts::load(dir.path()).unwrap();
+        let charts = Charts::new(&crate::definitions::Definitions::load(dir.path()).unwrap());
         assert_eq!(charts.len(), 1);
         assert!(charts.get("door", 1).is_none(), "versions are told apart");
         let def = charts.get("door", 2).expect("door v2");
@@ -121,7 +76,8 @@ mod tests {
     fn a_bad_chart_file_names_the_file_and_the_fault() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("broken.json"), r#"{ "name": "x" }"#).unwrap();
-        let error = format!("{:#}", Charts::load(dir.path()).err().expect("refused"));
-        assert!(error.contains("--charts") && error.contains("broken.json"), "{error}");
+        let loaded = crate::definitions::Definitions::load(dir.path());
+        let error = format!("{:#}", loaded.expect_err("refused"));
+        assert!(error.contains("--definitions") && error.contains("broken.json"), "{error}");
     }
 }

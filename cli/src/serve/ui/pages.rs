@@ -173,9 +173,26 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
         .timer_status(Some(ns.to_owned()), now())
         .await
         .map_err(|e| store_failed(viewer, ns, &e))?;
+    let at = now();
+    let activity = crate::operate::activity(&state.keel, ns, None, at)
+        .await
+        .map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
+    // Workers seen in the last day, live ones first; those that claim from this namespace.
+    let seen = state
+        .keel
+        .store()
+        .worker_list(at.minus(std::time::Duration::from_secs(86_400)))
+        .await
+        .map_err(|e| store_failed(viewer, ns, &e))?;
+    let workers: Vec<_> = seen
+        .into_iter()
+        .filter(|w| w.namespaces.is_empty() || w.namespaces.iter().any(|n| n == ns))
+        .collect();
     let mut out = String::new();
     out.push_str(&totals_panel(&rows));
-    out.push_str(&health_panel(state, &rows));
+    out.push_str(&health_panel(state, &rows, &activity));
+    out.push_str(&activity_panel(&activity));
+    out.push_str(&workers_panel(&workers, at));
     out.push_str(&queues_panel(ns, &rows, viewer));
     if !timers.is_empty() {
         out.push_str("<h2>Timers</h2><table><tr><th>machine</th><th class=\"num\">armed</th><th class=\"num\">overdue</th><th>next due</th><th>last sweep</th></tr>");
@@ -217,8 +234,95 @@ fn totals_panel(rows: &[StatusRow]) -> String {
         + "</div>"
 }
 
-fn health_panel(state: &AppState, rows: &[StatusRow]) -> String {
-    match health::evaluate(&state.config, rows) {
+/// Completed and failed per minute over the last hour, per machine, as sparklines, with
+/// the hour's totals, mean turnaround and ready work no live worker serves.
+fn activity_panel(activity: &[crate::operate::MachineActivity]) -> String {
+    let mut out = String::from("<h2>Last hour</h2>");
+    if activity.is_empty() {
+        out.push_str("<p class=\"muted\">Nothing finished or waiting in the last hour.</p>");
+        return out;
+    }
+    out.push_str("<table id=\"activity\"><tr><th>machine</th><th>completed / min</th><th class=\"num\">completed</th><th>failed / min</th><th class=\"num\">failed</th><th class=\"num\">avg time</th><th class=\"num\">ready, no worker</th></tr>");
+    for a in activity {
+        let avg = a.avg_processing_ms.map_or_else(|| "—".into(), |ms| age(ms as i64));
+        let _ = write!(
+            out,
+            "<tr data-machine=\"{m}\"><td>{m}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{avg}</td><td class=\"num\">{}</td></tr>",
+            sparkline(&a.completed_per_minute, "completed"),
+            a.completed_last_hour,
+            sparkline(&a.failed_per_minute, "failed"),
+            a.failed_last_hour,
+            a.ready_without_worker,
+            m = esc(&a.machine),
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+/// A small inline SVG line of `points` (oldest first), scaled to its own maximum.
+fn sparkline(points: &[u64], class: &str) -> String {
+    const W: f64 = 120.0;
+    const H: f64 = 24.0;
+    let max = points.iter().copied().max().unwrap_or(0).max(1) as f64;
+    let step = if points.len() > 1 { W / (points.len() - 1) as f64 } else { 0.0 };
+    let coords: Vec<String> = points
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!("{:.1},{:.1}", i as f64 * step, H - (*p as f64 / max) * (H - 2.0) - 1.0)
+        })
+        .collect();
+    let total: u64 = points.iter().sum();
+    format!(
+        "<svg class=\"spark {class}\" width=\"120\" height=\"24\" viewBox=\"0 0 120 24\" role=\"img\" aria-label=\"{total} {class} in the last hour\"><polyline fill=\"none\" points=\"{}\"/></svg>",
+        coords.join(" ")
+    )
+}
+
+/// Workers seen by heartbeat that claim from this namespace: live ones, then stale ones.
+fn workers_panel(
+    workers: &[keel_core::ports::store::WorkerRecord],
+    now: keel_core::Timestamp,
+) -> String {
+    let stale_before = now.minus(keel_core::ports::store::WORKER_STALE_AFTER);
+    let live = workers.iter().filter(|w| w.last_seen_at >= stale_before).count();
+    let mut out = format!(
+        "<h2>Workers</h2><p id=\"workers-seen\">{live} live, {} stale</p>",
+        workers.len() - live
+    );
+    if workers.is_empty() {
+        out.push_str("<p class=\"muted\">No worker has reported in the last day.</p>");
+        return out;
+    }
+    out.push_str(
+        "<table><tr><th>worker</th><th>state</th><th>last seen</th><th>machines</th></tr>",
+    );
+    let mut sorted: Vec<_> = workers.iter().collect();
+    sorted.sort_by_key(|w| (w.last_seen_at < stale_before, w.name.clone()));
+    for w in sorted {
+        let state = if w.last_seen_at >= stale_before { "live" } else { "stale" };
+        let machines: Vec<String> =
+            w.machines.iter().map(|m| format!("{} v{}", m.name, m.version)).collect();
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&w.name),
+            badge(state),
+            time(w.last_seen_at.0),
+            esc(&machines.join(", ")),
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+fn health_panel(
+    state: &AppState,
+    rows: &[StatusRow],
+    activity: &[crate::operate::MachineActivity],
+) -> String {
+    match health::evaluate(&state.config, rows, activity) {
         Ok(findings) => {
             let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
             let name = serde_json::to_value(level).ok();
@@ -599,7 +703,7 @@ fn position_panel(d: &InstanceDetail) -> String {
             out
         });
         return format!(
-            "<h2>Active states</h2><ul id=\"active-states\">{items}</ul><p class=\"muted\">Start <code>keel serve --charts DIR</code> with this chart's JSON definition to see it drawn.</p>"
+            "<h2>Active states</h2><ul id=\"active-states\">{items}</ul><p class=\"muted\">Start <code>keel serve --definitions PATH</code> with this chart's JSON definition to see it drawn.</p>"
         );
     }
     let mut steps: Vec<String> = Vec::new();

@@ -1,0 +1,503 @@
+//! The operator commands added on top of the store's views: `list`, `workers`, `graph`,
+//! `purge`, `upgrade`, and the last hour's activity `status` and `health` show.
+//!
+//! Activity is computed from stored rows, not from process-local counters, so every
+//! `keel` invocation and every `keel serve` replica agrees: an instance counts as
+//! completed (or failed) in the minute its row last changed to `done` (or `failed`), and
+//! its processing time is that moment minus its insert time (turnaround: queueing, steps
+//! and waits included).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow, bail};
+use keel::{Cancel, Keel, Migration, json};
+use keel_core::Timestamp;
+use keel_core::ids::{InstanceId, Status};
+use keel_core::limits::INSTANCE_LIST_MAX;
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, InstanceListParams,
+    WORKER_STALE_AFTER, WorkerRecord,
+};
+use serde::Serialize;
+
+use crate::commands::now;
+use crate::definitions::Definitions;
+use crate::output::{Report, age, table, time};
+use crate::{GraphFormat, ListArgs, UpgradeArgs};
+
+/// The window `status` and `health` summarise.
+pub const ACTIVITY_WINDOW: Duration = Duration::from_secs(3_600);
+/// The width of one activity bucket (sparklines draw one point per bucket).
+pub const ACTIVITY_BUCKET: Duration = Duration::from_secs(60);
+/// Most pages a purge or a per-machine scan walks (each page is at most
+/// [`INSTANCE_LIST_MAX`] instances).
+const PAGES_MAX: usize = 1_000;
+
+/// The last hour of one machine: what ended, how long it took, and ready work no live
+/// worker can take.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MachineActivity {
+    /// Machine name.
+    pub machine: String,
+    /// Instances that finished `done` in the window.
+    pub completed_last_hour: u64,
+    /// Instances that finished `failed` in the window.
+    pub failed_last_hour: u64,
+    /// Mean turnaround (insert to end) of those, in milliseconds.
+    pub avg_processing_ms: Option<u64>,
+    /// Ended instances per minute over the window.
+    pub throughput_per_minute: f64,
+    /// Ready instances whose machine version no live worker declares (counted over at most
+    /// one page of ready instances per machine).
+    pub ready_without_worker: u64,
+    /// The versions those belong to.
+    pub unserved_versions: Vec<i32>,
+    /// Executing instances whose lease has run out (a worker died mid-step and no reaper
+    /// has returned them yet).
+    pub stuck_leases: u64,
+    /// Completed per minute, oldest first (one entry per bucket of the window).
+    pub completed_per_minute: Vec<u64>,
+    /// Failed per minute, oldest first.
+    pub failed_per_minute: Vec<u64>,
+}
+
+/// The last hour of every machine of `ns` with activity or unfinished work.
+pub async fn activity(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    now: Timestamp,
+) -> anyhow::Result<Vec<MachineActivity>> {
+    // The window is (now - 1 h, now]: exactly 60 buckets, the last one ending now.
+    let until = now.plus(Duration::from_millis(1));
+    let params = ActivityParams {
+        namespace: Some(ns.to_owned()),
+        since: until.minus(ACTIVITY_WINDOW),
+        until,
+        bucket: ACTIVITY_BUCKET,
+    };
+    let buckets_len = (ACTIVITY_WINDOW.as_secs() / ACTIVITY_BUCKET.as_secs()) as usize;
+    let mut out: BTreeMap<String, MachineActivity> = BTreeMap::new();
+    let blank = |name: &str| MachineActivity {
+        machine: name.to_owned(),
+        completed_per_minute: vec![0; buckets_len],
+        failed_per_minute: vec![0; buckets_len],
+        ..MachineActivity::default()
+    };
+    let mut turnaround: BTreeMap<String, u64> = BTreeMap::new();
+    for b in keel.store().instance_activity(params).await? {
+        let e = out.entry(b.machine.clone()).or_insert_with(|| blank(&b.machine));
+        e.completed_last_hour += b.completed;
+        e.failed_last_hour += b.failed;
+        if let Ok(i) = usize::try_from(b.bucket)
+            && i < buckets_len
+        {
+            e.completed_per_minute[i] += b.completed;
+            e.failed_per_minute[i] += b.failed;
+        }
+        *turnaround.entry(b.machine).or_default() += b.turnaround_ms_total;
+    }
+    let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
+    let live = live_workers(keel, now).await?;
+    let mut ready: BTreeMap<String, u64> = BTreeMap::new();
+    let mut executing: BTreeSet<String> = BTreeSet::new();
+    for s in &stats {
+        out.entry(s.machine.clone()).or_insert_with(|| blank(&s.machine));
+        *ready.entry(s.machine.clone()).or_default() += s.ready;
+        if s.executing > 0 {
+            executing.insert(s.machine.clone());
+        }
+    }
+    for (name, e) in &mut out {
+        let ended = e.completed_last_hour + e.failed_last_hour;
+        e.avg_processing_ms = turnaround.get(name).copied().unwrap_or(0).checked_div(ended);
+        e.throughput_per_minute = ended as f64 / (ACTIVITY_WINDOW.as_secs_f64() / 60.0);
+        if ready.get(name).copied().unwrap_or(0) > 0 {
+            let (count, versions) = unserved(keel, ns, name, &live, now).await?;
+            e.ready_without_worker = count;
+            e.unserved_versions = versions;
+        }
+        if executing.contains(name) {
+            e.stuck_leases = stuck_leases(keel, ns, name, now).await?;
+        }
+    }
+    Ok(out.into_values().filter(|a| machine.is_none_or(|m| a.machine == m)).collect())
+}
+
+async fn live_workers(keel: &Keel, now: Timestamp) -> anyhow::Result<Vec<WorkerRecord>> {
+    Ok(keel.store().worker_list(now.minus(WORKER_STALE_AFTER)).await?)
+}
+
+fn list_params(ns: &str, machine: &str, status: Status) -> InstanceListParams {
+    InstanceListParams {
+        namespace: ns.to_owned(),
+        machine: Some(machine.to_owned()),
+        status: Some(status),
+        limit: INSTANCE_LIST_MAX,
+        ..InstanceListParams::default()
+    }
+}
+
+/// Ready instances (one page) whose version no live worker serves.
+async fn unserved(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    live: &[WorkerRecord],
+    now: Timestamp,
+) -> anyhow::Result<(u64, Vec<i32>)> {
+    let page = keel.store().instance_list(list_params(ns, machine, Status::Runnable)).await?;
+    let mut count = 0;
+    let mut versions = BTreeSet::new();
+    for row in page.iter().filter(|r| r.eligible_at <= now) {
+        if !live.iter().any(|w| w.serves(ns, &row.machine)) {
+            count += 1;
+            versions.insert(row.machine.version);
+        }
+    }
+    Ok((count, versions.into_iter().collect()))
+}
+
+/// Executing instances (one page) whose lease has expired.
+pub async fn stuck_leases(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    now: Timestamp,
+) -> anyhow::Result<u64> {
+    let page = keel.store().instance_list(list_params(ns, machine, Status::Executing)).await?;
+    Ok(page.iter().filter(|r| r.lease_expires_at.is_some_and(|at| at < now)).count() as u64)
+}
+
+/// The activity table `status` prints under its queue table.
+pub fn activity_table(rows: &[MachineActivity]) -> String {
+    let mut t = table(&[
+        "machine",
+        "completed 1h",
+        "failed 1h",
+        "avg processing",
+        "per minute",
+        "stuck leases",
+        "ready, no worker",
+    ]);
+    for a in rows {
+        t.add_row(vec![
+            a.machine.clone(),
+            a.completed_last_hour.to_string(),
+            a.failed_last_hour.to_string(),
+            a.avg_processing_ms.map(|ms| age(ms as i64)).unwrap_or_default(),
+            format!("{:.2}", a.throughput_per_minute),
+            a.stuck_leases.to_string(),
+            if a.ready_without_worker == 0 {
+                String::new()
+            } else {
+                format!(
+                    "{} (v{})",
+                    a.ready_without_worker,
+                    a.unserved_versions
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", v")
+                )
+            },
+        ]);
+    }
+    t.to_string()
+}
+
+/// `keel list`.
+pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Report> {
+    if args.limit == 0 || args.limit > INSTANCE_LIST_MAX {
+        bail!("--limit: {} is out of range; give 1 to {INSTANCE_LIST_MAX}", args.limit);
+    }
+    let status = args
+        .status
+        .as_deref()
+        .map(|s| s.parse::<Status>().map_err(|e| anyhow!("--status: {e}")))
+        .transpose()?;
+    let before = args
+        .after
+        .as_deref()
+        .map(|raw| {
+            raw.trim()
+                .strip_prefix('i')
+                .unwrap_or(raw.trim())
+                .parse::<i64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(InstanceId)
+                .ok_or_else(|| anyhow!("--after: {raw:?} is not an instance id; write i42 or 42"))
+        })
+        .transpose()?;
+    let params = InstanceListParams {
+        namespace: ns.to_owned(),
+        machine: Some(args.machine.clone()),
+        status,
+        state: args.state.clone(),
+        business_key: None,
+        before,
+        limit: args.limit,
+    };
+    let rows = keel.store().instance_list(params).await?;
+    let next = (rows.len() == args.limit).then(|| rows.last().map(|r| r.id)).flatten();
+    let mut t = table(&["id", "version", "key", "status", "position", "attempt", "updated"]);
+    let mut items = Vec::with_capacity(rows.len());
+    for r in &rows {
+        t.add_row(vec![
+            r.id.to_string(),
+            r.machine.version.to_string(),
+            r.business_key.clone().unwrap_or_default(),
+            r.status.to_string(),
+            r.position.clone(),
+            r.attempt.to_string(),
+            time(r.updated_at.0),
+        ]);
+        items.push(json!({
+            "id": r.id,
+            "machine": r.machine,
+            "business_key": r.business_key,
+            "status": r.status,
+            "position": r.position,
+            "attempt": r.attempt,
+            "queue": r.queue,
+            "created_at": r.created_at,
+            "updated_at": r.updated_at,
+        }));
+    }
+    let mut human = if rows.is_empty() {
+        format!("No instances of {:?} in namespace {ns:?} match.", args.machine)
+    } else {
+        t.to_string()
+    };
+    if let Some(next) = next {
+        let _ = write!(human, "\nMore: keel list {} --after {next}", args.machine);
+    }
+    Ok(Report::ok(
+        json!({ "namespace": ns, "machine": args.machine, "instances": items, "next": next }),
+        human,
+    ))
+}
+
+/// `keel workers`.
+pub async fn workers(keel: &Keel, stale_after: &str) -> anyhow::Result<Report> {
+    let stale =
+        keel_core::duration::parse(stale_after).map_err(|e| anyhow!("--stale-after: {e}"))?;
+    let now = now();
+    // Stale workers are listed for a day past the threshold, then left out.
+    let shown_since = now.minus(stale + Duration::from_secs(86_400));
+    let list = keel.store().worker_list(shown_since).await?;
+    let mut t =
+        table(&["worker", "name", "state", "last seen", "started", "machines", "namespaces"]);
+    let mut items = Vec::with_capacity(list.len());
+    let (mut live, mut stale_count) = (0, 0);
+    for w in &list {
+        let is_live = w.last_seen_at >= now.minus(stale);
+        if is_live {
+            live += 1;
+        } else {
+            stale_count += 1;
+        }
+        let machines: Vec<String> = w.machines.iter().map(ToString::to_string).collect();
+        t.add_row(vec![
+            w.id.to_string(),
+            w.name.clone(),
+            if is_live { "live".into() } else { "STALE".into() },
+            format!("{} ago", age(now.0 - w.last_seen_at.0)),
+            time(w.started_at.0),
+            machines.join(", "),
+            if w.namespaces.is_empty() { "*".into() } else { w.namespaces.join(", ") },
+        ]);
+        items.push(json!({
+            "id": w.id,
+            "name": w.name,
+            "live": is_live,
+            "last_seen_at": w.last_seen_at,
+            "started_at": w.started_at,
+            "machines": w.machines,
+            "namespaces": w.namespaces,
+        }));
+    }
+    let human = if list.is_empty() {
+        "No workers have reported in the last day.".to_owned()
+    } else {
+        format!("{live} live, {stale_count} stale (not seen for {stale_after})\n{t}")
+    };
+    Ok(Report::ok(
+        json!({ "live": live, "stale": stale_count, "stale_after_ms": stale.as_millis() as u64, "workers": items }),
+        human,
+    ))
+}
+
+/// `keel graph`.
+pub fn graph(
+    machine: &str,
+    format: GraphFormat,
+    definitions: &std::path::Path,
+    version: Option<u32>,
+) -> anyhow::Result<Report> {
+    let defs = Definitions::load(definitions)?;
+    let chart = defs.find(machine, version)?;
+    let (name, text) = match format {
+        GraphFormat::Mermaid => ("mermaid", chart.to_mermaid()),
+        GraphFormat::Dot => ("dot", chart.to_dot()),
+    };
+    Ok(Report::ok(
+        json!({ "machine": machine, "version": chart.version(), "format": name, "diagram": text }),
+        text,
+    ))
+}
+
+/// `keel purge`.
+pub async fn purge(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    pending: bool,
+    confirm: bool,
+) -> anyhow::Result<Report> {
+    if !confirm {
+        bail!(
+            "purge {} for good; add --confirm to proceed",
+            if pending {
+                "cancels every pending instance of the machine"
+            } else {
+                "deletes every dead letter of the machine"
+            }
+        );
+    }
+    if pending {
+        purge_pending(keel, ns, machine).await
+    } else {
+        purge_dlq(keel, ns, machine).await
+    }
+}
+
+async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
+    let counted: u64 = keel
+        .store()
+        .queue_stats(Some(ns.to_owned()), now())
+        .await?
+        .iter()
+        .filter(|s| s.machine == machine)
+        .map(|s| s.ready + s.scheduled)
+        .sum();
+    let bar = indicatif::ProgressBar::new(counted).with_message("cancelling pending instances");
+    let mut cancelled: Vec<InstanceId> = Vec::new();
+    let mut before = None;
+    for _ in 0..PAGES_MAX {
+        let params = InstanceListParams { before, ..list_params(ns, machine, Status::Runnable) };
+        let page = keel.store().instance_list(params).await?;
+        for row in &page {
+            let request = Cancel::new(row.id).reason("purged with keel purge --pending").cascade();
+            let done = keel.cancel(request).await?;
+            if done.contains(&row.id) {
+                cancelled.push(row.id);
+                bar.inc(1);
+            }
+        }
+        if page.len() < INSTANCE_LIST_MAX {
+            break;
+        }
+        before = page.last().map(|r| r.id);
+    }
+    bar.finish_and_clear();
+    Ok(Report::ok(
+        json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled }),
+        format!(
+            "Cancelled {} pending instance(s) of {machine:?} in namespace {ns:?} (their history records why).",
+            cancelled.len()
+        ),
+    ))
+}
+
+async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
+    let filter = keel::DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine: Some(machine.to_owned()),
+        limit: keel_core::limits::DEAD_LETTER_BATCH_MAX,
+    };
+    let counted = keel.dead_letters(filter).await?.len() as u64;
+    let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");
+    let mut purged = 0;
+    for _ in 0..PAGES_MAX {
+        let n = keel
+            .store()
+            .dead_letter_purge(DeadLetterPurgeParams {
+                selector: Some(DeadLetterSelector::Machine {
+                    namespace: ns.to_owned(),
+                    machine: machine.to_owned(),
+                }),
+                older_than: None,
+            })
+            .await?;
+        purged += n;
+        bar.inc(n);
+        if n < keel_core::limits::DEAD_LETTER_BATCH_MAX as u64 {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    Ok(Report::ok(
+        json!({ "namespace": ns, "machine": machine, "purged": purged }),
+        format!(
+            "Purged {purged} dead letter(s) of {machine:?} in namespace {ns:?}; the instances stay suspended."
+        ),
+    ))
+}
+
+/// `keel upgrade`.
+pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result<Report> {
+    if args.from == args.to {
+        bail!("--to: it equals --from ({}); name the version to move to", args.from);
+    }
+    let defs = Definitions::load(&args.definitions)?;
+    let from = defs.find(&args.machine, Some(args.from)).context("--from")?.clone();
+    let to = defs.find(&args.machine, Some(args.to)).context("--to")?.clone();
+    let mut migration = Migration::new(from, to).map_err(|e| anyhow!("{e}"))?;
+    for map in &args.maps {
+        let (old, new) = map.split_once('=').ok_or_else(|| {
+            anyhow!("--map: {map:?} is not OLD=NEW; write e.g. --map cart=basket")
+        })?;
+        migration =
+            migration.map(old.trim(), new.trim()).map_err(|e| anyhow!("--map {map}: {e}"))?;
+    }
+    let run = keel.migrate(migration).namespace(ns);
+    let report = if args.dry_run { run.dry_run().await? } else { run.apply().await? };
+    let moves: Vec<_> = report
+        .moves
+        .iter()
+        .map(|((old, new), n)| json!({ "from": old, "to": new, "count": n }))
+        .collect();
+    let refused: Vec<_> = report
+        .refused
+        .iter()
+        .map(|((old, why), n)| json!({ "from": old, "reason": why, "count": n }))
+        .collect();
+    let body = json!({
+        "namespace": ns,
+        "machine": args.machine,
+        "from_version": args.from,
+        "to_version": args.to,
+        "dry_run": report.dry_run,
+        "moved": report.moved(),
+        "moves": moves,
+        "refused": refused,
+        "busy": report.busy,
+        "timers": { "kept": report.timers_kept, "dropped": report.timers_dropped, "armed": report.timers_armed },
+    });
+    let mut human = format!(
+        "{} v{} -> v{} in namespace {ns:?}{}\n{report}",
+        args.machine,
+        args.from,
+        args.to,
+        if report.dry_run { " (dry run: nothing written)" } else { "" }
+    );
+    if report.refusals() > 0 && report.dry_run {
+        human.push_str("\nAdd --map OLD=NEW for the refused states, then run without --dry-run.");
+    }
+    Ok(Report::ok(body, human))
+}

@@ -1,0 +1,493 @@
+//! The real `keel` binary's operator views against SQLite and PostgreSQL (a fresh schema
+//! when `KEEL_TEST_DATABASE_URL` is set; SKIPPED loudly otherwise, a failure under
+//! `KEEL_REQUIRE_BACKENDS=1`): `list`, `purge`, `workers`, the last hour in `status`, the
+//! `health` thresholds on it, `graph` and `upgrade`.
+
+use std::time::Duration;
+
+use assert_cmd::Command;
+use keel::layers::core::chart::ChartBuilder;
+use keel::layers::core::ports::Store;
+use keel::layers::core::ports::store::ClaimParams;
+use keel::{
+    ChartMachine, ConnectOptions, Keel, MachineRef, NewInstance, Outcome, Status, StepContext,
+    StepError, StepMachine, WorkerConfig, json,
+};
+use serde_json::Value;
+
+struct Backend {
+    name: &'static str,
+    url: String,
+    schema: String,
+    dir: tempfile::TempDir,
+}
+
+impl Backend {
+    fn keel_cmd(&self) -> Command {
+        let mut cmd = Command::cargo_bin("keel").expect("the keel binary is built");
+        cmd.env("KEEL_DATABASE_URL", &self.url)
+            .env("KEEL_SCHEMA", &self.schema)
+            .env_remove("KEEL_NAMESPACE")
+            .env_remove("KEEL_CONFIG")
+            .env_remove("KEEL_DEFINITIONS");
+        cmd
+    }
+
+    fn run(&self, args: &[&str], code: i32) -> (String, String) {
+        let out = self.keel_cmd().args(args).output().expect("keel runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{}: keel {args:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            self.name
+        );
+        (stdout, stderr)
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        self.json_code(args, 0)
+    }
+
+    fn json_code(&self, args: &[&str], code: i32) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let (stdout, _) = self.run(&all, code);
+        serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("{}: {args:?}: {e}: {stdout}", self.name))
+    }
+
+    async fn open(&self) -> Keel {
+        let options = ConnectOptions::default().schema(&self.schema).pool_size(2);
+        Keel::connect_with(&self.url, options).await.expect("the test opens the store")
+    }
+
+    fn file(&self, name: &str, text: &str) -> String {
+        let path = self.dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    }
+}
+
+fn backends(test: &str) -> Vec<Backend> {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+    let mut all = vec![Backend { name: "sqlite", url, schema: "keel".into(), dir }];
+    if let Some(url) = keel::layers::postgres::testing::database_url() {
+        let schema = keel::layers::postgres::testing::unique_schema();
+        let dir = tempfile::tempdir().unwrap();
+        all.push(Backend { name: "postgres", url, schema, dir });
+    } else {
+        assert!(
+            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset; set it to run {test}"
+        );
+        eprintln!("SKIPPED postgres part of {test}: set KEEL_TEST_DATABASE_URL to run it");
+    }
+    all
+}
+
+fn ids(doc: &Value) -> Vec<i64> {
+    doc["instances"].as_array().unwrap().iter().map(|i| i["id"].as_i64().unwrap()).collect()
+}
+
+/// A step machine whose only step fails for good.
+struct Refuser;
+
+#[keel::async_trait]
+impl StepMachine for Refuser {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("refuser", 1)
+    }
+
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Err(StepError::fatal("card declined"))
+    }
+}
+
+/// A step machine that finishes at once.
+struct Echo;
+
+#[keel::async_trait]
+impl StepMachine for Echo {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("echo", 1)
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: ctx.context.clone(), step: None })
+    }
+}
+
+fn fast() -> WorkerConfig {
+    WorkerConfig { poll_interval: Duration::from_millis(20), ..WorkerConfig::named("ops-test") }
+}
+
+async fn wait_for(keel: &Keel, id: keel::InstanceId, status: Status, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while keel.get(id).await.unwrap().instance.status != status {
+        assert!(std::time::Instant::now() < deadline, "{what}: {id} never reached {status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_letters() {
+    for b in backends("list_pages_and_filters_and_purge") {
+        b.run(&["migrate"], 0);
+        for key in ["a", "b", "c"] {
+            b.run(&["start", "ticket", "--key", key], 0);
+        }
+        b.run(&["start", "ticket", "--version", "2", "--at", "triage"], 0);
+        b.run(&["start", "other"], 0);
+
+        let all = b.json(&["list", "ticket"]);
+        let listed = ids(&all);
+        assert_eq!(listed.len(), 4, "{}: {all}", b.name);
+        assert!(listed.windows(2).all(|w| w[0] > w[1]), "{}: newest first {listed:?}", b.name);
+        assert_eq!(all["next"], Value::Null);
+        let page = b.json(&["list", "ticket", "--limit", "2"]);
+        assert_eq!(ids(&page), listed[..2]);
+        let next = page["next"].as_i64().expect("a next cursor");
+        let rest = b.json(&["list", "ticket", "--limit", "2", "--after", &format!("i{next}")]);
+        assert_eq!(ids(&rest), listed[2..]);
+        let triage = b.json(&["list", "ticket", "--state", "triage"]);
+        assert_eq!(ids(&triage), [listed[0]], "{}", b.name);
+        assert_eq!(triage["instances"][0]["machine"], json!({ "name": "ticket", "version": 2 }));
+        assert_eq!(ids(&b.json(&["list", "ticket", "--status", "runnable"])).len(), 4);
+        assert_eq!(ids(&b.json(&["list", "ticket", "--status", "done"])), Vec::<i64>::new());
+        let (out, _) = b.run(&["list", "ticket", "--limit", "3"], 0);
+        assert!(
+            out.contains("triage") && out.contains("More: keel list ticket --after i"),
+            "{out}"
+        );
+        let (out, _) = b.run(&["list", "nobody"], 0);
+        assert!(out.contains("No instances of \"nobody\""), "{out}");
+
+        for (args, code, needle) in [
+            (&["list", "ticket", "--status", "sleeping"][..], 1, "--status: unknown value"),
+            (&["list", "ticket", "--limit", "0"], 1, "--limit: 0 is out of range"),
+            (&["list", "ticket", "--limit", "5000"], 1, "give 1 to 1000"),
+            (&["list", "ticket", "--after", "1' OR '1'='1"], 1, "--after:"),
+            (&["list", ""], 1, "list.machine"),
+            (&["purge", "ticket", "--pending"], 1, "add --confirm"),
+            (&["purge", "ticket", "--confirm"], 2, "--pending"),
+            (&["purge", "ticket", "--pending", "--dlq", "--confirm"], 2, "cannot be used with"),
+        ] {
+            let (_, err) = b.run(args, code);
+            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+        }
+        assert_eq!(
+            ids(&b.json(&["list", "ticket"])),
+            listed,
+            "{}: bad input changed nothing",
+            b.name
+        );
+
+        let purged = b.json(&["purge", "ticket", "--pending", "--confirm"]);
+        assert_eq!(purged["cancelled"], 4, "{}: {purged}", b.name);
+        assert_eq!(ids(&b.json(&["list", "ticket", "--status", "cancelled"])).len(), 4);
+        assert_eq!(
+            ids(&b.json(&["list", "other", "--status", "runnable"])).len(),
+            1,
+            "other machines stay"
+        );
+        let (out, _) = b.run(&["purge", "ticket", "--pending", "--confirm"], 0);
+        assert!(out.contains("Cancelled 0 pending"), "{out}");
+
+        // Dead letters of one machine, made by a real worker.
+        let keel = b.open().await;
+        let worker = keel.worker_with(fast()).register(Refuser).unwrap().spawn().unwrap();
+        for key in ["x", "y"] {
+            let new = NewInstance::new(MachineRef::new("refuser", 1), "charge").business_key(key);
+            let id = keel.start(new).await.unwrap().id();
+            wait_for(&keel, id, Status::Suspended, b.name).await;
+        }
+        worker.shutdown().await;
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 2);
+        let (_, err) = b.run(&["purge", "refuser", "--dlq"], 1);
+        assert!(err.contains("deletes every dead letter"), "{err}");
+        let purged = b.json(&["purge", "refuser", "--dlq", "--confirm"]);
+        assert_eq!(purged["purged"], 2, "{}: {purged}", b.name);
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"], json!([]));
+        assert_eq!(ids(&b.json(&["list", "refuser", "--status", "suspended"])).len(), 2);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_activity_and_health_thresholds_come_from_stored_rows() {
+    for b in backends("workers_activity_and_health_thresholds") {
+        b.run(&["migrate"], 0);
+        let (out, _) = b.run(&["workers"], 0);
+        assert!(out.contains("No workers have reported"), "{out}");
+
+        let keel = b.open().await;
+        let worker = keel.worker_with(fast()).register(Echo).unwrap().spawn().unwrap();
+        for n in 0..3 {
+            let new =
+                NewInstance::new(MachineRef::new("echo", 1), "run").context(json!({ "n": n }));
+            let id = keel.start(new).await.unwrap().id();
+            wait_for(&keel, id, Status::Done, b.name).await;
+        }
+        // Version 2 has no worker: its ready instance is "ready work with no compatible worker".
+        keel.start(NewInstance::new(MachineRef::new("echo", 2), "run")).await.unwrap();
+
+        let fleet = b.json(&["workers"]);
+        assert_eq!(fleet["live"], 1, "{}: {fleet}", b.name);
+        let w = &fleet["workers"][0];
+        assert!(w["id"].as_str().unwrap().ends_with("/ops-test"), "{w}");
+        assert_eq!(w["machines"], json!([{ "name": "echo", "version": 1 }]));
+        let (out, _) = b.run(&["workers"], 0);
+        assert!(out.contains("1 live, 0 stale") && out.contains("echo@v1"), "{out}");
+        let stale = b.json(&["workers", "--stale-after", "0s"]);
+        assert_eq!((stale["live"].as_u64(), stale["stale"].as_u64()), (Some(0), Some(1)));
+        let (_, err) = b.run(&["workers", "--stale-after", "soon"], 1);
+        assert!(err.contains("--stale-after"), "{err}");
+
+        let status = b.json(&["status", "--machine", "echo"]);
+        let m = &status["machines"][0];
+        assert_eq!(
+            (m["machine"].as_str(), m["completed_last_hour"].as_u64()),
+            (Some("echo"), Some(3))
+        );
+        assert_eq!(m["failed_last_hour"], 0);
+        assert!(m["avg_processing_ms"].as_u64().is_some(), "{m}");
+        assert_eq!(
+            m["completed_per_minute"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .sum::<u64>(),
+            3
+        );
+        assert_eq!(m["completed_per_minute"].as_array().unwrap().len(), 60);
+        assert_eq!(
+            (m["ready_without_worker"].as_u64(), &m["unserved_versions"]),
+            (Some(1), &json!([2]))
+        );
+        let (out, _) = b.run(&["status"], 0);
+        assert!(out.contains("Last hour") && out.contains("1 (v2)"), "{out}");
+
+        let config = |alerts: &str| b.file("keel.toml", &format!("[queue.alerts]\n{alerts}\n"));
+        b.run(&["health", "--config", &config("oldest_ready_age_critical = \"1 hour\"")], 0);
+        let report =
+            b.json_code(&["health", "--config", &config("oldest_ready_age_warning = \"1ms\"")], 1);
+        assert_eq!(report["findings"][0]["check"], "oldest_ready_age_ms", "{report}");
+        let report = b.json_code(
+            &[
+                "health",
+                "--config",
+                &config("processing_time_warning = \"1ms\"\nprocessing_time_critical = \"2ms\""),
+            ],
+            2,
+        );
+        assert_eq!(report["findings"][0]["check"], "processing_time_ms", "{report}");
+        let (_, err) = b.run(
+            &["health", "--config", &config("stuck_leases_warning = 5\nstuck_leases_critical = 1")],
+            1,
+        );
+        assert!(err.contains("queue.alerts.stuck_leases_warning"), "{err}");
+        worker.shutdown().await;
+
+        // A lease that ran out with nobody to reap it is a stuck lease.
+        keel.start(NewInstance::new(MachineRef::new("stuck", 1), "run")).await.unwrap();
+        let claimed = keel
+            .store()
+            .instance_claim(ClaimParams {
+                worker: keel::layers::core::ids::WorkerId("gone".into()),
+                namespaces: vec!["default".into()],
+                queues: Vec::new(),
+                machines: vec![MachineRef::new("stuck", 1)],
+                limit: 1,
+                lease: Duration::from_millis(50),
+                now: keel::layers::core::Timestamp(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_millis() as i64,
+                ),
+            })
+            .await
+            .unwrap();
+        assert_eq!(claimed.len(), 1);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let report = b.json_code(&["health", "--config", &config("stuck_leases_warning = 1")], 1);
+        assert_eq!(
+            (report["findings"][0]["check"].as_str(), report["findings"][0]["value"].as_u64()),
+            (Some("stuck_leases"), Some(1)),
+            "{report}"
+        );
+    }
+}
+
+const DOORS: &str = r#"[
+  { "name": "door", "version": 1, "initial": "closed", "states": [
+    { "key": "closed", "on": [ { "event": "OPEN", "guards": ["unlocked"], "target": "open" } ] },
+    { "key": "open", "on": [ { "event": "CLOSE", "target": "closed" } ] } ] },
+  { "name": "door", "version": 2, "initial": "shut", "states": [
+    { "key": "shut", "on": [ { "event": "OPEN", "target": "open" } ] },
+    { "key": "open", "on": [ { "event": "CLOSE", "target": "shut" } ] } ] } ]"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graph_draws_and_upgrade_moves_instances_from_a_definitions_file() {
+    for b in backends("graph_draws_and_upgrade_moves_instances") {
+        b.run(&["migrate"], 0);
+        let defs = b.file("doors.json", DOORS);
+        let (out, _) = b.run(&["graph", "door", "--definitions", &defs], 0);
+        assert!(out.contains("stateDiagram-v2") && out.contains("shut --> open : OPEN"), "{out}");
+        let dot =
+            b.json(&["graph", "door", "--format", "dot", "--version", "1", "--definitions", &defs]);
+        assert_eq!((dot["format"].as_str(), dot["version"].as_u64()), (Some("dot"), Some(1)));
+        assert!(dot["diagram"].as_str().unwrap().starts_with("digraph"), "{dot}");
+        let broken = b.file("broken.json", "[{\"name\": \"door\"}]");
+        for (args, code, needle) in [
+            (
+                &["graph", "gate", "--definitions", &defs][..],
+                1,
+                "machine: \"gate\" is not in the definitions file",
+            ),
+            (
+                &["graph", "door", "--version", "7", "--definitions", &defs],
+                1,
+                "version: door has no version 7",
+            ),
+            (
+                &["graph", "door", "--format", "svgz", "--definitions", &defs],
+                2,
+                "invalid value 'svgz'",
+            ),
+            (
+                &["graph", "door", "--definitions", "/no/such/file.json"],
+                1,
+                "--definitions: cannot read",
+            ),
+            (&["graph", "door", "--definitions", &broken], 1, "chart [0]"),
+        ] {
+            let (_, err) = b.run(args, code);
+            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+        }
+
+        // Two doors on v1, parked in `closed` by a real chart worker.
+        let keel = b.open().await;
+        let v1 = ChartBuilder::from_json(
+            &serde_json::to_string(&serde_json::from_str::<Value>(DOORS).unwrap()[0]).unwrap(),
+        )
+        .unwrap()
+        .guard("unlocked", |_, _| true)
+        .build()
+        .unwrap();
+        let chart = ChartMachine::new(v1);
+        let worker = keel.worker_with(fast()).register(chart.clone()).unwrap().spawn().unwrap();
+        let mut doors = Vec::new();
+        for _ in 0..2 {
+            let id = keel.start(chart.new_instance(json!({}))).await.unwrap().id();
+            wait_for(&keel, id, Status::AwaitingSignal, b.name).await;
+            doors.push(id);
+        }
+        worker.shutdown().await;
+
+        let base = ["upgrade", "door", "--from", "1", "--to", "2", "--definitions", &defs];
+        let dry: Vec<&str> = base.iter().copied().chain(["--dry-run"]).collect();
+        let report = b.json(&dry);
+        assert_eq!((report["dry_run"].as_bool(), report["moved"].as_u64()), (Some(true), Some(0)));
+        assert_eq!(report["refused"][0]["count"], 2, "{}: {report}", b.name);
+        let (out, _) = b.run(&dry, 0);
+        assert!(out.contains("dry run") && out.contains("--map OLD=NEW"), "{out}");
+        for (args, needle) in [
+            (vec!["--map", "closed"], "--map: \"closed\" is not OLD=NEW"),
+            (vec!["--map", "ajar=shut"], "--map ajar=shut"),
+        ] {
+            let all: Vec<&str> = base.iter().copied().chain(args).collect();
+            let (_, err) = b.run(&all, 1);
+            assert!(err.contains(needle), "{}: {err}", b.name);
+        }
+        let (_, err) =
+            b.run(&["upgrade", "door", "--from", "1", "--to", "1", "--definitions", &defs], 1);
+        assert!(err.contains("--to: it equals --from"), "{err}");
+        let (_, err) =
+            b.run(&["upgrade", "door", "--from", "1", "--to", "3", "--definitions", &defs], 1);
+        assert!(err.contains("--to") && err.contains("no version 3"), "{err}");
+        for id in &doors {
+            let row = b.json(&["inspect", &id.to_string()]);
+            assert_eq!(row["instance"]["machine"]["version"], 1, "{}: nothing moved yet", b.name);
+        }
+
+        let mapped: Vec<&str> = base.iter().copied().chain(["--map", "closed=shut"]).collect();
+        let report = b.json(&mapped);
+        assert_eq!(
+            (report["dry_run"].as_bool(), report["moved"].as_u64()),
+            (Some(false), Some(2)),
+            "{report}"
+        );
+        for id in &doors {
+            let row = b.json(&["inspect", &id.to_string()]);
+            assert_eq!(row["instance"]["machine"]["version"], 2, "{}: {row}", b.name);
+            assert!(row["instance"]["position"].as_str().unwrap().contains("shut"), "{row}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_armed_and_due_timers_and_how_late_the_sweep_runs() {
+    for b in backends("metrics_show_armed_and_due_timers") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        let alarm = keel::Definition::builder("alarm", 1)
+            .initial("waiting")
+            .state("waiting", |s| s.on("RING", |t| t.target("rung").after(keel::Timer::seconds(1))))
+            .final_state("rung")
+            .build()
+            .unwrap();
+        let chart = ChartMachine::new(alarm);
+        // No sweeper in this worker: the timer stays armed and falls due unswept.
+        let config = WorkerConfig { timers: None, ..fast() };
+        let worker = keel.worker_with(config).register(chart.clone()).unwrap().spawn().unwrap();
+        let id = keel.start(chart.new_instance(json!({}))).await.unwrap().id();
+        wait_for(&keel, id, Status::AwaitingSignal, b.name).await;
+        worker.shutdown().await;
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+
+        let mut serve = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+            .args([
+                "--database-url",
+                &b.url,
+                "--schema",
+                &b.schema,
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let base = line.trim().strip_prefix("listening on ").unwrap().to_owned();
+        let text = ureq::get(&format!("{base}/metrics"))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap();
+        let _ = serve.kill();
+        let _ = serve.wait();
+        let value = |metric: &str| {
+            text.lines()
+                .find(|l| l.starts_with(metric) && l.contains("machine=\"alarm\""))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{}: no {metric} for alarm in\n{text}", b.name))
+        };
+        assert_eq!(value("keel_timers_armed"), 1.0, "{}", b.name);
+        assert_eq!(value("keel_timers_overdue"), 1.0, "{}", b.name);
+        let late = value("keel_timers_sweep_lateness_seconds");
+        assert!(late >= 0.4, "{}: the due timer is at least 0.4 s late, got {late}", b.name);
+    }
+}
