@@ -265,6 +265,10 @@ async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
     c.wait().for_element(Locator::Css("table#queues")).await.unwrap();
     let overview = source(c).await;
     assert!(overview.contains("flaky") && overview.contains("door"), "{store}: {overview}");
+    assert!(
+        overview.contains("id=\"workers-seen\"") && overview.contains("Last hour"),
+        "{store}: the workers and last-hour panels: {overview}"
+    );
     shot(c, store, "overview").await;
 
     // Find door-7 by its key and open its page: the chart shows `open` highlighted.
