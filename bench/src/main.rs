@@ -14,7 +14,9 @@
 //! - `parallel`: a parallel state whose regions sleep 500 ms and 200 ms — event → `@done`
 //!   inline and dispatched, and the dispatch overhead;
 //! - `start`: single start p50 / p99, bulk start rate, and the process's memory with a
-//!   worker holding 10 000 parked instances.
+//!   worker holding 10 000 parked instances;
+//! - `ui`: the dashboard's pages with `--ui-instances` (default 100 000) instances in the
+//!   store — p50 / p99 / max per page.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
@@ -24,6 +26,7 @@ mod report;
 mod scenarios;
 mod starts;
 mod stores;
+mod ui;
 
 use anyhow::Result;
 use clap::{Parser, ValueEnum};
@@ -56,6 +59,9 @@ struct Cli {
     /// Worker-protocol steps for `http` (default 5 000).
     #[arg(long, default_value_t = 5_000)]
     http_steps: usize,
+    /// Instances in the store for `ui` (default 100 000).
+    #[arg(long, default_value_t = 100_000)]
+    ui_instances: usize,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -76,6 +82,8 @@ enum Scenario {
     Start,
     /// `keel serve`: events and worker-protocol steps per second over HTTP.
     Http,
+    /// The dashboard's page times with many instances in the store.
+    Ui,
 }
 
 #[tokio::main]
@@ -103,6 +111,7 @@ async fn main() -> Result<()> {
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
             Scenario::Start => starts::start(&store, cli.instances).await?,
             Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
+            Scenario::Ui => ui::ui(&store, cli.ui_instances).await?,
         };
         report.print();
         let suffix = match (scenario, cli.queue) {

@@ -15,6 +15,9 @@ use keel_core::chart::{ChartBuilder, ChartJson};
 /// allows a few hundred charts).
 pub const FILE_BYTES_MAX: u64 = 16 * 1024 * 1024;
 
+/// Most `*.json` files a definitions directory may hold.
+pub const DIR_FILES_MAX: usize = 1_000;
+
 /// The charts of one file.
 #[derive(Debug, Clone, Default)]
 pub struct Definitions {
@@ -24,6 +27,9 @@ pub struct Definitions {
 impl Definitions {
     /// Reads and validates a file; the error names the file, the chart and the fix.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
+        if path.is_dir() {
+            return Self::load_dir(path);
+        }
         let field = "--definitions";
         let size = std::fs::metadata(path)
             .with_context(|| format!("{field}: cannot read {}", path.display()))?
@@ -37,6 +43,45 @@ impl Definitions {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("{field}: cannot read {}", path.display()))?;
         Self::parse(&text).with_context(|| format!("{field}: {}", path.display()))
+    }
+
+    /// Every `*.json` file of `dir` (at most [`DIR_FILES_MAX`]), each one chart or an array
+    /// of them; a name and version defined twice is an error.
+    fn load_dir(dir: &Path) -> anyhow::Result<Self> {
+        let entries = std::fs::read_dir(dir).with_context(|| {
+            format!("--definitions: cannot read the directory {}", dir.display())
+        })?;
+        let mut paths: Vec<_> = entries
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .take(DIR_FILES_MAX + 1)
+            .collect();
+        if paths.len() > DIR_FILES_MAX {
+            bail!("--definitions: {} holds more than {DIR_FILES_MAX} .json files", dir.display());
+        }
+        paths.sort();
+        let mut all = Definitions::default();
+        for path in paths {
+            for def in Self::load(&path)?.charts {
+                if all.get(def.name(), def.version()).is_some() {
+                    bail!(
+                        "--definitions: {}: {} v{} is defined twice in {}; keep one definition per name and version",
+                        path.display(),
+                        def.name(),
+                        def.version(),
+                        dir.display()
+                    );
+                }
+                all.charts.push(def);
+            }
+        }
+        Ok(all)
+    }
+
+    /// Every loaded definition.
+    pub fn charts(&self) -> &[Definition] {
+        &self.charts
     }
 
     /// Parses the text of a definitions file.

@@ -110,7 +110,8 @@ pub enum Command {
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
-    /// Serve the event and instance API, `/metrics` and `/health` over HTTP.
+    /// Serve the event and instance API, `/metrics`, `/health` and the web dashboard
+    /// (`/`) over HTTP.
     Serve {
         /// The address to listen on; loopback only without `--tokens`.
         #[arg(long, default_value = "127.0.0.1:7878")]
@@ -118,8 +119,9 @@ pub enum Command {
         /// The bearer tokens file (TOML `[[tokens]]` with `token`, `namespaces`, `access`).
         #[arg(long, env = "KEEL_TOKENS")]
         tokens: Option<PathBuf>,
-        /// Chart definitions (JSON: one chart or an array). With it, events and starts
-        /// naming a machine, version or event the file lacks get 400.
+        /// Chart definitions: a JSON file (one chart or an array) or a directory of
+        /// them. With it, events and starts naming a machine, version or event they lack
+        /// get 400, and the dashboard draws those charts for their instances.
         #[arg(long, env = "KEEL_DEFINITIONS")]
         definitions: Option<PathBuf>,
     },

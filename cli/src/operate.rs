@@ -15,10 +15,11 @@ use anyhow::{Context as _, anyhow, bail};
 use keel::{Cancel, Keel, Migration, json};
 use keel_core::Timestamp;
 use keel_core::ids::{InstanceId, Status};
+use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, INSTANCE_LIST_MAX,
-    InstanceListParams, WORKER_STALE_AFTER, WorkerRecord,
+    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, InstanceListParams,
+    WORKER_STALE_AFTER, WorkerRecord,
 };
 use serde::Serialize;
 
@@ -133,11 +134,10 @@ async fn live_workers(keel: &Keel, now: Timestamp) -> anyhow::Result<Vec<WorkerR
 fn list_params(ns: &str, machine: &str, status: Status) -> InstanceListParams {
     InstanceListParams {
         namespace: ns.to_owned(),
-        machine: machine.to_owned(),
+        machine: Some(machine.to_owned()),
         status: Some(status),
-        in_state: None,
-        before: None,
         limit: INSTANCE_LIST_MAX,
+        ..InstanceListParams::default()
     }
 }
 
@@ -235,9 +235,10 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
         .transpose()?;
     let params = InstanceListParams {
         namespace: ns.to_owned(),
-        machine: args.machine.clone(),
+        machine: Some(args.machine.clone()),
         status,
-        in_state: args.state.clone(),
+        state: args.state.clone(),
+        business_key: None,
         before,
         limit: args.limit,
     };

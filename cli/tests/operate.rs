@@ -170,7 +170,7 @@ async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_lette
             (&["list", "ticket", "--limit", "0"], 1, "--limit: 0 is out of range"),
             (&["list", "ticket", "--limit", "5000"], 1, "give 1 to 1000"),
             (&["list", "ticket", "--after", "1' OR '1'='1"], 1, "--after:"),
-            (&["list", ""], 1, "list.machine"),
+            (&["list", ""], 1, "machine: must not be empty"),
             (&["purge", "ticket", "--pending"], 1, "add --confirm"),
             (&["purge", "ticket", "--confirm"], 2, "--pending"),
             (&["purge", "ticket", "--pending", "--dlq", "--confirm"], 2, "cannot be used with"),

@@ -36,6 +36,8 @@ pub const CANCEL_CASCADE_DEPTH_MAX: usize = 32;
 pub const CANCEL_CASCADE_MAX: usize = 10_000;
 /// Most ids one `instance_rows` call reads.
 pub const ROWS_BATCH_MAX: usize = 1_000;
+/// Most instances one `instance_list` page returns.
+pub const INSTANCE_LIST_MAX: usize = 1_000;
 /// Most history rows an inspect returns (newest last).
 pub const HISTORY_LIST_MAX: usize = 1_000;
 /// Most dead letters one list or retry-by-machine call touches.

@@ -114,6 +114,10 @@ impl Store for AnyStore {
         self.0.instance_rows(ids).await
     }
 
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.0.instance_list(params).await
+    }
+
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
         self.0.instance_lookup(target).await
     }
@@ -182,10 +186,6 @@ impl Store for AnyStore {
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         self.0.timer_status(namespace, now).await
-    }
-
-    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
-        self.0.instance_list(params).await
     }
 
     async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {

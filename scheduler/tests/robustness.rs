@@ -19,10 +19,10 @@ use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus, TimerSweepParams,
-    TimerSweepReport,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus,
+    TimerSweepParams, TimerSweepReport,
 };
 use keel_core::ports::{Clock, Store};
 use keel_core::{
@@ -291,6 +291,9 @@ impl<S: Store> Store for Faulty<S> {
     }
     async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
         self.inner.instance_rows(ids).await
+    }
+    async fn instance_list(&self, p: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.inner.instance_list(p).await
     }
     async fn instance_lookup(&self, t: SignalTarget) -> StoreResult<Option<InstanceId>> {
         self.inner.instance_lookup(t).await

@@ -821,36 +821,6 @@ pub(crate) async fn queue_pause(
     Ok(())
 }
 
-/// One page of a machine's instances, newest first (`Store::instance_list`).
-pub(crate) async fn instance_list(
-    db: &mut Db<'_>,
-    p: &keel_core::ports::store::InstanceListParams,
-) -> StoreResult<Vec<Instance>> {
-    p.validate()?;
-    let rows = sqlx::query(concat!(
-        "SELECT ",
-        instance_cols!(),
-        " FROM keel_instances \
-         WHERE namespace = ? AND machine = ? AND id < ? AND (? IS NULL OR status = ?) \
-           AND (? IS NULL OR position = ? OR (substr(position, 1, 1) = '[' AND json_valid(position) \
-                AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?))) \
-         ORDER BY id DESC LIMIT ?"
-    ))
-    .bind(&p.namespace)
-    .bind(&p.machine)
-    .bind(p.before.map_or(i64::MAX, |id| id.0))
-    .bind(p.status.map(Status::name))
-    .bind(p.status.map(Status::name))
-    .bind(&p.in_state)
-    .bind(&p.in_state)
-    .bind(&p.in_state)
-    .bind(p.limit as i64)
-    .fetch_all(&mut *db.conn)
-    .await
-    .map_err(db.err("listing instances"))?;
-    rows.iter().map(|r| db.instance_of(r)).collect()
-}
-
 /// Done and failed instances per machine and bucket (`Store::instance_activity`).
 pub(crate) async fn instance_activity(
     db: &mut Db<'_>,

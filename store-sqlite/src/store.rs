@@ -4,7 +4,7 @@
 
 use crate::error::map;
 use crate::ops;
-use crate::rows::{Db, dead_letter_cols};
+use crate::rows::{Db, dead_letter_cols, instance_cols};
 use async_trait::async_trait;
 use keel_core::instance::check_batch;
 use keel_core::instance::{DeadLetter, Instance};
@@ -21,7 +21,9 @@ use keel_core::ports::store::{
     TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints};
-use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
+use keel_core::{
+    DeadLetterId, ErrorKind, InstanceId, SignalTarget, Status, StoreResult, Timestamp,
+};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteRow;
@@ -431,6 +433,41 @@ impl Store for SqliteStore {
         Db { conn: &mut conn, file: self.file.as_str() }.instances(&ids).await
     }
 
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        params.validate()?;
+        let mut conn = self.reader().await?;
+        let db = Db { conn: &mut conn, file: &self.file };
+        // One statement for every filter: an unset filter is a NULL that lets every row pass.
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            instance_cols!(),
+            " FROM keel_instances \
+             WHERE namespace = ? AND (? IS NULL OR machine = ?) AND (? IS NULL OR status = ?) \
+               AND (? IS NULL OR business_key = ?) AND (? IS NULL OR id < ?) \
+               AND (? IS NULL OR position = ? OR (substr(position, 1, 1) = '[' \
+                    AND json_valid(position) \
+                    AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?))) \
+             ORDER BY id DESC LIMIT ?"
+        ))
+        .bind(&params.namespace)
+        .bind(&params.machine)
+        .bind(&params.machine)
+        .bind(params.status.map(Status::name))
+        .bind(params.status.map(Status::name))
+        .bind(&params.business_key)
+        .bind(&params.business_key)
+        .bind(params.before.map(|b| b.0))
+        .bind(params.before.map(|b| b.0))
+        .bind(&params.state)
+        .bind(&params.state)
+        .bind(&params.state)
+        .bind(params.limit as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("listing instances"))?;
+        rows.iter().map(|r| db.instance_of(r)).collect()
+    }
+
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
         let mut conn = self.reader().await?;
         Db { conn: &mut conn, file: &self.file }.resolve(&target).await
@@ -574,11 +611,6 @@ impl Store for SqliteStore {
                 })
             })
             .collect()
-    }
-
-    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
-        let mut conn = self.reader().await?;
-        ops::instance_list(&mut Db { conn: &mut conn, file: &self.file }, &params).await
     }
 
     async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {

@@ -8,10 +8,10 @@ use keel_core::ports::Store;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
+    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
+    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{
@@ -171,6 +171,9 @@ impl Store for Broken {
     }
     async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
         self.0.instance_rows(ids).await
+    }
+    async fn instance_list(&self, p: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.0.instance_list(p).await
     }
     async fn instance_lookup(&self, t: SignalTarget) -> StoreResult<Option<InstanceId>> {
         self.0.instance_lookup(t).await

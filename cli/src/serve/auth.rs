@@ -56,6 +56,16 @@ impl Grant {
         self.namespaces.iter().any(|n| n == "*" || n == ns)
     }
 
+    /// What it may do.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// The namespaces it names (`"*"` = every one).
+    pub fn namespaces(&self) -> &[String] {
+        &self.namespaces
+    }
+
     fn sees_all(&self) -> bool {
         self.namespaces.iter().any(|n| n == "*")
     }
@@ -96,7 +106,8 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn find<'a>(grants: &'a [Grant], presented: &str) -> Option<&'a Grant> {
+/// The grant of a presented token, if any.
+pub(super) fn find<'a>(grants: &'a [Grant], presented: &str) -> Option<&'a Grant> {
     grants.iter().find(|g| same(g.token.as_bytes(), presented.as_bytes()))
 }
 

@@ -10,6 +10,7 @@ pub mod auth;
 mod metrics;
 mod ops;
 pub mod registry;
+pub mod ui;
 mod worker;
 
 use std::net::SocketAddr;
@@ -48,6 +49,8 @@ pub struct AppState {
     pub definitions: Option<crate::definitions::Definitions>,
     /// Remote workers' registry beats.
     pub beats: registry::Beats,
+    /// The charts the dashboard draws (from `--definitions`).
+    pub charts: ui::Charts,
 }
 
 impl AppState {
@@ -61,6 +64,7 @@ impl AppState {
             tokens: None,
             definitions: None,
             beats: registry::Beats::default(),
+            charts: ui::Charts::default(),
         }
     }
 }
@@ -91,6 +95,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/worker/tasks/{id}/fail", post(worker::fail))
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::check))
+        .merge(ui::router(Arc::clone(&state)))
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
         .with_state(state)
 }
@@ -105,6 +110,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
     let definitions = definitions.map(crate::definitions::Definitions::load).transpose()?;
+    let charts = definitions.as_ref().map(ui::Charts::new).unwrap_or_default();
     if tokens.is_none() && !listen.ip().is_loopback() {
         bail!(
             "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
@@ -121,6 +127,7 @@ pub async fn run(
         tokens,
         definitions,
         beats: registry::Beats::default(),
+        charts,
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -132,6 +139,7 @@ pub async fn run(
         );
     }
     println!("listening on http://{bound}");
+    eprintln!("dashboard: http://{bound}/ui ({} chart definition(s) loaded)", state.charts.len());
     axum::serve(listener, router(state))
         .with_graceful_shutdown(keel::shutdown_signal())
         .await

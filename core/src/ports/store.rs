@@ -17,7 +17,7 @@ use crate::ids::{
 };
 use crate::instance::{
     ChildSummary, DeadLetter, HistoryRecord, Instance, NewInstance, NewSignal, Signal,
-    SignalTarget, check_batch, check_name,
+    SignalTarget, check_batch, check_name, position_in_state,
 };
 use crate::limits;
 use crate::outcome::StepCommit;
@@ -545,9 +545,6 @@ pub struct QueueStats {
     pub oldest_ready_at: Option<Timestamp>,
 }
 
-/// Most instances one [`Store::instance_list`] page returns.
-pub const INSTANCE_LIST_MAX: usize = 1_000;
-
 /// Most buckets one [`Store::instance_activity`] call may ask for (a day of minutes).
 pub const ACTIVITY_BUCKETS_MAX: i64 = 1_440;
 
@@ -578,41 +575,6 @@ impl WorkerBeatParams {
     ) -> Self {
         let forget_before = now.minus(WORKER_FORGET_AFTER);
         WorkerBeatParams { id, name, machines, namespaces, started_at, now, forget_before }
-    }
-}
-
-/// One page of a machine's instances, newest (highest id) first.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InstanceListParams {
-    /// Namespace.
-    pub namespace: String,
-    /// Machine name (every version).
-    pub machine: String,
-    /// Only this status.
-    pub status: Option<Status>,
-    /// Only instances in this state ([`crate::instance::position_in_state`]).
-    pub in_state: Option<String>,
-    /// Only ids below this one: the last id of the previous page.
-    pub before: Option<InstanceId>,
-    /// Most to return, `1..=INSTANCE_LIST_MAX`.
-    pub limit: usize,
-}
-
-impl InstanceListParams {
-    /// Checks names and the page size.
-    pub fn validate(&self) -> StoreResult<()> {
-        check_name("list.namespace", &self.namespace)?;
-        check_name("list.machine", &self.machine)?;
-        if let Some(state) = &self.in_state {
-            check_name("list.in_state", state)?;
-        }
-        if self.limit == 0 || self.limit > INSTANCE_LIST_MAX {
-            return Err(StoreError::invalid(format!(
-                "list.limit: {} is out of range; ask for 1 to {INSTANCE_LIST_MAX} and page with `before`",
-                self.limit
-            )));
-        }
-        Ok(())
     }
 }
 
@@ -754,6 +716,62 @@ pub struct DeadLetterFilter {
     pub machine: Option<String>,
     /// Most to return (oldest first); `0` means [`crate::limits::DEAD_LETTER_BATCH_MAX`].
     pub limit: usize,
+}
+
+/// One page of a namespace's instances for an operator's list, newest first, narrowed by
+/// the filters that are set. Pages are keyset-paginated: pass the last id of a page as
+/// `before` to get the next one, so a page costs the same however deep it is.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct InstanceListParams {
+    /// The namespace (required: a list never spans namespaces).
+    pub namespace: String,
+    /// Only this machine name.
+    pub machine: Option<String>,
+    /// Only this status.
+    pub status: Option<Status>,
+    /// Only instances at this state: a step machine's current step, or a state path in a
+    /// chart's active configuration ([`crate::instance::position_in_state`]).
+    pub state: Option<String>,
+    /// Only this business key (exact).
+    pub business_key: Option<String>,
+    /// Only ids below this one (the last id of the previous page).
+    pub before: Option<InstanceId>,
+    /// Most to return, 1 to [`crate::limits::INSTANCE_LIST_MAX`].
+    pub limit: usize,
+}
+
+impl InstanceListParams {
+    /// Checks the names and the page size.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_name("namespace", &self.namespace)?;
+        if let Some(machine) = &self.machine {
+            check_name("machine", machine)?;
+        }
+        if let Some(state) = &self.state {
+            check_name("state", state)?;
+        }
+        if let Some(key) = &self.business_key {
+            check_name("business_key", key)?;
+        }
+        if self.limit == 0 || self.limit > limits::INSTANCE_LIST_MAX {
+            return Err(StoreError::invalid(format!(
+                "limit: {} is out of range; ask for 1 to {} instances per page",
+                self.limit,
+                limits::INSTANCE_LIST_MAX
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether `instance` passes every filter except the page bounds.
+    pub fn matches(&self, instance: &Instance) -> bool {
+        instance.namespace == self.namespace
+            && self.machine.as_ref().is_none_or(|m| instance.machine.name == *m)
+            && self.status.is_none_or(|s| instance.status == s)
+            && self.state.as_ref().is_none_or(|s| position_in_state(&instance.position, s))
+            && self.business_key.as_ref().is_none_or(|k| instance.business_key.as_ref() == Some(k))
+            && self.before.is_none_or(|b| instance.id < b)
+    }
 }
 
 /// Which dead letters a retry or purge touches.
@@ -950,6 +968,9 @@ pub trait Store: Send + Sync + 'static {
     /// worker reads, in one call per claim, for its steps' lock-free pre-checks.
     async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>>;
 
+    /// One page of a namespace's instances, newest first (see [`InstanceListParams`]).
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>>;
+
     /// Resolves a signal target to an instance id (`None` when there is none).
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>>;
 
@@ -1010,15 +1031,6 @@ pub trait Store: Send + Sync + 'static {
         let _ = params;
         Err(StoreError::invalid(
             "instance_migrate: this store cannot migrate instances; use MemoryStore, SQLite or PostgreSQL",
-        ))
-    }
-
-    /// One page of a machine's instances, newest first. The default refuses (a wrapper
-    /// store forwards it).
-    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
-        let _ = params;
-        Err(StoreError::invalid(
-            "instance_list: this store cannot list instances; use MemoryStore, SQLite or PostgreSQL",
         ))
     }
 

@@ -12,10 +12,12 @@ use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
 use keel_core::plan;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, QueuePauseParams, QueueState,
+    DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, InstanceListParams, QueuePauseParams,
+    QueueState,
 };
-use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, limits};
+use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, limits};
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
       SELECT id, 1 FROM instances WHERE parent_id = $1 \
@@ -175,6 +177,50 @@ pub(crate) async fn rows_of<C: GenericClient + Sync>(
         ))
         .await?;
     let found = c.query(&stmt, &[&ids]).await?;
+    Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
+}
+
+/// One page of a namespace's instances, newest first. Only the filters that are set go
+/// into the statement, so the planner sees each shape as it is (a generic plan for
+/// `$n IS NULL OR …` would scan). The state filter is the broadcast's: the step's name,
+/// or an element of a chart's JSON array of active paths.
+pub(crate) async fn list<C: GenericClient + Sync>(
+    c: &C,
+    p: &InstanceListParams,
+) -> OpResult<Vec<Instance>> {
+    let status = p.status.map(Status::name);
+    let before = p.before.map(|b| b.0);
+    let limit = p.limit as i64;
+    let mut sql = format!("SELECT {INSTANCE_COLS} FROM instances WHERE namespace = $1");
+    let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&p.namespace];
+    if let Some(machine) = &p.machine {
+        args.push(machine);
+        let _ = write!(sql, " AND machine = ${}", args.len());
+    }
+    if let Some(status) = &status {
+        args.push(status);
+        let _ = write!(sql, " AND status = ${}::text::status", args.len());
+    }
+    if let Some(key) = &p.business_key {
+        args.push(key);
+        let _ = write!(sql, " AND business_key = ${}", args.len());
+    }
+    if let Some(before) = &before {
+        args.push(before);
+        let _ = write!(sql, " AND id < ${}", args.len());
+    }
+    if let Some(state) = &p.state {
+        args.push(state);
+        let n = args.len();
+        let _ = write!(
+            sql,
+            " AND (position = ${n} OR (left(position, 1) = '[' AND position::jsonb ? ${n}))"
+        );
+    }
+    args.push(&limit);
+    let _ = write!(sql, " ORDER BY id DESC LIMIT ${}", args.len());
+    let stmt = c.prepare_cached(&sql).await?;
+    let found = c.query(&stmt, &args).await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 

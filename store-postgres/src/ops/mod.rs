@@ -269,6 +269,12 @@ impl Store for PgStore {
         admin::rows_of(&conn, &ids).await.map_err(StoreError::from)
     }
 
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        params.validate()?;
+        let conn = self.client().await?;
+        admin::list(&conn, &params).await.map_err(StoreError::from)
+    }
+
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
         let conn = self.client().await?;
         admin::lookup(&conn, &target).await.map_err(StoreError::from)
@@ -319,12 +325,6 @@ impl Store for PgStore {
     ) -> StoreResult<Vec<QueueStats>> {
         let conn = self.client().await?;
         timer::queue_stats(&conn, namespace.as_deref(), now).await.map_err(StoreError::from)
-    }
-
-    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
-        params.validate()?;
-        let conn = self.client().await?;
-        operate::list(&conn, &params).await.map_err(StoreError::from)
     }
 
     async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {

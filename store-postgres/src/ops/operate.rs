@@ -2,38 +2,13 @@
 //! window, and workers seen by heartbeat.
 
 use crate::error::OpResult;
-use crate::rows::{self, INSTANCE_COLS, col, from_ts, ts};
+use crate::rows::{col, from_ts, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::ids::{MachineRef, WorkerId};
-use keel_core::instance::Instance;
 use keel_core::ports::store::{
-    ActivityBucket, ActivityParams, InstanceListParams, WORKER_LIST_MAX, WorkerBeatParams,
-    WorkerRecord,
+    ActivityBucket, ActivityParams, WORKER_LIST_MAX, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::{StoreError, Timestamp};
-
-/// One page of a machine's instances, newest first.
-pub(crate) async fn list<C: GenericClient + Sync>(
-    c: &C,
-    p: &InstanceListParams,
-) -> OpResult<Vec<Instance>> {
-    let stmt = c
-        .prepare_cached(&format!(
-            "SELECT {INSTANCE_COLS} FROM instances \
-             WHERE namespace = $1 AND machine = $2 AND id < $3 \
-               AND ($4::text IS NULL OR status::text = $4) \
-               AND ($5::text IS NULL OR position = $5 \
-                    OR (left(position, 1) = '[' AND position::jsonb ? $5)) \
-             ORDER BY id DESC LIMIT $6"
-        ))
-        .await?;
-    let before = p.before.map_or(i64::MAX, |id| id.0);
-    let status = p.status.map(keel_core::Status::name);
-    let found = c
-        .query(&stmt, &[&p.namespace, &p.machine, &before, &status, &p.in_state, &(p.limit as i64)])
-        .await?;
-    Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
-}
 
 /// Done and failed instances per machine and bucket.
 pub(crate) async fn activity<C: GenericClient + Sync>(

@@ -6,9 +6,12 @@ use super::support::{
     at, claim, claim_id, claim_params, commit_ok, ctx, get, insert_one, new_in, row, step,
 };
 use keel_core::instance::ANY_SIGNAL;
+use keel_core::limits;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
-use keel_core::ports::store::{InsertOutcome, LeaseReleaseParams, SignalBroadcastParams};
+use keel_core::ports::store::{
+    InsertOutcome, InstanceListParams, LeaseReleaseParams, SignalBroadcastParams,
+};
 use keel_core::{ErrorKind, InstanceId, MachineRef, NewInstance, Status, StepCommit, Timestamp};
 use serde_json::json;
 
@@ -158,6 +161,54 @@ pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
     assert_eq!(again.delivered, 0, "the dedup key holds per target");
     let bad = SignalBroadcastParams { name: String::new(), ..params("open") };
     assert_eq!(s.signal_broadcast(bad).await.expect_err("empty name").kind, ErrorKind::Invalid);
+}
+
+/// `instance_list` pages a namespace's instances newest first, narrowed by machine, status,
+/// state (a step's name, or a path in a chart's active configuration, as a broadcast reads
+/// it) and business key; `before` continues after a page; other namespaces never show; a
+/// page size of 0 or over the bound is refused naming `limit`.
+pub async fn instance_list_filters_and_pages<S: Store>(s: &S) {
+    let ns = "listing";
+    let parked = insert_one(s, new_in(ns).business_key("k-parked"), at(0)).await;
+    let claimed = claim_id(s, ns, parked, at(1)).await;
+    step(s, &claimed, park_at(r#"["open","open.idle"]"#), at(2)).await;
+    let fresh = insert_one(s, new_in(ns).business_key("k-fresh"), at(3)).await;
+    let invoice =
+        insert_one(s, NewInstance::new(MachineRef::new("invoice", 1), "open").namespace(ns), at(4))
+            .await;
+    let hidden = insert_one(s, new_in("listing_other").business_key("k-fresh"), at(5)).await;
+    let list = |f: &dyn Fn(&mut InstanceListParams)| {
+        let mut p = InstanceListParams { namespace: ns.into(), limit: 10, ..Default::default() };
+        f(&mut p);
+        p
+    };
+    let ids = |rows: Vec<keel_core::Instance>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let all = s.instance_list(list(&|_| {})).await.expect("list");
+    assert_eq!(ids(all.clone()), vec![invoice, fresh, parked], "newest first, one namespace");
+    assert_eq!(all[2], row(s, parked).await, "the same row instance_get reads");
+    assert!(!ids(all).contains(&hidden));
+    let by_machine = s.instance_list(list(&|p| p.machine = Some("invoice".into()))).await;
+    assert_eq!(ids(by_machine.expect("machine")), vec![invoice]);
+    let by_status = s.instance_list(list(&|p| p.status = Some(Status::AwaitingSignal))).await;
+    assert_eq!(ids(by_status.expect("status")), vec![parked]);
+    let by_path = s.instance_list(list(&|p| p.state = Some("open.idle".into()))).await;
+    assert_eq!(ids(by_path.expect("chart path")), vec![parked]);
+    let by_state = s.instance_list(list(&|p| p.state = Some("open".into()))).await;
+    assert_eq!(ids(by_state.expect("step or path")), vec![invoice, parked]);
+    let by_key = s.instance_list(list(&|p| p.business_key = Some("k-fresh".into()))).await;
+    assert_eq!(ids(by_key.expect("key")), vec![fresh]);
+    let page1 = s.instance_list(list(&|p| p.limit = 2)).await.expect("page 1");
+    assert_eq!(ids(page1.clone()), vec![invoice, fresh]);
+    let next = page1.last().map(|r| r.id);
+    let page2 = s.instance_list(list(&|p| (p.limit, p.before) = (2, next))).await;
+    assert_eq!(ids(page2.expect("page 2")), vec![parked]);
+    for limit in [0, limits::INSTANCE_LIST_MAX + 1] {
+        let err = s.instance_list(list(&|p| p.limit = limit)).await.expect_err("bad limit");
+        assert_eq!(err.kind, ErrorKind::Invalid);
+        assert!(err.message.contains("limit"), "the error names the field: {err}");
+    }
+    let err = s.instance_list(list(&|p| p.namespace.clear())).await.expect_err("no namespace");
+    assert!(err.message.contains("namespace"), "the error names the field: {err}");
 }
 
 /// A commit that leaves a delegation state cancels, in the same transaction, the live

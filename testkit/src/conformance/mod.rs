@@ -141,6 +141,7 @@ macro_rules! __store_contract_list {
             failing_instance_cancels_its_delegated_children,
             signals_reach_a_delegated_child,
             broadcast_reaches_instances_in_state,
+            instance_list_filters_and_pages,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
             timer_every_counts_from_last_fire,

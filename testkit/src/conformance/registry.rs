@@ -4,21 +4,18 @@
 use super::support::{at, claim_id, done, expect_kind, insert_one, new_in, next, step, worker};
 use keel_core::ErrorKind;
 use keel_core::ids::{InstanceId, MachineRef, Status};
+use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
-use keel_core::ports::store::{
-    ActivityParams, INSTANCE_LIST_MAX, InstanceListParams, WorkerBeatParams,
-};
+use keel_core::ports::store::{ActivityParams, InstanceListParams, WorkerBeatParams};
 use std::time::Duration;
 
 fn list(ns: &str, limit: usize) -> InstanceListParams {
     InstanceListParams {
         namespace: ns.to_owned(),
-        machine: "order".to_owned(),
-        status: None,
-        in_state: None,
-        before: None,
+        machine: Some("order".to_owned()),
         limit,
+        ..InstanceListParams::default()
     }
 }
 
@@ -52,7 +49,7 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
         .expect("page 2");
     assert_eq!(ids(&rest), [first], "the next page starts below the last id");
     let packing = s
-        .instance_list(InstanceListParams { in_state: Some("pack".into()), ..list(ns, 10) })
+        .instance_list(InstanceListParams { state: Some("pack".into()), ..list(ns, 10) })
         .await
         .expect("by state");
     assert_eq!(ids(&packing), [first]);
@@ -69,7 +66,7 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
     };
     step(s, &claimed, chart_position, at(40)).await;
     let billing = s
-        .instance_list(InstanceListParams { in_state: Some("billing".into()), ..list(ns, 10) })
+        .instance_list(InstanceListParams { state: Some("billing".into()), ..list(ns, 10) })
         .await
         .expect("by chart state");
     assert_eq!(ids(&billing), [second], "a chart state inside a JSON position matches");
@@ -86,7 +83,7 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
         "limit over the bound",
     );
     let e = s.instance_list(list(ns, 0)).await.unwrap_err();
-    assert!(e.message.contains("list.limit"), "the error names the field: {e}");
+    assert!(e.message.contains("limit"), "the error names the field: {e}");
 }
 
 /// Activity counts done and failed instances by the time they ended, per machine and

@@ -103,6 +103,10 @@ impl Store for MemoryStore {
         self.state().rows_of(&ids)
     }
 
+    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
+        self.state().list(&params)
+    }
+
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>> {
         Ok(self.state().resolve(&target))
     }
@@ -176,10 +180,6 @@ impl Store for MemoryStore {
         now: Timestamp,
     ) -> StoreResult<Vec<TimerStatus>> {
         Ok(self.state().timer_status(namespace.as_deref(), now))
-    }
-
-    async fn instance_list(&self, params: InstanceListParams) -> StoreResult<Vec<Instance>> {
-        self.state().instance_list(&params)
     }
 
     async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {

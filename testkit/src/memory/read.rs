@@ -14,6 +14,18 @@ impl State {
         Ok(wanted.into_iter().filter_map(|id| self.rows.get(&id).cloned()).collect())
     }
 
+    pub(super) fn list(&self, params: &InstanceListParams) -> StoreResult<Vec<Instance>> {
+        params.validate()?;
+        Ok(self
+            .rows
+            .values()
+            .rev()
+            .filter(|row| params.matches(row))
+            .take(params.limit)
+            .cloned()
+            .collect())
+    }
+
     pub(super) fn detail(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
         let row = self
             .rows
@@ -103,27 +115,6 @@ impl State {
             }
         }
         out.into_values().collect()
-    }
-
-    pub(super) fn instance_list(&self, p: &InstanceListParams) -> StoreResult<Vec<Instance>> {
-        p.validate()?;
-        let below = p.before.map_or(i64::MAX, |id| id.0);
-        Ok(self
-            .rows
-            .range(..InstanceId(below))
-            .rev()
-            .map(|(_, r)| r)
-            .filter(|r| {
-                r.namespace == p.namespace
-                    && r.machine.name == p.machine
-                    && p.status.is_none_or(|s| r.status == s)
-                    && p.in_state
-                        .as_deref()
-                        .is_none_or(|st| keel_core::instance::position_in_state(&r.position, st))
-            })
-            .take(p.limit)
-            .cloned()
-            .collect())
     }
 
     pub(super) fn instance_activity(&self, p: &ActivityParams) -> StoreResult<Vec<ActivityBucket>> {

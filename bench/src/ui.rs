@@ -1,0 +1,131 @@
+//! `ui`: how long the dashboard's pages take to answer with many instances in the store —
+//! `keel serve`'s router in-process on a loopback port, one browser-like client asking
+//! for each page in turn (the overview, its live fragment, instance lists first, deep and
+//! filtered, an instance page, the dead letters), p50 / p99 / max over the repeats.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use keel::{Keel, MachineRef, NewInstance};
+use serde_json::json;
+
+use crate::report::{Report, quantile};
+use crate::stores::{Factory, StoreKind};
+
+/// Instances per start batch.
+const START_BATCH: usize = 1000;
+/// Requests per page.
+const REPEATS: usize = 20;
+/// The machines the instances are spread over, each with its own queue.
+const MACHINES: [&str; 4] = ["order", "invoice", "shipment", "refund"];
+
+/// Fills a fresh store with `instances` instances and times every page.
+pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
+    let (keel, scratch, pg) = match factory.kind() {
+        StoreKind::Memory => (Keel::from_store(keel_testkit::MemoryStore::new()), None, None),
+        StoreKind::Sqlite => {
+            (Keel::from_store(keel_store_sqlite::SqliteStore::temporary().await?), None, None)
+        }
+        StoreKind::Postgres => {
+            let (store, scratch) = factory.postgres().await?;
+            (Keel::from_store((*store).clone()), Some(scratch), Some(store))
+        }
+    };
+    let filled = Instant::now();
+    let mut n = 0;
+    while n < instances {
+        let batch = (instances - n).min(START_BATCH);
+        let news = (n..n + batch)
+            .map(|i| {
+                let machine = MACHINES[i % MACHINES.len()];
+                let at = if i % 3 == 0 { "@init" } else { "work" };
+                NewInstance::new(MachineRef::new(machine, 1), at)
+                    .queue(machine)
+                    .business_key(format!("key-{i}"))
+                    .context(json!({ "i": i }))
+            })
+            .collect();
+        keel.start_many(news).await?;
+        n += batch;
+    }
+    let fill_secs = filled.elapsed().as_secs_f64();
+    // A database that has held its rows for a while has planner statistics (autovacuum
+    // analyzes after bulk changes); the freshly filled table gets them now, so the figures
+    // are for that steady state rather than for the minute after a bulk load.
+    if let Some(store) = &pg {
+        store.client().await?.batch_execute("ANALYZE instances").await?;
+    }
+    let metrics = keel::prometheus::install()?;
+    let state = keel_cli::serve::AppState::open(keel.clone(), "default", metrics);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let server =
+        tokio::spawn(axum::serve(listener, keel_cli::serve::router(Arc::new(state))).into_future());
+    let middle = instances as i64 / 2;
+    let pages: Vec<(&str, String)> = vec![
+        ("overview", "/ui/ns/default".into()),
+        ("overview live fragment", "/ui/ns/default/fragments/overview".into()),
+        ("instances, first page", "/ui/ns/default/instances".into()),
+        ("instances, a page in the middle", format!("/ui/ns/default/instances?before={middle}")),
+        ("instances of one machine", "/ui/ns/default/instances?machine=invoice".into()),
+        ("instances by status", "/ui/ns/default/instances?status=runnable".into()),
+        ("instances by state", "/ui/ns/default/instances?state=work".into()),
+        ("instance by business key", format!("/ui/ns/default/instances?key=key-{}", instances / 3)),
+        ("instance page", format!("/ui/ns/default/instances/{middle}")),
+        ("dead letters", "/ui/ns/default/dead-letters".into()),
+    ];
+    let base2 = base.clone();
+    let timings = tokio::task::spawn_blocking(move || -> Result<Vec<(String, Vec<f64>)>> {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(60)))
+            .build()
+            .into();
+        let mut out = Vec::new();
+        for (name, path) in pages {
+            let mut ms = Vec::with_capacity(REPEATS);
+            for _ in 0..REPEATS {
+                let started = Instant::now();
+                let mut resp = agent.get(&format!("{base2}{path}")).call()?;
+                let body = resp.body_mut().read_to_string()?;
+                ms.push(started.elapsed().as_secs_f64() * 1000.0);
+                if resp.status().as_u16() != 200 || body.len() < 100 {
+                    bail!("{name}: {path} answered {} ({} bytes)", resp.status(), body.len());
+                }
+            }
+            ms.sort_by(f64::total_cmp);
+            out.push((name.to_owned(), ms));
+        }
+        Ok(out)
+    })
+    .await??;
+    server.abort();
+    if let Some(scratch) = scratch {
+        scratch.drop_schema().await;
+    }
+    let rows = timings
+        .iter()
+        .map(|(name, ms)| {
+            vec![
+                json!(name),
+                json!(quantile(ms, 0.5)),
+                json!(quantile(ms, 0.99)),
+                json!(ms.last().copied().unwrap_or_default()),
+            ]
+        })
+        .collect();
+    Ok(Report {
+        name: "ui",
+        title: format!(
+            "dashboard pages with {instances} instances ({fill_secs:.1} s to fill), {REPEATS} requests each"
+        ),
+        columns: vec!["page", "p50 ms", "p99 ms", "max ms"],
+        rows,
+        notes: vec![
+            "one client, server in-process on loopback; the time includes rendering the HTML"
+                .into(),
+            "PostgreSQL: the table is analyzed after the bulk fill, as autovacuum would".into(),
+        ],
+    })
+}

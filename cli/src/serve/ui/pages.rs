@@ -1,0 +1,1189 @@
+//! The dashboard's pages and the fragments live updates fetch. Every list is bounded:
+//! instances come in keyset pages of [`INSTANCE_PAGE`], dead letters in pages of
+//! [`DEAD_LETTER_PAGE`] up to the store's list bound, and an instance's inbox, timers,
+//! children and history are the store's bounded reads cut at [`SECTION_ROWS_MAX`] rows.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::Form;
+use axum::extract::{Extension, Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use keel::{DeadLetterFilter, DeadLetterRetry, InstanceId, StoreError};
+use keel_core::duration;
+use keel_core::ids::{DeadLetterId, Status};
+use keel_core::instance::DeadLetter;
+use keel_core::limits;
+use keel_core::ports::Store;
+use keel_core::ports::store::{
+    DeadLetterPurgeParams, DeadLetterSelector, InstanceDetail, InstanceListParams, QueuePauseParams,
+};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::html::{badge, esc, json, ns_url, page, query, seg};
+use super::{AppState, Viewer, WithStatus, charts, with_cookie};
+use crate::commands::{StatusRow, now, status_rows};
+use crate::health::{self, Level};
+use crate::output::{age, time};
+
+/// Instances per page.
+pub const INSTANCE_PAGE: usize = 50;
+/// Dead letters per page.
+pub const DEAD_LETTER_PAGE: usize = 50;
+/// Most rows of one section of the instance page (inbox, timers, children, history).
+pub const SECTION_ROWS_MAX: usize = 500;
+/// Most dead letters one "retry selected" touches.
+const RETRY_SELECTED_MAX: usize = 500;
+/// Most store batches one "retry all of a machine" or purge runs.
+const ROUNDS_MAX: usize = 100;
+
+type Page = Result<Response, Response>;
+
+fn flat(result: Page) -> Response {
+    result.unwrap_or_else(|e| e)
+}
+
+/// The 404 page: what does not exist and what the token may not see look the same.
+pub fn not_found(viewer: Option<&Viewer>) -> Response {
+    let open = Viewer { grant: None };
+    page(
+        "Not found",
+        None,
+        viewer.unwrap_or(&open),
+        "<h1>Not found</h1><p>Nothing here, or nothing this token may see.</p>",
+    )
+    .into_response_with(StatusCode::NOT_FOUND)
+}
+
+fn store_failed(viewer: &Viewer, ns: &str, error: &dyn std::fmt::Display) -> Response {
+    let body = format!(
+        "<h1>The store did not answer</h1><div class=\"error\">{}</div><p>Check that the database is reachable and reload.</p>",
+        esc(&format!("{error:#}"))
+    );
+    page("Store error", Some(ns), viewer, &body).into_response_with(StatusCode::SERVICE_UNAVAILABLE)
+}
+
+fn bad_input(viewer: &Viewer, ns: &str, message: &str) -> Response {
+    let body = format!("<h1>Bad input</h1><div class=\"error\">{}</div>", esc(message));
+    page("Bad input", Some(ns), viewer, &body).into_response_with(StatusCode::BAD_REQUEST)
+}
+
+/// `?done=` messages shown once after an action.
+#[derive(Debug, Default, Deserialize)]
+pub struct Flash {
+    done: Option<String>,
+}
+
+fn flash(message: Option<&str>) -> String {
+    message.map(|m| format!("<div class=\"flash\">{}</div>", esc(m))).unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------------------
+// Login
+
+/// The login form.
+pub fn login_page(error: Option<&str>) -> Html<String> {
+    let error = error.map(|e| format!("<div class=\"error\">{}</div>", esc(e))).unwrap_or_default();
+    page(
+        "Sign in",
+        None,
+        &Viewer { grant: None },
+        &format!(
+            "<h1>Sign in</h1>{error}<form method=\"post\" action=\"/ui/login\"><p>Paste a token from the server's tokens file. It is kept in a cookie for this site only.</p><p><input type=\"password\" name=\"token\" size=\"48\" autofocus required> <button>Sign in</button></p></form>"
+        ),
+    )
+}
+
+/// `GET /ui/login`.
+pub async fn login_form() -> Html<String> {
+    login_page(None)
+}
+
+/// `POST /ui/login`: a valid token sets the cookie.
+pub async fn login(
+    State(state): State<Arc<AppState>>,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    let token = form.into_iter().find(|(k, _)| k == "token").map(|(_, v)| v).unwrap_or_default();
+    let Some(grants) = &state.tokens else {
+        return Redirect::to("/ui").into_response();
+    };
+    if super::super::auth::find(grants, &token).is_none() {
+        return login_page(Some("token: this token is not in the server's tokens file"))
+            .into_response_with(StatusCode::UNAUTHORIZED);
+    }
+    with_cookie(Redirect::to("/ui").into_response(), &token)
+}
+
+/// `POST /ui/logout`: forgets the cookie.
+pub async fn logout() -> Response {
+    let mut response = Redirect::to("/ui/login").into_response();
+    if let Ok(value) = axum::http::HeaderValue::from_str(&format!(
+        "{}=; Path=/ui; HttpOnly; SameSite=Strict; Max-Age=0",
+        super::COOKIE
+    )) {
+        response.headers_mut().append(axum::http::header::SET_COOKIE, value);
+    }
+    response
+}
+
+// ---------------------------------------------------------------------------------------
+// Overview
+
+/// `GET /ui/ns/{ns}/`.
+pub async fn overview(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+    Query(flash_msg): Query<Flash>,
+) -> Response {
+    flat(async {
+        let inner = overview_html(&state, &ns, &viewer).await?;
+        let body = format!(
+            "<h1>Namespace {}</h1>{}<div data-live=\"{}\">{inner}</div><p id=\"live-status\" class=\"live-status\"></p>",
+            esc(&ns),
+            flash(flash_msg.done.as_deref()),
+            esc(&ns_url(&ns, "/fragments/overview")),
+        );
+        Ok(page("Overview", Some(&ns), &viewer, &body).into_response())
+    }
+    .await)
+}
+
+/// `GET /ui/ns/{ns}/fragments/overview`: the overview's live part.
+pub async fn overview_fragment(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    flat(overview_html(&state, &ns, &viewer).await.map(|h| Html(h).into_response()))
+}
+
+/// The overview's panels, in order. A new panel (per-minute completions, workers seen)
+/// is one more function pushed here.
+async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<String, Response> {
+    let rows =
+        status_rows(&state.keel, ns, None).await.map_err(|e| store_failed(viewer, ns, &e))?;
+    let timers = state
+        .keel
+        .store()
+        .timer_status(Some(ns.to_owned()), now())
+        .await
+        .map_err(|e| store_failed(viewer, ns, &e))?;
+    let at = now();
+    let activity = crate::operate::activity(&state.keel, ns, None, at)
+        .await
+        .map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
+    // Workers seen in the last day, live ones first; those that claim from this namespace.
+    let seen = state
+        .keel
+        .store()
+        .worker_list(at.minus(std::time::Duration::from_secs(86_400)))
+        .await
+        .map_err(|e| store_failed(viewer, ns, &e))?;
+    let workers: Vec<_> = seen
+        .into_iter()
+        .filter(|w| w.namespaces.is_empty() || w.namespaces.iter().any(|n| n == ns))
+        .collect();
+    let mut out = String::new();
+    out.push_str(&totals_panel(&rows));
+    out.push_str(&health_panel(state, &rows, &activity));
+    out.push_str(&activity_panel(&activity));
+    out.push_str(&workers_panel(&workers, at));
+    out.push_str(&queues_panel(ns, &rows, viewer));
+    if !timers.is_empty() {
+        out.push_str("<h2>Timers</h2><table><tr><th>machine</th><th class=\"num\">armed</th><th class=\"num\">overdue</th><th>next due</th><th>last sweep</th></tr>");
+        for t in &timers {
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
+                esc(&t.machine),
+                t.armed,
+                t.overdue,
+                t.next_due.map(|at| time(at.0)).unwrap_or_default(),
+                t.last_sweep_at.map_or_else(|| "never".into(), |at| time(at.0)),
+            );
+        }
+        out.push_str("</table>");
+    }
+    Ok(out)
+}
+
+fn totals_panel(rows: &[StatusRow]) -> String {
+    let sum = |f: fn(&StatusRow) -> u64| rows.iter().map(f).sum::<u64>();
+    let oldest = rows.iter().filter_map(|r| r.oldest_ready_age_ms).max();
+    let paused: BTreeSet<&str> =
+        rows.iter().filter(|r| r.paused).map(|r| r.queue.as_str()).collect();
+    let card = |k: &str, v: String| {
+        format!("<div class=\"card\"><div class=\"k\">{k}</div><div class=\"v\">{v}</div></div>")
+    };
+    [
+        card("pending", sum(|r| r.ready + r.scheduled).to_string()),
+        card("running", sum(|r| r.executing).to_string()),
+        card("waiting", sum(|r| r.waiting).to_string()),
+        card("suspended", sum(|r| r.suspended).to_string()),
+        card("dead letters", sum(|r| r.dead_letters).to_string()),
+        card("oldest ready", oldest.map_or_else(|| "—".into(), age)),
+        card("paused queues", paused.len().to_string()),
+    ]
+    .into_iter()
+    .fold(String::from("<div class=\"cards\">"), |acc, c| acc + &c)
+        + "</div>"
+}
+
+/// Completed and failed per minute over the last hour, per machine, as sparklines, with
+/// the hour's totals, mean turnaround and ready work no live worker serves.
+fn activity_panel(activity: &[crate::operate::MachineActivity]) -> String {
+    let mut out = String::from("<h2>Last hour</h2>");
+    if activity.is_empty() {
+        out.push_str("<p class=\"muted\">Nothing finished or waiting in the last hour.</p>");
+        return out;
+    }
+    out.push_str("<table id=\"activity\"><tr><th>machine</th><th>completed / min</th><th class=\"num\">completed</th><th>failed / min</th><th class=\"num\">failed</th><th class=\"num\">avg time</th><th class=\"num\">ready, no worker</th></tr>");
+    for a in activity {
+        let avg = a.avg_processing_ms.map_or_else(|| "—".into(), |ms| age(ms as i64));
+        let _ = write!(
+            out,
+            "<tr data-machine=\"{m}\"><td>{m}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{avg}</td><td class=\"num\">{}</td></tr>",
+            sparkline(&a.completed_per_minute, "completed"),
+            a.completed_last_hour,
+            sparkline(&a.failed_per_minute, "failed"),
+            a.failed_last_hour,
+            a.ready_without_worker,
+            m = esc(&a.machine),
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+/// A small inline SVG line of `points` (oldest first), scaled to its own maximum.
+fn sparkline(points: &[u64], class: &str) -> String {
+    const W: f64 = 120.0;
+    const H: f64 = 24.0;
+    let max = points.iter().copied().max().unwrap_or(0).max(1) as f64;
+    let step = if points.len() > 1 { W / (points.len() - 1) as f64 } else { 0.0 };
+    let coords: Vec<String> = points
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!("{:.1},{:.1}", i as f64 * step, H - (*p as f64 / max) * (H - 2.0) - 1.0)
+        })
+        .collect();
+    let total: u64 = points.iter().sum();
+    format!(
+        "<svg class=\"spark {class}\" width=\"120\" height=\"24\" viewBox=\"0 0 120 24\" role=\"img\" aria-label=\"{total} {class} in the last hour\"><polyline fill=\"none\" points=\"{}\"/></svg>",
+        coords.join(" ")
+    )
+}
+
+/// Workers seen by heartbeat that claim from this namespace: live ones, then stale ones.
+fn workers_panel(
+    workers: &[keel_core::ports::store::WorkerRecord],
+    now: keel_core::Timestamp,
+) -> String {
+    let stale_before = now.minus(keel_core::ports::store::WORKER_STALE_AFTER);
+    let live = workers.iter().filter(|w| w.last_seen_at >= stale_before).count();
+    let mut out = format!(
+        "<h2>Workers</h2><p id=\"workers-seen\">{live} live, {} stale</p>",
+        workers.len() - live
+    );
+    if workers.is_empty() {
+        out.push_str("<p class=\"muted\">No worker has reported in the last day.</p>");
+        return out;
+    }
+    out.push_str(
+        "<table><tr><th>worker</th><th>state</th><th>last seen</th><th>machines</th></tr>",
+    );
+    let mut sorted: Vec<_> = workers.iter().collect();
+    sorted.sort_by_key(|w| (w.last_seen_at < stale_before, w.name.clone()));
+    for w in sorted {
+        let state = if w.last_seen_at >= stale_before { "live" } else { "stale" };
+        let machines: Vec<String> =
+            w.machines.iter().map(|m| format!("{} v{}", m.name, m.version)).collect();
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&w.name),
+            badge(state),
+            time(w.last_seen_at.0),
+            esc(&machines.join(", ")),
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+fn health_panel(
+    state: &AppState,
+    rows: &[StatusRow],
+    activity: &[crate::operate::MachineActivity],
+) -> String {
+    match health::evaluate(&state.config, rows, activity) {
+        Ok(findings) => {
+            let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
+            let name = serde_json::to_value(level).ok();
+            let name = name.as_ref().and_then(Value::as_str).unwrap_or("unknown");
+            let mut out = format!("<h2>Health {}</h2>", badge(name));
+            if findings.is_empty() {
+                out.push_str("<p class=\"muted\">Every configured threshold holds.</p>");
+            } else {
+                out.push_str("<table><tr><th>level</th><th>machine</th><th>check</th><th class=\"num\">value</th><th class=\"num\">threshold</th></tr>");
+                for f in findings {
+                    let v = serde_json::to_value(&f).unwrap_or_default();
+                    let text = |k: &str| match &v[k] {
+                        Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    };
+                    let _ = write!(
+                        out,
+                        "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+                        badge(&text("level")),
+                        esc(&text("machine")),
+                        esc(&text("check")),
+                        esc(&text("value")),
+                        esc(&text("threshold")),
+                    );
+                }
+                out.push_str("</table>");
+            }
+            out
+        }
+        Err(error) => format!(
+            "<h2>Health {}</h2><div class=\"error\">{}</div>",
+            badge("critical"),
+            esc(&format!("{error:#}"))
+        ),
+    }
+}
+
+fn queues_panel(ns: &str, rows: &[StatusRow], viewer: &Viewer) -> String {
+    if rows.is_empty() {
+        return "<h2>Queues and machines</h2><p class=\"muted\">No unfinished instances and no dead letters in this namespace.</p>".into();
+    }
+    let mut out = String::from(
+        "<h2>Queues and machines</h2><table id=\"queues\"><tr><th>queue</th><th>machine</th><th class=\"num\">ready</th><th class=\"num\">scheduled</th><th class=\"num\">running</th><th class=\"num\">waiting</th><th class=\"num\">suspended</th><th class=\"num\">dead letters</th><th>oldest ready</th><th>state</th><th></th></tr>",
+    );
+    for r in rows {
+        let action = match (viewer.operates(), r.queue.is_empty(), r.paused) {
+            (false, _, _) | (_, true, _) => String::new(),
+            (true, false, true) => format!(
+                "<form class=\"inline\" method=\"post\" action=\"{}\"><button data-queue=\"{}\">Resume</button></form>",
+                esc(&ns_url(ns, &format!("/queues/{}/resume", seg(&r.queue)))),
+                esc(&r.queue)
+            ),
+            (true, false, false) => format!(
+                "<form class=\"inline\" method=\"post\" action=\"{}\"><button data-queue=\"{}\">Pause</button></form>",
+                esc(&ns_url(ns, &format!("/queues/{}/pause", seg(&r.queue)))),
+                esc(&r.queue)
+            ),
+        };
+        let machine_link = ns_url(ns, &format!("/instances{}", query(&[("machine", &r.machine)])));
+        let _ = write!(
+            out,
+            "<tr data-queue=\"{q}\" data-machine=\"{m}\"><td>{q}</td><td><a href=\"{link}\">{m}</a></td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{action}</td></tr>",
+            r.ready,
+            r.scheduled,
+            r.executing,
+            r.waiting,
+            r.suspended,
+            r.dead_letters,
+            r.oldest_ready_age_ms.map(age).unwrap_or_default(),
+            if r.paused { badge("paused") } else { String::new() },
+            q = esc(&r.queue),
+            m = esc(&r.machine),
+            link = esc(&machine_link),
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+async fn set_paused(
+    state: &AppState,
+    ns: &str,
+    queue: &str,
+    paused: bool,
+    viewer: &Viewer,
+) -> Response {
+    let params =
+        QueuePauseParams { namespace: ns.to_owned(), queue: queue.to_owned(), paused, now: now() };
+    match state.keel.store().queue_pause(params).await {
+        Ok(()) => {
+            let done = format!("Queue {queue} {}.", if paused { "paused" } else { "resumed" });
+            Redirect::to(&format!("{}{}", ns_url(ns, ""), query(&[("done", &done)])))
+                .into_response()
+        }
+        Err(e) => store_or_input(viewer, ns, &e),
+    }
+}
+
+fn store_or_input(viewer: &Viewer, ns: &str, e: &StoreError) -> Response {
+    if e.kind == keel::ErrorKind::Invalid {
+        bad_input(viewer, ns, &e.message)
+    } else {
+        store_failed(viewer, ns, e)
+    }
+}
+
+/// `POST /ui/ns/{ns}/queues/{queue}/pause`.
+pub async fn pause(
+    State(state): State<Arc<AppState>>,
+    Path((ns, queue)): Path<(String, String)>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    set_paused(&state, &ns, &queue, true, &viewer).await
+}
+
+/// `POST /ui/ns/{ns}/queues/{queue}/resume`.
+pub async fn resume(
+    State(state): State<Arc<AppState>>,
+    Path((ns, queue)): Path<(String, String)>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    set_paused(&state, &ns, &queue, false, &viewer).await
+}
+
+// ---------------------------------------------------------------------------------------
+// Instances
+
+/// The instance list's filters.
+#[derive(Debug, Default, Deserialize)]
+pub struct InstanceFilters {
+    #[serde(default)]
+    machine: String,
+    #[serde(default)]
+    status: String,
+    #[serde(default)]
+    state: String,
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    before: String,
+}
+
+fn some(text: &str) -> Option<String> {
+    let text = text.trim();
+    (!text.is_empty()).then(|| text.to_owned())
+}
+
+/// `GET /ui/ns/{ns}/instances`.
+pub async fn instances(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+    Query(f): Query<InstanceFilters>,
+) -> Response {
+    let status = match some(&f.status).map(|s| s.parse::<Status>()) {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err(_)) => {
+            let names: Vec<&str> = Status::ALL.iter().map(|s| s.name()).collect();
+            return bad_input(
+                &viewer,
+                &ns,
+                &format!("status: {:?} is not a status; use one of {}", f.status, names.join(", ")),
+            );
+        }
+    };
+    let before = match some(&f.before).map(|b| b.trim_start_matches('i').parse::<i64>()) {
+        None => None,
+        Some(Ok(n)) if n > 0 => Some(InstanceId(n)),
+        Some(_) => {
+            return bad_input(&viewer, &ns, "before: not an instance id; follow the page links");
+        }
+    };
+    let params = InstanceListParams {
+        namespace: ns.clone(),
+        machine: some(&f.machine),
+        status,
+        state: some(&f.state),
+        business_key: some(&f.key),
+        before,
+        limit: INSTANCE_PAGE,
+    };
+    let rows = match state.keel.store().instance_list(params).await {
+        Ok(rows) => rows,
+        Err(e) => return store_or_input(&viewer, &ns, &e),
+    };
+    let options: String = std::iter::once(String::from("<option value=\"\">any</option>"))
+        .chain(Status::ALL.iter().map(|s| {
+            let selected = if f.status == s.name() { " selected" } else { "" };
+            format!("<option{selected}>{}</option>", s.name())
+        }))
+        .collect();
+    let mut body = format!(
+        "<h1>Instances</h1><form class=\"filters\" method=\"get\" action=\"{}\"><label>machine<input name=\"machine\" value=\"{}\"></label><label>status<select name=\"status\">{options}</select></label><label>state<input name=\"state\" value=\"{}\" placeholder=\"step or state path\"></label><label>business key<input name=\"key\" id=\"filter-key\" value=\"{}\"></label><button id=\"filter-apply\">Filter</button> <a href=\"{}\">clear</a></form>",
+        esc(&ns_url(&ns, "/instances")),
+        esc(&f.machine),
+        esc(&f.state),
+        esc(&f.key),
+        esc(&ns_url(&ns, "/instances")),
+    );
+    if rows.is_empty() {
+        body.push_str("<p class=\"muted\" id=\"no-instances\">No instance matches.</p>");
+    } else {
+        body.push_str("<table id=\"instances\"><tr><th>id</th><th>business key</th><th>machine</th><th>status</th><th>state</th><th>queue</th><th class=\"num\">attempt</th></tr>");
+        for i in &rows {
+            let _ = write!(
+                body,
+                "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{} v{}</td><td>{}</td><td><code>{}</code></td><td>{}</td><td class=\"num\">{}</td></tr>",
+                esc(&ns_url(&ns, &format!("/instances/{}", i.id.0))),
+                i.id,
+                esc(i.business_key.as_deref().unwrap_or("")),
+                esc(&i.machine.name),
+                i.machine.version,
+                badge(i.status.name()),
+                esc(&short(&i.position, 80)),
+                esc(&i.queue),
+                i.attempt,
+            );
+        }
+        body.push_str("</table>");
+    }
+    let mut pager = String::from("<div class=\"pager\">");
+    if before.is_some() {
+        let first = query(&[
+            ("machine", &f.machine),
+            ("status", &f.status),
+            ("state", &f.state),
+            ("key", &f.key),
+        ]);
+        let _ = write!(
+            pager,
+            "<a href=\"{}{}\">« newest</a>",
+            esc(&ns_url(&ns, "/instances")),
+            esc(&first)
+        );
+    }
+    if rows.len() == INSTANCE_PAGE {
+        let last = rows.last().map(|r| r.id.0.to_string()).unwrap_or_default();
+        let next = query(&[
+            ("machine", &f.machine),
+            ("status", &f.status),
+            ("state", &f.state),
+            ("key", &f.key),
+            ("before", &last),
+        ]);
+        let _ = write!(
+            pager,
+            "<a id=\"next-page\" href=\"{}{}\">older »</a>",
+            esc(&ns_url(&ns, "/instances")),
+            esc(&next)
+        );
+    }
+    pager.push_str("</div>");
+    body.push_str(&pager);
+    page("Instances", Some(&ns), &viewer, &body).into_response()
+}
+
+fn short(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        text.to_owned()
+    } else {
+        text.chars().take(max).collect::<String>() + "…"
+    }
+}
+
+async fn detail_in(
+    state: &AppState,
+    ns: &str,
+    raw: &str,
+    viewer: &Viewer,
+) -> Result<InstanceDetail, Response> {
+    let id =
+        raw.trim_start_matches('i').parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+            bad_input(
+                viewer,
+                ns,
+                &format!("id: {raw:?} is not an instance id; write a positive number such as 42"),
+            )
+        })?;
+    match state.keel.get(InstanceId(id)).await {
+        Ok(detail) if detail.instance.namespace == ns => Ok(detail),
+        Ok(_) => Err(not_found(Some(viewer))),
+        Err(e) if e.kind == keel::ErrorKind::NotFound => Err(not_found(Some(viewer))),
+        Err(e) => Err(store_failed(viewer, ns, &e)),
+    }
+}
+
+/// `GET /ui/ns/{ns}/instances/{id}`.
+pub async fn instance(
+    State(state): State<Arc<AppState>>,
+    Path((ns, id)): Path<(String, String)>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    flat(async {
+        let detail = detail_in(&state, &ns, &id, &viewer).await?;
+        let i = &detail.instance;
+        let live = instance_live(&state, &ns, &detail);
+        let body = format!(
+            "<h1>{} <small class=\"muted\">{} v{}{}</small></h1><div data-live=\"{}\">{live}</div><p id=\"live-status\" class=\"live-status\"></p>",
+            i.id,
+            esc(&i.machine.name),
+            i.machine.version,
+            i.business_key.as_deref().map(|k| format!(" · key {}", esc(k))).unwrap_or_default(),
+            esc(&ns_url(&ns, &format!("/instances/{}/fragment", i.id.0))),
+        );
+        Ok(page(&format!("Instance {}", i.id), Some(&ns), &viewer, &body).into_response())
+    }
+    .await)
+}
+
+/// `GET /ui/ns/{ns}/instances/{id}/fragment`: the instance page's live part.
+pub async fn instance_fragment(
+    State(state): State<Arc<AppState>>,
+    Path((ns, id)): Path<(String, String)>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    flat(
+        async {
+            let detail = detail_in(&state, &ns, &id, &viewer).await?;
+            Ok(Html(instance_live(&state, &ns, &detail)).into_response())
+        }
+        .await,
+    )
+}
+
+fn instance_live(state: &AppState, ns: &str, d: &InstanceDetail) -> String {
+    let i = &d.instance;
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<p>{} in queue <b>{}</b> · revision {} · attempt {}{}{}</p>",
+        badge(i.status.name()),
+        esc(&i.queue),
+        i.revision.0,
+        i.attempt,
+        i.last_error
+            .as_deref()
+            .map(|e| format!(" · last error: <code>{}</code>", esc(e)))
+            .unwrap_or_default(),
+        i.parent
+            .map(|p| format!(
+                " · parent <a href=\"{}\">{p}</a>",
+                esc(&ns_url(ns, &format!("/instances/{}", p.0)))
+            ))
+            .unwrap_or_default(),
+    );
+    out.push_str("<div class=\"grid2\"><div>");
+    match state.charts.get(&i.machine.name, i.machine.version) {
+        Some(def) => {
+            let _ = write!(
+                out,
+                "<h2>Chart</h2><div class=\"diagram\" id=\"chart\">{}</div>",
+                charts::svg(def, &i.position)
+            );
+        }
+        None => out.push_str(&position_panel(d)),
+    }
+    let _ = write!(out, "<h2>Context</h2><pre id=\"context\">{}</pre>", json(&i.context));
+    if let Some(result) = &i.result {
+        let _ = write!(out, "<h2>Result</h2><pre>{}</pre>", json(result));
+    }
+    out.push_str("</div><div>");
+    out.push_str(&inbox_panel(d));
+    out.push_str(&timers_panel(d));
+    out.push_str(&children_panel(ns, d));
+    out.push_str("</div></div>");
+    out.push_str(&history_panel(d));
+    out
+}
+
+/// Without a loaded chart: a chart's active paths, or a step machine's steps as its
+/// history shows them with the current one marked.
+fn position_panel(d: &InstanceDetail) -> String {
+    let i = &d.instance;
+    if let Ok(paths) = serde_json::from_str::<Vec<String>>(&i.position) {
+        let items: String = paths.iter().fold(String::new(), |mut out, p| {
+            let _ = write!(out, "<li><code>{}</code></li>", esc(p));
+            out
+        });
+        return format!(
+            "<h2>Active states</h2><ul id=\"active-states\">{items}</ul><p class=\"muted\">Start <code>keel serve --definitions PATH</code> with this chart's JSON definition to see it drawn.</p>"
+        );
+    }
+    let mut steps: Vec<String> = Vec::new();
+    for h in &d.history {
+        for key in ["from", "to", "step"] {
+            if let Some(s) = h.entry.data.get(key).and_then(Value::as_str)
+                && !steps.iter().any(|x| x == s)
+            {
+                steps.push(s.to_owned());
+            }
+        }
+    }
+    if !steps.contains(&i.position) {
+        steps.push(i.position.clone());
+    }
+    let items = steps.iter().take(SECTION_ROWS_MAX).fold(String::new(), |mut out, s| {
+        let class = if *s == i.position { " class=\"current\"" } else { "" };
+        let _ = write!(out, "<li{class}><code>{}</code></li>", esc(s));
+        out
+    });
+    format!(
+        "<h2>Steps</h2><ol class=\"steps\" id=\"steps\">{items}</ol><p class=\"muted\">The steps this instance has been through, as its history records them.</p>"
+    )
+}
+
+fn more(total: usize) -> String {
+    if total > SECTION_ROWS_MAX {
+        format!("<p class=\"muted\">{} more not shown.</p>", total - SECTION_ROWS_MAX)
+    } else {
+        String::new()
+    }
+}
+
+fn inbox_panel(d: &InstanceDetail) -> String {
+    if d.inbox.is_empty() {
+        return "<h2>Inbox</h2><p class=\"muted\">Empty.</p>".into();
+    }
+    let mut out = String::from(
+        "<h2>Inbox</h2><table id=\"inbox\"><tr><th>signal</th><th>event</th><th>received</th></tr>",
+    );
+    for s in d.inbox.iter().take(SECTION_ROWS_MAX) {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td><details data-key=\"s{}\"><summary>{}</summary><pre>{}</pre></details></td><td>{}</td></tr>",
+            s.id,
+            s.id,
+            esc(&s.name),
+            json(&s.payload),
+            time(s.inserted_at.0)
+        );
+    }
+    out + "</table>" + &more(d.inbox.len())
+}
+
+fn timers_panel(d: &InstanceDetail) -> String {
+    if d.timers.is_empty() {
+        return "<h2>Timers</h2><p class=\"muted\">None armed.</p>".into();
+    }
+    let mut out = String::from(
+        "<h2>Timers</h2><table id=\"timers\"><tr><th>timer</th><th>due</th><th class=\"num\">fired</th><th>spec</th></tr>",
+    );
+    for t in d.timers.iter().take(SECTION_ROWS_MAX) {
+        let spec = serde_json::to_value(&t.spec).unwrap_or_default();
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td><code>{}</code></td></tr>",
+            t.id,
+            time(t.next_fire_at.0),
+            t.fire_count,
+            esc(&short(&spec.to_string(), 120))
+        );
+    }
+    out + "</table>" + &more(d.timers.len())
+}
+
+fn children_panel(ns: &str, d: &InstanceDetail) -> String {
+    if d.children.is_empty() {
+        return "<h2>Children</h2><p class=\"muted\">None.</p>".into();
+    }
+    let mut out = String::from(
+        "<h2>Children</h2><table id=\"children\"><tr><th>child</th><th>machine</th><th>status</th><th>state</th></tr>",
+    );
+    for c in d.children.iter().take(SECTION_ROWS_MAX) {
+        let _ = write!(
+            out,
+            "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>",
+            esc(&ns_url(ns, &format!("/instances/{}", c.id.0))),
+            c.id,
+            esc(&c.machine.to_string()),
+            badge(c.status.name()),
+            esc(&short(&c.position, 80)),
+        );
+    }
+    out + "</table>" + &more(d.children.len())
+}
+
+fn history_panel(d: &InstanceDetail) -> String {
+    if d.history.is_empty() {
+        return "<h2>History</h2><p class=\"muted\">No step has run yet.</p>".into();
+    }
+    let mut out = String::from("<h2>History</h2><ol class=\"timeline\" id=\"history\">");
+    let skip = d.history.len().saturating_sub(SECTION_ROWS_MAX);
+    for h in d.history.iter().skip(skip) {
+        let _ = write!(
+            out,
+            "<li><details data-key=\"h{}\"><summary><time>{}</time> <span class=\"kind\">{}</span> <span class=\"muted\">rev {} · attempt {}</span></summary><pre>{}</pre></details></li>",
+            h.seq,
+            time(h.at.0),
+            esc(&h.entry.kind),
+            h.revision.0,
+            h.attempt,
+            json(&h.entry.data),
+        );
+    }
+    out.push_str("</ol>");
+    if skip > 0 {
+        let _ = write!(out, "<p class=\"muted\">The {skip} oldest entries are not shown.</p>");
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// Dead letters
+
+/// The dead-letter list's filters.
+#[derive(Debug, Default, Deserialize)]
+pub struct LetterFilters {
+    #[serde(default)]
+    machine: String,
+    #[serde(default)]
+    page: Option<usize>,
+    done: Option<String>,
+}
+
+/// `GET /ui/ns/{ns}/dead-letters`.
+pub async fn dead_letters(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+    Query(f): Query<LetterFilters>,
+) -> Response {
+    let page_no = f.page.unwrap_or(0).min(limits::DEAD_LETTER_BATCH_MAX / DEAD_LETTER_PAGE - 1);
+    let upto = (page_no + 1) * DEAD_LETTER_PAGE + 1;
+    let filter =
+        DeadLetterFilter { namespace: Some(ns.clone()), machine: some(&f.machine), limit: upto };
+    let letters = match state.keel.dead_letters(filter).await {
+        Ok(l) => l,
+        Err(e) => return store_or_input(&viewer, &ns, &e),
+    };
+    let shown: Vec<&DeadLetter> =
+        letters.iter().skip(page_no * DEAD_LETTER_PAGE).take(DEAD_LETTER_PAGE).collect();
+    let mut body = format!(
+        "<h1>Dead letters</h1>{}<form class=\"filters\" method=\"get\" action=\"{}\"><label>machine<input name=\"machine\" value=\"{}\"></label><button>Filter</button></form>",
+        flash(f.done.as_deref()),
+        esc(&ns_url(&ns, "/dead-letters")),
+        esc(&f.machine),
+    );
+    if shown.is_empty() {
+        body.push_str("<p class=\"muted\" id=\"no-dead-letters\">No dead letters.</p>");
+    } else {
+        let operate = viewer.operates();
+        let _ = write!(
+            body,
+            "<form method=\"post\" action=\"{}\" id=\"selected\"><table id=\"dead-letters\"><tr><th></th><th>id</th><th>instance</th><th>machine</th><th>at</th><th>reason</th><th class=\"num\">attempts</th><th>last error</th><th>recorded</th><th></th></tr>",
+            esc(&ns_url(&ns, "/dead-letters/retry"))
+        );
+        let mut machines = BTreeMap::new();
+        for d in &shown {
+            *machines.entry(d.letter.machine.name.clone()).or_insert(0usize) += 1;
+            let retry = if operate {
+                format!(
+                    "<button class=\"retry-one\" data-id=\"{}\" formaction=\"{}\">Retry</button>",
+                    d.id.0,
+                    esc(&ns_url(&ns, &format!("/dead-letters/{}/retry", d.id.0)))
+                )
+            } else {
+                String::new()
+            };
+            let _ = write!(
+                body,
+                "<tr data-dead-letter=\"{id}\"><td><input type=\"checkbox\" name=\"ids\" value=\"{id}\"></td><td><a href=\"{}\">{}</a></td><td><a href=\"{}\">{}</a></td><td>{}</td><td><code>{}</code></td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td>{retry}</td></tr>",
+                esc(&ns_url(&ns, &format!("/dead-letters/{}", d.id.0))),
+                d.id,
+                esc(&ns_url(&ns, &format!("/instances/{}", d.letter.instance.0))),
+                d.letter.instance,
+                esc(&d.letter.machine.to_string()),
+                esc(&short(&d.letter.position, 60)),
+                esc(&d.letter.reason),
+                d.letter.attempts,
+                esc(&short(
+                    &d.letter.errors.last().map(|e| e.error.clone()).unwrap_or_default(),
+                    120
+                )),
+                time(d.created_at.0),
+                id = d.id.0,
+            );
+        }
+        body.push_str("</table>");
+        if operate {
+            body.push_str("<p><button id=\"retry-selected\">Retry selected</button></p>");
+        }
+        body.push_str("</form>");
+        let mut pager = String::from("<div class=\"pager\">");
+        if page_no > 0 {
+            let prev = (page_no - 1).to_string();
+            let _ = write!(
+                pager,
+                "<a href=\"{}{}\">« previous</a>",
+                esc(&ns_url(&ns, "/dead-letters")),
+                esc(&query(&[("machine", &f.machine), ("page", &prev)]))
+            );
+        }
+        if letters.len() > upto - 1 {
+            let next = (page_no + 1).to_string();
+            let _ = write!(
+                pager,
+                "<a id=\"next-page\" href=\"{}{}\">next »</a>",
+                esc(&ns_url(&ns, "/dead-letters")),
+                esc(&query(&[("machine", &f.machine), ("page", &next)]))
+            );
+        }
+        body.push_str(&pager);
+        body.push_str("</div>");
+        if operate {
+            body.push_str("<h2>Retry every dead letter of a machine</h2><p>");
+            for m in machines.keys() {
+                let _ = write!(
+                    body,
+                    "<form class=\"inline\" method=\"post\" action=\"{}\" data-confirm=\"Retry every dead letter of {m} in this namespace?\"><input type=\"hidden\" name=\"machine\" value=\"{m}\"><button>Retry all of {m}</button></form> ",
+                    esc(&ns_url(&ns, "/dead-letters/retry-machine")),
+                    m = esc(m),
+                );
+            }
+            body.push_str("</p>");
+        }
+    }
+    if viewer.operates() {
+        let _ = write!(
+            body,
+            "<h2>Purge</h2><form method=\"post\" action=\"{}\" data-confirm=\"Delete these dead letters for good?\"><p>Delete this namespace's dead letters older than <input name=\"older_than\" value=\"7d\" size=\"8\"> (the instances stay suspended). <label><input type=\"checkbox\" name=\"confirm\" value=\"yes\" required> I understand this cannot be undone</label> <button class=\"danger\">Purge</button></p></form>",
+            esc(&ns_url(&ns, "/dead-letters/purge"))
+        );
+    }
+    page("Dead letters", Some(&ns), &viewer, &body).into_response()
+}
+
+fn letter_id(raw: &str) -> Option<DeadLetterId> {
+    raw.trim().trim_start_matches("dl").parse::<i64>().ok().filter(|n| *n > 0).map(DeadLetterId)
+}
+
+async fn letter_in(
+    state: &AppState,
+    ns: &str,
+    raw: &str,
+    viewer: &Viewer,
+) -> Result<DeadLetter, Response> {
+    let id = letter_id(raw).ok_or_else(|| {
+        bad_input(
+            viewer,
+            ns,
+            &format!("id: {raw:?} is not a dead letter id; write a positive number such as 3"),
+        )
+    })?;
+    match state.keel.store().dead_letter_get(id).await {
+        Ok(d) if d.letter.namespace == ns => Ok(d),
+        Ok(_) => Err(not_found(Some(viewer))),
+        Err(e) if e.kind == keel::ErrorKind::NotFound => Err(not_found(Some(viewer))),
+        Err(e) => Err(store_failed(viewer, ns, &e)),
+    }
+}
+
+/// `GET /ui/ns/{ns}/dead-letters/{id}`.
+pub async fn dead_letter(
+    State(state): State<Arc<AppState>>,
+    Path((ns, id)): Path<(String, String)>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    flat(async {
+        let d = letter_in(&state, &ns, &id, &viewer).await?;
+        let l = &d.letter;
+        let mut body = format!(
+            "<h1>Dead letter {}</h1><p>Instance <a href=\"{}\">{}</a> ({}) at <code>{}</code>: {} after {} attempt(s); first {} · last {}.</p>",
+            d.id,
+            esc(&ns_url(&ns, &format!("/instances/{}", l.instance.0))),
+            l.instance,
+            esc(&l.machine.to_string()),
+            esc(&l.position),
+            esc(&l.reason),
+            l.attempts,
+            time(l.first_attempt_at.0),
+            time(l.last_attempt_at.0),
+        );
+        if viewer.operates() {
+            let _ = write!(
+                body,
+                "<form method=\"post\" action=\"{}\"><button>Retry now</button></form>",
+                esc(&ns_url(&ns, &format!("/dead-letters/{}/retry", d.id.0)))
+            );
+        }
+        let _ = write!(
+            body,
+            "<h2>Event</h2><pre>{}</pre><p>correlation: {}</p><h2>Errors</h2><table><tr><th class=\"num\">attempt</th><th>at</th><th>error</th></tr>",
+            l.event.as_ref().map_or_else(|| "none (a step failed)".into(), json),
+            esc(l.correlation_id.as_deref().unwrap_or("none")),
+        );
+        for e in l.errors.iter().take(SECTION_ROWS_MAX) {
+            let _ = write!(body, "<tr><td class=\"num\">{}</td><td>{}</td><td><pre>{}</pre></td></tr>", e.attempt, time(e.at.0), esc(&e.error));
+        }
+        body.push_str("</table>");
+        Ok(page(&format!("Dead letter {}", d.id), Some(&ns), &viewer, &body).into_response())
+    }
+    .await)
+}
+
+fn back_to_letters(ns: &str, done: &str) -> Response {
+    Redirect::to(&format!("{}{}", ns_url(ns, "/dead-letters"), query(&[("done", done)])))
+        .into_response()
+}
+
+/// `POST /ui/ns/{ns}/dead-letters/{id}/retry`.
+pub async fn retry_one(
+    State(state): State<Arc<AppState>>,
+    Path((ns, id)): Path<(String, String)>,
+    Extension(viewer): Extension<Viewer>,
+) -> Response {
+    flat(
+        async {
+            let d = letter_in(&state, &ns, &id, &viewer).await?;
+            let retried = state
+                .keel
+                .dead_letter_retry(DeadLetterRetry::one(d.id))
+                .await
+                .map_err(|e| store_or_input(&viewer, &ns, &e))?;
+            Ok(back_to_letters(&ns, &format!("Retried {} ({}).", d.id, list(&retried))))
+        }
+        .await,
+    )
+}
+
+fn list(ids: &[InstanceId]) -> String {
+    if ids.is_empty() {
+        "no instance".into()
+    } else {
+        ids.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// `POST /ui/ns/{ns}/dead-letters/retry` with `ids=…` (repeated).
+pub async fn retry_selected(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    flat(async {
+        let raw: Vec<String> = form.into_iter().filter(|(k, _)| k == "ids").map(|(_, v)| v).collect();
+        if raw.is_empty() {
+            return Err(bad_input(&viewer, &ns, "ids: tick at least one dead letter to retry"));
+        }
+        if raw.len() > RETRY_SELECTED_MAX {
+            return Err(bad_input(&viewer, &ns, &format!("ids: at most {RETRY_SELECTED_MAX} at once; use \"retry all of a machine\" for more")));
+        }
+        // Check every one before retrying any, so a bad id changes nothing.
+        let mut letters = Vec::with_capacity(raw.len());
+        for id in &raw {
+            letters.push(letter_in(&state, &ns, id, &viewer).await?);
+        }
+        let mut retried = Vec::new();
+        for d in letters {
+            retried.extend(
+                state
+                    .keel
+                    .dead_letter_retry(DeadLetterRetry::one(d.id))
+                    .await
+                    .map_err(|e| store_or_input(&viewer, &ns, &e))?,
+            );
+        }
+        Ok(back_to_letters(&ns, &format!("Retried {} dead letter(s): {}.", raw.len(), list(&retried))))
+    }
+    .await)
+}
+
+fn field(form: &[(String, String)], name: &str) -> String {
+    form.iter().find(|(k, _)| k == name).map(|(_, v)| v.trim().to_owned()).unwrap_or_default()
+}
+
+/// `POST /ui/ns/{ns}/dead-letters/retry-machine` with `machine=…`.
+pub async fn retry_machine(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    flat(
+        async {
+            let machine = field(&form, "machine");
+            if machine.is_empty() {
+                return Err(bad_input(
+                    &viewer,
+                    &ns,
+                    "machine: name the machine whose dead letters to retry",
+                ));
+            }
+            let mut retried = Vec::new();
+            for _ in 0..ROUNDS_MAX {
+                let batch = state
+                    .keel
+                    .dead_letter_retry(DeadLetterRetry::machine(&machine).namespace(&ns))
+                    .await
+                    .map_err(|e| store_or_input(&viewer, &ns, &e))?;
+                let last = batch.len() < limits::DEAD_LETTER_BATCH_MAX;
+                retried.extend(batch);
+                if last {
+                    break;
+                }
+            }
+            Ok(back_to_letters(
+                &ns,
+                &format!("Retried {} instance(s) of {machine}.", retried.len()),
+            ))
+        }
+        .await,
+    )
+}
+
+/// `POST /ui/ns/{ns}/dead-letters/purge` with `older_than=…&confirm=yes`: this
+/// namespace's dead letters older than the age, machine by machine.
+pub async fn purge(
+    State(state): State<Arc<AppState>>,
+    Path(ns): Path<String>,
+    Extension(viewer): Extension<Viewer>,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    flat(
+        async {
+            if field(&form, "confirm") != "yes" {
+                return Err(bad_input(
+                    &viewer,
+                    &ns,
+                    "confirm: tick the box to confirm; purged dead letters cannot be restored",
+                ));
+            }
+            let older = field(&form, "older_than");
+            let age = duration::parse(&older)
+                .map_err(|e| bad_input(&viewer, &ns, &format!("older_than: {e}")))?;
+            let cutoff = keel_core::Timestamp(
+                now().0.saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX)),
+            );
+            let mut machines = BTreeSet::new();
+            let filter = DeadLetterFilter {
+                namespace: Some(ns.clone()),
+                machine: None,
+                limit: limits::DEAD_LETTER_BATCH_MAX,
+            };
+            for d in state
+                .keel
+                .dead_letters(filter)
+                .await
+                .map_err(|e| store_or_input(&viewer, &ns, &e))?
+            {
+                machines.insert(d.letter.machine.name);
+            }
+            let mut purged = 0;
+            for machine in machines.into_iter().take(ROUNDS_MAX) {
+                let params = DeadLetterPurgeParams {
+                    selector: Some(DeadLetterSelector::Machine { namespace: ns.clone(), machine }),
+                    older_than: Some(cutoff),
+                };
+                purged += state
+                    .keel
+                    .store()
+                    .dead_letter_purge(params)
+                    .await
+                    .map_err(|e| store_or_input(&viewer, &ns, &e))?;
+            }
+            Ok(back_to_letters(
+                &ns,
+                &format!("Purged {purged} dead letter(s) older than {}.", duration::format(age)),
+            ))
+        }
+        .await,
+    )
+}
