@@ -19,6 +19,7 @@ pub mod outcome;
 pub mod plan;
 pub mod ports;
 pub mod retry;
+pub mod schedule;
 pub mod time;
 pub mod timers;
 
