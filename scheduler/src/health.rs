@@ -31,6 +31,8 @@ pub enum WorkerLoop {
     Sweeper,
     /// Receives queue hints and claims their instances (only with a queue).
     Hints,
+    /// Fires the worker's schedules (only with schedules).
+    Schedules,
 }
 
 impl WorkerLoop {
@@ -44,6 +46,7 @@ impl WorkerLoop {
             WorkerLoop::Stats => "stats",
             WorkerLoop::Sweeper => "sweeper",
             WorkerLoop::Hints => "hints",
+            WorkerLoop::Schedules => "schedules",
         }
     }
 }

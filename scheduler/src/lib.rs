@@ -16,6 +16,7 @@ pub mod clock;
 pub mod health;
 pub mod machine;
 pub mod migrate;
+pub mod schedules;
 pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
@@ -26,4 +27,5 @@ pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
 pub use migrate::{Migrate, MigrationReport};
+pub use schedules::{ScheduleCounts, Schedules, UnknownSchedule};
 pub use worker::{HintConfig, HintStats, Worker, WorkerConfig, WorkerHandle, worker_id_for};

@@ -46,6 +46,7 @@ use tracing::Instrument;
 // worker's internals without widening their visibility.
 #[path = "queue.rs"]
 mod queue;
+use crate::schedules::Schedules;
 pub use queue::{HintConfig, HintStats};
 
 /// How a worker runs. Every field has a bound or a default that is one.
@@ -92,6 +93,9 @@ pub struct WorkerConfig {
     /// Wake on the store's ready notifications (`Store::ready_wait`); `false` relies on
     /// polling alone (the correctness path, and what benchmarks compare against).
     pub notifications: bool,
+    /// Schedules this worker fires (none by default). Every worker that serves a schedule
+    /// fires each tick it sees; the tick's key keeps one.
+    pub schedules: Schedules,
 }
 
 impl Default for WorkerConfig {
@@ -112,6 +116,7 @@ impl Default for WorkerConfig {
             timers: Some(SweepConfig::default()),
             stats_interval: Some(Duration::from_secs(15)),
             notifications: true,
+            schedules: Schedules::default(),
         }
     }
 }
@@ -255,13 +260,18 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// # Panics
     ///
-    /// When `config.timers` is invalid ([`SweepConfig::validate`]).
+    /// When `config.timers` is invalid ([`SweepConfig::validate`]), or `config.schedules`
+    /// is ([`keel_core::schedule::check_schedules`]).
     pub fn spawn(self) -> WorkerHandle {
         if let Some(timers) = &self.config.timers
             && let Err(e) = timers.validate()
         {
             panic!("invalid worker timer configuration: {e}");
         }
+        if let Err(e) = keel_core::schedule::check_schedules(self.config.schedules.schedules()) {
+            panic!("invalid worker schedules: {e}");
+        }
+        let schedules = self.config.schedules.clone();
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());
         let health = Arc::new(HealthBook::default());
@@ -278,7 +288,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             hints: self.hints,
         });
         let join = tokio::spawn(run(inner, shutdown_rx));
-        WorkerHandle { shutdown: shutdown_tx, join, stats, health }
+        WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules }
     }
 }
 
@@ -288,9 +298,15 @@ pub struct WorkerHandle {
     join: JoinHandle<()>,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
+    schedules: Schedules,
 }
 
 impl WorkerHandle {
+    /// The worker's schedules: pause, resume, list with next fire times, counts.
+    pub fn schedules(&self) -> &Schedules {
+        &self.schedules
+    }
+
     /// The worker's counters.
     pub fn stats(&self) -> &Arc<WorkerStats> {
         &self.stats
@@ -369,6 +385,12 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
             sweeper.run(stop)
         })
     });
+    let scheduler = (!inner.config.schedules.schedules().is_empty()).then(|| {
+        spawn_loop(&inner, WorkerLoop::Schedules, &shutdown, |inner, stop| {
+            let schedules = inner.config.schedules.clone();
+            schedules.run(Arc::clone(&inner.store), inner.clock.clone(), stop)
+        })
+    });
     let sampler = inner.config.stats_interval.map(|every| {
         spawn_loop(&inner, WorkerLoop::Stats, &shutdown, move |inner, stop| {
             stats_loop(inner, every, stop)
@@ -397,7 +419,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     let _ = committer.await;
     let _ = heartbeat.await;
     let _ = reaper.await;
-    for task in [sweeper, sampler].into_iter().flatten() {
+    for task in [sweeper, scheduler, sampler].into_iter().flatten() {
         let _ = task.await;
     }
 }
