@@ -26,6 +26,7 @@ use keel_core::instance::{
 };
 use keel_core::limits;
 use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
+use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
@@ -38,6 +39,7 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
+    PrunePage, PruneParams,
     QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
     StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
@@ -431,6 +433,36 @@ impl State {
             );
         }
         MigratePage { items: plan.items, last }
+    }
+
+    // ----- pruning ----------------------------------------------------------------------
+
+    fn prune(&mut self, p: &PruneParams) -> PrunePage {
+        let start = p.after.map_or(InstanceId(i64::MIN), |a| InstanceId(a.0.saturating_add(1)));
+        let read: Vec<PruneCandidate> = self
+            .rows
+            .range(start..)
+            .take(p.limit)
+            .map(|(_, r)| PruneCandidate {
+                id: r.id,
+                namespace: r.namespace.clone(),
+                machine: r.machine.name.clone(),
+                status: r.status,
+                updated_at: r.updated_at,
+                parent_live: r
+                    .parent
+                    .and_then(|parent| self.rows.get(&parent))
+                    .is_some_and(|parent| !parent.status.is_terminal()),
+            })
+            .collect();
+        let mut page = PrunePage { last: read.last().map(|c| c.id), ..PrunePage::default() };
+        for id in plan::prune::page(p, &read) {
+            let (history, signals) = self.remove_instance(id);
+            page.instances += 1;
+            page.history += history;
+            page.signals += signals;
+        }
+        page
     }
 
     // ----- cancel -----------------------------------------------------------------------

@@ -37,6 +37,7 @@ mod leases;
 mod migration;
 mod operations;
 mod outcomes;
+mod retention;
 mod signals;
 mod timers;
 mod uniqueness;
@@ -51,6 +52,7 @@ pub use leases::*;
 pub use migration::*;
 pub use operations::*;
 pub use outcomes::*;
+pub use retention::*;
 pub use signals::*;
 pub use timers::*;
 pub use uniqueness::*;
@@ -147,6 +149,8 @@ macro_rules! __store_contract_list {
             timers_dropped_with_terminal_instances,
             timer_status_and_queue_stats,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
+            prune_deletes_exactly_the_instances_ended_before_the_cutoff,
+            prune_refuses_a_page_size_out_of_bounds,
             claim_by_ids_takes_only_the_named_ready_instances,
         }
     };

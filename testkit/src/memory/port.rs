@@ -6,7 +6,7 @@ use super::{
     CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
+    MemoryStore, MigratePage, MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
     SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
     StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
     Timestamp, async_trait, commit, limits,
@@ -65,6 +65,12 @@ impl Store for MemoryStore {
         let page = self.state().migrate(&params);
         self.hint_timers(Some(params.now));
         self.wake(Ok(page))
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        params.validate()?;
+        let page = self.state().prune(&params);
+        Ok(page)
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
