@@ -16,7 +16,9 @@ use crate::output::{Report, table, time};
 /// Lists the configured schedules at the current time.
 pub fn run(cli: &Cli) -> anyhow::Result<Report> {
     if cli.config.is_none() {
-        bail!("--config: name the keel.toml whose [schedules.<name>] sections to list (or set KEEL_CONFIG)");
+        bail!(
+            "--config: name the keel.toml whose [schedules.<name>] sections to list (or set KEEL_CONFIG)"
+        );
     }
     let config = crate::health::read_config(cli)?;
     let schedules = config.schedules()?;

@@ -180,8 +180,7 @@ impl Schedule {
     ) -> Result<Self, ScheduleError> {
         let name = name.into();
         let fail = |field, reason: String| ScheduleError { name: name.clone(), field, reason };
-        if name.is_empty() || name.len() > SCHEDULE_NAME_MAX || name.chars().any(char::is_control)
-        {
+        if name.is_empty() || name.len() > SCHEDULE_NAME_MAX || name.chars().any(char::is_control) {
             return Err(fail(
                 "name",
                 format!(
@@ -350,8 +349,7 @@ pub fn check_schedules(schedules: &[Schedule]) -> Result<(), ScheduleError> {
             return Err(ScheduleError {
                 name: s.name.clone(),
                 field: "name",
-                reason: "two schedules have this name; rename one (the name keys its ticks)"
-                    .into(),
+                reason: "two schedules have this name; rename one (the name keys its ticks)".into(),
             });
         }
     }
@@ -483,9 +481,15 @@ impl ScheduleConfig {
         let path = |field: &str| format!("schedules.{name}.{field}");
         let action = match (&self.start, &self.broadcast) {
             (Some(start), None) => {
-                let mut new = NewInstance::new(MachineRef::new(&start.machine, start.version), &start.at)
-                    .namespace(start.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE))
-                    .context(start.context.clone().unwrap_or_else(|| Value::Object(Default::default())));
+                let mut new =
+                    NewInstance::new(MachineRef::new(&start.machine, start.version), &start.at)
+                        .namespace(start.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE))
+                        .context(
+                            start
+                                .context
+                                .clone()
+                                .unwrap_or_else(|| Value::Object(Default::default())),
+                        );
                 if let Some(queue) = &start.queue {
                     new = new.queue(queue);
                 }
@@ -641,7 +645,10 @@ mod tests {
         assert_eq!(new.context, serde_json::json!({ "kind": "daily" }));
         let renewals = &schedules[1];
         assert!(renewals.is_paused());
-        assert_eq!(renewals.info(ts(T0), false).action, "broadcast renew to subscription in active");
+        assert_eq!(
+            renewals.info(ts(T0), false).action,
+            "broadcast renew to subscription in active"
+        );
     }
 
     #[test]

@@ -8,9 +8,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage, PruneParams,
+    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
+    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -166,6 +166,10 @@ impl Store for AnyStore {
 
     async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
         self.0.instance_migrate(params).await
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        self.0.instance_prune(params).await
     }
 
     async fn timer_status(

@@ -61,7 +61,11 @@ pub struct UnknownSchedule(pub String);
 
 impl std::fmt::Display for UnknownSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "no schedule named {:?} on this worker; `list()` shows the names it serves", self.0)
+        write!(
+            f,
+            "no schedule named {:?} on this worker; `list()` shows the names it serves",
+            self.0
+        )
     }
 }
 

@@ -15,9 +15,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage, PruneParams,
+    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
+    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -365,6 +365,10 @@ impl Store for SqliteStore {
         self.hint_timers(Some(params.now));
         self.wake();
         Ok(page)
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        write_tx!(self, |db| ops::prune(db, &params))
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

@@ -26,10 +26,10 @@ use keel_core::instance::{
 };
 use keel_core::limits;
 use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
-use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
+use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
 };
@@ -38,10 +38,10 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSelector,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams,
-    PrunePage, PruneParams,
-    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams,
-    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage,
+    PruneParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -453,6 +453,8 @@ impl State {
                     .parent
                     .and_then(|parent| self.rows.get(&parent))
                     .is_some_and(|parent| !parent.status.is_terminal()),
+                has_children: self.children.get(&r.id).is_some_and(|c| !c.is_empty()),
+                has_dead_letters: self.dead_letters.values().any(|d| d.letter.instance == r.id),
             })
             .collect();
         let mut page = PrunePage { last: read.last().map(|c| c.id), ..PrunePage::default() };

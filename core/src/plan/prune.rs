@@ -2,10 +2,15 @@
 //! timers.
 //!
 //! The read set is the page's rows in id order, each with whether its parent is still
-//! live. An instance is prunable when it is terminal, its last change is before the
-//! cutoff, it is in the page's scope (namespace, machines, exceptions), and it is not the
-//! child of a live parent: a parent reads its children's results when it wakes, so a
-//! child stays until its parent ended too (or is gone).
+//! live, whether it still has children and whether dead letters still name it. An
+//! instance is prunable when it is terminal, its last change is before the cutoff, it is
+//! in the page's scope (namespace, machines, exceptions), and nothing still refers to it:
+//!
+//! - not the child of a live parent: a parent reads its children's results when it wakes,
+//!   so a child stays until its parent ended too (or is gone);
+//! - no children left: a parent goes in a pass after its children (they have larger ids,
+//!   so they come later in a pass), and never leaves a child pointing at nothing;
+//! - no dead letters: they are kept for their own retention and name their instance.
 
 use crate::ids::{InstanceId, Status};
 use crate::ports::store::PruneParams;
@@ -26,6 +31,10 @@ pub struct PruneCandidate {
     pub updated_at: Timestamp,
     /// It has a parent that exists and is not terminal.
     pub parent_live: bool,
+    /// Some of its children still exist.
+    pub has_children: bool,
+    /// Some dead letters still name it.
+    pub has_dead_letters: bool,
 }
 
 /// The ids of `read` to delete, in id order.
@@ -38,6 +47,8 @@ pub fn prunable(p: &PruneParams, c: &PruneCandidate) -> bool {
     c.status.is_terminal()
         && c.updated_at < p.ended_before
         && !c.parent_live
+        && !c.has_children
+        && !c.has_dead_letters
         && p.namespace.as_ref().is_none_or(|ns| *ns == c.namespace)
         && (p.machines.is_empty() || p.machines.contains(&c.machine))
         && !p.except.contains(&c.machine)
@@ -58,36 +69,49 @@ mod tests {
         }
     }
 
-    /// One row: (status, updated_at, parent_live, namespace, machine) → prunable.
-    fn check(status: Status, at: i64, parent_live: bool, ns: &str, machine: &str, expected: bool) {
-        let c = PruneCandidate {
+    /// Refers: a live parent (`p`), children left (`c`), dead letters (`d`).
+    fn refs(c: &mut PruneCandidate, refs: &str) {
+        c.parent_live = refs.contains('p');
+        c.has_children = refs.contains('c');
+        c.has_dead_letters = refs.contains('d');
+    }
+
+    /// One row: (status, updated_at, what refers to it, namespace, machine) → prunable.
+    fn check(status: Status, at: i64, referred: &str, ns: &str, machine: &str, expected: bool) {
+        let mut c = PruneCandidate {
             id: InstanceId(1),
             namespace: ns.into(),
             machine: machine.into(),
             status,
             updated_at: Timestamp::from_millis(at),
-            parent_live,
+            parent_live: false,
+            has_children: false,
+            has_dead_letters: false,
         };
+        refs(&mut c, referred);
         assert_eq!(prunable(&params(), &c), expected, "{c:?}");
     }
 
     #[test]
     fn what_is_prunable() {
         use Status::{AwaitingSignal, Cancelled, Done, Failed, Runnable, Suspended};
-        check(Done, 999, false, "ns", "m", true);
-        check(Failed, 0, false, "ns", "m", true);
-        check(Cancelled, 999, false, "ns", "m", true);
+        check(Done, 999, "", "ns", "m", true);
+        check(Failed, 0, "", "ns", "m", true);
+        check(Cancelled, 999, "", "ns", "m", true);
         // Ended at or after the cutoff: kept.
-        check(Done, 1_000, false, "ns", "m", false);
+        check(Done, 1_000, "", "ns", "m", false);
         // Not terminal, however old: kept.
-        check(Runnable, 0, false, "ns", "m", false);
-        check(AwaitingSignal, 0, false, "ns", "m", false);
-        check(Suspended, 0, false, "ns", "m", false);
-        // A child whose parent may still read its result: kept.
-        check(Done, 0, true, "ns", "m", false);
+        check(Runnable, 0, "", "ns", "m", false);
+        check(AwaitingSignal, 0, "", "ns", "m", false);
+        check(Suspended, 0, "", "ns", "m", false);
+        // Still referred to: a live parent may read it, its children point at it, or its
+        // dead letters name it.
+        check(Done, 0, "p", "ns", "m", false);
+        check(Done, 0, "c", "ns", "m", false);
+        check(Cancelled, 0, "d", "ns", "m", false);
         // Out of scope: another namespace, or a machine with a retention of its own.
-        check(Done, 0, false, "other", "m", false);
-        check(Done, 0, false, "ns", "kept", false);
+        check(Done, 0, "", "other", "m", false);
+        check(Done, 0, "", "ns", "kept", false);
     }
 
     #[test]
@@ -100,7 +124,12 @@ mod tests {
             status: Status::Done,
             updated_at: Timestamp::from_millis(0),
             parent_live: false,
+            has_children: false,
+            has_dead_letters: false,
         };
-        assert_eq!(page(&p, &[row(1, "a"), row(2, "b"), row(3, "a")]), [InstanceId(1), InstanceId(3)]);
+        assert_eq!(
+            page(&p, &[row(1, "a"), row(2, "b"), row(3, "a")]),
+            [InstanceId(1), InstanceId(3)]
+        );
     }
 }

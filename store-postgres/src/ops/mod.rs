@@ -7,6 +7,7 @@ mod commit;
 mod insert;
 mod lease;
 mod migrate;
+mod prune;
 mod signal;
 mod timer;
 
@@ -22,9 +23,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
-    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
-    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage, PruneParams,
+    QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams, Store,
+    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -225,6 +226,11 @@ impl Store for PgStore {
     async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
         params.validate()?;
         in_tx!(self, |c| migrate::run(c, &params, &self.channel))
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        params.validate()?;
+        in_tx!(self, |c| prune::run(c, &params))
     }
 
     async fn instance_change_wait(&self) {

@@ -150,6 +150,7 @@ macro_rules! __store_contract_list {
             timer_status_and_queue_stats,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             prune_deletes_exactly_the_instances_ended_before_the_cutoff,
+            prune_keeps_an_instance_its_dead_letters_name,
             prune_refuses_a_page_size_out_of_bounds,
             claim_by_ids_takes_only_the_named_ready_instances,
         }

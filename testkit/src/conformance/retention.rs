@@ -1,14 +1,18 @@
 //! Retention: pages of `instance_prune` delete exactly the terminal instances that ended
 //! before the cutoff (with their history and inbox), page by id within the page bound,
-//! keep live instances, other namespaces and the children a live parent may still read,
-//! and free the unique keys the pruned rows held.
+//! keep live instances, other namespaces, the children a live parent may still read, a
+//! parent until its children are gone and an instance its dead letters name, and free the
+//! unique keys the pruned rows held.
 
-use super::support::{at, claim_id, claim_params, ctx, done, expect_kind, insert_one, new_in, step};
+use super::support::{
+    at, claim_id, claim_params, ctx, done, expect_kind, insert_one, new_in, step, suspend,
+};
 use keel_core::ids::{InstanceId, StatusSet};
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    CancelParams, InsertOutcome, InsertParams, LeaseReleaseParams, PrunePage, PruneParams,
+    CancelParams, DeadLetterPurgeParams, DeadLetterSelector, InsertOutcome, InsertParams,
+    LeaseReleaseParams, PrunePage, PruneParams,
 };
 use keel_core::{ErrorKind, Timestamp, limits};
 
@@ -76,7 +80,8 @@ pub async fn prune_deletes_exactly_the_instances_ended_before_the_cutoff<S: Stor
     let mut params = claim_params(ns, 100, at(145));
     params.queues = vec!["default".into()];
     let claims = super::support::claim(s, params).await;
-    let others = claims.iter().filter(|c| c.instance.id != child).map(|c| (c.instance.id, c.token()));
+    let others =
+        claims.iter().filter(|c| c.instance.id != child).map(|c| (c.instance.id, c.token()));
     let leases = others.collect();
     s.lease_release(LeaseReleaseParams { leases, now: at(145) }).await.expect("release");
     let c = claims.iter().find(|c| c.instance.id == child).expect("child claimable");
@@ -111,14 +116,43 @@ pub async fn prune_deletes_exactly_the_instances_ended_before_the_cutoff<S: Stor
     assert!(gone(s, d200).await && gone(s, d300).await);
     assert!(!gone(s, child).await, "still protected by its live parent");
 
-    // The parent ends (cancelled at 400): now both it and its child are prunable.
-    s.instance_cancel(CancelParams { id: parent, reason: "done".into(), cascade: false, now: at(400) })
+    // The parent ends (cancelled at 400): its child goes in the next pass, the parent (still
+    // pointed at by the child when the pass read it) in the pass after.
+    s.instance_cancel(CancelParams {
+        id: parent,
+        reason: "done".into(),
+        cascade: false,
+        now: at(400),
+    })
+    .await
+    .expect("cancel");
+    let (instances, _) = total(&pass(s, ns, at(1_000), 1_000).await);
+    assert_eq!(instances, 1, "the child first");
+    assert!(gone(s, child).await && !gone(s, parent).await);
+    let (instances, _) = total(&pass(s, ns, at(1_000), 1_000).await);
+    assert_eq!(instances, 1, "then the parent");
+    assert!(gone(s, parent).await);
+    assert!(!gone(s, live).await && !gone(s, elsewhere).await);
+}
+
+/// An instance that dead letters still name stays until they are purged (they have their
+/// own retention); then it goes like any other.
+pub async fn prune_keeps_an_instance_its_dead_letters_name<S: Store>(s: &S) {
+    let ns = "prune_dead_letters";
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, id, at(5)).await;
+    let letter = suspend(s, &claimed, "boom", vec![], at(10)).await;
+    s.instance_cancel(CancelParams { id, reason: "gave up".into(), cascade: false, now: at(20) })
         .await
         .expect("cancel");
-    let (instances, _) = total(&pass(s, ns, at(1_000), 1_000).await);
-    assert_eq!(instances, 2, "the parent and its child");
-    assert!(gone(s, parent).await && gone(s, child).await);
-    assert!(!gone(s, live).await && !gone(s, elsewhere).await);
+    let (instances, _) = total(&pass(s, ns, at(1_000), 10).await);
+    assert_eq!(instances, 0, "kept while its dead letter exists");
+    let purge =
+        DeadLetterPurgeParams { selector: Some(DeadLetterSelector::Id(letter)), older_than: None };
+    s.dead_letter_purge(purge).await.expect("purge");
+    let (instances, _) = total(&pass(s, ns, at(1_000), 10).await);
+    assert_eq!(instances, 1, "pruned once its dead letter is gone");
+    assert!(gone(s, id).await);
 }
 
 /// The page size is bounded on both sides, and a bad page changes nothing.

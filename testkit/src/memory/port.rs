@@ -6,10 +6,10 @@ use super::{
     CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MemoryStore, MigratePage, MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    Timestamp, async_trait, commit, limits,
+    MemoryStore, MigratePage, MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams,
+    QueueState, QueueStats, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
+    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, async_trait, commit, limits,
 };
 
 #[async_trait]
