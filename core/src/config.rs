@@ -643,6 +643,8 @@ pub struct KeelConfig {
     pub parallel_dispatch: PartialParallelConfig,
     /// Schedules by name (`[schedules.<name>]`).
     pub schedules: BTreeMap<String, crate::schedule::ScheduleConfig>,
+    /// How long ended instances are kept (`[retention]`).
+    pub retention: crate::retention::RetentionConfig,
 }
 
 impl KeelConfig {
@@ -673,6 +675,7 @@ impl KeelConfig {
                     .validate(&format!("machines.{machine_name}.events.{event_name}.queue"))?;
             }
         }
+        self.retention.validate()?;
         self.schedules().map(drop)
     }
 

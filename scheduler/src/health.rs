@@ -33,6 +33,8 @@ pub enum WorkerLoop {
     Hints,
     /// Fires the worker's schedules (only with schedules).
     Schedules,
+    /// Applies retention (only with a retention configuration).
+    Pruner,
 }
 
 impl WorkerLoop {
@@ -47,6 +49,7 @@ impl WorkerLoop {
             WorkerLoop::Sweeper => "sweeper",
             WorkerLoop::Hints => "hints",
             WorkerLoop::Schedules => "schedules",
+            WorkerLoop::Pruner => "pruner",
         }
     }
 }

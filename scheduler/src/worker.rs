@@ -46,7 +46,9 @@ use tracing::Instrument;
 // worker's internals without widening their visibility.
 #[path = "queue.rs"]
 mod queue;
+use crate::prune::{DeadLetterRetention, PruneCounts, PruneStats, Pruner};
 use crate::schedules::Schedules;
+use keel_core::retention::RetentionConfig;
 pub use queue::{HintConfig, HintStats};
 
 /// How a worker runs. Every field has a bound or a default that is one.
@@ -93,6 +95,10 @@ pub struct WorkerConfig {
     /// Wake on the store's ready notifications (`Store::ready_wait`); `false` relies on
     /// polling alone (the correctness path, and what benchmarks compare against).
     pub notifications: bool,
+    /// Retention this worker applies (`None` = no pruner). The default prunes dead letters
+    /// after each registered machine's `dead_letter.retention` and keeps ended instances
+    /// forever (set `ended` to prune them).
+    pub retention: Option<RetentionConfig>,
     /// Schedules this worker fires (none by default). Every worker that serves a schedule
     /// fires each tick it sees; the tick's key keeps one.
     pub schedules: Schedules,
@@ -116,6 +122,7 @@ impl Default for WorkerConfig {
             timers: Some(SweepConfig::default()),
             stats_interval: Some(Duration::from_secs(15)),
             notifications: true,
+            retention: Some(RetentionConfig::default()),
             schedules: Schedules::default(),
         }
     }
@@ -271,7 +278,38 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         if let Err(e) = keel_core::schedule::check_schedules(self.config.schedules.schedules()) {
             panic!("invalid worker schedules: {e}");
         }
+        if let Some(retention) = &self.config.retention
+            && let Err(e) = retention.validate()
+        {
+            panic!("invalid worker retention: {e}");
+        }
         let schedules = self.config.schedules.clone();
+        let pruned = Arc::new(PruneStats::default());
+        let pruner = self.config.retention.clone().map(|config| {
+            let namespaces = if self.config.namespaces.is_empty() {
+                vec![keel_core::ids::DEFAULT_NAMESPACE.to_owned()]
+            } else {
+                self.config.namespaces.clone()
+            };
+            let mut dead_letters = Vec::new();
+            for (machine, m) in &self.machines {
+                for namespace in &namespaces {
+                    dead_letters.push(DeadLetterRetention {
+                        namespace: namespace.clone(),
+                        machine: machine.name.clone(),
+                        keep: m.config().dead_letter.retention,
+                    });
+                }
+            }
+            dead_letters
+                .sort_by(|a, b| (&a.namespace, &a.machine).cmp(&(&b.namespace, &b.machine)));
+            dead_letters.dedup_by(|a, b| a.namespace == b.namespace && a.machine == b.machine);
+            let namespace = match self.config.namespaces.as_slice() {
+                [one] => Some(one.clone()),
+                _ => None,
+            };
+            Pruner { config, namespace, dead_letters, stats: Arc::clone(&pruned) }
+        });
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());
         let health = Arc::new(HealthBook::default());
@@ -287,8 +325,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             health: Arc::clone(&health),
             hints: self.hints,
         });
-        let join = tokio::spawn(run(inner, shutdown_rx));
-        WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules }
+        let join = tokio::spawn(run(inner, shutdown_rx, pruner));
+        WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned }
     }
 }
 
@@ -299,9 +337,15 @@ pub struct WorkerHandle {
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
     schedules: Schedules,
+    pruned: Arc<PruneStats>,
 }
 
 impl WorkerHandle {
+    /// What the worker's pruner removed so far.
+    pub fn pruned(&self) -> PruneCounts {
+        self.pruned.counts()
+    }
+
     /// The worker's schedules: pause, resume, list with next fire times, counts.
     pub fn schedules(&self) -> &Schedules {
         &self.schedules
@@ -358,7 +402,11 @@ const COMMIT_TRIES: u32 = 5;
 /// leaves them to expire.
 const RECLAIM_TRIES: u32 = 5;
 
-async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watch::Receiver<bool>) {
+async fn run<S: Store, C: Clock + Clone>(
+    inner: Arc<Inner<S, C>>,
+    shutdown: watch::Receiver<bool>,
+    pruner: Option<Pruner>,
+) {
     // A restarted worker first takes back what it held before it crashed, before it
     // claims anything new under the same id.
     reclaim_own_leases(&inner).await;
@@ -391,6 +439,11 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
             schedules.run(Arc::clone(&inner.store), inner.clock.clone(), stop)
         })
     });
+    let pruner = pruner.map(|pruner| {
+        spawn_loop(&inner, WorkerLoop::Pruner, &shutdown, move |inner, stop| {
+            pruner.clone().run(Arc::clone(&inner.store), inner.clock.clone(), stop)
+        })
+    });
     let sampler = inner.config.stats_interval.map(|every| {
         spawn_loop(&inner, WorkerLoop::Stats, &shutdown, move |inner, stop| {
             stats_loop(inner, every, stop)
@@ -419,7 +472,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     let _ = committer.await;
     let _ = heartbeat.await;
     let _ = reaper.await;
-    for task in [sweeper, scheduler, sampler].into_iter().flatten() {
+    for task in [sweeper, scheduler, pruner, sampler].into_iter().flatten() {
         let _ = task.await;
     }
 }
