@@ -14,11 +14,14 @@
 //! - `parallel`: a parallel state whose regions sleep 500 ms and 200 ms — event → `@done`
 //!   inline and dispatched, and the dispatch overhead;
 //! - `start`: single start p50 / p99, bulk start rate, and the process's memory with a
-//!   worker holding 10 000 parked instances.
+//!   worker holding 10 000 parked instances;
+//! - `prune` (PostgreSQL only): pruning N ended instances while claiming — claim latency
+//!   p50 / p99 / max before and during pruning.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
 mod http;
+mod prune;
 mod queues;
 mod report;
 mod scenarios;
@@ -56,6 +59,9 @@ struct Cli {
     /// Worker-protocol steps for `http` (default 5 000).
     #[arg(long, default_value_t = 5_000)]
     http_steps: usize,
+    /// Ended instances for `prune` (default 1 000 000).
+    #[arg(long, default_value_t = 1_000_000)]
+    prune_instances: usize,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -76,6 +82,8 @@ enum Scenario {
     Start,
     /// `keel serve`: events and worker-protocol steps per second over HTTP.
     Http,
+    /// Pruning ended instances on PostgreSQL: claim latency before and during.
+    Prune,
 }
 
 #[tokio::main]
@@ -103,6 +111,7 @@ async fn main() -> Result<()> {
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
             Scenario::Start => starts::start(&store, cli.instances).await?,
             Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
+            Scenario::Prune => prune::prune(&store, cli.prune_instances).await?,
         };
         report.print();
         let suffix = match (scenario, cli.queue) {
