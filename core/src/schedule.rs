@@ -118,7 +118,7 @@ impl fmt::Debug for Schedule {
             .field("action", &self.action)
             .field("missed", &self.missed)
             .field("paused", &self.paused)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -488,7 +488,7 @@ impl ScheduleConfig {
                             start
                                 .context
                                 .clone()
-                                .unwrap_or_else(|| Value::Object(Default::default())),
+                                .unwrap_or_else(|| Value::Object(serde_json::Map::default())),
                         );
                 if let Some(queue) = &start.queue {
                     new = new.queue(queue);
@@ -500,7 +500,10 @@ impl ScheduleConfig {
                 machine: b.machine.clone(),
                 in_state: b.state.clone(),
                 event: b.event.clone(),
-                payload: b.payload.clone().unwrap_or_else(|| Value::Object(Default::default())),
+                payload: b
+                    .payload
+                    .clone()
+                    .unwrap_or_else(|| Value::Object(serde_json::Map::default())),
             }),
             _ => {
                 return Err(ConfigError::Invalid {

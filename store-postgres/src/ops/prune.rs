@@ -52,16 +52,16 @@ pub(crate) async fn run<C: GenericClient + Sync>(c: &C, p: &PruneParams) -> OpRe
     let mut page = PrunePage { last: read.last().map(|c| c.id), ..PrunePage::default() };
     let ids: Vec<i64> = plan::prune::page(p, &read).into_iter().map(|id| id.0).collect();
     if !ids.is_empty() {
-        let (h, s, t, i) = tokio::join!(
+        let (history, signals, timers, instances) = tokio::join!(
             c.prepare_cached(HISTORY),
             c.prepare_cached(SIGNALS),
             c.prepare_cached(TIMERS),
             c.prepare_cached(INSTANCES)
         );
-        page.history = c.execute(&h?, &[&ids]).await?;
-        page.signals = c.execute(&s?, &[&ids]).await?;
-        c.execute(&t?, &[&ids]).await?;
-        page.instances = c.execute(&i?, &[&ids]).await?;
+        page.history = c.execute(&history?, &[&ids]).await?;
+        page.signals = c.execute(&signals?, &[&ids]).await?;
+        c.execute(&timers?, &[&ids]).await?;
+        page.instances = c.execute(&instances?, &[&ids]).await?;
     }
     end_tx(c, None).await?;
     Ok(page)
