@@ -17,10 +17,13 @@
 //!   worker holding 10 000 parked instances;
 //! - `ui`: the dashboard's pages with `--ui-instances` (default 100 000) instances in the
 //!   store — p50 / p99 / max per page.
+//! - `prune` (PostgreSQL only): pruning N ended instances while claiming — claim latency
+//!   p50 / p99 / max before and during pruning.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
 mod http;
+mod prune;
 mod queues;
 mod report;
 mod scenarios;
@@ -62,6 +65,9 @@ struct Cli {
     /// Instances in the store for `ui` (default 100 000).
     #[arg(long, default_value_t = 100_000)]
     ui_instances: usize,
+    /// Ended instances for `prune` (default 1 000 000).
+    #[arg(long, default_value_t = 1_000_000)]
+    prune_instances: usize,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -84,6 +90,8 @@ enum Scenario {
     Http,
     /// The dashboard's page times with many instances in the store.
     Ui,
+    /// Pruning ended instances on PostgreSQL: claim latency before and during.
+    Prune,
 }
 
 #[tokio::main]
@@ -112,6 +120,7 @@ async fn main() -> Result<()> {
             Scenario::Start => starts::start(&store, cli.instances).await?,
             Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
             Scenario::Ui => ui::ui(&store, cli.ui_instances).await?,
+            Scenario::Prune => prune::prune(&store, cli.prune_instances).await?,
         };
         report.print();
         let suffix = match (scenario, cli.queue) {

@@ -28,6 +28,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         return crate::operate::graph(machine, *format, definitions, *version);
     }
     let migrate = matches!(cli.command, Command::Migrate);
+    if matches!(cli.command, Command::Schedules) {
+        return crate::schedules_cmd::run(&cli);
+    }
     if matches!(cli.command, Command::Health) {
         let keel = crate::health::connect(&cli).await?;
         return crate::health::run(&keel, &cli).await;
@@ -62,7 +65,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             crate::operate::purge(&keel, ns, &machine, pending, confirm).await
         }
         Command::Upgrade(args) => crate::operate::upgrade(&keel, ns, args).await,
-        Command::Health | Command::Serve { .. } | Command::Graph { .. } => {
+        Command::Health | Command::Serve { .. } | Command::Graph { .. } | Command::Schedules => {
             unreachable!("handled above")
         }
     }

@@ -11,6 +11,7 @@ pub mod exit;
 pub mod health;
 pub mod operate;
 pub mod output;
+pub mod schedules_cmd;
 pub mod serve;
 
 use std::path::PathBuf;
@@ -78,6 +79,8 @@ pub enum Command {
     },
     /// Start an instance of a machine.
     Start(StartArgs),
+    /// The schedules of the `--config` file with their next fire times.
+    Schedules,
     /// Send an event to an instance.
     Send {
         /// An instance id (`i42` or `42`) or `machine:key`.

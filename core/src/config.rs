@@ -666,6 +666,10 @@ pub struct KeelConfig {
     pub machines: BTreeMap<String, MachineConfig>,
     /// System-level parallel dispatch defaults (`[parallel_dispatch]`).
     pub parallel_dispatch: PartialParallelConfig,
+    /// Schedules by name (`[schedules.<name>]`).
+    pub schedules: BTreeMap<String, crate::schedule::ScheduleConfig>,
+    /// How long ended instances are kept (`[retention]`).
+    pub retention: crate::retention::RetentionConfig,
 }
 
 impl KeelConfig {
@@ -696,7 +700,13 @@ impl KeelConfig {
                     .validate(&format!("machines.{machine_name}.events.{event_name}.queue"))?;
             }
         }
-        Ok(())
+        self.retention.validate()?;
+        self.schedules().map(drop)
+    }
+
+    /// The schedules of `[schedules.<name>]`, checked and ready to serve.
+    pub fn schedules(&self) -> Result<Vec<crate::schedule::Schedule>, ConfigError> {
+        self.schedules.iter().map(|(name, s)| s.to_schedule(name)).collect()
     }
 
     /// The merged, not yet resolved levels for a machine and optionally one of its events.

@@ -18,7 +18,9 @@ mod names;
 pub mod outcome;
 pub mod plan;
 pub mod ports;
+pub mod retention;
 pub mod retry;
+pub mod schedule;
 pub mod time;
 pub mod timers;
 

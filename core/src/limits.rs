@@ -5,6 +5,8 @@
 pub const INSERT_BATCH_MAX: usize = 10_000;
 /// Most instances one page of a chart version migration reads.
 pub const MIGRATE_BATCH_MAX: usize = 1_000;
+/// Most instances one page of `instance_prune` reads (and so deletes).
+pub const PRUNE_BATCH_MAX: usize = 10_000;
 /// Most rows one `instance_claim` call may return.
 pub const CLAIM_BATCH_MAX: usize = 1_000;
 /// Most step results one `step_commit` call may carry.

@@ -149,6 +149,9 @@ pub use serde_json::{Value, json};
 pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
 pub use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
+pub use keel_core::schedule::{
+    BroadcastAction, MissedTicks, Schedule, ScheduleAction, ScheduleError, ScheduleInfo,
+};
 pub use keel_core::{
     ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Status, StatusSet,
     StoreError, StoreResult,
@@ -156,7 +159,8 @@ pub use keel_core::{
 pub use keel_scheduler::worker::WorkerStats;
 pub use keel_scheduler::{
     ActionContext, Broadcast, Cancel, ChartMachine, DeadLetterRetry, Ended, NonRetryable,
-    StateValue, StepContext, StepError, StepMachine, SweepConfig, WorkerConfig, WorkerHandle,
+    Schedules, StateValue, StepContext, StepError, StepMachine, SweepConfig, WorkerConfig,
+    WorkerHandle,
 };
 
 /// The layers under this crate, for what it does not re-export: the pure semantics

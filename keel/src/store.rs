@@ -9,9 +9,9 @@ use keel_core::ports::store::{
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -178,6 +178,10 @@ impl Store for AnyStore {
 
     async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
         self.0.instance_migrate(params).await
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        self.0.instance_prune(params).await
     }
 
     async fn timer_status(

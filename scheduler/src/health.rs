@@ -31,6 +31,10 @@ pub enum WorkerLoop {
     Sweeper,
     /// Receives queue hints and claims their instances (only with a queue).
     Hints,
+    /// Fires the worker's schedules (only with schedules).
+    Schedules,
+    /// Applies retention (only with a retention configuration).
+    Pruner,
 }
 
 impl WorkerLoop {
@@ -44,6 +48,8 @@ impl WorkerLoop {
             WorkerLoop::Stats => "stats",
             WorkerLoop::Sweeper => "sweeper",
             WorkerLoop::Hints => "hints",
+            WorkerLoop::Schedules => "schedules",
+            WorkerLoop::Pruner => "pruner",
         }
     }
 }

@@ -16,6 +16,8 @@ pub mod clock;
 pub mod health;
 pub mod machine;
 pub mod migrate;
+pub mod prune;
+pub mod schedules;
 pub mod worker;
 
 pub use chart::{ActionContext, ChartMachine};
@@ -26,4 +28,6 @@ pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
 pub use migrate::{Migrate, MigrationReport};
+pub use prune::{PruneCounts, Pruner};
+pub use schedules::{ScheduleCounts, Schedules, UnknownSchedule};
 pub use worker::{HintConfig, HintStats, Worker, WorkerConfig, WorkerHandle, worker_id_for};

@@ -46,6 +46,9 @@ use tracing::Instrument;
 // worker's internals without widening their visibility.
 #[path = "queue.rs"]
 mod queue;
+use crate::prune::{DeadLetterRetention, PruneCounts, PruneStats, Pruner};
+use crate::schedules::Schedules;
+use keel_core::retention::RetentionConfig;
 pub use queue::{HintConfig, HintStats};
 
 // Armed timers follow the deployed definition (a one-shot pass at start-up).
@@ -96,6 +99,13 @@ pub struct WorkerConfig {
     /// Wake on the store's ready notifications (`Store::ready_wait`); `false` relies on
     /// polling alone (the correctness path, and what benchmarks compare against).
     pub notifications: bool,
+    /// Retention this worker applies (`None` = no pruner). The default prunes dead letters
+    /// after each registered machine's `dead_letter.retention` and keeps ended instances
+    /// forever (set `ended` to prune them).
+    pub retention: Option<RetentionConfig>,
+    /// Schedules this worker fires (none by default). Every worker that serves a schedule
+    /// fires each tick it sees; the tick's key keeps one.
+    pub schedules: Schedules,
 }
 
 impl Default for WorkerConfig {
@@ -116,6 +126,8 @@ impl Default for WorkerConfig {
             timers: Some(SweepConfig::default()),
             stats_interval: Some(Duration::from_secs(15)),
             notifications: true,
+            retention: Some(RetentionConfig::default()),
+            schedules: Schedules::default(),
         }
     }
 }
@@ -261,13 +273,49 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// # Panics
     ///
-    /// When `config.timers` is invalid ([`SweepConfig::validate`]).
+    /// When `config.timers` is invalid ([`SweepConfig::validate`]), or `config.schedules`
+    /// is ([`keel_core::schedule::check_schedules`]).
     pub fn spawn(self) -> WorkerHandle {
         if let Some(timers) = &self.config.timers
             && let Err(e) = timers.validate()
         {
             panic!("invalid worker timer configuration: {e}");
         }
+        if let Err(e) = keel_core::schedule::check_schedules(self.config.schedules.schedules()) {
+            panic!("invalid worker schedules: {e}");
+        }
+        if let Some(retention) = &self.config.retention
+            && let Err(e) = retention.validate()
+        {
+            panic!("invalid worker retention: {e}");
+        }
+        let schedules = self.config.schedules.clone();
+        let pruned = Arc::new(PruneStats::default());
+        let pruner = self.config.retention.clone().map(|config| {
+            let namespaces = if self.config.namespaces.is_empty() {
+                vec![keel_core::ids::DEFAULT_NAMESPACE.to_owned()]
+            } else {
+                self.config.namespaces.clone()
+            };
+            let mut dead_letters = Vec::new();
+            for (machine, m) in &self.machines {
+                for namespace in &namespaces {
+                    dead_letters.push(DeadLetterRetention {
+                        namespace: namespace.clone(),
+                        machine: machine.name.clone(),
+                        keep: m.config().dead_letter.retention,
+                    });
+                }
+            }
+            dead_letters
+                .sort_by(|a, b| (&a.namespace, &a.machine).cmp(&(&b.namespace, &b.machine)));
+            dead_letters.dedup_by(|a, b| a.namespace == b.namespace && a.machine == b.machine);
+            let namespace = match self.config.namespaces.as_slice() {
+                [one] => Some(one.clone()),
+                _ => None,
+            };
+            Pruner { config, namespace, dead_letters, stats: Arc::clone(&pruned) }
+        });
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());
         let health = Arc::new(HealthBook::default());
@@ -285,8 +333,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             health: Arc::clone(&health),
             hints: self.hints,
         });
-        let join = tokio::spawn(run(inner, shutdown_rx));
-        WorkerHandle { shutdown: shutdown_tx, join, stats, health }
+        let join = tokio::spawn(run(inner, shutdown_rx, pruner));
+        WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned }
     }
 }
 
@@ -296,9 +344,21 @@ pub struct WorkerHandle {
     join: JoinHandle<()>,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
+    schedules: Schedules,
+    pruned: Arc<PruneStats>,
 }
 
 impl WorkerHandle {
+    /// What the worker's pruner removed so far.
+    pub fn pruned(&self) -> PruneCounts {
+        self.pruned.counts()
+    }
+
+    /// The worker's schedules: pause, resume, list with next fire times, counts.
+    pub fn schedules(&self) -> &Schedules {
+        &self.schedules
+    }
+
     /// The worker's counters.
     pub fn stats(&self) -> &Arc<WorkerStats> {
         &self.stats
@@ -350,7 +410,11 @@ const COMMIT_TRIES: u32 = 5;
 /// leaves them to expire.
 const RECLAIM_TRIES: u32 = 5;
 
-async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watch::Receiver<bool>) {
+async fn run<S: Store, C: Clock + Clone>(
+    inner: Arc<Inner<S, C>>,
+    shutdown: watch::Receiver<bool>,
+    pruner: Option<Pruner>,
+) {
     // A restarted worker first takes back what it held before it crashed, before it
     // claims anything new under the same id.
     reclaim_own_leases(&inner).await;
@@ -376,6 +440,17 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
                 Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config.clone())
                     .expect("validated by Worker::spawn");
             sweeper.run(stop)
+        })
+    });
+    let scheduler = (!inner.config.schedules.schedules().is_empty()).then(|| {
+        spawn_loop(&inner, WorkerLoop::Schedules, &shutdown, |inner, stop| {
+            let schedules = inner.config.schedules.clone();
+            schedules.run(Arc::clone(&inner.store), inner.clock.clone(), stop)
+        })
+    });
+    let pruner = pruner.map(|pruner| {
+        spawn_loop(&inner, WorkerLoop::Pruner, &shutdown, move |inner, stop| {
+            pruner.clone().run(Arc::clone(&inner.store), inner.clock.clone(), stop)
         })
     });
     let sampler = inner.config.stats_interval.map(|every| {
@@ -407,7 +482,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     let _ = committer.await;
     let _ = heartbeat.await;
     let _ = reaper.await;
-    for task in [sweeper, sampler].into_iter().flatten() {
+    for task in [sweeper, scheduler, pruner, sampler].into_iter().flatten() {
         let _ = task.await;
     }
 }

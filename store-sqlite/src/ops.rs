@@ -17,6 +17,7 @@ use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
+use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
 };
@@ -24,8 +25,8 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MigratePage, MigrateParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
-    TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
+    MigratePage, MigrateParams, PrunePage, PruneParams, SignalBroadcastParams, SignalDeliverParams,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -614,6 +615,62 @@ pub(crate) async fn migrate(db: &mut Db<'_>, p: &MigrateParams) -> StoreResult<M
         }
     }
     Ok(MigratePage { items: plan.items, last })
+}
+
+/// One page of pruning: read the page's rows with what still refers to them, let
+/// `plan::prune` decide, delete each chosen instance with its history, inbox and timers.
+pub(crate) async fn prune(db: &mut Db<'_>, p: &PruneParams) -> StoreResult<PrunePage> {
+    p.validate()?;
+    let rows = sqlx::query(
+        "SELECT i.id, i.namespace, i.machine, i.status, i.updated_at, \
+           EXISTS (SELECT 1 FROM keel_instances q WHERE q.id = i.parent_id \
+                   AND q.status NOT IN ('done', 'failed', 'cancelled')) AS parent_live, \
+           EXISTS (SELECT 1 FROM keel_instances c WHERE c.parent_id = i.id) AS has_children, \
+           EXISTS (SELECT 1 FROM keel_dead_letters d WHERE d.instance_id = i.id) AS has_dead \
+         FROM keel_instances i WHERE i.id > ? ORDER BY i.id LIMIT ?",
+    )
+    .bind(p.after.map_or(i64::MIN, |a| a.0))
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading instances to prune"))?;
+    let mut read = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let status: String = r.try_get("status").map_err(db.err("reading a status"))?;
+        read.push(PruneCandidate {
+            id: InstanceId(r.try_get("id").map_err(db.err("reading an id"))?),
+            namespace: r.try_get("namespace").map_err(db.err("reading a namespace"))?,
+            machine: r.try_get("machine").map_err(db.err("reading a machine"))?,
+            status: status.parse::<Status>().map_err(|e| corrupt(db.file, "status", e))?,
+            updated_at: Timestamp(r.try_get("updated_at").map_err(db.err("reading a time"))?),
+            parent_live: r.try_get("parent_live").map_err(db.err("reading a parent"))?,
+            has_children: r.try_get("has_children").map_err(db.err("reading children"))?,
+            has_dead_letters: r.try_get("has_dead").map_err(db.err("reading dead letters"))?,
+        });
+    }
+    let mut page = PrunePage { last: read.last().map(|c| c.id), ..PrunePage::default() };
+    for id in plan::prune::page(p, &read) {
+        let history = sqlx::query("DELETE FROM keel_history WHERE instance_id = ?")
+            .bind(id.0)
+            .execute(&mut *db.conn)
+            .await
+            .map_err(db.err("pruning history"))?;
+        let signals = sqlx::query("DELETE FROM keel_signals WHERE target_id = ?")
+            .bind(id.0)
+            .execute(&mut *db.conn)
+            .await
+            .map_err(db.err("pruning signals"))?;
+        db.timers_drop(id).await?;
+        sqlx::query("DELETE FROM keel_instances WHERE id = ?")
+            .bind(id.0)
+            .execute(&mut *db.conn)
+            .await
+            .map_err(db.err("pruning an instance"))?;
+        page.instances += 1;
+        page.history += history.rows_affected();
+        page.signals += signals.rows_affected();
+    }
+    Ok(page)
 }
 
 async fn write_planned(db: &mut Db<'_>, w: &RowWrite, now: Timestamp) -> StoreResult<InstanceId> {

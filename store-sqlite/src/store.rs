@@ -16,9 +16,10 @@ use keel_core::ports::store::{
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
+    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{
@@ -369,6 +370,10 @@ impl Store for SqliteStore {
         self.hint_timers(Some(params.now));
         self.wake();
         Ok(page)
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        write_tx!(self, |db| ops::prune(db, &params))
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

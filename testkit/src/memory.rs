@@ -29,6 +29,7 @@ use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
+use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
 };
@@ -38,9 +39,10 @@ use keel_core::ports::store::{
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MigratePage, MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    MigratePage, MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
+    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -450,6 +452,38 @@ impl State {
             );
         }
         MigratePage { items: plan.items, last }
+    }
+
+    // ----- pruning ----------------------------------------------------------------------
+
+    fn prune(&mut self, p: &PruneParams) -> PrunePage {
+        let start = p.after.map_or(InstanceId(i64::MIN), |a| InstanceId(a.0.saturating_add(1)));
+        let read: Vec<PruneCandidate> = self
+            .rows
+            .range(start..)
+            .take(p.limit)
+            .map(|(_, r)| PruneCandidate {
+                id: r.id,
+                namespace: r.namespace.clone(),
+                machine: r.machine.name.clone(),
+                status: r.status,
+                updated_at: r.updated_at,
+                parent_live: r
+                    .parent
+                    .and_then(|parent| self.rows.get(&parent))
+                    .is_some_and(|parent| !parent.status.is_terminal()),
+                has_children: self.children.get(&r.id).is_some_and(|c| !c.is_empty()),
+                has_dead_letters: self.dead_letters.values().any(|d| d.letter.instance == r.id),
+            })
+            .collect();
+        let mut page = PrunePage { last: read.last().map(|c| c.id), ..PrunePage::default() };
+        for id in plan::prune::page(p, &read) {
+            let (history, signals) = self.remove_instance(id);
+            page.instances += 1;
+            page.history += history;
+            page.signals += signals;
+        }
+        page
     }
 
     // ----- cancel -----------------------------------------------------------------------

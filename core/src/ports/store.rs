@@ -232,6 +232,56 @@ impl MigrateParams {
     }
 }
 
+/// One page of pruning: the instances with ids above `after`, in id order, at most `limit`
+/// of them, are read, and those [`plan::prune`](crate::plan::prune) finds prunable (ended
+/// before `ended_before`, in scope, and not a child its live parent may still read) are
+/// deleted with their history, inbox and timers, in one transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PruneParams {
+    /// Only this namespace (`None` = every namespace).
+    pub namespace: Option<String>,
+    /// Only these machine names (empty = every machine).
+    pub machines: Vec<String>,
+    /// Of these, not these machine names (machines with a retention of their own).
+    pub except: Vec<String>,
+    /// Terminal instances whose last change is before this time are pruned.
+    pub ended_before: Timestamp,
+    /// Continue after this id (`None` = from the start).
+    pub after: Option<InstanceId>,
+    /// Most instances this page reads.
+    pub limit: usize,
+}
+
+impl PruneParams {
+    /// Checks the page size and the names.
+    pub fn validate(&self) -> StoreResult<()> {
+        if self.limit == 0 {
+            return Err(StoreError::invalid("prune.limit: must be at least 1"));
+        }
+        check_batch("prune.limit", self.limit, limits::PRUNE_BATCH_MAX)?;
+        if let Some(ns) = &self.namespace {
+            check_name("prune.namespace", ns)?;
+        }
+        for m in self.machines.iter().chain(&self.except) {
+            check_name("prune.machines", m)?;
+        }
+        Ok(())
+    }
+}
+
+/// What one prune page deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrunePage {
+    /// Instances deleted.
+    pub instances: u64,
+    /// History rows deleted with them.
+    pub history: u64,
+    /// Inbox rows deleted with them.
+    pub signals: u64,
+    /// The last id read: pass it as `after` for the next page (`None`: nothing was left).
+    pub last: Option<InstanceId>,
+}
+
 /// What one migration page did (or, in a dry run, would do) to each instance it read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MigratePage {
@@ -1058,6 +1108,15 @@ pub trait Store: Send + Sync + 'static {
         let _ = seen_since;
         Err(StoreError::invalid(
             "worker_list: this store keeps no worker registry; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// One page of pruning ended instances ([`PruneParams`]). A store without its own
+    /// implementation refuses (a wrapper store forwards it).
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "instance_prune: this store cannot prune instances; use MemoryStore, SQLite or PostgreSQL",
         ))
     }
 

@@ -8,6 +8,7 @@ mod insert;
 mod lease;
 mod migrate;
 mod operate;
+mod prune;
 mod signal;
 mod timer;
 
@@ -24,10 +25,10 @@ use keel_core::ports::store::{
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams, TimerRetimePage,
-    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams,
-    WorkerRecord,
+    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams,
+    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -228,6 +229,11 @@ impl Store for PgStore {
     async fn instance_migrate(&self, params: MigrateParams) -> StoreResult<MigratePage> {
         params.validate()?;
         in_tx!(self, |c| migrate::run(c, &params, &self.channel))
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        params.validate()?;
+        in_tx!(self, |c| prune::run(c, &params))
     }
 
     async fn instance_change_wait(&self) {

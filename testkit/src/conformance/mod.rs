@@ -38,6 +38,7 @@ mod migration;
 mod operations;
 mod outcomes;
 mod registry;
+mod retention;
 mod signals;
 mod timers;
 mod uniqueness;
@@ -53,6 +54,7 @@ pub use migration::*;
 pub use operations::*;
 pub use outcomes::*;
 pub use registry::*;
+pub use retention::*;
 pub use signals::*;
 pub use timers::*;
 pub use uniqueness::*;
@@ -154,6 +156,9 @@ macro_rules! __store_contract_list {
             timer_status_and_queue_stats,
             timers_follow_a_deployed_duration,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
+            prune_deletes_exactly_the_instances_ended_before_the_cutoff,
+            prune_keeps_an_instance_its_dead_letters_name,
+            prune_refuses_a_page_size_out_of_bounds,
             claim_by_ids_takes_only_the_named_ready_instances,
             instance_list_pages_newest_first_with_filters,
             instance_activity_counts_ended_instances_per_bucket,

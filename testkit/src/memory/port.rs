@@ -7,10 +7,11 @@ use super::{
     DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
-    MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats, SignalBroadcastParams,
-    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait, commit, limits,
+    MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
+    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
+    StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
+    TimerSweepParams, TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait,
+    commit, limits,
 };
 
 #[async_trait]
@@ -66,6 +67,12 @@ impl Store for MemoryStore {
         let page = self.state().migrate(&params);
         self.hint_timers(Some(params.now));
         self.wake(Ok(page))
+    }
+
+    async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
+        params.validate()?;
+        let page = self.state().prune(&params);
+        Ok(page)
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

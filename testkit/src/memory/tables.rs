@@ -184,6 +184,32 @@ impl State {
     }
 
     /// A terminal instance has no timers.
+    /// Deletes an instance and everything kept for it (index entries, inbox, dedup keys,
+    /// history, timers); returns the history and inbox rows removed.
+    pub(super) fn remove_instance(&mut self, id: InstanceId) -> (u64, u64) {
+        let Some(row) = self.rows.remove(&id) else { return (0, 0) };
+        self.unindex(&row);
+        if let Some(parent) = row.parent
+            && let Some(children) = self.children.get_mut(&parent)
+        {
+            children.retain(|c| *c != id);
+            if children.is_empty() {
+                self.children.remove(&parent);
+            }
+        }
+        if let Some(key) = &row.business_key {
+            let k = (row.namespace.clone(), row.machine.name.clone(), key.clone());
+            if self.business_keys.get(&k) == Some(&id) {
+                self.business_keys.remove(&k);
+            }
+        }
+        let signals = self.inbox.remove(&id).map_or(0, |inbox| inbox.len() as u64);
+        self.dedup.retain(|(target, _), _| *target != id);
+        let history = self.history.remove(&id).map_or(0, |h| h.len() as u64);
+        self.timers_drop(id);
+        (history, signals)
+    }
+
     pub(super) fn timers_drop(&mut self, id: InstanceId) {
         for timer in self.timers_of.remove(&id).unwrap_or_default() {
             self.timers.remove(&timer);

@@ -1,0 +1,678 @@
+//! Schedules: a cron pattern read in a time zone that, at each of its ticks, starts an
+//! instance or broadcasts an event to the instances of a machine in a state.
+//!
+//! The rules live here as plain functions of `now` and what a runner remembers, so every
+//! worker decides the same thing:
+//!
+//! - **Which tick is due** ([`Schedule::poll`]): the latest tick at or before `now` that
+//!   this runner has not yet passed. Ticks that fell due while the runner was alive but
+//!   busy collapse into that one tick: a schedule never fires a burst.
+//! - **Missed ticks** (the runner just started, so it cannot know what happened while no
+//!   worker ran): [`MissedTicks::Skip`] fires nothing until the next tick;
+//!   [`MissedTicks::CatchUp`] fires the latest past tick once.
+//! - **Exactly once across workers**: every runner that sees a tick fires it under the same
+//!   key ([`Schedule::tick_key`]): the uniqueness key of the started instance (occupied in
+//!   every status, so a finished run still holds it) or the dedup key of the broadcast
+//!   event. The store's uniqueness rule makes the second firing a no-op.
+//! - **Paused** schedules pass over their ticks; resuming fires nothing for the ticks
+//!   passed while paused.
+
+use crate::config::ConfigError;
+use crate::ids::{DEFAULT_NAMESPACE, MachineRef, StatusSet};
+use crate::instance::NewInstance;
+use crate::time::Timestamp;
+use croner::Cron;
+use jiff::tz::TimeZone;
+use serde::Deserialize;
+use serde_json::Value;
+use std::fmt;
+
+/// Most schedules one runner serves; each poll looks at each of them once.
+pub const SCHEDULES_MAX: usize = 1_000;
+
+/// Longest schedule name, in bytes (the name is part of every tick key).
+pub const SCHEDULE_NAME_MAX: usize = 100;
+
+crate::names::name_enum! {
+    /// What a runner that just started does about the ticks that fell while no worker ran.
+    #[derive(Default)]
+    pub enum MissedTicks {
+        /// Fire nothing until the next tick.
+        #[default]
+        Skip = "skip",
+        /// Fire the latest missed tick once (however many were missed).
+        CatchUp = "catch_up",
+    }
+}
+
+/// What a tick does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScheduleAction {
+    /// Start an instance like this one. Its uniqueness claim is replaced by the tick's
+    /// key, held in every status.
+    Start(NewInstance),
+    /// Deliver an event to every instance of a machine (optionally only those in a state).
+    Broadcast(BroadcastAction),
+}
+
+/// The event a broadcasting schedule delivers at each tick.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BroadcastAction {
+    /// Namespace of the targets.
+    pub namespace: String,
+    /// Machine name (any version).
+    pub machine: String,
+    /// Only instances in this state; `None` = every live instance of the machine.
+    pub in_state: Option<String>,
+    /// Event name.
+    pub event: String,
+    /// Event payload.
+    pub payload: Value,
+}
+
+/// A schedule that cannot be used, naming the field and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("schedule {name:?}: {field}: {reason}")]
+pub struct ScheduleError {
+    /// The schedule's name.
+    pub name: String,
+    /// The field at fault (`cron`, `time_zone`, `name`, …).
+    pub field: &'static str,
+    /// What is wrong and how to fix it.
+    pub reason: String,
+}
+
+/// A cron pattern in a time zone, what it does at each tick, and its missed-tick policy.
+///
+/// ```
+/// use keel_core::ids::MachineRef;
+/// use keel_core::instance::NewInstance;
+/// use keel_core::schedule::{Schedule, ScheduleAction};
+/// use keel_core::Timestamp;
+///
+/// let report = NewInstance::new(MachineRef::new("report", 1), "@init");
+/// let nightly = Schedule::new("nightly", "0 2 * * *", "Europe/Paris", ScheduleAction::Start(report))?;
+/// // 2026-01-01T00:00:00Z is 01:00 in Paris: the next 02:00 there is 01:00 UTC.
+/// let now = Timestamp::from_millis(1_767_225_600_000);
+/// assert_eq!(nightly.next_after(now), Some(Timestamp::from_millis(1_767_229_200_000)));
+/// # Ok::<(), keel_core::schedule::ScheduleError>(())
+/// ```
+#[derive(Clone)]
+pub struct Schedule {
+    name: String,
+    pattern: String,
+    cron: Cron,
+    zone_name: String,
+    zone: TimeZone,
+    action: ScheduleAction,
+    missed: MissedTicks,
+    paused: bool,
+}
+
+impl fmt::Debug for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Schedule")
+            .field("name", &self.name)
+            .field("cron", &self.pattern)
+            .field("time_zone", &self.zone_name)
+            .field("action", &self.action)
+            .field("missed", &self.missed)
+            .field("paused", &self.paused)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Schedule {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.pattern == other.pattern
+            && self.zone_name == other.zone_name
+            && self.action == other.action
+            && self.missed == other.missed
+            && self.paused == other.paused
+    }
+}
+
+/// What one poll of a schedule decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TickPlan {
+    /// The tick to fire now, if any.
+    pub fire: Option<Timestamp>,
+    /// What the runner remembers as passed from now on (`now`).
+    pub passed: Timestamp,
+    /// The schedule's next tick after `now` (when to poll again); `None` if it never fires
+    /// again.
+    pub next: Option<Timestamp>,
+}
+
+/// One schedule as listed for an operator.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ScheduleInfo {
+    /// Name.
+    pub name: String,
+    /// The cron pattern as written.
+    pub cron: String,
+    /// The time zone it is read in.
+    pub time_zone: String,
+    /// `start <machine> v<version>` or `broadcast <event> to <machine>[ in <state>]`.
+    pub action: String,
+    /// The missed-tick policy.
+    pub missed: MissedTicks,
+    /// Whether it is paused.
+    pub paused: bool,
+    /// Its next tick after the time it was listed at (`None` when paused or never again).
+    pub next_fire: Option<Timestamp>,
+}
+
+impl Schedule {
+    /// A schedule named `name` (unique among a deployment's schedules: it keys the ticks)
+    /// firing at the times `cron` matches, read in the IANA time zone `time_zone`
+    /// (`"UTC"`, `"Europe/Paris"`). Five fields (minute precision) or six (seconds first).
+    ///
+    /// # Errors
+    ///
+    /// A bad name, pattern or time zone, or an action that would be refused at every tick.
+    pub fn new(
+        name: impl Into<String>,
+        cron: &str,
+        time_zone: &str,
+        action: ScheduleAction,
+    ) -> Result<Self, ScheduleError> {
+        let name = name.into();
+        let fail = |field, reason: String| ScheduleError { name: name.clone(), field, reason };
+        if name.is_empty() || name.len() > SCHEDULE_NAME_MAX || name.chars().any(char::is_control) {
+            return Err(fail(
+                "name",
+                format!(
+                    "must be 1 to {SCHEDULE_NAME_MAX} bytes without control characters, e.g. \"nightly-report\""
+                ),
+            ));
+        }
+        let parsed = croner::parser::CronParser::new().parse(cron).map_err(|e| {
+            fail(
+                "cron",
+                format!(
+                    "{cron:?} is not a cron pattern ({e}); write five fields \"minute hour day month weekday\", e.g. \"*/5 * * * *\", or six with seconds first"
+                ),
+            )
+        })?;
+        let zone = TimeZone::get(time_zone).map_err(|_| {
+            fail(
+                "time_zone",
+                format!(
+                    "{time_zone:?} is not a known IANA time zone; write e.g. \"UTC\" or \"Europe/Paris\""
+                ),
+            )
+        })?;
+        check_action(&action).map_err(|reason| fail("action", reason))?;
+        Ok(Schedule {
+            name,
+            pattern: cron.to_owned(),
+            cron: parsed,
+            zone_name: time_zone.to_owned(),
+            zone,
+            action,
+            missed: MissedTicks::Skip,
+            paused: false,
+        })
+    }
+
+    /// Sets the missed-tick policy (default [`MissedTicks::Skip`]).
+    #[must_use]
+    pub fn missed(mut self, missed: MissedTicks) -> Self {
+        self.missed = missed;
+        self
+    }
+
+    /// Starts the schedule paused (it can be resumed at run time).
+    #[must_use]
+    pub fn paused(mut self, paused: bool) -> Self {
+        self.paused = paused;
+        self
+    }
+
+    /// The schedule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What each tick does.
+    pub fn action(&self) -> &ScheduleAction {
+        &self.action
+    }
+
+    /// Whether the schedule was defined as paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    /// The missed-tick policy.
+    pub fn missed_ticks(&self) -> MissedTicks {
+        self.missed
+    }
+
+    /// The first tick strictly after `t`; `None` when the pattern never matches again
+    /// within the search bound of the cron library (a few years).
+    pub fn next_after(&self, t: Timestamp) -> Option<Timestamp> {
+        let zoned = self.zoned(t)?;
+        let next = self.cron.find_next_occurrence(&zoned, false).ok()?;
+        Some(Timestamp::from_millis(next.timestamp().as_millisecond()))
+    }
+
+    /// The latest tick at or before `t`.
+    pub fn latest_at_or_before(&self, t: Timestamp) -> Option<Timestamp> {
+        let zoned = self.zoned(t)?;
+        let previous = self.cron.find_previous_occurrence(&zoned, true).ok()?;
+        Some(Timestamp::from_millis(previous.timestamp().as_millisecond()))
+    }
+
+    /// The one rule of a schedule runner's poll. `passed` is the time up to which this
+    /// runner already handled the schedule (`None` right after it started); `paused` is the
+    /// schedule's current pause state.
+    pub fn poll(&self, passed: Option<Timestamp>, now: Timestamp, paused: bool) -> TickPlan {
+        let next = self.next_after(now);
+        let latest = self.latest_at_or_before(now);
+        let fire = match (paused, passed) {
+            (true, _) => None,
+            (false, Some(passed)) => latest.filter(|tick| *tick > passed),
+            (false, None) => match self.missed {
+                MissedTicks::Skip => None,
+                MissedTicks::CatchUp => latest,
+            },
+        };
+        TickPlan { fire, passed: now, next }
+    }
+
+    /// The key that makes one tick fire once across all workers: the uniqueness key of the
+    /// instance it starts, or the dedup key of the event it broadcasts.
+    pub fn tick_key(&self, tick: Timestamp) -> String {
+        format!("schedule:{}:{}", self.name, tick.as_millis())
+    }
+
+    /// The instance a tick starts (for a starting schedule), keyed by the tick.
+    pub fn instance_for(&self, tick: Timestamp) -> Option<NewInstance> {
+        match &self.action {
+            ScheduleAction::Start(template) => {
+                Some(template.clone().unique(self.tick_key(tick), StatusSet::ALL))
+            }
+            ScheduleAction::Broadcast(_) => None,
+        }
+    }
+
+    /// How an operator sees the schedule at `now`.
+    pub fn info(&self, now: Timestamp, paused: bool) -> ScheduleInfo {
+        let action = match &self.action {
+            ScheduleAction::Start(new) => {
+                format!("start {} v{}", new.machine.name, new.machine.version)
+            }
+            ScheduleAction::Broadcast(b) => match &b.in_state {
+                Some(state) => format!("broadcast {} to {} in {state}", b.event, b.machine),
+                None => format!("broadcast {} to {}", b.event, b.machine),
+            },
+        };
+        ScheduleInfo {
+            name: self.name.clone(),
+            cron: self.pattern.clone(),
+            time_zone: self.zone_name.clone(),
+            action,
+            missed: self.missed,
+            paused,
+            next_fire: if paused { None } else { self.next_after(now) },
+        }
+    }
+
+    fn zoned(&self, t: Timestamp) -> Option<jiff::Zoned> {
+        let ts = jiff::Timestamp::from_millisecond(t.as_millis()).ok()?;
+        Some(ts.to_zoned(self.zone.clone()))
+    }
+}
+
+/// Checks a list of schedules served together: at most [`SCHEDULES_MAX`], names unique.
+///
+/// # Errors
+///
+/// Too many schedules, or two with one name (their ticks would share keys).
+pub fn check_schedules(schedules: &[Schedule]) -> Result<(), ScheduleError> {
+    if schedules.len() > SCHEDULES_MAX {
+        return Err(ScheduleError {
+            name: String::new(),
+            field: "schedules",
+            reason: format!(
+                "{} schedules; the limit is {SCHEDULES_MAX}: merge schedules that share a pattern",
+                schedules.len()
+            ),
+        });
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for s in schedules {
+        if !names.insert(s.name.as_str()) {
+            return Err(ScheduleError {
+                name: s.name.clone(),
+                field: "name",
+                reason: "two schedules have this name; rename one (the name keys its ticks)".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_action(action: &ScheduleAction) -> Result<(), String> {
+    match action {
+        ScheduleAction::Start(new) => {
+            new.validate("start").map_err(|e| e.to_string())?;
+            if new.business_key.is_some() {
+                return Err("start: a business key would refuse the second tick's instance; \
+                     leave it unset (each tick's instance is keyed by the tick)"
+                    .into());
+            }
+            Ok(())
+        }
+        ScheduleAction::Broadcast(b) => {
+            let params = crate::ports::store::SignalBroadcastParams {
+                namespace: b.namespace.clone(),
+                machine: b.machine.clone(),
+                in_state: b.in_state.clone(),
+                name: b.event.clone(),
+                payload: b.payload.clone(),
+                dedup_key: Some("schedule:check".into()),
+                now: Timestamp::from_millis(0),
+            };
+            params.validate().map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// `[schedules.<name>]` in `keel.toml`: exactly one of `start` and `broadcast`.
+///
+/// ```toml
+/// [schedules.nightly-report]
+/// cron = "0 2 * * *"
+/// time_zone = "Europe/Paris"
+/// missed = "catch_up"
+/// start = { machine = "report", context = { kind = "daily" } }
+///
+/// [schedules.renewals]
+/// cron = "*/10 * * * *"
+/// broadcast = { machine = "subscription", state = "active", event = "renew" }
+/// ```
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    /// The cron pattern.
+    pub cron: String,
+    /// IANA time zone (default `"UTC"`).
+    #[serde(default = "utc")]
+    pub time_zone: String,
+    /// Missed-tick policy (default `skip`).
+    #[serde(default)]
+    pub missed: MissedTicks,
+    /// Start paused.
+    #[serde(default)]
+    pub paused: bool,
+    /// Start an instance at each tick.
+    #[serde(default)]
+    pub start: Option<StartConfig>,
+    /// Broadcast an event at each tick.
+    #[serde(default)]
+    pub broadcast: Option<BroadcastConfig>,
+}
+
+fn utc() -> String {
+    "UTC".into()
+}
+
+fn init() -> String {
+    "@init".into()
+}
+
+const fn one() -> i32 {
+    1
+}
+
+/// `start = { … }` of a schedule in `keel.toml`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartConfig {
+    /// Machine name.
+    pub machine: String,
+    /// Machine version (default 1).
+    #[serde(default = "one")]
+    pub version: i32,
+    /// Where the instance starts (default `"@init"`, a chart's initial configuration).
+    #[serde(default = "init")]
+    pub at: String,
+    /// Namespace (default `"default"`).
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Queue (default `"default"`).
+    #[serde(default)]
+    pub queue: Option<String>,
+    /// Initial context, a table (default empty).
+    #[serde(default)]
+    pub context: Option<Value>,
+}
+
+/// `broadcast = { … }` of a schedule in `keel.toml`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BroadcastConfig {
+    /// Machine name (any version).
+    pub machine: String,
+    /// Only instances in this state.
+    #[serde(default)]
+    pub state: Option<String>,
+    /// Event name.
+    pub event: String,
+    /// Event payload (default `{}`).
+    #[serde(default)]
+    pub payload: Option<Value>,
+    /// Namespace (default `"default"`).
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+impl ScheduleConfig {
+    /// The schedule this section describes; errors name `schedules.<name>.<field>`.
+    ///
+    /// # Errors
+    ///
+    /// Neither or both of `start` / `broadcast`, or any [`Schedule::new`] refusal.
+    pub fn to_schedule(&self, name: &str) -> Result<Schedule, ConfigError> {
+        let path = |field: &str| format!("schedules.{name}.{field}");
+        let action = match (&self.start, &self.broadcast) {
+            (Some(start), None) => {
+                let mut new =
+                    NewInstance::new(MachineRef::new(&start.machine, start.version), &start.at)
+                        .namespace(start.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE))
+                        .context(
+                            start
+                                .context
+                                .clone()
+                                .unwrap_or_else(|| Value::Object(serde_json::Map::default())),
+                        );
+                if let Some(queue) = &start.queue {
+                    new = new.queue(queue);
+                }
+                ScheduleAction::Start(new)
+            }
+            (None, Some(b)) => ScheduleAction::Broadcast(BroadcastAction {
+                namespace: b.namespace.clone().unwrap_or_else(|| DEFAULT_NAMESPACE.into()),
+                machine: b.machine.clone(),
+                in_state: b.state.clone(),
+                event: b.event.clone(),
+                payload: b
+                    .payload
+                    .clone()
+                    .unwrap_or_else(|| Value::Object(serde_json::Map::default())),
+            }),
+            _ => {
+                return Err(ConfigError::Invalid {
+                    path: path("start"),
+                    reason: "write exactly one of `start = { machine = \"…\" }` and \
+                             `broadcast = { machine = \"…\", event = \"…\" }`"
+                        .into(),
+                });
+            }
+        };
+        Schedule::new(name, &self.cron, &self.time_zone, action)
+            .map(|s| s.missed(self.missed).paused(self.paused))
+            .map_err(|e| ConfigError::Invalid { path: path(e.field), reason: e.reason })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINUTE: i64 = 60_000;
+    // 2026-01-01T00:00:00Z.
+    const T0: i64 = 1_767_225_600_000;
+
+    fn every_minute(missed: MissedTicks) -> Schedule {
+        let new = NewInstance::new(MachineRef::new("report", 1), "@init");
+        Schedule::new("m", "* * * * *", "UTC", ScheduleAction::Start(new)).unwrap().missed(missed)
+    }
+
+    fn ts(ms: i64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    /// One row: (policy, passed, now, paused) → tick fired.
+    fn check(missed: MissedTicks, passed: Option<i64>, now: i64, paused: bool, fire: Option<i64>) {
+        let plan = every_minute(missed).poll(passed.map(ts), ts(now), paused);
+        assert_eq!(plan.fire, fire.map(ts), "{missed} passed={passed:?} now={now} paused={paused}");
+        assert_eq!(plan.passed, ts(now));
+    }
+
+    #[test]
+    fn which_tick_is_due() {
+        use MissedTicks::{CatchUp, Skip};
+        // On time: the tick between the last poll and now fires, under both policies.
+        check(Skip, Some(T0 - 1), T0 + 10, false, Some(T0));
+        check(CatchUp, Some(T0 - 1), T0 + 10, false, Some(T0));
+        // Already passed: nothing.
+        check(Skip, Some(T0 + 10), T0 + 20, false, None);
+        // A poll exactly at the tick fires it; the next poll at the same time does not.
+        check(Skip, Some(T0 - 5), T0, false, Some(T0));
+        check(Skip, Some(T0), T0, false, None);
+        // A runner that stalled over three ticks fires only the latest.
+        check(Skip, Some(T0 - 1), T0 + 3 * MINUTE + 5, false, Some(T0 + 3 * MINUTE));
+        // Just started, ticks missed: skip fires none, catch-up the latest one.
+        check(Skip, None, T0 + 5 * MINUTE + 30_000, false, None);
+        check(CatchUp, None, T0 + 5 * MINUTE + 30_000, false, Some(T0 + 5 * MINUTE));
+        // Paused: nothing, whatever the policy.
+        check(CatchUp, None, T0 + 10, true, None);
+        check(Skip, Some(T0 - 1), T0 + 10, true, None);
+    }
+
+    #[test]
+    fn next_tick_and_keys() {
+        let s = every_minute(MissedTicks::Skip);
+        assert_eq!(s.next_after(ts(T0)), Some(ts(T0 + MINUTE)));
+        assert_eq!(s.next_after(ts(T0 + 1)), Some(ts(T0 + MINUTE)));
+        assert_eq!(s.latest_at_or_before(ts(T0 + MINUTE - 1)), Some(ts(T0)));
+        assert_eq!(s.poll(None, ts(T0 + 1), false).next, Some(ts(T0 + MINUTE)));
+        assert_eq!(s.tick_key(ts(T0)), format!("schedule:m:{T0}"));
+        let new = s.instance_for(ts(T0)).unwrap();
+        let unique = new.unique.unwrap();
+        assert_eq!(unique.key, format!("schedule:m:{T0}").into_bytes());
+        assert_eq!(unique.scope, StatusSet::ALL, "a finished run keeps its tick taken");
+    }
+
+    #[test]
+    fn time_zones_move_the_ticks() {
+        let new = NewInstance::new(MachineRef::new("report", 1), "@init");
+        let paris =
+            Schedule::new("p", "0 2 * * *", "Europe/Paris", ScheduleAction::Start(new.clone()))
+                .unwrap();
+        let utc = Schedule::new("u", "0 2 * * *", "UTC", ScheduleAction::Start(new)).unwrap();
+        // Winter: Paris is UTC+1, so 02:00 there is 01:00 UTC.
+        assert_eq!(paris.next_after(ts(T0)), Some(ts(T0 + 60 * MINUTE)));
+        assert_eq!(utc.next_after(ts(T0)), Some(ts(T0 + 120 * MINUTE)));
+        // 2026-07-01T00:00:00Z, summer: UTC+2, so 02:00 in Paris is midnight UTC.
+        let july = 1_782_864_000_000;
+        assert_eq!(paris.next_after(ts(july - 1)), Some(ts(july)));
+    }
+
+    #[test]
+    fn bad_definitions_name_the_field_and_the_fix() {
+        let new = NewInstance::new(MachineRef::new("report", 1), "@init");
+        let start = || ScheduleAction::Start(new.clone());
+        let err = Schedule::new("n", "61 * * * *", "UTC", start()).unwrap_err();
+        assert_eq!(err.field, "cron");
+        assert!(err.to_string().contains("five fields"), "{err}");
+        let err = Schedule::new("n", "* * * * *", "Mars/Olympus", start()).unwrap_err();
+        assert_eq!(err.field, "time_zone");
+        assert!(err.to_string().contains("Europe/Paris"), "{err}");
+        let err = Schedule::new("", "* * * * *", "UTC", start()).unwrap_err();
+        assert_eq!(err.field, "name");
+        let keyed = ScheduleAction::Start(new.clone().business_key("k"));
+        let err = Schedule::new("n", "* * * * *", "UTC", keyed).unwrap_err();
+        assert_eq!(err.field, "action");
+        let a = Schedule::new("same", "* * * * *", "UTC", start()).unwrap();
+        let err = check_schedules(&[a.clone(), a]).unwrap_err();
+        assert!(err.to_string().contains("two schedules"), "{err}");
+    }
+
+    #[test]
+    fn listing_shows_the_next_fire_time() {
+        let s = every_minute(MissedTicks::CatchUp);
+        let info = s.info(ts(T0 + 1), false);
+        assert_eq!(info.next_fire, Some(ts(T0 + MINUTE)));
+        assert_eq!(info.action, "start report v1");
+        assert_eq!(s.info(ts(T0 + 1), true).next_fire, None);
+    }
+
+    #[test]
+    fn keel_toml_defines_schedules() {
+        let config = crate::config::KeelConfig::from_toml_str(
+            r#"
+            [schedules.nightly]
+            cron = "0 2 * * *"
+            time_zone = "Europe/Paris"
+            missed = "catch_up"
+            start = { machine = "report", version = 2, context = { kind = "daily" } }
+
+            [schedules.renewals]
+            cron = "*/10 * * * *"
+            paused = true
+            broadcast = { machine = "subscription", state = "active", event = "renew" }
+            "#,
+        )
+        .unwrap();
+        let schedules = config.schedules().unwrap();
+        let nightly = &schedules[0];
+        assert_eq!(nightly.missed_ticks(), MissedTicks::CatchUp);
+        let new = nightly.instance_for(ts(T0)).unwrap();
+        assert_eq!(new.machine, MachineRef::new("report", 2));
+        assert_eq!(new.context, serde_json::json!({ "kind": "daily" }));
+        let renewals = &schedules[1];
+        assert!(renewals.is_paused());
+        assert_eq!(
+            renewals.info(ts(T0), false).action,
+            "broadcast renew to subscription in active"
+        );
+    }
+
+    #[test]
+    fn keel_toml_refuses_bad_schedules_with_their_path() {
+        let cases = [
+            ("cron = \"* * * * *\"", "schedules.s.start: write exactly one of"),
+            (
+                "cron = \"nope\"\nstart = { machine = \"m\" }",
+                "schedules.s.cron: \"nope\" is not a cron pattern",
+            ),
+            (
+                "cron = \"* * * * *\"\ntime_zone = \"Nowhere\"\nstart = { machine = \"m\" }",
+                "schedules.s.time_zone:",
+            ),
+            ("cron = \"* * * * *\"\nmissed = \"later\"\nstart = { machine = \"m\" }", "catch_up"),
+            ("cron = \"* * * * *\"\nstart = { machine = \"m\", colour = 1 }", "colour"),
+        ];
+        for (body, expected) in cases {
+            let source = format!("[schedules.s]\n{body}\n");
+            let err = crate::config::KeelConfig::from_toml_str(&source).unwrap_err().to_string();
+            assert!(err.contains(expected), "{source}: {err}");
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! The pruner: the background loop of a worker that applies retention.
+//!
+//! Each run (every `retention.interval`, jittered by up to a tenth so workers do not prune
+//! in step) makes the passes [`RetentionConfig::passes`] lists: pages of
+//! `Store::instance_prune`, each one short transaction over at most `retention.batch`
+//! rows, with `retention.pause` between pages and at most
+//! [`PAGES_PER_PASS_MAX`](keel_core::retention::PAGES_PER_PASS_MAX) pages per pass. Then
+//! it purges the dead letters older than each registered machine's
+//! `dead_letter.retention`, in calls bounded by the store. Every row removed is counted
+//! in `keel_pruned_rows_total{kind}` and in [`PruneCounts`].
+//!
+//! Several workers may prune at once: a row is deleted once (the other worker's page finds
+//! it gone, or locked and left to the next pass).
+
+use keel_core::limits;
+use keel_core::ports::store::{DeadLetterPurgeParams, DeadLetterSelector, PrunePage};
+use keel_core::ports::{Clock, Store};
+use keel_core::retention::{PAGES_PER_PASS_MAX, RetentionConfig};
+use keel_core::{StoreResult, Timestamp};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How long the pruner waits before its next run after a store call failed.
+pub const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// Rows a worker's pruner removed so far.
+#[derive(Debug, Default)]
+pub struct PruneStats {
+    /// Runs completed.
+    pub runs: AtomicU64,
+    /// Ended instances deleted.
+    pub instances: AtomicU64,
+    /// History rows deleted with them.
+    pub history: AtomicU64,
+    /// Inbox rows deleted with them.
+    pub signals: AtomicU64,
+    /// Dead letters purged after their retention.
+    pub dead_letters: AtomicU64,
+}
+
+/// A snapshot of [`PruneStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PruneCounts {
+    /// Runs completed.
+    pub runs: u64,
+    /// Ended instances deleted.
+    pub instances: u64,
+    /// History rows deleted.
+    pub history: u64,
+    /// Inbox rows deleted.
+    pub signals: u64,
+    /// Dead letters purged.
+    pub dead_letters: u64,
+}
+
+impl PruneStats {
+    /// The counts now.
+    pub fn counts(&self) -> PruneCounts {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        PruneCounts {
+            runs: load(&self.runs),
+            instances: load(&self.instances),
+            history: load(&self.history),
+            signals: load(&self.signals),
+            dead_letters: load(&self.dead_letters),
+        }
+    }
+
+    fn add_page(&self, page: &PrunePage) {
+        self.instances.fetch_add(page.instances, Ordering::Relaxed);
+        self.history.fetch_add(page.history, Ordering::Relaxed);
+        self.signals.fetch_add(page.signals, Ordering::Relaxed);
+        for (kind, n) in
+            [("instances", page.instances), ("history", page.history), ("signals", page.signals)]
+        {
+            if n > 0 {
+                metrics::counter!("keel_pruned_rows_total", "kind" => kind).increment(n);
+            }
+        }
+    }
+}
+
+/// Dead-letter retention of one machine in one namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterRetention {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name.
+    pub machine: String,
+    /// How long its dead letters are kept.
+    pub keep: Duration,
+}
+
+/// A worker's pruner.
+#[derive(Debug, Clone)]
+pub struct Pruner {
+    /// Retention of ended instances.
+    pub config: RetentionConfig,
+    /// Only this namespace (`None` = every namespace).
+    pub namespace: Option<String>,
+    /// Dead-letter retention per machine.
+    pub dead_letters: Vec<DeadLetterRetention>,
+    /// What it removed.
+    pub stats: Arc<PruneStats>,
+}
+
+impl Pruner {
+    /// One run at `now`: every pass to its end (or its page bound), then the dead letters.
+    ///
+    /// # Errors
+    ///
+    /// The first store error; the rows already removed stay removed.
+    pub async fn run_once<S: Store + ?Sized>(&self, store: &S, now: Timestamp) -> StoreResult<()> {
+        for mut pass in self.config.passes(self.namespace.as_deref(), now) {
+            for page_no in 0..PAGES_PER_PASS_MAX {
+                let page = store.instance_prune(pass.clone()).await?;
+                self.stats.add_page(&page);
+                match page.last {
+                    Some(last) => pass.after = Some(last),
+                    None => break,
+                }
+                if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
+                    tokio::time::sleep(self.config.pause).await;
+                }
+            }
+        }
+        for d in &self.dead_letters {
+            let params = DeadLetterPurgeParams {
+                selector: Some(DeadLetterSelector::Machine {
+                    namespace: d.namespace.clone(),
+                    machine: d.machine.clone(),
+                }),
+                older_than: Some(now.minus(d.keep)),
+            };
+            // Each call purges at most the store's batch bound; a full batch means more may
+            // be left, so go on, within the same page bound as instances.
+            for _ in 0..PAGES_PER_PASS_MAX {
+                let purged = store.dead_letter_purge(params.clone()).await?;
+                self.stats.dead_letters.fetch_add(purged, Ordering::Relaxed);
+                if purged > 0 {
+                    metrics::counter!("keel_pruned_rows_total", "kind" => "dead_letters")
+                        .increment(purged);
+                }
+                if purged < limits::DEAD_LETTER_BATCH_MAX as u64 {
+                    break;
+                }
+            }
+        }
+        self.stats.runs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Runs until `shutdown` turns true: a first run at once, then one every jittered
+    /// interval. A failed run is logged and the next one comes after [`RETRY_AFTER`] (or
+    /// the interval, if shorter).
+    pub async fn run<S: Store + ?Sized, C: Clock>(
+        self,
+        store: Arc<S>,
+        clock: C,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        while !*shutdown.borrow() {
+            let wait = match self.run_once(&*store, clock.now()).await {
+                Ok(()) => self.config.next_wait(fastrand::f64()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "pruning failed; it is tried again later");
+                    RETRY_AFTER.min(self.config.interval)
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! The schedule runner: the background loop of a worker that fires its schedules' ticks.
+//!
+//! Each poll asks the core's rule ([`Schedule::poll`]) which tick, if any, is due for each
+//! schedule, then starts the tick's instance (keyed by the tick, so a second worker's
+//! insert of the same tick finds it taken) or broadcasts its event (with the tick as dedup
+//! key). Every worker that serves a schedule fires each tick it sees; the store keeps one.
+//! A tick whose store call failed is tried again at the next poll, under the same key.
+//!
+//! Pause and resume act on the [`Schedules`] handle of one worker: they do not travel to
+//! other workers, so an operator pauses a schedule on every worker that serves it (or
+//! marks it `paused` in `keel.toml` and restarts).
+
+use keel_core::ports::store::{InsertOutcome, InsertParams, SignalBroadcastParams};
+use keel_core::ports::{Clock, Store};
+use keel_core::schedule::{Schedule, ScheduleAction, ScheduleInfo};
+use keel_core::{StoreResult, Timestamp};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// The longest a runner sleeps without re-reading its clock (so a virtual clock moved by
+/// a test, or a wall clock that jumped, is noticed within this).
+pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
+
+/// How long a runner waits before trying a tick again after a store call failed.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A worker's schedules and their run-time state: pause flags, what each runner fired,
+/// and the listing with next fire times. Cheap to clone (a handle).
+#[derive(Debug, Clone, Default)]
+pub struct Schedules {
+    inner: Arc<Book>,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    schedules: Vec<Schedule>,
+    paused: Mutex<BTreeMap<String, bool>>,
+    passed: Mutex<Option<Timestamp>>,
+    fired: AtomicU64,
+    already_fired: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// What a runner did so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ScheduleCounts {
+    /// Ticks this runner fired first (an instance started, or a broadcast that delivered).
+    pub fired: u64,
+    /// Ticks another worker had fired already (the key was taken).
+    pub already_fired: u64,
+    /// Store calls that failed (each tick is tried again at the next poll).
+    pub failed: u64,
+}
+
+/// A schedule name this worker does not serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownSchedule(pub String);
+
+impl std::fmt::Display for UnknownSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "no schedule named {:?} on this worker; `list()` shows the names it serves",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownSchedule {}
+
+impl Schedules {
+    /// A handle over `schedules` (checked by
+    /// [`check_schedules`](keel_core::schedule::check_schedules) when the worker starts).
+    pub fn new(schedules: Vec<Schedule>) -> Self {
+        let paused = schedules.iter().map(|s| (s.name().to_owned(), s.is_paused())).collect();
+        Schedules {
+            inner: Arc::new(Book { schedules, paused: Mutex::new(paused), ..Book::default() }),
+        }
+    }
+
+    /// The schedules served.
+    pub fn schedules(&self) -> &[Schedule] {
+        &self.inner.schedules
+    }
+
+    /// Stops firing `name` on this worker; ticks passed while paused are not fired later.
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownSchedule`] when this worker has no such schedule.
+    pub fn pause(&self, name: &str) -> Result<(), UnknownSchedule> {
+        self.set_paused(name, true)
+    }
+
+    /// Fires `name` again from its next tick.
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownSchedule`] when this worker has no such schedule.
+    pub fn resume(&self, name: &str) -> Result<(), UnknownSchedule> {
+        self.set_paused(name, false)
+    }
+
+    /// Every schedule with its next fire time after `now`, in definition order.
+    pub fn list(&self, now: Timestamp) -> Vec<ScheduleInfo> {
+        let paused = self.paused_now();
+        self.inner
+            .schedules
+            .iter()
+            .map(|s| s.info(now, paused.get(s.name()).copied().unwrap_or(false)))
+            .collect()
+    }
+
+    /// What the runner did so far.
+    pub fn counts(&self) -> ScheduleCounts {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ScheduleCounts {
+            fired: load(&self.inner.fired),
+            already_fired: load(&self.inner.already_fired),
+            failed: load(&self.inner.failed),
+        }
+    }
+
+    /// The clock time up to which the runner handled every schedule (`None` before its
+    /// first poll): a test moves a virtual clock, then waits for this to reach it.
+    pub fn passed(&self) -> Option<Timestamp> {
+        *self.inner.passed.lock().expect("schedule book lock")
+    }
+
+    fn set_paused(&self, name: &str, paused: bool) -> Result<(), UnknownSchedule> {
+        let mut book = self.inner.paused.lock().expect("schedule book lock");
+        match book.get_mut(name) {
+            Some(flag) => {
+                *flag = paused;
+                tracing::info!(schedule = name, paused, "schedule pause state changed");
+                Ok(())
+            }
+            None => Err(UnknownSchedule(name.to_owned())),
+        }
+    }
+
+    fn paused_now(&self) -> BTreeMap<String, bool> {
+        self.inner.paused.lock().expect("schedule book lock").clone()
+    }
+
+    /// Runs the schedules until `shutdown` turns true. Each poll handles every schedule
+    /// once (at most one tick each), then sleeps until the earliest next tick, re-reading
+    /// the clock at least every [`CLOCK_CHECK`].
+    pub async fn run<S: Store + ?Sized, C: Clock>(
+        self,
+        store: Arc<S>,
+        clock: C,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        let mut passed: Vec<Option<Timestamp>> = vec![None; self.inner.schedules.len()];
+        while !*shutdown.borrow() {
+            let now = clock.now();
+            let paused = self.paused_now();
+            let mut wake: Option<Timestamp> = None;
+            let mut all_handled = true;
+            for (schedule, passed) in self.inner.schedules.iter().zip(passed.iter_mut()) {
+                let plan = schedule.poll(*passed, now, paused[schedule.name()]);
+                let handled = match plan.fire {
+                    Some(tick) => self.fire(&*store, schedule, tick, now).await,
+                    None => true,
+                };
+                if handled {
+                    *passed = Some(plan.passed);
+                    wake = match (wake, plan.next) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                } else {
+                    all_handled = false;
+                }
+            }
+            if all_handled {
+                *self.inner.passed.lock().expect("schedule book lock") = Some(now);
+            }
+            let mut sleep = wake.map_or(CLOCK_CHECK, |at| {
+                Duration::from_millis(u64::try_from(at.as_millis() - now.as_millis()).unwrap_or(0))
+            });
+            sleep = sleep.min(CLOCK_CHECK);
+            if !all_handled {
+                sleep = RETRY_AFTER;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(sleep) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+
+    /// Fires one tick; `true` when it is done (by this worker or another), `false` when
+    /// the store call failed and the tick must be tried again.
+    async fn fire<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        schedule: &Schedule,
+        tick: Timestamp,
+        now: Timestamp,
+    ) -> bool {
+        match fire_tick(store, schedule, tick, now).await {
+            Ok(first) => {
+                let counter = if first { &self.inner.fired } else { &self.inner.already_fired };
+                counter.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("keel_schedule_ticks_total", "schedule" => schedule.name().to_owned(), "first" => first.to_string())
+                    .increment(1);
+                tracing::debug!(schedule = schedule.name(), tick = %tick, first, "schedule tick");
+                true
+            }
+            Err(e) => {
+                self.inner.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    schedule = schedule.name(),
+                    tick = %tick,
+                    error = %e,
+                    "schedule tick failed; it is tried again under the same key"
+                );
+                false
+            }
+        }
+    }
+}
+
+/// Performs one tick's action; `Ok(true)` when this call did it, `Ok(false)` when the
+/// tick's key was already taken.
+async fn fire_tick<S: Store + ?Sized>(
+    store: &S,
+    schedule: &Schedule,
+    tick: Timestamp,
+    now: Timestamp,
+) -> StoreResult<bool> {
+    match schedule.action() {
+        ScheduleAction::Start(_) => {
+            let new = schedule.instance_for(tick).expect("a starting schedule");
+            let outcome = store.instance_insert(InsertParams { instances: vec![new], now }).await?;
+            Ok(matches!(outcome.first(), Some(InsertOutcome::Inserted(_))))
+        }
+        ScheduleAction::Broadcast(b) => {
+            let report = store
+                .signal_broadcast(SignalBroadcastParams {
+                    namespace: b.namespace.clone(),
+                    machine: b.machine.clone(),
+                    in_state: b.in_state.clone(),
+                    name: b.event.clone(),
+                    payload: b.payload.clone(),
+                    dedup_key: Some(schedule.tick_key(tick)),
+                    now,
+                })
+                .await?;
+            Ok(report.delivered > 0)
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Retention run by a worker's pruner under a virtual clock: ended instances older than
+//! the retention go (with their history), younger and live ones stay, a machine's own
+//! retention wins, and dead letters go after their machine's `dead_letter.retention`.
+//! `memory::*` on `MemoryStore`, `postgres::*` on PostgreSQL (a fresh schema per test).
+
+#[macro_use]
+mod common;
+
+use async_trait::async_trait;
+use common::{Harness, TestStore};
+use keel_core::config::QueueConfig;
+use keel_core::ids::MachineRef;
+use keel_core::instance::NewInstance;
+use keel_core::ports::Store;
+use keel_core::retention::{MachineRetention, RetentionConfig};
+use keel_core::{ErrorKind, InstanceId, Outcome, Status};
+use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig, WorkerHandle};
+use serde_json::json;
+use std::time::Duration;
+
+on_every_store!(
+    the_pruner_removes_exactly_the_instances_ended_before_the_retention,
+    dead_letters_go_after_their_machine_retention,
+);
+
+const HOUR: Duration = Duration::from_secs(3_600);
+
+/// Finishes at once, or fails for good when the context says so.
+struct Quick(&'static str);
+
+#[async_trait]
+impl StepMachine for Quick {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new(self.0, 1)
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.context["fail"] == json!(true) {
+            return Err(StepError::fatal("refused"));
+        }
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+
+    fn config(&self) -> QueueConfig {
+        let mut config = QueueConfig::default();
+        config.dead_letter.retention = 2 * HOUR;
+        config
+    }
+}
+
+fn retention(ended: Duration) -> RetentionConfig {
+    RetentionConfig {
+        ended: Some(ended),
+        interval: Duration::from_millis(20),
+        batch: 3,
+        pause: Duration::ZERO,
+        ..RetentionConfig::default()
+    }
+}
+
+async fn finished<S: Store>(h: &Harness<S>, machine: &str, n: usize) -> Vec<InstanceId> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        ids.push(h.start(NewInstance::new(MachineRef::new(machine, 1), "go")).await);
+    }
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    ids
+}
+
+async fn gone<S: Store>(h: &Harness<S>, id: InstanceId) -> bool {
+    match h.client.get(id).await {
+        Ok(_) => false,
+        Err(e) if e.kind == ErrorKind::NotFound => true,
+        Err(e) => panic!("get {id}: {e}"),
+    }
+}
+
+/// Waits (bounded) until the pruner completed `runs` more runs than `before`.
+async fn runs_after(worker: &WorkerHandle, before: u64, runs: u64) {
+    for _ in 0..500 {
+        if worker.pruned().runs >= before + runs {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the pruner did not run {runs} more times within 5 s: {:?}", worker.pruned());
+}
+
+async fn the_pruner_removes_exactly_the_instances_ended_before_the_retention<S: TestStore>() {
+    let h = S::harness().await;
+    let mut config = WorkerConfig { retention: Some(retention(24 * HOUR)), ..h.config() };
+    // `brief` keeps its ended instances one hour only.
+    let own = MachineRetention { ended: Some(HOUR) };
+    config.retention.as_mut().unwrap().machines.insert("brief".into(), own);
+    let worker =
+        keel_scheduler::Worker::new(std::sync::Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Quick("quick"))
+            .register(Quick("brief"))
+            .spawn();
+    let old = finished(&h, "quick", 7).await;
+    let brief = finished(&h, "brief", 2).await;
+    h.clock.advance(12 * HOUR);
+    let young = finished(&h, "quick", 4).await;
+    let live = h.start(NewInstance::new(MachineRef::new("idle", 1), "wait")).await;
+    // 12 h later: `old` ended 24 h + 1 s ago, `young` 12 h + 1 s ago; `brief` long past 1 h.
+    h.clock.advance(12 * HOUR + Duration::from_secs(1));
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    for id in old.iter().chain(&brief) {
+        assert!(gone(&h, *id).await, "{id} ended before the retention: pruned");
+    }
+    for id in young.iter().chain([&live]) {
+        assert!(!gone(&h, *id).await, "{id} kept");
+    }
+    let counts = worker.pruned();
+    assert_eq!(counts.instances, 9, "{counts:?}");
+    assert!(counts.history >= 9, "their history went too: {counts:?}");
+    worker.shutdown().await;
+}
+
+async fn dead_letters_go_after_their_machine_retention<S: TestStore>() {
+    let h = S::harness().await;
+    // No `ended`: instances are kept; dead letters still go after their retention.
+    let every =
+        RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
+    let config = WorkerConfig { retention: Some(every), ..h.config() };
+    let worker = h.worker(config, Quick("quick"));
+    let id = h
+        .start(NewInstance::new(MachineRef::new("quick", 1), "go").context(json!({ "fail": true })))
+        .await;
+    h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+    let letters = || async {
+        h.client
+            .dead_letters(keel_core::ports::store::DeadLetterFilter {
+                namespace: None,
+                machine: None,
+                limit: 10,
+            })
+            .await
+            .expect("dead letters")
+            .len()
+    };
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 1).await;
+    assert_eq!(letters().await, 1, "younger than its retention");
+    // The machine keeps dead letters two hours.
+    h.clock.advance(2 * HOUR + Duration::from_secs(1));
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert_eq!(letters().await, 0, "purged after its retention");
+    assert_eq!(worker.pruned().dead_letters, 1);
+    worker.shutdown().await;
+}
