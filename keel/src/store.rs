@@ -9,8 +9,8 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    QueueStats, ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -66,6 +66,10 @@ impl Store for AnyStore {
         params: ClaimParams,
     ) -> StoreResult<Vec<Claim>> {
         self.0.instance_claim_ids(ids, params).await
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        self.0.instance_ready_stale(params).await
     }
 
     async fn step_commit(

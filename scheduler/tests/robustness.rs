@@ -253,6 +253,12 @@ impl<S: Store> Store for Faulty<S> {
         self.gate("instance_claim")?;
         self.inner.instance_claim(p).await
     }
+    async fn instance_ready_stale(
+        &self,
+        p: keel_core::ports::store::ReadyStaleParams,
+    ) -> StoreResult<Vec<keel_core::Instance>> {
+        self.inner.instance_ready_stale(p).await
+    }
     async fn step_commit(&self, p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         self.gate("step_commit")?;
         {

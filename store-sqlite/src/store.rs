@@ -16,8 +16,8 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerStatus, TimerSweepParams, TimerSweepReport,
+    QueueStats, ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{DeadLetterId, ErrorKind, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -324,6 +324,11 @@ impl Store for SqliteStore {
         params: ClaimParams,
     ) -> StoreResult<Vec<Claim>> {
         write_tx!(self, |db| ops::claim(db, &params, Some(&ids)))
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        let mut conn = self.reader().await?;
+        ops::ready_stale(&mut Db { conn: &mut conn, file: &self.file }, &params).await
     }
 
     async fn step_commit(

@@ -21,6 +21,7 @@ pub mod insert;
 pub mod lease;
 pub mod migrate;
 pub mod parent;
+pub mod repair;
 pub mod timer;
 
 use crate::instance::{HistoryEntry, Instance};

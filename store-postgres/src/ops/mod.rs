@@ -23,8 +23,8 @@ use keel_core::ports::store::{
     DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
     DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, LeaseExtendParams,
     LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
-    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
+    QueueStats, ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, Store,
+    StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -193,6 +193,11 @@ impl Store for PgStore {
     ) -> StoreResult<Vec<Claim>> {
         let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
         self.claim(params, Some(&ids)).await
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        let conn = self.client().await?;
+        admin::ready_stale(&conn, &params).await.map_err(StoreError::from)
     }
 
     async fn step_commit(

@@ -148,6 +148,7 @@ macro_rules! __store_contract_list {
             timer_status_and_queue_stats,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             claim_by_ids_takes_only_the_named_ready_instances,
+            ready_stale_returns_instances_ready_for_the_bound,
         }
     };
 }

@@ -7,9 +7,9 @@ use super::{
     DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     Instance, InstanceDetail, InstanceId, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MemoryStore, MigratePage, MigrateParams, PoisonError, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    Timestamp, async_trait, commit, limits,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
+    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -34,6 +34,10 @@ impl Store for MemoryStore {
     ) -> StoreResult<Vec<Claim>> {
         let only = ids.into_iter().collect();
         self.state().claim_among(&params, Some(&only))
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        self.state().ready_stale(&params)
     }
 
     async fn step_commit(
