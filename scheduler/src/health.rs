@@ -31,6 +31,9 @@ pub enum WorkerLoop {
     Sweeper,
     /// Receives queue hints and claims their instances (only with a queue).
     Hints,
+    /// Publishes hints again for instances ready too long (only with a queue and a
+    /// repair bound).
+    Repair,
 }
 
 impl WorkerLoop {
@@ -44,6 +47,7 @@ impl WorkerLoop {
             WorkerLoop::Stats => "stats",
             WorkerLoop::Sweeper => "sweeper",
             WorkerLoop::Hints => "hints",
+            WorkerLoop::Repair => "repair",
         }
     }
 }

@@ -46,6 +46,7 @@ use tracing::Instrument;
 // worker's internals without widening their visibility.
 #[path = "queue.rs"]
 mod queue;
+pub(crate) use queue::publish as publish_hints;
 pub use queue::{HintConfig, HintStats};
 
 /// How a worker runs. Every field has a bound or a default that is one.
@@ -379,6 +380,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
         Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
     // Queue hook: the hint loop, when the worker has a queue.
     let hint_loop = queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx);
+    let repair_loop = queue::spawn_repair_loop(&inner, &shutdown);
     {
         let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
         let tx = tx.clone();
@@ -397,7 +399,7 @@ async fn run<S: Store, C: Clock + Clone>(inner: Arc<Inner<S, C>>, shutdown: watc
     let _ = committer.await;
     let _ = heartbeat.await;
     let _ = reaper.await;
-    for task in [sweeper, sampler].into_iter().flatten() {
+    for task in [sweeper, sampler, repair_loop].into_iter().flatten() {
         let _ = task.await;
     }
 }

@@ -169,7 +169,11 @@ async fn run<S: TestStore, Q: Queue>(
         .register(Counter)
         .with_queue(
             Arc::clone(&queue) as Arc<dyn Queue>,
-            HintConfig { visibility: Duration::from_secs(5), wait: Duration::from_millis(100) },
+            HintConfig {
+                visibility: Duration::from_secs(5),
+                wait: Duration::from_millis(100),
+                ..HintConfig::default()
+            },
         );
     let worker = worker.spawn();
     let ids = start_all(&h, n).await;
@@ -216,7 +220,11 @@ async fn queue_down_falls_back_to_polling<S: TestStore, Q: Queue>(queue: Arc<Q>)
         .register(Counter)
         .with_queue(
             Arc::clone(&flaky) as Arc<dyn Queue>,
-            HintConfig { visibility: Duration::from_secs(5), wait: Duration::from_millis(100) },
+            HintConfig {
+                visibility: Duration::from_secs(5),
+                wait: Duration::from_millis(100),
+                ..HintConfig::default()
+            },
         );
     flaky.down.store(true, Ordering::SeqCst);
     let worker = worker.spawn();

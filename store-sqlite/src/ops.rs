@@ -64,7 +64,7 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 
 // ----- claims ----------------------------------------------------------------------------
 
-/// The repair read (`plan::repair::needs_hint` in SQL, over the claim's filters): ready
+/// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready
 /// rows unchanged and due for at least `ready_for`, in id order after the cursor. The rule
 /// is applied again to the decoded rows, so the SQL can only narrow what the core decides.
 pub(crate) async fn ready_stale(
@@ -106,7 +106,7 @@ pub(crate) async fn ready_stale(
     .await
     .map_err(db.err("reading ready instances for the repair pass"))?;
     let rows: Vec<Instance> = rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
-    Ok(rows.into_iter().filter(|r| keel_core::plan::repair::needs_hint(r, false, p)).collect())
+    Ok(rows.into_iter().filter(|r| keel_core::plan::hints::needs_hint(r, false, p)).collect())
 }
 
 /// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the

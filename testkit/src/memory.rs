@@ -160,7 +160,7 @@ impl State {
     }
 
     /// A claim restricted to `only` when given (a claim by id), in claim order.
-    /// The rows the repair rule selects (`plan::repair::needs_hint`), in id order.
+    /// The rows the repair rule selects (`plan::hints::needs_hint`), in id order.
     pub(crate) fn ready_stale(&self, p: &ReadyStaleParams) -> StoreResult<Vec<Instance>> {
         p.validate()?;
         let mut ids: Vec<InstanceId> = self
@@ -174,7 +174,7 @@ impl State {
                     .get(&(row.namespace.clone(), row.queue.clone()))
                     .copied()
                     .unwrap_or(false);
-                keel_core::plan::repair::needs_hint(row, paused, p)
+                keel_core::plan::hints::needs_hint(row, paused, p)
             })
             .collect();
         ids.sort_unstable();

@@ -17,11 +17,11 @@ pub mod claim;
 pub mod commit;
 pub mod dead_letter;
 pub mod deliver;
+pub mod hints;
 pub mod insert;
 pub mod lease;
 pub mod migrate;
 pub mod parent;
-pub mod repair;
 pub mod timer;
 
 use crate::instance::{HistoryEntry, Instance};

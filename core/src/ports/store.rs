@@ -96,7 +96,7 @@ impl ClaimParams {
 }
 
 /// One page of [`Store::instance_ready_stale`]: ready instances that have been ready for
-/// at least `ready_for` (see [`crate::plan::repair`]), in id order after `after`.
+/// at least `ready_for` (see [`crate::plan::hints`]), in id order after `after`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReadyStaleParams {
     /// Namespaces to read (empty = any).
@@ -691,7 +691,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// One page of instances that are ready (claimable now, in an unpaused queue, within
     /// `params`' filters) and have been for at least `params.ready_for`, in id order after
-    /// `params.after`: the rows [`crate::plan::repair::needs_hint`] selects. What a
+    /// `params.after`: the rows [`crate::plan::hints::needs_hint`] selects. What a
     /// queue's repair pass publishes hints for again; it reads and changes nothing else.
     async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>>;
 

@@ -167,7 +167,7 @@ pub(crate) async fn rows_of<C: GenericClient + Sync>(
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 
-/// The repair read (`plan::repair::needs_hint` in SQL, over the claim's filters): ready
+/// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready
 /// rows unchanged and due for at least `ready_for`, in id order after the cursor. The rule
 /// is applied again to the decoded rows, so the SQL can only narrow what the core decides.
 pub(crate) async fn ready_stale<C: GenericClient + Sync>(
@@ -192,7 +192,7 @@ pub(crate) async fn ready_stale<C: GenericClient + Sync>(
         .query(&stmt, &[&now, &p.namespaces, &p.queues, &names, &versions, &limit, &cut, &after])
         .await?;
     let rows: Vec<Instance> = found.iter().map(rows::instance).collect::<Result<_, _>>()?;
-    Ok(rows.into_iter().filter(|r| plan::repair::needs_hint(r, false, p)).collect())
+    Ok(rows.into_iter().filter(|r| plan::hints::needs_hint(r, false, p)).collect())
 }
 
 /// Resolves a target to an instance id.
