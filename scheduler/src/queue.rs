@@ -1,19 +1,22 @@
 //! A worker's queue link: ready-work hints through a `Queue` next to the store.
 //!
-//! With a queue ([`Worker::with_queue`]), a worker publishes a hint for every instance a
-//! group commit left ready (the instance itself after `Next` or `Retry`, the children and
-//! spawned instances it inserted), from the committed receipts, and a hint loop receives
-//! hints and claims *those* instances by id (`Store::instance_claim_ids`) under the usual
-//! lease and fencing. A hint whose instance is no longer ready — already claimed, stale, a
-//! duplicate — is simply acked: nothing is committed twice, because only the claim's
-//! fencing token can commit.
+//! With a queue ([`Worker::with_queue`]), a worker publishes hints for the work each group
+//! commit made ready (`keel_core::plan::hints::after_commit`: the instance itself after
+//! `Next` or `Retry`, delayed by the retry's back-off; the children and spawned instances
+//! it inserted; the targets of its emitted events; its parent when it ended), from the
+//! committed receipts, and a hint loop receives hints and claims *those* instances by id
+//! (`Store::instance_claim_ids`) under the usual lease and fencing. A hint whose instance
+//! is not ready — already claimed, stale, a duplicate, a parent still waiting — is simply
+//! acked: nothing is committed twice, because only the claim's fencing token can commit.
 //!
-//! The store stays the truth. The worker's ordinary claim loop keeps running next to the
-//! hint loop and is the repair path: every `poll_interval` it claims whatever is ready
-//! and was never hinted (a crash between commit and publish, a flushed or purged queue,
-//! a signal delivered by a client, a delay longer than the queue keeps), and it carries
-//! the whole load while the queue is down. A hint loop whose queue fails backs off and
-//! tries again; nothing waits on it.
+//! The store stays the truth. A repair pass (every worker with a `repair_after` bound,
+//! jittered) publishes hints again for the instances that have been ready for the bound
+//! (`Store::instance_ready_stale`): work whose hint was lost (a crash between commit and
+//! publish, a flushed or purged queue) or never sent (a producer without the queue, a
+//! delay longer than the queue keeps, an event addressed by business key). The worker's
+//! ordinary claim loop keeps polling every `poll_interval` next to the hint loop, and
+//! carries the whole load while the queue is down: a hint loop whose queue fails backs
+//! off and tries again; nothing waits on it.
 
 use super::{Finished, InFlight, Inner, QueueSlots, Worker, parents_of, release, run_step};
 use crate::health::WorkerLoop;
@@ -22,7 +25,7 @@ use keel_core::plan::hints;
 use keel_core::ports::queue::{Delivery, Hint};
 use keel_core::ports::store::{Claim, ClaimParams, CommitReceipt, ReadyStaleParams};
 use keel_core::ports::{Clock, Queue, Store};
-use keel_core::{InstanceId, StoreResult};
+use keel_core::{InstanceId, StoreResult, Timestamp};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -226,7 +229,7 @@ async fn repair_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let Some(link) = inner.hints.clone() else { return };
-    let mut cursor = None;
+    let mut cover = Cover::default();
     loop {
         let pause = bound.mul_f64(0.5 + fastrand::f64() / 2.0);
         tokio::select! {
@@ -236,11 +239,8 @@ async fn repair_loop<S: Store, C: Clock>(
         if *shutdown.borrow() {
             return;
         }
-        match repair_pass(&inner, &link, bound, cursor).await {
-            Ok(next) => {
-                cursor = next;
-                inner.loop_ok(WorkerLoop::Repair);
-            }
+        match repair_pass(&inner, &link, bound, &mut cover).await {
+            Ok(()) => inner.loop_ok(WorkerLoop::Repair),
             Err(e) => {
                 let pause = inner.loop_failed(WorkerLoop::Repair, &format!("repair pass: {e}"));
                 tokio::select! {
@@ -252,41 +252,67 @@ async fn repair_loop<S: Store, C: Clock>(
     }
 }
 
-/// One repair pass: up to `REPAIR_PAGES_MAX` pages after `after`, each published as one
-/// batch. Returns where the next pass goes on (`None`: from the start, all was covered).
+/// Where the repair passes are in their walk over the ready instances.
+#[derive(Debug, Default)]
+struct Cover {
+    /// Where the next pass goes on (`None`: from the start).
+    cursor: Option<InstanceId>,
+    /// When the walk under way began.
+    started: Option<Timestamp>,
+    /// When the walk before it began: every instance was looked at since then.
+    previous: Option<Timestamp>,
+}
+
+/// One repair pass: up to `REPAIR_PAGES_MAX` pages from where the last one stopped; of
+/// each page, the instances `plan::hints::repair_due` picks are published as one batch.
 async fn repair_pass<S: Store, C: Clock>(
     inner: &Inner<S, C>,
     link: &HintLink,
     bound: Duration,
-    mut after: Option<InstanceId>,
-) -> StoreResult<Option<InstanceId>> {
+    cover: &mut Cover,
+) -> StoreResult<()> {
+    let now = inner.clock.now();
+    if cover.cursor.is_none() {
+        cover.previous = cover.started;
+        cover.started = Some(now);
+    }
+    let since_last_look = cover.previous.map(|at| now.since(at));
     for _ in 0..REPAIR_PAGES_MAX {
         let params = ReadyStaleParams {
             namespaces: inner.config.namespaces.clone(),
             queues: inner.config.queues.iter().map(|(q, _)| q.clone()).collect(),
             machines: inner.machines.keys().cloned().collect(),
             ready_for: bound,
-            after,
+            after: cover.cursor,
             limit: READY_STALE_BATCH_MAX,
-            now: inner.clock.now(),
+            now,
         };
         let rows = inner.store.instance_ready_stale(params).await?;
-        let Some(last) = rows.last() else { return Ok(None) };
-        after = Some(last.id);
-        let hints: Vec<Hint> = rows.iter().map(hints::repair_hint).collect();
-        let published = publish(link.queue.as_ref(), hints).await;
-        link.stats.count(published);
-        link.stats.repaired.fetch_add(published.published, Ordering::Relaxed);
-        if published.failed > 0 {
-            return Err(keel_core::StoreError::unavailable(
-                "the queue refused the repair pass's hints; trying again next pass",
-            ));
+        let full = rows.len() == READY_STALE_BATCH_MAX;
+        cover.cursor = if full { rows.last().map(|r| r.id) } else { None };
+        let hints: Vec<Hint> = rows
+            .iter()
+            .filter(|row| {
+                let age = hints::ready_since(row, now).map_or(Duration::ZERO, |at| now.since(at));
+                hints::repair_due(age, bound, since_last_look)
+            })
+            .map(hints::repair_hint)
+            .collect();
+        if !hints.is_empty() {
+            let published = publish(link.queue.as_ref(), hints).await;
+            link.stats.count(published);
+            link.stats.repaired.fetch_add(published.published, Ordering::Relaxed);
+            if published.failed > 0 {
+                return Err(keel_core::StoreError::unavailable(
+                    "the queue refused the repair pass's hints; trying again next pass",
+                ));
+            }
         }
-        if rows.len() < READY_STALE_BATCH_MAX {
-            return Ok(None);
+        if !full {
+            return Ok(());
         }
     }
-    Ok(after)
+    Ok(())
 }
 
 /// Receives hints while slots are free, claims their instances by id and starts them.
@@ -297,11 +323,6 @@ async fn hint_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let Some(link) = inner.hints.clone() else { return };
-    // Filling free slots from the store: at start and every round while that finds a
-    // backlog (work left from before the queue, or never hinted). Then hints carry the
-    // work; what they miss is announced again by the repair pass, and the claim loop
-    // still polls every `poll_interval`.
-    let mut backlog = true;
     while !*shutdown.borrow() {
         let free: usize = queues.iter().map(QueueSlots::free).sum();
         if free == 0 {
@@ -338,30 +359,6 @@ async fn hint_loop<S: Store, C: Clock>(
         if !deliveries.is_empty() {
             link.stats.received.fetch_add(deliveries.len() as u64, Ordering::Relaxed);
             claim_hinted(&inner, &link, &queues, &tx, deliveries).await;
-        }
-        if backlog {
-            backlog = fill(&inner, &queues, &tx).await;
-        }
-    }
-}
-
-/// An ordinary claim for the free slots; whether it filled them all (a backlog).
-async fn fill<S: Store, C: Clock>(
-    inner: &Arc<Inner<S, C>>,
-    queues: &Arc<Vec<QueueSlots>>,
-    tx: &mpsc::Sender<Finished>,
-) -> bool {
-    let Some(params) = claim_params(inner, queues, usize::MAX) else { return false };
-    let limit = params.limit;
-    match inner.store.instance_claim(params).await {
-        Ok(claims) => {
-            let full = claims.len() == limit;
-            start(inner, queues, tx, claims).await;
-            full
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, "claim for free slots failed; the claim loop retries");
-            false
         }
     }
 }

@@ -138,6 +138,35 @@ pub fn needs_hint(row: &Instance, queue_paused: bool, params: &ReadyStaleParams)
         && (p.machines.is_empty() || p.machines.contains(&row.machine))
 }
 
+/// How many times the repair announcements of a waiting instance double their spacing
+/// before they repeat at a fixed period: announced at 1, 2, 4 and 8 bounds of readiness,
+/// then every 8 bounds.
+pub const REPAIR_DOUBLINGS: u32 = 3;
+
+/// Whether the repair pass announces again an instance that has been ready for `age`,
+/// given the repair `bound` and how long ago the pass last looked at it (`None`: never).
+///
+/// An instance waiting behind a backlog is as stale as one whose hint was lost, and a
+/// queue that does not deduplicate would take every announcement of a waiting backlog
+/// again on every pass. So announcements thin out with age: at `bound`, 2, 4 and 8
+/// bounds, then every 8 bounds ([`REPAIR_DOUBLINGS`]); each pass announces the
+/// instances that crossed one of those marks since it last looked. A lost hint's work is
+/// so announced again within 8 bounds at most (within 2 bounds while it is young), and a
+/// waiting instance is announced a handful of times plus once per 8 bounds it waits.
+pub fn repair_due(age: Duration, bound: Duration, since_last_look: Option<Duration>) -> bool {
+    let Some(gap) = since_last_look else { return age >= bound };
+    let (age, bound, gap) = (age.as_millis(), bound.as_millis().max(1), gap.as_millis());
+    // The age at the last look; `None` when the instance was not ready then.
+    let looked = age.checked_sub(gap).filter(|_| gap < age);
+    let crossed = |mark: u128| mark <= age && looked.is_none_or(|at| at < mark);
+    if (0..=REPAIR_DOUBLINGS).any(|k| crossed(bound << k)) {
+        return true;
+    }
+    let period = bound << REPAIR_DOUBLINGS;
+    let before = looked.map(|at| at / period);
+    age / period >= 1 && before.is_none_or(|b| age / period > b)
+}
+
 /// The hint the repair pass publishes for a ready `row`: its revision (a queue that still
 /// holds the same hint keeps one), priority and concurrency key as ordering group, no
 /// delay (it is due).
@@ -200,6 +229,24 @@ mod tests {
         let mut elsewhere = row(1, Status::Runnable, 0, 0);
         elsewhere.queue = "other".into();
         check(&elsewhere, false, None, false);
+    }
+
+    #[test]
+    fn repair_announcements_thin_out_with_age() {
+        let s = Duration::from_secs;
+        let due = |age: u64, gap: Option<u64>| repair_due(s(age), s(10), gap.map(s));
+        assert!(!due(9, None) && due(10, None), "first look: every stale instance");
+        assert!(due(10, Some(1)) && !due(11, Some(1)), "the mark at one bound");
+        assert!(due(20, Some(1)) && !due(21, Some(1)) && !due(39, Some(1)) && due(40, Some(1)));
+        assert!(due(80, Some(1)) && !due(81, Some(1)) && !due(159, Some(1)) && due(160, Some(1)));
+        assert!(due(240, Some(5)) && due(244, Some(5)) && !due(245, Some(5)));
+        assert!(due(35, Some(20)), "a long gap still catches the mark it spans");
+        assert!(due(5_000, Some(6_000)), "a gap longer than the age: every mark it spans");
+        assert!(!due(9, Some(6_000)), "never before one bound");
+        // Per instance, the announcements over its waiting time with one look a second.
+        let count = |wait: u64| (1..=wait).filter(|age| due(*age, Some(1))).count();
+        assert_eq!(count(80), 4);
+        assert_eq!(count(800), 4 + 9);
     }
 
     #[test]
