@@ -115,6 +115,8 @@ struct Setup {
     repair_after: Option<Duration>,
     /// How long the run may take.
     limit: Duration,
+    /// How long one receive waits for a hint.
+    wait: Duration,
 }
 
 impl Setup {
@@ -125,6 +127,7 @@ impl Setup {
             poll_interval: Duration::from_millis(200),
             repair_after: Some(Duration::from_secs(1)),
             limit: Duration::from_secs(120),
+            wait: Duration::from_millis(100),
         }
     }
 
@@ -132,6 +135,12 @@ impl Setup {
     /// once at start and then after 10 minutes.
     fn no_polling(n: usize) -> Self {
         Setup { poll_interval: Duration::from_secs(600), ..Setup::hinted(n) }
+    }
+
+    /// For the SQS emulator: every call takes a good part of 100 ms, and a long poll
+    /// (whole seconds on SQS) may wait out its time, so receives do not wait.
+    fn emulated(self) -> Self {
+        Setup { wait: Duration::ZERO, limit: Duration::from_secs(300), ..self }
     }
 }
 
@@ -148,7 +157,7 @@ fn config<S: Store>(h: &Harness<S>, setup: Setup) -> WorkerConfig {
 fn hint_config(setup: Setup) -> HintConfig {
     HintConfig {
         visibility: Duration::from_secs(5),
-        wait: Duration::from_millis(100),
+        wait: setup.wait,
         repair_after: setup.repair_after,
     }
 }
@@ -274,10 +283,11 @@ async fn hints_carry_the_steps<S: TestStore, Q: Queue>(queue: Arc<Q>) {
 /// done once, within the repair bound of the loss plus the work itself.
 async fn losing_every_hint_mid_run_loses_nothing<S: TestStore, Q: Queue>(
     queue: Arc<Q>,
-    n: usize,
+    setup: Setup,
     lose: impl AsyncFnOnce(&Q),
 ) {
-    let (stats, took) = run::<S, _>(queue, Setup::no_polling(n), lose).await;
+    let n = setup.n;
+    let (stats, took) = run::<S, _>(queue, setup, lose).await;
     let repaired = stats.repaired.load(Ordering::Relaxed);
     assert!(repaired > 0, "the repair pass published nothing after the loss");
     eprintln!(
@@ -287,9 +297,9 @@ async fn losing_every_hint_mid_run_loses_nothing<S: TestStore, Q: Queue>(
 }
 
 /// Every hint published twice: the second claim of an instance finds nothing to claim.
-async fn duplicate_hints_commit_nothing_twice<S: TestStore, Q: Queue>(queue: Arc<Q>) {
+async fn duplicate_hints_commit_nothing_twice<S: TestStore, Q: Queue>(queue: Arc<Q>, setup: Setup) {
     let flaky = Arc::new(Flaky::new(queue, true));
-    let (stats, _) = run::<S, _>(flaky, Setup::no_polling(300), async |_| {}).await;
+    let (stats, _) = run::<S, _>(flaky, setup, async |_| {}).await;
     assert!(stats.received.load(Ordering::Relaxed) > claimed(&stats), "duplicates were received");
 }
 
@@ -394,16 +404,23 @@ mod memory {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn purging_the_queue_mid_run_loses_nothing() {
         let queue = Arc::new(MemoryQueue::new());
-        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(queue, 10_000, async |q| {
-            q.purge();
-        })
+        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(
+            queue,
+            Setup::no_polling(10_000),
+            async |q| {
+                q.purge();
+            },
+        )
         .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
-        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(Arc::new(MemoryQueue::new()))
-            .await;
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(
+            Arc::new(MemoryQueue::new()),
+            Setup::no_polling(300),
+        )
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -458,9 +475,13 @@ mod redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn flushall_mid_run_loses_nothing() {
         let Some((server, q)) = private("flushall_mid_run_loses_nothing").await else { return };
-        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(q, 10_000, async |_| {
-            server.flushall();
-        })
+        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(
+            q,
+            Setup::no_polling(10_000),
+            async |_| {
+                server.flushall();
+            },
+        )
         .await;
     }
 
@@ -476,7 +497,8 @@ mod redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q).await;
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q, Setup::no_polling(300))
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -501,12 +523,13 @@ mod sqs {
         .map(Arc::new)
     }
 
-    /// `PurgeQueue` in the middle of the run (the emulator is slower than SQS, so the run
-    /// is 2 000 instances).
+    /// `PurgeQueue` in the middle of the run (the emulator takes a good part of 100 ms per
+    /// call, so the run is 300 instances).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn purging_the_queue_mid_run_loses_nothing() {
         let Some(q) = queue("purging_the_queue_mid_run_loses_nothing").await else { return };
-        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(q, 2_000, async |q| {
+        let setup = Setup::no_polling(300).emulated();
+        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(q, setup, async |q| {
             q.purge().await.expect("purge");
         })
         .await;
@@ -515,7 +538,8 @@ mod sqs {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q).await;
+        let setup = Setup::no_polling(100).emulated();
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q, setup).await;
     }
 }
 
@@ -546,9 +570,13 @@ mod postgres_redis {
         else {
             return;
         };
-        losing_every_hint_mid_run_loses_nothing::<PgStore, _>(q, 10_000, async |_| {
-            server.flushall();
-        })
+        losing_every_hint_mid_run_loses_nothing::<PgStore, _>(
+            q,
+            Setup::no_polling(10_000),
+            async |_| {
+                server.flushall();
+            },
+        )
         .await;
     }
 
@@ -566,7 +594,7 @@ mod postgres_redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        super::duplicate_hints_commit_nothing_twice::<PgStore, _>(q).await;
+        super::duplicate_hints_commit_nothing_twice::<PgStore, _>(q, Setup::no_polling(300)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
