@@ -38,7 +38,8 @@ pub struct HintConfig {
     /// How long a received hint stays invisible to other workers while this one claims
     /// its instance (the claim's own lease then protects the work). Default 30 s.
     pub visibility: Duration,
-    /// How long one receive waits for a hint (at most `HINT_WAIT_MAX`). Default 1 s.
+    /// How long one receive waits for a hint (more than zero, at most `HINT_WAIT_MAX`).
+    /// Default 1 s.
     pub wait: Duration,
     /// The repair bound: an instance ready for this long is published again by this
     /// worker's repair pass, which runs once per half to whole bound (jittered, so the
@@ -86,7 +87,7 @@ pub(crate) struct HintLink {
 
 impl HintStats {
     fn count(&self, p: Published) {
-        self.published.fetch_add(p.published, Ordering::Relaxed);
+        self.published.fetch_add(p.taken, Ordering::Relaxed);
         self.publish_failed.fetch_add(p.failed, Ordering::Relaxed);
         self.held_back.fetch_add(p.held_back, Ordering::Relaxed);
     }
@@ -106,8 +107,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// # Panics
     ///
-    /// When `config.visibility` or `config.repair_after` is zero, or `config.wait` is over
-    /// `HINT_WAIT_MAX`.
+    /// When `config.visibility`, `config.wait` or `config.repair_after` is zero, or
+    /// `config.wait` is over `HINT_WAIT_MAX`.
     #[must_use]
     pub fn with_queue(
         mut self,
@@ -115,6 +116,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         config: HintConfig,
     ) -> (Self, Arc<HintStats>) {
         assert!(!config.visibility.is_zero(), "HintConfig::visibility must be positive");
+        // A receive that does not wait turns an idle hint loop into a busy loop.
+        assert!(!config.wait.is_zero(), "HintConfig::wait must be positive");
         assert!(
             config.repair_after.is_none_or(|d| !d.is_zero()),
             "HintConfig::repair_after must be positive (None turns the repair pass off)"
@@ -168,7 +171,7 @@ pub(super) fn publish_committed<S, C>(
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Published {
     /// Hints the queue took.
-    pub(crate) published: u64,
+    pub(crate) taken: u64,
     /// Hints it refused or could not be reached for (their work waits for the repair pass
     /// or polling).
     pub(crate) failed: u64,
@@ -185,7 +188,7 @@ pub(crate) async fn publish(queue: &dyn Queue, hints: Vec<Hint>) -> Published {
     for chunk in hints.chunks(keel_core::limits::HINT_BATCH_MAX) {
         let n = chunk.len() as u64;
         match queue.enqueue(chunk.to_vec()).await {
-            Ok(()) => out.published += n,
+            Ok(()) => out.taken += n,
             Err(e) => {
                 tracing::debug!(error = %e, "publishing hints failed; the repair pass or polling takes the work");
                 out.failed += n;
@@ -301,7 +304,7 @@ async fn repair_pass<S: Store, C: Clock>(
         if !hints.is_empty() {
             let published = publish(link.queue.as_ref(), hints).await;
             link.stats.count(published);
-            link.stats.repaired.fetch_add(published.published, Ordering::Relaxed);
+            link.stats.repaired.fetch_add(published.taken, Ordering::Relaxed);
             if published.failed > 0 {
                 return Err(keel_core::StoreError::unavailable(
                     "the queue refused the repair pass's hints; trying again next pass",
