@@ -6,7 +6,7 @@
 //!   worker claims what it is told about;
 //! - `chart`: a 3-state chart with one external signal per instance — macrosteps and
 //!   transitions per second, and signal → step-start latency p50 / p99 with the store's
-//!   notifications on and off;
+//!   notifications on and off, or with `--queue redis|sqs` through that queue;
 //! - `timers`: N timers due at the same instant — time until the last one fired, and
 //!   lateness p50 / p99;
 //! - `http`: `keel serve` on loopback — events accepted per second and worker-protocol
@@ -44,7 +44,8 @@ struct Cli {
     /// The store to run against.
     #[arg(long, value_enum, default_value_t = stores::StoreKind::Memory)]
     store: stores::StoreKind,
-    /// The queue carrying ready-work hints in `steps` (none: the store's own wake-ups).
+    /// The queue carrying ready-work hints in `steps` and `chart` (none: the store's own
+    /// wake-ups).
     #[arg(long, value_enum, default_value_t = queues::QueueKind::None)]
     queue: queues::QueueKind,
     /// Instances for `steps` (default 50 000).
@@ -114,7 +115,7 @@ async fn main() -> Result<()> {
     for scenario in scenarios {
         let report = match scenario {
             Scenario::Steps => scenarios::steps(&store, cli.instances, cli.queue).await?,
-            Scenario::Chart => scenarios::chart(&store, cli.chart_instances).await?,
+            Scenario::Chart => scenarios::chart(&store, cli.chart_instances, cli.queue).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
             Scenario::Start => starts::start(&store, cli.instances).await?,
@@ -124,7 +125,9 @@ async fn main() -> Result<()> {
         };
         report.print();
         let suffix = match (scenario, cli.queue) {
-            (Scenario::Steps, q) if q != queues::QueueKind::None => format!("-{}", q.name()),
+            (Scenario::Steps | Scenario::Chart, q) if q != queues::QueueKind::None => {
+                format!("-{}", q.name())
+            }
             _ => String::new(),
         };
         let path = cli.out.join(format!("{}-{}{suffix}.json", report.name, cli.store.name()));

@@ -183,23 +183,38 @@ async fn committed(
 
 /// Chart throughput (initial macrosteps, then a burst of one signal per instance: two
 /// transitions each), and signal → step-start latency on a paced sample, with the store's
-/// notifications on and off.
-pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
+/// notifications on and off; with a queue, through the queue instead: the client
+/// announces each delivery, the worker receives the hints, its notifications are off and
+/// its polling slowed to 1 s.
+pub async fn chart(factory: &Factory, n: usize, queue: QueueKind) -> Result<Report> {
     let sample = n.min(1_000);
     let mut rows = Vec::new();
-    for notifications in [true, false] {
+    let modes: &[bool] = if queue == QueueKind::None { &[true, false] } else { &[false] };
+    for &notifications in modes {
         let sent: Arc<Mutex<HashMap<InstanceId, Instant>>> = Arc::default();
         let lat: Arc<Mutex<Vec<f64>>> = Arc::default();
+        let hints = queue.fresh().await?;
         let (init_rate, transition_rate, latencies) = with_store!(factory, |store| {
             let machine = chart_machine(Arc::clone(&sent), Arc::clone(&lat));
             let news: Vec<NewInstance> =
                 (0..n + sample).map(|_| machine.new_instance(json!({}))).collect();
-            let config = worker_config(100, notifications);
+            let mut config = worker_config(100, notifications);
             let ids = insert_all(&*store, news).await?;
             let (burst, paced) = ids.split_at(n);
             let started = Instant::now();
-            let worker =
-                Worker::new(Arc::clone(&store), SystemClock, config).register(machine).spawn();
+            let mut client = keel_scheduler::Client::new(Arc::clone(&store), SystemClock);
+            let mut builder = Worker::new(Arc::clone(&store), SystemClock, config.clone());
+            if let Some(q) = &hints {
+                config.poll_interval = Duration::from_secs(1);
+                builder = Worker::new(Arc::clone(&store), SystemClock, config)
+                    .with_queue(Arc::clone(q), HintConfig::default())
+                    .0;
+                client = client.with_queue(Arc::clone(q));
+                for chunk in ids.chunks(keel_core::limits::HINT_BATCH_MAX) {
+                    q.enqueue(chunk.iter().map(|id| Hint::new(*id, 0)).collect()).await?;
+                }
+            }
+            let worker = builder.register(machine).spawn();
             let stats = Arc::clone(worker.stats());
             let pb = bar(n + sample, &format!("chart init, notify {notifications}"));
             let ok = committed(&stats, (n + sample) as u64, Some(&pb)).await;
@@ -216,9 +231,7 @@ pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
             let burst_started = Instant::now();
             for chunk in burst.chunks(INSERT_BATCH) {
                 let signals = chunk.iter().map(|id| NewSignal::new(*id, "GO")).collect();
-                store
-                    .signal_deliver(SignalDeliverParams { signals, now: SystemClock.now() })
-                    .await?;
+                client.send_many(signals).await?;
             }
             let pb = bar(n, &format!("signal burst, notify {notifications}"));
             let ok = committed(&stats, base + n as u64, None).await;
@@ -232,10 +245,7 @@ pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
             let pb = bar(sample, &format!("paced signals, notify {notifications}"));
             for id in paced {
                 sent.lock().expect("sent").insert(*id, Instant::now());
-                let signals = vec![NewSignal::new(*id, "GO")];
-                store
-                    .signal_deliver(SignalDeliverParams { signals, now: SystemClock.now() })
-                    .await?;
+                client.send_many(vec![NewSignal::new(*id, "GO")]).await?;
                 pb.inc(1);
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
@@ -250,8 +260,13 @@ pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
             // The burst also went through `work`, but only paced instances were stamped.
             (init_rate, transition_rate, l)
         });
+        let wakeups = match (queue, notifications) {
+            (QueueKind::None, true) => "notifications".to_owned(),
+            (QueueKind::None, false) => "polling (50 ms)".to_owned(),
+            (q, _) => format!("{} queue (poll 1 s)", q.name()),
+        };
         rows.push(vec![
-            json!(if notifications { "on" } else { "off (poll 50 ms)" }),
+            json!(wakeups),
             json!(n),
             json!(init_rate),
             json!(transition_rate),
@@ -265,7 +280,7 @@ pub async fn chart(factory: &Factory, n: usize) -> Result<Report> {
             "3-state chart: {n} instances (initial macrostep, then a burst of one signal each), plus {sample} paced signals for latency"
         ),
         columns: vec![
-            "notifications",
+            "wake-ups",
             "instances",
             "initial macrosteps/s",
             "transitions/s (burst)",

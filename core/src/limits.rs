@@ -94,6 +94,13 @@ pub const SCXML_DEPTH_MAX: usize = 64;
 /// Most hints one `Queue::enqueue` call may carry (and receipts one `Queue::ack` call);
 /// backends with smaller native batches split them.
 pub const HINT_BATCH_MAX: usize = 1_000;
+/// Most rows one `Store::instance_ready_stale` page returns: the repair pass publishes a
+/// page as one batch of hints.
+pub const READY_STALE_BATCH_MAX: usize = HINT_BATCH_MAX;
+/// Most `Store::instance_ready_stale` pages one repair pass reads before it waits for its
+/// next turn (the cursor carries on from there), so one pass is bounded even with a huge
+/// backlog.
+pub const REPAIR_PAGES_MAX: usize = 100;
 /// Most hints one `Queue::receive` call may return.
 pub const HINT_RECEIVE_MAX: usize = 100;
 /// Longest a `Queue::receive` call may wait for its first hint (the SQS long-poll bound).

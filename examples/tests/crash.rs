@@ -52,6 +52,7 @@ fn start_worker_with(store_args: &[String], extra: &[&str]) -> WorkerProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel-crash-worker"))
         .args(store_args)
         .args(extra)
+        .args(queue_args(store_args))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -60,6 +61,24 @@ fn start_worker_with(store_args: &[String], extra: &[&str]) -> WorkerProcess {
     BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read");
     assert_eq!(line.trim(), "ready", "the worker did not start");
     WorkerProcess(Some(child))
+}
+
+/// With `KEEL_TEST_WORKER_QUEUE=redis`, the workers' Redis queue (`KEEL_TEST_REDIS_URL`),
+/// one per test (named after its store), so that the crash runs have a queue in the loop:
+/// instances inserted straight into the store are announced by the workers' repair pass,
+/// and the steps after them by the workers' own hints.
+fn queue_args(store_args: &[String]) -> Vec<String> {
+    match std::env::var("KEEL_TEST_WORKER_QUEUE").as_deref() {
+        Ok("redis") => {}
+        Ok("") | Err(_) => return Vec::new(),
+        Ok(other) => panic!("KEEL_TEST_WORKER_QUEUE={other}: the only queue it takes is `redis`"),
+    }
+    let url = std::env::var("KEEL_TEST_REDIS_URL")
+        .expect("KEEL_TEST_WORKER_QUEUE=redis needs KEEL_TEST_REDIS_URL");
+    let mut hash = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(store_args, &mut hash);
+    let name = format!("crash-{:016x}", std::hash::Hasher::finish(&hash));
+    vec!["--redis-queue".to_owned(), url, name]
 }
 
 /// SIGKILL, and reap the process.

@@ -10,8 +10,9 @@ use keel_core::ports::store::{
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
     MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams,
+    WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -67,6 +68,10 @@ impl Store for AnyStore {
         params: ClaimParams,
     ) -> StoreResult<Vec<Claim>> {
         self.0.instance_claim_ids(ids, params).await
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        self.0.instance_ready_stale(params).await
     }
 
     async fn step_commit(

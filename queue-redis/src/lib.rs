@@ -139,6 +139,15 @@ impl RedisQueue {
         Ok(RedisQueue { name, keys, conn, blocking: tokio::sync::Mutex::new(blocking) })
     }
 
+    /// What every Redis queue can do: any delay at 1 ms, no priorities, no ordered groups.
+    pub const CAPABILITIES: QueueCapabilities = QueueCapabilities {
+        delay_max: None,
+        ordered_groups: false,
+        priorities: false,
+        visibility_max: None,
+        resolution: Duration::from_millis(1),
+    };
+
     /// The queue's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -248,13 +257,7 @@ fn split_receipt(receipt: &str) -> StoreResult<(&str, &str)> {
 #[async_trait]
 impl Queue for RedisQueue {
     fn capabilities(&self) -> QueueCapabilities {
-        QueueCapabilities {
-            delay_max: None,
-            ordered_groups: false,
-            priorities: false,
-            visibility_max: None,
-            resolution: Duration::from_millis(1),
-        }
+        Self::CAPABILITIES
     }
 
     async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {

@@ -4,12 +4,13 @@
 
 use keel_core::instance::DeadLetter;
 use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
+use keel_core::plan::hints;
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     InstanceDetail, QueuePauseParams, SignalBroadcastParams, SignalDeliverParams,
 };
-use keel_core::ports::{Clock, Store};
+use keel_core::ports::{Clock, Queue, Store};
 use keel_core::{DeadLetterId, Instance, InstanceId, Status, StoreError, StoreResult, Timestamp};
 use serde_json::Value;
 use std::fmt;
@@ -30,18 +31,42 @@ pub const WAIT_POLL_MAX: Duration = Duration::from_millis(250);
 pub struct Client<S: Store, C: Clock> {
     store: Arc<S>,
     clock: C,
+    /// Where starts and sends announce the work they made ready, if anywhere.
+    queue: Option<Arc<dyn Queue>>,
 }
 
 impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
     fn clone(&self) -> Self {
-        Client { store: Arc::clone(&self.store), clock: self.clock.clone() }
+        Client {
+            store: Arc::clone(&self.store),
+            clock: self.clock.clone(),
+            queue: self.queue.clone(),
+        }
     }
 }
 
 impl<S: Store, C: Clock> Client<S, C> {
     /// A client over `store`, reading time from `clock`.
     pub fn new(store: Arc<S>, clock: C) -> Self {
-        Client { store, clock }
+        Client { store, clock, queue: None }
+    }
+
+    /// The same client announcing the work its starts and sends make ready on `queue`
+    /// (each new instance, delayed until it is due; each target a send woke), for workers
+    /// that receive hints from it. The store stays the truth: the announcement follows the
+    /// store call and its failure is only logged (the workers' repair pass finds the work).
+    /// A delay longer than the queue keeps is not announced.
+    #[must_use]
+    pub fn with_queue(mut self, queue: Arc<dyn Queue>) -> Self {
+        self.queue = Some(queue);
+        self
+    }
+
+    /// Publishes `hints` when the client has a queue.
+    async fn announce(&self, hints: impl FnOnce() -> Vec<keel_core::ports::queue::Hint>) {
+        if let Some(queue) = &self.queue {
+            crate::worker::publish_hints(queue.as_ref(), hints()).await;
+        }
     }
 
     /// The store behind the client.
@@ -62,7 +87,14 @@ impl<S: Store, C: Clock> Client<S, C> {
 
     /// Starts many instances in one batch; per item, new id or existing occupant.
     pub async fn start_many(&self, instances: Vec<NewInstance>) -> StoreResult<Vec<InsertOutcome>> {
-        self.store.instance_insert(InsertParams { instances, now: self.clock.now() }).await
+        let now = self.clock.now();
+        let protos: Vec<_> = match self.queue {
+            Some(_) => instances.iter().map(|n| hints::for_new(n, now)).collect(),
+            None => Vec::new(),
+        };
+        let out = self.store.instance_insert(InsertParams { instances, now }).await?;
+        self.announce(|| hints::inserted(protos, &out)).await;
+        Ok(out)
     }
 
     /// Sends one signal (event). `NotFound` when the target does not exist; a terminal
@@ -82,7 +114,10 @@ impl<S: Store, C: Clock> Client<S, C> {
 
     /// Sends many signals in one batch; per item, what happened.
     pub async fn send_many(&self, signals: Vec<NewSignal>) -> StoreResult<Vec<DeliveryOutcome>> {
-        self.store.signal_deliver(SignalDeliverParams { signals, now: self.clock.now() }).await
+        let params = SignalDeliverParams { signals, now: self.clock.now() };
+        let out = self.store.signal_deliver(params).await?;
+        self.announce(|| hints::after_delivery(&out)).await;
+        Ok(out)
     }
 
     /// Delivers one event to every non-terminal instance a [`Broadcast`] selects, in one

@@ -35,6 +35,9 @@ pub enum WorkerLoop {
     Schedules,
     /// Applies retention (only with a retention configuration).
     Pruner,
+    /// Publishes hints again for instances ready too long (only with a queue and a
+    /// repair bound).
+    Repair,
 }
 
 impl WorkerLoop {
@@ -50,6 +53,7 @@ impl WorkerLoop {
             WorkerLoop::Hints => "hints",
             WorkerLoop::Schedules => "schedules",
             WorkerLoop::Pruner => "pruner",
+            WorkerLoop::Repair => "repair",
         }
     }
 }

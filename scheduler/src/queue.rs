@@ -1,29 +1,31 @@
 //! A worker's queue link: ready-work hints through a `Queue` next to the store.
 //!
-//! With a queue ([`Worker::with_queue`]), a worker publishes a hint for every instance a
-//! group commit left ready (the instance itself after `Next` or `Retry`, the children and
-//! spawned instances it inserted), from the committed receipts, and a hint loop receives
-//! hints and claims *those* instances by id (`Store::instance_claim_ids`) under the usual
-//! lease and fencing. A hint whose instance is no longer ready — already claimed, stale, a
-//! duplicate — is simply acked: nothing is committed twice, because only the claim's
-//! fencing token can commit.
+//! With a queue ([`Worker::with_queue`]), a worker publishes hints for the work each group
+//! commit made ready (`keel_core::plan::hints::after_commit`: the instance itself after
+//! `Next` or `Retry`, delayed by the retry's back-off; the children and spawned instances
+//! it inserted; the targets of its emitted events; its parent when it ended), from the
+//! committed receipts, and a hint loop receives hints and claims *those* instances by id
+//! (`Store::instance_claim_ids`) under the usual lease and fencing. A hint whose instance
+//! is not ready — already claimed, stale, a duplicate, a parent still waiting — is simply
+//! acked: nothing is committed twice, because only the claim's fencing token can commit.
 //!
-//! The store stays the truth. The worker's ordinary claim loop keeps running next to the
-//! hint loop and is the repair path: every `poll_interval` it claims whatever is ready
-//! and was never hinted (a crash between commit and publish, a flushed or purged queue,
-//! a signal delivered by a client, a delay longer than the queue keeps), and it carries
-//! the whole load while the queue is down. A hint loop whose queue fails backs off and
-//! tries again; nothing waits on it.
+//! The store stays the truth. A repair pass (every worker with a `repair_after` bound,
+//! jittered) publishes hints again for the instances that have been ready for the bound
+//! (`Store::instance_ready_stale`): work whose hint was lost (a crash between commit and
+//! publish, a flushed or purged queue) or never sent (a producer without the queue, a
+//! delay longer than the queue keeps, an event addressed by business key). The worker's
+//! ordinary claim loop keeps polling every `poll_interval` next to the hint loop, and
+//! carries the whole load while the queue is down: a hint loop whose queue fails backs
+//! off and tries again; nothing waits on it.
 
 use super::{Finished, InFlight, Inner, QueueSlots, Worker, parents_of, release, run_step};
 use crate::health::WorkerLoop;
-use keel_core::ids::Status;
-use keel_core::limits::HINT_RECEIVE_MAX;
-use keel_core::outcome::Outcome;
+use keel_core::limits::{HINT_RECEIVE_MAX, READY_STALE_BATCH_MAX, REPAIR_PAGES_MAX};
+use keel_core::plan::hints;
 use keel_core::ports::queue::{Delivery, Hint};
-use keel_core::ports::store::{Claim, ClaimParams, CommitReceipt, InsertOutcome};
+use keel_core::ports::store::{Claim, ClaimParams, CommitReceipt, ReadyStaleParams};
 use keel_core::ports::{Clock, Queue, Store};
-use keel_core::{InstanceId, StoreResult};
+use keel_core::{InstanceId, StoreResult, Timestamp};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,13 +38,24 @@ pub struct HintConfig {
     /// How long a received hint stays invisible to other workers while this one claims
     /// its instance (the claim's own lease then protects the work). Default 30 s.
     pub visibility: Duration,
-    /// How long one receive waits for a hint (at most `HINT_WAIT_MAX`). Default 1 s.
+    /// How long one receive waits for a hint (more than zero, at most `HINT_WAIT_MAX`).
+    /// Default 1 s.
     pub wait: Duration,
+    /// The repair bound: an instance ready for this long is published again by this
+    /// worker's repair pass, which runs once per half to whole bound (jittered, so the
+    /// passes of several workers spread out). A lost hint's work is so announced again
+    /// within about twice the bound. `None` turns this worker's pass off (keep it on in
+    /// at least one worker per deployment). Default 10 s.
+    pub repair_after: Option<Duration>,
 }
 
 impl Default for HintConfig {
     fn default() -> Self {
-        HintConfig { visibility: Duration::from_secs(30), wait: Duration::from_secs(1) }
+        HintConfig {
+            visibility: Duration::from_secs(30),
+            wait: Duration::from_secs(1),
+            repair_after: Some(Duration::from_secs(10)),
+        }
     }
 }
 
@@ -57,6 +70,10 @@ pub struct HintStats {
     pub received: AtomicU64,
     /// Instances claimed because of a hint.
     pub claimed: AtomicU64,
+    /// Hints the repair pass published again.
+    pub repaired: AtomicU64,
+    /// Hints left to the store because their delay is longer than the queue keeps.
+    pub held_back: AtomicU64,
 }
 
 /// A worker's queue and its settings.
@@ -66,6 +83,14 @@ pub(crate) struct HintLink {
     stats: Arc<HintStats>,
     /// Whether the last receive succeeded.
     flowing: AtomicBool,
+}
+
+impl HintStats {
+    fn count(&self, p: Published) {
+        self.published.fetch_add(p.taken, Ordering::Relaxed);
+        self.publish_failed.fetch_add(p.failed, Ordering::Relaxed);
+        self.held_back.fetch_add(p.held_back, Ordering::Relaxed);
+    }
 }
 
 /// Whether the worker's hints are flowing: then slots freed by commits are left to the
@@ -82,7 +107,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// # Panics
     ///
-    /// When `config.visibility` is zero or `config.wait` is over `HINT_WAIT_MAX`.
+    /// When `config.visibility`, `config.wait` or `config.repair_after` is zero, or
+    /// `config.wait` is over `HINT_WAIT_MAX`.
     #[must_use]
     pub fn with_queue(
         mut self,
@@ -90,6 +116,12 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         config: HintConfig,
     ) -> (Self, Arc<HintStats>) {
         assert!(!config.visibility.is_zero(), "HintConfig::visibility must be positive");
+        // A receive that does not wait turns an idle hint loop into a busy loop.
+        assert!(!config.wait.is_zero(), "HintConfig::wait must be positive");
+        assert!(
+            config.repair_after.is_none_or(|d| !d.is_zero()),
+            "HintConfig::repair_after must be positive (None turns the repair pass off)"
+        );
         assert!(
             config.wait <= keel_core::limits::HINT_WAIT_MAX,
             "HintConfig::wait is over HINT_WAIT_MAX ({:?})",
@@ -106,28 +138,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     }
 }
 
-/// The hints for what a group commit left ready, read from its receipts.
+/// The hints for what a group commit left ready, read from its receipts
+/// (`plan::hints::after_commit`).
 fn ready_hints(batch: &[Finished], results: &[Option<StoreResult<CommitReceipt>>]) -> Vec<Hint> {
     let mut hints = Vec::new();
     for (f, result) in batch.iter().zip(results) {
         let Some(Ok(receipt)) = result else { continue };
-        let row = &f.origin.claim.instance;
-        if receipt.status == Status::Runnable {
-            let delay = match &f.commit.outcome {
-                Outcome::Retry { delay, .. } => *delay,
-                _ => Duration::ZERO,
-            };
-            let mut hint = Hint::new(receipt.id, receipt.revision.0 as u64)
-                .delay(delay)
-                .priority(row.priority);
-            hint.group.clone_from(&row.concurrency_key);
-            hints.push(hint);
-        }
-        for child in receipt.children.iter().chain(&receipt.spawned) {
-            if let InsertOutcome::Inserted(id) = child {
-                hints.push(Hint::new(*id, 0));
-            }
-        }
+        hints.extend(hints::after_commit(&f.origin.claim.instance, &f.commit, receipt));
     }
     hints
 }
@@ -140,26 +157,45 @@ pub(super) fn publish_committed<S, C>(
     results: &[Option<StoreResult<CommitReceipt>>],
 ) {
     let Some(link) = inner.hints.clone() else { return };
-    let delay_max = link.queue.capabilities().delay_max;
-    let hints: Vec<Hint> = ready_hints(batch, results)
-        .into_iter()
-        .filter(|h| delay_max.is_none_or(|most| h.delay <= most))
-        .collect();
+    let hints = ready_hints(batch, results);
     if hints.is_empty() {
         return;
     }
     tokio::spawn(async move {
-        for chunk in hints.chunks(keel_core::limits::HINT_BATCH_MAX) {
-            let n = chunk.len() as u64;
-            match link.queue.enqueue(chunk.to_vec()).await {
-                Ok(()) => link.stats.published.fetch_add(n, Ordering::Relaxed),
-                Err(e) => {
-                    tracing::debug!(error = %e, "publishing hints failed; polling takes the work");
-                    link.stats.publish_failed.fetch_add(n, Ordering::Relaxed)
-                }
-            };
-        }
+        let published = publish(link.queue.as_ref(), hints).await;
+        link.stats.count(published);
     });
+}
+
+/// What [`publish`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Published {
+    /// Hints the queue took.
+    pub(crate) taken: u64,
+    /// Hints it refused or could not be reached for (their work waits for the repair pass
+    /// or polling).
+    pub(crate) failed: u64,
+    /// Hints left to the store because their delay is longer than the queue keeps.
+    pub(crate) held_back: u64,
+}
+
+/// Publishes `hints` in batches of `HINT_BATCH_MAX`, leaving delays the queue cannot keep
+/// to the store. A failure only costs latency: the repair pass and polling find the work.
+pub(crate) async fn publish(queue: &dyn Queue, hints: Vec<Hint>) -> Published {
+    let total = hints.len() as u64;
+    let hints = hints::publishable(hints, queue.capabilities().delay_max);
+    let mut out = Published { held_back: total - hints.len() as u64, ..Published::default() };
+    for chunk in hints.chunks(keel_core::limits::HINT_BATCH_MAX) {
+        let n = chunk.len() as u64;
+        match queue.enqueue(chunk.to_vec()).await {
+            Ok(()) => out.taken += n,
+            Err(e) => {
+                tracing::debug!(error = %e, "publishing hints failed; the repair pass or polling takes the work");
+                out.failed += n;
+            }
+        }
+    }
+    out
 }
 
 /// Starts the hint loop when the worker has a queue.
@@ -176,6 +212,112 @@ pub(super) fn spawn_hint_loop<S: Store, C: Clock>(
     }))
 }
 
+/// Starts the repair pass when the worker has a queue and a repair bound.
+pub(super) fn spawn_repair_loop<S: Store, C: Clock>(
+    inner: &Arc<Inner<S, C>>,
+    shutdown: &watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let bound = inner.hints.as_ref()?.config.repair_after?;
+    Some(super::spawn_loop(inner, WorkerLoop::Repair, shutdown, move |inner, stop| {
+        repair_loop(inner, bound, stop)
+    }))
+}
+
+/// Every half to whole `bound` (jittered), publishes hints again for the instances that
+/// have been ready for `bound` (`Store::instance_ready_stale`), carrying a cursor from one
+/// pass to the next so that a huge backlog is covered a bounded page count at a time.
+async fn repair_loop<S: Store, C: Clock>(
+    inner: Arc<Inner<S, C>>,
+    bound: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let Some(link) = inner.hints.clone() else { return };
+    let mut cover = Cover::default();
+    loop {
+        let pause = bound.mul_f64(0.5 + fastrand::f64() / 2.0);
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            _ = shutdown.changed() => return,
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        match repair_pass(&inner, &link, bound, &mut cover).await {
+            Ok(()) => inner.loop_ok(WorkerLoop::Repair),
+            Err(e) => {
+                let pause = inner.loop_failed(WorkerLoop::Repair, &format!("repair pass: {e}"));
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = shutdown.changed() => return,
+                }
+            }
+        }
+    }
+}
+
+/// Where the repair passes are in their walk over the ready instances.
+#[derive(Debug, Default)]
+struct Cover {
+    /// Where the next pass goes on (`None`: from the start).
+    cursor: Option<InstanceId>,
+    /// When the walk under way began.
+    started: Option<Timestamp>,
+    /// When the walk before it began: every instance was looked at since then.
+    previous: Option<Timestamp>,
+}
+
+/// One repair pass: up to `REPAIR_PAGES_MAX` pages from where the last one stopped; of
+/// each page, the instances `plan::hints::repair_due` picks are published as one batch.
+async fn repair_pass<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    link: &HintLink,
+    bound: Duration,
+    cover: &mut Cover,
+) -> StoreResult<()> {
+    let now = inner.clock.now();
+    if cover.cursor.is_none() {
+        cover.previous = cover.started;
+        cover.started = Some(now);
+    }
+    let since_last_look = cover.previous.map(|at| now.since(at));
+    for _ in 0..REPAIR_PAGES_MAX {
+        let params = ReadyStaleParams {
+            namespaces: inner.config.namespaces.clone(),
+            queues: inner.config.queues.iter().map(|(q, _)| q.clone()).collect(),
+            machines: inner.machines.keys().cloned().collect(),
+            ready_for: bound,
+            after: cover.cursor,
+            limit: READY_STALE_BATCH_MAX,
+            now,
+        };
+        let rows = inner.store.instance_ready_stale(params).await?;
+        let full = rows.len() == READY_STALE_BATCH_MAX;
+        cover.cursor = if full { rows.last().map(|r| r.id) } else { None };
+        let hints: Vec<Hint> = rows
+            .iter()
+            .filter(|row| {
+                let age = hints::ready_since(row, now).map_or(Duration::ZERO, |at| now.since(at));
+                hints::repair_due(age, bound, since_last_look)
+            })
+            .map(hints::repair_hint)
+            .collect();
+        if !hints.is_empty() {
+            let published = publish(link.queue.as_ref(), hints).await;
+            link.stats.count(published);
+            link.stats.repaired.fetch_add(published.taken, Ordering::Relaxed);
+            if published.failed > 0 {
+                return Err(keel_core::StoreError::unavailable(
+                    "the queue refused the repair pass's hints; trying again next pass",
+                ));
+            }
+        }
+        if !full {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
 /// Receives hints while slots are free, claims their instances by id and starts them.
 async fn hint_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
@@ -184,10 +326,6 @@ async fn hint_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let Some(link) = inner.hints.clone() else { return };
-    // Filling free slots from the store: every round while it finds a backlog, else at
-    // most once per `wait`.
-    let mut backlog = true;
-    let mut last_fill = tokio::time::Instant::now();
     while !*shutdown.borrow() {
         let free: usize = queues.iter().map(QueueSlots::free).sum();
         if free == 0 {
@@ -224,33 +362,6 @@ async fn hint_loop<S: Store, C: Clock>(
         if !deliveries.is_empty() {
             link.stats.received.fetch_add(deliveries.len() as u64, Ordering::Relaxed);
             claim_hinted(&inner, &link, &queues, &tx, deliveries).await;
-        }
-        // Slots the hints left free take ready work that was never hinted (inserted by a
-        // client, signalled, or whose hint was lost).
-        if backlog || last_fill.elapsed() >= link.config.wait {
-            last_fill = tokio::time::Instant::now();
-            backlog = fill(&inner, &queues, &tx).await;
-        }
-    }
-}
-
-/// An ordinary claim for the free slots; whether it filled them all (a backlog).
-async fn fill<S: Store, C: Clock>(
-    inner: &Arc<Inner<S, C>>,
-    queues: &Arc<Vec<QueueSlots>>,
-    tx: &mpsc::Sender<Finished>,
-) -> bool {
-    let Some(params) = claim_params(inner, queues, usize::MAX) else { return false };
-    let limit = params.limit;
-    match inner.store.instance_claim(params).await {
-        Ok(claims) => {
-            let full = claims.len() == limit;
-            start(inner, queues, tx, claims).await;
-            full
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, "claim for free slots failed; the claim loop retries");
-            false
         }
     }
 }

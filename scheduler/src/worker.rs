@@ -49,6 +49,7 @@ mod queue;
 use crate::prune::{DeadLetterRetention, PruneCounts, PruneStats, Pruner};
 use crate::schedules::Schedules;
 use keel_core::retention::RetentionConfig;
+pub(crate) use queue::publish as publish_hints;
 pub use queue::{HintConfig, HintStats};
 
 // Armed timers follow the deployed definition (a one-shot pass at start-up).
@@ -463,6 +464,7 @@ async fn run<S: Store, C: Clock + Clone>(
         Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
     // Queue hook: the hint loop, when the worker has a queue.
     let hint_loop = queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx);
+    let repair_loop = queue::spawn_repair_loop(&inner, &shutdown);
     {
         let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
         let tx = tx.clone();
@@ -482,7 +484,7 @@ async fn run<S: Store, C: Clock + Clone>(
     let _ = committer.await;
     let _ = heartbeat.await;
     let _ = reaper.await;
-    for task in [sweeper, scheduler, pruner, sampler].into_iter().flatten() {
+    for task in [sweeper, scheduler, pruner, sampler, repair_loop].into_iter().flatten() {
         let _ = task.await;
     }
 }

@@ -67,7 +67,8 @@ async fn send(h: &Harness, id: InstanceId, events: &[&str]) {
 }
 
 fn spawn(h: &Harness, machine: impl StepMachine) -> WorkerHandle {
-    Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config()).register(machine).spawn()
+    h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config()).register(machine))
+        .spawn()
 }
 
 #[tokio::test]
@@ -266,8 +267,8 @@ async fn a_delegated_child_machines_done_fires_the_parents_done() {
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
         .register(m)
-        .register(Payment)
-        .spawn();
+        .register(Payment);
+    let worker = h.hinted(worker).spawn();
     let row = h.wait(id, "paid", |r| r.status == Status::Done).await;
     let result = row.result.unwrap_or_default();
     assert_eq!(result["payment"]["charged"], json!(true));
@@ -285,8 +286,8 @@ async fn a_delegated_child_machines_failure_fires_the_parents_fail() {
     let id = h.start(m.new_instance(json!({}))).await;
     let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
         .register(m)
-        .register(FailingPayment)
-        .spawn();
+        .register(FailingPayment);
+    let worker = h.hinted(worker).spawn();
     let row = h.wait(id, "declined", |r| r.status == Status::Done).await;
     assert!(row.result.is_some());
     let history = h.client.get(id).await.unwrap().history;

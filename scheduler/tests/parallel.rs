@@ -144,7 +144,7 @@ fn spawn<S: TestStore>(h: &Harness<S>, m: ChartMachine) -> Workers {
         .map(|(n, m)| {
             let worker_id = WorkerId(format!("w{}", n + 1));
             let config = WorkerConfig { worker_id, timers: None, ..h.config() };
-            Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn()
+            h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn()
         })
         .collect();
     Workers(handles)
@@ -745,7 +745,8 @@ async fn two_workers_finish_many_dispatches_with_exactly_one_done_each<S: TestSt
                 timers: None,
                 ..h.config()
             };
-            Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(make()).spawn()
+            h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(make()))
+                .spawn()
         })
         .collect();
     for &id in &ids {
@@ -793,7 +794,8 @@ async fn a_region_task_over_its_job_timeout_fails_with_a_timeout_on_its_own_queu
         queues: vec![("default".into(), 4), ("regions".into(), 4)],
         ..h.config()
     };
-    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn();
+    let worker =
+        h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn();
     h.wait(id, "failed", |r| r.status == Status::Done).await;
     let fails = entries(&h, id, "PARALLEL_FAIL").await;
     assert_eq!(fails.len(), 1);

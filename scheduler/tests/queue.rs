@@ -13,7 +13,8 @@ use keel_core::ports::queue::{Delivery, Hint, QueueCapabilities};
 use keel_core::ports::store::InsertOutcome;
 use keel_core::{InstanceId, MachineRef, Outcome, Status, StoreError, StoreResult};
 use keel_scheduler::{
-    HintConfig, HintStats, StepContext, StepError, StepMachine, Worker, WorkerConfig, WorkerLoop,
+    Client, HintConfig, HintStats, StepContext, StepError, StepMachine, Worker, WorkerConfig,
+    WorkerLoop,
 };
 use keel_testkit::MemoryQueue;
 use keel_testkit::memory::MemoryStore;
@@ -102,17 +103,91 @@ impl<Q: Queue> Queue for Flaky<Q> {
     }
 }
 
-/// A worker with `queue` whose polling is slow enough that hints carry the run.
-fn config<S: Store>(h: &Harness<S>) -> WorkerConfig {
+/// How a test run's worker is set up.
+#[derive(Debug, Clone, Copy)]
+struct Setup {
+    /// Instances to run.
+    n: usize,
+    /// The claim loop's polling: short where polling is the fallback under test, long
+    /// where the queue and its repair pass must carry the run alone.
+    poll_interval: Duration,
+    /// The repair bound.
+    repair_after: Option<Duration>,
+    /// How long the run may take.
+    limit: Duration,
+    /// How long one receive waits for a hint.
+    wait: Duration,
+}
+
+impl Setup {
+    /// Hints carry the run; polling is slow but there.
+    fn hinted(n: usize) -> Self {
+        Setup {
+            n,
+            poll_interval: Duration::from_millis(200),
+            repair_after: Some(Duration::from_secs(1)),
+            limit: Duration::from_secs(120),
+            wait: Duration::from_millis(100),
+        }
+    }
+
+    /// Only the queue and its repair pass can finish the run in time: the claim loop polls
+    /// once at start and then after 10 minutes.
+    fn no_polling(n: usize) -> Self {
+        Setup { poll_interval: Duration::from_secs(600), ..Setup::hinted(n) }
+    }
+
+    /// For the SQS emulator: a long poll (whole seconds on SQS) waits out its second when
+    /// fewer hints than asked for are there, so the run is slower.
+    fn emulated(self) -> Self {
+        Setup { wait: Duration::from_secs(1), limit: Duration::from_secs(600), ..self }
+    }
+}
+
+/// A worker whose polling is `setup`'s.
+fn config<S: Store>(h: &Harness<S>, setup: Setup) -> WorkerConfig {
     WorkerConfig {
         notifications: false,
-        poll_interval: Duration::from_millis(200),
+        poll_interval: setup.poll_interval,
         queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 16)],
         ..h.config()
     }
 }
 
-async fn start_all<S: Store>(h: &Harness<S>, n: usize) -> Vec<InstanceId> {
+fn hint_config(setup: Setup) -> HintConfig {
+    HintConfig {
+        visibility: Duration::from_secs(5),
+        wait: setup.wait,
+        repair_after: setup.repair_after,
+    }
+}
+
+/// Moves the harness's virtual clock with real time (the repair bound is measured on the
+/// worker's clock), until dropped.
+struct Ticking(tokio::task::JoinHandle<()>);
+
+impl Ticking {
+    fn start(clock: &keel_testkit::clock::VirtualClock) -> Self {
+        let clock = clock.clone();
+        Ticking(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                clock.advance(Duration::from_millis(10));
+            }
+        }))
+    }
+}
+
+impl Drop for Ticking {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn start_all<S: Store, C: keel_core::ports::Clock>(
+    client: &Client<S, C>,
+    n: usize,
+) -> Vec<InstanceId> {
     let mut ids = Vec::with_capacity(n);
     for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
         let news = chunk
@@ -121,7 +196,7 @@ async fn start_all<S: Store>(h: &Harness<S>, n: usize) -> Vec<InstanceId> {
                 NewInstance::new(MachineRef::new("counter", 1), "count").context(json!({ "n": 0 }))
             })
             .collect();
-        for outcome in h.client.start_many(news).await.expect("start") {
+        for outcome in client.start_many(news).await.expect("start") {
             let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
             ids.push(id);
         }
@@ -153,57 +228,90 @@ async fn finish<S: Store>(
         for row in h.store.instance_rows(chunk.to_vec()).await.expect("rows") {
             assert_eq!(row.status, Status::Done, "{}", row.id);
             assert_eq!(row.result, Some(json!({ "n": STEPS })), "{}", row.id);
+            // One revision per step: no step was applied twice.
+            assert_eq!(row.revision.0, STEPS + 1, "{}", row.id);
         }
     }
 }
 
-/// Runs `n` instances through a worker with `queue`; `during` runs once a third of the
-/// steps are committed. Returns the hint counters.
+/// Runs `setup.n` instances through a worker with `queue`, started by a client that
+/// announces them on it; `during` runs once a third of the steps are committed. Returns
+/// the hint counters and how long the run took after `during`.
 async fn run<S: TestStore, Q: Queue>(
     queue: Arc<Q>,
-    n: usize,
+    setup: Setup,
     during: impl AsyncFnOnce(&Q),
-) -> Arc<HintStats> {
+) -> (Arc<HintStats>, Duration) {
     let h = S::harness().await;
-    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h))
+    let _ticking = Ticking::start(&h.clock);
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
         .register(Counter)
-        .with_queue(
-            Arc::clone(&queue) as Arc<dyn Queue>,
-            HintConfig { visibility: Duration::from_secs(5), wait: Duration::from_millis(100) },
-        );
+        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
     let worker = worker.spawn();
-    let ids = start_all(&h, n).await;
+    let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+    let ids = start_all(&client, setup.n).await;
     let stats = Arc::clone(worker.stats());
     let third = ids.len() as u64 * (STEPS as u64 + 1) / 3;
     let started = tokio::time::Instant::now();
     while stats.committed() < third {
-        assert!(started.elapsed() < Duration::from_secs(60), "stuck at {}", stats.committed());
+        assert!(started.elapsed() < setup.limit, "stuck at {}", stats.committed());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     during(&queue).await;
-    finish(&h, &ids, || stats.committed(), Duration::from_secs(120)).await;
+    let after = tokio::time::Instant::now();
+    finish(&h, &ids, || stats.committed(), setup.limit).await;
+    let took = after.elapsed();
     assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 0);
     worker.shutdown().await;
-    hints
+    (hints, took)
 }
 
 fn claimed(stats: &HintStats) -> u64 {
     stats.claimed.load(Ordering::Relaxed)
 }
 
-/// Hints take part in the run: steps are claimed because of them. How many depends on
-/// timing (the fill of free slots may claim a ready instance before its hint arrives; the
-/// hint then finds nothing and is acked), so only their presence is checked here; the
-/// bench reports the share.
+/// Hints carry the run: with polling all but off, every step after the first claims is
+/// claimed because of a hint.
 async fn hints_carry_the_steps<S: TestStore, Q: Queue>(queue: Arc<Q>) {
-    let stats = run::<S, _>(queue, 300, async |_| {}).await;
+    let (stats, _) = run::<S, _>(queue, Setup::no_polling(300), async |_| {}).await;
     assert!(claimed(&stats) > 0, "no step came by hint");
     assert!(stats.published.load(Ordering::Relaxed) > 0, "no hint was published");
 }
 
+/// Every hint lost mid-run (`lose`: a purge, a `FLUSHALL`) and polling all but off: the
+/// repair pass announces the stranded instances again and the run ends, every instance
+/// done once, within the repair bound of the loss plus the work itself.
+async fn losing_every_hint_mid_run_loses_nothing<S: TestStore, Q: Queue>(
+    queue: Arc<Q>,
+    setup: Setup,
+    lose: impl AsyncFnOnce(&Q),
+) {
+    losing_hints_mid_run::<S, Q>(queue, setup, true, lose).await;
+}
+
+/// [`losing_every_hint_mid_run_loses_nothing`], where `repair_seen` says whether the
+/// repair pass must have published: the SQS emulator's `PurgeQueue` was seen to leave a
+/// run nothing to repair, so there only the outcome is checked.
+async fn losing_hints_mid_run<S: TestStore, Q: Queue>(
+    queue: Arc<Q>,
+    setup: Setup,
+    repair_seen: bool,
+    lose: impl AsyncFnOnce(&Q),
+) {
+    let n = setup.n;
+    let (stats, took) = run::<S, _>(queue, setup, lose).await;
+    let repaired = stats.repaired.load(Ordering::Relaxed);
+    assert!(!repair_seen || repaired > 0, "the repair pass published nothing after the loss");
+    eprintln!(
+        "{n} instances: done {took:?} after the loss; {repaired} hints repaired, {} claimed by hint",
+        claimed(&stats)
+    );
+}
+
 /// Every hint published twice: the second claim of an instance finds nothing to claim.
-async fn duplicate_hints_commit_nothing_twice<S: TestStore, Q: Queue>(queue: Arc<Q>) {
-    let stats = run::<S, _>(Arc::new(Flaky::new(queue, true)), 300, async |_| {}).await;
+async fn duplicate_hints_commit_nothing_twice<S: TestStore, Q: Queue>(queue: Arc<Q>, setup: Setup) {
+    let flaky = Arc::new(Flaky::new(queue, true));
+    let (stats, _) = run::<S, _>(flaky, setup, async |_| {}).await;
     assert!(stats.received.load(Ordering::Relaxed) > claimed(&stats), "duplicates were received");
 }
 
@@ -212,16 +320,14 @@ async fn duplicate_hints_commit_nothing_twice<S: TestStore, Q: Queue>(queue: Arc
 async fn queue_down_falls_back_to_polling<S: TestStore, Q: Queue>(queue: Arc<Q>) {
     let flaky = Arc::new(Flaky::new(queue, false));
     let h = S::harness().await;
-    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h))
+    let setup = Setup::hinted(100);
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
         .register(Counter)
-        .with_queue(
-            Arc::clone(&flaky) as Arc<dyn Queue>,
-            HintConfig { visibility: Duration::from_secs(5), wait: Duration::from_millis(100) },
-        );
+        .with_queue(Arc::clone(&flaky) as Arc<dyn Queue>, hint_config(setup));
     flaky.down.store(true, Ordering::SeqCst);
     let worker = worker.spawn();
     let stats = Arc::clone(worker.stats());
-    let ids = start_all(&h, 100).await;
+    let ids = start_all(&h.client, 100).await;
     finish(&h, &ids, || stats.committed(), Duration::from_secs(60)).await;
     assert_eq!(hints.received.load(Ordering::Relaxed), 0, "received while down");
     let health = worker.health();
@@ -229,7 +335,7 @@ async fn queue_down_falls_back_to_polling<S: TestStore, Q: Queue>(queue: Arc<Q>)
     assert!(error.is_some_and(|(_, e)| e.contains("queue down")), "{health:?}");
 
     flaky.down.store(false, Ordering::SeqCst);
-    let later = start_all(&h, 1).await;
+    let later = start_all(&h.client, 1).await;
     flaky.enqueue(vec![Hint::new(later[0], 1)]).await.expect("enqueue");
     let started = tokio::time::Instant::now();
     while hints.received.load(Ordering::Relaxed) == 0 {
@@ -238,6 +344,64 @@ async fn queue_down_falls_back_to_polling<S: TestStore, Q: Queue>(queue: Arc<Q>)
     }
     let all: Vec<InstanceId> = ids.iter().chain(&later).copied().collect();
     finish(&h, &all, || stats.committed(), Duration::from_secs(60)).await;
+    worker.shutdown().await;
+}
+
+/// See `redis::server_down_for_30_s_falls_back_to_polling_then_resumes`.
+async fn server_down_then_back<S: TestStore>(
+    mut server: keel_queue_redis::testing::PrivateServer,
+    queue: Arc<keel_queue_redis::RedisQueue>,
+) {
+    const DOWN: Duration = Duration::from_secs(30);
+    let h = S::harness().await;
+    let _ticking = Ticking::start(&h.clock);
+    let setup = Setup::hinted(300);
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
+        .register(Counter)
+        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+    let worker = worker.spawn();
+    let stats = Arc::clone(worker.stats());
+    let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+
+    let before = start_all(&client, 300).await;
+    finish(&h, &before, || stats.committed(), setup.limit).await;
+    assert!(claimed(&hints) > 0, "no step came by hint before the server went down");
+
+    server.shutdown();
+    let down = tokio::time::Instant::now();
+    let during = start_all(&client, 300).await;
+    let all: Vec<InstanceId> = before.iter().chain(&during).copied().collect();
+    let received = hints.received.load(Ordering::Relaxed);
+    finish(&h, &all, || stats.committed(), DOWN).await;
+    let polled = down.elapsed();
+    assert_eq!(hints.received.load(Ordering::Relaxed), received, "received while down");
+    let health = worker.health();
+    assert!(
+        health.get(WorkerLoop::Hints).and_then(|l| l.last_error.clone()).is_some(),
+        "the hint loop did not notice: {health:?}"
+    );
+    tokio::time::sleep(DOWN.saturating_sub(down.elapsed())).await;
+
+    server.restart();
+    let back = tokio::time::Instant::now();
+    let claimed_before = claimed(&hints);
+    // One announced instance at a time until one is claimed by its hint: the hint loop
+    // reconnected (after at most its back-off) and receives again.
+    let mut probes = Vec::new();
+    while claimed(&hints) == claimed_before {
+        assert!(back.elapsed() < Duration::from_secs(20), "the hint loop did not resume");
+        probes.extend(start_all(&client, 1).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let resumed = back.elapsed();
+    let after = start_all(&client, 300).await;
+    let all: Vec<InstanceId> = all.iter().chain(&probes).chain(&after).copied().collect();
+    finish(&h, &all, || stats.committed(), setup.limit).await;
+    eprintln!(
+        "server down {DOWN:?}: 300 instances done on polling in {polled:?}; hints claimed \
+         again {resumed:?} after it returned; {} steps by hint since",
+        claimed(&hints) - claimed_before
+    );
     worker.shutdown().await;
 }
 
@@ -251,16 +415,24 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn purging_the_queue_mid_run_loses_nothing() {
-        run::<MemoryStore, _>(Arc::new(MemoryQueue::new()), 10_000, async |q: &MemoryQueue| {
-            q.purge();
-        })
+        let queue = Arc::new(MemoryQueue::new());
+        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(
+            queue,
+            Setup::no_polling(10_000),
+            async |q| {
+                q.purge();
+            },
+        )
         .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
-        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(Arc::new(MemoryQueue::new()))
-            .await;
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(
+            Arc::new(MemoryQueue::new()),
+            Setup::no_polling(300),
+        )
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,7 +444,8 @@ mod memory {
 
 mod redis {
     use super::*;
-    use keel_queue_redis::RedisQueue;
+    use keel_queue_redis::testing::PrivateServer;
+    use keel_queue_redis::{RedisQueue, RedisQueueConfig};
 
     pub(super) async fn queue(test: &str) -> Option<Arc<RedisQueue>> {
         let q = keel_queue_redis::testing::fresh_queue().await;
@@ -290,18 +463,54 @@ mod redis {
         super::hints_carry_the_steps::<MemoryStore, _>(q).await;
     }
 
-    /// What `FLUSHALL` does to a queue: every key gone, leased hints included.
+    /// A queue on a private server of the test's own (it flushes or stops it), when Redis
+    /// tests are on at all (`KEEL_TEST_REDIS_URL`).
+    pub(super) async fn private(test: &str) -> Option<(PrivateServer, Arc<RedisQueue>)> {
+        let on = std::env::var(keel_queue_redis::testing::URL_VAR).is_ok();
+        let server = on.then(PrivateServer::start);
+        let q = match &server {
+            Some(server) => {
+                let config = RedisQueueConfig::new(server.url(), "private");
+                Some(RedisQueue::connect(config).await.expect("private redis"))
+            }
+            None => None,
+        };
+        let q = keel_testkit::conformance::queue::queue_or_skip(
+            &format!("redis::{test}"),
+            keel_queue_redis::testing::URL_VAR,
+            q,
+        )?;
+        Some((server.expect("started"), Arc::new(q)))
+    }
+
+    /// `FLUSHALL` on the queue's server in the middle of a 10 000-instance run.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn flushing_the_queue_mid_run_loses_nothing() {
-        let Some(q) = queue("flushing_the_queue_mid_run_loses_nothing").await else { return };
-        run::<MemoryStore, _>(q, 10_000, async |q: &RedisQueue| q.purge().await.expect("purge"))
-            .await;
+    async fn flushall_mid_run_loses_nothing() {
+        let Some((server, q)) = private("flushall_mid_run_loses_nothing").await else { return };
+        losing_every_hint_mid_run_loses_nothing::<MemoryStore, _>(
+            q,
+            Setup::no_polling(10_000),
+            async |_| {
+                server.flushall();
+            },
+        )
+        .await;
+    }
+
+    /// The queue's server stopped for 30 s mid-run (`SHUTDOWN NOSAVE`) and started again
+    /// empty: the worker keeps going on polling meanwhile (and clients keep starting work),
+    /// then receives hints again; nothing is lost or done twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn server_down_for_30_s_falls_back_to_polling_then_resumes() {
+        let Some((server, q)) = private("server_down_for_30_s").await else { return };
+        super::server_down_then_back::<MemoryStore>(server, q).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q).await;
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q, Setup::no_polling(300))
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,8 +520,42 @@ mod redis {
     }
 }
 
-/// PostgreSQL with a Redis queue: its claim by id is the trait's default (an ordinary
-/// claim per hint), and the same guarantees hold.
+/// SQS (the emulator) as the queue: purged mid-run, and every hint twice.
+mod sqs {
+    use super::*;
+    use keel_queue_sqs::SqsQueue;
+
+    async fn queue(test: &str) -> Option<Arc<SqsQueue>> {
+        let q = keel_queue_sqs::testing::fresh_queue().await;
+        keel_testkit::conformance::queue::queue_or_skip(
+            &format!("sqs::{test}"),
+            keel_queue_sqs::testing::ENDPOINT_VAR,
+            q,
+        )
+        .map(Arc::new)
+    }
+
+    /// `PurgeQueue` in the middle of the run (the emulator's long polls wait out their
+    /// second, so the run is 300 instances).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn purging_the_queue_mid_run_loses_nothing() {
+        let Some(q) = queue("purging_the_queue_mid_run_loses_nothing").await else { return };
+        let setup = Setup::no_polling(300).emulated();
+        losing_hints_mid_run::<MemoryStore, _>(q, setup, false, async |q| {
+            q.purge().await.expect("purge");
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicate_hints_commit_nothing_twice() {
+        let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
+        let setup = Setup::no_polling(100).emulated();
+        super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q, setup).await;
+    }
+}
+
+/// PostgreSQL with a Redis queue: the same guarantees hold with PostgreSQL's claim by id.
 mod postgres_redis {
     use super::*;
     use keel_store_postgres::PgStore;
@@ -331,18 +574,39 @@ mod postgres_redis {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn flushing_the_queue_mid_run_loses_nothing() {
-        let Some(q) = queue("flushing_the_queue_mid_run_loses_nothing").await else { return };
-        run::<PgStore, _>(q, 10_000, async |q: &keel_queue_redis::RedisQueue| {
-            q.purge().await.expect("purge");
-        })
+    async fn flushall_mid_run_loses_nothing() {
+        if !common::postgres_available("flushall_mid_run_loses_nothing") {
+            return;
+        }
+        let Some((server, q)) = super::redis::private("postgres_redis::flushall_mid_run").await
+        else {
+            return;
+        };
+        losing_every_hint_mid_run_loses_nothing::<PgStore, _>(
+            q,
+            Setup::no_polling(10_000),
+            async |_| {
+                server.flushall();
+            },
+        )
         .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn server_down_for_30_s_falls_back_to_polling_then_resumes() {
+        if !common::postgres_available("server_down_for_30_s") {
+            return;
+        }
+        let Some((server, q)) = super::redis::private("postgres_redis::server_down").await else {
+            return;
+        };
+        super::server_down_then_back::<PgStore>(server, q).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        super::duplicate_hints_commit_nothing_twice::<PgStore, _>(q).await;
+        super::duplicate_hints_commit_nothing_twice::<PgStore, _>(q, Setup::no_polling(300)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

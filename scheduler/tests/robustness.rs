@@ -253,6 +253,12 @@ impl<S: Store> Store for Faulty<S> {
         self.gate("instance_claim")?;
         self.inner.instance_claim(p).await
     }
+    async fn instance_ready_stale(
+        &self,
+        p: keel_core::ports::store::ReadyStaleParams,
+    ) -> StoreResult<Vec<keel_core::Instance>> {
+        self.inner.instance_ready_stale(p).await
+    }
     async fn step_commit(&self, p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         self.gate("step_commit")?;
         {
@@ -517,9 +523,14 @@ async fn background_loops_survive_failing_and_panicking_store_calls_and_finish_t
             ..SweepConfig::default()
         }),
         stats_interval: Some(Duration::from_millis(20)),
+        // It counts the claim loop's calls: no queue in the loop, the usual fast polling.
+        poll_interval: Duration::from_millis(5),
+        notifications: true,
         ..h.config()
     };
-    let worker = h.worker(config, ShortSteps);
+    let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        .register(ShortSteps)
+        .spawn();
     for id in ids.iter().skip(1).chain([&orphan]) {
         h.wait(*id, "done despite the faults", |r| r.status == Status::Done).await;
     }

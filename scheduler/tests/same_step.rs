@@ -158,8 +158,9 @@ async fn durable_history() -> (Vec<(String, Value)>, String, Value) {
         timers: None,
         ..h.config()
     };
-    let worker =
-        Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(machine).spawn();
+    let worker = h
+        .hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(machine))
+        .spawn();
     settled(&h, id).await;
     h.client.send(NewSignal::new(id, "BOGUS")).await.expect("send");
     settled(&h, id).await;
@@ -236,8 +237,9 @@ async fn a_failing_region_records_the_same_history_in_memory_and_durably() {
         timers: None,
         ..h.config()
     };
-    let worker =
-        Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(machine).spawn();
+    let worker = h
+        .hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(machine))
+        .spawn();
     settled(&h, id).await;
     h.client.send(NewSignal::new(id, "CHECKOUT")).await.expect("send");
     // The payment region's report may still sit in the finished instance's inbox: wait

@@ -29,7 +29,7 @@ fn sweeper(h: &Harness) -> Sweeper<MemoryStore, VirtualClock> {
 fn worker(h: &Harness, m: ChartMachine) -> WorkerHandle {
     // The test sweeps by hand: no sweeper inside the worker.
     let config = WorkerConfig { timers: None, ..h.config() };
-    Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn()
+    h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn()
 }
 
 fn in_state(state: &'static str) -> impl Fn(&Instance) -> bool {
@@ -247,7 +247,8 @@ async fn the_worker_runs_the_sweeper_when_configured() {
         timers: Some(SweepConfig { groups: vec![cadence], ..SweepConfig::default() }),
         ..h.config()
     };
-    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m).spawn();
+    let w =
+        h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn();
     h.wait(id, "awaiting", in_state("awaiting")).await;
     h.clock.advance(Duration::from_secs(11));
     h.wait(id, "expired by the worker's own sweeper", |r| r.status == Status::Done).await;
@@ -281,7 +282,9 @@ async fn a_default_worker_fires_a_due_timer_well_before_the_cadence<S: TestStore
     let config = h.config();
     assert_eq!(config.timers, Some(SweepConfig::default()), "the default sweep settings");
     let m = expiring();
-    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()).spawn();
+    let w = h
+        .hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()))
+        .spawn();
     // Let the sweeper run its start-up sweep and go to sleep before the timer exists.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let id = h.start(m.new_instance(json!({}))).await;
@@ -356,7 +359,9 @@ async fn a_transit_state_renews_a_deadline_and_a_self_loop_keeps_it<S: TestStore
         .expect("valid config");
     let m = session();
     let config = WorkerConfig { timers: None, ..h.config() };
-    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()).spawn();
+    let w = h
+        .hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()))
+        .spawn();
     let renewed = h.start(m.new_instance(json!({}))).await;
     let kept = h.start(m.new_instance(json!({}))).await;
     let t0 = h.clock.now();

@@ -25,8 +25,9 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
     InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MigratePage, MigrateParams, PrunePage, PruneParams, SignalBroadcastParams, SignalDeliverParams,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
+    MigratePage, MigrateParams, PrunePage, PruneParams, ReadyStaleParams, SignalBroadcastParams,
+    SignalDeliverParams, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerSweepParams,
+    TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -64,6 +65,51 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 }
 
 // ----- claims ----------------------------------------------------------------------------
+
+/// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready
+/// rows unchanged and due for at least `ready_for`, in id order after the cursor. The rule
+/// is applied again to the decoded rows, so the SQL can only narrow what the core decides.
+pub(crate) async fn ready_stale(
+    db: &mut Db<'_>,
+    p: &ReadyStaleParams,
+) -> StoreResult<Vec<Instance>> {
+    p.validate()?;
+    let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
+    let queues = serde_json::to_string(&p.queues).unwrap_or_default();
+    let machines: Vec<(&str, i32)> =
+        p.machines.iter().map(|m| (m.name.as_str(), m.version)).collect();
+    let machines = serde_json::to_string(&machines).unwrap_or_default();
+    let rows = sqlx::query(concat!(
+        "SELECT ",
+        instance_cols!(),
+        " FROM keel_instances i \
+         WHERE status = 'runnable' AND eligible_at <= ? \
+           AND max(updated_at, eligible_at) <= ? AND id > ? \
+           AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
+           AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
+           AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
+                 WHERE json_extract(m.value, '$[0]') = i.machine \
+                   AND json_extract(m.value, '$[1]') = i.machine_version)) \
+           AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = i.namespace \
+                 AND q.queue = i.queue AND q.paused <> 0) \
+         ORDER BY id LIMIT ?"
+    ))
+    .bind(p.now.0)
+    .bind(p.now.minus(p.ready_for).0)
+    .bind(p.after.map_or(i64::MIN, |id| id.0))
+    .bind(&namespaces)
+    .bind(&namespaces)
+    .bind(&queues)
+    .bind(&queues)
+    .bind(&machines)
+    .bind(&machines)
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading ready instances for the repair pass"))?;
+    let rows: Vec<Instance> = rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
+    Ok(rows.into_iter().filter(|r| keel_core::plan::hints::needs_hint(r, false, p)).collect())
+}
 
 /// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the
 /// filters, pauses and the executing-concurrency-key rule (so each candidate's read says

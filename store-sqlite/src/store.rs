@@ -17,9 +17,9 @@ use keel_core::ports::store::{
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
     MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    WorkerBeatParams, WorkerRecord,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{
@@ -329,6 +329,11 @@ impl Store for SqliteStore {
         params: ClaimParams,
     ) -> StoreResult<Vec<Claim>> {
         write_tx!(self, |db| ops::claim(db, &params, Some(&ids)))
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        let mut conn = self.reader().await?;
+        ops::ready_stale(&mut Db { conn: &mut conn, file: &self.file }, &params).await
     }
 
     async fn step_commit(

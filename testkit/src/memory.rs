@@ -40,9 +40,9 @@ use keel_core::ports::store::{
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerNextDueParams,
-    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    WorkerBeatParams, WorkerRecord,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -164,6 +164,28 @@ impl State {
     }
 
     /// A claim restricted to `only` when given (a claim by id), in claim order.
+    /// The rows the repair rule selects (`plan::hints::needs_hint`), in id order.
+    pub(crate) fn ready_stale(&self, p: &ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        p.validate()?;
+        let mut ids: Vec<InstanceId> = self
+            .runnable
+            .iter()
+            .map(|(_, _, id)| *id)
+            .filter(|id| {
+                let row = &self.rows[id];
+                let paused = self
+                    .queues
+                    .get(&(row.namespace.clone(), row.queue.clone()))
+                    .copied()
+                    .unwrap_or(false);
+                keel_core::plan::hints::needs_hint(row, paused, p)
+            })
+            .collect();
+        ids.sort_unstable();
+        ids.truncate(p.limit);
+        Ok(ids.into_iter().map(|id| self.rows[&id].clone()).collect())
+    }
+
     pub(crate) fn claim_among(
         &mut self,
         p: &ClaimParams,

@@ -127,6 +127,12 @@ impl Store for Broken {
     async fn instance_claim(&self, p: ClaimParams) -> StoreResult<Vec<Claim>> {
         self.0.instance_claim(p).await
     }
+    async fn instance_ready_stale(
+        &self,
+        p: keel_core::ports::store::ReadyStaleParams,
+    ) -> StoreResult<Vec<keel_core::Instance>> {
+        self.0.instance_ready_stale(p).await
+    }
     async fn step_commit(
         &self,
         mut p: CommitParams,

@@ -93,7 +93,34 @@ fn test(root: &Path, require: bool) -> Result<()> {
     }
     let result = run("cargo test --workspace", cmd);
     services::summary(&backends);
-    result
+    result?;
+    // The suites that exercise wake-ups, and the crash test, again with a Redis queue in
+    // the loop (their harness reads KEEL_TEST_WORKER_QUEUE): same tests, hints carrying
+    // the work.
+    let Some(redis) = backends.iter().find(|b| b.env_var == "KEEL_TEST_REDIS_URL") else {
+        return Ok(());
+    };
+    let Some(url) = &redis.url else { return Ok(()) };
+    let mut cmd = cargo(root);
+    cmd.args(["test", "-p", "keel-scheduler"]);
+    for suite in ["worker", "robustness", "terminal", "timers", "chart", "same_step", "parallel"] {
+        cmd.args(["--test", suite]);
+    }
+    let mut crash = cargo(root);
+    crash.args(["test", "-p", "keel-examples", "--test", "crash"]);
+    for cmd in [&mut cmd, &mut crash] {
+        for b in &backends {
+            if let Some(url) = &b.url {
+                cmd.env(b.env_var, url);
+            }
+        }
+        cmd.env("KEEL_TEST_REDIS_URL", url).env("KEEL_TEST_WORKER_QUEUE", "redis");
+        if require {
+            cmd.env("KEEL_REQUIRE_BACKENDS", "1");
+        }
+    }
+    run("scheduler wake-up suites with a Redis queue in the loop", cmd)?;
+    run("crash test with a Redis queue in the loop", crash)
 }
 
 /// `cargo xtask migrate --database-url URL [--schema NAME]`: applies Keel's PostgreSQL

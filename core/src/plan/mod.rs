@@ -17,6 +17,7 @@ pub mod claim;
 pub mod commit;
 pub mod dead_letter;
 pub mod deliver;
+pub mod hints;
 pub mod insert;
 pub mod lease;
 pub mod migrate;

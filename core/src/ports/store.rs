@@ -95,6 +95,33 @@ impl ClaimParams {
     }
 }
 
+/// One page of [`Store::instance_ready_stale`]: ready instances that have been ready for
+/// at least `ready_for` (see [`crate::plan::hints`]), in id order after `after`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadyStaleParams {
+    /// Namespaces to read (empty = any).
+    pub namespaces: Vec<String>,
+    /// Queues to read (empty = any).
+    pub queues: Vec<String>,
+    /// The `(machine, version)` pairs to read (empty = any).
+    pub machines: Vec<MachineRef>,
+    /// How long an instance must have been ready to be returned.
+    pub ready_for: Duration,
+    /// Only ids greater than this one (the previous page's last id).
+    pub after: Option<InstanceId>,
+    /// Most rows to return; at most [`crate::limits::READY_STALE_BATCH_MAX`].
+    pub limit: usize,
+    /// Read time.
+    pub now: Timestamp,
+}
+
+impl ReadyStaleParams {
+    /// Checks the page bound.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_batch("limit", self.limit, limits::READY_STALE_BATCH_MAX)
+    }
+}
+
 /// A claimed instance: everything its step needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {
@@ -976,6 +1003,12 @@ pub trait Store: Send + Sync + 'static {
         }
         self.instance_claim(ClaimParams { limit, ..params }).await
     }
+
+    /// One page of instances that are ready (claimable now, in an unpaused queue, within
+    /// `params`' filters) and have been for at least `params.ready_for`, in id order after
+    /// `params.after`: the rows [`crate::plan::hints::needs_hint`] selects. What a
+    /// queue's repair pass publishes hints for again; it reads and changes nothing else.
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>>;
 
     /// Commits step results; per item, a receipt or the reason it was rejected
     /// (`LeaseLost` for a stale token, `Invalid` for a malformed outcome). A rejected item

@@ -1,16 +1,30 @@
 //! Shared harness for the scheduler's tests: a store (`MemoryStore` unless a test brings
 //! another), a `VirtualClock`, a client, and bounded waits.
+//!
+//! With `KEEL_TEST_WORKER_QUEUE=redis` (and `KEEL_TEST_REDIS_URL`), every harness has a
+//! Redis queue of its own in the loop: the client announces starts and sends on it, the
+//! workers the harness starts receive hints from it and run its repair pass, and their
+//! store notifications are off and polling slowed to 100 ms, so that wake-ups go through
+//! the queue. The same tests then check the same outcomes: a parametrised run of the
+//! suites that exercise wake-ups, not a copy of them.
 
 #![allow(dead_code, unused_macros, clippy::unused_self)]
 
+use async_trait::async_trait;
+use keel_core::StoreResult;
 use keel_core::instance::NewInstance;
+use keel_core::ports::Queue;
 use keel_core::ports::Store;
+use keel_core::ports::queue::{Delivery, Hint, QueueCapabilities};
 use keel_core::{Instance, InstanceId, Status, Timestamp, WorkerId};
-use keel_scheduler::{Client, StepMachine, Worker, WorkerConfig, WorkerHandle};
+use keel_queue_redis::{RedisQueue, RedisQueueConfig};
+use keel_scheduler::{Client, HintConfig, StepMachine, Worker, WorkerConfig, WorkerHandle};
 use keel_testkit::clock::VirtualClock;
 use keel_testkit::memory::MemoryStore;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+use tokio::sync::OnceCell;
 
 pub const T0: Timestamp = Timestamp(1_700_000_000_000);
 
@@ -18,6 +32,87 @@ pub struct Harness<S: Store = MemoryStore> {
     pub store: Arc<S>,
     pub clock: VirtualClock,
     pub client: Client<S, VirtualClock>,
+    /// The queue in the loop (`KEEL_TEST_WORKER_QUEUE`), if any.
+    pub queue: Option<Arc<dyn Queue>>,
+}
+
+/// The variable that puts a queue in the loop of every harness (`redis`).
+pub const WORKER_QUEUE_VAR: &str = "KEEL_TEST_WORKER_QUEUE";
+
+/// The queue `KEEL_TEST_WORKER_QUEUE` asks for, fresh; `None` when unset. An unknown
+/// value or a missing `KEEL_TEST_REDIS_URL` is an error, not a skip.
+fn queue_in_the_loop() -> Option<Arc<dyn Queue>> {
+    let kind = std::env::var(WORKER_QUEUE_VAR).ok().filter(|v| !v.is_empty())?;
+    assert_eq!(kind, "redis", "{WORKER_QUEUE_VAR}={kind}: the only queue it takes is `redis`");
+    let url = std::env::var(keel_queue_redis::testing::URL_VAR).unwrap_or_else(|_| {
+        panic!("{WORKER_QUEUE_VAR}=redis needs {}", keel_queue_redis::testing::URL_VAR)
+    });
+    let name = format!("harness-{:016x}", fastrand::u64(..));
+    let queue = LazyQueue {
+        config: RedisQueueConfig::new(url, name),
+        queue: OnceCell::new(),
+        published: AtomicU64::new(0),
+        received: AtomicU64::new(0),
+    };
+    Some(Arc::new(queue))
+}
+
+/// A Redis queue that connects on first use, so a harness can be built outside a runtime.
+struct LazyQueue {
+    config: RedisQueueConfig,
+    queue: OnceCell<RedisQueue>,
+    /// Hints published and received, reported when it is dropped (with `--nocapture`).
+    published: AtomicU64,
+    received: AtomicU64,
+}
+
+impl Drop for LazyQueue {
+    fn drop(&mut self) {
+        eprintln!(
+            "queue in the loop ({}): {} hints published, {} received",
+            self.config.name,
+            self.published.load(Ordering::Relaxed),
+            self.received.load(Ordering::Relaxed)
+        );
+    }
+}
+
+impl LazyQueue {
+    async fn get(&self) -> StoreResult<&RedisQueue> {
+        self.queue.get_or_try_init(|| RedisQueue::connect(self.config.clone())).await
+    }
+}
+
+#[async_trait]
+impl Queue for LazyQueue {
+    fn capabilities(&self) -> QueueCapabilities {
+        RedisQueue::CAPABILITIES
+    }
+    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        let n = hints.len() as u64;
+        self.get().await?.enqueue(hints).await?;
+        self.published.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+    async fn receive(
+        &self,
+        max: usize,
+        visibility: Duration,
+        wait: Duration,
+    ) -> StoreResult<Vec<Delivery>> {
+        let got = self.get().await?.receive(max, visibility, wait).await?;
+        self.received.fetch_add(got.len() as u64, Ordering::Relaxed);
+        Ok(got)
+    }
+    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        self.get().await?.ack(receipts).await
+    }
+    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        self.get().await?.nack(receipt, delay).await
+    }
+    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
+        self.get().await?.extend(receipt, visibility).await
+    }
 }
 
 impl Harness<MemoryStore> {
@@ -32,23 +127,51 @@ impl<S: Store> Harness<S> {
     pub fn with_store(store: S) -> Self {
         let store = Arc::new(store);
         let clock = VirtualClock::new(T0);
-        let client = Client::new(Arc::clone(&store), clock.clone());
-        Harness { store, clock, client }
+        let queue = queue_in_the_loop();
+        let mut client = Client::new(Arc::clone(&store), clock.clone());
+        if let Some(q) = &queue {
+            client = client.with_queue(Arc::clone(q));
+        }
+        Harness { store, clock, client, queue }
     }
 
     pub fn config(&self) -> WorkerConfig {
-        WorkerConfig {
+        let config = WorkerConfig {
             worker_id: WorkerId("test-worker".into()),
             poll_interval: Duration::from_millis(5),
             reap_interval: Duration::from_millis(10),
             heartbeat: Duration::from_millis(10),
             shutdown_grace: Duration::from_millis(200),
             ..WorkerConfig::default()
+        };
+        match self.queue {
+            Some(_) => WorkerConfig {
+                notifications: false,
+                poll_interval: Duration::from_millis(100),
+                ..config
+            },
+            None => config,
+        }
+    }
+
+    /// `worker` with the harness's queue in the loop, if it has one.
+    pub fn hinted(&self, worker: Worker<S, VirtualClock>) -> Worker<S, VirtualClock> {
+        match &self.queue {
+            Some(q) => {
+                let config = HintConfig {
+                    wait: Duration::from_millis(100),
+                    repair_after: Some(Duration::from_secs(1)),
+                    ..HintConfig::default()
+                };
+                worker.with_queue(Arc::clone(q), config).0
+            }
+            None => worker,
         }
     }
 
     pub fn worker(&self, config: WorkerConfig, machine: impl StepMachine) -> WorkerHandle {
-        Worker::new(Arc::clone(&self.store), self.clock.clone(), config).register(machine).spawn()
+        let worker = Worker::new(Arc::clone(&self.store), self.clock.clone(), config);
+        self.hinted(worker.register(machine)).spawn()
     }
 
     pub async fn start(&self, new: NewInstance) -> InstanceId {

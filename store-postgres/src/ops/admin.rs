@@ -13,7 +13,7 @@ use keel_core::plan;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, InstanceListParams, QueuePauseParams,
-    QueueState,
+    QueueState, ReadyStaleParams,
 };
 use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, limits};
 use std::collections::HashMap;
@@ -222,6 +222,34 @@ pub(crate) async fn list<C: GenericClient + Sync>(
     let stmt = c.prepare_cached(&sql).await?;
     let found = c.query(&stmt, &args).await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
+}
+
+/// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready
+/// rows unchanged and due for at least `ready_for`, in id order after the cursor. The rule
+/// is applied again to the decoded rows, so the SQL can only narrow what the core decides.
+pub(crate) async fn ready_stale<C: GenericClient + Sync>(
+    c: &C,
+    p: &ReadyStaleParams,
+) -> OpResult<Vec<Instance>> {
+    p.validate()?;
+    let sql = format!(
+        "SELECT {INSTANCE_COLS} FROM instances i \
+         WHERE i.status = 'runnable' AND i.eligible_at <= $1 \
+           AND greatest(i.updated_at, i.eligible_at) <= $7 AND i.id > $8 AND {filters} \
+         ORDER BY i.id LIMIT $6",
+        filters = super::claim::filters("i"),
+    );
+    let stmt = c.prepare_cached(&sql).await?;
+    let names: Vec<&str> = p.machines.iter().map(|m| m.name.as_str()).collect();
+    let versions: Vec<i32> = p.machines.iter().map(|m| m.version).collect();
+    let limit = p.limit as i64;
+    let (now, cut) = (ts(p.now), ts(p.now.minus(p.ready_for)));
+    let after = p.after.map_or(i64::MIN, |id| id.0);
+    let found = c
+        .query(&stmt, &[&now, &p.namespaces, &p.queues, &names, &versions, &limit, &cut, &after])
+        .await?;
+    let rows: Vec<Instance> = found.iter().map(rows::instance).collect::<Result<_, _>>()?;
+    Ok(rows.into_iter().filter(|r| plan::hints::needs_hint(r, false, p)).collect())
 }
 
 /// Resolves a target to an instance id.

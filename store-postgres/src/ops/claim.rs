@@ -28,8 +28,8 @@ pub(crate) fn is_key_race(e: &OpError) -> bool {
 }
 
 /// The worker's filters (namespaces, queues, machines; empty = any) and the paused-queue
-/// exclusion, over the table alias `t`.
-fn filters(t: &str) -> String {
+/// exclusion, over the table alias `t` (also the repair read's filters).
+pub(crate) fn filters(t: &str) -> String {
     format!(
         "(cardinality($2::text[]) = 0 OR {t}.namespace = ANY($2)) \
          AND (cardinality($3::text[]) = 0 OR {t}.queue = ANY($3)) \

@@ -26,9 +26,9 @@ use keel_core::ports::store::{
     DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
     InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
     MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams,
-    TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport,
-    WorkerBeatParams, WorkerRecord,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -197,6 +197,11 @@ impl Store for PgStore {
     ) -> StoreResult<Vec<Claim>> {
         let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
         self.claim(params, Some(&ids)).await
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        let conn = self.client().await?;
+        admin::ready_stale(&conn, &params).await.map_err(StoreError::from)
     }
 
     async fn step_commit(

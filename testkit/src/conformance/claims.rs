@@ -178,3 +178,61 @@ pub async fn claim_by_ids_takes_only_the_named_ready_instances<S: Store>(s: &S) 
     let none = s.instance_claim_ids(Vec::new(), claim_params(ns, 10, at(8))).await.expect("empty");
     assert!(none.is_empty());
 }
+
+/// The repair read returns the instances that have been ready (runnable, due, in an
+/// unpaused queue, within the filters) for at least `ready_for`, counted from their last
+/// change or due time, in id order and in pages after a cursor. Executing, not yet due,
+/// recently changed, paused and filtered-out rows are left out.
+pub async fn ready_stale_returns_instances_ready_for_the_bound<S: Store>(s: &S) {
+    use keel_core::ports::store::ReadyStaleParams;
+    let ns = "ready_stale";
+    let params = |after: Option<keel_core::InstanceId>, limit: usize, now: i64| ReadyStaleParams {
+        namespaces: vec![ns.to_owned()],
+        queues: Vec::new(),
+        machines: Vec::new(),
+        ready_for: Duration::from_millis(100),
+        after,
+        limit,
+        now: at(now),
+    };
+    let read = async |p: ReadyStaleParams| -> Vec<keel_core::InstanceId> {
+        let rows = s.instance_ready_stale(p).await.expect("instance_ready_stale");
+        rows.iter().map(|r| r.id).collect()
+    };
+    let a = insert_one(s, new_in(ns), at(0)).await;
+    let b = insert_one(s, new_in(ns), at(0)).await;
+    let later = insert_one(s, new_in(ns).eligible_at(at(500)), at(0)).await;
+    let busy = insert_one(s, new_in(ns).priority(Priority::Critical), at(0)).await;
+    let _elsewhere = insert_one(s, new_in("ready_stale_other"), at(0)).await;
+    let _paused = insert_one(s, new_in(ns).queue("ready_stale_paused"), at(0)).await;
+    let young = insert_one(s, new_in(ns), at(80)).await;
+    let pause = QueuePauseParams {
+        namespace: ns.into(),
+        queue: "ready_stale_paused".into(),
+        paused: true,
+        now: at(0),
+    };
+    s.queue_pause(pause).await.expect("pause");
+    let held = claim(s, claim_params(ns, 1, at(5))).await;
+    assert_eq!(ids(&held), vec![busy]);
+
+    assert_eq!(read(params(None, 10, 150)).await, vec![a, b], "ready for 100 ms at 150");
+    assert_eq!(read(params(None, 1, 150)).await, vec![a], "a page of one");
+    assert_eq!(read(params(Some(a), 1, 150)).await, vec![b], "the next page");
+    assert!(read(params(Some(b), 1, 150)).await.is_empty(), "past the last");
+
+    // The busy instance commits a step at 140: ready again, but only since 140.
+    step(s, &held[0], next("again", 1), at(140)).await;
+    assert_eq!(read(params(None, 10, 200)).await, vec![a, b, young]);
+    assert_eq!(read(params(None, 10, 240)).await, vec![a, b, busy, young]);
+    // Due at 500: ready for 100 ms at 600.
+    assert_eq!(read(params(None, 10, 599)).await, vec![a, b, busy, young]);
+    assert_eq!(read(params(None, 10, 600)).await, vec![a, b, later, busy, young]);
+
+    let over = params(None, keel_core::limits::READY_STALE_BATCH_MAX + 1, 600);
+    super::support::expect_kind(
+        s.instance_ready_stale(over).await,
+        keel_core::ErrorKind::Invalid,
+        "a page over READY_STALE_BATCH_MAX",
+    );
+}

@@ -8,10 +8,10 @@ use super::{
     InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
     MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store, StoreCapabilities,
-    StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus,
-    TimerSweepParams, TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait,
-    commit, limits,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
+    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage,
+    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
+    WorkerBeatParams, WorkerRecord, async_trait, commit, limits,
 };
 
 #[async_trait]
@@ -36,6 +36,10 @@ impl Store for MemoryStore {
     ) -> StoreResult<Vec<Claim>> {
         let only = ids.into_iter().collect();
         self.state().claim_among(&params, Some(&only))
+    }
+
+    async fn instance_ready_stale(&self, params: ReadyStaleParams) -> StoreResult<Vec<Instance>> {
+        self.state().ready_stale(&params)
     }
 
     async fn step_commit(
