@@ -160,7 +160,10 @@ macro_rules! __store_contract_list {
             prune_keeps_an_instance_its_dead_letters_name,
             prune_refuses_a_page_size_out_of_bounds,
             claim_by_ids_takes_only_the_named_ready_instances,
-    instance_list_pages_newest_first_with_filters, instance_activity_counts_ended_instances_per_bucket, worker_heartbeat_records_and_lists_live_workers, ready_stale_returns_instances_ready_for_the_bound,
+            instance_list_pages_newest_first_with_filters,
+            instance_activity_counts_ended_instances_per_bucket,
+            worker_heartbeat_records_and_lists_live_workers,
+            ready_stale_returns_instances_ready_for_the_bound,
         }
     };
 }
