@@ -573,6 +573,7 @@ async fn claim_loop<S: Store, C: Clock>(
                 limit: free,
                 lease: inner.config.lease,
                 now: inner.clock.now(),
+                policy: Default::default(),
             };
             let claims = match inner.store.instance_claim(params).await {
                 Ok(c) => c,

@@ -194,6 +194,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
             limit: 1,
             lease: Duration::from_secs(30),
             now: h.clock.now(),
+            policy: Default::default(),
         })
         .await
         .unwrap()
@@ -229,6 +230,7 @@ async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
         limit: 1,
         lease: Duration::from_secs(30),
         now: h.clock.now(),
+        policy: Default::default(),
     };
     assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
     let worker = h.worker(h.config(), steps(|_| done()));

@@ -62,6 +62,33 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
     Ok(plan.outcomes(&ids))
 }
 
+/// The claim page statement ranked by `$rank` (a column expression, `priority` for the
+/// index order): candidates past the keyset `(rank, eligible_at, id) > (?, ?, ?)` that pass
+/// the filters, pauses and the executing-concurrency-key rule, in claim order.
+macro_rules! claim_sql {
+    ($rank:literal) => {
+        concat!(
+            "SELECT * FROM (SELECT ",
+            instance_cols!(),
+            ", ",
+            $rank,
+            " AS claim_rank FROM keel_instances i WHERE status = 'runnable') c \
+             WHERE (claim_rank, eligible_at, id) > (?, ?, ?) AND eligible_at <= ? \
+               AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
+                     WHERE json_extract(m.value, '$[0]') = c.machine \
+                       AND json_extract(m.value, '$[1]') = c.machine_version)) \
+               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = c.namespace \
+                     AND q.queue = c.queue AND q.paused <> 0) \
+               AND (concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM keel_instances e \
+                     WHERE e.status = 'executing' AND e.concurrency_key = c.concurrency_key)) \
+             ORDER BY claim_rank, eligible_at, id LIMIT ?"
+        )
+    };
+}
+
 // ----- claims ----------------------------------------------------------------------------
 
 /// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the
@@ -88,53 +115,65 @@ pub(crate) async fn claim(
         p.machines.iter().map(|m| (m.name.as_str(), m.version)).collect();
     let machines = serde_json::to_string(&machines).unwrap_or_default();
     let page = p.limit.max(CLAIM_PAGE_MIN);
-    let mut after: (i64, i64, i64) = (-1, i64::MIN, i64::MIN);
+    let mut after: (i64, i64, i64) = (i64::MIN, i64::MIN, i64::MIN);
+    let starving = p.policy.starving_at_or_before(p.now);
+    // A global limit names one queue (checked by `validate`); the claim runs in the
+    // store's one write transaction, so this count cannot change under it.
+    let queue_executing = match p.policy.global_limit {
+        Some(_) => {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM keel_instances WHERE status = 'executing' \
+                   AND queue IN (SELECT value FROM json_each(?))",
+            )
+            .bind(&queues)
+            .fetch_one(&mut *db.conn)
+            .await
+            .map_err(db.err("counting a queue's executing rows"))?;
+            u64::try_from(n).unwrap_or(0)
+        }
+        None => 0,
+    };
     let mut taken = Vec::new();
     let mut planner = ClaimPlanner::new(p);
     while !planner.is_full() {
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            instance_cols!(),
-            " FROM keel_instances i \
-             WHERE status = 'runnable' AND eligible_at <= ? \
-               AND (priority, eligible_at, id) > (?, ?, ?) \
-               AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
-                     WHERE json_extract(m.value, '$[0]') = i.machine \
-                       AND json_extract(m.value, '$[1]') = i.machine_version)) \
-               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = i.namespace \
-                     AND q.queue = i.queue AND q.paused <> 0) \
-               AND (concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM keel_instances e \
-                     WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key)) \
-             ORDER BY priority, eligible_at, id LIMIT ?"
-        ))
-        .bind(p.now.0)
-        .bind(after.0)
-        .bind(after.1)
-        .bind(after.2)
-        .bind(&only)
-        .bind(&only)
-        .bind(&namespaces)
-        .bind(&namespaces)
-        .bind(&queues)
-        .bind(&queues)
-        .bind(&machines)
-        .bind(&machines)
-        .bind(page as i64)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("picking rows to claim"))?;
+        // The plain priority order walks the claim index; any other policy ranks rows in
+        // the statement (`?` flag: fifo; `?` bound: starving at or before).
+        let query = if p.policy.is_plain_priority() {
+            sqlx::query(claim_sql!("priority")).bind(after.0)
+        } else {
+            sqlx::query(claim_sql!(
+                "CASE WHEN ? THEN 0 WHEN eligible_at <= ? THEN -1 ELSE priority END"
+            ))
+            .bind(p.policy.strategy == keel_core::config::Strategy::Fifo)
+            .bind(starving.map_or(i64::MIN, |t| t.0))
+            .bind(after.0)
+        };
+        let rows = query
+            .bind(after.1)
+            .bind(after.2)
+            .bind(p.now.0)
+            .bind(&only)
+            .bind(&only)
+            .bind(&namespaces)
+            .bind(&namespaces)
+            .bind(&queues)
+            .bind(&queues)
+            .bind(&machines)
+            .bind(&machines)
+            .bind(page as i64)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("picking rows to claim"))?;
         let candidates: Vec<Instance> =
             rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
         let exhausted = candidates.len() < page;
         for row in candidates {
-            after = (i64::from(row.priority.level()), row.eligible_at.0, row.id.0);
+            after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
             if planner.is_full() {
                 break;
             }
-            let Some(next) = planner.offer(&row, CandidateRead::default()) else { continue };
+            let read = CandidateRead { queue_executing, ..CandidateRead::default() };
+            let Some(next) = planner.offer(&row, read) else { continue };
             let occupied = match next.unique_guard() {
                 Some(guard) => db.occupant(guard, next.id).await?.is_some(),
                 None => false,

@@ -165,7 +165,7 @@ impl State {
         only: Option<&std::collections::BTreeSet<InstanceId>>,
     ) -> StoreResult<Vec<Claim>> {
         p.validate()?;
-        let candidates: Vec<InstanceId> = self
+        let mut candidates: Vec<InstanceId> = self
             .runnable
             .iter()
             .filter(|(_, eligible_at, id)| {
@@ -173,6 +173,19 @@ impl State {
             })
             .map(|(_, _, id)| *id)
             .collect();
+        // The index is in priority order; any other policy ranks the candidates itself.
+        if !p.policy.is_plain_priority() {
+            candidates.sort_by_key(|id| p.policy.order_key(&self.rows[id], p.now));
+        }
+        // A global limit names one queue (checked by `validate`): count its executing rows.
+        let queue_executing = match p.policy.global_limit {
+            Some(_) => self
+                .rows
+                .values()
+                .filter(|r| r.status == keel_core::Status::Executing && p.queues.contains(&r.queue))
+                .count() as u64,
+            None => 0,
+        };
         let mut claims = Vec::new();
         let mut planner = ClaimPlanner::new(p);
         for id in candidates {
@@ -190,6 +203,7 @@ impl State {
                     .concurrency_key
                     .as_ref()
                     .is_some_and(|k| self.executing_keys.contains_key(k)),
+                queue_executing,
             };
             let Some(next) = planner.offer(row, read) else { continue };
             let occupied = next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some());

@@ -50,6 +50,7 @@ async fn with_timers_after(
         limit: n,
         lease: Duration::from_secs(30),
         now,
+        policy: Default::default(),
     };
     let claims = store.instance_claim(params).await.unwrap();
     let commits = claims

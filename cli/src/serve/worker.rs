@@ -119,6 +119,7 @@ pub async fn poll(
                 limit: 1,
                 lease,
                 now: now(),
+                policy: Default::default(),
             })
             .await?;
         if let Some(claim) = claims.into_iter().next() {

@@ -1,19 +1,130 @@
 //! Claiming: which candidates a claim takes, and the row each becomes.
 //!
-//! A store offers candidates in claim order (priority, then `eligible_at`, then id). A
+//! A store offers candidates in claim order: the claim's [`ClaimPolicy`] ranks each row
+//! ([`ClaimPolicy::rank`]), then `eligible_at`, then id. A
 //! candidate is taken when it is runnable and due, passes the claim's namespace, queue
 //! and machine filters, its queue is not paused, no other instance with its concurrency
-//! key is executing (neither before the claim nor taken earlier in it), and no other
+//! key is executing (neither before the claim nor taken earlier in it), its queue is
+//! under the policy's global limit, and no other
 //! instance holds its unique key in the executing scope. At most `limit` are taken. A
 //! taken row that holds a stored value no reader accepts (or whose inbox does) is not
 //! handed out: it is suspended and dead-lettered alone ([`undecodable`]), and its
 //! neighbours are claimed as usual.
 
+use crate::config::Strategy;
+use crate::error::{StoreError, StoreResult};
 use crate::instance::{Instance, Signal, undecodable_error};
 use crate::outcome::{self, Applied};
 use crate::ports::store::ClaimParams;
 use crate::time::Timestamp;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+/// How one claim orders and bounds the rows of the queue it claims from: the queue's
+/// strategy, its starvation bound and its limit across all workers.
+///
+/// The [`Default`] is the order a store uses when its caller names no strategy (priority,
+/// no starvation bound, no global limit); a worker always passes the strategy its queue
+/// is configured with, whose documented default is `fifo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimPolicy {
+    /// `fifo`: eligible order, priorities ignored; `priority`: priority, then eligible
+    /// order.
+    pub strategy: Strategy,
+    /// Under `priority`, a ready row that has been eligible for at least this long is
+    /// claimed ahead of every priority (oldest first among such rows), so a steady stream
+    /// of urgent work cannot starve the rest. Ignored under `fifo`, which cannot starve.
+    pub starvation_after: Option<Duration>,
+    /// Most rows of the queue executing at once across all workers; a claim takes at most
+    /// the difference between this and the rows already executing in the queue.
+    pub global_limit: Option<u32>,
+}
+
+impl Default for ClaimPolicy {
+    fn default() -> Self {
+        ClaimPolicy { strategy: Strategy::Priority, starvation_after: None, global_limit: None }
+    }
+}
+
+/// The rank a starving row takes: ahead of the most urgent priority (`critical` = 0).
+pub const STARVING_RANK: i16 = -1;
+
+/// The rank every row of a `fifo` queue takes: one rank, so eligible order alone decides.
+pub const FIFO_RANK: i16 = 0;
+
+impl ClaimPolicy {
+    /// A policy with `strategy`, no starvation bound and no global limit.
+    pub fn new(strategy: Strategy) -> Self {
+        ClaimPolicy { strategy, ..ClaimPolicy::default() }
+    }
+
+    /// The policy of today's index order (priority, then eligible order, no limit), which
+    /// stores serve with their plain claim statement.
+    pub fn is_plain_priority(&self) -> bool {
+        self.strategy == Strategy::Priority
+            && self.starvation_after.is_none()
+            && self.global_limit.is_none()
+    }
+
+    /// `eligible_at` at or before which a row is starving at `now`, when the policy has a
+    /// starvation bound that applies.
+    pub fn starving_at_or_before(&self, now: Timestamp) -> Option<Timestamp> {
+        match (self.strategy, self.starvation_after) {
+            (Strategy::Priority, Some(age)) => Some(now.minus(age)),
+            _ => None,
+        }
+    }
+
+    /// The first component of a row's claim order at `now`: [`FIFO_RANK`] for every row
+    /// under `fifo`; under `priority`, [`STARVING_RANK`] for a row eligible for at least
+    /// the starvation bound, else its priority level. Rows are claimed by rank, then
+    /// `eligible_at`, then id.
+    pub fn rank(&self, row: &Instance, now: Timestamp) -> i16 {
+        match self.strategy {
+            Strategy::Fifo => FIFO_RANK,
+            Strategy::Priority => match self.starving_at_or_before(now) {
+                Some(bound) if row.eligible_at <= bound => STARVING_RANK,
+                _ => row.priority.level(),
+            },
+        }
+    }
+
+    /// The full claim order key of a row at `now`.
+    pub fn order_key(&self, row: &Instance, now: Timestamp) -> (i16, Timestamp, i64) {
+        (self.rank(row, now), row.eligible_at, row.id.0)
+    }
+
+    /// How many rows a claim of one queue may still take under the global limit, given
+    /// how many of the queue's rows are executing (`None` = no global limit).
+    pub fn room(&self, executing: u64) -> Option<usize> {
+        self.global_limit
+            .map(|limit| usize::try_from(u64::from(limit).saturating_sub(executing)).unwrap_or(0))
+    }
+
+    /// Checks the policy against the claim it rides on: a global limit is counted per
+    /// queue, so the claim must name exactly one queue.
+    pub fn validate(&self, queues: &[String]) -> StoreResult<()> {
+        if let Some(limit) = self.global_limit {
+            if limit == 0 {
+                return Err(StoreError::invalid(
+                    "policy.global_limit: must be at least 1; pause the queue to stop it",
+                ));
+            }
+            if queues.len() != 1 {
+                return Err(StoreError::invalid(format!(
+                    "policy.global_limit: a global limit is counted per queue, so the claim must name exactly one queue (it names {})",
+                    queues.len()
+                )));
+            }
+        }
+        if self.starvation_after.is_some_and(|d| d.is_zero()) {
+            return Err(StoreError::invalid(
+                "policy.starvation_after: must be greater than zero, or unset for no bound",
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// What a store read about one candidate, beyond its row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -22,6 +133,9 @@ pub struct CandidateRead {
     pub queue_paused: bool,
     /// Another instance with the candidate's concurrency key is executing.
     pub key_executing: bool,
+    /// How many rows of the candidate's queue are executing (read only when the claim's
+    /// policy has a global limit; 0 otherwise).
+    pub queue_executing: u64,
 }
 
 /// The decisions of one claim call, candidate by candidate.
@@ -30,13 +144,15 @@ pub struct ClaimPlanner<'a> {
     params: &'a ClaimParams,
     /// Concurrency keys taken earlier in this claim.
     keys: HashSet<String>,
+    /// Rows taken earlier in this claim, per queue (for the global limit).
+    per_queue: HashMap<String, u64>,
     taken: usize,
 }
 
 impl<'a> ClaimPlanner<'a> {
     /// A planner for one claim call.
     pub fn new(params: &'a ClaimParams) -> Self {
-        ClaimPlanner { params, keys: HashSet::new(), taken: 0 }
+        ClaimPlanner { params, keys: HashSet::new(), per_queue: HashMap::new(), taken: 0 }
     }
 
     /// Whether the claim has taken as many rows as it asked for.
@@ -56,8 +172,16 @@ impl<'a> ClaimPlanner<'a> {
             && (p.machines.is_empty() || p.machines.contains(&row.machine))
             && !read.queue_paused
             && !read.key_executing
+            && self.under_global_limit(&row.queue, read.queue_executing)
             && row.concurrency_key.as_ref().is_none_or(|k| !self.keys.contains(k));
         admitted.then(|| outcome::claim(row, &p.worker, p.lease, p.now))
+    }
+
+    /// Whether one more row of `queue` fits the policy's global limit, given the rows of it
+    /// executing before the claim and those taken earlier in it.
+    fn under_global_limit(&self, queue: &str, executing: u64) -> bool {
+        let taken = self.per_queue.get(queue).copied().unwrap_or(0);
+        self.params.policy.room(executing.saturating_add(taken)).is_none_or(|room| room > 0)
     }
 
     /// Whether the offered row `next` is taken, given whether another instance holds its
@@ -70,6 +194,7 @@ impl<'a> ClaimPlanner<'a> {
         if let Some(k) = &next.concurrency_key {
             self.keys.insert(k.clone());
         }
+        *self.per_queue.entry(next.queue.clone()).or_default() += 1;
         self.taken += 1;
         true
     }
@@ -106,6 +231,7 @@ mod tests {
             limit,
             lease: Duration::from_secs(30),
             now: Timestamp(100),
+            policy: Default::default(),
         }
     }
 

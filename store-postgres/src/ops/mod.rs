@@ -95,8 +95,31 @@ impl PgStore {
         params.validate()?;
         let mut tries = 0u32;
         loop {
-            let conn = self.client().await?;
-            match claim::run(&conn, &params, ids).await {
+            // A queue with a global limit is claimed in a short transaction under its
+            // claim lock; every other claim is one autocommit statement.
+            let limited = params.policy.global_limit.is_some();
+            let mut conn = self.conn().await?;
+            conn.in_tx = false;
+            let result = if limited {
+                conn.in_tx = true;
+                let c = conn.client();
+                let run = async {
+                    begin(c).await?;
+                    claim::lock_queue(c, &params).await?;
+                    let claimed = claim::run(c, &params, ids).await?;
+                    commit_tx(c).await?;
+                    Ok::<_, OpError>(claimed)
+                };
+                let result = run.await;
+                match &result {
+                    Ok(_) => conn.in_tx = false,
+                    Err(_) => conn.rollback().await,
+                }
+                result
+            } else {
+                claim::run(conn.client(), &params, ids).await
+            };
+            match result {
                 Err(e)
                     if (claim::is_key_race(&e) || e.is_transient())
                         && tries < TRANSACTION_RETRIES =>

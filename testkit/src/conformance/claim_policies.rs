@@ -1,0 +1,121 @@
+//! Contracts for a claim's queue policy: `fifo` and `priority` order, the starvation
+//! bound, and the global limit of a queue across all claimers.
+
+use super::support::{at, claim, claim_params, expect_kind, ids, insert, new_in, next, step};
+use keel_core::ErrorKind;
+use keel_core::config::Strategy;
+use keel_core::plan::claim::ClaimPolicy;
+use keel_core::ports::Store;
+use keel_core::ports::store::ClaimParams;
+use keel_core::{Priority, Timestamp};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+fn with_policy(ns: &str, limit: usize, now: Timestamp, policy: ClaimPolicy) -> ClaimParams {
+    ClaimParams { policy, ..claim_params(ns, limit, now) }
+}
+
+/// `fifo` claims in eligible order (then id) and ignores priorities, also when it picks
+/// which row of a concurrency key goes first; `priority` claims the same rows by priority.
+pub async fn claim_order_fifo_ignores_priority<S: Store>(s: &S) {
+    for (ns, strategy) in [("claim_fifo", Strategy::Fifo), ("claim_prio", Strategy::Priority)] {
+        let mk = |p: Priority, ms: i64| new_in(ns).priority(p).eligible_at(at(ms));
+        let out = insert(
+            s,
+            vec![
+                mk(Priority::Bulk, 1),
+                mk(Priority::Critical, 4),
+                mk(Priority::Normal, 2),
+                mk(Priority::High, 3),
+                mk(Priority::Low, 2),
+                // One key: the older, less urgent row is the key's first under fifo.
+                mk(Priority::Low, 0).concurrency_key(format!("{ns}-k")),
+                mk(Priority::Critical, 5).concurrency_key(format!("{ns}-k")),
+            ],
+            at(0),
+        )
+        .await;
+        let id = |i: usize| out[i].id();
+        let policy = ClaimPolicy::new(strategy);
+        let got = ids(&claim(s, with_policy(ns, 3, at(10), policy)).await);
+        let rest = ids(&claim(s, with_policy(ns, 10, at(10), policy)).await);
+        match strategy {
+            Strategy::Fifo => {
+                assert_eq!(got, vec![id(5), id(0), id(2)], "fifo: eligible order, then id");
+                assert_eq!(rest, vec![id(4), id(3), id(1)], "fifo: the key's second row waits");
+            }
+            Strategy::Priority => {
+                assert_eq!(got, vec![id(1), id(6), id(3)], "priority: priority first");
+                assert_eq!(rest, vec![id(2), id(4), id(0)], "priority: the key's second row waits");
+            }
+        }
+    }
+}
+
+/// Under `priority` with a starvation bound, a row ready for at least the bound is
+/// claimed ahead of every priority, oldest first; younger rows keep priority order.
+pub async fn claim_order_starvation_bound_overtakes_priority<S: Store>(s: &S) {
+    let ns = "claim_starve";
+    let mk = |p: Priority, ms: i64| new_in(ns).priority(p).eligible_at(at(ms));
+    let out = insert(
+        s,
+        vec![
+            mk(Priority::Critical, 9_000),
+            mk(Priority::Bulk, 1_000),
+            mk(Priority::High, 8_000),
+            mk(Priority::Low, 500),
+            mk(Priority::Normal, 5_500),
+        ],
+        at(0),
+    )
+    .await;
+    let id = |i: usize| out[i].id();
+    let policy = ClaimPolicy {
+        starvation_after: Some(Duration::from_secs(5)),
+        ..ClaimPolicy::new(Strategy::Priority)
+    };
+    // At 10 s, rows eligible at or before 5 s are starving: 500 ms, then 1 s.
+    let got = ids(&claim(s, with_policy(ns, 10, at(10_000), policy)).await);
+    assert_eq!(got, vec![id(3), id(1), id(0), id(2), id(4)]);
+}
+
+/// A queue's global limit bounds its executing rows across every claimer: a claim takes
+/// at most the limit minus what is executing, concurrent claims never exceed it together,
+/// finishing a step frees room, and a limit without exactly one queue is refused.
+pub async fn global_limit_bounds_a_queues_executing_rows<S: Store>(s: &S) {
+    let ns = "claim_global";
+    let out =
+        insert(s, (0..12).map(|i| new_in(ns).queue("capped").eligible_at(at(i))).collect(), at(0))
+            .await;
+    let policy = ClaimPolicy { global_limit: Some(5), ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |worker: &str, limit: usize, now: i64| {
+        let mut p = with_policy(ns, limit, at(now), policy);
+        p.queues = vec!["capped".into()];
+        p.worker = super::support::worker(worker);
+        p
+    };
+    let first = claim(s, params("w1", 3, 20)).await;
+    assert_eq!(ids(&first), vec![out[0].id(), out[1].id(), out[2].id()]);
+    let (a, b) = tokio::join!(claim(s, params("w2", 10, 20)), claim(s, params("w3", 10, 20)));
+    assert_eq!(a.len() + b.len(), 2, "concurrent claims exceeded the global limit");
+    let held: BTreeSet<_> = first.iter().chain(&a).chain(&b).map(|c| c.instance.id).collect();
+    assert_eq!(held.len(), 5);
+    assert!(claim(s, params("w1", 10, 21)).await.is_empty(), "claimed over the global limit");
+    let by_id =
+        s.instance_claim_ids(vec![out[11].id()], params("w1", 10, 21)).await.expect("claim by id");
+    assert!(by_id.is_empty(), "a claim by id went over the global limit");
+    // Another queue is not limited by this one.
+    let other = insert(s, vec![new_in(ns).queue("free")], at(0)).await;
+    let mut p = with_policy(ns, 10, at(22), ClaimPolicy::new(Strategy::Fifo));
+    p.queues = vec!["free".into()];
+    assert_eq!(ids(&claim(s, p).await), vec![other[0].id()]);
+    // A finished step frees its room.
+    step(s, &first[0], next("done", 1), at(30)).await;
+    step(s, &first[1], next("done", 1), at(30)).await;
+    let more = claim(s, params("w1", 10, 31)).await;
+    assert_eq!(ids(&more), vec![out[5].id(), out[6].id()], "room freed by two finished steps");
+    // The limit is counted per queue: it needs exactly one queue.
+    let mut p = with_policy(ns, 10, at(40), policy);
+    p.queues = Vec::new();
+    expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "global limit without a queue");
+}
