@@ -25,6 +25,9 @@ const DEAD_LETTER_COUNT_MAX: usize = 10_000;
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     let migrate = matches!(cli.command, Command::Migrate);
+    if let Command::Config(command) = &cli.command {
+        return crate::config_cmd::run(&cli, command);
+    }
     if matches!(cli.command, Command::Health) {
         let keel = crate::health::connect(&cli).await?;
         return crate::health::run(&keel, &cli).await;
@@ -53,7 +56,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             json!({ "migrated": true, "store": keel.describe() }),
             format!("The store is up to date: {}.", keel.describe()),
         )),
-        Command::Health | Command::Serve { .. } => unreachable!("handled above"),
+        Command::Health | Command::Serve { .. } | Command::Config(_) => {
+            unreachable!("handled above")
+        }
     }
 }
 

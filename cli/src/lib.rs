@@ -6,6 +6,7 @@
 //! with a code a script can rely on (see [`exit`]).
 
 pub mod commands;
+pub mod config_cmd;
 pub mod exit;
 pub mod health;
 pub mod output;
@@ -31,7 +32,7 @@ pub struct Cli {
     #[arg(long, short = 'n', env = "KEEL_NAMESPACE", default_value = "default", global = true)]
     pub namespace: String,
 
-    /// The configuration file (TOML) whose `alerts` sections `health` reads.
+    /// The configuration file (TOML): `alerts` for `health`, everything for `config show`.
     #[arg(long, env = "KEEL_CONFIG", global = true)]
     pub config: Option<PathBuf>,
 
@@ -106,6 +107,9 @@ pub enum Command {
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
+    /// Show the configuration a worker would apply (`--config` / `KEEL_CONFIG`).
+    #[command(subcommand)]
+    Config(config_cmd::ConfigCommand),
     /// Serve the event and instance API, `/metrics` and `/health` over HTTP.
     Serve {
         /// The address to listen on; loopback only without `--tokens`.

@@ -643,6 +643,10 @@ pub struct KeelConfig {
     pub parallel_dispatch: PartialParallelConfig,
     /// Settings of each queue, by queue name (`[queues.<name>]`): claim order and limits.
     pub queues: BTreeMap<String, QueueSettings>,
+    /// System-level keys set from the environment ([`ENV_OVERRIDES`]), key → variable,
+    /// so [`explain`](Self::explain) can say where a value came from. Not a file key.
+    #[serde(skip)]
+    pub env_overrides: BTreeMap<String, String>,
 }
 
 impl KeelConfig {
@@ -936,6 +940,7 @@ impl KeelConfig {
                     retry.max_attempts = Some(n);
                 }
             }
+            self.env_overrides.insert(key.to_owned(), var.to_owned());
             applied.push(Effective {
                 key: key.to_owned(),
                 value: raw,
@@ -1139,8 +1144,17 @@ impl KeelConfig {
                 source: source(&|q| q.on_dead_letter.is_some()),
             },
         ];
+        // A system-level value set from the environment says so.
+        for line in &mut out {
+            if line.source == Source::System
+                && let Some(var) = self.env_overrides.get(&line.key)
+            {
+                line.source = Source::Env(var.clone());
+            }
+        }
         let settings = self.queues.get(queue).copied().unwrap_or_default();
         let policy = self.claim_policy(queue);
+        let env = |key: &str| self.env_overrides.get(key).map(|v| Source::Env(v.clone()));
         let qsource = |set: bool, system: bool| {
             if set {
                 Source::Queue(queue.to_owned())
@@ -1153,7 +1167,10 @@ impl KeelConfig {
         out.push(Effective {
             key: format!("queues.{queue}.strategy"),
             value: policy.strategy.to_string(),
-            source: qsource(settings.strategy.is_some(), self.queue.strategy.is_some()),
+            source: match env("strategy") {
+                Some(source) if settings.strategy.is_none() => source,
+                _ => qsource(settings.strategy.is_some(), self.queue.strategy.is_some()),
+            },
         });
         out.push(Effective {
             key: format!("queues.{queue}.starvation_after"),
@@ -1165,7 +1182,10 @@ impl KeelConfig {
             value: self
                 .worker_slots(queue)
                 .map_or_else(|| "worker's setting".to_owned(), |n| n.to_string()),
-            source: qsource(settings.concurrency.is_some(), self.queue.concurrency.is_some()),
+            source: match env("concurrency") {
+                Some(source) if settings.concurrency.is_none() => source,
+                _ => qsource(settings.concurrency.is_some(), self.queue.concurrency.is_some()),
+            },
         });
         out.push(Effective {
             key: format!("queues.{queue}.global_concurrency"),
