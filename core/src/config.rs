@@ -992,12 +992,6 @@ impl KeelConfig {
                     "set the priority when the instance is started or the event sent; the file does not assign priorities yet",
                 );
             }
-            if level.alerts.is_some() {
-                return refuse(
-                    "alerts",
-                    "alert thresholds are not evaluated by this version; remove the section",
-                );
-            }
             if let Some(dead_letter) = level.dead_letter {
                 if dead_letter.enabled.is_some() {
                     return refuse(
@@ -1651,5 +1645,157 @@ mod tests {
             assert_eq!(parsed.level(), i16::from(value), "{name}");
         }
         assert_eq!(Priority::default(), Priority::Normal);
+    }
+}
+
+#[cfg(test)]
+mod applied_tests {
+    use super::*;
+    use crate::plan::claim::ClaimPolicy;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn a_key_parsed_but_not_applied_is_refused_with_the_fix() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "[machines.m.queue]\nstrategy = \"priority\"",
+                "machines.m.queue.strategy: is not applied here: the claim order belongs to a queue",
+            ),
+            (
+                "[machines.m.events.e.queue]\nconcurrency = 2",
+                "machines.m.events.e.queue.concurrency: is not applied here: concurrency belongs to a queue; set [queues.<name>]",
+            ),
+            ("[queue]\npriority = \"high\"", "queue.priority: is not applied here"),
+            (
+                "[queue.dead_letter]\nenabled = false",
+                "queue.dead_letter.enabled: is not applied here",
+            ),
+            (
+                "[machines.m.queue.dead_letter]\nretention = \"3 days\"",
+                "machines.m.queue.dead_letter.retention: is not applied here",
+            ),
+            (
+                "[parallel_dispatch]\nenabled = true",
+                "parallel_dispatch: is not applied from the file yet",
+            ),
+        ];
+        for (toml, expected) in cases {
+            let error = KeelConfig::load(toml, |_| None).expect_err(toml).to_string();
+            assert!(error.starts_with(expected), "{toml}:\n{error}");
+        }
+        // What a worker applies loads.
+        let ok = "[queue]\nstrategy = \"priority\"\nconcurrency = 4\ntimeout = \"5s\"\n\
+                  [queue.alerts]\npending_warning = 10\n\
+                  [machines.m.queue]\ntimeout = \"9s\"\non_dead_letter = \"skip\"\n\
+                  [queues.q]\nstarvation_after = \"1 minute\"\nglobal_concurrency = 3";
+        KeelConfig::load(ok, |_| None).expect("every key applied");
+    }
+
+    #[test]
+    fn queue_sections_give_the_claim_policy_and_the_slots() {
+        let config = KeelConfig::from_toml_str(
+            "[queue]\nstrategy = \"priority\"\nconcurrency = 4\n\
+             [queues.mail]\nstrategy = \"fifo\"\nglobal_concurrency = 2\nconcurrency = 7\n\
+             [queues.api]\nstarvation_after = \"30s\"",
+        )
+        .unwrap();
+        assert_eq!(
+            config.claim_policy("mail"),
+            ClaimPolicy { strategy: Strategy::Fifo, starvation_after: None, global_limit: Some(2) }
+        );
+        assert_eq!(
+            config.claim_policy("api"),
+            ClaimPolicy {
+                strategy: Strategy::Priority,
+                starvation_after: Some(S(30)),
+                global_limit: None
+            }
+        );
+        assert_eq!(config.claim_policy("other"), ClaimPolicy::new(Strategy::Priority));
+        assert_eq!(KeelConfig::default().claim_policy("any"), ClaimPolicy::new(Strategy::Fifo));
+        assert_eq!((config.worker_slots("mail"), config.worker_slots("api")), (Some(7), Some(4)));
+        assert_eq!(KeelConfig::default().worker_slots("any"), None);
+        for (toml, expected) in [
+            (
+                "[queues.q]\nglobal_concurrency = 0",
+                "queues.q.global_concurrency: must be at least 1",
+            ),
+            (
+                "[queues.q]\nstarvation_after = \"0s\"",
+                "queues.q.starvation_after: must be greater than zero",
+            ),
+            (
+                "[queues.q]\nstrategy = \"fifo\"\nstarvation_after = \"1m\"",
+                "queues.q.starvation_after: applies only to strategy = \"priority\"",
+            ),
+        ] {
+            let error = KeelConfig::from_toml_str(toml).unwrap_err().to_string();
+            assert!(error.starts_with(expected), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_step_takes_the_event_over_the_machine_over_the_code() {
+        let config = KeelConfig::from_toml_str(
+            "[queue]\ntimeout = \"20s\"\n\
+             [machines.m.queue.retry]\nmax_attempts = 5\n\
+             [machines.m.events.pay.queue]\ntimeout = \"2s\"\non_dead_letter = \"skip\"",
+        )
+        .unwrap();
+        let code = QueueConfig {
+            timeout: S(99),
+            on_dead_letter: OnDeadLetter::Suspend,
+            ..QueueConfig::default()
+        };
+        let pay = config.step_config(code, "m", Some("pay")).unwrap();
+        assert_eq!(
+            (pay.timeout, pay.retry.max_attempts, pay.on_dead_letter),
+            (S(2), 5, OnDeadLetter::Skip)
+        );
+        let other = config.step_config(code, "m", Some("browse")).unwrap();
+        assert_eq!((other.timeout, other.retry.max_attempts), (S(20), 5));
+        let elsewhere = config.step_config(code, "n", None).unwrap();
+        assert_eq!((elsewhere.timeout, elsewhere.retry.max_attempts), (S(20), 3));
+        assert_eq!(KeelConfig::default().step_config(code, "m", Some("pay")).unwrap(), code);
+    }
+
+    #[test]
+    fn explain_names_where_each_value_came_from() {
+        let (config, env) = KeelConfig::load(
+            "[queue]\ntimeout = \"20s\"\n[queue.retry]\nmax_attempts = 4\n\
+             [machines.m.queue]\non_dead_letter = \"skip\"\n\
+             [machines.m.events.pay.queue.retry]\nmax_attempts = 9\n\
+             [queues.q]\nglobal_concurrency = 3",
+            |var| (var == "KEEL_QUEUE_TIMEOUT").then(|| "1 minute".to_owned()),
+        )
+        .unwrap();
+        assert_eq!(env.len(), 1);
+        let lines = config.explain("m", Some("pay"), "q", None).unwrap();
+        let get = |key: &str| {
+            let line = lines.iter().find(|l| l.key == key).unwrap_or_else(|| panic!("{key}"));
+            (line.value.clone(), line.source.to_string())
+        };
+        assert_eq!(get("timeout"), ("1 minute".into(), "env KEEL_QUEUE_TIMEOUT".into()));
+        assert_eq!(get("retry.max_attempts"), ("9".into(), "[machines.m.events.pay.queue]".into()));
+        assert_eq!(get("on_dead_letter"), ("skip".into(), "[machines.m.queue]".into()));
+        assert_eq!(get("retry.backoff"), ("exponential".into(), "default".into()));
+        assert_eq!(get("queues.q.strategy"), ("fifo".into(), "default".into()));
+        assert_eq!(get("queues.q.global_concurrency"), ("3".into(), "[queues.q]".into()));
+        let bad = KeelConfig::load("", |var| {
+            (var == "KEEL_QUEUE_CONCURRENCY").then(|| "lots".to_owned())
+        });
+        assert!(
+            bad.unwrap_err()
+                .to_string()
+                .starts_with("KEEL_QUEUE_CONCURRENCY: must be a whole number")
+        );
+        let zero =
+            KeelConfig::load("", |var| (var == "KEEL_QUEUE_CONCURRENCY").then(|| "0".to_owned()));
+        assert!(
+            zero.unwrap_err()
+                .to_string()
+                .starts_with("queue.concurrency (from the environment): must be at least 1")
+        );
     }
 }

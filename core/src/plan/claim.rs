@@ -261,8 +261,8 @@ mod tests {
     fn filters_pauses_executing_keys_and_due_time_refuse_a_candidate() {
         let p = params(5);
         let planner = ClaimPlanner::new(&p);
-        let paused = CandidateRead { queue_paused: true, key_executing: false };
-        let busy = CandidateRead { queue_paused: false, key_executing: true };
+        let paused = CandidateRead { queue_paused: true, ..CandidateRead::default() };
+        let busy = CandidateRead { key_executing: true, ..CandidateRead::default() };
         assert_eq!(planner.offer(&row(1, None), paused), None);
         assert_eq!(planner.offer(&row(1, Some("k")), busy), None);
         let mut elsewhere = row(1, None);
@@ -286,5 +286,70 @@ mod tests {
         assert_eq!(damage(&row(1, None), &[signal(json!({ "a": 1 }))]), None);
         let bad = crate::instance::undecodable("payload", "bad");
         assert_eq!(damage(&row(1, None), &[signal(bad)]).as_deref(), Some("inbox payload: bad"));
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+    use crate::ids::{InstanceId, MachineRef, Priority};
+    use crate::instance::NewInstance;
+
+    fn row(priority: Priority, eligible_ms: i64) -> Instance {
+        let new = NewInstance::new(MachineRef::new("m", 1), "s")
+            .priority(priority)
+            .eligible_at(Timestamp(eligible_ms));
+        Instance::from_new(InstanceId(1), &new, None, Timestamp(0))
+    }
+
+    #[test]
+    fn rank_follows_the_strategy_and_the_starvation_bound() {
+        let now = Timestamp(10_000);
+        let fifo = ClaimPolicy::new(Strategy::Fifo);
+        assert_eq!(fifo.rank(&row(Priority::Critical, 9_000), now), FIFO_RANK);
+        assert_eq!(fifo.rank(&row(Priority::Bulk, 9_000), now), FIFO_RANK);
+        let priority = ClaimPolicy::new(Strategy::Priority);
+        assert_eq!(priority.rank(&row(Priority::Low, 0), now), Priority::Low.level());
+        let starving = ClaimPolicy { starvation_after: Some(Duration::from_secs(5)), ..priority };
+        assert_eq!(
+            starving.rank(&row(Priority::Bulk, 5_000), now),
+            STARVING_RANK,
+            "exactly the bound"
+        );
+        assert_eq!(starving.rank(&row(Priority::Bulk, 5_001), now), Priority::Bulk.level());
+        let fifo_bound = ClaimPolicy { starvation_after: Some(Duration::from_secs(5)), ..fifo };
+        assert_eq!(fifo_bound.starving_at_or_before(now), None, "fifo cannot starve a row");
+        assert!(ClaimPolicy::default().is_plain_priority());
+        assert!(!fifo.is_plain_priority());
+    }
+
+    #[test]
+    fn global_limit_counts_executing_rows_and_rows_taken_in_the_claim() {
+        let policy = ClaimPolicy { global_limit: Some(3), ..ClaimPolicy::new(Strategy::Fifo) };
+        assert_eq!((policy.room(1), policy.room(3), policy.room(7)), (Some(2), Some(0), Some(0)));
+        let p = ClaimParams {
+            worker: crate::ids::WorkerId("w".into()),
+            namespaces: vec![],
+            queues: vec!["default".into()],
+            machines: vec![],
+            limit: 10,
+            lease: Duration::from_secs(30),
+            now: Timestamp(100),
+            policy,
+        };
+        let mut planner = ClaimPlanner::new(&p);
+        let read = CandidateRead { queue_executing: 1, ..CandidateRead::default() };
+        let mut taken = 0;
+        for id in 1..=5 {
+            let mut r = row(Priority::Normal, 0);
+            r.id = InstanceId(id);
+            if let Some(next) = planner.offer(&r, read) {
+                assert!(planner.take(&next, false));
+                taken += 1;
+            }
+        }
+        assert_eq!(taken, 2, "3 allowed, 1 already executing");
+        assert!(ClaimPolicy { global_limit: Some(0), ..policy }.validate(&p.queues).is_err());
+        assert!(policy.validate(&[]).is_err(), "a global limit needs exactly one queue");
     }
 }

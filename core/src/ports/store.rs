@@ -832,6 +832,7 @@ mod tests {
             limit,
             lease: Duration::from_secs(1),
             now,
+            policy: crate::plan::claim::ClaimPolicy::default(),
         };
         let extend = |n| LeaseExtendParams {
             worker: worker.clone(),
