@@ -798,6 +798,8 @@ pub struct QueueSettings {
     pub concurrency: Option<u32>,
     /// Rows of this queue executing at once across all workers, enforced by the store.
     pub global_concurrency: Option<u32>,
+    /// Rows of one concurrency key executing at once across all workers (default 1).
+    pub key_concurrency: Option<u32>,
 }
 
 impl QueueSettings {
@@ -813,6 +815,17 @@ impl QueueSettings {
                 format!("{path}.global_concurrency"),
                 format!(
                     "must be at least 1 and at most {} (got {global}); pause the queue to stop it",
+                    QueueConfig::CONCURRENCY_LIMIT
+                ),
+            ));
+        }
+        if let Some(k) = self.key_concurrency
+            && !(1..=QueueConfig::CONCURRENCY_LIMIT).contains(&k)
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.key_concurrency"),
+                format!(
+                    "must be at least 1 and at most {} (got {k}); 1 runs one row of a key at a time",
                     QueueConfig::CONCURRENCY_LIMIT
                 ),
             ));
@@ -1039,6 +1052,7 @@ impl KeelConfig {
             strategy: settings.strategy.or(self.queue.strategy).unwrap_or_default(),
             starvation_after: settings.starvation_after,
             global_limit: settings.global_concurrency,
+            key_limit: settings.key_concurrency.unwrap_or(1),
         }
     }
 
@@ -1185,6 +1199,11 @@ impl KeelConfig {
             key: format!("queues.{queue}.global_concurrency"),
             value: policy.global_limit.map_or_else(|| "none".to_owned(), |n| n.to_string()),
             source: qsource(settings.global_concurrency.is_some(), false),
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.key_concurrency"),
+            value: policy.key_limit.to_string(),
+            source: qsource(settings.key_concurrency.is_some(), false),
         });
         Ok(out)
     }
@@ -1702,15 +1721,11 @@ mod applied_tests {
         .unwrap();
         assert_eq!(
             config.claim_policy("mail"),
-            ClaimPolicy { strategy: Strategy::Fifo, starvation_after: None, global_limit: Some(2) }
+            ClaimPolicy { global_limit: Some(2), ..ClaimPolicy::new(Strategy::Fifo) }
         );
         assert_eq!(
             config.claim_policy("api"),
-            ClaimPolicy {
-                strategy: Strategy::Priority,
-                starvation_after: Some(S(30)),
-                global_limit: None
-            }
+            ClaimPolicy { starvation_after: Some(S(30)), ..ClaimPolicy::new(Strategy::Priority) }
         );
         assert_eq!(config.claim_policy("other"), ClaimPolicy::new(Strategy::Priority));
         assert_eq!(KeelConfig::default().claim_policy("any"), ClaimPolicy::new(Strategy::Fifo));

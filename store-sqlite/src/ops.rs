@@ -72,7 +72,10 @@ macro_rules! claim_sql {
             instance_cols!(),
             ", ",
             $rank,
-            " AS claim_rank FROM keel_instances i WHERE status = 'runnable') c \
+            " AS claim_rank, CASE WHEN concurrency_key IS NULL THEN 0 ELSE \
+               (SELECT count(*) FROM keel_instances e WHERE e.status = 'executing' \
+                  AND e.concurrency_key = i.concurrency_key) END AS key_running \
+             FROM keel_instances i WHERE status = 'runnable') c \
              WHERE (claim_rank, eligible_at, id) > (?, ?, ?) AND eligible_at <= ? \
                AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
@@ -82,7 +85,7 @@ macro_rules! claim_sql {
                        AND json_extract(m.value, '$[1]') = c.machine_version)) \
                AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = c.namespace \
                      AND q.queue = c.queue AND q.paused <> 0) \
-               AND (concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM keel_instances e \
+               AND (concurrency_key IS NULL OR ? > 1 OR NOT EXISTS (SELECT 1 FROM keel_instances e \
                      WHERE e.status = 'executing' AND e.concurrency_key = c.concurrency_key)) \
              ORDER BY claim_rank, eligible_at, id LIMIT ?"
         )
@@ -160,19 +163,25 @@ pub(crate) async fn claim(
             .bind(&queues)
             .bind(&machines)
             .bind(&machines)
+            .bind(i64::from(p.policy.key_limit))
             .bind(page as i64)
             .fetch_all(&mut *db.conn)
             .await
             .map_err(db.err("picking rows to claim"))?;
-        let candidates: Vec<Instance> =
-            rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
+        let candidates: Vec<(Instance, u32)> = rows
+            .iter()
+            .map(|r| {
+                let running: i64 = r.try_get("key_running").unwrap_or(0);
+                Ok((db.instance_of(r)?, u32::try_from(running).unwrap_or(u32::MAX)))
+            })
+            .collect::<StoreResult<_>>()?;
         let exhausted = candidates.len() < page;
-        for row in candidates {
+        for (row, key_running) in candidates {
             after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
             if planner.is_full() {
                 break;
             }
-            let read = CandidateRead { queue_executing, ..CandidateRead::default() };
+            let read = CandidateRead { queue_executing, key_running, ..CandidateRead::default() };
             let Some(next) = planner.offer(&row, read) else { continue };
             let occupied = match next.unique_guard() {
                 Some(guard) => db.occupant(guard, next.id).await?.is_some(),

@@ -203,6 +203,11 @@ impl State {
                     .concurrency_key
                     .as_ref()
                     .is_some_and(|k| self.executing_keys.contains_key(k)),
+                key_running: row
+                    .concurrency_key
+                    .as_ref()
+                    .and_then(|k| self.executing_keys.get(k))
+                    .map_or(0, |n| u32::try_from(*n).unwrap_or(u32::MAX)),
                 queue_executing,
             };
             let Some(next) = planner.offer(row, read) else { continue };

@@ -4,8 +4,8 @@
 //! ([`ClaimPolicy::rank`]), then `eligible_at`, then id. A
 //! candidate is taken when it is runnable and due, passes the claim's namespace, queue
 //! and machine filters, its queue is not paused, no other instance with its concurrency
-//! key is executing (neither before the claim nor taken earlier in it), its queue is
-//! under the policy's global limit, and no other
+//! key is executing beyond the policy's key limit (counting those taken earlier in the
+//! claim), its queue is under the policy's global limit, and no other
 //! instance holds its unique key in the executing scope. At most `limit` are taken. A
 //! taken row that holds a stored value no reader accepts (or whose inbox does) is not
 //! handed out: it is suspended and dead-lettered alone ([`undecodable`]), and its
@@ -17,7 +17,7 @@ use crate::instance::{Instance, Signal, undecodable_error};
 use crate::outcome::{self, Applied};
 use crate::ports::store::ClaimParams;
 use crate::time::Timestamp;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 /// How one claim orders and bounds the rows of the queue it claims from: the queue's
@@ -38,11 +38,18 @@ pub struct ClaimPolicy {
     /// Most rows of the queue executing at once across all workers; a claim takes at most
     /// the difference between this and the rows already executing in the queue.
     pub global_limit: Option<u32>,
+    /// Rows of one concurrency key executing at once (1 = one at a time, in claim order).
+    pub key_limit: u32,
 }
 
 impl Default for ClaimPolicy {
     fn default() -> Self {
-        ClaimPolicy { strategy: Strategy::Priority, starvation_after: None, global_limit: None }
+        ClaimPolicy {
+            strategy: Strategy::Priority,
+            starvation_after: None,
+            global_limit: None,
+            key_limit: 1,
+        }
     }
 }
 
@@ -64,6 +71,7 @@ impl ClaimPolicy {
         self.strategy == Strategy::Priority
             && self.starvation_after.is_none()
             && self.global_limit.is_none()
+            && self.key_limit == 1
     }
 
     /// `eligible_at` at or before which a row is starving at `now`, when the policy has a
@@ -117,6 +125,11 @@ impl ClaimPolicy {
                 )));
             }
         }
+        if self.key_limit == 0 {
+            return Err(StoreError::invalid(
+                "policy.key_limit: must be at least 1 (1 = one row of a key at a time)",
+            ));
+        }
         if self.starvation_after.is_some_and(|d| d.is_zero()) {
             return Err(StoreError::invalid(
                 "policy.starvation_after: must be greater than zero, or unset for no bound",
@@ -133,6 +146,9 @@ pub struct CandidateRead {
     pub queue_paused: bool,
     /// Another instance with the candidate's concurrency key is executing.
     pub key_executing: bool,
+    /// How many instances with the candidate's concurrency key are executing (read only
+    /// when the policy's key limit is above 1; `key_executing` alone counts as 1).
+    pub key_running: u32,
     /// How many rows of the candidate's queue are executing (read only when the claim's
     /// policy has a global limit; 0 otherwise).
     pub queue_executing: u64,
@@ -142,8 +158,8 @@ pub struct CandidateRead {
 #[derive(Debug)]
 pub struct ClaimPlanner<'a> {
     params: &'a ClaimParams,
-    /// Concurrency keys taken earlier in this claim.
-    keys: HashSet<String>,
+    /// Concurrency keys taken earlier in this claim, with how many rows each.
+    keys: HashMap<String, u32>,
     /// Rows taken earlier in this claim, per queue (for the global limit).
     per_queue: HashMap<String, u64>,
     taken: usize,
@@ -152,7 +168,7 @@ pub struct ClaimPlanner<'a> {
 impl<'a> ClaimPlanner<'a> {
     /// A planner for one claim call.
     pub fn new(params: &'a ClaimParams) -> Self {
-        ClaimPlanner { params, keys: HashSet::new(), per_queue: HashMap::new(), taken: 0 }
+        ClaimPlanner { params, keys: HashMap::new(), per_queue: HashMap::new(), taken: 0 }
     }
 
     /// Whether the claim has taken as many rows as it asked for.
@@ -171,10 +187,17 @@ impl<'a> ClaimPlanner<'a> {
             && (p.queues.is_empty() || p.queues.contains(&row.queue))
             && (p.machines.is_empty() || p.machines.contains(&row.machine))
             && !read.queue_paused
-            && !read.key_executing
             && self.under_global_limit(&row.queue, read.queue_executing)
-            && row.concurrency_key.as_ref().is_none_or(|k| !self.keys.contains(k));
+            && row.concurrency_key.as_ref().is_none_or(|k| self.under_key_limit(k, read));
         admitted.then(|| outcome::claim(row, &p.worker, p.lease, p.now))
+    }
+
+    /// Whether one more row of key `key` fits the policy's key limit, given the rows of it
+    /// executing before the claim and those taken earlier in it.
+    fn under_key_limit(&self, key: &str, read: CandidateRead) -> bool {
+        let running = read.key_running.max(u32::from(read.key_executing));
+        let taken = self.keys.get(key).copied().unwrap_or(0);
+        running.saturating_add(taken) < self.params.policy.key_limit
     }
 
     /// Whether one more row of `queue` fits the policy's global limit, given the rows of it
@@ -192,7 +215,7 @@ impl<'a> ClaimPlanner<'a> {
             return false;
         }
         if let Some(k) = &next.concurrency_key {
-            self.keys.insert(k.clone());
+            *self.keys.entry(k.clone()).or_default() += 1;
         }
         *self.per_queue.entry(next.queue.clone()).or_default() += 1;
         self.taken += 1;

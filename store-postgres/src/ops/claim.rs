@@ -47,7 +47,7 @@ enum Order {
     Priority,
     /// Eligible order alone (`fifo`): the `instances_pick_fifo` index order.
     Fifo,
-    /// Priority with a starvation bound (`$11`): a row eligible at or before it ranks
+    /// Priority with a starvation bound (`$12`): a row eligible at or before it ranks
     /// ahead of every priority, as `ClaimPolicy::rank` says.
     Ranked,
 }
@@ -58,24 +58,37 @@ fn key(order: Order, t: &str) -> String {
         Order::Priority => format!("{t}.priority, {t}.eligible_at, {t}.id"),
         Order::Fifo => format!("{t}.eligible_at, {t}.id"),
         Order::Ranked => format!(
-            "CASE WHEN {t}.eligible_at <= $11 THEN -1 ELSE {t}.priority END, {t}.eligible_at, {t}.id"
+            "CASE WHEN {t}.eligible_at <= $12 THEN -1 ELSE {t}.priority END, {t}.eligible_at, {t}.id"
         ),
     }
 }
 
 /// The claim statement of today's index order, with no global limit: the hot path, built
 /// once.
-static SQL: LazyLock<String> = LazyLock::new(|| sql(Order::Priority, "", "$6"));
+static SQL: LazyLock<String> = LazyLock::new(|| sql(Order::Priority, "", "$6", Keys::One));
 
 /// The claim of named instances (a queue hint's targets, `$9`): the same statement with
 /// the candidates narrowed to those ids.
 static SQL_IDS: LazyLock<String> =
-    LazyLock::new(|| sql(Order::Priority, "AND i.id = ANY($9::int8[])", "$6"));
+    LazyLock::new(|| sql(Order::Priority, "AND i.id = ANY($9::int8[])", "$6", Keys::One));
 
-/// Under a policy: the ids filter is optional (`$9` NULL = any) and `$10` is the queue's
+/// How a statement bounds the rows of one concurrency key.
+#[derive(Clone, Copy)]
+enum Keys {
+    /// One at a time: a key with an executing row is skipped, and only the key's first
+    /// runnable row (claim order) is a candidate; the claimed row takes slot 0.
+    One,
+    /// Up to `$11` at a time: a row is a candidate while the key's executing rows plus its
+    /// runnable rows ahead of it are fewer than `$11` (each count stops at `$11`), and a
+    /// claimed row takes the key's lowest free slot.
+    Up,
+}
+
+/// Under a policy: the ids filter is optional (`$9` NULL = any), `$10` is the queue's
 /// global limit (NULL = none), counted against the queue's executing rows at the
-/// statement's snapshot; the caller holds the queue's claim lock while it runs, so two
-/// claims of one limited queue cannot both see the same free room.
+/// statement's snapshot (the caller holds the queue's claim lock while it runs, so two
+/// claims of one limited queue cannot both see the same free room), and `$11` is the key
+/// limit.
 fn policy_sql(order: Order) -> String {
     sql(
         order,
@@ -83,6 +96,7 @@ fn policy_sql(order: Order) -> String {
         "CASE WHEN $10::int8 IS NULL THEN $6 ELSE least($6, greatest(0, $10::int8 - \
            (SELECT count(*) FROM instances x WHERE x.status = 'executing' \
               AND x.queue = ANY($3)))) END",
+        Keys::Up,
     )
 }
 
@@ -90,22 +104,46 @@ static SQL_FIFO: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Fifo));
 static SQL_PRIORITY_LIMITED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Priority));
 static SQL_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ranked));
 
-fn sql(order: Order, only: &str, limit: &str) -> String {
+fn sql(order: Order, only: &str, limit: &str, keys: Keys) -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
+    let (key_i, key_o) = (key(order, "i"), key(order, "o"));
+    let filters_o = filters("o");
+    let (key_rule, slot) = match keys {
+        Keys::One => (
+            format!(
+                "NOT EXISTS (SELECT 1 FROM instances e \
+                   WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
+                 AND NOT EXISTS (SELECT 1 FROM instances o \
+                   WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
+                     AND o.eligible_at <= $1 AND {filters_o} AND ({key_o}) < ({key_i}))"
+            ),
+            "0".to_owned(),
+        ),
+        Keys::Up => (
+            format!(
+                "(SELECT count(*) FROM (SELECT 1 FROM instances e \
+                   WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key \
+                   LIMIT $11::int4) ke) \
+                 + (SELECT count(*) FROM (SELECT 1 FROM instances o \
+                   WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
+                     AND o.eligible_at <= $1 AND {filters_o} AND ({key_o}) < ({key_i}) \
+                   LIMIT $11::int4) ko) < $11::int4"
+            ),
+            "coalesce((SELECT s FROM generate_series(0, $11::int4 - 1) s \
+               WHERE NOT EXISTS (SELECT 1 FROM instances e WHERE e.status = 'executing' \
+                 AND e.concurrency_key = pick.ckey AND e.key_slot = s) \
+               ORDER BY s OFFSET pick.kn LIMIT 1), 0)"
+                .to_owned(),
+        ),
+    };
     format!(
         "WITH cand AS ( \
-           SELECT i.id, i.priority, i.eligible_at, ({key_i}) AS ord, \
+           SELECT i.id, i.priority, i.eligible_at, i.concurrency_key AS ckey, ({key_i}) AS ord, \
              CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
                    AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END AS guard \
            FROM instances i \
            WHERE i.status = 'runnable' AND i.eligible_at <= $1 {only} AND {filters_i} \
-             AND (i.concurrency_key IS NULL OR ( \
-                  NOT EXISTS (SELECT 1 FROM instances e \
-                    WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
-                  AND NOT EXISTS (SELECT 1 FROM instances o \
-                    WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
-                      AND o.eligible_at <= $1 AND {filters_o} \
-                      AND ({key_o}) < ({key_i})))) \
+             AND (i.concurrency_key IS NULL OR ({key_rule})) \
              AND (i.unique_key IS NULL OR 'runnable' = ANY(i.unique_scope) \
                   OR NOT 'executing' = ANY(i.unique_scope) \
                   OR NOT EXISTS (SELECT 1 FROM instances g WHERE g.unique_guard = i.unique_key)) \
@@ -113,12 +151,14 @@ fn sql(order: Order, only: &str, limit: &str) -> String {
            LIMIT {limit} \
            FOR UPDATE SKIP LOCKED \
          ), pick AS ( \
-           SELECT id FROM (SELECT id, guard, row_number() OVER \
+           SELECT id, ckey, row_number() OVER (PARTITION BY ckey ORDER BY ord) - 1 AS kn \
+           FROM (SELECT id, ckey, ord, guard, row_number() OVER \
              (PARTITION BY guard ORDER BY ord) AS rn FROM cand) r \
            WHERE guard IS NULL OR rn = 1 \
          ), u AS ( \
            UPDATE instances i SET status = 'executing', lease_owner = $7, \
-             lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1 \
+             lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1, \
+             key_slot = {slot} \
            FROM pick WHERE i.id = pick.id \
            RETURNING i.* \
          ) \
@@ -134,11 +174,9 @@ fn sql(order: Order, only: &str, limit: &str) -> String {
                ORDER BY c.id), '[]') \
             FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
          FROM u ORDER BY {key_u}",
-        key_i = key(order, "i"),
-        key_o = key(order, "o"),
+        key_i = key_i,
         key_u = key(order, "u"),
         filters_i = filters("i"),
-        filters_o = filters("o"),
         inbox = limits::CLAIM_INBOX_MAX,
         children = limits::CHILDREN_LIST_MAX,
     )
@@ -188,6 +226,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let policy = &p.policy;
     let ids_vec: Option<Vec<i64>> = ids.map(<[i64]>::to_vec);
     let global = policy.global_limit.map(i64::from);
+    let key_limit = i32::try_from(policy.key_limit).unwrap_or(i32::MAX);
     let starving = policy.starving_at_or_before(p.now).map(ts);
     let stmt = if policy.is_plain_priority() {
         match &ids {
@@ -200,6 +239,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     } else {
         params.push(&ids_vec);
         params.push(&global);
+        params.push(&key_limit);
         let sql: &str = match (policy.strategy, &starving) {
             (Strategy::Fifo, _) => &SQL_FIFO,
             (Strategy::Priority, None) => &SQL_PRIORITY_LIMITED,

@@ -119,3 +119,32 @@ pub async fn global_limit_bounds_a_queues_executing_rows<S: Store>(s: &S) {
     p.queues = Vec::new();
     expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "global limit without a queue");
 }
+
+/// A key limit of K runs up to K rows of one concurrency key at once, across claims and
+/// claimers, in claim order; other keys are not held back, and a finished row frees one.
+pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
+    let ns = "claim_key_k";
+    let (k, j) = (format!("{ns}-k"), format!("{ns}-j"));
+    let mut news: Vec<_> =
+        (0..7).map(|i| new_in(ns).concurrency_key(k.clone()).eligible_at(at(i))).collect();
+    news.push(new_in(ns).concurrency_key(j.clone()).eligible_at(at(50)));
+    let out = insert(s, news, at(0)).await;
+    let id = |i: usize| out[i].id();
+    let policy = ClaimPolicy { key_limit: 3, ..ClaimPolicy::new(Strategy::Fifo) };
+    let first = claim(s, with_policy(ns, 2, at(100), policy)).await;
+    assert_eq!(ids(&first), vec![id(0), id(1)]);
+    let second = claim(s, with_policy(ns, 10, at(100), policy)).await;
+    assert_eq!(ids(&second), vec![id(2), id(7)], "the key's third row, and the other key");
+    assert!(claim(s, with_policy(ns, 10, at(100), policy)).await.is_empty(), "over K = 3");
+    step(s, &first[0], next("done", 1), at(110)).await;
+    step(s, &first[1], next("done", 1), at(110)).await;
+    // Two claimers race for the two free places of the key.
+    let mut p2 = with_policy(ns, 10, at(120), policy);
+    p2.worker = super::support::worker("w2");
+    let (a, b) = tokio::join!(claim(s, with_policy(ns, 10, at(120), policy)), claim(s, p2));
+    let mut got: Vec<_> = ids(&a).into_iter().chain(ids(&b)).collect();
+    got.sort();
+    assert_eq!(got, vec![id(3), id(4)], "two places freed, the next two rows in order");
+    let with_default = claim(s, claim_params(ns, 10, at(130))).await;
+    assert!(with_default.is_empty(), "K = 1 sees the key busy");
+}
