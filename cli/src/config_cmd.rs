@@ -63,7 +63,7 @@ pub fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
     let mut human = format!("Effective configuration of {what}:\n{t}");
     if !env.is_empty() {
         let vars: Vec<String> = env.iter().map(|e| e.source.to_string()).collect();
-        human.push_str(&format!("\nEnvironment overrides applied: {}.", vars.join(", ")));
+        human += &["\nEnvironment overrides applied: ", &vars.join(", "), "."].concat();
     }
     let json = json!({
         "machine": machine,

@@ -964,7 +964,7 @@ impl KeelConfig {
             ConfigError::Invalid { path, reason } => {
                 ConfigError::invalid(format!("{path} (from the environment)"), reason)
             }
-            other => other,
+            other @ ConfigError::Toml { .. } => other,
         })?;
         Ok(applied)
     }
@@ -1020,22 +1020,16 @@ impl KeelConfig {
                 }
             }
         }
-        if self.parallel_dispatch != PartialParallelConfig::default()
-            || self
-                .machines
-                .values()
-                .any(|m| m.parallel_dispatch != PartialParallelConfig::default())
-        {
-            let path = if self.parallel_dispatch != PartialParallelConfig::default() {
-                "parallel_dispatch".to_owned()
-            } else {
-                let (m, _) = self
-                    .machines
-                    .iter()
-                    .find(|(_, m)| m.parallel_dispatch != PartialParallelConfig::default())
-                    .expect("checked above");
-                format!("machines.{m}.parallel_dispatch")
-            };
+        let unset = PartialParallelConfig::default();
+        let parallel = if self.parallel_dispatch == unset {
+            self.machines
+                .iter()
+                .find(|(_, m)| m.parallel_dispatch != unset)
+                .map(|(m, _)| format!("machines.{m}.parallel_dispatch"))
+        } else {
+            Some("parallel_dispatch".to_owned())
+        };
+        if let Some(path) = parallel {
             return Err(ConfigError::invalid(
                 path,
                 "is not applied from the file yet: set it in code with ChartMachine::with_parallel",

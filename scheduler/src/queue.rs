@@ -283,7 +283,7 @@ fn claim_params<S: Store, C: Clock>(
         limit,
         lease: inner.config.lease,
         now: inner.clock.now(),
-        policy: Default::default(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     })
 }
 

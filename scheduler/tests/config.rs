@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use common::TestStore;
 use keel_core::config::KeelConfig;
 use keel_core::instance::NewInstance;
-use keel_core::ports::{Clock, Store};
+use keel_core::ports::Clock;
 use keel_core::{MachineRef, NewSignal, Outcome, Status, WorkerId};
 use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
 use serde_json::json;

@@ -194,7 +194,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
             limit: 1,
             lease: Duration::from_secs(30),
             now: h.clock.now(),
-            policy: Default::default(),
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
         })
         .await
         .unwrap()
@@ -230,7 +230,7 @@ async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
         limit: 1,
         lease: Duration::from_secs(30),
         now: h.clock.now(),
-        policy: Default::default(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     };
     assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
     let worker = h.worker(h.config(), steps(|_| done()));
@@ -367,8 +367,7 @@ async fn run_order(settings: Option<&str>) -> Vec<String> {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     worker.shutdown().await;
-    let got = order.lock().unwrap().clone();
-    got
+    order.lock().unwrap().clone()
 }
 
 #[tokio::test]

@@ -18,8 +18,8 @@ const T0: Timestamp = Timestamp(1_700_000_000_000);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_busy_key_does_not_delay_another_keys_row_beyond_one_batch() {
-    let Some(s) = common::store().await else { return };
     const BUSY: usize = 100_000;
+    let Some(s) = common::store().await else { return };
     // Key A: 100 000 rows, all older than key B's single row.
     for chunk in 0..BUSY / limits::INSERT_BATCH_MAX {
         let news: Vec<NewInstance> = (0..limits::INSERT_BATCH_MAX)

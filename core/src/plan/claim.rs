@@ -254,7 +254,7 @@ mod tests {
             limit,
             lease: Duration::from_secs(30),
             now: Timestamp(100),
-            policy: Default::default(),
+            policy: ClaimPolicy::default(),
         }
     }
 

@@ -124,10 +124,10 @@ pub async fn global_limit_bounds_a_queues_executing_rows<S: Store>(s: &S) {
 /// claimers, in claim order; other keys are not held back, and a finished row frees one.
 pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let ns = "claim_key_k";
-    let (k, j) = (format!("{ns}-k"), format!("{ns}-j"));
+    let (busy, other) = (format!("{ns}-k"), format!("{ns}-j"));
     let mut news: Vec<_> =
-        (0..7).map(|i| new_in(ns).concurrency_key(k.clone()).eligible_at(at(i))).collect();
-    news.push(new_in(ns).concurrency_key(j.clone()).eligible_at(at(50)));
+        (0..7).map(|i| new_in(ns).concurrency_key(busy.clone()).eligible_at(at(i))).collect();
+    news.push(new_in(ns).concurrency_key(other).eligible_at(at(50)));
     let out = insert(s, news, at(0)).await;
     let id = |i: usize| out[i].id();
     let policy = ClaimPolicy { key_limit: 3, ..ClaimPolicy::new(Strategy::Fifo) };
@@ -141,8 +141,8 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     // Two claimers race for the two free places of the key.
     let mut p2 = with_policy(ns, 10, at(120), policy);
     p2.worker = super::support::worker("w2");
-    let (a, b) = tokio::join!(claim(s, with_policy(ns, 10, at(120), policy)), claim(s, p2));
-    let mut got: Vec<_> = ids(&a).into_iter().chain(ids(&b)).collect();
+    let (one, two) = tokio::join!(claim(s, with_policy(ns, 10, at(120), policy)), claim(s, p2));
+    let mut got: Vec<_> = ids(&one).into_iter().chain(ids(&two)).collect();
     got.sort();
     assert_eq!(got, vec![id(3), id(4)], "two places freed, the next two rows in order");
     let with_default = claim(s, claim_params(ns, 10, at(130))).await;
