@@ -800,6 +800,35 @@ pub struct QueueSettings {
     pub global_concurrency: Option<u32>,
     /// Rows of one concurrency key executing at once across all workers (default 1).
     pub key_concurrency: Option<u32>,
+    /// Starts of this queue per period across all workers (a token bucket).
+    pub rate_limit: Option<RateLimitSettings>,
+}
+
+/// `rate_limit = { starts = 100, per = "1 second", burst = 10 }`: at most `starts` steps of
+/// the queue start per `per` across all workers, `burst` at once after an idle spell
+/// (default `starts`). Steps over the limit stay ready until tokens return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitSettings {
+    /// Starts per period.
+    pub starts: u32,
+    /// The period.
+    #[serde(with = "serde_human")]
+    pub per: Duration,
+    /// Most starts at once after an idle spell (default `starts`).
+    #[serde(default)]
+    pub burst: Option<u32>,
+}
+
+impl RateLimitSettings {
+    /// The token bucket a claim applies.
+    pub fn limit(&self) -> crate::plan::claim::RateLimit {
+        crate::plan::claim::RateLimit {
+            starts: self.starts,
+            per: self.per,
+            burst: self.burst.unwrap_or(self.starts),
+        }
+    }
 }
 
 impl QueueSettings {
@@ -818,6 +847,20 @@ impl QueueSettings {
                     QueueConfig::CONCURRENCY_LIMIT
                 ),
             ));
+        }
+        if let Some(rate) = self.rate_limit {
+            if rate.starts == 0 || rate.burst == Some(0) {
+                return Err(ConfigError::invalid(
+                    format!("{path}.rate_limit"),
+                    "starts and burst must be at least 1; pause the queue to stop it",
+                ));
+            }
+            if rate.per.is_zero() {
+                return Err(ConfigError::invalid(
+                    format!("{path}.rate_limit.per"),
+                    "must be greater than zero, e.g. \"1 second\"",
+                ));
+            }
         }
         if let Some(k) = self.key_concurrency
             && !(1..=QueueConfig::CONCURRENCY_LIMIT).contains(&k)
@@ -1047,6 +1090,7 @@ impl KeelConfig {
             starvation_after: settings.starvation_after,
             global_limit: settings.global_concurrency,
             key_limit: settings.key_concurrency.unwrap_or(1),
+            rate: settings.rate_limit.map(|r| r.limit()),
         }
     }
 
@@ -1193,6 +1237,14 @@ impl KeelConfig {
             key: format!("queues.{queue}.global_concurrency"),
             value: policy.global_limit.map_or_else(|| "none".to_owned(), |n| n.to_string()),
             source: qsource(settings.global_concurrency.is_some(), false),
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.rate_limit"),
+            value: policy.rate.map_or_else(
+                || "none".to_owned(),
+                |r| format!("{} per {}, burst {}", r.starts, human(r.per), r.burst),
+            ),
+            source: qsource(settings.rate_limit.is_some(), false),
         });
         out.push(Effective {
             key: format!("queues.{queue}.key_concurrency"),

@@ -266,7 +266,7 @@ fn claim_params<S: Store, C: Clock>(
     // one queue at a time; a hint names rows, so order does not matter here.
     let open: Vec<String> = queues
         .iter()
-        .filter(|s| s.free() > 0 && inner.config.claim_policy(&s.name).global_limit.is_none())
+        .filter(|s| s.free() > 0 && !inner.config.claim_policy(&s.name).is_queue_wide())
         .map(|s| s.name.clone())
         .collect();
     if open.is_empty() {

@@ -9,3 +9,11 @@ ALTER TABLE instances ADD COLUMN key_slot int2 NOT NULL DEFAULT 0;
 DROP INDEX instances_concurrency;
 CREATE UNIQUE INDEX instances_concurrency ON instances (concurrency_key, key_slot)
   WHERE status = 'executing' AND concurrency_key IS NOT NULL;
+
+-- One token bucket per rate-limited queue: tokens left (thousandths) and when they were
+-- computed; a rate-limited claim refills, spends and writes it under the queue's claim lock.
+CREATE TABLE rate_buckets (
+  queue        text        PRIMARY KEY,
+  millitokens  int8        NOT NULL,
+  at           timestamptz NOT NULL
+);

@@ -138,6 +138,20 @@ pub(crate) async fn claim(
     };
     let mut taken = Vec::new();
     let mut planner = ClaimPlanner::new(p);
+    // A rate limit names one queue (checked by `validate`): refill its bucket first.
+    let bucket_queue = p.queues.first().cloned().unwrap_or_default();
+    let refilled = if p.policy.rate.is_some() {
+        let stored: Option<(i64, i64)> =
+            sqlx::query_as("SELECT millitokens, at FROM keel_rate_buckets WHERE queue = ?")
+                .bind(&bucket_queue)
+                .fetch_optional(&mut *db.conn)
+                .await
+                .map_err(db.err("reading a queue's rate bucket"))?;
+        planner
+            .rate(stored.map(|(millitokens, at)| claim::Bucket { millitokens, at: Timestamp(at) }))
+    } else {
+        None
+    };
     while !planner.is_full() {
         // The plain priority order walks the claim index; any other policy ranks rows in
         // the statement (`?` flag: fifo; `?` bound: starving at or before).
@@ -196,6 +210,19 @@ pub(crate) async fn claim(
         if exhausted {
             break;
         }
+    }
+    if let Some(refilled) = refilled {
+        let left = planner.spent(refilled);
+        sqlx::query(
+            "INSERT INTO keel_rate_buckets (queue, millitokens, at) VALUES (?, ?, ?) \
+             ON CONFLICT (queue) DO UPDATE SET millitokens = excluded.millitokens, at = excluded.at",
+        )
+        .bind(&bucket_queue)
+        .bind(left.millitokens)
+        .bind(left.at.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("writing a queue's rate bucket"))?;
     }
     // Every claimed row's inbox and children, in one query each.
     let ids: Vec<InstanceId> = taken.iter().map(|r| r.id).collect();

@@ -83,6 +83,7 @@ fn migrator() -> Migrator {
     Migrator::with_migrations(vec![
         migration(1, "schema", include_str!("../migrations/0001_schema.sql")),
         migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
+        migration(3, "rate buckets", include_str!("../migrations/0003_rate_buckets.sql")),
     ])
 }
 

@@ -114,6 +114,8 @@ struct State {
     executing_keys: HashMap<String, usize>,
     /// The unique guard index: key → the instance occupying it.
     guards: HashMap<Vec<u8>, InstanceId>,
+    /// Rate-limit buckets by queue.
+    buckets: HashMap<String, keel_core::plan::claim::Bucket>,
     /// `(namespace, machine name, business key)` → newest instance.
     business_keys: HashMap<(String, String, String), InstanceId>,
     children: HashMap<InstanceId, Vec<InstanceId>>,
@@ -188,6 +190,9 @@ impl State {
         };
         let mut claims = Vec::new();
         let mut planner = ClaimPlanner::new(p);
+        // A rate limit names one queue (checked by `validate`).
+        let bucket_queue = p.queues.first().cloned().unwrap_or_default();
+        let refilled = planner.rate(self.buckets.get(&bucket_queue).copied());
         for id in candidates {
             if planner.is_full() {
                 break;
@@ -221,6 +226,9 @@ impl State {
                 children: self.children_of(id),
                 instance: next,
             });
+        }
+        if let Some(refilled) = refilled {
+            self.buckets.insert(bucket_queue, planner.spent(refilled));
         }
         Ok(claims)
     }

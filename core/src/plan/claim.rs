@@ -40,6 +40,55 @@ pub struct ClaimPolicy {
     pub global_limit: Option<u32>,
     /// Rows of one concurrency key executing at once (1 = one at a time, in claim order).
     pub key_limit: u32,
+    /// Starts of the queue per period across all workers (a token bucket); rows over it
+    /// stay ready until tokens return.
+    pub rate: Option<RateLimit>,
+}
+
+/// A token bucket: up to `burst` starts at once, refilled at `starts` per `per`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    /// Starts allowed per period.
+    pub starts: u32,
+    /// The period.
+    pub per: Duration,
+    /// Most tokens the bucket holds (starts at once after an idle spell); a new bucket
+    /// starts full.
+    pub burst: u32,
+}
+
+/// A queue's bucket as a store keeps it: tokens left (thousandths, so refills of a
+/// fraction of a token are not lost) at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    /// Tokens left, in thousandths of a token.
+    pub millitokens: i64,
+    /// When `millitokens` was computed.
+    pub at: Timestamp,
+}
+
+impl RateLimit {
+    /// The bucket refilled up to `now` (a missing bucket is full).
+    pub fn refill(&self, bucket: Option<Bucket>, now: Timestamp) -> Bucket {
+        let cap = i64::from(self.burst) * 1000;
+        let Some(b) = bucket else { return Bucket { millitokens: cap, at: now } };
+        let elapsed = u128::try_from(now.0.saturating_sub(b.at.0).max(0)).unwrap_or(0);
+        let per = self.per.as_millis().max(1);
+        let gained = elapsed * u128::from(self.starts) * 1000 / per;
+        let tokens = i64::try_from(gained).unwrap_or(i64::MAX).saturating_add(b.millitokens);
+        Bucket { millitokens: tokens.min(cap), at: now.max(b.at) }
+    }
+
+    /// How many starts the refilled bucket allows now.
+    pub fn room(bucket: &Bucket) -> usize {
+        usize::try_from(bucket.millitokens / 1000).unwrap_or(0)
+    }
+
+    /// The bucket after `taken` starts.
+    pub fn spend(bucket: Bucket, taken: usize) -> Bucket {
+        let spent = i64::try_from(taken).unwrap_or(i64::MAX).saturating_mul(1000);
+        Bucket { millitokens: bucket.millitokens.saturating_sub(spent), at: bucket.at }
+    }
 }
 
 impl Default for ClaimPolicy {
@@ -49,6 +98,7 @@ impl Default for ClaimPolicy {
             starvation_after: None,
             global_limit: None,
             key_limit: 1,
+            rate: None,
         }
     }
 }
@@ -72,6 +122,7 @@ impl ClaimPolicy {
             && self.starvation_after.is_none()
             && self.global_limit.is_none()
             && self.key_limit == 1
+            && self.rate.is_none()
     }
 
     /// `eligible_at` at or before which a row is starving at `now`, when the policy has a
@@ -95,6 +146,12 @@ impl ClaimPolicy {
                 _ => row.priority.level(),
             },
         }
+    }
+
+    /// Whether a claim under this policy must be serialized with the other claims of its
+    /// queue (it reads and writes queue-wide state: the executing count, the bucket).
+    pub fn is_queue_wide(&self) -> bool {
+        self.global_limit.is_some() || self.rate.is_some()
     }
 
     /// The full claim order key of a row at `now`.
@@ -121,6 +178,19 @@ impl ClaimPolicy {
             if queues.len() != 1 {
                 return Err(StoreError::invalid(format!(
                     "policy.global_limit: a global limit is counted per queue, so the claim must name exactly one queue (it names {})",
+                    queues.len()
+                )));
+            }
+        }
+        if let Some(rate) = self.rate {
+            if rate.starts == 0 || rate.burst == 0 || rate.per.is_zero() {
+                return Err(StoreError::invalid(
+                    "policy.rate: starts, burst and per must be greater than zero; pause the queue to stop it",
+                ));
+            }
+            if queues.len() != 1 {
+                return Err(StoreError::invalid(format!(
+                    "policy.rate: a rate limit is counted per queue, so the claim must name exactly one queue (it names {})",
                     queues.len()
                 )));
             }
@@ -163,17 +233,45 @@ pub struct ClaimPlanner<'a> {
     /// Rows taken earlier in this claim, per queue (for the global limit).
     per_queue: HashMap<String, u64>,
     taken: usize,
+    /// Most rows this claim takes: the claim's limit, lowered by the rate limit's room.
+    cap: usize,
 }
 
 impl<'a> ClaimPlanner<'a> {
     /// A planner for one claim call.
     pub fn new(params: &'a ClaimParams) -> Self {
-        ClaimPlanner { params, keys: HashMap::new(), per_queue: HashMap::new(), taken: 0 }
+        ClaimPlanner {
+            params,
+            keys: HashMap::new(),
+            per_queue: HashMap::new(),
+            taken: 0,
+            cap: params.limit,
+        }
     }
 
     /// Whether the claim has taken as many rows as it asked for.
     pub fn is_full(&self) -> bool {
-        self.taken >= self.params.limit
+        self.taken >= self.cap
+    }
+
+    /// Applies the policy's rate limit to the queue's stored bucket: the claim takes no
+    /// more rows than the refilled bucket has tokens. Returns the refilled bucket, which
+    /// the store writes back through [`spent`](Self::spent) after the claim.
+    pub fn rate(&mut self, bucket: Option<Bucket>) -> Option<Bucket> {
+        let rate = self.params.policy.rate?;
+        let refilled = rate.refill(bucket, self.params.now);
+        self.cap = self.cap.min(RateLimit::room(&refilled));
+        Some(refilled)
+    }
+
+    /// The bucket to store after the claim: the refilled one less what was taken.
+    pub fn spent(&self, refilled: Bucket) -> Bucket {
+        RateLimit::spend(refilled, self.taken)
+    }
+
+    /// How many rows the claim may take at most (after [`rate`](Self::rate)).
+    pub fn cap(&self) -> usize {
+        self.cap
     }
 
     /// The row `row` becomes when claimed, or `None` when it may not be claimed. The store
@@ -374,5 +472,28 @@ mod policy_tests {
         assert_eq!(taken, 2, "3 allowed, 1 already executing");
         assert!(ClaimPolicy { global_limit: Some(0), ..policy }.validate(&p.queues).is_err());
         assert!(policy.validate(&[]).is_err(), "a global limit needs exactly one queue");
+    }
+}
+
+#[cfg(test)]
+mod rate_tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_starts_full_refills_at_the_rate_and_caps_at_the_burst() {
+        let rate = RateLimit { starts: 10, per: Duration::from_secs(1), burst: 4 };
+        let full = rate.refill(None, Timestamp(0));
+        assert_eq!(RateLimit::room(&full), 4);
+        let empty = RateLimit::spend(full, 4);
+        assert_eq!(RateLimit::room(&rate.refill(Some(empty), Timestamp(50))), 0, "half a token");
+        assert_eq!(RateLimit::room(&rate.refill(Some(empty), Timestamp(250))), 2);
+        let later = rate.refill(Some(empty), Timestamp(60_000));
+        assert_eq!(RateLimit::room(&later), 4, "never above the burst");
+        // Fractions carry over: 3 refills of 50 ms make 1.5 tokens.
+        let mut b = empty;
+        for t in [50, 100, 150] {
+            b = rate.refill(Some(b), Timestamp(t));
+        }
+        assert_eq!(b.millitokens, 1_500);
     }
 }

@@ -197,6 +197,48 @@ pub(crate) async fn lock_queue<C: GenericClient + Sync>(c: &C, p: &ClaimParams) 
     Ok(())
 }
 
+/// Reads the claim's queue's rate bucket and returns it refilled, with the claim's limit
+/// lowered to the tokens it holds (the core's token bucket). Runs under the queue's
+/// claim lock.
+pub(crate) async fn rate_room<C: GenericClient + Sync>(
+    c: &C,
+    p: &ClaimParams,
+) -> OpResult<Option<(plan::claim::Bucket, usize)>> {
+    if p.policy.rate.is_none() {
+        return Ok(None);
+    }
+    let stmt = c
+        .prepare_cached(
+            "SELECT millitokens, floor(extract(epoch FROM at) * 1000)::int8 \
+             FROM rate_buckets WHERE queue = $1",
+        )
+        .await?;
+    let stored = c
+        .query_opt(&stmt, &[&p.queues[0]])
+        .await?
+        .map(|r| plan::claim::Bucket { millitokens: r.get(0), at: Timestamp(r.get(1)) });
+    let mut planner = plan::claim::ClaimPlanner::new(p);
+    Ok(planner.rate(stored).map(|refilled| (refilled, planner.cap())))
+}
+
+/// Stores the bucket after a rate-limited claim took `taken` rows.
+pub(crate) async fn rate_spent<C: GenericClient + Sync>(
+    c: &C,
+    p: &ClaimParams,
+    refilled: plan::claim::Bucket,
+    taken: usize,
+) -> OpResult<()> {
+    let left = plan::claim::RateLimit::spend(refilled, taken);
+    let stmt = c
+        .prepare_cached(
+            "INSERT INTO rate_buckets (queue, millitokens, at) VALUES ($1, $2, $3) \
+             ON CONFLICT (queue) DO UPDATE SET millitokens = excluded.millitokens, at = excluded.at",
+        )
+        .await?;
+    c.execute(&stmt, &[&p.queues[0], &left.millitokens, &ts(left.at)]).await?;
+    Ok(())
+}
+
 /// What one claim statement returned: the claims to hand out, and the claimed rows that
 /// could not be decoded (each with the decode error), which [`poison`] dead-letters.
 #[derive(Default)]

@@ -97,7 +97,7 @@ impl PgStore {
         loop {
             // A queue with a global limit is claimed in a short transaction under its
             // claim lock; every other claim is one autocommit statement.
-            let limited = params.policy.global_limit.is_some();
+            let limited = params.policy.is_queue_wide();
             let mut conn = self.conn().await?;
             conn.in_tx = false;
             let result = if limited {
@@ -106,7 +106,16 @@ impl PgStore {
                 let run = async {
                     begin(c).await?;
                     claim::lock_queue(c, &params).await?;
-                    let claimed = claim::run(c, &params, ids).await?;
+                    let claimed = match claim::rate_room(c, &params).await? {
+                        None => claim::run(c, &params, ids).await?,
+                        Some((refilled, room)) => {
+                            let narrowed = ClaimParams { limit: room, ..params.clone() };
+                            let claimed = claim::run(c, &narrowed, ids).await?;
+                            let taken = claimed.claims.len() + claimed.undecodable.len();
+                            claim::rate_spent(c, &params, refilled, taken).await?;
+                            claimed
+                        }
+                    };
                     commit_tx(c).await?;
                     Ok::<_, OpError>(claimed)
                 };

@@ -4,7 +4,7 @@
 use super::support::{at, claim, claim_params, expect_kind, ids, insert, new_in, next, step};
 use keel_core::ErrorKind;
 use keel_core::config::Strategy;
-use keel_core::plan::claim::ClaimPolicy;
+use keel_core::plan::claim::{ClaimPolicy, RateLimit};
 use keel_core::ports::Store;
 use keel_core::ports::store::ClaimParams;
 use keel_core::{Priority, Timestamp};
@@ -147,4 +147,39 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     assert_eq!(got, vec![id(3), id(4)], "two places freed, the next two rows in order");
     let with_default = claim(s, claim_params(ns, 10, at(130))).await;
     assert!(with_default.is_empty(), "K = 1 sees the key busy");
+}
+
+/// A rate limit (token bucket) bounds a queue's starts across claims and claimers: a new
+/// bucket holds `burst` tokens, refills at `starts` per `per` (fractions carry over) and
+/// never above `burst`; rows over the limit stay ready and are claimed when tokens return.
+pub async fn rate_limit_bounds_a_queues_starts<S: Store>(s: &S) {
+    let ns = "claim_rate";
+    let out =
+        insert(s, (0..30).map(|i| new_in(ns).queue("metered").eligible_at(at(i))).collect(), at(0))
+            .await;
+    let rate = RateLimit { starts: 10, per: Duration::from_secs(1), burst: 4 };
+    let policy = ClaimPolicy { rate: Some(rate), ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |limit: usize, now: i64| {
+        let mut p = with_policy(ns, limit, at(now), policy);
+        p.queues = vec!["metered".into()];
+        p
+    };
+    let first = claim(s, params(10, 1_000)).await;
+    assert_eq!(
+        ids(&first),
+        (0..4).map(|i| out[i].id()).collect::<Vec<_>>(),
+        "a full bucket: burst"
+    );
+    assert!(claim(s, params(10, 1_000)).await.is_empty(), "no token left");
+    assert!(claim(s, params(10, 1_050)).await.is_empty(), "half a token is not a start");
+    assert_eq!(claim(s, params(10, 1_100)).await.len(), 1, "0.5 + 0.5 tokens carried over");
+    assert_eq!(claim(s, params(10, 1_300)).await.len(), 2);
+    assert_eq!(claim(s, params(1, 1_500)).await.len(), 1, "the claim's own limit still holds");
+    assert_eq!(claim(s, params(10, 1_500)).await.len(), 1, "the token left by the last claim");
+    assert_eq!(claim(s, params(10, 60_000)).await.len(), 4, "an idle spell refills to burst only");
+    let left = claim(s, with_policy(ns, 30, at(60_000), ClaimPolicy::new(Strategy::Fifo))).await;
+    assert_eq!(left.len(), 30 - 4 - 1 - 2 - 1 - 1 - 4, "rows over the limit stayed ready");
+    let mut p = with_policy(ns, 10, at(70_000), policy);
+    p.queues = Vec::new();
+    expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "rate limit without a queue");
 }

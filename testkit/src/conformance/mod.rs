@@ -124,6 +124,7 @@ macro_rules! __store_contract_list {
             claim_order_starvation_bound_overtakes_priority,
             global_limit_bounds_a_queues_executing_rows,
             key_limit_runs_k_rows_of_a_key_at_once,
+            rate_limit_bounds_a_queues_starts,
             retry_exhaustion_dead_letter_then_retry,
             dead_letter_retry_by_machine,
             dead_letter_skip_consumes_signals,
