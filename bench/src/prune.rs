@@ -125,6 +125,7 @@ async fn claim_for(
             namespaces: Vec::new(),
             queues: Vec::new(),
             machines: vec![MachineRef::new("ready", 1)],
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
             limit: 10,
             lease: Duration::from_secs(30),
             now: SystemClock.now(),

@@ -307,6 +307,7 @@ async fn arm_chunk<S: Store>(
         limit: chunk.len(),
         lease: Duration::from_secs(60),
         now: SystemClock.now(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     };
     let claims = store.instance_claim(params).await?;
     let now = SystemClock.now();

@@ -31,6 +31,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     if matches!(cli.command, Command::Schedules) {
         return crate::schedules_cmd::run(&cli);
     }
+    if let Command::Config(command) = &cli.command {
+        return crate::config_cmd::run(&cli, command);
+    }
     if matches!(cli.command, Command::Health) {
         let keel = crate::health::connect(&cli).await?;
         return crate::health::run(&keel, &cli).await;
@@ -65,7 +68,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             crate::operate::purge(&keel, ns, &machine, pending, confirm).await
         }
         Command::Upgrade(args) => crate::operate::upgrade(&keel, ns, args).await,
-        Command::Health | Command::Serve { .. } | Command::Graph { .. } | Command::Schedules => {
+        Command::Health
+        | Command::Serve { .. }
+        | Command::Graph { .. }
+        | Command::Schedules
+        | Command::Config(_) => {
             unreachable!("handled above")
         }
     }

@@ -6,6 +6,7 @@
 //! with a code a script can rely on (see [`exit`]).
 
 pub mod commands;
+pub mod config_cmd;
 pub mod definitions;
 pub mod exit;
 pub mod health;
@@ -34,7 +35,7 @@ pub struct Cli {
     #[arg(long, short = 'n', env = "KEEL_NAMESPACE", default_value = "default", global = true)]
     pub namespace: String,
 
-    /// The configuration file (TOML) whose `alerts` sections `health` reads.
+    /// The configuration file (TOML): `alerts` for `health`, everything for `config show`.
     #[arg(long, env = "KEEL_CONFIG", global = true)]
     pub config: Option<PathBuf>,
 
@@ -113,6 +114,9 @@ pub enum Command {
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
+    /// Show the configuration a worker would apply (`--config` / `KEEL_CONFIG`).
+    #[command(subcommand)]
+    Config(config_cmd::ConfigCommand),
     /// Serve the event and instance API, `/metrics`, `/health` and the web dashboard
     /// (`/`) over HTTP.
     Serve {

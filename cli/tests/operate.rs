@@ -300,6 +300,7 @@ async fn workers_activity_and_health_thresholds_come_from_stored_rows() {
                 namespaces: vec!["default".into()],
                 queues: Vec::new(),
                 machines: vec![MachineRef::new("stuck", 1)],
+                policy: keel::layers::core::plan::claim::ClaimPolicy::default(),
                 limit: 1,
                 lease: Duration::from_millis(50),
                 now: keel::layers::core::Timestamp(

@@ -670,6 +670,12 @@ pub struct KeelConfig {
     pub schedules: BTreeMap<String, crate::schedule::ScheduleConfig>,
     /// How long ended instances are kept (`[retention]`).
     pub retention: crate::retention::RetentionConfig,
+    /// Settings of each queue, by queue name (`[queues.<name>]`): claim order and limits.
+    pub queues: BTreeMap<String, QueueSettings>,
+    /// System-level keys set from the environment ([`ENV_OVERRIDES`]), key → variable,
+    /// so [`explain`](Self::explain) can say where a value came from. Not a file key.
+    #[serde(skip)]
+    pub env_overrides: BTreeMap<String, String>,
 }
 
 impl KeelConfig {
@@ -689,6 +695,9 @@ impl KeelConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.queue.validate("queue")?;
         self.parallel_dispatch.validate("parallel_dispatch")?;
+        for (name, queue) in &self.queues {
+            queue.validate(&format!("queues.{name}"))?;
+        }
         for (machine_name, machine) in &self.machines {
             machine.queue.validate(&format!("machines.{machine_name}.queue"))?;
             machine
@@ -806,6 +815,505 @@ fn find_key_path(
         path.pop();
     }
     false
+}
+
+/// Settings of one queue (`[queues.<name>]`), shared by every machine whose instances run
+/// on it: the claim order and how many of its rows run at once. Unset fields inherit from
+/// the system `[queue]` level where it has the key (`strategy`, `concurrency`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QueueSettings {
+    /// Claim order: `fifo` (eligible order, priorities ignored) or `priority`.
+    pub strategy: Option<Strategy>,
+    /// Under `priority`: a row ready for at least this long is claimed ahead of every
+    /// priority. Unset = no bound.
+    #[serde(with = "serde_human::option")]
+    pub starvation_after: Option<Duration>,
+    /// Rows of this queue one worker runs at once (its slots).
+    pub concurrency: Option<u32>,
+    /// Rows of this queue executing at once across all workers, enforced by the store.
+    pub global_concurrency: Option<u32>,
+    /// Rows of one concurrency key executing at once across all workers (default 1).
+    pub key_concurrency: Option<u32>,
+    /// Starts of this queue per period across all workers (a token bucket).
+    pub rate_limit: Option<RateLimitSettings>,
+}
+
+/// `rate_limit = { starts = 100, per = "1 second", burst = 10 }`: at most `starts` steps of
+/// the queue start per `per` across all workers, `burst` at once after an idle spell
+/// (default `starts`). Steps over the limit stay ready until tokens return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitSettings {
+    /// Starts per period.
+    pub starts: u32,
+    /// The period.
+    #[serde(with = "serde_human")]
+    pub per: Duration,
+    /// Most starts at once after an idle spell (default `starts`).
+    #[serde(default)]
+    pub burst: Option<u32>,
+}
+
+impl RateLimitSettings {
+    /// The token bucket a claim applies.
+    pub fn limit(&self) -> crate::plan::claim::RateLimit {
+        crate::plan::claim::RateLimit {
+            starts: self.starts,
+            per: self.per,
+            burst: self.burst.unwrap_or(self.starts),
+        }
+    }
+}
+
+impl QueueSettings {
+    /// Checks the fields, naming them under `path` (e.g. `queues.emails`).
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if let Some(concurrency) = self.concurrency {
+            check_concurrency(path, concurrency)?;
+        }
+        if let Some(global) = self.global_concurrency
+            && !(1..=QueueConfig::CONCURRENCY_LIMIT).contains(&global)
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.global_concurrency"),
+                format!(
+                    "must be at least 1 and at most {} (got {global}); pause the queue to stop it",
+                    QueueConfig::CONCURRENCY_LIMIT
+                ),
+            ));
+        }
+        if let Some(rate) = self.rate_limit {
+            if rate.starts == 0 || rate.burst == Some(0) {
+                return Err(ConfigError::invalid(
+                    format!("{path}.rate_limit"),
+                    "starts and burst must be at least 1; pause the queue to stop it",
+                ));
+            }
+            if rate.per.is_zero() {
+                return Err(ConfigError::invalid(
+                    format!("{path}.rate_limit.per"),
+                    "must be greater than zero, e.g. \"1 second\"",
+                ));
+            }
+        }
+        if let Some(k) = self.key_concurrency
+            && !(1..=QueueConfig::CONCURRENCY_LIMIT).contains(&k)
+        {
+            return Err(ConfigError::invalid(
+                format!("{path}.key_concurrency"),
+                format!(
+                    "must be at least 1 and at most {} (got {k}); 1 runs one row of a key at a time",
+                    QueueConfig::CONCURRENCY_LIMIT
+                ),
+            ));
+        }
+        if self.starvation_after.is_some_and(|d| d.is_zero()) {
+            return Err(ConfigError::invalid(
+                format!("{path}.starvation_after"),
+                "must be greater than zero, e.g. \"5 minutes\"; leave it out for no bound",
+            ));
+        }
+        if self.starvation_after.is_some() && self.strategy == Some(Strategy::Fifo) {
+            return Err(ConfigError::invalid(
+                format!("{path}.starvation_after"),
+                "applies only to strategy = \"priority\" (a fifo queue cannot starve a row); remove it or set strategy = \"priority\"",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where an effective configuration value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// Keel's built-in default.
+    Default,
+    /// What the program set in code for the machine (`with_config`).
+    Code,
+    /// The system level of the file (`[queue]`).
+    System,
+    /// The machine's level (`[machines.<m>.queue]`).
+    Machine(String),
+    /// The event's level (`[machines.<m>.events.<e>.queue]`).
+    Event(String, String),
+    /// The queue's section (`[queues.<q>]`).
+    Queue(String),
+    /// An environment variable.
+    Env(String),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Default => f.write_str("default"),
+            Source::Code => f.write_str("code"),
+            Source::System => f.write_str("[queue]"),
+            Source::Machine(m) => write!(f, "[machines.{m}.queue]"),
+            Source::Event(m, e) => write!(f, "[machines.{m}.events.{e}.queue]"),
+            Source::Queue(q) => write!(f, "[queues.{q}]"),
+            Source::Env(var) => write!(f, "env {var}"),
+        }
+    }
+}
+
+/// One line of an effective configuration: the key, its value and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Effective {
+    /// Dotted key, e.g. `retry.max_attempts` or `queues.default.strategy`.
+    pub key: String,
+    /// The value as it would be written in the file.
+    pub value: String,
+    /// Where the value came from.
+    pub source: Source,
+}
+
+/// The environment variables that override the file, each a system-level key (the
+/// machine and event levels of the file still win over them for their own keys; the
+/// `[queue]` section is what they replace).
+pub const ENV_OVERRIDES: &[(&str, &str)] = &[
+    ("KEEL_QUEUE_TIMEOUT", "timeout"),
+    ("KEEL_QUEUE_CONCURRENCY", "concurrency"),
+    ("KEEL_QUEUE_STRATEGY", "strategy"),
+    ("KEEL_QUEUE_RETRY_MAX_ATTEMPTS", "retry.max_attempts"),
+];
+
+impl KeelConfig {
+    /// Reads a configuration file, then applies the environment overrides
+    /// ([`ENV_OVERRIDES`]) read through `env`, then checks that every key is applied by
+    /// this version ([`check_applied`](Self::check_applied)). Errors name the file, the
+    /// key and the fix.
+    pub fn load(
+        source: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Self, Vec<Effective>), ConfigError> {
+        let mut config = Self::from_toml_str(source)?;
+        let overrides = config.apply_env(env)?;
+        config.check_applied()?;
+        Ok((config, overrides))
+    }
+
+    /// Applies the environment overrides to the system level; returns what was
+    /// overridden, for display.
+    pub fn apply_env(
+        &mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Vec<Effective>, ConfigError> {
+        let mut applied = Vec::new();
+        for &(var, key) in ENV_OVERRIDES {
+            let Some(raw) = env(var) else { continue };
+            let raw = raw.trim().to_owned();
+            let bad = |reason: String| ConfigError::invalid(var.to_owned(), reason);
+            match key {
+                "timeout" => {
+                    let d = crate::duration::parse(&raw)
+                        .map_err(|e| bad(format!("{e}, e.g. KEEL_QUEUE_TIMEOUT=\"30 seconds\"")))?;
+                    self.queue.timeout = Some(d);
+                }
+                "concurrency" => {
+                    let n = raw.parse::<u32>().map_err(|_| {
+                        bad(format!(
+                            "must be a whole number from 1 to {} (got {raw:?})",
+                            QueueConfig::CONCURRENCY_LIMIT
+                        ))
+                    })?;
+                    self.queue.concurrency = Some(n);
+                }
+                "strategy" => {
+                    let s = raw.parse::<Strategy>().map_err(|e| bad(e.to_string()))?;
+                    self.queue.strategy = Some(s);
+                }
+                _ => {
+                    let n = raw.parse::<u32>().map_err(|_| {
+                        bad(format!("must be a whole number of attempts, at least 1 (got {raw:?})"))
+                    })?;
+                    let retry = self.queue.retry.get_or_insert_default();
+                    retry.max_attempts = Some(n);
+                }
+            }
+            self.env_overrides.insert(key.to_owned(), var.to_owned());
+            applied.push(Effective {
+                key: key.to_owned(),
+                value: raw,
+                source: Source::Env(var.to_owned()),
+            });
+        }
+        self.queue.validate("queue").map_err(|e| match e {
+            ConfigError::Invalid { path, reason } => {
+                ConfigError::invalid(format!("{path} (from the environment)"), reason)
+            }
+            other @ ConfigError::Toml { .. } => other,
+        })?;
+        Ok(applied)
+    }
+
+    /// Refuses a key this version parses but does not apply, so a configuration never
+    /// silently means less than it says. Each error names the key and what to do instead.
+    pub fn check_applied(&self) -> Result<(), ConfigError> {
+        let mut levels: Vec<(String, &PartialQueueConfig, bool)> =
+            vec![("queue".to_owned(), &self.queue, true)];
+        for (m, machine) in &self.machines {
+            levels.push((format!("machines.{m}.queue"), &machine.queue, false));
+            for (e, event) in &machine.events {
+                levels.push((format!("machines.{m}.events.{e}.queue"), &event.queue, false));
+            }
+        }
+        for (path, level, system) in levels {
+            let refuse = |key: &str, fix: &str| {
+                Err(ConfigError::invalid(
+                    format!("{path}.{key}"),
+                    format!("is not applied here: {fix}"),
+                ))
+            };
+            if !system && level.strategy.is_some() {
+                return refuse(
+                    "strategy",
+                    "the claim order belongs to a queue; set it under [queues.<name>] (or [queue] for every queue)",
+                );
+            }
+            if !system && level.concurrency.is_some() {
+                return refuse(
+                    "concurrency",
+                    "concurrency belongs to a queue; set [queues.<name>] concurrency (slots per worker) or global_concurrency (across all workers)",
+                );
+            }
+            if level.priority.is_some() {
+                return refuse(
+                    "priority",
+                    "set the priority when the instance is started or the event sent; the file does not assign priorities yet",
+                );
+            }
+            if let Some(dead_letter) = level.dead_letter {
+                if dead_letter.enabled.is_some() {
+                    return refuse(
+                        "dead_letter.enabled",
+                        "failed events are always dead-lettered by this version; remove the key",
+                    );
+                }
+                if dead_letter.retention.is_some() {
+                    return refuse(
+                        "dead_letter.retention",
+                        "dead letters are kept until purged (`keel dlq purge`) by this version; remove the key",
+                    );
+                }
+            }
+        }
+        let unset = PartialParallelConfig::default();
+        let parallel = if self.parallel_dispatch == unset {
+            self.machines
+                .iter()
+                .find(|(_, m)| m.parallel_dispatch != unset)
+                .map(|(m, _)| format!("machines.{m}.parallel_dispatch"))
+        } else {
+            Some("parallel_dispatch".to_owned())
+        };
+        if let Some(path) = parallel {
+            return Err(ConfigError::invalid(
+                path,
+                "is not applied from the file yet: set it in code with ChartMachine::with_parallel",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The claim policy of `queue`: its strategy (its section, else `[queue]`, else
+    /// `fifo`), starvation bound and global limit.
+    pub fn claim_policy(&self, queue: &str) -> crate::plan::claim::ClaimPolicy {
+        let settings = self.queues.get(queue).copied().unwrap_or_default();
+        crate::plan::claim::ClaimPolicy {
+            strategy: settings.strategy.or(self.queue.strategy).unwrap_or_default(),
+            starvation_after: settings.starvation_after,
+            global_limit: settings.global_concurrency,
+            key_limit: settings.key_concurrency.unwrap_or(1),
+            rate: settings.rate_limit.map(|r| r.limit()),
+        }
+    }
+
+    /// The slots one worker gives `queue`, when the file says: its section's
+    /// `concurrency`, else the system `[queue] concurrency`.
+    pub fn worker_slots(&self, queue: &str) -> Option<u32> {
+        self.queues.get(queue).and_then(|q| q.concurrency).or(self.queue.concurrency)
+    }
+
+    /// The configuration one step runs with: what the program set in code (`base`), under
+    /// the file's levels for the machine and the event the step processes — system, then
+    /// machine, then event; a key the file sets wins over the code, a key it leaves out
+    /// keeps the code's value.
+    pub fn step_config(
+        &self,
+        base: QueueConfig,
+        machine: &str,
+        event: Option<&str>,
+    ) -> Result<QueueConfig, ConfigError> {
+        PartialQueueConfig::from(base).overlay(&self.layered(machine, event)).resolve()
+    }
+
+    /// The effective configuration of a machine (and optionally one event, and the queue
+    /// it runs on), each key with its value and where it came from. `base` is what the
+    /// program set in code, when known.
+    pub fn explain(
+        &self,
+        machine: &str,
+        event: Option<&str>,
+        queue: &str,
+        base: Option<QueueConfig>,
+    ) -> Result<Vec<Effective>, ConfigError> {
+        let resolved = match base {
+            Some(base) => self.step_config(base, machine, event)?,
+            None => self.queue_for(machine, event)?,
+        };
+        let m = self.machines.get(machine);
+        let e = event.and_then(|e| m.and_then(|m| m.events.get(e)).map(|c| (e, c)));
+        let fallback = if base.is_some() { Source::Code } else { Source::Default };
+        let source = |pick: &dyn Fn(&PartialQueueConfig) -> bool| -> Source {
+            if let Some((name, ev)) = e
+                && pick(&ev.queue)
+            {
+                return Source::Event(machine.to_owned(), name.to_owned());
+            }
+            if let Some(mc) = m
+                && pick(&mc.queue)
+            {
+                return Source::Machine(machine.to_owned());
+            }
+            if pick(&self.queue) { Source::System } else { fallback.clone() }
+        };
+        let retry = |f: &dyn Fn(&PartialRetryPolicy) -> bool| {
+            source(&|q: &PartialQueueConfig| q.retry.as_ref().is_some_and(f))
+        };
+        let jitter = match resolved.retry.jitter {
+            Jitter::None => "none".to_owned(),
+            Jitter::Full => "full".to_owned(),
+            Jitter::Equal => "equal".to_owned(),
+            Jitter::Fraction(f) => f.to_string(),
+        };
+        let human = crate::duration::format;
+        let mut out = vec![
+            Effective {
+                key: "timeout".into(),
+                value: human(resolved.timeout),
+                source: source(&|q| q.timeout.is_some()),
+            },
+            Effective {
+                key: "retry.max_attempts".into(),
+                value: resolved.retry.max_attempts.to_string(),
+                source: retry(&|r| r.max_attempts.is_some()),
+            },
+            Effective {
+                key: "retry.backoff".into(),
+                value: format!("{:?}", resolved.retry.backoff).to_lowercase(),
+                source: retry(&|r| r.backoff.is_some()),
+            },
+            Effective {
+                key: "retry.initial_delay".into(),
+                value: human(resolved.retry.initial_delay),
+                source: retry(&|r| r.initial_delay.is_some()),
+            },
+            Effective {
+                key: "retry.max_delay".into(),
+                value: human(resolved.retry.max_delay),
+                source: retry(&|r| r.max_delay.is_some()),
+            },
+            Effective {
+                key: "retry.jitter".into(),
+                value: jitter,
+                source: retry(&|r| r.jitter.is_some()),
+            },
+            Effective {
+                key: "on_dead_letter".into(),
+                value: resolved.on_dead_letter.to_string(),
+                source: source(&|q| q.on_dead_letter.is_some()),
+            },
+        ];
+        // A system-level value set from the environment says so.
+        for line in &mut out {
+            if line.source == Source::System
+                && let Some(var) = self.env_overrides.get(&line.key)
+            {
+                line.source = Source::Env(var.clone());
+            }
+        }
+        let settings = self.queues.get(queue).copied().unwrap_or_default();
+        let policy = self.claim_policy(queue);
+        let env = |key: &str| self.env_overrides.get(key).map(|v| Source::Env(v.clone()));
+        let qsource = |set: bool, system: bool| {
+            if set {
+                Source::Queue(queue.to_owned())
+            } else if system {
+                Source::System
+            } else {
+                Source::Default
+            }
+        };
+        out.push(Effective {
+            key: format!("queues.{queue}.strategy"),
+            value: policy.strategy.to_string(),
+            source: match env("strategy") {
+                Some(source) if settings.strategy.is_none() => source,
+                _ => qsource(settings.strategy.is_some(), self.queue.strategy.is_some()),
+            },
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.starvation_after"),
+            value: policy.starvation_after.map_or_else(|| "none".to_owned(), human),
+            source: qsource(settings.starvation_after.is_some(), false),
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.concurrency"),
+            value: self
+                .worker_slots(queue)
+                .map_or_else(|| "worker's setting".to_owned(), |n| n.to_string()),
+            source: match env("concurrency") {
+                Some(source) if settings.concurrency.is_none() => source,
+                _ => qsource(settings.concurrency.is_some(), self.queue.concurrency.is_some()),
+            },
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.global_concurrency"),
+            value: policy.global_limit.map_or_else(|| "none".to_owned(), |n| n.to_string()),
+            source: qsource(settings.global_concurrency.is_some(), false),
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.rate_limit"),
+            value: policy.rate.map_or_else(
+                || "none".to_owned(),
+                |r| format!("{} per {}, burst {}", r.starts, human(r.per), r.burst),
+            ),
+            source: qsource(settings.rate_limit.is_some(), false),
+        });
+        out.push(Effective {
+            key: format!("queues.{queue}.key_concurrency"),
+            value: policy.key_limit.to_string(),
+            source: qsource(settings.key_concurrency.is_some(), false),
+        });
+        Ok(out)
+    }
+}
+
+impl From<QueueConfig> for PartialQueueConfig {
+    /// Every key set: a complete configuration as a level (e.g. the one a program set in
+    /// code, under the file's levels).
+    fn from(c: QueueConfig) -> Self {
+        PartialQueueConfig {
+            strategy: Some(c.strategy),
+            concurrency: Some(c.concurrency),
+            timeout: Some(c.timeout),
+            priority: Some(c.priority),
+            retry: Some(PartialRetryPolicy {
+                max_attempts: Some(c.retry.max_attempts),
+                backoff: Some(c.retry.backoff),
+                initial_delay: Some(c.retry.initial_delay),
+                max_delay: Some(c.retry.max_delay),
+                jitter: Some(c.retry.jitter),
+            }),
+            dead_letter: Some(PartialDeadLetterConfig {
+                enabled: Some(c.dead_letter.enabled),
+                retention: Some(c.dead_letter.retention),
+            }),
+            on_dead_letter: Some(c.on_dead_letter),
+            alerts: Some(c.alerts),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1238,5 +1746,153 @@ mod tests {
             assert_eq!(parsed.level(), i16::from(value), "{name}");
         }
         assert_eq!(Priority::default(), Priority::Normal);
+    }
+}
+
+#[cfg(test)]
+mod applied_tests {
+    use super::*;
+    use crate::plan::claim::ClaimPolicy;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn a_key_parsed_but_not_applied_is_refused_with_the_fix() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "[machines.m.queue]\nstrategy = \"priority\"",
+                "machines.m.queue.strategy: is not applied here: the claim order belongs to a queue",
+            ),
+            (
+                "[machines.m.events.e.queue]\nconcurrency = 2",
+                "machines.m.events.e.queue.concurrency: is not applied here: concurrency belongs to a queue; set [queues.<name>]",
+            ),
+            ("[queue]\npriority = \"high\"", "queue.priority: is not applied here"),
+            (
+                "[queue.dead_letter]\nenabled = false",
+                "queue.dead_letter.enabled: is not applied here",
+            ),
+            (
+                "[machines.m.queue.dead_letter]\nretention = \"3 days\"",
+                "machines.m.queue.dead_letter.retention: is not applied here",
+            ),
+            (
+                "[parallel_dispatch]\nenabled = true",
+                "parallel_dispatch: is not applied from the file yet",
+            ),
+        ];
+        for (toml, expected) in cases {
+            let error = KeelConfig::load(toml, |_| None).expect_err(toml).to_string();
+            assert!(error.starts_with(expected), "{toml}:\n{error}");
+        }
+        // What a worker applies loads.
+        let ok = "[queue]\nstrategy = \"priority\"\nconcurrency = 4\ntimeout = \"5s\"\n\
+                  [queue.alerts]\npending_warning = 10\n\
+                  [machines.m.queue]\ntimeout = \"9s\"\non_dead_letter = \"skip\"\n\
+                  [queues.q]\nstarvation_after = \"1 minute\"\nglobal_concurrency = 3";
+        KeelConfig::load(ok, |_| None).expect("every key applied");
+    }
+
+    #[test]
+    fn queue_sections_give_the_claim_policy_and_the_slots() {
+        let config = KeelConfig::from_toml_str(
+            "[queue]\nstrategy = \"priority\"\nconcurrency = 4\n\
+             [queues.mail]\nstrategy = \"fifo\"\nglobal_concurrency = 2\nconcurrency = 7\n\
+             [queues.api]\nstarvation_after = \"30s\"",
+        )
+        .unwrap();
+        assert_eq!(
+            config.claim_policy("mail"),
+            ClaimPolicy { global_limit: Some(2), ..ClaimPolicy::new(Strategy::Fifo) }
+        );
+        assert_eq!(
+            config.claim_policy("api"),
+            ClaimPolicy { starvation_after: Some(S(30)), ..ClaimPolicy::new(Strategy::Priority) }
+        );
+        assert_eq!(config.claim_policy("other"), ClaimPolicy::new(Strategy::Priority));
+        assert_eq!(KeelConfig::default().claim_policy("any"), ClaimPolicy::new(Strategy::Fifo));
+        assert_eq!((config.worker_slots("mail"), config.worker_slots("api")), (Some(7), Some(4)));
+        assert_eq!(KeelConfig::default().worker_slots("any"), None);
+        for (toml, expected) in [
+            (
+                "[queues.q]\nglobal_concurrency = 0",
+                "queues.q.global_concurrency: must be at least 1",
+            ),
+            (
+                "[queues.q]\nstarvation_after = \"0s\"",
+                "queues.q.starvation_after: must be greater than zero",
+            ),
+            (
+                "[queues.q]\nstrategy = \"fifo\"\nstarvation_after = \"1m\"",
+                "queues.q.starvation_after: applies only to strategy = \"priority\"",
+            ),
+        ] {
+            let error = KeelConfig::from_toml_str(toml).unwrap_err().to_string();
+            assert!(error.starts_with(expected), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_step_takes_the_event_over_the_machine_over_the_code() {
+        let config = KeelConfig::from_toml_str(
+            "[queue]\ntimeout = \"20s\"\n\
+             [machines.m.queue.retry]\nmax_attempts = 5\n\
+             [machines.m.events.pay.queue]\ntimeout = \"2s\"\non_dead_letter = \"skip\"",
+        )
+        .unwrap();
+        let code = QueueConfig {
+            timeout: S(99),
+            on_dead_letter: OnDeadLetter::Suspend,
+            ..QueueConfig::default()
+        };
+        let pay = config.step_config(code, "m", Some("pay")).unwrap();
+        assert_eq!(
+            (pay.timeout, pay.retry.max_attempts, pay.on_dead_letter),
+            (S(2), 5, OnDeadLetter::Skip)
+        );
+        let other = config.step_config(code, "m", Some("browse")).unwrap();
+        assert_eq!((other.timeout, other.retry.max_attempts), (S(20), 5));
+        let elsewhere = config.step_config(code, "n", None).unwrap();
+        assert_eq!((elsewhere.timeout, elsewhere.retry.max_attempts), (S(20), 3));
+        assert_eq!(KeelConfig::default().step_config(code, "m", Some("pay")).unwrap(), code);
+    }
+
+    #[test]
+    fn explain_names_where_each_value_came_from() {
+        let (config, env) = KeelConfig::load(
+            "[queue]\ntimeout = \"20s\"\n[queue.retry]\nmax_attempts = 4\n\
+             [machines.m.queue]\non_dead_letter = \"skip\"\n\
+             [machines.m.events.pay.queue.retry]\nmax_attempts = 9\n\
+             [queues.q]\nglobal_concurrency = 3",
+            |var| (var == "KEEL_QUEUE_TIMEOUT").then(|| "1 minute".to_owned()),
+        )
+        .unwrap();
+        assert_eq!(env.len(), 1);
+        let lines = config.explain("m", Some("pay"), "q", None).unwrap();
+        let get = |key: &str| {
+            let line = lines.iter().find(|l| l.key == key).unwrap_or_else(|| panic!("{key}"));
+            (line.value.clone(), line.source.to_string())
+        };
+        assert_eq!(get("timeout"), ("1 minute".into(), "env KEEL_QUEUE_TIMEOUT".into()));
+        assert_eq!(get("retry.max_attempts"), ("9".into(), "[machines.m.events.pay.queue]".into()));
+        assert_eq!(get("on_dead_letter"), ("skip".into(), "[machines.m.queue]".into()));
+        assert_eq!(get("retry.backoff"), ("exponential".into(), "default".into()));
+        assert_eq!(get("queues.q.strategy"), ("fifo".into(), "default".into()));
+        assert_eq!(get("queues.q.global_concurrency"), ("3".into(), "[queues.q]".into()));
+        let bad = KeelConfig::load("", |var| {
+            (var == "KEEL_QUEUE_CONCURRENCY").then(|| "lots".to_owned())
+        });
+        assert!(
+            bad.unwrap_err()
+                .to_string()
+                .starts_with("KEEL_QUEUE_CONCURRENCY: must be a whole number")
+        );
+        let zero =
+            KeelConfig::load("", |var| (var == "KEEL_QUEUE_CONCURRENCY").then(|| "0".to_owned()));
+        assert!(
+            zero.unwrap_err()
+                .to_string()
+                .starts_with("queue.concurrency (from the environment): must be at least 1")
+        );
     }
 }

@@ -134,6 +134,7 @@
 mod connect;
 #[cfg(feature = "prometheus")]
 pub mod prometheus;
+pub mod settings;
 mod shutdown;
 mod store;
 mod worker;
@@ -243,6 +244,14 @@ pub enum Error {
     /// A machine cannot be registered as given.
     #[error(transparent)]
     Registration(#[from] RegistrationError),
+    /// The configuration file cannot be used.
+    #[error("configuration {file}: {message}")]
+    Config {
+        /// The file, or `(defaults)` when only the environment was read.
+        file: String,
+        /// What is wrong, naming the key and the fix.
+        message: String,
+    },
 }
 
 impl Error {
@@ -342,6 +351,24 @@ impl Keel {
     /// A worker on this store with `config`.
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
         WorkerBuilder::new(self.store.clone(), self.clock.clone(), config)
+    }
+
+    /// A worker on this store configured by the file at `path`, or at `$KEEL_CONFIG` when
+    /// `path` is `None`, with the environment overrides applied ([`settings::load`]). A key
+    /// the worker would not apply, or a bad value, is an error here, before anything runs.
+    pub fn configured_worker(
+        &self,
+        config: WorkerConfig,
+        path: Option<&std::path::Path>,
+    ) -> Result<WorkerBuilder, Error> {
+        let config = match settings::load(path)? {
+            Some(file) => config.with_settings(file).map_err(|e| Error::Config {
+                file: path.map_or_else(|| "$KEEL_CONFIG".to_owned(), |p| p.display().to_string()),
+                message: e.to_string(),
+            })?,
+            None => config,
+        };
+        Ok(self.worker_with(config))
     }
 }
 

@@ -80,6 +80,14 @@ impl WorkerBuilder {
         }
         self.machines.push((name.name.clone(), name.version, machine.delegates()));
         self.worker = self.worker.register(machine);
+        // The configuration file's levels for this machine must resolve over what it set
+        // in code (a relational rule such as `initial_delay <= max_delay` can span both).
+        if let Err(e) = self.worker.check_settings() {
+            return Err(RegistrationError {
+                machine: format!("{} v{}", name.name, name.version),
+                missing: vec![format!("a usable configuration ({e})")],
+            });
+        }
         Ok(self)
     }
 

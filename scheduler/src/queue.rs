@@ -373,8 +373,16 @@ fn claim_params<S: Store, C: Clock>(
     queues: &[QueueSlots],
     most: usize,
 ) -> Option<ClaimParams> {
-    let open: Vec<String> =
-        queues.iter().filter(|s| s.free() > 0).map(|s| s.name.clone()).collect();
+    // A queue with a global limit is left to the claim loop, whose claim counts the limit
+    // one queue at a time; a hint names rows, so order does not matter here.
+    let open: Vec<String> = queues
+        .iter()
+        .filter(|s| s.free() > 0 && !inner.config.claim_policy(&s.name).is_queue_wide())
+        .map(|s| s.name.clone())
+        .collect();
+    if open.is_empty() {
+        return None;
+    }
     let free: usize = queues.iter().map(QueueSlots::free).sum();
     let limit =
         free.min(most).min(inner.config.claim_batch).min(keel_core::limits::CLAIM_BATCH_MAX);
@@ -386,6 +394,7 @@ fn claim_params<S: Store, C: Clock>(
         limit,
         lease: inner.config.lease,
         now: inner.clock.now(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     })
 }
 

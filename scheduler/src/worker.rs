@@ -21,10 +21,11 @@
 
 use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
-use keel_core::config::QueueConfig;
+use keel_core::config::{ConfigError, KeelConfig, QueueConfig};
 use keel_core::instance::{ANY_SIGNAL, Instance};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
+use keel_core::plan::claim::ClaimPolicy;
 use keel_core::ports::store::{
     Claim, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
     LeaseReleaseParams, WORKER_BEAT_INTERVAL, WorkerBeatParams,
@@ -107,6 +108,11 @@ pub struct WorkerConfig {
     /// Schedules this worker fires (none by default). Every worker that serves a schedule
     /// fires each tick it sees; the tick's key keeps one.
     pub schedules: Schedules,
+    /// The configuration file's settings (`keel.toml`), applied per queue (claim order,
+    /// global limit) and per step (the machine's and the event's timeout, retry and
+    /// `on_dead_letter` over what the machine set in code). `None`: the documented
+    /// defaults. Set it with [`WorkerConfig::with_settings`].
+    pub settings: Option<Arc<KeelConfig>>,
 }
 
 impl Default for WorkerConfig {
@@ -129,11 +135,51 @@ impl Default for WorkerConfig {
             notifications: true,
             retention: Some(RetentionConfig::default()),
             schedules: Schedules::default(),
+            settings: None,
         }
     }
 }
 
 impl WorkerConfig {
+    /// Applies a configuration file: refuses a key this version does not apply, gives
+    /// each of the worker's queues the slots the file sets for it (`[queues.<q>]
+    /// concurrency`, else `[queue] concurrency`), and keeps the file for the claim policy
+    /// of each queue and the configuration of each step.
+    pub fn with_settings(mut self, settings: KeelConfig) -> Result<Self, ConfigError> {
+        settings.check_applied()?;
+        for (queue, slots) in &mut self.queues {
+            if let Some(n) = settings.worker_slots(queue) {
+                *slots = n as usize;
+            }
+        }
+        self.settings = Some(Arc::new(settings));
+        Ok(self)
+    }
+
+    /// The claim policy of `queue`: the file's, else the documented default (`fifo`, no
+    /// limits).
+    pub fn claim_policy(&self, queue: &str) -> ClaimPolicy {
+        match &self.settings {
+            Some(settings) => settings.claim_policy(queue),
+            None => KeelConfig::default().claim_policy(queue),
+        }
+    }
+
+    /// The configuration one step runs with: `base` (what the machine set in code for the
+    /// step) under the file's levels for `machine` and `event`.
+    pub fn step_config(
+        &self,
+        base: QueueConfig,
+        machine: &str,
+        event: Option<&str>,
+    ) -> QueueConfig {
+        match &self.settings {
+            // Checked for every registered machine when the worker starts.
+            Some(settings) => settings.step_config(base, machine, event).unwrap_or(base),
+            None => base,
+        }
+    }
+
     /// The defaults, with the worker id [`worker_id_for`]`(name)`: give each worker
     /// process on one host its own `name` (for example `"billing"` and `"shipping"`), and
     /// keep it when the process restarts.
@@ -270,6 +316,23 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         self
     }
 
+    /// Checks that the configuration file resolves for every registered machine and for
+    /// each of its events the file names, on top of what the machine set in code.
+    pub fn check_settings(&self) -> Result<(), ConfigError> {
+        let Some(settings) = &self.config.settings else { return Ok(()) };
+        settings.check_applied()?;
+        for (name, machine) in &self.machines {
+            let base = machine.config();
+            settings.step_config(base, &name.name, None)?;
+            if let Some(section) = settings.machines.get(&name.name) {
+                for event in section.events.keys() {
+                    settings.step_config(base, &name.name, Some(event))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Starts the worker's tasks on the current tokio runtime.
     ///
     /// # Panics
@@ -281,6 +344,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             && let Err(e) = timers.validate()
         {
             panic!("invalid worker timer configuration: {e}");
+        }
+        if let Err(e) = self.check_settings() {
+            panic!("invalid configuration: {e}");
         }
         if let Err(e) = keel_core::schedule::check_schedules(self.config.schedules.schedules()) {
             panic!("invalid worker schedules: {e}");
@@ -660,6 +726,7 @@ async fn claim_loop<S: Store, C: Clock>(
                 limit: free,
                 lease: inner.config.lease,
                 now: inner.clock.now(),
+                policy: inner.config.claim_policy(queue),
             };
             let claims = match inner.store.instance_claim(params).await {
                 Ok(c) => c,
@@ -854,7 +921,11 @@ async fn run_step<S: Store, C: Clock>(
     let started = Instant::now();
     let mut ctx = context_of(&claim);
     ctx.parent = parent;
-    let config = machine.step_config(&row.position);
+    // The event the step processes is the oldest signal it saw; the file's section for it,
+    // if any, overrides the machine's.
+    let event = claim.inbox.first().map(|s| s.name.as_str());
+    let config =
+        inner.config.step_config(machine.step_config(&row.position), &row.machine.name, event);
     let result =
         guarded(Arc::clone(&machine), ctx.clone(), config.timeout).instrument(span.clone()).await;
     let elapsed = started.elapsed();

@@ -92,6 +92,7 @@ async fn a_thousand_instances_move_to_version_two_after_a_dry_run<S: TestStore>(
             limit: 10,
             lease: Duration::from_secs(60),
             now: h.clock.now(),
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
         })
         .await
         .expect("claim");

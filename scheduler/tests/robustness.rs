@@ -514,6 +514,7 @@ async fn background_loops_survive_failing_and_panicking_store_calls_and_finish_t
         limit: 1,
         lease: Duration::from_secs(30),
         now: h.clock.now(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     };
     let claimed = h.store.inner.instance_claim(ghost).await.expect("claim");
     assert_eq!(claimed.iter().map(|c| c.instance.id).collect::<Vec<_>>(), [ids[0]]);

@@ -194,6 +194,7 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
             limit: 1,
             lease: Duration::from_secs(30),
             now: h.clock.now(),
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
         })
         .await
         .unwrap()
@@ -229,6 +230,7 @@ async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
         limit: 1,
         lease: Duration::from_secs(30),
         now: h.clock.now(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     };
     assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
     let worker = h.worker(h.config(), steps(|_| done()));
@@ -336,8 +338,8 @@ async fn instances_sharing_a_concurrency_key_run_one_at_a_time() {
     );
 }
 
-#[tokio::test]
-async fn higher_priority_runs_first() {
+/// The order one slot runs three rows inserted bulk, normal, critical, under `settings`.
+async fn run_order(settings: Option<&str>) -> Vec<String> {
     let h = Harness::new();
     let order = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&order);
@@ -349,8 +351,14 @@ async fn higher_priority_runs_first() {
         [("bulk", Priority::Bulk), ("normal", Priority::Normal), ("critical", Priority::Critical)]
     {
         h.start(new().priority(p).context(json!({ "name": name }))).await;
+        h.clock.advance(Duration::from_millis(1));
     }
-    let config = WorkerConfig { queues: vec![("default".into(), 1)], claim_batch: 1, ..h.config() };
+    let mut config =
+        WorkerConfig { queues: vec![("default".into(), 1)], claim_batch: 1, ..h.config() };
+    if let Some(toml) = settings {
+        let file = keel_core::config::KeelConfig::from_toml_str(toml).expect("valid file");
+        config = config.with_settings(file).expect("applied");
+    }
     let worker = h.worker(config, m);
     for _ in 0..1_000 {
         if order.lock().unwrap().len() == 3 {
@@ -359,7 +367,24 @@ async fn higher_priority_runs_first() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     worker.shutdown().await;
-    assert_eq!(*order.lock().unwrap(), ["critical", "normal", "bulk"]);
+    order.lock().unwrap().clone()
+}
+
+#[tokio::test]
+async fn the_default_fifo_strategy_runs_in_eligible_order_whatever_the_priority() {
+    assert_eq!(run_order(None).await, ["bulk", "normal", "critical"]);
+    assert_eq!(
+        run_order(Some("[queues.default]\nstrategy = \"fifo\"")).await,
+        ["bulk", "normal", "critical"]
+    );
+}
+
+#[tokio::test]
+async fn a_priority_queue_runs_higher_priority_first() {
+    let by_queue = "[queues.default]\nstrategy = \"priority\"";
+    assert_eq!(run_order(Some(by_queue)).await, ["critical", "normal", "bulk"]);
+    let system_wide = "[queue]\nstrategy = \"priority\"";
+    assert_eq!(run_order(Some(system_wide)).await, ["critical", "normal", "bulk"]);
 }
 
 #[tokio::test]

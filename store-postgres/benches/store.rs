@@ -55,6 +55,7 @@ async fn run(store: &PgStore, batch: usize, workers: usize, rows: usize) -> Row 
                         limit: batch,
                         lease: Duration::from_mins(1),
                         now,
+                        policy: keel_core::plan::claim::ClaimPolicy::default(),
                     })
                     .await
                     .unwrap();

@@ -38,6 +38,7 @@ fn claim(worker: &str, limit: usize) -> ClaimParams {
         limit,
         lease: Duration::from_hours(1),
         now: T0,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     }
 }
 

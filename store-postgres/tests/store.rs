@@ -33,6 +33,7 @@ fn claim_params(limit: usize, now: Timestamp) -> ClaimParams {
         limit,
         lease: Duration::from_secs(30),
         now,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     }
 }
 

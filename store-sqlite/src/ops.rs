@@ -64,6 +64,36 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
     Ok(plan.outcomes(&ids))
 }
 
+/// The claim page statement ranked by `$rank` (a column expression, `priority` for the
+/// index order): candidates past the keyset `(rank, eligible_at, id) > (?, ?, ?)` that pass
+/// the filters, pauses and the executing-concurrency-key rule, in claim order.
+macro_rules! claim_sql {
+    ($rank:literal) => {
+        concat!(
+            "SELECT * FROM (SELECT ",
+            instance_cols!(),
+            ", ",
+            $rank,
+            " AS claim_rank, CASE WHEN concurrency_key IS NULL THEN 0 ELSE \
+               (SELECT count(*) FROM keel_instances e WHERE e.status = 'executing' \
+                  AND e.concurrency_key = i.concurrency_key) END AS key_running \
+             FROM keel_instances i WHERE status = 'runnable') c \
+             WHERE (claim_rank, eligible_at, id) > (?, ?, ?) AND eligible_at <= ? \
+               AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
+               AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
+                     WHERE json_extract(m.value, '$[0]') = c.machine \
+                       AND json_extract(m.value, '$[1]') = c.machine_version)) \
+               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = c.namespace \
+                     AND q.queue = c.queue AND q.paused <> 0) \
+               AND (concurrency_key IS NULL OR ? > 1 OR NOT EXISTS (SELECT 1 FROM keel_instances e \
+                     WHERE e.status = 'executing' AND e.concurrency_key = c.concurrency_key)) \
+             ORDER BY claim_rank, eligible_at, id LIMIT ?"
+        )
+    };
+}
+
 // ----- claims ----------------------------------------------------------------------------
 
 /// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready
@@ -135,53 +165,85 @@ pub(crate) async fn claim(
         p.machines.iter().map(|m| (m.name.as_str(), m.version)).collect();
     let machines = serde_json::to_string(&machines).unwrap_or_default();
     let page = p.limit.max(CLAIM_PAGE_MIN);
-    let mut after: (i64, i64, i64) = (-1, i64::MIN, i64::MIN);
+    let mut after: (i64, i64, i64) = (i64::MIN, i64::MIN, i64::MIN);
+    let starving = p.policy.starving_at_or_before(p.now);
+    // A global limit names one queue (checked by `validate`); the claim runs in the
+    // store's one write transaction, so this count cannot change under it.
+    let queue_executing = match p.policy.global_limit {
+        Some(_) => {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM keel_instances WHERE status = 'executing' \
+                   AND queue IN (SELECT value FROM json_each(?))",
+            )
+            .bind(&queues)
+            .fetch_one(&mut *db.conn)
+            .await
+            .map_err(db.err("counting a queue's executing rows"))?;
+            u64::try_from(n).unwrap_or(0)
+        }
+        None => 0,
+    };
     let mut taken = Vec::new();
     let mut planner = ClaimPlanner::new(p);
+    // A rate limit names one queue (checked by `validate`): refill its bucket first.
+    let bucket_queue = p.queues.first().cloned().unwrap_or_default();
+    let refilled = if p.policy.rate.is_some() {
+        let stored: Option<(i64, i64)> =
+            sqlx::query_as("SELECT millitokens, at FROM keel_rate_buckets WHERE queue = ?")
+                .bind(&bucket_queue)
+                .fetch_optional(&mut *db.conn)
+                .await
+                .map_err(db.err("reading a queue's rate bucket"))?;
+        planner
+            .rate(stored.map(|(millitokens, at)| claim::Bucket { millitokens, at: Timestamp(at) }))
+    } else {
+        None
+    };
     while !planner.is_full() {
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            instance_cols!(),
-            " FROM keel_instances i \
-             WHERE status = 'runnable' AND eligible_at <= ? \
-               AND (priority, eligible_at, id) > (?, ?, ?) \
-               AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
-                     WHERE json_extract(m.value, '$[0]') = i.machine \
-                       AND json_extract(m.value, '$[1]') = i.machine_version)) \
-               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = i.namespace \
-                     AND q.queue = i.queue AND q.paused <> 0) \
-               AND (concurrency_key IS NULL OR NOT EXISTS (SELECT 1 FROM keel_instances e \
-                     WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key)) \
-             ORDER BY priority, eligible_at, id LIMIT ?"
-        ))
-        .bind(p.now.0)
-        .bind(after.0)
-        .bind(after.1)
-        .bind(after.2)
-        .bind(&only)
-        .bind(&only)
-        .bind(&namespaces)
-        .bind(&namespaces)
-        .bind(&queues)
-        .bind(&queues)
-        .bind(&machines)
-        .bind(&machines)
-        .bind(page as i64)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("picking rows to claim"))?;
-        let candidates: Vec<Instance> =
-            rows.iter().map(|r| db.instance_of(r)).collect::<StoreResult<_>>()?;
+        // The plain priority order walks the claim index; any other policy ranks rows in
+        // the statement (`?` flag: fifo; `?` bound: starving at or before).
+        let query = if p.policy.is_plain_priority() {
+            sqlx::query(claim_sql!("priority")).bind(after.0)
+        } else {
+            sqlx::query(claim_sql!(
+                "CASE WHEN ? THEN 0 WHEN eligible_at <= ? THEN -1 ELSE priority END"
+            ))
+            .bind(p.policy.strategy == keel_core::config::Strategy::Fifo)
+            .bind(starving.map_or(i64::MIN, |t| t.0))
+            .bind(after.0)
+        };
+        let rows = query
+            .bind(after.1)
+            .bind(after.2)
+            .bind(p.now.0)
+            .bind(&only)
+            .bind(&only)
+            .bind(&namespaces)
+            .bind(&namespaces)
+            .bind(&queues)
+            .bind(&queues)
+            .bind(&machines)
+            .bind(&machines)
+            .bind(i64::from(p.policy.key_limit))
+            .bind(page as i64)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("picking rows to claim"))?;
+        let candidates: Vec<(Instance, u32)> = rows
+            .iter()
+            .map(|r| {
+                let running: i64 = r.try_get("key_running").unwrap_or(0);
+                Ok((db.instance_of(r)?, u32::try_from(running).unwrap_or(u32::MAX)))
+            })
+            .collect::<StoreResult<_>>()?;
         let exhausted = candidates.len() < page;
-        for row in candidates {
-            after = (i64::from(row.priority.level()), row.eligible_at.0, row.id.0);
+        for (row, key_running) in candidates {
+            after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
             if planner.is_full() {
                 break;
             }
-            let Some(next) = planner.offer(&row, CandidateRead::default()) else { continue };
+            let read = CandidateRead { queue_executing, key_running, ..CandidateRead::default() };
+            let Some(next) = planner.offer(&row, read) else { continue };
             let occupied = match next.unique_guard() {
                 Some(guard) => db.occupant(guard, next.id).await?.is_some(),
                 None => false,
@@ -195,6 +257,19 @@ pub(crate) async fn claim(
         if exhausted {
             break;
         }
+    }
+    if let Some(refilled) = refilled {
+        let left = planner.spent(refilled);
+        sqlx::query(
+            "INSERT INTO keel_rate_buckets (queue, millitokens, at) VALUES (?, ?, ?) \
+             ON CONFLICT (queue) DO UPDATE SET millitokens = excluded.millitokens, at = excluded.at",
+        )
+        .bind(&bucket_queue)
+        .bind(left.millitokens)
+        .bind(left.at.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("writing a queue's rate bucket"))?;
     }
     // Every claimed row's inbox and children, in one query each.
     let ids: Vec<InstanceId> = taken.iter().map(|r| r.id).collect();

@@ -88,6 +88,7 @@ fn migrator() -> Migrator {
         migration(1, "schema", include_str!("../migrations/0001_schema.sql")),
         migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
         migration(3, "operations", include_str!("../migrations/0003_operations.sql")),
+        migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
     ])
 }
 

@@ -32,6 +32,7 @@ fn claim_params(now: Timestamp) -> ClaimParams {
         limit: 10,
         lease: Duration::from_secs(30),
         now,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     }
 }
 

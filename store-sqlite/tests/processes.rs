@@ -22,6 +22,7 @@ fn claim_params(worker: &str, now: Timestamp) -> ClaimParams {
         limit: 7,
         lease: Duration::from_secs(30),
         now,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     }
 }
 

@@ -61,6 +61,7 @@ async fn claim_all<S: Store>(s: &S, now: Timestamp) -> Vec<keel_core::ports::sto
         limit: 100,
         lease: Duration::from_secs(30),
         now,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     })
     .await
     .expect("claim")

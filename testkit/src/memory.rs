@@ -117,6 +117,8 @@ struct State {
     executing_keys: HashMap<String, usize>,
     /// The unique guard index: key → the instance occupying it.
     guards: HashMap<Vec<u8>, InstanceId>,
+    /// Rate-limit buckets by queue.
+    buckets: HashMap<String, keel_core::plan::claim::Bucket>,
     /// `(namespace, machine name, business key)` → newest instance.
     business_keys: HashMap<(String, String, String), InstanceId>,
     children: HashMap<InstanceId, Vec<InstanceId>>,
@@ -192,7 +194,7 @@ impl State {
         only: Option<&std::collections::BTreeSet<InstanceId>>,
     ) -> StoreResult<Vec<Claim>> {
         p.validate()?;
-        let candidates: Vec<InstanceId> = self
+        let mut candidates: Vec<InstanceId> = self
             .runnable
             .iter()
             .filter(|(_, eligible_at, id)| {
@@ -200,8 +202,24 @@ impl State {
             })
             .map(|(_, _, id)| *id)
             .collect();
+        // The index is in priority order; any other policy ranks the candidates itself.
+        if !p.policy.is_plain_priority() {
+            candidates.sort_by_key(|id| p.policy.order_key(&self.rows[id], p.now));
+        }
+        // A global limit names one queue (checked by `validate`): count its executing rows.
+        let queue_executing = match p.policy.global_limit {
+            Some(_) => self
+                .rows
+                .values()
+                .filter(|r| r.status == keel_core::Status::Executing && p.queues.contains(&r.queue))
+                .count() as u64,
+            None => 0,
+        };
         let mut claims = Vec::new();
         let mut planner = ClaimPlanner::new(p);
+        // A rate limit names one queue (checked by `validate`).
+        let bucket_queue = p.queues.first().cloned().unwrap_or_default();
+        let refilled = planner.rate(self.buckets.get(&bucket_queue).copied());
         for id in candidates {
             if planner.is_full() {
                 break;
@@ -217,6 +235,12 @@ impl State {
                     .concurrency_key
                     .as_ref()
                     .is_some_and(|k| self.executing_keys.contains_key(k)),
+                key_running: row
+                    .concurrency_key
+                    .as_ref()
+                    .and_then(|k| self.executing_keys.get(k))
+                    .map_or(0, |n| u32::try_from(*n).unwrap_or(u32::MAX)),
+                queue_executing,
             };
             let Some(next) = planner.offer(row, read) else { continue };
             let occupied = next.unique_guard().is_some_and(|g| self.occupant(g, id).is_some());
@@ -229,6 +253,9 @@ impl State {
                 children: self.children_of(id),
                 instance: next,
             });
+        }
+        if let Some(refilled) = refilled {
+            self.buckets.insert(bucket_queue, planner.spent(refilled));
         }
         Ok(claims)
     }

@@ -591,6 +591,7 @@ impl<'a, S: Store> World<'a, S> {
             limit: self.sim.config.claim_batch.clamp(1, limits::CLAIM_BATCH_MAX),
             lease: self.sim.config.lease,
             now: self.now_of(w),
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
         };
         let claims = now_or_never(self.store.instance_claim(params))
             .map_err(|e| violation("store-error", format!("claim: {e}")))?;

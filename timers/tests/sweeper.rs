@@ -50,6 +50,7 @@ async fn with_timers_after(
         limit: n,
         lease: Duration::from_secs(30),
         now,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     };
     let claims = store.instance_claim(params).await.unwrap();
     let commits = claims

@@ -125,6 +125,7 @@ pub async fn poll(
                 limit: 1,
                 lease,
                 now: now(),
+                policy: keel_core::plan::claim::ClaimPolicy::default(),
             })
             .await?;
         if let Some(claim) = claims.into_iter().next() {

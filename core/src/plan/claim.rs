@@ -1,19 +1,213 @@
 //! Claiming: which candidates a claim takes, and the row each becomes.
 //!
-//! A store offers candidates in claim order (priority, then `eligible_at`, then id). A
+//! A store offers candidates in claim order: the claim's [`ClaimPolicy`] ranks each row
+//! ([`ClaimPolicy::rank`]), then `eligible_at`, then id. A
 //! candidate is taken when it is runnable and due, passes the claim's namespace, queue
 //! and machine filters, its queue is not paused, no other instance with its concurrency
-//! key is executing (neither before the claim nor taken earlier in it), and no other
+//! key is executing beyond the policy's key limit (counting those taken earlier in the
+//! claim), its queue is under the policy's global limit, and no other
 //! instance holds its unique key in the executing scope. At most `limit` are taken. A
 //! taken row that holds a stored value no reader accepts (or whose inbox does) is not
 //! handed out: it is suspended and dead-lettered alone ([`undecodable`]), and its
 //! neighbours are claimed as usual.
 
+use crate::config::Strategy;
+use crate::error::{StoreError, StoreResult};
 use crate::instance::{Instance, Signal, undecodable_error};
 use crate::outcome::{self, Applied};
 use crate::ports::store::ClaimParams;
 use crate::time::Timestamp;
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// How one claim orders and bounds the rows of the queue it claims from: the queue's
+/// strategy, its starvation bound and its limit across all workers.
+///
+/// The [`Default`] is the order a store uses when its caller names no strategy (priority,
+/// no starvation bound, no global limit); a worker always passes the strategy its queue
+/// is configured with, whose documented default is `fifo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimPolicy {
+    /// `fifo`: eligible order, priorities ignored; `priority`: priority, then eligible
+    /// order.
+    pub strategy: Strategy,
+    /// Under `priority`, a ready row that has been eligible for at least this long is
+    /// claimed ahead of every priority (oldest first among such rows), so a steady stream
+    /// of urgent work cannot starve the rest. Ignored under `fifo`, which cannot starve.
+    pub starvation_after: Option<Duration>,
+    /// Most rows of the queue executing at once across all workers; a claim takes at most
+    /// the difference between this and the rows already executing in the queue.
+    pub global_limit: Option<u32>,
+    /// Rows of one concurrency key executing at once (1 = one at a time, in claim order).
+    pub key_limit: u32,
+    /// Starts of the queue per period across all workers (a token bucket); rows over it
+    /// stay ready until tokens return.
+    pub rate: Option<RateLimit>,
+}
+
+/// A token bucket: up to `burst` starts at once, refilled at `starts` per `per`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    /// Starts allowed per period.
+    pub starts: u32,
+    /// The period.
+    pub per: Duration,
+    /// Most tokens the bucket holds (starts at once after an idle spell); a new bucket
+    /// starts full.
+    pub burst: u32,
+}
+
+/// A queue's bucket as a store keeps it: tokens left (thousandths, so refills of a
+/// fraction of a token are not lost) at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    /// Tokens left, in thousandths of a token.
+    pub millitokens: i64,
+    /// When `millitokens` was computed.
+    pub at: Timestamp,
+}
+
+impl RateLimit {
+    /// The bucket refilled up to `now` (a missing bucket is full).
+    pub fn refill(&self, bucket: Option<Bucket>, now: Timestamp) -> Bucket {
+        let cap = i64::from(self.burst) * 1000;
+        let Some(b) = bucket else { return Bucket { millitokens: cap, at: now } };
+        let elapsed = u128::try_from(now.0.saturating_sub(b.at.0).max(0)).unwrap_or(0);
+        let per = self.per.as_millis().max(1);
+        let gained = elapsed * u128::from(self.starts) * 1000 / per;
+        let tokens = i64::try_from(gained).unwrap_or(i64::MAX).saturating_add(b.millitokens);
+        Bucket { millitokens: tokens.min(cap), at: now.max(b.at) }
+    }
+
+    /// How many starts the refilled bucket allows now.
+    pub fn room(bucket: &Bucket) -> usize {
+        usize::try_from(bucket.millitokens / 1000).unwrap_or(0)
+    }
+
+    /// The bucket after `taken` starts.
+    pub fn spend(bucket: Bucket, taken: usize) -> Bucket {
+        let spent = i64::try_from(taken).unwrap_or(i64::MAX).saturating_mul(1000);
+        Bucket { millitokens: bucket.millitokens.saturating_sub(spent), at: bucket.at }
+    }
+}
+
+impl Default for ClaimPolicy {
+    fn default() -> Self {
+        ClaimPolicy {
+            strategy: Strategy::Priority,
+            starvation_after: None,
+            global_limit: None,
+            key_limit: 1,
+            rate: None,
+        }
+    }
+}
+
+/// The rank a starving row takes: ahead of the most urgent priority (`critical` = 0).
+pub const STARVING_RANK: i16 = -1;
+
+/// The rank every row of a `fifo` queue takes: one rank, so eligible order alone decides.
+pub const FIFO_RANK: i16 = 0;
+
+impl ClaimPolicy {
+    /// A policy with `strategy`, no starvation bound and no global limit.
+    pub fn new(strategy: Strategy) -> Self {
+        ClaimPolicy { strategy, ..ClaimPolicy::default() }
+    }
+
+    /// The policy of today's index order (priority, then eligible order, no limit), which
+    /// stores serve with their plain claim statement.
+    pub fn is_plain_priority(&self) -> bool {
+        self.strategy == Strategy::Priority
+            && self.starvation_after.is_none()
+            && self.global_limit.is_none()
+            && self.key_limit == 1
+            && self.rate.is_none()
+    }
+
+    /// `eligible_at` at or before which a row is starving at `now`, when the policy has a
+    /// starvation bound that applies.
+    pub fn starving_at_or_before(&self, now: Timestamp) -> Option<Timestamp> {
+        match (self.strategy, self.starvation_after) {
+            (Strategy::Priority, Some(age)) => Some(now.minus(age)),
+            _ => None,
+        }
+    }
+
+    /// The first component of a row's claim order at `now`: [`FIFO_RANK`] for every row
+    /// under `fifo`; under `priority`, [`STARVING_RANK`] for a row eligible for at least
+    /// the starvation bound, else its priority level. Rows are claimed by rank, then
+    /// `eligible_at`, then id.
+    pub fn rank(&self, row: &Instance, now: Timestamp) -> i16 {
+        match self.strategy {
+            Strategy::Fifo => FIFO_RANK,
+            Strategy::Priority => match self.starving_at_or_before(now) {
+                Some(bound) if row.eligible_at <= bound => STARVING_RANK,
+                _ => row.priority.level(),
+            },
+        }
+    }
+
+    /// Whether a claim under this policy must be serialized with the other claims of its
+    /// queue (it reads and writes queue-wide state: the executing count, the bucket).
+    pub fn is_queue_wide(&self) -> bool {
+        self.global_limit.is_some() || self.rate.is_some()
+    }
+
+    /// The full claim order key of a row at `now`.
+    pub fn order_key(&self, row: &Instance, now: Timestamp) -> (i16, Timestamp, i64) {
+        (self.rank(row, now), row.eligible_at, row.id.0)
+    }
+
+    /// How many rows a claim of one queue may still take under the global limit, given
+    /// how many of the queue's rows are executing (`None` = no global limit).
+    pub fn room(&self, executing: u64) -> Option<usize> {
+        self.global_limit
+            .map(|limit| usize::try_from(u64::from(limit).saturating_sub(executing)).unwrap_or(0))
+    }
+
+    /// Checks the policy against the claim it rides on: a global limit is counted per
+    /// queue, so the claim must name exactly one queue.
+    pub fn validate(&self, queues: &[String]) -> StoreResult<()> {
+        if let Some(limit) = self.global_limit {
+            if limit == 0 {
+                return Err(StoreError::invalid(
+                    "policy.global_limit: must be at least 1; pause the queue to stop it",
+                ));
+            }
+            if queues.len() != 1 {
+                return Err(StoreError::invalid(format!(
+                    "policy.global_limit: a global limit is counted per queue, so the claim must name exactly one queue (it names {})",
+                    queues.len()
+                )));
+            }
+        }
+        if let Some(rate) = self.rate {
+            if rate.starts == 0 || rate.burst == 0 || rate.per.is_zero() {
+                return Err(StoreError::invalid(
+                    "policy.rate: starts, burst and per must be greater than zero; pause the queue to stop it",
+                ));
+            }
+            if queues.len() != 1 {
+                return Err(StoreError::invalid(format!(
+                    "policy.rate: a rate limit is counted per queue, so the claim must name exactly one queue (it names {})",
+                    queues.len()
+                )));
+            }
+        }
+        if self.key_limit == 0 {
+            return Err(StoreError::invalid(
+                "policy.key_limit: must be at least 1 (1 = one row of a key at a time)",
+            ));
+        }
+        if self.starvation_after.is_some_and(|d| d.is_zero()) {
+            return Err(StoreError::invalid(
+                "policy.starvation_after: must be greater than zero, or unset for no bound",
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// What a store read about one candidate, beyond its row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -22,26 +216,62 @@ pub struct CandidateRead {
     pub queue_paused: bool,
     /// Another instance with the candidate's concurrency key is executing.
     pub key_executing: bool,
+    /// How many instances with the candidate's concurrency key are executing (read only
+    /// when the policy's key limit is above 1; `key_executing` alone counts as 1).
+    pub key_running: u32,
+    /// How many rows of the candidate's queue are executing (read only when the claim's
+    /// policy has a global limit; 0 otherwise).
+    pub queue_executing: u64,
 }
 
 /// The decisions of one claim call, candidate by candidate.
 #[derive(Debug)]
 pub struct ClaimPlanner<'a> {
     params: &'a ClaimParams,
-    /// Concurrency keys taken earlier in this claim.
-    keys: HashSet<String>,
+    /// Concurrency keys taken earlier in this claim, with how many rows each.
+    keys: HashMap<String, u32>,
+    /// Rows taken earlier in this claim, per queue (for the global limit).
+    per_queue: HashMap<String, u64>,
     taken: usize,
+    /// Most rows this claim takes: the claim's limit, lowered by the rate limit's room.
+    cap: usize,
 }
 
 impl<'a> ClaimPlanner<'a> {
     /// A planner for one claim call.
     pub fn new(params: &'a ClaimParams) -> Self {
-        ClaimPlanner { params, keys: HashSet::new(), taken: 0 }
+        ClaimPlanner {
+            params,
+            keys: HashMap::new(),
+            per_queue: HashMap::new(),
+            taken: 0,
+            cap: params.limit,
+        }
     }
 
     /// Whether the claim has taken as many rows as it asked for.
     pub fn is_full(&self) -> bool {
-        self.taken >= self.params.limit
+        self.taken >= self.cap
+    }
+
+    /// Applies the policy's rate limit to the queue's stored bucket: the claim takes no
+    /// more rows than the refilled bucket has tokens. Returns the refilled bucket, which
+    /// the store writes back through [`spent`](Self::spent) after the claim.
+    pub fn rate(&mut self, bucket: Option<Bucket>) -> Option<Bucket> {
+        let rate = self.params.policy.rate?;
+        let refilled = rate.refill(bucket, self.params.now);
+        self.cap = self.cap.min(RateLimit::room(&refilled));
+        Some(refilled)
+    }
+
+    /// The bucket to store after the claim: the refilled one less what was taken.
+    pub fn spent(&self, refilled: Bucket) -> Bucket {
+        RateLimit::spend(refilled, self.taken)
+    }
+
+    /// How many rows the claim may take at most (after [`rate`](Self::rate)).
+    pub fn cap(&self) -> usize {
+        self.cap
     }
 
     /// The row `row` becomes when claimed, or `None` when it may not be claimed. The store
@@ -55,9 +285,24 @@ impl<'a> ClaimPlanner<'a> {
             && (p.queues.is_empty() || p.queues.contains(&row.queue))
             && (p.machines.is_empty() || p.machines.contains(&row.machine))
             && !read.queue_paused
-            && !read.key_executing
-            && row.concurrency_key.as_ref().is_none_or(|k| !self.keys.contains(k));
+            && self.under_global_limit(&row.queue, read.queue_executing)
+            && row.concurrency_key.as_ref().is_none_or(|k| self.under_key_limit(k, read));
         admitted.then(|| outcome::claim(row, &p.worker, p.lease, p.now))
+    }
+
+    /// Whether one more row of key `key` fits the policy's key limit, given the rows of it
+    /// executing before the claim and those taken earlier in it.
+    fn under_key_limit(&self, key: &str, read: CandidateRead) -> bool {
+        let running = read.key_running.max(u32::from(read.key_executing));
+        let taken = self.keys.get(key).copied().unwrap_or(0);
+        running.saturating_add(taken) < self.params.policy.key_limit
+    }
+
+    /// Whether one more row of `queue` fits the policy's global limit, given the rows of it
+    /// executing before the claim and those taken earlier in it.
+    fn under_global_limit(&self, queue: &str, executing: u64) -> bool {
+        let taken = self.per_queue.get(queue).copied().unwrap_or(0);
+        self.params.policy.room(executing.saturating_add(taken)).is_none_or(|room| room > 0)
     }
 
     /// Whether the offered row `next` is taken, given whether another instance holds its
@@ -68,8 +313,9 @@ impl<'a> ClaimPlanner<'a> {
             return false;
         }
         if let Some(k) = &next.concurrency_key {
-            self.keys.insert(k.clone());
+            *self.keys.entry(k.clone()).or_default() += 1;
         }
+        *self.per_queue.entry(next.queue.clone()).or_default() += 1;
         self.taken += 1;
         true
     }
@@ -106,6 +352,7 @@ mod tests {
             limit,
             lease: Duration::from_secs(30),
             now: Timestamp(100),
+            policy: ClaimPolicy::default(),
         }
     }
 
@@ -135,8 +382,8 @@ mod tests {
     fn filters_pauses_executing_keys_and_due_time_refuse_a_candidate() {
         let p = params(5);
         let planner = ClaimPlanner::new(&p);
-        let paused = CandidateRead { queue_paused: true, key_executing: false };
-        let busy = CandidateRead { queue_paused: false, key_executing: true };
+        let paused = CandidateRead { queue_paused: true, ..CandidateRead::default() };
+        let busy = CandidateRead { key_executing: true, ..CandidateRead::default() };
         assert_eq!(planner.offer(&row(1, None), paused), None);
         assert_eq!(planner.offer(&row(1, Some("k")), busy), None);
         let mut elsewhere = row(1, None);
@@ -160,5 +407,93 @@ mod tests {
         assert_eq!(damage(&row(1, None), &[signal(json!({ "a": 1 }))]), None);
         let bad = crate::instance::undecodable("payload", "bad");
         assert_eq!(damage(&row(1, None), &[signal(bad)]).as_deref(), Some("inbox payload: bad"));
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+    use crate::ids::{InstanceId, MachineRef, Priority};
+    use crate::instance::NewInstance;
+
+    fn row(priority: Priority, eligible_ms: i64) -> Instance {
+        let new = NewInstance::new(MachineRef::new("m", 1), "s")
+            .priority(priority)
+            .eligible_at(Timestamp(eligible_ms));
+        Instance::from_new(InstanceId(1), &new, None, Timestamp(0))
+    }
+
+    #[test]
+    fn rank_follows_the_strategy_and_the_starvation_bound() {
+        let now = Timestamp(10_000);
+        let fifo = ClaimPolicy::new(Strategy::Fifo);
+        assert_eq!(fifo.rank(&row(Priority::Critical, 9_000), now), FIFO_RANK);
+        assert_eq!(fifo.rank(&row(Priority::Bulk, 9_000), now), FIFO_RANK);
+        let priority = ClaimPolicy::new(Strategy::Priority);
+        assert_eq!(priority.rank(&row(Priority::Low, 0), now), Priority::Low.level());
+        let starving = ClaimPolicy { starvation_after: Some(Duration::from_secs(5)), ..priority };
+        assert_eq!(
+            starving.rank(&row(Priority::Bulk, 5_000), now),
+            STARVING_RANK,
+            "exactly the bound"
+        );
+        assert_eq!(starving.rank(&row(Priority::Bulk, 5_001), now), Priority::Bulk.level());
+        let fifo_bound = ClaimPolicy { starvation_after: Some(Duration::from_secs(5)), ..fifo };
+        assert_eq!(fifo_bound.starving_at_or_before(now), None, "fifo cannot starve a row");
+        assert!(ClaimPolicy::default().is_plain_priority());
+        assert!(!fifo.is_plain_priority());
+    }
+
+    #[test]
+    fn global_limit_counts_executing_rows_and_rows_taken_in_the_claim() {
+        let policy = ClaimPolicy { global_limit: Some(3), ..ClaimPolicy::new(Strategy::Fifo) };
+        assert_eq!((policy.room(1), policy.room(3), policy.room(7)), (Some(2), Some(0), Some(0)));
+        let p = ClaimParams {
+            worker: crate::ids::WorkerId("w".into()),
+            namespaces: vec![],
+            queues: vec!["default".into()],
+            machines: vec![],
+            limit: 10,
+            lease: Duration::from_secs(30),
+            now: Timestamp(100),
+            policy,
+        };
+        let mut planner = ClaimPlanner::new(&p);
+        let read = CandidateRead { queue_executing: 1, ..CandidateRead::default() };
+        let mut taken = 0;
+        for id in 1..=5 {
+            let mut r = row(Priority::Normal, 0);
+            r.id = InstanceId(id);
+            if let Some(next) = planner.offer(&r, read) {
+                assert!(planner.take(&next, false));
+                taken += 1;
+            }
+        }
+        assert_eq!(taken, 2, "3 allowed, 1 already executing");
+        assert!(ClaimPolicy { global_limit: Some(0), ..policy }.validate(&p.queues).is_err());
+        assert!(policy.validate(&[]).is_err(), "a global limit needs exactly one queue");
+    }
+}
+
+#[cfg(test)]
+mod rate_tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_starts_full_refills_at_the_rate_and_caps_at_the_burst() {
+        let rate = RateLimit { starts: 10, per: Duration::from_secs(1), burst: 4 };
+        let full = rate.refill(None, Timestamp(0));
+        assert_eq!(RateLimit::room(&full), 4);
+        let empty = RateLimit::spend(full, 4);
+        assert_eq!(RateLimit::room(&rate.refill(Some(empty), Timestamp(50))), 0, "half a token");
+        assert_eq!(RateLimit::room(&rate.refill(Some(empty), Timestamp(250))), 2);
+        let later = rate.refill(Some(empty), Timestamp(60_000));
+        assert_eq!(RateLimit::room(&later), 4, "never above the burst");
+        // Fractions carry over: 3 refills of 50 ms make 1.5 tokens.
+        let mut b = empty;
+        for t in [50, 100, 150] {
+            b = rate.refill(Some(b), Timestamp(t));
+        }
+        assert_eq!(b.millitokens, 1_500);
     }
 }

@@ -67,8 +67,11 @@ impl InsertOutcome {
 
 /// Claim up to `limit` runnable instances.
 ///
-/// Empty filter lists mean "any". Order: priority, then `eligible_at`, then id. Rows in a
-/// paused queue are skipped. Of rows sharing a `concurrency_key`, none is claimed while
+/// Empty filter lists mean "any". Order: the policy's rank (priority by default; one rank
+/// under `fifo`; starving rows first), then `eligible_at`, then id
+/// ([`crate::plan::claim::ClaimPolicy::rank`]). Rows in a paused queue are skipped; with a
+/// global limit, the claim names one queue and takes no more than the limit minus the
+/// queue's executing rows. Of rows sharing a `concurrency_key`, none is claimed while
 /// another is executing, and at most one per claim.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimParams {
@@ -86,12 +89,15 @@ pub struct ClaimParams {
     pub lease: Duration,
     /// Claim time.
     pub now: Timestamp,
+    /// Order and limits of the queue claimed from (default: priority order, no limits).
+    pub policy: crate::plan::claim::ClaimPolicy,
 }
 
 impl ClaimParams {
-    /// Checks the claim bound.
+    /// Checks the claim bound and the policy.
     pub fn validate(&self) -> StoreResult<()> {
-        check_batch("limit", self.limit, limits::CLAIM_BATCH_MAX)
+        check_batch("limit", self.limit, limits::CLAIM_BATCH_MAX)?;
+        self.policy.validate(&self.queues)
     }
 }
 
@@ -1219,6 +1225,7 @@ mod tests {
             limit,
             lease: Duration::from_secs(1),
             now,
+            policy: crate::plan::claim::ClaimPolicy::default(),
         };
         let extend = |n| LeaseExtendParams {
             worker: worker.clone(),

@@ -11,6 +11,7 @@ use super::{begin, commit, end_tx};
 use crate::error::{OpError, OpResult, is_unique_violation};
 use crate::rows::{self, HistoryWrite, ts};
 use deadpool_postgres::GenericClient;
+use keel_core::config::Strategy;
 use keel_core::instance::{ChildSummary, Signal};
 use keel_core::plan;
 use keel_core::ports::store::{Claim, ClaimParams};
@@ -39,42 +40,125 @@ pub(crate) fn filters(t: &str) -> String {
     )
 }
 
-/// The claim statement, built once.
-static SQL: LazyLock<String> = LazyLock::new(|| sql(""));
+/// The claim order a statement sorts by.
+#[derive(Clone, Copy)]
+enum Order {
+    /// Priority, then eligible order: the `instances_pick` index order.
+    Priority,
+    /// Eligible order alone (`fifo`): the `instances_pick_fifo` index order.
+    Fifo,
+    /// Priority with a starvation bound (`$12`): a row eligible at or before it ranks
+    /// ahead of every priority, as `ClaimPolicy::rank` says.
+    Ranked,
+}
+
+/// The claim order key over the table alias `t`, as a row constructor body.
+fn key(order: Order, t: &str) -> String {
+    match order {
+        Order::Priority => format!("{t}.priority, {t}.eligible_at, {t}.id"),
+        Order::Fifo => format!("{t}.eligible_at, {t}.id"),
+        Order::Ranked => format!(
+            "CASE WHEN {t}.eligible_at <= $12 THEN -1 ELSE {t}.priority END, {t}.eligible_at, {t}.id"
+        ),
+    }
+}
+
+/// The claim statement of today's index order, with no global limit: the hot path, built
+/// once.
+static SQL: LazyLock<String> = LazyLock::new(|| sql(Order::Priority, "", "$6", Keys::One));
 
 /// The claim of named instances (a queue hint's targets, `$9`): the same statement with
 /// the candidates narrowed to those ids.
-static SQL_IDS: LazyLock<String> = LazyLock::new(|| sql("AND i.id = ANY($9::int8[])"));
+static SQL_IDS: LazyLock<String> =
+    LazyLock::new(|| sql(Order::Priority, "AND i.id = ANY($9::int8[])", "$6", Keys::One));
 
-fn sql(only: &str) -> String {
+/// How a statement bounds the rows of one concurrency key.
+#[derive(Clone, Copy)]
+enum Keys {
+    /// One at a time: a key with an executing row is skipped, and only the key's first
+    /// runnable row (claim order) is a candidate; the claimed row takes slot 0.
+    One,
+    /// Up to `$11` at a time: a row is a candidate while the key's executing rows plus its
+    /// runnable rows ahead of it are fewer than `$11` (each count stops at `$11`), and a
+    /// claimed row takes the key's lowest free slot.
+    Up,
+}
+
+/// Under a policy: the ids filter is optional (`$9` NULL = any), `$10` is the queue's
+/// global limit (NULL = none), counted against the queue's executing rows at the
+/// statement's snapshot (the caller holds the queue's claim lock while it runs, so two
+/// claims of one limited queue cannot both see the same free room), and `$11` is the key
+/// limit.
+fn policy_sql(order: Order) -> String {
+    sql(
+        order,
+        "AND ($9::int8[] IS NULL OR i.id = ANY($9::int8[]))",
+        "CASE WHEN $10::int8 IS NULL THEN $6 ELSE least($6, greatest(0, $10::int8 - \
+           (SELECT count(*) FROM instances x WHERE x.status = 'executing' \
+              AND x.queue = ANY($3)))) END",
+        Keys::Up,
+    )
+}
+
+static SQL_FIFO: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Fifo));
+static SQL_PRIORITY_LIMITED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Priority));
+static SQL_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ranked));
+
+fn sql(order: Order, only: &str, limit: &str, keys: Keys) -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
+    let (key_i, key_o) = (key(order, "i"), key(order, "o"));
+    let filters_o = filters("o");
+    let (key_rule, slot) = match keys {
+        Keys::One => (
+            format!(
+                "NOT EXISTS (SELECT 1 FROM instances e \
+                   WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
+                 AND NOT EXISTS (SELECT 1 FROM instances o \
+                   WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
+                     AND o.eligible_at <= $1 AND {filters_o} AND ({key_o}) < ({key_i}))"
+            ),
+            "0".to_owned(),
+        ),
+        Keys::Up => (
+            format!(
+                "(SELECT count(*) FROM (SELECT 1 FROM instances e \
+                   WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key \
+                   LIMIT $11::int4) ke) \
+                 + (SELECT count(*) FROM (SELECT 1 FROM instances o \
+                   WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
+                     AND o.eligible_at <= $1 AND {filters_o} AND ({key_o}) < ({key_i}) \
+                   LIMIT $11::int4) ko) < $11::int4"
+            ),
+            "coalesce((SELECT s FROM generate_series(0, $11::int4 - 1) s \
+               WHERE NOT EXISTS (SELECT 1 FROM instances e WHERE e.status = 'executing' \
+                 AND e.concurrency_key = pick.ckey AND e.key_slot = s) \
+               ORDER BY s OFFSET pick.kn LIMIT 1), 0)"
+                .to_owned(),
+        ),
+    };
     format!(
         "WITH cand AS ( \
-           SELECT i.id, i.priority, i.eligible_at, \
+           SELECT i.id, i.priority, i.eligible_at, i.concurrency_key AS ckey, ({key_i}) AS ord, \
              CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
                    AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END AS guard \
            FROM instances i \
            WHERE i.status = 'runnable' AND i.eligible_at <= $1 {only} AND {filters_i} \
-             AND (i.concurrency_key IS NULL OR ( \
-                  NOT EXISTS (SELECT 1 FROM instances e \
-                    WHERE e.status = 'executing' AND e.concurrency_key = i.concurrency_key) \
-                  AND NOT EXISTS (SELECT 1 FROM instances o \
-                    WHERE o.status = 'runnable' AND o.concurrency_key = i.concurrency_key \
-                      AND o.eligible_at <= $1 AND {filters_o} \
-                      AND (o.priority, o.eligible_at, o.id) < (i.priority, i.eligible_at, i.id)))) \
+             AND (i.concurrency_key IS NULL OR ({key_rule})) \
              AND (i.unique_key IS NULL OR 'runnable' = ANY(i.unique_scope) \
                   OR NOT 'executing' = ANY(i.unique_scope) \
                   OR NOT EXISTS (SELECT 1 FROM instances g WHERE g.unique_guard = i.unique_key)) \
-           ORDER BY i.priority, i.eligible_at, i.id \
-           LIMIT $6 \
+           ORDER BY {key_i} \
+           LIMIT {limit} \
            FOR UPDATE SKIP LOCKED \
          ), pick AS ( \
-           SELECT id FROM (SELECT id, guard, row_number() OVER \
-             (PARTITION BY guard ORDER BY priority, eligible_at, id) AS rn FROM cand) r \
+           SELECT id, ckey, row_number() OVER (PARTITION BY ckey ORDER BY ord) - 1 AS kn \
+           FROM (SELECT id, ckey, ord, guard, row_number() OVER \
+             (PARTITION BY guard ORDER BY ord) AS rn FROM cand) r \
            WHERE guard IS NULL OR rn = 1 \
          ), u AS ( \
            UPDATE instances i SET status = 'executing', lease_owner = $7, \
-             lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1 \
+             lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1, \
+             key_slot = {slot} \
            FROM pick WHERE i.id = pick.id \
            RETURNING i.* \
          ) \
@@ -89,12 +173,70 @@ fn sql(only: &str) -> String {
                'result', CASE WHEN c.result IS NULL THEN NULL ELSE jsonb_build_array(c.result) END, 'last_error', c.last_error) \
                ORDER BY c.id), '[]') \
             FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
-         FROM u ORDER BY u.priority, u.eligible_at, u.id",
+         FROM u ORDER BY {key_u}",
+        key_i = key_i,
+        key_u = key(order, "u"),
         filters_i = filters("i"),
-        filters_o = filters("o"),
         inbox = limits::CLAIM_INBOX_MAX,
         children = limits::CHILDREN_LIST_MAX,
     )
+}
+
+/// Takes the claim lock of the claim's queue for the rest of the transaction: claims of a
+/// queue with a global limit run one at a time, each counting the executing rows that
+/// the previous ones committed. The lock lives only as long as the short claim
+/// transaction; no connection is held while steps run.
+pub(crate) async fn lock_queue<C: GenericClient + Sync>(c: &C, p: &ClaimParams) -> OpResult<()> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT pg_advisory_xact_lock(hashtextextended('keel claim ' || current_schema() || ' ' || q, 0)) \
+             FROM unnest($1::text[]) AS q ORDER BY q",
+        )
+        .await?;
+    c.query(&stmt, &[&p.queues]).await?;
+    Ok(())
+}
+
+/// Reads the claim's queue's rate bucket and returns it refilled, with the claim's limit
+/// lowered to the tokens it holds (the core's token bucket). Runs under the queue's
+/// claim lock.
+pub(crate) async fn rate_room<C: GenericClient + Sync>(
+    c: &C,
+    p: &ClaimParams,
+) -> OpResult<Option<(plan::claim::Bucket, usize)>> {
+    if p.policy.rate.is_none() {
+        return Ok(None);
+    }
+    let stmt = c
+        .prepare_cached(
+            "SELECT millitokens, floor(extract(epoch FROM at) * 1000)::int8 \
+             FROM rate_buckets WHERE queue = $1",
+        )
+        .await?;
+    let stored = c
+        .query_opt(&stmt, &[&p.queues[0]])
+        .await?
+        .map(|r| plan::claim::Bucket { millitokens: r.get(0), at: Timestamp(r.get(1)) });
+    let mut planner = plan::claim::ClaimPlanner::new(p);
+    Ok(planner.rate(stored).map(|refilled| (refilled, planner.cap())))
+}
+
+/// Stores the bucket after a rate-limited claim took `taken` rows.
+pub(crate) async fn rate_spent<C: GenericClient + Sync>(
+    c: &C,
+    p: &ClaimParams,
+    refilled: plan::claim::Bucket,
+    taken: usize,
+) -> OpResult<()> {
+    let left = plan::claim::RateLimit::spend(refilled, taken);
+    let stmt = c
+        .prepare_cached(
+            "INSERT INTO rate_buckets (queue, millitokens, at) VALUES ($1, $2, $3) \
+             ON CONFLICT (queue) DO UPDATE SET millitokens = excluded.millitokens, at = excluded.at",
+        )
+        .await?;
+    c.execute(&stmt, &[&p.queues[0], &left.millitokens, &ts(left.at)]).await?;
+    Ok(())
 }
 
 /// What one claim statement returned: the claims to hand out, and the claimed rows that
@@ -123,12 +265,32 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let now = ts(p.now);
     let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
         vec![&now, &p.namespaces, &p.queues, &names, &versions, &limit, &p.worker.0, &expires];
-    let stmt = match &ids {
-        Some(ids) => {
-            params.push(ids);
-            c.prepare_cached(&SQL_IDS).await?
+    let policy = &p.policy;
+    let ids_vec: Option<Vec<i64>> = ids.map(<[i64]>::to_vec);
+    let global = policy.global_limit.map(i64::from);
+    let key_limit = i32::try_from(policy.key_limit).unwrap_or(i32::MAX);
+    let starving = policy.starving_at_or_before(p.now).map(ts);
+    let stmt = if policy.is_plain_priority() {
+        match &ids {
+            Some(ids) => {
+                params.push(ids);
+                c.prepare_cached(&SQL_IDS).await?
+            }
+            None => c.prepare_cached(&SQL).await?,
         }
-        None => c.prepare_cached(&SQL).await?,
+    } else {
+        params.push(&ids_vec);
+        params.push(&global);
+        params.push(&key_limit);
+        let sql: &str = match (policy.strategy, &starving) {
+            (Strategy::Fifo, _) => &SQL_FIFO,
+            (Strategy::Priority, None) => &SQL_PRIORITY_LIMITED,
+            (Strategy::Priority, Some(bound)) => {
+                params.push(bound);
+                &SQL_RANKED
+            }
+        };
+        c.prepare_cached(sql).await?
     };
     let found = c.query(&stmt, &params).await?;
     let mut out = Claimed::default();

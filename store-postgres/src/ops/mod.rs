@@ -99,8 +99,40 @@ impl PgStore {
         params.validate()?;
         let mut tries = 0u32;
         loop {
-            let conn = self.client().await?;
-            match claim::run(&conn, &params, ids).await {
+            // A queue with a global limit is claimed in a short transaction under its
+            // claim lock; every other claim is one autocommit statement.
+            let limited = params.policy.is_queue_wide();
+            let mut conn = self.conn().await?;
+            conn.in_tx = false;
+            let result = if limited {
+                conn.in_tx = true;
+                let c = conn.client();
+                let run = async {
+                    begin(c).await?;
+                    claim::lock_queue(c, &params).await?;
+                    let claimed = match claim::rate_room(c, &params).await? {
+                        None => claim::run(c, &params, ids).await?,
+                        Some((refilled, room)) => {
+                            let narrowed = ClaimParams { limit: room, ..params.clone() };
+                            let claimed = claim::run(c, &narrowed, ids).await?;
+                            let taken = claimed.claims.len() + claimed.undecodable.len();
+                            claim::rate_spent(c, &params, refilled, taken).await?;
+                            claimed
+                        }
+                    };
+                    commit_tx(c).await?;
+                    Ok::<_, OpError>(claimed)
+                };
+                let result = run.await;
+                match &result {
+                    Ok(_) => conn.in_tx = false,
+                    Err(_) => conn.rollback().await,
+                }
+                result
+            } else {
+                claim::run(conn.client(), &params, ids).await
+            };
+            match result {
                 Err(e)
                     if (claim::is_key_race(&e) || e.is_transient())
                         && tries < TRANSACTION_RETRIES =>

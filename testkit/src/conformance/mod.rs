@@ -29,6 +29,7 @@ pub mod support;
 
 mod charts;
 mod children;
+mod claim_policies;
 mod claims;
 mod dead_letters;
 mod inbox;
@@ -45,6 +46,7 @@ mod uniqueness;
 
 pub use charts::*;
 pub use children::*;
+pub use claim_policies::*;
 pub use claims::*;
 pub use dead_letters::*;
 pub use inbox::*;
@@ -122,6 +124,11 @@ macro_rules! __store_contract_list {
             paused_queue_not_claimed_until_resumed,
             concurrency_key_serializes,
             claim_never_returns_held_row,
+            claim_order_fifo_ignores_priority,
+            claim_order_starvation_bound_overtakes_priority,
+            global_limit_bounds_a_queues_executing_rows,
+            key_limit_runs_k_rows_of_a_key_at_once,
+            rate_limit_bounds_a_queues_starts,
             retry_exhaustion_dead_letter_then_retry,
             dead_letter_retry_by_machine,
             dead_letter_skip_consumes_signals,

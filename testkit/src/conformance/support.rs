@@ -92,6 +92,7 @@ pub fn claim_params(ns: &str, limit: usize, now: Timestamp) -> ClaimParams {
         limit,
         lease: LEASE,
         now,
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
     }
 }
 
