@@ -1093,7 +1093,7 @@ impl KeelConfig {
                 if dead_letter.retention.is_some() {
                     return refuse(
                         "dead_letter.retention",
-                        "dead letters are kept until purged (`keel dlq purge`) by this version; remove the key",
+                        "the worker prunes dead letters after the retention set in code (QueueConfig::dead_letter); the file's value is not applied yet, remove the key",
                     );
                 }
             }
