@@ -49,8 +49,6 @@ pub struct AppState {
     pub definitions: Option<crate::definitions::Definitions>,
     /// Remote workers' registry beats.
     pub beats: registry::Beats,
-    /// The charts the dashboard draws (from `--definitions`).
-    pub charts: ui::Charts,
 }
 
 impl AppState {
@@ -64,7 +62,6 @@ impl AppState {
             tokens: None,
             definitions: None,
             beats: registry::Beats::default(),
-            charts: ui::Charts::default(),
         }
     }
 }
@@ -110,7 +107,6 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
     let definitions = definitions.map(crate::definitions::Definitions::load).transpose()?;
-    let charts = definitions.as_ref().map(ui::Charts::new).unwrap_or_default();
     if tokens.is_none() && !listen.ip().is_loopback() {
         bail!(
             "--listen: {listen} is not a loopback address; without --tokens keel serve has no authentication, so it only listens on 127.0.0.1 or ::1 (give it a tokens file to listen elsewhere)"
@@ -127,7 +123,6 @@ pub async fn run(
         tokens,
         definitions,
         beats: registry::Beats::default(),
-        charts,
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -139,7 +134,8 @@ pub async fn run(
         );
     }
     println!("listening on http://{bound}");
-    eprintln!("dashboard: http://{bound}/ui ({} chart definition(s) loaded)", state.charts.len());
+    let loaded = state.definitions.as_ref().map_or(0, |d| d.charts().len());
+    eprintln!("dashboard: http://{bound}/ui ({loaded} chart definition(s) loaded)");
     axum::serve(listener, router(state))
         .with_graceful_shutdown(keel::shutdown_signal())
         .await

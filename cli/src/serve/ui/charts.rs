@@ -1,46 +1,8 @@
-//! The chart definitions `keel serve --definitions PATH` loaded, by machine name and
-//! version, for the dashboard to draw. The server never runs them (their guards are bound
-//! to ones never taken): the drawing needs the names, not the code.
-
-use std::collections::BTreeMap;
+//! Drawing the charts `keel serve --definitions PATH` loaded, with an instance's active
+//! states highlighted. The server never runs them (their guards are bound to ones never
+//! taken): the drawing needs the names, not the code.
 
 use keel_core::chart::{Configuration, Definition};
-
-/// Chart definitions by machine name and version.
-#[derive(Default)]
-pub struct Charts {
-    by_machine: BTreeMap<(String, i32), Definition>,
-}
-
-impl Charts {
-    /// The charts of `keel serve --definitions`.
-    pub fn new(definitions: &crate::definitions::Definitions) -> Self {
-        let by_machine = definitions
-            .charts()
-            .iter()
-            .map(|def| {
-                let version = i32::try_from(def.version()).unwrap_or(i32::MAX);
-                ((def.name().to_owned(), version), def.clone())
-            })
-            .collect();
-        Charts { by_machine }
-    }
-
-    /// The definition of `machine` at `version`, if it was loaded.
-    pub fn get(&self, machine: &str, version: i32) -> Option<&Definition> {
-        self.by_machine.get(&(machine.to_owned(), version))
-    }
-
-    /// How many definitions were loaded.
-    pub fn len(&self) -> usize {
-        self.by_machine.len()
-    }
-
-    /// Whether none was loaded.
-    pub fn is_empty(&self) -> bool {
-        self.by_machine.is_empty()
-    }
-}
 
 /// The SVG of `def` with an instance's position highlighted: a chart's position is the
 /// JSON array of its active paths; anything else (`@init`, a step name) highlights nothing.
@@ -62,8 +24,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("door.json"), DOOR).unwrap();
         std::fs::write(dir.path().join("notes.txt"), "not a chart").unwrap();
-        let charts = Charts::new(&crate::definitions::Definitions::load(dir.path()).unwrap());
-        assert_eq!(charts.len(), 1);
+        let charts = crate::definitions::Definitions::load(dir.path()).unwrap();
+        assert_eq!(charts.charts().len(), 1);
         assert!(charts.get("door", 1).is_none(), "versions are told apart");
         let def = charts.get("door", 2).expect("door v2");
         let drawn = svg(def, r#"["open"]"#);

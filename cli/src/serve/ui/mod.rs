@@ -25,8 +25,6 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 
-pub use charts::Charts;
-
 use super::AppState;
 use super::auth::{Access, Grant};
 

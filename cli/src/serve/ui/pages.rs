@@ -670,7 +670,10 @@ fn instance_live(state: &AppState, ns: &str, d: &InstanceDetail) -> String {
             .unwrap_or_default(),
     );
     out.push_str("<div class=\"grid2\"><div>");
-    match state.charts.get(&i.machine.name, i.machine.version) {
+    let chart = state.definitions.as_ref().and_then(|defs| {
+        u32::try_from(i.machine.version).ok().and_then(|v| defs.get(&i.machine.name, v))
+    });
+    match chart {
         Some(def) => {
             let _ = write!(
                 out,
