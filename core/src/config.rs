@@ -1083,19 +1083,11 @@ impl KeelConfig {
                     "set the priority when the instance is started or the event sent; the file does not assign priorities yet",
                 );
             }
-            if let Some(dead_letter) = level.dead_letter {
-                if dead_letter.enabled.is_some() {
-                    return refuse(
-                        "dead_letter.enabled",
-                        "failed events are always dead-lettered by this version; remove the key",
-                    );
-                }
-                if dead_letter.retention.is_some() {
-                    return refuse(
-                        "dead_letter.retention",
-                        "the worker prunes dead letters after the retention set in code (QueueConfig::dead_letter); the file's value is not applied yet, remove the key",
-                    );
-                }
+            if level.dead_letter.is_some_and(|dead_letter| dead_letter.retention.is_some()) {
+                return refuse(
+                    "dead_letter.retention",
+                    "the worker prunes dead letters after the retention set in code (QueueConfig::dead_letter); the file's value is not applied yet, remove the key",
+                );
             }
         }
         let unset = PartialParallelConfig::default();
@@ -1223,6 +1215,11 @@ impl KeelConfig {
                 key: "on_dead_letter".into(),
                 value: resolved.on_dead_letter.to_string(),
                 source: source(&|q| q.on_dead_letter.is_some()),
+            },
+            Effective {
+                key: "dead_letter.enabled".into(),
+                value: resolved.dead_letter.enabled.to_string(),
+                source: source(&|q| q.dead_letter.as_ref().is_some_and(|d| d.enabled.is_some())),
             },
         ];
         // A system-level value set from the environment says so.
@@ -1769,10 +1766,6 @@ mod applied_tests {
             ),
             ("[queue]\npriority = \"high\"", "queue.priority: is not applied here"),
             (
-                "[queue.dead_letter]\nenabled = false",
-                "queue.dead_letter.enabled: is not applied here",
-            ),
-            (
                 "[machines.m.queue.dead_letter]\nretention = \"3 days\"",
                 "machines.m.queue.dead_letter.retention: is not applied here",
             ),
@@ -1789,6 +1782,7 @@ mod applied_tests {
         let ok = "[queue]\nstrategy = \"priority\"\nconcurrency = 4\ntimeout = \"5s\"\n\
                   [queue.alerts]\npending_warning = 10\n\
                   [machines.m.queue]\ntimeout = \"9s\"\non_dead_letter = \"skip\"\n\
+                  [machines.m.events.e.queue.dead_letter]\nenabled = false\n\
                   [queues.q]\nstarvation_after = \"1 minute\"\nglobal_concurrency = 3";
         KeelConfig::load(ok, |_| None).expect("every key applied");
     }
@@ -1862,6 +1856,7 @@ mod applied_tests {
         let (config, env) = KeelConfig::load(
             "[queue]\ntimeout = \"20s\"\n[queue.retry]\nmax_attempts = 4\n\
              [machines.m.queue]\non_dead_letter = \"skip\"\n\
+             [machines.m.queue.dead_letter]\nenabled = false\n\
              [machines.m.events.pay.queue.retry]\nmax_attempts = 9\n\
              [queues.q]\nglobal_concurrency = 3",
             |var| (var == "KEEL_QUEUE_TIMEOUT").then(|| "1 minute".to_owned()),
@@ -1876,6 +1871,13 @@ mod applied_tests {
         assert_eq!(get("timeout"), ("1 minute".into(), "env KEEL_QUEUE_TIMEOUT".into()));
         assert_eq!(get("retry.max_attempts"), ("9".into(), "[machines.m.events.pay.queue]".into()));
         assert_eq!(get("on_dead_letter"), ("skip".into(), "[machines.m.queue]".into()));
+        assert_eq!(get("dead_letter.enabled"), ("false".into(), "[machines.m.queue]".into()));
+        let system = config.explain("other", None, "q", None).unwrap();
+        let enabled = system.iter().find(|l| l.key == "dead_letter.enabled").expect("listed");
+        assert_eq!(
+            (enabled.value.as_str(), enabled.source.to_string()),
+            ("true", "default".into())
+        );
         assert_eq!(get("retry.backoff"), ("exponential".into(), "default".into()));
         assert_eq!(get("queues.q.strategy"), ("fifo".into(), "default".into()));
         assert_eq!(get("queues.q.global_concurrency"), ("3".into(), "[queues.q]".into()));

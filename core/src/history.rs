@@ -66,11 +66,14 @@ pub enum HistoryKind {
     ParallelDispatch,
     /// An operator moved the instance to another version of its chart.
     Migrated,
+    /// A step failed for good while dead letters were disabled for it: the failing event
+    /// was dropped (or the instance failed) and no dead letter was written.
+    FailureDiscarded,
 }
 
 impl HistoryKind {
     /// Every kind, in declaration order.
-    pub const ALL: [HistoryKind; 28] = [
+    pub const ALL: [HistoryKind; 29] = [
         HistoryKind::StepNext,
         HistoryKind::StepRetry,
         HistoryKind::StepAwait,
@@ -99,6 +102,7 @@ impl HistoryKind {
         HistoryKind::ParallelFail,
         HistoryKind::ParallelDispatch,
         HistoryKind::Migrated,
+        HistoryKind::FailureDiscarded,
     ];
 
     /// The stored name. These strings are what existing databases hold, so they never
@@ -133,6 +137,7 @@ impl HistoryKind {
             HistoryKind::ParallelFail => "PARALLEL_FAIL",
             HistoryKind::ParallelDispatch => "PARALLEL_DISPATCH",
             HistoryKind::Migrated => "MIGRATED",
+            HistoryKind::FailureDiscarded => "FAILURE_DISCARDED",
         }
     }
 

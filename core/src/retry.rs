@@ -22,8 +22,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::OnDeadLetter;
+use crate::config::{OnDeadLetter, QueueConfig};
 use crate::error::ErrorKind;
+use crate::history::HistoryKind;
+use crate::instance::{HistoryEntry, clip_error};
 use crate::names::name_enum;
 
 name_enum! {
@@ -377,30 +379,100 @@ pub enum FailurePlan {
         /// Why it was dead-lettered.
         reason: DeadLetterReason,
     },
+    /// Dead letters are disabled for this step: write no dead letter, consume the event
+    /// being processed, record the discard ([`discard_record`]) and carry on with the next
+    /// event at the same position.
+    DropEvent {
+        /// Why it would have been dead-lettered.
+        reason: DeadLetterReason,
+    },
+    /// Dead letters are disabled for this step and it processed no single event that could
+    /// be dropped (a step machine's step, a chart's start): write no dead letter, record the
+    /// discard ([`discard_record`]) and fail the instance, since there is nothing to skip to.
+    FailInstance {
+        /// Why it would have been dead-lettered.
+        reason: DeadLetterReason,
+    },
     /// Leave the instance untouched (see [`RetryDecision::Discard`]).
     Discard,
 }
 
-/// Plans what follows the failure of attempt `failed_attempt` (0-based) of a step: the
-/// retry decision of [`decide`], then, for a dead letter, `on_dead_letter`: `skip` drops
-/// the event the step was processing (`processing_event`) and carries on; a step that
-/// processed no single event, or `suspend`, suspends the instance.
+/// Plans what follows the failure of attempt `failed_attempt` (0-based) of a step run
+/// under `config`: the retry decision of [`decide`] with `config.retry`, then, where that
+/// decision is a dead letter:
+///
+/// - with `config.dead_letter.enabled = false`, nothing is dead-lettered and the instance
+///   is not suspended, whatever `on_dead_letter` says (a suspended instance with no dead
+///   letter would wait for an operator who has nothing to retry): the event the step was
+///   processing (`processing_event`) is dropped and the instance carries on, or, without
+///   such an event, the instance fails;
+/// - otherwise `config.on_dead_letter`: `skip` drops the event the step was processing and
+///   carries on; a step that processed no single event, or `suspend`, suspends the
+///   instance.
 pub fn plan_failure(
-    policy: &RetryPolicy,
-    on_dead_letter: OnDeadLetter,
+    config: &QueueConfig,
     failed_attempt: u32,
     kind: impl Into<FailureKind>,
     processing_event: bool,
     random: f64,
 ) -> FailurePlan {
-    match decide(policy, failed_attempt, kind, random) {
+    match decide(&config.retry, failed_attempt, kind, random) {
         RetryDecision::Retry { delay } => FailurePlan::Retry { delay },
         RetryDecision::Discard => FailurePlan::Discard,
-        RetryDecision::DeadLetter { reason } => match (on_dead_letter, processing_event) {
-            (OnDeadLetter::Skip, true) => FailurePlan::Skip { reason },
-            _ => FailurePlan::Suspend { reason },
-        },
+        RetryDecision::DeadLetter { reason } => {
+            match (config.dead_letter.enabled, config.on_dead_letter, processing_event) {
+                (false, _, true) => FailurePlan::DropEvent { reason },
+                (false, _, false) => FailurePlan::FailInstance { reason },
+                (true, OnDeadLetter::Skip, true) => FailurePlan::Skip { reason },
+                (true, _, _) => FailurePlan::Suspend { reason },
+            }
+        }
     }
+}
+
+impl DeadLetterReason {
+    /// The stored name, as in a dead letter's `reason`: `exhausted` or `non_retryable`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Exhausted => "exhausted",
+            Self::NonRetryable => "non_retryable",
+        }
+    }
+}
+
+/// The history entry recording a failure discarded because dead letters are disabled
+/// ([`FailurePlan::DropEvent`], [`FailurePlan::FailInstance`]): why it would have been
+/// dead-lettered, how many attempts ran, the last error, the step, and the dropped event
+/// (name and payload) when there was one. With no dead letter to inspect, this entry is
+/// what an operator reads to learn what was lost.
+pub fn discard_record(
+    reason: DeadLetterReason,
+    attempts: i32,
+    error: &str,
+    step: &str,
+    event: Option<&serde_json::Value>,
+) -> HistoryEntry {
+    HistoryEntry::new(
+        HistoryKind::FailureDiscarded,
+        serde_json::json!({
+            "reason": reason.as_str(),
+            "attempts": attempts,
+            "error": clip_error(error),
+            "step": step,
+            "event": event,
+            "outcome": if event.is_some() { "event_dropped" } else { "instance_failed" },
+        }),
+    )
+}
+
+/// The reason a step machine's instance fails with when its failure is discarded
+/// ([`FailurePlan::FailInstance`]): the step's error, and why no dead letter was written.
+pub fn discard_stop_reason(reason: DeadLetterReason, attempts: i32, error: &str) -> String {
+    let why = match reason {
+        DeadLetterReason::Exhausted => format!("failed after {attempts} attempts"),
+        DeadLetterReason::NonRetryable => "failed with a non-retryable error".to_owned(),
+    };
+    format!("{error} ({why}; dead letters are disabled, so the step was discarded)")
 }
 
 /// What a runtime does with a step result the store refused.
@@ -610,8 +682,9 @@ mod tests {
         assert_eq!(FailureKind::from(ErrorClass::NonRetryable), NonRetryable);
     }
 
-    /// Retry, dead-letter and suspend, dead-letter and skip, or discard: one table over
-    /// kind, attempt, the dead-letter policy and whether the step processed one event.
+    /// Retry, dead-letter and suspend, dead-letter and skip, drop the event, fail the
+    /// instance, or discard: one table over kind, attempt, the dead-letter settings and
+    /// whether the step processed one event.
     #[test]
     fn failure_plans_by_kind_attempt_and_dead_letter_policy() {
         use DeadLetterReason::{Exhausted, NonRetryable as Fatal};
@@ -620,30 +693,66 @@ mod tests {
         let retry = |delay| FailurePlan::Retry { delay };
         let suspend = |reason| FailurePlan::Suspend { reason };
         let skip = |reason| FailurePlan::Skip { reason };
-        let three = RetryPolicy::default();
+        let drop = |reason| FailurePlan::DropEvent { reason };
+        let fail = |reason| FailurePlan::FailInstance { reason };
         #[rustfmt::skip]
-        let cases: &[(FailureKind, u32, OnDeadLetter, bool, FailurePlan)] = &[
-            (Action,       0, P_, true,  retry(S(1))),
-            (Action,       0, S_, true,  retry(S(1))),
-            (Timeout,      1, S_, true,  retry(S(2))),
-            (Action,       2, P_, true,  suspend(Exhausted)),
-            (Action,       2, S_, true,  skip(Exhausted)),
-            (Panic,        2, S_, true,  skip(Exhausted)),
+        let cases: &[(FailureKind, u32, OnDeadLetter, bool, bool, FailurePlan)] = &[
+            // kind,       attempt, on_dead_letter, dead letters enabled, processing an event
+            (Action,       0, P_, true,  true,  retry(S(1))),
+            (Action,       0, S_, true,  true,  retry(S(1))),
+            (Timeout,      1, S_, true,  true,  retry(S(2))),
+            (Action,       2, P_, true,  true,  suspend(Exhausted)),
+            (Action,       2, S_, true,  true,  skip(Exhausted)),
+            (Panic,        2, S_, true,  true,  skip(Exhausted)),
             // Skipping needs an event to drop; without one the instance suspends.
-            (Action,       2, S_, false, suspend(Exhausted)),
-            (NonRetryable, 0, P_, true,  suspend(Fatal)),
-            (NonRetryable, 0, S_, true,  skip(Fatal)),
-            (Refused,      0, S_, false, suspend(Fatal)),
-            (LeaseLost,    0, S_, true,  FailurePlan::Discard),
-            (Unavailable,  2, P_, true,  FailurePlan::Discard),
+            (Action,       2, S_, true,  false, suspend(Exhausted)),
+            (NonRetryable, 0, P_, true,  true,  suspend(Fatal)),
+            (NonRetryable, 0, S_, true,  true,  skip(Fatal)),
+            (Refused,      0, S_, true,  false, suspend(Fatal)),
+            (LeaseLost,    0, S_, true,  true,  FailurePlan::Discard),
+            (Unavailable,  2, P_, true,  true,  FailurePlan::Discard),
+            // Dead letters disabled: retries still run; what would be dead-lettered drops
+            // the event, or fails the instance when there is no event, whatever
+            // on_dead_letter says.
+            (Action,       0, P_, false, true,  retry(S(1))),
+            (Action,       2, P_, false, true,  drop(Exhausted)),
+            (Action,       2, S_, false, true,  drop(Exhausted)),
+            (NonRetryable, 0, P_, false, true,  drop(Fatal)),
+            (Action,       2, P_, false, false, fail(Exhausted)),
+            (NonRetryable, 0, S_, false, false, fail(Fatal)),
+            (LeaseLost,    2, P_, false, false, FailurePlan::Discard),
         ];
-        for &(kind, attempt, on_dead_letter, processing, expected) in cases {
+        for &(kind, attempt, on_dead_letter, enabled, processing, expected) in cases {
+            let mut config = QueueConfig { on_dead_letter, ..QueueConfig::default() };
+            config.dead_letter.enabled = enabled;
             assert_eq!(
-                plan_failure(&three, on_dead_letter, attempt, kind, processing, 0.0),
+                plan_failure(&config, attempt, kind, processing, 0.0),
                 expected,
-                "{kind:?}, attempt {attempt}, {on_dead_letter:?}, processing an event: {processing}"
+                "{kind:?}, attempt {attempt}, {on_dead_letter:?}, enabled {enabled}, processing an event: {processing}"
             );
         }
+    }
+
+    #[test]
+    fn a_discard_records_what_was_lost() {
+        let event = serde_json::json!({ "name": "pay", "payload": { "amount": 5 } });
+        let entry =
+            discard_record(DeadLetterReason::Exhausted, 3, "card declined", "@p", Some(&event));
+        assert!(HistoryKind::FailureDiscarded.is(&entry.kind));
+        assert_eq!(
+            entry.data,
+            serde_json::json!({
+                "reason": "exhausted", "attempts": 3, "error": "card declined", "step": "@p",
+                "event": event, "outcome": "event_dropped",
+            })
+        );
+        let entry = discard_record(DeadLetterReason::NonRetryable, 1, "bad", "charge", None);
+        assert_eq!(entry.data["outcome"], "instance_failed");
+        assert_eq!(entry.data["reason"], "non_retryable");
+        assert_eq!(
+            discard_stop_reason(DeadLetterReason::Exhausted, 3, "card declined"),
+            "card declined (failed after 3 attempts; dead letters are disabled, so the step was discarded)"
+        );
     }
 
     #[test]

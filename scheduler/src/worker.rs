@@ -1052,13 +1052,13 @@ async fn failure_commit(
             };
             let processing_event = processing.as_ref();
             let plan = retry::plan_failure(
-                &config.retry,
-                config.on_dead_letter,
+                config,
                 attempt,
                 kind,
                 processing_event.is_some(),
                 fastrand::f64(),
             );
+            let attempts = row.attempt + 1;
             match (plan, processing_event) {
                 (FailurePlan::Retry { delay }, _) => {
                     Outcome::Retry { context: row.context.clone(), delay }
@@ -1071,6 +1071,37 @@ async fn failure_commit(
                         signal: ANY_SIGNAL.into(),
                         context: row.context.clone(),
                         step: None,
+                    }
+                }
+                // Dead letters disabled: the same as a skip, but no dead letter is written;
+                // history says what was dropped.
+                (FailurePlan::DropEvent { reason }, Some(event)) => {
+                    consume.push(event.id);
+                    let dropped = json!({ "name": event.name, "payload": event.payload });
+                    ctx.record(retry::discard_record(
+                        reason,
+                        attempts,
+                        &error.message,
+                        &row.position,
+                        Some(&dropped),
+                    ));
+                    Outcome::Await {
+                        signal: ANY_SIGNAL.into(),
+                        context: row.context.clone(),
+                        step: None,
+                    }
+                }
+                // Dead letters disabled and no event to drop: the instance fails.
+                (FailurePlan::FailInstance { reason } | FailurePlan::DropEvent { reason }, _) => {
+                    ctx.record(retry::discard_record(
+                        reason,
+                        attempts,
+                        &error.message,
+                        &row.position,
+                        None,
+                    ));
+                    Outcome::Stop {
+                        reason: retry::discard_stop_reason(reason, attempts, &error.message),
                     }
                 }
                 (

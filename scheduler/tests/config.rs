@@ -11,11 +11,16 @@ mod common;
 
 use async_trait::async_trait;
 use common::TestStore;
+use keel_core::chart::{ActionError, Definition};
 use keel_core::config::KeelConfig;
+use keel_core::history::HistoryKind;
+use keel_core::instance::HistoryRecord;
 use keel_core::instance::NewInstance;
 use keel_core::ports::Clock;
-use keel_core::{MachineRef, NewSignal, Outcome, Status, WorkerId};
-use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
+use keel_core::ports::Store;
+use keel_core::ports::store::DeadLetterFilter;
+use keel_core::{InstanceId, MachineRef, NewSignal, Outcome, Status, WorkerId};
+use keel_scheduler::{ChartMachine, StepContext, StepError, StepMachine, WorkerConfig};
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,6 +28,9 @@ use std::time::Duration;
 
 on_every_store!(
     an_events_section_overrides_its_machines_timeout_and_retry,
+    dead_letters_disabled_at_system_machine_or_event_level_drop_a_charts_failed_event,
+    dead_letters_enabled_true_under_a_disabled_system_level_still_dead_letters,
+    a_step_machine_with_dead_letters_disabled_fails_instead_of_suspending,
     a_global_limit_holds_across_three_workers,
     a_key_limit_of_three_holds_across_three_workers,
 );
@@ -323,4 +331,211 @@ async fn a_rate_limit_of_100_per_second_holds_across_three_workers<S: TestStore>
         off * 100.0
     );
     assert!(off <= 0.05, "{in_window} starts in {WINDOW:?}, more than 5 % off {expected}");
+}
+
+/// A ledger chart: `post` and `audit` run the `post` action, which appends the payload's
+/// `entry` to the context's `posted` list, or fails when the payload says `bad` (for
+/// good: a non-retryable error, or a retryable one when it says `flaky`); `close`
+/// finishes it.
+fn ledger() -> ChartMachine {
+    let definition = Definition::builder("ledger", 1)
+        .initial("open")
+        .state("open", |s| {
+            s.on("post", |t| t.action("post"))
+                .on("audit", |t| t.action("post"))
+                .on_to("close", "closed")
+        })
+        .final_state("closed")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(definition).action("post", |ctx, event| async move {
+        if event.payload["bad"] == json!(true) {
+            return Err(ActionError::permanent("the ledger refused the entry"));
+        }
+        if event.payload["flaky"] == json!(true) {
+            return Err(ActionError::new("the ledger is unreachable"));
+        }
+        let mut posted: Vec<serde_json::Value> = ctx.get_as("posted").unwrap_or_default();
+        posted.push(event.payload["entry"].clone());
+        ctx.set("posted", posted);
+        Ok(())
+    })
+}
+
+async fn history_of<S: Store>(h: &common::Harness<S>, id: InstanceId) -> Vec<HistoryRecord> {
+    h.client.get(id).await.expect("get").history
+}
+
+fn discards(history: &[HistoryRecord]) -> Vec<&serde_json::Value> {
+    history
+        .iter()
+        .filter(|r| HistoryKind::FailureDiscarded.is(&r.entry.kind))
+        .map(|r| &r.entry.data)
+        .collect()
+}
+
+/// `dead_letter.enabled = false` at the system level, the chart's machine section or the
+/// failing event's section: the failed event is dropped (no dead letter, never
+/// suspended), history records it with its error and attempts, and the chart processes
+/// its next events.
+async fn dead_letters_disabled_at_system_machine_or_event_level_drop_a_charts_failed_event<
+    S: TestStore,
+>() {
+    let levels = [
+        "[queue.dead_letter]\nenabled = false",
+        "[machines.ledger.queue.dead_letter]\nenabled = false",
+        "[machines.ledger.events.post.queue.dead_letter]\nenabled = false",
+    ];
+    for level in levels {
+        let h = S::harness().await;
+        // Two attempts, no back-off: the flaky event is dropped after its retries ran out.
+        let file = settings(&format!(
+            "[queue.retry]\nmax_attempts = 2\ninitial_delay = \"0 seconds\"\n{level}"
+        ));
+        let worker = h.worker(h.config().with_settings(file).expect("applied"), ledger());
+        let id = h.start(ledger().new_instance(json!({}))).await;
+        h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+        let events = [
+            NewSignal::new(id, "post").payload(json!({ "entry": 1 })),
+            NewSignal::new(id, "post").payload(json!({ "entry": 2, "bad": true })),
+            NewSignal::new(id, "post").payload(json!({ "entry": 3, "flaky": true })),
+            NewSignal::new(id, "post").payload(json!({ "entry": 4 })),
+            NewSignal::new(id, "close"),
+        ];
+        h.client.send_many(events.to_vec()).await.expect("send");
+        let row = h.wait(id, "closed", |r| r.status.is_terminal()).await;
+        assert_eq!(row.status, Status::Done, "{level}: {:?}", row.last_error);
+        assert_eq!(
+            row.result.as_ref().map(|r| r["posted"].clone()),
+            Some(json!([1, 4])),
+            "{level}"
+        );
+        let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("list");
+        assert!(letters.is_empty(), "{level}: no dead letter is written: {letters:?}");
+        let history = history_of(&h, id).await;
+        assert!(
+            !history.iter().any(|r| HistoryKind::StepSuspended.is(&r.entry.kind)
+                || HistoryKind::DeadLettered.is(&r.entry.kind)),
+            "{level}: never suspended nor dead-lettered"
+        );
+        let dropped = discards(&history);
+        assert_eq!(dropped.len(), 2, "{level}: {dropped:?}");
+        assert_eq!(
+            (&dropped[0]["reason"], &dropped[0]["attempts"]),
+            (&json!("non_retryable"), &json!(1)),
+            "{level}"
+        );
+        let error = dropped[0]["error"].as_str().unwrap_or_default();
+        assert!(error.ends_with("the ledger refused the entry"), "{level}: {error}");
+        assert_eq!(dropped[0]["event"]["name"], "post");
+        assert_eq!(dropped[0]["event"]["payload"]["entry"], 2);
+        assert_eq!(dropped[0]["outcome"], "event_dropped");
+        assert_eq!(
+            (&dropped[1]["reason"], &dropped[1]["attempts"]),
+            (&json!("exhausted"), &json!(2)),
+            "{level}"
+        );
+        let error = dropped[1]["error"].as_str().unwrap_or_default();
+        assert!(error.ends_with("the ledger is unreachable"), "{level}: {error}");
+        assert_eq!(dropped[1]["event"]["payload"]["entry"], 3);
+        worker.shutdown().await;
+    }
+}
+
+/// The most specific level wins in both directions: the system level disables dead
+/// letters, the machine turns them back on and one event of it turns them off again. The
+/// machine's failed `audit` is dead-lettered and suspends the instance as usual; its
+/// failed `post` (the event's section) is dropped.
+async fn dead_letters_enabled_true_under_a_disabled_system_level_still_dead_letters<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    let file = settings(
+        "[queue.dead_letter]\nenabled = false\n\
+         [machines.ledger.queue.dead_letter]\nenabled = true\n\
+         [machines.ledger.events.post.queue.dead_letter]\nenabled = false",
+    );
+    let worker = h.worker(h.config().with_settings(file).expect("applied"), ledger());
+    let id = h.start(ledger().new_instance(json!({}))).await;
+    h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+    let events = [
+        NewSignal::new(id, "post").payload(json!({ "entry": 1, "bad": true })),
+        NewSignal::new(id, "post").payload(json!({ "entry": 2 })),
+        NewSignal::new(id, "audit").payload(json!({ "entry": 3, "bad": true })),
+        NewSignal::new(id, "close"),
+    ];
+    h.client.send_many(events.to_vec()).await.expect("send");
+    let row = h.wait(id, "suspended", |r| r.status == Status::Suspended).await;
+    assert_eq!(row.context["posted"], json!([2]), "the bad post was dropped, the good one ran");
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("list");
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let letter = &letters[0].letter;
+    assert_eq!((letter.instance, letter.reason.as_str()), (id, "non_retryable"));
+    assert_eq!(letter.event.as_ref().map(|e| e["name"].clone()), Some(json!("audit")));
+    let history = history_of(&h, id).await;
+    let dropped = discards(&history);
+    assert_eq!(dropped.len(), 1, "{dropped:?}");
+    assert_eq!(dropped[0]["event"]["payload"]["entry"], 1);
+    let inbox: Vec<String> =
+        h.client.get(id).await.expect("get").inbox.iter().map(|s| s.name.clone()).collect();
+    assert_eq!(inbox, ["audit", "close"], "the suspended instance keeps its later events in order");
+    worker.shutdown().await;
+}
+
+/// Fails its only step for good.
+struct Charge;
+
+#[async_trait]
+impl StepMachine for Charge {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("charge", 1)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Err(StepError::fatal("card number invalid"))
+    }
+}
+
+/// A step machine has no event to drop: with dead letters disabled for it (its machine
+/// section), the failed step is discarded and the instance fails, with the step's error
+/// and the discard in history; a second machine under the system default still
+/// dead-letters and suspends.
+async fn a_step_machine_with_dead_letters_disabled_fails_instead_of_suspending<S: TestStore>() {
+    let h = S::harness().await;
+    let file = settings("[machines.charge.queue.dead_letter]\nenabled = false");
+    let config = h.config().with_settings(file).expect("applied");
+    let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config);
+    let worker = h.hinted(worker.register(Charge).register(Refund)).spawn();
+    let charge = h.start(NewInstance::new(MachineRef::new("charge", 1), "charge")).await;
+    let refund = h.start(NewInstance::new(MachineRef::new("refund", 1), "refund")).await;
+    let row = h.wait(charge, "failed", |r| r.status.is_terminal()).await;
+    assert_eq!(row.status, Status::Failed);
+    let reason = row.last_error.clone().unwrap_or_default();
+    assert!(reason.starts_with("card number invalid"), "{reason}");
+    assert!(reason.contains("dead letters are disabled"), "{reason}");
+    let history = history_of(&h, charge).await;
+    let dropped = discards(&history);
+    assert_eq!(dropped.len(), 1, "{dropped:?}");
+    assert_eq!(
+        (&dropped[0]["step"], &dropped[0]["attempts"], &dropped[0]["outcome"]),
+        (&json!("charge"), &json!(1), &json!("instance_failed"))
+    );
+    assert_eq!(dropped[0]["error"], "card number invalid");
+    h.wait(refund, "suspended", |r| r.status == Status::Suspended).await;
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("list");
+    let owners: Vec<InstanceId> = letters.iter().map(|l| l.letter.instance).collect();
+    assert_eq!(owners, [refund], "only the machine with dead letters on wrote one");
+    worker.shutdown().await;
+}
+
+/// Fails its only step for good, under the system default (dead letters on).
+struct Refund;
+
+#[async_trait]
+impl StepMachine for Refund {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("refund", 1)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Err(StepError::fatal("refund window closed"))
+    }
 }

@@ -19,11 +19,12 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
-use keel_core::config::OnDeadLetter;
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::ports::Store;
 use keel_core::ports::store::{ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams};
-use keel_core::retry::{FailureKind, FailurePlan, plan_failure};
+use keel_core::retry::{
+    FailureKind, FailurePlan, discard_record, discard_stop_reason, plan_failure,
+};
 use keel_core::{StepCommit, StepFailure};
 use serde::Deserialize;
 use serde_json::json;
@@ -287,8 +288,10 @@ pub async fn fail(
         .map_err(|error| ApiError::bad("config", error.to_string()))?;
     let kind = if b.retryable { FailureKind::Action } else { FailureKind::NonRetryable };
     let attempt = u32::try_from(row.attempt).unwrap_or(0);
-    // A remote step reports no single event it was processing, so `skip` suspends too.
-    let plan = plan_failure(&config.retry, OnDeadLetter::Suspend, attempt, kind, false, 0.5);
+    // A remote step reports no single event it was processing, so `skip` suspends too, and
+    // with dead letters disabled the instance fails.
+    let plan = plan_failure(&config, attempt, kind, false, 0.5);
+    let attempts = row.attempt + 1;
     let mut failure = StepFailure {
         error: b.error,
         retryable: b.retryable,
@@ -296,14 +299,21 @@ pub async fn fail(
         signals: detail.inbox.iter().map(|s| s.id).collect(),
         event: None,
     };
-    let outcome = if let FailurePlan::Retry { delay } = plan {
-        Outcome::Retry { context: row.context.clone(), delay }
-    } else {
-        failure.dead_letter = true;
-        Outcome::Suspend
+    let mut history = Vec::new();
+    let outcome = match plan {
+        FailurePlan::Retry { delay } => Outcome::Retry { context: row.context.clone(), delay },
+        FailurePlan::FailInstance { reason } | FailurePlan::DropEvent { reason } => {
+            history.push(discard_record(reason, attempts, &failure.error, &row.position, None));
+            Outcome::Stop { reason: discard_stop_reason(reason, attempts, &failure.error) }
+        }
+        FailurePlan::Suspend { .. } | FailurePlan::Skip { .. } | FailurePlan::Discard => {
+            failure.dead_letter = true;
+            Outcome::Suspend
+        }
     };
     let mut commit = StepCommit::new(id, FencingToken(b.token), outcome);
     commit.failure = Some(failure);
+    commit.history = history;
     commit_one(&state, id, commit).await
 }
 
