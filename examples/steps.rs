@@ -57,6 +57,7 @@ impl StepMachine for Order {
                     next: "complete".into(),
                     children: parcels,
                     context: state,
+                    join: Default::default(),
                 }
             }
             "complete" => {

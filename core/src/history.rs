@@ -69,11 +69,14 @@ pub enum HistoryKind {
     /// A step failed for good while dead letters were disabled for it: the failing event
     /// was dropped (or the instance failed) and no dead letter was written.
     FailureDiscarded,
+    /// A parent woke from a join before (or as) its last child ended: a quorum reached or
+    /// out of reach, or a deadline passed.
+    JoinWoke,
 }
 
 impl HistoryKind {
     /// Every kind, in declaration order.
-    pub const ALL: [HistoryKind; 29] = [
+    pub const ALL: [HistoryKind; 30] = [
         HistoryKind::StepNext,
         HistoryKind::StepRetry,
         HistoryKind::StepAwait,
@@ -103,6 +106,7 @@ impl HistoryKind {
         HistoryKind::ParallelDispatch,
         HistoryKind::Migrated,
         HistoryKind::FailureDiscarded,
+        HistoryKind::JoinWoke,
     ];
 
     /// The stored name. These strings are what existing databases hold, so they never
@@ -138,6 +142,7 @@ impl HistoryKind {
             HistoryKind::ParallelDispatch => "PARALLEL_DISPATCH",
             HistoryKind::Migrated => "MIGRATED",
             HistoryKind::FailureDiscarded => "FAILURE_DISCARDED",
+            HistoryKind::JoinWoke => "JOIN_WOKE",
         }
     }
 

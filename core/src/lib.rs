@@ -13,6 +13,7 @@ pub mod history;
 pub mod ids;
 pub mod inbox;
 pub mod instance;
+pub mod join;
 pub mod limits;
 mod names;
 pub mod outcome;

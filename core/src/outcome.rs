@@ -11,6 +11,7 @@ use crate::chart::{Event, TimerArm};
 use crate::error::{StoreError, StoreResult};
 use crate::history::HistoryKind;
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
+use crate::join::{JOIN_KEY, Join};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
     check_batch, check_name, check_object_within, check_record_within, check_size_within,
@@ -53,8 +54,11 @@ pub enum Outcome {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         step: Option<String>,
     },
-    /// Spawn `children` and park until every one is terminal; then run `next`. Zero
-    /// children inserted (uniqueness may drop some) ⇒ runnable at `next` at once.
+    /// Spawn `children` and park until the join says the parent wakes (by default, when
+    /// every child is terminal); then run `next`. Zero children inserted (uniqueness may
+    /// drop some) ⇒ runnable at `next` at once. Build it with
+    /// [`Outcome::schedule_children`] and, for a quorum or a deadline,
+    /// [`Outcome::with_join`].
     ScheduleChildren {
         /// The step to run once the barrier releases.
         next: String,
@@ -62,6 +66,10 @@ pub enum Outcome {
         children: Vec<NewInstance>,
         /// The context to park with.
         context: Value,
+        /// When the parent wakes, and what becomes of the children still running then
+        /// (default: when all have ended).
+        #[serde(default, skip_serializing_if = "is_default_join")]
+        join: Join,
     },
     /// Finish with a result (the context is not rewritten). With `step`, move there
     /// first: a chart instance finishes at its final configuration, so its position says
@@ -85,7 +93,47 @@ pub enum Outcome {
     Suspend,
 }
 
+fn is_default_join(join: &Join) -> bool {
+    *join == Join::default()
+}
+
 impl Outcome {
+    /// [`Outcome::ScheduleChildren`] waiting for all `children` to end, then running `next`.
+    pub fn schedule_children(
+        next: impl Into<String>,
+        children: Vec<NewInstance>,
+        context: Value,
+    ) -> Outcome {
+        Outcome::ScheduleChildren {
+            next: next.into(),
+            children,
+            context,
+            join: Join::default(),
+        }
+    }
+
+    /// The same outcome with `join` as its join policy: a quorum, a deadline, and what
+    /// becomes of the children still running when the parent wakes. Only
+    /// [`Outcome::ScheduleChildren`] has a join; any other outcome is returned unchanged.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use keel_core::{NewInstance, MachineRef, Outcome};
+    /// use keel_core::join::Join;
+    /// use serde_json::json;
+    ///
+    /// let quotes = (0..5).map(|_| NewInstance::new(MachineRef::new("quote", 1), "ask")).collect();
+    /// let outcome = Outcome::schedule_children("compare", quotes, json!({}))
+    ///     .with_join(Join::quorum(3).within(Duration::from_secs(30)));
+    /// ```
+    #[must_use]
+    pub fn with_join(mut self, policy: Join) -> Outcome {
+        if let Outcome::ScheduleChildren { join, .. } = &mut self {
+            *join = policy;
+        }
+        self
+    }
+
     /// [`Outcome::Next`] with a typed context, serialized.
     pub fn next_with<C: Serialize>(
         step: impl Into<String>,
@@ -266,9 +314,10 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
                 check_name("outcome.step", step)?;
             }
         }
-        Outcome::ScheduleChildren { next, children, .. } => {
+        Outcome::ScheduleChildren { next, children, join, .. } => {
             check_name("outcome.next", next)?;
             check_batch("outcome.children", children.len(), limits::CHILDREN_PER_STEP_MAX)?;
+            join.validate("outcome.join", children.len())?;
             for (i, c) in children.iter().enumerate() {
                 c.validate_within(&format!("outcome.children[{i}]"), depth)?;
             }
@@ -471,7 +520,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
                 json!({ "signal": signal, "parked": !facts.signal_waiting, "at": next.position }),
             )
         }
-        Outcome::ScheduleChildren { next: step, context, children } => {
+        Outcome::ScheduleChildren { next: step, context, children, .. } => {
             next.position.clone_from(step);
             next.context = context.clone();
             next.children_pending = facts.children_inserted;
@@ -514,6 +563,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         }
     };
     history.push(engine_entry);
+    keep_join(row, &mut next);
 
     let dead_letter = commit.failure.as_ref().filter(|f| f.dead_letter).map(|f| {
         // The errors of every attempt of this step: those kept on the row, plus this one.
@@ -541,6 +591,18 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
     });
     next.errors = errors;
     Applied { row: next, history, dead_letter }
+}
+
+/// A join's bookkeeping in the context ([`crate::join::JOIN_KEY`]) is the engine's: a
+/// step's new context that leaves it out keeps the stored one, so children left running
+/// by an earlier join can never count on a later barrier.
+fn keep_join(row: &Instance, next: &mut Instance) {
+    let Some(kept) = row.context.get(JOIN_KEY) else { return };
+    if let Some(map) = next.context.as_object_mut()
+        && !map.contains_key(JOIN_KEY)
+    {
+        map.insert(JOIN_KEY.to_owned(), kept.clone());
+    }
 }
 
 /// Why a dead letter was made for a row the store could not decode.

@@ -182,7 +182,18 @@ pub fn armed_due<'a>(
     commits: impl IntoIterator<Item = &'a StepCommit>,
     now: Timestamp,
 ) -> Option<Timestamp> {
-    commits.into_iter().flat_map(|c| &c.timers_arm).map(|spec| now.plus(spec.interval)).min()
+    commits
+        .into_iter()
+        .flat_map(|c| {
+            // A join's deadline is a timer the commit arms too.
+            let deadline = match &c.outcome {
+                crate::outcome::Outcome::ScheduleChildren { join, .. } => join.within,
+                _ => None,
+            };
+            c.timers_arm.iter().map(|spec| spec.interval).chain(deadline)
+        })
+        .map(|interval| now.plus(interval))
+        .min()
 }
 
 /// What a sweeper learns from [`TimerHints::since`]: the hints after the one it saw last.

@@ -194,6 +194,7 @@ fn outcome_table() {
                 next: "join".into(),
                 children: vec![NewInstance::new(MachineRef::new("c", 1), "start")],
                 context: ctx(1),
+                join: Default::default(),
             },
             None,
             (false, 3),
@@ -206,7 +207,7 @@ fn outcome_table() {
         (
             "schedule children with zero inserted: runnable at the next step at once",
             executing(0, 0),
-            Outcome::ScheduleChildren { next: "join".into(), children: vec![], context: ctx(1) },
+            Outcome::ScheduleChildren { next: "join".into(), children: vec![], context: ctx(1), join: Default::default() },
             None,
             (false, 0),
             Row {

@@ -285,7 +285,7 @@ async fn children_barrier_releases_the_parent_once() {
         StepCommit::new(
             parent,
             c.token(),
-            Outcome::ScheduleChildren { next: "join".into(), children: kids, context: json!({}) },
+            Outcome::ScheduleChildren { next: "join".into(), children: kids, context: json!({}), join: Default::default() },
         ),
     )
     .await
@@ -502,6 +502,7 @@ async fn cancel_cascades_to_descendants() {
                 next: "j".into(),
                 children: vec![new("c"), new("c")],
                 context: json!({}),
+                join: Default::default(),
             },
         ),
     )

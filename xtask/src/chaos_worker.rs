@@ -125,7 +125,7 @@ impl StepMachine for Parent {
             let children = (0..CHILDREN)
                 .map(|i| NewInstance::new(child_machine(), "c0").context(json!({ "i": i })))
                 .collect();
-            Outcome::ScheduleChildren { next, children, context }
+            Outcome::ScheduleChildren { next, children, context, join: Default::default() }
         } else if n + 1 >= STEPS {
             Outcome::Done { result: context, step: None }
         } else {

@@ -15,6 +15,9 @@
 //! count (zero children inserted releases the barrier at once).
 
 use super::cancel::LeftDelegations;
+use super::parent::ParentRelease;
+use crate::chart::{TimerArm, TimerKind};
+use crate::join::{DEADLINE_EVENT, DEADLINE_OWNER, JoinState, JoinWoke};
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{InstanceId, SignalId, Status, TimerId};
 use crate::inbox;
@@ -255,8 +258,9 @@ impl Admitted {
         };
         let applied = outcome::apply(&self.row, commit, facts);
         let terminal = applied.became_terminal();
-        let row = applied.row;
+        let mut row = applied.row;
         let mut history = applied.history;
+        let deadline = start_join(&self.row, commit, children, &mut row, self.now);
         if terminal && let Some(entry) = inbox::drained(&self.inbox.pending) {
             history.push(entry);
         }
@@ -274,13 +278,13 @@ impl Admitted {
                     self.now,
                 )
             });
+            let arm = arm.chain(deadline.map(|spec| {
+                TimerRow::armed(TimerId(0), row.id, &row.namespace, &row.machine, spec, self.now)
+            }));
             TimerPlan::Change { cancel: commit.timers_cancel.clone(), arm: arm.collect() }
         };
         let release = super::parent::ended(&row);
-        let (parent, parent_notice) = match release {
-            Some(r) => (Some(r.parent), r.notice),
-            None => (None, None),
-        };
+        let parent_notice = release.as_ref().and_then(|r| r.notice.clone());
         let receipt = CommitReceipt {
             id: row.id,
             revision: row.revision,
@@ -297,7 +301,7 @@ impl Admitted {
             dead_letter: applied.dead_letter,
             timers,
             emits: self.emits,
-            barrier_release: parent,
+            barrier_release: release,
             parent_notice,
             children_cancel: LeftDelegations::of(
                 &commit.children_cancel,
@@ -307,6 +311,55 @@ impl Admitted {
             row,
         }
     }
+}
+
+/// Starts the join of a `ScheduleChildren` commit on `row` (the row after the commit):
+/// a non-default join, or any join of a parent that used one before, keeps its
+/// bookkeeping in the context ([`JoinState`]) over the barrier children actually inserted.
+/// Returns the deadline timer to arm while the parent waits. If fewer children went in
+/// than the quorum needs, the parent does not wait at all: it wakes at once (the children
+/// that did go in run on).
+fn start_join(
+    before: &Instance,
+    commit: &StepCommit,
+    inserted: &[InsertOutcome],
+    row: &mut Instance,
+    now: Timestamp,
+) -> Option<TimerArm> {
+    let Outcome::ScheduleChildren { join, .. } = &commit.outcome else { return None };
+    if join.is_all() && JoinState::of(&before.context).is_none() {
+        return None;
+    }
+    let pending: Vec<InstanceId> = inserted
+        .iter()
+        .filter_map(|o| match o {
+            InsertOutcome::Inserted(id) => Some(*id),
+            InsertOutcome::Existing(_) => None,
+        })
+        .collect();
+    let mut state = JoinState::start(join, pending, now);
+    let waiting = row.status == Status::AwaitingChildren;
+    if waiting && let Some(why) = state.settled() {
+        state.woke = Some(why);
+        state.unfinished = u32::try_from(state.pending.len()).unwrap_or(u32::MAX);
+        state.pending.clear();
+        row.status = Status::Runnable;
+        row.eligible_at = now;
+        row.children_pending = 0;
+    } else if !waiting {
+        // No child went in: nothing to wait for.
+        state.woke = Some(JoinWoke::All);
+    }
+    state.store(&mut row.context);
+    let deadline = join.within.filter(|_| row.status == Status::AwaitingChildren)?;
+    Some(TimerArm {
+        state: DEADLINE_OWNER.to_owned(),
+        event: DEADLINE_EVENT.to_owned(),
+        kind: TimerKind::After,
+        interval: deadline,
+        max: None,
+        then: None,
+    })
 }
 
 impl TimerPlan {
@@ -364,9 +417,9 @@ pub struct CommitPlan {
     /// Outbox signals to deliver, each with its resolved target, through the ordinary
     /// delivery rules.
     pub emits: Vec<(NewSignal, InstanceId)>,
-    /// The parent whose barrier counts this instance as ended (see
+    /// The parent whose barrier counts this instance as ended, with what it counts (see
     /// [`super::parent::release`]); the parent may no longer exist.
-    pub barrier_release: Option<InstanceId>,
+    pub barrier_release: Option<ParentRelease>,
     /// The event the parent hears of this instance's end through its inbox, delivered
     /// after the barrier release; dropped when the parent no longer exists.
     pub parent_notice: Option<NewSignal>,

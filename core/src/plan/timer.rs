@@ -50,6 +50,10 @@ pub struct SweepPlan {
     pub advance: Vec<TimerRow>,
     /// Timers to delete.
     pub delete: Vec<TimerId>,
+    /// Instances whose join deadline timer fired: the store applies
+    /// [`super::parent::expire`] to each row (locked, as it stands) and executes the
+    /// resulting plan, in the same transaction. No event is delivered for them.
+    pub join_deadlines: Vec<InstanceId>,
 }
 
 impl SweepPlan {
@@ -91,6 +95,12 @@ pub fn sweep(
     for timer in due.iter().take(p.limit) {
         plan.processed += 1;
         if !live(timer.instance) {
+            plan.delete.push(timer.id);
+            continue;
+        }
+        if timer.spec.event == crate::join::DEADLINE_EVENT {
+            // A join deadline wakes the parent rather than delivering an event.
+            plan.join_deadlines.push(timer.instance);
             plan.delete.push(timer.id);
             continue;
         }
