@@ -320,7 +320,8 @@ mod tests {
         s.pending.truncate(2);
         s.ended = 3;
         assert_eq!(s.settled(), Some(JoinWoke::Unreachable), "0 + 2 live < 3");
-        let mut s = JoinState::start(&Join::all().within(Duration::from_secs(1)), ids(1), Timestamp(0));
+        let mut s =
+            JoinState::start(&Join::all().within(Duration::from_secs(1)), ids(1), Timestamp(0));
         assert_eq!(s.deadline, Some(Timestamp(1_000)));
         s.pending.clear();
         assert_eq!(s.settled(), Some(JoinWoke::All));

@@ -11,12 +11,12 @@ use crate::chart::{Event, TimerArm};
 use crate::error::{StoreError, StoreResult};
 use crate::history::HistoryKind;
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
-use crate::join::{JOIN_KEY, Join};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
     check_batch, check_name, check_object_within, check_record_within, check_size_within,
     clip_error, scrub_nul,
 };
+use crate::join::{JOIN_KEY, Join};
 use crate::limits;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
@@ -104,12 +104,7 @@ impl Outcome {
         children: Vec<NewInstance>,
         context: Value,
     ) -> Outcome {
-        Outcome::ScheduleChildren {
-            next: next.into(),
-            children,
-            context,
-            join: Join::default(),
-        }
+        Outcome::ScheduleChildren { next: next.into(), children, context, join: Join::default() }
     }
 
     /// The same outcome with `join` as its join policy: a quorum, a deadline, and what

@@ -207,7 +207,12 @@ fn outcome_table() {
         (
             "schedule children with zero inserted: runnable at the next step at once",
             executing(0, 0),
-            Outcome::ScheduleChildren { next: "join".into(), children: vec![], context: ctx(1), join: Default::default() },
+            Outcome::ScheduleChildren {
+                next: "join".into(),
+                children: vec![],
+                context: ctx(1),
+                join: Default::default(),
+            },
             None,
             (false, 0),
             Row {

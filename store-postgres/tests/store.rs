@@ -285,7 +285,12 @@ async fn children_barrier_releases_the_parent_once() {
         StepCommit::new(
             parent,
             c.token(),
-            Outcome::ScheduleChildren { next: "join".into(), children: kids, context: json!({}), join: Default::default() },
+            Outcome::ScheduleChildren {
+                next: "join".into(),
+                children: kids,
+                context: json!({}),
+                join: Default::default(),
+            },
         ),
     )
     .await

@@ -339,8 +339,10 @@ impl State {
         for (signal, target) in emits {
             self.deliver_to(target, &signal, now);
         }
-        if let Some(parent) = barrier_release {
-            self.parent_release(parent, parent_notice.as_ref(), now);
+        if let Some(release) = barrier_release {
+            // The release carries the notice the plan also names separately.
+            debug_assert_eq!(release.notice, parent_notice);
+            self.parent_release(&release, now);
         }
         if !children_cancel.is_none() {
             let left: Vec<keel_core::ports::store::CancelParams> = self
@@ -572,7 +574,7 @@ impl State {
             self.timers_drop(id);
         }
         for r in &plan.releases {
-            self.parent_release(r.parent, r.notice.as_ref(), p.now);
+            self.parent_release(r, p.now);
         }
         Ok(cancelled)
     }
@@ -666,6 +668,12 @@ impl State {
         }
         for id in &plan.delete {
             self.timer_remove(*id);
+        }
+        for id in &plan.join_deadlines {
+            if let Some(row) = self.rows.get(id) {
+                let planned = plan::parent::expire(row, p.now);
+                self.parent_apply(planned, p.now);
+            }
         }
         for scope in plan::timer::swept_scopes(p) {
             self.sweeps.insert(scope, p.now);

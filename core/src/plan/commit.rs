@@ -17,13 +17,13 @@
 use super::cancel::LeftDelegations;
 use super::parent::ParentRelease;
 use crate::chart::{TimerArm, TimerKind};
-use crate::join::{DEADLINE_EVENT, DEADLINE_OWNER, JoinState, JoinWoke};
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{InstanceId, SignalId, Status, TimerId};
 use crate::inbox;
 use crate::instance::{
     HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal, Signal, unique_guard,
 };
+use crate::join::{DEADLINE_EVENT, DEADLINE_OWNER, JoinState, JoinWoke};
 use crate::outcome::{self, ApplyFacts, Outcome, StepCommit};
 use crate::ports::store::{CommitReceipt, InsertOutcome};
 use crate::time::Timestamp;

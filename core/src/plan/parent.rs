@@ -188,7 +188,10 @@ mod tests {
         assert_eq!(ended(&row(2, Some(1), Status::Runnable)), None);
         assert_eq!(ended(&row(2, None, Status::Done)), None);
         let release = ended(&row(2, Some(1), Status::Cancelled)).expect("a release");
-        assert_eq!((release.parent, release.child, release.succeeded), (InstanceId(1), InstanceId(2), false));
+        assert_eq!(
+            (release.parent, release.child, release.succeeded),
+            (InstanceId(1), InstanceId(2), false)
+        );
         assert_eq!(release.notice, None, "a child no chart state delegated to sends no notice");
         let mut delegated = row(3, Some(1), Status::Done);
         delegated.invoked_by = Some("work".into());
@@ -206,7 +209,11 @@ mod tests {
         let twice = release(&once, &child, Timestamp(8)).row;
         assert_eq!((twice.children_pending, twice.status), (0, Status::Runnable));
         assert_eq!(twice.eligible_at, Timestamp(8));
-        assert_eq!(release(&twice, &child, Timestamp(9)).row.children_pending, 0, "never below zero");
+        assert_eq!(
+            release(&twice, &child, Timestamp(9)).row.children_pending,
+            0,
+            "never below zero"
+        );
     }
 
     /// A parent with a quorum join over `n` children with ids 2..=n+1.
@@ -228,7 +235,14 @@ mod tests {
         let mut parent = quorum_parent(&Join::quorum(3), 5);
         let mut wakes = 0;
         let mut cancelled = Vec::new();
-        let ends = [(2, Status::Done), (3, Status::Failed), (4, Status::Done), (5, Status::Done), (6, Status::Done), (4, Status::Done)];
+        let ends = [
+            (2, Status::Done),
+            (3, Status::Failed),
+            (4, Status::Done),
+            (5, Status::Done),
+            (6, Status::Done),
+            (4, Status::Done),
+        ];
         for (i, (id, status)) in ends.into_iter().enumerate() {
             let before = parent.status;
             let plan = release(&parent, &end(id, status), Timestamp(10 + i as i64));
@@ -243,7 +257,11 @@ mod tests {
         assert_eq!(wakes, 1);
         assert_eq!(cancelled, [InstanceId(6)], "only the child still pending");
         let state = JoinState::of(&parent.context).unwrap();
-        assert_eq!((state.succeeded, state.ended, state.unfinished), (3, 4, 1), "later ends change nothing");
+        assert_eq!(
+            (state.succeeded, state.ended, state.unfinished),
+            (3, 4, 1),
+            "later ends change nothing"
+        );
         assert_eq!(parent.children_pending, 0);
     }
 

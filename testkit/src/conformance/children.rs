@@ -14,7 +14,12 @@ use serde_json::json;
 use std::time::Duration;
 
 fn schedule(children: Vec<NewInstance>) -> Outcome {
-    Outcome::ScheduleChildren { next: "join".into(), children, context: ctx(1), join: Default::default() }
+    Outcome::ScheduleChildren {
+        next: "join".into(),
+        children,
+        context: ctx(1),
+        join: Default::default(),
+    }
 }
 
 /// Inserts and claims a parent in `ns`, schedules `children` at `at(20)`; returns the

@@ -34,6 +34,7 @@ mod claims;
 mod dead_letters;
 mod inbox;
 mod inputs;
+mod joins;
 mod leases;
 mod migration;
 mod operations;
@@ -51,6 +52,7 @@ pub use claims::*;
 pub use dead_letters::*;
 pub use inbox::*;
 pub use inputs::*;
+pub use joins::*;
 pub use leases::*;
 pub use migration::*;
 pub use operations::*;
@@ -109,6 +111,11 @@ macro_rules! __store_contract_list {
             children_failed_child_releases_slot,
             children_decremented_once_when_child_reruns,
             children_uniqueness_counts_only_new,
+            join_quorum_of_three_of_five_wakes_the_parent_once_at_the_third_success,
+            join_left_running_children_never_count_again,
+            join_quorum_out_of_reach_wakes_the_parent_at_the_failure,
+            join_deadline_wakes_the_parent_once_with_what_finished,
+            join_bad_policies_are_refused_naming_the_field,
             lease_expiry_reap_increments_attempt,
             reap_unexpired_lease_does_nothing,
             reap_owner_reclaims_its_rows,

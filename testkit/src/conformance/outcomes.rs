@@ -105,8 +105,12 @@ pub async fn outcome_schedule_children_matches_reference<S: Store>(s: &S) {
     let ns = "outcome_children";
     let kids = vec![new_in(ns).context(json!({ "k": 1 })), new_in(ns).context(json!({ "k": 2 }))];
     let (_, d) = check_outcome(s, ns, |c| {
-        let outcome =
-            Outcome::ScheduleChildren { next: "join".into(), children: kids, context: ctx(3), join: Default::default() };
+        let outcome = Outcome::ScheduleChildren {
+            next: "join".into(),
+            children: kids,
+            context: ctx(3),
+            join: Default::default(),
+        };
         StepCommit::new(c.instance.id, c.token(), outcome)
     })
     .await;

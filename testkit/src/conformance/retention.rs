@@ -74,7 +74,12 @@ pub async fn prune_deletes_exactly_the_instances_ended_before_the_cutoff<S: Stor
     let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
     let claimed = claim_id(s, ns, parent, at(10)).await;
     let children = vec![new_in(ns)];
-    let spawn = Outcome::ScheduleChildren { next: "join".into(), children, context: ctx(1), join: Default::default() };
+    let spawn = Outcome::ScheduleChildren {
+        next: "join".into(),
+        children,
+        context: ctx(1),
+        join: Default::default(),
+    };
     let receipt = step(s, &claimed, spawn, at(20)).await;
     let child = receipt.children[0].id();
     let mut params = claim_params(ns, 100, at(145));

@@ -3,10 +3,11 @@
 //! parent-release and timer writes a plan asks for. Bookkeeping only; the plans decide.
 
 use super::{
-    BTreeMap, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId, NewSignal, Signal,
-    SignalId, SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, plan,
+    BTreeMap, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId, Signal, SignalId,
+    SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, plan,
 };
 use keel_core::plan::commit::TimerPlan;
+use keel_core::plan::parent::{ParentPlan, ParentRelease};
 
 impl State {
     /// Writes a row and keeps every index in step with its new status.
@@ -147,19 +148,31 @@ impl State {
     }
 
     /// Executes a planned parent release: the parent's barrier counts the ended child
-    /// against its row as it stands now, then the parent's notice is delivered. A parent
+    /// against its row as it stands now (`plan::parent::release`, which may wake it and
+    /// cancel the rest of its barrier), then the parent's notice is delivered. A parent
     /// that no longer exists is left alone.
-    pub(super) fn parent_release(
-        &mut self,
-        parent: InstanceId,
-        notice: Option<&NewSignal>,
-        now: Timestamp,
-    ) {
-        let Some(row) = self.rows.get(&parent) else { return };
-        let next = plan::parent::release(row, now);
-        self.write(next);
-        if let Some(notice) = notice {
-            self.deliver_to(parent, notice, now);
+    pub(super) fn parent_release(&mut self, release: &ParentRelease, now: Timestamp) {
+        let Some(row) = self.rows.get(&release.parent) else { return };
+        let planned = plan::parent::release(row, release, now);
+        self.parent_apply(planned, now);
+        if let Some(notice) = &release.notice {
+            self.deliver_to(release.parent, notice, now);
+        }
+    }
+
+    /// Writes a parent plan: the row and its history, then the cancels of the children
+    /// it stopped waiting for.
+    pub(super) fn parent_apply(&mut self, planned: ParentPlan, now: Timestamp) {
+        if !planned.changed {
+            return;
+        }
+        for entry in planned.history {
+            self.record(&planned.row, planned.row.attempt, entry, now);
+        }
+        self.write(planned.row);
+        for cancel in planned.cancel {
+            // A child that is gone has nothing left to cancel.
+            let _ = self.cancel_with(&cancel, plan::cancel::cancel);
         }
     }
 

@@ -177,7 +177,10 @@ fn an_ending_commit_drains_the_inbox_drops_timers_and_tells_its_parent() {
     assert_eq!(plan.timers, TimerPlan::DropAll);
     let kinds: Vec<&str> = plan.history.iter().map(|h| h.kind.as_str()).collect();
     assert_eq!(kinds, ["STEP_DONE", inbox::INBOX_DRAINED]);
-    assert_eq!(plan.barrier_release.as_ref().map(|r| (r.parent, r.succeeded)), Some((InstanceId(50), true)));
+    assert_eq!(
+        plan.barrier_release.as_ref().map(|r| (r.parent, r.succeeded)),
+        Some((InstanceId(50), true))
+    );
     let notice = plan.parent_notice.expect("a delegated child tells its parent");
     assert_eq!(notice.target, SignalTarget::Id(InstanceId(50)));
     assert_eq!(plan.receipt.status, Status::Done);

@@ -1,0 +1,194 @@
+//! Contracts for join policies on a children barrier: a quorum wakes its parent once, at
+//! the k-th success (or when k is out of reach), and cancels or leaves the rest; a
+//! deadline wakes it once, with whatever finished; children that no longer count change
+//! nothing; bad policies are refused naming the field.
+
+use super::support::{
+    at, claim, claim_id, claim_params, commit, ctx, done, expect_kind, get, insert_one, new_in,
+    row, step,
+};
+use keel_core::history::HistoryKind;
+use keel_core::join::{Join, JoinState, JoinWoke};
+use keel_core::outcome::Outcome;
+use keel_core::ports::Store;
+use keel_core::ports::store::{Claim, TimerSweepParams};
+use keel_core::{ErrorKind, InstanceId, NewInstance, Status, StepCommit, Timestamp};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// A parent in `ns` (queue `parents`) that schedules `n` children (queue `default`) with
+/// `join` at `at(20)`; returns the parent and its children, in order.
+async fn fan_out<S: Store>(s: &S, ns: &str, n: usize, join: Join) -> (InstanceId, Vec<InstanceId>) {
+    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let children: Vec<NewInstance> = (0..n).map(|_| new_in(ns)).collect();
+    let outcome = Outcome::schedule_children("join", children, ctx(1)).with_join(join);
+    let receipt = step(s, &claimed, outcome, at(20)).await;
+    (parent, receipt.children.iter().map(|o| o.id()).collect())
+}
+
+/// Claims every ready child of `ns` at `now`, by id.
+async fn claim_children<S: Store>(s: &S, ns: &str, now: Timestamp) -> HashMap<InstanceId, Claim> {
+    let mut params = claim_params(ns, 100, now);
+    params.queues = vec!["default".into()];
+    claim(s, params).await.into_iter().map(|c| (c.instance.id, c)).collect()
+}
+
+/// Commits `outcome` for a claimed child.
+async fn end<S: Store>(
+    s: &S,
+    claims: &HashMap<InstanceId, Claim>,
+    id: InstanceId,
+    outcome: Outcome,
+    now: Timestamp,
+) {
+    step(s, &claims[&id], outcome, now).await;
+}
+
+fn stop() -> Outcome {
+    Outcome::Stop { reason: "no quote".into() }
+}
+
+/// How often the parent's history records a wake from its join.
+async fn wakes<S: Store>(s: &S, parent: InstanceId) -> usize {
+    get(s, parent).await.history.iter().filter(|h| HistoryKind::JoinWoke.is(&h.entry.kind)).count()
+}
+
+fn join_of(row: &keel_core::Instance) -> JoinState {
+    JoinState::of(&row.context).expect("the parent keeps its join state")
+}
+
+/// A quorum of 3 of 5 wakes the parent once, at the third success (a failure before it
+/// does not count toward the quorum); the two children still running are cancelled in
+/// the same commit, so a step one of them was running cannot commit afterwards, and the
+/// woken parent sees every child's status and result.
+pub async fn join_quorum_of_three_of_five_wakes_the_parent_once_at_the_third_success<S: Store>(
+    s: &S,
+) {
+    let ns = "join_quorum";
+    let (parent, kids) = fan_out(s, ns, 5, Join::quorum(3)).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    assert_eq!(claims.len(), 5);
+    end(s, &claims, kids[0], done(), at(30)).await;
+    end(s, &claims, kids[1], stop(), at(31)).await;
+    end(s, &claims, kids[2], done(), at(32)).await;
+    let waiting = row(s, parent).await;
+    assert_eq!((waiting.status, waiting.children_pending), (Status::AwaitingChildren, 2));
+    end(s, &claims, kids[3], done(), at(33)).await;
+    let woken = row(s, parent).await;
+    assert_eq!(
+        (woken.status, woken.eligible_at),
+        (Status::Runnable, at(33)),
+        "woken at the third success"
+    );
+    let state = join_of(&woken);
+    assert_eq!(
+        (state.woke, state.succeeded, state.ended, state.unfinished),
+        (Some(JoinWoke::Quorum), 3, 4, 1)
+    );
+    assert_eq!(
+        row(s, kids[4]).await.status,
+        Status::Cancelled,
+        "the rest is cancelled with the wake"
+    );
+    let late = StepCommit::new(kids[4], claims[&kids[4]].token(), done());
+    expect_kind(commit(s, late, at(34)).await, ErrorKind::LeaseLost, "a cancelled child's step");
+    assert_eq!(wakes(s, parent).await, 1);
+    let claimed = claim_id(s, ns, parent, at(40)).await;
+    assert_eq!(claimed.instance.position, "join");
+    let statuses: Vec<Status> = claimed.children.iter().map(|c| c.status).collect();
+    use Status::{Cancelled, Done, Failed};
+    assert_eq!(statuses, [Done, Failed, Done, Done, Cancelled]);
+    assert_eq!(claimed.children[0].result, Some(serde_json::json!({ "ok": true })));
+}
+
+/// With the rest left running, children that end after the wake change nothing on the
+/// parent (no second wake, no count), even once the parent waits on a new barrier: only
+/// that barrier's own child releases it.
+pub async fn join_left_running_children_never_count_again<S: Store>(s: &S) {
+    let ns = "join_leave";
+    let (parent, kids) = fan_out(s, ns, 3, Join::quorum(2).leave_running()).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    end(s, &claims, kids[0], done(), at(30)).await;
+    end(s, &claims, kids[1], done(), at(31)).await;
+    assert_eq!(row(s, parent).await.status, Status::Runnable);
+    assert_eq!(row(s, kids[2]).await.status, Status::Executing, "left running");
+    // The woken parent schedules a second barrier (all of one child).
+    let claimed = claim_id(s, ns, parent, at(40)).await;
+    let second = Outcome::schedule_children("again", vec![new_in(ns)], ctx(2));
+    let receipt = step(s, &claimed, second, at(41)).await;
+    let newer = receipt.children[0].id();
+    // The left-running child of the first barrier ends: the second barrier still waits.
+    end(s, &claims, kids[2], done(), at(50)).await;
+    let waiting = row(s, parent).await;
+    assert_eq!((waiting.status, waiting.children_pending), (Status::AwaitingChildren, 1));
+    let claims = claim_children(s, ns, at(55)).await;
+    end(s, &claims, newer, done(), at(60)).await;
+    let woken = row(s, parent).await;
+    assert_eq!((woken.status, woken.position.as_str()), (Status::Runnable, "again"));
+    assert_eq!(wakes(s, parent).await, 2, "one wake per barrier");
+}
+
+/// When enough children fail that the quorum cannot be reached, the parent wakes then,
+/// and the child still running is cancelled.
+pub async fn join_quorum_out_of_reach_wakes_the_parent_at_the_failure<S: Store>(s: &S) {
+    let ns = "join_unreachable";
+    let (parent, kids) = fan_out(s, ns, 3, Join::quorum(2)).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    end(s, &claims, kids[0], stop(), at(30)).await;
+    assert_eq!(row(s, parent).await.status, Status::AwaitingChildren);
+    end(s, &claims, kids[1], stop(), at(31)).await;
+    let woken = row(s, parent).await;
+    assert_eq!(woken.status, Status::Runnable);
+    assert_eq!(join_of(&woken).woke, Some(JoinWoke::Unreachable));
+    assert_eq!(row(s, kids[2]).await.status, Status::Cancelled);
+}
+
+/// A deadline wakes the parent once when it passes, with the finished child done and the
+/// others cancelled; two sweeps at once, and later sweeps, wake it no more.
+pub async fn join_deadline_wakes_the_parent_once_with_what_finished<S: Store>(s: &S) {
+    let ns = "join_deadline";
+    let (parent, kids) = fan_out(s, ns, 3, Join::all().within(Duration::from_secs(60))).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    end(s, &claims, kids[0], done(), at(30)).await;
+    let sweep =
+        |now| TimerSweepParams { namespace: Some(ns.into()), machines: vec![], limit: 100, now };
+    s.timer_sweep(sweep(at(20 + 59_999))).await.expect("sweep");
+    assert_eq!(row(s, parent).await.status, Status::AwaitingChildren, "not due yet");
+    let due = at(20 + 60_000);
+    let (a, b) = tokio::join!(s.timer_sweep(sweep(due)), s.timer_sweep(sweep(due)));
+    a.expect("sweep");
+    b.expect("sweep");
+    let woken = row(s, parent).await;
+    assert_eq!((woken.status, woken.eligible_at), (Status::Runnable, due));
+    let state = join_of(&woken);
+    assert_eq!((state.woke, state.succeeded, state.unfinished), (Some(JoinWoke::Deadline), 1, 2));
+    assert_eq!(row(s, kids[1]).await.status, Status::Cancelled);
+    assert_eq!(row(s, kids[2]).await.status, Status::Cancelled);
+    s.timer_sweep(sweep(at(200_000))).await.expect("sweep");
+    assert_eq!(wakes(s, parent).await, 1, "exactly once");
+    assert!(get(s, parent).await.inbox.is_empty(), "a deadline delivers no event");
+}
+
+/// A quorum of 0 or above the children scheduled, or a deadline of zero, is refused naming
+/// the field, and nothing is written: the parent still holds its lease and no child exists.
+pub async fn join_bad_policies_are_refused_naming_the_field<S: Store>(s: &S) {
+    let ns = "join_bad";
+    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let cases = [
+        (Join::quorum(0), "outcome.join.quorum: must be at least 1"),
+        (Join::quorum(3), "outcome.join.quorum: 3 is more than the 2 children"),
+        (Join::all().within(Duration::ZERO), "outcome.join.within: must be positive"),
+    ];
+    for (join, message) in cases {
+        let children = vec![new_in(ns), new_in(ns)];
+        let outcome = Outcome::schedule_children("join", children, ctx(1)).with_join(join);
+        let refused = commit(s, StepCommit::new(parent, claimed.token(), outcome), at(20)).await;
+        let error = refused.expect_err("refused");
+        assert_eq!(error.kind, ErrorKind::Invalid);
+        assert!(error.message.starts_with(message), "{error}");
+    }
+    assert_eq!(row(s, parent).await.status, Status::Executing);
+    assert!(get(s, parent).await.children.is_empty());
+}
