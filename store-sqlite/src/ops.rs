@@ -17,6 +17,7 @@ use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
+use keel_core::plan::parent::{ParentPlan, ParentRelease};
 use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -377,8 +378,10 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
     for (signal, target) in &plan.emits {
         deliver_to(db, *target, signal, now).await?;
     }
-    if let Some(parent) = plan.barrier_release {
-        parent_release(db, parent, plan.parent_notice.as_ref(), now).await?;
+    if let Some(release) = &plan.barrier_release {
+        for cancel in parent_release(db, release, now).await? {
+            cancel_with(db, &cancel, plan::cancel::cancel).await?;
+        }
     }
     if !plan.children_cancel.is_none() {
         for child in db.delegated_children(row.id).await? {
@@ -411,20 +414,37 @@ async fn child_insert(
 }
 
 /// Executes a planned parent release: the parent's barrier counts the ended child against
-/// its row as it stands now, then the parent's notice is delivered. A parent that no
-/// longer exists is left alone.
+/// its row as it stands now (`plan::parent::release`, which may wake it), then the
+/// parent's notice is delivered. A parent that no longer exists is left alone. Returns
+/// the cancels of the children the parent stopped waiting for, which the caller runs in
+/// the same transaction.
 async fn parent_release(
     db: &mut Db<'_>,
-    parent: InstanceId,
-    notice: Option<&NewSignal>,
+    release: &ParentRelease,
     now: Timestamp,
-) -> StoreResult<()> {
-    let Some(row) = db.instance(parent).await? else { return Ok(()) };
-    db.instance_write(&plan::parent::release(&row, now)).await?;
-    if let Some(notice) = notice {
-        deliver_to(db, parent, notice, now).await?;
+) -> StoreResult<Vec<CancelParams>> {
+    let Some(row) = db.instance(release.parent).await? else { return Ok(Vec::new()) };
+    let cancels = parent_write(db, plan::parent::release(&row, release, now), now).await?;
+    if let Some(notice) = &release.notice {
+        deliver_to(db, release.parent, notice, now).await?;
     }
-    Ok(())
+    Ok(cancels)
+}
+
+/// Writes a parent plan's row and history; returns its cancels for the caller to run.
+async fn parent_write(
+    db: &mut Db<'_>,
+    planned: ParentPlan,
+    now: Timestamp,
+) -> StoreResult<Vec<CancelParams>> {
+    if !planned.changed {
+        return Ok(Vec::new());
+    }
+    for entry in &planned.history {
+        db.record(&planned.row, planned.row.attempt, entry, now).await?;
+    }
+    db.instance_write(&planned.row).await?;
+    Ok(planned.cancel)
 }
 
 /// A commit's timer changes: cancels first (the timers the plan says it cancels), then
@@ -650,6 +670,12 @@ pub(crate) async fn timer_sweep(
     for id in &plan.delete {
         db.timer_remove(*id).await?;
     }
+    for id in &plan.join_deadlines {
+        let Some(row) = db.instance(*id).await? else { continue };
+        for cancel in parent_write(db, plan::parent::expire(&row, p.now), p.now).await? {
+            cancel_with(db, &cancel, plan::cancel::cancel).await?;
+        }
+    }
     for (ns, machine) in plan::timer::swept_scopes(p) {
         sqlx::query(
             "INSERT INTO keel_timer_sweeps (namespace, machine, swept_at) VALUES (?, ?, ?) \
@@ -848,12 +874,34 @@ pub(crate) async fn cancel(db: &mut Db<'_>, p: &CancelParams) -> StoreResult<Vec
     cancel_with(db, p, plan::cancel::cancel).await
 }
 
-/// Reads what a cancel needs, plans it with `planner` and writes the plan.
+/// Reads what a cancel needs, plans it with `planner` and writes the plan; then the
+/// cancels its releases asked for (a parent that woke from a join and cancels the rest of
+/// its children), each an ordinary cascading cancel, at most
+/// [`limits::CANCEL_CASCADE_MAX`] of them.
 async fn cancel_with(
     db: &mut Db<'_>,
     p: &CancelParams,
     planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
 ) -> StoreResult<Vec<InstanceId>> {
+    let (cancelled, mut more) = cancel_one(db, p, planner).await?;
+    let mut done = 0;
+    while let Some(next) = more.pop() {
+        if done >= limits::CANCEL_CASCADE_MAX {
+            break;
+        }
+        done += 1;
+        let (_, further) = cancel_one(db, &next, plan::cancel::cancel).await?;
+        more.extend(further);
+    }
+    Ok(cancelled)
+}
+
+/// One cancel: its ids, and the cancels its parent releases asked for.
+async fn cancel_one(
+    db: &mut Db<'_>,
+    p: &CancelParams,
+    planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+) -> StoreResult<(Vec<InstanceId>, Vec<CancelParams>)> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
         // Breadth first down to the depth bound, so the read stays bounded too.
@@ -884,10 +932,11 @@ async fn cancel_with(
         db.signals_drop(w.row.id).await?;
         db.timers_drop(w.row.id).await?;
     }
+    let mut more = Vec::new();
     for r in &plan.releases {
-        parent_release(db, r.parent, r.notice.as_ref(), p.now).await?;
+        more.extend(parent_release(db, r, p.now).await?);
     }
-    Ok(plan.cancelled())
+    Ok((plan.cancelled(), more))
 }
 
 // ----- dead letters ----------------------------------------------------------------------
