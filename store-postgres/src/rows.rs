@@ -411,6 +411,8 @@ pub(crate) async fn write_history<C: GenericClient + Sync>(
 
 /// Decrements parents' barriers for children that became terminal (`plan::parent::release`
 /// applied once per child, in SQL): never below zero; the last one makes an awaiting parent runnable.
+/// Parents that keep a join state in their context are left to the planner
+/// (`ops::admin::release_joined`).
 pub(crate) const RELEASE_PARENTS: &str = "UPDATE instances p SET \
     children_pending = greatest(p.children_pending - d.n, 0), \
     status = CASE WHEN p.children_pending - d.n <= 0 AND p.status = 'awaiting_children' \
@@ -419,7 +421,7 @@ pub(crate) const RELEASE_PARENTS: &str = "UPDATE instances p SET \
                   THEN $2 ELSE p.eligible_at END, \
     updated_at = $2 \
     FROM (SELECT parent, count(*)::int AS n FROM unnest($1::int8[]) AS t(parent) GROUP BY parent) d \
-    WHERE p.id = d.parent";
+    WHERE p.id = d.parent AND NOT (p.context ? '@join')";
 
 /// Runs [`RELEASE_PARENTS`] for the given parents (one entry per terminal child).
 pub(crate) async fn release_parents<C: GenericClient + Sync>(

@@ -39,13 +39,146 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
 }
 
 /// A cancel inside the caller's transaction, planned by `planner`: locks, reads, plans and
-/// writes, and says whether it made work ready (the caller's commit should notify).
+/// writes, and says whether it made work ready (the caller's commit should notify). The
+/// cancels its parent releases ask for (a parent woken from a join cancels the rest of
+/// its children) run after it, each an ordinary cascading cancel, at most
+/// [`limits::CANCEL_CASCADE_MAX`] of them.
 pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
     c: &C,
     p: &CancelParams,
     channel: &str,
     planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
 ) -> OpResult<(Vec<InstanceId>, bool)> {
+    let (cancelled, mut ready, more) = cancel_one(c, p, channel, planner).await?;
+    run_cancels(c, more, channel).await.map(|woke| {
+        ready |= woke;
+        (cancelled, ready)
+    })
+}
+
+/// Runs the cancels parent plans asked for, and those they ask for in turn (bounded);
+/// says whether they made work ready.
+pub(crate) async fn run_cancels<C: GenericClient + Sync>(
+    c: &C,
+    mut more: Vec<CancelParams>,
+    channel: &str,
+) -> OpResult<bool> {
+    let mut ready = false;
+    let mut done = 0;
+    while let Some(next) = more.pop() {
+        if done >= limits::CANCEL_CASCADE_MAX {
+            break;
+        }
+        done += 1;
+        let (_, woke, further) = cancel_one(c, &next, channel, plan::cancel::cancel).await?;
+        ready |= woke;
+        more.extend(further);
+    }
+    Ok(ready)
+}
+
+/// The parents among `ids` that keep a join state in their context: their barriers are
+/// counted by the planner (`plan::parent::release`), not by [`rows::RELEASE_PARENTS`].
+pub(crate) const JOINED_PARENTS: &str =
+    "SELECT id FROM instances WHERE id = ANY($1::int8[]) AND context ? '@join'";
+
+/// Counts ended children on their parents: the plain barrier in one statement, the
+/// parents with a join state through the planner. Returns the cancels the woken parents
+/// ask for and whether a parent woke.
+pub(crate) async fn release_all<C: GenericClient + Sync>(
+    c: &C,
+    releases: &[plan::parent::ParentRelease],
+    now: keel_core::Timestamp,
+) -> OpResult<(Vec<CancelParams>, bool)> {
+    if releases.is_empty() {
+        return Ok((Vec::new(), false));
+    }
+    let parents: Vec<i64> = releases.iter().map(|r| r.parent.0).collect();
+    let stmt = c.prepare_cached(JOINED_PARENTS).await?;
+    let joined: std::collections::HashSet<i64> = c
+        .query(&stmt, &[&parents])
+        .await?
+        .iter()
+        .map(|r| rows::col(r, 0))
+        .collect::<Result<_, StoreError>>()?;
+    let plain: Vec<i64> = parents.iter().copied().filter(|p| !joined.contains(p)).collect();
+    release_parents(c, &plain, now).await?;
+    let joined: Vec<plan::parent::ParentRelease> =
+        releases.iter().filter(|r| joined.contains(&r.parent.0)).cloned().collect();
+    let (cancels, _) = release_joined(c, &joined, now).await?;
+    Ok((cancels, !parents.is_empty()))
+}
+
+/// Counts ended children on parents that keep a join state: locks the parents (id
+/// order), applies `plan::parent::release` per child in order, and writes the changed
+/// rows and their history. Returns the cancels the woken parents ask for, and whether a
+/// parent woke.
+pub(crate) async fn release_joined<C: GenericClient + Sync>(
+    c: &C,
+    releases: &[plan::parent::ParentRelease],
+    now: keel_core::Timestamp,
+) -> OpResult<(Vec<CancelParams>, bool)> {
+    if releases.is_empty() {
+        return Ok((Vec::new(), false));
+    }
+    let mut ids: Vec<i64> = releases.iter().map(|r| r.parent.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut rows: HashMap<i64, Instance> =
+        lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
+    let mut changed = Vec::new();
+    let mut history = HistoryWrite::default();
+    let mut cancels = Vec::new();
+    let mut woke = false;
+    for r in releases {
+        let Some(row) = rows.get(&r.parent.0) else { continue };
+        let planned = plan::parent::release(row, r, now);
+        if !planned.changed {
+            continue;
+        }
+        woke |= planned.row.status == Status::Runnable && row.status != Status::Runnable;
+        for entry in planned.history {
+            history.push(&planned.row, planned.row.attempt, now, entry);
+        }
+        cancels.extend(planned.cancel);
+        if !changed.contains(&r.parent.0) {
+            changed.push(r.parent.0);
+        }
+        rows.insert(r.parent.0, planned.row);
+    }
+    let next: Vec<Instance> = changed.iter().map(|id| rows[id].clone()).collect();
+    write_instances(c, &next).await?;
+    write_history(c, &history).await?;
+    Ok((cancels, woke))
+}
+
+/// Writes a parent plan of a passed join deadline (`plan::parent::expire`) for a row the
+/// caller holds locked; returns its cancels.
+pub(crate) async fn write_parent_plan<C: GenericClient + Sync>(
+    c: &C,
+    planned: plan::parent::ParentPlan,
+    now: keel_core::Timestamp,
+) -> OpResult<Vec<CancelParams>> {
+    if !planned.changed {
+        return Ok(Vec::new());
+    }
+    let mut history = HistoryWrite::default();
+    for entry in planned.history {
+        history.push(&planned.row, planned.row.attempt, now, entry);
+    }
+    write_instances(c, std::slice::from_ref(&planned.row)).await?;
+    write_history(c, &history).await?;
+    Ok(planned.cancel)
+}
+
+/// One cancel: its ids, whether it made work ready, and the cancels its parent releases
+/// ask for.
+async fn cancel_one<C: GenericClient + Sync>(
+    c: &C,
+    p: &CancelParams,
+    channel: &str,
+    planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+) -> OpResult<(Vec<InstanceId>, bool, Vec<CancelParams>)> {
     let root = lock_instances(c, &[p.id.0]).await?.into_iter().next();
     // Descendants and inboxes matter only when the root is still live.
     let live = root.as_ref().is_some_and(|r| !r.status.is_terminal());
@@ -87,7 +220,7 @@ pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
         signal::pending_of(&pending)?.into_iter().map(|(id, p)| (InstanceId(id), p)).collect();
     let plan = planner(p, read)?;
     if plan.rows.is_empty() {
-        return Ok((Vec::new(), false));
+        return Ok((Vec::new(), false, Vec::new()));
     }
     let cancelled: Vec<i64> = plan.rows.iter().map(|w| w.row.id.0).collect();
     let mut history = HistoryWrite::default();
@@ -111,12 +244,12 @@ pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
     write_history(c, &history).await?;
     c.execute(&drop_timers, &[&cancelled]).await?;
     c.execute(&drain, &[&cancelled, &whole]).await?;
-    release_parents(c, &parents, p.now).await?;
+    let (more, _) = release_all(c, &plan.releases, p.now).await?;
     let ended = c.prepare_cached(timer::HINT).await?;
     timer::ended_send(c, &ended, channel).await?;
     let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
     signal::finish(c, &plan, None).await?;
-    Ok((next.iter().map(|r| r.id).collect(), !parents.is_empty() || plan.woke()))
+    Ok((next.iter().map(|r| r.id).collect(), !parents.is_empty() || plan.woke(), more))
 }
 
 /// An instance with its inbox, children and history.

@@ -47,6 +47,11 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
       last_attempt_at) \
     RETURNING instance_id, id";
 
+/// The parents of the given instances that keep a join state in their context.
+const JOINED_PARENTS_OF: &str = "SELECT DISTINCT p.id FROM instances i \
+    JOIN instances p ON p.id = i.parent_id \
+    WHERE i.id = ANY($1::int8[]) AND p.context ? '@join'";
+
 /// The live children of the given parents that a delegation state started; the commit
 /// picks those whose state it left.
 const DELEGATED: &str = "SELECT id FROM instances WHERE parent_id = ANY($1::int8[]) \
@@ -119,12 +124,17 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     };
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
-    let (b, locked, waiting, pending, resolved) = tokio::join!(
+    // Parents of the batch's rows that keep a join state: a child's end is counted on them
+    // by the planner rather than by `RELEASE_PARENTS`. Only the parent's own commits set
+    // that state, and it stays once set, so reading it without a lock is safe.
+    let joined_stmt = c.prepare_cached(JOINED_PARENTS_OF).await?;
+    let (b, locked, waiting, pending, resolved, joined) = tokio::join!(
         begin(c),
         async { c.query(&lock, &[&ids]).await },
         waiting,
         pending,
-        signal::resolve(c, &emit_targets)
+        signal::resolve(c, &emit_targets),
+        async { c.query(&joined_stmt, &[&ids]).await }
     );
     // Results are read in the order the statements went out: once one fails (a deadlock on
     // the lock, say) every later one only reports 25P02 "transaction is aborted", and that
@@ -134,6 +144,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let waiting = waiting?;
     let pending = pending?;
     let resolved = resolved?;
+    let joined: HashSet<i64> =
+        joined?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     let pending = signal::pending_of(&pending)?;
     let mut current: HashMap<i64, Instance> = HashMap::new();
     for r in &locked {
@@ -206,6 +218,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut timers = timer::TimerWrite::default();
     let mut ended = false;
     let mut leaving: Vec<(InstanceId, LeftDelegations)> = Vec::new();
+    let mut join_releases = Vec::new();
     let mut start = 0;
     for (i, a) in admitted {
         let s = &commits[i];
@@ -234,8 +247,12 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             TimerPlan::Change { cancel, arm } => timers.change(row, cancel, arm),
             TimerPlan::DropAll => timers.drop_all(row.id),
         }
-        if let Some(p) = plan.barrier_release {
-            parents.push(p.0);
+        if let Some(release) = &plan.barrier_release {
+            if joined.contains(&release.parent.0) {
+                join_releases.push(release.clone());
+            } else {
+                parents.push(release.parent.0);
+            }
             ready = true;
         }
         ready |= row.status == Status::Runnable && row.eligible_at <= now;
@@ -308,7 +325,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let delivered = !emits.is_empty();
     // Children cancelled for a left delegation state go after every other write, so the
     // transaction stays open for them.
-    let deferred = delivered || !leaving.is_empty();
+    let deferred = delivered || !leaving.is_empty() || !join_releases.is_empty();
     let tail = async {
         if deferred {
             return Ok(None);
@@ -331,12 +348,17 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         .iter()
         .map(|row| Ok((rows::col(row, 0)?, rows::col(row, 1)?)))
         .collect::<Result<_, StoreError>>()?;
-    if leaving.is_empty() {
+    if leaving.is_empty() && join_releases.is_empty() {
         if delivered {
             let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
             signal::finish(c, &plan, Some((channel, ready))).await?;
         }
     } else {
+        // Barriers with a join state are counted before the notices arrive, like the
+        // plain ones above; the children a woken parent stops waiting for are cancelled
+        // in this transaction.
+        let (cancels, _) = admin::release_joined(c, &join_releases, now).await?;
+        ready |= admin::run_cancels(c, cancels, channel).await?;
         if delivered {
             let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
             signal::finish(c, &plan, None).await?;

@@ -411,6 +411,16 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         plan::timer::swept_scopes(p).into_iter().unzip();
     let ns = ns.into_iter().next().unwrap_or_else(|| "*".into());
 
+    // A passed join deadline wakes its parent (held locked above) and cancels the rest of
+    // its children, in this transaction.
+    let mut woke = false;
+    for id in &plan.join_deadlines {
+        let Some(row) = held.get(&id.0) else { continue };
+        let planned = plan::parent::expire(row, p.now);
+        woke |= planned.changed;
+        let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
+        super::admin::run_cancels(c, cancels, channel).await?;
+    }
     let adv = c.prepare_cached(ADVANCE).await?;
     let del = c.prepare_cached(DELETE).await?;
     let swept = c.prepare_cached(SWEPT).await?;
@@ -436,7 +446,7 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         Ok::<_, tokio_postgres::Error>(())
     };
     let (written, finished) =
-        tokio::join!(writes, signal::finish(c, &delivery, Some((channel, false))));
+        tokio::join!(writes, signal::finish(c, &delivery, Some((channel, woke))));
     written?;
     finished?;
     Ok(report)
