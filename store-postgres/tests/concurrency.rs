@@ -386,6 +386,86 @@ async fn fifty_children_completing_concurrently_release_the_parent_once() {
     }
 }
 
+/// Forty children of a quorum-of-ten parent commit `Done` at once, each in its own
+/// transaction: the parent wakes exactly once with exactly ten successes counted, and every
+/// child either committed before the wake or was cancelled by it (its late commit is
+/// refused as a lost lease). Commits that end siblings and the cancel of the rest lock the
+/// same rows in different orders; the deadlocks this causes are retried, never surfaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forty_children_racing_a_quorum_of_ten_wake_the_parent_once() {
+    use keel_core::join::{Join, JoinState};
+    let Some(s) = common::store_with(24).await else { return };
+    for _trial in 0..5 {
+        let parent = insert(&s, vec![new("p")]).await[0];
+        let c = s.instance_claim(claim("w", 1)).await.unwrap().remove(0);
+        assert_eq!(c.instance.id, parent);
+        let fan_out =
+            Outcome::schedule_children("join", (0..40).map(|_| new("c")).collect(), json!({}))
+                .with_join(Join::quorum(10));
+        s.step_commit(CommitParams {
+            commits: vec![StepCommit::new(parent, c.token(), fan_out)],
+            now: T0,
+        })
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap();
+        let kids = s.instance_claim(claim("w", 40)).await.unwrap();
+        assert_eq!(kids.len(), 40);
+        let mut tasks = Vec::new();
+        for k in kids {
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                let done = StepCommit::new(
+                    k.instance.id,
+                    k.token(),
+                    Outcome::Done { result: json!(null), step: None },
+                );
+                s.step_commit(CommitParams { commits: vec![done], now: T0 })
+                    .await
+                    .unwrap()
+                    .remove(0)
+            }));
+        }
+        let (mut committed, mut refused) = (0, 0);
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(_) => committed += 1,
+                Err(e) if e.kind == ErrorKind::LeaseLost => refused += 1,
+                Err(e) => panic!("a child's commit failed: {e}"),
+            }
+        }
+        let detail = s.instance_get(parent).await.unwrap();
+        let p = detail.instance;
+        assert_eq!(p.status, Status::Runnable);
+        let state = JoinState::of(&p.context).expect("join state");
+        assert_eq!(state.succeeded, 10, "exactly the quorum is counted");
+        let wakes = detail.history.iter().filter(|h| h.entry.kind == "JOIN_WOKE").count();
+        assert_eq!(wakes, 1, "the parent woke once");
+        let done = detail.children.iter().filter(|c| c.status == Status::Done).count();
+        let cancelled = detail.children.iter().filter(|c| c.status == Status::Cancelled).count();
+        assert_eq!(
+            (done, cancelled),
+            (committed, refused),
+            "every child committed or was cancelled"
+        );
+        assert_eq!(done + cancelled, 40);
+        assert!(done >= 10, "{done} done");
+        let again = s.instance_claim(claim("w", 10)).await.unwrap();
+        assert_eq!(again.len(), 1, "the parent is released exactly once");
+        s.step_commit(CommitParams {
+            commits: vec![StepCommit::new(
+                parent,
+                again[0].token(),
+                Outcome::Done { result: json!(null), step: None },
+            )],
+            now: T0,
+        })
+        .await
+        .unwrap();
+    }
+}
+
 /// Four sweepers race each other over 1 000 due timers and a stream of deliveries to the
 /// same instances (which
 /// lock the rows a sweep needs): every timer fires exactly once, none is left, and no call

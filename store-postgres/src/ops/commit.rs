@@ -47,10 +47,20 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
       last_attempt_at) \
     RETURNING instance_id, id";
 
-/// The parents of the given instances that keep a join state in their context.
-const JOINED_PARENTS_OF: &str = "SELECT DISTINCT p.id FROM instances i \
-    JOIN instances p ON p.id = i.parent_id \
-    WHERE i.id = ANY($1::int8[]) AND p.context ? '@join'";
+/// Locks the batch's rows and, before them, the parents of those rows that keep a join
+/// state, all in id order (a parent's id is below its children's). Siblings of a join
+/// thus serialize on their parent before they hold their own rows, so the commit that
+/// wakes the parent can lock and cancel the siblings still running without a deadlock.
+/// Only a parent's own commits set its join state, and it stays once set.
+static LOCK_WITH_JOINED_PARENTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT {} FROM instances WHERE id = ANY($1) OR id IN (SELECT p.id FROM instances i \
+           JOIN instances p ON p.id = i.parent_id \
+           WHERE i.id = ANY($1) AND p.context ? '@join') \
+         ORDER BY id FOR NO KEY UPDATE",
+        rows::INSTANCE_COLS
+    )
+});
 
 /// The live children of the given parents that a delegation state started; the commit
 /// picks those whose state it left.
@@ -104,7 +114,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             cs.push(sig.0);
         }
     }
-    let lock = c.prepare_cached(&rows::LOCK_INSTANCES).await?;
+    let lock = c.prepare_cached(&LOCK_WITH_JOINED_PARENTS).await?;
     let check = c.prepare_cached(AWAIT_CHECK).await?;
     let waiting = async {
         if await_ids.is_empty() {
@@ -124,17 +134,12 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     };
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
-    // Parents of the batch's rows that keep a join state: a child's end is counted on them
-    // by the planner rather than by `RELEASE_PARENTS`. Only the parent's own commits set
-    // that state, and it stays once set, so reading it without a lock is safe.
-    let joined_stmt = c.prepare_cached(JOINED_PARENTS_OF).await?;
-    let (b, locked, waiting, pending, resolved, joined) = tokio::join!(
+    let (b, locked, waiting, pending, resolved) = tokio::join!(
         begin(c),
         async { c.query(&lock, &[&ids]).await },
         waiting,
         pending,
-        signal::resolve(c, &emit_targets),
-        async { c.query(&joined_stmt, &[&ids]).await }
+        signal::resolve(c, &emit_targets)
     );
     // Results are read in the order the statements went out: once one fails (a deadlock on
     // the lock, say) every later one only reports 25P02 "transaction is aborted", and that
@@ -144,14 +149,19 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let waiting = waiting?;
     let pending = pending?;
     let resolved = resolved?;
-    let joined: HashSet<i64> =
-        joined?.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     let pending = signal::pending_of(&pending)?;
     let mut current: HashMap<i64, Instance> = HashMap::new();
     for r in &locked {
         let row = rows::instance(r)?;
         current.insert(row.id.0, row);
     }
+    // The locked parents that keep a join state: a child's end is counted on them by the
+    // planner rather than by `RELEASE_PARENTS`.
+    let joined: HashSet<i64> = current
+        .values()
+        .filter(|r| r.context.get(keel_core::join::JOIN_KEY).is_some())
+        .map(|r| r.id.0)
+        .collect();
     let waiting: HashSet<i64> =
         waiting.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
 
