@@ -149,6 +149,7 @@ pub use serde_json::{Value, json};
 
 pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
 pub use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
+pub use keel_core::join::Join;
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
 pub use keel_core::schedule::{
     BroadcastAction, MissedTicks, Schedule, ScheduleAction, ScheduleError, ScheduleInfo,

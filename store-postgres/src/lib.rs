@@ -81,7 +81,10 @@
 //!   parent = the committing instance, no barrier. A child that becomes terminal (commit or
 //!   cancel) carries a parent release in its plan (`plan::parent`): the parent's barrier is
 //!   decremented by `RELEASE_PARENTS`, the same rule as `plan::parent::release` written in
-//!   SQL so that one statement counts a whole batch, and the plan's notice is delivered
+//!   SQL so that one statement counts a whole batch (parents that keep a join state in
+//!   their context, `@join`, are skipped there and counted by the planner instead: the
+//!   commit locks them first, in id order with its own rows, then `release_joined` plans,
+//!   writes and cancels the rest of a woken parent's children), and the plan's notice is delivered
 //!   into the parent's inbox through the delivery path above (after the item's outbox
 //!   emits, like the reference store).
 //! - **Broadcast** is one statement: lock the matching targets (id order, at most
