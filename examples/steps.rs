@@ -53,12 +53,7 @@ impl StepMachine for Order {
                             .context(json!({ "parcel": i }))
                     })
                     .collect();
-                Outcome::ScheduleChildren {
-                    next: "complete".into(),
-                    children: parcels,
-                    context: state,
-                    join: Default::default(),
-                }
+                Outcome::schedule_children("complete", parcels, state)
             }
             "complete" => {
                 let packed = ctx.children.iter().filter(|c| c.status == Status::Done).count();

@@ -70,12 +70,16 @@ pub struct Join {
     #[serde(default, skip_serializing_if = "Option::is_none", with = "opt_ms")]
     pub within: Option<Duration>,
     /// What becomes of the children still running when the parent wakes early.
-    #[serde(default, skip_serializing_if = "is_cancel")]
+    #[serde(default, skip_serializing_if = "JoinRest::is_cancel")]
     pub rest: JoinRest,
 }
 
-fn is_cancel(rest: &JoinRest) -> bool {
-    *rest == JoinRest::Cancel
+impl JoinRest {
+    /// Whether the rest is cancelled (the default, left out of the JSON form).
+    #[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+    fn is_cancel(&self) -> bool {
+        *self == JoinRest::Cancel
+    }
 }
 
 impl Join {

@@ -458,7 +458,7 @@ async fn cancel_with_cascade_ends_the_children_too() {
             next: "b".into(),
             children: vec![NewInstance::new(MachineRef::new("child", 1), "wait"); 2],
             context: ctx.context.clone(),
-            join: Default::default(),
+            join: keel_core::join::Join::default(),
         }),
         _ => done(),
     });

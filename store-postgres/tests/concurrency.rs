@@ -333,7 +333,7 @@ async fn fifty_children_completing_concurrently_release_the_parent_once() {
                         next: "join".into(),
                         children: (0..50).map(|_| new("c")).collect(),
                         context: json!({}),
-                        join: Default::default(),
+                        join: keel_core::join::Join::default(),
                     },
                 )],
                 now: T0,

@@ -289,7 +289,7 @@ async fn children_barrier_releases_the_parent_once() {
                 next: "join".into(),
                 children: kids,
                 context: json!({}),
-                join: Default::default(),
+                join: keel_core::join::Join::default(),
             },
         ),
     )
@@ -507,7 +507,7 @@ async fn cancel_cascades_to_descendants() {
                 next: "j".into(),
                 children: vec![new("c"), new("c")],
                 context: json!({}),
-                join: Default::default(),
+                join: keel_core::join::Join::default(),
             },
         ),
     )

@@ -125,7 +125,12 @@ impl StepMachine for Parent {
             let children = (0..CHILDREN)
                 .map(|i| NewInstance::new(child_machine(), "c0").context(json!({ "i": i })))
                 .collect();
-            Outcome::ScheduleChildren { next, children, context, join: Default::default() }
+            Outcome::ScheduleChildren {
+                next,
+                children,
+                context,
+                join: keel_core::join::Join::default(),
+            }
         } else if n + 1 >= STEPS {
             Outcome::Done { result: context, step: None }
         } else {

@@ -96,13 +96,11 @@ pub fn release(parent: &Instance, child: &ParentRelease, now: Timestamp) -> Pare
     row.children_pending = (parent.children_pending - 1).max(0);
     row.updated_at = now;
     let settled = join.settled().filter(|_| parent.status == Status::AwaitingChildren);
-    match settled {
-        Some(why) => wake(row, join, why, now),
-        None => {
-            join.store(&mut row.context);
-            ParentPlan { row, changed: true, history: Vec::new(), cancel: Vec::new() }
-        }
+    if let Some(why) = settled {
+        return wake(row, join, why, now);
     }
+    join.store(&mut row.context);
+    ParentPlan { row, changed: true, history: Vec::new(), cancel: Vec::new() }
 }
 
 /// The parent's row when its join's deadline timer fires at `now`: a parent still awaiting

@@ -18,7 +18,7 @@ fn schedule(children: Vec<NewInstance>) -> Outcome {
         next: "join".into(),
         children,
         context: ctx(1),
-        join: Default::default(),
+        join: keel_core::join::Join::default(),
     }
 }
 

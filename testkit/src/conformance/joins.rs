@@ -97,8 +97,8 @@ pub async fn join_quorum_of_three_of_five_wakes_the_parent_once_at_the_third_suc
     let claimed = claim_id(s, ns, parent, at(40)).await;
     assert_eq!(claimed.instance.position, "join");
     let statuses: Vec<Status> = claimed.children.iter().map(|c| c.status).collect();
-    use Status::{Cancelled, Done, Failed};
-    assert_eq!(statuses, [Done, Failed, Done, Done, Cancelled]);
+    let expected = [Status::Done, Status::Failed, Status::Done, Status::Done, Status::Cancelled];
+    assert_eq!(statuses, expected);
     assert_eq!(claimed.children[0].result, Some(serde_json::json!({ "ok": true })));
 }
 

@@ -25,7 +25,7 @@ fn schedule(ns: &str, n: usize) -> Outcome {
         next: "join".into(),
         children: vec![new_in(ns).queue("kids"); n],
         context: ctx(1),
-        join: Default::default(),
+        join: keel_core::join::Join::default(),
     }
 }
 
@@ -309,7 +309,7 @@ pub async fn batch_over_limit_rejected<S: Store>(s: &S) {
         next: "join".into(),
         children: many(limits::CHILDREN_PER_STEP_MAX + 1),
         context: ctx(1),
-        join: Default::default(),
+        join: keel_core::join::Join::default(),
     };
     expect_kind(
         commit(s, StepCommit::new(id, claimed.token(), children), at(4)).await,

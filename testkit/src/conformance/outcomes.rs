@@ -109,7 +109,7 @@ pub async fn outcome_schedule_children_matches_reference<S: Store>(s: &S) {
             next: "join".into(),
             children: kids,
             context: ctx(3),
-            join: Default::default(),
+            join: keel_core::join::Join::default(),
         };
         StepCommit::new(c.instance.id, c.token(), outcome)
     })

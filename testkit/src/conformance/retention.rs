@@ -78,7 +78,7 @@ pub async fn prune_deletes_exactly_the_instances_ended_before_the_cutoff<S: Stor
         next: "join".into(),
         children,
         context: ctx(1),
-        join: Default::default(),
+        join: keel_core::join::Join::default(),
     };
     let receipt = step(s, &claimed, spawn, at(20)).await;
     let child = receipt.children[0].id();

@@ -123,7 +123,7 @@ fn schedule_children_parks_on_the_barrier_only_when_a_child_was_inserted() {
             next: "after".into(),
             children: vec![child.clone(), child.clone()],
             context: json!({}),
-            join: Default::default(),
+            join: crate::join::Join::default(),
         },
     );
     let mut commit = commit;
