@@ -311,3 +311,41 @@ fn an_unreachable_store_is_a_failure_and_a_critical_health() {
     let (_, err) = b.run(&["status"], 1);
     assert!(err.contains("unknown scheme"), "{err}");
 }
+
+/// `keel config show` lists `dead_letter.enabled` with where its value came from: the
+/// event's section wins over the machine's, which wins over the system level and the
+/// default. It reads the file only; no store is opened.
+#[test]
+fn config_show_names_dead_letter_enabled_and_its_source() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("keel.toml");
+    std::fs::write(
+        &path,
+        "[queue.dead_letter]\nenabled = false\n\
+         [machines.order.events.refund.queue.dead_letter]\nenabled = true\n",
+    )
+    .expect("write the file");
+    let show = |extra: &[&str]| -> Value {
+        let mut cmd = Command::cargo_bin("keel").expect("the keel binary is built");
+        cmd.env_remove("KEEL_CONFIG").env_remove("KEEL_DATABASE_URL");
+        let path = path.display().to_string();
+        let mut args =
+            vec!["--json", "--config", path.as_str(), "config", "show", "--machine", "order"];
+        args.extend_from_slice(extra);
+        let out = cmd.args(&args).output().expect("keel runs");
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("a JSON document")
+    };
+    let line = |doc: &Value| -> (String, String) {
+        let line = doc["values"]
+            .as_array()
+            .and_then(|v| v.iter().find(|l| l["key"] == "dead_letter.enabled"))
+            .unwrap_or_else(|| panic!("dead_letter.enabled listed: {doc}"));
+        (line["value"].as_str().unwrap().to_owned(), line["source"].as_str().unwrap().to_owned())
+    };
+    assert_eq!(line(&show(&[])), ("false".to_owned(), "[queue]".to_owned()));
+    assert_eq!(
+        line(&show(&["--event", "refund"])),
+        ("true".to_owned(), "[machines.order.events.refund.queue]".to_owned())
+    );
+}
