@@ -51,12 +51,15 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
 /// state, all in id order (a parent's id is below its children's). Siblings of a join
 /// thus serialize on their parent before they hold their own rows, so the commit that
 /// wakes the parent can lock and cancel the siblings still running without a deadlock.
-/// Only a parent's own commits set its join state, and it stays once set.
+/// Only a parent's own commits set its join state, and it stays once set. The ids are
+/// gathered first (one small sub-select on the primary key), so the lock itself stays the
+/// primary-key lookup the plain statement was.
 static LOCK_WITH_JOINED_PARENTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "SELECT {} FROM instances WHERE id = ANY($1) OR id IN (SELECT p.id FROM instances i \
-           JOIN instances p ON p.id = i.parent_id \
-           WHERE i.id = ANY($1) AND p.context ? '@join') \
+        "SELECT {} FROM instances WHERE id = ANY(ARRAY( \
+           SELECT unnest($1::int8[]) \
+           UNION SELECT p.id FROM instances i JOIN instances p ON p.id = i.parent_id \
+             WHERE i.id = ANY($1::int8[]) AND p.context ? '@join')) \
          ORDER BY id FOR NO KEY UPDATE",
         rows::INSTANCE_COLS
     )
