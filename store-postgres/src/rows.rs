@@ -237,6 +237,24 @@ pub(crate) static LOCK_INSTANCES: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// Locks the given rows (a commit's batch, a cancel's root) and, before them, the parents
+/// of those rows that keep a join state, all in id order (a parent's id is below its
+/// children's). Siblings of a join
+/// thus serialize on their parent before they hold their own rows, so the commit that
+/// wakes the parent can lock and cancel the siblings still running without a deadlock.
+/// Only a parent's own commits set its join state, and it stays once set. The ids are
+/// gathered first (one small sub-select on the primary key), so the lock itself stays the
+/// primary-key lookup the plain statement was.
+pub(crate) static LOCK_WITH_JOINED_PARENTS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {INSTANCE_COLS} FROM instances WHERE id = ANY(ARRAY( \
+           SELECT unnest($1::int8[]) \
+           UNION SELECT p.id FROM instances i JOIN instances p ON p.id = i.parent_id \
+             WHERE i.id = ANY($1::int8[]) AND p.context ? '@join')) \
+         ORDER BY id FOR NO KEY UPDATE"
+    )
+});
+
 /// Locks rows by id (in id order, so concurrent batches cannot deadlock on each other)
 /// and returns them.
 pub(crate) async fn lock_instances<C: GenericClient + Sync>(

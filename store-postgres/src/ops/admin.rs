@@ -179,7 +179,18 @@ async fn cancel_one<C: GenericClient + Sync>(
     channel: &str,
     planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
 ) -> OpResult<(Vec<InstanceId>, bool, Vec<CancelParams>)> {
-    let root = lock_instances(c, &[p.id.0]).await?.into_iter().next();
+    // The root's parent, when it keeps a join state, is locked first (id order), as a
+    // step commit does: the cancel's release counts on it, and a sibling's commit that
+    // wakes it may cancel this root.
+    let lock = c.prepare_cached(&rows::LOCK_WITH_JOINED_PARENTS).await?;
+    let root = c
+        .query(&lock, &[&vec![p.id.0]])
+        .await?
+        .iter()
+        .map(rows::instance)
+        .collect::<Result<Vec<Instance>, StoreError>>()?
+        .into_iter()
+        .find(|r| r.id == p.id);
     // Descendants and inboxes matter only when the root is still live.
     let live = root.as_ref().is_some_and(|r| !r.status.is_terminal());
     let mut read = plan::cancel::CancelRead { root, ..Default::default() };

@@ -47,24 +47,6 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
       last_attempt_at) \
     RETURNING instance_id, id";
 
-/// Locks the batch's rows and, before them, the parents of those rows that keep a join
-/// state, all in id order (a parent's id is below its children's). Siblings of a join
-/// thus serialize on their parent before they hold their own rows, so the commit that
-/// wakes the parent can lock and cancel the siblings still running without a deadlock.
-/// Only a parent's own commits set its join state, and it stays once set. The ids are
-/// gathered first (one small sub-select on the primary key), so the lock itself stays the
-/// primary-key lookup the plain statement was.
-static LOCK_WITH_JOINED_PARENTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "SELECT {} FROM instances WHERE id = ANY(ARRAY( \
-           SELECT unnest($1::int8[]) \
-           UNION SELECT p.id FROM instances i JOIN instances p ON p.id = i.parent_id \
-             WHERE i.id = ANY($1::int8[]) AND p.context ? '@join')) \
-         ORDER BY id FOR NO KEY UPDATE",
-        rows::INSTANCE_COLS
-    )
-});
-
 /// The live children of the given parents that a delegation state started; the commit
 /// picks those whose state it left.
 const DELEGATED: &str = "SELECT id FROM instances WHERE parent_id = ANY($1::int8[]) \
@@ -117,7 +99,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             cs.push(sig.0);
         }
     }
-    let lock = c.prepare_cached(&LOCK_WITH_JOINED_PARENTS).await?;
+    let lock = c.prepare_cached(&rows::LOCK_WITH_JOINED_PARENTS).await?;
     let check = c.prepare_cached(AWAIT_CHECK).await?;
     let waiting = async {
         if await_ids.is_empty() {
