@@ -185,6 +185,7 @@ async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<St
             namespace: Some(ns.to_owned()),
             machine: None,
             limit: DEAD_LETTER_COUNT_MAX,
+            ..DeadLetterFilter::default()
         })
         .await?;
     let mut counts = BTreeMap::new();
@@ -500,7 +501,7 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
     match command {
         DlqCommand::List { machine, limit } => {
             let letters = keel
-                .dead_letters(DeadLetterFilter { namespace: Some(ns.to_owned()), machine, limit })
+                .dead_letters(DeadLetterFilter { namespace: Some(ns.to_owned()), machine, limit, ..DeadLetterFilter::default() })
                 .await?;
             let mut t = table(&[
                 "id",
@@ -603,6 +604,7 @@ async fn retry_machine(
         namespace: Some(ns.to_owned()),
         machine: Some(machine.to_owned()),
         limit: DEAD_LETTER_COUNT_MAX,
+        ..DeadLetterFilter::default()
     };
     let counted = keel.dead_letters(filter).await?.len();
     let bar = indicatif::ProgressBar::new(counted as u64).with_message("retrying dead letters");

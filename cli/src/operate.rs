@@ -419,6 +419,7 @@ async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Repor
         namespace: Some(ns.to_owned()),
         machine: Some(machine.to_owned()),
         limit: keel_core::limits::DEAD_LETTER_BATCH_MAX,
+        ..keel::DeadLetterFilter::default()
     };
     let counted = keel.dead_letters(filter).await?.len() as u64;
     let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");

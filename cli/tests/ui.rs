@@ -160,6 +160,7 @@ async fn seed(url: &str, schema: &str) -> Seeded {
                 namespace: Some(ns.into()),
                 machine: None,
                 limit: 10,
+                ..keel::DeadLetterFilter::default()
             })
             .await
             .unwrap()

@@ -63,6 +63,7 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
             namespace: None,
             machine: None,
             limit: DEAD_LETTER_COUNT_MAX,
+            ..DeadLetterFilter::default()
         })
         .await?;
     let mut counts: BTreeMap<(String, String), u64> = BTreeMap::new();

@@ -790,15 +790,65 @@ impl WorkerRecord {
     }
 }
 
-/// Which dead letters to list.
+/// Which dead letters to list, oldest (lowest id) first, a page at a time. Pages are
+/// keyset-paginated on the dead letter's id, so a page costs the same however deep it is
+/// and a letter recorded or removed meanwhile never shifts another page: pass the last id
+/// of a page as `after` for the next page, or the first id as `before` for the previous.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DeadLetterFilter {
     /// Only this namespace.
     pub namespace: Option<String>,
     /// Only this machine name.
     pub machine: Option<String>,
-    /// Most to return (oldest first); `0` means [`crate::limits::DEAD_LETTER_BATCH_MAX`].
+    /// Only ids above this one: the page after a page whose last id this is.
+    pub after: Option<DeadLetterId>,
+    /// Only ids below this one, and of those the `limit` nearest to it (still listed
+    /// oldest first): the page before a page whose first id this is. Not with `after`.
+    pub before: Option<DeadLetterId>,
+    /// Most to return, up to [`crate::limits::DEAD_LETTER_BATCH_MAX`]; `0` means that bound.
     pub limit: usize,
+}
+
+impl DeadLetterFilter {
+    /// The page size a store applies: `limit`, or the bound when it is `0`.
+    pub fn page_size(&self) -> usize {
+        match self.limit {
+            0 => limits::DEAD_LETTER_BATCH_MAX,
+            n => n,
+        }
+    }
+
+    /// Checks the names, the page size and that at most one cursor is set.
+    pub fn validate(&self) -> StoreResult<()> {
+        if let Some(ns) = &self.namespace {
+            check_name("namespace", ns)?;
+        }
+        if let Some(machine) = &self.machine {
+            check_name("machine", machine)?;
+        }
+        if self.limit > limits::DEAD_LETTER_BATCH_MAX {
+            return Err(StoreError::invalid(format!(
+                "limit: {} is out of range; ask for 1 to {} dead letters per page",
+                self.limit,
+                limits::DEAD_LETTER_BATCH_MAX
+            )));
+        }
+        if self.after.is_some() && self.before.is_some() {
+            return Err(StoreError::invalid(
+                "before: give either after (the next page) or before (the previous page), not both",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `letter` passes the namespace and machine filters and the cursor (the page
+    /// size aside).
+    pub fn matches(&self, letter: &DeadLetter) -> bool {
+        self.namespace.as_ref().is_none_or(|ns| letter.letter.namespace == *ns)
+            && self.machine.as_ref().is_none_or(|m| letter.letter.machine.name == *m)
+            && self.after.is_none_or(|a| letter.id > a)
+            && self.before.is_none_or(|b| letter.id < b)
+    }
 }
 
 /// One page of a namespace's instances for an operator's list, newest first, narrowed by
@@ -1063,7 +1113,8 @@ pub trait Store: Send + Sync + 'static {
     /// Resolves a signal target to an instance id (`None` when there is none).
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>>;
 
-    /// Dead letters, oldest first.
+    /// One page of dead letters, oldest first (see [`DeadLetterFilter`]). `Invalid`
+    /// naming the field for a bad name, a page size above the bound or both cursors.
     async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>>;
 
     /// One dead letter. `NotFound` if missing.
@@ -1290,6 +1341,31 @@ mod tests {
         let purge = |selector| DeadLetterPurgeParams { selector, older_than: None };
         check(purge(None).validate(), Ok(()));
         check(purge(Some(machine(""))).validate(), Err("selector.namespace"));
+    }
+
+    #[test]
+    fn dead_letter_pages_take_one_cursor_and_a_bounded_size() {
+        let page = |limit: usize, after: Option<i64>, before: Option<i64>| DeadLetterFilter {
+            namespace: Some("ns".into()),
+            machine: None,
+            after: after.map(DeadLetterId),
+            before: before.map(DeadLetterId),
+            limit,
+        };
+        check(page(0, None, None).validate(), Ok(()));
+        check(page(limits::DEAD_LETTER_BATCH_MAX, Some(3), None).validate(), Ok(()));
+        check(page(50, None, Some(3)).validate(), Ok(()));
+        check(page(limits::DEAD_LETTER_BATCH_MAX + 1, None, None).validate(), Err("limit"));
+        check(page(50, Some(3), Some(9)).validate(), Err("before"));
+        let named = |ns: &str, machine: &str| DeadLetterFilter {
+            namespace: Some(ns.into()),
+            machine: Some(machine.into()),
+            ..DeadLetterFilter::default()
+        };
+        check(named("", "m").validate(), Err("namespace"));
+        check(named("ns", "").validate(), Err("machine"));
+        assert_eq!(page(0, None, None).page_size(), limits::DEAD_LETTER_BATCH_MAX);
+        assert_eq!(page(7, None, None).page_size(), 7);
     }
 
     #[test]

@@ -324,6 +324,7 @@ impl Store for PgStore {
     }
 
     async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        filter.validate()?;
         let conn = self.client().await?;
         admin::dead_letter_list(&conn, &filter).await.map_err(StoreError::from)
     }

@@ -851,7 +851,7 @@ pub async fn dead_letters(
     let page_no = f.page.unwrap_or(0).min(limits::DEAD_LETTER_BATCH_MAX / DEAD_LETTER_PAGE - 1);
     let upto = (page_no + 1) * DEAD_LETTER_PAGE + 1;
     let filter =
-        DeadLetterFilter { namespace: Some(ns.clone()), machine: some(&f.machine), limit: upto };
+        DeadLetterFilter { namespace: Some(ns.clone()), machine: some(&f.machine), limit: upto, ..DeadLetterFilter::default() };
     let letters = match state.keel.dead_letters(filter).await {
         Ok(l) => l,
         Err(e) => return store_or_input(&viewer, &ns, &e),
@@ -1160,6 +1160,7 @@ pub async fn purge(
                 namespace: Some(ns.clone()),
                 machine: None,
                 limit: limits::DEAD_LETTER_BATCH_MAX,
+                ..DeadLetterFilter::default()
             };
             for d in state
                 .keel
