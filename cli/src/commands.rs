@@ -608,7 +608,8 @@ pub async fn dead_letter_page(
     };
     let letters = keel.dead_letters(filter).await?;
     let next = (letters.len() == limit).then(|| letters.last().map(|d| d.id)).flatten();
-    let mut t = table(&["id", "instance", "machine", "position", "reason", "attempts", "last error"]);
+    let mut t =
+        table(&["id", "instance", "machine", "position", "reason", "attempts", "last error"]);
     for d in &letters {
         t.add_row(vec![
             d.id.to_string(),

@@ -519,7 +519,8 @@ impl Store for SqliteStore {
             .fetch_all(&mut *db.conn)
             .await
             .map_err(db.err("listing dead letters"))?;
-        let mut page = rows.iter().map(|r| db.dead_letter_of(r)).collect::<StoreResult<Vec<_>>>()?;
+        let mut page =
+            rows.iter().map(|r| db.dead_letter_of(r)).collect::<StoreResult<Vec<_>>>()?;
         if backwards {
             page.reverse();
         }
@@ -634,8 +635,9 @@ impl Store for SqliteStore {
             let n = r.try_get::<i64, _>("n").map_err(corrupt("n"))? as u64;
             let scheduled =
                 r.try_get::<Option<i64>, _>("scheduled").map_err(corrupt("scheduled"))?;
-            let oldest =
-                r.try_get::<Option<i64>, _>("oldest_ready_at").map_err(corrupt("oldest_ready_at"))?;
+            let oldest = r
+                .try_get::<Option<i64>, _>("oldest_ready_at")
+                .map_err(corrupt("oldest_ready_at"))?;
             let same = out.last().is_some_and(|s: &QueueStats| {
                 s.namespace == namespace && s.queue == queue && s.machine == machine
             });

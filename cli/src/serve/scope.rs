@@ -36,7 +36,10 @@ impl Namespaced for DeadLetter {
 /// A read by id seen from namespace `ns`: `Some` when the row exists there, `None` when
 /// it is missing or in another namespace (both answer "not found"); a store failure
 /// stays an error.
-pub fn in_namespace<T: Namespaced>(read: Result<T, StoreError>, ns: &str) -> Result<Option<T>, StoreError> {
+pub fn in_namespace<T: Namespaced>(
+    read: Result<T, StoreError>,
+    ns: &str,
+) -> Result<Option<T>, StoreError> {
     match read {
         Ok(row) if row.namespace() == ns => Ok(Some(row)),
         Ok(_) => Ok(None),
@@ -53,7 +56,10 @@ pub fn row_in_namespace(
     ns: &str,
 ) -> Result<Option<Instance>, StoreError> {
     let found = read.map(|rows| rows.into_iter().find(|row| row.id == id));
-    in_namespace(found.and_then(|row| row.ok_or_else(|| StoreError::not_found(format!("instance {id}")))), ns)
+    in_namespace(
+        found.and_then(|row| row.ok_or_else(|| StoreError::not_found(format!("instance {id}")))),
+        ns,
+    )
 }
 
 #[cfg(test)]

@@ -2,13 +2,11 @@
 //! cursor, and the per-queue counts of unfinished instances.
 
 use super::support::{
-    await_signal, at, claim_id, commit_ok, done, expect_kind, insert_one, new_in, suspend,
+    at, await_signal, claim_id, commit_ok, done, expect_kind, insert_one, new_in, suspend,
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{DeadLetterFilter, QueueStats};
-use keel_core::{
-    DeadLetterId, ErrorKind, MachineRef, NewInstance, StepCommit, Timestamp, limits,
-};
+use keel_core::{DeadLetterId, ErrorKind, MachineRef, NewInstance, StepCommit, Timestamp, limits};
 
 /// Inserts an instance of `machine` in `ns`, claims it and suspends it: one dead letter.
 async fn dead_letter<S: Store>(s: &S, ns: &str, machine: &str, now: Timestamp) -> DeadLetterId {
@@ -133,8 +131,8 @@ pub async fn queue_stats_counts_every_unfinished_status<S: Store>(s: &S) {
     insert_one(s, new_in("queue_stats_other").queue("a"), at(16)).await;
 
     let now = at(100);
-    let row = |ns: &str, queue: &str, machine: &str, counts: [u64; 5], oldest: Option<i64>| {
-        QueueStats {
+    let row =
+        |ns: &str, queue: &str, machine: &str, counts: [u64; 5], oldest: Option<i64>| QueueStats {
             namespace: ns.into(),
             queue: queue.into(),
             machine: machine.into(),
@@ -144,8 +142,7 @@ pub async fn queue_stats_counts_every_unfinished_status<S: Store>(s: &S) {
             waiting: counts[3],
             suspended: counts[4],
             oldest_ready_at: oldest.map(at),
-        }
-    };
+        };
     let want = vec![
         row(ns, "a", "order", [2, 1, 1, 1, 1], Some(20)),
         row(ns, "b", "invoice", [1, 0, 0, 0, 0], Some(50)),

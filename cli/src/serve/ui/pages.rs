@@ -25,10 +25,10 @@ use serde_json::Value;
 
 use super::html::{badge, esc, json, ns_url, page, query, seg};
 use super::{AppState, Viewer, WithStatus, charts, with_cookie};
-use crate::serve::scope::in_namespace;
 use crate::commands::{StatusRow, now, status_and_activity};
 use crate::health::{self, Level};
 use crate::output::{age, time};
+use crate::serve::scope::in_namespace;
 
 /// Instances per page.
 pub const INSTANCE_PAGE: usize = 50;
@@ -894,7 +894,11 @@ pub async fn dead_letters(
     let cursor = |field: &str, raw: &str| match some(raw) {
         None => Ok(None),
         Some(text) => letter_id(&text).map(Some).ok_or_else(|| {
-            bad_input(&viewer, &ns, &format!("{field}: not a dead letter id; follow the page links"))
+            bad_input(
+                &viewer,
+                &ns,
+                &format!("{field}: not a dead letter id; follow the page links"),
+            )
         }),
     };
     let (after, before) = match (cursor("after", &f.after), cursor("before", &f.before)) {
