@@ -29,10 +29,10 @@ const DEAD_LETTER_BATCH: usize = 500;
 /// Claims `count` ready instances and commits each as a permanent failure: a suspended
 /// instance with its dead letter, as a worker records one. Returns the dead letters' ids.
 async fn dead_letter(keel: &Keel, count: usize) -> Result<Vec<i64>> {
-    use keel_core::ports::Store;
-    use keel_core::ports::store::{ClaimParams, CommitParams};
     use keel_core::outcome::{Outcome, StepFailure};
     use keel_core::ports::Clock;
+    use keel_core::ports::Store;
+    use keel_core::ports::store::{ClaimParams, CommitParams};
     use keel_core::{StepCommit, WorkerId};
     use keel_scheduler::SystemClock;
     let store = keel.store();
@@ -65,8 +65,7 @@ async fn dead_letter(keel: &Keel, count: usize) -> Result<Vec<i64>> {
                 StepCommit::new(c.instance.id, c.token(), Outcome::Suspend).failure(failure)
             })
             .collect();
-        let receipts =
-            store.step_commit(CommitParams { commits, now: SystemClock.now() }).await?;
+        let receipts = store.step_commit(CommitParams { commits, now: SystemClock.now() }).await?;
         for receipt in receipts {
             ids.extend(receipt?.dead_letter.map(|d| d.0));
         }

@@ -891,19 +891,17 @@ pub async fn dead_letters(
     Extension(viewer): Extension<Viewer>,
     Query(f): Query<LetterFilters>,
 ) -> Response {
-    let cursor = |field: &str, raw: &str| match some(raw) {
+    // A cursor is an id from a page link; anything else names its field.
+    let cursor = |field: &'static str, raw: &str| match some(raw) {
         None => Ok(None),
-        Some(text) => letter_id(&text).map(Some).ok_or_else(|| {
-            bad_input(
-                &viewer,
-                &ns,
-                &format!("{field}: not a dead letter id; follow the page links"),
-            )
-        }),
+        Some(text) => letter_id(&text).map(Some).ok_or(field),
     };
     let (after, before) = match (cursor("after", &f.after), cursor("before", &f.before)) {
         (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => return e,
+        (Err(field), _) | (_, Err(field)) => {
+            let message = format!("{field}: not a dead letter id; follow the page links");
+            return bad_input(&viewer, &ns, &message);
+        }
     };
     let shown = match letter_page(&state, &ns, some(&f.machine), after, before).await {
         Ok(p) => p,
