@@ -88,7 +88,7 @@ fn migrator() -> Migrator {
         migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
         migration(3, "operations", include_str!("../migrations/0003_operations.sql")),
         migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
-        migration(5, "queue stats", include_str!("../migrations/0005_queue_stats.sql")),
+        migration(5, "operator reads", include_str!("../migrations/0005_operator_reads.sql")),
     ])
 }
 
@@ -448,34 +448,48 @@ impl Store for SqliteStore {
         params.validate()?;
         let mut conn = self.reader().await?;
         let db = Db { conn: &mut conn, file: &self.file };
-        // One statement for every filter: an unset filter is a NULL that lets every row pass.
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            instance_cols!(),
-            " FROM keel_instances \
-             WHERE namespace = ? AND (? IS NULL OR machine = ?) AND (? IS NULL OR status = ?) \
-               AND (? IS NULL OR business_key = ?) AND (? IS NULL OR id < ?) \
-               AND (? IS NULL OR position = ? OR (substr(position, 1, 1) = '[' \
-                    AND json_valid(position) \
-                    AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?))) \
-             ORDER BY id DESC LIMIT ?"
-        ))
-        .bind(&params.namespace)
-        .bind(&params.machine)
-        .bind(&params.machine)
-        .bind(params.status.map(Status::name))
-        .bind(params.status.map(Status::name))
-        .bind(&params.business_key)
-        .bind(&params.business_key)
-        .bind(params.before.map(|b| b.0))
-        .bind(params.before.map(|b| b.0))
-        .bind(&params.state)
-        .bind(&params.state)
-        .bind(&params.state)
-        .bind(params.limit as i64)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("listing instances"))?;
+        // Only the filters that are set are written out, each with its own number, so
+        // SQLite can seek on them: written as `? IS NULL OR machine = ?` a machine filter
+        // could not use `keel_instances_list`, and a machine's page read every instance
+        // of the namespace and sorted them. With a machine the page walks
+        // `(namespace, machine, id)`, with a business key `(namespace, business_key, id)`,
+        // otherwise `(namespace, id)`: newest first, no sort, stopping after `limit` rows.
+        let mut scope = String::new();
+        if params.machine.is_some() {
+            scope.push_str(" AND machine = ?3");
+        }
+        if params.status.is_some() {
+            scope.push_str(" AND status = ?4");
+        }
+        if params.business_key.is_some() {
+            scope.push_str(" AND business_key = ?5");
+        }
+        if params.before.is_some() {
+            scope.push_str(" AND id < ?6");
+        }
+        if params.state.is_some() {
+            scope.push_str(
+                " AND (position = ?7 OR (substr(position, 1, 1) = '[' AND json_valid(position) \
+                   AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?7)))",
+            );
+        }
+        let sql = format!(
+            "SELECT {} FROM keel_instances WHERE namespace = ?1{scope} ORDER BY id DESC LIMIT ?2",
+            instance_cols!()
+        );
+        // The text varies only by the fixed fragments above; every value is bound whether
+        // the text uses its `?N` or not, and an unused one is never read.
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&params.namespace)
+            .bind(params.limit as i64)
+            .bind(&params.machine)
+            .bind(params.status.map(Status::name))
+            .bind(&params.business_key)
+            .bind(params.before.map(|b| b.0))
+            .bind(&params.state)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("listing instances"))?;
         rows.iter().map(|r| db.instance_of(r)).collect()
     }
 
