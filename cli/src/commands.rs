@@ -19,9 +19,6 @@ use serde::Serialize;
 use crate::output::{Report, age, table, time};
 use crate::{Cli, Command, DlqCommand, StartArgs, TimersCommand};
 
-/// Most dead letters `status` and `health` count per namespace; more read as "at least".
-const DEAD_LETTER_COUNT_MAX: usize = 10_000;
-
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     if let Command::Graph { machine, format, definitions, version } = &cli.command {
@@ -204,20 +201,10 @@ async fn status_rows_from(
     Ok(rows.into_values().filter(|r| machine.is_none_or(|m| r.machine == m)).collect())
 }
 
+/// Dead letters per machine of `ns`, counted by the store (every one, not a page).
 async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<String, u64>> {
-    let letters = keel
-        .dead_letters(DeadLetterFilter {
-            namespace: Some(ns.to_owned()),
-            machine: None,
-            limit: DEAD_LETTER_COUNT_MAX,
-            ..DeadLetterFilter::default()
-        })
-        .await?;
-    let mut counts = BTreeMap::new();
-    for letter in letters {
-        *counts.entry(letter.letter.machine.name).or_insert(0) += 1;
-    }
-    Ok(counts)
+    let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await?;
+    Ok(counts.into_iter().map(|c| (c.machine, c.count)).collect())
 }
 
 async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<Report> {
@@ -645,14 +632,8 @@ async fn retry_machine(
     machine: &str,
     with_delay: &impl Fn(DeadLetterRetry) -> DeadLetterRetry,
 ) -> anyhow::Result<Vec<InstanceId>> {
-    let filter = DeadLetterFilter {
-        namespace: Some(ns.to_owned()),
-        machine: Some(machine.to_owned()),
-        limit: DEAD_LETTER_COUNT_MAX,
-        ..DeadLetterFilter::default()
-    };
-    let counted = keel.dead_letters(filter).await?.len();
-    let bar = indicatif::ProgressBar::new(counted as u64).with_message("retrying dead letters");
+    let counted = dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0);
+    let bar = indicatif::ProgressBar::new(counted).with_message("retrying dead letters");
     let mut retried = Vec::new();
     for _ in 0..RETRY_ROUNDS_MAX {
         let batch = keel

@@ -426,13 +426,13 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
 }
 
 async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
-    let filter = keel::DeadLetterFilter {
-        namespace: Some(ns.to_owned()),
-        machine: Some(machine.to_owned()),
-        limit: keel_core::limits::DEAD_LETTER_BATCH_MAX,
-        ..keel::DeadLetterFilter::default()
-    };
-    let counted = keel.dead_letters(filter).await?.len() as u64;
+    let counted = keel
+        .store()
+        .dead_letter_counts(Some(ns.to_owned()))
+        .await?
+        .into_iter()
+        .find(|c| c.machine == machine)
+        .map_or(0, |c| c.count);
     let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");
     let mut purged = 0;
     for _ in 0..PAGES_MAX {

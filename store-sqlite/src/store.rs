@@ -541,6 +541,40 @@ impl Store for SqliteStore {
         Ok(page)
     }
 
+    async fn dead_letter_counts(
+        &self,
+        namespace: Option<String>,
+    ) -> StoreResult<Vec<keel_core::ports::store::DeadLetterCount>> {
+        if let Some(ns) = &namespace {
+            keel_core::instance::check_name("namespace", ns)?;
+        }
+        let mut conn = self.reader().await?;
+        let db = Db { conn: &mut conn, file: &self.file };
+        // Counted on `keel_dead_letters_machine` (namespace, machine, id) alone.
+        let scope = if namespace.is_some() { "WHERE namespace = ?1" } else { "" };
+        let sql = format!(
+            "SELECT namespace, machine, count(*) AS n FROM keel_dead_letters {scope} \
+             GROUP BY namespace, machine ORDER BY namespace, machine"
+        );
+        // The text varies only by the fixed fragment above; the namespace is bound.
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&namespace)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("counting dead letters"))?;
+        let corrupt =
+            |col: &'static str| move |e: sqlx::Error| crate::error::corrupt(&self.file, col, e);
+        rows.iter()
+            .map(|r| {
+                Ok(keel_core::ports::store::DeadLetterCount {
+                    namespace: r.try_get("namespace").map_err(corrupt("namespace"))?,
+                    machine: r.try_get("machine").map_err(corrupt("machine"))?,
+                    count: r.try_get::<i64, _>("n").map_err(corrupt("n"))? as u64,
+                })
+            })
+            .collect()
+    }
+
     async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
         let mut conn = self.reader().await?;
         Db { conn: &mut conn, file: &self.file }.dead_letter(id).await

@@ -851,6 +851,21 @@ impl DeadLetterFilter {
     }
 }
 
+/// Most pages [`Store::dead_letter_counts`]'s default reads (of
+/// [`crate::limits::DEAD_LETTER_BATCH_MAX`] each): a million dead letters.
+pub const DEAD_LETTER_COUNT_PAGES_MAX: usize = 100;
+
+/// How many dead letters one machine of one namespace holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeadLetterCount {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name.
+    pub machine: String,
+    /// Dead-letter records.
+    pub count: u64,
+}
+
 /// One page of a namespace's instances for an operator's list, newest first, narrowed by
 /// the filters that are set. Pages are keyset-paginated: pass the last id of a page as
 /// `before` to get the next one, so a page costs the same however deep it is.
@@ -1131,6 +1146,41 @@ pub trait Store: Send + Sync + 'static {
 
     /// Purges dead letters; returns how many were removed.
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64>;
+
+    /// How many dead letters each (namespace, machine) holds, in name order; `None` =
+    /// every namespace. Stores answer it with one grouped count on an index; this default
+    /// pages through [`Store::dead_letter_list`] by its id cursor (at most
+    /// [`DEAD_LETTER_COUNT_PAGES_MAX`] pages), so a store that wraps another stays correct
+    /// without overriding it.
+    async fn dead_letter_counts(
+        &self,
+        namespace: Option<String>,
+    ) -> StoreResult<Vec<DeadLetterCount>> {
+        let mut counts: std::collections::BTreeMap<(String, String), u64> =
+            std::collections::BTreeMap::new();
+        let mut after = None;
+        for _ in 0..DEAD_LETTER_COUNT_PAGES_MAX {
+            let filter = DeadLetterFilter {
+                namespace: namespace.clone(),
+                after,
+                limit: limits::DEAD_LETTER_BATCH_MAX,
+                ..DeadLetterFilter::default()
+            };
+            let page = self.dead_letter_list(filter).await?;
+            for d in &page {
+                let key = (d.letter.namespace.clone(), d.letter.machine.name.clone());
+                *counts.entry(key).or_default() += 1;
+            }
+            if page.len() < limits::DEAD_LETTER_BATCH_MAX {
+                break;
+            }
+            after = page.last().map(|d| d.id);
+        }
+        Ok(counts
+            .into_iter()
+            .map(|((namespace, machine), count)| DeadLetterCount { namespace, machine, count })
+            .collect())
+    }
 
     /// Pauses or resumes a queue.
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()>;

@@ -299,6 +299,33 @@ pub(crate) async fn dead_letter_list<C: GenericClient + Sync>(
     Ok(page)
 }
 
+/// Dead letters per (namespace, machine), in name order: one grouped count on
+/// `dead_letters_machine` (namespace, machine, id).
+pub(crate) async fn dead_letter_counts<C: GenericClient + Sync>(
+    c: &C,
+    namespace: Option<&str>,
+) -> OpResult<Vec<keel_core::ports::store::DeadLetterCount>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT namespace, machine, count(*) FROM dead_letters \
+             WHERE ($1::text IS NULL OR namespace = $1) \
+             GROUP BY namespace, machine \
+             ORDER BY namespace COLLATE \"C\", machine COLLATE \"C\"",
+        )
+        .await?;
+    let found = c.query(&stmt, &[&namespace]).await?;
+    Ok(found
+        .iter()
+        .map(|r| {
+            Ok(keel_core::ports::store::DeadLetterCount {
+                namespace: rows::col(r, 0)?,
+                machine: rows::col(r, 1)?,
+                count: rows::col::<i64>(r, 2)? as u64,
+            })
+        })
+        .collect::<Result<_, StoreError>>()?)
+}
+
 /// One dead letter.
 pub(crate) async fn dead_letter_get<C: GenericClient + Sync>(
     c: &C,

@@ -171,6 +171,7 @@ macro_rules! __store_contract_list {
             claim_by_ids_takes_only_the_named_ready_instances,
             instance_list_pages_newest_first_with_filters,
             dead_letter_list_pages_by_id_cursor,
+            dead_letter_counts_per_machine,
             queue_stats_counts_every_unfinished_status,
             instance_activity_counts_ended_instances_per_bucket,
             worker_heartbeat_records_and_lists_live_workers,

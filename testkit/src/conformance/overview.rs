@@ -1,11 +1,13 @@
 //! Contracts for what an operator's overview reads: dead letters a page at a time by id
-//! cursor, and the per-queue counts of unfinished instances.
+//! cursor and counted per machine, and the per-queue counts of unfinished instances.
 
 use super::support::{
     at, await_signal, claim_id, commit_ok, done, expect_kind, insert_one, new_in, suspend,
 };
 use keel_core::ports::Store;
-use keel_core::ports::store::{DeadLetterFilter, QueueStats};
+use keel_core::ports::store::{
+    DeadLetterCount, DeadLetterFilter, DeadLetterRetryParams, DeadLetterSelector, QueueStats,
+};
 use keel_core::{DeadLetterId, ErrorKind, MachineRef, NewInstance, StepCommit, Timestamp, limits};
 
 /// Inserts an instance of `machine` in `ns`, claims it and suspends it: one dead letter.
@@ -164,4 +166,39 @@ pub async fn queue_stats_counts_every_unfinished_status<S: Store>(s: &S) {
         "at 25 only the row eligible at 20 is ready"
     );
     assert!(s.queue_stats(Some("queue_stats_none".into()), now).await.expect("empty").is_empty());
+}
+
+/// Dead letters counted per (namespace, machine) in name order, exactly (not a page of
+/// them): one namespace, or every namespace; a retried letter no longer counts; a bad
+/// namespace name is refused naming the field.
+pub async fn dead_letter_counts_per_machine<S: Store>(s: &S) {
+    let ns = "dlq_counts";
+    for (i, machine) in ["order", "billing", "order", "order", "billing"].iter().enumerate() {
+        dead_letter(s, ns, machine, at(10 * i as i64)).await;
+    }
+    let retried = dead_letter(s, ns, "refund", at(60)).await;
+    dead_letter(s, "dlq_counts_other", "order", at(70)).await;
+    let count = |ns: &str, machine: &str, count: u64| DeadLetterCount {
+        namespace: ns.into(),
+        machine: machine.into(),
+        count,
+    };
+    let got = s.dead_letter_counts(Some(ns.into())).await.expect("dead_letter_counts");
+    assert_eq!(got, [count(ns, "billing", 2), count(ns, "order", 3), count(ns, "refund", 1)]);
+    let retry = DeadLetterRetryParams {
+        selector: DeadLetterSelector::Id(retried),
+        delay: std::time::Duration::ZERO,
+        now: at(80),
+    };
+    s.dead_letter_retry(retry).await.expect("retry");
+    let got = s.dead_letter_counts(None).await.expect("dead_letter_counts, every namespace");
+    assert_eq!(
+        got,
+        [count(ns, "billing", 2), count(ns, "order", 3), count("dlq_counts_other", "order", 1)],
+        "every namespace, the retried letter gone"
+    );
+    let none = s.dead_letter_counts(Some("dlq_counts_none".into())).await.expect("empty");
+    assert!(none.is_empty(), "{none:?}");
+    let refused = s.dead_letter_counts(Some(String::new())).await.map(|c| c.len());
+    assert!(refused.as_ref().is_err_and(|e| e.message.starts_with("namespace")), "{refused:?}");
 }
