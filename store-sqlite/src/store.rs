@@ -504,9 +504,10 @@ impl Store for SqliteStore {
         let db = Db { conn: &mut conn, file: &self.file };
         // The cursor is a range on the id (`id > ?` / `id < ?`, unset = the whole range),
         // so a deep page seeks rather than skipping rows; the filters that are set are
-        // written out (not `? IS NULL OR …`) so a namespace and machine seek in
-        // `keel_dead_letters_machine`. The previous page reads downwards from its cursor
-        // and is turned back to oldest first below.
+        // written out (not `? IS NULL OR …`) so a namespace seeks in
+        // `keel_dead_letters_namespace` and a namespace and machine in
+        // `keel_dead_letters_machine`, both in id order. The previous page reads
+        // downwards from its cursor and is turned back to oldest first below.
         let backwards = filter.before.is_some();
         let mut scope = String::new();
         if filter.namespace.is_some() {
@@ -521,9 +522,8 @@ impl Store for SqliteStore {
             dead_letter_cols!(),
             if backwards { "DESC" } else { "ASC" },
         );
-        // Every value is bound whether the text uses its `?N` or not; an unused one is
-        // never read.
-        // The text varies only by fixed fragments chosen above; every value is bound.
+        // The text varies only by fixed fragments chosen above. Every value is bound
+        // whether the text uses its `?N` or not; an unused one is never read.
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(filter.after.map_or(0, |a| a.0))
             .bind(filter.before.map_or(i64::MAX, |b| b.0))
