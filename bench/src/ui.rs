@@ -1,7 +1,9 @@
 //! `ui`: how long the dashboard's pages take to answer with many instances in the store —
 //! `keel serve`'s router in-process on a loopback port, one browser-like client asking
 //! for each page in turn (the overview, its live fragment, instance lists first, deep and
-//! filtered, an instance page, the dead letters), p50 / p99 / max over the repeats.
+//! filtered, an instance page, the dead letters first and deep), p50 / p99 / max over the
+//! repeats. [`DEAD_LETTERS`] of the instances are dead-lettered first, so the overview
+//! counts real dead letters and their list has pages to turn.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +21,57 @@ const START_BATCH: usize = 1000;
 const REPEATS: usize = 20;
 /// The machines the instances are spread over, each with its own queue.
 const MACHINES: [&str; 4] = ["order", "invoice", "shipment", "refund"];
+/// Instances taken to a dead letter (suspended) before the pages are timed.
+const DEAD_LETTERS: usize = 2_000;
+/// Instances claimed and dead-lettered per round.
+const DEAD_LETTER_BATCH: usize = 500;
+
+/// Claims `count` ready instances and commits each as a permanent failure: a suspended
+/// instance with its dead letter, as a worker records one. Returns the dead letters' ids.
+async fn dead_letter(keel: &Keel, count: usize) -> Result<Vec<i64>> {
+    use keel_core::outcome::{Outcome, StepFailure};
+    use keel_core::ports::Clock;
+    use keel_core::ports::Store;
+    use keel_core::ports::store::{ClaimParams, CommitParams};
+    use keel_core::{StepCommit, WorkerId};
+    use keel_scheduler::SystemClock;
+    let store = keel.store();
+    let mut ids = Vec::with_capacity(count);
+    while ids.len() < count {
+        let params = ClaimParams {
+            worker: WorkerId("bench-ui".into()),
+            namespaces: vec!["default".into()],
+            queues: Vec::new(),
+            machines: Vec::new(),
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
+            limit: DEAD_LETTER_BATCH.min(count - ids.len()),
+            lease: Duration::from_secs(300),
+            now: SystemClock.now(),
+        };
+        let claims = store.instance_claim(params).await?;
+        if claims.is_empty() {
+            bail!("no ready instance left to dead-letter after {}", ids.len());
+        }
+        let commits = claims
+            .iter()
+            .map(|c| {
+                let failure = StepFailure {
+                    error: "the payment provider said no".into(),
+                    retryable: false,
+                    dead_letter: true,
+                    signals: Vec::new(),
+                    event: None,
+                };
+                StepCommit::new(c.instance.id, c.token(), Outcome::Suspend).failure(failure)
+            })
+            .collect();
+        let receipts = store.step_commit(CommitParams { commits, now: SystemClock.now() }).await?;
+        for receipt in receipts {
+            ids.extend(receipt?.dead_letter.map(|d| d.0));
+        }
+    }
+    Ok(ids)
+}
 
 /// Fills a fresh store with `instances` instances and times every page.
 pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
@@ -49,12 +102,13 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
         keel.start_many(news).await?;
         n += batch;
     }
+    let letters = dead_letter(&keel, DEAD_LETTERS.min(instances / 2)).await?;
     let fill_secs = filled.elapsed().as_secs_f64();
     // A database that has held its rows for a while has planner statistics (autovacuum
     // analyzes after bulk changes); the freshly filled table gets them now, so the figures
     // are for that steady state rather than for the minute after a bulk load.
     if let Some(store) = &pg {
-        store.client().await?.batch_execute("ANALYZE instances").await?;
+        store.client().await?.batch_execute("ANALYZE instances; ANALYZE dead_letters").await?;
     }
     let metrics = keel::prometheus::install()?;
     let state = keel_cli::serve::AppState::open(keel.clone(), "default", metrics);
@@ -73,7 +127,15 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
         ("instances by state", "/ui/ns/default/instances?state=work".into()),
         ("instance by business key", format!("/ui/ns/default/instances?key=key-{}", instances / 3)),
         ("instance page", format!("/ui/ns/default/instances/{middle}")),
-        ("dead letters", "/ui/ns/default/dead-letters".into()),
+        ("dead letters, first page", "/ui/ns/default/dead-letters".into()),
+        (
+            "dead letters, a page in the middle",
+            format!(
+                "/ui/ns/default/dead-letters?after={}",
+                letters.get(letters.len() / 2).copied().unwrap_or(0)
+            ),
+        ),
+        ("dead letters of one machine", "/ui/ns/default/dead-letters?machine=refund".into()),
     ];
     let base2 = base.clone();
     let timings = tokio::task::spawn_blocking(move || -> Result<Vec<(String, Vec<f64>)>> {
@@ -118,7 +180,8 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
     Ok(Report {
         name: "ui",
         title: format!(
-            "dashboard pages with {instances} instances ({fill_secs:.1} s to fill), {REPEATS} requests each"
+            "dashboard pages with {instances} instances, {} of them dead-lettered ({fill_secs:.1} s to fill), {REPEATS} requests each",
+            letters.len()
         ),
         columns: vec!["page", "p50 ms", "p99 ms", "max ms"],
         rows,

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, anyhow, bail};
 use keel::layers::core::ids::DeadLetterId;
 use keel::layers::core::ports::Store;
-use keel::layers::core::ports::store::QueuePauseParams;
+use keel::layers::core::ports::store::{QueuePauseParams, QueueStats};
 use keel::{
     Cancel, ConnectOptions, DeadLetterFilter, DeadLetterRetry, DeliveryOutcome, InsertOutcome,
     InstanceId, Keel, MachineRef, NewInstance, NewSignal, SignalTarget, Value, json,
@@ -18,9 +18,6 @@ use serde::Serialize;
 
 use crate::output::{Report, age, table, time};
 use crate::{Cli, Command, DlqCommand, StartArgs, TimersCommand};
-
-/// Most dead letters `status` and `health` count per namespace; more read as "at least".
-const DEAD_LETTER_COUNT_MAX: usize = 10_000;
 
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<Report> {
@@ -128,6 +125,31 @@ pub async fn status_rows(
 ) -> anyhow::Result<Vec<StatusRow>> {
     let now = now();
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
+    status_rows_from(keel, ns, machine, &stats, now).await
+}
+
+/// The status rows and the last hour of `ns` at `now`, from one read of the queue counts:
+/// what `keel status`, the health probe and the dashboard's overview show together.
+pub async fn status_and_activity(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    now: Timestamp,
+) -> anyhow::Result<(Vec<StatusRow>, Vec<crate::operate::MachineActivity>)> {
+    let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
+    let rows = status_rows_from(keel, ns, machine, &stats, now).await?;
+    let activity = crate::operate::activity_from(keel, ns, machine, now, &stats).await?;
+    Ok((rows, activity))
+}
+
+/// [`status_rows`] from queue counts already read at `now`.
+async fn status_rows_from(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    stats: &[QueueStats],
+    now: Timestamp,
+) -> anyhow::Result<Vec<StatusRow>> {
     let paused: BTreeMap<String, bool> = keel
         .store()
         .queue_list(ns.to_owned())
@@ -144,9 +166,9 @@ pub async fn status_rows(
                 paused: paused.get(&s.queue).copied().unwrap_or(false),
                 dead_letters: dead.get(&s.machine).copied().unwrap_or(0),
                 oldest_ready_age_ms: s.oldest_ready_at.map(|at| now.0 - at.0),
-                namespace: s.namespace,
-                queue: s.queue,
-                machine: s.machine,
+                namespace: s.namespace.clone(),
+                queue: s.queue.clone(),
+                machine: s.machine.clone(),
                 ready: s.ready,
                 scheduled: s.scheduled,
                 executing: s.executing,
@@ -179,23 +201,14 @@ pub async fn status_rows(
     Ok(rows.into_values().filter(|r| machine.is_none_or(|m| r.machine == m)).collect())
 }
 
+/// Dead letters per machine of `ns`, counted by the store (every one, not a page).
 async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<String, u64>> {
-    let letters = keel
-        .dead_letters(DeadLetterFilter {
-            namespace: Some(ns.to_owned()),
-            machine: None,
-            limit: DEAD_LETTER_COUNT_MAX,
-        })
-        .await?;
-    let mut counts = BTreeMap::new();
-    for letter in letters {
-        *counts.entry(letter.letter.machine.name).or_insert(0) += 1;
-    }
-    Ok(counts)
+    let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await?;
+    Ok(counts.into_iter().map(|c| (c.machine, c.count)).collect())
 }
 
 async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<Report> {
-    let rows = status_rows(keel, ns, machine).await?;
+    let (rows, activity) = status_and_activity(keel, ns, machine, now()).await?;
     let mut t = table(&[
         "queue",
         "machine",
@@ -222,7 +235,6 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
             if r.paused { "PAUSED".into() } else { String::new() },
         ]);
     }
-    let activity = crate::operate::activity(keel, ns, machine, now()).await?;
     let mut human = if rows.is_empty() {
         format!("No unfinished instances and no dead letters in namespace {ns:?}.")
     } else {
@@ -498,36 +510,8 @@ async fn timers(keel: &Keel, ns: &str) -> anyhow::Result<Report> {
 
 async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Report> {
     match command {
-        DlqCommand::List { machine, limit } => {
-            let letters = keel
-                .dead_letters(DeadLetterFilter { namespace: Some(ns.to_owned()), machine, limit })
-                .await?;
-            let mut t = table(&[
-                "id",
-                "instance",
-                "machine",
-                "position",
-                "reason",
-                "attempts",
-                "last error",
-            ]);
-            for d in &letters {
-                t.add_row(vec![
-                    d.id.to_string(),
-                    d.letter.instance.to_string(),
-                    d.letter.machine.to_string(),
-                    d.letter.position.clone(),
-                    d.letter.reason.clone(),
-                    d.letter.attempts.to_string(),
-                    d.letter.errors.last().map(|e| e.error.clone()).unwrap_or_default(),
-                ]);
-            }
-            let human = if letters.is_empty() {
-                format!("No dead letters in namespace {ns:?}.")
-            } else {
-                t.to_string()
-            };
-            Ok(Report::ok(json!({ "namespace": ns, "dead_letters": letters }), human))
+        DlqCommand::List { machine, limit, after } => {
+            dead_letter_page(keel, ns, machine, limit, after.as_deref()).await
         }
         DlqCommand::Inspect { id } => {
             let id = DeadLetterId(parse_id("id", "dl", &id)?);
@@ -587,6 +571,55 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
     }
 }
 
+/// `keel dlq list` and `GET …/dead-letters`: one page of a namespace's dead letters,
+/// oldest first, after the id `after`; `next` is the page's last id when the page is full
+/// (pass it as `after` for the next page), `null` on the last page.
+pub async fn dead_letter_page(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<String>,
+    limit: usize,
+    after: Option<&str>,
+) -> anyhow::Result<Report> {
+    let max = keel_core::limits::DEAD_LETTER_BATCH_MAX;
+    if limit == 0 || limit > max {
+        bail!("--limit: {limit} is out of range; give 1 to {max}");
+    }
+    let after = after.map(|raw| parse_id("--after", "dl", raw).map(DeadLetterId)).transpose()?;
+    let filter = DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine: machine.clone(),
+        after,
+        before: None,
+        limit,
+    };
+    let letters = keel.dead_letters(filter).await?;
+    let next = (letters.len() == limit).then(|| letters.last().map(|d| d.id)).flatten();
+    let mut t =
+        table(&["id", "instance", "machine", "position", "reason", "attempts", "last error"]);
+    for d in &letters {
+        t.add_row(vec![
+            d.id.to_string(),
+            d.letter.instance.to_string(),
+            d.letter.machine.to_string(),
+            d.letter.position.clone(),
+            d.letter.reason.clone(),
+            d.letter.attempts.to_string(),
+            d.letter.errors.last().map(|e| e.error.clone()).unwrap_or_default(),
+        ]);
+    }
+    let mut human = if letters.is_empty() {
+        format!("No dead letters in namespace {ns:?}.")
+    } else {
+        t.to_string()
+    };
+    if let Some(next) = next {
+        let machine = machine.map(|m| format!(" --machine {m}")).unwrap_or_default();
+        let _ = write!(human, "\nMore: keel dlq list{machine} --after {next}");
+    }
+    Ok(Report::ok(json!({ "namespace": ns, "dead_letters": letters, "next": next }), human))
+}
+
 /// Most rounds of a machine-wide retry; each round retries up to the store's batch bound,
 /// so this covers far more dead letters than a store holds in practice.
 const RETRY_ROUNDS_MAX: usize = 1000;
@@ -599,13 +632,8 @@ async fn retry_machine(
     machine: &str,
     with_delay: &impl Fn(DeadLetterRetry) -> DeadLetterRetry,
 ) -> anyhow::Result<Vec<InstanceId>> {
-    let filter = DeadLetterFilter {
-        namespace: Some(ns.to_owned()),
-        machine: Some(machine.to_owned()),
-        limit: DEAD_LETTER_COUNT_MAX,
-    };
-    let counted = keel.dead_letters(filter).await?.len();
-    let bar = indicatif::ProgressBar::new(counted as u64).with_message("retrying dead letters");
+    let counted = dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0);
+    let bar = indicatif::ProgressBar::new(counted).with_message("retrying dead letters");
     let mut retried = Vec::new();
     for _ in 0..RETRY_ROUNDS_MAX {
         let batch = keel

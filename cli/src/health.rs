@@ -169,10 +169,7 @@ pub async fn probe(
     config: &KeelConfig,
 ) -> anyhow::Result<(Vec<StatusRow>, Vec<Finding>)> {
     let now = commands::now();
-    let rows = commands::status_rows(keel, ns, None)
-        .await
-        .map_err(|error| Unreachable(format!("{error:#}")))?;
-    let activity = crate::operate::activity(keel, ns, None, now)
+    let (rows, activity) = commands::status_and_activity(keel, ns, None, now)
         .await
         .map_err(|error| Unreachable(format!("{error:#}")))?;
     let findings = evaluate(config, &rows, &activity)?;

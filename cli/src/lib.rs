@@ -250,14 +250,17 @@ pub struct StartArgs {
 /// `keel dlq …`.
 #[derive(Debug, Subcommand)]
 pub enum DlqCommand {
-    /// Dead letters, oldest first.
+    /// Dead letters, oldest first, a page at a time (the `next` id continues).
     List {
         /// Only this machine.
         #[arg(long)]
         machine: Option<String>,
-        /// Most to show.
+        /// Most to show (1 to 10 000).
         #[arg(long, default_value_t = 100)]
         limit: usize,
+        /// Only dead letters after this one (`dl42` or `42`): the `next` of the last page.
+        #[arg(long)]
+        after: Option<String>,
     },
     /// One dead letter: the failing event, the error of every attempt.
     Inspect {

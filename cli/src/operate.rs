@@ -18,7 +18,7 @@ use keel_core::ids::{InstanceId, Status};
 use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, InstanceListParams,
+    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, InstanceListParams, QueueStats,
     WORKER_STALE_AFTER, WorkerRecord,
 };
 use serde::Serialize;
@@ -71,6 +71,18 @@ pub async fn activity(
     machine: Option<&str>,
     now: Timestamp,
 ) -> anyhow::Result<Vec<MachineActivity>> {
+    let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
+    activity_from(keel, ns, machine, now, &stats).await
+}
+
+/// [`activity`] with the namespace's queue counts already read at `now`.
+pub async fn activity_from(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    now: Timestamp,
+    stats: &[QueueStats],
+) -> anyhow::Result<Vec<MachineActivity>> {
     // The window is (now - 1 h, now]: exactly 60 buckets, the last one ending now.
     let until = now.plus(Duration::from_millis(1));
     let params = ActivityParams {
@@ -100,11 +112,10 @@ pub async fn activity(
         }
         *turnaround.entry(b.machine).or_default() += b.turnaround_ms_total;
     }
-    let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
     let live = live_workers(keel, now).await?;
     let mut ready: BTreeMap<String, u64> = BTreeMap::new();
     let mut executing: BTreeSet<String> = BTreeSet::new();
-    for s in &stats {
+    for s in stats {
         out.entry(s.machine.clone()).or_insert_with(|| blank(&s.machine));
         *ready.entry(s.machine.clone()).or_default() += s.ready;
         if s.executing > 0 {
@@ -415,12 +426,13 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
 }
 
 async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
-    let filter = keel::DeadLetterFilter {
-        namespace: Some(ns.to_owned()),
-        machine: Some(machine.to_owned()),
-        limit: keel_core::limits::DEAD_LETTER_BATCH_MAX,
-    };
-    let counted = keel.dead_letters(filter).await?.len() as u64;
+    let counted = keel
+        .store()
+        .dead_letter_counts(Some(ns.to_owned()))
+        .await?
+        .into_iter()
+        .find(|c| c.machine == machine)
+        .map_or(0, |c| c.count);
     let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");
     let mut purged = 0;
     for _ in 0..PAGES_MAX {

@@ -189,6 +189,23 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         let letters = listed["dead_letters"].as_array().unwrap();
         assert_eq!(letters.len(), 2, "{}: {listed}", b.name);
         let first = letters[0]["id"].as_i64().unwrap();
+        let second = letters[1]["id"].as_i64().unwrap();
+        assert_eq!(listed["next"], json!(null), "{}: the whole list fits one page", b.name);
+        // A page at a time: `next` is the last id of a full page, `--after` continues.
+        let one = b.json(&["dlq", "list", "--limit", "1"]);
+        assert_eq!(
+            (one["dead_letters"][0]["id"].as_i64(), one["next"].as_i64()),
+            (Some(first), Some(first))
+        );
+        let after = format!("dl{first}");
+        let two = b.json(&["dlq", "list", "--limit", "1", "--after", &after]);
+        assert_eq!(two["dead_letters"][0]["id"].as_i64(), Some(second), "{}: {two}", b.name);
+        let end = b.json(&["dlq", "list", "--limit", "1", "--after", &second.to_string()]);
+        assert_eq!((end["dead_letters"].clone(), end["next"].clone()), (json!([]), json!(null)));
+        let (_, err) = b.run(&["dlq", "list", "--limit", "0"], 1);
+        assert!(err.contains("--limit"), "{err}");
+        let (_, err) = b.run(&["dlq", "list", "--after", "dl-x"], 1);
+        assert!(err.contains("--after"), "{err}");
         let (out, _) = b.run(&["dlq", "list"], 0);
         assert!(out.contains("card declined") && out.contains("non_retryable"), "{out}");
 

@@ -660,6 +660,17 @@ fn a_token_never_sees_or_changes_another_namespace() {
         assert_eq!(code, 200, "{name}");
         let list: Value = serde_json::from_str(&list).unwrap();
         let dl = list["dead_letters"][0]["id"].as_i64().unwrap_or_else(|| panic!("{name}: {list}"));
+        // Pages by cursor: the one letter fills a page of one, and the page after it is empty.
+        let (code, page) = s.get_as(a, "/v1/namespaces/a/dead-letters?limit=1");
+        let page: Value = serde_json::from_str(&page).unwrap();
+        assert_eq!((code, page["next"].as_i64()), (200, Some(dl)), "{name}: {page}");
+        let (code, rest) =
+            s.get_as(a, &format!("/v1/namespaces/a/dead-letters?limit=1&after={dl}"));
+        let rest: Value = serde_json::from_str(&rest).unwrap();
+        assert_eq!((code, rest["dead_letters"].clone()), (200, json!([])), "{name}: {rest}");
+        let (code, bad) = s.get_as(a, "/v1/namespaces/a/dead-letters?limit=20000");
+        let bad: Value = serde_json::from_str(&bad).unwrap();
+        assert_eq!((code, bad["field"].as_str()), (400, Some("limit")), "{name}: {bad}");
         let (_, theirs) = s.get_as(b, "/v1/namespaces/b/dead-letters");
         assert_eq!(
             serde_json::from_str::<Value>(&theirs).unwrap()["dead_letters"],

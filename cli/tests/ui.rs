@@ -23,7 +23,7 @@ const READ_A: &str = "ui-read-only-token-for-a";
 const TOKENS: &str = r#"
 [[tokens]]
 token = "ui-token-for-namespace-a"
-namespaces = ["a"]
+namespaces = ["a", "pages"]
 access = "operate"
 
 [[tokens]]
@@ -105,6 +105,11 @@ struct Seeded {
     letter_b: i64,
 }
 
+/// Dead letters in namespace `pages`: more than one page of the dead-letter list.
+const PAGED_LETTERS: usize = 57;
+/// The dead-letter list's page size.
+const LETTER_PAGE: usize = 50;
+
 async fn until<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
@@ -144,6 +149,8 @@ async fn seed(url: &str, schema: &str) -> Seeded {
     for (ns, key) in [("a", "charge-1"), ("a", "charge-2"), ("b", "secret-b-charge")] {
         keel.start(flaky(ns, key)).await.unwrap();
     }
+    let paged = (0..PAGED_LETTERS).map(|i| flaky("pages", &format!("paged-{i}"))).collect();
+    keel.start_many(paged).await.unwrap();
     until("the doors to settle", || async {
         keel.get(door_a).await.is_ok_and(|d| d.instance.position.contains("closed"))
     })
@@ -159,14 +166,17 @@ async fn seed(url: &str, schema: &str) -> Seeded {
             keel.dead_letters(keel::DeadLetterFilter {
                 namespace: Some(ns.into()),
                 machine: None,
-                limit: 10,
+                limit: 100,
+                ..keel::DeadLetterFilter::default()
             })
             .await
             .unwrap()
         }
     };
-    until("three dead letters", || async {
-        letters("a").await.len() == 2 && letters("b").await.len() == 1
+    until("the dead letters", || async {
+        letters("a").await.len() == 2
+            && letters("b").await.len() == 1
+            && letters("pages").await.len() == PAGED_LETTERS
     })
     .await;
     worker.shutdown().await;
@@ -257,6 +267,16 @@ fn post_status(base: &str, path: &str, token: &str) -> u16 {
     request.send("").unwrap().status().as_u16()
 }
 
+/// The ids of the dead letters listed on the current page, in page order.
+async fn letter_ids(c: &Client) -> Vec<i64> {
+    let mut ids = Vec::new();
+    for row in c.find_all(Locator::Css("tr[data-dead-letter]")).await.unwrap() {
+        let id = row.attr("data-dead-letter").await.unwrap().unwrap_or_default();
+        ids.push(id.parse().unwrap());
+    }
+    ids
+}
+
 async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
     // Sign in once with ?token=: the cookie carries it from then on.
     c.goto(&format!("{base}/ui/ns/a?token={TOKEN_A}")).await.unwrap();
@@ -314,6 +334,23 @@ async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
     assert_eq!(after.len(), 1, "{store}: one dead letter left");
     let gone = c.find_all(Locator::Css(&format!("tr[data-dead-letter=\"{id}\"]"))).await.unwrap();
     assert!(gone.is_empty(), "{store}: dead letter {id} left the list");
+
+    // Page through more dead letters than one page holds: next, then previous, by cursor.
+    c.goto(&format!("{base}/ui/ns/pages/dead-letters")).await.unwrap();
+    let first = letter_ids(c).await;
+    assert_eq!(first.len(), LETTER_PAGE, "{store}: a full first page");
+    assert!(first.windows(2).all(|w| w[0] < w[1]), "{store}: oldest first: {first:?}");
+    assert!(c.find(Locator::Css("#previous-page")).await.is_err(), "{store}: no page before");
+    c.find(Locator::Css("#next-page")).await.unwrap().click().await.unwrap();
+    c.wait().for_element(Locator::Css("#previous-page")).await.unwrap();
+    let second = letter_ids(c).await;
+    assert_eq!(second.len(), PAGED_LETTERS - LETTER_PAGE, "{store}: the rest on page two");
+    assert!(second[0] > first[LETTER_PAGE - 1], "{store}: page two follows page one");
+    assert!(c.find(Locator::Css("#next-page")).await.is_err(), "{store}: no page after");
+    shot(c, store, "dead-letters-page-2").await;
+    c.find(Locator::Css("#previous-page")).await.unwrap().click().await.unwrap();
+    c.wait().for_element(Locator::Css("#next-page")).await.unwrap();
+    assert_eq!(letter_ids(c).await, first, "{store}: previous returns to page one");
 
     // Pause the jobs queue: the flag shows.
     c.goto(&format!("{base}/ui/ns/a")).await.unwrap();

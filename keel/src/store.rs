@@ -131,6 +131,13 @@ impl Store for AnyStore {
         self.0.dead_letter_list(filter).await
     }
 
+    async fn dead_letter_counts(
+        &self,
+        namespace: Option<String>,
+    ) -> StoreResult<Vec<keel_core::ports::store::DeadLetterCount>> {
+        self.0.dead_letter_counts(namespace).await
+    }
+
     async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
         self.0.dead_letter_get(id).await
     }

@@ -137,6 +137,7 @@ async fn dead_letters_go_after_their_machine_retention<S: TestStore>() {
                 namespace: None,
                 machine: None,
                 limit: 10,
+                ..keel_core::ports::store::DeadLetterFilter::default()
             })
             .await
             .expect("dead letters")

@@ -27,7 +27,6 @@ use keel_core::{
 };
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
-use sqlx::sqlite::SqliteRow;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -89,6 +88,7 @@ fn migrator() -> Migrator {
         migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
         migration(3, "operations", include_str!("../migrations/0003_operations.sql")),
         migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
+        migration(5, "operator reads", include_str!("../migrations/0005_operator_reads.sql")),
     ])
 }
 
@@ -448,34 +448,48 @@ impl Store for SqliteStore {
         params.validate()?;
         let mut conn = self.reader().await?;
         let db = Db { conn: &mut conn, file: &self.file };
-        // One statement for every filter: an unset filter is a NULL that lets every row pass.
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            instance_cols!(),
-            " FROM keel_instances \
-             WHERE namespace = ? AND (? IS NULL OR machine = ?) AND (? IS NULL OR status = ?) \
-               AND (? IS NULL OR business_key = ?) AND (? IS NULL OR id < ?) \
-               AND (? IS NULL OR position = ? OR (substr(position, 1, 1) = '[' \
-                    AND json_valid(position) \
-                    AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?))) \
-             ORDER BY id DESC LIMIT ?"
-        ))
-        .bind(&params.namespace)
-        .bind(&params.machine)
-        .bind(&params.machine)
-        .bind(params.status.map(Status::name))
-        .bind(params.status.map(Status::name))
-        .bind(&params.business_key)
-        .bind(&params.business_key)
-        .bind(params.before.map(|b| b.0))
-        .bind(params.before.map(|b| b.0))
-        .bind(&params.state)
-        .bind(&params.state)
-        .bind(&params.state)
-        .bind(params.limit as i64)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("listing instances"))?;
+        // Only the filters that are set are written out, each with its own number, so
+        // SQLite can seek on them: written as `? IS NULL OR machine = ?` a machine filter
+        // could not use `keel_instances_list`, and a machine's page read every instance
+        // of the namespace and sorted them. With a machine the page walks
+        // `(namespace, machine, id)`, with a business key `(namespace, business_key, id)`,
+        // otherwise `(namespace, id)`: newest first, no sort, stopping after `limit` rows.
+        let mut scope = String::new();
+        if params.machine.is_some() {
+            scope.push_str(" AND machine = ?3");
+        }
+        if params.status.is_some() {
+            scope.push_str(" AND status = ?4");
+        }
+        if params.business_key.is_some() {
+            scope.push_str(" AND business_key = ?5");
+        }
+        if params.before.is_some() {
+            scope.push_str(" AND id < ?6");
+        }
+        if params.state.is_some() {
+            scope.push_str(
+                " AND (position = ?7 OR (substr(position, 1, 1) = '[' AND json_valid(position) \
+                   AND EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?7)))",
+            );
+        }
+        let sql = format!(
+            "SELECT {} FROM keel_instances WHERE namespace = ?1{scope} ORDER BY id DESC LIMIT ?2",
+            instance_cols!()
+        );
+        // The text varies only by the fixed fragments above; every value is bound whether
+        // the text uses its `?N` or not, and an unused one is never read.
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&params.namespace)
+            .bind(params.limit as i64)
+            .bind(&params.machine)
+            .bind(params.status.map(Status::name))
+            .bind(&params.business_key)
+            .bind(params.before.map(|b| b.0))
+            .bind(&params.state)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("listing instances"))?;
         rows.iter().map(|r| db.instance_of(r)).collect()
     }
 
@@ -485,28 +499,80 @@ impl Store for SqliteStore {
     }
 
     async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
-        let limit = match filter.limit {
-            0 => limits::DEAD_LETTER_BATCH_MAX,
-            n => n.min(limits::DEAD_LETTER_BATCH_MAX),
-        };
+        filter.validate()?;
         let mut conn = self.reader().await?;
         let db = Db { conn: &mut conn, file: &self.file };
-        let rows = sqlx::query(concat!(
-            "SELECT ",
+        // The cursor is a range on the id (`id > ?` / `id < ?`, unset = the whole range),
+        // so a deep page seeks rather than skipping rows; the filters that are set are
+        // written out (not `? IS NULL OR …`) so a namespace seeks in
+        // `keel_dead_letters_namespace` and a namespace and machine in
+        // `keel_dead_letters_machine`, both in id order. The previous page reads
+        // downwards from its cursor and is turned back to oldest first below.
+        let backwards = filter.before.is_some();
+        let mut scope = String::new();
+        if filter.namespace.is_some() {
+            scope.push_str(" AND namespace = ?4");
+        }
+        if filter.machine.is_some() {
+            scope.push_str(" AND machine = ?5");
+        }
+        let sql = format!(
+            "SELECT {} FROM keel_dead_letters WHERE id > ?1 AND id < ?2{scope} \
+             ORDER BY id {} LIMIT ?3",
             dead_letter_cols!(),
-            " FROM keel_dead_letters \
-             WHERE (? IS NULL OR namespace = ?) AND (? IS NULL OR machine = ?) \
-             ORDER BY id LIMIT ?"
-        ))
-        .bind(&filter.namespace)
-        .bind(&filter.namespace)
-        .bind(&filter.machine)
-        .bind(&filter.machine)
-        .bind(limit as i64)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("listing dead letters"))?;
-        rows.iter().map(|r| db.dead_letter_of(r)).collect()
+            if backwards { "DESC" } else { "ASC" },
+        );
+        // The text varies only by fixed fragments chosen above. Every value is bound
+        // whether the text uses its `?N` or not; an unused one is never read.
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(filter.after.map_or(0, |a| a.0))
+            .bind(filter.before.map_or(i64::MAX, |b| b.0))
+            .bind(filter.page_size() as i64)
+            .bind(&filter.namespace)
+            .bind(&filter.machine)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("listing dead letters"))?;
+        let mut page =
+            rows.iter().map(|r| db.dead_letter_of(r)).collect::<StoreResult<Vec<_>>>()?;
+        if backwards {
+            page.reverse();
+        }
+        Ok(page)
+    }
+
+    async fn dead_letter_counts(
+        &self,
+        namespace: Option<String>,
+    ) -> StoreResult<Vec<keel_core::ports::store::DeadLetterCount>> {
+        if let Some(ns) = &namespace {
+            keel_core::instance::check_name("namespace", ns)?;
+        }
+        let mut conn = self.reader().await?;
+        let db = Db { conn: &mut conn, file: &self.file };
+        // Counted on `keel_dead_letters_machine` (namespace, machine, id) alone.
+        let scope = if namespace.is_some() { "WHERE namespace = ?1" } else { "" };
+        let sql = format!(
+            "SELECT namespace, machine, count(*) AS n FROM keel_dead_letters {scope} \
+             GROUP BY namespace, machine ORDER BY namespace, machine"
+        );
+        // The text varies only by the fixed fragment above; the namespace is bound.
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&namespace)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("counting dead letters"))?;
+        let corrupt =
+            |col: &'static str| move |e: sqlx::Error| crate::error::corrupt(&self.file, col, e);
+        rows.iter()
+            .map(|r| {
+                Ok(keel_core::ports::store::DeadLetterCount {
+                    namespace: r.try_get("namespace").map_err(corrupt("namespace"))?,
+                    machine: r.try_get("machine").map_err(corrupt("machine"))?,
+                    count: r.try_get::<i64, _>("n").map_err(corrupt("n"))? as u64,
+                })
+            })
+            .collect()
     }
 
     async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
@@ -576,52 +642,77 @@ impl Store for SqliteStore {
     ) -> StoreResult<Vec<QueueStats>> {
         let mut conn = self.reader().await?;
         let db = Db { conn: &mut conn, file: &self.file };
-        let rows = sqlx::query(
-            "SELECT namespace, queue, machine, \
-               SUM(status = 'runnable' AND eligible_at <= ?) AS ready, \
-               SUM(status = 'runnable' AND eligible_at > ?) AS scheduled, \
-               SUM(status = 'executing') AS executing, \
-               SUM(status IN ('awaiting_signal', 'awaiting_children')) AS waiting, \
-               SUM(status = 'suspended') AS suspended, \
-               MIN(CASE WHEN status = 'runnable' AND eligible_at <= ? THEN eligible_at END) \
-                 AS oldest_ready_at \
-             FROM keel_instances \
-             WHERE status NOT IN ('done', 'failed', 'cancelled') \
-               AND (? IS NULL OR namespace = ?) \
-             GROUP BY namespace, queue, machine ORDER BY namespace, queue, machine",
-        )
-        .bind(now.0)
-        .bind(now.0)
-        .bind(now.0)
-        .bind(&namespace)
-        .bind(&namespace)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("counting queues"))?;
-        let get = |r: &SqliteRow, col: &str| -> StoreResult<i64> {
-            r.try_get(col).map_err(|e| crate::error::corrupt(&self.file, col, e))
-        };
-        let text = |r: &SqliteRow, col: &str| -> StoreResult<String> {
-            r.try_get(col).map_err(|e| crate::error::corrupt(&self.file, col, e))
-        };
-        rows.iter()
-            .map(|r| {
-                let oldest: Option<i64> = r
-                    .try_get("oldest_ready_at")
-                    .map_err(|e| crate::error::corrupt(&self.file, "oldest_ready_at", e))?;
-                Ok(QueueStats {
-                    namespace: text(r, "namespace")?,
-                    queue: text(r, "queue")?,
-                    machine: text(r, "machine")?,
-                    ready: get(r, "ready")? as u64,
-                    scheduled: get(r, "scheduled")? as u64,
-                    executing: get(r, "executing")? as u64,
-                    waiting: get(r, "waiting")? as u64,
-                    suspended: get(r, "suspended")? as u64,
-                    oldest_ready_at: oldest.map(Timestamp),
-                })
-            })
-            .collect()
+        // Counted from the covering index `keel_instances_stats` alone: one count per
+        // (namespace, queue, machine, status) group, then for each runnable group two
+        // seeks on its eligible times (how many lie after `now`; the earliest not after
+        // it). Summing expressions over every row instead costs a full pass of row reads.
+        // The namespace is a separate statement, not `? IS NULL OR`, so the scan seeks to
+        // it rather than reading every namespace.
+        let scope = if namespace.is_some() { "AND namespace = ?2" } else { "" };
+        let sql = format!(
+            "SELECT g.namespace, g.queue, g.machine, g.status, g.n, \
+               CASE WHEN g.status = 'runnable' THEN \
+                 (SELECT count(*) FROM keel_instances s WHERE s.namespace = g.namespace \
+                    AND s.queue = g.queue AND s.machine = g.machine AND s.status = 'runnable' \
+                    AND s.eligible_at > ?1 AND s.status NOT IN ('done', 'failed', 'cancelled')) \
+               END AS scheduled, \
+               CASE WHEN g.status = 'runnable' THEN \
+                 (SELECT min(s.eligible_at) FROM keel_instances s WHERE s.namespace = g.namespace \
+                    AND s.queue = g.queue AND s.machine = g.machine AND s.status = 'runnable' \
+                    AND s.eligible_at <= ?1 AND s.status NOT IN ('done', 'failed', 'cancelled')) \
+               END AS oldest_ready_at \
+             FROM (SELECT namespace, queue, machine, status, count(*) AS n FROM keel_instances \
+                   WHERE status NOT IN ('done', 'failed', 'cancelled') {scope} \
+                   GROUP BY namespace, queue, machine, status) g \
+             ORDER BY g.namespace, g.queue, g.machine, g.status"
+        );
+        // The text varies only by the fixed fragment above; every value is bound.
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0);
+        if let Some(ns) = &namespace {
+            query = query.bind(ns);
+        }
+        let rows = query.fetch_all(&mut *db.conn).await.map_err(db.err("counting queues"))?;
+        let corrupt =
+            |col: &'static str| move |e: sqlx::Error| crate::error::corrupt(&self.file, col, e);
+        let mut out: Vec<QueueStats> = Vec::new();
+        for r in &rows {
+            let namespace: String = r.try_get("namespace").map_err(corrupt("namespace"))?;
+            let queue: String = r.try_get("queue").map_err(corrupt("queue"))?;
+            let machine: String = r.try_get("machine").map_err(corrupt("machine"))?;
+            let status: String = r.try_get("status").map_err(corrupt("status"))?;
+            let n = r.try_get::<i64, _>("n").map_err(corrupt("n"))? as u64;
+            let scheduled =
+                r.try_get::<Option<i64>, _>("scheduled").map_err(corrupt("scheduled"))?;
+            let oldest = r
+                .try_get::<Option<i64>, _>("oldest_ready_at")
+                .map_err(corrupt("oldest_ready_at"))?;
+            let same = out.last().is_some_and(|s: &QueueStats| {
+                s.namespace == namespace && s.queue == queue && s.machine == machine
+            });
+            if !same {
+                out.push(QueueStats { namespace, queue, machine, ..QueueStats::default() });
+            }
+            let Some(stats) = out.last_mut() else { continue };
+            match status.as_str() {
+                "runnable" => {
+                    let later = scheduled.unwrap_or(0) as u64;
+                    stats.scheduled = later;
+                    stats.ready = n.saturating_sub(later);
+                    stats.oldest_ready_at = oldest.map(Timestamp);
+                }
+                "executing" => stats.executing = n,
+                "awaiting_signal" | "awaiting_children" => stats.waiting += n,
+                "suspended" => stats.suspended = n,
+                other => {
+                    return Err(crate::error::corrupt(
+                        &self.file,
+                        "status",
+                        format!("{other:?} is not an unfinished status"),
+                    ));
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn instance_activity(&self, params: ActivityParams) -> StoreResult<Vec<ActivityBucket>> {

@@ -118,11 +118,10 @@ fn parse_id(raw: &str) -> Result<InstanceId, ApiError> {
 
 /// The instance, when it exists in `ns`; otherwise 404 (another namespace's included).
 async fn instance_in(state: &AppState, ns: &str, id: InstanceId) -> Result<(), ApiError> {
-    let rows = state.keel.store().instance_rows(vec![id]).await?;
-    if rows.iter().any(|row| row.id == id && row.namespace == ns) {
-        Ok(())
-    } else {
-        Err(ApiError::not_found(format!("no instance {id} in namespace {ns:?}")))
+    let read = state.keel.store().instance_rows(vec![id]).await;
+    match super::scope::row_in_namespace(read, id, ns)? {
+        Some(_) => Ok(()),
+        None => Err(ApiError::not_found(format!("no instance {id} in namespace {ns:?}"))),
     }
 }
 

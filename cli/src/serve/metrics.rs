@@ -11,14 +11,10 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use keel::DeadLetterFilter;
 use keel_core::ports::Store;
 
 use super::AppState;
 use crate::commands::now;
-
-/// Most dead letters counted per scrape; beyond it the gauge reads "at least".
-const DEAD_LETTER_COUNT_MAX: usize = 10_000;
 
 /// Samples and renders.
 pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
@@ -57,21 +53,9 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
         let labels = [("namespace", namespace), ("machine", machine)];
         metrics::gauge!("keel_leases_expired", &labels).set(n as f64);
     }
-    let letters = state
-        .keel
-        .dead_letters(DeadLetterFilter {
-            namespace: None,
-            machine: None,
-            limit: DEAD_LETTER_COUNT_MAX,
-        })
-        .await?;
-    let mut counts: BTreeMap<(String, String), u64> = BTreeMap::new();
-    for d in letters {
-        *counts.entry((d.letter.namespace, d.letter.machine.name)).or_default() += 1;
-    }
-    for ((namespace, machine), count) in counts {
-        let labels = [("namespace", namespace), ("machine", machine)];
-        metrics::gauge!("keel_dead_letters", &labels).set(count as f64);
+    for c in store.dead_letter_counts(None).await? {
+        let labels = [("namespace", c.namespace), ("machine", c.machine)];
+        metrics::gauge!("keel_dead_letters", &labels).set(c.count as f64);
     }
     for t in store.timer_status(None, now).await? {
         let labels = [("namespace", t.namespace.clone()), ("machine", t.machine.clone())];

@@ -10,6 +10,7 @@ pub mod auth;
 mod metrics;
 mod ops;
 pub mod registry;
+mod scope;
 pub mod ui;
 mod worker;
 

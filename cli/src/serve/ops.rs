@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
-use keel::{DeadLetterFilter, DeadLetterRetry};
+use keel::DeadLetterRetry;
 use keel_core::ids::DeadLetterId;
 use keel_core::instance::DeadLetter;
 use keel_core::ports::Store;
@@ -66,15 +66,44 @@ pub async fn resume(
     set_paused(&state, ns, queue, false).await
 }
 
-/// The namespace's dead letters, oldest first.
+/// `GET …/dead-letters?machine=&limit=&after=`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LetterQuery {
+    machine: Option<String>,
+    limit: Option<usize>,
+    after: Option<String>,
+}
+
+/// One page of the namespace's dead letters, oldest first, as `keel dlq list --json`:
+/// `next` continues (as `after`) while a page is full.
 pub async fn dead_letters(
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
+    query: Result<axum::extract::Query<LetterQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let filter =
-        DeadLetterFilter { namespace: Some(ns.clone()), machine: None, limit: DEAD_LETTER_PAGE };
-    let letters = state.keel.dead_letters(filter).await?;
-    Ok(Json(json!({ "namespace": ns, "dead_letters": letters })).into_response())
+    let axum::extract::Query(q) =
+        query.map_err(|rejection| ApiError::bad("query", rejection.body_text()))?;
+    let limit = q.limit.unwrap_or(DEAD_LETTER_PAGE);
+    match crate::commands::dead_letter_page(&state.keel, &ns, q.machine, limit, q.after.as_deref())
+        .await
+    {
+        Ok(report) => Ok(Json(report.json).into_response()),
+        Err(error) => Err(report_error(error)),
+    }
+}
+
+/// A command's error as the API's: a store error keeps its own status (503 when the
+/// store is down); the rest is the query's fault and names its parameter.
+fn report_error(error: anyhow::Error) -> ApiError {
+    match error.downcast::<keel::StoreError>() {
+        Ok(store) => ApiError::from(store),
+        Err(error) => {
+            let text = format!("{error:#}");
+            let field = text.split(':').next().unwrap_or("query").trim_start_matches("--");
+            ApiError::bad(field, text.replacen("--", "", 1))
+        }
+    }
 }
 
 fn dead_letter_id(raw: &str) -> Result<DeadLetterId, ApiError> {
@@ -96,12 +125,9 @@ fn dead_letter_id(raw: &str) -> Result<DeadLetterId, ApiError> {
 
 async fn letter_in(state: &AppState, ns: &str, raw: &str) -> Result<DeadLetter, ApiError> {
     let id = dead_letter_id(raw)?;
-    match state.keel.store().dead_letter_get(id).await {
-        Ok(letter) if letter.letter.namespace == ns => Ok(letter),
-        Ok(_) | Err(_) => {
-            Err(ApiError::not_found(format!("no dead letter {id} in namespace {ns:?}")))
-        }
-    }
+    let read = state.keel.store().dead_letter_get(id).await;
+    super::scope::in_namespace(read, ns)?
+        .ok_or_else(|| ApiError::not_found(format!("no dead letter {id} in namespace {ns:?}")))
 }
 
 /// One dead letter.
@@ -169,16 +195,7 @@ pub async fn list_instances(
     };
     match crate::operate::list(&state.keel, &ns, args).await {
         Ok(report) => Ok(Json(report.json).into_response()),
-        // A store error keeps its own status (503 when the store is down); the rest is
-        // the query's fault and names its parameter.
-        Err(error) => match error.downcast::<keel::StoreError>() {
-            Ok(store) => Err(ApiError::from(store)),
-            Err(error) => {
-                let text = format!("{error:#}");
-                let field = text.split(':').next().unwrap_or("query").trim_start_matches("--");
-                Err(ApiError::bad(field, text.replacen("--", "", 1)))
-            }
-        },
+        Err(error) => Err(report_error(error)),
     }
 }
 

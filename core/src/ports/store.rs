@@ -790,15 +790,80 @@ impl WorkerRecord {
     }
 }
 
-/// Which dead letters to list.
+/// Which dead letters to list, oldest (lowest id) first, a page at a time. Pages are
+/// keyset-paginated on the dead letter's id, so a page costs the same however deep it is
+/// and a letter recorded or removed meanwhile never shifts another page: pass the last id
+/// of a page as `after` for the next page, or the first id as `before` for the previous.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct DeadLetterFilter {
     /// Only this namespace.
     pub namespace: Option<String>,
     /// Only this machine name.
     pub machine: Option<String>,
-    /// Most to return (oldest first); `0` means [`crate::limits::DEAD_LETTER_BATCH_MAX`].
+    /// Only ids above this one: the page after a page whose last id this is.
+    pub after: Option<DeadLetterId>,
+    /// Only ids below this one, and of those the `limit` nearest to it (still listed
+    /// oldest first): the page before a page whose first id this is. Not with `after`.
+    pub before: Option<DeadLetterId>,
+    /// Most to return, up to [`crate::limits::DEAD_LETTER_BATCH_MAX`]; `0` means that bound.
     pub limit: usize,
+}
+
+impl DeadLetterFilter {
+    /// The page size a store applies: `limit`, or the bound when it is `0`.
+    pub fn page_size(&self) -> usize {
+        match self.limit {
+            0 => limits::DEAD_LETTER_BATCH_MAX,
+            n => n,
+        }
+    }
+
+    /// Checks the names, the page size and that at most one cursor is set.
+    pub fn validate(&self) -> StoreResult<()> {
+        if let Some(ns) = &self.namespace {
+            check_name("namespace", ns)?;
+        }
+        if let Some(machine) = &self.machine {
+            check_name("machine", machine)?;
+        }
+        if self.limit > limits::DEAD_LETTER_BATCH_MAX {
+            return Err(StoreError::invalid(format!(
+                "limit: {} is out of range; ask for 1 to {} dead letters per page",
+                self.limit,
+                limits::DEAD_LETTER_BATCH_MAX
+            )));
+        }
+        if self.after.is_some() && self.before.is_some() {
+            return Err(StoreError::invalid(
+                "before: give either after (the next page) or before (the previous page), not both",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `letter` passes the namespace and machine filters and the cursor (the page
+    /// size aside).
+    pub fn matches(&self, letter: &DeadLetter) -> bool {
+        self.namespace.as_ref().is_none_or(|ns| letter.letter.namespace == *ns)
+            && self.machine.as_ref().is_none_or(|m| letter.letter.machine.name == *m)
+            && self.after.is_none_or(|a| letter.id > a)
+            && self.before.is_none_or(|b| letter.id < b)
+    }
+}
+
+/// Most pages [`Store::dead_letter_counts`]'s default reads (of
+/// [`crate::limits::DEAD_LETTER_BATCH_MAX`] each): a million dead letters.
+pub const DEAD_LETTER_COUNT_PAGES_MAX: usize = 100;
+
+/// How many dead letters one machine of one namespace holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeadLetterCount {
+    /// Namespace.
+    pub namespace: String,
+    /// Machine name.
+    pub machine: String,
+    /// Dead-letter records.
+    pub count: u64,
 }
 
 /// One page of a namespace's instances for an operator's list, newest first, narrowed by
@@ -1063,7 +1128,8 @@ pub trait Store: Send + Sync + 'static {
     /// Resolves a signal target to an instance id (`None` when there is none).
     async fn instance_lookup(&self, target: SignalTarget) -> StoreResult<Option<InstanceId>>;
 
-    /// Dead letters, oldest first.
+    /// One page of dead letters, oldest first (see [`DeadLetterFilter`]). `Invalid`
+    /// naming the field for a bad name, a page size above the bound or both cursors.
     async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>>;
 
     /// One dead letter. `NotFound` if missing.
@@ -1080,6 +1146,41 @@ pub trait Store: Send + Sync + 'static {
 
     /// Purges dead letters; returns how many were removed.
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64>;
+
+    /// How many dead letters each (namespace, machine) holds, in name order; `None` =
+    /// every namespace. Stores answer it with one grouped count on an index; this default
+    /// pages through [`Store::dead_letter_list`] by its id cursor (at most
+    /// [`DEAD_LETTER_COUNT_PAGES_MAX`] pages), so a store that wraps another stays correct
+    /// without overriding it.
+    async fn dead_letter_counts(
+        &self,
+        namespace: Option<String>,
+    ) -> StoreResult<Vec<DeadLetterCount>> {
+        let mut counts: std::collections::BTreeMap<(String, String), u64> =
+            std::collections::BTreeMap::new();
+        let mut after = None;
+        for _ in 0..DEAD_LETTER_COUNT_PAGES_MAX {
+            let filter = DeadLetterFilter {
+                namespace: namespace.clone(),
+                after,
+                limit: limits::DEAD_LETTER_BATCH_MAX,
+                ..DeadLetterFilter::default()
+            };
+            let page = self.dead_letter_list(filter).await?;
+            for d in &page {
+                let key = (d.letter.namespace.clone(), d.letter.machine.name.clone());
+                *counts.entry(key).or_default() += 1;
+            }
+            if page.len() < limits::DEAD_LETTER_BATCH_MAX {
+                break;
+            }
+            after = page.last().map(|d| d.id);
+        }
+        Ok(counts
+            .into_iter()
+            .map(|((namespace, machine), count)| DeadLetterCount { namespace, machine, count })
+            .collect())
+    }
 
     /// Pauses or resumes a queue.
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()>;
@@ -1290,6 +1391,31 @@ mod tests {
         let purge = |selector| DeadLetterPurgeParams { selector, older_than: None };
         check(purge(None).validate(), Ok(()));
         check(purge(Some(machine(""))).validate(), Err("selector.namespace"));
+    }
+
+    #[test]
+    fn dead_letter_pages_take_one_cursor_and_a_bounded_size() {
+        let page = |limit: usize, after: Option<i64>, before: Option<i64>| DeadLetterFilter {
+            namespace: Some("ns".into()),
+            machine: None,
+            after: after.map(DeadLetterId),
+            before: before.map(DeadLetterId),
+            limit,
+        };
+        check(page(0, None, None).validate(), Ok(()));
+        check(page(limits::DEAD_LETTER_BATCH_MAX, Some(3), None).validate(), Ok(()));
+        check(page(50, None, Some(3)).validate(), Ok(()));
+        check(page(limits::DEAD_LETTER_BATCH_MAX + 1, None, None).validate(), Err("limit"));
+        check(page(50, Some(3), Some(9)).validate(), Err("before"));
+        let named = |ns: &str, machine: &str| DeadLetterFilter {
+            namespace: Some(ns.into()),
+            machine: Some(machine.into()),
+            ..DeadLetterFilter::default()
+        };
+        check(named("", "m").validate(), Err("namespace"));
+        check(named("ns", "").validate(), Err("machine"));
+        assert_eq!(page(0, None, None).page_size(), limits::DEAD_LETTER_BATCH_MAX);
+        assert_eq!(page(7, None, None).page_size(), 7);
     }
 
     #[test]

@@ -415,24 +415,59 @@ pub(crate) async fn lookup<C: GenericClient + Sync>(
     }
 }
 
-/// Dead letters, oldest first.
+/// One page of dead letters, oldest first. The cursor is a range on the id (unset = the
+/// whole range), so a deep page starts with an index seek; the previous page (`before`)
+/// reads downwards from its cursor and is turned back to oldest first.
 pub(crate) async fn dead_letter_list<C: GenericClient + Sync>(
     c: &C,
     f: &DeadLetterFilter,
 ) -> OpResult<Vec<DeadLetter>> {
-    let limit = match f.limit {
-        0 => limits::DEAD_LETTER_BATCH_MAX,
-        n => n.min(limits::DEAD_LETTER_BATCH_MAX),
-    } as i64;
+    let backwards = f.before.is_some();
     let stmt = c
         .prepare_cached(&format!(
             "SELECT {DEAD_LETTER_COLS} FROM dead_letters \
              WHERE ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR machine = $2) \
-             ORDER BY id LIMIT $3"
+               AND id > $3 AND id < $4 \
+             ORDER BY id {} LIMIT $5",
+            if backwards { "DESC" } else { "ASC" }
         ))
         .await?;
-    let found = c.query(&stmt, &[&f.namespace, &f.machine, &limit]).await?;
-    Ok(found.iter().map(rows::dead_letter).collect::<Result<_, _>>()?)
+    let after = f.after.map_or(0, |a| a.0);
+    let before = f.before.map_or(i64::MAX, |b| b.0);
+    let limit = f.page_size() as i64;
+    let found = c.query(&stmt, &[&f.namespace, &f.machine, &after, &before, &limit]).await?;
+    let mut page = found.iter().map(rows::dead_letter).collect::<Result<Vec<_>, _>>()?;
+    if backwards {
+        page.reverse();
+    }
+    Ok(page)
+}
+
+/// Dead letters per (namespace, machine), in name order: one grouped count on
+/// `dead_letters_machine` (namespace, machine, id).
+pub(crate) async fn dead_letter_counts<C: GenericClient + Sync>(
+    c: &C,
+    namespace: Option<&str>,
+) -> OpResult<Vec<keel_core::ports::store::DeadLetterCount>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT namespace, machine, count(*) FROM dead_letters \
+             WHERE ($1::text IS NULL OR namespace = $1) \
+             GROUP BY namespace, machine \
+             ORDER BY namespace COLLATE \"C\", machine COLLATE \"C\"",
+        )
+        .await?;
+    let found = c.query(&stmt, &[&namespace]).await?;
+    Ok(found
+        .iter()
+        .map(|r| {
+            Ok(keel_core::ports::store::DeadLetterCount {
+                namespace: rows::col(r, 0)?,
+                machine: rows::col(r, 1)?,
+                count: rows::col::<i64>(r, 2)? as u64,
+            })
+        })
+        .collect::<Result<_, StoreError>>()?)
 }
 
 /// One dead letter.

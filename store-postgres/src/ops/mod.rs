@@ -324,8 +324,20 @@ impl Store for PgStore {
     }
 
     async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
+        filter.validate()?;
         let conn = self.client().await?;
         admin::dead_letter_list(&conn, &filter).await.map_err(StoreError::from)
+    }
+
+    async fn dead_letter_counts(
+        &self,
+        namespace: Option<String>,
+    ) -> StoreResult<Vec<keel_core::ports::store::DeadLetterCount>> {
+        if let Some(ns) = &namespace {
+            keel_core::instance::check_name("namespace", ns)?;
+        }
+        let conn = self.client().await?;
+        admin::dead_letter_counts(&conn, namespace.as_deref()).await.map_err(StoreError::from)
     }
 
     async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {

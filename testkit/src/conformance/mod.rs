@@ -39,6 +39,7 @@ mod leases;
 mod migration;
 mod operations;
 mod outcomes;
+mod overview;
 mod registry;
 mod retention;
 mod signals;
@@ -57,6 +58,7 @@ pub use leases::*;
 pub use migration::*;
 pub use operations::*;
 pub use outcomes::*;
+pub use overview::*;
 pub use registry::*;
 pub use retention::*;
 pub use signals::*;
@@ -175,6 +177,9 @@ macro_rules! __store_contract_list {
             prune_refuses_a_page_size_out_of_bounds,
             claim_by_ids_takes_only_the_named_ready_instances,
             instance_list_pages_newest_first_with_filters,
+            dead_letter_list_pages_by_id_cursor,
+            dead_letter_counts_per_machine,
+            queue_stats_counts_every_unfinished_status,
             instance_activity_counts_ended_instances_per_bucket,
             worker_heartbeat_records_and_lists_live_workers,
             ready_stale_returns_instances_ready_for_the_bound,

@@ -11,7 +11,7 @@ use super::{
     ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
     StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage,
     TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
-    WorkerBeatParams, WorkerRecord, async_trait, commit, limits,
+    WorkerBeatParams, WorkerRecord, async_trait, commit,
 };
 
 #[async_trait]
@@ -123,19 +123,17 @@ impl Store for MemoryStore {
     }
 
     async fn dead_letter_list(&self, filter: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
-        let limit = match filter.limit {
-            0 => limits::DEAD_LETTER_BATCH_MAX,
-            n => n.min(limits::DEAD_LETTER_BATCH_MAX),
-        };
+        filter.validate()?;
+        let limit = filter.page_size();
         let state = self.state();
-        Ok(state
-            .dead_letters
-            .values()
-            .filter(|d| filter.namespace.as_ref().is_none_or(|ns| d.letter.namespace == *ns))
-            .filter(|d| filter.machine.as_ref().is_none_or(|m| d.letter.machine.name == *m))
-            .take(limit)
-            .cloned()
-            .collect())
+        let matching = state.dead_letters.values().filter(|d| filter.matches(d));
+        if filter.before.is_some() {
+            // The page just below the cursor: the nearest `limit`, listed oldest first.
+            let mut page: Vec<DeadLetter> = matching.rev().take(limit).cloned().collect();
+            page.reverse();
+            return Ok(page);
+        }
+        Ok(matching.take(limit).cloned().collect())
     }
 
     async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {

@@ -1,6 +1,6 @@
 //! The dashboard's pages and the fragments live updates fetch. Every list is bounded:
-//! instances come in keyset pages of [`INSTANCE_PAGE`], dead letters in pages of
-//! [`DEAD_LETTER_PAGE`] up to the store's list bound, and an instance's inbox, timers,
+//! instances and dead letters come in keyset pages of [`INSTANCE_PAGE`] and
+//! [`DEAD_LETTER_PAGE`] (the store's id cursors), and an instance's inbox, timers,
 //! children and history are the store's bounded reads cut at [`SECTION_ROWS_MAX`] rows.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -25,9 +25,10 @@ use serde_json::Value;
 
 use super::html::{badge, esc, json, ns_url, page, query, seg};
 use super::{AppState, Viewer, WithStatus, charts, with_cookie};
-use crate::commands::{StatusRow, now, status_rows};
+use crate::commands::{StatusRow, now, status_and_activity};
 use crate::health::{self, Level};
 use crate::output::{age, time};
+use crate::serve::scope::in_namespace;
 
 /// Instances per page.
 pub const INSTANCE_PAGE: usize = 50;
@@ -165,25 +166,20 @@ pub async fn overview_fragment(
 /// The overview's panels, in order. A new panel (per-minute completions, workers seen)
 /// is one more function pushed here.
 async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<String, Response> {
-    let rows =
-        status_rows(&state.keel, ns, None).await.map_err(|e| store_failed(viewer, ns, &e))?;
-    let timers = state
-        .keel
-        .store()
-        .timer_status(Some(ns.to_owned()), now())
-        .await
-        .map_err(|e| store_failed(viewer, ns, &e))?;
     let at = now();
-    let activity = crate::operate::activity(&state.keel, ns, None, at)
-        .await
-        .map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
-    // Workers seen in the last day, live ones first; those that claim from this namespace.
-    let seen = state
-        .keel
-        .store()
-        .worker_list(at.minus(std::time::Duration::from_secs(86_400)))
-        .await
-        .map_err(|e| store_failed(viewer, ns, &e))?;
+    let store = state.keel.store();
+    // The panels' reads are independent: the queue counts (read once for the totals, the
+    // queues and the last hour), the timers and the worker registry go out together.
+    let since = at.minus(std::time::Duration::from_secs(86_400));
+    let (counts, timers, seen) = tokio::join!(
+        status_and_activity(&state.keel, ns, None, at),
+        store.timer_status(Some(ns.to_owned()), at),
+        // Workers seen in the last day, live ones first; those that claim from this namespace.
+        store.worker_list(since),
+    );
+    let (rows, activity) = counts.map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
+    let timers = timers.map_err(|e| store_failed(viewer, ns, &e))?;
+    let seen = seen.map_err(|e| store_failed(viewer, ns, &e))?;
     let workers: Vec<_> = seen
         .into_iter()
         .filter(|w| w.namespaces.is_empty() || w.namespaces.iter().any(|n| n == ns))
@@ -602,10 +598,9 @@ async fn detail_in(
                 &format!("id: {raw:?} is not an instance id; write a positive number such as 42"),
             )
         })?;
-    match state.keel.get(InstanceId(id)).await {
-        Ok(detail) if detail.instance.namespace == ns => Ok(detail),
-        Ok(_) => Err(not_found(Some(viewer))),
-        Err(e) if e.kind == keel::ErrorKind::NotFound => Err(not_found(Some(viewer))),
+    match in_namespace(state.keel.get(InstanceId(id)).await, ns) {
+        Ok(Some(detail)) => Ok(detail),
+        Ok(None) => Err(not_found(Some(viewer))),
         Err(e) => Err(store_failed(viewer, ns, &e)),
     }
 }
@@ -831,41 +826,96 @@ fn history_panel(d: &InstanceDetail) -> String {
 // ---------------------------------------------------------------------------------------
 // Dead letters
 
-/// The dead-letter list's filters.
+/// The dead-letter list's filters and cursor.
 #[derive(Debug, Default, Deserialize)]
 pub struct LetterFilters {
     #[serde(default)]
     machine: String,
+    /// The page after this id (the "next" link).
     #[serde(default)]
-    page: Option<usize>,
+    after: String,
+    /// The page before this id (the "previous" link).
+    #[serde(default)]
+    before: String,
     done: Option<String>,
 }
 
-/// `GET /ui/ns/{ns}/dead-letters`.
+/// One page of a namespace's dead letters by the store's id cursor, oldest first, and
+/// whether there are letters before and after it.
+struct LetterPage {
+    letters: Vec<DeadLetter>,
+    earlier: bool,
+    later: bool,
+}
+
+async fn letter_page(
+    state: &AppState,
+    ns: &str,
+    machine: Option<String>,
+    after: Option<DeadLetterId>,
+    before: Option<DeadLetterId>,
+) -> Result<LetterPage, StoreError> {
+    // One letter more than a page tells whether another page lies beyond it.
+    let filter = DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine,
+        after,
+        before,
+        limit: DEAD_LETTER_PAGE + 1,
+    };
+    let mut letters = state.keel.dead_letters(filter.clone()).await?;
+    let beyond = letters.len() > DEAD_LETTER_PAGE;
+    if before.is_none() {
+        letters.truncate(DEAD_LETTER_PAGE);
+        return Ok(LetterPage { letters, earlier: after.is_some(), later: beyond });
+    }
+    if !beyond {
+        // Going back reached the oldest letters: show the first page in full rather than
+        // a short page that only ends where the previous one started.
+        let first = DeadLetterFilter { before: None, ..filter };
+        let mut letters = state.keel.dead_letters(first).await?;
+        let later = letters.len() > DEAD_LETTER_PAGE;
+        letters.truncate(DEAD_LETTER_PAGE);
+        return Ok(LetterPage { letters, earlier: false, later });
+    }
+    letters.remove(0);
+    Ok(LetterPage { letters, earlier: true, later: true })
+}
+
+/// `GET /ui/ns/{ns}/dead-letters?machine=&after=|before=`: a page of
+/// [`DEAD_LETTER_PAGE`] dead letters, oldest first, with previous / next links that
+/// carry the store's id cursor, so a page deep in a long queue costs what the first does.
 pub async fn dead_letters(
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
     Extension(viewer): Extension<Viewer>,
     Query(f): Query<LetterFilters>,
 ) -> Response {
-    let page_no = f.page.unwrap_or(0).min(limits::DEAD_LETTER_BATCH_MAX / DEAD_LETTER_PAGE - 1);
-    let upto = (page_no + 1) * DEAD_LETTER_PAGE + 1;
-    let filter =
-        DeadLetterFilter { namespace: Some(ns.clone()), machine: some(&f.machine), limit: upto };
-    let letters = match state.keel.dead_letters(filter).await {
-        Ok(l) => l,
+    // A cursor is an id from a page link; anything else names its field.
+    let cursor = |field: &'static str, raw: &str| match some(raw) {
+        None => Ok(None),
+        Some(text) => letter_id(&text).map(Some).ok_or(field),
+    };
+    let (after, before) = match (cursor("after", &f.after), cursor("before", &f.before)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(field), _) | (_, Err(field)) => {
+            let message = format!("{field}: not a dead letter id; follow the page links");
+            return bad_input(&viewer, &ns, &message);
+        }
+    };
+    let shown = match letter_page(&state, &ns, some(&f.machine), after, before).await {
+        Ok(p) => p,
         Err(e) => return store_or_input(&viewer, &ns, &e),
     };
-    let shown: Vec<&DeadLetter> =
-        letters.iter().skip(page_no * DEAD_LETTER_PAGE).take(DEAD_LETTER_PAGE).collect();
     let mut body = format!(
         "<h1>Dead letters</h1>{}<form class=\"filters\" method=\"get\" action=\"{}\"><label>machine<input name=\"machine\" value=\"{}\"></label><button>Filter</button></form>",
         flash(f.done.as_deref()),
         esc(&ns_url(&ns, "/dead-letters")),
         esc(&f.machine),
     );
-    if shown.is_empty() {
+    if shown.letters.is_empty() {
         body.push_str("<p class=\"muted\" id=\"no-dead-letters\">No dead letters.</p>");
+        body.push_str(&letter_pager(&ns, &f.machine, &shown));
     } else {
         let operate = viewer.operates();
         let _ = write!(
@@ -874,7 +924,7 @@ pub async fn dead_letters(
             esc(&ns_url(&ns, "/dead-letters/retry"))
         );
         let mut machines = BTreeMap::new();
-        for d in &shown {
+        for d in &shown.letters {
             *machines.entry(d.letter.machine.name.clone()).or_insert(0usize) += 1;
             let retry = if operate {
                 format!(
@@ -909,27 +959,7 @@ pub async fn dead_letters(
             body.push_str("<p><button id=\"retry-selected\">Retry selected</button></p>");
         }
         body.push_str("</form>");
-        let mut pager = String::from("<div class=\"pager\">");
-        if page_no > 0 {
-            let prev = (page_no - 1).to_string();
-            let _ = write!(
-                pager,
-                "<a href=\"{}{}\">« previous</a>",
-                esc(&ns_url(&ns, "/dead-letters")),
-                esc(&query(&[("machine", &f.machine), ("page", &prev)]))
-            );
-        }
-        if letters.len() > upto - 1 {
-            let next = (page_no + 1).to_string();
-            let _ = write!(
-                pager,
-                "<a id=\"next-page\" href=\"{}{}\">next »</a>",
-                esc(&ns_url(&ns, "/dead-letters")),
-                esc(&query(&[("machine", &f.machine), ("page", &next)]))
-            );
-        }
-        body.push_str(&pager);
-        body.push_str("</div>");
+        body.push_str(&letter_pager(&ns, &f.machine, &shown));
         if operate {
             body.push_str("<h2>Retry every dead letter of a machine</h2><p>");
             for m in machines.keys() {
@@ -953,6 +983,39 @@ pub async fn dead_letters(
     page("Dead letters", Some(&ns), &viewer, &body).into_response()
 }
 
+/// "« oldest", "« previous" and "next »" for a page of dead letters, each keeping the
+/// machine filter.
+fn letter_pager(ns: &str, machine: &str, shown: &LetterPage) -> String {
+    let base = ns_url(ns, "/dead-letters");
+    let mut pager = String::from("<div class=\"pager\">");
+    if shown.earlier {
+        let _ = write!(
+            pager,
+            "<a id=\"oldest-page\" href=\"{}\">« oldest</a> ",
+            esc(&format!("{base}{}", query(&[("machine", machine)])))
+        );
+        if let Some(first) = shown.letters.first() {
+            let cursor = first.id.0.to_string();
+            let _ = write!(
+                pager,
+                "<a id=\"previous-page\" href=\"{}\">« previous</a> ",
+                esc(&format!("{base}{}", query(&[("machine", machine), ("before", &cursor)])))
+            );
+        }
+    }
+    if shown.later
+        && let Some(last) = shown.letters.last()
+    {
+        let cursor = last.id.0.to_string();
+        let _ = write!(
+            pager,
+            "<a id=\"next-page\" href=\"{}\">next »</a>",
+            esc(&format!("{base}{}", query(&[("machine", machine), ("after", &cursor)])))
+        );
+    }
+    pager + "</div>"
+}
+
 fn letter_id(raw: &str) -> Option<DeadLetterId> {
     raw.trim().trim_start_matches("dl").parse::<i64>().ok().filter(|n| *n > 0).map(DeadLetterId)
 }
@@ -970,10 +1033,9 @@ async fn letter_in(
             &format!("id: {raw:?} is not a dead letter id; write a positive number such as 3"),
         )
     })?;
-    match state.keel.store().dead_letter_get(id).await {
-        Ok(d) if d.letter.namespace == ns => Ok(d),
-        Ok(_) => Err(not_found(Some(viewer))),
-        Err(e) if e.kind == keel::ErrorKind::NotFound => Err(not_found(Some(viewer))),
+    match in_namespace(state.keel.store().dead_letter_get(id).await, ns) {
+        Ok(Some(d)) => Ok(d),
+        Ok(None) => Err(not_found(Some(viewer))),
         Err(e) => Err(store_failed(viewer, ns, &e)),
     }
 }
@@ -1160,6 +1222,7 @@ pub async fn purge(
                 namespace: Some(ns.clone()),
                 machine: None,
                 limit: limits::DEAD_LETTER_BATCH_MAX,
+                ..DeadLetterFilter::default()
             };
             for d in state
                 .keel

@@ -1,0 +1,88 @@
+//! The rule for every row `keel serve` reads by id — in the API and in the dashboard
+//! alike: a row answers only under the URL of its own namespace. Another namespace's row
+//! is reported exactly like a missing one, so a token scoped to one namespace cannot
+//! learn that an id exists in another. Each caller keeps its own form of "not found"
+//! (the API's JSON 404, the dashboard's page).
+
+use keel::{ErrorKind, StoreError};
+use keel_core::ids::InstanceId;
+use keel_core::instance::{DeadLetter, Instance};
+use keel_core::ports::store::InstanceDetail;
+
+/// A row that belongs to one namespace.
+pub trait Namespaced {
+    /// The namespace it belongs to.
+    fn namespace(&self) -> &str;
+}
+
+impl Namespaced for Instance {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+}
+
+impl Namespaced for InstanceDetail {
+    fn namespace(&self) -> &str {
+        &self.instance.namespace
+    }
+}
+
+impl Namespaced for DeadLetter {
+    fn namespace(&self) -> &str {
+        &self.letter.namespace
+    }
+}
+
+/// A read by id seen from namespace `ns`: `Some` when the row exists there, `None` when
+/// it is missing or in another namespace (both answer "not found"); a store failure
+/// stays an error.
+pub fn in_namespace<T: Namespaced>(
+    read: Result<T, StoreError>,
+    ns: &str,
+) -> Result<Option<T>, StoreError> {
+    match read {
+        Ok(row) if row.namespace() == ns => Ok(Some(row)),
+        Ok(_) => Ok(None),
+        Err(e) if e.kind == ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`in_namespace`] for a batch read of rows by id (`Store::instance_rows`), which
+/// leaves a missing id out rather than failing.
+pub fn row_in_namespace(
+    read: Result<Vec<Instance>, StoreError>,
+    id: InstanceId,
+    ns: &str,
+) -> Result<Option<Instance>, StoreError> {
+    let found = read.map(|rows| rows.into_iter().find(|row| row.id == id));
+    in_namespace(
+        found.and_then(|row| row.ok_or_else(|| StoreError::not_found(format!("instance {id}")))),
+        ns,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::{MachineRef, NewInstance};
+
+    fn instance(ns: &str) -> Instance {
+        let new = NewInstance::new(MachineRef::new("m", 1), "start").namespace(ns);
+        Instance::from_new(InstanceId(7), &new, None, keel_core::Timestamp(0))
+    }
+
+    #[test]
+    fn a_row_answers_only_in_its_own_namespace() {
+        assert!(in_namespace(Ok(instance("a")), "a").unwrap().is_some());
+        assert!(in_namespace(Ok(instance("a")), "b").unwrap().is_none(), "another namespace");
+        let missing: Result<Instance, _> = Err(StoreError::not_found("instance 7"));
+        assert!(in_namespace(missing, "a").unwrap().is_none(), "missing");
+        let down: Result<Instance, _> = Err(StoreError::unavailable("connection refused"));
+        assert!(in_namespace(down, "a").is_err(), "a store failure is not a 404");
+        let rows = || Ok(vec![instance("a")]);
+        assert!(row_in_namespace(rows(), InstanceId(7), "a").unwrap().is_some());
+        assert!(row_in_namespace(rows(), InstanceId(8), "a").unwrap().is_none());
+        assert!(row_in_namespace(rows(), InstanceId(7), "b").unwrap().is_none());
+    }
+}
