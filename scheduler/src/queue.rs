@@ -18,12 +18,14 @@
 //! carries the whole load while the queue is down: a hint loop whose queue fails backs
 //! off and tries again; nothing waits on it.
 //!
-//! Slots freed by commits are left to the hint loop only while its hints bring work: the
-//! last receive claimed at least one instance. A receive that comes back empty, or whose
-//! hints all name instances that are no longer ready (the queue lags behind the store: a
-//! slow queue, a backlog started by a producer without the queue, hints that polling got
-//! to first), hands the freed slots back to the claim loop, so a worker with a queue is
-//! never held to its poll interval while the store has work it was not told about.
+//! Slots freed by commits are left to the hint loop only while its hints bring work.
+//! `HINT_MISSES_MAX` receives in a row that come back empty, or whose hints all name
+//! instances that are no longer ready (the queue lags behind the store: a slow queue, a
+//! backlog started by a producer without the queue, hints that polling got to first),
+//! hand the freed slots back to the claim loop, so a worker with a queue is not held to
+//! its poll interval while the store has work it was not told about; the next receive
+//! that claims something hands them back to the hints. A failed receive hands them over
+//! at once.
 
 use super::{Finished, InFlight, Inner, QueueSlots, Worker, parents_of, release, run_step};
 use crate::health::WorkerLoop;
@@ -35,7 +37,7 @@ use keel_core::ports::{Clock, Queue, Store};
 use keel_core::{InstanceId, StoreResult, Timestamp};
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc, watch};
 
@@ -88,14 +90,34 @@ pub(crate) struct HintLink {
     queue: Arc<dyn Queue>,
     config: HintConfig,
     stats: Arc<HintStats>,
-    /// Whether the hints bring work: the last receive succeeded and claimed something.
+    /// Whether the hints bring work: the queue answers, and fewer than
+    /// `HINT_MISSES_MAX` receives in a row claimed nothing.
     flowing: AtomicBool,
+    /// Receives in a row that claimed nothing (empty, or every hint stale).
+    misses: AtomicU32,
     /// Woken when `flowing` turns false, so a claim loop that left its freed slots to the
     /// hint loop takes them back at once instead of at its next poll.
     stopped: Notify,
 }
 
+/// Receives in a row that may claim nothing (come back empty, or with stale hints only)
+/// before the claim loop refills freed slots itself. One such receive is common while
+/// the hints keep up (a duplicate, an instance the poll took first); several in a row
+/// mean the hints do not bring the work.
+pub(crate) const HINT_MISSES_MAX: u32 = 3;
+
 impl HintLink {
+    /// Records what a receive claimed: a claim hands freed slots to the hints,
+    /// `HINT_MISSES_MAX` misses in a row to the claim loop.
+    fn claimed(&self, n: usize) {
+        if n > 0 {
+            self.misses.store(0, Ordering::Relaxed);
+            self.set_flowing(true);
+        } else if self.misses.fetch_add(1, Ordering::Relaxed) + 1 >= HINT_MISSES_MAX {
+            self.set_flowing(false);
+        }
+    }
+
     /// Records whether the hints bring work; waking the claim loop when they stopped.
     fn set_flowing(&self, flowing: bool) {
         if self.flowing.swap(flowing, Ordering::Relaxed) && !flowing {
@@ -162,7 +184,12 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             queue,
             config,
             stats: Arc::clone(&stats),
-            flowing: AtomicBool::new(false),
+            // Optimistic at the start: the first receive tells within one wait whether
+            // the hints bring work. Starting pessimistic let the claim loop take the lead
+            // with every freed slot before a fast queue's first hint arrived, and then
+            // every hint named work already taken.
+            flowing: AtomicBool::new(true),
+            misses: AtomicU32::new(0),
             stopped: Notify::new(),
         }));
         (self, stats)
@@ -376,6 +403,7 @@ async fn hint_loop<S: Store, C: Clock>(
             Ok(d) => d,
             Err(e) => {
                 // The claim loop carries the load meanwhile; try the queue again later.
+                link.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
                 link.set_flowing(false);
                 let pause = inner
                     .loop_failed(WorkerLoop::Hints, &format!("receive hints: {e}"))
@@ -389,7 +417,7 @@ async fn hint_loop<S: Store, C: Clock>(
         };
         inner.loop_ok(WorkerLoop::Hints);
         if deliveries.is_empty() {
-            link.set_flowing(false);
+            link.claimed(0);
             continue;
         }
         link.stats.received.fetch_add(deliveries.len() as u64, Ordering::Relaxed);
@@ -398,11 +426,10 @@ async fn hint_loop<S: Store, C: Clock>(
             if claimed == 0 {
                 tracing::debug!(
                     received,
-                    "no hinted instance was ready: the queue lags behind the store, so the \
-                     claim loop refills freed slots"
+                    "no hinted instance was ready: the queue lags behind the store"
                 );
             }
-            link.set_flowing(claimed > 0);
+            link.claimed(claimed);
         }
     }
 }
