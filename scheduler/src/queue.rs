@@ -184,11 +184,10 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             queue,
             config,
             stats: Arc::clone(&stats),
-            // Optimistic at the start: the first receive tells within one wait whether
-            // the hints bring work. Starting pessimistic let the claim loop take the lead
-            // with every freed slot before a fast queue's first hint arrived, and then
-            // every hint named work already taken.
-            flowing: AtomicBool::new(true),
+            // The claim loop leads until a receive claims something: a queue strategy
+            // such as priority order is the claim loop's (hints name rows in publish
+            // order), and its first claims must not wait on the queue.
+            flowing: AtomicBool::new(false),
             misses: AtomicU32::new(0),
             stopped: Notify::new(),
         }));
