@@ -17,6 +17,15 @@
 //! ordinary claim loop keeps polling every `poll_interval` next to the hint loop, and
 //! carries the whole load while the queue is down: a hint loop whose queue fails backs
 //! off and tries again; nothing waits on it.
+//!
+//! Slots freed by commits are left to the hint loop only while its hints bring work.
+//! `HINT_MISSES_MAX` receives in a row that come back empty, or whose hints all name
+//! instances that are no longer ready (the queue lags behind the store: a slow queue, a
+//! backlog started by a producer without the queue, hints that polling got to first),
+//! hand the freed slots back to the claim loop, so a worker with a queue is not held to
+//! its poll interval while the store has work it was not told about; the next receive
+//! that claims something hands them back to the hints. A failed receive hands them over
+//! at once.
 
 use super::{Finished, InFlight, Inner, QueueSlots, Worker, parents_of, release, run_step};
 use crate::health::WorkerLoop;
@@ -28,9 +37,9 @@ use keel_core::ports::{Clock, Queue, Store};
 use keel_core::{InstanceId, StoreResult, Timestamp};
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 
 /// How a worker uses its queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,8 +90,42 @@ pub(crate) struct HintLink {
     queue: Arc<dyn Queue>,
     config: HintConfig,
     stats: Arc<HintStats>,
-    /// Whether the last receive succeeded.
+    /// Whether the hints bring work: the queue answers, and fewer than
+    /// `HINT_MISSES_MAX` receives in a row claimed nothing.
     flowing: AtomicBool,
+    /// Receives in a row that claimed nothing (empty, or every hint stale).
+    misses: AtomicU32,
+    /// Woken when `flowing` turns false, so a claim loop that left its freed slots to the
+    /// hint loop takes them back at once instead of at its next poll.
+    stopped: Notify,
+}
+
+/// Receives in a row that may claim nothing (come back empty, or with stale hints only)
+/// before the claim loop refills freed slots itself. One such receive is common while
+/// the hints keep up (a duplicate, an instance the poll took first); several in a row
+/// mean the hints do not bring the work.
+pub(crate) const HINT_MISSES_MAX: u32 = 3;
+
+impl HintLink {
+    /// Records what a receive claimed: a claim hands freed slots to the hints,
+    /// `HINT_MISSES_MAX` misses in a row to the claim loop.
+    fn claimed(&self, n: usize) {
+        if n > 0 {
+            self.misses.store(0, Ordering::Relaxed);
+            self.set_flowing(true);
+        } else if self.misses.fetch_add(1, Ordering::Relaxed) + 1 >= HINT_MISSES_MAX {
+            self.set_flowing(false);
+        }
+    }
+
+    /// Records whether the hints bring work; waking the claim loop when they stopped.
+    fn set_flowing(&self, flowing: bool) {
+        if self.flowing.swap(flowing, Ordering::Relaxed) && !flowing {
+            // One stored permit at most: a claim loop not waiting yet wakes at its next
+            // wait, once, and goes back to sleep if there is nothing to claim.
+            self.stopped.notify_one();
+        }
+    }
 }
 
 impl HintStats {
@@ -93,11 +136,20 @@ impl HintStats {
     }
 }
 
-/// Whether the worker's hints are flowing: then slots freed by commits are left to the
-/// hint loop, and the claim loop only polls (the repair path). Without a queue, or while
-/// the queue fails, the claim loop refills freed slots itself as usual.
+/// Whether the worker's hints are flowing (its last receive claimed work): then slots
+/// freed by commits are left to the hint loop, and the claim loop only polls (the repair
+/// path). Without a queue, while the queue fails, and while its hints bring nothing, the
+/// claim loop refills freed slots itself as usual.
 pub(super) fn hints_flowing<S, C>(inner: &Inner<S, C>) -> bool {
     inner.hints.as_ref().is_some_and(|link| link.flowing.load(Ordering::Relaxed))
+}
+
+/// Completes when the worker's hints stop flowing (never without a queue).
+pub(super) async fn hints_stopped<S, C>(inner: &Inner<S, C>) {
+    match &inner.hints {
+        Some(link) => link.stopped.notified().await,
+        None => std::future::pending().await,
+    }
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
@@ -132,7 +184,12 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             queue,
             config,
             stats: Arc::clone(&stats),
+            // The claim loop leads until a receive claims something: a queue strategy
+            // such as priority order is the claim loop's (hints name rows in publish
+            // order), and its first claims must not wait on the queue.
             flowing: AtomicBool::new(false),
+            misses: AtomicU32::new(0),
+            stopped: Notify::new(),
         }));
         (self, stats)
     }
@@ -345,8 +402,8 @@ async fn hint_loop<S: Store, C: Clock>(
             Ok(d) => d,
             Err(e) => {
                 // The claim loop carries the load meanwhile; try the queue again later.
-                link.flowing.store(false, Ordering::Relaxed);
-                inner.slot_freed.notify_one();
+                link.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
+                link.set_flowing(false);
                 let pause = inner
                     .loop_failed(WorkerLoop::Hints, &format!("receive hints: {e}"))
                     .max(inner.config.poll_interval);
@@ -358,10 +415,20 @@ async fn hint_loop<S: Store, C: Clock>(
             }
         };
         inner.loop_ok(WorkerLoop::Hints);
-        link.flowing.store(true, Ordering::Relaxed);
-        if !deliveries.is_empty() {
-            link.stats.received.fetch_add(deliveries.len() as u64, Ordering::Relaxed);
-            claim_hinted(&inner, &link, &queues, &tx, deliveries).await;
+        if deliveries.is_empty() {
+            link.claimed(0);
+            continue;
+        }
+        link.stats.received.fetch_add(deliveries.len() as u64, Ordering::Relaxed);
+        let received = deliveries.len();
+        if let Some(claimed) = claim_hinted(&inner, &link, &queues, &tx, deliveries).await {
+            if claimed == 0 {
+                tracing::debug!(
+                    received,
+                    "no hinted instance was ready: the queue lags behind the store"
+                );
+            }
+            link.claimed(claimed);
         }
     }
 }
@@ -400,14 +467,16 @@ fn claim_params<S: Store, C: Clock>(
 
 /// Claims the instances of `deliveries` by id, starts what was claimed and acks every
 /// hint: one that claimed nothing was stale or a duplicate. When the store is
-/// unavailable the hints are not acked and come back after their visibility.
+/// unavailable the hints are not acked and come back after their visibility. Returns how
+/// many instances the hints claimed, `None` when they could not be tried (no free slot,
+/// the store failed).
 async fn claim_hinted<S: Store, C: Clock>(
     inner: &Arc<Inner<S, C>>,
     link: &HintLink,
     queues: &Arc<Vec<QueueSlots>>,
     tx: &mpsc::Sender<Finished>,
     deliveries: Vec<Delivery>,
-) {
+) -> Option<usize> {
     let ids: BTreeSet<InstanceId> = deliveries.iter().map(|d| d.hint.instance).collect();
     let Some(params) = claim_params(inner, queues, ids.len()) else {
         // No slot left after all: hand the hints back for another worker (or a later
@@ -415,23 +484,29 @@ async fn claim_hinted<S: Store, C: Clock>(
         for d in deliveries {
             let _ = link.queue.nack(d.receipt, Duration::ZERO).await;
         }
-        return;
+        return None;
     };
-    match inner.store.instance_claim_ids(ids.into_iter().collect(), params).await {
+    let claimed = match inner.store.instance_claim_ids(ids.into_iter().collect(), params).await {
         Ok(claims) => {
             link.stats.claimed.fetch_add(claims.len() as u64, Ordering::Relaxed);
+            let n = claims.len();
             start(inner, queues, tx, claims).await;
+            Some(n)
         }
         Err(e) if e.is_retryable() => {
             tracing::debug!(error = %e, "claim by hint failed; the hints come back later");
-            return;
+            return None;
         }
-        Err(e) => tracing::warn!(error = %e, "claim by hint refused; dropping the hints"),
-    }
+        Err(e) => {
+            tracing::warn!(error = %e, "claim by hint refused; dropping the hints");
+            None
+        }
+    };
     let receipts = deliveries.into_iter().map(|d| d.receipt).collect();
     if let Err(e) = link.queue.ack(receipts).await {
         tracing::debug!(error = %e, "acking hints failed; they come back and are acked then");
     }
+    claimed
 }
 
 /// Starts claimed steps, each holding a slot of its queue; a claim with no free slot is

@@ -772,8 +772,10 @@ async fn claim_loop<S: Store, C: Clock>(
             tokio::select! {
                 () = inner.store.ready_wait(), if inner.config.notifications => {}
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
-                // Queue hook: while hints flow, freed slots are theirs; polling repairs.
+                // Queue hook: while hints bring work, freed slots are theirs and polling
+                // repairs; when they stop, the slots are this loop's again at once.
                 () = inner.slot_freed.notified(), if full && !queue::hints_flowing(&inner) => {}
+                () = queue::hints_stopped(&inner), if full && queue::hints_flowing(&inner) => {}
                 _ = shutdown.changed() => {}
             }
         }

@@ -1,6 +1,7 @@
 //! Workers with a queue of hints in the loop: hints drive the steps, and losing them,
 //! duplicating them or losing the queue for a while loses nothing and runs nothing twice.
-//! Each test runs on `MemoryQueue`, and on Redis when `KEEL_TEST_REDIS_URL` is set.
+//! Each test runs on `MemoryQueue`, on Redis when `KEEL_TEST_REDIS_URL` is set, and some on
+//! the SQS emulator when `KEEL_TEST_SQS_ENDPOINT` is set.
 
 mod common;
 
@@ -248,6 +249,13 @@ async fn run<S: TestStore, Q: Queue>(
         .register(Counter)
         .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
     let worker = worker.spawn();
+    // The instances are started once the claim loop's first pass found nothing, so with
+    // polling all but off it sleeps through the run and the hints alone hand out work.
+    let started = tokio::time::Instant::now();
+    while worker.health().get(WorkerLoop::Claim).and_then(|l| l.last_success).is_none() {
+        assert!(started.elapsed() < Duration::from_secs(10), "the claim loop never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
     let ids = start_all(&client, setup.n).await;
     let stats = Arc::clone(worker.stats());
@@ -270,12 +278,42 @@ fn claimed(stats: &HintStats) -> u64 {
     stats.claimed.load(Ordering::Relaxed)
 }
 
-/// Hints carry the run: with polling all but off, every step after the first claims is
-/// claimed because of a hint.
-async fn hints_carry_the_steps<S: TestStore, Q: Queue>(queue: Arc<Q>) {
-    let (stats, _) = run::<S, _>(queue, Setup::no_polling(300), async |_| {}).await;
-    assert!(claimed(&stats) > 0, "no step came by hint");
+/// Hints carry the run: with polling all but off (the claim loop's one pass came before
+/// the first instance), every step is claimed because of a hint.
+async fn hints_carry_the_steps<S: TestStore, Q: Queue>(queue: Arc<Q>, setup: Setup) {
+    let (stats, _) = run::<S, _>(queue, setup, async |_| {}).await;
+    let steps = setup.n as u64 * (STEPS as u64 + 1);
+    assert_eq!(claimed(&stats), steps, "steps claimed by hint");
     assert!(stats.published.load(Ordering::Relaxed) > 0, "no hint was published");
+}
+
+/// Hints that bring no work leave the freed slots to the claim loop. The backlog is
+/// started by a producer without the queue, and the queue holds only hints that name no
+/// ready instance (as when a slow queue delivers hints for work that polling already
+/// did); with polling all but off and no repair pass, only the claim loop's refill of
+/// freed slots can finish the run. A worker that kept leaving its slots to such hints
+/// would sit idle until its next poll, ten minutes away. (Not run on the SQS emulator:
+/// there the claim loop fills every slot before the first receive answers, so the hint
+/// loop never gets to hand anything back and the test would prove nothing.)
+async fn hints_that_bring_nothing_leave_slots_to_claims<S: TestStore, Q: Queue>(
+    queue: Arc<Q>,
+    setup: Setup,
+) {
+    let setup = Setup { repair_after: None, ..setup };
+    let h = S::harness().await;
+    let _ticking = Ticking::start(&h.clock);
+    let stale: Vec<Hint> = (0..100).map(|i| Hint::new(InstanceId(1_000_000_000 + i), 1)).collect();
+    queue.enqueue(stale).await.expect("enqueue stale hints");
+    let ids = start_all(&h.client, setup.n).await;
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
+        .register(Counter)
+        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+    let worker = worker.spawn();
+    let stats = Arc::clone(worker.stats());
+    finish(&h, &ids, || stats.committed(), setup.limit).await;
+    assert!(hints.received.load(Ordering::Relaxed) > 0, "the hint loop received nothing");
+    assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 0);
+    worker.shutdown().await;
 }
 
 /// Every hint lost mid-run (`lose`: a purge, a `FLUSHALL`) and polling all but off: the
@@ -410,7 +448,11 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
-        super::hints_carry_the_steps::<MemoryStore, _>(Arc::new(MemoryQueue::new())).await;
+        super::hints_carry_the_steps::<MemoryStore, _>(
+            Arc::new(MemoryQueue::new()),
+            Setup::no_polling(300),
+        )
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,6 +482,15 @@ mod memory {
         super::queue_down_falls_back_to_polling::<MemoryStore, _>(Arc::new(MemoryQueue::new()))
             .await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_that_bring_nothing_leave_slots_to_claims() {
+        super::hints_that_bring_nothing_leave_slots_to_claims::<MemoryStore, _>(
+            Arc::new(MemoryQueue::new()),
+            Setup { limit: Duration::from_secs(60), ..Setup::no_polling(300) },
+        )
+        .await;
+    }
 }
 
 mod redis {
@@ -460,7 +511,7 @@ mod redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
         let Some(q) = queue("hints_carry_the_steps").await else { return };
-        super::hints_carry_the_steps::<MemoryStore, _>(q).await;
+        super::hints_carry_the_steps::<MemoryStore, _>(q, Setup::no_polling(300)).await;
     }
 
     /// A queue on a private server of the test's own (it flushes or stops it), when Redis
@@ -518,6 +569,15 @@ mod redis {
         let Some(q) = queue("queue_down_falls_back_to_polling").await else { return };
         super::queue_down_falls_back_to_polling::<MemoryStore, _>(q).await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_that_bring_nothing_leave_slots_to_claims() {
+        let Some(q) = queue("hints_that_bring_nothing_leave_slots_to_claims").await else {
+            return;
+        };
+        let setup = Setup { limit: Duration::from_secs(60), ..Setup::no_polling(300) };
+        super::hints_that_bring_nothing_leave_slots_to_claims::<MemoryStore, _>(q, setup).await;
+    }
 }
 
 /// SQS (the emulator) as the queue: purged mid-run, and every hint twice.
@@ -525,7 +585,7 @@ mod sqs {
     use super::*;
     use keel_queue_sqs::SqsQueue;
 
-    async fn queue(test: &str) -> Option<Arc<SqsQueue>> {
+    pub(super) async fn queue(test: &str) -> Option<Arc<SqsQueue>> {
         let q = keel_queue_sqs::testing::fresh_queue().await;
         keel_testkit::conformance::queue::queue_or_skip(
             &format!("sqs::{test}"),
@@ -553,6 +613,32 @@ mod sqs {
         let setup = Setup::no_polling(100).emulated();
         super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q, setup).await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_carry_the_steps() {
+        let Some(q) = queue("hints_carry_the_steps").await else { return };
+        super::hints_carry_the_steps::<MemoryStore, _>(q, Setup::no_polling(100).emulated()).await;
+    }
+}
+
+/// PostgreSQL with an SQS queue, as the `steps` and `chart` benchmarks run them: every
+/// step comes by hint when polling cannot race the hints.
+mod postgres_sqs {
+    use super::*;
+    use keel_store_postgres::PgStore;
+
+    async fn queue(test: &str) -> Option<Arc<keel_queue_sqs::SqsQueue>> {
+        if !common::postgres_available(test) {
+            return None;
+        }
+        super::sqs::queue(&format!("postgres_sqs::{test}")).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_carry_the_steps() {
+        let Some(q) = queue("hints_carry_the_steps").await else { return };
+        super::hints_carry_the_steps::<PgStore, _>(q, Setup::no_polling(100).emulated()).await;
+    }
 }
 
 /// PostgreSQL with a Redis queue: the same guarantees hold with PostgreSQL's claim by id.
@@ -570,7 +656,7 @@ mod postgres_redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
         let Some(q) = queue("hints_carry_the_steps").await else { return };
-        super::hints_carry_the_steps::<PgStore, _>(q).await;
+        super::hints_carry_the_steps::<PgStore, _>(q, Setup::no_polling(300)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
