@@ -89,6 +89,7 @@ fn migrator() -> Migrator {
         migration(2, "charts timers", include_str!("../migrations/0002_charts_timers.sql")),
         migration(3, "operations", include_str!("../migrations/0003_operations.sql")),
         migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
+        migration(7, "fair claims", include_str!("../migrations/0007_fair_claims.sql")),
     ])
 }
 

@@ -333,10 +333,7 @@ impl<'a> ClaimPlanner<'a> {
     pub fn offer(&self, row: &Instance, read: CandidateRead) -> Option<Instance> {
         let p = self.params;
         let admitted = !self.is_full()
-            && outcome::claimable(row, p.now)
-            && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
-            && (p.queues.is_empty() || p.queues.contains(&row.queue))
-            && (p.machines.is_empty() || p.machines.contains(&row.machine))
+            && matches(p, row)
             && !read.queue_paused
             && self.under_global_limit(&row.queue, read.queue_executing)
             && row.concurrency_key.as_ref().is_none_or(|k| self.under_key_limit(k, read));
@@ -372,6 +369,15 @@ impl<'a> ClaimPlanner<'a> {
         self.taken += 1;
         true
     }
+}
+
+/// Whether `row` is runnable and due and passes the claim's namespace, queue and machine
+/// filters: what a candidate must be before any limit is looked at.
+pub fn matches(p: &ClaimParams, row: &Instance) -> bool {
+    outcome::claimable(row, p.now)
+        && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
+        && (p.queues.is_empty() || p.queues.contains(&row.queue))
+        && (p.machines.is_empty() || p.machines.contains(&row.machine))
 }
 
 /// Whether a claim orders its candidates fairly across concurrency keys: a claim of one

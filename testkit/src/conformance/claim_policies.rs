@@ -1,7 +1,9 @@
 //! Contracts for a claim's queue policy: `fifo` and `priority` order, the starvation
 //! bound, and the global limit of a queue across all claimers.
 
-use super::support::{at, claim, claim_params, expect_kind, ids, insert, new_in, next, step};
+use super::support::{
+    at, claim, claim_params, done, expect_kind, ids, insert, new_in, next, step,
+};
 use keel_core::ErrorKind;
 use keel_core::config::Strategy;
 use keel_core::plan::claim::{ClaimPolicy, RateLimit};
@@ -151,7 +153,8 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
 
 /// A rate limit (token bucket) bounds a queue's starts across claims and claimers: a new
 /// bucket holds `burst` tokens, refills at `starts` per `per` (fractions carry over) and
-/// never above `burst`; rows over the limit stay ready and are claimed when tokens return.
+/// above `burst` only with what accrued since a claim the tokens cut short (at most one
+/// period's worth); rows over the limit stay ready and are claimed when tokens return.
 pub async fn rate_limit_bounds_a_queues_starts<S: Store>(s: &S) {
     let ns = "claim_rate";
     let out =
@@ -176,10 +179,121 @@ pub async fn rate_limit_bounds_a_queues_starts<S: Store>(s: &S) {
     assert_eq!(claim(s, params(10, 1_300)).await.len(), 2);
     assert_eq!(claim(s, params(1, 1_500)).await.len(), 1, "the claim's own limit still holds");
     assert_eq!(claim(s, params(10, 1_500)).await.len(), 1, "the token left by the last claim");
-    assert_eq!(claim(s, params(10, 60_000)).await.len(), 4, "an idle spell refills to burst only");
+    // The last claim was cut short by the tokens, so rows were waiting: a long spell
+    // without claims gives one period's worth (10), not more, and not just the burst.
+    assert_eq!(claim(s, params(10, 60_000)).await.len(), 10, "one period's worth");
     let left = claim(s, with_policy(ns, 30, at(60_000), ClaimPolicy::new(Strategy::Fifo))).await;
-    assert_eq!(left.len(), 30 - 4 - 1 - 2 - 1 - 1 - 4, "rows over the limit stayed ready");
+    assert_eq!(left.len(), 30 - 4 - 1 - 2 - 1 - 1 - 10, "rows over the limit stayed ready");
     let mut p = with_policy(ns, 10, at(70_000), policy);
     p.queues = Vec::new();
     expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "rate limit without a queue");
+}
+
+/// With a burst of 1, a claimer that comes less often than tokens arrive still starts the
+/// configured rate: each claim takes every token that accrued since the last one
+/// (fractions carried exactly), as long as rows were left waiting; once the queue has run
+/// dry, an idle spell saves up the burst only.
+pub async fn rate_limit_burst_of_one_keeps_its_rate<S: Store>(s: &S) {
+    let ns = "claim_rate_one";
+    let queue = "metered_one";
+    insert(s, (0..150).map(|i| new_in(ns).queue(queue).eligible_at(at(i))).collect(), at(0))
+        .await;
+    let rate = RateLimit { starts: 100, per: Duration::from_secs(1), burst: 1 };
+    let policy = ClaimPolicy { rate: Some(rate), ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |limit: usize, now: i64| {
+        let mut p = with_policy(ns, limit, at(now), policy);
+        p.queues = vec![queue.into()];
+        p
+    };
+    // Claims every 25 ms for one second: 2.5 tokens accrue between two claims.
+    let mut started = Vec::new();
+    for t in (1_000..=2_000).step_by(25) {
+        started.push(claim(s, params(50, t)).await.len());
+    }
+    assert_eq!(&started[..5], &[1, 2, 3, 2, 3], "the full bucket, then 2.5 tokens per claim");
+    assert_eq!(started.iter().sum::<usize>(), 1 + 100, "one token, then 100 per second");
+    // The rest (150 - 101 = 49) are claimed; the queue runs dry with tokens left.
+    assert_eq!(claim(s, params(200, 2_500)).await.len(), 49, "50 tokens, 49 rows");
+    insert(s, (0..5).map(|_| new_in(ns).queue(queue)).collect(), at(2_500)).await;
+    assert_eq!(claim(s, params(50, 60_000)).await.len(), 1, "after running dry: the burst");
+}
+
+/// A claim of one queue takes its rows in rounds across concurrency keys — each round the
+/// next row of every key (up to the key's limit) and of the rows without a key — in a
+/// rotation that continues after the key a full claim served last; so a key with many
+/// ready rows, even one already at its limit, cannot hold back another key's row.
+pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
+    let ns = "claim_fair";
+    let queue = "fair_q";
+    let (a, b, c) = ("fair-a".to_owned(), "fair-b".to_owned(), "fair-c".to_owned());
+    let mk = |key: Option<&String>, ms: i64| {
+        let n = new_in(ns).queue(queue).eligible_at(at(ms));
+        match key {
+            Some(k) => n.concurrency_key(k.clone()),
+            None => n,
+        }
+    };
+    let out = insert(
+        s,
+        vec![
+            mk(Some(&a), 0),
+            mk(Some(&a), 1),
+            mk(Some(&a), 2),
+            mk(Some(&a), 3),
+            mk(None, 4),
+            mk(Some(&c), 5),
+            mk(Some(&c), 6),
+            mk(None, 7),
+            mk(Some(&b), 8),
+        ],
+        at(0),
+    )
+    .await;
+    let id = |i: usize| out[i].id();
+    let policy = ClaimPolicy { key_limit: 2, ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |limit: usize, now: i64| {
+        let mut p = with_policy(ns, limit, at(now), policy);
+        p.queues = vec![queue.into()];
+        p
+    };
+    // Round one in key order (no cursor yet), the rows without a key last.
+    let first = claim(s, params(3, 100)).await;
+    assert_eq!(ids(&first), vec![id(0), id(8), id(5)], "a, b, c: one row of each key");
+    // The rotation carries on after c: the rows without a key, then a and c again.
+    let second = claim(s, params(3, 100)).await;
+    assert_eq!(ids(&second), vec![id(4), id(1), id(6)], "unkeyed, a's second, c's second");
+    // a and c are at their limit of 2; what is left is the second row without a key.
+    let third = claim(s, params(10, 100)).await;
+    assert_eq!(ids(&third), vec![id(7)]);
+    // Rounds: with room for two rows of a key, a claim takes one of each before a second.
+    step(s, &first[0], done(), at(110)).await;
+    step(s, &second[1], done(), at(110)).await;
+    step(s, &first[2], done(), at(110)).await;
+    let more = insert(s, vec![mk(Some(&c), 9), mk(Some(&c), 10)], at(110)).await;
+    let fourth = claim(s, params(10, 120)).await;
+    assert_eq!(
+        ids(&fourth),
+        vec![id(2), more[0].id(), id(3)],
+        "the rotation wraps after c: a's next, c's next, then a's second in round two"
+    );
+
+    // One key with many ready rows, one of them executing: another key's single row is
+    // in the very next claim.
+    let (busy, lone) = ("fair-busy".to_owned(), "fair-lone".to_owned());
+    let many = insert(
+        s,
+        (0..200).map(|i| new_in(ns).queue("fair_q2").concurrency_key(busy.clone()).eligible_at(at(i))).collect(),
+        at(0),
+    )
+    .await;
+    let mut p = with_policy(ns, 1, at(300), ClaimPolicy::default());
+    p.queues = vec!["fair_q2".into()];
+    assert_eq!(ids(&claim(s, p.clone()).await), vec![many[0].id()], "the busy key's first row");
+    let single = insert(
+        s,
+        vec![new_in(ns).queue("fair_q2").concurrency_key(lone).eligible_at(at(299))],
+        at(299),
+    )
+    .await;
+    assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..p }).await), vec![single[0].id()]);
 }
