@@ -207,39 +207,38 @@ pub(crate) async fn claim(
         None
     };
     let fair = claim::is_fair(p, ids.is_some());
-    let cursor: Option<String> = if fair {
-        sqlx::query_scalar("SELECT after_key FROM keel_claim_cursors WHERE queue = ?")
-            .bind(&bucket_queue)
+    let cursor_queue = claim::cursor_queue(p);
+    let cursor: Option<String> = match cursor_queue {
+        Some(queue) if fair => sqlx::query_scalar("SELECT after_key FROM keel_claim_cursors WHERE queue = ?")
+            .bind(queue)
             .fetch_optional(&mut *db.conn)
             .await
-            .map_err(db.err("reading a queue's claim cursor"))?
-    } else {
-        None
+            .map_err(db.err("reading a queue's claim cursor"))?,
+        _ => None,
     };
     let pick = Pick { p, starving, only: &only, namespaces: &namespaces, queues: &queues, machines: &machines };
     if fair {
         // Fair order: the rows without a key (a page, in claim order) and, per key with
-        // room, its first rows; keys in rotation order until as many groups have rows as
-        // the claim can take (round one alone fills it then).
-        let mut candidates: Vec<(Instance, u32)> = pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Some(None), page).await?;
-        // The rows without a key count as a group once the rotation has passed them.
-        let unkeyed = usize::from(!candidates.is_empty());
-        let mut groups = 0;
+        // room, its first rows, over the first keys in rotation order with such rows (as
+        // many as the claim can take).
+        let cap = planner.cap();
+        let mut candidates: Vec<(Instance, u32)> =
+            pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Some(None), page).await?;
         let mut keys: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT concurrency_key FROM keel_instances WHERE status = 'runnable' \
-               AND concurrency_key IS NOT NULL AND queue = ? AND eligible_at <= ?",
+               AND concurrency_key IS NOT NULL AND eligible_at <= ? \
+               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?)))",
         )
-        .bind(&bucket_queue)
         .bind(p.now.0)
+        .bind(&queues)
+        .bind(&queues)
         .fetch_all(&mut *db.conn)
         .await
-        .map_err(db.err("listing a queue's concurrency keys"))?;
-        keys.sort_by(|a, b| {
-            claim::rotation(Some(a), cursor.as_deref()).cmp(&claim::rotation(Some(b), cursor.as_deref()))
-        });
+        .map_err(db.err("listing concurrency keys"))?;
+        keys.sort_by(|a, b| claim::rotation(a, cursor.as_deref()).cmp(&claim::rotation(b, cursor.as_deref())));
+        let mut rooms: HashMap<String, u32> = HashMap::new();
         for key in keys {
-            let passed = claim::rotation(Some(&key), cursor.as_deref()).0 > 1;
-            if groups + if passed { unkeyed } else { 0 } >= p.limit {
+            if rooms.len() >= cap {
                 break;
             }
             let running: i64 = sqlx::query_scalar(
@@ -256,11 +255,16 @@ pub(crate) async fn claim(
             let rows = pick
                 .page(db, (i64::MIN, i64::MIN, i64::MIN), Some(Some(&key)), usize::try_from(room).unwrap_or(0))
                 .await?;
-            groups += usize::from(!rows.is_empty());
-            candidates.extend(rows);
+            if !rows.is_empty() {
+                rooms.insert(key, u32::try_from(room).unwrap_or(u32::MAX));
+                candidates.extend(rows);
+            }
         }
+        // Claim order across the groups, as the core expects its candidates.
+        candidates.sort_by_key(|(r, _)| p.policy.order_key(r, p.now));
         let running: HashMap<InstanceId, u32> = candidates.iter().map(|(r, n)| (r.id, *n)).collect();
-        let ordered = claim::fair_order(candidates.into_iter().map(|(r, _)| r).collect(), cursor.as_deref());
+        let room = |k: &str| rooms.get(k).copied().unwrap_or(0);
+        let ordered = claim::fair_order(candidates.into_iter().map(|(r, _)| r).collect(), cursor.as_deref(), cap, room);
         for row in ordered {
             if planner.is_full() {
                 break;
@@ -271,16 +275,16 @@ pub(crate) async fn claim(
             }
         }
         let after = claim::cursor_after(cursor.clone(), &taken, planner.is_full());
-        if after != cursor {
-            match &after {
-                Some(key) => sqlx::query(
-                    "INSERT INTO keel_claim_cursors (queue, after_key) VALUES (?, ?) \
-                     ON CONFLICT (queue) DO UPDATE SET after_key = excluded.after_key",
-                )
-                .bind(&bucket_queue)
-                .bind(key),
-                None => sqlx::query("DELETE FROM keel_claim_cursors WHERE queue = ?").bind(&bucket_queue),
-            }
+        if let Some(queue) = cursor_queue
+            && after != cursor
+            && let Some(key) = &after
+        {
+            sqlx::query(
+                "INSERT INTO keel_claim_cursors (queue, after_key) VALUES (?, ?) \
+                 ON CONFLICT (queue) DO UPDATE SET after_key = excluded.after_key",
+            )
+            .bind(queue)
+            .bind(key)
             .execute(&mut *db.conn)
             .await
             .map_err(db.err("writing a queue's claim cursor"))?;

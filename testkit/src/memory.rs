@@ -208,9 +208,10 @@ impl State {
         if !p.policy.is_plain_priority() {
             candidates.sort_by_key(|id| p.policy.order_key(&self.rows[id], p.now));
         }
-        // A claim of one queue takes them in fair order across concurrency keys.
+        // Every claim but one of named instances takes them in fair order across keys.
         let fair = keel_core::plan::claim::is_fair(p, only.is_some());
-        let cursor = p.queues.first().and_then(|q| self.cursors.get(q)).cloned();
+        let cursor_queue = keel_core::plan::claim::cursor_queue(p).map(str::to_owned);
+        let cursor = cursor_queue.as_ref().and_then(|q| self.cursors.get(q)).cloned();
         if fair {
             // Only rows the claim could take count towards their key's rounds.
             let rows = candidates
@@ -226,7 +227,16 @@ impl State {
                 })
                 .cloned()
                 .collect();
-            candidates = keel_core::plan::claim::fair_order(rows, cursor.as_deref())
+            // As many keys as the claim can take: its limit, lowered by the rate limit.
+            let bucket = p.queues.first().and_then(|q| self.buckets.get(q)).copied();
+            let cap = p.policy.rate.map_or(p.limit, |r| {
+                p.limit.min(keel_core::plan::claim::RateLimit::room(&r.refill(bucket, p.now)))
+            });
+            let room = |k: &str| {
+                let running = u32::try_from(self.executing_keys.get(k).copied().unwrap_or(0)).unwrap_or(u32::MAX);
+                p.policy.key_limit.saturating_sub(running)
+            };
+            candidates = keel_core::plan::claim::fair_order(rows, cursor.as_deref(), cap, room)
                 .into_iter()
                 .map(|r| r.id)
                 .collect();
@@ -282,11 +292,11 @@ impl State {
                 instance: next,
             });
         }
-        if fair {
+        if let Some(queue) = cursor_queue.filter(|_| fair) {
             let taken: Vec<Instance> = claims.iter().map(|c| c.instance.clone()).collect();
             match keel_core::plan::claim::cursor_after(cursor, &taken, planner.is_full()) {
-                Some(key) => self.cursors.insert(bucket_queue.clone(), key),
-                None => self.cursors.remove(&bucket_queue),
+                Some(key) => self.cursors.insert(queue, key),
+                None => self.cursors.remove(&queue),
             };
         }
         if let Some(refilled) = refilled {

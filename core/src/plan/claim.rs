@@ -7,9 +7,9 @@
 //! key is executing beyond the policy's key limit (counting those taken earlier in the
 //! claim), its queue is under the policy's global limit, and no other
 //! instance holds its unique key in the executing scope. At most `limit` are taken. A claim
-//! of one queue offers its candidates in fair order across concurrency keys
-//! ([`fair_order`]: rounds, each taking the next row of every key in a rotation that
-//! continues from the queue's cursor); other claims offer them in claim order. A
+//! offers its candidates in fair order across concurrency keys ([`fair_order`]: rounds,
+//! each taking the next row of every key, over the keys a rotation that continues from
+//! the queue's cursor picks); a claim of named instances offers them in claim order. A
 //! taken row that holds a stored value no reader accepts (or whose inbox does) is not
 //! handed out: it is suspended and dead-lettered alone ([`undecodable`]), and its
 //! neighbours are claimed as usual.
@@ -380,57 +380,89 @@ pub fn matches(p: &ClaimParams, row: &Instance) -> bool {
         && (p.machines.is_empty() || p.machines.contains(&row.machine))
 }
 
-/// Whether a claim orders its candidates fairly across concurrency keys: a claim of one
-/// queue (what a worker's claim loop makes). A claim of named instances (a queue hint's
-/// targets), of several queues or of any queue takes its rows in claim order.
-pub fn is_fair(params: &ClaimParams, by_ids: bool) -> bool {
-    !by_ids && params.queues.len() == 1
+/// Whether a claim orders its candidates fairly across concurrency keys: every claim but
+/// one of named instances (a queue hint's targets), which takes its rows in claim order.
+pub fn is_fair(_params: &ClaimParams, by_ids: bool) -> bool {
+    !by_ids
 }
 
-/// Where a group of candidates stands in the rotation that starts after the queue's
-/// cursor `after` (the group served last): first the keys after it in ascending order
-/// (`0`), then the rows without a key (`1`), then the keys up to and including it (`2`).
-/// Without a cursor every key is after it, so the rows without a key come last.
-pub fn rotation<'k>(key: Option<&'k str>, after: Option<&str>) -> (u8, &'k str) {
-    match (key, after) {
-        (None, _) => (1, ""),
-        (Some(k), Some(a)) if k <= a => (2, k),
-        (Some(k), _) => (0, k),
+/// The queue whose rotation cursor a fair claim reads and moves: its one queue. A claim of
+/// several queues, or of any queue, starts its rotation at the first key every time.
+pub fn cursor_queue(params: &ClaimParams) -> Option<&str> {
+    match params.queues.as_slice() {
+        [one] => Some(one),
+        _ => None,
     }
 }
 
-/// Orders a fair claim's candidates (given in claim order): in rounds, each round taking
-/// the next candidate of every group — the rows of one concurrency key, or the rows
-/// without a key — in [`rotation`] order. A key therefore contributes one row per round
-/// (and no more than its limit allows, which the planner checks), so one key with many
-/// ready rows delays another key's row by at most one round, and the rotation moves on
-/// from claim to claim.
-pub fn fair_order(candidates: Vec<Instance>, after: Option<&str>) -> Vec<Instance> {
+/// Where a concurrency key stands in the rotation that starts after the queue's cursor
+/// `after` (the key served last): first the keys after it in ascending order, then the
+/// keys up to and including it. Without a cursor the keys are in ascending order.
+pub fn rotation<'k>(key: &'k str, after: Option<&str>) -> (bool, &'k str) {
+    (after.is_some_and(|a| key <= a), key)
+}
+
+/// Orders a fair claim's candidates, given in claim order.
+///
+/// The keys that take part are the first `limit` keys in [`rotation`] order that have
+/// room (`room(key)`: the key's limit less its executing rows) and a candidate; each
+/// offers its first `room` candidates. The rows without a key all take part. The result is
+/// in rounds — round `n` holds the `n`-th candidate of every key and the `n`-th row
+/// without a key — and in claim order within a round. So a key contributes at most one
+/// row to a round: one key with many ready rows delays another key's row by at most one
+/// round, a key at its limit costs nothing, and with more keys than a claim can take the
+/// rotation serves the others next.
+pub fn fair_order(
+    candidates: Vec<Instance>,
+    after: Option<&str>,
+    limit: usize,
+    room: impl Fn(&str) -> u32,
+) -> Vec<Instance> {
+    let mut keys: Vec<&str> = candidates.iter().filter_map(|r| r.concurrency_key.as_deref()).collect();
+    keys.sort_by(|a, b| rotation(a, after).cmp(&rotation(b, after)));
+    keys.dedup();
+    let rooms: HashMap<String, usize> = keys
+        .into_iter()
+        .filter_map(|k| {
+            let r = room(k);
+            (r > 0).then(|| (k.to_owned(), usize::try_from(r).unwrap_or(usize::MAX)))
+        })
+        .take(limit)
+        .collect();
     let mut seen: HashMap<Option<String>, usize> = HashMap::new();
     let mut ranked: Vec<(usize, Instance)> = candidates
         .into_iter()
-        .map(|row| {
+        .filter_map(|row| {
+            let cap = match &row.concurrency_key {
+                Some(k) => *rooms.get(k)?,
+                None => usize::MAX,
+            };
             let n = seen.entry(row.concurrency_key.clone()).or_default();
             let round = *n;
             *n += 1;
-            (round, row)
+            (round < cap).then_some((round, row))
         })
         .collect();
-    ranked.sort_by(|(ra, a), (rb, b)| {
-        (ra, rotation(a.concurrency_key.as_deref(), after))
-            .cmp(&(rb, rotation(b.concurrency_key.as_deref(), after)))
-    });
+    // Stable: claim order within a round.
+    ranked.sort_by_key(|(round, _)| *round);
     ranked.into_iter().map(|(_, row)| row).collect()
 }
 
 /// The queue's rotation cursor after a fair claim: when the claim took all it could
-/// (`full`), the group of the last row it took (`None` for a row without a key, which
-/// starts the next rotation at the first key); otherwise every group with room was served
-/// and the cursor stays.
+/// (`full`), the last key in rotation order among the rows it took, so the next claim
+/// starts with the keys after it; otherwise every key with room was served and the cursor
+/// stays.
 pub fn cursor_after(after: Option<String>, taken: &[Instance], full: bool) -> Option<String> {
-    match taken.last() {
-        Some(last) if full => last.concurrency_key.clone(),
-        _ => after,
+    if !full {
+        return after;
+    }
+    let last = taken
+        .iter()
+        .filter_map(|r| r.concurrency_key.as_deref())
+        .max_by(|a, b| rotation(a, after.as_deref()).cmp(&rotation(b, after.as_deref())));
+    match last {
+        Some(k) => Some(k.to_owned()),
+        None => after,
     }
 }
 
@@ -670,34 +702,39 @@ mod fair_tests {
         Instance::from_new(InstanceId(id), &new, None, Timestamp(0))
     }
 
-    fn order(rows: Vec<Instance>, after: Option<&str>) -> Vec<i64> {
-        fair_order(rows, after).iter().map(|r| r.id.0).collect()
+    fn order(rows: Vec<Instance>, after: Option<&str>, limit: usize) -> Vec<i64> {
+        let room = |k: &str| if k == "full" { 0 } else { 2 };
+        fair_order(rows, after, limit, room).iter().map(|r| r.id.0).collect()
     }
 
     #[test]
-    fn rounds_take_one_row_per_group_in_rotation_order() {
+    fn rounds_in_claim_order_over_the_keys_the_rotation_picks() {
         let rows = || {
             vec![
                 row(1, Some("a")),
-                row(2, Some("a")),
-                row(3, None),
-                row(4, Some("c")),
-                row(5, None),
-                row(6, Some("b")),
-                row(7, Some("a")),
+                row(2, Some("full")),
+                row(3, Some("a")),
+                row(4, None),
+                row(5, Some("c")),
+                row(6, None),
+                row(7, Some("b")),
+                row(8, Some("a")),
             ]
         };
-        assert_eq!(order(rows(), None), vec![1, 6, 4, 3, 2, 5, 7]);
-        assert_eq!(order(rows(), Some("a")), vec![6, 4, 3, 1, 5, 2, 7]);
-        assert_eq!(order(rows(), Some("b")), vec![4, 3, 1, 6, 5, 2, 7]);
-        assert_eq!(order(rows(), Some("zz")), vec![3, 1, 6, 4, 5, 2, 7]);
+        // Round one: a, the first row without a key, c, b; round two: a's second (room
+        // 2), the second row without a key. a's third is over its room; `full` has none.
+        assert_eq!(order(rows(), None, 10), vec![1, 4, 5, 7, 3, 6]);
+        // Two keys take part: after the cursor a, that is b and c.
+        assert_eq!(order(rows(), Some("a"), 2), vec![4, 5, 7, 6]);
+        assert_eq!(order(rows(), Some("b"), 2), vec![1, 4, 5, 3, 6]);
     }
 
     #[test]
-    fn the_cursor_moves_to_the_last_group_of_a_full_claim() {
-        let taken = vec![row(1, Some("a")), row(2, None), row(3, Some("c"))];
-        assert_eq!(cursor_after(Some("x".into()), &taken, true).as_deref(), Some("c"));
+    fn the_cursor_moves_to_the_last_key_in_rotation_of_a_full_claim() {
+        let taken = vec![row(1, Some("c")), row(2, None), row(3, Some("a"))];
+        assert_eq!(cursor_after(Some("b".into()), &taken, true).as_deref(), Some("a"));
+        assert_eq!(cursor_after(None, &taken, true).as_deref(), Some("c"));
         assert_eq!(cursor_after(Some("x".into()), &taken, false).as_deref(), Some("x"));
-        assert_eq!(cursor_after(Some("x".into()), &taken[..2], true), None);
+        assert_eq!(cursor_after(Some("x".into()), &taken[1..2], true).as_deref(), Some("x"));
     }
 }

@@ -123,7 +123,8 @@ pub async fn global_limit_bounds_a_queues_executing_rows<S: Store>(s: &S) {
 }
 
 /// A key limit of K runs up to K rows of one concurrency key at once, across claims and
-/// claimers, in claim order; other keys are not held back, and a finished row frees one.
+/// claimers, in claim order within the key; other keys are not held back (one row of each
+/// key per round), and a finished row frees one.
 pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let ns = "claim_key_k";
     let (busy, other) = (format!("{ns}-k"), format!("{ns}-j"));
@@ -133,10 +134,11 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let out = insert(s, news, at(0)).await;
     let id = |i: usize| out[i].id();
     let policy = ClaimPolicy { key_limit: 3, ..ClaimPolicy::new(Strategy::Fifo) };
+    // One row of each key per round: the other key's row comes before the key's second.
     let first = claim(s, with_policy(ns, 2, at(100), policy)).await;
-    assert_eq!(ids(&first), vec![id(0), id(1)]);
+    assert_eq!(ids(&first), vec![id(0), id(7)]);
     let second = claim(s, with_policy(ns, 10, at(100), policy)).await;
-    assert_eq!(ids(&second), vec![id(2), id(7)], "the key's third row, and the other key");
+    assert_eq!(ids(&second), vec![id(1), id(2)], "the key's second and third rows");
     assert!(claim(s, with_policy(ns, 10, at(100), policy)).await.is_empty(), "over K = 3");
     step(s, &first[0], next("done", 1), at(110)).await;
     step(s, &first[1], next("done", 1), at(110)).await;
@@ -146,7 +148,7 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let (one, two) = tokio::join!(claim(s, with_policy(ns, 10, at(120), policy)), claim(s, p2));
     let mut got: Vec<_> = ids(&one).into_iter().chain(ids(&two)).collect();
     got.sort();
-    assert_eq!(got, vec![id(3), id(4)], "two places freed, the next two rows in order");
+    assert_eq!(got, vec![id(3), id(7)], "the key's one freed place, and the other key again");
     let with_default = claim(s, claim_params(ns, 10, at(130))).await;
     assert!(with_default.is_empty(), "K = 1 sees the key busy");
 }
@@ -218,16 +220,17 @@ pub async fn rate_limit_burst_of_one_keeps_its_rate<S: Store>(s: &S) {
     assert_eq!(claim(s, params(50, 60_000)).await.len(), 1, "after running dry: the burst");
 }
 
-/// A claim of one queue takes its rows in rounds across concurrency keys — each round the
-/// next row of every key (up to the key's limit) and of the rows without a key — in a
-/// rotation that continues after the key a full claim served last; so a key with many
-/// ready rows, even one already at its limit, cannot hold back another key's row.
+/// A claim takes its rows in rounds across concurrency keys — each round the next row of
+/// every key (up to the key's limit) and the next row without a key, in claim order —
+/// over the keys a rotation picks: with more keys than the claim can take, the keys after
+/// the one a full claim of the queue served last come first. So a key with many ready
+/// rows, even one already at its limit, cannot hold back another key's row.
 pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     let ns = "claim_fair";
     let queue = "fair_q";
     let (a, b, c) = ("fair-a".to_owned(), "fair-b".to_owned(), "fair-c".to_owned());
-    let mk = |key: Option<&String>, ms: i64| {
-        let n = new_in(ns).queue(queue).eligible_at(at(ms));
+    let mk = |q: &str, key: Option<&String>, ms: i64| {
+        let n = new_in(ns).queue(q).eligible_at(at(ms));
         match key {
             Some(k) => n.concurrency_key(k.clone()),
             None => n,
@@ -236,64 +239,74 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     let out = insert(
         s,
         vec![
-            mk(Some(&a), 0),
-            mk(Some(&a), 1),
-            mk(Some(&a), 2),
-            mk(Some(&a), 3),
-            mk(None, 4),
-            mk(Some(&c), 5),
-            mk(Some(&c), 6),
-            mk(None, 7),
-            mk(Some(&b), 8),
+            mk(queue, Some(&a), 0),
+            mk(queue, Some(&a), 1),
+            mk(queue, Some(&a), 2),
+            mk(queue, Some(&a), 3),
+            mk(queue, None, 4),
+            mk(queue, Some(&c), 5),
+            mk(queue, Some(&c), 6),
+            mk(queue, None, 7),
+            mk(queue, Some(&b), 8),
         ],
         at(0),
     )
     .await;
     let id = |i: usize| out[i].id();
     let policy = ClaimPolicy { key_limit: 2, ..ClaimPolicy::new(Strategy::Fifo) };
-    let params = |limit: usize, now: i64| {
+    let params = |q: &str, limit: usize, now: i64| {
         let mut p = with_policy(ns, limit, at(now), policy);
-        p.queues = vec![queue.into()];
+        p.queues = vec![q.into()];
         p
     };
-    // Round one in key order (no cursor yet), the rows without a key last.
-    let first = claim(s, params(3, 100)).await;
-    assert_eq!(ids(&first), vec![id(0), id(8), id(5)], "a, b, c: one row of each key");
-    // The rotation carries on after c: the rows without a key, then a and c again.
-    let second = claim(s, params(3, 100)).await;
-    assert_eq!(ids(&second), vec![id(4), id(1), id(6)], "unkeyed, a's second, c's second");
-    // a and c are at their limit of 2; what is left is the second row without a key.
-    let third = claim(s, params(10, 100)).await;
-    assert_eq!(ids(&third), vec![id(7)]);
-    // Rounds: with room for two rows of a key, a claim takes one of each before a second.
+    // Round one in claim order: a's first, the first row without a key, c's first (b's
+    // row is the youngest of round one and does not fit).
+    let first = claim(s, params(queue, 3, 100)).await;
+    assert_eq!(ids(&first), vec![id(0), id(4), id(5)], "one row of a key per round");
+    let second = claim(s, params(queue, 3, 100)).await;
+    assert_eq!(ids(&second), vec![id(1), id(6), id(7)], "round one again: a, c, unkeyed");
+    // a and c are at their limit of 2: b's row is what is left.
+    let third = claim(s, params(queue, 10, 100)).await;
+    assert_eq!(ids(&third), vec![id(8)]);
+    // With room for two rows of a key, a claim takes one of each key before a second.
     step(s, &first[0], done(), at(110)).await;
-    step(s, &second[1], done(), at(110)).await;
+    step(s, &second[0], done(), at(110)).await;
     step(s, &first[2], done(), at(110)).await;
-    let more = insert(s, vec![mk(Some(&c), 9), mk(Some(&c), 10)], at(110)).await;
-    let fourth = claim(s, params(10, 120)).await;
+    let more = insert(s, vec![mk(queue, Some(&c), 9), mk(queue, Some(&c), 10)], at(110)).await;
+    let fourth = claim(s, params(queue, 10, 120)).await;
     assert_eq!(
         ids(&fourth),
         vec![id(2), more[0].id(), id(3)],
-        "the rotation wraps after c: a's next, c's next, then a's second in round two"
+        "round one: a's next and c's next (c has one place); round two: a's second"
     );
+
+    // Rotation: four keys with one row each, the last key's row the oldest; a claim of two
+    // takes the first two keys after the cursor, not the two oldest rows.
+    let q3 = "fair_q3";
+    let keys = ["fair-r1", "fair-r2", "fair-r3", "fair-r4"].map(String::from);
+    let rot = insert(
+        s,
+        keys.iter().enumerate().map(|(i, k)| mk(q3, Some(k), 40 - i as i64)).collect(),
+        at(0),
+    )
+    .await;
+    let one = claim(s, params(q3, 2, 100)).await;
+    assert_eq!(ids(&one), vec![rot[1].id(), rot[0].id()], "keys r1 and r2, in claim order");
+    let two = claim(s, params(q3, 2, 100)).await;
+    assert_eq!(ids(&two), vec![rot[3].id(), rot[2].id()], "then r3 and r4");
 
     // One key with many ready rows, one of them executing: another key's single row is
     // in the very next claim.
     let (busy, lone) = ("fair-busy".to_owned(), "fair-lone".to_owned());
     let many = insert(
         s,
-        (0..200).map(|i| new_in(ns).queue("fair_q2").concurrency_key(busy.clone()).eligible_at(at(i))).collect(),
+        (0..200).map(|i| mk("fair_q2", Some(&busy), i)).collect(),
         at(0),
     )
     .await;
     let mut p = with_policy(ns, 1, at(300), ClaimPolicy::default());
     p.queues = vec!["fair_q2".into()];
     assert_eq!(ids(&claim(s, p.clone()).await), vec![many[0].id()], "the busy key's first row");
-    let single = insert(
-        s,
-        vec![new_in(ns).queue("fair_q2").concurrency_key(lone).eligible_at(at(299))],
-        at(299),
-    )
-    .await;
+    let single = insert(s, vec![mk("fair_q2", Some(&lone), 299)], at(299)).await;
     assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..p }).await), vec![single[0].id()]);
 }
