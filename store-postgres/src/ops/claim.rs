@@ -99,13 +99,17 @@ static SQL_IDS_FIFO: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Fifo)
 static SQL_IDS_PRIORITY: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Priority));
 static SQL_IDS_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ranked));
 
-static FAIR_PRIORITY: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority));
-static FAIR_FIFO: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo));
-static FAIR_RANKED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked));
+static FAIR_PRIORITY: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority, false));
+static FAIR_FIFO: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, false));
+static FAIR_RANKED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked, false));
+static FAIR_PRIORITY_LIMITED: LazyLock<String> =
+    LazyLock::new(|| fair_sql(Order::Priority, true));
+static FAIR_FIFO_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, true));
+static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked, true));
 
 /// The fair claim (`plan::claim::fair_order` in SQL), of every claim but one of named
-/// instances. Parameters: `$1`–`$8` as in every claim, `$9` the queue's global limit (NULL
-/// = none; counted like the ids claim's), `$10` the key limit, `$11` the claim's one queue
+/// instances. Parameters: `$1`–`$8` as in every claim, `$9` the queue's global limit
+/// (counted like the ids claim's), `$10` the key limit, `$11` the claim's one queue
 /// (`plan::claim::cursor_queue`; NULL: no rotation cursor), `$12` the starvation bound
 /// (ranked order only).
 ///
@@ -125,27 +129,44 @@ static FAIR_RANKED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked))
 /// - the cursor moves to the last key in rotation order a full claim took, as
 ///   `plan::claim::cursor_after` says; a claim that reached the scan bound without
 ///   filling up moves it to the last key it visited, so the next claim carries on there.
-fn fair_sql(order: Order) -> String {
+///
+/// Without a global limit (`global` false) the statement's limit is `$6` alone: a limit
+/// expression with the executing count in it costs a count on every claim even when `$9`
+/// is NULL, so the two are separate statements.
+fn fair_sql(order: Order, global: bool) -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
     let key_i = key(order, "i");
     let filters_i = filters("i");
     let filters_o = filters("o");
-    let limit = "(CASE WHEN $9::int8 IS NULL THEN $6 ELSE least($6, greatest(0, $9::int8 - \
+    let limit = if global {
+        "(least($6, greatest(0, $9::int8 - \
            (SELECT count(*) FROM instances x WHERE x.status = 'executing' \
-              AND x.queue = ANY($3)))) END)";
+              AND x.queue = ANY($3)))))"
+    } else {
+        "$6"
+    };
     let unique = "(i.unique_key IS NULL OR 'runnable' = ANY(i.unique_scope) \
                   OR NOT 'executing' = ANY(i.unique_scope) \
                   OR NOT EXISTS (SELECT 1 FROM instances g WHERE g.unique_guard = i.unique_key))";
     let guard = "CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
                    AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END";
-    // The next (queue, key) pair after `(pq, pk)` among the claim's queues.
+    // The next (queue, key) pair after `(pq, pk)` among the claim's queues: the next key
+    // of the same queue, else the first key of a later queue. (Two probes with an equality
+    // on the queue, so each positions the index after `pk` instead of walking its rows.)
     let next_after = |pq: &str, pk: &str| {
         format!(
-            "SELECT n.queue, n.concurrency_key FROM instances n \
-             WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
-               AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
-               AND (n.queue, n.concurrency_key) > ({pq}, {pk}) \
-             ORDER BY n.queue, n.concurrency_key LIMIT 1"
+            "SELECT * FROM ( \
+               (SELECT n.queue, n.concurrency_key, 0 AS o FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND n.queue = {pq} AND n.concurrency_key > {pk} \
+                ORDER BY n.concurrency_key LIMIT 1) \
+               UNION ALL \
+               (SELECT n.queue, n.concurrency_key, 1 FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND cardinality($3::text[]) <> 1 AND n.queue > {pq} \
+                  AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
+                ORDER BY n.queue, n.concurrency_key LIMIT 1) \
+             ) nq ORDER BY o LIMIT 1"
         )
     };
     let first = "SELECT n.queue, n.concurrency_key FROM instances n \
@@ -159,15 +180,19 @@ fn fair_sql(order: Order) -> String {
                WHERE e.status = 'executing' AND e.concurrency_key = {k} LIMIT $10::int4) z)::int4"
         )
     };
+    // In index order with a limit rather than `EXISTS`, so the planner walks the key's
+    // index range instead of scanning the table when one key holds most rows.
     let due = |q: &str, k: &str| {
         format!(
-            "EXISTS (SELECT 1 FROM instances o WHERE o.status = 'runnable' AND o.queue = {q} \
-               AND o.concurrency_key = {k} AND o.eligible_at <= $1 AND {filters_o})"
+            "(SELECT true FROM instances o WHERE o.status = 'runnable' AND o.queue = {q} \
+               AND o.concurrency_key = {k} AND o.eligible_at <= $1 AND {filters_o} \
+             ORDER BY o.queue, o.concurrency_key, o.eligible_at LIMIT 1) IS NOT NULL"
         )
     };
     format!(
         "WITH RECURSIVE cur AS ( \
-           SELECT (SELECT after_key FROM claim_cursors WHERE queue = $11::text) AS k \
+           SELECT (SELECT after_key FROM claim_cursors WHERE queue = $11::text) AS k, \
+             $9::int8 AS global_limit \
          ), uc AS ( \
            SELECT i.id, i.concurrency_key AS ckey, ({key_i}) AS ord, {guard} AS guard \
            FROM instances i \
@@ -181,9 +206,13 @@ fn fair_sql(order: Order) -> String {
              SELECT * FROM ( \
                (SELECT n.queue, n.concurrency_key, 0 AS o FROM instances n \
                 WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
-                  AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
-                  AND (cur.k IS NULL OR (n.queue, n.concurrency_key) > ($11::text, cur.k)) \
+                  AND cur.k IS NULL AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
                 ORDER BY n.queue, n.concurrency_key LIMIT 1) \
+               UNION ALL \
+               (SELECT n.queue, n.concurrency_key, 0 AS o FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND n.queue = $11::text AND n.concurrency_key > cur.k \
+                ORDER BY n.concurrency_key LIMIT 1) \
                UNION ALL \
                (SELECT x.queue, x.concurrency_key, 1 FROM ({first}) x WHERE cur.k IS NOT NULL) \
              ) y ORDER BY o LIMIT 1) f \
@@ -485,12 +514,15 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             params.push(&global);
             params.push(&key_limit);
             params.push(&cursor_queue);
-            let sql: &str = match (policy.strategy, &starving) {
-                (Strategy::Fifo, _) => &FAIR_FIFO,
-                (Strategy::Priority, None) => &FAIR_PRIORITY,
-                (Strategy::Priority, Some(bound)) => {
+            let limited = global.is_some();
+            let sql: &str = match (policy.strategy, &starving, limited) {
+                (Strategy::Fifo, _, false) => &FAIR_FIFO,
+                (Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
+                (Strategy::Priority, None, false) => &FAIR_PRIORITY,
+                (Strategy::Priority, None, true) => &FAIR_PRIORITY_LIMITED,
+                (Strategy::Priority, Some(bound), _) => {
                     params.push(bound);
-                    &FAIR_RANKED
+                    if limited { &FAIR_RANKED_LIMITED } else { &FAIR_RANKED }
                 }
             };
             c.prepare_cached(sql).await?
