@@ -55,9 +55,11 @@ async fn one_busy_key_at_its_limit_does_not_delay_another_keys_row() {
     let policies = [
         ("priority (plain statement)", ClaimPolicy::default(), vec!["B"]),
         // Two more places for A: round one takes A's next row and B's, round two A's third.
-        ("fifo, K = 3", ClaimPolicy { key_limit: 3, ..ClaimPolicy::new(Strategy::Fifo) }, vec![
-            "A", "B", "A",
-        ]),
+        (
+            "fifo, K = 3",
+            ClaimPolicy { key_limit: 3, ..ClaimPolicy::new(Strategy::Fifo) },
+            vec!["A", "B", "A"],
+        ),
         (
             "fifo, global limit 50",
             ClaimPolicy { global_limit: Some(50), ..ClaimPolicy::new(Strategy::Fifo) },

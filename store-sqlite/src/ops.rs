@@ -192,31 +192,39 @@ pub(crate) async fn claim(
         let stored: Option<(i64, i64, i64, bool)> = sqlx::query_as(
             "SELECT millitokens, at, carry, backlog <> 0 FROM keel_rate_buckets WHERE queue = ?",
         )
-                .bind(&bucket_queue)
-                .fetch_optional(&mut *db.conn)
-                .await
-                .map_err(db.err("reading a queue's rate bucket"))?;
-        planner
-            .rate(stored.map(|(millitokens, at, carry, backlog)| claim::Bucket {
-                millitokens,
-                at: Timestamp(at),
-                carry,
-                backlog,
-            }))
+        .bind(&bucket_queue)
+        .fetch_optional(&mut *db.conn)
+        .await
+        .map_err(db.err("reading a queue's rate bucket"))?;
+        planner.rate(stored.map(|(millitokens, at, carry, backlog)| claim::Bucket {
+            millitokens,
+            at: Timestamp(at),
+            carry,
+            backlog,
+        }))
     } else {
         None
     };
     let fair = claim::is_fair(p, ids.is_some());
     let cursor_queue = claim::cursor_queue(p);
     let cursor: Option<String> = match cursor_queue {
-        Some(queue) if fair => sqlx::query_scalar("SELECT after_key FROM keel_claim_cursors WHERE queue = ?")
-            .bind(queue)
-            .fetch_optional(&mut *db.conn)
-            .await
-            .map_err(db.err("reading a queue's claim cursor"))?,
+        Some(queue) if fair => {
+            sqlx::query_scalar("SELECT after_key FROM keel_claim_cursors WHERE queue = ?")
+                .bind(queue)
+                .fetch_optional(&mut *db.conn)
+                .await
+                .map_err(db.err("reading a queue's claim cursor"))?
+        }
         _ => None,
     };
-    let pick = Pick { p, starving, only: &only, namespaces: &namespaces, queues: &queues, machines: &machines };
+    let pick = Pick {
+        p,
+        starving,
+        only: &only,
+        namespaces: &namespaces,
+        queues: &queues,
+        machines: &machines,
+    };
     if fair {
         // Fair order: the rows without a key (a page, in claim order) and, per key with
         // room, its first rows, over the first keys in rotation order with such rows (as
@@ -235,7 +243,9 @@ pub(crate) async fn claim(
         .fetch_all(&mut *db.conn)
         .await
         .map_err(db.err("listing concurrency keys"))?;
-        keys.sort_by(|a, b| claim::rotation(a, cursor.as_deref()).cmp(&claim::rotation(b, cursor.as_deref())));
+        keys.sort_by(|a, b| {
+            claim::rotation(a, cursor.as_deref()).cmp(&claim::rotation(b, cursor.as_deref()))
+        });
         let mut rooms: HashMap<String, u32> = HashMap::new();
         for key in keys {
             if rooms.len() >= cap {
@@ -253,7 +263,12 @@ pub(crate) async fn claim(
                 continue;
             }
             let rows = pick
-                .page(db, (i64::MIN, i64::MIN, i64::MIN), Some(Some(&key)), usize::try_from(room).unwrap_or(0))
+                .page(
+                    db,
+                    (i64::MIN, i64::MIN, i64::MIN),
+                    Some(Some(&key)),
+                    usize::try_from(room).unwrap_or(0),
+                )
                 .await?;
             if !rows.is_empty() {
                 rooms.insert(key, u32::try_from(room).unwrap_or(u32::MAX));
@@ -262,9 +277,15 @@ pub(crate) async fn claim(
         }
         // Claim order across the groups, as the core expects its candidates.
         candidates.sort_by_key(|(r, _)| p.policy.order_key(r, p.now));
-        let running: HashMap<InstanceId, u32> = candidates.iter().map(|(r, n)| (r.id, *n)).collect();
+        let running: HashMap<InstanceId, u32> =
+            candidates.iter().map(|(r, n)| (r.id, *n)).collect();
         let room = |k: &str| rooms.get(k).copied().unwrap_or(0);
-        let ordered = claim::fair_order(candidates.into_iter().map(|(r, _)| r).collect(), cursor.as_deref(), cap, room);
+        let ordered = claim::fair_order(
+            candidates.into_iter().map(|(r, _)| r).collect(),
+            cursor.as_deref(),
+            cap,
+            room,
+        );
         for row in ordered {
             if planner.is_full() {
                 break;

@@ -233,7 +233,8 @@ impl State {
                 p.limit.min(keel_core::plan::claim::RateLimit::room(&r.refill(bucket, p.now)))
             });
             let room = |k: &str| {
-                let running = u32::try_from(self.executing_keys.get(k).copied().unwrap_or(0)).unwrap_or(u32::MAX);
+                let running = u32::try_from(self.executing_keys.get(k).copied().unwrap_or(0))
+                    .unwrap_or(u32::MAX);
                 p.policy.key_limit.saturating_sub(running)
             };
             candidates = keel_core::plan::claim::fair_order(rows, cursor.as_deref(), cap, room)

@@ -113,7 +113,12 @@ impl RateLimit {
             cap
         };
         if tokens > ceiling {
-            return Bucket { millitokens: self.clamp(ceiling), at: now.max(b.at), carry: 0, backlog: b.backlog };
+            return Bucket {
+                millitokens: self.clamp(ceiling),
+                at: now.max(b.at),
+                carry: 0,
+                backlog: b.backlog,
+            };
         }
         Bucket { millitokens: self.clamp(tokens), at: now.max(b.at), carry, backlog: b.backlog }
     }
@@ -418,7 +423,8 @@ pub fn fair_order(
     limit: usize,
     room: impl Fn(&str) -> u32,
 ) -> Vec<Instance> {
-    let mut keys: Vec<&str> = candidates.iter().filter_map(|r| r.concurrency_key.as_deref()).collect();
+    let mut keys: Vec<&str> =
+        candidates.iter().filter_map(|r| r.concurrency_key.as_deref()).collect();
     keys.sort_by(|a, b| rotation(a, after).cmp(&rotation(b, after)));
     keys.dedup();
     let rooms: HashMap<String, usize> = keys
@@ -652,7 +658,9 @@ mod accuracy_tests {
     /// not lost to a burst of 1, nor to rounding.
     #[test]
     fn a_burst_of_one_keeps_the_rate_whatever_the_claim_cadence() {
-        for (starts, per_ms, gap) in [(100, 1_000, 7), (100, 1_000, 25), (1, 3_000, 1), (7, 1_000, 13)] {
+        for (starts, per_ms, gap) in
+            [(100, 1_000, 7), (100, 1_000, 25), (1, 3_000, 1), (7, 1_000, 13)]
+        {
             let rate = RateLimit { starts, per: Duration::from_millis(per_ms), burst: 1 };
             let mut stored = None;
             let mut started = 0usize;

@@ -102,8 +102,7 @@ static SQL_IDS_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ran
 static FAIR_PRIORITY: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority, false));
 static FAIR_FIFO: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, false));
 static FAIR_RANKED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked, false));
-static FAIR_PRIORITY_LIMITED: LazyLock<String> =
-    LazyLock::new(|| fair_sql(Order::Priority, true));
+static FAIR_PRIORITY_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority, true));
 static FAIR_FIFO_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, true));
 static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked, true));
 
@@ -422,15 +421,12 @@ pub(crate) async fn rate_room<C: GenericClient + Sync>(
              FROM rate_buckets WHERE queue = $1",
         )
         .await?;
-    let stored = c
-        .query_opt(&stmt, &[&p.queues[0]])
-        .await?
-        .map(|r| plan::claim::Bucket {
-            millitokens: r.get(0),
-            at: Timestamp(r.get(1)),
-            carry: r.get(2),
-            backlog: r.get(3),
-        });
+    let stored = c.query_opt(&stmt, &[&p.queues[0]]).await?.map(|r| plan::claim::Bucket {
+        millitokens: r.get(0),
+        at: Timestamp(r.get(1)),
+        carry: r.get(2),
+        backlog: r.get(3),
+    });
     let mut planner = plan::claim::ClaimPlanner::new(p);
     Ok(planner.rate(stored).map(|refilled| (refilled, planner.cap())))
 }
@@ -451,11 +447,8 @@ pub(crate) async fn rate_spent<C: GenericClient + Sync>(
                backlog = excluded.backlog",
         )
         .await?;
-    c.execute(
-        &stmt,
-        &[&p.queues[0], &left.millitokens, &ts(left.at), &left.carry, &left.backlog],
-    )
-    .await?;
+    c.execute(&stmt, &[&p.queues[0], &left.millitokens, &ts(left.at), &left.carry, &left.backlog])
+        .await?;
     Ok(())
 }
 

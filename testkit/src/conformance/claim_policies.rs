@@ -1,9 +1,7 @@
 //! Contracts for a claim's queue policy: `fifo` and `priority` order, the starvation
 //! bound, and the global limit of a queue across all claimers.
 
-use super::support::{
-    at, claim, claim_params, done, expect_kind, ids, insert, new_in, next, step,
-};
+use super::support::{at, claim, claim_params, done, expect_kind, ids, insert, new_in, next, step};
 use keel_core::ErrorKind;
 use keel_core::config::Strategy;
 use keel_core::plan::claim::{ClaimPolicy, RateLimit};
@@ -198,8 +196,7 @@ pub async fn rate_limit_bounds_a_queues_starts<S: Store>(s: &S) {
 pub async fn rate_limit_burst_of_one_keeps_its_rate<S: Store>(s: &S) {
     let ns = "claim_rate_one";
     let queue = "metered_one";
-    insert(s, (0..150).map(|i| new_in(ns).queue(queue).eligible_at(at(i))).collect(), at(0))
-        .await;
+    insert(s, (0..150).map(|i| new_in(ns).queue(queue).eligible_at(at(i))).collect(), at(0)).await;
     let rate = RateLimit { starts: 100, per: Duration::from_secs(1), burst: 1 };
     let policy = ClaimPolicy { rate: Some(rate), ..ClaimPolicy::new(Strategy::Fifo) };
     let params = |limit: usize, now: i64| {
@@ -298,12 +295,7 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     // One key with many ready rows, one of them executing: another key's single row is
     // in the very next claim.
     let (busy, lone) = ("fair-busy".to_owned(), "fair-lone".to_owned());
-    let many = insert(
-        s,
-        (0..200).map(|i| mk("fair_q2", Some(&busy), i)).collect(),
-        at(0),
-    )
-    .await;
+    let many = insert(s, (0..200).map(|i| mk("fair_q2", Some(&busy), i)).collect(), at(0)).await;
     let mut p = with_policy(ns, 1, at(300), ClaimPolicy::default());
     p.queues = vec!["fair_q2".into()];
     assert_eq!(ids(&claim(s, p.clone()).await), vec![many[0].id()], "the busy key's first row");
