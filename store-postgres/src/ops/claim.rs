@@ -68,6 +68,12 @@ fn key(order: Order, t: &str) -> String {
 static SQL_IDS: LazyLock<String> =
     LazyLock::new(|| sql(Order::Priority, "AND i.id = ANY($9::int8[])", "$6", Keys::One));
 
+/// Whether the claim's queues (`$1`; empty = any) hold a ready row with a concurrency key:
+/// one probe of `instances_fair`.
+const KEYED_READY: &str = "SELECT EXISTS (SELECT 1 FROM instances n \
+     WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+       AND (cardinality($1::text[]) = 0 OR n.queue = ANY($1::text[])))";
+
 /// How a statement bounds the rows of one concurrency key.
 #[derive(Clone, Copy)]
 enum Keys {
@@ -98,6 +104,34 @@ fn policy_sql(order: Order) -> String {
 static SQL_IDS_FIFO: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Fifo));
 static SQL_IDS_PRIORITY: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Priority));
 static SQL_IDS_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ranked));
+
+/// The claim when the claim's queues hold no ready row with a concurrency key (the hot
+/// path of work without keys): the plain picker over the rows without a key, a statement
+/// small enough to plan in microseconds. `$9`–`$11` are typed but unused.
+fn unkeyed_sql(order: Order, global: bool) -> String {
+    let limit = if global {
+        "least($6, greatest(0, $9::int8 - (SELECT count(*) FROM instances x \
+           WHERE x.status = 'executing' AND x.queue = ANY($3))))"
+    } else {
+        "$6"
+    };
+    sql(
+        order,
+        "AND i.concurrency_key IS NULL AND ($9::int8 IS NULL OR true) \
+         AND ($10::int4 IS NULL OR true) AND ($11::text IS NULL OR true)",
+        limit,
+        Keys::One,
+    )
+}
+
+static UNKEYED_PRIORITY: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Priority, false));
+static UNKEYED_FIFO: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Fifo, false));
+static UNKEYED_RANKED: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Ranked, false));
+static UNKEYED_PRIORITY_LIMITED: LazyLock<String> =
+    LazyLock::new(|| unkeyed_sql(Order::Priority, true));
+static UNKEYED_FIFO_LIMITED: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Fifo, true));
+static UNKEYED_RANKED_LIMITED: LazyLock<String> =
+    LazyLock::new(|| unkeyed_sql(Order::Ranked, true));
 
 static FAIR_PRIORITY: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority, false));
 static FAIR_FIFO: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, false));
@@ -507,15 +541,29 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             params.push(&global);
             params.push(&key_limit);
             params.push(&cursor_queue);
+            // One index probe decides between the plain picker (no ready row with a key in
+            // the claim's queues: nothing to be fair between) and the fair statement, whose
+            // planning alone costs milliseconds.
+            let probe = c.prepare_cached(KEYED_READY).await?;
+            let keyed: bool = c.query_one(&probe, &[&p.queues]).await?.get(0);
             let limited = global.is_some();
-            let sql: &str = match (policy.strategy, &starving, limited) {
-                (Strategy::Fifo, _, false) => &FAIR_FIFO,
-                (Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
-                (Strategy::Priority, None, false) => &FAIR_PRIORITY,
-                (Strategy::Priority, None, true) => &FAIR_PRIORITY_LIMITED,
-                (Strategy::Priority, Some(bound), _) => {
+            let sql: &str = match (keyed, policy.strategy, &starving, limited) {
+                (false, Strategy::Fifo, _, false) => &UNKEYED_FIFO,
+                (false, Strategy::Fifo, _, true) => &UNKEYED_FIFO_LIMITED,
+                (false, Strategy::Priority, None, false) => &UNKEYED_PRIORITY,
+                (false, Strategy::Priority, None, true) => &UNKEYED_PRIORITY_LIMITED,
+                (true, Strategy::Fifo, _, false) => &FAIR_FIFO,
+                (true, Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
+                (true, Strategy::Priority, None, false) => &FAIR_PRIORITY,
+                (true, Strategy::Priority, None, true) => &FAIR_PRIORITY_LIMITED,
+                (keyed, Strategy::Priority, Some(bound), _) => {
                     params.push(bound);
-                    if limited { &FAIR_RANKED_LIMITED } else { &FAIR_RANKED }
+                    match (keyed, limited) {
+                        (false, false) => &UNKEYED_RANKED,
+                        (false, true) => &UNKEYED_RANKED_LIMITED,
+                        (true, false) => &FAIR_RANKED,
+                        (true, true) => &FAIR_RANKED_LIMITED,
+                    }
                 }
             };
             c.prepare_cached(sql).await?
