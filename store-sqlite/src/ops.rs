@@ -231,7 +231,7 @@ pub(crate) async fn claim(
         // many as the claim can take).
         let cap = planner.cap();
         let mut candidates: Vec<(Instance, u32)> =
-            pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Some(None), page).await?;
+            pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Group::Unkeyed, page).await?;
         let mut keys: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT concurrency_key FROM keel_instances WHERE status = 'runnable' \
                AND concurrency_key IS NOT NULL AND eligible_at <= ? \
@@ -266,7 +266,7 @@ pub(crate) async fn claim(
                 .page(
                     db,
                     (i64::MIN, i64::MIN, i64::MIN),
-                    Some(Some(&key)),
+                    Group::Key(&key),
                     usize::try_from(room).unwrap_or(0),
                 )
                 .await?;
@@ -312,7 +312,7 @@ pub(crate) async fn claim(
         }
     }
     while !fair && !planner.is_full() {
-        let candidates = pick.page(db, after, None, page).await?;
+        let candidates = pick.page(db, after, Group::Any, page).await?;
         let exhausted = candidates.len() < page;
         for (row, key_running) in candidates {
             after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
@@ -389,6 +389,17 @@ async fn offer(
     Ok(Some(next))
 }
 
+/// Which rows a candidate page holds.
+#[derive(Clone, Copy)]
+enum Group<'k> {
+    /// Every row.
+    Any,
+    /// The rows without a concurrency key.
+    Unkeyed,
+    /// The rows of one concurrency key.
+    Key(&'k str),
+}
+
 /// The claim's filters, bound into the candidate page statement.
 struct Pick<'a> {
     p: &'a ClaimParams,
@@ -401,13 +412,12 @@ struct Pick<'a> {
 
 impl Pick<'_> {
     /// Up to `page` candidates past the keyset `after`, in claim order, each with its key's
-    /// executing rows; `group` narrows them to one concurrency key (`Some(None)`: the rows
-    /// without a key).
+    /// executing rows, narrowed to `group`.
     async fn page(
         &self,
         db: &mut Db<'_>,
         after: (i64, i64, i64),
-        group: Option<Option<&String>>,
+        group: Group<'_>,
         page: usize,
     ) -> StoreResult<Vec<(Instance, u32)>> {
         let p = self.p;
@@ -436,8 +446,11 @@ impl Pick<'_> {
             .bind(self.machines)
             .bind(self.machines)
             .bind(i64::from(p.policy.key_limit))
-            .bind(i64::from(group.is_some()))
-            .bind(group.flatten())
+            .bind(i64::from(!matches!(group, Group::Any)))
+            .bind(match group {
+                Group::Key(k) => Some(k),
+                Group::Any | Group::Unkeyed => None,
+            })
             .bind(page as i64)
             .fetch_all(&mut *db.conn)
             .await

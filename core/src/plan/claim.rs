@@ -101,7 +101,7 @@ impl RateLimit {
     pub fn refill(&self, bucket: Option<Bucket>, now: Timestamp) -> Bucket {
         let cap = i128::from(self.burst) * 1000;
         let Some(b) = bucket else {
-            return Bucket { millitokens: self.clamp(cap), at: now, carry: 0, backlog: false };
+            return Bucket { millitokens: Self::clamp(cap), at: now, carry: 0, backlog: false };
         };
         let elapsed = i128::from(now.0.saturating_sub(b.at.0).max(0));
         let (gained, carry) = self.accrued(elapsed, b.carry);
@@ -114,16 +114,16 @@ impl RateLimit {
         };
         if tokens > ceiling {
             return Bucket {
-                millitokens: self.clamp(ceiling),
+                millitokens: Self::clamp(ceiling),
                 at: now.max(b.at),
                 carry: 0,
                 backlog: b.backlog,
             };
         }
-        Bucket { millitokens: self.clamp(tokens), at: now.max(b.at), carry, backlog: b.backlog }
+        Bucket { millitokens: Self::clamp(tokens), at: now.max(b.at), carry, backlog: b.backlog }
     }
 
-    fn clamp(&self, v: i128) -> i64 {
+    fn clamp(v: i128) -> i64 {
         i64::try_from(v).unwrap_or(if v < 0 { i64::MIN } else { i64::MAX })
     }
 

@@ -225,26 +225,26 @@ pub async fn rate_limit_burst_of_one_keeps_its_rate<S: Store>(s: &S) {
 pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     let ns = "claim_fair";
     let queue = "fair_q";
-    let (a, b, c) = ("fair-a".to_owned(), "fair-b".to_owned(), "fair-c".to_owned());
+    let (key_a, key_b, key_c) = ("fair-a".to_owned(), "fair-b".to_owned(), "fair-c".to_owned());
     let mk = |q: &str, key: Option<&String>, ms: i64| {
-        let n = new_in(ns).queue(q).eligible_at(at(ms));
+        let row = new_in(ns).queue(q).eligible_at(at(ms));
         match key {
-            Some(k) => n.concurrency_key(k.clone()),
-            None => n,
+            Some(k) => row.concurrency_key(k.clone()),
+            None => row,
         }
     };
     let out = insert(
         s,
         vec![
-            mk(queue, Some(&a), 0),
-            mk(queue, Some(&a), 1),
-            mk(queue, Some(&a), 2),
-            mk(queue, Some(&a), 3),
+            mk(queue, Some(&key_a), 0),
+            mk(queue, Some(&key_a), 1),
+            mk(queue, Some(&key_a), 2),
+            mk(queue, Some(&key_a), 3),
             mk(queue, None, 4),
-            mk(queue, Some(&c), 5),
-            mk(queue, Some(&c), 6),
+            mk(queue, Some(&key_c), 5),
+            mk(queue, Some(&key_c), 6),
             mk(queue, None, 7),
-            mk(queue, Some(&b), 8),
+            mk(queue, Some(&key_b), 8),
         ],
         at(0),
     )
@@ -252,9 +252,9 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     let id = |i: usize| out[i].id();
     let policy = ClaimPolicy { key_limit: 2, ..ClaimPolicy::new(Strategy::Fifo) };
     let params = |q: &str, limit: usize, now: i64| {
-        let mut p = with_policy(ns, limit, at(now), policy);
-        p.queues = vec![q.into()];
-        p
+        let mut params = with_policy(ns, limit, at(now), policy);
+        params.queues = vec![q.into()];
+        params
     };
     // Round one in claim order: a's first, the first row without a key, c's first (b's
     // row is the youngest of round one and does not fit).
@@ -269,7 +269,8 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     step(s, &first[0], done(), at(110)).await;
     step(s, &second[0], done(), at(110)).await;
     step(s, &first[2], done(), at(110)).await;
-    let more = insert(s, vec![mk(queue, Some(&c), 9), mk(queue, Some(&c), 10)], at(110)).await;
+    let more =
+        insert(s, vec![mk(queue, Some(&key_c), 9), mk(queue, Some(&key_c), 10)], at(110)).await;
     let fourth = claim(s, params(queue, 10, 120)).await;
     assert_eq!(
         ids(&fourth),
@@ -296,9 +297,9 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     // in the very next claim.
     let (busy, lone) = ("fair-busy".to_owned(), "fair-lone".to_owned());
     let many = insert(s, (0..200).map(|i| mk("fair_q2", Some(&busy), i)).collect(), at(0)).await;
-    let mut p = with_policy(ns, 1, at(300), ClaimPolicy::default());
-    p.queues = vec!["fair_q2".into()];
-    assert_eq!(ids(&claim(s, p.clone()).await), vec![many[0].id()], "the busy key's first row");
+    let mut plain = with_policy(ns, 1, at(300), ClaimPolicy::default());
+    plain.queues = vec!["fair_q2".into()];
+    assert_eq!(ids(&claim(s, plain.clone()).await), vec![many[0].id()], "the busy key's first row");
     let single = insert(s, vec![mk("fair_q2", Some(&lone), 299)], at(299)).await;
-    assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..p }).await), vec![single[0].id()]);
+    assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..plain }).await), vec![single[0].id()]);
 }
