@@ -17,11 +17,14 @@
 //!   worker holding 10 000 parked instances;
 //! - `ui`: the dashboard's pages with `--ui-instances` (default 100 000) instances in the
 //!   store — p50 / p99 / max per page.
+//! - `fairness` (PostgreSQL only): claim latency with N ready rows on one busy concurrency
+//!   key and one ready row on another (`--fairness-rows`, default 100 000).
 //! - `prune` (PostgreSQL only): pruning N ended instances while claiming — claim latency
 //!   p50 / p99 / max before and during pruning.
 //!
 //! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
 
+mod fairness;
 mod http;
 mod prune;
 mod queues;
@@ -69,6 +72,9 @@ struct Cli {
     /// Ended instances for `prune` (default 1 000 000).
     #[arg(long, default_value_t = 1_000_000)]
     prune_instances: usize,
+    /// Ready rows on the busy key for `fairness` (default 100 000).
+    #[arg(long, default_value_t = 100_000)]
+    fairness_rows: usize,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -93,6 +99,8 @@ enum Scenario {
     Ui,
     /// Pruning ended instances on PostgreSQL: claim latency before and during.
     Prune,
+    /// Claim latency with one busy concurrency key holding many ready rows (PostgreSQL).
+    Fairness,
 }
 
 #[tokio::main]
@@ -122,6 +130,7 @@ async fn main() -> Result<()> {
             Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
             Scenario::Ui => ui::ui(&store, cli.ui_instances).await?,
             Scenario::Prune => prune::prune(&store, cli.prune_instances).await?,
+            Scenario::Fairness => fairness::fairness(&store, cli.fairness_rows).await?,
         };
         report.print();
         let suffix = match (scenario, cli.queue) {

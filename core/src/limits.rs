@@ -9,6 +9,10 @@ pub const MIGRATE_BATCH_MAX: usize = 1_000;
 pub const PRUNE_BATCH_MAX: usize = 10_000;
 /// Most rows one `instance_claim` call may return.
 pub const CLAIM_BATCH_MAX: usize = 1_000;
+/// Most concurrency keys one fair claim visits (in rotation order) while it looks for keys
+/// with room; a claim that reaches it stops there and the next claim carries on after the
+/// last key it visited, so keys further on are served by later claims, never skipped.
+pub const CLAIM_KEYS_SCAN_MAX: usize = 1_000;
 /// Most step results one `step_commit` call may carry.
 pub const COMMIT_BATCH_MAX: usize = 1_000;
 /// Most signals one `signal_deliver` call may carry.

@@ -37,8 +37,14 @@ on_every_store!(
 
 // Ten seconds of real time: run on PostgreSQL only, where the limit is shared.
 mod rate {
-    on_stores!(memory: [], postgres: [a_rate_limit_of_100_per_second_holds_across_three_workers]);
-    use super::a_rate_limit_of_100_per_second_holds_across_three_workers;
+    on_stores!(memory: [], postgres: [
+        a_rate_limit_of_100_per_second_holds_across_three_workers,
+        a_rate_limit_with_a_burst_of_one_holds_across_three_workers,
+    ]);
+    use super::{
+        a_rate_limit_of_100_per_second_holds_across_three_workers,
+        a_rate_limit_with_a_burst_of_one_holds_across_three_workers,
+    };
 }
 
 fn machine() -> MachineRef {
@@ -290,12 +296,22 @@ impl StepMachine for Metered {
 /// Three workers share `rate_limit = 100 per second` (burst 10) on real time: over 10 s
 /// from the first start, the starts stay within 5 % of 1 000.
 async fn a_rate_limit_of_100_per_second_holds_across_three_workers<S: TestStore>() {
+    rate_limit_holds::<S>(10).await;
+}
+
+/// The same with a burst of 1: a claim takes every token that accrued since the last one
+/// while rows wait, so the rate holds however often the workers come.
+async fn a_rate_limit_with_a_burst_of_one_holds_across_three_workers<S: TestStore>() {
+    rate_limit_holds::<S>(1).await;
+}
+
+async fn rate_limit_holds<S: TestStore>(burst: u32) {
     const RATE: f64 = 100.0;
     const WINDOW: Duration = Duration::from_secs(10);
     let h = S::harness().await;
-    let file = settings(
-        "[queues.metered]\nconcurrency = 20\nrate_limit = { starts = 100, per = \"1 second\", burst = 10 }",
-    );
+    let file = settings(&format!(
+        "[queues.metered]\nconcurrency = 20\nrate_limit = {{ starts = 100, per = \"1 second\", burst = {burst} }}"
+    ));
     // More ready rows than the window can start.
     let news: Vec<NewInstance> =
         (0..1_500).map(|_| NewInstance::new(machine(), "a").queue("metered")).collect();
@@ -326,7 +342,7 @@ async fn a_rate_limit_of_100_per_second_holds_across_three_workers<S: TestStore>
     let expected = RATE * WINDOW.as_secs_f64();
     let off = (in_window as f64 - expected).abs() / expected;
     println!(
-        "rate limit 100/s, 3 workers, real time: {in_window} starts in the first {WINDOW:?} \
+        "rate limit 100/s, burst {burst}, 3 workers, real time: {in_window} starts in the first {WINDOW:?} \
          ({:.1} % off 1 000; measured under load)",
         off * 100.0
     );

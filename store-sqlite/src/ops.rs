@@ -36,7 +36,7 @@ use keel_core::{
 };
 use sqlx::Connection;
 use sqlx::Row;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 /// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
 /// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
@@ -90,6 +90,7 @@ macro_rules! claim_sql {
                      AND q.queue = c.queue AND q.paused <> 0) \
                AND (concurrency_key IS NULL OR ? > 1 OR NOT EXISTS (SELECT 1 FROM keel_instances e \
                      WHERE e.status = 'executing' AND e.concurrency_key = c.concurrency_key)) \
+               AND (? = 0 OR concurrency_key IS ?) \
              ORDER BY claim_rank, eligible_at, id LIMIT ?"
         )
     };
@@ -189,71 +190,139 @@ pub(crate) async fn claim(
     // A rate limit names one queue (checked by `validate`): refill its bucket first.
     let bucket_queue = p.queues.first().cloned().unwrap_or_default();
     let refilled = if p.policy.rate.is_some() {
-        let stored: Option<(i64, i64)> =
-            sqlx::query_as("SELECT millitokens, at FROM keel_rate_buckets WHERE queue = ?")
-                .bind(&bucket_queue)
-                .fetch_optional(&mut *db.conn)
-                .await
-                .map_err(db.err("reading a queue's rate bucket"))?;
-        planner
-            .rate(stored.map(|(millitokens, at)| claim::Bucket { millitokens, at: Timestamp(at) }))
+        let stored: Option<(i64, i64, i64, bool)> = sqlx::query_as(
+            "SELECT millitokens, at, carry, backlog <> 0 FROM keel_rate_buckets WHERE queue = ?",
+        )
+        .bind(&bucket_queue)
+        .fetch_optional(&mut *db.conn)
+        .await
+        .map_err(db.err("reading a queue's rate bucket"))?;
+        planner.rate(stored.map(|(millitokens, at, carry, backlog)| claim::Bucket {
+            millitokens,
+            at: Timestamp(at),
+            carry,
+            backlog,
+        }))
     } else {
         None
     };
-    while !planner.is_full() {
-        // The plain priority order walks the claim index; any other policy ranks rows in
-        // the statement (`?` flag: fifo; `?` bound: starving at or before).
-        let query = if p.policy.is_plain_priority() {
-            sqlx::query(claim_sql!("priority")).bind(after.0)
-        } else {
-            sqlx::query(claim_sql!(
-                "CASE WHEN ? THEN 0 WHEN eligible_at <= ? THEN -1 ELSE priority END"
-            ))
-            .bind(p.policy.strategy == keel_core::config::Strategy::Fifo)
-            .bind(starving.map_or(i64::MIN, |t| t.0))
-            .bind(after.0)
-        };
-        let rows = query
-            .bind(after.1)
-            .bind(after.2)
-            .bind(p.now.0)
-            .bind(&only)
-            .bind(&only)
-            .bind(&namespaces)
-            .bind(&namespaces)
-            .bind(&queues)
-            .bind(&queues)
-            .bind(&machines)
-            .bind(&machines)
-            .bind(i64::from(p.policy.key_limit))
-            .bind(page as i64)
-            .fetch_all(&mut *db.conn)
+    let fair = claim::is_fair(p, ids.is_some());
+    let cursor_queue = claim::cursor_queue(p);
+    let cursor: Option<String> = match cursor_queue {
+        Some(queue) if fair => {
+            sqlx::query_scalar("SELECT after_key FROM keel_claim_cursors WHERE queue = ?")
+                .bind(queue)
+                .fetch_optional(&mut *db.conn)
+                .await
+                .map_err(db.err("reading a queue's claim cursor"))?
+        }
+        _ => None,
+    };
+    let pick = Pick {
+        p,
+        starving,
+        only: &only,
+        namespaces: &namespaces,
+        queues: &queues,
+        machines: &machines,
+    };
+    if fair {
+        // Fair order: the rows without a key (a page, in claim order) and, per key with
+        // room, its first rows, over the first keys in rotation order with such rows (as
+        // many as the claim can take).
+        let cap = planner.cap();
+        let mut candidates: Vec<(Instance, u32)> =
+            pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Group::Unkeyed, page).await?;
+        let mut keys: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT concurrency_key FROM keel_instances WHERE status = 'runnable' \
+               AND concurrency_key IS NOT NULL AND eligible_at <= ? \
+               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?)))",
+        )
+        .bind(p.now.0)
+        .bind(&queues)
+        .bind(&queues)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("listing concurrency keys"))?;
+        keys.sort_by(|a, b| {
+            claim::rotation(a, cursor.as_deref()).cmp(&claim::rotation(b, cursor.as_deref()))
+        });
+        let mut rooms: HashMap<String, u32> = HashMap::new();
+        for key in keys {
+            if rooms.len() >= cap {
+                break;
+            }
+            let running: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM keel_instances WHERE status = 'executing' AND concurrency_key = ?",
+            )
+            .bind(&key)
+            .fetch_one(&mut *db.conn)
             .await
-            .map_err(db.err("picking rows to claim"))?;
-        let candidates: Vec<(Instance, u32)> = rows
-            .iter()
-            .map(|r| {
-                let running: i64 = r.try_get("key_running").unwrap_or(0);
-                Ok((db.instance_of(r)?, u32::try_from(running).unwrap_or(u32::MAX)))
-            })
-            .collect::<StoreResult<_>>()?;
+            .map_err(db.err("counting a key's executing rows"))?;
+            let room = i64::from(p.policy.key_limit) - running;
+            if room <= 0 {
+                continue;
+            }
+            let rows = pick
+                .page(
+                    db,
+                    (i64::MIN, i64::MIN, i64::MIN),
+                    Group::Key(&key),
+                    usize::try_from(room).unwrap_or(0),
+                )
+                .await?;
+            if !rows.is_empty() {
+                rooms.insert(key, u32::try_from(room).unwrap_or(u32::MAX));
+                candidates.extend(rows);
+            }
+        }
+        // Claim order across the groups, as the core expects its candidates.
+        candidates.sort_by_key(|(r, _)| p.policy.order_key(r, p.now));
+        let running: HashMap<InstanceId, u32> =
+            candidates.iter().map(|(r, n)| (r.id, *n)).collect();
+        let room = |k: &str| rooms.get(k).copied().unwrap_or(0);
+        let ordered = claim::fair_order(
+            candidates.into_iter().map(|(r, _)| r).collect(),
+            cursor.as_deref(),
+            cap,
+            room,
+        );
+        for row in ordered {
+            if planner.is_full() {
+                break;
+            }
+            let key_running = running.get(&row.id).copied().unwrap_or(0);
+            if let Some(next) = offer(db, &mut planner, &row, queue_executing, key_running).await? {
+                taken.push(next);
+            }
+        }
+        let after = claim::cursor_after(cursor.clone(), &taken, planner.is_full());
+        if let Some(queue) = cursor_queue
+            && after != cursor
+            && let Some(key) = &after
+        {
+            sqlx::query(
+                "INSERT INTO keel_claim_cursors (queue, after_key) VALUES (?, ?) \
+                 ON CONFLICT (queue) DO UPDATE SET after_key = excluded.after_key",
+            )
+            .bind(queue)
+            .bind(key)
+            .execute(&mut *db.conn)
+            .await
+            .map_err(db.err("writing a queue's claim cursor"))?;
+        }
+    }
+    while !fair && !planner.is_full() {
+        let candidates = pick.page(db, after, Group::Any, page).await?;
         let exhausted = candidates.len() < page;
         for (row, key_running) in candidates {
             after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
             if planner.is_full() {
                 break;
             }
-            let read = CandidateRead { queue_executing, key_running, ..CandidateRead::default() };
-            let Some(next) = planner.offer(&row, read) else { continue };
-            let occupied = match next.unique_guard() {
-                Some(guard) => db.occupant(guard, next.id).await?.is_some(),
-                None => false,
-            };
-            if !planner.take(&next, occupied) {
-                continue;
+            if let Some(next) = offer(db, &mut planner, &row, queue_executing, key_running).await? {
+                taken.push(next);
             }
-            db.instance_write(&next).await?;
-            taken.push(next);
         }
         if exhausted {
             break;
@@ -262,12 +331,16 @@ pub(crate) async fn claim(
     if let Some(refilled) = refilled {
         let left = planner.spent(refilled);
         sqlx::query(
-            "INSERT INTO keel_rate_buckets (queue, millitokens, at) VALUES (?, ?, ?) \
-             ON CONFLICT (queue) DO UPDATE SET millitokens = excluded.millitokens, at = excluded.at",
+            "INSERT INTO keel_rate_buckets (queue, millitokens, at, carry, backlog) \
+             VALUES (?, ?, ?, ?, ?) ON CONFLICT (queue) DO UPDATE SET \
+               millitokens = excluded.millitokens, at = excluded.at, carry = excluded.carry, \
+               backlog = excluded.backlog",
         )
         .bind(&bucket_queue)
         .bind(left.millitokens)
         .bind(left.at.0)
+        .bind(left.carry)
+        .bind(left.backlog)
         .execute(&mut *db.conn)
         .await
         .map_err(db.err("writing a queue's rate bucket"))?;
@@ -294,6 +367,102 @@ pub(crate) async fn claim(
         claims.push(Claim { inbox, children, instance: next });
     }
     Ok(claims)
+}
+
+/// Offers one candidate to the claim planner and, when taken, writes it.
+async fn offer(
+    db: &mut Db<'_>,
+    planner: &mut ClaimPlanner<'_>,
+    row: &Instance,
+    queue_executing: u64,
+    key_running: u32,
+) -> StoreResult<Option<Instance>> {
+    let read = CandidateRead { queue_executing, key_running, ..CandidateRead::default() };
+    let Some(next) = planner.offer(row, read) else { return Ok(None) };
+    let occupied = match next.unique_guard() {
+        Some(guard) => db.occupant(guard, next.id).await?.is_some(),
+        None => false,
+    };
+    if !planner.take(&next, occupied) {
+        return Ok(None);
+    }
+    db.instance_write(&next).await?;
+    Ok(Some(next))
+}
+
+/// Which rows a candidate page holds.
+#[derive(Clone, Copy)]
+enum Group<'k> {
+    /// Every row.
+    Any,
+    /// The rows without a concurrency key.
+    Unkeyed,
+    /// The rows of one concurrency key.
+    Key(&'k str),
+}
+
+/// The claim's filters, bound into the candidate page statement.
+struct Pick<'a> {
+    p: &'a ClaimParams,
+    starving: Option<Timestamp>,
+    only: &'a str,
+    namespaces: &'a str,
+    queues: &'a str,
+    machines: &'a str,
+}
+
+impl Pick<'_> {
+    /// Up to `page` candidates past the keyset `after`, in claim order, each with its key's
+    /// executing rows, narrowed to `group`.
+    async fn page(
+        &self,
+        db: &mut Db<'_>,
+        after: (i64, i64, i64),
+        group: Group<'_>,
+        page: usize,
+    ) -> StoreResult<Vec<(Instance, u32)>> {
+        let p = self.p;
+        // The plain priority order walks the claim index; any other policy ranks rows in
+        // the statement (`?` flag: fifo; `?` bound: starving at or before).
+        let query = if p.policy.is_plain_priority() {
+            sqlx::query(claim_sql!("priority")).bind(after.0)
+        } else {
+            sqlx::query(claim_sql!(
+                "CASE WHEN ? THEN 0 WHEN eligible_at <= ? THEN -1 ELSE priority END"
+            ))
+            .bind(p.policy.strategy == keel_core::config::Strategy::Fifo)
+            .bind(self.starving.map_or(i64::MIN, |t| t.0))
+            .bind(after.0)
+        };
+        let rows = query
+            .bind(after.1)
+            .bind(after.2)
+            .bind(p.now.0)
+            .bind(self.only)
+            .bind(self.only)
+            .bind(self.namespaces)
+            .bind(self.namespaces)
+            .bind(self.queues)
+            .bind(self.queues)
+            .bind(self.machines)
+            .bind(self.machines)
+            .bind(i64::from(p.policy.key_limit))
+            .bind(i64::from(!matches!(group, Group::Any)))
+            .bind(match group {
+                Group::Key(k) => Some(k),
+                Group::Any | Group::Unkeyed => None,
+            })
+            .bind(page as i64)
+            .fetch_all(&mut *db.conn)
+            .await
+            .map_err(db.err("picking rows to claim"))?;
+        rows.iter()
+            .map(|r| {
+                let running: i64 = r.try_get("key_running").unwrap_or(0);
+                Ok((db.instance_of(r)?, u32::try_from(running).unwrap_or(u32::MAX)))
+            })
+            .collect()
+    }
 }
 
 // ----- commits ---------------------------------------------------------------------------

@@ -89,6 +89,7 @@ fn migrator() -> Migrator {
         migration(3, "operations", include_str!("../migrations/0003_operations.sql")),
         migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
         migration(5, "operator reads", include_str!("../migrations/0005_operator_reads.sql")),
+        migration(6, "fair claims", include_str!("../migrations/0006_fair_claims.sql")),
     ])
 }
 

@@ -119,6 +119,8 @@ struct State {
     guards: HashMap<Vec<u8>, InstanceId>,
     /// Rate-limit buckets by queue.
     buckets: HashMap<String, keel_core::plan::claim::Bucket>,
+    /// Fair-claim rotation cursors by queue: the concurrency key served last.
+    cursors: HashMap<String, String>,
     /// `(namespace, machine name, business key)` → newest instance.
     business_keys: HashMap<(String, String, String), InstanceId>,
     children: HashMap<InstanceId, Vec<InstanceId>>,
@@ -206,6 +208,40 @@ impl State {
         if !p.policy.is_plain_priority() {
             candidates.sort_by_key(|id| p.policy.order_key(&self.rows[id], p.now));
         }
+        // Every claim but one of named instances takes them in fair order across keys.
+        let fair = keel_core::plan::claim::is_fair(p, only.is_some());
+        let cursor_queue = keel_core::plan::claim::cursor_queue(p).map(str::to_owned);
+        let cursor = cursor_queue.as_ref().and_then(|q| self.cursors.get(q)).cloned();
+        if fair {
+            // Only rows the claim could take count towards their key's rounds.
+            let rows = candidates
+                .iter()
+                .map(|id| &self.rows[id])
+                .filter(|r| {
+                    keel_core::plan::claim::matches(p, r)
+                        && !self
+                            .queues
+                            .get(&(r.namespace.clone(), r.queue.clone()))
+                            .copied()
+                            .unwrap_or(false)
+                })
+                .cloned()
+                .collect();
+            // As many keys as the claim can take: its limit, lowered by the rate limit.
+            let bucket = p.queues.first().and_then(|q| self.buckets.get(q)).copied();
+            let cap = p.policy.rate.map_or(p.limit, |r| {
+                p.limit.min(keel_core::plan::claim::RateLimit::room(&r.refill(bucket, p.now)))
+            });
+            let room = |k: &str| {
+                let running = u32::try_from(self.executing_keys.get(k).copied().unwrap_or(0))
+                    .unwrap_or(u32::MAX);
+                p.policy.key_limit.saturating_sub(running)
+            };
+            candidates = keel_core::plan::claim::fair_order(rows, cursor.as_deref(), cap, room)
+                .into_iter()
+                .map(|r| r.id)
+                .collect();
+        }
         // A global limit names one queue (checked by `validate`): count its executing rows.
         let queue_executing = match p.policy.global_limit {
             Some(_) => self
@@ -220,6 +256,9 @@ impl State {
         // A rate limit names one queue (checked by `validate`).
         let bucket_queue = p.queues.first().cloned().unwrap_or_default();
         let refilled = planner.rate(self.buckets.get(&bucket_queue).copied());
+        // Executing rows per key as they were before this claim: the planner counts the
+        // rows it takes itself, so the rows this claim writes must not count twice.
+        let executing_keys = self.executing_keys.clone();
         for id in candidates {
             if planner.is_full() {
                 break;
@@ -234,11 +273,11 @@ impl State {
                 key_executing: row
                     .concurrency_key
                     .as_ref()
-                    .is_some_and(|k| self.executing_keys.contains_key(k)),
+                    .is_some_and(|k| executing_keys.contains_key(k)),
                 key_running: row
                     .concurrency_key
                     .as_ref()
-                    .and_then(|k| self.executing_keys.get(k))
+                    .and_then(|k| executing_keys.get(k))
                     .map_or(0, |n| u32::try_from(*n).unwrap_or(u32::MAX)),
                 queue_executing,
             };
@@ -253,6 +292,13 @@ impl State {
                 children: self.children_of(id),
                 instance: next,
             });
+        }
+        if let Some(queue) = cursor_queue.filter(|_| fair) {
+            let taken: Vec<Instance> = claims.iter().map(|c| c.instance.clone()).collect();
+            match keel_core::plan::claim::cursor_after(cursor, &taken, planner.is_full()) {
+                Some(key) => self.cursors.insert(queue, key),
+                None => self.cursors.remove(&queue),
+            };
         }
         if let Some(refilled) = refilled {
             self.buckets.insert(bucket_queue, planner.spent(refilled));

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S]|bench [steps|chart|timers|parallel|start|http|ui|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
+const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S]|bench [steps|chart|timers|parallel|start|http|ui|prune|fairness|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -6,7 +6,10 @@
 //! and machine filters, its queue is not paused, no other instance with its concurrency
 //! key is executing beyond the policy's key limit (counting those taken earlier in the
 //! claim), its queue is under the policy's global limit, and no other
-//! instance holds its unique key in the executing scope. At most `limit` are taken. A
+//! instance holds its unique key in the executing scope. At most `limit` are taken. A claim
+//! offers its candidates in fair order across concurrency keys ([`fair_order`]: rounds,
+//! each taking the next row of every key, over the keys a rotation that continues from
+//! the queue's cursor picks); a claim of named instances offers them in claim order. A
 //! taken row that holds a stored value no reader accepts (or whose inbox does) is not
 //! handed out: it is suspended and dead-lettered alone ([`undecodable`]), and its
 //! neighbours are claimed as usual.
@@ -57,26 +60,71 @@ pub struct RateLimit {
     pub burst: u32,
 }
 
-/// A queue's bucket as a store keeps it: tokens left (thousandths, so refills of a
-/// fraction of a token are not lost) at a time.
+/// A queue's bucket as a store keeps it. Refills are exact: whole thousandths of a token
+/// go to `millitokens`, and what is left of a thousandth is kept in `carry` (in units of
+/// one thousandth of a token divided by the period in milliseconds), so frequent claims
+/// lose nothing to rounding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bucket {
     /// Tokens left, in thousandths of a token.
     pub millitokens: i64,
-    /// When `millitokens` was computed.
+    /// When `millitokens` was computed (the last claim of the queue).
     pub at: Timestamp,
+    /// The part of a thousandth not yet added: `carry / per_ms` thousandths.
+    pub carry: i64,
+    /// The last claim was cut short by the tokens (it could have taken more rows): rows
+    /// are waiting for tokens, so what accrues until the next claim is theirs and not
+    /// lost to the burst cap (up to one period's worth; see [`RateLimit::refill`]).
+    pub backlog: bool,
 }
 
 impl RateLimit {
+    fn per_ms(&self) -> i128 {
+        i128::try_from(self.per.as_millis()).unwrap_or(i128::MAX).max(1)
+    }
+
+    /// Thousandths of a token accrued over `ms` milliseconds (whole ones, and the rest in
+    /// `carry` units).
+    fn accrued(&self, ms: i128, carry: i64) -> (i128, i64) {
+        let num = ms.max(0) * i128::from(self.starts) * 1000 + i128::from(carry.max(0));
+        let per = self.per_ms();
+        (num / per, i64::try_from(num % per).unwrap_or(0))
+    }
+
     /// The bucket refilled up to `now` (a missing bucket is full).
+    ///
+    /// The bucket holds at most `burst` tokens, except that tokens which accrued since the
+    /// last claim while rows were waiting for tokens ([`Bucket::backlog`]) are kept on top
+    /// of what was left, up to one period's worth (`starts`): a claimer polling less often
+    /// than tokens arrive still gets the configured rate, and a long spell without any
+    /// claimer does not save up more than one period.
     pub fn refill(&self, bucket: Option<Bucket>, now: Timestamp) -> Bucket {
-        let cap = i64::from(self.burst) * 1000;
-        let Some(b) = bucket else { return Bucket { millitokens: cap, at: now } };
-        let elapsed = u128::try_from(now.0.saturating_sub(b.at.0).max(0)).unwrap_or(0);
-        let per = self.per.as_millis().max(1);
-        let gained = elapsed * u128::from(self.starts) * 1000 / per;
-        let tokens = i64::try_from(gained).unwrap_or(i64::MAX).saturating_add(b.millitokens);
-        Bucket { millitokens: tokens.min(cap), at: now.max(b.at) }
+        let cap = i128::from(self.burst) * 1000;
+        let Some(b) = bucket else {
+            return Bucket { millitokens: Self::clamp(cap), at: now, carry: 0, backlog: false };
+        };
+        let elapsed = i128::from(now.0.saturating_sub(b.at.0).max(0));
+        let (gained, carry) = self.accrued(elapsed, b.carry);
+        let tokens = i128::from(b.millitokens) + gained;
+        let ceiling = if b.backlog {
+            let window = elapsed.min(self.per_ms());
+            cap.max(i128::from(b.millitokens) + self.accrued(window, b.carry).0)
+        } else {
+            cap
+        };
+        if tokens > ceiling {
+            return Bucket {
+                millitokens: Self::clamp(ceiling),
+                at: now.max(b.at),
+                carry: 0,
+                backlog: b.backlog,
+            };
+        }
+        Bucket { millitokens: Self::clamp(tokens), at: now.max(b.at), carry, backlog: b.backlog }
+    }
+
+    fn clamp(v: i128) -> i64 {
+        i64::try_from(v).unwrap_or(if v < 0 { i64::MIN } else { i64::MAX })
     }
 
     /// How many starts the refilled bucket allows now.
@@ -87,7 +135,16 @@ impl RateLimit {
     /// The bucket after `taken` starts.
     pub fn spend(bucket: Bucket, taken: usize) -> Bucket {
         let spent = i64::try_from(taken).unwrap_or(i64::MAX).saturating_mul(1000);
-        Bucket { millitokens: bucket.millitokens.saturating_sub(spent), at: bucket.at }
+        Bucket { millitokens: bucket.millitokens.saturating_sub(spent), ..bucket }
+    }
+
+    /// The bucket to store after a claim that asked for `limit` rows took `taken` of them
+    /// from the `refilled` bucket: spent, and marked as having rows waiting for tokens
+    /// when the tokens (not the claim's own limit, nor a lack of ready rows) cut it short.
+    pub fn after_claim(refilled: Bucket, limit: usize, taken: usize) -> Bucket {
+        let room = Self::room(&refilled);
+        let backlog = room < limit && taken >= room;
+        Bucket { backlog, ..Self::spend(refilled, taken) }
     }
 }
 
@@ -264,9 +321,10 @@ impl<'a> ClaimPlanner<'a> {
         Some(refilled)
     }
 
-    /// The bucket to store after the claim: the refilled one less what was taken.
+    /// The bucket to store after the claim: the refilled one less what was taken, noting
+    /// whether the tokens cut the claim short ([`RateLimit::after_claim`]).
     pub fn spent(&self, refilled: Bucket) -> Bucket {
-        RateLimit::spend(refilled, self.taken)
+        RateLimit::after_claim(refilled, self.params.limit, self.taken)
     }
 
     /// How many rows the claim may take at most (after [`rate`](Self::rate)).
@@ -280,10 +338,7 @@ impl<'a> ClaimPlanner<'a> {
     pub fn offer(&self, row: &Instance, read: CandidateRead) -> Option<Instance> {
         let p = self.params;
         let admitted = !self.is_full()
-            && outcome::claimable(row, p.now)
-            && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
-            && (p.queues.is_empty() || p.queues.contains(&row.queue))
-            && (p.machines.is_empty() || p.machines.contains(&row.machine))
+            && matches(p, row)
             && !read.queue_paused
             && self.under_global_limit(&row.queue, read.queue_executing)
             && row.concurrency_key.as_ref().is_none_or(|k| self.under_key_limit(k, read));
@@ -318,6 +373,102 @@ impl<'a> ClaimPlanner<'a> {
         *self.per_queue.entry(next.queue.clone()).or_default() += 1;
         self.taken += 1;
         true
+    }
+}
+
+/// Whether `row` is runnable and due and passes the claim's namespace, queue and machine
+/// filters: what a candidate must be before any limit is looked at.
+pub fn matches(p: &ClaimParams, row: &Instance) -> bool {
+    outcome::claimable(row, p.now)
+        && (p.namespaces.is_empty() || p.namespaces.contains(&row.namespace))
+        && (p.queues.is_empty() || p.queues.contains(&row.queue))
+        && (p.machines.is_empty() || p.machines.contains(&row.machine))
+}
+
+/// Whether a claim orders its candidates fairly across concurrency keys: every claim but
+/// one of named instances (a queue hint's targets), which takes its rows in claim order.
+pub fn is_fair(_params: &ClaimParams, by_ids: bool) -> bool {
+    !by_ids
+}
+
+/// The queue whose rotation cursor a fair claim reads and moves: its one queue. A claim of
+/// several queues, or of any queue, starts its rotation at the first key every time.
+pub fn cursor_queue(params: &ClaimParams) -> Option<&str> {
+    match params.queues.as_slice() {
+        [one] => Some(one),
+        _ => None,
+    }
+}
+
+/// Where a concurrency key stands in the rotation that starts after the queue's cursor
+/// `after` (the key served last): first the keys after it in ascending order, then the
+/// keys up to and including it. Without a cursor the keys are in ascending order.
+pub fn rotation<'k>(key: &'k str, after: Option<&str>) -> (bool, &'k str) {
+    (after.is_some_and(|a| key <= a), key)
+}
+
+/// Orders a fair claim's candidates, given in claim order.
+///
+/// The keys that take part are the first `limit` keys in [`rotation`] order that have
+/// room (`room(key)`: the key's limit less its executing rows) and a candidate; each
+/// offers its first `room` candidates. The rows without a key all take part. The result is
+/// in rounds — round `n` holds the `n`-th candidate of every key and the `n`-th row
+/// without a key — and in claim order within a round. So a key contributes at most one
+/// row to a round: one key with many ready rows delays another key's row by at most one
+/// round, a key at its limit costs nothing, and with more keys than a claim can take the
+/// rotation serves the others next.
+pub fn fair_order(
+    candidates: Vec<Instance>,
+    after: Option<&str>,
+    limit: usize,
+    room: impl Fn(&str) -> u32,
+) -> Vec<Instance> {
+    let mut keys: Vec<&str> =
+        candidates.iter().filter_map(|r| r.concurrency_key.as_deref()).collect();
+    keys.sort_by(|a, b| rotation(a, after).cmp(&rotation(b, after)));
+    keys.dedup();
+    let rooms: HashMap<String, usize> = keys
+        .into_iter()
+        .filter_map(|k| {
+            let r = room(k);
+            (r > 0).then(|| (k.to_owned(), usize::try_from(r).unwrap_or(usize::MAX)))
+        })
+        .take(limit)
+        .collect();
+    let mut seen: HashMap<Option<String>, usize> = HashMap::new();
+    let mut ranked: Vec<(usize, Instance)> = candidates
+        .into_iter()
+        .filter_map(|row| {
+            let cap = match &row.concurrency_key {
+                Some(k) => *rooms.get(k)?,
+                None => usize::MAX,
+            };
+            let n = seen.entry(row.concurrency_key.clone()).or_default();
+            let round = *n;
+            *n += 1;
+            (round < cap).then_some((round, row))
+        })
+        .collect();
+    // Stable: claim order within a round.
+    ranked.sort_by_key(|(round, _)| *round);
+    ranked.into_iter().map(|(_, row)| row).collect()
+}
+
+/// The queue's rotation cursor after a fair claim: when the claim took all it could
+/// (`full`), the last key in rotation order among the rows it took, so the next claim
+/// starts with the keys after it; otherwise every key with room was served and the cursor
+/// stays.
+pub fn cursor_after(after: Option<String>, taken: &[Instance], full: bool) -> Option<String> {
+    if !full {
+        return after;
+    }
+    let last = taken
+        .iter()
+        .filter_map(|r| r.concurrency_key.as_deref())
+        .max_by(|a, b| rotation(a, after.as_deref()).cmp(&rotation(b, after.as_deref())));
+    match last {
+        Some(k) => Some(k.to_owned()),
+        None => after,
     }
 }
 
@@ -495,5 +646,103 @@ mod rate_tests {
             b = rate.refill(Some(b), Timestamp(t));
         }
         assert_eq!(b.millitokens, 1_500);
+    }
+}
+
+#[cfg(test)]
+mod accuracy_tests {
+    use super::*;
+
+    /// A claimer that polls every `gap` ms for 10 s, always with more rows ready than the
+    /// bucket allows, starts exactly the configured rate: tokens accrued between claims are
+    /// not lost to a burst of 1, nor to rounding.
+    #[test]
+    fn a_burst_of_one_keeps_the_rate_whatever_the_claim_cadence() {
+        for (starts, per_ms, gap) in
+            [(100, 1_000, 7), (100, 1_000, 25), (1, 3_000, 1), (7, 1_000, 13)]
+        {
+            let rate = RateLimit { starts, per: Duration::from_millis(per_ms), burst: 1 };
+            let mut stored = None;
+            let mut started = 0usize;
+            let mut now = 0;
+            while now <= 30_000 {
+                let refilled = rate.refill(stored, Timestamp(now));
+                let took = RateLimit::room(&refilled).min(50);
+                started += took;
+                stored = Some(RateLimit::after_claim(refilled, 50, took));
+                now += gap;
+            }
+            let last = now - gap;
+            // A full bucket at 0 (1 token), then `starts` per `per`.
+            let expected = 1 + (i64::from(starts) * last / i64::try_from(per_ms).unwrap()) as usize;
+            assert_eq!(started, expected, "{starts} per {per_ms} ms polled every {gap} ms");
+        }
+    }
+
+    #[test]
+    fn an_idle_queue_saves_up_to_the_burst_and_a_waiting_one_one_period() {
+        let rate = RateLimit { starts: 10, per: Duration::from_secs(1), burst: 2 };
+        let full = rate.refill(None, Timestamp(0));
+        // The queue ran dry: two tokens, one row taken.
+        let dry = RateLimit::after_claim(full, 10, 1);
+        assert!(!dry.backlog);
+        assert_eq!(RateLimit::room(&rate.refill(Some(dry), Timestamp(60_000))), 2, "burst");
+        // The tokens cut the claim short: rows wait, and a long gap gives one period.
+        let short = RateLimit::after_claim(full, 10, 2);
+        assert!(short.backlog);
+        assert_eq!(RateLimit::room(&rate.refill(Some(short), Timestamp(60_000))), 10);
+        assert_eq!(RateLimit::room(&rate.refill(Some(short), Timestamp(400))), 4, "all of it");
+        // The claim's own limit cut it short, not the tokens: the burst cap applies.
+        let own = RateLimit::after_claim(full, 1, 1);
+        assert!(!own.backlog);
+    }
+}
+
+#[cfg(test)]
+mod fair_tests {
+    use super::*;
+    use crate::ids::{InstanceId, MachineRef};
+    use crate::instance::NewInstance;
+
+    fn row(id: i64, key: Option<&str>) -> Instance {
+        let mut new = NewInstance::new(MachineRef::new("m", 1), "s");
+        new.concurrency_key = key.map(String::from);
+        Instance::from_new(InstanceId(id), &new, None, Timestamp(0))
+    }
+
+    fn order(rows: Vec<Instance>, after: Option<&str>, limit: usize) -> Vec<i64> {
+        let room = |k: &str| if k == "full" { 0 } else { 2 };
+        fair_order(rows, after, limit, room).iter().map(|r| r.id.0).collect()
+    }
+
+    #[test]
+    fn rounds_in_claim_order_over_the_keys_the_rotation_picks() {
+        let rows = || {
+            vec![
+                row(1, Some("a")),
+                row(2, Some("full")),
+                row(3, Some("a")),
+                row(4, None),
+                row(5, Some("c")),
+                row(6, None),
+                row(7, Some("b")),
+                row(8, Some("a")),
+            ]
+        };
+        // Round one: a, the first row without a key, c, b; round two: a's second (room
+        // 2), the second row without a key. a's third is over its room; `full` has none.
+        assert_eq!(order(rows(), None, 10), vec![1, 4, 5, 7, 3, 6]);
+        // Two keys take part: after the cursor a, that is b and c.
+        assert_eq!(order(rows(), Some("a"), 2), vec![4, 5, 7, 6]);
+        assert_eq!(order(rows(), Some("b"), 2), vec![1, 4, 5, 3, 6]);
+    }
+
+    #[test]
+    fn the_cursor_moves_to_the_last_key_in_rotation_of_a_full_claim() {
+        let taken = vec![row(1, Some("c")), row(2, None), row(3, Some("a"))];
+        assert_eq!(cursor_after(Some("b".into()), &taken, true).as_deref(), Some("a"));
+        assert_eq!(cursor_after(None, &taken, true).as_deref(), Some("c"));
+        assert_eq!(cursor_after(Some("x".into()), &taken, false).as_deref(), Some("x"));
+        assert_eq!(cursor_after(Some("x".into()), &taken[1..2], true).as_deref(), Some("x"));
     }
 }

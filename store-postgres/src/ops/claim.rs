@@ -63,14 +63,16 @@ fn key(order: Order, t: &str) -> String {
     }
 }
 
-/// The claim statement of today's index order, with no global limit: the hot path, built
-/// once.
-static SQL: LazyLock<String> = LazyLock::new(|| sql(Order::Priority, "", "$6", Keys::One));
-
 /// The claim of named instances (a queue hint's targets, `$9`): the same statement with
 /// the candidates narrowed to those ids.
 static SQL_IDS: LazyLock<String> =
     LazyLock::new(|| sql(Order::Priority, "AND i.id = ANY($9::int8[])", "$6", Keys::One));
+
+/// Whether the claim's queues (`$1`; empty = any) hold a ready row with a concurrency key:
+/// one probe of `instances_fair`.
+const KEYED_READY: &str = "SELECT EXISTS (SELECT 1 FROM instances n \
+     WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+       AND (cardinality($1::text[]) = 0 OR n.queue = ANY($1::text[])))";
 
 /// How a statement bounds the rows of one concurrency key.
 #[derive(Clone, Copy)]
@@ -84,15 +86,14 @@ enum Keys {
     Up,
 }
 
-/// Under a policy: the ids filter is optional (`$9` NULL = any), `$10` is the queue's
-/// global limit (NULL = none), counted against the queue's executing rows at the
-/// statement's snapshot (the caller holds the queue's claim lock while it runs, so two
-/// claims of one limited queue cannot both see the same free room), and `$11` is the key
-/// limit.
+/// A claim of named instances under a policy: `$9` the ids, `$10` is the queue's global
+/// limit (NULL = none), counted against the queue's executing rows at the statement's
+/// snapshot (the caller holds the queue's claim lock while it runs, so two claims of one
+/// limited queue cannot both see the same free room), and `$11` is the key limit.
 fn policy_sql(order: Order) -> String {
     sql(
         order,
-        "AND ($9::int8[] IS NULL OR i.id = ANY($9::int8[]))",
+        "AND i.id = ANY($9::int8[])",
         "CASE WHEN $10::int8 IS NULL THEN $6 ELSE least($6, greatest(0, $10::int8 - \
            (SELECT count(*) FROM instances x WHERE x.status = 'executing' \
               AND x.queue = ANY($3)))) END",
@@ -100,9 +101,250 @@ fn policy_sql(order: Order) -> String {
     )
 }
 
-static SQL_FIFO: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Fifo));
-static SQL_PRIORITY_LIMITED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Priority));
-static SQL_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ranked));
+static SQL_IDS_FIFO: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Fifo));
+static SQL_IDS_PRIORITY: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Priority));
+static SQL_IDS_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ranked));
+
+/// The claim when the claim's queues hold no ready row with a concurrency key (the hot
+/// path of work without keys): the plain picker over the rows without a key, a statement
+/// small enough to plan in microseconds. `$9`–`$11` are typed but unused.
+fn unkeyed_sql(order: Order, global: bool) -> String {
+    let limit = if global {
+        "least($6, greatest(0, $9::int8 - (SELECT count(*) FROM instances x \
+           WHERE x.status = 'executing' AND x.queue = ANY($3))))"
+    } else {
+        "$6"
+    };
+    sql(
+        order,
+        "AND i.concurrency_key IS NULL AND ($9::int8 IS NULL OR true) \
+         AND ($10::int4 IS NULL OR true) AND ($11::text IS NULL OR true)",
+        limit,
+        Keys::One,
+    )
+}
+
+static UNKEYED_PRIORITY: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Priority, false));
+static UNKEYED_FIFO: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Fifo, false));
+static UNKEYED_RANKED: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Ranked, false));
+static UNKEYED_PRIORITY_LIMITED: LazyLock<String> =
+    LazyLock::new(|| unkeyed_sql(Order::Priority, true));
+static UNKEYED_FIFO_LIMITED: LazyLock<String> = LazyLock::new(|| unkeyed_sql(Order::Fifo, true));
+static UNKEYED_RANKED_LIMITED: LazyLock<String> =
+    LazyLock::new(|| unkeyed_sql(Order::Ranked, true));
+
+static FAIR_PRIORITY: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority, false));
+static FAIR_FIFO: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, false));
+static FAIR_RANKED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked, false));
+static FAIR_PRIORITY_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Priority, true));
+static FAIR_FIFO_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Fifo, true));
+static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::Ranked, true));
+
+/// The fair claim (`plan::claim::fair_order` in SQL), of every claim but one of named
+/// instances. Parameters: `$1`–`$8` as in every claim, `$9` the queue's global limit
+/// (counted like the ids claim's), `$10` the key limit, `$11` the claim's one queue
+/// (`plan::claim::cursor_queue`; NULL: no rotation cursor), `$12` the starvation bound
+/// (ranked order only).
+///
+/// - `uc`: the rows without a key, the first `limit` in claim order, locked as they are
+///   found (`FOR UPDATE SKIP LOCKED`, as the plain picker always did), over the pickers
+///   that hold only such rows.
+/// - `scan`: a skip scan over the distinct `(queue, key)` pairs with runnable rows, one
+///   index probe per key (`instances_fair`), in rotation order: the keys after the cursor,
+///   then (with a cursor) from the first key up to and including it. Each key's room is
+///   its limit less its executing rows (a count that stops at the limit). The scan stops
+///   after as many keys with room and a due row as the claim can take, or after
+///   `CLAIM_KEYS_SCAN_MAX` keys. A key at its limit costs one probe, however many rows
+///   it has waiting.
+/// - `kc`: each key's first `room` due rows in claim order, with their round.
+/// - `chosen`: rounds, then claim order, cut at the limit; keyed rows are then locked
+///   (`SKIP LOCKED`: a row another claimer holds is left out).
+/// - the cursor moves to the last key in rotation order a full claim took, as
+///   `plan::claim::cursor_after` says; a claim that reached the scan bound without
+///   filling up moves it to the last key it visited, so the next claim carries on there.
+///
+/// Without a global limit (`global` false) the statement's limit is `$6` alone: a limit
+/// expression with the executing count in it costs a count on every claim even when `$9`
+/// is NULL, so the two are separate statements.
+fn fair_sql(order: Order, global: bool) -> String {
+    let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
+    let key_i = key(order, "i");
+    let filters_i = filters("i");
+    let filters_o = filters("o");
+    let limit = if global {
+        "(least($6, greatest(0, $9::int8 - \
+           (SELECT count(*) FROM instances x WHERE x.status = 'executing' \
+              AND x.queue = ANY($3)))))"
+    } else {
+        "$6"
+    };
+    let unique = "(i.unique_key IS NULL OR 'runnable' = ANY(i.unique_scope) \
+                  OR NOT 'executing' = ANY(i.unique_scope) \
+                  OR NOT EXISTS (SELECT 1 FROM instances g WHERE g.unique_guard = i.unique_key))";
+    let guard = "CASE WHEN i.unique_key IS NOT NULL AND 'executing' = ANY(i.unique_scope) \
+                   AND NOT 'runnable' = ANY(i.unique_scope) THEN i.unique_key END";
+    // The next (queue, key) pair after `(pq, pk)` among the claim's queues: the next key
+    // of the same queue, else the first key of a later queue. (Two probes with an equality
+    // on the queue, so each positions the index after `pk` instead of walking its rows.)
+    let next_after = |pq: &str, pk: &str| {
+        format!(
+            "SELECT * FROM ( \
+               (SELECT n.queue, n.concurrency_key, 0 AS o FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND n.queue = {pq} AND n.concurrency_key > {pk} \
+                ORDER BY n.concurrency_key LIMIT 1) \
+               UNION ALL \
+               (SELECT n.queue, n.concurrency_key, 1 FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND cardinality($3::text[]) <> 1 AND n.queue > {pq} \
+                  AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
+                ORDER BY n.queue, n.concurrency_key LIMIT 1) \
+             ) nq ORDER BY o LIMIT 1"
+        )
+    };
+    let first = "SELECT n.queue, n.concurrency_key FROM instances n \
+             WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+               AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
+             ORDER BY n.queue, n.concurrency_key LIMIT 1";
+    // A key's room, and whether it has a due row the claim could take.
+    let room = |k: &str| {
+        format!(
+            "$10::int4 - (SELECT count(*) FROM (SELECT 1 FROM instances e \
+               WHERE e.status = 'executing' AND e.concurrency_key = {k} LIMIT $10::int4) z)::int4"
+        )
+    };
+    // In index order with a limit rather than `EXISTS`, so the planner walks the key's
+    // index range instead of scanning the table when one key holds most rows.
+    let due = |q: &str, k: &str| {
+        format!(
+            "(SELECT true FROM instances o WHERE o.status = 'runnable' AND o.queue = {q} \
+               AND o.concurrency_key = {k} AND o.eligible_at <= $1 AND {filters_o} \
+             ORDER BY o.queue, o.concurrency_key, o.eligible_at LIMIT 1) IS NOT NULL"
+        )
+    };
+    format!(
+        "WITH RECURSIVE cur AS ( \
+           SELECT (SELECT after_key FROM claim_cursors WHERE queue = $11::text) AS k, \
+             $9::int8 AS global_limit \
+         ), uc AS ( \
+           SELECT i.id, i.concurrency_key AS ckey, ({key_i}) AS ord, {guard} AS guard \
+           FROM instances i \
+           WHERE i.status = 'runnable' AND i.concurrency_key IS NULL AND i.eligible_at <= $1 \
+             AND {filters_i} AND {unique} \
+           ORDER BY {key_i} \
+           LIMIT {limit} \
+           FOR UPDATE SKIP LOCKED \
+         ), step0 AS ( \
+           SELECT 0 AS ph, f.queue AS q, f.concurrency_key AS k FROM cur, LATERAL ( \
+             SELECT * FROM ( \
+               (SELECT n.queue, n.concurrency_key, 0 AS o FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND cur.k IS NULL AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
+                ORDER BY n.queue, n.concurrency_key LIMIT 1) \
+               UNION ALL \
+               (SELECT n.queue, n.concurrency_key, 0 AS o FROM instances n \
+                WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
+                  AND n.queue = $11::text AND n.concurrency_key > cur.k \
+                ORDER BY n.concurrency_key LIMIT 1) \
+               UNION ALL \
+               (SELECT x.queue, x.concurrency_key, 1 FROM ({first}) x WHERE cur.k IS NOT NULL) \
+             ) y ORDER BY o LIMIT 1) f \
+         ), scan AS ( \
+           SELECT s.ph, s.q, s.k, 1 AS n, s.room, \
+             CASE WHEN s.room > 0 THEN CASE WHEN {due_s} THEN 1 ELSE 0 END ELSE 0 END AS got \
+           FROM (SELECT CASE WHEN st.ph = 0 AND cur.k IS NOT NULL AND st.k <= cur.k \
+                   AND st.q = $11::text THEN 2 ELSE 0 END AS ph, st.q, st.k, {room_st} AS room \
+                 FROM step0 st, cur) s \
+           UNION ALL \
+           SELECT nx.ph, nx.q, nx.k, scan.n + 1, nx.room, \
+             scan.got + CASE WHEN nx.room > 0 THEN CASE WHEN {due_nx} THEN 1 ELSE 0 END ELSE 0 END \
+           FROM scan, cur, LATERAL ( \
+             SELECT z.ph, z.q, z.k, {room_z} AS room FROM ( \
+               SELECT * FROM ( \
+                 (SELECT scan.ph AS ph, a.queue AS q, a.concurrency_key AS k, 0 AS o \
+                  FROM ({next_scan}) a) \
+                 UNION ALL \
+                 (SELECT 2, b.queue, b.concurrency_key, 1 FROM ({first}) b \
+                  WHERE scan.ph = 0 AND cur.k IS NOT NULL) \
+               ) y ORDER BY o LIMIT 1) z \
+             WHERE NOT (z.ph = 2 AND (z.q, z.k) > ($11::text, cur.k))) nx \
+           WHERE scan.n < {keys_max} AND scan.got < $6 \
+         ), kc AS ( \
+           SELECT h.id, h.ckey, h.ord, h.guard, s.ph, s.room, \
+             row_number() OVER (PARTITION BY s.q, s.k ORDER BY h.ord) - 1 AS rnd \
+           FROM scan s, LATERAL ( \
+             SELECT i.id, i.concurrency_key AS ckey, ({key_i}) AS ord, {guard} AS guard \
+             FROM instances i \
+             WHERE i.status = 'runnable' AND i.queue = s.q AND i.concurrency_key = s.k \
+               AND i.eligible_at <= $1 AND {filters_i} AND {unique} \
+             ORDER BY {key_i} LIMIT greatest(s.room, 0)) h \
+           WHERE s.room > 0 \
+         ), allc AS ( \
+           SELECT id, ckey, ord, guard, 0 AS ph, NULL::int4 AS room, \
+             row_number() OVER (ORDER BY ord) - 1 AS rnd FROM uc \
+           UNION ALL \
+           SELECT id, ckey, ord, guard, ph, room, rnd FROM kc \
+         ), chosen AS ( \
+           SELECT * FROM allc ORDER BY rnd, ord LIMIT {limit} \
+         ), lockk AS ( \
+           SELECT i.id FROM instances i \
+           WHERE i.id IN (SELECT id FROM chosen WHERE ckey IS NOT NULL) AND i.status = 'runnable' \
+           FOR UPDATE SKIP LOCKED \
+         ), deduped AS ( \
+           SELECT c.*, row_number() OVER (PARTITION BY c.guard ORDER BY c.rnd, c.ord) AS gn \
+           FROM chosen c WHERE c.ckey IS NULL OR c.id IN (SELECT id FROM lockk) \
+         ), numbered AS ( \
+           SELECT id, ckey, rnd, ord, ph, room, \
+             row_number() OVER (PARTITION BY ckey ORDER BY rnd, ord) - 1 AS kn \
+           FROM deduped WHERE guard IS NULL OR gn = 1 \
+         ), pick AS ( \
+           SELECT * FROM numbered WHERE ckey IS NULL OR kn < room \
+         ), fullc AS ( \
+           SELECT (SELECT count(*) FROM pick) >= {limit} AS full, \
+             (SELECT ckey FROM pick WHERE ckey IS NOT NULL ORDER BY ph DESC, ckey DESC LIMIT 1) AS last, \
+             (SELECT k FROM scan ORDER BY n DESC LIMIT 1) AS visited, \
+             (SELECT max(n) FROM scan) >= {keys_max} AS bounded \
+         ), cw AS ( \
+           INSERT INTO claim_cursors (queue, after_key) \
+           SELECT $11::text, CASE WHEN f.full THEN f.last ELSE f.visited END FROM fullc f, cur \
+           WHERE $11::text IS NOT NULL \
+             AND ((f.full AND f.last IS NOT NULL) OR (NOT f.full AND f.bounded)) \
+             AND CASE WHEN f.full THEN f.last ELSE f.visited END IS DISTINCT FROM cur.k \
+           ON CONFLICT (queue) DO UPDATE SET after_key = excluded.after_key \
+           RETURNING 1 \
+         ), u AS ( \
+           UPDATE instances i SET status = 'executing', lease_owner = $7, \
+             lease_expires_at = $8, fencing_token = i.fencing_token + 1, updated_at = $1, \
+             key_slot = CASE WHEN pick.ckey IS NULL OR $10::int4 = 1 THEN 0 ELSE \
+               coalesce((SELECT s FROM generate_series(0, $10::int4 - 1) s \
+                 WHERE NOT EXISTS (SELECT 1 FROM instances e WHERE e.status = 'executing' \
+                   AND e.concurrency_key = pick.ckey AND e.key_slot = s) \
+                 ORDER BY s OFFSET pick.kn LIMIT 1), 0) END \
+           FROM pick WHERE i.id = pick.id \
+           RETURNING i.*, pick.rnd AS fair_rnd, pick.ord AS fair_ord \
+         ) \
+         SELECT {cols}, \
+           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', s.id, 'name', s.name, \
+               'payload', s.payload, 'dedup_key', s.dedup_key, \
+               'at', floor(extract(epoch FROM s.inserted_at) * 1000)::int8) ORDER BY s.id), '[]') \
+            FROM (SELECT * FROM signals WHERE target_id = u.id ORDER BY id LIMIT {inbox}) s), \
+           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', c.id, 'machine', c.machine, \
+               'version', c.machine_version, 'status', c.status, 'position', c.position, \
+               'context', c.context, \
+               'result', CASE WHEN c.result IS NULL THEN NULL ELSE jsonb_build_array(c.result) END, 'last_error', c.last_error) \
+               ORDER BY c.id), '[]') \
+            FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
+         FROM u ORDER BY u.fair_rnd, u.fair_ord",
+        due_s = due("s.q", "s.k"),
+        due_nx = due("nx.q", "nx.k"),
+        room_st = room("st.k"),
+        room_z = room("z.k"),
+        next_scan = next_after("scan.q", "scan.k"),
+        keys_max = limits::CLAIM_KEYS_SCAN_MAX,
+        inbox = limits::CLAIM_INBOX_MAX,
+        children = limits::CHILDREN_LIST_MAX,
+    )
+}
 
 fn sql(order: Order, only: &str, limit: &str, keys: Keys) -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
@@ -209,14 +451,16 @@ pub(crate) async fn rate_room<C: GenericClient + Sync>(
     }
     let stmt = c
         .prepare_cached(
-            "SELECT millitokens, floor(extract(epoch FROM at) * 1000)::int8 \
+            "SELECT millitokens, floor(extract(epoch FROM at) * 1000)::int8, carry, backlog \
              FROM rate_buckets WHERE queue = $1",
         )
         .await?;
-    let stored = c
-        .query_opt(&stmt, &[&p.queues[0]])
-        .await?
-        .map(|r| plan::claim::Bucket { millitokens: r.get(0), at: Timestamp(r.get(1)) });
+    let stored = c.query_opt(&stmt, &[&p.queues[0]]).await?.map(|r| plan::claim::Bucket {
+        millitokens: r.get(0),
+        at: Timestamp(r.get(1)),
+        carry: r.get(2),
+        backlog: r.get(3),
+    });
     let mut planner = plan::claim::ClaimPlanner::new(p);
     Ok(planner.rate(stored).map(|refilled| (refilled, planner.cap())))
 }
@@ -228,14 +472,17 @@ pub(crate) async fn rate_spent<C: GenericClient + Sync>(
     refilled: plan::claim::Bucket,
     taken: usize,
 ) -> OpResult<()> {
-    let left = plan::claim::RateLimit::spend(refilled, taken);
+    let left = plan::claim::RateLimit::after_claim(refilled, p.limit, taken);
     let stmt = c
         .prepare_cached(
-            "INSERT INTO rate_buckets (queue, millitokens, at) VALUES ($1, $2, $3) \
-             ON CONFLICT (queue) DO UPDATE SET millitokens = excluded.millitokens, at = excluded.at",
+            "INSERT INTO rate_buckets (queue, millitokens, at, carry, backlog) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (queue) DO UPDATE SET \
+               millitokens = excluded.millitokens, at = excluded.at, carry = excluded.carry, \
+               backlog = excluded.backlog",
         )
         .await?;
-    c.execute(&stmt, &[&p.queues[0], &left.millitokens, &ts(left.at)]).await?;
+    c.execute(&stmt, &[&p.queues[0], &left.millitokens, &ts(left.at), &left.carry, &left.backlog])
+        .await?;
     Ok(())
 }
 
@@ -270,27 +517,57 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let global = policy.global_limit.map(i64::from);
     let key_limit = i32::try_from(policy.key_limit).unwrap_or(i32::MAX);
     let starving = policy.starving_at_or_before(p.now).map(ts);
-    let stmt = if policy.is_plain_priority() {
-        match &ids {
-            Some(ids) => {
-                params.push(ids);
-                c.prepare_cached(&SQL_IDS).await?
-            }
-            None => c.prepare_cached(&SQL).await?,
+    let cursor_queue: Option<&str> = plan::claim::cursor_queue(p);
+    let stmt = match &ids {
+        Some(ids) if policy.is_plain_priority() => {
+            params.push(ids);
+            c.prepare_cached(&SQL_IDS).await?
         }
-    } else {
-        params.push(&ids_vec);
-        params.push(&global);
-        params.push(&key_limit);
-        let sql: &str = match (policy.strategy, &starving) {
-            (Strategy::Fifo, _) => &SQL_FIFO,
-            (Strategy::Priority, None) => &SQL_PRIORITY_LIMITED,
-            (Strategy::Priority, Some(bound)) => {
-                params.push(bound);
-                &SQL_RANKED
-            }
-        };
-        c.prepare_cached(sql).await?
+        Some(_) => {
+            params.push(&ids_vec);
+            params.push(&global);
+            params.push(&key_limit);
+            let sql: &str = match (policy.strategy, &starving) {
+                (Strategy::Fifo, _) => &SQL_IDS_FIFO,
+                (Strategy::Priority, None) => &SQL_IDS_PRIORITY,
+                (Strategy::Priority, Some(bound)) => {
+                    params.push(bound);
+                    &SQL_IDS_RANKED
+                }
+            };
+            c.prepare_cached(sql).await?
+        }
+        None => {
+            params.push(&global);
+            params.push(&key_limit);
+            params.push(&cursor_queue);
+            // One index probe decides between the plain picker (no ready row with a key in
+            // the claim's queues: nothing to be fair between) and the fair statement, whose
+            // planning alone costs milliseconds.
+            let probe = c.prepare_cached(KEYED_READY).await?;
+            let keyed: bool = c.query_one(&probe, &[&p.queues]).await?.get(0);
+            let limited = global.is_some();
+            let sql: &str = match (keyed, policy.strategy, &starving, limited) {
+                (false, Strategy::Fifo, _, false) => &UNKEYED_FIFO,
+                (false, Strategy::Fifo, _, true) => &UNKEYED_FIFO_LIMITED,
+                (false, Strategy::Priority, None, false) => &UNKEYED_PRIORITY,
+                (false, Strategy::Priority, None, true) => &UNKEYED_PRIORITY_LIMITED,
+                (true, Strategy::Fifo, _, false) => &FAIR_FIFO,
+                (true, Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
+                (true, Strategy::Priority, None, false) => &FAIR_PRIORITY,
+                (true, Strategy::Priority, None, true) => &FAIR_PRIORITY_LIMITED,
+                (keyed, Strategy::Priority, Some(bound), _) => {
+                    params.push(bound);
+                    match (keyed, limited) {
+                        (false, false) => &UNKEYED_RANKED,
+                        (false, true) => &UNKEYED_RANKED_LIMITED,
+                        (true, false) => &FAIR_RANKED,
+                        (true, true) => &FAIR_RANKED_LIMITED,
+                    }
+                }
+            };
+            c.prepare_cached(sql).await?
+        }
     };
     let found = c.query(&stmt, &params).await?;
     let mut out = Claimed::default();

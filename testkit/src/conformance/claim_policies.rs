@@ -1,7 +1,7 @@
 //! Contracts for a claim's queue policy: `fifo` and `priority` order, the starvation
 //! bound, and the global limit of a queue across all claimers.
 
-use super::support::{at, claim, claim_params, expect_kind, ids, insert, new_in, next, step};
+use super::support::{at, claim, claim_params, done, expect_kind, ids, insert, new_in, next, step};
 use keel_core::ErrorKind;
 use keel_core::config::Strategy;
 use keel_core::plan::claim::{ClaimPolicy, RateLimit};
@@ -121,7 +121,8 @@ pub async fn global_limit_bounds_a_queues_executing_rows<S: Store>(s: &S) {
 }
 
 /// A key limit of K runs up to K rows of one concurrency key at once, across claims and
-/// claimers, in claim order; other keys are not held back, and a finished row frees one.
+/// claimers, in claim order within the key; other keys are not held back (one row of each
+/// key per round), and a finished row frees one.
 pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let ns = "claim_key_k";
     let (busy, other) = (format!("{ns}-k"), format!("{ns}-j"));
@@ -131,10 +132,11 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let out = insert(s, news, at(0)).await;
     let id = |i: usize| out[i].id();
     let policy = ClaimPolicy { key_limit: 3, ..ClaimPolicy::new(Strategy::Fifo) };
+    // One row of each key per round: the other key's row comes before the key's second.
     let first = claim(s, with_policy(ns, 2, at(100), policy)).await;
-    assert_eq!(ids(&first), vec![id(0), id(1)]);
+    assert_eq!(ids(&first), vec![id(0), id(7)]);
     let second = claim(s, with_policy(ns, 10, at(100), policy)).await;
-    assert_eq!(ids(&second), vec![id(2), id(7)], "the key's third row, and the other key");
+    assert_eq!(ids(&second), vec![id(1), id(2)], "the key's second and third rows");
     assert!(claim(s, with_policy(ns, 10, at(100), policy)).await.is_empty(), "over K = 3");
     step(s, &first[0], next("done", 1), at(110)).await;
     step(s, &first[1], next("done", 1), at(110)).await;
@@ -144,14 +146,15 @@ pub async fn key_limit_runs_k_rows_of_a_key_at_once<S: Store>(s: &S) {
     let (one, two) = tokio::join!(claim(s, with_policy(ns, 10, at(120), policy)), claim(s, p2));
     let mut got: Vec<_> = ids(&one).into_iter().chain(ids(&two)).collect();
     got.sort();
-    assert_eq!(got, vec![id(3), id(4)], "two places freed, the next two rows in order");
+    assert_eq!(got, vec![id(3), id(7)], "the key's one freed place, and the other key again");
     let with_default = claim(s, claim_params(ns, 10, at(130))).await;
     assert!(with_default.is_empty(), "K = 1 sees the key busy");
 }
 
 /// A rate limit (token bucket) bounds a queue's starts across claims and claimers: a new
 /// bucket holds `burst` tokens, refills at `starts` per `per` (fractions carry over) and
-/// never above `burst`; rows over the limit stay ready and are claimed when tokens return.
+/// above `burst` only with what accrued since a claim the tokens cut short (at most one
+/// period's worth); rows over the limit stay ready and are claimed when tokens return.
 pub async fn rate_limit_bounds_a_queues_starts<S: Store>(s: &S) {
     let ns = "claim_rate";
     let out =
@@ -176,10 +179,127 @@ pub async fn rate_limit_bounds_a_queues_starts<S: Store>(s: &S) {
     assert_eq!(claim(s, params(10, 1_300)).await.len(), 2);
     assert_eq!(claim(s, params(1, 1_500)).await.len(), 1, "the claim's own limit still holds");
     assert_eq!(claim(s, params(10, 1_500)).await.len(), 1, "the token left by the last claim");
-    assert_eq!(claim(s, params(10, 60_000)).await.len(), 4, "an idle spell refills to burst only");
+    // The last claim was cut short by the tokens, so rows were waiting: a long spell
+    // without claims gives one period's worth (10), not more, and not just the burst.
+    assert_eq!(claim(s, params(10, 60_000)).await.len(), 10, "one period's worth");
     let left = claim(s, with_policy(ns, 30, at(60_000), ClaimPolicy::new(Strategy::Fifo))).await;
-    assert_eq!(left.len(), 30 - 4 - 1 - 2 - 1 - 1 - 4, "rows over the limit stayed ready");
+    assert_eq!(left.len(), 30 - 4 - 1 - 2 - 1 - 1 - 10, "rows over the limit stayed ready");
     let mut p = with_policy(ns, 10, at(70_000), policy);
     p.queues = Vec::new();
     expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "rate limit without a queue");
+}
+
+/// With a burst of 1, a claimer that comes less often than tokens arrive still starts the
+/// configured rate: each claim takes every token that accrued since the last one
+/// (fractions carried exactly), as long as rows were left waiting; once the queue has run
+/// dry, an idle spell saves up the burst only.
+pub async fn rate_limit_burst_of_one_keeps_its_rate<S: Store>(s: &S) {
+    let ns = "claim_rate_one";
+    let queue = "metered_one";
+    insert(s, (0..150).map(|i| new_in(ns).queue(queue).eligible_at(at(i))).collect(), at(0)).await;
+    let rate = RateLimit { starts: 100, per: Duration::from_secs(1), burst: 1 };
+    let policy = ClaimPolicy { rate: Some(rate), ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |limit: usize, now: i64| {
+        let mut p = with_policy(ns, limit, at(now), policy);
+        p.queues = vec![queue.into()];
+        p
+    };
+    // Claims every 25 ms for one second: 2.5 tokens accrue between two claims.
+    let mut started = Vec::new();
+    for t in (1_000..=2_000).step_by(25) {
+        started.push(claim(s, params(50, t)).await.len());
+    }
+    assert_eq!(&started[..5], &[1, 2, 3, 2, 3], "the full bucket, then 2.5 tokens per claim");
+    assert_eq!(started.iter().sum::<usize>(), 1 + 100, "one token, then 100 per second");
+    // The rest (150 - 101 = 49) are claimed; the queue runs dry with tokens left.
+    assert_eq!(claim(s, params(200, 2_500)).await.len(), 49, "50 tokens, 49 rows");
+    insert(s, (0..5).map(|_| new_in(ns).queue(queue)).collect(), at(2_500)).await;
+    assert_eq!(claim(s, params(50, 60_000)).await.len(), 1, "after running dry: the burst");
+}
+
+/// A claim takes its rows in rounds across concurrency keys — each round the next row of
+/// every key (up to the key's limit) and the next row without a key, in claim order —
+/// over the keys a rotation picks: with more keys than the claim can take, the keys after
+/// the one a full claim of the queue served last come first. So a key with many ready
+/// rows, even one already at its limit, cannot hold back another key's row.
+pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
+    let ns = "claim_fair";
+    let queue = "fair_q";
+    let (key_a, key_b, key_c) = ("fair-a".to_owned(), "fair-b".to_owned(), "fair-c".to_owned());
+    let mk = |q: &str, key: Option<&String>, ms: i64| {
+        let row = new_in(ns).queue(q).eligible_at(at(ms));
+        match key {
+            Some(k) => row.concurrency_key(k.clone()),
+            None => row,
+        }
+    };
+    let out = insert(
+        s,
+        vec![
+            mk(queue, Some(&key_a), 0),
+            mk(queue, Some(&key_a), 1),
+            mk(queue, Some(&key_a), 2),
+            mk(queue, Some(&key_a), 3),
+            mk(queue, None, 4),
+            mk(queue, Some(&key_c), 5),
+            mk(queue, Some(&key_c), 6),
+            mk(queue, None, 7),
+            mk(queue, Some(&key_b), 8),
+        ],
+        at(0),
+    )
+    .await;
+    let id = |i: usize| out[i].id();
+    let policy = ClaimPolicy { key_limit: 2, ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |q: &str, limit: usize, now: i64| {
+        let mut params = with_policy(ns, limit, at(now), policy);
+        params.queues = vec![q.into()];
+        params
+    };
+    // Round one in claim order: a's first, the first row without a key, c's first (b's
+    // row is the youngest of round one and does not fit).
+    let first = claim(s, params(queue, 3, 100)).await;
+    assert_eq!(ids(&first), vec![id(0), id(4), id(5)], "one row of a key per round");
+    let second = claim(s, params(queue, 3, 100)).await;
+    assert_eq!(ids(&second), vec![id(1), id(6), id(7)], "round one again: a, c, unkeyed");
+    // a and c are at their limit of 2: b's row is what is left.
+    let third = claim(s, params(queue, 10, 100)).await;
+    assert_eq!(ids(&third), vec![id(8)]);
+    // With room for two rows of a key, a claim takes one of each key before a second.
+    step(s, &first[0], done(), at(110)).await;
+    step(s, &second[0], done(), at(110)).await;
+    step(s, &first[2], done(), at(110)).await;
+    let more =
+        insert(s, vec![mk(queue, Some(&key_c), 9), mk(queue, Some(&key_c), 10)], at(110)).await;
+    let fourth = claim(s, params(queue, 10, 120)).await;
+    assert_eq!(
+        ids(&fourth),
+        vec![id(2), more[0].id(), id(3)],
+        "round one: a's next and c's next (c has one place); round two: a's second"
+    );
+
+    // Rotation: four keys with one row each, the last key's row the oldest; a claim of two
+    // takes the first two keys after the cursor, not the two oldest rows.
+    let q3 = "fair_q3";
+    let keys = ["fair-r1", "fair-r2", "fair-r3", "fair-r4"].map(String::from);
+    let rot = insert(
+        s,
+        keys.iter().enumerate().map(|(i, k)| mk(q3, Some(k), 40 - i as i64)).collect(),
+        at(0),
+    )
+    .await;
+    let one = claim(s, params(q3, 2, 100)).await;
+    assert_eq!(ids(&one), vec![rot[1].id(), rot[0].id()], "keys r1 and r2, in claim order");
+    let two = claim(s, params(q3, 2, 100)).await;
+    assert_eq!(ids(&two), vec![rot[3].id(), rot[2].id()], "then r3 and r4");
+
+    // One key with many ready rows, one of them executing: another key's single row is
+    // in the very next claim.
+    let (busy, lone) = ("fair-busy".to_owned(), "fair-lone".to_owned());
+    let many = insert(s, (0..200).map(|i| mk("fair_q2", Some(&busy), i)).collect(), at(0)).await;
+    let mut plain = with_policy(ns, 1, at(300), ClaimPolicy::default());
+    plain.queues = vec!["fair_q2".into()];
+    assert_eq!(ids(&claim(s, plain.clone()).await), vec![many[0].id()], "the busy key's first row");
+    let single = insert(s, vec![mk("fair_q2", Some(&lone), 299)], at(299)).await;
+    assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..plain }).await), vec![single[0].id()]);
 }
