@@ -1,6 +1,6 @@
 //! `keel-bench`: Keel's benchmarks, normally run through `cargo xtask bench [SCENARIO]`.
 //!
-//! Scenarios (DESIGN §10):
+//! Scenarios:
 //! - `steps`: no-op step throughput, draining N instances at worker concurrency 1, 10, 100;
 //!   with `--queue redis|sqs`, the instances are announced through that queue and the
 //!   worker claims what it is told about;

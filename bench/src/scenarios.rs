@@ -476,7 +476,7 @@ pub async fn timers(factory: &Factory, n: usize) -> Result<Report> {
 }
 
 /// A parallel state whose two regions' entry actions sleep 500 ms and 200 ms: time from
-/// the event that enters it to `@done`, inline and dispatched (DESIGN §4.4).
+/// the event that enters it to `@done`, inline and dispatched.
 fn parallel_machine(dispatch: bool) -> ChartMachine {
     let def = Definition::builder("bench_parallel", 1)
         .initial("idle")

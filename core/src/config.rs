@@ -1,10 +1,9 @@
-//! Queue configuration with inheritance: system → machine → event (seed 001 §6, §8, §9,
-//! §11.3; DESIGN §5.1).
+//! Queue configuration with inheritance: system → machine → event.
 //!
 //! Each level is a [`PartialQueueConfig`]: every field optional, unknown keys rejected.
 //! [`PartialQueueConfig::overlay`] merges two levels key by key (the upper level wins,
 //! unspecified keys inherit, nested blocks such as `retry` merge recursively), and
-//! [`PartialQueueConfig::resolve`] fills the remaining gaps with the seed's defaults and
+//! [`PartialQueueConfig::resolve`] fills the remaining gaps with the documented defaults and
 //! validates the result into a complete [`QueueConfig`].
 //!
 //! [`KeelConfig`] is the TOML file shape the CLI loads:
@@ -49,7 +48,7 @@ use crate::names::name_enum;
 use crate::retry::{Backoff, Jitter, RetryPolicy};
 
 name_enum! {
-    /// The order in which a queue hands out events (seed 001 §6.4).
+    /// The order in which a queue hands out events.
     #[derive(Default)]
     pub enum Strategy {
         /// Oldest first; priorities are ignored.
@@ -61,7 +60,7 @@ name_enum! {
 }
 
 name_enum! {
-    /// What happens to an instance when one of its events is dead-lettered (DESIGN §5.3).
+    /// What happens to an instance when one of its events is dead-lettered.
     #[derive(Default)]
     pub enum OnDeadLetter {
         /// Suspend the instance until the entry is retried or purged, so later events for
@@ -73,7 +72,7 @@ name_enum! {
     }
 }
 
-/// Dead-letter queue settings (seed 001 §9.3).
+/// Dead-letter queue settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeadLetterConfig {
     /// Whether failed events are kept at all.
@@ -89,7 +88,7 @@ impl Default for DeadLetterConfig {
     }
 }
 
-/// Alerting thresholds (seed 001 §11.3). Every threshold is optional; none are set by
+/// Alerting thresholds. Every threshold is optional; none are set by
 /// default. The same type serves as a configuration level, merged field by field.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -219,7 +218,7 @@ impl QueueConfig {
 }
 
 impl Default for QueueConfig {
-    /// The seed 001 §6.4 defaults.
+    /// The documented defaults.
     fn default() -> Self {
         Self {
             strategy: Strategy::default(),
@@ -428,11 +427,10 @@ fn nested<T: Copy>(base: Option<T>, over: Option<T>, merge: impl Fn(&T, &T) -> T
     }
 }
 
-/// Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Configuration", same
-/// names and defaults). Durations accept the seed's whole seconds (`300`) or a human
+/// Parallel dispatch of region entry actions. Durations accept whole seconds (`300`) or a human
 /// string (`"5 minutes"`).
 ///
-/// The seed's `lock_timeout` and `lock_ttl` have no field: Keel applies region results in
+/// There are no `lock_timeout` and `lock_ttl` fields: Keel applies region results in
 /// the parent's one-event-at-a-time processing under its lease, so nothing waits on a lock,
 /// and the lease (`WorkerConfig::lease`) is what expires when a holder dies.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
@@ -544,7 +542,7 @@ impl PartialParallelConfig {
         }
     }
 
-    /// Fills unset fields with the seed's defaults.
+    /// Fills unset fields with the documented defaults.
     pub fn resolve(&self) -> ParallelConfig {
         let d = ParallelConfig::default();
         ParallelConfig {
@@ -585,7 +583,7 @@ impl PartialParallelConfig {
     }
 }
 
-/// Durations as whole seconds (the seed's form) or a human string.
+/// Durations as whole seconds or a human string.
 mod seconds_or_human {
     use std::fmt;
     use std::time::Duration;
@@ -732,7 +730,7 @@ impl KeelConfig {
     }
 
     /// The parallel dispatch settings of a machine: its section over the system's, then
-    /// the seed's defaults.
+    /// the documented defaults.
     pub fn parallel_for(&self, machine: &str) -> ParallelConfig {
         match self.machines.get(machine) {
             Some(m) => self.parallel_dispatch.overlay(&m.parallel_dispatch).resolve(),
@@ -1431,7 +1429,7 @@ mod tests {
     #[test]
     fn inheritance_system_machine_event() {
         let cases: &[InheritanceCase] = &[
-            // Empty file: the seed defaults.
+            // Empty file: the documented defaults.
             ("", "order", None, |_| {}),
             ("", "order", Some("checkout"), |_| {}),
             // System only: a machine without a section inherits everything.

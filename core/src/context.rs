@@ -1,5 +1,4 @@
-//! Context diff and merge for parallel regions (DESIGN §4.4; seed 000 "Context Merge
-//! Strategy" and "Context Conflict Detection").
+//! Context diff and merge for parallel regions.
 //!
 //! A dispatched region runs against a snapshot of the context, then reports only what it
 //! changed: a [`ContextDiff`] over the top-level keys. The parent applies that diff to its

@@ -1,6 +1,6 @@
 //! Human-readable durations: `"30 seconds"`, `"5 minutes"`, `"500ms"`, `"7d"`.
 //!
-//! Configuration files (seed 001 §6.4) write durations as a whole number followed by a unit.
+//! Configuration files write durations as a whole number followed by a unit.
 //! [`parse`] turns such a string into a [`std::time::Duration`]; [`format()`] writes the
 //! canonical form back (the largest unit that represents the value exactly), so a parsed
 //! and re-serialized config reads the way a person would have written it.

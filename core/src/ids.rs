@@ -98,7 +98,7 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 /// The default queue for instances that do not name one.
 pub const DEFAULT_QUEUE: &str = "default";
 
-/// Scheduling priority. Lower runs first under the `priority` strategy (seed 001 §7.2).
+/// Scheduling priority. Lower runs first under the `priority` strategy.
 /// Serialized as its lowercase name; parsing ignores case and lists the accepted names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub enum Priority {
@@ -186,7 +186,7 @@ impl fmt::Display for Priority {
     }
 }
 
-/// Where an instance is in its life (DESIGN §3.1).
+/// Where an instance is in its life.
 ///
 /// `runnable → executing → {runnable, awaiting_signal, awaiting_children, suspended, done,
 /// failed}`; `cancelled` can be reached from any non-terminal status.
@@ -267,7 +267,7 @@ impl fmt::Display for Status {
 }
 
 /// A set of statuses, e.g. a uniqueness scope: the statuses in which a unique key is
-/// "occupied" (seed 004 §7).
+/// "occupied".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct StatusSet(u16);
 

@@ -1,4 +1,4 @@
-//! Named bounds on everything a caller can make large (STYLE 8). Backends enforce them
+//! Named bounds on everything a caller can make large. Backends enforce them
 //! with `Invalid` errors, and the conformance suite tests each one at the bound.
 
 /// Most instances one `instance_insert` call may carry.

@@ -1,5 +1,4 @@
-//! Step outcomes and the pure reference transitions of an instance row (DESIGN §3.2,
-//! seed 004 §3, §5, §10, §11).
+//! Step outcomes and the pure reference transitions of an instance row.
 //!
 //! Every store must change its rows exactly as these functions say; the in-memory store
 //! calls them directly and the conformance suite holds the real backends to the same
@@ -458,7 +457,7 @@ pub fn status_after(outcome: &Outcome, facts: ApplyFacts) -> Status {
     }
 }
 
-/// The reference transition of DESIGN §3.2: the row after `commit`, given the commit-time
+/// The reference transition of a step outcome: the row after `commit`, given the commit-time
 /// `facts`. The caller has already checked [`validate_commit`].
 pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied {
     let now = facts.now;
@@ -646,7 +645,7 @@ pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
 }
 
 /// The event a child machine's terminal commit delivers into its parent's inbox, in the
-/// same transaction (DESIGN §3.8): `done.invoke.<path>` with the child's result, or
+/// same transaction: `done.invoke.<path>` with the child's result, or
 /// `fail.state.<path>` with its error, for a child started by the parent's delegation state
 /// `path`. `None` for other rows. The dedup key makes it exactly once per child.
 pub fn parent_notice(child: &Instance) -> Option<NewSignal> {
@@ -704,7 +703,7 @@ pub fn lease_expired(row: &Instance, now: Timestamp) -> bool {
 }
 
 /// The row after the reaper returns it (its worker died): runnable now, attempt + 1,
-/// no handler call (DESIGN §3.3, source 3).
+/// no handler call.
 pub fn reap(row: &Instance, now: Timestamp) -> Instance {
     let mut next = row.clone();
     release_lease(&mut next);

@@ -1,4 +1,4 @@
-//! Retry policy, backoff schedule and the retry-or-dead-letter decision (seed 001 §8, §9).
+//! Retry policy, backoff schedule and the retry-or-dead-letter decision.
 //!
 //! Attempts are counted from 0. With `max_attempts = 3` a step runs at attempts 0, 1 and 2;
 //! the failure of attempt 2 sends it to the dead-letter queue. A non-retryable failure goes
@@ -31,9 +31,9 @@ use crate::names::name_enum;
 name_enum! {
     /// How the delay grows between attempts.
     pub enum Backoff {
-        /// The same delay (`initial_delay`) before every retry (seed 001 §8.3).
+        /// The same delay (`initial_delay`) before every retry.
         Linear = "linear",
-        /// `initial_delay`, then double each time: 1 s, 2 s, 4 s, … (seed 001 §8.2).
+        /// `initial_delay`, then double each time: 1 s, 2 s, 4 s, ….
         Exponential = "exponential",
     }
 }
@@ -71,7 +71,7 @@ impl Jitter {
     }
 }
 
-/// A user's retry configuration, as in seed 001 §6.4.
+/// A user's retry configuration, as written in a configuration file.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryPolicy {
     /// How many times the step runs in total, the first run included. At least 1.
@@ -219,7 +219,7 @@ impl InvalidPolicy {
     }
 }
 
-/// Whether a failure is worth retrying (seed 001 §8.4).
+/// Whether a failure is worth retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorClass {

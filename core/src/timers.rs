@@ -1,4 +1,4 @@
-//! Durable timers as rows (DESIGN §6, seed 002): armed in the commit that enters a state,
+//! Durable timers as rows: armed in the commit that enters a state,
 //! deleted in the commit that leaves it, and fired by a sweep that delivers each fire into
 //! the instance's inbox with a dedup key, so two sweeps (or a re-run sweep) never deliver
 //! the same fire twice.
@@ -78,7 +78,7 @@ pub fn fire_dedup_key(id: TimerId, n: u32) -> String {
     format!("timer:{}:{n}", id.0)
 }
 
-/// Fires a due timer at `now` (seed 002):
+/// Fires a due timer at `now`:
 /// - `after`: delivers its event once, then the timer is gone;
 /// - `every`: delivers its event and is due again `interval` after this fire (missed
 ///   intervals are not back-filled);

@@ -1,4 +1,4 @@
-//! The outcome table of DESIGN §3.2 as data: each row is an instance, an outcome and the
+//! The outcome table as data: each row is an instance, an outcome and the
 //! commit-time facts, and the fields of the row that the reference transition produces.
 
 use keel_core::ids::{FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId};

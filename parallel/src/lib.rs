@@ -1,4 +1,4 @@
-//! Parallel dispatch of region entry actions (DESIGN §4.4; seed 000 "Parallel Dispatch"):
+//! Parallel dispatch of region entry actions:
 //! the configuration, and the durable shape of region tasks, reports and the region
 //! timeout. The semantics (guard, merge, stall, done, fail, timeout) are pure and live in
 //! [`keel_core::chart::parallel`], and the chart step that applies them to an instance

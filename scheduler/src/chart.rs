@@ -461,7 +461,7 @@ fn precheck(parent: &Instance, task: &RegionTaskContext) -> Option<&'static str>
 }
 
 /// Whether the latest committed macrostep of an instance dispatched region tasks (the
-/// seed's `dispatched` flag): `true` means regions are running on workers and the client
+/// `dispatched` flag): `true` means regions are running on workers and the client
 /// may answer "accepted" instead of waiting; `false` for inline entry or no parallel state.
 pub fn dispatched(detail: &InstanceDetail) -> bool {
     detail

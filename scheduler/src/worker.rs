@@ -1,5 +1,5 @@
 //! The worker: claim → run → group commit, with leases, heartbeats, a reaper, step
-//! timeouts, the retry policy and graceful shutdown (DESIGN §3.3–3.4, §5).
+//! timeouts, the retry policy and graceful shutdown.
 //!
 //! One loop claims batches per queue while that queue has free slots; each claimed step
 //! runs in its own task holding a slot. A finished step gives its running slot back at

@@ -1,4 +1,4 @@
-//! Parallel dispatch end to end (issue 7, DESIGN §4.4): region tasks as child instances,
+//! Parallel dispatch end to end: region tasks as child instances,
 //! results merged into the parent one at a time, exactly one `@done` / `@fail`, conflicts,
 //! stalls, guard aborts, replays, the region timeout and the `dispatched` flag.
 //!

@@ -18,7 +18,7 @@
 //! Every object lives in the configured schema (default `keel`; each pooled connection sets
 //! its `search_path`), so deployments and tests can share a database.
 //!
-//! - `status` enum: the eight statuses of DESIGN §3.1.
+//! - `status` enum: the eight statuses an instance can have.
 //! - `instances`: one row per instance. `context`/`result`/`errors` are `jsonb`; `revision`
 //!   counts accepted commits; `fencing_token` grows on every claim; `unique_key bytea` +
 //!   `unique_scope status[]` feed a generated `unique_guard` column (the key while the status

@@ -74,10 +74,10 @@ pub struct Snapshot<'a> {
     pub event: Option<&'a Event>,
 }
 
-/// A bound on timer fires per `advance_timers` call (STYLE 8).
+/// A bound on timer fires per `advance_timers` call.
 pub const MAX_TIMER_FIRES_PER_ADVANCE: usize = 10_000;
 
-/// A bound on region tasks run after one step in dispatch mode (STYLE 8): each region task
+/// A bound on region tasks run after one step in dispatch mode: each region task
 /// may enter parallel states that dispatch more.
 pub const MAX_REGION_TASKS_PER_STEP: usize = 10_000;
 
@@ -167,7 +167,7 @@ impl TestMachine {
         }
     }
 
-    /// Parallel dispatch mode (DESIGN §4.4), with the durable runtime's semantics in
+    /// Parallel dispatch mode, with the durable runtime's semantics in
     /// memory: entering a parallel state with two or more regions that have entry actions
     /// leaves those actions to **region tasks**, which run (in document order, unless
     /// [`hold_regions`](Self::hold_regions)) right after the step on a snapshot of the

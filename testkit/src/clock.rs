@@ -1,5 +1,5 @@
 //! [`VirtualClock`]: a `Clock` that only moves when a test moves it, so tests of leases,
-//! retries and timers advance time instead of sleeping (STYLE 4).
+//! retries and timers advance time instead of sleeping.
 
 use keel_core::Timestamp;
 use keel_core::ports::Clock;

@@ -1,4 +1,4 @@
-//! The timer sweep service (DESIGN §6, seed 002).
+//! The timer sweep service.
 //!
 //! Timers are rows in the store, armed and cancelled by the commits that enter and leave
 //! states. A [`Sweeper`] fires the due ones: it asks the store to fire up to `batch`

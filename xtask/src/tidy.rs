@@ -1,4 +1,4 @@
-//! `cargo xtask tidy`: the rules we can check by code (STYLE 10), each with its reason.
+//! `cargo xtask tidy`: the rules we can check by code, each with its reason.
 //!
 //! 1. keel-core's normal dependencies contain no runtime, database or network crate — the
 //!    core is pure (ARCHITECTURE invariant 1).
@@ -12,6 +12,10 @@
 //!    call nor import the core's decision functions (the ones the planners are built
 //!    from): they call a `keel_core::plan` planner and execute its plan, so that a rule
 //!    changes in one place for every backend.
+//! 6. Code, rustdoc and the project's Markdown never cite the design notes the project was
+//!    planned from (files outside this repository, their section numbers or reference
+//!    documents): a reader of Keel cannot follow such a citation, so the rule is said in
+//!    our own words where it applies.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -63,6 +67,10 @@ pub const DECISIONS: &[(&str, &str, &str)] = &[
     ("inbox", "accepts_signals", "plan::deliver"),
 ];
 
+/// Citations of material outside the repository that a reader cannot follow (rule 6).
+/// This file names them to find them, so it is the one file not checked.
+pub const OUTSIDE_CITATIONS: &[&str] = &["DESIGN §", "DESIGN.md", "seed 00", "../shared/"];
+
 /// Runs every check and returns the problems found.
 pub fn check(root: &Path) -> Result<Vec<String>> {
     let mut problems = Vec::new();
@@ -77,6 +85,14 @@ pub fn check(root: &Path) -> Result<Vec<String>> {
         if is_store_code(&rel) {
             problems.extend(stores_only_plan(&rel, &text));
         }
+        if rel.replace('\\', "/") != "xtask/src/tidy.rs" {
+            problems.extend(cites_outside(&rel, &text));
+        }
+    }
+    for doc in ["README.md", "ARCHITECTURE.md"] {
+        let text =
+            std::fs::read_to_string(root.join(doc)).with_context(|| format!("reading {doc}"))?;
+        problems.extend(cites_outside(doc, &text));
     }
     Ok(problems)
 }
@@ -182,6 +198,20 @@ pub fn ignores_have_reasons(label: &str, text: &str) -> Vec<String> {
         .filter(|(_, l)| l.trim_start().starts_with("#[ignore"))
         .filter(|(_, l)| !(l.contains("= \"") && l.contains('#') && l.matches('#').count() >= 2))
         .map(|(i, _)| format!("{label}:{}: `#[ignore]` without a reason naming a tracking issue (`#[ignore = \"flaky, see #12\"]`)", i + 1))
+        .collect()
+}
+
+/// Rule 6: lines citing material outside the repository ([`OUTSIDE_CITATIONS`]).
+pub fn cites_outside(label: &str, text: &str) -> Vec<String> {
+    text.lines()
+        .enumerate()
+        .filter_map(|(i, l)| {
+            let cited = OUTSIDE_CITATIONS.iter().find(|c| l.contains(*c))?;
+            Some(format!(
+                "{label}:{}: cites `{cited}`, which is outside this repository; say the rule in our own words",
+                i + 1
+            ))
+        })
         .collect()
 }
 
@@ -325,6 +355,16 @@ mod tests {
         assert_eq!(ignores_have_reasons("a.rs", "#[test]\n#[ignore]\nfn t() {}").len(), 1);
         assert_eq!(ignores_have_reasons("a.rs", "#[ignore = \"slow\"]").len(), 1);
         assert!(ignores_have_reasons("a.rs", "#[ignore = \"flaky, see #12\"]").is_empty());
+    }
+
+    #[test]
+    fn citations_of_outside_notes_are_flagged() {
+        let bad = "//! Timers.\n/// Fires a timer (DESIGN §6).\nfn f() {}\n";
+        let problems = cites_outside("core/src/t.rs", bad);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("core/src/t.rs:2: cites `DESIGN §`"), "{}", problems[0]);
+        assert_eq!(cites_outside("README.md", "see seed 004 for more").len(), 1);
+        assert!(cites_outside("a.rs", "//! A simulator seed replays exactly.\n").is_empty());
     }
 
     #[test]

@@ -331,7 +331,7 @@ pub struct MacrostepResult {
     /// A top-level final state is active: the instance is complete.
     pub is_final: bool,
     /// With [`Macrostep::dispatch_regions`]: regions of a newly entered parallel state whose
-    /// entry actions were *not* run, for the runtime to run elsewhere (DESIGN §4.4). Only
+    /// entry actions were *not* run, for the runtime to run elsewhere. Only
     /// regions still at the states they entered when the macrostep ended are listed.
     #[serde(default)]
     pub regions_to_dispatch: Vec<RegionDispatch>,
@@ -550,7 +550,7 @@ impl<'d> Macrostep<'d> {
         step
     }
 
-    /// Parallel dispatch (DESIGN §4.4): when this macrostep enters a parallel state of which
+    /// Parallel dispatch: when this macrostep enters a parallel state of which
     /// at least two regions have entry actions, those regions' entry actions are not run
     /// here; they are reported in [`MacrostepResult::regions_to_dispatch`] instead. The
     /// states are entered (and their timers armed) as usual.

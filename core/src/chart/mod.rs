@@ -19,7 +19,7 @@
 //! - [`parallel`]: the pure half of parallel dispatch (region tasks, reports, the guard,
 //!   merge, stall, done, fail and timeout records).
 //!
-//! # Decisions (where SCXML, XState and the seeds leave room)
+//! # Decisions (where SCXML and XState leave room)
 //!
 //! - **State ids are paths.** A state is named by its dotted path from the root
 //!   (`processing.inventory.done`); two regions may both have a `done` child. "Duplicate state

@@ -1,4 +1,4 @@
-//! Parallel dispatch, the pure half (DESIGN §4.4–4.5; seed 000 "Parallel Dispatch").
+//! Parallel dispatch, the pure half.
 //!
 //! With [`Macrostep::dispatch_regions`] on, entering a parallel state whose regions (two or
 //! more) have entry actions reports them as [`RegionDispatch`]es instead of running them.

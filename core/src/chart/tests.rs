@@ -991,7 +991,7 @@ fn validation_collects_every_error() {
     assert!(errors.to_string().starts_with("invalid chart definition (2 error(s)):"));
 }
 
-/// The ten transition + timer combinations of seed 002 all build, and their timers are
+/// The ten documented transition + timer combinations all build, and their timers are
 /// recorded when the state is entered.
 #[test]
 fn seed_002_timer_combinations() {

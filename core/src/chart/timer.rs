@@ -1,4 +1,4 @@
-//! Timer specifications on transitions (DESIGN §6, seed 002).
+//! Timer specifications on transitions.
 //!
 //! A timer is data: the core only records which timers a state owns, so the runtime can arm
 //! them in the commit that enters the state and delete them in the commit that leaves it.

@@ -2,8 +2,8 @@
 //!
 //! The trait is **batch-first**: throughput on a real database is decided by how many rows
 //! one statement and one commit carry, so every hot operation takes and returns a batch
-//! and reports per item. Methods are named noun-first and take one params struct
-//! (STYLE 3). Every method takes `now` from the caller; a store never reads a clock.
+//! and reports per item. Methods are named noun-first and take one params struct.
+//! Every method takes `now` from the caller; a store never reads a clock.
 //! Every params struct with something to check has a `validate()` that every store calls
 //! before it reads or writes anything, so bad input is refused the same way everywhere.
 //!
@@ -1035,7 +1035,7 @@ pub struct QueueState {
     pub paused: bool,
 }
 
-/// What a store can do beyond the contract, reported honestly (STYLE 6).
+/// What a store can do beyond the contract, reported honestly.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StoreCapabilities {
     /// Whether the store can push "work is ready" notifications and timer hints

@@ -1,4 +1,4 @@
-//! Contracts for the children barrier (seed 004 §11): zero, one, many and failed
+//! Contracts for the children barrier: zero, one, many and failed
 //! children, uniqueness among children, and exactly one decrement per child.
 
 use super::support::{

@@ -1,4 +1,4 @@
-//! Contracts for retries and the dead-letter queue (DESIGN §5.3): exhaustion, retry by
+//! Contracts for retries and the dead-letter queue: exhaustion, retry by
 //! id and by machine, skip, purge.
 
 use super::support::{

@@ -1,6 +1,5 @@
 //! The store conformance suite: one generic async function per contract, run by every
-//! `Store` backend — the in-memory reference included — under the same test names
-//! (DESIGN §1 invariant 4, STYLE 5).
+//! `Store` backend — the in-memory reference included — under the same test names.
 //!
 //! Contracts know nothing about any backend. They use fixed timestamps (never the system
 //! clock) and build their own rows in their own namespaces. Each expects a fresh, empty

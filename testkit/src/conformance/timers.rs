@@ -1,4 +1,4 @@
-//! Timer contracts (DESIGN §6, seed 002): armed and cancelled by commits, fired by sweeps
+//! Timer contracts: armed and cancelled by commits, fired by sweeps
 //! exactly once per fire, `every` counted from the last fire without back-fill, `max` +
 //! `then` delivered once, the status and stats a sweep service relies on, and what a
 //! sweeper sleeps on: the earliest due time and the hints of commits that arm timers.

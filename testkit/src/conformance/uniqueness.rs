@@ -1,4 +1,4 @@
-//! Contracts for uniqueness (seed 004 §7): the key is occupied only while the status is
+//! Contracts for uniqueness: the key is occupied only while the status is
 //! in scope, within a batch too, and frees when the occupant leaves its scope.
 
 use super::support::{
