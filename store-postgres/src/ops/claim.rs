@@ -166,8 +166,28 @@ static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::
 /// Without a global limit (`global` false) the statement's limit is `$6` alone: a limit
 /// expression with the executing count in it costs a count on every claim even when `$9`
 /// is NULL, so the two are separate statements.
-fn fair_sql(order: Order, global: bool) -> String {
+/// What a claim statement returns for each row of its `UPDATE … RETURNING` (`u`): the
+/// row's columns, then its inbox and its children as JSON arrays, each bounded.
+fn claimed_rows() -> String {
     let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
+    format!(
+        "SELECT {cols}, \
+           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', s.id, 'name', s.name, \
+               'payload', s.payload, 'dedup_key', s.dedup_key, \
+               'at', floor(extract(epoch FROM s.inserted_at) * 1000)::int8) ORDER BY s.id), '[]') \
+            FROM (SELECT * FROM signals WHERE target_id = u.id ORDER BY id LIMIT {inbox}) s), \
+           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', c.id, 'machine', c.machine, \
+               'version', c.machine_version, 'status', c.status, 'position', c.position, \
+               'context', c.context, \
+               'result', CASE WHEN c.result IS NULL THEN NULL ELSE jsonb_build_array(c.result) END, 'last_error', c.last_error) \
+               ORDER BY c.id), '[]') \
+            FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c)",
+        inbox = limits::CLAIM_INBOX_MAX,
+        children = limits::CHILDREN_LIST_MAX,
+    )
+}
+
+fn fair_sql(order: Order, global: bool) -> String {
     let key_i = key(order, "i");
     let filters_i = filters("i");
     let filters_o = filters("o");
@@ -323,17 +343,7 @@ fn fair_sql(order: Order, global: bool) -> String {
            FROM pick WHERE i.id = pick.id \
            RETURNING i.*, pick.rnd AS fair_rnd, pick.ord AS fair_ord \
          ) \
-         SELECT {cols}, \
-           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', s.id, 'name', s.name, \
-               'payload', s.payload, 'dedup_key', s.dedup_key, \
-               'at', floor(extract(epoch FROM s.inserted_at) * 1000)::int8) ORDER BY s.id), '[]') \
-            FROM (SELECT * FROM signals WHERE target_id = u.id ORDER BY id LIMIT {inbox}) s), \
-           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', c.id, 'machine', c.machine, \
-               'version', c.machine_version, 'status', c.status, 'position', c.position, \
-               'context', c.context, \
-               'result', CASE WHEN c.result IS NULL THEN NULL ELSE jsonb_build_array(c.result) END, 'last_error', c.last_error) \
-               ORDER BY c.id), '[]') \
-            FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
+         {claimed} \
          FROM u ORDER BY u.fair_rnd, u.fair_ord",
         due_s = due("s.q", "s.k"),
         due_nx = due("nx.q", "nx.k"),
@@ -341,13 +351,11 @@ fn fair_sql(order: Order, global: bool) -> String {
         room_z = room("z.k"),
         next_scan = next_after("scan.q", "scan.k"),
         keys_max = limits::CLAIM_KEYS_SCAN_MAX,
-        inbox = limits::CLAIM_INBOX_MAX,
-        children = limits::CHILDREN_LIST_MAX,
+        claimed = claimed_rows(),
     )
 }
 
 fn sql(order: Order, only: &str, limit: &str, keys: Keys) -> String {
-    let cols = rows::INSTANCE_COLS_I.replace("i.", "u.");
     let (key_i, key_o) = (key(order, "i"), key(order, "o"));
     let filters_o = filters("o");
     let (key_rule, slot) = match keys {
@@ -404,23 +412,12 @@ fn sql(order: Order, only: &str, limit: &str, keys: Keys) -> String {
            FROM pick WHERE i.id = pick.id \
            RETURNING i.* \
          ) \
-         SELECT {cols}, \
-           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', s.id, 'name', s.name, \
-               'payload', s.payload, 'dedup_key', s.dedup_key, \
-               'at', floor(extract(epoch FROM s.inserted_at) * 1000)::int8) ORDER BY s.id), '[]') \
-            FROM (SELECT * FROM signals WHERE target_id = u.id ORDER BY id LIMIT {inbox}) s), \
-           (SELECT coalesce(jsonb_agg(jsonb_build_object('id', c.id, 'machine', c.machine, \
-               'version', c.machine_version, 'status', c.status, 'position', c.position, \
-               'context', c.context, \
-               'result', CASE WHEN c.result IS NULL THEN NULL ELSE jsonb_build_array(c.result) END, 'last_error', c.last_error) \
-               ORDER BY c.id), '[]') \
-            FROM (SELECT * FROM instances WHERE parent_id = u.id ORDER BY id LIMIT {children}) c) \
+         {claimed} \
          FROM u ORDER BY {key_u}",
         key_i = key_i,
         key_u = key(order, "u"),
         filters_i = filters("i"),
-        inbox = limits::CLAIM_INBOX_MAX,
-        children = limits::CHILDREN_LIST_MAX,
+        claimed = claimed_rows(),
     )
 }
 
