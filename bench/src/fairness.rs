@@ -53,9 +53,7 @@ pub async fn fairness(factory: &Factory, n: usize) -> Result<Report> {
         rows,
         notes: vec![
             format!("loaded {n} ready rows on key A (one more executing) in {loaded_s:.1} s"),
-            "every claim (limit 10) returned exactly key B's row, which is then released; \
-             figures measured on a shared, loaded machine"
-                .into(),
+            "every claim (limit 10) returned exactly key B's row, which is then released".into(),
         ],
     })
 }

@@ -54,9 +54,7 @@ pub async fn prune(factory: &Factory, n: usize) -> Result<Report> {
                 "pruned {pruned} instances in {prune_s:.1} s ({:.0} instances/s)",
                 pruned as f64 / prune_s.max(1e-9)
             ),
-            "each claim takes up to 10 ready rows and releases them; figures measured on a \
-             shared, loaded machine"
-                .into(),
+            "each claim takes up to 10 ready rows and releases them".into(),
         ],
     })
 }
