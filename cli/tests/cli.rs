@@ -331,7 +331,8 @@ fn an_unreachable_store_is_a_failure_and_a_critical_health() {
 
 /// `keel config show` lists `dead_letter.enabled` with where its value came from: the
 /// event's section wins over the machine's, which wins over the system level and the
-/// default. It reads the file only; no store is opened.
+/// default; `dead_letter.retention` and `parallel_dispatch.*` likewise. It reads the file
+/// only; no store is opened.
 #[test]
 fn config_show_names_dead_letter_enabled_and_its_source() {
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -339,7 +340,10 @@ fn config_show_names_dead_letter_enabled_and_its_source() {
     std::fs::write(
         &path,
         "[queue.dead_letter]\nenabled = false\n\
-         [machines.order.events.refund.queue.dead_letter]\nenabled = true\n",
+         [machines.order.events.refund.queue.dead_letter]\nenabled = true\n\
+         [machines.order.queue.dead_letter]\nretention = \"3 days\"\n\
+         [parallel_dispatch]\nenabled = true\n\
+         [machines.order.parallel_dispatch]\njob_tries = 5\n",
     )
     .expect("write the file");
     let show = |extra: &[&str]| -> Value {
@@ -353,16 +357,26 @@ fn config_show_names_dead_letter_enabled_and_its_source() {
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).expect("a JSON document")
     };
-    let line = |doc: &Value| -> (String, String) {
+    let key = |doc: &Value, key: &str| -> (String, String) {
         let line = doc["values"]
             .as_array()
-            .and_then(|v| v.iter().find(|l| l["key"] == "dead_letter.enabled"))
-            .unwrap_or_else(|| panic!("dead_letter.enabled listed: {doc}"));
+            .and_then(|v| v.iter().find(|l| l["key"] == key))
+            .unwrap_or_else(|| panic!("{key} listed: {doc}"));
         (line["value"].as_str().unwrap().to_owned(), line["source"].as_str().unwrap().to_owned())
     };
-    assert_eq!(line(&show(&[])), ("false".to_owned(), "[queue]".to_owned()));
+    let line = |doc: &Value| key(doc, "dead_letter.enabled");
+    let machine = show(&[]);
+    assert_eq!(line(&machine), ("false".to_owned(), "[queue]".to_owned()));
     assert_eq!(
         line(&show(&["--event", "refund"])),
         ("true".to_owned(), "[machines.order.events.refund.queue]".to_owned())
+    );
+    // The retention the pruner uses, and the chart's parallel dispatch, with their sections.
+    let pair = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+    assert_eq!(key(&machine, "dead_letter.retention"), pair("3 days", "[machines.order.queue]"));
+    assert_eq!(key(&machine, "parallel_dispatch.enabled"), pair("true", "[parallel_dispatch]"));
+    assert_eq!(
+        key(&machine, "parallel_dispatch.job_tries"),
+        pair("5", "[machines.order.parallel_dispatch]")
     );
 }

@@ -939,6 +939,8 @@ pub enum Source {
     Queue(String),
     /// An environment variable.
     Env(String),
+    /// Another section of the file, by its name (e.g. `[parallel_dispatch]`).
+    Section(String),
 }
 
 impl fmt::Display for Source {
@@ -951,6 +953,7 @@ impl fmt::Display for Source {
             Source::Event(m, e) => write!(f, "[machines.{m}.events.{e}.queue]"),
             Source::Queue(q) => write!(f, "[queues.{q}]"),
             Source::Env(var) => write!(f, "env {var}"),
+            Source::Section(name) => write!(f, "[{name}]"),
         }
     }
 }
@@ -1048,15 +1051,16 @@ impl KeelConfig {
     /// Refuses a key this version parses but does not apply, so a configuration never
     /// silently means less than it says. Each error names the key and what to do instead.
     pub fn check_applied(&self) -> Result<(), ConfigError> {
-        let mut levels: Vec<(String, &PartialQueueConfig, bool)> =
-            vec![("queue".to_owned(), &self.queue, true)];
+        // (path, system level, event level)
+        let mut levels: Vec<(String, &PartialQueueConfig, bool, bool)> =
+            vec![("queue".to_owned(), &self.queue, true, false)];
         for (m, machine) in &self.machines {
-            levels.push((format!("machines.{m}.queue"), &machine.queue, false));
+            levels.push((format!("machines.{m}.queue"), &machine.queue, false, false));
             for (e, event) in &machine.events {
-                levels.push((format!("machines.{m}.events.{e}.queue"), &event.queue, false));
+                levels.push((format!("machines.{m}.events.{e}.queue"), &event.queue, false, true));
             }
         }
-        for (path, level, system) in levels {
+        for (path, level, system, event) in levels {
             let refuse = |key: &str, fix: &str| {
                 Err(ConfigError::invalid(
                     format!("{path}.{key}"),
@@ -1081,29 +1085,26 @@ impl KeelConfig {
                     "set the priority when the instance is started or the event sent; the file does not assign priorities yet",
                 );
             }
-            if level.dead_letter.is_some_and(|dead_letter| dead_letter.retention.is_some()) {
+            if event && level.dead_letter.is_some_and(|dead_letter| dead_letter.retention.is_some())
+            {
                 return refuse(
                     "dead_letter.retention",
-                    "the worker prunes dead letters after the retention set in code (QueueConfig::dead_letter); the file's value is not applied yet, remove the key",
+                    "dead letters are purged per machine; set the retention under the machine's [machines.<name>.queue.dead_letter] (or [queue.dead_letter] for every machine)",
                 );
             }
         }
-        let unset = PartialParallelConfig::default();
-        let parallel = if self.parallel_dispatch == unset {
-            self.machines
-                .iter()
-                .find(|(_, m)| m.parallel_dispatch != unset)
-                .map(|(m, _)| format!("machines.{m}.parallel_dispatch"))
-        } else {
-            Some("parallel_dispatch".to_owned())
-        };
-        if let Some(path) = parallel {
-            return Err(ConfigError::invalid(
-                path,
-                "is not applied from the file yet: set it in code with ChartMachine::with_parallel",
-            ));
-        }
         Ok(())
+    }
+
+    /// The parallel dispatch settings a chart machine runs with: what the program set in
+    /// code (`base`), under the file's `[parallel_dispatch]` and then the machine's own
+    /// section; a key the file sets wins, a key it leaves out keeps the code's value.
+    pub fn parallel_over(&self, base: ParallelConfig, machine: &str) -> ParallelConfig {
+        let mut level = PartialParallelConfig::from(base).overlay(&self.parallel_dispatch);
+        if let Some(m) = self.machines.get(machine) {
+            level = level.overlay(&m.parallel_dispatch);
+        }
+        level.resolve()
     }
 
     /// The claim policy of `queue`: its strategy (its section, else `[queue]`, else
@@ -1219,6 +1220,11 @@ impl KeelConfig {
                 value: resolved.dead_letter.enabled.to_string(),
                 source: source(&|q| q.dead_letter.as_ref().is_some_and(|d| d.enabled.is_some())),
             },
+            Effective {
+                key: "dead_letter.retention".into(),
+                value: human(resolved.dead_letter.retention),
+                source: source(&|q| q.dead_letter.as_ref().is_some_and(|d| d.retention.is_some())),
+            },
         ];
         // A system-level value set from the environment says so.
         for line in &mut out {
@@ -1281,6 +1287,41 @@ impl KeelConfig {
             value: policy.key_limit.to_string(),
             source: qsource(settings.key_concurrency.is_some(), false),
         });
+        // Parallel dispatch of a chart machine: its section over `[parallel_dispatch]`.
+        let parallel = self.parallel_for(machine);
+        let own = m.map(|m| &m.parallel_dispatch);
+        let psource = |pick: &dyn Fn(&PartialParallelConfig) -> bool| {
+            if own.is_some_and(pick) {
+                Source::Section(format!("machines.{machine}.parallel_dispatch"))
+            } else if pick(&self.parallel_dispatch) {
+                Source::Section("parallel_dispatch".to_owned())
+            } else {
+                Source::Default
+            }
+        };
+        let rows: [(&str, String, Source); 6] = [
+            ("enabled", parallel.enabled.to_string(), psource(&|p| p.enabled.is_some())),
+            (
+                "queue",
+                parallel.queue.clone().unwrap_or_else(|| "the machine's".to_owned()),
+                psource(&|p| p.queue.is_some()),
+            ),
+            ("job_timeout", human(parallel.job_timeout), psource(&|p| p.job_timeout.is_some())),
+            ("job_tries", parallel.job_tries.to_string(), psource(&|p| p.job_tries.is_some())),
+            ("job_backoff", human(parallel.job_backoff), psource(&|p| p.job_backoff.is_some())),
+            (
+                "region_timeout",
+                if parallel.region_timeout.is_zero() {
+                    "off".to_owned()
+                } else {
+                    human(parallel.region_timeout)
+                },
+                psource(&|p| p.region_timeout.is_some()),
+            ),
+        ];
+        for (key, value, source) in rows {
+            out.push(Effective { key: format!("parallel_dispatch.{key}"), value, source });
+        }
         Ok(out)
     }
 }
@@ -1764,12 +1805,8 @@ mod applied_tests {
             ),
             ("[queue]\npriority = \"high\"", "queue.priority: is not applied here"),
             (
-                "[machines.m.queue.dead_letter]\nretention = \"3 days\"",
-                "machines.m.queue.dead_letter.retention: is not applied here",
-            ),
-            (
-                "[parallel_dispatch]\nenabled = true",
-                "parallel_dispatch: is not applied from the file yet",
+                "[machines.m.events.e.queue.dead_letter]\nretention = \"3 days\"",
+                "machines.m.events.e.queue.dead_letter.retention: is not applied here: dead letters are purged per machine",
             ),
         ];
         for (toml, expected) in cases {
@@ -1781,6 +1818,10 @@ mod applied_tests {
                   [queue.alerts]\npending_warning = 10\n\
                   [machines.m.queue]\ntimeout = \"9s\"\non_dead_letter = \"skip\"\n\
                   [machines.m.events.e.queue.dead_letter]\nenabled = false\n\
+                  [machines.m.queue.dead_letter]\nretention = \"3 days\"\n\
+                  [queue.dead_letter]\nretention = \"1 day\"\n\
+                  [parallel_dispatch]\nenabled = true\n\
+                  [machines.m.parallel_dispatch]\njob_tries = 5\n\
                   [queues.q]\nstarvation_after = \"1 minute\"\nglobal_concurrency = 3";
         KeelConfig::load(ok, |_| None).expect("every key applied");
     }
@@ -1894,5 +1935,49 @@ mod applied_tests {
                 .to_string()
                 .starts_with("queue.concurrency (from the environment): must be at least 1")
         );
+    }
+    #[test]
+    fn the_files_dead_letter_retention_and_parallel_dispatch_resolve_with_their_source() {
+        let config = KeelConfig::load(
+            "[queue.dead_letter]\nretention = \"1 day\"\n\
+             [machines.m.queue.dead_letter]\nretention = \"3 days\"\n\
+             [parallel_dispatch]\nenabled = true\njob_timeout = \"1 minute\"\n\
+             [machines.m.parallel_dispatch]\njob_tries = 5",
+            |_| None,
+        )
+        .unwrap()
+        .0;
+        // The step's configuration carries the file's retention over the code's.
+        let code = QueueConfig {
+            dead_letter: DeadLetterConfig { enabled: true, retention: S(60) },
+            ..QueueConfig::default()
+        };
+        assert_eq!(
+            config.step_config(code, "m", None).unwrap().dead_letter.retention,
+            S(3 * 86_400)
+        );
+        assert_eq!(
+            config.step_config(code, "other", None).unwrap().dead_letter.retention,
+            S(86_400)
+        );
+        // Parallel dispatch: the machine's section over the system's over the code.
+        let base = ParallelConfig { job_backoff: S(7), job_tries: 2, ..ParallelConfig::default() };
+        let m = config.parallel_over(base.clone(), "m");
+        assert!(m.enabled);
+        assert_eq!((m.job_tries, m.job_timeout, m.job_backoff), (5, S(60), S(7)));
+        let other = config.parallel_over(base, "other");
+        assert_eq!((other.enabled, other.job_tries), (true, 2));
+        let lines = config.explain("m", None, "q", Some(code)).unwrap();
+        let get = |key: &str| {
+            let line = lines.iter().find(|l| l.key == key).unwrap_or_else(|| panic!("{key}"));
+            (line.value.clone(), line.source.to_string())
+        };
+        assert_eq!(get("dead_letter.retention"), ("3 days".into(), "[machines.m.queue]".into()));
+        assert_eq!(get("parallel_dispatch.enabled"), ("true".into(), "[parallel_dispatch]".into()));
+        assert_eq!(
+            get("parallel_dispatch.job_tries"),
+            ("5".into(), "[machines.m.parallel_dispatch]".into())
+        );
+        assert_eq!(get("parallel_dispatch.region_timeout"), ("off".into(), "default".into()));
     }
 }

@@ -355,6 +355,11 @@ impl StepMachine for ChartMachine {
         self.machine_ref()
     }
 
+    fn apply_settings(&mut self, settings: &keel_core::config::KeelConfig) {
+        let name = self.machine_ref().name;
+        self.parallel = settings.parallel_over(self.parallel.clone(), &name);
+    }
+
     fn unbound(&self) -> Vec<String> {
         self.missing_actions().into_iter().map(|a| format!("action `{a}`")).collect()
     }

@@ -4,7 +4,7 @@
 use async_trait::async_trait;
 use keel_core::SignalId;
 use keel_core::chart::TimerArm;
-use keel_core::config::QueueConfig;
+use keel_core::config::{KeelConfig, QueueConfig};
 use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
 use keel_core::retry::{ErrorClass, FailureKind};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
@@ -270,6 +270,14 @@ pub trait StepMachine: Send + Sync + 'static {
     fn step_config(&self, step: &str) -> QueueConfig {
         let _ = step;
         self.config()
+    }
+
+    /// Takes what the configuration file says about this machine beyond its queue
+    /// settings, once, when a worker that has a file registers it (the worker applies
+    /// timeout, retry and dead-letter settings per step itself). Default: nothing; a chart
+    /// takes `[parallel_dispatch]` and its own `[machines.<name>.parallel_dispatch]` here.
+    fn apply_settings(&mut self, settings: &KeelConfig) {
+        let _ = settings;
     }
 
     /// What this machine names but was not given, each as `kind `name``, e.g.

@@ -310,8 +310,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     }
 
     /// Registers a machine; the worker claims only the `(name, version)` pairs it has.
+    /// With a configuration file ([`WorkerConfig::with_settings`]) the machine first takes
+    /// the file's settings for it ([`StepMachine::apply_settings`]).
     #[must_use]
-    pub fn register(mut self, machine: impl StepMachine) -> Self {
+    pub fn register(mut self, mut machine: impl StepMachine) -> Self {
+        if let Some(settings) = &self.config.settings {
+            machine.apply_settings(settings);
+        }
         self.machines.insert(machine.machine(), Arc::new(machine));
         self
     }
@@ -370,7 +375,11 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
                     dead_letters.push(DeadLetterRetention {
                         namespace: namespace.clone(),
                         machine: machine.name.clone(),
-                        keep: m.config().dead_letter.retention,
+                        keep: self
+                            .config
+                            .step_config(m.config(), &machine.name, None)
+                            .dead_letter
+                            .retention,
                     });
                 }
             }

@@ -49,6 +49,8 @@ on_every_store!(
     the_region_timeout_fails_a_stuck_parallel_state_once,
     two_workers_finish_many_dispatches_with_exactly_one_done_each,
     a_region_task_over_its_job_timeout_fails_with_a_timeout_on_its_own_queue,
+    the_files_parallel_dispatch_turns_dispatch_on,
+    the_files_machine_section_turns_dispatch_off,
 );
 
 /// Two regions, each with an entry action that may raise the event finishing the region.
@@ -138,12 +140,21 @@ impl Workers {
 }
 
 fn spawn<S: TestStore>(h: &Harness<S>, m: ChartMachine) -> Workers {
+    spawn_with(h, m, None)
+}
+
+/// [`spawn`], the workers reading the configuration file `file` when given.
+fn spawn_with<S: TestStore>(h: &Harness<S>, m: ChartMachine, file: Option<&str>) -> Workers {
     let handles = vec![m; S::WORKERS]
         .into_iter()
         .enumerate()
         .map(|(n, m)| {
             let worker_id = WorkerId(format!("w{}", n + 1));
-            let config = WorkerConfig { worker_id, timers: None, ..h.config() };
+            let mut config = WorkerConfig { worker_id, timers: None, ..h.config() };
+            if let Some(file) = file {
+                let settings = keel_core::config::KeelConfig::load(file, |_| None).expect("file").0;
+                config = config.with_settings(settings).expect("applied");
+            }
             h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn()
         })
         .collect();
@@ -804,5 +815,47 @@ async fn a_region_task_over_its_job_timeout_fails_with_a_timeout_on_its_own_queu
     for task in region_tasks(&h, id).await {
         assert_eq!(h.client.get(task.id).await.unwrap().instance.queue, "regions");
     }
+    worker.shutdown().await;
+}
+
+/// The `MACROSTEP` entries that entered `processing`.
+async fn entering<S: TestStore>(h: &Harness<S>, id: InstanceId) -> Vec<Value> {
+    entries(h, id, "MACROSTEP")
+        .await
+        .into_iter()
+        .filter(|m| m["records"].as_array().is_some_and(|r| r.contains(&json!("enter processing"))))
+        .collect()
+}
+
+async fn the_files_parallel_dispatch_turns_dispatch_on<S: TestStore>() {
+    let h = S::harness().await;
+    // Dispatch is off in code; the file's system section turns it on.
+    let m = happy(ParallelConfig::default());
+    let id = h.start(m.new_instance(json!({}))).await;
+    let worker = spawn_with(&h, m, Some("[parallel_dispatch]\nenabled = true"));
+    let row = h.wait(id, "completed", |r| r.status == Status::Done).await;
+    assert_eq!(row.result.unwrap(), json!({ "inventory": true, "payment": true }));
+    let steps = entering(&h, id).await;
+    assert_eq!(steps.len(), 1);
+    assert_eq!(steps[0]["dispatched"], json!(true), "the entering step dispatched");
+    assert_eq!(region_tasks(&h, id).await.len(), 2, "one region task per region");
+    assert_eq!(entries(&h, id, "PARALLEL_DONE").await.len(), 1);
+    worker.shutdown().await;
+}
+
+async fn the_files_machine_section_turns_dispatch_off<S: TestStore>() {
+    let h = S::harness().await;
+    // Dispatch is on in code and in the system section; the machine's section wins.
+    let m = happy(config(3));
+    let id = h.start(m.new_instance(json!({}))).await;
+    let file = "[parallel_dispatch]\nenabled = true\n\
+                [machines.order.parallel_dispatch]\nenabled = false";
+    let worker = spawn_with(&h, m, Some(file));
+    let row = h.wait(id, "completed", |r| r.status == Status::Done).await;
+    assert_eq!(row.result.unwrap(), json!({ "inventory": true, "payment": true }));
+    let d = h.client.get(id).await.unwrap();
+    assert!(!dispatched(&d));
+    assert!(d.children.is_empty(), "no region task: the entry actions ran inline");
+    assert!(entries(&h, id, "PARALLEL_DONE").await.is_empty());
     worker.shutdown().await;
 }

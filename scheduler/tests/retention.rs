@@ -1,6 +1,7 @@
 //! Retention run by a worker's pruner under a virtual clock: ended instances older than
 //! the retention go (with their history), younger and live ones stay, a machine's own
-//! retention wins, and dead letters go after their machine's `dead_letter.retention`.
+//! retention wins, and dead letters go after their machine's `dead_letter.retention` (the
+//! configuration file's, when it sets one, over the code's).
 //! `memory::*` on `MemoryStore`, `postgres::*` on PostgreSQL (a fresh schema per test).
 
 #[macro_use]
@@ -21,6 +22,7 @@ use std::time::Duration;
 on_every_store!(
     the_pruner_removes_exactly_the_instances_ended_before_the_retention,
     dead_letters_go_after_their_machine_retention,
+    the_files_dead_letter_retention_wins_over_the_code,
 );
 
 const HOUR: Duration = Duration::from_secs(3_600);
@@ -151,6 +153,46 @@ async fn dead_letters_go_after_their_machine_retention<S: TestStore>() {
     let before = worker.pruned().runs;
     runs_after(&worker, before, 2).await;
     assert_eq!(letters().await, 0, "purged after its retention");
+    assert_eq!(worker.pruned().dead_letters, 1);
+    worker.shutdown().await;
+}
+
+async fn the_files_dead_letter_retention_wins_over_the_code<S: TestStore>() {
+    let h = S::harness().await;
+    // The code keeps dead letters two hours; the file says ten minutes for this machine.
+    let file = keel_core::config::KeelConfig::load(
+        "[machines.quick.queue.dead_letter]\nretention = \"10 minutes\"",
+        |_| None,
+    )
+    .expect("valid file")
+    .0;
+    let every =
+        RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
+    let config =
+        WorkerConfig { retention: Some(every), ..h.config() }.with_settings(file).expect("applied");
+    let worker = h.worker(config, Quick("quick"));
+    let id = h
+        .start(NewInstance::new(MachineRef::new("quick", 1), "go").context(json!({ "fail": true })))
+        .await;
+    h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+    let letters = || async {
+        h.client
+            .dead_letters(keel_core::ports::store::DeadLetterFilter {
+                limit: 10,
+                ..keel_core::ports::store::DeadLetterFilter::default()
+            })
+            .await
+            .expect("dead letters")
+            .len()
+    };
+    h.clock.advance(Duration::from_secs(9 * 60));
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert_eq!(letters().await, 1, "younger than the file's ten minutes");
+    h.clock.advance(Duration::from_secs(61));
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert_eq!(letters().await, 0, "purged after the file's retention, not the code's two hours");
     assert_eq!(worker.pruned().dead_letters, 1);
     worker.shutdown().await;
 }
