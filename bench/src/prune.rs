@@ -3,6 +3,13 @@
 //! (the baseline) and during it. The question it answers: does retention hold a lock that
 //! stalls claims? The ended rows are bulk-loaded with SQL (the setup is not what is
 //! measured); pruning runs the worker's `Pruner` with its default page size and pause.
+//!
+//! Claim latency on a shared machine also measures the machine (CPU, fsync), so the
+//! scenario answers the lock question directly too: while pruning runs, a third session
+//! samples `pg_locks` every [`LOCK_SAMPLE_EVERY`] for lock requests that are not granted
+//! and reports the longest wait it saw (`waitstart` to the sample) among this run's own
+//! sessions (the claimer's and the pruner's; other sessions on a shared server are not
+//! counted).
 
 use crate::report::{Report, quantile};
 use crate::stores::{Factory, StoreKind};
@@ -20,6 +27,8 @@ use std::time::{Duration, Instant};
 
 /// Ready instances the claimer cycles through (claimed, then released).
 const READY: usize = 2_000;
+/// How often the lock sampler looks at `pg_locks` while pruning runs.
+const LOCK_SAMPLE_EVERY: Duration = Duration::from_millis(2);
 /// How long the baseline claim loop runs before pruning starts.
 const BASELINE: Duration = Duration::from_secs(5);
 
@@ -31,7 +40,7 @@ pub async fn prune(factory: &Factory, n: usize) -> Result<Report> {
     let (store, scratch) = factory.postgres().await?;
     let result = run(&store, n).await;
     scratch.drop_schema().await;
-    let (loaded_s, pruned, prune_s, base, during) = result?;
+    let (loaded_s, pruned, prune_s, base, during, waits) = result?;
     let row = |phase: &str, l: &[f64]| {
         let max = l.last().copied().unwrap_or(0.0);
         vec![
@@ -55,11 +64,64 @@ pub async fn prune(factory: &Factory, n: usize) -> Result<Report> {
                 pruned as f64 / prune_s.max(1e-9)
             ),
             "each claim takes up to 10 ready rows and releases them".into(),
+            format!(
+                "lock waits while pruning ({} samples of pg_locks): {}",
+                waits.samples,
+                if waits.waits == 0 {
+                    "none seen".to_owned()
+                } else {
+                    format!(
+                        "{} waiting lock requests seen, the longest {:.1} ms",
+                        waits.waits, waits.longest_ms
+                    )
+                }
+            ),
         ],
     })
 }
 
-type Figures = (f64, u64, f64, Vec<f64>, Vec<f64>);
+type Figures = (f64, u64, f64, Vec<f64>, Vec<f64>, LockWaits);
+
+/// What the lock sampler saw.
+#[derive(Debug, Default)]
+struct LockWaits {
+    /// Samples taken.
+    samples: u64,
+    /// Distinct waiting lock requests seen (by backend and wait start).
+    waits: u64,
+    /// The longest wait seen, in ms.
+    longest_ms: f64,
+}
+
+/// Samples `pg_locks` until `stop` for lock requests not granted.
+async fn sample_lock_waits(
+    store: &keel_store_postgres::PgStore,
+    stop: &AtomicBool,
+) -> Result<LockWaits> {
+    let client = store.client().await?;
+    let app = crate::stores::application_name();
+    let mut seen = std::collections::HashSet::new();
+    let mut out = LockWaits::default();
+    while !stop.load(Ordering::Relaxed) {
+        let rows = client
+            .query(
+                "SELECT pid, waitstart::text,                    extract(epoch FROM clock_timestamp() - waitstart)::float8 * 1000                  FROM pg_locks WHERE NOT granted AND waitstart IS NOT NULL \
+                   AND pid IN (SELECT pid FROM pg_stat_activity WHERE application_name = $1)",
+                &[&app],
+            )
+            .await?;
+        out.samples += 1;
+        for row in rows {
+            let (pid, start, ms): (i32, String, f64) = (row.get(0), row.get(1), row.get(2));
+            if seen.insert((pid, start)) {
+                out.waits += 1;
+            }
+            out.longest_ms = out.longest_ms.max(ms);
+        }
+        tokio::time::sleep(LOCK_SAMPLE_EVERY).await;
+    }
+    Ok(out)
+}
 
 async fn run(store: &Arc<keel_store_postgres::PgStore>, n: usize) -> Result<Figures> {
     let loaded = Instant::now();
@@ -99,12 +161,17 @@ async fn run(store: &Arc<keel_store_postgres::PgStore>, n: usize) -> Result<Figu
         dead_letters: Vec::new(),
         stats: Arc::default(),
     };
+    let sampler = {
+        let (store, stop) = (Arc::clone(store), Arc::clone(&stop));
+        tokio::spawn(async move { sample_lock_waits(&store, &stop).await })
+    };
     let started = Instant::now();
     pruner.run_once(&**store, SystemClock.now()).await?;
     let prune_s = started.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     let during = claimer.await??;
-    Ok((loaded_s, pruner.stats.counts().instances, prune_s, base, during))
+    let waits = sampler.await??;
+    Ok((loaded_s, pruner.stats.counts().instances, prune_s, base, during, waits))
 }
 
 /// Claims (up to 10) and releases in a loop for `how_long` or until `stop`; returns each

@@ -79,7 +79,7 @@ impl Factory {
             std::process::id(),
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
-        let store = PgStore::connect(PgConfig::new(url).schema(schema.clone())).await?;
+        let store = PgStore::connect(PgConfig::new(named(&url)).schema(schema.clone())).await?;
         store.migrate().await?;
         let store = Arc::new(store);
         Ok((Arc::clone(&store), Scratch(Some((store, schema)))))
@@ -88,6 +88,24 @@ impl Factory {
     /// A fresh SQLite store in a temporary file.
     pub async fn sqlite(&self) -> Result<Arc<SqliteStore>> {
         Ok(Arc::new(SqliteStore::temporary().await?))
+    }
+}
+
+/// The `application_name` of this process's benchmark sessions, so a scenario can tell
+/// them from other sessions on a shared server (`pg_stat_activity`).
+pub fn application_name() -> String {
+    format!("keel-bench-{}", std::process::id())
+}
+
+/// `url` with [`application_name`], unless it names one already.
+fn named(url: &str) -> String {
+    if url.contains("application_name") {
+        url.to_owned()
+    } else if url.contains("://") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}application_name={}", application_name())
+    } else {
+        format!("{url} application_name={}", application_name())
     }
 }
 
