@@ -71,8 +71,8 @@ pub async fn prune(factory: &Factory, n: usize) -> Result<Report> {
                     "none seen".to_owned()
                 } else {
                     format!(
-                        "{} waiting lock requests seen, the longest {:.1} ms",
-                        waits.waits, waits.longest_ms
+                        "{} waiting lock requests seen, the longest {:.1} ms ({})",
+                        waits.waits, waits.longest_ms, waits.longest
                     )
                 }
             ),
@@ -91,6 +91,8 @@ struct LockWaits {
     waits: u64,
     /// The longest wait seen, in ms.
     longest_ms: f64,
+    /// What waited longest: lock type, mode and the start of the waiting statement.
+    longest: String,
 }
 
 /// Samples `pg_locks` until `stop` for lock requests not granted.
@@ -105,18 +107,25 @@ async fn sample_lock_waits(
     while !stop.load(Ordering::Relaxed) {
         let rows = client
             .query(
-                "SELECT pid, waitstart::text,                    extract(epoch FROM clock_timestamp() - waitstart)::float8 * 1000                  FROM pg_locks WHERE NOT granted AND waitstart IS NOT NULL \
-                   AND pid IN (SELECT pid FROM pg_stat_activity WHERE application_name = $1)",
+                "SELECT l.pid, l.waitstart::text, \
+                   extract(epoch FROM clock_timestamp() - l.waitstart)::float8 * 1000, \
+                   l.locktype || ' ' || l.mode || ': ' || left(a.query, 60) \
+                 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE NOT l.granted AND l.waitstart IS NOT NULL AND a.application_name = $1",
                 &[&app],
             )
             .await?;
         out.samples += 1;
         for row in rows {
-            let (pid, start, ms): (i32, String, f64) = (row.get(0), row.get(1), row.get(2));
+            let (pid, start, ms, what): (i32, String, f64, String) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
             if seen.insert((pid, start)) {
                 out.waits += 1;
             }
-            out.longest_ms = out.longest_ms.max(ms);
+            if ms > out.longest_ms {
+                out.longest_ms = ms;
+                out.longest = what;
+            }
         }
         tokio::time::sleep(LOCK_SAMPLE_EVERY).await;
     }
