@@ -324,7 +324,7 @@ fn per_key(claims: &[keel_core::ports::store::Claim]) -> std::collections::BTree
 pub async fn key_rate_limit_bounds_each_keys_starts<S: Store>(s: &S) {
     let ns = "claim_key_rate";
     let queue = "key_metered";
-    let (a, b, c) = ("krate-a", "krate-b", "krate-c");
+    let (key_a, key_b, key_c) = ("krate-a", "krate-b", "krate-c");
     let rows = |key: Option<&str>, n: usize| {
         (0..n)
             .map(|i| {
@@ -336,8 +336,8 @@ pub async fn key_rate_limit_bounds_each_keys_starts<S: Store>(s: &S) {
             })
             .collect::<Vec<_>>()
     };
-    let mut all = rows(Some(a), 10);
-    all.extend(rows(Some(b), 3));
+    let mut all = rows(Some(key_a), 10);
+    all.extend(rows(Some(key_b), 3));
     all.extend(rows(None, 1));
     insert(s, all, at(0)).await;
     let rate = RateLimit { starts: 4, per: Duration::from_secs(1), burst: 2 };
@@ -355,29 +355,33 @@ pub async fn key_rate_limit_bounds_each_keys_starts<S: Store>(s: &S) {
             .collect::<std::collections::BTreeMap<_, _>>()
     };
     let first = claim(s, params(20, 1_000)).await;
-    assert_eq!(per_key(&first), count(&[(a, 2), (b, 2), ("-", 1)]), "a new bucket: burst");
+    assert_eq!(per_key(&first), count(&[(key_a, 2), (key_b, 2), ("-", 1)]), "a new bucket: burst");
     assert!(claim(s, params(20, 1_000)).await.is_empty(), "both keys are out of tokens");
-    insert(s, rows(Some(c), 1), at(1_000)).await;
+    insert(s, rows(Some(key_c), 1), at(1_000)).await;
     let other = claim(s, params(20, 1_000)).await;
-    assert_eq!(per_key(&other), count(&[(c, 1)]), "another key is not held back");
+    assert_eq!(per_key(&other), count(&[(key_c, 1)]), "another key is not held back");
     assert!(claim(s, params(20, 1_200)).await.is_empty(), "0.8 tokens is not a start");
     let refilled = claim(s, params(20, 1_250)).await;
-    assert_eq!(per_key(&refilled), count(&[(a, 1), (b, 1)]), "one token each after 250 ms");
+    assert_eq!(per_key(&refilled), count(&[(key_a, 1), (key_b, 1)]), "one token each after 250 ms");
     // a's tokens cut its claim short, so a long gap gives it one period's worth (4, above
     // the burst); b ran dry and is idle, so this claim of the queue drops its full bucket.
     let period = claim(s, params(20, 3_000)).await;
-    assert_eq!(per_key(&period), count(&[(a, 4)]), "one period's worth");
-    insert(s, rows(Some(b), 5), at(3_000)).await;
+    assert_eq!(per_key(&period), count(&[(key_a, 4)]), "one period's worth");
+    insert(s, rows(Some(key_b), 5), at(3_000)).await;
     let later = claim(s, params(20, 60_000)).await;
     assert_eq!(
         per_key(&later),
-        count(&[(a, 3), (b, 2)]),
+        count(&[(key_a, 3), (key_b, 2)]),
         "a: its last 3 rows (4 tokens); b: a new bucket's burst"
     );
     let left = ClaimPolicy { key_limit: 10, ..ClaimPolicy::new(Strategy::Fifo) };
     let mut p = with_policy(ns, 20, at(60_000), left);
     p.queues = vec![queue.into()];
-    assert_eq!(per_key(&claim(s, p).await), count(&[(b, 3)]), "rows over the limit stayed ready");
+    assert_eq!(
+        per_key(&claim(s, p).await),
+        count(&[(key_b, 3)]),
+        "rows over the limit stayed ready"
+    );
     let mut p = params(10, 70_000);
     p.queues = Vec::new();
     expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "key rate limit without a queue");
