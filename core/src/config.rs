@@ -349,6 +349,9 @@ pub struct PartialQueueConfig {
     pub on_dead_letter: Option<OnDeadLetter>,
     /// See [`QueueConfig::alerts`].
     pub alerts: Option<AlertThresholds>,
+    /// The per-key rate limit of every queue without its own (`[queue]` only; see
+    /// [`QueueSettings::key_rate_limit`]).
+    pub key_rate_limit: Option<RateLimitSettings>,
 }
 
 impl PartialQueueConfig {
@@ -366,6 +369,7 @@ impl PartialQueueConfig {
             }),
             on_dead_letter: over.on_dead_letter.or(self.on_dead_letter),
             alerts: nested(self.alerts, over.alerts, AlertThresholds::overlay),
+            key_rate_limit: over.key_rate_limit.or(self.key_rate_limit),
         }
     }
 
@@ -415,6 +419,9 @@ impl PartialQueueConfig {
         }
         if let Some(retention) = self.dead_letter.and_then(|dead_letter| dead_letter.retention) {
             check_retention(path, retention)?;
+        }
+        if let Some(rate) = self.key_rate_limit {
+            rate.validate(&format!("{path}.key_rate_limit"))?;
         }
         Ok(())
     }
@@ -835,6 +842,9 @@ pub struct QueueSettings {
     pub key_concurrency: Option<u32>,
     /// Starts of this queue per period across all workers (a token bucket).
     pub rate_limit: Option<RateLimitSettings>,
+    /// Starts of each concurrency key of this queue per period across all workers (a
+    /// token bucket per key). Unset: `[queue] key_rate_limit`, else none.
+    pub key_rate_limit: Option<RateLimitSettings>,
 }
 
 /// `rate_limit = { starts = 100, per = "1 second", burst = 10 }`: at most `starts` steps of
@@ -854,6 +864,29 @@ pub struct RateLimitSettings {
 }
 
 impl RateLimitSettings {
+    /// Checks the fields, naming them under `path` (e.g. `queues.emails.rate_limit`).
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if self.starts == 0 {
+            return Err(ConfigError::invalid(
+                format!("{path}.starts"),
+                "must be at least 1; pause the queue to stop it",
+            ));
+        }
+        if self.burst == Some(0) {
+            return Err(ConfigError::invalid(
+                format!("{path}.burst"),
+                "must be at least 1 (starts at once after an idle spell); leave it out for `starts`",
+            ));
+        }
+        if self.per.is_zero() {
+            return Err(ConfigError::invalid(
+                format!("{path}.per"),
+                "must be greater than zero, e.g. \"1 second\"",
+            ));
+        }
+        Ok(())
+    }
+
     /// The token bucket a claim applies.
     pub fn limit(&self) -> crate::plan::claim::RateLimit {
         crate::plan::claim::RateLimit {
@@ -882,18 +915,10 @@ impl QueueSettings {
             ));
         }
         if let Some(rate) = self.rate_limit {
-            if rate.starts == 0 || rate.burst == Some(0) {
-                return Err(ConfigError::invalid(
-                    format!("{path}.rate_limit"),
-                    "starts and burst must be at least 1; pause the queue to stop it",
-                ));
-            }
-            if rate.per.is_zero() {
-                return Err(ConfigError::invalid(
-                    format!("{path}.rate_limit.per"),
-                    "must be greater than zero, e.g. \"1 second\"",
-                ));
-            }
+            rate.validate(&format!("{path}.rate_limit"))?;
+        }
+        if let Some(rate) = self.key_rate_limit {
+            rate.validate(&format!("{path}.key_rate_limit"))?;
         }
         if let Some(k) = self.key_concurrency
             && !(1..=QueueConfig::CONCURRENCY_LIMIT).contains(&k)
@@ -1073,6 +1098,12 @@ impl KeelConfig {
                     "the claim order belongs to a queue; set it under [queues.<name>] (or [queue] for every queue)",
                 );
             }
+            if !system && level.key_rate_limit.is_some() {
+                return refuse(
+                    "key_rate_limit",
+                    "a rate limit belongs to a queue; set it under [queues.<name>] (or [queue] for every queue)",
+                );
+            }
             if !system && level.concurrency.is_some() {
                 return refuse(
                     "concurrency",
@@ -1108,7 +1139,8 @@ impl KeelConfig {
     }
 
     /// The claim policy of `queue`: its strategy (its section, else `[queue]`, else
-    /// `fifo`), starvation bound and global limit.
+    /// `fifo`), starvation bound, global limit, key limit, rate limit and per-key rate
+    /// limit (its section, else `[queue]`).
     pub fn claim_policy(&self, queue: &str) -> crate::plan::claim::ClaimPolicy {
         let settings = self.queues.get(queue).copied().unwrap_or_default();
         crate::plan::claim::ClaimPolicy {
@@ -1117,6 +1149,7 @@ impl KeelConfig {
             global_limit: settings.global_concurrency,
             key_limit: settings.key_concurrency.unwrap_or(1),
             rate: settings.rate_limit.map(|r| r.limit()),
+            key_rate: settings.key_rate_limit.or(self.queue.key_rate_limit).map(|r| r.limit()),
         }
     }
 
@@ -1287,6 +1320,14 @@ impl KeelConfig {
             value: policy.key_limit.to_string(),
             source: qsource(settings.key_concurrency.is_some(), false),
         });
+        out.push(Effective {
+            key: format!("queues.{queue}.key_rate_limit"),
+            value: policy.key_rate.map_or_else(
+                || "none".to_owned(),
+                |r| format!("{} per {} per key, burst {}", r.starts, human(r.per), r.burst),
+            ),
+            source: qsource(settings.key_rate_limit.is_some(), self.queue.key_rate_limit.is_some()),
+        });
         // Parallel dispatch of a chart machine: its section over `[parallel_dispatch]`.
         let parallel = self.parallel_for(machine);
         let own = m.map(|m| &m.parallel_dispatch);
@@ -1348,6 +1389,8 @@ impl From<QueueConfig> for PartialQueueConfig {
             }),
             on_dead_letter: Some(c.on_dead_letter),
             alerts: Some(c.alerts),
+            // A queue's limits are not part of a step's configuration.
+            key_rate_limit: None,
         }
     }
 }
@@ -1863,6 +1906,85 @@ mod applied_tests {
             let error = KeelConfig::from_toml_str(toml).unwrap_err().to_string();
             assert!(error.starts_with(expected), "{error}");
         }
+    }
+
+    #[test]
+    fn key_rate_limit_is_parsed_inherited_from_queue_and_checked() {
+        use crate::plan::claim::RateLimit;
+        let config = KeelConfig::load(
+            "[queue]\nkey_rate_limit = { starts = 5, per = \"1 minute\" }\n\
+             [queues.api]\nkey_rate_limit = { starts = 20, per = \"1 second\", burst = 2 }\n\
+             key_concurrency = 3\n[queues.mail]\nstrategy = \"fifo\"",
+            |_| None,
+        )
+        .unwrap()
+        .0;
+        let api = config.claim_policy("api");
+        assert_eq!(
+            (api.key_rate, api.key_limit),
+            (Some(RateLimit { starts: 20, per: S(1), burst: 2 }), 3)
+        );
+        assert_eq!(
+            config.claim_policy("mail").key_rate,
+            Some(RateLimit { starts: 5, per: S(60), burst: 5 }),
+            "[queue] gives every queue its per-key limit; burst defaults to starts"
+        );
+        assert_eq!(KeelConfig::default().claim_policy("any").key_rate, None);
+        let lines = config.explain("m", None, "api", None).unwrap();
+        let line = lines.iter().find(|l| l.key == "queues.api.key_rate_limit").expect("listed");
+        assert_eq!(
+            (line.value.as_str(), line.source.to_string()),
+            ("20 per 1 second per key, burst 2", "[queues.api]".to_owned())
+        );
+        let lines = config.explain("m", None, "mail", None).unwrap();
+        let line = lines.iter().find(|l| l.key == "queues.mail.key_rate_limit").expect("listed");
+        assert_eq!(line.source.to_string(), "[queue]");
+        let lines = KeelConfig::default().explain("m", None, "q", None).unwrap();
+        let line = lines.iter().find(|l| l.key == "queues.q.key_rate_limit").expect("listed");
+        assert_eq!((line.value.as_str(), line.source.to_string()), ("none", "default".into()));
+        for (toml, expected) in [
+            (
+                "[queues.q]\nkey_rate_limit = { starts = 0, per = \"1s\" }",
+                "queues.q.key_rate_limit.starts: must be at least 1",
+            ),
+            (
+                "[queues.q]\nkey_rate_limit = { starts = 3, per = \"0s\" }",
+                "queues.q.key_rate_limit.per: must be greater than zero",
+            ),
+            (
+                "[queues.q]\nkey_rate_limit = { starts = 3, per = \"1s\", burst = 0 }",
+                "queues.q.key_rate_limit.burst: must be at least 1",
+            ),
+            (
+                "[queue]\nkey_rate_limit = { starts = 0, per = \"1s\" }",
+                "queue.key_rate_limit.starts: must be at least 1",
+            ),
+            (
+                "[queues.q]\nrate_limit = { starts = 0, per = \"1s\" }",
+                "queues.q.rate_limit.starts: must be at least 1",
+            ),
+        ] {
+            let error = KeelConfig::from_toml_str(toml).unwrap_err().to_string();
+            assert!(error.starts_with(expected), "{toml}: {error}");
+        }
+        // Unknown fields and a missing `per` are refused with the key's path.
+        for toml in [
+            "[queues.q]\nkey_rate_limit = { starts = 3, per = \"1s\", rate = 2 }",
+            "[queues.q]\nkey_rate_limit = { starts = 3 }",
+        ] {
+            let error = KeelConfig::from_toml_str(toml).unwrap_err().to_string();
+            assert!(error.contains("key_rate_limit"), "{toml}: {error}");
+        }
+        let error = KeelConfig::load(
+            "[machines.m.queue]\nkey_rate_limit = { starts = 3, per = \"1s\" }",
+            |_| None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.starts_with("machines.m.queue.key_rate_limit: is not applied here"),
+            "{error}"
+        );
     }
 
     #[test]

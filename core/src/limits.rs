@@ -13,6 +13,13 @@ pub const CLAIM_BATCH_MAX: usize = 1_000;
 /// with room; a claim that reaches it stops there and the next claim carries on after the
 /// last key it visited, so keys further on are served by later claims, never skipped.
 pub const CLAIM_KEYS_SCAN_MAX: usize = 1_000;
+/// Most rows of one concurrency key a claim takes under a per-key rate limit (however
+/// many tokens the key's bucket holds): the stores keep this many of a bucket's next token
+/// times, so a claim can count a key's tokens without the bucket's arithmetic.
+pub const KEY_RATE_ROOM_MAX: usize = 100;
+/// Most per-key rate buckets one claim deletes (buckets that are full and whose key has no
+/// ready row in the queue: a new bucket would hold the same tokens or fewer).
+pub const KEY_RATE_BUCKETS_PRUNE_MAX: usize = 100;
 /// Most step results one `step_commit` call may carry.
 pub const COMMIT_BATCH_MAX: usize = 1_000;
 /// Most signals one `signal_deliver` call may carry.

@@ -35,13 +35,20 @@ on_every_store!(
     a_key_limit_of_three_holds_across_three_workers,
 );
 
-// Ten seconds of real time: run on PostgreSQL only, where the limit is shared.
+/// Held by every test of this binary that measures a rate on real time, so they run one
+/// at a time: two of them at once would share the machine and measure each other.
+static RATES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+// Seconds of real time: run on PostgreSQL only, where the limit is shared, one at a time
+// (`RATES`).
 mod rate {
     on_stores!(memory: [], postgres: [
         a_rate_limit_of_100_per_second_holds_across_three_workers,
         a_rate_limit_with_a_burst_of_one_holds_across_three_workers,
+        a_key_rate_limit_holds_per_key_across_three_workers,
     ]);
     use super::{
+        a_key_rate_limit_holds_per_key_across_three_workers,
         a_rate_limit_of_100_per_second_holds_across_three_workers,
         a_rate_limit_with_a_burst_of_one_holds_across_three_workers,
     };
@@ -308,6 +315,7 @@ async fn a_rate_limit_with_a_burst_of_one_holds_across_three_workers<S: TestStor
 async fn rate_limit_holds<S: TestStore>(burst: u32) {
     const RATE: f64 = 100.0;
     const WINDOW: Duration = Duration::from_secs(10);
+    let _serial = RATES.lock().await;
     let h = S::harness().await;
     let file = settings(&format!(
         "[queues.metered]\nconcurrency = 20\nrate_limit = {{ starts = 100, per = \"1 second\", burst = {burst} }}"
@@ -347,6 +355,86 @@ async fn rate_limit_holds<S: TestStore>(burst: u32) {
         off * 100.0
     );
     assert!(off <= 0.05, "{in_window} starts in {WINDOW:?}, more than 5 % off {expected}");
+}
+
+/// Records when each step of each concurrency key (its context's `key`) started.
+#[derive(Default)]
+struct KeyStarts(std::sync::Mutex<Vec<(String, std::time::Instant)>>);
+
+struct KeyMetered(Arc<KeyStarts>);
+
+#[async_trait]
+impl StepMachine for KeyMetered {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let key = ctx.context["key"].as_str().unwrap_or_default().to_owned();
+        self.0.0.lock().expect("starts").push((key, std::time::Instant::now()));
+        Ok(Outcome::Done { result: json!("ok"), step: None })
+    }
+}
+
+/// Three workers share `key_rate_limit = 20 per second` (burst 20) from `keel.toml` on
+/// real time, for about 4 s, with more rows ready than that allows: each of two keys,
+/// running side by side, starts its burst at once and then 20 per second, within 5 %.
+/// Measured from a key's first start to its last, not against the run's end, where a
+/// worker between polls when the run stops would count as the limit's error.
+async fn a_key_rate_limit_holds_per_key_across_three_workers<S: TestStore>() {
+    const RUN: Duration = Duration::from_secs(4);
+    let _serial = RATES.lock().await;
+    let h = S::harness().await;
+    let file = settings(
+        "[queues.tenants]\nconcurrency = 10\nkey_concurrency = 50\n\
+         key_rate_limit = { starts = 20, per = \"1 second\" }",
+    );
+    let news: Vec<NewInstance> = (0..300)
+        .map(|i| {
+            let key = format!("rated-{}", i % 2);
+            NewInstance::new(machine(), "a")
+                .queue("tenants")
+                .concurrency_key(key.clone())
+                .context(json!({ "key": key }))
+        })
+        .collect();
+    h.client.start_many(news).await.expect("start");
+    let starts = Arc::new(KeyStarts::default());
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            let config = WorkerConfig {
+                worker_id: WorkerId(format!("tenants-{i}")),
+                queues: vec![("tenants".into(), 1)],
+                ..h.config()
+            }
+            .with_settings(file.clone())
+            .expect("applied");
+            keel_scheduler::Worker::new(Arc::clone(&h.store), keel_scheduler::SystemClock, config)
+                .register(KeyMetered(Arc::clone(&starts)))
+                .spawn()
+        })
+        .collect();
+    tokio::time::sleep(RUN).await;
+    for w in workers {
+        w.shutdown().await;
+    }
+    let all = starts.0.lock().expect("starts").clone();
+    for key in ["rated-0", "rated-1"] {
+        let mut times: Vec<_> = all.iter().filter(|(k, _)| k == key).map(|(_, t)| *t).collect();
+        times.sort();
+        let (first, last) = (*times.first().expect("the key started"), *times.last().expect("one"));
+        let span = last.duration_since(first).as_secs_f64();
+        assert!(span >= 3.0, "{key}: its starts spread over only {span:.2} s");
+        // The burst at once, then 20 per second.
+        let expected = 20.0 + 20.0 * span;
+        let got = times.len() as f64;
+        let off = (got - expected).abs() / expected;
+        println!(
+            "key rate limit 20/s, burst 20, 3 workers, real time: {key} started {got} in \
+             {span:.2} s ({:.1} % off {expected:.1}; measured under load)",
+            off * 100.0
+        );
+        assert!(off <= 0.05, "{key}: {got} starts in {span:.2} s, more than 5 % off {expected:.1}");
+    }
 }
 
 /// A ledger chart: `post` and `audit` run the `post` action, which appends the payload's

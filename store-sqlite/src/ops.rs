@@ -259,9 +259,31 @@ pub(crate) async fn claim(
             .fetch_one(&mut *db.conn)
             .await
             .map_err(db.err("counting a key's executing rows"))?;
-            let room = i64::from(p.policy.key_limit) - running;
+            let mut room = i64::from(p.policy.key_limit) - running;
             if room <= 0 {
                 continue;
+            }
+            if p.policy.key_rate.is_some() {
+                let stored: Option<(i64, i64, i64, bool)> = sqlx::query_as(
+                    "SELECT millitokens, at, carry, backlog <> 0 FROM keel_key_rate_buckets \
+                     WHERE queue = ? AND concurrency_key = ?",
+                )
+                .bind(&bucket_queue)
+                .bind(&key)
+                .fetch_optional(&mut *db.conn)
+                .await
+                .map_err(db.err("reading a key's rate bucket"))?;
+                let stored = stored.map(|(millitokens, at, carry, backlog)| claim::Bucket {
+                    millitokens,
+                    at: Timestamp(at),
+                    carry,
+                    backlog,
+                });
+                let tokens = planner.key_rate(&key, stored).unwrap_or(usize::MAX);
+                room = room.min(i64::try_from(tokens).unwrap_or(i64::MAX));
+                if room <= 0 {
+                    continue;
+                }
             }
             let rows = pick
                 .page(
@@ -345,6 +367,9 @@ pub(crate) async fn claim(
         .await
         .map_err(db.err("writing a queue's rate bucket"))?;
     }
+    if p.policy.key_rate.is_some() {
+        key_buckets_write(db, &bucket_queue, &planner.key_buckets_spent(), p.now).await?;
+    }
     // Every claimed row's inbox and children, in one query each.
     let ids: Vec<InstanceId> = taken.iter().map(|r| r.id).collect();
     let mut inboxes = db.inboxes(&ids, limits::CLAIM_INBOX_MAX).await?;
@@ -367,6 +392,51 @@ pub(crate) async fn claim(
         claims.push(Claim { inbox, children, instance: next });
     }
     Ok(claims)
+}
+
+/// Stores the per-key buckets of `queue` a claim spent, then deletes up to
+/// `KEY_RATE_BUCKETS_PRUNE_MAX` of the queue's buckets that are full and whose key has no
+/// ready row in the queue (a new bucket would start no more rows than they would).
+async fn key_buckets_write(
+    db: &mut Db<'_>,
+    queue: &str,
+    written: &[claim::KeyBucket],
+    now: Timestamp,
+) -> StoreResult<()> {
+    for k in written {
+        sqlx::query(
+            "INSERT INTO keel_key_rate_buckets \
+               (queue, concurrency_key, millitokens, at, carry, backlog, full_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (queue, concurrency_key) DO UPDATE SET \
+               millitokens = excluded.millitokens, at = excluded.at, carry = excluded.carry, \
+               backlog = excluded.backlog, full_at = excluded.full_at",
+        )
+        .bind(queue)
+        .bind(&k.key)
+        .bind(k.bucket.millitokens)
+        .bind(k.bucket.at.0)
+        .bind(k.bucket.carry)
+        .bind(k.bucket.backlog)
+        .bind(k.full_at.0)
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("writing a key's rate bucket"))?;
+    }
+    sqlx::query(
+        "DELETE FROM keel_key_rate_buckets WHERE rowid IN ( \
+           SELECT b.rowid FROM keel_key_rate_buckets b \
+           WHERE b.queue = ? AND b.full_at <= ? \
+             AND NOT EXISTS (SELECT 1 FROM keel_instances i WHERE i.status = 'runnable' \
+               AND i.queue = b.queue AND i.concurrency_key = b.concurrency_key) \
+           LIMIT ?)",
+    )
+    .bind(queue)
+    .bind(now.0)
+    .bind(limits::KEY_RATE_BUCKETS_PRUNE_MAX as i64)
+    .execute(&mut *db.conn)
+    .await
+    .map_err(db.err("deleting full rate buckets of idle keys"))?;
+    Ok(())
 }
 
 /// Offers one candidate to the claim planner and, when taken, writes it.

@@ -90,6 +90,7 @@ fn migrator() -> Migrator {
         migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
         migration(5, "operator reads", include_str!("../migrations/0005_operator_reads.sql")),
         migration(6, "fair claims", include_str!("../migrations/0006_fair_claims.sql")),
+        migration(7, "key rate buckets", include_str!("../migrations/0007_key_rate_buckets.sql")),
     ])
 }
 
@@ -330,6 +331,7 @@ impl Store for SqliteStore {
         ids: Vec<InstanceId>,
         params: ClaimParams,
     ) -> StoreResult<Vec<Claim>> {
+        params.validate_by_ids()?;
         write_tx!(self, |db| ops::claim(db, &params, Some(&ids)))
     }
 

@@ -119,6 +119,8 @@ struct State {
     guards: HashMap<Vec<u8>, InstanceId>,
     /// Rate-limit buckets by queue.
     buckets: HashMap<String, keel_core::plan::claim::Bucket>,
+    /// Per-key rate-limit buckets by (queue, concurrency key).
+    key_buckets: BTreeMap<(String, String), keel_core::plan::claim::Bucket>,
     /// Fair-claim rotation cursors by queue: the concurrency key served last.
     cursors: HashMap<String, String>,
     /// `(namespace, machine name, business key)` → newest instance.
@@ -195,7 +197,10 @@ impl State {
         p: &ClaimParams,
         only: Option<&std::collections::BTreeSet<InstanceId>>,
     ) -> StoreResult<Vec<Claim>> {
-        p.validate()?;
+        match only {
+            Some(_) => p.validate_by_ids()?,
+            None => p.validate()?,
+        }
         let mut candidates: Vec<InstanceId> = self
             .runnable
             .iter()
@@ -212,6 +217,10 @@ impl State {
         let fair = keel_core::plan::claim::is_fair(p, only.is_some());
         let cursor_queue = keel_core::plan::claim::cursor_queue(p).map(str::to_owned);
         let cursor = cursor_queue.as_ref().and_then(|q| self.cursors.get(q)).cloned();
+        let mut planner = ClaimPlanner::new(p);
+        // A rate limit names one queue (checked by `validate`).
+        let bucket_queue = p.queues.first().cloned().unwrap_or_default();
+        let refilled = planner.rate(self.buckets.get(&bucket_queue).copied());
         if fair {
             // Only rows the claim could take count towards their key's rounds.
             let rows = candidates
@@ -226,16 +235,27 @@ impl State {
                             .unwrap_or(false)
                 })
                 .cloned()
-                .collect();
+                .collect::<Vec<Instance>>();
+            // Under a per-key rate limit, each key's bucket (a key without one has a full
+            // one); only the keys of rows the claim could take are read.
+            if p.policy.key_rate.is_some() {
+                let keys: BTreeSet<&str> =
+                    rows.iter().filter_map(|r| r.concurrency_key.as_deref()).collect();
+                for key in keys {
+                    let stored =
+                        self.key_buckets.get(&(bucket_queue.clone(), key.to_owned())).copied();
+                    planner.key_rate(key, stored);
+                }
+            }
             // As many keys as the claim can take: its limit, lowered by the rate limit.
-            let bucket = p.queues.first().and_then(|q| self.buckets.get(q)).copied();
-            let cap = p.policy.rate.map_or(p.limit, |r| {
-                p.limit.min(keel_core::plan::claim::RateLimit::room(&r.refill(bucket, p.now)))
-            });
+            let cap = planner.cap();
             let room = |k: &str| {
                 let running = u32::try_from(self.executing_keys.get(k).copied().unwrap_or(0))
                     .unwrap_or(u32::MAX);
-                p.policy.key_limit.saturating_sub(running)
+                let room = p.policy.key_limit.saturating_sub(running);
+                planner
+                    .key_rate_room(k)
+                    .map_or(room, |tokens| room.min(u32::try_from(tokens).unwrap_or(u32::MAX)))
             };
             candidates = keel_core::plan::claim::fair_order(rows, cursor.as_deref(), cap, room)
                 .into_iter()
@@ -252,10 +272,6 @@ impl State {
             None => 0,
         };
         let mut claims = Vec::new();
-        let mut planner = ClaimPlanner::new(p);
-        // A rate limit names one queue (checked by `validate`).
-        let bucket_queue = p.queues.first().cloned().unwrap_or_default();
-        let refilled = planner.rate(self.buckets.get(&bucket_queue).copied());
         // Executing rows per key as they were before this claim: the planner counts the
         // rows it takes itself, so the rows this claim writes must not count twice.
         let executing_keys = self.executing_keys.clone();
@@ -301,9 +317,46 @@ impl State {
             };
         }
         if let Some(refilled) = refilled {
-            self.buckets.insert(bucket_queue, planner.spent(refilled));
+            self.buckets.insert(bucket_queue.clone(), planner.spent(refilled));
+        }
+        if let Some(rate) = p.policy.key_rate {
+            let written = planner.key_buckets_spent();
+            for k in &written {
+                self.key_buckets.insert((bucket_queue.clone(), k.key.clone()), k.bucket);
+            }
+            self.prune_key_buckets(&bucket_queue, rate, p.now);
         }
         Ok(claims)
+    }
+
+    /// Deletes up to [`limits::KEY_RATE_BUCKETS_PRUNE_MAX`] per-key buckets of `queue`
+    /// that are full at `now` and whose key has no ready row in the queue: a new bucket
+    /// would start no more rows than they would.
+    fn prune_key_buckets(
+        &mut self,
+        queue: &str,
+        rate: keel_core::plan::claim::RateLimit,
+        now: Timestamp,
+    ) {
+        let waiting: std::collections::HashSet<&str> = self
+            .runnable
+            .iter()
+            .map(|(_, _, id)| &self.rows[id])
+            .filter(|r| r.queue == queue)
+            .filter_map(|r| r.concurrency_key.as_deref())
+            .collect();
+        let idle: Vec<(String, String)> = self
+            .key_buckets
+            .iter()
+            .filter(|((q, k), b)| {
+                q == queue && !waiting.contains(k.as_str()) && rate.is_full(**b, now)
+            })
+            .map(|(qk, _)| qk.clone())
+            .take(limits::KEY_RATE_BUCKETS_PRUNE_MAX)
+            .collect();
+        for qk in idle {
+            self.key_buckets.remove(&qk);
+        }
     }
 
     // ----- commits ----------------------------------------------------------------------

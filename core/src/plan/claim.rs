@@ -17,6 +17,7 @@
 use crate::config::Strategy;
 use crate::error::{StoreError, StoreResult};
 use crate::instance::{Instance, Signal, undecodable_error};
+use crate::limits;
 use crate::outcome::{self, Applied};
 use crate::ports::store::ClaimParams;
 use crate::time::Timestamp;
@@ -46,6 +47,10 @@ pub struct ClaimPolicy {
     /// Starts of the queue per period across all workers (a token bucket); rows over it
     /// stay ready until tokens return.
     pub rate: Option<RateLimit>,
+    /// Starts of each concurrency key of the queue per period across all workers: one token
+    /// bucket per (queue, key). A keyed row is admitted only while its key's bucket holds a
+    /// token; rows over it stay ready, and other keys' rows are claimed meanwhile.
+    pub key_rate: Option<RateLimit>,
 }
 
 /// A token bucket: up to `burst` starts at once, refilled at `starts` per `per`.
@@ -138,6 +143,69 @@ impl RateLimit {
         Bucket { millitokens: bucket.millitokens.saturating_sub(spent), ..bucket }
     }
 
+    /// The earliest time, from the bucket's own `at` on, at which the refilled bucket passes
+    /// `reached` (which must stay true once it holds: tokens and the cap only grow with
+    /// time), or `None` when it never does. A binary search over [`refill`](Self::refill)
+    /// itself, so the answer follows the same exact accounting.
+    fn first_time(
+        &self,
+        b: Bucket,
+        tokens: u64,
+        reached: impl Fn(&Bucket) -> bool,
+    ) -> Option<Timestamp> {
+        if reached(&self.refill(Some(b), b.at)) {
+            return Some(b.at);
+        }
+        // `tokens` whole tokens accrue within `tokens / starts + 2` periods, from any bucket.
+        let periods = i128::from(tokens) / i128::from(self.starts.max(1)) + 2;
+        let span = Self::clamp(periods.saturating_mul(self.per_ms()));
+        let mut hi = b.at.0.saturating_add(span);
+        if !reached(&self.refill(Some(b), Timestamp(hi))) {
+            return None;
+        }
+        // Halves `lo..hi` each turn: at most 64 turns over i64 milliseconds.
+        let mut lo = b.at.0;
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if reached(&self.refill(Some(b), Timestamp(mid))) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        Some(Timestamp(hi))
+    }
+
+    /// The times at which the stored bucket `b` first holds 1, 2, … `most` whole tokens
+    /// (fewer when its cap stops it earlier), ascending. How many of them are at or before
+    /// a time is the bucket's room then, up to `most`, so a store can count a key's tokens
+    /// with a comparison of times.
+    pub fn token_times(&self, b: Bucket, most: usize) -> Vec<Timestamp> {
+        let mut out = Vec::with_capacity(most.min(limits::KEY_RATE_ROOM_MAX));
+        for n in 1..=most.min(limits::KEY_RATE_ROOM_MAX) {
+            let tokens = u64::try_from(n).unwrap_or(u64::MAX);
+            match self.first_time(b, tokens, |r| Self::room(r) >= n) {
+                Some(t) => out.push(t),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// When the stored bucket `b` is full (holds at least `burst` tokens, what a new bucket
+    /// holds); a bucket that is full and whose key has no ready row may be deleted, since a
+    /// new bucket would start no more rows than it.
+    pub fn full_at(&self, b: Bucket) -> Timestamp {
+        let cap = i64::from(self.burst).saturating_mul(1000);
+        self.first_time(b, u64::from(self.burst), |r| r.millitokens >= cap)
+            .unwrap_or(limits::TIMESTAMP_MAX)
+    }
+
+    /// Whether the stored bucket `b` is full at `now` (see [`full_at`](Self::full_at)).
+    pub fn is_full(&self, b: Bucket, now: Timestamp) -> bool {
+        self.refill(Some(b), now).millitokens >= i64::from(self.burst).saturating_mul(1000)
+    }
+
     /// The bucket to store after a claim that asked for `limit` rows took `taken` of them
     /// from the `refilled` bucket: spent, and marked as having rows waiting for tokens
     /// when the tokens (not the claim's own limit, nor a lack of ready rows) cut it short.
@@ -148,6 +216,50 @@ impl RateLimit {
     }
 }
 
+/// A concurrency key's bucket as a store writes it after a claim took rows of the key:
+/// the bucket, the times its next tokens arrive ([`RateLimit::token_times`], up to the
+/// key limit and [`limits::KEY_RATE_ROOM_MAX`]) and when it is full
+/// ([`RateLimit::full_at`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyBucket {
+    /// The concurrency key.
+    pub key: String,
+    /// The bucket after the claim.
+    pub bucket: Bucket,
+    /// When the bucket holds 1, 2, … whole tokens.
+    pub token_times: Vec<Timestamp>,
+    /// When the bucket is full again.
+    pub full_at: Timestamp,
+}
+
+/// How many rows of a key the refilled bucket `refilled` admits in one claim: its whole
+/// tokens, at most [`limits::KEY_RATE_ROOM_MAX`].
+pub fn key_rate_room(refilled: &Bucket) -> usize {
+    RateLimit::room(refilled).min(limits::KEY_RATE_ROOM_MAX)
+}
+
+/// The bucket of `key` to store after a claim of `limit` rows under `policy` took `taken`
+/// rows of the key at `now`, from its `stored` bucket (`None`: a new, full bucket). The
+/// exact accounting of the queue's bucket ([`RateLimit::after_claim`]), per key.
+pub fn key_bucket_after(
+    policy: &ClaimPolicy,
+    key: &str,
+    stored: Option<Bucket>,
+    now: Timestamp,
+    limit: usize,
+    taken: usize,
+) -> Option<KeyBucket> {
+    let rate = policy.key_rate?;
+    let bucket = RateLimit::after_claim(rate.refill(stored, now), limit, taken);
+    let most = usize::try_from(policy.key_limit).unwrap_or(usize::MAX);
+    Some(KeyBucket {
+        key: key.to_owned(),
+        bucket,
+        token_times: rate.token_times(bucket, most),
+        full_at: rate.full_at(bucket),
+    })
+}
+
 impl Default for ClaimPolicy {
     fn default() -> Self {
         ClaimPolicy {
@@ -156,6 +268,7 @@ impl Default for ClaimPolicy {
             global_limit: None,
             key_limit: 1,
             rate: None,
+            key_rate: None,
         }
     }
 }
@@ -180,6 +293,7 @@ impl ClaimPolicy {
             && self.global_limit.is_none()
             && self.key_limit == 1
             && self.rate.is_none()
+            && self.key_rate.is_none()
     }
 
     /// `eligible_at` at or before which a row is starving at `now`, when the policy has a
@@ -206,9 +320,9 @@ impl ClaimPolicy {
     }
 
     /// Whether a claim under this policy must be serialized with the other claims of its
-    /// queue (it reads and writes queue-wide state: the executing count, the bucket).
+    /// queue (it reads and writes queue-wide state: the executing count, the buckets).
     pub fn is_queue_wide(&self) -> bool {
-        self.global_limit.is_some() || self.rate.is_some()
+        self.global_limit.is_some() || self.rate.is_some() || self.key_rate.is_some()
     }
 
     /// The full claim order key of a row at `now`.
@@ -248,6 +362,19 @@ impl ClaimPolicy {
             if queues.len() != 1 {
                 return Err(StoreError::invalid(format!(
                     "policy.rate: a rate limit is counted per queue, so the claim must name exactly one queue (it names {})",
+                    queues.len()
+                )));
+            }
+        }
+        if let Some(rate) = self.key_rate {
+            if rate.starts == 0 || rate.burst == 0 || rate.per.is_zero() {
+                return Err(StoreError::invalid(
+                    "policy.key_rate: starts, burst and per must be greater than zero; pause the queue to stop it",
+                ));
+            }
+            if queues.len() != 1 {
+                return Err(StoreError::invalid(format!(
+                    "policy.key_rate: a key's bucket is counted per queue, so the claim must name exactly one queue (it names {})",
                     queues.len()
                 )));
             }
@@ -292,6 +419,9 @@ pub struct ClaimPlanner<'a> {
     taken: usize,
     /// Most rows this claim takes: the claim's limit, lowered by the rate limit's room.
     cap: usize,
+    /// Under a per-key rate limit: each key's stored bucket refilled to the claim's time,
+    /// with how many of its rows the claim may take ([`key_rate_room`]).
+    key_buckets: HashMap<String, (Option<Bucket>, usize)>,
 }
 
 impl<'a> ClaimPlanner<'a> {
@@ -303,7 +433,51 @@ impl<'a> ClaimPlanner<'a> {
             per_queue: HashMap::new(),
             taken: 0,
             cap: params.limit,
+            key_buckets: HashMap::new(),
         }
+    }
+
+    /// Under a per-key rate limit, reads the stored bucket of concurrency key `key`
+    /// (`None`: the key has none, so a new, full one) and returns how many of the key's
+    /// rows the claim may take; `None` without a per-key rate limit. A store calls it for
+    /// every key whose rows it offers: a keyed row of a key it was not called for is not
+    /// admitted.
+    pub fn key_rate(&mut self, key: &str, stored: Option<Bucket>) -> Option<usize> {
+        let rate = self.params.policy.key_rate?;
+        let room = key_rate_room(&rate.refill(stored, self.params.now));
+        self.key_buckets.insert(key.to_owned(), (stored, room));
+        Some(room)
+    }
+
+    /// How many more rows of `key` the per-key rate limit admits in this claim (`None`:
+    /// no per-key rate limit).
+    pub fn key_rate_room(&self, key: &str) -> Option<usize> {
+        self.params.policy.key_rate?;
+        let room = self.key_buckets.get(key).map_or(0, |(_, room)| *room);
+        let taken = usize::try_from(self.keys.get(key).copied().unwrap_or(0)).unwrap_or(usize::MAX);
+        Some(room.saturating_sub(taken))
+    }
+
+    /// The buckets to store after the claim: one per key the claim took rows of
+    /// ([`key_bucket_after`]). Keys that took none keep their stored bucket.
+    pub fn key_buckets_spent(&self) -> Vec<KeyBucket> {
+        let mut out: Vec<KeyBucket> = self
+            .key_buckets
+            .iter()
+            .filter_map(|(key, (stored, _))| {
+                let taken = usize::try_from(*self.keys.get(key)?).unwrap_or(usize::MAX);
+                key_bucket_after(
+                    &self.params.policy,
+                    key,
+                    *stored,
+                    self.params.now,
+                    self.params.limit,
+                    taken,
+                )
+            })
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
     }
 
     /// Whether the claim has taken as many rows as it asked for.
@@ -341,7 +515,8 @@ impl<'a> ClaimPlanner<'a> {
             && matches(p, row)
             && !read.queue_paused
             && self.under_global_limit(&row.queue, read.queue_executing)
-            && row.concurrency_key.as_ref().is_none_or(|k| self.under_key_limit(k, read));
+            && row.concurrency_key.as_ref().is_none_or(|k| self.under_key_limit(k, read))
+            && row.concurrency_key.as_ref().is_none_or(|k| self.key_rate_room(k) != Some(0));
         admitted.then(|| outcome::claim(row, &p.worker, p.lease, p.now))
     }
 
@@ -744,5 +919,84 @@ mod fair_tests {
         assert_eq!(cursor_after(None, &taken, true).as_deref(), Some("c"));
         assert_eq!(cursor_after(Some("x".into()), &taken, false).as_deref(), Some("x"));
         assert_eq!(cursor_after(Some("x".into()), &taken[1..2], true).as_deref(), Some("x"));
+    }
+}
+
+#[cfg(test)]
+mod key_rate_tests {
+    use super::*;
+    use crate::ids::{InstanceId, MachineRef, WorkerId};
+    use crate::instance::NewInstance;
+
+    fn row(id: i64, key: &str) -> Instance {
+        let mut new = NewInstance::new(MachineRef::new("m", 1), "s");
+        new.concurrency_key = Some(key.to_owned());
+        Instance::from_new(InstanceId(id), &new, None, Timestamp(0))
+    }
+
+    fn params(now: i64, policy: ClaimPolicy) -> ClaimParams {
+        ClaimParams {
+            worker: WorkerId("w".into()),
+            namespaces: vec![],
+            queues: vec!["default".into()],
+            machines: vec![],
+            limit: 10,
+            lease: Duration::from_secs(30),
+            now: Timestamp(now),
+            policy,
+        }
+    }
+
+    #[test]
+    fn a_key_takes_no_more_rows_than_its_bucket_and_other_keys_are_unaffected() {
+        let rate = RateLimit { starts: 2, per: Duration::from_secs(1), burst: 2 };
+        let policy = ClaimPolicy { key_rate: Some(rate), key_limit: 5, ..ClaimPolicy::default() };
+        let p = params(1_000, policy);
+        let mut planner = ClaimPlanner::new(&p);
+        assert_eq!(planner.key_rate("a", None), Some(2), "a new bucket is full");
+        let spent = Bucket { millitokens: 500, at: Timestamp(900), carry: 0, backlog: true };
+        assert_eq!(planner.key_rate("b", Some(spent)), Some(0), "0.7 tokens");
+        let mut taken = Vec::new();
+        for (id, key) in [(1, "a"), (2, "b"), (3, "a"), (4, "a"), (5, "c")] {
+            if let Some(next) = planner.offer(&row(id, key), CandidateRead::default()) {
+                assert!(planner.take(&next, false));
+                taken.push(id);
+            }
+        }
+        assert_eq!(taken, vec![1, 3], "two tokens of a; none of b; c was never read");
+        let written = planner.key_buckets_spent();
+        assert_eq!(written.len(), 1, "only keys that took rows are written");
+        assert_eq!((written[0].key.as_str(), written[0].bucket.millitokens), ("a", 0));
+        // Tokens come back at 2 per second: one at 1.5 s, two at 2 s (capped there).
+        assert_eq!(written[0].token_times, vec![Timestamp(1_500), Timestamp(2_000)]);
+        assert_eq!(written[0].full_at, Timestamp(2_000));
+        assert!(
+            ClaimPolicy { key_rate: Some(rate), ..ClaimPolicy::default() }.validate(&[]).is_err()
+        );
+        let bad = RateLimit { starts: 0, ..rate };
+        let e = ClaimPolicy { key_rate: Some(bad), ..ClaimPolicy::default() }
+            .validate(&p.queues)
+            .unwrap_err();
+        assert!(e.message.contains("policy.key_rate"), "{}", e.message);
+    }
+
+    #[test]
+    fn token_times_count_the_room_of_the_refilled_bucket() {
+        for (starts, per_ms, burst) in [(20, 1_000, 1), (7, 3_000, 4), (100, 1_000, 10)] {
+            let rate = RateLimit { starts, per: Duration::from_millis(per_ms), burst };
+            for b in [
+                Bucket { millitokens: 0, at: Timestamp(10_000), carry: 0, backlog: false },
+                Bucket { millitokens: 300, at: Timestamp(10_000), carry: 5, backlog: true },
+            ] {
+                let times = rate.token_times(b, 50);
+                for t in (10_000..10_000 + 2 * per_ms as i64 + 50).step_by(7) {
+                    let counted = times.iter().filter(|x| x.0 <= t).count();
+                    let room = RateLimit::room(&rate.refill(Some(b), Timestamp(t))).min(50);
+                    assert_eq!(counted, room, "{starts}/{per_ms}ms burst {burst} at {t}");
+                }
+                let full = rate.full_at(b);
+                assert!(rate.is_full(b, full) && !rate.is_full(b, Timestamp(full.0 - 1)));
+            }
+        }
     }
 }

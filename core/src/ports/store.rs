@@ -99,6 +99,20 @@ impl ClaimParams {
         check_batch("limit", self.limit, limits::CLAIM_BATCH_MAX)?;
         self.policy.validate(&self.queues)
     }
+
+    /// Checks a claim of named instances (`Store::instance_claim_ids`): as
+    /// [`validate`](Self::validate), and refuses a per-key rate limit, which a claim of
+    /// the queue applies (it walks the queue's keys; a hint claim leaves such queues to
+    /// the claim loop).
+    pub fn validate_by_ids(&self) -> StoreResult<()> {
+        self.validate()?;
+        if self.policy.key_rate.is_some() {
+            return Err(StoreError::invalid(
+                "policy.key_rate: a claim of named instances cannot apply a per-key rate limit; claim the queue instead",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// One page of [`Store::instance_ready_stale`]: ready instances that have been ready for

@@ -144,7 +144,10 @@ static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::
 /// instances. Parameters: `$1`–`$8` as in every claim, `$9` the queue's global limit
 /// (counted like the ids claim's), `$10` the key limit, `$11` the claim's one queue
 /// (`plan::claim::cursor_queue`; NULL: no rotation cursor), `$12` the starvation bound
-/// (ranked order only).
+/// (ranked order only; NULL otherwise), `$13` under a per-key rate limit the tokens of a
+/// new bucket (`plan::claim::key_rate_room` of a full one; NULL: no per-key rate limit)
+/// and `$14` the claim's time in epoch milliseconds (what the buckets' token times are
+/// compared with).
 ///
 /// - `uc`: the rows without a key, the first `limit` in claim order, locked as they are
 ///   found (`FOR UPDATE SKIP LOCKED`, as the plain picker always did), over the pickers
@@ -152,7 +155,8 @@ static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::
 /// - `scan`: a skip scan over the distinct `(queue, key)` pairs with runnable rows, one
 ///   index probe per key (`instances_fair`), in rotation order: the keys after the cursor,
 ///   then (with a cursor) from the first key up to and including it. Each key's room is
-///   its limit less its executing rows (a count that stops at the limit). The scan stops
+///   its limit less its executing rows (a count that stops at the limit), and under a
+///   per-key rate limit at most its bucket's whole tokens (one primary-key probe). The scan stops
 ///   after as many keys with room and a due row as the claim can take, or after
 ///   `CLAIM_KEYS_SCAN_MAX` keys. A key at its limit costs one probe, however many rows
 ///   it has waiting.
@@ -226,11 +230,17 @@ fn fair_sql(order: Order, global: bool) -> String {
              WHERE n.status = 'runnable' AND n.concurrency_key IS NOT NULL \
                AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3)) \
              ORDER BY n.queue, n.concurrency_key LIMIT 1";
-    // A key's room, and whether it has a due row the claim could take.
-    let room = |k: &str| {
+    // A key's room: its limit less its executing rows and, under a per-key rate limit
+    // (`cur.key_burst` set), at most the whole tokens of its bucket now (the stored times
+    // its next tokens arrive that are past; a key without a bucket has a new one's burst).
+    let room = |q: &str, k: &str| {
         format!(
-            "$10::int4 - (SELECT count(*) FROM (SELECT 1 FROM instances e \
-               WHERE e.status = 'executing' AND e.concurrency_key = {k} LIMIT $10::int4) z)::int4"
+            "least($10::int4 - (SELECT count(*) FROM (SELECT 1 FROM instances e \
+               WHERE e.status = 'executing' AND e.concurrency_key = {k} LIMIT $10::int4) z)::int4, \
+             CASE WHEN cur.key_burst IS NULL THEN $10::int4 ELSE coalesce( \
+               (SELECT (SELECT count(*) FROM unnest(b.token_times) t WHERE t <= cur.now_ms)::int4 \
+                FROM key_rate_buckets b WHERE b.queue = {q} AND b.concurrency_key = {k}), \
+               cur.key_burst) END)"
         )
     };
     // In index order with a limit rather than `EXISTS`, so the planner walks the key's
@@ -245,7 +255,8 @@ fn fair_sql(order: Order, global: bool) -> String {
     format!(
         "WITH RECURSIVE cur AS ( \
            SELECT (SELECT after_key FROM claim_cursors WHERE queue = $11::text) AS k, \
-             $9::int8 AS global_limit \
+             $9::int8 AS global_limit, $12::timestamptz AS starving, $13::int4 AS key_burst, \
+             $14::int8 AS now_ms \
          ), uc AS ( \
            SELECT i.id, i.concurrency_key AS ckey, ({key_i}) AS ord, {guard} AS guard \
            FROM instances i \
@@ -347,8 +358,8 @@ fn fair_sql(order: Order, global: bool) -> String {
          FROM u ORDER BY u.fair_rnd, u.fair_ord",
         due_s = due("s.q", "s.k"),
         due_nx = due("nx.q", "nx.k"),
-        room_st = room("st.k"),
-        room_z = room("z.k"),
+        room_st = room("st.q", "st.k"),
+        room_z = room("z.q", "z.k"),
         next_scan = next_after("scan.q", "scan.k"),
         keys_max = limits::CLAIM_KEYS_SCAN_MAX,
         claimed = claimed_rows(),
@@ -483,6 +494,99 @@ pub(crate) async fn rate_spent<C: GenericClient + Sync>(
     Ok(())
 }
 
+/// Stores the per-key buckets after a claim under a per-key rate limit took `taken` rows
+/// of each key (`plan::claim::key_bucket_after` from the stored bucket, for the keys that
+/// took rows), and deletes up to `KEY_RATE_BUCKETS_PRUNE_MAX` of the queue's buckets that
+/// are full and whose key has no ready row. Runs under the queue's claim lock, like the
+/// claim it follows.
+pub(crate) async fn key_rate_spent<C: GenericClient + Sync>(
+    c: &C,
+    p: &ClaimParams,
+    taken: &std::collections::BTreeMap<String, usize>,
+) -> OpResult<()> {
+    if p.policy.key_rate.is_none() {
+        return Ok(());
+    }
+    let queue = &p.queues[0];
+    let keys: Vec<&str> = taken.keys().map(String::as_str).collect();
+    let read = c
+        .prepare_cached(
+            "SELECT concurrency_key, millitokens, at_ms, carry, backlog FROM key_rate_buckets \
+             WHERE queue = $1 AND concurrency_key = ANY($2::text[])",
+        )
+        .await?;
+    let stored: HashMap<String, plan::claim::Bucket> = c
+        .query(&read, &[queue, &keys])
+        .await?
+        .iter()
+        .map(|r| {
+            let bucket = plan::claim::Bucket {
+                millitokens: r.get(1),
+                at: Timestamp(r.get(2)),
+                carry: r.get(3),
+                backlog: r.get(4),
+            };
+            (r.get::<_, String>(0), bucket)
+        })
+        .collect();
+    let written: Vec<plan::claim::KeyBucket> = taken
+        .iter()
+        .filter_map(|(key, n)| {
+            plan::claim::key_bucket_after(
+                &p.policy,
+                key,
+                stored.get(key).copied(),
+                p.now,
+                p.limit,
+                *n,
+            )
+        })
+        .collect();
+    let millitokens: Vec<i64> = written.iter().map(|k| k.bucket.millitokens).collect();
+    let at: Vec<i64> = written.iter().map(|k| k.bucket.at.0).collect();
+    let carry: Vec<i64> = written.iter().map(|k| k.bucket.carry).collect();
+    let backlog: Vec<bool> = written.iter().map(|k| k.bucket.backlog).collect();
+    let times: Vec<String> = written
+        .iter()
+        .map(|k| {
+            let list: Vec<String> = k.token_times.iter().map(|t| t.0.to_string()).collect();
+            format!("{{{}}}", list.join(","))
+        })
+        .collect();
+    let full_at: Vec<i64> = written.iter().map(|k| k.full_at.0).collect();
+    let write = c
+        .prepare_cached(&format!(
+            "WITH gc AS ( \
+               DELETE FROM key_rate_buckets d WHERE (d.queue, d.concurrency_key) IN ( \
+                 SELECT b.queue, b.concurrency_key FROM key_rate_buckets b \
+                 WHERE b.queue = $1 AND b.full_at_ms <= $9 \
+                   AND NOT (b.concurrency_key = ANY($2::text[])) \
+                   AND NOT EXISTS (SELECT 1 FROM instances i WHERE i.status = 'runnable' \
+                     AND i.queue = b.queue AND i.concurrency_key = b.concurrency_key) \
+                 ORDER BY b.full_at_ms LIMIT {prune}) \
+               RETURNING 1 \
+             ) \
+             INSERT INTO key_rate_buckets \
+               (queue, concurrency_key, millitokens, at_ms, carry, backlog, token_times, full_at_ms) \
+             SELECT $1, u.k, u.m, u.a, u.c, u.b, u.t::int8[], u.f \
+             FROM unnest($2::text[], $3::int8[], $4::int8[], $5::int8[], $6::bool[], $7::text[], \
+               $8::int8[]) AS u(k, m, a, c, b, t, f) \
+             ON CONFLICT (queue, concurrency_key) DO UPDATE SET \
+               millitokens = excluded.millitokens, at_ms = excluded.at_ms, \
+               carry = excluded.carry, backlog = excluded.backlog, \
+               token_times = excluded.token_times, full_at_ms = excluded.full_at_ms",
+            prune = limits::KEY_RATE_BUCKETS_PRUNE_MAX,
+        ))
+        .await?;
+    let keys: Vec<&str> = written.iter().map(|k| k.key.as_str()).collect();
+    c.execute(
+        &write,
+        &[queue, &keys, &millitokens, &at, &carry, &backlog, &times, &full_at, &p.now.0],
+    )
+    .await?;
+    Ok(())
+}
+
 /// What one claim statement returned: the claims to hand out, and the claimed rows that
 /// could not be decoded (each with the decode error), which [`poison`] dead-letters.
 #[derive(Default)]
@@ -515,6 +619,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let key_limit = i32::try_from(policy.key_limit).unwrap_or(i32::MAX);
     let starving = policy.starving_at_or_before(p.now).map(ts);
     let cursor_queue: Option<&str> = plan::claim::cursor_queue(p);
+    let key_burst: Option<i32> = policy.key_rate.map(|r| {
+        let full = plan::claim::key_rate_room(&r.refill(None, p.now));
+        i32::try_from(full).unwrap_or(i32::MAX)
+    });
+    let now_ms = p.now.0;
     let stmt = match &ids {
         Some(ids) if policy.is_plain_priority() => {
             params.push(ids);
@@ -544,22 +653,27 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             let probe = c.prepare_cached(KEYED_READY).await?;
             let keyed: bool = c.query_one(&probe, &[&p.queues]).await?.get(0);
             let limited = global.is_some();
-            let sql: &str = match (keyed, policy.strategy, &starving, limited) {
-                (false, Strategy::Fifo, _, false) => &UNKEYED_FIFO,
-                (false, Strategy::Fifo, _, true) => &UNKEYED_FIFO_LIMITED,
-                (false, Strategy::Priority, None, false) => &UNKEYED_PRIORITY,
-                (false, Strategy::Priority, None, true) => &UNKEYED_PRIORITY_LIMITED,
-                (true, Strategy::Fifo, _, false) => &FAIR_FIFO,
-                (true, Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
-                (true, Strategy::Priority, None, false) => &FAIR_PRIORITY,
-                (true, Strategy::Priority, None, true) => &FAIR_PRIORITY_LIMITED,
-                (keyed, Strategy::Priority, Some(bound), _) => {
-                    params.push(bound);
-                    match (keyed, limited) {
-                        (false, false) => &UNKEYED_RANKED,
-                        (false, true) => &UNKEYED_RANKED_LIMITED,
-                        (true, false) => &FAIR_RANKED,
-                        (true, true) => &FAIR_RANKED_LIMITED,
+            let sql: &str = if keyed {
+                params.push(&starving);
+                params.push(&key_burst);
+                params.push(&now_ms);
+                match (policy.strategy, starving.is_some(), limited) {
+                    (Strategy::Fifo, _, false) => &FAIR_FIFO,
+                    (Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
+                    (Strategy::Priority, false, false) => &FAIR_PRIORITY,
+                    (Strategy::Priority, false, true) => &FAIR_PRIORITY_LIMITED,
+                    (Strategy::Priority, true, false) => &FAIR_RANKED,
+                    (Strategy::Priority, true, true) => &FAIR_RANKED_LIMITED,
+                }
+            } else {
+                match (policy.strategy, &starving, limited) {
+                    (Strategy::Fifo, _, false) => &UNKEYED_FIFO,
+                    (Strategy::Fifo, _, true) => &UNKEYED_FIFO_LIMITED,
+                    (Strategy::Priority, None, false) => &UNKEYED_PRIORITY,
+                    (Strategy::Priority, None, true) => &UNKEYED_PRIORITY_LIMITED,
+                    (Strategy::Priority, Some(bound), _) => {
+                        params.push(bound);
+                        if limited { &UNKEYED_RANKED_LIMITED } else { &UNKEYED_RANKED }
                     }
                 }
             };

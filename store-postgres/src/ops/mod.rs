@@ -96,11 +96,15 @@ macro_rules! in_tx {
 impl PgStore {
     /// A claim, of any ready instances or (with `ids`) of the named ones only.
     async fn claim(&self, params: ClaimParams, ids: Option<&[i64]>) -> StoreResult<Vec<Claim>> {
-        params.validate()?;
+        match ids {
+            Some(_) => params.validate_by_ids()?,
+            None => params.validate()?,
+        }
         let mut tries = 0u32;
         loop {
-            // A queue with a global limit is claimed in a short transaction under its
-            // claim lock; every other claim is one autocommit statement.
+            // A queue with a global limit or a rate limit (of the queue or per key) is
+            // claimed in a short transaction under its claim lock; every other claim is
+            // one autocommit statement.
             let limited = params.policy.is_queue_wide();
             let mut conn = self.conn().await?;
             conn.in_tx = false;
@@ -120,6 +124,15 @@ impl PgStore {
                             claimed
                         }
                     };
+                    // Per-key buckets: what each key took, written back under the lock.
+                    let mut per_key = std::collections::BTreeMap::<String, usize>::new();
+                    let rows = claimed.claims.iter().map(|c| &c.instance);
+                    for row in rows.chain(claimed.undecodable.iter().map(|(r, _)| r)) {
+                        if let Some(key) = &row.concurrency_key {
+                            *per_key.entry(key.clone()).or_default() += 1;
+                        }
+                    }
+                    claim::key_rate_spent(c, &params, &per_key).await?;
                     commit_tx(c).await?;
                     Ok::<_, OpError>(claimed)
                 };

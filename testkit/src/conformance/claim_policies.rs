@@ -303,3 +303,121 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     let single = insert(s, vec![mk("fair_q2", Some(&lone), 299)], at(299)).await;
     assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..plain }).await), vec![single[0].id()]);
 }
+
+/// How many of `claims` are rows of each concurrency key (`-` for rows without one).
+fn per_key(claims: &[keel_core::ports::store::Claim]) -> std::collections::BTreeMap<String, usize> {
+    let mut out = std::collections::BTreeMap::new();
+    for c in claims {
+        let key = c.instance.concurrency_key.clone().unwrap_or_else(|| "-".to_owned());
+        *out.entry(key).or_default() += 1;
+    }
+    out
+}
+
+/// A per-key rate limit gives every concurrency key of a queue its own token bucket,
+/// across claims and claimers: a key's starts are bounded by its bucket (new: `burst`;
+/// refilled at `starts` per `per`, fractions carried, above `burst` only with what accrued
+/// since a claim its tokens cut short, at most one period's worth), while other keys'
+/// rows and rows without a key are still claimed. Rows over a key's limit stay ready. The
+/// bucket of a key with no ready row is dropped once full, so after running dry a key gets
+/// the burst again.
+pub async fn key_rate_limit_bounds_each_keys_starts<S: Store>(s: &S) {
+    let ns = "claim_key_rate";
+    let queue = "key_metered";
+    let (key_a, key_b, key_c) = ("krate-a", "krate-b", "krate-c");
+    let rows = |key: Option<&str>, n: usize| {
+        (0..n)
+            .map(|i| {
+                let row = new_in(ns).queue(queue).eligible_at(at(i as i64));
+                match key {
+                    Some(k) => row.concurrency_key(k),
+                    None => row,
+                }
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut all = rows(Some(key_a), 10);
+    all.extend(rows(Some(key_b), 3));
+    all.extend(rows(None, 1));
+    insert(s, all, at(0)).await;
+    let rate = RateLimit { starts: 4, per: Duration::from_secs(1), burst: 2 };
+    let policy =
+        ClaimPolicy { key_rate: Some(rate), key_limit: 10, ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |limit: usize, now: i64| {
+        let mut p = with_policy(ns, limit, at(now), policy);
+        p.queues = vec![queue.into()];
+        p
+    };
+    let count = |pairs: &[(&str, usize)]| {
+        pairs
+            .iter()
+            .map(|(k, n)| ((*k).to_owned(), *n))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let first = claim(s, params(20, 1_000)).await;
+    assert_eq!(per_key(&first), count(&[(key_a, 2), (key_b, 2), ("-", 1)]), "a new bucket: burst");
+    assert!(claim(s, params(20, 1_000)).await.is_empty(), "both keys are out of tokens");
+    insert(s, rows(Some(key_c), 1), at(1_000)).await;
+    let other = claim(s, params(20, 1_000)).await;
+    assert_eq!(per_key(&other), count(&[(key_c, 1)]), "another key is not held back");
+    assert!(claim(s, params(20, 1_200)).await.is_empty(), "0.8 tokens is not a start");
+    let refilled = claim(s, params(20, 1_250)).await;
+    assert_eq!(per_key(&refilled), count(&[(key_a, 1), (key_b, 1)]), "one token each after 250 ms");
+    // a's tokens cut its claim short, so a long gap gives it one period's worth (4, above
+    // the burst); b ran dry and is idle, so this claim of the queue drops its full bucket.
+    let period = claim(s, params(20, 3_000)).await;
+    assert_eq!(per_key(&period), count(&[(key_a, 4)]), "one period's worth");
+    insert(s, rows(Some(key_b), 5), at(3_000)).await;
+    let later = claim(s, params(20, 60_000)).await;
+    assert_eq!(
+        per_key(&later),
+        count(&[(key_a, 3), (key_b, 2)]),
+        "a: its last 3 rows (4 tokens); b: a new bucket's burst"
+    );
+    let left = ClaimPolicy { key_limit: 10, ..ClaimPolicy::new(Strategy::Fifo) };
+    let mut p = with_policy(ns, 20, at(60_000), left);
+    p.queues = vec![queue.into()];
+    assert_eq!(
+        per_key(&claim(s, p).await),
+        count(&[(key_b, 3)]),
+        "rows over the limit stayed ready"
+    );
+    let mut p = params(10, 70_000);
+    p.queues = Vec::new();
+    expect_kind(s.instance_claim(p).await, ErrorKind::Invalid, "key rate limit without a queue");
+    let by_ids = s.instance_claim_ids(vec![keel_core::InstanceId(1)], params(10, 70_000)).await;
+    expect_kind(by_ids, ErrorKind::Invalid, "a claim of named instances with a key rate limit");
+}
+
+/// With a burst of 1, two keys claimed every 25 ms at 20 starts per second each start
+/// exactly their rate: each claim takes every token that accrued for each key since its
+/// last start (fractions carried exactly), and neither key's tokens count for the other.
+pub async fn key_rate_limit_keeps_each_keys_rate<S: Store>(s: &S) {
+    let ns = "claim_key_rate_one";
+    let queue = "key_metered_one";
+    let keys = ["krate1-a", "krate1-b"];
+    insert(
+        s,
+        (0..60)
+            .map(|i| {
+                new_in(ns).queue(queue).eligible_at(at(i)).concurrency_key(keys[i as usize % 2])
+            })
+            .collect(),
+        at(0),
+    )
+    .await;
+    let rate = RateLimit { starts: 20, per: Duration::from_secs(1), burst: 1 };
+    let policy =
+        ClaimPolicy { key_rate: Some(rate), key_limit: 100, ..ClaimPolicy::new(Strategy::Fifo) };
+    let mut started = std::collections::BTreeMap::<String, usize>::new();
+    for t in (1_000..=2_000).step_by(25) {
+        let mut p = with_policy(ns, 50, at(t), policy);
+        p.queues = vec![queue.into()];
+        for (key, n) in per_key(&claim(s, p).await) {
+            *started.entry(key).or_default() += n;
+        }
+    }
+    let expected: std::collections::BTreeMap<String, usize> =
+        keys.iter().map(|k| ((*k).to_owned(), 1 + 20)).collect();
+    assert_eq!(started, expected, "one token each, then 20 per second each");
+}

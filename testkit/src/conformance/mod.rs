@@ -138,6 +138,8 @@ macro_rules! __store_contract_list {
             key_limit_runs_k_rows_of_a_key_at_once,
             rate_limit_bounds_a_queues_starts,
             rate_limit_burst_of_one_keeps_its_rate,
+            key_rate_limit_bounds_each_keys_starts,
+            key_rate_limit_keeps_each_keys_rate,
             claim_fair_across_concurrency_keys,
             retry_exhaustion_dead_letter_then_retry,
             dead_letter_retry_by_machine,
