@@ -40,7 +40,8 @@ use keel_core::ports::store::{
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
+    ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities,
     TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
     TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
@@ -138,6 +139,8 @@ struct State {
     sweeps: HashMap<(String, String), Timestamp>,
     /// The worker registry: id → last heartbeat.
     workers: BTreeMap<String, WorkerRecord>,
+    /// Stored schedule pause states by `(namespace, name)`.
+    schedules: BTreeMap<(String, String), ScheduleState>,
 }
 
 impl State {
