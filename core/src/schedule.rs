@@ -667,10 +667,10 @@ mod tests {
             changed_at: ts(at),
         };
         // The stored state wins over the local flag, both ways.
-        assert_eq!(Pause::resolve(false, Some(&stored(true, 5))), Pause {
-            paused: true,
-            since: Some(ts(5))
-        });
+        assert_eq!(
+            Pause::resolve(false, Some(&stored(true, 5))),
+            Pause { paused: true, since: Some(ts(5)) }
+        );
         assert!(!Pause::resolve(true, Some(&stored(false, 5))).paused);
         assert_eq!(Pause::resolve(true, None), Pause { paused: true, since: None });
         let poll = |missed, passed: Option<i64>, now, pause: Pause| {
@@ -711,7 +711,8 @@ mod tests {
         let err = plan_pause(None, full, &params(true, 40)).unwrap_err();
         assert!(err.message.starts_with("name:") && err.message.contains("1000"), "{err}");
         assert!(plan_pause(Some(&resumed), full, &params(true, 40)).unwrap().is_some());
-        let long = SchedulePauseParams { name: "x".repeat(SCHEDULE_NAME_MAX + 1), ..params(true, 1) };
+        let long =
+            SchedulePauseParams { name: "x".repeat(SCHEDULE_NAME_MAX + 1), ..params(true, 1) };
         assert!(plan_pause(None, 0, &long).unwrap_err().message.starts_with("name:"));
         let bad = SchedulePauseParams { namespace: String::new(), ..params(true, 1) };
         assert!(plan_pause(None, 0, &bad).unwrap_err().message.starts_with("namespace"));

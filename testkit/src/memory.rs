@@ -41,9 +41,8 @@ use keel_core::ports::store::{
     InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
     ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
-    SignalDeliverParams, StoreCapabilities,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{

@@ -28,13 +28,15 @@ pub(crate) async fn pause<C: GenericClient + Sync>(
              WHERE namespace = $1 AND name = $2",
         )
         .await?;
-    let current = c.query_opt(&read, &[&p.namespace, &p.name]).await?.map(|r| state(&r)).transpose()?;
+    let current =
+        c.query_opt(&read, &[&p.namespace, &p.name]).await?.map(|r| state(&r)).transpose()?;
     let count = c
         .prepare_cached(
             "SELECT count(*) FROM (SELECT 1 FROM schedule_states WHERE namespace = $1 LIMIT $2) s",
         )
         .await?;
-    let held: i64 = c.query_one(&count, &[&p.namespace, &(SCHEDULE_STATES_MAX as i64)]).await?.get(0);
+    let held: i64 =
+        c.query_one(&count, &[&p.namespace, &(SCHEDULE_STATES_MAX as i64)]).await?.get(0);
     let held = usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX);
     let Some(next) = plan_pause(current.as_ref(), held, p)? else {
         commit_tx(c).await?;

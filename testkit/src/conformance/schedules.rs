@@ -31,10 +31,10 @@ pub async fn schedule_pause_is_stored_for_every_worker<S: Store>(s: &S) {
     assert_eq!(again, state("sched-a", "nightly", true, 100), "a repeat keeps the first time");
     s.schedule_pause(change("sched-a", "hourly", false, 150)).await.expect("resume a new one");
     s.schedule_pause(change("sched-b", "nightly", false, 160)).await.expect("other namespace");
-    assert_eq!(states(s, "sched-a").await, vec![
-        state("sched-a", "hourly", false, 150),
-        state("sched-a", "nightly", true, 100),
-    ]);
+    assert_eq!(
+        states(s, "sched-a").await,
+        vec![state("sched-a", "hourly", false, 150), state("sched-a", "nightly", true, 100),]
+    );
     // Resuming moves the time: ticks up to it are not fired later.
     let resumed = s.schedule_pause(change("sched-a", "nightly", false, 300)).await.expect("resume");
     assert_eq!(resumed, state("sched-a", "nightly", false, 300));

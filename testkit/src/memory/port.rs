@@ -8,10 +8,10 @@ use super::{
     InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
     MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
-    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage,
-    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
-    WorkerBeatParams, WorkerRecord, async_trait, commit,
+    ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
+    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait, commit,
 };
 
 #[async_trait]

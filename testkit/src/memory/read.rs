@@ -175,7 +175,11 @@ impl State {
         p.validate()?;
         let key = (p.namespace.clone(), p.name.clone());
         let current = self.schedules.get(&key);
-        let held = self.schedules.range((p.namespace.clone(), String::new())..).take_while(|((ns, _), _)| *ns == p.namespace).count();
+        let held = self
+            .schedules
+            .range((p.namespace.clone(), String::new())..)
+            .take_while(|((ns, _), _)| *ns == p.namespace)
+            .count();
         match keel_core::schedule::plan_pause(current, held, p)? {
             Some(state) => {
                 self.schedules.insert(key, state.clone());
