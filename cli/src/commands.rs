@@ -25,8 +25,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         return crate::operate::graph(machine, *format, definitions, *version);
     }
     let migrate = matches!(cli.command, Command::Migrate);
-    if matches!(cli.command, Command::Schedules) {
-        return crate::schedules_cmd::run(&cli);
+    if let Command::Schedules { command } = &cli.command {
+        return crate::schedules_cmd::run(&cli, command.as_ref()).await;
     }
     if let Command::Config(command) = &cli.command {
         return crate::config_cmd::run(&cli, command);
@@ -68,7 +68,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::Health
         | Command::Serve { .. }
         | Command::Graph { .. }
-        | Command::Schedules
+        | Command::Schedules { .. }
         | Command::Config(_) => {
             unreachable!("handled above")
         }

@@ -80,8 +80,13 @@ pub enum Command {
     },
     /// Start an instance of a machine.
     Start(StartArgs),
-    /// The schedules of the `--config` file with their next fire times.
-    Schedules,
+    /// The schedules of the `--config` file with their pause state (from the store when
+    /// it is reachable) and next fire times; `pause` / `resume` one for every worker.
+    Schedules {
+        /// Pause or resume a schedule; without one, list them.
+        #[command(subcommand)]
+        command: Option<SchedulesCommand>,
+    },
     /// Send an event to an instance.
     Send {
         /// An instance id (`i42` or `42`) or `machine:key`.
@@ -290,6 +295,22 @@ pub enum DlqCommand {
         /// Confirms the deletion.
         #[arg(long)]
         confirm: bool,
+    },
+}
+
+/// `keel schedules …`.
+#[derive(Debug, Subcommand)]
+pub enum SchedulesCommand {
+    /// Stop every worker firing a schedule of the `--config` file (stored in the database;
+    /// ticks passed while paused are never fired later).
+    Pause {
+        /// The schedule's name (`[schedules.<name>]`).
+        name: String,
+    },
+    /// Let every worker fire a paused schedule again, from its first tick after now.
+    Resume {
+        /// The schedule's name (`[schedules.<name>]`).
+        name: String,
     },
 }
 

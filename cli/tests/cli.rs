@@ -380,3 +380,48 @@ fn config_show_names_dead_letter_enabled_and_its_source() {
         pair("5", "[machines.order.parallel_dispatch]")
     );
 }
+
+#[test]
+fn schedules_pause_and_resume_for_every_worker_and_list_the_stored_state() {
+    for b in backends("schedules_pause_and_resume_for_every_worker_and_list_the_stored_state") {
+        b.run(&["migrate"], 0);
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("keel.toml");
+        std::fs::write(
+            &config,
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n\n\
+             [schedules.quiet]\ncron = \"* * * * *\"\npaused = true\n\
+             broadcast = { machine = \"sub\", event = \"renew\", namespace = \"ops\" }\n",
+        )
+        .unwrap();
+        let config = config.display().to_string();
+        let listed = b.json(&["schedules", "--config", &config]);
+        assert_eq!(listed["store_error"], Value::Null, "{}: {listed}", b.name);
+        assert_eq!(listed["schedules"][0]["paused"], false);
+        assert_eq!(listed["schedules"][1]["paused"], true, "keel.toml says paused");
+
+        let (out, _) = b.run(&["schedules", "pause", "nightly", "--config", &config], 0);
+        assert!(out.contains("nightly (namespace default) is paused for every worker"), "{out}");
+        let resumed = b.json(&["schedules", "resume", "quiet", "--config", &config]);
+        assert_eq!(resumed["state"]["namespace"], "ops", "the schedule's own namespace");
+        assert_eq!(resumed["state"]["paused"], false);
+        assert!(resumed["schedule"]["next_fire"].is_i64(), "{resumed}");
+
+        let listed = b.json(&["schedules", "--config", &config]);
+        let nightly = &listed["schedules"][0];
+        assert_eq!((&nightly["paused"], &nightly["next_fire"]), (&json!(true), &Value::Null));
+        assert!(nightly["changed_at"].is_i64(), "{listed}");
+        assert_eq!(listed["schedules"][1]["paused"], false, "the stored resume wins");
+        let (out, _) = b.run(&["schedules", "--config", &config], 0);
+        assert!(out.contains("paused since"), "{out}");
+        assert!(out.contains("Pause states read from the store"), "{out}");
+
+        let (_, err) = b.run(&["schedules", "pause", "nigthly", "--config", &config], 1);
+        assert!(
+            err.contains("no schedule named \"nigthly\"; the schedules are: nightly, quiet"),
+            "{err}"
+        );
+        let (_, err) = b.run(&["schedules", "pause", "nightly"], 1);
+        assert!(err.contains("--config"), "{err}");
+    }
+}

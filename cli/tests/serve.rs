@@ -850,3 +850,35 @@ fn a_polling_http_worker_is_listed_and_lease_gauges_are_exported() {
         }
     }
 }
+
+#[test]
+fn schedules_are_listed_paused_and_resumed_per_namespace() {
+    let config = "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n\n\
+                  [schedules.hourly]\ncron = \"0 * * * *\"\n\
+                  start = { machine = \"report\", namespace = \"ops\" }\n";
+    for (name, s) in servers("schedules_are_listed_paused_and_resumed_per_namespace", Some(config))
+    {
+        let (code, listed) = s.get_json("/v1/namespaces/default/schedules");
+        assert_eq!(code, 200, "{name}: {listed}");
+        let schedules = listed["schedules"].as_array().unwrap();
+        assert_eq!(schedules.len(), 1, "{name}: only this namespace's: {listed}");
+        assert_eq!(schedules[0]["name"], "nightly");
+        assert!(schedules[0]["next_fire"].is_i64(), "{name}: {listed}");
+
+        let (code, paused) = s.post("/v1/namespaces/default/schedules/nightly/pause", "");
+        assert_eq!((code, &paused["state"]["paused"]), (200, &json!(true)), "{name}: {paused}");
+        let (_, listed) = s.get_json("/v1/namespaces/default/schedules");
+        assert_eq!(listed["schedules"][0]["paused"], true, "{name}: {listed}");
+        assert_eq!(listed["schedules"][0]["changed_at"], paused["state"]["changed_at"]);
+        let (code, resumed) = s.post("/v1/namespaces/default/schedules/nightly/resume", "");
+        assert_eq!((code, &resumed["state"]["paused"]), (200, &json!(false)), "{name}");
+
+        // A schedule of another namespace, or an unknown one, is not found.
+        let (code, err) = s.post("/v1/namespaces/default/schedules/hourly/pause", "");
+        assert_eq!(code, 404, "{name}: {err}");
+        assert!(err["error"].as_str().unwrap().contains("--config"), "{name}: {err}");
+        assert_eq!(s.post("/v1/namespaces/ops/schedules/nope/resume", "").0, 404, "{name}");
+        let (code, hourly) = s.post("/v1/namespaces/ops/schedules/hourly/pause", "");
+        assert_eq!((code, &hourly["state"]["namespace"]), (200, &json!("ops")), "{name}");
+    }
+}

@@ -15,11 +15,16 @@
 //!   every status, so a finished run still holds it) or the dedup key of the broadcast
 //!   event. The store's uniqueness rule makes the second firing a no-op.
 //! - **Paused** schedules pass over their ticks; resuming fires nothing for the ticks
-//!   passed while paused.
+//!   passed while paused. A pause stored for the fleet ([`plan_pause`]) wins over the
+//!   definition's `paused` and one worker's handle once set ([`Pause::resolve`]); after
+//!   a stored resume only ticks strictly after the resume time fire, so a worker that did
+//!   not poll while the schedule was paused still fires nothing that fell due in the pause.
 
 use crate::config::ConfigError;
+use crate::error::{StoreError, StoreResult};
 use crate::ids::{DEFAULT_NAMESPACE, MachineRef, StatusSet};
 use crate::instance::NewInstance;
+use crate::ports::store::{SchedulePauseParams, ScheduleState};
 use crate::time::Timestamp;
 use croner::Cron;
 use jiff::tz::TimeZone;
@@ -32,6 +37,69 @@ pub const SCHEDULES_MAX: usize = 1_000;
 
 /// Longest schedule name, in bytes (the name is part of every tick key).
 pub const SCHEDULE_NAME_MAX: usize = 100;
+
+/// Most stored schedule states (fleet-wide pauses and resumes) one namespace holds: one
+/// per schedule a runner can serve. Every read of the states is bounded by it.
+pub const SCHEDULE_STATES_MAX: usize = SCHEDULES_MAX;
+
+/// A schedule's pause state as a runner applies it at one poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pause {
+    /// Whether ticks are passed over.
+    pub paused: bool,
+    /// When a stored pause or resume last changed the state; `None` while only the
+    /// definition and one worker's handle decide. While resumed, only ticks strictly
+    /// after this time fire.
+    pub since: Option<Timestamp>,
+}
+
+impl Pause {
+    /// Not paused, with nothing stored.
+    pub const RUNNING: Pause = Pause { paused: false, since: None };
+
+    /// The state a runner applies: the stored state once one is set (a fleet-wide pause
+    /// or resume wins over the definition and over one worker's handle), else `local`
+    /// (the definition's `paused`, as the worker's handle changed it).
+    pub fn resolve(local: bool, stored: Option<&ScheduleState>) -> Pause {
+        match stored {
+            Some(s) => Pause { paused: s.paused, since: Some(s.changed_at) },
+            None => Pause { paused: local, since: None },
+        }
+    }
+}
+
+/// The one rule of storing a pause or resume. `current` is the schedule's stored state
+/// (if any) and `held` how many states its namespace holds. Returns the state to write,
+/// or `None` when the schedule is already in the asked state: its time is kept, so a
+/// second resume does not move the bound of which ticks may fire, and a second pause
+/// does not hide when the first began.
+///
+/// # Errors
+///
+/// `Invalid` for bad names, or for a schedule without a state in a namespace that
+/// already holds [`SCHEDULE_STATES_MAX`].
+pub fn plan_pause(
+    current: Option<&ScheduleState>,
+    held: usize,
+    p: &SchedulePauseParams,
+) -> StoreResult<Option<ScheduleState>> {
+    p.validate()?;
+    match current {
+        Some(c) if c.paused == p.paused => Ok(None),
+        None if held >= SCHEDULE_STATES_MAX => Err(StoreError::invalid(format!(
+            "name: namespace {:?} already holds {SCHEDULE_STATES_MAX} stored schedule states, \
+             the most a runner serves; states of schedules that no longer exist are left \
+             over: delete their rows from the schedule_states table",
+            p.namespace
+        ))),
+        _ => Ok(Some(ScheduleState {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            paused: p.paused,
+            changed_at: p.now,
+        })),
+    }
+}
 
 crate::names::name_enum! {
     /// What a runner that just started does about the ticks that fell while no worker ran.
@@ -158,8 +226,13 @@ pub struct ScheduleInfo {
     pub action: String,
     /// The missed-tick policy.
     pub missed: MissedTicks,
+    /// The namespace its ticks act in (where its stored state lives).
+    pub namespace: String,
     /// Whether it is paused.
     pub paused: bool,
+    /// When a stored (fleet-wide) pause or resume last changed it; `None` when nothing is
+    /// stored and the definition (or one worker's handle) decides.
+    pub changed_at: Option<Timestamp>,
     /// Its next tick after the time it was listed at (`None` when paused or never again).
     pub next_fire: Option<Timestamp>,
 }
@@ -241,6 +314,15 @@ impl Schedule {
         &self.action
     }
 
+    /// The namespace its ticks start instances in or broadcast to: where its stored pause
+    /// state is kept.
+    pub fn namespace(&self) -> &str {
+        match &self.action {
+            ScheduleAction::Start(new) => &new.namespace,
+            ScheduleAction::Broadcast(b) => &b.namespace,
+        }
+    }
+
     /// Whether the schedule was defined as paused.
     pub fn is_paused(&self) -> bool {
         self.paused
@@ -267,12 +349,14 @@ impl Schedule {
     }
 
     /// The one rule of a schedule runner's poll. `passed` is the time up to which this
-    /// runner already handled the schedule (`None` right after it started); `paused` is the
-    /// schedule's current pause state.
-    pub fn poll(&self, passed: Option<Timestamp>, now: Timestamp, paused: bool) -> TickPlan {
+    /// runner already handled the schedule (`None` right after it started); `pause` is the
+    /// schedule's current pause state. A tick at or before a stored resume's time never
+    /// fires: it fell due while the schedule was paused, whether or not this runner polled
+    /// in between.
+    pub fn poll(&self, passed: Option<Timestamp>, now: Timestamp, pause: Pause) -> TickPlan {
         let next = self.next_after(now);
         let latest = self.latest_at_or_before(now);
-        let fire = match (paused, passed) {
+        let fire = match (pause.paused, passed) {
             (true, _) => None,
             (false, Some(passed)) => latest.filter(|tick| *tick > passed),
             (false, None) => match self.missed {
@@ -280,6 +364,7 @@ impl Schedule {
                 MissedTicks::CatchUp => latest,
             },
         };
+        let fire = fire.filter(|tick| pause.since.is_none_or(|resumed| *tick > resumed));
         TickPlan { fire, passed: now, next }
     }
 
@@ -299,8 +384,8 @@ impl Schedule {
         }
     }
 
-    /// How an operator sees the schedule at `now`.
-    pub fn info(&self, now: Timestamp, paused: bool) -> ScheduleInfo {
+    /// How an operator sees the schedule at `now` in the pause state `pause`.
+    pub fn info(&self, now: Timestamp, pause: Pause) -> ScheduleInfo {
         let action = match &self.action {
             ScheduleAction::Start(new) => {
                 format!("start {} v{}", new.machine.name, new.machine.version)
@@ -316,8 +401,15 @@ impl Schedule {
             time_zone: self.zone_name.clone(),
             action,
             missed: self.missed,
-            paused,
-            next_fire: if paused { None } else { self.next_after(now) },
+            namespace: self.namespace().to_owned(),
+            paused: pause.paused,
+            changed_at: pause.since,
+            next_fire: if pause.paused {
+                None
+            } else {
+                // After a resume, the first tick that may fire is after the resume time.
+                self.next_after(pause.since.map_or(now, |resumed| resumed.max(now)))
+            },
         }
     }
 
@@ -539,7 +631,7 @@ mod tests {
 
     /// One row: (policy, passed, now, paused) → tick fired.
     fn check(missed: MissedTicks, passed: Option<i64>, now: i64, paused: bool, fire: Option<i64>) {
-        let plan = every_minute(missed).poll(passed.map(ts), ts(now), paused);
+        let plan = every_minute(missed).poll(passed.map(ts), ts(now), Pause::resolve(paused, None));
         assert_eq!(plan.fire, fire.map(ts), "{missed} passed={passed:?} now={now} paused={paused}");
         assert_eq!(plan.passed, ts(now));
     }
@@ -566,12 +658,73 @@ mod tests {
     }
 
     #[test]
+    fn a_stored_resume_fires_only_ticks_after_it() {
+        use MissedTicks::{CatchUp, Skip};
+        let stored = |paused, at| ScheduleState {
+            namespace: "default".into(),
+            name: "m".into(),
+            paused,
+            changed_at: ts(at),
+        };
+        // The stored state wins over the local flag, both ways.
+        assert_eq!(
+            Pause::resolve(false, Some(&stored(true, 5))),
+            Pause { paused: true, since: Some(ts(5)) }
+        );
+        assert!(!Pause::resolve(true, Some(&stored(false, 5))).paused);
+        assert_eq!(Pause::resolve(true, None), Pause { paused: true, since: None });
+        let poll = |missed, passed: Option<i64>, now, pause: Pause| {
+            every_minute(missed).poll(passed.map(ts), ts(now), pause).fire
+        };
+        // A runner that last polled before the pause, and first again after the resume,
+        // does not fire the tick that fell due in between.
+        let resumed = Pause::resolve(false, Some(&stored(false, T0 + 100)));
+        assert_eq!(poll(Skip, Some(T0 - 500), T0 + 200, resumed), None);
+        // A tick exactly at the resume time fell due while paused: not fired either.
+        let at_tick = Pause::resolve(false, Some(&stored(false, T0)));
+        assert_eq!(poll(Skip, Some(T0 - 500), T0 + 200, at_tick), None);
+        // Catch-up on a fresh runner does not reach back before the resume.
+        assert_eq!(poll(CatchUp, None, T0 + 200, resumed), None);
+        // The next tick after the resume fires as usual.
+        assert_eq!(poll(Skip, Some(T0 + 200), T0 + MINUTE, resumed), Some(ts(T0 + MINUTE)));
+        assert_eq!(poll(CatchUp, None, T0 + MINUTE + 1, resumed), Some(ts(T0 + MINUTE)));
+        // Stored paused: nothing.
+        let paused = Pause::resolve(false, Some(&stored(true, T0 - 1)));
+        assert_eq!(poll(Skip, Some(T0 - 500), T0 + 200, paused), None);
+    }
+
+    #[test]
+    fn storing_a_pause_keeps_the_time_of_the_first_change() {
+        let params = |paused, now| SchedulePauseParams {
+            namespace: "ns".into(),
+            name: "nightly".into(),
+            paused,
+            now: ts(now),
+        };
+        let first = plan_pause(None, 0, &params(true, 10)).unwrap().unwrap();
+        assert_eq!((first.paused, first.changed_at), (true, ts(10)));
+        assert_eq!(plan_pause(Some(&first), 1, &params(true, 20)).unwrap(), None);
+        let resumed = plan_pause(Some(&first), 1, &params(false, 30)).unwrap().unwrap();
+        assert_eq!((resumed.paused, resumed.changed_at), (false, ts(30)));
+        // A full namespace refuses a new schedule but still changes the ones it holds.
+        let full = SCHEDULE_STATES_MAX;
+        let err = plan_pause(None, full, &params(true, 40)).unwrap_err();
+        assert!(err.message.starts_with("name:") && err.message.contains("1000"), "{err}");
+        assert!(plan_pause(Some(&resumed), full, &params(true, 40)).unwrap().is_some());
+        let long =
+            SchedulePauseParams { name: "x".repeat(SCHEDULE_NAME_MAX + 1), ..params(true, 1) };
+        assert!(plan_pause(None, 0, &long).unwrap_err().message.starts_with("name:"));
+        let bad = SchedulePauseParams { namespace: String::new(), ..params(true, 1) };
+        assert!(plan_pause(None, 0, &bad).unwrap_err().message.starts_with("namespace"));
+    }
+
+    #[test]
     fn next_tick_and_keys() {
         let s = every_minute(MissedTicks::Skip);
         assert_eq!(s.next_after(ts(T0)), Some(ts(T0 + MINUTE)));
         assert_eq!(s.next_after(ts(T0 + 1)), Some(ts(T0 + MINUTE)));
         assert_eq!(s.latest_at_or_before(ts(T0 + MINUTE - 1)), Some(ts(T0)));
-        assert_eq!(s.poll(None, ts(T0 + 1), false).next, Some(ts(T0 + MINUTE)));
+        assert_eq!(s.poll(None, ts(T0 + 1), Pause::RUNNING).next, Some(ts(T0 + MINUTE)));
         assert_eq!(s.tick_key(ts(T0)), format!("schedule:m:{T0}"));
         let new = s.instance_for(ts(T0)).unwrap();
         let unique = new.unique.unwrap();
@@ -617,10 +770,15 @@ mod tests {
     #[test]
     fn listing_shows_the_next_fire_time() {
         let s = every_minute(MissedTicks::CatchUp);
-        let info = s.info(ts(T0 + 1), false);
+        let info = s.info(ts(T0 + 1), Pause::RUNNING);
         assert_eq!(info.next_fire, Some(ts(T0 + MINUTE)));
         assert_eq!(info.action, "start report v1");
-        assert_eq!(s.info(ts(T0 + 1), true).next_fire, None);
+        assert_eq!(info.namespace, "default");
+        assert_eq!(s.info(ts(T0 + 1), Pause::resolve(true, None)).next_fire, None);
+        // Resumed (stored) at a time ahead of this clock: the next fire is after it.
+        let resumed = Pause { paused: false, since: Some(ts(T0 + MINUTE)) };
+        let info = s.info(ts(T0 + 1), resumed);
+        assert_eq!((info.next_fire, info.changed_at), (Some(ts(T0 + 2 * MINUTE)), resumed.since));
     }
 
     #[test]
@@ -649,7 +807,7 @@ mod tests {
         let renewals = &schedules[1];
         assert!(renewals.is_paused());
         assert_eq!(
-            renewals.info(ts(T0), false).action,
+            renewals.info(ts(T0), Pause::RUNNING).action,
             "broadcast renew to subscription in active"
         );
     }

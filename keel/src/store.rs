@@ -216,6 +216,20 @@ impl Store for AnyStore {
         self.0.worker_list(seen_since).await
     }
 
+    async fn schedule_pause(
+        &self,
+        params: keel_core::ports::store::SchedulePauseParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        self.0.schedule_pause(params).await
+    }
+
+    async fn schedule_states(
+        &self,
+        namespace: String,
+    ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
+        self.0.schedule_states(namespace).await
+    }
+
     async fn ready_wait(&self) {
         self.0.ready_wait().await;
     }

@@ -6,15 +6,18 @@
 //! key). Every worker that serves a schedule fires each tick it sees; the store keeps one.
 //! A tick whose store call failed is tried again at the next poll, under the same key.
 //!
-//! Pause and resume act on the [`Schedules`] handle of one worker: they do not travel to
-//! other workers, so an operator pauses a schedule on every worker that serves it (or
-//! marks it `paused` in `keel.toml` and restarts).
+//! A pause or resume stored for the fleet (`Store::schedule_pause`, what `keel schedules
+//! pause` and the HTTP API call) reaches every worker: before a poll fires any tick, the
+//! runner reads the stored states of its schedules' namespaces, and a stored state wins
+//! over `paused` in the definition and over this worker's handle ([`Pause::resolve`]).
+//! [`Schedules::pause`] and [`Schedules::resume`] act on this worker only, for a schedule
+//! with nothing stored.
 
-use keel_core::ports::store::{InsertOutcome, InsertParams, SignalBroadcastParams};
+use keel_core::ports::store::{InsertOutcome, InsertParams, ScheduleState, SignalBroadcastParams};
 use keel_core::ports::{Clock, Store};
-use keel_core::schedule::{Schedule, ScheduleAction, ScheduleInfo};
+use keel_core::schedule::{Pause, Schedule, ScheduleAction, ScheduleInfo};
 use keel_core::{StoreResult, Timestamp};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,6 +30,10 @@ pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
 /// How long a runner waits before trying a tick again after a store call failed.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// How stale the stored pause states a runner last read may get while no tick is due
+/// (they are read again before every tick it fires); what its handle lists.
+pub const STATES_REFRESH: Duration = Duration::from_secs(5);
+
 /// A worker's schedules and their run-time state: pause flags, what each runner fired,
 /// and the listing with next fire times. Cheap to clone (a handle).
 #[derive(Debug, Clone, Default)]
@@ -38,6 +45,8 @@ pub struct Schedules {
 struct Book {
     schedules: Vec<Schedule>,
     paused: Mutex<BTreeMap<String, bool>>,
+    /// The stored states last read, by `(namespace, name)`.
+    stored: Mutex<BTreeMap<(String, String), ScheduleState>>,
     passed: Mutex<Option<Timestamp>>,
     fired: AtomicU64,
     already_fired: AtomicU64,
@@ -51,7 +60,8 @@ pub struct ScheduleCounts {
     pub fired: u64,
     /// Ticks another worker had fired already (the key was taken).
     pub already_fired: u64,
-    /// Store calls that failed (each tick is tried again at the next poll).
+    /// Store calls that failed, reads of the stored pause states included (each tick is
+    /// tried again at the next poll).
     pub failed: u64,
 }
 
@@ -87,6 +97,7 @@ impl Schedules {
     }
 
     /// Stops firing `name` on this worker; ticks passed while paused are not fired later.
+    /// A state stored for the fleet, once set, wins over this.
     ///
     /// # Errors
     ///
@@ -95,7 +106,8 @@ impl Schedules {
         self.set_paused(name, true)
     }
 
-    /// Fires `name` again from its next tick.
+    /// Fires `name` again from its next tick (on this worker; a state stored for the fleet,
+    /// once set, wins over this).
     ///
     /// # Errors
     ///
@@ -104,14 +116,13 @@ impl Schedules {
         self.set_paused(name, false)
     }
 
-    /// Every schedule with its next fire time after `now`, in definition order.
+    /// Every schedule with its pause state (the stored one as this runner last read it,
+    /// at most [`STATES_REFRESH`] old while it runs) and next fire time after `now`, in
+    /// definition order.
     pub fn list(&self, now: Timestamp) -> Vec<ScheduleInfo> {
         let paused = self.paused_now();
-        self.inner
-            .schedules
-            .iter()
-            .map(|s| s.info(now, paused.get(s.name()).copied().unwrap_or(false)))
-            .collect()
+        let stored = self.inner.stored.lock().expect("schedule book lock").clone();
+        self.inner.schedules.iter().map(|s| s.info(now, pause_of(s, &paused, &stored))).collect()
     }
 
     /// What the runner did so far.
@@ -148,7 +159,9 @@ impl Schedules {
 
     /// Runs the schedules until `shutdown` turns true. Each poll handles every schedule
     /// once (at most one tick each), then sleeps until the earliest next tick, re-reading
-    /// the clock at least every [`CLOCK_CHECK`].
+    /// the clock at least every [`CLOCK_CHECK`]. A poll that may fire a tick first reads
+    /// the stored pause states; when that read fails, no tick fires and the poll is tried
+    /// again after [`RETRY_AFTER`].
     pub async fn run<S: Store + ?Sized, C: Clock>(
         self,
         store: Arc<S>,
@@ -156,14 +169,39 @@ impl Schedules {
         mut shutdown: watch::Receiver<bool>,
     ) {
         let mut passed: Vec<Option<Timestamp>> = vec![None; self.inner.schedules.len()];
+        let mut read_at: Option<Timestamp> = None;
         while !*shutdown.borrow() {
             let now = clock.now();
             let paused = self.paused_now();
+            // Whatever the pause states say, a schedule with no tick due fires nothing:
+            // the stored states are read only when one is (or they are getting stale).
+            let due = self
+                .inner
+                .schedules
+                .iter()
+                .zip(&passed)
+                .any(|(s, passed)| s.poll(*passed, now, Pause::RUNNING).fire.is_some());
+            let stale = read_at.is_none_or(|at| {
+                now.as_millis() - at.as_millis() >= STATES_REFRESH.as_millis() as i64
+            });
+            let read_ok = if due || stale {
+                let ok = self.read_states(&*store).await;
+                if ok {
+                    read_at = Some(now);
+                }
+                ok
+            } else {
+                true
+            };
+            let stored = self.inner.stored.lock().expect("schedule book lock").clone();
             let mut wake: Option<Timestamp> = None;
             let mut all_handled = true;
             for (schedule, passed) in self.inner.schedules.iter().zip(passed.iter_mut()) {
-                let plan = schedule.poll(*passed, now, paused[schedule.name()]);
+                let plan = schedule.poll(*passed, now, pause_of(schedule, &paused, &stored));
+                let may_fire = schedule.poll(*passed, now, Pause::RUNNING).fire.is_some();
                 let handled = match plan.fire {
+                    // Without a fresh read a stored pause may be missed: fire nothing yet.
+                    _ if may_fire && !read_ok => false,
                     Some(tick) => self.fire(&*store, schedule, tick, now).await,
                     None => true,
                 };
@@ -192,6 +230,35 @@ impl Schedules {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+
+    /// Reads the stored pause states of every namespace the schedules act in (at most
+    /// [`keel_core::schedule::SCHEDULES_MAX`] namespaces, one read each); `false` when a
+    /// read failed (the previous states are kept for the listing).
+    async fn read_states<S: Store + ?Sized>(&self, store: &S) -> bool {
+        let namespaces: BTreeSet<&str> =
+            self.inner.schedules.iter().map(Schedule::namespace).collect();
+        let mut stored = BTreeMap::new();
+        for ns in namespaces {
+            match store.schedule_states(ns.to_owned()).await {
+                Ok(states) => {
+                    for s in states {
+                        stored.insert((s.namespace.clone(), s.name.clone()), s);
+                    }
+                }
+                Err(e) => {
+                    self.inner.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        namespace = ns,
+                        error = %e,
+                        "reading the stored schedule states failed; no tick fires until they are read"
+                    );
+                    return false;
+                }
+            }
+        }
+        *self.inner.stored.lock().expect("schedule book lock") = stored;
+        true
     }
 
     /// Fires one tick; `true` when it is done (by this worker or another), `false` when
@@ -224,6 +291,17 @@ impl Schedules {
             }
         }
     }
+}
+
+/// The pause a runner applies to `schedule`: the stored state once set, else this
+/// worker's own flag.
+fn pause_of(
+    schedule: &Schedule,
+    local: &BTreeMap<String, bool>,
+    stored: &BTreeMap<(String, String), ScheduleState>,
+) -> Pause {
+    let key = (schedule.namespace().to_owned(), schedule.name().to_owned());
+    Pause::resolve(local.get(schedule.name()).copied().unwrap_or(false), stored.get(&key))
 }
 
 /// Performs one tick's action; `Ok(true)` when this call did it, `Ok(false)` when the

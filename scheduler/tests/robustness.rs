@@ -349,6 +349,18 @@ impl<S: Store> Store for Faulty<S> {
     ) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
         self.inner.worker_list(seen_since).await
     }
+    async fn schedule_pause(
+        &self,
+        p: keel_core::ports::store::SchedulePauseParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        self.inner.schedule_pause(p).await
+    }
+    async fn schedule_states(
+        &self,
+        namespace: String,
+    ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
+        self.inner.schedule_states(namespace).await
+    }
     async fn timers_retime(
         &self,
         p: keel_core::ports::store::TimerRetimeParams,

@@ -9,6 +9,7 @@ mod common;
 use common::{Harness, TestStore};
 use keel_core::ids::MachineRef;
 use keel_core::instance::NewInstance;
+use keel_core::ports::store::SchedulePauseParams;
 use keel_core::ports::{Clock, Store};
 use keel_core::schedule::{BroadcastAction, MissedTicks, Schedule, ScheduleAction};
 use keel_core::{Timestamp, WorkerId};
@@ -22,6 +23,7 @@ on_every_store!(
     after_five_missed_ticks_skip_fires_none_and_catch_up_fires_one,
     a_paused_schedule_fires_nothing_until_resumed,
     a_broadcast_tick_reaches_each_instance_in_the_state_once,
+    a_pause_stored_for_the_fleet_stops_every_worker_and_resuming_fires_only_later_ticks,
 );
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -182,4 +184,75 @@ async fn a_broadcast_tick_reaches_each_instance_in_the_state_once<S: TestStore>(
     assert_eq!(ca.fired + cb.fired, 2, "{ca:?} {cb:?}");
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Stores a pause (or resume) of the every-minute schedule at the clock's time, as
+/// `keel schedules pause` does.
+async fn store_pause<S: Store>(h: &Harness<S>, paused: bool) {
+    let params = SchedulePauseParams {
+        namespace: "default".into(),
+        name: "every-minute".into(),
+        paused,
+        now: h.clock.now(),
+    };
+    h.store.schedule_pause(params).await.expect("schedule_pause");
+}
+
+async fn a_pause_stored_for_the_fleet_stops_every_worker_and_resuming_fires_only_later_ticks<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    // Catch-up: a runner that starts fires the latest past tick, unless a rule stops it.
+    let schedule = every_minute(MissedTicks::CatchUp);
+    let (a, b) = (worker(&h, "a", &schedule), worker(&h, "b", &schedule));
+    polled(&[&a, &b], h.clock.now()).await;
+    let now = h.clock.advance(MINUTE);
+    polled(&[&a, &b], now).await;
+    let before = started(&h).await;
+    assert!(before >= 1, "the schedule runs");
+
+    // Paused through the store: neither worker fires, whatever its own handle says.
+    store_pause(&h, true).await;
+    a.schedules().resume("every-minute").expect("known schedule");
+    for _ in 0..3 {
+        let now = h.clock.advance(MINUTE);
+        polled(&[&a, &b], now).await;
+    }
+    assert_eq!(started(&h).await, before, "a stored pause stops every worker");
+    for w in [&a, &b] {
+        let listed = w.schedules().list(h.clock.now());
+        assert!(listed[0].paused && listed[0].next_fire.is_none(), "{listed:?}");
+        assert!(listed[0].changed_at.is_some(), "the listing shows the stored state");
+    }
+
+    // Resumed through the store at a tick's time. A worker that starts now, defined
+    // paused and set to catch up, fires neither that tick nor the ones passed while
+    // paused: they are at or before the resume.
+    let to_tick = 60_000 - h.clock.now().as_millis() % 60_000;
+    let tick = h.clock.advance(Duration::from_millis(u64::try_from(to_tick).expect("positive")));
+    polled(&[&a, &b], tick).await;
+    assert_eq!(started(&h).await, before, "still paused at the tick");
+    store_pause(&h, false).await;
+    let c = worker(&h, "c", &schedule.clone().paused(true));
+    polled(&[&a, &b, &c], h.clock.now()).await;
+    assert_eq!(started(&h).await, before, "resuming fires nothing at or before its time");
+    assert_eq!(c.schedules().counts().fired + c.schedules().counts().already_fired, 0);
+    let listed = c.schedules().list(h.clock.now());
+    assert_eq!(listed[0].next_fire, Some(tick.plus(MINUTE)), "{listed:?}");
+
+    // The next tick fires once across the three workers, c included (the stored resume
+    // wins over its definition's `paused`).
+    let now = h.clock.advance(MINUTE);
+    polled(&[&a, &b, &c], now).await;
+    assert_eq!(started(&h).await, before + 1);
+    let cc = c.schedules().counts();
+    assert_eq!(cc.fired + cc.already_fired, 1, "c served the tick: {cc:?}");
+    // This worker's handle pause does not override the stored resume either.
+    b.schedules().pause("every-minute").expect("known schedule");
+    let now = h.clock.advance(MINUTE);
+    polled(&[&a, &b, &c], now).await;
+    assert_eq!(started(&h).await, before + 2);
+    for w in [a, b, c] {
+        w.shutdown().await;
+    }
 }

@@ -69,6 +69,7 @@
 mod error;
 mod ops;
 mod rows;
+mod schedules;
 mod store;
 
 pub use store::{SqliteConfig, SqliteStore};

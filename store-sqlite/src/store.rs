@@ -91,6 +91,7 @@ fn migrator() -> Migrator {
         migration(5, "operator reads", include_str!("../migrations/0005_operator_reads.sql")),
         migration(6, "fair claims", include_str!("../migrations/0006_fair_claims.sql")),
         migration(7, "key rate buckets", include_str!("../migrations/0007_key_rate_buckets.sql")),
+        migration(8, "schedule states", include_str!("../migrations/0008_schedule_states.sql")),
     ])
 }
 
@@ -731,6 +732,23 @@ impl Store for SqliteStore {
     async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
         let mut conn = self.reader().await?;
         ops::worker_list(&mut Db { conn: &mut conn, file: &self.file }, seen_since).await
+    }
+
+    async fn schedule_pause(
+        &self,
+        params: keel_core::ports::store::SchedulePauseParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        params.validate()?;
+        write_tx!(self, |db| crate::schedules::schedule_pause(db, &params))
+    }
+
+    async fn schedule_states(
+        &self,
+        namespace: String,
+    ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
+        let mut conn = self.reader().await?;
+        crate::schedules::schedule_states(&mut Db { conn: &mut conn, file: &self.file }, &namespace)
+            .await
     }
 
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {

@@ -40,9 +40,9 @@ use keel_core::ports::store::{
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
     MigratePage, MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints, TimerRow};
 use keel_core::{
@@ -140,6 +140,8 @@ struct State {
     sweeps: HashMap<(String, String), Timestamp>,
     /// The worker registry: id → last heartbeat.
     workers: BTreeMap<String, WorkerRecord>,
+    /// Stored schedule pause states by `(namespace, name)`.
+    schedules: BTreeMap<(String, String), ScheduleState>,
 }
 
 impl State {

@@ -233,6 +233,18 @@ impl Store for Broken {
     ) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
         self.0.worker_list(seen_since).await
     }
+    async fn schedule_pause(
+        &self,
+        p: keel_core::ports::store::SchedulePauseParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        self.0.schedule_pause(p).await
+    }
+    async fn schedule_states(
+        &self,
+        namespace: String,
+    ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
+        self.0.schedule_states(namespace).await
+    }
     async fn timers_retime(
         &self,
         p: keel_core::ports::store::TimerRetimeParams,

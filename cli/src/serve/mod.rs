@@ -10,6 +10,7 @@ pub mod auth;
 mod metrics;
 mod ops;
 pub mod registry;
+mod schedules;
 mod scope;
 pub mod ui;
 mod worker;
@@ -84,6 +85,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/workers", get(ops::workers))
         .route("/v1/namespaces/{ns}/queues/{queue}/pause", post(ops::pause))
         .route("/v1/namespaces/{ns}/queues/{queue}/resume", post(ops::resume))
+        .route("/v1/namespaces/{ns}/schedules", get(schedules::list))
+        .route("/v1/namespaces/{ns}/schedules/{name}/pause", post(schedules::pause))
+        .route("/v1/namespaces/{ns}/schedules/{name}/resume", post(schedules::resume))
         .route("/v1/namespaces/{ns}/dead-letters", get(ops::dead_letters))
         .route("/v1/namespaces/{ns}/dead-letters/{id}", get(ops::dead_letter))
         .route("/v1/namespaces/{ns}/dead-letters/{id}/retry", post(ops::dead_letter_retry))
@@ -114,6 +118,8 @@ pub async fn run(
         );
     }
     let config = health::read_config(cli)?;
+    // Checked now, so a bad schedule is a start-up error rather than a 500 later.
+    config.schedules().context("--config: [schedules]")?;
     let metrics = keel::prometheus::install()?;
     let open = tokens.is_none();
     let state = Arc::new(AppState {

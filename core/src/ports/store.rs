@@ -1049,6 +1049,48 @@ pub struct QueueState {
     pub paused: bool,
 }
 
+/// Pause or resume a schedule for every worker that serves it (the stored state).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulePauseParams {
+    /// The schedule's namespace (where its ticks start instances or broadcast).
+    pub namespace: String,
+    /// The schedule's name.
+    pub name: String,
+    /// `true` to pause, `false` to resume.
+    pub paused: bool,
+    /// Time of the change (a resume's time bounds which ticks may still fire).
+    pub now: Timestamp,
+}
+
+impl SchedulePauseParams {
+    /// Checks the names.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_name("namespace", &self.namespace)?;
+        check_name("name", &self.name)?;
+        if self.name.len() > crate::schedule::SCHEDULE_NAME_MAX {
+            return Err(StoreError::invalid(format!(
+                "name: is {} bytes; a schedule name has at most {} bytes",
+                self.name.len(),
+                crate::schedule::SCHEDULE_NAME_MAX
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A schedule's stored pause state, shared by every worker that serves it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ScheduleState {
+    /// Namespace.
+    pub namespace: String,
+    /// Schedule name.
+    pub name: String,
+    /// Whether its ticks are passed over.
+    pub paused: bool,
+    /// When it last changed between paused and resumed.
+    pub changed_at: Timestamp,
+}
+
 /// What a store can do beyond the contract, reported honestly.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StoreCapabilities {
@@ -1209,6 +1251,27 @@ pub trait Store: Send + Sync + 'static {
         namespace: Option<String>,
         now: Timestamp,
     ) -> StoreResult<Vec<QueueStats>>;
+
+    /// Stores a schedule's pause state for every worker ([`SchedulePauseParams`]) and
+    /// returns it as stored. Pausing a paused schedule (or resuming a running one) changes
+    /// nothing, its time included. A new schedule in a namespace that already holds
+    /// [`crate::schedule::SCHEDULE_STATES_MAX`] states is refused (`Invalid`). The rule is
+    /// [`crate::schedule::plan_pause`]. The default refuses (a wrapper store forwards it).
+    async fn schedule_pause(&self, params: SchedulePauseParams) -> StoreResult<ScheduleState> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "schedule_pause: this store keeps no schedule states; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// The stored schedule states of a namespace, in name order, at most
+    /// [`crate::schedule::SCHEDULE_STATES_MAX`]. What every schedule runner reads before
+    /// it fires a tick. The default, for a store that keeps no states (and so refuses
+    /// [`Store::schedule_pause`]), has none; a wrapper store forwards it.
+    async fn schedule_states(&self, namespace: String) -> StoreResult<Vec<ScheduleState>> {
+        let _ = namespace;
+        Ok(Vec::new())
+    }
 
     /// Fires due timers.
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport>;

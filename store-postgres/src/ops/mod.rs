@@ -9,6 +9,7 @@ mod lease;
 mod migrate;
 mod operate;
 mod prune;
+mod schedule;
 mod signal;
 mod timer;
 
@@ -410,6 +411,22 @@ impl Store for PgStore {
     async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
         let conn = self.client().await?;
         operate::workers(&conn, seen_since).await.map_err(StoreError::from)
+    }
+
+    async fn schedule_pause(
+        &self,
+        params: keel_core::ports::store::SchedulePauseParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        params.validate()?;
+        in_tx!(self, |c| schedule::pause(c, &params))
+    }
+
+    async fn schedule_states(
+        &self,
+        namespace: String,
+    ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
+        let conn = self.client().await?;
+        schedule::states(&conn, &namespace).await.map_err(StoreError::from)
     }
 
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {

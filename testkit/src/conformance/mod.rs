@@ -41,6 +41,7 @@ mod outcomes;
 mod overview;
 mod registry;
 mod retention;
+mod schedules;
 mod signals;
 mod timers;
 mod uniqueness;
@@ -60,6 +61,7 @@ pub use outcomes::*;
 pub use overview::*;
 pub use registry::*;
 pub use retention::*;
+pub use schedules::*;
 pub use signals::*;
 pub use timers::*;
 pub use uniqueness::*;
@@ -186,6 +188,8 @@ macro_rules! __store_contract_list {
             instance_activity_counts_ended_instances_per_bucket,
             worker_heartbeat_records_and_lists_live_workers,
             ready_stale_returns_instances_ready_for_the_bound,
+            schedule_pause_is_stored_for_every_worker,
+            schedule_states_are_bounded_per_namespace,
         }
     };
 }

@@ -8,10 +8,10 @@ use super::{
     InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
     LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
     MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, SignalTarget, Store,
-    StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage,
-    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
-    WorkerBeatParams, WorkerRecord, async_trait, commit,
+    ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
+    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
+    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait, commit,
 };
 
 #[async_trait]
@@ -201,6 +201,14 @@ impl Store for MemoryStore {
 
     async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<WorkerRecord>> {
         Ok(self.state().worker_list(seen_since))
+    }
+
+    async fn schedule_pause(&self, params: SchedulePauseParams) -> StoreResult<ScheduleState> {
+        self.state().schedule_pause(&params)
+    }
+
+    async fn schedule_states(&self, namespace: String) -> StoreResult<Vec<ScheduleState>> {
+        Ok(self.state().schedule_states(&namespace))
     }
 
     async fn ready_wait(&self) {

@@ -6,6 +6,7 @@ use super::{
     InstanceListParams, QueueStats, State, Status, StoreError, StoreResult, TimerNextDueParams,
     TimerRow, TimerStatus, Timestamp, WorkerBeatParams, WorkerRecord, check_batch, limits,
 };
+use keel_core::ports::store::{SchedulePauseParams, ScheduleState};
 
 impl State {
     pub(super) fn rows_of(&self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
@@ -168,5 +169,32 @@ impl State {
         list.sort_by(|a, b| b.last_seen_at.cmp(&a.last_seen_at).then_with(|| a.id.0.cmp(&b.id.0)));
         list.truncate(keel_core::ports::store::WORKER_LIST_MAX);
         list
+    }
+
+    pub(super) fn schedule_pause(&mut self, p: &SchedulePauseParams) -> StoreResult<ScheduleState> {
+        p.validate()?;
+        let key = (p.namespace.clone(), p.name.clone());
+        let current = self.schedules.get(&key);
+        let held = self
+            .schedules
+            .range((p.namespace.clone(), String::new())..)
+            .take_while(|((ns, _), _)| *ns == p.namespace)
+            .count();
+        match keel_core::schedule::plan_pause(current, held, p)? {
+            Some(state) => {
+                self.schedules.insert(key, state.clone());
+                Ok(state)
+            }
+            None => Ok(current.cloned().expect("an unchanged state is a stored one")),
+        }
+    }
+
+    pub(super) fn schedule_states(&self, namespace: &str) -> Vec<ScheduleState> {
+        self.schedules
+            .range((namespace.to_owned(), String::new())..)
+            .take_while(|((ns, _), _)| ns == namespace)
+            .take(keel_core::schedule::SCHEDULE_STATES_MAX)
+            .map(|(_, s)| s.clone())
+            .collect()
     }
 }

@@ -1,0 +1,79 @@
+//! Stored schedule states (`Store::schedule_pause`, `Store::schedule_states`). A change
+//! runs in one transaction under a lock per namespace, so the count the core's
+//! `plan_pause` checks against its bound, and the row it compares with, are exact.
+
+use super::{begin, commit_tx};
+use crate::error::OpResult;
+use crate::rows::{col, from_ts, ts};
+use deadpool_postgres::GenericClient;
+use keel_core::StoreError;
+use keel_core::ports::store::{SchedulePauseParams, ScheduleState};
+use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_pause};
+use std::time::SystemTime;
+use tokio_postgres::Row;
+
+/// Stores a pause or resume and returns the state.
+pub(crate) async fn pause<C: GenericClient + Sync>(
+    c: &C,
+    p: &SchedulePauseParams,
+) -> OpResult<ScheduleState> {
+    begin(c).await?;
+    let lock = c
+        .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('keel.schedule_states.' || $1))")
+        .await?;
+    c.execute(&lock, &[&p.namespace]).await?;
+    let read = c
+        .prepare_cached(
+            "SELECT namespace, name, paused, changed_at FROM schedule_states \
+             WHERE namespace = $1 AND name = $2",
+        )
+        .await?;
+    let current =
+        c.query_opt(&read, &[&p.namespace, &p.name]).await?.map(|r| state(&r)).transpose()?;
+    let count = c
+        .prepare_cached(
+            "SELECT count(*) FROM (SELECT 1 FROM schedule_states WHERE namespace = $1 LIMIT $2) s",
+        )
+        .await?;
+    let held: i64 =
+        c.query_one(&count, &[&p.namespace, &(SCHEDULE_STATES_MAX as i64)]).await?.get(0);
+    let held = usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX);
+    let Some(next) = plan_pause(current.as_ref(), held, p)? else {
+        commit_tx(c).await?;
+        return Ok(current.expect("an unchanged state is a stored one"));
+    };
+    let write = c
+        .prepare_cached(
+            "INSERT INTO schedule_states (namespace, name, paused, changed_at) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT (namespace, name) DO UPDATE SET \
+             paused = excluded.paused, changed_at = excluded.changed_at",
+        )
+        .await?;
+    c.execute(&write, &[&next.namespace, &next.name, &next.paused, &ts(next.changed_at)]).await?;
+    commit_tx(c).await?;
+    Ok(next)
+}
+
+/// A namespace's states in name order, at most [`SCHEDULE_STATES_MAX`].
+pub(crate) async fn states<C: GenericClient + Sync>(
+    c: &C,
+    namespace: &str,
+) -> OpResult<Vec<ScheduleState>> {
+    let stmt = c
+        .prepare_cached(
+            "SELECT namespace, name, paused, changed_at FROM schedule_states \
+             WHERE namespace = $1 ORDER BY name COLLATE \"C\" LIMIT $2",
+        )
+        .await?;
+    let rows = c.query(&stmt, &[&namespace, &(SCHEDULE_STATES_MAX as i64)]).await?;
+    Ok(rows.iter().map(state).collect::<Result<_, StoreError>>()?)
+}
+
+fn state(r: &Row) -> Result<ScheduleState, StoreError> {
+    Ok(ScheduleState {
+        namespace: col(r, 0)?,
+        name: col(r, 1)?,
+        paused: col(r, 2)?,
+        changed_at: from_ts(col::<SystemTime>(r, 3)?),
+    })
+}
