@@ -251,7 +251,10 @@ mod tests {
         );
         let passes = r.trim_passes(Some("ns"));
         assert_eq!(passes.len(), 2, "{passes:?}");
-        assert_eq!((passes[0].machines.as_slice(), passes[0].keep), (&["order".to_owned()][..], 50));
+        assert_eq!(
+            (passes[0].machines.as_slice(), passes[0].keep),
+            (&["order".to_owned()][..], 50)
+        );
         assert_eq!(passes[0].limit, 200);
         assert!(passes[1].machines.is_empty());
         assert_eq!(passes[1].except, ["audit", "order"], "audit's section keeps its history");
@@ -282,7 +285,10 @@ mod tests {
             ("[retention]\nended = \"0 seconds\"", "retention.ended: must be more than zero"),
             ("[retention.machines.m]\nended = \"0 s\"", "retention.machines.m.ended"),
             ("[retention]\nkeep = \"1 day\"", "keep"),
-            ("[retention]\nhistory_per_instance = 0", "retention.history_per_instance: must be 1 to 100000"),
+            (
+                "[retention]\nhistory_per_instance = 0",
+                "retention.history_per_instance: must be 1 to 100000",
+            ),
             (
                 "[retention.machines.m]\nhistory_per_instance = 100001",
                 "retention.machines.m.history_per_instance: must be 1 to 100000 (got 100001)",
