@@ -17,8 +17,8 @@ use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
-use keel_core::plan::parent::{ParentPlan, ParentRelease};
 use keel_core::plan::history::TrimCandidate;
+use keel_core::plan::parent::{ParentPlan, ParentRelease};
 use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -26,10 +26,10 @@ use keel_core::plan::{
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
-    HistoryTrimPage, HistoryTrimParams, InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MigratePage, MigrateParams, PrunePage, PruneParams, ReadyStaleParams, SignalBroadcastParams,
-    SignalDeliverParams, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerSweepParams,
-    TimerSweepReport,
+    HistoryTrimPage, HistoryTrimParams, InsertOutcome, InsertParams, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage, PruneParams,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
+    TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{

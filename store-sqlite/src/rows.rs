@@ -473,7 +473,10 @@ impl Db<'_> {
             at: Timestamp(self.get(r, "at")?),
             revision: Revision(self.get(r, "revision")?),
             attempt: self.get(r, "attempt")?,
-            entry: HistoryEntry { kind: self.get(r, "kind")?, data: Self::json_lenient("data", &data) },
+            entry: HistoryEntry {
+                kind: self.get(r, "kind")?,
+                data: Self::json_lenient("data", &data),
+            },
         })
     }
 
