@@ -89,7 +89,7 @@ pub async fn history_page_walks_newest_first_to_the_oldest_entry<S: Store>(s: &S
     assert_eq!(pages.len(), total.div_ceil(4), "{pages:?}");
     assert!(pages[..pages.len() - 1].iter().all(|p| p.len() == 4), "full pages: {pages:?}");
     // A page that ends exactly at the oldest entry gives no cursor.
-    assert_eq!(walk(s, a, total).await, [newest_first.clone()]);
+    assert_eq!(walk(s, a, total).await, std::slice::from_ref(&newest_first));
     let one_short = walk(s, a, total - 1).await;
     assert_eq!(one_short.len(), 2, "{one_short:?}");
     assert_eq!(one_short[1], [newest_first[total - 1]]);
