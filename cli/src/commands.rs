@@ -47,6 +47,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::Resume { queue } => pause(&keel, ns, &queue, false).await,
         Command::Dlq(command) => dlq(&keel, ns, command).await,
         Command::Inspect { target } => inspect(&keel, ns, &target).await,
+        Command::History(args) => {
+            let id = resolve(&keel, ns, &args.target).await?;
+            crate::operate::history(&keel, &args.target, id, args.before.as_deref(), args.limit)
+                .await
+        }
         Command::Start(args) => start(&keel, ns, args).await,
         Command::Send { target, event, payload, dedup_key } => {
             send(&keel, ns, &target, &event, payload.as_deref(), dedup_key).await

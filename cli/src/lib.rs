@@ -78,6 +78,9 @@ pub enum Command {
         /// An instance id (`i42` or `42`) or `machine:key`.
         target: String,
     },
+    /// An instance's history, newest first, a page at a time (`--before` the `next` of
+    /// the previous page reads older entries).
+    History(HistoryArgs),
     /// Start an instance of a machine.
     Start(StartArgs),
     /// The schedules of the `--config` file with their pause state (from the store when
@@ -205,6 +208,19 @@ pub struct ListArgs {
     /// Continue after this instance id (the `next` of the previous page).
     #[arg(long)]
     pub after: Option<String>,
+}
+
+/// `keel history`.
+#[derive(Debug, Args)]
+pub struct HistoryArgs {
+    /// An instance id (`i42` or `42`) or `machine:key`.
+    pub target: String,
+    /// Only entries older than this one: the `next` of the previous page.
+    #[arg(long)]
+    pub before: Option<String>,
+    /// Most entries to show (1 to 1000).
+    #[arg(long, default_value_t = operate::HISTORY_PAGE_DEFAULT)]
+    pub limit: usize,
 }
 
 /// `keel upgrade`.

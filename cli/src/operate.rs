@@ -1,5 +1,6 @@
-//! The operator commands added on top of the store's views: `list`, `workers`, `graph`,
-//! `purge`, `upgrade`, and the last hour's activity `status` and `health` show.
+//! The operator commands added on top of the store's views: `list`, `history`,
+//! `workers`, `graph`, `purge`, `upgrade`, and the last hour's activity `status` and
+//! `health` show.
 //!
 //! Activity is computed from stored rows, not from process-local counters, so every
 //! `keel` invocation and every `keel serve` replica agrees: an instance counts as
@@ -18,8 +19,8 @@ use keel_core::ids::{InstanceId, Status};
 use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, InstanceListParams, QueueStats,
-    WORKER_STALE_AFTER, WorkerRecord,
+    ActivityParams, DeadLetterPurgeParams, DeadLetterSelector, HistoryPageParams,
+    InstanceListParams, QueueStats, WORKER_STALE_AFTER, WorkerRecord,
 };
 use serde::Serialize;
 
@@ -32,6 +33,8 @@ use crate::{GraphFormat, ListArgs, UpgradeArgs};
 pub const ACTIVITY_WINDOW: Duration = Duration::from_secs(3_600);
 /// The width of one activity bucket (sparklines draw one point per bucket).
 pub const ACTIVITY_BUCKET: Duration = Duration::from_secs(60);
+/// Entries `keel history` and the HTTP history page show when no limit is given.
+pub const HISTORY_PAGE_DEFAULT: usize = 100;
 /// Most pages a purge or a per-machine scan walks (each page is at most
 /// [`INSTANCE_LIST_MAX`] instances).
 const PAGES_MAX: usize = 1_000;
@@ -291,6 +294,48 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
         json!({ "namespace": ns, "machine": args.machine, "instances": items, "next": next }),
         human,
     ))
+}
+
+/// `keel history`: one page of `id`'s history, newest first, and the cursor to the next,
+/// older page. `target` is how the caller named the instance (for the "More:" hint).
+pub async fn history(
+    keel: &Keel,
+    target: &str,
+    id: InstanceId,
+    before: Option<&str>,
+    limit: usize,
+) -> anyhow::Result<Report> {
+    let before = before
+        .map(|raw| {
+            raw.trim().parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                anyhow!("--before: {raw:?} is not a history cursor; pass the `next` of the previous page")
+            })
+        })
+        .transpose()?;
+    let page = keel.store().history_page(HistoryPageParams { instance: id, before, limit }).await?;
+    let mut t = table(&["seq", "at", "rev", "attempt", "kind", "data"]);
+    for h in &page.entries {
+        t.add_row(vec![
+            h.seq.to_string(),
+            time(h.at.0),
+            h.revision.0.to_string(),
+            h.attempt.to_string(),
+            h.entry.kind.clone(),
+            h.entry.data.to_string(),
+        ]);
+    }
+    let mut human = if page.entries.is_empty() {
+        match before {
+            Some(_) => format!("No older history for {id}."),
+            None => format!("No history for {id} yet (no step has run)."),
+        }
+    } else {
+        t.to_string()
+    };
+    if let Some(next) = page.next {
+        let _ = write!(human, "\nMore: keel history {target} --before {next}");
+    }
+    Ok(Report::ok(json!({ "instance": id, "entries": page.entries, "next": page.next }), human))
 }
 
 /// `keel workers`.

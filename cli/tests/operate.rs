@@ -1,7 +1,7 @@
 //! The real `keel` binary's operator views against SQLite and PostgreSQL (a fresh schema
 //! when `KEEL_TEST_DATABASE_URL` is set; SKIPPED loudly otherwise, a failure under
-//! `KEEL_REQUIRE_BACKENDS=1`): `list`, `purge`, `workers`, the last hour in `status`, the
-//! `health` thresholds on it, `graph` and `upgrade`.
+//! `KEEL_REQUIRE_BACKENDS=1`): `list`, `history`, `purge`, `workers`, the last hour in
+//! `status`, the `health` thresholds on it, `graph` and `upgrade`.
 
 use std::time::Duration;
 
@@ -117,6 +117,24 @@ impl StepMachine for Echo {
 
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
         Ok(Outcome::Done { result: ctx.context.clone(), step: None })
+    }
+}
+
+/// Walks through five steps (one commit and one history entry each), then finishes.
+struct Walker;
+
+#[keel::async_trait]
+impl StepMachine for Walker {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("walker", 1)
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let n = ctx.context["n"].as_i64().unwrap_or(0);
+        if n >= 5 {
+            return Ok(Outcome::Done { result: json!({ "steps": n }), step: None });
+        }
+        Ok(Outcome::Next { step: format!("s{}", n + 1), context: json!({ "n": n + 1 }) })
     }
 }
 
@@ -490,5 +508,85 @@ async fn metrics_show_armed_and_due_timers_and_how_late_the_sweep_runs() {
         assert_eq!(value("keel_timers_overdue"), 1.0, "{}", b.name);
         let late = value("keel_timers_sweep_lateness_seconds");
         assert!(late >= 0.4, "{}: the due timer is at least 0.4 s late, got {late}", b.name);
+    }
+}
+
+fn seqs(doc: &Value) -> Vec<i64> {
+    doc["entries"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_pages_newest_first_down_to_the_oldest_entry() {
+    for b in backends("history_pages_newest_first_down_to_the_oldest_entry") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        let worker = keel.worker_with(fast()).register(Walker).unwrap().spawn().unwrap();
+        let new = NewInstance::new(MachineRef::new("walker", 1), "s0").business_key("w1");
+        let id = keel.start(new).await.unwrap().id();
+        wait_for(&keel, id, Status::Done, b.name).await;
+        worker.shutdown().await;
+        let stored: Vec<i64> =
+            keel.get(id).await.unwrap().history.iter().rev().map(|h| h.seq).collect();
+        assert!(stored.len() >= 6, "{}: five steps and the end: {stored:?}", b.name);
+
+        let whole = b.json(&["history", "walker:w1"]);
+        assert_eq!(seqs(&whole), stored, "{}: newest first", b.name);
+        assert_eq!((whole["instance"].as_i64(), &whole["next"]), (Some(id.0), &Value::Null));
+        let kinds: Vec<&str> = whole["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["entry"]["kind"].as_str().unwrap())
+            .collect();
+        assert!(kinds.contains(&"STEP_NEXT"), "{}: {kinds:?}", b.name);
+
+        // Pages of two, following `next`, cover the history once.
+        let mut walked = Vec::new();
+        let mut before: Option<i64> = None;
+        for _ in 0..stored.len() {
+            let mut args =
+                vec!["history".to_owned(), format!("i{}", id.0), "--limit".into(), "2".into()];
+            if let Some(cursor) = before {
+                args.extend(["--before".into(), cursor.to_string()]);
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let page = b.json(&args);
+            let got = seqs(&page);
+            assert!(got.len() <= 2, "{}: {page}", b.name);
+            walked.extend(got);
+            match page["next"].as_i64() {
+                Some(next) => before = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(walked, stored, "{}: the pages add up to the history", b.name);
+
+        let (out, _) = b.run(&["history", "walker:w1", "--limit", "2"], 0);
+        let hint = format!("More: keel history walker:w1 --before {}", stored[1]);
+        assert!(out.contains("STEP_") && out.contains(&hint), "{}: {out}", b.name);
+        let oldest = stored.last().unwrap().to_string();
+        let (out, _) = b.run(&["history", "walker:w1", "--before", &oldest], 0);
+        assert!(out.contains("No older history"), "{}: {out}", b.name);
+
+        for (args, needle) in [
+            (
+                &["history", "walker:w1", "--limit", "1001"][..],
+                "limit: 1001 is out of range; give 1 to 1000",
+            ),
+            (&["history", "walker:w1", "--limit", "0"], "limit: 0 is out of range"),
+            (
+                &["history", "walker:w1", "--before", "soon"],
+                "--before: \"soon\" is not a history cursor",
+            ),
+            (
+                &["history", "walker:nobody"],
+                "no instance of machine \"walker\" with key \"nobody\"",
+            ),
+            (&["history", "i999999"], "target: no instance i999999"),
+            (&["-n", "elsewhere", "history", &format!("i{}", id.0)], "in namespace \"elsewhere\""),
+        ] {
+            let (_, err) = b.run(args, 1);
+            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+        }
     }
 }

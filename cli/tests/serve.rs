@@ -882,3 +882,62 @@ fn schedules_are_listed_paused_and_resumed_per_namespace() {
         assert_eq!((code, &hourly["state"]["namespace"]), (200, &json!("ops")), "{name}");
     }
 }
+
+#[test]
+fn history_pages_over_http_with_a_cursor_and_404_for_another_namespace() {
+    for (name, s) in servers("history_pages_over_http_with_a_cursor", None) {
+        let ns = "/v1/namespaces/default/instances";
+        let (_, a) = s.post(ns, r#"{"machine":"walker","at":"s0","context":{}}"#);
+        let id = a["id"].as_i64().unwrap();
+        // Four steps over the worker protocol, one history entry each, then the end.
+        let poll = r#"{"worker":"w","namespace":"default","machines":[{"name":"walker","version":1}],"wait_ms":5000}"#;
+        for i in 1..=5 {
+            let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+            assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+            let token = task["token"].as_i64().unwrap();
+            let outcome = if i < 5 {
+                format!(r#"{{"type":"next","step":"s{i}","context":{{}}}}"#)
+            } else {
+                r#"{"type":"done","result":{}}"#.to_owned()
+            };
+            let (code, answer) = s.post(
+                &format!("/v1/worker/tasks/{id}/complete"),
+                &format!(r#"{{"worker":"w","token":{token},"outcome":{outcome}}}"#),
+            );
+            assert_eq!(code, 200, "{name}: {answer}");
+        }
+        let (code, whole) = s.get_json(&format!("{ns}/{id}/history"));
+        assert_eq!(code, 200, "{name}: {whole}");
+        let seqs = |doc: &Value| -> Vec<i64> {
+            doc["entries"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect()
+        };
+        let all = seqs(&whole);
+        assert!(all.len() >= 5 && all.windows(2).all(|w| w[0] > w[1]), "{name}: {all:?}");
+        assert_eq!(whole["next"], Value::Null);
+
+        let (_, first) = s.get_json(&format!("{ns}/{id}/history?limit=3"));
+        assert_eq!(seqs(&first), all[..3], "{name}");
+        let next = first["next"].as_i64().expect("a cursor while older entries exist");
+        let (_, rest) = s.get_json(&format!("{ns}/{id}/history?limit=1000&before={next}"));
+        assert_eq!((seqs(&rest), &rest["next"]), (all[3..].to_vec(), &Value::Null), "{name}");
+
+        for (path, code, field) in [
+            (format!("{ns}/{id}/history?limit=1001"), 400, "limit"),
+            (format!("{ns}/{id}/history?limit=0"), 400, "limit"),
+            (format!("{ns}/{id}/history?before=later"), 400, "before"),
+            (format!("{ns}/{id}/history?sort=asc"), 400, "query"),
+            (format!("{ns}/nope/history"), 400, "id"),
+        ] {
+            let (got, body) = s.get_json(&path);
+            assert_eq!(
+                (got, body["field"].as_str()),
+                (code, Some(field)),
+                "{name}: {path}: {body}"
+            );
+        }
+        let (code, _) = s.get_json(&format!("/v1/namespaces/other/instances/{id}/history"));
+        assert_eq!(code, 404, "{name}: another namespace's instance is not found");
+        let (code, _) = s.get_json(&format!("{ns}/999999/history"));
+        assert_eq!(code, 404, "{name}");
+    }
+}

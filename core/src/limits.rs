@@ -51,8 +51,14 @@ pub const CANCEL_CASCADE_MAX: usize = 10_000;
 pub const ROWS_BATCH_MAX: usize = 1_000;
 /// Most instances one `instance_list` page returns.
 pub const INSTANCE_LIST_MAX: usize = 1_000;
-/// Most history rows an inspect returns (newest last).
+/// Most history rows an inspect returns (newest last); older ones are read a page at a
+/// time with `Store::history_page`.
 pub const HISTORY_LIST_MAX: usize = 1_000;
+/// Most history rows one `Store::history_page` call returns.
+pub const HISTORY_PAGE_MAX: usize = 1_000;
+/// Most history entries a retention may keep per instance (`history_per_instance`): a
+/// trimming pass reads up to this many index entries of each instance it visits.
+pub const HISTORY_KEEP_MAX: usize = 100_000;
 /// Most dead letters one list or retry-by-machine call touches.
 pub const DEAD_LETTER_BATCH_MAX: usize = 10_000;
 /// Most rows one reap call returns to runnable.

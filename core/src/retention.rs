@@ -1,25 +1,31 @@
-//! Retention: how long ended instances (with their history and inbox) are kept, per
-//! machine or for all, and the passes a pruner runs at a given time.
+//! Retention: how long ended instances (with their history and inbox) are kept and how
+//! many history entries each instance keeps, per machine or for all, and the passes a
+//! pruner runs at a given time.
 //!
 //! `[retention]` in `keel.toml`:
 //!
 //! ```toml
 //! [retention]
 //! ended = "30 days"       # ended instances of every machine (default: kept forever)
+//! history_per_instance = 1000  # newest history entries kept per instance (default: all)
 //! interval = "1 minute"   # how often a worker's pruner runs (jittered by a tenth)
 //! batch = 1000            # instances read per page (one short transaction each)
 //! pause = "10 ms"         # between two pages, so claims and commits interleave
 //!
 //! [retention.machines.order]
 //! ended = "7 days"        # this machine's own retention
+//! history_per_instance = 200
 //! ```
+//!
+//! A machine's section replaces the global values for that machine: a key it leaves out
+//! is unbounded for it (a section with neither key keeps everything of that machine).
 //!
 //! Dead letters keep their own retention (`dead_letter.retention` of the machine's queue
 //! settings).
 
 use crate::config::ConfigError;
 use crate::limits;
-use crate::ports::store::PruneParams;
+use crate::ports::store::{HistoryTrimParams, PruneParams};
 use crate::time::Timestamp;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -42,6 +48,9 @@ pub struct RetentionConfig {
     /// Ended instances older than this are pruned; `None` keeps them forever.
     #[serde(with = "crate::duration::serde_human::option")]
     pub ended: Option<Duration>,
+    /// Each instance keeps its newest this many history entries; older ones are trimmed.
+    /// `None` keeps them all.
+    pub history_per_instance: Option<usize>,
     /// How often a pruner runs (each run jittered by up to a tenth).
     #[serde(with = "crate::duration::serde_human")]
     pub interval: Duration,
@@ -61,12 +70,16 @@ pub struct MachineRetention {
     /// This machine's ended instances older than this are pruned; `None` keeps them.
     #[serde(with = "crate::duration::serde_human::option")]
     pub ended: Option<Duration>,
+    /// This machine's instances keep their newest this many history entries; `None`
+    /// keeps them all.
+    pub history_per_instance: Option<usize>,
 }
 
 impl Default for RetentionConfig {
     fn default() -> Self {
         RetentionConfig {
             ended: None,
+            history_per_instance: None,
             interval: Duration::from_secs(60),
             batch: 1_000,
             pause: Duration::from_millis(10),
@@ -105,6 +118,17 @@ impl RetentionConfig {
         if zero(self.ended) {
             return Err(invalid("ended", "must be more than zero; omit it to keep forever".into()));
         }
+        let keep = |field: &str, n: Option<usize>| match n {
+            Some(n) if !(1..=limits::HISTORY_KEEP_MAX).contains(&n) => Err(invalid(
+                field,
+                format!(
+                    "must be 1 to {} (got {n}); omit it to keep every entry",
+                    limits::HISTORY_KEEP_MAX
+                ),
+            )),
+            _ => Ok(()),
+        };
+        keep("history_per_instance", self.history_per_instance)?;
         for (name, m) in &self.machines {
             if zero(m.ended) {
                 return Err(invalid(
@@ -112,6 +136,7 @@ impl RetentionConfig {
                     "must be more than zero; omit it to keep forever".into(),
                 ));
             }
+            keep(&format!("machines.{name}.history_per_instance"), m.history_per_instance)?;
         }
         Ok(())
     }
@@ -134,6 +159,32 @@ impl RetentionConfig {
             .filter_map(|(name, m)| m.ended.map(|keep| pass(vec![name.clone()], Vec::new(), keep)))
             .collect();
         if let Some(keep) = self.ended {
+            passes.push(pass(Vec::new(), self.machines.keys().cloned().collect(), keep));
+        }
+        passes
+    }
+
+    /// The history trimming passes a run makes: one per machine with its own
+    /// `history_per_instance`, then one over every machine without a section (when
+    /// `history_per_instance` is set). A machine listed without its own value keeps all its
+    /// history, like `ended`.
+    pub fn trim_passes(&self, namespace: Option<&str>) -> Vec<HistoryTrimParams> {
+        let pass = |machines: Vec<String>, except: Vec<String>, keep: usize| HistoryTrimParams {
+            namespace: namespace.map(str::to_owned),
+            machines,
+            except,
+            keep,
+            after: None,
+            limit: self.batch,
+        };
+        let mut passes: Vec<HistoryTrimParams> = self
+            .machines
+            .iter()
+            .filter_map(|(name, m)| {
+                m.history_per_instance.map(|keep| pass(vec![name.clone()], Vec::new(), keep))
+            })
+            .collect();
+        if let Some(keep) = self.history_per_instance {
             passes.push(pass(Vec::new(), self.machines.keys().cloned().collect(), keep));
         }
         passes
@@ -186,6 +237,38 @@ mod tests {
     }
 
     #[test]
+    fn trim_passes_per_machine_then_for_the_rest() {
+        let r = config(
+            r#"
+            [retention]
+            history_per_instance = 1000
+            batch = 200
+            [retention.machines.order]
+            history_per_instance = 50
+            [retention.machines.audit]
+            ended = "7 days"
+            "#,
+        );
+        let passes = r.trim_passes(Some("ns"));
+        assert_eq!(passes.len(), 2, "{passes:?}");
+        assert_eq!(
+            (passes[0].machines.as_slice(), passes[0].keep),
+            (&["order".to_owned()][..], 50)
+        );
+        assert_eq!(passes[0].limit, 200);
+        assert!(passes[1].machines.is_empty());
+        assert_eq!(passes[1].except, ["audit", "order"], "audit's section keeps its history");
+        assert_eq!(passes[1].keep, 1000);
+        assert_eq!(passes[1].namespace.as_deref(), Some("ns"));
+        for p in &passes {
+            p.validate().expect("a configured pass is a valid store call");
+        }
+        // Nothing configured: nothing trimmed; `ended` alone trims nothing either.
+        assert!(RetentionConfig::default().trim_passes(None).is_empty());
+        assert!(config("[retention]\nended = \"1 day\"").trim_passes(None).is_empty());
+    }
+
+    #[test]
     fn jitter_stays_within_a_tenth() {
         let r =
             RetentionConfig { interval: Duration::from_secs(100), ..RetentionConfig::default() };
@@ -202,6 +285,15 @@ mod tests {
             ("[retention]\nended = \"0 seconds\"", "retention.ended: must be more than zero"),
             ("[retention.machines.m]\nended = \"0 s\"", "retention.machines.m.ended"),
             ("[retention]\nkeep = \"1 day\"", "keep"),
+            (
+                "[retention]\nhistory_per_instance = 0",
+                "retention.history_per_instance: must be 1 to 100000",
+            ),
+            (
+                "[retention.machines.m]\nhistory_per_instance = 100001",
+                "retention.machines.m.history_per_instance: must be 1 to 100000 (got 100001)",
+            ),
+            ("[retention]\nhistory_per_instance = -1", "history_per_instance"),
         ] {
             let err = crate::config::KeelConfig::from_toml_str(source).unwrap_err().to_string();
             assert!(err.contains(expected), "{source}: {err}");

@@ -7,12 +7,12 @@ use keel_core::ports::Store;
 use keel_core::ports::store::{
     ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
-    TimerNextDueParams, TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams,
-    WorkerRecord,
+    DeadLetterSkipParams, DeliveryOutcome, HistoryPage, HistoryPageParams, HistoryTrimPage,
+    HistoryTrimParams, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage,
+    PruneParams, QueuePauseParams, QueueState, QueueStats, ReadyStaleParams, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerStatus, TimerSweepParams,
+    TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, Instance, InstanceId, SignalTarget, StoreResult, Timestamp};
@@ -194,6 +194,14 @@ impl Store for AnyStore {
 
     async fn instance_prune(&self, params: PruneParams) -> StoreResult<PrunePage> {
         self.0.instance_prune(params).await
+    }
+
+    async fn history_page(&self, params: HistoryPageParams) -> StoreResult<HistoryPage> {
+        self.0.history_page(params).await
+    }
+
+    async fn history_trim(&self, params: HistoryTrimParams) -> StoreResult<HistoryTrimPage> {
+        self.0.history_trim(params).await
     }
 
     async fn timer_status(

@@ -5,9 +5,12 @@
 //! `Store::instance_prune`, each one short transaction over at most `retention.batch`
 //! rows, with `retention.pause` between pages and at most
 //! [`PAGES_PER_PASS_MAX`](keel_core::retention::PAGES_PER_PASS_MAX) pages per pass. Then
-//! it purges the dead letters older than each registered machine's
-//! `dead_letter.retention`, in calls bounded by the store. Every row removed is counted
-//! in `keel_pruned_rows_total{kind}` and in [`PruneCounts`].
+//! it trims every instance's history to its newest `history_per_instance` entries
+//! ([`RetentionConfig::trim_passes`]: pages of `Store::history_trim`, each deleting at
+//! most `retention.batch` rows, under the same pause and page bound), and purges the dead
+//! letters older than each registered machine's `dead_letter.retention`, in calls bounded
+//! by the store. Every row removed is counted in `keel_pruned_rows_total{kind}` and in
+//! [`PruneCounts`].
 //!
 //! Several workers may prune at once: a row is deleted once (the other worker's page finds
 //! it gone, or locked and left to the next pass).
@@ -38,6 +41,8 @@ pub struct PruneStats {
     pub signals: AtomicU64,
     /// Dead letters purged after their retention.
     pub dead_letters: AtomicU64,
+    /// History rows trimmed from instances over `history_per_instance`.
+    pub history_trimmed: AtomicU64,
 }
 
 /// A snapshot of [`PruneStats`].
@@ -53,6 +58,8 @@ pub struct PruneCounts {
     pub signals: u64,
     /// Dead letters purged.
     pub dead_letters: u64,
+    /// History rows trimmed from instances over `history_per_instance`.
+    pub history_trimmed: u64,
 }
 
 impl PruneStats {
@@ -65,6 +72,7 @@ impl PruneStats {
             history: load(&self.history),
             signals: load(&self.signals),
             dead_letters: load(&self.dead_letters),
+            history_trimmed: load(&self.history_trimmed),
         }
     }
 
@@ -107,7 +115,8 @@ pub struct Pruner {
 }
 
 impl Pruner {
-    /// One run at `now`: every pass to its end (or its page bound), then the dead letters.
+    /// One run at `now`: every prune pass to its end (or its page bound), then every
+    /// history trim pass, then the dead letters.
     ///
     /// # Errors
     ///
@@ -117,6 +126,23 @@ impl Pruner {
             for page_no in 0..PAGES_PER_PASS_MAX {
                 let page = store.instance_prune(pass.clone()).await?;
                 self.stats.add_page(&page);
+                match page.last {
+                    Some(last) => pass.after = Some(last),
+                    None => break,
+                }
+                if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
+                    tokio::time::sleep(self.config.pause).await;
+                }
+            }
+        }
+        for mut pass in self.config.trim_passes(self.namespace.as_deref()) {
+            for page_no in 0..PAGES_PER_PASS_MAX {
+                let page = store.history_trim(pass.clone()).await?;
+                self.stats.history_trimmed.fetch_add(page.history, Ordering::Relaxed);
+                if page.history > 0 {
+                    metrics::counter!("keel_pruned_rows_total", "kind" => "history_trimmed")
+                        .increment(page.history);
+                }
                 match page.last {
                     Some(last) => pass.after = Some(last),
                     None => break,

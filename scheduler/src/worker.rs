@@ -144,9 +144,14 @@ impl WorkerConfig {
     /// Applies a configuration file: refuses a key this version does not apply, gives
     /// each of the worker's queues the slots the file sets for it (`[queues.<q>]
     /// concurrency`, else `[queue] concurrency`), and keeps the file for the claim policy
-    /// of each queue and the configuration of each step.
+    /// of each queue and the configuration of each step. A `[retention]` section that sets
+    /// anything replaces [`WorkerConfig::retention`] (and turns the pruner on).
     pub fn with_settings(mut self, settings: KeelConfig) -> Result<Self, ConfigError> {
         settings.check_applied()?;
+        if settings.retention != RetentionConfig::default() {
+            settings.retention.validate()?;
+            self.retention = Some(settings.retention.clone());
+        }
         for (queue, slots) in &mut self.queues {
             if let Some(n) = settings.worker_slots(queue) {
                 *slots = n as usize;

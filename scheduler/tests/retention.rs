@@ -1,7 +1,8 @@
 //! Retention run by a worker's pruner under a virtual clock: ended instances older than
 //! the retention go (with their history), younger and live ones stay, a machine's own
-//! retention wins, and dead letters go after their machine's `dead_letter.retention` (the
-//! configuration file's, when it sets one, over the code's).
+//! retention wins, dead letters go after their machine's `dead_letter.retention` (the
+//! configuration file's, when it sets one, over the code's), and each instance's history
+//! is trimmed to the newest `history_per_instance` entries.
 //! `memory::*` on `MemoryStore`, `postgres::*` on PostgreSQL (a fresh schema per test).
 
 #[macro_use]
@@ -23,6 +24,7 @@ on_every_store!(
     the_pruner_removes_exactly_the_instances_ended_before_the_retention,
     dead_letters_go_after_their_machine_retention,
     the_files_dead_letter_retention_wins_over_the_code,
+    history_is_trimmed_to_the_newest_entries_per_instance,
 );
 
 const HOUR: Duration = Duration::from_secs(3_600);
@@ -94,7 +96,7 @@ async fn the_pruner_removes_exactly_the_instances_ended_before_the_retention<S: 
     let h = S::harness().await;
     let mut config = WorkerConfig { retention: Some(retention(24 * HOUR)), ..h.config() };
     // `brief` keeps its ended instances one hour only.
-    let own = MachineRetention { ended: Some(HOUR) };
+    let own = MachineRetention { ended: Some(HOUR), ..MachineRetention::default() };
     config.retention.as_mut().unwrap().machines.insert("brief".into(), own);
     let worker =
         keel_scheduler::Worker::new(std::sync::Arc::clone(&h.store), h.clock.clone(), config)
@@ -194,5 +196,85 @@ async fn the_files_dead_letter_retention_wins_over_the_code<S: TestStore>() {
     runs_after(&worker, before, 2).await;
     assert_eq!(letters().await, 0, "purged after the file's retention, not the code's two hours");
     assert_eq!(worker.pruned().dead_letters, 1);
+    worker.shutdown().await;
+}
+
+/// Walks through `STEPS` steps (one commit each), then finishes.
+struct Walker(&'static str);
+
+const STEPS: i64 = 5;
+
+#[async_trait]
+impl StepMachine for Walker {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new(self.0, 1)
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let n = ctx.context["n"].as_i64().unwrap_or(0);
+        if n >= STEPS {
+            return Ok(Outcome::Done { result: json!({ "steps": n }), step: None });
+        }
+        Ok(Outcome::Next { step: format!("s{}", n + 1), context: json!({ "n": n + 1 }) })
+    }
+}
+
+async fn history_of<S: Store>(h: &Harness<S>, id: InstanceId) -> Vec<(i64, String)> {
+    let detail = h.client.get(id).await.expect("get");
+    detail.history.iter().map(|r| (r.revision.0, r.entry.kind.clone())).collect()
+}
+
+async fn history_is_trimmed_to_the_newest_entries_per_instance<S: TestStore>() {
+    let h = S::harness().await;
+    // From the file: three entries per instance; `brief` keeps one; `audit` has a section
+    // without the key, so it keeps everything.
+    let file = keel_core::config::KeelConfig::from_toml_str(
+        r#"
+        [retention]
+        history_per_instance = 3
+        interval = "20 ms"
+        batch = 2
+        pause = "0 ms"
+        [retention.machines.brief]
+        history_per_instance = 1
+        [retention.machines.audit]
+        "#,
+    )
+    .expect("valid");
+    let config = h.config().with_settings(file).expect("applied");
+    let worker =
+        keel_scheduler::Worker::new(std::sync::Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Walker("walk"))
+            .register(Walker("brief"))
+            .register(Walker("audit"))
+            .spawn();
+    let mut started = Vec::new();
+    for (machine, n) in [("walk", 3), ("brief", 2), ("audit", 1)] {
+        for _ in 0..n {
+            let id = h.start(NewInstance::new(MachineRef::new(machine, 1), "s0")).await;
+            started.push((machine, id));
+        }
+    }
+    for (_, id) in &started {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    let audit = history_of(&h, started.last().unwrap().1).await;
+    let whole = audit.len();
+    assert!(whole > 3, "a walk records more than three entries: {audit:?}");
+    for (machine, id) in &started {
+        let kept = history_of(&h, *id).await;
+        let keep = match *machine {
+            "walk" => 3,
+            "brief" => 1,
+            _ => whole,
+        };
+        assert_eq!(kept, audit[whole - keep..], "{machine} {id}: the newest {keep} entries");
+    }
+    let counts = worker.pruned();
+    let trimmed = 3 * (whole - 3) + 2 * (whole - 1);
+    assert_eq!(counts.history_trimmed, trimmed as u64, "every older entry once: {counts:?}");
+    assert_eq!(counts.instances, 0, "no `ended`: instances stay");
     worker.shutdown().await;
 }

@@ -17,6 +17,7 @@ use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
+use keel_core::plan::history::TrimCandidate;
 use keel_core::plan::parent::{ParentPlan, ParentRelease};
 use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
@@ -25,10 +26,10 @@ use keel_core::plan::{
 use keel_core::ports::store::{
     BroadcastReport, CancelParams, Claim, ClaimParams, CommitReceipt, DeadLetterPurgeParams,
     DeadLetterRetryParams, DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome,
-    InsertOutcome, InsertParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MigratePage, MigrateParams, PrunePage, PruneParams, ReadyStaleParams, SignalBroadcastParams,
-    SignalDeliverParams, TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerSweepParams,
-    TimerSweepReport,
+    HistoryTrimPage, HistoryTrimParams, InsertOutcome, InsertParams, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage, PruneParams,
+    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, TimerNextDueParams,
+    TimerRetimePage, TimerRetimeParams, TimerSweepParams, TimerSweepReport,
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
@@ -1403,4 +1404,60 @@ pub(crate) async fn worker_list(
             })
         })
         .collect()
+}
+
+/// One page of trimming history: read the page's instances with how many entries each has
+/// beyond its newest `keep` (counted up to the cap) and the newest of those, let
+/// `plan::history::trim` decide, and delete the oldest entries it names.
+pub(crate) async fn history_trim(
+    db: &mut Db<'_>,
+    p: &HistoryTrimParams,
+) -> StoreResult<HistoryTrimPage> {
+    p.validate()?;
+    let rows = sqlx::query(
+        "SELECT id, namespace, machine FROM keel_instances WHERE id > ? ORDER BY id LIMIT ?",
+    )
+    .bind(p.after.map_or(i64::MIN, |a| a.0))
+    .bind(p.limit as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("reading instances to trim"))?;
+    let mut read = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let id: i64 = r.try_get("id").map_err(db.err("reading an id"))?;
+        let (excess, through): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT count(*), max(seq) FROM (SELECT seq FROM keel_history \
+               WHERE instance_id = ? ORDER BY seq DESC LIMIT ? OFFSET ?)",
+        )
+        .bind(id)
+        .bind(p.count_cap() as i64)
+        .bind(p.keep as i64)
+        .fetch_one(&mut *db.conn)
+        .await
+        .map_err(db.err("counting history to trim"))?;
+        read.push(TrimCandidate {
+            id: InstanceId(id),
+            namespace: r.try_get("namespace").map_err(db.err("reading a namespace"))?,
+            machine: r.try_get("machine").map_err(db.err("reading a machine"))?,
+            excess: u64::try_from(excess).unwrap_or(0),
+            through,
+        });
+    }
+    let plan = plan::history::trim(p, &read);
+    let mut page = HistoryTrimPage { last: plan.last, ..HistoryTrimPage::default() };
+    for t in plan.trims {
+        let done = sqlx::query(
+            "DELETE FROM keel_history WHERE seq IN (SELECT seq FROM keel_history \
+               WHERE instance_id = ? AND seq <= ? ORDER BY seq LIMIT ?)",
+        )
+        .bind(t.instance.0)
+        .bind(t.through)
+        .bind(i64::try_from(t.count).unwrap_or(i64::MAX))
+        .execute(&mut *db.conn)
+        .await
+        .map_err(db.err("trimming history"))?;
+        page.history += done.rows_affected();
+        page.instances += u64::from(done.rows_affected() > 0);
+    }
+    Ok(page)
 }

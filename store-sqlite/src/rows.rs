@@ -442,22 +442,42 @@ impl Db<'_> {
         .fetch_all(&mut *self.conn)
         .await
         .map_err(self.err("reading history"))?;
-        rows.iter()
-            .map(|r| {
-                let data: String = self.get(r, "data")?;
-                Ok(HistoryRecord {
-                    instance: InstanceId(self.get(r, "instance_id")?),
-                    seq: self.get(r, "seq")?,
-                    at: Timestamp(self.get(r, "at")?),
-                    revision: Revision(self.get(r, "revision")?),
-                    attempt: self.get(r, "attempt")?,
-                    entry: HistoryEntry {
-                        kind: self.get(r, "kind")?,
-                        data: Self::json_lenient("data", &data),
-                    },
-                })
-            })
-            .collect()
+        rows.iter().map(|r| self.history_record(r)).collect()
+    }
+
+    /// Up to `limit` history rows of `id` numbered below `before`, newest first.
+    pub async fn history_before(
+        &mut self,
+        id: InstanceId,
+        before: Option<i64>,
+        limit: usize,
+    ) -> StoreResult<Vec<HistoryRecord>> {
+        let rows = sqlx::query(
+            "SELECT seq, instance_id, at, revision, attempt, kind, data FROM keel_history \
+             WHERE instance_id = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
+        )
+        .bind(id.0)
+        .bind(before.unwrap_or(i64::MAX))
+        .bind(limit as i64)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading a page of history"))?;
+        rows.iter().map(|r| self.history_record(r)).collect()
+    }
+
+    fn history_record(&self, r: &SqliteRow) -> StoreResult<HistoryRecord> {
+        let data: String = self.get(r, "data")?;
+        Ok(HistoryRecord {
+            instance: InstanceId(self.get(r, "instance_id")?),
+            seq: self.get(r, "seq")?,
+            at: Timestamp(self.get(r, "at")?),
+            revision: Revision(self.get(r, "revision")?),
+            attempt: self.get(r, "attempt")?,
+            entry: HistoryEntry {
+                kind: self.get(r, "kind")?,
+                data: Self::json_lenient("data", &data),
+            },
+        })
     }
 
     // ----- instance writes --------------------------------------------------------------

@@ -9,17 +9,17 @@ use async_trait::async_trait;
 use keel_core::instance::check_batch;
 use keel_core::instance::{DeadLetter, Instance};
 use keel_core::limits;
-use keel_core::plan::commit;
+use keel_core::plan::{self, commit};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    DeadLetterSkipParams, DeliveryOutcome, HistoryPage, HistoryPageParams, HistoryTrimPage,
+    HistoryTrimParams, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage,
+    PruneParams, QueuePauseParams, QueueState, QueueStats, ReadyStaleParams, SignalBroadcastParams,
+    SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
+    TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints};
 use keel_core::{
@@ -440,6 +440,22 @@ impl Store for SqliteStore {
         // One snapshot for the row and its inbox, children and history; nothing to keep.
         tx.rollback().await.map_err(|e| map(file, "ending a read", &e))?;
         Ok(detail)
+    }
+
+    async fn history_page(&self, params: HistoryPageParams) -> StoreResult<HistoryPage> {
+        params.validate()?;
+        let mut conn = self.reader().await?;
+        let file = self.file.as_str();
+        let mut tx = conn.begin().await.map_err(|e| map(file, "starting a read", &e))?;
+        let mut db = Db { conn: &mut tx, file };
+        db.instance_required(params.instance).await?;
+        let read = db.history_before(params.instance, params.before, params.read_limit()).await?;
+        tx.rollback().await.map_err(|e| map(file, "ending a read", &e))?;
+        Ok(plan::history::page(&params, read))
+    }
+
+    async fn history_trim(&self, params: HistoryTrimParams) -> StoreResult<HistoryTrimPage> {
+        write_tx!(self, |db| ops::history_trim(db, &params))
     }
 
     async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {

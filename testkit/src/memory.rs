@@ -29,6 +29,7 @@ use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
+use keel_core::plan::history::TrimCandidate;
 use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -37,9 +38,10 @@ use keel_core::ports::Store;
 use keel_core::ports::store::{
     ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
-    InstanceDetail, InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams,
-    MigratePage, MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
+    DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, HistoryPage, HistoryPageParams,
+    HistoryTrimPage, HistoryTrimParams, InsertOutcome, InsertParams, InstanceDetail,
+    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
+    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
     ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
     SignalDeliverParams, StoreCapabilities, TimerNextDueParams, TimerRetimePage, TimerRetimeParams,
     TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
@@ -634,6 +636,51 @@ impl State {
             page.instances += 1;
             page.history += history;
             page.signals += signals;
+        }
+        page
+    }
+
+    // ----- history ----------------------------------------------------------------------
+
+    fn history_page(&self, p: &HistoryPageParams) -> StoreResult<HistoryPage> {
+        p.validate()?;
+        if !self.rows.contains_key(&p.instance) {
+            return Err(StoreError::not_found(format!("instance {} does not exist", p.instance)));
+        }
+        let history = self.history.get(&p.instance).map_or(&[][..], Vec::as_slice);
+        let before = p.before.unwrap_or(i64::MAX);
+        let read = history.iter().rev().filter(|r| r.seq < before).take(p.read_limit());
+        Ok(plan::history::page(p, read.cloned().collect()))
+    }
+
+    fn history_trim(&mut self, p: &HistoryTrimParams) -> HistoryTrimPage {
+        let start = p.after.map_or(InstanceId(i64::MIN), |a| InstanceId(a.0.saturating_add(1)));
+        let read: Vec<TrimCandidate> = self
+            .rows
+            .range(start..)
+            .take(p.limit)
+            .map(|(_, r)| {
+                let history = self.history.get(&r.id).map_or(&[][..], Vec::as_slice);
+                let beyond = history.iter().rev().skip(p.keep).take(p.count_cap());
+                TrimCandidate {
+                    id: r.id,
+                    namespace: r.namespace.clone(),
+                    machine: r.machine.name.clone(),
+                    excess: beyond.clone().count() as u64,
+                    through: beyond.map(|h| h.seq).max(),
+                }
+            })
+            .collect();
+        let plan = plan::history::trim(p, &read);
+        let mut page = HistoryTrimPage { last: plan.last, ..HistoryTrimPage::default() };
+        for t in plan.trims {
+            let Some(history) = self.history.get_mut(&t.instance) else { continue };
+            // Entries are in sequence order: the oldest `count` numbered at most `through`.
+            let n = history.iter().take_while(|h| h.seq <= t.through).count();
+            let n = n.min(usize::try_from(t.count).unwrap_or(usize::MAX));
+            history.drain(..n);
+            page.history += n as u64;
+            page.instances += u64::from(n > 0);
         }
         page
     }

@@ -106,7 +106,7 @@ pub(super) fn read(bytes: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiErr
     })
 }
 
-fn parse_id(raw: &str) -> Result<InstanceId, ApiError> {
+pub(super) fn parse_id(raw: &str) -> Result<InstanceId, ApiError> {
     let digits = raw.strip_prefix('i').unwrap_or(raw);
     digits.parse::<i64>().ok().filter(|n| *n > 0).map(InstanceId).ok_or_else(|| {
         ApiError::bad(
@@ -117,7 +117,11 @@ fn parse_id(raw: &str) -> Result<InstanceId, ApiError> {
 }
 
 /// The instance, when it exists in `ns`; otherwise 404 (another namespace's included).
-async fn instance_in(state: &AppState, ns: &str, id: InstanceId) -> Result<(), ApiError> {
+pub(super) async fn instance_in(
+    state: &AppState,
+    ns: &str,
+    id: InstanceId,
+) -> Result<(), ApiError> {
     let read = state.keel.store().instance_rows(vec![id]).await;
     match super::scope::row_in_namespace(read, id, ns)? {
         Some(_) => Ok(()),

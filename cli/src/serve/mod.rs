@@ -78,6 +78,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/namespaces/{ns}/instances", post(api::start_instance))
         .route("/v1/namespaces/{ns}/instances/{id}", get(api::get_instance))
         .route("/v1/namespaces/{ns}/instances/{id}/cancel", post(api::cancel_instance))
+        .route("/v1/namespaces/{ns}/instances/{id}/history", get(ops::history))
         .route("/v1/namespaces/{ns}/machines/{machine}/keys/{key}", get(api::get_by_key))
         .route("/v1/namespaces/{ns}/status", get(ops::status))
         .route("/v1/namespaces/{ns}/activity", get(ops::activity))

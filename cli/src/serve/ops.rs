@@ -199,6 +199,33 @@ pub async fn list_instances(
     }
 }
 
+/// `GET …/instances/{id}/history?before=&limit=`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HistoryQuery {
+    before: Option<String>,
+    limit: Option<usize>,
+}
+
+/// One page of an instance's history, newest first, as `keel history --json`: `next`
+/// continues (as `before`) while older entries exist. An instance of another namespace is
+/// 404.
+pub async fn history(
+    State(state): State<Arc<AppState>>,
+    Path((ns, raw)): Path<(String, String)>,
+    query: Result<axum::extract::Query<HistoryQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let axum::extract::Query(q) =
+        query.map_err(|rejection| ApiError::bad("query", rejection.body_text()))?;
+    let id = super::api::parse_id(&raw)?;
+    super::api::instance_in(&state, &ns, id).await?;
+    let limit = q.limit.unwrap_or(crate::operate::HISTORY_PAGE_DEFAULT);
+    match crate::operate::history(&state.keel, &raw, id, q.before.as_deref(), limit).await {
+        Ok(report) => Ok(Json(report.json).into_response()),
+        Err(error) => Err(report_error(error)),
+    }
+}
+
 /// Workers seen by heartbeat, live and stale (every namespace: a token that sees them all).
 pub async fn workers(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
     let stale = keel_core::ports::store::WORKER_STALE_AFTER.as_secs();

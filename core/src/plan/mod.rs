@@ -18,6 +18,7 @@ pub mod commit;
 pub mod dead_letter;
 pub mod deliver;
 pub mod hints;
+pub mod history;
 pub mod insert;
 pub mod lease;
 pub mod migrate;

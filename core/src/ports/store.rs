@@ -329,6 +329,118 @@ pub struct PrunePage {
     pub last: Option<InstanceId>,
 }
 
+/// One page of an instance's history, newest first: the entries with a sequence number
+/// below `before` (all of them when `None`), at most `limit` of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryPageParams {
+    /// The instance.
+    pub instance: InstanceId,
+    /// Only entries older than this sequence number: the previous page's
+    /// [`HistoryPage::next`] (`None` = from the newest).
+    pub before: Option<i64>,
+    /// Most entries returned: 1 to [`limits::HISTORY_PAGE_MAX`].
+    pub limit: usize,
+}
+
+impl HistoryPageParams {
+    /// Checks the page size and the cursor.
+    pub fn validate(&self) -> StoreResult<()> {
+        if !(1..=limits::HISTORY_PAGE_MAX).contains(&self.limit) {
+            return Err(StoreError::invalid(format!(
+                "limit: {} is out of range; give 1 to {} and follow `next` for older entries",
+                self.limit,
+                limits::HISTORY_PAGE_MAX
+            )));
+        }
+        if self.before.is_some_and(|b| b <= 0) {
+            return Err(StoreError::invalid(
+                "before: must be a positive sequence number; pass the `next` of the previous page",
+            ));
+        }
+        Ok(())
+    }
+
+    /// How many entries a store reads: one more than the page, so the planner knows
+    /// whether an older page exists.
+    pub const fn read_limit(&self) -> usize {
+        self.limit + 1
+    }
+}
+
+/// One page of an instance's history.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct HistoryPage {
+    /// The entries, newest first.
+    pub entries: Vec<HistoryRecord>,
+    /// Pass it as `before` for the next, older page; `None` when no older entry is left.
+    pub next: Option<i64>,
+}
+
+/// One page of trimming history: the instances with ids above `after`, in id order, at
+/// most `limit` of them, are read, and of those in scope each keeps its newest `keep`
+/// entries; older ones are deleted, oldest first, at most `limit` rows in the page
+/// ([`plan::history::trim`](crate::plan::history::trim) decides).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryTrimParams {
+    /// Only this namespace (`None` = every namespace).
+    pub namespace: Option<String>,
+    /// Only these machine names (empty = every machine).
+    pub machines: Vec<String>,
+    /// Of these, not these machine names (machines with a retention of their own).
+    pub except: Vec<String>,
+    /// The newest entries kept per instance: 1 to [`limits::HISTORY_KEEP_MAX`].
+    pub keep: usize,
+    /// Continue after this id (`None` = from the start).
+    pub after: Option<InstanceId>,
+    /// Most instances this page reads and most history rows it deletes: 1 to
+    /// [`limits::PRUNE_BATCH_MAX`].
+    pub limit: usize,
+}
+
+impl HistoryTrimParams {
+    /// Checks the bounds and the names.
+    pub fn validate(&self) -> StoreResult<()> {
+        if self.limit == 0 {
+            return Err(StoreError::invalid("trim.limit: must be at least 1"));
+        }
+        check_batch("trim.limit", self.limit, limits::PRUNE_BATCH_MAX)?;
+        if !(1..=limits::HISTORY_KEEP_MAX).contains(&self.keep) {
+            return Err(StoreError::invalid(format!(
+                "trim.keep: {} is out of range; keep 1 to {} entries per instance",
+                self.keep,
+                limits::HISTORY_KEEP_MAX
+            )));
+        }
+        if let Some(ns) = &self.namespace {
+            check_name("trim.namespace", ns)?;
+        }
+        for m in self.machines.iter().chain(&self.except) {
+            check_name("trim.machines", m)?;
+        }
+        Ok(())
+    }
+
+    /// How far a store counts an instance's entries beyond the newest `keep`: one more than
+    /// a page may delete, which is enough for the planner to tell a whole trim from a
+    /// partial one.
+    pub const fn count_cap(&self) -> usize {
+        self.limit + 1
+    }
+}
+
+/// What one trim page deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HistoryTrimPage {
+    /// Instances that lost entries.
+    pub instances: u64,
+    /// History rows deleted.
+    pub history: u64,
+    /// Pass it as `after` for the next page (`None`: nothing was left). When the page's
+    /// row budget ran out inside an instance, it is the id just below that instance, so
+    /// the next page carries on with it.
+    pub last: Option<InstanceId>,
+}
+
 /// What one migration page did (or, in a dry run, would do) to each instance it read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MigratePage {
@@ -1334,6 +1446,26 @@ pub trait Store: Send + Sync + 'static {
         let _ = params;
         Err(StoreError::invalid(
             "instance_prune: this store cannot prune instances; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// One page of an instance's history, newest first, with the cursor to the next, older
+    /// page ([`HistoryPageParams`]). `NotFound` if the instance does not exist; `Invalid`
+    /// naming the field for a page size out of bounds or a bad cursor. The default
+    /// refuses (a wrapper store forwards it).
+    async fn history_page(&self, params: HistoryPageParams) -> StoreResult<HistoryPage> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "history_page: this store cannot page history; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// One page of trimming history to the newest entries per instance
+    /// ([`HistoryTrimParams`]). The default refuses (a wrapper store forwards it).
+    async fn history_trim(&self, params: HistoryTrimParams) -> StoreResult<HistoryTrimPage> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "history_trim: this store cannot trim history; use MemoryStore, SQLite or PostgreSQL",
         ))
     }
 

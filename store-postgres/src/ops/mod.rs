@@ -4,6 +4,7 @@
 mod admin;
 mod claim;
 mod commit;
+mod history;
 mod insert;
 mod lease;
 mod migrate;
@@ -24,12 +25,13 @@ use keel_core::instance::{DeadLetter, Instance, SignalTarget};
 use keel_core::ports::store::{
     ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
     CommitParams, CommitReceipt, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
-    DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail,
-    InstanceListParams, LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage,
-    MigrateParams, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SignalBroadcastParams, SignalDeliverParams, Store, StoreCapabilities,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, WorkerBeatParams, WorkerRecord,
+    DeadLetterSkipParams, DeliveryOutcome, HistoryPage, HistoryPageParams, HistoryTrimPage,
+    HistoryTrimParams, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
+    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MigratePage, MigrateParams, PrunePage,
+    PruneParams, QueuePauseParams, QueueState, QueueStats, ReadyStaleParams, SignalBroadcastParams,
+    SignalDeliverParams, Store, StoreCapabilities, TimerNextDueParams, TimerRetimePage,
+    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams,
+    WorkerRecord,
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
@@ -319,6 +321,17 @@ impl Store for PgStore {
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
         let conn = self.client().await?;
         admin::get(&conn, id).await.map_err(StoreError::from)
+    }
+
+    async fn history_page(&self, params: HistoryPageParams) -> StoreResult<HistoryPage> {
+        params.validate()?;
+        let conn = self.client().await?;
+        history::page(&conn, &params).await.map_err(StoreError::from)
+    }
+
+    async fn history_trim(&self, params: HistoryTrimParams) -> StoreResult<HistoryTrimPage> {
+        params.validate()?;
+        in_tx!(self, |c| history::trim(c, &params))
     }
 
     async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {

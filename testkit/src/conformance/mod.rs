@@ -31,6 +31,7 @@ mod children;
 mod claim_policies;
 mod claims;
 mod dead_letters;
+mod history;
 mod inbox;
 mod inputs;
 mod joins;
@@ -51,6 +52,7 @@ pub use children::*;
 pub use claim_policies::*;
 pub use claims::*;
 pub use dead_letters::*;
+pub use history::*;
 pub use inbox::*;
 pub use inputs::*;
 pub use joins::*;
@@ -180,6 +182,8 @@ macro_rules! __store_contract_list {
             prune_deletes_exactly_the_instances_ended_before_the_cutoff,
             prune_keeps_an_instance_its_dead_letters_name,
             prune_refuses_a_page_size_out_of_bounds,
+            history_page_walks_newest_first_to_the_oldest_entry,
+            history_trim_keeps_the_newest_entries_in_batches,
             claim_by_ids_takes_only_the_named_ready_instances,
             instance_list_pages_newest_first_with_filters,
             dead_letter_list_pages_by_id_cursor,

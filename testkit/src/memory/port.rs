@@ -5,13 +5,14 @@ use super::{
     ActivityBucket, ActivityParams, BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams,
     CommitParams, CommitPlanner, CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId,
     DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
-    InsertOutcome, InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage,
-    MigrateParams, PoisonError, PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats,
-    ReadyStaleParams, SchedulePauseParams, ScheduleState, SignalBroadcastParams,
-    SignalDeliverParams, SignalTarget, Store, StoreCapabilities, StoreResult, TimerHint,
-    TimerNextDueParams, TimerRetimePage, TimerRetimeParams, TimerStatus, TimerSweepParams,
-    TimerSweepReport, Timestamp, WorkerBeatParams, WorkerRecord, async_trait, commit,
+    HistoryPage, HistoryPageParams, HistoryTrimPage, HistoryTrimParams, InsertOutcome,
+    InsertParams, Instance, InstanceDetail, InstanceId, InstanceListParams, LeaseExtendParams,
+    LeaseReapParams, LeaseReleaseParams, MemoryStore, MigratePage, MigrateParams, PoisonError,
+    PrunePage, PruneParams, QueuePauseParams, QueueState, QueueStats, ReadyStaleParams,
+    SchedulePauseParams, ScheduleState, SignalBroadcastParams, SignalDeliverParams, SignalTarget,
+    Store, StoreCapabilities, StoreResult, TimerHint, TimerNextDueParams, TimerRetimePage,
+    TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
+    WorkerBeatParams, WorkerRecord, async_trait, commit,
 };
 
 #[async_trait]
@@ -77,6 +78,15 @@ impl Store for MemoryStore {
         params.validate()?;
         let page = self.state().prune(&params);
         Ok(page)
+    }
+
+    async fn history_page(&self, params: HistoryPageParams) -> StoreResult<HistoryPage> {
+        self.state().history_page(&params)
+    }
+
+    async fn history_trim(&self, params: HistoryTrimParams) -> StoreResult<HistoryTrimPage> {
+        params.validate()?;
+        Ok(self.state().history_trim(&params))
     }
 
     async fn lease_release(&self, params: LeaseReleaseParams) -> StoreResult<Vec<bool>> {

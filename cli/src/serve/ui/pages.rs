@@ -817,8 +817,20 @@ fn history_panel(d: &InstanceDetail) -> String {
         );
     }
     out.push_str("</ol>");
-    if skip > 0 {
-        let _ = write!(out, "<p class=\"muted\">The {skip} oldest entries are not shown.</p>");
+    // The detail holds the newest entries only; older ones are a page read away.
+    let oldest_shown = d.history.get(skip).map(|h| h.seq);
+    if let Some(before) =
+        oldest_shown.filter(|_| skip > 0 || d.history.len() >= limits::HISTORY_LIST_MAX)
+    {
+        let id = d.instance.id;
+        let ns = &d.instance.namespace;
+        let _ = write!(
+            out,
+            "<p class=\"muted\">Older entries are not shown: <code>keel -n {} history {id} --before {before}</code> or <code>GET /v1/namespaces/{}/instances/{}/history?before={before}</code>.</p>",
+            esc(ns),
+            esc(ns),
+            id.0,
+        );
     }
     out
 }
@@ -1252,4 +1264,41 @@ pub async fn purge(
         }
         .await,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::ids::{MachineRef, Revision};
+    use keel_core::instance::{HistoryEntry, HistoryRecord, Instance, NewInstance};
+
+    fn detail(entries: usize) -> InstanceDetail {
+        let new = NewInstance::new(MachineRef::new("m", 1), "start").namespace("ops");
+        let instance = Instance::from_new(InstanceId(7), &new, None, keel_core::Timestamp(0));
+        let history = (1..=entries as i64)
+            .map(|seq| HistoryRecord {
+                instance: InstanceId(7),
+                seq,
+                at: keel_core::Timestamp(seq),
+                revision: Revision(seq),
+                attempt: 1,
+                entry: HistoryEntry::new("STEP_NEXT", serde_json::json!({})),
+            })
+            .collect();
+        InstanceDetail { instance, inbox: vec![], children: vec![], history, timers: vec![] }
+    }
+
+    #[test]
+    fn the_history_panel_points_to_older_entries_only_when_some_are_hidden() {
+        let short = history_panel(&detail(3));
+        assert!(!short.contains("Older entries"), "{short}");
+        let long = history_panel(&detail(SECTION_ROWS_MAX + 2));
+        // Entries 1 and 2 are hidden; the oldest shown is 3.
+        assert!(!long.contains("data-key=\"h2\"") && long.contains("data-key=\"h3\""));
+        assert!(
+            long.contains("keel -n ops history i7 --before 3")
+                && long.contains("GET /v1/namespaces/ops/instances/7/history?before=3"),
+            "{long}"
+        );
+    }
 }
