@@ -74,8 +74,14 @@ pub struct Instance {
     pub business_key: Option<String>,
     /// The queue it is claimed from.
     pub queue: String,
-    /// Claim order under the `priority` strategy.
+    /// Claim order under the `priority` strategy: the most urgent of
+    /// [`base_priority`](Self::base_priority) and its pending signals' priorities
+    /// ([`crate::inbox::claim_priority`]).
     pub priority: Priority,
+    /// The priority it was started with, which its claim priority returns to once no
+    /// more urgent signal is pending.
+    #[serde(default)]
+    pub base_priority: Priority,
     /// Instances sharing a key run one at a time.
     pub concurrency_key: Option<String>,
     /// Where it is in its life.
@@ -150,6 +156,7 @@ impl Instance {
             business_key: new.business_key.clone(),
             queue: new.queue.clone(),
             priority: new.priority,
+            base_priority: new.priority,
             concurrency_key: new.concurrency_key.clone(),
             status: Status::Runnable,
             position: new.position.clone(),
@@ -366,6 +373,10 @@ pub struct NewSignal {
     /// Optional dedup key: a second signal with the same key for the same target is a
     /// duplicate and is not stored again.
     pub dedup_key: Option<String>,
+    /// How urgent it is: while it is pending, its instance is claimed at this priority
+    /// when that is more urgent than the instance's own. `None` = no urgency of its own.
+    #[serde(default)]
+    pub priority: Option<Priority>,
 }
 
 impl NewSignal {
@@ -376,6 +387,7 @@ impl NewSignal {
             name: name.into(),
             payload: Value::Null,
             dedup_key: None,
+            priority: None,
         }
     }
     /// Sets the payload.
@@ -390,6 +402,11 @@ impl NewSignal {
     /// Sets the dedup key.
     pub fn dedup_key(mut self, key: impl Into<String>) -> Self {
         self.dedup_key = Some(key.into());
+        self
+    }
+    /// Sets the priority (see [`NewSignal::priority`]).
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = Some(priority);
         self
     }
 
@@ -438,6 +455,9 @@ pub struct Signal {
     pub payload: Value,
     /// Its dedup key.
     pub dedup_key: Option<String>,
+    /// Its priority, when the sender gave one.
+    #[serde(default)]
+    pub priority: Option<Priority>,
     /// When it arrived.
     pub inserted_at: Timestamp,
 }
