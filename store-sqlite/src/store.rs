@@ -90,6 +90,7 @@ fn migrator() -> Migrator {
         migration(4, "rate buckets", include_str!("../migrations/0004_rate_buckets.sql")),
         migration(5, "operator reads", include_str!("../migrations/0005_operator_reads.sql")),
         migration(6, "fair claims", include_str!("../migrations/0006_fair_claims.sql")),
+        migration(9, "signal priority", include_str!("../migrations/0009_signal_priority.sql")),
     ])
 }
 
