@@ -209,6 +209,26 @@ pub struct NewInstance {
     pub correlation_id: Option<String>,
     /// For a child started by a chart delegation state: that state's path in the parent.
     pub invoked_by: Option<String>,
+    /// Which of the keys a configuration file may fill the caller set explicitly (the
+    /// [`queue`](Self::queue) and [`priority`](Self::priority) builders mark them).
+    #[serde(default, skip_serializing_if = "Given::is_none")]
+    pub given: Given,
+}
+
+/// The start keys a caller set explicitly, which a configuration file leaves alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Given {
+    /// The queue was chosen by the caller.
+    pub queue: bool,
+    /// The priority was chosen by the caller.
+    pub priority: bool,
+}
+
+impl Given {
+    /// Whether the caller chose neither.
+    pub fn is_none(&self) -> bool {
+        !self.queue && !self.priority
+    }
 }
 
 impl NewInstance {
@@ -228,6 +248,7 @@ impl NewInstance {
             eligible_at: None,
             correlation_id: None,
             invoked_by: None,
+            given: Given::default(),
         }
     }
 
@@ -248,11 +269,13 @@ impl NewInstance {
     /// Sets the queue.
     pub fn queue(mut self, queue: impl Into<String>) -> Self {
         self.queue = queue.into();
+        self.given.queue = true;
         self
     }
     /// Sets the priority.
     pub fn priority(mut self, priority: Priority) -> Self {
         self.priority = priority;
+        self.given.priority = true;
         self
     }
     /// Sets the business key.
