@@ -1891,8 +1891,8 @@ mod applied_tests {
 
     #[test]
     fn priority_and_queue_fill_what_a_start_or_a_send_left_unset() {
-        use crate::instance::NewInstance;
         use crate::ids::MachineRef;
+        use crate::instance::NewInstance;
         let (config, _) = KeelConfig::load(
             "[queue]\npriority = \"low\"\nname = \"bulk\"\n\
              [machines.order.queue]\npriority = \"high\"\n\
@@ -1937,9 +1937,15 @@ mod applied_tests {
         assert_eq!(ordered.inbox_order("order"), Some(crate::inbox::InboxOrder::Priority));
         let line = ordered.explain("order", None, "q", None).unwrap();
         let line = line.iter().find(|l| l.key == "inbox_order").unwrap();
-        assert_eq!((line.value.as_str(), line.source.to_string()), ("priority", "[machines.order]".into()));
+        assert_eq!(
+            (line.value.as_str(), line.source.to_string()),
+            ("priority", "[machines.order]".into())
+        );
         let empty = KeelConfig::load("[machines.m.queue]\nname = \" \"", |_| None).unwrap_err();
-        assert!(empty.to_string().starts_with("machines.m.queue.name: must not be empty"), "{empty}");
+        assert!(
+            empty.to_string().starts_with("machines.m.queue.name: must not be empty"),
+            "{empty}"
+        );
     }
 
     #[test]

@@ -34,7 +34,10 @@ use serde_json::json;
 /// The priority an instance is claimed at: the most urgent of `base` (its own) and the
 /// priorities of its pending signals (`None` = a signal without a priority of its own,
 /// which changes nothing).
-pub fn claim_priority(base: Priority, pending: impl IntoIterator<Item = Option<Priority>>) -> Priority {
+pub fn claim_priority(
+    base: Priority,
+    pending: impl IntoIterator<Item = Option<Priority>>,
+) -> Priority {
     pending.into_iter().flatten().fold(base, Priority::min)
 }
 

@@ -79,7 +79,9 @@ impl<S: Store, C: Clock> Client<S, C> {
                 _ if !wanted(s) => None,
                 SignalTarget::Key { .. } => None,
                 SignalTarget::Id(id) => Some(*id),
-                child @ SignalTarget::Child { .. } => self.store.instance_lookup(child.clone()).await?,
+                child @ SignalTarget::Child { .. } => {
+                    self.store.instance_lookup(child.clone()).await?
+                }
             });
         }
         let mut read: Vec<InstanceId> = ids.iter().flatten().copied().collect();
@@ -147,7 +149,9 @@ impl<S: Store, C: Clock> Client<S, C> {
         mut instances: Vec<NewInstance>,
     ) -> StoreResult<Vec<InsertOutcome>> {
         if let Some(settings) = &self.settings {
-            instances.iter_mut().for_each(|n| settings.start_defaults(n));
+            for n in &mut instances {
+                settings.start_defaults(n);
+            }
         }
         let now = self.clock.now();
         let protos: Vec<_> = match self.queue {

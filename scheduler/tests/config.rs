@@ -562,9 +562,7 @@ impl StepMachine for Refund {
 /// with, `priority` at an event's level what that event carries when sent — each only
 /// where the caller gave none — through a client with the settings. An urgent event
 /// raises its instance's claim priority while it is pending.
-async fn priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset<
-    S: TestStore,
->() {
+async fn priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset<S: TestStore>() {
     use keel_core::Priority;
     let h = S::harness().await;
     let (file, _) = KeelConfig::load(
@@ -589,9 +587,16 @@ async fn priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset
         async move { client.get(id).await.expect("get") }
     };
     let r = row(plain).await.instance;
-    assert_eq!((r.priority, r.base_priority, r.queue.as_str()), (Priority::Low, Priority::Low, "bulk"));
+    assert_eq!(
+        (r.priority, r.base_priority, r.queue.as_str()),
+        (Priority::Low, Priority::Low, "bulk")
+    );
     let r = row(chosen).await.instance;
-    assert_eq!((r.priority, r.queue.as_str()), (Priority::Normal, "default"), "the caller's choice");
+    assert_eq!(
+        (r.priority, r.queue.as_str()),
+        (Priority::Normal, "default"),
+        "the caller's choice"
+    );
     let r = row(other).await.instance;
     assert_eq!((r.priority, r.queue.as_str()), (Priority::Normal, "other"));
     // By id and by business key: `cancel` carries its section's priority, `pay` none, and
@@ -623,7 +628,12 @@ async fn inbox_order_priority_takes_the_urgent_event_first<S: TestStore>() {
     use keel_core::inbox::InboxOrder;
     let variants: [(&str, Option<&str>, InboxOrder, serde_json::Value); 3] = [
         ("default", None, InboxOrder::Arrival, json!([1, 2, 3])),
-        ("file", Some("[machines.ledger]\ninbox_order = \"priority\""), InboxOrder::Arrival, json!([3, 1, 2])),
+        (
+            "file",
+            Some("[machines.ledger]\ninbox_order = \"priority\""),
+            InboxOrder::Arrival,
+            json!([3, 1, 2]),
+        ),
         ("code", None, InboxOrder::Priority, json!([3, 1, 2])),
     ];
     for (what, file, code, expected) in variants {
@@ -638,7 +648,11 @@ async fn inbox_order_priority_takes_the_urgent_event_first<S: TestStore>() {
         let post = |n: i64| NewSignal::new(id, "post").payload(json!({ "entry": n }));
         // One batch: the step that wakes sees all three.
         h.client
-            .send_many(vec![post(1), post(2).priority(Priority::Low), post(3).priority(Priority::High)])
+            .send_many(vec![
+                post(1),
+                post(2).priority(Priority::Low),
+                post(3).priority(Priority::High),
+            ])
             .await
             .expect("send");
         let posted = |r: &keel_core::Instance| r.context["posted"].as_array().map_or(0, Vec::len);

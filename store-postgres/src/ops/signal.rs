@@ -243,7 +243,7 @@ async fn plan_with<C: GenericClient + Sync>(
         payloads: plan.inserts.iter().map(|i| i.payload.clone()).collect(),
         dedup: plan.inserts.iter().map(|i| i.dedup_key.clone()).collect(),
         at: plan.inserts.iter().map(|i| ts(i.inserted_at)).collect(),
-        priority: plan.inserts.iter().map(|i| i.priority.map(|p| p.level())).collect(),
+        priority: plan.inserts.iter().map(|i| i.priority.map(keel_core::Priority::level)).collect(),
         woken: plan.woken,
         raised: plan.raised,
     })
@@ -267,8 +267,11 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
         if d.ids.is_empty() {
             return Ok(0);
         }
-        c.execute(&insert, &[&d.ids, &d.targets, &d.names, &d.payloads, &d.dedup, &d.at, &d.priority])
-            .await
+        c.execute(
+            &insert,
+            &[&d.ids, &d.targets, &d.names, &d.payloads, &d.dedup, &d.at, &d.priority],
+        )
+        .await
     };
     let wake = async {
         if w.is_empty() {

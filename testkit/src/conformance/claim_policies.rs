@@ -315,7 +315,9 @@ pub async fn signal_priority_raises_the_claim_priority_until_consumed<S: Store>(
     use keel_core::ports::store::DeliveryOutcome;
     use keel_core::{Status, StepCommit};
     let ns = "signal_priority";
-    let prio = |limit: usize, ms: i64| with_policy(ns, limit, at(ms), ClaimPolicy::new(Strategy::Priority));
+    let prio = |limit: usize, ms: i64| {
+        with_policy(ns, limit, at(ms), ClaimPolicy::new(Strategy::Priority))
+    };
     let parked = insert_one(s, new_in(ns).priority(Priority::Bulk), at(0)).await;
     let first = claim_id(s, ns, parked, at(0)).await;
     step(s, &first, await_signal("go", 1), at(1)).await;
@@ -340,19 +342,20 @@ pub async fn signal_priority_raises_the_claim_priority_until_consumed<S: Store>(
     assert_eq!(seen, vec![(noise, None), (*go, Some(Priority::High))], "priorities kept");
     // Arriving during the step: raised, not woken.
     let out =
-        deliver(s, vec![NewSignal::new(parked, "urgent").priority(Priority::Critical)], at(12)).await;
+        deliver(s, vec![NewSignal::new(parked, "urgent").priority(Priority::Critical)], at(12))
+            .await;
     let [DeliveryOutcome::Delivered { id: urgent, woke: false, .. }] = out.as_slice() else {
         panic!("expected a stored signal that wakes nothing: {out:?}")
     };
     let during = row(s, parked).await;
     assert_eq!((during.status, during.priority), (Status::Executing, Priority::Critical));
-    commit_ok(
-        s,
-        StepCommit::new(parked, claimed[0].token(), next("b", 2)).consume([*go]),
-        at(15),
-    )
-    .await;
-    assert_eq!(row(s, parked).await.priority, Priority::Critical, "the unread urgent signal counts");
+    commit_ok(s, StepCommit::new(parked, claimed[0].token(), next("b", 2)).consume([*go]), at(15))
+        .await;
+    assert_eq!(
+        row(s, parked).await.priority,
+        Priority::Critical,
+        "the unread urgent signal counts"
+    );
     let again = claim(s, prio(1, 20)).await;
     assert_eq!(ids(&again), vec![parked]);
     commit_ok(
