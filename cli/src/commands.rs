@@ -35,7 +35,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         let keel = crate::health::connect(&cli).await?;
         return crate::health::run(&keel, &cli).await;
     }
-    let keel = connect(&cli, migrate).await?;
+    let mut keel = connect(&cli, migrate).await?;
+    if matches!(cli.command, Command::Start(_) | Command::Send { .. }) {
+        // What the caller leaves unset takes the file's priority and queue.
+        if let Some(file) = keel::settings::load(cli.config.as_deref())? {
+            keel = keel.with_settings(file);
+        }
+    }
     let ns = cli.namespace.as_str();
     if let Command::Serve { listen, tokens, definitions } = &cli.command {
         crate::serve::run(&cli, keel, *listen, tokens.as_deref(), definitions.as_deref()).await?;
@@ -53,8 +59,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
                 .await
         }
         Command::Start(args) => start(&keel, ns, args).await,
-        Command::Send { target, event, payload, dedup_key } => {
-            send(&keel, ns, &target, &event, payload.as_deref(), dedup_key).await
+        Command::Send { target, event, payload, dedup_key, priority } => {
+            send(&keel, ns, &target, &event, payload.as_deref(), dedup_key, priority).await
         }
         Command::Cancel { target, cascade, reason } => {
             cancel(&keel, ns, &target, cascade, reason).await
@@ -334,6 +340,9 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
     if let Some(queue) = &args.queue {
         new = new.queue(queue);
     }
+    if let Some(priority) = args.priority {
+        new = new.priority(priority);
+    }
     let outcome = keel.start(new).await?;
     let (id, inserted) = match outcome {
         InsertOutcome::Inserted(id) => (id, true),
@@ -354,6 +363,7 @@ async fn send(
     event: &str,
     payload: Option<&str>,
     dedup_key: Option<String>,
+    priority: Option<keel_core::Priority>,
 ) -> anyhow::Result<Report> {
     let id = resolve(keel, ns, target).await?;
     let mut signal = NewSignal::new(id, event);
@@ -362,6 +372,9 @@ async fn send(
     }
     if let Some(key) = dedup_key {
         signal = signal.dedup_key(key);
+    }
+    if let Some(priority) = priority {
+        signal = signal.priority(priority);
     }
     match keel.send(signal).await? {
         DeliveryOutcome::Delivered { id: signal, target, woke } => Ok(Report::ok(

@@ -102,6 +102,11 @@ pub enum Command {
         /// A key that makes a second send with the same key a no-op.
         #[arg(long)]
         dedup_key: Option<String>,
+        /// How urgent the event is: critical, high, normal, low or bulk. While it is
+        /// pending, its instance is claimed at this priority if that is more urgent
+        /// (default: the `--config` file's for the event, else none).
+        #[arg(long)]
+        priority: Option<keel_core::Priority>,
     },
     /// Cancel an instance.
     Cancel {
@@ -263,9 +268,14 @@ pub struct StartArgs {
     /// machine.
     #[arg(long, default_value = "@init")]
     pub at: String,
-    /// The queue it runs in.
+    /// The queue it runs in (default: the `--config` file's `name` for the machine, else
+    /// `default`).
     #[arg(long)]
     pub queue: Option<String>,
+    /// Its priority: critical, high, normal, low or bulk (default: the `--config` file's
+    /// for the machine, else normal).
+    #[arg(long)]
+    pub priority: Option<keel_core::Priority>,
 }
 
 /// `keel dlq …`.

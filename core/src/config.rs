@@ -329,7 +329,7 @@ impl PartialDeadLetterConfig {
 }
 
 /// One level of queue configuration (system, machine or event); unset fields inherit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PartialQueueConfig {
     /// See [`QueueConfig::strategy`].
@@ -339,8 +339,14 @@ pub struct PartialQueueConfig {
     /// See [`QueueConfig::timeout`].
     #[serde(with = "serde_human::option")]
     pub timeout: Option<Duration>,
-    /// See [`QueueConfig::priority`]; usually set on an event.
+    /// See [`QueueConfig::priority`]. From the file: at the system or machine level, the
+    /// priority an instance of the machine starts with; at an event's level, the priority
+    /// that event carries when sent ([`KeelConfig::start_defaults`],
+    /// [`KeelConfig::event_priority`]) — each only where the caller gave none.
     pub priority: Option<Priority>,
+    /// The queue new instances of the machine start in (`name = "payments"`), where the
+    /// caller gave none; system or machine level only.
+    pub name: Option<String>,
     /// See [`QueueConfig::retry`].
     pub retry: Option<PartialRetryPolicy>,
     /// See [`QueueConfig::dead_letter`].
@@ -363,6 +369,7 @@ impl PartialQueueConfig {
             concurrency: over.concurrency.or(self.concurrency),
             timeout: over.timeout.or(self.timeout),
             priority: over.priority.or(self.priority),
+            name: over.name.clone().or_else(|| self.name.clone()),
             retry: nested(self.retry, over.retry, PartialRetryPolicy::overlay),
             dead_letter: nested(self.dead_letter, over.dead_letter, |base, over| {
                 base.overlay(over)
@@ -651,6 +658,9 @@ pub struct MachineConfig {
     pub parallel_dispatch: PartialParallelConfig,
     /// Per-event overrides, by event name.
     pub events: BTreeMap<String, EventConfig>,
+    /// The order its steps see pending events in (`[machines.<name>] inbox_order`):
+    /// `arrival` (the default) or `priority`. Unset keeps what the program set in code.
+    pub inbox_order: Option<crate::inbox::InboxOrder>,
 }
 
 /// Configuration of one event of a machine.
@@ -727,13 +737,18 @@ impl KeelConfig {
     /// A machine or event without a section simply inherits.
     pub fn layered(&self, machine: &str, event: Option<&str>) -> PartialQueueConfig {
         let Some(machine) = self.machines.get(machine) else {
-            return self.queue;
+            return self.queue.clone();
         };
         let merged = self.queue.overlay(&machine.queue);
         match event.and_then(|event| machine.events.get(event)) {
             Some(event) => merged.overlay(&event.queue),
             None => merged,
         }
+    }
+
+    /// The inbox order the file sets for `machine`, if it does (it wins over the code's).
+    pub fn inbox_order(&self, machine: &str) -> Option<crate::inbox::InboxOrder> {
+        self.machines.get(machine).and_then(|m| m.inbox_order)
     }
 
     /// The parallel dispatch settings of a machine: its section over the system's, then
@@ -958,6 +973,8 @@ pub enum Source {
     System,
     /// The machine's level (`[machines.<m>.queue]`).
     Machine(String),
+    /// The machine's own section (`[machines.<m>]`), for keys that are not queue keys.
+    MachineSection(String),
     /// The event's level (`[machines.<m>.events.<e>.queue]`).
     Event(String, String),
     /// The queue's section (`[queues.<q>]`).
@@ -975,6 +992,7 @@ impl fmt::Display for Source {
             Source::Code => f.write_str("code"),
             Source::System => f.write_str("[queue]"),
             Source::Machine(m) => write!(f, "[machines.{m}.queue]"),
+            Source::MachineSection(m) => write!(f, "[machines.{m}]"),
             Source::Event(m, e) => write!(f, "[machines.{m}.events.{e}.queue]"),
             Source::Queue(q) => write!(f, "[queues.{q}]"),
             Source::Env(var) => write!(f, "env {var}"),
@@ -1110,11 +1128,19 @@ impl KeelConfig {
                     "concurrency belongs to a queue; set [queues.<name>] concurrency (slots per worker) or global_concurrency (across all workers)",
                 );
             }
-            if level.priority.is_some() {
+            if event && level.name.is_some() {
                 return refuse(
-                    "priority",
-                    "set the priority when the instance is started or the event sent; the file does not assign priorities yet",
+                    "name",
+                    "an instance runs on one queue, chosen when it starts, so an event cannot move it; set the queue under [machines.<machine>.queue] or [queue]",
                 );
+            }
+            if let Some(name) = &level.name
+                && name.trim().is_empty()
+            {
+                return Err(ConfigError::invalid(
+                    format!("{path}.name"),
+                    "must not be empty; leave it out to start instances in the default queue",
+                ));
             }
             if event && level.dead_letter.is_some_and(|dead_letter| dead_letter.retention.is_some())
             {
@@ -1136,6 +1162,41 @@ impl KeelConfig {
             level = level.overlay(&m.parallel_dispatch);
         }
         level.resolve()
+    }
+
+    /// Fills what the caller of a start left unset ([`NewInstance::given`]) from the
+    /// file's system and machine levels: the priority the instance starts with and the
+    /// queue it starts in. What the caller set explicitly is kept.
+    ///
+    /// [`NewInstance::given`]: crate::instance::NewInstance::given
+    pub fn start_defaults(&self, new: &mut crate::instance::NewInstance) {
+        let level = self.layered(&new.machine.name, None);
+        if !new.given.priority
+            && let Some(priority) = level.priority
+        {
+            new.priority = priority;
+        }
+        if !new.given.queue
+            && let Some(queue) = level.name
+        {
+            new.queue = queue;
+        }
+    }
+
+    /// The priority the file gives event `event` sent to an instance of `machine`: the
+    /// event's own section (`[machines.<machine>.events.<event>.queue] priority`). The
+    /// machine and system levels set the priority instances start with, not their
+    /// events' (an event at its instance's own priority would change nothing).
+    pub fn event_priority(&self, machine: &str, event: &str) -> Option<Priority> {
+        self.machines.get(machine)?.events.get(event)?.queue.priority
+    }
+
+    /// Whether some machine's section for events named `event` sets a priority: a sender
+    /// that does not know its target's machine looks it up only then.
+    pub fn names_event_priority(&self, event: &str) -> bool {
+        self.machines
+            .values()
+            .any(|m| m.events.get(event).is_some_and(|e| e.queue.priority.is_some()))
     }
 
     /// The claim policy of `queue`: its strategy (its section, else `[queue]`, else
@@ -1259,6 +1320,44 @@ impl KeelConfig {
                 source: source(&|q| q.dead_letter.as_ref().is_some_and(|d| d.retention.is_some())),
             },
         ];
+        // What a start or a send takes from the file: the machine and system levels only
+        // for an instance, the event's own section only for an event.
+        let start = |pick: &dyn Fn(&PartialQueueConfig) -> bool| match m {
+            Some(mc) if pick(&mc.queue) => Source::Machine(machine.to_owned()),
+            _ if pick(&self.queue) => Source::System,
+            _ => Source::Default,
+        };
+        let starts = self.layered(machine, None);
+        out.push(Effective {
+            key: "priority".into(),
+            value: starts.priority.unwrap_or_default().to_string(),
+            source: start(&|q| q.priority.is_some()),
+        });
+        out.push(Effective {
+            key: "name".into(),
+            value: starts.name.clone().unwrap_or_else(|| crate::ids::DEFAULT_QUEUE.to_owned()),
+            source: start(&|q| q.name.is_some()),
+        });
+        if let Some(event) = event {
+            let given = self.event_priority(machine, event);
+            out.push(Effective {
+                key: format!("events.{event}.priority"),
+                value: given.map_or_else(|| "none (the instance's)".to_owned(), |p| p.to_string()),
+                source: match given {
+                    Some(_) => Source::Event(machine.to_owned(), event.to_owned()),
+                    None => Source::Default,
+                },
+            });
+        }
+        let order = self.inbox_order(machine);
+        out.push(Effective {
+            key: "inbox_order".into(),
+            value: order.unwrap_or_default().to_string(),
+            source: match order {
+                Some(_) => Source::MachineSection(machine.to_owned()),
+                None => fallback.clone(),
+            },
+        });
         // A system-level value set from the environment says so.
         for line in &mut out {
             if line.source == Source::System
@@ -1376,6 +1475,7 @@ impl From<QueueConfig> for PartialQueueConfig {
             concurrency: Some(c.concurrency),
             timeout: Some(c.timeout),
             priority: Some(c.priority),
+            name: None,
             retry: Some(PartialRetryPolicy {
                 max_attempts: Some(c.retry.max_attempts),
                 backoff: Some(c.retry.backoff),
@@ -1846,7 +1946,10 @@ mod applied_tests {
                 "[machines.m.events.e.queue]\nconcurrency = 2",
                 "machines.m.events.e.queue.concurrency: is not applied here: concurrency belongs to a queue; set [queues.<name>]",
             ),
-            ("[queue]\npriority = \"high\"", "queue.priority: is not applied here"),
+            (
+                "[machines.m.events.e.queue]\nname = \"fast\"",
+                "machines.m.events.e.queue.name: is not applied here: an instance runs on one queue",
+            ),
             (
                 "[machines.m.events.e.queue.dead_letter]\nretention = \"3 days\"",
                 "machines.m.events.e.queue.dead_letter.retention: is not applied here: dead letters are purged per machine",
@@ -1865,8 +1968,68 @@ mod applied_tests {
                   [queue.dead_letter]\nretention = \"1 day\"\n\
                   [parallel_dispatch]\nenabled = true\n\
                   [machines.m.parallel_dispatch]\njob_tries = 5\n\
+                  [machines.m.events.e.queue]\npriority = \"high\"\n\
                   [queues.q]\nstarvation_after = \"1 minute\"\nglobal_concurrency = 3";
         KeelConfig::load(ok, |_| None).expect("every key applied");
+    }
+
+    #[test]
+    fn priority_and_queue_fill_what_a_start_or_a_send_left_unset() {
+        use crate::ids::MachineRef;
+        use crate::instance::NewInstance;
+        let (config, _) = KeelConfig::load(
+            "[queue]\npriority = \"low\"\nname = \"bulk\"\n\
+             [machines.order.queue]\npriority = \"high\"\n\
+             [machines.order.events.cancel.queue]\npriority = \"critical\"\n\
+             [machines.mail.queue]\nname = \"mail\"",
+            |_| None,
+        )
+        .expect("priority and name are applied");
+        let start = |machine: &str, new: fn(NewInstance) -> NewInstance| {
+            let mut n = new(NewInstance::new(MachineRef::new(machine, 1), "a"));
+            config.start_defaults(&mut n);
+            (n.priority, n.queue)
+        };
+        assert_eq!(start("order", |n| n), (Priority::High, "bulk".into()), "machine over system");
+        assert_eq!(start("mail", |n| n), (Priority::Low, "mail".into()));
+        assert_eq!(start("other", |n| n), (Priority::Low, "bulk".into()), "system level");
+        assert_eq!(
+            start("order", |n| n.priority(Priority::Normal).queue("default")),
+            (Priority::Normal, "default".into()),
+            "what the caller chose is kept, even the defaults"
+        );
+        let mut untouched = NewInstance::new(MachineRef::new("m", 1), "a");
+        KeelConfig::default().start_defaults(&mut untouched);
+        assert_eq!((untouched.priority, untouched.queue.as_str()), (Priority::Normal, "default"));
+        assert_eq!(config.event_priority("order", "cancel"), Some(Priority::Critical));
+        assert_eq!(config.event_priority("order", "pay"), None, "only the event's own section");
+        assert!(config.names_event_priority("cancel") && !config.names_event_priority("pay"));
+        let lines = config.explain("order", Some("cancel"), "q", None).unwrap();
+        let get = |key: &str| {
+            let line = lines.iter().find(|l| l.key == key).unwrap_or_else(|| panic!("{key}"));
+            (line.value.clone(), line.source.to_string())
+        };
+        assert_eq!(get("priority"), ("high".into(), "[machines.order.queue]".into()));
+        assert_eq!(get("name"), ("bulk".into(), "[queue]".into()));
+        assert_eq!(
+            get("events.cancel.priority"),
+            ("critical".into(), "[machines.order.events.cancel.queue]".into())
+        );
+        assert_eq!(get("inbox_order"), ("arrival".into(), "default".into()));
+        let ordered =
+            KeelConfig::load("[machines.order]\ninbox_order = \"priority\"", |_| None).unwrap().0;
+        assert_eq!(ordered.inbox_order("order"), Some(crate::inbox::InboxOrder::Priority));
+        let line = ordered.explain("order", None, "q", None).unwrap();
+        let line = line.iter().find(|l| l.key == "inbox_order").unwrap();
+        assert_eq!(
+            (line.value.as_str(), line.source.to_string()),
+            ("priority", "[machines.order]".into())
+        );
+        let empty = KeelConfig::load("[machines.m.queue]\nname = \" \"", |_| None).unwrap_err();
+        assert!(
+            empty.to_string().starts_with("machines.m.queue.name: must not be empty"),
+            "{empty}"
+        );
     }
 
     #[test]

@@ -11,13 +11,56 @@
 //!   child's notice to its parent) is reported as `TargetTerminal` and not stored at all;
 //!   broadcasts and timers never reach terminal instances in the first place.
 //!
+//! Priorities in the inbox:
+//! - an instance is claimed at [`claim_priority`]: the most urgent of the priority it was
+//!   started with and the priorities of the signals pending in its inbox, so an urgent
+//!   event sent to a parked low-priority instance is claimed ahead of bulk work under the
+//!   `priority` strategy. A delivery raises the row's priority; a step commit sets it
+//!   again from what the commit leaves unread, so it falls back once the urgent event is
+//!   consumed;
+//! - the order a step sees its inbox in is [`InboxOrder`]: arrival order unless the
+//!   machine opts into `priority` ([`order`]).
+//!
 //! Every store executes these rules; this module decides them.
 
 use crate::history::HistoryKind;
+use crate::ids::Priority;
 use crate::instance::{HistoryEntry, Instance, Signal};
 use crate::limits;
+use crate::names::name_enum;
 use crate::{Outcome, SignalId};
 use serde_json::json;
+
+/// The priority an instance is claimed at: the most urgent of `base` (its own) and the
+/// priorities of its pending signals (`None` = a signal without a priority of its own,
+/// which changes nothing).
+pub fn claim_priority(
+    base: Priority,
+    pending: impl IntoIterator<Item = Option<Priority>>,
+) -> Priority {
+    pending.into_iter().flatten().fold(base, Priority::min)
+}
+
+name_enum! {
+    /// The order in which a machine's steps see the events pending in an inbox.
+    #[derive(Default)]
+    pub enum InboxOrder {
+        /// Arrival order (the default): two events of one instance are never reordered.
+        #[default]
+        Arrival = "arrival",
+        /// Most urgent priority first, arrival order within a priority; an event without a
+        /// priority of its own counts at its instance's starting priority.
+        Priority = "priority",
+    }
+}
+
+/// Puts `inbox` (read in arrival order) in the order a step sees it under `order`; `base`
+/// is the instance's starting priority, the rank of a signal that has none.
+pub fn order(inbox: &mut [Signal], order: InboxOrder, base: Priority) {
+    if order == InboxOrder::Priority {
+        inbox.sort_by_key(|s| (s.priority.unwrap_or(base), s.id));
+    }
+}
 
 /// The history entry kind a drained inbox is recorded under.
 pub const INBOX_DRAINED: &str = HistoryKind::InboxDrained.as_str();
@@ -107,8 +150,27 @@ mod tests {
             name: format!("e{id}"),
             payload: json!(null),
             dedup_key: None,
+            priority: None,
             inserted_at: Timestamp(id),
         }
+    }
+
+    #[test]
+    fn an_urgent_pending_signal_raises_the_claim_priority_and_order_is_opt_in() {
+        use Priority::*;
+        assert_eq!(claim_priority(Bulk, []), Bulk);
+        assert_eq!(claim_priority(Bulk, [None, Some(Low), Some(High)]), High);
+        assert_eq!(claim_priority(High, [Some(Bulk)]), High, "a signal never lowers it");
+        let mut inbox: Vec<Signal> = (1..=4).map(signal).collect();
+        inbox[1].priority = Some(Critical);
+        inbox[2].priority = Some(Bulk);
+        let ids = |inbox: &[Signal]| inbox.iter().map(|s| s.id.0).collect::<Vec<_>>();
+        order(&mut inbox, InboxOrder::Arrival, Normal);
+        assert_eq!(ids(&inbox), [1, 2, 3, 4], "arrival order is never changed");
+        order(&mut inbox, InboxOrder::Priority, Normal);
+        assert_eq!(ids(&inbox), [2, 1, 4, 3], "unset ranks at the base, arrival within a rank");
+        assert_eq!(InboxOrder::default(), InboxOrder::Arrival);
+        assert_eq!("priority".parse::<InboxOrder>().unwrap(), InboxOrder::Priority);
     }
 
     #[test]

@@ -74,8 +74,14 @@ pub struct Instance {
     pub business_key: Option<String>,
     /// The queue it is claimed from.
     pub queue: String,
-    /// Claim order under the `priority` strategy.
+    /// Claim order under the `priority` strategy: the most urgent of
+    /// [`base_priority`](Self::base_priority) and its pending signals' priorities
+    /// ([`crate::inbox::claim_priority`]).
     pub priority: Priority,
+    /// The priority it was started with, which its claim priority returns to once no
+    /// more urgent signal is pending.
+    #[serde(default)]
+    pub base_priority: Priority,
     /// Instances sharing a key run one at a time.
     pub concurrency_key: Option<String>,
     /// Where it is in its life.
@@ -150,6 +156,7 @@ impl Instance {
             business_key: new.business_key.clone(),
             queue: new.queue.clone(),
             priority: new.priority,
+            base_priority: new.priority,
             concurrency_key: new.concurrency_key.clone(),
             status: Status::Runnable,
             position: new.position.clone(),
@@ -202,6 +209,26 @@ pub struct NewInstance {
     pub correlation_id: Option<String>,
     /// For a child started by a chart delegation state: that state's path in the parent.
     pub invoked_by: Option<String>,
+    /// Which of the keys a configuration file may fill the caller set explicitly (the
+    /// [`queue`](Self::queue) and [`priority`](Self::priority) builders mark them).
+    #[serde(default, skip_serializing_if = "Given::is_none")]
+    pub given: Given,
+}
+
+/// The start keys a caller set explicitly, which a configuration file leaves alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Given {
+    /// The queue was chosen by the caller.
+    pub queue: bool,
+    /// The priority was chosen by the caller.
+    pub priority: bool,
+}
+
+impl Given {
+    /// Whether the caller chose neither.
+    pub fn is_none(&self) -> bool {
+        !self.queue && !self.priority
+    }
 }
 
 impl NewInstance {
@@ -221,6 +248,7 @@ impl NewInstance {
             eligible_at: None,
             correlation_id: None,
             invoked_by: None,
+            given: Given::default(),
         }
     }
 
@@ -241,11 +269,13 @@ impl NewInstance {
     /// Sets the queue.
     pub fn queue(mut self, queue: impl Into<String>) -> Self {
         self.queue = queue.into();
+        self.given.queue = true;
         self
     }
     /// Sets the priority.
     pub fn priority(mut self, priority: Priority) -> Self {
         self.priority = priority;
+        self.given.priority = true;
         self
     }
     /// Sets the business key.
@@ -366,6 +396,10 @@ pub struct NewSignal {
     /// Optional dedup key: a second signal with the same key for the same target is a
     /// duplicate and is not stored again.
     pub dedup_key: Option<String>,
+    /// How urgent it is: while it is pending, its instance is claimed at this priority
+    /// when that is more urgent than the instance's own. `None` = no urgency of its own.
+    #[serde(default)]
+    pub priority: Option<Priority>,
 }
 
 impl NewSignal {
@@ -376,6 +410,7 @@ impl NewSignal {
             name: name.into(),
             payload: Value::Null,
             dedup_key: None,
+            priority: None,
         }
     }
     /// Sets the payload.
@@ -390,6 +425,11 @@ impl NewSignal {
     /// Sets the dedup key.
     pub fn dedup_key(mut self, key: impl Into<String>) -> Self {
         self.dedup_key = Some(key.into());
+        self
+    }
+    /// Sets the priority (see [`NewSignal::priority`]).
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = Some(priority);
         self
     }
 
@@ -438,6 +478,9 @@ pub struct Signal {
     pub payload: Value,
     /// Its dedup key.
     pub dedup_key: Option<String>,
+    /// Its priority, when the sender gave one.
+    #[serde(default)]
+    pub priority: Option<Priority>,
     /// When it arrived.
     pub inserted_at: Timestamp,
 }

@@ -329,6 +329,15 @@ impl Keel {
         Keel { client, store, clock, described }
     }
 
+    /// The same connection whose client applies a configuration file's priorities and
+    /// queue names to what it starts and sends (see `Client::with_settings`); load one
+    /// with [`settings::load`].
+    #[must_use]
+    pub fn with_settings(mut self, settings: keel_core::config::KeelConfig) -> Keel {
+        self.client = self.client.with_settings(settings);
+        self
+    }
+
     /// The client (also reachable through `Deref`: `keel.start(…)`).
     pub fn client(&self) -> &Client {
         &self.client

@@ -104,6 +104,7 @@ pub struct ChartMachine {
     child_versions: HashMap<String, i32>,
     child_queues: HashMap<String, String>,
     parallel: ParallelConfig,
+    inbox_order: keel_core::inbox::InboxOrder,
 }
 
 impl ChartMachine {
@@ -118,7 +119,17 @@ impl ChartMachine {
             child_versions: HashMap::new(),
             child_queues: HashMap::new(),
             parallel: ParallelConfig::default(),
+            inbox_order: keel_core::inbox::InboxOrder::Arrival,
         }
+    }
+
+    /// The order the chart takes its pending events in: arrival order (the default: two
+    /// events of one instance are never reordered) or `InboxOrder::Priority` (the most
+    /// urgent event first, arrival order within a priority).
+    #[must_use]
+    pub fn with_inbox_order(mut self, order: keel_core::inbox::InboxOrder) -> Self {
+        self.inbox_order = order;
+        self
     }
 
     /// Registers an async action by name.
@@ -374,6 +385,10 @@ impl StepMachine for ChartMachine {
 
     fn config(&self) -> QueueConfig {
         self.config
+    }
+
+    fn inbox_order(&self) -> keel_core::inbox::InboxOrder {
+        self.inbox_order
     }
 
     fn step_config(&self, step: &str) -> QueueConfig {

@@ -2,6 +2,7 @@
 //! cancel them, look at them, and operate dead letters and queues. Works against any
 //! `Store`; every call is one store round trip (batches stay batches).
 
+use keel_core::config::KeelConfig;
 use keel_core::instance::DeadLetter;
 use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
 use keel_core::plan::hints;
@@ -33,6 +34,9 @@ pub struct Client<S: Store, C: Clock> {
     clock: C,
     /// Where starts and sends announce the work they made ready, if anywhere.
     queue: Option<Arc<dyn Queue>>,
+    /// The configuration file whose priorities and queue names fill what starts and
+    /// sends leave unset, if any.
+    settings: Option<Arc<KeelConfig>>,
 }
 
 impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
@@ -41,6 +45,7 @@ impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
             store: Arc::clone(&self.store),
             clock: self.clock.clone(),
             queue: self.queue.clone(),
+            settings: self.settings.clone(),
         }
     }
 }
@@ -48,7 +53,60 @@ impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
 impl<S: Store, C: Clock> Client<S, C> {
     /// A client over `store`, reading time from `clock`.
     pub fn new(store: Arc<S>, clock: C) -> Self {
-        Client { store, clock, queue: None }
+        Client { store, clock, queue: None, settings: None }
+    }
+
+    /// The same client applying a configuration file to what it starts and sends: an
+    /// instance started without an explicit priority or queue takes the file's (its
+    /// machine's section, else `[queue]`; [`KeelConfig::start_defaults`]), and an event
+    /// sent without a priority takes its event section's
+    /// ([`KeelConfig::event_priority`]).
+    #[must_use]
+    pub fn with_settings(mut self, settings: KeelConfig) -> Self {
+        self.settings = Some(Arc::new(settings));
+        self
+    }
+
+    /// The priorities the settings give the signals of a batch that carry none. A
+    /// signal's machine is known from a business-key target; the other targets are looked
+    /// up (one read of their rows), only for events some machine's section prioritizes.
+    async fn event_priorities(&self, signals: &mut [NewSignal]) -> StoreResult<()> {
+        let Some(settings) = &self.settings else { return Ok(()) };
+        let wanted = |s: &NewSignal| s.priority.is_none() && settings.names_event_priority(&s.name);
+        let mut ids: Vec<Option<InstanceId>> = Vec::with_capacity(signals.len());
+        for s in signals.iter() {
+            ids.push(match &s.target {
+                _ if !wanted(s) => None,
+                SignalTarget::Key { .. } => None,
+                SignalTarget::Id(id) => Some(*id),
+                child @ SignalTarget::Child { .. } => {
+                    self.store.instance_lookup(child.clone()).await?
+                }
+            });
+        }
+        let mut read: Vec<InstanceId> = ids.iter().flatten().copied().collect();
+        read.sort_unstable();
+        read.dedup();
+        let machines: std::collections::HashMap<InstanceId, String> = if read.is_empty() {
+            std::collections::HashMap::new()
+        } else {
+            let rows = self.store.instance_rows(read).await?;
+            rows.into_iter().map(|r| (r.id, r.machine.name)).collect()
+        };
+        for (s, id) in signals.iter_mut().zip(ids) {
+            if !wanted(s) {
+                continue;
+            }
+            let machine = match (&s.target, id) {
+                (SignalTarget::Key { machine, .. }, _) => Some(machine.as_str()),
+                (_, Some(id)) => machines.get(&id).map(String::as_str),
+                _ => None,
+            };
+            if let Some(machine) = machine {
+                s.priority = settings.event_priority(machine, &s.name);
+            }
+        }
+        Ok(())
     }
 
     /// The same client announcing the work its starts and sends make ready on `queue`
@@ -86,7 +144,15 @@ impl<S: Store, C: Clock> Client<S, C> {
     }
 
     /// Starts many instances in one batch; per item, new id or existing occupant.
-    pub async fn start_many(&self, instances: Vec<NewInstance>) -> StoreResult<Vec<InsertOutcome>> {
+    pub async fn start_many(
+        &self,
+        mut instances: Vec<NewInstance>,
+    ) -> StoreResult<Vec<InsertOutcome>> {
+        if let Some(settings) = &self.settings {
+            for n in &mut instances {
+                settings.start_defaults(n);
+            }
+        }
         let now = self.clock.now();
         let protos: Vec<_> = match self.queue {
             Some(_) => instances.iter().map(|n| hints::for_new(n, now)).collect(),
@@ -113,7 +179,11 @@ impl<S: Store, C: Clock> Client<S, C> {
     }
 
     /// Sends many signals in one batch; per item, what happened.
-    pub async fn send_many(&self, signals: Vec<NewSignal>) -> StoreResult<Vec<DeliveryOutcome>> {
+    pub async fn send_many(
+        &self,
+        mut signals: Vec<NewSignal>,
+    ) -> StoreResult<Vec<DeliveryOutcome>> {
+        self.event_priorities(&mut signals).await?;
         let params = SignalDeliverParams { signals, now: self.clock.now() };
         let out = self.store.signal_deliver(params).await?;
         self.announce(|| hints::after_delivery(&out)).await;

@@ -265,6 +265,15 @@ pub trait StepMachine: Send + Sync + 'static {
         QueueConfig::default()
     }
 
+    /// The order this machine's steps see pending events in ([`InboxOrder`]): arrival
+    /// order by default; `priority` lets an urgent event overtake earlier ones. A file's
+    /// `[machines.<name>] inbox_order` wins over this.
+    ///
+    /// [`InboxOrder`]: keel_core::inbox::InboxOrder
+    fn inbox_order(&self) -> keel_core::inbox::InboxOrder {
+        keel_core::inbox::InboxOrder::Arrival
+    }
+
     /// The queue configuration for one step of this machine (timeout, retry policy);
     /// defaults to [`config`](Self::config). Charts give their region tasks their own.
     fn step_config(&self, step: &str) -> QueueConfig {

@@ -170,6 +170,11 @@ impl WorkerConfig {
         }
     }
 
+    /// The inbox order the settings file gives `machine`, if any.
+    pub fn inbox_order(&self, machine: &str) -> Option<keel_core::inbox::InboxOrder> {
+        self.settings.as_ref().and_then(|s| s.inbox_order(machine))
+    }
+
     /// The configuration one step runs with: `base` (what the machine set in code for the
     /// step) under the file's levels for `machine` and `event`.
     pub fn step_config(
@@ -920,7 +925,7 @@ async fn parents_of<S: Store, C: Clock>(
 
 async fn run_step<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
-    claim: Claim,
+    mut claim: Claim,
     parent: Option<Instance>,
     (running, permit): (Running<S, C>, OwnedSemaphorePermit),
     tx: mpsc::Sender<Finished>,
@@ -935,10 +940,15 @@ async fn run_step<S: Store, C: Clock>(
     metrics::histogram!("keel_queue_wait_time_seconds", "machine" => row.machine.name.clone())
         .record(wait.as_secs_f64());
     let started = Instant::now();
+    // The step sees its inbox in the machine's order (the file's, else the code's).
+    let order = inner.config.inbox_order(&row.machine.name).unwrap_or(machine.inbox_order());
+    let base = row.base_priority;
+    keel_core::inbox::order(&mut claim.inbox, order, base);
+    let row = &claim.instance;
     let mut ctx = context_of(&claim);
     ctx.parent = parent;
-    // The event the step processes is the oldest signal it saw; the file's section for it,
-    // if any, overrides the machine's.
+    // The event the step processes is the first signal it sees; the file's section for
+    // it, if any, overrides the machine's.
     let event = claim.inbox.first().map(|s| s.name.as_str());
     let config =
         inner.config.step_config(machine.step_config(&row.position), &row.machine.name, event);

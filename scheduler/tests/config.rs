@@ -33,6 +33,8 @@ on_every_store!(
     a_step_machine_with_dead_letters_disabled_fails_instead_of_suspending,
     a_global_limit_holds_across_three_workers,
     a_key_limit_of_three_holds_across_three_workers,
+    priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset,
+    inbox_order_priority_takes_the_urgent_event_first,
 );
 
 /// Held by every test of this binary that measures a rate on real time, so they run one
@@ -641,5 +643,111 @@ impl StepMachine for Refund {
     }
     async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
         Err(StepError::fatal("refund window closed"))
+    }
+}
+
+/// `priority` and `name` at the system and machine levels set what an instance starts
+/// with, `priority` at an event's level what that event carries when sent — each only
+/// where the caller gave none — through a client with the settings. An urgent event
+/// raises its instance's claim priority while it is pending.
+async fn priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset<S: TestStore>() {
+    use keel_core::Priority;
+    let h = S::harness().await;
+    let (file, _) = KeelConfig::load(
+        "[queue]\nname = \"bulk\"\n\
+         [machines.shop.queue]\npriority = \"low\"\n\
+         [machines.shop.events.cancel.queue]\npriority = \"critical\"\n\
+         [machines.other.queue]\nname = \"other\"",
+        |_| None,
+    )
+    .expect("priority and name are applied");
+    let client = h.client.clone().with_settings(file);
+    let start = |new: NewInstance| {
+        let client = client.clone();
+        async move { client.start(new).await.expect("start").id() }
+    };
+    let plain = start(NewInstance::new(machine(), "a").business_key("k1")).await;
+    let chosen =
+        start(NewInstance::new(machine(), "a").priority(Priority::Normal).queue("default")).await;
+    let other = start(NewInstance::new(MachineRef::new("other", 1), "a")).await;
+    let row = |id| {
+        let client = client.clone();
+        async move { client.get(id).await.expect("get") }
+    };
+    let r = row(plain).await.instance;
+    assert_eq!(
+        (r.priority, r.base_priority, r.queue.as_str()),
+        (Priority::Low, Priority::Low, "bulk")
+    );
+    let r = row(chosen).await.instance;
+    assert_eq!(
+        (r.priority, r.queue.as_str()),
+        (Priority::Normal, "default"),
+        "the caller's choice"
+    );
+    let r = row(other).await.instance;
+    assert_eq!((r.priority, r.queue.as_str()), (Priority::Normal, "other"));
+    // By id and by business key: `cancel` carries its section's priority, `pay` none, and
+    // an explicit priority is kept.
+    client.send(NewSignal::new(plain, "pay")).await.expect("send");
+    client.send(NewSignal::new(chosen, "cancel").priority(Priority::High)).await.expect("send");
+    let by_key = keel_core::SignalTarget::Key {
+        namespace: "default".into(),
+        machine: "shop".into(),
+        key: "k1".into(),
+    };
+    client.send(NewSignal::new(by_key, "cancel")).await.expect("send");
+    let detail = row(plain).await;
+    let inbox: Vec<_> = detail.inbox.iter().map(|s| (s.name.as_str(), s.priority)).collect();
+    assert_eq!(inbox, vec![("pay", None), ("cancel", Some(Priority::Critical))]);
+    assert_eq!(detail.instance.priority, Priority::Critical, "the urgent event raised it");
+    assert_eq!(row(chosen).await.inbox[0].priority, Some(Priority::High));
+    // Without settings nothing is filled.
+    let bare = h.start(NewInstance::new(machine(), "a")).await;
+    h.client.send(NewSignal::new(bare, "cancel")).await.expect("send");
+    let detail = row(bare).await;
+    assert_eq!((detail.instance.priority, detail.inbox[0].priority), (Priority::Normal, None));
+}
+
+/// With `inbox_order = "priority"` (from the file or in code) a chart takes its most
+/// urgent pending event first; by default it keeps arrival order.
+async fn inbox_order_priority_takes_the_urgent_event_first<S: TestStore>() {
+    use keel_core::Priority;
+    use keel_core::inbox::InboxOrder;
+    let variants: [(&str, Option<&str>, InboxOrder, serde_json::Value); 3] = [
+        ("default", None, InboxOrder::Arrival, json!([1, 2, 3])),
+        (
+            "file",
+            Some("[machines.ledger]\ninbox_order = \"priority\""),
+            InboxOrder::Arrival,
+            json!([3, 1, 2]),
+        ),
+        ("code", None, InboxOrder::Priority, json!([3, 1, 2])),
+    ];
+    for (what, file, code, expected) in variants {
+        let h = S::harness().await;
+        let config = match file {
+            Some(file) => h.config().with_settings(settings(file)).expect("applied"),
+            None => h.config(),
+        };
+        let worker = h.worker(config, ledger().with_inbox_order(code));
+        let id = h.start(ledger().new_instance(json!({}))).await;
+        h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+        let post = |n: i64| NewSignal::new(id, "post").payload(json!({ "entry": n }));
+        // One batch: the step that wakes sees all three.
+        h.client
+            .send_many(vec![
+                post(1),
+                post(2).priority(Priority::Low),
+                post(3).priority(Priority::High),
+            ])
+            .await
+            .expect("send");
+        let posted = |r: &keel_core::Instance| r.context["posted"].as_array().map_or(0, Vec::len);
+        h.wait(id, "three posted", |r| posted(r) == 3 && r.status == Status::AwaitingSignal).await;
+        h.client.send(NewSignal::new(id, "close")).await.expect("send");
+        let row = h.wait(id, "closed", |r| r.status.is_terminal()).await;
+        assert_eq!(row.result.map(|r| r["posted"].clone()), Some(expected), "{what}");
+        worker.shutdown().await;
     }
 }

@@ -93,7 +93,7 @@ pub(crate) const INSTANCE_COLS: &str = "id, namespace, machine, machine_version,
     queue, priority, concurrency_key, status::text, position, context, result, awaits, \
     last_error, attempt, errors, revision, eligible_at, lease_owner, lease_expires_at, \
     fencing_token, parent_id, children_pending, unique_key, unique_scope::text[], \
-    correlation_id, created_at, updated_at, invoked_by";
+    correlation_id, created_at, updated_at, invoked_by, base_priority";
 
 /// [`INSTANCE_COLS`] qualified with the alias `i`.
 pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machine_version, \
@@ -101,7 +101,7 @@ pub(crate) const INSTANCE_COLS_I: &str = "i.id, i.namespace, i.machine, i.machin
     i.context, i.result, i.awaits, i.last_error, i.attempt, i.errors, i.revision, \
     i.eligible_at, i.lease_owner, i.lease_expires_at, i.fencing_token, i.parent_id, \
     i.children_pending, i.unique_key, i.unique_scope::text[], i.correlation_id, \
-    i.created_at, i.updated_at, i.invoked_by";
+    i.created_at, i.updated_at, i.invoked_by, i.base_priority";
 
 /// Decodes a row selected with [`INSTANCE_COLS`] (starting at column 0). The context and
 /// result decode leniently ([`json_col`]); a damaged `errors` list reads as empty.
@@ -122,6 +122,7 @@ pub(crate) fn instance_at(r: &Row, base: usize) -> Result<Instance, StoreError> 
         .and_then(|v| serde_json::from_value(v).ok())
         .unwrap_or_default();
     let priority: i16 = col(r, base + 6)?;
+    let base_priority: i16 = col(r, base + 29)?;
     Ok(Instance {
         id: InstanceId(col(r, base)?),
         namespace: col(r, base + 1)?,
@@ -129,6 +130,7 @@ pub(crate) fn instance_at(r: &Row, base: usize) -> Result<Instance, StoreError> 
         business_key: col(r, base + 4)?,
         queue: col(r, base + 5)?,
         priority: Priority::from_level(priority).unwrap_or_default(),
+        base_priority: Priority::from_level(base_priority).unwrap_or_default(),
         concurrency_key: col(r, base + 7)?,
         status: status(col(r, base + 8)?)?,
         position: col(r, base + 9)?,
@@ -154,7 +156,8 @@ pub(crate) fn instance_at(r: &Row, base: usize) -> Result<Instance, StoreError> 
 }
 
 /// Signal columns, in the order [`signal`] decodes them.
-pub(crate) const SIGNAL_COLS: &str = "id, target_id, name, payload, dedup_key, inserted_at";
+pub(crate) const SIGNAL_COLS: &str =
+    "id, target_id, name, payload, dedup_key, inserted_at, priority";
 
 /// Decodes a row selected with [`SIGNAL_COLS`] (the payload leniently).
 pub(crate) fn signal(r: &Row) -> Result<Signal, StoreError> {
@@ -165,6 +168,7 @@ pub(crate) fn signal(r: &Row) -> Result<Signal, StoreError> {
         payload: json_col(r, 3, "payload"),
         dedup_key: col(r, 4)?,
         inserted_at: from_ts(col(r, 5)?),
+        priority: col::<Option<i16>>(r, 6)?.and_then(Priority::from_level),
     })
 }
 
@@ -274,13 +278,14 @@ pub(crate) const WRITE_INSTANCES: &str = "UPDATE instances i SET status = u.stat
     last_error = u.last_error, attempt = u.attempt, errors = u.errors, revision = u.revision, \
     eligible_at = u.eligible_at, lease_owner = u.lease_owner, \
     lease_expires_at = u.lease_expires_at, fencing_token = u.fencing_token, \
-    children_pending = u.children_pending, updated_at = u.updated_at \
+    children_pending = u.children_pending, updated_at = u.updated_at, priority = u.priority \
     FROM unnest($1::int8[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[], \
     $7::text[], $8::int4[], $9::jsonb[], $10::int8[], $11::timestamptz[], $12::text[], \
-    $13::timestamptz[], $14::int8[], $15::int4[], $16::timestamptz[], $17::bool[], $18::bool[]) \
+    $13::timestamptz[], $14::int8[], $15::int4[], $16::timestamptz[], $17::bool[], $18::bool[], \
+    $19::int2[]) \
     AS u(id, status, position, context, result, awaits, last_error, attempt, errors, \
     revision, eligible_at, lease_owner, lease_expires_at, fencing_token, children_pending, \
-    updated_at, keep_context, keep_result) WHERE i.id = u.id";
+    updated_at, keep_context, keep_result, priority) WHERE i.id = u.id";
 
 /// The parameter arrays of [`WRITE_INSTANCES`] for a set of rows.
 #[derive(Default)]
@@ -303,6 +308,7 @@ pub(crate) struct InstanceWrite {
     updated_at: Vec<SystemTime>,
     keep_context: Vec<bool>,
     keep_result: Vec<bool>,
+    priority: Vec<i16>,
 }
 
 impl InstanceWrite {
@@ -327,6 +333,7 @@ impl InstanceWrite {
         self.fencing_token.push(row.fencing_token.0);
         self.children_pending.push(row.children_pending);
         self.updated_at.push(ts(row.updated_at));
+        self.priority.push(row.priority.level());
     }
 
     /// Whether no row was added.
@@ -335,7 +342,7 @@ impl InstanceWrite {
     }
 
     /// The statement's parameters.
-    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 18] {
+    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 19] {
         [
             &self.id,
             &self.status,
@@ -355,6 +362,7 @@ impl InstanceWrite {
             &self.updated_at,
             &self.keep_context,
             &self.keep_result,
+            &self.priority,
         ]
     }
 }

@@ -746,9 +746,10 @@ async fn deliver(
     let mut ids = Vec::with_capacity(plan.inserts.len());
     for i in &plan.inserts {
         let key = i.dedup_key.as_deref();
-        ids.push(db.signal_insert(i.target, &i.name, &i.payload, key, i.inserted_at).await?);
+        let at = i.inserted_at;
+        ids.push(db.signal_insert(i.target, &i.name, &i.payload, key, i.priority, at).await?);
     }
-    for row in &plan.woken {
+    for row in plan.woken.iter().chain(&plan.raised) {
         db.instance_write(row).await?;
     }
     Ok(plan.outcomes(&ids))

@@ -28,7 +28,7 @@ macro_rules! instance_cols {
          concurrency_key, status, position, context, result, awaits, last_error, attempt, \
          errors, revision, eligible_at, lease_owner, lease_expires_at, fencing_token, \
          parent_id, children_pending, unique_key, unique_scope, correlation_id, created_at, \
-         updated_at, unique_guard, invoked_by"
+         updated_at, unique_guard, invoked_by, base_priority"
     };
 }
 pub(crate) use instance_cols;
@@ -36,7 +36,7 @@ pub(crate) use instance_cols;
 /// The signal columns.
 macro_rules! signal_cols {
     () => {
-        "id, target_id, name, payload, dedup_key, inserted_at"
+        "id, target_id, name, payload, dedup_key, inserted_at, priority"
     };
 }
 
@@ -129,6 +129,9 @@ impl Db<'_> {
         let priority: i64 = self.get(row, "priority")?;
         let priority = Priority::from_level(priority as i16)
             .ok_or_else(|| corrupt(self.file, "priority", priority))?;
+        let base: i64 = self.get(row, "base_priority")?;
+        let base_priority = Priority::from_level(base as i16)
+            .ok_or_else(|| corrupt(self.file, "base_priority", base))?;
         let unique_key: Option<Vec<u8>> = self.get(row, "unique_key")?;
         let unique_scope: Option<i64> = self.get(row, "unique_scope")?;
         let context: String = self.get(row, "context")?;
@@ -143,6 +146,7 @@ impl Db<'_> {
             business_key: self.get(row, "business_key")?,
             queue: self.get(row, "queue")?,
             priority,
+            base_priority,
             concurrency_key: self.get(row, "concurrency_key")?,
             status,
             position: self.get(row, "position")?,
@@ -180,6 +184,12 @@ impl Db<'_> {
             name: self.get(row, "name")?,
             payload: Self::json_lenient("payload", &payload),
             dedup_key: self.get(row, "dedup_key")?,
+            priority: self
+                .get::<Option<i64>>(row, "priority")?
+                .map(|p| {
+                    Priority::from_level(p as i16).ok_or_else(|| corrupt(self.file, "priority", p))
+                })
+                .transpose()?,
             inserted_at: Timestamp(self.get(row, "inserted_at")?),
         })
     }
@@ -499,7 +509,7 @@ impl Db<'_> {
             "INSERT INTO keel_instances (",
             instance_cols!(),
             ") VALUES (NULL, ",
-            "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?",
+            "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?",
             ") RETURNING id"
         ));
         let json = (json_text(&row.context), row.result.as_ref().map(json_text));
@@ -543,7 +553,7 @@ impl Db<'_> {
              errors = ?, revision = ?, eligible_at = ?, lease_owner = ?, lease_expires_at = ?, \
              fencing_token = ?, parent_id = ?, children_pending = ?, unique_key = ?, \
              unique_scope = ?, correlation_id = ?, created_at = ?, updated_at = ?, \
-             unique_guard = ?, invoked_by = ? WHERE id = ?",
+             unique_guard = ?, invoked_by = ?, base_priority = ? WHERE id = ?",
         );
         let json = self.json_columns(row).await?;
         bind_instance(q, row, json, guard)
@@ -688,17 +698,19 @@ impl Db<'_> {
         name: &str,
         payload: &Value,
         dedup_key: Option<&str>,
+        priority: Option<Priority>,
         now: Timestamp,
     ) -> StoreResult<SignalId> {
         let id: i64 = sqlx::query_scalar(
-            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at) \
-             VALUES (?, ?, ?, ?, ?) RETURNING id",
+            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at, \
+             priority) VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
         )
         .bind(target.0)
         .bind(name)
         .bind(json_text(payload))
         .bind(dedup_key)
         .bind(now.0)
+        .bind(priority.map(|p| i64::from(p.level())))
         .fetch_one(&mut *self.conn)
         .await
         .map_err(self.err("storing a signal"))?;
@@ -826,4 +838,5 @@ fn bind_instance<'q>(
         .bind(row.updated_at.0)
         .bind(guard)
         .bind(row.invoked_by.clone())
+        .bind(i64::from(row.base_priority.level()))
 }

@@ -92,6 +92,7 @@ fn migrator() -> Migrator {
         migration(6, "fair claims", include_str!("../migrations/0006_fair_claims.sql")),
         migration(7, "key rate buckets", include_str!("../migrations/0007_key_rate_buckets.sql")),
         migration(8, "schedule states", include_str!("../migrations/0008_schedule_states.sql")),
+        migration(9, "signal priority", include_str!("../migrations/0009_signal_priority.sql")),
     ])
 }
 

@@ -500,6 +500,7 @@ impl State {
                 name: insert.name.clone(),
                 payload: insert.payload.clone(),
                 dedup_key: insert.dedup_key.clone(),
+                priority: insert.priority,
                 inserted_at: insert.inserted_at,
             };
             if let Some(key) = &signal.dedup_key {
@@ -509,7 +510,7 @@ impl State {
             ids.push(id);
         }
         let outcomes = plan.outcomes(&ids);
-        for row in plan.woken {
+        for row in plan.woken.into_iter().chain(plan.raised) {
             self.write(row);
         }
         outcomes

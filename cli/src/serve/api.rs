@@ -146,6 +146,10 @@ pub struct EventBody {
     payload: Option<Value>,
     /// A second event with the same key to the same instance is not stored again.
     dedup_key: Option<String>,
+    /// How urgent the event is (`critical` … `bulk`); default: its event section's in the
+    /// configuration file, else none.
+    #[serde(default)]
+    priority: Option<keel_core::Priority>,
 }
 
 async fn target(state: &AppState, ns: &str, b: &EventBody) -> Result<InstanceId, ApiError> {
@@ -245,6 +249,9 @@ pub async fn send_event(
     if let Some(key) = b.dedup_key.clone() {
         signal = signal.dedup_key(key);
     }
+    if let Some(priority) = b.priority {
+        signal = signal.priority(priority);
+    }
     match state.keel.send(signal).await? {
         DeliveryOutcome::Delivered { id: signal, target, .. } => Ok((
             StatusCode::ACCEPTED,
@@ -278,6 +285,8 @@ pub struct StartBody {
     #[serde(default = "chart_start")]
     at: String,
     queue: Option<String>,
+    #[serde(default)]
+    priority: Option<keel_core::Priority>,
 }
 
 fn first_version() -> i32 {
@@ -324,6 +333,9 @@ pub async fn start_instance(
     }
     if let Some(queue) = b.queue {
         new = new.queue(queue);
+    }
+    if let Some(priority) = b.priority {
+        new = new.priority(priority);
     }
     Ok(match state.keel.start(new).await? {
         InsertOutcome::Inserted(id) => {

@@ -121,6 +121,8 @@ pub async fn run(
     let config = health::read_config(cli)?;
     // Checked now, so a bad schedule is a start-up error rather than a 500 later.
     config.schedules().context("--config: [schedules]")?;
+    // Starts and sends without a priority or queue of their own take the file's.
+    let keel = keel.with_settings(config.clone());
     let metrics = keel::prometheus::install()?;
     let open = tokens.is_none();
     let state = Arc::new(AppState {

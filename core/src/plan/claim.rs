@@ -728,6 +728,7 @@ mod tests {
             name: "go".into(),
             payload,
             dedup_key: None,
+            priority: None,
             inserted_at: Timestamp(0),
         };
         assert_eq!(damage(&row(1, None), &[signal(json!({ "a": 1 }))]), None);

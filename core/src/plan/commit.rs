@@ -55,6 +55,10 @@ pub struct InboxRead {
     /// For an outcome that ends the instance: the signals left unread once this commit's
     /// consumption is removed (see [`inbox::drains`]).
     pub pending: inbox::Pending,
+    /// The most urgent priority among the signals this commit leaves unread (`None`: no
+    /// unread signal has one), from which the row's claim priority is set again
+    /// ([`inbox::claim_priority`]).
+    pub pending_priority: Option<crate::ids::Priority>,
 }
 
 impl InboxRead {
@@ -69,12 +73,13 @@ impl InboxRead {
             }
             _ => false,
         };
+        let pending_priority = unread.iter().filter_map(|s| s.priority).min();
         let pending = if inbox::drains(&commit.outcome) {
             inbox::Pending::of(unread)
         } else {
             inbox::Pending::default()
         };
-        InboxRead { signal_waiting, pending }
+        InboxRead { signal_waiting, pending, pending_priority }
     }
 }
 
@@ -259,6 +264,7 @@ impl Admitted {
         let applied = outcome::apply(&self.row, commit, facts);
         let terminal = applied.became_terminal();
         let mut row = applied.row;
+        row.priority = inbox::claim_priority(row.base_priority, [self.inbox.pending_priority]);
         let mut history = applied.history;
         let deadline = start_join(&self.row, commit, children, &mut row, self.now);
         if terminal && let Some(entry) = inbox::drained(&self.inbox.pending) {

@@ -7,7 +7,9 @@
 //! - a dedup key already in the target's inbox, or used for the same target earlier in the
 //!   batch, makes the signal a duplicate of the stored one;
 //! - otherwise the signal is stored, and a target awaiting its name becomes runnable
-//!   ([`crate::outcome::deliver`]). Later signals of the batch see the woken row.
+//!   ([`crate::outcome::deliver`]). Later signals of the batch see the woken row;
+//! - a stored signal more urgent than its target's claim priority raises it
+//!   ([`crate::inbox::claim_priority`]).
 
 use crate::error::StoreResult;
 use crate::ids::{InstanceId, SignalId, Status};
@@ -43,6 +45,8 @@ pub struct SignalInsert {
     pub payload: Value,
     /// Its dedup key.
     pub dedup_key: Option<String>,
+    /// Its priority, when the sender gave one.
+    pub priority: Option<crate::ids::Priority>,
     /// Its arrival time.
     pub inserted_at: Timestamp,
 }
@@ -95,6 +99,9 @@ pub struct DeliverPlan {
     pub inserts: Vec<SignalInsert>,
     /// The targets the batch woke, each once, in its final state, in the order first woken.
     pub woken: Vec<Instance>,
+    /// The targets the batch did not wake whose claim priority a signal raised, each
+    /// once, in its final state (the store writes them like the woken rows).
+    pub raised: Vec<Instance>,
 }
 
 impl DeliverPlan {
@@ -146,6 +153,7 @@ pub fn deliver(read: DeliverRead, signals: &[NewSignal], now: Timestamp) -> Deli
         dedup.into_iter().map(|(k, id)| (k, SignalRef::Stored(id))).collect();
     let mut plan = DeliverPlan::default();
     let mut woken: Vec<InstanceId> = Vec::new();
+    let mut raised: Vec<InstanceId> = Vec::new();
     for (s, target) in signals.iter().zip(targets) {
         let Some(target) = target else {
             plan.items.push(DeliverItem::TargetMissing);
@@ -169,8 +177,16 @@ pub fn deliver(read: DeliverRead, signals: &[NewSignal], now: Timestamp) -> Deli
             name: s.name.clone(),
             payload: s.payload.clone(),
             dedup_key: s.dedup_key.clone(),
+            priority: s.priority,
             inserted_at: now,
         });
+        let urgent = inbox::claim_priority(row.priority, [s.priority]);
+        if urgent != row.priority {
+            row.priority = urgent;
+            if !raised.contains(&target) {
+                raised.push(target);
+            }
+        }
         let next = outcome::deliver(row, &s.name, now);
         let woke = next.is_some();
         if let Some(next) = next {
@@ -182,6 +198,7 @@ pub fn deliver(read: DeliverRead, signals: &[NewSignal], now: Timestamp) -> Deli
         plan.items.push(DeliverItem::Stored { insert, target, woke });
     }
     plan.woken = woken.iter().filter_map(|id| rows.remove(id)).collect();
+    plan.raised = raised.iter().filter_map(|id| rows.remove(id)).collect();
     plan
 }
 

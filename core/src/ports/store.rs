@@ -568,6 +568,7 @@ impl SignalBroadcastParams {
             name: self.name.clone(),
             payload: self.payload.clone(),
             dedup_key: self.dedup_key.clone(),
+            priority: None,
         }
     }
 }

@@ -177,7 +177,7 @@ fn claimed_rows() -> String {
     format!(
         "SELECT {cols}, \
            (SELECT coalesce(jsonb_agg(jsonb_build_object('id', s.id, 'name', s.name, \
-               'payload', s.payload, 'dedup_key', s.dedup_key, \
+               'payload', s.payload, 'dedup_key', s.dedup_key, 'priority', s.priority, \
                'at', floor(extract(epoch FROM s.inserted_at) * 1000)::int8) ORDER BY s.id), '[]') \
             FROM (SELECT * FROM signals WHERE target_id = u.id ORDER BY id LIMIT {inbox}) s), \
            (SELECT coalesce(jsonb_agg(jsonb_build_object('id', c.id, 'machine', c.machine, \
@@ -688,8 +688,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             out.undecodable.push((instance, damage));
             continue;
         }
-        let inbox = rows::col(r, 29).and_then(|v| inbox(instance.id, v));
-        let children = rows::col(r, 30).and_then(children);
+        let inbox = rows::col(r, 30).and_then(|v| inbox(instance.id, v));
+        let children = rows::col(r, 31).and_then(children);
         match (inbox, children) {
             (Ok(inbox), Ok(children)) => out.claims.push(Claim { instance, inbox, children }),
             (Err(e), _) => out.undecodable.push((instance, format!("inbox: {}", e.message))),
@@ -749,6 +749,10 @@ pub(crate) fn inbox(target: InstanceId, v: Value) -> Result<Vec<Signal>, StoreEr
                 name: s["name"].as_str().ok_or_else(|| bad("inbox name"))?.to_owned(),
                 payload: s["payload"].take(),
                 dedup_key: s["dedup_key"].as_str().map(str::to_owned),
+                priority: s["priority"]
+                    .as_i64()
+                    .and_then(|p| i16::try_from(p).ok())
+                    .and_then(keel_core::Priority::from_level),
                 inserted_at: Timestamp(s["at"].as_i64().ok_or_else(|| bad("inbox time"))?),
             })
         })

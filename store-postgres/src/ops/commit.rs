@@ -24,7 +24,7 @@ use keel_core::outcome::{Outcome, StepCommit};
 use keel_core::plan::cancel::LeftDelegations;
 use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::ports::store::{CommitReceipt, InsertOutcome};
-use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, Timestamp};
+use keel_core::{DeadLetterId, InstanceId, Priority, Status, StoreError, StoreResult, Timestamp};
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
 
@@ -33,6 +33,17 @@ const AWAIT_CHECK: &str = "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(
       AND (a.name = '*' OR s.name = a.name) \
       AND NOT EXISTS (SELECT 1 FROM unnest($3::int8[], $4::int8[]) AS x(t, s) \
                       WHERE x.t = s.target_id AND x.s = s.id))";
+
+/// Per committed instance whose claim priority a signal raised (`priority` differs from
+/// `base_priority`), the most urgent priority among the signals the commit leaves unread.
+/// Where the two are equal no pending signal is more urgent than the base, so the commit
+/// keeps the base without asking.
+const PENDING_PRIORITY: &str = "SELECT s.target_id, min(s.priority) FROM signals s \
+    JOIN instances i ON i.id = s.target_id AND i.priority <> i.base_priority \
+    WHERE s.target_id = ANY($1::int8[]) AND s.priority IS NOT NULL \
+      AND NOT EXISTS (SELECT 1 FROM unnest($2::int8[], $3::int8[]) AS x(t, s) \
+                      WHERE x.t = s.target_id AND x.s = s.id) \
+    GROUP BY s.target_id";
 
 const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, machine, \
     machine_version, position, signals, event, correlation_id, reason, attempts, errors, \
@@ -117,13 +128,16 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         }
         c.query(&pending_stmt, &[&drain_ids, &ct, &cs, &listed]).await
     };
+    let urgent_stmt = c.prepare_cached(PENDING_PRIORITY).await?;
+    let urgent = async { c.query(&urgent_stmt, &[&ids, &ct, &cs]).await };
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
-    let (b, locked, waiting, pending, resolved) = tokio::join!(
+    let (b, locked, waiting, pending, urgent, resolved) = tokio::join!(
         begin(c),
         async { c.query(&lock, &[&ids]).await },
         waiting,
         pending,
+        urgent,
         signal::resolve(c, &emit_targets)
     );
     // Results are read in the order the statements went out: once one fails (a deadlock on
@@ -133,7 +147,15 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let locked = locked?;
     let waiting = waiting?;
     let pending = pending?;
+    let urgent = urgent?;
     let resolved = resolved?;
+    let urgent: HashMap<i64, Priority> = urgent
+        .iter()
+        .filter_map(|r| {
+            let level: Option<i16> = r.try_get(1).ok()?;
+            Some((r.try_get(0).ok()?, Priority::from_level(level?)?))
+        })
+        .collect();
     let pending = signal::pending_of(&pending)?;
     let mut current: HashMap<i64, Instance> = HashMap::new();
     for r in &locked {
@@ -176,6 +198,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         let inbox = InboxRead {
             signal_waiting: waiting.contains(&s.id.0),
             pending: pending.get(&s.id.0).cloned().unwrap_or_default(),
+            pending_priority: urgent.get(&s.id.0).copied(),
         };
         let key_occupant = row
             .as_ref()

@@ -63,10 +63,11 @@ const INSERT_HEAD: &str = "WITH input AS MATERIALIZED ( \
     ), ins AS ( \
       INSERT INTO instances (id, namespace, machine, machine_version, business_key, queue, \
         priority, concurrency_key, status, position, context, eligible_at, parent_id, \
-        unique_key, unique_scope, correlation_id, created_at, updated_at, invoked_by) \
+        unique_key, unique_scope, correlation_id, created_at, updated_at, invoked_by, \
+        base_priority) \
       SELECT id, namespace, machine, machine_version, business_key, queue, priority, \
         concurrency_key, 'runnable', position, context, eligible_at, parent_id, unique_key, \
-        unique_scope::status[], correlation_id, $15, $15, invoked_by \
+        unique_scope::status[], correlation_id, $15, $15, invoked_by, priority \
       FROM input ORDER BY unique_key NULLS LAST, ord \
       ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
       RETURNING id \

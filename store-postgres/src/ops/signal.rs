@@ -38,7 +38,9 @@ pub(crate) struct Delivery {
     payloads: Vec<serde_json::Value>,
     dedup: Vec<Option<String>>,
     at: Vec<SystemTime>,
+    priority: Vec<Option<i16>>,
     woken: Vec<Instance>,
+    raised: Vec<Instance>,
 }
 
 impl Delivery {
@@ -64,9 +66,9 @@ const EXISTING: &str = "SELECT s.target_id, s.dedup_key, s.id FROM signals s \
 
 const ALLOC: &str = "SELECT nextval('signals_id_seq') FROM generate_series(1, $1::int8)";
 
-const INSERT: &str = "INSERT INTO signals (id, target_id, name, payload, dedup_key, inserted_at) \
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::text[], \
-    $6::timestamptz[])";
+const INSERT: &str = "INSERT INTO signals (id, target_id, name, payload, dedup_key, inserted_at, \
+    priority) SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::text[], \
+    $6::timestamptz[], $7::int2[])";
 
 /// The signals pending in the inboxes of `$1` (leaving out the `($2, $3)` target and id
 /// pairs a commit consumes): per target, the total and the oldest `$4` by id and name.
@@ -241,7 +243,9 @@ async fn plan_with<C: GenericClient + Sync>(
         payloads: plan.inserts.iter().map(|i| i.payload.clone()).collect(),
         dedup: plan.inserts.iter().map(|i| i.dedup_key.clone()).collect(),
         at: plan.inserts.iter().map(|i| ts(i.inserted_at)).collect(),
+        priority: plan.inserts.iter().map(|i| i.priority.map(keel_core::Priority::level)).collect(),
         woken: plan.woken,
+        raised: plan.raised,
     })
 }
 
@@ -256,14 +260,18 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
     let insert = c.prepare_cached(INSERT).await?;
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
     let mut w = rows::InstanceWrite::default();
-    for r in &d.woken {
+    for r in d.woken.iter().chain(&d.raised) {
         w.push(r);
     }
     let ins = async {
         if d.ids.is_empty() {
             return Ok(0);
         }
-        c.execute(&insert, &[&d.ids, &d.targets, &d.names, &d.payloads, &d.dedup, &d.at]).await
+        c.execute(
+            &insert,
+            &[&d.ids, &d.targets, &d.names, &d.payloads, &d.dedup, &d.at, &d.priority],
+        )
+        .await
     };
     let wake = async {
         if w.is_empty() {

@@ -421,3 +421,71 @@ pub async fn key_rate_limit_keeps_each_keys_rate<S: Store>(s: &S) {
         keys.iter().map(|k| ((*k).to_owned(), 1 + 20)).collect();
     assert_eq!(started, expected, "one token each, then 20 per second each");
 }
+
+/// A pending signal with a priority raises its instance's claim priority to it when that
+/// is more urgent (whether the signal woke the instance or arrived during its step); a
+/// signal without one changes nothing; a commit sets the priority again from the
+/// signals it leaves unread, so the instance falls back to its own once they are
+/// consumed.
+pub async fn signal_priority_raises_the_claim_priority_until_consumed<S: Store>(s: &S) {
+    use super::support::{await_signal, claim_id, commit_ok, deliver, get, insert_one, row, send};
+    use keel_core::instance::NewSignal;
+    use keel_core::ports::store::DeliveryOutcome;
+    use keel_core::{Status, StepCommit};
+    let ns = "signal_priority";
+    let prio = |limit: usize, ms: i64| {
+        with_policy(ns, limit, at(ms), ClaimPolicy::new(Strategy::Priority))
+    };
+    let parked = insert_one(s, new_in(ns).priority(Priority::Bulk), at(0)).await;
+    let first = claim_id(s, ns, parked, at(0)).await;
+    step(s, &first, await_signal("go", 1), at(1)).await;
+    insert(s, vec![new_in(ns).priority(Priority::Low), new_in(ns).priority(Priority::Low)], at(1))
+        .await;
+    let (noise, _) = send(s, parked, "noise", at(2)).await;
+    let before = row(s, parked).await;
+    assert_eq!((before.priority, before.base_priority), (Priority::Bulk, Priority::Bulk));
+    let out = deliver(s, vec![NewSignal::new(parked, "go").priority(Priority::High)], at(5)).await;
+    let [DeliveryOutcome::Delivered { id: go, woke: true, .. }] = out.as_slice() else {
+        panic!("expected the awaited signal to wake its target: {out:?}")
+    };
+    let woken = row(s, parked).await;
+    assert_eq!(
+        (woken.status, woken.priority, woken.base_priority),
+        (Status::Runnable, Priority::High, Priority::Bulk),
+        "the urgent signal raised the claim priority"
+    );
+    let claimed = claim(s, prio(1, 10)).await;
+    assert_eq!(ids(&claimed), vec![parked], "claimed ahead of the low rows");
+    let seen: Vec<_> = claimed[0].inbox.iter().map(|x| (x.id, x.priority)).collect();
+    assert_eq!(seen, vec![(noise, None), (*go, Some(Priority::High))], "priorities kept");
+    // Arriving during the step: raised, not woken.
+    let out =
+        deliver(s, vec![NewSignal::new(parked, "urgent").priority(Priority::Critical)], at(12))
+            .await;
+    let [DeliveryOutcome::Delivered { id: urgent, woke: false, .. }] = out.as_slice() else {
+        panic!("expected a stored signal that wakes nothing: {out:?}")
+    };
+    let during = row(s, parked).await;
+    assert_eq!((during.status, during.priority), (Status::Executing, Priority::Critical));
+    commit_ok(s, StepCommit::new(parked, claimed[0].token(), next("b", 2)).consume([*go]), at(15))
+        .await;
+    assert_eq!(
+        row(s, parked).await.priority,
+        Priority::Critical,
+        "the unread urgent signal counts"
+    );
+    let again = claim(s, prio(1, 20)).await;
+    assert_eq!(ids(&again), vec![parked]);
+    commit_ok(
+        s,
+        StepCommit::new(parked, again[0].token(), next("c", 3)).consume([noise, *urgent]),
+        at(25),
+    )
+    .await;
+    let after = row(s, parked).await;
+    assert_eq!(after.priority, Priority::Bulk, "back to its own once nothing urgent is pending");
+    assert!(get(s, parked).await.inbox.is_empty());
+    let rest = claim(s, prio(3, 30)).await;
+    assert_eq!(rest.last().map(|c| c.instance.id), Some(parked), "bulk again: after the low rows");
+    assert_eq!(rest.len(), 3);
+}

@@ -138,6 +138,7 @@ macro_rules! __store_contract_list {
             claim_never_returns_held_row,
             claim_order_fifo_ignores_priority,
             claim_order_starvation_bound_overtakes_priority,
+            signal_priority_raises_the_claim_priority_until_consumed,
             global_limit_bounds_a_queues_executing_rows,
             key_limit_runs_k_rows_of_a_key_at_once,
             rate_limit_bounds_a_queues_starts,

@@ -46,6 +46,7 @@ fn signal(id: i64, name: &str) -> Signal {
         name: name.into(),
         payload: json!(null),
         dedup_key: None,
+        priority: None,
         inserted_at: Timestamp::from_millis(0),
     }
 }
