@@ -754,10 +754,7 @@ impl KeelConfig {
     /// The parallel dispatch settings of a machine: its section over the system's, then
     /// the documented defaults.
     pub fn parallel_for(&self, machine: &str) -> ParallelConfig {
-        match self.machines.get(machine) {
-            Some(m) => self.parallel_dispatch.overlay(&m.parallel_dispatch).resolve(),
-            None => self.parallel_dispatch.resolve(),
-        }
+        self.parallel_over(ParallelConfig::default(), machine)
     }
 
     /// The complete queue configuration for a machine, or for one of its events.

@@ -124,37 +124,44 @@ async fn the_pruner_removes_exactly_the_instances_ended_before_the_retention<S: 
     worker.shutdown().await;
 }
 
-async fn dead_letters_go_after_their_machine_retention<S: TestStore>() {
-    let h = S::harness().await;
-    // No `ended`: instances are kept; dead letters still go after their retention.
+/// A worker with `config` (pruning every 20 ms, nothing ended pruned) over a `quick`
+/// instance that failed for good: returns once its one dead letter is written.
+async fn one_dead_letter<S: TestStore>(
+    h: &Harness<S>,
+    file: Option<keel_core::config::KeelConfig>,
+) -> WorkerHandle {
     let every =
         RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
-    let config = WorkerConfig { retention: Some(every), ..h.config() };
+    let mut config = WorkerConfig { retention: Some(every), ..h.config() };
+    if let Some(file) = file {
+        config = config.with_settings(file).expect("applied");
+    }
     let worker = h.worker(config, Quick("quick"));
     let id = h
         .start(NewInstance::new(MachineRef::new("quick", 1), "go").context(json!({ "fail": true })))
         .await;
     h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
-    let letters = || async {
-        h.client
-            .dead_letters(keel_core::ports::store::DeadLetterFilter {
-                namespace: None,
-                machine: None,
-                limit: 10,
-                ..keel_core::ports::store::DeadLetterFilter::default()
-            })
-            .await
-            .expect("dead letters")
-            .len()
-    };
+    worker
+}
+
+/// How many dead letters the store holds (at most 10).
+async fn letters<S: TestStore>(h: &Harness<S>) -> usize {
+    let filter = keel_core::ports::store::DeadLetterFilter { limit: 10, ..Default::default() };
+    h.client.dead_letters(filter).await.expect("dead letters").len()
+}
+
+async fn dead_letters_go_after_their_machine_retention<S: TestStore>() {
+    let h = S::harness().await;
+    // No `ended`: instances are kept; dead letters still go after their retention.
+    let worker = one_dead_letter(&h, None).await;
     let before = worker.pruned().runs;
     runs_after(&worker, before, 1).await;
-    assert_eq!(letters().await, 1, "younger than its retention");
+    assert_eq!(letters(&h).await, 1, "younger than its retention");
     // The machine keeps dead letters two hours.
     h.clock.advance(2 * HOUR + Duration::from_secs(1));
     let before = worker.pruned().runs;
     runs_after(&worker, before, 2).await;
-    assert_eq!(letters().await, 0, "purged after its retention");
+    assert_eq!(letters(&h).await, 0, "purged after its retention");
     assert_eq!(worker.pruned().dead_letters, 1);
     worker.shutdown().await;
 }
@@ -168,33 +175,15 @@ async fn the_files_dead_letter_retention_wins_over_the_code<S: TestStore>() {
     )
     .expect("valid file")
     .0;
-    let every =
-        RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
-    let config =
-        WorkerConfig { retention: Some(every), ..h.config() }.with_settings(file).expect("applied");
-    let worker = h.worker(config, Quick("quick"));
-    let id = h
-        .start(NewInstance::new(MachineRef::new("quick", 1), "go").context(json!({ "fail": true })))
-        .await;
-    h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
-    let letters = || async {
-        h.client
-            .dead_letters(keel_core::ports::store::DeadLetterFilter {
-                limit: 10,
-                ..keel_core::ports::store::DeadLetterFilter::default()
-            })
-            .await
-            .expect("dead letters")
-            .len()
-    };
+    let worker = one_dead_letter(&h, Some(file)).await;
     h.clock.advance(Duration::from_secs(9 * 60));
     let before = worker.pruned().runs;
     runs_after(&worker, before, 2).await;
-    assert_eq!(letters().await, 1, "younger than the file's ten minutes");
+    assert_eq!(letters(&h).await, 1, "younger than the file's ten minutes");
     h.clock.advance(Duration::from_secs(61));
     let before = worker.pruned().runs;
     runs_after(&worker, before, 2).await;
-    assert_eq!(letters().await, 0, "purged after the file's retention, not the code's two hours");
+    assert_eq!(letters(&h).await, 0, "purged after the file's retention, not the code's two hours");
     assert_eq!(worker.pruned().dead_letters, 1);
     worker.shutdown().await;
 }
