@@ -65,15 +65,15 @@ async fn run(store: &Arc<keel_store_postgres::PgStore>, n: usize) -> Result<Figu
     let client = store.client().await?;
     client
         .batch_execute(&format!(
-            "INSERT INTO instances (namespace, machine, machine_version, queue, priority, status, \
-               position, context, concurrency_key, eligible_at, created_at, updated_at) \
-             SELECT 'default', 'fair', 1, 'default', 2, 'runnable', 'go', '{{}}', 'A', \
+            "INSERT INTO instances (namespace, machine, machine_version, queue, priority, base_priority, \
+               status, position, context, concurrency_key, eligible_at, created_at, updated_at) \
+             SELECT 'default', 'fair', 1, 'default', 2, 2, 'runnable', 'go', '{{}}', 'A', \
                now() - interval '1 hour' + g * interval '1 millisecond', now(), now() \
              FROM generate_series(1, {n}) g; \
-             INSERT INTO instances (namespace, machine, machine_version, queue, priority, status, \
-               position, context, concurrency_key, eligible_at, created_at, updated_at, \
+             INSERT INTO instances (namespace, machine, machine_version, queue, priority, base_priority, \
+               status, position, context, concurrency_key, eligible_at, created_at, updated_at, \
                lease_owner, lease_expires_at, fencing_token) \
-             VALUES ('default', 'fair', 1, 'default', 2, 'executing', 'go', '{{}}', 'A', \
+             VALUES ('default', 'fair', 1, 'default', 2, 2, 'executing', 'go', '{{}}', 'A', \
                now() - interval '2 hours', now(), now(), 'elsewhere', now() + interval '1 day', 1); \
              ANALYZE instances;"
         ))

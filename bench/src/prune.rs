@@ -138,9 +138,9 @@ async fn run(store: &Arc<keel_store_postgres::PgStore>, n: usize) -> Result<Figu
     // Ended a day ago; ids from generate_series keep the load one statement per table.
     client
         .batch_execute(&format!(
-            "INSERT INTO instances (namespace, machine, machine_version, queue, priority, status, \
-               position, context, eligible_at, created_at, updated_at) \
-             SELECT 'default', 'ended', 1, 'default', 2, 'done', 'end', '{{}}', \
+            "INSERT INTO instances (namespace, machine, machine_version, queue, priority, base_priority, \
+               status, position, context, eligible_at, created_at, updated_at) \
+             SELECT 'default', 'ended', 1, 'default', 2, 2, 'done', 'end', '{{}}', \
                now() - interval '1 day', now() - interval '1 day', now() - interval '1 day' \
              FROM generate_series(1, {n}); \
              INSERT INTO history (instance_id, at, revision, attempt, kind, data) \
