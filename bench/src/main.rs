@@ -54,6 +54,9 @@ struct Cli {
     /// Instances for `steps` (default 50 000).
     #[arg(long, default_value_t = 50_000)]
     instances: usize,
+    /// Worker concurrencies for `steps` (default 1,10,100,500).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 10, 100, 500])]
+    concurrency: Vec<usize>,
     /// Instances for `chart` (default 5 000).
     #[arg(long, default_value_t = 5_000)]
     chart_instances: usize,
@@ -122,7 +125,7 @@ async fn main() -> Result<()> {
     eprintln!("keel-bench: store {} ({})", cli.store.name(), store.describe());
     for scenario in scenarios {
         let report = match scenario {
-            Scenario::Steps => scenarios::steps(&store, cli.instances, cli.queue).await?,
+            Scenario::Steps => scenarios::steps(&store, cli.instances, &cli.concurrency, cli.queue).await?,
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances, cli.queue).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,

@@ -75,15 +75,23 @@ fn worker_config(concurrency: usize, notifications: bool) -> WorkerConfig {
     }
 }
 
-/// No-op step throughput at concurrency 1, 10, 100, 500. With a queue, every inserted
+/// No-op step throughput at each of `concurrencies` (1, 10, 100, 500 by default). With a queue, every inserted
 /// instance is announced by a hint (as a producer publishing on insert would) and the
 /// worker runs without the store's notifications: hints, then polling, wake it. The
 /// publishing is timed apart from the drain, which starts when the worker does: a slow
 /// queue (the SQS emulator takes seconds per call once thousands of hints wait) would
 /// otherwise turn the steps/s figure into the queue's publish rate.
-pub async fn steps(factory: &Factory, n: usize, queue: QueueKind) -> Result<Report> {
+pub async fn steps(
+    factory: &Factory,
+    n: usize,
+    concurrencies: &[usize],
+    queue: QueueKind,
+) -> Result<Report> {
     let mut rows = Vec::new();
-    for concurrency in [1, 10, 100, 500] {
+    for &concurrency in concurrencies {
+        if concurrency == 0 {
+            bail!("steps: --concurrency 0 runs nothing; give 1 or more slots");
+        }
         let hints = queue.fresh().await?;
         let (elapsed, committed, by_hint, received, publish) = with_store!(factory, |store| {
             let news =
