@@ -14,7 +14,7 @@
 //! timers, notifies once and commits. Outbox emits and parent notices, when there are
 //! any, run the delivery path before that last round trip.
 
-use super::{admin, begin, end_tx, insert, signal, timer};
+use super::{admin, begin_hot, end_tx, insert, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
@@ -133,7 +133,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
     let (b, locked, waiting, pending, urgent, resolved) = tokio::join!(
-        begin(c),
+        begin_hot(c),
         async { c.query(&lock, &[&ids]).await },
         waiting,
         pending,

@@ -3,7 +3,7 @@
 //! planned signals and write the woken targets. Because the target row is locked before the inbox is
 //! read or written, a racing `Await` commit either sees the signal or is woken by it.
 
-use super::{begin, end_tx};
+use super::{begin_hot, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -22,8 +22,10 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     now: Timestamp,
     channel: &str,
 ) -> OpResult<Vec<DeliveryOutcome>> {
-    begin(c).await?;
-    let plan = plan(c, signals, now).await?;
+    // BEGIN goes out ahead of the plan's first read, in the same round trip.
+    let (began, plan) = tokio::join!(begin_hot(c), plan(c, signals, now));
+    began?;
+    let plan = plan?;
     finish(c, &plan, Some((channel, false))).await?;
     Ok(plan.outcomes)
 }

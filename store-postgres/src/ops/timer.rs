@@ -2,7 +2,7 @@
 //! transaction per call, `FOR UPDATE SKIP LOCKED` so concurrent sweeps split the due
 //! timers), the inspect listing, timer health and queue stats (one `GROUP BY` each).
 
-use super::{begin, signal};
+use super::{begin, begin_hot, signal};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, col, from_ts, ts};
 use deadpool_postgres::GenericClient;
@@ -376,7 +376,7 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     let due = c.prepare_cached(&DUE).await?;
     let limit = p.limit as i64;
     let now_ts = ts(p.now);
-    let (began, picked) = tokio::join!(begin(c), async {
+    let (began, picked) = tokio::join!(begin_hot(c), async {
         c.query(&due, &[&now_ts, &p.namespace, &p.machines, &limit]).await
     });
     began?;
