@@ -699,7 +699,7 @@ impl QueueSlots {
         let held = Arc::clone(&self.held).try_acquire_owned().ok()?;
         let running = Arc::clone(&self.running).try_acquire_owned().ok()?;
         inner.running.fetch_add(1, Ordering::SeqCst);
-        Some((Running { inner: Arc::clone(inner), _permit: running }, held))
+        Some((Running { inner: Arc::clone(inner), permit: Some(running) }, held))
     }
 }
 
@@ -707,11 +707,14 @@ impl QueueSlots {
 /// aborted — gives the running slot back and wakes the claimer.
 struct Running<S, C> {
     inner: Arc<Inner<S, C>>,
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl<S, C> Drop for Running<S, C> {
     fn drop(&mut self) {
+        // The slot goes back before the claimer is woken: woken first, it could look at
+        // the semaphore, find no free slot and go back to sleep until the next poll.
+        drop(self.permit.take());
         self.inner.running.fetch_sub(1, Ordering::SeqCst);
         self.inner.slot_freed.notify_one();
     }
