@@ -125,7 +125,9 @@ async fn main() -> Result<()> {
     eprintln!("keel-bench: store {} ({})", cli.store.name(), store.describe());
     for scenario in scenarios {
         let report = match scenario {
-            Scenario::Steps => scenarios::steps(&store, cli.instances, &cli.concurrency, cli.queue).await?,
+            Scenario::Steps => {
+                scenarios::steps(&store, cli.instances, &cli.concurrency, cli.queue).await?
+            }
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances, cli.queue).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
