@@ -1,8 +1,9 @@
 //! `instance_insert`: one `INSERT … ON CONFLICT (unique_guard) DO NOTHING` for the whole
 //! batch with ids drawn up front, which also reads the occupant of every key that did not
 //! go in. Used by `ScheduleChildren` commits too. A top-level insert is that one statement
-//! run on its own (autocommit), with the store's wake-up sent from inside it: one round
-//! trip and one commit, for a single start as for a batch of ten thousand.
+//! in a transaction of its own, `BEGIN` and `COMMIT` pipelined with it, with the store's
+//! wake-up sent from inside it: one round trip and one commit, for a single start as for a
+//! batch of ten thousand.
 //!
 //! An occupant that committed after the statement's snapshot (a concurrent inserter of
 //! the same key, which the conflict waited for) is not visible to it; those few keys are
@@ -12,6 +13,7 @@
 //! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
 //! global order and cannot deadlock.
 
+use super::{begin, begin_hot, commit_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -29,14 +31,34 @@ pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {
     params.instances.iter().map(|n| (n, None)).collect()
 }
 
-/// One statement in its own transaction: insert, read the occupants, notify.
+/// Largest insert that runs the statement's generic plan. Planning a single start costs
+/// about as much as executing it, so small inserts skip it; a large batch keeps its
+/// custom plan, which knows the arrays' length (with the generic plan, which assumes a
+/// hundred rows, `start_many` of 1 000 went from about 82 000 to 61 000 instances/s).
+const GENERIC_PLAN_MAX_ITEMS: usize = 16;
+
+/// One statement in its own transaction: insert, read the occupants, notify. `BEGIN`
+/// (for a small insert with the statement's generic plan, see [`begin_hot`]), the
+/// statement and `COMMIT` go out together: one round trip and one commit.
 pub(crate) async fn run<C: GenericClient + Sync>(
     c: &C,
     items: &[Item<'_>],
     now: Timestamp,
     channel: &str,
 ) -> OpResult<Vec<InsertOutcome>> {
-    insert(c, items, now, Some(channel)).await
+    // Prepared first, so that the pipeline below sends its three messages in order (a
+    // statement still being prepared would let the COMMIT overtake it).
+    c.prepare_cached(&INSERT_NOTIFY).await?;
+    // A failed statement aborts the transaction, and the COMMIT then rolls it back.
+    let began = async {
+        if items.len() <= GENERIC_PLAN_MAX_ITEMS { begin_hot(c).await } else { begin(c).await }
+    };
+    let (began, inserted, committed) =
+        tokio::join!(began, insert(c, items, now, Some(channel)), commit_tx(c));
+    began?;
+    let inserted = inserted?;
+    committed?;
+    Ok(inserted)
 }
 
 /// The insert statement; with `notify`, it also sends `pg_notify($17, '')` once.
