@@ -75,12 +75,12 @@ fn worker_config(concurrency: usize, notifications: bool) -> WorkerConfig {
     }
 }
 
-/// No-op step throughput at each of `concurrencies` (1, 10, 100, 500 by default). With a queue, every inserted
-/// instance is announced by a hint (as a producer publishing on insert would) and the
-/// worker runs without the store's notifications: hints, then polling, wake it. The
-/// publishing is timed apart from the drain, which starts when the worker does: a slow
-/// queue (the SQS emulator takes seconds per call once thousands of hints wait) would
-/// otherwise turn the steps/s figure into the queue's publish rate.
+/// No-op step throughput at each of `concurrencies` (1, 10, 100, 500 by default). With a
+/// queue, every inserted instance is announced by a hint (as a producer publishing on
+/// insert would) and the worker runs without the store's notifications: hints, then
+/// polling, wake it. The publishing is timed apart from the drain, which starts when the
+/// worker does: a slow queue (the SQS emulator takes seconds per call once thousands of
+/// hints wait) would otherwise turn the steps/s figure into the queue's publish rate.
 pub async fn steps(
     factory: &Factory,
     n: usize,

@@ -133,7 +133,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
     let (b, locked, waiting, pending, urgent, resolved) = tokio::join!(
-        begin_hot(c),
+        begin_hot(c, commits.len()),
         async { c.query(&lock, &[&ids]).await },
         waiting,
         pending,

@@ -13,7 +13,7 @@
 //! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
 //! global order and cannot deadlock.
 
-use super::{begin, begin_hot, commit_tx};
+use super::{begin_hot, commit_tx};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -31,15 +31,9 @@ pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {
     params.instances.iter().map(|n| (n, None)).collect()
 }
 
-/// Largest insert that runs the statement's generic plan. Planning a single start costs
-/// about as much as executing it, so small inserts skip it; a large batch keeps its
-/// custom plan, which knows the arrays' length (with the generic plan, which assumes a
-/// hundred rows, `start_many` of 1 000 went from about 82 000 to 61 000 instances/s).
-const GENERIC_PLAN_MAX_ITEMS: usize = 16;
-
 /// One statement in its own transaction: insert, read the occupants, notify. `BEGIN`
-/// (for a small insert with the statement's generic plan, see [`begin_hot`]), the
-/// statement and `COMMIT` go out together: one round trip and one commit.
+/// (see [`begin_hot`]: a small insert is not planned per call), the statement and
+/// `COMMIT` go out together: one round trip and one commit.
 pub(crate) async fn run<C: GenericClient + Sync>(
     c: &C,
     items: &[Item<'_>],
@@ -50,11 +44,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     // statement still being prepared would let the COMMIT overtake it).
     c.prepare_cached(&INSERT_NOTIFY).await?;
     // A failed statement aborts the transaction, and the COMMIT then rolls it back.
-    let began = async {
-        if items.len() <= GENERIC_PLAN_MAX_ITEMS { begin_hot(c).await } else { begin(c).await }
-    };
     let (began, inserted, committed) =
-        tokio::join!(began, insert(c, items, now, Some(channel)), commit_tx(c));
+        tokio::join!(begin_hot(c, items.len()), insert(c, items, now, Some(channel)), commit_tx(c));
     began?;
     let inserted = inserted?;
     committed?;

@@ -23,7 +23,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<Vec<DeliveryOutcome>> {
     // BEGIN goes out ahead of the plan's first read, in the same round trip.
-    let (began, plan) = tokio::join!(begin_hot(c), plan(c, signals, now));
+    let (began, plan) = tokio::join!(begin_hot(c, signals.len()), plan(c, signals, now));
     began?;
     let plan = plan?;
     finish(c, &plan, Some((channel, false))).await?;

@@ -376,7 +376,7 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     let due = c.prepare_cached(&DUE).await?;
     let limit = p.limit as i64;
     let now_ts = ts(p.now);
-    let (began, picked) = tokio::join!(begin_hot(c), async {
+    let (began, picked) = tokio::join!(begin_hot(c, p.limit), async {
         c.query(&due, &[&now_ts, &p.namespace, &p.machines, &limit]).await
     });
     began?;
