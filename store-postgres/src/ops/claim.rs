@@ -107,7 +107,10 @@ static SQL_IDS_RANKED: LazyLock<String> = LazyLock::new(|| policy_sql(Order::Ran
 
 /// The claim when the claim's queues hold no ready row with a concurrency key (the hot
 /// path of work without keys): the plain picker over the rows without a key, a statement
-/// small enough to plan in microseconds. `$9`–`$11` are typed but unused.
+/// small enough to plan in microseconds. `$9`–`$11` are typed but unused. It claims
+/// nothing when its own snapshot sees a ready keyed row in the claim's queues (one probe
+/// of `instances_fair`, evaluated once), so it can run without asking first: when it
+/// comes back empty, [`KEYED_READY`] tells whether the fair statement should run.
 fn unkeyed_sql(order: Order, global: bool) -> String {
     let limit = if global {
         "least($6, greatest(0, $9::int8 - (SELECT count(*) FROM instances x \
@@ -118,7 +121,10 @@ fn unkeyed_sql(order: Order, global: bool) -> String {
     sql(
         order,
         "AND i.concurrency_key IS NULL AND ($9::int8 IS NULL OR true) \
-         AND ($10::int4 IS NULL OR true) AND ($11::text IS NULL OR true)",
+         AND ($10::int4 IS NULL OR true) AND ($11::text IS NULL OR true) \
+         AND NOT EXISTS (SELECT 1 FROM instances n WHERE n.status = 'runnable' \
+           AND n.concurrency_key IS NOT NULL \
+           AND (cardinality($3::text[]) = 0 OR n.queue = ANY($3::text[])))",
         limit,
         Keys::One,
     )
@@ -647,42 +653,56 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             params.push(&global);
             params.push(&key_limit);
             params.push(&cursor_queue);
-            // One index probe decides between the plain picker (no ready row with a key in
-            // the claim's queues: nothing to be fair between) and the fair statement, whose
-            // planning alone costs milliseconds.
+            // The plain picker first: it claims nothing while a ready row with a key waits
+            // in the claim's queues (nothing to be fair between otherwise). Only when it
+            // claimed nothing does one index probe decide whether the fair statement, whose
+            // planning alone costs milliseconds, runs: the hot path of work without keys
+            // is one statement, and the probe's planning is paid only by empty claims.
+            let limited = global.is_some();
+            let unkeyed: &str = match (policy.strategy, &starving, limited) {
+                (Strategy::Fifo, _, false) => &UNKEYED_FIFO,
+                (Strategy::Fifo, _, true) => &UNKEYED_FIFO_LIMITED,
+                (Strategy::Priority, None, false) => &UNKEYED_PRIORITY,
+                (Strategy::Priority, None, true) => &UNKEYED_PRIORITY_LIMITED,
+                (Strategy::Priority, Some(_), false) => &UNKEYED_RANKED,
+                (Strategy::Priority, Some(_), true) => &UNKEYED_RANKED_LIMITED,
+            };
+            let plain = c.prepare_cached(unkeyed).await?;
+            let mut plain_params = params.clone();
+            if let Some(bound) = &starving {
+                plain_params.push(bound);
+            }
+            let found = c.query(&plain, &plain_params).await?;
+            if !found.is_empty() {
+                return decode(&found);
+            }
             let probe = c.prepare_cached(KEYED_READY).await?;
             let keyed: bool = c.query_one(&probe, &[&p.queues]).await?.get(0);
-            let limited = global.is_some();
-            let sql: &str = if keyed {
-                params.push(&starving);
-                params.push(&key_burst);
-                params.push(&now_ms);
-                match (policy.strategy, starving.is_some(), limited) {
-                    (Strategy::Fifo, _, false) => &FAIR_FIFO,
-                    (Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
-                    (Strategy::Priority, false, false) => &FAIR_PRIORITY,
-                    (Strategy::Priority, false, true) => &FAIR_PRIORITY_LIMITED,
-                    (Strategy::Priority, true, false) => &FAIR_RANKED,
-                    (Strategy::Priority, true, true) => &FAIR_RANKED_LIMITED,
-                }
-            } else {
-                match (policy.strategy, &starving, limited) {
-                    (Strategy::Fifo, _, false) => &UNKEYED_FIFO,
-                    (Strategy::Fifo, _, true) => &UNKEYED_FIFO_LIMITED,
-                    (Strategy::Priority, None, false) => &UNKEYED_PRIORITY,
-                    (Strategy::Priority, None, true) => &UNKEYED_PRIORITY_LIMITED,
-                    (Strategy::Priority, Some(bound), _) => {
-                        params.push(bound);
-                        if limited { &UNKEYED_RANKED_LIMITED } else { &UNKEYED_RANKED }
-                    }
-                }
+            if !keyed {
+                return Ok(Claimed::default());
+            }
+            params.push(&starving);
+            params.push(&key_burst);
+            params.push(&now_ms);
+            let sql: &str = match (policy.strategy, starving.is_some(), limited) {
+                (Strategy::Fifo, _, false) => &FAIR_FIFO,
+                (Strategy::Fifo, _, true) => &FAIR_FIFO_LIMITED,
+                (Strategy::Priority, false, false) => &FAIR_PRIORITY,
+                (Strategy::Priority, false, true) => &FAIR_PRIORITY_LIMITED,
+                (Strategy::Priority, true, false) => &FAIR_RANKED,
+                (Strategy::Priority, true, true) => &FAIR_RANKED_LIMITED,
             };
             c.prepare_cached(sql).await?
         }
     };
     let found = c.query(&stmt, &params).await?;
+    decode(&found)
+}
+
+/// Splits claimed rows into claims and the rows that could not be decoded.
+fn decode(found: &[tokio_postgres::Row]) -> OpResult<Claimed> {
     let mut out = Claimed::default();
-    for r in &found {
+    for r in found {
         let instance = rows::instance(r)?;
         if let Some(damage) = instance.damage() {
             out.undecodable.push((instance, damage));
