@@ -656,11 +656,17 @@ async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     );
 }
 
+/// The fewest leases a queue's finished steps may hold while their group commits land,
+/// whatever the queue's concurrency: at concurrency 1, one step waiting for its commit
+/// would otherwise stop the next claim until that commit's flush returns.
+const HELD_SPARE_MIN: usize = 8;
+
 /// A queue's slots on this worker. `running` bounds the steps running user code at once
 /// (the queue's configured concurrency); `held` bounds the leases held, by running steps
-/// and by finished ones waiting for their group commit (twice the concurrency). A step
-/// gives its running slot back as soon as it finishes, so the next claim overlaps its
-/// commit; it keeps its lease slot until the commit lands.
+/// and by finished ones waiting for their group commit (the concurrency plus as many
+/// again, at least [`HELD_SPARE_MIN`] more). A step gives its running slot back as soon
+/// as it finishes, so the next claim overlaps its commit; it keeps its lease slot until
+/// the commit lands.
 struct QueueSlots {
     name: String,
     concurrency: usize,
@@ -674,7 +680,9 @@ impl QueueSlots {
             name: name.to_owned(),
             concurrency,
             running: Arc::new(Semaphore::new(concurrency)),
-            held: Arc::new(Semaphore::new(concurrency.saturating_mul(2))),
+            held: Arc::new(Semaphore::new(
+                concurrency.saturating_add(concurrency.max(HELD_SPARE_MIN)),
+            )),
         }
     }
 
