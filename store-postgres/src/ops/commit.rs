@@ -11,10 +11,10 @@
 //! the planner's plans are gathered into batched `unnest` writes. The last round trip
 //! writes every row, deletes the consumed signals (the whole inbox of an instance that
 //! ended), appends history, stores dead letters, releases parents' barriers, changes
-//! timers, notifies once and commits. Outbox emits and parent notices, when there are
+//! timers and commits, then sends its wake-ups. Outbox emits and parent notices, when there are
 //! any, run the delivery path before that last round trip.
 
-use super::{admin, begin_hot, end_tx, insert, signal, timer};
+use super::{Notices, admin, begin_hot, end_tx_notices, insert, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, InstanceWrite, ts};
 use deadpool_postgres::GenericClient;
@@ -318,28 +318,19 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         if parents.is_empty() { Ok(0) } else { c.execute(&rel, &[&parents, &now_ts]).await }
     };
     let timer_stmt = c.prepare_cached(timer::CHANGE).await?;
-    let hint_stmt = c.prepare_cached(timer::HINT).await?;
     let timers_empty = timers.is_empty();
     let timer_hint = timers.hint();
     let timer_params = timers.params(now);
-    // The hint is sent with the timer write, ahead of the COMMIT in the pipeline.
     let f_timers = async {
         if timers_empty {
-            return Ok::<u64, tokio_postgres::Error>(0);
+            Ok::<u64, tokio_postgres::Error>(0)
+        } else {
+            c.execute(&timer_stmt, &timer_params).await
         }
-        let (written, hinted) = tokio::join!(
-            c.execute(&timer_stmt, &timer_params),
-            timer::hint_send(c, &hint_stmt, channel, timer_hint.as_deref())
-        );
-        // The timer write went out first; its error explains the hint's.
-        let written = written?;
-        hinted?;
-        Ok(written)
     };
-    // Callers waiting for these instances' results hear of it when the commit lands.
-    let ended_stmt = c.prepare_cached(timer::HINT).await?;
-    let f_ended =
-        async { if ended { timer::ended_send(c, &ended_stmt, channel).await } else { Ok(0) } };
+    // Sent once the commit has landed: sweepers re-plan for the timers armed, and callers
+    // waiting for these instances' results re-read them.
+    let mut notices = Notices { ready, ended, timer: timer_hint };
     let delivered = !emits.is_empty();
     // Children cancelled for a left delegation state go after every other write, so the
     // transaction stays open for them.
@@ -348,11 +339,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         if deferred {
             return Ok(None);
         }
-        end_tx(c, ready.then_some(channel)).await?;
+        end_tx_notices(c, channel, &notices).await?;
         Ok::<_, crate::error::OpError>(Some(()))
     };
-    let (written, hist_done, consumed, letter_rows, released, timed, ended_sent, tail) =
-        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, f_timers, f_ended, tail);
+    let (written, hist_done, consumed, letter_rows, released, timed, tail) =
+        tokio::join!(f_write, f_hist, f_consume, f_letters, f_release, f_timers, tail);
     // In the order the statements went out (see the first round trip).
     written?;
     hist_done?;
@@ -360,7 +351,6 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let letter_rows = letter_rows?;
     released?;
     timed?;
-    ended_sent?;
     tail?;
     let letter_ids: HashMap<i64, i64> = letter_rows
         .iter()
@@ -369,7 +359,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     if leaving.is_empty() && join_releases.is_empty() {
         if delivered {
             let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
-            signal::finish(c, &plan, Some((channel, ready))).await?;
+            signal::finish(c, &plan, Some((channel, notices))).await?;
         }
     } else {
         // Barriers with a join state are counted before the notices arrive, like the
@@ -383,7 +373,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             ready |= plan.woke();
         }
         ready |= cancel_left(c, &leaving, now, channel).await?;
-        end_tx(c, ready.then_some(channel)).await?;
+        notices.ready = ready;
+        end_tx_notices(c, channel, &notices).await?;
     }
     Ok(results
         .into_iter()

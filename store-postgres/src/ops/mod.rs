@@ -200,17 +200,84 @@ pub(crate) async fn notify<C: GenericClient + Sync>(c: &C, channel: &str) -> OpR
     Ok(())
 }
 
-/// Ends the transaction: with a channel, one `pg_notify` and the `COMMIT` pipelined in one
-/// round trip (the notification is delivered when the commit lands).
+/// Ends the transaction: with a channel, commits and then sends the "work is ready"
+/// wake-up (see [`end_tx_notices`]).
 pub(crate) async fn end_tx<C: GenericClient + Sync>(c: &C, channel: Option<&str>) -> OpResult<()> {
-    let Some(channel) = channel else {
-        return commit_tx(c).await;
-    };
-    let stmt = c.prepare_cached("SELECT pg_notify($1, '')").await?;
-    let (n, e) = tokio::join!(async { c.execute(&stmt, &[&channel]).await }, commit_tx(c));
-    n?;
-    e
+    match channel {
+        None => commit_tx(c).await,
+        Some(channel) => end_tx_notices(c, channel, &Notices::ready(true)).await,
+    }
 }
+
+/// The wake-ups a transaction sends once it has committed.
+#[derive(Debug, Default)]
+pub(crate) struct Notices {
+    /// Work may be ready: idle workers claim.
+    pub(crate) ready: bool,
+    /// Instances ended or were suspended: callers waiting for results re-read them.
+    pub(crate) ended: bool,
+    /// Timers were armed, the earliest due then: sweepers re-plan their next pass.
+    pub(crate) timer: Option<String>,
+}
+
+impl Notices {
+    pub(crate) fn ready(ready: bool) -> Self {
+        Notices { ready, ..Notices::default() }
+    }
+
+    fn payloads(&self) -> Vec<&str> {
+        let mut out = Vec::with_capacity(3);
+        if self.ready {
+            out.push("");
+        }
+        if self.ended {
+            out.push(timer::ENDED);
+        }
+        if let Some(hint) = &self.timer {
+            out.push(hint.as_str());
+        }
+        out
+    }
+}
+
+/// Commits, then sends `notices` on `channel` in a short transaction of their own that
+/// does not wait for its WAL flush, pipelined behind the `COMMIT` (one round trip).
+///
+/// Why not `pg_notify` inside the transaction: PostgreSQL serializes every committing
+/// transaction that has notified, holding that lock from before its commit record until
+/// its flush returns, so commits that each end an instance could not share a flush. Sent
+/// after the commit, a notice costs a few microseconds of that lock and no flush wait. A
+/// listener still hears only of committed work, since the notices go out after the
+/// commit returns; a process that dies between the two loses the wake-up, which polling
+/// repairs as it repairs any lost notice. A notice that fails to send after the commit
+/// landed is logged, never reported as the commit's failure (the caller would re-run a
+/// transaction that took effect).
+pub(crate) async fn end_tx_notices<C: GenericClient + Sync>(
+    c: &C,
+    channel: &str,
+    notices: &Notices,
+) -> OpResult<()> {
+    let payloads = notices.payloads();
+    if payloads.is_empty() {
+        return commit_tx(c).await;
+    }
+    let stmt = c.prepare_cached(NOTIFY_EACH).await?;
+    let (committed, opened, sent, closed) = tokio::join!(
+        commit_tx(c),
+        c.batch_execute("BEGIN; SET LOCAL synchronous_commit = off"),
+        async { c.execute(&stmt, &[&channel, &payloads]).await },
+        commit_tx(c)
+    );
+    committed?;
+    if let Err(e) = opened.map_err(OpError::from).and(sent.map_err(OpError::from)).and(closed) {
+        let e = StoreError::from(e);
+        tracing::warn!(error = %e, "wake-up notices after a commit were not sent; polling finds the work");
+    }
+    Ok(())
+}
+
+/// One `pg_notify` per payload (`$2`), on the channel `$1`.
+const NOTIFY_EACH: &str = "SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p";
 
 /// `BEGIN` as a pipelined future.
 pub(crate) async fn begin<C: GenericClient + Sync>(c: &C) -> OpResult<()> {

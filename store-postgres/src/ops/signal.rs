@@ -3,7 +3,7 @@
 //! planned signals and write the woken targets. Because the target row is locked before the inbox is
 //! read or written, a racing `Await` commit either sees the signal or is woken by it.
 
-use super::{begin_hot, end_tx};
+use super::{Notices, begin_hot, end_tx_notices};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -26,7 +26,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let (began, plan) = tokio::join!(begin_hot(c, signals.len()), plan(c, signals, now));
     began?;
     let plan = plan?;
-    finish(c, &plan, Some((channel, false))).await?;
+    finish(c, &plan, Some((channel, Notices::default()))).await?;
     Ok(plan.outcomes)
 }
 
@@ -251,13 +251,13 @@ async fn plan_with<C: GenericClient + Sync>(
     })
 }
 
-/// Writes a planned delivery; with `end = Some((channel, ready))`, also ends the
-/// transaction, notifying when a target woke or `ready` says other work became ready —
-/// all pipelined.
+/// Writes a planned delivery; with `end = Some((channel, notices))`, also ends the
+/// transaction and sends `notices`, with the ready one when a target woke — all
+/// pipelined.
 pub(crate) async fn finish<C: GenericClient + Sync>(
     c: &C,
     d: &Delivery,
-    end: Option<(&str, bool)>,
+    end: Option<(&str, Notices)>,
 ) -> OpResult<()> {
     let insert = c.prepare_cached(INSERT).await?;
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
@@ -282,8 +282,9 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
         c.execute(&write, &w.params()).await
     };
     let tail = async {
-        if let Some((ch, ready)) = end {
-            end_tx(c, (ready || d.woke()).then_some(ch)).await?;
+        if let Some((ch, mut notices)) = end {
+            notices.ready |= d.woke();
+            end_tx_notices(c, ch, &notices).await?;
         }
         Ok::<_, crate::error::OpError>(())
     };

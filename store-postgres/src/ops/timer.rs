@@ -445,8 +445,10 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         noted?;
         Ok::<_, tokio_postgres::Error>(())
     };
-    let (written, finished) =
-        tokio::join!(writes, signal::finish(c, &delivery, Some((channel, woke))));
+    let (written, finished) = tokio::join!(
+        writes,
+        signal::finish(c, &delivery, Some((channel, super::Notices::ready(woke))))
+    );
     written?;
     finished?;
     Ok(report)
