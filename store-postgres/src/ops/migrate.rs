@@ -5,7 +5,7 @@
 //! due time and fire count). A timer hint goes out with the `COMMIT` when timers were
 //! written, so a sweeper asleep until a later time wakes for them.
 
-use super::{begin, end_tx, timer};
+use super::{Notices, begin, end_tx_notices, timer};
 use crate::error::OpResult;
 use crate::rows::{self, HistoryWrite, ts};
 use deadpool_postgres::GenericClient;
@@ -91,6 +91,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         let stmt = c.prepare_cached(TIMERS_DROP).await?;
         c.execute(&stmt, &[&moved_ids]).await?;
     }
+    let mut notices = Notices::default();
     if !put.is_empty() {
         let inst: Vec<i64> = put.iter().map(|t| t.instance.0).collect();
         let ns: Vec<&str> = put.iter().map(|t| t.namespace.as_str()).collect();
@@ -105,12 +106,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         let stmt = c.prepare_cached(TIMERS_PUT).await?;
         c.execute(&stmt, &[&inst, &ns, &machine, &version, &state, &spec, &due, &count, &armed])
             .await?;
-        if let Some(earliest) = put.iter().map(|t| t.next_fire_at).min() {
-            let hint = c.prepare_cached(timer::HINT).await?;
-            let payload = timer::hint_payload(earliest);
-            c.execute(&hint, &[&channel, &payload]).await?;
-        }
+        notices.timer = put.iter().map(|t| t.next_fire_at).min().map(timer::hint_payload);
     }
-    end_tx(c, None).await?;
+    end_tx_notices(c, channel, &notices).await?;
     Ok(MigratePage { items: plan.items, last })
 }

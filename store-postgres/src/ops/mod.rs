@@ -195,8 +195,8 @@ impl PgStore {
 
 /// Sends the store's one wake-up for this transaction.
 pub(crate) async fn notify<C: GenericClient + Sync>(c: &C, channel: &str) -> OpResult<()> {
-    let stmt = c.prepare_cached("SELECT pg_notify($1, '')").await?;
-    c.execute(&stmt, &[&channel]).await?;
+    let stmt = c.prepare_cached(timer::HINT).await?;
+    c.execute(&stmt, &[&channel, &timer::READY]).await?;
     Ok(())
 }
 
@@ -228,7 +228,7 @@ impl Notices {
     fn payloads(&self) -> Vec<&str> {
         let mut out = Vec::with_capacity(3);
         if self.ready {
-            out.push("");
+            out.push(timer::READY);
         }
         if self.ended {
             out.push(timer::ENDED);

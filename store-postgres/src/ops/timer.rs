@@ -136,6 +136,9 @@ pub(crate) enum Notice {
     Ended,
 }
 
+/// The payload of a "work is ready" wake-up.
+pub(crate) const READY: &str = "";
+
 /// The payload a transaction sends when it ended (or suspended) instances: callers waiting
 /// for a result re-read them.
 pub(crate) const ENDED: &str = "ended";
@@ -162,23 +165,9 @@ pub(crate) fn parse_notice(payload: &str) -> Notice {
     }
 }
 
-/// The statement that sends a timer hint; prepare it before the writes are pipelined, so
-/// the hint is queued ahead of the `COMMIT`.
+/// The statement that sends one notice inside the caller's transaction (delivered when
+/// it commits, and never if it rolls back).
 pub(crate) const HINT: &str = "SELECT pg_notify($1, $2)";
-
-/// Sends a timer hint with the prepared [`HINT`] inside the caller's transaction (it is
-/// delivered when the transaction commits, and never if it rolls back).
-pub(crate) async fn hint_send<C: GenericClient + Sync>(
-    c: &C,
-    stmt: &tokio_postgres::Statement,
-    channel: &str,
-    payload: Option<&str>,
-) -> Result<u64, tokio_postgres::Error> {
-    match payload {
-        Some(payload) => c.execute(stmt, &[&channel, &payload]).await,
-        None => Ok(0),
-    }
-}
 
 /// The earliest due time among the timers a sweep with these filters would fire: the
 /// `timers_due` index in due order, stopping at the first match.
@@ -336,17 +325,15 @@ pub(crate) async fn retime<C: GenericClient + Sync>(
         }
     }
     let hist = c.prepare_cached(rows::WRITE_HISTORY).await?;
-    let hint = c.prepare_cached(HINT).await?;
     let earliest = plan.retimed.iter().map(|r| r.next.next_fire_at).min().map(hint_payload);
-    let (recorded, hinted, committed) = tokio::join!(
+    let notices = super::Notices { timer: earliest, ..super::Notices::default() };
+    let (recorded, committed) = tokio::join!(
         async {
             if history.is_empty() { Ok(0) } else { c.execute(&hist, &history.params()).await }
         },
-        hint_send(c, &hint, channel, earliest.as_deref()),
-        super::commit_tx(c)
+        super::end_tx_notices(c, channel, &notices)
     );
     recorded?;
-    hinted?;
     committed?;
     Ok(TimerRetimePage {
         retimed: plan.retimed.iter().map(|r| r.next.id).collect(),
