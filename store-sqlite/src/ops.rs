@@ -33,7 +33,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, Instance, InstanceId, NewSignal, Status, StepCommit, StoreResult, Timestamp,
+    DeadLetterId, Instance, InstanceId, NewSignal, Signal, Status, StepCommit, StoreError,
+    StoreResult, Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
@@ -43,8 +44,11 @@ use std::collections::{HashMap, VecDeque};
 /// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
 pub(crate) const WHOLE_INBOX: usize = i64::MAX as usize;
 
-/// Most candidate rows one claim reads per page while it looks for claimable ones.
-const CLAIM_PAGE_MIN: usize = 64;
+/// Fewest candidate rows one claim reads per page while it looks for claimable ones. A
+/// page is the claim's limit otherwise: every row read is decoded and filtered, so a small
+/// claim (one freed slot) must not pay for dozens of rows it will not take; a claim that
+/// turns rows down reads the next page.
+const CLAIM_PAGE_MIN: usize = 4;
 
 // ----- inserts ---------------------------------------------------------------------------
 
@@ -386,7 +390,7 @@ pub(crate) async fn claim(
             if let Some(letter) = &applied.dead_letter {
                 db.dead_letter_insert(letter, p.now).await?;
             }
-            db.instance_write(&applied.row).await?;
+            db.instance_update(&next, &applied.row).await?;
             continue;
         }
         let children = children.remove(&next.id).unwrap_or_default();
@@ -457,7 +461,7 @@ async fn offer(
     if !planner.take(&next, occupied) {
         return Ok(None);
     }
-    db.instance_write(&next).await?;
+    db.instance_update(row, &next).await?;
     Ok(Some(next))
 }
 
@@ -538,6 +542,61 @@ impl Pick<'_> {
 
 // ----- commits ---------------------------------------------------------------------------
 
+/// What a commit batch reads for all of its items at once: their rows, their inboxes and
+/// which of them have timers (three statements, where reading item by item costs three
+/// per item). An item's read stays valid while the items before it in the batch wrote
+/// only their own rows; the first item that reaches beyond its own row (an emitted
+/// signal, a child started, a parent released, children cancelled) ends the prefetch,
+/// and every later item reads for itself, so each item still sees the effects of the
+/// items before it. The timer set only ever over-approximates (arms are added to it; a
+/// cancelled instance's timers may be gone), so skipping the timer work of an instance
+/// outside it never skips work that has something to do.
+pub(crate) struct CommitPrefetch {
+    reads: HashMap<InstanceId, (Option<Instance>, Vec<Signal>)>,
+    timed: std::collections::HashSet<InstanceId>,
+    valid: bool,
+}
+
+impl CommitPrefetch {
+    /// Reads the rows, inboxes and timer owners of `commits`' instances.
+    pub(crate) async fn read(db: &mut Db<'_>, commits: &[StepCommit]) -> StoreResult<Self> {
+        let ids: Vec<InstanceId> = commits.iter().map(|c| c.id).collect();
+        let mut rows: HashMap<InstanceId, Instance> =
+            db.instances(&ids).await?.into_iter().map(|r| (r.id, r)).collect();
+        let mut inboxes = db.inboxes(&ids, WHOLE_INBOX).await?;
+        let timed = db.timer_owners(&ids).await?;
+        let mut reads = HashMap::with_capacity(ids.len());
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        for id in ids {
+            if seen.insert(id) {
+                reads.insert(id, (rows.remove(&id), inboxes.remove(&id).unwrap_or_default()));
+            } else {
+                // The same instance twice in one batch: the second reads after the first.
+                reads.remove(&id);
+            }
+        }
+        Ok(CommitPrefetch { reads, timed, valid: true })
+    }
+
+    /// No prefetch: every item reads for itself (a single commit outside a batch).
+    pub(crate) fn none() -> Self {
+        CommitPrefetch {
+            reads: HashMap::new(),
+            timed: std::collections::HashSet::new(),
+            valid: false,
+        }
+    }
+
+    fn take(&mut self, id: InstanceId) -> Option<(Option<Instance>, Vec<Signal>)> {
+        if self.valid { self.reads.remove(&id) } else { None }
+    }
+
+    /// Whether `id` may have timers (always, once the prefetch has ended).
+    fn may_have_timers(&self, id: InstanceId) -> bool {
+        !self.valid || self.timed.contains(&id)
+    }
+}
+
 /// Commits one step result inside its own savepoint: a rejection rolls back exactly this
 /// item, and the caller carries on with the next. An `Unavailable` error means the
 /// database itself failed (busy, IO); the caller aborts the whole batch on it, since the
@@ -546,13 +605,14 @@ pub(crate) async fn commit_item(
     db: &mut Db<'_>,
     c: &StepCommit,
     now: Timestamp,
+    pre: &mut CommitPrefetch,
 ) -> StoreResult<CommitReceipt> {
     let file = db.file;
     let mut sp =
         db.conn.begin().await.map_err(|e| crate::error::map(file, "opening a savepoint", &e))?;
     let result = {
         let mut inner = Db { conn: &mut sp, file };
-        commit_one(&mut inner, c, now).await
+        commit_one(&mut inner, c, now, pre).await
     };
     match result {
         Ok(receipt) => {
@@ -571,9 +631,17 @@ pub(crate) async fn commit_item(
 /// Reads what the commit planner needs for one item, lets it decide, inserts the children
 /// it admits and performs the writes of its plan, in the plan's order. A refusal writes
 /// nothing; the savepoint undoes the writes if the database fails half way.
-async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreResult<CommitReceipt> {
-    let row = db.instance(c.id).await?;
-    let whole_inbox = db.inbox(c.id, WHOLE_INBOX).await?;
+async fn commit_one(
+    db: &mut Db<'_>,
+    c: &StepCommit,
+    now: Timestamp,
+    pre: &mut CommitPrefetch,
+) -> StoreResult<CommitReceipt> {
+    let (row, whole_inbox) = match pre.take(c.id) {
+        Some(read) => read,
+        None => (db.instance(c.id).await?, db.inbox(c.id, WHOLE_INBOX).await?),
+    };
+    let before = row.clone();
     let inbox_empty = whole_inbox.is_empty();
     let inbox = InboxRead::of(&whole_inbox, c);
     let mut emit_targets = Vec::with_capacity(c.emit.len());
@@ -594,6 +662,14 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         inserted.push(child_insert(db, child, now).await?);
     }
     let plan = admitted.finish(c, &inserted);
+    if !inserted.is_empty()
+        || !plan.emits.is_empty()
+        || plan.barrier_release.is_some()
+        || !plan.children_cancel.is_none()
+    {
+        // This item reaches beyond its own row: later items read for themselves.
+        pre.valid = false;
+    }
     let row = &plan.row;
     for id in &plan.consume {
         db.signal_remove(row.id, *id).await?;
@@ -611,10 +687,20 @@ async fn commit_one(db: &mut Db<'_>, c: &StepCommit, now: Timestamp) -> StoreRes
         receipt.dead_letter = Some(db.dead_letter_insert(letter, now).await?);
     }
     match &plan.timers {
-        TimerPlan::Change { arm, .. } => timers_change(db, row, &plan.timers, arm).await?,
-        TimerPlan::DropAll => db.timers_drop(row.id).await?,
+        TimerPlan::Change { arm, .. } => {
+            if !arm.is_empty() {
+                pre.timed.insert(row.id);
+            }
+            let cancels = pre.may_have_timers(row.id);
+            timers_change(db, row, &plan.timers, arm, cancels).await?;
+        }
+        TimerPlan::DropAll if pre.may_have_timers(row.id) => db.timers_drop(row.id).await?,
+        TimerPlan::DropAll => {}
     }
-    db.instance_write(row).await?;
+    match &before {
+        Some(before) => db.instance_update(before, row).await?,
+        None => db.instance_write(row).await?,
+    }
     for (signal, target) in &plan.emits {
         deliver_to(db, *target, signal, now).await?;
     }
@@ -694,8 +780,9 @@ async fn timers_change(
     row: &Instance,
     plan: &TimerPlan,
     arm: &[TimerRow],
+    has_timers: bool,
 ) -> StoreResult<()> {
-    if matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
+    if has_timers && matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
         for t in db.timers(row.id, WHOLE_INBOX).await? {
             if plan.cancels(&t.spec.state) {
                 db.timer_remove(t.id).await?;
@@ -729,10 +816,17 @@ async fn deliver(
     now: Timestamp,
 ) -> StoreResult<Vec<DeliveryOutcome>> {
     let mut read = DeliverRead::default();
+    // Every target's row in one statement; a target that does not exist is `NotFound`.
+    let mut wanted: Vec<InstanceId> = targets.iter().flatten().copied().collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    if !wanted.is_empty() {
+        read.rows = db.instances(&wanted).await?.into_iter().map(|r| (r.id, r)).collect();
+    }
     for (s, target) in signals.iter().zip(&targets) {
         let Some(target) = *target else { continue };
-        if let std::collections::hash_map::Entry::Vacant(slot) = read.rows.entry(target) {
-            slot.insert(db.instance_required(target).await?);
+        if !read.rows.contains_key(&target) {
+            return Err(StoreError::not_found(format!("instance {target} does not exist")));
         }
         if let Some(key) = &s.dedup_key
             && !read.dedup.contains_key(&(target, key.clone()))
@@ -742,6 +836,7 @@ async fn deliver(
         }
     }
     read.targets = targets;
+    let before = read.rows.clone();
     let plan = plan::deliver::deliver(read, signals, now);
     let mut ids = Vec::with_capacity(plan.inserts.len());
     for i in &plan.inserts {
@@ -750,7 +845,10 @@ async fn deliver(
         ids.push(db.signal_insert(i.target, &i.name, &i.payload, key, i.priority, at).await?);
     }
     for row in plan.woken.iter().chain(&plan.raised) {
-        db.instance_write(row).await?;
+        match before.get(&row.id) {
+            Some(before) => db.instance_update(before, row).await?,
+            None => db.instance_write(row).await?,
+        }
     }
     Ok(plan.outcomes(&ids))
 }
@@ -893,12 +991,19 @@ pub(crate) async fn timer_sweep(
     .await
     .map_err(db.err("picking due timers"))?;
     let due: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
-    let mut live = std::collections::HashSet::new();
-    for timer in &due {
-        if db.instance(timer.instance).await?.is_some_and(|r| !r.status.is_terminal()) {
-            live.insert(timer.instance);
-        }
-    }
+    let mut owners: Vec<InstanceId> = due.iter().map(|t| t.instance).collect();
+    owners.sort_unstable();
+    owners.dedup();
+    let live: std::collections::HashSet<InstanceId> = if owners.is_empty() {
+        std::collections::HashSet::new()
+    } else {
+        db.instances(&owners)
+            .await?
+            .into_iter()
+            .filter(|r| !r.status.is_terminal())
+            .map(|r| r.id)
+            .collect()
+    };
     let plan = plan::timer::sweep(p, &due, |id| live.contains(&id));
     let delivered = deliver(db, &plan.signals, plan.targets(), p.now).await?;
     for (instance, entry) in &plan.history {
@@ -908,9 +1013,7 @@ pub(crate) async fn timer_sweep(
     for next in &plan.advance {
         db.timer_write(next).await?;
     }
-    for id in &plan.delete {
-        db.timer_remove(*id).await?;
-    }
+    db.timers_remove(&plan.delete).await?;
     for id in &plan.join_deadlines {
         let Some(row) = db.instance(*id).await? else { continue };
         for cancel in parent_write(db, plan::parent::expire(&row, p.now), p.now).await? {
@@ -1101,9 +1204,13 @@ pub(crate) async fn lease_release(
     for id in ids {
         rows.extend(db.instance(id).await?);
     }
+    let before: HashMap<InstanceId, Instance> = rows.iter().map(|r| (r.id, r.clone())).collect();
     let plan = plan::lease::release(p, rows);
     for row in &plan.rows {
-        db.instance_write(row).await?;
+        match before.get(&row.id) {
+            Some(before) => db.instance_update(before, row).await?,
+            None => db.instance_write(row).await?,
+        }
     }
     Ok(plan.held)
 }

@@ -564,6 +564,113 @@ impl Db<'_> {
         Ok(())
     }
 
+    /// Writes the columns of `after` that differ from `before`, the row as this
+    /// transaction read it, and nothing when none does. SQLite rewrites an index entry
+    /// only for the indexes whose columns an `UPDATE` sets, so a claim or a step commit
+    /// that sets the five columns it changed costs about a third of a write of every
+    /// column. A JSON column holding an `undecodable` marker is never written (the
+    /// stored text stays, so nothing stored is lost), and the unique-key guard of a row
+    /// with a unique key is decided again on every write, as [`Db::instance_write`] does.
+    pub async fn instance_update(
+        &mut self,
+        before: &Instance,
+        after: &Instance,
+    ) -> StoreResult<()> {
+        debug_assert_eq!(before.id, after.id);
+        let mut set: Vec<(&'static str, Col)> = Vec::new();
+        let mut put = |name: &'static str, changed: bool, value: &dyn Fn() -> Col| {
+            if changed {
+                set.push((name, value()));
+            }
+        };
+        let (b, a) = (before, after);
+        put("namespace", b.namespace != a.namespace, &|| Col::Text(a.namespace.clone()));
+        put("machine", b.machine.name != a.machine.name, &|| Col::Text(a.machine.name.clone()));
+        put("machine_version", b.machine.version != a.machine.version, &|| {
+            Col::Int(i64::from(a.machine.version))
+        });
+        put("business_key", b.business_key != a.business_key, &|| {
+            Col::OptText(a.business_key.clone())
+        });
+        put("queue", b.queue != a.queue, &|| Col::Text(a.queue.clone()));
+        put("priority", b.priority != a.priority, &|| Col::Int(i64::from(a.priority.level())));
+        put("base_priority", b.base_priority != a.base_priority, &|| {
+            Col::Int(i64::from(a.base_priority.level()))
+        });
+        put("concurrency_key", b.concurrency_key != a.concurrency_key, &|| {
+            Col::OptText(a.concurrency_key.clone())
+        });
+        put("status", b.status != a.status, &|| Col::Text(a.status.name().to_owned()));
+        put("position", b.position != a.position, &|| Col::Text(a.position.clone()));
+        put("context", b.context != a.context && undecodable_error(&a.context).is_none(), &|| {
+            Col::Text(json_text(&a.context))
+        });
+        put(
+            "result",
+            b.result != a.result && a.result.as_ref().and_then(undecodable_error).is_none(),
+            &|| Col::OptText(a.result.as_ref().map(json_text)),
+        );
+        put("awaits", b.awaits != a.awaits, &|| Col::OptText(a.awaits.clone()));
+        put("last_error", b.last_error != a.last_error, &|| Col::OptText(a.last_error.clone()));
+        put("attempt", b.attempt != a.attempt, &|| Col::Int(i64::from(a.attempt)));
+        put("errors", b.errors != a.errors, &|| {
+            Col::Text(serde_json::to_string(&a.errors).unwrap_or_else(|_| "[]".to_owned()))
+        });
+        put("revision", b.revision != a.revision, &|| Col::Int(a.revision.0));
+        put("eligible_at", b.eligible_at != a.eligible_at, &|| Col::Int(a.eligible_at.0));
+        put("lease_owner", b.lease_owner != a.lease_owner, &|| {
+            Col::OptText(a.lease_owner.as_ref().map(|w| w.0.clone()))
+        });
+        put("lease_expires_at", b.lease_expires_at != a.lease_expires_at, &|| {
+            Col::OptInt(a.lease_expires_at.map(|t| t.0))
+        });
+        put("fencing_token", b.fencing_token != a.fencing_token, &|| Col::Int(a.fencing_token.0));
+        put("parent_id", b.parent != a.parent, &|| Col::OptInt(a.parent.map(|p| p.0)));
+        put("children_pending", b.children_pending != a.children_pending, &|| {
+            Col::Int(i64::from(a.children_pending))
+        });
+        put("unique_key", b.unique != a.unique, &|| {
+            Col::Blob(a.unique.as_ref().map(|u| u.key.clone()))
+        });
+        put("unique_scope", b.unique != a.unique, &|| {
+            Col::OptInt(a.unique.as_ref().map(|u| scope_mask(u.scope)))
+        });
+        put("invoked_by", b.invoked_by != a.invoked_by, &|| Col::OptText(a.invoked_by.clone()));
+        put("correlation_id", b.correlation_id != a.correlation_id, &|| {
+            Col::OptText(a.correlation_id.clone())
+        });
+        put("created_at", b.created_at != a.created_at, &|| Col::Int(a.created_at.0));
+        put("updated_at", b.updated_at != a.updated_at, &|| Col::Int(a.updated_at.0));
+        if b.unique.is_some() || a.unique.is_some() {
+            set.push(("unique_guard", Col::Blob(self.guard_for(a).await?)));
+        }
+        if set.is_empty() {
+            return Ok(());
+        }
+        let mut sql = String::from("UPDATE keel_instances SET ");
+        for (i, (name, _)) in set.iter().enumerate() {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            sql.push_str(name);
+            sql.push_str(" = ?");
+        }
+        sql.push_str(" WHERE id = ?");
+        // The statement names only the fixed column names above; every value is bound.
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (_, value) in set {
+            q = match value {
+                Col::Int(v) => q.bind(v),
+                Col::OptInt(v) => q.bind(v),
+                Col::Text(v) => q.bind(v),
+                Col::OptText(v) => q.bind(v),
+                Col::Blob(v) => q.bind(v),
+            };
+        }
+        q.bind(a.id.0).execute(&mut *self.conn).await.map_err(self.err("writing an instance"))?;
+        Ok(())
+    }
+
     /// Appends a history row for `row` (its id and revision) in `attempt`.
     pub async fn record(
         &mut self,
@@ -665,6 +772,39 @@ impl Db<'_> {
             .await
             .map_err(self.err("deleting a timer"))?;
         Ok(())
+    }
+
+    /// Deletes the timers `ids` (one statement; none is a no-op).
+    pub async fn timers_remove(&mut self, ids: &[TimerId]) -> StoreResult<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ids = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
+            .map_err(|e| StoreError::invalid(format!("timer ids: {e}")))?;
+        sqlx::query("DELETE FROM keel_timers WHERE id IN (SELECT value FROM json_each(?))")
+            .bind(ids)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err("deleting timers"))?;
+        Ok(())
+    }
+
+    /// Which of `ids` have at least one timer (one statement).
+    pub async fn timer_owners(
+        &mut self,
+        ids: &[InstanceId],
+    ) -> StoreResult<std::collections::HashSet<InstanceId>> {
+        let ids = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
+            .map_err(|e| StoreError::invalid(format!("ids: {e}")))?;
+        let owners: Vec<i64> = sqlx::query_scalar(
+            "SELECT DISTINCT instance_id FROM keel_timers \
+             WHERE instance_id IN (SELECT value FROM json_each(?))",
+        )
+        .bind(ids)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("reading which instances have timers"))?;
+        Ok(owners.into_iter().map(InstanceId).collect())
     }
 
     /// Deletes every timer of instance `id` (it became terminal).
@@ -803,6 +943,15 @@ impl Db<'_> {
 type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
 
 /// Binds every instance column but `id`, in [`instance_cols`] order.
+/// One column value an [`Db::instance_update`] binds.
+enum Col {
+    Int(i64),
+    OptInt(Option<i64>),
+    Text(String),
+    OptText(Option<String>),
+    Blob(Option<Vec<u8>>),
+}
+
 fn bind_instance<'q>(
     q: SqliteQuery<'q>,
     row: &Instance,

@@ -349,8 +349,13 @@ impl Store for SqliteStore {
         params.validate()?;
         let out = write_tx!(self, |db| async {
             let mut out = Vec::with_capacity(params.commits.len());
+            let mut pre = if params.commits.len() > 1 {
+                ops::CommitPrefetch::read(db, &params.commits).await?
+            } else {
+                ops::CommitPrefetch::none()
+            };
             for c in &params.commits {
-                match ops::commit_item(db, c, params.now).await {
+                match ops::commit_item(db, c, params.now, &mut pre).await {
                     Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
                     item => out.push(item),
                 }
