@@ -196,6 +196,11 @@ macro_rules! write_tx {
     }};
 }
 
+/// Rows the driver may buffer per statement: more than the pages the store reads in
+/// ordinary use (claims and commit batches of at most a thousand rows, sweeps of a
+/// thousand timers by default). A larger page still works; it only waits for the buffer.
+const ROW_BUFFER: usize = 1_024;
+
 impl SqliteStore {
     /// Opens (creating when missing) the database at `path` with default settings.
     pub async fn open(path: impl AsRef<Path>) -> StoreResult<Self> {
@@ -214,7 +219,12 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(config.busy_timeout)
-            .foreign_keys(true);
+            .foreign_keys(true)
+            // The driver hands rows over one message at a time through a bounded buffer; a
+            // claim or sweep page larger than the buffer would park the driver thread,
+            // write lock held, until this task gets a core back to drain it. A buffer
+            // that holds the largest page lets the statement finish in one go.
+            .row_buffer_size(ROW_BUFFER);
         let mut writer = SqliteConnection::connect_with(&options)
             .await
             .map_err(|e| map(&file, "opening", &e))?;
