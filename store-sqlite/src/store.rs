@@ -93,6 +93,7 @@ fn migrator() -> Migrator {
         migration(7, "key rate buckets", include_str!("../migrations/0007_key_rate_buckets.sql")),
         migration(8, "schedule states", include_str!("../migrations/0008_schedule_states.sql")),
         migration(9, "signal priority", include_str!("../migrations/0009_signal_priority.sql")),
+        migration(10, "runnable keys", include_str!("../migrations/0010_runnable_keys.sql")),
     ])
 }
 
