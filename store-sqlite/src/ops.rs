@@ -33,8 +33,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, Instance, InstanceId, NewSignal, Signal, Status, StepCommit, StoreError,
-    StoreResult, Timestamp,
+    DeadLetterId, Instance, InstanceId, NewSignal, Signal, Status, StepCommit, StoreResult,
+    Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
@@ -163,9 +163,7 @@ pub(crate) async fn claim(
         return Ok(Vec::new());
     }
     // A claim of named instances (a queue hint's targets) narrows the candidates to them.
-    let only =
-        serde_json::to_string(&ids.unwrap_or_default().iter().map(|i| i.0).collect::<Vec<_>>())
-            .unwrap_or_else(|_| "[]".to_owned());
+    let only = crate::rows::ids_json(ids.unwrap_or_default().iter().map(|i| i.0));
     let namespaces = serde_json::to_string(&p.namespaces).unwrap_or_default();
     let queues = serde_json::to_string(&p.queues).unwrap_or_default();
     let machines: Vec<(&str, i32)> =
@@ -826,7 +824,8 @@ async fn deliver(
     for (s, target) in signals.iter().zip(&targets) {
         let Some(target) = *target else { continue };
         if !read.rows.contains_key(&target) {
-            return Err(StoreError::not_found(format!("instance {target} does not exist")));
+            // Missing: the one read that says so, in its words.
+            db.instance_required(target).await?;
         }
         if let Some(key) = &s.dedup_key
             && !read.dedup.contains_key(&(target, key.clone()))

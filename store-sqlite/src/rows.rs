@@ -77,6 +77,12 @@ fn scope_of(mask: i64) -> StatusSet {
     StatusSet::of(&statuses)
 }
 
+/// A list of ids as the JSON array a `json_each(?)` parameter reads (integers only, so
+/// serializing cannot fail).
+pub(crate) fn ids_json(ids: impl IntoIterator<Item = i64>) -> String {
+    serde_json::to_string(&ids.into_iter().collect::<Vec<i64>>()).unwrap_or_else(|_| "[]".into())
+}
+
 fn json_text(v: &Value) -> String {
     // Serializing a `Value` cannot fail: its map keys are strings.
     serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
@@ -254,9 +260,7 @@ impl Db<'_> {
 
     /// The rows of `ids` that exist, in id order (one statement; ids as a JSON array).
     pub async fn instances(&mut self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
-        let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
-        let ids =
-            serde_json::to_string(&ids).map_err(|e| StoreError::invalid(format!("ids: {e}")))?;
+        let ids = ids_json(ids.iter().map(|id| id.0));
         let rows = sqlx::query(concat!(
             "SELECT ",
             instance_cols!(),
@@ -365,8 +369,7 @@ impl Db<'_> {
         if ids.is_empty() {
             return Ok(out);
         }
-        let ids_json = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
-            .unwrap_or_else(|_| "[]".to_owned());
+        let ids_json = ids_json(ids.iter().map(|i| i.0));
         let rows = sqlx::query(concat!(
             "SELECT ",
             signal_cols!(),
@@ -393,8 +396,7 @@ impl Db<'_> {
         if ids.is_empty() {
             return Ok(out);
         }
-        let ids_json = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
-            .unwrap_or_else(|_| "[]".to_owned());
+        let ids_json = ids_json(ids.iter().map(|i| i.0));
         let rows = sqlx::query(concat!(
             "SELECT ",
             instance_cols!(),
@@ -779,8 +781,7 @@ impl Db<'_> {
         if ids.is_empty() {
             return Ok(());
         }
-        let ids = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
-            .map_err(|e| StoreError::invalid(format!("timer ids: {e}")))?;
+        let ids = ids_json(ids.iter().map(|i| i.0));
         sqlx::query("DELETE FROM keel_timers WHERE id IN (SELECT value FROM json_each(?))")
             .bind(ids)
             .execute(&mut *self.conn)
@@ -794,8 +795,7 @@ impl Db<'_> {
         &mut self,
         ids: &[InstanceId],
     ) -> StoreResult<std::collections::HashSet<InstanceId>> {
-        let ids = serde_json::to_string(&ids.iter().map(|i| i.0).collect::<Vec<_>>())
-            .map_err(|e| StoreError::invalid(format!("ids: {e}")))?;
+        let ids = ids_json(ids.iter().map(|i| i.0));
         let owners: Vec<i64> = sqlx::query_scalar(
             "SELECT DISTINCT instance_id FROM keel_timers \
              WHERE instance_id IN (SELECT value FROM json_each(?))",
