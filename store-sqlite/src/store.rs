@@ -873,3 +873,43 @@ impl Store for SqliteStore {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::migrator;
+
+    /// Every file under `migrations/` is applied, in the order its number gives, with the SQL
+    /// the file holds: the store lists its migrations by hand, and a file left off the list
+    /// would never reach a user's database.
+    #[test]
+    fn the_migrator_lists_every_migration_file() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let mut files: Vec<(i64, String, String)> = std::fs::read_dir(&dir)
+            .expect("read the migrations directory")
+            .map(|entry| entry.expect("a directory entry").path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "sql"))
+            .map(|path| {
+                let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+                let (number, rest) = name.split_once('_').expect("files are named NNNN_name.sql");
+                let version = number.parse().expect("a file name starts with its version");
+                let sql = std::fs::read_to_string(&path).expect("read a migration file");
+                (version, rest.replace('_', " "), sql)
+            })
+            .collect();
+        files.sort();
+        let listed: Vec<(i64, String, String)> = migrator()
+            .iter()
+            .map(|m| (m.version, m.description.to_string(), m.sql.as_str().to_owned()))
+            .collect();
+        let names = |v: &[(i64, String, String)]| {
+            v.iter().map(|(n, d, _)| format!("{n:04} {d}")).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(&listed),
+            names(&files),
+            "migrator() and the files under {} differ",
+            dir.display()
+        );
+        assert!(listed == files, "a listed migration embeds SQL other than its file's");
+    }
+}
