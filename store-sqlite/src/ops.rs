@@ -11,7 +11,7 @@
 //! returns `Ok`.
 
 use crate::error::corrupt;
-use crate::rows::{Db, dead_letter_cols, instance_cols, timer_cols};
+use crate::rows::{Db, Guard, SignalInsert, Writes, dead_letter_cols, instance_cols, timer_cols};
 use keel_core::inbox;
 use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
@@ -33,8 +33,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, Instance, InstanceId, NewSignal, Signal, Status, StepCommit, StoreResult,
-    Timestamp,
+    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Signal, SignalId, Status, StepCommit,
+    StoreResult, Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
@@ -189,6 +189,8 @@ pub(crate) async fn claim(
         None => 0,
     };
     let mut taken = Vec::new();
+    // The claimed rows' writes, gathered into one query per page of candidates.
+    let mut writes = Writes::default();
     let mut planner = ClaimPlanner::new(p);
     // A rate limit names one queue (checked by `validate`): refill its bucket first.
     let bucket_queue = p.queues.first().cloned().unwrap_or_default();
@@ -317,7 +319,8 @@ pub(crate) async fn claim(
                 break;
             }
             let key_running = running.get(&row.id).copied().unwrap_or(0);
-            if let Some(next) = offer(db, &mut planner, &row, queue_executing, key_running).await? {
+            let offered = offer(db, &mut planner, &row, queue_executing, key_running, &mut writes);
+            if let Some(next) = offered.await? {
                 taken.push(next);
             }
         }
@@ -338,6 +341,7 @@ pub(crate) async fn claim(
         }
     }
     while !fair && !planner.is_full() {
+        db.write(std::mem::take(&mut writes)).await?;
         let candidates = pick.page(db, after, Group::Any, page).await?;
         let exhausted = candidates.len() < page;
         for (row, key_running) in candidates {
@@ -345,7 +349,8 @@ pub(crate) async fn claim(
             if planner.is_full() {
                 break;
             }
-            if let Some(next) = offer(db, &mut planner, &row, queue_executing, key_running).await? {
+            let offered = offer(db, &mut planner, &row, queue_executing, key_running, &mut writes);
+            if let Some(next) = offered.await? {
                 taken.push(next);
             }
         }
@@ -353,6 +358,7 @@ pub(crate) async fn claim(
             break;
         }
     }
+    db.write(writes).await?;
     if let Some(refilled) = refilled {
         let left = planner.spent(refilled);
         sqlx::query(
@@ -442,16 +448,27 @@ async fn key_buckets_write(
     Ok(())
 }
 
-/// Offers one candidate to the claim planner and, when taken, writes it.
+/// Offers one candidate to the claim planner and, when taken, gathers its write into
+/// `writes` (a row with a unique key is written at once, after what was gathered, since
+/// its guard is decided against the rows as they stand).
 async fn offer(
     db: &mut Db<'_>,
     planner: &mut ClaimPlanner<'_>,
     row: &Instance,
     queue_executing: u64,
     key_running: u32,
+    writes: &mut Writes,
 ) -> StoreResult<Option<Instance>> {
     let read = CandidateRead { queue_executing, key_running, ..CandidateRead::default() };
     let Some(next) = planner.offer(row, read) else { return Ok(None) };
+    if row.unique.is_none() && next.unique.is_none() {
+        if !planner.take(&next, false) {
+            return Ok(None);
+        }
+        writes.instance_update(row, &next, Guard::Untouched);
+        return Ok(Some(next));
+    }
+    db.write(std::mem::take(writes)).await?;
     let occupied = match next.unique_guard() {
         Some(guard) => db.occupant(guard, next.id).await?.is_some(),
         None => false,
@@ -595,6 +612,183 @@ impl CommitPrefetch {
     }
 }
 
+/// Commits a batch of step results in the caller's transaction: one receipt per item, in
+/// order. An `Unavailable` error means the database itself failed (busy, IO) and aborts
+/// the whole batch, since the transaction may no longer be usable.
+///
+/// An item whose read was prefetched and whose plan writes only its own rows (no emits,
+/// children, parent, unique key, dead letter, or timer cancels that need reading) is
+/// planned without the database, and its writes are gathered with those of the items
+/// like it into one query, which runs before the next item that needs the database and
+/// at the end. Should that query fail, it is rolled back and its items commit one by one
+/// like any other, so a failure still rejects only its own item.
+pub(crate) async fn commit_batch(
+    db: &mut Db<'_>,
+    commits: &[StepCommit],
+    now: Timestamp,
+) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
+    let mut pre = CommitPrefetch::read(db, commits).await?;
+    let mut out = Vec::with_capacity(commits.len());
+    let mut gathered = Gathered::default();
+    for (i, c) in commits.iter().enumerate() {
+        match plan_own_rows(c, now, &mut pre, &mut gathered.writes) {
+            Some(Ok(receipt)) => {
+                gathered.items.push(i);
+                out.push(Ok(receipt));
+            }
+            Some(Err(refused)) => out.push(Err(refused)),
+            None => {
+                gathered.flush(db, commits, now, &mut out).await?;
+                match commit_item(db, c, now, &mut pre).await {
+                    Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
+                    item => out.push(item),
+                }
+            }
+        }
+    }
+    gathered.flush(db, commits, now, &mut out).await?;
+    Ok(out)
+}
+
+/// Commit items planned but not yet written, and their gathered writes.
+#[derive(Default)]
+struct Gathered {
+    writes: Writes,
+    /// The items' indexes in the batch.
+    items: Vec<usize>,
+}
+
+impl Gathered {
+    /// Runs the gathered writes in a savepoint. If they fail for any reason but an
+    /// unavailable database, rolls them back and commits their items one by one, each
+    /// reading for itself, and puts those receipts in `out`.
+    async fn flush(
+        &mut self,
+        db: &mut Db<'_>,
+        commits: &[StepCommit],
+        now: Timestamp,
+        out: &mut [StoreResult<CommitReceipt>],
+    ) -> StoreResult<()> {
+        let items = std::mem::take(&mut self.items);
+        let writes = std::mem::take(&mut self.writes).in_savepoint("keel_gathered");
+        match db.write(writes).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind == ErrorKind::Unavailable => Err(e),
+            Err(_) => {
+                db.write(Writes::statement("ROLLBACK TO keel_gathered; RELEASE keel_gathered"))
+                    .await?;
+                for i in items {
+                    out[i] = match commit_item(db, &commits[i], now, &mut CommitPrefetch::none())
+                        .await
+                    {
+                        Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
+                        item => item,
+                    };
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Plans `c` from its prefetched read alone, when its plan writes only its own rows, and
+/// gathers its writes into `w`; returns its receipt, or its refusal (which writes
+/// nothing). `None` when the item needs the database: no read was prefetched for it, it
+/// emits signals, it re-enters a concurrency key, it has a unique key, or its plan
+/// reaches further than its own rows.
+fn plan_own_rows(
+    c: &StepCommit,
+    now: Timestamp,
+    pre: &mut CommitPrefetch,
+    w: &mut Writes,
+) -> Option<StoreResult<CommitReceipt>> {
+    if !pre.valid || !c.emit.is_empty() {
+        return None;
+    }
+    let (row, whole_inbox) = pre.reads.get(&c.id)?;
+    let before = row.as_ref()?;
+    let inbox = InboxRead::of(whole_inbox, c);
+    if before.unique.is_some() || commit::reentering_key(before, c, inbox.signal_waiting).is_some()
+    {
+        return None;
+    }
+    let read = CommitRead {
+        row: Some(before.clone()),
+        emit_targets: Vec::new(),
+        inbox,
+        key_occupant: None,
+    };
+    let admitted = match CommitPlanner::new(now).admit(c, read) {
+        Ok(admitted) => admitted,
+        Err(refused) => {
+            pre.reads.remove(&c.id);
+            return Some(Err(refused));
+        }
+    };
+    if !admitted.children.is_empty() {
+        return None;
+    }
+    let plan = admitted.finish(c, &[]);
+    let cancels_timers = matches!(&plan.timers, TimerPlan::Change { cancel, .. } if !cancel.is_empty())
+        && pre.may_have_timers(c.id);
+    if !plan.emits.is_empty()
+        || plan.barrier_release.is_some()
+        || plan.parent_notice.is_some()
+        || !plan.children_cancel.is_none()
+        || plan.dead_letter.is_some()
+        || plan.row.unique.is_some()
+        || cancels_timers
+    {
+        return None;
+    }
+    let (before, whole_inbox) = pre.reads.remove(&c.id)?;
+    let before = before?;
+    own_writes(w, &plan, Some(&before), whole_inbox.is_empty(), now, pre, Guard::Untouched);
+    Some(Ok(plan.receipt))
+}
+
+/// Gathers the writes of a commit plan that touch only the item's own rows: the signals it
+/// consumed, its drained inbox, its history, its timers armed (or all dropped) and its
+/// row's changed columns. `before` is the row as read (without one, the caller writes the
+/// whole row); `guard` as [`Writes::instance_update`] takes it.
+fn own_writes(
+    w: &mut Writes,
+    plan: &commit::CommitPlan,
+    before: Option<&Instance>,
+    inbox_empty: bool,
+    now: Timestamp,
+    pre: &mut CommitPrefetch,
+    guard: Guard,
+) {
+    let row = &plan.row;
+    for id in &plan.consume {
+        w.signal_remove(row.id, *id);
+    }
+    // Nothing in this item adds to its own inbox before here, so an inbox read empty
+    // has nothing to drain.
+    if plan.drain_inbox && !inbox_empty {
+        w.signals_drop(row.id);
+    }
+    for entry in &plan.history {
+        w.record(row, plan.attempt, entry, now);
+    }
+    match &plan.timers {
+        TimerPlan::Change { arm, .. } => {
+            if !arm.is_empty() {
+                pre.timed.insert(row.id);
+            }
+            for t in arm {
+                w.timer_arm(t);
+            }
+        }
+        TimerPlan::DropAll if pre.may_have_timers(row.id) => w.timers_drop(row.id),
+        TimerPlan::DropAll => {}
+    }
+    if let Some(before) = before {
+        w.instance_update(before, row, guard);
+    }
+}
+
 /// Commits one step result inside its own savepoint: a rejection rolls back exactly this
 /// item, and the caller carries on with the next. An `Unavailable` error means the
 /// database itself failed (busy, IO); the caller aborts the whole batch on it, since the
@@ -669,35 +863,31 @@ async fn commit_one(
         pre.valid = false;
     }
     let row = &plan.row;
-    for id in &plan.consume {
-        db.signal_remove(row.id, *id).await?;
-    }
-    // Nothing in this item adds to its own inbox before here, so an inbox read empty
-    // has nothing to drain.
-    if plan.drain_inbox && !inbox_empty {
-        db.signals_drop(row.id).await?;
-    }
-    for entry in &plan.history {
-        db.record(row, plan.attempt, entry, now).await?;
-    }
     let mut receipt = plan.receipt.clone();
     if let Some(letter) = &plan.dead_letter {
         receipt.dead_letter = Some(db.dead_letter_insert(letter, now).await?);
     }
-    match &plan.timers {
-        TimerPlan::Change { arm, .. } => {
-            if !arm.is_empty() {
-                pre.timed.insert(row.id);
+    if let TimerPlan::Change { cancel, .. } = &plan.timers
+        && !cancel.is_empty()
+        && pre.may_have_timers(row.id)
+    {
+        for t in db.timers(row.id, WHOLE_INBOX).await? {
+            if plan.timers.cancels(&t.spec.state) {
+                db.timer_remove(t.id).await?;
             }
-            let cancels = pre.may_have_timers(row.id);
-            timers_change(db, row, &plan.timers, arm, cancels).await?;
         }
-        TimerPlan::DropAll if pre.may_have_timers(row.id) => db.timers_drop(row.id).await?,
-        TimerPlan::DropAll => {}
     }
-    match &before {
-        Some(before) => db.instance_update(before, row).await?,
-        None => db.instance_write(row).await?,
+    let guard = match &before {
+        Some(before) if before.unique.is_some() || row.unique.is_some() => {
+            Guard::Set(db.guard_for(row).await?)
+        }
+        _ => Guard::Untouched,
+    };
+    let mut w = Writes::default();
+    own_writes(&mut w, &plan, before.as_ref(), inbox_empty, now, pre, guard);
+    db.write(w).await?;
+    if before.is_none() {
+        db.instance_write(row).await?;
     }
     for (signal, target) in &plan.emits {
         deliver_to(db, *target, signal, now).await?;
@@ -771,28 +961,6 @@ async fn parent_write(
     Ok(planned.cancel)
 }
 
-/// A commit's timer changes: cancels first (the timers the plan says it cancels), then
-/// arms.
-async fn timers_change(
-    db: &mut Db<'_>,
-    row: &Instance,
-    plan: &TimerPlan,
-    arm: &[TimerRow],
-    has_timers: bool,
-) -> StoreResult<()> {
-    if has_timers && matches!(plan, TimerPlan::Change { cancel, .. } if !cancel.is_empty()) {
-        for t in db.timers(row.id, WHOLE_INBOX).await? {
-            if plan.cancels(&t.spec.state) {
-                db.timer_remove(t.id).await?;
-            }
-        }
-    }
-    for t in arm {
-        db.timer_insert(t).await?;
-    }
-    Ok(())
-}
-
 // ----- signals ---------------------------------------------------------------------------
 
 async fn deliver_to(
@@ -813,6 +981,17 @@ async fn deliver(
     targets: Vec<Option<InstanceId>>,
     now: Timestamp,
 ) -> StoreResult<Vec<DeliveryOutcome>> {
+    Ok(deliver_rows(db, signals, targets, now).await?.0)
+}
+
+/// Delivers `signals` (each to its target, `None` for a target that was not found), and
+/// returns the outcomes with the targets' rows as the delivery left them.
+async fn deliver_rows(
+    db: &mut Db<'_>,
+    signals: &[NewSignal],
+    targets: Vec<Option<InstanceId>>,
+    now: Timestamp,
+) -> StoreResult<(Vec<DeliveryOutcome>, HashMap<InstanceId, Instance>)> {
     let mut read = DeliverRead::default();
     // Every target's row in one statement; a target that does not exist is `NotFound`.
     let mut wanted: Vec<InstanceId> = targets.iter().flatten().copied().collect();
@@ -837,19 +1016,40 @@ async fn deliver(
     read.targets = targets;
     let before = read.rows.clone();
     let plan = plan::deliver::deliver(read, signals, now);
-    let mut ids = Vec::with_capacity(plan.inserts.len());
+    let mut inserts = Writes::default();
     for i in &plan.inserts {
-        let key = i.dedup_key.as_deref();
-        let at = i.inserted_at;
-        ids.push(db.signal_insert(i.target, &i.name, &i.payload, key, i.priority, at).await?);
+        inserts.signal_insert(&SignalInsert {
+            target: i.target,
+            name: &i.name,
+            payload: &i.payload,
+            dedup_key: i.dedup_key.as_deref(),
+            priority: i.priority,
+            at: i.inserted_at,
+        });
     }
+    let ids: Vec<SignalId> = db.write_returning(inserts).await?.into_iter().map(SignalId).collect();
+    // Rows with a unique key are written alone, their guard decided against the rows as
+    // they stand; the others are gathered.
+    let mut rows = before;
+    let mut w = Writes::default();
     for row in plan.woken.iter().chain(&plan.raised) {
-        match before.get(&row.id) {
-            Some(before) => db.instance_update(before, row).await?,
-            None => db.instance_write(row).await?,
+        match rows.get(&row.id) {
+            Some(before) if before.unique.is_none() && row.unique.is_none() => {
+                w.instance_update(before, row, Guard::Untouched);
+            }
+            Some(before) => {
+                db.write(std::mem::take(&mut w)).await?;
+                db.instance_update(before, row).await?;
+            }
+            None => {
+                db.write(std::mem::take(&mut w)).await?;
+                db.instance_write(row).await?;
+            }
         }
+        rows.insert(row.id, row.clone());
     }
-    Ok(plan.outcomes(&ids))
+    db.write(w).await?;
+    Ok((plan.outcomes(&ids), rows))
 }
 
 /// Validates the whole batch first, so an invalid item writes nothing.
@@ -1004,14 +1204,20 @@ pub(crate) async fn timer_sweep(
             .collect()
     };
     let plan = plan::timer::sweep(p, &due, |id| live.contains(&id));
-    let delivered = deliver(db, &plan.signals, plan.targets(), p.now).await?;
+    let (delivered, rows) = deliver_rows(db, &plan.signals, plan.targets(), p.now).await?;
+    let mut w = Writes::default();
     for (instance, entry) in &plan.history {
-        let row = db.instance_required(*instance).await?;
-        db.record(&row, row.attempt, entry, p.now).await?;
+        if let Some(row) = rows.get(instance) {
+            w.record(row, row.attempt, entry, p.now);
+        } else {
+            let row = db.instance_required(*instance).await?;
+            w.record(&row, row.attempt, entry, p.now);
+        }
     }
     for next in &plan.advance {
-        db.timer_write(next).await?;
+        w.timer_advance(next);
     }
+    db.write(w).await?;
     db.timers_remove(&plan.delete).await?;
     for id in &plan.join_deadlines {
         let Some(row) = db.instance(*id).await? else { continue };

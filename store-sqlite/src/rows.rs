@@ -496,7 +496,7 @@ impl Db<'_> {
 
     /// The guard value to store for `row`: its key while in scope, unless another instance
     /// already holds that key (the first occupant keeps it, as in `MemoryStore`).
-    async fn guard_for(&mut self, row: &Instance) -> StoreResult<Option<Vec<u8>>> {
+    pub async fn guard_for(&mut self, row: &Instance) -> StoreResult<Option<Vec<u8>>> {
         let Some(guard) = row.unique_guard() else { return Ok(None) };
         Ok(match self.occupant(guard, row.id).await? {
             Some(_) => None,
@@ -567,109 +567,65 @@ impl Db<'_> {
     }
 
     /// Writes the columns of `after` that differ from `before`, the row as this
-    /// transaction read it, and nothing when none does. SQLite rewrites an index entry
-    /// only for the indexes whose columns an `UPDATE` sets, so a claim or a step commit
-    /// that sets the five columns it changed costs about a third of a write of every
-    /// column. A JSON column holding an `undecodable` marker is never written (the
-    /// stored text stays, so nothing stored is lost), and the unique-key guard of a row
-    /// with a unique key is decided again on every write, as [`Db::instance_write`] does.
+    /// transaction read it, and nothing when none does (see [`Writes::instance_update`]).
+    /// The unique-key guard of a row with a unique key is decided again on every write,
+    /// as [`Db::instance_write`] does.
     pub async fn instance_update(
         &mut self,
         before: &Instance,
         after: &Instance,
     ) -> StoreResult<()> {
-        debug_assert_eq!(before.id, after.id);
-        let mut set: Vec<(&'static str, Col)> = Vec::new();
-        let mut put = |name: &'static str, changed: bool, value: &dyn Fn() -> Col| {
-            if changed {
-                set.push((name, value()));
-            }
+        let guard = if before.unique.is_some() || after.unique.is_some() {
+            Guard::Set(self.guard_for(after).await?)
+        } else {
+            Guard::Untouched
         };
-        let (b, a) = (before, after);
-        put("namespace", b.namespace != a.namespace, &|| Col::Text(a.namespace.clone()));
-        put("machine", b.machine.name != a.machine.name, &|| Col::Text(a.machine.name.clone()));
-        put("machine_version", b.machine.version != a.machine.version, &|| {
-            Col::Int(i64::from(a.machine.version))
-        });
-        put("business_key", b.business_key != a.business_key, &|| {
-            Col::OptText(a.business_key.clone())
-        });
-        put("queue", b.queue != a.queue, &|| Col::Text(a.queue.clone()));
-        put("priority", b.priority != a.priority, &|| Col::Int(i64::from(a.priority.level())));
-        put("base_priority", b.base_priority != a.base_priority, &|| {
-            Col::Int(i64::from(a.base_priority.level()))
-        });
-        put("concurrency_key", b.concurrency_key != a.concurrency_key, &|| {
-            Col::OptText(a.concurrency_key.clone())
-        });
-        put("status", b.status != a.status, &|| Col::Text(a.status.name().to_owned()));
-        put("position", b.position != a.position, &|| Col::Text(a.position.clone()));
-        put("context", b.context != a.context && undecodable_error(&a.context).is_none(), &|| {
-            Col::Text(json_text(&a.context))
-        });
-        put(
-            "result",
-            b.result != a.result && a.result.as_ref().and_then(undecodable_error).is_none(),
-            &|| Col::OptText(a.result.as_ref().map(json_text)),
-        );
-        put("awaits", b.awaits != a.awaits, &|| Col::OptText(a.awaits.clone()));
-        put("last_error", b.last_error != a.last_error, &|| Col::OptText(a.last_error.clone()));
-        put("attempt", b.attempt != a.attempt, &|| Col::Int(i64::from(a.attempt)));
-        put("errors", b.errors != a.errors, &|| {
-            Col::Text(serde_json::to_string(&a.errors).unwrap_or_else(|_| "[]".to_owned()))
-        });
-        put("revision", b.revision != a.revision, &|| Col::Int(a.revision.0));
-        put("eligible_at", b.eligible_at != a.eligible_at, &|| Col::Int(a.eligible_at.0));
-        put("lease_owner", b.lease_owner != a.lease_owner, &|| {
-            Col::OptText(a.lease_owner.as_ref().map(|w| w.0.clone()))
-        });
-        put("lease_expires_at", b.lease_expires_at != a.lease_expires_at, &|| {
-            Col::OptInt(a.lease_expires_at.map(|t| t.0))
-        });
-        put("fencing_token", b.fencing_token != a.fencing_token, &|| Col::Int(a.fencing_token.0));
-        put("parent_id", b.parent != a.parent, &|| Col::OptInt(a.parent.map(|p| p.0)));
-        put("children_pending", b.children_pending != a.children_pending, &|| {
-            Col::Int(i64::from(a.children_pending))
-        });
-        put("unique_key", b.unique != a.unique, &|| {
-            Col::Blob(a.unique.as_ref().map(|u| u.key.clone()))
-        });
-        put("unique_scope", b.unique != a.unique, &|| {
-            Col::OptInt(a.unique.as_ref().map(|u| scope_mask(u.scope)))
-        });
-        put("invoked_by", b.invoked_by != a.invoked_by, &|| Col::OptText(a.invoked_by.clone()));
-        put("correlation_id", b.correlation_id != a.correlation_id, &|| {
-            Col::OptText(a.correlation_id.clone())
-        });
-        put("created_at", b.created_at != a.created_at, &|| Col::Int(a.created_at.0));
-        put("updated_at", b.updated_at != a.updated_at, &|| Col::Int(a.updated_at.0));
-        if b.unique.is_some() || a.unique.is_some() {
-            set.push(("unique_guard", Col::Blob(self.guard_for(a).await?)));
+        let mut w = Writes::default();
+        w.instance_update(before, after, guard);
+        self.write(w).await
+    }
+
+    /// Runs gathered writes whose statements each return one id (inserts with
+    /// `RETURNING id`), and returns the ids in the order the statements were gathered.
+    pub async fn write_returning(&mut self, w: Writes) -> StoreResult<Vec<i64>> {
+        if w.statements == 0 {
+            return Ok(Vec::new());
         }
-        if set.is_empty() {
+        let (statements, during) = (w.statements, w.during);
+        let rows = sqlx::query_with(sqlx::AssertSqlSafe(w.sql), w.args)
+            .persistent(statements == 1)
+            .fetch_all(&mut *self.conn)
+            .await
+            .map_err(self.err(during))?;
+        let ids = rows
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0).map_err(|e| corrupt(self.file, "id", e)))
+            .collect::<StoreResult<Vec<i64>>>()?;
+        if ids.len() != statements {
+            return Err(corrupt(
+                self.file,
+                "ids",
+                format!("{statements} inserts returned {} ids", ids.len()),
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// Runs gathered writes: one statement, or every statement of a batch in one query.
+    pub async fn write(&mut self, w: Writes) -> StoreResult<()> {
+        if w.statements == 0 {
             return Ok(());
         }
-        let mut sql = String::from("UPDATE keel_instances SET ");
-        for (i, (name, _)) in set.iter().enumerate() {
-            if i > 0 {
-                sql.push_str(", ");
-            }
-            sql.push_str(name);
-            sql.push_str(" = ?");
-        }
-        sql.push_str(" WHERE id = ?");
-        // The statement names only the fixed column names above; every value is bound.
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for (_, value) in set {
-            q = match value {
-                Col::Int(v) => q.bind(v),
-                Col::OptInt(v) => q.bind(v),
-                Col::Text(v) => q.bind(v),
-                Col::OptText(v) => q.bind(v),
-                Col::Blob(v) => q.bind(v),
-            };
-        }
-        q.bind(a.id.0).execute(&mut *self.conn).await.map_err(self.err("writing an instance"))?;
+        let during = if w.statements == 1 { w.during } else { "writing a batch of changes" };
+        // A lone statement's text repeats, so the driver keeps it prepared; a batch's text
+        // varies with its length, and is prepared for this run only.
+        let persistent = w.statements == 1;
+        // Every value is bound; the text holds only the fixed statements pushed below.
+        sqlx::query_with(sqlx::AssertSqlSafe(w.sql), w.args)
+            .persistent(persistent)
+            .execute(&mut *self.conn)
+            .await
+            .map_err(self.err(during))?;
         Ok(())
     }
 
@@ -681,20 +637,9 @@ impl Db<'_> {
         entry: &HistoryEntry,
         now: Timestamp,
     ) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO keel_history (instance_id, at, revision, attempt, kind, data) \
-             VALUES (?, ?, ?, ?, ?, ?)",
-        )
-        .bind(row.id.0)
-        .bind(now.0)
-        .bind(row.revision.0)
-        .bind(attempt)
-        .bind(&entry.kind)
-        .bind(json_text(&entry.data))
-        .execute(&mut *self.conn)
-        .await
-        .map_err(self.err("appending history"))?;
-        Ok(())
+        let mut w = Writes::default();
+        w.record(row, attempt, entry, now);
+        self.write(w).await
     }
 
     // ----- timers -----------------------------------------------------------------------
@@ -732,18 +677,6 @@ impl Db<'_> {
         .await
         .map_err(self.err("arming a timer"))?;
         Ok(TimerId(id))
-    }
-
-    /// Writes a timer's schedule after a fire.
-    pub async fn timer_write(&mut self, t: &TimerRow) -> StoreResult<()> {
-        sqlx::query("UPDATE keel_timers SET next_fire_at = ?, fire_count = ? WHERE id = ?")
-            .bind(t.next_fire_at.0)
-            .bind(t.fire_count)
-            .bind(t.id.0)
-            .execute(&mut *self.conn)
-            .await
-            .map_err(self.err("advancing a timer"))?;
-        Ok(())
     }
 
     /// Moves one timer to a deployed duration, unless it changed since it was read (fired,
@@ -809,12 +742,9 @@ impl Db<'_> {
 
     /// Deletes every timer of instance `id` (it became terminal).
     pub async fn timers_drop(&mut self, id: InstanceId) -> StoreResult<()> {
-        sqlx::query("DELETE FROM keel_timers WHERE instance_id = ?")
-            .bind(id.0)
-            .execute(&mut *self.conn)
-            .await
-            .map_err(self.err("deleting timers"))?;
-        Ok(())
+        let mut w = Writes::default();
+        w.timers_drop(id);
+        self.write(w).await
     }
 
     // ----- signals and dead letters -----------------------------------------------------
@@ -831,51 +761,18 @@ impl Db<'_> {
         Ok(id.map(SignalId))
     }
 
-    /// Stores a signal in `target`'s inbox.
-    pub async fn signal_insert(
-        &mut self,
-        target: InstanceId,
-        name: &str,
-        payload: &Value,
-        dedup_key: Option<&str>,
-        priority: Option<Priority>,
-        now: Timestamp,
-    ) -> StoreResult<SignalId> {
-        let id: i64 = sqlx::query_scalar(
-            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at, \
-             priority) VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
-        )
-        .bind(target.0)
-        .bind(name)
-        .bind(json_text(payload))
-        .bind(dedup_key)
-        .bind(now.0)
-        .bind(priority.map(|p| i64::from(p.level())))
-        .fetch_one(&mut *self.conn)
-        .await
-        .map_err(self.err("storing a signal"))?;
-        Ok(SignalId(id))
-    }
-
     /// Deletes signal `id` from the inbox of `target` (a no-op when it is not there).
     pub async fn signal_remove(&mut self, target: InstanceId, id: SignalId) -> StoreResult<()> {
-        sqlx::query("DELETE FROM keel_signals WHERE id = ? AND target_id = ?")
-            .bind(id.0)
-            .bind(target.0)
-            .execute(&mut *self.conn)
-            .await
-            .map_err(self.err("consuming a signal"))?;
-        Ok(())
+        let mut w = Writes::default();
+        w.signal_remove(target, id);
+        self.write(w).await
     }
 
     /// Removes every signal in `target`'s inbox (the instance ended).
     pub async fn signals_drop(&mut self, target: InstanceId) -> StoreResult<()> {
-        sqlx::query("DELETE FROM keel_signals WHERE target_id = ?")
-            .bind(target.0)
-            .execute(&mut *self.conn)
-            .await
-            .map_err(self.err("draining an inbox"))?;
-        Ok(())
+        let mut w = Writes::default();
+        w.signals_drop(target);
+        self.write(w).await
     }
 
     /// Stores a dead letter.
@@ -942,14 +839,273 @@ impl Db<'_> {
 
 type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
 
-/// Binds every instance column but `id`, in [`instance_cols`] order.
-/// One column value an [`Db::instance_update`] binds.
+/// A signal to store, as [`Writes::signal_insert`] takes it.
+pub(crate) struct SignalInsert<'a> {
+    pub target: InstanceId,
+    pub name: &'a str,
+    pub payload: &'a Value,
+    pub dedup_key: Option<&'a str>,
+    pub priority: Option<Priority>,
+    pub at: Timestamp,
+}
+
+/// The unique-key guard an instance update writes.
+pub(crate) enum Guard {
+    /// Neither the row as read nor as written has a unique key: the column stays.
+    Untouched,
+    /// The guard decided for the row as written (`None` while another row holds the key).
+    Set(Option<Vec<u8>>),
+}
+
+/// One value a gathered write binds.
 enum Col {
     Int(i64),
     OptInt(Option<i64>),
     Text(String),
     OptText(Option<String>),
     Blob(Option<Vec<u8>>),
+}
+
+/// Writes whose results nothing reads, gathered into one query. The driver hands every
+/// query to the connection's own thread and waits for its answer, a hand-off that costs
+/// more than SQLite spends on a small write; a batch of statements in one query pays it
+/// once. Each statement's values are bound in the order its text names them.
+#[derive(Default)]
+pub(crate) struct Writes {
+    sql: String,
+    args: sqlx::sqlite::SqliteArguments,
+    statements: usize,
+    during: &'static str,
+}
+
+impl Writes {
+    /// One statement without values.
+    pub fn statement(sql: &str) -> Writes {
+        let mut w = Writes::default();
+        w.push(sql, [], "writing");
+        w
+    }
+
+    fn push(&mut self, sql: &str, values: impl IntoIterator<Item = Col>, during: &'static str) {
+        use sqlx::Arguments as _;
+        if !self.sql.is_empty() {
+            self.sql.push_str(";\n");
+        }
+        self.sql.push_str(sql);
+        self.statements += 1;
+        self.during = during;
+        for value in values {
+            // Encoding integers, text and blobs for SQLite cannot fail.
+            let _ = match value {
+                Col::Int(v) => self.args.add(v),
+                Col::OptInt(v) => self.args.add(v),
+                Col::Text(v) => self.args.add(v),
+                Col::OptText(v) => self.args.add(v),
+                Col::Blob(v) => self.args.add(v),
+            };
+        }
+    }
+
+    /// Wraps what was gathered in a savepoint named `name`, so that a failure half way can
+    /// be rolled back to the state before the first statement.
+    pub fn in_savepoint(self, name: &'static str) -> Writes {
+        if self.statements == 0 {
+            return self;
+        }
+        Writes {
+            sql: format!("SAVEPOINT {name};\n{};\nRELEASE {name}", self.sql),
+            args: self.args,
+            statements: self.statements + 2,
+            during: self.during,
+        }
+    }
+
+    /// Appends a history row for `row` (its id and revision) in `attempt`.
+    pub fn record(&mut self, row: &Instance, attempt: i32, entry: &HistoryEntry, now: Timestamp) {
+        self.push(
+            "INSERT INTO keel_history (instance_id, at, revision, attempt, kind, data) \
+             VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                Col::Int(row.id.0),
+                Col::Int(now.0),
+                Col::Int(row.revision.0),
+                Col::Int(i64::from(attempt)),
+                Col::Text(entry.kind.clone()),
+                Col::Text(json_text(&entry.data)),
+            ],
+            "appending history",
+        );
+    }
+
+    /// Stores a new timer (the database assigns its id, which nothing reads here).
+    pub fn timer_arm(&mut self, t: &TimerRow) {
+        self.push(
+            "INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, spec, \
+             next_fire_at, fire_count, armed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                Col::Int(t.instance.0),
+                Col::Text(t.namespace.clone()),
+                Col::Text(t.machine.name.clone()),
+                Col::Int(i64::from(t.machine.version)),
+                Col::Text(serde_json::to_string(&t.spec).unwrap_or_else(|_| "null".to_owned())),
+                Col::Int(t.next_fire_at.0),
+                Col::Int(i64::from(t.fire_count)),
+                Col::Int(t.armed_at.0),
+            ],
+            "arming a timer",
+        );
+    }
+
+    /// Writes a timer's schedule after a fire.
+    pub fn timer_advance(&mut self, t: &TimerRow) {
+        self.push(
+            "UPDATE keel_timers SET next_fire_at = ?, fire_count = ? WHERE id = ?",
+            [Col::Int(t.next_fire_at.0), Col::Int(i64::from(t.fire_count)), Col::Int(t.id.0)],
+            "advancing a timer",
+        );
+    }
+
+    /// Stores a signal in `target`'s inbox; the statement returns its id (see
+    /// [`Db::write_returning`]).
+    pub fn signal_insert(&mut self, signal: &SignalInsert<'_>) {
+        self.push(
+            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at, \
+             priority) VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
+            [
+                Col::Int(signal.target.0),
+                Col::Text(signal.name.to_owned()),
+                Col::Text(json_text(signal.payload)),
+                Col::OptText(signal.dedup_key.map(str::to_owned)),
+                Col::Int(signal.at.0),
+                Col::OptInt(signal.priority.map(|p| i64::from(p.level()))),
+            ],
+            "storing a signal",
+        );
+    }
+
+    /// Deletes every timer of `id`.
+    pub fn timers_drop(&mut self, id: InstanceId) {
+        self.push(
+            "DELETE FROM keel_timers WHERE instance_id = ?",
+            [Col::Int(id.0)],
+            "deleting timers",
+        );
+    }
+
+    /// Removes signal `id` from `target`'s inbox.
+    pub fn signal_remove(&mut self, target: InstanceId, id: SignalId) {
+        self.push(
+            "DELETE FROM keel_signals WHERE id = ? AND target_id = ?",
+            [Col::Int(id.0), Col::Int(target.0)],
+            "consuming a signal",
+        );
+    }
+
+    /// Removes every signal in `target`'s inbox (the instance ended).
+    pub fn signals_drop(&mut self, target: InstanceId) {
+        self.push(
+            "DELETE FROM keel_signals WHERE target_id = ?",
+            [Col::Int(target.0)],
+            "draining an inbox",
+        );
+    }
+
+    /// Sets the columns of `after` that differ from `before`, the row as this transaction
+    /// read it, and nothing when none does. SQLite rewrites an index entry only for the
+    /// indexes whose columns an `UPDATE` sets, so a claim or a step commit that sets the
+    /// five columns it changed costs about a third of a write of every column. A JSON
+    /// column holding an `undecodable` marker is never written (the stored text stays, so
+    /// nothing stored is lost). `guard` is the unique-key guard decided for `after`
+    /// ([`Db::instance_update`] decides it); it is set when either row has a unique key,
+    /// and untouched otherwise.
+    pub fn instance_update(&mut self, before: &Instance, after: &Instance, guard: Guard) {
+        debug_assert_eq!(before.id, after.id);
+        debug_assert_eq!(
+            matches!(guard, Guard::Set(_)),
+            before.unique.is_some() || after.unique.is_some()
+        );
+        let mut set: Vec<(&'static str, Col)> = Vec::new();
+        let mut put = |name: &'static str, changed: bool, value: &dyn Fn() -> Col| {
+            if changed {
+                set.push((name, value()));
+            }
+        };
+        let (b, a) = (before, after);
+        put("namespace", b.namespace != a.namespace, &|| Col::Text(a.namespace.clone()));
+        put("machine", b.machine.name != a.machine.name, &|| Col::Text(a.machine.name.clone()));
+        put("machine_version", b.machine.version != a.machine.version, &|| {
+            Col::Int(i64::from(a.machine.version))
+        });
+        put("business_key", b.business_key != a.business_key, &|| {
+            Col::OptText(a.business_key.clone())
+        });
+        put("queue", b.queue != a.queue, &|| Col::Text(a.queue.clone()));
+        put("priority", b.priority != a.priority, &|| Col::Int(i64::from(a.priority.level())));
+        put("base_priority", b.base_priority != a.base_priority, &|| {
+            Col::Int(i64::from(a.base_priority.level()))
+        });
+        put("concurrency_key", b.concurrency_key != a.concurrency_key, &|| {
+            Col::OptText(a.concurrency_key.clone())
+        });
+        put("status", b.status != a.status, &|| Col::Text(a.status.name().to_owned()));
+        put("position", b.position != a.position, &|| Col::Text(a.position.clone()));
+        put("context", b.context != a.context && undecodable_error(&a.context).is_none(), &|| {
+            Col::Text(json_text(&a.context))
+        });
+        put(
+            "result",
+            b.result != a.result && a.result.as_ref().and_then(undecodable_error).is_none(),
+            &|| Col::OptText(a.result.as_ref().map(json_text)),
+        );
+        put("awaits", b.awaits != a.awaits, &|| Col::OptText(a.awaits.clone()));
+        put("last_error", b.last_error != a.last_error, &|| Col::OptText(a.last_error.clone()));
+        put("attempt", b.attempt != a.attempt, &|| Col::Int(i64::from(a.attempt)));
+        put("errors", b.errors != a.errors, &|| {
+            Col::Text(serde_json::to_string(&a.errors).unwrap_or_else(|_| "[]".to_owned()))
+        });
+        put("revision", b.revision != a.revision, &|| Col::Int(a.revision.0));
+        put("eligible_at", b.eligible_at != a.eligible_at, &|| Col::Int(a.eligible_at.0));
+        put("lease_owner", b.lease_owner != a.lease_owner, &|| {
+            Col::OptText(a.lease_owner.as_ref().map(|w| w.0.clone()))
+        });
+        put("lease_expires_at", b.lease_expires_at != a.lease_expires_at, &|| {
+            Col::OptInt(a.lease_expires_at.map(|t| t.0))
+        });
+        put("fencing_token", b.fencing_token != a.fencing_token, &|| Col::Int(a.fencing_token.0));
+        put("parent_id", b.parent != a.parent, &|| Col::OptInt(a.parent.map(|p| p.0)));
+        put("children_pending", b.children_pending != a.children_pending, &|| {
+            Col::Int(i64::from(a.children_pending))
+        });
+        put("unique_key", b.unique != a.unique, &|| {
+            Col::Blob(a.unique.as_ref().map(|u| u.key.clone()))
+        });
+        put("unique_scope", b.unique != a.unique, &|| {
+            Col::OptInt(a.unique.as_ref().map(|u| scope_mask(u.scope)))
+        });
+        put("invoked_by", b.invoked_by != a.invoked_by, &|| Col::OptText(a.invoked_by.clone()));
+        put("correlation_id", b.correlation_id != a.correlation_id, &|| {
+            Col::OptText(a.correlation_id.clone())
+        });
+        put("created_at", b.created_at != a.created_at, &|| Col::Int(a.created_at.0));
+        put("updated_at", b.updated_at != a.updated_at, &|| Col::Int(a.updated_at.0));
+        if let Guard::Set(guard) = guard {
+            set.push(("unique_guard", Col::Blob(guard)));
+        }
+        if set.is_empty() {
+            return;
+        }
+        let mut sql = String::from("UPDATE keel_instances SET ");
+        for (i, (name, _)) in set.iter().enumerate() {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            sql.push_str(name);
+            sql.push_str(" = ?");
+        }
+        sql.push_str(" WHERE id = ?");
+        let values = set.into_iter().map(|(_, v)| v).chain([Col::Int(a.id.0)]);
+        self.push(&sql, values, "writing an instance");
+    }
 }
 
 fn bind_instance<'q>(

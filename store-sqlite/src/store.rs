@@ -22,9 +22,7 @@ use keel_core::ports::store::{
     TimerStatus, TimerSweepParams, TimerSweepReport, WorkerBeatParams, WorkerRecord,
 };
 use keel_core::timers::{TimerHint, TimerHints};
-use keel_core::{
-    DeadLetterId, ErrorKind, InstanceId, SignalTarget, Status, StoreResult, Timestamp,
-};
+use keel_core::{DeadLetterId, InstanceId, SignalTarget, Status, StoreResult, Timestamp};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
@@ -358,21 +356,7 @@ impl Store for SqliteStore {
         params: CommitParams,
     ) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
         params.validate()?;
-        let out = write_tx!(self, |db| async {
-            let mut out = Vec::with_capacity(params.commits.len());
-            let mut pre = if params.commits.len() > 1 {
-                ops::CommitPrefetch::read(db, &params.commits).await?
-            } else {
-                ops::CommitPrefetch::none()
-            };
-            for c in &params.commits {
-                match ops::commit_item(db, c, params.now, &mut pre).await {
-                    Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
-                    item => out.push(item),
-                }
-            }
-            StoreResult::Ok(out)
-        })?;
+        let out = write_tx!(self, |db| ops::commit_batch(db, &params.commits, params.now))?;
         if out.iter().any(Result::is_ok) {
             self.wake();
         }

@@ -264,3 +264,64 @@ async fn a_file_from_the_first_schema_migrates_forward() {
     assert_eq!(detail.instance.status, Status::Runnable);
     assert_eq!(detail.inbox[0].name, "EXPIRED");
 }
+
+/// Commits of plain steps are written together in one query; when one item's write fails
+/// there, only that item is rejected and the others still commit, as if each had been
+/// written alone. A trigger makes the database refuse the history row of one instance.
+#[tokio::test]
+async fn a_write_that_fails_in_a_commit_batch_rejects_only_its_own_item() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("batch.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    let ids = [
+        insert(&store, new_order(), at(0)).await,
+        insert(&store, new_order(), at(1)).await,
+        insert(&store, new_order(), at(2)).await,
+    ];
+    let claims = store.instance_claim(claim_params(at(10))).await.expect("claim");
+    assert_eq!(claims.len(), 3);
+    let mut conn =
+        SqliteConnection::connect(&format!("sqlite://{}", path.display())).await.expect("connect");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TRIGGER refuse_one BEFORE INSERT ON keel_history WHEN NEW.instance_id = {} \
+         BEGIN SELECT RAISE(ABORT, 'refused by the test'); END",
+        ids[1].0
+    )))
+    .execute(&mut conn)
+    .await
+    .expect("create trigger");
+    conn.close().await.expect("close");
+
+    let commits = ids
+        .iter()
+        .map(|id| {
+            let claim = claims.iter().find(|c| c.instance.id == *id).expect("claimed");
+            StepCommit::new(
+                *id,
+                claim.token(),
+                Outcome::Done { result: json!({ "id": id.0 }), step: None },
+            )
+        })
+        .collect();
+    let receipts =
+        store.step_commit(CommitParams { commits, now: at(20) }).await.expect("the batch commits");
+    assert_eq!(receipts.len(), 3);
+    assert_eq!(receipts[0].as_ref().expect("first accepted").status, Status::Done);
+    let refused = receipts[1].as_ref().expect_err("the refused write rejects its item");
+    assert_eq!(refused.kind, ErrorKind::Conflict);
+    assert!(refused.message.contains("refused by the test"), "{}", refused.message);
+    assert_eq!(receipts[2].as_ref().expect("third accepted").status, Status::Done);
+
+    for (id, status) in [(ids[0], Status::Done), (ids[1], Status::Executing)] {
+        let detail = store.instance_get(id).await.expect("get");
+        assert_eq!(detail.instance.status, status, "instance {id:?}");
+    }
+    let third = store.instance_get(ids[2]).await.expect("get");
+    assert_eq!(third.instance.status, Status::Done);
+    assert_eq!(third.instance.result, Some(json!({ "id": ids[2].0 })));
+    assert_eq!(
+        third.history.iter().map(|h| h.entry.kind.as_str()).collect::<Vec<_>>(),
+        ["STEP_DONE"]
+    );
+    assert!(store.instance_get(ids[1]).await.expect("get").history.is_empty());
+}
