@@ -1000,19 +1000,19 @@ async fn deliver_rows(
     if !wanted.is_empty() {
         read.rows = db.instances(&wanted).await?.into_iter().map(|r| (r.id, r)).collect();
     }
+    let mut keyed: Vec<(InstanceId, &str)> = Vec::new();
     for (s, target) in signals.iter().zip(&targets) {
         let Some(target) = *target else { continue };
         if !read.rows.contains_key(&target) {
             // Missing: the one read that says so, in its words.
             db.instance_required(target).await?;
         }
-        if let Some(key) = &s.dedup_key
-            && !read.dedup.contains_key(&(target, key.clone()))
-            && let Some(id) = db.dedup(target, key).await?
-        {
-            read.dedup.insert((target, key.clone()), id);
+        if let Some(key) = &s.dedup_key {
+            keyed.push((target, key));
         }
     }
+    // Every dedup key of the batch in one statement.
+    read.dedup = db.dedups(&keyed).await?;
     read.targets = targets;
     let before = read.rows.clone();
     let plan = plan::deliver::deliver(read, signals, now);

@@ -749,16 +749,28 @@ impl Db<'_> {
 
     // ----- signals and dead letters -----------------------------------------------------
 
-    /// The signal of `target` with dedup key `key`, if any.
-    pub async fn dedup(&mut self, target: InstanceId, key: &str) -> StoreResult<Option<SignalId>> {
-        let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM keel_signals WHERE target_id = ? AND dedup_key = ?")
-                .bind(target.0)
-                .bind(key)
-                .fetch_optional(&mut *self.conn)
-                .await
-                .map_err(self.err("checking a dedup key"))?;
-        Ok(id.map(SignalId))
+    /// The signals already stored under the given (target, dedup key) pairs, in one
+    /// statement.
+    pub async fn dedups(
+        &mut self,
+        pairs: &[(InstanceId, &str)],
+    ) -> StoreResult<HashMap<(InstanceId, String), SignalId>> {
+        if pairs.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let pairs: Vec<(i64, &str)> = pairs.iter().map(|(id, key)| (id.0, *key)).collect();
+        // Pairs of integers and strings serialize without fail.
+        let pairs = serde_json::to_string(&pairs).unwrap_or_else(|_| "[]".into());
+        let rows: Vec<(i64, String, i64)> = sqlx::query_as(
+            "SELECT s.target_id, s.dedup_key, s.id FROM json_each(?) j \
+             CROSS JOIN keel_signals s \
+             ON s.target_id = j.value ->> 0 AND s.dedup_key = j.value ->> 1",
+        )
+        .bind(pairs)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("checking dedup keys"))?;
+        Ok(rows.into_iter().map(|(t, k, id)| ((InstanceId(t), k), SignalId(id))).collect())
     }
 
     /// Deletes signal `id` from the inbox of `target` (a no-op when it is not there).
