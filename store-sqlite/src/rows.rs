@@ -20,6 +20,7 @@ use serde_json::Value;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 /// The instance columns, in the order [`Db::instance_bind`] binds them (after `id`).
 macro_rules! instance_cols {
@@ -588,12 +589,13 @@ impl Db<'_> {
     /// Runs gathered writes whose statements each return one id (inserts with
     /// `RETURNING id`), and returns the ids in the order the statements were gathered.
     pub async fn write_returning(&mut self, w: Writes) -> StoreResult<Vec<i64>> {
-        if w.statements == 0 {
+        debug_assert!(w.groups.is_empty(), "only statements of their own return ids");
+        if w.count() == 0 {
             return Ok(Vec::new());
         }
-        let (statements, during) = (w.statements, w.during);
-        let rows = sqlx::query_with(sqlx::AssertSqlSafe(w.sql), w.args)
-            .persistent(statements == 1)
+        let (sql, args, statements, repeats, during) = w.finish();
+        let rows = sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
+            .persistent(repeats)
             .fetch_all(&mut *self.conn)
             .await
             .map_err(self.err(during))?;
@@ -611,18 +613,15 @@ impl Db<'_> {
         Ok(ids)
     }
 
-    /// Runs gathered writes: one statement, or every statement of a batch in one query.
+    /// Runs gathered writes in one query.
     pub async fn write(&mut self, w: Writes) -> StoreResult<()> {
-        if w.statements == 0 {
+        if w.count() == 0 {
             return Ok(());
         }
-        let during = if w.statements == 1 { w.during } else { "writing a batch of changes" };
-        // A lone statement's text repeats, so the driver keeps it prepared; a batch's text
-        // varies with its length, and is prepared for this run only.
-        let persistent = w.statements == 1;
-        // Every value is bound; the text holds only the fixed statements pushed below.
-        sqlx::query_with(sqlx::AssertSqlSafe(w.sql), w.args)
-            .persistent(persistent)
+        let (sql, args, _, repeats, during) = w.finish();
+        // Every value is bound; the text holds only the fixed statements pushed above.
+        sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
+            .persistent(repeats)
             .execute(&mut *self.conn)
             .await
             .map_err(self.err(during))?;
@@ -878,16 +877,42 @@ enum Col {
     Blob(Option<Vec<u8>>),
 }
 
+impl Col {
+    /// The value in a JSON row, which `->>` reads back as the same integer, text or
+    /// NULL. Blobs are never gathered into JSON rows.
+    fn json(self) -> Value {
+        match self {
+            Col::Int(v) => Value::from(v),
+            Col::OptInt(v) => v.map_or(Value::Null, Value::from),
+            Col::Text(v) => Value::String(v),
+            Col::OptText(v) => v.map_or(Value::Null, Value::String),
+            Col::Blob(_) => Value::Null,
+        }
+    }
+}
+
 /// Writes whose results nothing reads, gathered into one query. The driver hands every
 /// query to the connection's own thread and waits for its answer, a hand-off that costs
 /// more than SQLite spends on a small write; a batch of statements in one query pays it
-/// once. Each statement's values are bound in the order its text names them.
+/// once. Rows of the same kind (history, consumed signals, timers, row updates that set
+/// the same columns) go into one statement that reads them from a JSON array with
+/// `json_each`, so its text is the same whatever the batch's size and the driver keeps
+/// it prepared: preparing an `UPDATE` of the instance table costs more than running it.
+/// What a JSON array cannot carry (blobs, a row updated twice, inserts whose ids are
+/// returned) is a statement of its own, bound in the order its text names its values,
+/// and runs after the gathered rows.
 #[derive(Default)]
 pub(crate) struct Writes {
+    /// Statements of their own, and their values.
     sql: String,
-    args: sqlx::sqlite::SqliteArguments,
+    args: Vec<Col>,
     statements: usize,
     during: &'static str,
+    /// Gathered rows: each statement's text, its rows and what it does.
+    groups: Vec<(String, Vec<Value>, &'static str)>,
+    /// Rows an update group holds, so a second update of one row runs after the first.
+    updated: std::collections::HashSet<i64>,
+    savepoint: Option<&'static str>,
 }
 
 impl Writes {
@@ -899,80 +924,126 @@ impl Writes {
     }
 
     fn push(&mut self, sql: &str, values: impl IntoIterator<Item = Col>, during: &'static str) {
-        use sqlx::Arguments as _;
         if !self.sql.is_empty() {
             self.sql.push_str(";\n");
         }
         self.sql.push_str(sql);
         self.statements += 1;
         self.during = during;
-        for value in values {
+        self.args.extend(values);
+    }
+
+    /// Adds `row` to the gathered statement `sql`, which reads its rows from `json_each(?)`.
+    fn gather(&mut self, sql: &str, row: Value, during: &'static str) {
+        match self.groups.iter_mut().find(|(text, _, _)| text == sql) {
+            Some((_, rows, _)) => rows.push(row),
+            None => self.groups.push((sql.to_owned(), vec![row], during)),
+        }
+    }
+
+    /// How many statements the query runs.
+    fn count(&self) -> usize {
+        self.statements + self.groups.len()
+    }
+
+    /// The query's text, its values, how many statements it runs, whether its text repeats
+    /// from batch to batch (so the driver may keep it prepared), and what it does.
+    fn finish(self) -> (String, sqlx::sqlite::SqliteArguments, usize, bool, &'static str) {
+        use sqlx::Arguments as _;
+        let count = self.count();
+        let during = match (count, self.groups.first()) {
+            (1, Some((_, _, during))) => during,
+            (1, None) => self.during,
+            _ => "writing a batch of changes",
+        };
+        let repeats = self.statements <= 1;
+        let mut sql = String::new();
+        let mut args = sqlx::sqlite::SqliteArguments::default();
+        if let Some(name) = self.savepoint {
+            let _ = writeln!(sql, "SAVEPOINT {name};");
+        }
+        for (i, (text, rows, _)) in self.groups.into_iter().enumerate() {
+            if i > 0 {
+                sql.push_str(";\n");
+            }
+            sql.push_str(&text);
+            // An array of JSON values serializes without fail.
+            let _ = args.add(serde_json::to_string(&rows).unwrap_or_else(|_| "[]".into()));
+        }
+        if !self.sql.is_empty() {
+            if count > self.statements {
+                sql.push_str(";\n");
+            }
+            sql.push_str(&self.sql);
+        }
+        for value in self.args {
             // Encoding integers, text and blobs for SQLite cannot fail.
             let _ = match value {
-                Col::Int(v) => self.args.add(v),
-                Col::OptInt(v) => self.args.add(v),
-                Col::Text(v) => self.args.add(v),
-                Col::OptText(v) => self.args.add(v),
-                Col::Blob(v) => self.args.add(v),
+                Col::Int(v) => args.add(v),
+                Col::OptInt(v) => args.add(v),
+                Col::Text(v) => args.add(v),
+                Col::OptText(v) => args.add(v),
+                Col::Blob(v) => args.add(v),
             };
         }
+        if let Some(name) = self.savepoint {
+            let _ = write!(sql, ";\nRELEASE {name}");
+        }
+        (sql, args, count, repeats, during)
     }
 
     /// Wraps what was gathered in a savepoint named `name`, so that a failure half way can
     /// be rolled back to the state before the first statement.
-    pub fn in_savepoint(self, name: &'static str) -> Writes {
-        if self.statements == 0 {
-            return self;
-        }
-        Writes {
-            sql: format!("SAVEPOINT {name};\n{};\nRELEASE {name}", self.sql),
-            args: self.args,
-            statements: self.statements + 2,
-            during: self.during,
-        }
+    pub fn in_savepoint(mut self, name: &'static str) -> Writes {
+        self.savepoint = Some(name);
+        self
     }
 
     /// Appends a history row for `row` (its id and revision) in `attempt`.
     pub fn record(&mut self, row: &Instance, attempt: i32, entry: &HistoryEntry, now: Timestamp) {
-        self.push(
+        self.gather(
             "INSERT INTO keel_history (instance_id, at, revision, attempt, kind, data) \
-             VALUES (?, ?, ?, ?, ?, ?)",
-            [
-                Col::Int(row.id.0),
-                Col::Int(now.0),
-                Col::Int(row.revision.0),
-                Col::Int(i64::from(attempt)),
-                Col::Text(entry.kind.clone()),
-                Col::Text(json_text(&entry.data)),
-            ],
+             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
+               value ->> 5 FROM json_each(?)",
+            serde_json::json!([
+                row.id.0,
+                now.0,
+                row.revision.0,
+                attempt,
+                entry.kind,
+                json_text(&entry.data)
+            ]),
             "appending history",
         );
     }
 
     /// Stores a new timer (the database assigns its id, which nothing reads here).
     pub fn timer_arm(&mut self, t: &TimerRow) {
-        self.push(
+        self.gather(
             "INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, spec, \
-             next_fire_at, fire_count, armed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                Col::Int(t.instance.0),
-                Col::Text(t.namespace.clone()),
-                Col::Text(t.machine.name.clone()),
-                Col::Int(i64::from(t.machine.version)),
-                Col::Text(serde_json::to_string(&t.spec).unwrap_or_else(|_| "null".to_owned())),
-                Col::Int(t.next_fire_at.0),
-                Col::Int(i64::from(t.fire_count)),
-                Col::Int(t.armed_at.0),
-            ],
+             next_fire_at, fire_count, armed_at) SELECT value ->> 0, value ->> 1, \
+               value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, value ->> 7 \
+             FROM json_each(?)",
+            serde_json::json!([
+                t.instance.0,
+                t.namespace,
+                t.machine.name,
+                t.machine.version,
+                serde_json::to_string(&t.spec).unwrap_or_else(|_| "null".to_owned()),
+                t.next_fire_at.0,
+                t.fire_count,
+                t.armed_at.0
+            ]),
             "arming a timer",
         );
     }
 
     /// Writes a timer's schedule after a fire.
     pub fn timer_advance(&mut self, t: &TimerRow) {
-        self.push(
-            "UPDATE keel_timers SET next_fire_at = ?, fire_count = ? WHERE id = ?",
-            [Col::Int(t.next_fire_at.0), Col::Int(i64::from(t.fire_count)), Col::Int(t.id.0)],
+        self.gather(
+            "UPDATE keel_timers SET next_fire_at = j.value ->> 1, fire_count = j.value ->> 2 \
+             FROM json_each(?) AS j WHERE keel_timers.id = j.value ->> 0",
+            serde_json::json!([t.id.0, t.next_fire_at.0, t.fire_count]),
             "advancing a timer",
         );
     }
@@ -997,27 +1068,28 @@ impl Writes {
 
     /// Deletes every timer of `id`.
     pub fn timers_drop(&mut self, id: InstanceId) {
-        self.push(
-            "DELETE FROM keel_timers WHERE instance_id = ?",
-            [Col::Int(id.0)],
+        self.gather(
+            "DELETE FROM keel_timers WHERE instance_id IN (SELECT value FROM json_each(?))",
+            Value::from(id.0),
             "deleting timers",
         );
     }
 
     /// Removes signal `id` from `target`'s inbox.
     pub fn signal_remove(&mut self, target: InstanceId, id: SignalId) {
-        self.push(
-            "DELETE FROM keel_signals WHERE id = ? AND target_id = ?",
-            [Col::Int(id.0), Col::Int(target.0)],
+        self.gather(
+            "DELETE FROM keel_signals WHERE (id, target_id) IN \
+               (SELECT value ->> 0, value ->> 1 FROM json_each(?))",
+            serde_json::json!([id.0, target.0]),
             "consuming a signal",
         );
     }
 
     /// Removes every signal in `target`'s inbox (the instance ended).
     pub fn signals_drop(&mut self, target: InstanceId) {
-        self.push(
-            "DELETE FROM keel_signals WHERE target_id = ?",
-            [Col::Int(target.0)],
+        self.gather(
+            "DELETE FROM keel_signals WHERE target_id IN (SELECT value FROM json_each(?))",
+            Value::from(target.0),
             "draining an inbox",
         );
     }
@@ -1100,10 +1172,26 @@ impl Writes {
         });
         put("created_at", b.created_at != a.created_at, &|| Col::Int(a.created_at.0));
         put("updated_at", b.updated_at != a.updated_at, &|| Col::Int(a.updated_at.0));
+        let gatherable = matches!(guard, Guard::Untouched) && !self.updated.contains(&a.id.0);
         if let Guard::Set(guard) = guard {
             set.push(("unique_guard", Col::Blob(guard)));
         }
         if set.is_empty() {
+            return;
+        }
+        if gatherable && set.iter().all(|(_, v)| !matches!(v, Col::Blob(_))) {
+            let mut sql = String::from("UPDATE keel_instances SET ");
+            for (i, (name, _)) in set.iter().enumerate() {
+                if i > 0 {
+                    sql.push_str(", ");
+                }
+                let _ = write!(sql, "{name} = j.value ->> {}", i + 1);
+            }
+            sql.push_str(" FROM json_each(?) AS j WHERE keel_instances.id = j.value ->> 0");
+            let mut row = vec![Value::from(a.id.0)];
+            row.extend(set.into_iter().map(|(_, v)| v.json()));
+            self.updated.insert(a.id.0);
+            self.gather(&sql, Value::Array(row), "writing an instance");
             return;
         }
         let mut sql = String::from("UPDATE keel_instances SET ");
