@@ -70,33 +70,78 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
     Ok(plan.outcomes(&ids))
 }
 
-/// The claim page statement ranked by `$rank` (a column expression, `priority` for the
-/// index order): candidates past the keyset `(rank, eligible_at, id) > (?, ?, ?)` that pass
-/// the filters, pauses and the executing-concurrency-key rule, in claim order.
-macro_rules! claim_sql {
-    ($rank:literal) => {
+/// The filters every claim page applies to table alias `$t`: the named ids (`$only`), the
+/// claim's namespaces, queues and machines, pauses, the executing-concurrency-key rule and
+/// the group.
+macro_rules! claim_filters {
+    ($only:literal, $t:literal) => {
         concat!(
-            "SELECT * FROM (SELECT ",
-            instance_cols!(),
-            ", ",
-            $rank,
-            " AS claim_rank, CASE WHEN concurrency_key IS NULL THEN 0 ELSE \
-               (SELECT count(*) FROM keel_instances e WHERE e.status = 'executing' \
-                  AND e.concurrency_key = i.concurrency_key) END AS key_running \
-             FROM keel_instances i WHERE status = 'runnable') c \
-             WHERE (claim_rank, eligible_at, id) > (?, ?, ?) AND eligible_at <= ? \
-               AND (? = '[]' OR id IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
+            " AND ",
+            $only,
+            " AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
-                     WHERE json_extract(m.value, '$[0]') = c.machine \
-                       AND json_extract(m.value, '$[1]') = c.machine_version)) \
-               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = c.namespace \
-                     AND q.queue = c.queue AND q.paused <> 0) \
+                     WHERE json_extract(m.value, '$[0]') = ",
+            $t,
+            ".machine AND json_extract(m.value, '$[1]') = ",
+            $t,
+            ".machine_version)) \
+               AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = ",
+            $t,
+            ".namespace AND q.queue = ",
+            $t,
+            ".queue AND q.paused <> 0) \
                AND (concurrency_key IS NULL OR ? > 1 OR NOT EXISTS (SELECT 1 FROM keel_instances e \
-                     WHERE e.status = 'executing' AND e.concurrency_key = c.concurrency_key)) \
-               AND (? = 0 OR concurrency_key IS ?) \
-             ORDER BY claim_rank, eligible_at, id LIMIT ?"
+                     WHERE e.status = 'executing' AND e.concurrency_key = ",
+            $t,
+            ".concurrency_key)) \
+               AND (? = 0 OR concurrency_key IS ?)"
+        )
+    };
+}
+
+/// The columns of a claim candidate: the row and its key's executing rows.
+macro_rules! claim_cols {
+    () => {
+        concat!(
+            instance_cols!(),
+            ", CASE WHEN concurrency_key IS NULL THEN 0 ELSE \
+               (SELECT count(*) FROM keel_instances e WHERE e.status = 'executing' \
+                  AND e.concurrency_key = i.concurrency_key) END AS key_running"
+        )
+    };
+}
+
+/// The claim page statement in the plain priority order, which the claim index serves:
+/// candidates past the keyset `(priority, eligible_at, id) > (?, ?, ?)` that pass the
+/// filters, in claim order.
+macro_rules! claim_sql {
+    ($only:literal) => {
+        concat!(
+            "SELECT ",
+            claim_cols!(),
+            " FROM keel_instances i WHERE status = 'runnable' \
+               AND (priority, eligible_at, id) > (?, ?, ?) AND eligible_at <= ?",
+            claim_filters!($only, "i"),
+            " ORDER BY priority, eligible_at, id LIMIT ?"
+        )
+    };
+}
+
+/// The claim page statement for one rank of a ranked order (`$level`: the rows of the
+/// rank), in `(eligible_at, id)` order past `(?, ?)`: every rank is a range of an index
+/// that keeps that order, so a page reads only the rows it returns, however many are
+/// ready.
+macro_rules! claim_level_sql {
+    ($level:literal, $only:literal) => {
+        concat!(
+            "SELECT ",
+            claim_cols!(),
+            " FROM keel_instances i WHERE status = 'runnable' AND ",
+            $level,
+            " AND (eligible_at, id) > (?, ?) AND eligible_at <= ?",
+            claim_filters!($only, "i"),
+            " ORDER BY eligible_at, id LIMIT ?"
         )
     };
 }
@@ -512,21 +557,78 @@ impl Pick<'_> {
         page: usize,
     ) -> StoreResult<Vec<(Instance, u32)>> {
         let p = self.p;
-        // The plain priority order walks the claim index; any other policy ranks rows in
-        // the statement (`?` flag: fifo; `?` bound: starving at or before).
-        let query = if p.policy.is_plain_priority() {
-            sqlx::query(claim_sql!("priority")).bind(after.0)
+        if p.policy.is_plain_priority() {
+            return self.level(db, Level::Plain(after.0), (after.1, after.2), group, page).await;
+        }
+        // A ranked order (fifo, or priority with a starvation bound) is read rank by rank,
+        // each in `(eligible_at, id)` order, until the page is full: ranking rows in the
+        // statement would sort every ready row for every page.
+        let levels: Vec<(i16, Level)> = match (p.policy.strategy, self.starving) {
+            (keel_core::config::Strategy::Fifo, _) => {
+                vec![(claim::FIFO_RANK, Level::AtOrBefore(i64::MAX))]
+            }
+            (keel_core::config::Strategy::Priority, starving) => {
+                let bound = starving.map(|t| t.0);
+                let mut levels: Vec<(i16, Level)> = Vec::with_capacity(6);
+                if let Some(bound) = bound {
+                    levels.push((claim::STARVING_RANK, Level::AtOrBefore(bound)));
+                }
+                for priority in keel_core::Priority::ALL {
+                    let rank = priority.level();
+                    levels.push((rank, Level::Priority(rank, bound.unwrap_or(i64::MIN))));
+                }
+                levels
+            }
+        };
+        let mut out = Vec::new();
+        for (rank, level) in levels {
+            let rank = i64::from(rank);
+            if out.len() >= page || rank < after.0 {
+                continue;
+            }
+            let from = if rank == after.0 { (after.1, after.2) } else { (i64::MIN, i64::MIN) };
+            out.extend(self.level(db, level, from, group, page - out.len()).await?);
+        }
+        Ok(out)
+    }
+
+    /// Up to `page` candidates of one rank past `(eligible_at, id) > from` (with the
+    /// priority in front for the plain order), in claim order.
+    async fn level(
+        &self,
+        db: &mut Db<'_>,
+        level: Level,
+        from: (i64, i64),
+        group: Group<'_>,
+        page: usize,
+    ) -> StoreResult<Vec<(Instance, u32)>> {
+        let p = self.p;
+        // A claim of named instances looks them up by id (a plain conjunct the planner
+        // can use); any other claim walks an index in claim order, where an `OR` that
+        // names the ids would have it test every ready row against the list.
+        macro_rules! statement {
+            ($only:literal) => {
+                match level {
+                    Level::Plain(priority) => sqlx::query(claim_sql!($only)).bind(priority),
+                    Level::AtOrBefore(bound) => {
+                        sqlx::query(claim_level_sql!("eligible_at <= ?", $only)).bind(bound)
+                    }
+                    Level::Priority(priority, after) => {
+                        sqlx::query(claim_level_sql!("priority = ? AND eligible_at > ?", $only))
+                            .bind(i64::from(priority))
+                            .bind(after)
+                    }
+                }
+            };
+        }
+        let query = if self.only == "[]" {
+            statement!("(? = '[]' OR id IN (SELECT value FROM json_each(?)))")
         } else {
-            sqlx::query(claim_sql!(
-                "CASE WHEN ? THEN 0 WHEN eligible_at <= ? THEN -1 ELSE priority END"
-            ))
-            .bind(p.policy.strategy == keel_core::config::Strategy::Fifo)
-            .bind(self.starving.map_or(i64::MIN, |t| t.0))
-            .bind(after.0)
+            statement!("? IS NOT NULL AND id IN (SELECT value FROM json_each(?))")
         };
         let rows = query
-            .bind(after.1)
-            .bind(after.2)
+            .bind(from.0)
+            .bind(from.1)
             .bind(p.now.0)
             .bind(self.only)
             .bind(self.only)
@@ -553,6 +655,17 @@ impl Pick<'_> {
             })
             .collect()
     }
+}
+
+/// Which rows of the claim order one claim page statement reads.
+#[derive(Clone, Copy)]
+enum Level {
+    /// The plain priority order, past this priority (with `(eligible_at, id)`).
+    Plain(i64),
+    /// Rows eligible at or before this time (starving rows, or every row under fifo).
+    AtOrBefore(i64),
+    /// Rows of this priority eligible after this time (not starving).
+    Priority(i16, i64),
 }
 
 // ----- commits ---------------------------------------------------------------------------

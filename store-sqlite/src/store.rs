@@ -92,6 +92,7 @@ fn migrator() -> Migrator {
         migration(8, "schedule states", include_str!("../migrations/0008_schedule_states.sql")),
         migration(9, "signal priority", include_str!("../migrations/0009_signal_priority.sql")),
         migration(10, "runnable keys", include_str!("../migrations/0010_runnable_keys.sql")),
+        migration(11, "runnable age", include_str!("../migrations/0011_runnable_age.sql")),
     ])
 }
 
