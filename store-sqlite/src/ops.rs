@@ -33,7 +33,7 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Signal, SignalId, Status, StepCommit,
+    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Signal, Status, StepCommit,
     StoreResult, Timestamp,
 };
 use sqlx::Connection;
@@ -1094,24 +1094,28 @@ async fn deliver(
     targets: Vec<Option<InstanceId>>,
     now: Timestamp,
 ) -> StoreResult<Vec<DeliveryOutcome>> {
-    Ok(deliver_rows(db, signals, targets, now).await?.0)
+    Ok(deliver_rows(db, signals, targets, now, HashMap::new()).await?.0)
 }
 
 /// Delivers `signals` (each to its target, `None` for a target that was not found), and
-/// returns the outcomes with the targets' rows as the delivery left them.
+/// returns the outcomes with the targets' rows as the delivery left them. `known` holds
+/// rows this transaction has already read and not changed since.
 async fn deliver_rows(
     db: &mut Db<'_>,
     signals: &[NewSignal],
     targets: Vec<Option<InstanceId>>,
     now: Timestamp,
+    known: HashMap<InstanceId, Instance>,
 ) -> StoreResult<(Vec<DeliveryOutcome>, HashMap<InstanceId, Instance>)> {
-    let mut read = DeliverRead::default();
-    // Every target's row in one statement; a target that does not exist is `NotFound`.
-    let mut wanted: Vec<InstanceId> = targets.iter().flatten().copied().collect();
+    let mut read = DeliverRead { rows: known, ..DeliverRead::default() };
+    // Every other target's row in one statement; a target that does not exist is
+    // `NotFound`.
+    let mut wanted: Vec<InstanceId> =
+        targets.iter().flatten().copied().filter(|id| !read.rows.contains_key(id)).collect();
     wanted.sort_unstable();
     wanted.dedup();
     if !wanted.is_empty() {
-        read.rows = db.instances(&wanted).await?.into_iter().map(|r| (r.id, r)).collect();
+        read.rows.extend(db.instances(&wanted).await?.into_iter().map(|r| (r.id, r)));
     }
     let mut keyed: Vec<(InstanceId, &str)> = Vec::new();
     for (s, target) in signals.iter().zip(&targets) {
@@ -1129,18 +1133,19 @@ async fn deliver_rows(
     read.targets = targets;
     let before = read.rows.clone();
     let plan = plan::deliver::deliver(read, signals, now);
-    let mut inserts = Writes::default();
-    for i in &plan.inserts {
-        inserts.signal_insert(&SignalInsert {
+    let inserts: Vec<SignalInsert<'_>> = plan
+        .inserts
+        .iter()
+        .map(|i| SignalInsert {
             target: i.target,
             name: &i.name,
             payload: &i.payload,
             dedup_key: i.dedup_key.as_deref(),
             priority: i.priority,
             at: i.inserted_at,
-        });
-    }
-    let ids: Vec<SignalId> = db.write_returning(inserts).await?.into_iter().map(SignalId).collect();
+        })
+        .collect();
+    let ids = db.signals_insert(&inserts).await?;
     // Rows with a unique key are written alone, their guard decided against the rows as
     // they stand; the others are gathered.
     let mut rows = before;
@@ -1306,18 +1311,14 @@ pub(crate) async fn timer_sweep(
     let mut owners: Vec<InstanceId> = due.iter().map(|t| t.instance).collect();
     owners.sort_unstable();
     owners.dedup();
-    let live: std::collections::HashSet<InstanceId> = if owners.is_empty() {
-        std::collections::HashSet::new()
+    let owned: HashMap<InstanceId, Instance> = if owners.is_empty() {
+        HashMap::new()
     } else {
-        db.instances(&owners)
-            .await?
-            .into_iter()
-            .filter(|r| !r.status.is_terminal())
-            .map(|r| r.id)
-            .collect()
+        db.instances(&owners).await?.into_iter().map(|r| (r.id, r)).collect()
     };
-    let plan = plan::timer::sweep(p, &due, |id| live.contains(&id));
-    let (delivered, rows) = deliver_rows(db, &plan.signals, plan.targets(), p.now).await?;
+    let live = |id: InstanceId| owned.get(&id).is_some_and(|r| !r.status.is_terminal());
+    let plan = plan::timer::sweep(p, &due, live);
+    let (delivered, rows) = deliver_rows(db, &plan.signals, plan.targets(), p.now, owned).await?;
     let mut w = Writes::default();
     for (instance, entry) in &plan.history {
         if let Some(row) = rows.get(instance) {

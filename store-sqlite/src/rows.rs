@@ -586,31 +586,49 @@ impl Db<'_> {
         self.write(w).await
     }
 
-    /// Runs gathered writes whose statements each return one id (inserts with
-    /// `RETURNING id`), and returns the ids in the order the statements were gathered.
-    pub async fn write_returning(&mut self, w: Writes) -> StoreResult<Vec<i64>> {
-        debug_assert!(w.groups.is_empty(), "only statements of their own return ids");
-        if w.count() == 0 {
+    /// Stores `signals` in one statement and returns their ids, in the order given. The
+    /// statement inserts the rows in array order under the write lock, and ids only grow
+    /// (`AUTOINCREMENT`), so the ids sorted ascending are the rows' ids in that order.
+    pub async fn signals_insert(
+        &mut self,
+        signals: &[SignalInsert<'_>],
+    ) -> StoreResult<Vec<SignalId>> {
+        if signals.is_empty() {
             return Ok(Vec::new());
         }
-        let (sql, args, statements, repeats, during) = w.finish();
-        let rows = sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
-            .persistent(repeats)
-            .fetch_all(&mut *self.conn)
-            .await
-            .map_err(self.err(during))?;
-        let ids = rows
+        let rows: Vec<Value> = signals
             .iter()
-            .map(|r| r.try_get::<i64, _>(0).map_err(|e| corrupt(self.file, "id", e)))
-            .collect::<StoreResult<Vec<i64>>>()?;
-        if ids.len() != statements {
+            .map(|s| {
+                serde_json::json!([
+                    s.target.0,
+                    s.name,
+                    json_text(s.payload),
+                    s.dedup_key,
+                    s.at.0,
+                    s.priority.map(|p| i64::from(p.level()))
+                ])
+            })
+            .collect();
+        // An array of JSON values serializes without fail.
+        let rows = serde_json::to_string(&rows).unwrap_or_else(|_| "[]".into());
+        let mut ids: Vec<i64> = sqlx::query_scalar(
+            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at, \
+             priority) SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
+               value ->> 5 FROM json_each(?) RETURNING id",
+        )
+        .bind(rows)
+        .fetch_all(&mut *self.conn)
+        .await
+        .map_err(self.err("storing signals"))?;
+        if ids.len() != signals.len() {
             return Err(corrupt(
                 self.file,
-                "ids",
-                format!("{statements} inserts returned {} ids", ids.len()),
+                "signal ids",
+                format!("{} signals stored, {} ids returned", signals.len(), ids.len()),
             ));
         }
-        Ok(ids)
+        ids.sort_unstable();
+        Ok(ids.into_iter().map(SignalId).collect())
     }
 
     /// Runs gathered writes in one query.
@@ -850,7 +868,7 @@ impl Db<'_> {
 
 type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
 
-/// A signal to store, as [`Writes::signal_insert`] takes it.
+/// A signal to store, as [`Db::signals_insert`] takes it.
 pub(crate) struct SignalInsert<'a> {
     pub target: InstanceId,
     pub name: &'a str,
@@ -1045,24 +1063,6 @@ impl Writes {
              FROM json_each(?) AS j WHERE keel_timers.id = j.value ->> 0",
             serde_json::json!([t.id.0, t.next_fire_at.0, t.fire_count]),
             "advancing a timer",
-        );
-    }
-
-    /// Stores a signal in `target`'s inbox; the statement returns its id (see
-    /// [`Db::write_returning`]).
-    pub fn signal_insert(&mut self, signal: &SignalInsert<'_>) {
-        self.push(
-            "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at, \
-             priority) VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
-            [
-                Col::Int(signal.target.0),
-                Col::Text(signal.name.to_owned()),
-                Col::Text(json_text(signal.payload)),
-                Col::OptText(signal.dedup_key.map(str::to_owned)),
-                Col::Int(signal.at.0),
-                Col::OptInt(signal.priority.map(|p| i64::from(p.level()))),
-            ],
-            "storing a signal",
         );
     }
 

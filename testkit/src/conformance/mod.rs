@@ -102,6 +102,7 @@ macro_rules! __store_contract_list {
             await_any_signal_wakes_on_any_name,
             consume_only_seen_signals,
             signal_dedup_across_calls_and_within_batch,
+            signal_ids_in_a_batch_name_the_signals_stored,
             signal_to_missing_target_reported,
             signal_to_terminal_target_reported_not_stored,
             terminal_commit_drains_inbox_into_one_history_entry,

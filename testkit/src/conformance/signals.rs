@@ -250,3 +250,32 @@ pub async fn claim_inbox_bounded_in_arrival_order<S: Store>(s: &S) {
     let want: Vec<String> = (limits::CLAIM_INBOX_MAX..total).map(|i| format!("e{i}")).collect();
     assert_eq!(rest, want);
 }
+
+/// Every `Delivered` outcome of a batch names the signal it stored: the id of the signal
+/// with that name, in that target's inbox, whatever the batch mixes (targets in turn, a
+/// duplicate in between).
+pub async fn signal_ids_in_a_batch_name_the_signals_stored<S: Store>(s: &S) {
+    let ns = "signal_ids";
+    let a = insert_one(s, new_in(ns), at(0)).await;
+    let b = insert_one(s, new_in(ns), at(0)).await;
+    let signals = vec![
+        NewSignal::new(a, "one"),
+        NewSignal::new(b, "two").dedup_key("k"),
+        NewSignal::new(a, "three"),
+        NewSignal::new(b, "four").dedup_key("k"),
+        NewSignal::new(b, "five"),
+        NewSignal::new(a, "six"),
+    ];
+    let names: Vec<String> = signals.iter().map(|s| s.name.clone()).collect();
+    let out = deliver(s, signals, at(1)).await;
+    assert_eq!(out.len(), names.len());
+    let mut delivered = 0;
+    for (outcome, name) in out.iter().zip(&names) {
+        let DeliveryOutcome::Delivered { id, target, .. } = *outcome else { continue };
+        delivered += 1;
+        let inbox = get(s, target).await.inbox;
+        let stored = inbox.iter().find(|sig| sig.id == id).expect("the id is in the inbox");
+        assert_eq!(&stored.name, name, "outcome {outcome:?}");
+    }
+    assert_eq!(delivered, 5, "one duplicate: {out:?}");
+}
