@@ -216,7 +216,6 @@ pub(crate) async fn claim(
     let machines = serde_json::to_string(&machines).unwrap_or_default();
     let page = p.limit.max(CLAIM_PAGE_MIN);
     let mut after: (i64, i64, i64) = (i64::MIN, i64::MIN, i64::MIN);
-    let starving = p.policy.starving_at_or_before(p.now);
     // A global limit names one queue (checked by `validate`); the claim runs in the
     // store's one write transaction, so this count cannot change under it.
     let queue_executing = match p.policy.global_limit {
@@ -268,14 +267,8 @@ pub(crate) async fn claim(
         }
         _ => None,
     };
-    let pick = Pick {
-        p,
-        starving,
-        only: &only,
-        namespaces: &namespaces,
-        queues: &queues,
-        machines: &machines,
-    };
+    let pick =
+        Pick { p, only: &only, namespaces: &namespaces, queues: &queues, machines: &machines };
     if fair {
         // Fair order: the rows without a key (a page, in claim order) and, per key with
         // room, its first rows, over the first keys in rotation order with such rows (as
@@ -539,7 +532,6 @@ enum Group<'k> {
 /// The claim's filters, bound into the candidate page statement.
 struct Pick<'a> {
     p: &'a ClaimParams,
-    starving: Option<Timestamp>,
     only: &'a str,
     namespaces: &'a str,
     queues: &'a str,
@@ -560,34 +552,17 @@ impl Pick<'_> {
         if p.policy.is_plain_priority() {
             return self.level(db, Level::Plain(after.0), (after.1, after.2), group, page).await;
         }
-        // A ranked order (fifo, or priority with a starvation bound) is read rank by rank,
+        // A ranked order (fifo, or priority with a starvation bound) is read band by band,
         // each in `(eligible_at, id)` order, until the page is full: ranking rows in the
         // statement would sort every ready row for every page.
-        let levels: Vec<(i16, Level)> = match (p.policy.strategy, self.starving) {
-            (keel_core::config::Strategy::Fifo, _) => {
-                vec![(claim::FIFO_RANK, Level::AtOrBefore(i64::MAX))]
-            }
-            (keel_core::config::Strategy::Priority, starving) => {
-                let bound = starving.map(|t| t.0);
-                let mut levels: Vec<(i16, Level)> = Vec::with_capacity(6);
-                if let Some(bound) = bound {
-                    levels.push((claim::STARVING_RANK, Level::AtOrBefore(bound)));
-                }
-                for priority in keel_core::Priority::ALL {
-                    let rank = priority.level();
-                    levels.push((rank, Level::Priority(rank, bound.unwrap_or(i64::MIN))));
-                }
-                levels
-            }
-        };
         let mut out = Vec::new();
-        for (rank, level) in levels {
-            let rank = i64::from(rank);
+        for band in p.policy.rank_bands(p.now) {
+            let rank = i64::from(band.rank);
             if out.len() >= page || rank < after.0 {
                 continue;
             }
             let from = if rank == after.0 { (after.1, after.2) } else { (i64::MIN, i64::MIN) };
-            out.extend(self.level(db, level, from, group, page - out.len()).await?);
+            out.extend(self.level(db, Level::Band(band), from, group, page - out.len()).await?);
         }
         Ok(out)
     }
@@ -610,14 +585,21 @@ impl Pick<'_> {
             ($only:literal) => {
                 match level {
                     Level::Plain(priority) => sqlx::query(claim_sql!($only)).bind(priority),
-                    Level::AtOrBefore(bound) => {
-                        sqlx::query(claim_level_sql!("eligible_at <= ?", $only)).bind(bound)
+                    // A band of one priority names it as an equality, so the claim index
+                    // serves it; a band of every priority walks the age index.
+                    Level::Band(band) => match band.priority {
+                        Some(priority) => sqlx::query(claim_level_sql!(
+                            "priority = ? AND eligible_at <= ? AND eligible_at > ?",
+                            $only
+                        ))
+                        .bind(i64::from(priority.level())),
+                        None => sqlx::query(claim_level_sql!(
+                            "eligible_at <= ? AND eligible_at > ?",
+                            $only
+                        )),
                     }
-                    Level::Priority(priority, after) => {
-                        sqlx::query(claim_level_sql!("priority = ? AND eligible_at > ?", $only))
-                            .bind(i64::from(priority))
-                            .bind(after)
-                    }
+                    .bind(band.at_or_before.map_or(i64::MAX, |t| t.0))
+                    .bind(band.after.map_or(i64::MIN, |t| t.0)),
                 }
             };
         }
@@ -662,10 +644,8 @@ impl Pick<'_> {
 enum Level {
     /// The plain priority order, past this priority (with `(eligible_at, id)`).
     Plain(i64),
-    /// Rows eligible at or before this time (starving rows, or every row under fifo).
-    AtOrBefore(i64),
-    /// Rows of this priority eligible after this time (not starving).
-    Priority(i16, i64),
+    /// One band of a ranked order.
+    Band(claim::RankBand),
 }
 
 // ----- commits ---------------------------------------------------------------------------
@@ -752,15 +732,26 @@ pub(crate) async fn commit_batch(
             Some(Err(refused)) => out.push(Err(refused)),
             None => {
                 gathered.flush(db, commits, now, &mut out).await?;
-                match commit_item(db, c, now, &mut pre).await {
-                    Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
-                    item => out.push(item),
-                }
+                out.push(commit_or_abort(db, c, now, &mut pre).await?);
             }
         }
     }
     gathered.flush(db, commits, now, &mut out).await?;
     Ok(out)
+}
+
+/// Commits one item in its own savepoint: its receipt or its rejection, or an
+/// `Unavailable` error that aborts the whole batch.
+async fn commit_or_abort(
+    db: &mut Db<'_>,
+    c: &StepCommit,
+    now: Timestamp,
+    pre: &mut CommitPrefetch,
+) -> StoreResult<StoreResult<CommitReceipt>> {
+    match commit_item(db, c, now, pre).await {
+        Err(e) if e.kind == ErrorKind::Unavailable => Err(e),
+        item => Ok(item),
+    }
 }
 
 /// Commit items planned but not yet written, and their gathered writes.
@@ -791,12 +782,8 @@ impl Gathered {
                 db.write(Writes::statement("ROLLBACK TO keel_gathered; RELEASE keel_gathered"))
                     .await?;
                 for i in items {
-                    out[i] = match commit_item(db, &commits[i], now, &mut CommitPrefetch::none())
-                        .await
-                    {
-                        Err(e) if e.kind == ErrorKind::Unavailable => return Err(e),
-                        item => item,
-                    };
+                    let alone = &mut CommitPrefetch::none();
+                    out[i] = commit_or_abort(db, &commits[i], now, alone).await?;
                 }
                 Ok(())
             }
@@ -844,10 +831,7 @@ fn plan_own_rows(
     let plan = admitted.finish(c, &[]);
     let cancels_timers = matches!(&plan.timers, TimerPlan::Change { cancel, .. } if !cancel.is_empty())
         && pre.may_have_timers(c.id);
-    if !plan.emits.is_empty()
-        || plan.barrier_release.is_some()
-        || plan.parent_notice.is_some()
-        || !plan.children_cancel.is_none()
+    if reaches_beyond_its_rows(&plan)
         || plan.dead_letter.is_some()
         || plan.row.unique.is_some()
         || cancels_timers
@@ -858,6 +842,16 @@ fn plan_own_rows(
     let before = before?;
     own_writes(w, &plan, Some(&before), whole_inbox.is_empty(), now, pre, Guard::Untouched);
     Some(Ok(plan.receipt))
+}
+
+/// Whether a commit plan writes beyond the item's own rows: signals it emits, its parent
+/// (barrier and notice), the children it cancels. (Children it starts show in what the
+/// caller inserted.)
+fn reaches_beyond_its_rows(plan: &commit::CommitPlan) -> bool {
+    !plan.emits.is_empty()
+        || plan.barrier_release.is_some()
+        || plan.parent_notice.is_some()
+        || !plan.children_cancel.is_none()
 }
 
 /// Gathers the writes of a commit plan that touch only the item's own rows: the signals it
@@ -967,11 +961,7 @@ async fn commit_one(
         inserted.push(child_insert(db, child, now).await?);
     }
     let plan = admitted.finish(c, &inserted);
-    if !inserted.is_empty()
-        || !plan.emits.is_empty()
-        || plan.barrier_release.is_some()
-        || !plan.children_cancel.is_none()
-    {
+    if !inserted.is_empty() || reaches_beyond_its_rows(&plan) {
         // This item reaches beyond its own row: later items read for themselves.
         pre.valid = false;
     }
@@ -984,11 +974,10 @@ async fn commit_one(
         && !cancel.is_empty()
         && pre.may_have_timers(row.id)
     {
-        for t in db.timers(row.id, WHOLE_INBOX).await? {
-            if plan.timers.cancels(&t.spec.state) {
-                db.timer_remove(t.id).await?;
-            }
-        }
+        let timers = db.timers(row.id, WHOLE_INBOX).await?;
+        let cancelled: Vec<keel_core::TimerId> =
+            timers.iter().filter(|t| plan.timers.cancels(&t.spec.state)).map(|t| t.id).collect();
+        db.timers_remove(&cancelled).await?;
     }
     let guard = match &before {
         Some(before) if before.unique.is_some() || row.unique.is_some() => {
@@ -1419,10 +1408,12 @@ pub(crate) async fn migrate(db: &mut Db<'_>, p: &MigrateParams) -> StoreResult<M
     let plan = plan::migrate::page(p, read);
     for (w, timers) in plan.rows.iter().zip(&plan.timers) {
         write_planned(db, w, p.now).await?;
-        db.timers_drop(w.row.id).await?;
+        let mut writes = Writes::default();
+        writes.timers_drop(w.row.id);
         for t in timers {
-            db.timer_insert(t).await?;
+            writes.timer_arm(t);
         }
+        db.write(writes).await?;
     }
     Ok(MigratePage { items: plan.items, last })
 }

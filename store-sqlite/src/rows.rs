@@ -636,7 +636,7 @@ impl Db<'_> {
         if w.count() == 0 {
             return Ok(());
         }
-        let (sql, args, _, repeats, during) = w.finish();
+        let (sql, args, repeats, during) = w.finish();
         // Every value is bound; the text holds only the fixed statements pushed above.
         sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
             .persistent(repeats)
@@ -676,26 +676,6 @@ impl Db<'_> {
         rows.iter().map(|r| self.timer_of(r)).collect()
     }
 
-    /// Stores a new timer (its `id` is ignored: the database assigns it).
-    pub async fn timer_insert(&mut self, t: &TimerRow) -> StoreResult<TimerId> {
-        let id: i64 = sqlx::query_scalar(
-            "INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, spec, \
-             next_fire_at, fire_count, armed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-        )
-        .bind(t.instance.0)
-        .bind(&t.namespace)
-        .bind(&t.machine.name)
-        .bind(t.machine.version)
-        .bind(serde_json::to_string(&t.spec).unwrap_or_else(|_| "null".to_owned()))
-        .bind(t.next_fire_at.0)
-        .bind(t.fire_count)
-        .bind(t.armed_at.0)
-        .fetch_one(&mut *self.conn)
-        .await
-        .map_err(self.err("arming a timer"))?;
-        Ok(TimerId(id))
-    }
-
     /// Moves one timer to a deployed duration, unless it changed since it was read (fired,
     /// or moved by another pass); says whether it moved.
     pub async fn timer_retime(&mut self, read: &TimerRow, next: &TimerRow) -> StoreResult<bool> {
@@ -714,16 +694,6 @@ impl Db<'_> {
         .await
         .map_err(self.err("moving a timer"))?;
         Ok(done.rows_affected() == 1)
-    }
-
-    /// Deletes one timer.
-    pub async fn timer_remove(&mut self, id: TimerId) -> StoreResult<()> {
-        sqlx::query("DELETE FROM keel_timers WHERE id = ?")
-            .bind(id.0)
-            .execute(&mut *self.conn)
-            .await
-            .map_err(self.err("deleting a timer"))?;
-        Ok(())
     }
 
     /// Deletes the timers `ids` (one statement; none is a no-op).
@@ -964,9 +934,9 @@ impl Writes {
         self.statements + self.groups.len()
     }
 
-    /// The query's text, its values, how many statements it runs, whether its text repeats
+    /// The query's text, its values, whether its text repeats
     /// from batch to batch (so the driver may keep it prepared), and what it does.
-    fn finish(self) -> (String, sqlx::sqlite::SqliteArguments, usize, bool, &'static str) {
+    fn finish(self) -> (String, sqlx::sqlite::SqliteArguments, bool, &'static str) {
         use sqlx::Arguments as _;
         let count = self.count();
         let during = match (count, self.groups.first()) {
@@ -1007,7 +977,7 @@ impl Writes {
         if let Some(name) = self.savepoint {
             let _ = write!(sql, ";\nRELEASE {name}");
         }
-        (sql, args, count, repeats, during)
+        (sql, args, repeats, during)
     }
 
     /// Wraps what was gathered in a savepoint named `name`, so that a failure half way can

@@ -16,6 +16,7 @@
 
 use crate::config::Strategy;
 use crate::error::{StoreError, StoreResult};
+use crate::ids::Priority;
 use crate::instance::{Instance, Signal, undecodable_error};
 use crate::limits;
 use crate::outcome::{self, Applied};
@@ -273,6 +274,28 @@ impl Default for ClaimPolicy {
     }
 }
 
+/// One rank of the claim order and the rows it holds (see [`ClaimPolicy::rank_bands`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankBand {
+    /// The rank its rows take.
+    pub rank: i16,
+    /// Only rows of this priority (`None`: any).
+    pub priority: Option<Priority>,
+    /// Only rows eligible at or before this time (`None`: no bound).
+    pub at_or_before: Option<Timestamp>,
+    /// Only rows eligible after this time (`None`: no bound).
+    pub after: Option<Timestamp>,
+}
+
+impl RankBand {
+    /// Whether `row` is in this band.
+    pub fn holds(&self, row: &Instance) -> bool {
+        self.priority.is_none_or(|p| row.priority == p)
+            && self.at_or_before.is_none_or(|t| row.eligible_at <= t)
+            && self.after.is_none_or(|t| row.eligible_at > t)
+    }
+}
+
 /// The rank a starving row takes: ahead of the most urgent priority (`critical` = 0).
 pub const STARVING_RANK: i16 = -1;
 
@@ -316,6 +339,32 @@ impl ClaimPolicy {
                 Some(bound) if row.eligible_at <= bound => STARVING_RANK,
                 _ => row.priority.level(),
             },
+        }
+    }
+
+    /// The ranks of the claim order at `now`, in claim order, each with the rows it holds
+    /// (a priority and a range of `eligible_at`): every row falls in exactly one band,
+    /// the one of its [`rank`](Self::rank), and within a band rows are claimed in
+    /// (`eligible_at`, id) order. A store reads a ranked order band by band along an index
+    /// in that order, instead of ranking and sorting every ready row.
+    pub fn rank_bands(&self, now: Timestamp) -> Vec<RankBand> {
+        match self.strategy {
+            Strategy::Fifo => vec![RankBand { rank: FIFO_RANK, ..RankBand::default() }],
+            Strategy::Priority => {
+                let bound = self.starving_at_or_before(now);
+                let starving = bound.map(|at_or_before| RankBand {
+                    rank: STARVING_RANK,
+                    at_or_before: Some(at_or_before),
+                    ..RankBand::default()
+                });
+                let levels = Priority::ALL.into_iter().map(|priority| RankBand {
+                    rank: priority.level(),
+                    priority: Some(priority),
+                    after: bound,
+                    ..RankBand::default()
+                });
+                starving.into_iter().chain(levels).collect()
+            }
         }
     }
 
@@ -740,7 +789,7 @@ mod tests {
 #[cfg(test)]
 mod policy_tests {
     use super::*;
-    use crate::ids::{InstanceId, MachineRef, Priority};
+    use crate::ids::{InstanceId, MachineRef};
     use crate::instance::NewInstance;
 
     fn row(priority: Priority, eligible_ms: i64) -> Instance {
@@ -769,6 +818,33 @@ mod policy_tests {
         assert_eq!(fifo_bound.starving_at_or_before(now), None, "fifo cannot starve a row");
         assert!(ClaimPolicy::default().is_plain_priority());
         assert!(!fifo.is_plain_priority());
+    }
+
+    #[test]
+    fn rank_bands_hold_each_row_once_in_the_band_of_its_rank_in_claim_order() {
+        let now = Timestamp(10_000);
+        let priority = ClaimPolicy::new(Strategy::Priority);
+        let policies = [
+            ClaimPolicy::new(Strategy::Fifo),
+            priority,
+            ClaimPolicy { starvation_after: Some(Duration::from_secs(5)), ..priority },
+        ];
+        for policy in policies {
+            let bands = policy.rank_bands(now);
+            assert!(bands.windows(2).all(|w| w[0].rank < w[1].rank), "{bands:?}");
+            for p in Priority::ALL {
+                for eligible in [0, 4_999, 5_000, 5_001, 10_000] {
+                    let r = row(p, eligible);
+                    let holding: Vec<&RankBand> = bands.iter().filter(|b| b.holds(&r)).collect();
+                    assert_eq!(holding.len(), 1, "{policy:?} {p:?} at {eligible}: {holding:?}");
+                    assert_eq!(
+                        holding[0].rank,
+                        policy.rank(&r, now),
+                        "{policy:?} {p:?} {eligible}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
