@@ -78,6 +78,9 @@ struct Cli {
     /// Ready rows on the busy key for `fairness` (default 100 000).
     #[arg(long, default_value_t = 100_000)]
     fairness_rows: usize,
+    /// The workers' `claim_ahead`, in milliseconds (0 claims only free slots).
+    #[arg(long, default_value_t = 5)]
+    claim_ahead_ms: u64,
     /// Where JSON results go.
     #[arg(long, default_value = "target/bench")]
     out: std::path::PathBuf,
@@ -120,6 +123,7 @@ async fn main() -> Result<()> {
     } else {
         cli.scenarios.clone()
     };
+    scenarios::set_claim_ahead(std::time::Duration::from_millis(cli.claim_ahead_ms));
     std::fs::create_dir_all(&cli.out)?;
     let store = stores::Factory::new(cli.store).await?;
     eprintln!("keel-bench: store {} ({})", cli.store.name(), store.describe());

@@ -60,18 +60,29 @@ impl StepMachine for Noop {
     }
 }
 
+/// The workers' `claim_ahead` (`--claim-ahead-ms`).
+static CLAIM_AHEAD: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+/// Sets the workers' `claim_ahead` for every scenario (once, from the command line).
+pub fn set_claim_ahead(ahead: Duration) {
+    let _ = CLAIM_AHEAD.set(ahead);
+}
+
 fn worker_config(concurrency: usize, notifications: bool) -> WorkerConfig {
+    let defaults = WorkerConfig::default();
     WorkerConfig {
         queues: vec![("default".into(), concurrency)],
-        // Groups of at most 100: with more slots than that, several groups are in flight
-        // at once, so claims overlap with commits instead of alternating with them.
-        claim_batch: concurrency.clamp(1, 100),
+        // Groups of at most 100 (the default): with more slots than that, several groups
+        // are in flight at once, so claims overlap with commits instead of alternating
+        // with them; below, a claim may take steps ahead of the free slots.
+        claim_batch: 100,
+        claim_ahead: CLAIM_AHEAD.get().copied().unwrap_or(defaults.claim_ahead),
         commit_batch: 100,
         poll_interval: Duration::from_millis(50),
         timers: None,
         stats_interval: None,
         notifications,
-        ..WorkerConfig::default()
+        ..defaults
     }
 }
 

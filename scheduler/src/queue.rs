@@ -520,7 +520,7 @@ async fn start<S: Store, C: Clock>(
     let parents = parents_of(inner, &claims).await;
     for claim in claims {
         let slots = queues.iter().find(|s| s.name == claim.instance.queue);
-        let Some(permit) = slots.and_then(|s| s.take(inner)) else {
+        let Some(permit) = slots.and_then(|s| s.take(inner, false)) else {
             release(inner, vec![(claim.instance.id, claim.token())]).await;
             continue;
         };
@@ -530,6 +530,6 @@ async fn start<S: Store, C: Clock>(
         // Register before spawning, so the heartbeat sees the lease at once.
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         let task = tokio::spawn(run_step(Arc::clone(inner), claim, parent, permit, tx.clone()));
-        in_flight.insert(id, InFlight { token, task, committing: false });
+        in_flight.insert(id, InFlight { token, task, committing: false, waiting: false });
     }
 }

@@ -2,8 +2,11 @@
 //! timeouts, the retry policy and graceful shutdown.
 //!
 //! One loop claims batches per queue while that queue has free slots; each claimed step
-//! runs in its own task holding a slot. A finished step gives its running slot back at
-//! once — the next claim overlaps its commit — and goes through a bounded channel to a
+//! runs in its own task holding a slot. A queue of quick steps also claims a few steps
+//! ahead (what its recent run times say will start within `claim_ahead`, at most its
+//! spare leases), which wait in the worker for a slot, so a slot does not sit idle
+//! through a claim round trip after every step. A finished step gives its running slot
+//! back at once — the next claim overlaps its commit — and goes through a bounded channel to a
 //! committer that gathers results into groups and commits up to `commits_in_flight`
 //! groups at once, each on its own store connection: a group goes out when it is full,
 //! when no group is committing or no step is running any more (a lightly loaded worker
@@ -73,6 +76,14 @@ pub struct WorkerConfig {
     pub queues: Vec<(String, usize)>,
     /// Most instances one claim statement returns.
     pub claim_batch: usize,
+    /// How much work a queue claims beyond its free slots, counted in the recent run time
+    /// of its steps: with quick steps, a claim also takes the steps that will start within
+    /// this much time, and they wait in the worker for a running slot under their lease,
+    /// so the queue's slots need not sit idle through a claim round trip after every
+    /// step. Never more than the queue's spare leases (its concurrency, at least 8); a
+    /// queue whose steps take longer than this is never claimed ahead, so other workers
+    /// can take its waiting instances. `Duration::ZERO` claims only free slots.
+    pub claim_ahead: Duration,
     /// Lease length; heartbeats extend it while a step runs.
     pub lease: Duration,
     /// Heartbeat period (well under `lease`).
@@ -122,6 +133,7 @@ impl Default for WorkerConfig {
             namespaces: Vec::new(),
             queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 10)],
             claim_batch: 100,
+            claim_ahead: Duration::from_millis(5),
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
@@ -265,6 +277,8 @@ struct InFlight {
     /// so a heartbeat that finds it not held is no news; only running (or finished but
     /// not yet committing) steps can lose a lease that matters.
     committing: bool,
+    /// Claimed ahead and not started yet: shutdown gives its lease back at once.
+    waiting: bool,
 }
 
 struct Inner<S, C> {
@@ -275,6 +289,8 @@ struct Inner<S, C> {
     in_flight: Mutex<HashMap<InstanceId, InFlight>>,
     /// Steps running user code now (claimed, not yet finished).
     running: AtomicUsize,
+    /// Steps claimed ahead, waiting for a running slot.
+    waiting: AtomicUsize,
     slot_freed: Notify,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
@@ -282,6 +298,13 @@ struct Inner<S, C> {
     hints: Option<Arc<queue::HintLink>>,
     /// When it started, as the worker registry shows it.
     started_at: keel_core::Timestamp,
+}
+
+impl<S, C> Inner<S, C> {
+    /// Steps that will hand in a result: running, or claimed ahead and waiting to run.
+    fn busy(&self) -> usize {
+        self.running.load(Ordering::SeqCst) + self.waiting.load(Ordering::SeqCst)
+    }
 }
 
 impl<S, C: Clock> Inner<S, C> {
@@ -414,6 +437,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             machines: self.machines,
             in_flight: Mutex::new(HashMap::new()),
             running: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
             slot_freed: Notify::new(),
             stats: Arc::clone(&stats),
             health: Arc::clone(&health),
@@ -662,16 +686,36 @@ async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
 const HELD_SPARE_MIN: usize = 8;
 
 /// A queue's slots on this worker. `running` bounds the steps running user code at once
-/// (the queue's configured concurrency); `held` bounds the leases held, by running steps
-/// and by finished ones waiting for their group commit (the concurrency plus as many
-/// again, at least [`HELD_SPARE_MIN`] more). A step gives its running slot back as soon
-/// as it finishes, so the next claim overlaps its commit; it keeps its lease slot until
-/// the commit lands.
+/// (the queue's configured concurrency); `held` bounds the leases held, by running steps,
+/// by steps claimed ahead and waiting to run, and by finished ones waiting for their group
+/// commit (the concurrency plus as many again, at least [`HELD_SPARE_MIN`] more). A step
+/// gives its running slot back as soon as it finishes, so the next claim overlaps its
+/// commit; it keeps its lease slot until the commit lands.
 struct QueueSlots {
     name: String,
     concurrency: usize,
-    running: Arc<Semaphore>,
     held: Arc<Semaphore>,
+    pace: Arc<Pace>,
+}
+
+/// A queue's running slots, the steps claimed ahead that wait for one, and how long the
+/// queue's steps have run lately.
+struct Pace {
+    running: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    /// A moving average of the queue's recent step run times, in microseconds;
+    /// `u64::MAX` until a step ran.
+    step_micros: AtomicU64,
+}
+
+impl Pace {
+    /// Folds one step's run time into the average (each new run weighs an eighth).
+    fn record(&self, ran: Duration) {
+        let ran = u64::try_from(ran.as_micros()).unwrap_or(u64::MAX - 1).min(u64::MAX - 1);
+        let old = self.step_micros.load(Ordering::Relaxed);
+        let new = if old == u64::MAX { ran } else { old - old / 8 + ran / 8 };
+        self.step_micros.store(new, Ordering::Relaxed);
+    }
 }
 
 impl QueueSlots {
@@ -679,35 +723,117 @@ impl QueueSlots {
         QueueSlots {
             name: name.to_owned(),
             concurrency,
-            running: Arc::new(Semaphore::new(concurrency)),
-            held: Arc::new(Semaphore::new(
-                concurrency.saturating_add(concurrency.max(HELD_SPARE_MIN)),
-            )),
+            held: Arc::new(Semaphore::new(concurrency.saturating_add(Self::spare(concurrency)))),
+            pace: Arc::new(Pace {
+                running: Arc::new(Semaphore::new(concurrency)),
+                waiting: AtomicUsize::new(0),
+                step_micros: AtomicU64::new(u64::MAX),
+            }),
         }
     }
 
-    /// How many more steps this queue can take now.
+    /// The leases a queue may hold beyond its concurrency.
+    fn spare(concurrency: usize) -> usize {
+        concurrency.max(HELD_SPARE_MIN)
+    }
+
+    /// How many more steps this queue can start now.
     fn free(&self) -> usize {
-        self.running.available_permits().min(self.held.available_permits())
+        self.pace.running.available_permits().min(self.held.available_permits())
     }
 
-    /// The fewest free slots worth a claim while steps are still running: half a batch.
-    /// Claiming every slot the moment it frees would cost a claim round trip and a commit
-    /// flush per step or two; waiting for half a batch keeps claims batched and still
-    /// overlaps them with the running steps and the commits in flight.
-    fn worth_claiming(&self, claim_batch: usize) -> usize {
-        (self.concurrency.min(claim_batch) / 2).max(1)
+    /// How many steps this queue may claim beyond its concurrency: as many as its recent
+    /// run times say will start within `budget`, at most its spare leases, none until a
+    /// step has run (a queue of slow steps is never claimed ahead).
+    fn ahead(&self, budget: Duration) -> usize {
+        let micros = self.pace.step_micros.load(Ordering::Relaxed);
+        if micros == u64::MAX || budget.is_zero() {
+            return 0;
+        }
+        let budget = u64::try_from(budget.as_micros()).unwrap_or(u64::MAX);
+        let n = usize::try_from(budget / micros.max(1)).unwrap_or(usize::MAX);
+        n.min(Self::spare(self.concurrency))
     }
 
-    /// Both slots for one claimed step, if free.
+    /// How many steps a claim of this queue may take now: its free running slots plus what
+    /// it may claim ahead, less the steps already waiting, within the free lease slots.
+    fn claimable(&self, ahead_budget: Duration) -> usize {
+        let running = self.concurrency.saturating_sub(self.pace.running.available_permits());
+        let taken = running + self.pace.waiting.load(Ordering::SeqCst);
+        (self.concurrency + self.ahead(ahead_budget))
+            .saturating_sub(taken)
+            .min(self.held.available_permits())
+    }
+
+    /// The fewest free slots worth a claim while steps are still running: half a batch
+    /// (of the slots and what may be claimed ahead). Claiming every slot the moment it
+    /// frees would cost a claim round trip and a commit flush per step or two; waiting for
+    /// half a batch keeps claims batched and still overlaps them with the running steps
+    /// and the commits in flight.
+    fn worth_claiming(&self, claim_batch: usize, ahead_budget: Duration) -> usize {
+        ((self.concurrency + self.ahead(ahead_budget)).min(claim_batch) / 2).max(1)
+    }
+
+    /// A lease slot and a running slot for one claimed step, if both are free; with
+    /// `ahead`, a lease slot alone when no running slot is, the step then waiting for one.
     fn take<S, C>(
         &self,
         inner: &Arc<Inner<S, C>>,
-    ) -> Option<(Running<S, C>, OwnedSemaphorePermit)> {
+        ahead: bool,
+    ) -> Option<(RunSlot<S, C>, OwnedSemaphorePermit)> {
         let held = Arc::clone(&self.held).try_acquire_owned().ok()?;
-        let running = Arc::clone(&self.running).try_acquire_owned().ok()?;
-        inner.running.fetch_add(1, Ordering::SeqCst);
-        Some((Running { inner: Arc::clone(inner), permit: Some(running) }, held))
+        match Arc::clone(&self.pace.running).try_acquire_owned() {
+            Ok(running) => {
+                let running = Running::new(inner, &self.pace, running);
+                Some((RunSlot::Taken(running), held))
+            }
+            Err(_) if ahead => {
+                self.pace.waiting.fetch_add(1, Ordering::SeqCst);
+                inner.waiting.fetch_add(1, Ordering::SeqCst);
+                let waiting = Ahead { inner: Arc::clone(inner), pace: Arc::clone(&self.pace) };
+                Some((RunSlot::Ahead(waiting), held))
+            }
+            Err(_) => None,
+        }
+    }
+}
+
+/// A claimed step's running slot: taken at the claim, or waited for.
+enum RunSlot<S, C> {
+    Taken(Running<S, C>),
+    Ahead(Ahead<S, C>),
+}
+
+impl<S, C> RunSlot<S, C> {
+    fn waiting(&self) -> bool {
+        matches!(self, RunSlot::Ahead(_))
+    }
+}
+
+/// A step claimed ahead, waiting for one of its queue's running slots. Dropping it
+/// (started, or aborted by shutdown) takes it out of the waiting counts.
+struct Ahead<S, C> {
+    inner: Arc<Inner<S, C>>,
+    pace: Arc<Pace>,
+}
+
+impl<S, C> Ahead<S, C> {
+    /// Waits for a running slot (the queue's waiting steps get them in claim order).
+    async fn start(self) -> Running<S, C> {
+        let permit = Arc::clone(&self.pace.running)
+            .acquire_owned()
+            .await
+            .expect("the running slots are never closed");
+        // Counted as running before it stops counting as waiting, so the worker never
+        // looks idle in between.
+        Running::new(&self.inner, &self.pace, permit)
+    }
+}
+
+impl<S, C> Drop for Ahead<S, C> {
+    fn drop(&mut self) {
+        self.pace.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.inner.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -715,7 +841,15 @@ impl QueueSlots {
 /// aborted — gives the running slot back and wakes the claimer.
 struct Running<S, C> {
     inner: Arc<Inner<S, C>>,
+    pace: Arc<Pace>,
     permit: Option<OwnedSemaphorePermit>,
+}
+
+impl<S, C> Running<S, C> {
+    fn new(inner: &Arc<Inner<S, C>>, pace: &Arc<Pace>, permit: OwnedSemaphorePermit) -> Self {
+        inner.running.fetch_add(1, Ordering::SeqCst);
+        Running { inner: Arc::clone(inner), pace: Arc::clone(pace), permit: Some(permit) }
+    }
 }
 
 impl<S, C> Drop for Running<S, C> {
@@ -742,9 +876,16 @@ async fn claim_loop<S: Store, C: Clock>(
         let mut failure = None;
         for slots in queues.iter() {
             let queue = &slots.name;
-            let free = slots.free().min(inner.config.claim_batch).min(limits::CLAIM_BATCH_MAX);
-            let busy = inner.running.load(Ordering::SeqCst) > 0;
-            if free == 0 || (busy && free < slots.worth_claiming(inner.config.claim_batch)) {
+            let free = slots
+                .claimable(inner.config.claim_ahead)
+                .min(inner.config.claim_batch)
+                .min(limits::CLAIM_BATCH_MAX);
+            let busy = inner.busy() > 0;
+            if free == 0
+                || (busy
+                    && free
+                        < slots.worth_claiming(inner.config.claim_batch, inner.config.claim_ahead))
+            {
                 continue;
             }
             full = false;
@@ -768,7 +909,7 @@ async fn claim_loop<S: Store, C: Clock>(
             claimed += claims.len();
             let parents = parents_of(&inner, &claims).await;
             for claim in claims {
-                let Some((running, permit)) = slots.take(&inner) else {
+                let Some((slot, permit)) = slots.take(&inner, true) else {
                     // Cannot happen (we asked for at most the free slots); release it.
                     release(&inner, vec![(claim.instance.id, claim.token())]).await;
                     continue;
@@ -778,14 +919,15 @@ async fn claim_loop<S: Store, C: Clock>(
                 let parent = claim.instance.parent.and_then(|p| parents.get(&p).cloned());
                 // Register before spawning, so the heartbeat sees the lease at once.
                 let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+                let waiting = slot.waiting();
                 let task = tokio::spawn(run_step(
                     Arc::clone(&inner),
                     claim,
                     parent,
-                    (running, permit),
+                    (slot, permit),
                     tx.clone(),
                 ));
-                in_flight.insert(id, InFlight { token, task, committing: false });
+                in_flight.insert(id, InFlight { token, task, committing: false, waiting });
             }
         }
         if let Some(error) = failure {
@@ -856,6 +998,23 @@ pub fn record_queue_gauges(q: &keel_core::ports::store::QueueStats) {
 
 /// Shutdown: wait (bounded) for running steps, then release the leases of the rest.
 async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
+    // Steps claimed ahead that have not started give their leases back at once, without
+    // counting an attempt.
+    let waiting: Vec<(InstanceId, FencingToken)> = {
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        let ids: Vec<InstanceId> =
+            in_flight.iter().filter(|(_, f)| f.waiting).map(|(id, _)| *id).collect();
+        ids.into_iter()
+            .filter_map(|id| in_flight.remove(&id).map(|f| (id, f)))
+            .map(|(id, f)| {
+                f.task.abort();
+                (id, f.token)
+            })
+            .collect()
+    };
+    if !waiting.is_empty() {
+        release(inner, waiting).await;
+    }
     let deadline = Instant::now() + inner.config.shutdown_grace;
     while Instant::now() < deadline && !inner.in_flight.lock().expect("in_flight lock").is_empty() {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -938,9 +1097,22 @@ async fn run_step<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     mut claim: Claim,
     parent: Option<Instance>,
-    (running, permit): (Running<S, C>, OwnedSemaphorePermit),
+    (slot, permit): (RunSlot<S, C>, OwnedSemaphorePermit),
     tx: mpsc::Sender<Finished>,
 ) {
+    let running = match slot {
+        RunSlot::Taken(running) => running,
+        RunSlot::Ahead(waiting) => {
+            let running = waiting.start().await;
+            let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+            match in_flight.get_mut(&claim.instance.id) {
+                Some(entry) if entry.token == claim.token() => entry.waiting = false,
+                // Shutdown gave its lease back while it waited.
+                _ => return,
+            }
+            running
+        }
+    };
     let row = &claim.instance;
     let span = tracing::info_span!("step", instance = %row.id, machine = %row.machine, step = %row.position, attempt = row.attempt);
     let Some(machine) = inner.machines.get(&row.machine).cloned() else {
@@ -966,6 +1138,7 @@ async fn run_step<S: Store, C: Clock>(
     let result =
         guarded(Arc::clone(&machine), ctx.clone(), config.timeout).instrument(span.clone()).await;
     let elapsed = started.elapsed();
+    running.pace.record(elapsed);
     metrics::histogram!("keel_queue_processing_time_seconds", "machine" => row.machine.name.clone())
         .record(elapsed.as_secs_f64());
 
@@ -1197,7 +1370,7 @@ async fn commit_loop<S: Store, C: Clock>(
         // batch behind: a lightly loaded worker never waits out the interval), or when no
         // step is running (no more results can join this group soon).
         let idle = lanes.available_permits() == lanes_max;
-        let running = inner.running.load(Ordering::SeqCst);
+        let running = inner.busy();
         if idle && running > 0 && buffer.len() < batch_max {
             // Steps that finished together are still handing in their results: let them
             // run once, so the group takes them rather than going out with the first.

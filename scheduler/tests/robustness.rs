@@ -35,7 +35,7 @@ use keel_scheduler::{
 };
 use serde_json::{Value, json};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Barrier;
@@ -53,6 +53,9 @@ on_stores!(
         a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
         claims_overlap_slow_commits_within_the_spare_lease_bound,
         group_commits_run_side_by_side_up_to_the_configured_bound,
+        quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
+        slow_steps_are_not_claimed_ahead,
+        shutdown_gives_back_steps_claimed_ahead_without_running_them,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -66,6 +69,8 @@ on_stores!(
         a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
         claims_overlap_slow_commits_within_the_spare_lease_bound,
         group_commits_run_side_by_side_up_to_the_configured_bound,
+        quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
+        slow_steps_are_not_claimed_ahead,
     ],
 );
 
@@ -688,4 +693,133 @@ async fn a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_r
     assert!(error.contains("the store refused the step's result"), "{error}");
     let stats = worker.shutdown().await;
     assert_eq!(stats.refused.load(Ordering::Relaxed), 1);
+}
+
+/// Counts the steps running at once (and the most ever), and how many ran; a step sleeps
+/// for its context's `ms`, or (`"forever": true`) until it is aborted.
+#[derive(Default, Clone)]
+struct Counted {
+    now: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+    ran: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl StepMachine for Counted {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        self.ran.fetch_add(1, Ordering::SeqCst);
+        if ctx.context["forever"] == json!(true) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        let ms = ctx.context["ms"].as_u64().unwrap_or(0);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+/// One queue of concurrency 1, claim loop only (no hint loop racing it).
+fn one_slot<S: Store>(
+    h: &Harness<Faulty<S>>,
+    claim_ahead: Duration,
+    steps: Counted,
+) -> keel_scheduler::WorkerHandle {
+    let config = WorkerConfig {
+        queues: vec![("default".into(), 1)],
+        claim_ahead,
+        shutdown_grace: Duration::from_millis(50),
+        timers: None,
+        ..h.config()
+    };
+    keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        .register(steps)
+        .spawn()
+}
+
+/// Quick steps on a queue of concurrency 1: each claim takes several steps (they wait in
+/// the worker under their lease), so the slot does not wait out a claim after every step;
+/// still only one step runs at a time, and the leases stay within the spare bound.
+async fn quick_steps_are_claimed_ahead_and_still_run_one_at_a_time<S: TestStore>() {
+    const INSTANCES: usize = 200;
+    let h = Harness::with_store(Faulty::new(S::fresh().await));
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    let steps = Counted::default();
+    let worker = one_slot(&h, Duration::from_secs(1), steps.clone());
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), INSTANCES as u64);
+    assert_eq!(steps.ran.load(Ordering::SeqCst), INSTANCES, "each step ran once");
+    assert_eq!(steps.most.load(Ordering::SeqCst), 1, "one step at a time");
+    let claims = h.store.calls("instance_claim");
+    assert!(
+        claims < INSTANCES as u64 / 2,
+        "{claims} claims for {INSTANCES} quick steps: they were not claimed ahead"
+    );
+    let leases = h.store.leases.lock().unwrap().1;
+    assert!(leases <= 1 + 8, "a worker of concurrency 1 held {leases} leases at once");
+}
+
+/// Steps slower than the claim-ahead budget are never claimed ahead: the waiting
+/// instances stay claimable by other workers.
+async fn slow_steps_are_not_claimed_ahead<S: TestStore>() {
+    let h = Harness::with_store(Faulty::new(S::fresh().await));
+    let mut ids = Vec::new();
+    for n in 0..4 {
+        ids.push(
+            h.start(NewInstance::new(machine(), "a").context(json!({ "n": n, "ms": 60 }))).await,
+        );
+    }
+    let steps = Counted::default();
+    let worker = one_slot(&h, Duration::from_millis(5), steps.clone());
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    worker.shutdown().await;
+    let leases = h.store.leases.lock().unwrap().1;
+    assert!(leases <= 2, "{leases} leases at once: one running, at most one committing");
+    assert_eq!(steps.most.load(Ordering::SeqCst), 1);
+}
+
+/// Shutdown gives back the leases of steps claimed ahead at once, without running them
+/// and without counting an attempt; the step that was running is released after the
+/// grace period as before.
+async fn shutdown_gives_back_steps_claimed_ahead_without_running_them<S: TestStore>() {
+    let h = Harness::with_store(Faulty::new(S::fresh().await));
+    let steps = Counted::default();
+    let worker = one_slot(&h, Duration::from_secs(1), steps.clone());
+    // One quick step first, so the worker knows its steps are quick.
+    let first = h.start(NewInstance::new(machine(), "a")).await;
+    h.wait(first, "done", |r| r.status == Status::Done).await;
+    let stuck = h.start(NewInstance::new(machine(), "a").context(json!({ "forever": true }))).await;
+    let mut quick = Vec::new();
+    for n in 0..4 {
+        quick.push(h.start(NewInstance::new(machine(), "a").context(json!({ "n": n }))).await);
+    }
+    for _ in 0..1_000 {
+        if h.store.leases.lock().unwrap().0 == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(h.store.leases.lock().unwrap().0, 5, "the stuck step and four claimed ahead");
+    let stats = worker.shutdown().await;
+    assert_eq!(steps.ran.load(Ordering::SeqCst), 2, "the steps claimed ahead never ran");
+    assert_eq!(stats.released.load(Ordering::Relaxed), 5);
+    for id in quick.iter().chain([&stuck]) {
+        let row = h.client.get(*id).await.unwrap().instance;
+        assert_eq!((row.status, row.attempt, row.lease_owner), (Status::Runnable, 0, None));
+    }
 }
