@@ -1000,18 +1000,7 @@ pub fn record_queue_gauges(q: &keel_core::ports::store::QueueStats) {
 async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     // Steps claimed ahead that have not started give their leases back at once, without
     // counting an attempt.
-    let waiting: Vec<(InstanceId, FencingToken)> = {
-        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-        let ids: Vec<InstanceId> =
-            in_flight.iter().filter(|(_, f)| f.waiting).map(|(id, _)| *id).collect();
-        ids.into_iter()
-            .filter_map(|id| in_flight.remove(&id).map(|f| (id, f)))
-            .map(|(id, f)| {
-                f.task.abort();
-                (id, f.token)
-            })
-            .collect()
-    };
+    let waiting = stop_in_flight(inner, |f| f.waiting);
     if !waiting.is_empty() {
         release(inner, waiting).await;
     }
@@ -1019,19 +1008,26 @@ async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     while Instant::now() < deadline && !inner.in_flight.lock().expect("in_flight lock").is_empty() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let rest: Vec<(InstanceId, FencingToken)> = {
-        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-        in_flight
-            .drain()
-            .map(|(id, f)| {
-                f.task.abort();
-                (id, f.token)
-            })
-            .collect()
-    };
+    let rest = stop_in_flight(inner, |_| true);
     if !rest.is_empty() {
         release(inner, rest).await;
     }
+}
+
+/// Takes the in-flight steps that `which` picks out of the worker, aborting their tasks;
+/// returns their leases, for release.
+fn stop_in_flight<S, C>(
+    inner: &Inner<S, C>,
+    which: impl Fn(&InFlight) -> bool,
+) -> Vec<(InstanceId, FencingToken)> {
+    let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+    in_flight
+        .extract_if(|_, f| which(f))
+        .map(|(id, f)| {
+            f.task.abort();
+            (id, f.token)
+        })
+        .collect()
 }
 
 async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceId, FencingToken)>) {
@@ -1368,16 +1364,16 @@ async fn commit_loop<S: Store, C: Clock>(
         top_up(&mut rx, &mut buffer, batch_max);
         // Commit at once when the group is full, when no group is committing (nothing to
         // batch behind: a lightly loaded worker never waits out the interval), or when no
-        // step is running (no more results can join this group soon).
+        // step is running or waiting to run (no more results can join this group soon).
         let idle = lanes.available_permits() == lanes_max;
-        let running = inner.busy();
-        if idle && running > 0 && buffer.len() < batch_max {
+        let busy = inner.busy();
+        if idle && busy > 0 && buffer.len() < batch_max {
             // Steps that finished together are still handing in their results: let them
             // run once, so the group takes them rather than going out with the first.
             tokio::task::yield_now().await;
             top_up(&mut rx, &mut buffer, batch_max);
         }
-        if buffer.len() >= batch_max || idle || running == 0 {
+        if buffer.len() >= batch_max || idle || busy == 0 {
             dispatch(&inner, &lanes, &mut rx, &mut buffer, batch_max).await;
         }
     }
