@@ -1433,7 +1433,9 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, batch: Vec<Finished>) {
     {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         for f in batch {
-            if let Some(entry) = in_flight.get_mut(&f.commit.id) {
+            if let Some(entry) = in_flight.get_mut(&f.commit.id)
+                && entry.token == f.origin.claim.token()
+            {
                 entry.committing = true;
             }
         }
@@ -1468,8 +1470,14 @@ impl<S, C> Drop for Settled<'_, S, C> {
         {
             let mut in_flight =
                 self.inner.in_flight.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Only this claim's entry: once the group landed, the instance may have been
+            // claimed again (its next step) before the group settled, and that claim's
+            // entry must stay, or its step would never start and its lease never extend.
             for f in &self.batch {
-                in_flight.remove(&f.commit.id);
+                let id = f.commit.id;
+                if in_flight.get(&id).is_some_and(|e| e.token == f.origin.claim.token()) {
+                    in_flight.remove(&id);
+                }
             }
         }
         self.batch.clear(); // frees the slots

@@ -56,6 +56,7 @@ on_stores!(
         quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
         slow_steps_are_not_claimed_ahead,
         shutdown_gives_back_steps_claimed_ahead_without_running_them,
+        a_next_step_claimed_before_its_last_group_settled_still_runs,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -71,6 +72,7 @@ on_stores!(
         group_commits_run_side_by_side_up_to_the_configured_bound,
         quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
         slow_steps_are_not_claimed_ahead,
+        a_next_step_claimed_before_its_last_group_settled_still_runs,
     ],
 );
 
@@ -206,6 +208,8 @@ struct Faulty<S> {
     extend_delay: Duration,
     /// How long each `step_commit` takes on top of the store's own time.
     commit_delay: Duration,
+    /// How long each `step_commit` takes to return after the store committed it.
+    settle_delay: Duration,
     /// `step_commit` calls under way now, and the most seen at once.
     commits: Mutex<(usize, usize)>,
     /// Leases handed out by `instance_claim` whose results have not committed yet, and
@@ -221,6 +225,7 @@ impl<S: Store> Faulty<S> {
             inner,
             extend_delay: Duration::ZERO,
             commit_delay: Duration::ZERO,
+            settle_delay: Duration::ZERO,
             commits: Mutex::default(),
             leases: Mutex::default(),
             faults: Mutex::default(),
@@ -282,6 +287,7 @@ impl<S: Store> Store for Faulty<S> {
         tokio::time::sleep(self.commit_delay).await;
         let items = p.commits.len();
         let result = self.inner.step_commit(p).await;
+        tokio::time::sleep(self.settle_delay).await;
         self.commits.lock().unwrap().0 -= 1;
         if result.is_ok() {
             let mut leases = self.leases.lock().unwrap();
@@ -696,7 +702,8 @@ async fn a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_r
 }
 
 /// Counts the steps running at once (and the most ever), and how many ran; a step sleeps
-/// for its context's `ms`, or (`"forever": true`) until it is aborted.
+/// for its context's `ms`, or (`"forever": true`) until it is aborted. With `"two": true`
+/// step `a` goes on to step `b`.
 #[derive(Default, Clone)]
 struct Counted {
     now: Arc<AtomicUsize>,
@@ -722,6 +729,9 @@ impl StepMachine for Counted {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
         self.now.fetch_sub(1, Ordering::SeqCst);
+        if ctx.context["two"] == json!(true) && ctx.step == "a" {
+            return Ok(Outcome::Next { step: "b".into(), context: ctx.context.clone() });
+        }
         Ok(Outcome::Done { result: json!({}), step: None })
     }
 }
@@ -770,6 +780,30 @@ async fn quick_steps_are_claimed_ahead_and_still_run_one_at_a_time<S: TestStore>
     );
     let leases = h.store.leases.lock().unwrap().1;
     assert!(leases <= 1 + 8, "a worker of concurrency 1 held {leases} leases at once");
+}
+
+/// Once a group commit has landed, an instance's next step is claimable at once, even
+/// while the worker is still settling that group: the new claim (here waiting in line
+/// behind the steps claimed ahead of it) keeps its place in the worker and runs, rather
+/// than being forgotten when the old group settles and left holding its lease.
+async fn a_next_step_claimed_before_its_last_group_settled_still_runs<S: TestStore>() {
+    const INSTANCES: usize = 6;
+    let store = Faulty { settle_delay: Duration::from_millis(50), ..Faulty::new(S::fresh().await) };
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        let context = json!({ "n": n, "ms": 20, "two": true });
+        ids.push(h.start(NewInstance::new(machine(), "a").context(context)).await);
+    }
+    let steps = Counted::default();
+    let worker = one_slot(&h, Duration::from_secs(1), steps.clone());
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), 2 * INSTANCES as u64);
+    assert_eq!(steps.ran.load(Ordering::SeqCst), 2 * INSTANCES, "each step ran once");
+    assert_eq!(steps.most.load(Ordering::SeqCst), 1, "one step at a time");
 }
 
 /// Steps slower than the claim-ahead budget are never claimed ahead: the waiting
