@@ -27,12 +27,12 @@
 //! that claims something hands them back to the hints. A failed receive hands them over
 //! at once.
 
-use super::{Finished, InFlight, Inner, QueueSlots, Worker, parents_of, release, run_step};
+use super::{Finished, Inner, QueueSlots, Worker, launch};
 use crate::health::WorkerLoop;
 use keel_core::limits::{HINT_RECEIVE_MAX, READY_STALE_BATCH_MAX, REPAIR_PAGES_MAX};
 use keel_core::plan::hints;
 use keel_core::ports::queue::{Delivery, Hint};
-use keel_core::ports::store::{Claim, ClaimParams, CommitReceipt, ReadyStaleParams};
+use keel_core::ports::store::{ClaimParams, CommitReceipt, ReadyStaleParams};
 use keel_core::ports::{Clock, Queue, Store};
 use keel_core::{InstanceId, StoreResult, Timestamp};
 use std::collections::BTreeSet;
@@ -490,7 +490,7 @@ async fn claim_hinted<S: Store, C: Clock>(
         Ok(claims) => {
             link.stats.claimed.fetch_add(claims.len() as u64, Ordering::Relaxed);
             let n = claims.len();
-            start(inner, queues, tx, claims).await;
+            launch(inner, queues, tx, claims, false).await;
             Some(n)
         }
         Err(e) if e.is_retryable() => {
@@ -507,29 +507,4 @@ async fn claim_hinted<S: Store, C: Clock>(
         tracing::debug!(error = %e, "acking hints failed; they come back and are acked then");
     }
     claimed
-}
-
-/// Starts claimed steps, each holding a slot of its queue; a claim with no free slot is
-/// released at once.
-async fn start<S: Store, C: Clock>(
-    inner: &Arc<Inner<S, C>>,
-    queues: &Arc<Vec<QueueSlots>>,
-    tx: &mpsc::Sender<Finished>,
-    claims: Vec<Claim>,
-) {
-    let parents = parents_of(inner, &claims).await;
-    for claim in claims {
-        let slots = queues.iter().find(|s| s.name == claim.instance.queue);
-        let Some(permit) = slots.and_then(|s| s.take(inner, false)) else {
-            release(inner, vec![(claim.instance.id, claim.token())]).await;
-            continue;
-        };
-        let id = claim.instance.id;
-        let token = claim.token();
-        let parent = claim.instance.parent.and_then(|p| parents.get(&p).cloned());
-        // Register before spawning, so the heartbeat sees the lease at once.
-        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-        let task = tokio::spawn(run_step(Arc::clone(inner), claim, parent, permit, tx.clone()));
-        in_flight.insert(id, InFlight { token, task, committing: false, waiting: false });
-    }
 }

@@ -907,28 +907,7 @@ async fn claim_loop<S: Store, C: Clock>(
                 }
             };
             claimed += claims.len();
-            let parents = parents_of(&inner, &claims).await;
-            for claim in claims {
-                let Some((slot, permit)) = slots.take(&inner, true) else {
-                    // Cannot happen (we asked for at most the free slots); release it.
-                    release(&inner, vec![(claim.instance.id, claim.token())]).await;
-                    continue;
-                };
-                let id = claim.instance.id;
-                let token = claim.token();
-                let parent = claim.instance.parent.and_then(|p| parents.get(&p).cloned());
-                // Register before spawning, so the heartbeat sees the lease at once.
-                let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-                let waiting = slot.waiting();
-                let task = tokio::spawn(run_step(
-                    Arc::clone(&inner),
-                    claim,
-                    parent,
-                    (slot, permit),
-                    tx.clone(),
-                ));
-                in_flight.insert(id, InFlight { token, task, committing: false, waiting });
-            }
+            launch(&inner, std::slice::from_ref(slots), &tx, claims, true).await;
         }
         if let Some(error) = failure {
             let pause =
@@ -1065,6 +1044,35 @@ fn context_of(claim: &Claim) -> StepContext {
 /// ([`StepMachine::wants_parent`]), read in one `instance_rows` call per claim rather than
 /// one read per step. A failed read leaves them out: those steps run without the
 /// lock-free pre-check, which only ever saves work.
+/// Starts claimed steps, each holding a lease slot of its queue and either a running slot
+/// or, with `ahead`, a place in line for one; a claim with no slot to hold it is released
+/// at once. Each step is registered in flight before its task is spawned, so the heartbeat
+/// sees the lease at once.
+async fn launch<S: Store, C: Clock>(
+    inner: &Arc<Inner<S, C>>,
+    queues: &[QueueSlots],
+    tx: &mpsc::Sender<Finished>,
+    claims: Vec<Claim>,
+    ahead: bool,
+) {
+    let parents = parents_of(inner, &claims).await;
+    for claim in claims {
+        let slots = queues.iter().find(|s| s.name == claim.instance.queue);
+        let Some((slot, permit)) = slots.and_then(|s| s.take(inner, ahead)) else {
+            release(inner, vec![(claim.instance.id, claim.token())]).await;
+            continue;
+        };
+        let id = claim.instance.id;
+        let token = claim.token();
+        let parent = claim.instance.parent.and_then(|p| parents.get(&p).cloned());
+        let waiting = slot.waiting();
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        let task =
+            tokio::spawn(run_step(Arc::clone(inner), claim, parent, (slot, permit), tx.clone()));
+        in_flight.insert(id, InFlight { token, task, committing: false, waiting });
+    }
+}
+
 async fn parents_of<S: Store, C: Clock>(
     inner: &Inner<S, C>,
     claims: &[Claim],
