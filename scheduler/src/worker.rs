@@ -80,7 +80,7 @@ pub struct WorkerConfig {
     /// of its steps: with quick steps, a claim also takes the steps that will start within
     /// this much time, and they wait in the worker for a running slot under their lease,
     /// so the queue's slots need not sit idle through a claim round trip after every
-    /// step. Never more than the queue's spare leases (its concurrency, at least 8); a
+    /// step. Never more than the queue's spare leases (its concurrency, at least 32); a
     /// queue whose steps take longer than this is never claimed ahead, so other workers
     /// can take its waiting instances. `Duration::ZERO` claims only free slots.
     pub claim_ahead: Duration,
@@ -680,10 +680,12 @@ async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     );
 }
 
-/// The fewest leases a queue's finished steps may hold while their group commits land,
-/// whatever the queue's concurrency: at concurrency 1, one step waiting for its commit
-/// would otherwise stop the next claim until that commit's flush returns.
-const HELD_SPARE_MIN: usize = 8;
+/// The fewest leases a queue may hold beyond its concurrency, whatever the concurrency:
+/// finished steps waiting for their group commits and quick steps claimed ahead share
+/// them. At concurrency 1, one step waiting for its commit would otherwise stop the next
+/// claim until that commit's flush returns, and a claim could take only a few quick steps
+/// ahead (each claim round trip and flush then carried only a few steps).
+const HELD_SPARE_MIN: usize = 32;
 
 /// A queue's slots on this worker. `running` bounds the steps running user code at once
 /// (the queue's configured concurrency); `held` bounds the leases held, by running steps,
@@ -735,6 +737,13 @@ impl QueueSlots {
     /// The leases a queue may hold beyond its concurrency.
     fn spare(concurrency: usize) -> usize {
         concurrency.max(HELD_SPARE_MIN)
+    }
+
+    /// The leases this queue holds now: steps running, waiting to run, or waiting for
+    /// their group commit.
+    fn held_now(&self) -> usize {
+        (self.concurrency.saturating_add(Self::spare(self.concurrency)))
+            .saturating_sub(self.held.available_permits())
     }
 
     /// How many more steps this queue can start now.
@@ -880,7 +889,11 @@ async fn claim_loop<S: Store, C: Clock>(
                 .claimable(inner.config.claim_ahead)
                 .min(inner.config.claim_batch)
                 .min(limits::CLAIM_BATCH_MAX);
-            let busy = inner.busy() > 0;
+            // Leases that come back soon — steps running, waiting to run, or waiting for
+            // their group commit — are worth waiting for until half a batch is free:
+            // claiming each group commit's few returned slots the moment it lands would
+            // split the queue's claims into ever smaller ones.
+            let busy = inner.busy() > 0 || slots.held_now() > 0;
             if free == 0
                 || (busy
                     && free
