@@ -38,6 +38,7 @@ use keel_core::retry::{self, ErrorClass, FailureKind, FailurePlan, RefusedCommit
 use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -725,7 +726,7 @@ impl QueueSlots {
         QueueSlots {
             name: name.to_owned(),
             concurrency,
-            held: Arc::new(Semaphore::new(concurrency.saturating_add(Self::spare(concurrency)))),
+            held: Arc::new(Semaphore::new(Self::held_max(concurrency))),
             pace: Arc::new(Pace {
                 running: Arc::new(Semaphore::new(concurrency)),
                 waiting: AtomicUsize::new(0),
@@ -742,8 +743,12 @@ impl QueueSlots {
     /// The leases this queue holds now: steps running, waiting to run, or waiting for
     /// their group commit.
     fn held_now(&self) -> usize {
-        (self.concurrency.saturating_add(Self::spare(self.concurrency)))
-            .saturating_sub(self.held.available_permits())
+        Self::held_max(self.concurrency).saturating_sub(self.held.available_permits())
+    }
+
+    /// The most leases a queue holds at once: its concurrency and its spare leases.
+    fn held_max(concurrency: usize) -> usize {
+        concurrency.saturating_add(Self::spare(concurrency))
     }
 
     /// How many more steps this queue can start now.
@@ -1022,6 +1027,17 @@ fn stop_in_flight<S, C>(
         .collect()
 }
 
+/// The in-flight entry of one claim: the instance's entry if it still holds that claim's
+/// token. An instance whose commit landed may already be claimed again, under a newer
+/// token, before the older claim's group settled; that entry is not the older claim's.
+fn claim_entry(
+    in_flight: &mut HashMap<InstanceId, InFlight>,
+    id: InstanceId,
+    token: FencingToken,
+) -> Option<&mut InFlight> {
+    in_flight.get_mut(&id).filter(|e| e.token == token)
+}
+
 async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceId, FencingToken)>) {
     let n = leases.len() as u64;
     match inner.store.lease_release(LeaseReleaseParams { leases, now: inner.clock.now() }).await {
@@ -1053,10 +1069,6 @@ fn context_of(claim: &Claim) -> StepContext {
     }
 }
 
-/// The parents of the claimed steps whose machine asks for one
-/// ([`StepMachine::wants_parent`]), read in one `instance_rows` call per claim rather than
-/// one read per step. A failed read leaves them out: those steps run without the
-/// lock-free pre-check, which only ever saves work.
 /// Starts claimed steps, each holding a lease slot of its queue and either a running slot
 /// or, with `ahead`, a place in line for one; a claim with no slot to hold it is released
 /// at once. Each step is registered in flight before its task is spawned, so the heartbeat
@@ -1086,6 +1098,10 @@ async fn launch<S: Store, C: Clock>(
     }
 }
 
+/// The parents of the claimed steps whose machine asks for one
+/// ([`StepMachine::wants_parent`]), read in one `instance_rows` call per claim rather than
+/// one read per step. A failed read leaves them out: those steps run without the
+/// lock-free pre-check, which only ever saves work.
 async fn parents_of<S: Store, C: Clock>(
     inner: &Inner<S, C>,
     claims: &[Claim],
@@ -1122,8 +1138,8 @@ async fn run_step<S: Store, C: Clock>(
         RunSlot::Ahead(waiting) => {
             let running = waiting.start().await;
             let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
-            match in_flight.get_mut(&claim.instance.id) {
-                Some(entry) if entry.token == claim.token() => entry.waiting = false,
+            match claim_entry(&mut in_flight, claim.instance.id, claim.token()) {
+                Some(entry) => entry.waiting = false,
                 // Shutdown gave its lease back while it waited.
                 _ => return,
             }
@@ -1454,9 +1470,7 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, batch: Vec<Finished>) {
     {
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         for f in batch {
-            if let Some(entry) = in_flight.get_mut(&f.commit.id)
-                && entry.token == f.origin.claim.token()
-            {
+            if let Some(entry) = claim_entry(&mut in_flight, f.commit.id, f.origin.claim.token()) {
                 entry.committing = true;
             }
         }
@@ -1495,9 +1509,10 @@ impl<S, C> Drop for Settled<'_, S, C> {
             // claimed again (its next step) before the group settled, and that claim's
             // entry must stay, or its step would never start and its lease never extend.
             for f in &self.batch {
-                let id = f.commit.id;
-                if in_flight.get(&id).is_some_and(|e| e.token == f.origin.claim.token()) {
-                    in_flight.remove(&id);
+                if let Entry::Occupied(entry) = in_flight.entry(f.commit.id)
+                    && entry.get().token == f.origin.claim.token()
+                {
+                    entry.remove();
                 }
             }
         }
