@@ -37,7 +37,7 @@ use keel_core::limits;
 use keel_core::ports::store::{TimerNextDueParams, TimerSweepParams, TimerSweepReport};
 use keel_core::ports::{Clock, Store};
 use keel_core::{StoreResult, Timestamp};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -58,10 +58,12 @@ pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
 /// How long a group waits before trying again after a store call failed.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// How old a ready-backlog reading the run loop may reuse for its next sweep. Reading the
-/// backlog counts the instance table, and sweeps that follow each other closely (timers
-/// falling due in a steady stream) need not count it each time; backpressure is a
-/// heuristic that a one-second-old count serves as well.
+/// How old a ready-backlog reading a sweep may reuse. Reading the backlog counts the
+/// instance table (tens of milliseconds with tens of thousands of live instances), and
+/// sweeps that follow each other closely (timers falling due in a steady stream, a burst
+/// swept batch after batch) need not count it each time; backpressure is a heuristic that
+/// a one-second-old count serves as well. A reading above the threshold is never reused:
+/// the sweep after a skipped one counts again.
 pub const BACKLOG_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// Machines swept together.
@@ -167,13 +169,15 @@ pub struct Sweeper<S, C> {
     store: Arc<S>,
     clock: C,
     config: SweepConfig,
+    /// The last ready-backlog reading that let a sweep run, and when it was taken.
+    backlog: Mutex<Option<(Instant, u64)>>,
 }
 
 impl<S: Store, C: Clock> Sweeper<S, C> {
     /// A sweeper; `config` must pass [`SweepConfig::validate`].
     pub fn new(store: Arc<S>, clock: C, config: SweepConfig) -> Result<Self, String> {
         config.validate()?;
-        Ok(Sweeper { store, clock, config })
+        Ok(Sweeper { store, clock, config, backlog: Mutex::new(None) })
     }
 
     /// The configuration.
@@ -181,17 +185,29 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         &self.config
     }
 
-    /// One sweep of `machines` (empty = all) at the clock's current time.
+    /// One sweep of `machines` (empty = all) at the clock's current time. The ready
+    /// backlog is counted first, unless a reading younger than [`BACKLOG_MAX_AGE`] let
+    /// the previous sweep run.
     pub async fn sweep(&self, machines: &[String]) -> StoreResult<SweepOutcome> {
         let now = self.clock.now();
         let backlog = self.backlog(now).await?;
         self.sweep_with_backlog(machines, backlog, now).await
     }
 
-    /// The ready backlog that backpressure compares with its threshold.
+    /// The ready backlog that backpressure compares with its threshold: a recent reading
+    /// at or below the threshold, else a fresh count.
     async fn backlog(&self, now: Timestamp) -> StoreResult<u64> {
+        let recent = *self.backlog.lock().expect("backlog reading lock");
+        if let Some((read_at, n)) = recent
+            && read_at.elapsed() < BACKLOG_MAX_AGE
+        {
+            return Ok(n);
+        }
         let stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
-        Ok(stats.iter().map(|q| q.ready).sum())
+        let n = stats.iter().map(|q| q.ready).sum();
+        let keep = (n <= self.config.backpressure_threshold).then(|| (Instant::now(), n));
+        *self.backlog.lock().expect("backlog reading lock") = keep;
+        Ok(n)
     }
 
     /// One sweep at `now`, given the ready backlog.
@@ -263,7 +279,6 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     /// [`RETRY_AFTER`]; they never end the loop.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut plans = vec![GroupPlan::default(); self.config.groups.len()];
-        let mut backlog: Option<(Instant, u64)> = None;
         let mut cursor = 0;
         let mut hints = self.store.timer_hint_wait(cursor);
         while !*shutdown.borrow() {
@@ -276,7 +291,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
                 .min_by_key(|(_, at)| *at)
                 .expect("at least one group");
             if at <= now {
-                self.sweep_group(i, &mut plans[i], &mut backlog).await;
+                self.sweep_group(i, &mut plans[i]).await;
                 continue;
             }
             tokio::select! {
@@ -294,27 +309,12 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         }
     }
 
-    /// Sweeps group `i` and learns its next due time; `backlog` is the last ready-backlog
-    /// reading, reused while younger than [`BACKLOG_MAX_AGE`].
-    async fn sweep_group(
-        &self,
-        i: usize,
-        plan: &mut GroupPlan,
-        backlog: &mut Option<(Instant, u64)>,
-    ) {
+    /// Sweeps group `i` and learns its next due time.
+    async fn sweep_group(&self, i: usize, plan: &mut GroupPlan) {
         let machines = &self.config.groups[i].machines;
         plan.last = Some(Instant::now());
         plan.skipped = false;
-        let now = self.clock.now();
-        let reading = match *backlog {
-            Some((read_at, n)) if read_at.elapsed() < BACKLOG_MAX_AGE => Ok(n),
-            _ => self.backlog(now).await.inspect(|n| *backlog = Some((Instant::now(), *n))),
-        };
-        let outcome = match reading {
-            Ok(n) => self.sweep_with_backlog(machines, n, now).await,
-            Err(e) => Err(e),
-        };
-        match outcome {
+        match self.sweep(machines).await {
             Ok(SweepOutcome::Skipped { .. }) => {
                 plan.skipped = true;
                 plan.due = None;

@@ -1,6 +1,7 @@
 //! The sweeper on `MemoryStore` + `VirtualClock`: batching, backpressure (skipped and
-//! logged, fired on the next sweep below the threshold), configuration bounds, the
-//! cadence loop, and the run loop's sleeping until the earliest due time.
+//! logged, fired on the next sweep below the threshold; a recent reading reused),
+//! configuration bounds, the cadence loop, and the run loop's sleeping until the earliest
+//! due time.
 
 use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::instance::{ANY_SIGNAL, NewInstance};
@@ -188,6 +189,38 @@ async fn backpressure_skips_and_logs_then_fires_below_the_threshold() {
     };
     store.instance_cancel(params).await.unwrap();
     assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 5);
+}
+
+/// A sweep right after one that the backlog let run reuses that reading instead of
+/// counting the instance table again; once the reading is older than `BACKLOG_MAX_AGE`
+/// the sweep counts again and sees the new backlog.
+#[tokio::test(start_paused = true)]
+async fn a_backlog_reading_that_let_a_sweep_run_is_reused_for_a_second() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let config = SweepConfig { backpressure_threshold: 3, ..SweepConfig::default() };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    with_timers(&store, "m", 2, clock.now()).await;
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 2, "backlog 0: the sweep runs");
+
+    // Four ready instances appear, over the threshold of 3.
+    let backlog: Vec<NewInstance> =
+        (0..4).map(|_| NewInstance::new(MachineRef::new("busy", 1), "go")).collect();
+    let params = keel_core::ports::store::InsertParams { instances: backlog, now: clock.now() };
+    store.instance_insert(params).await.unwrap();
+    with_timers(&store, "m", 2, clock.now()).await;
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 2, "the reading of 0 is reused");
+
+    with_timers(&store, "m", 2, clock.now()).await;
+    clock.advance(Duration::from_secs(5));
+    tokio::time::advance(keel_timers::BACKLOG_MAX_AGE).await;
+    let outcome = sweeper.sweep(&[]).await.unwrap();
+    assert!(
+        matches!(outcome, SweepOutcome::Skipped { backlog } if backlog >= 4),
+        "a second later the backlog is counted again: {outcome:?}"
+    );
 }
 
 #[test]
