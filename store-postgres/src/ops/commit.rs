@@ -38,7 +38,7 @@ const AWAIT_CHECK: &str = "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(
 /// `base_priority`), the most urgent priority among the signals the commit leaves unread.
 /// Where the two are equal no pending signal is more urgent than the base, so the commit
 /// keeps the base without asking.
-const PENDING_PRIORITY: &str = "SELECT s.target_id, min(s.priority) FROM signals s \
+pub(crate) const PENDING_PRIORITY: &str = "SELECT s.target_id, min(s.priority) FROM signals s \
     JOIN instances i ON i.id = s.target_id AND i.priority <> i.base_priority \
     WHERE s.target_id = ANY($1::int8[]) AND s.priority IS NOT NULL \
       AND NOT EXISTS (SELECT 1 FROM unnest($2::int8[], $3::int8[]) AS x(t, s) \

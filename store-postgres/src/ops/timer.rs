@@ -235,7 +235,7 @@ pub(crate) fn list(found: &[Row]) -> Result<Vec<TimerRow>, StoreError> {
 /// its timers, the sweep the other way round), so it cannot deadlock with commits or other
 /// sweeps; a timer whose instance is busy (`held` false, instance present) is left for the
 /// next sweep and not counted. The instance columns start at column [`DUE_INSTANCE`].
-static DUE: LazyLock<String> = LazyLock::new(due_sql);
+pub(crate) static DUE: LazyLock<String> = LazyLock::new(due_sql);
 
 /// Where the instance columns start in a [`DUE`] row.
 const DUE_INSTANCE: usize = 11;

@@ -1,0 +1,66 @@
+//! The hot path's plans read by index even when they are made on empty tables.
+//!
+//! A hot-path transaction's statements keep their generic plan for the life of the
+//! connection, and a batch over more rows is planned on the spot against whatever the
+//! tables hold. On an empty `signals` or `timers` table the planner would pick a
+//! sequential scan, which every later commit then runs against the grown table. These
+//! plans are made on a fresh schema, the worst case, in a transaction opened the way the
+//! store opens its hot-path transactions.
+
+use super::{begin_hot, commit, signal, timer};
+use crate::testing;
+
+/// The plan `EXPLAIN EXECUTE` shows for `sql` with the arguments `args`.
+async fn plan(c: &deadpool_postgres::Client, sql: &str, args: &str) -> String {
+    c.batch_execute(&format!("PREPARE hot AS {sql}")).await.expect("prepare");
+    let rows = c.query(&format!("EXPLAIN EXECUTE hot({args})"), &[]).await.expect("explain");
+    c.batch_execute("DEALLOCATE hot").await.expect("deallocate");
+    rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n")
+}
+
+#[tokio::test]
+async fn hot_statements_read_by_index_on_empty_tables() {
+    let Some(store) = testing::fresh_schema().await else {
+        assert!(
+            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset"
+        );
+        eprintln!("SKIPPED: a Postgres test: KEEL_TEST_DATABASE_URL is unset");
+        return;
+    };
+    let c = store.client().await.expect("a connection");
+    // One row: the generic plan. A thousand: a custom plan for arrays of that length.
+    for rows in [1usize, 1_000] {
+        begin_hot(&c, rows).await.expect("begin");
+        let ids = format!("array_fill(1::int8, ARRAY[{rows}])");
+        let names = format!("array_fill('s'::text, ARRAY[{rows}])");
+        let none = "'{}'";
+        let cases = [
+            ("an inbox's pending signals", signal::PENDING, format!("{ids}, {ids}, {ids}, 4")),
+            ("consumed signals removed", signal::REMOVE, format!("{ids}, {ids}")),
+            ("pending signal priority", commit::PENDING_PRIORITY, format!("{ids}, {ids}, {ids}")),
+            (
+                "a commit's timer changes",
+                timer::CHANGE,
+                format!(
+                    "{ids}, {names}, {ids}, {none}, {none}, {none}, {none}, {none}, {none}, {none}, now()"
+                ),
+            ),
+            (
+                "the due timers of a sweep",
+                timer::DUE.as_str(),
+                format!("now(), NULL, {none}, {rows}"),
+            ),
+        ];
+        for (what, sql, args) in cases {
+            let shown = plan(&c, sql, &args).await;
+            for table in ["signals", "timers", "instances"] {
+                assert!(
+                    !shown.contains(&format!("Seq Scan on {table}")),
+                    "{what} ({rows} rows) scans all of {table}:\n{shown}"
+                );
+            }
+        }
+        c.batch_execute("ROLLBACK").await.expect("rollback");
+    }
+}
