@@ -34,7 +34,8 @@
 //!   `timers` (one row per armed timer: owning `state`, the `TimerArm` as `spec jsonb`,
 //!   `next_fire_at`, `fire_count`), indexed `(next_fire_at, id)` for the sweep and
 //!   `(instance_id, next_fire_at, id)` per instance; `timer_sweeps` (last sweep time per
-//!   namespace-or-`*` × machine-or-`*`).
+//!   namespace-or-`*` × machine-or-`*`; a sweep skips the row while another sweep holds
+//!   it, so sweepers never queue for it).
 //!
 //! # How the contracts are enforced
 //!

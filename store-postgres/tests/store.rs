@@ -609,3 +609,52 @@ async fn a_key_scoped_to_executing_only_runs_one_at_a_time() {
     .unwrap();
     assert_eq!(s.instance_claim(claim_params(10, T0)).await.unwrap().len(), 1);
 }
+
+/// Every sweeper of all machines notes its sweep in one row; a sweep must not wait for
+/// another sweep's transaction that holds it.
+#[tokio::test]
+async fn a_sweep_does_not_wait_for_another_sweep_noting_its_time() {
+    use keel_core::chart::{TimerArm, TimerKind};
+    use keel_core::ports::store::TimerSweepParams;
+    let Some(s) = common::store().await else { return };
+    let sweep = |now: Timestamp| {
+        s.timer_sweep(TimerSweepParams { namespace: None, machines: vec![], limit: 100, now })
+    };
+    let id = insert(&s, vec![new("wait")]).await[0].id();
+    let c = s.instance_claim(claim_params(1, T0)).await.unwrap().remove(0);
+    let mut park = StepCommit::new(
+        id,
+        c.token(),
+        Outcome::Await { signal: "*".into(), context: json!({}), step: None },
+    );
+    park.timers_arm = vec![TimerArm {
+        state: "wait".into(),
+        event: "WAKE".into(),
+        kind: TimerKind::After,
+        interval: Duration::from_secs(1),
+        max: None,
+        then: None,
+    }];
+    commit_one(&s, park).await.unwrap();
+    assert_eq!(sweep(T0).await.unwrap().fired, 0, "nothing due yet; the sweep is noted");
+
+    // Another sweep's transaction holds the row.
+    let holder = s.client().await.unwrap();
+    holder.batch_execute("BEGIN; SELECT * FROM timer_sweeps FOR UPDATE").await.unwrap();
+    let later = T0.plus(Duration::from_secs(2));
+    let report = tokio::time::timeout(Duration::from_secs(10), sweep(later))
+        .await
+        .expect("the sweep waited for another sweep's lock")
+        .unwrap();
+    assert_eq!(report.fired, 1);
+    holder.batch_execute("ROLLBACK").await.unwrap();
+
+    let later = T0.plus(Duration::from_secs(3));
+    sweep(later).await.unwrap();
+    let noted: i64 = holder
+        .query_one("SELECT (extract(epoch FROM swept_at) * 1000)::int8 FROM timer_sweeps", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(noted, later.0, "a sweep with the row free notes its time");
+}

@@ -346,9 +346,24 @@ const ADVANCE: &str = "UPDATE timers t SET fire_count = u.n, next_fire_at = u.du
 
 const DELETE: &str = "DELETE FROM timers WHERE id = ANY($1::int8[])";
 
-const SWEPT: &str = "INSERT INTO timer_sweeps (namespace, machine, swept_at) \
-    SELECT $1, m, $3 FROM unnest($2::text[]) AS m \
-    ON CONFLICT (namespace, machine) DO UPDATE SET swept_at = excluded.swept_at";
+/// Notes the sweep time of each swept scope. Every sweeper of a scope writes the same row,
+/// so a row another sweep holds is left to it (`SKIP LOCKED`: that sweep notes about the
+/// same time) instead of waiting for its commit; sweeps never queue behind one another
+/// here. A scope swept for the first time gets its row.
+const SWEPT: &str = "WITH scope AS (SELECT $1::text AS ns, m FROM unnest($2::text[]) AS m), \
+    free AS ( \
+      SELECT s.namespace, s.machine FROM timer_sweeps s \
+      JOIN scope ON s.namespace = scope.ns AND s.machine = scope.m \
+      FOR UPDATE OF s SKIP LOCKED \
+    ), noted AS ( \
+      UPDATE timer_sweeps s SET swept_at = $3 FROM free \
+      WHERE s.namespace = free.namespace AND s.machine = free.machine \
+    ) \
+    INSERT INTO timer_sweeps (namespace, machine, swept_at) \
+    SELECT scope.ns, scope.m, $3 FROM scope \
+    WHERE NOT EXISTS (SELECT 1 FROM timer_sweeps s \
+                      WHERE s.namespace = scope.ns AND s.machine = scope.m) \
+    ON CONFLICT (namespace, machine) DO NOTHING";
 
 /// One sweep transaction: pick the due timers with their instances (skipping other
 /// sweeps' picks and busy instances; each instance locked and read once), plan the firing
