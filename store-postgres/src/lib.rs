@@ -24,7 +24,9 @@
 //!   `unique_scope status[]` feed a generated `unique_guard` column (the key while the status
 //!   is in scope, else NULL) under the partial unique index `instances_unique`.
 //!   Partial hot indexes: `instances_pick` (runnable rows, claim order), `instances_lease`
-//!   and `instances_lease_owner` (executing rows, for the reaper), `instances_concurrency`
+//!   (executing rows by lease expiry, for the reaper, which also finds a restarted
+//!   worker's leases there: V10 dropped the by-owner index that cost every claim one more
+//!   index insert), `instances_concurrency`
 //!   (unique on `concurrency_key` over executing rows), `instances_parent`,
 //!   `instances_business_key`.
 //! - `signals`: the inbox, `unique (target_id, dedup_key)`, ids in arrival order.
