@@ -436,9 +436,11 @@ pub async fn timers(factory: &Factory, n: usize) -> Result<Report> {
         if SystemClock.now() > due {
             bail!("timers: arming took longer than the lead time; lower --timers");
         }
+        // The default two batches in flight; five batches per call, so that lateness is
+        // sampled every 5 000 timers.
         let config = SweepConfig {
             batch: 1_000,
-            batches_per_sweep: 1,
+            batches_per_sweep: 5,
             backpressure_threshold: u64::MAX,
             ..SweepConfig::default()
         };
@@ -487,7 +489,9 @@ pub async fn timers(factory: &Factory, n: usize) -> Result<Report> {
     });
     Ok(Report {
         name: "timers",
-        title: format!("{n} timers due at the same instant, swept in batches of 1 000"),
+        title: format!(
+            "{n} timers due at the same instant, swept in batches of 1 000 (two at a time after a sweep's first)"
+        ),
         columns: vec!["timers", "seconds until the last fired", "seconds until the last woken step committed", "lateness p50 ms", "lateness p99 ms", "early"],
         rows: vec![vec![json!(n), json!(total.as_secs_f64()), json!(ran.as_secs_f64()), json!(quantile(&late, 0.5)), json!(quantile(&late, 0.99)), json!(0)]],
         notes: vec!["targets: all fired and their steps committed within 2.5 s of due on PostgreSQL, within 5 s on SQLite; none early (a sweep never fires a timer before it is due)".into()],

@@ -4,7 +4,9 @@
 //! states. A [`Sweeper`] fires the due ones: it asks the store to fire up to `batch`
 //! due timers at a time (`Store::timer_sweep`: one transaction per batch, each fire
 //! delivered into the instance's inbox under the dedup key `timer:{id}:{n}`), until a
-//! batch comes back short or the per-sweep bound is reached. Two sweepers running at once,
+//! batch comes back short or the per-sweep bound is reached. After a sweep's first batch
+//! the next ones run `batches_in_flight` at a time, so a burst of due timers is fired in
+//! parallel transactions that pick disjoint timers. Two sweepers running at once,
 //! or a sweep re-run after a crash, never deliver a fire twice — the store's dedup keys and
 //! row locks see to that — so a deployment may run the sweeper on every worker or on
 //! dedicated nodes.
@@ -41,6 +43,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+/// The most batches of one sweep that may run at once ([`SweepConfig::batches_in_flight`]).
+pub const BATCHES_IN_FLIGHT_MAX: usize = 16;
 
 /// The shortest cadence a group may have.
 pub const CADENCE_MIN: Duration = Duration::from_millis(100);
@@ -92,6 +97,13 @@ pub struct SweepConfig {
     pub batch: usize,
     /// Most batches one sweep runs before the group pauses for [`SWEEP_GAP`] (default 100).
     pub batches_per_sweep: usize,
+    /// Most batches of one sweep running at once (default 2, at most
+    /// [`BATCHES_IN_FLIGHT_MAX`]). A sweep runs its first batch alone; while batches come
+    /// back full, the next ones run this many at a time, each its own store call (on
+    /// PostgreSQL its own connection and transaction; the batches pick disjoint timers).
+    /// A burst of due timers is then fired sooner, at the cost of that many connections
+    /// busy at once; a store with one writer (SQLite, memory) runs them one after another.
+    pub batches_in_flight: usize,
     /// Skip a sweep while more than this many instances are ready to run (default 10 000).
     pub backpressure_threshold: u64,
 }
@@ -103,6 +115,7 @@ impl Default for SweepConfig {
             groups: vec![SweepGroup { machines: Vec::new(), cadence: Duration::from_secs(60) }],
             batch: 100,
             batches_per_sweep: 100,
+            batches_in_flight: 2,
             backpressure_threshold: 10_000,
         }
     }
@@ -120,6 +133,12 @@ impl SweepConfig {
         }
         if self.batches_per_sweep == 0 {
             return Err("timers.batches_per_sweep: must be at least 1".to_owned());
+        }
+        if self.batches_in_flight == 0 || self.batches_in_flight > BATCHES_IN_FLIGHT_MAX {
+            return Err(format!(
+                "timers.batches_in_flight: must be 1 to {BATCHES_IN_FLIGHT_MAX} (got {})",
+                self.batches_in_flight
+            ));
         }
         if self.groups.is_empty() {
             return Err(
@@ -227,21 +246,43 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         }
         let mut total = TimerSweepReport::default();
         let mut batches = 0;
+        // The first batch alone (most sweeps find less than one batch due), then waves.
+        let mut wave = 1;
         while batches < self.config.batches_per_sweep {
+            let n = wave.min(self.config.batches_per_sweep - batches);
             let params = TimerSweepParams {
                 namespace: self.config.namespace.clone(),
                 machines: machines.to_vec(),
                 limit: self.config.batch,
                 now,
             };
-            let report = self.store.timer_sweep(params).await?;
-            batches += 1;
-            total.fired += report.fired;
-            total.exhausted += report.exhausted;
-            total.processed += report.processed;
-            if report.processed < self.config.batch as u64 {
+            let mut calls = tokio::task::JoinSet::new();
+            for _ in 0..n {
+                let (store, params) = (Arc::clone(&self.store), params.clone());
+                calls.spawn(async move { store.timer_sweep(params).await });
+            }
+            // Every call of the wave finishes (none is dropped mid-transaction) before an
+            // error is returned; a panic in one goes on as a panic of the sweep.
+            let (mut short, mut failed) = (false, None);
+            while let Some(joined) = calls.join_next().await {
+                match joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) {
+                    Ok(report) => {
+                        total.fired += report.fired;
+                        total.exhausted += report.exhausted;
+                        total.processed += report.processed;
+                        short |= report.processed < self.config.batch as u64;
+                    }
+                    Err(e) => failed = failed.or(Some(e)),
+                }
+            }
+            batches += n;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if short {
                 break;
             }
+            wave = self.config.batches_in_flight;
         }
         metrics::counter!("keel_timers_fired_total").increment(total.fired);
         if total.processed > 0 {

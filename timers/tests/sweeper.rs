@@ -1,4 +1,4 @@
-//! The sweeper on `MemoryStore` + `VirtualClock`: batching, backpressure (skipped and
+//! The sweeper on `MemoryStore` + `VirtualClock`: batching (in waves), backpressure (skipped and
 //! logged, fired on the next sweep below the threshold; a recent reading reused),
 //! configuration bounds, the cadence loop, and the run loop's sleeping until the earliest
 //! due time.
@@ -108,6 +108,37 @@ async fn a_sweep_fires_everything_due_in_bounded_batches() {
     clock.advance(Duration::from_secs(1));
     assert_eq!(fired(bounded.sweep(&[]).await.unwrap()), 20, "a sweep stops at its batch bound");
     assert_eq!(fired(bounded.sweep(&[]).await.unwrap()), 10, "the rest fire on the next sweep");
+}
+
+/// After its first batch, a sweep runs its batches `batches_in_flight` at a time, within
+/// its per-sweep bound, and fires every due timer exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_is_swept_in_waves_of_batches_each_timer_once() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let ids = with_timers(&store, "m", 95, clock.now()).await;
+    let config = SweepConfig {
+        batch: 10,
+        batches_per_sweep: 6,
+        batches_in_flight: 3,
+        ..SweepConfig::default()
+    };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    clock.advance(Duration::from_secs(1));
+    // One batch, then a wave of three, then the last two the bound leaves.
+    match sweeper.sweep(&[]).await.unwrap() {
+        SweepOutcome::Swept { report, batches } => assert_eq!((report.fired, batches), (60, 6)),
+        other @ SweepOutcome::Skipped { .. } => panic!("{other:?}"),
+    }
+    // 35 left: one batch, then a wave of three, one of which comes back short.
+    match sweeper.sweep(&[]).await.unwrap() {
+        SweepOutcome::Swept { report, batches } => assert_eq!((report.fired, batches), (35, 4)),
+        other @ SweepOutcome::Skipped { .. } => panic!("{other:?}"),
+    }
+    for id in ids {
+        let inbox = store.instance_get(id).await.unwrap().inbox;
+        assert_eq!(inbox.len(), 1, "instance {id:?} woken once: {inbox:?}");
+    }
 }
 
 #[tokio::test]
@@ -233,6 +264,14 @@ fn configuration_bounds_name_the_field() {
         (
             SweepConfig { batches_per_sweep: 0, ..SweepConfig::default() },
             "timers.batches_per_sweep: must be at least 1",
+        ),
+        (
+            SweepConfig { batches_in_flight: 0, ..SweepConfig::default() },
+            "timers.batches_in_flight: must be 1 to 16 (got 0)",
+        ),
+        (
+            SweepConfig { batches_in_flight: 17, ..SweepConfig::default() },
+            "timers.batches_in_flight: must be 1 to 16 (got 17)",
         ),
         (
             SweepConfig { groups: vec![], ..SweepConfig::default() },
