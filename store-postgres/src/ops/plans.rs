@@ -9,6 +9,7 @@
 
 use super::{begin_hot, commit, signal, timer};
 use crate::testing;
+use keel_testkit::conformance::{REQUIRE_BACKENDS_VAR, skip_notice};
 
 /// The plan `EXPLAIN EXECUTE` shows for `sql` with the arguments `args`.
 async fn plan(c: &deadpool_postgres::Client, sql: &str, args: &str) -> String {
@@ -22,10 +23,11 @@ async fn plan(c: &deadpool_postgres::Client, sql: &str, args: &str) -> String {
 async fn hot_statements_read_by_index_on_empty_tables() {
     let Some(store) = testing::fresh_schema().await else {
         assert!(
-            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
-            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset"
+            std::env::var(REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
+            "{REQUIRE_BACKENDS_VAR}=1 but {} is unset; set it to run this test",
+            testing::DATABASE_URL_VAR
         );
-        eprintln!("SKIPPED: a Postgres test: KEEL_TEST_DATABASE_URL is unset");
+        skip_notice("SKIPPED: a Postgres test: KEEL_TEST_DATABASE_URL is unset");
         return;
     };
     let c = store.client().await.expect("a connection");

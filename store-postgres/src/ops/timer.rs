@@ -349,7 +349,9 @@ const DELETE: &str = "DELETE FROM timers WHERE id = ANY($1::int8[])";
 /// Notes the sweep time of each swept scope. Every sweeper of a scope writes the same row,
 /// so a row another sweep holds is left to it (`SKIP LOCKED`: that sweep notes about the
 /// same time) instead of waiting for its commit; sweeps never queue behind one another
-/// here. A scope swept for the first time gets its row.
+/// here. A scope swept for the first time gets its row. The insert is guarded by
+/// `NOT EXISTS` as well as `ON CONFLICT`: the conflict check alone would wait for a sweep
+/// whose transaction updated the row and has not committed yet.
 const SWEPT: &str = "WITH scope AS (SELECT $1::text AS ns, m FROM unnest($2::text[]) AS m), \
     free AS ( \
       SELECT s.namespace, s.machine FROM timer_sweeps s \
