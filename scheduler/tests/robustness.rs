@@ -646,6 +646,21 @@ async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: Tes
     };
     let worker = h.worker(config, ShortSteps);
     h.wait(id, "the panicking commit", |_| h.store.calls("step_commit") >= 1).await;
+    // The call is counted before it panics, and the panic hook (printing a backtrace, slow
+    // in a fresh test process) runs before the committer sees the panic: wait for the
+    // committer's report, then a moment for the group to leave the running set, before
+    // moving the clock past the lease. Advancing earlier would let the heartbeat extend
+    // the lease from the new time.
+    let reported = |worker: &keel_scheduler::WorkerHandle| {
+        worker.health().get(WorkerLoop::Committer).and_then(|c| c.last_error.clone()).is_some()
+    };
+    for _ in 0..3_000 {
+        if reported(&worker) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(reported(&worker), "the committer did not report the panicking commit");
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(h.status(id).await, Status::Executing, "its result was lost with the panic");
     // Well past the lease: nothing extends it any more, so the reaper takes it back.
