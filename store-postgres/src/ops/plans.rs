@@ -7,14 +7,15 @@
 //! plans are made on a fresh schema, the worst case, in a transaction opened the way the
 //! store opens its hot-path transactions.
 
-use super::{begin_hot, commit, signal, timer};
+use super::{begin_hot, claim, commit, signal, timer};
 use crate::testing;
 use keel_testkit::conformance::{REQUIRE_BACKENDS_VAR, skip_notice};
 
 /// The plan `EXPLAIN EXECUTE` shows for `sql` with the arguments `args`.
 async fn plan(c: &deadpool_postgres::Client, sql: &str, args: &str) -> String {
     c.batch_execute(&format!("PREPARE hot AS {sql}")).await.expect("prepare");
-    let rows = c.query(&format!("EXPLAIN EXECUTE hot({args})"), &[]).await.expect("explain");
+    let call = if args.is_empty() { "hot".to_owned() } else { format!("hot({args})") };
+    let rows = c.query(&format!("EXPLAIN EXECUTE {call}"), &[]).await.expect("explain");
     c.batch_execute("DEALLOCATE hot").await.expect("deallocate");
     rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n")
 }
@@ -65,4 +66,30 @@ async fn hot_statements_read_by_index_on_empty_tables() {
         }
         c.batch_execute("ROLLBACK").await.expect("rollback");
     }
+}
+
+/// The probe an empty claim asks (is a row with a concurrency key ready?) has a generic
+/// plan that reads a keyed-only index, even on empty tables: PostgreSQL keeps it rather
+/// than planning each call, and it never scans the table.
+#[tokio::test]
+async fn the_keyed_row_probe_reads_an_index_with_its_generic_plan() {
+    let Some(store) = testing::fresh_schema().await else {
+        assert!(
+            std::env::var(REQUIRE_BACKENDS_VAR).as_deref() != Ok("1"),
+            "{REQUIRE_BACKENDS_VAR}=1 but {} is unset; set it to run this test",
+            testing::DATABASE_URL_VAR
+        );
+        skip_notice("SKIPPED: a Postgres test: KEEL_TEST_DATABASE_URL is unset");
+        return;
+    };
+    let c = store.client().await.expect("a connection");
+    begin_hot(&c, 1).await.expect("begin");
+    let by_queue = plan(&c, claim::KEYED_READY_IN, "ARRAY['default']").await;
+    assert!(by_queue.contains("queue = ANY ($1)"), "not the generic plan:\n{by_queue}");
+    let any = plan(&c, claim::KEYED_READY_ANY, "").await;
+    for shown in [&by_queue, &any] {
+        assert!(!shown.contains("Seq Scan"), "the probe scans the table:\n{shown}");
+        assert!(shown.contains("Index"), "the probe reads no index:\n{shown}");
+    }
+    c.batch_execute("ROLLBACK").await.expect("rollback");
 }
