@@ -81,13 +81,19 @@ impl PgStore {
 /// The store's shared wake-ups for [`keel_core::ports::Store::ready_wait`] and
 /// [`keel_core::ports::Store::timer_hint_wait`]: one listening connection per store (opened
 /// on the first wait, reopened after it drops). A ready notification wakes every current
-/// waiter and leaves a permit for the next one, so a NOTIFY that lands between a worker's
-/// claim and its wait is not lost; a timer hint goes into the hint log that every sweeper
+/// waiter; when nobody waits, it leaves a permit for the next wait, so a NOTIFY that lands
+/// between a worker's claim and its wait is not lost. It leaves no permit when it woke a
+/// waiter: that waiter claims after the notice, and a permit would only make its next
+/// wait return at once for an empty claim (one per notice on a quiet worker). A second
+/// claim loop on the same store that was busy at that moment relies on the woken one, or
+/// on its next poll, for that notice's work. A timer hint goes into the hint log that every sweeper
 /// reads with its own cursor. Opening the connection logs a gap, since hints sent before
 /// the LISTEN took effect were never heard.
 #[derive(Debug, Default)]
 pub(crate) struct WakeHub {
     ready: tokio::sync::Notify,
+    /// Calls of `wait_ready` under way (registered for `ready`, not yet returned).
+    ready_waiting: std::sync::atomic::AtomicUsize,
     /// Held while (re)connecting, so concurrent waiters open one connection.
     connecting: tokio::sync::Mutex<()>,
     /// The listening connection's client while the connection is open.
@@ -101,7 +107,9 @@ pub(crate) struct WakeHub {
 impl WakeHub {
     fn wake(&self) {
         self.ready.notify_waiters();
-        self.ready.notify_one();
+        if self.ready_waiting.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            self.ready.notify_one();
+        }
     }
 
     fn hint(&self, due: Option<Timestamp>) {
@@ -140,7 +148,9 @@ impl WakeHub {
 impl PgStore {
     /// Resolves on the next ready NOTIFY on [`PgStore::channel`] (or a stored one).
     pub(crate) async fn wait_ready(&self) {
+        // Created before the count goes up: a wake-up in between still reaches it.
         let notified = self.wake.ready.notified();
+        let _waiting = ReadyWaiting::new(&self.wake.ready_waiting);
         if let Err(e) = self.ensure_listening().await {
             // Without a listener only polling finds work; do not spin on a dead server.
             let _ = e;
@@ -212,5 +222,22 @@ impl PgStore {
         // Hints sent before the LISTEN took effect were not heard.
         self.wake.hint(None);
         Ok(())
+    }
+}
+
+/// One call of `wait_ready` counted while it lasts, however it ends (resolved, or dropped
+/// by a caller that stopped waiting).
+struct ReadyWaiting<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> ReadyWaiting<'a> {
+    fn new(count: &'a std::sync::atomic::AtomicUsize) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ReadyWaiting(count)
+    }
+}
+
+impl Drop for ReadyWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }

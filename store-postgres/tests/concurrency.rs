@@ -549,8 +549,8 @@ async fn timer_sweeps_race_deliveries_fire_each_once() {
     }
 }
 
-/// `ready_wait` resolves on another handle's NOTIFY (an insert), and keeps a permit for a
-/// wake-up that lands while nobody waits.
+/// `ready_wait` resolves on another handle's NOTIFY (an insert), keeps a permit for a
+/// wake-up that lands while nobody waits, and none for one that woke a waiter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_wait_wakes_on_notify() {
     let Some(s) = common::store().await else { return };
@@ -564,6 +564,9 @@ async fn ready_wait_wakes_on_notify() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     insert(&s, vec![new("a")]).await;
     assert!(waiter.await.unwrap(), "ready_wait resolved on the insert's NOTIFY");
+    // The wake-up that found a waiter left nothing behind: the next wait waits.
+    let idle = tokio::time::timeout(Duration::from_millis(500), s.ready_wait()).await;
+    assert!(idle.is_err(), "a wait after a delivered wake-up returned with nothing new");
     insert(&s, vec![new("b")]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let again = tokio::time::timeout(Duration::from_secs(5), s.ready_wait()).await;
