@@ -264,23 +264,27 @@ pub(crate) async fn end_tx_notices<C: GenericClient + Sync>(
     if payloads.is_empty() {
         return commit_tx(c).await;
     }
-    let stmt = c.prepare_cached(NOTIFY_EACH).await?;
-    let (committed, opened, sent, closed) = tokio::join!(
-        commit_tx(c),
-        c.batch_execute("BEGIN; SET LOCAL synchronous_commit = off"),
-        async { c.execute(&stmt, &[&channel, &payloads]).await },
-        commit_tx(c)
-    );
+    let notify = notify_sql(channel, &payloads);
+    let (committed, sent) = tokio::join!(commit_tx(c), c.batch_execute(&notify));
     committed?;
-    if let Err(e) = opened.map_err(OpError::from).and(sent.map_err(OpError::from)).and(closed) {
-        let e = StoreError::from(e);
+    if let Err(e) = sent {
+        let e = StoreError::from(OpError::from(e));
         tracing::warn!(error = %e, "wake-up notices after a commit were not sent; polling finds the work");
     }
     Ok(())
 }
 
-/// One `pg_notify` per payload (`$2`), on the channel `$1`.
-const NOTIFY_EACH: &str = "SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p";
+/// The wake-up transaction as one simple-protocol message (one answer to wait for, where
+/// a prepared statement between `BEGIN` and `COMMIT` would be three): `pg_notify` once per
+/// payload, committed without waiting for its flush. The channel is made of lowercase
+/// letters, digits and `_` (the store checks its schema name) and the payloads are the
+/// store's own (`ended`, `timer:<ms>`, empty); quotes are doubled all the same.
+fn notify_sql(channel: &str, payloads: &[&str]) -> String {
+    let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
+    let calls: Vec<String> =
+        payloads.iter().map(|p| format!("pg_notify({}, {})", quote(channel), quote(p))).collect();
+    format!("BEGIN; SET LOCAL synchronous_commit = off; SELECT {}; COMMIT", calls.join(", "))
+}
 
 /// `BEGIN` as a pipelined future.
 pub(crate) async fn begin<C: GenericClient + Sync>(c: &C) -> OpResult<()> {
