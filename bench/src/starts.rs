@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 /// Single starts timed one by one (after a short warm-up).
 const SINGLE: usize = 1_000;
+/// Callers starting instances one at a time, all at once, for the concurrent rate.
+const CONCURRENT_STARTERS: usize = 16;
 /// Instances per `start_many` call in the bulk run.
 const BULK_CHUNK: usize = 1_000;
 /// Instances the worker parks for the memory figure.
@@ -87,7 +89,7 @@ async fn insert_commit_floor(factory: &Factory) -> Result<f64> {
 /// floor on the same server.
 pub async fn start(factory: &Factory, n: usize) -> Result<Report> {
     let mut rows = Vec::new();
-    let (single, bulk, parked) = with_store!(factory, |store| {
+    let (single, concurrent, bulk, parked) = with_store!(factory, |store| {
         let client = Client::new(Arc::clone(&store), SystemClock);
         let machine = MachineRef::new("started", 1);
         for _ in 0..50 {
@@ -100,6 +102,26 @@ pub async fn start(factory: &Factory, n: usize) -> Result<Report> {
             single.push(started.elapsed().as_secs_f64() * 1000.0);
         }
         single.sort_by(f64::total_cmp);
+
+        // Single starts from CONCURRENT_STARTERS callers at once, as a web server's
+        // requests would make them.
+        let client = Arc::new(client);
+        let started = Instant::now();
+        let mut starters = tokio::task::JoinSet::new();
+        for _ in 0..CONCURRENT_STARTERS {
+            let client = Arc::clone(&client);
+            let machine = machine.clone();
+            starters.spawn(async move {
+                for _ in 0..SINGLE / CONCURRENT_STARTERS {
+                    client.start(NewInstance::new(machine.clone(), "run")).await?;
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(done) = starters.join_next().await {
+            done??;
+        }
+        let concurrent = SINGLE as f64 / started.elapsed().as_secs_f64();
 
         let started = Instant::now();
         let mut inserted = 0;
@@ -134,7 +156,7 @@ pub async fn start(factory: &Factory, n: usize) -> Result<Report> {
         if parked < PARKED {
             bail!("start: only {parked} of {PARKED} instances parked");
         }
-        (single, bulk, (before, rss))
+        (single, concurrent, bulk, (before, rss))
     });
     rows.push(vec![json!("single start p50"), json!(quantile(&single, 0.5)), json!("ms")]);
     rows.push(vec![json!("single start p99"), json!(quantile(&single, 0.99)), json!("ms")]);
@@ -145,6 +167,11 @@ pub async fn start(factory: &Factory, n: usize) -> Result<Report> {
             json!("ms"),
         ]);
     }
+    rows.push(vec![
+        json!(format!("single starts, {CONCURRENT_STARTERS} callers at once")),
+        json!(concurrent),
+        json!("instances/s"),
+    ]);
     rows.push(vec![
         json!(format!("bulk start ({BULK_CHUNK} per call)")),
         json!(bulk),
@@ -159,7 +186,7 @@ pub async fn start(factory: &Factory, n: usize) -> Result<Report> {
     Ok(Report {
         name: "start",
         title: format!(
-            "Starting instances: {SINGLE} single starts one after another, {n} in bulk, then {PARKED} parked by a worker"
+            "Starting instances: {SINGLE} single starts one after another, {SINGLE} more from {CONCURRENT_STARTERS} callers at once, {n} in bulk, then {PARKED} parked by a worker"
         ),
         columns: vec!["measure", "value", "unit"],
         rows,

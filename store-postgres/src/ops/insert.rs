@@ -1,9 +1,12 @@
 //! `instance_insert`: one `INSERT … ON CONFLICT (unique_guard) DO NOTHING` for the whole
 //! batch with ids drawn up front, which also reads the occupant of every key that did not
 //! go in. Used by `ScheduleChildren` commits too. A top-level insert is that one statement
-//! in a transaction of its own, `BEGIN` and `COMMIT` pipelined with it, with the store's
-//! wake-up sent from inside it: one round trip and one commit, for a single start as for a
-//! batch of ten thousand.
+//! in a transaction of its own, `BEGIN` and `COMMIT` pipelined with it, and the store's
+//! wake-up sent once the commit has landed (see [`end_tx_notices`]), in the same round
+//! trip: one round trip and one flush, for a single start as for a batch of ten thousand.
+//! Notifying from inside the insert's own transaction would hold PostgreSQL's notify lock
+//! through its flush, so concurrent starts could not share a flush: with 16 clients
+//! starting one instance each, about half the starts per second.
 //!
 //! An occupant that committed after the statement's snapshot (a concurrent inserter of
 //! the same key, which the conflict waited for) is not visible to it; those few keys are
@@ -13,7 +16,7 @@
 //! batch wins): concurrent inserters of overlapping key sets then wait on each other in one
 //! global order and cannot deadlock.
 
-use super::{begin_hot, commit_tx};
+use super::{Notices, begin_hot, end_tx_notices};
 use crate::error::OpResult;
 use crate::rows::{self, ts};
 use deadpool_postgres::GenericClient;
@@ -31,39 +34,34 @@ pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {
     params.instances.iter().map(|n| (n, None)).collect()
 }
 
-/// One statement in its own transaction: insert, read the occupants, notify. `BEGIN`
-/// (see [`begin_hot`]: a small insert is not planned per call), the statement and
-/// `COMMIT` go out together: one round trip and one commit.
+/// One statement in its own transaction: insert and read the occupants; then the wake-up.
+/// `BEGIN` (see [`begin_hot`]: a small insert is not planned per call), the statement,
+/// `COMMIT` and the wake-up go out together: one round trip and one flush.
 pub(crate) async fn run<C: GenericClient + Sync>(
     c: &C,
     items: &[Item<'_>],
     now: Timestamp,
     channel: &str,
 ) -> OpResult<Vec<InsertOutcome>> {
-    // Prepared first, so that the pipeline below sends its three messages in order (a
-    // statement still being prepared would let the COMMIT overtake it).
-    c.prepare_cached(&INSERT_NOTIFY).await?;
+    // Prepared first, so that the pipeline below sends its messages in order (a statement
+    // still being prepared would let the COMMIT overtake it).
+    c.prepare_cached(&INSERT).await?;
+    let ready = Notices::ready(true);
     // A failed statement aborts the transaction, and the COMMIT then rolls it back.
-    let (began, inserted, committed) =
-        tokio::join!(begin_hot(c, items.len()), insert(c, items, now, Some(channel)), commit_tx(c));
+    let (began, inserted, committed) = tokio::join!(
+        begin_hot(c, items.len()),
+        insert_batch(c, items, now),
+        end_tx_notices(c, channel, &ready)
+    );
     began?;
     let inserted = inserted?;
     committed?;
     Ok(inserted)
 }
 
-/// The insert statement; with `notify`, it also sends `pg_notify($17, '')` once.
-fn insert_sql(notify: bool) -> String {
-    let (note, join) = if notify {
-        (", note AS MATERIALIZED (SELECT pg_notify($17, '') AS sent)", " CROSS JOIN note")
-    } else {
-        ("", "")
-    };
-    format!("{INSERT_HEAD}{note} {INSERT_TAIL}{join} ORDER BY input.ord")
-}
-
-static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(false));
-static INSERT_NOTIFY: LazyLock<String> = LazyLock::new(|| insert_sql(true));
+/// The insert statement.
+static INSERT: LazyLock<String> =
+    LazyLock::new(|| format!("{INSERT_HEAD} {INSERT_TAIL} ORDER BY input.ord"));
 
 const INSERT_HEAD: &str = "WITH input AS MATERIALIZED ( \
       SELECT nextval('instances_id_seq') AS id, t.* \
@@ -100,15 +98,6 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
-    insert(c, items, now, None).await
-}
-
-async fn insert<C: GenericClient + Sync>(
-    c: &C,
-    items: &[Item<'_>],
-    now: Timestamp,
-    channel: Option<&str>,
-) -> OpResult<Vec<InsertOutcome>> {
     if items.is_empty() {
         return Ok(Vec::new());
     }
@@ -116,18 +105,8 @@ async fn insert<C: GenericClient + Sync>(
     for (n, parent) in items {
         cols.push(n, *parent, now);
     }
-    let rows = match channel {
-        None => {
-            let stmt = c.prepare_cached(&INSERT).await?;
-            c.query(&stmt, &cols.params(now)).await?
-        }
-        Some(channel) => {
-            let stmt = c.prepare_cached(&INSERT_NOTIFY).await?;
-            let mut params = cols.params(now).to_vec();
-            params.push(&channel);
-            c.query(&stmt, &params).await?
-        }
-    };
+    let stmt = c.prepare_cached(&INSERT).await?;
+    let rows = c.query(&stmt, &cols.params(now)).await?;
     let mut out = Vec::with_capacity(items.len());
     let mut missing = Vec::new();
     for (i, r) in rows.iter().enumerate() {
