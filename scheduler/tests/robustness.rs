@@ -628,6 +628,23 @@ async fn background_loops_survive_failing_and_panicking_store_calls_and_finish_t
     assert_eq!(stats.committed(), 3 * (INSTANCES as u64 + 1));
 }
 
+/// The committer's health report once `ready` holds of it, polled every 10 ms at most
+/// `tries` times; the last report either way.
+async fn committer_report(
+    worker: &keel_scheduler::WorkerHandle,
+    tries: usize,
+    ready: impl Fn(&keel_scheduler::LoopHealth) -> bool,
+) -> keel_scheduler::LoopHealth {
+    let report = || worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
+    for _ in 0..tries {
+        if ready(&report()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    report()
+}
+
 /// A group commit whose store call panics loses that group only: the steps leave the
 /// running set (so no heartbeat keeps their leases alive), the leases expire, the reaper
 /// returns them and the steps re-run and finish; the committer reports the panic.
@@ -651,16 +668,8 @@ async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: Tes
     // committer's report, then a moment for the group to leave the running set, before
     // moving the clock past the lease. Advancing earlier would let the heartbeat extend
     // the lease from the new time.
-    let reported = |worker: &keel_scheduler::WorkerHandle| {
-        worker.health().get(WorkerLoop::Committer).and_then(|c| c.last_error.clone()).is_some()
-    };
-    for _ in 0..3_000 {
-        if reported(&worker) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(reported(&worker), "the committer did not report the panicking commit");
+    let reported = committer_report(&worker, 3_000, |c| c.last_error.is_some()).await;
+    assert!(reported.last_error.is_some(), "the committer did not report the panicking commit");
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(h.status(id).await, Status::Executing, "its result was lost with the panic");
     // Well past the lease: nothing extends it any more, so the reaper takes it back.
@@ -669,14 +678,7 @@ async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: Tes
     assert_eq!(row.revision.0, 1, "committed once");
     // The committer records its success just after the store accepted the commit, so the
     // row can read as done a moment before the health report says so.
-    let mut committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
-    for _ in 0..500 {
-        if committer.last_success.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        committer = worker.health().get(WorkerLoop::Committer).cloned().expect("reported");
-    }
+    let committer = committer_report(&worker, 500, |c| c.last_success.is_some()).await;
     let error = &committer.last_error.as_ref().expect("the panic is reported").1;
     assert!(error.contains("step_commit panicked: injected step_commit panic"), "{error}");
     assert!(committer.running && committer.last_success.is_some(), "{committer:?}");
