@@ -287,6 +287,20 @@ pub(crate) const WRITE_INSTANCES: &str = "UPDATE instances i SET status = u.stat
     revision, eligible_at, lease_owner, lease_expires_at, fencing_token, children_pending, \
     updated_at, keep_context, keep_result, priority) WHERE i.id = u.id";
 
+/// A row's context and result as a transaction read them, for writes that leave them as
+/// they were ([`InstanceWrite::push_over_values`]).
+pub(crate) struct StoredValues {
+    pub(crate) context: Value,
+    pub(crate) result: Option<Value>,
+}
+
+impl StoredValues {
+    /// `row`'s.
+    pub(crate) fn of(row: &Instance) -> Self {
+        StoredValues { context: row.context.clone(), result: row.result.clone() }
+    }
+}
+
 /// The parameter arrays of [`WRITE_INSTANCES`] for a set of rows.
 #[derive(Default)]
 pub(crate) struct InstanceWrite {
@@ -315,13 +329,40 @@ impl InstanceWrite {
     /// Adds a row (every mutable column is written back, except a context or result that
     /// was read as an `undecodable` marker: the stored value stays as it is).
     pub(crate) fn push(&mut self, row: &Instance) {
-        self.keep_context.push(undecodable_error(&row.context).is_some());
-        self.keep_result.push(row.result.as_ref().and_then(undecodable_error).is_some());
+        self.push_over(row, None);
+    }
+
+    /// [`push_over`](Self::push_over) given only the stored row's context and result.
+    pub(crate) fn push_over_values(&mut self, row: &Instance, stored: Option<&StoredValues>) {
+        self.push_with(
+            row,
+            stored.is_some_and(|s| s.context == row.context),
+            stored.is_some_and(|s| s.result == row.result),
+        );
+    }
+
+    /// Adds a row planned from `stored`, the row as this transaction read it under its
+    /// lock: a context or result equal to the stored one is not sent, and the statement
+    /// keeps the stored value. Most steps leave the context as it was, and a large one
+    /// then costs neither encoding, nor the server's parsing, nor a second stored copy.
+    pub(crate) fn push_over(&mut self, row: &Instance, stored: Option<&Instance>) {
+        self.push_with(
+            row,
+            stored.is_some_and(|s| s.context == row.context),
+            stored.is_some_and(|s| s.result == row.result),
+        );
+    }
+
+    fn push_with(&mut self, row: &Instance, same_context: bool, same_result: bool) {
+        let keep_context = same_context || undecodable_error(&row.context).is_some();
+        let keep_result = same_result || row.result.as_ref().and_then(undecodable_error).is_some();
+        self.keep_context.push(keep_context);
+        self.keep_result.push(keep_result);
         self.id.push(row.id.0);
         self.status.push(row.status.name());
         self.position.push(row.position.clone());
-        self.context.push(row.context.clone());
-        self.result.push(row.result.clone());
+        self.context.push(if keep_context { Value::Null } else { row.context.clone() });
+        self.result.push(if keep_result { None } else { row.result.clone() });
         self.awaits.push(row.awaits.clone());
         self.last_error.push(row.last_error.clone());
         self.attempt.push(row.attempt);

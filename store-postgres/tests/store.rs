@@ -658,3 +658,91 @@ async fn a_sweep_does_not_wait_for_another_sweep_noting_its_time() {
         .get(0);
     assert_eq!(noted, later.0, "a sweep with the row free notes its time");
 }
+
+/// The size of the store's out-of-line storage of `instances` (where large contexts
+/// live). The schema is the test's own, so nothing else writes there.
+async fn out_of_line(s: &PgStore) -> i64 {
+    let db = s.client().await.unwrap();
+    let size =
+        "SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE oid = 'instances'::regclass";
+    db.query_one(size, &[]).await.unwrap().get(0)
+}
+
+/// Commits `c` and tells how many bytes [`out_of_line`] grew by meanwhile.
+async fn stored_by(s: &PgStore, c: StepCommit) -> (keel_core::ports::store::CommitReceipt, i64) {
+    let before = out_of_line(s).await;
+    let receipt = commit_one(s, c).await.unwrap();
+    (receipt, out_of_line(s).await - before)
+}
+
+#[tokio::test]
+async fn a_step_that_leaves_a_large_context_alone_does_not_write_it_again() {
+    let Some(s) = common::store().await else { return };
+    // 64 KiB of digits that do not compress much: stored out of line, tens of KiB a copy.
+    let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
+    let filler: String = (0..65_536)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            char::from(b"0123456789abcdef"[(seed & 15) as usize])
+        })
+        .collect();
+    let large = json!({ "filler": filler });
+    let ids = insert(&s, (0..3).map(|_| new("a").context(large.clone())).collect()).await;
+    let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
+    assert_eq!(claims.len(), 3);
+    let token = |id: InstanceId| claims.iter().find(|c| c.instance.id == id).unwrap().token();
+    let (ending, moving, parking) = (ids[0].id(), ids[1].id(), ids[2].id());
+
+    // A step that ends without touching the context: the stored copy stays.
+    let (done, grew) = stored_by(
+        &s,
+        StepCommit::new(
+            ending,
+            token(ending),
+            Outcome::Done { result: json!({"ok": true}), step: None },
+        ),
+    )
+    .await;
+    assert_eq!(done.status, Status::Done);
+    assert_eq!(grew, 0, "the commit stored {grew} more bytes: it copied the 64 KiB context");
+    let read = s.instance_get(ending).await.unwrap().instance;
+    assert_eq!(read.context, large);
+    assert_eq!(read.result, Some(json!({"ok": true})));
+
+    // A step that changes it: the new one is written.
+    let changed = json!({ "filler": filler, "n": 1 });
+    let (next, grew) = stored_by(
+        &s,
+        StepCommit::new(
+            moving,
+            token(moving),
+            Outcome::Next { step: "b".into(), context: changed.clone() },
+        ),
+    )
+    .await;
+    assert_eq!(next.status, Status::Runnable);
+    assert!(grew > 16_384, "the commit stored {grew} more bytes: the new context is missing");
+    assert_eq!(s.instance_get(moving).await.unwrap().instance.context, changed);
+
+    // Parking on a signal with the same context, then the signal's wake-up: neither
+    // stores it again.
+    let park = Outcome::Await { signal: "go".into(), context: large.clone(), step: None };
+    let (parked, grew) = stored_by(&s, StepCommit::new(parking, token(parking), park)).await;
+    assert_eq!(parked.status, Status::AwaitingSignal);
+    assert_eq!(grew, 0, "parking stored {grew} more bytes: it copied the context");
+    let before = out_of_line(&s).await;
+    let out = s
+        .signal_deliver(SignalDeliverParams {
+            signals: vec![NewSignal::new(parking, "go")],
+            now: T0,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(out[0], DeliveryOutcome::Delivered { woke: true, .. }), "{out:?}");
+    let grew = out_of_line(&s).await - before;
+    assert_eq!(grew, 0, "the wake-up stored {grew} more bytes: it copied the context");
+    let woken = s.instance_get(parking).await.unwrap().instance;
+    assert_eq!((woken.status, woken.context), (Status::Runnable, large));
+}

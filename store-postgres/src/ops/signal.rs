@@ -43,6 +43,9 @@ pub(crate) struct Delivery {
     priority: Vec<Option<i16>>,
     woken: Vec<Instance>,
     raised: Vec<Instance>,
+    /// The targets' contexts and results as read: a wake-up leaves them as they are, and
+    /// its write then does not send them again.
+    stored: HashMap<InstanceId, rows::StoredValues>,
 }
 
 impl Delivery {
@@ -235,6 +238,7 @@ async fn plan_with<C: GenericClient + Sync>(
         .iter()
         .map(|r| rows::col(r, 0).map(SignalId))
         .collect::<Result<_, keel_core::StoreError>>()?;
+    let stored = read.rows.iter().map(|(id, row)| (*id, rows::StoredValues::of(row))).collect();
     let plan = plan::deliver::deliver(read, signals, now);
     let n = plan.inserts.len();
     Ok(Delivery {
@@ -248,6 +252,7 @@ async fn plan_with<C: GenericClient + Sync>(
         priority: plan.inserts.iter().map(|i| i.priority.map(keel_core::Priority::level)).collect(),
         woken: plan.woken,
         raised: plan.raised,
+        stored,
     })
 }
 
@@ -263,7 +268,7 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
     let mut w = rows::InstanceWrite::default();
     for r in d.woken.iter().chain(&d.raised) {
-        w.push(r);
+        w.push_over_values(r, d.stored.get(&r.id));
     }
     let ins = async {
         if d.ids.is_empty() {
