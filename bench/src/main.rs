@@ -57,6 +57,10 @@ struct Cli {
     /// Worker concurrencies for `steps` (default 1,10,100,500).
     #[arg(long, value_delimiter = ',', default_values_t = [1, 10, 100, 500])]
     concurrency: Vec<usize>,
+    /// Bytes of context each `steps` instance carries (default 0: an empty context). The
+    /// steps leave it unchanged, as most steps do.
+    #[arg(long, default_value_t = 0)]
+    context_bytes: usize,
     /// Instances for `chart` (default 5 000).
     #[arg(long, default_value_t = 5_000)]
     chart_instances: usize,
@@ -130,7 +134,14 @@ async fn main() -> Result<()> {
     for scenario in scenarios {
         let report = match scenario {
             Scenario::Steps => {
-                scenarios::steps(&store, cli.instances, &cli.concurrency, cli.queue).await?
+                scenarios::steps(
+                    &store,
+                    cli.instances,
+                    &cli.concurrency,
+                    cli.queue,
+                    cli.context_bytes,
+                )
+                .await?
             }
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances, cli.queue).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,

@@ -47,6 +47,24 @@ async fn insert_all<S: Store>(store: &S, news: Vec<NewInstance>) -> Result<Vec<I
     Ok(ids)
 }
 
+/// A context of about `bytes` bytes (an empty object for 0): hex digits from a fixed
+/// pseudo-random sequence, so that the store cannot compress it to nothing.
+fn filler_context(bytes: usize) -> serde_json::Value {
+    if bytes == 0 {
+        return json!({});
+    }
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let filler: String = (0..bytes)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b"0123456789abcdef"[(x & 15) as usize])
+        })
+        .collect();
+    json!({ "filler": filler })
+}
+
 /// A machine whose only step finishes at once.
 struct Noop;
 
@@ -97,7 +115,9 @@ pub async fn steps(
     n: usize,
     concurrencies: &[usize],
     queue: QueueKind,
+    context_bytes: usize,
 ) -> Result<Report> {
+    let context = filler_context(context_bytes);
     let mut rows = Vec::new();
     for &concurrency in concurrencies {
         if concurrency == 0 {
@@ -105,8 +125,11 @@ pub async fn steps(
         }
         let hints = queue.fresh().await?;
         let (elapsed, committed, by_hint, received, publish) = with_store!(factory, |store| {
-            let news =
-                (0..n).map(|_| NewInstance::new(MachineRef::new("noop", 1), "run")).collect();
+            let news = (0..n)
+                .map(|_| {
+                    NewInstance::new(MachineRef::new("noop", 1), "run").context(context.clone())
+                })
+                .collect();
             let ids = insert_all(&*store, news).await?;
             let pb = bar(n, &format!("steps, concurrency {concurrency}"));
             let publish_started = Instant::now();
@@ -155,9 +178,14 @@ pub async fn steps(
             json!(publish.as_secs_f64()),
         ]);
     }
+    let carrying = if context_bytes == 0 {
+        String::new()
+    } else {
+        format!(", each with a {context_bytes}-byte context it leaves unchanged")
+    };
     Ok(Report {
         name: "steps",
-        title: format!("No-op step throughput: drain {n} instances (claims and group commits of up to 100)"),
+        title: format!("No-op step throughput: drain {n} instances{carrying} (claims and group commits of up to 100)"),
         columns: vec![
             "concurrency",
             "instances",
