@@ -16,6 +16,7 @@ use keel_core::{
 };
 use keel_store_postgres::{PgConfig, PgStore};
 use serde_json::json;
+use std::fmt::Write as _;
 use std::time::Duration;
 
 const T0: Timestamp = Timestamp(1_700_000_000_000);
@@ -679,15 +680,10 @@ async fn stored_by(s: &PgStore, c: StepCommit) -> (keel_core::ports::store::Comm
 async fn a_step_that_leaves_a_large_context_alone_does_not_write_it_again() {
     let Some(s) = common::store().await else { return };
     // 64 KiB of digits that do not compress much: stored out of line, tens of KiB a copy.
-    let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
-    let filler: String = (0..65_536)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            char::from(b"0123456789abcdef"[(seed & 15) as usize])
-        })
-        .collect();
+    let mut filler = String::with_capacity(65_536);
+    for i in 0..8_192u64 {
+        write!(filler, "{:08x}", i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32).unwrap();
+    }
     let large = json!({ "filler": filler });
     let ids = insert(&s, (0..3).map(|_| new("a").context(large.clone())).collect()).await;
     let claims = s.instance_claim(claim_params(10, T0)).await.unwrap();
