@@ -287,20 +287,6 @@ pub(crate) const WRITE_INSTANCES: &str = "UPDATE instances i SET status = u.stat
     revision, eligible_at, lease_owner, lease_expires_at, fencing_token, children_pending, \
     updated_at, keep_context, keep_result, priority) WHERE i.id = u.id";
 
-/// A row's context and result as a transaction read them, for writes that leave them as
-/// they were ([`InstanceWrite::push_over_values`]).
-pub(crate) struct StoredValues {
-    pub(crate) context: Value,
-    pub(crate) result: Option<Value>,
-}
-
-impl StoredValues {
-    /// `row`'s.
-    pub(crate) fn of(row: &Instance) -> Self {
-        StoredValues { context: row.context.clone(), result: row.result.clone() }
-    }
-}
-
 /// The parameter arrays of [`WRITE_INSTANCES`] for a set of rows.
 #[derive(Default)]
 pub(crate) struct InstanceWrite {
@@ -332,30 +318,16 @@ impl InstanceWrite {
         self.push_over(row, None);
     }
 
-    /// [`push_over`](Self::push_over) given only the stored row's context and result.
-    pub(crate) fn push_over_values(&mut self, row: &Instance, stored: Option<&StoredValues>) {
-        self.push_with(
-            row,
-            stored.is_some_and(|s| s.context == row.context),
-            stored.is_some_and(|s| s.result == row.result),
-        );
-    }
-
-    /// Adds a row planned from `stored`, the row as this transaction read it under its
-    /// lock: a context or result equal to the stored one is not sent, and the statement
-    /// keeps the stored value. Most steps leave the context as it was, and a large one
-    /// then costs neither encoding, nor the server's parsing, nor a second stored copy.
-    pub(crate) fn push_over(&mut self, row: &Instance, stored: Option<&Instance>) {
-        self.push_with(
-            row,
-            stored.is_some_and(|s| s.context == row.context),
-            stored.is_some_and(|s| s.result == row.result),
-        );
-    }
-
-    fn push_with(&mut self, row: &Instance, same_context: bool, same_result: bool) {
-        let keep_context = same_context || undecodable_error(&row.context).is_some();
-        let keep_result = same_result || row.result.as_ref().and_then(undecodable_error).is_some();
+    /// Adds a row planned from a stored one, whose context and result `stored` gives as
+    /// this transaction read them under its lock: a context or result equal to the stored
+    /// one is not sent, and the statement keeps the stored value. Most steps leave the
+    /// context as it was, and a large one then costs neither encoding, nor the server's
+    /// parsing, nor a second stored copy.
+    pub(crate) fn push_over(&mut self, row: &Instance, stored: Option<(&Value, Option<&Value>)>) {
+        let keep_context = stored.is_some_and(|(context, _)| *context == row.context)
+            || undecodable_error(&row.context).is_some();
+        let keep_result = stored.is_some_and(|(_, result)| result == row.result.as_ref())
+            || row.result.as_ref().and_then(undecodable_error).is_some();
         self.keep_context.push(keep_context);
         self.keep_result.push(keep_result);
         self.id.push(row.id.0);

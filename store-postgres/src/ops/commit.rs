@@ -244,7 +244,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         let plan = a.finish(s, &inserted[start..end]);
         start = end;
         let row = &plan.row;
-        writes.push_over(row, current.get(&row.id.0));
+        writes.push_over(row, current.get(&row.id.0).map(|r| (&r.context, r.result.as_ref())));
         for e in plan.history.iter().cloned() {
             history.push(row, plan.attempt, now, e);
         }

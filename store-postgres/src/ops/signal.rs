@@ -45,7 +45,7 @@ pub(crate) struct Delivery {
     raised: Vec<Instance>,
     /// The targets' contexts and results as read: a wake-up leaves them as they are, and
     /// its write then does not send them again.
-    stored: HashMap<InstanceId, rows::StoredValues>,
+    stored: HashMap<InstanceId, (serde_json::Value, Option<serde_json::Value>)>,
 }
 
 impl Delivery {
@@ -238,7 +238,11 @@ async fn plan_with<C: GenericClient + Sync>(
         .iter()
         .map(|r| rows::col(r, 0).map(SignalId))
         .collect::<Result<_, keel_core::StoreError>>()?;
-    let stored = read.rows.iter().map(|(id, row)| (*id, rows::StoredValues::of(row))).collect();
+    let stored = read
+        .rows
+        .iter()
+        .map(|(id, row)| (*id, (row.context.clone(), row.result.clone())))
+        .collect();
     let plan = plan::deliver::deliver(read, signals, now);
     let n = plan.inserts.len();
     Ok(Delivery {
@@ -268,7 +272,7 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
     let mut w = rows::InstanceWrite::default();
     for r in d.woken.iter().chain(&d.raised) {
-        w.push_over_values(r, d.stored.get(&r.id));
+        w.push_over(r, d.stored.get(&r.id).map(|(context, result)| (context, result.as_ref())));
     }
     let ins = async {
         if d.ids.is_empty() {
