@@ -24,7 +24,6 @@ use keel_core::instance::{Instance, NewInstance};
 use keel_core::ports::store::{InsertOutcome, InsertParams};
 use keel_core::{InstanceId, StoreError, Timestamp};
 use std::collections::HashMap;
-use std::sync::LazyLock;
 
 /// One instance to insert, with its parent when it is a child.
 pub(crate) type Item<'a> = (&'a NewInstance, Option<InstanceId>);
@@ -45,7 +44,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
 ) -> OpResult<Vec<InsertOutcome>> {
     // Prepared first, so that the pipeline below sends its messages in order (a statement
     // still being prepared would let the COMMIT overtake it).
-    c.prepare_cached(&INSERT).await?;
+    c.prepare_cached(INSERT).await?;
     let ready = Notices::ready(true);
     // A failed statement aborts the transaction, and the COMMIT then rolls it back.
     let (began, inserted, committed) = tokio::join!(
@@ -59,11 +58,9 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     Ok(inserted)
 }
 
-/// The insert statement.
-static INSERT: LazyLock<String> =
-    LazyLock::new(|| format!("{INSERT_HEAD} {INSERT_TAIL} ORDER BY input.ord"));
-
-const INSERT_HEAD: &str = "WITH input AS MATERIALIZED ( \
+/// The insert statement: per item in batch order, its id, whether it went in, and (when
+/// it did not) its key's occupant.
+const INSERT: &str = "WITH input AS MATERIALIZED ( \
       SELECT nextval('instances_id_seq') AS id, t.* \
       FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::text[], $6::int2[], \
                   $7::text[], $8::text[], $9::jsonb[], $10::bytea[], $11::text[], \
@@ -82,12 +79,11 @@ const INSERT_HEAD: &str = "WITH input AS MATERIALIZED ( \
       FROM input ORDER BY unique_key NULLS LAST, ord \
       ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
       RETURNING id \
-    )";
-
-const INSERT_TAIL: &str = "SELECT input.id, ins.id IS NOT NULL, \
+    ) \
+    SELECT input.id, ins.id IS NOT NULL, \
       CASE WHEN ins.id IS NULL THEN \
         (SELECT o.id FROM instances o WHERE o.unique_guard = input.unique_key) END \
-    FROM input LEFT JOIN ins ON ins.id = input.id";
+    FROM input LEFT JOIN ins ON ins.id = input.id ORDER BY input.ord";
 
 const OCCUPANTS: &str =
     "SELECT unique_guard, id FROM instances WHERE unique_guard = ANY($1::bytea[])";
@@ -105,7 +101,7 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     for (n, parent) in items {
         cols.push(n, *parent, now);
     }
-    let stmt = c.prepare_cached(&INSERT).await?;
+    let stmt = c.prepare_cached(INSERT).await?;
     let rows = c.query(&stmt, &cols.params(now)).await?;
     let mut out = Vec::with_capacity(items.len());
     let mut missing = Vec::new();
