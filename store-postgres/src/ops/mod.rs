@@ -15,6 +15,8 @@ mod signal;
 mod timer;
 
 #[cfg(test)]
+mod notices;
+#[cfg(test)]
 mod plans;
 
 pub(crate) use timer::{Notice, parse_notice};
@@ -274,16 +276,19 @@ pub(crate) async fn end_tx_notices<C: GenericClient + Sync>(
     Ok(())
 }
 
-/// The wake-up transaction as one simple-protocol message (one answer to wait for, where
-/// a prepared statement between `BEGIN` and `COMMIT` would be three): `pg_notify` once per
-/// payload, committed without waiting for its flush. The channel is made of lowercase
+/// The wake-up transaction as one statement in a transaction of its own: `pg_notify` once
+/// per payload, committed without waiting for its flush (`set_config(…, true)` lasts until
+/// that commit). One statement, not `BEGIN; …; COMMIT` in one message: a notice that
+/// fails (the server's notification queue full, say) then rolls its own transaction back,
+/// where an explicit block would leave the pooled connection inside an aborted
+/// transaction and fail whatever ran on it next. The channel is made of lowercase
 /// letters, digits and `_` (the store checks its schema name) and the payloads are the
 /// store's own (`ended`, `timer:<ms>`, empty); quotes are doubled all the same.
 fn notify_sql(channel: &str, payloads: &[&str]) -> String {
     let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
     let calls: Vec<String> =
         payloads.iter().map(|p| format!("pg_notify({}, {})", quote(channel), quote(p))).collect();
-    format!("BEGIN; SET LOCAL synchronous_commit = off; SELECT {}; COMMIT", calls.join(", "))
+    format!("SELECT set_config('synchronous_commit', 'off', true), {}", calls.join(", "))
 }
 
 /// `BEGIN` as a pipelined future.

@@ -22,7 +22,7 @@ async fn plan(c: &deadpool_postgres::Client, sql: &str, args: &str) -> String {
 
 /// A fresh schema, or `None` (after saying so) when no PostgreSQL is configured; with
 /// backends required, a missing one fails the test.
-async fn fresh_schema_or_skip() -> Option<crate::PgStore> {
+pub(super) async fn fresh_schema_or_skip() -> Option<crate::PgStore> {
     let store = testing::fresh_schema().await;
     if store.is_none() {
         assert!(
