@@ -40,6 +40,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
+use std::pin::Pin;
+use std::task::Poll;
 
 /// A pooled connection that may be inside a transaction. Dropped mid-transaction (an
 /// error path or a cancelled future), it is detached from the pool and closed, so the
@@ -246,7 +248,10 @@ impl Notices {
 }
 
 /// Commits, then sends `notices` on `channel` in a short transaction of their own that
-/// does not wait for its WAL flush, pipelined behind the `COMMIT` (one round trip).
+/// does not wait for its WAL flush, pipelined behind the `COMMIT`. Returns once the
+/// `COMMIT` has answered: the notice's own answer is not waited for (the server runs it
+/// after the commit all the same, and the next user of the connection reads past its
+/// answer), so a caller pays one round trip to its commit and nothing after it.
 ///
 /// Why not `pg_notify` inside the transaction: PostgreSQL serializes every committing
 /// transaction that has notified, holding that lock from before its commit record until
@@ -255,8 +260,9 @@ impl Notices {
 /// listener still hears only of committed work, since the notices go out after the
 /// commit returns; a process that dies between the two loses the wake-up, which polling
 /// repairs as it repairs any lost notice. A notice that fails to send after the commit
-/// landed is logged, never reported as the commit's failure (the caller would re-run a
-/// transaction that took effect).
+/// landed is logged when its answer is already in, never reported as the commit's failure
+/// (the caller would re-run a transaction that took effect); one that fails later shows
+/// only in the server's log, and polling finds the work.
 pub(crate) async fn end_tx_notices<C: GenericClient + Sync>(
     c: &C,
     channel: &str,
@@ -267,13 +273,23 @@ pub(crate) async fn end_tx_notices<C: GenericClient + Sync>(
         return commit_tx(c).await;
     }
     let notify = notify_sql(channel, &payloads);
-    let (committed, sent) = tokio::join!(commit_tx(c), c.batch_execute(&notify));
+    let mut sent = std::pin::pin!(c.batch_execute(&notify));
+    // Polled once, behind the COMMIT: that sends the notice. Its answer is not waited for.
+    let (committed, mut answer) = tokio::join!(commit_tx(c), poll_once(sent.as_mut()));
     committed?;
-    if let Err(e) = sent {
+    if answer.is_pending() {
+        answer = poll_once(sent).await;
+    }
+    if let Poll::Ready(Err(e)) = answer {
         let e = StoreError::from(OpError::from(e));
         tracing::warn!(error = %e, "wake-up notices after a commit were not sent; polling finds the work");
     }
     Ok(())
+}
+
+/// Polls `f` once: its output if it is ready, else `Pending` (and `f` stays pending).
+async fn poll_once<F: Future + ?Sized>(mut f: Pin<&mut F>) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx))).await
 }
 
 /// The wake-up transaction as one statement in a transaction of its own: `pg_notify` once
