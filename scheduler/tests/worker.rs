@@ -143,6 +143,53 @@ async fn a_step_over_its_timeout_is_cancelled_and_retried() {
     worker.shutdown().await;
 }
 
+/// A step that fails, and an error handler that panics (`hang` false) or never returns
+/// (`hang` true) under a 50 ms step timeout.
+struct BadHandler {
+    hang: bool,
+}
+
+#[async_trait]
+impl StepMachine for BadHandler {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Err(StepError::fatal("the step failed"))
+    }
+    async fn handle(
+        &self,
+        _error: &StepError,
+        _ctx: &StepContext,
+    ) -> Result<Option<Outcome>, StepError> {
+        if self.hang {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+        panic!("bug in handler");
+    }
+    fn config(&self) -> QueueConfig {
+        QueueConfig { timeout: Duration::from_millis(50), ..QueueConfig::default() }
+    }
+}
+
+#[tokio::test]
+async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
+    for (hang, why) in [
+        (false, "the error handler panicked: bug in handler"),
+        (true, "the error handler timed out after 50 ms"),
+    ] {
+        let h = Harness::new();
+        let worker = h.worker(h.config(), BadHandler { hang });
+        let id = h.start(new()).await;
+        let row = h.wait(id, "the instance ends", |r| r.status.is_terminal()).await;
+        assert_eq!(row.status, Status::Failed, "{row:?}");
+        let said = format!("{:?} {:?}", row.last_error, row.errors);
+        assert!(said.contains(why), "expected {why:?} in {said}");
+        assert!(said.contains("while handling: the step failed"), "{said}");
+        worker.shutdown().await;
+    }
+}
+
 #[tokio::test]
 async fn a_panicking_step_is_a_retryable_failure() {
     let h = Harness::new();
