@@ -1239,20 +1239,38 @@ fn guarded(
 ) -> impl Future<Output = Result<Outcome, StepError>> + Send {
     let task = tokio::spawn(async move { machine.step(&ctx).await });
     async move {
-        let abort = task.abort_handle();
-        match tokio::time::timeout(timeout, task).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(join)) => Err(StepError::of_kind(
-                FailureKind::Panic,
-                format!("step panicked: {}", panic_message(join)),
-            )),
-            Err(_) => {
-                abort.abort();
-                Err(StepError::of_kind(
+        bounded(task, timeout).await.unwrap_or_else(|stopped| {
+            Err(match stopped {
+                Stopped::Panicked(panic) => {
+                    StepError::of_kind(FailureKind::Panic, format!("step panicked: {panic}"))
+                }
+                Stopped::TimedOut => StepError::of_kind(
                     FailureKind::Timeout,
                     format!("step timed out after {} ms", timeout.as_millis()),
-                ))
-            }
+                ),
+            })
+        })
+    }
+}
+
+/// Why a task waited for under a time bound gave no output.
+enum Stopped {
+    /// It panicked, with this message.
+    Panicked(String),
+    /// It ran out of time and was aborted.
+    TimedOut,
+}
+
+/// The output of `task`, waited for at most `timeout`; a task that runs out of time is
+/// aborted.
+async fn bounded<T>(task: tokio::task::JoinHandle<T>, timeout: Duration) -> Result<T, Stopped> {
+    let abort = task.abort_handle();
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(output)) => Ok(output),
+        Ok(Err(join)) => Err(Stopped::Panicked(panic_message(join))),
+        Err(_) => {
+            abort.abort();
+            Err(Stopped::TimedOut)
         }
     }
 }
@@ -1636,14 +1654,14 @@ async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
     let task = tokio::spawn(async move {
         failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await
     });
-    let abort = task.abort_handle();
-    match tokio::time::timeout(timeout, task).await {
-        Ok(Ok(commit)) => commit,
-        outcome => {
-            abort.abort();
-            let why = match outcome {
-                Ok(Err(join)) => format!("the error handler panicked: {}", panic_message(join)),
-                _ => format!("the error handler timed out after {} ms", timeout.as_millis()),
+    match bounded(task, timeout).await {
+        Ok(commit) => commit,
+        Err(stopped) => {
+            let why = match stopped {
+                Stopped::Panicked(panic) => format!("the error handler panicked: {panic}"),
+                Stopped::TimedOut => {
+                    format!("the error handler timed out after {} ms", timeout.as_millis())
+                }
             };
             tracing::error!(instance = %origin.claim.instance.id, "{why}");
             // As when the handler returns an error: the instance fails.
