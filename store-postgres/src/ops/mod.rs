@@ -257,9 +257,10 @@ impl Notices {
 /// transaction that has notified, holding that lock from before its commit record until
 /// its flush returns, so commits that each end an instance could not share a flush. Sent
 /// after the commit, a notice costs a few microseconds of that lock and no flush wait. A
-/// listener still hears only of committed work, since the notices go out after the
-/// commit returns; a process that dies between the two loses the wake-up, which polling
-/// repairs as it repairs any lost notice. A notice that fails to send after the commit
+/// listener never hears of work before it is committed, since the server runs the notice
+/// after the `COMMIT`; a transaction that failed and rolled back still sends its notice,
+/// which costs a listener one empty claim. A process that dies between the two loses the
+/// wake-up, which polling repairs as it repairs any lost notice. A notice that fails to send after the commit
 /// landed is logged when its answer is already in, never reported as the commit's failure
 /// (the caller would re-run a transaction that took effect); one that fails later shows
 /// only in the server's log, and polling finds the work.
