@@ -179,6 +179,25 @@ mod tests {
         check("mysql://u@h/db", Err("unknown scheme; use `sqlite://<file>`"));
     }
 
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn a_refused_connection_says_why_and_says_it_once() {
+        // Nothing listens on port 1 of the loopback.
+        let Err(e) = crate::Keel::connect("postgres://keel:secret@127.0.0.1:1/keel").await else {
+            panic!("nothing listens on port 1");
+        };
+        // What an error reporter prints: the message, then each source's.
+        let mut chain = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            chain = format!("{chain}: {s}");
+            source = s.source();
+        }
+        assert!(chain.contains("Connection refused"), "{chain}");
+        assert_eq!(chain.matches("postgres pool").count(), 1, "{chain}");
+        assert!(!chain.contains("secret"), "{chain}");
+    }
+
     #[test]
     fn passwords_never_reach_messages() {
         assert_eq!(redact("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");

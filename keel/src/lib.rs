@@ -232,12 +232,13 @@ pub enum Error {
         message: String,
     },
     /// The store could not be opened or migrated.
-    #[error("cannot open the store at {url}: {source}")]
+    #[error("cannot open the store at {url}: {error}")]
     Connect {
         /// The URL, password removed.
         url: String,
-        /// The store's error.
-        source: StoreError,
+        /// The store's error, already part of this error's message (so it is not also
+        /// its `source()`, which would make error reporters print it twice).
+        error: StoreError,
     },
     /// A store call failed.
     #[error(transparent)]
@@ -264,8 +265,8 @@ impl Error {
         not(any(feature = "sqlite", feature = "postgres")),
         allow(dead_code, reason = "only the database stores can fail to open")
     )]
-    pub(crate) fn connect(url: impl Into<String>, source: StoreError) -> Self {
-        Error::Connect { url: url.into(), source }
+    pub(crate) fn connect(url: impl Into<String>, error: StoreError) -> Self {
+        Error::Connect { url: url.into(), error }
     }
 
     #[allow(dead_code, reason = "used only when a backend feature is off")]

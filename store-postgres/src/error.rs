@@ -45,14 +45,33 @@ pub(crate) fn kind_of(e: &tokio_postgres::Error) -> ErrorKind {
 pub(crate) fn pg(e: &tokio_postgres::Error) -> StoreError {
     let message = match e.as_db_error() {
         Some(db) => format!("postgres {}: {}", db.code().code(), db.message()),
-        None => format!("postgres: {e}"),
+        None => format!("postgres: {}", with_causes(e)),
     };
     StoreError::new(kind_of(e), message)
 }
 
+/// An error's message followed by its causes' (`a: b: c`), each cause once: the driver
+/// and the pool keep the reason a connection failed ("Connection refused", a wrong
+/// password) in the error's source, not in its message.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    // A bound: error chains are short, and a cyclic one must not hang the caller.
+    for _ in 0..8 {
+        let Some(c) = cause else { break };
+        let more = c.to_string();
+        if !more.is_empty() && !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 /// Converts a pool error (no connection could be had): always retryable.
 pub(crate) fn pool(e: &deadpool_postgres::PoolError) -> StoreError {
-    StoreError::unavailable(format!("postgres pool: {e}"))
+    StoreError::unavailable(format!("postgres pool: {}", with_causes(e)))
 }
 
 /// An error inside an operation: a driver error (which may be retried when transient) or
@@ -99,5 +118,23 @@ impl From<OpError> for StoreError {
             OpError::Pg(e) => pg(&e),
             OpError::Store(e) => e,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{PgConfig, PgStore};
+    use keel_core::ErrorKind;
+
+    #[tokio::test]
+    async fn a_refused_connection_names_the_reason() {
+        // Nothing listens on port 1 of the loopback.
+        let Err(e) = PgStore::connect(PgConfig::new("postgres://keel@127.0.0.1:1/keel")).await
+        else {
+            panic!("nothing listens on port 1");
+        };
+        assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+        assert!(e.message.contains("error connecting to server"), "{e}");
+        assert!(e.message.contains("Connection refused"), "{e}");
     }
 }
