@@ -52,8 +52,9 @@ pub(crate) fn pg(e: &tokio_postgres::Error) -> StoreError {
 
 /// An error's message followed by its causes' (`a: b: c`), each cause once: the driver
 /// and the pool keep the reason a connection failed ("Connection refused", a wrong
-/// password) in the error's source, not in its message.
-fn with_causes(e: &dyn std::error::Error) -> String {
+/// password) or a column could not be decoded ("recursion limit exceeded") in the
+/// error's source, not in its message.
+pub(crate) fn with_causes(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut cause = e.source();
     // A bound: error chains are short, and a cyclic one must not hang the caller.

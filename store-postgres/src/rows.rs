@@ -2,7 +2,7 @@
 //! row, signals, children summaries, history and dead letters; plus the batch writers that
 //! every operation shares (one `UPDATE … FROM unnest(…)` for any number of rows).
 
-use crate::error::OpResult;
+use crate::error::{OpResult, with_causes};
 use deadpool_postgres::GenericClient;
 use keel_core::instance::HistoryEntry;
 use keel_core::instance::{
@@ -52,18 +52,6 @@ pub(crate) fn status(s: &str) -> Result<Status, StoreError> {
     s.parse::<Status>().map_err(|e| StoreError::conflict(format!("stored row: {e}")))
 }
 
-/// A driver error with its causes ("error deserializing column 10: recursion limit
-/// exceeded …"): the driver's own message names only the column.
-fn describe(e: &tokio_postgres::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(cause) = source {
-        text = format!("{text}: {cause}");
-        source = cause.source();
-    }
-    text
-}
-
 /// One column, decoded with a check: a value the driver cannot decode is an error naming
 /// the column, never a panic (a panic would kill the worker loop that read it).
 pub(crate) fn col<'a, T: FromSql<'a>>(r: &'a Row, i: usize) -> Result<T, StoreError> {
@@ -71,7 +59,7 @@ pub(crate) fn col<'a, T: FromSql<'a>>(r: &'a Row, i: usize) -> Result<T, StoreEr
         let name = r.columns().get(i).map_or("?", |c| c.name());
         StoreError::conflict(format!(
             "stored row: column {name} cannot be decoded: {}",
-            describe(&e)
+            with_causes(&e)
         ))
     })
 }
@@ -80,12 +68,12 @@ pub(crate) fn col<'a, T: FromSql<'a>>(r: &'a Row, i: usize) -> Result<T, StoreEr
 /// becomes an `undecodable` marker naming the error, so the row can still be shown,
 /// cancelled or dead-lettered. Writers keep the stored value where they find a marker.
 pub(crate) fn json_col(r: &Row, i: usize, column: &str) -> Value {
-    r.try_get(i).unwrap_or_else(|e| undecodable(column, &describe(&e)))
+    r.try_get(i).unwrap_or_else(|e| undecodable(column, &with_causes(&e)))
 }
 
 /// [`json_col`] for a nullable column.
 pub(crate) fn json_col_opt(r: &Row, i: usize, column: &str) -> Option<Value> {
-    r.try_get(i).unwrap_or_else(|e| Some(undecodable(column, &describe(&e))))
+    r.try_get(i).unwrap_or_else(|e| Some(undecodable(column, &with_causes(&e))))
 }
 
 /// Every instance column, in the order [`instance`] decodes them.
