@@ -2,72 +2,31 @@
 //! `KEEL_DATABASE_SCHEMA`, default `keel_demo`), the in-memory store with `--memory`, and
 //! otherwise SQLite in `./keel-demo.db` (override the path with `KEEL_DEMO_DB`) — durable,
 //! embedded, nothing to install. Kill an example half-way and run it again: it resumes
-//! from the file. `--help` prints the usage; any other argument is refused by name, so a typo
-//! never runs an example on the file unasked.
+//! from the file. `--help` prints the usage; any other argument is refused by name, so a
+//! typo never runs an example on the file unasked.
 
+use clap::Parser;
 use keel::{ConnectOptions, Keel};
 
 /// What an example's command line asks for.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Args {
-    /// No argument: the durable store (SQLite, or PostgreSQL when `KEEL_DATABASE_URL` is set).
-    Durable,
-    /// `--memory`: the in-memory store.
-    Memory,
-    /// `--help` or `-h`: the usage, and nothing run.
-    Help,
-}
-
-/// The usage example `name` prints for `--help` and after a wrong argument.
-pub fn usage(name: &str) -> String {
-    format!("usage: cargo run --example {name} [-- --memory]\n\n{USAGE_BODY}")
-}
-
-const USAGE_BODY: &str = "With no argument the example keeps its state in ./keel-demo.db (SQLite; KEEL_DEMO_DB\n\
-    names another file), or on PostgreSQL when KEEL_DATABASE_URL is set (schema\n\
-    KEEL_DATABASE_SCHEMA, default keel_demo). --memory runs it on the in-memory store.";
-
-/// Reads an example's arguments (without the program name). A wrong one is an error that
-/// names it, so a typo such as `--memroy` never runs the example on the file instead.
-pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
-    let mut chosen = Args::Durable;
-    for arg in args {
-        match arg.as_str() {
-            "--memory" => chosen = Args::Memory,
-            "--help" | "-h" => return Ok(Args::Help),
-            other => {
-                return Err(format!(
-                    "unknown argument `{other}`: the examples take only `--memory` (or none)"
-                ));
-            }
-        }
-    }
-    Ok(chosen)
+#[derive(Debug, Parser)]
+#[command(
+    about = "A Keel example. With no argument it keeps its state in ./keel-demo.db (SQLite; \
+             KEEL_DEMO_DB names another file), or on PostgreSQL when KEEL_DATABASE_URL is set \
+             (schema KEEL_DATABASE_SCHEMA, default keel_demo)."
+)]
+pub struct Args {
+    /// Run on the in-memory store: nothing survives the process.
+    #[arg(long)]
+    pub memory: bool,
 }
 
 /// Opens the store the command line and the environment ask for, and a line describing
 /// it for the example's banner. `--help` prints the usage and exits; a wrong argument
 /// prints what was wrong and the usage, and exits with status 2.
 pub async fn connect() -> Result<(Keel, String), keel::Error> {
-    let mut argv = std::env::args();
-    let name = argv
-        .next()
-        .and_then(|p| {
-            std::path::Path::new(&p).file_stem().map(|s| s.to_string_lossy().into_owned())
-        })
-        .unwrap_or_else(|| "<name>".to_owned());
-    let args = match parse_args(argv) {
-        Ok(Args::Help) => {
-            println!("{}", usage(&name));
-            std::process::exit(0);
-        }
-        Ok(args) => args,
-        Err(wrong) => {
-            eprintln!("{wrong}\n\n{}", usage(&name));
-            std::process::exit(2);
-        }
-    };
-    if args == Args::Memory {
+    let args = Args::parse();
+    if args.memory {
         let keel = Keel::connect("memory://").await?;
         return Ok((keel, "in-memory (--memory: nothing survives the process)".to_owned()));
     }
@@ -89,23 +48,27 @@ pub async fn connect() -> Result<(Keel, String), keel::Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Args, parse_args};
+    use super::Args;
+    use clap::Parser;
 
-    fn parse(args: &[&str]) -> Result<Args, String> {
-        parse_args(args.iter().map(|a| (*a).to_owned()))
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("order").chain(args.iter().copied()))
     }
 
     #[test]
     fn the_examples_take_memory_help_or_nothing() {
-        assert_eq!(parse(&[]), Ok(Args::Durable));
-        assert_eq!(parse(&["--memory"]), Ok(Args::Memory));
-        assert_eq!(parse(&["--memory", "--help"]), Ok(Args::Help));
-        assert_eq!(parse(&["-h"]), Ok(Args::Help));
+        assert!(!parse(&[]).expect("no argument").memory);
+        assert!(parse(&["--memory"]).expect("--memory").memory);
+        for help in [&["--memory", "--help"][..], &["-h"]] {
+            let e = parse(help).expect_err("help is not a run");
+            assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp, "{e}");
+        }
     }
 
     #[test]
     fn a_wrong_argument_is_named_instead_of_running_on_the_file() {
         let wrong = parse(&["--memroy"]).expect_err("a typo must not run the example");
-        assert!(wrong.contains("`--memroy`") && wrong.contains("--memory"), "{wrong}");
+        let wrong = wrong.to_string();
+        assert!(wrong.contains("'--memroy'") && wrong.contains("--memory"), "{wrong}");
     }
 }
