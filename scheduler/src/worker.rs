@@ -1183,7 +1183,7 @@ fn run_step<S: Store, C: Clock>(
         let elapsed = started.elapsed();
         running.pace.record(elapsed);
         metrics::histogram!("keel_queue_processing_time_seconds", "machine" => row.machine.name.clone())
-        .record(elapsed.as_secs_f64());
+            .record(elapsed.as_secs_f64());
 
         let (commit, failed) = match result {
             Ok(outcome) => {

@@ -63,8 +63,8 @@
 //!   whose child became terminal (`greatest(n - k, 0)`, plus a `CHECK` that it never goes
 //!   negative) — one transaction. A batch of no-op `Done` outcomes costs **two round
 //!   trips**: `BEGIN` + lock (+ the `Await` inbox check), then update + history + barrier +
-//!   `NOTIFY` + `COMMIT`, pipelined. `ScheduleChildren` adds one insert; outbox emits add
-//!   the delivery path below.
+//!   `COMMIT` with the wake-up notice behind it, pipelined. `ScheduleChildren` adds one
+//!   insert; outbox emits add the delivery path below.
 //! - **Heartbeat**: one statement locks the named rows in id order (`FOR NO KEY UPDATE`)
 //!   and extends those still executing under the worker and token named, so it cannot
 //!   deadlock with a commit or another heartbeat; a deadlock with any other writer is
@@ -110,12 +110,13 @@
 //!   [`PgStore::instance_insert_tx`] does the same inside the caller's transaction.
 //! - **Notifications**: a transaction that makes work ready (insert, a delivery or
 //!   broadcast that wakes, a commit, sweep, reap, release, cancel, dead-letter retry/skip,
-//!   queue resume) sends one `pg_notify` on `keel_<schema>_ready`, pipelined with its
-//!   `COMMIT`; [`PgStore::listen`] exposes it, and `Store::ready_wait` waits on one shared
-//!   LISTEN connection per store (opened on the first wait, reopened after it drops; a
-//!   wake-up with nobody waiting is kept for the next wait). Polling stays correct without it.
+//!   queue resume) sends one `pg_notify` on `keel_<schema>_ready`, in a statement of its
+//!   own pipelined behind its `COMMIT`, whose answer alone the caller waits for;
+//!   [`PgStore::listen`] exposes it, and `Store::ready_wait` waits on one shared LISTEN
+//!   connection per store (opened on the first wait, reopened after it drops; a wake-up
+//!   with nobody waiting is kept for the next wait). Polling stays correct without it.
 //!   A commit that arms timers also sends a timer hint on the same channel (payload
-//!   `timer:<earliest due, ms>`, sent with the timer write ahead of the `COMMIT`), which the
+//!   `timer:<earliest due, ms>`, in the same notice behind the `COMMIT`), which the
 //!   shared connection adds to the hint log behind `Store::timer_hint_wait`; opening or
 //!   losing that connection logs a gap, so sweepers re-read `timer_next_due` (one index
 //!   read in due order). [`PgStore::listen`] leaves timer hints out.
