@@ -612,3 +612,51 @@ async fn concurrent_lease_extends_over_overlapping_rows_in_any_order_never_fail(
         t.await.unwrap();
     }
 }
+
+/// A signal sent by business key to an instance that another transaction deletes after
+/// the key was looked up and before the delivery locks the row (pruning does that) finds
+/// no target: the delivery answers "missing" for it instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_target_deleted_while_its_key_is_looked_up_is_missing() {
+    let Some(s) = common::store_with(4).await else { return };
+    let id = insert(&s, vec![new("a").business_key("order-7")]).await[0];
+    let holder = s.client().await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    let holder_pid: i32 = holder.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    holder.execute("SELECT 1 FROM instances WHERE id = $1 FOR UPDATE", &[&id.0]).await.unwrap();
+    let s2 = s.clone();
+    let delivery = tokio::spawn(async move {
+        let target = keel_core::instance::SignalTarget::Key {
+            namespace: "default".into(),
+            machine: "m".into(),
+            key: "order-7".into(),
+        };
+        s2.signal_deliver(SignalDeliverParams {
+            signals: vec![NewSignal::new(target, "go")],
+            now: T0,
+        })
+        .await
+    });
+    // The delivery has looked the key up and now waits for the row's lock.
+    let watcher = s.client().await.unwrap();
+    let mut waiting = 0i64;
+    for _ in 0..500 {
+        waiting = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&holder_pid],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(waiting > 0, "the delivery never waited for the row lock");
+    holder.execute("DELETE FROM instances WHERE id = $1", &[&id.0]).await.unwrap();
+    holder.batch_execute("COMMIT").await.unwrap();
+    let out = delivery.await.expect("the delivery does not panic").unwrap();
+    assert_eq!(out, vec![DeliveryOutcome::TargetMissing]);
+}

@@ -157,13 +157,25 @@ pub(crate) async fn resolve<C: GenericClient + Sync>(
 }
 
 /// Resolves and locks the targets and plans the delivery (`plan::deliver`); nothing is
-/// written yet.
+/// written yet. Signals addressed by id need no resolving: the lock reads those rows, and
+/// a target it does not find is missing. So a delivery by id sends its reads in one round
+/// trip (with the caller's `BEGIN`), and only keys and children cost a second.
 pub(crate) async fn plan<C: GenericClient + Sync>(
     c: &C,
     signals: &[NewSignal],
     now: Timestamp,
 ) -> OpResult<Delivery> {
-    let targets = resolve(c, &signals.iter().map(|s| &s.target).collect::<Vec<_>>()).await?;
+    let by_id: Option<Vec<Option<InstanceId>>> = signals
+        .iter()
+        .map(|s| match s.target {
+            SignalTarget::Id(id) => Some(Some(id)),
+            _ => None,
+        })
+        .collect();
+    let targets = match by_id {
+        Some(targets) => targets,
+        None => resolve(c, &signals.iter().map(|s| &s.target).collect::<Vec<_>>()).await?,
+    };
     plan_resolved(c, signals, &targets, now).await
 }
 
@@ -217,7 +229,7 @@ async fn plan_with<C: GenericClient + Sync>(
         async { c.query(&existing, &[&dt, &dk]).await },
         async { c.query(&alloc, &[&n]).await },
     );
-    let mut read = DeliverRead { targets: targets.to_vec(), ..DeliverRead::default() };
+    let mut read = DeliverRead::default();
     for r in &locked? {
         let row = rows::instance(r)?;
         read.rows.insert(row.id, row);
@@ -229,6 +241,10 @@ async fn plan_with<C: GenericClient + Sync>(
             }
         }
     }
+    // A target is what the lock found: an id never resolved (a delivery by id), or one
+    // whose row went between resolving and locking (pruned by another transaction), is
+    // missing.
+    read.targets = targets.iter().map(|t| t.filter(|id| read.rows.contains_key(id))).collect();
     for r in &found? {
         let (target, key, id): (i64, String, i64) =
             (rows::col(r, 0)?, rows::col(r, 1)?, rows::col(r, 2)?);
