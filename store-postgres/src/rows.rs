@@ -316,6 +316,16 @@ impl InstanceWrite {
             || undecodable_error(&row.context).is_some();
         let keep_result = stored.is_some_and(|(_, result)| result == row.result.as_ref())
             || row.result.as_ref().and_then(undecodable_error).is_some();
+        self.push_keeping(row, keep_context, keep_result);
+    }
+
+    /// Adds a row whose context and result are the stored ones (a delivery's wake-up):
+    /// neither is sent, and the statement keeps the stored values.
+    pub(crate) fn push_unchanged(&mut self, row: &Instance) {
+        self.push_keeping(row, true, true);
+    }
+
+    fn push_keeping(&mut self, row: &Instance, keep_context: bool, keep_result: bool) {
         self.keep_context.push(keep_context);
         self.keep_result.push(keep_result);
         self.id.push(row.id.0);

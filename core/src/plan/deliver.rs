@@ -98,9 +98,12 @@ pub struct DeliverPlan {
     /// The signals to store, in the order their ids must increase.
     pub inserts: Vec<SignalInsert>,
     /// The targets the batch woke, each once, in its final state, in the order first woken.
+    /// A delivery changes a row's status, eligibility, update time and claim priority,
+    /// never its context or result: a store may leave those two columns unwritten.
     pub woken: Vec<Instance>,
     /// The targets the batch did not wake whose claim priority a signal raised, each
-    /// once, in its final state (the store writes them like the woken rows).
+    /// once, in its final state (the store writes them like the woken rows; the context
+    /// and result are as read here too).
     pub raised: Vec<Instance>,
 }
 
@@ -290,6 +293,34 @@ mod tests {
             assert_eq!((r.status, r.eligible_at), (Status::Runnable, NOW));
         }
         assert!(plan.inserts.iter().all(|i| i.inserted_at == NOW));
+    }
+
+    /// Stores write a woken or raised row without its context and result, so a delivery
+    /// must leave both exactly as read.
+    #[test]
+    fn woken_and_raised_rows_keep_their_context_and_result() {
+        let mut asleep = row(1, Status::AwaitingSignal, Some("go"));
+        let mut busy = row(2, Status::Runnable, None);
+        for (r, n) in [(&mut asleep, 1), (&mut busy, 2)] {
+            r.context = serde_json::json!({ "orders": [n, n + 1], "note": "x".repeat(64) });
+            r.result = Some(serde_json::json!({ "partial": n }));
+        }
+        let read = DeliverRead {
+            targets: vec![Some(InstanceId(1)), Some(InstanceId(2))],
+            rows: [asleep.clone(), busy.clone()].into_iter().map(|r| (r.id, r)).collect(),
+            dedup: HashMap::new(),
+        };
+        let urgent = crate::Priority::Critical;
+        let signals =
+            [signal(1, "go", None).priority(urgent), signal(2, "other", None).priority(urgent)];
+        let plan = deliver(read, &signals, NOW);
+        assert_eq!(plan.woken.len(), 1);
+        assert_eq!(plan.raised.len(), 1);
+        for (after, before) in [(&plan.woken[0], &asleep), (&plan.raised[0], &busy)] {
+            assert_eq!(after.priority, urgent, "the signal raised the claim priority");
+            assert_eq!(after.context, before.context);
+            assert_eq!(after.result, before.result);
+        }
     }
 
     fn delivered(id: i64, target: i64, woke: bool) -> DeliveryOutcome {

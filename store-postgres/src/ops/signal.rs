@@ -43,9 +43,6 @@ pub(crate) struct Delivery {
     priority: Vec<Option<i16>>,
     woken: Vec<Instance>,
     raised: Vec<Instance>,
-    /// The targets' contexts and results as read: a wake-up leaves them as they are, and
-    /// its write then does not send them again.
-    stored: HashMap<InstanceId, (serde_json::Value, Option<serde_json::Value>)>,
 }
 
 impl Delivery {
@@ -254,11 +251,6 @@ async fn plan_with<C: GenericClient + Sync>(
         .iter()
         .map(|r| rows::col(r, 0).map(SignalId))
         .collect::<Result<_, keel_core::StoreError>>()?;
-    let stored = read
-        .rows
-        .iter()
-        .map(|(id, row)| (*id, (row.context.clone(), row.result.clone())))
-        .collect();
     let plan = plan::deliver::deliver(read, signals, now);
     let n = plan.inserts.len();
     Ok(Delivery {
@@ -272,7 +264,6 @@ async fn plan_with<C: GenericClient + Sync>(
         priority: plan.inserts.iter().map(|i| i.priority.map(keel_core::Priority::level)).collect(),
         woken: plan.woken,
         raised: plan.raised,
-        stored,
     })
 }
 
@@ -287,8 +278,10 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
     let insert = c.prepare_cached(INSERT).await?;
     let write = c.prepare_cached(rows::WRITE_INSTANCES).await?;
     let mut w = rows::InstanceWrite::default();
+    // A delivery never changes a context or result (the planner's promise), so the write
+    // leaves both columns alone instead of sending them back.
     for r in d.woken.iter().chain(&d.raised) {
-        w.push_over(r, d.stored.get(&r.id).map(|(context, result)| (context, result.as_ref())));
+        w.push_unchanged(r);
     }
     let ins = async {
         if d.ids.is_empty() {
