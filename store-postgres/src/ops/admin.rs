@@ -1,7 +1,7 @@
 //! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
 //! Each state change locks its rows, applies the pure transition and writes back.
 
-use super::{begin, end_tx, signal, timer};
+use super::{Notices, begin, end_tx, end_tx_notices, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{
     self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
@@ -33,48 +33,45 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
-    let (cancelled, ready) = cancel_locked(c, p, channel, plan::cancel::cancel).await?;
-    end_tx(c, ready.then_some(channel)).await?;
+    let mut notices = Notices::default();
+    let cancelled = cancel_locked(c, p, plan::cancel::cancel, &mut notices).await?;
+    end_tx_notices(c, channel, &notices).await?;
     Ok(cancelled)
 }
 
 /// A cancel inside the caller's transaction, planned by `planner`: locks, reads, plans and
-/// writes, and says whether it made work ready (the caller's commit should notify). The
-/// cancels its parent releases ask for (a parent woken from a join cancels the rest of
-/// its children) run after it, each an ordinary cascading cancel, at most
-/// [`limits::CANCEL_CASCADE_MAX`] of them.
+/// writes, and marks in `notices` what the caller's commit must announce (instances
+/// ended; work made ready). The cancels its parent releases ask for (a parent woken from
+/// a join cancels the rest of its children) run after it, each an ordinary cascading
+/// cancel, at most [`limits::CANCEL_CASCADE_MAX`] of them.
 pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
     c: &C,
     p: &CancelParams,
-    channel: &str,
     planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
-) -> OpResult<(Vec<InstanceId>, bool)> {
-    let (cancelled, mut ready, more) = cancel_one(c, p, channel, planner).await?;
-    run_cancels(c, more, channel).await.map(|woke| {
-        ready |= woke;
-        (cancelled, ready)
-    })
+    notices: &mut Notices,
+) -> OpResult<Vec<InstanceId>> {
+    let (cancelled, more) = cancel_one(c, p, planner, notices).await?;
+    run_cancels(c, more, notices).await?;
+    Ok(cancelled)
 }
 
 /// Runs the cancels parent plans asked for, and those they ask for in turn (bounded);
-/// says whether they made work ready.
+/// marks in `notices` what they ended and woke.
 pub(crate) async fn run_cancels<C: GenericClient + Sync>(
     c: &C,
     mut more: Vec<CancelParams>,
-    channel: &str,
-) -> OpResult<bool> {
-    let mut ready = false;
+    notices: &mut Notices,
+) -> OpResult<()> {
     let mut done = 0;
     while let Some(next) = more.pop() {
         if done >= limits::CANCEL_CASCADE_MAX {
             break;
         }
         done += 1;
-        let (_, woke, further) = cancel_one(c, &next, channel, plan::cancel::cancel).await?;
-        ready |= woke;
+        let (_, further) = cancel_one(c, &next, plan::cancel::cancel, notices).await?;
         more.extend(further);
     }
-    Ok(ready)
+    Ok(())
 }
 
 /// The parents among `ids` that keep a join state in their context: their barriers are
@@ -176,9 +173,9 @@ pub(crate) async fn write_parent_plan<C: GenericClient + Sync>(
 async fn cancel_one<C: GenericClient + Sync>(
     c: &C,
     p: &CancelParams,
-    channel: &str,
     planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
-) -> OpResult<(Vec<InstanceId>, bool, Vec<CancelParams>)> {
+    notices: &mut Notices,
+) -> OpResult<(Vec<InstanceId>, Vec<CancelParams>)> {
     // The root's parent, when it keeps a join state, is locked first (id order), as a
     // step commit does: the cancel's release counts on it, and a sibling's commit that
     // wakes it may cancel this root.
@@ -231,7 +228,7 @@ async fn cancel_one<C: GenericClient + Sync>(
         signal::pending_of(&pending)?.into_iter().map(|(id, p)| (InstanceId(id), p)).collect();
     let plan = planner(p, read)?;
     if plan.rows.is_empty() {
-        return Ok((Vec::new(), false, Vec::new()));
+        return Ok((Vec::new(), Vec::new()));
     }
     let cancelled: Vec<i64> = plan.rows.iter().map(|w| w.row.id.0).collect();
     let mut history = HistoryWrite::default();
@@ -244,7 +241,7 @@ async fn cancel_one<C: GenericClient + Sync>(
     // barrier counts go in one statement that applies the parent release rule in SQL, and
     // the notices are delivered as one batch.
     let parents: Vec<i64> = plan.releases.iter().map(|r| r.parent.0).collect();
-    let (notices, targets): (Vec<_>, Vec<_>) =
+    let (parent_notices, targets): (Vec<_>, Vec<_>) =
         plan.releases.iter().filter_map(|r| r.notice.clone().map(|n| (n, Some(r.parent)))).unzip();
     let next: Vec<Instance> = plan.rows.into_iter().map(|w| w.row).collect();
     let drop_timers =
@@ -256,11 +253,13 @@ async fn cancel_one<C: GenericClient + Sync>(
     c.execute(&drop_timers, &[&cancelled]).await?;
     c.execute(&drain, &[&cancelled, &whole]).await?;
     let (more, _) = release_all(c, &plan.releases, p.now).await?;
-    let ended = c.prepare_cached(timer::HINT).await?;
-    timer::ended_send(c, &ended, channel).await?;
-    let plan = signal::plan_resolved(c, &notices, &targets, p.now).await?;
-    signal::finish(c, &plan, None).await?;
-    Ok((next.iter().map(|r| r.id).collect(), !parents.is_empty() || plan.woke(), more))
+    let delivery = signal::plan_resolved(c, &parent_notices, &targets, p.now).await?;
+    signal::finish(c, &delivery, None).await?;
+    // Announced after the caller's commit: waiters for these results re-read them, and
+    // claimers look for the parents this woke.
+    notices.ended = true;
+    notices.ready |= !parents.is_empty() || delivery.woke();
+    Ok((next.iter().map(|r| r.id).collect(), more))
 }
 
 /// An instance with its inbox, children and history.

@@ -366,14 +366,13 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         // plain ones above; the children a woken parent stops waiting for are cancelled
         // in this transaction.
         let (cancels, _) = admin::release_joined(c, &join_releases, now).await?;
-        ready |= admin::run_cancels(c, cancels, channel).await?;
+        admin::run_cancels(c, cancels, &mut notices).await?;
         if delivered {
             let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
             signal::finish(c, &plan, None).await?;
-            ready |= plan.woke();
+            notices.ready |= plan.woke();
         }
-        ready |= cancel_left(c, &leaving, now, channel).await?;
-        notices.ready = ready;
+        cancel_left(c, &leaving, now, &mut notices).await?;
         end_tx_notices(c, channel, &notices).await?;
     }
     Ok(results
@@ -389,14 +388,14 @@ pub(crate) async fn run<C: GenericClient + Sync>(
 }
 
 /// Cancels, in the commit's transaction, the live children each committing instance
-/// started from a delegation state it left, with their descendants; says whether that
-/// made work ready.
+/// started from a delegation state it left, with their descendants; marks in `notices`
+/// what that ended and woke.
 async fn cancel_left<C: GenericClient + Sync>(
     c: &C,
     leaving: &[(InstanceId, LeftDelegations)],
     now: Timestamp,
-    channel: &str,
-) -> OpResult<bool> {
+    notices: &mut Notices,
+) -> OpResult<()> {
     let parents: Vec<i64> = leaving.iter().map(|(id, _)| id.0).collect();
     let max = keel_core::limits::CHILDREN_PER_STEP_MAX as i64;
     let stmt = c.prepare_cached(DELEGATED).await?;
@@ -406,7 +405,6 @@ async fn cancel_left<C: GenericClient + Sync>(
         .iter()
         .map(|r| rows::col(r, 0))
         .collect::<Result<_, StoreError>>()?;
-    let mut ready = false;
     for child in rows::lock_instances(c, &ids).await? {
         let Some((parent, left)) = leaving.iter().find(|(id, _)| Some(*id) == child.parent) else {
             continue;
@@ -415,11 +413,9 @@ async fn cancel_left<C: GenericClient + Sync>(
             continue;
         }
         let p = left.cancel_params(&child, now);
-        let (_, woke) =
-            admin::cancel_locked(c, &p, channel, keel_core::plan::cancel::left_delegation).await?;
-        ready |= woke;
+        admin::cancel_locked(c, &p, keel_core::plan::cancel::left_delegation, notices).await?;
     }
-    Ok(ready)
+    Ok(())
 }
 
 /// Inserts dead letters in one statement (outside a step commit: an undecodable row).

@@ -143,15 +143,6 @@ pub(crate) const READY: &str = "";
 /// for a result re-read them.
 pub(crate) const ENDED: &str = "ended";
 
-/// Sends [`ENDED`] inside the caller's transaction (delivered when it commits).
-pub(crate) async fn ended_send<C: GenericClient + Sync>(
-    c: &C,
-    stmt: &tokio_postgres::Statement,
-    channel: &str,
-) -> Result<u64, tokio_postgres::Error> {
-    c.execute(stmt, &[&channel, &ENDED]).await
-}
-
 /// Reads a notification payload.
 pub(crate) fn parse_notice(payload: &str) -> Notice {
     if payload == ENDED {
@@ -417,13 +408,13 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
 
     // A passed join deadline wakes its parent (held locked above) and cancels the rest of
     // its children, in this transaction.
-    let mut woke = false;
+    let mut notices = super::Notices::default();
     for id in &plan.join_deadlines {
         let Some(row) = held.get(&id.0) else { continue };
         let planned = plan::parent::expire(row, p.now);
-        woke |= planned.changed;
+        notices.ready |= planned.changed;
         let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
-        super::admin::run_cancels(c, cancels, channel).await?;
+        super::admin::run_cancels(c, cancels, &mut notices).await?;
     }
     let adv = c.prepare_cached(ADVANCE).await?;
     let del = c.prepare_cached(DELETE).await?;
@@ -449,10 +440,8 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         noted?;
         Ok::<_, tokio_postgres::Error>(())
     };
-    let (written, finished) = tokio::join!(
-        writes,
-        signal::finish(c, &delivery, Some((channel, super::Notices::ready(woke))))
-    );
+    let (written, finished) =
+        tokio::join!(writes, signal::finish(c, &delivery, Some((channel, notices))));
     written?;
     finished?;
     Ok(report)
