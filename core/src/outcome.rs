@@ -686,15 +686,21 @@ pub fn claimable(row: &Instance, now: Timestamp) -> bool {
 /// becomes runnable now; `awaits` is kept for the woken step to see. Any other row is
 /// unchanged (the signal waits in the inbox).
 pub fn deliver(row: &Instance, name: &str, now: Timestamp) -> Option<Instance> {
+    let mut next = row.clone();
+    deliver_in_place(&mut next, name, now).then_some(next)
+}
+
+/// [`deliver`] on the row itself, without copying it (its context may be large); says
+/// whether the signal woke it.
+pub fn deliver_in_place(row: &mut Instance, name: &str, now: Timestamp) -> bool {
     let wakes = row.status == Status::AwaitingSignal
         && row.awaits.as_deref().is_some_and(|a| signal_matches(a, name));
-    wakes.then(|| {
-        let mut next = row.clone();
-        next.status = Status::Runnable;
-        next.eligible_at = now;
-        next.updated_at = now;
-        next
-    })
+    if wakes {
+        row.status = Status::Runnable;
+        row.eligible_at = now;
+        row.updated_at = now;
+    }
+    wakes
 }
 
 /// Whether a lease has run out at `now`.

@@ -190,10 +190,8 @@ pub fn deliver(read: DeliverRead, signals: &[NewSignal], now: Timestamp) -> Deli
                 raised.push(target);
             }
         }
-        let next = outcome::deliver(row, &s.name, now);
-        let woke = next.is_some();
-        if let Some(next) = next {
-            *row = next;
+        let woke = outcome::deliver_in_place(row, &s.name, now);
+        if woke {
             // A target wakes at most once: a woken row is runnable, so no later signal of
             // the batch wakes it again.
             woken.push(target);
