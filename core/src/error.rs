@@ -83,3 +83,54 @@ impl std::error::Error for StoreError {}
 
 /// Result alias for port calls.
 pub type StoreResult<T> = Result<T, StoreError>;
+
+/// An error's message followed by its causes' (`reading order 7: connection refused`),
+/// each cause once: drivers and pools keep the reason something failed (a refused
+/// connection, a wrong password, a value that cannot be decoded) in the error's source,
+/// and some also repeat their cause in their own message. Follows at most 16 causes, so
+/// a cyclic chain cannot hang the caller.
+pub fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    for _ in 0..16 {
+        let Some(c) = cause else { break };
+        let more = c.to_string();
+        if !more.is_empty() && !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_causes;
+    use std::fmt;
+
+    /// An error with a message and an optional cause.
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl fmt::Display for Layer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    #[test]
+    fn causes_follow_the_message_each_once() {
+        let refused = Layer("connection refused", None);
+        let connecting = Layer("error connecting to server", Some(Box::new(refused)));
+        let pool = Layer("pool: error connecting to server", Some(Box::new(connecting)));
+        assert_eq!(with_causes(&pool), "pool: error connecting to server: connection refused");
+        assert_eq!(with_causes(&Layer("alone", None)), "alone");
+    }
+}

@@ -197,23 +197,9 @@ impl StepError {
     }
 }
 
-/// The error's message followed by its sources (`reading order 7: connection refused`).
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    // Bounded: a source chain deeper than this is cut, not followed forever.
-    for _ in 0..16 {
-        let Some(cause) = source else { break };
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
-}
-
 impl<E: std::error::Error> From<E> for StepError {
     fn from(error: E) -> Self {
-        StepError::retryable(chain(&error))
+        StepError::retryable(keel_core::error::with_causes(&error))
     }
 }
 

@@ -4,6 +4,7 @@
 //! `Unavailable` (retryable); a unique violation is `Conflict`; bad data is `Invalid`.
 //! Anything else the server rejects is `Conflict`: retrying the same call will not help.
 
+use keel_core::error::with_causes;
 use keel_core::{ErrorKind, StoreError};
 use tokio_postgres::error::SqlState;
 
@@ -48,26 +49,6 @@ pub(crate) fn pg(e: &tokio_postgres::Error) -> StoreError {
         None => format!("postgres: {}", with_causes(e)),
     };
     StoreError::new(kind_of(e), message)
-}
-
-/// An error's message followed by its causes' (`a: b: c`), each cause once: the driver
-/// and the pool keep the reason a connection failed ("Connection refused", a wrong
-/// password) or a column could not be decoded ("recursion limit exceeded") in the
-/// error's source, not in its message.
-pub(crate) fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    // A bound: error chains are short, and a cyclic one must not hang the caller.
-    for _ in 0..8 {
-        let Some(c) = cause else { break };
-        let more = c.to_string();
-        if !more.is_empty() && !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = c.source();
-    }
-    text
 }
 
 /// Converts a pool error (no connection could be had): always retryable.

@@ -2,8 +2,9 @@
 //! row, signals, children summaries, history and dead letters; plus the batch writers that
 //! every operation shares (one `UPDATE … FROM unnest(…)` for any number of rows).
 
-use crate::error::{OpResult, with_causes};
+use crate::error::OpResult;
 use deadpool_postgres::GenericClient;
+use keel_core::error::with_causes;
 use keel_core::instance::HistoryEntry;
 use keel_core::instance::{
     AttemptError, ChildSummary, DeadLetter, HistoryRecord, Instance, NewDeadLetter, Signal,
