@@ -682,17 +682,11 @@ pub fn claimable(row: &Instance, now: Timestamp) -> bool {
     row.status == Status::Runnable && row.eligible_at <= now
 }
 
-/// The row after a signal named `name` was delivered: an instance awaiting that name
-/// becomes runnable now; `awaits` is kept for the woken step to see. Any other row is
-/// unchanged (the signal waits in the inbox).
-pub fn deliver(row: &Instance, name: &str, now: Timestamp) -> Option<Instance> {
-    let mut next = row.clone();
-    deliver_in_place(&mut next, name, now).then_some(next)
-}
-
-/// [`deliver`] on the row itself, without copying it (its context may be large); says
-/// whether the signal woke it.
-pub fn deliver_in_place(row: &mut Instance, name: &str, now: Timestamp) -> bool {
+/// A signal named `name` delivered to `row`, changed in place (its context may be large,
+/// so it is not copied): an instance awaiting that name becomes runnable now, and `awaits`
+/// is kept for the woken step to see; says whether it woke. Any other row is unchanged
+/// (the signal waits in the inbox).
+pub fn deliver(row: &mut Instance, name: &str, now: Timestamp) -> bool {
     let wakes = row.status == Status::AwaitingSignal
         && row.awaits.as_deref().is_some_and(|a| signal_matches(a, name));
     if wakes {

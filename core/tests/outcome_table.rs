@@ -385,11 +385,14 @@ fn lifecycle_table() {
     let mut parked = claimed.clone();
     parked.status = Status::AwaitingSignal;
     parked.awaits = Some("PAID".into());
-    assert!(outcome::deliver(&parked, "OTHER", NOW).is_none(), "other names leave it parked");
-    let woke = outcome::deliver(&parked, "PAID", NOW).expect("wakes");
+    let mut other = parked.clone();
+    assert!(!outcome::deliver(&mut other, "OTHER", NOW), "other names leave it parked");
+    assert_eq!(other, parked, "a signal that does not wake changes nothing");
+    let mut woke = parked.clone();
+    assert!(outcome::deliver(&mut woke, "PAID", NOW), "wakes");
     assert_eq!((woke.status, woke.awaits.as_deref()), (Status::Runnable, Some("PAID")));
     parked.awaits = Some("*".into());
-    assert!(outcome::deliver(&parked, "ANYTHING", NOW).is_some(), "* wakes on any signal");
+    assert!(outcome::deliver(&mut parked, "ANYTHING", NOW), "* wakes on any signal");
 
     let mut parent = claimed.clone();
     parent.status = Status::AwaitingChildren;

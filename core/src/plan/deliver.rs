@@ -190,7 +190,7 @@ pub fn deliver(read: DeliverRead, signals: &[NewSignal], now: Timestamp) -> Deli
                 raised.push(target);
             }
         }
-        let woke = outcome::deliver_in_place(row, &s.name, now);
+        let woke = outcome::deliver(row, &s.name, now);
         if woke {
             // A target wakes at most once: a woken row is runnable, so no later signal of
             // the batch wakes it again.
