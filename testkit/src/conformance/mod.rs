@@ -154,6 +154,7 @@ macro_rules! __store_contract_list {
             cancel_cascade_releases_parent_barrier,
             cancel_rules_terminal_missing_executing,
             instance_get_and_lookup,
+            a_lone_insert_stores_what_a_batch_stores,
             instance_rows_read_many_at_once,
             payload_over_limit_rejected,
             batch_over_limit_rejected,

@@ -10,9 +10,9 @@ use keel_core::limits;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    CancelParams, CommitParams, InsertParams, LeaseReapParams, SignalDeliverParams,
+    CancelParams, CommitParams, InsertOutcome, InsertParams, LeaseReapParams, SignalDeliverParams,
 };
-use keel_core::{ErrorKind, InstanceId, NewInstance, Status, StepCommit, Timestamp};
+use keel_core::{ErrorKind, InstanceId, NewInstance, Priority, Status, StepCommit, Timestamp};
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
 
@@ -117,6 +117,56 @@ pub async fn cancel_rules_terminal_missing_executing<S: Store>(s: &S) {
     let late = StepCommit::new(victim, claimed.token(), done());
     expect_kind(commit(s, late, at(130)).await, ErrorKind::LeaseLost, "commit after cancel");
     assert_eq!(row(s, victim).await.status, Status::Cancelled);
+}
+
+/// A start alone and the same start in a batch store the same row: every field the caller
+/// gave (queue, priority, business and concurrency keys, context, due time, correlation
+/// id) and the same defaults. Stores may take a shorter path for a batch of one.
+pub async fn a_lone_insert_stores_what_a_batch_stores<S: Store>(s: &S) {
+    let ns = "lone_insert";
+    let given = new_in(ns)
+        .queue("mail")
+        .priority(Priority::High)
+        .business_key("order-7")
+        .concurrency_key("customer-3")
+        .context(json!({ "items": [1, 2], "note": "ünï" }))
+        .eligible_at(at(500))
+        .correlation_id("corr-7");
+    let lone = insert_one(s, given.clone(), at(10)).await;
+    let batch = insert(s, vec![given, new_in(ns)], at(10)).await;
+    let [InsertOutcome::Inserted(batched), InsertOutcome::Inserted(_)] = batch.as_slice() else {
+        panic!("expected two new instances, got {batch:?}");
+    };
+    let alone = row(s, lone).await;
+    let mut in_batch = row(s, *batched).await;
+    assert_ne!(alone.id, in_batch.id);
+    in_batch.id = alone.id;
+    assert_eq!(alone, in_batch, "one start alone stores what the same start in a batch stores");
+    assert_eq!(
+        (
+            alone.queue.as_str(),
+            alone.priority,
+            alone.business_key.as_deref(),
+            alone.concurrency_key.as_deref(),
+            &alone.context,
+            alone.eligible_at,
+            alone.correlation_id.as_deref(),
+            alone.status,
+            alone.position.as_str(),
+        ),
+        (
+            "mail",
+            Priority::High,
+            Some("order-7"),
+            Some("customer-3"),
+            &json!({ "items": [1, 2], "note": "ünï" }),
+            at(500),
+            Some("corr-7"),
+            Status::Runnable,
+            "start",
+        ),
+        "every field the start gave is stored"
+    );
 }
 
 /// `instance_get` returns the row, inbox in arrival order, children and the history of
