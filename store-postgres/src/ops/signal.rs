@@ -223,7 +223,10 @@ async fn plan_with<C: GenericClient + Sync>(
     let alloc = c.prepare_cached(ALLOC).await?;
     let (locked, found, fresh) = tokio::join!(
         async { if held.is_some() { Ok(Vec::new()) } else { c.query(&lock, &[&ids]).await } },
-        async { c.query(&existing, &[&dt, &dk]).await },
+        // Without a dedup key in the batch there is nothing to find.
+        async {
+            if dt.is_empty() { Ok(Vec::new()) } else { c.query(&existing, &[&dt, &dk]).await }
+        },
         async { c.query(&alloc, &[&n]).await },
     );
     let mut read = DeliverRead::default();
