@@ -46,7 +46,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     // Prepared first, so that the pipeline below sends its messages in order (a statement
     // still being prepared would let the COMMIT overtake it). One plain row runs a
     // statement whose plan costs nothing to make, so its `BEGIN` need not fix the plan.
-    let plain = matches!(items, [item] if is_plain(item));
+    let plain = lone_plain(items).is_some();
     let begin = async {
         if plain {
             c.batch_execute("BEGIN").await.map_err(OpError::from)
@@ -104,9 +104,7 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     if items.is_empty() {
         return Ok(Vec::new());
     }
-    if let [item] = items
-        && is_plain(item)
-    {
+    if let Some(item) = lone_plain(items) {
         return Ok(vec![InsertOutcome::Inserted(insert_one(c, item, now).await?)]);
     }
     let mut cols = Cols::default();
@@ -154,10 +152,13 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     Ok(out)
 }
 
-/// Whether `item` goes in whatever the store holds: it has no unique key, so no other row
-/// can occupy its place and its insert needs no conflict check.
-fn is_plain(item: &Item<'_>) -> bool {
-    item.0.unique.is_none()
+/// The one item of `items` when it goes in whatever the store holds: it has no unique
+/// key, so no other row can occupy its place and its insert needs no conflict check.
+fn lone_plain<'a>(items: &'a [Item<'a>]) -> Option<&'a Item<'a>> {
+    match items {
+        [item] if item.0.unique.is_none() => Some(item),
+        _ => None,
+    }
 }
 
 /// One row without a unique key: a plain `INSERT … VALUES` (its id from the same sequence).
@@ -169,7 +170,7 @@ const INSERT_ONE: &str = "INSERT INTO instances (namespace, machine, machine_ver
     VALUES ($1, $2, $3, $4, $5, $6, $7, 'runnable', $8, $9, $10, $11, $12, $13, $13, $14, $6) \
     RETURNING id";
 
-/// Inserts one plain row (see [`is_plain`]); its id.
+/// Inserts one plain row (see [`lone_plain`]); its id.
 async fn insert_one<C: GenericClient + Sync>(
     c: &C,
     (n, parent): &Item<'_>,
