@@ -2,11 +2,12 @@
 //! events accepted per second through `POST …/events`, and worker-protocol steps per
 //! second (poll + complete) with 16 concurrent HTTP workers.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
+use keel::prometheus::PrometheusHandle;
 use keel::{Keel, MachineRef, NewInstance};
 use serde_json::json;
 
@@ -20,6 +21,18 @@ const TARGETS: usize = 256;
 /// Instances started per batch before the worker-protocol run.
 const START_BATCH: usize = 500;
 
+/// The process's one Prometheus recorder, for the scenarios that serve `keel serve`'s
+/// router (`http`, `ui`): the metrics facade takes one recorder per process, so the first
+/// of them installs it and the next shares it. Scenarios run one after another.
+pub fn recorder() -> Result<PrometheusHandle> {
+    static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
+    if let Some(handle) = RECORDER.get() {
+        return Ok(handle.clone());
+    }
+    let handle = keel::prometheus::install()?;
+    Ok(RECORDER.get_or_init(|| handle).clone())
+}
+
 /// Runs both measurements on a fresh store of the factory's kind.
 pub async fn http(factory: &Factory, events: usize, steps: usize) -> Result<Report> {
     let (keel, scratch) = match factory.kind() {
@@ -32,7 +45,7 @@ pub async fn http(factory: &Factory, events: usize, steps: usize) -> Result<Repo
             (Keel::from_store((*store).clone()), Some(scratch))
         }
     };
-    let metrics = keel::prometheus::install()?;
+    let metrics = recorder()?;
     let state = keel_cli::serve::AppState::open(keel.clone(), "default", metrics);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);

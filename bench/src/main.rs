@@ -1,7 +1,8 @@
 //! `keel-bench`: Keel's benchmarks, normally run through `cargo xtask bench [SCENARIO]`.
 //!
 //! Scenarios:
-//! - `steps`: no-op step throughput, draining N instances at worker concurrency 1, 10, 100;
+//! - `steps`: no-op step throughput, draining N instances at worker concurrency 1, 10, 100
+//!   and 500;
 //!   with `--queue redis|sqs`, the instances are announced through that queue and the
 //!   worker claims what it is told about;
 //! - `chart`: a 3-state chart with one external signal per instance — macrosteps and
@@ -22,7 +23,8 @@
 //! - `prune` (PostgreSQL only): pruning N ended instances while claiming — claim latency
 //!   p50 / p99 / max before and during pruning.
 //!
-//! Every scenario prints a table and writes JSON to `target/bench/<scenario>.json`.
+//! Without a scenario named, `steps`, `chart`, `timers`, `parallel` and `start` run. Every
+//! scenario prints a table and writes JSON to `target/bench/<scenario>-<store>.json`.
 
 mod fairness;
 mod http;
@@ -41,7 +43,8 @@ use clap::{Parser, ValueEnum};
 #[derive(Debug, Parser)]
 #[command(name = "keel-bench", about = "Keel benchmarks: steps, chart, timers, parallel, start")]
 struct Cli {
-    /// Which scenarios to run (default: all).
+    /// Which scenarios to run, one after another (default: steps, chart, timers, parallel,
+    /// start; name http, ui, prune or fairness to run them).
     #[arg(value_enum)]
     scenarios: Vec<Scenario>,
     /// The store to run against.

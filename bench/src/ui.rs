@@ -110,7 +110,7 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
     if let Some(store) = &pg {
         store.client().await?.batch_execute("ANALYZE instances; ANALYZE dead_letters").await?;
     }
-    let metrics = keel::prometheus::install()?;
+    let metrics = crate::http::recorder()?;
     let state = keel_cli::serve::AppState::open(keel.clone(), "default", metrics);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
