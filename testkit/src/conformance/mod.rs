@@ -155,6 +155,7 @@ macro_rules! __store_contract_list {
             cancel_rules_terminal_missing_executing,
             instance_get_and_lookup,
             a_lone_insert_stores_what_a_batch_stores,
+            a_batch_insert_answers_in_batch_order,
             instance_rows_read_many_at_once,
             payload_over_limit_rejected,
             batch_over_limit_rejected,

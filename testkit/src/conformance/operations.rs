@@ -133,15 +133,24 @@ pub async fn a_lone_insert_stores_what_a_batch_stores<S: Store>(s: &S) {
         .eligible_at(at(500))
         .correlation_id("corr-7");
     let lone = insert_one(s, given.clone(), at(10)).await;
-    let batch = insert(s, vec![given, new_in(ns)], at(10)).await;
-    let [InsertOutcome::Inserted(batched), InsertOutcome::Inserted(_)] = batch.as_slice() else {
-        panic!("expected two new instances, got {batch:?}");
-    };
     let alone = row(s, lone).await;
-    let mut in_batch = row(s, *batched).await;
-    assert_ne!(alone.id, in_batch.id);
-    in_batch.id = alone.id;
-    assert_eq!(alone, in_batch, "one start alone stores what the same start in a batch stores");
+    // A batch without unique keys, and one where another row has a unique key: stores may
+    // take a different statement for each.
+    let keyed = new_in(ns).unique("lone-insert-key", keel_core::StatusSet::LIVE);
+    for (batch, kind) in [
+        (vec![given.clone(), new_in(ns)], "a batch without unique keys"),
+        (vec![given.clone(), keyed], "a batch with a unique key beside it"),
+    ] {
+        let batch = insert(s, batch, at(10)).await;
+        let [InsertOutcome::Inserted(batched), InsertOutcome::Inserted(_)] = batch.as_slice()
+        else {
+            panic!("expected two new instances from {kind}, got {batch:?}");
+        };
+        let mut in_batch = row(s, *batched).await;
+        assert_ne!(alone.id, in_batch.id);
+        in_batch.id = alone.id;
+        assert_eq!(alone, in_batch, "one start alone stores what the same start in {kind} stores");
+    }
     assert_eq!(
         (
             alone.queue.as_str(),
@@ -167,6 +176,60 @@ pub async fn a_lone_insert_stores_what_a_batch_stores<S: Store>(s: &S) {
         ),
         "every field the start gave is stored"
     );
+}
+
+/// A batch insert answers in batch order: the i-th outcome is the i-th instance's id (or
+/// its key's occupant), with or without unique keys in the batch, at the largest batch.
+pub async fn a_batch_insert_answers_in_batch_order<S: Store>(s: &S) {
+    let ns = "batch_order";
+    let n = limits::ROWS_BATCH_MAX.min(limits::INSERT_BATCH_MAX);
+    let numbered = |i: usize| new_in(ns).context(json!({ "n": i })).business_key(format!("b-{i}"));
+    let occupant =
+        insert_one(s, new_in(ns).unique("taken", keel_core::StatusSet::LIVE), at(0)).await;
+    let plain: Vec<NewInstance> = (0..n).map(numbered).collect();
+    // Every third row with a unique key of its own, and row 1 with a key already taken.
+    let keyed: Vec<NewInstance> = (0..n)
+        .map(|i| match i {
+            1 => numbered(i).unique("taken", keel_core::StatusSet::LIVE),
+            _ if i % 3 == 0 => numbered(i).unique(format!("k-{i}"), keel_core::StatusSet::LIVE),
+            _ => numbered(i),
+        })
+        .collect();
+    for (batch, kind) in [(plain, "without unique keys"), (keyed, "with unique keys")] {
+        let out = insert(s, batch, at(10)).await;
+        assert_eq!(out.len(), n, "one outcome per instance of the batch {kind}");
+        let inserted: Vec<InstanceId> = out
+            .iter()
+            .filter_map(|o| match o {
+                InsertOutcome::Inserted(id) => Some(*id),
+                InsertOutcome::Existing(_) => None,
+            })
+            .collect();
+        let rows: std::collections::HashMap<InstanceId, _> = s
+            .instance_rows(inserted)
+            .await
+            .expect("instance_rows")
+            .into_iter()
+            .map(|r| (r.id, r))
+            .collect();
+        let mut ids = BTreeSet::new();
+        for (i, outcome) in out.iter().enumerate() {
+            match outcome {
+                InsertOutcome::Existing(id) => {
+                    assert_eq!((i, *id), (1, occupant), "batch {kind}: only row 1 was taken");
+                }
+                InsertOutcome::Inserted(id) => {
+                    let stored = &rows[id];
+                    assert_eq!(
+                        (stored.context["n"].as_u64(), stored.business_key.as_deref()),
+                        (Some(i as u64), Some(format!("b-{i}").as_str())),
+                        "batch {kind}: outcome {i} names the row of instance {i}"
+                    );
+                    assert!(ids.insert(*id), "batch {kind}: id {id:?} answered twice");
+                }
+            }
+        }
+    }
 }
 
 /// `instance_get` returns the row, inbox in arrival order, children and the history of
