@@ -73,11 +73,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
 const INSERT: &str = "WITH input AS MATERIALIZED ( \
       SELECT nextval('instances_id_seq') AS id, t.* \
       FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[], $5::text[], $6::int2[], \
-                  $7::text[], $8::text[], $9::jsonb[], $10::bytea[], $11::text[], \
-                  $12::timestamptz[], $13::text[], $14::int8[], $16::text[]) WITH ORDINALITY \
+                  $7::text[], $8::text[], $9::jsonb[], $10::timestamptz[], $11::text[], \
+                  $12::int8[], $14::text[], $15::bytea[], $16::text[]) WITH ORDINALITY \
         AS t(namespace, machine, machine_version, business_key, queue, priority, \
-             concurrency_key, position, context, unique_key, unique_scope, eligible_at, \
-             correlation_id, parent_id, invoked_by, ord) \
+             concurrency_key, position, context, eligible_at, correlation_id, parent_id, \
+             invoked_by, unique_key, unique_scope, ord) \
     ), ins AS ( \
       INSERT INTO instances (id, namespace, machine, machine_version, business_key, queue, \
         priority, concurrency_key, status, position, context, eligible_at, parent_id, \
@@ -85,7 +85,7 @@ const INSERT: &str = "WITH input AS MATERIALIZED ( \
         base_priority) \
       SELECT id, namespace, machine, machine_version, business_key, queue, priority, \
         concurrency_key, 'runnable', position, context, eligible_at, parent_id, unique_key, \
-        unique_scope::status[], correlation_id, $15, $15, invoked_by, priority \
+        unique_scope::status[], correlation_id, $13, $13, invoked_by, priority \
       FROM input ORDER BY unique_key NULLS LAST, ord \
       ON CONFLICT (unique_guard) WHERE unique_guard IS NOT NULL DO NOTHING \
       RETURNING id \
@@ -114,12 +114,12 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
         Shape::Plain => return insert_plain(c, items, now).await,
         Shape::Keyed => {}
     }
-    let mut cols = Cols::default();
+    let mut cols = Cols::at(now);
     for (n, parent) in items {
         cols.push(n, *parent, now);
     }
     let stmt = c.prepare_cached(INSERT).await?;
-    let rows = c.query(&stmt, &cols.params(now)).await?;
+    let rows = c.query(&stmt, &cols.params()).await?;
     let mut out = Vec::with_capacity(items.len());
     let mut missing = Vec::new();
     for (i, r) in rows.iter().enumerate() {
@@ -214,12 +214,12 @@ async fn insert_plain<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
-    let mut cols = Cols::default();
+    let mut cols = Cols::at(now);
     for (n, parent) in items {
         cols.push(n, *parent, now);
     }
     let stmt = c.prepare_cached(INSERT_PLAIN).await?;
-    let rows = c.query(&stmt, &cols.plain_params(now)).await?;
+    let rows = c.query(&stmt, &cols.plain_params()).await?;
     let mut ids = rows.iter().map(|r| rows::col::<i64>(r, 0)).collect::<Result<Vec<_>, _>>()?;
     if ids.len() != items.len() {
         return Err(StoreError::unavailable(format!(
@@ -295,6 +295,11 @@ struct Cols {
 }
 
 impl Cols {
+    /// Empty columns for rows inserted at `now`.
+    fn at(now: Timestamp) -> Cols {
+        Cols { now: Some(ts(now)), ..Cols::default() }
+    }
+
     fn push(&mut self, n: &NewInstance, parent: Option<InstanceId>, now: Timestamp) {
         // The pure row builder decides every default (eligible_at never before now).
         let row = Instance::from_new(InstanceId(0), n, parent, now);
@@ -317,11 +322,9 @@ impl Cols {
         self.invoked_by.push(row.invoked_by);
     }
 
-    /// The parameters of [`INSERT_PLAIN`]: those of [`INSERT`] without the unique key
-    /// and scope.
-    fn plain_params(&mut self, now: Timestamp) -> [&(dyn tokio_postgres::types::ToSql + Sync); 14] {
-        self.now = Some(ts(now));
-        [
+    /// The parameters of [`INSERT_PLAIN`], which are the first 14 of [`INSERT`].
+    fn plain_params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        vec![
             &self.namespace,
             &self.machine,
             &self.version,
@@ -339,25 +342,12 @@ impl Cols {
         ]
     }
 
-    fn params(&mut self, now: Timestamp) -> [&(dyn tokio_postgres::types::ToSql + Sync); 16] {
-        self.now = Some(ts(now));
-        [
-            &self.namespace,
-            &self.machine,
-            &self.version,
-            &self.business_key,
-            &self.queue,
-            &self.priority,
-            &self.concurrency_key,
-            &self.position,
-            &self.context,
-            &self.unique_key,
-            &self.unique_scope,
-            &self.eligible_at,
-            &self.correlation_id,
-            &self.parent,
-            &self.now,
-            &self.invoked_by,
-        ]
+    /// The parameters of [`INSERT`]: those of [`INSERT_PLAIN`], then the unique keys and
+    /// scopes.
+    fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        let mut params = self.plain_params();
+        params.push(&self.unique_key);
+        params.push(&self.unique_scope);
+        params
     }
 }

@@ -198,15 +198,8 @@ pub async fn a_batch_insert_answers_in_batch_order<S: Store>(s: &S) {
     for (batch, kind) in [(plain, "without unique keys"), (keyed, "with unique keys")] {
         let out = insert(s, batch, at(10)).await;
         assert_eq!(out.len(), n, "one outcome per instance of the batch {kind}");
-        let inserted: Vec<InstanceId> = out
-            .iter()
-            .filter_map(|o| match o {
-                InsertOutcome::Inserted(id) => Some(*id),
-                InsertOutcome::Existing(_) => None,
-            })
-            .collect();
         let rows: std::collections::HashMap<InstanceId, _> = s
-            .instance_rows(inserted)
+            .instance_rows(out.iter().map(|o| o.id()).collect())
             .await
             .expect("instance_rows")
             .into_iter()
