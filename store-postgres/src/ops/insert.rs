@@ -222,8 +222,11 @@ async fn insert_plain<C: GenericClient + Sync>(
     let rows = c.query(&stmt, &cols.plain_params()).await?;
     let mut ids = rows.iter().map(|r| rows::col::<i64>(r, 0)).collect::<Result<Vec<_>, _>>()?;
     if ids.len() != items.len() {
+        // Cannot happen (a plain insert takes every row or fails); were it to, the ids
+        // could not be matched to the batch, so say so rather than guess.
         return Err(StoreError::unavailable(format!(
-            "instances: {} rows went in for a batch of {}; retry the insert",
+            "instances: PostgreSQL answered {} ids for a batch of {}; look the instances up \
+             (by business key or correlation id) before starting them again",
             ids.len(),
             items.len()
         ))
