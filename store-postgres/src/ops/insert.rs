@@ -61,7 +61,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let ready = Notices::ready(true);
     // A failed statement aborts the transaction, and the COMMIT then rolls it back.
     let (began, inserted, committed) =
-        tokio::join!(begin, insert_batch(c, items, now), end_tx_notices(c, channel, &ready));
+        tokio::join!(begin, insert_as(c, shape, items, now), end_tx_notices(c, channel, &ready));
     began?;
     let inserted = inserted?;
     committed?;
@@ -104,20 +104,31 @@ pub(crate) async fn insert_batch<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
-    if items.is_empty() {
-        return Ok(Vec::new());
+    insert_as(c, Shape::of(items), items, now).await
+}
+
+/// [`insert_batch`] with the batch's shape already known.
+async fn insert_as<C: GenericClient + Sync>(
+    c: &C,
+    shape: Shape,
+    items: &[Item<'_>],
+    now: Timestamp,
+) -> OpResult<Vec<InsertOutcome>> {
+    match shape {
+        _ if items.is_empty() => Ok(Vec::new()),
+        Shape::One => Ok(vec![InsertOutcome::Inserted(insert_one(c, &items[0], now).await?)]),
+        Shape::Plain => insert_plain(c, items, now).await,
+        Shape::Keyed => insert_keyed(c, items, now).await,
     }
-    match Shape::of(items) {
-        Shape::One => {
-            return Ok(vec![InsertOutcome::Inserted(insert_one(c, &items[0], now).await?)]);
-        }
-        Shape::Plain => return insert_plain(c, items, now).await,
-        Shape::Keyed => {}
-    }
-    let mut cols = Cols::at(now);
-    for (n, parent) in items {
-        cols.push(n, *parent, now);
-    }
+}
+
+/// Inserts a batch in which some row has a unique key (see [`Shape::Keyed`]).
+async fn insert_keyed<C: GenericClient + Sync>(
+    c: &C,
+    items: &[Item<'_>],
+    now: Timestamp,
+) -> OpResult<Vec<InsertOutcome>> {
+    let cols = Cols::of(items, now);
     let stmt = c.prepare_cached(INSERT).await?;
     let rows = c.query(&stmt, &cols.params()).await?;
     let mut out = Vec::with_capacity(items.len());
@@ -214,10 +225,7 @@ async fn insert_plain<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
-    let mut cols = Cols::at(now);
-    for (n, parent) in items {
-        cols.push(n, *parent, now);
-    }
+    let cols = Cols::of(items, now);
     let stmt = c.prepare_cached(INSERT_PLAIN).await?;
     let rows = c.query(&stmt, &cols.plain_params()).await?;
     let mut ids = rows.iter().map(|r| rows::col::<i64>(r, 0)).collect::<Result<Vec<_>, _>>()?;
@@ -298,9 +306,13 @@ struct Cols {
 }
 
 impl Cols {
-    /// Empty columns for rows inserted at `now`.
-    fn at(now: Timestamp) -> Cols {
-        Cols { now: Some(ts(now)), ..Cols::default() }
+    /// A batch's rows as columns, inserted at `now`.
+    fn of(items: &[Item<'_>], now: Timestamp) -> Cols {
+        let mut cols = Cols { now: Some(ts(now)), ..Cols::default() };
+        for (n, parent) in items {
+            cols.push(n, *parent, now);
+        }
+        cols
     }
 
     fn push(&mut self, n: &NewInstance, parent: Option<InstanceId>, now: Timestamp) {
