@@ -220,6 +220,12 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(config.busy_timeout)
             .foreign_keys(true)
+            // A statement that writes many rows inside a transaction keeps the pages it
+            // changes in a statement journal, so that it alone can be undone if it fails
+            // halfway. Past 64 KiB that journal spills to a temporary file, as it does for
+            // the larger batches the store gathers into one statement; held in memory it
+            // costs no system calls. It never outlives its statement.
+            .pragma("temp_store", "memory")
             // The driver hands rows over one message at a time through a bounded buffer; a
             // claim or sweep page larger than the buffer would park the driver thread,
             // write lock held, until this task gets a core back to drain it. A buffer
