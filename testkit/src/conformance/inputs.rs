@@ -161,6 +161,42 @@ pub async fn nul_characters_rejected_everywhere<S: Store>(s: &S) {
     assert_eq!(note.entry.data, json!({ "error\u{fffd}": "x\u{fffd}y" }), "NUL replaced");
 }
 
+/// Text that JSON has to escape (quotes, backslashes, control characters, characters
+/// outside the basic plane) and numbers at the edges of their types read back exactly as
+/// they went in: a signal's name, payload and dedup key, delivered or emitted by a commit,
+/// and history data. Stores that gather a batch's rows into one encoded parameter must
+/// decode every value the way it was written.
+pub async fn escaped_text_and_edge_numbers_read_back_unchanged<S: Store>(s: &S) {
+    let ns = "escaped_text";
+    let text = "a \"quoted\" \\ back\\slash\n\ttab \u{1} ünï 🦀 'single' {}[]";
+    let value = json!({
+        text: [text, i64::MAX, i64::MIN, u64::MAX, 0.1, -1.5e-7, null, true, { "": "" }],
+        "plain": text,
+    });
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let sent = NewSignal::new(id, text).payload(value.clone()).dedup_key(text);
+    deliver(s, vec![sent], at(3)).await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    assert_eq!(claimed.inbox.len(), 1, "the delivered signal is in the inbox");
+    let got = &claimed.inbox[0];
+    assert_eq!(got.name, text, "a delivered signal's name reads back");
+    assert_eq!(got.payload, value, "a delivered signal's payload reads back");
+    assert_eq!(got.dedup_key.as_deref(), Some(text), "a dedup key reads back");
+
+    let next = Outcome::Next { step: "b".into(), context: ctx(1) };
+    let step = StepCommit::new(id, claimed.token(), next)
+        .emit(NewSignal::new(id, text).payload(value.clone()))
+        .record(HistoryEntry::new("NOTE", value.clone()));
+    commit(s, step, at(20)).await.expect("the commit is accepted");
+    let detail = get(s, id).await;
+    let note = detail.history.iter().find(|h| h.entry.kind == "NOTE").expect("the note");
+    assert_eq!(note.entry.data, value, "history data reads back");
+    let again = claim_id(s, ns, id, at(30)).await;
+    let inbox: Vec<(&str, &Value)> =
+        again.inbox.iter().map(|sig| (sig.name.as_str(), &sig.payload)).collect();
+    assert_eq!(inbox, [(text, &value), (text, &value)], "an emitted signal reads back");
+}
+
 /// The key that marks undecodable values is reserved: a context, payload or result that is
 /// an object carrying it is refused.
 pub async fn undecodable_marker_key_reserved<S: Store>(s: &S) {

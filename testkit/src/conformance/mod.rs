@@ -161,6 +161,7 @@ macro_rules! __store_contract_list {
             batch_over_limit_rejected,
             json_nested_too_deep_rejected_everywhere,
             nul_characters_rejected_everywhere,
+            escaped_text_and_edge_numbers_read_back_unchanged,
             undecodable_marker_key_reserved,
             time_and_delay_bounds_enforced,
             await_with_step_moves_and_parks,
