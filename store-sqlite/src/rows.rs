@@ -614,7 +614,7 @@ impl Db<'_> {
         let mut ids: Vec<i64> = sqlx::query_scalar(
             "INSERT INTO keel_signals (target_id, name, payload, dedup_key, inserted_at, \
              priority) SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
-               value ->> 5 FROM json_each(?) RETURNING id",
+               value ->> 5 FROM jsonb_each(?) RETURNING id",
         )
         .bind(rows)
         .fetch_all(&mut *self.conn)
@@ -749,7 +749,7 @@ impl Db<'_> {
         // Pairs of integers and strings serialize without fail.
         let pairs = serde_json::to_string(&pairs).unwrap_or_else(|_| "[]".into());
         let rows: Vec<(i64, String, i64)> = sqlx::query_as(
-            "SELECT s.target_id, s.dedup_key, s.id FROM json_each(?) j \
+            "SELECT s.target_id, s.dedup_key, s.id FROM jsonb_each(?) j \
              CROSS JOIN keel_signals s \
              ON s.target_id = j.value ->> 0 AND s.dedup_key = j.value ->> 1",
         )
@@ -884,8 +884,10 @@ impl Col {
 /// more than SQLite spends on a small write; a batch of statements in one query pays it
 /// once. Rows of the same kind (history, consumed signals, timers, row updates that set
 /// the same columns) go into one statement that reads them from a JSON array with
-/// `json_each`, so its text is the same whatever the batch's size and the driver keeps
+/// `jsonb_each`, so its text is the same whatever the batch's size and the driver keeps
 /// it prepared: preparing an `UPDATE` of the instance table costs more than running it.
+/// (`jsonb_each` hands each row to `->>` in SQLite's binary form; `json_each` would turn
+/// it back into text for `->>` to parse again, once per row.)
 /// What a JSON array cannot carry (blobs, a row updated twice, inserts whose ids are
 /// returned) is a statement of its own, bound in the order its text names its values,
 /// and runs after the gathered rows.
@@ -992,7 +994,7 @@ impl Writes {
         self.gather(
             "INSERT INTO keel_history (instance_id, at, revision, attempt, kind, data) \
              SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
-               value ->> 5 FROM json_each(?)",
+               value ->> 5 FROM jsonb_each(?)",
             serde_json::json!([
                 row.id.0,
                 now.0,
@@ -1011,7 +1013,7 @@ impl Writes {
             "INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, spec, \
              next_fire_at, fire_count, armed_at) SELECT value ->> 0, value ->> 1, \
                value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, value ->> 7 \
-             FROM json_each(?)",
+             FROM jsonb_each(?)",
             serde_json::json!([
                 t.instance.0,
                 t.namespace,
@@ -1030,7 +1032,7 @@ impl Writes {
     pub fn timer_advance(&mut self, t: &TimerRow) {
         self.gather(
             "UPDATE keel_timers SET next_fire_at = j.value ->> 1, fire_count = j.value ->> 2 \
-             FROM json_each(?) AS j WHERE keel_timers.id = j.value ->> 0",
+             FROM jsonb_each(?) AS j WHERE keel_timers.id = j.value ->> 0",
             serde_json::json!([t.id.0, t.next_fire_at.0, t.fire_count]),
             "advancing a timer",
         );
@@ -1049,7 +1051,7 @@ impl Writes {
     pub fn signal_remove(&mut self, target: InstanceId, id: SignalId) {
         self.gather(
             "DELETE FROM keel_signals WHERE (id, target_id) IN \
-               (SELECT value ->> 0, value ->> 1 FROM json_each(?))",
+               (SELECT value ->> 0, value ->> 1 FROM jsonb_each(?))",
             serde_json::json!([id.0, target.0]),
             "consuming a signal",
         );
@@ -1157,7 +1159,7 @@ impl Writes {
                 }
                 let _ = write!(sql, "{name} = j.value ->> {}", i + 1);
             }
-            sql.push_str(" FROM json_each(?) AS j WHERE keel_instances.id = j.value ->> 0");
+            sql.push_str(" FROM jsonb_each(?) AS j WHERE keel_instances.id = j.value ->> 0");
             let mut row = vec![Value::from(a.id.0)];
             row.extend(set.into_iter().map(|(_, v)| v.json()));
             self.updated.insert(a.id.0);
