@@ -128,9 +128,7 @@ async fn insert_keyed<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
-    let cols = Cols::of(items, now);
-    let stmt = c.prepare_cached(INSERT).await?;
-    let rows = c.query(&stmt, &cols.params()).await?;
+    let rows = query_batch(c, Shape::Keyed, items, now).await?;
     let mut out = Vec::with_capacity(items.len());
     let mut missing = Vec::new();
     for (i, r) in rows.iter().enumerate() {
@@ -168,6 +166,21 @@ async fn insert_keyed<C: GenericClient + Sync>(
         }
     }
     Ok(out)
+}
+
+/// Runs the array statement of `shape` ([`Shape::Plain`] or [`Shape::Keyed`]) over
+/// `items`; its answers as PostgreSQL gives them.
+async fn query_batch<C: GenericClient + Sync>(
+    c: &C,
+    shape: Shape,
+    items: &[Item<'_>],
+    now: Timestamp,
+) -> OpResult<Vec<tokio_postgres::Row>> {
+    debug_assert!(shape != Shape::One, "one plain row binds values, not arrays");
+    let cols = Cols::of(items, now);
+    let params = if shape == Shape::Keyed { cols.params() } else { cols.plain_params() };
+    let stmt = c.prepare_cached(shape.statement()).await?;
+    Ok(c.query(&stmt, &params).await?)
 }
 
 /// Which statement a batch takes. A row without a unique key goes in whatever the store
@@ -225,9 +238,7 @@ async fn insert_plain<C: GenericClient + Sync>(
     items: &[Item<'_>],
     now: Timestamp,
 ) -> OpResult<Vec<InsertOutcome>> {
-    let cols = Cols::of(items, now);
-    let stmt = c.prepare_cached(INSERT_PLAIN).await?;
-    let rows = c.query(&stmt, &cols.plain_params()).await?;
+    let rows = query_batch(c, Shape::Plain, items, now).await?;
     let mut ids = rows.iter().map(|r| rows::col::<i64>(r, 0)).collect::<Result<Vec<_>, _>>()?;
     if ids.len() != items.len() {
         // Cannot happen (a plain insert takes every row or fails); were it to, the ids
