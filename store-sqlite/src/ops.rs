@@ -80,7 +80,7 @@ macro_rules! claim_filters {
             $only,
             " AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
                AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
-               AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
+               AND (? = '[]' OR EXISTS (SELECT 1 FROM jsonb_each(?) m \
                      WHERE json_extract(m.value, '$[0]') = ",
             $t,
             ".machine AND json_extract(m.value, '$[1]') = ",
@@ -169,7 +169,7 @@ pub(crate) async fn ready_stale(
            AND max(updated_at, eligible_at) <= ? AND id > ? \
            AND (? = '[]' OR namespace IN (SELECT value FROM json_each(?))) \
            AND (? = '[]' OR queue IN (SELECT value FROM json_each(?))) \
-           AND (? = '[]' OR EXISTS (SELECT 1 FROM json_each(?) m \
+           AND (? = '[]' OR EXISTS (SELECT 1 FROM jsonb_each(?) m \
                  WHERE json_extract(m.value, '$[0]') = i.machine \
                    AND json_extract(m.value, '$[1]') = i.machine_version)) \
            AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = i.namespace \
