@@ -123,7 +123,7 @@ macro_rules! claim_sql {
             " FROM keel_instances i WHERE status = 'runnable' \
                AND (priority, eligible_at, id) > (?, ?, ?) AND eligible_at <= ?",
             claim_filters!($only, "i"),
-            " ORDER BY priority, eligible_at, id LIMIT ?"
+            " ORDER BY priority, eligible_at, id LIMIT +?"
         )
     };
 }
@@ -141,7 +141,7 @@ macro_rules! claim_level_sql {
             $level,
             " AND (eligible_at, id) > (?, ?) AND eligible_at <= ?",
             claim_filters!($only, "i"),
-            " ORDER BY eligible_at, id LIMIT ?"
+            " ORDER BY eligible_at, id LIMIT +?"
         )
     };
 }
@@ -174,7 +174,7 @@ pub(crate) async fn ready_stale(
                    AND json_extract(m.value, '$[1]') = i.machine_version)) \
            AND NOT EXISTS (SELECT 1 FROM keel_queues q WHERE q.namespace = i.namespace \
                  AND q.queue = i.queue AND q.paused <> 0) \
-         ORDER BY id LIMIT ?"
+         ORDER BY id LIMIT +?"
     ))
     .bind(p.now.0)
     .bind(p.now.minus(p.ready_for).0)
@@ -475,7 +475,7 @@ async fn key_buckets_write(
            WHERE b.queue = ? AND b.full_at <= ? \
              AND NOT EXISTS (SELECT 1 FROM keel_instances i WHERE i.status = 'runnable' \
                AND i.queue = b.queue AND i.concurrency_key = b.concurrency_key) \
-           LIMIT ?)",
+           LIMIT +?)",
     )
     .bind(queue)
     .bind(now.0)
@@ -1248,7 +1248,7 @@ pub(crate) async fn timers_retime(
         "SELECT ",
         timer_cols!(),
         " FROM keel_timers WHERE machine = ? AND machine_version = ? AND id > ? \
-         ORDER BY id LIMIT ?"
+         ORDER BY id LIMIT +?"
     ))
     .bind(&p.machine.name)
     .bind(p.machine.version)
@@ -1274,28 +1274,31 @@ pub(crate) async fn timers_retime(
     Ok((page, earliest))
 }
 
+/// The timers a sweep fires: due ones that pass its filters, in due order.
+const SWEEP_PICK_SQL: &str = concat!(
+    "SELECT ",
+    timer_cols!(),
+    " FROM keel_timers WHERE next_fire_at <= ? AND (? IS NULL OR namespace = ?) \
+       AND (? = '[]' OR machine IN (SELECT value FROM json_each(?))) \
+     ORDER BY next_fire_at, id LIMIT +?"
+);
+
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,
 ) -> StoreResult<TimerSweepReport> {
     p.validate()?;
     let machines = serde_json::to_string(&p.machines).unwrap_or_default();
-    let rows = sqlx::query(concat!(
-        "SELECT ",
-        timer_cols!(),
-        " FROM keel_timers WHERE next_fire_at <= ? AND (? IS NULL OR namespace = ?) \
-           AND (? = '[]' OR machine IN (SELECT value FROM json_each(?))) \
-         ORDER BY next_fire_at, id LIMIT ?"
-    ))
-    .bind(p.now.0)
-    .bind(&p.namespace)
-    .bind(&p.namespace)
-    .bind(&machines)
-    .bind(&machines)
-    .bind(p.limit as i64)
-    .fetch_all(&mut *db.conn)
-    .await
-    .map_err(db.err("picking due timers"))?;
+    let rows = sqlx::query(SWEEP_PICK_SQL)
+        .bind(p.now.0)
+        .bind(&p.namespace)
+        .bind(&p.namespace)
+        .bind(&machines)
+        .bind(&machines)
+        .bind(p.limit as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("picking due timers"))?;
     let due: Vec<TimerRow> = rows.iter().map(|r| db.timer_of(r)).collect::<StoreResult<_>>()?;
     let mut owners: Vec<InstanceId> = due.iter().map(|t| t.instance).collect();
     owners.sort_unstable();
@@ -1358,7 +1361,7 @@ pub(crate) async fn lease_reap(
         " FROM keel_instances \
          WHERE status = 'executing' \
            AND (CASE WHEN ? IS NULL THEN lease_expires_at < ? ELSE lease_owner = ? END) \
-         ORDER BY lease_expires_at, id LIMIT ?"
+         ORDER BY lease_expires_at, id LIMIT +?"
     ))
     .bind(&owner)
     .bind(p.now.0)
@@ -1387,7 +1390,7 @@ pub(crate) async fn migrate(db: &mut Db<'_>, p: &MigrateParams) -> StoreResult<M
          WHERE machine = ? AND machine_version = ? \
            AND status NOT IN ('done', 'failed', 'cancelled') \
            AND (? IS NULL OR namespace = ?) AND id > ? \
-         ORDER BY id LIMIT ?"
+         ORDER BY id LIMIT +?"
     ))
     .bind(p.migration.machine())
     .bind(i64::from(p.migration.from_version()))
@@ -1428,7 +1431,7 @@ pub(crate) async fn prune(db: &mut Db<'_>, p: &PruneParams) -> StoreResult<Prune
                    AND q.status NOT IN ('done', 'failed', 'cancelled')) AS parent_live, \
            EXISTS (SELECT 1 FROM keel_instances c WHERE c.parent_id = i.id) AS has_children, \
            EXISTS (SELECT 1 FROM keel_dead_letters d WHERE d.instance_id = i.id) AS has_dead \
-         FROM keel_instances i WHERE i.id > ? ORDER BY i.id LIMIT ?",
+         FROM keel_instances i WHERE i.id > ? ORDER BY i.id LIMIT +?",
     )
     .bind(p.after.map_or(i64::MIN, |a| a.0))
     .bind(p.limit as i64)
@@ -1616,7 +1619,7 @@ async fn letters(
         dead_letter_cols!(),
         " FROM keel_dead_letters \
          WHERE (? IS NULL OR id = ?) AND (? IS NULL OR namespace = ?) \
-           AND (? IS NULL OR machine = ?) ORDER BY id LIMIT ?"
+           AND (? IS NULL OR machine = ?) ORDER BY id LIMIT +?"
     ))
     .bind(id)
     .bind(id)
@@ -1793,7 +1796,7 @@ pub(crate) async fn worker_list(
 ) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
     let rows = sqlx::query(
         "SELECT id, name, machines, namespaces, started_at, last_seen_at FROM keel_workers \
-         WHERE last_seen_at >= ? ORDER BY last_seen_at DESC, id LIMIT ?",
+         WHERE last_seen_at >= ? ORDER BY last_seen_at DESC, id LIMIT +?",
     )
     .bind(seen_since.0)
     .bind(keel_core::ports::store::WORKER_LIST_MAX as i64)
@@ -1833,7 +1836,7 @@ pub(crate) async fn history_trim(
 ) -> StoreResult<HistoryTrimPage> {
     p.validate()?;
     let rows = sqlx::query(
-        "SELECT id, namespace, machine FROM keel_instances WHERE id > ? ORDER BY id LIMIT ?",
+        "SELECT id, namespace, machine FROM keel_instances WHERE id > ? ORDER BY id LIMIT +?",
     )
     .bind(p.after.map_or(i64::MIN, |a| a.0))
     .bind(p.limit as i64)
@@ -1845,7 +1848,7 @@ pub(crate) async fn history_trim(
         let id: i64 = r.try_get("id").map_err(db.err("reading an id"))?;
         let (excess, through): (i64, Option<i64>) = sqlx::query_as(
             "SELECT count(*), max(seq) FROM (SELECT seq FROM keel_history \
-               WHERE instance_id = ? ORDER BY seq DESC LIMIT ? OFFSET ?)",
+               WHERE instance_id = ? ORDER BY seq DESC LIMIT +? OFFSET ?)",
         )
         .bind(id)
         .bind(p.count_cap() as i64)
@@ -1866,7 +1869,7 @@ pub(crate) async fn history_trim(
     for t in plan.trims {
         let done = sqlx::query(
             "DELETE FROM keel_history WHERE seq IN (SELECT seq FROM keel_history \
-               WHERE instance_id = ? AND seq <= ? ORDER BY seq LIMIT ?)",
+               WHERE instance_id = ? AND seq <= ? ORDER BY seq LIMIT +?)",
         )
         .bind(t.instance.0)
         .bind(t.through)
@@ -1878,4 +1881,88 @@ pub(crate) async fn history_trim(
         page.instances += u64::from(done.rows_affected() > 0);
     }
     Ok(page)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::rows::instance_cols;
+    use sqlx::{Connection, Row, SqliteConnection};
+
+    /// A connection to a fresh in-memory database with the store's schema.
+    async fn schema() -> SqliteConnection {
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.expect("open");
+        crate::store::migrator().run(&mut conn).await.expect("migrate");
+        conn
+    }
+
+    /// SQLite's plan for `sql`, one step per line.
+    async fn plan(conn: &mut SqliteConnection, sql: &str) -> String {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+            .fetch_all(&mut *conn)
+            .await
+            .expect("explain");
+        rows.iter().map(|r| r.get::<String, _>("detail")).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The claim pages and the timer sweep's pick read their rows along an index in the
+    /// order they return them, and stop at the page: none sorts what it reads, so a page
+    /// costs what it returns however many rows are ready or due. Their limit is bound as
+    /// an expression, so the plan does not depend on its value (nor does the statement
+    /// need preparing again when it changes).
+    #[tokio::test]
+    async fn claim_pages_and_the_sweep_pick_walk_an_index_without_sorting() {
+        let mut conn = schema().await;
+        let cases = [
+            (
+                claim_sql!("(? = '[]' OR id IN (SELECT value FROM json_each(?)))"),
+                "keel_instances_claim",
+            ),
+            (
+                claim_level_sql!(
+                    "priority = ? AND eligible_at <= ? AND eligible_at > ?",
+                    "(? = '[]' OR id IN (SELECT value FROM json_each(?)))"
+                ),
+                "keel_instances_claim",
+            ),
+            (
+                claim_level_sql!(
+                    "eligible_at <= ? AND eligible_at > ?",
+                    "(? = '[]' OR id IN (SELECT value FROM json_each(?)))"
+                ),
+                "keel_instances_runnable_age",
+            ),
+            (super::SWEEP_PICK_SQL, "keel_timers_due"),
+        ];
+        for (sql, index) in cases {
+            let plan = plan(&mut conn, sql).await;
+            let first = plan.lines().next().unwrap_or_default();
+            assert!(
+                first.contains(&format!("USING INDEX {index}")),
+                "expected a walk of {index}, got:\n{plan}\nfor {sql}"
+            );
+            assert!(!plan.contains("TEMP B-TREE"), "the page sorts its rows:\n{plan}\nfor {sql}");
+        }
+    }
+
+    /// No statement of this crate binds its row limit as a bare parameter: SQLite plans
+    /// with that value, so every new binding would throw the prepared statement away.
+    #[test]
+    fn no_statement_binds_a_bare_limit() {
+        let sources = [
+            ("ops.rs", include_str!("ops.rs")),
+            ("rows.rs", include_str!("rows.rs")),
+            ("schedules.rs", include_str!("schedules.rs")),
+            ("store.rs", include_str!("store.rs")),
+        ];
+        let bare = ["LIMIT", " ?"].concat();
+        for (file, text) in sources {
+            for (n, line) in text.lines().enumerate() {
+                assert!(
+                    !line.contains(&bare),
+                    "{file}:{}: bind the limit as `LIMIT +?` so the statement stays prepared",
+                    n + 1
+                );
+            }
+        }
+    }
 }

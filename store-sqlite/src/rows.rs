@@ -3,6 +3,12 @@
 //!
 //! Every function here runs on a connection that is already inside a transaction (or, for
 //! the read-only helpers, on any connection); none of them commits.
+//!
+//! A row limit is bound as `LIMIT +?`, never as a bare parameter: SQLite plans with the
+//! value bound to a bare limit parameter and so throws the prepared statement away and
+//! prepares it again each time the limit is bound (a claim page statement took about half
+//! a millisecond to prepare, more than its run). Written as an expression, the limit is
+//! read when the statement runs, and the statement stays prepared.
 
 use crate::error::{corrupt, map};
 use keel_core::instance::{
@@ -335,7 +341,7 @@ impl Db<'_> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             signal_cols!(),
-            " FROM keel_signals WHERE target_id = ? ORDER BY id LIMIT ?"
+            " FROM keel_signals WHERE target_id = ? ORDER BY id LIMIT +?"
         ))
         .bind(id.0)
         .bind(limit as i64)
@@ -350,7 +356,7 @@ impl Db<'_> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             instance_cols!(),
-            " FROM keel_instances WHERE parent_id = ? ORDER BY id LIMIT ?"
+            " FROM keel_instances WHERE parent_id = ? ORDER BY id LIMIT +?"
         ))
         .bind(id.0)
         .bind(limits::CHILDREN_LIST_MAX as i64)
@@ -433,7 +439,7 @@ impl Db<'_> {
     pub async fn delegated_children(&mut self, id: InstanceId) -> StoreResult<Vec<InstanceId>> {
         let ids: Vec<i64> = sqlx::query_scalar(
             "SELECT id FROM keel_instances WHERE parent_id = ? AND invoked_by IS NOT NULL \
-               AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id LIMIT ?",
+               AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id LIMIT +?",
         )
         .bind(id.0)
         .bind(limits::CHILDREN_PER_STEP_MAX as i64)
@@ -447,7 +453,7 @@ impl Db<'_> {
     pub async fn history(&mut self, id: InstanceId) -> StoreResult<Vec<HistoryRecord>> {
         let rows = sqlx::query(
             "SELECT seq, instance_id, at, revision, attempt, kind, data FROM ( \
-               SELECT * FROM keel_history WHERE instance_id = ? ORDER BY seq DESC LIMIT ? \
+               SELECT * FROM keel_history WHERE instance_id = ? ORDER BY seq DESC LIMIT +? \
              ) ORDER BY seq",
         )
         .bind(id.0)
@@ -467,7 +473,7 @@ impl Db<'_> {
     ) -> StoreResult<Vec<HistoryRecord>> {
         let rows = sqlx::query(
             "SELECT seq, instance_id, at, revision, attempt, kind, data FROM keel_history \
-             WHERE instance_id = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
+             WHERE instance_id = ? AND seq < ? ORDER BY seq DESC LIMIT +?",
         )
         .bind(id.0)
         .bind(before.unwrap_or(i64::MAX))
@@ -666,7 +672,7 @@ impl Db<'_> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             timer_cols!(),
-            " FROM keel_timers WHERE instance_id = ? ORDER BY next_fire_at, id LIMIT ?"
+            " FROM keel_timers WHERE instance_id = ? ORDER BY next_fire_at, id LIMIT +?"
         ))
         .bind(id.0)
         .bind(limit as i64)

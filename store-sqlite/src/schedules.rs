@@ -28,7 +28,7 @@ pub(crate) async fn schedule_pause(
     .map(|r| state(db.file, &r))
     .transpose()?;
     let held: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM (SELECT 1 FROM keel_schedule_states WHERE namespace = ? LIMIT ?)",
+        "SELECT COUNT(*) FROM (SELECT 1 FROM keel_schedule_states WHERE namespace = ? LIMIT +?)",
     )
     .bind(&p.namespace)
     .bind(SCHEDULE_STATES_MAX as i64)
@@ -61,7 +61,7 @@ pub(crate) async fn schedule_states(
 ) -> StoreResult<Vec<ScheduleState>> {
     let rows = sqlx::query(
         "SELECT namespace, name, paused, changed_at FROM keel_schedule_states \
-         WHERE namespace = ? ORDER BY name LIMIT ?",
+         WHERE namespace = ? ORDER BY name LIMIT +?",
     )
     .bind(namespace)
     .bind(SCHEDULE_STATES_MAX as i64)

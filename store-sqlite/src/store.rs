@@ -71,7 +71,7 @@ impl SqliteConfig {
 }
 
 /// The schema, embedded at compile time (no migrations directory is needed at run time).
-fn migrator() -> Migrator {
+pub(crate) fn migrator() -> Migrator {
     let migration = |version, description: &'static str, sql: &'static str| {
         Migration::new(
             version,
@@ -502,7 +502,7 @@ impl Store for SqliteStore {
             );
         }
         let sql = format!(
-            "SELECT {} FROM keel_instances WHERE namespace = ?1{scope} ORDER BY id DESC LIMIT ?2",
+            "SELECT {} FROM keel_instances WHERE namespace = ?1{scope} ORDER BY id DESC LIMIT +?2",
             instance_cols!()
         );
         // The text varies only by the fixed fragments above; every value is bound whether
@@ -546,7 +546,7 @@ impl Store for SqliteStore {
         }
         let sql = format!(
             "SELECT {} FROM keel_dead_letters WHERE id > ?1 AND id < ?2{scope} \
-             ORDER BY id {} LIMIT ?3",
+             ORDER BY id {} LIMIT +?3",
             dead_letter_cols!(),
             if backwards { "DESC" } else { "ASC" },
         );
