@@ -15,6 +15,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::sync::{Mutex, PoisonError};
 
 use metrics_exporter_prometheus::PrometheusBuilder;
 pub use metrics_exporter_prometheus::PrometheusHandle;
@@ -38,6 +39,19 @@ pub fn serve(addr: SocketAddr) -> Result<(), ExporterError> {
 
 /// Installs the process-wide recorder without a listener, for a program that serves the
 /// text from its own HTTP server: answer `/metrics` with [`PrometheusHandle::render`].
+///
+/// Calling it again returns the recorder the first call installed, so every part of a
+/// program (or every server a test starts) may ask for the handle; it fails only when a
+/// recorder other than this one is installed (by [`serve`], or by another library).
 pub fn install() -> Result<PrometheusHandle, ExporterError> {
-    PrometheusBuilder::new().install_recorder().map_err(|error| ExporterError(error.to_string()))
+    static INSTALLED: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
+    let mut installed = INSTALLED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(handle) = installed.as_ref() {
+        return Ok(handle.clone());
+    }
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|error| ExporterError(error.to_string()))?;
+    *installed = Some(handle.clone());
+    Ok(handle)
 }
