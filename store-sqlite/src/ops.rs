@@ -578,35 +578,20 @@ impl Pick<'_> {
         page: usize,
     ) -> StoreResult<Vec<(Instance, u32)>> {
         let p = self.p;
-        // A claim of named instances looks them up by id (a plain conjunct the planner
-        // can use); any other claim walks an index in claim order, where an `OR` that
-        // names the ids would have it test every ready row against the list.
-        macro_rules! statement {
-            ($only:literal) => {
-                match level {
-                    Level::Plain(priority) => sqlx::query(claim_sql!($only)).bind(priority),
-                    // A band of one priority names it as an equality, so the claim index
-                    // serves it; a band of every priority walks the age index.
-                    Level::Band(band) => match band.priority {
-                        Some(priority) => sqlx::query(claim_level_sql!(
-                            "priority = ? AND eligible_at <= ? AND eligible_at > ?",
-                            $only
-                        ))
-                        .bind(i64::from(priority.level())),
-                        None => sqlx::query(claim_level_sql!(
-                            "eligible_at <= ? AND eligible_at > ?",
-                            $only
-                        )),
-                    }
-                    .bind(band.at_or_before.map_or(i64::MAX, |t| t.0))
-                    .bind(band.after.map_or(i64::MIN, |t| t.0)),
-                }
-            };
-        }
-        let query = if self.only == "[]" {
-            statement!("(? = '[]' OR id IN (SELECT value FROM json_each(?)))")
-        } else {
-            statement!("? IS NOT NULL AND id IN (SELECT value FROM json_each(?))")
+        let shape = match level {
+            Level::Plain(_) => PageShape::Plain,
+            Level::Band(band) if band.priority.is_some() => PageShape::OnePriority,
+            Level::Band(_) => PageShape::EveryPriority,
+        };
+        let query = sqlx::query(page_sql(shape, self.only != "[]"));
+        let query = match level {
+            Level::Plain(priority) => query.bind(priority),
+            Level::Band(band) => match band.priority {
+                Some(priority) => query.bind(i64::from(priority.level())),
+                None => query,
+            }
+            .bind(band.at_or_before.map_or(i64::MAX, |t| t.0))
+            .bind(band.after.map_or(i64::MIN, |t| t.0)),
         };
         let rows = query
             .bind(from.0)
@@ -636,6 +621,41 @@ impl Pick<'_> {
                 Ok((db.instance_of(r)?, u32::try_from(running).unwrap_or(u32::MAX)))
             })
             .collect()
+    }
+}
+
+/// Which statement a claim page runs.
+#[derive(Clone, Copy)]
+enum PageShape {
+    /// The plain priority order, along the claim index.
+    Plain,
+    /// A band of one priority: named as an equality, so the claim index serves it.
+    OnePriority,
+    /// A band of every priority, along the age index.
+    EveryPriority,
+}
+
+/// The claim page statement of `shape`. A claim of `named` instances looks them up by id
+/// (a plain conjunct the planner can use); any other claim walks an index in claim order,
+/// where an `OR` that names the ids would have it test every ready row against the list.
+fn page_sql(shape: PageShape, named: bool) -> &'static str {
+    macro_rules! shapes {
+        ($only:literal) => {
+            match shape {
+                PageShape::Plain => claim_sql!($only),
+                PageShape::OnePriority => {
+                    claim_level_sql!("priority = ? AND eligible_at <= ? AND eligible_at > ?", $only)
+                }
+                PageShape::EveryPriority => {
+                    claim_level_sql!("eligible_at <= ? AND eligible_at > ?", $only)
+                }
+            }
+        };
+    }
+    if named {
+        shapes!("? IS NOT NULL AND id IN (SELECT value FROM json_each(?))")
+    } else {
+        shapes!("(? = '[]' OR id IN (SELECT value FROM json_each(?)))")
     }
 }
 
@@ -1885,7 +1905,7 @@ pub(crate) async fn history_trim(
 
 #[cfg(test)]
 mod tests {
-    use crate::rows::instance_cols;
+    use super::{PageShape, SWEEP_PICK_SQL, page_sql};
     use sqlx::{Connection, Row, SqliteConnection};
 
     /// A connection to a fresh in-memory database with the store's schema.
@@ -1913,25 +1933,10 @@ mod tests {
     async fn claim_pages_and_the_sweep_pick_walk_an_index_without_sorting() {
         let mut conn = schema().await;
         let cases = [
-            (
-                claim_sql!("(? = '[]' OR id IN (SELECT value FROM json_each(?)))"),
-                "keel_instances_claim",
-            ),
-            (
-                claim_level_sql!(
-                    "priority = ? AND eligible_at <= ? AND eligible_at > ?",
-                    "(? = '[]' OR id IN (SELECT value FROM json_each(?)))"
-                ),
-                "keel_instances_claim",
-            ),
-            (
-                claim_level_sql!(
-                    "eligible_at <= ? AND eligible_at > ?",
-                    "(? = '[]' OR id IN (SELECT value FROM json_each(?)))"
-                ),
-                "keel_instances_runnable_age",
-            ),
-            (super::SWEEP_PICK_SQL, "keel_timers_due"),
+            (page_sql(PageShape::Plain, false), "keel_instances_claim"),
+            (page_sql(PageShape::OnePriority, false), "keel_instances_claim"),
+            (page_sql(PageShape::EveryPriority, false), "keel_instances_runnable_age"),
+            (SWEEP_PICK_SQL, "keel_timers_due"),
         ];
         for (sql, index) in cases {
             let plan = plan(&mut conn, sql).await;
@@ -1948,12 +1953,17 @@ mod tests {
     /// with that value, so every new binding would throw the prepared statement away.
     #[test]
     fn no_statement_binds_a_bare_limit() {
-        let sources = [
-            ("ops.rs", include_str!("ops.rs")),
-            ("rows.rs", include_str!("rows.rs")),
-            ("schedules.rs", include_str!("schedules.rs")),
-            ("store.rs", include_str!("store.rs")),
-        ];
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let sources: Vec<(String, String)> = std::fs::read_dir(&dir)
+            .expect("read the source directory")
+            .map(|entry| entry.expect("a directory entry").path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "rs"))
+            .map(|path| {
+                let text = std::fs::read_to_string(&path).expect("read a source file");
+                (path.file_name().unwrap().to_string_lossy().into_owned(), text)
+            })
+            .collect();
+        assert!(sources.iter().any(|(f, _)| f == "ops.rs"), "the scan reads {}", dir.display());
         let bare = ["LIMIT", " ?"].concat();
         for (file, text) in sources {
             for (n, line) in text.lines().enumerate() {

@@ -6,9 +6,9 @@
 //!
 //! A row limit is bound as `LIMIT +?`, never as a bare parameter: SQLite plans with the
 //! value bound to a bare limit parameter and so throws the prepared statement away and
-//! prepares it again each time the limit is bound (a claim page statement took about half
-//! a millisecond to prepare, more than its run). Written as an expression, the limit is
-//! read when the statement runs, and the statement stays prepared.
+//! prepares it again each time the limit is bound (about half a millisecond for a claim
+//! page statement). Written as an expression, the limit is read when the statement runs,
+//! and the statement stays prepared.
 
 use crate::error::{corrupt, map};
 use keel_core::instance::{
