@@ -531,8 +531,19 @@ async fn run<S: Store, C: Clock + Clone>(
     reclaim_own_leases(&inner).await;
     let retiming = tokio::spawn(retime::retime_all(Arc::clone(&inner)));
 
-    let total: usize = inner.config.queues.iter().map(|(_, n)| *n).sum();
-    let (tx, rx) = mpsc::channel::<Finished>(total.max(1) * 2);
+    // Room for every result that can exist at once: each holds one of its queue's lease
+    // slots until its group commit lands, so a step never waits to hand its result in.
+    // Sized by concurrency alone, a worker of concurrency 1 could hand in only two results
+    // while its commit lanes were busy: each lane that came free then took a group of
+    // three, and a run of small groups, one flush each, kept the lanes busy for good.
+    let held = inner
+        .config
+        .queues
+        .iter()
+        .map(|(_, n)| QueueSlots::held_max(*n))
+        .fold(0, usize::saturating_add)
+        .clamp(1, Semaphore::MAX_PERMITS);
+    let (tx, rx) = mpsc::channel::<Finished>(held);
     // The receiver outlives a committer that panicked, so its restart finds the results
     // still queued.
     let rx = Arc::new(tokio::sync::Mutex::new(rx));

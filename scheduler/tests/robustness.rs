@@ -53,6 +53,7 @@ on_stores!(
         a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
         claims_overlap_slow_commits_within_the_spare_lease_bound,
         group_commits_run_side_by_side_up_to_the_configured_bound,
+        results_finished_while_every_lane_is_busy_join_one_group,
         quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
         slow_steps_are_not_claimed_ahead,
         shutdown_gives_back_steps_claimed_ahead_without_running_them,
@@ -70,6 +71,7 @@ on_stores!(
         a_chart_event_whose_result_is_refused_is_dead_lettered_and_skipped_on_request,
         claims_overlap_slow_commits_within_the_spare_lease_bound,
         group_commits_run_side_by_side_up_to_the_configured_bound,
+        results_finished_while_every_lane_is_busy_join_one_group,
         quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
         slow_steps_are_not_claimed_ahead,
         a_next_step_claimed_before_its_last_group_settled_still_runs,
@@ -217,6 +219,8 @@ struct Faulty<S> {
     leases: Mutex<(usize, usize)>,
     /// The most steps one `instance_claim` handed out.
     largest_claim: Mutex<usize>,
+    /// How many results each `step_commit` carried, in the order the calls came.
+    groups: Mutex<Vec<usize>>,
     faults: Mutex<HashMap<&'static str, VecDeque<Fault>>>,
     calls: Mutex<HashMap<&'static str, u64>>,
 }
@@ -231,6 +235,7 @@ impl<S: Store> Faulty<S> {
             commits: Mutex::default(),
             leases: Mutex::default(),
             largest_claim: Mutex::default(),
+            groups: Mutex::default(),
             faults: Mutex::default(),
             calls: Mutex::default(),
         }
@@ -289,8 +294,9 @@ impl<S: Store> Store for Faulty<S> {
             commits.0 += 1;
             commits.1 = commits.1.max(commits.0);
         }
-        tokio::time::sleep(self.commit_delay).await;
         let items = p.commits.len();
+        self.groups.lock().unwrap().push(items);
+        tokio::time::sleep(self.commit_delay).await;
         let result = self.inner.step_commit(p).await;
         tokio::time::sleep(self.settle_delay).await;
         self.commits.lock().unwrap().0 -= 1;
@@ -503,6 +509,58 @@ async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>
         h.store.calls("step_commit") < INSTANCES as u64,
         "results were grouped: {} commits for {INSTANCES} results",
         h.store.calls("step_commit")
+    );
+}
+
+/// One step each, a few milliseconds long.
+struct QuickStep;
+
+#[async_trait]
+impl StepMachine for QuickStep {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(Outcome::Done { result: json!({ "ok": true }), step: None })
+    }
+}
+
+/// A worker of concurrency 1 with one commit lane and slow commits: the steps it runs
+/// while its lane is busy all hand their results in at once, and the group that takes
+/// the lane next carries them all, not the two or three the committer had room for.
+async fn results_finished_while_every_lane_is_busy_join_one_group<S: TestStore>() {
+    const INSTANCES: usize = 40;
+    let store =
+        Faulty { commit_delay: Duration::from_millis(300), ..Faulty::new(S::fresh().await) };
+    let h = Harness::with_store(store);
+    let mut ids = Vec::new();
+    for n in 0..INSTANCES {
+        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
+    }
+    let config = WorkerConfig {
+        queues: vec![("default".into(), 1)],
+        commits_in_flight: 1,
+        timers: None,
+        ..h.config()
+    };
+    // The claim loop alone (see `claims_overlap_slow_commits_within_the_spare_lease_bound`).
+    let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        .register(QuickStep)
+        .spawn();
+    for id in &ids {
+        h.wait(*id, "done", |r| r.status == Status::Done).await;
+    }
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.committed(), INSTANCES as u64);
+    // The first result commits at once; the steps that run during its commit (all but
+    // the running slot's lease of the 1 + 32 held) hand their results in and go together.
+    let groups = h.store.groups.lock().unwrap().clone();
+    assert!(
+        groups.len() >= 2 && groups[1] >= 20,
+        "the results that finished during the first (300 ms) commit went out in groups \
+         of {groups:?}"
     );
 }
 
