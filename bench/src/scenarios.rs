@@ -90,12 +90,10 @@ fn worker_config(concurrency: usize, notifications: bool) -> WorkerConfig {
     let defaults = WorkerConfig::default();
     WorkerConfig {
         queues: vec![("default".into(), concurrency)],
-        // Groups of at most 100 (the default): with more slots than that, several groups
-        // are in flight at once, so claims overlap with commits instead of alternating
-        // with them; below, a claim may take steps ahead of the free slots.
-        claim_batch: 100,
+        // Claims and groups of at most 250 (the defaults): with more slots than that,
+        // several groups are in flight at once, so claims overlap with commits instead of
+        // alternating with them; below, a claim may take steps ahead of the free slots.
         claim_ahead: CLAIM_AHEAD.get().copied().unwrap_or(defaults.claim_ahead),
-        commit_batch: 100,
         poll_interval: Duration::from_millis(50),
         timers: None,
         stats_interval: None,
@@ -185,7 +183,7 @@ pub async fn steps(
     };
     Ok(Report {
         name: "steps",
-        title: format!("No-op step throughput: drain {n} instances{carrying} (claims and group commits of up to 100)"),
+        title: format!("No-op step throughput: drain {n} instances{carrying} (claims and group commits of up to 250, the defaults)"),
         columns: vec![
             "concurrency",
             "instances",

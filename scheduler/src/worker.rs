@@ -75,7 +75,9 @@ pub struct WorkerConfig {
     pub namespaces: Vec<String>,
     /// Queues to claim from, each with its concurrency on this worker.
     pub queues: Vec<(String, usize)>,
-    /// Most instances one claim statement returns.
+    /// Most instances one claim statement returns (default 250). A claim takes the free
+    /// slots of its queue up to this; at high concurrency, larger claims mean fewer
+    /// claim statements per step.
     pub claim_batch: usize,
     /// How much work a queue claims beyond its free slots, counted in the recent run time
     /// of its steps: with quick steps, a claim also takes the steps that will start within
@@ -93,7 +95,7 @@ pub struct WorkerConfig {
     pub poll_interval: Duration,
     /// Reaper period.
     pub reap_interval: Duration,
-    /// Most step results per commit.
+    /// Most step results per group commit (default 250).
     pub commit_batch: usize,
     /// Longest a finished step waits for its group commit while other steps are still
     /// running (with none running, its group is committed at once).
@@ -133,13 +135,13 @@ impl Default for WorkerConfig {
             worker_id: worker_id_for(&program_name()),
             namespaces: Vec::new(),
             queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 10)],
-            claim_batch: 100,
+            claim_batch: 250,
             claim_ahead: Duration::from_millis(5),
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
             reap_interval: Duration::from_secs(5),
-            commit_batch: 100,
+            commit_batch: 250,
             commit_interval: Duration::from_millis(2),
             commits_in_flight: 4,
             shutdown_grace: Duration::from_secs(10),
@@ -699,6 +701,14 @@ async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
 /// ahead (each claim round trip and flush then carried only a few steps).
 const HELD_SPARE_MIN: usize = 32;
 
+/// The most free slots a busy queue waits for before it claims. By about 50 rows a
+/// claim's fixed costs (a round trip, planning, a WAL flush) are a small part of it;
+/// waiting for more — half of a large batch — lets the running slots drain while the
+/// claimer waits (at concurrency 100 with batches of 250, a quarter fewer steps per
+/// second). Large batches still pay off: whatever is free when the claim goes out, up to
+/// the batch, comes back in one statement.
+const CLAIM_WAIT_MAX: usize = 50;
+
 /// A queue's slots on this worker. `running` bounds the steps running user code at once
 /// (the queue's configured concurrency); `held` bounds the leases held, by running steps,
 /// by steps claimed ahead and waiting to run, and by finished ones waiting for their group
@@ -791,12 +801,15 @@ impl QueueSlots {
     }
 
     /// The fewest free slots worth a claim while steps are still running: half a batch
-    /// (of the slots and what may be claimed ahead). Claiming every slot the moment it
-    /// frees would cost a claim round trip and a commit flush per step or two; waiting for
-    /// half a batch keeps claims batched and still overlaps them with the running steps
-    /// and the commits in flight.
+    /// (of the slots and what may be claimed ahead), at most [`CLAIM_WAIT_MAX`]. Claiming
+    /// every slot the moment it frees would cost a claim round trip and a commit flush per
+    /// step or two; waiting for half a batch keeps claims batched and still overlaps them
+    /// with the running steps and the commits in flight. The claim then takes every free
+    /// slot, up to the batch.
     fn worth_claiming(&self, claim_batch: usize, ahead_budget: Duration) -> usize {
-        ((self.concurrency + self.ahead(ahead_budget)).min(claim_batch) / 2).max(1)
+        ((self.concurrency + self.ahead(ahead_budget)).min(claim_batch) / 2)
+            .min(CLAIM_WAIT_MAX)
+            .max(1)
     }
 
     /// A lease slot and a running slot for one claimed step, if both are free; with
@@ -1902,4 +1915,42 @@ async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) 
         tracing::info!(count = ids.len(), "returned expired leases to runnable");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A queue of `concurrency` slots whose steps ran for `micros` each, all slots free.
+    fn quick_queue(concurrency: usize, micros: u64) -> QueueSlots {
+        let slots = QueueSlots::new("q", concurrency);
+        slots.pace.step_micros.store(micros, Ordering::Relaxed);
+        slots
+    }
+
+    #[test]
+    fn a_busy_queue_claims_once_half_a_batch_or_fifty_slots_are_free() {
+        let ahead = Duration::from_millis(5);
+        // Concurrency 1, quick steps: 1 running and 32 ahead, half of them.
+        assert_eq!(quick_queue(1, 10).worth_claiming(250, ahead), 16);
+        // Concurrency 10: 10 running and 32 ahead, half of them.
+        assert_eq!(quick_queue(10, 10).worth_claiming(250, ahead), 21);
+        // Half of a small batch.
+        assert_eq!(quick_queue(500, 10).worth_claiming(40, ahead), 20);
+        // Large queues and batches wait for 50 free slots at most.
+        assert_eq!(quick_queue(100, 10).worth_claiming(250, ahead), CLAIM_WAIT_MAX);
+        assert_eq!(quick_queue(500, 10).worth_claiming(250, ahead), CLAIM_WAIT_MAX);
+        // A queue whose steps have not run yet claims nothing ahead.
+        let fresh = QueueSlots::new("q", 1);
+        assert_eq!(fresh.worth_claiming(250, ahead), 1);
+    }
+
+    #[test]
+    fn a_claim_takes_every_free_slot_and_what_may_start_soon() {
+        let ahead = Duration::from_millis(5);
+        // 500 free slots and as many spare leases: quick steps fill both.
+        assert_eq!(quick_queue(500, 10).claimable(ahead), 1_000);
+        // Steps of 1 ms: five may start within the 5 ms budget.
+        assert_eq!(quick_queue(500, 1_000).claimable(ahead), 505);
+    }
 }
