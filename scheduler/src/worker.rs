@@ -808,8 +808,7 @@ impl QueueSlots {
     /// slot, up to the batch.
     fn worth_claiming(&self, claim_batch: usize, ahead_budget: Duration) -> usize {
         ((self.concurrency + self.ahead(ahead_budget)).min(claim_batch) / 2)
-            .min(CLAIM_WAIT_MAX)
-            .max(1)
+            .clamp(1, CLAIM_WAIT_MAX)
     }
 
     /// A lease slot and a running slot for one claimed step, if both are free; with

@@ -418,8 +418,12 @@ impl<S: Store> Store for Faulty<S> {
     }
 }
 
-/// Three short steps each, finishing in a steady stream.
-struct ShortSteps;
+/// Three short steps each (from `a`; one from `c`), each this long, finishing in a steady
+/// stream.
+struct ShortSteps(Duration);
+
+/// Steps of a millisecond.
+const SHORT: ShortSteps = ShortSteps(Duration::from_millis(1));
 
 #[async_trait]
 impl StepMachine for ShortSteps {
@@ -428,13 +432,27 @@ impl StepMachine for ShortSteps {
     }
 
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(self.0).await;
         Ok(match ctx.step.as_str() {
             "a" => Outcome::Next { step: "b".into(), context: ctx.context.clone() },
             "b" => Outcome::Next { step: "c".into(), context: ctx.context.clone() },
             _ => Outcome::Done { result: json!({ "ok": true }), step: None },
         })
     }
+}
+
+/// A harness whose store takes `delay` longer over every group commit, with `instances`
+/// one-step instances started (at step `c`).
+async fn slow_commits<S: TestStore>(
+    delay: Duration,
+    instances: usize,
+) -> (Harness<Faulty<S>>, Vec<InstanceId>) {
+    let h = Harness::with_store(Faulty { commit_delay: delay, ..Faulty::new(S::fresh().await) });
+    let mut ids = Vec::new();
+    for n in 0..instances {
+        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
+    }
+    (h, ids)
 }
 
 /// A worker of concurrency 1 whose commits are slow: it claims and runs the next steps
@@ -445,13 +463,7 @@ async fn claims_overlap_slow_commits_within_the_spare_lease_bound<S: TestStore>(
     // More instances than the bound, so a worker ignoring it would be caught.
     const INSTANCES: usize = 48;
     const SPARE: usize = 32;
-    let store =
-        Faulty { commit_delay: Duration::from_millis(150), ..Faulty::new(S::fresh().await) };
-    let h = Harness::with_store(store);
-    let mut ids = Vec::new();
-    for n in 0..INSTANCES {
-        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
-    }
+    let (h, ids) = slow_commits::<S>(Duration::from_millis(150), INSTANCES).await;
     let config = WorkerConfig {
         queues: vec![("default".into(), 1)],
         claim_batch: 1,
@@ -462,7 +474,7 @@ async fn claims_overlap_slow_commits_within_the_spare_lease_bound<S: TestStore>(
     // The claim loop alone, even when the suites run with a queue in the loop: a hint
     // claim racing it can take a lease it releases at once, which the store would count.
     let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
-        .register(ShortSteps)
+        .register(SHORT)
         .spawn();
     for id in &ids {
         h.wait(*id, "done", |r| r.status == Status::Done).await;
@@ -483,13 +495,7 @@ async fn claims_overlap_slow_commits_within_the_spare_lease_bound<S: TestStore>(
 /// more at once than `commits_in_flight`, and every result lands exactly once.
 async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>() {
     const INSTANCES: usize = 60;
-    let store =
-        Faulty { commit_delay: Duration::from_millis(100), ..Faulty::new(S::fresh().await) };
-    let h = Harness::with_store(store);
-    let mut ids = Vec::new();
-    for n in 0..INSTANCES {
-        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
-    }
+    let (h, ids) = slow_commits::<S>(Duration::from_millis(100), INSTANCES).await;
     let config = WorkerConfig {
         queues: vec![("default".into(), 24)],
         commit_batch: 8,
@@ -498,7 +504,7 @@ async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>
         timers: None,
         ..h.config()
     };
-    let worker = h.worker(config, ShortSteps);
+    let worker = h.worker(config, SHORT);
     for id in &ids {
         h.wait(*id, "done", |r| r.status == Status::Done).await;
     }
@@ -512,33 +518,12 @@ async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>
     );
 }
 
-/// One step each, a few milliseconds long.
-struct QuickStep;
-
-#[async_trait]
-impl StepMachine for QuickStep {
-    fn machine(&self) -> MachineRef {
-        machine()
-    }
-
-    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        Ok(Outcome::Done { result: json!({ "ok": true }), step: None })
-    }
-}
-
 /// A worker of concurrency 1 with one commit lane and slow commits: the steps it runs
 /// while its lane is busy all hand their results in at once, and the group that takes
 /// the lane next carries them all, not the two or three the committer had room for.
 async fn results_finished_while_every_lane_is_busy_join_one_group<S: TestStore>() {
     const INSTANCES: usize = 40;
-    let store =
-        Faulty { commit_delay: Duration::from_millis(300), ..Faulty::new(S::fresh().await) };
-    let h = Harness::with_store(store);
-    let mut ids = Vec::new();
-    for n in 0..INSTANCES {
-        ids.push(h.start(NewInstance::new(machine(), "c").context(json!({ "n": n }))).await);
-    }
+    let (h, ids) = slow_commits::<S>(Duration::from_millis(300), INSTANCES).await;
     let config = WorkerConfig {
         queues: vec![("default".into(), 1)],
         commits_in_flight: 1,
@@ -547,7 +532,7 @@ async fn results_finished_while_every_lane_is_busy_join_one_group<S: TestStore>(
     };
     // The claim loop alone (see `claims_overlap_slow_commits_within_the_spare_lease_bound`).
     let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
-        .register(QuickStep)
+        .register(ShortSteps(Duration::from_millis(5)))
         .spawn();
     for id in &ids {
         h.wait(*id, "done", |r| r.status == Status::Done).await;
@@ -581,7 +566,7 @@ async fn many_short_steps_never_report_a_lost_lease_on_heartbeat<S: TestStore>()
         timers: None,
         ..h.config()
     };
-    let worker = h.worker(config, ShortSteps);
+    let worker = h.worker(config, SHORT);
     for id in &ids {
         h.wait(*id, "done", |r| r.status == Status::Done).await;
     }
@@ -642,7 +627,7 @@ async fn background_loops_survive_failing_and_panicking_store_calls_and_finish_t
         ..h.config()
     };
     let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
-        .register(ShortSteps)
+        .register(SHORT)
         .spawn();
     for id in ids.iter().skip(1).chain([&orphan]) {
         h.wait(*id, "done despite the faults", |r| r.status == Status::Done).await;
@@ -719,7 +704,7 @@ async fn a_panicking_group_commit_loses_only_its_group_whose_steps_re_run<S: Tes
         timers: None,
         ..h.config()
     };
-    let worker = h.worker(config, ShortSteps);
+    let worker = h.worker(config, SHORT);
     h.wait(id, "the panicking commit", |_| h.store.calls("step_commit") >= 1).await;
     // The call is counted before it panics, and the panic hook (printing a backtrace, slow
     // in a fresh test process) runs before the committer sees the panic: wait for the
