@@ -539,8 +539,9 @@ async fn results_finished_while_every_lane_is_busy_join_one_group<S: TestStore>(
     }
     let stats = worker.shutdown().await;
     assert_eq!(stats.committed(), INSTANCES as u64);
-    // The first result commits at once; the steps that run during its commit (all but
-    // the running slot's lease of the 1 + 32 held) hand their results in and go together.
+    // The first result commits at once; during its 300 ms commit up to 32 more steps
+    // run (33 leases held, one of them committing), hand their results in, and the next
+    // group takes them together.
     let groups = h.store.groups.lock().unwrap().clone();
     assert!(
         groups.len() >= 2 && groups[1] >= 20,
