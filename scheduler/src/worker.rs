@@ -538,11 +538,11 @@ async fn run<S: Store, C: Clock + Clone>(
     // Sized by concurrency alone, a worker of concurrency 1 could hand in only two results
     // while its commit lanes were busy: each lane that came free then took a group of
     // three, and a run of small groups, one flush each, kept the lanes busy for good.
-    let held = inner
-        .config
-        .queues
+    let queues: Arc<Vec<QueueSlots>> =
+        Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
+    let held = queues
         .iter()
-        .map(|(_, n)| QueueSlots::held_max(*n))
+        .map(|slots| QueueSlots::held_max(slots.concurrency))
         .fold(0, usize::saturating_add)
         .clamp(1, Semaphore::MAX_PERMITS);
     let (tx, rx) = mpsc::channel::<Finished>(held);
@@ -583,8 +583,6 @@ async fn run<S: Store, C: Clock + Clone>(
         })
     });
 
-    let queues: Arc<Vec<QueueSlots>> =
-        Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
     // Queue hook: the hint loop, when the worker has a queue.
     let hint_loop = queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx);
     let repair_loop = queue::spawn_repair_loop(&inner, &shutdown);
