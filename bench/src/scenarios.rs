@@ -90,7 +90,7 @@ fn worker_config(concurrency: usize, notifications: bool) -> WorkerConfig {
     let defaults = WorkerConfig::default();
     WorkerConfig {
         queues: vec![("default".into(), concurrency)],
-        // Claims and groups of at most 250 (the defaults): with more slots than that,
+        // Claims and groups as large as the defaults allow: with more slots than that,
         // several groups are in flight at once, so claims overlap with commits instead of
         // alternating with them; below, a claim may take steps ahead of the free slots.
         claim_ahead: CLAIM_AHEAD.get().copied().unwrap_or(defaults.claim_ahead),
@@ -176,6 +176,7 @@ pub async fn steps(
             json!(publish.as_secs_f64()),
         ]);
     }
+    let defaults = WorkerConfig::default();
     let carrying = if context_bytes == 0 {
         String::new()
     } else {
@@ -183,7 +184,10 @@ pub async fn steps(
     };
     Ok(Report {
         name: "steps",
-        title: format!("No-op step throughput: drain {n} instances{carrying} (claims and group commits of up to 250, the defaults)"),
+        title: format!(
+            "No-op step throughput: drain {n} instances{carrying} (claims of up to {}, group commits of up to {}: the defaults)",
+            defaults.claim_batch, defaults.commit_batch
+        ),
         columns: vec![
             "concurrency",
             "instances",
