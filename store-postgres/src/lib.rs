@@ -90,10 +90,12 @@
 //!   writes and cancels the rest of a woken parent's children), and the plan's notice is delivered
 //!   into the parent's inbox through the delivery path above (after the item's outbox
 //!   emits, like the reference store).
-//! - **Broadcast** is one statement: lock the matching targets (id order, at most
-//!   `BROADCAST_MAX + 1`; `position = $s OR (left(position, 1) = '[' AND position::jsonb ? $s)`),
-//!   insert the event per target (`ON CONFLICT (target_id, dedup_key) DO NOTHING`) only
-//!   when at most `BROADCAST_MAX` matched, wake the awaiting ones, `pg_notify` if any woke.
+//! - **Broadcast** is one statement: read the matching targets in the statement's snapshot
+//!   (id order, at most `BROADCAST_MAX + 1`; `position = $s OR (left(position, 1) = '['
+//!   AND position::jsonb ? $s)`), and only when at most `BROADCAST_MAX` matched lock them
+//!   (one that ended or left the state meanwhile drops out), insert the event per target
+//!   (`ON CONFLICT (target_id, dedup_key) DO NOTHING`), wake the awaiting ones, `pg_notify`
+//!   if any woke.
 //! - **Timers**: a commit cancels (`state = s OR state LIKE s || '.%'`), drops (terminal)
 //!   and arms timers in one statement pipelined with the rest of the commit; a cancel drops
 //!   the timers of every instance it cancels. A sweep is one transaction: one statement

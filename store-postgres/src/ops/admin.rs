@@ -326,45 +326,86 @@ pub(crate) async fn rows_of<C: GenericClient + Sync>(
 /// One page of a namespace's instances, newest first. Only the filters that are set go
 /// into the statement, so the planner sees each shape as it is (a generic plan for
 /// `$n IS NULL OR …` would scan). The state filter is the broadcast's: the step's name,
-/// or an element of a chart's JSON array of active paths.
+/// or an element of a chart's JSON array of active paths. The list index leaves executing
+/// rows out (claims then write one index entry fewer), so a page without a status filter
+/// is two reads merged by id: the list index for every other status, the lease index for
+/// the executing rows (few: at most the workers' concurrency). A status filter names its
+/// status as a literal, so the plan can use the index that holds it.
 pub(crate) async fn list<C: GenericClient + Sync>(
     c: &C,
     p: &InstanceListParams,
 ) -> OpResult<Vec<Instance>> {
-    let status = p.status.map(Status::name);
     let before = p.before.map(|b| b.0);
     let limit = p.limit as i64;
-    let mut sql = format!("SELECT {INSTANCE_COLS} FROM instances WHERE namespace = $1");
+    // In the order `list_sql` numbers them.
     let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&p.namespace];
     if let Some(machine) = &p.machine {
         args.push(machine);
-        let _ = write!(sql, " AND machine = ${}", args.len());
-    }
-    if let Some(status) = &status {
-        args.push(status);
-        let _ = write!(sql, " AND status = ${}::text::status", args.len());
     }
     if let Some(key) = &p.business_key {
         args.push(key);
-        let _ = write!(sql, " AND business_key = ${}", args.len());
     }
     if let Some(before) = &before {
         args.push(before);
-        let _ = write!(sql, " AND id < ${}", args.len());
     }
     if let Some(state) = &p.state {
         args.push(state);
-        let n = args.len();
-        let _ = write!(
-            sql,
-            " AND (position = ${n} OR (left(position, 1) = '[' AND position::jsonb ? ${n}))"
-        );
     }
     args.push(&limit);
-    let _ = write!(sql, " ORDER BY id DESC LIMIT ${}", args.len());
-    let stmt = c.prepare_cached(&sql).await?;
+    let stmt = c.prepare_cached(&list_sql(p)).await?;
     let found = c.query(&stmt, &args).await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
+}
+
+/// The statement of [`list`]: `$1` the namespace, then one parameter for each filter set,
+/// in the order machine, business key, cursor, state, and last the page size.
+pub(crate) fn list_sql(p: &InstanceListParams) -> String {
+    let mut filters = String::from("namespace = $1");
+    let mut n = 1;
+    let mut next = || {
+        n += 1;
+        n
+    };
+    if p.machine.is_some() {
+        let _ = write!(filters, " AND machine = ${}", next());
+    }
+    if p.business_key.is_some() {
+        let _ = write!(filters, " AND business_key = ${}", next());
+    }
+    if p.before.is_some() {
+        let _ = write!(filters, " AND id < ${}", next());
+    }
+    if p.state.is_some() {
+        let s = next();
+        let _ = write!(
+            filters,
+            " AND (position = ${s} OR (left(position, 1) = '[' AND position::jsonb ? ${s}))"
+        );
+    }
+    let limit = next();
+    let page = |status: &str| {
+        format!(
+            "SELECT {INSTANCE_COLS} FROM instances WHERE {filters} AND {status} \
+             ORDER BY id DESC LIMIT ${limit}"
+        )
+    };
+    // The executing rows are read whole and then sorted (`OFFSET 0` keeps the planner from
+    // walking the primary key in id order to find them): they are few, and the lease index
+    // holds exactly them.
+    let executing = format!(
+        "SELECT * FROM (SELECT {INSTANCE_COLS} FROM instances \
+           WHERE {filters} AND status = 'executing' OFFSET 0) executing \
+         ORDER BY id DESC LIMIT ${limit}"
+    );
+    match p.status {
+        Some(Status::Executing) => executing,
+        // `Status::name` is one of a fixed set of identifiers: safe as a literal.
+        Some(status) => page(&format!("status = '{}'", status.name())),
+        None => format!(
+            "SELECT * FROM (({}) UNION ALL ({executing})) page ORDER BY id DESC LIMIT ${limit}",
+            page("status <> 'executing'"),
+        ),
+    }
 }
 
 /// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready

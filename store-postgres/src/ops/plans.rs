@@ -7,7 +7,7 @@
 //! plans are made on a fresh schema, the worst case, in a transaction opened the way the
 //! store opens its hot-path transactions.
 
-use super::{begin_hot, claim, commit, signal, timer};
+use super::{admin, begin_hot, claim, commit, signal, timer};
 use crate::testing;
 use keel_testkit::conformance::{REQUIRE_BACKENDS_VAR, skip_notice};
 
@@ -91,4 +91,101 @@ async fn the_keyed_row_probe_reads_an_index_with_its_generic_plan() {
         assert!(shown.contains("Index"), "the probe reads no index:\n{shown}");
     }
     c.batch_execute("ROLLBACK").await.expect("rollback");
+}
+
+/// An operator's page and a broadcast read by index on a large table, with the plan made
+/// for the call's values and with the generic one, before and after the table's
+/// statistics exist: the rows that are not executing through the list index, the
+/// executing ones (which the list index leaves out) through the lease index. Neither
+/// reads the whole table.
+#[tokio::test]
+async fn listings_and_broadcasts_read_by_index_on_a_large_table() {
+    let Some(store) = fresh_schema_or_skip().await else { return };
+    let c = store.client().await.expect("a connection");
+    // 40 000 rows, 80 of them of a rare machine (half of those executing); one in a hundred
+    // executing.
+    c.batch_execute(
+        "INSERT INTO instances (namespace, machine, machine_version, queue, priority, \
+           base_priority, status, position, context, eligible_at, lease_expires_at, \
+           created_at, updated_at) \
+         SELECT 'ns', CASE WHEN g % 1000 < 2 THEN 'rare' ELSE 'common' END, 1, 'default', 2, 2, \
+           CASE WHEN g % 100 = 1 THEN 'executing' WHEN g % 3 = 0 THEN 'done' \
+             ELSE 'awaiting_signal' END::status, \
+           'open', '{}', now(), CASE WHEN g % 100 = 1 THEN now() END, now(), now() \
+         FROM generate_series(1, 40000) g",
+    )
+    .await
+    .expect("rows");
+    let page = |status, before: Option<i64>| keel_core::ports::store::InstanceListParams {
+        namespace: "ns".into(),
+        machine: Some("rare".into()),
+        status,
+        before: before.map(keel_core::InstanceId),
+        limit: 50,
+        ..Default::default()
+    };
+    let cases = [
+        ("a page of a machine", admin::list_sql(&page(None, None)), "'ns', 'rare', 50"),
+        (
+            "a deeper page of a machine",
+            admin::list_sql(&page(None, Some(20_000))),
+            "'ns', 'rare', 20000, 50",
+        ),
+        (
+            "a machine's executing instances",
+            admin::list_sql(&page(Some(keel_core::Status::Executing), None)),
+            "'ns', 'rare', 50",
+        ),
+        (
+            "a machine's waiting instances",
+            admin::list_sql(&page(Some(keel_core::Status::AwaitingSignal), None)),
+            "'ns', 'rare', 50",
+        ),
+        (
+            "a broadcast",
+            signal::BROADCAST.clone(),
+            "'ns', 'rare', 'open', 100001, 'E', '{}'::jsonb, NULL, now(), 'keel'",
+        ),
+    ];
+    for analyzed in [false, true] {
+        if analyzed {
+            c.batch_execute("ANALYZE instances").await.expect("analyze");
+        }
+        for mode in ["force_custom_plan", "force_generic_plan"] {
+            c.batch_execute(&format!("BEGIN; SET LOCAL plan_cache_mode = {mode}"))
+                .await
+                .expect("begin");
+            for (what, sql, args) in &cases {
+                let shown = plan(&c, sql, args).await;
+                let when = format!("{what} ({mode}, statistics: {analyzed})");
+                assert!(!shown.contains("Seq Scan on instances"), "{when} scans:\n{shown}");
+                if !what.contains("waiting") {
+                    assert!(
+                        shown.contains("instances_lease"),
+                        "{when} finds the executing rows without the lease index:\n{shown}"
+                    );
+                }
+                // The primary key may look rows up by id, never walk a range of ids. (A
+                // generic plan, which cannot know how rare the machine is, may: it is only
+                // kept when it costs no more than the plans made for the calls.)
+                if mode == "force_generic_plan" {
+                    continue;
+                }
+                if !what.contains("executing") {
+                    assert!(shown.contains("instances_list"), "{when} skips the list:\n{shown}");
+                }
+                let lines: Vec<&str> = shown.lines().collect();
+                for (at, line) in lines.iter().enumerate() {
+                    if line.contains("instances_pkey on instances") {
+                        let cond = lines.get(at + 1).copied().unwrap_or_default();
+                        assert!(
+                            cond.contains("Index Cond: (id = "),
+                            "{when} walks the primary key:\n{shown}"
+                        );
+                    }
+                }
+            }
+            c.batch_execute("ROLLBACK").await.expect("rollback");
+        }
+    }
 }

@@ -13,6 +13,7 @@ use keel_core::plan::{self, deliver::DeliverRead};
 use keel_core::ports::store::{BroadcastReport, DeliveryOutcome, SignalBroadcastParams};
 use keel_core::{InstanceId, SignalId, Timestamp, limits};
 use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::time::SystemTime;
 
 /// A transaction: plan, write, notify, commit.
@@ -316,30 +317,54 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
     Ok(())
 }
 
-/// The broadcast: lock every matching target (id order, at most `BROADCAST_MAX + 1`), insert
-/// the event for each (the dedup rule per target) only when no more than `BROADCAST_MAX`
-/// matched, wake the targets awaiting it (`outcome::deliver`), and notify once if any woke —
-/// one statement.
-const BROADCAST: &str = "WITH t AS MATERIALIZED ( \
-      SELECT id FROM instances \
-      WHERE namespace = $1 AND machine = $2 AND status NOT IN ('done', 'failed', 'cancelled') \
-        AND ($3::text IS NULL OR position = $3 \
-             OR (left(position, 1) = '[' AND position::jsonb ? $3)) \
-      ORDER BY id LIMIT $4 FOR NO KEY UPDATE \
-    ), n AS (SELECT count(*) AS n FROM t), \
-    ins AS ( \
-      INSERT INTO signals (target_id, name, payload, dedup_key, inserted_at) \
-      SELECT t.id, $5, $6, $7, $8 FROM t, n WHERE n.n < $4 ORDER BY t.id \
-      ON CONFLICT (target_id, dedup_key) DO NOTHING \
-      RETURNING target_id \
-    ), woke AS ( \
-      UPDATE instances i SET status = 'runnable', eligible_at = $8, updated_at = $8 \
-      FROM ins WHERE i.id = ins.target_id AND i.status = 'awaiting_signal' \
-        AND (i.awaits = '*' OR i.awaits = $5) \
-      RETURNING i.id \
-    ) \
-    SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
-      (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)";
+/// The broadcast, one statement: read the matching targets in the statement's snapshot (id
+/// order, at most `BROADCAST_MAX + 1`: the executing ones through the lease index, the
+/// others through the list index, which leaves executing rows out); only when no more than
+/// `BROADCAST_MAX` matched, lock them in id order (a target that ended or left the state
+/// meanwhile drops out; one that a claim took meanwhile stays in), insert the event for each
+/// (the dedup rule per target), wake the targets awaiting it (`outcome::deliver`), and
+/// notify once if any woke.
+pub(crate) static BROADCAST: LazyLock<String> = LazyLock::new(|| {
+    // The target filter over the table alias `t`.
+    let targets = |t: &str| {
+        format!(
+            "{t}.namespace = $1 AND {t}.machine = $2 AND ($3::text IS NULL OR {t}.position = $3 \
+             OR (left({t}.position, 1) = '[' AND {t}.position::jsonb ? $3))"
+        )
+    };
+    let (o, i) = (targets("o"), targets("i"));
+    format!(
+        "WITH seen AS MATERIALIZED ( \
+           SELECT id FROM ( \
+             (SELECT o.id FROM instances o WHERE {o} \
+                AND o.status NOT IN ('done', 'failed', 'cancelled', 'executing') \
+              ORDER BY o.id LIMIT $4) \
+             UNION ALL \
+             (SELECT id FROM (SELECT o.id FROM instances o \
+                WHERE {o} AND o.status = 'executing' OFFSET 0) executing \
+              ORDER BY id LIMIT $4) \
+           ) matched ORDER BY id LIMIT $4 \
+         ), n AS (SELECT count(*) AS n FROM seen), \
+         t AS MATERIALIZED ( \
+           SELECT i.id FROM instances i \
+           WHERE i.id IN (SELECT id FROM seen) AND (SELECT n FROM n) < $4 \
+             AND i.status NOT IN ('done', 'failed', 'cancelled') AND {i} \
+           ORDER BY i.id FOR NO KEY UPDATE \
+         ), ins AS ( \
+           INSERT INTO signals (target_id, name, payload, dedup_key, inserted_at) \
+           SELECT t.id, $5, $6, $7, $8 FROM t ORDER BY t.id \
+           ON CONFLICT (target_id, dedup_key) DO NOTHING \
+           RETURNING target_id \
+         ), woke AS ( \
+           UPDATE instances i SET status = 'runnable', eligible_at = $8, updated_at = $8 \
+           FROM ins WHERE i.id = ins.target_id AND i.status = 'awaiting_signal' \
+             AND (i.awaits = '*' OR i.awaits = $5) \
+           RETURNING i.id \
+         ) \
+         SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
+           (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)"
+    )
+});
 
 /// One statement (autocommit).
 pub(crate) async fn broadcast<C: GenericClient + Sync>(
@@ -347,7 +372,7 @@ pub(crate) async fn broadcast<C: GenericClient + Sync>(
     p: &SignalBroadcastParams,
     channel: &str,
 ) -> OpResult<BroadcastReport> {
-    let stmt = c.prepare_cached(BROADCAST).await?;
+    let stmt = c.prepare_cached(&BROADCAST).await?;
     let cap = limits::BROADCAST_MAX as i64 + 1;
     let r = c
         .query_one(

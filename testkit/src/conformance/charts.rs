@@ -119,7 +119,8 @@ pub async fn cancelled_child_reports_failure_to_the_parent<S: Store>(s: &S) {
 }
 
 /// Broadcast reaches every non-terminal instance of the machine in the state (by step
-/// name, or inside a chart's configuration array), and wakes those waiting for it.
+/// name, or inside a chart's configuration array), one that is running a step included,
+/// and wakes those waiting for it.
 pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
     let ns = "broadcast";
     let parked = insert_one(s, new_in(ns), at(0)).await;
@@ -141,6 +142,8 @@ pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
     // `new_in` starts at step "a": put the runnable one "in" open.idle by position.
     let c = claim_only(s, ns, runnable, at(9)).await;
     step(s, &c, Outcome::Next { step: "open.idle".into(), context: ctx(2) }, at(10)).await;
+    // ...and is running its step when the broadcast comes: it gets the event all the same.
+    let running = claim_only(s, ns, runnable, at(11)).await;
 
     let params = |state: &str| SignalBroadcastParams {
         namespace: ns.into(),
@@ -154,6 +157,7 @@ pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
     let report = s.signal_broadcast(params("open.idle")).await.expect("broadcast");
     assert_eq!((report.delivered, report.woke), (2, 1));
     assert_eq!(row(s, parked).await.status, Status::Runnable);
+    assert_eq!(row(s, running.instance.id).await.status, Status::Executing);
     for (id, n) in [(parked, 1), (runnable, 1), (elsewhere, 0), (finished, 0), (other_machine, 0)] {
         assert_eq!(get(s, id).await.inbox.len(), n, "inbox of {id}");
     }

@@ -1,7 +1,9 @@
 //! Contracts for the operator's views: a machine's instances by page, what ended in a
 //! window (throughput and turnaround), and the registry of workers seen by heartbeat.
 
-use super::support::{at, claim_id, done, expect_kind, insert_one, new_in, next, step, worker};
+use super::support::{
+    at, claim, claim_id, claim_params, done, expect_kind, insert_one, new_in, next, step, worker,
+};
 use keel_core::ErrorKind;
 use keel_core::ids::{InstanceId, MachineRef, Status};
 use keel_core::limits::INSTANCE_LIST_MAX;
@@ -75,6 +77,41 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
         .await
         .expect("by status");
     assert!(executing.is_empty());
+
+    // Executing instances are listed with the rest, in id order, and by their status.
+    claim_id(s, ns, third, at(50)).await;
+    // The other machine's instance is older than `first`: both go.
+    let taken = claim(s, claim_params(ns, 2, at(51))).await;
+    assert_eq!(taken.last().map(|c| c.instance.id), Some(first));
+    let all = s.instance_list(list(ns, 10)).await.expect("instance_list");
+    assert_eq!(ids(&all), [third, second, first], "executing instances are listed too");
+    let page = s.instance_list(list(ns, 2)).await.expect("page 1");
+    assert_eq!(ids(&page), [third, second]);
+    let rest = s
+        .instance_list(InstanceListParams { before: Some(second), ..list(ns, 2) })
+        .await
+        .expect("page 2");
+    assert_eq!(ids(&rest), [first], "the next page holds the executing one below the cursor");
+    let executing = s
+        .instance_list(InstanceListParams { status: Some(Status::Executing), ..list(ns, 10) })
+        .await
+        .expect("by status");
+    assert_eq!(ids(&executing), [third, first]);
+    let runnable = s
+        .instance_list(InstanceListParams { status: Some(Status::Runnable), ..list(ns, 10) })
+        .await
+        .expect("by status");
+    assert_eq!(ids(&runnable), [second]);
+    let billing = s
+        .instance_list(InstanceListParams { state: Some("billing".into()), ..list(ns, 10) })
+        .await
+        .expect("by chart state");
+    assert_eq!(ids(&billing), [second]);
+    let packing = s
+        .instance_list(InstanceListParams { state: Some("pack".into()), ..list(ns, 10) })
+        .await
+        .expect("by state");
+    assert_eq!(ids(&packing), [first], "an executing instance is found by its state");
 
     expect_kind(s.instance_list(list(ns, 0)).await, ErrorKind::Invalid, "limit 0");
     expect_kind(
