@@ -41,25 +41,25 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
     let claimed = claim_id(s, ns, first, at(10)).await;
     step(s, &claimed, next("pack", 1), at(20)).await;
 
-    let all = s.instance_list(list(ns, 10)).await.expect("instance_list");
-    assert_eq!(ids(&all), [third, second, first], "newest first, one namespace, one machine");
-    let page = s.instance_list(list(ns, 2)).await.expect("page 1");
-    assert_eq!(ids(&page), [third, second]);
-    let rest = s
-        .instance_list(InstanceListParams { before: Some(second), ..list(ns, 2) })
-        .await
-        .expect("page 2");
-    assert_eq!(ids(&rest), [first], "the next page starts below the last id");
-    let packing = s
-        .instance_list(InstanceListParams { state: Some("pack".into()), ..list(ns, 10) })
-        .await
-        .expect("by state");
-    assert_eq!(ids(&packing), [first]);
-    let runnable = s
-        .instance_list(InstanceListParams { status: Some(Status::Runnable), ..list(ns, 10) })
-        .await
-        .expect("by status");
-    assert_eq!(ids(&runnable), [third, second, first]);
+    // The ids of a page: `ns`, machine `order`, newest first, narrowed by `narrow`.
+    let listed = |narrow: &dyn Fn(&mut InstanceListParams), limit: usize| {
+        let mut p = list(ns, limit);
+        narrow(&mut p);
+        async move { ids(&s.instance_list(p).await.expect("instance_list")) }
+    };
+    let all = |_: &mut InstanceListParams| {};
+    assert_eq!(
+        listed(&all, 10).await,
+        [third, second, first],
+        "newest first, one namespace, one machine"
+    );
+    assert_eq!(listed(&all, 2).await, [third, second]);
+    let below_second = |p: &mut InstanceListParams| p.before = Some(second);
+    assert_eq!(listed(&below_second, 2).await, [first], "the next page starts below the last id");
+    let packing = |p: &mut InstanceListParams| p.state = Some("pack".into());
+    assert_eq!(listed(&packing, 10).await, [first]);
+    let runnable = |p: &mut InstanceListParams| p.status = Some(Status::Runnable);
+    assert_eq!(listed(&runnable, 10).await, [third, second, first]);
 
     let claimed = claim_id(s, ns, second, at(30)).await;
     let chart_position = Outcome::Next {
@@ -67,51 +67,24 @@ pub async fn instance_list_pages_newest_first_with_filters<S: Store>(s: &S) {
         context: serde_json::json!({}),
     };
     step(s, &claimed, chart_position, at(40)).await;
-    let billing = s
-        .instance_list(InstanceListParams { state: Some("billing".into()), ..list(ns, 10) })
-        .await
-        .expect("by chart state");
-    assert_eq!(ids(&billing), [second], "a chart state inside a JSON position matches");
-    let executing = s
-        .instance_list(InstanceListParams { status: Some(Status::Executing), ..list(ns, 10) })
-        .await
-        .expect("by status");
-    assert!(executing.is_empty());
+    let billing = |p: &mut InstanceListParams| p.state = Some("billing".into());
+    assert_eq!(listed(&billing, 10).await, [second], "a chart state inside a JSON position");
+    let executing = |p: &mut InstanceListParams| p.status = Some(Status::Executing);
+    assert!(listed(&executing, 10).await.is_empty());
 
-    // Executing instances are listed with the rest, in id order, and by their status.
+    // Executing instances are listed with the rest, in id order, and by their status and
+    // state.
     claim_id(s, ns, third, at(50)).await;
     // The other machine's instance is older than `first`: both go.
     let taken = claim(s, claim_params(ns, 2, at(51))).await;
     assert_eq!(taken.last().map(|c| c.instance.id), Some(first));
-    let all = s.instance_list(list(ns, 10)).await.expect("instance_list");
-    assert_eq!(ids(&all), [third, second, first], "executing instances are listed too");
-    let page = s.instance_list(list(ns, 2)).await.expect("page 1");
-    assert_eq!(ids(&page), [third, second]);
-    let rest = s
-        .instance_list(InstanceListParams { before: Some(second), ..list(ns, 2) })
-        .await
-        .expect("page 2");
-    assert_eq!(ids(&rest), [first], "the next page holds the executing one below the cursor");
-    let executing = s
-        .instance_list(InstanceListParams { status: Some(Status::Executing), ..list(ns, 10) })
-        .await
-        .expect("by status");
-    assert_eq!(ids(&executing), [third, first]);
-    let runnable = s
-        .instance_list(InstanceListParams { status: Some(Status::Runnable), ..list(ns, 10) })
-        .await
-        .expect("by status");
-    assert_eq!(ids(&runnable), [second]);
-    let billing = s
-        .instance_list(InstanceListParams { state: Some("billing".into()), ..list(ns, 10) })
-        .await
-        .expect("by chart state");
-    assert_eq!(ids(&billing), [second]);
-    let packing = s
-        .instance_list(InstanceListParams { state: Some("pack".into()), ..list(ns, 10) })
-        .await
-        .expect("by state");
-    assert_eq!(ids(&packing), [first], "an executing instance is found by its state");
+    assert_eq!(listed(&all, 10).await, [third, second, first], "executing ones too");
+    assert_eq!(listed(&all, 2).await, [third, second]);
+    assert_eq!(listed(&below_second, 2).await, [first], "an executing one below the cursor");
+    assert_eq!(listed(&executing, 10).await, [third, first]);
+    assert_eq!(listed(&runnable, 10).await, [second]);
+    assert_eq!(listed(&billing, 10).await, [second]);
+    assert_eq!(listed(&packing, 10).await, [first]);
 
     expect_kind(s.instance_list(list(ns, 0)).await, ErrorKind::Invalid, "limit 0");
     expect_kind(
