@@ -77,6 +77,15 @@ pub(crate) fn json_col_opt(r: &Row, i: usize, column: &str) -> Option<Value> {
     r.try_get(i).unwrap_or_else(|e| Some(undecodable(column, &with_causes(&e))))
 }
 
+/// Whether the instance whose position is the column `position` is in the state given by
+/// parameter `$param`: its step's name, or a path in a chart's JSON array of active states
+/// (`keel_core::instance::position_in_state`, in SQL).
+pub(crate) fn in_state(position: &str, param: usize) -> String {
+    format!(
+        "({position} = ${param} OR (left({position}, 1) = '[' AND {position}::jsonb ? ${param}))"
+    )
+}
+
 /// Every instance column, in the order [`instance`] decodes them.
 pub(crate) const INSTANCE_COLS: &str = "id, namespace, machine, machine_version, business_key, \
     queue, priority, concurrency_key, status::text, position, context, result, awaits, \

@@ -335,54 +335,50 @@ pub(crate) async fn list<C: GenericClient + Sync>(
     c: &C,
     p: &InstanceListParams,
 ) -> OpResult<Vec<Instance>> {
-    let before = p.before.map(|b| b.0);
-    let limit = p.limit as i64;
-    // In the order `list_sql` numbers them.
-    let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&p.namespace];
-    if let Some(machine) = &p.machine {
-        args.push(machine);
-    }
-    if let Some(key) = &p.business_key {
-        args.push(key);
-    }
-    if let Some(before) = &before {
-        args.push(before);
-    }
-    if let Some(state) = &p.state {
-        args.push(state);
-    }
-    args.push(&limit);
-    let stmt = c.prepare_cached(&list_sql(p)).await?;
+    let values = ListValues::of(p);
+    let (sql, args) = list_statement(p, &values);
+    let stmt = c.prepare_cached(&sql).await?;
     let found = c.query(&stmt, &args).await?;
     Ok(found.iter().map(rows::instance).collect::<Result<_, _>>()?)
 }
 
-/// The statement of [`list`]: `$1` the namespace, then one parameter for each filter set,
-/// in the order machine, business key, cursor, state, and last the page size.
-pub(crate) fn list_sql(p: &InstanceListParams) -> String {
+/// The arguments of a page's statement that are not fields of its parameters as they are.
+pub(crate) struct ListValues {
+    before: Option<i64>,
+    limit: i64,
+}
+
+impl ListValues {
+    pub(crate) fn of(p: &InstanceListParams) -> Self {
+        ListValues { before: p.before.map(|b| b.0), limit: p.limit as i64 }
+    }
+}
+
+/// The statement of [`list`] and its arguments, each numbered as it is added.
+pub(crate) fn list_statement<'a>(
+    p: &'a InstanceListParams,
+    values: &'a ListValues,
+) -> (String, Vec<&'a (dyn tokio_postgres::types::ToSql + Sync)>) {
+    let mut args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&p.namespace];
     let mut filters = String::from("namespace = $1");
-    let mut n = 1;
-    let mut next = || {
-        n += 1;
-        n
-    };
-    if p.machine.is_some() {
-        let _ = write!(filters, " AND machine = ${}", next());
+    if let Some(machine) = &p.machine {
+        args.push(machine);
+        let _ = write!(filters, " AND machine = ${}", args.len());
     }
-    if p.business_key.is_some() {
-        let _ = write!(filters, " AND business_key = ${}", next());
+    if let Some(key) = &p.business_key {
+        args.push(key);
+        let _ = write!(filters, " AND business_key = ${}", args.len());
     }
-    if p.before.is_some() {
-        let _ = write!(filters, " AND id < ${}", next());
+    if let Some(before) = &values.before {
+        args.push(before);
+        let _ = write!(filters, " AND id < ${}", args.len());
     }
-    if p.state.is_some() {
-        let s = next();
-        let _ = write!(
-            filters,
-            " AND (position = ${s} OR (left(position, 1) = '[' AND position::jsonb ? ${s}))"
-        );
+    if let Some(state) = &p.state {
+        args.push(state);
+        let _ = write!(filters, " AND {}", rows::in_state("position", args.len()));
     }
-    let limit = next();
+    args.push(&values.limit);
+    let limit = args.len();
     let page = |status: &str| {
         format!(
             "SELECT {INSTANCE_COLS} FROM instances WHERE {filters} AND {status} \
@@ -397,7 +393,7 @@ pub(crate) fn list_sql(p: &InstanceListParams) -> String {
            WHERE {filters} AND status = 'executing' OFFSET 0) executing \
          ORDER BY id DESC LIMIT ${limit}"
     );
-    match p.status {
+    let sql = match p.status {
         Some(Status::Executing) => executing,
         // `Status::name` is one of a fixed set of identifiers: safe as a literal.
         Some(status) => page(&format!("status = '{}'", status.name())),
@@ -405,7 +401,8 @@ pub(crate) fn list_sql(p: &InstanceListParams) -> String {
             "SELECT * FROM (({}) UNION ALL ({executing})) page ORDER BY id DESC LIMIT ${limit}",
             page("status <> 'executing'"),
         ),
-    }
+    };
+    (sql, args)
 }
 
 /// The repair read (`plan::hints::needs_hint` in SQL, over the claim's filters): ready

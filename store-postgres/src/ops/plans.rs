@@ -124,21 +124,21 @@ async fn listings_and_broadcasts_read_by_index_on_a_large_table() {
         limit: 50,
         ..Default::default()
     };
+    let sql = |p: keel_core::ports::store::InstanceListParams| {
+        let values = admin::ListValues::of(&p);
+        admin::list_statement(&p, &values).0
+    };
     let cases = [
-        ("a page of a machine", admin::list_sql(&page(None, None)), "'ns', 'rare', 50"),
-        (
-            "a deeper page of a machine",
-            admin::list_sql(&page(None, Some(20_000))),
-            "'ns', 'rare', 20000, 50",
-        ),
+        ("a page of a machine", sql(page(None, None)), "'ns', 'rare', 50"),
+        ("a deeper page of a machine", sql(page(None, Some(20_000))), "'ns', 'rare', 20000, 50"),
         (
             "a machine's executing instances",
-            admin::list_sql(&page(Some(keel_core::Status::Executing), None)),
+            sql(page(Some(keel_core::Status::Executing), None)),
             "'ns', 'rare', 50",
         ),
         (
             "a machine's waiting instances",
-            admin::list_sql(&page(Some(keel_core::Status::AwaitingSignal), None)),
+            sql(page(Some(keel_core::Status::AwaitingSignal), None)),
             "'ns', 'rare', 50",
         ),
         (

@@ -327,10 +327,8 @@ pub(crate) async fn finish<C: GenericClient + Sync>(
 pub(crate) static BROADCAST: LazyLock<String> = LazyLock::new(|| {
     // The target filter over the table alias `t`.
     let targets = |t: &str| {
-        format!(
-            "{t}.namespace = $1 AND {t}.machine = $2 AND ($3::text IS NULL OR {t}.position = $3 \
-             OR (left({t}.position, 1) = '[' AND {t}.position::jsonb ? $3))"
-        )
+        let in_state = rows::in_state(&format!("{t}.position"), 3);
+        format!("{t}.namespace = $1 AND {t}.machine = $2 AND ($3::text IS NULL OR {in_state})")
     };
     let (o, i) = (targets("o"), targets("i"));
     format!(
