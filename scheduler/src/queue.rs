@@ -387,7 +387,7 @@ async fn hint_loop<S: Store, C: Clock>(
         let free: usize = queues.iter().map(QueueSlots::free).sum();
         if free == 0 {
             tokio::select! {
-                () = inner.slot_freed.notified() => {}
+                () = inner.slot_freed.hints.notified() => {}
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
                 _ = shutdown.changed() => {}
             }

@@ -294,7 +294,7 @@ struct Inner<S, C> {
     running: AtomicUsize,
     /// Steps claimed ahead, waiting for a running slot.
     waiting: AtomicUsize,
-    slot_freed: Notify,
+    slot_freed: SlotFreed,
     stats: Arc<WorkerStats>,
     health: Arc<HealthBook>,
     /// Queue hints: the one hook of `queue.rs` into the worker's state.
@@ -441,7 +441,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             in_flight: Mutex::new(HashMap::new()),
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
-            slot_freed: Notify::new(),
+            slot_freed: SlotFreed::default(),
             stats: Arc::clone(&stats),
             health: Arc::clone(&health),
             hints: self.hints,
@@ -707,6 +707,25 @@ const HELD_SPARE_MIN: usize = 32;
 /// the batch, comes back in one statement.
 const CLAIM_WAIT_MAX: usize = 50;
 
+/// Wake-ups for the two loops that fill freed slots: the claim loop and the hint loop.
+/// Each has its own `Notify`, so a freed slot wakes both (or is kept for the next wait of
+/// each): with one `Notify` between them, the wake-up of the last slots to free could go
+/// to the hint loop alone, and the claim loop slept until its next poll with every slot
+/// free and work ready.
+#[derive(Default)]
+struct SlotFreed {
+    claims: Notify,
+    hints: Notify,
+}
+
+impl SlotFreed {
+    /// Slots were given back.
+    fn notify(&self) {
+        self.claims.notify_one();
+        self.hints.notify_one();
+    }
+}
+
 /// A queue's slots on this worker. `running` bounds the steps running user code at once
 /// (the queue's configured concurrency); `held` bounds the leases held, by running steps,
 /// by steps claimed ahead and waiting to run, and by finished ones waiting for their group
@@ -893,7 +912,7 @@ impl<S, C> Drop for Running<S, C> {
         // the semaphore, find no free slot and go back to sleep until the next poll.
         drop(self.permit.take());
         self.inner.running.fetch_sub(1, Ordering::SeqCst);
-        self.inner.slot_freed.notify_one();
+        self.inner.slot_freed.notify();
     }
 }
 
@@ -964,7 +983,7 @@ async fn claim_loop<S: Store, C: Clock>(
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
                 // Queue hook: while hints bring work, freed slots are theirs and polling
                 // repairs; when they stop, the slots are this loop's again at once.
-                () = inner.slot_freed.notified(), if full && !queue::hints_flowing(&inner) => {}
+                () = inner.slot_freed.claims.notified(), if full && !queue::hints_flowing(&inner) => {}
                 () = queue::hints_stopped(&inner), if full && queue::hints_flowing(&inner) => {}
                 _ = shutdown.changed() => {}
             }
@@ -1576,7 +1595,7 @@ impl<S, C> Drop for Settled<'_, S, C> {
             }
         }
         self.batch.clear(); // frees the slots
-        self.inner.slot_freed.notify_one();
+        self.inner.slot_freed.notify();
     }
 }
 
@@ -1940,6 +1959,25 @@ mod tests {
         // A queue whose steps have not run yet claims nothing ahead.
         let fresh = QueueSlots::new("q", 1);
         assert_eq!(fresh.worth_claiming(250, ahead), 1);
+    }
+
+    #[tokio::test]
+    async fn a_freed_slot_wakes_the_claim_loop_and_the_hint_loop_both() {
+        let freed = SlotFreed::default();
+        // Both loops asleep when the last slots come back: one wake-up reaches each.
+        let claims = freed.claims.notified();
+        let hints = freed.hints.notified();
+        tokio::pin!(claims, hints);
+        claims.as_mut().enable();
+        hints.as_mut().enable();
+        freed.notify();
+        let within = Duration::from_secs(1);
+        tokio::time::timeout(within, hints).await.expect("the hint loop is woken");
+        tokio::time::timeout(within, claims).await.expect("the claim loop is woken too");
+        // Neither asleep: each finds the wake-up at its next wait.
+        freed.notify();
+        tokio::time::timeout(within, freed.hints.notified()).await.expect("kept for hints");
+        tokio::time::timeout(within, freed.claims.notified()).await.expect("kept for claims");
     }
 
     #[test]
