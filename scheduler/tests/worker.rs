@@ -205,6 +205,48 @@ async fn a_panicking_step_is_a_retryable_failure() {
     worker.shutdown().await;
 }
 
+/// Log lines as the `fmt` subscriber writes them, kept for the test to read.
+#[derive(Clone, Default)]
+struct Logged(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a step logs carries the step's span: which instance, machine, step and attempt
+/// it came from. (The test's runtime has one thread, which the subscriber is set on.)
+#[tokio::test]
+async fn what_a_step_logs_names_its_instance_and_step() {
+    let logged = Logged::default();
+    let writer = logged.clone();
+    let subscriber =
+        tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    let h = Harness::new();
+    let worker = h.worker(
+        h.config(),
+        steps(|ctx| {
+            tracing::info!(n = ctx.attempt, "hello from the step");
+            done()
+        }),
+    );
+    let id = h.start(new()).await;
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+    let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    let line = text.lines().find(|l| l.contains("hello from the step")).expect("the step logged");
+    assert!(
+        line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
+        "the step's log line lacks its span: {line}"
+    );
+}
+
 #[tokio::test]
 async fn a_result_whose_lease_was_lost_is_discarded() {
     let h = Harness::new();
