@@ -220,7 +220,7 @@ pub async fn steps(
             "targets on PostgreSQL: ≥ 34 000 steps/s at the best concurrency, ≥ 20 000 at concurrency 100, ≥ 1 500 at concurrency 1; on SQLite: ≥ 5 000 at the best concurrency".into(),
             "with a queue, one hint per instance is published before the worker starts (publish s); seconds and steps/s time the worker's drain from its start".into(),
             "hints received but not claimed named instances the claim loop (polling, 50 ms) had already taken: the queue lagged behind the store".into(),
-            "process CPU µs/step: this process's CPU time (every thread: the worker, the store's client and, on SQLite, the database itself) over the drain, per step".into(),
+            "process CPU µs/step: this process's CPU time over the drain, per step: every thread, the worker and the store's client, and with SQLite or the memory store the store itself".into(),
         ],
     })
 }
