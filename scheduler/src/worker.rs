@@ -24,7 +24,6 @@
 
 use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
-use futures_util::FutureExt;
 use keel_core::config::{ConfigError, KeelConfig, QueueConfig};
 use keel_core::instance::{ANY_SIGNAL, Instance};
 use keel_core::limits;
@@ -41,7 +40,6 @@ use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1219,7 +1217,7 @@ fn run_step<S: Store, C: Clock>(
         let event = claim.inbox.first().map(|s| s.name.as_str());
         let config =
             inner.config.step_config(machine.step_config(&row.position), &row.machine.name, event);
-        let result = guarded(machine.as_ref(), &ctx, config.timeout).instrument(span.clone()).await;
+        let result = guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await;
         let elapsed = started.elapsed();
         running.pace.record(elapsed);
         metrics::histogram!("keel_queue_processing_time_seconds", "machine" => row.machine.name.clone())
@@ -1269,27 +1267,30 @@ fn run_step<S: Store, C: Clock>(
     }
 }
 
-/// Runs the step in the step's own task under its time bound: a panic becomes an error,
-/// and a step that runs out of time is dropped where it waits, which cancels it. (A
-/// task of its own per step cost a spawn, a wake-up and a copy of the context for every
-/// step, and what the step logged lacked the step's span; the step's future is boxed, so
-/// the step's task stays the size it was.)
-async fn guarded(
-    machine: &dyn StepMachine,
-    ctx: &StepContext,
+/// Runs the step in its own task, so a panic becomes an error and a timeout cancels it,
+/// also a step that blocks its thread (the wait for the task still ends on time). The
+/// task is spawned at once, the context moving into it and the step's span entered around
+/// it, so what the step logs names its instance: the future returned holds only the
+/// task's handle and the timer, so it adds little to the step's own task.
+fn guarded(
+    machine: Arc<dyn StepMachine>,
+    ctx: StepContext,
     timeout: Duration,
-) -> Result<Outcome, StepError> {
-    let step = AssertUnwindSafe(machine.step(ctx)).catch_unwind();
-    match tokio::time::timeout(timeout, step).await {
-        Ok(Ok(outcome)) => outcome,
-        Ok(Err(panic)) => Err(StepError::of_kind(
-            FailureKind::Panic,
-            format!("step panicked: {}", payload_message(&*panic)),
-        )),
-        Err(_) => Err(StepError::of_kind(
-            FailureKind::Timeout,
-            format!("step timed out after {} ms", timeout.as_millis()),
-        )),
+    span: &tracing::Span,
+) -> impl Future<Output = Result<Outcome, StepError>> + Send {
+    let task = tokio::spawn(async move { machine.step(&ctx).await }.instrument(span.clone()));
+    async move {
+        bounded(task, timeout).await.unwrap_or_else(|stopped| {
+            Err(match stopped {
+                Stopped::Panicked(panic) => {
+                    StepError::of_kind(FailureKind::Panic, format!("step panicked: {panic}"))
+                }
+                Stopped::TimedOut => StepError::of_kind(
+                    FailureKind::Timeout,
+                    format!("step timed out after {} ms", timeout.as_millis()),
+                ),
+            })
+        })
     }
 }
 
@@ -1317,18 +1318,13 @@ async fn bounded<T>(task: tokio::task::JoinHandle<T>, timeout: Duration) -> Resu
 
 fn panic_message(join: tokio::task::JoinError) -> String {
     match join.try_into_panic() {
-        Ok(payload) => payload_message(&*payload),
+        Ok(payload) => payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".to_owned()),
         Err(e) => e.to_string(),
     }
-}
-
-/// The message a panic was raised with.
-fn payload_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".to_owned())
 }
 
 /// A successful step consumes the signals it saw that match what it awaited (all of

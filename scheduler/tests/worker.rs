@@ -172,6 +172,27 @@ impl StepMachine for BadHandler {
     }
 }
 
+/// A step that blocks its thread past its timeout (a long computation, a blocking call)
+/// still times out on time and is retried: the worker's wait for it is not stuck behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn a_step_that_blocks_its_thread_still_times_out() {
+    let h = Harness::new();
+    let blocking = |ctx: &StepContext| {
+        if ctx.attempt == 0 {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        done()
+    };
+    let config = QueueConfig { timeout: Duration::from_millis(50), ..QueueConfig::default() };
+    let worker = h.worker(h.config(), Fn_(blocking, config));
+    let id = h.start(new()).await;
+    let row = h.wait(id, "a retry after the timeout", |r| r.attempt == 1).await;
+    assert!(row.errors[0].error.contains("timed out after 50 ms"), "{:?}", row.errors);
+    h.clock.advance(Duration::from_secs(1));
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    worker.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
     for (hang, why) in [
