@@ -189,7 +189,7 @@ pub async fn steps(
             json!(by_hint),
             json!(received),
             json!(publish.as_secs_f64()),
-            json!(cpu.map(|cpu| (cpu.as_secs_f64() * 1e6 / n as f64 * 10.0).round() / 10.0)),
+            json!(cpu.map(|cpu| cpu.as_secs_f64() * 1e6 / n as f64)),
         ]);
     }
     let defaults = WorkerConfig::default();
