@@ -1196,7 +1196,7 @@ fn run_step<S: Store, C: Clock>(
             }
         };
         let row = &claim.instance;
-        let span = tracing::info_span!("step", instance = %row.id, machine = %row.machine, step = %row.position, attempt = row.attempt);
+        let span = step_span(row);
         let Some(machine) = inner.machines.get(&row.machine).cloned() else {
             tracing::error!(parent: &span, "claimed a machine this worker does not run; releasing");
             return;
@@ -1265,6 +1265,12 @@ fn run_step<S: Store, C: Clock>(
         let origin = Origin { claim, ctx, machine, config };
         room.send(Finished { commit, machine: machine_name, failed, origin, _permit: permit });
     }
+}
+
+/// The span a step runs in, and its error handler: what either logs names the instance,
+/// machine, step and attempt it came from.
+fn step_span(row: &Instance) -> tracing::Span {
+    tracing::info_span!("step", instance = %row.id, machine = %row.machine, step = %row.position, attempt = row.attempt)
 }
 
 /// Runs the step in its own task, so a panic becomes an error and a timeout cancels it,
@@ -1686,15 +1692,18 @@ async fn commit_refused<S: Store, C: Clock>(
 /// The failure commit of a step, from the machine's error handling. The handler runs in
 /// its own task under the step's timeout, so a panicking or hanging handler cannot stop
 /// the step's task or the committer (which would leave the lease held for ever); like a
-/// handler that returns an error, it makes the instance fail.
+/// handler that returns an error, it makes the instance fail. It runs in the step's span,
+/// so what it logs names the instance.
 async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
     let message = error.message.clone();
     let (claim, ctx) = (origin.claim.clone(), origin.ctx.clone());
     let (machine, config) = (Arc::clone(&origin.machine), origin.config);
     let timeout = config.timeout;
-    let task = tokio::spawn(async move {
-        failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await
-    });
+    let span = step_span(&claim.instance);
+    let task = tokio::spawn(
+        async move { failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await }
+            .instrument(span),
+    );
     match bounded(task, timeout).await {
         Ok(commit) => commit,
         Err(stopped) => {

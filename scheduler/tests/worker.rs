@@ -240,32 +240,48 @@ impl std::io::Write for Logged {
     }
 }
 
-/// What a step logs carries the step's span: which instance, machine, step and attempt
-/// it came from. (The test's runtime has one thread, which the subscriber is set on.)
+/// What a step and its error handler log carries the step's span: which instance,
+/// machine, step and attempt it came from. (The test's runtime has one thread, which the
+/// subscriber is set on.)
 #[tokio::test]
-async fn what_a_step_logs_names_its_instance_and_step() {
+async fn what_a_step_and_its_error_handler_log_names_its_instance_and_step() {
+    struct Chatty;
+    #[async_trait]
+    impl StepMachine for Chatty {
+        fn machine(&self) -> MachineRef {
+            machine()
+        }
+        async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+            tracing::info!(n = ctx.attempt, "hello from the step");
+            Err(StepError::fatal("the step failed"))
+        }
+        async fn handle(
+            &self,
+            error: &StepError,
+            _ctx: &StepContext,
+        ) -> Result<Option<Outcome>, StepError> {
+            tracing::info!("hello from the error handler");
+            Ok(Some(Outcome::Stop { reason: error.message.clone() }))
+        }
+    }
     let logged = Logged::default();
     let writer = logged.clone();
     let subscriber =
         tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
     let _default = tracing::subscriber::set_default(subscriber);
     let h = Harness::new();
-    let worker = h.worker(
-        h.config(),
-        steps(|ctx| {
-            tracing::info!(n = ctx.attempt, "hello from the step");
-            done()
-        }),
-    );
+    let worker = h.worker(h.config(), Chatty);
     let id = h.start(new()).await;
-    h.wait(id, "done", |r| r.status == Status::Done).await;
+    h.wait(id, "stopped", |r| r.status == Status::Failed).await;
     worker.shutdown().await;
     let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
-    let line = text.lines().find(|l| l.contains("hello from the step")).expect("the step logged");
-    assert!(
-        line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
-        "the step's log line lacks its span: {line}"
-    );
+    for what in ["hello from the step", "hello from the error handler"] {
+        let line = text.lines().find(|l| l.contains(what)).expect("logged");
+        assert!(
+            line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
+            "the log line lacks the step's span: {line}"
+        );
+    }
 }
 
 #[tokio::test]
