@@ -1275,27 +1275,22 @@ fn step_span(row: &Instance) -> tracing::Span {
 
 /// Runs the step in its own task, so a panic becomes an error and a timeout cancels it,
 /// also a step that blocks its thread (the wait for the task still ends on time). The
-/// task is spawned at once, the context moving into it and the step's span entered around
-/// it, so what the step logs names its instance: the future returned holds only the
-/// task's handle and the timer, so it adds little to the step's own task.
+/// task is spawned at once, the context moving into it, so the future returned holds only
+/// the task's handle and the timer, and adds little to the step's own task.
 fn guarded(
     machine: Arc<dyn StepMachine>,
     ctx: StepContext,
     timeout: Duration,
     span: &tracing::Span,
 ) -> impl Future<Output = Result<Outcome, StepError>> + Send {
-    let task = tokio::spawn(async move { machine.step(&ctx).await }.instrument(span.clone()));
+    let step = in_step_task(async move { machine.step(&ctx).await }, span.clone(), timeout);
     async move {
-        bounded(task, timeout).await.unwrap_or_else(|stopped| {
-            Err(match stopped {
-                Stopped::Panicked(panic) => {
-                    StepError::of_kind(FailureKind::Panic, format!("step panicked: {panic}"))
-                }
-                Stopped::TimedOut => StepError::of_kind(
-                    FailureKind::Timeout,
-                    format!("step timed out after {} ms", timeout.as_millis()),
-                ),
-            })
+        step.await.unwrap_or_else(|stopped| {
+            let kind = match stopped {
+                Stopped::Panicked(_) => FailureKind::Panic,
+                Stopped::TimedOut => FailureKind::Timeout,
+            };
+            Err(StepError::of_kind(kind, stopped.describe("step", timeout)))
         })
     }
 }
@@ -1308,16 +1303,38 @@ enum Stopped {
     TimedOut,
 }
 
-/// The output of `task`, waited for at most `timeout`; a task that runs out of time is
-/// aborted.
-async fn bounded<T>(task: tokio::task::JoinHandle<T>, timeout: Duration) -> Result<T, Stopped> {
-    let abort = task.abort_handle();
-    match tokio::time::timeout(timeout, task).await {
-        Ok(Ok(output)) => Ok(output),
-        Ok(Err(join)) => Err(Stopped::Panicked(panic_message(join))),
-        Err(_) => {
-            abort.abort();
-            Err(Stopped::TimedOut)
+impl Stopped {
+    /// What happened to `what` (the step, its error handler), in words.
+    fn describe(&self, what: &str, timeout: Duration) -> String {
+        match self {
+            Stopped::Panicked(panic) => format!("{what} panicked: {panic}"),
+            Stopped::TimedOut => format!("{what} timed out after {} ms", timeout.as_millis()),
+        }
+    }
+}
+
+/// Spawns `work` at once as a task of its own inside the step's `span` (so what it logs
+/// names the instance), and returns its output waited for at most `timeout`: a task that
+/// runs out of time is aborted, one that panics gives the panic's message.
+fn in_step_task<F>(
+    work: F,
+    span: tracing::Span,
+    timeout: Duration,
+) -> impl Future<Output = Result<F::Output, Stopped>> + Send
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let task = tokio::spawn(work.instrument(span));
+    async move {
+        let abort = task.abort_handle();
+        match tokio::time::timeout(timeout, task).await {
+            Ok(Ok(output)) => Ok(output),
+            Ok(Err(join)) => Err(Stopped::Panicked(panic_message(join))),
+            Err(_) => {
+                abort.abort();
+                Err(Stopped::TimedOut)
+            }
         }
     }
 }
@@ -1700,19 +1717,15 @@ async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
     let (machine, config) = (Arc::clone(&origin.machine), origin.config);
     let timeout = config.timeout;
     let span = step_span(&claim.instance);
-    let task = tokio::spawn(
-        async move { failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await }
-            .instrument(span),
+    let handled = in_step_task(
+        async move { failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await },
+        span,
+        timeout,
     );
-    match bounded(task, timeout).await {
+    match handled.await {
         Ok(commit) => commit,
         Err(stopped) => {
-            let why = match stopped {
-                Stopped::Panicked(panic) => format!("the error handler panicked: {panic}"),
-                Stopped::TimedOut => {
-                    format!("the error handler timed out after {} ms", timeout.as_millis())
-                }
-            };
+            let why = stopped.describe("the error handler", timeout);
             tracing::error!(instance = %origin.claim.instance.id, "{why}");
             // As when the handler returns an error: the instance fails.
             let claim = &origin.claim;
