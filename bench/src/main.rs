@@ -39,6 +39,10 @@ mod ui;
 use anyhow::Result;
 use clap::{Parser, ValueEnum};
 
+/// The allocator the `keel` binary ships with, so these figures are the binary's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Keel benchmarks.
 #[derive(Debug, Parser)]
 #[command(name = "keel-bench", about = "Keel benchmarks: steps, chart, timers, parallel, start")]

@@ -3,6 +3,11 @@
 use clap::Parser as _;
 use keel_cli::{Cli, commands, exit};
 
+/// The `keel` binary runs workers and the HTTP server for hours; mimalloc spends less CPU
+/// per step than the system allocator on the worker's many short-lived allocations.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
