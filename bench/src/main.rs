@@ -39,7 +39,7 @@ mod ui;
 use anyhow::Result;
 use clap::{Parser, ValueEnum};
 
-/// The allocator the `keel` binary ships with, so these figures are the binary's.
+/// The allocator the `keel` binary ships with; the figures are measured on it.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

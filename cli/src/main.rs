@@ -3,8 +3,8 @@
 use clap::Parser as _;
 use keel_cli::{Cli, commands, exit};
 
-/// The `keel` binary runs workers and the HTTP server for hours; mimalloc spends less CPU
-/// per step than the system allocator on the worker's many short-lived allocations.
+/// `keel serve` runs for hours and allocates per request; mimalloc spends less CPU on it
+/// than the system allocator, for a larger resident set.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
