@@ -1719,14 +1719,15 @@ async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
     let span = step_span(&claim.instance);
     let handled = in_step_task(
         async move { failure_commit(&claim, &ctx, machine.as_ref(), &config, error).await },
-        span,
+        span.clone(),
         timeout,
     );
     match handled.await {
         Ok(commit) => commit,
         Err(stopped) => {
             let why = stopped.describe("the error handler", timeout);
-            tracing::error!(instance = %origin.claim.instance.id, "{why}");
+            // In the step's span: the line names the instance, machine, step and attempt.
+            tracing::error!(parent: &span, "{why}");
             // As when the handler returns an error: the instance fails.
             let claim = &origin.claim;
             let failure = StepFailure {

@@ -199,6 +199,11 @@ async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
         (false, "the error handler panicked: bug in handler"),
         (true, "the error handler timed out after 50 ms"),
     ] {
+        let logged = Logged::default();
+        let writer = logged.clone();
+        let subscriber =
+            tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
+        let _default = tracing::subscriber::set_default(subscriber);
         let h = Harness::new();
         let worker = h.worker(h.config(), BadHandler { hang });
         let id = h.start(new()).await;
@@ -208,6 +213,13 @@ async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
         assert!(said.contains(why), "expected {why:?} in {said}");
         assert!(said.contains("while handling: the step failed"), "{said}");
         worker.shutdown().await;
+        // The worker's own line about the handler names the step it came from.
+        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        let line = text.lines().find(|l| l.contains("ERROR") && l.contains(why)).expect("logged");
+        assert!(
+            line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
+            "the log line lacks the step's span: {line}"
+        );
     }
 }
 
