@@ -4,7 +4,8 @@ use clap::Parser as _;
 use keel_cli::{Cli, commands, exit};
 
 /// `keel serve` runs for hours and allocates per request; mimalloc spends less CPU on it
-/// than the system allocator, for a larger resident set.
+/// than the system allocator, for about the same resident set (built without transparent
+/// huge pages, see the workspace manifest).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
