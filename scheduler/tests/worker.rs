@@ -13,7 +13,9 @@ use keel_core::instance::NewInstance;
 use keel_core::ports::store::{ClaimParams, CommitParams, DeadLetterFilter, LeaseReapParams};
 use keel_core::ports::{Clock, Store};
 use keel_core::retry::RetryPolicy;
-use keel_core::{MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, WorkerId};
+use keel_core::{
+    InstanceId, MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, WorkerId,
+};
 use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -199,11 +201,7 @@ async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
         (false, "the error handler panicked: bug in handler"),
         (true, "the error handler timed out after 50 ms"),
     ] {
-        let logged = Logged::default();
-        let writer = logged.clone();
-        let subscriber =
-            tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
-        let _default = tracing::subscriber::set_default(subscriber);
+        let (logged, _default) = Logged::capture();
         let h = Harness::new();
         let worker = h.worker(h.config(), BadHandler { hang });
         let id = h.start(new()).await;
@@ -214,12 +212,7 @@ async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
         assert!(said.contains("while handling: the step failed"), "{said}");
         worker.shutdown().await;
         // The worker's own line about the handler names the step it came from.
-        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
-        let line = text.lines().find(|l| l.contains("ERROR") && l.contains(why)).expect("logged");
-        assert!(
-            line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
-            "the log line lacks the step's span: {line}"
-        );
+        logged.assert_in_step_span(id, |l| l.contains("ERROR") && l.contains(why));
     }
 }
 
@@ -241,6 +234,29 @@ async fn a_panicking_step_is_a_retryable_failure() {
 /// Log lines as the `fmt` subscriber writes them, kept for the test to read.
 #[derive(Clone, Default)]
 struct Logged(Arc<Mutex<Vec<u8>>>);
+
+impl Logged {
+    /// Captures what this thread logs until the guard drops (the tests' runtimes have one
+    /// thread, which the subscriber is set on).
+    fn capture() -> (Logged, tracing::subscriber::DefaultGuard) {
+        let logged = Logged::default();
+        let writer = logged.clone();
+        let subscriber =
+            tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
+        (logged, tracing::subscriber::set_default(subscriber))
+    }
+
+    /// Asserts that the first line `which` picks was logged in the span of instance `id`'s
+    /// first run of step `a`.
+    fn assert_in_step_span(&self, id: InstanceId, which: impl Fn(&str) -> bool) {
+        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+        let line = text.lines().find(|l| which(l)).expect("logged");
+        assert!(
+            line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
+            "the log line lacks the step's span: {line}"
+        );
+    }
+}
 
 impl std::io::Write for Logged {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -276,23 +292,14 @@ async fn what_a_step_and_its_error_handler_log_names_its_instance_and_step() {
             Ok(Some(Outcome::Stop { reason: error.message.clone() }))
         }
     }
-    let logged = Logged::default();
-    let writer = logged.clone();
-    let subscriber =
-        tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
-    let _default = tracing::subscriber::set_default(subscriber);
+    let (logged, _default) = Logged::capture();
     let h = Harness::new();
     let worker = h.worker(h.config(), Chatty);
     let id = h.start(new()).await;
     h.wait(id, "stopped", |r| r.status == Status::Failed).await;
     worker.shutdown().await;
-    let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
     for what in ["hello from the step", "hello from the error handler"] {
-        let line = text.lines().find(|l| l.contains(what)).expect("logged");
-        assert!(
-            line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
-            "the log line lacks the step's span: {line}"
-        );
+        logged.assert_in_step_span(id, |l| l.contains(what));
     }
 }
 
