@@ -62,6 +62,20 @@ fn done() -> Result<Outcome, StepError> {
     Ok(Outcome::Done { result: json!("ok"), step: None })
 }
 
+/// A machine whose every step sleeps this long, then finishes with this result.
+struct Sleeps(Duration, &'static str);
+
+#[async_trait]
+impl StepMachine for Sleeps {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(self.0).await;
+        Ok(Outcome::Done { result: json!(self.1), step: None })
+    }
+}
+
 #[tokio::test]
 async fn retries_wait_the_policy_delays_then_suspend_and_a_dead_letter_retry_resumes() {
     let h = Harness::new();
@@ -306,19 +320,8 @@ async fn what_a_step_and_its_error_handler_log_names_its_instance_and_step() {
 #[tokio::test]
 async fn a_result_whose_lease_was_lost_is_discarded() {
     let h = Harness::new();
-    struct Sleepy;
-    #[async_trait]
-    impl StepMachine for Sleepy {
-        fn machine(&self) -> MachineRef {
-            machine()
-        }
-        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            Ok(Outcome::Done { result: json!("from the slow worker"), step: None })
-        }
-    }
     let config = WorkerConfig { heartbeat: Duration::from_secs(3600), ..h.config() };
-    let worker = h.worker(config, Sleepy);
+    let worker = h.worker(config, Sleeps(Duration::from_millis(300), "from the slow worker"));
     let id = h.start(new()).await;
     h.wait(id, "claimed", |r| r.status == Status::Executing).await;
 
@@ -392,19 +395,10 @@ async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
 #[tokio::test]
 async fn graceful_shutdown_releases_unfinished_steps_without_counting_an_attempt() {
     let h = Harness::new();
-    struct Forever;
-    #[async_trait]
-    impl StepMachine for Forever {
-        fn machine(&self) -> MachineRef {
-            machine()
-        }
-        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
-            tokio::time::sleep(Duration::from_secs(60)).await;
-            done()
-        }
-    }
-    let worker =
-        h.worker(WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() }, Forever);
+    let worker = h.worker(
+        WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() },
+        Sleeps(Duration::from_secs(60), "ok"),
+    );
     let id = h.start(new()).await;
     h.wait(id, "claimed", |r| r.status == Status::Executing).await;
     let stats = worker.shutdown().await;
@@ -416,18 +410,7 @@ async fn graceful_shutdown_releases_unfinished_steps_without_counting_an_attempt
 #[tokio::test]
 async fn graceful_shutdown_lets_quick_steps_finish_and_commit() {
     let h = Harness::new();
-    struct Quick;
-    #[async_trait]
-    impl StepMachine for Quick {
-        fn machine(&self) -> MachineRef {
-            machine()
-        }
-        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            done()
-        }
-    }
-    let worker = h.worker(h.config(), Quick);
+    let worker = h.worker(h.config(), Sleeps(Duration::from_millis(50), "ok"));
     let id = h.start(new()).await;
     h.wait(id, "claimed", |r| r.status == Status::Executing).await;
     worker.shutdown().await;
