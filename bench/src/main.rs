@@ -45,10 +45,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Keel benchmarks.
 #[derive(Debug, Parser)]
-#[command(name = "keel-bench", about = "Keel benchmarks: steps, chart, timers, parallel, start")]
+#[command(name = "keel-bench", about = "Keel benchmarks: start, steps, chart, timers, parallel")]
 struct Cli {
-    /// Which scenarios to run, one after another (default: steps, chart, timers, parallel,
-    /// start; name http, ui, prune or fairness to run them).
+    /// Which scenarios to run, one after another (default: start, steps, chart, timers,
+    /// parallel — start first, so that its memory rows measure a fresh process; name http,
+    /// ui, prune or fairness to run them).
     #[arg(value_enum)]
     scenarios: Vec<Scenario>,
     /// The store to run against.
@@ -125,11 +126,11 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     let scenarios = if cli.scenarios.is_empty() {
         vec![
+            Scenario::Start,
             Scenario::Steps,
             Scenario::Chart,
             Scenario::Timers,
             Scenario::Parallel,
-            Scenario::Start,
         ]
     } else {
         cli.scenarios.clone()
@@ -138,7 +139,7 @@ async fn main() -> Result<()> {
     std::fs::create_dir_all(&cli.out)?;
     let store = stores::Factory::new(cli.store).await?;
     eprintln!("keel-bench: store {} ({})", cli.store.name(), store.describe());
-    for scenario in scenarios {
+    for (i, scenario) in scenarios.into_iter().enumerate() {
         let report = match scenario {
             Scenario::Steps => {
                 scenarios::steps(
@@ -153,7 +154,7 @@ async fn main() -> Result<()> {
             Scenario::Chart => scenarios::chart(&store, cli.chart_instances, cli.queue).await?,
             Scenario::Timers => scenarios::timers(&store, cli.timers).await?,
             Scenario::Parallel => scenarios::parallel(&store, 10).await?,
-            Scenario::Start => starts::start(&store, cli.instances).await?,
+            Scenario::Start => starts::start(&store, cli.instances, i > 0).await?,
             Scenario::Http => http::http(&store, cli.http_events, cli.http_steps).await?,
             Scenario::Ui => ui::ui(&store, cli.ui_instances).await?,
             Scenario::Prune => prune::prune(&store, cli.prune_instances).await?,
