@@ -184,6 +184,12 @@ pub async fn start(factory: &Factory, n: usize, after_others: bool) -> Result<Re
         json!(parked.1),
         json!("MiB"),
     ]);
+    let mut notes = vec![
+        "targets on PostgreSQL: single start p50 ≤ 0.4 ms on a quiet machine (about the floor: one INSERT and its commit in one round trip), bulk ≥ 50 000 instances/s".to_owned(),
+    ];
+    if after_others {
+        notes.push("the RSS rows include memory the scenarios run before this one left with the allocator; run `keel-bench start` alone, or first, for the worker's own figures".to_owned());
+    }
     Ok(Report {
         name: "start",
         title: format!(
@@ -191,12 +197,6 @@ pub async fn start(factory: &Factory, n: usize, after_others: bool) -> Result<Re
         ),
         columns: vec!["measure", "value", "unit"],
         rows,
-        notes: [
-            Some("targets on PostgreSQL: single start p50 ≤ 0.4 ms on a quiet machine (about the floor: one INSERT and its commit in one round trip), bulk ≥ 50 000 instances/s".to_owned()),
-            after_others.then(|| "the RSS rows include memory the scenarios run before this one left with the allocator; run `keel-bench start` alone, or first, for the worker's own figures".to_owned()),
-        ]
-        .into_iter()
-        .flatten()
-        .collect(),
+        notes,
     })
 }
