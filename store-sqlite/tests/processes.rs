@@ -3,7 +3,9 @@
 //! whose lease was reaped and re-claimed elsewhere is fenced off.
 
 use keel_core::ports::Store;
-use keel_core::ports::store::{ClaimParams, CommitParams, InsertParams, LeaseReapParams};
+use keel_core::ports::store::{
+    ClaimParams, CommitParams, InsertParams, InstanceListParams, LeaseReapParams,
+};
 use keel_core::{ErrorKind, MachineRef, NewInstance, Outcome, StepCommit, Timestamp, WorkerId};
 use keel_store_sqlite::SqliteStore;
 use serde_json::json;
@@ -92,43 +94,82 @@ async fn a_late_commit_from_another_store_is_fenced_off() {
     assert_eq!(results[0].as_ref().expect("the live claim commits").revision.0, 1);
 }
 
+/// Every revision of the test's instances, read in one statement: one snapshot.
+async fn revisions(store: &SqliteStore) -> BTreeSet<i64> {
+    let rows = store
+        .instance_list(InstanceListParams {
+            namespace: "default".into(),
+            machine: Some("order".into()),
+            status: None,
+            state: None,
+            business_key: None,
+            before: None,
+            limit: ROWS,
+        })
+        .await
+        .expect("list");
+    assert_eq!(rows.len(), ROWS);
+    rows.iter().map(|r| r.revision.0).collect()
+}
+
+/// A commit call dropped part-way (a caller's timeout, a shutdown deadline) is all or
+/// nothing: dropped before the driver was told to commit, it rolls back; dropped after,
+/// the driver's thread still commits it whole. No reader sees part of it, and the next
+/// write waits until it has ended either way, then runs.
 #[tokio::test]
 async fn a_write_cancelled_half_way_leaves_nothing_behind_and_the_store_usable() {
-    let store = SqliteStore::temporary().await.expect("open");
-    let instances = vec![NewInstance::new(MachineRef::new("order", 1), "start"); ROWS];
-    store.instance_insert(InsertParams { instances, now: T0 }).await.expect("insert");
-    let mut params = claim_params("w", T0);
-    params.limit = ROWS;
-    let claims = store.instance_claim(params).await.expect("claim");
-    assert_eq!(claims.len(), ROWS);
-    let commits: Vec<StepCommit> = claims
-        .iter()
-        .map(|c| {
-            StepCommit::new(
-                c.instance.id,
-                c.token(),
-                Outcome::Next { step: "pay".into(), context: json!({}) },
-            )
-        })
-        .collect();
-    // Dropped long before 200 commits can finish: the transaction must roll back.
-    let cancelled = tokio::time::timeout(
-        Duration::from_millis(2),
-        store.step_commit(CommitParams { commits: commits.clone(), now: T0 }),
-    )
-    .await;
-    eprintln!("cancelled half-way: {}", cancelled.is_err());
-    let mut revisions = BTreeSet::new();
-    for c in &claims {
-        revisions.insert(store.instance_get(c.instance.id).await.expect("get").instance.revision.0);
-    }
-    assert_eq!(revisions.len(), 1, "all or nothing, got revisions {revisions:?}");
-    if cancelled.is_err() {
-        assert_eq!(revisions, BTreeSet::from([0]));
-        let results = store
-            .step_commit(CommitParams { commits, now: T0 })
+    let mut rolled_back = 0;
+    // Several budgets, so the drop lands at different points of the transaction.
+    for budget in [200, 500, 1_000, 2_000, 4_000].map(Duration::from_micros) {
+        let store = SqliteStore::temporary().await.expect("open");
+        let instances = vec![NewInstance::new(MachineRef::new("order", 1), "start"); ROWS];
+        store.instance_insert(InsertParams { instances, now: T0 }).await.expect("insert");
+        let mut params = claim_params("w", T0);
+        params.limit = ROWS;
+        let claims = store.instance_claim(params).await.expect("claim");
+        assert_eq!(claims.len(), ROWS);
+        let commits: Vec<StepCommit> = claims
+            .iter()
+            .map(|c| {
+                StepCommit::new(
+                    c.instance.id,
+                    c.token(),
+                    Outcome::Next { step: "pay".into(), context: json!({}) },
+                )
+            })
+            .collect();
+        let cancelled = tokio::time::timeout(
+            budget,
+            store.step_commit(CommitParams { commits: commits.clone(), now: T0 }),
+        )
+        .await
+        .is_err();
+        // Read at once, while a commit handed to the driver may still be landing.
+        let early = revisions(&store).await;
+        assert_eq!(early.len(), 1, "{budget:?}: a reader saw part of a commit: {early:?}");
+        // An empty commit takes the writer, so it runs after the dropped transaction ended.
+        store
+            .step_commit(CommitParams { commits: Vec::new(), now: T0 })
             .await
             .expect("the writer is usable again");
-        assert!(results.iter().all(Result::is_ok));
+        let settled = revisions(&store).await;
+        assert!(
+            settled == BTreeSet::from([0]) || settled == BTreeSet::from([1]),
+            "{budget:?}: all or nothing, got revisions {settled:?}"
+        );
+        if !cancelled {
+            assert_eq!(settled, BTreeSet::from([1]), "{budget:?}: a finished call committed");
+        }
+        if settled == BTreeSet::from([0]) {
+            rolled_back += 1;
+            let results = store
+                .step_commit(CommitParams { commits, now: T0 })
+                .await
+                .expect("the commit again");
+            assert!(results.iter().all(Result::is_ok), "{budget:?}: {results:?}");
+            assert_eq!(revisions(&store).await, BTreeSet::from([1]));
+        }
     }
+    // 200 commits take far longer than 200 µs, so at least the first drop is a rollback.
+    assert!(rolled_back > 0, "no budget dropped the call before its commit");
 }
