@@ -668,9 +668,11 @@ fn a_token_never_sees_or_changes_another_namespace() {
             s.get_as(a, &format!("/v1/namespaces/a/dead-letters?limit=1&after={dl}"));
         let rest: Value = serde_json::from_str(&rest).unwrap();
         assert_eq!((code, rest["dead_letters"].clone()), (200, json!([])), "{name}: {rest}");
-        let (code, bad) = s.get_as(a, "/v1/namespaces/a/dead-letters?limit=20000");
-        let bad: Value = serde_json::from_str(&bad).unwrap();
-        assert_eq!((code, bad["field"].as_str()), (400, Some("limit")), "{name}: {bad}");
+        for query in ["limit=20000", "limit=-1"] {
+            let (code, bad) = s.get_as(a, &format!("/v1/namespaces/a/dead-letters?{query}"));
+            let bad: Value = serde_json::from_str(&bad).unwrap();
+            assert_eq!((code, bad["field"].as_str()), (400, Some("limit")), "{name}: {bad}");
+        }
         let (_, theirs) = s.get_as(b, "/v1/namespaces/b/dead-letters");
         assert_eq!(
             serde_json::from_str::<Value>(&theirs).unwrap()["dead_letters"],
@@ -793,7 +795,9 @@ fn with_definitions_unknown_machines_versions_and_events_get_400_naming_the_fiel
         let (code, err) = s.get_json(&format!("{ns}/machines/door/instances?limit=0"));
         assert_eq!((code, err["field"].as_str()), (400, Some("limit")), "{name}: {err}");
         let (code, err) = s.get_json(&format!("{ns}/machines/door/instances?limit=x"));
-        assert_eq!((code, err["field"].as_str()), (400, Some("query")), "{name}: {err}");
+        assert_eq!((code, err["field"].as_str()), (400, Some("limit")), "{name}: {err}");
+        let (code, err) = s.get_json(&format!("{ns}/machines/door/instances?sort=asc"));
+        assert_eq!((code, err["field"].as_str()), (400, Some("sort")), "{name}: {err}");
         let (code, activity) = s.get_json(&format!("{ns}/activity"));
         assert_eq!((code, activity["bucket_ms"].as_u64()), (200, Some(60_000)), "{name}");
         let door = &activity["machines"][0];
@@ -925,7 +929,8 @@ fn history_pages_over_http_with_a_cursor_and_404_for_another_namespace() {
             (format!("{ns}/{id}/history?limit=1001"), 400, "limit"),
             (format!("{ns}/{id}/history?limit=0"), 400, "limit"),
             (format!("{ns}/{id}/history?before=later"), 400, "before"),
-            (format!("{ns}/{id}/history?sort=asc"), 400, "query"),
+            (format!("{ns}/{id}/history?sort=asc"), 400, "sort"),
+            (format!("{ns}/{id}/history?limit=ten"), 400, "limit"),
             (format!("{ns}/nope/history"), 400, "id"),
         ] {
             let (got, body) = s.get_json(&path);

@@ -81,16 +81,27 @@ type ApiResult = Result<Response, ApiError>;
 /// Parses a JSON body; the error names the field at fault (its path in the document).
 pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut de).map_err(|error| {
-        let path = error.path().to_string();
-        let inner = error.into_inner().to_string();
-        let field = if path == "." || path == "?" {
-            inner.split('`').nth(1).filter(|_| inner.contains("field")).unwrap_or("body").to_owned()
-        } else {
-            path
-        };
-        ApiError::bad(&field, format!("{field}: {inner}"))
-    })
+    serde_path_to_error::deserialize(&mut de).map_err(|error| named(error, "body"))
+}
+
+/// A query string's parameters, or 400 naming the parameter at fault, as for bodies.
+pub(super) fn query<T: DeserializeOwned>(raw: Option<&str>) -> Result<T, ApiError> {
+    let pairs = form_urlencoded::parse(raw.unwrap_or_default().as_bytes());
+    serde_path_to_error::deserialize(serde_urlencoded::Deserializer::new(pairs))
+        .map_err(|error| named(error, "query"))
+}
+
+/// A 400 naming the field at fault: its path, or at the top level (an unknown or missing
+/// field) the field the message names, else `whole`.
+fn named<E: std::fmt::Display>(error: serde_path_to_error::Error<E>, whole: &str) -> ApiError {
+    let path = error.path().to_string();
+    let inner = error.into_inner().to_string();
+    let field = if path == "." || path == "?" {
+        inner.split('`').nth(1).filter(|_| inner.contains("field")).unwrap_or(whole).to_owned()
+    } else {
+        path
+    };
+    ApiError::bad(&field, format!("{field}: {inner}"))
 }
 
 /// The raw body, or 413 / 400 in the API's JSON shape when it cannot be read.

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use keel::DeadLetterRetry;
 use keel_core::ids::DeadLetterId;
@@ -80,10 +80,9 @@ pub struct LetterQuery {
 pub async fn dead_letters(
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
-    query: Result<axum::extract::Query<LetterQuery>, axum::extract::rejection::QueryRejection>,
+    RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let axum::extract::Query(q) =
-        query.map_err(|rejection| ApiError::bad("query", rejection.body_text()))?;
+    let q: LetterQuery = super::api::query(query.as_deref())?;
     let limit = q.limit.unwrap_or(DEAD_LETTER_PAGE);
     match crate::commands::dead_letter_page(&state.keel, &ns, q.machine, limit, q.after.as_deref())
         .await
@@ -182,10 +181,9 @@ pub struct ListQuery {
 pub async fn list_instances(
     State(state): State<Arc<AppState>>,
     Path((ns, machine)): Path<(String, String)>,
-    query: Result<axum::extract::Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+    RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let axum::extract::Query(q) =
-        query.map_err(|rejection| ApiError::bad("query", rejection.body_text()))?;
+    let q: ListQuery = super::api::query(query.as_deref())?;
     let args = crate::ListArgs {
         machine,
         state: q.state,
@@ -213,10 +211,9 @@ pub struct HistoryQuery {
 pub async fn history(
     State(state): State<Arc<AppState>>,
     Path((ns, raw)): Path<(String, String)>,
-    query: Result<axum::extract::Query<HistoryQuery>, axum::extract::rejection::QueryRejection>,
+    RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let axum::extract::Query(q) =
-        query.map_err(|rejection| ApiError::bad("query", rejection.body_text()))?;
+    let q: HistoryQuery = super::api::query(query.as_deref())?;
     let id = super::api::parse_id(&raw)?;
     super::api::instance_in(&state, &ns, id).await?;
     let limit = q.limit.unwrap_or(crate::operate::HISTORY_PAGE_DEFAULT);
