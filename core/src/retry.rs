@@ -25,8 +25,10 @@ use serde::{Deserialize, Serialize};
 use crate::config::{OnDeadLetter, QueueConfig};
 use crate::error::ErrorKind;
 use crate::history::HistoryKind;
-use crate::instance::{HistoryEntry, clip_error};
+use crate::ids::SignalId;
+use crate::instance::{ANY_SIGNAL, HistoryEntry, Instance, Signal, clip_error};
 use crate::names::name_enum;
+use crate::outcome::Outcome;
 
 name_enum! {
     /// How the delay grows between attempts.
@@ -475,6 +477,95 @@ pub fn discard_stop_reason(reason: DeadLetterReason, attempts: i32, error: &str)
     format!("{error} ({why}; dead letters are disabled, so the step was discarded)")
 }
 
+/// What the commit of a failed step carries, as [`failed_step`] decides it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailedStep {
+    /// The plan it came from.
+    pub plan: FailurePlan,
+    /// The outcome to commit: a retry, a suspension, the next event at the same position,
+    /// or the end of the instance.
+    pub outcome: Outcome,
+    /// Whether the commit writes a dead letter.
+    pub dead_letter: bool,
+    /// The event consumed with the commit: the one the step processed, when it is skipped
+    /// or dropped.
+    pub consume: Option<SignalId>,
+    /// The history entry recording a discarded failure ([`discard_record`]).
+    pub history: Option<HistoryEntry>,
+}
+
+/// Decides what follows the failure of a step of `row` that ran under `config`: the
+/// [`plan_failure`] of its attempt, then what the commit carries for that plan.
+///
+/// `processing` is the one event the step was processing (a chart's transition), `None`
+/// for a step machine's step or a chart's start; `error` is the step's error message.
+/// A lost lease or an unreachable store reported by the step's own code counts as a
+/// retryable failure of the step: the instance is still leased to the runtime asking,
+/// so the result cannot be dropped as stale, and the retry policy bounds it like any
+/// other.
+///
+/// - retry: the instance keeps its context and runs again after the delay;
+/// - skip (dead letter written): the event is consumed and the instance waits for its
+///   next event at the same position;
+/// - drop (dead letters disabled): the same without a dead letter, and history records
+///   the dropped event;
+/// - fail (dead letters disabled, no event to drop): history records the discard and the
+///   instance stops with [`discard_stop_reason`];
+/// - suspend, or a skip with no event to skip: a dead letter is written and the instance
+///   is suspended.
+pub fn failed_step(
+    config: &QueueConfig,
+    row: &Instance,
+    kind: impl Into<FailureKind>,
+    processing: Option<&Signal>,
+    error: &str,
+    random: f64,
+) -> FailedStep {
+    let kind = match kind.into() {
+        FailureKind::LeaseLost | FailureKind::Unavailable => FailureKind::Action,
+        kind => kind,
+    };
+    let attempt = u32::try_from(row.attempt).unwrap_or(0);
+    let plan = plan_failure(config, attempt, kind, processing.is_some(), random);
+    let attempts = row.attempt + 1;
+    let wait_next =
+        || Outcome::Await { signal: ANY_SIGNAL.into(), context: row.context.clone(), step: None };
+    let mut step = FailedStep {
+        plan,
+        outcome: Outcome::Suspend,
+        dead_letter: false,
+        consume: None,
+        history: None,
+    };
+    match (plan, processing) {
+        (FailurePlan::Retry { delay }, _) => {
+            step.outcome = Outcome::Retry { context: row.context.clone(), delay };
+        }
+        (FailurePlan::Skip { .. }, Some(event)) => {
+            step.dead_letter = true;
+            step.consume = Some(event.id);
+            step.outcome = wait_next();
+        }
+        (FailurePlan::DropEvent { reason }, Some(event)) => {
+            let dropped = serde_json::json!({ "name": event.name, "payload": event.payload });
+            step.consume = Some(event.id);
+            step.history =
+                Some(discard_record(reason, attempts, error, &row.position, Some(&dropped)));
+            step.outcome = wait_next();
+        }
+        (FailurePlan::FailInstance { reason } | FailurePlan::DropEvent { reason }, _) => {
+            step.history = Some(discard_record(reason, attempts, error, &row.position, None));
+            step.outcome = Outcome::Stop { reason: discard_stop_reason(reason, attempts, error) };
+        }
+        // A discard cannot come from here (lost leases and outages count as retryable
+        // above); were it to, the instance waits for an operator with its dead letter.
+        (FailurePlan::Skip { .. } | FailurePlan::Suspend { .. } | FailurePlan::Discard, _) => {
+            step.dead_letter = true;
+        }
+    }
+    step
+}
+
 /// What a runtime does with a step result the store refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefusedCommit {
@@ -840,5 +931,90 @@ mod tests {
         let jitters: Vec<Jitter> =
             serde_json::from_str(r#"["none", "full", "equal", 0.25]"#).unwrap();
         assert_eq!(jitters, [Jitter::None, Jitter::Full, Jitter::Equal, Jitter::Fraction(0.25)]);
+    }
+
+    /// What the commit of a failed step carries, for each plan: the outcome, the dead
+    /// letter, the event consumed and the history entry.
+    #[test]
+    fn a_failed_step_commits_what_its_plan_says() {
+        use crate::ids::{InstanceId, MachineRef, SignalId};
+        use crate::instance::NewInstance;
+        use crate::time::Timestamp;
+        let new = NewInstance::new(MachineRef::new("order", 1), "charge")
+            .context(serde_json::json!({"n": 1}));
+        let mut row = Instance::from_new(InstanceId(7), &new, None, Timestamp(0));
+        let event = Signal {
+            id: SignalId(9),
+            target: row.id,
+            name: "PAY".into(),
+            payload: serde_json::json!({"amount": 5}),
+            dedup_key: None,
+            priority: None,
+            inserted_at: Timestamp(0),
+        };
+        let config = |on_dead_letter, enabled| {
+            let mut config = QueueConfig { on_dead_letter, ..QueueConfig::default() };
+            config.dead_letter.enabled = enabled;
+            config
+        };
+        let wait_next =
+            Outcome::Await { signal: ANY_SIGNAL.into(), context: row.context.clone(), step: None };
+        let suspend = config(OnDeadLetter::Suspend, true);
+        let skip = config(OnDeadLetter::Skip, true);
+        let disabled = config(OnDeadLetter::Suspend, false);
+
+        // Attempt 0 retries with the context it had; a lost lease reported by the step's
+        // code is a retryable failure like any other, not a stale result.
+        for kind in [FailureKind::Action, FailureKind::LeaseLost, FailureKind::Unavailable] {
+            let step = failed_step(&suspend, &row, kind, Some(&event), "boom", 0.0);
+            assert_eq!(
+                (step.outcome, step.dead_letter, step.consume, step.history),
+                (Outcome::Retry { context: row.context.clone(), delay: S(1) }, false, None, None),
+                "{kind:?}"
+            );
+        }
+        row.attempt = 2;
+        // The last attempt: suspended with a dead letter, or the event skipped.
+        let step = failed_step(&suspend, &row, FailureKind::Action, Some(&event), "boom", 0.0);
+        assert_eq!((step.outcome, step.dead_letter, step.consume), (Outcome::Suspend, true, None));
+        let step = failed_step(&skip, &row, FailureKind::Action, Some(&event), "boom", 0.0);
+        assert_eq!(
+            (step.outcome, step.dead_letter, step.consume, step.history),
+            (wait_next.clone(), true, Some(SignalId(9)), None)
+        );
+        // Nothing to skip: suspended.
+        let step = failed_step(&skip, &row, FailureKind::Action, None, "boom", 0.0);
+        assert_eq!((step.outcome, step.dead_letter, step.consume), (Outcome::Suspend, true, None));
+        // Dead letters disabled: the event is dropped and history says what it was ...
+        let step = failed_step(&disabled, &row, FailureKind::Action, Some(&event), "boom", 0.0);
+        let dropped = serde_json::json!({"name": "PAY", "payload": {"amount": 5}});
+        assert_eq!(
+            (step.outcome, step.dead_letter, step.consume, step.history),
+            (
+                wait_next,
+                false,
+                Some(SignalId(9)),
+                Some(discard_record(
+                    DeadLetterReason::Exhausted,
+                    3,
+                    "boom",
+                    "charge",
+                    Some(&dropped)
+                ))
+            )
+        );
+        // ... or, with no event, the instance fails.
+        let step = failed_step(&disabled, &row, FailureKind::NonRetryable, None, "boom", 0.0);
+        assert_eq!(
+            (step.outcome, step.dead_letter, step.consume, step.history),
+            (
+                Outcome::Stop {
+                    reason: discard_stop_reason(DeadLetterReason::NonRetryable, 3, "boom")
+                },
+                false,
+                None,
+                Some(discard_record(DeadLetterReason::NonRetryable, 3, "boom", "charge", None))
+            )
+        );
     }
 }

@@ -25,7 +25,7 @@
 use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
 use keel_core::config::{ConfigError, KeelConfig, QueueConfig};
-use keel_core::instance::{ANY_SIGNAL, Instance};
+use keel_core::instance::Instance;
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
 use keel_core::plan::claim::ClaimPolicy;
@@ -34,7 +34,7 @@ use keel_core::ports::store::{
     LeaseReleaseParams, WORKER_BEAT_INTERVAL, WorkerBeatParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::retry::{self, ErrorClass, FailureKind, FailurePlan, RefusedCommit};
+use keel_core::retry::{self, ErrorClass, FailureKind, RefusedCommit};
 use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use serde_json::json;
@@ -1387,76 +1387,20 @@ async fn failure_commit(
     let outcome = match machine.handle(&error, ctx).await {
         Ok(Some(outcome)) => outcome,
         Ok(None) => {
-            let attempt = u32::try_from(row.attempt).unwrap_or(0);
-            // The instance is still leased to this worker, so a step that reports a lost
-            // lease or an unreachable store cannot have its result discarded here: it
-            // counts as a retryable failure, bounded by the policy like any other.
-            let kind = match error.kind {
-                FailureKind::LeaseLost | FailureKind::Unavailable => FailureKind::Action,
-                kind => kind,
-            };
-            let processing_event = processing.as_ref();
-            let plan = retry::plan_failure(
+            let step = retry::failed_step(
                 config,
-                attempt,
-                kind,
-                processing_event.is_some(),
+                row,
+                error.kind,
+                processing.as_ref(),
+                &error.message,
                 fastrand::f64(),
             );
-            let attempts = row.attempt + 1;
-            match (plan, processing_event) {
-                (FailurePlan::Retry { delay }, _) => {
-                    Outcome::Retry { context: row.context.clone(), delay }
-                }
-                // Skip: drop the failed event, keep the position, take the next one.
-                (FailurePlan::Skip { .. }, Some(event)) => {
-                    failure.dead_letter = true;
-                    consume.push(event.id);
-                    Outcome::Await {
-                        signal: ANY_SIGNAL.into(),
-                        context: row.context.clone(),
-                        step: None,
-                    }
-                }
-                // Dead letters disabled: the same as a skip, but no dead letter is written;
-                // history says what was dropped.
-                (FailurePlan::DropEvent { reason }, Some(event)) => {
-                    consume.push(event.id);
-                    let dropped = json!({ "name": event.name, "payload": event.payload });
-                    ctx.record(retry::discard_record(
-                        reason,
-                        attempts,
-                        &error.message,
-                        &row.position,
-                        Some(&dropped),
-                    ));
-                    Outcome::Await {
-                        signal: ANY_SIGNAL.into(),
-                        context: row.context.clone(),
-                        step: None,
-                    }
-                }
-                // Dead letters disabled and no event to drop: the instance fails.
-                (FailurePlan::FailInstance { reason } | FailurePlan::DropEvent { reason }, _) => {
-                    ctx.record(retry::discard_record(
-                        reason,
-                        attempts,
-                        &error.message,
-                        &row.position,
-                        None,
-                    ));
-                    Outcome::Stop {
-                        reason: retry::discard_stop_reason(reason, attempts, &error.message),
-                    }
-                }
-                (
-                    FailurePlan::Skip { .. } | FailurePlan::Suspend { .. } | FailurePlan::Discard,
-                    _,
-                ) => {
-                    failure.dead_letter = true;
-                    Outcome::Suspend
-                }
+            failure.dead_letter = step.dead_letter;
+            consume.extend(step.consume);
+            if let Some(entry) = step.history {
+                ctx.record(entry);
             }
+            step.outcome
         }
         Err(handler_error) => Outcome::Stop {
             reason: format!("error handler failed: {handler_error} (while handling: {error})"),

@@ -22,9 +22,7 @@ use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::ports::Store;
 use keel_core::ports::store::{ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams};
-use keel_core::retry::{
-    FailureKind, FailurePlan, discard_record, discard_stop_reason, plan_failure,
-};
+use keel_core::retry::{FailureKind, failed_step};
 use keel_core::{StepCommit, StepFailure};
 use serde::Deserialize;
 use serde_json::json;
@@ -287,33 +285,19 @@ pub async fn fail(
         .queue_for(&row.machine.name, None)
         .map_err(|error| ApiError::bad("config", error.to_string()))?;
     let kind = if b.retryable { FailureKind::Action } else { FailureKind::NonRetryable };
-    let attempt = u32::try_from(row.attempt).unwrap_or(0);
     // A remote step reports no single event it was processing, so `skip` suspends too, and
     // with dead letters disabled the instance fails.
-    let plan = plan_failure(&config, attempt, kind, false, 0.5);
-    let attempts = row.attempt + 1;
-    let mut failure = StepFailure {
+    let step = failed_step(&config, row, kind, None, &b.error, 0.5);
+    let failure = StepFailure {
         error: b.error,
         retryable: b.retryable,
-        dead_letter: false,
+        dead_letter: step.dead_letter,
         signals: detail.inbox.iter().map(|s| s.id).collect(),
         event: None,
     };
-    let mut history = Vec::new();
-    let outcome = match plan {
-        FailurePlan::Retry { delay } => Outcome::Retry { context: row.context.clone(), delay },
-        FailurePlan::FailInstance { reason } | FailurePlan::DropEvent { reason } => {
-            history.push(discard_record(reason, attempts, &failure.error, &row.position, None));
-            Outcome::Stop { reason: discard_stop_reason(reason, attempts, &failure.error) }
-        }
-        FailurePlan::Suspend { .. } | FailurePlan::Skip { .. } | FailurePlan::Discard => {
-            failure.dead_letter = true;
-            Outcome::Suspend
-        }
-    };
-    let mut commit = StepCommit::new(id, FencingToken(b.token), outcome);
+    let mut commit = StepCommit::new(id, FencingToken(b.token), step.outcome);
     commit.failure = Some(failure);
-    commit.history = history;
+    commit.history = step.history.into_iter().collect();
     commit_one(&state, id, commit).await
 }
 
