@@ -588,6 +588,42 @@ namespaces = ["*"]
 access = "read"
 "#;
 
+/// A remote failure retries after the configured backoff with its jitter: each delay
+/// within the range, and failures at the same moment spread over it.
+#[test]
+fn remote_retries_are_jittered_within_the_backoff() {
+    let config =
+        "[queue.retry]\nmax_attempts = 5\ninitial_delay = \"10 seconds\"\njitter = \"full\"\n";
+    for (name, s) in servers("remote_retries_are_jittered_within_the_backoff", Some(config)) {
+        let ns = "/v1/namespaces/default/instances";
+        let poll = r#"{"worker":"w","namespace":"default","machines":[{"name":"flaky","version":1}],"wait_ms":2000}"#;
+        let mut delays = Vec::new();
+        for _ in 0..8 {
+            let (code, _) = s.post(ns, r#"{"machine":"flaky","at":"call"}"#);
+            assert_eq!(code, 201, "{name}");
+            let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+            assert_eq!(code, 200, "{name}: {task}");
+            let (id, token) = (task["id"].as_i64().unwrap(), task["token"].as_i64().unwrap());
+            let fail = format!(r#"{{"worker":"w","token":{token},"error":"timeout upstream"}}"#);
+            let (code, answer) = s.post(&format!("/v1/worker/tasks/{id}/fail"), &fail);
+            assert_eq!(
+                (code, answer["status"].as_str()),
+                (200, Some("runnable")),
+                "{name}: {answer}"
+            );
+            let (_, row) = s.get_json(&format!("{ns}/{id}"));
+            let row = &row["instance"];
+            assert_eq!(row["attempt"], 1, "{name}: {row}");
+            let delay = row["eligible_at"].as_i64().unwrap() - row["updated_at"].as_i64().unwrap();
+            assert!((0..=10_000).contains(&delay), "{name}: a delay of {delay} ms");
+            delays.push(delay);
+        }
+        delays.sort_unstable();
+        delays.dedup();
+        assert!(delays.len() > 1, "{name}: eight remote retries all after {delays:?} ms");
+    }
+}
+
 #[test]
 fn a_token_never_sees_or_changes_another_namespace() {
     let (a, b, ra, all) = (

@@ -286,8 +286,9 @@ pub async fn fail(
         .map_err(|error| ApiError::bad("config", error.to_string()))?;
     let kind = if b.retryable { FailureKind::Action } else { FailureKind::NonRetryable };
     // A remote step reports no single event it was processing, so `skip` suspends too, and
-    // with dead letters disabled the instance fails.
-    let step = failed_step(&config, row, kind, None, &b.error, 0.5);
+    // with dead letters disabled the instance fails. Its retry delay is jittered as an
+    // in-process one is, so remote steps failing together do not retry together.
+    let step = failed_step(&config, row, kind, None, &b.error, fastrand::f64());
     let failure = StepFailure {
         error: b.error,
         retryable: b.retryable,
