@@ -480,8 +480,6 @@ pub fn discard_stop_reason(reason: DeadLetterReason, attempts: i32, error: &str)
 /// What the commit of a failed step carries, as [`failed_step`] decides it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FailedStep {
-    /// The plan it came from.
-    pub plan: FailurePlan,
     /// The outcome to commit: a retry, a suspension, the next event at the same position,
     /// or the end of the instance.
     pub outcome: Outcome,
@@ -530,13 +528,8 @@ pub fn failed_step(
     let attempts = row.attempt + 1;
     let wait_next =
         || Outcome::Await { signal: ANY_SIGNAL.into(), context: row.context.clone(), step: None };
-    let mut step = FailedStep {
-        plan,
-        outcome: Outcome::Suspend,
-        dead_letter: false,
-        consume: None,
-        history: None,
-    };
+    let mut step =
+        FailedStep { outcome: Outcome::Suspend, dead_letter: false, consume: None, history: None };
     match (plan, processing) {
         (FailurePlan::Retry { delay }, _) => {
             step.outcome = Outcome::Retry { context: row.context.clone(), delay };
