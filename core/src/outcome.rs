@@ -12,7 +12,7 @@ use crate::history::HistoryKind;
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
-    check_batch, check_name, check_object_within, check_record_within, check_size_within,
+    Signal, check_batch, check_name, check_object_within, check_record_within, check_size_within,
     clip_error, scrub_nul,
 };
 use crate::join::{JOIN_KEY, Join};
@@ -202,6 +202,27 @@ pub struct StepFailure {
     pub signals: Vec<SignalId>,
     /// The failing event (name and payload), when there was one.
     pub event: Option<Value>,
+}
+
+impl StepFailure {
+    /// The failure of a step, before its plan decides on a dead letter: it names the one
+    /// event the step was processing (`processing`, a chart's transition), whose name and
+    /// payload it keeps, or else every signal of the `inbox` it was claimed with.
+    pub fn of_step(
+        error: impl Into<String>,
+        retryable: bool,
+        processing: Option<&Signal>,
+        inbox: &[Signal],
+    ) -> Self {
+        Self {
+            error: error.into(),
+            retryable,
+            dead_letter: false,
+            signals: processing
+                .map_or_else(|| inbox.iter().map(|s| s.id).collect(), |s| vec![s.id]),
+            event: processing.map(|s| json!({ "name": s.name, "payload": s.payload })),
+        }
+    }
 }
 
 /// One step's result, committed atomically: the outcome, the signals it consumed, the

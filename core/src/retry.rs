@@ -1009,5 +1009,13 @@ mod tests {
                 Some(discard_record(DeadLetterReason::NonRetryable, 3, "boom", "charge", None))
             )
         );
+        // The failure names the event it processed, or else the whole inbox it had.
+        let other = Signal { id: SignalId(10), ..event.clone() };
+        let inbox = [event.clone(), other];
+        let failure = crate::StepFailure::of_step("boom", true, Some(&event), &inbox);
+        assert_eq!((failure.signals, failure.event), (vec![SignalId(9)], Some(dropped)));
+        let failure = crate::StepFailure::of_step("boom", false, None, &inbox);
+        assert_eq!((failure.signals, failure.event), (vec![SignalId(9), SignalId(10)], None));
+        assert!(!failure.dead_letter && !failure.retryable);
     }
 }

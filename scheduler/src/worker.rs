@@ -37,7 +37,6 @@ use keel_core::ports::{Clock, Store};
 use keel_core::retry::{self, ErrorClass, FailureKind, RefusedCommit};
 use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
-use serde_json::json;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -1368,15 +1367,8 @@ async fn failure_commit(
     let row = &claim.instance;
     let retryable = error.class() == ErrorClass::Retryable;
     let processing = ctx.effects().processing.take();
-    let mut failure = StepFailure {
-        error: error.message.clone(),
-        retryable,
-        dead_letter: false,
-        signals: processing
-            .as_ref()
-            .map_or_else(|| claim.inbox.iter().map(|s| s.id).collect(), |s| vec![s.id]),
-        event: processing.as_ref().map(|s| json!({ "name": s.name, "payload": s.payload })),
-    };
+    let mut failure =
+        StepFailure::of_step(error.message.clone(), retryable, processing.as_ref(), &claim.inbox);
     let mut consume = Vec::new();
     // The failed step's own effects are dropped; the handler's ride the failure commit.
     {
@@ -1674,13 +1666,7 @@ async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
             tracing::error!(parent: &span, "{why}");
             // As when the handler returns an error: the instance fails.
             let claim = &origin.claim;
-            let failure = StepFailure {
-                error: message.clone(),
-                retryable: false,
-                dead_letter: false,
-                signals: claim.inbox.iter().map(|s| s.id).collect(),
-                event: None,
-            };
+            let failure = StepFailure::of_step(message.clone(), false, None, &claim.inbox);
             let reason = format!("error handler failed: {why} (while handling: {message})");
             StepCommit::new(claim.instance.id, claim.token(), Outcome::Stop { reason })
                 .failure(failure)

@@ -289,13 +289,8 @@ pub async fn fail(
     // with dead letters disabled the instance fails. Its retry delay is jittered as an
     // in-process one is, so remote steps failing together do not retry together.
     let step = failed_step(&config, row, kind, None, &b.error, fastrand::f64());
-    let failure = StepFailure {
-        error: b.error,
-        retryable: b.retryable,
-        dead_letter: step.dead_letter,
-        signals: detail.inbox.iter().map(|s| s.id).collect(),
-        event: None,
-    };
+    let mut failure = StepFailure::of_step(b.error, b.retryable, None, &detail.inbox);
+    failure.dead_letter = step.dead_letter;
     let mut commit = StepCommit::new(id, FencingToken(b.token), step.outcome);
     commit.failure = Some(failure);
     commit.history = step.history.into_iter().collect();
