@@ -75,13 +75,14 @@
 //!
 //! | URL | feature | what it is for |
 //! |---|---|---|
-//! | `sqlite://keel.db` | `sqlite` (default) | one process, durable in a file, nothing to install; several processes may share the file, but only one writes at a time and wake-ups stay inside each process |
+//! | `sqlite://keel.db` | `sqlite` (default) | one process, durable in a file, nothing to install; several processes may share the file, but only one writes at a time and wake-ups stay inside each process (a queue of hints carries them across, see below) |
 //! | `sqlite::memory:` | `sqlite` (default) | tests and demos: the real SQL store, gone with the process |
 //! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]) |
 //! | `memory://` | `testkit` | the in-memory reference store, with `Keel::testing` for a virtual clock |
 //!
-//! Queue backends (Redis, SQS) that carry "work is ready" hints between processes get a
-//! feature each here when they ship; the database stays the only source of truth.
+//! Wake-ups between processes can also travel through a queue of "work is ready" hints:
+//! Redis (feature `redis`) or Amazon SQS (feature `sqs`), given with [`Keel::with_queue`];
+//! see [`queue`]. The database stays the only source of truth.
 //!
 //! ```toml
 //! [dependencies]
@@ -179,15 +180,31 @@ pub mod layers {
     pub use keel_testkit as testkit;
 }
 
-/// Wake-up transports: a worker given a queue (`Worker::with_queue` on the layer below)
-/// publishes a hint for each instance a commit made ready and claims hinted instances by
-/// id; the store stays the only truth, so losing hints only delays work.
+/// Wake-up transports. A connection given a queue ([`Keel::with_queue`]) announces on it
+/// the instances its starts and sends make ready, and each worker made from it publishes
+/// a hint for every instance its commits make ready and claims hinted instances by id as
+/// they arrive, next to its usual polling. The store stays the only truth: a lost hint
+/// (a queue flushed or down) only delays its work until a worker's repair pass publishes
+/// it again ([`HintConfig::repair_after`]) or polling finds it.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use keel::queue::redis::{RedisQueue, RedisQueueConfig};
+/// use keel::queue::HintConfig;
+/// use std::sync::Arc;
+///
+/// let hints = RedisQueue::connect(RedisQueueConfig::new("redis://127.0.0.1:6379", "orders")).await?;
+/// let keel = keel::Keel::connect("postgres://app@db/app").await?
+///     .with_queue(Arc::new(hints), HintConfig::default())?;
+/// # Ok(()) }
+/// ```
 pub mod queue {
     pub use keel_core::ports::Queue;
     #[cfg(feature = "redis")]
     pub use keel_queue_redis as redis;
     #[cfg(feature = "sqs")]
     pub use keel_queue_sqs as sqs;
+    pub use keel_scheduler::{HintConfig, HintStats};
 }
 
 use keel_core::Timestamp;
@@ -246,6 +263,10 @@ pub enum Error {
     /// A machine cannot be registered as given.
     #[error(transparent)]
     Registration(#[from] RegistrationError),
+    /// A worker's or a queue link's settings are out of bounds ([`WorkerConfig`],
+    /// [`queue::HintConfig`]); the message names the field and the fix.
+    #[error("{0}")]
+    Settings(String),
     /// The configuration file cannot be used.
     #[error("configuration {file}: {message}")]
     Config {
@@ -294,6 +315,8 @@ pub struct Keel {
     store: AnyStore,
     clock: AnyClock,
     described: String,
+    /// The queue of hints its workers receive from, and how ([`Keel::with_queue`]).
+    hints: Option<(Arc<dyn keel_core::ports::Queue>, keel_scheduler::HintConfig)>,
 }
 
 impl Keel {
@@ -327,7 +350,26 @@ impl Keel {
 
     fn assemble(store: AnyStore, clock: AnyClock, described: String) -> Keel {
         let client = Client::new(Arc::new(store.clone()), clock.clone());
-        Keel { client, store, clock, described }
+        Keel { client, store, clock, described, hints: None }
+    }
+
+    /// The same connection with a queue of ready-work hints: its client announces on
+    /// `queue` each instance a start makes ready (a delayed start when it is due) and each
+    /// target a send wakes, and every worker made from it afterwards receives hints from
+    /// `queue` with `config` and publishes one for each instance its commits make ready.
+    /// A worker so woken claims the hinted instance at once, without waiting for its poll
+    /// or for the store's own notifications (which SQLite cannot send between
+    /// processes). Give every process of a deployment the same queue. A bad `config` is
+    /// an error naming the field.
+    pub fn with_queue(
+        mut self,
+        queue: Arc<dyn keel_core::ports::Queue>,
+        config: keel_scheduler::HintConfig,
+    ) -> Result<Keel, Error> {
+        config.validate().map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))?;
+        self.client = self.client.with_queue(Arc::clone(&queue));
+        self.hints = Some((queue, config));
+        Ok(self)
     }
 
     /// The same connection whose client applies a configuration file's priorities and
@@ -361,7 +403,11 @@ impl Keel {
 
     /// A worker on this store with `config`.
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
-        WorkerBuilder::new(self.store.clone(), self.clock.clone(), config)
+        let builder = WorkerBuilder::new(self.store.clone(), self.clock.clone(), config);
+        match &self.hints {
+            Some((queue, hints)) => builder.hints_from(Arc::clone(queue), hints.clone()),
+            None => builder,
+        }
     }
 
     /// A worker on this store configured by the file at `path`, or at `$KEEL_CONFIG` when

@@ -3,8 +3,9 @@
 
 use crate::store::AnyStore;
 use crate::{AnyClock, Error};
+use keel_core::ports::Queue;
 use keel_scheduler::worker::WorkerStats;
-use keel_scheduler::{StepMachine, Worker, WorkerConfig, WorkerHandle};
+use keel_scheduler::{HintConfig, HintStats, StepMachine, Worker, WorkerConfig, WorkerHandle};
 use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
@@ -52,6 +53,8 @@ impl std::error::Error for RegistrationError {}
 /// [`run`](Self::run) it until the process is asked to stop.
 pub struct WorkerBuilder {
     worker: Worker<AnyStore, AnyClock>,
+    /// The queue link's counters, when the worker has a queue.
+    hint_stats: Option<Arc<HintStats>>,
     /// Registered machines: name, version and the machines they delegate to.
     machines: Vec<(String, i32, Vec<String>)>,
     elsewhere: BTreeSet<String>,
@@ -61,6 +64,7 @@ impl WorkerBuilder {
     pub(crate) fn new(store: AnyStore, clock: AnyClock, config: WorkerConfig) -> Self {
         WorkerBuilder {
             worker: Worker::new(Arc::new(store), clock, config),
+            hint_stats: None,
             machines: Vec::new(),
             elsewhere: BTreeSet::new(),
         }
@@ -91,6 +95,28 @@ impl WorkerBuilder {
         Ok(self)
     }
 
+    /// Gives this worker a queue of ready-work hints (see [`crate::queue`]), in place of
+    /// the one its [`Keel`](crate::Keel) was given, if any. A bad `config` is an error
+    /// naming the field.
+    pub fn with_queue(self, queue: Arc<dyn Queue>, config: HintConfig) -> Result<Self, Error> {
+        config.validate().map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))?;
+        Ok(self.hints_from(queue, config))
+    }
+
+    /// [`with_queue`](Self::with_queue) for a `config` already checked.
+    pub(crate) fn hints_from(mut self, queue: Arc<dyn Queue>, config: HintConfig) -> Self {
+        let (worker, stats) = self.worker.with_queue(queue, config);
+        self.worker = worker;
+        self.hint_stats = Some(stats);
+        self
+    }
+
+    /// The queue link's counters (hints published, received, claimed, repaired), when the
+    /// worker has a queue; they keep counting after [`spawn`](Self::spawn).
+    pub fn hint_stats(&self) -> Option<Arc<HintStats>> {
+        self.hint_stats.clone()
+    }
+
     /// Declares that `machine` (a chart's delegated child machine) is served by another
     /// worker, so this one may start without it.
     pub fn served_elsewhere(mut self, machine: impl Into<String>) -> Self {
@@ -118,9 +144,13 @@ impl WorkerBuilder {
     }
 
     /// Starts the worker's tasks on the current tokio runtime; stop it with
-    /// [`WorkerHandle::shutdown`].
-    pub fn spawn(self) -> Result<WorkerHandle, RegistrationError> {
+    /// [`WorkerHandle::shutdown`]. Refuses, before anything runs, a delegated machine
+    /// nobody serves ([`Error::Registration`]) and a [`WorkerConfig`] out of its bounds
+    /// (a zero lease, a heartbeat not under the lease, an invalid timer sweep, schedule or
+    /// retention: [`Error::Settings`], naming the field).
+    pub fn spawn(self) -> Result<WorkerHandle, Error> {
         self.check()?;
+        self.worker.check().map_err(Error::Settings)?;
         Ok(self.worker.spawn())
     }
 

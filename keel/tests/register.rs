@@ -1,7 +1,10 @@
 //! A worker refuses, at registration, a chart that names actions nobody bound, and at
-//! start-up one that delegates to a machine nobody serves, naming every missing piece.
+//! start-up one that delegates to a machine nobody serves, naming every missing piece, and
+//! settings out of their bounds, naming the field, as errors rather than panics.
 
-use keel::{ChartMachine, Definition, Keel, RegistrationError};
+use keel::queue::HintConfig;
+use keel::{ChartMachine, Definition, Error, Keel, RegistrationError, SweepConfig, WorkerConfig};
+use std::time::Duration;
 
 fn chart() -> Definition {
     Definition::builder("claim", 2)
@@ -44,7 +47,8 @@ async fn spawn_lists_every_delegated_machine_nobody_serves() {
         .action("notify", |_, _| async { Ok(()) })
         .action("pay", |_, _| async { Ok(()) });
     let builder = keel.worker().register(machine.clone()).expect("every action is bound");
-    check(builder.spawn(), "claim v2", &["delegated machine `assessment`"]);
+    let Err(Error::Registration(error)) = builder.spawn() else { panic!("a registration error") };
+    check(Err::<(), _>(error), "claim v2", &["delegated machine `assessment`"]);
 
     // Declared as served by another worker, it starts.
     let worker = keel.worker().register(machine).unwrap().served_elsewhere("assessment");
@@ -71,4 +75,47 @@ async fn unknown_urls_say_which_ones_work() {
         error.to_string(),
         "cannot use the store URL \"mysql://root@localhost/db\": unknown scheme; use `sqlite://<file>`, `sqlite::memory:`, `postgres://…` or `memory://`"
     );
+}
+
+#[tokio::test]
+async fn worker_settings_out_of_bounds_are_errors_that_name_the_field() {
+    let keel = keel().await;
+    let d = WorkerConfig::default();
+    let cases = [
+        (WorkerConfig { lease: Duration::ZERO, ..d.clone() }, "lease: must be more than zero"),
+        (
+            WorkerConfig { heartbeat: Duration::from_secs(30), ..d.clone() },
+            "heartbeat: must be shorter than lease",
+        ),
+        (WorkerConfig { poll_interval: Duration::ZERO, ..d.clone() }, "poll_interval: must be"),
+        (WorkerConfig { claim_batch: 0, ..d.clone() }, "claim_batch: must be 1 to 1000 (got 0)"),
+        (
+            WorkerConfig { queues: vec![("default".into(), 0)], ..d.clone() },
+            "queues[0] (default): concurrency must be 1 to 10000 (got 0)",
+        ),
+        (
+            WorkerConfig { queues: vec![("a".into(), 1), ("a".into(), 2)], ..d.clone() },
+            "queues[1]: queue \"a\" is listed twice",
+        ),
+        (WorkerConfig { stats_interval: Some(Duration::ZERO), ..d.clone() }, "None turns it off"),
+        (
+            WorkerConfig { timers: Some(SweepConfig { batch: 0, ..SweepConfig::default() }), ..d },
+            "timers.batch: must be 1 to",
+        ),
+    ];
+    for (config, expected) in cases {
+        let Err(error) = keel.worker_with(config).spawn() else {
+            panic!("expected a settings error containing {expected:?}")
+        };
+        assert!(matches!(error, Error::Settings(_)), "{error}");
+        let message = error.to_string();
+        assert!(message.contains(expected), "{message:?} names {expected:?}");
+    }
+
+    let zero = HintConfig { wait: Duration::ZERO, ..HintConfig::default() };
+    let queue = std::sync::Arc::new(keel::layers::testkit::MemoryQueue::new());
+    let error = keel.clone().with_queue(queue.clone(), zero.clone()).expect_err("a zero wait");
+    assert!(error.to_string().starts_with("invalid HintConfig: wait: must be more"), "{error}");
+    let error = keel.worker().with_queue(queue, zero).err().expect("a zero wait");
+    assert!(error.to_string().contains("wait: must be more than zero"), "{error}");
 }

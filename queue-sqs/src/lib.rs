@@ -36,6 +36,10 @@
 
 pub mod testing;
 
+/// The AWS SDK this crate is built on: build the [`Client`] for [`SqsQueue::open`] from
+/// it (`aws_sdk_sqs::Client::new(&sdk_config)`) and its type is the one the queue takes.
+pub use aws_sdk_sqs;
+
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata};

@@ -58,6 +58,29 @@ pub struct HintConfig {
     pub repair_after: Option<Duration>,
 }
 
+impl HintConfig {
+    /// Checks the bounds; the message names the field and the fix.
+    pub fn validate(&self) -> Result<(), String> {
+        let max = keel_core::limits::HINT_WAIT_MAX;
+        if self.visibility.is_zero() {
+            return Err("visibility: must be more than zero; the default is 30s".to_owned());
+        }
+        // A receive that does not wait turns an idle hint loop into a busy loop.
+        if self.wait.is_zero() || self.wait > max {
+            return Err(format!(
+                "wait: must be more than zero and at most {max:?} (got {:?}); the default is 1s",
+                self.wait
+            ));
+        }
+        if self.repair_after.is_some_and(|d| d.is_zero()) {
+            return Err("repair_after: must be more than zero; None turns this worker's \
+                        repair pass off"
+                .to_owned());
+        }
+        Ok(())
+    }
+}
+
 impl Default for HintConfig {
     fn default() -> Self {
         HintConfig {
@@ -159,26 +182,16 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// # Panics
     ///
-    /// When `config.visibility`, `config.wait` or `config.repair_after` is zero, or
-    /// `config.wait` is over `HINT_WAIT_MAX`.
+    /// When [`HintConfig::validate`] refuses `config`.
     #[must_use]
     pub fn with_queue(
         mut self,
         queue: Arc<dyn Queue>,
         config: HintConfig,
     ) -> (Self, Arc<HintStats>) {
-        assert!(!config.visibility.is_zero(), "HintConfig::visibility must be positive");
-        // A receive that does not wait turns an idle hint loop into a busy loop.
-        assert!(!config.wait.is_zero(), "HintConfig::wait must be positive");
-        assert!(
-            config.repair_after.is_none_or(|d| !d.is_zero()),
-            "HintConfig::repair_after must be positive (None turns the repair pass off)"
-        );
-        assert!(
-            config.wait <= keel_core::limits::HINT_WAIT_MAX,
-            "HintConfig::wait is over HINT_WAIT_MAX ({:?})",
-            keel_core::limits::HINT_WAIT_MAX
-        );
+        if let Err(e) = config.validate() {
+            panic!("invalid HintConfig: {e}");
+        }
         let stats = Arc::new(HintStats::default());
         self.hints = Some(Arc::new(HintLink {
             queue,

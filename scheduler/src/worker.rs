@@ -204,6 +204,96 @@ impl WorkerConfig {
         }
     }
 
+    /// Checks every field against its bound; the message names the field, what it must
+    /// be and the default. [`Worker::spawn`] refuses what this refuses, and so does
+    /// [`Worker::check`], which a caller can run first to get the error instead.
+    pub fn validate(&self) -> Result<(), String> {
+        let d = WorkerConfig::default();
+        let id = &self.worker_id.0;
+        if id.is_empty() || id.len() > limits::NAME_BYTES_MAX || id.contains('\0') {
+            return Err(format!(
+                "worker_id: must be 1 to {} bytes without NUL (got {} bytes); \
+                 WorkerConfig::named(\"billing\") gives one per program and host",
+                limits::NAME_BYTES_MAX,
+                id.len()
+            ));
+        }
+        if let Some(ns) = self.namespaces.iter().find(|n| n.is_empty()) {
+            return Err(format!(
+                "namespaces: {ns:?} is not a namespace; leave the list empty to claim from any"
+            ));
+        }
+        if self.queues.is_empty() {
+            return Err(format!(
+                "queues: give at least one queue and its concurrency, e.g. {:?}",
+                d.queues
+            ));
+        }
+        let limit = keel_core::config::QueueConfig::CONCURRENCY_LIMIT as usize;
+        for (i, (queue, slots)) in self.queues.iter().enumerate() {
+            if queue.is_empty() || queue.len() > limits::NAME_BYTES_MAX {
+                return Err(format!(
+                    "queues[{i}]: the queue name must be 1 to {} bytes (got {:?})",
+                    limits::NAME_BYTES_MAX,
+                    queue
+                ));
+            }
+            if !(1..=limit).contains(slots) {
+                return Err(format!(
+                    "queues[{i}] ({queue}): concurrency must be 1 to {limit} (got {slots})"
+                ));
+            }
+            if self.queues[..i].iter().any(|(q, _)| q == queue) {
+                return Err(format!(
+                    "queues[{i}]: queue {queue:?} is listed twice; give each queue once, \
+                     with its concurrency"
+                ));
+            }
+        }
+        let counts = [
+            ("claim_batch", self.claim_batch, limits::CLAIM_BATCH_MAX, d.claim_batch),
+            ("commit_batch", self.commit_batch, limits::COMMIT_BATCH_MAX, d.commit_batch),
+            (
+                "commits_in_flight",
+                self.commits_in_flight,
+                COMMITS_IN_FLIGHT_MAX,
+                d.commits_in_flight,
+            ),
+        ];
+        for (field, value, max, default) in counts {
+            if !(1..=max).contains(&value) {
+                return Err(format!(
+                    "{field}: must be 1 to {max} (got {value}); the default is {default}"
+                ));
+            }
+        }
+        let periods = [
+            ("lease", self.lease, d.lease),
+            ("heartbeat", self.heartbeat, d.heartbeat),
+            ("poll_interval", self.poll_interval, d.poll_interval),
+            ("reap_interval", self.reap_interval, d.reap_interval),
+            ("stats_interval", self.stats_interval.unwrap_or(Duration::MAX), Duration::MAX),
+        ];
+        for (field, value, default) in periods {
+            if value.is_zero() {
+                let fix = if default == Duration::MAX {
+                    "None turns it off".to_owned()
+                } else {
+                    format!("the default is {default:?}")
+                };
+                return Err(format!("{field}: must be more than zero; {fix}"));
+            }
+        }
+        if self.heartbeat >= self.lease {
+            return Err(format!(
+                "heartbeat: must be shorter than lease, or leases run out between heartbeats \
+                 (got heartbeat {:?}, lease {:?}); a third of the lease is usual",
+                self.heartbeat, self.lease
+            ));
+        }
+        Ok(())
+    }
+
     /// The defaults, with the worker id [`worker_id_for`]`(name)`: give each worker
     /// process on one host its own `name` (for example `"billing"` and `"shipping"`), and
     /// keep it when the process restarts.
@@ -373,28 +463,33 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         Ok(())
     }
 
+    /// Everything [`spawn`](Self::spawn) checks before it starts anything: the worker's
+    /// own bounds ([`WorkerConfig::validate`]), its timer sweep ([`SweepConfig::validate`]),
+    /// the configuration file for every registered machine ([`Self::check_settings`]),
+    /// its schedules and its retention. The message names the setting and the fix.
+    pub fn check(&self) -> Result<(), String> {
+        self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
+        if let Some(timers) = &self.config.timers {
+            timers.validate().map_err(|e| format!("invalid worker timer configuration: {e}"))?;
+        }
+        self.check_settings().map_err(|e| format!("invalid configuration: {e}"))?;
+        keel_core::schedule::check_schedules(self.config.schedules.schedules())
+            .map_err(|e| format!("invalid worker schedules: {e}"))?;
+        if let Some(retention) = &self.config.retention {
+            retention.validate().map_err(|e| format!("invalid worker retention: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// Starts the worker's tasks on the current tokio runtime.
     ///
     /// # Panics
     ///
-    /// When `config.timers` is invalid ([`SweepConfig::validate`]), or `config.schedules`
-    /// is ([`keel_core::schedule::check_schedules`]).
+    /// When [`check`](Self::check) finds the configuration unusable (a zero lease, a
+    /// heartbeat not under the lease, an invalid timer sweep, schedule or retention, …).
     pub fn spawn(self) -> WorkerHandle {
-        if let Some(timers) = &self.config.timers
-            && let Err(e) = timers.validate()
-        {
-            panic!("invalid worker timer configuration: {e}");
-        }
-        if let Err(e) = self.check_settings() {
-            panic!("invalid configuration: {e}");
-        }
-        if let Err(e) = keel_core::schedule::check_schedules(self.config.schedules.schedules()) {
-            panic!("invalid worker schedules: {e}");
-        }
-        if let Some(retention) = &self.config.retention
-            && let Err(e) = retention.validate()
-        {
-            panic!("invalid worker retention: {e}");
+        if let Err(e) = self.check() {
+            panic!("{e}");
         }
         let schedules = self.config.schedules.clone();
         let pruned = Arc::new(PruneStats::default());

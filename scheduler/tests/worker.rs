@@ -320,7 +320,9 @@ async fn what_a_step_and_its_error_handler_log_names_its_instance_and_step() {
 #[tokio::test]
 async fn a_result_whose_lease_was_lost_is_discarded() {
     let h = Harness::new();
-    let config = WorkerConfig { heartbeat: Duration::from_secs(3600), ..h.config() };
+    // No heartbeat within the test's few hundred milliseconds (the lease runs on the
+    // virtual clock, the heartbeat on the runtime's).
+    let config = WorkerConfig { heartbeat: Duration::from_secs(29), ..h.config() };
     let worker = h.worker(config, Sleeps(Duration::from_millis(300), "from the slow worker"));
     let id = h.start(new()).await;
     h.wait(id, "claimed", |r| r.status == Status::Executing).await;
