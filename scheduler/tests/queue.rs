@@ -595,12 +595,13 @@ mod sqs {
         .map(Arc::new)
     }
 
-    /// `PurgeQueue` in the middle of the run (the emulator's long polls wait out their
-    /// second, so the run is 300 instances).
+    /// `PurgeQueue` in the middle of the run. The runs on the emulator are small: its calls
+    /// scan every message the queue holds, so time grows with the square of the run (300
+    /// instances took 400 s of the 600 s limit on a slower machine, 100 take a tenth).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn purging_the_queue_mid_run_loses_nothing() {
         let Some(q) = queue("purging_the_queue_mid_run_loses_nothing").await else { return };
-        let setup = Setup::no_polling(300).emulated();
+        let setup = Setup::no_polling(100).emulated();
         losing_hints_mid_run::<MemoryStore, _>(q, setup, false, async |q| {
             q.purge().await.expect("purge");
         })
@@ -610,14 +611,14 @@ mod sqs {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicate_hints_commit_nothing_twice() {
         let Some(q) = queue("duplicate_hints_commit_nothing_twice").await else { return };
-        let setup = Setup::no_polling(100).emulated();
+        let setup = Setup::no_polling(40).emulated();
         super::duplicate_hints_commit_nothing_twice::<MemoryStore, _>(q, setup).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
         let Some(q) = queue("hints_carry_the_steps").await else { return };
-        super::hints_carry_the_steps::<MemoryStore, _>(q, Setup::no_polling(100).emulated()).await;
+        super::hints_carry_the_steps::<MemoryStore, _>(q, Setup::no_polling(40).emulated()).await;
     }
 }
 
@@ -637,7 +638,7 @@ mod postgres_sqs {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
         let Some(q) = queue("hints_carry_the_steps").await else { return };
-        super::hints_carry_the_steps::<PgStore, _>(q, Setup::no_polling(100).emulated()).await;
+        super::hints_carry_the_steps::<PgStore, _>(q, Setup::no_polling(40).emulated()).await;
     }
 }
 
