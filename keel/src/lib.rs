@@ -366,7 +366,7 @@ impl Keel {
         queue: Arc<dyn keel_core::ports::Queue>,
         config: keel_scheduler::HintConfig,
     ) -> Result<Keel, Error> {
-        config.validate().map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))?;
+        worker::check_hints(&config)?;
         self.client = self.client.with_queue(Arc::clone(&queue));
         self.hints = Some((queue, config));
         Ok(self)

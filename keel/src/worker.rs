@@ -99,7 +99,7 @@ impl WorkerBuilder {
     /// the one its [`Keel`](crate::Keel) was given, if any. A bad `config` is an error
     /// naming the field.
     pub fn with_queue(self, queue: Arc<dyn Queue>, config: HintConfig) -> Result<Self, Error> {
-        config.validate().map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))?;
+        check_hints(&config)?;
         Ok(self.hints_from(queue, config))
     }
 
@@ -164,4 +164,10 @@ impl WorkerBuilder {
         tracing::info!("stop requested; shutting the worker down");
         Ok(handle.shutdown().await)
     }
+}
+
+/// `config`'s bounds, as the error [`crate::Keel::with_queue`] and
+/// [`WorkerBuilder::with_queue`] return.
+pub(crate) fn check_hints(config: &HintConfig) -> Result<(), Error> {
+    config.validate().map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))
 }

@@ -272,17 +272,14 @@ impl WorkerConfig {
             ("heartbeat", self.heartbeat, d.heartbeat),
             ("poll_interval", self.poll_interval, d.poll_interval),
             ("reap_interval", self.reap_interval, d.reap_interval),
-            ("stats_interval", self.stats_interval.unwrap_or(Duration::MAX), Duration::MAX),
         ];
         for (field, value, default) in periods {
             if value.is_zero() {
-                let fix = if default == Duration::MAX {
-                    "None turns it off".to_owned()
-                } else {
-                    format!("the default is {default:?}")
-                };
-                return Err(format!("{field}: must be more than zero; {fix}"));
+                return Err(format!("{field}: must be more than zero; the default is {default:?}"));
             }
+        }
+        if self.stats_interval.is_some_and(|every| every.is_zero()) {
+            return Err("stats_interval: must be more than zero; None turns it off".to_owned());
         }
         if self.heartbeat >= self.lease {
             return Err(format!(
