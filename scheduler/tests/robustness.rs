@@ -543,7 +543,8 @@ async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>
 /// the lane next carries them all, not the two or three the committer had room for.
 async fn results_finished_while_every_lane_is_busy_join_one_group<S: TestStore>() {
     const INSTANCES: usize = 40;
-    let (h, ids) = slow_commits::<S>(Duration::from_millis(300), INSTANCES).await;
+    const COMMIT: Duration = Duration::from_millis(600);
+    let (h, ids) = slow_commits::<S>(COMMIT, INSTANCES).await;
     let config = WorkerConfig {
         queues: vec![("default".into(), 1)],
         commits_in_flight: 1,
@@ -560,22 +561,24 @@ async fn results_finished_while_every_lane_is_busy_join_one_group<S: TestStore>(
     }
     let stats = worker.shutdown().await;
     assert_eq!(stats.committed(), INSTANCES as u64);
-    // The first result commits at once; during its 300 ms commit more steps run (up to 32
+    // The first result commits at once; during its slow commit more steps run (up to 32
     // spare leases' worth, as many as the claims bring in on a loaded machine) and hand
     // their results in, and the next group takes every one of them. One result may still
-    // be on its way to the committer when the lane frees.
+    // be on its way to the committer when the lane frees. Five or more tell the rule
+    // apart from a committer with room for two results (groups of three at most); a
+    // loaded two-core machine ran seven during a 300 ms commit.
     let groups = h.store.groups.lock().unwrap().clone();
     let first_end = h.store.commit_ends.lock().unwrap()[0];
     let ran_meanwhile =
         finished.lock().unwrap().iter().filter(|at| **at < first_end).count() - groups[0];
     assert!(
-        ran_meanwhile >= 8,
-        "only {ran_meanwhile} steps ran during the first (300 ms) commit; groups {groups:?}"
+        ran_meanwhile >= 5,
+        "only {ran_meanwhile} steps ran during the first ({COMMIT:?}) commit; groups {groups:?}"
     );
     assert!(
         groups.len() >= 2 && groups[1] + 1 >= ran_meanwhile,
-        "{ran_meanwhile} results finished during the first (300 ms) commit, and went out in \
-         groups of {groups:?}"
+        "{ran_meanwhile} results finished during the first ({COMMIT:?}) commit, and went out \
+         in groups of {groups:?}"
     );
 }
 
