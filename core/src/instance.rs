@@ -490,6 +490,11 @@ impl Signal {
     pub fn payload_as<P: serde::de::DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
         serde_json::from_value(self.payload.clone())
     }
+
+    /// The event as a dead letter and a discard record show it: `{"name", "payload"}`.
+    pub fn event_json(&self) -> Value {
+        serde_json::json!({ "name": self.name, "payload": self.payload })
+    }
 }
 
 /// Whether an instance at `position` is "in" `state`: the position is the state itself

@@ -220,7 +220,7 @@ impl StepFailure {
             dead_letter: false,
             signals: processing
                 .map_or_else(|| inbox.iter().map(|s| s.id).collect(), |s| vec![s.id]),
-            event: processing.map(|s| json!({ "name": s.name, "payload": s.payload })),
+            event: processing.map(Signal::event_json),
         }
     }
 }

@@ -540,7 +540,7 @@ pub fn failed_step(
             step.outcome = wait_next();
         }
         (FailurePlan::DropEvent { reason }, Some(event)) => {
-            let dropped = serde_json::json!({ "name": event.name, "payload": event.payload });
+            let dropped = event.event_json();
             step.consume = Some(event.id);
             step.history =
                 Some(discard_record(reason, attempts, error, &row.position, Some(&dropped)));
