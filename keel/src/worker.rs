@@ -150,8 +150,7 @@ impl WorkerBuilder {
     /// retention: [`Error::Settings`], naming the field).
     pub fn spawn(self) -> Result<WorkerHandle, Error> {
         self.check()?;
-        self.worker.check().map_err(Error::Settings)?;
-        Ok(self.worker.spawn())
+        self.worker.try_spawn().map_err(Error::Settings)
     }
 
     /// Runs the worker until the process gets Ctrl-C (SIGINT) or SIGTERM, then shuts it

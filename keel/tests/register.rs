@@ -99,6 +99,10 @@ async fn worker_settings_out_of_bounds_are_errors_that_name_the_field() {
         ),
         (WorkerConfig { stats_interval: Some(Duration::ZERO), ..d.clone() }, "None turns it off"),
         (
+            WorkerConfig { worker_id: keel::layers::core::WorkerId(String::new()), ..d.clone() },
+            "worker_id: must not be empty; WorkerConfig::named",
+        ),
+        (
             WorkerConfig { timers: Some(SweepConfig { batch: 0, ..SweepConfig::default() }), ..d },
             "timers.batch: must be 1 to",
         ),

@@ -25,7 +25,7 @@
 use crate::health::{HealthBook, WorkerHealth, WorkerLoop};
 use crate::machine::{StepContext, StepError, StepMachine};
 use keel_core::config::{ConfigError, KeelConfig, QueueConfig};
-use keel_core::instance::Instance;
+use keel_core::instance::{Instance, check_name};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
 use keel_core::plan::claim::ClaimPolicy;
@@ -205,23 +205,18 @@ impl WorkerConfig {
     }
 
     /// Checks every field against its bound; the message names the field, what it must
-    /// be and the default. [`Worker::spawn`] refuses what this refuses, and so does
-    /// [`Worker::check`], which a caller can run first to get the error instead.
+    /// be and the default. [`Worker::spawn`] panics on what this refuses, and
+    /// [`Worker::try_spawn`] returns it as an error. Names go through the stores' own
+    /// name rule ([`check_name`]).
     pub fn validate(&self) -> Result<(), String> {
         let d = WorkerConfig::default();
-        let id = &self.worker_id.0;
-        if id.is_empty() || id.len() > limits::NAME_BYTES_MAX || id.contains('\0') {
-            return Err(format!(
-                "worker_id: must be 1 to {} bytes without NUL (got {} bytes); \
-                 WorkerConfig::named(\"billing\") gives one per program and host",
-                limits::NAME_BYTES_MAX,
-                id.len()
-            ));
-        }
-        if let Some(ns) = self.namespaces.iter().find(|n| n.is_empty()) {
-            return Err(format!(
-                "namespaces: {ns:?} is not a namespace; leave the list empty to claim from any"
-            ));
+        let name = |field: &str, value: &str| check_name(field, value).map_err(|e| e.message);
+        name("worker_id", &self.worker_id.0).map_err(|e| {
+            format!("{e}; WorkerConfig::named(\"billing\") gives one per program and host")
+        })?;
+        for (i, ns) in self.namespaces.iter().enumerate() {
+            name(&format!("namespaces[{i}]"), ns)
+                .map_err(|e| format!("{e}; leave the list empty to claim from any namespace"))?;
         }
         if self.queues.is_empty() {
             return Err(format!(
@@ -231,13 +226,7 @@ impl WorkerConfig {
         }
         let limit = keel_core::config::QueueConfig::CONCURRENCY_LIMIT as usize;
         for (i, (queue, slots)) in self.queues.iter().enumerate() {
-            if queue.is_empty() || queue.len() > limits::NAME_BYTES_MAX {
-                return Err(format!(
-                    "queues[{i}]: the queue name must be 1 to {} bytes (got {:?})",
-                    limits::NAME_BYTES_MAX,
-                    queue
-                ));
-            }
+            name(&format!("queues[{i}]"), queue)?;
             if !(1..=limit).contains(slots) {
                 return Err(format!(
                     "queues[{i}] ({queue}): concurrency must be 1 to {limit} (got {slots})"
@@ -485,9 +474,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// When [`check`](Self::check) finds the configuration unusable (a zero lease, a
     /// heartbeat not under the lease, an invalid timer sweep, schedule or retention, …).
     pub fn spawn(self) -> WorkerHandle {
-        if let Err(e) = self.check() {
-            panic!("{e}");
-        }
+        self.try_spawn().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`spawn`](Self::spawn), returning what [`check`](Self::check) refuses instead of
+    /// panicking on it.
+    pub fn try_spawn(self) -> Result<WorkerHandle, String> {
+        self.check()?;
         let schedules = self.config.schedules.clone();
         let pruned = Arc::new(PruneStats::default());
         let pruner = self.config.retention.clone().map(|config| {
@@ -538,7 +531,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             hints: self.hints,
         });
         let join = tokio::spawn(run(inner, shutdown_rx, pruner));
-        WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned }
+        Ok(WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned })
     }
 }
 
