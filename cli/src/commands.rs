@@ -35,6 +35,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         let keel = crate::health::connect(&cli).await?;
         return crate::health::run(&keel, &cli).await;
     }
+    if let Command::Serve { listen, tokens, definitions } = &cli.command {
+        // The flags and files are checked before the store is opened.
+        crate::serve::run(&cli, *listen, tokens.as_deref(), definitions.as_deref()).await?;
+        return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
+    }
     let mut keel = connect(&cli, migrate).await?;
     if matches!(cli.command, Command::Start(_) | Command::Send { .. }) {
         // What the caller leaves unset takes the file's priority and queue.
@@ -43,10 +48,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         }
     }
     let ns = cli.namespace.as_str();
-    if let Command::Serve { listen, tokens, definitions } = &cli.command {
-        crate::serve::run(&cli, keel, *listen, tokens.as_deref(), definitions.as_deref()).await?;
-        return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
-    }
     match cli.command {
         Command::Status { machine } => status(&keel, ns, machine.as_deref()).await,
         Command::Pause { queue } => pause(&keel, ns, &queue, true).await,
@@ -86,13 +87,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     }
 }
 
-/// Opens the store. Only `migrate` creates or changes PostgreSQL tables; the other
-/// commands leave a schema as they find it (SQLite files are always brought up to date).
+/// Opens the store. Only `migrate` creates a database or changes PostgreSQL tables: the
+/// other commands leave a schema as they find it (an existing SQLite file is always
+/// brought up to date) and refuse a SQLite file that does not exist, so a mistyped path
+/// is an error rather than a new, empty database.
 pub async fn connect(cli: &Cli, migrate: bool) -> anyhow::Result<Keel> {
-    let options = ConnectOptions::default().schema(&cli.schema).migrate(migrate);
+    let options = ConnectOptions::default().schema(&cli.schema).migrate(migrate).create(migrate);
     Keel::connect_with(&cli.database_url, options)
         .await
-        .context("connect with --database-url or KEEL_DATABASE_URL (run `keel migrate` first on a new PostgreSQL database)")
+        .context("connect with --database-url or KEEL_DATABASE_URL (run `keel migrate` first on a new database)")
 }
 
 /// The wall clock in the store's unit.

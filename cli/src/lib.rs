@@ -35,7 +35,9 @@ pub struct Cli {
     #[arg(long, short = 'n', env = "KEEL_NAMESPACE", default_value = "default", global = true)]
     pub namespace: String,
 
-    /// The configuration file (TOML): `alerts` for `health`, everything for `config show`.
+    /// The configuration file (TOML): `alerts` for `health` and `serve`'s `/health`, the
+    /// queue and priority defaults of `start` and `send`, the schedules of `schedules` and
+    /// `serve`, everything for `config show`.
     #[arg(long, env = "KEEL_CONFIG", global = true)]
     pub config: Option<PathBuf>,
 

@@ -425,3 +425,43 @@ fn schedules_pause_and_resume_for_every_worker_and_list_the_stored_state() {
         assert!(err.contains("--config"), "{err}");
     }
 }
+
+#[test]
+fn a_sqlite_file_that_does_not_exist_is_an_error_until_migrate_creates_it() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("keel-demo.db");
+    let url = format!("sqlite://{}", path.display());
+    let keel = |args: &[&str]| {
+        let mut cmd = Command::cargo_bin("keel").expect("the keel binary is built");
+        cmd.env_remove("KEEL_CONFIG").env_remove("KEEL_NAMESPACE").env("KEEL_DATABASE_URL", &url);
+        let out = cmd.args(args).output().expect("keel runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stdout, stderr)
+    };
+    // Reading commands and writing ones alike: a mistyped path must not become a new,
+    // empty database that answers with nothing.
+    for args in [
+        &["status"][..],
+        &["list", "order"],
+        &["start", "order"],
+        &["serve", "--listen", "127.0.0.1:0"],
+    ] {
+        let (code, _, stderr) = keel(args);
+        assert_eq!(code, Some(1), "keel {args:?}: {stderr}");
+        assert!(stderr.contains("there is no SQLite file"), "keel {args:?}: {stderr}");
+        assert!(stderr.contains(&path.display().to_string()), "names the path: {stderr}");
+        assert!(stderr.contains("keel migrate"), "says how to create it: {stderr}");
+        assert!(!path.exists(), "keel {args:?} created the file");
+    }
+    // A health probe reads a missing database as an outage.
+    let (code, _, _) = keel(&["health"]);
+    assert_eq!(code, Some(2));
+    assert!(!path.exists(), "keel health created the file");
+
+    let (code, stdout, stderr) = keel(&["migrate"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("up to date"), "{stdout}");
+    let (code, _, stderr) = keel(&["status"]);
+    assert_eq!(code, Some(0), "once created, the file opens: {stderr}");
+}

@@ -9,11 +9,12 @@ pub struct ConnectOptions {
     pub(crate) schema: String,
     pub(crate) pool_size: usize,
     pub(crate) migrate: bool,
+    pub(crate) create: bool,
 }
 
 impl Default for ConnectOptions {
     fn default() -> Self {
-        ConnectOptions { schema: "keel".to_owned(), pool_size: 16, migrate: true }
+        ConnectOptions { schema: "keel".to_owned(), pool_size: 16, migrate: true, create: true }
     }
 }
 
@@ -35,6 +36,15 @@ impl ConnectOptions {
     /// files are always migrated when opened.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
+        self
+    }
+
+    /// Whether a `sqlite://` URL naming a file that does not exist creates it (default
+    /// `true`). With `false` a missing file is an error that names the path, so a tool
+    /// that only reads and operates (the `keel` command) never turns a mistyped path into
+    /// a new, empty database. Ignored by the other stores.
+    pub fn create(mut self, create: bool) -> Self {
+        self.create = create;
         self
     }
 }
@@ -73,11 +83,25 @@ pub(crate) fn parse(url: &str) -> Result<Target, Error> {
     ))
 }
 
+/// The refusal of a missing SQLite file when [`ConnectOptions::create`] is off.
+fn missing_file(path: &str) -> String {
+    let place =
+        std::env::current_dir().map(|dir| format!(" (in {})", dir.display())).unwrap_or_default();
+    format!(
+        "there is no SQLite file `{path}`{place}; name an existing file, or create the database first"
+    )
+}
+
 /// Opens the store `url` names.
 pub(crate) async fn open(url: &str, options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
     match parse(url)? {
         Target::SqliteMemory => sqlite_memory(url).await,
-        Target::SqliteFile(path) => sqlite_file(url, &path).await,
+        Target::SqliteFile(path) => {
+            if !options.create && !std::path::Path::new(&path).exists() {
+                return Err(Error::url(url, &missing_file(&path)));
+            }
+            sqlite_file(url, &path).await
+        }
         Target::Postgres(pg) => postgres(&pg, options).await,
         Target::Memory => memory(url),
     }
@@ -177,6 +201,25 @@ mod tests {
         check("memory://", Ok(Target::Memory));
         check("sqlite://", Err("names no file"));
         check("mysql://u@h/db", Err("unknown scheme; use `sqlite://<file>`"));
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn without_create_a_missing_sqlite_file_is_an_error_and_stays_missing() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let path = dir.path().join("typo.db");
+        let url = format!("sqlite://{}", path.display());
+        let options = crate::ConnectOptions::default().create(false);
+        let Err(e) = crate::Keel::connect_with(&url, options.clone()).await else {
+            panic!("a missing file opened without create");
+        };
+        let message = e.to_string();
+        assert!(message.contains("there is no SQLite file"), "{message}");
+        assert!(message.contains(&path.display().to_string()), "names the path: {message}");
+        assert!(!path.exists(), "nothing was created");
+        // Once the file exists (made by an open that may create), the same options open it.
+        drop(crate::Keel::connect(&url).await.expect("an open that creates"));
+        crate::Keel::connect_with(&url, options).await.expect("an existing file opens");
     }
 
     #[cfg(feature = "postgres")]

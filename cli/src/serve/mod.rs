@@ -103,10 +103,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Runs the server until Ctrl-C or SIGTERM.
+/// Checks the flags and files, opens the store and runs the server until Ctrl-C or
+/// SIGTERM.
 pub async fn run(
     cli: &Cli,
-    keel: Keel,
     listen: SocketAddr,
     tokens: Option<&std::path::Path>,
     definitions: Option<&std::path::Path>,
@@ -122,7 +122,7 @@ pub async fn run(
     // Checked now, so a bad schedule is a start-up error rather than a 500 later.
     config.schedules().context("--config: [schedules]")?;
     // Starts and sends without a priority or queue of their own take the file's.
-    let keel = keel.with_settings(config.clone());
+    let keel = crate::commands::connect(cli, false).await?.with_settings(config.clone());
     let metrics = keel::prometheus::install()?;
     let open = tokens.is_none();
     let state = Arc::new(AppState {
