@@ -1,5 +1,5 @@
 //! Which store an example runs on: PostgreSQL when `KEEL_DATABASE_URL` is set (schema
-//! `KEEL_DATABASE_SCHEMA`, default `keel_demo`), the in-memory store with `--memory`, and
+//! `KEEL_SCHEMA`, default `keel_demo`), the in-memory store with `--memory`, and
 //! otherwise SQLite in `./keel-demo.db` (override the path with `KEEL_DEMO_DB`) — durable,
 //! embedded, nothing to install. Kill an example half-way and run it again: it resumes
 //! from the file. `--help` prints the usage; any other argument is refused by name, so a
@@ -13,7 +13,7 @@ use keel::{ConnectOptions, Keel};
 #[command(
     about = "A Keel example. With no argument it keeps its state in ./keel-demo.db (SQLite; \
              KEEL_DEMO_DB names another file), or on PostgreSQL when KEEL_DATABASE_URL is set \
-             (schema KEEL_DATABASE_SCHEMA, default keel_demo)."
+             (schema KEEL_SCHEMA, default keel_demo)."
 )]
 pub struct Args {
     /// Run on the in-memory store: nothing survives the process.
@@ -31,8 +31,7 @@ pub async fn connect() -> Result<(Keel, String), keel::Error> {
         return Ok((keel, "in-memory (--memory: nothing survives the process)".to_owned()));
     }
     if let Some(url) = std::env::var("KEEL_DATABASE_URL").ok().filter(|u| !u.is_empty()) {
-        let schema =
-            std::env::var("KEEL_DATABASE_SCHEMA").unwrap_or_else(|_| "keel_demo".to_owned());
+        let schema = std::env::var("KEEL_SCHEMA").unwrap_or_else(|_| "keel_demo".to_owned());
         let keel = Keel::connect_with(&url, ConnectOptions::default().schema(schema)).await?;
         let described = format!("{} (drop the schema to start over)", keel.describe());
         return Ok((keel, described));

@@ -1,5 +1,5 @@
-//! A step machine on Keel: an order workflow written as durable steps, run by a Keel worker on the
-//! embedded in-memory store — nothing to install.
+//! A step machine on Keel: an order workflow written as durable steps, run by a Keel worker on
+//! SQLite in `./keel-demo.db` (nothing to install; `--memory` runs it on the in-memory store).
 //!
 //! It shows, in order: starting instances in one batch (with a uniqueness key), a step
 //! that parks on a signal (`Await`), signals delivered from outside (one twice, deduped),
@@ -16,13 +16,14 @@ use std::time::Duration;
 
 const ORDERS: usize = 20;
 
-/// The `order` machine: reserve → await payment → ship (fan out parcels) → complete.
+/// The `order_steps` machine (named apart from the `order` chart of `cargo run --example order`,
+/// which shares the demo's file): reserve → await payment → ship (fan out parcels) → complete.
 struct Order;
 
 #[async_trait]
 impl StepMachine for Order {
     fn machine(&self) -> MachineRef {
-        MachineRef::new("order", 1)
+        MachineRef::new("order_steps", 1)
     }
 
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
@@ -108,7 +109,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 1. Start orders in one batch. The unique key makes a second start of order:0 a no-op.
     let mut batch: Vec<NewInstance> = (0..ORDERS)
         .map(|n| {
-            NewInstance::new(MachineRef::new("order", 1), "reserve")
+            NewInstance::new(MachineRef::new("order_steps", 1), "reserve")
                 .business_key(format!("order:{n}"))
                 .unique(format!("order:{n}"), StatusSet::ALL)
                 .context(json!({ "n": n }))
