@@ -103,7 +103,7 @@
 //! Contexts and payloads are JSON in the store; code can stay typed at both ends.
 //! Start with [`NewInstance::context_of`] or [`ChartMachine::new_instance_of`], send with
 //! [`NewSignal::payload_of`]; read with [`StepContext::context_as`],
-//! `Signal::payload_as`, [`Event::payload_as`] and, in chart actions and guards,
+//! [`Signal::payload_as`], [`Event::payload_as`] and, in chart actions and guards,
 //! `ctx.get_as` / `ctx.set_from` and `ChartBuilder::guard_typed`; answer with
 //! [`Outcome::next_with`], [`Outcome::await_with`] or [`Outcome::done_with`]; read the
 //! result with [`Ended::result_as`]. A serde error inside a step is a retryable
@@ -149,7 +149,7 @@ pub use async_trait::async_trait;
 pub use serde_json::{Value, json};
 
 pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
-pub use keel_core::instance::{NewInstance, NewSignal, SignalTarget};
+pub use keel_core::instance::{NewInstance, NewSignal, Signal, SignalTarget};
 pub use keel_core::join::Join;
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
 pub use keel_core::schedule::{
@@ -185,7 +185,7 @@ pub mod layers {
 /// a hint for every instance its commits make ready and claims hinted instances by id as
 /// they arrive, next to its usual polling. The store stays the only truth: a lost hint
 /// (a queue flushed or down) only delays its work until a worker's repair pass publishes
-/// it again ([`HintConfig::repair_after`]) or polling finds it.
+/// it again ([`queue::HintConfig::repair_after`]) or polling finds it.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

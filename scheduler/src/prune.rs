@@ -4,7 +4,7 @@
 //! in step) makes the passes [`RetentionConfig::passes`] lists: pages of
 //! `Store::instance_prune`, each one short transaction over at most `retention.batch`
 //! rows, with `retention.pause` between pages and at most
-//! [`PAGES_PER_PASS_MAX`](keel_core::retention::PAGES_PER_PASS_MAX) pages per pass. Then
+//! [`PAGES_PER_PASS_MAX`] pages per pass. Then
 //! it trims every instance's history to its newest `history_per_instance` entries
 //! ([`RetentionConfig::trim_passes`]: pages of `Store::history_trim`, each deleting at
 //! most `retention.batch` rows, under the same pause and page bound), and purges the dead

@@ -1253,9 +1253,6 @@ pub(crate) async fn timer_next_due(
     .transpose()
 }
 
-/// Fires due timers in (due time, id) order through the core's `timers::fire`, as
-/// `MemoryStore` does; timers of missing or terminal instances are deleted silently.
-/// Records the sweep time per (namespace or `*`, machine or `*`).
 /// One page of a retime: the machine version's timers after the cursor in id order, the
 /// core's plan, and per moved timer its write and history entry. Returns the page and the
 /// earliest new due time.
@@ -1303,6 +1300,9 @@ const SWEEP_PICK_SQL: &str = concat!(
      ORDER BY next_fire_at, id LIMIT +?"
 );
 
+/// Fires due timers in (due time, id) order as the core's sweep plan says
+/// (`plan::timer::sweep`); timers of missing or terminal instances are deleted silently.
+/// Records the sweep time per (namespace or `*`, machine or `*`).
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,

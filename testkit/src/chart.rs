@@ -1,6 +1,6 @@
 //! `TestMachine`: run a chart in memory with inline actions, and assert on it.
 //!
-//! No store, no queue, no clock: each `send` drives one [`Macrostep`] to completion, running
+//! No store, no queue, no clock: each `send` drives one [`Macrostep`](keel_core::chart::Macrostep) to completion, running
 //! the registered actions (async closures are awaited on a private current-thread tokio
 //! runtime, so call it from a plain `#[test]`, not from inside `#[tokio::test]`). Actions
 //! that are not registered do nothing, so a definition can be explored before its actions

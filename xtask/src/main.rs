@@ -3,13 +3,18 @@
 //! - `test`: the workspace tests with every backend this machine can reach; prints which
 //!   backend suites ran and which were skipped.
 //! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
-//!   (deny warnings), tidy, and the tests with `KEEL_REQUIRE_BACKENDS=1`; with `--chaos`
-//!   (or `KEEL_CI_CHAOS=1`) also a short chaos run on SQLite and PostgreSQL.
+//!   (deny warnings), tidy, rustdoc (deny warnings), the tests with `KEEL_REQUIRE_BACKENDS=1`, the `steps`,
+//!   `order` and `ticket` examples on fresh SQLite files, `sim_transfer` on 300 seeds and
+//!   a minute of fuzzing of the chart loaders; with `--chaos` (or `KEEL_CI_CHAOS=1`) also
+//!   a short chaos run on SQLite and PostgreSQL.
 //! - `tidy`: the project's checkable style and architecture rules (also a `#[test]`).
 //! - `chaos`: faults against real databases (worker kills, server crashes and an outage,
 //!   cut commits, a stepped clock) and a checker; see `chaos.rs`.
 //! - `json-schema`: rewrites `docs/chart-definition.schema.json` from the chart JSON types
 //!   (a `#[test]` fails while the committed file is stale).
+//! - `bench`: the benchmarks in release mode (`keel-bench`; its `--help` lists every
+//!   option), and `store` for the PostgreSQL store's claim and commit micro-benchmark.
+//! - `migrate`: applies the PostgreSQL migrations to a database.
 
 mod chaos;
 mod chaos_pg;
@@ -24,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S]|bench [steps|chart|timers|parallel|start|http|ui|prune|fairness|store] [--store memory|sqlite|postgres]|migrate --database-url URL [--schema NAME]>";
+const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S] [--instances N]|bench [steps|chart|timers|parallel|start|http|ui|prune|fairness|store] [--store memory|sqlite|postgres] [--queue redis|sqs] [more: cargo xtask bench --help]|migrate --database-url URL [--schema NAME]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -178,6 +183,11 @@ fn ci(root: &Path, chaos: bool) -> Result<()> {
     run("cargo clippy -D warnings", clippy)?;
     eprintln!("==> tidy");
     tidy::report(&tidy::check(root)?)?;
+    // The API docs are what `cargo doc -p keel --open` shows a user: no broken links.
+    let mut doc = cargo(root);
+    doc.args(["doc", "--workspace", "--no-deps", "--all-features", "--lib"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run("cargo doc -D warnings", doc)?;
     test(root, true)?;
     // The examples are the first thing a new user runs: they must run, not just compile.
     // On SQLite, as a new user runs them, each in a fresh file.

@@ -49,8 +49,10 @@
 //! - **One bound**, [`Limits::max_transition_depth`], counts the eventless microsteps and
 //!   internal events after the external event, so runaway `@always` chains and raise loops
 //!   both end in [`MacrostepError::MaxTransitionDepthExceeded`].
-//! - **Not yet**: history states, multiple targets per transition, `donedata`, and
-//!   definitions loaded from SCXML.
+//! - **History states** (shallow and deep), **several targets per transition** (one per
+//!   parallel region) and, with the `scxml` feature, **definitions loaded from SCXML**
+//!   (its structural subset) are supported; `donedata` is not (a final state hands its
+//!   parent nothing but the context).
 
 mod algorithm;
 mod configuration;
