@@ -270,7 +270,7 @@ fn bad_input_gets_400_naming_the_field_and_stores_nothing() {
             (events, format!(r#"{{"instance":{id},"event":""}}"#), 400, "name"),
             (events, format!(r#"{{"instance":{id},"event":"X","colour":1}}"#), 400, "colour"),
             (events, r#"{"event":"X"}"#.into(), 400, "instance"),
-            (events, r#"{"instance":-3,"event":"X"}"#.into(), 400, "id"),
+            (events, r#"{"instance":-3,"event":"X"}"#.into(), 400, "instance"),
             (events, r#"{"instance":999999,"event":"X"}"#.into(), 404, ""),
             (events, r#"{"machine":"nobody","key":"K","event":"X"}"#.into(), 404, ""),
             (instances, r#"{"machine":"ticket","context":[1]}"#.into(), 400, "context"),
@@ -485,6 +485,18 @@ fn a_python_worker_runs_steps_over_the_worker_protocol() {
             (
                 r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":"1"}]}"#,
                 "machines[0].version",
+            ),
+            (
+                r#"{"worker":"","namespace":"default","machines":[{"name":"greeter","version":1}]}"#,
+                "worker",
+            ),
+            (
+                r#"{"worker":"w","namespace":"","machines":[{"name":"greeter","version":1}]}"#,
+                "namespace",
+            ),
+            (
+                r#"{"worker":"w","namespace":"default","machines":[{"name":"","version":1}]}"#,
+                "machines[0].name",
             ),
         ] {
             let (code, answer) = s.post("/v1/worker/tasks/poll", body);
@@ -980,5 +992,67 @@ fn history_pages_over_http_with_a_cursor_and_404_for_another_namespace() {
         assert_eq!(code, 404, "{name}: another namespace's instance is not found");
         let (code, _) = s.get_json(&format!("{ns}/999999/history"));
         assert_eq!(code, 404, "{name}");
+    }
+}
+
+/// A remote step that ends a wait consumes the awaited signals it was handed, and no
+/// others: an event delivered while the step ran stays pending for the next step.
+#[test]
+fn a_remote_step_consumes_only_the_signals_its_task_carried() {
+    for (name, s) in servers("a_remote_step_consumes_only_seen_signals", None) {
+        let ns = "/v1/namespaces/default";
+        let poll = r#"{"worker":"w","namespace":"default","machines":[{"name":"payer","version":1}],"wait_ms":5000}"#;
+        let (code, started) =
+            s.post(&format!("{ns}/instances"), r#"{"machine":"payer","at":"bill"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let complete = |token: i64, rest: &str| {
+            s.post(
+                &format!("/v1/worker/tasks/{id}/complete"),
+                &format!(r#"{{"worker":"w","token":{token},{rest}}}"#),
+            )
+        };
+        // The first step parks on `payment`.
+        let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 200, "{name}: {task}");
+        let (code, answer) = complete(
+            task["token"].as_i64().unwrap(),
+            r#""outcome":{"type":"await","signal":"payment","context":{}}"#,
+        );
+        assert_eq!(code, 200, "{name}: {answer}");
+        let send = |n: i64| {
+            let (code, sent) = s.post(
+                &format!("{ns}/events"),
+                &format!(r#"{{"instance":{id},"event":"payment","payload":{n}}}"#),
+            );
+            assert_eq!(code, 202, "{name}: {sent}");
+            sent["signal"].as_i64().unwrap()
+        };
+        let first = send(1);
+        let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 200, "{name}: {task}");
+        let token = task["token"].as_i64().unwrap();
+        let handed: Vec<i64> =
+            task["inbox"].as_array().unwrap().iter().map(|s| s["id"].as_i64().unwrap()).collect();
+        assert_eq!(handed, [first], "{name}: {task}");
+        // A second payment arrives while the remote step runs.
+        let second = send(2);
+
+        // Without `seen` the commit cannot tell what the step saw: refused, nothing stored.
+        let next = r#""outcome":{"type":"next","step":"ship","context":{}}"#;
+        let (code, answer) = complete(token, next);
+        assert_eq!((code, answer["field"].as_str()), (400, Some("seen")), "{name}: {answer}");
+        let (_, row) = s.get_json(&format!("{ns}/instances/{id}"));
+        assert_eq!(row["instance"]["status"], "executing", "{name}: {row}");
+
+        let (code, answer) = complete(token, &format!(r#"{next},"seen":[{first}]"#));
+        assert_eq!(code, 200, "{name}: {answer}");
+        let (_, row) = s.get_json(&format!("{ns}/instances/{id}"));
+        let pending: Vec<i64> =
+            row["inbox"].as_array().unwrap().iter().map(|s| s["id"].as_i64().unwrap()).collect();
+        assert_eq!(pending, [second], "{name}: the unseen payment stays pending: {row}");
+        let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!((code, task["step"].as_str()), (200, Some("ship")), "{name}: {task}");
+        assert_eq!(task["inbox"][0]["id"].as_i64(), Some(second), "{name}: {task}");
     }
 }

@@ -69,14 +69,20 @@ pub const INBOX_DRAINED: &str = HistoryKind::InboxDrained.as_str();
 /// instance awaited (`awaits`; every one for `*`) — none when the step parks again or the
 /// instance awaited nothing. The in-process worker and remote workers both commit this.
 pub fn consumed_by(outcome: &Outcome, awaits: Option<&str>, inbox: &[Signal]) -> Vec<SignalId> {
-    match (outcome, awaits) {
-        (Outcome::Await { .. }, _) | (_, None) => Vec::new(),
-        (_, Some(awaits)) => inbox
+    match awaits {
+        Some(awaits) if consumes(outcome, Some(awaits)) => inbox
             .iter()
             .filter(|s| awaits == crate::instance::ANY_SIGNAL || s.name == awaits)
             .map(|s| s.id)
             .collect(),
+        _ => Vec::new(),
     }
+}
+
+/// Whether committing `outcome` consumes signals at all: the instance awaited one and the
+/// step does not park again. A remote worker must then say which signals it was handed.
+pub fn consumes(outcome: &Outcome, awaits: Option<&str>) -> bool {
+    awaits.is_some() && !matches!(outcome, Outcome::Await { .. })
 }
 
 /// Whether a delivery to `row` is stored: only a non-terminal instance's inbox is open.

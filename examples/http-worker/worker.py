@@ -90,8 +90,10 @@ def main():
                     break
         outcome, error = step(task)
         if outcome is not None:
+            # `seen`: the signals the step was handed; only those can be consumed.
+            seen = [signal["id"] for signal in task["inbox"]]
             status, answer = call(args.base, "/v1/worker/tasks/%d/complete" % task["id"],
-                                  dict(ident, outcome=outcome))
+                                  dict(ident, outcome=outcome, seen=seen))
         else:
             status, answer = call(args.base, "/v1/worker/tasks/%d/fail" % task["id"],
                                   dict(ident, error=error, retryable=False))

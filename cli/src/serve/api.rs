@@ -166,7 +166,12 @@ pub struct EventBody {
 async fn target(state: &AppState, ns: &str, b: &EventBody) -> Result<InstanceId, ApiError> {
     match (b.instance, &b.machine, &b.key) {
         (Some(raw), None, None) => {
-            let id = parse_id(&raw.to_string())?;
+            let id = Some(raw).filter(|n| *n > 0).map(InstanceId).ok_or_else(|| {
+                ApiError::bad(
+                    "instance",
+                    format!("{raw} is not an instance id; give a positive number such as 42"),
+                )
+            })?;
             instance_in(state, ns, id).await?;
             Ok(id)
         }

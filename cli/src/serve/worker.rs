@@ -21,7 +21,9 @@ use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::ports::Store;
-use keel_core::ports::store::{ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams};
+use keel_core::ports::store::{
+    ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams, WORKER_MACHINES_MAX,
+};
 use keel_core::retry::{FailureKind, failed_step};
 use keel_core::{StepCommit, StepFailure};
 use serde::Deserialize;
@@ -39,6 +41,8 @@ const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// Shortest and longest lease a worker may ask for.
 const LEASE_MIN: Duration = Duration::from_millis(100);
 const LEASE_MAX: Duration = Duration::from_secs(3600);
+/// The longest worker id a poll takes: the registry's name limit less ` (HTTP)`.
+const WORKER_ID_BYTES_MAX: usize = keel_core::limits::NAME_BYTES_MAX - " (HTTP)".len();
 /// Expired leases returned to runnable per poll.
 const REAP_BATCH: usize = 100;
 
@@ -98,6 +102,31 @@ pub async fn poll(
             "machines",
             "machines: name at least one {\"name\", \"version\"} the worker serves",
         ));
+    }
+    // What the worker registry takes, checked here so a poll it would refuse is a 400
+    // and not a worker missing from `keel workers`.
+    let named = |field: String, value: &str| {
+        keel_core::instance::check_name(&field, value).map_err(|e| ApiError::bad(&field, e.message))
+    };
+    named("worker".to_owned(), &b.worker)?;
+    if b.worker.len() > WORKER_ID_BYTES_MAX {
+        return Err(ApiError::bad(
+            "worker",
+            format!(
+                "worker: is {} bytes; the limit is {WORKER_ID_BYTES_MAX} (the registry names it `<worker> (HTTP)`)",
+                b.worker.len()
+            ),
+        ));
+    }
+    named("namespace".to_owned(), &b.namespace)?;
+    if b.machines.len() > WORKER_MACHINES_MAX {
+        return Err(ApiError::bad(
+            "machines",
+            format!("machines: at most {WORKER_MACHINES_MAX} (got {})", b.machines.len()),
+        ));
+    }
+    for (i, m) in b.machines.iter().enumerate() {
+        named(format!("machines[{i}].name"), &m.name)?;
     }
     if b.wait_ms > POLL_WAIT_MAX.as_millis() as u64 {
         return Err(ApiError::bad(
@@ -220,13 +249,18 @@ pub async fn heartbeat(
     }
 }
 
-/// `POST …/complete`: the step's outcome, as the `Outcome` JSON (`{"type": "done", …}`).
+/// `POST …/complete`: the step's outcome, as the `Outcome` JSON (`{"type": "done", …}`),
+/// and `seen`, the ids of the task's inbox signals the step was handed. A step that ends
+/// a wait consumes the awaited signals among those only: one delivered while the step ran
+/// stays pending for the next step, as it does for an in-process worker.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompleteBody {
     worker: String,
     token: i64,
     outcome: Outcome,
+    #[serde(default)]
+    seen: Option<Vec<i64>>,
 }
 
 /// `POST …/fail`: the step's error.
@@ -259,8 +293,33 @@ pub async fn complete(
     if !holds(row, &b.worker, b.token) {
         return Err(stale(id));
     }
-    // As in-process: a step that does not park again consumes the signals it awaited.
-    let consume = keel_core::inbox::consumed_by(&b.outcome, row.awaits.as_deref(), &detail.inbox);
+    // As in-process: a step that does not park again consumes the signals it awaited,
+    // among those it was handed.
+    let consumes = keel_core::inbox::consumes(&b.outcome, row.awaits.as_deref());
+    let seen: Vec<keel::Signal> = match &b.seen {
+        Some(ids) if ids.len() > keel_core::limits::CLAIM_INBOX_MAX => {
+            return Err(ApiError::bad(
+                "seen",
+                format!(
+                    "{} ids, but a task carries at most {} signals; send the ids of the task's `inbox`",
+                    ids.len(),
+                    keel_core::limits::CLAIM_INBOX_MAX
+                ),
+            ));
+        }
+        Some(ids) => detail.inbox.iter().filter(|s| ids.contains(&s.id.0)).cloned().collect(),
+        None if consumes => {
+            return Err(ApiError::bad(
+                "seen",
+                format!(
+                    "instance {id} awaited `{}`, so completing it consumes the signals the step saw: send `\"seen\": [the ids of the task's inbox]` (nothing was committed)",
+                    row.awaits.as_deref().unwrap_or_default()
+                ),
+            ));
+        }
+        None => Vec::new(),
+    };
+    let consume = keel_core::inbox::consumed_by(&b.outcome, row.awaits.as_deref(), &seen);
     let commit = StepCommit::new(id, FencingToken(b.token), b.outcome).consume(consume);
     commit_one(&state, id, commit).await
 }
