@@ -19,6 +19,9 @@ use serde::Serialize;
 use crate::output::{Report, age, table, time};
 use crate::{Cli, Command, DlqCommand, StartArgs, TimersCommand};
 
+/// Pages of `DEAD_LETTER_BATCH_MAX` one `keel dlq purge` deletes at most.
+const PURGE_PAGES_MAX: usize = 1_000;
+
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     if let Command::Graph { machine, format, definitions, version } = &cli.command {
@@ -581,12 +584,16 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                 bail!("purge deletes dead letters for good; add --confirm to proceed");
             }
             let bar = indicatif::ProgressBar::new_spinner().with_message("purging dead letters");
-            let purged = keel.dead_letter_purge_older_than(age).await;
+            let done = crate::operate::purge_old_dead_letters(keel, ns, age, PURGE_PAGES_MAX).await;
             bar.finish_and_clear();
-            let purged = purged?;
+            let crate::operate::OldLettersPurged { purged, complete } = done?;
+            let more = if complete { "" } else { "; more remain, run it again" };
             Ok(Report::ok(
-                json!({ "purged": purged }),
-                format!("Purged {purged} dead letter(s) older than {}.", duration::format(age)),
+                json!({ "namespace": ns, "purged": purged, "complete": complete }),
+                format!(
+                    "Purged {purged} dead letter(s) older than {} in namespace {ns:?}{more}.",
+                    duration::format(age)
+                ),
             ))
         }
     }

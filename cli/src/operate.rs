@@ -558,3 +558,57 @@ pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result
     }
     Ok(Report::ok(body, human))
 }
+
+/// What [`purge_old_dead_letters`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OldLettersPurged {
+    /// Dead letters deleted.
+    pub purged: u64,
+    /// False when the page bound stopped it with more left to delete.
+    pub complete: bool,
+}
+
+/// Deletes namespace `ns`'s dead letters created more than `age` ago, machine by machine
+/// and a page (`DEAD_LETTER_BATCH_MAX`) at a time, at most `pages_max` pages in all. The
+/// one purge of `keel dlq purge` and the dashboard's form; other namespaces are untouched.
+pub async fn purge_old_dead_letters(
+    keel: &Keel,
+    ns: &str,
+    age: Duration,
+    pages_max: usize,
+) -> keel::StoreResult<OldLettersPurged> {
+    let cutoff = now().minus(age);
+    let machines: BTreeSet<String> = keel
+        .store()
+        .dead_letter_counts(Some(ns.to_owned()))
+        .await?
+        .into_iter()
+        .filter(|c| c.namespace == ns && c.count > 0)
+        .map(|c| c.machine)
+        .collect();
+    let page = keel_core::limits::DEAD_LETTER_BATCH_MAX as u64;
+    let (mut purged, mut pages) = (0, 0);
+    for machine in machines {
+        loop {
+            if pages == pages_max {
+                return Ok(OldLettersPurged { purged, complete: false });
+            }
+            pages += 1;
+            let n = keel
+                .store()
+                .dead_letter_purge(DeadLetterPurgeParams {
+                    selector: Some(DeadLetterSelector::Machine {
+                        namespace: ns.to_owned(),
+                        machine: machine.clone(),
+                    }),
+                    older_than: Some(cutoff),
+                })
+                .await?;
+            purged += n;
+            if n < page {
+                break;
+            }
+        }
+    }
+    Ok(OldLettersPurged { purged, complete: true })
+}

@@ -153,13 +153,22 @@ impl StepMachine for Refuser {
 
 /// Two dead letters of `refuser`, made by a real worker.
 async fn two_dead_letters(b: &Backend) {
+    two_dead_letters_in(b, "default").await;
+}
+
+async fn two_dead_letters_in(b: &Backend, ns: &str) {
     let keel = b.open().await;
-    let config =
-        WorkerConfig { poll_interval: Duration::from_millis(20), ..WorkerConfig::default() };
+    let config = WorkerConfig {
+        poll_interval: Duration::from_millis(20),
+        namespaces: vec![ns.to_owned()],
+        ..WorkerConfig::default()
+    };
     let worker = keel.worker_with(config).register(Refuser).unwrap().spawn().unwrap();
     let mut ids = Vec::new();
     for key in ["a", "b"] {
-        let new = NewInstance::new(MachineRef::new("refuser", 1), "charge").business_key(key);
+        let new = NewInstance::new(MachineRef::new("refuser", 1), "charge")
+            .business_key(key)
+            .namespace(ns);
         ids.push(keel.start(new).await.unwrap().id());
     }
     for id in ids {
@@ -243,9 +252,22 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         let (_, err) = b.run(&["dlq", "purge", "--older-than", "0s"], 1);
         assert!(err.contains("--confirm"), "{err}");
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 1);
+        // Another namespace's dead letters are not this purge's business.
+        two_dead_letters_in(&b, "other").await;
         let purged = b.json(&["dlq", "purge", "--older-than", "0s", "--confirm"]);
-        assert_eq!(purged["purged"], 1);
+        assert_eq!(
+            (&purged["purged"], &purged["namespace"], &purged["complete"]),
+            (&json!(1), &json!("default"), &json!(true)),
+            "{}: {purged}",
+            b.name
+        );
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"], json!([]));
+        let other = b.json(&["-n", "other", "dlq", "list"]);
+        assert_eq!(other["dead_letters"].as_array().unwrap().len(), 2, "{}: {other}", b.name);
+        let (out, _) =
+            b.run(&["-n", "other", "dlq", "purge", "--older-than", "0s", "--confirm"], 0);
+        assert!(out.contains("Purged 2 dead letter(s) older than"), "{out}");
+        assert!(out.contains(r#"in namespace "other""#), "{out}");
     }
 }
 

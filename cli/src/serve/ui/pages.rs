@@ -17,9 +17,7 @@ use keel_core::ids::{DeadLetterId, Status};
 use keel_core::instance::DeadLetter;
 use keel_core::limits;
 use keel_core::ports::Store;
-use keel_core::ports::store::{
-    DeadLetterPurgeParams, DeadLetterSelector, InstanceDetail, InstanceListParams, QueuePauseParams,
-};
+use keel_core::ports::store::{InstanceDetail, InstanceListParams, QueuePauseParams};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -1226,40 +1224,17 @@ pub async fn purge(
             let older = field(&form, "older_than");
             let age = duration::parse(&older)
                 .map_err(|e| bad_input(&viewer, &ns, &format!("older_than: {e}")))?;
-            let cutoff = keel_core::Timestamp(
-                now().0.saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX)),
-            );
-            let mut machines = BTreeSet::new();
-            let filter = DeadLetterFilter {
-                namespace: Some(ns.clone()),
-                machine: None,
-                limit: limits::DEAD_LETTER_BATCH_MAX,
-                ..DeadLetterFilter::default()
-            };
-            for d in state
-                .keel
-                .dead_letters(filter)
-                .await
-                .map_err(|e| store_or_input(&viewer, &ns, &e))?
-            {
-                machines.insert(d.letter.machine.name);
-            }
-            let mut purged = 0;
-            for machine in machines.into_iter().take(ROUNDS_MAX) {
-                let params = DeadLetterPurgeParams {
-                    selector: Some(DeadLetterSelector::Machine { namespace: ns.clone(), machine }),
-                    older_than: Some(cutoff),
-                };
-                purged += state
-                    .keel
-                    .store()
-                    .dead_letter_purge(params)
+            let crate::operate::OldLettersPurged { purged, complete } =
+                crate::operate::purge_old_dead_letters(&state.keel, &ns, age, ROUNDS_MAX)
                     .await
                     .map_err(|e| store_or_input(&viewer, &ns, &e))?;
-            }
+            let more = if complete { "" } else { "; more remain, purge again" };
             Ok(back_to_letters(
                 &ns,
-                &format!("Purged {purged} dead letter(s) older than {}.", duration::format(age)),
+                &format!(
+                    "Purged {purged} dead letter(s) older than {}{more}.",
+                    duration::format(age)
+                ),
             ))
         }
         .await,
