@@ -593,6 +593,22 @@ impl PartialParallelConfig {
                 "must not be empty; leave it out to use the default queue",
             ));
         }
+        // A region task's retry waits `job_backoff` and its region arms a `region_timeout`
+        // timer; the store refuses longer ones, so they are refused here, at load.
+        let spans = [
+            ("job_backoff", self.job_backoff, crate::limits::RETRY_DELAY_MAX),
+            ("region_timeout", self.region_timeout, crate::limits::TIMER_INTERVAL_MAX),
+        ];
+        for (field, value, max) in spans {
+            if let Some(value) = value
+                && value > max
+            {
+                return Err(ConfigError::invalid(
+                    format!("{path}.{field}"),
+                    format!("must be at most {} seconds (got {})", max.as_secs(), value.as_secs()),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -1542,6 +1558,18 @@ mod parallel_tests {
         assert!(e.to_string().contains("lock_ttl"), "{e}");
         let e = KeelConfig::from_toml_str("[parallel_dispatch]\njob_timeout = 0").unwrap_err();
         assert!(e.to_string().starts_with("parallel_dispatch.job_timeout:"), "{e}");
+        // Longer than the store takes: refused when the file loads, not at the first failure.
+        let e = KeelConfig::from_toml_str("[parallel_dispatch]\njob_backoff = \"400 days\"")
+            .unwrap_err();
+        assert!(e.to_string().starts_with("parallel_dispatch.job_backoff: must be at most"), "{e}");
+        let e = KeelConfig::from_toml_str(
+            "[machines.order.parallel_dispatch]\nregion_timeout = 400000000",
+        )
+        .unwrap_err();
+        let e = e.to_string();
+        assert!(e.starts_with("machines.order.parallel_dispatch.region_timeout:"), "{e}");
+        KeelConfig::from_toml_str("[parallel_dispatch]\njob_backoff = \"366 days\"")
+            .expect("the longest retry delay the store takes");
     }
 
     #[test]

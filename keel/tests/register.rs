@@ -99,6 +99,14 @@ async fn worker_settings_out_of_bounds_are_errors_that_name_the_field() {
         ),
         (WorkerConfig { stats_interval: Some(Duration::ZERO), ..d.clone() }, "None turns it off"),
         (
+            WorkerConfig { shutdown_grace: Duration::MAX, ..d.clone() },
+            "shutdown_grace: must be at most 366 days",
+        ),
+        (
+            WorkerConfig { commit_interval: Duration::MAX, ..d.clone() },
+            "commit_interval: must be at most 366 days",
+        ),
+        (
             WorkerConfig { worker_id: keel::layers::core::WorkerId(String::new()), ..d.clone() },
             "worker_id: must not be empty; WorkerConfig::named",
         ),

@@ -248,7 +248,12 @@ impl<S: Store, C: Clock> Client<S, C> {
         id: InstanceId,
         timeout: Duration,
     ) -> StoreResult<Option<Ended>> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        // A timeout past what the clock can hold (`Duration::MAX` for "no limit") waits
+        // thirty years, as tokio's own far future does.
+        let start = tokio::time::Instant::now();
+        let deadline = start
+            .checked_add(timeout)
+            .unwrap_or_else(|| start + Duration::from_secs(30 * 365 * 86_400));
         let mut pause = WAIT_POLL_MIN;
         loop {
             // Listen before reading: polling the wake-up once registers this waiter with
@@ -338,7 +343,10 @@ impl<S: Store, C: Clock> Client<S, C> {
         self.store.dead_letter_skip(DeadLetterSkipParams { id, now: self.clock.now() }).await
     }
 
-    /// Purges dead letters older than `age`.
+    /// Purges dead letters older than `age` in every namespace, at most
+    /// [`keel_core::limits::DEAD_LETTER_BATCH_MAX`] per call (call again while it returns
+    /// that many); returns how many went. For one namespace, purge machine by machine with
+    /// `DeadLetterSelector::Machine` through the store.
     pub async fn dead_letter_purge_older_than(&self, age: Duration) -> StoreResult<u64> {
         let params =
             DeadLetterPurgeParams { selector: None, older_than: Some(self.clock.now().minus(age)) };

@@ -267,6 +267,25 @@ impl WorkerConfig {
                 return Err(format!("{field}: must be more than zero; the default is {default:?}"));
             }
         }
+        let spans = [
+            ("claim_ahead", self.claim_ahead),
+            ("lease", self.lease),
+            ("heartbeat", self.heartbeat),
+            ("poll_interval", self.poll_interval),
+            ("reap_interval", self.reap_interval),
+            ("commit_interval", self.commit_interval),
+            ("shutdown_grace", self.shutdown_grace),
+            ("stats_interval", self.stats_interval.unwrap_or_default()),
+        ];
+        for (field, value) in spans {
+            if value > WORKER_PERIOD_MAX {
+                return Err(format!(
+                    "{field}: must be at most {} days (got {value:?}); a worker's periods are \
+                     added to the clock, and a longer one means a lease or a wait that never ends",
+                    WORKER_PERIOD_MAX.as_secs() / 86_400
+                ));
+            }
+        }
         if self.stats_interval.is_some_and(|every| every.is_zero()) {
             return Err("stats_interval: must be more than zero; None turns it off".to_owned());
         }
@@ -599,6 +618,10 @@ struct Origin {
 
 /// Most group commits one worker keeps in flight ([`WorkerConfig::commits_in_flight`]).
 pub const COMMITS_IN_FLIGHT_MAX: usize = 32;
+
+/// The longest of a worker's periods (lease, heartbeat, intervals, grace): a year.
+/// Every one is added to the clock, and `Duration::MAX` would overflow it.
+pub const WORKER_PERIOD_MAX: Duration = Duration::from_secs(366 * 86_400);
 
 /// How many times a group commit is tried while the store is unavailable.
 const COMMIT_TRIES: u32 = 5;

@@ -1216,3 +1216,18 @@ fn raise_actions_are_run_by_the_core_in_action_order() {
     let def = chart().initial("a").state("a", |s| s.entry("@raise:X").entry("log")).build();
     assert_eq!(def.expect("valid").action_names(), ["log"]);
 }
+
+#[test]
+fn a_version_beyond_what_stores_hold_is_refused() {
+    let refused = Definition::builder("big", 3_000_000_000)
+        .initial("a")
+        .final_state("a")
+        .build()
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("version 3000000000 is more than 2147483647"),
+        "{refused}"
+    );
+    let largest = u32::try_from(i32::MAX).unwrap();
+    Definition::builder("edge", largest).initial("a").final_state("a").build().expect("i32::MAX");
+}

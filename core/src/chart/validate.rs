@@ -18,6 +18,16 @@ use crate::limits;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ChartError {
+    /// The version does not fit the stores' 32-bit signed version column.
+    #[error(
+        "(root): chart `{chart}` version {version} is more than 2147483647, the largest version a store holds; fix: number versions from 1 upwards"
+    )]
+    VersionTooLarge {
+        /// The chart's name.
+        chart: String,
+        /// The version as written.
+        version: u32,
+    },
     /// A transition targets a state that does not exist.
     #[error(
         "state `{state}`: transition on `{trigger}` targets unknown state `{target}`; fix: use the key of a sibling or ancestor's sibling, `.child` for a child, or a full dotted path"
@@ -364,6 +374,12 @@ pub(crate) fn build_unchecked(builder: ChartBuilder) -> Result<Definition, Valid
         errors: Vec::new(),
     };
     flat.push(&builder.root, None);
+    if i32::try_from(builder.version).is_err() {
+        flat.errors.push(ChartError::VersionTooLarge {
+            chart: builder.name.clone(),
+            version: builder.version,
+        });
+    }
     let alphabet: BTreeSet<&str> =
         flat.builders.iter().flat_map(|b| b.on.iter().map(|(e, _, _)| e.as_str())).collect();
     let mut transitions = Vec::new();
