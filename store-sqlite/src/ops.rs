@@ -1585,14 +1585,22 @@ async fn cancel_one(
 ) -> StoreResult<(Vec<InstanceId>, Vec<CancelParams>)> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
-        // Breadth first down to the depth bound, so the read stays bounded too.
+        // Breadth first down to the depth bound. Ended descendants are walked through (a
+        // live grandchild of an ended child is still cancelled) but not read; the live
+        // ones are read until the cascade's bound (the root counts as one).
+        let live_max = limits::CANCEL_CASCADE_MAX - 1;
         let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
-        while let Some((id, depth)) = queue.pop_front() {
+        'walk: while let Some((id, depth)) = queue.pop_front() {
             if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
                 continue;
             }
-            for child in db.child_ids(id).await? {
-                read.descendants.push((db.instance_required(child).await?, depth + 1));
+            for (child, live) in db.child_ids(id).await? {
+                if live {
+                    if read.descendants.len() == live_max {
+                        break 'walk;
+                    }
+                    read.descendants.push((db.instance_required(child).await?, depth + 1));
+                }
                 queue.push_back((child, depth + 1));
             }
         }
