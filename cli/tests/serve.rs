@@ -1054,5 +1054,24 @@ fn a_remote_step_consumes_only_the_signals_its_task_carried() {
         let (code, task) = s.post("/v1/worker/tasks/poll", poll);
         assert_eq!((code, task["step"].as_str()), (200, Some("ship")), "{name}: {task}");
         assert_eq!(task["inbox"][0]["id"].as_i64(), Some(second), "{name}: {task}");
+
+        // A failure's dead letter lists what the task carried, not a signal that came
+        // later: skipping the dead letter drops the signals it lists.
+        let third = send(3);
+        let token = task["token"].as_i64().unwrap();
+        let (code, answer) = s.post(
+            &format!("/v1/worker/tasks/{id}/fail"),
+            &format!(
+                r#"{{"worker":"w","token":{token},"error":"no","retryable":false,"seen":[{second}]}}"#
+            ),
+        );
+        assert_eq!(code, 200, "{name}: {answer}");
+        let (_, letters) = s.get_json(&format!("{ns}/dead-letters"));
+        let listed = &letters["dead_letters"][0]["letter"]["signals"];
+        assert_eq!(listed, &json!([second]), "{name}: {letters}");
+        let (_, row) = s.get_json(&format!("{ns}/instances/{id}"));
+        let pending: Vec<i64> =
+            row["inbox"].as_array().unwrap().iter().map(|s| s["id"].as_i64().unwrap()).collect();
+        assert_eq!(pending, [second, third], "{name}: {row}");
     }
 }

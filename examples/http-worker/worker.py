@@ -96,7 +96,8 @@ def main():
                                   dict(ident, outcome=outcome, seen=seen))
         else:
             status, answer = call(args.base, "/v1/worker/tasks/%d/fail" % task["id"],
-                                  dict(ident, error=error, retryable=False))
+                                  dict(ident, error=error, retryable=False,
+                                       seen=[signal["id"] for signal in task["inbox"]]))
         print(json.dumps({"task": task["id"], "token": task["token"], "status": status,
                           "answer": answer}), flush=True)
         done += 1

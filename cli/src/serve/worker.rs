@@ -263,7 +263,9 @@ pub struct CompleteBody {
     seen: Option<Vec<i64>>,
 }
 
-/// `POST …/fail`: the step's error.
+/// `POST …/fail`: the step's error, and `seen` as in [`CompleteBody`]: a dead letter
+/// lists the signals the step was handed (a skip of it drops them), so one delivered
+/// while the step ran is not among them. Without `seen`, the inbox as it stands is used.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FailBody {
@@ -272,6 +274,23 @@ pub struct FailBody {
     error: String,
     #[serde(default = "retryable_by_default")]
     retryable: bool,
+    #[serde(default)]
+    seen: Option<Vec<i64>>,
+}
+
+/// The signals of `inbox` a task's `seen` names (at most a task's inbox of ids).
+fn seen_in(inbox: &[keel::Signal], ids: &[i64]) -> Result<Vec<keel::Signal>, ApiError> {
+    if ids.len() > keel_core::limits::CLAIM_INBOX_MAX {
+        return Err(ApiError::bad(
+            "seen",
+            format!(
+                "{} ids, but a task carries at most {} signals; send the ids of the task's `inbox`",
+                ids.len(),
+                keel_core::limits::CLAIM_INBOX_MAX
+            ),
+        ));
+    }
+    Ok(inbox.iter().filter(|s| ids.contains(&s.id.0)).cloned().collect())
 }
 
 fn retryable_by_default() -> bool {
@@ -297,17 +316,7 @@ pub async fn complete(
     // among those it was handed.
     let consumes = keel_core::inbox::consumes(&b.outcome, row.awaits.as_deref());
     let seen: Vec<keel::Signal> = match &b.seen {
-        Some(ids) if ids.len() > keel_core::limits::CLAIM_INBOX_MAX => {
-            return Err(ApiError::bad(
-                "seen",
-                format!(
-                    "{} ids, but a task carries at most {} signals; send the ids of the task's `inbox`",
-                    ids.len(),
-                    keel_core::limits::CLAIM_INBOX_MAX
-                ),
-            ));
-        }
-        Some(ids) => detail.inbox.iter().filter(|s| ids.contains(&s.id.0)).cloned().collect(),
+        Some(ids) => seen_in(&detail.inbox, ids)?,
         None if consumes => {
             return Err(ApiError::bad(
                 "seen",
@@ -348,7 +357,11 @@ pub async fn fail(
     // with dead letters disabled the instance fails. Its retry delay is jittered as an
     // in-process one is, so remote steps failing together do not retry together.
     let step = failed_step(&config, row, kind, None, &b.error, fastrand::f64());
-    let mut failure = StepFailure::of_step(b.error, b.retryable, None, &detail.inbox);
+    let seen = match &b.seen {
+        Some(ids) => seen_in(&detail.inbox, ids)?,
+        None => detail.inbox.clone(),
+    };
+    let mut failure = StepFailure::of_step(b.error, b.retryable, None, &seen);
     failure.dead_letter = step.dead_letter;
     let mut commit = StepCommit::new(id, FencingToken(b.token), step.outcome);
     commit.failure = Some(failure);
