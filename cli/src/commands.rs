@@ -454,6 +454,13 @@ async fn inspect(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Report> 
             ]);
         }
         let _ = writeln!(human, "inbox:\n{t}");
+        if detail.inbox.len() == keel_core::limits::INBOX_LIST_MAX {
+            let _ = writeln!(
+                human,
+                "(the oldest {} pending signals; more may be waiting)",
+                keel_core::limits::INBOX_LIST_MAX
+            );
+        }
     }
     if !detail.timers.is_empty() {
         let mut t = table(&["timer", "next fire", "fired"]);

@@ -26,6 +26,8 @@ pub const COMMIT_BATCH_MAX: usize = 1_000;
 pub const DELIVER_BATCH_MAX: usize = 10_000;
 /// Most inbox signals a claim hands to a step; older ones first, the rest wait.
 pub const CLAIM_INBOX_MAX: usize = 64;
+/// Most signals an instance's detail lists (`Store::instance_get`): the oldest.
+pub const INBOX_LIST_MAX: usize = 1_000;
 /// Most pending signals (id and name) the history entry of a drained inbox lists; its
 /// count covers every signal removed. An instance's inbox is drained when it ends.
 pub const INBOX_DRAIN_LISTED_MAX: usize = 16;

@@ -439,7 +439,7 @@ impl Store for SqliteStore {
         let mut db = Db { conn: &mut tx, file };
         let instance = db.instance_required(id).await?;
         let detail = InstanceDetail {
-            inbox: db.inbox(id, ops::WHOLE_INBOX).await?,
+            inbox: db.inbox(id, limits::INBOX_LIST_MAX).await?,
             children: db.children(id).await?,
             history: db.history(id).await?,
             timers: db.timers(id, limits::TIMER_LIST_MAX).await?,

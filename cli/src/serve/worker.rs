@@ -278,7 +278,9 @@ pub struct FailBody {
     seen: Option<Vec<i64>>,
 }
 
-/// The signals of `inbox` a task's `seen` names (at most a task's inbox of ids).
+/// The signals of `inbox` a task's `seen` names (at most a task's inbox of ids). The
+/// instance detail lists the oldest `INBOX_LIST_MAX` pending signals; a task that ran
+/// under priority order past them leaves those it saw beyond pending, handed again.
 fn seen_in(inbox: &[keel::Signal], ids: &[i64]) -> Result<Vec<keel::Signal>, ApiError> {
     if ids.len() > keel_core::limits::CLAIM_INBOX_MAX {
         return Err(ApiError::bad(

@@ -600,7 +600,7 @@ pub struct CancelParams {
 pub struct InstanceDetail {
     /// The row.
     pub instance: Instance,
-    /// Its inbox, in arrival order.
+    /// Its inbox, in arrival order: the oldest [`crate::limits::INBOX_LIST_MAX`].
     pub inbox: Vec<Signal>,
     /// Its children, oldest first.
     pub children: Vec<ChildSummary>,

@@ -271,7 +271,8 @@ pub(crate) async fn get<C: GenericClient + Sync>(
         c.prepare_cached(&format!("SELECT {INSTANCE_COLS} FROM instances WHERE id = $1")).await?;
     let inbox = c
         .prepare_cached(&format!(
-            "SELECT {SIGNAL_COLS} FROM signals WHERE target_id = $1 ORDER BY id"
+            "SELECT {SIGNAL_COLS} FROM signals WHERE target_id = $1 ORDER BY id LIMIT {}",
+            limits::INBOX_LIST_MAX
         ))
         .await?;
     let children = c

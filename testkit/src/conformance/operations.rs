@@ -276,6 +276,14 @@ pub async fn instance_get_and_lookup<S: Store>(s: &S) {
         vec![(1, at(20)), (2, at(40))]
     );
     assert_eq!(d.history[1].entry.data, json!({ "from": "second", "to": "third" }));
+
+    // An inbox past the listing bound lists its oldest signals.
+    let many = (0..=limits::INBOX_LIST_MAX).map(|i| NewSignal::new(second, format!("s{i}")));
+    let delivered = super::support::deliver(s, many.collect(), at(50)).await;
+    let d = get(s, second).await;
+    assert_eq!(d.inbox.len(), limits::INBOX_LIST_MAX, "the inbox listing is bounded");
+    assert_eq!(d.inbox[0].name, "s0", "the oldest first");
+    assert_eq!(delivered.len(), limits::INBOX_LIST_MAX + 1);
 }
 
 /// `instance_rows` returns the rows of the ids that exist — each once, in id order, equal

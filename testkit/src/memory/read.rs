@@ -40,7 +40,7 @@ impl State {
         timers.truncate(limits::TIMER_LIST_MAX);
         Ok(InstanceDetail {
             instance: row.clone(),
-            inbox: self.inbox_of(id).cloned().collect(),
+            inbox: self.inbox_of(id).take(limits::INBOX_LIST_MAX).cloned().collect(),
             children: self.children_of(id),
             history: history[skip..].to_vec(),
             timers,
