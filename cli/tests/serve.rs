@@ -608,12 +608,17 @@ fn remote_retries_are_jittered_within_the_backoff() {
         "[queue.retry]\nmax_attempts = 5\ninitial_delay = \"10 seconds\"\njitter = \"full\"\n";
     for (name, s) in servers("remote_retries_are_jittered_within_the_backoff", Some(config)) {
         let ns = "/v1/namespaces/default/instances";
-        let poll = r#"{"worker":"w","namespace":"default","machines":[{"name":"flaky","version":1}],"wait_ms":2000}"#;
         let mut delays = Vec::new();
-        for _ in 0..8 {
-            let (code, _) = s.post(ns, r#"{"machine":"flaky","at":"call"}"#);
+        // One machine per round, so a poll cannot claim an earlier round's instance whose
+        // jittered delay (anywhere from 0 to 10 s) has already run out.
+        for round in 0..8 {
+            let start = format!(r#"{{"machine":"flaky{round}","at":"call"}}"#);
+            let (code, _) = s.post(ns, &start);
             assert_eq!(code, 201, "{name}");
-            let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+            let poll = format!(
+                r#"{{"worker":"w","namespace":"default","machines":[{{"name":"flaky{round}","version":1}}],"wait_ms":2000}}"#
+            );
+            let (code, task) = s.post("/v1/worker/tasks/poll", &poll);
             assert_eq!(code, 200, "{name}: {task}");
             let (id, token) = (task["id"].as_i64().unwrap(), task["token"].as_i64().unwrap());
             let fail = format!(r#"{{"worker":"w","token":{token},"error":"timeout upstream"}}"#);
