@@ -479,24 +479,10 @@ async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Repor
         .find(|c| c.machine == machine)
         .map_or(0, |c| c.count);
     let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");
-    let mut purged = 0;
-    for _ in 0..PAGES_MAX {
-        let n = keel
-            .store()
-            .dead_letter_purge(DeadLetterPurgeParams {
-                selector: Some(DeadLetterSelector::Machine {
-                    namespace: ns.to_owned(),
-                    machine: machine.to_owned(),
-                }),
-                older_than: None,
-            })
-            .await?;
-        purged += n;
-        bar.inc(n);
-        if n < keel_core::limits::DEAD_LETTER_BATCH_MAX as u64 {
-            break;
-        }
-    }
+    let mut pages_left = PAGES_MAX;
+    let purged = purge_machine_letters(keel, ns, machine, None, &mut pages_left, |n| bar.inc(n))
+        .await?
+        .purged;
     bar.finish_and_clear();
     Ok(Report::ok(
         json!({ "namespace": ns, "machine": machine, "purged": purged }),
@@ -586,29 +572,50 @@ pub async fn purge_old_dead_letters(
         .filter(|c| c.namespace == ns && c.count > 0)
         .map(|c| c.machine)
         .collect();
-    let page = keel_core::limits::DEAD_LETTER_BATCH_MAX as u64;
-    let (mut purged, mut pages) = (0, 0);
+    let (mut purged, mut pages_left) = (0, pages_max);
     for machine in machines {
-        loop {
-            if pages == pages_max {
-                return Ok(OldLettersPurged { purged, complete: false });
-            }
-            pages += 1;
-            let n = keel
-                .store()
-                .dead_letter_purge(DeadLetterPurgeParams {
-                    selector: Some(DeadLetterSelector::Machine {
-                        namespace: ns.to_owned(),
-                        machine: machine.clone(),
-                    }),
-                    older_than: Some(cutoff),
-                })
-                .await?;
-            purged += n;
-            if n < page {
-                break;
-            }
+        let done = purge_machine_letters(keel, ns, &machine, Some(cutoff), &mut pages_left, |_| {})
+            .await?;
+        purged += done.purged;
+        if !done.complete {
+            return Ok(OldLettersPurged { purged, complete: false });
         }
     }
     Ok(OldLettersPurged { purged, complete: true })
+}
+
+/// Deletes `machine`'s dead letters in `ns` (those created before `older_than`, or all)
+/// a page (`DEAD_LETTER_BATCH_MAX`) at a time while `pages_left` lasts, calling `on_page`
+/// with each page's count; `complete` is false when the pages ran out first.
+async fn purge_machine_letters(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    older_than: Option<Timestamp>,
+    pages_left: &mut usize,
+    mut on_page: impl FnMut(u64),
+) -> keel::StoreResult<OldLettersPurged> {
+    let page = keel_core::limits::DEAD_LETTER_BATCH_MAX as u64;
+    let mut purged = 0;
+    loop {
+        if *pages_left == 0 {
+            return Ok(OldLettersPurged { purged, complete: false });
+        }
+        *pages_left -= 1;
+        let n = keel
+            .store()
+            .dead_letter_purge(DeadLetterPurgeParams {
+                selector: Some(DeadLetterSelector::Machine {
+                    namespace: ns.to_owned(),
+                    machine: machine.to_owned(),
+                }),
+                older_than,
+            })
+            .await?;
+        purged += n;
+        on_page(n);
+        if n < page {
+            return Ok(OldLettersPurged { purged, complete: true });
+        }
+    }
 }
