@@ -773,6 +773,31 @@ impl KeelConfig {
         self.parallel_over(ParallelConfig::default(), machine)
     }
 
+    /// Checks that every level the file names resolves over the documented defaults: the
+    /// system level, each `[machines.<m>]` and each of its events. What a process without
+    /// the machines' code (the HTTP server) resolves per step, checked once up front, so a
+    /// rule relating fields of two levels (warning ≤ critical, `initial_delay` ≤
+    /// `max_delay`) fails at start-up naming the level, not on some later request.
+    pub fn check_levels(&self) -> Result<(), ConfigError> {
+        let at = |level: &str, error: ConfigError| match error {
+            ConfigError::Invalid { path, reason } => {
+                let field = path.strip_prefix("queue").unwrap_or(&path);
+                ConfigError::invalid(format!("{level}{field}"), reason)
+            }
+            other @ ConfigError::Toml { .. } => other,
+        };
+        self.layered("", None).resolve().map_err(|e| at("queue", e))?;
+        for (machine, section) in &self.machines {
+            self.queue_for(machine, None)
+                .map_err(|e| at(&format!("machines.{machine}.queue"), e))?;
+            for event in section.events.keys() {
+                self.queue_for(machine, Some(event))
+                    .map_err(|e| at(&format!("machines.{machine}.events.{event}.queue"), e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The complete queue configuration for a machine, or for one of its events.
     pub fn queue_for(
         &self,
@@ -1141,6 +1166,12 @@ impl KeelConfig {
                     "concurrency belongs to a queue; set [queues.<name>] concurrency (slots per worker) or global_concurrency (across all workers)",
                 );
             }
+            if event && level.alerts.is_some() {
+                return refuse(
+                    "alerts",
+                    "alert thresholds are checked per machine; set them under [machines.<machine>.queue.alerts] (or [queue.alerts] for every machine)",
+                );
+            }
             if event && level.name.is_some() {
                 return refuse(
                     "name",
@@ -1194,6 +1225,16 @@ impl KeelConfig {
         {
             new.queue = queue;
         }
+    }
+
+    /// Every queue the file names: the `name` of the system level and of each machine's
+    /// level (where instances start) and each `[queues.<q>]` section, in name order. A
+    /// worker or poll that takes the file serves these besides what it lists itself.
+    pub fn named_queues(&self) -> std::collections::BTreeSet<String> {
+        let starts = std::iter::once(&self.queue)
+            .chain(self.machines.values().map(|m| &m.queue))
+            .filter_map(|level| level.name.clone());
+        starts.chain(self.queues.keys().cloned()).collect()
     }
 
     /// The priority the file gives event `event` sent to an instance of `machine`: the
@@ -1926,6 +1967,32 @@ mod tests {
     }
 
     #[test]
+    fn check_levels_names_the_level_whose_merge_breaks_a_rule() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "[queue.alerts]\npending_warning = 100\npending_critical = 10",
+                "queue.alerts.pending_warning: must not exceed queue.alerts.pending_critical (100 > 10)",
+            ),
+            (
+                "[queue.alerts]\npending_critical = 10\n[machines.m.queue.alerts]\npending_warning = 100",
+                "machines.m.queue.alerts.pending_warning: ",
+            ),
+            (
+                "[queue.retry]\nmax_delay = \"1 minute\"\n[machines.m.events.e.queue.retry]\ninitial_delay = \"2 minutes\"",
+                "machines.m.events.e.queue.retry.initial_delay: must not exceed max_delay",
+            ),
+        ];
+        for (toml, expected) in cases {
+            let config = KeelConfig::from_toml_str(toml).expect("each level is valid alone");
+            let error = config.check_levels().expect_err(toml).to_string();
+            assert!(error.starts_with(expected), "{toml}: {error}");
+        }
+        let fine =
+            "[queue.alerts]\npending_warning = 1\n[machines.m.queue.alerts]\npending_critical = 5";
+        KeelConfig::from_toml_str(fine).unwrap().check_levels().unwrap();
+    }
+
+    #[test]
     fn resolve_validates_programmatic_layers_too() {
         let layer = PartialQueueConfig {
             retry: Some(PartialRetryPolicy {
@@ -1978,6 +2045,10 @@ mod applied_tests {
             (
                 "[machines.m.events.e.queue.dead_letter]\nretention = \"3 days\"",
                 "machines.m.events.e.queue.dead_letter.retention: is not applied here: dead letters are purged per machine",
+            ),
+            (
+                "[machines.m.events.e.queue.alerts]\npending_critical = 5",
+                "machines.m.events.e.queue.alerts: is not applied here: alert thresholds are checked per machine",
             ),
         ];
         for (toml, expected) in cases {
@@ -2289,5 +2360,18 @@ mod applied_tests {
             ("5".into(), "[machines.m.parallel_dispatch]".into())
         );
         assert_eq!(get("parallel_dispatch.region_timeout"), ("off".into(), "default".into()));
+    }
+
+    #[test]
+    fn named_queues_are_where_instances_start_and_every_queue_section() {
+        let config = KeelConfig::from_toml_str(
+            "[queue]\nname = \"main\"\n[machines.order.queue]\nname = \"payments\"\n\
+             [machines.mail.queue]\npriority = \"low\"\n[queues.reports]\nconcurrency = 2\n\
+             [queues.payments]\nconcurrency = 10",
+        )
+        .unwrap();
+        let named: Vec<String> = config.named_queues().into_iter().collect();
+        assert_eq!(named, ["main", "payments", "reports"]);
+        assert!(KeelConfig::default().named_queues().is_empty());
     }
 }
