@@ -39,6 +39,9 @@ pub struct Client<S: Store, C: Clock> {
     settings: Option<Arc<KeelConfig>>,
 }
 
+/// Longest a start or send waits for its announcement on the queue of hints.
+pub const ANNOUNCE_WAIT: Duration = Duration::from_millis(100);
+
 impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
     fn clone(&self) -> Self {
         Client {
@@ -120,10 +123,19 @@ impl<S: Store, C: Clock> Client<S, C> {
         self
     }
 
-    /// Publishes `hints` when the client has a queue.
+    /// Publishes `hints` when the client has a queue. The call waits for the queue at
+    /// most [`ANNOUNCE_WAIT`]: a slow or unreachable queue finishes (or times out) in the
+    /// background instead of adding its timeouts to every start and send.
     async fn announce(&self, hints: impl FnOnce() -> Vec<keel_core::ports::queue::Hint>) {
         if let Some(queue) = &self.queue {
-            crate::worker::publish_hints(queue.as_ref(), hints()).await;
+            let (queue, hints) = (Arc::clone(queue), hints());
+            if hints.is_empty() {
+                return;
+            }
+            let publishing = tokio::spawn(async move {
+                crate::worker::publish_hints(queue.as_ref(), hints).await;
+            });
+            let _ = tokio::time::timeout(ANNOUNCE_WAIT, publishing).await;
         }
     }
 

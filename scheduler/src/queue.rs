@@ -210,11 +210,23 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
 
 /// The hints for what a group commit left ready, read from its receipts
 /// (`plan::hints::after_commit`).
-fn ready_hints(batch: &[Finished], results: &[Option<StoreResult<CommitReceipt>>]) -> Vec<Hint> {
+fn ready_hints(
+    batch: &[Finished],
+    results: &[Option<StoreResult<CommitReceipt>>],
+    hint_open: impl Fn(&str) -> bool,
+) -> Vec<Hint> {
     let mut hints = Vec::new();
     for (f, result) in batch.iter().zip(results) {
         let Some(Ok(receipt)) = result else { continue };
-        hints.extend(hints::after_commit(&f.origin.claim.instance, &f.commit, receipt));
+        let row = &f.origin.claim.instance;
+        // A row that stays runnable in a queue hints may not claim into is left to the
+        // claim loop: its hint would only be received and handed back.
+        let own = hint_open(&row.queue);
+        hints.extend(
+            hints::after_commit(row, &f.commit, receipt)
+                .into_iter()
+                .filter(|hint| own || hint.instance != receipt.id),
+        );
     }
     hints
 }
@@ -227,7 +239,8 @@ pub(super) fn publish_committed<S, C>(
     results: &[Option<StoreResult<CommitReceipt>>],
 ) {
     let Some(link) = inner.hints.clone() else { return };
-    let hints = ready_hints(batch, results);
+    let hints =
+        ready_hints(batch, results, |queue| !inner.config.claim_policy(queue).is_queue_wide());
     if hints.is_empty() {
         return;
     }
@@ -350,10 +363,21 @@ async fn repair_pass<S: Store, C: Clock>(
         cover.started = Some(now);
     }
     let since_last_look = cover.previous.map(|at| now.since(at));
+    // Only the queues hints may claim into: the rest are the claim loop's alone.
+    let queues: Vec<String> = inner
+        .config
+        .queues
+        .iter()
+        .map(|(q, _)| q.clone())
+        .filter(|q| !inner.config.claim_policy(q).is_queue_wide())
+        .collect();
+    if queues.is_empty() {
+        return Ok(());
+    }
     for _ in 0..REPAIR_PAGES_MAX {
         let params = ReadyStaleParams {
             namespaces: inner.config.namespaces.clone(),
-            queues: inner.config.queues.iter().map(|(q, _)| q.clone()).collect(),
+            queues: queues.clone(),
             machines: inner.machines.keys().cloned().collect(),
             ready_for: bound,
             after: cover.cursor,
@@ -397,7 +421,10 @@ async fn hint_loop<S: Store, C: Clock>(
 ) {
     let Some(link) = inner.hints.clone() else { return };
     while !*shutdown.borrow() {
-        let free: usize = queues.iter().map(QueueSlots::free).sum();
+        // Only slots a hint may fill count: receiving for a queue whose limits leave its
+        // claims to the claim loop would hand every hint straight back, again and again.
+        let free: usize =
+            queues.iter().filter(|s| hint_open(inner.as_ref(), s)).map(QueueSlots::free).sum();
         if free == 0 {
             tokio::select! {
                 () = inner.slot_freed.hints.notified() => {}
@@ -453,29 +480,38 @@ fn claim_params<S: Store, C: Clock>(
     queues: &[QueueSlots],
     most: usize,
 ) -> Option<ClaimParams> {
-    // A queue with a global limit is left to the claim loop, whose claim counts the limit
-    // one queue at a time; a hint names rows, so order does not matter here.
-    let open: Vec<String> = queues
-        .iter()
-        .filter(|s| s.free() > 0 && !inner.config.claim_policy(&s.name).is_queue_wide())
-        .map(|s| s.name.clone())
-        .collect();
+    let open: Vec<&QueueSlots> =
+        queues.iter().filter(|s| s.free() > 0 && hint_open(inner, s)).collect();
     if open.is_empty() {
         return None;
     }
-    let free: usize = queues.iter().map(QueueSlots::free).sum();
+    let free: usize = open.iter().map(|s| s.free()).sum();
     let limit =
         free.min(most).min(inner.config.claim_batch).min(keel_core::limits::CLAIM_BATCH_MAX);
+    // One claim spans the open queues, so a key may run as many rows at once as the
+    // strictest of them allows; a hint names rows, so their order does not matter here.
+    let key_limit =
+        open.iter().map(|s| inner.config.claim_policy(&s.name).key_limit).min().unwrap_or(1);
     (limit > 0).then(|| ClaimParams {
         worker: inner.config.worker_id.clone(),
         namespaces: inner.config.namespaces.clone(),
-        queues: open,
+        queues: open.iter().map(|s| s.name.clone()).collect(),
         machines: inner.machines.keys().cloned().collect(),
         limit,
         lease: inner.config.lease,
         now: inner.clock.now(),
-        policy: keel_core::plan::claim::ClaimPolicy::default(),
+        policy: keel_core::plan::claim::ClaimPolicy {
+            key_limit,
+            ..keel_core::plan::claim::ClaimPolicy::default()
+        },
     })
+}
+
+/// Whether hints may claim into `slots`' queue. A queue with a queue-wide limit (a global
+/// limit, a rate or a per-key rate) is left to the claim loop, whose claim counts the
+/// limit one queue at a time.
+fn hint_open<S: Store, C: Clock>(inner: &Inner<S, C>, slots: &QueueSlots) -> bool {
+    !inner.config.claim_policy(&slots.name).is_queue_wide()
 }
 
 /// Claims the instances of `deliveries` by id, starts what was claimed and acks every

@@ -443,8 +443,140 @@ async fn server_down_then_back<S: TestStore>(
     worker.shutdown().await;
 }
 
+/// A queue in front of another that counts receives and nacks.
+struct Counting<Q> {
+    inner: Arc<Q>,
+    receives: std::sync::atomic::AtomicU64,
+    nacks: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait]
+impl<Q: Queue> Queue for Counting<Q> {
+    fn capabilities(&self) -> QueueCapabilities {
+        self.inner.capabilities()
+    }
+    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        self.inner.enqueue(hints).await
+    }
+    async fn receive(
+        &self,
+        max: usize,
+        visibility: Duration,
+        wait: Duration,
+    ) -> StoreResult<Vec<Delivery>> {
+        self.receives.fetch_add(1, Ordering::Relaxed);
+        self.inner.receive(max, visibility, wait).await
+    }
+    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        self.inner.ack(receipts).await
+    }
+    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        self.nacks.fetch_add(1, Ordering::Relaxed);
+        self.inner.nack(receipt, delay).await
+    }
+    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
+        self.inner.extend(receipt, visibility).await
+    }
+}
+
+/// A queue whose publishing takes `delay` (a queue server that hangs).
+struct Slow {
+    inner: MemoryQueue,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Queue for Slow {
+    fn capabilities(&self) -> QueueCapabilities {
+        self.inner.capabilities()
+    }
+    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.enqueue(hints).await
+    }
+    async fn receive(
+        &self,
+        max: usize,
+        visibility: Duration,
+        wait: Duration,
+    ) -> StoreResult<Vec<Delivery>> {
+        self.inner.receive(max, visibility, wait).await
+    }
+    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        self.inner.ack(receipts).await
+    }
+    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        self.inner.nack(receipt, delay).await
+    }
+    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
+        self.inner.extend(receipt, visibility).await
+    }
+}
+
 mod memory {
     use super::*;
+
+    /// A start is stored once the store says so; a queue that hangs delays only the
+    /// announcement, which still goes out, not the caller.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hanging_queue_does_not_hold_up_starts() {
+        let h = MemoryStore::harness().await;
+        let queue = Arc::new(Slow { inner: MemoryQueue::new(), delay: Duration::from_secs(3) });
+        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+        let began = tokio::time::Instant::now();
+        let ids = start_all(&client, 1).await;
+        assert!(
+            began.elapsed() < Duration::from_secs(2),
+            "the start waited {:?} for the queue",
+            began.elapsed()
+        );
+        let hinted = loop {
+            let got = queue.inner.receive(1, Duration::from_secs(5), Duration::ZERO).await.unwrap();
+            if let Some(d) = got.first() {
+                break d.hint.instance;
+            }
+            assert!(began.elapsed() < Duration::from_secs(20), "the hint never arrived");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(hinted, ids[0]);
+    }
+
+    /// A queue with a queue-wide limit leaves its claims to the claim loop, so a worker
+    /// whose every queue has one takes no hints at all: it must not receive them only to
+    /// hand them straight back, round after round, while its slots stand free.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone() {
+        let h = MemoryStore::harness().await;
+        let _ticking = Ticking::start(&h.clock);
+        let queue = Arc::new(Counting {
+            inner: Arc::new(MemoryQueue::new()),
+            receives: std::sync::atomic::AtomicU64::default(),
+            nacks: std::sync::atomic::AtomicU64::default(),
+        });
+        let setup = Setup::hinted(5);
+        let settings = keel_core::config::KeelConfig::from_toml_str(
+            "[queues.default]\nglobal_concurrency = 100\n",
+        )
+        .unwrap();
+        let config = config(&h, setup).with_settings(settings).unwrap();
+        let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Counter)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+        let worker = worker.spawn();
+        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+        let ids = start_all(&client, setup.n).await;
+        let stats = Arc::clone(worker.stats());
+        finish(&h, &ids, || stats.committed(), setup.limit).await;
+        // The hints of the run are still queued; a worker that took them would be
+        // receiving and handing them back all the while.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (receives, nacks) =
+            (queue.receives.load(Ordering::Relaxed), queue.nacks.load(Ordering::Relaxed));
+        assert_eq!((receives, nacks), (0, 0), "hints received and handed back");
+        // Nor does it announce its own steps there, which no worker would take.
+        assert_eq!(hints.published.load(Ordering::Relaxed), 0, "hints published");
+        worker.shutdown().await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_carry_the_steps() {
