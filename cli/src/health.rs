@@ -58,14 +58,11 @@ pub struct Finding {
     threshold: u64,
 }
 
-/// The configuration file `--config` names, or the defaults (no thresholds).
+/// The configuration file `--config` names (or the defaults), with the `KEEL_QUEUE_*`
+/// environment overrides a worker applies, refusing keys this version does not apply:
+/// the configuration a worker of the same deployment runs with.
 pub fn read_config(cli: &Cli) -> anyhow::Result<KeelConfig> {
-    let Some(path) = &cli.config else {
-        return Ok(KeelConfig::default());
-    };
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("--config: cannot read {}", path.display()))?;
-    KeelConfig::from_toml_str(&text).with_context(|| format!("--config: {}", path.display()))
+    crate::config_cmd::load(cli).map(|(config, _)| config)
 }
 
 fn check(

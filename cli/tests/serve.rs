@@ -298,6 +298,15 @@ fn bad_input_gets_400_naming_the_field_and_stores_nothing() {
                 "{name}: {path}: {answer}"
             );
         }
+        // A parameter a route does not take is named, not ignored.
+        let (code, answer) = s.get_json("/v1/namespaces/a/status?machine=ticket");
+        assert_eq!((code, answer["field"].as_str()), (400, Some("machine")), "{name}: {answer}");
+        let (code, answer) = s.get_json(&format!("/v1/namespaces/a/instances/{id}?x=1"));
+        assert_eq!((code, answer["field"].as_str()), (400, Some("x")), "{name}: {answer}");
+        // A known path with another method: 405 in the API's JSON shape.
+        let (code, answer) = s.get_json(events);
+        assert_eq!(code, 405, "{name}: {answer}");
+        assert!(answer["error"].as_str().unwrap().starts_with("GET is not allowed"), "{answer}");
         let huge =
             format!(r#"{{"instance":{id},"event":"X","payload":"{}"}}"#, "x".repeat(10 << 20));
         let answer = s.post_expecting_continue(events, &huge);
@@ -332,6 +341,22 @@ fn metrics_are_prometheus_text_and_health_follows_the_thresholds() {
             })
             .unwrap_or_else(|| panic!("{name}: no keel_queue_pending in\n{text}"));
         assert_eq!(pending.2, 2.0, "{name}");
+        // Once the store holds nothing for the group, its gauge reads 0, not its last count.
+        let (_, listed) = s.get_json("/v1/namespaces/default/machines/ticket/instances");
+        for row in listed["instances"].as_array().unwrap() {
+            let id = row["id"].as_i64().unwrap();
+            let (code, answer) =
+                s.post(&format!("/v1/namespaces/default/instances/{id}/cancel"), "");
+            assert_eq!(code, 200, "{name}: {answer}");
+        }
+        let (_, text) = s.get("/metrics");
+        let drained = parse_prometheus(&text)
+            .into_iter()
+            .find(|(metric, labels, _)| {
+                metric == "keel_queue_pending" && labels.contains("machine=\"ticket\"")
+            })
+            .map(|sample| sample.2);
+        assert_eq!(drained, Some(0.0), "{name}: {text}");
         for documented in [
             "keel_queue_processing",
             "keel_queue_scheduled",
@@ -467,6 +492,17 @@ fn a_python_worker_runs_steps_over_the_worker_protocol() {
             .find(|(m, l, _)| m == "keel_dead_letters" && l.contains("greeter"))
             .unwrap_or_else(|| panic!("{name}: no dead letter gauge in\n{text}"));
         assert_eq!(letters.2, 1.0, "{name}");
+        // The remote steps count in the step metrics as an in-process worker's do: two
+        // committed, one of them a failure.
+        let counted = |metric: &str| {
+            parse_prometheus(&text)
+                .into_iter()
+                .find(|(m, l, _)| m == metric && l.contains("machine=\"greeter\""))
+                .map(|sample| sample.2)
+        };
+        assert_eq!(counted("keel_queue_completed_total"), Some(2.0), "{name}: {text}");
+        assert_eq!(counted("keel_queue_failed_total"), Some(1.0), "{name}: {text}");
+        assert_eq!(counted("keel_queue_wait_time_seconds_count"), Some(2.0), "{name}: {text}");
 
         // Nothing to do: a poll waits, then answers 204.
         let poll = r#"{"worker":"rust","namespace":"default","machines":[{"name":"greeter","version":1}],"wait_ms":200}"#;
@@ -598,7 +634,75 @@ access = "read"
 token = "operator-of-everything"
 namespaces = ["*"]
 access = "read"
+
+[[tokens]]
+token = "token-for-team-a-spaced"
+namespaces = ["team a", "a%62"]
+access = "operate"
 "#;
+
+/// A token's namespaces bound what its remote steps start, and they are matched against
+/// the path's namespace as decoded, which is the namespace the handlers act on.
+#[test]
+fn a_token_starts_children_only_in_its_namespaces_and_paths_match_decoded() {
+    let (a, all, spaced) =
+        ("token-for-namespace-a", "operator-of-everything", "token-for-team-a-spaced");
+    for (name, s) in
+        servers_with("a_token_starts_children_only_in_its_namespaces", None, Some(TOKENS))
+    {
+        let (code, started) =
+            s.post_as(a, "/v1/namespaces/a/instances", r#"{"machine":"greeter","at":"greet"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"greeter","version":1}]}"#;
+        let (code, task) = s.post_as(a, "/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 200, "{name}: {task}");
+        let token = task["token"].as_i64().unwrap();
+        let child = |ns: &str| {
+            format!(
+                r#"{{"namespace":"{ns}","machine":{{"name":"greeter","version":1}},"position":"greet","context":{{}},"business_key":null,"queue":"default","priority":"normal","concurrency_key":null,"unique":null,"eligible_at":null,"correlation_id":null,"invoked_by":null}}"#
+            )
+        };
+        let complete = |children: String| {
+            s.post_as(
+                a,
+                &format!("/v1/worker/tasks/{id}/complete"),
+                &format!(
+                    r#"{{"worker":"w","token":{token},"outcome":{{"type":"schedule_children","next":"after","context":{{}},"children":[{children}]}}}}"#
+                ),
+            )
+        };
+        // A child in namespace b, which token a does not see: 403 naming the child, and
+        // nothing started anywhere.
+        let (code, answer) = complete(format!("{},{}", child("a"), child("b")));
+        assert_eq!(
+            (code, answer["field"].as_str()),
+            (403, Some("outcome.children[1].namespace")),
+            "{name}: {answer}"
+        );
+        let (_, listed) = s.get_as(all, "/v1/namespaces/b/machines/greeter/instances");
+        let listed: Value = serde_json::from_str(&listed).unwrap();
+        assert_eq!(listed["instances"], json!([]), "{name}: {listed}");
+        let (_, row) = s.get_as(a, &format!("/v1/namespaces/a/instances/{id}"));
+        let row: Value = serde_json::from_str(&row).unwrap();
+        assert_eq!(row["instance"]["status"], "executing", "{name}: {row}");
+        // Children in the token's own namespace start.
+        let (code, answer) = complete(child("a"));
+        assert_eq!(code, 200, "{name}: {answer}");
+
+        // `team%20a` is the namespace `team a`, which the spaced token lists; `a%62` in a
+        // path is the namespace `ab`, which no token but "*" lists.
+        let start = r#"{"machine":"greeter","at":"greet"}"#;
+        let (code, started) = s.post_as(spaced, "/v1/namespaces/team%20a/instances", start);
+        assert_eq!(code, 201, "{name}: {started}");
+        let (code, status) = s.get_as(spaced, "/v1/namespaces/team%20a/status");
+        assert_eq!(code, 200, "{name}: {status}");
+        assert_eq!(s.get_as(spaced, "/v1/namespaces/a%62/status").0, 404, "{name}");
+        let (code, bad) = s.get_as(spaced, "/v1/namespaces/%FF/status");
+        let bad: Value = serde_json::from_str(&bad).unwrap();
+        assert_eq!((code, bad["field"].as_str()), (400, Some("namespace")), "{name}: {bad}");
+    }
+}
 
 /// A remote failure retries after the configured backoff with its jitter: each delay
 /// within the range, and failures at the same moment spread over it.
@@ -721,7 +825,7 @@ fn a_token_never_sees_or_changes_another_namespace() {
             s.get_as(a, &format!("/v1/namespaces/a/dead-letters?limit=1&after={dl}"));
         let rest: Value = serde_json::from_str(&rest).unwrap();
         assert_eq!((code, rest["dead_letters"].clone()), (200, json!([])), "{name}: {rest}");
-        for query in ["limit=20000", "limit=-1"] {
+        for query in ["limit=20000", "limit=1001", "limit=0", "limit=-1"] {
             let (code, bad) = s.get_as(a, &format!("/v1/namespaces/a/dead-letters?{query}"));
             let bad: Value = serde_json::from_str(&bad).unwrap();
             assert_eq!((code, bad["field"].as_str()), (400, Some("limit")), "{name}: {bad}");
@@ -801,6 +905,33 @@ fn serve_refuses_a_public_address_without_tokens_and_bad_tokens_files() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--definitions") && err.contains("chart [0]"), "{err}");
+
+    // The configuration is the one a worker would run with: checked across its levels and
+    // with the environment's overrides, before anything listens.
+    let config = dir.path().join("keel.toml");
+    std::fs::write(
+        &config,
+        "[queue.alerts]\npending_critical = 10\n[machines.order.queue.alerts]\npending_warning = 100\n",
+    )
+    .unwrap();
+    let serve = |env: Option<(&str, &str)>| {
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(["--database-url", &url, "serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config);
+        if let Some((var, value)) = env {
+            cmd.env(var, value);
+        }
+        cmd.output().unwrap()
+    };
+    let out = serve(None);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("machines.order.queue.alerts.pending_warning: must not exceed"), "{err}");
+    std::fs::write(&config, "").unwrap();
+    let out = serve(Some(("KEEL_QUEUE_RETRY_MAX_ATTEMPTS", "many")));
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("KEEL_QUEUE_RETRY_MAX_ATTEMPTS"), "{err}");
 }
 
 const DOORS: &str = r#"[
@@ -883,6 +1014,13 @@ fn a_polling_http_worker_is_listed_and_lease_gauges_are_exported() {
         let lease = r#"{"worker":"py-1","namespace":"default","machines":[{"name":"echo","version":1}],"lease_ms":100}"#;
         let (code, task) = s.post("/v1/worker/tasks/poll", lease);
         assert_eq!(code, 200, "{name}: {task}");
+        // A second queue of the machine, later in name order, with nothing executing: the
+        // machine's expired lease still counts.
+        let (code, other) = s.post(
+            "/v1/namespaces/default/instances",
+            r#"{"machine":"echo","at":"run","queue":"zz"}"#,
+        );
+        assert_eq!(code, 201, "{name}: {other}");
         std::thread::sleep(Duration::from_millis(300));
         let (code, text) = s.get("/metrics");
         assert_eq!(code, 200, "{name}");
@@ -1002,6 +1140,61 @@ fn history_pages_over_http_with_a_cursor_and_404_for_another_namespace() {
 
 /// A remote step that ends a wait consumes the awaited signals it was handed, and no
 /// others: an event delivered while the step ran stays pending for the next step.
+/// A poll claims queue by queue under the file's settings, as an in-process worker does:
+/// a global limit holds across HTTP workers, and the queues served are the ones named.
+#[test]
+fn polls_claim_each_queue_under_its_settings() {
+    let config =
+        "[queues.default]\nglobal_concurrency = 1\n[machines.mailer.queue]\nname = \"mail\"\n";
+    for (name, s) in servers("polls_claim_each_queue_under_its_settings", Some(config)) {
+        let ns = "/v1/namespaces/default";
+        for _ in 0..2 {
+            let (code, started) =
+                s.post(&format!("{ns}/instances"), r#"{"machine":"greeter","at":"greet"}"#);
+            assert_eq!(code, 201, "{name}: {started}");
+        }
+        let poll = |worker: &str, machine: &str, queues: &str| {
+            s.post(
+                "/v1/worker/tasks/poll",
+                &format!(
+                    r#"{{"worker":"{worker}","namespace":"default","machines":[{{"name":"{machine}","version":1}}]{queues}}}"#
+                ),
+            )
+        };
+        let (code, task) = poll("w1", "greeter", "");
+        assert_eq!(code, 200, "{name}: {task}");
+        // One executing in `default` is its global limit: a second worker gets nothing.
+        let (code, none) = poll("w2", "greeter", "");
+        assert_eq!(code, 204, "{name}: {none}");
+        let (code, answer) = s.post(
+            &format!("/v1/worker/tasks/{}/complete", task["id"]),
+            &format!(
+                r#"{{"worker":"w1","token":{},"outcome":{{"type":"done","result":{{}}}}}}"#,
+                task["token"]
+            ),
+        );
+        assert_eq!(code, 200, "{name}: {answer}");
+        assert_eq!(poll("w2", "greeter", "").0, 200, "{name}: the slot came back");
+
+        // `mailer` starts in `mail`, which the file names, so a poll serves it by default;
+        // a queue nobody names is served only by a poll that lists it.
+        let (code, _) = s.post(&format!("{ns}/instances"), r#"{"machine":"mailer","at":"send"}"#);
+        assert_eq!(code, 201, "{name}");
+        assert_eq!(poll("w3", "mailer", "").0, 200, "{name}: the file's queue");
+        let (code, _) = s
+            .post(&format!("{ns}/instances"), r#"{"machine":"mailer","at":"send","queue":"side"}"#);
+        assert_eq!(code, 201, "{name}");
+        assert_eq!(poll("w3", "mailer", "").0, 204, "{name}: `side` is not served by default");
+        let (code, task) = poll("w3", "mailer", r#","queues":["side"]"#);
+        assert_eq!((code, task["machine"].as_str()), (200, Some("mailer")), "{name}: {task}");
+        for bad in [r#","queues":[]"#, r#","queues":[""]"#] {
+            let (code, answer) = poll("w3", "mailer", bad);
+            assert_eq!(code, 400, "{name}: {bad}: {answer}");
+            assert!(answer["field"].as_str().unwrap().starts_with("queues"), "{name}: {answer}");
+        }
+    }
+}
+
 #[test]
 fn a_remote_step_consumes_only_the_signals_its_task_carried() {
     for (name, s) in servers("a_remote_step_consumes_only_seen_signals", None) {

@@ -38,7 +38,7 @@ use keel_core::retry::{self, ErrorClass, FailureKind, RefusedCommit};
 use keel_core::{FencingToken, InstanceId, MachineRef, StoreError, StoreResult, WorkerId};
 use keel_timers::{SweepConfig, Sweeper};
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -128,12 +128,15 @@ pub struct WorkerConfig {
     pub settings: Option<Arc<KeelConfig>>,
 }
 
+/// A queue's slots on one worker when neither the program nor the file sets them.
+pub const DEFAULT_QUEUE_SLOTS: usize = 10;
+
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             worker_id: worker_id_for(&program_name()),
             namespaces: Vec::new(),
-            queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 10)],
+            queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), DEFAULT_QUEUE_SLOTS)],
             claim_batch: 250,
             claim_ahead: Duration::from_millis(5),
             lease: Duration::from_secs(30),
@@ -155,16 +158,25 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
-    /// Applies a configuration file: refuses a key this version does not apply, gives
-    /// each of the worker's queues the slots the file sets for it (`[queues.<q>]
-    /// concurrency`, else `[queue] concurrency`), and keeps the file for the claim policy
-    /// of each queue and the configuration of each step. A `[retention]` section that sets
+    /// Applies a configuration file: refuses a key this version does not apply, serves
+    /// every queue the file names besides the worker's own ([`KeelConfig::named_queues`]:
+    /// where the file starts instances, and each `[queues.<q>]` section), gives each queue
+    /// the slots the file sets for it (`[queues.<q>] concurrency`, else `[queue]
+    /// concurrency`, else the default 10), and keeps the file for the claim policy of
+    /// each queue and the configuration of each step. A `[retention]` section that sets
     /// anything replaces [`WorkerConfig::retention`] (and turns the pruner on).
     pub fn with_settings(mut self, settings: KeelConfig) -> Result<Self, ConfigError> {
         settings.check_applied()?;
         if settings.retention != RetentionConfig::default() {
             settings.retention.validate()?;
             self.retention = Some(settings.retention.clone());
+        }
+        // The file starts instances in its queues; a worker that did not serve them would
+        // leave those instances ready for ever.
+        for queue in settings.named_queues() {
+            if !self.queues.iter().any(|(q, _)| *q == queue) {
+                self.queues.push((queue, DEFAULT_QUEUE_SLOTS));
+            }
         }
         for (queue, slots) in &mut self.queues {
             if let Some(n) = settings.worker_slots(queue) {
@@ -1105,12 +1117,15 @@ async fn stats_loop<S: Store, C: Clock>(
     every: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let gauges = SampledGauges::default();
     while !*shutdown.borrow() {
         let pause = match inner.store.queue_stats(None, inner.clock.now()).await {
             Ok(stats) => {
+                let mut sample = GaugeSample::default();
                 for q in &stats {
-                    record_queue_gauges(q);
+                    record_queue_gauges(&mut sample, q);
                 }
+                gauges.publish(sample);
                 inner.loop_ok(WorkerLoop::Stats);
                 every
             }
@@ -1127,17 +1142,56 @@ async fn stats_loop<S: Store, C: Clock>(
 /// and machine): pending (ready), scheduled, processing (executing), waiting, and the
 /// dead-letter queue size (suspended). The worker's sampler and `keel serve`'s `/metrics`
 /// both record through this one function, so the two never disagree on names or meaning.
-pub fn record_queue_gauges(q: &keel_core::ports::store::QueueStats) {
+pub fn record_queue_gauges(sample: &mut GaugeSample, q: &keel_core::ports::store::QueueStats) {
     let labels = [
         ("namespace", q.namespace.clone()),
         ("queue", q.queue.clone()),
         ("machine", q.machine.clone()),
     ];
-    metrics::gauge!("keel_queue_pending", &labels).set(q.ready as f64);
-    metrics::gauge!("keel_queue_scheduled", &labels).set(q.scheduled as f64);
-    metrics::gauge!("keel_queue_processing", &labels).set(q.executing as f64);
-    metrics::gauge!("keel_queue_waiting", &labels).set(q.waiting as f64);
-    metrics::gauge!("keel_queue_dlq_size", &labels).set(q.suspended as f64);
+    sample.set("keel_queue_pending", &labels, q.ready as f64);
+    sample.set("keel_queue_scheduled", &labels, q.scheduled as f64);
+    sample.set("keel_queue_processing", &labels, q.executing as f64);
+    sample.set("keel_queue_waiting", &labels, q.waiting as f64);
+    sample.set("keel_queue_dlq_size", &labels, q.suspended as f64);
+}
+
+/// One gauge series: its name and labels.
+type Series = (&'static str, Vec<(&'static str, String)>);
+
+/// The gauge values one sample of the store read, to hand to [`SampledGauges::publish`].
+#[derive(Debug, Default)]
+pub struct GaugeSample {
+    values: BTreeMap<Series, f64>,
+}
+
+impl GaugeSample {
+    /// Sets `name{labels}` to `value` in this sample.
+    pub fn set(&mut self, name: &'static str, labels: &[(&'static str, String)], value: f64) {
+        self.values.insert((name, labels.to_vec()), value);
+    }
+}
+
+/// Gauges sampled from the store. The store reports only the groups that hold something,
+/// so a queue drained to nothing, or a dead-letter list purged, is simply absent from the
+/// next sample; a series an earlier sample set and this one did not see is set to 0, so
+/// it reads what the store holds instead of its last count for ever.
+#[derive(Debug, Default)]
+pub struct SampledGauges {
+    last: Mutex<BTreeSet<Series>>,
+}
+
+impl SampledGauges {
+    /// Records `sample`, and 0 for every series the previous sample set that it lacks.
+    pub fn publish(&self, sample: GaugeSample) {
+        let mut last = self.last.lock().expect("sampled gauges lock");
+        for (name, labels) in last.iter().filter(|series| !sample.values.contains_key(*series)) {
+            metrics::gauge!(*name, labels).set(0.0);
+        }
+        *last = sample.values.keys().cloned().collect();
+        for ((name, labels), value) in sample.values {
+            metrics::gauge!(name, &labels).set(value);
+        }
+    }
 }
 
 /// Shutdown: wait (bounded) for running steps, then release the leases of the rest.

@@ -9,9 +9,11 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
+use axum::extract::FromRequestParts;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use keel::{
     Cancel, DeliveryOutcome, ErrorKind, InsertOutcome, InstanceId, MachineRef, NewInstance,
@@ -102,6 +104,37 @@ fn named<E: std::fmt::Display>(error: serde_path_to_error::Error<E>, whole: &str
         path
     };
     ApiError::bad(&field, format!("{field}: {inner}"))
+}
+
+/// Refuses any query parameter, for the routes that take none: a parameter a route would
+/// ignore (`/status?machine=…`) is a 400 naming it, not a silently wider answer.
+pub struct NoQuery;
+
+impl<S: Send + Sync> FromRequestParts<S> for NoQuery {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let first = parts.uri.query().and_then(|q| form_urlencoded::parse(q.as_bytes()).next());
+        match first {
+            None => Ok(NoQuery),
+            Some((name, _)) => Err(ApiError::bad(
+                &name,
+                format!("{name}: this route takes no query parameters; leave it out"),
+            )),
+        }
+    }
+}
+
+/// The 405 of a known path called with another method, in the API's JSON shape.
+pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        None,
+        format!(
+            "{method} is not allowed on {}; the README's API table lists each route's method",
+            uri.path()
+        ),
+    )
 }
 
 /// The raw body, or 413 / 400 in the API's JSON shape when it cannot be read.
@@ -378,6 +411,7 @@ async fn detail(state: &AppState, ns: &str, id: InstanceId) -> ApiResult {
 
 /// One instance with its inbox, timers, children and history.
 pub async fn get_instance(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, id)): Path<(String, String)>,
 ) -> ApiResult {
@@ -386,6 +420,7 @@ pub async fn get_instance(
 
 /// The newest instance of a machine with a business key.
 pub async fn get_by_key(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, machine, key)): Path<(String, String, String)>,
 ) -> ApiResult {

@@ -135,12 +135,24 @@ pub async fn check(
     };
     let path = request.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    let write = request.method() != Method::GET;
+    let write = !matches!(*request.method(), Method::GET | Method::HEAD);
     match segments.as_slice() {
-        ["v1", "namespaces", ns, ..] if !grant.sees(ns) => {
-            return ApiError::not_found("not found").into_response();
+        // The handlers see the namespace percent-decoded, so the check must too: a token
+        // for `team a` reaches `/v1/namespaces/team%20a/…`, and one for a name holding
+        // `%62` does not reach `b`.
+        ["v1", "namespaces", ns, ..] => {
+            let Ok(ns) = percent_encoding::percent_decode_str(ns).decode_utf8() else {
+                return ApiError::bad(
+                    "namespace",
+                    "namespace: the path's namespace is not UTF-8 once percent-decoded; percent-encode the name's UTF-8 bytes",
+                )
+                .into_response();
+            };
+            if !grant.sees(&ns) {
+                return ApiError::not_found("not found").into_response();
+            }
         }
-        ["v1", "worker" | "namespaces", ..] => {}
+        ["v1", "worker", ..] => {}
         _ if !grant.sees_all() => return ApiError::not_found("not found").into_response(),
         _ => {}
     }

@@ -5,12 +5,13 @@
 //! costs nothing between scrapes. The names match the ones a worker records, so a
 //! dashboard works whether it scrapes `keel serve` or an embedded worker.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use keel::layers::scheduler::worker::{GaugeSample, record_queue_gauges};
 use keel_core::ports::Store;
 
 use super::AppState;
@@ -29,45 +30,55 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
     let now = now();
     let store = state.keel.store();
     let stats = store.queue_stats(None, now).await?;
+    let mut sample = GaugeSample::default();
+    // A machine's leases, counted once whatever number of its queues hold them.
     let mut expired: BTreeMap<(String, String), u64> = BTreeMap::new();
     for q in &stats {
-        keel::layers::scheduler::worker::record_queue_gauges(q);
+        record_queue_gauges(&mut sample, q);
         let labels = [
             ("namespace", q.namespace.clone()),
             ("queue", q.queue.clone()),
             ("machine", q.machine.clone()),
         ];
         let age = q.oldest_ready_at.map_or(0.0, |at| (now.0 - at.0).max(0) as f64 / 1000.0);
-        metrics::gauge!("keel_queue_oldest_ready_seconds", &labels).set(age);
-        metrics::gauge!("keel_leases_held", &labels).set(q.executing as f64);
-        let n = if q.executing == 0 {
-            0
-        } else {
-            crate::operate::stuck_leases(&state.keel, &q.namespace, &q.machine, now)
-                .await
-                .map_err(|e| keel::StoreError::unavailable(format!("{e:#}")))?
-        };
-        *expired.entry((q.namespace.clone(), q.machine.clone())).or_default() = n;
+        sample.set("keel_queue_oldest_ready_seconds", &labels, age);
+        sample.set("keel_leases_held", &labels, q.executing as f64);
+        expired.entry((q.namespace.clone(), q.machine.clone())).or_insert(0);
+    }
+    let executing: BTreeSet<(String, String)> = stats
+        .iter()
+        .filter(|q| q.executing > 0)
+        .map(|q| (q.namespace.clone(), q.machine.clone()))
+        .collect();
+    for (namespace, machine) in executing {
+        let n = crate::operate::stuck_leases(&state.keel, &namespace, &machine, now)
+            .await
+            .map_err(|e| keel::StoreError::unavailable(format!("{e:#}")))?;
+        expired.insert((namespace, machine), n);
     }
     for ((namespace, machine), n) in expired {
-        let labels = [("namespace", namespace), ("machine", machine)];
-        metrics::gauge!("keel_leases_expired", &labels).set(n as f64);
+        sample.set(
+            "keel_leases_expired",
+            &[("namespace", namespace), ("machine", machine)],
+            n as f64,
+        );
     }
     for c in store.dead_letter_counts(None).await? {
         let labels = [("namespace", c.namespace), ("machine", c.machine)];
-        metrics::gauge!("keel_dead_letters", &labels).set(c.count as f64);
+        sample.set("keel_dead_letters", &labels, c.count as f64);
     }
     for t in store.timer_status(None, now).await? {
         let labels = [("namespace", t.namespace.clone()), ("machine", t.machine.clone())];
-        metrics::gauge!("keel_timers_armed", &labels).set(t.armed as f64);
-        metrics::gauge!("keel_timers_overdue", &labels).set(t.overdue as f64);
+        sample.set("keel_timers_armed", &labels, t.armed as f64);
+        sample.set("keel_timers_overdue", &labels, t.overdue as f64);
         let lateness =
             t.next_due.filter(|due| *due <= now).map_or(0.0, |due| (now.0 - due.0) as f64 / 1000.0);
-        metrics::gauge!("keel_timers_sweep_lateness_seconds", &labels).set(lateness);
+        sample.set("keel_timers_sweep_lateness_seconds", &labels, lateness);
         if let Some(at) = t.last_sweep_at {
             let lag = (now.0 - at.0).max(0) as f64 / 1000.0;
-            metrics::gauge!("keel_timers_since_last_sweep_seconds", &labels).set(lag);
+            sample.set("keel_timers_since_last_sweep_seconds", &labels, lag);
         }
     }
+    state.gauges.publish(sample);
     Ok(())
 }

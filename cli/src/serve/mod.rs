@@ -51,6 +51,8 @@ pub struct AppState {
     pub definitions: Option<crate::definitions::Definitions>,
     /// Remote workers' registry beats.
     pub beats: registry::Beats,
+    /// The gauges `/metrics` samples from the store, zeroed when their group empties.
+    pub gauges: keel::layers::scheduler::worker::SampledGauges,
 }
 
 impl AppState {
@@ -64,6 +66,7 @@ impl AppState {
             tokens: None,
             definitions: None,
             beats: registry::Beats::default(),
+            gauges: keel::layers::scheduler::worker::SampledGauges::default(),
         }
     }
 }
@@ -97,6 +100,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/worker/tasks/{id}/complete", post(worker::complete))
         .route("/v1/worker/tasks/{id}/fail", post(worker::fail))
         .fallback(api::not_found)
+        .method_not_allowed_fallback(api::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::check))
         .merge(ui::router(Arc::clone(&state)))
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
@@ -119,6 +123,9 @@ pub async fn run(
         );
     }
     let config = health::read_config(cli)?;
+    // Every level as remote steps and `/health` will resolve it, so a rule broken across
+    // levels is a start-up error and not a 400 or a 503 on some later request.
+    config.check_levels().context("--config")?;
     // Checked now, so a bad schedule is a start-up error rather than a 500 later.
     config.schedules().context("--config: [schedules]")?;
     // Starts and sends without a priority or queue of their own take the file's.
@@ -133,6 +140,7 @@ pub async fn run(
         tokens,
         definitions,
         beats: registry::Beats::default(),
+        gauges: keel::layers::scheduler::worker::SampledGauges::default(),
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await

@@ -14,7 +14,7 @@ use keel_core::ports::store::QueuePauseParams;
 use serde_json::json;
 
 use super::AppState;
-use super::api::ApiError;
+use super::api::{ApiError, NoQuery};
 use crate::commands::{now, status_rows};
 
 /// Most dead letters one list returns.
@@ -22,6 +22,7 @@ const DEAD_LETTER_PAGE: usize = 1000;
 
 /// Per queue and machine counts, as `keel status --json`.
 pub async fn status(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
 ) -> Result<Response, ApiError> {
@@ -84,6 +85,15 @@ pub async fn dead_letters(
 ) -> Result<Response, ApiError> {
     let q: LetterQuery = super::api::query(query.as_deref())?;
     let limit = q.limit.unwrap_or(DEAD_LETTER_PAGE);
+    // A letter carries its event and its attempts' errors, so one answer stays a page.
+    if limit == 0 || limit > DEAD_LETTER_PAGE {
+        return Err(ApiError::bad(
+            "limit",
+            format!(
+                "limit: {limit} is out of range; give 1 to {DEAD_LETTER_PAGE} and page on with `after` (the answer's `next`)"
+            ),
+        ));
+    }
     match crate::commands::dead_letter_page(&state.keel, &ns, q.machine, limit, q.after.as_deref())
         .await
     {
@@ -131,6 +141,7 @@ async fn letter_in(state: &AppState, ns: &str, raw: &str) -> Result<DeadLetter, 
 
 /// One dead letter.
 pub async fn dead_letter(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
@@ -151,6 +162,7 @@ pub async fn dead_letter_retry(
 /// The last hour per machine (completed / failed per minute for sparklines, turnaround,
 /// throughput, ready work with no live worker), as in `keel status --json`'s `machines`.
 pub async fn activity(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
 ) -> Result<Response, ApiError> {
@@ -224,7 +236,7 @@ pub async fn history(
 }
 
 /// Workers seen by heartbeat, live and stale (every namespace: a token that sees them all).
-pub async fn workers(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+pub async fn workers(_: NoQuery, State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
     let stale = keel_core::ports::store::WORKER_STALE_AFTER.as_secs();
     let report =
         crate::operate::workers(&state.keel, &format!("{stale}s")).await.map_err(|error| {

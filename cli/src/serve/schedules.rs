@@ -14,7 +14,7 @@ use keel_core::schedule::Schedule;
 use serde_json::json;
 
 use super::AppState;
-use super::api::ApiError;
+use super::api::{ApiError, NoQuery};
 use crate::commands::now;
 use crate::schedules_cmd::{changed, infos, stored_states};
 
@@ -28,6 +28,7 @@ fn in_namespace(state: &AppState, ns: &str) -> Result<Vec<Schedule>, ApiError> {
 
 /// `GET /v1/namespaces/{ns}/schedules`.
 pub async fn list(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
 ) -> Result<Response, ApiError> {

@@ -57,7 +57,14 @@ pub struct PollBody {
     lease_ms: u64,
     #[serde(default)]
     wait_ms: u64,
+    /// The queues the worker serves; by default `default` and every queue the server's
+    /// configuration names. Each is claimed with its own settings.
+    #[serde(default)]
+    queues: Option<Vec<String>>,
 }
+
+/// Most queues one poll names.
+const POLL_QUEUES_MAX: usize = 64;
 
 /// A machine (and version) a worker serves.
 #[derive(Debug, Deserialize)]
@@ -128,6 +135,25 @@ pub async fn poll(
     for (i, m) in b.machines.iter().enumerate() {
         named(format!("machines[{i}].name"), &m.name)?;
     }
+    let queues = if let Some(queues) = &b.queues {
+        if queues.is_empty() || queues.len() > POLL_QUEUES_MAX {
+            return Err(ApiError::bad(
+                "queues",
+                format!(
+                    "queues: name 1 to {POLL_QUEUES_MAX} queues the worker serves, or leave it out for `default` and the queues the server's configuration names (got {})",
+                    queues.len()
+                ),
+            ));
+        }
+        for (i, q) in queues.iter().enumerate() {
+            named(format!("queues[{i}]"), q)?;
+        }
+        queues.clone()
+    } else {
+        let default = keel_core::ids::DEFAULT_QUEUE;
+        let file = state.config.named_queues().into_iter().filter(|q| q != default);
+        std::iter::once(default.to_owned()).chain(file).collect()
+    };
     if b.wait_ms > POLL_WAIT_MAX.as_millis() as u64 {
         return Err(ApiError::bad(
             "wait_ms",
@@ -137,27 +163,41 @@ pub async fn poll(
     let store = state.keel.store();
     let declared: Vec<MachineRef> =
         b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect();
-    state.beats.poll(store, &b.worker, &b.namespace, declared).await;
+    state.beats.poll(store, &b.worker, &b.namespace, declared.clone()).await;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
     loop {
         let reaped = store
             .lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() })
             .await?;
         metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
-        let claims = store
-            .instance_claim(ClaimParams {
-                worker: WorkerId(b.worker.clone()),
-                namespaces: vec![b.namespace.clone()],
-                queues: Vec::new(),
-                machines: b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect(),
-                limit: 1,
-                lease,
-                now: now(),
-                policy: keel_core::plan::claim::ClaimPolicy::default(),
-            })
-            .await?;
-        if let Some(claim) = claims.into_iter().next() {
+        // Queue by queue, each under its own settings (claim order, global and per-key
+        // limits, rates), as an in-process worker claims; from a random first queue, so
+        // a busy one does not keep the others waiting.
+        let first = fastrand::usize(..queues.len());
+        let mut claimed = None;
+        for queue in queues.iter().cycle().skip(first).take(queues.len()) {
+            let claims = store
+                .instance_claim(ClaimParams {
+                    worker: WorkerId(b.worker.clone()),
+                    namespaces: vec![b.namespace.clone()],
+                    queues: vec![queue.clone()],
+                    machines: declared.clone(),
+                    limit: 1,
+                    lease,
+                    now: now(),
+                    policy: state.config.claim_policy(queue),
+                })
+                .await?;
+            claimed = claims.into_iter().next();
+            if claimed.is_some() {
+                break;
+            }
+        }
+        if let Some(claim) = claimed {
             let i = &claim.instance;
+            let waited = now().since(i.eligible_at);
+            metrics::histogram!("keel_queue_wait_time_seconds", "machine" => i.machine.name.clone())
+                .record(waited.as_secs_f64());
             let task = json!({
                 "id": i.id.0,
                 "token": claim.token().0,
@@ -295,6 +335,28 @@ fn seen_in(inbox: &[keel::Signal], ids: &[i64]) -> Result<Vec<keel::Signal>, Api
     Ok(inbox.iter().filter(|s| ids.contains(&s.id.0)).cloned().collect())
 }
 
+/// A token starts children only where it may start instances itself: a child in a
+/// namespace the token does not see is refused (403 naming the child), nothing committed.
+fn children_within(grant: &Grant, outcome: &Outcome) -> Result<(), ApiError> {
+    let Outcome::ScheduleChildren { children, .. } = outcome else {
+        return Ok(());
+    };
+    match children.iter().position(|child| !grant.sees(&child.namespace)) {
+        None => Ok(()),
+        Some(i) => {
+            let field = format!("outcome.children[{i}].namespace");
+            Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                Some(&field),
+                format!(
+                    "{field}: this token may not start instances in namespace {:?}; start the child in a namespace the token lists (nothing was committed)",
+                    children[i].namespace
+                ),
+            ))
+        }
+    }
+}
+
 fn retryable_by_default() -> bool {
     true
 }
@@ -307,8 +369,12 @@ pub async fn complete(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let id = task_id(&id)?;
+    let scope = grant.as_ref().map(|Extension(g)| g.clone());
     visible(&state, grant, id).await?;
     let b: CompleteBody = body(&read(bytes)?)?;
+    if let Some(grant) = &scope {
+        children_within(grant, &b.outcome)?;
+    }
     let detail = state.keel.get(id).await?;
     let row = &detail.instance;
     if !holds(row, &b.worker, b.token) {
@@ -332,7 +398,7 @@ pub async fn complete(
     };
     let consume = keel_core::inbox::consumed_by(&b.outcome, row.awaits.as_deref(), &seen);
     let commit = StepCommit::new(id, FencingToken(b.token), b.outcome).consume(consume);
-    commit_one(&state, id, commit).await
+    commit_one(&state, &row.machine.name, commit, false).await
 }
 
 /// Commits a failed step through the retry and dead-letter plan: 200, or 409.
@@ -368,18 +434,31 @@ pub async fn fail(
     let mut commit = StepCommit::new(id, FencingToken(b.token), step.outcome);
     commit.failure = Some(failure);
     commit.history = step.history.into_iter().collect();
-    commit_one(&state, id, commit).await
+    commit_one(&state, &row.machine.name, commit, true).await
 }
 
+/// Commits one remote step's result and counts it in the step metrics an in-process
+/// worker records, so one dashboard shows the steps of both.
 async fn commit_one(
     state: &AppState,
-    id: InstanceId,
+    machine: &str,
     commit: StepCommit,
+    failed: bool,
 ) -> Result<Response, ApiError> {
+    let id = commit.id;
+    let retry = matches!(commit.outcome, Outcome::Retry { .. });
     let results =
         state.keel.store().step_commit(CommitParams { commits: vec![commit], now: now() }).await?;
     match results.into_iter().next() {
         Some(Ok(receipt)) => {
+            let labels = [("machine", machine.to_owned())];
+            metrics::counter!("keel_queue_completed_total", &labels).increment(1);
+            if failed {
+                metrics::counter!("keel_queue_failed_total", &labels).increment(1);
+            }
+            if retry {
+                metrics::counter!("keel_queue_retried_total", &labels).increment(1);
+            }
             Ok(Json(json!({ "id": id.0, "status": receipt.status })).into_response())
         }
         Some(Err(error)) if is_stale(&error) => Err(stale(id)),
