@@ -15,6 +15,11 @@
 //! list with `BLPOP`, pushed whenever hints become visible, so a hint published to an idle
 //! queue is picked up at once rather than at the next poll.
 //!
+//! A hint published again while it is leased is queued again: the receiver's receipt goes
+//! stale, so its ack does not remove news that came after its delivery. An entry under the
+//! queue's keys that is not a hint is removed when received, with a warning, and does not
+//! hold up the hints received with it.
+//!
 //! What it does not do, and says so in [`QueueCapabilities`]: priorities and ordered
 //! groups (hints visible at the same time come in publish order across all groups).
 //!
@@ -49,6 +54,9 @@ pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a receiver that could not take the blocking connection sleeps between looks.
 const POLL_STEP: Duration = Duration::from_millis(20);
+/// Most rounds of one receive that look again at once because they leased only entries
+/// that are not hints.
+const JUNK_ROUNDS_MAX: u32 = 8;
 
 /// Connection settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -266,7 +274,7 @@ impl Queue for RedisQueue {
             return Ok(());
         }
         let mut call = scripts::ENQUEUE.prepare_invoke();
-        call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.wake);
+        call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count).key(&self.keys.wake);
         for hint in &hints {
             call.arg(hint_id(hint)).arg(millis(hint.delay)).arg(encode_body(hint));
         }
@@ -284,8 +292,10 @@ impl Queue for RedisQueue {
     ) -> StoreResult<Vec<Delivery>> {
         validate_receive(max, visibility, wait, &self.capabilities())?;
         let deadline = Instant::now() + wait;
+        let mut junk_rounds = 0;
         // Each round leases what is visible or waits for a wake token, the next visible
-        // hint or the deadline, whichever comes first; the deadline bounds the rounds.
+        // hint or the deadline, whichever comes first; the deadline bounds the rounds, and
+        // rounds that look again at once are bounded by `JUNK_ROUNDS_MAX`.
         loop {
             let reply: Vec<redis::Value> = scripts::RECEIVE
                 .key(&self.keys.vis)
@@ -296,12 +306,25 @@ impl Queue for RedisQueue {
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(|e| self.unavailable(&e))?;
-            let (next_ms, deliveries) = self.parse_receive(&reply)?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            if !deliveries.is_empty() || left.is_zero() {
-                return Ok(deliveries);
+            let received = self.parse_receive(&reply)?;
+            let had_junk = !received.junk.is_empty();
+            if had_junk {
+                self.remove_junk(&received.junk).await;
             }
-            let block = next_ms.map_or(left, |ms| left.min(Duration::from_millis(ms)));
+            if !received.deliveries.is_empty() {
+                return Ok(received.deliveries);
+            }
+            // A round that leased only entries that are not hints looks again at once:
+            // good hints may be visible behind them.
+            if had_junk && junk_rounds < JUNK_ROUNDS_MAX {
+                junk_rounds += 1;
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(Vec::new());
+            }
+            let block = received.next_ms.map_or(left, |ms| left.min(Duration::from_millis(ms)));
             self.wait_for_wake(block).await?;
         }
     }
@@ -336,10 +359,22 @@ impl Queue for RedisQueue {
     }
 }
 
+/// What one run of the receive script handed out.
+struct Received {
+    /// Milliseconds until the next hint is visible, when nothing was handed out.
+    next_ms: Option<u64>,
+    /// The leased hints.
+    deliveries: Vec<Delivery>,
+    /// Leased entries that are not Keel hints, as (id, receive count): written under the
+    /// queue's keys by something else, or by a version that encoded hints differently.
+    junk: Vec<(Vec<u8>, i64)>,
+}
+
 impl RedisQueue {
-    /// Reads the receive script's reply: the wait until the next visible hint, and the
-    /// leased hints.
-    fn parse_receive(&self, reply: &[redis::Value]) -> StoreResult<(Option<u64>, Vec<Delivery>)> {
+    /// Reads the receive script's reply. An entry whose id or body does not decode is put
+    /// aside as junk rather than failing the receive: the script has already leased every
+    /// entry of the batch, and failing would hide the good hints for a whole lease.
+    fn parse_receive(&self, reply: &[redis::Value]) -> StoreResult<Received> {
         let bad = || StoreError::unavailable(format!("redis queue {}: malformed reply", self.name));
         let (first, rest) = reply.split_first().ok_or_else(bad)?;
         let next_ms = match first {
@@ -347,19 +382,56 @@ impl RedisQueue {
             redis::Value::Int(_) => None,
             _ => return Err(bad()),
         };
-        let mut deliveries = Vec::with_capacity(rest.len() / 3);
+        let mut received =
+            Received { next_ms, deliveries: Vec::with_capacity(rest.len() / 3), junk: Vec::new() };
         for item in rest.chunks(3) {
             let [id, count, body] = item else { return Err(bad()) };
-            let id: String = redis::from_redis_value_ref(id).map_err(|_| bad())?;
-            let count: u32 = redis::from_redis_value_ref(count).map_err(|_| bad())?;
-            let body: String = redis::from_redis_value_ref(body).map_err(|_| bad())?;
-            let hint = decode(&id, &body).ok_or_else(bad)?;
-            deliveries.push(Delivery {
-                hint,
-                receipt: format!("{id}#{count}"),
-                receive_count: count,
-            });
+            let id: Vec<u8> = redis::from_redis_value_ref(id).map_err(|_| bad())?;
+            let count: i64 = redis::from_redis_value_ref(count).map_err(|_| bad())?;
+            let body: Vec<u8> = redis::from_redis_value_ref(body).map_err(|_| bad())?;
+            let good = match (std::str::from_utf8(&id), std::str::from_utf8(&body)) {
+                (Ok(id), Ok(body)) => {
+                    decode(id, body).zip(u32::try_from(count).ok()).map(|(hint, receive_count)| {
+                        Delivery { hint, receipt: format!("{id}#{receive_count}"), receive_count }
+                    })
+                }
+                _ => None,
+            };
+            match good {
+                Some(delivery) => received.deliveries.push(delivery),
+                None => received.junk.push((id, count)),
+            }
         }
-        Ok((next_ms, deliveries))
+        Ok(received)
+    }
+
+    /// Removes entries that are not hints (with their body and receive count), unless
+    /// they were published again since they were leased, and says so at `warn`. A
+    /// failed removal is only logged: the entry comes back after its lease and is
+    /// removed then.
+    async fn remove_junk(&self, junk: &[(Vec<u8>, i64)]) {
+        for (id, count) in junk {
+            tracing::warn!(
+                queue = %self.name,
+                key = %self.keys.vis,
+                entry = %String::from_utf8_lossy(id),
+                receive_count = count,
+                "removing a queue entry that is not a Keel hint (expected id \
+                 `<instance>:<revision>` and body `<priority level>|<group>`); only Keel \
+                 should write under these keys"
+            );
+        }
+        let mut call = scripts::ACK.prepare_invoke();
+        call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count);
+        for (id, count) in junk {
+            call.arg(id.as_slice()).arg(*count);
+        }
+        if let Err(e) = call.invoke_async::<i64>(&mut self.conn.clone()).await {
+            tracing::warn!(
+                queue = %self.name,
+                error = %e,
+                "could not remove entries that are not Keel hints; trying again after their lease"
+            );
+        }
     }
 }

@@ -17,22 +17,32 @@ const NOW: &str =
 /// Most wake tokens kept for receivers that are not waiting yet.
 pub const WAKE_TOKENS_MAX: usize = 64;
 
-/// KEYS: vis, body, wake. ARGV: triples of (id, delay ms, body). Adds each hint that is
-/// not already queued (the same instance and revision say the same thing), then pushes
-/// wake tokens for the receivers.
+/// KEYS: vis, body, count, wake. ARGV: triples of (id, delay ms, body). Adds each hint
+/// that is not queued yet. A hint already waiting and never received stays as it is (the
+/// same instance and revision say the same thing). A hint that was received since its
+/// publish is published anew: its receive count goes up by one, so the receipt handed out
+/// for it is stale and its ack removes nothing, and it becomes visible again at
+/// `now + delay` even while leased. Otherwise the receiver of the old delivery would ack
+/// the new publish away. Then pushes wake tokens for the receivers.
 pub static ENQUEUE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{NOW}
 local added = 0
 for i = 1, #ARGV, 3 do
-  if redis.call('ZADD', KEYS[1], 'NX', now + tonumber(ARGV[i + 1]), ARGV[i]) == 1 then
+  local at = now + tonumber(ARGV[i + 1])
+  if redis.call('ZADD', KEYS[1], 'NX', at, ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2])
+    added = added + 1
+  elseif redis.call('HEXISTS', KEYS[3], ARGV[i]) == 1 then
+    redis.call('HINCRBY', KEYS[3], ARGV[i], 1)
+    redis.call('ZADD', KEYS[1], 'XX', at, ARGV[i])
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2])
     added = added + 1
   end
 end
 if added > 0 then
-  for i = 1, math.min(added, {WAKE_TOKENS_MAX}) do redis.call('LPUSH', KEYS[3], 1) end
-  redis.call('LTRIM', KEYS[3], 0, {WAKE_TOKENS_MAX} - 1)
+  for i = 1, math.min(added, {WAKE_TOKENS_MAX}) do redis.call('LPUSH', KEYS[4], 1) end
+  redis.call('LTRIM', KEYS[4], 0, {WAKE_TOKENS_MAX} - 1)
 end
 return added"
     ))

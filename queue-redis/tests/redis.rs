@@ -72,3 +72,56 @@ async fn bad_url_name_and_server_down() {
         RedisQueue::connect(RedisQueueConfig::new("redis://127.0.0.1:9", "q")).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
 }
+
+/// Entries under the queue's keys that are not hints (written by something else, edited
+/// by hand, or encoded by another version) are removed when received, and the good hints
+/// leased with them are handed out in the same receive, or at once behind them.
+#[tokio::test]
+async fn entries_that_are_not_hints_are_removed_and_good_hints_still_arrive() {
+    let Some(q) = queue_or_skip("redis junk entries", URL_VAR, fresh_queue().await) else {
+        return;
+    };
+    let url = std::env::var(URL_VAR).unwrap();
+    let conn = redis::aio::ConnectionManager::new(redis::Client::open(url).unwrap()).await.unwrap();
+    let prefix = format!("keel:{{{}}}", q.name());
+    let (vis, body, count) =
+        (format!("{prefix}:vis"), format!("{prefix}:body"), format!("{prefix}:count"));
+    // An id that is not `<instance>:<revision>`, and a good id with a body of another
+    // encoding; both visible since the epoch, so they come before any real hint.
+    let plant = |mut conn: redis::aio::ConnectionManager| {
+        let (vis, body) = (vis.clone(), body.clone());
+        async move {
+            for (id, text) in [("x:y", "junk"), ("5:1", "no-priority-level")] {
+                redis::cmd("HSET").arg(&body).arg(id).arg(text).exec_async(&mut conn).await?;
+                redis::cmd("ZADD").arg(&vis).arg(0).arg(id).exec_async(&mut conn).await?;
+            }
+            redis::RedisResult::Ok(())
+        }
+    };
+    let fields = |key: String, mut conn: redis::aio::ConnectionManager| async move {
+        let mut names: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+        names.sort();
+        redis::RedisResult::Ok(names)
+    };
+
+    // Junk and a good hint leased in one batch.
+    plant(conn.clone()).await.unwrap();
+    q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
+    let got = q.receive(10, 5000 * MS, 100 * MS).await.unwrap();
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(q.len().await.unwrap(), 1, "the junk entries are still queued");
+    assert_eq!(fields(body.clone(), conn.clone()).await.unwrap(), ["1:1"]);
+    assert_eq!(fields(count.clone(), conn.clone()).await.unwrap(), ["1:1"]);
+    q.ack(vec![got[0].receipt.clone()]).await.unwrap();
+    assert_eq!(q.len().await.unwrap(), 0);
+
+    // Junk alone in the first rounds: a receive of one looks again at once.
+    plant(conn.clone()).await.unwrap();
+    q.enqueue(vec![Hint::new(InstanceId(2), 1)]).await.unwrap();
+    let got = q.receive(1, 5000 * MS, 100 * MS).await.unwrap();
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(q.len().await.unwrap(), 1, "the junk entries are still queued");
+    q.ack(vec![got[0].receipt.clone()]).await.unwrap();
+    assert!(fields(body, conn.clone()).await.unwrap().is_empty());
+    assert!(fields(count, conn).await.unwrap().is_empty());
+}
