@@ -16,7 +16,11 @@
 //!   `Invalid`, never shortened: that work stays in the store until it is due.
 //! - FIFO: `MessageGroupId` is the hint's group (its concurrency key) or else the
 //!   instance, and the deduplication id is `<instance>-<revision>`, so the same hint
-//!   published twice within SQS's five-minute window is delivered once.
+//!   published twice within SQS's five-minute window is delivered once. SQS takes 1 to
+//!   128 characters of printable ASCII as a group id; any other key is sent as `h-` and
+//!   a stable hash of it, so one key always maps to one group.
+//! - A publish sends every batch of 10 even when SQS refuses entries of one, and then
+//!   reports how many were refused and why.
 //! - Redrive: [`SqsQueue::create`] can create a dead-letter queue and a redrive policy, so
 //!   a hint that keeps failing to be acked leaves the main queue after `max_receives`.
 //!
@@ -53,6 +57,7 @@ use keel_core::ports::queue::{
     validate_receipts, validate_receive, validate_visibility,
 };
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
+use std::borrow::Cow;
 use std::time::Duration;
 
 /// Most entries SQS takes in one batch call (send, delete) and returns from one receive.
@@ -63,6 +68,8 @@ pub const SQS_DELAY_MAX: Duration = Duration::from_secs(15 * 60);
 pub const SQS_VISIBILITY_MAX: Duration = Duration::from_secs(12 * 3600);
 /// How long one call may take (a long poll waits up to 20 s of it).
 pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest `MessageGroupId` SQS accepts, in characters.
+pub const SQS_GROUP_ID_MAX: usize = 128;
 
 /// A client with static credentials for an SQS endpoint such as a local emulator.
 pub fn static_client(endpoint: &str, region: &str) -> Client {
@@ -114,6 +121,42 @@ fn encode(hint: &Hint) -> String {
         hint.priority.level(),
         hint.group.as_deref().unwrap_or("")
     )
+}
+
+/// The FIFO `MessageGroupId` of ordering group `group`. SQS takes 1 to 128 characters of
+/// printable ASCII (`!` to `~`), while a concurrency key may be any text up to 256 bytes.
+/// A group that SQS takes is sent as it is; any other is sent as `h-` and the FNV-1a
+/// 64-bit hash of its bytes in hex, so the same key always gives the same group and its
+/// hints stay in order. Two keys whose hashes collide share one group: their hints are
+/// then ordered together, which delays but never loses one.
+pub fn group_id(group: &str) -> Cow<'_, str> {
+    let valid = (1..=SQS_GROUP_ID_MAX).contains(&group.len())
+        && group.bytes().all(|b| (b'!'..=b'~').contains(&b));
+    if valid { Cow::Borrowed(group) } else { Cow::Owned(format!("h-{:016x}", fnv1a64(group))) }
+}
+
+/// FNV-1a over the bytes of `text`: the same value on every platform and every version,
+/// which `std`'s hashers do not promise.
+fn fnv1a64(text: &str) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    text.bytes().fold(OFFSET, |hash, b| (hash ^ u64::from(b)).wrapping_mul(PRIME))
+}
+
+/// The entries SQS refused during one publish: how many, and the first one's reason.
+#[derive(Debug, Default)]
+struct Refused {
+    count: usize,
+    first: Option<String>,
+}
+
+impl Refused {
+    fn add(&mut self, count: usize, reason: impl FnOnce() -> String) {
+        self.count += count;
+        if self.first.is_none() {
+            self.first = Some(reason());
+        }
+    }
 }
 
 fn decode(body: &str) -> Option<Hint> {
@@ -245,14 +288,27 @@ impl SqsQueue {
             .map_err(|_| StoreError::unavailable(format!("sqs {}: message count {n:?}", self.url)))
     }
 
-    async fn send_batch(&self, hints: &[Hint]) -> StoreResult<()> {
+    /// Sends one batch of at most 10 hints, the first of which is hint `first` of the
+    /// publish (entry ids are positions in the publish, so a refusal names its hint).
+    /// Refused entries, and a batch SQS refused as a whole, are added to `refused`; only a
+    /// call that got no answer from SQS is an error, since the next batches would wait on
+    /// the same outage.
+    async fn send_batch(
+        &self,
+        first: usize,
+        hints: &[Hint],
+        refused: &mut Refused,
+    ) -> StoreResult<()> {
         let mut call = self.client.send_message_batch().queue_url(&self.url);
         for (i, hint) in hints.iter().enumerate() {
             let mut entry = SendMessageBatchRequestEntry::builder()
-                .id(i.to_string())
+                .id((first + i).to_string())
                 .message_body(encode(hint));
             if self.fifo {
-                let group = hint.group.clone().unwrap_or_else(|| hint.instance.0.to_string());
+                let group = match &hint.group {
+                    Some(group) => group_id(group).into_owned(),
+                    None => hint.instance.0.to_string(),
+                };
                 entry = entry
                     .message_group_id(group)
                     .message_deduplication_id(format!("{}-{}", hint.instance.0, hint.revision));
@@ -263,16 +319,38 @@ impl SqsQueue {
                 entry.build().map_err(|e| unavailable("SendMessageBatch", &self.url, &e))?,
             );
         }
-        let out = call.send().await.map_err(|e| unavailable("SendMessageBatch", &self.url, &e))?;
+        let out = match call.send().await {
+            Ok(out) => out,
+            Err(e) if e.code().is_some() => {
+                refused.add(hints.len(), || {
+                    format!(
+                        "the batch from instance {}: {}",
+                        hints[0].instance.0,
+                        DisplayErrorContext(&e)
+                    )
+                });
+                return Ok(());
+            }
+            Err(e) => return Err(unavailable("SendMessageBatch", &self.url, &e)),
+        };
         if let Some(failed) = out.failed().first() {
-            return Err(StoreError::unavailable(format!(
-                "sqs SendMessageBatch on {}: {} of {} entries refused, first: {} {}",
-                self.url,
-                out.failed().len(),
-                hints.len(),
-                failed.code(),
-                failed.message().unwrap_or_default()
-            )));
+            let hint = failed
+                .id()
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| n.checked_sub(first))
+                .and_then(|n| hints.get(n));
+            refused.add(out.failed().len(), || {
+                format!(
+                    "{}: {} {}",
+                    hint.map_or_else(
+                        || format!("entry {}", failed.id()),
+                        |h| format!("instance {}", h.instance.0)
+                    ),
+                    failed.code(),
+                    failed.message().unwrap_or_default()
+                )
+            });
         }
         Ok(())
     }
@@ -384,11 +462,22 @@ impl Queue for SqsQueue {
 
     async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
         validate_enqueue(&hints, &self.capabilities())?;
-        // One batch after the other, so a group's hints reach a FIFO queue in order.
-        for chunk in hints.chunks(SQS_BATCH_MAX) {
-            self.send_batch(chunk).await?;
+        // One batch after the other, so a group's hints reach a FIFO queue in order. A
+        // refused batch does not stop the others: its hints are reported after the last.
+        let mut refused = Refused::default();
+        for (n, chunk) in hints.chunks(SQS_BATCH_MAX).enumerate() {
+            self.send_batch(n * SQS_BATCH_MAX, chunk, &mut refused).await?;
         }
-        Ok(())
+        match refused.first {
+            None => Ok(()),
+            Some(first) => Err(StoreError::unavailable(format!(
+                "sqs SendMessageBatch on {}: {} of {} hints refused, the others were sent; \
+                 first refusal: {first}",
+                self.url,
+                refused.count,
+                hints.len()
+            ))),
+        }
     }
 
     async fn receive(
@@ -429,5 +518,48 @@ impl Queue for SqsQueue {
         validate_receipts(std::slice::from_ref(&receipt))?;
         validate_visibility(visibility, &self.capabilities())?;
         self.change_visibility(receipt, secs(visibility), "extend").await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SQS_GROUP_ID_MAX, fnv1a64, group_id};
+
+    /// What SQS takes as a `MessageGroupId`: 1 to 128 characters of `!` to `~`.
+    fn sqs_takes(id: &str) -> bool {
+        (1..=SQS_GROUP_ID_MAX).contains(&id.len()) && id.bytes().all(|b| (b'!'..=b'~').contains(&b))
+    }
+
+    #[test]
+    fn every_key_maps_to_a_group_id_sqs_takes_and_always_the_same_one() {
+        let long = "k".repeat(200);
+        let keys = ["a b", "tenant Acme", "café", "日本", "tab\there", "", long.as_str()];
+        for key in keys {
+            let id = group_id(key);
+            assert!(sqs_takes(&id), "key {key:?} gave group id {id:?}");
+            assert!(id.starts_with("h-"), "key {key:?} is not a valid id, so it is hashed");
+            assert_eq!(id, group_id(key), "key {key:?} gave two different ids");
+        }
+        assert_ne!(group_id("a b"), group_id("a  b"), "different keys, different groups");
+        assert_ne!(group_id(&long), group_id(&"k".repeat(201)));
+    }
+
+    #[test]
+    fn keys_sqs_takes_are_used_as_they_are() {
+        let longest = "x".repeat(SQS_GROUP_ID_MAX);
+        for key in ["tenant-42", "a", "!~{}|:#", "1234", longest.as_str()] {
+            assert_eq!(group_id(key), key);
+        }
+        assert_ne!(group_id(&"x".repeat(SQS_GROUP_ID_MAX + 1)), "x".repeat(SQS_GROUP_ID_MAX + 1));
+    }
+
+    /// The hash must never change between versions: a group id that changed during a
+    /// rolling upgrade would let hints of one key overtake each other.
+    #[test]
+    fn the_hash_is_fnv1a_64() {
+        assert_eq!(fnv1a64(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a64("foobar"), 0x8594_4171_f739_67e8);
+        assert_eq!(group_id("a b"), format!("h-{:016x}", fnv1a64("a b")));
     }
 }
