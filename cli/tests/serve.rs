@@ -1025,11 +1025,15 @@ fn a_polling_http_worker_is_listed_and_lease_gauges_are_exported() {
         let (code, text) = s.get("/metrics");
         assert_eq!(code, 200, "{name}");
         let samples = parse_prometheus(&text);
+        // Summed over the machine's queues (`keel_leases_held` has one series per queue).
         let value = |metric: &str| {
-            samples
+            let matching: Vec<f64> = samples
                 .iter()
-                .find(|(m, labels, _)| m == metric && labels.contains("machine=\"echo\""))
-                .map_or_else(|| panic!("{name}: no {metric} for echo in\n{text}"), |s| s.2)
+                .filter(|(m, labels, _)| m == metric && labels.contains("machine=\"echo\""))
+                .map(|s| s.2)
+                .collect();
+            assert!(!matching.is_empty(), "{name}: no {metric} for echo in\n{text}");
+            matching.iter().sum::<f64>()
         };
         assert_eq!(value("keel_leases_held"), 1.0, "{name}");
         assert_eq!(value("keel_leases_expired"), 1.0, "{name}: the lease ran out unreaped");
