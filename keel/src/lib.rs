@@ -366,7 +366,7 @@ impl Keel {
         queue: Arc<dyn keel_core::ports::Queue>,
         config: keel_scheduler::HintConfig,
     ) -> Result<Keel, Error> {
-        worker::check_hints(&config)?;
+        worker::check_hints(&config, queue.as_ref())?;
         self.client = self.client.with_queue(Arc::clone(&queue));
         self.hints = Some((queue, config));
         Ok(self)

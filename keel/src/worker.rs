@@ -99,7 +99,7 @@ impl WorkerBuilder {
     /// the one its [`Keel`](crate::Keel) was given, if any. A bad `config` is an error
     /// naming the field.
     pub fn with_queue(self, queue: Arc<dyn Queue>, config: HintConfig) -> Result<Self, Error> {
-        check_hints(&config)?;
+        check_hints(&config, queue.as_ref())?;
         Ok(self.hints_from(queue, config))
     }
 
@@ -167,6 +167,6 @@ impl WorkerBuilder {
 
 /// `config`'s bounds, as the error [`crate::Keel::with_queue`] and
 /// [`WorkerBuilder::with_queue`] return.
-pub(crate) fn check_hints(config: &HintConfig) -> Result<(), Error> {
-    config.validate().map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))
+pub(crate) fn check_hints(config: &HintConfig, queue: &dyn Queue) -> Result<(), Error> {
+    config.validate_for(queue).map_err(|e| Error::Settings(format!("invalid HintConfig: {e}")))
 }

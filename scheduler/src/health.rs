@@ -89,13 +89,15 @@ impl WorkerHealth {
 }
 
 /// The back-off after failures of a background loop: 50 ms, doubling with every failure
-/// in a row, at most [`LOOP_BACKOFF_MAX`]. A loop never waits less than its own period.
+/// in a row, at most [`LOOP_BACKOFF_MAX`], each wait drawn between half and all of that
+/// (workers that lost the same server do not all come back at the same instant). A loop
+/// never waits less than its own period.
 const LOOP_BACKOFF: RetryPolicy = RetryPolicy {
     max_attempts: RetryPolicy::MAX_ATTEMPTS_LIMIT,
     backoff: Backoff::Exponential,
     initial_delay: Duration::from_millis(50),
     max_delay: LOOP_BACKOFF_MAX,
-    jitter: Jitter::None,
+    jitter: Jitter::Equal,
 };
 
 /// The longest a background loop waits after failures before it tries again.
@@ -136,7 +138,7 @@ impl HealthBook {
         self.with(which, |h| {
             h.last_error = Some((now, error));
             h.consecutive_failures = h.consecutive_failures.saturating_add(1);
-            LOOP_BACKOFF.delay_for(h.consecutive_failures - 1, 0.0)
+            LOOP_BACKOFF.delay_for(h.consecutive_failures - 1, fastrand::f64())
         })
     }
 
@@ -164,23 +166,13 @@ mod tests {
         let waits: Vec<Duration> =
             (0..10).map(|n| book.failure(WorkerLoop::Claim, at, format!("e{n}"))).collect();
         let ms = Duration::from_millis;
-        assert_eq!(
-            waits,
-            [
-                ms(50),
-                ms(100),
-                ms(200),
-                ms(400),
-                ms(800),
-                ms(1600),
-                ms(3200),
-                ms(5000),
-                ms(5000),
-                ms(5000)
-            ]
-        );
+        let bases = [50, 100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000].map(ms);
+        for (wait, base) in waits.iter().zip(bases) {
+            assert!(base / 2 <= *wait && *wait <= base, "{wait:?} outside {base:?}/2..={base:?}");
+        }
         book.success(WorkerLoop::Claim, Timestamp(2));
-        assert_eq!(book.failure(WorkerLoop::Claim, at, "again".into()), ms(50));
+        let again = book.failure(WorkerLoop::Claim, at, "again".into());
+        assert!(ms(25) <= again && again <= ms(50), "{again:?}");
         let health = book.snapshot();
         let claim = health.get(WorkerLoop::Claim).expect("recorded");
         assert_eq!(claim.last_success, Some(Timestamp(2)));

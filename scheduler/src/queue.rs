@@ -79,6 +79,20 @@ impl HintConfig {
         }
         Ok(())
     }
+
+    /// [`validate`](Self::validate), and the bounds of `queue`: a visibility longer than
+    /// the queue keeps a lease would fail every receive, which the worker would take for
+    /// an outage and retry for ever.
+    pub fn validate_for(&self, queue: &dyn Queue) -> Result<(), String> {
+        self.validate()?;
+        match queue.capabilities().visibility_max {
+            Some(most) if self.visibility > most => Err(format!(
+                "visibility: {:?} is longer than this queue keeps a lease ({most:?}); give at most that",
+                self.visibility
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Default for HintConfig {
@@ -106,6 +120,9 @@ pub struct HintStats {
     pub repaired: AtomicU64,
     /// Hints left to the store because their delay is longer than the queue keeps.
     pub held_back: AtomicU64,
+    /// Hints whose instance was ready but not claimed here, handed back for another
+    /// worker.
+    pub handed_back: AtomicU64,
 }
 
 /// A worker's queue and its settings.
@@ -182,14 +199,14 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     ///
     /// # Panics
     ///
-    /// When [`HintConfig::validate`] refuses `config`.
+    /// When [`HintConfig::validate_for`] refuses `config` for `queue`.
     #[must_use]
     pub fn with_queue(
         mut self,
         queue: Arc<dyn Queue>,
         config: HintConfig,
     ) -> (Self, Arc<HintStats>) {
-        if let Err(e) = config.validate() {
+        if let Err(e) = config.validate_for(queue.as_ref()) {
             panic!("invalid HintConfig: {e}");
         }
         let stats = Arc::new(HintStats::default());
@@ -250,6 +267,17 @@ pub(super) fn publish_committed<S, C>(
     });
 }
 
+/// Whether a failed publish is worth a warning: the first, then at most one a minute in
+/// this process (a queue that is down fails every publish; one line says so).
+fn publish_warning_due() -> bool {
+    static SINCE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    static LAST: AtomicU64 = AtomicU64::new(u64::MAX);
+    let now = SINCE.get_or_init(std::time::Instant::now).elapsed().as_secs();
+    let last = LAST.load(Ordering::Relaxed);
+    (last == u64::MAX || now >= last.saturating_add(60))
+        && LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+}
+
 /// What [`publish`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Published {
@@ -273,7 +301,11 @@ pub(crate) async fn publish(queue: &dyn Queue, hints: Vec<Hint>) -> Published {
         match queue.enqueue(chunk.to_vec()).await {
             Ok(()) => out.taken += n,
             Err(e) => {
-                tracing::debug!(error = %e, "publishing hints failed; the repair pass or polling takes the work");
+                if publish_warning_due() {
+                    tracing::warn!(error = %e, "publishing hints failed; the repair pass or polling takes the work (said at most once a minute)");
+                } else {
+                    tracing::debug!(error = %e, "publishing hints failed");
+                }
                 out.failed += n;
             }
         }
@@ -514,11 +546,13 @@ fn hint_open<S: Store, C: Clock>(inner: &Inner<S, C>, slots: &QueueSlots) -> boo
     !inner.config.claim_policy(&slots.name).is_queue_wide()
 }
 
-/// Claims the instances of `deliveries` by id, starts what was claimed and acks every
-/// hint: one that claimed nothing was stale or a duplicate. When the store is
-/// unavailable the hints are not acked and come back after their visibility. Returns how
-/// many instances the hints claimed, `None` when they could not be tried (no free slot,
-/// the store failed).
+/// Claims the instances of `deliveries` by id, starts what was claimed and settles every
+/// hint: a claimed one is acked; one that took nothing is acked when its instance is gone
+/// or not ready (stale or a duplicate) and handed back for another worker when it is
+/// ready (`plan::hints::unclaimed`: another worker may serve its machine, namespace or
+/// queue, or have the slot this one lacks). When the store is unavailable the hints are
+/// not acked and come back after their visibility. Returns how many instances the hints
+/// claimed, `None` when they could not be tried (no free slot, the store failed).
 async fn claim_hinted<S: Store, C: Clock>(
     inner: &Arc<Inner<S, C>>,
     link: &HintLink,
@@ -535,25 +569,66 @@ async fn claim_hinted<S: Store, C: Clock>(
         }
         return None;
     };
-    let claimed = match inner.store.instance_claim_ids(ids.into_iter().collect(), params).await {
-        Ok(claims) => {
-            link.stats.claimed.fetch_add(claims.len() as u64, Ordering::Relaxed);
-            let n = claims.len();
-            launch(inner, queues, tx, claims, false).await;
-            Some(n)
-        }
-        Err(e) if e.is_retryable() => {
-            tracing::debug!(error = %e, "claim by hint failed; the hints come back later");
-            return None;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "claim by hint refused; dropping the hints");
-            None
-        }
-    };
-    let receipts = deliveries.into_iter().map(|d| d.receipt).collect();
+    let (claimed, taken) =
+        match inner.store.instance_claim_ids(ids.into_iter().collect(), params).await {
+            Ok(claims) => {
+                link.stats.claimed.fetch_add(claims.len() as u64, Ordering::Relaxed);
+                let n = claims.len();
+                let taken: BTreeSet<InstanceId> = claims.iter().map(|c| c.instance.id).collect();
+                launch(inner, queues, tx, claims, false).await;
+                (Some(n), Some(taken))
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::debug!(error = %e, "claim by hint failed; the hints come back later");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "claim by hint refused; dropping the hints");
+                (None, None)
+            }
+        };
+    let (mut done, missed): (Vec<Delivery>, Vec<Delivery>) = deliveries
+        .into_iter()
+        .partition(|d| taken.as_ref().is_none_or(|t| t.contains(&d.hint.instance)));
+    if !missed.is_empty() {
+        done.extend(hand_back(inner, link, missed).await);
+    }
+    let receipts = done.into_iter().map(|d| d.receipt).collect();
     if let Err(e) = link.queue.ack(receipts).await {
         tracing::debug!(error = %e, "acking hints failed; they come back and are acked then");
     }
     claimed
+}
+
+/// Hands back the hints of `missed` whose instances are ready, for another worker;
+/// returns the rest, to be acked. When the rows cannot be read, every hint is returned
+/// (acked): polling and the repair pass find what was ready.
+async fn hand_back<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    link: &HintLink,
+    missed: Vec<Delivery>,
+) -> Vec<Delivery> {
+    let ids: BTreeSet<InstanceId> = missed.iter().map(|d| d.hint.instance).collect();
+    let rows = match inner.store.instance_rows(ids.into_iter().collect()).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            tracing::debug!(error = %e, "reading unclaimed hints' instances failed; dropping the hints");
+            return missed;
+        }
+    };
+    let now = inner.clock.now();
+    let mut drop = Vec::new();
+    for d in missed {
+        let row = rows.iter().find(|r| r.id == d.hint.instance);
+        match hints::unclaimed(row, d.receive_count, now) {
+            hints::Unclaimed::Drop => drop.push(d),
+            hints::Unclaimed::HandBack(delay) => {
+                link.stats.handed_back.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = link.queue.nack(d.receipt, delay).await {
+                    tracing::debug!(error = %e, "handing a hint back failed; it comes back after its visibility");
+                }
+            }
+        }
+    }
+    drop
 }

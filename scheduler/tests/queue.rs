@@ -443,6 +443,60 @@ async fn server_down_then_back<S: TestStore>(
     worker.shutdown().await;
 }
 
+/// A machine the counting worker does not serve.
+struct Elsewhere;
+
+#[async_trait]
+impl StepMachine for Elsewhere {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("elsewhere", 1)
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+/// Workers of different machines share one queue, as a deployment's processes do, with
+/// polling all but off and no repair pass: a hint the worker that received it cannot claim
+/// (another worker's machine) goes back to the queue for the others instead of being
+/// dropped, so every step is still carried by hints.
+async fn hints_for_another_workers_machine_go_back<S: TestStore, Q: Queue>(
+    queue: Arc<Q>,
+    setup: Setup,
+) {
+    let setup = Setup { repair_after: None, ..setup };
+    let h = S::harness().await;
+    let _ticking = Ticking::start(&h.clock);
+    let named = |id: &str| WorkerConfig {
+        worker_id: keel_core::ids::WorkerId(id.to_owned()),
+        ..config(&h, setup)
+    };
+    let (counting, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), named("counting"))
+        .register(Counter)
+        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+    let (other, other_hints) =
+        Worker::new(Arc::clone(&h.store), h.clock.clone(), named("elsewhere"))
+            .register(Elsewhere)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+    let (counting, other) = (counting.spawn(), other.spawn());
+    let started = tokio::time::Instant::now();
+    for w in [&counting, &other] {
+        while w.health().get(WorkerLoop::Claim).and_then(|l| l.last_success).is_none() {
+            assert!(started.elapsed() < Duration::from_secs(10), "a claim loop never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+    let ids = start_all(&client, setup.n).await;
+    let stats = Arc::clone(counting.stats());
+    finish(&h, &ids, || stats.committed(), setup.limit).await;
+    let steps = setup.n as u64 * (STEPS as u64 + 1);
+    assert_eq!(claimed(&hints), steps, "steps claimed by hint");
+    assert_eq!(claimed(&other_hints), 0);
+    counting.shutdown().await;
+    other.shutdown().await;
+}
+
 /// A queue in front of another that counts receives and nacks.
 struct Counting<Q> {
     inner: Arc<Q>,
@@ -479,16 +533,18 @@ impl<Q: Queue> Queue for Counting<Q> {
     }
 }
 
-/// A queue whose publishing takes `delay` (a queue server that hangs).
+/// A queue whose publishing takes `delay` (a queue server that hangs), keeping a lease
+/// at most `visibility_max`.
 struct Slow {
     inner: MemoryQueue,
     delay: Duration,
+    visibility_max: Option<Duration>,
 }
 
 #[async_trait]
 impl Queue for Slow {
     fn capabilities(&self) -> QueueCapabilities {
-        self.inner.capabilities()
+        QueueCapabilities { visibility_max: self.visibility_max, ..self.inner.capabilities() }
     }
     async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
         tokio::time::sleep(self.delay).await;
@@ -516,12 +572,38 @@ impl Queue for Slow {
 mod memory {
     use super::*;
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_for_another_workers_machine_go_back() {
+        super::hints_for_another_workers_machine_go_back::<MemoryStore, _>(
+            Arc::new(MemoryQueue::new()),
+            Setup { limit: Duration::from_secs(60), ..Setup::no_polling(50) },
+        )
+        .await;
+    }
+
+    /// A visibility longer than the queue keeps a lease is refused up front, naming the
+    /// field and the queue's bound, instead of failing every receive later.
+    #[test]
+    fn a_visibility_the_queue_cannot_keep_is_refused() {
+        let hour = Duration::from_secs(3600);
+        let queue =
+            Slow { inner: MemoryQueue::new(), delay: Duration::ZERO, visibility_max: Some(hour) };
+        let long = HintConfig { visibility: 2 * hour, ..HintConfig::default() };
+        let error = long.validate_for(&queue).unwrap_err();
+        assert!(error.starts_with("visibility: 7200s is longer than this queue keeps"), "{error}");
+        HintConfig { visibility: hour, ..HintConfig::default() }.validate_for(&queue).unwrap();
+    }
+
     /// A start is stored once the store says so; a queue that hangs delays only the
     /// announcement, which still goes out, not the caller.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hanging_queue_does_not_hold_up_starts() {
         let h = MemoryStore::harness().await;
-        let queue = Arc::new(Slow { inner: MemoryQueue::new(), delay: Duration::from_secs(3) });
+        let queue = Arc::new(Slow {
+            inner: MemoryQueue::new(),
+            delay: Duration::from_secs(3),
+            visibility_max: None,
+        });
         let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
         let began = tokio::time::Instant::now();
         let ids = start_all(&client, 1).await;
@@ -644,6 +726,16 @@ mod redis {
     async fn hints_carry_the_steps() {
         let Some(q) = queue("hints_carry_the_steps").await else { return };
         super::hints_carry_the_steps::<MemoryStore, _>(q, Setup::no_polling(300)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hints_for_another_workers_machine_go_back() {
+        let Some(q) = queue("hints_for_another_workers_machine_go_back").await else { return };
+        super::hints_for_another_workers_machine_go_back::<MemoryStore, _>(
+            q,
+            Setup { limit: Duration::from_secs(60), ..Setup::no_polling(50) },
+        )
+        .await;
     }
 
     /// A queue on a private server of the test's own (it flushes or stops it), when Redis

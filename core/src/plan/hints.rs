@@ -176,9 +176,68 @@ pub fn repair_hint(row: &Instance) -> Hint {
     hint
 }
 
+/// Times a hint whose instance is ready but went unclaimed is handed back to the queue
+/// before its receiver drops it (polling and the repair pass still find the work).
+pub const HAND_BACK_MAX: u32 = 20;
+
+/// Longest a handed-back hint waits before it is visible again.
+const HAND_BACK_DELAY_MAX: Duration = Duration::from_secs(1);
+
+/// What the receiver of a hint does with it when its claim by id did not take the
+/// instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unclaimed {
+    /// Ack it: the instance is gone or not ready (the hint was stale or a duplicate), or
+    /// it was handed back [`HAND_BACK_MAX`] times already.
+    Drop,
+    /// Hand it back, visible again after this delay: the instance is ready, so another
+    /// worker may take it — one serving its machine, namespace or queue, or one with a
+    /// free slot or a free turn of its concurrency key.
+    HandBack(Duration),
+}
+
+/// The fate of a hint its receiver's claim did not take: `row` is the instance as read
+/// after the claim (`None` when it is gone), `receive_count` the delivery's. A ready
+/// instance's hint goes back with a delay that doubles from 20 ms with each receive (at
+/// most 1 s), so workers that cannot take it pass it on without spinning, and a hint no
+/// worker takes by id ends after [`HAND_BACK_MAX`] receives.
+pub fn unclaimed(row: Option<&Instance>, receive_count: u32, now: Timestamp) -> Unclaimed {
+    match row {
+        Some(row) if outcome::claimable(row, now) && receive_count <= HAND_BACK_MAX => {
+            let doublings = receive_count.saturating_sub(1).min(10);
+            let delay = (Duration::from_millis(20) * (1 << doublings)).min(HAND_BACK_DELAY_MAX);
+            Unclaimed::HandBack(delay)
+        }
+        _ => Unclaimed::Drop,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unclaimed_ready_hint_goes_back_a_bounded_number_of_times() {
+        let now = Timestamp(1_000);
+        let ready = row(1, Status::Runnable, 0, 0);
+        let ms = Duration::from_millis;
+        assert_eq!(unclaimed(Some(&ready), 1, now), Unclaimed::HandBack(ms(20)));
+        assert_eq!(unclaimed(Some(&ready), 2, now), Unclaimed::HandBack(ms(40)));
+        assert_eq!(unclaimed(Some(&ready), 7, now), Unclaimed::HandBack(ms(1_000)));
+        assert_eq!(unclaimed(Some(&ready), HAND_BACK_MAX, now), Unclaimed::HandBack(ms(1_000)));
+        assert_eq!(unclaimed(Some(&ready), HAND_BACK_MAX + 1, now), Unclaimed::Drop);
+        assert_eq!(unclaimed(Some(&ready), u32::MAX, now), Unclaimed::Drop);
+        // Gone, executing elsewhere, parked or not due yet: the hint was stale.
+        assert_eq!(unclaimed(None, 1, now), Unclaimed::Drop);
+        for stale in [
+            row(1, Status::Executing, 0, 0),
+            row(1, Status::AwaitingSignal, 0, 0),
+            row(1, Status::Done, 0, 0),
+            row(1, Status::Runnable, 0, 2_000),
+        ] {
+            assert_eq!(unclaimed(Some(&stale), 1, now), Unclaimed::Drop, "{stale:?}");
+        }
+    }
     use crate::ids::{InstanceId, MachineRef, Status};
     use crate::instance::NewInstance;
     use std::time::Duration;
