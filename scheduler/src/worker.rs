@@ -158,7 +158,10 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
-    /// Applies a configuration file: refuses a key this version does not apply, serves
+    /// Applies a configuration file: refuses a key this version does not apply, fires the
+    /// file's `[schedules.<name>]` besides the program's (a file schedule replaces the
+    /// program's of the same name and namespace; the worker's [`Schedules`] handle is a
+    /// new one then, so take it from [`WorkerHandle::schedules`]), serves
     /// every queue the file names besides the worker's own ([`KeelConfig::named_queues`]:
     /// where the file starts instances, and each `[queues.<q>]` section), gives each queue
     /// the slots the file sets for it (`[queues.<q>] concurrency`, else `[queue]
@@ -182,6 +185,22 @@ impl WorkerConfig {
             if let Some(n) = settings.worker_slots(queue) {
                 *slots = n as usize;
             }
+        }
+        // The file's schedules fire on this worker too, each replacing a schedule of the
+        // program's with its name (the file wins, as for every other key).
+        let from_file = settings.schedules()?;
+        if !from_file.is_empty() {
+            let mut all: Vec<_> = self
+                .schedules
+                .schedules()
+                .iter()
+                .filter(|s| {
+                    from_file.iter().all(|f| f.name() != s.name() || f.namespace() != s.namespace())
+                })
+                .cloned()
+                .collect();
+            all.extend(from_file);
+            self.schedules = Schedules::new(all);
         }
         self.settings = Some(Arc::new(settings));
         Ok(self)
@@ -537,11 +556,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             dead_letters
                 .sort_by(|a, b| (&a.namespace, &a.machine).cmp(&(&b.namespace, &b.machine)));
             dead_letters.dedup_by(|a, b| a.namespace == b.namespace && a.machine == b.machine);
-            let namespace = match self.config.namespaces.as_slice() {
-                [one] => Some(one.clone()),
-                _ => None,
-            };
-            Pruner { config, namespace, dead_letters, stats: Arc::clone(&pruned) }
+            Pruner {
+                config,
+                namespaces: self.config.namespaces.clone(),
+                dead_letters,
+                stats: Arc::clone(&pruned),
+                cursors: Arc::default(),
+            }
         });
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let stats = Arc::new(WorkerStats::default());

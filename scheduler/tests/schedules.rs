@@ -24,6 +24,7 @@ on_every_store!(
     a_paused_schedule_fires_nothing_until_resumed,
     a_broadcast_tick_reaches_each_instance_in_the_state_once,
     a_pause_stored_for_the_fleet_stops_every_worker_and_resuming_fires_only_later_ticks,
+    the_files_schedules_fire_on_a_worker_given_the_file,
 );
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -255,4 +256,32 @@ async fn a_pause_stored_for_the_fleet_stops_every_worker_and_resuming_fires_only
     for w in [a, b, c] {
         w.shutdown().await;
     }
+}
+
+/// `[schedules.<name>]` in the configuration file fire on a worker given the file, beside
+/// the program's own; a file schedule of the program's name replaces it.
+async fn the_files_schedules_fire_on_a_worker_given_the_file<S: TestStore>() {
+    let h = S::harness().await;
+    let file = keel_core::config::KeelConfig::from_toml_str(
+        "[schedules.every-minute]\ncron = \"* * * * *\"\nstart = { machine = \"report\", at = \"run\" }\n\
+         [schedules.from-file]\ncron = \"* * * * *\"\nstart = { machine = \"report\", at = \"run\" }\n",
+    )
+    .expect("a valid file");
+    let config = WorkerConfig {
+        worker_id: WorkerId("filed".into()),
+        timers: None,
+        queues: vec![("elsewhere".into(), 1)],
+        schedules: Schedules::new(vec![every_minute(MissedTicks::Skip)]),
+        ..h.config()
+    }
+    .with_settings(file)
+    .expect("the file applies");
+    let names: Vec<&str> = config.schedules.schedules().iter().map(Schedule::name).collect();
+    assert_eq!(names, ["every-minute", "from-file"]);
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), config).spawn();
+    polled(&[&worker], h.clock.now()).await;
+    let now = h.clock.advance(MINUTE);
+    polled(&[&worker], now).await;
+    assert_eq!(started(&h).await, 2, "one tick of each: {:?}", worker.schedules().counts());
+    worker.shutdown().await;
 }
