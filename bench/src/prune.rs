@@ -166,9 +166,10 @@ async fn run(store: &Arc<keel_store_postgres::PgStore>, n: usize) -> Result<Figu
             ended: Some(Duration::from_secs(3_600)),
             ..RetentionConfig::default()
         },
-        namespace: None,
+        namespaces: Vec::new(),
         dead_letters: Vec::new(),
         stats: Arc::default(),
+        cursors: Arc::default(),
     };
     let sampler = {
         let (store, stop) = (Arc::clone(store), Arc::clone(&stop));

@@ -4,7 +4,8 @@
 //! in step) makes the passes [`RetentionConfig::passes`] lists: pages of
 //! `Store::instance_prune`, each one short transaction over at most `retention.batch`
 //! rows, with `retention.pause` between pages and at most
-//! [`PAGES_PER_PASS_MAX`] pages per pass. Then
+//! [`PAGES_PER_PASS_MAX`] pages per pass; a pass that runs out of pages goes on from
+//! there at the next run ([`PruneCursors`]). Then
 //! it trims every instance's history to its newest `history_per_instance` entries
 //! ([`RetentionConfig::trim_passes`]: pages of `Store::history_trim`, each deleting at
 //! most `retention.batch` rows, under the same pause and page bound), and purges the dead
@@ -19,9 +20,10 @@ use keel_core::limits;
 use keel_core::ports::store::{DeadLetterPurgeParams, DeadLetterSelector, PrunePage};
 use keel_core::ports::{Clock, Store};
 use keel_core::retention::{PAGES_PER_PASS_MAX, RetentionConfig};
-use keel_core::{StoreResult, Timestamp};
-use std::sync::Arc;
+use keel_core::{InstanceId, StoreResult, Timestamp};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -106,12 +108,45 @@ pub struct DeadLetterRetention {
 pub struct Pruner {
     /// Retention of ended instances.
     pub config: RetentionConfig,
-    /// Only this namespace (`None` = every namespace).
-    pub namespace: Option<String>,
+    /// Only these namespaces (empty = every namespace): a worker prunes and trims only
+    /// what it serves, never another team's namespace under its own retention.
+    pub namespaces: Vec<String>,
     /// Dead-letter retention per machine.
     pub dead_letters: Vec<DeadLetterRetention>,
     /// What it removed.
     pub stats: Arc<PruneStats>,
+    /// Where each pass stopped at its page bound, for the next run to go on from.
+    pub cursors: Arc<PruneCursors>,
+}
+
+/// Which walk a cursor belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum PassKind {
+    Prune,
+    Trim,
+}
+
+/// A pass's cursor key: its namespace (`None`: all), its kind and its place in the run.
+type PassKey = (Option<String>, PassKind, usize);
+
+/// Where each pass of a pruner stopped when it ran out of pages: the next run goes on
+/// from there, so a table larger than one run's pages is still walked to its end (a
+/// pass that reached the end starts again from the lowest id).
+#[derive(Debug, Default)]
+pub struct PruneCursors(Mutex<BTreeMap<PassKey, InstanceId>>);
+
+impl PruneCursors {
+    fn get(&self, key: &PassKey) -> Option<InstanceId> {
+        self.0.lock().expect("prune cursors lock").get(key).copied()
+    }
+
+    fn set(&self, key: PassKey, at: Option<InstanceId>) {
+        let mut cursors = self.0.lock().expect("prune cursors lock");
+        match at {
+            Some(at) => cursors.insert(key, at),
+            None => cursors.remove(&key),
+        };
+    }
 }
 
 impl Pruner {
@@ -122,37 +157,103 @@ impl Pruner {
     ///
     /// The first store error; the rows already removed stay removed.
     pub async fn run_once<S: Store + ?Sized>(&self, store: &S, now: Timestamp) -> StoreResult<()> {
-        for mut pass in self.config.passes(self.namespace.as_deref(), now) {
+        self.run_unless(store, now, &|| false).await
+    }
+
+    /// [`run_once`](Self::run_once), stopping before the next page once `stop` says so (a
+    /// worker shutting down waits for one page, not for a whole run over a large table);
+    /// a run so stopped is not counted.
+    async fn run_unless<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        now: Timestamp,
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> StoreResult<()> {
+        let scopes: Vec<Option<&str>> = if self.namespaces.is_empty() {
+            vec![None]
+        } else {
+            self.namespaces.iter().map(|ns| Some(ns.as_str())).collect()
+        };
+        for scope in &scopes {
+            self.prune_and_trim(store, *scope, now, stop).await?;
+        }
+        self.purge_dead_letters(store, now, stop).await?;
+        if !stop() {
+            self.stats.runs.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Every prune pass, then every history trim pass, of one namespace (`None`: all).
+    async fn prune_and_trim<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        namespace: Option<&str>,
+        now: Timestamp,
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> StoreResult<()> {
+        for (n, mut pass) in self.config.passes(namespace, now).into_iter().enumerate() {
+            let key = (namespace.map(str::to_owned), PassKind::Prune, n);
+            pass.after = self.cursors.get(&key);
             for page_no in 0..PAGES_PER_PASS_MAX {
+                if stop() {
+                    break;
+                }
                 let page = store.instance_prune(pass.clone()).await?;
                 self.stats.add_page(&page);
-                match page.last {
-                    Some(last) => pass.after = Some(last),
-                    None => break,
+                pass.after = page.last;
+                if pass.after.is_none() {
+                    break;
                 }
                 if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
                     tokio::time::sleep(self.config.pause).await;
                 }
             }
+            self.cursors.set(key, pass.after);
+            if stop() {
+                return Ok(());
+            }
         }
-        for mut pass in self.config.trim_passes(self.namespace.as_deref()) {
+        for (n, mut pass) in self.config.trim_passes(namespace).into_iter().enumerate() {
+            let key = (namespace.map(str::to_owned), PassKind::Trim, n);
+            pass.after = self.cursors.get(&key);
             for page_no in 0..PAGES_PER_PASS_MAX {
+                if stop() {
+                    break;
+                }
                 let page = store.history_trim(pass.clone()).await?;
                 self.stats.history_trimmed.fetch_add(page.history, Ordering::Relaxed);
                 if page.history > 0 {
                     metrics::counter!("keel_pruned_rows_total", "kind" => "history_trimmed")
                         .increment(page.history);
                 }
-                match page.last {
-                    Some(last) => pass.after = Some(last),
-                    None => break,
+                pass.after = page.last;
+                if pass.after.is_none() {
+                    break;
                 }
                 if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
                     tokio::time::sleep(self.config.pause).await;
                 }
             }
+            self.cursors.set(key, pass.after);
+            if stop() {
+                return Ok(());
+            }
         }
+        Ok(())
+    }
+
+    /// Each machine's dead letters older than its retention.
+    async fn purge_dead_letters<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        now: Timestamp,
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> StoreResult<()> {
         for d in &self.dead_letters {
+            if stop() {
+                return Ok(());
+            }
             let params = DeadLetterPurgeParams {
                 selector: Some(DeadLetterSelector::Machine {
                     namespace: d.namespace.clone(),
@@ -174,7 +275,6 @@ impl Pruner {
                 }
             }
         }
-        self.stats.runs.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -188,7 +288,8 @@ impl Pruner {
         mut shutdown: watch::Receiver<bool>,
     ) {
         while !*shutdown.borrow() {
-            let wait = match self.run_once(&*store, clock.now()).await {
+            let stop = || *shutdown.borrow();
+            let wait = match self.run_unless(&*store, clock.now(), &stop).await {
                 Ok(()) => self.config.next_wait(fastrand::f64()),
                 Err(e) => {
                     tracing::warn!(error = %e, "pruning failed; it is tried again later");

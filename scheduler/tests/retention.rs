@@ -25,6 +25,8 @@ on_every_store!(
     dead_letters_go_after_their_machine_retention,
     the_files_dead_letter_retention_wins_over_the_code,
     history_is_trimmed_to_the_newest_entries_per_instance,
+    a_worker_prunes_only_the_namespaces_it_serves,
+    shutdown_waits_for_one_prune_page_not_the_whole_run,
 );
 
 const HOUR: Duration = Duration::from_secs(3_600);
@@ -266,4 +268,88 @@ async fn history_is_trimmed_to_the_newest_entries_per_instance<S: TestStore>() {
     assert_eq!(counts.history_trimmed, trimmed as u64, "every older entry once: {counts:?}");
     assert_eq!(counts.instances, 0, "no `ended`: instances stay");
     worker.shutdown().await;
+}
+
+/// A worker serving namespaces `a` and `b` prunes under its retention there and leaves
+/// namespace `c`, which another deployment serves under its own, alone.
+async fn a_worker_prunes_only_the_namespaces_it_serves<S: TestStore>() {
+    let h = S::harness().await;
+    let config = WorkerConfig {
+        namespaces: vec!["a".into(), "b".into()],
+        retention: Some(retention(HOUR)),
+        ..h.config()
+    };
+    let worker =
+        keel_scheduler::Worker::new(std::sync::Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Quick("quick"))
+            .spawn();
+    let mut ended = Vec::new();
+    for ns in ["a", "b", "c"] {
+        let id = h.start(NewInstance::new(MachineRef::new("idle", 1), "wait").namespace(ns)).await;
+        h.client.cancel(keel_scheduler::Cancel::new(id)).await.expect("cancel");
+        ended.push(id);
+    }
+    h.clock.advance(2 * HOUR);
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert!(gone(&h, ended[0]).await, "namespace a is served: pruned");
+    assert!(gone(&h, ended[1]).await, "namespace b is served: pruned");
+    assert!(!gone(&h, ended[2]).await, "namespace c is not this worker's: kept");
+    worker.shutdown().await;
+}
+
+/// A worker shutting down stops its pruner between two pages: with six one-row pages two
+/// seconds apart, the run would hold the shutdown for ten seconds.
+async fn shutdown_waits_for_one_prune_page_not_the_whole_run<S: TestStore>() {
+    let h = S::harness().await;
+    for _ in 0..6 {
+        let id = h.start(NewInstance::new(MachineRef::new("idle", 1), "wait")).await;
+        h.client.cancel(keel_scheduler::Cancel::new(id)).await.expect("cancel");
+    }
+    h.clock.advance(2 * HOUR);
+    let slow = RetentionConfig { batch: 1, pause: Duration::from_secs(2), ..retention(HOUR) };
+    let config = WorkerConfig { retention: Some(slow), ..h.config() };
+    let worker =
+        keel_scheduler::Worker::new(std::sync::Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Quick("quick"))
+            .spawn();
+    for _ in 0..500 {
+        if worker.pruned().instances >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(worker.pruned().instances >= 1, "the pruner never started: {:?}", worker.pruned());
+    let began = std::time::Instant::now();
+    worker.shutdown().await;
+    assert!(began.elapsed() < Duration::from_secs(5), "shutdown took {:?}", began.elapsed());
+}
+
+/// A table larger than one run's pages is still walked to its end: a pass that ran out
+/// of pages goes on from there at the next run instead of walking the same first pages
+/// again (here 10 000 live rows, one per page, fill the first run's bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_run_goes_on_where_the_last_one_ran_out_of_pages() {
+    use keel_core::ports::Clock;
+    use keel_core::retention::PAGES_PER_PASS_MAX;
+    let h = <keel_testkit::memory::MemoryStore as TestStore>::harness().await;
+    for _ in 0..PAGES_PER_PASS_MAX / 1_000 {
+        let news =
+            (0..1_000).map(|_| NewInstance::new(MachineRef::new("idle", 1), "wait")).collect();
+        h.client.start_many(news).await.expect("start");
+    }
+    let last = h.start(NewInstance::new(MachineRef::new("idle", 1), "wait")).await;
+    h.client.cancel(keel_scheduler::Cancel::new(last)).await.expect("cancel");
+    h.clock.advance(2 * HOUR);
+    let pruner = keel_scheduler::Pruner {
+        config: RetentionConfig { batch: 1, ..retention(HOUR) },
+        namespaces: Vec::new(),
+        dead_letters: Vec::new(),
+        stats: std::sync::Arc::default(),
+        cursors: std::sync::Arc::default(),
+    };
+    pruner.run_once(&*h.store, h.clock.now()).await.expect("first run");
+    assert!(!gone(&h, last).await, "past the first run's pages");
+    pruner.run_once(&*h.store, h.clock.now()).await.expect("second run");
+    assert!(gone(&h, last).await, "the second run goes on and prunes it");
 }
