@@ -261,8 +261,8 @@ impl Schedules {
         true
     }
 
-    /// Fires one tick; `true` when it is done (by this worker or another), `false` when
-    /// the store call failed and the tick must be tried again.
+    /// Fires one tick; `true` when it is done (by this worker or another) or refused for
+    /// good, `false` when the store was unavailable and the tick must be tried again.
     async fn fire<S: Store + ?Sized>(
         &self,
         store: &S,
@@ -277,6 +277,19 @@ impl Schedules {
                 metrics::counter!("keel_schedule_ticks_total", "schedule" => schedule.name().to_owned(), "first" => first.to_string())
                     .increment(1);
                 tracing::debug!(schedule = schedule.name(), tick = %tick, first, "schedule tick");
+                true
+            }
+            // A refusal will not change on a retry: the tick is dropped, said loudly, and
+            // the runner goes on with its other schedules at their own times.
+            Err(e) if !e.is_retryable() => {
+                self.inner.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    schedule = schedule.name(),
+                    tick = %tick,
+                    error = %e,
+                    "the store refused this tick of schedules.{}; it is dropped (a broadcast over the store's limit: narrow it with `state`, or start one instance that fans out)",
+                    schedule.name()
+                );
                 true
             }
             Err(e) => {

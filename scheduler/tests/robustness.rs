@@ -58,6 +58,7 @@ on_stores!(
         slow_steps_are_not_claimed_ahead,
         shutdown_gives_back_steps_claimed_ahead_without_running_them,
         a_next_step_claimed_before_its_last_group_settled_still_runs,
+        a_schedule_tick_the_store_refuses_is_dropped_and_the_next_fires,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -198,6 +199,8 @@ async fn a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_f
 enum Fault {
     /// Fail with `Unavailable`.
     Error,
+    /// Refuse with `Invalid`, as a store refuses a request it will never take.
+    Refuse,
     /// Panic, as a store decoder meeting a row it cannot read once did.
     Panic,
 }
@@ -261,6 +264,7 @@ impl<S: Store> Faulty<S> {
         match fault {
             None => Ok(()),
             Some(Fault::Error) => Err(StoreError::unavailable(format!("injected {op} failure"))),
+            Some(Fault::Refuse) => Err(StoreError::invalid(format!("injected {op} refusal"))),
             Some(Fault::Panic) => panic!("injected {op} panic"),
         }
     }
@@ -272,6 +276,7 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.capabilities()
     }
     async fn instance_insert(&self, p: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
+        self.gate("instance_insert")?;
         self.inner.instance_insert(p).await
     }
     async fn instance_claim(&self, p: ClaimParams) -> StoreResult<Vec<Claim>> {
@@ -960,4 +965,43 @@ async fn shutdown_gives_back_steps_claimed_ahead_without_running_them<S: TestSto
         let row = h.client.get(*id).await.unwrap().instance;
         assert_eq!((row.status, row.attempt, row.lease_owner), (Status::Runnable, 0, None));
     }
+}
+
+/// Waits (bounded) until `worker`'s schedule runner has handled its schedules up to `now`.
+async fn schedules_passed(worker: &keel_scheduler::WorkerHandle, now: keel_core::Timestamp) {
+    for _ in 0..400 {
+        if worker.schedules().passed().is_some_and(|p| p >= now) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the schedule runner did not reach {now} within 4 s");
+}
+
+/// A tick the store refuses for good (a broadcast reaching more instances than one
+/// delivery takes, say) is dropped with an error naming the schedule, not retried every
+/// second for ever with every other schedule's wake-ups; the next tick fires as usual.
+async fn a_schedule_tick_the_store_refuses_is_dropped_and_the_next_fires<S: TestStore>() {
+    use keel_core::schedule::{Schedule, ScheduleAction};
+    let store = Faulty::new(S::fresh().await).failing("instance_insert", &[Fault::Refuse]);
+    let h = Harness::with_store(store);
+    let start = NewInstance::new(MachineRef::new("report", 1), "run");
+    let schedule = Schedule::new("every-minute", "* * * * *", "UTC", ScheduleAction::Start(start))
+        .expect("a valid schedule");
+    let config = WorkerConfig {
+        timers: None,
+        queues: vec![("elsewhere".into(), 1)],
+        schedules: keel_scheduler::Schedules::new(vec![schedule]),
+        ..h.config()
+    };
+    let worker = keel_scheduler::Worker::new(Arc::clone(&h.store), h.clock.clone(), config).spawn();
+    schedules_passed(&worker, h.clock.now()).await;
+    let now = h.clock.advance(Duration::from_secs(60));
+    schedules_passed(&worker, now).await;
+    let counts = worker.schedules().counts();
+    assert_eq!((counts.fired, counts.failed), (0, 1), "the refused tick is dropped: {counts:?}");
+    let now = h.clock.advance(Duration::from_secs(60));
+    schedules_passed(&worker, now).await;
+    assert_eq!(worker.schedules().counts().fired, 1, "{:?}", worker.schedules().counts());
+    worker.shutdown().await;
 }
