@@ -251,11 +251,7 @@ async fn run<S: TestStore, Q: Queue>(
     let worker = worker.spawn();
     // The instances are started once the claim loop's first pass found nothing, so with
     // polling all but off it sleeps through the run and the hints alone hand out work.
-    let started = tokio::time::Instant::now();
-    while worker.health().get(WorkerLoop::Claim).and_then(|l| l.last_success).is_none() {
-        assert!(started.elapsed() < Duration::from_secs(10), "the claim loop never ran");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    claim_loops_ran(&[&worker]).await;
     let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
     let ids = start_all(&client, setup.n).await;
     let stats = Arc::clone(worker.stats());
@@ -272,6 +268,17 @@ async fn run<S: TestStore, Q: Queue>(
     assert_eq!(stats.lease_lost.load(Ordering::Relaxed), 0);
     worker.shutdown().await;
     (hints, took)
+}
+
+/// Waits (bounded) until each worker's claim loop has made its first pass.
+async fn claim_loops_ran(workers: &[&keel_scheduler::WorkerHandle]) {
+    let started = tokio::time::Instant::now();
+    for w in workers {
+        while w.health().get(WorkerLoop::Claim).and_then(|l| l.last_success).is_none() {
+            assert!(started.elapsed() < Duration::from_secs(10), "a claim loop never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
 }
 
 fn claimed(stats: &HintStats) -> u64 {
@@ -479,13 +486,7 @@ async fn hints_for_another_workers_machine_go_back<S: TestStore, Q: Queue>(
             .register(Elsewhere)
             .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
     let (counting, other) = (counting.spawn(), other.spawn());
-    let started = tokio::time::Instant::now();
-    for w in [&counting, &other] {
-        while w.health().get(WorkerLoop::Claim).and_then(|l| l.last_success).is_none() {
-            assert!(started.elapsed() < Duration::from_secs(10), "a claim loop never ran");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
+    claim_loops_ran(&[&counting, &other]).await;
     let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
     let ids = start_all(&client, setup.n).await;
     let stats = Arc::clone(counting.stats());
@@ -497,19 +498,24 @@ async fn hints_for_another_workers_machine_go_back<S: TestStore, Q: Queue>(
     other.shutdown().await;
 }
 
-/// A queue in front of another that counts receives and nacks.
-struct Counting<Q> {
-    inner: Arc<Q>,
+/// A `MemoryQueue` that counts receives and nacks, takes `delay` to publish (a queue
+/// server that hangs) and keeps a lease at most `visibility_max`.
+#[derive(Default)]
+struct Probe {
+    inner: MemoryQueue,
+    delay: Duration,
+    visibility_max: Option<Duration>,
     receives: std::sync::atomic::AtomicU64,
     nacks: std::sync::atomic::AtomicU64,
 }
 
 #[async_trait]
-impl<Q: Queue> Queue for Counting<Q> {
+impl Queue for Probe {
     fn capabilities(&self) -> QueueCapabilities {
-        self.inner.capabilities()
+        QueueCapabilities { visibility_max: self.visibility_max, ..self.inner.capabilities() }
     }
     async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        tokio::time::sleep(self.delay).await;
         self.inner.enqueue(hints).await
     }
     async fn receive(
@@ -526,42 +532,6 @@ impl<Q: Queue> Queue for Counting<Q> {
     }
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
         self.nacks.fetch_add(1, Ordering::Relaxed);
-        self.inner.nack(receipt, delay).await
-    }
-    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
-        self.inner.extend(receipt, visibility).await
-    }
-}
-
-/// A queue whose publishing takes `delay` (a queue server that hangs), keeping a lease
-/// at most `visibility_max`.
-struct Slow {
-    inner: MemoryQueue,
-    delay: Duration,
-    visibility_max: Option<Duration>,
-}
-
-#[async_trait]
-impl Queue for Slow {
-    fn capabilities(&self) -> QueueCapabilities {
-        QueueCapabilities { visibility_max: self.visibility_max, ..self.inner.capabilities() }
-    }
-    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.enqueue(hints).await
-    }
-    async fn receive(
-        &self,
-        max: usize,
-        visibility: Duration,
-        wait: Duration,
-    ) -> StoreResult<Vec<Delivery>> {
-        self.inner.receive(max, visibility, wait).await
-    }
-    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
-        self.inner.ack(receipts).await
-    }
-    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
         self.inner.nack(receipt, delay).await
     }
     async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
@@ -586,8 +556,7 @@ mod memory {
     #[test]
     fn a_visibility_the_queue_cannot_keep_is_refused() {
         let hour = Duration::from_secs(3600);
-        let queue =
-            Slow { inner: MemoryQueue::new(), delay: Duration::ZERO, visibility_max: Some(hour) };
+        let queue = Probe { visibility_max: Some(hour), ..Probe::default() };
         let long = HintConfig { visibility: 2 * hour, ..HintConfig::default() };
         let error = long.validate_for(&queue).unwrap_err();
         assert!(error.starts_with("visibility: 7200s is longer than this queue keeps"), "{error}");
@@ -599,11 +568,7 @@ mod memory {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hanging_queue_does_not_hold_up_starts() {
         let h = MemoryStore::harness().await;
-        let queue = Arc::new(Slow {
-            inner: MemoryQueue::new(),
-            delay: Duration::from_secs(3),
-            visibility_max: None,
-        });
+        let queue = Arc::new(Probe { delay: Duration::from_secs(3), ..Probe::default() });
         let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
         let began = tokio::time::Instant::now();
         let ids = start_all(&client, 1).await;
@@ -630,11 +595,7 @@ mod memory {
     async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone() {
         let h = MemoryStore::harness().await;
         let _ticking = Ticking::start(&h.clock);
-        let queue = Arc::new(Counting {
-            inner: Arc::new(MemoryQueue::new()),
-            receives: std::sync::atomic::AtomicU64::default(),
-            nacks: std::sync::atomic::AtomicU64::default(),
-        });
+        let queue = Arc::new(Probe::default());
         let setup = Setup::hinted(5);
         let settings = keel_core::config::KeelConfig::from_toml_str(
             "[queues.default]\nglobal_concurrency = 100\n",
