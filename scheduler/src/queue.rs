@@ -230,7 +230,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
 fn ready_hints(
     batch: &[Finished],
     results: &[Option<StoreResult<CommitReceipt>>],
-    hint_open: impl Fn(&str) -> bool,
+    config: &super::WorkerConfig,
 ) -> Vec<Hint> {
     let mut hints = Vec::new();
     for (f, result) in batch.iter().zip(results) {
@@ -238,7 +238,7 @@ fn ready_hints(
         let row = &f.origin.claim.instance;
         // A row that stays runnable in a queue hints may not claim into is left to the
         // claim loop: its hint would only be received and handed back.
-        let own = hint_open(&row.queue);
+        let own = config.hints_claim_into(&row.queue);
         hints.extend(
             hints::after_commit(row, &f.commit, receipt)
                 .into_iter()
@@ -256,8 +256,7 @@ pub(super) fn publish_committed<S, C>(
     results: &[Option<StoreResult<CommitReceipt>>],
 ) {
     let Some(link) = inner.hints.clone() else { return };
-    let hints =
-        ready_hints(batch, results, |queue| !inner.config.claim_policy(queue).is_queue_wide());
+    let hints = ready_hints(batch, results, &inner.config);
     if hints.is_empty() {
         return;
     }
@@ -401,7 +400,7 @@ async fn repair_pass<S: Store, C: Clock>(
         .queues
         .iter()
         .map(|(q, _)| q.clone())
-        .filter(|q| !inner.config.claim_policy(q).is_queue_wide())
+        .filter(|q| inner.config.hints_claim_into(q))
         .collect();
     if queues.is_empty() {
         return Ok(());
@@ -455,8 +454,11 @@ async fn hint_loop<S: Store, C: Clock>(
     while !*shutdown.borrow() {
         // Only slots a hint may fill count: receiving for a queue whose limits leave its
         // claims to the claim loop would hand every hint straight back, again and again.
-        let free: usize =
-            queues.iter().filter(|s| hint_open(inner.as_ref(), s)).map(QueueSlots::free).sum();
+        let free: usize = queues
+            .iter()
+            .filter(|s| inner.config.hints_claim_into(&s.name))
+            .map(QueueSlots::free)
+            .sum();
         if free == 0 {
             tokio::select! {
                 () = inner.slot_freed.hints.notified() => {}
@@ -513,7 +515,7 @@ fn claim_params<S: Store, C: Clock>(
     most: usize,
 ) -> Option<ClaimParams> {
     let open: Vec<&QueueSlots> =
-        queues.iter().filter(|s| s.free() > 0 && hint_open(inner, s)).collect();
+        queues.iter().filter(|s| s.free() > 0 && inner.config.hints_claim_into(&s.name)).collect();
     if open.is_empty() {
         return None;
     }
@@ -537,13 +539,6 @@ fn claim_params<S: Store, C: Clock>(
             ..keel_core::plan::claim::ClaimPolicy::default()
         },
     })
-}
-
-/// Whether hints may claim into `slots`' queue. A queue with a queue-wide limit (a global
-/// limit, a rate or a per-key rate) is left to the claim loop, whose claim counts the
-/// limit one queue at a time.
-fn hint_open<S: Store, C: Clock>(inner: &Inner<S, C>, slots: &QueueSlots) -> bool {
-    !inner.config.claim_policy(&slots.name).is_queue_wide()
 }
 
 /// Claims the instances of `deliveries` by id, starts what was claimed and settles every

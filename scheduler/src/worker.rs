@@ -215,6 +215,14 @@ impl WorkerConfig {
         }
     }
 
+    /// Whether hints may claim into `queue`. A queue with a queue-wide limit (a global
+    /// limit, a rate or a per-key rate) is left to the claim loop, whose claim counts the
+    /// limit one queue at a time: the hint loop takes no slot of it, a worker publishes no
+    /// hint for its own step left runnable there, and the repair pass skips it.
+    pub(crate) fn hints_claim_into(&self, queue: &str) -> bool {
+        !self.claim_policy(queue).is_queue_wide()
+    }
+
     /// The inbox order the settings file gives `machine`, if any.
     pub fn inbox_order(&self, machine: &str) -> Option<keel_core::inbox::InboxOrder> {
         self.settings.as_ref().and_then(|s| s.inbox_order(machine))
