@@ -192,54 +192,66 @@ impl Pruner {
         now: Timestamp,
         stop: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<()> {
-        for (n, mut pass) in self.config.passes(namespace, now).into_iter().enumerate() {
-            let key = (namespace.map(str::to_owned), PassKind::Prune, n);
-            pass.after = self.cursors.get(&key);
-            for page_no in 0..PAGES_PER_PASS_MAX {
-                if stop() {
-                    break;
+        let scope = || namespace.map(str::to_owned);
+        for (n, pass) in self.config.passes(namespace, now).into_iter().enumerate() {
+            self.walk((scope(), PassKind::Prune, n), stop, |after| {
+                let mut params = pass.clone();
+                params.after = after;
+                async move {
+                    let page = store.instance_prune(params).await?;
+                    self.stats.add_page(&page);
+                    Ok(page.last)
                 }
-                let page = store.instance_prune(pass.clone()).await?;
-                self.stats.add_page(&page);
-                pass.after = page.last;
-                if pass.after.is_none() {
-                    break;
+            })
+            .await?;
+        }
+        for (n, pass) in self.config.trim_passes(namespace).into_iter().enumerate() {
+            self.walk((scope(), PassKind::Trim, n), stop, |after| {
+                let mut params = pass.clone();
+                params.after = after;
+                async move {
+                    let page = store.history_trim(params).await?;
+                    self.stats.history_trimmed.fetch_add(page.history, Ordering::Relaxed);
+                    if page.history > 0 {
+                        metrics::counter!("keel_pruned_rows_total", "kind" => "history_trimmed")
+                            .increment(page.history);
+                    }
+                    Ok(page.last)
                 }
-                if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
-                    tokio::time::sleep(self.config.pause).await;
-                }
-            }
-            self.cursors.set(key, pass.after);
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// One pass's pages from where its last walk stopped: `page` removes the page after
+    /// the given id and returns the last id it read (`None`: the pass reached the end).
+    /// Stops at the page bound, at the end (the next walk starts from the lowest id) or
+    /// once `stop` says so, with `retention.pause` between two pages; keeps the cursor for
+    /// the next run.
+    async fn walk<F>(
+        &self,
+        key: PassKey,
+        stop: &(dyn Fn() -> bool + Sync),
+        mut page: impl FnMut(Option<InstanceId>) -> F,
+    ) -> StoreResult<()>
+    where
+        F: Future<Output = StoreResult<Option<InstanceId>>>,
+    {
+        let mut after = self.cursors.get(&key);
+        for page_no in 0..PAGES_PER_PASS_MAX {
             if stop() {
-                return Ok(());
+                break;
+            }
+            after = page(after).await?;
+            if after.is_none() {
+                break;
+            }
+            if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
+                tokio::time::sleep(self.config.pause).await;
             }
         }
-        for (n, mut pass) in self.config.trim_passes(namespace).into_iter().enumerate() {
-            let key = (namespace.map(str::to_owned), PassKind::Trim, n);
-            pass.after = self.cursors.get(&key);
-            for page_no in 0..PAGES_PER_PASS_MAX {
-                if stop() {
-                    break;
-                }
-                let page = store.history_trim(pass.clone()).await?;
-                self.stats.history_trimmed.fetch_add(page.history, Ordering::Relaxed);
-                if page.history > 0 {
-                    metrics::counter!("keel_pruned_rows_total", "kind" => "history_trimmed")
-                        .increment(page.history);
-                }
-                pass.after = page.last;
-                if pass.after.is_none() {
-                    break;
-                }
-                if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
-                    tokio::time::sleep(self.config.pause).await;
-                }
-            }
-            self.cursors.set(key, pass.after);
-            if stop() {
-                return Ok(());
-            }
-        }
+        self.cursors.set(key, after);
         Ok(())
     }
 
