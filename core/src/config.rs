@@ -786,7 +786,7 @@ impl KeelConfig {
             }
             other @ ConfigError::Toml { .. } => other,
         };
-        self.layered("", None).resolve().map_err(|e| at("queue", e))?;
+        self.queue.resolve().map_err(|e| at("queue", e))?;
         for (machine, section) in &self.machines {
             self.queue_for(machine, None)
                 .map_err(|e| at(&format!("machines.{machine}.queue"), e))?;

@@ -5,7 +5,7 @@
 //! costs nothing between scrapes. The names match the ones a worker records, so a
 //! dashboard works whether it scrapes `keel serve` or an embedded worker.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -31,8 +31,9 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
     let store = state.keel.store();
     let stats = store.queue_stats(None, now).await?;
     let mut sample = GaugeSample::default();
-    // A machine's leases, counted once whatever number of its queues hold them.
-    let mut expired: BTreeMap<(String, String), u64> = BTreeMap::new();
+    // Per machine, whether any of its queues holds leases: the expired ones are counted
+    // once per machine, and only where some are held.
+    let mut held: BTreeMap<(String, String), bool> = BTreeMap::new();
     for q in &stats {
         record_queue_gauges(&mut sample, q);
         let labels = [
@@ -43,20 +44,16 @@ async fn sample(state: &AppState) -> Result<(), keel::StoreError> {
         let age = q.oldest_ready_at.map_or(0.0, |at| (now.0 - at.0).max(0) as f64 / 1000.0);
         sample.set("keel_queue_oldest_ready_seconds", &labels, age);
         sample.set("keel_leases_held", &labels, q.executing as f64);
-        expired.entry((q.namespace.clone(), q.machine.clone())).or_insert(0);
+        *held.entry((q.namespace.clone(), q.machine.clone())).or_default() |= q.executing > 0;
     }
-    let executing: BTreeSet<(String, String)> = stats
-        .iter()
-        .filter(|q| q.executing > 0)
-        .map(|q| (q.namespace.clone(), q.machine.clone()))
-        .collect();
-    for (namespace, machine) in executing {
-        let n = crate::operate::stuck_leases(&state.keel, &namespace, &machine, now)
-            .await
-            .map_err(|e| keel::StoreError::unavailable(format!("{e:#}")))?;
-        expired.insert((namespace, machine), n);
-    }
-    for ((namespace, machine), n) in expired {
+    for ((namespace, machine), any) in held {
+        let n = if any {
+            crate::operate::stuck_leases(&state.keel, &namespace, &machine, now)
+                .await
+                .map_err(|e| keel::StoreError::unavailable(format!("{e:#}")))?
+        } else {
+            0
+        };
         sample.set(
             "keel_leases_expired",
             &[("namespace", namespace), ("machine", machine)],
