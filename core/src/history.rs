@@ -38,6 +38,8 @@ pub enum HistoryKind {
     TimerExhausted,
     /// A deploy changed an armed timer's duration; its due time moved.
     TimerRetimed,
+    /// A timer's fire still unread when its state was left was taken out of the inbox.
+    TimerWithdrawn,
     /// The instance was cancelled (directly or by a cascade).
     Cancelled,
     /// An operator retried the instance's dead letter.
@@ -76,7 +78,7 @@ pub enum HistoryKind {
 
 impl HistoryKind {
     /// Every kind, in declaration order.
-    pub const ALL: [HistoryKind; 30] = [
+    pub const ALL: [HistoryKind; 31] = [
         HistoryKind::StepNext,
         HistoryKind::StepRetry,
         HistoryKind::StepAwait,
@@ -91,6 +93,7 @@ impl HistoryKind {
         HistoryKind::TimerFired,
         HistoryKind::TimerExhausted,
         HistoryKind::TimerRetimed,
+        HistoryKind::TimerWithdrawn,
         HistoryKind::Cancelled,
         HistoryKind::DeadLetterRetried,
         HistoryKind::DeadLetterSkipped,
@@ -127,6 +130,7 @@ impl HistoryKind {
             HistoryKind::TimerFired => "TIMER_FIRED",
             HistoryKind::TimerExhausted => "TIMER_EXHAUSTED",
             HistoryKind::TimerRetimed => "TIMER_RETIMED",
+            HistoryKind::TimerWithdrawn => "TIMER_WITHDRAWN",
             HistoryKind::Cancelled => "CANCELLED",
             HistoryKind::DeadLetterRetried => "DEAD_LETTER_RETRIED",
             HistoryKind::DeadLetterSkipped => "DEAD_LETTER_SKIPPED",

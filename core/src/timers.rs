@@ -73,9 +73,20 @@ pub struct Fired {
     pub next: Option<TimerRow>,
 }
 
+/// How the dedup key of every signal a timer delivers begins.
+pub const FIRE_KEY_PREFIX: &str = "timer:";
+
 /// The dedup key of fire number `n` of timer `id`: `timer:{id}:{n}`.
 pub fn fire_dedup_key(id: TimerId, n: u32) -> String {
-    format!("timer:{}:{n}", id.0)
+    format!("{FIRE_KEY_PREFIX}{}:{n}", id.0)
+}
+
+/// The state that owned the timer a signal came from, when the signal is a timer's fire
+/// (its dedup key begins with [`FIRE_KEY_PREFIX`] and its payload names the state); `None`
+/// for any other signal.
+pub fn fire_owner<'a>(dedup_key: Option<&str>, payload: &'a serde_json::Value) -> Option<&'a str> {
+    dedup_key.filter(|k| k.starts_with(FIRE_KEY_PREFIX))?;
+    payload.get("state")?.as_str()
 }
 
 /// Fires a due timer at `now`:
@@ -92,7 +103,7 @@ pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
         let event = spec.then.clone().unwrap_or_default();
         let signal = NewSignal::new(timer.instance, event.clone())
             .payload(json!({ "timer": timer.id, "state": spec.state, "fires": timer.fire_count }))
-            .dedup_key(format!("timer:{}:then", timer.id.0));
+            .dedup_key(format!("{FIRE_KEY_PREFIX}{}:then", timer.id.0));
         let history = HistoryEntry::new(
             HistoryKind::TimerExhausted,
             json!({ "timer": timer.id, "state": spec.state, "event": spec.event, "then": spec.then, "fires": timer.fire_count }),
@@ -173,6 +184,11 @@ pub fn delivers(fired: &Fired) -> bool {
 /// one of its descendants.
 pub fn owned_by(state: &str, left: &str) -> bool {
     state == left || state.strip_prefix(left).is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// Whether a timer owned by `state` goes when the states `cancel` are left.
+pub fn cancelled(state: &str, cancel: &[String]) -> bool {
+    cancel.iter().any(|left| owned_by(state, left))
 }
 
 /// The earliest due time among the timers a batch of commits at `now` arms (`None` when

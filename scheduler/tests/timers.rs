@@ -258,6 +258,7 @@ async fn the_worker_runs_the_sweeper_when_configured() {
 on_every_store!(
     a_default_worker_fires_a_due_timer_well_before_the_cadence,
     a_transit_state_renews_a_deadline_and_a_self_loop_keeps_it,
+    a_deadline_fired_behind_the_event_that_renews_it_is_withdrawn,
 );
 
 fn expiring() -> ChartMachine {
@@ -384,6 +385,53 @@ async fn a_transit_state_renews_a_deadline_and_a_self_loop_keeps_it<S: TestStore
     h.clock.advance(Duration::from_secs(15)); // 50 s: the renewed deadline
     assert_eq!(sweep_until_fired(&s).await, 1);
     h.wait(renewed, "closed at the renewed deadline", |r| r.status == Status::Done).await;
+    w.shutdown().await;
+}
+
+/// A deadline that falls due while the event renewing it waits unprocessed (no worker
+/// ran) lands in the inbox behind that event. Processing the event renews the deadline,
+/// and the old deadline's fire is withdrawn instead of closing the session renewed a
+/// moment before; the renewed deadline closes it.
+async fn a_deadline_fired_behind_the_event_that_renews_it_is_withdrawn<S: TestStore>() {
+    let h = S::harness().await;
+    let s = Sweeper::new(Arc::clone(&h.store), h.clock.clone(), SweepConfig::default())
+        .expect("valid config");
+    let m = session();
+    let spawn = || {
+        let config = WorkerConfig { timers: None, ..h.config() };
+        h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m.clone()))
+            .spawn()
+    };
+    let w = spawn();
+    let id = h.start(m.new_instance(json!({}))).await;
+    let t0 = h.clock.now();
+    wait_due(&h, id, t0.plus(Duration::from_secs(30))).await;
+    w.shutdown().await;
+
+    h.clock.advance(Duration::from_secs(20));
+    h.client.send(NewSignal::new(id, "ACTIVITY")).await.unwrap();
+    h.clock.advance(Duration::from_secs(15)); // 35 s: the deadline fires behind ACTIVITY
+    assert_eq!(sweep_until_fired(&s).await, 1);
+    let inbox: Vec<String> =
+        h.client.get(id).await.unwrap().inbox.iter().map(|s| s.name.clone()).collect();
+    assert_eq!(inbox, ["ACTIVITY", "LOGOUT"]);
+
+    let w = spawn();
+    let row = h
+        .wait(id, "ACTIVITY processed", |r| {
+            r.status == Status::Done || (r.status == Status::AwaitingSignal && r.revision.0 >= 2)
+        })
+        .await;
+    assert_eq!(row.status, Status::AwaitingSignal, "the stale deadline closed the session");
+    let history = h.client.get(id).await.unwrap().history;
+    let withdrawn: Vec<_> = history.iter().filter(|r| r.entry.kind == "TIMER_WITHDRAWN").collect();
+    assert_eq!(withdrawn.len(), 1, "{history:#?}");
+    assert_eq!(withdrawn[0].entry.data["event"], json!("LOGOUT"));
+    assert_eq!(due_times(&h, id).await, [t0.plus(Duration::from_secs(65))], "renewed at 35 s");
+
+    h.clock.advance(Duration::from_secs(30)); // 65 s: the renewed deadline
+    assert_eq!(sweep_until_fired(&s).await, 1);
+    h.wait(id, "closed at the renewed deadline", |r| r.status == Status::Done).await;
     w.shutdown().await;
 }
 

@@ -63,6 +63,8 @@ pub const DECISIONS: &[(&str, &str, &str)] = &[
     ("timers", "fire", "plan::timer"),
     ("timers", "delivers", "plan::timer"),
     ("timers", "owned_by", "plan::commit::TimerPlan::cancels"),
+    ("timers", "cancelled", "plan::commit::TimerPlan::cancels or InboxRead::with_fires"),
+    ("timers", "fire_owner", "plan::commit::UnreadFire::of"),
     ("inbox", "drained", "plan::commit or plan::cancel"),
     ("inbox", "accepts_signals", "plan::deliver"),
 ];

@@ -18,6 +18,7 @@ use super::cancel::LeftDelegations;
 use super::parent::ParentRelease;
 use crate::chart::{TimerArm, TimerKind};
 use crate::error::{StoreError, StoreResult};
+use crate::history::HistoryKind;
 use crate::ids::{InstanceId, SignalId, Status, TimerId};
 use crate::inbox;
 use crate::instance::{
@@ -28,6 +29,7 @@ use crate::outcome::{self, ApplyFacts, Outcome, StepCommit};
 use crate::ports::store::{CommitReceipt, InsertOutcome};
 use crate::time::Timestamp;
 use crate::timers::{self, TimerRow};
+use serde_json::json;
 use std::collections::HashMap;
 
 /// What a store read for one commit item, under the lock of the item's row.
@@ -59,6 +61,49 @@ pub struct InboxRead {
     /// unread signal has one), from which the row's claim priority is set again
     /// ([`inbox::claim_priority`]).
     pub pending_priority: Option<crate::ids::Priority>,
+    /// The timer fires this commit takes out of the inbox unread (see
+    /// [`InboxRead::with_fires`]).
+    pub withdrawn: Vec<UnreadFire>,
+}
+
+/// A timer's fire waiting unread in the committing instance's inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnreadFire {
+    /// The signal.
+    pub id: SignalId,
+    /// Its event.
+    pub name: String,
+    /// The state that owned the timer.
+    pub state: String,
+    /// Its dedup key (which timer, which fire).
+    pub key: String,
+}
+
+impl UnreadFire {
+    /// The fire `signal` is, or `None` when it is not a timer's fire.
+    pub fn of(signal: &Signal) -> Option<Self> {
+        let state = timers::fire_owner(signal.dedup_key.as_deref(), &signal.payload)?;
+        Some(UnreadFire {
+            id: signal.id,
+            name: signal.name.clone(),
+            state: state.to_owned(),
+            key: signal.dedup_key.clone().unwrap_or_default(),
+        })
+    }
+
+    fn history(&self) -> HistoryEntry {
+        HistoryEntry::new(
+            HistoryKind::TimerWithdrawn,
+            json!({ "signal": self.id, "event": self.name, "state": self.state, "key": self.key }),
+        )
+    }
+}
+
+/// Whether committing `commit` may withdraw timer fires, so that the store must read the
+/// instance's unread fires for [`InboxRead::with_fires`]: the commit cancels timers and
+/// does not end the instance (an ending instance's whole inbox goes anyway).
+pub fn withdraws_fires(commit: &StepCommit) -> bool {
+    !commit.timers_cancel.is_empty() && !inbox::drains(&commit.outcome)
 }
 
 impl InboxRead {
@@ -67,10 +112,15 @@ impl InboxRead {
     pub fn of<'a>(inbox: impl IntoIterator<Item = &'a Signal>, commit: &StepCommit) -> Self {
         let unread: Vec<&Signal> =
             inbox.into_iter().filter(|s| !commit.consume.contains(&s.id)).collect();
+        let fires: Vec<UnreadFire> = if withdraws_fires(commit) {
+            unread.iter().filter_map(|s| UnreadFire::of(s)).collect()
+        } else {
+            Vec::new()
+        };
         let signal_waiting = match &commit.outcome {
-            Outcome::Await { signal, .. } => {
-                unread.iter().any(|s| outcome::signal_matches(signal, &s.name))
-            }
+            Outcome::Await { signal, .. } => unread.iter().any(|s| {
+                !fires.iter().any(|f| f.id == s.id) && outcome::signal_matches(signal, &s.name)
+            }),
             _ => false,
         };
         let pending_priority = unread.iter().filter_map(|s| s.priority).min();
@@ -79,7 +129,24 @@ impl InboxRead {
         } else {
             inbox::Pending::default()
         };
-        InboxRead { signal_waiting, pending, pending_priority }
+        InboxRead { signal_waiting, pending, pending_priority, withdrawn: Vec::new() }
+            .with_fires(commit, fires)
+    }
+
+    /// Completes facts whose `signal_waiting` left timer fires out, given the unread
+    /// `fires` (a store reads both only when [`withdraws_fires`]; otherwise fires count
+    /// like any signal and `fires` is empty). A fire whose timer belonged to a state this
+    /// commit leaves (or one of its descendants) is stale: the state entry it was meant
+    /// for is over, so it is withdrawn, unread, with a `TIMER_WITHDRAWN` entry, even when
+    /// the commit enters the state again. The other fires count toward `signal_waiting`.
+    pub fn with_fires(mut self, commit: &StepCommit, fires: Vec<UnreadFire>) -> Self {
+        let (withdrawn, kept): (Vec<_>, Vec<_>) =
+            fires.into_iter().partition(|f| timers::cancelled(&f.state, &commit.timers_cancel));
+        if let Outcome::Await { signal, .. } = &commit.outcome {
+            self.signal_waiting |= kept.iter().any(|f| outcome::signal_matches(signal, &f.name));
+        }
+        self.withdrawn = withdrawn;
+        self
     }
 }
 
@@ -289,6 +356,13 @@ impl Admitted {
             }));
             TimerPlan::Change { cancel: commit.timers_cancel.clone(), arm: arm.collect() }
         };
+        let mut consume = commit.consume.clone();
+        if !terminal {
+            for fire in &self.inbox.withdrawn {
+                consume.push(fire.id);
+                history.push(fire.history());
+            }
+        }
         let release = super::parent::ended(&row);
         let parent_notice = release.as_ref().and_then(|r| r.notice.clone());
         let receipt = CommitReceipt {
@@ -301,7 +375,7 @@ impl Admitted {
         };
         CommitPlan {
             attempt: self.row.attempt,
-            consume: commit.consume.clone(),
+            consume,
             drain_inbox: terminal,
             history,
             dead_letter: applied.dead_letter,
@@ -374,9 +448,7 @@ impl TimerPlan {
     /// descendants.
     pub fn cancels(&self, state: &str) -> bool {
         match self {
-            TimerPlan::Change { cancel, .. } => {
-                cancel.iter().any(|left| timers::owned_by(state, left))
-            }
+            TimerPlan::Change { cancel, .. } => timers::cancelled(state, cancel),
             TimerPlan::DropAll => true,
         }
     }
@@ -409,7 +481,8 @@ pub struct CommitPlan {
     pub row: Instance,
     /// The attempt the history entries are recorded under (the row's attempt before).
     pub attempt: i32,
-    /// Inbox signals to delete; ids no longer in the inbox are ignored.
+    /// Inbox signals to delete: the consumed ones and the withdrawn timer fires; ids no
+    /// longer in the inbox are ignored.
     pub consume: Vec<SignalId>,
     /// Whether the whole inbox is deleted: the instance ended, and its inbox closes. The
     /// drain's history entry, when anything was pending, is already in `history`.

@@ -3,8 +3,10 @@
 //! The store reads, the core decides, the store writes. Round trip 1 (pipelined):
 //! `BEGIN`, lock the batch's rows (id order, `FOR NO KEY UPDATE`), and, read after the lock
 //! so no delivery can slip in between, the inbox facts of every item (for `Await`, whether
-//! a matching signal outside the consumed set is waiting; for an item that would end its
-//! instance, the count and oldest few of its unread signals) and the emit targets. When
+//! a matching signal outside the consumed set is waiting; for an item that cancels timers,
+//! its unread timer fires, which the core withdraws when their state is left; for an item
+//! that would end its instance, the count and oldest few of its unread signals) and the
+//! emit targets. When
 //! an item could bring a unique key back into scope, one more statement reads who holds
 //! those keys. The commit planner (`keel_core::plan::commit`) then admits or refuses each
 //! item in batch order; the children of every admitted item go in with one insert; and
@@ -22,17 +24,44 @@ use keel_core::inbox;
 use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget};
 use keel_core::outcome::{Outcome, StepCommit};
 use keel_core::plan::cancel::LeftDelegations;
-use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan};
+use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan, UnreadFire};
 use keel_core::ports::store::{CommitReceipt, InsertOutcome};
-use keel_core::{DeadLetterId, InstanceId, Priority, Status, StoreError, StoreResult, Timestamp};
+use keel_core::{
+    DeadLetterId, InstanceId, Priority, SignalId, Status, StoreError, StoreResult, Timestamp,
+};
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
 
-const AWAIT_CHECK: &str = "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(id, name) \
+/// Whether signal `s` is a timer's fire: its dedup key has the fire prefix and its payload
+/// names the state that owned the timer (what `UnreadFire::of` reads).
+macro_rules! is_fire {
+    () => {
+        "coalesce(s.dedup_key LIKE 'timer:%' AND jsonb_typeof(s.payload->'state') = 'string', false)"
+    };
+}
+
+/// Per `Await` item, whether a signal it awaits is unread; for the items in `$5` (those
+/// that may withdraw timer fires) timer fires are left out, [`FIRES`] reads them instead.
+const AWAIT_CHECK: &str = concat!(
+    "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(id, name) \
     WHERE EXISTS (SELECT 1 FROM signals s WHERE s.target_id = a.id \
       AND (a.name = '*' OR s.name = a.name) \
+      AND NOT (a.id = ANY($5::int8[]) AND ",
+    is_fire!(),
+    ") \
       AND NOT EXISTS (SELECT 1 FROM unnest($3::int8[], $4::int8[]) AS x(t, s) \
-                      WHERE x.t = s.target_id AND x.s = s.id))";
+                      WHERE x.t = s.target_id AND x.s = s.id))"
+);
+
+/// The unread timer fires of the items that may withdraw them, oldest first.
+const FIRES: &str = concat!(
+    "SELECT s.target_id, s.id, s.name, s.payload->>'state', s.dedup_key FROM signals s \
+    WHERE s.target_id = ANY($1::int8[]) AND ",
+    is_fire!(),
+    " AND NOT EXISTS (SELECT 1 FROM unnest($2::int8[], $3::int8[]) AS x(t, s) \
+                  WHERE x.t = s.target_id AND x.s = s.id) \
+    ORDER BY s.target_id, s.id"
+);
 
 /// Per committed instance whose claim priority a signal raised (`priority` differs from
 /// `base_priority`), the most urgent priority among the signals the commit leaves unread.
@@ -97,7 +126,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let (mut await_ids, mut await_names) = (Vec::new(), Vec::new());
     let (mut ct, mut cs) = (Vec::new(), Vec::new());
     let mut drain_ids: Vec<i64> = Vec::new();
+    let mut fire_ids: Vec<i64> = Vec::new();
     for s in commits {
+        if commit::withdraws_fires(s) {
+            fire_ids.push(s.id.0);
+        }
         if let Outcome::Await { signal, .. } = &s.outcome {
             await_ids.push(s.id.0);
             await_names.push(signal.as_str());
@@ -116,7 +149,14 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         if await_ids.is_empty() {
             return Ok(Vec::new());
         }
-        c.query(&check, &[&await_ids, &await_names, &ct, &cs]).await
+        c.query(&check, &[&await_ids, &await_names, &ct, &cs, &fire_ids]).await
+    };
+    let fires_stmt = c.prepare_cached(FIRES).await?;
+    let fires = async {
+        if fire_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        c.query(&fires_stmt, &[&fire_ids, &ct, &cs]).await
     };
     // What items that end their instance leave unread in its inbox, for the drain's
     // history entry; read after the lock, like the await check.
@@ -132,10 +172,11 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let urgent = async { c.query(&urgent_stmt, &[&ids, &ct, &cs]).await };
     let emit_targets: Vec<&SignalTarget> =
         commits.iter().flat_map(|s| s.emit.iter().map(|e| &e.target)).collect();
-    let (b, locked, waiting, pending, urgent, resolved) = tokio::join!(
+    let (b, locked, waiting, fires, pending, urgent, resolved) = tokio::join!(
         begin_hot(c, commits.len()),
         async { c.query(&lock, &[&ids]).await },
         waiting,
+        fires,
         pending,
         urgent,
         signal::resolve(c, &emit_targets)
@@ -146,6 +187,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     b?;
     let locked = locked?;
     let waiting = waiting?;
+    let fires = fires?;
     let pending = pending?;
     let urgent = urgent?;
     let resolved = resolved?;
@@ -171,6 +213,29 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         .collect();
     let waiting: HashSet<i64> =
         waiting.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
+    let mut unread_fires: HashMap<i64, Vec<UnreadFire>> = HashMap::new();
+    for r in &fires {
+        let fire = UnreadFire {
+            id: SignalId(rows::col(r, 1)?),
+            name: rows::col(r, 2)?,
+            state: rows::col(r, 3)?,
+            key: rows::col(r, 4)?,
+        };
+        unread_fires.entry(rows::col(r, 0)?).or_default().push(fire);
+    }
+    // Each item's inbox facts, its unread timer fires counted in.
+    let inboxes: Vec<InboxRead> = commits
+        .iter()
+        .map(|s| {
+            InboxRead {
+                signal_waiting: waiting.contains(&s.id.0),
+                pending: pending.get(&s.id.0).cloned().unwrap_or_default(),
+                pending_priority: urgent.get(&s.id.0).copied(),
+                withdrawn: Vec::new(),
+            }
+            .with_fires(s, unread_fires.get(&s.id.0).cloned().unwrap_or_default())
+        })
+        .collect();
 
     // The read set of every item: its row, inbox facts and emit targets from round trip 1,
     // and the occupants of the unique keys items could bring back into scope.
@@ -182,9 +247,10 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     }
     let keys: Vec<&[u8]> = commits
         .iter()
-        .filter_map(|s| {
+        .zip(&inboxes)
+        .filter_map(|(s, inbox)| {
             let row = current.get(&s.id.0)?;
-            commit::reentering_key(row, s, waiting.contains(&s.id.0))
+            commit::reentering_key(row, s, inbox.signal_waiting)
         })
         .collect();
     let occupied = occupants(c, &keys).await?;
@@ -193,13 +259,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut planner = CommitPlanner::new(now);
     let mut results: Vec<Option<StoreResult<CommitReceipt>>> = vec![None; commits.len()];
     let mut admitted = Vec::new();
-    for (i, s) in commits.iter().enumerate() {
+    for (i, (s, inbox)) in commits.iter().zip(inboxes).enumerate() {
         let row = current.get(&s.id.0).cloned();
-        let inbox = InboxRead {
-            signal_waiting: waiting.contains(&s.id.0),
-            pending: pending.get(&s.id.0).cloned().unwrap_or_default(),
-            pending_priority: urgent.get(&s.id.0).copied(),
-        };
         let key_occupant = row
             .as_ref()
             .and_then(|r| commit::reentering_key(r, s, inbox.signal_waiting))

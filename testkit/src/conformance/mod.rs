@@ -178,6 +178,7 @@ macro_rules! __store_contract_list {
             timer_every_max_then_once,
             timer_concurrent_sweeps_deliver_once,
             timer_cancel_and_arm_in_one_commit_renews,
+            timer_fire_unread_when_its_state_is_left_is_withdrawn,
             timer_next_due_is_the_earliest_in_scope,
             timer_hint_follows_a_commit_that_arms,
             timers_dropped_with_terminal_instances,

@@ -215,6 +215,45 @@ pub async fn timer_cancel_and_arm_in_one_commit_renews<S: Store>(s: &S) {
     assert_eq!(inbox_names(s, id).await, ["LOGOUT"]);
 }
 
+/// A timer's fire still unread when a commit leaves its state is stale: the commit takes
+/// it out of the inbox (`TIMER_WITHDRAWN`), even when it enters the state again, and it
+/// does not wake the instance. Fires of states the commit does not leave stay. Here the
+/// fires land while the step that leaves the state is running.
+pub async fn timer_fire_unread_when_its_state_is_left_is_withdrawn<S: Store>(s: &S) {
+    let ns = "timer_withdrawn";
+    let deadline = || arm("idle", "LOGOUT", TimerKind::After, 30, None, None);
+    let nudge = || arm("side", "NUDGE", TimerKind::After, 30, None, None);
+    let alone = armed(s, ns, vec![deadline()]).await;
+    let beside = armed(s, ns, vec![deadline(), nudge()]).await;
+    for id in [alone, beside] {
+        super::support::send(s, id, "ACTIVITY", at(20_000)).await;
+    }
+    let claimed =
+        [claim_id(s, ns, alone, at(20_000)).await, claim_id(s, ns, beside, at(20_000)).await];
+    assert_eq!(sweep(s, ns, at(40_000)).await.fired, 3, "the fires land while the steps run");
+    for (claimed, id) in claimed.iter().zip([alone, beside]) {
+        assert_eq!(claimed.inbox.len(), 1, "the step read ACTIVITY only");
+        let mut c = StepCommit::new(id, claimed.token(), park())
+            .consume(claimed.inbox.iter().map(|s| s.id));
+        c.timers_cancel = vec!["idle".into()];
+        c.timers_arm = vec![deadline()];
+        commit_ok(s, c, at(40_000)).await;
+    }
+    let d = get(s, alone).await;
+    assert!(d.inbox.is_empty(), "the stale LOGOUT is gone: {:?}", d.inbox);
+    assert_eq!(d.instance.status, Status::AwaitingSignal, "a withdrawn fire wakes nothing");
+    let withdrawn: Vec<_> =
+        d.history.iter().filter(|h| h.entry.kind == "TIMER_WITHDRAWN").collect();
+    assert_eq!(withdrawn.len(), 1);
+    assert_eq!(withdrawn[0].entry.data["event"], json!("LOGOUT"));
+    assert_eq!(withdrawn[0].entry.data["state"], json!("idle"));
+    let due: Vec<Timestamp> = d.timers.iter().map(|t| t.next_fire_at).collect();
+    assert_eq!(due, [at(70_000)], "the renewed deadline counts from the commit");
+
+    assert_eq!(inbox_names(s, beside).await, ["NUDGE"], "a fire of a state not left stays");
+    assert_eq!(get(s, beside).await.instance.status, Status::Runnable, "and wakes the instance");
+}
+
 /// The earliest due time in scope: overdue timers count, the namespace and machine
 /// filters apply, and it moves on as sweeps fire and commits cancel.
 pub async fn timer_next_due_is_the_earliest_in_scope<S: Store>(s: &S) {

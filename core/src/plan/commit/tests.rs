@@ -162,6 +162,48 @@ fn await_wakes_at_once_on_an_unconsumed_matching_signal_only() {
     assert!(!plan.drain_inbox);
 }
 
+/// The fire of timer `timer` owned by `state`, as a sweep delivers it.
+fn fire(id: i64, name: &str, state: &str) -> Signal {
+    Signal {
+        payload: json!({ "timer": 7, "state": state, "fire": 1 }),
+        dedup_key: Some(crate::timers::fire_dedup_key(crate::ids::TimerId(7), 1)),
+        ..signal(id, name)
+    }
+}
+
+#[test]
+fn unread_fires_of_a_cancelled_state_are_withdrawn_and_wake_nothing() {
+    let park = Outcome::Await { signal: "*".into(), context: json!({}), step: None };
+    let mut commit = StepCommit::new(InstanceId(1), FencingToken(1), park).consume([SignalId(1)]);
+    commit.timers_cancel = vec!["idle".into()];
+    // A user's signal that merely looks like a fire (no dedup key) is an ordinary signal.
+    let lookalike = Signal { payload: json!({ "state": "idle" }), ..signal(5, "LOGOUT") };
+    let inbox = [signal(1, "ACTIVITY"), fire(2, "LOGOUT", "idle.typing"), fire(3, "NUDGE", "side")];
+    let facts = InboxRead::of(&inbox, &commit);
+    assert_eq!(facts.withdrawn.iter().map(|f| f.id).collect::<Vec<_>>(), [SignalId(2)]);
+    assert!(facts.signal_waiting, "the fire of a state not left still wakes the instance");
+    let only_stale = InboxRead::of(&inbox[..2], &commit);
+    assert!(!only_stale.signal_waiting, "a withdrawn fire wakes nothing");
+    assert!(InboxRead::of(&[inbox[0].clone(), lookalike], &commit).withdrawn.is_empty());
+
+    let mut r = read(executing(1));
+    r.inbox = only_stale;
+    let plan = CommitPlanner::new(NOW).admit(&commit, r).unwrap().finish(&commit, &[]);
+    assert_eq!(plan.consume, [SignalId(1), SignalId(2)]);
+    assert_eq!(plan.row.status, Status::AwaitingSignal);
+    let entry = plan.history.iter().find(|h| h.kind == "TIMER_WITHDRAWN").expect("recorded");
+    assert_eq!(entry.data["event"], json!("LOGOUT"));
+    assert_eq!(entry.data["state"], json!("idle.typing"));
+    assert_eq!(entry.data["key"], json!("timer:7:1"));
+
+    // Without a cancel (or when the commit ends the instance) nothing is withdrawn.
+    commit.timers_cancel.clear();
+    assert!(InboxRead::of(&inbox, &commit).withdrawn.is_empty());
+    let mut ending = done(1);
+    ending.timers_cancel = vec!["idle".into()];
+    assert!(InboxRead::of(&inbox, &ending).withdrawn.is_empty());
+}
+
 #[test]
 fn an_ending_commit_drains_the_inbox_drops_timers_and_tells_its_parent() {
     let mut row = executing(1);
