@@ -54,7 +54,7 @@ const AWAIT_CHECK: &str = concat!(
 );
 
 /// The unread timer fires of the items that may withdraw them, oldest first.
-const FIRES: &str = concat!(
+pub(crate) const FIRES: &str = concat!(
     "SELECT s.target_id, s.id, s.name, s.payload->>'state', s.dedup_key FROM signals s \
     WHERE s.target_id = ANY($1::int8[]) AND ",
     is_fire!(),

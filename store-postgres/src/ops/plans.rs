@@ -49,6 +49,7 @@ async fn hot_statements_read_by_index_on_empty_tables() {
             ("an inbox's pending signals", signal::PENDING, format!("{ids}, {ids}, {ids}, 4")),
             ("consumed signals removed", signal::REMOVE, format!("{ids}, {ids}")),
             ("pending signal priority", commit::PENDING_PRIORITY, format!("{ids}, {ids}, {ids}")),
+            ("unread timer fires", commit::FIRES, format!("{ids}, {ids}, {ids}")),
             (
                 "a commit's timer changes",
                 timer::CHANGE,
