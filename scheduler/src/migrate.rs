@@ -34,7 +34,7 @@ use crate::client::Client;
 use keel_core::chart::Migration;
 use keel_core::ports::store::MigrateParams;
 use keel_core::ports::{Clock, Store};
-use keel_core::{InstanceId, StoreResult, limits};
+use keel_core::{InstanceId, StoreError, StoreResult, limits};
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -48,6 +48,15 @@ pub struct Migrate<'a, S: Store, C: Clock> {
     migration: Migration,
     namespace: Option<String>,
     batch: usize,
+}
+
+/// A migration a store error stopped part way.
+#[derive(Debug)]
+pub struct MigrationStopped {
+    /// What the pages before the error did (applied, unless a dry run).
+    pub report: MigrationReport,
+    /// The store's error.
+    pub error: StoreError,
 }
 
 /// What a migration did (or, in a dry run, would do), summed over every page.
@@ -135,7 +144,7 @@ impl<S: Store, C: Clock> Migrate<'_, S, C> {
     ///
     /// The store's error, if a page fails.
     pub async fn dry_run(self) -> StoreResult<MigrationReport> {
-        self.run(true).await
+        self.run(true).await.map_err(|stopped| stopped.error)
     }
 
     /// Moves every instance it can, page by page, each move recorded in the instance's
@@ -145,10 +154,17 @@ impl<S: Store, C: Clock> Migrate<'_, S, C> {
     ///
     /// The store's error, if a page fails (the pages before it stay applied).
     pub async fn apply(self) -> StoreResult<MigrationReport> {
-        self.run(false).await
+        self.run(false).await.map_err(|stopped| stopped.error)
     }
 
-    async fn run(self, dry_run: bool) -> StoreResult<MigrationReport> {
+    /// [`apply`](Self::apply) (or, with `dry_run`, [`dry_run`](Self::dry_run)), keeping what
+    /// the pages before a failing one did: an operator re-running a migration that failed
+    /// half way learns how much had already moved.
+    ///
+    /// # Errors
+    ///
+    /// [`MigrationStopped`]: the store's error and the report of the pages before it.
+    pub async fn run(self, dry_run: bool) -> Result<MigrationReport, MigrationStopped> {
         let mut report = MigrationReport { dry_run, ..MigrationReport::default() };
         let mut after: Option<InstanceId> = None;
         // Each page reads past the last id of the one before, so the loop ends.
@@ -161,7 +177,10 @@ impl<S: Store, C: Clock> Migrate<'_, S, C> {
                 dry_run,
                 now: self.client.now(),
             };
-            let page = self.client.store().instance_migrate(params).await?;
+            let page = match self.client.store().instance_migrate(params).await {
+                Ok(page) => page,
+                Err(error) => return Err(MigrationStopped { report, error }),
+            };
             let read = page.items.len();
             for item in page.items {
                 match item.outcome {
