@@ -16,7 +16,7 @@ use keel_core::Timestamp;
 use keel_core::duration;
 use serde::Serialize;
 
-use crate::output::{Report, age, table, time};
+use crate::output::{PartlyDone, Report, age, table, time};
 use crate::{Cli, Command, DlqCommand, StartArgs, TimersCommand};
 
 /// Pages of `DEAD_LETTER_BATCH_MAX` one `keel dlq purge` deletes at most.
@@ -59,8 +59,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::Inspect { target } => inspect(&keel, ns, &target).await,
         Command::History(args) => {
             let id = resolve(&keel, ns, &args.target).await?;
-            crate::operate::history(&keel, &args.target, id, args.before.as_deref(), args.limit)
-                .await
+            let before = args.before.as_deref();
+            crate::operate::history(&keel, ns, &args.target, id, before, args.limit).await
         }
         Command::Start(args) => start(&keel, ns, args).await,
         Command::Send { target, event, payload, dedup_key, priority } => {
@@ -126,7 +126,8 @@ pub struct StatusRow {
     pub waiting: u64,
     /// Dead-lettered, waiting for an operator.
     pub suspended: u64,
-    /// Dead-letter records.
+    /// The machine's dead-letter records (they belong to a machine, not a queue): on the
+    /// machine's first row only, `0` on its others, so a sum over rows counts each once.
     pub dead_letters: u64,
     /// Age of the oldest ready instance.
     pub oldest_ready_age_ms: Option<i64>,
@@ -193,6 +194,14 @@ async fn status_rows_from(
                 suspended: s.suspended,
             },
         );
+    }
+    // Each machine's dead letters on its first row only (a machine in two queues would
+    // otherwise count them twice).
+    let mut counted = std::collections::BTreeSet::new();
+    for row in rows.values_mut() {
+        if !counted.insert(row.machine.clone()) {
+            row.dead_letters = 0;
+        }
     }
     // A machine whose instances all ended can still hold dead letters worth showing.
     for (name, count) in dead {
@@ -545,11 +554,7 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
             dead_letter_page(keel, ns, machine, limit, after.as_deref()).await
         }
         DlqCommand::Inspect { id } => {
-            let id = DeadLetterId(parse_id("id", "dl", &id)?);
-            let d = keel.store().dead_letter_get(id).await?;
-            if d.letter.namespace != ns {
-                bail!("id: no dead letter {id} in namespace {ns:?}");
-            }
+            let d = letter_in(keel, ns, &id).await?;
             let mut human = format!(
                 "{} for {} ({}) at {}\nreason:   {} after {} attempts\nevent:    {}\ncorrelation: {}\nerrors:\n",
                 d.id,
@@ -570,20 +575,23 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
         }
         DlqCommand::Retry { id, machine, all: _, delay } => {
             let delay = parse_duration("delay", delay.as_deref())?;
-            let with_delay = |retry: DeadLetterRetry| match delay {
-                Some(delay) => retry.after(delay),
-                None => retry,
-            };
-            let retried = match (id, machine) {
+            match (id, machine) {
                 (Some(id), _) => {
-                    let id = DeadLetterId(parse_id("id", "dl", &id)?);
-                    keel.dead_letter_retry(with_delay(DeadLetterRetry::one(id))).await?
+                    // The id alone selects across namespaces: check it is this one's first.
+                    let letter = letter_in(keel, ns, &id).await?;
+                    let retry = DeadLetterRetry::one(letter.id);
+                    let retry = match delay {
+                        Some(delay) => retry.after(delay),
+                        None => retry,
+                    };
+                    let retried = keel.dead_letter_retry(retry).await?;
+                    let human =
+                        format!("Retried {} instance(s): {}.", retried.len(), ids(&retried));
+                    Ok(Report::ok(json!({ "retried": retried }), human))
                 }
-                (None, Some(machine)) => retry_machine(keel, ns, &machine, &with_delay).await?,
-                (None, None) => bail!("give a dead letter id, or --machine M --all"),
-            };
-            let human = format!("Retried {} instance(s): {}.", retried.len(), ids(&retried));
-            Ok(Report::ok(json!({ "retried": retried }), human))
+                (None, Some(machine)) => retry_machine(keel, ns, &machine, delay).await,
+                (None, None) => bail!("id: give a dead letter id, or --machine M --all"),
+            }
         }
         DlqCommand::Purge { older_than, confirm } => {
             let age = parse_duration("older-than", Some(&older_than))?.unwrap_or_default();
@@ -593,17 +601,66 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
             let bar = indicatif::ProgressBar::new_spinner().with_message("purging dead letters");
             let done = crate::operate::purge_old_dead_letters(keel, ns, age, PURGE_PAGES_MAX).await;
             bar.finish_and_clear();
-            let crate::operate::OldLettersPurged { purged, complete } = done?;
+            let older = duration::format(age);
+            let what = |n: u64| {
+                format!("purged {n} dead letter(s) older than {older} in namespace {ns:?}")
+            };
+            let crate::operate::OldLettersPurged { purged, complete } = done.map_err(|failed| {
+                let n = failed.done.purged;
+                let json = json!({ "namespace": ns, "purged": n });
+                PartlyDone::wrap(failed.error, what(n), json)
+            })?;
             let more = if complete { "" } else { "; more remain, run it again" };
             Ok(Report::ok(
                 json!({ "namespace": ns, "purged": purged, "complete": complete }),
-                format!(
-                    "Purged {purged} dead letter(s) older than {} in namespace {ns:?}{more}.",
-                    duration::format(age)
-                ),
+                format!("{}{more}.", capitalized(&what(purged))),
             ))
         }
     }
+}
+
+/// A `keel` command line to suggest, with `-n ns` when `ns` is not the default namespace
+/// (so running it acts on the same namespace).
+pub fn hint(ns: &str, args: &str) -> String {
+    if ns == keel_core::ids::DEFAULT_NAMESPACE {
+        format!("keel {args}")
+    } else {
+        format!("keel -n {ns} {args}")
+    }
+}
+
+/// `word` as one shell word: as is when it is plain, else in single quotes.
+pub fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_.:/@,+=".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// `text` with its first letter in upper case.
+pub fn capitalized(text: &str) -> String {
+    let mut chars = text.chars();
+    chars.next().map(|first| first.to_uppercase().chain(chars).collect()).unwrap_or_default()
+}
+
+/// Dead letters `keel dlq list` shows when no `--limit` is given.
+pub const DLQ_LIST_DEFAULT: usize = 100;
+
+/// The dead letter `raw` names (`dl3` or `3`) when it belongs to namespace `ns`; another
+/// namespace's letter is "not found", as a missing one is.
+async fn letter_in(
+    keel: &Keel,
+    ns: &str,
+    raw: &str,
+) -> anyhow::Result<keel_core::instance::DeadLetter> {
+    let id = DeadLetterId(parse_id("id", "dl", raw)?);
+    let letter = keel.store().dead_letter_get(id).await?;
+    if letter.letter.namespace != ns {
+        bail!("id: no dead letter {id} in namespace {ns:?}");
+    }
+    Ok(letter)
 }
 
 /// `keel dlq list` and `GET …/dead-letters`: one page of a namespace's dead letters,
@@ -649,40 +706,67 @@ pub async fn dead_letter_page(
         t.to_string()
     };
     if let Some(next) = next {
-        let machine = machine.map(|m| format!(" --machine {m}")).unwrap_or_default();
-        let _ = write!(human, "\nMore: keel dlq list{machine} --after {next}");
+        // The same listing, continued: every filter kept.
+        let mut args = "dlq list".to_owned();
+        if let Some(m) = &machine {
+            let _ = write!(args, " --machine {}", shell_word(m));
+        }
+        if limit != DLQ_LIST_DEFAULT {
+            let _ = write!(args, " --limit {limit}");
+        }
+        let _ = write!(human, "\nMore: {} --after {next}", hint(ns, &args));
     }
     Ok(Report::ok(json!({ "namespace": ns, "dead_letters": letters, "next": next }), human))
 }
 
-/// Most rounds of a machine-wide retry; each round retries up to the store's batch bound,
-/// so this covers far more dead letters than a store holds in practice.
-const RETRY_ROUNDS_MAX: usize = 1000;
-
-/// Retries every dead letter of a machine, one store batch per round, with a progress bar
-/// sized by the dead letters counted first.
+/// `keel dlq retry --machine M --all`: every dead letter of the machine whose instance is
+/// still suspended, with a progress bar sized by the dead letters counted first.
 async fn retry_machine(
     keel: &Keel,
     ns: &str,
     machine: &str,
-    with_delay: &impl Fn(DeadLetterRetry) -> DeadLetterRetry,
-) -> anyhow::Result<Vec<InstanceId>> {
+    delay: Option<Duration>,
+) -> anyhow::Result<Report> {
     let counted = dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0);
     let bar = indicatif::ProgressBar::new(counted).with_message("retrying dead letters");
-    let mut retried = Vec::new();
-    for _ in 0..RETRY_ROUNDS_MAX {
-        let batch = keel
-            .dead_letter_retry(with_delay(DeadLetterRetry::machine(machine).namespace(ns)))
-            .await?;
-        bar.inc(batch.len() as u64);
-        let last = batch.len() < keel_core::limits::DEAD_LETTER_BATCH_MAX;
-        retried.extend(batch);
-        if last {
-            break;
-        }
-    }
+    let (page, pages) = (keel_core::limits::ROWS_BATCH_MAX, crate::operate::RETRY_PAGES_MAX);
+    let done = crate::operate::retry_machine_letters(keel, ns, machine, delay, page, pages, |n| {
+        bar.inc(n);
+    })
+    .await;
     bar.finish_and_clear();
-    Ok(retried)
+    let what = |n: usize| format!("retried {n} instance(s) of {machine:?} in namespace {ns:?}");
+    let done = done.map_err(|failed| {
+        let done = failed.done;
+        let text = what(done.retried.len());
+        let json = json!({ "namespace": ns, "machine": machine, "retried": done.retried, "stale": done.stale });
+        PartlyDone::wrap(failed.error, text, json)
+    })?;
+    let mut human = format!("{}: {}.", capitalized(&what(done.retried.len())), ids(&done.retried));
+    if done.stale > 0 {
+        let _ = write!(
+            human,
+            "\nLeft {} dead letter(s) whose instance is no longer suspended (cancelled, moved on or retried through another letter); `{}` lists them.",
+            done.stale,
+            hint(ns, &format!("dlq list --machine {}", shell_word(machine)))
+        );
+    }
+    if !done.complete {
+        let _ = write!(
+            human,
+            "\nStopped after reading {pages} pages of dead letters; more remain, run it again."
+        );
+    }
+    Ok(Report::ok(
+        json!({
+            "namespace": ns,
+            "machine": machine,
+            "retried": done.retried,
+            "stale": done.stale,
+            "complete": done.complete,
+        }),
+        human,
+    ))
 }
 
 fn ids(list: &[InstanceId]) -> String {

@@ -24,9 +24,10 @@ pub enum ConfigCommand {
         /// One event of the machine: its section overrides the machine's.
         #[arg(long)]
         event: Option<String>,
-        /// The queue the machine runs on (its claim order and limits).
-        #[arg(long, default_value = keel_core::ids::DEFAULT_QUEUE)]
-        queue: String,
+        /// The queue whose claim order and limits to show (default: the machine's own,
+        /// its `name` in the file, else `default`).
+        #[arg(long)]
+        queue: Option<String>,
     },
 }
 
@@ -49,6 +50,15 @@ pub fn load(cli: &Cli) -> anyhow::Result<(KeelConfig, Vec<Effective>)> {
 pub fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
     let ConfigCommand::Show { machine, event, queue } = command;
     let (config, env) = load(cli)?;
+    // Without --queue, the queue the machine's instances start in, as `keel start` picks it.
+    let queue = match queue {
+        Some(queue) => queue.clone(),
+        None => config
+            .layered(machine, None)
+            .name
+            .unwrap_or_else(|| keel_core::ids::DEFAULT_QUEUE.to_owned()),
+    };
+    let queue = queue.as_str();
     let lines = config
         .explain(machine, event.as_deref(), queue, None)
         .with_context(|| format!("machine {machine}"))?;

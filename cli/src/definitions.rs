@@ -30,6 +30,11 @@ impl Definitions {
         if path.is_dir() {
             return Self::load_dir(path);
         }
+        Self::load_file(path)
+    }
+
+    /// Reads and validates one file (never a directory).
+    fn load_file(path: &Path) -> anyhow::Result<Self> {
         let field = "--definitions";
         let size = std::fs::metadata(path)
             .with_context(|| format!("{field}: cannot read {}", path.display()))?
@@ -45,8 +50,11 @@ impl Definitions {
         Self::parse(&text).with_context(|| format!("{field}: {}", path.display()))
     }
 
-    /// Every `*.json` file of `dir` (at most [`DIR_FILES_MAX`]), each one chart or an array
-    /// of them; a name and version defined twice is an error.
+    /// Every `*.json` regular file of `dir` (at most [`DIR_FILES_MAX`]), each one chart or
+    /// an array of them; a name and version defined twice is an error. Only this one level
+    /// is read: a sub-directory named `*.json`, or a symbolic link to one (`loop.json ->
+    /// .`), is skipped, so nothing recurses. A link to a regular file counts as that file
+    /// (mounted configuration volumes are links).
     fn load_dir(dir: &Path) -> anyhow::Result<Self> {
         let entries = std::fs::read_dir(dir).with_context(|| {
             format!("--definitions: cannot read the directory {}", dir.display())
@@ -55,6 +63,7 @@ impl Definitions {
             .filter_map(Result::ok)
             .map(|e| e.path())
             .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
             .take(DIR_FILES_MAX + 1)
             .collect();
         if paths.len() > DIR_FILES_MAX {
@@ -63,7 +72,7 @@ impl Definitions {
         paths.sort();
         let mut all = Definitions::default();
         for path in paths {
-            for def in Self::load(&path)?.charts {
+            for def in Self::load_file(&path)?.charts {
                 if all.get(def.name(), def.version()).is_some() {
                     bail!(
                         "--definitions: {}: {} v{} is defined twice in {}; keep one definition per name and version",

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use anyhow::Context as _;
+use anyhow::{Context as _, bail};
 use keel::Keel;
 use keel_core::config::{AlertThresholds, KeelConfig};
 use serde::Serialize;
@@ -146,11 +146,19 @@ pub fn evaluate(
             alerts.pending_warning,
             alerts.pending_critical,
         );
+    }
+    // Dead letters belong to a machine, not to one of its queues: one check per machine.
+    let mut dead: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for row in rows {
+        *dead.entry(row.machine.as_str()).or_default() += row.dead_letters;
+    }
+    for (machine, count) in dead {
+        let alerts = alerts_for(config, machine)?;
         check(
             &mut findings,
-            &row.machine,
+            machine,
             "dead_letters",
-            row.dead_letters,
+            count,
             alerts.dlq_warning,
             alerts.dlq_critical,
         );
@@ -173,9 +181,30 @@ pub async fn probe(
     Ok((rows, findings))
 }
 
-/// Runs the probe.
+/// Whether `config` sets any threshold `health` checks: at the system level
+/// (`[queue.alerts]`) or a machine's (`[machines.<name>.queue.alerts]`).
+pub fn has_thresholds(config: &KeelConfig) -> bool {
+    let set =
+        |alerts: &Option<AlertThresholds>| alerts.is_some_and(|a| a != AlertThresholds::default());
+    set(&config.queue.alerts) || config.machines.values().any(|m| set(&m.queue.alerts))
+}
+
+/// Runs the probe. Without thresholds there is nothing to hold the counts against, so
+/// rather than report healthy it refuses (exit 1), naming `--config` and what to add.
 pub async fn run(keel: &Keel, cli: &Cli) -> anyhow::Result<Report> {
     let config = read_config(cli)?;
+    if !has_thresholds(&config) {
+        let file = match &cli.config {
+            None => "no --config file (or KEEL_CONFIG) is named".to_owned(),
+            Some(path) => format!(
+                "{} has no [queue.alerts] or [machines.<name>.queue.alerts] threshold",
+                path.display()
+            ),
+        };
+        bail!(
+            "--config: no alert thresholds configured ({file}); name a keel.toml with thresholds such as [queue.alerts] dlq_warning = 10, pending_critical = 10000"
+        );
+    }
     let (rows, findings) = probe(keel, &cli.namespace, &config).await?;
     let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
     let mut t = table(&["level", "machine", "check", "value", "threshold"]);

@@ -23,8 +23,15 @@ use clap::{Args, Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "keel", version, about, long_about = None)]
 pub struct Cli {
-    /// The store: `sqlite://<file>` or `postgres://user@host/db`.
-    #[arg(long, env = "KEEL_DATABASE_URL", default_value = "sqlite://keel.db", global = true)]
+    /// The store: `sqlite://<file>` or `postgres://user@host/db`. Help never prints the
+    /// variable's value (it may hold a password).
+    #[arg(
+        long,
+        env = "KEEL_DATABASE_URL",
+        hide_env_values = true,
+        default_value = "sqlite://keel.db",
+        global = true
+    )]
     pub database_url: String,
 
     /// The PostgreSQL schema Keel's tables live in.
@@ -125,7 +132,7 @@ pub enum Command {
     #[command(subcommand)]
     Timers(TimersCommand),
     /// Check the thresholds of the configuration's `alerts` sections; exit 0 healthy,
-    /// 1 warning, 2 critical.
+    /// 1 warning (or no threshold configured: name the file with `--config`), 2 critical.
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
@@ -184,7 +191,8 @@ pub enum Command {
         #[arg(long)]
         confirm: bool,
     },
-    /// Move a chart's waiting instances from one version to another.
+    /// Move a chart's waiting instances from one version to another; exit 1 when some
+    /// were left on the old version (refused, or running a step).
     Upgrade(UpgradeArgs),
 }
 
@@ -210,7 +218,7 @@ pub struct ListArgs {
     #[arg(long)]
     pub status: Option<String>,
     /// Most to show (at most 1000).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = operate::LIST_PAGE_DEFAULT)]
     pub limit: usize,
     /// Continue after this instance id (the `next` of the previous page).
     #[arg(long)]
@@ -257,8 +265,8 @@ pub struct UpgradeArgs {
 pub struct StartArgs {
     /// The machine's name.
     pub machine: String,
-    /// The machine's version.
-    #[arg(long, default_value_t = 1)]
+    /// The machine's version (1 or more).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..))]
     pub version: i32,
     /// The initial context, a JSON object.
     #[arg(long)]
@@ -289,7 +297,7 @@ pub enum DlqCommand {
         #[arg(long)]
         machine: Option<String>,
         /// Most to show (1 to 10 000).
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = commands::DLQ_LIST_DEFAULT)]
         limit: usize,
         /// Only dead letters after this one (`dl42` or `42`): the `next` of the last page.
         #[arg(long)]

@@ -27,8 +27,7 @@ fn main() -> std::process::ExitCode {
         Err(error) => {
             let code = exit::classify(&error);
             if json {
-                let body = serde_json::json!({ "error": format!("{error:#}") });
-                println!("{body}");
+                println!("{}", keel_cli::output::error_body(&error));
             } else {
                 eprintln!("error: {error:#}");
             }

@@ -24,15 +24,17 @@ use keel_core::ports::store::{
 };
 use serde::Serialize;
 
-use crate::commands::now;
+use crate::commands::{capitalized, hint, now, shell_word};
 use crate::definitions::Definitions;
-use crate::output::{Report, age, table, time};
+use crate::output::{PartlyDone, Report, age, table, time};
 use crate::{GraphFormat, ListArgs, UpgradeArgs};
 
 /// The window `status` and `health` summarise.
 pub const ACTIVITY_WINDOW: Duration = Duration::from_secs(3_600);
 /// The width of one activity bucket (sparklines draw one point per bucket).
 pub const ACTIVITY_BUCKET: Duration = Duration::from_secs(60);
+/// Instances `keel list` shows when no `--limit` is given.
+pub const LIST_PAGE_DEFAULT: usize = 50;
 /// Entries `keel history` and the HTTP history page show when no limit is given.
 pub const HISTORY_PAGE_DEFAULT: usize = 100;
 /// Most pages a purge or a per-machine scan walks (each page is at most
@@ -288,7 +290,18 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
         t.to_string()
     };
     if let Some(next) = next {
-        let _ = write!(human, "\nMore: keel list {} --after {next}", args.machine);
+        // The same listing, continued: every filter kept.
+        let mut more = format!("list {}", shell_word(&args.machine));
+        if let Some(state) = &args.state {
+            let _ = write!(more, " --state {}", shell_word(state));
+        }
+        if let Some(status) = &args.status {
+            let _ = write!(more, " --status {}", shell_word(status));
+        }
+        if args.limit != LIST_PAGE_DEFAULT {
+            let _ = write!(more, " --limit {}", args.limit);
+        }
+        let _ = write!(human, "\nMore: {} --after {next}", hint(ns, &more));
     }
     Ok(Report::ok(
         json!({ "namespace": ns, "machine": args.machine, "instances": items, "next": next }),
@@ -300,6 +313,7 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
 /// older page. `target` is how the caller named the instance (for the "More:" hint).
 pub async fn history(
     keel: &Keel,
+    ns: &str,
     target: &str,
     id: InstanceId,
     before: Option<&str>,
@@ -333,7 +347,11 @@ pub async fn history(
         t.to_string()
     };
     if let Some(next) = page.next {
-        let _ = write!(human, "\nMore: keel history {target} --before {next}");
+        let mut more = format!("history {}", shell_word(target));
+        if limit != HISTORY_PAGE_DEFAULT {
+            let _ = write!(more, " --limit {limit}");
+        }
+        let _ = write!(human, "\nMore: {} --before {next}", hint(ns, &more));
     }
     Ok(Report::ok(json!({ "instance": id, "entries": page.entries, "next": page.next }), human))
 }
@@ -443,8 +461,40 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
         .sum();
     let bar = indicatif::ProgressBar::new(counted).with_message("cancelling pending instances");
     let mut cancelled: Vec<InstanceId> = Vec::new();
+    let done = cancel_pending(keel, ns, machine, PAGES_MAX, &mut cancelled, || bar.inc(1)).await;
+    bar.finish_and_clear();
+    let what =
+        |n: usize| format!("cancelled {n} pending instance(s) of {machine:?} in namespace {ns:?}");
+    let complete = match done {
+        Ok(complete) => complete,
+        Err(error) => {
+            let text = what(cancelled.len());
+            let json = json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled });
+            return Err(PartlyDone::wrap(error, text, json));
+        }
+    };
+    let more = if complete { "" } else { "; more remain, run it again" };
+    let human = capitalized(&what(cancelled.len()));
+    Ok(Report::ok(
+        json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled, "complete": complete }),
+        format!("{human} (their history records why){more}."),
+    ))
+}
+
+/// Cancels (with cascade) the runnable instances of `machine` in `ns`, newest first, a
+/// page at a time, at most `pages_max` pages, pushing each one cancelled onto `cancelled`
+/// as it goes (so a caller still knows them when a later cancel fails); `Ok(false)` when
+/// the page bound stopped it with more left.
+async fn cancel_pending(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    pages_max: usize,
+    cancelled: &mut Vec<InstanceId>,
+    mut on_cancel: impl FnMut(),
+) -> keel::StoreResult<bool> {
     let mut before = None;
-    for _ in 0..PAGES_MAX {
+    for _ in 0..pages_max {
         let params = InstanceListParams { before, ..list_params(ns, machine, Status::Runnable) };
         let page = keel.store().instance_list(params).await?;
         for row in &page {
@@ -452,22 +502,15 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
             let done = keel.cancel(request).await?;
             if done.contains(&row.id) {
                 cancelled.push(row.id);
-                bar.inc(1);
+                on_cancel();
             }
         }
         if page.len() < INSTANCE_LIST_MAX {
-            break;
+            return Ok(true);
         }
         before = page.last().map(|r| r.id);
     }
-    bar.finish_and_clear();
-    Ok(Report::ok(
-        json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled }),
-        format!(
-            "Cancelled {} pending instance(s) of {machine:?} in namespace {ns:?} (their history records why).",
-            cancelled.len()
-        ),
-    ))
+    Ok(false)
 }
 
 async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
@@ -480,15 +523,20 @@ async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Repor
         .map_or(0, |c| c.count);
     let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");
     let mut pages_left = PAGES_MAX;
-    let purged = purge_machine_letters(keel, ns, machine, None, &mut pages_left, |n| bar.inc(n))
-        .await?
-        .purged;
+    let done =
+        purge_machine_letters(keel, ns, machine, None, &mut pages_left, |n| bar.inc(n)).await;
     bar.finish_and_clear();
+    let what = |n: u64| format!("purged {n} dead letter(s) of {machine:?} in namespace {ns:?}");
+    let OldLettersPurged { purged, complete } = done.map_err(|failed| {
+        let json = json!({ "namespace": ns, "machine": machine, "purged": failed.done.purged });
+        PartlyDone::wrap(failed.error, what(failed.done.purged), json)
+    })?;
+    let more = if complete { "" } else { "; more remain, run it again" };
+    let human = capitalized(&what(purged));
+    let tail = format!("; the instances stay suspended{more}.");
     Ok(Report::ok(
-        json!({ "namespace": ns, "machine": machine, "purged": purged }),
-        format!(
-            "Purged {purged} dead letter(s) of {machine:?} in namespace {ns:?}; the instances stay suspended."
-        ),
+        json!({ "namespace": ns, "machine": machine, "purged": purged, "complete": complete }),
+        format!("{human}{tail}"),
     ))
 }
 
@@ -508,8 +556,21 @@ pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result
         migration =
             migration.map(old.trim(), new.trim()).map_err(|e| anyhow!("--map {map}: {e}"))?;
     }
-    let run = keel.migrate(migration).namespace(ns);
-    let report = if args.dry_run { run.dry_run().await? } else { run.apply().await? };
+    let run = keel.migrate(migration).namespace(ns).run(args.dry_run).await;
+    let report = run.map_err(|stopped| {
+        let r = &stopped.report;
+        let done = format!(
+            "moved {} instance(s) of {} v{} to v{} in namespace {ns:?} ({} refused, {} running a step)",
+            r.moved(),
+            args.machine,
+            args.from,
+            args.to,
+            r.refusals(),
+            r.busy
+        );
+        let json = json!({ "namespace": ns, "moved": r.moved(), "refused": r.refusals(), "busy": r.busy, "dry_run": r.dry_run });
+        PartlyDone::wrap(stopped.error, done, json)
+    })?;
     let moves: Vec<_> = report
         .moves
         .iter()
@@ -539,10 +600,26 @@ pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result
         args.to,
         if report.dry_run { " (dry run: nothing written)" } else { "" }
     );
-    if report.refusals() > 0 && report.dry_run {
-        human.push_str("\nAdd --map OLD=NEW for the refused states, then run without --dry-run.");
+    if report.dry_run {
+        if report.refusals() > 0 {
+            human.push_str(
+                "\nAdd --map OLD=NEW for the refused states, then run without --dry-run.",
+            );
+        }
+        return Ok(Report::ok(body, human));
     }
-    Ok(Report::ok(body, human))
+    // Instances left on the old version make the upgrade a failure a deploy script sees
+    // (exit 1), with the report of what did move.
+    let left = report.refusals() + report.busy;
+    if left == 0 {
+        return Ok(Report::ok(body, human));
+    }
+    let _ = write!(
+        human,
+        "\nNot every instance moved: {left} left on v{} (refused ones need --map OLD=NEW; busy ones move on a later run).",
+        args.from
+    );
+    Ok(Report { json: body, human, code: crate::exit::Code::Failure })
 }
 
 /// What [`purge_old_dead_letters`] did.
@@ -554,20 +631,33 @@ pub struct OldLettersPurged {
     pub complete: bool,
 }
 
+/// A bulk operation a store error stopped part way: what it had done (committed) before,
+/// and the error.
+#[derive(Debug)]
+pub struct FailedAfter<T> {
+    /// What was done before the error.
+    pub done: T,
+    /// The error that stopped it.
+    pub error: keel::StoreError,
+}
+
 /// Deletes namespace `ns`'s dead letters created more than `age` ago, machine by machine
 /// and a page (`DEAD_LETTER_BATCH_MAX`) at a time, at most `pages_max` pages in all. The
 /// one purge of `keel dlq purge` and the dashboard's form; other namespaces are untouched.
+/// On a store error, what was deleted before it comes with the error.
 pub async fn purge_old_dead_letters(
     keel: &Keel,
     ns: &str,
     age: Duration,
     pages_max: usize,
-) -> keel::StoreResult<OldLettersPurged> {
+) -> Result<OldLettersPurged, FailedAfter<OldLettersPurged>> {
     let cutoff = now().minus(age);
+    let nothing = OldLettersPurged { purged: 0, complete: false };
     let machines: BTreeSet<String> = keel
         .store()
         .dead_letter_counts(Some(ns.to_owned()))
-        .await?
+        .await
+        .map_err(|error| FailedAfter { done: nothing, error })?
         .into_iter()
         .filter(|c| c.namespace == ns && c.count > 0)
         .map(|c| c.machine)
@@ -575,7 +665,11 @@ pub async fn purge_old_dead_letters(
     let (mut purged, mut pages_left) = (0, pages_max);
     for machine in machines {
         let done = purge_machine_letters(keel, ns, &machine, Some(cutoff), &mut pages_left, |_| {})
-            .await?;
+            .await
+            .map_err(|failed| FailedAfter {
+                done: OldLettersPurged { purged: purged + failed.done.purged, complete: false },
+                error: failed.error,
+            })?;
         purged += done.purged;
         if !done.complete {
             return Ok(OldLettersPurged { purged, complete: false });
@@ -594,7 +688,7 @@ async fn purge_machine_letters(
     older_than: Option<Timestamp>,
     pages_left: &mut usize,
     mut on_page: impl FnMut(u64),
-) -> keel::StoreResult<OldLettersPurged> {
+) -> Result<OldLettersPurged, FailedAfter<OldLettersPurged>> {
     let page = keel_core::limits::DEAD_LETTER_BATCH_MAX as u64;
     let mut purged = 0;
     loop {
@@ -611,11 +705,91 @@ async fn purge_machine_letters(
                 }),
                 older_than,
             })
-            .await?;
+            .await
+            .map_err(|error| FailedAfter {
+                done: OldLettersPurged { purged, complete: false },
+                error,
+            })?;
         purged += n;
         on_page(n);
         if n < page {
             return Ok(OldLettersPurged { purged, complete: true });
         }
     }
+}
+
+/// What [`retry_machine_letters`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MachineRetried {
+    /// The instances made runnable, in dead-letter order.
+    pub retried: Vec<InstanceId>,
+    /// Dead letters read and left in place: their instance is no longer suspended
+    /// (cancelled, moved on, or retried through an older letter) or is gone.
+    pub stale: u64,
+    /// False when the page bound stopped it with dead letters left to read.
+    pub complete: bool,
+}
+
+/// Pages (of [`ROWS_BATCH_MAX`](keel_core::limits::ROWS_BATCH_MAX) dead letters) a
+/// machine-wide retry reads at most: ten million dead letters.
+pub const RETRY_PAGES_MAX: usize = 10_000;
+
+/// Retries every dead letter of `machine` in `ns` whose instance is still suspended,
+/// reading the letters oldest first by id cursor, `page_size` at a time (1 to
+/// [`ROWS_BATCH_MAX`](keel_core::limits::ROWS_BATCH_MAX)), at most `pages_max` pages, calling
+/// `on_page` with each page's size. Each letter is retried by its id; one the store
+/// refuses because its instance is no longer suspended (or is gone) is counted stale and
+/// left, so stale letters, however many and wherever they sit, never hide the ones behind
+/// them (a store's machine-wide retry only looks at the oldest batch). On a store error,
+/// the instances already retried come with the error.
+pub async fn retry_machine_letters(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    delay: Option<Duration>,
+    page_size: usize,
+    pages_max: usize,
+    mut on_page: impl FnMut(u64),
+) -> Result<MachineRetried, FailedAfter<MachineRetried>> {
+    let page_size = page_size.clamp(1, keel_core::limits::ROWS_BATCH_MAX);
+    let mut done = MachineRetried::default();
+    let mut after = None;
+    for _ in 0..pages_max {
+        let filter = keel::DeadLetterFilter {
+            namespace: Some(ns.to_owned()),
+            machine: Some(machine.to_owned()),
+            after,
+            before: None,
+            limit: page_size,
+        };
+        let letters = match keel.dead_letters(filter).await {
+            Ok(letters) => letters,
+            Err(error) => return Err(FailedAfter { done, error }),
+        };
+        for d in &letters {
+            let retry = keel::DeadLetterRetry::one(d.id);
+            let retry = match delay {
+                Some(delay) => retry.after(delay),
+                None => retry,
+            };
+            match keel.dead_letter_retry(retry).await {
+                Ok(ids) => done.retried.extend(ids),
+                // The store refuses a letter whose instance is no longer suspended (moved
+                // on, cancelled, retried through an older letter) or is gone.
+                Err(e)
+                    if matches!(e.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound) =>
+                {
+                    done.stale += 1;
+                }
+                Err(error) => return Err(FailedAfter { done, error }),
+            }
+        }
+        on_page(letters.len() as u64);
+        if letters.len() < page_size {
+            done.complete = true;
+            return Ok(done);
+        }
+        after = letters.last().map(|d| d.id);
+    }
+    Ok(done)
 }

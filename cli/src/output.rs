@@ -35,6 +35,46 @@ impl Report {
     }
 }
 
+/// What a bulk command had already done when an error stopped it, attached to that error
+/// (`error.context(PartlyDone { … })`): the message reads "<done>, then failed: <error>"
+/// and the `--json` error body carries `json`'s fields next to `"error"`, so an operator
+/// knows what was committed before re-running it.
+#[derive(Debug, Clone)]
+pub struct PartlyDone {
+    /// What was done, e.g. `cancelled 2999 pending instance(s) of "order" in namespace "default"`.
+    pub done: String,
+    /// The same as JSON fields, e.g. `{"cancelled": 2999}`.
+    pub json: Value,
+}
+
+impl std::fmt::Display for PartlyDone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}, then failed", self.done)
+    }
+}
+
+impl PartlyDone {
+    /// `error`, with what was done before it.
+    pub fn wrap(error: impl Into<anyhow::Error>, done: String, json: Value) -> anyhow::Error {
+        error.into().context(PartlyDone { done, json })
+    }
+}
+
+/// The `--json` body of a failed command: `{"error": …}`, plus what a bulk command had
+/// already done when it failed (see [`PartlyDone`]).
+pub fn error_body(error: &anyhow::Error) -> Value {
+    let mut body = serde_json::json!({ "error": format!("{error:#}") });
+    if let (Some(partly), Some(fields)) = (error.downcast_ref::<PartlyDone>(), body.as_object_mut())
+        && let Some(done) = partly.json.as_object()
+    {
+        for (key, value) in done {
+            fields.entry(key.clone()).or_insert_with(|| value.clone());
+        }
+        fields.insert("complete".to_owned(), Value::Bool(false));
+    }
+    body
+}
+
 /// A table with the given header, sized to the terminal when there is one.
 pub fn table(header: &[&str]) -> Table {
     let mut table = Table::new();
@@ -97,6 +137,25 @@ mod tests {
         check(0, "1970-01-01 00:00:00.000Z");
         check(951_782_400_000, "2000-02-29 00:00:00.000Z");
         check(1_795_407_532_123, "2026-11-23 04:18:52.123Z");
+    }
+
+    #[test]
+    fn a_partial_failure_says_what_was_done_in_text_and_json() {
+        let error = PartlyDone::wrap(
+            anyhow::anyhow!("database is locked"),
+            "cancelled 2999 pending instance(s)".to_owned(),
+            serde_json::json!({ "cancelled": 2999 }),
+        );
+        assert_eq!(
+            format!("{error:#}"),
+            "cancelled 2999 pending instance(s), then failed: database is locked"
+        );
+        let body = error_body(&error);
+        assert_eq!(body["cancelled"], 2999);
+        assert_eq!(body["complete"], false);
+        assert!(body["error"].as_str().unwrap().ends_with("then failed: database is locked"));
+        let plain = error_body(&anyhow::anyhow!("boom"));
+        assert_eq!(plain, serde_json::json!({ "error": "boom" }));
     }
 
     #[test]

@@ -32,29 +32,19 @@ pub async fn run(cli: &Cli, command: Option<&SchedulesCommand>) -> anyhow::Resul
     let schedules = crate::health::read_config(cli)?.schedules()?;
     match command {
         None => {
-            let (stored, source) = match reachable(cli) {
-                Err(why) => (BTreeMap::new(), Err(why)),
-                Ok(()) => match connect(cli, false).await {
+            // Opening refuses a SQLite file that does not exist (it is not created just to
+            // list) and reads the URL the way every command does (`?mode=…` included).
+            let (stored, source) = match connect(cli, false).await {
+                Err(e) => (BTreeMap::new(), Err(format!("{e:#}"))),
+                Ok(keel) => match stored_states(keel.store(), &schedules).await {
+                    Ok(stored) => (stored, Ok(keel.describe().to_owned())),
                     Err(e) => (BTreeMap::new(), Err(format!("{e:#}"))),
-                    Ok(keel) => match stored_states(keel.store(), &schedules).await {
-                        Ok(stored) => (stored, Ok(keel.describe().to_owned())),
-                        Err(e) => (BTreeMap::new(), Err(format!("{e:#}"))),
-                    },
                 },
             };
             Ok(list(&schedules, &stored, source, now()))
         }
         Some(SchedulesCommand::Pause { name }) => set(cli, path, &schedules, name, true).await,
         Some(SchedulesCommand::Resume { name }) => set(cli, path, &schedules, name, false).await,
-    }
-}
-
-/// Whether the listing should open the store: a SQLite file that does not exist is not
-/// created just to list (it would hold no states anyway).
-fn reachable(cli: &Cli) -> Result<(), String> {
-    match cli.database_url.strip_prefix("sqlite://") {
-        Some(file) if !Path::new(file).exists() => Err(format!("no database file at {file}")),
-        _ => Ok(()),
     }
 }
 

@@ -53,6 +53,15 @@ impl Backend {
             .unwrap_or_else(|e| panic!("{}: {args:?}: {e}: {stdout}", self.name))
     }
 
+    /// Runs `keel --json <args>`, expects `code`, and parses the document.
+    fn json_code_of(&self, args: &[&str], code: i32) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let (stdout, _) = self.run(&all, code);
+        serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("{}: {args:?}: {e}: {stdout}", self.name))
+    }
+
     async fn open(&self) -> Keel {
         let options = ConnectOptions::default().schema(&self.schema).pool_size(2);
         Keel::connect_with(&self.url, options).await.expect("the test opens the store")
@@ -157,6 +166,12 @@ async fn two_dead_letters(b: &Backend) {
 }
 
 async fn two_dead_letters_in(b: &Backend, ns: &str) {
+    dead_letters_in(b, ns, &["a", "b"]).await;
+}
+
+/// One dead letter of `refuser` per key, oldest first, made by a real worker; returns
+/// their instances in the same order.
+async fn dead_letters_in(b: &Backend, ns: &str, keys: &[&str]) -> Vec<keel::InstanceId> {
     let keel = b.open().await;
     let config = WorkerConfig {
         poll_interval: Duration::from_millis(20),
@@ -165,20 +180,21 @@ async fn two_dead_letters_in(b: &Backend, ns: &str) {
     };
     let worker = keel.worker_with(config).register(Refuser).unwrap().spawn().unwrap();
     let mut ids = Vec::new();
-    for key in ["a", "b"] {
+    for &key in keys {
         let new = NewInstance::new(MachineRef::new("refuser", 1), "charge")
             .business_key(key)
             .namespace(ns);
         ids.push(keel.start(new).await.unwrap().id());
     }
-    for id in ids {
+    for id in &ids {
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while keel.get(id).await.unwrap().instance.status != Status::Suspended {
+        while keel.get(*id).await.unwrap().instance.status != Status::Suspended {
             assert!(std::time::Instant::now() < deadline, "{}: {id} never dead-lettered", b.name);
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     worker.shutdown().await;
+    ids
 }
 
 fn write_config(dir: &tempfile::TempDir, alerts: &str) -> String {
@@ -217,6 +233,9 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         assert!(err.contains("--after"), "{err}");
         let (out, _) = b.run(&["dlq", "list"], 0);
         assert!(out.contains("card declined") && out.contains("non_retryable"), "{out}");
+        let (out, _) = b.run(&["dlq", "list", "--machine", "refuser", "--limit", "1"], 0);
+        let hint = format!("More: keel dlq list --machine refuser --limit 1 --after dl{first}");
+        assert!(out.contains(&hint), "{}: the hint keeps the filters: {out}", b.name);
 
         let one = b.json(&["dlq", "inspect", &format!("dl{first}")]);
         assert_eq!(one["letter"]["errors"][0]["error"], "card declined");
@@ -227,9 +246,18 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         assert_eq!(status["queues"][0]["dead_letters"], 2);
         assert_eq!(status["queues"][0]["suspended"], 2);
 
-        // No thresholds: healthy whatever the counts.
-        let (out, _) = b.run(&["health"], 0);
-        assert!(out.starts_with("HEALTHY"), "{out}");
+        // No thresholds: nothing to hold the counts against, so no "healthy" either.
+        let (out, err) = b.run(&["health"], 1);
+        assert!(!out.contains("HEALTHY"), "{out}");
+        assert!(err.contains("--config: no alert thresholds configured"), "{err}");
+        assert!(err.contains("[queue.alerts]"), "says what to add: {err}");
+        let empty = write_config(&dir, "");
+        let (_, err) = b.run(&["health", "--config", &empty], 1);
+        assert!(err.contains("has no [queue.alerts]") && err.contains(&empty), "{err}");
+        let doc = b.keel_cmd().args(["--json", "health"]).output().unwrap();
+        assert_eq!(doc.status.code(), Some(1));
+        let body: Value = serde_json::from_slice(&doc.stdout).unwrap();
+        assert!(body["error"].as_str().unwrap().contains("--config"), "{body}");
         let warn = write_config(&dir, "dlq_warning = 2\ndlq_critical = 5");
         let (out, _) = b.run(&["health", "--config", &warn], 1);
         assert!(out.starts_with("WARNING") && out.contains("dead_letters"), "{out}");
@@ -241,6 +269,21 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         assert_eq!(report["findings"][0]["value"], 2);
         let pending = write_config(&dir, "pending_warning = 1");
         b.run(&["health", "--config", &pending], 0);
+        // The machine in a second queue: its dead letters still count once.
+        b.run(&["start", "refuser", "--queue", "payments", "--at", "charge"], 0);
+        let status = b.json(&["status", "--machine", "refuser"]);
+        let rows = status["queues"].as_array().unwrap();
+        assert_eq!(rows.len(), 2, "{}: {status}", b.name);
+        let sum: u64 = rows.iter().map(|r| r["dead_letters"].as_u64().unwrap()).sum();
+        assert_eq!(sum, 2, "{}: each dead letter once: {status}", b.name);
+        let once = write_config(&dir, "dlq_warning = 2");
+        let report = b.json_code_of(&["health", "--config", &once], 1);
+        let findings = report["findings"].as_array().unwrap();
+        assert_eq!(findings.len(), 1, "{}: one finding per machine: {report}", b.name);
+        assert_eq!(
+            (&findings[0]["check"], &findings[0]["value"]),
+            (&json!("dead_letters"), &json!(2))
+        );
         let wrong = write_config(&dir, "dlq_warning = 9\ndlq_critical = 2");
         let (_, err) = b.run(&["health", "--config", &wrong], 1);
         assert!(err.contains("queue.alerts.dlq_warning"), "{err}");
@@ -264,6 +307,8 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"], json!([]));
         let other = b.json(&["-n", "other", "dlq", "list"]);
         assert_eq!(other["dead_letters"].as_array().unwrap().len(), 2, "{}: {other}", b.name);
+        let (out, _) = b.run(&["-n", "other", "dlq", "list", "--limit", "1"], 0);
+        assert!(out.contains("More: keel -n other dlq list --limit 1 --after dl"), "{out}");
         let (out, _) =
             b.run(&["-n", "other", "dlq", "purge", "--older-than", "0s", "--confirm"], 0);
         assert!(out.contains("Purged 2 dead letter(s) older than"), "{out}");
@@ -306,6 +351,8 @@ fn bad_input_is_refused_with_the_field_named_and_nothing_changes() {
             (&["start", "ticket", "--context", "[1,2]"], 1, "context: must be a JSON object"),
             (&["start", "ticket", "--context", "{\"a\":"], 1, "context: not valid JSON"),
             (&["start", "", "--key", "Z"], 1, "machine"),
+            (&["start", "ticket", "--version", "0"], 2, "--version"),
+            (&["start", "ticket", "--version=-3"], 2, "--version"),
             (&["inspect", "-5"], 2, ""),
             (&["inspect", "0"], 1, "target:"),
             (&["dlq", "inspect", "dl'or'1"], 1, "id:"),
@@ -438,6 +485,15 @@ fn schedules_pause_and_resume_for_every_worker_and_list_the_stored_state() {
         assert!(out.contains("paused since"), "{out}");
         assert!(out.contains("Pause states read from the store"), "{out}");
 
+        // A SQLite URL with options (`?mode=…`) reads the same file's stored states.
+        if b.name == "sqlite" {
+            let with_options = format!("{}?mode=rw", b.url);
+            let listed =
+                b.json(&["schedules", "--config", &config, "--database-url", &with_options]);
+            assert_eq!(listed["store_error"], Value::Null, "{listed}");
+            assert_eq!(listed["schedules"][0]["paused"], true, "the stored pause: {listed}");
+        }
+
         let (_, err) = b.run(&["schedules", "pause", "nigthly", "--config", &config], 1);
         assert!(
             err.contains("no schedule named \"nigthly\"; the schedules are: nightly, quiet"),
@@ -486,4 +542,165 @@ fn a_sqlite_file_that_does_not_exist_is_an_error_until_migrate_creates_it() {
     assert!(stdout.contains("up to date"), "{stdout}");
     let (code, _, stderr) = keel(&["status"]);
     assert_eq!(code, Some(0), "once created, the file opens: {stderr}");
+}
+
+/// `KEEL_DATABASE_URL` may carry a password: help names the variable, never its value.
+#[test]
+fn help_never_prints_the_database_password() {
+    for args in [&["--help"][..], &["status", "-h"], &["dlq", "retry", "--help"]] {
+        let out = Command::cargo_bin("keel")
+            .expect("the keel binary is built")
+            .env("KEEL_DATABASE_URL", "postgres://u:s3cret@h/db")
+            .args(args)
+            .output()
+            .expect("keel runs");
+        assert_eq!(out.status.code(), Some(0), "keel {args:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(!help.contains("s3cret"), "keel {args:?} printed the password:\n{help}");
+        assert!(help.contains("KEEL_DATABASE_URL"), "keel {args:?} names the variable:\n{help}");
+    }
+}
+
+/// `-n` guards a retry by id as it guards `dlq inspect`: another namespace's dead letter
+/// is "not found", and nothing is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_by_id_refuses_a_dead_letter_of_another_namespace() {
+    for b in backends("a_retry_by_id_refuses_a_dead_letter_of_another_namespace") {
+        b.run(&["migrate"], 0);
+        two_dead_letters_in(&b, "billing").await;
+        let listed = b.json(&["-n", "billing", "dlq", "list"]);
+        let first = listed["dead_letters"][0]["id"].as_i64().unwrap();
+        let wanted = format!("id: no dead letter dl{first} in namespace \"shipping\"");
+        for id in [format!("dl{first}"), first.to_string()] {
+            let (_, err) = b.run(&["-n", "shipping", "dlq", "retry", &id], 1);
+            assert!(err.contains(&wanted), "{}: {err}", b.name);
+            let (_, err) = b.run(&["-n", "shipping", "dlq", "inspect", &id], 1);
+            assert!(err.contains(&wanted), "{}: inspect says the same: {err}", b.name);
+        }
+        let (_, err) = b.run(&["dlq", "retry", &first.to_string(), "--delay", "1m"], 1);
+        assert!(err.contains("in namespace \"default\""), "{}: {err}", b.name);
+
+        assert_eq!(
+            b.json(&["-n", "billing", "dlq", "list"]),
+            listed,
+            "{}: nothing retried",
+            b.name
+        );
+        let row = &b.json(&["-n", "billing", "status"])["queues"][0];
+        assert_eq!(row["suspended"], 2, "{}: {row}", b.name);
+        let retried = b.json(&["-n", "billing", "dlq", "retry", &first.to_string()]);
+        assert_eq!(retried["retried"].as_array().unwrap().len(), 1, "{}: {retried}", b.name);
+    }
+}
+
+/// Dead letters whose instance moved on (here: cancelled) sit ahead of retryable ones;
+/// `--all` reads past them by id and retries the rest, saying how many it left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_all_reads_past_stale_dead_letters_and_says_when_more_remain() {
+    for b in backends("retry_all_reads_past_stale_dead_letters_and_says_when_more_remain") {
+        b.run(&["migrate"], 0);
+        dead_letters_in(&b, "default", &["a", "b", "c", "d"]).await;
+        // The instances in dead-letter order (a worker may fail them in any order).
+        let listed = b.json(&["dlq", "list"]);
+        let ids: Vec<keel::InstanceId> = listed["dead_letters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| keel::InstanceId(d["letter"]["instance"].as_i64().unwrap()))
+            .collect();
+        assert_eq!(ids.len(), 4, "{}: {listed}", b.name);
+        for id in &ids[..2] {
+            b.run(&["cancel", &id.to_string()], 0);
+        }
+
+        // A page of one letter and a bound of three pages: the two stale letters and the
+        // first retryable one are read, and the bound says more remain.
+        let keel = b.open().await;
+        let done = keel_cli::operate::retry_machine_letters(
+            &keel,
+            "default",
+            "refuser",
+            None,
+            1,
+            3,
+            |_| {},
+        )
+        .await
+        .expect("no store error");
+        assert_eq!(
+            (done.retried.clone(), done.stale, done.complete),
+            (vec![ids[2]], 2, false),
+            "{}",
+            b.name
+        );
+
+        let retried = b.json(&["dlq", "retry", "--machine", "refuser", "--all"]);
+        assert_eq!(retried["retried"], json!([ids[3]]), "{}: {retried}", b.name);
+        assert_eq!((&retried["stale"], &retried["complete"]), (&json!(2), &json!(true)));
+        let (out, _) = b.run(&["dlq", "retry", "--machine", "refuser", "--all"], 0);
+        assert!(out.contains("Retried 0 instance(s) of \"refuser\""), "{}: {out}", b.name);
+        assert!(
+            out.contains("Left 2 dead letter(s) whose instance is no longer suspended"),
+            "{out}"
+        );
+        assert!(out.contains("`keel dlq list --machine refuser` lists them"), "{out}");
+        let row = &b.json(&["status", "--machine", "refuser"])["queues"][0];
+        assert_eq!((row["ready"].as_u64(), row["suspended"].as_u64()), (Some(2), Some(0)));
+    }
+}
+
+/// Without `--queue`, `config show` shows the queue the machine's instances start in (its
+/// `name`), not `default`'s.
+#[test]
+fn config_show_defaults_to_the_machines_own_queue() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("keel.toml");
+    std::fs::write(
+        &path,
+        "[machines.order.queue]\nname = \"payments\"\n\
+         [queues.payments]\nstrategy = \"priority\"\nglobal_concurrency = 5\n",
+    )
+    .expect("write the file");
+    let path = path.display().to_string();
+    let show = |extra: &[&str]| -> (Value, String) {
+        let run = |json: bool| {
+            let mut cmd = Command::cargo_bin("keel").expect("the keel binary is built");
+            cmd.env_remove("KEEL_CONFIG").env_remove("KEEL_DATABASE_URL");
+            let mut args = vec!["--config", path.as_str(), "config", "show", "--machine", "order"];
+            if json {
+                args.insert(0, "--json");
+            }
+            args.extend_from_slice(extra);
+            let out = cmd.args(&args).output().expect("keel runs");
+            assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        (serde_json::from_str(&run(true)).expect("a JSON document"), run(false))
+    };
+    let value = |doc: &Value, key: &str| -> Option<String> {
+        doc["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["key"] == key)
+            .map(|l| l["value"].as_str().unwrap().to_owned())
+    };
+    let (doc, human) = show(&[]);
+    assert_eq!(doc["queue"], "payments", "{doc}");
+    assert_eq!(value(&doc, "queues.payments.strategy").as_deref(), Some("priority"), "{doc}");
+    assert_eq!(value(&doc, "queues.payments.global_concurrency").as_deref(), Some("5"), "{doc}");
+    assert!(!doc.to_string().contains("queues.default."), "{doc}");
+    assert!(human.contains("machine order, queue payments"), "{human}");
+    let (doc, _) = show(&["--queue", "default"]);
+    assert_eq!(doc["queue"], "default", "an explicit --queue still wins: {doc}");
+    assert_eq!(value(&doc, "queues.default.strategy").as_deref(), Some("fifo"), "{doc}");
+    // A machine without a section runs on `default`.
+    let mut cmd = Command::cargo_bin("keel").expect("the keel binary is built");
+    cmd.env_remove("KEEL_CONFIG").env_remove("KEEL_DATABASE_URL");
+    let out = cmd
+        .args(["--json", "--config", &path, "config", "show", "--machine", "refund"])
+        .output()
+        .expect("keel runs");
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("a JSON document");
+    assert_eq!(doc["queue"], "default", "{doc}");
 }

@@ -177,9 +177,21 @@ async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_lette
         assert_eq!(ids(&b.json(&["list", "ticket", "--status", "done"])), Vec::<i64>::new());
         let (out, _) = b.run(&["list", "ticket", "--limit", "3"], 0);
         assert!(
-            out.contains("triage") && out.contains("More: keel list ticket --after i"),
+            out.contains("triage") && out.contains("More: keel list ticket --limit 3 --after i"),
             "{out}"
         );
+        // The hint continues the same listing: filters and namespace kept.
+        let (out, _) = b.run(&["list", "ticket", "--status", "runnable", "--limit", "1"], 0);
+        let hint =
+            format!("More: keel list ticket --status runnable --limit 1 --after i{}", listed[0]);
+        assert!(out.contains(&hint), "{}: {out}", b.name);
+        for _ in 0..2 {
+            b.run(&["-n", "ops", "start", "ticket", "--at", "triage"], 0);
+        }
+        let (out, _) =
+            b.run(&["-n", "ops", "list", "ticket", "--state", "triage", "--limit", "1"], 0);
+        let hint = "More: keel -n ops list ticket --state triage --limit 1 --after i";
+        assert!(out.contains(hint), "{}: {out}", b.name);
         let (out, _) = b.run(&["list", "nobody"], 0);
         assert!(out.contains("No instances of \"nobody\""), "{out}");
 
@@ -205,6 +217,7 @@ async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_lette
 
         let purged = b.json(&["purge", "ticket", "--pending", "--confirm"]);
         assert_eq!(purged["cancelled"], 4, "{}: {purged}", b.name);
+        assert_eq!(purged["complete"], true, "{}: {purged}", b.name);
         assert_eq!(ids(&b.json(&["list", "ticket", "--status", "cancelled"])).len(), 4);
         assert_eq!(
             ids(&b.json(&["list", "other", "--status", "runnable"])).len(),
@@ -227,7 +240,7 @@ async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_lette
         let (_, err) = b.run(&["purge", "refuser", "--dlq"], 1);
         assert!(err.contains("deletes every dead letter"), "{err}");
         let purged = b.json(&["purge", "refuser", "--dlq", "--confirm"]);
-        assert_eq!(purged["purged"], 2, "{}: {purged}", b.name);
+        assert_eq!((&purged["purged"], &purged["complete"]), (&json!(2), &json!(true)), "{purged}");
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"], json!([]));
         assert_eq!(ids(&b.json(&["list", "refuser", "--status", "suspended"])).len(), 2);
     }
@@ -387,6 +400,32 @@ async fn graph_draws_and_upgrade_moves_instances_from_a_definitions_file() {
             let (_, err) = b.run(args, code);
             assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
         }
+        // A directory whose `*.json` entries include a link back to itself and a
+        // sub-directory: only its regular files are read, nothing recurses.
+        // A link to a regular file is read as that file (mounted volumes are links).
+        let dir = b.dir.path().join("charts");
+        std::fs::create_dir_all(dir.join("nested.json")).unwrap();
+        std::fs::write(
+            dir.join("nested.json").join("hidden.json"),
+            DOORS.replace("door", "hidden"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("doors.json"), DOORS).unwrap();
+        std::fs::write(b.dir.path().join("gate-source"), DOORS.replace("door", "gate")).unwrap();
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&dir, dir.join("loop.json")).unwrap();
+            std::os::unix::fs::symlink(b.dir.path().join("gate-source"), dir.join("gates.json"))
+                .unwrap();
+            let charts = dir.display().to_string();
+            let (out, _) = b.run(&["graph", "gate", "--definitions", &charts], 0);
+            assert!(out.contains("shut --> open : OPEN"), "{}: {out}", b.name);
+        }
+        let charts = dir.display().to_string();
+        let (out, _) = b.run(&["graph", "door", "--definitions", &charts], 0);
+        assert!(out.contains("shut --> open : OPEN"), "{}: {out}", b.name);
+        let (_, err) = b.run(&["graph", "hidden", "--definitions", &charts], 1);
+        assert!(err.contains("machine: \"hidden\" is not in the definitions file"), "{err}");
 
         // Two doors on v1, parked in `closed` by a real chart worker.
         let keel = b.open().await;
@@ -414,6 +453,16 @@ async fn graph_draws_and_upgrade_moves_instances_from_a_definitions_file() {
         assert_eq!(report["refused"][0]["count"], 2, "{}: {report}", b.name);
         let (out, _) = b.run(&dry, 0);
         assert!(out.contains("dry run") && out.contains("--map OLD=NEW"), "{out}");
+        // Applied, with instances refused: the report, and exit 1 for a deploy script.
+        let report = b.json_code(&base, 1);
+        assert_eq!(
+            (report["dry_run"].as_bool(), report["moved"].as_u64()),
+            (Some(false), Some(0)),
+            "{report}"
+        );
+        assert_eq!(report["refused"][0]["count"], 2, "{}: {report}", b.name);
+        let (out, _) = b.run(&base, 1);
+        assert!(out.contains("Not every instance moved: 2 left on v1"), "{}: {out}", b.name);
         for (args, needle) in [
             (vec!["--map", "closed"], "--map: \"closed\" is not OLD=NEW"),
             (vec!["--map", "ajar=shut"], "--map ajar=shut"),
@@ -562,7 +611,7 @@ async fn history_pages_newest_first_down_to_the_oldest_entry() {
         assert_eq!(walked, stored, "{}: the pages add up to the history", b.name);
 
         let (out, _) = b.run(&["history", "walker:w1", "--limit", "2"], 0);
-        let hint = format!("More: keel history walker:w1 --before {}", stored[1]);
+        let hint = format!("More: keel history walker:w1 --limit 2 --before {}", stored[1]);
         assert!(out.contains("STEP_") && out.contains(&hint), "{}: {out}", b.name);
         let oldest = stored.last().unwrap().to_string();
         let (out, _) = b.run(&["history", "walker:w1", "--before", &oldest], 0);
@@ -589,4 +638,129 @@ async fn history_pages_newest_first_down_to_the_oldest_entry() {
             assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
         }
     }
+}
+
+/// A refuser of any machine name: every instance ends in the dead-letter queue.
+struct NamedRefuser(&'static str);
+
+#[keel::async_trait]
+impl StepMachine for NamedRefuser {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new(self.0, 1)
+    }
+
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Err(StepError::fatal("card declined"))
+    }
+}
+
+/// Runs one SQL statement on a SQLite file (to install a failing trigger).
+async fn sqlite_exec(url: &str, sql: String) {
+    use sqlx::{ConnectOptions as _, Connection as _};
+    let path = url.strip_prefix("sqlite://").expect("a SQLite URL");
+    let mut conn =
+        sqlx::sqlite::SqliteConnectOptions::new().filename(path).connect().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.unwrap();
+    conn.close().await.unwrap();
+}
+
+/// A trigger that fails every `op` (UPDATE or DELETE) on `table` rows matching `when`
+/// with a runtime error ("integer overflow"), which the store reports as an outage, not a
+/// conflict (RAISE would be a constraint violation: a conflict, skipped by a bulk retry).
+fn failing(name: &str, op: &str, table: &str, when: &str) -> String {
+    format!(
+        "CREATE TRIGGER {name} BEFORE {op} ON {table} WHEN {when} \
+         BEGIN SELECT abs(-9223372036854775807 - 1); END"
+    )
+}
+
+/// Bulk commands a store error stops part way say what they had already done (committed)
+/// before the error, in the message and in the `--json` error body. SQLite only: a trigger
+/// makes one row's write fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_commands_that_fail_part_way_say_what_they_already_did() {
+    let b = backends("bulk_commands_that_fail_part_way").remove(0);
+    assert_eq!(b.name, "sqlite");
+    b.run(&["migrate"], 0);
+
+    // purge --pending cancels newest first: the oldest one fails, after two were cancelled.
+    let mut tickets = Vec::new();
+    for key in ["a", "b", "c"] {
+        tickets.push(b.json(&["start", "ticket", "--key", key])["id"].as_i64().unwrap());
+    }
+    let oldest = tickets[0];
+    sqlite_exec(
+        &b.url,
+        failing("no_cancel", "UPDATE", "keel_instances", &format!("OLD.id = {oldest}")),
+    )
+    .await;
+    let (_, err) = b.run(&["purge", "ticket", "--pending", "--confirm"], 1);
+    assert!(
+        err.contains(
+            "error: cancelled 2 pending instance(s) of \"ticket\" in namespace \"default\", then failed: "
+        ) && err.contains("integer overflow"),
+        "{err}"
+    );
+    assert_eq!(ids(&b.json(&["list", "ticket", "--status", "cancelled"])).len(), 2);
+    let body = b.json_code(&["purge", "ticket", "--pending", "--confirm"], 1);
+    assert_eq!((&body["cancelled"], &body["complete"]), (&json!(0), &json!(false)), "{body}");
+    assert!(body["error"].as_str().unwrap().contains("integer overflow"), "{body}");
+    sqlite_exec(&b.url, "DROP TRIGGER no_cancel".to_owned()).await;
+
+    // Dead letters of two machines, `alpha` and `beta`.
+    let keel = b.open().await;
+    let worker = keel
+        .worker_with(fast())
+        .register(NamedRefuser("alpha"))
+        .unwrap()
+        .register(NamedRefuser("beta"))
+        .unwrap()
+        .spawn()
+        .unwrap();
+    let mut letters = Vec::new();
+    for (machine, key) in [("alpha", "1"), ("alpha", "2"), ("beta", "1")] {
+        let new = NewInstance::new(MachineRef::new(machine, 1), "charge").business_key(key);
+        let id = keel.start(new).await.unwrap().id();
+        wait_for(&keel, id, Status::Suspended, b.name).await;
+        letters.push(id);
+    }
+    worker.shutdown().await;
+
+    // retry --all: the first instance is retried, the second one's update fails.
+    let second = letters[1].0;
+    sqlite_exec(
+        &b.url,
+        failing("no_retry", "UPDATE", "keel_instances", &format!("OLD.id = {second}")),
+    )
+    .await;
+    let (_, err) = b.run(&["dlq", "retry", "--machine", "alpha", "--all"], 1);
+    assert!(
+        err.contains(
+            "error: retried 1 instance(s) of \"alpha\" in namespace \"default\", then failed: "
+        ),
+        "{err}"
+    );
+    let body = b.json_code(&["dlq", "retry", "--machine", "alpha", "--all"], 1);
+    assert_eq!((&body["retried"], &body["stale"]), (&json!([]), &json!(0)), "{body}");
+    sqlite_exec(&b.url, "DROP TRIGGER no_retry".to_owned()).await;
+
+    // dlq purge goes machine by machine: alpha's letter goes, beta's delete fails.
+    sqlite_exec(&b.url, failing("no_purge", "DELETE", "keel_dead_letters", "OLD.machine = 'beta'"))
+        .await;
+    let (_, err) = b.run(&["dlq", "purge", "--older-than", "0s", "--confirm"], 1);
+    assert!(
+        err.contains(
+            "error: purged 1 dead letter(s) older than 0 seconds in namespace \"default\", then failed: "
+        ),
+        "{err}"
+    );
+    let body = b.json_code(&["purge", "beta", "--dlq", "--confirm"], 1);
+    assert_eq!((&body["purged"], &body["machine"]), (&json!(0), &json!("beta")), "{body}");
+    assert!(
+        body["error"].as_str().unwrap().starts_with("purged 0 dead letter(s) of \"beta\""),
+        "{body}"
+    );
+    sqlite_exec(&b.url, "DROP TRIGGER no_purge".to_owned()).await;
+    let left = b.json(&["dlq", "list"]);
+    assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "beta's letter stayed: {left}");
 }

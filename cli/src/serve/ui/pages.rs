@@ -1182,22 +1182,34 @@ pub async fn retry_machine(
                     "machine: name the machine whose dead letters to retry",
                 ));
             }
-            let mut retried = Vec::new();
-            for _ in 0..ROUNDS_MAX {
-                let batch = state
-                    .keel
-                    .dead_letter_retry(DeadLetterRetry::machine(&machine).namespace(&ns))
-                    .await
-                    .map_err(|e| store_or_input(&viewer, &ns, &e))?;
-                let last = batch.len() < limits::DEAD_LETTER_BATCH_MAX;
-                retried.extend(batch);
-                if last {
-                    break;
+            // Letters whose instance moved on are skipped, not a reason to stop.
+            let done = crate::operate::retry_machine_letters(
+                &state.keel,
+                &ns,
+                &machine,
+                None,
+                limits::ROWS_BATCH_MAX,
+                ROUNDS_MAX,
+                |_| {},
+            )
+            .await
+            .map_err(|failed| {
+                if failed.done.retried.is_empty() {
+                    return store_or_input(&viewer, &ns, &failed.error);
                 }
-            }
+                let done =
+                    format!("retried {} instance(s) of {machine}", failed.done.retried.len());
+                let error = crate::output::PartlyDone::wrap(failed.error, done, Value::Null);
+                store_failed(&viewer, &ns, &format!("{error:#}"))
+            })?;
+            let stale = match done.stale {
+                0 => String::new(),
+                n => format!(" {n} dead letter(s) left: their instance is no longer suspended."),
+            };
+            let more = if done.complete { "" } else { " More remain, retry again." };
             Ok(back_to_letters(
                 &ns,
-                &format!("Retried {} instance(s) of {machine}.", retried.len()),
+                &format!("Retried {} instance(s) of {machine}.{stale}{more}", done.retried.len()),
             ))
         }
         .await,
@@ -1227,7 +1239,15 @@ pub async fn purge(
             let crate::operate::OldLettersPurged { purged, complete } =
                 crate::operate::purge_old_dead_letters(&state.keel, &ns, age, ROUNDS_MAX)
                     .await
-                    .map_err(|e| store_or_input(&viewer, &ns, &e))?;
+                    .map_err(|failed| {
+                        if failed.done.purged == 0 {
+                            return store_or_input(&viewer, &ns, &failed.error);
+                        }
+                        let done = format!("purged {} dead letter(s)", failed.done.purged);
+                        let error =
+                            crate::output::PartlyDone::wrap(failed.error, done, Value::Null);
+                        store_failed(&viewer, &ns, &format!("{error:#}"))
+                    })?;
             let more = if complete { "" } else { "; more remain, purge again" };
             Ok(back_to_letters(
                 &ns,
