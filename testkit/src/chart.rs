@@ -563,17 +563,26 @@ impl TestMachine {
         self.start();
         let until = self.now + by.into().0;
         // Each fire either removes a timer or moves it forward by a positive interval, and
-        // the loop is bounded so a pathological chart cannot spin forever.
-        for _ in 0..MAX_TIMER_FIRES_PER_ADVANCE {
+        // the loop is bounded so a pathological chart cannot spin forever; going over the
+        // bound panics rather than leave due timers unfired.
+        for fires in 0.. {
             let next = self
                 .timers
                 .iter()
                 .enumerate()
                 .filter(|(_, t)| t.next_fire_at <= at(until))
                 .min_by_key(|(i, t)| (t.next_fire_at, *i));
-            let Some((index, _)) = next else {
+            let Some((index, due)) = next else {
                 break;
             };
+            assert!(
+                fires < MAX_TIMER_FIRES_PER_ADVANCE,
+                "advance_timers: more than {MAX_TIMER_FIRES_PER_ADVANCE} timer fires in one call \
+                 (`{}` of state `{}` is still due); advance in smaller steps\n{}",
+                due.spec.event,
+                due.spec.state,
+                self.describe()
+            );
             let timer = self.timers.remove(index);
             let due = timer.next_fire_at;
             self.now = Duration::from_millis(u64::try_from(due.0 - EPOCH.0).unwrap_or(0));
@@ -583,11 +592,12 @@ impl TestMachine {
             if let Some(next) = fired.next {
                 self.timers.insert(index, next);
             }
-            let event = fired.signal.name;
-            // An exhausted timer without a `then` event has nothing to deliver.
-            if !event.is_empty() {
-                self.fired.push(event.clone());
-                self.send(event.as_str());
+            // An exhausted timer without a `then` event has nothing to deliver. The event
+            // carries the payload the durable sweep delivers (`timer`, `state`, `fire`).
+            let signal = fired.signal;
+            if !signal.name.is_empty() {
+                self.fired.push(signal.name.clone());
+                self.send(Event::with_payload(signal.name, signal.payload));
             }
         }
         self.now = until;
@@ -829,6 +839,41 @@ mod tests {
             m.send("GO");
         }));
         assert!(msg.starts_with("send(GO) failed: MaxTransitionDepthExceeded"), "{msg}");
+    }
+
+    /// A guard sees the fire's payload (`timer`, `state`, `fire`), as on the stores.
+    #[test]
+    fn a_timer_fire_carries_the_durable_payload() {
+        let def = Definition::builder("t", 1)
+            .guard("third", |_, event| event.payload["fire"] == json!(3))
+            .initial("polling")
+            .state("polling", |s| {
+                s.on("POLL", |t| {
+                    t.every(Timer::minutes(1)).branch(|b| b.guard("third").target("done"))
+                })
+            })
+            .final_state("done")
+            .build()
+            .unwrap();
+        let mut m = TestMachine::new(def);
+        m.advance_timers(Timer::minutes(2)).assert_state("polling");
+        m.advance_timers(Timer::minutes(1)).assert_state("done");
+    }
+
+    /// Over the bound, `advance_timers` panics naming the timer still due rather than
+    /// leave it unfired.
+    #[test]
+    fn more_timer_fires_than_the_bound_in_one_advance_panic() {
+        let def = Definition::builder("t", 1)
+            .initial("ticking")
+            .state("ticking", |s| s.on("TICK", |t| t.every(Timer::seconds(1))))
+            .build()
+            .unwrap();
+        let msg = panic_message(std::panic::AssertUnwindSafe(|| {
+            TestMachine::new(def).advance_timers(Timer::hours(3));
+        }));
+        assert!(msg.contains("more than 10000 timer fires"), "{msg}");
+        assert!(msg.contains("`TICK` of state `ticking`"), "{msg}");
     }
 
     /// A deadline is renewed by a trip through a transit state (event → transit →
