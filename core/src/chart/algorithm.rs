@@ -941,7 +941,13 @@ impl<'d> Macrostep<'d> {
             if s == 0 || !self.config.insert(s) {
                 continue;
             }
-            if self.dispatch && self.def.kind(s) == StateKind::Parallel {
+            // A parallel state inside a region already planned for dispatch is that
+            // region task's work (its regions' entry actions with it), not a dispatch of
+            // its own: otherwise those entry actions would run twice.
+            if self.dispatch
+                && self.def.kind(s) == StateKind::Parallel
+                && !self.skip_entry.contains(&s)
+            {
                 self.plan_dispatch(s, set);
             }
             let node = &self.def.states[s];
@@ -971,7 +977,21 @@ impl<'d> Macrostep<'d> {
 
     /// Marks the regions of parallel state `p` whose states in `set` have entry actions for
     /// dispatch, when there are at least two of them (one region gains nothing).
+    ///
+    /// A region task runs entry actions the macrostep skipped, and a region that moved on
+    /// before the macrostep ended is not dispatched, so a region that may move on without
+    /// an event keeps its entry actions inline: one entering a state with `@always` or a
+    /// final state (which raises `done.state`). Nothing is dispatched when `p` or one of its
+    /// ancestors has `@always` (the whole parallel state may be left at once).
     fn plan_dispatch(&mut self, p: usize, set: &BTreeSet<usize>) {
+        let eventless = |s: usize| !self.def.states[s].always.is_empty();
+        let mut up = Some(p);
+        while let Some(s) = up {
+            if eventless(s) {
+                return;
+            }
+            up = self.def.parent(s);
+        }
         let regions: Vec<(usize, Vec<usize>)> = self.def.states[p]
             .children
             .iter()
@@ -986,6 +1006,9 @@ impl<'d> Macrostep<'d> {
                 (r, entered)
             })
             .filter(|(_, entered)| entered.iter().any(|&x| !self.def.states[x].entry.is_empty()))
+            .filter(|(_, entered)| {
+                !entered.iter().any(|&x| eventless(x) || self.def.kind(x) == StateKind::Final)
+            })
             .collect();
         if regions.len() < 2 {
             return;

@@ -34,8 +34,10 @@
 //!   parallel state's `@fail` unless the region handles it); `@timeout` answers
 //!   `timeout.invoke.<path>`. See the constructors on [`Event`].
 //! - **Action errors fail the macrostep** and the result carries the configuration and context
-//!   it started from: commit nothing, retry per policy, and after the last try deliver
-//!   `fail.state.<owner>` to run the `@fail` hooks.
+//!   it started from: nothing is committed and the step is retried per the retry policy;
+//!   when the tries run out the failure is handled as any step's is (by `on_dead_letter`:
+//!   suspended with a dead letter, or the event skipped). `@fail` answers the failures of
+//!   child machines and parallel regions, not of the chart's own actions.
 //! - **Timers belong to state entries.** A state active after a macrostep arms its timers
 //!   when it was not active before, or when it was left for another state and entered again
 //!   within the macrostep (event → transit state → `@always` back: the way to renew a

@@ -711,6 +711,82 @@ mod tests {
         assert!(result.regions_to_dispatch.is_empty());
     }
 
+    /// Runs the initial entry of `def` in dispatch mode: the actions run inline and the
+    /// regions planned for dispatch, as `(region, entry actions)`.
+    fn init_dispatching(def: &Definition) -> (Vec<String>, Vec<(String, Vec<String>)>) {
+        let step = Macrostep::init(def, json!({}), Limits::default()).dispatch_regions(true);
+        let result = run_to_completion(step, |_, _| Ok(ActionResult::empty()));
+        let regions = result
+            .regions_to_dispatch
+            .iter()
+            .map(|r| (r.region.clone(), r.actions(def).into_iter().map(|a| a.name).collect()))
+            .collect();
+        (result.actions().iter().map(ToString::to_string).collect(), regions)
+    }
+
+    #[test]
+    fn a_nested_parallel_state_is_its_outer_regions_work_and_runs_each_entry_once() {
+        let d = Definition::builder("nested", 1)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("r1", |r| {
+                    r.initial("q").parallel("q", |q| {
+                        q.state("q1", |r| r.initial("x").state("x", |s| s.entry("A")))
+                            .state("q2", |r| r.initial("y").state("y", |s| s.entry("B")))
+                    })
+                })
+                .state("r2", |r| r.initial("z").state("z", |s| s.entry("C")))
+            })
+            .build()
+            .unwrap();
+        let (inline, regions) = init_dispatching(&d);
+        assert!(inline.is_empty(), "{inline:?}");
+        assert_eq!(
+            regions,
+            [
+                ("p.r1".to_owned(), vec!["A".to_owned(), "B".to_owned()]),
+                ("p.r2".to_owned(), vec!["C".to_owned()])
+            ],
+            "one task per outer region; A and B once each"
+        );
+    }
+
+    #[test]
+    fn a_region_that_may_move_on_without_an_event_runs_its_entry_inline() {
+        let region_moves = Definition::builder("moves", 1)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("r1", |r| {
+                    r.initial("a")
+                        .state("a", |s| s.entry("load").always(|b| b.target("b")))
+                        .leaf("b")
+                })
+                .state("r2", |r| r.initial("c").state("c", |s| s.entry("fetch")))
+                .state("r3", |r| r.initial("e").state("e", |s| s.entry("warm")))
+            })
+            .build()
+            .unwrap();
+        let (inline, regions) = init_dispatching(&region_moves);
+        assert_eq!(inline, ["load"], "r1 leaves `a` at once: its entry runs in the step");
+        let names: Vec<&str> = regions.iter().map(|(r, _)| r.as_str()).collect();
+        assert_eq!(names, ["p.r2", "p.r3"]);
+
+        let whole_moves = Definition::builder("leaves", 1)
+            .guard("done_loading", |ctx, _| ctx.get_as::<bool>("loaded") == Some(true))
+            .initial("p")
+            .parallel("p", |p| {
+                p.always(|b| b.guard("done_loading").target("out"))
+                    .state("r1", |r| r.initial("a").state("a", |s| s.entry("load")))
+                    .state("r2", |r| r.initial("c").state("c", |s| s.entry("fetch")))
+            })
+            .leaf("out")
+            .build()
+            .unwrap();
+        let (inline, regions) = init_dispatching(&whole_moves);
+        assert_eq!(inline, ["load", "fetch"], "`p` may be left at once: nothing dispatched");
+        assert!(regions.is_empty());
+    }
+
     #[test]
     fn the_book_round_trips_through_the_context_and_numbers_each_dispatch() {
         let d = def(true);
