@@ -15,6 +15,8 @@
 //! old state, so a dry run can show it and an apply leaves the instance untouched.
 
 use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, entry_timers};
+use crate::chart::parallel::ParallelBook;
+use crate::chart::step::timeout_owner;
 use crate::chart::{Configuration, Definition, TimerArm};
 use crate::history::HistoryKind;
 use crate::instance::{HistoryEntry, Instance};
@@ -71,6 +73,18 @@ pub enum Refusal {
     },
     /// The context transform refused the instance's context.
     Context(String),
+    /// A child machine was started from a delegation state whose path the move changes:
+    /// the child would report to, and be cancelled with, a state the instance no longer has.
+    Delegating {
+        /// The delegation state's old path.
+        state: String,
+    },
+    /// Region tasks of a parallel state whose path (or a region's) the move changes are
+    /// outstanding: their reports would name states the instance no longer has.
+    Dispatched {
+        /// The parallel state's old path.
+        state: String,
+    },
     /// The instance is running a step now; a later pass moves it.
     Busy,
     /// The instance is not of the version being migrated (it moved or finished meanwhile).
@@ -89,6 +103,14 @@ impl fmt::Display for Refusal {
                 "the mapped states {configuration:?} are not a legal configuration of the new version: {reason}"
             ),
             Refusal::Context(why) => write!(f, "the context transform refused: {why}"),
+            Refusal::Delegating { state } => write!(
+                f,
+                "delegation state `{state}` started a child machine under its path, which this move changes; keep its path in the new version, or move the instance once it has left `{state}`"
+            ),
+            Refusal::Dispatched { state } => write!(
+                f,
+                "parallel state `{state}` has region tasks outstanding under paths this move changes; keep its paths in the new version, or move the instance once it has left `{state}`"
+            ),
             Refusal::Busy => f.write_str("a step is running; a later pass moves the instance"),
             Refusal::Stale => {
                 f.write_str("the instance is no longer a waiting instance of the old version")
@@ -283,6 +305,23 @@ impl Migration {
             reason,
         })?;
 
+        // What was started under an old path must find that path after the move: a
+        // delegated child reports to (and is cancelled with) its state, and a region task
+        // reports to its parallel state and the regions it entered.
+        for path in old.paths() {
+            let delegating = self.from.state(path).is_some_and(|n| n.delegation.is_some());
+            if delegating && self.map_path(path).as_deref() != Some(path) {
+                return Err(Refusal::Delegating { state: path.to_owned() });
+            }
+        }
+        let mut book_of = row.context.clone();
+        let book = ParallelBook::take(&mut book_of);
+        for (state, record) in &book.active {
+            let moved = |p: &str| self.map_path(p).as_deref() != Some(p);
+            if moved(state) || record.regions.keys().any(|r| moved(r)) {
+                return Err(Refusal::Dispatched { state: state.clone() });
+            }
+        }
         let mut context = match &self.context {
             Some(transform) => transform(&row.context).map_err(Refusal::Context)?,
             None => row.context.clone(),
@@ -300,6 +339,13 @@ impl Migration {
         let mut dropped = 0;
         let mut taken = vec![false; wanted.len()];
         for t in timers {
+            // A dispatch's region timeout stays with its parallel state, whose path (checked
+            // above) the move keeps.
+            let timeout = book.active.keys().any(|p| t.spec.state == timeout_owner(p));
+            if timeout {
+                kept.push(TimerRow { machine: machine.clone(), ..t.clone() });
+                continue;
+            }
             let target = self.map_path(&t.spec.state);
             let found = wanted.iter().enumerate().find(|(i, w)| {
                 !taken[*i] && Some(&w.state) == target.as_ref() && w.event == t.spec.event
@@ -396,6 +442,70 @@ mod tests {
             json!({ "@history": { "q.h": ["q.c"] }, "n": 1, "v2": true })
         );
         assert_eq!((moved.row.machine.version, moved.row.revision.0), (2, row.revision.0 + 1));
+    }
+
+    /// Version 1 delegates `paying` to a child machine and runs parallel `p`; version 2
+    /// renames `paying` (to `charging`) or keeps it, and keeps or renames `p`.
+    fn delegating(v: u32, paying: &str, p: &str) -> Definition {
+        Definition::builder("m", v)
+            .initial("idle")
+            .state("idle", |s| s.on_to("PAY", paying).on_to("BOTH", p))
+            .state(paying, |s| s.machine("payment").on_done(|b| b.target("idle")))
+            .parallel(p, |s| {
+                s.state("r1", |r| r.initial("a").leaf("a"))
+                    .state("r2", |r| r.initial("b").leaf("b"))
+            })
+            .build()
+            .expect("valid")
+    }
+
+    #[test]
+    fn a_move_that_renames_a_state_with_work_started_under_its_path_is_refused() {
+        let v1 = delegating(1, "paying", "p");
+        let renamed = Migration::new(v1.clone(), delegating(2, "charging", "q"))
+            .and_then(|m| m.map("paying", "charging"))
+            .and_then(|m| m.map("p", "q"))
+            .expect("valid");
+        let refusal = renamed.plan(&waiting(r#"["paying"]"#, json!({})), &[], Timestamp(5));
+        assert_eq!(refusal, Err(Refusal::Delegating { state: "paying".into() }));
+        assert!(refusal.unwrap_err().to_string().contains("keep its path"));
+
+        let record = crate::chart::parallel::DispatchRecord {
+            dispatch: 1,
+            regions: [("p.r1".to_owned(), crate::chart::parallel::RegionStatus::Pending)].into(),
+            failed: false,
+            timed_out: false,
+        };
+        let book = ParallelBook { last_dispatch: 1, active: [("p".to_owned(), record)].into() };
+        let mut context = json!({});
+        book.put(&mut context);
+        let in_p = waiting(r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#, context.clone());
+        let refusal = renamed.plan(&in_p, &[], Timestamp(5));
+        assert_eq!(refusal, Err(Refusal::Dispatched { state: "p".into() }));
+
+        // Paths kept: the move goes on, the region timeout with it.
+        let kept = Migration::new(v1, delegating(2, "paying", "p")).expect("valid");
+        assert!(kept.plan(&waiting(r#"["paying"]"#, json!({})), &[], Timestamp(5)).is_ok());
+        let spec = crate::chart::step::timeout_timer(
+            &crate::config::ParallelConfig {
+                region_timeout: std::time::Duration::from_secs(60),
+                ..crate::config::ParallelConfig::default()
+            },
+            "p",
+        )
+        .expect("a region timeout");
+        let timer = TimerRow::armed(
+            TimerId(3),
+            in_p.id,
+            "default",
+            &MachineRef::new("m", 1),
+            spec,
+            Timestamp(1),
+        );
+        let moved = kept.plan(&in_p, std::slice::from_ref(&timer), Timestamp(5)).expect("moves");
+        assert_eq!((moved.kept, moved.dropped), (1, 0));
+        assert_eq!(moved.timers[0].id, TimerId(3));
+        assert_eq!(moved.timers[0].machine.version, 2);
     }
 
     #[test]
