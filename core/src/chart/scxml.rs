@@ -495,7 +495,7 @@ mod tests {
               <history id="h" type="deep"><transition target="a"/></history>
               <onentry><keel:action name="hello"/><raise event="ready"/></onentry>
               <state id="a"/>
-              <state id="b"><transition event="GO DASH" cond="ok" target="a h" type="internal"/></state>
+              <state id="b"><transition event="GO DASH" cond="ok" target="h" type="internal"/></state>
               <transition event="done.state.p" target="end"/>
             </state>
             <parallel id="q"><state id="r1"/><state id="r2"/><onexit><keel:action name="bye"/></onexit></parallel>
@@ -512,10 +512,8 @@ mod tests {
                     .entry("@raise:ready")
                     .leaf("a")
                     .state("b", |s| {
-                        s.on("GO", |t| t.branch(|b| b.guard("ok").target("p.a p.h").internal()))
-                            .on("DASH", |t| {
-                                t.branch(|b| b.guard("ok").target("p.a p.h").internal())
-                            })
+                        s.on("GO", |t| t.branch(|b| b.guard("ok").target("p.h").internal()))
+                            .on("DASH", |t| t.branch(|b| b.guard("ok").target("p.h").internal()))
                     })
                     .on("done.state.p", |t| t.branch(|b| b.target("end")))
             })

@@ -1231,3 +1231,215 @@ fn a_version_beyond_what_stores_hold_is_refused() {
     let largest = u32::try_from(i32::MAX).unwrap();
     Definition::builder("edge", largest).initial("a").final_state("a").build().expect("i32::MAX");
 }
+
+/// A parallel state `p` (regions `r1`, `r2`, each with `x`/`y`) next to a leaf `a`, with a
+/// transition on `GO` from `a` to `targets`.
+fn two_regions(targets: &str) -> ChartBuilder {
+    chart().initial("a").state("a", |s| s.on_to("GO", targets)).parallel("p", |p| {
+        p.state("r1", |r| r.initial("x").leaf("x").leaf("y"))
+            .state("r2", |r| r.initial("x").leaf("x").leaf("y"))
+    })
+}
+
+const REGIONS_FIX: &str = "fix: targets of one transition must lie in different regions of one parallel state, so name one state per region or keep a single target";
+
+#[test]
+fn multi_targets_that_cannot_all_be_active_are_refused() {
+    let cases: Vec<(ChartBuilder, String)> = vec![
+        // Siblings of a compound state (the audit's trigger).
+        (
+            chart().initial("x").state("x", |s| s.on_to("GO", "a b")).leaf("a").leaf("b"),
+            format!(
+                "state `x`: transition on `GO` targets `a b`, which cannot all be active at once: `a` and `b` meet at `(root)`, a compound state, which has one active child at a time; {REGIONS_FIX}"
+            ),
+        ),
+        // An ancestor and its descendant.
+        (
+            two_regions("p p.r1.y"),
+            format!(
+                "state `a`: transition on `GO` targets `p p.r1.y`, which cannot all be active at once: `p` contains `p.r1.y`; {REGIONS_FIX}"
+            ),
+        ),
+        (
+            two_regions("p.r2.y  p.r2"),
+            format!(
+                "state `a`: transition on `GO` targets `p.r2.y p.r2`, which cannot all be active at once: `p.r2` contains `p.r2.y`; {REGIONS_FIX}"
+            ),
+        ),
+        // Two states of one region.
+        (
+            two_regions("p.r1.x p.r1.y"),
+            format!(
+                "state `a`: transition on `GO` targets `p.r1.x p.r1.y`, which cannot all be active at once: `p.r1.x` and `p.r1.y` meet at `p.r1`, a compound state, which has one active child at a time; {REGIONS_FIX}"
+            ),
+        ),
+        // Fine pairwise except one: the first bad pair is named.
+        (
+            two_regions("p.r1.x p.r2.x a"),
+            format!(
+                "state `a`: transition on `GO` targets `p.r1.x p.r2.x a`, which cannot all be active at once: `p.r1.x` and `a` meet at `(root)`, a compound state, which has one active child at a time; {REGIONS_FIX}"
+            ),
+        ),
+        (
+            two_regions("p.r1.x p.r1.x"),
+            format!(
+                "state `a`: transition on `GO` targets `p.r1.x p.r1.x`, which cannot all be active at once: `p.r1.x` is named twice; {REGIONS_FIX}"
+            ),
+        ),
+        // Eventless and `@done` triggers are named like events.
+        (
+            chart().initial("a").state("a", |s| s.always(|b| b.target("b c"))).leaf("b").leaf("c"),
+            format!(
+                "state `a`: transition on `@always` targets `b c`, which cannot all be active at once: `b` and `c` meet at `(root)`, a compound state, which has one active child at a time; {REGIONS_FIX}"
+            ),
+        ),
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.initial("w").leaf("w").on_done(|b| b.target("b c.d")))
+                .leaf("b")
+                .state("c", |s| s.initial("d").leaf("d")),
+            format!(
+                "state `a`: transition on `@done` targets `b c.d`, which cannot all be active at once: `b` and `c.d` meet at `(root)`, a compound state, which has one active child at a time; {REGIONS_FIX}"
+            ),
+        ),
+        // A history restores states anywhere inside its parent.
+        (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on_to("GO", "p.h p.x"))
+                .state("p", |s| s.initial("x").history("h", HistoryDepth::Shallow, "x").leaf("x")),
+            format!(
+                "state `a`: transition on `GO` targets `p.h p.x`, which cannot all be active at once: history `p.h` restores states inside `p`, which contains `p.x`; {REGIONS_FIX}"
+            ),
+        ),
+    ];
+    for (builder, message) in cases {
+        let errors = builder.build().expect_err(&message).errors;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].to_string(), message);
+    }
+    // JSON definitions go through the same validation.
+    let json = r#"{"name": "t", "version": 1, "initial": "x", "states": [
+        {"key": "x", "on": [{"event": "GO", "target": "a b"}]}, {"key": "a"}, {"key": "b"}]}"#;
+    let refused = ChartBuilder::from_json(json).expect("parses").build().unwrap_err();
+    assert!(
+        refused.to_string().contains(
+            "state `x`: transition on `GO` targets `a b`, which cannot all be active at once"
+        ),
+        "{refused}"
+    );
+}
+
+#[test]
+fn multi_target_transitions_into_different_regions_build_and_run() {
+    check(
+        two_regions("p.r1.y p.r2.y"),
+        &["GO"],
+        "
+        @init: enter a
+        GO: exit a enter p,p.r1,p.r1.y,p.r2,p.r2.y
+        config: p.r1.y,p.r2.y
+        ",
+    );
+    // A region itself, a history of a region, and regions of a nested parallel state.
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.on_to("REGION", "p.r1 p.r2.y")
+                .on_to("HISTORY", "p.r1.h p.r2.y")
+                .on_to("NESTED", "p.r1.q.q1.n p.r1.q.q2.n p.r2.y")
+        })
+        .parallel("p", |p| {
+            p.state("r1", |r| {
+                r.initial("x").history("h", HistoryDepth::Shallow, "x").leaf("x").parallel(
+                    "q",
+                    |q| {
+                        q.state("q1", |r| r.initial("m").leaf("m").leaf("n"))
+                            .state("q2", |r| r.initial("m").leaf("m").leaf("n"))
+                    },
+                )
+            })
+            .state("r2", |r| r.initial("x").leaf("x").leaf("y"))
+        })
+        .build()
+        .expect("legal multi-targets build");
+    assert!(def.warnings().is_empty(), "{:?}", def.warnings());
+    for (event, leaves) in [
+        ("REGION", vec!["p.r1.x", "p.r2.y"]),
+        ("HISTORY", vec!["p.r1.x", "p.r2.y"]),
+        ("NESTED", vec!["p.r1.q.q1.n", "p.r1.q.q2.n", "p.r2.y"]),
+    ] {
+        let results = run(&def, &json!({}), &events(&[event]), Limits::default());
+        let last = results.last().expect("ran");
+        assert_eq!(last.error, None, "{event}");
+        assert_eq!(last.configuration.check(&def), Ok(()), "{event}");
+        assert_eq!(last.configuration.leaves(&def), leaves, "{event}");
+    }
+}
+
+#[test]
+fn history_defaults_that_cannot_all_be_active_are_refused() {
+    let refused = chart()
+        .initial("w")
+        .state("w", |s| {
+            s.initial("p").history("h", HistoryDepth::Deep, "p.r1.x p.r1.y").parallel("p", |p| {
+                p.state("r1", |r| r.initial("x").leaf("x").leaf("y"))
+                    .state("r2", |r| r.initial("x").leaf("x"))
+            })
+        })
+        .build()
+        .unwrap_err();
+    assert_eq!(refused.errors.len(), 1, "{refused}");
+    assert_eq!(
+        refused.errors[0].to_string(),
+        "state `w`: history `h` has default targets `p.r1.x p.r1.y`, which cannot all be active at once: `w.p.r1.x` and `w.p.r1.y` meet at `w.p.r1`, a compound state, which has one active child at a time; fix: default targets must lie in different regions of one parallel state, so name one state per region or keep a single default"
+    );
+    // One default per region is fine.
+    chart()
+        .initial("w")
+        .state("w", |s| {
+            s.initial("p").history("h", HistoryDepth::Deep, "p.r1.y p.r2.x").parallel("p", |p| {
+                p.state("r1", |r| r.initial("x").leaf("x").leaf("y"))
+                    .state("r2", |r| r.initial("x").leaf("x"))
+            })
+        })
+        .build()
+        .expect("one default per region");
+}
+
+#[test]
+fn a_final_state_directly_under_a_parallel_state_is_refused() {
+    let message = "parallel state `p` has final state `p.a` as a region; fix: wrap it in a compound region with an initial state, so the region is done when it reaches its final child";
+    // The audit's trigger: `@done` would fire on entry while region `b` is still at `w`.
+    let refused = chart()
+        .initial("p")
+        .parallel("p", |p| {
+            p.final_state("a")
+                .state("b", |r| {
+                    r.initial("w").state("w", |s| s.on_to("GO", "fin")).final_state("fin")
+                })
+                .on_done(|d| d.target("out"))
+        })
+        .leaf("out")
+        .build()
+        .unwrap_err();
+    assert_eq!(refused.errors.len(), 1, "{refused}");
+    assert_eq!(refused.errors[0].to_string(), message);
+    let json = r#"{"name": "t", "version": 1, "initial": "p", "states": [
+        {"key": "p", "type": "parallel", "states": [
+            {"key": "a", "type": "final"},
+            {"key": "b", "initial": "w", "states": [{"key": "w"}]}]}]}"#;
+    let refused = ChartBuilder::from_json(json).expect("parses").build().unwrap_err();
+    assert_eq!(refused.errors.len(), 1, "{refused}");
+    assert_eq!(refused.errors[0].to_string(), message);
+    // Wrapped in a compound region, the same chart builds.
+    chart()
+        .initial("p")
+        .parallel("p", |p| {
+            p.state("a", |r| r.initial("done").final_state("done"))
+                .state("b", |r| r.initial("w").leaf("w"))
+        })
+        .build()
+        .expect("a compound region with a final child");
+}

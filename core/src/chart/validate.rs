@@ -188,6 +188,31 @@ pub enum ChartError {
         /// The number of regions.
         regions: usize,
     },
+    /// A final state directly under a parallel state, as one of its regions.
+    #[error(
+        "parallel state `{state}` has final state `{region}` as a region; fix: wrap it in a compound region with an initial state, so the region is done when it reaches its final child"
+    )]
+    FinalRegion {
+        /// The parallel state's path.
+        state: String,
+        /// The final child's path.
+        region: String,
+    },
+    /// A transition with several targets that cannot all be active at once: two of them are
+    /// the same state or one contains the other, or they share a region.
+    #[error(
+        "state `{state}`: transition on `{trigger}` targets `{targets}`, which cannot all be active at once: {conflict}; fix: targets of one transition must lie in different regions of one parallel state, so name one state per region or keep a single target"
+    )]
+    ConflictingTargets {
+        /// Source state path.
+        state: String,
+        /// Event name or `@always` / `@done` / `@fail` / `@timeout`.
+        trigger: String,
+        /// The targets as written, space separated.
+        targets: String,
+        /// Which two targets clash, and why.
+        conflict: String,
+    },
     /// A guard name with no registered guard.
     #[error(
         "state `{state}`: transition on `{trigger}` uses unknown guard `{guard}`; fix: register it with `ChartBuilder::guard(\"{guard}\", …)`"
@@ -474,9 +499,22 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
                 }
             }
         },
-        StateKind::Parallel if b.children.len() < 2 => {
-            flat.errors
-                .push(ChartError::ParallelTooFewRegions { state: path, regions: b.children.len() });
+        StateKind::Parallel => {
+            if b.children.len() < 2 {
+                flat.errors.push(ChartError::ParallelTooFewRegions {
+                    state: path.clone(),
+                    regions: b.children.len(),
+                });
+            }
+            // A region must be able to be somewhere other than done: a final region would
+            // be done on entry, so `done.state.<parallel>` would not wait for it.
+            for i in 0..flat.states[id].children.len() {
+                let c = flat.states[id].children[i];
+                if flat.states[c].kind == StateKind::Final {
+                    let region = display(&flat.states[c].path);
+                    flat.errors.push(ChartError::FinalRegion { state: path.clone(), region });
+                }
+            }
         }
         StateKind::Final => {
             let has_transitions = !(b.on.is_empty()
@@ -491,7 +529,7 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
                 flat.errors.push(ChartError::FinalWithChildren { state: path });
             }
         }
-        _ => {}
+        StateKind::Atomic => {}
     }
     let b = flat.builders[id];
     if !b.on_timeout.is_empty() && b.machine.is_none() {
@@ -605,6 +643,16 @@ fn flatten_transitions(
                     }),
                 }
             }
+            let resolved_all =
+                targets.len() == branch.target.iter().flat_map(|t| t.split_whitespace()).count();
+            if resolved_all && let Some(conflict) = target_conflict(flat, &targets) {
+                flat.errors.push(ChartError::ConflictingTargets {
+                    state: display(&flat.states[id].path),
+                    trigger: label.clone(),
+                    targets: written_targets(branch.target.as_deref().unwrap_or_default()),
+                    conflict,
+                });
+            }
             if branch.target.as_ref().is_some_and(|t| t.trim().is_empty()) {
                 flat.errors.push(ChartError::UnknownTarget {
                     state: display(&flat.states[id].path),
@@ -633,6 +681,87 @@ fn flatten_transitions(
         }
     }
     ids
+}
+
+/// Targets as written, with the whitespace between them normalised to one space.
+fn written_targets(written: &str) -> String {
+    written.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The state a target occupies in the legal-configuration check. A history pseudo-state
+/// stands for its parent: what it restores may be any state inside the parent, so no other
+/// target may lie inside that parent.
+fn anchor(flat: &Flat<'_>, target: TargetRef) -> usize {
+    match target {
+        TargetRef::State(s) => s,
+        TargetRef::History(h) => flat.histories[h].parent,
+    }
+}
+
+fn target_path(flat: &Flat<'_>, target: TargetRef) -> String {
+    match target {
+        TargetRef::State(s) => display(&flat.states[s].path),
+        TargetRef::History(h) => flat.histories[h].path.clone(),
+    }
+}
+
+/// `true` when `a` is `s` or one of its ancestors.
+fn is_at_or_above(flat: &Flat<'_>, a: usize, s: usize) -> bool {
+    a == s || is_below(flat, s, a)
+}
+
+/// The nearest state that is an ancestor of both `a` and `b` (neither contains the other).
+fn common_ancestor(flat: &Flat<'_>, a: usize, b: usize) -> usize {
+    let mut cur = flat.states[a].parent;
+    while let Some(p) = cur {
+        if is_below(flat, b, p) {
+            return p;
+        }
+        cur = flat.states[p].parent;
+    }
+    0
+}
+
+/// SCXML's rule for several targets: together they must form part of a legal configuration,
+/// so no two may be the same state or one inside the other, and every two must meet at a
+/// parallel state (each lying in a different region of it). Describes the first pair that
+/// breaks the rule, in the order written; `None` when the targets are fine.
+fn target_conflict(flat: &Flat<'_>, targets: &[TargetRef]) -> Option<String> {
+    for (i, &x) in targets.iter().enumerate() {
+        for &y in &targets[i + 1..] {
+            let (px, py) = (target_path(flat, x), target_path(flat, y));
+            let (ax, ay) = (anchor(flat, x), anchor(flat, y));
+            if x == y {
+                return Some(format!("`{px}` is named twice"));
+            }
+            if ax == ay {
+                let both = display(&flat.states[ax].path);
+                return Some(format!("`{px}` and `{py}` both enter `{both}`"));
+            }
+            let inside = |outer: TargetRef, inner: &str| match outer {
+                TargetRef::State(_) => format!("`{}` contains `{inner}`", target_path(flat, outer)),
+                TargetRef::History(h) => format!(
+                    "history `{}` restores states inside `{}`, which contains `{inner}`",
+                    flat.histories[h].path,
+                    display(&flat.states[flat.histories[h].parent].path)
+                ),
+            };
+            if is_at_or_above(flat, ax, ay) {
+                return Some(inside(x, &py));
+            }
+            if is_at_or_above(flat, ay, ax) {
+                return Some(inside(y, &px));
+            }
+            let lca = common_ancestor(flat, ax, ay);
+            if flat.states[lca].kind != StateKind::Parallel {
+                return Some(format!(
+                    "`{px}` and `{py}` meet at `{}`, a compound state, which has one active child at a time",
+                    display(&flat.states[lca].path)
+                ));
+            }
+        }
+    }
+    None
 }
 
 /// Resolves one target as written: `.child` is a child of `source`; otherwise the nearest
@@ -704,6 +833,18 @@ fn check_history(flat: &mut Flat<'_>, h: usize) {
                 flat.errors.push(e);
             }
         }
+    }
+    let all_resolved = resolved.len() == default.split_whitespace().count();
+    let states: Vec<TargetRef> = resolved.iter().map(|&s| TargetRef::State(s)).collect();
+    if all_resolved && let Some(conflict) = target_conflict(flat, &states) {
+        let e = error(
+            format!(
+                "has default targets `{}`, which cannot all be active at once: {conflict}",
+                written_targets(&default)
+            ),
+            "default targets must lie in different regions of one parallel state, so name one state per region or keep a single default",
+        );
+        flat.errors.push(e);
     }
     if resolved.is_empty() && !default.split_whitespace().any(|_| true) {
         let e = error(

@@ -55,12 +55,24 @@ const GUARDS: [Option<&str>; 5] = [None, None, Some("yes"), Some("no"), Some("n_
 const ACTIONS: [Option<&str>; 6] =
     [None, None, Some("inc"), Some("raise:E1"), Some("raise:E2"), Some("fail")];
 
-fn tree(rng: &mut Rng, depth: usize, key: String, paths: &mut Vec<String>, path: &str) -> Node {
+fn tree(
+    rng: &mut Rng,
+    depth: usize,
+    key: String,
+    paths: &mut Vec<String>,
+    path: &str,
+    in_parallel: bool,
+) -> Node {
     let roll = rng.below(10);
     let kind = if depth >= 3 || roll < 4 {
         // A final first child (the initial one) would complete its parent on entry, which
-        // mostly produces `@done` loops; finals come later in document order.
-        if rng.below(4) == 0 && !key.ends_with('0') { Kind::Final } else { Kind::Atomic }
+        // mostly produces `@done` loops; finals come later in document order. A region of
+        // a parallel state is never final (validation refuses it).
+        if rng.below(4) == 0 && !key.ends_with('0') && !in_parallel {
+            Kind::Final
+        } else {
+            Kind::Atomic
+        }
     } else if roll < 7 {
         Kind::Compound
     } else {
@@ -75,7 +87,7 @@ fn tree(rng: &mut Rng, depth: usize, key: String, paths: &mut Vec<String>, path:
         .map(|i| {
             let child = format!("{path}.s{i}");
             paths.push(child.clone());
-            tree(rng, depth + 1, format!("s{i}"), paths, &child)
+            tree(rng, depth + 1, format!("s{i}"), paths, &child, kind == Kind::Parallel)
         })
         .collect();
     // Entry actions rarely raise: a raise on entry that re-enters the same state is a genuine
@@ -200,7 +212,7 @@ fn generated(seed: u64) -> ChartBuilder {
         .map(|i| {
             let key = format!("t{i}");
             paths.push(key.clone());
-            tree(&mut rng, 1, key.clone(), &mut paths, &key)
+            tree(&mut rng, 1, key.clone(), &mut paths, &key, false)
         })
         .collect();
     for node in &mut roots {
