@@ -36,7 +36,7 @@ impl Report {
 }
 
 /// What a bulk command had already done when an error stopped it, attached to that error
-/// (`error.context(PartlyDone { … })`): the message reads "<done>, then failed: <error>"
+/// (`error.context(PartlyDone { … })`): the message reads `"<done>, then failed: <error>"`
 /// and the `--json` error body carries `json`'s fields next to `"error"`, so an operator
 /// knows what was committed before re-running it.
 #[derive(Debug, Clone)]
