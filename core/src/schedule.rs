@@ -514,7 +514,7 @@ fn utc() -> String {
 }
 
 fn init() -> String {
-    "@init".into()
+    crate::chart::INIT_POSITION.into()
 }
 
 const fn one() -> i32 {

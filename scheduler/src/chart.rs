@@ -35,7 +35,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 /// The position of a chart instance that has not entered its initial states yet.
-pub const INIT: &str = "@init";
+pub const INIT: &str = keel_core::chart::INIT_POSITION;
 
 /// The context an action sees: read and change the instance's JSON context, raise events
 /// for this instance, and emit events to other instances (delivered with the step's

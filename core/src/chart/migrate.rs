@@ -15,9 +15,9 @@
 //! old state, so a dry run can show it and an apply leaves the instance untouched.
 
 use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, entry_timers};
-use crate::chart::parallel::ParallelBook;
+use crate::chart::parallel::{ParallelBook, RegionStatus};
 use crate::chart::step::timeout_owner;
-use crate::chart::{Configuration, Definition, TimerArm};
+use crate::chart::{Configuration, Definition, INIT_POSITION, TimerArm};
 use crate::history::HistoryKind;
 use crate::instance::{HistoryEntry, Instance};
 use crate::timers::TimerRow;
@@ -79,11 +79,18 @@ pub enum Refusal {
         /// The delegation state's old path.
         state: String,
     },
-    /// Region tasks of a parallel state whose path (or a region's) the move changes are
-    /// outstanding: their reports would name states the instance no longer has.
+    /// A parallel state has region tasks outstanding (they run, and report, on the old
+    /// version), or dispatched under paths the move changes (their reports and its region
+    /// timeout would name states the instance no longer has).
     Dispatched {
         /// The parallel state's old path.
         state: String,
+    },
+    /// The stored position is no chart configuration (a parallel region task, which runs
+    /// on the version that dispatched it); the row is left where it is.
+    NotAChart {
+        /// The stored position.
+        position: String,
     },
     /// The instance is running a step now; a later pass moves it.
     Busy,
@@ -109,7 +116,11 @@ impl fmt::Display for Refusal {
             ),
             Refusal::Dispatched { state } => write!(
                 f,
-                "parallel state `{state}` has region tasks outstanding under paths this move changes; keep its paths in the new version, or move the instance once it has left `{state}`"
+                "parallel state `{state}` dispatched region tasks that are outstanding or run under paths this move changes; move the instance once they have reported, keeping the paths of `{state}` and its regions (or once it has left `{state}`)"
+            ),
+            Refusal::NotAChart { position } => write!(
+                f,
+                "position `{position}` is not a chart configuration (a parallel region task runs on the version that dispatched it); the row is left where it is"
             ),
             Refusal::Busy => f.write_str("a step is running; a later pass moves the instance"),
             Refusal::Stale => {
@@ -290,8 +301,11 @@ impl Migration {
         if row.status == Status::Executing {
             return Err(Refusal::Busy);
         }
+        if row.position == INIT_POSITION {
+            return self.unstarted(row, timers, now);
+        }
         let old: Configuration = serde_json::from_str(&row.position)
-            .map_err(|_| Refusal::Unmapped { state: row.position.clone() })?;
+            .map_err(|_| Refusal::NotAChart { position: row.position.clone() })?;
         let mut paths = Vec::new();
         for path in old.paths() {
             match self.map_path(path) {
@@ -318,7 +332,8 @@ impl Migration {
         let book = ParallelBook::take(&mut book_of);
         for (state, record) in &book.active {
             let moved = |p: &str| self.map_path(p).as_deref() != Some(p);
-            if moved(state) || record.regions.keys().any(|r| moved(r)) {
+            let outstanding = record.regions.values().any(|r| *r == RegionStatus::Pending);
+            if outstanding || moved(state) || record.regions.keys().any(|r| moved(r)) {
                 return Err(Refusal::Dispatched { state: state.clone() });
             }
         }
@@ -368,11 +383,54 @@ impl Migration {
         }
 
         let mut moved = row.clone();
-        moved.machine = machine;
         moved.position = new.position();
-        moved.context = context;
-        moved.revision = crate::Revision(row.revision.0 + 1);
-        moved.updated_at = now;
+        let (row, history) =
+            self.moved(moved, context, now, (&old, &new), (kept_n, dropped, armed));
+        Ok(Move { row, history, old, new, timers: all, kept: kept_n, dropped, armed })
+    }
+
+    /// The move of an instance that has not entered the chart yet: it moves as it is and
+    /// enters the new version's initial states when it first runs. It has no timers to
+    /// keep.
+    fn unstarted(
+        &self,
+        row: &Instance,
+        timers: &[TimerRow],
+        now: Timestamp,
+    ) -> Result<Move, Refusal> {
+        let context = match &self.context {
+            Some(transform) => transform(&row.context).map_err(Refusal::Context)?,
+            None => row.context.clone(),
+        };
+        let none = Configuration::from_paths(Vec::<String>::new());
+        let dropped = timers.len();
+        let (row, history) = self.moved(row.clone(), context, now, (&none, &none), (0, dropped, 0));
+        Ok(Move {
+            row,
+            history,
+            old: none.clone(),
+            new: none,
+            timers: Vec::new(),
+            kept: 0,
+            dropped,
+            armed: 0,
+        })
+    }
+
+    /// `row` on the new version with `context`, its revision bumped, and the `MIGRATED`
+    /// entry recording the configurations and the timer counts (kept, dropped, armed).
+    fn moved(
+        &self,
+        mut row: Instance,
+        context: Value,
+        now: Timestamp,
+        (old, new): (&Configuration, &Configuration),
+        (kept, dropped, armed): (usize, usize, usize),
+    ) -> (Instance, HistoryEntry) {
+        row.machine = crate::MachineRef::new(self.to.name(), self.to.version() as i32);
+        row.context = context;
+        row.revision = crate::Revision(row.revision.0 + 1);
+        row.updated_at = now;
         let history = HistoryEntry::new(
             HistoryKind::Migrated.as_str(),
             json!({
@@ -380,10 +438,10 @@ impl Migration {
                 "to": self.to.version(),
                 "old": old.paths().collect::<Vec<_>>(),
                 "new": new.paths().collect::<Vec<_>>(),
-                "timers": { "kept": kept_n, "dropped": dropped, "armed": armed },
+                "timers": { "kept": kept, "dropped": dropped, "armed": armed },
             }),
         );
-        Ok(Move { row: moved, history, old, new, timers: all, kept: kept_n, dropped, armed })
+        (row, history)
     }
 }
 
@@ -472,20 +530,33 @@ mod tests {
 
         let record = crate::chart::parallel::DispatchRecord {
             dispatch: 1,
-            regions: [("p.r1".to_owned(), crate::chart::parallel::RegionStatus::Pending)].into(),
+            regions: [("p.r1".to_owned(), RegionStatus::Pending)].into(),
             failed: false,
             timed_out: false,
         };
         let book = ParallelBook { last_dispatch: 1, active: [("p".to_owned(), record)].into() };
         let mut context = json!({});
         book.put(&mut context);
-        let in_p = waiting(r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#, context.clone());
+        let in_p = waiting(r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#, context);
         let refusal = renamed.plan(&in_p, &[], Timestamp(5));
         assert_eq!(refusal, Err(Refusal::Dispatched { state: "p".into() }));
 
-        // Paths kept: the move goes on, the region timeout with it.
+        // Paths kept: refused while a region task is outstanding; once every region has
+        // reported, the move goes on, the region timeout with it.
         let kept = Migration::new(v1, delegating(2, "paying", "p")).expect("valid");
         assert!(kept.plan(&waiting(r#"["paying"]"#, json!({})), &[], Timestamp(5)).is_ok());
+        let refusal = kept.plan(&in_p, &[], Timestamp(5));
+        assert_eq!(refusal, Err(Refusal::Dispatched { state: "p".into() }));
+        let mut reported = book.clone();
+        reported
+            .active
+            .get_mut("p")
+            .expect("p")
+            .regions
+            .insert("p.r1".into(), RegionStatus::Applied);
+        let mut context = json!({});
+        reported.put(&mut context);
+        let in_p = waiting(r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#, context);
         let spec = crate::chart::step::timeout_timer(
             &crate::config::ParallelConfig {
                 region_timeout: std::time::Duration::from_secs(60),
@@ -506,6 +577,26 @@ mod tests {
         assert_eq!((moved.kept, moved.dropped), (1, 0));
         assert_eq!(moved.timers[0].id, TimerId(3));
         assert_eq!(moved.timers[0].machine.version, 2);
+    }
+
+    #[test]
+    fn an_instance_not_started_yet_moves_as_it_is_and_a_region_task_stays() {
+        let (v1, v2) = versions();
+        let m = Migration::new(v1, v2).expect("valid").context(Arc::new(|c: &Value| {
+            let mut c = c.clone();
+            c["v2"] = json!(true);
+            Ok(c)
+        }));
+        let queued = waiting(INIT_POSITION, json!({ "n": 1 }));
+        let moved = m.plan(&queued, &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.row.position, INIT_POSITION, "it enters version 2 when it first runs");
+        assert_eq!((moved.row.machine.version, moved.row.context["v2"].clone()), (2, json!(true)));
+        assert_eq!(moved.history.data["old"], json!([]));
+
+        let task = waiting("@region", json!({}));
+        let refusal = m.plan(&task, &[], Timestamp(5)).unwrap_err();
+        assert_eq!(refusal, Refusal::NotAChart { position: "@region".into() });
+        assert!(!refusal.to_string().contains("map"), "no impossible fix: {refusal}");
     }
 
     #[test]

@@ -83,6 +83,10 @@ pub use definition::{
 };
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use migrate::Migration;
+
+/// The position of a chart instance that has not entered its chart yet: its first step
+/// enters the initial states.
+pub const INIT_POSITION: &str = "@init";
 pub use parallel::RegionDispatch;
 #[cfg(feature = "scxml")]
 pub use scxml::{KEEL_SCXML_NAMESPACE, ScxmlError};
