@@ -281,21 +281,26 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
             now: now(),
         })
         .await?;
-    let pending: u64 = keel
-        .store()
-        .queue_stats(Some(ns.to_owned()), now())
-        .await?
-        .iter()
-        .filter(|s| s.queue == queue)
-        .map(|s| s.ready + s.scheduled)
-        .sum();
-    let human = if paused {
+    let stats = keel.store().queue_stats(Some(ns.to_owned()), now()).await?;
+    let in_queue: Vec<_> = stats.iter().filter(|s| s.queue == queue).collect();
+    let pending: u64 = in_queue.iter().map(|s| s.ready + s.scheduled).sum();
+    let mut human = if paused {
         format!("Queue {queue:?} in namespace {ns:?}: PAUSED ({pending} pending)")
     } else {
         format!("Queue {queue:?} in namespace {ns:?}: running ({pending} pending)")
     };
+    // Pausing a queue before anything runs in it is allowed; a typo looks the same, so
+    // say so rather than let an operator believe the busy queue stopped.
+    let known = !in_queue.is_empty();
+    if !known {
+        let _ = write!(
+            human,
+            "\nNote: no unfinished instance is in queue {queue:?} in namespace {ns:?}; check the name (`{}` lists the queues in use).",
+            hint(ns, "status")
+        );
+    }
     Ok(Report::ok(
-        json!({ "namespace": ns, "queue": queue, "paused": paused, "pending": pending }),
+        json!({ "namespace": ns, "queue": queue, "paused": paused, "pending": pending, "in_use": known }),
         human,
     ))
 }

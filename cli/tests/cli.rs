@@ -124,6 +124,11 @@ fn instances_start_receive_events_pause_and_cancel() {
 
         let paused = b.json(&["pause", "default"]);
         assert_eq!((paused["paused"].as_bool(), paused["pending"].as_u64()), (Some(true), Some(2)));
+        assert_eq!(paused["in_use"], true);
+        // A queue nothing runs in can be paused ahead of time, but a typo looks the same.
+        let (out, _) = b.run(&["pause", "defualt"], 0);
+        assert!(out.contains("PAUSED (0 pending)") && out.contains("check the name"), "{out}");
+        b.run(&["resume", "defualt"], 0);
         let (out, _) = b.run(&["status", "--machine", "ticket"], 0);
         assert!(out.contains("PAUSED"), "{out}");
         assert_eq!(b.json(&["status"])["queues"][0]["paused"], true);
