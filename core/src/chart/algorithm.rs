@@ -710,11 +710,35 @@ impl<'d> Macrostep<'d> {
     }
 
     /// SCXML `selectTransitions` / `selectEventlessTransitions`.
+    ///
+    /// A `fail.state.<path>` event is looked up from the failing state's own active
+    /// leaves only (when it has any), so the innermost `@fail` on its ancestor chain wins:
+    /// a leaf in a sibling region must not reach a parallel ancestor's `@fail` beside a
+    /// handler the failing region has itself.
     fn select(&self, with_event: bool) -> Vec<usize> {
         let mut enabled: Vec<usize> = Vec::new();
-        let atomic =
-            self.config.iter().copied().filter(|&s| self.def.states[s].children.is_empty());
-        for leaf in atomic {
+        let atomic: Vec<usize> = self
+            .config
+            .iter()
+            .copied()
+            .filter(|&s| self.def.states[s].children.is_empty())
+            .collect();
+        let failing = with_event
+            .then(|| self.current.name.strip_prefix(FAIL_STATE))
+            .flatten()
+            .map(|failed| {
+                atomic
+                    .iter()
+                    .copied()
+                    .filter(|&leaf| {
+                        let path = self.def.path(leaf);
+                        path == failed
+                            || path.strip_prefix(failed).is_some_and(|r| r.starts_with('.'))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .filter(|below| !below.is_empty());
+        for leaf in failing.unwrap_or(atomic) {
             let mut state = Some(leaf);
             'states: while let Some(s) = state {
                 for &t in &self.def.states[s].transitions {

@@ -787,6 +787,36 @@ mod tests {
         assert!(regions.is_empty());
     }
 
+    /// A failure inside a region goes to the innermost `@fail` on the failing state's own
+    /// ancestor chain: a targetless handler on the failing state keeps the parallel
+    /// state's `@fail` (reached by a sibling region's leaf before) from also running.
+    #[test]
+    fn a_regions_own_fail_handler_wins_over_the_parallel_states() {
+        let d = Definition::builder("fails", 1)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("r1", |r| {
+                    r.initial("d").state("d", |s| s.machine("pay").on_fail(|b| b.action("log")))
+                })
+                .state("r2", |r| r.initial("z").leaf("z"))
+                .on_fail(|b| b.target("failed"))
+            })
+            .leaf("failed")
+            .build()
+            .unwrap();
+        let config = Configuration::from_paths(["p", "p.r1", "p.r1.d", "p.r2", "p.r2.z"]);
+        let run = |event| {
+            let step = Macrostep::start(&d, &config, json!({}), event, Limits::default());
+            run_to_completion(step, |_, _| Ok(ActionResult::empty()))
+        };
+        let own = run(Event::fail_state("p.r1.d", json!({ "error": "declined" })));
+        assert_eq!(own.actions(), ["log"]);
+        assert!(own.configuration.contains("p.r2.z"), "the parallel state's @fail did not run");
+        // A failure the region does not handle still reaches the parallel state.
+        let whole = run(Event::fail_state("p.r2.z", json!({ "error": "lost" })));
+        assert!(whole.configuration.contains("failed"));
+    }
+
     #[test]
     fn the_book_round_trips_through_the_context_and_numbers_each_dispatch() {
         let d = def(true);
