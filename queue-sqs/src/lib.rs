@@ -137,6 +137,9 @@ pub fn group_id(group: &str) -> Cow<'_, str> {
 
 /// FNV-1a over the bytes of `text`: the same value on every platform and every version,
 /// which `std`'s hashers do not promise.
+/// The largest receive count SQS takes in a redrive policy (`maxReceiveCount`).
+pub const MAX_RECEIVES_MAX: u32 = 1_000;
+
 fn fnv1a64(text: &str) -> u64 {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -206,6 +209,11 @@ impl SqsQueue {
                 return Err(StoreError::invalid(
                     "max_receives: 0 would move every hint to the dead-letter queue; use 1 or more",
                 ));
+            }
+            Some(n) if n > MAX_RECEIVES_MAX => {
+                return Err(StoreError::invalid(format!(
+                    "max_receives: {n} is more than SQS allows in a redrive policy; use 1 to {MAX_RECEIVES_MAX}"
+                )));
             }
             Some(n) => {
                 let dlq_name =

@@ -89,7 +89,7 @@ async fn fifo_refuses_delays_naming_the_fix() {
     assert!(err.message.contains("keep the work in the store"), "{err}");
 }
 
-/// A bad queue name is refused before any call; an endpoint that does not answer is
+/// A bad queue name or receive count is refused before any call; an endpoint that does not answer is
 /// `Unavailable` (retryable), not a hang.
 #[tokio::test]
 async fn bad_name_and_dead_endpoint() {
@@ -97,6 +97,9 @@ async fn bad_name_and_dead_endpoint() {
     let err = SqsQueue::create(client.clone(), "no spaces", None).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Invalid);
     assert!(err.message.starts_with("name"), "{err}");
+    let err = SqsQueue::create(client.clone(), "hints", Some(1_001)).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid, "refused before any call: {err}");
+    assert!(err.message.starts_with("max_receives: 1001") && err.message.contains("1 to 1000"));
     let q = SqsQueue::open(client, "http://127.0.0.1:9/000000000000/nowhere");
     let err = q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
