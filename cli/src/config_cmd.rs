@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use clap::Subcommand;
 use keel_core::config::{Effective, KeelConfig};
 use serde_json::json;
+use std::fmt::Write as _;
 
 use crate::Cli;
 use crate::output::{Report, table};
@@ -75,8 +76,29 @@ pub fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
         let vars: Vec<String> = env.iter().map(|e| e.source.to_string()).collect();
         human += &["\nEnvironment overrides applied: ", &vars.join(", "), "."].concat();
     }
+    // A machine (or event) without a section of its own is legal, and so is a typo: say
+    // which one this is when a file was read.
+    let sections = config.machines.get(machine.as_str());
+    let mut missing = Vec::new();
+    if cli.config.is_some() && sections.is_none() {
+        missing.push(format!("[machines.{machine}]"));
+    }
+    if let Some(event) = event
+        && cli.config.is_some()
+        && !sections.is_some_and(|m| m.events.contains_key(event.as_str()))
+    {
+        missing.push(format!("[machines.{machine}.events.{event}]"));
+    }
+    if !missing.is_empty() {
+        let _ = write!(
+            human,
+            "\nNote: the file has no {} section; the values come from the levels above (check the name).",
+            missing.join(" or ")
+        );
+    }
     let json = json!({
         "machine": machine,
+        "sections_missing": missing,
         "event": event,
         "queue": queue,
         "values": lines.iter().map(|l| json!({

@@ -708,4 +708,11 @@ fn config_show_defaults_to_the_machines_own_queue() {
         .expect("keel runs");
     let doc: Value = serde_json::from_slice(&out.stdout).expect("a JSON document");
     assert_eq!(doc["queue"], "default", "{doc}");
+    // ... which may be a typo: the output says the file has no such section.
+    assert_eq!(doc["sections_missing"], serde_json::json!(["[machines.refund]"]), "{doc}");
+    let (doc, human) = show(&["--event", "PAY"]);
+    assert_eq!(doc["sections_missing"], serde_json::json!(["[machines.order.events.PAY]"]));
+    assert!(human.contains("Note: the file has no [machines.order.events.PAY] section"), "{human}");
+    let (doc, _) = show(&[]);
+    assert_eq!(doc["sections_missing"], serde_json::json!([]), "order has a section");
 }
