@@ -45,16 +45,30 @@ impl StepMachine for Counter {
     }
 }
 
-/// A queue in front of another that can publish every hint twice and can be "down".
+/// A queue in front of another that can publish every hint twice and can be "down"; it
+/// counts receives and nacks, takes `delay` to publish (a queue server that hangs) and
+/// keeps a lease at most `visibility_max` (the inner queue's bound when `None`).
 struct Flaky<Q> {
     inner: Arc<Q>,
     twice: bool,
     down: AtomicBool,
+    delay: Duration,
+    visibility_max: Option<Duration>,
+    receives: std::sync::atomic::AtomicU64,
+    nacks: std::sync::atomic::AtomicU64,
 }
 
 impl<Q> Flaky<Q> {
     fn new(inner: Arc<Q>, twice: bool) -> Self {
-        Flaky { inner, twice, down: AtomicBool::new(false) }
+        Flaky {
+            inner,
+            twice,
+            down: AtomicBool::new(false),
+            delay: Duration::ZERO,
+            visibility_max: None,
+            receives: std::sync::atomic::AtomicU64::new(0),
+            nacks: std::sync::atomic::AtomicU64::new(0),
+        }
     }
     fn check(&self) -> StoreResult<()> {
         if self.down.load(Ordering::SeqCst) {
@@ -67,9 +81,11 @@ impl<Q> Flaky<Q> {
 #[async_trait]
 impl<Q: Queue> Queue for Flaky<Q> {
     fn capabilities(&self) -> QueueCapabilities {
-        self.inner.capabilities()
+        let inner = self.inner.capabilities();
+        QueueCapabilities { visibility_max: self.visibility_max.or(inner.visibility_max), ..inner }
     }
     async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        tokio::time::sleep(self.delay).await;
         self.check()?;
         if self.twice {
             // A second copy under another revision, so no backend collapses the pair.
@@ -90,6 +106,7 @@ impl<Q: Queue> Queue for Flaky<Q> {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.check()?;
+        self.receives.fetch_add(1, Ordering::Relaxed);
         self.inner.receive(max, visibility, wait).await
     }
     async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
@@ -97,6 +114,7 @@ impl<Q: Queue> Queue for Flaky<Q> {
         self.inner.ack(receipts).await
     }
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
+        self.nacks.fetch_add(1, Ordering::Relaxed);
         self.inner.nack(receipt, delay).await
     }
     async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
@@ -498,45 +516,9 @@ async fn hints_for_another_workers_machine_go_back<S: TestStore, Q: Queue>(
     other.shutdown().await;
 }
 
-/// A `MemoryQueue` that counts receives and nacks, takes `delay` to publish (a queue
-/// server that hangs) and keeps a lease at most `visibility_max`.
-#[derive(Default)]
-struct Probe {
-    inner: MemoryQueue,
-    delay: Duration,
-    visibility_max: Option<Duration>,
-    receives: std::sync::atomic::AtomicU64,
-    nacks: std::sync::atomic::AtomicU64,
-}
-
-#[async_trait]
-impl Queue for Probe {
-    fn capabilities(&self) -> QueueCapabilities {
-        QueueCapabilities { visibility_max: self.visibility_max, ..self.inner.capabilities() }
-    }
-    async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.enqueue(hints).await
-    }
-    async fn receive(
-        &self,
-        max: usize,
-        visibility: Duration,
-        wait: Duration,
-    ) -> StoreResult<Vec<Delivery>> {
-        self.receives.fetch_add(1, Ordering::Relaxed);
-        self.inner.receive(max, visibility, wait).await
-    }
-    async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
-        self.inner.ack(receipts).await
-    }
-    async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
-        self.nacks.fetch_add(1, Ordering::Relaxed);
-        self.inner.nack(receipt, delay).await
-    }
-    async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
-        self.inner.extend(receipt, visibility).await
-    }
+/// A `Flaky` in front of a fresh `MemoryQueue`, neither doubling nor down.
+fn probe() -> Flaky<MemoryQueue> {
+    Flaky::new(Arc::new(MemoryQueue::new()), false)
 }
 
 mod memory {
@@ -556,7 +538,7 @@ mod memory {
     #[test]
     fn a_visibility_the_queue_cannot_keep_is_refused() {
         let hour = Duration::from_secs(3600);
-        let queue = Probe { visibility_max: Some(hour), ..Probe::default() };
+        let queue = Flaky { visibility_max: Some(hour), ..probe() };
         let long = HintConfig { visibility: 2 * hour, ..HintConfig::default() };
         let error = long.validate_for(&queue).unwrap_err();
         assert!(error.starts_with("visibility: 7200s is longer than this queue keeps"), "{error}");
@@ -568,7 +550,7 @@ mod memory {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hanging_queue_does_not_hold_up_starts() {
         let h = MemoryStore::harness().await;
-        let queue = Arc::new(Probe { delay: Duration::from_secs(3), ..Probe::default() });
+        let queue = Arc::new(Flaky { delay: Duration::from_secs(3), ..probe() });
         let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
         let began = tokio::time::Instant::now();
         let ids = start_all(&client, 1).await;
@@ -595,7 +577,7 @@ mod memory {
     async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone() {
         let h = MemoryStore::harness().await;
         let _ticking = Ticking::start(&h.clock);
-        let queue = Arc::new(Probe::default());
+        let queue = Arc::new(probe());
         let setup = Setup::hinted(5);
         let settings = keel_core::config::KeelConfig::from_toml_str(
             "[queues.default]\nglobal_concurrency = 100\n",
