@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
+use keel::layers::scheduler::Stopped;
 use keel::{Cancel, Keel, Migration, json};
 use keel_core::Timestamp;
 use keel_core::ids::{InstanceId, Status};
@@ -460,19 +461,15 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
         .map(|s| s.ready + s.scheduled)
         .sum();
     let bar = indicatif::ProgressBar::new(counted).with_message("cancelling pending instances");
-    let mut cancelled: Vec<InstanceId> = Vec::new();
-    let done = cancel_pending(keel, ns, machine, PAGES_MAX, &mut cancelled, || bar.inc(1)).await;
+    let done = cancel_pending(keel, ns, machine, || bar.inc(1)).await;
     bar.finish_and_clear();
     let what =
         |n: usize| format!("cancelled {n} pending instance(s) of {machine:?} in namespace {ns:?}");
-    let complete = match done {
-        Ok(complete) => complete,
-        Err(error) => {
-            let text = what(cancelled.len());
-            let json = json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled });
-            return Err(PartlyDone::wrap(error, text, json));
-        }
-    };
+    let (cancelled, complete) = done.map_err(|failed| {
+        let cancelled = failed.done;
+        let json = json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled });
+        PartlyDone::wrap(failed.error, what(cancelled.len()), json)
+    })?;
     let more = if complete { "" } else { "; more remain, run it again" };
     let human = capitalized(&what(cancelled.len()));
     Ok(Report::ok(
@@ -482,35 +479,40 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
 }
 
 /// Cancels (with cascade) the runnable instances of `machine` in `ns`, newest first, a
-/// page at a time, at most `pages_max` pages, pushing each one cancelled onto `cancelled`
-/// as it goes (so a caller still knows them when a later cancel fails); `Ok(false)` when
-/// the page bound stopped it with more left.
+/// page at a time, at most [`PAGES_MAX`] pages: the instances cancelled, and `false` when
+/// the page bound stopped it with more left. On a store error, the instances already
+/// cancelled come with the error.
 async fn cancel_pending(
     keel: &Keel,
     ns: &str,
     machine: &str,
-    pages_max: usize,
-    cancelled: &mut Vec<InstanceId>,
     mut on_cancel: impl FnMut(),
-) -> keel::StoreResult<bool> {
+) -> Result<(Vec<InstanceId>, bool), Stopped<Vec<InstanceId>>> {
+    let mut cancelled = Vec::new();
     let mut before = None;
-    for _ in 0..pages_max {
+    for _ in 0..PAGES_MAX {
         let params = InstanceListParams { before, ..list_params(ns, machine, Status::Runnable) };
-        let page = keel.store().instance_list(params).await?;
+        let page = match keel.store().instance_list(params).await {
+            Ok(page) => page,
+            Err(error) => return Err(Stopped { done: cancelled, error }),
+        };
         for row in &page {
             let request = Cancel::new(row.id).reason("purged with keel purge --pending").cascade();
-            let done = keel.cancel(request).await?;
-            if done.contains(&row.id) {
-                cancelled.push(row.id);
-                on_cancel();
+            match keel.cancel(request).await {
+                Ok(done) if done.contains(&row.id) => {
+                    cancelled.push(row.id);
+                    on_cancel();
+                }
+                Ok(_) => {}
+                Err(error) => return Err(Stopped { done: cancelled, error }),
             }
         }
         if page.len() < INSTANCE_LIST_MAX {
-            return Ok(true);
+            return Ok((cancelled, true));
         }
         before = page.last().map(|r| r.id);
     }
-    Ok(false)
+    Ok((cancelled, false))
 }
 
 async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
@@ -558,7 +560,7 @@ pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result
     }
     let run = keel.migrate(migration).namespace(ns).run(args.dry_run).await;
     let report = run.map_err(|stopped| {
-        let r = &stopped.report;
+        let r = &stopped.done;
         let done = format!(
             "moved {} instance(s) of {} v{} to v{} in namespace {ns:?} ({} refused, {} running a step)",
             r.moved(),
@@ -631,16 +633,6 @@ pub struct OldLettersPurged {
     pub complete: bool,
 }
 
-/// A bulk operation a store error stopped part way: what it had done (committed) before,
-/// and the error.
-#[derive(Debug)]
-pub struct FailedAfter<T> {
-    /// What was done before the error.
-    pub done: T,
-    /// The error that stopped it.
-    pub error: keel::StoreError,
-}
-
 /// Deletes namespace `ns`'s dead letters created more than `age` ago, machine by machine
 /// and a page (`DEAD_LETTER_BATCH_MAX`) at a time, at most `pages_max` pages in all. The
 /// one purge of `keel dlq purge` and the dashboard's form; other namespaces are untouched.
@@ -650,14 +642,14 @@ pub async fn purge_old_dead_letters(
     ns: &str,
     age: Duration,
     pages_max: usize,
-) -> Result<OldLettersPurged, FailedAfter<OldLettersPurged>> {
+) -> Result<OldLettersPurged, Stopped<OldLettersPurged>> {
     let cutoff = now().minus(age);
     let nothing = OldLettersPurged { purged: 0, complete: false };
     let machines: BTreeSet<String> = keel
         .store()
         .dead_letter_counts(Some(ns.to_owned()))
         .await
-        .map_err(|error| FailedAfter { done: nothing, error })?
+        .map_err(|error| Stopped { done: nothing, error })?
         .into_iter()
         .filter(|c| c.namespace == ns && c.count > 0)
         .map(|c| c.machine)
@@ -666,7 +658,7 @@ pub async fn purge_old_dead_letters(
     for machine in machines {
         let done = purge_machine_letters(keel, ns, &machine, Some(cutoff), &mut pages_left, |_| {})
             .await
-            .map_err(|failed| FailedAfter {
+            .map_err(|failed| Stopped {
                 done: OldLettersPurged { purged: purged + failed.done.purged, complete: false },
                 error: failed.error,
             })?;
@@ -688,7 +680,7 @@ async fn purge_machine_letters(
     older_than: Option<Timestamp>,
     pages_left: &mut usize,
     mut on_page: impl FnMut(u64),
-) -> Result<OldLettersPurged, FailedAfter<OldLettersPurged>> {
+) -> Result<OldLettersPurged, Stopped<OldLettersPurged>> {
     let page = keel_core::limits::DEAD_LETTER_BATCH_MAX as u64;
     let mut purged = 0;
     loop {
@@ -706,7 +698,7 @@ async fn purge_machine_letters(
                 older_than,
             })
             .await
-            .map_err(|error| FailedAfter {
+            .map_err(|error| Stopped {
                 done: OldLettersPurged { purged, complete: false },
                 error,
             })?;
@@ -750,7 +742,7 @@ pub async fn retry_machine_letters(
     page_size: usize,
     pages_max: usize,
     mut on_page: impl FnMut(u64),
-) -> Result<MachineRetried, FailedAfter<MachineRetried>> {
+) -> Result<MachineRetried, Stopped<MachineRetried>> {
     let page_size = page_size.clamp(1, keel_core::limits::ROWS_BATCH_MAX);
     let mut done = MachineRetried::default();
     let mut after = None;
@@ -764,7 +756,7 @@ pub async fn retry_machine_letters(
         };
         let letters = match keel.dead_letters(filter).await {
             Ok(letters) => letters,
-            Err(error) => return Err(FailedAfter { done, error }),
+            Err(error) => return Err(Stopped { done, error }),
         };
         for d in &letters {
             let retry = keel::DeadLetterRetry::one(d.id);
@@ -781,7 +773,7 @@ pub async fn retry_machine_letters(
                 {
                     done.stale += 1;
                 }
-                Err(error) => return Err(FailedAfter { done, error }),
+                Err(error) => return Err(Stopped { done, error }),
             }
         }
         on_page(letters.len() as u64);

@@ -27,7 +27,7 @@ pub use clock::SystemClock;
 pub use health::{LoopHealth, WorkerHealth, WorkerLoop};
 pub use keel_timers::{SweepConfig, SweepGroup, Sweeper};
 pub use machine::{NonRetryable, StepContext, StepError, StepMachine};
-pub use migrate::{Migrate, MigrationReport, MigrationStopped};
+pub use migrate::{Migrate, MigrationReport, Stopped};
 pub use prune::{PruneCounts, Pruner};
 pub use schedules::{ScheduleCounts, Schedules, UnknownSchedule};
 pub use worker::{HintConfig, HintStats, Worker, WorkerConfig, WorkerHandle, worker_id_for};

@@ -50,11 +50,12 @@ pub struct Migrate<'a, S: Store, C: Clock> {
     batch: usize,
 }
 
-/// A migration a store error stopped part way.
+/// A paged bulk operation (a migration, an operator's purge or retry) that a store error
+/// stopped part way: what the pages before the error did, which stays done, and the error.
 #[derive(Debug)]
-pub struct MigrationStopped {
-    /// What the pages before the error did (applied, unless a dry run).
-    pub report: MigrationReport,
+pub struct Stopped<T> {
+    /// What was done before the error (for a migration, applied unless a dry run).
+    pub done: T,
     /// The store's error.
     pub error: StoreError,
 }
@@ -163,8 +164,8 @@ impl<S: Store, C: Clock> Migrate<'_, S, C> {
     ///
     /// # Errors
     ///
-    /// [`MigrationStopped`]: the store's error and the report of the pages before it.
-    pub async fn run(self, dry_run: bool) -> Result<MigrationReport, MigrationStopped> {
+    /// [`Stopped`]: the store's error and the report of the pages before it.
+    pub async fn run(self, dry_run: bool) -> Result<MigrationReport, Stopped<MigrationReport>> {
         let mut report = MigrationReport { dry_run, ..MigrationReport::default() };
         let mut after: Option<InstanceId> = None;
         // Each page reads past the last id of the one before, so the loop ends.
@@ -179,7 +180,7 @@ impl<S: Store, C: Clock> Migrate<'_, S, C> {
             };
             let page = match self.client.store().instance_migrate(params).await {
                 Ok(page) => page,
-                Err(error) => return Err(MigrationStopped { report, error }),
+                Err(error) => return Err(Stopped { done: report, error }),
             };
             let read = page.items.len();
             for item in page.items {
