@@ -781,10 +781,16 @@ pub fn cancel(row: &Instance, reason: &str, now: Timestamp) -> Option<Instance> 
     })
 }
 
+/// The status an instance must be in for its dead letter to be retried or skipped. A
+/// letter can outlive that status (the instance was cancelled, or a letter recorded under
+/// `on_dead_letter = skip` while it carried on); a retry by machine reads only the letters
+/// of instances in it, so such records never crowd out the ones that can be retried.
+pub const DEAD_LETTER_RETRYABLE: Status = Status::Suspended;
+
 /// The row after an operator retries its dead letter: runnable at `at`, a fresh attempt
-/// count and error list. `Conflict` unless the row is suspended.
+/// count and error list. `Conflict` unless the row is [`DEAD_LETTER_RETRYABLE`].
 pub fn dead_letter_retry(row: &Instance, at: Timestamp, now: Timestamp) -> StoreResult<Instance> {
-    if row.status != Status::Suspended {
+    if row.status != DEAD_LETTER_RETRYABLE {
         return Err(StoreError::conflict(format!(
             "instance {} is {}, not suspended; only a suspended instance can be retried from the dead-letter queue",
             row.id, row.status

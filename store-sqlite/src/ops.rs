@@ -15,6 +15,7 @@ use crate::rows::{Db, Guard, SignalInsert, Writes, dead_letter_cols, instance_co
 use keel_core::inbox;
 use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
+use keel_core::outcome;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::plan::history::TrimCandidate;
@@ -1630,10 +1631,13 @@ async fn cancel_one(
 
 // ----- dead letters ----------------------------------------------------------------------
 
-/// The dead letters a selector names, oldest first, bounded.
+/// The dead letters a selector names, oldest first, bounded; with `instance_status`, only
+/// those whose instance is in it; with `older_than`, only those created before it.
 async fn letters(
     db: &mut Db<'_>,
     selector: Option<&DeadLetterSelector>,
+    instance_status: Option<Status>,
+    older_than: Option<Timestamp>,
 ) -> StoreResult<Vec<(DeadLetterId, NewDeadLetter, Timestamp)>> {
     let (id, ns, machine) = match selector {
         None => (None, None, None),
@@ -1647,7 +1651,11 @@ async fn letters(
         dead_letter_cols!(),
         " FROM keel_dead_letters \
          WHERE (? IS NULL OR id = ?) AND (? IS NULL OR namespace = ?) \
-           AND (? IS NULL OR machine = ?) ORDER BY id LIMIT +?"
+           AND (? IS NULL OR machine = ?) \
+           AND (? IS NULL OR EXISTS (SELECT 1 FROM keel_instances i \
+                                     WHERE i.id = keel_dead_letters.instance_id AND i.status = ?)) \
+           AND (? IS NULL OR created_at < ?) \
+         ORDER BY id LIMIT +?"
     ))
     .bind(id)
     .bind(id)
@@ -1655,6 +1663,10 @@ async fn letters(
     .bind(&ns)
     .bind(&machine)
     .bind(&machine)
+    .bind(instance_status.map(Status::name))
+    .bind(instance_status.map(Status::name))
+    .bind(older_than.map(|t| t.0))
+    .bind(older_than.map(|t| t.0))
     .bind(limits::DEAD_LETTER_BATCH_MAX as i64)
     .fetch_all(&mut *db.conn)
     .await
@@ -1667,7 +1679,11 @@ pub(crate) async fn dead_letter_retry(
     p: &DeadLetterRetryParams,
 ) -> StoreResult<Vec<InstanceId>> {
     p.validate()?;
-    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector))
+    // A retry by machine reads only letters that can be retried, so the ones left behind
+    // by instances that moved on never fill the batch.
+    let retryable = matches!(p.selector, DeadLetterSelector::Machine { .. })
+        .then_some(outcome::DEAD_LETTER_RETRYABLE);
+    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector), retryable, None)
         .await?
         .into_iter()
         .map(|(id, letter, _)| (id, letter.instance))
@@ -1707,7 +1723,7 @@ pub(crate) async fn dead_letter_purge(
     p: &DeadLetterPurgeParams,
 ) -> StoreResult<u64> {
     p.validate()?;
-    let letters = letters(db, p.selector.as_ref()).await?;
+    let letters = letters(db, p.selector.as_ref(), None, p.older_than).await?;
     let gone = plan::dead_letter::purge(p, letters.into_iter().map(|(id, _, at)| (id, at)));
     for id in &gone {
         db.dead_letter_remove(*id).await?;

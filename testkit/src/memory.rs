@@ -25,6 +25,7 @@ use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, unique_guard,
 };
 use keel_core::limits;
+use keel_core::outcome;
 use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
@@ -749,8 +750,17 @@ impl State {
 
     fn dead_letter_retry(&mut self, p: &DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
         p.validate()?;
+        let by_machine = matches!(p.selector, DeadLetterSelector::Machine { .. });
+        let retryable = |d: &&DeadLetter| {
+            !by_machine
+                || self
+                    .rows
+                    .get(&d.letter.instance)
+                    .is_some_and(|r| r.status == outcome::DEAD_LETTER_RETRYABLE)
+        };
         let letters: Vec<(DeadLetterId, InstanceId)> = self
             .letters(Some(&p.selector))
+            .filter(retryable)
             .take(limits::DEAD_LETTER_BATCH_MAX)
             .map(|d| (d.id, d.letter.instance))
             .collect();

@@ -5,7 +5,7 @@
 //! also consumes the signals the failing step was processing, so the instance carries on
 //! with its next event; either way the dead letter goes (history keeps the record). A
 //! letter whose instance is no longer suspended (cancelled, already retried) cannot be
-//! retried: naming it is a `Conflict`, and a machine-wide retry leaves it alone.
+//! retried: naming it is a `Conflict`, and a machine-wide retry does not read it.
 
 use super::RowWrite;
 use crate::error::{StoreError, StoreResult};
@@ -43,9 +43,10 @@ fn instance_gone(letter: DeadLetterId, instance: InstanceId) -> StoreError {
 }
 
 /// Plans a retry. `letters` are the `(letter, instance)` pairs the selector matched, oldest
-/// first, at most [`limits::DEAD_LETTER_BATCH_MAX`]; `rows` the rows of their instances
-/// (missing ones left out). `NotFound` when a named letter does not exist or its instance
-/// is gone.
+/// first, at most [`limits::DEAD_LETTER_BATCH_MAX`] (for a machine selector, only those
+/// whose instance is [`outcome::DEAD_LETTER_RETRYABLE`] when read); `rows` the rows of
+/// their instances (missing ones left out). `NotFound` when a named letter does not exist
+/// or its instance is gone.
 pub fn retry(
     p: &DeadLetterRetryParams,
     letters: &[(DeadLetterId, InstanceId)],

@@ -1055,7 +1055,9 @@ pub enum DeadLetterSelector {
     /// One dead letter.
     Id(DeadLetterId),
     /// Every dead letter of a machine in a namespace (bounded by
-    /// [`crate::limits::DEAD_LETTER_BATCH_MAX`] per call).
+    /// [`crate::limits::DEAD_LETTER_BATCH_MAX`] per call). A retry reads only the letters
+    /// whose instance is still [`crate::outcome::DEAD_LETTER_RETRYABLE`], oldest first, so
+    /// calling it again while it returns a full batch reaches every retryable letter.
     Machine {
         /// Namespace.
         namespace: String,

@@ -9,6 +9,7 @@ use crate::rows::{
 };
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
+use keel_core::outcome;
 use keel_core::plan;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
@@ -540,14 +541,20 @@ async fn select_letters<C: GenericClient + Sync>(
             }
             r
         }
+        // A retry by machine reads only letters that can be retried, so the ones left
+        // behind by instances that moved on never fill the batch (the instance rows are
+        // locked and checked again before anything is written).
         DeadLetterSelector::Machine { namespace, machine } => {
             let stmt = c
                 .prepare_cached(
-                    "SELECT id, instance_id FROM dead_letters WHERE namespace = $1 AND machine = $2 \
-                     ORDER BY id LIMIT $3 FOR UPDATE",
+                    "SELECT d.id, d.instance_id FROM dead_letters d JOIN instances i ON i.id = d.instance_id \
+                     WHERE d.namespace = $1 AND d.machine = $2 AND i.status = $3::text::status \
+                     ORDER BY d.id LIMIT $4 FOR UPDATE OF d",
                 )
                 .await?;
-            c.query(&stmt, &[namespace, machine, &(limits::DEAD_LETTER_BATCH_MAX as i64)]).await?
+            let retryable = outcome::DEAD_LETTER_RETRYABLE.name();
+            let limit = limits::DEAD_LETTER_BATCH_MAX as i64;
+            c.query(&stmt, &[namespace, machine, &retryable, &limit]).await?
         }
     };
     Ok(found

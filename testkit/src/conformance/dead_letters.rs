@@ -3,13 +3,14 @@
 
 use super::support::{
     assert_history_tail, assert_row, at, claim, claim_id, claim_params, commit_ok, expect_kind,
-    facts, failure, get, insert_one, new_in, reference, row, send, suspend,
+    facts, failure, get, insert, insert_one, new_in, reference, row, send, suspend,
 };
 use keel_core::instance::HistoryEntry;
+use keel_core::limits;
 use keel_core::outcome::{self, Outcome, StepFailure};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
+    CancelParams, CommitParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams,
 };
 use keel_core::{
@@ -139,6 +140,71 @@ pub async fn dead_letter_retry_by_machine<S: Store>(s: &S) {
         })
         .await;
     assert_eq!(left.expect("list").iter().map(|d| d.id).collect::<Vec<_>>(), vec![o1_letter]);
+}
+
+/// Machine-wide operations reach past a full batch of letters they do not act on. A
+/// retry reaches a retryable letter behind letters whose instances moved on (here recorded
+/// under `on_dead_letter = skip`: the step failed, the instance finished), which stay for
+/// the operator; a purge by age reaches an old letter behind newer ones (letters carry the
+/// time their worker committed them, which need not grow with their ids).
+pub async fn dead_letter_machine_operations_reach_past_a_full_batch<S: Store>(s: &S) {
+    let ns = "dlq_past_a_batch";
+    let batch = limits::COMMIT_BATCH_MAX.min(limits::CLAIM_BATCH_MAX);
+    let mut recorded = 0;
+    while recorded < limits::DEAD_LETTER_BATCH_MAX {
+        let n = batch.min(limits::DEAD_LETTER_BATCH_MAX - recorded);
+        let news = (0..n).map(|_| NewInstance::new(MachineRef::new("billing", 1), "start"));
+        insert(s, news.map(|new| new.namespace(ns)).collect(), at(1_000)).await;
+        let claims = claim(s, claim_params(ns, n, at(1_001))).await;
+        assert_eq!(claims.len(), n, "claimed the batch just inserted");
+        let commits = claims
+            .iter()
+            .map(|c| {
+                let done = Outcome::Done { result: json!(null), step: None };
+                StepCommit::new(c.instance.id, c.token(), done).failure(failure(
+                    "bad",
+                    true,
+                    vec![],
+                ))
+            })
+            .collect();
+        let receipts =
+            s.step_commit(CommitParams { commits, now: at(1_002) }).await.expect("step_commit");
+        for r in receipts {
+            assert!(r.expect("commit accepted").dead_letter.is_some(), "a letter was recorded");
+        }
+        recorded += n;
+    }
+    let billing = DeadLetterSelector::Machine { namespace: ns.into(), machine: "billing".into() };
+
+    let (stuck, letter) = suspended(s, ns, "billing", at(1_010)).await;
+    let retried = s
+        .dead_letter_retry(retry_params(billing.clone(), Duration::ZERO, at(1_020)))
+        .await
+        .expect("retry");
+    assert_eq!(retried, vec![stuck], "the retryable letter behind the records was retried");
+    assert_eq!(row(s, stuck).await.status, Status::Runnable);
+    expect_kind(s.dead_letter_get(letter).await, ErrorKind::NotFound, "the retried letter goes");
+
+    let (_, old) = suspended(s, ns, "billing", at(5)).await;
+    let purged = s
+        .dead_letter_purge(DeadLetterPurgeParams {
+            selector: Some(billing),
+            older_than: Some(at(500)),
+        })
+        .await
+        .expect("purge");
+    assert_eq!(purged, 1, "the one letter older than the bound was purged");
+    expect_kind(s.dead_letter_get(old).await, ErrorKind::NotFound, "the old letter goes");
+    let first = s
+        .dead_letter_list(DeadLetterFilter {
+            namespace: Some(ns.into()),
+            limit: 1,
+            ..DeadLetterFilter::default()
+        })
+        .await
+        .expect("list");
+    assert_eq!(first.len(), 1, "the records of instances that moved on are kept");
 }
 
 /// Skip consumes the signals the failed step was processing, keeps later ones, and

@@ -149,6 +149,7 @@ macro_rules! __store_contract_list {
             claim_fair_across_concurrency_keys,
             retry_exhaustion_dead_letter_then_retry,
             dead_letter_retry_by_machine,
+            dead_letter_machine_operations_reach_past_a_full_batch,
             dead_letter_skip_consumes_signals,
             dead_letter_purge_older_than,
             cancel_cascade_releases_parent_barrier,
