@@ -51,6 +51,21 @@ pub(crate) const WHOLE_INBOX: usize = i64::MAX as usize;
 /// turns rows down reads the next page.
 const CLAIM_PAGE_MIN: usize = 4;
 
+/// Rows without a key a fair claim reads past its first page, when the planner turned
+/// rows of that page down, in pages of [`UNKEYED_SCAN_PAGE`].
+const UNKEYED_SCAN_MAX: usize = 10_000;
+const UNKEYED_SCAN_PAGE: usize = 256;
+
+/// Where the page after `row` starts, in claim order.
+fn order_after(p: &ClaimParams, row: &Instance) -> (i64, i64, i64) {
+    (i64::from(p.policy.rank(row, p.now)), row.eligible_at.0, row.id.0)
+}
+
+/// Where the page after `rows` starts, when they filled a page of `page` (more may follow).
+fn next_page(p: &ClaimParams, rows: &[(Instance, u32)], page: usize) -> Option<(i64, i64, i64)> {
+    rows.last().filter(|_| rows.len() >= page).map(|(r, _)| order_after(p, r))
+}
+
 // ----- inserts ---------------------------------------------------------------------------
 
 /// Validates the whole batch first, so an invalid item writes nothing.
@@ -277,6 +292,7 @@ pub(crate) async fn claim(
         let cap = planner.cap();
         let mut candidates: Vec<(Instance, u32)> =
             pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Group::Unkeyed, page).await?;
+        let mut unkeyed_after = next_page(p, &candidates, page);
         let mut keys: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT concurrency_key FROM keel_instances WHERE status = 'runnable' \
                AND concurrency_key IS NOT NULL AND eligible_at <= ? \
@@ -378,13 +394,37 @@ pub(crate) async fn claim(
             .await
             .map_err(db.err("writing a queue's claim cursor"))?;
         }
+        // Rows without a key that the planner turned down (their unique key is held by a
+        // running row) must not hide the rows behind them: read on while there is room,
+        // up to a bound of rows per claim.
+        let mut scanned = 0;
+        while let Some(from) = unkeyed_after
+            && !planner.is_full()
+            && scanned < UNKEYED_SCAN_MAX
+        {
+            db.write(std::mem::take(&mut writes)).await?;
+            let more = page.max(UNKEYED_SCAN_PAGE);
+            let rows = pick.page(db, from, Group::Unkeyed, more).await?;
+            scanned += rows.len();
+            unkeyed_after = next_page(p, &rows, more);
+            for (row, key_running) in rows {
+                if planner.is_full() {
+                    break;
+                }
+                let offered =
+                    offer(db, &mut planner, &row, queue_executing, key_running, &mut writes);
+                if let Some(next) = offered.await? {
+                    taken.push(next);
+                }
+            }
+        }
     }
     while !fair && !planner.is_full() {
         db.write(std::mem::take(&mut writes)).await?;
         let candidates = pick.page(db, after, Group::Any, page).await?;
         let exhausted = candidates.len() < page;
         for (row, key_running) in candidates {
-            after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
+            after = order_after(p, &row);
             if planner.is_full() {
                 break;
             }

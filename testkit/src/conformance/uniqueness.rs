@@ -2,8 +2,8 @@
 //! in scope, within a batch too, and frees when the occupant leaves its scope.
 
 use super::support::{
-    at, await_signal, claim_id, commit, commit_ok, done, expect_kind, get, insert, insert_one,
-    new_in, next, step,
+    at, await_signal, claim, claim_id, claim_params, commit, commit_ok, done, expect_kind, get,
+    ids, insert, insert_one, new_in, next, step,
 };
 use keel_core::ids::StatusSet;
 use keel_core::ports::Store;
@@ -133,4 +133,24 @@ pub async fn uniqueness_commit_bringing_a_held_key_back_conflicts<S: Store>(s: &
     assert_eq!(results[0].as_ref().map(|r| r.status), Ok(Status::Runnable));
     assert_eq!(results[1].as_ref().map_err(|e| e.kind), Err(ErrorKind::Conflict));
     assert_eq!(get(s, late).await.instance.status, Status::Executing, "the refused item changed");
+}
+
+/// A unique key scoped to `executing` works as a mutex: rows waiting for a running holder's
+/// key are passed over, however many of them stand first in claim order, and a row behind
+/// them is claimed.
+pub async fn claim_passes_over_rows_whose_unique_key_a_running_row_holds<S: Store>(s: &S) {
+    let ns = "unique_held_mutex";
+    let running = StatusSet::of(&[Status::Executing]);
+    let holder = insert_one(s, new_in(ns).unique("account-7", running), at(0)).await;
+    claim_id(s, ns, holder, at(1)).await;
+    for i in 0..12 {
+        insert_one(s, new_in(ns).unique("account-7", running), at(2 + i)).await;
+    }
+    let free = insert_one(s, new_in(ns), at(20)).await;
+    let claimed = claim(s, claim_params(ns, 1, at(30))).await;
+    assert_eq!(ids(&claimed), vec![free], "the row behind the waiting ones was not claimed");
+    assert!(
+        claim(s, claim_params(ns, 10, at(31))).await.is_empty(),
+        "a row waiting for a held key was claimed"
+    );
 }
