@@ -28,6 +28,14 @@ fn primary_code(e: &sqlx::Error) -> Option<i64> {
     }
 }
 
+/// Whether opening a file may have failed only because another process was opening it at
+/// the same moment: the file was busy (switching a new file to write-ahead logging takes a
+/// lock that does not wait), or a migration ran into one that process had just applied.
+pub(crate) fn raced_another_open(e: &sqlx::Error) -> bool {
+    matches!(primary_code(e), Some(SQLITE_BUSY | SQLITE_LOCKED))
+        || matches!(e, sqlx::Error::Migrate(m) if matches!(m.as_ref(), MigrateError::ExecuteMigration(..)))
+}
+
 /// Maps a driver error on the database at `file` to a portable error.
 ///
 /// - busy / locked (another process holds the write lock past the busy timeout), IO errors
@@ -53,6 +61,12 @@ pub(crate) fn map(file: &str, during: &str, e: &sqlx::Error) -> StoreError {
             StoreError::conflict(format!("sqlite database {file}: {during}: {e}"))
         }
         _ => match e {
+            sqlx::Error::Migrate(m) if matches!(m.as_ref(), MigrateError::ExecuteMigration(..)) => {
+                StoreError::unavailable(format!(
+                    "sqlite database {file}: a schema migration failed ({during}: {m}); open it \
+                     again, and if it fails the same way, its schema was changed outside Keel"
+                ))
+            }
             sqlx::Error::Migrate(m) if !matches!(m.as_ref(), MigrateError::Execute(_)) => {
                 StoreError::invalid(format!(
                     "sqlite database {file}: its schema cannot be migrated ({during}: {m}); \

@@ -188,12 +188,47 @@ macro_rules! write_tx {
                 tx.commit().await.map_err(|e| map(file, "committing", &e))?;
                 Ok(value)
             }
-            Err(e) => {
-                tx.rollback().await.map_err(|e| map(file, "rolling back", &e))?;
+            // The body's error is the one to report: a rollback that fails too (SQLite
+            // already rolled back on its own after a full disk or an IO error) only adds to
+            // it.
+            Err(mut e) => {
+                if let Err(r) = tx.rollback().await {
+                    let r = map(file, "rolling back", &r);
+                    e.message = format!("{}; then {}", e.message, r.message);
+                }
                 Err(e)
             }
         }
     }};
+}
+
+/// Tries one open makes of a file that other processes are opening at the same moment.
+const OPEN_TRIES: u32 = 5;
+
+/// Connects the writer of a file other processes may open at the same moment, and brings
+/// its schema up to date. Two things race there: switching a new file to write-ahead
+/// logging takes a lock that does not wait for the busy timeout, and the migrator reads
+/// which migrations are applied before it runs the rest, each in its own transaction,
+/// holding no lock across them, so a migration another process applies in between fails
+/// here (its table or column exists). Trying again finds the file switched and the
+/// migration applied; only these failures are tried again, a bounded number of times, and
+/// a schema newer than this build or changed outside Keel is refused at once.
+async fn open_writer(options: &SqliteConnectOptions, file: &str) -> StoreResult<SqliteConnection> {
+    let mut tries = 1;
+    loop {
+        let (e, during) = match SqliteConnection::connect_with(options).await {
+            Err(e) => (e, "opening"),
+            Ok(mut writer) => match migrator().run(&mut writer).await {
+                Ok(()) => return Ok(writer),
+                Err(e) => (sqlx::Error::Migrate(Box::new(e)), "migrating"),
+            },
+        };
+        if tries >= OPEN_TRIES || !crate::error::raced_another_open(&e) {
+            return Err(map(file, during, &e));
+        }
+        tokio::time::sleep(Duration::from_millis(50 * u64::from(tries))).await;
+        tries += 1;
+    }
 }
 
 /// Rows the driver may buffer per statement: more than the pages the store reads in
@@ -231,13 +266,7 @@ impl SqliteStore {
             // write lock held, until this task gets a core back to drain it. A buffer
             // that holds the largest page lets the statement finish in one go.
             .row_buffer_size(ROW_BUFFER);
-        let mut writer = SqliteConnection::connect_with(&options)
-            .await
-            .map_err(|e| map(&file, "opening", &e))?;
-        migrator()
-            .run(&mut writer)
-            .await
-            .map_err(|e| map(&file, "migrating", &sqlx::Error::Migrate(Box::new(e))))?;
+        let writer = open_writer(&options, &file).await?;
         let readers = SqlitePoolOptions::new()
             .max_connections(config.read_connections.max(1))
             .connect_with(options.create_if_missing(false))
@@ -314,6 +343,9 @@ impl SqliteStore {
     /// Wakes everyone in `ready_wait`.
     fn wake(&self) {
         self.ready.notify_waiters();
+        // And a permit for a worker about to wait (between its empty claim and its wait),
+        // so the wake-up is not lost until its next poll.
+        self.ready.notify_one();
         self.changed.notify_waiters();
     }
 

@@ -185,6 +185,17 @@ async fn ready_wait_fires_after_an_insert() {
     tokio::time::timeout(Duration::from_secs(5), waiter).await.expect("woken by the insert");
 }
 
+/// A wake-up that lands while no worker waits yet (between its empty claim and its wait)
+/// is kept for the next wait, so that worker does not sleep a whole poll interval.
+#[tokio::test]
+async fn a_wake_up_before_anyone_waits_is_kept_for_the_next_wait() {
+    let store = SqliteStore::memory().await.expect("open");
+    insert(&store, new_order(), at(0)).await;
+    tokio::time::timeout(Duration::from_secs(5), store.ready_wait())
+        .await
+        .expect("the insert's wake-up was kept");
+}
+
 /// Polls a future once; `Some` if it finished.
 async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {
     let mut f = f;
@@ -324,4 +335,26 @@ async fn a_write_that_fails_in_a_commit_batch_rejects_only_its_own_item() {
         ["STEP_DONE"]
     );
     assert!(store.instance_get(ids[1]).await.expect("get").history.is_empty());
+}
+
+/// Workers started together on one new file (a deploy that starts several at once) all
+/// open it: one applies each migration, the others find it applied. (Each connection runs
+/// on its own driver thread, so the four opens race in SQLite itself.)
+#[tokio::test]
+async fn processes_opening_one_new_file_at_once_all_open_it() {
+    for round in 0..10 {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("shared.db");
+        let opened = tokio::join!(
+            SqliteStore::open(&path),
+            SqliteStore::open(&path),
+            SqliteStore::open(&path),
+            SqliteStore::open(&path),
+        );
+        for store in [opened.0, opened.1, opened.2, opened.3] {
+            if let Err(e) = store {
+                panic!("round {round}: an open failed: {e}");
+            }
+        }
+    }
 }
