@@ -1056,9 +1056,8 @@ async fn commit_one(
         deliver_to(db, *target, signal, now).await?;
     }
     if let Some(release) = &plan.barrier_release {
-        for cancel in parent_release(db, release, now).await? {
-            cancel_with(db, &cancel, plan::cancel::cancel).await?;
-        }
+        let then = parent_release(db, release, now).await?;
+        run_then(db, then, now).await?;
     }
     if !plan.children_cancel.is_none() {
         for child in db.delegated_children(row.id).await? {
@@ -1099,13 +1098,47 @@ async fn parent_release(
     db: &mut Db<'_>,
     release: &ParentRelease,
     now: Timestamp,
-) -> StoreResult<Vec<CancelParams>> {
-    let Some(row) = db.instance(release.parent).await? else { return Ok(Vec::new()) };
-    let cancels = parent_write(db, plan::parent::release(&row, release, now), now).await?;
+) -> StoreResult<Vec<Then>> {
+    let cancels = match db.instance(release.parent).await? {
+        Some(row) => parent_write(db, plan::parent::release(&row, release, now), now).await?,
+        None => Vec::new(),
+    };
+    let mut then: Vec<Then> = cancels.into_iter().map(Then::Cancel).collect();
     if let Some(notice) = &release.notice {
-        deliver_to(db, release.parent, notice, now).await?;
+        then.push(Then::Notice(release.parent, notice.clone()));
     }
-    Ok(cancels)
+    Ok(then)
+}
+
+/// What a parent's release leaves to do, in order: cancel the children it stopped waiting
+/// for, then deliver the ending child's notice to the parent (so the reports of the
+/// cancelled children reach its inbox first).
+enum Then {
+    Cancel(CancelParams),
+    Notice(InstanceId, NewSignal),
+}
+
+/// Runs what releases left to do, depth first: a cancel's own releases run before the
+/// next item. Cancels are bounded by the cascade's bound; notices are always delivered.
+async fn run_then(db: &mut Db<'_>, then: Vec<Then>, now: Timestamp) -> StoreResult<()> {
+    let mut stack: Vec<Then> = then.into_iter().rev().collect();
+    let mut cancels = 0;
+    while let Some(next) = stack.pop() {
+        match next {
+            Then::Notice(parent, signal) => {
+                deliver_to(db, parent, &signal, now).await?;
+            }
+            Then::Cancel(cancel) => {
+                if cancels >= limits::CANCEL_CASCADE_MAX {
+                    continue;
+                }
+                cancels += 1;
+                let (_, further) = cancel_one(db, &cancel, plan::cancel::cancel).await?;
+                stack.extend(further.into_iter().rev());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes a parent plan's row and history; returns its cancels for the caller to run.
@@ -1605,25 +1638,17 @@ async fn cancel_with(
     p: &CancelParams,
     planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
 ) -> StoreResult<Vec<InstanceId>> {
-    let (cancelled, mut more) = cancel_one(db, p, planner).await?;
-    let mut done = 0;
-    while let Some(next) = more.pop() {
-        if done >= limits::CANCEL_CASCADE_MAX {
-            break;
-        }
-        done += 1;
-        let (_, further) = cancel_one(db, &next, plan::cancel::cancel).await?;
-        more.extend(further);
-    }
+    let (cancelled, then) = cancel_one(db, p, planner).await?;
+    run_then(db, then, p.now).await?;
     Ok(cancelled)
 }
 
-/// One cancel: its ids, and the cancels its parent releases asked for.
+/// One cancel: its ids, and what its parents' releases left to do.
 async fn cancel_one(
     db: &mut Db<'_>,
     p: &CancelParams,
     planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
-) -> StoreResult<(Vec<InstanceId>, Vec<CancelParams>)> {
+) -> StoreResult<(Vec<InstanceId>, Vec<Then>)> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
         // Breadth first down to the depth bound. Ended descendants are walked through (a

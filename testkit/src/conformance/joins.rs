@@ -192,3 +192,29 @@ pub async fn join_bad_policies_are_refused_naming_the_field<S: Store>(s: &S) {
     assert_eq!(row(s, parent).await.status, Status::Executing);
     assert!(get(s, parent).await.children.is_empty());
 }
+
+/// When a quorum is met by a delegated child (one a chart state started, which reports to
+/// its parent's inbox), the cancels of the children still running come first: their
+/// reports reach the parent's inbox before the notice of the child that met the quorum.
+pub async fn join_cancels_the_rest_before_the_deciding_childs_notice<S: Store>(s: &S) {
+    let ns = "join_notice_order";
+    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let children: Vec<NewInstance> = (0..3).map(|_| new_in(ns).invoked_by("join")).collect();
+    let outcome = Outcome::schedule_children("join", children, ctx(1)).with_join(Join::quorum(1));
+    let kids: Vec<InstanceId> =
+        step(s, &claimed, outcome, at(20)).await.children.iter().map(|o| o.id()).collect();
+    let claims = claim_children(s, ns, at(25)).await;
+    end(s, &claims, kids[1], done(), at(30)).await;
+    let d = get(s, parent).await;
+    let inbox: Vec<&str> = d.inbox.iter().map(|x| x.name.as_str()).collect();
+    assert_eq!(
+        inbox,
+        ["fail.state.join", "fail.state.join", "done.invoke.join"],
+        "the parent's inbox, in order"
+    );
+    let mut cancelled: Vec<i64> =
+        d.inbox[..2].iter().filter_map(|x| x.payload["child"].as_i64()).collect();
+    cancelled.sort_unstable();
+    assert_eq!(cancelled, [kids[0].0, kids[2].0], "one report per cancelled child");
+}

@@ -118,6 +118,7 @@ macro_rules! __store_contract_list {
             children_decremented_once_when_child_reruns,
             children_uniqueness_counts_only_new,
             join_quorum_of_three_of_five_wakes_the_parent_once_at_the_third_success,
+            join_cancels_the_rest_before_the_deciding_childs_notice,
             join_left_running_children_never_count_again,
             join_quorum_out_of_reach_wakes_the_parent_at_the_failure,
             join_deadline_wakes_the_parent_once_with_what_finished,
