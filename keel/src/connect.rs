@@ -53,7 +53,11 @@ impl ConnectOptions {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Target {
     SqliteMemory,
-    SqliteFile(String),
+    /// A SQLite file, and whether a missing one may be created (`mode=rw` says not).
+    SqliteFile {
+        path: String,
+        create: bool,
+    },
     Postgres(String),
     Memory,
 }
@@ -61,17 +65,11 @@ pub(crate) enum Target {
 /// Reads the URL's scheme; an unknown one is an error listing the ones Keel knows.
 pub(crate) fn parse(url: &str) -> Result<Target, Error> {
     let url = url.trim();
-    if url == "sqlite::memory:" || url == "sqlite://:memory:" {
-        return Ok(Target::SqliteMemory);
-    }
-    if let Some(path) = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")) {
-        let path = path.split('?').next().unwrap_or_default();
-        if path.is_empty() {
-            return Err(Error::url(url, "the SQLite URL names no file; write `sqlite://keel.db`"));
-        }
-        return Ok(Target::SqliteFile(path.to_owned()));
+    if let Some(rest) = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")) {
+        return sqlite(url, rest);
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        refuse_tls(url)?;
         return Ok(Target::Postgres(url.to_owned()));
     }
     if url == "memory:" || url == "memory://" {
@@ -81,6 +79,70 @@ pub(crate) fn parse(url: &str) -> Result<Target, Error> {
         url,
         "unknown scheme; use `sqlite://<file>`, `sqlite::memory:`, `postgres://…` or `memory://`",
     ))
+}
+
+/// A SQLite URL after its scheme: the file (or `:memory:`) before `?`, then its options.
+/// A file honours `mode=rwc` (create it when missing, the default) and `mode=rw` (open
+/// only an existing file); the in-memory database honours `mode=memory`. Any other option
+/// is refused, every one named, rather than dropped without a word.
+fn sqlite(url: &str, rest: &str) -> Result<Target, Error> {
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let memory = path == ":memory:";
+    let mut create = true;
+    let mut refused = Vec::new();
+    for option in query.split('&').filter(|o| !o.is_empty()) {
+        match (option, memory) {
+            ("mode=rwc", false) => create = true,
+            ("mode=rw", false) => create = false,
+            ("mode=memory", true) => {}
+            _ => refused.push(format!("`{option}`")),
+        }
+    }
+    if !refused.is_empty() {
+        let fix = if memory {
+            "the in-memory database takes no options: each connect to `sqlite::memory:` opens \
+             one private database, which every clone of that `Keel` and every worker made \
+             from it share; write `sqlite::memory:`"
+        } else {
+            "Keel opens the file to read and write and migrates it, and honours only \
+             `mode=rwc` (create a missing file, the default) and `mode=rw` (open an existing \
+             file only); remove the others (for a database in memory write `sqlite::memory:`)"
+        };
+        let options = refused.join(", ");
+        return Err(Error::url(url, &format!("unsupported SQLite option {options}: {fix}")));
+    }
+    if memory {
+        return Ok(Target::SqliteMemory);
+    }
+    if path.is_empty() {
+        return Err(Error::url(url, "the SQLite URL names no file; write `sqlite://keel.db`"));
+    }
+    Ok(Target::SqliteFile { path: path.to_owned(), create })
+}
+
+/// Refuses a PostgreSQL URL that asks for TLS (`sslmode=require`, `verify-ca`,
+/// `verify-full`): Keel's PostgreSQL connections are not encrypted yet, and the driver
+/// would fail the handshake with a message that does not say so.
+fn refuse_tls(url: &str) -> Result<(), Error> {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    let asked = query.split(['&', '?']).find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        let value = value.to_ascii_lowercase();
+        (key.eq_ignore_ascii_case("sslmode")
+            && matches!(value.as_str(), "require" | "verify-ca" | "verify-full"))
+        .then_some(value)
+    });
+    match asked {
+        Some(mode) => Err(Error::url(
+            url,
+            &format!(
+                "`sslmode={mode}`: TLS connections to PostgreSQL are not supported yet, so Keel's \
+                 connections are unencrypted; reach the server over a local network or an \
+                 encrypted tunnel (SSH, VPN) and write `sslmode=disable`"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The refusal of a missing SQLite file when [`ConnectOptions::create`] is off.
@@ -96,8 +158,9 @@ fn missing_file(path: &str) -> String {
 pub(crate) async fn open(url: &str, options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
     match parse(url)? {
         Target::SqliteMemory => sqlite_memory(url).await,
-        Target::SqliteFile(path) => {
-            if !options.create && !std::path::Path::new(&path).exists() {
+        Target::SqliteFile { path, create } => {
+            let may_create = options.create && create;
+            if !may_create && !std::path::Path::new(&path).exists() {
                 return Err(Error::url(url, &missing_file(&path)));
             }
             sqlite_file(url, &path).await
@@ -165,18 +228,69 @@ fn memory(url: &str) -> Result<(AnyStore, String), Error> {
     ))
 }
 
-/// The URL without its password, for messages and logs.
+/// The URL without its password, for messages and logs: the password of its user part
+/// becomes `***`, and so does the value of every `password=` pair (a query parameter
+/// libpq and tokio-postgres accept). A user part that holds `/`, `?`, `#`, `=` or a second
+/// `@` (an unencoded password) cannot be told apart from what follows it, so everything
+/// before the host is hidden then.
 pub(crate) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let (authority, tail) = rest.split_once('/').map_or((rest, ""), |(a, t)| (a, t));
-    let Some((credentials, host)) = authority.rsplit_once('@') else { return url.to_owned() };
-    let user = credentials.split(':').next().unwrap_or_default();
-    let sep = if tail.is_empty() && !rest.contains('/') { "" } else { "/" };
-    if credentials.contains(':') {
-        format!("{scheme}://{user}:***@{host}{sep}{tail}")
-    } else {
-        url.to_owned()
+    let hidden = hide_password_pairs(url);
+    let Some((scheme, rest)) = hidden.split_once("://") else { return hidden };
+    if !url.contains('@') {
+        return hidden;
     }
+    let Some(at) = rest.rfind('@') else {
+        // Every `@` went into a hidden value: where the user part ends cannot be told.
+        return format!("{scheme}://***");
+    };
+    let (credentials, host) = (&rest[..at], &rest[at + 1..]);
+    if credentials.contains(['/', '?', '#', '@', '=']) {
+        return format!("{scheme}://***@{host}");
+    }
+    match credentials.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => hidden,
+    }
+}
+
+/// `text` with the value of every `password=` pair replaced by `***` (and of every key
+/// that ends in `password`, such as libpq's `sslpassword`): in a URL's query
+/// (`?password=…`, `&password=…`) or a `key=value` connection string (`password = '…'`).
+fn hide_password_pairs(text: &str) -> String {
+    const KEY: &str = "password";
+    let lower = text.to_ascii_lowercase();
+    let mut out = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut from = 0;
+    while let Some(found) = lower[from..].find(KEY) {
+        let key = from + found;
+        from = key + KEY.len();
+        let Some(value) = text[from..].trim_start().strip_prefix('=') else { continue };
+        let value = value.trim_start();
+        let value_at = text.len() - value.len();
+        let len = if let Some(quoted) = value.strip_prefix('\'') {
+            // A quoted value runs to its closing quote; `\` escapes the next character.
+            let mut escaped = false;
+            quoted
+                .char_indices()
+                .find(|&(_, c)| {
+                    let close = c == '\'' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    close
+                })
+                .map_or(value.len(), |(i, _)| i + 2)
+        } else {
+            value
+                .find(|c: char| matches!(c, '&' | '#' | ';') || c.is_whitespace())
+                .unwrap_or(value.len())
+        };
+        out.push_str(&text[copied..value_at]);
+        out.push_str("***");
+        copied = value_at + len;
+        from = copied;
+    }
+    out.push_str(&text[copied..]);
+    out
 }
 
 #[cfg(test)]
@@ -191,16 +305,84 @@ mod tests {
         }
     }
 
+    fn file(path: &str, create: bool) -> Target {
+        Target::SqliteFile { path: path.into(), create }
+    }
+
     #[test]
     fn urls_name_their_backend() {
-        check("sqlite://keel.db", Ok(Target::SqliteFile("keel.db".into())));
-        check("sqlite:data/keel.db?mode=rwc", Ok(Target::SqliteFile("data/keel.db".into())));
+        check("sqlite://keel.db", Ok(file("keel.db", true)));
+        check("sqlite:data/keel.db?mode=rwc", Ok(file("data/keel.db", true)));
+        check("sqlite:data/keel.db?mode=rw", Ok(file("data/keel.db", false)));
         check("sqlite::memory:", Ok(Target::SqliteMemory));
+        check("sqlite://:memory:", Ok(Target::SqliteMemory));
         check("postgres://u@h/db", Ok(Target::Postgres("postgres://u@h/db".into())));
         check("postgresql://u@h/db", Ok(Target::Postgres("postgresql://u@h/db".into())));
         check("memory://", Ok(Target::Memory));
         check("sqlite://", Err("names no file"));
         check("mysql://u@h/db", Err("unknown scheme; use `sqlite://<file>`"));
+    }
+
+    #[test]
+    fn sqlite_options_are_honoured_or_refused_by_name() {
+        // `:memory:` with options is still the in-memory database, never a file of that name.
+        check("sqlite::memory:?mode=memory", Ok(Target::SqliteMemory));
+        check("sqlite://:memory:?mode=memory", Ok(Target::SqliteMemory));
+        check(
+            "sqlite::memory:?cache=shared",
+            Err(
+                "unsupported SQLite option `cache=shared`: the in-memory database takes no options",
+            ),
+        );
+        check("sqlite://:memory:?cache=shared", Err("write `sqlite::memory:`"));
+        // What Keel would not honour on a file is refused, every option named.
+        check(
+            "sqlite://keel.db?mode=ro&cache=shared&mode=rw",
+            Err("unsupported SQLite option `mode=ro`, `cache=shared`: Keel opens the file"),
+        );
+        check("sqlite://keel.db?mode=memory", Err("honours only `mode=rwc`"));
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn mode_rw_opens_only_an_existing_file() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let path = dir.path().join("keel.db");
+        let rw = format!("sqlite://{}?mode=rw", path.display());
+        let Err(e) = crate::Keel::connect(&rw).await else { panic!("mode=rw created a file") };
+        assert!(e.to_string().contains("there is no SQLite file"), "{e}");
+        assert!(!path.exists(), "nothing was created");
+        drop(crate::Keel::connect(&format!("sqlite://{}?mode=rwc", path.display())).await.unwrap());
+        let keel = crate::Keel::connect(&rw).await.expect("an existing file opens with mode=rw");
+        assert_eq!(keel.describe(), format!("SQLite file {}", path.display()));
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn an_in_memory_url_with_options_is_one_database() {
+        let keel = crate::Keel::connect("sqlite::memory:?mode=memory").await.expect("opens");
+        assert_eq!(keel.describe(), "SQLite in memory");
+        let start = crate::NewInstance::new(crate::MachineRef::new("m", 1), "q");
+        let id = keel.start(start).await.expect("a start").id();
+        assert_eq!(keel.get(id).await.expect("read back").instance.id, id);
+    }
+
+    #[test]
+    fn postgres_tls_is_refused_with_the_reason_and_the_fix() {
+        for mode in ["require", "verify-ca", "verify-full", "REQUIRE"] {
+            let url = format!("postgres://u:secret@h/db?application_name=x&sslmode={mode}");
+            let message = parse(&url).expect_err("TLS is refused").to_string();
+            assert!(
+                message.contains("TLS connections to PostgreSQL are not supported yet"),
+                "{message}"
+            );
+            assert!(message.contains("write `sslmode=disable`"), "{message}");
+            assert!(!message.contains("secret"), "{message}");
+        }
+        for mode in ["disable", "prefer"] {
+            let url = format!("postgres://u@h/db?sslmode={mode}");
+            assert_eq!(parse(&url).expect("no TLS asked"), Target::Postgres(url.clone()));
+        }
     }
 
     #[cfg(feature = "sqlite")]
@@ -245,5 +427,42 @@ mod tests {
     fn passwords_never_reach_messages() {
         assert_eq!(redact("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
         assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        // A password given as a query parameter, alone or among others.
+        assert_eq!(redact("postgres://u@h/db?password=secret"), "postgres://u@h/db?password=***");
+        assert_eq!(
+            redact("postgres://u@h/db?sslmode=disable&PASSWORD=secret&application_name=a"),
+            "postgres://u@h/db?sslmode=disable&PASSWORD=***&application_name=a"
+        );
+        // An unencoded `/`, `?`, `@` or `=` in the password: the user part is hidden whole.
+        assert_eq!(redact("postgres://u:se/cret@h/db"), "postgres://***@h/db");
+        assert_eq!(
+            redact("postgres://u:se?cret@h/db?sslmode=disable"),
+            "postgres://***@h/db?sslmode=disable"
+        );
+        assert_eq!(redact("postgres://u:se@cret@h/db"), "postgres://***@h/db");
+        assert_eq!(redact("postgres://u:mypassword=secret@h/db"), "postgres://***");
+        // An `@` inside a hidden query password leaves no piece of it behind.
+        assert_eq!(redact("postgres://u@h/db?password=se@cret"), "postgres://u@h/db?password=***");
+        // A key/value connection string (refused, but quoted in the error).
+        assert_eq!(
+            redact("host=h password = 'se cr\\'et' dbname=d"),
+            "host=h password = *** dbname=d"
+        );
+        for url in [
+            "postgres://u:secret@h/db",
+            "postgres://u@h/db?password=secret",
+            "postgres://u@h/db?sslmode=disable&password=secret",
+            "postgres://u:se/cret@h/db",
+            "postgres://u:secret?@h/db",
+            "postgres://u:s@ecret@h/db?x=1",
+            "postgres://u@h/db?sslpassword=secret",
+            "postgres://u:secret@h/db?application_name=a@b",
+        ] {
+            let shown = redact(url);
+            assert!(!shown.contains("secret") && !shown.contains("ecret"), "{url} -> {shown}");
+            let sep = if url.contains('?') { '&' } else { '?' };
+            let e = parse(&format!("{url}{sep}sslmode=require")).expect_err("refused");
+            assert!(!e.to_string().contains("ecret"), "{e}");
+        }
     }
 }
