@@ -15,21 +15,26 @@
 //!
 //! let config = KeelConfig::from_toml_str(r#"
 //!     [queue]
-//!     concurrency = 10
 //!     timeout = "30 seconds"
+//!     retry = { max_attempts = 5 }
 //!
 //!     [machines.order.queue]
-//!     concurrency = 5
+//!     timeout = "2 minutes"
 //!
 //!     [machines.order.events.checkout.queue]
 //!     priority = "high"
 //! "#).unwrap();
+//! config.check_applied().unwrap(); // a worker applies every key of it
 //!
 //! let checkout = config.queue_for("order", Some("checkout")).unwrap();
-//! assert_eq!(checkout.concurrency, 5);                   // from the machine
-//! assert_eq!(checkout.timeout, Duration::from_secs(30)); // inherited from the system
-//! assert_eq!(checkout.priority, Priority::High);     // from the event
+//! assert_eq!(checkout.timeout, Duration::from_secs(120)); // from the machine
+//! assert_eq!(checkout.retry.max_attempts, 5);             // inherited from the system
+//! assert_eq!(checkout.priority, Priority::High);          // from the event
 //! ```
+//!
+//! Parsing accepts every documented key at every level; [`KeelConfig::check_applied`]
+//! (run by [`KeelConfig::load`]) refuses one a worker would not apply there, such as a
+//! queue's `concurrency` under a machine (it belongs to `[queues.<name>]`).
 //!
 //! Every error names the field by its full path (`machines.order.queue.retry.max_attempts`)
 //! and says which values are accepted.
@@ -1228,13 +1233,17 @@ impl KeelConfig {
     }
 
     /// Every queue the file names: the `name` of the system level and of each machine's
-    /// level (where instances start) and each `[queues.<q>]` section, in name order. A
+    /// level (where instances start), the `queue` of `[parallel_dispatch]` and of each
+    /// machine's (where region tasks run) and each `[queues.<q>]` section, in name order. A
     /// worker or poll that takes the file serves these besides what it lists itself.
     pub fn named_queues(&self) -> std::collections::BTreeSet<String> {
         let starts = std::iter::once(&self.queue)
             .chain(self.machines.values().map(|m| &m.queue))
             .filter_map(|level| level.name.clone());
-        starts.chain(self.queues.keys().cloned()).collect()
+        let regions = std::iter::once(&self.parallel_dispatch)
+            .chain(self.machines.values().map(|m| &m.parallel_dispatch))
+            .filter_map(|level| level.queue.clone());
+        starts.chain(regions).chain(self.queues.keys().cloned()).collect()
     }
 
     /// The priority the file gives event `event` sent to an instance of `machine`: the
@@ -2373,5 +2382,22 @@ mod applied_tests {
         let named: Vec<String> = config.named_queues().into_iter().collect();
         assert_eq!(named, ["main", "payments", "reports"]);
         assert!(KeelConfig::default().named_queues().is_empty());
+    }
+
+    #[test]
+    fn named_queues_include_where_region_tasks_run() {
+        let config = KeelConfig::from_toml_str(
+            "[parallel_dispatch]
+enabled = true
+queue = \"regions\"
+             [machines.order.parallel_dispatch]
+queue = \"order-regions\"
+             [machines.mail.parallel_dispatch]
+enabled = true
+",
+        )
+        .unwrap();
+        let named: Vec<String> = config.named_queues().into_iter().collect();
+        assert_eq!(named, ["order-regions", "regions"]);
     }
 }

@@ -21,7 +21,7 @@
 //!     StepContext, StepError, StepMachine, json,
 //! };
 //!
-//! /// A step machine: one step that reads a file (an IO error is retried) and finishes.
+//! /// A step machine: one step that greets the name in its context and finishes.
 //! struct Greeter;
 //!
 //! #[keel::async_trait]
@@ -77,7 +77,7 @@
 //! |---|---|---|
 //! | `sqlite://keel.db` | `sqlite` (default) | one process, durable in a file, nothing to install; several processes may share the file, but only one writes at a time and wake-ups stay inside each process (a queue of hints carries them across, see below) |
 //! | `sqlite::memory:` | `sqlite` (default) | tests and demos: the real SQL store, gone with the process |
-//! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]) |
+//! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]); connections are not encrypted (no TLS yet, so a URL with `sslmode=require` is refused): keep the database on a private network or behind a tunnel |
 //! | `memory://` | `testkit` | the in-memory reference store, with `Keel::testing` for a virtual clock |
 //!
 //! Wake-ups between processes can also travel through a queue of "work is ready" hints:
@@ -317,7 +317,13 @@ pub struct Keel {
     described: String,
     /// The queue of hints its workers receive from, and how ([`Keel::with_queue`]).
     hints: Option<(Arc<dyn keel_core::ports::Queue>, keel_scheduler::HintConfig)>,
+    /// The configuration file its client and workers apply ([`Keel::with_settings`]).
+    settings: Option<keel_core::config::KeelConfig>,
 }
+
+/// What configuration errors name as their file when the settings came through
+/// [`Keel::with_settings`].
+const GIVEN_SETTINGS: &str = "given to `Keel::with_settings`";
 
 impl Keel {
     /// Opens the store `url` names (see the table in the crate docs), bringing its schema
@@ -350,7 +356,7 @@ impl Keel {
 
     fn assemble(store: AnyStore, clock: AnyClock, described: String) -> Keel {
         let client = Client::new(Arc::new(store.clone()), clock.clone());
-        Keel { client, store, clock, described, hints: None }
+        Keel { client, store, clock, described, hints: None, settings: None }
     }
 
     /// The same connection with a queue of ready-work hints: its client announces on
@@ -372,12 +378,20 @@ impl Keel {
         Ok(self)
     }
 
-    /// The same connection whose client applies a configuration file's priorities and
-    /// queue names to what it starts and sends (see `Client::with_settings`); load one
-    /// with [`settings::load`].
+    /// The same connection with a configuration file ([`settings::load`] reads one): its
+    /// client applies the file's priorities and queue names to what it starts and sends
+    /// (see `Client::with_settings`), and every worker made from it afterwards
+    /// ([`worker`](Self::worker), [`worker_with`](Self::worker_with),
+    /// [`configured_worker`](Self::configured_worker)) applies the whole file as
+    /// `WorkerConfig::with_settings` does — it serves the queues the file starts instances
+    /// in, so what this client starts is claimed. A file a worker cannot apply (a key it
+    /// would not apply, a bad retention or schedule; [`settings::load`] already refuses the
+    /// first) makes that worker's [`spawn`](WorkerBuilder::spawn) fail with
+    /// [`Error::Config`], before anything runs.
     #[must_use]
     pub fn with_settings(mut self, settings: keel_core::config::KeelConfig) -> Keel {
-        self.client = self.client.with_settings(settings);
+        self.client = self.client.with_settings(settings.clone());
+        self.settings = Some(settings);
         self
     }
 
@@ -396,37 +410,80 @@ impl Keel {
         &self.described
     }
 
-    /// A worker on this store with the default [`WorkerConfig`].
+    /// A worker on this store with the default [`WorkerConfig`] (and the file given to
+    /// [`with_settings`](Self::with_settings), if any).
     pub fn worker(&self) -> WorkerBuilder {
         self.worker_with(WorkerConfig::default())
     }
 
-    /// A worker on this store with `config`.
+    /// A worker on this store with `config`, to which the file given to
+    /// [`with_settings`](Self::with_settings), if any, is applied
+    /// (`WorkerConfig::with_settings`).
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
-        let builder = WorkerBuilder::new(self.store.clone(), self.clock.clone(), config);
-        match &self.hints {
-            Some((queue, hints)) => builder.hints_from(Arc::clone(queue), hints.clone()),
-            None => builder,
+        let Some(file) = &self.settings else { return self.builder(config) };
+        match apply(config, file.clone(), GIVEN_SETTINGS) {
+            Ok(config) => self.builder(config),
+            // Never spawned: `spawn` returns the error.
+            Err(e) => self.builder(WorkerConfig::default()).refuse(e),
         }
     }
 
     /// A worker on this store configured by the file at `path`, or at `$KEEL_CONFIG` when
     /// `path` is `None`, with the environment overrides applied ([`settings::load`]). A key
     /// the worker would not apply, or a bad value, is an error here, before anything runs.
+    ///
+    /// On a `Keel` given a file with [`with_settings`](Self::with_settings), the client
+    /// and its workers follow one file: with no `path` and no `$KEEL_CONFIG` the worker
+    /// applies the `Keel`'s file; a file named here is read as above and must equal the
+    /// `Keel`'s, else this is an [`Error::Config`] (the client would start instances in
+    /// queues by one file while the worker served them by the other).
     pub fn configured_worker(
         &self,
         config: WorkerConfig,
         path: Option<&std::path::Path>,
     ) -> Result<WorkerBuilder, Error> {
-        let config = match settings::load(path)? {
-            Some(file) => config.with_settings(file).map_err(|e| Error::Config {
-                file: path.map_or_else(|| "$KEEL_CONFIG".to_owned(), |p| p.display().to_string()),
-                message: e.to_string(),
-            })?,
-            None => config,
+        let label = || path.map_or_else(|| "$KEEL_CONFIG".to_owned(), |p| p.display().to_string());
+        let names_file = path.is_some() || std::env::var_os(settings::CONFIG_VAR).is_some();
+        let config = match (&self.settings, names_file) {
+            (Some(given), false) => apply(config, given.clone(), GIVEN_SETTINGS)?,
+            (given, _) => match (settings::load(path)?, given) {
+                (Some(loaded), Some(given)) if loaded != *given => {
+                    return Err(Error::Config {
+                        file: label(),
+                        message: "differs from the settings this Keel was given with \
+                                  `Keel::with_settings`, so its client would start instances \
+                                  by one file while this worker served them by the other; give \
+                                  both the same file, or make the worker with \
+                                  `keel.worker_with(config)`, which applies the Keel's"
+                            .to_owned(),
+                    });
+                }
+                (Some(loaded), _) => apply(config, loaded, &label())?,
+                (None, _) => config,
+            },
         };
-        Ok(self.worker_with(config))
+        Ok(self.builder(config))
     }
+
+    /// A worker on this store with `config` as it is, and this connection's queue of hints.
+    fn builder(&self, config: WorkerConfig) -> WorkerBuilder {
+        let builder = WorkerBuilder::new(self.store.clone(), self.clock.clone(), config);
+        match &self.hints {
+            Some((queue, hints)) => builder.hints_from(Arc::clone(queue), hints.clone()),
+            None => builder,
+        }
+    }
+}
+
+/// `config` with the configuration file `settings` applied; an error names `file`.
+fn apply(
+    config: WorkerConfig,
+    settings: keel_core::config::KeelConfig,
+    file: &str,
+) -> Result<WorkerConfig, Error> {
+    config
+        .with_settings(settings)
+        .map_err(|e| Error::Config { file: file.to_owned(), message: e.to_string() })
 }
 
 impl std::ops::Deref for Keel {

@@ -58,6 +58,9 @@ pub struct WorkerBuilder {
     /// Registered machines: name, version and the machines they delegate to.
     machines: Vec<(String, i32, Vec<String>)>,
     elsewhere: BTreeSet<String>,
+    /// Why this worker must not start, found while it was made (a configuration file it
+    /// cannot apply); [`spawn`](Self::spawn) returns it.
+    refused: Option<Error>,
 }
 
 impl WorkerBuilder {
@@ -67,7 +70,14 @@ impl WorkerBuilder {
             hint_stats: None,
             machines: Vec::new(),
             elsewhere: BTreeSet::new(),
+            refused: None,
         }
+    }
+
+    /// This worker with `error` for [`spawn`](Self::spawn) to return.
+    pub(crate) fn refuse(mut self, error: Error) -> Self {
+        self.refused = Some(error);
+        self
     }
 
     /// Registers a machine. A chart whose definition names actions that were not bound is
@@ -147,8 +157,13 @@ impl WorkerBuilder {
     /// [`WorkerHandle::shutdown`]. Refuses, before anything runs, a delegated machine
     /// nobody serves ([`Error::Registration`]) and a [`WorkerConfig`] out of its bounds
     /// (a zero lease, a heartbeat not under the lease, an invalid timer sweep, schedule or
-    /// retention: [`Error::Settings`], naming the field).
-    pub fn spawn(self) -> Result<WorkerHandle, Error> {
+    /// retention: [`Error::Settings`], naming the field), and a configuration file given
+    /// to [`Keel::with_settings`](crate::Keel::with_settings) that the worker cannot apply
+    /// ([`Error::Config`]).
+    pub fn spawn(mut self) -> Result<WorkerHandle, Error> {
+        if let Some(error) = self.refused.take() {
+            return Err(error);
+        }
         self.check()?;
         self.worker.try_spawn().map_err(Error::Settings)
     }
