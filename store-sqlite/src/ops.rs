@@ -2038,6 +2038,30 @@ mod tests {
         }
     }
 
+    /// A claim reads each claimed instance's first signals and children along the index,
+    /// stopping at the bound: a parent with a long inbox or many children costs a claim no
+    /// more than one with a few (no statement reads a whole inbox to keep its first rows).
+    #[tokio::test]
+    async fn inbox_and_children_reads_stop_at_their_bound() {
+        let mut conn = schema().await;
+        let cases = [
+            (crate::rows::INBOXES_SQL, "keel_signals_target"),
+            (crate::rows::CHILDREN_OF_SQL, "keel_instances_parent"),
+        ];
+        for (sql, index) in cases {
+            let plan = plan(&mut conn, sql).await;
+            assert!(
+                plan.contains(&format!("INDEX {index} (")),
+                "expected a walk of {index}, got:\n{plan}\nfor {sql}"
+            );
+            assert!(
+                plan.contains("CORRELATED LIST SUBQUERY"),
+                "each instance's rows are not read on their own:\n{plan}\nfor {sql}"
+            );
+            assert!(!plan.contains("CO-ROUTINE"), "a subquery is materialised whole:\n{plan}");
+        }
+    }
+
     /// No statement of this crate binds its row limit as a bare parameter: SQLite plans
     /// with that value, so every new binding would throw the prepared statement away.
     #[test]

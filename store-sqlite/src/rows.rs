@@ -47,6 +47,29 @@ macro_rules! signal_cols {
     };
 }
 
+/// The first signals of each of a JSON array of instances' inboxes (at most the second
+/// parameter each), oldest first per instance: for each instance, a walk of the inbox
+/// index that stops at the bound, so a long inbox costs no more than a short one.
+pub(crate) const INBOXES_SQL: &str = concat!(
+    "SELECT ",
+    signal_cols!(),
+    " FROM (SELECT value AS target FROM json_each(?)) t \
+     JOIN keel_signals s ON s.id IN (SELECT x.id FROM keel_signals x WHERE x.target_id = t.target \
+                                     ORDER BY x.id LIMIT +?) \
+     ORDER BY s.target_id, s.id"
+);
+
+/// The first children of each of a JSON array of parents (at most the second parameter
+/// each), oldest first per parent, each parent's read stopping at the bound.
+pub(crate) const CHILDREN_OF_SQL: &str = concat!(
+    "SELECT ",
+    instance_cols!(),
+    " FROM (SELECT value AS parent FROM json_each(?)) p \
+     JOIN keel_instances c ON c.id IN (SELECT y.id FROM keel_instances y WHERE y.parent_id = p.parent \
+                                       ORDER BY y.id LIMIT +?) \
+     ORDER BY c.parent_id, c.id"
+);
+
 /// The dead-letter columns.
 macro_rules! dead_letter_cols {
     () => {
@@ -367,6 +390,7 @@ impl Db<'_> {
     }
 
     /// The inboxes of `ids` (each oldest first, at most `limit` signals), in one query.
+    /// Each inbox is read by its index up to the bound, whatever its length.
     pub async fn inboxes(
         &mut self,
         ids: &[InstanceId],
@@ -377,16 +401,12 @@ impl Db<'_> {
             return Ok(out);
         }
         let ids_json = ids_json(ids.iter().map(|i| i.0));
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            signal_cols!(),
-            " FROM (SELECT s.*, row_number() OVER (PARTITION BY s.target_id ORDER BY s.id) AS rn                FROM keel_signals s WHERE s.target_id IN (SELECT value FROM json_each(?)))              WHERE rn <= ? ORDER BY target_id, id"
-        ))
-        .bind(ids_json)
-        .bind(limit as i64)
-        .fetch_all(&mut *self.conn)
-        .await
-        .map_err(self.err("reading inboxes"))?;
+        let rows = sqlx::query(INBOXES_SQL)
+            .bind(ids_json)
+            .bind(limit as i64)
+            .fetch_all(&mut *self.conn)
+            .await
+            .map_err(self.err("reading inboxes"))?;
         for r in &rows {
             let signal = self.signal_of(r)?;
             out.entry(signal.target).or_default().push(signal);
@@ -404,16 +424,12 @@ impl Db<'_> {
             return Ok(out);
         }
         let ids_json = ids_json(ids.iter().map(|i| i.0));
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            instance_cols!(),
-            " FROM (SELECT c.*, row_number() OVER (PARTITION BY c.parent_id ORDER BY c.id) AS rn                FROM keel_instances c WHERE c.parent_id IN (SELECT value FROM json_each(?)))              WHERE rn <= ? ORDER BY parent_id, id"
-        ))
-        .bind(ids_json)
-        .bind(limits::CHILDREN_LIST_MAX as i64)
-        .fetch_all(&mut *self.conn)
-        .await
-        .map_err(self.err("reading children"))?;
+        let rows = sqlx::query(CHILDREN_OF_SQL)
+            .bind(ids_json)
+            .bind(limits::CHILDREN_LIST_MAX as i64)
+            .fetch_all(&mut *self.conn)
+            .await
+            .map_err(self.err("reading children"))?;
         for r in &rows {
             let child = self.instance_of(r)?;
             if let Some(parent) = child.parent {
