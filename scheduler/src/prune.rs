@@ -274,8 +274,12 @@ impl Pruner {
                 older_than: Some(now.minus(d.keep)),
             };
             // Each call purges at most the store's batch bound; a full batch means more may
-            // be left, so go on, within the same page bound as instances.
+            // be left, so go on, within the same page bound as instances, and stop between
+            // two pages once the worker is shutting down.
             for _ in 0..PAGES_PER_PASS_MAX {
+                if stop() {
+                    return Ok(());
+                }
                 let purged = store.dead_letter_purge(params.clone()).await?;
                 self.stats.dead_letters.fetch_add(purged, Ordering::Relaxed);
                 if purged > 0 {

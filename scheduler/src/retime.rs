@@ -16,7 +16,9 @@ const PAGES_MAX: usize = 1_000;
 /// Attempts per page while the store is unavailable.
 const ATTEMPTS_MAX: u32 = 10;
 
-/// Moves the timers of every registered machine that has timers following deploys.
+/// Moves the timers of every registered machine that has timers following deploys. A
+/// machine whose page fails keeps the rest of its timers on their armed durations; the
+/// other machines are still moved.
 pub(super) async fn retime_all<S: Store, C: Clock>(inner: Arc<Inner<S, C>>) {
     for (machine, m) in &inner.machines {
         let timers = m.followed_timers();
@@ -25,6 +27,7 @@ pub(super) async fn retime_all<S: Store, C: Clock>(inner: Arc<Inner<S, C>>) {
         }
         let mut after = None;
         let mut moved = 0usize;
+        let mut ended = false;
         for _ in 0..PAGES_MAX {
             let params = TimerRetimeParams {
                 machine: machine.clone(),
@@ -33,12 +36,31 @@ pub(super) async fn retime_all<S: Store, C: Clock>(inner: Arc<Inner<S, C>>) {
                 limit: limits::TIMER_RETIME_BATCH_MAX,
                 now: inner.clock.now(),
             };
-            let Some(page) = page(&inner, params).await else { return };
+            let Some(page) = page(&inner, params).await else {
+                tracing::warn!(
+                    machine = %machine,
+                    moved,
+                    "stopped moving this machine's armed timers after a failed page; the rest \
+                     keep their armed durations until the next start"
+                );
+                ended = true;
+                break;
+            };
             moved += page.retimed.len();
             after = page.next;
             if after.is_none() {
+                ended = true;
                 break;
             }
+        }
+        if !ended {
+            tracing::warn!(
+                machine = %machine,
+                moved,
+                pages = PAGES_MAX,
+                "stopped moving this machine's armed timers at the page bound; the rest keep \
+                 their armed durations until the next start"
+            );
         }
         if moved > 0 {
             tracing::info!(

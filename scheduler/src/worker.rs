@@ -415,6 +415,11 @@ struct InFlight {
     committing: bool,
     /// Claimed ahead and not started yet: shutdown gives its lease back at once.
     waiting: bool,
+    /// Its result is with the committer: the end of the shutdown grace leaves its lease
+    /// alone, for the committer's last groups to commit.
+    finished: bool,
+    /// A heartbeat found its lease taken: counted once, and no longer extended.
+    lost: bool,
 }
 
 struct Inner<S, C> {
@@ -470,23 +475,41 @@ pub struct Worker<S, C> {
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
     hints: Option<Arc<queue::HintLink>>,
+    /// Machines registered more than once, in the order the repeats came: the worker
+    /// refuses to start with any (see [`Worker::check`]).
+    registered_twice: Vec<MachineRef>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// A worker over `store` with `config`.
     pub fn new(store: Arc<S>, clock: C, config: WorkerConfig) -> Self {
-        Worker { store, clock, config, machines: HashMap::new(), hints: None }
+        Worker {
+            store,
+            clock,
+            config,
+            machines: HashMap::new(),
+            hints: None,
+            registered_twice: Vec::new(),
+        }
     }
 
     /// Registers a machine; the worker claims only the `(name, version)` pairs it has.
     /// With a configuration file ([`WorkerConfig::with_settings`]) the machine first takes
-    /// the file's settings for it ([`StepMachine::apply_settings`]).
+    /// the file's settings for it ([`StepMachine::apply_settings`]). A `(name, version)`
+    /// registered twice keeps the first machine, and the worker refuses to start
+    /// ([`check`](Self::check) names it): which of two machines runs the steps of one
+    /// version must not depend on the order of the calls.
     #[must_use]
     pub fn register(mut self, mut machine: impl StepMachine) -> Self {
         if let Some(settings) = &self.config.settings {
             machine.apply_settings(settings);
         }
-        self.machines.insert(machine.machine(), Arc::new(machine));
+        match self.machines.entry(machine.machine()) {
+            Entry::Occupied(taken) => self.registered_twice.push(taken.key().clone()),
+            Entry::Vacant(free) => {
+                free.insert(Arc::new(machine));
+            }
+        }
         self
     }
 
@@ -507,11 +530,19 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         Ok(())
     }
 
-    /// Everything [`spawn`](Self::spawn) checks before it starts anything: the worker's
-    /// own bounds ([`WorkerConfig::validate`]), its timer sweep ([`SweepConfig::validate`]),
-    /// the configuration file for every registered machine ([`Self::check_settings`]),
-    /// its schedules and its retention. The message names the setting and the fix.
+    /// Everything [`spawn`](Self::spawn) checks before it starts anything: each machine
+    /// registered once, the worker's own bounds ([`WorkerConfig::validate`]), its timer
+    /// sweep ([`SweepConfig::validate`]), the configuration file for every registered
+    /// machine ([`Self::check_settings`]), its schedules and its retention. The message
+    /// names the setting and the fix.
     pub fn check(&self) -> Result<(), String> {
+        if let Some(machine) = self.registered_twice.first() {
+            return Err(format!(
+                "machine {} v{} is registered twice on this worker; register each \
+                 (name, version) once, or give the second machine a version of its own",
+                machine.name, machine.version
+            ));
+        }
         self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
         if let Some(timers) = &self.config.timers {
             timers.validate().map_err(|e| format!("invalid worker timer configuration: {e}"))?;
@@ -596,6 +627,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
 }
 
 /// A running worker.
+///
+/// Dropping the handle stops the worker as [`shutdown`](Self::shutdown) would — it stops
+/// claiming, gives running steps the grace period, releases the leases of the rest and
+/// flushes its commits — but in the background, with nobody waiting for it to end. Keep
+/// the handle for as long as the worker should run, and call `shutdown` to wait for the
+/// end and read the final counters.
+#[must_use = "dropping a WorkerHandle stops the worker; keep it while the worker should run"]
 pub struct WorkerHandle {
     shutdown: watch::Sender<bool>,
     join: JoinHandle<()>,
@@ -671,11 +709,31 @@ const COMMIT_TRIES: u32 = 5;
 /// leaves them to expire.
 const RECLAIM_TRIES: u32 = 5;
 
+/// Most pages of its own old leases a starting worker takes back (each up to
+/// [`limits::REAP_BATCH_MAX`] leases, a million in all).
+const RECLAIM_PAGES_MAX: usize = 100;
+
 async fn run<S: Store, C: Clock + Clone>(
     inner: Arc<Inner<S, C>>,
-    shutdown: watch::Receiver<bool>,
+    handle: watch::Receiver<bool>,
     pruner: Option<Pruner>,
 ) {
+    // The loops stop on a signal of the worker's own, turned on by `shutdown()` or by the
+    // handle's channel closing (the handle was dropped). Its sender lives as long as this
+    // task, so no loop ever sees a closed channel, which would wake it at once, for ever.
+    let (stop, shutdown) = watch::channel(false);
+    let stop = Arc::new(stop);
+    let relay = tokio::spawn({
+        let (stop, mut handle) = (Arc::clone(&stop), handle);
+        async move {
+            let _ = handle.wait_for(|stopping| *stopping).await;
+            stop.send_replace(true);
+        }
+    });
+    // The heartbeat keeps the leases of running steps alive through the shutdown grace
+    // and the last commits, so it has its own signal, given once those are over.
+    let (beat_stop, beat) = watch::channel(false);
+
     // A restarted worker first takes back what it held before it crashed, before it
     // claims anything new under the same id.
     reclaim_own_leases(&inner).await;
@@ -704,7 +762,7 @@ async fn run<S: Store, C: Clock + Clone>(
             commit_loop(Arc::clone(&inner_), Arc::clone(&rx))
         }))
     };
-    let heartbeat = spawn_loop(&inner, WorkerLoop::Heartbeat, &shutdown, heartbeat_loop);
+    let heartbeat = spawn_loop(&inner, WorkerLoop::Heartbeat, &beat, heartbeat_loop);
     let reaper = spawn_loop(&inner, WorkerLoop::Reaper, &shutdown, reap_loop);
     let sweeper = inner.config.timers.clone().map(|config| {
         spawn_loop(&inner, WorkerLoop::Sweeper, &shutdown, move |inner, stop| {
@@ -751,11 +809,20 @@ async fn run<S: Store, C: Clock + Clone>(
     drain(&inner).await;
     drop(tx);
     let _ = committer.await;
+    beat_stop.send_replace(true);
     let _ = heartbeat.await;
     let _ = reaper.await;
     for task in [sweeper, scheduler, pruner, sampler, repair_loop].into_iter().flatten() {
         let _ = task.await;
     }
+    // Ended already: shutdown began through it.
+    let _ = relay.await;
+}
+
+/// Whether a loop must stop: shutdown began, or its signal's sender is gone (a channel
+/// that closed wakes every wait on it at once, so going on would spin).
+fn stopping(shutdown: &watch::Receiver<bool>) -> bool {
+    *shutdown.borrow() || shutdown.has_changed().is_err()
 }
 
 /// Runs a background loop in its own task and restarts it, after a bounded back-off,
@@ -820,16 +887,33 @@ async fn supervise<S: Store, C: Clock, F, Fut>(
     inner.health.stopped(which);
 }
 
-/// Takes back every lease this worker id still holds (a restart after a crash), trying a
+/// Takes back every lease this worker id still holds (a restart after a crash), a page at
+/// a time while pages come back full (at most [`RECLAIM_PAGES_MAX`] pages), trying a
 /// bounded number of times; a store call that panics counts as a failed try.
 async fn reclaim_own_leases<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     for _ in 0..RECLAIM_TRIES {
         let task = {
             let inner = Arc::clone(inner);
-            tokio::spawn(async move { reap(&inner, Some(inner.config.worker_id.clone())).await })
+            tokio::spawn(async move {
+                let owner = inner.config.worker_id.clone();
+                for _ in 0..RECLAIM_PAGES_MAX {
+                    if reap(&inner, Some(owner.clone())).await? < limits::REAP_BATCH_MAX {
+                        return Ok(true);
+                    }
+                }
+                Ok::<_, StoreError>(false)
+            })
         };
         let error = match task.await {
-            Ok(Ok(())) => return,
+            Ok(Ok(true)) => return,
+            Ok(Ok(false)) => {
+                tracing::warn!(
+                    pages = RECLAIM_PAGES_MAX,
+                    "this worker's old leases fill more pages than a start-up takes back; \
+                     the rest return when they expire"
+                );
+                return;
+            }
             Ok(Err(e)) => e.to_string(),
             Err(join) => format!("panicked: {}", panic_message(join)),
         };
@@ -1072,7 +1156,7 @@ async fn claim_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
-    while !*shutdown.borrow() {
+    while !stopping(&shutdown) {
         let mut claimed = 0;
         let mut full = true;
         let mut failure = None;
@@ -1147,7 +1231,7 @@ async fn stats_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let gauges = SampledGauges::default();
-    while !*shutdown.borrow() {
+    while !stopping(&shutdown) {
         let pause = match inner.store.queue_stats(None, inner.clock.now()).await {
             Ok(stats) => {
                 let mut sample = GaugeSample::default();
@@ -1223,7 +1307,10 @@ impl SampledGauges {
     }
 }
 
-/// Shutdown: wait (bounded) for running steps, then release the leases of the rest.
+/// Shutdown: wait (bounded) for running steps, then release the leases of the steps
+/// still running or waiting to run. Results already with the committer keep their leases
+/// (the heartbeat goes on until the committer drained): the grace period is there for
+/// them to commit.
 async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     // Steps claimed ahead that have not started give their leases back at once, without
     // counting an attempt.
@@ -1235,7 +1322,7 @@ async fn drain<S: Store, C: Clock>(inner: &Arc<Inner<S, C>>) {
     while Instant::now() < deadline && !inner.in_flight.lock().expect("in_flight lock").is_empty() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let rest = stop_in_flight(inner, |_| true);
+    let rest = stop_in_flight(inner, |f| !f.finished);
     if !rest.is_empty() {
         release(inner, rest).await;
     }
@@ -1324,7 +1411,10 @@ async fn launch<S: Store, C: Clock>(
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         let task =
             tokio::spawn(run_step(Arc::clone(inner), claim, parent, (slot, permit), tx.clone()));
-        in_flight.insert(id, InFlight { token, task, committing: false, waiting });
+        in_flight.insert(
+            id,
+            InFlight { token, task, committing: false, waiting, finished: false, lost: false },
+        );
     }
 }
 
@@ -1452,6 +1542,17 @@ fn run_step<S: Store, C: Clock>(
             tracing::warn!(parent: &span, "committer stopped; the lease will expire and the step re-run");
             return;
         };
+        // Marked under the lock, so the end of the shutdown grace either took the step or
+        // leaves its lease to the committer. A result whose entry is gone (its lease given
+        // back, or taken and the instance claimed again) still goes in: the store refuses
+        // it, and it counts as a lost lease.
+        if let Some(entry) = claim_entry(
+            &mut inner.in_flight.lock().expect("in_flight lock"),
+            claim.instance.id,
+            claim.token(),
+        ) {
+            entry.finished = true;
+        }
         let origin = Origin { claim, ctx, machine, config };
         room.send(Finished { commit, machine: machine_name, failed, origin, _permit: permit });
     }
@@ -1505,7 +1606,9 @@ impl Stopped {
 
 /// Spawns `work` at once as a task of its own inside the step's `span` (so what it logs
 /// names the instance), and returns its output waited for at most `timeout`: a task that
-/// runs out of time is aborted, one that panics gives the panic's message.
+/// runs out of time is aborted, one that panics gives the panic's message. Dropping the
+/// returned future (the step's own task aborted at the end of the shutdown grace) aborts
+/// the task too, so user code never runs on after its lease was given back.
 fn in_step_task<F>(
     work: F,
     span: tracing::Span,
@@ -1515,17 +1618,36 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    let task = tokio::spawn(work.instrument(span));
+    let task = AbortOnDrop(tokio::spawn(work.instrument(span)));
     async move {
-        let abort = task.abort_handle();
+        // On time out the timer drops the task's handle, which aborts it.
         match tokio::time::timeout(timeout, task).await {
             Ok(Ok(output)) => Ok(output),
             Ok(Err(join)) => Err(Stopped::Panicked(panic_message(join))),
-            Err(_) => {
-                abort.abort();
-                Err(Stopped::TimedOut)
-            }
+            Err(_) => Err(Stopped::TimedOut),
         }
+    }
+}
+
+/// A task's handle that aborts the task when dropped. A plain [`JoinHandle`] dropped
+/// leaves its task running on its own.
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Future for AbortOnDrop<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        // Nothing happens to a task that already ended.
+        self.0.abort();
     }
 }
 
@@ -1933,8 +2055,13 @@ async fn commit_call<S: Store, C: Clock>(
                 return Ok(receipts);
             }
             Ok(Err(e)) if e.is_retryable() => {
-                tracing::warn!(error = %e, attempt, "group commit failed; retrying");
-                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
+                // No pause after the last try: the lane is not held for nothing.
+                if attempt + 1 < COMMIT_TRIES {
+                    tracing::warn!(error = %e, attempt, "group commit failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
+                } else {
+                    tracing::warn!(error = %e, attempt, "group commit failed");
+                }
             }
             Ok(Err(e)) => {
                 // The store answered: the committer works, the group was refused.
@@ -1970,6 +2097,7 @@ async fn heartbeat_loop<S: Store, C: Clock>(
             .lock()
             .expect("in_flight lock")
             .iter()
+            .filter(|(_, f)| !f.lost)
             .map(|(id, f)| (*id, f.token))
             .collect();
         let mut failure = None;
@@ -2006,15 +2134,20 @@ async fn heartbeat<S: Store, C: Clock>(
     };
     let held = inner.store.lease_extend(params).await?;
     let lost: Vec<InstanceId> = {
-        let in_flight = inner.in_flight.lock().expect("in_flight lock");
-        leases
-            .iter()
-            .zip(held)
-            .filter(|&(&(id, token), ok)| {
-                !ok && in_flight.get(&id).is_some_and(|f| f.token == token && !f.committing)
-            })
-            .map(|(&(id, _), _)| id)
-            .collect()
+        let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
+        let mut lost = Vec::new();
+        for (&(id, token), ok) in leases.iter().zip(held) {
+            // Marked, so the step is counted once and its lease is not sent again.
+            if let Some(entry) = claim_entry(&mut in_flight, id, token)
+                && !ok
+                && !entry.committing
+                && !entry.lost
+            {
+                entry.lost = true;
+                lost.push(id);
+            }
+        }
+        lost
     };
     for id in lost {
         inner.stats.lease_lost_on_heartbeat.fetch_add(1, Ordering::Relaxed);
@@ -2040,7 +2173,7 @@ async fn reap_loop<S: Store, C: Clock>(
             _ = shutdown.changed() => return,
         }
         pause = match reap(&inner, None).await {
-            Ok(()) => {
+            Ok(_) => {
                 inner.loop_ok(WorkerLoop::Reaper);
                 inner.config.reap_interval
             }
@@ -2067,7 +2200,12 @@ async fn beat<S: Store, C: Clock>(inner: &Inner<S, C>) {
     }
 }
 
-async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) -> StoreResult<()> {
+/// One page of leases returned to runnable (expired ones, or all of `owner`'s); returns
+/// how many.
+async fn reap<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    owner: Option<WorkerId>,
+) -> StoreResult<usize> {
     let params = LeaseReapParams { owner, limit: limits::REAP_BATCH_MAX, now: inner.clock.now() };
     let ids = inner.store.lease_reap(params).await?;
     if !ids.is_empty() {
@@ -2075,7 +2213,7 @@ async fn reap<S: Store, C: Clock>(inner: &Inner<S, C>, owner: Option<WorkerId>) 
         metrics::counter!("keel_leases_reaped_total").increment(ids.len() as u64);
         tracing::info!(count = ids.len(), "returned expired leases to runnable");
     }
-    Ok(())
+    Ok(ids.len())
 }
 
 #[cfg(test)]

@@ -8,21 +8,27 @@
 mod common;
 
 use async_trait::async_trait;
+use keel_core::chart::{Definition, Timer};
 use keel_core::config::QueueConfig;
 use keel_core::instance::NewInstance;
+use keel_core::ports::store::InsertParams;
 use keel_core::ports::store::{ClaimParams, CommitParams, DeadLetterFilter, LeaseReapParams};
 use keel_core::ports::{Clock, Store};
 use keel_core::retry::RetryPolicy;
 use keel_core::{
     InstanceId, MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, WorkerId,
 };
-use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig};
+use keel_scheduler::{
+    ChartMachine, StepContext, StepError, StepMachine, Worker, WorkerConfig, WorkerLoop,
+};
+use keel_testkit::memory::MemoryStore;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::Harness;
+use common::hooked::{Hooked, Hooks as StoreHooks};
 
 fn machine() -> MachineRef {
     MachineRef::new("m", 1)
@@ -695,4 +701,164 @@ async fn the_error_handler_emits_in_the_failure_commit_and_steps_may_read_their_
     worker.shutdown().await;
     let inbox: Vec<String> = detail.inbox.iter().map(|s| s.name.clone()).collect();
     assert!(!inbox.contains(&"from_step".to_owned()));
+}
+
+/// Polls `cond` every 5 ms for at most `within` of real time; whether it came true.
+async fn within(within: Duration, cond: impl Fn() -> bool) -> bool {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    cond()
+}
+
+#[tokio::test]
+async fn a_lease_lost_under_a_running_step_is_counted_once_and_no_longer_extended() {
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), StoreHooks::default()));
+    let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
+    let worker = h.worker(config.clone(), Sleeps(Duration::from_secs(60), "ok"));
+    let id = h.start(new()).await;
+    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
+
+    // The lease is taken away behind the worker's back, and the instance left unclaimed.
+    h.client.queue_pause("default", "default").await.unwrap();
+    let params =
+        LeaseReapParams { owner: Some(config.worker_id.clone()), limit: 10, now: h.clock.now() };
+    assert_eq!(h.store.lease_reap(params).await.unwrap(), vec![id]);
+
+    // Ten heartbeat periods: the loss is found once, and the lease is not sent again.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let extends = h.store.calls("lease_extend");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(h.store.calls("lease_extend"), extends, "the lost lease is still extended");
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.lease_lost_on_heartbeat.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+async fn a_group_commit_gives_up_right_after_its_last_try() {
+    let hooks = StoreHooks { commits_unavailable: true, ..StoreHooks::default() };
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let worker = h.worker(h.config(), steps(|_| done()));
+    h.start(new()).await;
+    let gave_up = || {
+        worker
+            .health()
+            .get(WorkerLoop::Committer)
+            .and_then(|l| l.last_error.clone())
+            .is_some_and(|(_, error)| error.contains("still failing"))
+    };
+    assert!(within(Duration::from_secs(5), gave_up).await, "the committer never gave up");
+    let noticed = Instant::now();
+    let tries = h.store.call_times("step_commit");
+    assert_eq!(tries.len(), 5, "one group, tried five times");
+    // The tries before pause 20, 40, 80 and 160 ms; the last one is followed by none.
+    let after_last = noticed - tries[4];
+    assert!(after_last < Duration::from_millis(200), "gave up {after_last:?} after the last try");
+    worker.shutdown().await;
+}
+
+/// A chart named `name` whose one transition waits a day: it has a timer that follows
+/// deploys.
+fn deadline_chart(name: &str) -> ChartMachine {
+    let def = Definition::builder(name, 1)
+        .initial("awaiting")
+        .state("awaiting", |s| s.on("EXPIRE", |t| t.target("expired").after(Timer::days(1))))
+        .final_state("expired")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+#[tokio::test]
+async fn a_machine_whose_timers_cannot_be_moved_does_not_stop_the_others() {
+    let hooks = StoreHooks { refuse_retime: vec!["refused".into()], ..StoreHooks::default() };
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    // A worker goes through its machines in an order of its own, so several starts put the
+    // refused machine first in most of them; each start moves both.
+    for start in 1..=8 {
+        let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+            .register(deadline_chart("refused"))
+            .register(deadline_chart("moved"))
+            .spawn();
+        let both = within(Duration::from_secs(1), || h.store.calls("timers_retime") >= 2 * start);
+        assert!(both.await, "start {start}: a machine was left out after the refused one");
+        worker.shutdown().await;
+    }
+    assert_eq!(h.store.calls("timers_retime"), 16, "one page per machine and start");
+}
+
+#[tokio::test]
+async fn a_restarted_worker_takes_back_more_than_one_page_of_its_old_leases() {
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), StoreHooks::default()));
+    let config = h.config();
+    // The worker's previous life held a page of leases and a few more.
+    let held = keel_core::limits::REAP_BATCH_MAX + 5;
+    let mut inserted = 0;
+    while inserted < held {
+        let n = (held - inserted).min(keel_core::limits::INSERT_BATCH_MAX);
+        let instances = vec![new(); n];
+        h.store.instance_insert(InsertParams { instances, now: h.clock.now() }).await.unwrap();
+        inserted += n;
+    }
+    let mut claimed = 0;
+    while claimed < held {
+        let params = ClaimParams {
+            worker: config.worker_id.clone(),
+            namespaces: vec![],
+            queues: vec![],
+            machines: vec![],
+            limit: keel_core::limits::CLAIM_BATCH_MAX,
+            lease: Duration::from_secs(30),
+            now: h.clock.now(),
+            policy: keel_core::plan::claim::ClaimPolicy::default(),
+        };
+        let got = h.store.instance_claim(params).await.unwrap().len();
+        assert!(got > 0, "claimed {claimed} of {held}");
+        claimed += got;
+    }
+    // Paused, so the restarted worker takes back its leases but claims nothing again.
+    h.client.queue_pause("default", "default").await.unwrap();
+    let worker = h.worker(config.clone(), steps(|_| done()));
+    let started = within(Duration::from_secs(5), || h.store.calls("lease_reap_owner") >= 1);
+    assert!(started.await, "the start-up reclaim never ran");
+    // A moment for further pages, then nothing of the old life is held any more.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    worker.shutdown().await;
+    let params = LeaseReapParams { owner: Some(config.worker_id), limit: 10, now: h.clock.now() };
+    let left = h.store.lease_reap(params).await.unwrap();
+    assert!(left.is_empty(), "{} old leases were left to expire", left.len());
+}
+
+#[tokio::test]
+async fn a_machine_version_registered_twice_is_refused() {
+    let h = Harness::new();
+    let twice = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(steps(|_| done()))
+        .register(Sleeps(Duration::from_millis(1), "second"));
+    let error = twice.check().expect_err("one (name, version), two machines");
+    assert!(error.contains("machine m v1 is registered twice"), "{error}");
+    let refused = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(steps(|_| done()))
+        .register(steps(|_| done()))
+        .try_spawn();
+    assert!(refused.is_err(), "a worker with a machine registered twice started");
+    // Two versions of one machine are two machines.
+    struct V2;
+    #[async_trait]
+    impl StepMachine for V2 {
+        fn machine(&self) -> MachineRef {
+            MachineRef::new("m", 2)
+        }
+        async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+            done()
+        }
+    }
+    let both = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(steps(|_| done()))
+        .register(V2);
+    assert_eq!(both.check(), Ok(()));
 }

@@ -10,6 +10,8 @@
 
 #![allow(dead_code, unused_macros, clippy::unused_self)]
 
+pub mod hooked;
+
 use async_trait::async_trait;
 use keel_core::StoreResult;
 use keel_core::instance::NewInstance;
