@@ -171,12 +171,27 @@ impl WorkerBuilder {
     /// Runs the worker until the process gets Ctrl-C (SIGINT) or SIGTERM, then shuts it
     /// down gracefully: no new claims, running steps get the configured grace period
     /// to finish and commit, the leases of the rest are released so another worker (or
-    /// this one, restarted) takes them at once.
+    /// this one, restarted) takes them at once. A second Ctrl-C or SIGTERM during that
+    /// wait returns at once, with the counters so far: the process can then end without
+    /// waiting, and the steps still running are left to their leases, which expire and
+    /// are run again elsewhere (as after a crash).
     pub async fn run(self) -> Result<Arc<WorkerStats>, Error> {
         let handle = self.spawn()?;
         crate::shutdown_signal().await;
-        tracing::info!("stop requested; shutting the worker down");
-        Ok(handle.shutdown().await)
+        tracing::info!(
+            "stop requested; shutting the worker down (a second stop request ends the wait)"
+        );
+        let stats = Arc::clone(handle.stats());
+        tokio::select! {
+            stats = handle.shutdown() => Ok(stats),
+            () = crate::shutdown_signal() => {
+                tracing::warn!(
+                    "second stop request; no longer waiting for running steps (their leases \
+                     expire and they run again)"
+                );
+                Ok(stats)
+            }
+        }
     }
 }
 
