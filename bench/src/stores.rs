@@ -15,7 +15,8 @@ pub enum StoreKind {
     /// SQLite in a temporary file (WAL, synchronous = FULL).
     Sqlite,
     /// PostgreSQL at `KEEL_BENCH_DATABASE_URL` (or `KEEL_TEST_DATABASE_URL`), a fresh
-    /// schema per run, dropped afterwards.
+    /// schema per run, dropped afterwards. Over a plain connection unless the URL names an
+    /// `sslmode`: the figures compare with other engines on the same local server.
     Postgres,
 }
 
@@ -48,7 +49,9 @@ impl Factory {
                 "--store postgres needs KEEL_BENCH_DATABASE_URL or KEEL_TEST_DATABASE_URL"
             );
         }
-        Ok(Factory { kind, url })
+        // The store would take TLS where the server offers it (its default); a local
+        // benchmark measures the engine, so it connects plainly unless told otherwise.
+        Ok(Factory { kind, url: url.map(|u| plain_unless_told(&u)) })
     }
 
     /// What the store is.
@@ -59,7 +62,9 @@ impl Factory {
                 "a fresh temporary file per run, WAL, synchronous = FULL".to_owned()
             }
             StoreKind::Postgres => {
-                "a fresh schema per run on the local server, pool of 16".to_owned()
+                "a fresh schema per run on the local server, pool of 16, no TLS unless the \
+                 URL's sslmode asks for it"
+                    .to_owned()
             }
         }
     }
@@ -95,6 +100,18 @@ impl Factory {
 /// them from other sessions on a shared server (`pg_stat_activity`).
 pub fn application_name() -> String {
     format!("keel-bench-{}", std::process::id())
+}
+
+/// `url` with `sslmode=disable`, unless it names an `sslmode` already.
+fn plain_unless_told(url: &str) -> String {
+    if url.contains("sslmode") {
+        url.to_owned()
+    } else if url.contains("://") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}sslmode=disable")
+    } else {
+        format!("{url} sslmode=disable")
+    }
 }
 
 /// `url` with [`application_name`], unless it names one already.

@@ -69,7 +69,6 @@ pub(crate) fn parse(url: &str) -> Result<Target, Error> {
         return sqlite(url, rest);
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        refuse_tls(url)?;
         return Ok(Target::Postgres(url.to_owned()));
     }
     if url == "memory:" || url == "memory://" {
@@ -118,31 +117,6 @@ fn sqlite(url: &str, rest: &str) -> Result<Target, Error> {
         return Err(Error::url(url, "the SQLite URL names no file; write `sqlite://keel.db`"));
     }
     Ok(Target::SqliteFile { path: path.to_owned(), create })
-}
-
-/// Refuses a PostgreSQL URL that asks for TLS (`sslmode=require`, `verify-ca`,
-/// `verify-full`): Keel's PostgreSQL connections are not encrypted yet, and the driver
-/// would fail the handshake with a message that does not say so.
-fn refuse_tls(url: &str) -> Result<(), Error> {
-    let query = url.split_once('?').map_or("", |(_, q)| q);
-    let asked = query.split(['&', '?']).find_map(|pair| {
-        let (key, value) = pair.split_once('=')?;
-        let value = value.to_ascii_lowercase();
-        (key.eq_ignore_ascii_case("sslmode")
-            && matches!(value.as_str(), "require" | "verify-ca" | "verify-full"))
-        .then_some(value)
-    });
-    match asked {
-        Some(mode) => Err(Error::url(
-            url,
-            &format!(
-                "`sslmode={mode}`: TLS connections to PostgreSQL are not supported yet, so Keel's \
-                 connections are unencrypted; reach the server over a local network or an \
-                 encrypted tunnel (SSH, VPN) and write `sslmode=disable`"
-            ),
-        )),
-        None => Ok(()),
-    }
 }
 
 /// The refusal of a missing SQLite file when [`ConnectOptions::create`] is off.
@@ -368,20 +342,10 @@ mod tests {
     }
 
     #[test]
-    fn postgres_tls_is_refused_with_the_reason_and_the_fix() {
-        for mode in ["require", "verify-ca", "verify-full", "REQUIRE"] {
-            let url = format!("postgres://u:secret@h/db?application_name=x&sslmode={mode}");
-            let message = parse(&url).expect_err("TLS is refused").to_string();
-            assert!(
-                message.contains("TLS connections to PostgreSQL are not supported yet"),
-                "{message}"
-            );
-            assert!(message.contains("write `sslmode=disable`"), "{message}");
-            assert!(!message.contains("secret"), "{message}");
-        }
-        for mode in ["disable", "prefer"] {
-            let url = format!("postgres://u@h/db?sslmode={mode}");
-            assert_eq!(parse(&url).expect("no TLS asked"), Target::Postgres(url.clone()));
+    fn postgres_tls_settings_are_left_to_the_store() {
+        for mode in ["disable", "prefer", "require", "verify-ca", "verify-full"] {
+            let url = format!("postgres://u@h/db?sslmode={mode}&sslrootcert=/etc/ca.pem");
+            assert_eq!(parse(&url).expect("a PostgreSQL URL"), Target::Postgres(url.clone()));
         }
     }
 
@@ -460,9 +424,6 @@ mod tests {
         ] {
             let shown = redact(url);
             assert!(!shown.contains("secret") && !shown.contains("ecret"), "{url} -> {shown}");
-            let sep = if url.contains('?') { '&' } else { '?' };
-            let e = parse(&format!("{url}{sep}sslmode=require")).expect_err("refused");
-            assert!(!e.to_string().contains("ecret"), "{e}");
         }
     }
 }

@@ -77,7 +77,7 @@
 //! |---|---|---|
 //! | `sqlite://keel.db` | `sqlite` (default) | one process, durable in a file, nothing to install; several processes may share the file, but only one writes at a time and wake-ups stay inside each process (a queue of hints carries them across, see below) |
 //! | `sqlite::memory:` | `sqlite` (default) | tests and demos: the real SQL store, gone with the process |
-//! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]); connections are not encrypted (no TLS yet, so a URL with `sslmode=require` is refused): keep the database on a private network or behind a tunnel |
+//! | `postgres://user@host/db` | `postgres` | many workers on many machines; `SKIP LOCKED` claims and LISTEN/NOTIFY wake-ups; tables in the schema `keel` (see [`ConnectOptions::schema`]); TLS as libpq's `sslmode` (`disable`, `prefer` the default, `require`, `verify-ca`, `verify-full`; roots from `sslrootcert=<PEM file>` or the system) |
 //! | `memory://` | `testkit` | the in-memory reference store, with `Keel::testing` for a virtual clock |
 //!
 //! Wake-ups between processes can also travel through a queue of "work is ready" hints:

@@ -165,6 +165,7 @@ mod notify;
 mod ops;
 mod rows;
 pub mod testing;
+mod tls;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use keel_core::StoreError;
@@ -172,6 +173,7 @@ use keel_core::StoreResult;
 
 pub use migrate::SCHEMA_VERSION;
 pub use notify::PgListener;
+pub use tls::SslMode;
 
 /// How many times a transaction that hit a deadlock or serialization failure is re-run.
 pub const TRANSACTION_RETRIES: u32 = 8;
@@ -180,6 +182,11 @@ pub const TRANSACTION_RETRIES: u32 = 8;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PgConfig {
     /// A libpq-style URL or key/value string, e.g. `postgres://user@host:5432/db`.
+    ///
+    /// TLS follows libpq's `sslmode` (see [`SslMode`]): `disable`, `prefer` (the default:
+    /// TLS when the server offers it, certificate not verified), `require` (TLS, not
+    /// verified), `verify-ca` (chain checked) and `verify-full` (chain and host name). The
+    /// roots are the PEM file `sslrootcert=<file>` names, else the system's.
     pub url: String,
     /// The schema every object lives in (lowercase letters, digits and `_`; default `keel`).
     pub schema: String,
@@ -209,6 +216,8 @@ impl PgConfig {
 pub struct PgStore {
     pool: Pool,
     pg: tokio_postgres::Config,
+    /// The connector of every connection: pooled, listening and migrating.
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
     schema: String,
     channel: String,
     wake: std::sync::Arc<notify::WakeHub>,
@@ -261,8 +270,9 @@ impl PgStore {
         if config.pool_size == 0 {
             return Err(StoreError::invalid("pool_size: must be at least 1"));
         }
-        let mut pg: tokio_postgres::Config = config
-            .url
+        let (driver_url, tls) = tls::split(&config.url)?;
+        let connector = tls.connector()?;
+        let mut pg: tokio_postgres::Config = driver_url
             .parse()
             .map_err(|e| StoreError::invalid(format!("url: not a PostgreSQL URL: {e}")))?;
         // JIT off unless the URL's options say otherwise (they come after it): every
@@ -280,9 +290,10 @@ impl PgStore {
         if pg.get_application_name().is_none() {
             pg.application_name("keel");
         }
+        tls.apply(&mut pg);
         let mgr = Manager::from_config(
             pg.clone(),
-            tokio_postgres::NoTls,
+            connector.clone(),
             ManagerConfig { recycling_method: RecyclingMethod::Fast },
         );
         let pool = Pool::builder(mgr)
@@ -292,6 +303,7 @@ impl PgStore {
         let store = PgStore {
             pool,
             pg,
+            tls: connector,
             channel: channel_for(&config.schema),
             schema: config.schema,
             wake: std::sync::Arc::default(),

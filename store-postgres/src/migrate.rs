@@ -20,8 +20,7 @@ impl PgStore {
     /// processes at once: the run holds a session advisory lock keyed by the schema name.
     /// Fails with `Conflict` when the database was migrated by a newer build.
     pub async fn migrate(&self) -> StoreResult<()> {
-        let (mut client, conn) =
-            self.pg.connect(tokio_postgres::NoTls).await.map_err(|e| pg(&e))?;
+        let (mut client, conn) = self.pg.connect(self.tls.clone()).await.map_err(|e| pg(&e))?;
         let driver = tokio::spawn(async move {
             let _ = conn.await;
         });

@@ -57,8 +57,7 @@ impl PgStore {
         &self,
         mut on: impl FnMut(Option<&str>) -> bool + Send + 'static,
     ) -> StoreResult<tokio_postgres::Client> {
-        let (client, mut conn) =
-            self.pg.connect(tokio_postgres::NoTls).await.map_err(|e| pg(&e))?;
+        let (client, mut conn) = self.pg.connect(self.tls.clone()).await.map_err(|e| pg(&e))?;
         tokio::spawn(async move {
             while let Some(msg) = std::future::poll_fn(|cx| conn.poll_message(cx)).await {
                 match msg {
