@@ -32,8 +32,10 @@ impl ConnectOptions {
         self
     }
 
-    /// Whether to bring a PostgreSQL schema up to date on connect (default `true`). SQLite
-    /// files are always migrated when opened.
+    /// Whether to bring a PostgreSQL schema up to date on connect (default `true`). With
+    /// `false` the connect only checks that the schema is at this build's version, and
+    /// refuses a missing or older one saying to run `keel migrate`. SQLite files are always
+    /// migrated when opened.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
         self
@@ -173,9 +175,10 @@ async fn postgres(url: &str, options: &ConnectOptions) -> Result<(AnyStore, Stri
     use keel_store_postgres::{PgConfig, PgStore};
     let config = PgConfig::new(url).schema(options.schema.clone()).pool_size(options.pool_size);
     let store = PgStore::connect(config).await.map_err(|e| Error::connect(redact(url), e))?;
-    if options.migrate {
-        store.migrate().await.map_err(|e| Error::connect(redact(url), e))?;
-    }
+    // Without migrating, a schema that is missing or behind would fail at the first
+    // query with a bare "relation does not exist"; it is refused here, saying what to run.
+    let ready = if options.migrate { store.migrate().await } else { store.check_migrated().await };
+    ready.map_err(|e| Error::connect(redact(url), e))?;
     let described = format!("PostgreSQL {}, schema {}", redact(url), options.schema);
     Ok((AnyStore::new(store), described))
 }

@@ -220,3 +220,30 @@ async fn an_io_error_through_question_mark_is_retried_and_a_non_retryable_one_is
         worker.shutdown().await;
     }
 }
+
+/// A process that leaves migrating to someone else and connects to a schema nothing was
+/// migrated into is refused at connect, told to run `keel migrate`, instead of failing at
+/// its first query with "relation does not exist".
+#[tokio::test]
+async fn connecting_without_migrating_to_an_empty_schema_says_to_migrate() {
+    let Some(url) = keel_store_postgres::testing::database_url() else {
+        assert!(
+            std::env::var("KEEL_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset"
+        );
+        eprintln!("SKIPPED connecting_without_migrating: set KEEL_TEST_DATABASE_URL to run it");
+        return;
+    };
+    let schema = keel_store_postgres::testing::unique_schema();
+    let unmigrated = keel::ConnectOptions::default().schema(&schema).pool_size(1).migrate(false);
+    let Err(e) = Keel::connect_with(&url, unmigrated.clone()).await else {
+        panic!("a schema with no Keel tables was accepted");
+    };
+    let message = e.to_string();
+    assert!(message.contains("holds no Keel tables"), "{message}");
+    assert!(message.contains("run `keel migrate`"), "{message}");
+    // Once migrated, the same options connect.
+    let migrated = keel::ConnectOptions::default().schema(&schema).pool_size(1);
+    drop(Keel::connect_with(&url, migrated).await.expect("migrating connect"));
+    Keel::connect_with(&url, unmigrated).await.expect("a migrated schema is accepted");
+}

@@ -30,6 +30,56 @@ impl PgStore {
         result
     }
 
+    /// The schema's version: the newest migration applied to it, or `None` when it holds
+    /// no Keel tables yet.
+    pub async fn schema_version(&self) -> StoreResult<Option<i32>> {
+        let client = self.client().await?;
+        let exists: bool = client
+            .query_one(
+                "SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL",
+                &[&self.schema, &HISTORY_TABLE],
+            )
+            .await
+            .map_err(|e| pg(&e))?
+            .try_get(0)
+            .map_err(|e| pg(&e))?;
+        if !exists {
+            return Ok(None);
+        }
+        client
+            .query_one(&format!("SELECT max(version) FROM \"{}\".{HISTORY_TABLE}", self.schema), &[])
+            .await
+            .map_err(|e| pg(&e))?
+            .try_get(0)
+            .map_err(|e| pg(&e))
+    }
+
+    /// Checks, without changing anything, that the schema is at this build's version: for
+    /// a process that leaves migrating to someone else (an operator's tool, a deploy step).
+    /// A schema with no Keel tables, or an older one, is `Invalid` and says to run
+    /// `keel migrate`; a newer one is `Conflict`, as for [`migrate`](Self::migrate).
+    pub async fn check_migrated(&self) -> StoreResult<()> {
+        match self.schema_version().await? {
+            None => Err(StoreError::invalid(format!(
+                "schema {:?} holds no Keel tables: nothing was migrated into it; run `keel \
+                 migrate` against this database (or connect with migrations on) first",
+                self.schema
+            ))),
+            Some(v) if v < SCHEMA_VERSION => Err(StoreError::invalid(format!(
+                "schema {:?} is at version {v}, older than this build's {SCHEMA_VERSION}; run \
+                 `keel migrate` against this database (or connect with migrations on) to bring \
+                 it up to date",
+                self.schema
+            ))),
+            Some(v) if v > SCHEMA_VERSION => Err(StoreError::conflict(format!(
+                "schema {:?} is at version {v}, newer than this build's {SCHEMA_VERSION}; \
+                 upgrade keel before running it against this database",
+                self.schema
+            ))),
+            Some(_) => Ok(()),
+        }
+    }
+
     async fn migrate_on(&self, client: &mut tokio_postgres::Client) -> StoreResult<()> {
         let key = format!("keel.migrate.{}", self.schema);
         client
