@@ -126,8 +126,9 @@ struct State {
     key_buckets: BTreeMap<(String, String), keel_core::plan::claim::Bucket>,
     /// Fair-claim rotation cursors by queue: the concurrency key served last.
     cursors: HashMap<String, String>,
-    /// `(namespace, machine name, business key)` → newest instance.
-    business_keys: HashMap<(String, String, String), InstanceId>,
+    /// `(namespace, machine name, business key)` → the instances carrying it (the newest
+    /// answers a lookup).
+    business_keys: HashMap<(String, String, String), BTreeSet<InstanceId>>,
     children: HashMap<InstanceId, Vec<InstanceId>>,
     inbox: HashMap<InstanceId, BTreeMap<SignalId, Signal>>,
     dedup: HashMap<(InstanceId, String), SignalId>,

@@ -190,6 +190,7 @@ macro_rules! __store_contract_list {
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             prune_deletes_exactly_the_instances_ended_before_the_cutoff,
             prune_keeps_an_instance_its_dead_letters_name,
+            a_business_key_resolves_to_its_newest_instance_left_after_a_prune,
             prune_refuses_a_page_size_out_of_bounds,
             history_page_walks_newest_first_to_the_oldest_entry,
             history_trim_keeps_the_newest_entries_in_batches,

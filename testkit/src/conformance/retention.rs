@@ -14,6 +14,7 @@ use keel_core::ports::store::{
     CancelParams, DeadLetterPurgeParams, DeadLetterSelector, InsertOutcome, InsertParams,
     LeaseReleaseParams, PrunePage, PruneParams,
 };
+use keel_core::instance::SignalTarget;
 use keel_core::{ErrorKind, Timestamp, limits};
 
 /// An instance in `ns` that ends with `outcome` at `at(t)`.
@@ -178,4 +179,29 @@ pub async fn prune_refuses_a_page_size_out_of_bounds<S: Store>(s: &S) {
     assert!(!gone(s, id).await, "nothing pruned by a refused page");
     let (instances, _) = total(&pass(s, ns, at(1_000), limits::PRUNE_BATCH_MAX).await);
     assert_eq!(instances, 1, "the largest page is accepted");
+}
+
+/// A business key names the newest instance that carries it and still exists: once the
+/// newest is pruned, the key resolves to the one before it.
+pub async fn a_business_key_resolves_to_its_newest_instance_left_after_a_prune<S: Store>(
+    s: &S,
+) {
+    let ns = "prune_business_key";
+    let key = || SignalTarget::Key {
+        namespace: ns.into(),
+        machine: "order".into(),
+        key: "acct-9".into(),
+    };
+    // The older one is not claimable yet, so only the newer is claimed and ended.
+    let older =
+        insert_one(s, new_in(ns).business_key("acct-9").eligible_at(at(1_000_000)), at(0)).await;
+    let newer = ended(s, ns, new_in(ns).business_key("acct-9"), 100).await;
+    assert_eq!(s.instance_lookup(key()).await.expect("lookup"), Some(newer));
+    let (instances, _) = total(&pass(s, ns, at(200), 10).await);
+    assert_eq!(instances, 1, "the newer, ended instance is pruned");
+    assert_eq!(
+        s.instance_lookup(key()).await.expect("lookup"),
+        Some(older),
+        "the key resolves to the instance left"
+    );
 }

@@ -75,7 +75,7 @@ impl State {
         }
         if let Some(key) = &row.business_key {
             let k = (row.namespace.clone(), row.machine.name.clone(), key.clone());
-            self.business_keys.insert(k, row.id);
+            self.business_keys.entry(k).or_default().insert(row.id);
         }
         self.write(row);
     }
@@ -84,7 +84,9 @@ impl State {
         match target {
             SignalTarget::Id(id) => self.rows.contains_key(id).then_some(*id),
             SignalTarget::Key { namespace, machine, key } => {
-                self.business_keys.get(&(namespace.clone(), machine.clone(), key.clone())).copied()
+                // The newest instance with the key that still exists.
+                let k = (namespace.clone(), machine.clone(), key.clone());
+                self.business_keys.get(&k).and_then(|ids| ids.last()).copied()
             }
             SignalTarget::Child { parent, state } => self
                 .children
@@ -212,8 +214,11 @@ impl State {
         }
         if let Some(key) = &row.business_key {
             let k = (row.namespace.clone(), row.machine.name.clone(), key.clone());
-            if self.business_keys.get(&k) == Some(&id) {
-                self.business_keys.remove(&k);
+            if let Some(ids) = self.business_keys.get_mut(&k) {
+                ids.remove(&id);
+                if ids.is_empty() {
+                    self.business_keys.remove(&k);
+                }
             }
         }
         let signals = self.inbox.remove(&id).map_or(0, |inbox| inbox.len() as u64);
