@@ -47,7 +47,10 @@ impl PgStore {
             return Ok(None);
         }
         client
-            .query_one(&format!("SELECT max(version) FROM \"{}\".{HISTORY_TABLE}", self.schema), &[])
+            .query_one(
+                &format!("SELECT max(version) FROM \"{}\".{HISTORY_TABLE}", self.schema),
+                &[],
+            )
             .await
             .map_err(|e| pg(&e))?
             .try_get(0)

@@ -8,13 +8,13 @@ use super::support::{
     at, claim_id, claim_params, ctx, done, expect_kind, insert_one, new_in, step, suspend,
 };
 use keel_core::ids::{InstanceId, StatusSet};
+use keel_core::instance::SignalTarget;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     CancelParams, DeadLetterPurgeParams, DeadLetterSelector, InsertOutcome, InsertParams,
     LeaseReleaseParams, PrunePage, PruneParams,
 };
-use keel_core::instance::SignalTarget;
 use keel_core::{ErrorKind, Timestamp, limits};
 
 /// An instance in `ns` that ends with `outcome` at `at(t)`.
@@ -183,9 +183,7 @@ pub async fn prune_refuses_a_page_size_out_of_bounds<S: Store>(s: &S) {
 
 /// A business key names the newest instance that carries it and still exists: once the
 /// newest is pruned, the key resolves to the one before it.
-pub async fn a_business_key_resolves_to_its_newest_instance_left_after_a_prune<S: Store>(
-    s: &S,
-) {
+pub async fn a_business_key_resolves_to_its_newest_instance_left_after_a_prune<S: Store>(s: &S) {
     let ns = "prune_business_key";
     let key = || SignalTarget::Key {
         namespace: ns.into(),
