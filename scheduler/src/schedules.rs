@@ -4,7 +4,9 @@
 //! schedule, then starts the tick's instance (keyed by the tick, so a second worker's
 //! insert of the same tick finds it taken) or broadcasts its event (with the tick as dedup
 //! key). Every worker that serves a schedule fires each tick it sees; the store keeps one.
-//! A tick whose store call failed is tried again at the next poll, under the same key.
+//! A tick whose store call failed is tried again at the next poll, under the same key,
+//! unless a later tick fell due meanwhile: then the later one fires instead, as a runner
+//! always fires only the latest tick due (ticks it missed are not made up one by one).
 //!
 //! A pause or resume stored for the fleet (`Store::schedule_pause`, what `keel schedules
 //! pause` and the HTTP API call) reaches every worker: before a poll fires any tick, the
