@@ -103,6 +103,13 @@ const LOOP_BACKOFF: RetryPolicy = RetryPolicy {
 /// The longest a background loop waits after failures before it tries again.
 pub const LOOP_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
+/// The wait after `failures` (at least 1) failed tries in a row of one thing a loop does:
+/// the loop's back-off, for a part of a loop that backs off on its own (one queue of the
+/// claim loop).
+pub(crate) fn backoff(failures: u32) -> Duration {
+    LOOP_BACKOFF.delay_for(failures.max(1) - 1, fastrand::f64())
+}
+
 /// The shared record the loops write and the handle reads.
 #[derive(Debug, Default)]
 pub(crate) struct HealthBook {
@@ -138,7 +145,7 @@ impl HealthBook {
         self.with(which, |h| {
             h.last_error = Some((now, error));
             h.consecutive_failures = h.consecutive_failures.saturating_add(1);
-            LOOP_BACKOFF.delay_for(h.consecutive_failures - 1, fastrand::f64())
+            backoff(h.consecutive_failures)
         })
     }
 

@@ -92,11 +92,12 @@ impl PruneStats {
     }
 }
 
-/// Dead-letter retention of one machine in one namespace.
+/// Dead-letter retention of one machine in one namespace, or in every namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterRetention {
-    /// Namespace.
-    pub namespace: String,
+    /// The namespace; `None`: every namespace that holds dead letters of the machine,
+    /// listed at each run (`Store::dead_letter_counts`).
+    pub namespace: Option<String>,
     /// Machine name.
     pub machine: String,
     /// How long its dead letters are kept.
@@ -255,20 +256,38 @@ impl Pruner {
         Ok(())
     }
 
-    /// Each machine's dead letters older than its retention.
+    /// Each machine's dead letters older than its retention, in its namespace or, for a
+    /// retention of every namespace, in each namespace that holds dead letters of the
+    /// machine now.
     async fn purge_dead_letters<S: Store + ?Sized>(
         &self,
         store: &S,
         now: Timestamp,
         stop: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<()> {
+        let held = if self.dead_letters.iter().any(|d| d.namespace.is_none()) {
+            store.dead_letter_counts(None).await?
+        } else {
+            Vec::new()
+        };
+        let mut scopes = Vec::new();
         for d in &self.dead_letters {
+            match &d.namespace {
+                Some(namespace) => scopes.push((namespace.clone(), d)),
+                None => scopes.extend(
+                    held.iter()
+                        .filter(|c| c.machine == d.machine && c.count > 0)
+                        .map(|c| (c.namespace.clone(), d)),
+                ),
+            }
+        }
+        for (namespace, d) in scopes {
             if stop() {
                 return Ok(());
             }
             let params = DeadLetterPurgeParams {
                 selector: Some(DeadLetterSelector::Machine {
-                    namespace: d.namespace.clone(),
+                    namespace,
                     machine: d.machine.clone(),
                 }),
                 older_than: Some(now.minus(d.keep)),

@@ -34,7 +34,7 @@ use keel_core::plan::hints;
 use keel_core::ports::queue::{Delivery, Hint};
 use keel_core::ports::store::{ClaimParams, CommitReceipt, ReadyStaleParams};
 use keel_core::ports::{Clock, Queue, Store};
-use keel_core::{InstanceId, StoreResult, Timestamp};
+use keel_core::{InstanceId, StoreError, StoreResult, Timestamp};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -488,21 +488,45 @@ async fn hint_loop<S: Store, C: Clock>(
                 continue;
             }
         };
-        inner.loop_ok(WorkerLoop::Hints);
         if deliveries.is_empty() {
+            inner.loop_ok(WorkerLoop::Hints);
             link.claimed(0);
             continue;
         }
         link.stats.received.fetch_add(deliveries.len() as u64, Ordering::Relaxed);
         let received = deliveries.len();
-        if let Some(claimed) = claim_hinted(&inner, &link, &queues, &tx, deliveries).await {
-            if claimed == 0 {
-                tracing::debug!(
-                    received,
-                    "no hinted instance was ready: the queue lags behind the store"
-                );
+        match claim_hinted(&inner, &link, &queues, &tx, deliveries).await {
+            Ok(claimed) => {
+                inner.loop_ok(WorkerLoop::Hints);
+                if claimed == Some(0) {
+                    tracing::debug!(
+                        received,
+                        "no hinted instance was ready: the queue lags behind the store"
+                    );
+                }
+                if let Some(claimed) = claimed {
+                    link.claimed(claimed);
+                }
             }
-            link.claimed(claimed);
+            Err((e, deliveries)) => {
+                // The store is unavailable: the claim loop carries the load meanwhile, and
+                // the hints come back once this loop's back-off is over, not after their
+                // visibility.
+                link.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
+                link.set_flowing(false);
+                let pause = inner
+                    .loop_failed(WorkerLoop::Hints, &format!("claim by hint: {e}"))
+                    .max(inner.config.poll_interval);
+                for d in deliveries {
+                    if let Err(e) = link.queue.nack(d.receipt, pause).await {
+                        tracing::debug!(error = %e, "handing a hint back failed; it comes back after its visibility");
+                    }
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = shutdown.changed() => {}
+                }
+            }
         }
     }
 }
@@ -546,15 +570,16 @@ fn claim_params<S: Store, C: Clock>(
 /// or not ready (stale or a duplicate) and handed back for another worker when it is
 /// ready (`plan::hints::unclaimed`: another worker may serve its machine, namespace or
 /// queue, or have the slot this one lacks). When the store is unavailable the hints are
-/// not acked and come back after their visibility. Returns how many instances the hints
-/// claimed, `None` when they could not be tried (no free slot, the store failed).
+/// neither acked nor handed back here: they go back to the caller with the error, which
+/// backs off. Returns how many instances the hints claimed, `None` when no slot was free
+/// or the store refused the claim for good.
 async fn claim_hinted<S: Store, C: Clock>(
     inner: &Arc<Inner<S, C>>,
     link: &HintLink,
     queues: &Arc<Vec<QueueSlots>>,
     tx: &mpsc::Sender<Finished>,
     deliveries: Vec<Delivery>,
-) -> Option<usize> {
+) -> Result<Option<usize>, (StoreError, Vec<Delivery>)> {
     let ids: BTreeSet<InstanceId> = deliveries.iter().map(|d| d.hint.instance).collect();
     let Some(params) = claim_params(inner, queues, ids.len()) else {
         // No slot left after all: hand the hints back for another worker (or a later
@@ -562,7 +587,7 @@ async fn claim_hinted<S: Store, C: Clock>(
         for d in deliveries {
             let _ = link.queue.nack(d.receipt, Duration::ZERO).await;
         }
-        return None;
+        return Ok(None);
     };
     let (claimed, taken) =
         match inner.store.instance_claim_ids(ids.into_iter().collect(), params).await {
@@ -573,10 +598,7 @@ async fn claim_hinted<S: Store, C: Clock>(
                 launch(inner, queues, tx, claims, false).await;
                 (Some(n), Some(taken))
             }
-            Err(e) if e.is_retryable() => {
-                tracing::debug!(error = %e, "claim by hint failed; the hints come back later");
-                return None;
-            }
+            Err(e) if e.is_retryable() => return Err((e, deliveries)),
             Err(e) => {
                 tracing::warn!(error = %e, "claim by hint refused; dropping the hints");
                 (None, None)
@@ -592,7 +614,7 @@ async fn claim_hinted<S: Store, C: Clock>(
     if let Err(e) = link.queue.ack(receipts).await {
         tracing::debug!(error = %e, "acking hints failed; they come back and are acked then");
     }
-    claimed
+    Ok(claimed)
 }
 
 /// Hands back the hints of `missed` whose instances are ready, for another worker;

@@ -229,17 +229,33 @@ impl WorkerConfig {
     }
 
     /// The configuration one step runs with: `base` (what the machine set in code for the
-    /// step) under the file's levels for `machine` and `event`.
+    /// step) under the file's levels for `machine` and `event`. The file is checked on
+    /// each machine's own configuration when the worker starts; a step whose machine gives
+    /// it another base (a chart's region tasks, say) on which the file's levels do not
+    /// resolve — a file `max_delay` under the step's own `initial_delay` — runs with
+    /// `base` alone. The worker counts each such step
+    /// ([`WorkerStats::settings_unresolved`]) and warns once per machine, step and event,
+    /// naming the error.
     pub fn step_config(
         &self,
         base: QueueConfig,
         machine: &str,
         event: Option<&str>,
     ) -> QueueConfig {
+        self.resolve_step_config(&base, machine, event).unwrap_or(base)
+    }
+
+    /// [`step_config`](Self::step_config), with the error of a file that does not resolve
+    /// on `base`.
+    fn resolve_step_config(
+        &self,
+        base: &QueueConfig,
+        machine: &str,
+        event: Option<&str>,
+    ) -> Result<QueueConfig, ConfigError> {
         match &self.settings {
-            // Checked for every registered machine when the worker starts.
-            Some(settings) => settings.step_config(base, machine, event).unwrap_or(base),
-            None => base,
+            Some(settings) => settings.step_config(*base, machine, event),
+            None => Ok(*base),
         }
     }
 
@@ -390,11 +406,18 @@ pub struct WorkerStats {
     pub lease_lost_on_heartbeat: AtomicU64,
     /// Rows the reaper returned to runnable.
     pub reaped: AtomicU64,
-    /// Leases released at shutdown.
+    /// Leases the worker gave back and the store released: at shutdown, for claims with
+    /// no slot to hold them, and for steps that ended without a result. A lease the store
+    /// no longer counted as this worker's is not counted.
     pub released: AtomicU64,
     /// Step results the store refused (an invalid outcome, an emit to a missing
     /// instance, …); each was committed as a non-retryable step failure instead.
     pub refused: AtomicU64,
+    /// Steps that ran with their machine's settings alone, because the configuration
+    /// file's did not resolve on the settings the machine gives that step (see
+    /// [`WorkerConfig::step_config`]; a warning names the error once per machine, step
+    /// and event).
+    pub settings_unresolved: AtomicU64,
 }
 
 impl WorkerStats {
@@ -439,9 +462,46 @@ struct Inner<S, C> {
     hints: Option<Arc<queue::HintLink>>,
     /// When it started, as the worker registry shows it.
     started_at: keel_core::Timestamp,
+    /// The (machine, step, event) whose file settings did not resolve, warned about once
+    /// each (at most [`UNRESOLVED_WARNED_MAX`]).
+    unresolved: Mutex<BTreeSet<(String, String, Option<String>)>>,
 }
 
+/// Most distinct (machine, step, event) a worker warns about for file settings that do not
+/// resolve on a step's own settings; past it, such steps are only counted.
+const UNRESOLVED_WARNED_MAX: usize = 1_000;
+
 impl<S, C> Inner<S, C> {
+    /// The configuration a step of `row` processing `event` runs with (see
+    /// [`WorkerConfig::step_config`]): `base` alone when the file does not resolve on it,
+    /// counted, and warned about once per machine, step and event.
+    fn step_config(&self, base: &QueueConfig, row: &Instance, event: Option<&str>) -> QueueConfig {
+        let machine = &row.machine.name;
+        match self.config.resolve_step_config(base, machine, event) {
+            Ok(config) => config,
+            Err(error) => {
+                self.stats.settings_unresolved.fetch_add(1, Ordering::Relaxed);
+                let key = (machine.clone(), row.position.clone(), event.map(str::to_owned));
+                let first = {
+                    let mut warned = self.unresolved.lock().expect("unresolved lock");
+                    warned.len() < UNRESOLVED_WARNED_MAX && warned.insert(key)
+                };
+                if first {
+                    tracing::warn!(
+                        machine = %machine,
+                        step = %row.position,
+                        event = event.unwrap_or(""),
+                        error = %error,
+                        "the configuration file's settings do not resolve on this step's own \
+                         settings; its steps run with the machine's settings alone (said once \
+                         per machine, step and event)"
+                    );
+                }
+                *base
+            }
+        }
+    }
+
     /// Steps that will hand in a result: running, or claimed ahead and waiting to run.
     fn busy(&self) -> usize {
         self.running.load(Ordering::SeqCst) + self.waiting.load(Ordering::SeqCst)
@@ -573,10 +633,11 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         let schedules = self.config.schedules.clone();
         let pruned = Arc::new(PruneStats::default());
         let pruner = self.config.retention.clone().map(|config| {
-            let namespaces = if self.config.namespaces.is_empty() {
-                vec![keel_core::ids::DEFAULT_NAMESPACE.to_owned()]
+            // A worker that claims from every namespace purges in every namespace.
+            let namespaces: Vec<Option<String>> = if self.config.namespaces.is_empty() {
+                vec![None]
             } else {
-                self.config.namespaces.clone()
+                self.config.namespaces.iter().cloned().map(Some).collect()
             };
             let mut dead_letters = Vec::new();
             for (machine, m) in &self.machines {
@@ -620,6 +681,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             stats: Arc::clone(&stats),
             health: Arc::clone(&health),
             hints: self.hints,
+            unresolved: Mutex::default(),
         });
         let join = tokio::spawn(run(inner, shutdown_rx, pruner));
         Ok(WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned })
@@ -1156,12 +1218,19 @@ async fn claim_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
+    // Each queue backs off on its own: one queue whose claims fail waits out its back-off
+    // while the others keep their pace.
+    let mut backoffs: Vec<QueueBackoff> = queues.iter().map(|_| QueueBackoff::default()).collect();
     while !stopping(&shutdown) {
         let mut claimed = 0;
         let mut full = true;
-        let mut failure = None;
-        for slots in queues.iter() {
+        for (slots, backoff) in queues.iter().zip(&mut backoffs) {
             let queue = &slots.name;
+            match backoff.retry_at {
+                Some(at) if Instant::now() < at => continue,
+                Some(_) => backoff.retry_at = None,
+                None => {}
+            }
             let free = slots
                 .claimable(inner.config.claim_ahead)
                 .min(inner.config.claim_batch)
@@ -1190,29 +1259,30 @@ async fn claim_loop<S: Store, C: Clock>(
                 policy: inner.config.claim_policy(queue),
             };
             let claims = match inner.store.instance_claim(params).await {
-                Ok(c) => c,
+                Ok(c) => {
+                    *backoff = QueueBackoff::default();
+                    c
+                }
                 Err(e) => {
-                    failure = Some(format!("claim from queue {queue}: {e}"));
+                    backoff.failed(&inner, queue, &e);
                     Vec::new()
                 }
             };
             claimed += claims.len();
             launch(&inner, std::slice::from_ref(slots), &tx, claims, true).await;
         }
-        if let Some(error) = failure {
-            let pause =
-                inner.loop_failed(WorkerLoop::Claim, &error).max(inner.config.poll_interval);
-            tokio::select! {
-                () = tokio::time::sleep(pause) => {}
-                _ = shutdown.changed() => {}
-            }
-            continue;
+        // Healthy once no queue's last claim failed.
+        if backoffs.iter().all(|b| b.failures == 0) {
+            inner.loop_ok(WorkerLoop::Claim);
         }
-        inner.loop_ok(WorkerLoop::Claim);
+        let retry_at = backoffs.iter().filter_map(|b| b.retry_at).min();
         if claimed == 0 || full {
+            let retry_at = retry_at.map(tokio::time::Instant::from_std);
             tokio::select! {
                 () = inner.store.ready_wait(), if inner.config.notifications => {}
                 () = tokio::time::sleep(inner.config.poll_interval) => {}
+                // A queue backing off comes back when its back-off ends.
+                () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {}
                 // Queue hook: while hints bring work, freed slots are theirs and polling
                 // repairs; when they stop, the slots are this loop's again at once.
                 () = inner.slot_freed.claims.notified(), if full && !queue::hints_flowing(&inner) => {}
@@ -1220,6 +1290,36 @@ async fn claim_loop<S: Store, C: Clock>(
                 _ = shutdown.changed() => {}
             }
         }
+    }
+}
+
+/// One queue's back-off in the claim loop.
+#[derive(Default)]
+struct QueueBackoff {
+    /// Its claims failed this many times in a row.
+    failures: u32,
+    /// Not claimed from before then.
+    retry_at: Option<Instant>,
+}
+
+impl QueueBackoff {
+    /// A claim of `queue` failed: it is recorded in the claim loop's health and logged,
+    /// and the queue waits out its own back-off (at least the poll interval) before it is
+    /// claimed from again.
+    fn failed<S, C: Clock>(&mut self, inner: &Inner<S, C>, queue: &str, error: &StoreError) {
+        self.failures = self.failures.saturating_add(1);
+        let pause = crate::health::backoff(self.failures).max(inner.config.poll_interval);
+        let message = format!("claim from queue {queue}: {error}");
+        inner.health.failure(WorkerLoop::Claim, inner.clock.now(), message);
+        tracing::error!(
+            worker_loop = WorkerLoop::Claim.name(),
+            queue,
+            error = %error,
+            retry_in_ms = pause.as_millis() as u64,
+            "claiming from a queue failed; it is tried again after a back-off, while the \
+             other queues keep their pace"
+        );
+        self.retry_at = Some(Instant::now() + pause);
     }
 }
 
@@ -1355,10 +1455,12 @@ fn claim_entry(
     in_flight.get_mut(&id).filter(|e| e.token == token)
 }
 
+/// Gives `leases` back; counts those the store released (a lease another worker took in
+/// the meantime is not this worker's to give back).
 async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceId, FencingToken)>) {
-    let n = leases.len() as u64;
     match inner.store.lease_release(LeaseReleaseParams { leases, now: inner.clock.now() }).await {
-        Ok(_) => {
+        Ok(released) => {
+            let n = released.into_iter().filter(|held| *held).count() as u64;
             inner.stats.released.fetch_add(n, Ordering::Relaxed);
         }
         Err(e) => {
@@ -1462,6 +1564,10 @@ fn run_step<S: Store, C: Clock>(
     tx: mpsc::Sender<Finished>,
 ) -> impl Future<Output = ()> + Send + 'static {
     async move {
+        // Until its result is handed over, a step that ends (an early return, a panic)
+        // takes its own entry out and gives its lease back, so the heartbeat never keeps
+        // alive the lease of a step that will not hand in a result.
+        let mut unfinished = Unfinished::new(&inner, &claim);
         let running = match slot {
             RunSlot::Taken(running) => running,
             RunSlot::Ahead(waiting) => {
@@ -1485,8 +1591,12 @@ fn run_step<S: Store, C: Clock>(
         metrics::histogram!("keel_queue_wait_time_seconds", "machine" => row.machine.name.clone())
             .record(wait.as_secs_f64());
         let started = Instant::now();
+        // The machine's own settings for the step: its inbox order and its step
+        // configuration. They are user code; one that panics fails the step as a panicking
+        // step does.
+        let settings = step_settings(&inner.config, machine.as_ref(), row);
         // The step sees its inbox in the machine's order (the file's, else the code's).
-        let order = inner.config.inbox_order(&row.machine.name).unwrap_or(machine.inbox_order());
+        let order = settings.as_ref().map_or(keel_core::inbox::InboxOrder::Arrival, |s| s.0);
         let base = row.base_priority;
         keel_core::inbox::order(&mut claim.inbox, order, base);
         let row = &claim.instance;
@@ -1495,9 +1605,21 @@ fn run_step<S: Store, C: Clock>(
         // The event the step processes is the first signal it sees; the file's section for
         // it, if any, overrides the machine's.
         let event = claim.inbox.first().map(|s| s.name.as_str());
-        let config =
-            inner.config.step_config(machine.step_config(&row.position), &row.machine.name, event);
-        let result = guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await;
+        let (config, result) = match settings {
+            Ok((_, base)) => {
+                let config = inner.step_config(&base, row, event);
+                (config, guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await)
+            }
+            Err(panic) => {
+                let message = format!("the machine's settings for this step panicked: {panic}");
+                tracing::error!(parent: &span, "{message}");
+                // Its retry policy then comes from the machine's configuration, or the
+                // defaults should that panic too.
+                let base = catch_panic(|| machine.config()).unwrap_or_default();
+                let config = inner.step_config(&base, row, event);
+                (config, Err(StepError::of_kind(FailureKind::Panic, message)))
+            }
+        };
         let elapsed = started.elapsed();
         running.pace.record(elapsed);
         metrics::histogram!("keel_queue_processing_time_seconds", "machine" => row.machine.name.clone())
@@ -1539,7 +1661,7 @@ fn run_step<S: Store, C: Clock>(
         // Room in the committer's channel first, then the result: a `send` future would hold
         // the whole result across its wait, in every step's task.
         let Ok(room) = tx.reserve().await else {
-            tracing::warn!(parent: &span, "committer stopped; the lease will expire and the step re-run");
+            tracing::warn!(parent: &span, "committer stopped; releasing the lease for the step to re-run");
             return;
         };
         // Marked under the lock, so the end of the shutdown grace either took the step or
@@ -1555,7 +1677,89 @@ fn run_step<S: Store, C: Clock>(
         }
         let origin = Origin { claim, ctx, machine, config };
         room.send(Finished { commit, machine: machine_name, failed, origin, _permit: permit });
+        unfinished.handed_over();
     }
+}
+
+/// A claimed step that has not handed its result to the committer yet. Dropped before
+/// [`handed_over`](Self::handed_over) — the step's task returned early or panicked — it
+/// takes the step's in-flight entry out (its own claim's only: a newer claim of the
+/// instance keeps its entry) and gives the lease back, so the step runs again soon rather
+/// than after the worker stops. An entry already gone (shutdown took it, and releases
+/// its lease itself) is left alone.
+struct Unfinished<S: Store, C: Clock> {
+    inner: Arc<Inner<S, C>>,
+    id: InstanceId,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl<S: Store, C: Clock> Unfinished<S, C> {
+    fn new(inner: &Arc<Inner<S, C>>, claim: &Claim) -> Self {
+        Unfinished {
+            inner: Arc::clone(inner),
+            id: claim.instance.id,
+            token: claim.token(),
+            armed: true,
+        }
+    }
+
+    /// The result is with the committer, which settles the lease from here on.
+    fn handed_over(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl<S: Store, C: Clock> Drop for Unfinished<S, C> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let removed = {
+            let mut in_flight =
+                self.inner.in_flight.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match in_flight.entry(self.id) {
+                Entry::Occupied(entry) if entry.get().token == self.token => {
+                    entry.remove();
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !removed {
+            return;
+        }
+        if std::thread::panicking() {
+            tracing::error!(instance = %self.id, "a step's task panicked before handing in its result; releasing its lease");
+        } else {
+            tracing::warn!(instance = %self.id, "a step ended without handing in its result; releasing its lease");
+        }
+        // Without a runtime (it is shutting down) the lease expires instead.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (inner, lease) = (Arc::clone(&self.inner), (self.id, self.token));
+            runtime.spawn(async move { release(&inner, vec![lease]).await });
+        }
+    }
+}
+
+/// A step's inbox order (the file's, else the machine's) and the configuration the
+/// machine gives the step, or the message of the panic of the machine's code that says
+/// them.
+fn step_settings(
+    config: &WorkerConfig,
+    machine: &dyn StepMachine,
+    row: &Instance,
+) -> Result<(keel_core::inbox::InboxOrder, QueueConfig), String> {
+    catch_panic(|| {
+        let order = config.inbox_order(&row.machine.name).unwrap_or_else(|| machine.inbox_order());
+        (order, machine.step_config(&row.position))
+    })
+}
+
+/// Runs `f`, returning the message of its panic instead of unwinding.
+fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .map_err(|payload| payload_message(payload.as_ref()))
 }
 
 /// The span a step runs in, and its error handler: what either logs names the instance,
@@ -1653,13 +1857,18 @@ impl<T> Drop for AbortOnDrop<T> {
 
 fn panic_message(join: tokio::task::JoinError) -> String {
     match join.try_into_panic() {
-        Ok(payload) => payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "non-string panic payload".to_owned()),
+        Ok(payload) => payload_message(payload.as_ref()),
         Err(e) => e.to_string(),
     }
+}
+
+/// The message a panic was given, when it was a string.
+fn payload_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_owned())
 }
 
 /// A successful step consumes the signals it saw that match what it awaited (all of

@@ -570,6 +570,42 @@ mod memory {
         assert_eq!(hinted, ids[0]);
     }
 
+    /// While the store refuses claims by id, the hint loop backs off and says so in its
+    /// health, rather than taking hint after hint off the queue to fail each claim.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_refusing_claims_by_hint_makes_the_hint_loop_back_off() {
+        use common::hooked::{Hooked, Hooks};
+        // Claims of every kind fail: the one slot stays free for the hint loop.
+        let hooks = Hooks {
+            claim_ids_unavailable: true,
+            claims_unavailable_in: vec![keel_core::ids::DEFAULT_QUEUE.to_owned()],
+            ..Hooks::default()
+        };
+        let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+        let queue = Arc::new(probe());
+        let setup = Setup { poll_interval: Duration::from_millis(100), ..Setup::hinted(50) };
+        let config = WorkerConfig {
+            queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 1)],
+            ..config(&h, setup)
+        };
+        let (worker, _) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Counter)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+        let worker = worker.spawn();
+        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+        start_all(&client, setup.n).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // One hint per receive (one slot): without a back-off, all fifty would be tried.
+        let tries = h.store.calls("instance_claim_ids");
+        assert!((1..=8).contains(&tries), "{tries} claims by hint in 500 ms");
+        let hints = worker.health().get(WorkerLoop::Hints).cloned().expect("hint loop");
+        let (_, error) =
+            hints.last_error.clone().expect("the failed claims are in the hint loop's health");
+        assert!(error.contains("claim by hint"), "{error}");
+        assert!(hints.consecutive_failures > 0, "{hints:?}");
+        worker.shutdown().await;
+    }
+
     /// A queue with a queue-wide limit leaves its claims to the claim loop, so a worker
     /// whose every queue has one takes no hints at all: it must not receive them only to
     /// hand them straight back, round after round, while its slots stand free.

@@ -24,6 +24,7 @@ on_every_store!(
     the_pruner_removes_exactly_the_instances_ended_before_the_retention,
     dead_letters_go_after_their_machine_retention,
     the_files_dead_letter_retention_wins_over_the_code,
+    a_worker_of_every_namespace_purges_dead_letters_in_every_namespace,
     history_is_trimmed_to_the_newest_entries_per_instance,
     a_worker_prunes_only_the_namespaces_it_serves,
     shutdown_waits_for_one_prune_page_not_the_whole_run,
@@ -187,6 +188,31 @@ async fn the_files_dead_letter_retention_wins_over_the_code<S: TestStore>() {
     runs_after(&worker, before, 2).await;
     assert_eq!(letters(&h).await, 0, "purged after the file's retention, not the code's two hours");
     assert_eq!(worker.pruned().dead_letters, 1);
+    worker.shutdown().await;
+}
+
+async fn a_worker_of_every_namespace_purges_dead_letters_in_every_namespace<S: TestStore>() {
+    let h = S::harness().await;
+    // The default: the worker claims from every namespace.
+    let every =
+        RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
+    let config = WorkerConfig { retention: Some(every), ..h.config() };
+    assert!(config.namespaces.is_empty());
+    let worker = h.worker(config, Quick("quick"));
+    for namespace in ["other", "default"] {
+        let failing = NewInstance::new(MachineRef::new("quick", 1), "go")
+            .namespace(namespace)
+            .context(json!({ "fail": true }));
+        let id = h.start(failing).await;
+        h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+    }
+    assert_eq!(letters(&h).await, 2);
+    // Past the machine's two hours: the letters of both namespaces go.
+    h.clock.advance(2 * HOUR + Duration::from_secs(1));
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert_eq!(letters(&h).await, 0, "a dead letter outside namespace default was kept");
+    assert_eq!(worker.pruned().dead_letters, 2);
     worker.shutdown().await;
 }
 

@@ -181,7 +181,9 @@ async fn shutdown_stops_a_long_dead_letter_purge_between_pages() {
     // Every purge page comes back full, as on a huge backlog of old dead letters.
     let hooks = Hooks { purge_full_after: Some(Duration::from_millis(2)), ..Hooks::default() };
     let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
-    let worker = h.worker(h.config(), WaitsFor(Arc::new(Notify::new())));
+    // A worker of one namespace purges there whether or not the store lists dead letters.
+    let config = WorkerConfig { namespaces: vec!["default".into()], ..h.config() };
+    let worker = h.worker(config, WaitsFor(Arc::new(Notify::new())));
     eventually("the purge under way", || h.store.calls("dead_letter_purge") >= 3).await;
 
     let stats = tokio::time::timeout(Duration::from_secs(3), worker.shutdown()).await;

@@ -862,3 +862,151 @@ async fn a_machine_version_registered_twice_is_refused() {
         .register(V2);
     assert_eq!(both.check(), Ok(()));
 }
+
+/// A machine tried once per step, whose settings for step `x` panic.
+struct SettingsPanicAtX;
+
+#[async_trait]
+impl StepMachine for SettingsPanicAtX {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        done()
+    }
+    fn config(&self) -> QueueConfig {
+        let retry = RetryPolicy { max_attempts: 1, ..RetryPolicy::default() };
+        QueueConfig { retry, ..QueueConfig::default() }
+    }
+    fn step_config(&self, step: &str) -> QueueConfig {
+        assert!(step != "x", "no settings for step x");
+        self.config()
+    }
+}
+
+#[tokio::test]
+async fn a_step_whose_machine_settings_panic_fails_as_a_panicking_step() {
+    let h = Harness::new();
+    let worker = h.worker(h.config(), SettingsPanicAtX);
+    let id = h.start(NewInstance::new(machine(), "x")).await;
+    // Tried once, then dead-lettered with the panic, its lease given up: not held (and
+    // extended by the heartbeat) for as long as the worker runs.
+    let row = h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+    assert_eq!(row.lease_owner, None);
+    let said = format!("{:?}", row.errors);
+    assert!(said.contains("panicked: no settings for step x"), "{said}");
+    // The machine's other steps run as usual.
+    let other = h.start(new()).await;
+    h.wait(other, "done", |r| r.status == Status::Done).await;
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.failed_steps.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+async fn a_claimed_step_that_cannot_run_here_gives_its_lease_back_at_once() {
+    // The first claim hands the step out under a machine this worker does not run.
+    let hooks = StoreHooks { foreign_claims: 1, ..StoreHooks::default() };
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let worker = h.worker(h.config(), steps(|_| done()));
+    let id = h.start(new()).await;
+    // Its lease goes back instead of being extended for as long as the worker runs, and
+    // the next claim runs the step, no attempt counted.
+    let row = h.wait(id, "done", |r| r.status == Status::Done).await;
+    assert_eq!(row.attempt, 0);
+    assert!(h.store.calls("lease_release") >= 1);
+    worker.shutdown().await;
+}
+
+/// A machine whose step `slow` retries 30 s apart (as a chart's region tasks do by
+/// default), its other steps with the defaults.
+struct SlowRetries;
+
+#[async_trait]
+impl StepMachine for SlowRetries {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        done()
+    }
+    fn step_config(&self, step: &str) -> QueueConfig {
+        let mut config = QueueConfig::default();
+        if step == "slow" {
+            config.retry.initial_delay = Duration::from_secs(30);
+            config.retry.max_delay = Duration::from_secs(30);
+        }
+        config
+    }
+}
+
+#[tokio::test]
+async fn file_settings_that_do_not_resolve_on_a_steps_own_are_counted_and_warned_once() {
+    let (logged, _default) = Logged::capture();
+    let h = Harness::new();
+    // Fine on the machine's configuration (1 s initial delay), not on step `slow`'s 30 s.
+    let file =
+        keel_core::config::KeelConfig::load("[queue.retry]\nmax_delay = \"10 seconds\"", |_| None)
+            .expect("valid file")
+            .0;
+    let config = h.config().with_settings(file).expect("applied");
+    let worker = h.worker(config, SlowRetries);
+    for _ in 0..2 {
+        let id = h.start(NewInstance::new(machine(), "slow")).await;
+        h.wait(id, "done", |r| r.status == Status::Done).await;
+    }
+    let id = h.start(new()).await;
+    h.wait(id, "done", |r| r.status == Status::Done).await;
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.settings_unresolved.load(Ordering::Relaxed), 2);
+    let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    let warned: Vec<&str> = text.lines().filter(|l| l.contains("do not resolve")).collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(warned[0].contains("step=slow") && warned[0].contains("max_delay"), "{}", warned[0]);
+}
+
+#[tokio::test]
+async fn a_queue_whose_claims_fail_does_not_slow_the_other_queues() {
+    let hooks = StoreHooks { claims_unavailable_in: vec!["a".into()], ..StoreHooks::default() };
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    // One slot, nothing claimed ahead: queue `b` claims once per step.
+    let config = WorkerConfig {
+        queues: vec![("a".into(), 1), ("b".into(), 1)],
+        claim_ahead: Duration::ZERO,
+        ..h.config()
+    };
+    let worker = h.worker(config, steps(|_| done()));
+    let began = Instant::now();
+    let mut ids = Vec::new();
+    for _ in 0..10 {
+        ids.push(h.start(new().queue("b")).await);
+    }
+    for id in ids {
+        h.wait(id, "done", |r| r.status == Status::Done).await;
+    }
+    // Ten claims of `b` in a row: one each back-off of `a` (50 ms doubling to 5 s) would
+    // take more than 8 s.
+    let took = began.elapsed();
+    assert!(took < Duration::from_secs(2), "queue b's ten steps took {took:?}");
+    let claim = worker.health().get(WorkerLoop::Claim).cloned().expect("claim loop");
+    let (_, error) = claim.last_error.expect("queue a's failure is in the claim loop's health");
+    assert!(error.contains("claim from queue a"), "{error}");
+    assert!(claim.consecutive_failures > 0, "a queue still failing reads healthy");
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_lease_taken_away_before_shutdown_is_not_counted_as_released() {
+    let h = Harness::new();
+    let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
+    let worker = h.worker(config.clone(), Sleeps(Duration::from_secs(60), "ok"));
+    let id = h.start(new()).await;
+    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
+    // The lease is taken away behind the worker's back, and the instance left unclaimed.
+    h.client.queue_pause("default", "default").await.unwrap();
+    let params =
+        LeaseReapParams { owner: Some(config.worker_id.clone()), limit: 10, now: h.clock.now() };
+    assert_eq!(h.store.lease_reap(params).await.unwrap(), vec![id]);
+    // Shutdown asks to release it; the store has nothing of this worker's to release.
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.released.load(Ordering::Relaxed), 0);
+}

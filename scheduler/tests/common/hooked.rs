@@ -9,6 +9,7 @@ use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// What a [`Hooked`] store does besides passing calls on.
@@ -22,6 +23,13 @@ pub struct Hooks {
     pub commit_delay: Duration,
     /// `dead_letter_purge` answers a full batch after this pause, purging nothing.
     pub purge_full_after: Option<Duration>,
+    /// The first this many rows `instance_claim` hands out name a machine (`foreign` v1)
+    /// that no test worker runs; the rows in the store keep their own.
+    pub foreign_claims: usize,
+    /// `instance_claim` of these queues fails as unavailable.
+    pub claims_unavailable_in: Vec<String>,
+    /// `instance_claim_ids` fails as unavailable.
+    pub claim_ids_unavailable: bool,
 }
 
 /// A store wrapper that records the time of every call per operation and applies its
@@ -30,11 +38,13 @@ pub struct Hooked<S> {
     pub inner: S,
     pub hooks: Hooks,
     calls: Mutex<HashMap<&'static str, Vec<Instant>>>,
+    /// Rows handed out as `foreign` so far.
+    foreign: AtomicUsize,
 }
 
 impl<S: Store> Hooked<S> {
     pub fn new(inner: S, hooks: Hooks) -> Self {
-        Hooked { inner, hooks, calls: Mutex::default() }
+        Hooked { inner, hooks, calls: Mutex::default(), foreign: AtomicUsize::new(0) }
     }
 
     /// How many times `op` was called.
@@ -63,7 +73,19 @@ impl<S: Store> Store for Hooked<S> {
     }
     async fn instance_claim(&self, p: s::ClaimParams) -> StoreResult<Vec<s::Claim>> {
         self.note("instance_claim");
-        self.inner.instance_claim(p).await
+        if p.queues.iter().any(|q| self.hooks.claims_unavailable_in.contains(q)) {
+            return Err(StoreError::unavailable(format!(
+                "injected instance_claim failure for {:?}",
+                p.queues
+            )));
+        }
+        let mut claims = self.inner.instance_claim(p).await?;
+        for claim in &mut claims {
+            if self.foreign.fetch_add(1, Ordering::SeqCst) < self.hooks.foreign_claims {
+                claim.instance.machine = keel_core::MachineRef::new("foreign", 1);
+            }
+        }
+        Ok(claims)
     }
     async fn instance_claim_ids(
         &self,
@@ -71,6 +93,9 @@ impl<S: Store> Store for Hooked<S> {
         p: s::ClaimParams,
     ) -> StoreResult<Vec<s::Claim>> {
         self.note("instance_claim_ids");
+        if self.hooks.claim_ids_unavailable {
+            return Err(StoreError::unavailable("injected instance_claim_ids failure"));
+        }
         self.inner.instance_claim_ids(ids, p).await
     }
     async fn instance_ready_stale(&self, p: s::ReadyStaleParams) -> StoreResult<Vec<Instance>> {
