@@ -34,27 +34,7 @@ impl PgStore {
     /// no Keel tables yet.
     pub async fn schema_version(&self) -> StoreResult<Option<i32>> {
         let client = self.client().await?;
-        let exists: bool = client
-            .query_one(
-                "SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL",
-                &[&self.schema, &HISTORY_TABLE],
-            )
-            .await
-            .map_err(|e| pg(&e))?
-            .try_get(0)
-            .map_err(|e| pg(&e))?;
-        if !exists {
-            return Ok(None);
-        }
-        client
-            .query_one(
-                &format!("SELECT max(version) FROM \"{}\".{HISTORY_TABLE}", self.schema),
-                &[],
-            )
-            .await
-            .map_err(|e| pg(&e))?
-            .try_get(0)
-            .map_err(|e| pg(&e))
+        applied_version(&client, &self.schema).await
     }
 
     /// Checks, without changing anything, that the schema is at this build's version: for
@@ -74,11 +54,7 @@ impl PgStore {
                  it up to date",
                 self.schema
             ))),
-            Some(v) if v > SCHEMA_VERSION => Err(StoreError::conflict(format!(
-                "schema {:?} is at version {v}, newer than this build's {SCHEMA_VERSION}; \
-                 upgrade keel before running it against this database",
-                self.schema
-            ))),
+            Some(v) if v > SCHEMA_VERSION => Err(newer(&self.schema, v)),
             Some(_) => Ok(()),
         }
     }
@@ -101,29 +77,10 @@ impl PgStore {
             .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema))
             .await
             .map_err(|e| pg(&e))?;
-        let exists: bool = client
-            .query_one(
-                "SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL",
-                &[&self.schema, &HISTORY_TABLE],
-            )
-            .await
-            .map_err(|e| pg(&e))?
-            .try_get(0)
-            .map_err(|e| pg(&e))?;
-        if exists {
-            let newest: Option<i32> = client
-                .query_one(&format!("SELECT max(version) FROM {HISTORY_TABLE}"), &[])
-                .await
-                .map_err(|e| pg(&e))?
-                .try_get(0)
-                .map_err(|e| pg(&e))?;
-            if let Some(v) = newest.filter(|v| *v > SCHEMA_VERSION) {
-                return Err(StoreError::conflict(format!(
-                    "schema {:?} is at version {v}, newer than this build's {SCHEMA_VERSION}; \
-                     upgrade keel before running it against this database",
-                    self.schema
-                )));
-            }
+        if let Some(v) = applied_version(client, &self.schema).await?
+            && v > SCHEMA_VERSION
+        {
+            return Err(newer(&self.schema, v));
         }
         let mut runner = migrations::runner().set_abort_divergent(true).set_abort_missing(true);
         runner.set_migration_table_name(HISTORY_TABLE);
@@ -132,4 +89,38 @@ impl PgStore {
         })?;
         Ok(())
     }
+}
+
+/// The newest migration applied to `schema`, or `None` when it has no history table (no
+/// Keel tables yet).
+async fn applied_version(
+    client: &tokio_postgres::Client,
+    schema: &str,
+) -> StoreResult<Option<i32>> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL",
+            &[&schema, &HISTORY_TABLE],
+        )
+        .await
+        .map_err(|e| pg(&e))?
+        .try_get(0)
+        .map_err(|e| pg(&e))?;
+    if !exists {
+        return Ok(None);
+    }
+    client
+        .query_one(&format!("SELECT max(version) FROM \"{schema}\".{HISTORY_TABLE}"), &[])
+        .await
+        .map_err(|e| pg(&e))?
+        .try_get(0)
+        .map_err(|e| pg(&e))
+}
+
+/// The refusal of a schema migrated by a newer build.
+fn newer(schema: &str, version: i32) -> StoreError {
+    StoreError::conflict(format!(
+        "schema {schema:?} is at version {version}, newer than this build's {SCHEMA_VERSION}; \
+         upgrade keel before running it against this database"
+    ))
 }
