@@ -19,7 +19,8 @@ use keel_core::{
     InstanceId, MachineRef, NewSignal, Outcome, Priority, Status, StepCommit, WorkerId,
 };
 use keel_scheduler::{
-    ChartMachine, StepContext, StepError, StepMachine, Worker, WorkerConfig, WorkerLoop,
+    ChartMachine, StepContext, StepError, StepMachine, Worker, WorkerConfig, WorkerHandle,
+    WorkerLoop,
 };
 use keel_testkit::memory::MemoryStore;
 use serde_json::json;
@@ -715,19 +716,24 @@ async fn within(within: Duration, cond: impl Fn() -> bool) -> bool {
     cond()
 }
 
-#[tokio::test]
-async fn a_lease_lost_under_a_running_step_is_counted_once_and_no_longer_extended() {
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), StoreHooks::default()));
+/// A worker running a long step whose lease is then taken away behind its back (as a
+/// reaper elsewhere would), the instance left unclaimed (its queue paused).
+async fn running_step_whose_lease_is_taken<S: Store>(h: &Harness<S>) -> WorkerHandle {
     let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
     let worker = h.worker(config.clone(), Sleeps(Duration::from_secs(60), "ok"));
     let id = h.start(new()).await;
     h.wait(id, "claimed", |r| r.status == Status::Executing).await;
-
-    // The lease is taken away behind the worker's back, and the instance left unclaimed.
     h.client.queue_pause("default", "default").await.unwrap();
     let params =
         LeaseReapParams { owner: Some(config.worker_id.clone()), limit: 10, now: h.clock.now() };
     assert_eq!(h.store.lease_reap(params).await.unwrap(), vec![id]);
+    worker
+}
+
+#[tokio::test]
+async fn a_lease_lost_under_a_running_step_is_counted_once_and_no_longer_extended() {
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), StoreHooks::default()));
+    let worker = running_step_whose_lease_is_taken(&h).await;
 
     // Ten heartbeat periods: the loss is found once, and the lease is not sent again.
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -997,15 +1003,7 @@ async fn a_queue_whose_claims_fail_does_not_slow_the_other_queues() {
 #[tokio::test]
 async fn a_lease_taken_away_before_shutdown_is_not_counted_as_released() {
     let h = Harness::new();
-    let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
-    let worker = h.worker(config.clone(), Sleeps(Duration::from_secs(60), "ok"));
-    let id = h.start(new()).await;
-    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
-    // The lease is taken away behind the worker's back, and the instance left unclaimed.
-    h.client.queue_pause("default", "default").await.unwrap();
-    let params =
-        LeaseReapParams { owner: Some(config.worker_id.clone()), limit: 10, now: h.clock.now() };
-    assert_eq!(h.store.lease_reap(params).await.unwrap(), vec![id]);
+    let worker = running_step_whose_lease_is_taken(&h).await;
     // Shutdown asks to release it; the store has nothing of this worker's to release.
     let stats = worker.shutdown().await;
     assert_eq!(stats.released.load(Ordering::Relaxed), 0);
