@@ -1455,16 +1455,30 @@ fn claim_entry(
     in_flight.get_mut(&id).filter(|e| e.token == token)
 }
 
+/// Tries a release makes while the store answers with a retryable error.
+const RELEASE_TRIES: u32 = 3;
+
 /// Gives `leases` back; counts those the store released (a lease another worker took in
-/// the meantime is not this worker's to give back).
+/// the meantime is not this worker's to give back). A store that fails for a moment is
+/// asked again a bounded number of times: a lease not given back waits for its expiry,
+/// and its step then counts an attempt it never made.
 async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceId, FencingToken)>) {
-    match inner.store.lease_release(LeaseReleaseParams { leases, now: inner.clock.now() }).await {
-        Ok(released) => {
-            let n = released.into_iter().filter(|held| *held).count() as u64;
-            inner.stats.released.fetch_add(n, Ordering::Relaxed);
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "releasing leases failed; the reaper will return them");
+    for attempt in 1..=RELEASE_TRIES {
+        let params = LeaseReleaseParams { leases: leases.clone(), now: inner.clock.now() };
+        match inner.store.lease_release(params).await {
+            Ok(released) => {
+                let n = released.into_iter().filter(|held| *held).count() as u64;
+                inner.stats.released.fetch_add(n, Ordering::Relaxed);
+                return;
+            }
+            Err(e) if e.is_retryable() && attempt < RELEASE_TRIES => {
+                tracing::warn!(error = %e, attempt, "releasing leases failed; trying again");
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "releasing leases failed; the reaper will return them");
+                return;
+            }
         }
     }
 }

@@ -156,6 +156,25 @@ async fn a_step_cut_short_by_the_grace_stops_running() {
     assert_eq!((row.status, row.attempt, row.lease_owner), (Status::Runnable, 0, None));
 }
 
+/// A store that fails for a moment as the shutdown gives leases back does not leave them
+/// to expire (and the steps to count an attempt they never made): the release is tried
+/// again.
+#[tokio::test]
+async fn a_release_the_store_fails_for_a_moment_is_tried_again() {
+    let hooks = Hooks { releases_failing: 1, ..Hooks::default() };
+    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
+    let ended = Arc::new(AtomicBool::new(false));
+    let worker = h.worker(config, SleepsThenFlags(Duration::from_secs(60), Arc::clone(&ended)));
+    let id = h.start(new()).await;
+    h.wait(id, "claimed", |r| r.status == Status::Executing).await;
+    let stats = worker.shutdown().await;
+    assert_eq!(h.store.calls("lease_release"), 2, "one failed release, then one that held");
+    assert_eq!(stats.released.load(Ordering::Relaxed), 1);
+    let row = h.client.get(id).await.unwrap().instance;
+    assert_eq!((row.status, row.attempt, row.lease_owner), (Status::Runnable, 0, None));
+}
+
 #[tokio::test]
 async fn a_result_committing_at_the_end_of_the_grace_keeps_its_lease_and_commits() {
     let hooks = Hooks { commit_delay: Duration::from_millis(300), ..Hooks::default() };

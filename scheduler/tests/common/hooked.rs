@@ -30,6 +30,8 @@ pub struct Hooks {
     pub claims_unavailable_in: Vec<String>,
     /// `instance_claim_ids` fails as unavailable.
     pub claim_ids_unavailable: bool,
+    /// The first this many `lease_release` calls fail as unavailable.
+    pub releases_failing: usize,
 }
 
 /// A store wrapper that records the time of every call per operation and applies its
@@ -122,6 +124,9 @@ impl<S: Store> Store for Hooked<S> {
     }
     async fn lease_release(&self, p: s::LeaseReleaseParams) -> StoreResult<Vec<bool>> {
         self.note("lease_release");
+        if self.calls("lease_release") <= self.hooks.releases_failing {
+            return Err(StoreError::unavailable("injected lease_release failure"));
+        }
         self.inner.lease_release(p).await
     }
     async fn signal_deliver(
