@@ -223,16 +223,21 @@ impl TlsSettings {
             (SslMode::Disable, _) | (SslMode::Prefer | SslMode::Require, None) => false,
             (SslMode::VerifyCa | SslMode::VerifyFull, _) | (_, Some(_)) => true,
         };
-        let verifier: Arc<dyn ServerCertVerifier> = if verify {
+        let chain = if verify {
             let (roots, from) = self.roots()?;
             let inner =
                 WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                     .build()
                     .map_err(|e| StoreError::invalid(format!("tls: {e}")))?;
-            Arc::new(Verified { inner, mode: self.mode, roots: from })
+            Some(Chain { inner, roots: from })
         } else {
-            Arc::new(Unverified { algorithms: provider.signature_verification_algorithms })
+            None
         };
+        let verifier = Arc::new(Verifier {
+            chain,
+            mode: self.mode,
+            algorithms: provider.signature_verification_algorithms,
+        });
         let config = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| StoreError::invalid(format!("tls: {e}")))?
@@ -296,23 +301,49 @@ fn root_file_error(path: &Path, why: &str) -> StoreError {
     ))
 }
 
-/// Accepts any certificate, but still checks the handshake signature against it: the
-/// connection is encrypted to whoever holds the key of the certificate shown.
+/// How the server's certificate is checked. Without a chain to check it accepts any
+/// certificate; either way the server must sign the handshake with the certificate's key,
+/// so the connection is encrypted to whoever holds it.
 #[derive(Debug)]
-struct Unverified {
+struct Verifier {
+    /// The chain check, when the mode or a `sslrootcert` asks for one.
+    chain: Option<Chain>,
+    mode: SslMode,
     algorithms: WebPkiSupportedAlgorithms,
 }
 
-impl ServerCertVerifier for Unverified {
+/// The WebPKI verifier and where its roots came from (for messages).
+#[derive(Debug)]
+struct Chain {
+    inner: Arc<WebPkiServerVerifier>,
+    roots: String,
+}
+
+impl ServerCertVerifier for Verifier {
     fn verify_server_cert(
         &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
+        let Some(chain) = &self.chain else { return Ok(ServerCertVerified::assertion()) };
+        // The chain is checked before the name, so a name error means the chain held;
+        // below `verify-full` the name is not checked.
+        match chain.inner.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
+            Ok(verified) => Ok(verified),
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) if self.mode != SslMode::VerifyFull => Ok(ServerCertVerified::assertion()),
+            Err(e) => Err(refusal(self.mode, &chain.roots, server_name, &e)),
+        }
     }
 
     fn verify_tls12_signature(
@@ -338,93 +369,37 @@ impl ServerCertVerifier for Unverified {
     }
 }
 
-/// The WebPKI verifier, with the host name check dropped below `verify-full`, and its
-/// refusals rewritten to say which `sslmode` refused and what to do.
-#[derive(Debug)]
-struct Verified {
-    inner: Arc<WebPkiServerVerifier>,
+/// A refusal of the server's certificate, saying which `sslmode` refused and what to do.
+fn refusal(
     mode: SslMode,
-    /// Where the roots came from, for messages.
-    roots: String,
-}
-
-impl ServerCertVerifier for Verified {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp_response: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        // The chain is checked before the name, so a name error means the chain held.
-        match self.inner.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        ) {
-            Ok(verified) => Ok(verified),
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) if self.mode != SslMode::VerifyFull => Ok(ServerCertVerified::assertion()),
-            Err(e) => Err(self.refusal(server_name, &e)),
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
-    }
-}
-
-impl Verified {
-    fn refusal(&self, server_name: &ServerName<'_>, e: &rustls::Error) -> rustls::Error {
-        let mode = self.mode;
-        let host = server_name.to_str();
-        let message = match e {
-            rustls::Error::InvalidCertificate(
-                CertificateError::UnknownIssuer
-                | CertificateError::BadSignature
-                | CertificateError::BadEncoding,
-            ) => format!(
-                "the server's certificate is not trusted (sslmode={mode}): no root in {} signed \
-                 it; give sslrootcert=<PEM file of the certificate authority that signed it>, or \
-                 use sslmode=require to encrypt without verifying the server",
-                self.roots
-            ),
-            rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            ) => format!(
-                "the server's certificate is not valid for host `{host}` (sslmode={mode}): {e}; \
-                 connect by a name the certificate holds, or use sslmode=verify-ca to check only \
-                 who signed it"
-            ),
-            other => format!(
-                "the server's certificate is refused (sslmode={mode}): {other}; fix the server's \
-                 certificate, or use sslmode=require to encrypt without verifying the server"
-            ),
-        };
-        rustls::Error::Other(rustls::OtherError(Arc::new(Refusal(message))))
-    }
+    roots: &str,
+    server_name: &ServerName<'_>,
+    e: &rustls::Error,
+) -> rustls::Error {
+    let host = server_name.to_str();
+    let message = match e {
+        rustls::Error::InvalidCertificate(
+            CertificateError::UnknownIssuer
+            | CertificateError::BadSignature
+            | CertificateError::BadEncoding,
+        ) => format!(
+            "the server's certificate is not trusted (sslmode={mode}): no root in {roots} \
+             signed it; give sslrootcert=<PEM file of the certificate authority that signed \
+             it>, or use sslmode=require to encrypt without verifying the server"
+        ),
+        rustls::Error::InvalidCertificate(
+            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+        ) => format!(
+            "the server's certificate is not valid for host `{host}` (sslmode={mode}): {e}; \
+             connect by a name the certificate holds, or use sslmode=verify-ca to check only \
+             who signed it"
+        ),
+        other => format!(
+            "the server's certificate is refused (sslmode={mode}): {other}; fix the server's \
+             certificate, or use sslmode=require to encrypt without verifying the server"
+        ),
+    };
+    rustls::Error::Other(rustls::OtherError(Arc::new(Refusal(message))))
 }
 
 /// A verification failure, worded for the user.
