@@ -574,14 +574,14 @@ mod memory {
     /// health, rather than taking hint after hint off the queue to fail each claim.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_store_refusing_claims_by_hint_makes_the_hint_loop_back_off() {
-        use common::hooked::{Hooked, Hooks};
+        use common::faulty::{Faulty, Hooks};
         // Claims of every kind fail: the one slot stays free for the hint loop.
         let hooks = Hooks {
             claim_ids_unavailable: true,
             claims_unavailable_in: vec![keel_core::ids::DEFAULT_QUEUE.to_owned()],
             ..Hooks::default()
         };
-        let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+        let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
         let queue = Arc::new(probe());
         let setup = Setup { poll_interval: Duration::from_millis(100), ..Setup::hinted(50) };
         let config = WorkerConfig {

@@ -12,29 +12,19 @@
 mod common;
 
 use async_trait::async_trait;
+use common::faulty::{Fault, Faulty};
 use common::{Harness, TestStore};
 use keel_core::chart::{ActionError, Definition, Event};
 use keel_core::config::{OnDeadLetter, QueueConfig};
-use keel_core::instance::{DeadLetter, Instance, NewInstance, SignalTarget};
-use keel_core::ports::store::{
-    BroadcastReport, CancelParams, Claim, ClaimParams, CommitParams, CommitReceipt,
-    DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams,
-    DeliveryOutcome, InsertOutcome, InsertParams, InstanceDetail, InstanceListParams,
-    LeaseExtendParams, LeaseReapParams, LeaseReleaseParams, QueuePauseParams, QueueState,
-    QueueStats, SignalBroadcastParams, SignalDeliverParams, StoreCapabilities, TimerStatus,
-    TimerSweepParams, TimerSweepReport,
-};
+use keel_core::instance::NewInstance;
+use keel_core::ports::store::DeadLetterFilter;
 use keel_core::ports::{Clock, Store};
-use keel_core::{
-    DeadLetterId, InstanceId, MachineRef, NewSignal, Outcome, Status, StoreError, StoreResult,
-    Timestamp, WorkerId,
-};
+use keel_core::{InstanceId, MachineRef, NewSignal, Outcome, Status, WorkerId};
 use keel_scheduler::{
     ActionContext, ChartMachine, StepContext, StepError, StepMachine, SweepConfig, SweepGroup,
     WorkerConfig, WorkerLoop,
 };
 use serde_json::{Value, json};
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -194,239 +184,6 @@ async fn a_nul_character_the_store_refuses_is_dead_lettered_and_its_neighbours_f
     refused::<S>(Bad::Nul, &["22P05", "22021", "NUL", "nul"]).await;
 }
 
-/// What a [`Faulty`] store does on one call of an operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    /// Fail with `Unavailable`.
-    Error,
-    /// Refuse with `Invalid`, as a store refuses a request it will never take.
-    Refuse,
-    /// Panic, as a store decoder meeting a row it cannot read once did.
-    Panic,
-}
-
-/// A store that counts calls per operation, delays heartbeats, and fails or panics on
-/// the calls it is told to; everything else goes to the store inside. A reap is
-/// `lease_reap_owner` when it names an owner (a start-up reclaim), else `lease_reap`.
-struct Faulty<S> {
-    inner: S,
-    extend_delay: Duration,
-    /// How long each `step_commit` takes on top of the store's own time.
-    commit_delay: Duration,
-    /// How long each `step_commit` takes to return after the store committed it.
-    settle_delay: Duration,
-    /// `step_commit` calls under way now, and the most seen at once.
-    commits: Mutex<(usize, usize)>,
-    /// Leases handed out by `instance_claim` whose results have not committed yet, and
-    /// the most seen at once.
-    leases: Mutex<(usize, usize)>,
-    /// The most steps one `instance_claim` handed out.
-    largest_claim: Mutex<usize>,
-    /// How many results each `step_commit` carried, in the order the calls came.
-    groups: Mutex<Vec<usize>>,
-    /// When each `step_commit` returned, in the order the calls returned.
-    commit_ends: Mutex<Vec<Instant>>,
-    faults: Mutex<HashMap<&'static str, VecDeque<Fault>>>,
-    calls: Mutex<HashMap<&'static str, u64>>,
-}
-
-impl<S: Store> Faulty<S> {
-    fn new(inner: S) -> Self {
-        Faulty {
-            inner,
-            extend_delay: Duration::ZERO,
-            commit_delay: Duration::ZERO,
-            settle_delay: Duration::ZERO,
-            commits: Mutex::default(),
-            leases: Mutex::default(),
-            largest_claim: Mutex::default(),
-            groups: Mutex::default(),
-            commit_ends: Mutex::default(),
-            faults: Mutex::default(),
-            calls: Mutex::default(),
-        }
-    }
-
-    /// The next calls of `op` do `faults`, in order; later calls go through.
-    fn failing(self, op: &'static str, faults: &[Fault]) -> Self {
-        self.faults.lock().unwrap().entry(op).or_default().extend(faults);
-        self
-    }
-
-    fn calls(&self, op: &str) -> u64 {
-        self.calls.lock().unwrap().get(op).copied().unwrap_or(0)
-    }
-
-    /// Counts the call, then does its fault, if one is due.
-    fn gate(&self, op: &'static str) -> StoreResult<()> {
-        *self.calls.lock().unwrap().entry(op).or_default() += 1;
-        let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
-        match fault {
-            None => Ok(()),
-            Some(Fault::Error) => Err(StoreError::unavailable(format!("injected {op} failure"))),
-            Some(Fault::Refuse) => Err(StoreError::invalid(format!("injected {op} refusal"))),
-            Some(Fault::Panic) => panic!("injected {op} panic"),
-        }
-    }
-}
-
-#[async_trait]
-impl<S: Store> Store for Faulty<S> {
-    fn capabilities(&self) -> StoreCapabilities {
-        self.inner.capabilities()
-    }
-    async fn instance_insert(&self, p: InsertParams) -> StoreResult<Vec<InsertOutcome>> {
-        self.gate("instance_insert")?;
-        self.inner.instance_insert(p).await
-    }
-    async fn instance_claim(&self, p: ClaimParams) -> StoreResult<Vec<Claim>> {
-        self.gate("instance_claim")?;
-        let claims = self.inner.instance_claim(p).await?;
-        let mut leases = self.leases.lock().unwrap();
-        leases.0 += claims.len();
-        leases.1 = leases.1.max(leases.0);
-        let mut largest = self.largest_claim.lock().unwrap();
-        *largest = (*largest).max(claims.len());
-        Ok(claims)
-    }
-    async fn instance_ready_stale(
-        &self,
-        p: keel_core::ports::store::ReadyStaleParams,
-    ) -> StoreResult<Vec<keel_core::Instance>> {
-        self.inner.instance_ready_stale(p).await
-    }
-    async fn step_commit(&self, p: CommitParams) -> StoreResult<Vec<StoreResult<CommitReceipt>>> {
-        self.gate("step_commit")?;
-        {
-            let mut commits = self.commits.lock().unwrap();
-            commits.0 += 1;
-            commits.1 = commits.1.max(commits.0);
-        }
-        let items = p.commits.len();
-        self.groups.lock().unwrap().push(items);
-        tokio::time::sleep(self.commit_delay).await;
-        let result = self.inner.step_commit(p).await;
-        tokio::time::sleep(self.settle_delay).await;
-        self.commit_ends.lock().unwrap().push(Instant::now());
-        self.commits.lock().unwrap().0 -= 1;
-        if result.is_ok() {
-            let mut leases = self.leases.lock().unwrap();
-            leases.0 = leases.0.saturating_sub(items);
-        }
-        result
-    }
-    async fn lease_extend(&self, p: LeaseExtendParams) -> StoreResult<Vec<bool>> {
-        self.gate("lease_extend")?;
-        tokio::time::sleep(self.extend_delay).await;
-        self.inner.lease_extend(p).await
-    }
-    async fn lease_reap(&self, p: LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        self.gate(if p.owner.is_some() { "lease_reap_owner" } else { "lease_reap" })?;
-        self.inner.lease_reap(p).await
-    }
-    async fn lease_release(&self, p: LeaseReleaseParams) -> StoreResult<Vec<bool>> {
-        let released = self.inner.lease_release(p).await?;
-        let mut leases = self.leases.lock().unwrap();
-        leases.0 = leases.0.saturating_sub(released.iter().filter(|r| **r).count());
-        Ok(released)
-    }
-    async fn signal_deliver(&self, p: SignalDeliverParams) -> StoreResult<Vec<DeliveryOutcome>> {
-        self.inner.signal_deliver(p).await
-    }
-    async fn signal_broadcast(&self, p: SignalBroadcastParams) -> StoreResult<BroadcastReport> {
-        self.inner.signal_broadcast(p).await
-    }
-    async fn instance_cancel(&self, p: CancelParams) -> StoreResult<Vec<InstanceId>> {
-        self.inner.instance_cancel(p).await
-    }
-    async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
-        self.inner.instance_get(id).await
-    }
-    async fn instance_rows(&self, ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>> {
-        self.inner.instance_rows(ids).await
-    }
-    async fn instance_list(&self, p: InstanceListParams) -> StoreResult<Vec<Instance>> {
-        self.inner.instance_list(p).await
-    }
-    async fn instance_lookup(&self, t: SignalTarget) -> StoreResult<Option<InstanceId>> {
-        self.inner.instance_lookup(t).await
-    }
-    async fn dead_letter_list(&self, f: DeadLetterFilter) -> StoreResult<Vec<DeadLetter>> {
-        self.inner.dead_letter_list(f).await
-    }
-    async fn dead_letter_get(&self, id: DeadLetterId) -> StoreResult<DeadLetter> {
-        self.inner.dead_letter_get(id).await
-    }
-    async fn dead_letter_retry(&self, p: DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
-        self.inner.dead_letter_retry(p).await
-    }
-    async fn dead_letter_skip(&self, p: DeadLetterSkipParams) -> StoreResult<InstanceId> {
-        self.inner.dead_letter_skip(p).await
-    }
-    async fn dead_letter_purge(&self, p: DeadLetterPurgeParams) -> StoreResult<u64> {
-        self.inner.dead_letter_purge(p).await
-    }
-    async fn queue_pause(&self, p: QueuePauseParams) -> StoreResult<()> {
-        self.inner.queue_pause(p).await
-    }
-    async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
-        self.inner.queue_list(namespace).await
-    }
-    async fn queue_stats(
-        &self,
-        namespace: Option<String>,
-        now: Timestamp,
-    ) -> StoreResult<Vec<QueueStats>> {
-        self.gate("queue_stats")?;
-        self.inner.queue_stats(namespace, now).await
-    }
-    async fn timer_sweep(&self, p: TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        self.gate("timer_sweep")?;
-        self.inner.timer_sweep(p).await
-    }
-    async fn worker_heartbeat(
-        &self,
-        p: keel_core::ports::store::WorkerBeatParams,
-    ) -> StoreResult<()> {
-        self.inner.worker_heartbeat(p).await
-    }
-    async fn worker_list(
-        &self,
-        seen_since: Timestamp,
-    ) -> StoreResult<Vec<keel_core::ports::store::WorkerRecord>> {
-        self.inner.worker_list(seen_since).await
-    }
-    async fn schedule_pause(
-        &self,
-        p: keel_core::ports::store::SchedulePauseParams,
-    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
-        self.inner.schedule_pause(p).await
-    }
-    async fn schedule_states(
-        &self,
-        namespace: String,
-    ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
-        self.inner.schedule_states(namespace).await
-    }
-    async fn timers_retime(
-        &self,
-        p: keel_core::ports::store::TimerRetimeParams,
-    ) -> StoreResult<keel_core::ports::store::TimerRetimePage> {
-        self.gate("timers_retime")?;
-        self.inner.timers_retime(p).await
-    }
-    async fn timer_status(
-        &self,
-        namespace: Option<String>,
-        now: Timestamp,
-    ) -> StoreResult<Vec<TimerStatus>> {
-        self.inner.timer_status(namespace, now).await
-    }
-    async fn ready_wait(&self) {
-        self.inner.ready_wait().await;
-    }
-}
-
 /// Three short steps each (from `a`; one from `c`), each this long, finishing in a steady
 /// stream.
 struct ShortSteps(Duration);
@@ -537,7 +294,7 @@ async fn group_commits_run_side_by_side_up_to_the_configured_bound<S: TestStore>
     assert_eq!(stats.committed(), INSTANCES as u64);
     assert_eq!(h.store.commits.lock().unwrap().1, 3, "three groups at once, never four");
     assert!(
-        h.store.calls("step_commit") < INSTANCES as u64,
+        h.store.calls("step_commit") < INSTANCES,
         "results were grouped: {} commits for {INSTANCES} results",
         h.store.calls("step_commit")
     );
@@ -879,7 +636,7 @@ async fn quick_steps_are_claimed_ahead_and_still_run_one_at_a_time<S: TestStore>
     assert_eq!(steps.most.load(Ordering::SeqCst), 1, "one step at a time");
     let claims = h.store.calls("instance_claim");
     assert!(
-        claims < INSTANCES as u64 / 2,
+        claims < INSTANCES / 2,
         "{claims} claims for {INSTANCES} quick steps: they were not claimed ahead"
     );
     let leases = h.store.leases.lock().unwrap().1;

@@ -9,7 +9,7 @@ mod common;
 
 use async_trait::async_trait;
 use common::Harness;
-use common::hooked::{Hooked, Hooks};
+use common::faulty::{Fault, Faulty, Hooks};
 use keel_core::instance::NewInstance;
 use keel_core::ports::store::LeaseReapParams;
 use keel_core::ports::{Clock, Store};
@@ -76,7 +76,7 @@ async fn eventually(what: &str, cond: impl Fn() -> bool) {
 
 #[tokio::test]
 async fn a_dropped_handle_stops_claiming_and_lets_the_running_step_commit() {
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), Hooks::default()));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), Hooks::default()));
     let config = WorkerConfig { shutdown_grace: Duration::from_secs(3), ..h.config() };
     let ended = Arc::new(AtomicBool::new(false));
     let worker = h.worker(config, SleepsThenFlags(Duration::from_millis(300), Arc::clone(&ended)));
@@ -161,8 +161,8 @@ async fn a_step_cut_short_by_the_grace_stops_running() {
 /// again.
 #[tokio::test]
 async fn a_release_the_store_fails_for_a_moment_is_tried_again() {
-    let hooks = Hooks { releases_failing: 1, ..Hooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let store = Faulty::new(MemoryStore::new()).failing("lease_release", &[Fault::Error]);
+    let h = Harness::with_store(store);
     let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
     let ended = Arc::new(AtomicBool::new(false));
     let worker = h.worker(config, SleepsThenFlags(Duration::from_secs(60), Arc::clone(&ended)));
@@ -177,8 +177,9 @@ async fn a_release_the_store_fails_for_a_moment_is_tried_again() {
 
 #[tokio::test]
 async fn a_result_committing_at_the_end_of_the_grace_keeps_its_lease_and_commits() {
-    let hooks = Hooks { commit_delay: Duration::from_millis(300), ..Hooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let store =
+        Faulty { commit_delay: Duration::from_millis(300), ..Faulty::new(MemoryStore::new()) };
+    let h = Harness::with_store(store);
     let config = WorkerConfig { shutdown_grace: Duration::from_millis(100), ..h.config() };
     let ended = Arc::new(AtomicBool::new(false));
     let worker = h.worker(config, SleepsThenFlags(Duration::from_millis(20), Arc::clone(&ended)));
@@ -199,7 +200,7 @@ async fn a_result_committing_at_the_end_of_the_grace_keeps_its_lease_and_commits
 async fn shutdown_stops_a_long_dead_letter_purge_between_pages() {
     // Every purge page comes back full, as on a huge backlog of old dead letters.
     let hooks = Hooks { purge_full_after: Some(Duration::from_millis(2)), ..Hooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
     // A worker of one namespace purges there whether or not the store lists dead letters.
     let config = WorkerConfig { namespaces: vec!["default".into()], ..h.config() };
     let worker = h.worker(config, WaitsFor(Arc::new(Notify::new())));

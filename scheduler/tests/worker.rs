@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::Harness;
-use common::hooked::{Hooked, Hooks as StoreHooks};
+use common::faulty::{Faulty, Hooks as StoreHooks};
 
 fn machine() -> MachineRef {
     MachineRef::new("m", 1)
@@ -732,7 +732,7 @@ async fn running_step_whose_lease_is_taken<S: Store>(h: &Harness<S>) -> WorkerHa
 
 #[tokio::test]
 async fn a_lease_lost_under_a_running_step_is_counted_once_and_no_longer_extended() {
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), StoreHooks::default()));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), StoreHooks::default()));
     let worker = running_step_whose_lease_is_taken(&h).await;
 
     // Ten heartbeat periods: the loss is found once, and the lease is not sent again.
@@ -747,7 +747,7 @@ async fn a_lease_lost_under_a_running_step_is_counted_once_and_no_longer_extende
 #[tokio::test]
 async fn a_group_commit_gives_up_right_after_its_last_try() {
     let hooks = StoreHooks { commits_unavailable: true, ..StoreHooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
     let worker = h.worker(h.config(), steps(|_| done()));
     h.start(new()).await;
     let gave_up = || {
@@ -782,7 +782,7 @@ fn deadline_chart(name: &str) -> ChartMachine {
 #[tokio::test]
 async fn a_machine_whose_timers_cannot_be_moved_does_not_stop_the_others() {
     let hooks = StoreHooks { refuse_retime: vec!["refused".into()], ..StoreHooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
     // A worker goes through its machines in an order of its own, so several starts put the
     // refused machine first in most of them; each start moves both.
     for start in 1..=8 {
@@ -799,7 +799,7 @@ async fn a_machine_whose_timers_cannot_be_moved_does_not_stop_the_others() {
 
 #[tokio::test]
 async fn a_restarted_worker_takes_back_more_than_one_page_of_its_old_leases() {
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), StoreHooks::default()));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), StoreHooks::default()));
     let config = h.config();
     // The worker's previous life held a page of leases and a few more.
     let held = keel_core::limits::REAP_BATCH_MAX + 5;
@@ -912,7 +912,7 @@ async fn a_step_whose_machine_settings_panic_fails_as_a_panicking_step() {
 async fn a_claimed_step_that_cannot_run_here_gives_its_lease_back_at_once() {
     // The first claim hands the step out under a machine this worker does not run.
     let hooks = StoreHooks { foreign_claims: 1, ..StoreHooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
     let worker = h.worker(h.config(), steps(|_| done()));
     let id = h.start(new()).await;
     // Its lease goes back instead of being extended for as long as the worker runs, and
@@ -973,7 +973,7 @@ async fn file_settings_that_do_not_resolve_on_a_steps_own_are_counted_and_warned
 #[tokio::test]
 async fn a_queue_whose_claims_fail_does_not_slow_the_other_queues() {
     let hooks = StoreHooks { claims_unavailable_in: vec!["a".into()], ..StoreHooks::default() };
-    let h = Harness::with_store(Hooked::new(MemoryStore::new(), hooks));
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
     // One slot, nothing claimed ahead: queue `b` claims once per step.
     let config = WorkerConfig {
         queues: vec![("a".into(), 1), ("b".into(), 1)],

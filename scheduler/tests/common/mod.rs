@@ -10,7 +10,7 @@
 
 #![allow(dead_code, unused_macros, clippy::unused_self)]
 
-pub mod hooked;
+pub mod faulty;
 
 use async_trait::async_trait;
 use keel_core::StoreResult;

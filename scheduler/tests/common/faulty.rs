@@ -1,5 +1,8 @@
-//! A store that notes when each operation was called and misbehaves on the few calls a
-//! test tells it to; everything else goes to the store inside.
+//! A store wrapper for the worker's tests: it notes when each operation was called,
+//! measures the commits and leases the worker has under way, and misbehaves on the calls
+//! a test tells it to (failing, refusing or panicking on the next calls of an operation,
+//! delaying commits and heartbeats, or the few behaviours [`Hooks`] name); everything
+//! else goes to the store inside.
 
 use async_trait::async_trait;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget};
@@ -7,20 +10,30 @@ use keel_core::ports::Store;
 use keel_core::ports::store as s;
 use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// What a [`Hooked`] store does besides passing calls on.
+/// What a [`Faulty`] store does on one call of an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Fail with `Unavailable`.
+    Error,
+    /// Refuse with `Invalid`, as a store refuses a request it will never take.
+    Refuse,
+    /// Panic, as a store decoder meeting a row it cannot read once did.
+    Panic,
+}
+
+/// Behaviours of a [`Faulty`] store that depend on what a call asks for, or hold for
+/// every call.
 #[derive(Debug, Default, Clone)]
 pub struct Hooks {
     /// `timers_retime` of these machines (by name) is refused as invalid.
     pub refuse_retime: Vec<String>,
     /// Every `step_commit` fails as unavailable.
     pub commits_unavailable: bool,
-    /// How long each `step_commit` waits before the store inside commits it.
-    pub commit_delay: Duration,
     /// `dead_letter_purge` answers a full batch after this pause, purging nothing.
     pub purge_full_after: Option<Duration>,
     /// The first this many rows `instance_claim` hands out name a machine (`foreign` v1)
@@ -30,23 +43,66 @@ pub struct Hooks {
     pub claims_unavailable_in: Vec<String>,
     /// `instance_claim_ids` fails as unavailable.
     pub claim_ids_unavailable: bool,
-    /// The first this many `lease_release` calls fail as unavailable.
-    pub releases_failing: usize,
 }
 
-/// A store wrapper that records the time of every call per operation and applies its
-/// [`Hooks`].
-pub struct Hooked<S> {
+/// The store wrapper. A reap is noted as `lease_reap_owner` when it names an owner (a
+/// start-up reclaim), else `lease_reap`.
+pub struct Faulty<S> {
     pub inner: S,
     pub hooks: Hooks,
-    calls: Mutex<HashMap<&'static str, Vec<Instant>>>,
+    /// How long each `lease_extend` takes on top of the store's own time.
+    pub extend_delay: Duration,
+    /// How long each `step_commit` takes on top of the store's own time.
+    pub commit_delay: Duration,
+    /// How long each `step_commit` takes to return after the store committed it.
+    pub settle_delay: Duration,
+    /// `step_commit` calls under way now, and the most seen at once.
+    pub commits: Mutex<(usize, usize)>,
+    /// Leases handed out by `instance_claim` whose results have not committed yet, and
+    /// the most seen at once.
+    pub leases: Mutex<(usize, usize)>,
+    /// The most steps one `instance_claim` handed out.
+    pub largest_claim: Mutex<usize>,
+    /// How many results each `step_commit` carried, in the order the calls came.
+    pub groups: Mutex<Vec<usize>>,
+    /// When each `step_commit` returned, in the order the calls returned.
+    pub commit_ends: Mutex<Vec<Instant>>,
+    /// The faults still due, per operation (see [`Faulty::failing`]).
+    pub faults: Mutex<HashMap<&'static str, VecDeque<Fault>>>,
+    /// When each operation was called (see [`Faulty::calls`]).
+    pub calls: Mutex<HashMap<&'static str, Vec<Instant>>>,
     /// Rows handed out as `foreign` so far.
-    foreign: AtomicUsize,
+    pub foreign: AtomicUsize,
 }
 
-impl<S: Store> Hooked<S> {
-    pub fn new(inner: S, hooks: Hooks) -> Self {
-        Hooked { inner, hooks, calls: Mutex::default(), foreign: AtomicUsize::new(0) }
+impl<S: Store> Faulty<S> {
+    pub fn new(inner: S) -> Self {
+        Faulty::hooked(inner, Hooks::default())
+    }
+
+    /// A store with `hooks`.
+    pub fn hooked(inner: S, hooks: Hooks) -> Self {
+        Faulty {
+            inner,
+            hooks,
+            extend_delay: Duration::ZERO,
+            commit_delay: Duration::ZERO,
+            settle_delay: Duration::ZERO,
+            commits: Mutex::default(),
+            leases: Mutex::default(),
+            largest_claim: Mutex::default(),
+            groups: Mutex::default(),
+            commit_ends: Mutex::default(),
+            faults: Mutex::default(),
+            calls: Mutex::default(),
+            foreign: AtomicUsize::new(0),
+        }
+    }
+
+    /// The next calls of `op` do `faults`, in order; later calls go through.
+    pub fn failing(self, op: &'static str, faults: &[Fault]) -> Self {
+        self.faults.lock().unwrap().entry(op).or_default().extend(faults);
+        self
     }
 
     /// How many times `op` was called.
@@ -59,22 +115,30 @@ impl<S: Store> Hooked<S> {
         self.calls.lock().unwrap().get(op).cloned().unwrap_or_default()
     }
 
-    fn note(&self, op: &'static str) {
+    /// Notes the call, then does its fault, if one is due.
+    fn gate(&self, op: &'static str) -> StoreResult<()> {
         self.calls.lock().unwrap().entry(op).or_default().push(Instant::now());
+        let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
+        match fault {
+            None => Ok(()),
+            Some(Fault::Error) => Err(StoreError::unavailable(format!("injected {op} failure"))),
+            Some(Fault::Refuse) => Err(StoreError::invalid(format!("injected {op} refusal"))),
+            Some(Fault::Panic) => panic!("injected {op} panic"),
+        }
     }
 }
 
 #[async_trait]
-impl<S: Store> Store for Hooked<S> {
+impl<S: Store> Store for Faulty<S> {
     fn capabilities(&self) -> s::StoreCapabilities {
         self.inner.capabilities()
     }
     async fn instance_insert(&self, p: s::InsertParams) -> StoreResult<Vec<s::InsertOutcome>> {
-        self.note("instance_insert");
+        self.gate("instance_insert")?;
         self.inner.instance_insert(p).await
     }
     async fn instance_claim(&self, p: s::ClaimParams) -> StoreResult<Vec<s::Claim>> {
-        self.note("instance_claim");
+        self.gate("instance_claim")?;
         if p.queues.iter().any(|q| self.hooks.claims_unavailable_in.contains(q)) {
             return Err(StoreError::unavailable(format!(
                 "injected instance_claim failure for {:?}",
@@ -82,6 +146,13 @@ impl<S: Store> Store for Hooked<S> {
             )));
         }
         let mut claims = self.inner.instance_claim(p).await?;
+        {
+            let mut leases = self.leases.lock().unwrap();
+            leases.0 += claims.len();
+            leases.1 = leases.1.max(leases.0);
+            let mut largest = self.largest_claim.lock().unwrap();
+            *largest = (*largest).max(claims.len());
+        }
         for claim in &mut claims {
             if self.foreign.fetch_add(1, Ordering::SeqCst) < self.hooks.foreign_claims {
                 claim.instance.machine = keel_core::MachineRef::new("foreign", 1);
@@ -94,7 +165,7 @@ impl<S: Store> Store for Hooked<S> {
         ids: Vec<InstanceId>,
         p: s::ClaimParams,
     ) -> StoreResult<Vec<s::Claim>> {
-        self.note("instance_claim_ids");
+        self.gate("instance_claim_ids")?;
         if self.hooks.claim_ids_unavailable {
             return Err(StoreError::unavailable("injected instance_claim_ids failure"));
         }
@@ -107,27 +178,43 @@ impl<S: Store> Store for Hooked<S> {
         &self,
         p: s::CommitParams,
     ) -> StoreResult<Vec<StoreResult<s::CommitReceipt>>> {
-        self.note("step_commit");
+        self.gate("step_commit")?;
         if self.hooks.commits_unavailable {
             return Err(StoreError::unavailable("injected step_commit failure"));
         }
-        tokio::time::sleep(self.hooks.commit_delay).await;
-        self.inner.step_commit(p).await
+        {
+            let mut commits = self.commits.lock().unwrap();
+            commits.0 += 1;
+            commits.1 = commits.1.max(commits.0);
+        }
+        let items = p.commits.len();
+        self.groups.lock().unwrap().push(items);
+        tokio::time::sleep(self.commit_delay).await;
+        let result = self.inner.step_commit(p).await;
+        tokio::time::sleep(self.settle_delay).await;
+        self.commit_ends.lock().unwrap().push(Instant::now());
+        self.commits.lock().unwrap().0 -= 1;
+        if result.is_ok() {
+            let mut leases = self.leases.lock().unwrap();
+            leases.0 = leases.0.saturating_sub(items);
+        }
+        result
     }
     async fn lease_extend(&self, p: s::LeaseExtendParams) -> StoreResult<Vec<bool>> {
-        self.note("lease_extend");
+        self.gate("lease_extend")?;
+        tokio::time::sleep(self.extend_delay).await;
         self.inner.lease_extend(p).await
     }
     async fn lease_reap(&self, p: s::LeaseReapParams) -> StoreResult<Vec<InstanceId>> {
-        self.note(if p.owner.is_some() { "lease_reap_owner" } else { "lease_reap" });
+        self.gate(if p.owner.is_some() { "lease_reap_owner" } else { "lease_reap" })?;
         self.inner.lease_reap(p).await
     }
     async fn lease_release(&self, p: s::LeaseReleaseParams) -> StoreResult<Vec<bool>> {
-        self.note("lease_release");
-        if self.calls("lease_release") <= self.hooks.releases_failing {
-            return Err(StoreError::unavailable("injected lease_release failure"));
-        }
-        self.inner.lease_release(p).await
+        self.gate("lease_release")?;
+        let released = self.inner.lease_release(p).await?;
+        let mut leases = self.leases.lock().unwrap();
+        leases.0 = leases.0.saturating_sub(released.iter().filter(|r| **r).count());
+        Ok(released)
     }
     async fn signal_deliver(
         &self,
@@ -169,7 +256,7 @@ impl<S: Store> Store for Hooked<S> {
         self.inner.dead_letter_skip(p).await
     }
     async fn dead_letter_purge(&self, p: s::DeadLetterPurgeParams) -> StoreResult<u64> {
-        self.note("dead_letter_purge");
+        self.gate("dead_letter_purge")?;
         if let Some(pause) = self.hooks.purge_full_after {
             tokio::time::sleep(pause).await;
             return Ok(keel_core::limits::DEAD_LETTER_BATCH_MAX as u64);
@@ -193,6 +280,7 @@ impl<S: Store> Store for Hooked<S> {
         namespace: Option<String>,
         now: Timestamp,
     ) -> StoreResult<Vec<s::QueueStats>> {
+        self.gate("queue_stats")?;
         self.inner.queue_stats(namespace, now).await
     }
     async fn schedule_pause(&self, p: s::SchedulePauseParams) -> StoreResult<s::ScheduleState> {
@@ -202,10 +290,11 @@ impl<S: Store> Store for Hooked<S> {
         self.inner.schedule_states(namespace).await
     }
     async fn timer_sweep(&self, p: s::TimerSweepParams) -> StoreResult<s::TimerSweepReport> {
+        self.gate("timer_sweep")?;
         self.inner.timer_sweep(p).await
     }
     async fn timers_retime(&self, p: s::TimerRetimeParams) -> StoreResult<s::TimerRetimePage> {
-        self.note("timers_retime");
+        self.gate("timers_retime")?;
         if self.hooks.refuse_retime.contains(&p.machine.name) {
             return Err(StoreError::invalid(format!(
                 "injected timers_retime refusal for {}",
