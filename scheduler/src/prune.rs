@@ -282,9 +282,6 @@ impl Pruner {
             }
         }
         for (namespace, d) in scopes {
-            if stop() {
-                return Ok(());
-            }
             let params = DeadLetterPurgeParams {
                 selector: Some(DeadLetterSelector::Machine {
                     namespace,

@@ -158,6 +158,15 @@ impl HintLink {
         }
     }
 
+    /// The hint loop failed at the queue or the store: the claim loop carries the load
+    /// until hints bring work again, and the loop's failure is recorded; returns how long
+    /// the loop backs off (at least the poll interval).
+    fn failed<S: Store, C: Clock>(&self, inner: &Inner<S, C>, error: &str) -> Duration {
+        self.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
+        self.set_flowing(false);
+        inner.loop_failed(WorkerLoop::Hints, &error).max(inner.config.poll_interval)
+    }
+
     /// Records whether the hints bring work; waking the claim loop when they stopped.
     fn set_flowing(&self, flowing: bool) {
         if self.flowing.swap(flowing, Ordering::Relaxed) && !flowing {
@@ -475,12 +484,8 @@ async fn hint_loop<S: Store, C: Clock>(
         let deliveries = match received {
             Ok(d) => d,
             Err(e) => {
-                // The claim loop carries the load meanwhile; try the queue again later.
-                link.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
-                link.set_flowing(false);
-                let pause = inner
-                    .loop_failed(WorkerLoop::Hints, &format!("receive hints: {e}"))
-                    .max(inner.config.poll_interval);
+                // Try the queue again later.
+                let pause = link.failed(&inner, &format!("receive hints: {e}"));
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
                     _ = shutdown.changed() => {}
@@ -509,14 +514,9 @@ async fn hint_loop<S: Store, C: Clock>(
                 }
             }
             Err((e, deliveries)) => {
-                // The store is unavailable: the claim loop carries the load meanwhile, and
-                // the hints come back once this loop's back-off is over, not after their
-                // visibility.
-                link.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
-                link.set_flowing(false);
-                let pause = inner
-                    .loop_failed(WorkerLoop::Hints, &format!("claim by hint: {e}"))
-                    .max(inner.config.poll_interval);
+                // The store is unavailable: the hints come back once this loop's back-off
+                // is over, not after their visibility.
+                let pause = link.failed(&inner, &format!("claim by hint: {e}"));
                 for d in deliveries {
                     if let Err(e) = link.queue.nack(d.receipt, pause).await {
                         tracing::debug!(error = %e, "handing a hint back failed; it comes back after its visibility");

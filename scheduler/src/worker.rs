@@ -535,9 +535,9 @@ pub struct Worker<S, C> {
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
     hints: Option<Arc<queue::HintLink>>,
-    /// Machines registered more than once, in the order the repeats came: the worker
-    /// refuses to start with any (see [`Worker::check`]).
-    registered_twice: Vec<MachineRef>,
+    /// The first machine registered more than once: the worker refuses to start (see
+    /// [`Worker::check`]).
+    registered_twice: Option<MachineRef>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
@@ -549,7 +549,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             config,
             machines: HashMap::new(),
             hints: None,
-            registered_twice: Vec::new(),
+            registered_twice: None,
         }
     }
 
@@ -565,7 +565,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             machine.apply_settings(settings);
         }
         match self.machines.entry(machine.machine()) {
-            Entry::Occupied(taken) => self.registered_twice.push(taken.key().clone()),
+            Entry::Occupied(taken) => {
+                self.registered_twice.get_or_insert_with(|| taken.key().clone());
+            }
             Entry::Vacant(free) => {
                 free.insert(Arc::new(machine));
             }
@@ -596,7 +598,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// machine ([`Self::check_settings`]), its schedules and its retention. The message
     /// names the setting and the fix.
     pub fn check(&self) -> Result<(), String> {
-        if let Some(machine) = self.registered_twice.first() {
+        if let Some(machine) = &self.registered_twice {
             return Err(format!(
                 "machine {} v{} is registered twice on this worker; register each \
                  (name, version) once, or give the second machine a version of its own",
@@ -879,12 +881,6 @@ async fn run<S: Store, C: Clock + Clone>(
     }
     // Ended already: shutdown began through it.
     let _ = relay.await;
-}
-
-/// Whether a loop must stop: shutdown began, or its signal's sender is gone (a channel
-/// that closed wakes every wait on it at once, so going on would spin).
-fn stopping(shutdown: &watch::Receiver<bool>) -> bool {
-    *shutdown.borrow() || shutdown.has_changed().is_err()
 }
 
 /// Runs a background loop in its own task and restarts it, after a bounded back-off,
@@ -1221,7 +1217,7 @@ async fn claim_loop<S: Store, C: Clock>(
     // Each queue backs off on its own: one queue whose claims fail waits out its back-off
     // while the others keep their pace.
     let mut backoffs: Vec<QueueBackoff> = queues.iter().map(|_| QueueBackoff::default()).collect();
-    while !stopping(&shutdown) {
+    while !*shutdown.borrow() {
         let mut claimed = 0;
         let mut full = true;
         for (slots, backoff) in queues.iter().zip(&mut backoffs) {
@@ -1331,7 +1327,7 @@ async fn stats_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let gauges = SampledGauges::default();
-    while !stopping(&shutdown) {
+    while !*shutdown.borrow() {
         let pause = match inner.store.queue_stats(None, inner.clock.now()).await {
             Ok(stats) => {
                 let mut sample = GaugeSample::default();
@@ -1453,6 +1449,22 @@ fn claim_entry(
     token: FencingToken,
 ) -> Option<&mut InFlight> {
     in_flight.get_mut(&id).filter(|e| e.token == token)
+}
+
+/// Takes out the in-flight entry of exactly this claim; whether there was one. A newer
+/// claim of the instance (its next step, claimed before this one settled) keeps its own.
+fn remove_claim_entry(
+    in_flight: &mut HashMap<InstanceId, InFlight>,
+    id: InstanceId,
+    token: FencingToken,
+) -> bool {
+    match in_flight.entry(id) {
+        Entry::Occupied(entry) if entry.get().token == token => {
+            entry.remove();
+            true
+        }
+        _ => false,
+    }
 }
 
 /// Tries a release makes while the store answers with a retryable error.
@@ -1619,19 +1631,19 @@ fn run_step<S: Store, C: Clock>(
         // The event the step processes is the first signal it sees; the file's section for
         // it, if any, overrides the machine's.
         let event = claim.inbox.first().map(|s| s.name.as_str());
-        let (config, result) = match settings {
-            Ok((_, base)) => {
-                let config = inner.step_config(&base, row, event);
-                (config, guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await)
-            }
-            Err(panic) => {
+        // A machine whose settings panicked runs under its own configuration (or the
+        // defaults, should that panic too), and the step fails as a panicking one.
+        let (base, panicked) = match settings {
+            Ok((_, base)) => (base, None),
+            Err(panic) => (catch_panic(|| machine.config()).unwrap_or_default(), Some(panic)),
+        };
+        let config = inner.step_config(&base, row, event);
+        let result = match panicked {
+            None => guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await,
+            Some(panic) => {
                 let message = format!("the machine's settings for this step panicked: {panic}");
                 tracing::error!(parent: &span, "{message}");
-                // Its retry policy then comes from the machine's configuration, or the
-                // defaults should that panic too.
-                let base = catch_panic(|| machine.config()).unwrap_or_default();
-                let config = inner.step_config(&base, row, event);
-                (config, Err(StepError::of_kind(FailureKind::Panic, message)))
+                Err(StepError::of_kind(FailureKind::Panic, message))
             }
         };
         let elapsed = started.elapsed();
@@ -1729,17 +1741,11 @@ impl<S: Store, C: Clock> Drop for Unfinished<S, C> {
         if !self.armed {
             return;
         }
-        let removed = {
-            let mut in_flight =
-                self.inner.in_flight.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            match in_flight.entry(self.id) {
-                Entry::Occupied(entry) if entry.get().token == self.token => {
-                    entry.remove();
-                    true
-                }
-                _ => false,
-            }
-        };
+        let removed = remove_claim_entry(
+            &mut self.inner.in_flight.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            self.id,
+            self.token,
+        );
         if !removed {
             return;
         }
@@ -2083,11 +2089,7 @@ impl<S, C> Drop for Settled<'_, S, C> {
             // claimed again (its next step) before the group settled, and that claim's
             // entry must stay, or its step would never start and its lease never extend.
             for f in &self.batch {
-                if let Entry::Occupied(entry) = in_flight.entry(f.commit.id)
-                    && entry.get().token == f.origin.claim.token()
-                {
-                    entry.remove();
-                }
+                remove_claim_entry(&mut in_flight, f.commit.id, f.origin.claim.token());
             }
         }
         self.batch.clear(); // frees the slots
