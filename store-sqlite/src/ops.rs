@@ -51,21 +51,6 @@ pub(crate) const WHOLE_INBOX: usize = i64::MAX as usize;
 /// turns rows down reads the next page.
 const CLAIM_PAGE_MIN: usize = 4;
 
-/// Rows without a key a fair claim reads past its first page, when the planner turned
-/// rows of that page down, in pages of [`UNKEYED_SCAN_PAGE`].
-const UNKEYED_SCAN_MAX: usize = 10_000;
-const UNKEYED_SCAN_PAGE: usize = 256;
-
-/// Where the page after `row` starts, in claim order.
-fn order_after(p: &ClaimParams, row: &Instance) -> (i64, i64, i64) {
-    (i64::from(p.policy.rank(row, p.now)), row.eligible_at.0, row.id.0)
-}
-
-/// Where the page after `rows` starts, when they filled a page of `page` (more may follow).
-fn next_page(p: &ClaimParams, rows: &[(Instance, u32)], page: usize) -> Option<(i64, i64, i64)> {
-    rows.last().filter(|_| rows.len() >= page).map(|(r, _)| order_after(p, r))
-}
-
 // ----- inserts ---------------------------------------------------------------------------
 
 /// Validates the whole batch first, so an invalid item writes nothing.
@@ -87,8 +72,10 @@ pub(crate) async fn insert(db: &mut Db<'_>, p: &InsertParams) -> StoreResult<Vec
 }
 
 /// The filters every claim page applies to table alias `$t`: the named ids (`$only`), the
-/// claim's namespaces, queues and machines, pauses, the executing-concurrency-key rule and
-/// the group.
+/// claim's namespaces, queues and machines, pauses, the executing-concurrency-key rule,
+/// rows waiting for a unique key a running row holds (a key scoped to `executing` but not
+/// `runnable`, bits 1 and 0 of `unique_scope`: the planner would turn them down, and a page
+/// of them would hide the rows behind) and the group.
 macro_rules! claim_filters {
     ($only:literal, $t:literal) => {
         concat!(
@@ -111,6 +98,16 @@ macro_rules! claim_filters {
                      WHERE e.status = 'executing' AND e.concurrency_key = ",
             $t,
             ".concurrency_key)) \
+               AND (",
+            $t,
+            ".unique_key IS NULL OR (",
+            $t,
+            ".unique_scope & 1) <> 0 OR (",
+            $t,
+            ".unique_scope & 2) = 0 \
+                    OR NOT EXISTS (SELECT 1 FROM keel_instances g WHERE g.unique_guard = ",
+            $t,
+            ".unique_key)) \
                AND (? = 0 OR concurrency_key IS ?)"
         )
     };
@@ -292,7 +289,6 @@ pub(crate) async fn claim(
         let cap = planner.cap();
         let mut candidates: Vec<(Instance, u32)> =
             pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Group::Unkeyed, page).await?;
-        let mut unkeyed_after = next_page(p, &candidates, page);
         let mut keys: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT concurrency_key FROM keel_instances WHERE status = 'runnable' \
                AND concurrency_key IS NOT NULL AND eligible_at <= ? \
@@ -394,37 +390,13 @@ pub(crate) async fn claim(
             .await
             .map_err(db.err("writing a queue's claim cursor"))?;
         }
-        // Rows without a key that the planner turned down (their unique key is held by a
-        // running row) must not hide the rows behind them: read on while there is room,
-        // up to a bound of rows per claim.
-        let mut scanned = 0;
-        while let Some(from) = unkeyed_after
-            && !planner.is_full()
-            && scanned < UNKEYED_SCAN_MAX
-        {
-            db.write(std::mem::take(&mut writes)).await?;
-            let more = page.max(UNKEYED_SCAN_PAGE);
-            let rows = pick.page(db, from, Group::Unkeyed, more).await?;
-            scanned += rows.len();
-            unkeyed_after = next_page(p, &rows, more);
-            for (row, key_running) in rows {
-                if planner.is_full() {
-                    break;
-                }
-                let offered =
-                    offer(db, &mut planner, &row, queue_executing, key_running, &mut writes);
-                if let Some(next) = offered.await? {
-                    taken.push(next);
-                }
-            }
-        }
     }
     while !fair && !planner.is_full() {
         db.write(std::mem::take(&mut writes)).await?;
         let candidates = pick.page(db, after, Group::Any, page).await?;
         let exhausted = candidates.len() < page;
         for (row, key_running) in candidates {
-            after = order_after(p, &row);
+            after = (i64::from(p.policy.rank(&row, p.now)), row.eligible_at.0, row.id.0);
             if planner.is_full() {
                 break;
             }
