@@ -183,7 +183,7 @@ pub fn delivers(fired: &Fired) -> bool {
 /// Whether a timer owned by `state` is cancelled when `left` is left: the same state or
 /// one of its descendants.
 pub fn owned_by(state: &str, left: &str) -> bool {
-    state == left || state.strip_prefix(left).is_some_and(|rest| rest.starts_with('.'))
+    crate::chart::at_or_below(state, left)
 }
 
 /// Whether a timer owned by `state` goes when the states `cancel` are left.

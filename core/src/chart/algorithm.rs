@@ -702,9 +702,9 @@ impl<'d> Macrostep<'d> {
                 name.strip_prefix(DONE_STATE).or_else(|| name.strip_prefix(DONE_INVOKE))
                     == Some(path)
             }
-            Trigger::Fail => name.strip_prefix(FAIL_STATE).is_some_and(|rest| {
-                rest == path || rest.strip_prefix(path).is_some_and(|r| r.starts_with('.'))
-            }),
+            Trigger::Fail => {
+                name.strip_prefix(FAIL_STATE).is_some_and(|failed| super::at_or_below(failed, path))
+            }
             Trigger::Timeout => name.strip_prefix(TIMEOUT_INVOKE) == Some(path),
         }
     }
@@ -730,11 +730,7 @@ impl<'d> Macrostep<'d> {
                 atomic
                     .iter()
                     .copied()
-                    .filter(|&leaf| {
-                        let path = self.def.path(leaf);
-                        path == failed
-                            || path.strip_prefix(failed).is_some_and(|r| r.starts_with('.'))
-                    })
+                    .filter(|&leaf| super::at_or_below(self.def.path(leaf), failed))
                     .collect::<Vec<_>>()
             })
             .filter(|below| !below.is_empty());

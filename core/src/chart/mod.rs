@@ -84,6 +84,12 @@ pub use definition::{
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use migrate::Migration;
 
+/// Whether the state at dotted `path` is `ancestor` or lies below it
+/// (`processing.payment` is below `processing`; `processing_extra` is not).
+pub fn at_or_below(path: &str, ancestor: &str) -> bool {
+    path == ancestor || path.strip_prefix(ancestor).is_some_and(|rest| rest.starts_with('.'))
+}
+
 /// The position of a chart instance that has not entered its chart yet: its first step
 /// enters the initial states.
 pub const INIT_POSITION: &str = "@init";
