@@ -15,7 +15,6 @@ use crate::rows::{Db, Guard, SignalInsert, Writes, dead_letter_cols, instance_co
 use keel_core::inbox;
 use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
-use keel_core::outcome;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
 use keel_core::plan::history::TrimCandidate;
@@ -1716,11 +1715,8 @@ pub(crate) async fn dead_letter_retry(
     p: &DeadLetterRetryParams,
 ) -> StoreResult<Vec<InstanceId>> {
     p.validate()?;
-    // A retry by machine reads only letters that can be retried, so the ones left behind
-    // by instances that moved on never fill the batch.
-    let retryable = matches!(p.selector, DeadLetterSelector::Machine { .. })
-        .then_some(outcome::DEAD_LETTER_RETRYABLE);
-    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector), retryable, None)
+    let status = p.instance_status();
+    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector), status, None)
         .await?
         .into_iter()
         .map(|(id, letter, _)| (id, letter.instance))

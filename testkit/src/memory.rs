@@ -25,7 +25,6 @@ use keel_core::instance::{
     ChildSummary, DeadLetter, HistoryEntry, HistoryRecord, check_batch, unique_guard,
 };
 use keel_core::limits;
-use keel_core::outcome;
 use keel_core::plan::claim::{CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
@@ -751,13 +750,10 @@ impl State {
 
     fn dead_letter_retry(&mut self, p: &DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>> {
         p.validate()?;
-        let by_machine = matches!(p.selector, DeadLetterSelector::Machine { .. });
+        let status = p.instance_status();
         let retryable = |d: &&DeadLetter| {
-            !by_machine
-                || self
-                    .rows
-                    .get(&d.letter.instance)
-                    .is_some_and(|r| r.status == outcome::DEAD_LETTER_RETRYABLE)
+            status
+                .is_none_or(|st| self.rows.get(&d.letter.instance).is_some_and(|r| r.status == st))
         };
         let letters: Vec<(DeadLetterId, InstanceId)> = self
             .letters(Some(&p.selector))

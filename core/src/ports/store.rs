@@ -1092,6 +1092,18 @@ pub struct DeadLetterRetryParams {
 }
 
 impl DeadLetterRetryParams {
+    /// The status a store reads letters' instances in, when the retry names a machine:
+    /// only letters of instances still [`crate::outcome::DEAD_LETTER_RETRYABLE`], so
+    /// records of instances that moved on never fill the batch. `None` for one named
+    /// letter, which is read whatever its instance's status (and refused if it cannot be
+    /// retried).
+    pub fn instance_status(&self) -> Option<crate::ids::Status> {
+        match self.selector {
+            DeadLetterSelector::Id(_) => None,
+            DeadLetterSelector::Machine { .. } => Some(crate::outcome::DEAD_LETTER_RETRYABLE),
+        }
+    }
+
     /// Checks the selector and the delay, which is bounded like a step's own retry delay.
     pub fn validate(&self) -> StoreResult<()> {
         self.selector.validate()?;

@@ -9,7 +9,6 @@ use crate::rows::{
 };
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
-use keel_core::outcome;
 use keel_core::plan;
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
@@ -523,12 +522,12 @@ pub(crate) async fn dead_letter_get<C: GenericClient + Sync>(
     }
 }
 
-/// The dead letters a selector names: `(letter id, instance id)`, oldest first, locked.
+/// The dead letters a retry names: `(letter id, instance id)`, oldest first, locked.
 async fn select_letters<C: GenericClient + Sync>(
     c: &C,
-    s: &DeadLetterSelector,
+    p: &DeadLetterRetryParams,
 ) -> OpResult<Vec<(i64, i64)>> {
-    let found = match s {
+    let found = match &p.selector {
         DeadLetterSelector::Id(id) => {
             let stmt = c
                 .prepare_cached("SELECT id, instance_id FROM dead_letters WHERE id = $1 FOR UPDATE")
@@ -541,20 +540,20 @@ async fn select_letters<C: GenericClient + Sync>(
             }
             r
         }
-        // A retry by machine reads only letters that can be retried, so the ones left
-        // behind by instances that moved on never fill the batch (the instance rows are
-        // locked and checked again before anything is written).
+        // Of the instance status the core names (the instance rows are locked and checked
+        // again before anything is written).
         DeadLetterSelector::Machine { namespace, machine } => {
             let stmt = c
                 .prepare_cached(
                     "SELECT d.id, d.instance_id FROM dead_letters d JOIN instances i ON i.id = d.instance_id \
-                     WHERE d.namespace = $1 AND d.machine = $2 AND i.status = $3::text::status \
+                     WHERE d.namespace = $1 AND d.machine = $2 \
+                       AND ($3::text IS NULL OR i.status = $3::text::status) \
                      ORDER BY d.id LIMIT $4 FOR UPDATE OF d",
                 )
                 .await?;
-            let retryable = outcome::DEAD_LETTER_RETRYABLE.name();
+            let status = p.instance_status().map(Status::name);
             let limit = limits::DEAD_LETTER_BATCH_MAX as i64;
-            c.query(&stmt, &[namespace, machine, &retryable, &limit]).await?
+            c.query(&stmt, &[namespace, machine, &status, &limit]).await?
         }
     };
     Ok(found
@@ -575,7 +574,7 @@ pub(crate) async fn dead_letter_retry<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<Vec<InstanceId>> {
     begin(c).await?;
-    let letters: Vec<(DeadLetterId, InstanceId)> = select_letters(c, &p.selector)
+    let letters: Vec<(DeadLetterId, InstanceId)> = select_letters(c, p)
         .await?
         .into_iter()
         .map(|(l, i)| (DeadLetterId(l), InstanceId(i)))
