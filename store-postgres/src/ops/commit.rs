@@ -557,3 +557,14 @@ impl LetterWrite {
         ]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The SQL that recognises a timer's fire uses the core's fire key prefix, so the two
+    /// cannot drift apart.
+    #[test]
+    fn the_fire_test_in_sql_uses_the_cores_prefix() {
+        let prefix = keel_core::timers::FIRE_KEY_PREFIX;
+        assert!(is_fire!().contains(&format!("LIKE '{prefix}%'")), "{}", is_fire!());
+    }
+}
