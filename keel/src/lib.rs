@@ -317,8 +317,6 @@ pub struct Keel {
     described: String,
     /// The queue of hints its workers receive from, and how ([`Keel::with_queue`]).
     hints: Option<(Arc<dyn keel_core::ports::Queue>, keel_scheduler::HintConfig)>,
-    /// The configuration file its client and workers apply ([`Keel::with_settings`]).
-    settings: Option<keel_core::config::KeelConfig>,
 }
 
 /// What configuration errors name as their file when the settings came through
@@ -356,7 +354,7 @@ impl Keel {
 
     fn assemble(store: AnyStore, clock: AnyClock, described: String) -> Keel {
         let client = Client::new(Arc::new(store.clone()), clock.clone());
-        Keel { client, store, clock, described, hints: None, settings: None }
+        Keel { client, store, clock, described, hints: None }
     }
 
     /// The same connection with a queue of ready-work hints: its client announces on
@@ -390,8 +388,7 @@ impl Keel {
     /// [`Error::Config`], before anything runs.
     #[must_use]
     pub fn with_settings(mut self, settings: keel_core::config::KeelConfig) -> Keel {
-        self.client = self.client.with_settings(settings.clone());
-        self.settings = Some(settings);
+        self.client = self.client.with_settings(settings);
         self
     }
 
@@ -420,7 +417,7 @@ impl Keel {
     /// [`with_settings`](Self::with_settings), if any, is applied
     /// (`WorkerConfig::with_settings`).
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
-        let Some(file) = &self.settings else { return self.builder(config) };
+        let Some(file) = self.client.settings() else { return self.builder(config) };
         match apply(config, file.clone(), GIVEN_SETTINGS) {
             Ok(config) => self.builder(config),
             // Never spawned: `spawn` returns the error.
@@ -444,7 +441,7 @@ impl Keel {
     ) -> Result<WorkerBuilder, Error> {
         let label = || path.map_or_else(|| "$KEEL_CONFIG".to_owned(), |p| p.display().to_string());
         let names_file = path.is_some() || std::env::var_os(settings::CONFIG_VAR).is_some();
-        let config = match (&self.settings, names_file) {
+        let config = match (self.client.settings(), names_file) {
             (Some(given), false) => apply(config, given.clone(), GIVEN_SETTINGS)?,
             (given, _) => match (settings::load(path)?, given) {
                 (Some(loaded), Some(given)) if loaded != *given => {

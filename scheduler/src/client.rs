@@ -70,6 +70,11 @@ impl<S: Store, C: Clock> Client<S, C> {
         self
     }
 
+    /// The configuration file this client applies, if it was given one.
+    pub fn settings(&self) -> Option<&KeelConfig> {
+        self.settings.as_deref()
+    }
+
     /// The priorities the settings give the signals of a batch that carry none. A
     /// signal's machine is known from a business-key target; the other targets are looked
     /// up (one read of their rows), only for events some machine's section prioritizes.
