@@ -584,11 +584,7 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                 (Some(id), _) => {
                     // The id alone selects across namespaces: check it is this one's first.
                     let letter = letter_in(keel, ns, &id).await?;
-                    let retry = DeadLetterRetry::one(letter.id);
-                    let retry = match delay {
-                        Some(delay) => retry.after(delay),
-                        None => retry,
-                    };
+                    let retry = DeadLetterRetry::one(letter.id).after(delay.unwrap_or_default());
                     let retried = keel.dead_letter_retry(retry).await?;
                     let human =
                         format!("Retried {} instance(s): {}.", retried.len(), ids(&retried));

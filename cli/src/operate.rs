@@ -759,11 +759,7 @@ pub async fn retry_machine_letters(
             Err(error) => return Err(Stopped { done, error }),
         };
         for d in &letters {
-            let retry = keel::DeadLetterRetry::one(d.id);
-            let retry = match delay {
-                Some(delay) => retry.after(delay),
-                None => retry,
-            };
+            let retry = keel::DeadLetterRetry::one(d.id).after(delay.unwrap_or_default());
             match keel.dead_letter_retry(retry).await {
                 Ok(ids) => done.retried.extend(ids),
                 // The store refuses a letter whose instance is no longer suspended (moved
