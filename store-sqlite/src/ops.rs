@@ -205,6 +205,48 @@ pub(crate) async fn ready_stale(
     Ok(rows.into_iter().filter(|r| keel_core::plan::hints::needs_hint(r, false, p)).collect())
 }
 
+/// The concurrency keys with due runnable rows in the claim's queues, in ascending order:
+/// those after the first parameter up to and including the third (no upper end when
+/// NULL), at most the sixth parameter of them. A skip scan: each key is one probe of the
+/// runnable-keys index for the next key, which reads past a key's rows only where they
+/// are not due yet or belong to another queue; so the scan's cost follows the keys it
+/// returns, not the rows waiting under them.
+pub(crate) const ROTATION_KEYS_SQL: &str = "WITH RECURSIVE k(key, n) AS ( \
+       SELECT ?, 0 \
+       UNION ALL \
+       SELECT (SELECT i.concurrency_key FROM keel_instances i \
+               WHERE i.status = 'runnable' AND i.concurrency_key IS NOT NULL \
+                 AND i.concurrency_key > k.key AND i.eligible_at <= ? \
+                 AND (? IS NULL OR i.concurrency_key <= ?) \
+                 AND (? = '[]' OR i.queue IN (SELECT value FROM json_each(?))) \
+               ORDER BY i.concurrency_key LIMIT 1), k.n + 1 \
+       FROM k WHERE k.key IS NOT NULL AND k.n < ? \
+     ) \
+     SELECT key FROM k WHERE n > 0 AND key IS NOT NULL";
+
+/// [`ROTATION_KEYS_SQL`]: the keys after `after` (every key when `None`) up to and
+/// including `through` (no upper end when `None`), at most `max` of them.
+async fn rotation_keys(
+    db: &mut Db<'_>,
+    now: Timestamp,
+    queues: &str,
+    (after, through): (Option<&str>, Option<&str>),
+    max: usize,
+) -> StoreResult<Vec<String>> {
+    sqlx::query_scalar(ROTATION_KEYS_SQL)
+        // Every stored key is non-empty, so all of them sort after ''.
+        .bind(after.unwrap_or(""))
+        .bind(now.0)
+        .bind(through)
+        .bind(through)
+        .bind(queues)
+        .bind(queues)
+        .bind(max as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("listing concurrency keys"))
+}
+
 /// Claims in priority, `eligible_at`, id order. The SQL picks candidates that pass the
 /// filters, pauses and the executing-concurrency-key rule (so each candidate's read says
 /// neither paused nor key executing); the core's claim planner decides each candidate,
@@ -288,24 +330,26 @@ pub(crate) async fn claim(
         let cap = planner.cap();
         let mut candidates: Vec<(Instance, u32)> =
             pick.page(db, (i64::MIN, i64::MIN, i64::MIN), Group::Unkeyed, page).await?;
-        let mut keys: Vec<String> = sqlx::query_scalar(
-            "SELECT DISTINCT concurrency_key FROM keel_instances WHERE status = 'runnable' \
-               AND concurrency_key IS NOT NULL AND eligible_at <= ? \
-               AND (? = '[]' OR queue IN (SELECT value FROM json_each(?)))",
-        )
-        .bind(p.now.0)
-        .bind(&queues)
-        .bind(&queues)
-        .fetch_all(&mut *db.conn)
-        .await
-        .map_err(db.err("listing concurrency keys"))?;
-        keys.sort_by(|a, b| {
-            claim::rotation(a, cursor.as_deref()).cmp(&claim::rotation(b, cursor.as_deref()))
-        });
+        // The keys in rotation order: those after the cursor, then from the first up to
+        // and including it, at most `CLAIM_KEYS_SCAN_MAX` of them in all.
+        let scan = limits::CLAIM_KEYS_SCAN_MAX;
+        let mut keys = rotation_keys(db, p.now, &queues, (cursor.as_deref(), None), scan).await?;
+        if let Some(at) = cursor.as_deref()
+            && keys.len() < scan
+        {
+            let left = scan - keys.len();
+            keys.extend(rotation_keys(db, p.now, &queues, (None, Some(at)), left).await?);
+        }
+        // Where the scan stops at its bound without filling the claim, the next claim
+        // carries on after the last key it visited.
+        let mut stopped = None;
         let mut rooms: HashMap<String, u32> = HashMap::new();
-        for key in keys {
+        for (visited, key) in keys.into_iter().enumerate() {
             if rooms.len() >= cap {
                 break;
+            }
+            if visited + 1 == limits::CLAIM_KEYS_SCAN_MAX {
+                stopped = Some(key.clone());
             }
             let running: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM keel_instances WHERE status = 'executing' AND concurrency_key = ?",
@@ -374,7 +418,8 @@ pub(crate) async fn claim(
                 taken.push(next);
             }
         }
-        let after = claim::cursor_after(cursor.clone(), &taken, planner.is_full());
+        let after =
+            claim::cursor_after(cursor.clone(), &taken, planner.is_full(), stopped.as_deref());
         if let Some(queue) = cursor_queue
             && after != cursor
             && let Some(key) = &after
@@ -2028,6 +2073,20 @@ mod tests {
             );
             assert!(!plan.contains("CO-ROUTINE"), "a subquery is materialised whole:\n{plan}");
         }
+    }
+
+    /// A fair claim lists its keys by probing the runnable-keys index once per key, in key
+    /// order: no statement walks every keyed ready row or sorts the keys, so a claim's key
+    /// scan costs the keys it visits (at most `CLAIM_KEYS_SCAN_MAX`), not the backlog.
+    #[tokio::test]
+    async fn the_key_scan_probes_the_runnable_keys_index_without_sorting() {
+        let mut conn = schema().await;
+        let plan = plan(&mut conn, super::ROTATION_KEYS_SQL).await;
+        assert!(
+            plan.contains("INDEX keel_instances_runnable_keys (concurrency_key>?)"),
+            "expected a probe of keel_instances_runnable_keys past the last key, got:\n{plan}"
+        );
+        assert!(!plan.contains("TEMP B-TREE"), "the keys are sorted:\n{plan}");
     }
 
     /// No statement of this crate binds its row limit as a bare parameter: SQLite plans

@@ -316,7 +316,7 @@ impl State {
         }
         if let Some(queue) = cursor_queue.filter(|_| fair) {
             let taken: Vec<Instance> = claims.iter().map(|c| c.instance.clone()).collect();
-            match keel_core::plan::claim::cursor_after(cursor, &taken, planner.is_full()) {
+            match keel_core::plan::claim::cursor_after(cursor, &taken, planner.is_full(), None) {
                 Some(key) => self.cursors.insert(queue, key),
                 None => self.cursors.remove(&queue),
             };

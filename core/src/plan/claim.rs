@@ -680,11 +680,19 @@ pub fn fair_order(
 
 /// The queue's rotation cursor after a fair claim: when the claim took all it could
 /// (`full`), the last key in rotation order among the rows it took, so the next claim
-/// starts with the keys after it; otherwise every key with room was served and the cursor
+/// starts with the keys after it. A claim that did not fill up but whose scan of the keys
+/// stopped at its bound ([`limits::CLAIM_KEYS_SCAN_MAX`] keys visited, `stopped` naming
+/// the last) moves the cursor to that key, so the next claim carries on past the keys
+/// this one found without room. Otherwise every key with room was served and the cursor
 /// stays.
-pub fn cursor_after(after: Option<String>, taken: &[Instance], full: bool) -> Option<String> {
+pub fn cursor_after(
+    after: Option<String>,
+    taken: &[Instance],
+    full: bool,
+    stopped: Option<&str>,
+) -> Option<String> {
     if !full {
-        return after;
+        return stopped.map(str::to_owned).or(after);
     }
     let last = taken
         .iter()
@@ -992,10 +1000,19 @@ mod fair_tests {
     #[test]
     fn the_cursor_moves_to_the_last_key_in_rotation_of_a_full_claim() {
         let taken = vec![row(1, Some("c")), row(2, None), row(3, Some("a"))];
-        assert_eq!(cursor_after(Some("b".into()), &taken, true).as_deref(), Some("a"));
-        assert_eq!(cursor_after(None, &taken, true).as_deref(), Some("c"));
-        assert_eq!(cursor_after(Some("x".into()), &taken, false).as_deref(), Some("x"));
-        assert_eq!(cursor_after(Some("x".into()), &taken[1..2], true).as_deref(), Some("x"));
+        assert_eq!(cursor_after(Some("b".into()), &taken, true, None).as_deref(), Some("a"));
+        assert_eq!(cursor_after(None, &taken, true, None).as_deref(), Some("c"));
+        assert_eq!(cursor_after(Some("x".into()), &taken, false, None).as_deref(), Some("x"));
+        assert_eq!(cursor_after(Some("x".into()), &taken[1..2], true, None).as_deref(), Some("x"));
+        // A full claim moves by what it took, even when its scan stopped at the bound.
+        assert_eq!(cursor_after(Some("b".into()), &taken, true, Some("z")).as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn a_scan_stopped_at_its_bound_moves_the_cursor_to_the_last_key_it_visited() {
+        let taken = vec![row(1, Some("c"))];
+        assert_eq!(cursor_after(Some("b".into()), &taken, false, Some("k")).as_deref(), Some("k"));
+        assert_eq!(cursor_after(None, &[], false, Some("k")).as_deref(), Some("k"));
     }
 }
 

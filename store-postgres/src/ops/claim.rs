@@ -192,9 +192,9 @@ static FAIR_RANKED_LIMITED: LazyLock<String> = LazyLock::new(|| fair_sql(Order::
 /// - `kc`: each key's first `room` due rows in claim order, with their round.
 /// - `chosen`: rounds, then claim order, cut at the limit; keyed rows are then locked
 ///   (`SKIP LOCKED`: a row another claimer holds is left out).
-/// - the cursor moves to the last key in rotation order a full claim took, as
-///   `plan::claim::cursor_after` says; a claim that reached the scan bound without
-///   filling up moves it to the last key it visited, so the next claim carries on there.
+/// - the cursor moves as `plan::claim::cursor_after` says: to the last key in rotation
+///   order a full claim took, or, when the scan reached its bound without filling up, to
+///   the last key it visited (its `stopped`), so the next claim carries on there.
 ///
 /// Without a global limit (`global` false) the statement's limit is `$6` alone: a limit
 /// expression with the executing count in it costs a count on every claim even when `$9`

@@ -4,6 +4,7 @@
 use super::support::{at, claim, claim_params, done, expect_kind, ids, insert, new_in, next, step};
 use keel_core::ErrorKind;
 use keel_core::config::Strategy;
+use keel_core::limits;
 use keel_core::plan::claim::{ClaimPolicy, RateLimit};
 use keel_core::ports::Store;
 use keel_core::ports::store::ClaimParams;
@@ -302,6 +303,38 @@ pub async fn claim_fair_across_concurrency_keys<S: Store>(s: &S) {
     assert_eq!(ids(&claim(s, plain.clone()).await), vec![many[0].id()], "the busy key's first row");
     let single = insert(s, vec![mk("fair_q2", Some(&lone), 299)], at(299)).await;
     assert_eq!(ids(&claim(s, ClaimParams { limit: 10, ..plain }).await), vec![single[0].id()]);
+}
+
+/// A fair claim reads a bounded number of keys, yet a key with room is not starved by more
+/// keys at their limit than one claim visits: the scan carries on where the last stopped,
+/// so the key's row is claimed within two claims, and no key over its limit gets a row.
+pub async fn claim_fair_reaches_a_key_behind_more_full_keys_than_one_scan_visits<S: Store>(s: &S) {
+    let ns = "claim_far";
+    let full = limits::CLAIM_KEYS_SCAN_MAX + 5;
+    let key = |i: usize| format!("far-{i:05}");
+    let mk = |q: &str, k: String| new_in(ns).queue(q).eligible_at(at(0)).concurrency_key(k);
+    let policy = ClaimPolicy { key_limit: 1, ..ClaimPolicy::new(Strategy::Fifo) };
+    let params = |q: &str, limit: usize| {
+        let mut params = with_policy(ns, limit, at(100), policy);
+        params.queues = vec![q.into()];
+        params
+    };
+    // Every key but the last runs a row (from another queue: a key's limit counts its
+    // executing rows wherever they are) and has one more ready in the claimed queue.
+    insert(s, (0..full).map(|i| mk("far_busy", key(i))).collect(), at(0)).await;
+    let mut running = 0;
+    while running < full {
+        let got = claim(s, params("far_busy", limits::CLAIM_BATCH_MAX)).await;
+        assert!(!got.is_empty(), "the busy queue drains ({running} of {full} claimed)");
+        running += got.len();
+    }
+    insert(s, (0..full).map(|i| mk("far_q", key(i))).collect(), at(0)).await;
+    let last = insert(s, vec![mk("far_q", "far-zzzzz".to_owned())], at(0)).await;
+    let mut got = ids(&claim(s, params("far_q", 10)).await);
+    if got.is_empty() {
+        got = ids(&claim(s, params("far_q", 10)).await);
+    }
+    assert_eq!(got, vec![last[0].id()], "the one key with room, within two claims");
 }
 
 /// How many of `claims` are rows of each concurrency key (`-` for rows without one).

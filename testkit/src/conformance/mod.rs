@@ -149,6 +149,7 @@ macro_rules! __store_contract_list {
             key_rate_limit_bounds_each_keys_starts,
             key_rate_limit_keeps_each_keys_rate,
             claim_fair_across_concurrency_keys,
+            claim_fair_reaches_a_key_behind_more_full_keys_than_one_scan_visits,
             retry_exhaustion_dead_letter_then_retry,
             dead_letter_retry_by_machine,
             dead_letter_machine_operations_reach_past_a_full_batch,
