@@ -24,13 +24,15 @@
 //! Two sweeps of one group are at least [`SWEEP_GAP`] apart, so timers falling due in a
 //! steady stream are fired in batches rather than one sweep each (and reuse a ready-backlog
 //! reading up to [`BACKLOG_MAX_AGE`] old); after a sweep skipped for backpressure the
-//! group waits its full cadence.
+//! group counts the backlog again [`BACKPRESSURE_RECHECK`] later (or at its cadence, if
+//! that is sooner), so its due timers fire about a second after the backlog has drained.
 //!
 //! **Precision.** With [`SweepConfig::default`] a due timer is fired within [`SWEEP_GAP`]
 //! plus one sweep's duration of its due time — well within a second — and never before it.
-//! It fires later only while the ready backlog is above the backpressure threshold, or when
-//! no sweeper heard of it (hints lost, or armed by another process on the same SQLite
-//! file), and then at the latest one cadence (a minute by default) after it fell due.
+//! It fires later only while the ready backlog is above the backpressure threshold (then
+//! within about [`BACKPRESSURE_RECHECK`] of the backlog falling below it), or when no
+//! sweeper heard of it (hints lost, or armed by another process on the same SQLite file),
+//! and then at the latest one cadence (a minute by default) after it fell due.
 //! Sleeping is measured against the injected clock, re-read at least every
 //! [`CLOCK_CHECK`] without touching the store, so a clock that jumps (or a virtual clock a
 //! test moves) is noticed promptly.
@@ -39,6 +41,7 @@ use keel_core::limits;
 use keel_core::ports::store::{TimerNextDueParams, TimerSweepParams, TimerSweepReport};
 use keel_core::ports::{Clock, Store};
 use keel_core::{StoreResult, Timestamp};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -62,6 +65,11 @@ pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
 
 /// How long a group waits before trying again after a store call failed.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How soon a group whose sweep was skipped for backpressure counts the ready backlog
+/// again: once a second at most while the store is overloaded, and its due timers no more
+/// than about this late once the backlog has drained.
+pub const BACKPRESSURE_RECHECK: Duration = Duration::from_secs(1);
 
 /// How old a ready-backlog reading a sweep may reuse. Reading the backlog counts the
 /// instance table (tens of milliseconds with tens of thousands of live instances), and
@@ -190,13 +198,17 @@ pub struct Sweeper<S, C> {
     config: SweepConfig,
     /// The last ready-backlog reading that let a sweep run, and when it was taken.
     backlog: Mutex<Option<(Instant, u64)>>,
+    /// The last sweep was skipped for backpressure: a run of skipped sweeps logs its
+    /// warning once, and the sweep that ends it says so.
+    skipping: std::sync::atomic::AtomicBool,
 }
 
 impl<S: Store, C: Clock> Sweeper<S, C> {
     /// A sweeper; `config` must pass [`SweepConfig::validate`].
     pub fn new(store: Arc<S>, clock: C, config: SweepConfig) -> Result<Self, String> {
         config.validate()?;
-        Ok(Sweeper { store, clock, config, backlog: Mutex::new(None) })
+        let skipping = std::sync::atomic::AtomicBool::new(false);
+        Ok(Sweeper { store, clock, config, backlog: Mutex::new(None), skipping })
     }
 
     /// The configuration.
@@ -236,13 +248,26 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         backlog: u64,
         now: Timestamp,
     ) -> StoreResult<SweepOutcome> {
-        if backlog > self.config.backpressure_threshold {
-            tracing::warn!(
-                backlog,
-                threshold = self.config.backpressure_threshold,
-                "timer sweep skipped: the ready backlog is above the backpressure threshold; due timers fire on a later sweep"
-            );
+        let threshold = self.config.backpressure_threshold;
+        let was_skipping = self.skipping.swap(backlog > threshold, Ordering::Relaxed);
+        if backlog > threshold {
+            if was_skipping {
+                tracing::debug!(backlog, threshold, "timer sweep skipped again");
+            } else {
+                tracing::warn!(
+                    backlog,
+                    threshold,
+                    "timer sweep skipped: the ready backlog is above the backpressure threshold; due timers fire on a later sweep"
+                );
+            }
             return Ok(SweepOutcome::Skipped { backlog });
+        }
+        if was_skipping {
+            tracing::info!(
+                backlog,
+                threshold,
+                "timer sweeps resumed: the ready backlog is below the backpressure threshold"
+            );
         }
         let mut total = TimerSweepReport::default();
         let mut batches = 0;
@@ -395,19 +420,24 @@ struct GroupPlan {
     last: Option<Instant>,
     /// The earliest due time of its timers as far as it knows (`None`: none known).
     due: Option<Timestamp>,
-    /// Its last sweep was skipped for backpressure: it waits its full cadence.
+    /// Its last sweep was skipped for backpressure: it counts the backlog again after
+    /// [`BACKPRESSURE_RECHECK`] (or its cadence, if sooner), whatever is due.
     skipped: bool,
 }
 
 impl GroupPlan {
     /// When the group sweeps next, given the time on both clocks now: at its earliest due
     /// time (measured on the injected clock) but not within [`SWEEP_GAP`] of its last
-    /// sweep, and no later than one cadence after it.
+    /// sweep, and no later than one cadence after it; after a skipped sweep,
+    /// [`BACKPRESSURE_RECHECK`] after it.
     fn sweep_at(&self, cadence: Duration, now: Instant, now_ts: Timestamp) -> Instant {
         let Some(last) = self.last else { return now };
         let fallback = last + cadence;
+        if self.skipped {
+            return fallback.min(last + BACKPRESSURE_RECHECK);
+        }
         match self.due {
-            Some(due) if !self.skipped => {
+            Some(due) => {
                 // Never further than the cadence: the fallback comes first anyway.
                 let ms = u64::try_from(due.0.saturating_sub(now_ts.0)).unwrap_or(0);
                 let wait = Duration::from_millis(ms).min(cadence);
@@ -455,7 +485,14 @@ mod tests {
                 minute,
                 60_000,
             ),
-            ("skipped: the cadence", plan(Some(1_000), Some(10_300), true), minute, 59_000),
+            ("skipped: the recheck", plan(Some(200), Some(10_300), true), minute, 800),
+            ("skipped, nothing due: the recheck", plan(Some(200), None, true), minute, 800),
+            (
+                "skipped, a cadence below the recheck: the cadence",
+                plan(Some(200), None, true),
+                Duration::from_millis(500),
+                300,
+            ),
             ("far future due: no overflow", plan(Some(0), Some(i64::MAX), false), minute, 60_000),
             ("far past due: no overflow", plan(Some(500), Some(i64::MIN), false), minute, 0),
         ];
