@@ -20,7 +20,7 @@ use keel_core::limits;
 use keel_core::ports::store::{DeadLetterPurgeParams, DeadLetterSelector, PrunePage};
 use keel_core::ports::{Clock, Store};
 use keel_core::retention::{PAGES_PER_PASS_MAX, RetentionConfig};
-use keel_core::{InstanceId, StoreResult, Timestamp};
+use keel_core::{InstanceId, StoreError, StoreResult, Timestamp};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -120,6 +120,21 @@ pub struct Pruner {
     pub cursors: Arc<PruneCursors>,
 }
 
+/// The longest a pause between two pages goes without asking whether to stop.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// Sleeps `pause`, or until `stop` says so (asked every [`STOP_CHECK`]).
+async fn pause_unless(pause: Duration, stop: &(dyn Fn() -> bool + Sync)) {
+    let end = tokio::time::Instant::now() + pause;
+    loop {
+        let left = end.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() || stop() {
+            return;
+        }
+        tokio::time::sleep(left.min(STOP_CHECK)).await;
+    }
+}
+
 /// Which walk a cursor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum PassKind {
@@ -163,7 +178,9 @@ impl Pruner {
 
     /// [`run_once`](Self::run_once), stopping before the next page once `stop` says so (a
     /// worker shutting down waits for one page, not for a whole run over a large table);
-    /// a run so stopped is not counted.
+    /// a run so stopped is not counted. A pass whose page fails keeps its cursor where it
+    /// failed and the run goes on with the other passes, so one page the store keeps
+    /// refusing holds up only its own pass; the run returns the first error at its end.
     async fn run_unless<S: Store + ?Sized>(
         &self,
         store: &S,
@@ -175,27 +192,36 @@ impl Pruner {
         } else {
             self.namespaces.iter().map(|ns| Some(ns.as_str())).collect()
         };
+        let mut first_error = None;
         for scope in &scopes {
-            self.prune_and_trim(store, *scope, now, stop).await?;
+            self.prune_and_trim(store, *scope, now, stop, &mut first_error).await;
         }
-        self.purge_dead_letters(store, now, stop).await?;
+        if let Err(e) = self.purge_dead_letters(store, now, stop).await {
+            first_error.get_or_insert(e);
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
         if !stop() {
             self.stats.runs.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
 
-    /// Every prune pass, then every history trim pass, of one namespace (`None`: all).
+    /// Every prune pass, then every history trim pass, of one namespace (`None`: all); a
+    /// failed pass leaves its error in `first_error` (unless one is there) and the next
+    /// pass runs.
     async fn prune_and_trim<S: Store + ?Sized>(
         &self,
         store: &S,
         namespace: Option<&str>,
         now: Timestamp,
         stop: &(dyn Fn() -> bool + Sync),
-    ) -> StoreResult<()> {
+        first_error: &mut Option<StoreError>,
+    ) {
         let scope = || namespace.map(str::to_owned);
         for (n, pass) in self.config.passes(namespace, now).into_iter().enumerate() {
-            self.walk((scope(), PassKind::Prune, n), stop, |after| {
+            let walked = self.walk((scope(), PassKind::Prune, n), stop, |after| {
                 let mut params = pass.clone();
                 params.after = after;
                 async move {
@@ -203,11 +229,13 @@ impl Pruner {
                     self.stats.add_page(&page);
                     Ok(page.last)
                 }
-            })
-            .await?;
+            });
+            if let Err(e) = walked.await {
+                first_error.get_or_insert(e);
+            }
         }
         for (n, pass) in self.config.trim_passes(namespace).into_iter().enumerate() {
-            self.walk((scope(), PassKind::Trim, n), stop, |after| {
+            let walked = self.walk((scope(), PassKind::Trim, n), stop, |after| {
                 let mut params = pass.clone();
                 params.after = after;
                 async move {
@@ -219,17 +247,18 @@ impl Pruner {
                     }
                     Ok(page.last)
                 }
-            })
-            .await?;
+            });
+            if let Err(e) = walked.await {
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(())
     }
 
     /// One pass's pages from where its last walk stopped: `page` removes the page after
     /// the given id and returns the last id it read (`None`: the pass reached the end).
-    /// Stops at the page bound, at the end (the next walk starts from the lowest id) or
-    /// once `stop` says so, with `retention.pause` between two pages; keeps the cursor for
-    /// the next run.
+    /// Stops at the page bound, at the end (the next walk starts from the lowest id), at a
+    /// failed page or once `stop` says so, with `retention.pause` between two pages (cut
+    /// short by `stop`); keeps the cursor for the next run, which retries a failed page.
     async fn walk<F>(
         &self,
         key: PassKey,
@@ -240,20 +269,27 @@ impl Pruner {
         F: Future<Output = StoreResult<Option<InstanceId>>>,
     {
         let mut after = self.cursors.get(&key);
+        let mut result = Ok(());
         for page_no in 0..PAGES_PER_PASS_MAX {
             if stop() {
                 break;
             }
-            after = page(after).await?;
+            match page(after).await {
+                Ok(next) => after = next,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
             if after.is_none() {
                 break;
             }
-            if page_no + 1 < PAGES_PER_PASS_MAX && !self.config.pause.is_zero() {
-                tokio::time::sleep(self.config.pause).await;
+            if page_no + 1 < PAGES_PER_PASS_MAX {
+                pause_unless(self.config.pause, stop).await;
             }
         }
         self.cursors.set(key, after);
-        Ok(())
+        result
     }
 
     /// Each machine's dead letters older than its retention, in its namespace or, for a

@@ -324,8 +324,9 @@ async fn a_worker_prunes_only_the_namespaces_it_serves<S: TestStore>() {
     worker.shutdown().await;
 }
 
-/// A worker shutting down stops its pruner between two pages: with six one-row pages two
-/// seconds apart, the run would hold the shutdown for ten seconds.
+/// A worker shutting down stops its pruner between two pages, and does not sit out the
+/// pause between them: with six one-row pages twenty seconds apart, the run would hold the
+/// shutdown for over a minute, and one pause for twenty seconds.
 async fn shutdown_waits_for_one_prune_page_not_the_whole_run<S: TestStore>() {
     let h = S::harness().await;
     for _ in 0..6 {
@@ -333,7 +334,7 @@ async fn shutdown_waits_for_one_prune_page_not_the_whole_run<S: TestStore>() {
         h.client.cancel(keel_scheduler::Cancel::new(id)).await.expect("cancel");
     }
     h.clock.advance(2 * HOUR);
-    let slow = RetentionConfig { batch: 1, pause: Duration::from_secs(2), ..retention(HOUR) };
+    let slow = RetentionConfig { batch: 1, pause: Duration::from_secs(20), ..retention(HOUR) };
     let config = WorkerConfig { retention: Some(slow), ..h.config() };
     let worker =
         keel_scheduler::Worker::new(std::sync::Arc::clone(&h.store), h.clock.clone(), config)
@@ -378,4 +379,30 @@ async fn a_prune_run_goes_on_where_the_last_one_ran_out_of_pages() {
     assert!(!gone(&h, last).await, "past the first run's pages");
     pruner.run_once(&*h.store, h.clock.now()).await.expect("second run");
     assert!(gone(&h, last).await, "the second run goes on and prunes it");
+}
+
+/// A prune pass whose page the store keeps failing holds up only that pass: the history
+/// trims and the dead-letter purge after it still run, and the run reports the error.
+#[tokio::test]
+async fn a_failing_prune_page_does_not_stop_the_trims_and_purges_after_it() {
+    use common::faulty::{Fault, Faulty};
+    let store =
+        Faulty::new(keel_testkit::MemoryStore::new()).failing("instance_prune", &[Fault::Error; 4]);
+    let pruner = keel_scheduler::Pruner {
+        config: RetentionConfig { history_per_instance: Some(10), ..retention(HOUR) },
+        namespaces: Vec::new(),
+        dead_letters: vec![keel_scheduler::prune::DeadLetterRetention {
+            namespace: Some("default".to_owned()),
+            machine: "quick".to_owned(),
+            keep: HOUR,
+        }],
+        stats: std::sync::Arc::default(),
+        cursors: std::sync::Arc::default(),
+    };
+    let now = keel_core::Timestamp(1_700_000_000_000);
+    let err = pruner.run_once(&store, now).await.expect_err("the prune page failed");
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    assert_eq!(store.calls("instance_prune"), 1, "the failed pass stops at its page");
+    assert_eq!(store.calls("history_trim"), 1, "the trim pass still ran");
+    assert_eq!(store.calls("dead_letter_purge"), 1, "the purge still ran");
 }

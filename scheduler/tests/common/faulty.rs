@@ -319,12 +319,14 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.worker_list(seen_since).await
     }
     async fn instance_prune(&self, p: s::PruneParams) -> StoreResult<s::PrunePage> {
+        self.gate("instance_prune")?;
         self.inner.instance_prune(p).await
     }
     async fn history_page(&self, p: s::HistoryPageParams) -> StoreResult<s::HistoryPage> {
         self.inner.history_page(p).await
     }
     async fn history_trim(&self, p: s::HistoryTrimParams) -> StoreResult<s::HistoryTrimPage> {
+        self.gate("history_trim")?;
         self.inner.history_trim(p).await
     }
     async fn timer_status(
