@@ -67,6 +67,7 @@
 //! and a power loss. Timestamps are stored as INTEGER milliseconds, JSON as TEXT.
 
 mod error;
+mod inbox;
 mod ops;
 mod rows;
 mod schedules;

@@ -11,12 +11,12 @@
 //! returns `Ok`.
 
 use crate::error::corrupt;
+use crate::inbox::{Ask as InboxAsk, Facts as InboxFacts};
 use crate::rows::{Db, Guard, SignalInsert, Writes, dead_letter_cols, instance_cols, timer_cols};
-use keel_core::inbox;
 use keel_core::instance::{NewDeadLetter, unique_guard};
 use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
-use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, InboxRead, TimerPlan};
+use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, TimerPlan};
 use keel_core::plan::history::TrimCandidate;
 use keel_core::plan::parent::{ParentPlan, ParentRelease};
 use keel_core::plan::prune::PruneCandidate;
@@ -33,16 +33,16 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Signal, Status, StepCommit,
-    StoreResult, Timestamp,
+    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Status, StepCommit, StoreResult,
+    Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
 use std::collections::{HashMap, VecDeque};
 
-/// "Every signal in the inbox" — what a commit inspects and an inspect shows, as in
-/// `MemoryStore`; inboxes are bounded by what senders deliver, not by this store.
-pub(crate) const WHOLE_INBOX: usize = i64::MAX as usize;
+/// Every timer of an instance: what a commit that cancels timers reads (an instance holds
+/// the timers its active states armed, each state at most `TIMERS_PER_STEP_MAX`).
+pub(crate) const ALL_TIMERS: usize = i64::MAX as usize;
 
 /// Fewest candidate rows one claim reads per page while it looks for claimable ones. A
 /// page is the claim's limit otherwise: every row read is decoded and filtered, so a small
@@ -737,18 +737,19 @@ enum Level {
 /// cancelled instance's timers may be gone), so skipping the timer work of an instance
 /// outside it never skips work that has something to do.
 pub(crate) struct CommitPrefetch {
-    reads: HashMap<InstanceId, (Option<Instance>, Vec<Signal>)>,
+    reads: HashMap<InstanceId, (Option<Instance>, InboxFacts)>,
     timed: std::collections::HashSet<InstanceId>,
     valid: bool,
 }
 
 impl CommitPrefetch {
-    /// Reads the rows, inboxes and timer owners of `commits`' instances.
+    /// Reads the rows, inbox facts and timer owners of `commits`' instances.
     pub(crate) async fn read(db: &mut Db<'_>, commits: &[StepCommit]) -> StoreResult<Self> {
         let ids: Vec<InstanceId> = commits.iter().map(|c| c.id).collect();
         let mut rows: HashMap<InstanceId, Instance> =
             db.instances(&ids).await?.into_iter().map(|r| (r.id, r)).collect();
-        let mut inboxes = db.inboxes(&ids, WHOLE_INBOX).await?;
+        let asks: Vec<InboxAsk<'_>> = commits.iter().map(InboxAsk::of).collect();
+        let mut inboxes = db.inbox_facts(&asks).await?;
         let timed = db.timer_owners(&ids).await?;
         let mut reads = HashMap::with_capacity(ids.len());
         let mut seen = std::collections::HashSet::with_capacity(ids.len());
@@ -772,7 +773,7 @@ impl CommitPrefetch {
         }
     }
 
-    fn take(&mut self, id: InstanceId) -> Option<(Option<Instance>, Vec<Signal>)> {
+    fn take(&mut self, id: InstanceId) -> Option<(Option<Instance>, InboxFacts)> {
         if self.valid { self.reads.remove(&id) } else { None }
     }
 
@@ -882,9 +883,9 @@ fn plan_own_rows(
     if !pre.valid || !c.emit.is_empty() {
         return None;
     }
-    let (row, whole_inbox) = pre.reads.get(&c.id)?;
+    let (row, facts) = pre.reads.get(&c.id)?;
     let before = row.as_ref()?;
-    let inbox = InboxRead::of(whole_inbox, c);
+    let inbox = facts.read(c);
     if before.unique.is_some() || commit::reentering_key(before, c, inbox.signal_waiting).is_some()
     {
         return None;
@@ -915,9 +916,9 @@ fn plan_own_rows(
     {
         return None;
     }
-    let (before, whole_inbox) = pre.reads.remove(&c.id)?;
+    let (before, facts) = pre.reads.remove(&c.id)?;
     let before = before?;
-    own_writes(w, &plan, Some(&before), whole_inbox.is_empty(), now, pre, Guard::Untouched);
+    own_writes(w, &plan, Some(&before), !facts.any, now, pre, Guard::Untouched);
     Some(Ok(plan.receipt))
 }
 
@@ -1013,13 +1014,15 @@ async fn commit_one(
     now: Timestamp,
     pre: &mut CommitPrefetch,
 ) -> StoreResult<CommitReceipt> {
-    let (row, whole_inbox) = match pre.take(c.id) {
-        Some(read) => read,
-        None => (db.instance(c.id).await?, db.inbox(c.id, WHOLE_INBOX).await?),
+    let (row, facts) = if let Some(read) = pre.take(c.id) {
+        read
+    } else {
+        let row = db.instance(c.id).await?;
+        (row, db.inbox_facts(&[InboxAsk::of(c)]).await?.remove(&c.id).unwrap_or_default())
     };
     let before = row.clone();
-    let inbox_empty = whole_inbox.is_empty();
-    let inbox = InboxRead::of(&whole_inbox, c);
+    let inbox_empty = !facts.any;
+    let inbox = facts.read(c);
     let mut emit_targets = Vec::with_capacity(c.emit.len());
     for signal in &c.emit {
         emit_targets.push(db.resolve(&signal.target).await?);
@@ -1051,7 +1054,7 @@ async fn commit_one(
         && !cancel.is_empty()
         && pre.may_have_timers(row.id)
     {
-        let timers = db.timers(row.id, WHOLE_INBOX).await?;
+        let timers = db.timers(row.id, ALL_TIMERS).await?;
         let cancelled: Vec<keel_core::TimerId> =
             timers.iter().filter(|t| plan.timers.cancels(&t.spec.state)).map(|t| t.id).collect();
         db.timers_remove(&cancelled).await?;
@@ -1514,7 +1517,7 @@ pub(crate) async fn migrate(db: &mut Db<'_>, p: &MigrateParams) -> StoreResult<M
     let mut read = Vec::with_capacity(rows.len());
     for r in &rows {
         let row = db.instance_of(r)?;
-        let timers = db.timers(row.id, WHOLE_INBOX).await?;
+        let timers = db.timers(row.id, ALL_TIMERS).await?;
         read.push((row, timers));
     }
     let last = read.last().map(|(r, _)| r.id);
@@ -1694,8 +1697,11 @@ async fn cancel_one(
         .filter(|r| !r.status.is_terminal())
         .map(|r| r.id)
         .collect();
+    let asks: Vec<InboxAsk<'_>> = ids.iter().map(|id| InboxAsk::ending(*id)).collect();
+    let mut facts = db.inbox_facts(&asks).await?;
     for id in ids {
-        read.pending.insert(id, inbox::Pending::of(&db.inbox(id, WHOLE_INBOX).await?));
+        let pending = facts.remove(&id).map(|f| f.pending().clone()).unwrap_or_default();
+        read.pending.insert(id, pending);
     }
     let plan = planner(p, read)?;
     for w in &plan.rows {
@@ -2087,6 +2093,28 @@ mod tests {
             "expected a probe of keel_instances_runnable_keys past the last key, got:\n{plan}"
         );
         assert!(!plan.contains("TEMP B-TREE"), "the keys are sorted:\n{plan}");
+    }
+
+    /// A commit's inbox questions walk each instance's signals along the inbox index (the
+    /// pending list stopping at its bound), never the whole signal table, and read
+    /// payloads only to tell a timer's fire: a long inbox, or one of large payloads, costs
+    /// a commit an index walk, not a decode of every signal in it.
+    #[tokio::test]
+    async fn inbox_questions_walk_each_instances_inbox_index() {
+        let mut conn = schema().await;
+        for sql in [crate::inbox::FACTS_SQL, crate::inbox::FIRES_SQL, crate::inbox::PENDING_SQL] {
+            let plan = plan(&mut conn, sql).await;
+            assert!(
+                plan.contains("INDEX keel_signals_target (target_id=?"),
+                "expected a walk of keel_signals_target, got:\n{plan}\nfor {sql}"
+            );
+            assert!(
+                !plan.lines().any(|l| l.starts_with("SCAN s")),
+                "a scan of every signal:\n{plan}"
+            );
+        }
+        let plan = plan(&mut conn, crate::inbox::PENDING_SQL).await;
+        assert!(plan.contains("LIST SUBQUERY"), "each inbox is not read on its own:\n{plan}");
     }
 
     /// No statement of this crate binds its row limit as a bare parameter: SQLite plans
