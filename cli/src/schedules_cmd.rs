@@ -176,7 +176,7 @@ pub fn find<'a>(schedules: &'a [Schedule], name: &str) -> Result<&'a Schedule, S
 /// What a pause or resume reports: the stored state and, when running, the next fire.
 pub fn changed(schedule: &Schedule, state: &ScheduleState, now: Timestamp) -> Report {
     let info = schedule.info(now, Pause::resolve(false, Some(state)));
-    let since = time(state.changed_at.as_millis());
+    let since = state.changed_at.map_or_else(|| "-".to_owned(), |at| time(at.as_millis()));
     let human = if state.paused {
         format!(
             "Schedule {} (namespace {}) is paused for every worker since {since}; ticks passed while paused are never fired.",
@@ -246,7 +246,8 @@ mod tests {
                     namespace: ns.into(),
                     name: name.into(),
                     paused,
-                    changed_at: Timestamp::from_millis(at),
+                    changed_at: Some(Timestamp::from_millis(at)),
+                    fired_through: None,
                 },
             )
         };

@@ -13,7 +13,14 @@
 //! - **Exactly once across workers**: every runner that sees a tick fires it under the same
 //!   key ([`Schedule::tick_key`]): the uniqueness key of the started instance (occupied in
 //!   every status, so a finished run still holds it) or the dedup key of the broadcast
-//!   event. The store's uniqueness rule makes the second firing a no-op.
+//!   event. The store's uniqueness rule makes the second firing a no-op while that key is
+//!   held.
+//! - **Exactly once across restarts and clock steps**: those keys do not last (a read
+//!   event frees its dedup key, a pruned instance its uniqueness key), so after a tick
+//!   fires the runner records it in the schedule's stored state ([`plan_fired`]:
+//!   `fired_through` only moves forward), and [`Schedule::poll`] never fires a tick at or
+//!   before the recorded one, nor one at or before what the runner already passed (which
+//!   does not move back when the clock does).
 //! - **Paused** schedules pass over their ticks; resuming fires nothing for the ticks
 //!   passed while paused. A pause stored for the fleet ([`plan_pause`]) wins over the
 //!   definition's `paused` and one worker's handle once set ([`Pause::resolve`]); after
@@ -24,7 +31,7 @@ use crate::config::ConfigError;
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{DEFAULT_NAMESPACE, MachineRef, StatusSet};
 use crate::instance::NewInstance;
-use crate::ports::store::{SchedulePauseParams, ScheduleState};
+use crate::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
 use crate::time::Timestamp;
 use croner::Cron;
 use jiff::tz::TimeZone;
@@ -37,6 +44,10 @@ pub const SCHEDULES_MAX: usize = 1_000;
 
 /// Longest schedule name, in bytes (the name is part of every tick key).
 pub const SCHEDULE_NAME_MAX: usize = 100;
+
+/// Where [`Schedule::new`] looks for a pattern's first match (2000-01-01T00:00:00Z): any
+/// fixed time works, as a pattern without a year field repeats with the calendar.
+const NEVER_CHECK_FROM: Timestamp = Timestamp(946_684_800_000);
 
 /// Most stored schedule states (fleet-wide pauses and resumes) one namespace holds: one
 /// per schedule a runner can serve. Every read of the states is bounded by it.
@@ -57,12 +68,13 @@ impl Pause {
     /// Not paused, with nothing stored.
     pub const RUNNING: Pause = Pause { paused: false, since: None };
 
-    /// The state a runner applies: the stored state once one is set (a fleet-wide pause
-    /// or resume wins over the definition and over one worker's handle), else `local`
-    /// (the definition's `paused`, as the worker's handle changed it).
+    /// The state a runner applies: the stored state once a pause or resume was stored
+    /// (a fleet-wide pause or resume wins over the definition and over one worker's
+    /// handle), else `local` (the definition's `paused`, as the worker's handle changed
+    /// it). A stored row that only records fired ticks leaves the pause to `local`.
     pub fn resolve(local: bool, stored: Option<&ScheduleState>) -> Pause {
-        match stored {
-            Some(s) => Pause { paused: s.paused, since: Some(s.changed_at) },
+        match stored.and_then(|s| s.changed_at.map(|at| (s.paused, at))) {
+            Some((paused, at)) => Pause { paused, since: Some(at) },
             None => Pause { paused: local, since: None },
         }
     }
@@ -70,9 +82,10 @@ impl Pause {
 
 /// The one rule of storing a pause or resume. `current` is the schedule's stored state
 /// (if any) and `held` how many states its namespace holds. Returns the state to write,
-/// or `None` when the schedule is already in the asked state: its time is kept, so a
-/// second resume does not move the bound of which ticks may fire, and a second pause
-/// does not hide when the first began.
+/// or `None` when a stored pause or resume already put the schedule in the asked state:
+/// its time is kept, so a second resume does not move the bound of which ticks may fire,
+/// and a second pause does not hide when the first began. The recorded fired tick is
+/// kept as it is.
 ///
 /// # Errors
 ///
@@ -85,20 +98,60 @@ pub fn plan_pause(
 ) -> StoreResult<Option<ScheduleState>> {
     p.validate()?;
     match current {
-        Some(c) if c.paused == p.paused => Ok(None),
-        None if held >= SCHEDULE_STATES_MAX => Err(StoreError::invalid(format!(
-            "name: namespace {:?} already holds {SCHEDULE_STATES_MAX} stored schedule states, \
-             the most a runner serves; states of schedules that no longer exist are left \
-             over: delete their rows from the schedule_states table",
-            p.namespace
-        ))),
+        Some(c) if c.changed_at.is_some() && c.paused == p.paused => Ok(None),
+        None if held >= SCHEDULE_STATES_MAX => Err(full(&p.namespace, "pausing or resuming")),
         _ => Ok(Some(ScheduleState {
             namespace: p.namespace.clone(),
             name: p.name.clone(),
             paused: p.paused,
-            changed_at: p.now,
+            changed_at: Some(p.now),
+            fired_through: current.and_then(|c| c.fired_through),
         })),
     }
+}
+
+/// The one rule of recording a fired tick. `current` is the schedule's stored state (if
+/// any) and `held` how many states its namespace holds. Returns the state to write (its
+/// `fired_through` the later of the stored tick and `p.tick`), or `None` when a tick at or
+/// after `p.tick` is already recorded: the record never moves back. A new row stores no
+/// pause, so the definition and each worker's handle still decide that.
+///
+/// A runner records a tick right after its start or broadcast succeeded. A crash between
+/// the two leaves the tick unrecorded, so a restart that catches up may fire that one tick
+/// once more: a starting tick is still kept once by its instance's uniqueness key while
+/// the instance exists; a broadcast may reach its targets a second time.
+///
+/// # Errors
+///
+/// `Invalid` for bad names, or for a schedule without a state in a namespace that
+/// already holds [`SCHEDULE_STATES_MAX`].
+pub fn plan_fired(
+    current: Option<&ScheduleState>,
+    held: usize,
+    p: &ScheduleFiredParams,
+) -> StoreResult<Option<ScheduleState>> {
+    p.validate()?;
+    match current {
+        Some(c) if c.fired_through.is_some_and(|through| through >= p.tick) => Ok(None),
+        Some(c) => Ok(Some(ScheduleState { fired_through: Some(p.tick), ..c.clone() })),
+        None if held >= SCHEDULE_STATES_MAX => Err(full(&p.namespace, "recording a fired tick")),
+        None => Ok(Some(ScheduleState {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            paused: false,
+            changed_at: None,
+            fired_through: Some(p.tick),
+        })),
+    }
+}
+
+/// The refusal of one more stored state in a full namespace.
+fn full(namespace: &str, what: &str) -> StoreError {
+    StoreError::invalid(format!(
+        "name: {what} needs a new stored schedule state, and namespace {namespace:?} already \
+         holds {SCHEDULE_STATES_MAX}, the most a runner serves; states of schedules that no \
+         longer exist are left over: delete their rows from the schedule_states table"
+    ))
 }
 
 crate::names::name_enum! {
@@ -206,7 +259,8 @@ impl PartialEq for Schedule {
 pub struct TickPlan {
     /// The tick to fire now, if any.
     pub fire: Option<Timestamp>,
-    /// What the runner remembers as passed from now on (`now`).
+    /// What the runner remembers as passed from now on: `now`, or what it had passed when
+    /// that is later (a clock that stepped back does not un-pass a tick).
     pub passed: Timestamp,
     /// The schedule's next tick after `now` (when to poll again); `None` if it never fires
     /// again.
@@ -240,11 +294,13 @@ pub struct ScheduleInfo {
 impl Schedule {
     /// A schedule named `name` (unique among a deployment's schedules: it keys the ticks)
     /// firing at the times `cron` matches, read in the IANA time zone `time_zone`
-    /// (`"UTC"`, `"Europe/Paris"`). Five fields (minute precision) or six (seconds first).
+    /// (`"UTC"`, `"Europe/Paris"`). Five fields (minute precision) or six (seconds first);
+    /// no year field.
     ///
     /// # Errors
     ///
-    /// A bad name, pattern or time zone, or an action that would be refused at every tick.
+    /// A bad name, pattern or time zone, a pattern that never matches (such as 30
+    /// February), or an action that would be refused at every tick.
     pub fn new(
         name: impl Into<String>,
         cron: &str,
@@ -261,7 +317,10 @@ impl Schedule {
                 ),
             ));
         }
-        let parsed = croner::parser::CronParser::new().parse(cron).map_err(|e| {
+        // No year field: the pattern then repeats with the calendar, so one that matches
+        // once matches for good, and one that never matches is seen at once (below).
+        let parser = croner::parser::CronParser::builder().year(croner::parser::Year::Disallowed);
+        let parsed = parser.build().parse(cron).map_err(|e| {
             fail(
                 "cron",
                 format!(
@@ -278,8 +337,8 @@ impl Schedule {
             )
         })?;
         check_action(&action).map_err(|reason| fail("action", reason))?;
-        Ok(Schedule {
-            name,
+        let schedule = Schedule {
+            name: name.clone(),
             pattern: cron.to_owned(),
             cron: parsed,
             zone_name: time_zone.to_owned(),
@@ -287,7 +346,21 @@ impl Schedule {
             action,
             missed: MissedTicks::Skip,
             paused: false,
-        })
+        };
+        // The calendar repeats every 400 years, so a pattern without a match after this
+        // fixed time has none at all; it would never fire, and every poll would search
+        // to the cron library's year limit for nothing.
+        if schedule.next_after(NEVER_CHECK_FROM).is_none() {
+            return Err(fail(
+                "cron",
+                format!(
+                    "{cron:?} never matches: no date has the day of month and month it names \
+                     (such as 30 February or 31 April); check the day-of-month and month \
+                     fields, e.g. \"0 0 28 2 *\" or \"0 0 L 2 *\" for the last day of February"
+                ),
+            ));
+        }
+        Ok(schedule)
     }
 
     /// Sets the missed-tick policy (default [`MissedTicks::Skip`]).
@@ -350,10 +423,22 @@ impl Schedule {
 
     /// The one rule of a schedule runner's poll. `passed` is the time up to which this
     /// runner already handled the schedule (`None` right after it started); `pause` is the
-    /// schedule's current pause state. A tick at or before a stored resume's time never
-    /// fires: it fell due while the schedule was paused, whether or not this runner polled
-    /// in between.
-    pub fn poll(&self, passed: Option<Timestamp>, now: Timestamp, pause: Pause) -> TickPlan {
+    /// schedule's current pause state; `fired_through` the latest tick recorded as fired in
+    /// the stored state ([`plan_fired`]), by any worker before or since any restart.
+    ///
+    /// A tick at or before `fired_through` never fires again, whatever this runner
+    /// remembers: that is what keeps a `catch_up` restart from repeating a tick whose
+    /// broadcast was already read or whose instance was already pruned. A tick at or
+    /// before a stored resume's time never fires: it fell due while the schedule was
+    /// paused, whether or not this runner polled in between. `passed` never moves back, so
+    /// a clock stepping back does not fire a tick again either.
+    pub fn poll(
+        &self,
+        passed: Option<Timestamp>,
+        now: Timestamp,
+        pause: Pause,
+        fired_through: Option<Timestamp>,
+    ) -> TickPlan {
         let next = self.next_after(now);
         let latest = self.latest_at_or_before(now);
         let fire = match (pause.paused, passed) {
@@ -364,8 +449,11 @@ impl Schedule {
                 MissedTicks::CatchUp => latest,
             },
         };
-        let fire = fire.filter(|tick| pause.since.is_none_or(|resumed| *tick > resumed));
-        TickPlan { fire, passed: now, next }
+        let fire = fire
+            .filter(|tick| pause.since.is_none_or(|resumed| *tick > resumed))
+            .filter(|tick| fired_through.is_none_or(|through| *tick > through));
+        let passed = passed.map_or(now, |passed| passed.max(now));
+        TickPlan { fire, passed, next }
     }
 
     /// The key that makes one tick fire once across all workers: the uniqueness key of the
@@ -631,7 +719,8 @@ mod tests {
 
     /// One row: (policy, passed, now, paused) → tick fired.
     fn check(missed: MissedTicks, passed: Option<i64>, now: i64, paused: bool, fire: Option<i64>) {
-        let plan = every_minute(missed).poll(passed.map(ts), ts(now), Pause::resolve(paused, None));
+        let pause = Pause::resolve(paused, None);
+        let plan = every_minute(missed).poll(passed.map(ts), ts(now), pause, None);
         assert_eq!(plan.fire, fire.map(ts), "{missed} passed={passed:?} now={now} paused={paused}");
         assert_eq!(plan.passed, ts(now));
     }
@@ -664,7 +753,8 @@ mod tests {
             namespace: "default".into(),
             name: "m".into(),
             paused,
-            changed_at: ts(at),
+            changed_at: Some(ts(at)),
+            fired_through: None,
         };
         // The stored state wins over the local flag, both ways.
         assert_eq!(
@@ -674,7 +764,7 @@ mod tests {
         assert!(!Pause::resolve(true, Some(&stored(false, 5))).paused);
         assert_eq!(Pause::resolve(true, None), Pause { paused: true, since: None });
         let poll = |missed, passed: Option<i64>, now, pause: Pause| {
-            every_minute(missed).poll(passed.map(ts), ts(now), pause).fire
+            every_minute(missed).poll(passed.map(ts), ts(now), pause, None).fire
         };
         // A runner that last polled before the pause, and first again after the resume,
         // does not fire the tick that fell due in between.
@@ -702,10 +792,10 @@ mod tests {
             now: ts(now),
         };
         let first = plan_pause(None, 0, &params(true, 10)).unwrap().unwrap();
-        assert_eq!((first.paused, first.changed_at), (true, ts(10)));
+        assert_eq!((first.paused, first.changed_at), (true, Some(ts(10))));
         assert_eq!(plan_pause(Some(&first), 1, &params(true, 20)).unwrap(), None);
         let resumed = plan_pause(Some(&first), 1, &params(false, 30)).unwrap().unwrap();
-        assert_eq!((resumed.paused, resumed.changed_at), (false, ts(30)));
+        assert_eq!((resumed.paused, resumed.changed_at), (false, Some(ts(30))));
         // A full namespace refuses a new schedule but still changes the ones it holds.
         let full = SCHEDULE_STATES_MAX;
         let err = plan_pause(None, full, &params(true, 40)).unwrap_err();
@@ -724,7 +814,7 @@ mod tests {
         assert_eq!(s.next_after(ts(T0)), Some(ts(T0 + MINUTE)));
         assert_eq!(s.next_after(ts(T0 + 1)), Some(ts(T0 + MINUTE)));
         assert_eq!(s.latest_at_or_before(ts(T0 + MINUTE - 1)), Some(ts(T0)));
-        assert_eq!(s.poll(None, ts(T0 + 1), Pause::RUNNING).next, Some(ts(T0 + MINUTE)));
+        assert_eq!(s.poll(None, ts(T0 + 1), Pause::RUNNING, None).next, Some(ts(T0 + MINUTE)));
         assert_eq!(s.tick_key(ts(T0)), format!("schedule:m:{T0}"));
         let new = s.instance_for(ts(T0)).unwrap();
         let unique = new.unique.unwrap();
@@ -831,6 +921,114 @@ mod tests {
             let source = format!("[schedules.s]\n{body}\n");
             let err = crate::config::KeelConfig::from_toml_str(&source).unwrap_err().to_string();
             assert!(err.contains(expected), "{source}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_recorded_tick_never_fires_again() {
+        use MissedTicks::{CatchUp, Skip};
+        let s = every_minute(CatchUp);
+        // A restart that catches up does not fire the latest tick when it is recorded.
+        assert_eq!(s.poll(None, ts(T0 + 10), Pause::RUNNING, Some(ts(T0))).fire, None);
+        // Recorded by a worker whose clock is ahead: nothing up to it fires here either.
+        assert_eq!(
+            s.poll(Some(ts(T0 - 1)), ts(T0 + 10), Pause::RUNNING, Some(ts(T0 + MINUTE))).fire,
+            None
+        );
+        // An older record does not hold back a newer tick.
+        let plan = s.poll(None, ts(T0 + 10), Pause::RUNNING, Some(ts(T0 - MINUTE)));
+        assert_eq!(plan.fire, Some(ts(T0)));
+        let plan = every_minute(Skip).poll(
+            Some(ts(T0 - 1)),
+            ts(T0 + 10),
+            Pause::RUNNING,
+            Some(ts(T0 - MINUTE)),
+        );
+        assert_eq!(plan.fire, Some(ts(T0)));
+    }
+
+    #[test]
+    fn a_clock_stepping_back_does_not_fire_a_tick_again() {
+        let s = every_minute(MissedTicks::Skip);
+        let fired = s.poll(Some(ts(T0 - 1)), ts(T0 + 1_000), Pause::RUNNING, None);
+        assert_eq!((fired.fire, fired.passed), (Some(ts(T0)), ts(T0 + 1_000)));
+        // The clock steps back 30 s: nothing fires and what was passed stays passed.
+        let back = s.poll(Some(fired.passed), ts(T0 - 30_000), Pause::RUNNING, None);
+        assert_eq!((back.fire, back.passed), (None, ts(T0 + 1_000)));
+        // Back at the tick's time: it is not fired a second time.
+        let again = s.poll(Some(back.passed), ts(T0 + 2_000), Pause::RUNNING, None);
+        assert_eq!((again.fire, again.passed), (None, ts(T0 + 2_000)));
+        // The next tick fires as usual.
+        assert_eq!(
+            s.poll(Some(again.passed), ts(T0 + MINUTE), Pause::RUNNING, None).fire,
+            Some(ts(T0 + MINUTE))
+        );
+    }
+
+    #[test]
+    fn recording_a_fired_tick_keeps_the_latest_and_leaves_the_pause_alone() {
+        let fired = |tick| ScheduleFiredParams {
+            namespace: "ns".into(),
+            name: "nightly".into(),
+            tick: ts(tick),
+        };
+        let first = plan_fired(None, 0, &fired(100)).unwrap().unwrap();
+        assert_eq!(
+            (first.fired_through, first.changed_at, first.paused),
+            (Some(ts(100)), None, false)
+        );
+        // A row that only records ticks stores no pause: the definition decides.
+        assert_eq!(Pause::resolve(true, Some(&first)), Pause { paused: true, since: None });
+        assert_eq!(Pause::resolve(false, Some(&first)), Pause::RUNNING);
+        // An older or equal tick changes nothing; a newer one moves it forward.
+        assert_eq!(plan_fired(Some(&first), 1, &fired(50)).unwrap(), None);
+        assert_eq!(plan_fired(Some(&first), 1, &fired(100)).unwrap(), None);
+        let later = plan_fired(Some(&first), 1, &fired(160)).unwrap().unwrap();
+        assert_eq!(later.fired_through, Some(ts(160)));
+        // Resuming a schedule whose row only records ticks stores the resume, and keeps
+        // the recorded tick; recording keeps the stored pause.
+        let pause = |paused, now| SchedulePauseParams {
+            namespace: "ns".into(),
+            name: "nightly".into(),
+            paused,
+            now: ts(now),
+        };
+        let resumed = plan_pause(Some(&later), 1, &pause(false, 200)).unwrap().unwrap();
+        assert_eq!((resumed.changed_at, resumed.fired_through), (Some(ts(200)), Some(ts(160))));
+        let paused = plan_pause(Some(&resumed), 1, &pause(true, 300)).unwrap().unwrap();
+        let recorded = plan_fired(Some(&paused), 1, &fired(400)).unwrap().unwrap();
+        assert_eq!(
+            (recorded.paused, recorded.changed_at, recorded.fired_through),
+            (true, Some(ts(300)), Some(ts(400)))
+        );
+        // A full namespace refuses a new row, naming the bound and the fix, but still
+        // records the ticks of the schedules it holds.
+        let err = plan_fired(None, SCHEDULE_STATES_MAX, &fired(100)).unwrap_err();
+        assert!(err.message.starts_with("name:") && err.message.contains("1000"), "{err}");
+        assert!(err.message.contains("delete their rows"), "{err}");
+        assert!(plan_fired(Some(&first), SCHEDULE_STATES_MAX, &fired(500)).unwrap().is_some());
+        let bad = ScheduleFiredParams { namespace: String::new(), ..fired(1) };
+        assert!(plan_fired(None, 0, &bad).unwrap_err().message.starts_with("namespace"));
+    }
+
+    #[test]
+    fn a_pattern_that_never_matches_is_refused() {
+        let new = NewInstance::new(MachineRef::new("report", 1), "@init");
+        let start = || ScheduleAction::Start(new.clone());
+        for never in ["0 0 30 2 *", "0 0 31 4 *", "0 0 0 31 11 *"] {
+            let err = Schedule::new("n", never, "UTC", start()).unwrap_err();
+            assert_eq!(err.field, "cron", "{never}");
+            assert!(err.to_string().contains("never matches"), "{err}");
+            assert!(err.to_string().contains("day-of-month and month"), "{err}");
+        }
+        // A year field is not part of the pattern: seven fields are refused.
+        let err = Schedule::new("n", "0 0 2 1 1 * 2024", "UTC", start()).unwrap_err();
+        assert_eq!(err.field, "cron");
+        assert!(err.to_string().contains("five fields"), "{err}");
+        // Rare days still match: 29 February, the last day of February, nicknames.
+        for rare in ["0 0 29 2 *", "0 0 L 2 *", "@yearly", "0 0 29 2 +MON"] {
+            let s = Schedule::new("n", rare, "Europe/Paris", start()).expect(rare);
+            assert!(s.next_after(ts(T0)).is_some(), "{rare}");
         }
     }
 }

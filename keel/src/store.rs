@@ -238,6 +238,13 @@ impl Store for AnyStore {
         self.0.schedule_states(namespace).await
     }
 
+    async fn schedule_fired(
+        &self,
+        params: keel_core::ports::store::ScheduleFiredParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        self.0.schedule_fired(params).await
+    }
+
     async fn ready_wait(&self) {
         self.0.ready_wait().await;
     }

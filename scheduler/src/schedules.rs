@@ -4,6 +4,10 @@
 //! schedule, then starts the tick's instance (keyed by the tick, so a second worker's
 //! insert of the same tick finds it taken) or broadcasts its event (with the tick as dedup
 //! key). Every worker that serves a schedule fires each tick it sees; the store keeps one.
+//! Right after a tick's start or broadcast succeeded, the runner records it in the
+//! schedule's stored state (`Store::schedule_fired`), which every runner reads before it
+//! fires: a restart set to catch up, or another worker, then never fires that tick again,
+//! even once its broadcast was read or its instance pruned (which frees the tick's key).
 //! A tick whose store call failed is tried again at the next poll, under the same key,
 //! unless a later tick fell due meanwhile: then the later one fires instead, as a runner
 //! always fires only the latest tick due (ticks it missed are not made up one by one).
@@ -15,7 +19,9 @@
 //! [`Schedules::pause`] and [`Schedules::resume`] act on this worker only, for a schedule
 //! with nothing stored.
 
-use keel_core::ports::store::{InsertOutcome, InsertParams, ScheduleState, SignalBroadcastParams};
+use keel_core::ports::store::{
+    InsertOutcome, InsertParams, ScheduleFiredParams, ScheduleState, SignalBroadcastParams,
+};
 use keel_core::ports::{Clock, Store};
 use keel_core::schedule::{Pause, Schedule, ScheduleAction, ScheduleInfo};
 use keel_core::{StoreResult, Timestamp};
@@ -63,7 +69,8 @@ pub struct ScheduleCounts {
     /// Ticks another worker had fired already (the key was taken).
     pub already_fired: u64,
     /// Store calls that failed, reads of the stored pause states included (each tick is
-    /// tried again at the next poll).
+    /// tried again at the next poll), and records of fired ticks (not retried: see
+    /// [`Schedules::run`]).
     pub failed: u64,
 }
 
@@ -137,8 +144,10 @@ impl Schedules {
         }
     }
 
-    /// The clock time up to which the runner handled every schedule (`None` before its
-    /// first poll): a test moves a virtual clock, then waits for this to reach it.
+    /// The clock reading of the runner's latest poll that handled every schedule (`None`
+    /// before its first poll): a test moves a virtual clock, then waits for this to reach
+    /// it. It follows the clock back when the clock steps back; what each schedule passed
+    /// does not.
     pub fn passed(&self) -> Option<Timestamp> {
         *self.inner.passed.lock().expect("schedule book lock")
     }
@@ -162,8 +171,10 @@ impl Schedules {
     /// Runs the schedules until `shutdown` turns true. Each poll handles every schedule
     /// once (at most one tick each), then sleeps until the earliest next tick, re-reading
     /// the clock at least every [`CLOCK_CHECK`]. A poll that may fire a tick first reads
-    /// the stored pause states; when that read fails, no tick fires and the poll is tried
-    /// again after [`RETRY_AFTER`].
+    /// the stored states (pauses and fired ticks); when that read fails, no tick fires and
+    /// the poll is tried again after [`RETRY_AFTER`]. A fired tick is then recorded in the
+    /// stored state; a record that fails is logged and counted, not retried: this runner
+    /// already passed the tick, and its next fired tick records past it.
     pub async fn run<S: Store + ?Sized, C: Clock>(
         self,
         store: Arc<S>,
@@ -182,7 +193,7 @@ impl Schedules {
                 .schedules
                 .iter()
                 .zip(&passed)
-                .any(|(s, passed)| s.poll(*passed, now, Pause::RUNNING).fire.is_some());
+                .any(|(s, passed)| s.poll(*passed, now, Pause::RUNNING, None).fire.is_some());
             let stale = read_at.is_none_or(|at| {
                 now.as_millis() - at.as_millis() >= STATES_REFRESH.as_millis() as i64
             });
@@ -199,8 +210,15 @@ impl Schedules {
             let mut wake: Option<Timestamp> = None;
             let mut all_handled = true;
             for (schedule, passed) in self.inner.schedules.iter().zip(passed.iter_mut()) {
-                let plan = schedule.poll(*passed, now, pause_of(schedule, &paused, &stored));
-                let may_fire = schedule.poll(*passed, now, Pause::RUNNING).fire.is_some();
+                let key = (schedule.namespace().to_owned(), schedule.name().to_owned());
+                let fired_through = stored.get(&key).and_then(|s| s.fired_through);
+                let plan = schedule.poll(
+                    *passed,
+                    now,
+                    pause_of(schedule, &paused, &stored),
+                    fired_through,
+                );
+                let may_fire = schedule.poll(*passed, now, Pause::RUNNING, None).fire.is_some();
                 let handled = match plan.fire {
                     // Without a fresh read a stored pause may be missed: fire nothing yet.
                     _ if may_fire && !read_ok => false,
@@ -279,6 +297,12 @@ impl Schedules {
                 metrics::counter!("keel_schedule_ticks_total", "schedule" => schedule.name().to_owned(), "first" => first.to_string())
                     .increment(1);
                 tracing::debug!(schedule = schedule.name(), tick = %tick, first, "schedule tick");
+                // Recorded whoever fired it first: a worker that fired it and stopped
+                // before recording leaves it to the others. A crash of this process right
+                // here leaves the tick unrecorded, so a restart that catches up may fire it
+                // once more (a starting tick is still kept once by its instance's key while
+                // the instance exists).
+                self.record(store, schedule, tick).await;
                 true
             }
             // A refusal will not change on a retry: the tick is dropped, said loudly, and
@@ -304,6 +328,37 @@ impl Schedules {
                 );
                 false
             }
+        }
+    }
+
+    /// Records `tick` as fired in the schedule's stored state. A failure is logged and
+    /// counted; the tick stays passed for this runner.
+    async fn record<S: Store + ?Sized>(&self, store: &S, schedule: &Schedule, tick: Timestamp) {
+        let params = ScheduleFiredParams {
+            namespace: schedule.namespace().to_owned(),
+            name: schedule.name().to_owned(),
+            tick,
+        };
+        let Err(e) = store.schedule_fired(params).await else {
+            return;
+        };
+        self.inner.failed.fetch_add(1, Ordering::Relaxed);
+        if e.is_retryable() {
+            tracing::warn!(
+                schedule = schedule.name(),
+                tick = %tick,
+                error = %e,
+                "recording a fired tick of schedules.{} failed; a restart that catches up may fire it once more",
+                schedule.name()
+            );
+        } else {
+            tracing::error!(
+                schedule = schedule.name(),
+                tick = %tick,
+                error = %e,
+                "the store refused to record a fired tick of schedules.{}; until it is recorded a restart that catches up may fire its latest tick again",
+                schedule.name()
+            );
         }
     }
 }

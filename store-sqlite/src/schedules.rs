@@ -1,11 +1,12 @@
-//! Stored schedule states (`Store::schedule_pause`, `Store::schedule_states`): the store
-//! reads the current row and the namespace's count, the core's `plan_pause` decides, and
-//! the store writes what it decided.
+//! Stored schedule states (`Store::schedule_pause`, `Store::schedule_fired`,
+//! `Store::schedule_states`): the store reads the current row and the namespace's count,
+//! the core's `plan_pause` or `plan_fired` decides, and the store writes what it decided.
+//! Writes run in the one writer's transaction, so the row and count it read are exact.
 
 use crate::error::corrupt;
 use crate::rows::Db;
-use keel_core::ports::store::{SchedulePauseParams, ScheduleState};
-use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_pause};
+use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
+use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_fired, plan_pause};
 use keel_core::{StoreResult, Timestamp};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
@@ -16,29 +17,11 @@ pub(crate) async fn schedule_pause(
     p: &SchedulePauseParams,
 ) -> StoreResult<ScheduleState> {
     p.validate()?;
-    let current = sqlx::query(
-        "SELECT namespace, name, paused, changed_at FROM keel_schedule_states \
-         WHERE namespace = ? AND name = ?",
-    )
-    .bind(&p.namespace)
-    .bind(&p.name)
-    .fetch_optional(&mut *db.conn)
-    .await
-    .map_err(db.err("reading a schedule state"))?
-    .map(|r| state(db.file, &r))
-    .transpose()?;
-    let held: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM (SELECT 1 FROM keel_schedule_states WHERE namespace = ? LIMIT +?)",
-    )
-    .bind(&p.namespace)
-    .bind(SCHEDULE_STATES_MAX as i64)
-    .fetch_one(&mut *db.conn)
-    .await
-    .map_err(db.err("counting schedule states"))?;
-    let held = usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX);
+    let (current, held) = current_and_held(db, &p.namespace, &p.name).await?;
     let Some(next) = plan_pause(current.as_ref(), held, p)? else {
         return Ok(current.expect("an unchanged state is a stored one"));
     };
+    // The fired tick is left as stored: only the pause columns change.
     sqlx::query(
         "INSERT INTO keel_schedule_states (namespace, name, paused, changed_at) \
          VALUES (?, ?, ?, ?) ON CONFLICT (namespace, name) DO UPDATE SET \
@@ -47,11 +30,67 @@ pub(crate) async fn schedule_pause(
     .bind(&next.namespace)
     .bind(&next.name)
     .bind(next.paused)
-    .bind(next.changed_at.0)
+    .bind(next.changed_at.map(|t| t.0))
     .execute(&mut *db.conn)
     .await
     .map_err(db.err("storing a schedule state"))?;
     Ok(next)
+}
+
+/// Records a fired tick (in the caller's write transaction) and returns the state.
+pub(crate) async fn schedule_fired(
+    db: &mut Db<'_>,
+    p: &ScheduleFiredParams,
+) -> StoreResult<ScheduleState> {
+    p.validate()?;
+    let (current, held) = current_and_held(db, &p.namespace, &p.name).await?;
+    let Some(next) = plan_fired(current.as_ref(), held, p)? else {
+        return Ok(current.expect("an unchanged state is a stored one"));
+    };
+    // The pause is left as stored: only the fired tick changes on an existing row.
+    sqlx::query(
+        "INSERT INTO keel_schedule_states (namespace, name, paused, changed_at, fired_through) \
+         VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name) DO UPDATE SET \
+         fired_through = excluded.fired_through",
+    )
+    .bind(&next.namespace)
+    .bind(&next.name)
+    .bind(next.paused)
+    .bind(next.changed_at.map(|t| t.0))
+    .bind(next.fired_through.map(|t| t.0))
+    .execute(&mut *db.conn)
+    .await
+    .map_err(db.err("recording a fired schedule tick"))?;
+    Ok(next)
+}
+
+/// The schedule's stored state, if any, and how many states its namespace holds (counted
+/// up to [`SCHEDULE_STATES_MAX`]).
+async fn current_and_held(
+    db: &mut Db<'_>,
+    namespace: &str,
+    name: &str,
+) -> StoreResult<(Option<ScheduleState>, usize)> {
+    let current = sqlx::query(
+        "SELECT namespace, name, paused, changed_at, fired_through FROM keel_schedule_states \
+         WHERE namespace = ? AND name = ?",
+    )
+    .bind(namespace)
+    .bind(name)
+    .fetch_optional(&mut *db.conn)
+    .await
+    .map_err(db.err("reading a schedule state"))?
+    .map(|r| state(db.file, &r))
+    .transpose()?;
+    let held: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM (SELECT 1 FROM keel_schedule_states WHERE namespace = ? LIMIT +?)",
+    )
+    .bind(namespace)
+    .bind(SCHEDULE_STATES_MAX as i64)
+    .fetch_one(&mut *db.conn)
+    .await
+    .map_err(db.err("counting schedule states"))?;
+    Ok((current, usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX)))
 }
 
 /// A namespace's stored states in name order, at most [`SCHEDULE_STATES_MAX`].
@@ -60,7 +99,7 @@ pub(crate) async fn schedule_states(
     namespace: &str,
 ) -> StoreResult<Vec<ScheduleState>> {
     let rows = sqlx::query(
-        "SELECT namespace, name, paused, changed_at FROM keel_schedule_states \
+        "SELECT namespace, name, paused, changed_at, fired_through FROM keel_schedule_states \
          WHERE namespace = ? ORDER BY name LIMIT +?",
     )
     .bind(namespace)
@@ -73,10 +112,65 @@ pub(crate) async fn schedule_states(
 
 fn state(file: &str, r: &SqliteRow) -> StoreResult<ScheduleState> {
     let bad = |col: &'static str| move |e: sqlx::Error| corrupt(file, col, e);
+    let at = |col: &'static str| -> StoreResult<Option<Timestamp>> {
+        Ok(r.try_get::<Option<i64>, _>(col).map_err(bad(col))?.map(Timestamp))
+    };
     Ok(ScheduleState {
         namespace: r.try_get("namespace").map_err(bad("namespace"))?,
         name: r.try_get("name").map_err(bad("name"))?,
         paused: r.try_get("paused").map_err(bad("paused"))?,
-        changed_at: Timestamp(r.try_get("changed_at").map_err(bad("changed_at"))?),
+        changed_at: at("changed_at")?,
+        fired_through: at("fired_through")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::SqliteStore;
+    use keel_core::Timestamp;
+    use keel_core::ports::Store;
+    use keel_core::ports::store::ScheduleFiredParams;
+    use sqlx::migrate::Migrator;
+    use sqlx::{Connection, SqliteConnection};
+
+    /// A pause stored before fired ticks were recorded survives the table's rebuild, and
+    /// its row then records ticks too.
+    #[tokio::test]
+    async fn a_pause_stored_before_fired_ticks_were_recorded_is_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("old.db");
+        {
+            let url = format!("sqlite://{}?mode=rwc", path.display());
+            let mut old = SqliteConnection::connect(&url).await.expect("create the old file");
+            let before: Vec<_> =
+                crate::store::migrator().iter().filter(|m| m.version < 12).cloned().collect();
+            Migrator::with_migrations(before).run(&mut old).await.expect("the schema before");
+            sqlx::query(
+                "INSERT INTO keel_schedule_states (namespace, name, paused, changed_at) \
+                 VALUES ('default', 'nightly', 1, 42)",
+            )
+            .execute(&mut old)
+            .await
+            .expect("a stored pause");
+            old.close().await.expect("close");
+        }
+        let store = SqliteStore::open(&path).await.expect("open migrates forward");
+        let states = store.schedule_states("default".into()).await.expect("states");
+        assert_eq!(states.len(), 1);
+        let kept = &states[0];
+        assert_eq!(
+            (kept.paused, kept.changed_at, kept.fired_through),
+            (true, Some(Timestamp(42)), None)
+        );
+        let fired = ScheduleFiredParams {
+            namespace: "default".into(),
+            name: "nightly".into(),
+            tick: Timestamp(60_000),
+        };
+        let recorded = store.schedule_fired(fired).await.expect("record");
+        assert_eq!(
+            (recorded.paused, recorded.changed_at, recorded.fired_through),
+            (true, Some(Timestamp(42)), Some(Timestamp(60_000)))
+        );
+    }
 }

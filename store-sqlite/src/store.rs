@@ -93,6 +93,11 @@ pub(crate) fn migrator() -> Migrator {
         migration(9, "signal priority", include_str!("../migrations/0009_signal_priority.sql")),
         migration(10, "runnable keys", include_str!("../migrations/0010_runnable_keys.sql")),
         migration(11, "runnable age", include_str!("../migrations/0011_runnable_age.sql")),
+        migration(
+            12,
+            "schedule fired ticks",
+            include_str!("../migrations/0012_schedule_fired_ticks.sql"),
+        ),
     ])
 }
 
@@ -805,6 +810,14 @@ impl Store for SqliteStore {
         let mut conn = self.reader().await?;
         crate::schedules::schedule_states(&mut Db { conn: &mut conn, file: &self.file }, &namespace)
             .await
+    }
+
+    async fn schedule_fired(
+        &self,
+        params: keel_core::ports::store::ScheduleFiredParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        params.validate()?;
+        write_tx!(self, |db| crate::schedules::schedule_fired(db, &params))
     }
 
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {

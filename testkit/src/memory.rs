@@ -143,7 +143,7 @@ struct State {
     sweeps: HashMap<(String, String), Timestamp>,
     /// The worker registry: id → last heartbeat.
     workers: BTreeMap<String, WorkerRecord>,
-    /// Stored schedule pause states by `(namespace, name)`.
+    /// Stored schedule states (pauses, fired ticks) by `(namespace, name)`.
     schedules: BTreeMap<(String, String), ScheduleState>,
 }
 

@@ -245,6 +245,12 @@ impl Store for Broken {
     ) -> StoreResult<Vec<keel_core::ports::store::ScheduleState>> {
         self.0.schedule_states(namespace).await
     }
+    async fn schedule_fired(
+        &self,
+        p: keel_core::ports::store::ScheduleFiredParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        self.0.schedule_fired(p).await
+    }
     async fn timers_retime(
         &self,
         p: keel_core::ports::store::TimerRetimeParams,

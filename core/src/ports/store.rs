@@ -1192,30 +1192,58 @@ pub struct SchedulePauseParams {
 impl SchedulePauseParams {
     /// Checks the names.
     pub fn validate(&self) -> StoreResult<()> {
-        check_name("namespace", &self.namespace)?;
-        check_name("name", &self.name)?;
-        if self.name.len() > crate::schedule::SCHEDULE_NAME_MAX {
-            return Err(StoreError::invalid(format!(
-                "name: is {} bytes; a schedule name has at most {} bytes",
-                self.name.len(),
-                crate::schedule::SCHEDULE_NAME_MAX
-            )));
-        }
-        Ok(())
+        check_schedule_names(&self.namespace, &self.name)
     }
 }
 
-/// A schedule's stored pause state, shared by every worker that serves it.
+/// Records that a schedule's tick fired, for every worker that serves it and every
+/// restart: no tick at or before the recorded one fires again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduleFiredParams {
+    /// The schedule's namespace (where its ticks start instances or broadcast).
+    pub namespace: String,
+    /// The schedule's name.
+    pub name: String,
+    /// The tick that fired (its scheduled time, not the clock's).
+    pub tick: Timestamp,
+}
+
+impl ScheduleFiredParams {
+    /// Checks the names.
+    pub fn validate(&self) -> StoreResult<()> {
+        check_schedule_names(&self.namespace, &self.name)
+    }
+}
+
+fn check_schedule_names(namespace: &str, name: &str) -> StoreResult<()> {
+    check_name("namespace", namespace)?;
+    check_name("name", name)?;
+    if name.len() > crate::schedule::SCHEDULE_NAME_MAX {
+        return Err(StoreError::invalid(format!(
+            "name: is {} bytes; a schedule name has at most {} bytes",
+            name.len(),
+            crate::schedule::SCHEDULE_NAME_MAX
+        )));
+    }
+    Ok(())
+}
+
+/// A schedule's stored state, shared by every worker that serves it: its pause state
+/// once one was stored, and the latest tick any worker fired.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ScheduleState {
     /// Namespace.
     pub namespace: String,
     /// Schedule name.
     pub name: String,
-    /// Whether its ticks are passed over.
+    /// Whether its ticks are passed over (`false` while no pause was ever stored).
     pub paused: bool,
-    /// When it last changed between paused and resumed.
-    pub changed_at: Timestamp,
+    /// When a stored pause or resume last changed it; `None` when none was ever stored
+    /// (the row only records fired ticks), so the definition and each worker decide.
+    pub changed_at: Option<Timestamp>,
+    /// The latest tick fired by any worker ([`Store::schedule_fired`]); no tick at or
+    /// before it fires again.
+    pub fired_through: Option<Timestamp>,
 }
 
 /// What a store can do beyond the contract, reported honestly.
@@ -1398,6 +1426,19 @@ pub trait Store: Send + Sync + 'static {
     async fn schedule_states(&self, namespace: String) -> StoreResult<Vec<ScheduleState>> {
         let _ = namespace;
         Ok(Vec::new())
+    }
+
+    /// Records that a schedule's tick fired ([`ScheduleFiredParams`]) and returns the
+    /// state as stored: its `fired_through` becomes the later of the stored tick and this
+    /// one, and never moves back. A schedule without a row in a namespace that already
+    /// holds [`crate::schedule::SCHEDULE_STATES_MAX`] states is refused (`Invalid`). The
+    /// rule is [`crate::schedule::plan_fired`]. The default refuses (a wrapper store
+    /// forwards it).
+    async fn schedule_fired(&self, params: ScheduleFiredParams) -> StoreResult<ScheduleState> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "schedule_fired: this store keeps no schedule states; use MemoryStore, SQLite or PostgreSQL",
+        ))
     }
 
     /// Fires due timers.

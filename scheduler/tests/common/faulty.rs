@@ -289,6 +289,9 @@ impl<S: Store> Store for Faulty<S> {
     async fn schedule_states(&self, namespace: String) -> StoreResult<Vec<s::ScheduleState>> {
         self.inner.schedule_states(namespace).await
     }
+    async fn schedule_fired(&self, p: s::ScheduleFiredParams) -> StoreResult<s::ScheduleState> {
+        self.inner.schedule_fired(p).await
+    }
     async fn timer_sweep(&self, p: s::TimerSweepParams) -> StoreResult<s::TimerSweepReport> {
         self.gate("timer_sweep")?;
         self.inner.timer_sweep(p).await

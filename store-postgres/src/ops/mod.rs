@@ -572,6 +572,14 @@ impl Store for PgStore {
         schedule::states(&conn, &namespace).await.map_err(StoreError::from)
     }
 
+    async fn schedule_fired(
+        &self,
+        params: keel_core::ports::store::ScheduleFiredParams,
+    ) -> StoreResult<keel_core::ports::store::ScheduleState> {
+        params.validate()?;
+        in_tx!(self, |c| schedule::fired(c, &params))
+    }
+
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         params.validate()?;
         in_tx!(self, |c| timer::sweep(c, &params, &self.channel))

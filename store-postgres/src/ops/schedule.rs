@@ -1,14 +1,15 @@
-//! Stored schedule states (`Store::schedule_pause`, `Store::schedule_states`). A change
-//! runs in one transaction under a lock per namespace, so the count the core's
-//! `plan_pause` checks against its bound, and the row it compares with, are exact.
+//! Stored schedule states (`Store::schedule_pause`, `Store::schedule_fired`,
+//! `Store::schedule_states`). A change runs in one transaction under a lock per
+//! namespace, so the count the core's `plan_pause` or `plan_fired` checks against its
+//! bound, and the row it compares with, are exact.
 
 use super::{begin, commit_tx};
 use crate::error::OpResult;
 use crate::rows::{col, from_ts, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::StoreError;
-use keel_core::ports::store::{SchedulePauseParams, ScheduleState};
-use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_pause};
+use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
+use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_fired, plan_pause};
 use std::time::SystemTime;
 use tokio_postgres::Row;
 
@@ -18,30 +19,12 @@ pub(crate) async fn pause<C: GenericClient + Sync>(
     p: &SchedulePauseParams,
 ) -> OpResult<ScheduleState> {
     begin(c).await?;
-    let lock = c
-        .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('keel.schedule_states.' || $1))")
-        .await?;
-    c.execute(&lock, &[&p.namespace]).await?;
-    let read = c
-        .prepare_cached(
-            "SELECT namespace, name, paused, changed_at FROM schedule_states \
-             WHERE namespace = $1 AND name = $2",
-        )
-        .await?;
-    let current =
-        c.query_opt(&read, &[&p.namespace, &p.name]).await?.map(|r| state(&r)).transpose()?;
-    let count = c
-        .prepare_cached(
-            "SELECT count(*) FROM (SELECT 1 FROM schedule_states WHERE namespace = $1 LIMIT $2) s",
-        )
-        .await?;
-    let held: i64 =
-        c.query_one(&count, &[&p.namespace, &(SCHEDULE_STATES_MAX as i64)]).await?.get(0);
-    let held = usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX);
+    let (current, held) = current_and_held(c, &p.namespace, &p.name).await?;
     let Some(next) = plan_pause(current.as_ref(), held, p)? else {
         commit_tx(c).await?;
         return Ok(current.expect("an unchanged state is a stored one"));
     };
+    // The fired tick is left as stored: only the pause columns change.
     let write = c
         .prepare_cached(
             "INSERT INTO schedule_states (namespace, name, paused, changed_at) \
@@ -49,9 +32,64 @@ pub(crate) async fn pause<C: GenericClient + Sync>(
              paused = excluded.paused, changed_at = excluded.changed_at",
         )
         .await?;
-    c.execute(&write, &[&next.namespace, &next.name, &next.paused, &ts(next.changed_at)]).await?;
+    let changed_at = next.changed_at.map(ts);
+    c.execute(&write, &[&next.namespace, &next.name, &next.paused, &changed_at]).await?;
     commit_tx(c).await?;
     Ok(next)
+}
+
+/// Records a fired tick and returns the state.
+pub(crate) async fn fired<C: GenericClient + Sync>(
+    c: &C,
+    p: &ScheduleFiredParams,
+) -> OpResult<ScheduleState> {
+    begin(c).await?;
+    let (current, held) = current_and_held(c, &p.namespace, &p.name).await?;
+    let Some(next) = plan_fired(current.as_ref(), held, p)? else {
+        commit_tx(c).await?;
+        return Ok(current.expect("an unchanged state is a stored one"));
+    };
+    // The pause is left as stored: only the fired tick changes on an existing row.
+    let write = c
+        .prepare_cached(
+            "INSERT INTO schedule_states (namespace, name, paused, changed_at, fired_through) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (namespace, name) DO UPDATE SET \
+             fired_through = excluded.fired_through",
+        )
+        .await?;
+    let (changed_at, fired_through) = (next.changed_at.map(ts), next.fired_through.map(ts));
+    c.execute(&write, &[&next.namespace, &next.name, &next.paused, &changed_at, &fired_through])
+        .await?;
+    commit_tx(c).await?;
+    Ok(next)
+}
+
+/// Takes the namespace's lock (until the transaction ends), then reads the schedule's
+/// stored state, if any, and how many states the namespace holds (counted up to
+/// [`SCHEDULE_STATES_MAX`]).
+async fn current_and_held<C: GenericClient + Sync>(
+    c: &C,
+    namespace: &str,
+    name: &str,
+) -> OpResult<(Option<ScheduleState>, usize)> {
+    let lock = c
+        .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('keel.schedule_states.' || $1))")
+        .await?;
+    c.execute(&lock, &[&namespace]).await?;
+    let read = c
+        .prepare_cached(
+            "SELECT namespace, name, paused, changed_at, fired_through FROM schedule_states \
+             WHERE namespace = $1 AND name = $2",
+        )
+        .await?;
+    let current = c.query_opt(&read, &[&namespace, &name]).await?.map(|r| state(&r)).transpose()?;
+    let count = c
+        .prepare_cached(
+            "SELECT count(*) FROM (SELECT 1 FROM schedule_states WHERE namespace = $1 LIMIT $2) s",
+        )
+        .await?;
+    let held: i64 = c.query_one(&count, &[&namespace, &(SCHEDULE_STATES_MAX as i64)]).await?.get(0);
+    Ok((current, usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX)))
 }
 
 /// A namespace's states in name order, at most [`SCHEDULE_STATES_MAX`].
@@ -61,7 +99,7 @@ pub(crate) async fn states<C: GenericClient + Sync>(
 ) -> OpResult<Vec<ScheduleState>> {
     let stmt = c
         .prepare_cached(
-            "SELECT namespace, name, paused, changed_at FROM schedule_states \
+            "SELECT namespace, name, paused, changed_at, fired_through FROM schedule_states \
              WHERE namespace = $1 ORDER BY name COLLATE \"C\" LIMIT $2",
         )
         .await?;
@@ -74,6 +112,7 @@ fn state(r: &Row) -> Result<ScheduleState, StoreError> {
         namespace: col(r, 0)?,
         name: col(r, 1)?,
         paused: col(r, 2)?,
-        changed_at: from_ts(col::<SystemTime>(r, 3)?),
+        changed_at: col::<Option<SystemTime>>(r, 3)?.map(from_ts),
+        fired_through: col::<Option<SystemTime>>(r, 4)?.map(from_ts),
     })
 }

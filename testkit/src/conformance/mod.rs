@@ -205,6 +205,8 @@ macro_rules! __store_contract_list {
             ready_stale_returns_instances_ready_for_the_bound,
             schedule_pause_is_stored_for_every_worker,
             schedule_states_are_bounded_per_namespace,
+            schedule_fired_keeps_the_latest_tick_for_every_worker,
+            schedule_fired_rows_share_the_bound_of_a_namespace,
         }
     };
 }

@@ -1,11 +1,12 @@
 //! Stored schedule states: a pause or resume is kept per (namespace, schedule) for every
-//! worker to read, a repeat of the same change keeps its first time, names are checked,
-//! and a namespace holds a bounded number of states.
+//! worker to read, a repeat of the same change keeps its first time, a fired tick is
+//! recorded as the latest one fired and never moves back, names are checked, and a
+//! namespace holds a bounded number of states.
 
 use super::support::{at, expect_kind};
 use keel_core::ErrorKind;
 use keel_core::ports::Store;
-use keel_core::ports::store::{SchedulePauseParams, ScheduleState};
+use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
 use keel_core::schedule::{SCHEDULE_NAME_MAX, SCHEDULE_STATES_MAX};
 
 fn change(ns: &str, name: &str, paused: bool, t: i64) -> SchedulePauseParams {
@@ -13,7 +14,28 @@ fn change(ns: &str, name: &str, paused: bool, t: i64) -> SchedulePauseParams {
 }
 
 fn state(ns: &str, name: &str, paused: bool, t: i64) -> ScheduleState {
-    ScheduleState { namespace: ns.into(), name: name.into(), paused, changed_at: at(t) }
+    ScheduleState {
+        namespace: ns.into(),
+        name: name.into(),
+        paused,
+        changed_at: Some(at(t)),
+        fired_through: None,
+    }
+}
+
+fn fired(ns: &str, name: &str, tick: i64) -> ScheduleFiredParams {
+    ScheduleFiredParams { namespace: ns.into(), name: name.into(), tick: at(tick) }
+}
+
+/// A state that records only a fired tick: no pause was ever stored.
+fn ticked(ns: &str, name: &str, tick: i64) -> ScheduleState {
+    ScheduleState {
+        namespace: ns.into(),
+        name: name.into(),
+        paused: false,
+        changed_at: None,
+        fired_through: Some(at(tick)),
+    }
 }
 
 async fn states<S: Store>(s: &S, ns: &str) -> Vec<ScheduleState> {
@@ -39,7 +61,7 @@ pub async fn schedule_pause_is_stored_for_every_worker<S: Store>(s: &S) {
     let resumed = s.schedule_pause(change("sched-a", "nightly", false, 300)).await.expect("resume");
     assert_eq!(resumed, state("sched-a", "nightly", false, 300));
     let again = s.schedule_pause(change("sched-a", "nightly", false, 400)).await.expect("again");
-    assert_eq!(again.changed_at, at(300), "a second resume does not move the bound");
+    assert_eq!(again.changed_at, Some(at(300)), "a second resume does not move the bound");
     assert_eq!(states(s, "sched-a").await[1], state("sched-a", "nightly", false, 300));
     assert_eq!(states(s, "sched-b").await, vec![state("sched-b", "nightly", false, 160)]);
     assert_eq!(states(s, "sched-c").await, vec![]);
@@ -82,4 +104,97 @@ pub async fn schedule_states_are_bounded_per_namespace<S: Store>(s: &S) {
     s.schedule_pause(change("sched-other", "one-more", true, 20)).await.expect("other namespace");
     assert_eq!(states(s, "sched-full").await.len(), SCHEDULE_STATES_MAX);
     assert!(!states(s, "sched-full").await.iter().any(|st| st.name == "one-more"));
+}
+
+/// A fired tick is recorded as the latest one fired: an older or equal tick leaves it,
+/// a newer one moves it forward. Recording leaves the stored pause alone and a pause
+/// leaves the recorded tick; a row that only records ticks stores no pause, so a resume
+/// of it is stored. Every reader sees it through `schedule_states`.
+pub async fn schedule_fired_keeps_the_latest_tick_for_every_worker<S: Store>(s: &S) {
+    let record = |p| async move { s.schedule_fired(p).await.expect("schedule_fired") };
+    assert_eq!(record(fired("sched-f", "nightly", 100)).await, ticked("sched-f", "nightly", 100));
+    assert_eq!(states(s, "sched-f").await, vec![ticked("sched-f", "nightly", 100)]);
+    // An older or the same tick never moves it back.
+    assert_eq!(record(fired("sched-f", "nightly", 50)).await, ticked("sched-f", "nightly", 100));
+    assert_eq!(record(fired("sched-f", "nightly", 100)).await, ticked("sched-f", "nightly", 100));
+    assert_eq!(states(s, "sched-f").await, vec![ticked("sched-f", "nightly", 100)]);
+    assert_eq!(record(fired("sched-f", "nightly", 160)).await, ticked("sched-f", "nightly", 160));
+    assert_eq!(states(s, "sched-f").await, vec![ticked("sched-f", "nightly", 160)]);
+
+    // A pause keeps the recorded tick; a later record keeps the pause.
+    let paused = s.schedule_pause(change("sched-f", "nightly", true, 200)).await.expect("pause");
+    let both = |t: i64| ScheduleState {
+        fired_through: Some(at(t)),
+        ..state("sched-f", "nightly", true, 200)
+    };
+    assert_eq!(paused, both(160));
+    assert_eq!(record(fired("sched-f", "nightly", 300)).await, both(300));
+    assert_eq!(record(fired("sched-f", "nightly", 250)).await, both(300));
+
+    // A resume of a schedule whose row only records ticks is stored (it was not resumed
+    // before: nothing said so), and the tick is kept.
+    record(fired("sched-f", "hourly", 10)).await;
+    let resumed = s.schedule_pause(change("sched-f", "hourly", false, 20)).await.expect("resume");
+    let hourly =
+        ScheduleState { fired_through: Some(at(10)), ..state("sched-f", "hourly", false, 20) };
+    assert_eq!(resumed, hourly);
+    assert_eq!(states(s, "sched-f").await, vec![hourly, both(300)]);
+    assert_eq!(states(s, "sched-g").await, vec![], "other namespaces hold nothing");
+
+    // Bad names are refused before anything is written.
+    let long = "x".repeat(SCHEDULE_NAME_MAX + 1);
+    for (params, field) in [
+        (fired("", "nightly", 1), "namespace"),
+        (fired("sched-f", "", 1), "name"),
+        (fired("sched-f", &long, 1), "name"),
+    ] {
+        match s.schedule_fired(params.clone()).await {
+            Err(e) => {
+                assert_eq!(e.kind, ErrorKind::Invalid, "{params:?}: {e}");
+                assert!(e.message.starts_with(field), "{params:?}: {e} does not name {field}");
+            }
+            Ok(v) => panic!("{params:?} was accepted: {v:?}"),
+        }
+    }
+    assert_eq!(states(s, "sched-f").await.len(), 2, "refused records wrote nothing");
+}
+
+/// Rows that record fired ticks count toward a namespace's `SCHEDULE_STATES_MAX` like
+/// pauses: a record of one more schedule is refused, naming the bound and the fix, while
+/// the schedules held still record their ticks.
+pub async fn schedule_fired_rows_share_the_bound_of_a_namespace<S: Store>(s: &S) {
+    for i in 0..SCHEDULE_STATES_MAX {
+        let name = format!("s{i:04}");
+        if i % 2 == 0 {
+            s.schedule_fired(fired("sched-fired-full", &name, 10)).await.expect("within the bound");
+        } else {
+            let pause = change("sched-fired-full", &name, true, 10);
+            s.schedule_pause(pause).await.expect("within the bound");
+        }
+    }
+    assert_eq!(states(s, "sched-fired-full").await.len(), SCHEDULE_STATES_MAX);
+    let err = s
+        .schedule_fired(fired("sched-fired-full", "one-more", 20))
+        .await
+        .expect_err("a record beyond the bound is refused");
+    assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+    assert!(
+        err.message.starts_with("name:")
+            && err.message.contains(&SCHEDULE_STATES_MAX.to_string())
+            && err.message.contains("delete their rows"),
+        "{err}"
+    );
+    expect_kind(
+        s.schedule_pause(change("sched-fired-full", "one-more", true, 20)).await,
+        ErrorKind::Invalid,
+        "a pause beyond the bound",
+    );
+    // A paused schedule the namespace holds records its tick and stays paused.
+    let held = s.schedule_fired(fired("sched-fired-full", "s0001", 30)).await.expect("held");
+    assert_eq!((held.paused, held.fired_through), (true, Some(at(30))));
+    s.schedule_fired(fired("sched-fired-other", "one-more", 20)).await.expect("other namespace");
+    let full = states(s, "sched-fired-full").await;
+    assert_eq!(full.len(), SCHEDULE_STATES_MAX);
+    assert!(!full.iter().any(|st| st.name == "one-more"));
+    assert_eq!(full[1].fired_through, Some(at(30)), "read back by every worker");
 }

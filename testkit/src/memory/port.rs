@@ -14,6 +14,7 @@ use super::{
     TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
     WorkerBeatParams, WorkerRecord, async_trait, commit,
 };
+use keel_core::ports::store::ScheduleFiredParams;
 
 #[async_trait]
 impl Store for MemoryStore {
@@ -219,6 +220,10 @@ impl Store for MemoryStore {
 
     async fn schedule_states(&self, namespace: String) -> StoreResult<Vec<ScheduleState>> {
         Ok(self.state().schedule_states(&namespace))
+    }
+
+    async fn schedule_fired(&self, params: ScheduleFiredParams) -> StoreResult<ScheduleState> {
+        self.state().schedule_fired(&params)
     }
 
     async fn ready_wait(&self) {

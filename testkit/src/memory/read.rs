@@ -6,7 +6,7 @@ use super::{
     InstanceListParams, QueueStats, State, Status, StoreError, StoreResult, TimerNextDueParams,
     TimerRow, TimerStatus, Timestamp, WorkerBeatParams, WorkerRecord, check_batch, limits,
 };
-use keel_core::ports::store::{SchedulePauseParams, ScheduleState};
+use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
 
 impl State {
     pub(super) fn rows_of(&self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
@@ -174,18 +174,39 @@ impl State {
     pub(super) fn schedule_pause(&mut self, p: &SchedulePauseParams) -> StoreResult<ScheduleState> {
         p.validate()?;
         let key = (p.namespace.clone(), p.name.clone());
-        let current = self.schedules.get(&key);
-        let held = self
-            .schedules
-            .range((p.namespace.clone(), String::new())..)
-            .take_while(|((ns, _), _)| *ns == p.namespace)
-            .count();
-        match keel_core::schedule::plan_pause(current, held, p)? {
+        let held = self.schedules_held(&p.namespace);
+        let planned = keel_core::schedule::plan_pause(self.schedules.get(&key), held, p)?;
+        Ok(self.schedule_write(key, planned))
+    }
+
+    pub(super) fn schedule_fired(&mut self, p: &ScheduleFiredParams) -> StoreResult<ScheduleState> {
+        p.validate()?;
+        let key = (p.namespace.clone(), p.name.clone());
+        let held = self.schedules_held(&p.namespace);
+        let planned = keel_core::schedule::plan_fired(self.schedules.get(&key), held, p)?;
+        Ok(self.schedule_write(key, planned))
+    }
+
+    /// How many stored schedule states `namespace` holds.
+    fn schedules_held(&self, namespace: &str) -> usize {
+        self.schedules
+            .range((namespace.to_owned(), String::new())..)
+            .take_while(|((ns, _), _)| ns == namespace)
+            .count()
+    }
+
+    /// Writes what a schedule planner decided; `None` keeps the stored state.
+    fn schedule_write(
+        &mut self,
+        key: (String, String),
+        planned: Option<ScheduleState>,
+    ) -> ScheduleState {
+        match planned {
             Some(state) => {
                 self.schedules.insert(key, state.clone());
-                Ok(state)
+                state
             }
-            None => Ok(current.cloned().expect("an unchanged state is a stored one")),
+            None => self.schedules.get(&key).cloned().expect("an unchanged state is a stored one"),
         }
     }
 
