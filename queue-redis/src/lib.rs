@@ -20,6 +20,16 @@
 //! queue's keys that is not a hint is removed when received, with a warning, and does not
 //! hold up the hints received with it.
 //!
+//! A queue holds at most its capacity ([`RedisQueueConfig::capacity`], 100 000 hints by
+//! default): a publish that takes it over removes the hints that have been visible the
+//! longest without being received, counts them ([`RedisQueue::dropped`]) and warns at
+//! most once a minute. Hints that no worker receives (their queue's claims are left to
+//! the claim loop, or every worker is gone) so cost a bounded amount of memory, and their
+//! work is found by polling and the repair pass as after any other loss.
+//!
+//! It needs Redis 6.0 or later (a receive waits fractions of a second); [`RedisQueue::connect`]
+//! refuses an older server, naming its version.
+//!
 //! What it does not do, and says so in [`QueueCapabilities`]: priorities and ordered
 //! groups (hints visible at the same time come in publish order across all groups).
 //!
@@ -45,6 +55,8 @@ use keel_core::ports::queue::{
 };
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -52,25 +64,99 @@ use tokio::time::Instant;
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a (re)connection attempt may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a receiver that could not take the blocking connection sleeps between looks.
-const POLL_STEP: Duration = Duration::from_millis(20);
 /// Most rounds of one receive that look again at once because they leased only entries
 /// that are not hints.
 const JUNK_ROUNDS_MAX: u32 = 8;
 
+/// The capacity of a queue whose settings name none.
+pub const CAPACITY_DEFAULT: u64 = 100_000;
+/// The oldest server the queue runs on, as (major, minor): a receive's `BLPOP` waits a
+/// fraction of a second, which older servers refuse.
+pub const SERVER_VERSION_MIN: (u32, u32) = (6, 0);
+
 /// Connection settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisQueueConfig {
     /// A Redis URL, e.g. `redis://127.0.0.1:6379/0`.
     pub url: String,
     /// The queue's name; its keys are `keel:{<name>}:…`.
     pub name: String,
+    /// The most hints the queue holds; a publish beyond it removes the hints visible the
+    /// longest without being received (see the crate doc). At least 1; default
+    /// [`CAPACITY_DEFAULT`].
+    pub capacity: u64,
+}
+
+impl std::fmt::Debug for RedisQueueConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisQueueConfig")
+            .field("url", &redacted(&self.url))
+            .field("name", &self.name)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
 }
 
 impl RedisQueueConfig {
-    /// Settings for queue `name` on the server at `url`.
+    /// Settings for queue `name` on the server at `url`, with the default capacity.
     pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
-        RedisQueueConfig { url: url.into(), name: name.into() }
+        RedisQueueConfig { url: url.into(), name: name.into(), capacity: CAPACITY_DEFAULT }
+    }
+
+    /// The same settings with room for at most `capacity` hints.
+    #[must_use]
+    pub fn capacity(mut self, capacity: u64) -> Self {
+        self.capacity = capacity;
+        self
+    }
+}
+
+/// `url` with its password (or a user-info without one, which may be a password) and any
+/// `pass`/`password` query value replaced by `***`, for messages and logs.
+fn redacted(url: &str) -> Cow<'_, str> {
+    let Some((scheme, rest)) = url.split_once("://") else { return Cow::Borrowed(url) };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(end);
+    let authority = match authority.rfind('@') {
+        Some(at) => match authority[..at].split_once(':') {
+            Some((user, _)) => format!("{user}:***{}", &authority[at..]),
+            None => format!("***{}", &authority[at..]),
+        },
+        None => authority.to_owned(),
+    };
+    let path = match path.split_once('?') {
+        Some((before, query)) => {
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if key == "pass" || key == "password" => format!("{key}=***"),
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            format!("{before}?{}", pairs.join("&"))
+        }
+        None => path.to_owned(),
+    };
+    let out = format!("{scheme}://{authority}{path}");
+    if out == url { Cow::Borrowed(url) } else { Cow::Owned(out) }
+}
+
+/// Checks the `redis_version` of an `INFO server` reply against [`SERVER_VERSION_MIN`];
+/// a reply without one (a proxy that hides it) passes.
+fn check_server_version(info: &str) -> Result<(), String> {
+    let Some(version) = info.lines().find_map(|l| l.trim().strip_prefix("redis_version:")) else {
+        return Ok(());
+    };
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().ok());
+    let (major, minor) = (parts.next().flatten(), parts.next().flatten().unwrap_or(0));
+    let (least_major, least_minor) = SERVER_VERSION_MIN;
+    match major {
+        Some(major) if (major, minor) < SERVER_VERSION_MIN => Err(format!(
+            "server version {version} is older than {least_major}.{least_minor}, which the \
+             queue needs (a receive waits fractions of a second); upgrade the server to Redis \
+             {least_major}.{least_minor} or later"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -87,10 +173,20 @@ struct Keys {
 pub struct RedisQueue {
     name: String,
     keys: Keys,
+    capacity: u64,
+    /// Hints removed because the queue was over its capacity.
+    dropped: AtomicU64,
+    /// When the last warning about dropped hints was given, in seconds since
+    /// `created` (`u64::MAX`: never).
+    dropped_warned: AtomicU64,
+    created: Instant,
     conn: ConnectionManager,
     /// A second connection for `BLPOP`, which would hold up every other command on a
     /// shared connection while it waits.
     blocking: tokio::sync::Mutex<ConnectionManager>,
+    /// Woken whenever a `BLPOP` on `blocking` returns, for the receivers that wait while
+    /// another holds it (several workers of a process share one queue).
+    woken: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for RedisQueue {
@@ -100,9 +196,17 @@ impl std::fmt::Debug for RedisQueue {
 }
 
 impl RedisQueue {
-    /// Connects to the server and checks that it answers.
+    /// Connects to the server and checks that it answers and is Redis 6.0 or later.
+    /// Errors show the URL without its password.
     pub async fn connect(config: RedisQueueConfig) -> StoreResult<Self> {
         let name = config.name;
+        if config.capacity == 0 {
+            return Err(StoreError::invalid(format!(
+                "capacity: 0 would drop every hint; give at least 1 (the default is \
+                 {CAPACITY_DEFAULT})"
+            )));
+        }
+        let url = redacted(&config.url);
         if name.is_empty()
             || name.len() > NAME_BYTES_MAX
             || name.contains(['{', '}'])
@@ -114,13 +218,10 @@ impl RedisQueue {
             )));
         }
         let client = redis::Client::open(config.url.as_str()).map_err(|e| {
-            StoreError::invalid(format!(
-                "url {:?}: {e}; expected redis://host:port[/db]",
-                config.url
-            ))
+            StoreError::invalid(format!("url {url:?}: {e}; expected redis://host:port[/db]"))
         })?;
         let unavailable =
-            |e: redis::RedisError| StoreError::unavailable(format!("redis at {}: {e}", config.url));
+            |e: redis::RedisError| StoreError::unavailable(format!("redis at {url}: {e}"));
         let settings = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CONNECT_TIMEOUT))
             .set_number_of_retries(1);
@@ -130,6 +231,16 @@ impl RedisQueue {
         )
         .await
         .map_err(unavailable)?;
+        match redis::cmd("INFO").arg("server").query_async::<String>(&mut conn.clone()).await {
+            Ok(info) => check_server_version(&info)
+                .map_err(|e| StoreError::invalid(format!("redis at {url}: {e}")))?,
+            // A server that does not answer was reported above; one that refuses `INFO`
+            // (a proxy, a renamed command) cannot be checked.
+            Err(e) if e.code().is_some() => {
+                tracing::debug!(error = %e, "could not read the Redis server's version");
+            }
+            Err(e) => return Err(unavailable(e)),
+        }
         let blocking = ConnectionManager::new_with_config(
             client,
             settings
@@ -144,7 +255,17 @@ impl RedisQueue {
             count: format!("{prefix}:count"),
             wake: format!("{prefix}:wake"),
         };
-        Ok(RedisQueue { name, keys, conn, blocking: tokio::sync::Mutex::new(blocking) })
+        Ok(RedisQueue {
+            name,
+            keys,
+            capacity: config.capacity,
+            dropped: AtomicU64::new(0),
+            dropped_warned: AtomicU64::new(u64::MAX),
+            created: Instant::now(),
+            conn,
+            blocking: tokio::sync::Mutex::new(blocking),
+            woken: tokio::sync::Notify::new(),
+        })
     }
 
     /// What every Redis queue can do: any delay at 1 ms, no priorities, no ordered groups.
@@ -159,6 +280,37 @@ impl RedisQueue {
     /// The queue's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// How many hints this handle's publishes removed because the queue was over its
+    /// capacity (their work waits for polling or the repair pass).
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Counts `n` hints removed over capacity, warning at most once a minute.
+    fn count_dropped(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.dropped.fetch_add(n, Ordering::Relaxed);
+        let now = self.created.elapsed().as_secs();
+        let last = self.dropped_warned.load(Ordering::Relaxed);
+        if (last == u64::MAX || now >= last.saturating_add(60))
+            && self
+                .dropped_warned
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                queue = %self.name,
+                capacity = self.capacity,
+                dropped = self.dropped(),
+                "the queue is over its capacity: removing the hints visible the longest without \
+                 a receiver (polling and the repair pass find their work); check that workers \
+                 receive from this queue, or raise its capacity (said at most once a minute)"
+            );
+        }
     }
 
     /// Deletes every hint of this queue, leased or not (what a `FLUSHALL` does to it).
@@ -187,21 +339,27 @@ impl RedisQueue {
         StoreError::unavailable(format!("redis queue {}: {e}", self.name))
     }
 
-    /// Waits up to `block` for a wake token; a receiver that finds the blocking connection
-    /// busy sleeps a short step instead.
+    /// Waits up to `block` for a wake token. A receiver that finds the blocking connection
+    /// busy waits, as long, for the `BLPOP` of the one holding it to return (a token or its
+    /// own time up) and then looks again: one script per wake-up and receiver, not a poll.
     async fn wait_for_wake(&self, block: Duration) -> StoreResult<()> {
         let block = block.max(Duration::from_millis(1));
+        // Registered before the lock is tried, so a wake-up between the two is not missed.
+        let woken = self.woken.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
         let Ok(mut conn) = self.blocking.try_lock() else {
-            tokio::time::sleep(block.min(POLL_STEP)).await;
+            let _ = tokio::time::timeout(block, woken).await;
             return Ok(());
         };
-        redis::cmd("BLPOP")
+        let popped = redis::cmd("BLPOP")
             .arg(&self.keys.wake)
             .arg(block.as_secs_f64())
             .query_async::<Option<(String, String)>>(&mut *conn)
-            .await
-            .map(drop)
-            .map_err(|e| self.unavailable(&e))
+            .await;
+        drop(conn);
+        self.woken.notify_waiters();
+        popped.map(drop).map_err(|e| self.unavailable(&e))
     }
 
     async fn reschedule(&self, receipt: &str, ms: u64, wake: bool, what: &str) -> StoreResult<()> {
@@ -275,13 +433,16 @@ impl Queue for RedisQueue {
         }
         let mut call = scripts::ENQUEUE.prepare_invoke();
         call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count).key(&self.keys.wake);
+        call.arg(self.capacity);
         for hint in &hints {
             call.arg(hint_id(hint)).arg(millis(hint.delay)).arg(encode_body(hint));
         }
-        call.invoke_async::<i64>(&mut self.conn.clone())
+        let dropped = call
+            .invoke_async::<u64>(&mut self.conn.clone())
             .await
-            .map(drop)
-            .map_err(|e| self.unavailable(&e))
+            .map_err(|e| self.unavailable(&e))?;
+        self.count_dropped(dropped);
+        Ok(())
     }
 
     async fn receive(
@@ -433,5 +594,40 @@ impl RedisQueue {
                 "could not remove entries that are not Keel hints; trying again after their lease"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{check_server_version, redacted};
+
+    #[test]
+    fn servers_older_than_6_0_are_refused_naming_their_version() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        for old in ["5.0.14", "4.0.9", "2.8.24"] {
+            let error = check_server_version(&info(old)).unwrap_err();
+            assert!(
+                error.starts_with(&format!("server version {old} is older than 6.0")),
+                "{error}"
+            );
+            assert!(error.contains("upgrade the server to Redis 6.0 or later"), "{error}");
+        }
+        for new in ["6.0.0", "6.2.14", "7.2.4", "8.0.1", "10.0"] {
+            check_server_version(&info(new)).unwrap();
+        }
+        check_server_version("# Server\r\nproxy:yes\r\n").unwrap();
+    }
+
+    #[test]
+    fn passwords_are_hidden() {
+        assert_eq!(redacted("redis://:s3cret@cache:6379/0"), "redis://:***@cache:6379/0");
+        assert_eq!(redacted("rediss://app:s3cret@cache/0?x=1"), "rediss://app:***@cache/0?x=1");
+        assert_eq!(redacted("redis://s3cret@cache"), "redis://***@cache");
+        assert_eq!(
+            redacted("redis+unix:///run/redis.sock?db=1&pass=s3cret"),
+            "redis+unix:///run/redis.sock?db=1&pass=***"
+        );
+        assert_eq!(redacted("redis://127.0.0.1:6379/0"), "redis://127.0.0.1:6379/0");
+        assert_eq!(redacted("not a url"), "not a url");
     }
 }

@@ -17,18 +17,25 @@ const NOW: &str =
 /// Most wake tokens kept for receivers that are not waiting yet.
 pub const WAKE_TOKENS_MAX: usize = 64;
 
-/// KEYS: vis, body, count, wake. ARGV: triples of (id, delay ms, body). Adds each hint
-/// that is not queued yet. A hint already waiting and never received stays as it is (the
+/// Most entries one publish removes to bring the queue back to its capacity: enough for
+/// a full batch of new hints, with room to shrink a queue whose capacity was lowered.
+pub const TRIM_MAX: usize = 2 * keel_core::limits::HINT_BATCH_MAX;
+
+/// KEYS: vis, body, count, wake. ARGV: the queue's capacity, then triples of (id, delay
+/// ms, body). Adds each hint that is not queued yet. A hint already waiting and never received stays as it is (the
 /// same instance and revision say the same thing). A hint that was received since its
 /// publish is published anew: its receive count goes up by one, so the receipt handed out
 /// for it is stale and its ack removes nothing, and it becomes visible again at
 /// `now + delay` even while leased. Otherwise the receiver of the old delivery would ack
-/// the new publish away. Then pushes wake tokens for the receivers.
+/// the new publish away. Then pushes wake tokens for the receivers. Last, while the queue
+/// holds more hints than its capacity, removes those with the lowest score (visible the
+/// longest without a receiver, which a delayed or leased hint is not), at most `TRIM_MAX`
+/// a call, and returns how many it removed.
 pub static ENQUEUE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{NOW}
 local added = 0
-for i = 1, #ARGV, 3 do
+for i = 2, #ARGV, 3 do
   local at = now + tonumber(ARGV[i + 1])
   if redis.call('ZADD', KEYS[1], 'NX', at, ARGV[i]) == 1 then
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2])
@@ -44,7 +51,17 @@ if added > 0 then
   for i = 1, math.min(added, {WAKE_TOKENS_MAX}) do redis.call('LPUSH', KEYS[4], 1) end
   redis.call('LTRIM', KEYS[4], 0, {WAKE_TOKENS_MAX} - 1)
 end
-return added"
+local over = math.min(redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1]), {TRIM_MAX})
+local dropped = 0
+if over > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, over - 1)) do
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+    dropped = dropped + 1
+  end
+end
+return dropped"
     ))
 });
 

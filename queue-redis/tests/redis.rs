@@ -125,3 +125,117 @@ async fn entries_that_are_not_hints_are_removed_and_good_hints_still_arrive() {
     assert!(fields(body, conn.clone()).await.unwrap().is_empty());
     assert!(fields(count, conn).await.unwrap().is_empty());
 }
+
+/// A URL's password never shows in an error: not when the server is down, not when the
+/// URL does not parse.
+#[tokio::test]
+async fn connect_errors_hide_the_password() {
+    let err = RedisQueue::connect(RedisQueueConfig::new("redis://:s3cret@127.0.0.1:9/0", "q"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    assert!(!err.message.contains("s3cret"), "{err}");
+    assert!(err.message.starts_with("redis at redis://:***@127.0.0.1:9/0: "), "{err}");
+    let err = RedisQueue::connect(RedisQueueConfig::new("redis://app:s3cret@host:port/0", "q"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+    assert!(!err.message.contains("s3cret"), "{err}");
+    assert!(err.message.starts_with(r#"url "redis://app:***@host:port/0""#), "{err}");
+    let config = RedisQueueConfig::new("redis://:s3cret@127.0.0.1:9/0", "q");
+    assert!(!format!("{config:?}").contains("s3cret"), "{config:?}");
+    let err = RedisQueue::connect(config.capacity(0)).await.unwrap_err();
+    assert!(err.message.starts_with("capacity: 0 would drop every hint"), "{err}");
+}
+
+/// A queue holds at most its capacity: a publish that takes it over drops the hints that
+/// have been visible the longest (never a delayed one or one leased by a receiver) and
+/// counts them.
+#[tokio::test]
+async fn a_full_queue_drops_its_oldest_visible_hints() {
+    let q = match std::env::var(URL_VAR) {
+        Ok(url) => {
+            let name = format!("test-{:016x}", fastrand::u64(..));
+            Some(RedisQueue::connect(RedisQueueConfig::new(url, name).capacity(4)).await.unwrap())
+        }
+        Err(_) => None,
+    };
+    let Some(q) = queue_or_skip("redis capacity", URL_VAR, q) else { return };
+    // 1 is leased, 2 is delayed; 3, 4 and 5 wait, 3 the longest.
+    q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
+    let leased = q.receive(1, 60_000 * MS, 100 * MS).await.unwrap();
+    q.enqueue(vec![Hint::new(InstanceId(2), 1).delay(60_000 * MS)]).await.unwrap();
+    for n in 3..=5 {
+        q.enqueue(vec![Hint::new(InstanceId(n), 1)]).await.unwrap();
+        tokio::time::sleep(5 * MS).await;
+    }
+    assert_eq!((q.len().await.unwrap(), q.dropped()), (4, 1), "hint 3 was dropped");
+    q.enqueue(vec![Hint::new(InstanceId(6), 1), Hint::new(InstanceId(7), 1)]).await.unwrap();
+    assert_eq!((q.len().await.unwrap(), q.dropped()), (4, 3));
+    let got = q.receive(10, 60_000 * MS, 100 * MS).await.unwrap();
+    let mut visible: Vec<i64> = got.iter().map(|d| d.hint.instance.0).collect();
+    visible.sort_unstable();
+    assert_eq!(visible, [6, 7], "the newest hints are kept");
+    q.ack(vec![leased[0].receipt.clone()]).await.unwrap();
+    assert_eq!(q.len().await.unwrap(), 3, "the lease was kept, and its ack still counts");
+}
+
+/// The scripts a server has run (`EVALSHA` and `EVAL` calls), from `INFO commandstats`.
+async fn scripts_run(conn: &mut redis::aio::ConnectionManager) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await.unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Several receivers sharing one queue (the workers of a process) wait on its one
+/// blocking connection together: while idle they do not poll the server, and a publish
+/// wakes them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_receivers_sharing_a_queue_do_not_poll() {
+    let on = std::env::var(URL_VAR).is_ok();
+    let server = on.then(keel_queue_redis::testing::PrivateServer::start);
+    let q = match &server {
+        Some(server) => {
+            Some(RedisQueue::connect(RedisQueueConfig::new(server.url(), "shared")).await.unwrap())
+        }
+        None => None,
+    };
+    let Some(q) = queue_or_skip("redis shared receivers", URL_VAR, q) else { return };
+    let q = std::sync::Arc::new(q);
+    let url = server.as_ref().unwrap().url();
+    let mut conn =
+        redis::aio::ConnectionManager::new(redis::Client::open(url).unwrap()).await.unwrap();
+    let before = scripts_run(&mut conn).await;
+    let receivers: Vec<_> = (0..4)
+        .map(|_| {
+            let q = std::sync::Arc::clone(&q);
+            tokio::spawn(async move { q.receive(10, 5000 * MS, 1000 * MS).await.unwrap() })
+        })
+        .collect();
+    let mut got = 0;
+    for r in receivers {
+        got += r.await.unwrap().len();
+    }
+    assert_eq!(got, 0);
+    // Four receives of one second: a first look and a look after the wait each, not a
+    // look every few milliseconds.
+    let idle = scripts_run(&mut conn).await - before;
+    assert!(idle <= 16, "{idle} scripts for four idle receives of one second");
+
+    // A publish while they wait reaches them.
+    let receivers: Vec<_> = (0..4)
+        .map(|_| {
+            let q = std::sync::Arc::clone(&q);
+            tokio::spawn(async move { q.receive(10, 5000 * MS, 2000 * MS).await.unwrap() })
+        })
+        .collect();
+    tokio::time::sleep(200 * MS).await;
+    q.enqueue((1..=3).map(|n| Hint::new(InstanceId(n), 1)).collect()).await.unwrap();
+    let mut got = 0;
+    for r in receivers {
+        got += r.await.unwrap().len();
+    }
+    assert_eq!(got, 3, "every hint was received by the waiting receivers");
+}

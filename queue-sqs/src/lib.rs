@@ -177,12 +177,52 @@ fn decode(body: &str) -> Option<Hint> {
     })
 }
 
+/// Checks that `url` has the form of an SQS queue URL,
+/// `http(s)://<host>/<account>/<queue name>`, and that an AWS endpoint's region is the
+/// client's; the message names `url` and the form expected.
+fn check_url(url: &str, client_region: Option<&str>) -> Result<(), String> {
+    const FORM: &str = "expected an SQS queue URL such as \
+        https://sqs.us-east-1.amazonaws.com/123456789012/keel-hints (what CreateQueue or \
+        GetQueueUrl returns), not a queue name or ARN";
+    let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"));
+    let Some(rest) = rest else { return Err(format!("url {url:?}: {FORM}")) };
+    let mut parts = rest.split('/');
+    let (host, account, name) = (parts.next(), parts.next(), parts.next());
+    let valid_name = |n: &str| {
+        let base = n.strip_suffix(".fifo").unwrap_or(n);
+        (1..=80).contains(&base.len())
+            && base.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    };
+    match (host, account, name, parts.next()) {
+        (Some(host), Some(account), Some(name), None)
+            if !host.is_empty() && !account.is_empty() && valid_name(name) =>
+        {
+            let region = host.strip_prefix("sqs.").and_then(|h| {
+                h.strip_suffix(".amazonaws.com").or_else(|| h.strip_suffix(".amazonaws.com.cn"))
+            });
+            match (region, client_region) {
+                (Some(queue), Some(client)) if queue != client => Err(format!(
+                    "url {url:?}: the queue is in region {queue} but the client is for \
+                     {client}; build the client for {queue}"
+                )),
+                _ => Ok(()),
+            }
+        }
+        _ => Err(format!("url {url:?}: {FORM}")),
+    }
+}
+
 impl SqsQueue {
     /// A queue that already exists, by URL; a URL ending in `.fifo` is a FIFO queue.
-    pub fn open(client: Client, url: impl Into<String>) -> Self {
+    /// Refuses (`Invalid`, naming `url`) a string that is not an SQS queue URL
+    /// (`http(s)://<host>/<account>/<name>`), and an AWS queue URL of another region
+    /// than the client's, which would fail every call later.
+    pub fn open(client: Client, url: impl Into<String>) -> StoreResult<Self> {
         let url = url.into();
+        let region = client.config().region().map(|r| r.as_ref().to_owned());
+        check_url(&url, region.as_deref()).map_err(StoreError::invalid)?;
         let fifo = is_fifo(&url);
-        SqsQueue { client, url, fifo }
+        Ok(SqsQueue { client, url, fifo })
     }
 
     /// Creates queue `name` (FIFO when it ends in `.fifo`) if it does not exist. With
@@ -239,9 +279,22 @@ impl SqsQueue {
         if let Some(policy) = redrive {
             call = call.attributes(QueueAttributeName::RedrivePolicy, policy);
         }
-        let out = call.send().await.map_err(|e| unavailable("CreateQueue", name, &e))?;
-        let url = out.queue_url().unwrap_or_default().to_owned();
-        Ok(SqsQueue { client: client.clone(), url, fifo })
+        let out = call.send().await.map_err(|e| match e.code() {
+            // The name is taken by a queue created with other attributes (FIFO, or a
+            // redrive policy that `max_receives` adds or changes): retrying cannot help.
+            Some("QueueAlreadyExists" | "QueueNameExists") => StoreError::invalid(format!(
+                "name {name:?}: a queue of that name already exists with other attributes \
+                 (FIFO or redrive policy); delete or rename the queue, or pass the \
+                 max_receives it was created with ({})",
+                DisplayErrorContext(&e)
+            )),
+            _ => unavailable("CreateQueue", name, &e),
+        })?;
+        let url = out.queue_url().unwrap_or_default();
+        check_url(url, None).map_err(|e| {
+            StoreError::unavailable(format!("sqs CreateQueue on {name}: the answer's {e}"))
+        })?;
+        Ok(SqsQueue { client: client.clone(), url: url.to_owned(), fifo })
     }
 
     /// The queue's URL.
@@ -261,7 +314,9 @@ impl SqsQueue {
             .send()
             .await
             .map_err(|e| unavailable("GetQueueUrl", &dlq, &e))?;
-        Ok(SqsQueue::open(self.client.clone(), out.queue_url().unwrap_or_default()))
+        SqsQueue::open(self.client.clone(), out.queue_url().unwrap_or_default()).map_err(|e| {
+            StoreError::unavailable(format!("sqs GetQueueUrl on {dlq}: the answer's {}", e.message))
+        })
     }
 
     /// Deletes every message of the queue (SQS allows one purge a minute per queue).
@@ -411,8 +466,11 @@ impl SqsQueue {
                 continue;
             };
             let Some(hint) = decode(body) else {
-                // Not a hint of ours: delete it so it cannot block a FIFO group forever.
-                self.delete_batch(&[receipt.to_owned()]).await?;
+                // Not a hint of ours: delete it so it cannot block a FIFO group forever. A
+                // failed delete does not cost the good hints of the page, which are
+                // leased already: the message comes back after its visibility and is
+                // deleted then.
+                let _ = self.delete_batch(&[receipt.to_owned()]).await;
                 continue;
             };
             let receive_count = message
@@ -498,22 +556,30 @@ impl Queue for SqsQueue {
         let visibility = secs(visibility);
         let mut out = self.receive_page(max, visibility, secs(wait)).await?;
         // Further pages only while full ones keep coming, without waiting; bounded by
-        // `max`, which is at most a few pages.
+        // `max`, which is at most a few pages. A page that fails ends the receive with
+        // the deliveries already leased (failing it would hide them for their whole
+        // visibility); the next receive meets the error if it lasts.
         let mut last = out.len();
         while last == SQS_BATCH_MAX && out.len() < max {
-            let page = self.receive_page(max - out.len(), visibility, 0).await?;
+            let Ok(page) = self.receive_page(max - out.len(), visibility, 0).await else {
+                break;
+            };
             last = page.len();
             out.extend(page);
         }
         Ok(out)
     }
 
+    /// Deletes every batch of 10 even when one fails, and then reports the first failure.
     async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
         validate_receipts(&receipts)?;
+        let mut first = None;
         for chunk in receipts.chunks(SQS_BATCH_MAX) {
-            self.delete_batch(chunk).await?;
+            if let Err(e) = self.delete_batch(chunk).await {
+                first.get_or_insert(e);
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
@@ -531,7 +597,41 @@ impl Queue for SqsQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::{SQS_GROUP_ID_MAX, fnv1a64, group_id};
+    use super::{SQS_GROUP_ID_MAX, check_url, fnv1a64, group_id};
+
+    #[test]
+    fn only_sqs_queue_urls_open() {
+        for good in [
+            "https://sqs.us-east-1.amazonaws.com/123456789012/keel-hints",
+            "https://sqs.us-east-1.amazonaws.com/123456789012/keel-hints.fifo",
+            "http://127.0.0.1:9324/000000000000/q",
+            "http://localhost:9324/queue/q_1",
+        ] {
+            check_url(good, Some("us-east-1")).unwrap();
+        }
+        for bad in [
+            "",
+            "keel-hints",
+            "arn:aws:sqs:us-east-1:123456789012:keel-hints",
+            "https://sqs.us-east-1.amazonaws.com/keel-hints",
+            "https://sqs.us-east-1.amazonaws.com/123456789012/",
+            "https://sqs.us-east-1.amazonaws.com/123456789012/a/b",
+            "ftp://host/1/q",
+        ] {
+            let error = check_url(bad, Some("us-east-1")).unwrap_err();
+            assert!(
+                error.starts_with(&format!("url {bad:?}: expected an SQS queue URL")),
+                "{error}"
+            );
+        }
+        let error =
+            check_url("https://sqs.eu-west-1.amazonaws.com/123456789012/q", Some("us-east-1"))
+                .unwrap_err();
+        assert!(
+            error.contains("the queue is in region eu-west-1 but the client is for us-east-1"),
+            "{error}"
+        );
+    }
 
     /// What SQS takes as a `MessageGroupId`: 1 to 128 characters of `!` to `~`.
     fn sqs_takes(id: &str) -> bool {

@@ -100,7 +100,7 @@ async fn bad_name_and_dead_endpoint() {
     let err = SqsQueue::create(client.clone(), "hints", Some(1_001)).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Invalid, "refused before any call: {err}");
     assert!(err.message.starts_with("max_receives: 1001") && err.message.contains("1 to 1000"));
-    let q = SqsQueue::open(client, "http://127.0.0.1:9/000000000000/nowhere");
+    let q = SqsQueue::open(client, "http://127.0.0.1:9/000000000000/nowhere").unwrap();
     let err = q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
 }
@@ -240,7 +240,8 @@ fn answer_send_batch(mut stream: TcpStream, accepted: &Mutex<Vec<i64>>) -> std::
 #[tokio::test]
 async fn refusals_do_not_stop_the_other_batches() {
     let (url, accepted) = fake_sqs();
-    let q = SqsQueue::open(static_client(&url, "us-east-1"), format!("{url}/000000000000/q"));
+    let q =
+        SqsQueue::open(static_client(&url, "us-east-1"), format!("{url}/000000000000/q")).unwrap();
     let err = q.enqueue((1..=25).map(|n| Hint::new(InstanceId(n), 1)).collect()).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
     assert!(err.message.contains("11 of 25 hints refused"), "{err}");
@@ -249,4 +250,198 @@ async fn refusals_do_not_stop_the_other_batches() {
     sent.sort_unstable();
     let expected: Vec<i64> = (2..=10).chain(21..=25).collect();
     assert_eq!(sent, expected, "the batches after a refusal were sent");
+}
+
+/// A string that is not an SQS queue URL (a queue name, an ARN) is refused when the queue
+/// is opened, naming `url` and the form expected, rather than failing every receive later
+/// as if SQS were down.
+#[test]
+fn open_refuses_what_is_not_a_queue_url() {
+    let client = static_client("http://127.0.0.1:9", "us-east-1");
+    for bad in ["keel-hints", "arn:aws:sqs:us-east-1:123456789012:keel-hints", ""] {
+        let err = SqsQueue::open(client.clone(), bad).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+        assert!(
+            err.message
+                .starts_with(&format!("url {bad:?}: expected an SQS queue URL such as https://")),
+            "{err}"
+        );
+    }
+    let err = SqsQueue::open(client, "https://sqs.eu-west-1.amazonaws.com/123456789012/keel-hints")
+        .unwrap_err();
+    assert!(err.message.contains("region eu-west-1 but the client is for us-east-1"), "{err}");
+}
+
+/// A queue that exists with other attributes (here: without the redrive policy that
+/// `max_receives` adds) is `Invalid` with the fix, not an outage to retry for ever.
+#[tokio::test]
+async fn create_over_a_queue_with_other_attributes_names_the_fix() {
+    let Some(q) =
+        queue_or_skip("sqs create exists", ENDPOINT_VAR, fresh_queue_with(false, None).await)
+    else {
+        return;
+    };
+    let name = q.url().rsplit('/').next().unwrap().to_owned();
+    let endpoint = std::env::var(ENDPOINT_VAR).unwrap();
+    let err =
+        SqsQueue::create(static_client(&endpoint, "us-east-1"), &name, Some(3)).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+    assert!(
+        err.message.starts_with(&format!(
+            "name {name:?}: a queue of that name already exists with other attributes"
+        )),
+        "{err}"
+    );
+    assert!(err.message.contains("delete or rename the queue"), "{err}");
+}
+
+/// A stand-in SQS endpoint for `ReceiveMessage` and `DeleteMessageBatch`: `answer` gets
+/// the call's target (`ReceiveMessage`, …) and JSON body and returns the HTTP status and
+/// JSON reply. It serves at most 100 connections, one call each.
+fn scripted_sqs(
+    answer: impl Fn(&str, &str) -> (&'static str, String) + Send + 'static,
+) -> SqsQueue {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().take(100).flatten() {
+            let Ok((target, body)) = read_call(&stream) else { continue };
+            let (status, reply) = answer(&target, &body);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\nContent-Type: application/x-amz-json-1.0\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{reply}",
+                reply.len()
+            );
+            let _ = stream.flush();
+        }
+    });
+    SqsQueue::open(static_client(&url, "us-east-1"), format!("{url}/000000000000/q")).unwrap()
+}
+
+/// The `X-Amz-Target` operation (without its `AmazonSQS.` prefix) and the body of a call.
+fn read_call(stream: &TcpStream) -> std::io::Result<(String, String)> {
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let (mut length, mut target) = (0, String::new());
+    for _ in 0..100 {
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        let line = line.trim_end();
+        if line.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = line.split_once(':') {
+            if name.eq_ignore_ascii_case("content-length") {
+                length = value.trim().parse().unwrap_or(0);
+            } else if name.eq_ignore_ascii_case("x-amz-target") {
+                value.trim().trim_start_matches("AmazonSQS.").clone_into(&mut target);
+            }
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    Ok((target, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// A `ReceiveMessage` reply holding messages with these receipts and bodies.
+fn messages(items: &[(String, String)]) -> String {
+    let messages: Vec<String> = items
+        .iter()
+        .map(|(receipt, body)| {
+            format!(
+                r#"{{"MessageId":"m-{receipt}","ReceiptHandle":"{receipt}","Body":"{body}","Attributes":{{"ApproximateReceiveCount":"1"}}}}"#
+            )
+        })
+        .collect();
+    format!(r#"{{"Messages":[{}]}}"#, messages.join(","))
+}
+
+/// A hint's message body for instance `n`.
+fn hint_body(n: i64) -> String {
+    format!("{n}|1|{}|", keel_core::Priority::default().level())
+}
+
+const REFUSED: &str =
+    r#"{"__type":"com.amazonaws.sqs#InvalidParameterValue","message":"refused (test)"}"#;
+
+/// A receive of more than one page keeps the page it got when the next page fails: those
+/// hints are leased already, and failing the receive would hide them for their whole
+/// visibility.
+#[tokio::test]
+async fn a_failed_second_page_keeps_the_first() {
+    let pages = Arc::new(Mutex::new(0));
+    let seen = Arc::clone(&pages);
+    let q = scripted_sqs(move |target, _| {
+        assert_eq!(target, "ReceiveMessage");
+        let mut n = seen.lock().unwrap();
+        *n += 1;
+        if *n == 1 {
+            let page: Vec<(String, String)> =
+                (1..=10).map(|i| (format!("r{i}"), hint_body(i))).collect();
+            ("200 OK", messages(&page))
+        } else {
+            ("400 Bad Request", REFUSED.to_owned())
+        }
+    });
+    let got = q.receive(20, S, S).await.unwrap();
+    let instances: Vec<i64> = got.iter().map(|d| d.hint.instance.0).collect();
+    assert_eq!(instances, (1..=10).collect::<Vec<_>>());
+    assert_eq!(*pages.lock().unwrap(), 2, "the second page was asked for");
+}
+
+/// A message that is not a hint is deleted; when that delete fails, the good hints of its
+/// page are still delivered.
+#[tokio::test]
+async fn a_failed_delete_of_a_foreign_message_keeps_the_hints() {
+    let deletes = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&deletes);
+    let q = scripted_sqs(move |target, body| {
+        if target == "ReceiveMessage" {
+            let page = [
+                ("r0".to_owned(), "not a hint".to_owned()),
+                ("r1".to_owned(), hint_body(1)),
+                ("r2".to_owned(), hint_body(2)),
+            ];
+            ("200 OK", messages(&page))
+        } else {
+            seen.lock().unwrap().push(body.to_owned());
+            ("400 Bad Request", REFUSED.to_owned())
+        }
+    });
+    let got = q.receive(10, S, S).await.unwrap();
+    let instances: Vec<i64> = got.iter().map(|d| d.hint.instance.0).collect();
+    assert_eq!(instances, [1, 2]);
+    let deletes = deletes.lock().unwrap();
+    assert_eq!(deletes.len(), 1, "the foreign message's delete was tried");
+    assert!(deletes[0].contains(r#""ReceiptHandle":"r0""#), "{}", deletes[0]);
+}
+
+/// An ack of more than 10 receipts deletes every batch even when one fails, then reports
+/// the failure.
+#[tokio::test]
+async fn an_ack_tries_every_batch_and_then_reports_the_failure() {
+    let deleted = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&deleted);
+    let q = scripted_sqs(move |target, body| {
+        assert_eq!(target, "DeleteMessageBatch");
+        let receipts: Vec<String> = body
+            .match_indices(r#""ReceiptHandle":""#)
+            .map(|(at, key)| {
+                let rest = &body[at + key.len()..];
+                rest[..rest.find('"').unwrap_or(rest.len())].to_owned()
+            })
+            .collect();
+        if receipts.iter().any(|r| r == "r1") {
+            return ("400 Bad Request", REFUSED.to_owned());
+        }
+        let ok: Vec<String> = (0..receipts.len()).map(|i| format!(r#"{{"Id":"{i}"}}"#)).collect();
+        sink.lock().unwrap().extend(receipts);
+        ("200 OK", format!(r#"{{"Successful":[{}],"Failed":[]}}"#, ok.join(",")))
+    });
+    let err = q.ack((1..=25).map(|i| format!("r{i}")).collect()).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    assert!(err.message.contains("refused (test)"), "{err}");
+    let deleted = deleted.lock().unwrap().clone();
+    let expected: Vec<String> = (11..=25).map(|i| format!("r{i}")).collect();
+    assert_eq!(deleted, expected, "the batches after the failed one were deleted");
 }

@@ -32,8 +32,9 @@ pub const WAIT_POLL_MAX: Duration = Duration::from_millis(250);
 pub struct Client<S: Store, C: Clock> {
     store: Arc<S>,
     clock: C,
-    /// Where starts and sends announce the work they made ready, if anywhere.
-    queue: Option<Arc<dyn Queue>>,
+    /// Where starts and sends announce the work they made ready, if anywhere (shared by
+    /// the client's clones, with its bound on publishes under way).
+    publisher: Option<Arc<crate::worker::Publisher>>,
     /// The configuration file whose priorities and queue names fill what starts and
     /// sends leave unset, if any.
     settings: Option<Arc<KeelConfig>>,
@@ -47,7 +48,7 @@ impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
         Client {
             store: Arc::clone(&self.store),
             clock: self.clock.clone(),
-            queue: self.queue.clone(),
+            publisher: self.publisher.clone(),
             settings: self.settings.clone(),
         }
     }
@@ -56,7 +57,7 @@ impl<S: Store, C: Clock + Clone> Clone for Client<S, C> {
 impl<S: Store, C: Clock> Client<S, C> {
     /// A client over `store`, reading time from `clock`.
     pub fn new(store: Arc<S>, clock: C) -> Self {
-        Client { store, clock, queue: None, settings: None }
+        Client { store, clock, publisher: None, settings: None }
     }
 
     /// The same client applying a configuration file to what it starts and sends: an
@@ -121,26 +122,36 @@ impl<S: Store, C: Clock> Client<S, C> {
     /// (each new instance, delayed until it is due; each target a send woke), for workers
     /// that receive hints from it. The store stays the truth: the announcement follows the
     /// store call and its failure is only logged (the workers' repair pass finds the work).
-    /// A delay longer than the queue keeps is not announced.
+    /// A delay longer than the queue keeps is not announced. At most
+    /// [`PUBLISHES_MAX`](crate::worker::PUBLISHES_MAX) announcements of the client and its
+    /// clones are under way at once; the hints of a start or send beyond them are dropped
+    /// and counted ([`hints_dropped`](Self::hints_dropped)).
     #[must_use]
     pub fn with_queue(mut self, queue: Arc<dyn Queue>) -> Self {
-        self.queue = Some(queue);
+        self.publisher = Some(Arc::new(crate::worker::Publisher::new(queue)));
         self
+    }
+
+    /// How many hints the client and its clones dropped because
+    /// [`PUBLISHES_MAX`](crate::worker::PUBLISHES_MAX) announcements were already under
+    /// way (a queue that answers slowly or not at all); the workers' polling and repair
+    /// pass find their work.
+    pub fn hints_dropped(&self) -> u64 {
+        self.publisher.as_ref().map_or(0, |p| p.dropped())
     }
 
     /// Publishes `hints` when the client has a queue. The call waits for the queue at
     /// most [`ANNOUNCE_WAIT`]: a slow or unreachable queue finishes (or times out) in the
     /// background instead of adding its timeouts to every start and send.
     async fn announce(&self, hints: impl FnOnce() -> Vec<keel_core::ports::queue::Hint>) {
-        if let Some(queue) = &self.queue {
-            let (queue, hints) = (Arc::clone(queue), hints());
+        if let Some(publisher) = &self.publisher {
+            let hints = hints();
             if hints.is_empty() {
                 return;
             }
-            let publishing = tokio::spawn(async move {
-                crate::worker::publish_hints(queue.as_ref(), hints).await;
-            });
-            let _ = tokio::time::timeout(ANNOUNCE_WAIT, publishing).await;
+            if let Some(publishing) = publisher.spawn(hints, drop) {
+                let _ = tokio::time::timeout(ANNOUNCE_WAIT, publishing).await;
+            }
         }
     }
 
@@ -171,7 +182,7 @@ impl<S: Store, C: Clock> Client<S, C> {
             }
         }
         let now = self.clock.now();
-        let protos: Vec<_> = match self.queue {
+        let protos: Vec<_> = match self.publisher {
             Some(_) => instances.iter().map(|n| hints::for_new(n, now)).collect(),
             None => Vec::new(),
         };

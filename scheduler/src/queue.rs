@@ -26,6 +26,12 @@
 //! its poll interval while the store has work it was not told about; the next receive
 //! that claims something hands them back to the hints. A failed receive hands them over
 //! at once.
+//!
+//! A queue that stops answering holds nothing up: a receive gives up after its wait and
+//! [`RECEIVE_MARGIN`] (counted as a failed receive), every other call after
+//! [`QUEUE_CALL_TIMEOUT`], and a worker or client has at most [`PUBLISHES_MAX`] publishes
+//! under way; the hints of any further one are dropped and counted, and polling and the
+//! repair pass find their work.
 
 use super::{Finished, Inner, QueueSlots, Worker, launch};
 use crate::health::WorkerLoop;
@@ -39,7 +45,18 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, Semaphore, mpsc, watch};
+
+/// How much longer than its wait a receive may take before the hint loop gives up on it
+/// and counts it as failed.
+pub const RECEIVE_MARGIN: Duration = Duration::from_secs(5);
+/// How long a publish, ack or hand-back call to the queue may take before the worker or
+/// client gives up on it (the hints then wait for polling, the repair pass or their
+/// visibility, as after any failed call).
+pub const QUEUE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most publishes one worker (or one client and its clones) has under way at once; the
+/// hints of a commit, start or send beyond them are dropped and counted.
+pub const PUBLISHES_MAX: usize = 32;
 
 /// How a worker uses its queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,11 +140,17 @@ pub struct HintStats {
     /// Hints whose instance was ready but not claimed here, handed back for another
     /// worker.
     pub handed_back: AtomicU64,
+    /// Hints not published because [`PUBLISHES_MAX`] publishes were already under way (a
+    /// queue that answers slowly or not at all); polling and the repair pass find their
+    /// work.
+    pub dropped: AtomicU64,
 }
 
 /// A worker's queue and its settings.
 pub(crate) struct HintLink {
     queue: Arc<dyn Queue>,
+    /// The background publishes after commits.
+    publisher: Publisher,
     config: HintConfig,
     stats: Arc<HintStats>,
     /// Whether the hints bring work: the queue answers, and fewer than
@@ -175,6 +198,108 @@ impl HintLink {
             self.stopped.notify_one();
         }
     }
+
+    /// Receives up to `max` hints, giving up after the wait and [`RECEIVE_MARGIN`].
+    async fn receive(&self, max: usize) -> StoreResult<Vec<Delivery>> {
+        let (visibility, wait) = (self.config.visibility, self.config.wait);
+        bounded(wait + RECEIVE_MARGIN, "receive", self.queue.receive(max, visibility, wait)).await
+    }
+
+    /// Acks `receipts`; a failure (or no answer within [`QUEUE_CALL_TIMEOUT`]) only means
+    /// the hints come back after their visibility and are acked then.
+    async fn ack(&self, receipts: Vec<String>) {
+        if receipts.is_empty() {
+            return;
+        }
+        let acking = self.queue.ack(receipts);
+        if let Err(e) = bounded(QUEUE_CALL_TIMEOUT, "ack", acking).await {
+            tracing::debug!(error = %e, "acking hints failed; they come back and are acked then");
+        }
+    }
+
+    /// Hands each `(receipt, delay)` back; after a call that got no answer the rest are
+    /// left to their visibility rather than each waiting out its own timeout.
+    async fn nack_all(&self, nacks: impl IntoIterator<Item = (String, Duration)>) {
+        for (receipt, delay) in nacks {
+            let handing = self.queue.nack(receipt, delay);
+            match tokio::time::timeout(QUEUE_CALL_TIMEOUT, handing).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "handing a hint back failed; it comes back after its visibility");
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "handing a hint back got no answer within {QUEUE_CALL_TIMEOUT:?}; the \
+                         hints come back after their visibility"
+                    );
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// `call`, or an `Unavailable` error naming `what` when it takes longer than `limit`.
+async fn bounded<T>(
+    limit: Duration,
+    what: &str,
+    call: impl Future<Output = StoreResult<T>>,
+) -> StoreResult<T> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(StoreError::unavailable(format!("queue {what}: no answer within {limit:?}")))
+    })
+}
+
+/// Runs publishes in the background, at most [`PUBLISHES_MAX`] at once, so a queue that
+/// hangs cannot pile up tasks at the rate of commits, starts and sends.
+pub(crate) struct Publisher {
+    queue: Arc<dyn Queue>,
+    slots: Arc<Semaphore>,
+    /// Hints dropped because every slot was taken.
+    dropped: AtomicU64,
+}
+
+impl Publisher {
+    pub(crate) fn new(queue: Arc<dyn Queue>) -> Self {
+        Publisher {
+            queue,
+            slots: Arc::new(Semaphore::new(PUBLISHES_MAX)),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// Hints dropped so far because [`PUBLISHES_MAX`] publishes were under way.
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Publishes `hints` in the background and hands what happened to `done`; `None`
+    /// (the hints dropped and counted) when [`PUBLISHES_MAX`] publishes are under way.
+    pub(crate) fn spawn(
+        &self,
+        hints: Vec<Hint>,
+        done: impl FnOnce(Published) + Send + 'static,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
+            let n = hints.len() as u64;
+            self.dropped.fetch_add(n, Ordering::Relaxed);
+            if publish_warning_due() {
+                tracing::warn!(
+                    dropped = n,
+                    "{PUBLISHES_MAX} publishes of hints are under way (the queue answers slowly \
+                     or not at all): dropping these hints; polling and the repair pass take the \
+                     work (said at most once a minute)"
+                );
+            }
+            return None;
+        };
+        let queue = Arc::clone(&self.queue);
+        Some(tokio::spawn(async move {
+            let published = publish(queue.as_ref(), hints).await;
+            drop(slot);
+            done(published);
+        }))
+    }
 }
 
 impl HintStats {
@@ -220,6 +345,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         }
         let stats = Arc::new(HintStats::default());
         self.hints = Some(Arc::new(HintLink {
+            publisher: Publisher::new(Arc::clone(&queue)),
             queue,
             config,
             stats: Arc::clone(&stats),
@@ -269,10 +395,11 @@ pub(super) fn publish_committed<S, C>(
     if hints.is_empty() {
         return;
     }
-    tokio::spawn(async move {
-        let published = publish(link.queue.as_ref(), hints).await;
-        link.stats.count(published);
-    });
+    let n = hints.len() as u64;
+    let stats = Arc::clone(&link.stats);
+    if link.publisher.spawn(hints, move |published| stats.count(published)).is_none() {
+        link.stats.dropped.fetch_add(n, Ordering::Relaxed);
+    }
 }
 
 /// Whether a failed publish is worth a warning: the first, then at most one a minute in
@@ -300,22 +427,34 @@ pub(crate) struct Published {
 
 /// Publishes `hints` in batches of `HINT_BATCH_MAX`, leaving delays the queue cannot keep
 /// to the store. A failure only costs latency: the repair pass and polling find the work.
+/// A batch the queue does not take within [`QUEUE_CALL_TIMEOUT`] ends the publish: the
+/// batches after it would wait on the same queue, and count as failed too.
 pub(crate) async fn publish(queue: &dyn Queue, hints: Vec<Hint>) -> Published {
     let total = hints.len() as u64;
     let hints = hints::publishable(hints, queue.capabilities().delay_max);
     let mut out = Published { held_back: total - hints.len() as u64, ..Published::default() };
+    let mut left = hints.len() as u64;
     for chunk in hints.chunks(keel_core::limits::HINT_BATCH_MAX) {
         let n = chunk.len() as u64;
-        match queue.enqueue(chunk.to_vec()).await {
-            Ok(()) => out.taken += n,
-            Err(e) => {
-                if publish_warning_due() {
-                    tracing::warn!(error = %e, "publishing hints failed; the repair pass or polling takes the work (said at most once a minute)");
-                } else {
-                    tracing::debug!(error = %e, "publishing hints failed");
-                }
-                out.failed += n;
+        left -= n;
+        let publishing = tokio::time::timeout(QUEUE_CALL_TIMEOUT, queue.enqueue(chunk.to_vec()));
+        let (error, hung) = match publishing.await {
+            Ok(Ok(())) => {
+                out.taken += n;
+                continue;
             }
+            Ok(Err(e)) => (e.to_string(), false),
+            Err(_) => (format!("the queue did not answer within {QUEUE_CALL_TIMEOUT:?}"), true),
+        };
+        if publish_warning_due() {
+            tracing::warn!(error = %error, "publishing hints failed; the repair pass or polling takes the work (said at most once a minute)");
+        } else {
+            tracing::debug!(error = %error, "publishing hints failed");
+        }
+        out.failed += n;
+        if hung {
+            out.failed += left;
+            break;
         }
     }
     out
@@ -478,7 +617,7 @@ async fn hint_loop<S: Store, C: Clock>(
         }
         let max = free.min(HINT_RECEIVE_MAX);
         let received = tokio::select! {
-            r = link.queue.receive(max, link.config.visibility, link.config.wait) => r,
+            r = link.receive(max) => r,
             _ = shutdown.changed() => return,
         };
         let deliveries = match received {
@@ -517,11 +656,7 @@ async fn hint_loop<S: Store, C: Clock>(
                 // The store is unavailable: the hints come back once this loop's back-off
                 // is over, not after their visibility.
                 let pause = link.failed(&inner, &format!("claim by hint: {e}"));
-                for d in deliveries {
-                    if let Err(e) = link.queue.nack(d.receipt, pause).await {
-                        tracing::debug!(error = %e, "handing a hint back failed; it comes back after its visibility");
-                    }
-                }
+                link.nack_all(deliveries.into_iter().map(|d| (d.receipt, pause))).await;
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
                     _ = shutdown.changed() => {}
@@ -584,9 +719,7 @@ async fn claim_hinted<S: Store, C: Clock>(
     let Some(params) = claim_params(inner, queues, ids.len()) else {
         // No slot left after all: hand the hints back for another worker (or a later
         // round of this one).
-        for d in deliveries {
-            let _ = link.queue.nack(d.receipt, Duration::ZERO).await;
-        }
+        link.nack_all(deliveries.into_iter().map(|d| (d.receipt, Duration::ZERO))).await;
         return Ok(None);
     };
     let (claimed, taken) =
@@ -610,10 +743,7 @@ async fn claim_hinted<S: Store, C: Clock>(
     if !missed.is_empty() {
         done.extend(hand_back(inner, link, missed).await);
     }
-    let receipts = done.into_iter().map(|d| d.receipt).collect();
-    if let Err(e) = link.queue.ack(receipts).await {
-        tracing::debug!(error = %e, "acking hints failed; they come back and are acked then");
-    }
+    link.ack(done.into_iter().map(|d| d.receipt).collect()).await;
     Ok(claimed)
 }
 
@@ -634,18 +764,15 @@ async fn hand_back<S: Store, C: Clock>(
         }
     };
     let now = inner.clock.now();
-    let mut drop = Vec::new();
+    let (mut drop, mut back) = (Vec::new(), Vec::new());
     for d in missed {
         let row = rows.iter().find(|r| r.id == d.hint.instance);
         match hints::unclaimed(row, d.receive_count, now) {
             hints::Unclaimed::Drop => drop.push(d),
-            hints::Unclaimed::HandBack(delay) => {
-                link.stats.handed_back.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = link.queue.nack(d.receipt, delay).await {
-                    tracing::debug!(error = %e, "handing a hint back failed; it comes back after its visibility");
-                }
-            }
+            hints::Unclaimed::HandBack(delay) => back.push((d.receipt, delay)),
         }
     }
+    link.stats.handed_back.fetch_add(back.len() as u64, Ordering::Relaxed);
+    link.nack_all(back).await;
     drop
 }

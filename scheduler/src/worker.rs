@@ -53,8 +53,8 @@ mod queue;
 use crate::prune::{DeadLetterRetention, PruneCounts, PruneStats, Pruner};
 use crate::schedules::Schedules;
 use keel_core::retention::RetentionConfig;
-pub(crate) use queue::publish as publish_hints;
-pub use queue::{HintConfig, HintStats};
+pub(crate) use queue::Publisher;
+pub use queue::{HintConfig, HintStats, PUBLISHES_MAX, QUEUE_CALL_TIMEOUT, RECEIVE_MARGIN};
 
 // Armed timers follow the deployed definition (a one-shot pass at start-up).
 #[path = "retime.rs"]

@@ -45,17 +45,31 @@ impl StepMachine for Counter {
     }
 }
 
-/// A queue in front of another that can publish every hint twice and can be "down"; it
-/// counts receives and nacks, takes `delay` to publish (a queue server that hangs) and
-/// keeps a lease at most `visibility_max` (the inner queue's bound when `None`).
+/// A queue in front of another that can publish every hint twice, can be "down" and can
+/// hang (no call of it ever returns); it counts receives, nacks and the publishes under
+/// way at once, takes `delay` to publish (a slow queue server) and keeps a lease at most
+/// `visibility_max` (the inner queue's bound when `None`).
 struct Flaky<Q> {
     inner: Arc<Q>,
     twice: bool,
     down: AtomicBool,
+    hang: AtomicBool,
     delay: Duration,
     visibility_max: Option<Duration>,
     receives: std::sync::atomic::AtomicU64,
     nacks: std::sync::atomic::AtomicU64,
+    /// Publishes under way now, and the most there ever were at once.
+    publishing: Arc<std::sync::atomic::AtomicU64>,
+    publishing_max: std::sync::atomic::AtomicU64,
+}
+
+/// Counts one publish under way until dropped (when it ends or its caller gives up).
+struct Publishing(Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for Publishing {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl<Q> Flaky<Q> {
@@ -64,10 +78,19 @@ impl<Q> Flaky<Q> {
             inner,
             twice,
             down: AtomicBool::new(false),
+            hang: AtomicBool::new(false),
             delay: Duration::ZERO,
             visibility_max: None,
             receives: std::sync::atomic::AtomicU64::new(0),
             nacks: std::sync::atomic::AtomicU64::new(0),
+            publishing: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            publishing_max: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+    /// Never returns while the queue hangs.
+    async fn hang_while_hanging(&self) {
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
         }
     }
     fn check(&self) -> StoreResult<()> {
@@ -85,6 +108,10 @@ impl<Q: Queue> Queue for Flaky<Q> {
         QueueCapabilities { visibility_max: self.visibility_max.or(inner.visibility_max), ..inner }
     }
     async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+        let now = self.publishing.fetch_add(1, Ordering::SeqCst) + 1;
+        let _publishing = Publishing(Arc::clone(&self.publishing));
+        self.publishing_max.fetch_max(now, Ordering::SeqCst);
+        self.hang_while_hanging().await;
         tokio::time::sleep(self.delay).await;
         self.check()?;
         if self.twice {
@@ -107,14 +134,17 @@ impl<Q: Queue> Queue for Flaky<Q> {
         }
         self.check()?;
         self.receives.fetch_add(1, Ordering::Relaxed);
+        self.hang_while_hanging().await;
         self.inner.receive(max, visibility, wait).await
     }
     async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
+        self.hang_while_hanging().await;
         self.check()?;
         self.inner.ack(receipts).await
     }
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
         self.nacks.fetch_add(1, Ordering::Relaxed);
+        self.hang_while_hanging().await;
         self.inner.nack(receipt, delay).await
     }
     async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
@@ -521,6 +551,38 @@ fn probe() -> Flaky<MemoryQueue> {
     Flaky::new(Arc::new(MemoryQueue::new()), false)
 }
 
+/// A queue with a queue-wide limit leaves its claims to the claim loop, so a worker
+/// whose every queue has one takes no hints at all: it must not receive them only to
+/// hand them back, round after round, while its slots stand free, nor announce its own
+/// steps there. The client still announces the five starts, which no worker takes: what
+/// keeps them is the queue's business (a Redis queue holds at most its capacity).
+async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone<Q: Queue>(queue: &Arc<Flaky<Q>>) {
+    let h = MemoryStore::harness().await;
+    let _ticking = Ticking::start(&h.clock);
+    let setup = Setup::hinted(5);
+    let settings = keel_core::config::KeelConfig::from_toml_str(
+        "[queues.default]\nglobal_concurrency = 100\n",
+    )
+    .unwrap();
+    let config = config(&h, setup).with_settings(settings).unwrap();
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        .register(Counter)
+        .with_queue(Arc::clone(queue) as Arc<dyn Queue>, hint_config(setup));
+    let worker = worker.spawn();
+    let client = h.client.clone().with_queue(Arc::clone(queue) as Arc<dyn Queue>);
+    let ids = start_all(&client, setup.n).await;
+    let stats = Arc::clone(worker.stats());
+    finish(&h, &ids, || stats.committed(), setup.limit).await;
+    // A worker that took the starts' hints would be receiving and handing them back all
+    // the while.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (receives, nacks) =
+        (queue.receives.load(Ordering::Relaxed), queue.nacks.load(Ordering::Relaxed));
+    assert_eq!((receives, nacks), (0, 0), "hints received and handed back");
+    assert_eq!(hints.published.load(Ordering::Relaxed), 0, "hints published");
+    worker.shutdown().await;
+}
+
 mod memory {
     use super::*;
 
@@ -606,36 +668,72 @@ mod memory {
         worker.shutdown().await;
     }
 
-    /// A queue with a queue-wide limit leaves its claims to the claim loop, so a worker
-    /// whose every queue has one takes no hints at all: it must not receive them only to
-    /// hand them straight back, round after round, while its slots stand free.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone() {
+        let queue = Arc::new(probe());
+        super::a_worker_whose_queues_are_all_limited_leaves_hints_alone(&queue).await;
+        assert_eq!(queue.inner.len(), 5, "a memory queue keeps what no worker takes");
+    }
+
+    /// A queue that never answers stops neither the hint loop nor the worker: a receive
+    /// gives up after its wait and a margin (and the loop tries again once the queue is
+    /// back), and the publishes after commits and starts that wait on it are bounded in
+    /// number; the hints beyond are dropped and counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hanging_queue_stops_neither_the_hint_loop_nor_piles_up_publishes() {
         let h = MemoryStore::harness().await;
         let _ticking = Ticking::start(&h.clock);
         let queue = Arc::new(probe());
-        let setup = Setup::hinted(5);
-        let settings = keel_core::config::KeelConfig::from_toml_str(
-            "[queues.default]\nglobal_concurrency = 100\n",
-        )
-        .unwrap();
-        let config = config(&h, setup).with_settings(settings).unwrap();
-        let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        queue.hang.store(true, Ordering::SeqCst);
+        let setup = Setup { poll_interval: Duration::from_millis(50), ..Setup::hinted(300) };
+        let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
             .register(Counter)
             .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
         let worker = worker.spawn();
-        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
-        let ids = start_all(&client, setup.n).await;
         let stats = Arc::clone(worker.stats());
-        finish(&h, &ids, || stats.committed(), setup.limit).await;
-        // The hints of the run are still queued; a worker that took them would be
-        // receiving and handing them back all the while.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let (receives, nacks) =
-            (queue.receives.load(Ordering::Relaxed), queue.nacks.load(Ordering::Relaxed));
-        assert_eq!((receives, nacks), (0, 0), "hints received and handed back");
-        // Nor does it announce its own steps there, which no worker would take.
-        assert_eq!(hints.published.load(Ordering::Relaxed), 0, "hints published");
+        let ids = start_all(&h.client, setup.n).await;
+        finish(&h, &ids, || stats.committed(), Duration::from_secs(60)).await;
+        assert!(hints.dropped.load(Ordering::Relaxed) > 0, "no commit's hints were dropped");
+
+        // A client announcing on the same hanging queue holds at most its own bound of
+        // publishes too.
+        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+        for _ in 0..keel_scheduler::worker::PUBLISHES_MAX + 5 {
+            start_all(&client, 1).await;
+        }
+        assert!(client.hints_dropped() >= 5, "{} hints dropped", client.hints_dropped());
+        // The worker's bound, the client's, and the one publish of a repair pass.
+        let most = queue.publishing_max.load(Ordering::SeqCst);
+        assert!(
+            most <= 2 * keel_scheduler::worker::PUBLISHES_MAX as u64 + 1,
+            "{most} publishes waited on the queue at once"
+        );
+
+        // The hung receive was given up on and reported.
+        let began = tokio::time::Instant::now();
+        let error = loop {
+            let health = worker.health();
+            if let Some((_, e)) = health.get(WorkerLoop::Hints).and_then(|l| l.last_error.clone()) {
+                break e;
+            }
+            assert!(began.elapsed() < Duration::from_secs(30), "the hint loop never gave up");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            error.starts_with("receive hints:")
+                && error.contains("queue receive: no answer within"),
+            "{error}"
+        );
+
+        // Once the queue answers again, the same loop receives.
+        queue.hang.store(false, Ordering::SeqCst);
+        let later = start_all(&h.client, 1).await;
+        queue.inner.enqueue(vec![Hint::new(later[0], 1)]).await.expect("enqueue");
+        let began = tokio::time::Instant::now();
+        while hints.claimed.load(Ordering::Relaxed) == 0 {
+            assert!(began.elapsed() < Duration::from_secs(30), "the hint loop did not resume");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         worker.shutdown().await;
     }
 
@@ -715,6 +813,32 @@ mod redis {
             Setup { limit: Duration::from_secs(60), ..Setup::no_polling(50) },
         )
         .await;
+    }
+
+    /// Hints that no worker receives (their queue's claims are the claim loop's) do not
+    /// pile up in Redis: the queue keeps at most its capacity, dropping (and counting) the
+    /// ones waiting longest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone() {
+        let q = match std::env::var(keel_queue_redis::testing::URL_VAR) {
+            Ok(url) => {
+                let name = format!("test-{:016x}", fastrand::u64(..));
+                let config = RedisQueueConfig::new(url, name).capacity(3);
+                Some(RedisQueue::connect(config).await.expect("redis"))
+            }
+            Err(_) => None,
+        };
+        let Some(q) = keel_testkit::conformance::queue::queue_or_skip(
+            "redis::a_worker_whose_queues_are_all_limited_leaves_hints_alone",
+            keel_queue_redis::testing::URL_VAR,
+            q,
+        ) else {
+            return;
+        };
+        let queue = Arc::new(Flaky::new(Arc::new(q), false));
+        super::a_worker_whose_queues_are_all_limited_leaves_hints_alone(&queue).await;
+        assert_eq!(queue.inner.len().await.unwrap(), 3, "the queue holds its capacity");
+        assert_eq!(queue.inner.dropped(), 2, "the two oldest hints were dropped");
     }
 
     /// A queue on a private server of the test's own (it flushes or stops it), when Redis
