@@ -428,11 +428,12 @@ async fn cancel(
         request = request.cascade();
     }
     let cancelled = keel.cancel(request).await?;
-    let list: Vec<String> = cancelled.iter().map(ToString::to_string).collect();
-    let human = if list.is_empty() {
+    let human = if cancelled.is_empty() {
         format!("Nothing to cancel: {id} has already ended.")
+    } else if cancelled.len() <= IDS_SHOWN_MAX {
+        format!("Cancelled {}.", ids(&cancelled))
     } else {
-        format!("Cancelled {}.", list.join(", "))
+        format!("Cancelled {} instances: {}.", cancelled.len(), ids(&cancelled))
     };
     Ok(Report::ok(json!({ "cancelled": cancelled }), human))
 }
@@ -486,6 +487,13 @@ async fn inspect(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Report> 
             ]);
         }
         let _ = writeln!(human, "timers:\n{t}");
+        if detail.timers.len() == keel_core::limits::TIMER_LIST_MAX {
+            let _ = writeln!(
+                human,
+                "(the soonest {} armed timers; more may be armed)",
+                keel_core::limits::TIMER_LIST_MAX
+            );
+        }
     }
     if !detail.children.is_empty() {
         let mut t = table(&["child", "machine", "status", "position"]);
@@ -498,6 +506,13 @@ async fn inspect(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Report> 
             ]);
         }
         let _ = writeln!(human, "children:\n{t}");
+        if detail.children.len() == keel_core::limits::CHILDREN_LIST_MAX {
+            let _ = writeln!(
+                human,
+                "(the oldest {} children; more may exist)",
+                keel_core::limits::CHILDREN_LIST_MAX
+            );
+        }
     }
     let mut t = table(&["at", "rev", "attempt", "entry"]);
     for h in &detail.history {
@@ -512,6 +527,18 @@ async fn inspect(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Report> 
         human.push_str("history:  none yet (no step has run)");
     } else {
         let _ = write!(human, "history:\n{t}");
+    }
+    // The detail holds the newest entries only; older ones are a page read away.
+    if detail.history.len() == keel_core::limits::HISTORY_LIST_MAX
+        && let Some(oldest) = detail.history.first()
+    {
+        let more = format!("history {} --before {}", i.id, oldest.seq);
+        let _ = write!(
+            human,
+            "\n(the newest {} entries; older ones: `{}`)",
+            keel_core::limits::HISTORY_LIST_MAX,
+            hint(ns, &more)
+        );
     }
     let body = json!({
         "instance": detail.instance,
@@ -621,12 +648,12 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
 }
 
 /// A `keel` command line to suggest, with `-n ns` when `ns` is not the default namespace
-/// (so running it acts on the same namespace).
+/// (so running it acts on the same namespace; quoted for the shell like every other word).
 pub fn hint(ns: &str, args: &str) -> String {
     if ns == keel_core::ids::DEFAULT_NAMESPACE {
         format!("keel {args}")
     } else {
-        format!("keel -n {ns} {args}")
+        format!("keel -n {} {args}", shell_word(ns))
     }
 }
 
@@ -770,12 +797,21 @@ async fn retry_machine(
     ))
 }
 
-fn ids(list: &[InstanceId]) -> String {
+/// Ids a human report names before it says how many more there are.
+pub const IDS_SHOWN_MAX: usize = 20;
+
+/// The first [`IDS_SHOWN_MAX`] of `list`, then how many more (`i1, i2, … and 180 more`);
+/// `--json` carries the whole list.
+pub fn ids(list: &[InstanceId]) -> String {
     if list.is_empty() {
-        "none".into()
-    } else {
-        list.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        return "none".into();
     }
+    let shown: Vec<String> = list.iter().take(IDS_SHOWN_MAX).map(ToString::to_string).collect();
+    let mut text = shown.join(", ");
+    if list.len() > IDS_SHOWN_MAX {
+        let _ = write!(text, " … and {} more", list.len() - IDS_SHOWN_MAX);
+    }
+    text
 }
 
 fn parse_duration(field: &str, input: Option<&str>) -> anyhow::Result<Option<Duration>> {

@@ -15,7 +15,7 @@ use serde_json::json;
 use crate::Cli;
 use crate::commands::{self, StatusRow};
 use crate::exit::Code;
-use crate::operate::MachineActivity;
+use crate::operate::{Counted, MachineActivity};
 use crate::output::{Report, table};
 
 /// The store could not be reached: a health probe reports it as critical.
@@ -55,6 +55,8 @@ pub struct Finding {
     machine: String,
     check: &'static str,
     value: u64,
+    /// False when `value` is a lower bound: the count stopped at its page bound.
+    complete: bool,
     threshold: u64,
 }
 
@@ -69,10 +71,11 @@ fn check(
     findings: &mut Vec<Finding>,
     machine: &str,
     name: &'static str,
-    value: u64,
+    value: Counted,
     warning: Option<u64>,
     critical: Option<u64>,
 ) {
+    let Counted { count: value, complete } = value;
     let crossed = |threshold: Option<u64>| threshold.filter(|t| value >= *t);
     let (level, threshold) = if let Some(t) = crossed(critical) {
         (Level::Critical, t)
@@ -81,7 +84,14 @@ fn check(
     } else {
         return;
     };
-    findings.push(Finding { level, machine: machine.to_owned(), check: name, value, threshold });
+    findings.push(Finding {
+        level,
+        machine: machine.to_owned(),
+        check: name,
+        value,
+        complete,
+        threshold,
+    });
 }
 
 fn alerts_for(config: &KeelConfig, machine: &str) -> anyhow::Result<AlertThresholds> {
@@ -111,7 +121,7 @@ pub fn evaluate(
                 &mut findings,
                 &a.machine,
                 "processing_time_ms",
-                ms,
+                Counted::exact(ms),
                 millis(alerts.processing_time_warning),
                 millis(alerts.processing_time_critical),
             );
@@ -120,7 +130,7 @@ pub fn evaluate(
             &mut findings,
             &a.machine,
             "stuck_leases",
-            a.stuck_leases,
+            Counted { count: a.stuck_leases, complete: a.stuck_leases_complete },
             alerts.stuck_leases_warning,
             alerts.stuck_leases_critical,
         );
@@ -132,7 +142,7 @@ pub fn evaluate(
                 &mut findings,
                 &row.machine,
                 "oldest_ready_age_ms",
-                u64::try_from(age).unwrap_or(0),
+                Counted::exact(u64::try_from(age).unwrap_or(0)),
                 millis(alerts.oldest_ready_age_warning),
                 millis(alerts.oldest_ready_age_critical),
             );
@@ -142,7 +152,7 @@ pub fn evaluate(
             &mut findings,
             &row.machine,
             "pending",
-            pending,
+            Counted::exact(pending),
             alerts.pending_warning,
             alerts.pending_critical,
         );
@@ -158,7 +168,7 @@ pub fn evaluate(
             &mut findings,
             machine,
             "dead_letters",
-            count,
+            Counted::exact(count),
             alerts.dlq_warning,
             alerts.dlq_critical,
         );
@@ -213,7 +223,7 @@ pub async fn run(keel: &Keel, cli: &Cli) -> anyhow::Result<Report> {
             format!("{:?}", f.level).to_uppercase(),
             f.machine.clone(),
             f.check.to_owned(),
-            f.value.to_string(),
+            Counted { count: f.value, complete: f.complete }.text(),
             f.threshold.to_string(),
         ]);
     }

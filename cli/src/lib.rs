@@ -19,6 +19,20 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// Whether a command line (program name first) asks for `--json`, read without the
+/// parser: a line the parser refuses still gets its error in the form it asked for. Words
+/// after `--` are values, not flags.
+pub fn json_requested<I>(args: I) -> bool
+where
+    I: IntoIterator,
+    I::Item: AsRef<std::ffi::OsStr>,
+{
+    args.into_iter()
+        .skip(1)
+        .take_while(|arg| arg.as_ref() != "--")
+        .any(|arg| arg.as_ref() == "--json")
+}
+
 /// Operate a Keel store: queues, dead letters, instances, timers and health.
 #[derive(Debug, Parser)]
 #[command(name = "keel", version, about, long_about = None)]
@@ -181,7 +195,9 @@ pub enum Command {
     Purge {
         /// The machine.
         machine: String,
-        /// Cancel every ready or scheduled instance of the machine.
+        /// Cancel every ready or scheduled instance of the machine, and with each its
+        /// live descendants (of any machine, running ones included); the report counts
+        /// and names them.
         #[arg(long)]
         pending: bool,
         /// Delete every dead letter of the machine (its instances stay suspended).

@@ -1,5 +1,7 @@
 //! The `keel` command: operate a Keel store from a shell (see the library for the commands).
 
+use std::io::Write as _;
+
 use clap::Parser as _;
 use keel_cli::{Cli, commands, exit};
 
@@ -10,11 +12,14 @@ use keel_cli::{Cli, commands, exit};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return usage_error(&error),
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("error: cannot start the async runtime: {error}");
+            let _ = writeln!(std::io::stderr(), "error: cannot start the async runtime: {error}");
             return exit::Code::Failure.into();
         }
     };
@@ -26,12 +31,31 @@ fn main() -> std::process::ExitCode {
         }
         Err(error) => {
             let code = exit::classify(&error);
+            // A closed pipe or terminal leaves nobody to tell; the exit code still says it.
             if json {
-                println!("{}", keel_cli::output::error_body(&error));
+                let _ = writeln!(std::io::stdout(), "{}", keel_cli::output::error_body(&error));
             } else {
-                eprintln!("error: {error:#}");
+                let _ = writeln!(std::io::stderr(), "error: {error:#}");
             }
             code.into()
         }
     }
+}
+
+/// What the argument parser refused, or the help and version it was asked for. With
+/// `--json` on the command line a refusal is `{"error": …}` on stdout, like any other
+/// error; help and version print as text either way. The exit code is the parser's (2
+/// for a usage error).
+fn usage_error(error: &clap::Error) -> std::process::ExitCode {
+    use clap::error::ErrorKind;
+    let asked = matches!(error.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion);
+    if asked || !keel_cli::json_requested(std::env::args_os()) {
+        // clap prints help and version on stdout and refusals on stderr, ignoring a
+        // closed stream.
+        let _ = error.print();
+    } else {
+        let body = keel_cli::output::usage_error_body(&error.to_string());
+        let _ = writeln!(std::io::stdout(), "{body}");
+    }
+    u8::try_from(error.exit_code()).map_or(exit::Code::Failure.into(), std::process::ExitCode::from)
 }

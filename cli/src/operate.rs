@@ -17,6 +17,7 @@ use keel::layers::scheduler::Stopped;
 use keel::{Cancel, Keel, Migration, json};
 use keel_core::Timestamp;
 use keel_core::ids::{InstanceId, Status};
+use keel_core::instance::Instance;
 use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
@@ -41,6 +42,32 @@ pub const HISTORY_PAGE_DEFAULT: usize = 100;
 /// Most pages a purge or a per-machine scan walks (each page is at most
 /// [`INSTANCE_LIST_MAX`] instances).
 const PAGES_MAX: usize = 1_000;
+/// Most pages (of [`INSTANCE_LIST_MAX`] instances, newest first) `status`, `health` and
+/// the dashboard read per machine to count stuck leases and ready work without a worker.
+/// A count that reaches it is a lower bound and says so.
+pub const COUNT_PAGES_MAX: usize = 10;
+
+/// A count taken over a bounded walk of list pages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Counted {
+    /// What the pages read held.
+    pub count: u64,
+    /// False when the page bound stopped the walk with rows left: `count` is then a lower
+    /// bound.
+    pub complete: bool,
+}
+
+impl Counted {
+    /// A count read whole.
+    pub const fn exact(count: u64) -> Self {
+        Counted { count, complete: true }
+    }
+
+    /// The count as text: `"12"`, or `"at least 10000"` when the walk stopped early.
+    pub fn text(self) -> String {
+        if self.complete { self.count.to_string() } else { format!("at least {}", self.count) }
+    }
+}
 
 /// The last hour of one machine: what ended, how long it took, and ready work no live
 /// worker can take.
@@ -57,13 +84,19 @@ pub struct MachineActivity {
     /// Ended instances per minute over the window.
     pub throughput_per_minute: f64,
     /// Ready instances whose machine version no live worker declares (counted over at most
-    /// one page of ready instances per machine).
+    /// [`COUNT_PAGES_MAX`] pages of runnable instances, newest first).
     pub ready_without_worker: u64,
     /// The versions those belong to.
     pub unserved_versions: Vec<i32>,
+    /// False when the page bound stopped the `ready_without_worker` count: it is then a
+    /// lower bound ("at least").
+    pub ready_without_worker_complete: bool,
     /// Executing instances whose lease has run out (a worker died mid-step and no reaper
-    /// has returned them yet).
+    /// has returned them yet), counted over at most [`COUNT_PAGES_MAX`] pages.
     pub stuck_leases: u64,
+    /// False when the page bound stopped the `stuck_leases` count: it is then a lower
+    /// bound ("at least").
+    pub stuck_leases_complete: bool,
     /// Completed per minute, oldest first (one entry per bucket of the window).
     pub completed_per_minute: Vec<u64>,
     /// Failed per minute, oldest first.
@@ -89,6 +122,19 @@ pub async fn activity_from(
     now: Timestamp,
     stats: &[QueueStats],
 ) -> anyhow::Result<Vec<MachineActivity>> {
+    activity_within(keel, ns, machine, now, stats, COUNT_PAGES_MAX).await
+}
+
+/// [`activity_from`], counting stuck leases and ready work without a worker over at most
+/// `pages_max` list pages per machine.
+pub async fn activity_within(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    now: Timestamp,
+    stats: &[QueueStats],
+    pages_max: usize,
+) -> anyhow::Result<Vec<MachineActivity>> {
     // The window is (now - 1 h, now]: exactly 60 buckets, the last one ending now.
     let until = now.plus(Duration::from_millis(1));
     let params = ActivityParams {
@@ -103,6 +149,8 @@ pub async fn activity_from(
         machine: name.to_owned(),
         completed_per_minute: vec![0; buckets_len],
         failed_per_minute: vec![0; buckets_len],
+        ready_without_worker_complete: true,
+        stuck_leases_complete: true,
         ..MachineActivity::default()
     };
     let mut turnaround: BTreeMap<String, u64> = BTreeMap::new();
@@ -133,12 +181,15 @@ pub async fn activity_from(
         e.avg_processing_ms = turnaround.get(name).copied().unwrap_or(0).checked_div(ended);
         e.throughput_per_minute = ended as f64 / (ACTIVITY_WINDOW.as_secs_f64() / 60.0);
         if ready.get(name).copied().unwrap_or(0) > 0 {
-            let (count, versions) = unserved(keel, ns, name, &live, now).await?;
-            e.ready_without_worker = count;
+            let (counted, versions) = unserved(keel, ns, name, &live, now, pages_max).await?;
+            e.ready_without_worker = counted.count;
+            e.ready_without_worker_complete = counted.complete;
             e.unserved_versions = versions;
         }
         if executing.contains(name) {
-            e.stuck_leases = stuck_leases(keel, ns, name, now).await?;
+            let counted = stuck_leases_within(keel, ns, name, now, pages_max).await?;
+            e.stuck_leases = counted.count;
+            e.stuck_leases_complete = counted.complete;
         }
     }
     Ok(out.into_values().filter(|a| machine.is_none_or(|m| a.machine == m)).collect())
@@ -158,35 +209,80 @@ fn list_params(ns: &str, machine: &str, status: Status) -> InstanceListParams {
     }
 }
 
-/// Ready instances (one page) whose version no live worker serves.
+/// Walks `machine`'s instances with `status` in `ns`, newest first, a page at a time, at
+/// most `pages_max` pages, calling `visit` on each: true when every one was read, false
+/// when the page bound stopped the walk first.
+async fn walk_pages(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    status: Status,
+    pages_max: usize,
+    mut visit: impl FnMut(&Instance),
+) -> anyhow::Result<bool> {
+    let mut before = None;
+    for _ in 0..pages_max {
+        let params = InstanceListParams { before, ..list_params(ns, machine, status) };
+        let page = keel.store().instance_list(params).await?;
+        page.iter().for_each(&mut visit);
+        if page.len() < INSTANCE_LIST_MAX {
+            return Ok(true);
+        }
+        before = page.last().map(|r| r.id);
+    }
+    Ok(false)
+}
+
+/// Ready instances whose version no live worker serves (over at most `pages_max` pages of
+/// runnable instances), and those versions.
 async fn unserved(
     keel: &Keel,
     ns: &str,
     machine: &str,
     live: &[WorkerRecord],
     now: Timestamp,
-) -> anyhow::Result<(u64, Vec<i32>)> {
-    let page = keel.store().instance_list(list_params(ns, machine, Status::Runnable)).await?;
+    pages_max: usize,
+) -> anyhow::Result<(Counted, Vec<i32>)> {
     let mut count = 0;
     let mut versions = BTreeSet::new();
-    for row in page.iter().filter(|r| r.eligible_at <= now) {
-        if !live.iter().any(|w| w.serves(ns, &row.machine)) {
+    let complete = walk_pages(keel, ns, machine, Status::Runnable, pages_max, |row| {
+        if row.eligible_at <= now && !live.iter().any(|w| w.serves(ns, &row.machine)) {
             count += 1;
             versions.insert(row.machine.version);
         }
-    }
-    Ok((count, versions.into_iter().collect()))
+    })
+    .await?;
+    Ok((Counted { count, complete }, versions.into_iter().collect()))
 }
 
-/// Executing instances (one page) whose lease has expired.
+/// Executing instances of `machine` whose lease has expired, counted over at most
+/// [`COUNT_PAGES_MAX`] pages (a lower bound beyond them; see [`stuck_leases_within`]).
 pub async fn stuck_leases(
     keel: &Keel,
     ns: &str,
     machine: &str,
     now: Timestamp,
 ) -> anyhow::Result<u64> {
-    let page = keel.store().instance_list(list_params(ns, machine, Status::Executing)).await?;
-    Ok(page.iter().filter(|r| r.lease_expires_at.is_some_and(|at| at < now)).count() as u64)
+    Ok(stuck_leases_within(keel, ns, machine, now, COUNT_PAGES_MAX).await?.count)
+}
+
+/// Executing instances of `machine` whose lease has expired, counted over at most
+/// `pages_max` pages of executing instances, newest first.
+pub async fn stuck_leases_within(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    now: Timestamp,
+    pages_max: usize,
+) -> anyhow::Result<Counted> {
+    let mut count = 0;
+    let complete = walk_pages(keel, ns, machine, Status::Executing, pages_max, |row| {
+        if row.lease_expires_at.is_some_and(|at| at < now) {
+            count += 1;
+        }
+    })
+    .await?;
+    Ok(Counted { count, complete })
 }
 
 /// The activity table `status` prints under its queue table.
@@ -207,13 +303,17 @@ pub fn activity_table(rows: &[MachineActivity]) -> String {
             a.failed_last_hour.to_string(),
             a.avg_processing_ms.map(|ms| age(ms as i64)).unwrap_or_default(),
             format!("{:.2}", a.throughput_per_minute),
-            a.stuck_leases.to_string(),
+            Counted { count: a.stuck_leases, complete: a.stuck_leases_complete }.text(),
             if a.ready_without_worker == 0 {
                 String::new()
             } else {
                 format!(
                     "{} (v{})",
-                    a.ready_without_worker,
+                    Counted {
+                        count: a.ready_without_worker,
+                        complete: a.ready_without_worker_complete
+                    }
+                    .text(),
                     a.unserved_versions
                         .iter()
                         .map(ToString::to_string)
@@ -463,56 +563,95 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
     let bar = indicatif::ProgressBar::new(counted).with_message("cancelling pending instances");
     let done = cancel_pending(keel, ns, machine, || bar.inc(1)).await;
     bar.finish_and_clear();
-    let what =
-        |n: usize| format!("cancelled {n} pending instance(s) of {machine:?} in namespace {ns:?}");
-    let (cancelled, complete) = done.map_err(|failed| {
-        let cancelled = failed.done;
-        let json = json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled });
-        PartlyDone::wrap(failed.error, what(cancelled.len()), json)
-    })?;
-    let more = if complete { "" } else { "; more remain, run it again" };
-    let human = capitalized(&what(cancelled.len()));
-    Ok(Report::ok(
-        json!({ "namespace": ns, "machine": machine, "cancelled": cancelled.len(), "ids": cancelled, "complete": complete }),
-        format!("{human} (their history records why){more}."),
-    ))
+    let what = |p: &PendingCancelled| {
+        let mut text = format!(
+            "cancelled {} pending instance(s) of {machine:?} in namespace {ns:?}",
+            p.cancelled.len()
+        );
+        if !p.descendants.is_empty() {
+            let _ = write!(text, " and {} of their descendant(s)", p.descendants.len());
+        }
+        text
+    };
+    let body = |p: &PendingCancelled| {
+        json!({
+            "namespace": ns,
+            "machine": machine,
+            "cancelled": p.cancelled.len(),
+            "ids": p.cancelled,
+            "descendants": p.descendants.len(),
+            "descendant_ids": p.descendants,
+        })
+    };
+    let done = done
+        .map_err(|failed| PartlyDone::wrap(failed.error, what(&failed.done), body(&failed.done)))?;
+    let mut json = body(&done);
+    json["complete"] = json!(done.complete);
+    let more = if done.complete { "" } else { "; more remain, run it again" };
+    let human = capitalized(&what(&done));
+    let mut human = format!("{human} (their history records why){more}.");
+    if !done.descendants.is_empty() {
+        let _ = write!(
+            human,
+            "\nDescendants cancelled with them (any machine, running ones included): {}.",
+            crate::commands::ids(&done.descendants)
+        );
+    }
+    Ok(Report::ok(json, human))
+}
+
+/// What [`cancel_pending`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PendingCancelled {
+    /// The machine's pending instances cancelled, newest first.
+    cancelled: Vec<InstanceId>,
+    /// Their live descendants the cascade cancelled with them (of any machine, in any
+    /// status but ended).
+    descendants: Vec<InstanceId>,
+    /// False when the page bound stopped it with more left.
+    complete: bool,
 }
 
 /// Cancels (with cascade) the runnable instances of `machine` in `ns`, newest first, a
-/// page at a time, at most [`PAGES_MAX`] pages: the instances cancelled, and `false` when
-/// the page bound stopped it with more left. On a store error, the instances already
-/// cancelled come with the error.
+/// page at a time, at most [`PAGES_MAX`] pages, recording each one cancelled and every
+/// descendant its cascade cancelled. On a store error, what was already cancelled comes
+/// with the error.
 async fn cancel_pending(
     keel: &Keel,
     ns: &str,
     machine: &str,
     mut on_cancel: impl FnMut(),
-) -> Result<(Vec<InstanceId>, bool), Stopped<Vec<InstanceId>>> {
-    let mut cancelled = Vec::new();
+) -> Result<PendingCancelled, Stopped<PendingCancelled>> {
+    let mut done = PendingCancelled::default();
     let mut before = None;
     for _ in 0..PAGES_MAX {
         let params = InstanceListParams { before, ..list_params(ns, machine, Status::Runnable) };
         let page = match keel.store().instance_list(params).await {
             Ok(page) => page,
-            Err(error) => return Err(Stopped { done: cancelled, error }),
+            Err(error) => return Err(Stopped { done, error }),
         };
         for row in &page {
             let request = Cancel::new(row.id).reason("purged with keel purge --pending").cascade();
             match keel.cancel(request).await {
-                Ok(done) if done.contains(&row.id) => {
-                    cancelled.push(row.id);
-                    on_cancel();
+                // Not in the list when it had already ended (cancelled as a descendant of
+                // an earlier one, or ended on its own since the page was read).
+                Ok(ids) => {
+                    if ids.contains(&row.id) {
+                        done.cancelled.push(row.id);
+                        on_cancel();
+                    }
+                    done.descendants.extend(ids.into_iter().filter(|id| *id != row.id));
                 }
-                Ok(_) => {}
-                Err(error) => return Err(Stopped { done: cancelled, error }),
+                Err(error) => return Err(Stopped { done, error }),
             }
         }
         if page.len() < INSTANCE_LIST_MAX {
-            return Ok((cancelled, true));
+            done.complete = true;
+            return Ok(done);
         }
         before = page.last().map(|r| r.id);
     }
-    Ok((cancelled, false))
+    Ok(done)
 }
 
 async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {

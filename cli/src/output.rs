@@ -75,6 +75,13 @@ pub fn error_body(error: &anyhow::Error) -> Value {
     body
 }
 
+/// The `--json` body of a command line the argument parser refused: `{"error": …}` with
+/// the parser's message, its `error: ` prefix dropped.
+pub fn usage_error_body(message: &str) -> Value {
+    let message = message.trim();
+    serde_json::json!({ "error": message.strip_prefix("error: ").unwrap_or(message) })
+}
+
 /// A table with the given header, sized to the terminal when there is one.
 pub fn table(header: &[&str]) -> Table {
     let mut table = Table::new();

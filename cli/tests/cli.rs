@@ -716,3 +716,98 @@ fn config_show_defaults_to_the_machines_own_queue() {
     let (doc, _) = show(&[]);
     assert_eq!(doc["sections_missing"], serde_json::json!([]), "order has a section");
 }
+
+/// With `--json`, a command line the parser refuses is `{"error": …}` on stdout with the
+/// parser's exit code (2), wherever `--json` stands; help and version stay text.
+#[test]
+fn usage_errors_with_json_are_a_json_error_on_stdout() {
+    let keel = |args: &[&str]| {
+        Command::cargo_bin("keel")
+            .expect("the keel binary is built")
+            .env("KEEL_DATABASE_URL", "postgres://postgres@127.0.0.1:1/nothing")
+            .args(args)
+            .output()
+            .expect("keel runs")
+    };
+    let cases: &[(&[&str], &str)] = &[
+        (&["--json", "dlq", "list", "--limit", "abc"], "invalid value 'abc' for '--limit"),
+        (&["--json", "start", "ticket", "--version", "0"], "--version"),
+        (&["--json", "inspect", "-5"], "unexpected argument '-5'"),
+        (&["dlq", "list", "--json", "--limit", "abc"], "--limit"),
+        (&["--json", "frobnicate"], "unrecognized subcommand 'frobnicate'"),
+        (&["--json", "purge", "ticket", "--confirm"], "--pending"),
+        (&["--json"], "'keel' requires a subcommand"),
+        (&["--json", "dlq"], "'keel dlq' requires a subcommand"),
+        (&["dlq", "--json"], "'keel dlq' requires a subcommand"),
+    ];
+    for (args, needle) in cases {
+        let out = keel(args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(2), "keel {args:?}: {stdout}");
+        let body: Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("keel {args:?}: stdout is not JSON ({e}): {stdout}"));
+        let error = body["error"].as_str().unwrap_or_else(|| panic!("keel {args:?}: {body}"));
+        assert!(error.contains(needle), "keel {args:?}: {error}");
+        assert!(!error.starts_with("error:"), "keel {args:?}: {error}");
+        assert!(out.stderr.is_empty(), "keel {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // Without --json, and after `--`, the parser's text goes to stderr as before.
+    for args in [&["dlq", "list", "--limit", "abc"][..], &["start", "--", "--json", "extra"]] {
+        let out = keel(args);
+        assert_eq!(out.status.code(), Some(2), "keel {args:?}");
+        assert!(out.stdout.is_empty(), "keel {args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).starts_with("error: "), "keel {args:?}");
+    }
+    for (args, needle) in
+        [(&["--json", "--help"][..], "Usage: keel"), (&["--json", "--version"], "keel ")]
+    {
+        let out = keel(args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "keel {args:?}: {stdout}");
+        assert!(stdout.contains(needle) && !stdout.starts_with('{'), "keel {args:?}: {stdout}");
+    }
+}
+
+/// A reader that went away (`keel … | true`) is no crash: the exit code still says how
+/// the command ended, whether the error goes to stdout (`--json`) or stderr.
+#[test]
+fn a_closed_stdout_or_stderr_leaves_the_exit_code_alone() {
+    use std::process::Stdio;
+    let closed = || {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        Stdio::from(writer)
+    };
+    let keel = || {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_keel"));
+        cmd.env("KEEL_DATABASE_URL", "postgres://postgres@127.0.0.1:1/nothing");
+        cmd
+    };
+    let failing = ["graph", "ticket", "--definitions", "/nonexistent/charts.json"];
+    let mut json = vec!["--json"];
+    json.extend(failing);
+    let status = keel().args(&json).stdout(closed()).stderr(Stdio::null()).status().unwrap();
+    assert_eq!(status.code(), Some(1), "--json error on a closed stdout");
+    let status = keel().args(failing).stdout(Stdio::null()).stderr(closed()).status().unwrap();
+    assert_eq!(status.code(), Some(1), "error on a closed stderr");
+    let status = keel()
+        .args(["--json", "dlq", "list", "--limit", "abc"])
+        .stdout(closed())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "--json usage error on a closed stdout");
+}
+
+/// A store URL mistyped without `//` still has its password hidden in the error.
+#[test]
+fn a_url_without_slashes_keeps_its_password_out_of_errors() {
+    for url in ["postgres:/keel:s3cret@db/keel", "postgresql:keel:s3cret@db"] {
+        let b = Backend { name: "no slashes", url: url.into(), schema: "keel".into(), _dir: None };
+        let (_, err) = b.run(&["status"], 1);
+        assert!(err.contains("unknown scheme") && !err.contains("s3cret"), "{url}: {err}");
+        let body = b.json_code_of(&["status"], 1);
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains("***@db") && !error.contains("s3cret"), "{url}: {error}");
+    }
+}

@@ -764,3 +764,312 @@ async fn bulk_commands_that_fail_part_way_say_what_they_already_did() {
     let left = b.json(&["dlq", "list"]);
     assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "beta's letter stayed: {left}");
 }
+
+/// The wall clock in the store's unit.
+fn wall_clock() -> keel::layers::core::Timestamp {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    keel::layers::core::Timestamp(ms.as_millis() as i64)
+}
+
+/// `n` new instances of `machine` in the default namespace, inserted at `at`.
+async fn insert_many(
+    keel: &Keel,
+    machine: MachineRef,
+    n: usize,
+    at: keel::layers::core::Timestamp,
+) {
+    use keel::layers::core::ports::store::InsertParams;
+    let instances = (0..n).map(|_| NewInstance::new(machine.clone(), "run")).collect::<Vec<_>>();
+    let inserted = keel.store().instance_insert(InsertParams { instances, now: at }).await.unwrap();
+    assert_eq!(inserted.len(), n);
+}
+
+/// Stuck leases and ready work without a worker are counted past the first list page, and
+/// a count the page bound stops says it is a lower bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stuck_leases_and_unserved_work_are_counted_past_one_page() {
+    const N: u64 = 1_500;
+    for b in backends("stuck_leases_and_unserved_work_are_counted_past_one_page") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        // An hour ago a worker (gone since) claimed every `busy` instance for a second.
+        let then = wall_clock().minus(Duration::from_secs(3_600));
+        let busy = MachineRef::new("busy", 1);
+        insert_many(&keel, busy.clone(), N as usize, then).await;
+        let mut claimed = 0;
+        while claimed < N as usize {
+            let page = keel
+                .store()
+                .instance_claim(ClaimParams {
+                    worker: keel::layers::core::ids::WorkerId("gone".into()),
+                    namespaces: vec!["default".into()],
+                    queues: Vec::new(),
+                    machines: vec![busy.clone()],
+                    policy: keel::layers::core::plan::claim::ClaimPolicy::default(),
+                    limit: 1_000,
+                    lease: Duration::from_secs(1),
+                    now: then.plus(Duration::from_secs(1)),
+                })
+                .await
+                .unwrap();
+            assert!(!page.is_empty(), "{}: every busy instance is claimable", b.name);
+            claimed += page.len();
+        }
+        // Version 3 of `idle` has no worker at all.
+        insert_many(&keel, MachineRef::new("idle", 3), N as usize, wall_clock()).await;
+
+        let status = b.json(&["status"]);
+        let machine = |name: &str| {
+            status["machines"].as_array().unwrap().iter().find(|m| m["machine"] == name).cloned()
+        };
+        let busy_row = machine("busy").unwrap_or_else(|| panic!("{}: {status}", b.name));
+        assert_eq!(
+            (&busy_row["stuck_leases"], &busy_row["stuck_leases_complete"]),
+            (&json!(N), &json!(true)),
+            "{}: {busy_row}",
+            b.name
+        );
+        let idle_row = machine("idle").unwrap_or_else(|| panic!("{}: {status}", b.name));
+        assert_eq!(
+            (
+                &idle_row["ready_without_worker"],
+                &idle_row["ready_without_worker_complete"],
+                &idle_row["unserved_versions"]
+            ),
+            (&json!(N), &json!(true), &json!([3])),
+            "{}: {idle_row}",
+            b.name
+        );
+        let (out, _) = b.run(&["status"], 0);
+        assert!(out.contains("1500 (v3)"), "{}: {out}", b.name);
+        let config = b.file("keel.toml", "[queue.alerts]\nstuck_leases_critical = 1500\n");
+        let report = b.json_code(&["health", "--config", &config], 2);
+        assert_eq!(
+            (&report["findings"][0]["check"], &report["findings"][0]["value"]),
+            (&json!("stuck_leases"), &json!(N)),
+            "{}: {report}",
+            b.name
+        );
+        assert_eq!(report["findings"][0]["complete"], true, "{}: {report}", b.name);
+
+        // Held to one page, the counts stop at it and say so.
+        let now = wall_clock();
+        let counted =
+            keel_cli::operate::stuck_leases_within(&keel, "default", "busy", now, 1).await.unwrap();
+        assert_eq!((counted.count, counted.complete), (1_000, false), "{}", b.name);
+        let stats = keel.store().queue_stats(Some("default".into()), now).await.unwrap();
+        let activity = keel_cli::operate::activity_within(&keel, "default", None, now, &stats, 1)
+            .await
+            .unwrap();
+        let table = keel_cli::operate::activity_table(&activity);
+        assert!(
+            table.contains("at least 1000 (v3)") && table.contains("at least 1000"),
+            "{}: {table}",
+            b.name
+        );
+    }
+}
+
+/// A parent that schedules a quick `kid` and a `slow` child (no worker) and wakes once
+/// one of them is done, leaving the other running; then it waits an hour.
+struct Parent;
+
+#[keel::async_trait]
+impl StepMachine for Parent {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("parent", 1)
+    }
+
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.step == "hold" {
+            return Ok(Outcome::Retry {
+                context: ctx.context.clone(),
+                delay: Duration::from_secs(3_600),
+            });
+        }
+        let children = vec![
+            NewInstance::new(MachineRef::new("kid", 1), "go"),
+            NewInstance::new(MachineRef::new("slow", 1), "go"),
+        ];
+        Ok(Outcome::schedule_children("hold", children, json!({}))
+            .with_join(keel::Join::quorum(1).leave_running()))
+    }
+}
+
+/// Finishes at once.
+struct Kid;
+
+#[keel::async_trait]
+impl StepMachine for Kid {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("kid", 1)
+    }
+
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+/// A pending `parent` whose `slow` child still runs: the child's id.
+async fn parent_with_a_running_child(b: &Backend, keel: &Keel) -> (i64, i64) {
+    let worker =
+        keel.worker_with(fast()).register(Parent).unwrap().register(Kid).unwrap().spawn().unwrap();
+    let parent = keel.start(NewInstance::new(MachineRef::new("parent", 1), "spawn")).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while keel.get(parent.id()).await.unwrap().instance.position != "hold" {
+        assert!(std::time::Instant::now() < deadline, "{}: the parent never woke", b.name);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    worker.shutdown().await;
+    let detail = keel.get(parent.id()).await.unwrap();
+    assert_eq!(detail.instance.status, Status::Runnable, "{}: {detail:?}", b.name);
+    let slow = detail.children.iter().find(|c| c.machine.name == "slow").expect("a slow child");
+    assert_eq!(slow.status, Status::Runnable, "{}: the slow child runs on", b.name);
+    (parent.id().0, slow.id.0)
+}
+
+/// `purge --pending` cancels the descendants of what it cancels, and says which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_pending_reports_the_descendants_its_cascade_cancelled() {
+    for b in backends("purge_pending_reports_the_descendants_its_cascade_cancelled") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        let (parent, slow) = parent_with_a_running_child(&b, &keel).await;
+        let report = b.json(&["purge", "parent", "--pending", "--confirm"]);
+        assert_eq!(
+            (
+                &report["cancelled"],
+                &report["ids"],
+                &report["descendants"],
+                &report["descendant_ids"]
+            ),
+            (&json!(1), &json!([parent]), &json!(1), &json!([slow])),
+            "{}: {report}",
+            b.name
+        );
+        let child = keel.get(keel::InstanceId(slow)).await.unwrap().instance;
+        assert_eq!(child.status, Status::Cancelled, "{}", b.name);
+
+        let (_, slow) = parent_with_a_running_child(&b, &keel).await;
+        let (out, _) = b.run(&["purge", "parent", "--pending", "--confirm"], 0);
+        let said = "Cancelled 1 pending instance(s) of \"parent\" in namespace \"default\" and 1 of their descendant(s)";
+        assert!(out.contains(said), "{}: {out}", b.name);
+        assert!(out.contains(&format!("running ones included): i{slow}.")), "{}: {out}", b.name);
+    }
+}
+
+/// A bulk retry names the first instances and counts the rest; `--json` lists them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_retry_names_the_first_ids_and_counts_the_rest() {
+    const N: usize = 25;
+    for b in backends("a_bulk_retry_names_the_first_ids_and_counts_the_rest") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        let worker = keel.worker_with(fast()).register(Refuser).unwrap().spawn().unwrap();
+        let mut started = Vec::new();
+        for n in 0..N {
+            let new = NewInstance::new(MachineRef::new("refuser", 1), "charge")
+                .business_key(n.to_string());
+            started.push(keel.start(new).await.unwrap().id());
+        }
+        for id in &started {
+            wait_for(&keel, *id, Status::Suspended, b.name).await;
+        }
+        worker.shutdown().await;
+        let (out, _) = b.run(&["dlq", "retry", "--machine", "refuser", "--all"], 0);
+        let head = format!("Retried {N} instance(s) of \"refuser\" in namespace \"default\": ");
+        assert!(out.starts_with(&head), "{}: {out}", b.name);
+        assert!(out.trim_end().ends_with(" … and 5 more."), "{}: {out}", b.name);
+        assert_eq!(out.matches(", i").count(), 19, "{}: twenty ids named: {out}", b.name);
+
+        let worker = keel.worker_with(fast()).register(Refuser).unwrap().spawn().unwrap();
+        for id in &started {
+            wait_for(&keel, *id, Status::Suspended, b.name).await;
+        }
+        worker.shutdown().await;
+        let report = b.json(&["dlq", "retry", "--machine", "refuser", "--all"]);
+        let mut retried: Vec<i64> =
+            report["retried"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+        retried.sort_unstable();
+        assert_eq!(retried, started.iter().map(|id| id.0).collect::<Vec<_>>(), "{}", b.name);
+    }
+}
+
+/// `inspect` says when children, timers or history fill their list, and where the older
+/// history is. SQLite only: the rows are written with SQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_says_when_children_timers_or_history_are_cut() {
+    use keel::layers::core::chart::{TimerArm, TimerKind};
+    let b = backends("inspect_says_when_children_timers_or_history_are_cut").remove(0);
+    assert_eq!(b.name, "sqlite");
+    b.run(&["migrate"], 0);
+    let id = b.json(&["start", "ticket"])["id"].as_i64().unwrap();
+    let plain = b.json(&["start", "ticket"])["id"].as_i64().unwrap();
+    let keel = b.open().await;
+    insert_many(&keel, MachineRef::new("kid", 1), 1_000, wall_clock()).await;
+    sqlite_exec(
+        &b.url,
+        format!("UPDATE keel_instances SET parent_id = {id} WHERE machine = 'kid'"),
+    )
+    .await;
+    let spec = serde_json::to_string(&TimerArm {
+        state: "open".into(),
+        event: "REMIND".into(),
+        kind: TimerKind::After,
+        interval: Duration::from_secs(3_600),
+        max: None,
+        then: None,
+    })
+    .unwrap()
+    .replace('\'', "''");
+    let thousand = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000)";
+    sqlite_exec(
+        &b.url,
+        format!(
+            "{thousand} INSERT INTO keel_timers (instance_id, namespace, machine, machine_version, \
+             spec, next_fire_at, fire_count, armed_at) \
+             SELECT {id}, 'default', 'ticket', 1, '{spec}', 4102444800000 + i, 0, 1 FROM n"
+        ),
+    )
+    .await;
+    sqlite_exec(
+        &b.url,
+        format!(
+            "{thousand} INSERT INTO keel_history (instance_id, at, revision, attempt, kind, data) \
+             SELECT {id}, 1000 + i, 1, 0, 'NOTE', '{{}}' FROM n"
+        ),
+    )
+    .await;
+    let detail = b.json(&["inspect", &id.to_string()]);
+    let len = |key: &str| detail[key].as_array().map(Vec::len);
+    assert_eq!(
+        (len("children"), len("timers"), len("history")),
+        (Some(1000), Some(1000), Some(1000))
+    );
+    let oldest = detail["history"][0]["seq"].as_i64().unwrap();
+    let (out, _) = b.run(&["inspect", &id.to_string()], 0);
+    for note in [
+        "(the oldest 1000 children; more may exist)".to_owned(),
+        "(the soonest 1000 armed timers; more may be armed)".to_owned(),
+        format!("(the newest 1000 entries; older ones: `keel history i{id} --before {oldest}`)"),
+    ] {
+        assert!(out.contains(&note), "{note}:\n{out}");
+    }
+    let (out, _) = b.run(&["inspect", &plain.to_string()], 0);
+    assert!(!out.contains("more may") && !out.contains("older ones"), "{out}");
+}
+
+/// Suggested commands quote the namespace for the shell, as they quote every other word.
+#[test]
+fn suggested_commands_quote_the_namespace() {
+    for b in backends("suggested_commands_quote_the_namespace") {
+        b.run(&["migrate"], 0);
+        for _ in 0..2 {
+            b.run(&["-n", "team a", "start", "ticket"], 0);
+        }
+        let (out, _) = b.run(&["-n", "team a", "list", "ticket", "--limit", "1"], 0);
+        assert!(out.contains("More: keel -n 'team a' list ticket --limit 1 --after i"), "{out}");
+        let (out, _) = b.run(&["-n", "it's", "pause", "nowhere"], 0);
+        assert!(out.contains(r"`keel -n 'it'\''s' status`"), "{}: {out}", b.name);
+    }
+}

@@ -209,13 +209,25 @@ fn memory(url: &str) -> Result<(AnyStore, String), Error> {
 /// becomes `***`, and so does the value of every `password=` pair (a query parameter
 /// libpq and tokio-postgres accept). A user part that holds `/`, `?`, `#`, `=` or a second
 /// `@` (an unencoded password) cannot be told apart from what follows it, so everything
-/// before the host is hidden then.
+/// before the host is hidden then. Text without `://` (a mistyped `postgres:/u:p@h`) has
+/// no user part to tell apart, so everything between its scheme and its last `@` is hidden.
 pub(crate) fn redact(url: &str) -> String {
     let hidden = hide_password_pairs(url);
-    let Some((scheme, rest)) = hidden.split_once("://") else { return hidden };
     if !url.contains('@') {
         return hidden;
     }
+    let Some((scheme, rest)) = hidden.split_once("://") else {
+        let Some(at) = hidden.rfind('@') else { return hidden };
+        let host = &hidden[at + 1..];
+        let scheme = hidden.split_once(':').map(|(scheme, _)| scheme).filter(|scheme| {
+            !scheme.is_empty()
+                && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+        });
+        return match scheme {
+            Some(scheme) => format!("{scheme}:***@{host}"),
+            None => format!("***@{host}"),
+        };
+    };
     let Some(at) = rest.rfind('@') else {
         // Every `@` went into a hidden value: where the user part ends cannot be told.
         return format!("{scheme}://***");
@@ -415,7 +427,15 @@ mod tests {
             redact("host=h password = 'se cr\\'et' dbname=d"),
             "host=h password = *** dbname=d"
         );
+        // Without `//` there is no user part to find: all before the last `@` is hidden.
+        assert_eq!(redact("postgres:/keel:secret@db/keel"), "postgres:***@db/keel");
+        assert_eq!(redact("postgresql:keel:secret@db"), "postgresql:***@db");
+        assert_eq!(redact("keel secret@db"), "***@db");
+        assert_eq!(redact("sqlite:keel.db"), "sqlite:keel.db");
         for url in [
+            "postgres:/keel:secret@db/keel",
+            "postgresql:keel:se@cret@db",
+            "postgres:u:secret@h/db?password=secret",
             "postgres://u:secret@h/db",
             "postgres://u@h/db?password=secret",
             "postgres://u@h/db?sslmode=disable&password=secret",
