@@ -172,6 +172,49 @@ impl Server {
         let (code, text) = self.get(path);
         (code, serde_json::from_str(&text).unwrap_or(Value::String(text)))
     }
+
+    /// The server's `host:port`.
+    fn addr(&self) -> &str {
+        self.base.strip_prefix("http://").unwrap()
+    }
+
+    /// A request written by hand, as a browser would send it: `Host` (the server's own
+    /// address unless given) and the extra `Name: value` lines; the status and the body.
+    fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        host: Option<&str>,
+        headers: &[&str],
+        body: &str,
+    ) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(self.addr()).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            host.unwrap_or(self.addr()),
+            body.len()
+        );
+        for line in headers {
+            head.push_str(line);
+            head.push_str("\r\n");
+        }
+        head.push_str("\r\n");
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.write_all(body.as_bytes()).unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        (status, body)
+    }
+
+    /// [`Server::raw`] with a JSON answer.
+    fn raw_json(&self, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, Value) {
+        let (code, text) = self.raw(method, path, None, headers, body);
+        (code, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
 }
 
 #[test]
@@ -1275,5 +1318,312 @@ fn a_remote_step_consumes_only_the_signals_its_task_carried() {
         let pending: Vec<i64> =
             row["inbox"].as_array().unwrap().iter().map(|s| s["id"].as_i64().unwrap()).collect();
         assert_eq!(pending, [second, third], "{name}: {row}");
+    }
+}
+
+/// A browser lets any page send requests to a loopback server. Changes it marks as sent by
+/// another site are refused on the API, the worker protocol and the dashboard, and without
+/// tokens so is any request addressed to a name that is not a loopback one (DNS
+/// rebinding); scripts, which send neither header, are not affected.
+#[test]
+fn changes_from_other_sites_and_requests_to_other_names_are_refused() {
+    for (name, s) in servers("changes_from_other_sites_are_refused", None) {
+        let start = r#"{"machine":"greeter","at":"greet"}"#;
+        let starts = "/v1/namespaces/default/instances";
+        let own = format!("Origin: http://{}", s.addr());
+        let port = s.addr().rsplit(':').next().unwrap().parse::<u16>().unwrap();
+        let other_port = format!("Origin: http://127.0.0.1:{}", port.wrapping_add(1).max(1));
+        let cases: [(&[&str], &str); 6] = [
+            (&["Origin: http://evil.example", "Content-Type: text/plain"], "origin"),
+            (&["Origin: null", "Content-Type: text/plain"], "origin"),
+            (&[other_port.as_str()], "origin"),
+            (&["Sec-Fetch-Site: cross-site", "Origin: http://evil.example"], "sec-fetch-site"),
+            (&["Sec-Fetch-Site: cross-site"], "sec-fetch-site"),
+            // A sibling subdomain is the same site, but not the dashboard's own page.
+            (&["Sec-Fetch-Site: same-site", own.as_str()], "sec-fetch-site"),
+        ];
+        for (headers, field) in cases {
+            let (code, answer) = s.raw_json("POST", starts, headers, start);
+            assert_eq!((code, answer["field"].as_str()), (403, Some(field)), "{name}: {headers:?}");
+            assert!(
+                answer["error"].as_str().unwrap().contains("no changes from other sites"),
+                "{name}: {answer}"
+            );
+        }
+        let (code, answer) = s.raw_json(
+            "POST",
+            "/v1/worker/tasks/poll",
+            &["Origin: http://evil.example"],
+            r#"{"worker":"w","namespace":"default","machines":[{"name":"greeter","version":1}]}"#,
+        );
+        assert_eq!((code, answer["field"].as_str()), (403, Some("origin")), "{name}: {answer}");
+        let (_, listed) = s.get_json("/v1/namespaces/default/machines/greeter/instances");
+        assert_eq!(listed["instances"], json!([]), "{name}: nothing started: {listed}");
+
+        // The server's own pages, and scripts without browser headers, change things.
+        let (code, answer) =
+            s.raw_json("POST", starts, &[own.as_str(), "Sec-Fetch-Site: same-origin"], start);
+        assert_eq!(code, 201, "{name}: {answer}");
+        assert_eq!(s.post(starts, start).0, 201, "{name}");
+        // A read is not a change: the browser keeps its answer from the other site's page.
+        let (code, _) = s.raw_json(
+            "GET",
+            "/v1/namespaces/default/status",
+            &["Origin: http://evil.example", "Sec-Fetch-Site: cross-site"],
+            "",
+        );
+        assert_eq!(code, 200, "{name}");
+
+        // The dashboard's forms: another site's post is refused with a page that says why.
+        let form = "Content-Type: application/x-www-form-urlencoded";
+        let pause = "/ui/ns/default/queues/default/pause";
+        let (code, page) = s.raw("POST", pause, None, &["Origin: http://evil.example", form], "");
+        assert_eq!(code, 403, "{name}: {page}");
+        assert!(page.contains("<h1>Refused</h1>") && page.contains("origin:"), "{name}: {page}");
+        let (_, status) = s.get_json("/v1/namespaces/default/status");
+        assert_eq!(status["queues"][0]["paused"], false, "{name}: {status}");
+        let same = [own.as_str(), "Sec-Fetch-Site: same-origin", form];
+        let (code, _) = s.raw("POST", pause, None, &same, "");
+        assert_eq!(code, 303, "{name}: the dashboard's own form");
+        let (_, status) = s.get_json("/v1/namespaces/default/status");
+        assert_eq!(status["queues"][0]["paused"], true, "{name}: {status}");
+
+        // Without tokens, only loopback names: a name rebound to 127.0.0.1 reads nothing.
+        let rebound = format!("evil.example:{port}");
+        for path in ["/v1/namespaces/default/status", "/ui/ns/default"] {
+            let (code, text) = s.raw("GET", path, Some(&rebound), &[], "");
+            assert_eq!(code, 403, "{name}: {path}: {text}");
+            assert!(text.contains("host:") && text.contains("loopback"), "{name}: {text}");
+        }
+        for host in [format!("localhost:{port}"), s.addr().to_owned()] {
+            let (code, _) = s.raw("GET", "/v1/namespaces/default/status", Some(&host), &[], "");
+            assert_eq!(code, 200, "{name}: {host}");
+        }
+    }
+}
+
+/// Every route that takes no query string refuses one, naming it, before it acts.
+#[test]
+fn routes_without_parameters_refuse_a_query_naming_it() {
+    for (name, s) in servers("routes_without_parameters_refuse_a_query", None) {
+        let ns = "/v1/namespaces/default";
+        let (code, started) = s.post(&format!("{ns}/instances"), r#"{"machine":"m","at":"a"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let event = format!(r#"{{"instance":{id},"event":"E"}}"#);
+        let poll = r#"{"worker":"w","namespace":"default","machines":[{"name":"m","version":1}]}"#;
+        let task = r#"{"worker":"w","token":1,"error":"x"}"#;
+        let posts = [
+            (format!("{ns}/instances/{id}/cancel?cascade=true"), "", "cascade"),
+            (format!("{ns}/events?dedup_key=once"), event.as_str(), "dedup_key"),
+            (format!("{ns}/instances?queue=fast"), r#"{"machine":"m","at":"a"}"#, "queue"),
+            (format!("{ns}/queues/default/pause?until=1h"), "", "until"),
+            (format!("{ns}/queues/default/resume?x=1"), "", "x"),
+            (format!("{ns}/schedules/nightly/pause?x=1"), "", "x"),
+            (format!("{ns}/schedules/nightly/resume?x=1"), "", "x"),
+            (format!("{ns}/dead-letters/1/retry?all=true"), "", "all"),
+            ("/v1/worker/tasks/poll?wait_ms=1000".to_owned(), poll, "wait_ms"),
+            (format!("/v1/worker/tasks/{id}/heartbeat?lease_ms=1"), task, "lease_ms"),
+            (format!("/v1/worker/tasks/{id}/complete?x=1"), task, "x"),
+            (format!("/v1/worker/tasks/{id}/fail?retryable=false"), task, "retryable"),
+        ];
+        for (path, body, field) in posts {
+            let (code, answer) = s.post(&path, body);
+            assert_eq!((code, answer["field"].as_str()), (400, Some(field)), "{name}: {path}");
+            assert!(
+                answer["error"].as_str().unwrap().contains("takes no query parameters"),
+                "{name}: {answer}"
+            );
+        }
+        for path in ["/health?verbose=1", "/metrics?x=1", "/v1/cluster/info?x=1"] {
+            let (code, answer) = s.get_json(path);
+            assert_eq!(code, 400, "{name}: {path}: {answer}");
+        }
+        // Nothing acted: the instance is neither cancelled nor claimed, and no event came.
+        let (_, row) = s.get_json(&format!("{ns}/instances/{id}"));
+        assert_eq!(row["instance"]["status"], "runnable", "{name}: {row}");
+        assert_eq!(row["inbox"], json!([]), "{name}: {row}");
+        let (_, status) = s.get_json(&format!("{ns}/status"));
+        assert_eq!(status["queues"][0]["paused"], false, "{name}: {status}");
+    }
+}
+
+const CHILD_TOKENS: &str = r#"
+[[tokens]]
+token = "token-for-namespace-a"
+namespaces = ["a"]
+access = "operate"
+
+[[tokens]]
+token = "worker-for-every-namespace"
+namespaces = ["*"]
+access = "operate"
+"#;
+
+/// A parent in `a` may have children in `b` (started by a worker that sees both). A token
+/// for `a` sees the parent without them, and cannot cancel them through it; a token for
+/// every namespace sees and cancels them as before.
+#[test]
+fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_parent() {
+    let (a, all) = ("token-for-namespace-a", "worker-for-every-namespace");
+    for (name, s) in servers_with("children_in_other_namespaces", None, Some(CHILD_TOKENS)) {
+        let starts = "/v1/namespaces/a/instances";
+        let child = |ns: &str, secret: &str| {
+            format!(
+                r#"{{"namespace":"{ns}","machine":{{"name":"greeter","version":1}},"position":"greet","context":{{"secret":"{secret}"}},"business_key":null,"queue":"default","priority":"normal","concurrency_key":null,"unique":null,"eligible_at":null,"correlation_id":null,"invoked_by":null}}"#
+            )
+        };
+        let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"parent","version":1}]}"#;
+        // One parent with a child in a and one in b, one with a child in a only.
+        let mut parents = Vec::new();
+        for children in
+            [format!("{},{}", child("a", "for-a"), child("b", "only-for-b")), child("a", "for-a")]
+        {
+            let (_, started) = s.post_as(a, starts, r#"{"machine":"parent","at":"spawn"}"#);
+            let id = started["id"].as_i64().unwrap();
+            parents.push(id);
+            let (code, task) = s.post_as(all, "/v1/worker/tasks/poll", poll);
+            assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+            let done = format!(
+                r#"{{"worker":"w","token":{},"outcome":{{"type":"schedule_children","next":"after","context":{{}},"children":[{children}]}}}}"#,
+                task["token"]
+            );
+            let (code, answer) = s.post_as(all, &format!("/v1/worker/tasks/{id}/complete"), &done);
+            assert_eq!(code, 200, "{name}: {answer}");
+        }
+        let (parent, lonely) = (parents[0], parents[1]);
+        let detail = |token: &str| {
+            let (code, text) = s.get_as(token, &format!("/v1/namespaces/a/instances/{parent}"));
+            assert_eq!(code, 200, "{name}: {text}");
+            (serde_json::from_str::<Value>(&text).unwrap(), text)
+        };
+        let (everything, _) = detail(all);
+        let ids: Vec<i64> = everything["children"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["id"].as_i64().unwrap())
+            .collect();
+        assert_eq!((ids.len(), everything["children_hidden"].as_u64()), (2, Some(0)), "{name}");
+        let in_b = |id: i64| s.get_as(all, &format!("/v1/namespaces/b/instances/{id}")).0 == 200;
+        let (ca, cb) = if in_b(ids[1]) { (ids[0], ids[1]) } else { (ids[1], ids[0]) };
+        assert!(in_b(cb) && !in_b(ca), "{name}");
+
+        // Token a: the child in b is left out of the API's detail and the dashboard's page.
+        let (seen, text) = detail(a);
+        let shown: Vec<i64> = seen["children"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["id"].as_i64().unwrap())
+            .collect();
+        assert_eq!(shown, vec![ca], "{name}: {seen}");
+        assert_eq!(seen["children_hidden"], 1, "{name}: {seen}");
+        assert!(!text.contains("only-for-b"), "{name}: b's context leaked: {text}");
+        let (code, page) = s.get_as(a, &format!("/ui/ns/a/instances/{parent}"));
+        assert_eq!(code, 200, "{name}: {page}");
+        assert!(page.contains(&format!("/ui/ns/a/instances/{ca}\"")), "{name}: {page}");
+        assert!(!page.contains(&format!("/ui/ns/a/instances/{cb}\"")), "{name}: {page}");
+        assert!(page.contains("id=\"children-hidden\""), "{name}: {page}");
+
+        // Token a cannot cancel b's child through the parent; nothing is cancelled.
+        let cancel = format!("/v1/namespaces/a/instances/{parent}/cancel");
+        let (code, answer) = s.post_as(a, &cancel, r#"{"cascade":true}"#);
+        assert_eq!((code, answer["field"].as_str()), (403, Some("cascade")), "{name}: {answer}");
+        assert!(answer["error"].as_str().unwrap().contains("nothing was cancelled"), "{answer}");
+        for (ns, id) in [("a", parent), ("a", ca), ("b", cb)] {
+            let (_, row) = s.get_as(all, &format!("/v1/namespaces/{ns}/instances/{id}"));
+            let row: Value = serde_json::from_str(&row).unwrap();
+            assert_ne!(row["instance"]["status"], "cancelled", "{name}: {id}");
+        }
+        // A tree within the token's namespaces cascades as before.
+        let (code, answer) = s.post_as(
+            a,
+            &format!("/v1/namespaces/a/instances/{lonely}/cancel"),
+            r#"{"cascade":true}"#,
+        );
+        assert_eq!(code, 200, "{name}: {answer}");
+        assert_eq!(answer["cancelled"].as_array().unwrap().len(), 2, "{name}: {answer}");
+        // A token for every namespace cancels the whole tree.
+        let (code, answer) = s.post_as(all, &cancel, r#"{"cascade":true}"#);
+        assert_eq!(code, 200, "{name}: {answer}");
+        let mut cancelled: Vec<i64> =
+            answer["cancelled"].as_array().unwrap().iter().map(|i| i.as_i64().unwrap()).collect();
+        cancelled.sort_unstable();
+        let mut tree = vec![parent, ca, cb];
+        tree.sort_unstable();
+        assert_eq!(cancelled, tree, "{name}: {answer}");
+    }
+}
+
+/// A browser that follows redirects and sends a cookie only under its `Path`, as browsers
+/// do; from `start`, the final address, status and page.
+fn browse(s: &Server, start: &str, jar: &mut Option<(String, String)>) -> (String, u16, String) {
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).max_redirects(0).build().into();
+    let mut at = start.to_owned();
+    for _ in 0..10 {
+        let path = at.split('?').next().unwrap().to_owned();
+        let mut request = agent.get(&format!("{}{at}", s.base));
+        if let Some((cookie, scope)) = jar.as_ref() {
+            let under = path == *scope
+                || (path.starts_with(scope.as_str())
+                    && (scope.ends_with('/') || path[scope.len()..].starts_with('/')));
+            if under {
+                request = request.header("Cookie", cookie);
+            }
+        }
+        let mut response = request.call().unwrap();
+        if let Some(set) = response.headers().get("set-cookie") {
+            let set = set.to_str().unwrap();
+            let pair = set.split(';').next().unwrap().trim().to_owned();
+            let scope = set
+                .split(';')
+                .find_map(|part| part.trim().strip_prefix("Path="))
+                .unwrap_or("/")
+                .to_owned();
+            *jar = Some((pair, scope));
+        }
+        if response.status().is_redirection() {
+            response.headers()["location"].to_str().unwrap().clone_into(&mut at);
+            continue;
+        }
+        let status = response.status().as_u16();
+        return (path, status, response.body_mut().read_to_string().unwrap());
+    }
+    panic!("more than 10 redirects from {start}");
+}
+
+/// `/?token=…` signs in and lands on the dashboard, and `/` reaches it once signed in.
+#[test]
+fn the_root_address_and_its_token_link_reach_the_dashboard() {
+    for (name, s) in servers_with("the_root_address_reaches_the_dashboard", None, Some(TOKENS)) {
+        let mut jar = None;
+        let (at, code, _) = browse(&s, "/", &mut jar);
+        assert_eq!((at.as_str(), code), ("/ui/login", 200), "{name}: not signed in yet");
+        let (at, code, page2) = browse(&s, "/?token=token-for-namespace-a", &mut jar);
+        assert_eq!((at.as_str(), code), ("/ui/ns/a", 200), "{name}: {page2}");
+        assert!(page2.contains("Namespace a"), "{name}: {page2}");
+        let (at, code, _) = browse(&s, "/", &mut jar);
+        assert_eq!((at.as_str(), code), ("/ui/ns/a", 200), "{name}: signed in");
+        let (at, _, _) = browse(&s, "/ui/login", &mut jar);
+        assert_eq!(at, "/ui/ns/a", "{name}: the form is not shown again once signed in");
+        let (at, code, page3) = browse(&s, "/?token=not-a-token-of-this-server", &mut None);
+        assert_eq!((at.as_str(), code), ("/ui", 401), "{name}: {page3}");
+        assert!(page3.contains("this token is not in the server"), "{name}: {page3}");
+
+        // With tokens, other names are served (behind a proxy, say), and another site's
+        // changes are refused even with a valid token.
+        let auth = "Authorization: Bearer token-for-namespace-a";
+        let (code, _) =
+            s.raw("GET", "/v1/namespaces/a/status", Some("keel.example:443"), &[auth], "");
+        assert_eq!(code, 200, "{name}");
+        let (code, answer) = s.raw_json(
+            "POST",
+            "/v1/namespaces/a/queues/default/pause",
+            &[auth, "Sec-Fetch-Site: same-site"],
+            "",
+        );
+        assert_eq!((code, answer["field"].as_str()), (403, Some("sec-fetch-site")), "{answer}");
     }
 }

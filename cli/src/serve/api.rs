@@ -11,7 +11,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::FromRequestParts;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::request::Parts;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -25,6 +25,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::AppState;
+use super::auth::Grant;
 
 /// An API error: a status, the field at fault when there is one, and how to fix it.
 #[derive(Debug)]
@@ -274,6 +275,7 @@ fn check_event(
 
 /// Stores an event for an instance: 202 with the signal id.
 pub async fn send_event(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
     bytes: Result<Bytes, BytesRejection>,
@@ -348,6 +350,7 @@ fn chart_start() -> String {
 
 /// Starts an instance: 201 with its id, or 200 with the existing one's.
 pub async fn start_instance(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
     bytes: Result<Bytes, BytesRejection>,
@@ -396,14 +399,24 @@ pub async fn start_instance(
     })
 }
 
-async fn detail(state: &AppState, ns: &str, id: InstanceId) -> ApiResult {
+/// The instance's detail; its children in namespaces the token does not see are left out
+/// and counted in `children_hidden`.
+async fn detail(state: &AppState, ns: &str, id: InstanceId, grant: Option<&Grant>) -> ApiResult {
     instance_in(state, ns, id).await?;
-    let d = state.keel.get(id).await?;
+    let mut d = state.keel.get(id).await?;
+    let hidden = match grant.filter(|g| !g.sees_all()) {
+        Some(grant) => {
+            super::scope::hide_unseen_children(state.keel.store(), &mut d, |n| grant.sees(n))
+                .await?
+        }
+        None => 0,
+    };
     Ok(Json(json!({
         "instance": d.instance,
         "inbox": d.inbox,
         "timers": d.timers,
         "children": d.children,
+        "children_hidden": hidden,
         "history": d.history,
     }))
     .into_response())
@@ -413,15 +426,17 @@ async fn detail(state: &AppState, ns: &str, id: InstanceId) -> ApiResult {
 pub async fn get_instance(
     _: NoQuery,
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     Path((ns, id)): Path<(String, String)>,
 ) -> ApiResult {
-    detail(&state, &ns, parse_id(&id)?).await
+    detail(&state, &ns, parse_id(&id)?, grant.as_ref().map(|Extension(g)| g)).await
 }
 
 /// The newest instance of a machine with a business key.
 pub async fn get_by_key(
     _: NoQuery,
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     Path((ns, machine, key)): Path<(String, String, String)>,
 ) -> ApiResult {
     let target =
@@ -431,7 +446,7 @@ pub async fn get_by_key(
             "no instance of machine {machine:?} with key {key:?} in namespace {ns:?}"
         ))
     })?;
-    detail(&state, &ns, id).await
+    detail(&state, &ns, id, grant.as_ref().map(|Extension(g)| g)).await
 }
 
 /// `POST …/instances/{id}/cancel` (an empty body is allowed).
@@ -445,7 +460,9 @@ pub struct CancelBody {
 
 /// Cancels an instance (and its descendants with `cascade`).
 pub async fn cancel_instance(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
+    grant: Option<Extension<Grant>>,
     Path((ns, id)): Path<(String, String)>,
     bytes: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
@@ -456,10 +473,81 @@ pub async fn cancel_instance(
     let mut cancel =
         Cancel::new(id).reason(b.reason.unwrap_or_else(|| "cancelled over HTTP".into()));
     if b.cascade {
+        if let Some(Extension(grant)) = grant.filter(|Extension(g)| !g.sees_all()) {
+            cascade_within(&state, id, &grant).await?;
+        }
         cancel = cancel.cascade();
     }
     let cancelled: Vec<i64> = state.keel.cancel(cancel).await?.iter().map(|i| i.0).collect();
     Ok(Json(json!({ "cancelled": cancelled })).into_response())
+}
+
+/// Most instances a cascading cancel by a token scoped to some namespaces reads to check
+/// that every descendant is in one of them.
+const CASCADE_CHECK_MAX: usize = 1_000;
+
+/// A cascading cancel reaches every descendant the store's cascade walks (children of
+/// ended ones too, down to its depth bound), whatever their namespace; a token scoped to
+/// some namespaces may only start it when all of them are in those (403 naming `cascade`
+/// otherwise, nothing cancelled). The tree is read with bounded reads, as the cascade
+/// walks it; one too large to check in [`CASCADE_CHECK_MAX`] reads is refused as well.
+///
+/// The check and the cancel are two steps: a descendant that starts a child in another
+/// namespace in between (only a worker not scoped by a token can) has that child
+/// cancelled too. The window is one request long and the child belongs to the tree the
+/// caller may cancel; closing it would need the store's cancel to take a namespace scope.
+async fn cascade_within(state: &AppState, id: InstanceId, grant: &Grant) -> Result<(), ApiError> {
+    let refused = |why: String| {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            Some("cascade"),
+            format!(
+                "cascade: {why}; cancel instance {id} without `cascade`, or with a token for every namespace (\"*\") (nothing was cancelled)"
+            ),
+        )
+    };
+    let mut level = vec![id];
+    let mut reads = 0;
+    for depth in 0..keel_core::limits::CANCEL_CASCADE_DEPTH_MAX {
+        let mut next = Vec::new();
+        for parent in level {
+            reads += 1;
+            if reads > CASCADE_CHECK_MAX {
+                return Err(refused(format!(
+                    "instance {id} has more descendants than this token's cancel checks ({CASCADE_CHECK_MAX})"
+                )));
+            }
+            let detail = match state.keel.get(parent).await {
+                Ok(detail) => detail,
+                // Gone since it was listed: nothing below it to cancel.
+                Err(e) if e.kind == ErrorKind::NotFound => continue,
+                Err(e) => return Err(e.into()),
+            };
+            // An ended root is left as it is, descendants included.
+            if depth == 0 && detail.instance.status.is_terminal() {
+                return Ok(());
+            }
+            if detail.children.len() >= keel_core::limits::CHILDREN_LIST_MAX {
+                return Err(refused(format!(
+                    "instance {parent} has more children than one read lists ({})",
+                    keel_core::limits::CHILDREN_LIST_MAX
+                )));
+            }
+            let children: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
+            let rows = state.keel.store().instance_rows(children.clone()).await?;
+            if rows.iter().any(|row| !grant.sees(&row.namespace)) {
+                return Err(refused(format!(
+                    "a descendant of instance {id} is in a namespace this token does not see"
+                )));
+            }
+            next.extend(children);
+        }
+        if next.is_empty() {
+            break;
+        }
+        level = next;
+    }
+    Ok(())
 }
 
 /// Any other path.

@@ -66,7 +66,8 @@ impl Grant {
         &self.namespaces
     }
 
-    fn sees_all(&self) -> bool {
+    /// Whether it names every namespace (`"*"`).
+    pub fn sees_all(&self) -> bool {
         self.namespaces.iter().any(|n| n == "*")
     }
 }

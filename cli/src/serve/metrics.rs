@@ -18,7 +18,7 @@ use super::AppState;
 use crate::commands::now;
 
 /// Samples and renders.
-pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
+pub async fn handler(_: super::api::NoQuery, State(state): State<Arc<AppState>>) -> Response {
     if let Err(error) = sample(&state).await {
         let text = format!("# the store could not be sampled: {error}\n");
         return (StatusCode::SERVICE_UNAVAILABLE, text).into_response();

@@ -3,7 +3,9 @@
 //!
 //! With a tokens file every request needs a bearer token scoped to namespaces (`auth`);
 //! without one the server refuses any address that is not a loopback one and says so
-//! when it starts.
+//! when it starts. Either way, changes a browser sends for another site are refused, and
+//! without tokens so is any request addressed to a name that is not a loopback one
+//! (`site`).
 
 mod api;
 pub mod auth;
@@ -12,6 +14,7 @@ mod ops;
 pub mod registry;
 mod schedules;
 mod scope;
+mod site;
 pub mod ui;
 mod worker;
 
@@ -56,7 +59,9 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// A state without tokens, checking health in `namespace` with no thresholds.
+    /// A state without tokens, checking health in `namespace` with no thresholds. Like
+    /// `keel serve` without `--tokens`, its router answers only requests addressed to a
+    /// loopback name, so serve it on a loopback address.
     pub fn open(keel: Keel, namespace: &str, metrics: PrometheusHandle) -> Self {
         AppState {
             keel,
@@ -104,6 +109,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::check))
         .merge(ui::router(Arc::clone(&state)))
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), site::check))
         .with_state(state)
 }
 
@@ -160,7 +166,7 @@ pub async fn run(
         .context("the HTTP server stopped")
 }
 
-async fn health_handler(State(state): State<Arc<AppState>>) -> Response {
+async fn health_handler(_: api::NoQuery, State(state): State<Arc<AppState>>) -> Response {
     match health::probe(&state.keel, &state.namespace, &state.config).await {
         Ok((_, findings)) => {
             let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
@@ -180,7 +186,7 @@ async fn health_handler(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
-async fn cluster_info(State(state): State<Arc<AppState>>) -> Response {
+async fn cluster_info(_: api::NoQuery, State(state): State<Arc<AppState>>) -> Response {
     let body = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "store": state.keel.describe(),

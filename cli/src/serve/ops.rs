@@ -53,6 +53,7 @@ async fn set_paused(
 
 /// Pauses a queue.
 pub async fn pause(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, queue)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
@@ -61,6 +62,7 @@ pub async fn pause(
 
 /// Resumes a queue.
 pub async fn resume(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, queue)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
@@ -150,6 +152,7 @@ pub async fn dead_letter(
 
 /// Retries one dead letter now.
 pub async fn dead_letter_retry(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {

@@ -63,6 +63,7 @@ async fn set(
 
 /// `POST /v1/namespaces/{ns}/schedules/{name}/pause`.
 pub async fn pause(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, name)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
@@ -71,6 +72,7 @@ pub async fn pause(
 
 /// `POST /v1/namespaces/{ns}/schedules/{name}/resume`.
 pub async fn resume(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     Path((ns, name)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {

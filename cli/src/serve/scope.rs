@@ -3,10 +3,17 @@
 //! is reported exactly like a missing one, so a token scoped to one namespace cannot
 //! learn that an id exists in another. Each caller keeps its own form of "not found"
 //! (the API's JSON 404, the dashboard's page).
+//!
+//! The same holds for the rows an instance's detail carries: a parent may have children
+//! in other namespaces, and those are left out for a caller that does not see them.
 
-use keel::{ErrorKind, StoreError};
+use std::collections::HashSet;
+
+use keel::{AnyStore, ErrorKind, StoreError};
 use keel_core::ids::InstanceId;
 use keel_core::instance::{DeadLetter, Instance};
+use keel_core::limits::ROWS_BATCH_MAX;
+use keel_core::ports::Store;
 use keel_core::ports::store::InstanceDetail;
 
 /// A row that belongs to one namespace.
@@ -60,6 +67,26 @@ pub fn row_in_namespace(
         found.and_then(|row| row.ok_or_else(|| StoreError::not_found(format!("instance {id}")))),
         ns,
     )
+}
+
+/// Leaves out of `detail.children` every child in a namespace `sees` refuses, and returns
+/// how many were left out. The children's rows are read by id in batches (a detail lists
+/// at most `CHILDREN_LIST_MAX` children); a child whose row is gone by then is left out
+/// too, as it could not be shown anyway.
+pub async fn hide_unseen_children(
+    store: &AnyStore,
+    detail: &mut InstanceDetail,
+    sees: impl Fn(&str) -> bool,
+) -> Result<usize, StoreError> {
+    let ids: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
+    let mut seen = HashSet::new();
+    for batch in ids.chunks(ROWS_BATCH_MAX) {
+        let rows = store.instance_rows(batch.to_vec()).await?;
+        seen.extend(rows.into_iter().filter(|row| sees(&row.namespace)).map(|row| row.id));
+    }
+    let before = detail.children.len();
+    detail.children.retain(|c| seen.contains(&c.id));
+    Ok(before - detail.children.len())
 }
 
 #[cfg(test)]

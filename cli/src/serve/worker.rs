@@ -30,7 +30,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::AppState;
-use super::api::{ApiError, body, read};
+use super::api::{ApiError, NoQuery, body, read};
 use super::auth::Grant;
 use crate::commands::now;
 
@@ -95,6 +95,7 @@ fn lease(lease_ms: u64) -> Result<Duration, ApiError> {
 
 /// Claims one task, waiting up to `wait_ms` for one: 200 with the task, 204 without.
 pub async fn poll(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     grant: Option<Extension<Grant>>,
     bytes: Result<Bytes, BytesRejection>,
@@ -263,6 +264,7 @@ fn stale(id: InstanceId) -> ApiError {
 
 /// Extends a task's lease: 200, or 409 when the token is stale.
 pub async fn heartbeat(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     grant: Option<Extension<Grant>>,
     Path(id): Path<String>,
@@ -363,6 +365,7 @@ fn retryable_by_default() -> bool {
 
 /// Commits a successful step: 200 with the new status, 409 for a stale token.
 pub async fn complete(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     grant: Option<Extension<Grant>>,
     Path(id): Path<String>,
@@ -403,6 +406,7 @@ pub async fn complete(
 
 /// Commits a failed step through the retry and dead-letter plan: 200, or 409.
 pub async fn fail(
+    _: NoQuery,
     State(state): State<Arc<AppState>>,
     grant: Option<Extension<Grant>>,
     Path(id): Path<String>,

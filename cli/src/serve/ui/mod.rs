@@ -1,4 +1,4 @@
-//! The web dashboard `keel serve` answers at `/` and under `/ui`: server-rendered HTML
+//! The web dashboard `keel serve` answers under `/ui` (and `/` sends there): server-rendered HTML
 //! pages (overview, instances, an instance with its chart drawn, dead letters) with a
 //! stylesheet and one small script embedded in the binary — no CDN, no build step.
 //!
@@ -8,7 +8,8 @@
 //! `Authorization: Bearer` header is accepted too. Namespaces are checked on every page
 //! and fragment exactly as on the API: one the token may not see is a 404.
 //! Writes (retry, purge, pause, resume) are form POSTs that need an `operate` token; the
-//! strict same-site cookie keeps other sites from posting them with the operator's cookie.
+//! strict same-site cookie keeps other sites from posting them with the operator's cookie,
+//! and the server refuses any change a browser marks as sent by another site (`site`).
 
 mod charts;
 mod html;
@@ -41,6 +42,11 @@ impl Viewer {
     /// Whether the viewer sees namespace `ns`.
     pub fn sees(&self, ns: &str) -> bool {
         self.grant.as_ref().is_none_or(|g| g.sees(ns))
+    }
+
+    /// Whether the viewer sees every namespace (no tokens, or a `"*"` token).
+    pub fn sees_all(&self) -> bool {
+        self.grant.as_ref().is_none_or(Grant::sees_all)
     }
 
     /// Whether the viewer may retry, purge, pause and resume.
@@ -81,7 +87,6 @@ pub fn router(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/queues/{queue}/resume", post(pages::resume))
         .route_layer(from_fn_with_state(Arc::clone(&state), scope));
     Router::new()
-        .route("/", get(home))
         .route("/ui", get(home))
         .route("/ui/", get(home))
         .route("/ui/login", get(pages::login_form).post(pages::login))
@@ -91,6 +96,26 @@ pub fn router(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/ui/ns/{ns}/", get(without_slash))
         .nest("/ui/ns/{ns}", scoped)
         .layer(from_fn_with_state(state, authenticate))
+        // Outside authentication: the cookie is scoped to `/ui`, so a browser never sends
+        // it here, and `/` only hands over to `/ui`, `?token=` included.
+        .route("/", get(root))
+}
+
+/// `/` is the dashboard at `/ui`, with the same query (`/?token=…` signs in there).
+async fn root(uri: axum::http::Uri) -> Response {
+    match uri.query() {
+        Some(query) => Redirect::to(&format!("/ui?{query}")).into_response(),
+        None => Redirect::to("/ui").into_response(),
+    }
+}
+
+/// The page of a request refused before it reached the dashboard, with the reason.
+pub(super) fn refused_page(message: &str) -> Response {
+    let body = format!(
+        "<h1>Refused</h1><div class=\"error\">{}</div><p><a href=\"/ui\">Open the dashboard</a></p>",
+        html::esc(message)
+    );
+    html::page("Refused", None, &Viewer { grant: None }, &body).into_response()
 }
 
 /// `/ui/ns/{ns}/` is the overview at `/ui/ns/{ns}`.
@@ -114,7 +139,7 @@ fn asset(kind: &'static str, body: &'static str) -> Response {
     (headers, body).into_response()
 }
 
-/// `/` and `/ui`: the overview of the viewer's namespace.
+/// `/ui`: the overview of the viewer's namespace.
 async fn home(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let viewer = request.extensions().get::<Viewer>().cloned();
     match viewer {

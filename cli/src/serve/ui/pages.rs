@@ -26,7 +26,7 @@ use super::{AppState, Viewer, WithStatus, charts, with_cookie};
 use crate::commands::{StatusRow, now, status_and_activity};
 use crate::health::{self, Level};
 use crate::output::{age, time};
-use crate::serve::scope::in_namespace;
+use crate::serve::scope::{hide_unseen_children, in_namespace};
 
 /// Instances per page.
 pub const INSTANCE_PAGE: usize = 50;
@@ -96,9 +96,13 @@ pub fn login_page(error: Option<&str>) -> Html<String> {
     )
 }
 
-/// `GET /ui/login`.
-pub async fn login_form() -> Html<String> {
-    login_page(None)
+/// `GET /ui/login`: the form, or the dashboard for a viewer already signed in (or for
+/// everyone on a server without tokens).
+pub async fn login_form(viewer: Option<Extension<Viewer>>) -> Response {
+    match viewer {
+        Some(_) => Redirect::to("/ui").into_response(),
+        None => login_page(None).into_response(),
+    }
 }
 
 /// `POST /ui/login`: a valid token sets the cookie.
@@ -587,7 +591,7 @@ async fn detail_in(
     ns: &str,
     raw: &str,
     viewer: &Viewer,
-) -> Result<InstanceDetail, Response> {
+) -> Result<Shown, Response> {
     let id =
         raw.trim_start_matches('i').parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
             bad_input(
@@ -596,11 +600,27 @@ async fn detail_in(
                 &format!("id: {raw:?} is not an instance id; write a positive number such as 42"),
             )
         })?;
-    match in_namespace(state.keel.get(InstanceId(id)).await, ns) {
-        Ok(Some(detail)) => Ok(detail),
-        Ok(None) => Err(not_found(Some(viewer))),
-        Err(e) => Err(store_failed(viewer, ns, &e)),
-    }
+    let mut detail = match in_namespace(state.keel.get(InstanceId(id)).await, ns) {
+        Ok(Some(detail)) => detail,
+        Ok(None) => return Err(not_found(Some(viewer))),
+        Err(e) => return Err(store_failed(viewer, ns, &e)),
+    };
+    // Children in namespaces the viewer does not see are left out, and counted.
+    let hidden = if viewer.sees_all() {
+        0
+    } else {
+        hide_unseen_children(state.keel.store(), &mut detail, |n| viewer.sees(n))
+            .await
+            .map_err(|e| store_failed(viewer, ns, &e))?
+    };
+    Ok(Shown { detail, children_hidden: hidden })
+}
+
+/// An instance's detail as the viewer may see it.
+struct Shown {
+    detail: InstanceDetail,
+    /// Its children left out because the viewer does not see their namespace.
+    children_hidden: usize,
 }
 
 /// `GET /ui/ns/{ns}/instances/{id}`.
@@ -610,9 +630,9 @@ pub async fn instance(
     Extension(viewer): Extension<Viewer>,
 ) -> Response {
     flat(async {
-        let detail = detail_in(&state, &ns, &id, &viewer).await?;
-        let i = &detail.instance;
-        let live = instance_live(&state, &ns, &detail);
+        let shown = detail_in(&state, &ns, &id, &viewer).await?;
+        let i = &shown.detail.instance;
+        let live = instance_live(&state, &ns, &shown);
         let body = format!(
             "<h1>{} <small class=\"muted\">{} v{}{}</small></h1><div data-live=\"{}\">{live}</div><p id=\"live-status\" class=\"live-status\"></p>",
             i.id,
@@ -634,14 +654,15 @@ pub async fn instance_fragment(
 ) -> Response {
     flat(
         async {
-            let detail = detail_in(&state, &ns, &id, &viewer).await?;
-            Ok(Html(instance_live(&state, &ns, &detail)).into_response())
+            let shown = detail_in(&state, &ns, &id, &viewer).await?;
+            Ok(Html(instance_live(&state, &ns, &shown)).into_response())
         }
         .await,
     )
 }
 
-fn instance_live(state: &AppState, ns: &str, d: &InstanceDetail) -> String {
+fn instance_live(state: &AppState, ns: &str, shown: &Shown) -> String {
+    let d = &shown.detail;
     let i = &d.instance;
     let mut out = String::new();
     let _ = write!(
@@ -683,7 +704,7 @@ fn instance_live(state: &AppState, ns: &str, d: &InstanceDetail) -> String {
     out.push_str("</div><div>");
     out.push_str(&inbox_panel(d));
     out.push_str(&timers_panel(d));
-    out.push_str(&children_panel(ns, d));
+    out.push_str(&children_panel(ns, d, shown.children_hidden));
     out.push_str("</div></div>");
     out.push_str(&history_panel(d));
     out
@@ -775,9 +796,16 @@ fn timers_panel(d: &InstanceDetail) -> String {
     out + "</table>" + &more(d.timers.len())
 }
 
-fn children_panel(ns: &str, d: &InstanceDetail) -> String {
+fn children_panel(ns: &str, d: &InstanceDetail, hidden: usize) -> String {
+    let hidden = match hidden {
+        0 => String::new(),
+        n => format!(
+            "<p class=\"muted\" id=\"children-hidden\">{n} child(ren) in namespaces this token does not see are not shown.</p>"
+        ),
+    };
     if d.children.is_empty() {
-        return "<h2>Children</h2><p class=\"muted\">None.</p>".into();
+        let none = if hidden.is_empty() { "<p class=\"muted\">None.</p>" } else { "" };
+        return format!("<h2>Children</h2>{none}{hidden}");
     }
     let mut out = String::from(
         "<h2>Children</h2><table id=\"children\"><tr><th>child</th><th>machine</th><th>status</th><th>state</th></tr>",
@@ -793,7 +821,7 @@ fn children_panel(ns: &str, d: &InstanceDetail) -> String {
             esc(&short(&c.position, 80)),
         );
     }
-    out + "</table>" + &more(d.children.len())
+    out + "</table>" + &more(d.children.len()) + &hidden
 }
 
 fn history_panel(d: &InstanceDetail) -> String {
