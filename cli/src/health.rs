@@ -60,6 +60,13 @@ pub struct Finding {
     threshold: u64,
 }
 
+impl Finding {
+    /// The value with whether it was counted whole; its text says "at least" when not.
+    pub fn value(&self) -> Counted {
+        Counted { count: self.value, complete: self.complete }
+    }
+}
+
 /// The configuration file `--config` names (or the defaults), with the `KEEL_QUEUE_*`
 /// environment overrides a worker applies, refusing keys this version does not apply:
 /// the configuration a worker of the same deployment runs with.
@@ -130,7 +137,7 @@ pub fn evaluate(
             &mut findings,
             &a.machine,
             "stuck_leases",
-            Counted { count: a.stuck_leases, complete: a.stuck_leases_complete },
+            a.stuck_leases_counted(),
             alerts.stuck_leases_warning,
             alerts.stuck_leases_critical,
         );
@@ -223,7 +230,7 @@ pub async fn run(keel: &Keel, cli: &Cli) -> anyhow::Result<Report> {
             format!("{:?}", f.level).to_uppercase(),
             f.machine.clone(),
             f.check.to_owned(),
-            Counted { count: f.value, complete: f.complete }.text(),
+            f.value().text(),
             f.threshold.to_string(),
         ]);
     }

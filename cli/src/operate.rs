@@ -103,6 +103,18 @@ pub struct MachineActivity {
     pub failed_per_minute: Vec<u64>,
 }
 
+impl MachineActivity {
+    /// [`MachineActivity::stuck_leases`] with whether the walk read it whole.
+    pub fn stuck_leases_counted(&self) -> Counted {
+        Counted { count: self.stuck_leases, complete: self.stuck_leases_complete }
+    }
+
+    /// [`MachineActivity::ready_without_worker`] with whether the walk read it whole.
+    pub fn ready_without_worker_counted(&self) -> Counted {
+        Counted { count: self.ready_without_worker, complete: self.ready_without_worker_complete }
+    }
+}
+
 /// The last hour of every machine of `ns` with activity or unfinished work.
 pub async fn activity(
     keel: &Keel,
@@ -303,17 +315,13 @@ pub fn activity_table(rows: &[MachineActivity]) -> String {
             a.failed_last_hour.to_string(),
             a.avg_processing_ms.map(|ms| age(ms as i64)).unwrap_or_default(),
             format!("{:.2}", a.throughput_per_minute),
-            Counted { count: a.stuck_leases, complete: a.stuck_leases_complete }.text(),
+            a.stuck_leases_counted().text(),
             if a.ready_without_worker == 0 {
                 String::new()
             } else {
                 format!(
                     "{} (v{})",
-                    Counted {
-                        count: a.ready_without_worker,
-                        complete: a.ready_without_worker_complete
-                    }
-                    .text(),
+                    a.ready_without_worker_counted().text(),
                     a.unserved_versions
                         .iter()
                         .map(ToString::to_string)

@@ -1365,6 +1365,14 @@ fn changes_from_other_sites_and_requests_to_other_names_are_refused() {
             s.raw_json("POST", starts, &[own.as_str(), "Sec-Fetch-Site: same-origin"], start);
         assert_eq!(code, 201, "{name}: {answer}");
         assert_eq!(s.post(starts, start).0, 201, "{name}");
+        // Behind a proxy that rewrites `Host` the browser's `Origin` names the public
+        // address, or is `null` under `Referrer-Policy: no-referrer`; `Sec-Fetch-Site`
+        // still says the page is the server's own, and decides alone.
+        for origin in ["Origin: https://keel.example", "Origin: null"] {
+            let (code, answer) =
+                s.raw_json("POST", starts, &[origin, "Sec-Fetch-Site: same-origin"], start);
+            assert_eq!(code, 201, "{name}: {origin}: {answer}");
+        }
         // A read is not a change: the browser keeps its answer from the other site's page.
         let (code, _) = s.raw_json(
             "GET",
@@ -1385,6 +1393,12 @@ fn changes_from_other_sites_and_requests_to_other_names_are_refused() {
         let same = [own.as_str(), "Sec-Fetch-Site: same-origin", form];
         let (code, _) = s.raw("POST", pause, None, &same, "");
         assert_eq!(code, 303, "{name}: the dashboard's own form");
+        let proxied = ["Origin: https://keel.example", "Sec-Fetch-Site: same-origin", form];
+        let resume = "/ui/ns/default/queues/default/resume";
+        let (code, page) = s.raw("POST", resume, Some(s.addr()), &proxied, "");
+        assert_eq!(code, 303, "{name}: the dashboard's form behind a proxy: {page}");
+        let (code, _) = s.raw("POST", pause, None, &same, "");
+        assert_eq!(code, 303, "{name}: paused again");
         let (_, status) = s.get_json("/v1/namespaces/default/status");
         assert_eq!(status["queues"][0]["paused"], true, "{name}: {status}");
 
@@ -1395,6 +1409,11 @@ fn changes_from_other_sites_and_requests_to_other_names_are_refused() {
             assert_eq!(code, 403, "{name}: {path}: {text}");
             assert!(text.contains("host:") && text.contains("loopback"), "{name}: {text}");
         }
+        // A Host that is not visible ASCII cannot be read as a loopback name.
+        let (code, text) =
+            s.raw("GET", "/v1/namespaces/default/status", Some("h\u{e9}st"), &[], "");
+        assert_eq!(code, 403, "{name}: {text}");
+        assert!(text.contains("host:") && text.contains("loopback"), "{name}: {text}");
         for host in [format!("localhost:{port}"), s.addr().to_owned()] {
             let (code, _) = s.raw("GET", "/v1/namespaces/default/status", Some(&host), &[], "");
             assert_eq!(code, 200, "{name}: {host}");
@@ -1432,6 +1451,18 @@ fn routes_without_parameters_refuse_a_query_naming_it() {
             assert_eq!((code, answer["field"].as_str()), (400, Some(field)), "{name}: {path}");
             assert!(
                 answer["error"].as_str().unwrap().contains("takes no query parameters"),
+                "{name}: {answer}"
+            );
+        }
+        // A query without a parameter name is refused too, naming the query as a whole.
+        for query in ["?=1", "?&=x", "?", "?&"] {
+            let path = format!("{ns}/queues/default/pause{query}");
+            let (code, answer) = s.raw_json("POST", &path, &[], "");
+            assert_eq!((code, answer["field"].as_str()), (400, Some("query")), "{name}: {path}");
+            let error = answer["error"].as_str().unwrap();
+            assert!(
+                error.starts_with("query: this route takes no query parameters")
+                    && error.contains(&format!("{query:?}")),
                 "{name}: {answer}"
             );
         }
@@ -1476,9 +1507,8 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
         let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"parent","version":1}]}"#;
         // One parent with a child in a and one in b, one with a child in a only.
         let mut parents = Vec::new();
-        for children in
-            [format!("{},{}", child("a", "for-a"), child("b", "only-for-b")), child("a", "for-a")]
-        {
+        let mixed = || format!("{},{}", child("a", "for-a"), child("b", "only-for-b"));
+        for children in [mixed(), child("a", "for-a"), mixed()] {
             let (_, started) = s.post_as(a, starts, r#"{"machine":"parent","at":"spawn"}"#);
             let id = started["id"].as_i64().unwrap();
             parents.push(id);
@@ -1491,23 +1521,29 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
             let (code, answer) = s.post_as(all, &format!("/v1/worker/tasks/{id}/complete"), &done);
             assert_eq!(code, 200, "{name}: {answer}");
         }
-        let (parent, lonely) = (parents[0], parents[1]);
-        let detail = |token: &str| {
+        let (parent, lonely, ended_in_b) = (parents[0], parents[1], parents[2]);
+        let detail_of = |token: &str, parent: i64| {
             let (code, text) = s.get_as(token, &format!("/v1/namespaces/a/instances/{parent}"));
             assert_eq!(code, 200, "{name}: {text}");
             (serde_json::from_str::<Value>(&text).unwrap(), text)
         };
-        let (everything, _) = detail(all);
-        let ids: Vec<i64> = everything["children"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["id"].as_i64().unwrap())
-            .collect();
-        assert_eq!((ids.len(), everything["children_hidden"].as_u64()), (2, Some(0)), "{name}");
+        let detail = |token: &str| detail_of(token, parent);
         let in_b = |id: i64| s.get_as(all, &format!("/v1/namespaces/b/instances/{id}")).0 == 200;
-        let (ca, cb) = if in_b(ids[1]) { (ids[0], ids[1]) } else { (ids[1], ids[0]) };
-        assert!(in_b(cb) && !in_b(ca), "{name}");
+        // A parent's children as (the one in a, the one in b).
+        let children_of = |parent: i64| {
+            let (everything, _) = detail_of(all, parent);
+            let ids: Vec<i64> = everything["children"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["id"].as_i64().unwrap())
+                .collect();
+            assert_eq!((ids.len(), everything["children_hidden"].as_u64()), (2, Some(0)), "{name}");
+            let (ca, cb) = if in_b(ids[1]) { (ids[0], ids[1]) } else { (ids[1], ids[0]) };
+            assert!(in_b(cb) && !in_b(ca), "{name}");
+            (ca, cb)
+        };
+        let (ca, cb) = children_of(parent);
 
         // Token a: the child in b is left out of the API's detail and the dashboard's page.
         let (seen, text) = detail(a);
@@ -1544,6 +1580,24 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
         );
         assert_eq!(code, 200, "{name}: {answer}");
         assert_eq!(answer["cancelled"].as_array().unwrap().len(), 2, "{name}: {answer}");
+        // A child in b that has ended is left as it is by the cascade, so token a may
+        // cascade through its parent: the cancel reaches only what is in a.
+        let (ended_a, ended_b) = children_of(ended_in_b);
+        let (code, answer) =
+            s.post_as(all, &format!("/v1/namespaces/b/instances/{ended_b}/cancel"), "");
+        assert_eq!(code, 200, "{name}: {answer}");
+        let (code, answer) = s.post_as(
+            a,
+            &format!("/v1/namespaces/a/instances/{ended_in_b}/cancel"),
+            r#"{"cascade":true}"#,
+        );
+        assert_eq!(code, 200, "{name}: {answer}");
+        let mut cancelled: Vec<i64> =
+            answer["cancelled"].as_array().unwrap().iter().map(|i| i.as_i64().unwrap()).collect();
+        cancelled.sort_unstable();
+        let mut within_a = vec![ended_in_b, ended_a];
+        within_a.sort_unstable();
+        assert_eq!(cancelled, within_a, "{name}: {answer}");
         // A token for every namespace cancels the whole tree.
         let (code, answer) = s.post_as(all, &cancel, r#"{"cascade":true}"#);
         assert_eq!(code, 200, "{name}: {answer}");

@@ -115,12 +115,23 @@ impl<S: Send + Sync> FromRequestParts<S> for NoQuery {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        let first = parts.uri.query().and_then(|q| form_urlencoded::parse(q.as_bytes()).next());
-        match first {
-            None => Ok(NoQuery),
-            Some((name, _)) => Err(ApiError::bad(
+        // Any query is refused, `?` and `?&` included; the error names its first parameter,
+        // or the query as a whole when that has no name (`?=1`).
+        let Some(raw) = parts.uri.query() else {
+            return Ok(NoQuery);
+        };
+        let first = form_urlencoded::parse(raw.as_bytes()).next();
+        match first.map(|(name, _)| name).filter(|name| !name.is_empty()) {
+            Some(name) => Err(ApiError::bad(
                 &name,
                 format!("{name}: this route takes no query parameters; leave it out"),
+            )),
+            None => Err(ApiError::bad(
+                "query",
+                format!(
+                    "query: this route takes no query parameters, and this request has {:?}; leave it out",
+                    format!("?{raw}")
+                ),
             )),
         }
     }
@@ -483,13 +494,14 @@ pub async fn cancel_instance(
 }
 
 /// Most instances a cascading cancel by a token scoped to some namespaces reads to check
-/// that every descendant is in one of them.
+/// that every live descendant is in one of them.
 const CASCADE_CHECK_MAX: usize = 1_000;
 
-/// A cascading cancel reaches every descendant the store's cascade walks (children of
-/// ended ones too, down to its depth bound), whatever their namespace; a token scoped to
-/// some namespaces may only start it when all of them are in those (403 naming `cascade`
-/// otherwise, nothing cancelled). The tree is read with bounded reads, as the cascade
+/// A cascading cancel reaches every live descendant the store's cascade walks (children
+/// of ended ones too, down to its depth bound), whatever their namespace; a token scoped
+/// to some namespaces may only start it when every live one is in those (403 naming
+/// `cascade` otherwise, nothing cancelled). Ended descendants are never cancelled, so
+/// their namespaces do not matter. The tree is read with bounded reads, as the cascade
 /// walks it; one too large to check in [`CASCADE_CHECK_MAX`] reads is refused as well.
 ///
 /// The check and the cancel are two steps: a descendant that starts a child in another
@@ -533,14 +545,20 @@ async fn cascade_within(state: &AppState, id: InstanceId, grant: &Grant) -> Resu
                     keel_core::limits::CHILDREN_LIST_MAX
                 )));
             }
-            let children: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
-            let rows = state.keel.store().instance_rows(children.clone()).await?;
-            if rows.iter().any(|row| !grant.sees(&row.namespace)) {
+            // The cascade cancels only live descendants and walks on through ended ones, so
+            // an ended child in another namespace is left as it is: only the live ones'
+            // namespaces are read, and every child is walked.
+            let live: Vec<InstanceId> =
+                detail.children.iter().filter(|c| !c.status.is_terminal()).map(|c| c.id).collect();
+            let (_, unseen) =
+                super::scope::split_by_namespace(state.keel.store(), &live, |n| grant.sees(n))
+                    .await?;
+            if unseen.iter().any(|row| !row.status.is_terminal()) {
                 return Err(refused(format!(
-                    "a descendant of instance {id} is in a namespace this token does not see"
+                    "a live descendant of instance {id} is in a namespace this token does not see"
                 )));
             }
-            next.extend(children);
+            next.extend(detail.children.iter().map(|c| c.id));
         }
         if next.is_empty() {
             break;

@@ -18,6 +18,7 @@ mod site;
 pub mod ui;
 mod worker;
 
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -153,13 +154,18 @@ pub async fn run(
         .with_context(|| format!("--listen: cannot bind {listen}"))?;
     let bound = listener.local_addr()?;
     if open {
-        eprintln!(
+        // A closed stdout or stderr (`keel serve | head -1`) must not stop the server.
+        let _ = writeln!(
+            std::io::stderr(),
             "WARNING: no authentication (no --tokens): anyone who can reach {bound} can read and change every namespace; listening on loopback only"
         );
     }
-    println!("listening on http://{bound}");
+    let _ = writeln!(std::io::stdout(), "listening on http://{bound}");
     let loaded = state.definitions.as_ref().map_or(0, |d| d.charts().len());
-    eprintln!("dashboard: http://{bound}/ui ({loaded} chart definition(s) loaded)");
+    let _ = writeln!(
+        std::io::stderr(),
+        "dashboard: http://{bound}/ui ({loaded} chart definition(s) loaded)"
+    );
     axum::serve(listener, router(state))
         .with_graceful_shutdown(keel::shutdown_signal())
         .await

@@ -3,6 +3,7 @@
 //! in-process ones.
 
 use std::collections::HashMap;
+use std::io::Write as _;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -67,7 +68,11 @@ impl Beats {
             now(),
         );
         if let Err(error) = store.worker_heartbeat(params).await {
-            eprintln!("warning: could not record worker {worker:?} in the registry: {error}");
+            // A closed stderr (a supervisor that drops it) must not panic the request.
+            let _ = writeln!(
+                std::io::stderr(),
+                "warning: could not record worker {worker:?} in the registry: {error}"
+            );
         }
     }
 }

@@ -69,9 +69,29 @@ pub fn row_in_namespace(
     )
 }
 
+/// The rows of `ids` split by `sees`: the ids of those in a namespace it allows, and the
+/// rows of those outside it. The rows are read by id in batches; an id whose row is gone
+/// by then is in neither.
+pub async fn split_by_namespace(
+    store: &AnyStore,
+    ids: &[InstanceId],
+    sees: impl Fn(&str) -> bool,
+) -> Result<(HashSet<InstanceId>, Vec<Instance>), StoreError> {
+    let (mut seen, mut unseen) = (HashSet::new(), Vec::new());
+    for batch in ids.chunks(ROWS_BATCH_MAX) {
+        for row in store.instance_rows(batch.to_vec()).await? {
+            if sees(&row.namespace) {
+                seen.insert(row.id);
+            } else {
+                unseen.push(row);
+            }
+        }
+    }
+    Ok((seen, unseen))
+}
+
 /// Leaves out of `detail.children` every child in a namespace `sees` refuses, and returns
-/// how many were left out. The children's rows are read by id in batches (a detail lists
-/// at most `CHILDREN_LIST_MAX` children); a child whose row is gone by then is left out
+/// how many were left out. A child whose row is gone by the time it is read is left out
 /// too, as it could not be shown anyway.
 pub async fn hide_unseen_children(
     store: &AnyStore,
@@ -79,11 +99,7 @@ pub async fn hide_unseen_children(
     sees: impl Fn(&str) -> bool,
 ) -> Result<usize, StoreError> {
     let ids: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
-    let mut seen = HashSet::new();
-    for batch in ids.chunks(ROWS_BATCH_MAX) {
-        let rows = store.instance_rows(batch.to_vec()).await?;
-        seen.extend(rows.into_iter().filter(|row| sees(&row.namespace)).map(|row| row.id));
-    }
+    let (seen, _) = split_by_namespace(store, &ids, sees).await?;
     let before = detail.children.len();
     detail.children.retain(|c| seen.contains(&c.id));
     Ok(before - detail.children.len())

@@ -5,9 +5,11 @@
 //! does not tell an operator's action from a page's. Three rules close that:
 //!
 //! - a change (any method but GET and HEAD) the browser marks as sent by another site is
-//!   refused: `Sec-Fetch-Site: cross-site` or `same-site` (a sibling subdomain), or an
-//!   `Origin` whose host and port are not the request's `Host`. A request with neither
-//!   header (curl, the SDKs, a worker) is not a browser's and passes as it is;
+//!   refused: `Sec-Fetch-Site` other than `same-origin` or `none` (`cross-site`, or
+//!   `same-site` for a sibling subdomain), or, from a browser that sends no
+//!   `Sec-Fetch-Site`, an `Origin` whose host and port are not the request's `Host`. A
+//!   request with neither header (curl, the SDKs, a worker) is not a browser's and passes
+//!   as it is;
 //! - without tokens the server listens on loopback only, and it answers only requests
 //!   addressed to a loopback name, so a site whose name is made to resolve to 127.0.0.1
 //!   (DNS rebinding) cannot read or change it either;
@@ -53,22 +55,28 @@ fn request_host(request: &Request) -> Option<String> {
     request
         .headers()
         .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
+        // A Host that is not visible ASCII is not a loopback name.
+        .map(|v| v.to_str().unwrap_or("?").to_owned())
         .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()))
 }
 
 /// Why a browser's change comes from another site (the header at fault and the message),
 /// or `None` when it comes from the server's own pages or not from a browser.
 fn cross_site(headers: &HeaderMap, host: Option<&str>) -> Option<(&'static str, String)> {
-    let fetch_site = headers.get("sec-fetch-site").map(|v| v.to_str().unwrap_or("?"));
-    if let Some(site @ ("cross-site" | "same-site")) = fetch_site {
-        return Some((
-            "sec-fetch-site",
-            format!(
-                "sec-fetch-site: the browser marks this request as sent by another site (`Sec-Fetch-Site: {site}`), and keel serve takes no changes from other sites; use the dashboard at the server's own address, or send the request from a script or worker, which sends no such header"
-            ),
-        ));
+    // A browser that sends `Sec-Fetch-Site` says itself where the request comes from, and
+    // that holds behind a proxy that rewrites `Host` or makes the browser send
+    // `Origin: null`; `Origin` is compared with `Host` only for a browser that does not.
+    match headers.get("sec-fetch-site").map(|v| v.to_str().unwrap_or("?")) {
+        Some("same-origin" | "none") => return None,
+        Some(site) => {
+            return Some((
+                "sec-fetch-site",
+                format!(
+                    "sec-fetch-site: the browser marks this request as sent by another site (`Sec-Fetch-Site: {site}`), and keel serve takes no changes from other sites; use the dashboard at the server's own address, or send the request from a script or worker, which sends no such header"
+                ),
+            ));
+        }
+        None => {}
     }
     let origin = headers.get(header::ORIGIN).map(|v| v.to_str().unwrap_or("?"))?;
     if host.is_some_and(|host| same_origin(origin, host)) {

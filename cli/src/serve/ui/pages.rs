@@ -250,7 +250,7 @@ fn activity_panel(activity: &[crate::operate::MachineActivity]) -> String {
             a.completed_last_hour,
             sparkline(&a.failed_per_minute, "failed"),
             a.failed_last_hour,
-            a.ready_without_worker,
+            a.ready_without_worker_counted().text(),
             m = esc(&a.machine),
         );
     }
@@ -320,7 +320,13 @@ fn health_panel(
     rows: &[StatusRow],
     activity: &[crate::operate::MachineActivity],
 ) -> String {
-    match health::evaluate(&state.config, rows, activity) {
+    findings_panel(health::evaluate(&state.config, rows, activity))
+}
+
+/// The health panel for the findings (or the error that stopped their evaluation); a
+/// value counted over a bounded walk that stopped early reads "at least".
+fn findings_panel(findings: anyhow::Result<Vec<health::Finding>>) -> String {
+    match findings {
         Ok(findings) => {
             let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
             let name = serde_json::to_value(level).ok();
@@ -342,7 +348,7 @@ fn health_panel(
                         badge(&text("level")),
                         esc(&text("machine")),
                         esc(&text("check")),
-                        esc(&text("value")),
+                        esc(&f.value().text()),
                         esc(&text("threshold")),
                     );
                 }
@@ -850,10 +856,11 @@ fn history_panel(d: &InstanceDetail) -> String {
     {
         let id = d.instance.id;
         let ns = &d.instance.namespace;
+        let command = crate::commands::hint(ns, &format!("history {id} --before {before}"));
         let _ = write!(
             out,
-            "<p class=\"muted\">Older entries are not shown: <code>keel -n {} history {id} --before {before}</code> or <code>GET /v1/namespaces/{}/instances/{}/history?before={before}</code>.</p>",
-            esc(ns),
+            "<p class=\"muted\">Older entries are not shown: <code>{}</code> or <code>GET /v1/namespaces/{}/instances/{}/history?before={before}</code>.</p>",
+            esc(&command),
             esc(ns),
             id.0,
         );
@@ -1309,6 +1316,34 @@ mod tests {
             })
             .collect();
         InstanceDetail { instance, inbox: vec![], children: vec![], history, timers: vec![] }
+    }
+
+    #[test]
+    fn counts_cut_at_their_page_bound_read_at_least() {
+        let a = crate::operate::MachineActivity {
+            machine: "busy".into(),
+            ready_without_worker: 1_000,
+            unserved_versions: vec![3],
+            stuck_leases: 1_000,
+            ..Default::default()
+        };
+        let panel = activity_panel(std::slice::from_ref(&a));
+        assert!(panel.contains("<td class=\"num\">at least 1000</td>"), "{panel}");
+        let config = keel_core::config::KeelConfig::from_toml_str(
+            "[queue.alerts]\nstuck_leases_warning = 10\n",
+        )
+        .unwrap();
+        let panel = findings_panel(health::evaluate(&config, &[], &[a]));
+        assert!(panel.contains("<td class=\"num\">at least 1000</td>"), "{panel}");
+    }
+
+    #[test]
+    fn the_history_command_quotes_its_namespace() {
+        let mut d = detail(SECTION_ROWS_MAX + 2);
+        d.instance.namespace = "team a".into();
+        let long = history_panel(&d);
+        let note = long.rsplit("<p class=\"muted\">").next().unwrap_or_default();
+        assert!(note.contains("keel -n &#39;team a&#39; history i7 --before 3"), "{note}");
     }
 
     #[test]
