@@ -19,6 +19,7 @@ mod names;
 pub mod outcome;
 pub mod plan;
 pub mod ports;
+pub mod redact;
 pub mod retention;
 pub mod retry;
 pub mod schedule;
@@ -33,4 +34,5 @@ pub use ids::{
 };
 pub use instance::{Instance, NewInstance, NewSignal, Signal, SignalTarget};
 pub use outcome::{Outcome, StepCommit, StepFailure};
+pub use redact::redact_url;
 pub use time::Timestamp;

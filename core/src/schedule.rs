@@ -150,7 +150,8 @@ fn full(namespace: &str, what: &str) -> StoreError {
     StoreError::invalid(format!(
         "name: {what} needs a new stored schedule state, and namespace {namespace:?} already \
          holds {SCHEDULE_STATES_MAX}, the most a runner serves; states of schedules that no \
-         longer exist are left over: delete their rows from the schedule_states table"
+         longer exist are left over: delete their rows from the store's table of schedule \
+         states (keel_schedule_states in SQLite, schedule_states in Keel's PostgreSQL schema)"
     ))
 }
 
@@ -1006,6 +1007,8 @@ mod tests {
         let err = plan_fired(None, SCHEDULE_STATES_MAX, &fired(100)).unwrap_err();
         assert!(err.message.starts_with("name:") && err.message.contains("1000"), "{err}");
         assert!(err.message.contains("delete their rows"), "{err}");
+        assert!(err.message.contains("keel_schedule_states in SQLite"), "{err}");
+        assert!(err.message.contains("schedule_states in Keel's PostgreSQL schema"), "{err}");
         assert!(plan_fired(Some(&first), SCHEDULE_STATES_MAX, &fired(500)).unwrap().is_some());
         let bad = ScheduleFiredParams { namespace: String::new(), ..fired(1) };
         assert!(plan_fired(None, 0, &bad).unwrap_err().message.starts_with("namespace"));

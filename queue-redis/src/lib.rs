@@ -23,7 +23,8 @@
 //! A queue holds at most its capacity ([`RedisQueueConfig::capacity`], 100 000 hints by
 //! default): a publish that takes it over removes the hints that have been visible the
 //! longest without being received, counts them ([`RedisQueue::dropped`]) and warns at
-//! most once a minute. Hints that no worker receives (their queue's claims are left to
+//! most once a minute. It never removes a delayed or leased hint, nor the one it
+//! publishes: a queue full of those stays over its capacity until they become visible. Hints that no worker receives (their queue's claims are left to
 //! the claim loop, or every worker is gone) so cost a bounded amount of memory, and their
 //! work is found by polling and the repair pass as after any other loss.
 //!
@@ -55,7 +56,6 @@ use keel_core::ports::queue::{
 };
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -90,7 +90,7 @@ pub struct RedisQueueConfig {
 impl std::fmt::Debug for RedisQueueConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisQueueConfig")
-            .field("url", &redacted(&self.url))
+            .field("url", &keel_core::redact_url(&self.url))
             .field("name", &self.name)
             .field("capacity", &self.capacity)
             .finish()
@@ -111,36 +111,6 @@ impl RedisQueueConfig {
     }
 }
 
-/// `url` with its password (or a user-info without one, which may be a password) and any
-/// `pass`/`password` query value replaced by `***`, for messages and logs.
-fn redacted(url: &str) -> Cow<'_, str> {
-    let Some((scheme, rest)) = url.split_once("://") else { return Cow::Borrowed(url) };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(end);
-    let authority = match authority.rfind('@') {
-        Some(at) => match authority[..at].split_once(':') {
-            Some((user, _)) => format!("{user}:***{}", &authority[at..]),
-            None => format!("***{}", &authority[at..]),
-        },
-        None => authority.to_owned(),
-    };
-    let path = match path.split_once('?') {
-        Some((before, query)) => {
-            let pairs: Vec<String> = query
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((key, _)) if key == "pass" || key == "password" => format!("{key}=***"),
-                    _ => pair.to_owned(),
-                })
-                .collect();
-            format!("{before}?{}", pairs.join("&"))
-        }
-        None => path.to_owned(),
-    };
-    let out = format!("{scheme}://{authority}{path}");
-    if out == url { Cow::Borrowed(url) } else { Cow::Owned(out) }
-}
-
 /// Checks the `redis_version` of an `INFO server` reply against [`SERVER_VERSION_MIN`];
 /// a reply without one (a proxy that hides it) passes.
 fn check_server_version(info: &str) -> Result<(), String> {
@@ -157,6 +127,15 @@ fn check_server_version(info: &str) -> Result<(), String> {
              {least_major}.{least_minor} or later"
         )),
         _ => Ok(()),
+    }
+}
+
+/// Wakes every receiver waiting on a `Notify` when dropped.
+struct WakeOnDrop<'a>(&'a tokio::sync::Notify);
+
+impl Drop for WakeOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.notify_waiters();
     }
 }
 
@@ -184,8 +163,8 @@ pub struct RedisQueue {
     /// A second connection for `BLPOP`, which would hold up every other command on a
     /// shared connection while it waits.
     blocking: tokio::sync::Mutex<ConnectionManager>,
-    /// Woken whenever a `BLPOP` on `blocking` returns, for the receivers that wait while
-    /// another holds it (several workers of a process share one queue).
+    /// Woken whenever the receiver holding `blocking` stops waiting (its `BLPOP` returns,
+    /// or its receive is dropped), for the receivers that wait while another holds it (several workers of a process share one queue).
     woken: tokio::sync::Notify,
 }
 
@@ -206,7 +185,7 @@ impl RedisQueue {
                  {CAPACITY_DEFAULT})"
             )));
         }
-        let url = redacted(&config.url);
+        let url = keel_core::redact_url(&config.url);
         if name.is_empty()
             || name.len() > NAME_BYTES_MAX
             || name.contains(['{', '}'])
@@ -352,13 +331,16 @@ impl RedisQueue {
             let _ = tokio::time::timeout(block, woken).await;
             return Ok(());
         };
+        // Wakes the receivers waiting for this one however it ends: also when its future
+        // is dropped (a caller's timeout, a shutdown), which would otherwise leave them
+        // asleep for their whole wait.
+        let _wake_the_others = WakeOnDrop(&self.woken);
         let popped = redis::cmd("BLPOP")
             .arg(&self.keys.wake)
             .arg(block.as_secs_f64())
             .query_async::<Option<(String, String)>>(&mut *conn)
             .await;
         drop(conn);
-        self.woken.notify_waiters();
         popped.map(drop).map_err(|e| self.unavailable(&e))
     }
 
@@ -599,7 +581,7 @@ impl RedisQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_server_version, redacted};
+    use super::{RedisQueueConfig, check_server_version};
 
     #[test]
     fn servers_older_than_6_0_are_refused_naming_their_version() {
@@ -620,14 +602,20 @@ mod tests {
 
     #[test]
     fn passwords_are_hidden() {
-        assert_eq!(redacted("redis://:s3cret@cache:6379/0"), "redis://:***@cache:6379/0");
-        assert_eq!(redacted("rediss://app:s3cret@cache/0?x=1"), "rediss://app:***@cache/0?x=1");
-        assert_eq!(redacted("redis://s3cret@cache"), "redis://***@cache");
-        assert_eq!(
-            redacted("redis+unix:///run/redis.sock?db=1&pass=s3cret"),
-            "redis+unix:///run/redis.sock?db=1&pass=***"
+        let shown = |url: &str| format!("{:?}", RedisQueueConfig::new(url, "q"));
+        assert!(shown("redis://:s3cret@cache:6379/0").contains("redis://:***@cache:6379/0"));
+        assert!(shown("rediss://app:s3cret@cache/0?x=1").contains("rediss://app:***@cache/0?x=1"));
+        assert!(
+            shown("redis+unix:///run/redis.sock?db=1&pass=s3cret")
+                .contains("redis+unix:///run/redis.sock?db=1&pass=***")
         );
-        assert_eq!(redacted("redis://127.0.0.1:6379/0"), "redis://127.0.0.1:6379/0");
-        assert_eq!(redacted("not a url"), "not a url");
+        // An unencoded `/` in the password, and a URL without `//`: redis refuses both, and
+        // its message quotes the URL.
+        assert!(shown("redis://app:pa/ss@cache:6379/0").contains("redis://***@cache:6379/0"));
+        assert!(shown("redis:/app:secret@cache").contains("redis:***@cache"));
+        for url in ["redis://app:pa/ss@cache:6379/0", "redis:/app:secret@cache"] {
+            assert!(!shown(url).contains("ss@") && !shown(url).contains("secret"), "{url}");
+        }
+        assert!(shown("redis://127.0.0.1:6379/0").contains("redis://127.0.0.1:6379/0"));
     }
 }

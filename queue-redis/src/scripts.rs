@@ -28,9 +28,11 @@ pub const TRIM_MAX: usize = 2 * keel_core::limits::HINT_BATCH_MAX;
 /// for it is stale and its ack removes nothing, and it becomes visible again at
 /// `now + delay` even while leased. Otherwise the receiver of the old delivery would ack
 /// the new publish away. Then pushes wake tokens for the receivers. Last, while the queue
-/// holds more hints than its capacity, removes those with the lowest score (visible the
-/// longest without a receiver, which a delayed or leased hint is not), at most `TRIM_MAX`
-/// a call, and returns how many it removed.
+/// holds more hints than its capacity, removes the hints that were visible before this
+/// millisecond, lowest score first (visible the longest without a receiver), at most
+/// `TRIM_MAX` a call, and returns how many it removed. A delayed or leased hint is never
+/// removed, nor one published in this call: a queue full of those stays over its capacity
+/// until they become visible, and a later publish trims it.
 pub static ENQUEUE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{NOW}
@@ -54,7 +56,7 @@ end
 local over = math.min(redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1]), {TRIM_MAX})
 local dropped = 0
 if over > 0 then
-  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, over - 1)) do
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now), 'LIMIT', 0, over)) do
     redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', KEYS[2], id)
     redis.call('HDEL', KEYS[3], id)

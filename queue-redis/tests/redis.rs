@@ -142,6 +142,18 @@ async fn connect_errors_hide_the_password() {
     assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
     assert!(!err.message.contains("s3cret"), "{err}");
     assert!(err.message.starts_with(r#"url "redis://app:***@host:port/0""#), "{err}");
+    // An unencoded `/` in the password, and a URL without `//`: both refused as they stand.
+    for (url, shown) in [
+        ("redis://app:s3/cret@host:6379/0", "redis://***@host:6379/0"),
+        ("redis:/app:s3cret@host", "redis:***@host"),
+    ] {
+        let err = RedisQueue::connect(RedisQueueConfig::new(url, "q")).await.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+        assert!(!err.message.contains("s3"), "{err}");
+        assert!(err.message.starts_with(&format!("url {shown:?}")), "{err}");
+        let config = RedisQueueConfig::new(url, "q");
+        assert!(!format!("{config:?}").contains("s3"), "{config:?}");
+    }
     let config = RedisQueueConfig::new("redis://:s3cret@127.0.0.1:9/0", "q");
     assert!(!format!("{config:?}").contains("s3cret"), "{config:?}");
     let err = RedisQueue::connect(config.capacity(0)).await.unwrap_err();
@@ -178,6 +190,32 @@ async fn a_full_queue_drops_its_oldest_visible_hints() {
     assert_eq!(visible, [6, 7], "the newest hints are kept");
     q.ack(vec![leased[0].receipt.clone()]).await.unwrap();
     assert_eq!(q.len().await.unwrap(), 3, "the lease was kept, and its ack still counts");
+}
+
+/// A publish into a queue that is over its capacity only because of leased and delayed
+/// hints drops nothing: not a lease about to end, not a delayed hint, and not the hint it
+/// has just published. The queue stays over its capacity until hints become visible.
+#[tokio::test]
+async fn a_full_queue_never_drops_leased_delayed_or_new_hints() {
+    let q = match std::env::var(URL_VAR) {
+        Ok(url) => {
+            let name = format!("test-{:016x}", fastrand::u64(..));
+            Some(RedisQueue::connect(RedisQueueConfig::new(url, name).capacity(2)).await.unwrap())
+        }
+        Err(_) => None,
+    };
+    let Some(q) = queue_or_skip("redis capacity, nothing visible", URL_VAR, q) else { return };
+    q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
+    let leased = q.receive(1, 60_000 * MS, 100 * MS).await.unwrap();
+    assert_eq!(leased.len(), 1);
+    q.enqueue(vec![Hint::new(InstanceId(2), 1).delay(60_000 * MS)]).await.unwrap();
+    q.enqueue(vec![Hint::new(InstanceId(3), 1)]).await.unwrap();
+    assert_eq!((q.len().await.unwrap(), q.dropped()), (3, 0), "nothing was visible before");
+    let got = q.receive(10, 60_000 * MS, 100 * MS).await.unwrap();
+    let got: Vec<i64> = got.iter().map(|d| d.hint.instance.0).collect();
+    assert_eq!(got, [3], "the hint just published is kept");
+    q.ack(vec![leased[0].receipt.clone()]).await.unwrap();
+    assert_eq!(q.len().await.unwrap(), 2, "the lease was kept, and its ack still counts");
 }
 
 /// The scripts a server has run (`EVALSHA` and `EVAL` calls), from `INFO commandstats`.
@@ -238,4 +276,36 @@ async fn idle_receivers_sharing_a_queue_do_not_poll() {
         got += r.await.unwrap().len();
     }
     assert_eq!(got, 3, "every hint was received by the waiting receivers");
+}
+
+/// A receiver whose wait is dropped (a caller's timeout, a shutdown) while it holds the
+/// blocking connection wakes the receivers waiting behind it: they do not sleep out their
+/// whole wait, and a publish reaches them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_wait_wakes_the_receivers_behind_it() {
+    let Some(q) = queue_or_skip("redis dropped wait", URL_VAR, fresh_queue().await) else {
+        return;
+    };
+    let q = std::sync::Arc::new(q);
+    let wait = 20_000 * MS;
+    let holder = {
+        let q = std::sync::Arc::clone(&q);
+        tokio::spawn(
+            async move { tokio::time::timeout(300 * MS, q.receive(1, 5000 * MS, wait)).await },
+        )
+    };
+    // The holder is in its `BLPOP` well before the second receiver comes.
+    tokio::time::sleep(100 * MS).await;
+    let waiter = {
+        let q = std::sync::Arc::clone(&q);
+        tokio::spawn(async move { q.receive(10, 5000 * MS, wait).await.unwrap() })
+    };
+    assert!(holder.await.unwrap().is_err(), "the holder's receive was dropped at its timeout");
+    // Two hints, two wake tokens: the dropped `BLPOP` still pending on the server takes one.
+    q.enqueue(vec![Hint::new(InstanceId(1), 1), Hint::new(InstanceId(2), 1)]).await.unwrap();
+    let got = tokio::time::timeout(wait / 2, waiter)
+        .await
+        .expect("the waiter was woken, not left asleep for its whole wait")
+        .unwrap();
+    assert!(!got.is_empty(), "the waiter received the published hints");
 }

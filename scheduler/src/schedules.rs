@@ -183,6 +183,9 @@ impl Schedules {
     ) {
         let mut passed: Vec<Option<Timestamp>> = vec![None; self.inner.schedules.len()];
         let mut read_at: Option<Timestamp> = None;
+        // Which schedules' stored fired tick was last seen ahead of the clock (warned once
+        // until it no longer is).
+        let mut ahead: Vec<bool> = vec![false; self.inner.schedules.len()];
         while !*shutdown.borrow() {
             let now = clock.now();
             let paused = self.paused_now();
@@ -209,9 +212,12 @@ impl Schedules {
             let stored = self.inner.stored.lock().expect("schedule book lock").clone();
             let mut wake: Option<Timestamp> = None;
             let mut all_handled = true;
-            for (schedule, passed) in self.inner.schedules.iter().zip(passed.iter_mut()) {
+            for ((schedule, passed), ahead) in
+                self.inner.schedules.iter().zip(passed.iter_mut()).zip(ahead.iter_mut())
+            {
                 let key = (schedule.namespace().to_owned(), schedule.name().to_owned());
                 let fired_through = stored.get(&key).and_then(|s| s.fired_through);
+                warn_if_ahead(schedule, fired_through, now, ahead);
                 let plan = schedule.poll(
                     *passed,
                     now,
@@ -361,6 +367,36 @@ impl Schedules {
             );
         }
     }
+}
+
+/// Warns, once until it is no longer so (`warned` remembers), when the stored fired tick
+/// of `schedule` is more than [`STATES_REFRESH`] ahead of `now`: a clock that ran ahead
+/// recorded it, and no worker fires the schedule's ticks up to it until real time gets
+/// there.
+fn warn_if_ahead(
+    schedule: &Schedule,
+    fired_through: Option<Timestamp>,
+    now: Timestamp,
+    warned: &mut bool,
+) {
+    let margin = i64::try_from(STATES_REFRESH.as_millis()).unwrap_or(i64::MAX);
+    let Some(tick) = fired_through.filter(|t| t.as_millis() - now.as_millis() > margin) else {
+        *warned = false;
+        return;
+    };
+    if std::mem::replace(warned, true) {
+        return;
+    }
+    tracing::warn!(
+        schedule = schedule.name(),
+        namespace = schedule.namespace(),
+        fired_through = %tick,
+        now = %now,
+        "schedules.{} is recorded as fired through {tick}, ahead of this worker's clock ({now}); no worker fires its ticks up to then. If a clock ran ahead, clear it: set fired_through to NULL on the row of namespace {:?}, name {:?} in the table schedule_states (keel_schedule_states in SQLite)",
+        schedule.name(),
+        schedule.namespace(),
+        schedule.name()
+    );
 }
 
 /// The pause a runner applies to `schedule`: the stored state once set, else this

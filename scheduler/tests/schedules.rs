@@ -89,9 +89,6 @@ async fn ten_ticks_with_two_workers_start_exactly_ten_instances<S: TestStore>() 
     }
     let (ca, cb) = (a.schedules().counts(), b.schedules().counts());
     assert_eq!(ca.fired + cb.fired, 10, "one first firing per tick: {ca:?} {cb:?}");
-    // The other worker finds each tick either recorded as fired (it fires nothing) or,
-    // when it read before the record, its key taken.
-    assert!(ca.already_fired + cb.already_fired <= 10, "{ca:?} {cb:?}");
     assert_eq!(ca.failed + cb.failed, 0);
     a.shutdown().await;
     b.shutdown().await;
@@ -263,6 +260,10 @@ async fn a_pause_stored_for_the_fleet_stops_every_worker_and_resuming_fires_only
     let (a, b) = (worker(&h, "a", &schedule), worker(&h, "b", &schedule));
     polled(&[&a, &b, &c], h.clock.now()).await;
     assert_eq!(started(&h).await, before + 1);
+    // Neither tried it: c's instance for it still exists, so its key alone would keep it
+    // once, and only the record keeps them from firing it at all.
+    let (ca, cb) = (a.schedules().counts(), b.schedules().counts());
+    assert_eq!(ca.fired + ca.already_fired + cb.fired + cb.already_fired, 0, "{ca:?} {cb:?}");
     // This worker's handle pause does not override the stored resume either.
     b.schedules().pause("every-minute").expect("known schedule");
     let now = h.clock.advance(MINUTE);
@@ -434,15 +435,34 @@ async fn a_catch_up_restart_does_not_deliver_a_read_broadcast_again<S: TestStore
 }
 
 async fn a_clock_stepping_back_does_not_fire_a_tick_again<S: TestStore>() {
-    let h = S::harness().await;
-    let (runner, ids) = subscriptions(&h).await;
-    let a = worker(&h, "a", &renewals(MissedTicks::Skip));
+    clock_steps_back_over_a_fired_tick(&S::harness().await).await;
+}
+
+/// The same with every record of a fired tick failing: what the runner has passed alone
+/// keeps the tick from firing again.
+#[tokio::test]
+async fn a_clock_stepping_back_does_not_fire_a_tick_again_without_its_record() {
+    use common::faulty::{Fault, Faulty};
+    let store =
+        Faulty::new(keel_testkit::MemoryStore::new()).failing("schedule_fired", &[Fault::Error; 8]);
+    let h = Harness::with_store(store);
+    clock_steps_back_over_a_fired_tick(&h).await;
+    assert_eq!(h.store.calls("schedule_fired"), 2, "both records were tried, and failed");
+    let states = h.store.schedule_states("default".into()).await.expect("states");
+    assert!(states.iter().all(|s| s.fired_through.is_none()), "{states:?}");
+}
+
+/// A tick is delivered, the clock steps back 30 s and passes the tick's time again: the
+/// tick is not delivered a second time, and the next tick is delivered once.
+async fn clock_steps_back_over_a_fired_tick<S: Store>(h: &Harness<S>) {
+    let (runner, ids) = subscriptions(h).await;
+    let a = worker(h, "a", &renewals(MissedTicks::Skip));
     polled(&[&a], h.clock.now()).await;
     let to_tick = 60_000 - h.clock.now().as_millis() % 60_000;
     let tick = h.clock.now().plus(Duration::from_millis(u64::try_from(to_tick).expect("positive")));
     h.clock.set(tick.plus(Duration::from_secs(1)));
     polled(&[&a], h.clock.now()).await;
-    renewed(&h, &ids, 1).await;
+    renewed(h, &ids, 1).await;
     // The clock steps back 30 s, the runner polls there, then the clock passes the tick's
     // time again: the tick is not delivered a second time.
     let back = tick.minus(Duration::from_secs(30));
@@ -456,13 +476,107 @@ async fn a_clock_stepping_back_does_not_fire_a_tick_again<S: TestStore>() {
     assert_eq!(a.schedules().passed(), Some(back), "the runner polled after the step back");
     h.clock.set(tick.plus(Duration::from_secs(2)));
     polled(&[&a], h.clock.now()).await;
-    renewed_exactly(&h, &ids, 1, "after the clock stepped back").await;
+    renewed_exactly(h, &ids, 1, "after the clock stepped back").await;
     let counts = a.schedules().counts();
     assert_eq!((counts.fired, counts.already_fired), (1, 0), "{counts:?}");
     // The next tick is delivered once.
     h.clock.set(tick.plus(MINUTE));
     polled(&[&a], h.clock.now()).await;
-    renewed(&h, &ids, 2).await;
+    renewed(h, &ids, 2).await;
     a.shutdown().await;
     runner.shutdown().await;
+}
+
+/// A record of a fired tick that fails is logged and counted in `failed`, not retried:
+/// the tick stays fired once, and the next tick still fires.
+#[tokio::test]
+async fn a_failed_record_is_counted_and_the_next_tick_still_fires() {
+    use common::faulty::{Fault, Faulty};
+    let store =
+        Faulty::new(keel_testkit::MemoryStore::new()).failing("schedule_fired", &[Fault::Error]);
+    let h = Harness::with_store(store);
+    let schedule = every_minute(MissedTicks::Skip);
+    let a = worker(&h, "a", &schedule);
+    polled(&[&a], h.clock.now()).await;
+    let to_tick = 60_000 - h.clock.now().as_millis() % 60_000;
+    let tick = h.clock.now().plus(Duration::from_millis(u64::try_from(to_tick).expect("positive")));
+    h.clock.set(tick.plus(Duration::from_secs(1)));
+    polled(&[&a], h.clock.now()).await;
+    assert_eq!(h.store.calls("schedule_fired"), 1, "the failed record was not retried");
+    let counts = a.schedules().counts();
+    assert_eq!((counts.fired, counts.failed), (1, 1), "{counts:?}");
+    assert_eq!(started(&h).await, 1);
+    h.clock.set(tick.plus(MINUTE));
+    polled(&[&a], h.clock.now()).await;
+    let counts = a.schedules().counts();
+    assert_eq!((counts.fired, counts.failed), (2, 1), "{counts:?}");
+    assert_eq!(started(&h).await, 2, "the next tick fired");
+    assert_eq!(h.store.calls("schedule_fired"), 2, "and was recorded");
+    let states = h.store.schedule_states(schedule.namespace().to_owned()).await;
+    let fired_through = states.expect("states").iter().find_map(|s| s.fired_through);
+    assert_eq!(fired_through, Some(tick.plus(MINUTE)));
+    a.shutdown().await;
+}
+
+/// A stored fired tick ahead of the worker's clock (recorded by a clock that ran ahead)
+/// holds the schedule back; the runner says so once, naming the schedule and how to clear
+/// it, not at every poll.
+#[tokio::test]
+async fn a_fired_tick_ahead_of_the_clock_is_warned_about_once() {
+    let (logged, _default) = Logged::capture();
+    let h = Harness::new();
+    let schedule = every_minute(MissedTicks::Skip);
+    let day_ahead = h.clock.now().plus(Duration::from_secs(86_400));
+    h.store
+        .schedule_fired(keel_core::ports::store::ScheduleFiredParams {
+            namespace: schedule.namespace().to_owned(),
+            name: schedule.name().to_owned(),
+            tick: day_ahead,
+        })
+        .await
+        .expect("recorded");
+    let a = worker(&h, "a", &schedule);
+    polled(&[&a], h.clock.now()).await;
+    for _ in 0..3 {
+        h.clock.advance(MINUTE);
+        polled(&[&a], h.clock.now()).await;
+    }
+    assert_eq!(started(&h).await, 0, "no tick before the recorded one fires");
+    a.shutdown().await;
+    let text = logged.text();
+    let warnings: Vec<&str> =
+        text.lines().filter(|l| l.contains("ahead of this worker's clock")).collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(warnings[0].contains("WARN") && warnings[0].contains("schedules.every-minute"));
+    assert!(warnings[0].contains("set fired_through to NULL"), "{}", warnings[0]);
+}
+
+/// Log lines as the `fmt` subscriber writes them, kept for the test to read.
+#[derive(Clone, Default)]
+struct Logged(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logged {
+    /// Captures what this thread logs until the guard drops (the test's runtime has one
+    /// thread, which the subscriber is set on).
+    fn capture() -> (Logged, tracing::subscriber::DefaultGuard) {
+        let logged = Logged::default();
+        let writer = logged.clone();
+        let subscriber =
+            tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
+        (logged, tracing::subscriber::set_default(subscriber))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().expect("log lock").clone()).expect("utf-8 logs")
+    }
+}
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }

@@ -290,6 +290,7 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.schedule_states(namespace).await
     }
     async fn schedule_fired(&self, p: s::ScheduleFiredParams) -> StoreResult<s::ScheduleState> {
+        self.gate("schedule_fired")?;
         self.inner.schedule_fired(p).await
     }
     async fn timer_sweep(&self, p: s::TimerSweepParams) -> StoreResult<s::TimerSweepReport> {

@@ -76,7 +76,10 @@ pub async fn schedule_pause_is_stored_for_every_worker<S: Store>(s: &S) {
         match s.schedule_pause(params.clone()).await {
             Err(e) => {
                 assert_eq!(e.kind, ErrorKind::Invalid, "{params:?}: {e}");
-                assert!(e.message.starts_with(field), "{params:?}: {e} does not name {field}");
+                assert!(
+                    e.message.starts_with(&format!("{field}:")),
+                    "{params:?}: {e} does not name {field}"
+                );
             }
             Ok(v) => panic!("{params:?} was accepted: {v:?}"),
         }
@@ -151,7 +154,10 @@ pub async fn schedule_fired_keeps_the_latest_tick_for_every_worker<S: Store>(s: 
         match s.schedule_fired(params.clone()).await {
             Err(e) => {
                 assert_eq!(e.kind, ErrorKind::Invalid, "{params:?}: {e}");
-                assert!(e.message.starts_with(field), "{params:?}: {e} does not name {field}");
+                assert!(
+                    e.message.starts_with(&format!("{field}:")),
+                    "{params:?}: {e} does not name {field}"
+                );
             }
             Ok(v) => panic!("{params:?} was accepted: {v:?}"),
         }
