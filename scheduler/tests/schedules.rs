@@ -8,6 +8,7 @@
 mod common;
 
 use async_trait::async_trait;
+use common::logged::Logged;
 use common::{Harness, TestStore};
 use keel_core::ids::MachineRef;
 use keel_core::instance::NewInstance;
@@ -549,34 +550,4 @@ async fn a_fired_tick_ahead_of_the_clock_is_warned_about_once() {
     assert_eq!(warnings.len(), 1, "{text}");
     assert!(warnings[0].contains("WARN") && warnings[0].contains("schedules.every-minute"));
     assert!(warnings[0].contains("set fired_through to NULL"), "{}", warnings[0]);
-}
-
-/// Log lines as the `fmt` subscriber writes them, kept for the test to read.
-#[derive(Clone, Default)]
-struct Logged(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl Logged {
-    /// Captures what this thread logs until the guard drops (the test's runtime has one
-    /// thread, which the subscriber is set on).
-    fn capture() -> (Logged, tracing::subscriber::DefaultGuard) {
-        let logged = Logged::default();
-        let writer = logged.clone();
-        let subscriber =
-            tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
-        (logged, tracing::subscriber::set_default(subscriber))
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().expect("log lock").clone()).expect("utf-8 logs")
-    }
-}
-
-impl std::io::Write for Logged {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log lock").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use common::Harness;
 use common::faulty::{Faulty, Hooks as StoreHooks};
+use common::logged::Logged;
 
 fn machine() -> MachineRef {
     MachineRef::new("m", 1)
@@ -233,7 +234,7 @@ async fn an_error_handler_that_panics_or_hangs_fails_the_instance() {
         assert!(said.contains("while handling: the step failed"), "{said}");
         worker.shutdown().await;
         // The worker's own line about the handler names the step it came from.
-        logged.assert_in_step_span(id, |l| l.contains("ERROR") && l.contains(why));
+        assert_in_step_span(&logged, id, |l| l.contains("ERROR") && l.contains(why));
     }
 }
 
@@ -252,41 +253,15 @@ async fn a_panicking_step_is_a_retryable_failure() {
     worker.shutdown().await;
 }
 
-/// Log lines as the `fmt` subscriber writes them, kept for the test to read.
-#[derive(Clone, Default)]
-struct Logged(Arc<Mutex<Vec<u8>>>);
-
-impl Logged {
-    /// Captures what this thread logs until the guard drops (the tests' runtimes have one
-    /// thread, which the subscriber is set on).
-    fn capture() -> (Logged, tracing::subscriber::DefaultGuard) {
-        let logged = Logged::default();
-        let writer = logged.clone();
-        let subscriber =
-            tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
-        (logged, tracing::subscriber::set_default(subscriber))
-    }
-
-    /// Asserts that the first line `which` picks was logged in the span of instance `id`'s
-    /// first run of step `a`.
-    fn assert_in_step_span(&self, id: InstanceId, which: impl Fn(&str) -> bool) {
-        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
-        let line = text.lines().find(|l| which(l)).expect("logged");
-        assert!(
-            line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
-            "the log line lacks the step's span: {line}"
-        );
-    }
-}
-
-impl std::io::Write for Logged {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// Asserts that the first line `which` picks was logged in the span of instance `id`'s
+/// first run of step `a`.
+fn assert_in_step_span(logged: &Logged, id: InstanceId, which: impl Fn(&str) -> bool) {
+    let text = logged.text();
+    let line = text.lines().find(|l| which(l)).expect("logged");
+    assert!(
+        line.contains(&format!("step{{instance={id} machine=m@v1 step=a attempt=0}}")),
+        "the log line lacks the step's span: {line}"
+    );
 }
 
 /// What a step and its error handler log carries the step's span: which instance,
@@ -320,7 +295,7 @@ async fn what_a_step_and_its_error_handler_log_names_its_instance_and_step() {
     h.wait(id, "stopped", |r| r.status == Status::Failed).await;
     worker.shutdown().await;
     for what in ["hello from the step", "hello from the error handler"] {
-        logged.assert_in_step_span(id, |l| l.contains(what));
+        assert_in_step_span(&logged, id, |l| l.contains(what));
     }
 }
 
@@ -964,7 +939,7 @@ async fn file_settings_that_do_not_resolve_on_a_steps_own_are_counted_and_warned
     h.wait(id, "done", |r| r.status == Status::Done).await;
     let stats = worker.shutdown().await;
     assert_eq!(stats.settings_unresolved.load(Ordering::Relaxed), 2);
-    let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    let text = logged.text();
     let warned: Vec<&str> = text.lines().filter(|l| l.contains("do not resolve")).collect();
     assert_eq!(warned.len(), 1, "{warned:?}");
     assert!(warned[0].contains("step=slow") && warned[0].contains("max_delay"), "{}", warned[0]);

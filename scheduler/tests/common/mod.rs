@@ -11,6 +11,7 @@
 #![allow(dead_code, unused_macros, clippy::unused_self)]
 
 pub mod faulty;
+pub mod logged;
 
 use async_trait::async_trait;
 use keel_core::StoreResult;

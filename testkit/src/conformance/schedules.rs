@@ -3,7 +3,7 @@
 //! recorded as the latest one fired and never moves back, names are checked, and a
 //! namespace holds a bounded number of states.
 
-use super::support::{at, expect_kind};
+use super::support::{at, expect_invalid_naming, expect_kind};
 use keel_core::ErrorKind;
 use keel_core::ports::Store;
 use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
@@ -73,16 +73,7 @@ pub async fn schedule_pause_is_stored_for_every_worker<S: Store>(s: &S) {
         (change("sched-a", &long, true, 1), "name"),
         (change("sched-a", "nul\0", true, 1), "name"),
     ] {
-        match s.schedule_pause(params.clone()).await {
-            Err(e) => {
-                assert_eq!(e.kind, ErrorKind::Invalid, "{params:?}: {e}");
-                assert!(
-                    e.message.starts_with(&format!("{field}:")),
-                    "{params:?}: {e} does not name {field}"
-                );
-            }
-            Ok(v) => panic!("{params:?} was accepted: {v:?}"),
-        }
+        expect_invalid_naming(s.schedule_pause(params.clone()).await, field, &params);
     }
     assert_eq!(states(s, "sched-a").await.len(), 2, "refused changes wrote nothing");
 }
@@ -151,16 +142,7 @@ pub async fn schedule_fired_keeps_the_latest_tick_for_every_worker<S: Store>(s: 
         (fired("sched-f", "", 1), "name"),
         (fired("sched-f", &long, 1), "name"),
     ] {
-        match s.schedule_fired(params.clone()).await {
-            Err(e) => {
-                assert_eq!(e.kind, ErrorKind::Invalid, "{params:?}: {e}");
-                assert!(
-                    e.message.starts_with(&format!("{field}:")),
-                    "{params:?}: {e} does not name {field}"
-                );
-            }
-            Ok(v) => panic!("{params:?} was accepted: {v:?}"),
-        }
+        expect_invalid_naming(s.schedule_fired(params.clone()).await, field, &params);
     }
     assert_eq!(states(s, "sched-f").await.len(), 2, "refused records wrote nothing");
 }

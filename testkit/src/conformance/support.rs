@@ -144,6 +144,25 @@ pub fn expect_kind<T: std::fmt::Debug>(result: StoreResult<T>, kind: ErrorKind, 
     }
 }
 
+/// Expects `result` to be refused as `Invalid` with a message that starts by naming
+/// `field` (`"{field}: …"`); `what` says what was asked, for the failure message.
+pub fn expect_invalid_naming<T: std::fmt::Debug>(
+    result: StoreResult<T>,
+    field: &str,
+    what: &impl std::fmt::Debug,
+) {
+    match result {
+        Err(e) => {
+            assert_eq!(e.kind, ErrorKind::Invalid, "{what:?}: {e}");
+            assert!(
+                e.message.starts_with(&format!("{field}:")),
+                "{what:?}: {e} does not name {field}"
+            );
+        }
+        Ok(v) => panic!("{what:?} was accepted: {v:?}"),
+    }
+}
+
 /// An instance with inbox, children and history.
 pub async fn get<S: Store>(s: &S, id: InstanceId) -> InstanceDetail {
     s.instance_get(id).await.expect("instance_get")
