@@ -693,7 +693,10 @@ mod memory {
         let stats = Arc::clone(worker.stats());
         let ids = start_all(&h.client, setup.n).await;
         finish(&h, &ids, || stats.committed(), Duration::from_secs(60)).await;
-        assert!(hints.dropped.load(Ordering::Relaxed) > 0, "no commit's hints were dropped");
+        // Whether the worker's own cap drops hints here depends on how many group commits
+        // its 300 steps make within one call's timeout (fewer, larger ones on a loaded
+        // machine); the bound on what waits at once is checked below, and the client's
+        // drops, which do not depend on batching, next.
 
         // A client announcing on the same hanging queue holds at most its own bound of
         // publishes too.
