@@ -174,18 +174,20 @@ async fn sqlite_file(url: &str, _path: &str) -> Result<(AnyStore, String), Error
 async fn postgres(url: &str, options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
     use keel_store_postgres::{PgConfig, PgStore};
     let config = PgConfig::new(url).schema(options.schema.clone()).pool_size(options.pool_size);
-    let store = PgStore::connect(config).await.map_err(|e| Error::connect(redact(url), e))?;
+    let store = PgStore::connect(config)
+        .await
+        .map_err(|e| Error::connect(keel_core::redact_url(url), e))?;
     // Without migrating, a schema that is missing or behind would fail at the first
     // query with a bare "relation does not exist"; it is refused here, saying what to run.
     let ready = if options.migrate { store.migrate().await } else { store.check_migrated().await };
-    ready.map_err(|e| Error::connect(redact(url), e))?;
-    let described = format!("PostgreSQL {}, schema {}", redact(url), options.schema);
+    ready.map_err(|e| Error::connect(keel_core::redact_url(url), e))?;
+    let described = format!("PostgreSQL {}, schema {}", keel_core::redact_url(url), options.schema);
     Ok((AnyStore::new(store), described))
 }
 
 #[cfg(not(feature = "postgres"))]
 async fn postgres(url: &str, _options: &ConnectOptions) -> Result<(AnyStore, String), Error> {
-    Err(Error::feature(&redact(url), "postgres"))
+    Err(Error::feature(&keel_core::redact_url(url), "postgres"))
 }
 
 #[cfg(feature = "testkit")]
@@ -205,14 +207,10 @@ fn memory(url: &str) -> Result<(AnyStore, String), Error> {
     ))
 }
 
-/// The URL without its password, for messages and logs (see [`keel_core::redact_url`]).
-pub(crate) fn redact(url: &str) -> String {
-    keel_core::redact_url(url)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{Target, parse, redact};
+    use super::{Target, parse};
+    use keel_core::redact_url as redact;
 
     fn check(url: &str, expected: Result<Target, &str>) {
         match (parse(url), expected) {

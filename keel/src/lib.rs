@@ -279,7 +279,7 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn url(url: &str, message: &str) -> Self {
-        Error::Url { url: connect::redact(url), message: message.to_owned() }
+        Error::Url { url: keel_core::redact_url(url), message: message.to_owned() }
     }
 
     #[cfg_attr(
