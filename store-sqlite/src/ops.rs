@@ -38,7 +38,7 @@ use keel_core::{
 };
 use sqlx::Connection;
 use sqlx::Row;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet};
 
 /// Every timer of an instance: what a commit that cancels timers reads (an instance holds
 /// the timers its active states armed, each state at most `TIMERS_PER_STEP_MAX`).
@@ -1129,6 +1129,54 @@ async fn parent_release(
     Ok(then)
 }
 
+/// Executes a cancel's planned parent releases in order, as [`parent_release`] does one
+/// by one, in a bounded number of statements: every parent is read at once, each release
+/// is planned against its parent's row as the releases before it left it, and the changed
+/// parents are written together with their history. Returns what the releases left to do,
+/// in release order.
+async fn parents_release(
+    db: &mut Db<'_>,
+    releases: &[ParentRelease],
+    now: Timestamp,
+) -> StoreResult<Vec<Then>> {
+    let mut ids: Vec<InstanceId> = releases.iter().map(|r| r.parent).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let read: HashMap<InstanceId, Instance> = if ids.is_empty() {
+        HashMap::new()
+    } else {
+        db.instances(&ids).await?.into_iter().map(|r| (r.id, r)).collect()
+    };
+    let mut rows = read.clone();
+    let mut changed: Vec<InstanceId> = Vec::new();
+    let mut seen: HashSet<InstanceId> = HashSet::new();
+    let mut then = Vec::new();
+    let mut w = Writes::default();
+    for release in releases {
+        if let Some(row) = rows.get(&release.parent) {
+            let planned = plan::parent::release(row, release, now);
+            if planned.changed {
+                for entry in &planned.history {
+                    w.record(&planned.row, planned.row.attempt, entry, now);
+                }
+                if seen.insert(release.parent) {
+                    changed.push(release.parent);
+                }
+                then.extend(planned.cancel.into_iter().map(Then::Cancel));
+                rows.insert(release.parent, planned.row);
+            }
+        }
+        if let Some(notice) = &release.notice {
+            then.push(Then::Notice(release.parent, notice.clone()));
+        }
+    }
+    for id in changed {
+        w = update_gathered(db, w, &read[&id], &rows[&id]).await?;
+    }
+    db.write(w).await?;
+    Ok(then)
+}
+
 /// What a parent's release leaves to do, in order: cancel the children it stopped waiting
 /// for, then deliver the ending child's notice to the parent (so the reports of the
 /// cancelled children reach its inbox first).
@@ -1145,7 +1193,17 @@ async fn run_then(db: &mut Db<'_>, then: Vec<Then>, now: Timestamp) -> StoreResu
     while let Some(next) = stack.pop() {
         match next {
             Then::Notice(parent, signal) => {
-                deliver_to(db, parent, &signal, now).await?;
+                // A run of notices is one delivery batch: the batch's rules are the rules
+                // of delivering its signals one after another.
+                let (mut signals, mut targets) = (vec![signal], vec![Some(parent)]);
+                while signals.len() < limits::DELIVER_BATCH_MAX
+                    && let Some(Then::Notice(..)) = stack.last()
+                {
+                    let Some(Then::Notice(parent, signal)) = stack.pop() else { break };
+                    signals.push(signal);
+                    targets.push(Some(parent));
+                }
+                deliver(db, &signals, targets, now).await?;
             }
             Then::Cancel(cancel) => {
                 if cancels >= limits::CANCEL_CASCADE_MAX {
@@ -1292,12 +1350,23 @@ pub(crate) async fn signal_broadcast(
     p: &SignalBroadcastParams,
 ) -> StoreResult<BroadcastReport> {
     p.validate()?;
+    // The state filter runs in the statement, so a broadcast to the instances in one state
+    // reads those and not every live instance of the machine. It lets through every
+    // instance `position_in_state` accepts (a position that is the state, or a JSON array
+    // of paths that holds it) and the plan decides among them.
     let rows = sqlx::query(
         "SELECT id, position, status FROM keel_instances WHERE namespace = ? AND machine = ? \
-         AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id",
+         AND status NOT IN ('done', 'failed', 'cancelled') \
+         AND (? IS NULL OR position = ? \
+           OR CASE WHEN substr(position, 1, 1) = '[' AND json_valid(position) \
+             THEN EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?) ELSE 0 END) \
+         ORDER BY id",
     )
     .bind(&p.namespace)
     .bind(&p.machine)
+    .bind(&p.in_state)
+    .bind(&p.in_state)
+    .bind(&p.in_state)
     .fetch_all(&mut *db.conn)
     .await
     .map_err(db.err("selecting broadcast targets"))?;
@@ -1346,23 +1415,79 @@ pub(crate) async fn timer_next_due(
     .transpose()
 }
 
-/// One page of a retime: the machine version's timers after the cursor in id order, the
-/// core's plan, and per moved timer its write and history entry. Returns the page and the
-/// earliest new due time.
+/// The timers a retime reads: those of the machine version (`t`) that a deployed timer
+/// (the JSON array bound here, `TimerRetimeParams::timers`) of the same state, event and
+/// kind gives another interval. It lets through every timer `timers::retime` would move
+/// (and, should the deployed list name one timer twice, possibly one it would not: the
+/// plan decides), and leaves out the ones already moved, so a second pass reads nothing.
+macro_rules! retime_may_move {
+    () => {
+        "EXISTS (SELECT 1 FROM json_each(?) d \
+           WHERE d.value ->> '$.state' = t.spec ->> '$.state' \
+             AND d.value ->> '$.event' = t.spec ->> '$.event' \
+             AND d.value ->> '$.kind' = t.spec ->> '$.kind' \
+             AND (d.value ->> '$.interval.secs' IS NOT t.spec ->> '$.interval.secs' \
+               OR d.value ->> '$.interval.nanos' IS NOT t.spec ->> '$.interval.nanos'))"
+    };
+}
+
+/// The page of a retime when no timer of the machine version after the cursor may move
+/// (planned from that empty read), asked on a read connection so that a pass over timers
+/// moved already never takes the writer; `None` when some may move and the page must be
+/// read and written under the writer ([`timers_retime`]).
+pub(crate) async fn timers_retime_nothing(
+    db: &mut Db<'_>,
+    p: &TimerRetimeParams,
+) -> StoreResult<Option<TimerRetimePage>> {
+    p.validate()?;
+    // Deployed timers serialize without fail (strings, numbers and a duration).
+    let deployed = serde_json::to_string(&p.timers).unwrap_or_else(|_| "[]".into());
+    let any: bool = sqlx::query_scalar(concat!(
+        "SELECT EXISTS (SELECT 1 FROM keel_timers t WHERE machine = ? AND machine_version = ? \
+           AND id > ? AND ",
+        retime_may_move!(),
+        ")"
+    ))
+    .bind(&p.machine.name)
+    .bind(p.machine.version)
+    .bind(p.after.map_or(0, |t| t.0))
+    .bind(deployed)
+    .fetch_one(&mut *db.conn)
+    .await
+    .map_err(db.err("looking for timers to retime"))?;
+    if any {
+        return Ok(None);
+    }
+    let plan = plan::timer::retime(p, &[]);
+    Ok(Some(TimerRetimePage { retimed: Vec::new(), next: plan.next }))
+}
+
+/// One page of a retime: the machine version's timers after the cursor in id order that
+/// may move, the core's plan, and per moved timer its write and history entry. Returns the
+/// page and the earliest new due time.
+///
+/// The statement reads only the timers `retime_may_move!` lets through — those a deployed
+/// timer of the same state, event and kind gives another duration —, so a pass over a
+/// version whose timers were moved already reads nothing, however many timers it holds;
+/// the core's plan still decides each move.
 pub(crate) async fn timers_retime(
     db: &mut Db<'_>,
     p: &TimerRetimeParams,
 ) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
     p.validate()?;
+    // Deployed timers serialize without fail (strings, numbers and a duration).
+    let deployed = serde_json::to_string(&p.timers).unwrap_or_else(|_| "[]".into());
     let rows = sqlx::query(concat!(
         "SELECT ",
         timer_cols!(),
-        " FROM keel_timers WHERE machine = ? AND machine_version = ? AND id > ? \
-         ORDER BY id LIMIT +?"
+        " FROM keel_timers t WHERE machine = ? AND machine_version = ? AND id > ? AND ",
+        retime_may_move!(),
+        " ORDER BY id LIMIT +?"
     ))
     .bind(&p.machine.name)
     .bind(p.machine.version)
     .bind(p.after.map_or(0, |t| t.0))
+    .bind(deployed)
     .bind(p.limit as i64)
     .fetch_all(&mut *db.conn)
     .await
@@ -1662,7 +1787,11 @@ async fn cancel_with(
     Ok(cancelled)
 }
 
-/// One cancel: its ids, and what its parents' releases left to do.
+/// One cancel: its ids, and what its parents' releases left to do. A bounded number of
+/// statements whatever the tree's size: the root, its live descendants (one recursive
+/// statement, bounded like the walk of `MemoryStore`) and their inboxes are read at once;
+/// the cancelled rows, their history, drained inboxes and deleted timers are written in
+/// one query; the parents' releases read every parent at once and write them in one more.
 async fn cancel_one(
     db: &mut Db<'_>,
     p: &CancelParams,
@@ -1670,50 +1799,55 @@ async fn cancel_one(
 ) -> StoreResult<(Vec<InstanceId>, Vec<Then>)> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
-        // Breadth first down to the depth bound. Ended descendants are walked through (a
-        // live grandchild of an ended child is still cancelled) but not read; the live
-        // ones are read until the cascade's bound (the root counts as one).
-        let live_max = limits::CANCEL_CASCADE_MAX - 1;
-        let mut queue: VecDeque<(InstanceId, usize)> = VecDeque::from([(p.id, 0)]);
-        'walk: while let Some((id, depth)) = queue.pop_front() {
-            if depth >= limits::CANCEL_CASCADE_DEPTH_MAX {
-                continue;
-            }
-            for (child, live) in db.child_ids(id).await? {
-                if live {
-                    if read.descendants.len() == live_max {
-                        break 'walk;
-                    }
-                    read.descendants.push((db.instance_required(child).await?, depth + 1));
-                }
-                queue.push_back((child, depth + 1));
-            }
-        }
+        // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
+        let max = limits::CANCEL_CASCADE_MAX - 1;
+        read.descendants = db.live_descendants(p.id, limits::CANCEL_CASCADE_DEPTH_MAX, max).await?;
     }
-    let ids: Vec<InstanceId> = read
+    let before: HashMap<InstanceId, Instance> = read
         .root
         .iter()
         .chain(read.descendants.iter().map(|(r, _)| r))
         .filter(|r| !r.status.is_terminal())
-        .map(|r| r.id)
+        .map(|r| (r.id, r.clone()))
         .collect();
-    let asks: Vec<InboxAsk<'_>> = ids.iter().map(|id| InboxAsk::ending(*id)).collect();
+    let asks: Vec<InboxAsk<'_>> = before.keys().map(|id| InboxAsk::ending(*id)).collect();
     let mut facts = db.inbox_facts(&asks).await?;
-    for id in ids {
-        let pending = facts.remove(&id).map(|f| f.pending().clone()).unwrap_or_default();
-        read.pending.insert(id, pending);
+    for id in before.keys() {
+        let pending = facts.remove(id).map(|f| f.pending().clone()).unwrap_or_default();
+        read.pending.insert(*id, pending);
     }
     let plan = planner(p, read)?;
-    for w in &plan.rows {
-        write_planned(db, w, p.now).await?;
-        db.signals_drop(w.row.id).await?;
-        db.timers_drop(w.row.id).await?;
+    let mut w = Writes::default();
+    for planned in &plan.rows {
+        for entry in &planned.history {
+            w.record(&planned.row, planned.attempt, entry, p.now);
+        }
+        let row_before = before.get(&planned.row.id).expect("planned from the read");
+        w = update_gathered(db, w, row_before, &planned.row).await?;
+        w.signals_drop(planned.row.id);
+        w.timers_drop(planned.row.id);
     }
-    let mut more = Vec::new();
-    for r in &plan.releases {
-        more.extend(parent_release(db, r, p.now).await?);
-    }
+    db.write(w).await?;
+    let more = parents_release(db, &plan.releases, p.now).await?;
     Ok((plan.cancelled(), more))
+}
+
+/// Adds the update of `before` to `after` to `w`; a row with a unique key has its guard
+/// decided against the rows as they stand, so what `w` gathered runs first and the row is
+/// written alone. Returns what to gather next into.
+async fn update_gathered(
+    db: &mut Db<'_>,
+    mut w: Writes,
+    before: &Instance,
+    after: &Instance,
+) -> StoreResult<Writes> {
+    if before.unique.is_none() && after.unique.is_none() {
+        w.instance_update(before, after, Guard::Untouched);
+        return Ok(w);
+    }
+    db.write(w).await?;
+    db.instance_update(before, after).await?;
+    Ok(Writes::default())
 }
 
 // ----- dead letters ----------------------------------------------------------------------

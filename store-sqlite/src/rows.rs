@@ -439,18 +439,43 @@ impl Db<'_> {
         Ok(out)
     }
 
-    /// The ids of the children of `id`, oldest first, each with whether it is live (not
-    /// ended), for a cascading cancel: it reads only the live ones in full.
-    pub async fn child_ids(&mut self, id: InstanceId) -> StoreResult<Vec<(InstanceId, bool)>> {
-        let ids: Vec<(i64, bool)> = sqlx::query_as(
-            "SELECT id, status NOT IN ('done', 'failed', 'cancelled') FROM keel_instances \
-             WHERE parent_id = ? ORDER BY id",
-        )
+    /// The live descendants of `id` for a cascading cancel, each with its depth below it
+    /// (children are at depth 1), in one statement: breadth first, a parent's children in
+    /// id order after those of the parents before it (the order of a walk that queues each
+    /// level's children), down to `depth_max` levels and at most `max` rows. Ended
+    /// descendants are walked through, so a live grandchild of an ended child is found,
+    /// but not returned. The walk's key is each row's path of zero-padded ids from `id`,
+    /// whose text order is that walk's order within a level.
+    pub async fn live_descendants(
+        &mut self,
+        id: InstanceId,
+        depth_max: usize,
+        max: usize,
+    ) -> StoreResult<Vec<(Instance, usize)>> {
+        let rows = sqlx::query(concat!(
+            "WITH RECURSIVE d (id, depth, path) AS ( \
+               SELECT id, 1, printf('%020d', id) FROM keel_instances WHERE parent_id = ? \
+               UNION ALL \
+               SELECT i.id, d.depth + 1, d.path || printf('%020d', i.id) \
+               FROM d JOIN keel_instances i ON i.parent_id = d.id WHERE d.depth < ? \
+             ) SELECT ",
+            instance_cols!(),
+            ", d.depth AS depth FROM d JOIN keel_instances USING (id) \
+             WHERE status NOT IN ('done', 'failed', 'cancelled') \
+             ORDER BY d.depth, d.path LIMIT +?"
+        ))
         .bind(id.0)
+        .bind(depth_max as i64)
+        .bind(max as i64)
         .fetch_all(&mut *self.conn)
         .await
-        .map_err(self.err("reading children"))?;
-        Ok(ids.into_iter().map(|(id, live)| (InstanceId(id), live)).collect())
+        .map_err(self.err("reading descendants"))?;
+        rows.iter()
+            .map(|r| {
+                let depth: i64 = self.get(r, "depth")?;
+                Ok((self.instance_of(r)?, depth as usize))
+            })
+            .collect()
     }
 
     /// The live children of `id` that carry a delegation state (`invoked_by`), at most
@@ -789,13 +814,6 @@ impl Db<'_> {
     pub async fn signal_remove(&mut self, target: InstanceId, id: SignalId) -> StoreResult<()> {
         let mut w = Writes::default();
         w.signal_remove(target, id);
-        self.write(w).await
-    }
-
-    /// Removes every signal in `target`'s inbox (the instance ended).
-    pub async fn signals_drop(&mut self, target: InstanceId) -> StoreResult<()> {
-        let mut w = Writes::default();
-        w.signals_drop(target);
         self.write(w).await
     }
 

@@ -249,12 +249,23 @@ fn due_sql() -> String {
     )
 }
 
-/// A page of a machine version's timers after the cursor, in id order, locked (waiting for
-/// a sweep or commit holding one: the cursor must not pass a timer it skipped).
+/// A page of a machine version's timers after the cursor that may move, in id order,
+/// locked (waiting for a sweep or commit holding one: the cursor must not pass a timer it
+/// skipped). A timer may move when a deployed timer (`$5`, `TimerRetimeParams::timers`)
+/// of the same state, event and kind gives it another interval: that lets through every
+/// timer `timers::retime` would move (and, should the deployed list name one timer twice,
+/// possibly one it would not: the plan decides), and leaves out the ones already moved, so
+/// a second pass over a version reads nothing however many timers it holds.
 fn retime_read_sql() -> String {
     format!(
         "SELECT {TIMER_COLS} FROM timers t WHERE t.machine = $1 AND t.machine_version = $2 \
-           AND t.id > $3 ORDER BY t.id LIMIT $4 FOR UPDATE"
+           AND t.id > $3 \
+           AND EXISTS (SELECT 1 FROM jsonb_array_elements($5::jsonb) d(v) \
+             WHERE d.v ->> 'state' = t.spec ->> 'state' \
+               AND d.v ->> 'event' = t.spec ->> 'event' \
+               AND d.v ->> 'kind' = t.spec ->> 'kind' \
+               AND d.v -> 'interval' IS DISTINCT FROM t.spec -> 'interval') \
+         ORDER BY t.id LIMIT $4 FOR UPDATE"
     )
 }
 
@@ -273,8 +284,10 @@ pub(crate) async fn retime<C: GenericClient + Sync>(
     let read_stmt = c.prepare_cached(&retime_read_sql()).await?;
     let after = p.after.map_or(0, |t| t.0);
     let limit = p.limit as i64;
+    let deployed =
+        serde_json::to_value(&p.timers).map_err(|e| StoreError::invalid(format!("timers: {e}")))?;
     let (began, found) = tokio::join!(begin(c), async {
-        c.query(&read_stmt, &[&p.machine.name, &p.machine.version, &after, &limit]).await
+        c.query(&read_stmt, &[&p.machine.name, &p.machine.version, &after, &limit, &deployed]).await
     });
     began?;
     let read: Vec<TimerRow> = found?.iter().map(timer).collect::<Result<_, StoreError>>()?;
@@ -519,4 +532,92 @@ pub(crate) async fn queue_stats<C: GenericClient + Sync>(
             })
         })
         .collect::<Result<_, StoreError>>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    //! A retime reads only the timers that move: a second pass over a machine version
+    //! whose timers were moved already reads nothing, and a later deploy that changes a
+    //! duration again moves them all again.
+
+    use super::super::plans::fresh_schema_or_skip;
+    use keel_core::chart::{TimerArm, TimerKind};
+    use keel_core::instance::ANY_SIGNAL;
+    use keel_core::ports::Store;
+    use keel_core::ports::store::{TimerRetimePage, TimerRetimeParams};
+    use keel_core::{MachineRef, NewInstance, Outcome, StepCommit, TimerId};
+    use keel_testkit::conformance::support::{at, claim_id, commit_ok, insert_one};
+    use std::time::Duration;
+
+    const NS: &str = "retime";
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    fn expire(interval: Duration) -> TimerArm {
+        TimerArm {
+            state: "awaiting".into(),
+            event: "EXPIRE".into(),
+            kind: TimerKind::After,
+            interval,
+            max: None,
+            then: None,
+        }
+    }
+
+    fn remind() -> TimerArm {
+        TimerArm { event: "REMIND".into(), kind: TimerKind::Every, ..expire(DAY / 24) }
+    }
+
+    fn params(deadline: Duration, after: Option<TimerId>) -> TimerRetimeParams {
+        TimerRetimeParams {
+            machine: MachineRef::new("retimed", 1),
+            timers: vec![expire(deadline), remind()],
+            after,
+            limit: 2,
+            now: at(1_000),
+        }
+    }
+
+    /// One pass, page by page (at most 20 pages); returns every page.
+    async fn pass<S: Store>(s: &S, deadline: Duration) -> Vec<TimerRetimePage> {
+        let mut pages = Vec::new();
+        let mut after = None;
+        for _ in 0..20 {
+            let page = s.timers_retime(params(deadline, after)).await.expect("timers_retime");
+            after = page.next;
+            pages.push(page);
+            if after.is_none() {
+                return pages;
+            }
+        }
+        panic!("the pass did not end within 20 pages: {pages:?}");
+    }
+
+    fn moved(pages: &[TimerRetimePage]) -> usize {
+        pages.iter().map(|p| p.retimed.len()).sum()
+    }
+
+    #[tokio::test]
+    async fn a_second_retime_pass_reads_nothing_and_a_new_duration_moves_every_timer_again() {
+        let Some(s) = fresh_schema_or_skip().await else { return };
+        for _ in 0..6 {
+            let new = NewInstance::new(MachineRef::new("retimed", 1), "start").namespace(NS);
+            let id = insert_one(&s, new, at(0)).await;
+            let claimed = claim_id(&s, NS, id, at(5)).await;
+            let park = Outcome::Await {
+                signal: ANY_SIGNAL.into(),
+                context: serde_json::json!({}),
+                step: None,
+            };
+            let mut c = StepCommit::new(id, claimed.token(), park);
+            c.timers_arm = vec![expire(DAY * 7), remind()];
+            commit_ok(&s, c, at(10)).await;
+        }
+        let first = pass(&s, DAY).await;
+        assert_eq!(moved(&first), 6, "every deadline moved, no reminder: {first:?}");
+        let second = pass(&s, DAY).await;
+        assert_eq!(second.len(), 1, "the first page of a second pass is its last: {second:?}");
+        assert!(second[0].retimed.is_empty(), "nothing moved again: {second:?}");
+        let third = pass(&s, DAY * 2).await;
+        assert_eq!(moved(&third), 6, "a new deployed duration moves every deadline: {third:?}");
+    }
 }

@@ -81,6 +81,125 @@ pub async fn cancel_cascade_releases_parent_barrier<S: Store>(s: &S) {
     );
 }
 
+/// The ids of the children a step schedules.
+async fn children<S: Store>(
+    s: &S,
+    claimed: &keel_core::ports::store::Claim,
+    n: usize,
+    ns: &str,
+    at_ms: i64,
+) -> Vec<InstanceId> {
+    step(s, claimed, schedule(ns, n), at(at_ms)).await.children.iter().map(|c| c.id()).collect()
+}
+
+/// Whether `d` was cancelled by the operator's cancel, reached from `from` (`None`: the
+/// cancel named it), as its history's one `CANCELLED` entry records.
+fn cancelled_from(d: &keel_core::ports::store::InstanceDetail, from: Option<InstanceId>) -> bool {
+    let cancels: Vec<_> = d.history.iter().filter(|h| h.entry.kind == "CANCELLED").collect();
+    d.instance.status == Status::Cancelled
+        && d.instance.last_error.as_deref() == Some("operator")
+        && cancels.len() == 1
+        && cancels[0].entry.data["cascade_from"] == json!(from.map(|f| f.0))
+}
+
+/// A cascade over a wide tree cancels every live descendant in one call — the children of
+/// a parent with the most children one step may start, and a live grandchild under a child
+/// that had already ended — and nothing outside the tree: the root's sibling and an
+/// unrelated instance stay as they were, and the root's parent only counts the root as
+/// ended.
+pub async fn cancel_cascade_reaches_every_live_descendant_of_a_wide_tree<S: Store>(s: &S) {
+    let ns = "cancel_wide";
+    let top = insert_one(s, new_in(ns), at(0)).await;
+    let unrelated = insert_one(s, new_in(ns).queue("other"), at(0)).await;
+    let claimed = claim_id(s, ns, top, at(10)).await;
+    let pair = children(s, &claimed, 2, ns, 20).await;
+    let mut params = claim_params(ns, 2, at(30));
+    params.queues = vec!["kids".into()];
+    let both = claim(s, params).await;
+    let (root, sibling) = (&both[0], &both[1]);
+    assert_eq!(BTreeSet::from([root.instance.id, sibling.instance.id]), BTreeSet::from_iter(pair));
+    let kids = children(s, root, limits::CHILDREN_PER_STEP_MAX, ns, 40).await;
+    let mut params = claim_params(ns, 1, at(50));
+    params.queues = vec!["kids".into()];
+    let first = claim(s, params).await.remove(0);
+    assert_eq!(first.instance.id, kids[0], "the oldest child is claimed first");
+    let grandkid = children(s, &first, 1, ns, 60).await[0];
+    s.instance_cancel(cancel(kids[0], false, at(70))).await.expect("cancel");
+    send(s, kids[1], "go", at(80)).await;
+    let sibling_before = get(s, sibling.instance.id).await;
+    let unrelated_before = get(s, unrelated).await;
+    let top_before = row(s, top).await;
+
+    let root_id = root.instance.id;
+    let cancelled: BTreeSet<_> = s
+        .instance_cancel(cancel(root_id, true, at(100)))
+        .await
+        .expect("cancel")
+        .into_iter()
+        .collect();
+    let mut want: BTreeSet<_> = kids[1..].iter().copied().collect();
+    want.extend([root_id, grandkid]);
+    assert_eq!(cancelled.len(), want.len(), "how many the cascade cancelled");
+    assert_eq!(cancelled, want, "the live tree, and nothing else");
+    assert!(cancelled_from(&get(s, root_id).await, None), "the root records its own cancel");
+    for id in [kids[1], kids[kids.len() - 1], grandkid] {
+        let d = get(s, id).await;
+        assert!(cancelled_from(&d, Some(root_id)), "{id} records the cascade: {:?}", d.history);
+        assert!(d.inbox.is_empty(), "{id} keeps no inbox");
+    }
+    let drained = get(s, kids[1]).await.history;
+    assert!(
+        drained.iter().any(|h| h.entry.kind == keel_core::inbox::INBOX_DRAINED),
+        "the unread signal is recorded as drained"
+    );
+    for chunk in kids[1..].chunks(limits::ROWS_BATCH_MAX) {
+        for r in s.instance_rows(chunk.to_vec()).await.expect("instance_rows") {
+            assert_eq!(r.status, Status::Cancelled, "child {}", r.id);
+        }
+    }
+    let ended = get(s, kids[0]).await;
+    let cancels = ended.history.iter().filter(|h| h.entry.kind == "CANCELLED").count();
+    assert_eq!(
+        (ended.instance.status, cancels),
+        (Status::Cancelled, 1),
+        "an ended child is not cancelled again"
+    );
+    assert_eq!(get(s, sibling.instance.id).await, sibling_before, "the sibling is untouched");
+    assert_eq!(get(s, unrelated).await, unrelated_before, "an unrelated instance is untouched");
+    let top_after = row(s, top).await;
+    assert_eq!(
+        (top_after.status, top_after.children_pending),
+        (Status::AwaitingChildren, top_before.children_pending - 1),
+        "the root's parent counts the root as ended and waits for the sibling"
+    );
+}
+
+/// A cascade follows a chain of children down to `CANCEL_CASCADE_DEPTH_MAX` levels below
+/// the cancelled instance, and no further: the one below stays live.
+pub async fn cancel_cascade_follows_a_deep_chain_to_the_depth_bound<S: Store>(s: &S) {
+    let ns = "cancel_deep";
+    let root = insert_one(s, new_in(ns), at(0)).await;
+    let mut chain = vec![root];
+    let mut t = 10;
+    for _ in 0..=limits::CANCEL_CASCADE_DEPTH_MAX {
+        let newest = *chain.last().expect("the chain starts at the root");
+        let claimed = claim_id(s, ns, newest, at(t)).await;
+        chain.extend(children(s, &claimed, 1, ns, t + 1).await);
+        t += 10;
+    }
+    // The root, then one instance on each level down to one past the bound.
+    assert_eq!(chain.len(), limits::CANCEL_CASCADE_DEPTH_MAX + 2);
+    let beyond = chain[limits::CANCEL_CASCADE_DEPTH_MAX + 1];
+    let beyond_before = get(s, beyond).await;
+    let cancelled: BTreeSet<_> =
+        s.instance_cancel(cancel(root, true, at(t))).await.expect("cancel").into_iter().collect();
+    let want: BTreeSet<_> = chain[..=limits::CANCEL_CASCADE_DEPTH_MAX].iter().copied().collect();
+    assert_eq!(cancelled, want, "every level down to the bound");
+    let deepest = get(s, chain[limits::CANCEL_CASCADE_DEPTH_MAX]).await;
+    assert!(cancelled_from(&deepest, Some(root)), "the deepest level records the cascade");
+    assert_eq!(get(s, beyond).await, beyond_before, "the level past the bound is untouched");
+}
+
 /// Cancel: missing → `NotFound`; terminal → nothing; executing → the worker's commit is
 /// `LeaseLost`; without cascade the children go on.
 pub async fn cancel_rules_terminal_missing_executing<S: Store>(s: &S) {

@@ -450,11 +450,21 @@ pub async fn timers_follow_a_deployed_duration<S: Store>(s: &S) {
         limit: 4,
         now: two_days,
     };
-    let first = s.timers_retime(params(None)).await.expect("page 1");
-    assert_eq!(first.retimed.len(), 2, "4 timers read, the 2 deadlines moved: {first:?}");
-    let second = s.timers_retime(params(first.next)).await.expect("page 2");
-    assert_eq!(second.retimed.len(), 1, "{second:?}");
-    assert_eq!(second.next, None, "the last page");
+    // A store may leave out of its pages the timers that cannot move, so how the pass
+    // falls into pages is its own; what moves is not. (8 timers, pages of 4: at most 3.)
+    let (mut moved, mut after) = (Vec::new(), None);
+    for _ in 0..3 {
+        let page = s.timers_retime(params(after)).await.expect("a page");
+        assert!(page.retimed.len() <= 4, "a page moves at most its limit: {page:?}");
+        moved.extend(page.retimed);
+        after = page.next;
+        if after.is_none() {
+            break;
+        }
+    }
+    assert_eq!(after, None, "the pass ends within 3 pages of 4");
+    assert_eq!(moved.len(), 3, "the 3 version-1 deadlines moved: {moved:?}");
+    assert!(moved.windows(2).all(|w| w[0] < w[1]), "in id order: {moved:?}");
 
     let report = sweep(s, ns, two_days).await;
     assert_eq!(report.fired, 3 + 4, "3 moved deadlines and one fire per reminder (no back-fill)");
