@@ -359,10 +359,18 @@ pub enum SchedulesCommand {
         /// The schedule's name (`[schedules.<name>]`).
         name: String,
     },
-    /// Let every worker fire a paused schedule again, from its first tick after now.
+    /// Let every worker fire a paused schedule again, from its first tick after now (a
+    /// fired tick recorded ahead of now, by a clock that ran ahead, is re-anchored at now).
     Resume {
         /// The schedule's name (`[schedules.<name>]`).
         name: String,
+    },
+    /// Delete the stored states (pause, recorded tick) of schedules the `--config` file no
+    /// longer defines, in the namespaces its schedules act in; they count toward the
+    /// namespace's limit of 1000 stored states until deleted.
+    Forget {
+        /// Only these leftover schedules (default: every one `keel schedules` lists).
+        names: Vec<String>,
     },
 }
 

@@ -26,6 +26,14 @@
 //!   definition's `paused` and one worker's handle once set ([`Pause::resolve`]); after
 //!   a stored resume only ticks strictly after the resume time fire, so a worker that did
 //!   not poll while the schedule was paused still fires nothing that fell due in the pause.
+//!   A resume also re-anchors a recorded fired tick that lies ahead of the resume time
+//!   (a clock that ran ahead recorded it): the schedule fires from its next tick after
+//!   the resume, not only once the clock passes the recorded tick.
+//! - **What fires next** ([`Schedule::next_fire`]): the first tick after `now`, the resume
+//!   time and the recorded fired tick, the same bound [`Schedule::poll`] applies, so a
+//!   listing never shows a time that will not fire.
+//! - **Leftover states** ([`plan_forget`]): a stored state whose schedule is no longer
+//!   defined still counts toward its namespace's bound until it is forgotten.
 
 use crate::config::ConfigError;
 use crate::error::{StoreError, StoreResult};
@@ -52,6 +60,19 @@ const NEVER_CHECK_FROM: Timestamp = Timestamp(946_684_800_000);
 /// Most stored schedule states (fleet-wide pauses and resumes) one namespace holds: one
 /// per schedule a runner can serve. Every read of the states is bounded by it.
 pub const SCHEDULE_STATES_MAX: usize = SCHEDULES_MAX;
+
+/// How far ahead of a clock a recorded fired tick may lie before it counts as recorded by
+/// a clock that ran ahead, in milliseconds: within it, the gap is ordinary skew between
+/// hosts (a worker a little ahead recorded a tick this clock has not reached yet), and a
+/// resume must keep it, or that tick could fire a second time.
+pub const FIRED_AHEAD_SLACK_MS: i64 = 5_000;
+
+/// The recorded fired tick when it lies more than [`FIRED_AHEAD_SLACK_MS`] ahead of
+/// `now`: no worker fires the schedule's ticks up to it until the clock passes it, so a
+/// runner warns and a listing says so; a resume re-anchors it ([`plan_pause`]).
+pub fn fired_ahead(fired_through: Option<Timestamp>, now: Timestamp) -> Option<Timestamp> {
+    fired_through.filter(|t| t.as_millis().saturating_sub(now.as_millis()) > FIRED_AHEAD_SLACK_MS)
+}
 
 /// A schedule's pause state as a runner applies it at one poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -84,8 +105,13 @@ impl Pause {
 /// (if any) and `held` how many states its namespace holds. Returns the state to write,
 /// or `None` when a stored pause or resume already put the schedule in the asked state:
 /// its time is kept, so a second resume does not move the bound of which ticks may fire,
-/// and a second pause does not hide when the first began. The recorded fired tick is
-/// kept as it is.
+/// and a second pause does not hide when the first began.
+///
+/// The recorded fired tick is kept as it is, except on a resume (a first one or a repeat)
+/// when it lies ahead of the resume time ([`fired_ahead`]): then it is re-anchored at the
+/// resume time, so the schedule fires from its next tick after the resume rather than
+/// staying silent until the clock passes a tick that a clock running ahead recorded. No
+/// tick at or before the resume time fires either way (the resume time bounds them).
 ///
 /// # Errors
 ///
@@ -97,17 +123,45 @@ pub fn plan_pause(
     p: &SchedulePauseParams,
 ) -> StoreResult<Option<ScheduleState>> {
     p.validate()?;
+    let recorded = current.and_then(|c| c.fired_through);
+    let fired_through = match fired_ahead(recorded, p.now) {
+        Some(_) if !p.paused => Some(p.now),
+        _ => recorded,
+    };
     match current {
-        Some(c) if c.changed_at.is_some() && c.paused == p.paused => Ok(None),
+        Some(c) if c.changed_at.is_some() && c.paused == p.paused => {
+            Ok((fired_through != recorded).then(|| ScheduleState { fired_through, ..c.clone() }))
+        }
         None if held >= SCHEDULE_STATES_MAX => Err(full(&p.namespace, "pausing or resuming")),
         _ => Ok(Some(ScheduleState {
             namespace: p.namespace.clone(),
             name: p.name.clone(),
             paused: p.paused,
             changed_at: Some(p.now),
-            fired_through: current.and_then(|c| c.fired_through),
+            fired_through,
         })),
     }
+}
+
+/// The stored states in `namespace` that no schedule of `defined` has: states left over
+/// by schedules that were removed or renamed. They still count toward the namespace's
+/// [`SCHEDULE_STATES_MAX`] until forgotten (`Store::schedule_forget`); nothing forgets
+/// them on its own, since workers may serve different schedules in one namespace (and,
+/// during a rolling deploy, old workers still serve an old name), and forgetting a state
+/// another worker still uses would drop its pause and its recorded tick. Names in order,
+/// at most [`SCHEDULE_STATES_MAX`].
+pub fn plan_forget(namespace: &str, stored: &[ScheduleState], defined: &[Schedule]) -> Vec<String> {
+    let live: std::collections::BTreeSet<&str> =
+        defined.iter().filter(|s| s.namespace() == namespace).map(Schedule::name).collect();
+    let mut leftover: Vec<String> = stored
+        .iter()
+        .filter(|s| s.namespace == namespace && !live.contains(s.name.as_str()))
+        .map(|s| s.name.clone())
+        .collect();
+    leftover.sort();
+    leftover.dedup();
+    leftover.truncate(SCHEDULE_STATES_MAX);
+    leftover
 }
 
 /// The one rule of recording a fired tick. `current` is the schedule's stored state (if
@@ -150,8 +204,9 @@ fn full(namespace: &str, what: &str) -> StoreError {
     StoreError::invalid(format!(
         "name: {what} needs a new stored schedule state, and namespace {namespace:?} already \
          holds {SCHEDULE_STATES_MAX}, the most a runner serves; states of schedules that no \
-         longer exist are left over: delete their rows from the store's table of schedule \
-         states (keel_schedule_states in SQLite, schedule_states in Keel's PostgreSQL schema)"
+         longer exist are left over: delete their rows with `keel schedules forget --config \
+         keel.toml` (it lists them first), or from the store's table of schedule states \
+         (keel_schedule_states in SQLite, schedule_states in Keel's PostgreSQL schema)"
     ))
 }
 
@@ -288,7 +343,13 @@ pub struct ScheduleInfo {
     /// When a stored (fleet-wide) pause or resume last changed it; `None` when nothing is
     /// stored and the definition (or one worker's handle) decides.
     pub changed_at: Option<Timestamp>,
-    /// Its next tick after the time it was listed at (`None` when paused or never again).
+    /// The latest tick recorded as fired by any worker (`None` when none is recorded).
+    pub fired_through: Option<Timestamp>,
+    /// Whether `fired_through` lies ahead of the clock it was listed by ([`fired_ahead`]):
+    /// nothing fires until the clock passes it, unless a resume re-anchors it.
+    pub fired_ahead: bool,
+    /// The next tick that will fire ([`Schedule::next_fire`]): `None` when paused or never
+    /// again.
     pub next_fire: Option<Timestamp>,
 }
 
@@ -450,11 +511,26 @@ impl Schedule {
                 MissedTicks::CatchUp => latest,
             },
         };
-        let fire = fire
-            .filter(|tick| pause.since.is_none_or(|resumed| *tick > resumed))
-            .filter(|tick| fired_through.is_none_or(|through| *tick > through));
+        let bound = fire_bound(pause, fired_through);
+        let fire = fire.filter(|tick| bound.is_none_or(|bound| *tick > bound));
         let passed = passed.map_or(now, |passed| passed.max(now));
         TickPlan { fire, passed, next }
+    }
+
+    /// The next tick that will fire, as of `now`: the first tick after `now` that
+    /// [`Schedule::poll`] lets through, so after the resume time and after the recorded
+    /// fired tick (which lies ahead of `now` when a clock ran ahead). `None` when paused,
+    /// or when the pattern never matches again.
+    pub fn next_fire(
+        &self,
+        now: Timestamp,
+        pause: Pause,
+        fired_through: Option<Timestamp>,
+    ) -> Option<Timestamp> {
+        if pause.paused {
+            return None;
+        }
+        self.next_after(fire_bound(pause, fired_through).map_or(now, |bound| bound.max(now)))
     }
 
     /// The key that makes one tick fire once across all workers: the uniqueness key of the
@@ -473,8 +549,14 @@ impl Schedule {
         }
     }
 
-    /// How an operator sees the schedule at `now` in the pause state `pause`.
-    pub fn info(&self, now: Timestamp, pause: Pause) -> ScheduleInfo {
+    /// How an operator sees the schedule at `now` in the pause state `pause`, with the
+    /// stored fired tick `fired_through`.
+    pub fn info(
+        &self,
+        now: Timestamp,
+        pause: Pause,
+        fired_through: Option<Timestamp>,
+    ) -> ScheduleInfo {
         let action = match &self.action {
             ScheduleAction::Start(new) => {
                 format!("start {} v{}", new.machine.name, new.machine.version)
@@ -493,18 +575,24 @@ impl Schedule {
             namespace: self.namespace().to_owned(),
             paused: pause.paused,
             changed_at: pause.since,
-            next_fire: if pause.paused {
-                None
-            } else {
-                // After a resume, the first tick that may fire is after the resume time.
-                self.next_after(pause.since.map_or(now, |resumed| resumed.max(now)))
-            },
+            fired_through,
+            fired_ahead: fired_ahead(fired_through, now).is_some(),
+            next_fire: self.next_fire(now, pause, fired_through),
         }
     }
 
     fn zoned(&self, t: Timestamp) -> Option<jiff::Zoned> {
         let ts = jiff::Timestamp::from_millisecond(t.as_millis()).ok()?;
         Some(ts.to_zoned(self.zone.clone()))
+    }
+}
+
+/// The time no tick at or before may fire: the later of a stored resume's time and the
+/// recorded fired tick. The one bound [`Schedule::poll`] and [`Schedule::next_fire`] share.
+fn fire_bound(pause: Pause, fired_through: Option<Timestamp>) -> Option<Timestamp> {
+    match (pause.since, fired_through) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -861,15 +949,107 @@ mod tests {
     #[test]
     fn listing_shows_the_next_fire_time() {
         let s = every_minute(MissedTicks::CatchUp);
-        let info = s.info(ts(T0 + 1), Pause::RUNNING);
+        let info = s.info(ts(T0 + 1), Pause::RUNNING, None);
         assert_eq!(info.next_fire, Some(ts(T0 + MINUTE)));
         assert_eq!(info.action, "start report v1");
         assert_eq!(info.namespace, "default");
-        assert_eq!(s.info(ts(T0 + 1), Pause::resolve(true, None)).next_fire, None);
+        assert_eq!(s.info(ts(T0 + 1), Pause::resolve(true, None), None).next_fire, None);
         // Resumed (stored) at a time ahead of this clock: the next fire is after it.
         let resumed = Pause { paused: false, since: Some(ts(T0 + MINUTE)) };
-        let info = s.info(ts(T0 + 1), resumed);
+        let info = s.info(ts(T0 + 1), resumed, None);
         assert_eq!((info.next_fire, info.changed_at), (Some(ts(T0 + 2 * MINUTE)), resumed.since));
+    }
+
+    #[test]
+    fn the_listed_next_fire_is_the_next_tick_a_poll_fires() {
+        let s = every_minute(MissedTicks::CatchUp);
+        let now = ts(T0 + 1);
+        // A tick recorded ten minutes ahead (by a clock that ran ahead): the ticks up to
+        // it do not fire, so the listing shows the first one after it, and says so.
+        let ahead = Some(ts(T0 + 10 * MINUTE));
+        let info = s.info(now, Pause::RUNNING, ahead);
+        assert_eq!(info.next_fire, Some(ts(T0 + 11 * MINUTE)));
+        assert_eq!((info.fired_through, info.fired_ahead), (ahead, true));
+        // What the listing shows is what a poll fires: nothing before it, that tick at it.
+        let mut passed = Some(now);
+        let mut first = None;
+        for minute in 1..=11 {
+            let plan = s.poll(passed, ts(T0 + minute * MINUTE), Pause::RUNNING, ahead);
+            passed = Some(plan.passed);
+            first = first.or(plan.fire);
+        }
+        assert_eq!(first, info.next_fire);
+        // A tick recorded in the past, or within the slack of ordinary skew, changes
+        // nothing but is not reported as ahead.
+        let info = s.info(now, Pause::RUNNING, Some(ts(T0)));
+        assert_eq!((info.next_fire, info.fired_ahead), (Some(ts(T0 + MINUTE)), false));
+        let skew = Some(ts(T0 + 1 + FIRED_AHEAD_SLACK_MS));
+        assert!(!s.info(now, Pause::RUNNING, skew).fired_ahead);
+        // The later of the resume time and the recorded tick bounds it.
+        let resumed = Pause { paused: false, since: Some(ts(T0 + 20 * MINUTE)) };
+        assert_eq!(s.next_fire(now, resumed, ahead), Some(ts(T0 + 21 * MINUTE)));
+        assert_eq!(s.next_fire(now, Pause::resolve(true, None), None), None);
+    }
+
+    #[test]
+    fn a_resume_re_anchors_a_fired_tick_ahead_of_the_clock() {
+        let params = |paused, now| SchedulePauseParams {
+            namespace: "ns".into(),
+            name: "nightly".into(),
+            paused,
+            now: ts(now),
+        };
+        let fired = |tick| ScheduleFiredParams {
+            namespace: "ns".into(),
+            name: "nightly".into(),
+            tick: ts(tick),
+        };
+        // A clock that ran an hour ahead recorded a tick; the schedule is then paused.
+        let ahead = plan_fired(None, 0, &fired(T0 + 60 * MINUTE)).unwrap().unwrap();
+        let paused = plan_pause(Some(&ahead), 1, &params(true, T0)).unwrap().unwrap();
+        assert_eq!(paused.fired_through, Some(ts(T0 + 60 * MINUTE)), "a pause keeps it");
+        // The resume re-anchors it at the resume time: the next tick after it fires.
+        let resumed = plan_pause(Some(&paused), 1, &params(false, T0 + 10)).unwrap().unwrap();
+        assert_eq!(
+            (resumed.paused, resumed.changed_at, resumed.fired_through),
+            (false, Some(ts(T0 + 10)), Some(ts(T0 + 10)))
+        );
+        let s = every_minute(MissedTicks::Skip);
+        let pause = Pause::resolve(false, Some(&resumed));
+        let plan = s.poll(Some(ts(T0 + 10)), ts(T0 + MINUTE), pause, resumed.fired_through);
+        assert_eq!(plan.fire, Some(ts(T0 + MINUTE)));
+        // Resuming a schedule that runs (a repeat) re-anchors it too, keeping the time of
+        // the first resume; with nothing ahead, a repeat still changes nothing.
+        let running = ScheduleState { fired_through: Some(ts(T0 + 60 * MINUTE)), ..resumed };
+        let again = plan_pause(Some(&running), 1, &params(false, T0 + 20)).unwrap().unwrap();
+        assert_eq!((again.changed_at, again.fired_through), (Some(ts(T0 + 10)), Some(ts(T0 + 20))));
+        assert_eq!(plan_pause(Some(&again), 1, &params(false, T0 + 30)).unwrap(), None);
+        // A row that only records ticks, resumed: re-anchored and stored as resumed.
+        let first = plan_pause(Some(&ahead), 1, &params(false, T0)).unwrap().unwrap();
+        assert_eq!((first.changed_at, first.fired_through), (Some(ts(T0)), Some(ts(T0))));
+        // Within the slack of ordinary skew the recorded tick is kept: re-anchoring it
+        // would let a tick a worker slightly ahead fired fire again.
+        let near = plan_fired(None, 0, &fired(T0 + FIRED_AHEAD_SLACK_MS)).unwrap().unwrap();
+        let kept = plan_pause(Some(&near), 1, &params(false, T0)).unwrap().unwrap();
+        assert_eq!(kept.fired_through, Some(ts(T0 + FIRED_AHEAD_SLACK_MS)));
+    }
+
+    #[test]
+    fn forgetting_names_the_states_no_defined_schedule_has() {
+        let state = |ns: &str, name: &str| ScheduleState {
+            namespace: ns.into(),
+            name: name.into(),
+            paused: false,
+            changed_at: None,
+            fired_through: Some(ts(T0)),
+        };
+        let stored = [state("default", "old"), state("default", "m"), state("default", "older")];
+        let defined = [every_minute(MissedTicks::Skip)];
+        assert_eq!(plan_forget("default", &stored, &defined), ["old", "older"]);
+        // A schedule of the same name in another namespace does not keep a state.
+        let elsewhere = [state("ops", "m")];
+        assert_eq!(plan_forget("ops", &elsewhere, &defined), ["m"]);
+        assert_eq!(plan_forget("default", &stored[1..2], &defined), Vec::<String>::new());
     }
 
     #[test]
@@ -898,7 +1078,7 @@ mod tests {
         let renewals = &schedules[1];
         assert!(renewals.is_paused());
         assert_eq!(
-            renewals.info(ts(T0), Pause::RUNNING).action,
+            renewals.info(ts(T0), Pause::RUNNING, None).action,
             "broadcast renew to subscription in active"
         );
     }
@@ -1007,6 +1187,7 @@ mod tests {
         let err = plan_fired(None, SCHEDULE_STATES_MAX, &fired(100)).unwrap_err();
         assert!(err.message.starts_with("name:") && err.message.contains("1000"), "{err}");
         assert!(err.message.contains("delete their rows"), "{err}");
+        assert!(err.message.contains("keel schedules forget"), "{err}");
         assert!(err.message.contains("keel_schedule_states in SQLite"), "{err}");
         assert!(err.message.contains("schedule_states in Keel's PostgreSQL schema"), "{err}");
         assert!(plan_fired(Some(&first), SCHEDULE_STATES_MAX, &fired(500)).unwrap().is_some());

@@ -245,6 +245,13 @@ impl Store for AnyStore {
         self.0.schedule_fired(params).await
     }
 
+    async fn schedule_forget(
+        &self,
+        params: keel_core::ports::store::ScheduleForgetParams,
+    ) -> StoreResult<u64> {
+        self.0.schedule_forget(params).await
+    }
+
     async fn ready_wait(&self) {
         self.0.ready_wait().await;
     }

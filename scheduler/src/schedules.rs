@@ -125,13 +125,22 @@ impl Schedules {
         self.set_paused(name, false)
     }
 
-    /// Every schedule with its pause state (the stored one as this runner last read it,
-    /// at most [`STATES_REFRESH`] old while it runs) and next fire time after `now`, in
+    /// Every schedule with its pause state and recorded fired tick (the stored ones as
+    /// this runner last read them, at most [`STATES_REFRESH`] old while it runs) and the
+    /// next tick that fires after `now` (the bound [`Schedule::poll`] applies), in
     /// definition order.
     pub fn list(&self, now: Timestamp) -> Vec<ScheduleInfo> {
         let paused = self.paused_now();
         let stored = self.inner.stored.lock().expect("schedule book lock").clone();
-        self.inner.schedules.iter().map(|s| s.info(now, pause_of(s, &paused, &stored))).collect()
+        self.inner
+            .schedules
+            .iter()
+            .map(|s| {
+                let key = (s.namespace().to_owned(), s.name().to_owned());
+                let fired_through = stored.get(&key).and_then(|st| st.fired_through);
+                s.info(now, pause_of(s, &paused, &stored), fired_through)
+            })
+            .collect()
     }
 
     /// What the runner did so far.
@@ -370,17 +379,16 @@ impl Schedules {
 }
 
 /// Warns, once until it is no longer so (`warned` remembers), when the stored fired tick
-/// of `schedule` is more than [`STATES_REFRESH`] ahead of `now`: a clock that ran ahead
-/// recorded it, and no worker fires the schedule's ticks up to it until real time gets
-/// there.
+/// of `schedule` lies ahead of `now` ([`keel_core::schedule::fired_ahead`]): a clock that
+/// ran ahead recorded it, and no worker fires the schedule's ticks up to it until real
+/// time gets there, or until a resume re-anchors it.
 fn warn_if_ahead(
     schedule: &Schedule,
     fired_through: Option<Timestamp>,
     now: Timestamp,
     warned: &mut bool,
 ) {
-    let margin = i64::try_from(STATES_REFRESH.as_millis()).unwrap_or(i64::MAX);
-    let Some(tick) = fired_through.filter(|t| t.as_millis() - now.as_millis() > margin) else {
+    let Some(tick) = keel_core::schedule::fired_ahead(fired_through, now) else {
         *warned = false;
         return;
     };
@@ -392,7 +400,8 @@ fn warn_if_ahead(
         namespace = schedule.namespace(),
         fired_through = %tick,
         now = %now,
-        "schedules.{} is recorded as fired through {tick}, ahead of this worker's clock ({now}); no worker fires its ticks up to then. If a clock ran ahead, clear it: set fired_through to NULL on the row of namespace {:?}, name {:?} in the table schedule_states (keel_schedule_states in SQLite)",
+        "schedules.{} is recorded as fired through {tick}, ahead of this worker's clock ({now}); no worker fires its ticks up to then. If a clock ran ahead, re-anchor it: `keel schedules resume {}` fires from the next tick after the resume (or set fired_through to NULL on the row of namespace {:?}, name {:?} in the table schedule_states, keel_schedule_states in SQLite)",
+        schedule.name(),
         schedule.name(),
         schedule.namespace(),
         schedule.name()

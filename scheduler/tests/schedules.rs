@@ -33,6 +33,7 @@ on_every_store!(
     a_catch_up_restart_does_not_start_a_tick_again_after_its_instance_was_pruned,
     a_catch_up_restart_does_not_deliver_a_read_broadcast_again,
     a_clock_stepping_back_does_not_fire_a_tick_again,
+    a_resume_re_anchors_a_fired_tick_ahead_of_the_clock,
 );
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -550,4 +551,41 @@ async fn a_fired_tick_ahead_of_the_clock_is_warned_about_once() {
     assert_eq!(warnings.len(), 1, "{text}");
     assert!(warnings[0].contains("WARN") && warnings[0].contains("schedules.every-minute"));
     assert!(warnings[0].contains("set fired_through to NULL"), "{}", warnings[0]);
+}
+
+/// A tick recorded a day ahead (by a clock that ran ahead) holds a paused schedule back
+/// even once resumed, unless the resume re-anchors it: after the resume, the next tick
+/// fires on time. The listing shows the tick that will really fire, before and after.
+async fn a_resume_re_anchors_a_fired_tick_ahead_of_the_clock<S: TestStore>() {
+    let h = S::harness().await;
+    let schedule = every_minute(MissedTicks::Skip);
+    let day_ahead = h.clock.now().plus(Duration::from_secs(86_400));
+    h.store
+        .schedule_fired(keel_core::ports::store::ScheduleFiredParams {
+            namespace: schedule.namespace().to_owned(),
+            name: schedule.name().to_owned(),
+            tick: day_ahead,
+        })
+        .await
+        .expect("recorded");
+    store_pause(&h, true).await;
+    let a = worker(&h, "a", &schedule);
+    polled(&[&a], h.clock.now()).await;
+    // One second after a tick: paused, it does not fire.
+    let to_tick = 60_000 - h.clock.now().as_millis() % 60_000;
+    let tick = h.clock.now().plus(Duration::from_millis(u64::try_from(to_tick).expect("positive")));
+    h.clock.set(tick.plus(Duration::from_secs(1)));
+    polled(&[&a], h.clock.now()).await;
+    assert_eq!(started(&h).await, 0, "paused");
+    store_pause(&h, false).await;
+    // Past STATES_REFRESH the runner reads the resume (and the re-anchored tick).
+    h.clock.set(tick.plus(Duration::from_secs(7)));
+    polled(&[&a], h.clock.now()).await;
+    let info = a.schedules().list(h.clock.now()).remove(0);
+    assert!(!info.paused && !info.fired_ahead, "{info:?}");
+    assert_eq!(info.next_fire, Some(tick.plus(MINUTE)), "the next minute, not after {day_ahead}");
+    h.clock.set(tick.plus(MINUTE));
+    polled(&[&a], h.clock.now()).await;
+    assert_eq!(started(&h).await, 1, "the next tick after the resume fired");
+    a.shutdown().await;
 }

@@ -1,11 +1,13 @@
 //! Stored schedule states (`Store::schedule_pause`, `Store::schedule_fired`,
-//! `Store::schedule_states`): the store reads the current row and the namespace's count,
+//! `Store::schedule_states`, `Store::schedule_forget`): the store reads the current row and the namespace's count,
 //! the core's `plan_pause` or `plan_fired` decides, and the store writes what it decided.
 //! Writes run in the one writer's transaction, so the row and count it read are exact.
 
 use crate::error::corrupt;
 use crate::rows::Db;
-use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
+use keel_core::ports::store::{
+    ScheduleFiredParams, ScheduleForgetParams, SchedulePauseParams, ScheduleState,
+};
 use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_fired, plan_pause};
 use keel_core::{StoreResult, Timestamp};
 use sqlx::Row;
@@ -21,20 +23,40 @@ pub(crate) async fn schedule_pause(
     let Some(next) = plan_pause(current.as_ref(), held, p)? else {
         return Ok(current.expect("an unchanged state is a stored one"));
     };
-    // The fired tick is left as stored: only the pause columns change.
+    // The fired tick is written as planned: kept, or re-anchored by a resume.
     sqlx::query(
-        "INSERT INTO keel_schedule_states (namespace, name, paused, changed_at) \
-         VALUES (?, ?, ?, ?) ON CONFLICT (namespace, name) DO UPDATE SET \
-         paused = excluded.paused, changed_at = excluded.changed_at",
+        "INSERT INTO keel_schedule_states (namespace, name, paused, changed_at, fired_through) \
+         VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name) DO UPDATE SET \
+         paused = excluded.paused, changed_at = excluded.changed_at, \
+         fired_through = excluded.fired_through",
     )
     .bind(&next.namespace)
     .bind(&next.name)
     .bind(next.paused)
     .bind(next.changed_at.map(|t| t.0))
+    .bind(next.fired_through.map(|t| t.0))
     .execute(&mut *db.conn)
     .await
     .map_err(db.err("storing a schedule state"))?;
     Ok(next)
+}
+
+/// Deletes the named states of a namespace (in the caller's write transaction) and
+/// returns how many went.
+pub(crate) async fn schedule_forget(db: &mut Db<'_>, p: &ScheduleForgetParams) -> StoreResult<u64> {
+    p.validate()?;
+    let mut deleted = 0;
+    // At most SCHEDULE_STATES_MAX names (checked above), one statement each.
+    for name in &p.names {
+        let done = sqlx::query("DELETE FROM keel_schedule_states WHERE namespace = ? AND name = ?")
+            .bind(&p.namespace)
+            .bind(name)
+            .execute(&mut *db.conn)
+            .await
+            .map_err(db.err("forgetting a schedule state"))?;
+        deleted += done.rows_affected();
+    }
+    Ok(deleted)
 }
 
 /// Records a fired tick (in the caller's write transaction) and returns the state.

@@ -820,6 +820,14 @@ impl Store for SqliteStore {
         write_tx!(self, |db| crate::schedules::schedule_fired(db, &params))
     }
 
+    async fn schedule_forget(
+        &self,
+        params: keel_core::ports::store::ScheduleForgetParams,
+    ) -> StoreResult<u64> {
+        params.validate()?;
+        write_tx!(self, |db| crate::schedules::schedule_forget(db, &params))
+    }
+
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         let out = write_tx!(self, |db| ops::timer_sweep(db, &params))?;
         if out.fired + out.exhausted > 0 {

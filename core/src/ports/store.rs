@@ -1215,6 +1215,34 @@ impl ScheduleFiredParams {
     }
 }
 
+/// Forgets the stored states of schedules that no longer exist (removed or renamed), so
+/// they stop counting toward the namespace's bound. `keel schedules forget` names them
+/// ([`crate::schedule::plan_forget`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduleForgetParams {
+    /// The namespace the states are stored under.
+    pub namespace: String,
+    /// The schedules whose states are deleted: at most
+    /// [`crate::schedule::SCHEDULE_STATES_MAX`]; a name without a state is passed over.
+    pub names: Vec<String>,
+}
+
+impl ScheduleForgetParams {
+    /// Checks the names and their count.
+    pub fn validate(&self) -> StoreResult<()> {
+        let max = crate::schedule::SCHEDULE_STATES_MAX;
+        if self.names.len() > max {
+            return Err(StoreError::invalid(format!(
+                "names: {} schedules in one call; forget at most {max} at once (the most a \
+                 namespace holds)",
+                self.names.len()
+            )));
+        }
+        check_name("namespace", &self.namespace)?;
+        self.names.iter().try_for_each(|name| check_schedule_names(&self.namespace, name))
+    }
+}
+
 fn check_schedule_names(namespace: &str, name: &str) -> StoreResult<()> {
     check_name("namespace", namespace)?;
     check_name("name", name)?;
@@ -1438,6 +1466,18 @@ pub trait Store: Send + Sync + 'static {
         let _ = params;
         Err(StoreError::invalid(
             "schedule_fired: this store keeps no schedule states; use MemoryStore, SQLite or PostgreSQL",
+        ))
+    }
+
+    /// Deletes the stored states of the named schedules in a namespace
+    /// ([`ScheduleForgetParams`]) and returns how many it deleted; a name without a state
+    /// is passed over. Their pauses and recorded ticks are gone, and they no longer count
+    /// toward [`crate::schedule::SCHEDULE_STATES_MAX`]. The default refuses (a wrapper
+    /// store forwards it).
+    async fn schedule_forget(&self, params: ScheduleForgetParams) -> StoreResult<u64> {
+        let _ = params;
+        Err(StoreError::invalid(
+            "schedule_forget: this store keeps no schedule states; use MemoryStore, SQLite or PostgreSQL",
         ))
     }
 

@@ -580,6 +580,14 @@ impl Store for PgStore {
         in_tx!(self, |c| schedule::fired(c, &params))
     }
 
+    async fn schedule_forget(
+        &self,
+        params: keel_core::ports::store::ScheduleForgetParams,
+    ) -> StoreResult<u64> {
+        params.validate()?;
+        in_tx!(self, |c| schedule::forget(c, &params))
+    }
+
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
         params.validate()?;
         in_tx!(self, |c| timer::sweep(c, &params, &self.channel))

@@ -1,5 +1,5 @@
 //! Stored schedule states (`Store::schedule_pause`, `Store::schedule_fired`,
-//! `Store::schedule_states`). A change runs in one transaction under a lock per
+//! `Store::schedule_states`, `Store::schedule_forget`). A change runs in one transaction under a lock per
 //! namespace, so the count the core's `plan_pause` or `plan_fired` checks against its
 //! bound, and the row it compares with, are exact.
 
@@ -8,7 +8,9 @@ use crate::error::OpResult;
 use crate::rows::{col, from_ts, ts};
 use deadpool_postgres::GenericClient;
 use keel_core::StoreError;
-use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
+use keel_core::ports::store::{
+    ScheduleFiredParams, ScheduleForgetParams, SchedulePauseParams, ScheduleState,
+};
 use keel_core::schedule::{SCHEDULE_STATES_MAX, plan_fired, plan_pause};
 use std::time::SystemTime;
 use tokio_postgres::Row;
@@ -24,18 +26,36 @@ pub(crate) async fn pause<C: GenericClient + Sync>(
         commit_tx(c).await?;
         return Ok(current.expect("an unchanged state is a stored one"));
     };
-    // The fired tick is left as stored: only the pause columns change.
+    // The fired tick is written as planned: kept, or re-anchored by a resume.
     let write = c
         .prepare_cached(
-            "INSERT INTO schedule_states (namespace, name, paused, changed_at) \
-             VALUES ($1, $2, $3, $4) ON CONFLICT (namespace, name) DO UPDATE SET \
-             paused = excluded.paused, changed_at = excluded.changed_at",
+            "INSERT INTO schedule_states (namespace, name, paused, changed_at, fired_through) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (namespace, name) DO UPDATE SET \
+             paused = excluded.paused, changed_at = excluded.changed_at, \
+             fired_through = excluded.fired_through",
         )
         .await?;
-    let changed_at = next.changed_at.map(ts);
-    c.execute(&write, &[&next.namespace, &next.name, &next.paused, &changed_at]).await?;
+    let (changed_at, fired_through) = (next.changed_at.map(ts), next.fired_through.map(ts));
+    c.execute(&write, &[&next.namespace, &next.name, &next.paused, &changed_at, &fired_through])
+        .await?;
     commit_tx(c).await?;
     Ok(next)
+}
+
+/// Deletes the named states of a namespace (under its lock, so a change planned against
+/// the count waits for it) and returns how many went.
+pub(crate) async fn forget<C: GenericClient + Sync>(
+    c: &C,
+    p: &ScheduleForgetParams,
+) -> OpResult<u64> {
+    begin(c).await?;
+    lock_namespace(c, &p.namespace).await?;
+    let delete = c
+        .prepare_cached("DELETE FROM schedule_states WHERE namespace = $1 AND name = ANY($2)")
+        .await?;
+    let deleted = c.execute(&delete, &[&p.namespace, &p.names]).await?;
+    commit_tx(c).await?;
+    Ok(deleted)
 }
 
 /// Records a fired tick and returns the state.
@@ -72,10 +92,7 @@ async fn current_and_held<C: GenericClient + Sync>(
     namespace: &str,
     name: &str,
 ) -> OpResult<(Option<ScheduleState>, usize)> {
-    let lock = c
-        .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('keel.schedule_states.' || $1))")
-        .await?;
-    c.execute(&lock, &[&namespace]).await?;
+    lock_namespace(c, namespace).await?;
     let read = c
         .prepare_cached(
             "SELECT namespace, name, paused, changed_at, fired_through FROM schedule_states \
@@ -90,6 +107,16 @@ async fn current_and_held<C: GenericClient + Sync>(
         .await?;
     let held: i64 = c.query_one(&count, &[&namespace, &(SCHEDULE_STATES_MAX as i64)]).await?.get(0);
     Ok((current, usize::try_from(held).unwrap_or(SCHEDULE_STATES_MAX)))
+}
+
+/// Takes the lock that serializes changes of a namespace's states (until the transaction
+/// ends).
+async fn lock_namespace<C: GenericClient + Sync>(c: &C, namespace: &str) -> OpResult<()> {
+    let lock = c
+        .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('keel.schedule_states.' || $1))")
+        .await?;
+    c.execute(&lock, &[&namespace]).await?;
+    Ok(())
 }
 
 /// A namespace's states in name order, at most [`SCHEDULE_STATES_MAX`].

@@ -209,6 +209,8 @@ macro_rules! __store_contract_list {
             schedule_states_are_bounded_per_namespace,
             schedule_fired_keeps_the_latest_tick_for_every_worker,
             schedule_fired_rows_share_the_bound_of_a_namespace,
+            schedule_resume_re_anchors_a_fired_tick_ahead_of_it,
+            schedule_forget_deletes_states_and_frees_their_place,
         }
     };
 }

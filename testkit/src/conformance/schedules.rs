@@ -1,13 +1,16 @@
 //! Stored schedule states: a pause or resume is kept per (namespace, schedule) for every
 //! worker to read, a repeat of the same change keeps its first time, a fired tick is
-//! recorded as the latest one fired and never moves back, names are checked, and a
-//! namespace holds a bounded number of states.
+//! recorded as the latest one fired and never moves back, a resume re-anchors a recorded
+//! tick ahead of its time, names are checked, a namespace holds a bounded number of
+//! states, and forgetting the states of removed schedules frees their place.
 
 use super::support::{at, expect_invalid_naming, expect_kind};
 use keel_core::ErrorKind;
 use keel_core::ports::Store;
-use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
-use keel_core::schedule::{SCHEDULE_NAME_MAX, SCHEDULE_STATES_MAX};
+use keel_core::ports::store::{
+    ScheduleFiredParams, ScheduleForgetParams, SchedulePauseParams, ScheduleState,
+};
+use keel_core::schedule::{FIRED_AHEAD_SLACK_MS, SCHEDULE_NAME_MAX, SCHEDULE_STATES_MAX};
 
 fn change(ns: &str, name: &str, paused: bool, t: i64) -> SchedulePauseParams {
     SchedulePauseParams { namespace: ns.into(), name: name.into(), paused, now: at(t) }
@@ -185,4 +188,92 @@ pub async fn schedule_fired_rows_share_the_bound_of_a_namespace<S: Store>(s: &S)
     assert_eq!(full.len(), SCHEDULE_STATES_MAX);
     assert!(!full.iter().any(|st| st.name == "one-more"));
     assert_eq!(full[1].fired_through, Some(at(30)), "read back by every worker");
+}
+
+/// A resume re-anchors a recorded fired tick that lies ahead of the resume time (a clock
+/// that ran ahead recorded it) at the resume time, so the schedule fires from its next
+/// tick; a pause keeps it, and a tick within the slack of ordinary skew is kept.
+pub async fn schedule_resume_re_anchors_a_fired_tick_ahead_of_it<S: Store>(s: &S) {
+    let hour = 3_600_000;
+    s.schedule_fired(fired("sched-ahead", "nightly", 10 * hour)).await.expect("record ahead");
+    let paused = s.schedule_pause(change("sched-ahead", "nightly", true, hour)).await;
+    let paused = paused.expect("pause");
+    assert_eq!(paused.fired_through, Some(at(10 * hour)), "a pause keeps the recorded tick");
+    let resumed = s.schedule_pause(change("sched-ahead", "nightly", false, 2 * hour)).await;
+    let anchored = ScheduleState {
+        fired_through: Some(at(2 * hour)),
+        ..state("sched-ahead", "nightly", false, 2 * hour)
+    };
+    assert_eq!(resumed.expect("resume"), anchored);
+    assert_eq!(states(s, "sched-ahead").await, vec![anchored.clone()], "read back as stored");
+    // A repeated resume re-anchors a tick recorded ahead since, keeping the resume's time.
+    s.schedule_fired(fired("sched-ahead", "nightly", 20 * hour)).await.expect("ahead again");
+    let again = s.schedule_pause(change("sched-ahead", "nightly", false, 3 * hour)).await;
+    let again_state = ScheduleState { fired_through: Some(at(3 * hour)), ..anchored };
+    assert_eq!(again.expect("resume again"), again_state);
+    assert_eq!(states(s, "sched-ahead").await, vec![again_state]);
+    // Within the slack of skew between hosts, the recorded tick stays.
+    let near = hour + FIRED_AHEAD_SLACK_MS;
+    s.schedule_fired(fired("sched-ahead", "skewed", near)).await.expect("record");
+    let kept = s.schedule_pause(change("sched-ahead", "skewed", false, hour)).await;
+    assert_eq!(kept.expect("resume").fired_through, Some(at(near)));
+}
+
+/// Forgetting deletes the named states of a namespace (pause and recorded tick), passes
+/// over names without one, leaves other namespaces alone, and frees their place in a
+/// full namespace; too many names, or a bad one, are refused before anything is deleted.
+pub async fn schedule_forget_deletes_states_and_frees_their_place<S: Store>(s: &S) {
+    let forget = |ns: &str, names: &[&str]| ScheduleForgetParams {
+        namespace: ns.into(),
+        names: names.iter().map(|n| (*n).to_owned()).collect(),
+    };
+    for i in 0..SCHEDULE_STATES_MAX {
+        let name = format!("s{i:04}");
+        s.schedule_fired(fired("sched-forget", &name, 10)).await.expect("within the bound");
+    }
+    s.schedule_pause(change("sched-forget", "s0001", true, 20)).await.expect("pause a held one");
+    s.schedule_fired(fired("sched-forget-other", "s0000", 10)).await.expect("other namespace");
+    expect_kind(
+        s.schedule_fired(fired("sched-forget", "renamed", 30)).await,
+        ErrorKind::Invalid,
+        "a full namespace",
+    );
+    let deleted = s
+        .schedule_forget(forget("sched-forget", &["s0000", "s0001", "never-stored"]))
+        .await
+        .expect("forget");
+    assert_eq!(deleted, 2, "a name without a state is passed over");
+    let held = states(s, "sched-forget").await;
+    assert_eq!(held.len(), SCHEDULE_STATES_MAX - 2);
+    assert!(!held.iter().any(|st| st.name == "s0000" || st.name == "s0001"));
+    assert_eq!(
+        states(s, "sched-forget-other").await,
+        vec![ticked("sched-forget-other", "s0000", 10)]
+    );
+    // Their place is free again: a new schedule records its ticks and stores a pause.
+    let renamed = s.schedule_fired(fired("sched-forget", "renamed", 30)).await;
+    assert_eq!(renamed.expect("room again"), ticked("sched-forget", "renamed", 30));
+    s.schedule_pause(change("sched-forget", "added", true, 40)).await.expect("room for one more");
+    expect_kind(
+        s.schedule_pause(change("sched-forget", "one-more", true, 50)).await,
+        ErrorKind::Invalid,
+        "full again",
+    );
+    // A forgotten schedule starts over: nothing stored for it.
+    s.schedule_fired(fired("sched-forget-other", "s0000", 5)).await.expect("record");
+    s.schedule_forget(forget("sched-forget-other", &["s0000"])).await.expect("forget");
+    assert_eq!(states(s, "sched-forget-other").await, vec![]);
+    // Refused before anything is deleted.
+    let many: Vec<String> = (0..=SCHEDULE_STATES_MAX).map(|i| format!("s{i:04}")).collect();
+    let too_many = ScheduleForgetParams { namespace: "sched-forget".into(), names: many };
+    expect_invalid_naming(s.schedule_forget(too_many.clone()).await, "names", &too_many);
+    let long = "x".repeat(SCHEDULE_NAME_MAX + 1);
+    for (params, field) in [
+        (forget("", &["s0002"]), "namespace"),
+        (forget("sched-forget", &["s0002", ""]), "name"),
+        (forget("sched-forget", &["s0002", &long]), "name"),
+    ] {
+        expect_invalid_naming(s.schedule_forget(params.clone()).await, field, &params);
+    }
+    assert_eq!(states(s, "sched-forget").await.len(), SCHEDULE_STATES_MAX, "nothing deleted");
 }

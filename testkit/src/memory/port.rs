@@ -14,7 +14,7 @@ use super::{
     TimerRetimeParams, TimerStatus, TimerSweepParams, TimerSweepReport, Timestamp,
     WorkerBeatParams, WorkerRecord, async_trait, commit,
 };
-use keel_core::ports::store::ScheduleFiredParams;
+use keel_core::ports::store::{ScheduleFiredParams, ScheduleForgetParams};
 
 #[async_trait]
 impl Store for MemoryStore {
@@ -224,6 +224,10 @@ impl Store for MemoryStore {
 
     async fn schedule_fired(&self, params: ScheduleFiredParams) -> StoreResult<ScheduleState> {
         self.state().schedule_fired(&params)
+    }
+
+    async fn schedule_forget(&self, params: ScheduleForgetParams) -> StoreResult<u64> {
+        self.state().schedule_forget(&params)
     }
 
     async fn ready_wait(&self) {

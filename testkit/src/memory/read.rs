@@ -6,7 +6,9 @@ use super::{
     InstanceListParams, QueueStats, State, Status, StoreError, StoreResult, TimerNextDueParams,
     TimerRow, TimerStatus, Timestamp, WorkerBeatParams, WorkerRecord, check_batch, limits,
 };
-use keel_core::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
+use keel_core::ports::store::{
+    ScheduleFiredParams, ScheduleForgetParams, SchedulePauseParams, ScheduleState,
+};
 
 impl State {
     pub(super) fn rows_of(&self, ids: &[InstanceId]) -> StoreResult<Vec<Instance>> {
@@ -185,6 +187,17 @@ impl State {
         let held = self.schedules_held(&p.namespace);
         let planned = keel_core::schedule::plan_fired(self.schedules.get(&key), held, p)?;
         Ok(self.schedule_write(key, planned))
+    }
+
+    pub(super) fn schedule_forget(&mut self, p: &ScheduleForgetParams) -> StoreResult<u64> {
+        p.validate()?;
+        let mut deleted = 0;
+        for name in &p.names {
+            if self.schedules.remove(&(p.namespace.clone(), name.clone())).is_some() {
+                deleted += 1;
+            }
+        }
+        Ok(deleted)
     }
 
     /// How many stored schedule states `namespace` holds.
