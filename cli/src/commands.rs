@@ -32,23 +32,29 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         return crate::schedules_cmd::run(&cli, command.as_ref()).await;
     }
     if let Command::Config(command) = &cli.command {
-        return crate::config_cmd::run(&cli, command);
+        return crate::config_cmd::run(&cli, command).await;
     }
+    // Every command reads and checks its configuration file before it opens the store,
+    // as `serve` does: a broken keel.toml is the more basic error, and an unreachable
+    // store (a connect timeout) must not hide it.
     if matches!(cli.command, Command::Health) {
+        let config = crate::health::thresholds(&cli)?;
         let keel = crate::health::connect(&cli).await?;
-        return crate::health::run(&keel, &cli).await;
+        return crate::health::run(&keel, &cli, &config).await;
     }
     if let Command::Serve { listen, tokens, definitions } = &cli.command {
         // The flags and files are checked before the store is opened.
         crate::serve::run(&cli, *listen, tokens.as_deref(), definitions.as_deref()).await?;
         return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
     }
+    // What the caller of `start` or `send` leaves unset takes the file's priority and queue.
+    let file = match cli.command {
+        Command::Start(_) | Command::Send { .. } => keel::settings::load(cli.config.as_deref())?,
+        _ => None,
+    };
     let mut keel = connect(&cli, migrate).await?;
-    if matches!(cli.command, Command::Start(_) | Command::Send { .. }) {
-        // What the caller leaves unset takes the file's priority and queue.
-        if let Some(file) = keel::settings::load(cli.config.as_deref())? {
-            keel = keel.with_settings(file);
-        }
+    if let Some(file) = file {
+        keel = keel.with_settings(file);
     }
     let ns = cli.namespace.as_str();
     match cli.command {
@@ -607,6 +613,15 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
         }
         DlqCommand::Retry { id, machine, all: _, delay } => {
             let delay = parse_duration("delay", delay.as_deref())?;
+            // Bounded as the store bounds it, but said with the flag the user typed.
+            let max = keel_core::limits::RETRY_DELAY_MAX;
+            if let Some(delay) = delay.filter(|d| *d > max) {
+                bail!(
+                    "--delay: {} is longer than the limit of {} (one year); retry sooner, or leave the dead letter until it is time",
+                    duration::format(delay),
+                    duration::format(max)
+                );
+            }
             match (id, machine) {
                 (Some(id), _) => {
                     // The id alone selects across namespaces: check it is this one's first.
@@ -755,6 +770,7 @@ async fn retry_machine(
     machine: &str,
     delay: Option<Duration>,
 ) -> anyhow::Result<Report> {
+    crate::operate::require_machine(keel, ns, machine, "--machine").await?;
     let counted = dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0);
     let bar = indicatif::ProgressBar::new(counted).with_message("retrying dead letters");
     let (page, pages) = (keel_core::limits::ROWS_BATCH_MAX, crate::operate::RETRY_PAGES_MAX);

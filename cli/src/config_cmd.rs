@@ -4,14 +4,19 @@
 //! environment override. It needs no store: it reads the file `--config` (or
 //! `KEEL_CONFIG`) names and the environment, and refuses what a worker would refuse at
 //! start-up.
+//!
+//! `keel config check`: the file as a worker reads it (every level resolved), then its
+//! `[machines.<m>]` and `[queues.<q>]` sections against the machines the store knows in
+//! the namespace, with the rule a worker warns by (`keel::settings::unused_sections`).
 
-use anyhow::Context as _;
+use anyhow::{Context as _, bail};
 use clap::Subcommand;
 use keel_core::config::{Effective, KeelConfig};
 use serde_json::json;
 use std::fmt::Write as _;
 
 use crate::Cli;
+use crate::exit::Code;
 use crate::output::{Report, table};
 
 /// `keel config …`
@@ -30,6 +35,10 @@ pub enum ConfigCommand {
         #[arg(long)]
         queue: Option<String>,
     },
+    /// Check the file as a worker reads it, then its machine and queue sections against
+    /// the machines the store knows in the namespace; exit 1 when a section is invalid or
+    /// looks like a misspelling of a known name.
+    Check,
 }
 
 /// Reads the file `--config` names (none: the defaults) and applies the environment
@@ -48,12 +57,73 @@ pub fn load(cli: &Cli) -> anyhow::Result<(KeelConfig, Vec<Effective>)> {
 }
 
 /// Runs a `keel config` command.
-pub fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
-    let ConfigCommand::Show { machine, event, queue } = command;
+pub async fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
+    match command {
+        ConfigCommand::Show { machine, event, queue } => {
+            show(cli, machine, event.as_deref(), queue.as_deref())
+        }
+        ConfigCommand::Check => check(cli).await,
+    }
+}
+
+/// `keel config check`. The file is read and resolved before the store is opened, so a
+/// broken file is reported whether or not the store answers.
+async fn check(cli: &Cli) -> anyhow::Result<Report> {
+    let Some(path) = &cli.config else {
+        bail!("--config: name the file to check (or set KEEL_CONFIG)");
+    };
+    let file = path.display().to_string();
+    let (config, _) = load(cli)?;
+    config.check_levels().with_context(|| format!("configuration {file}"))?;
+    let keel = crate::commands::connect(cli, false).await?;
+    let ns = cli.namespace.as_str();
+    let known = crate::operate::known_machines(&keel, ns).await?;
+    let names: Vec<&str> = known.iter().map(String::as_str).collect();
+    let unused = keel::settings::unused_sections(&config, &names);
+    let typos = unused.iter().filter(|u| u.is_likely_typo()).count();
+    let mut human = format!(
+        "{file}: valid ({} machine section(s), {} queue section(s)).",
+        config.machines.len(),
+        config.queues.len()
+    );
+    for section in &unused {
+        let _ = match &section.closest {
+            Some(near) => write!(
+                human,
+                "\n{}: names nothing the store knows in namespace {ns:?}; did you mean `{near}`?",
+                section.section
+            ),
+            None => write!(
+                human,
+                "\nNote: {}: no machine of that name in namespace {ns:?} yet (served in another namespace, not started yet, or misspelt).",
+                section.section
+            ),
+        };
+    }
+    let json = json!({
+        "file": file,
+        "namespace": ns,
+        "valid": true,
+        "unused": unused.iter().map(|u| json!({
+            "section": u.section, "did_you_mean": u.closest,
+        })).collect::<Vec<_>>(),
+        "likely_typos": typos,
+    });
+    let code = if typos > 0 { Code::Failure } else { Code::Ok };
+    Ok(Report { json, human, code })
+}
+
+/// `keel config show`.
+fn show(
+    cli: &Cli,
+    machine: &str,
+    event: Option<&str>,
+    queue: Option<&str>,
+) -> anyhow::Result<Report> {
     let (config, env) = load(cli)?;
     // Without --queue, the queue the machine's instances start in, as `keel start` picks it.
     let queue = match queue {
-        Some(queue) => queue.clone(),
+        Some(queue) => queue.to_owned(),
         None => config
             .layered(machine, None)
             .name
@@ -61,7 +131,7 @@ pub fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
     };
     let queue = queue.as_str();
     let lines = config
-        .explain(machine, event.as_deref(), queue, None)
+        .explain(machine, event, queue, None)
         .with_context(|| format!("machine {machine}"))?;
     let mut t = table(&["key", "value", "source"]);
     for line in &lines {
@@ -78,14 +148,14 @@ pub fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
     }
     // A machine (or event) without a section of its own is legal, and so is a typo: say
     // which one this is when a file was read.
-    let sections = config.machines.get(machine.as_str());
+    let sections = config.machines.get(machine);
     let mut missing = Vec::new();
     if cli.config.is_some() && sections.is_none() {
         missing.push(format!("[machines.{machine}]"));
     }
     if let Some(event) = event
         && cli.config.is_some()
-        && !sections.is_some_and(|m| m.events.contains_key(event.as_str()))
+        && !sections.is_some_and(|m| m.events.contains_key(event))
     {
         missing.push(format!("[machines.{machine}.events.{event}]"));
     }

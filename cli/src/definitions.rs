@@ -145,8 +145,14 @@ impl Definitions {
     }
 
     /// One chart by name and version, or the newest version when `version` is `None`;
-    /// the error lists what the file holds.
-    pub fn find(&self, machine: &str, version: Option<u32>) -> anyhow::Result<&Definition> {
+    /// the error lists what the file holds and names the machine, or the flag that gave
+    /// the version (`version_flag`: `--version`, `--from`, `--to`).
+    pub fn find(
+        &self,
+        machine: &str,
+        version: Option<u32>,
+        version_flag: &str,
+    ) -> anyhow::Result<&Definition> {
         let versions = self.versions(machine);
         if versions.is_empty() {
             let names: std::collections::BTreeSet<&str> =
@@ -159,7 +165,7 @@ impl Definitions {
         let version = version.unwrap_or(versions[versions.len() - 1]);
         self.get(machine, version).ok_or_else(|| {
             anyhow!(
-                "version: {machine} has no version {version} in the definitions file (it holds {versions:?})"
+                "{version_flag}: {machine} has no version {version} in the definitions file (it holds {versions:?})"
             )
         })
     }
@@ -179,8 +185,11 @@ mod tests {
         assert_eq!(one.versions("door"), [1]);
         let two = DOOR.replace("\"version\": 1", "\"version\": 2");
         let many = Definitions::parse(&format!("[{DOOR}, {two}]")).expect("array");
-        assert_eq!(many.find("door", None).expect("newest").version(), 2);
-        assert_eq!(many.find("door", Some(1)).expect("v1").event_alphabet(), ["CLOSE", "OPEN"]);
+        assert_eq!(many.find("door", None, "--version").expect("newest").version(), 2);
+        assert_eq!(
+            many.find("door", Some(1), "--version").expect("v1").event_alphabet(),
+            ["CLOSE", "OPEN"]
+        );
     }
 
     #[test]
@@ -189,10 +198,18 @@ mod tests {
         assert!(e.starts_with("chart [0]:"), "{e}");
         let e = Definitions::parse(&format!("[{DOOR}, {DOOR}]")).unwrap_err().to_string();
         assert!(e.contains("door v1 appears twice"), "{e}");
-        let e = Definitions::parse(DOOR).unwrap().find("gate", None).unwrap_err().to_string();
+        let e = Definitions::parse(DOOR)
+            .unwrap()
+            .find("gate", None, "--version")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("machine: \"gate\" is not in the definitions file"), "{e}");
-        let e = Definitions::parse(DOOR).unwrap().find("door", Some(9)).unwrap_err().to_string();
-        assert!(e.contains("version: door has no version 9"), "{e}");
+        let e = Definitions::parse(DOOR)
+            .unwrap()
+            .find("door", Some(9), "--version")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--version: door has no version 9"), "{e}");
         let e = Definitions::parse("{").unwrap_err().to_string();
         assert!(e.contains("not JSON"), "{e}");
     }

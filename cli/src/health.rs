@@ -206,9 +206,11 @@ pub fn has_thresholds(config: &KeelConfig) -> bool {
     set(&config.queue.alerts) || config.machines.values().any(|m| set(&m.queue.alerts))
 }
 
-/// Runs the probe. Without thresholds there is nothing to hold the counts against, so
-/// rather than report healthy it refuses (exit 1), naming `--config` and what to add.
-pub async fn run(keel: &Keel, cli: &Cli) -> anyhow::Result<Report> {
+/// The configuration `keel health` holds the store against: [`read_config`], refused
+/// (exit 1, naming `--config` and what to add) when it sets no threshold, since with
+/// nothing to hold the counts against the probe would report healthy. Read before the
+/// store is opened, so a broken or empty file is reported even when the store is down.
+pub fn thresholds(cli: &Cli) -> anyhow::Result<KeelConfig> {
     let config = read_config(cli)?;
     if !has_thresholds(&config) {
         let file = match &cli.config {
@@ -222,7 +224,12 @@ pub async fn run(keel: &Keel, cli: &Cli) -> anyhow::Result<Report> {
             "--config: no alert thresholds configured ({file}); name a keel.toml with thresholds such as [queue.alerts] dlq_warning = 10, pending_critical = 10000"
         );
     }
-    let (rows, findings) = probe(keel, &cli.namespace, &config).await?;
+    Ok(config)
+}
+
+/// Runs the probe with the [`thresholds`] of `config`.
+pub async fn run(keel: &Keel, cli: &Cli, config: &KeelConfig) -> anyhow::Result<Report> {
+    let (rows, findings) = probe(keel, &cli.namespace, config).await?;
     let level = findings.iter().map(|f| f.level).max().unwrap_or(Level::Healthy);
     let mut t = table(&["level", "machine", "check", "value", "threshold"]);
     for f in &findings {

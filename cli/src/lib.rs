@@ -107,9 +107,10 @@ pub enum Command {
     /// Start an instance of a machine.
     Start(StartArgs),
     /// The schedules of the `--config` file with their pause state (from the store when
-    /// it is reachable) and next fire times; `pause` / `resume` one for every worker.
+    /// it is reachable) and next fire times; `pause` / `resume` one for every worker;
+    /// `forget` the stored states of schedules the file no longer defines.
     Schedules {
-        /// Pause or resume a schedule; without one, list them.
+        /// Pause, resume or forget; without one, list them.
         #[command(subcommand)]
         command: Option<SchedulesCommand>,
     },
@@ -146,11 +147,13 @@ pub enum Command {
     #[command(subcommand)]
     Timers(TimersCommand),
     /// Check the thresholds of the configuration's `alerts` sections; exit 0 healthy,
-    /// 1 warning (or no threshold configured: name the file with `--config`), 2 critical.
+    /// 1 warning (or a file that does not load, or no threshold configured: name the file
+    /// with `--config`; the file is checked before the store), 2 critical.
     Health,
     /// Create or bring up to date the store's tables.
     Migrate,
-    /// Show the configuration a worker would apply (`--config` / `KEEL_CONFIG`).
+    /// Show the configuration a worker would apply (`--config` / `KEEL_CONFIG`), or check
+    /// the file's sections against the machines the store knows.
     #[command(subcommand)]
     Config(config_cmd::ConfigCommand),
     /// Serve the event and instance API, `/metrics`, `/health` and the web dashboard
@@ -193,7 +196,8 @@ pub enum Command {
     /// Delete a machine's pending instances (cancelled, with history) or its dead letters.
     #[command(group(clap::ArgGroup::new("what").required(true).args(["pending", "dlq"])))]
     Purge {
-        /// The machine.
+        /// The machine (refused, with the machines the store knows, when the store holds
+        /// no instance, dead letter or worker of it in the namespace).
         machine: String,
         /// Cancel every ready or scheduled instance of the machine, and with each its
         /// live descendants (of any machine, running ones included); the report counts
@@ -329,7 +333,8 @@ pub enum DlqCommand {
         /// One dead letter's id.
         #[arg(conflicts_with_all = ["machine", "all"], required_unless_present = "machine")]
         id: Option<String>,
-        /// Every dead letter of this machine (needs `--all`).
+        /// Every dead letter of this machine (needs `--all`; refused, with the machines the
+        /// store knows, when the store holds nothing of it in the namespace).
         #[arg(long, requires = "all")]
         machine: Option<String>,
         /// Confirms retrying every dead letter of `--machine`.

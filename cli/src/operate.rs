@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use anyhow::{Context as _, anyhow, bail};
+use anyhow::{anyhow, bail};
 use keel::layers::scheduler::Stopped;
 use keel::{Cancel, Keel, Migration, json};
 use keel_core::Timestamp;
@@ -428,6 +428,14 @@ pub async fn history(
     before: Option<&str>,
     limit: usize,
 ) -> anyhow::Result<Report> {
+    // Checked here rather than left to the store, whose message names its own field
+    // (`limit`): the user typed `--limit` (`keel serve` drops the dashes for its query).
+    let max = keel_core::limits::HISTORY_PAGE_MAX;
+    if limit == 0 || limit > max {
+        bail!(
+            "--limit: {limit} is out of range; give 1 to {max} and follow `next` for older entries"
+        );
+    }
     let before = before
         .map(|raw| {
             raw.trim().parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
@@ -523,7 +531,7 @@ pub fn graph(
     version: Option<u32>,
 ) -> anyhow::Result<Report> {
     let defs = Definitions::load(definitions)?;
-    let chart = defs.find(machine, version)?;
+    let chart = defs.find(machine, version, "--version")?;
     let (name, text) = match format {
         GraphFormat::Mermaid => ("mermaid", chart.to_mermaid()),
         GraphFormat::Dot => ("dot", chart.to_dot()),
@@ -542,6 +550,9 @@ pub async fn purge(
     pending: bool,
     confirm: bool,
 ) -> anyhow::Result<Report> {
+    // A misspelt machine is said before the confirmation is asked for: confirming it
+    // would only purge nothing.
+    require_machine(keel, ns, machine, "machine").await?;
     if !confirm {
         bail!(
             "purge {} for good; add --confirm to proceed",
@@ -695,8 +706,8 @@ pub async fn upgrade(keel: &Keel, ns: &str, args: UpgradeArgs) -> anyhow::Result
         bail!("--to: it equals --from ({}); name the version to move to", args.from);
     }
     let defs = Definitions::load(&args.definitions)?;
-    let from = defs.find(&args.machine, Some(args.from)).context("--from")?.clone();
-    let to = defs.find(&args.machine, Some(args.to)).context("--to")?.clone();
+    let from = defs.find(&args.machine, Some(args.from), "--from")?.clone();
+    let to = defs.find(&args.machine, Some(args.to), "--to")?.clone();
     let mut migration = Migration::new(from, to).map_err(|e| anyhow!("{e}"))?;
     for map in &args.maps {
         let (old, new) = map.split_once('=').ok_or_else(|| {
@@ -927,4 +938,121 @@ pub async fn retry_machine_letters(
         after = letters.last().map(|d| d.id);
     }
     Ok(done)
+}
+
+/// Machine names a "no such machine" error lists at most (the closest one is named
+/// besides, wherever it sorts).
+pub const MACHINES_SHOWN_MAX: usize = 20;
+
+/// A machine name the store knows nothing of in a namespace: no instance (in any status),
+/// no dead letter, and no worker seen in the last day declares it. A bulk command refuses
+/// it rather than report "0 affected", which reads as success for a typo.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownMachine {
+    /// The argument at fault as the user typed it: `--machine`, or `machine` for a
+    /// positional one.
+    pub field: &'static str,
+    /// The name given.
+    pub machine: String,
+    /// The namespace looked in.
+    pub namespace: String,
+    /// The known name it most likely misspells (`keel::settings::closest`).
+    pub closest: Option<String>,
+    /// Names the store knows in the namespace, sorted, at most [`MACHINES_SHOWN_MAX`].
+    pub known: Vec<String>,
+    /// How many more names were found than `known` lists.
+    pub known_more: usize,
+}
+
+impl std::fmt::Display for UnknownMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let UnknownMachine { field, machine, namespace: ns, .. } = self;
+        write!(
+            f,
+            "{field}: no machine {machine:?} in namespace {ns:?} (no instance, dead letter or recent worker of it)"
+        )?;
+        if self.known.is_empty() {
+            return write!(
+                f,
+                "; the store knows no machine in namespace {ns:?}: check the namespace (-n / KEEL_NAMESPACE) and --database-url"
+            );
+        }
+        let more = match self.known_more {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        match &self.closest {
+            Some(near) => write!(f, "; did you mean {near:?}?")?,
+            None => f.write_str(".")?,
+        }
+        write!(
+            f,
+            " Machines in namespace {ns:?}: {}{more}. Check the name, or the namespace (-n).",
+            self.known.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for UnknownMachine {}
+
+/// Refuses `machine` ([`UnknownMachine`], naming `field`) when the store knows nothing of
+/// it in `ns`: no instance in any status, no dead letter, no worker seen within a day of
+/// going stale that declares it for `ns`. An existing machine with nothing to act on
+/// passes: its "0 affected" is the truth.
+pub async fn require_machine(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    field: &'static str,
+) -> anyhow::Result<()> {
+    let any = InstanceListParams {
+        namespace: ns.to_owned(),
+        machine: Some(machine.to_owned()),
+        limit: 1,
+        ..InstanceListParams::default()
+    };
+    if !keel.store().instance_list(any).await?.is_empty() {
+        return Ok(());
+    }
+    let known = known_machines(keel, ns).await?;
+    if known.contains(machine) {
+        return Ok(());
+    }
+    let closest = keel::settings::closest(machine, known.iter().map(String::as_str));
+    Err(UnknownMachine {
+        field,
+        machine: machine.to_owned(),
+        namespace: ns.to_owned(),
+        closest: closest.map(str::to_owned),
+        known_more: known.len().saturating_sub(MACHINES_SHOWN_MAX),
+        known: known.into_iter().take(MACHINES_SHOWN_MAX).collect(),
+    }
+    .into())
+}
+
+/// The machine names the store knows in `ns`: those with dead letters, with unfinished
+/// instances, of its newest page of instances (ended ones included), and those declared
+/// for `ns` by the workers `keel workers` lists (live, or stale for less than a day).
+/// Bounded: a handful of grouped reads and one page.
+pub async fn known_machines(keel: &Keel, ns: &str) -> anyhow::Result<BTreeSet<String>> {
+    let mut known = BTreeSet::new();
+    for count in keel.store().dead_letter_counts(Some(ns.to_owned())).await? {
+        known.insert(count.machine);
+    }
+    for stats in keel.store().queue_stats(Some(ns.to_owned()), now()).await? {
+        known.insert(stats.machine);
+    }
+    let seen_since = now().minus(WORKER_STALE_AFTER + Duration::from_secs(86_400));
+    for worker in keel.store().worker_list(seen_since).await? {
+        if worker.namespaces.is_empty() || worker.namespaces.iter().any(|n| n == ns) {
+            known.extend(worker.machines.into_iter().map(|m| m.name));
+        }
+    }
+    let newest = InstanceListParams {
+        namespace: ns.to_owned(),
+        limit: INSTANCE_LIST_MAX,
+        ..InstanceListParams::default()
+    };
+    known.extend(keel.store().instance_list(newest).await?.into_iter().map(|i| i.machine.name));
+    Ok(known)
 }

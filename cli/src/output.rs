@@ -61,9 +61,20 @@ impl PartlyDone {
 }
 
 /// The `--json` body of a failed command: `{"error": …}`, plus what a bulk command had
-/// already done when it failed (see [`PartlyDone`]).
+/// already done when it failed (see [`PartlyDone`]), or for a machine the store does not
+/// know (see [`UnknownMachine`](crate::operate::UnknownMachine)) the argument at fault
+/// (`field`), the closest known name (`did_you_mean`, or null) and the names known
+/// (`machines`, bounded, with `machines_more`).
 pub fn error_body(error: &anyhow::Error) -> Value {
     let mut body = serde_json::json!({ "error": format!("{error:#}") });
+    if let Some(unknown) = error.downcast_ref::<crate::operate::UnknownMachine>() {
+        body["field"] = unknown.field.into();
+        body["machine"] = unknown.machine.clone().into();
+        body["namespace"] = unknown.namespace.clone().into();
+        body["did_you_mean"] = serde_json::json!(unknown.closest);
+        body["machines"] = serde_json::json!(unknown.known);
+        body["machines_more"] = unknown.known_more.into();
+    }
     if let (Some(partly), Some(fields)) = (error.downcast_ref::<PartlyDone>(), body.as_object_mut())
         && let Some(done) = partly.json.as_object()
     {

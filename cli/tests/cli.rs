@@ -396,7 +396,9 @@ fn an_unreachable_store_is_a_failure_and_a_critical_health() {
     };
     let (_, err) = b.run(&["status"], 1);
     assert!(err.contains("--database-url"), "{err}");
-    let (_, err) = b.run(&["health"], 2);
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(&dir, "dlq_warning = 10");
+    let (_, err) = b.run(&["--config", &config, "health"], 2);
     assert!(err.contains("critical: the store cannot be reached"), "{err}");
     let b = Backend { name: "bad url", url: "mysql://x".into(), schema: "keel".into(), _dir: None };
     let (_, err) = b.run(&["status"], 1);
@@ -537,8 +539,9 @@ fn a_sqlite_file_that_does_not_exist_is_an_error_until_migrate_creates_it() {
         assert!(stderr.contains("keel migrate"), "says how to create it: {stderr}");
         assert!(!path.exists(), "keel {args:?} created the file");
     }
-    // A health probe reads a missing database as an outage.
-    let (code, _, _) = keel(&["health"]);
+    // A health probe (with thresholds to check) reads a missing database as an outage.
+    let config = write_config(&dir, "dlq_warning = 10");
+    let (code, _, _) = keel(&["--config", &config, "health"]);
     assert_eq!(code, Some(2));
     assert!(!path.exists(), "keel health created the file");
 
@@ -809,5 +812,171 @@ fn a_url_without_slashes_keeps_its_password_out_of_errors() {
         let body = b.json_code_of(&["status"], 1);
         let error = body["error"].as_str().unwrap();
         assert!(error.contains("***@db") && !error.contains("s3cret"), "{url}: {error}");
+    }
+}
+
+/// A bulk command given a machine name the store knows nothing of in the namespace (no
+/// instance, dead letter or worker of it) is refused with the argument named, the closest
+/// known name and the names known, exit 1, and nothing changes; a machine the store knows
+/// with nothing to act on is a truthful 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_commands_refuse_a_machine_the_store_does_not_know() {
+    for b in backends("bulk_commands_refuse_a_machine_the_store_does_not_know") {
+        b.run(&["migrate"], 0);
+        two_dead_letters(&b).await;
+        b.run(&["start", "ticket", "--key", "K"], 0);
+
+        let cases: &[(&[&str], &str)] = &[
+            (&["purge", "refusr", "--dlq", "--confirm"], "machine: no machine \"refusr\""),
+            (&["purge", "refusr", "--dlq"], "machine: no machine \"refusr\""),
+            (&["purge", "tiket", "--pending", "--confirm"], "did you mean \"ticket\"?"),
+            (&["dlq", "retry", "--machine", "refusr", "--all"], "--machine: no machine"),
+        ];
+        for (args, needle) in cases {
+            let (_, err) = b.run(args, 1);
+            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+            assert!(
+                err.contains("Machines in namespace \"default\": refuser, ticket."),
+                "{}: keel {args:?} lists the known machines: {err}",
+                b.name
+            );
+        }
+        let body = b.json_code_of(&["purge", "refusr", "--dlq", "--confirm"], 1);
+        assert_eq!(
+            (&body["field"], &body["did_you_mean"], &body["machines"]),
+            (&json!("machine"), &json!("refuser"), &json!(["refuser", "ticket"])),
+            "{}: {body}",
+            b.name
+        );
+        assert!(body["error"].as_str().unwrap().starts_with("machine: "), "{body}");
+        let (_, err) = b.run(&["-n", "other", "purge", "refuser", "--dlq", "--confirm"], 1);
+        assert!(err.contains("the store knows no machine in namespace \"other\""), "{err}");
+        assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 2);
+        assert_eq!(b.json(&["status", "--machine", "ticket"])["queues"][0]["ready"], 1);
+
+        // Known machines with nothing to act on: 0, and success.
+        let purged = b.json(&["purge", "ticket", "--dlq", "--confirm"]);
+        assert_eq!(purged["purged"], 0, "{}: {purged}", b.name);
+        let cancelled = b.json(&["purge", "refuser", "--pending", "--confirm"]);
+        assert_eq!(cancelled["cancelled"], 0, "{}: {cancelled}", b.name);
+        let retried = b.json(&["dlq", "retry", "--machine", "ticket", "--all"]);
+        assert_eq!(retried["retried"], json!([]), "{}: {retried}", b.name);
+    }
+}
+
+/// Numeric flags out of range name the flag the user typed and the valid range, never an
+/// internal field name.
+#[test]
+fn numeric_flags_out_of_range_name_the_flag_and_the_range() {
+    const DOOR: &str = r#"{ "name": "door", "version": 1, "initial": "closed", "states": [
+        { "key": "closed", "on": [ { "event": "OPEN", "target": "open" } ] },
+        { "key": "open", "on": [ { "event": "CLOSE", "target": "closed" } ] } ] }"#;
+    for b in backends("numeric_flags_out_of_range_name_the_flag_and_the_range") {
+        b.run(&["migrate"], 0);
+        b.run(&["start", "ticket", "--key", "K"], 0);
+        let dir = tempfile::tempdir().unwrap();
+        let defs = dir.path().join("door.json");
+        std::fs::write(&defs, DOOR).unwrap();
+        let defs = defs.display().to_string();
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["history", "ticket:K", "--limit", "0"],
+                "--limit: 0 is out of range; give 1 to 1000",
+            ),
+            (&["history", "ticket:K", "--limit", "1001"], "--limit: 1001 is out of range"),
+            (&["list", "ticket", "--limit", "0"], "--limit: 0 is out of range; give 1 to 1000"),
+            (&["dlq", "list", "--limit", "10001"], "--limit: 10001 is out of range; give 1 to"),
+            (&["dlq", "retry", "1", "--delay", "400d"], "--delay: 400 days is longer than"),
+            (
+                &["dlq", "retry", "--machine", "ticket", "--all", "--delay", "400d"],
+                "--delay: 400 days is longer than the limit of 366 days",
+            ),
+            (&["graph", "door", "--definitions", &defs, "--version", "9"], "--version: door has"),
+            (
+                &["upgrade", "door", "--from", "7", "--to", "1", "--definitions", &defs],
+                "--from: door has no version 7",
+            ),
+        ];
+        for (args, needle) in cases {
+            let (_, err) = b.run(args, 1);
+            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+            let body = b.json_code_of(args, 1);
+            assert!(body["error"].as_str().unwrap().contains(needle), "{}: {body}", b.name);
+        }
+        assert_eq!(b.json(&["history", "ticket:K", "--limit", "1000"])["entries"], json!([]));
+    }
+}
+
+/// The configuration file is read and checked before the store is opened: a broken file
+/// (or one without thresholds, for `health`) is the error even when the store cannot be
+/// reached, and `health` with a good file still reports the outage as critical.
+#[test]
+fn a_bad_config_file_is_reported_before_an_unreachable_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[queue.alerts]\ndlq_warnin = 10\n").unwrap();
+    let broken = broken.display().to_string();
+    let good = write_config(&dir, "dlq_warning = 10");
+    let b = Backend {
+        name: "unreachable",
+        url: "postgres://postgres@127.0.0.1:1/nothing".into(),
+        schema: "keel".into(),
+        _dir: None,
+    };
+    for args in [
+        &["--config", &broken, "health"][..],
+        &["--config", &broken, "start", "ticket"],
+        &["--config", &broken, "send", "i1", "PING"],
+        &["--config", &broken, "config", "check"],
+    ] {
+        let (_, err) = b.run(args, 1);
+        assert!(err.contains("dlq_warnin"), "keel {args:?}: {err}");
+        assert!(!err.contains("cannot be reached"), "keel {args:?}: {err}");
+        let body = b.json_code_of(args, 1);
+        assert!(body["error"].as_str().unwrap().contains("dlq_warnin"), "{body}");
+    }
+    let (_, err) = b.run(&["health"], 1);
+    assert!(err.contains("--config: no alert thresholds configured"), "{err}");
+    let (_, err) = b.run(&["--config", &good, "health"], 2);
+    assert!(err.contains("critical: the store cannot be reached"), "{err}");
+}
+
+/// `keel config check` holds the file's machine and queue sections against the machines
+/// the store knows in the namespace, with the rule a worker warns by: a likely misspelling
+/// fails (exit 1) naming the section and the closest name; a section of a machine the
+/// store has not seen is a note.
+#[test]
+fn config_check_names_sections_that_look_like_misspellings() {
+    for b in backends("config_check_names_sections_that_look_like_misspellings") {
+        b.run(&["migrate"], 0);
+        b.run(&["start", "order", "--key", "K"], 0);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.toml");
+        let file = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            path.display().to_string()
+        };
+        let typos = file(
+            "[machines.order.queue]\nname = \"payments\"\n\
+             [machines.ordr.queue]\ntimeout = \"5s\"\n\
+             [queues.paymnts]\nconcurrency = 2\n\
+             [machines.checkout.queue]\ntimeout = \"9s\"\n",
+        );
+        let (out, _) = b.run(&["--config", &typos, "config", "check"], 1);
+        for needle in [
+            "valid (3 machine section(s), 1 queue section(s))",
+            "[machines.ordr]: names nothing the store knows in namespace \"default\"; did you mean `order`?",
+            "[queues.paymnts]: names nothing the store knows in namespace \"default\"; did you mean `payments`?",
+            "Note: [machines.checkout]: no machine of that name",
+        ] {
+            assert!(out.contains(needle), "{}: {needle}: {out}", b.name);
+        }
+        let body = b.json_code_of(&["--config", &typos, "config", "check"], 1);
+        assert_eq!(body["likely_typos"], 2, "{}: {body}", b.name);
+        let fine = file("[machines.order.queue]\ntimeout = \"5s\"\n[machines.checkout]\n");
+        let (out, _) = b.run(&["--config", &fine, "config", "check"], 0);
+        assert!(out.contains("Note: [machines.checkout]"), "{}: {out}", b.name);
+        let (_, err) = b.run(&["config", "check"], 1);
+        assert!(err.contains("--config: name the file to check"), "{err}");
     }
 }

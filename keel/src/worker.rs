@@ -1,8 +1,10 @@
 //! Workers from a [`Keel`](crate::Keel): machines are checked when they are registered,
 //! and [`WorkerBuilder::run`] stops gracefully on Ctrl-C or SIGTERM.
 
+use crate::settings::{self, UnusedSection};
 use crate::store::AnyStore;
 use crate::{AnyClock, Error};
+use keel_core::config::KeelConfig;
 use keel_core::ports::Queue;
 use keel_scheduler::worker::WorkerStats;
 use keel_scheduler::{HintConfig, HintStats, StepMachine, Worker, WorkerConfig, WorkerHandle};
@@ -61,16 +63,21 @@ pub struct WorkerBuilder {
     /// Why this worker must not start, found while it was made (a configuration file it
     /// cannot apply); [`spawn`](Self::spawn) returns it.
     refused: Option<Error>,
+    /// The configuration file the worker applies, if any: its sections are checked
+    /// against the registered machines when the worker starts.
+    settings: Option<Arc<KeelConfig>>,
 }
 
 impl WorkerBuilder {
     pub(crate) fn new(store: AnyStore, clock: AnyClock, config: WorkerConfig) -> Self {
+        let settings = config.settings.clone();
         WorkerBuilder {
             worker: Worker::new(Arc::new(store), clock, config),
             hint_stats: None,
             machines: Vec::new(),
             elsewhere: BTreeSet::new(),
             refused: None,
+            settings,
         }
     }
 
@@ -160,12 +167,34 @@ impl WorkerBuilder {
     /// retention: [`Error::Settings`], naming the field), and a configuration file given
     /// to [`Keel::with_settings`](crate::Keel::with_settings) that the worker cannot apply
     /// ([`Error::Config`]).
+    ///
+    /// A section of the configuration file that no machine of this worker uses (see
+    /// [`unused_sections`](Self::unused_sections)) is logged when the worker starts: a
+    /// warning naming the section and the name it is most likely a misspelling of, or,
+    /// for sections of machines this worker neither registers nor resembles, one
+    /// information line (a file shared by workers of different machines has those).
     pub fn spawn(mut self) -> Result<WorkerHandle, Error> {
         if let Some(error) = self.refused.take() {
             return Err(error);
         }
         self.check()?;
-        self.worker.try_spawn().map_err(Error::Settings)
+        let unused = self.unused_sections();
+        let handle = self.worker.try_spawn().map_err(Error::Settings)?;
+        log_unused(&unused);
+        Ok(handle)
+    }
+
+    /// The sections of the configuration file this worker applies that name a machine it
+    /// neither registers nor declares [`served_elsewhere`](Self::served_elsewhere), or a
+    /// queue that is a likely misspelling of one its machines use
+    /// ([`settings::unused_sections`]); empty without a file.
+    pub fn unused_sections(&self) -> Vec<UnusedSection> {
+        let Some(settings) = &self.settings else { return Vec::new() };
+        let mut names: Vec<&str> = self.machines.iter().map(|(m, _, _)| m.as_str()).collect();
+        names.extend(self.elsewhere.iter().map(String::as_str));
+        names.sort_unstable();
+        names.dedup();
+        settings::unused_sections(settings, &names)
     }
 
     /// Runs the worker until the process gets Ctrl-C (SIGINT) or SIGTERM, then shuts it
@@ -192,6 +221,32 @@ impl WorkerBuilder {
                 Ok(stats)
             }
         }
+    }
+}
+
+/// Logs what [`WorkerBuilder::unused_sections`] found: each likely misspelling as a
+/// warning of its own, the other sections together as one information line.
+fn log_unused(unused: &[UnusedSection]) {
+    let mut others = Vec::new();
+    for section in unused {
+        match &section.closest {
+            Some(near) => tracing::warn!(
+                section = %section.section,
+                closest = %near,
+                "configuration section {} names no machine or queue of this worker, so none of \
+                 its keys applies here; did you mean `{near}`? Fix the name in the file",
+                section.section
+            ),
+            None => others.push(section.section.as_str()),
+        }
+    }
+    if !others.is_empty() {
+        tracing::info!(
+            sections = %others.join(", "),
+            "configuration sections for machines this worker does not register (served by \
+             other workers, or misspelt): {}",
+            others.join(", ")
+        );
     }
 }
 

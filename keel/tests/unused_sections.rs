@@ -1,0 +1,134 @@
+//! A worker given a configuration file checks its sections against the machines it
+//! registers: a `[machines.<m>]` or `[queues.<q>]` section no machine of the worker uses,
+//! and that looks like a misspelling of a name it does use, is reported (logged as a
+//! warning at start-up) with that name.
+
+use keel::layers::core::config::KeelConfig;
+use keel::settings::{UnusedSection, closest, unused_sections};
+use keel::{Keel, MachineRef, Outcome, StepContext, StepError, StepMachine, json};
+use std::sync::{Arc, Mutex};
+
+struct Order;
+
+#[keel::async_trait]
+impl StepMachine for Order {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("order", 1)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!(null), step: None })
+    }
+}
+
+fn config(text: &str) -> KeelConfig {
+    KeelConfig::from_toml_str(text).expect("a valid file")
+}
+
+fn typo(section: &str, near: &str) -> UnusedSection {
+    UnusedSection { section: section.to_owned(), closest: Some(near.to_owned()) }
+}
+
+const FILE: &str = "[machines.order.queue]\nname = \"payments\"\n\
+                    [machines.ordr.queue]\ntimeout = \"5s\"\n\
+                    [machines.payment.queue]\ntimeout = \"7s\"\n\
+                    [queues.paymnts]\nconcurrency = 2\n\
+                    [queues.payments]\nconcurrency = 4\n\
+                    [queues.bulk]\nconcurrency = 1\n";
+
+#[tokio::test]
+async fn a_worker_reports_the_sections_its_machines_do_not_use() {
+    let keel = Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(FILE));
+    let worker = keel.worker().register(Order).expect("registers");
+    assert_eq!(
+        worker.unused_sections(),
+        [
+            typo("[machines.ordr]", "order"),
+            UnusedSection { section: "[machines.payment]".to_owned(), closest: None },
+            typo("[queues.paymnts]", "payments"),
+        ],
+        "`bulk` resembles no queue of the worker's machines: a queue chosen in code, left out"
+    );
+    // A machine another worker serves is not reported; the warnings never stop a worker.
+    let worker = worker.served_elsewhere("payment");
+    let unused = worker.unused_sections();
+    assert_eq!(unused, [typo("[machines.ordr]", "order"), typo("[queues.paymnts]", "payments")]);
+    worker.spawn().expect("unused sections are reported, not refused").shutdown().await;
+    // Without a file there is nothing to report.
+    let plain = Keel::connect("sqlite::memory:").await.expect("opens");
+    assert_eq!(plain.worker().register(Order).expect("registers").unused_sections(), []);
+}
+
+#[test]
+fn closest_is_a_near_name_or_none() {
+    let check = |name: &str, known: &[&str], expected: Option<&str>| {
+        assert_eq!(closest(name, known.iter().copied()), expected, "{name} among {known:?}");
+    };
+    check("ordr", &["order", "payment"], Some("order"));
+    check("ORDER", &["order"], Some("order"));
+    check("order", &["order"], None);
+    check("ab", &["ac", "ad"], Some("ac"));
+    check("a", &["b"], Some("b"));
+    check("shipping", &["order", "payment"], None);
+    check("", &["order"], None);
+    check(&"x".repeat(200), &[&"x".repeat(199)], None);
+    let unused = unused_sections(&config("[machines.ship]\n"), &[]);
+    assert_eq!(unused, [UnusedSection { section: "[machines.ship]".to_owned(), closest: None }]);
+}
+
+/// Every event logged while it is the default subscriber, as `LEVEL message`.
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<String>>>);
+
+struct Message<'a>(&'a mut String);
+
+impl tracing::field::Visit for Message<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            *self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl tracing::Subscriber for Lines {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut message = String::new();
+        event.record(&mut Message(&mut message));
+        let line = format!("{} {message}", event.metadata().level());
+        self.0.lock().expect("not poisoned").push(line);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test]
+async fn a_starting_worker_warns_of_a_likely_misspelling_and_notes_the_rest() {
+    let keel = Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(FILE));
+    let worker = keel.worker().register(Order).expect("registers");
+    let lines = Lines::default();
+    let handle = tracing::subscriber::with_default(lines.clone(), || worker.spawn())
+        .expect("unused sections are reported, not refused");
+    handle.shutdown().await;
+    let lines = lines.0.lock().expect("not poisoned").clone();
+    let logged = |needle: &str| lines.iter().any(|l| l.contains(needle));
+    assert!(
+        logged(
+            "WARN configuration section [machines.ordr] names no machine or queue of this worker"
+        ) && logged("did you mean `order`?"),
+        "{lines:#?}"
+    );
+    assert!(logged("WARN configuration section [queues.paymnts]"), "{lines:#?}");
+    assert!(
+        logged(
+            "INFO configuration sections for machines this worker does not register (served by other workers, or misspelt): [machines.payment]"
+        ),
+        "{lines:#?}"
+    );
+}
