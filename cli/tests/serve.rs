@@ -1681,3 +1681,56 @@ fn the_root_address_and_its_token_link_reach_the_dashboard() {
         assert_eq!((code, answer["field"].as_str()), (403, Some("sec-fetch-site")), "{answer}");
     }
 }
+
+/// A gauge sampled from the store is dropped once the store no longer reports its group:
+/// it reads 0 on the scrape after its last instance ended, and is gone from the next.
+#[test]
+fn gauges_of_a_group_the_store_no_longer_holds_are_dropped() {
+    for (name, s) in servers("gauges_of_a_group_the_store_no_longer_holds_are_dropped", None) {
+        let (code, started) =
+            s.post("/v1/namespaces/short-lived/instances", r#"{"machine":"ephemeral"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let pending = |text: &str| {
+            parse_prometheus(text)
+                .into_iter()
+                .find(|(m, labels, _)| {
+                    m == "keel_queue_pending" && labels.contains("machine=\"ephemeral\"")
+                })
+                .map(|sample| sample.2)
+        };
+        let (_, text) = s.get("/metrics");
+        assert_eq!(pending(&text), Some(1.0), "{name}: {text}");
+        let id = started["id"].as_i64().unwrap();
+        let (code, answer) =
+            s.post(&format!("/v1/namespaces/short-lived/instances/{id}/cancel"), "");
+        assert_eq!(code, 200, "{name}: {answer}");
+        let (_, text) = s.get("/metrics");
+        assert_eq!(pending(&text), Some(0.0), "{name}: the drain reads 0 once\n{text}");
+        let (_, text) = s.get("/metrics");
+        assert!(
+            !text.contains("ephemeral") && !text.contains("short-lived"),
+            "{name}: the group's gauges are gone\n{text}"
+        );
+    }
+}
+
+/// The message after a dashboard action comes from a code the server renders; a link
+/// carrying text of its own shows nothing.
+#[test]
+fn dashboard_flash_messages_are_the_servers_own() {
+    for (name, s) in servers("dashboard_flash_messages_are_the_servers_own", None) {
+        // The action redirects to the overview, which says what it did.
+        let url = format!("{}/ui/ns/default/queues/jobs/pause", s.base);
+        let mut resp = s.agent.post(&url).send("").unwrap();
+        assert_eq!(resp.status().as_u16(), 200, "{name}");
+        let page = resp.body_mut().read_to_string().unwrap();
+        assert!(page.contains("<div class=\"flash\">Queue paused.</div>"), "{name}: {page}");
+        let crafted = "/ui/ns/default?done=Your+session+expired%2C+sign+in+at+evil.example";
+        let (code, page) = s.get(crafted);
+        assert_eq!(code, 200, "{name}");
+        assert!(
+            !page.contains("class=\"flash\"") && !page.contains("evil.example"),
+            "{name}: {page}"
+        );
+    }
+}

@@ -39,6 +39,8 @@ use crate::health::{self, Level};
 /// Largest request body accepted; a larger one gets 413 before it is read.
 pub const BODY_BYTES_MAX: usize = 1024 * 1024;
 
+pub use worker::POLLS_WAITING_MAX;
+
 /// What every handler shares.
 pub struct AppState {
     /// The store.
@@ -55,8 +57,14 @@ pub struct AppState {
     pub definitions: Option<crate::definitions::Definitions>,
     /// Remote workers' registry beats.
     pub beats: registry::Beats,
-    /// The gauges `/metrics` samples from the store, zeroed when their group empties.
+    /// The gauges `/metrics` samples from the store: a series the store stops reporting
+    /// reads 0 on the next scrape and is dropped from the one after.
     pub gauges: keel::layers::scheduler::worker::SampledGauges,
+    /// The places for long polls waiting at once, [`POLLS_WAITING_MAX`] by default; a
+    /// long poll that finds none gets 429. Replace it to serve with another cap.
+    pub polls_waiting: tokio::sync::Semaphore,
+    /// Set once the server shuts down, so waiting long polls answer at once.
+    pub stopping: tokio::sync::watch::Sender<bool>,
 }
 
 impl AppState {
@@ -73,8 +81,33 @@ impl AppState {
             definitions: None,
             beats: registry::Beats::default(),
             gauges: keel::layers::scheduler::worker::SampledGauges::default(),
+            polls_waiting: tokio::sync::Semaphore::new(POLLS_WAITING_MAX),
+            stopping: tokio::sync::watch::Sender::new(false),
         }
     }
+
+    /// Tells the handlers the server is shutting down: waiting long polls answer 204 at
+    /// once instead of holding the shutdown for the rest of their `wait_ms`.
+    pub fn stop(&self) {
+        self.stopping.send_replace(true);
+    }
+}
+
+/// Serves `router(state)` on `listener` until `shutdown` resolves, then stops taking
+/// connections, ends the waiting long polls ([`AppState::stop`]) and returns once the
+/// requests in progress are answered.
+pub async fn serve_until(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let stopping = Arc::clone(&state);
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            stopping.stop();
+        })
+        .await
 }
 
 /// The router, on a shared state.
@@ -148,6 +181,8 @@ pub async fn run(
         definitions,
         beats: registry::Beats::default(),
         gauges: keel::layers::scheduler::worker::SampledGauges::default(),
+        polls_waiting: tokio::sync::Semaphore::new(POLLS_WAITING_MAX),
+        stopping: tokio::sync::watch::Sender::new(false),
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -166,10 +201,7 @@ pub async fn run(
         std::io::stderr(),
         "dashboard: http://{bound}/ui ({loaded} chart definition(s) loaded)"
     );
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(keel::shutdown_signal())
-        .await
-        .context("the HTTP server stopped")
+    serve_until(listener, state, keel::shutdown_signal()).await.context("the HTTP server stopped")
 }
 
 async fn health_handler(_: api::NoQuery, State(state): State<Arc<AppState>>) -> Response {

@@ -16,7 +16,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::ids::{FencingToken, WorkerId};
@@ -36,8 +36,23 @@ use crate::commands::now;
 
 /// Longest a poll waits for work.
 pub const POLL_WAIT_MAX: Duration = Duration::from_secs(30);
-/// Between two claim attempts of one long poll.
-const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Most long polls (`wait_ms` > 0) one server keeps waiting at once: the default size of
+/// [`AppState::polls_waiting`]. A poll waiting with no work coming costs the store about
+/// one claim round a second once its pause has grown (and at most one per
+/// [`POLL_INTERVAL_MIN`] while ready hints keep coming), so the cap bounds what waiting
+/// workers cost the store however many connect; a poll beyond it gets 429 with
+/// `Retry-After` before touching the store. Polls with `wait_ms` 0 never wait and take no
+/// place.
+pub const POLLS_WAITING_MAX: usize = 256;
+/// The first pause between two claim rounds of one long poll; each pause without work
+/// doubles it, up to [`POLL_INTERVAL_MAX`]. The pause is the correctness path: the
+/// store's ready hint (`Store::ready_wait`) only ends one early.
+const POLL_INTERVAL_MIN: Duration = Duration::from_millis(50);
+/// The longest pause between two claim rounds of one long poll: the latency of a task
+/// whose store sent no ready hint (or whose hint was lost).
+const POLL_INTERVAL_MAX: Duration = Duration::from_secs(1);
+/// What a poll refused for [`POLLS_WAITING_MAX`] is told to wait, in seconds.
+const POLL_RETRY_AFTER_SECS: u64 = 1;
 /// Shortest and longest lease a worker may ask for.
 const LEASE_MIN: Duration = Duration::from_millis(100);
 const LEASE_MAX: Duration = Duration::from_secs(3600);
@@ -161,32 +176,129 @@ pub async fn poll(
             format!("wait_ms: at most {} ms", POLL_WAIT_MAX.as_millis()),
         ));
     }
+    // A place among the waiting polls, taken before the store is touched, so polls over
+    // the cap cost it nothing.
+    let _waiting = if b.wait_ms > 0 {
+        match state.polls_waiting.try_acquire() {
+            Ok(permit) => Some(permit),
+            Err(_) => return Ok(too_many_waiting(b.wait_ms)),
+        }
+    } else {
+        None
+    };
     let store = state.keel.store();
     let declared: Vec<MachineRef> =
         b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect();
     state.beats.poll(store, &b.worker, &b.namespace, declared.clone()).await;
+    let claim = Claim { state: &state, body: &b, queues: &queues, machines: &declared, lease };
     let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
+    let mut stopping = state.stopping.subscribe();
+    let mut pause = POLL_INTERVAL_MIN;
+    // Expired leases are reaped on the first round, on every round the timer starts, and
+    // at least once per longest pause while hints keep the timer from ending; other
+    // rounds a hint starts only claim, since a hint says nothing about leases.
+    let mut reap = true;
+    let mut reaped_at = tokio::time::Instant::now();
     loop {
-        let reaped = store
-            .lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() })
-            .await?;
-        metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
+        let round = tokio::time::Instant::now();
+        reap |= round >= reaped_at + POLL_INTERVAL_MAX;
+        if reap {
+            reaped_at = round;
+        }
+        if let Some(task) = claim.round(reap).await? {
+            return Ok(Json(task).into_response());
+        }
+        if round >= deadline || *stopping.borrow() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        // Wait for the store's hint that work may be ready or for the pause to end,
+        // whichever comes first; the pause grows while nothing comes, so an idle poll
+        // costs the store less the longer it waits. A server shutting down answers 204
+        // at once rather than holding the shutdown for the rest of `wait_ms`.
+        let timer = (round + pause).min(deadline);
+        let hinted = tokio::select! {
+            () = store.ready_wait() => Some(true),
+            () = tokio::time::sleep_until(timer) => Some(false),
+            _ = stopping.wait_for(|stop| *stop) => None,
+        };
+        match hinted {
+            None => return Ok(StatusCode::NO_CONTENT.into_response()),
+            Some(true) => {
+                // A hint wakes every waiting poll at once: spread their claims over the
+                // first pause, and claim no sooner than one first pause after the last,
+                // so a poll makes at most one round per first pause however many come.
+                let jitter = POLL_INTERVAL_MIN.mul_f64(fastrand::f64());
+                let at = (round + POLL_INTERVAL_MIN).max(tokio::time::Instant::now() + jitter);
+                tokio::select! {
+                    () = tokio::time::sleep_until(at.min(deadline)) => {}
+                    _ = stopping.wait_for(|stop| *stop) => {}
+                }
+                reap = false;
+            }
+            Some(false) => {
+                pause = (pause * 2).min(POLL_INTERVAL_MAX);
+                reap = true;
+            }
+        }
+        // No task goes out once the server is shutting down: its worker could not
+        // complete it here.
+        if *stopping.borrow() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+    }
+}
+
+/// 429 for a long poll beyond [`POLLS_WAITING_MAX`], with `Retry-After`.
+fn too_many_waiting(wait_ms: u64) -> Response {
+    let error = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        Some("wait_ms"),
+        format!(
+            "wait_ms: {wait_ms} ms, but this server already holds as many waiting polls as it takes (by default {POLLS_WAITING_MAX}); poll again after Retry-After seconds, and run fewer polling workers per server (or spread them over more servers) or poll with a shorter wait_ms"
+        ),
+    );
+    let mut response = error.into_response();
+    response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(POLL_RETRY_AFTER_SECS));
+    response
+}
+
+/// What one poll claims with.
+struct Claim<'a> {
+    state: &'a AppState,
+    body: &'a PollBody,
+    queues: &'a [String],
+    machines: &'a [MachineRef],
+    lease: Duration,
+}
+
+impl Claim<'_> {
+    /// One claim round: expired leases reaped when `reap`, then one task claimed, queue
+    /// by queue.
+    async fn round(&self, reap: bool) -> Result<Option<serde_json::Value>, ApiError> {
+        let store = self.state.keel.store();
+        if reap {
+            let reaped = store
+                .lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() })
+                .await?;
+            metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
+        }
         // Queue by queue, each under its own settings (claim order, global and per-key
         // limits, rates), as an in-process worker claims; from a random first queue, so
         // a busy one does not keep the others waiting.
+        let queues = self.queues;
         let first = fastrand::usize(..queues.len());
         let mut claimed = None;
         for queue in queues.iter().cycle().skip(first).take(queues.len()) {
             let claims = store
                 .instance_claim(ClaimParams {
-                    worker: WorkerId(b.worker.clone()),
-                    namespaces: vec![b.namespace.clone()],
+                    worker: WorkerId(self.body.worker.clone()),
+                    namespaces: vec![self.body.namespace.clone()],
                     queues: vec![queue.clone()],
-                    machines: declared.clone(),
+                    machines: self.machines.to_vec(),
                     limit: 1,
-                    lease,
+                    lease: self.lease,
                     now: now(),
-                    policy: state.config.claim_policy(queue),
+                    policy: self.state.config.claim_policy(queue),
                 })
                 .await?;
             claimed = claims.into_iter().next();
@@ -194,12 +306,12 @@ pub async fn poll(
                 break;
             }
         }
-        if let Some(claim) = claimed {
+        Ok(claimed.map(|claim| {
             let i = &claim.instance;
             let waited = now().since(i.eligible_at);
             metrics::histogram!("keel_queue_wait_time_seconds", "machine" => i.machine.name.clone())
                 .record(waited.as_secs_f64());
-            let task = json!({
+            json!({
                 "id": i.id.0,
                 "token": claim.token().0,
                 "machine": i.machine.name,
@@ -210,13 +322,8 @@ pub async fn poll(
                 "awaits": i.awaits,
                 "inbox": claim.inbox,
                 "lease_expires_at": i.lease_expires_at,
-            });
-            return Ok(Json(task).into_response());
-        }
-        if tokio::time::Instant::now() + POLL_INTERVAL > deadline {
-            return Ok(StatusCode::NO_CONTENT.into_response());
-        }
-        tokio::time::sleep(POLL_INTERVAL).await;
+            })
+        }))
     }
 }
 

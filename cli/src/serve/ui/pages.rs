@@ -70,14 +70,121 @@ fn bad_input(viewer: &Viewer, ns: &str, message: &str) -> Response {
     page("Bad input", Some(ns), viewer, &body).into_response_with(StatusCode::BAD_REQUEST)
 }
 
-/// `?done=` messages shown once after an action.
+/// The `?done=` code of the action a page was redirected from, and its counts. Every
+/// value is text here, so a malformed one means no message rather than a 400.
 #[derive(Debug, Default, Deserialize)]
 pub struct Flash {
     done: Option<String>,
+    n: Option<String>,
+    of: Option<String>,
+    stale: Option<String>,
+    older_ms: Option<String>,
+    more: Option<String>,
 }
 
-fn flash(message: Option<&str>) -> String {
-    message.map(|m| format!("<div class=\"flash\">{}</div>", esc(m))).unwrap_or_default()
+/// What an action did, shown once on the page it redirects to. The redirect names it by
+/// a code and counts (`?done=purged&n=3&older_ms=…`) and the page renders the words, so a
+/// link made elsewhere can show at most one of these messages with other numbers, never
+/// words of its own; an unknown code or a count that is not a number shows nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Done {
+    QueuePaused,
+    QueueResumed,
+    /// Dead letters retried by id, and the instances that runs again.
+    Retried {
+        letters: u64,
+        instances: u64,
+    },
+    /// A machine's dead letters retried: the instances, the letters left because their
+    /// instance moved on, and whether the round bound stopped it.
+    RetriedMachine {
+        instances: u64,
+        stale: u64,
+        more: bool,
+    },
+    /// Dead letters purged, the age they were older than, and whether more remain.
+    Purged {
+        letters: u64,
+        older_ms: u64,
+        more: bool,
+    },
+}
+
+impl Done {
+    /// The query string that names this outcome.
+    fn query(self) -> String {
+        let (code, n, of, stale, older_ms, more) = match self {
+            Done::QueuePaused => ("queue-paused", None, None, None, None, false),
+            Done::QueueResumed => ("queue-resumed", None, None, None, None, false),
+            Done::Retried { letters, instances } => {
+                ("retried", Some(letters), Some(instances), None, None, false)
+            }
+            Done::RetriedMachine { instances, stale, more } => {
+                ("retried-machine", None, Some(instances), Some(stale), None, more)
+            }
+            Done::Purged { letters, older_ms, more } => {
+                ("purged", Some(letters), None, None, Some(older_ms), more)
+            }
+        };
+        let text = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_default();
+        let (n, of, stale, older_ms) = (text(n), text(of), text(stale), text(older_ms));
+        query(&[
+            ("done", code),
+            ("n", &n),
+            ("of", &of),
+            ("stale", &stale),
+            ("older_ms", &older_ms),
+            ("more", if more { "1" } else { "" }),
+        ])
+    }
+
+    /// The outcome a page's query names, if it names one completely.
+    fn parse(f: &Flash) -> Option<Done> {
+        let count = |v: &Option<String>| v.as_deref().and_then(|v| v.parse::<u64>().ok());
+        let more = f.more.as_deref() == Some("1");
+        Some(match f.done.as_deref()? {
+            "queue-paused" => Done::QueuePaused,
+            "queue-resumed" => Done::QueueResumed,
+            "retried" => Done::Retried { letters: count(&f.n)?, instances: count(&f.of)? },
+            "retried-machine" => {
+                Done::RetriedMachine { instances: count(&f.of)?, stale: count(&f.stale)?, more }
+            }
+            "purged" => Done::Purged { letters: count(&f.n)?, older_ms: count(&f.older_ms)?, more },
+            _ => return None,
+        })
+    }
+
+    fn message(self) -> String {
+        match self {
+            Done::QueuePaused => "Queue paused.".into(),
+            Done::QueueResumed => "Queue resumed.".into(),
+            Done::Retried { letters, instances } => {
+                format!("Retried {letters} dead letter(s): {instances} instance(s) run again.")
+            }
+            Done::RetriedMachine { instances, stale, more } => {
+                let stale = match stale {
+                    0 => String::new(),
+                    n => {
+                        format!(" {n} dead letter(s) left: their instance is no longer suspended.")
+                    }
+                };
+                let more = if more { " More remain, retry again." } else { "" };
+                format!("Retried {instances} instance(s) of the machine.{stale}{more}")
+            }
+            Done::Purged { letters, older_ms, more } => {
+                let age = duration::format(std::time::Duration::from_millis(older_ms));
+                let more = if more { "; more remain, purge again" } else { "" };
+                format!("Purged {letters} dead letter(s) older than {age}{more}.")
+            }
+        }
+    }
+}
+
+/// The message of the outcome `f` names; nothing for an unknown or incomplete one.
+fn flash(f: &Flash) -> String {
+    Done::parse(f)
+        .map(|done| format!("<div class=\"flash\">{}</div>", esc(&done.message())))
+        .unwrap_or_default()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -148,7 +255,7 @@ pub async fn overview(
         let body = format!(
             "<h1>Namespace {}</h1>{}<div data-live=\"{}\">{inner}</div><p id=\"live-status\" class=\"live-status\"></p>",
             esc(&ns),
-            flash(flash_msg.done.as_deref()),
+            flash(&flash_msg),
             esc(&ns_url(&ns, "/fragments/overview")),
         );
         Ok(page("Overview", Some(&ns), &viewer, &body).into_response())
@@ -417,9 +524,8 @@ async fn set_paused(
         QueuePauseParams { namespace: ns.to_owned(), queue: queue.to_owned(), paused, now: now() };
     match state.keel.store().queue_pause(params).await {
         Ok(()) => {
-            let done = format!("Queue {queue} {}.", if paused { "paused" } else { "resumed" });
-            Redirect::to(&format!("{}{}", ns_url(ns, ""), query(&[("done", &done)])))
-                .into_response()
+            let done = if paused { Done::QueuePaused } else { Done::QueueResumed };
+            Redirect::to(&format!("{}{}", ns_url(ns, ""), done.query())).into_response()
         }
         Err(e) => store_or_input(viewer, ns, &e),
     }
@@ -861,7 +967,7 @@ fn history_panel(d: &InstanceDetail) -> String {
             out,
             "<p class=\"muted\">Older entries are not shown: <code>{}</code> or <code>GET /v1/namespaces/{}/instances/{}/history?before={before}</code>.</p>",
             esc(&command),
-            esc(ns),
+            esc(&seg(ns)),
             id.0,
         );
     }
@@ -882,7 +988,8 @@ pub struct LetterFilters {
     /// The page before this id (the "previous" link).
     #[serde(default)]
     before: String,
-    done: Option<String>,
+    #[serde(flatten)]
+    flash: Flash,
 }
 
 /// One page of a namespace's dead letters by the store's id cursor, oldest first, and
@@ -954,7 +1061,7 @@ pub async fn dead_letters(
     };
     let mut body = format!(
         "<h1>Dead letters</h1>{}<form class=\"filters\" method=\"get\" action=\"{}\"><label>machine<input name=\"machine\" value=\"{}\"></label><button>Filter</button></form>",
-        flash(f.done.as_deref()),
+        flash(&f.flash),
         esc(&ns_url(&ns, "/dead-letters")),
         esc(&f.machine),
     );
@@ -1128,9 +1235,12 @@ pub async fn dead_letter(
     .await)
 }
 
-fn back_to_letters(ns: &str, done: &str) -> Response {
-    Redirect::to(&format!("{}{}", ns_url(ns, "/dead-letters"), query(&[("done", done)])))
-        .into_response()
+fn back_to_letters(ns: &str, done: Done) -> Response {
+    Redirect::to(&format!("{}{}", ns_url(ns, "/dead-letters"), done.query())).into_response()
+}
+
+fn count(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
 }
 
 /// `POST /ui/ns/{ns}/dead-letters/{id}/retry`.
@@ -1147,18 +1257,11 @@ pub async fn retry_one(
                 .dead_letter_retry(DeadLetterRetry::one(d.id))
                 .await
                 .map_err(|e| store_or_input(&viewer, &ns, &e))?;
-            Ok(back_to_letters(&ns, &format!("Retried {} ({}).", d.id, list(&retried))))
+            let done = Done::Retried { letters: 1, instances: count(retried.len()) };
+            Ok(back_to_letters(&ns, done))
         }
         .await,
     )
-}
-
-fn list(ids: &[InstanceId]) -> String {
-    if ids.is_empty() {
-        "no instance".into()
-    } else {
-        ids.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
-    }
 }
 
 /// `POST /ui/ns/{ns}/dead-letters/retry` with `ids=…` (repeated).
@@ -1191,7 +1294,8 @@ pub async fn retry_selected(
                     .map_err(|e| store_or_input(&viewer, &ns, &e))?,
             );
         }
-        Ok(back_to_letters(&ns, &format!("Retried {} dead letter(s): {}.", raw.len(), list(&retried))))
+        let done = Done::Retried { letters: count(raw.len()), instances: count(retried.len()) };
+        Ok(back_to_letters(&ns, done))
     }
     .await)
 }
@@ -1237,14 +1341,13 @@ pub async fn retry_machine(
                 let error = crate::output::PartlyDone::wrap(failed.error, done, Value::Null);
                 store_failed(&viewer, &ns, &format!("{error:#}"))
             })?;
-            let stale = match done.stale {
-                0 => String::new(),
-                n => format!(" {n} dead letter(s) left: their instance is no longer suspended."),
-            };
-            let more = if done.complete { "" } else { " More remain, retry again." };
             Ok(back_to_letters(
                 &ns,
-                &format!("Retried {} instance(s) of {machine}.{stale}{more}", done.retried.len()),
+                Done::RetriedMachine {
+                    instances: count(done.retried.len()),
+                    stale: done.stale,
+                    more: !done.complete,
+                },
             ))
         }
         .await,
@@ -1283,14 +1386,8 @@ pub async fn purge(
                             crate::output::PartlyDone::wrap(failed.error, done, Value::Null);
                         store_failed(&viewer, &ns, &format!("{error:#}"))
                     })?;
-            let more = if complete { "" } else { "; more remain, purge again" };
-            Ok(back_to_letters(
-                &ns,
-                &format!(
-                    "Purged {purged} dead letter(s) older than {}{more}.",
-                    duration::format(age)
-                ),
-            ))
+            let older_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+            Ok(back_to_letters(&ns, Done::Purged { letters: purged, older_ms, more: !complete }))
         }
         .await,
     )
@@ -1344,6 +1441,58 @@ mod tests {
         let long = history_panel(&d);
         let note = long.rsplit("<p class=\"muted\">").next().unwrap_or_default();
         assert!(note.contains("keel -n &#39;team a&#39; history i7 --before 3"), "{note}");
+    }
+
+    #[test]
+    fn the_history_path_percent_encodes_its_namespace() {
+        let mut d = detail(SECTION_ROWS_MAX + 2);
+        d.instance.namespace = "team a/b?c".into();
+        let long = history_panel(&d);
+        assert!(
+            long.contains("GET /v1/namespaces/team%20a%2Fb%3Fc/instances/7/history?before=3"),
+            "{long}"
+        );
+    }
+
+    /// The flash a page shows for the query string `raw`.
+    fn flash_of(raw: &str) -> String {
+        let f: Flash = serde_urlencoded::from_str(raw).unwrap();
+        flash(&f)
+    }
+
+    #[test]
+    fn flash_messages_come_only_from_known_codes() {
+        let all = [
+            Done::QueuePaused,
+            Done::QueueResumed,
+            Done::Retried { letters: 2, instances: 1 },
+            Done::RetriedMachine { instances: 5, stale: 1, more: true },
+            Done::Purged { letters: 3, older_ms: 7 * 86_400_000, more: false },
+        ];
+        for done in all {
+            let query = done.query();
+            let shown = flash_of(query.strip_prefix('?').unwrap_or_default());
+            assert_eq!(shown, format!("<div class=\"flash\">{}</div>", esc(&done.message())));
+        }
+        assert_eq!(
+            flash_of("done=purged&n=3&older_ms=604800000"),
+            "<div class=\"flash\">Purged 3 dead letter(s) older than 1 week.</div>"
+        );
+        assert!(flash_of("done=retried-machine&of=5&stale=1&more=1").contains(
+            "Retried 5 instance(s) of the machine. 1 dead letter(s) left: their instance is no longer suspended. More remain, retry again."
+        ));
+        // Free text, an unknown code, a count that is not a number, or a missing count
+        // show nothing.
+        for raw in [
+            "done=Your+session+expired%3A+sign+in+at+evil.example",
+            "done=Queue+paused.",
+            "done=retried&n=2&of=one",
+            "done=retried&n=2",
+            "done=purged&n=-1&older_ms=1",
+            "",
+        ] {
+            assert_eq!(flash_of(raw), "", "{raw}");
+        }
     }
 
     #[test]
