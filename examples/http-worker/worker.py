@@ -10,7 +10,9 @@ step `greet` answers with a greeting for the context's `name`; a context with
 
 Each finished task prints one JSON line: {"task": id, "status": HTTP status, ...}.
 A 409 means the lease was lost (it expired and another worker took the task): the
-result is dropped, which is what a worker must do.
+result is dropped, which is what a worker must do. A 429 on a poll means the server
+already holds as many waiting polls as it allows: wait as long as `Retry-After` says,
+then poll again.
 """
 
 import argparse
@@ -21,8 +23,8 @@ import urllib.error
 import urllib.request
 
 
-def call(base, path, body):
-    """POSTs JSON; returns (status, parsed body or None)."""
+def call(base, path, body, headers=None):
+    """POSTs JSON; returns (status, parsed body or None); `headers` collects the reply's."""
     data = json.dumps(body).encode()
     request = urllib.request.Request(
         base + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
@@ -30,8 +32,12 @@ def call(base, path, body):
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             text = response.read().decode()
+            if headers is not None:
+                headers.update(response.headers)
             return response.status, json.loads(text) if text else None
     except urllib.error.HTTPError as error:
+        if headers is not None:
+            headers.update(error.headers)
         text = error.read().decode()
         return error.code, json.loads(text) if text else None
 
@@ -66,14 +72,20 @@ def main():
         if polls > 100:
             print(json.dumps({"error": "no task after 100 polls"}), flush=True)
             return 1
+        reply = {}
         status, task = call(args.base, "/v1/worker/tasks/poll", {
             "worker": args.worker,
             "namespace": args.namespace,
             "machines": [{"name": "greeter", "version": 1}],
             "lease_ms": args.lease_ms,
             "wait_ms": args.wait_ms,
-        })
+        }, reply)
         if status == 204:
+            continue
+        if status == 429:
+            # Too many polls wait on this server: back off as it asks (at most a minute).
+            retry_after = reply.get("Retry-After", "1")
+            time.sleep(min(int(retry_after) if retry_after.isdigit() else 1, 60))
             continue
         if status != 200:
             print(json.dumps({"error": "poll failed", "status": status, "body": task}), flush=True)
