@@ -30,10 +30,16 @@ fn primary_code(e: &sqlx::Error) -> Option<i64> {
 
 /// Whether opening a file may have failed only because another process was opening it at
 /// the same moment: the file was busy (switching a new file to write-ahead logging takes a
-/// lock that does not wait), or a migration ran into one that process had just applied.
+/// lock that does not wait), or a migration ran into one that process had just applied:
+/// its statements failed (a table or column that exists now), or, for a migration whose
+/// statements can run twice, recording it as applied found the other process's record.
 pub(crate) fn raced_another_open(e: &sqlx::Error) -> bool {
     matches!(primary_code(e), Some(SQLITE_BUSY | SQLITE_LOCKED))
-        || matches!(e, sqlx::Error::Migrate(m) if matches!(m.as_ref(), MigrateError::ExecuteMigration(..)))
+        || matches!(e, sqlx::Error::Migrate(m) if match m.as_ref() {
+            MigrateError::ExecuteMigration(..) => true,
+            MigrateError::Execute(inner) => primary_code(inner) == Some(SQLITE_CONSTRAINT),
+            _ => false,
+        })
 }
 
 /// Maps a driver error on the database at `file` to a portable error.
