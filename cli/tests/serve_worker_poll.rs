@@ -1,7 +1,9 @@
 //! The worker protocol's long poll, with `keel serve`'s router run in-process so a test
-//! can set the cap of waiting polls and watch how many are waiting: a waiting poll gets a
-//! task started while it waits, polls beyond the cap get 429 with `Retry-After`, and a
-//! shutdown ends the waiting polls at once. On SQLite and PostgreSQL (a fresh schema when
+//! can set the cap of waiting polls and the pauses between claim rounds, and watch how
+//! many polls are waiting: a waiting poll gets a task started while it waits, through the
+//! store's ready hint long before its pause would end; polls beyond the cap get 429 with
+//! `Retry-After`; a shutdown ends the waiting polls at once, and a stopping server hands
+//! out no task. On SQLite and PostgreSQL (a fresh schema when
 //! `KEEL_TEST_DATABASE_URL` is set; SKIPPED loudly otherwise, a failure under
 //! `KEEL_REQUIRE_BACKENDS=1`).
 
@@ -49,9 +51,15 @@ struct Served {
 }
 
 async fn serve(keel: Keel, polls_waiting: usize) -> Served {
+    serve_with(keel, polls_waiting, |_| {}).await
+}
+
+/// [`serve`], with `set` changing the state first.
+async fn serve_with(keel: Keel, polls_waiting: usize, set: impl FnOnce(&mut AppState)) -> Served {
     let metrics = keel::prometheus::install().unwrap();
     let mut state = AppState::open(keel, "default", metrics);
     state.polls_waiting = tokio::sync::Semaphore::new(polls_waiting);
+    set(&mut state);
     let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -125,6 +133,62 @@ async fn a_waiting_poll_gets_a_task_started_while_it_waits() {
         assert_eq!(answer.body["id"].as_i64(), Some(id.0), "{name}: {}", answer.body);
         assert!(after < Duration::from_secs(3), "{name}: the task came {after:?} after its start");
         assert_eq!(served.waiting(POLLS_WAITING_MAX), 0, "{name}: the poll gave its place back");
+    }
+}
+
+/// A poll whose pause has grown long gets a task started while it waits through the
+/// store's ready hint, not the pause: with pauses of 2 s doubling to a minute, the rounds
+/// fall about 2, 6, 14 and 30 s after the first, so a task started 7 s in would wait until
+/// the 14 s round without the hint, and comes within a first pause or so with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backed_off_poll_gets_a_task_through_the_store_hint() {
+    for (name, keel, _dir) in stores("a_backed_off_poll_gets_a_task_through_the_store_hint").await {
+        let served = serve_with(keel.clone(), POLLS_WAITING_MAX, |state| {
+            state.poll_interval_min = Duration::from_secs(2);
+            state.poll_interval_max = Duration::from_secs(60);
+        })
+        .await;
+        let poll = post_poll(&served.base, poll_body("w1", 30_000));
+        served.until_waiting(1, POLLS_WAITING_MAX).await;
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        let started = Instant::now();
+        let id =
+            keel.start(NewInstance::new(MachineRef::new("echo", 1), "run")).await.unwrap().id();
+        let answer = poll.await.unwrap();
+        let after = started.elapsed();
+        assert_eq!(answer.status, 200, "{name}: {}", answer.body);
+        assert_eq!(answer.body["id"].as_i64(), Some(id.0), "{name}: {}", answer.body);
+        assert!(
+            after < Duration::from_secs(5),
+            "{name}: the task came {after:?} after its start: the poll slept through the store's ready hint"
+        );
+    }
+}
+
+/// A server that is shutting down hands out no task, whether the poll waits or not: it
+/// answers 204, and the task stays runnable with no attempt counted, for the next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_server_hands_out_no_task() {
+    for (name, keel, _dir) in stores("a_stopping_server_hands_out_no_task").await {
+        let served = serve(keel.clone(), POLLS_WAITING_MAX).await;
+        let id =
+            keel.start(NewInstance::new(MachineRef::new("echo", 1), "run")).await.unwrap().id();
+        // The server still takes requests, as it does for a request read on a kept-alive
+        // connection while it shuts down.
+        served.state.stop();
+        for wait_ms in [0, 5_000] {
+            let answer = post_poll(&served.base, poll_body("w1", wait_ms)).await.unwrap();
+            assert_eq!(answer.status, 204, "{name}, wait_ms {wait_ms}: {}", answer.body);
+        }
+        let row = keel.get(id).await.unwrap().instance;
+        assert_eq!(row.lease_owner, None, "{name}: the task was leased");
+        assert_eq!(row.attempt, 0, "{name}");
+
+        served.state.stopping.send_replace(false);
+        let answer = post_poll(&served.base, poll_body("w2", 0)).await.unwrap();
+        assert_eq!(answer.status, 200, "{name}: {}", answer.body);
+        assert_eq!(answer.body["id"].as_i64(), Some(id.0), "{name}: {}", answer.body);
+        assert_eq!(answer.body["attempt"].as_i64(), Some(0), "{name}: {}", answer.body);
     }
 }
 

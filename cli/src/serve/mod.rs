@@ -39,7 +39,7 @@ use crate::health::{self, Level};
 /// Largest request body accepted; a larger one gets 413 before it is read.
 pub const BODY_BYTES_MAX: usize = 1024 * 1024;
 
-pub use worker::POLLS_WAITING_MAX;
+pub use worker::{POLL_INTERVAL_MAX, POLL_INTERVAL_MIN, POLLS_WAITING_MAX};
 
 /// What every handler shares.
 pub struct AppState {
@@ -63,7 +63,14 @@ pub struct AppState {
     /// The places for long polls waiting at once, [`POLLS_WAITING_MAX`] by default; a
     /// long poll that finds none gets 429. Replace it to serve with another cap.
     pub polls_waiting: tokio::sync::Semaphore,
-    /// Set once the server shuts down, so waiting long polls answer at once.
+    /// The first pause between two claim rounds of a long poll, [`POLL_INTERVAL_MIN`] by
+    /// default; it doubles after each pause without work.
+    pub poll_interval_min: std::time::Duration,
+    /// The longest pause between two claim rounds of a long poll, [`POLL_INTERVAL_MAX`]
+    /// by default: how late a waiting poll finds a task whose store sent no ready hint.
+    pub poll_interval_max: std::time::Duration,
+    /// Set once the server shuts down, so waiting long polls answer at once and no poll
+    /// hands out a task.
     pub stopping: tokio::sync::watch::Sender<bool>,
 }
 
@@ -82,12 +89,15 @@ impl AppState {
             beats: registry::Beats::default(),
             gauges: keel::layers::scheduler::worker::SampledGauges::default(),
             polls_waiting: tokio::sync::Semaphore::new(POLLS_WAITING_MAX),
+            poll_interval_min: POLL_INTERVAL_MIN,
+            poll_interval_max: POLL_INTERVAL_MAX,
             stopping: tokio::sync::watch::Sender::new(false),
         }
     }
 
     /// Tells the handlers the server is shutting down: waiting long polls answer 204 at
-    /// once instead of holding the shutdown for the rest of their `wait_ms`.
+    /// once instead of holding the shutdown for the rest of their `wait_ms`, and polls
+    /// hand out no task (one claimed meanwhile is released without counting an attempt).
     pub fn stop(&self) {
         self.stopping.send_replace(true);
     }
@@ -173,16 +183,10 @@ pub async fn run(
     let metrics = keel::prometheus::install()?;
     let open = tokens.is_none();
     let state = Arc::new(AppState {
-        keel,
         config,
-        namespace: cli.namespace.clone(),
-        metrics,
         tokens,
         definitions,
-        beats: registry::Beats::default(),
-        gauges: keel::layers::scheduler::worker::SampledGauges::default(),
-        polls_waiting: tokio::sync::Semaphore::new(POLLS_WAITING_MAX),
-        stopping: tokio::sync::watch::Sender::new(false),
+        ..AppState::open(keel, &cli.namespace, metrics)
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await

@@ -8,7 +8,10 @@
 //! dead-letter plan as in-process steps, with the machine's queue settings from the
 //! configuration file.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use axum::Extension;
@@ -22,7 +25,8 @@ use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams, WORKER_MACHINES_MAX,
+    Claim as Claimed, ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams,
+    LeaseReleaseParams, WORKER_MACHINES_MAX,
 };
 use keel_core::retry::{FailureKind, failed_step};
 use keel_core::{StepCommit, StepFailure};
@@ -38,19 +42,22 @@ use crate::commands::now;
 pub const POLL_WAIT_MAX: Duration = Duration::from_secs(30);
 /// Most long polls (`wait_ms` > 0) one server keeps waiting at once: the default size of
 /// [`AppState::polls_waiting`]. A poll waiting with no work coming costs the store about
-/// one claim round a second once its pause has grown (and at most one per
-/// [`POLL_INTERVAL_MIN`] while ready hints keep coming), so the cap bounds what waiting
-/// workers cost the store however many connect; a poll beyond it gets 429 with
-/// `Retry-After` before touching the store. Polls with `wait_ms` 0 never wait and take no
+/// one claim round (a claim per polled queue) a second once its pause has grown (and at
+/// most one per [`POLL_INTERVAL_MIN`] while ready hints keep coming), so the cap bounds
+/// what waiting workers cost the store however many connect; a poll beyond it gets 429
+/// with `Retry-After` before touching the store. Polls with `wait_ms` 0 never wait and take no
 /// place.
 pub const POLLS_WAITING_MAX: usize = 256;
-/// The first pause between two claim rounds of one long poll; each pause without work
-/// doubles it, up to [`POLL_INTERVAL_MAX`]. The pause is the correctness path: the
-/// store's ready hint (`Store::ready_wait`) only ends one early.
-const POLL_INTERVAL_MIN: Duration = Duration::from_millis(50);
-/// The longest pause between two claim rounds of one long poll: the latency of a task
-/// whose store sent no ready hint (or whose hint was lost).
-const POLL_INTERVAL_MAX: Duration = Duration::from_secs(1);
+/// The first pause between two claim rounds of one long poll, by default
+/// ([`AppState::poll_interval_min`]); each pause without work doubles it, up to
+/// [`POLL_INTERVAL_MAX`]. The pause is the correctness path: the store's ready hint
+/// (`Store::ready_wait`) only ends one early. Also the least time a poll keeps before
+/// its deadline for its last claim round.
+pub const POLL_INTERVAL_MIN: Duration = Duration::from_millis(50);
+/// The longest pause between two claim rounds of one long poll, by default
+/// ([`AppState::poll_interval_max`]): the latency of a task whose store sent no ready
+/// hint (or whose hint was lost).
+pub const POLL_INTERVAL_MAX: Duration = Duration::from_secs(1);
 /// What a poll refused for [`POLLS_WAITING_MAX`] is told to wait, in seconds.
 const POLL_RETRY_AFTER_SECS: u64 = 1;
 /// Shortest and longest lease a worker may ask for.
@@ -191,33 +198,56 @@ pub async fn poll(
         b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect();
     state.beats.poll(store, &b.worker, &b.namespace, declared.clone()).await;
     let claim = Claim { state: &state, body: &b, queues: &queues, machines: &declared, lease };
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(b.wait_ms);
+    let started = tokio::time::Instant::now();
+    let deadline = started + Duration::from_millis(b.wait_ms);
     let mut stopping = state.stopping.subscribe();
-    let mut pause = POLL_INTERVAL_MIN;
+    let (pause_min, pause_max) = (state.poll_interval_min, state.poll_interval_max);
+    let mut pause = pause_min;
     // Expired leases are reaped on the first round, on every round the timer starts, and
     // at least once per longest pause while hints keep the timer from ending; other
     // rounds a hint starts only claim, since a hint says nothing about leases.
     let mut reap = true;
-    let mut reaped_at = tokio::time::Instant::now();
+    let mut reaped_at = started;
+    // The longest claim round so far, and at least one first pause: the last round starts
+    // that long before the deadline, so the poll answers by about `wait_ms` and a client
+    // whose timeout is `wait_ms` does not drop a task claimed for it after it gave up.
+    let mut round_cost = POLL_INTERVAL_MIN;
     loop {
+        // No task goes out once the server is shutting down: its worker could not
+        // complete it here, and the lease would expire and cost the task an attempt.
+        if *stopping.borrow() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
         let round = tokio::time::Instant::now();
-        reap |= round >= reaped_at + POLL_INTERVAL_MAX;
+        reap |= round >= reaped_at + pause_max;
         if reap {
             reaped_at = round;
         }
-        if let Some(task) = claim.round(reap).await? {
-            return Ok(Json(task).into_response());
+        // Registered before the claim, so work made ready while the claim runs (and so
+        // missed by it) ends the wait after it rather than the pause.
+        let mut hint = if b.wait_ms > 0 { Hint::register(store).await } else { Hint::never() };
+        let claimed = claim.round(reap).await?;
+        round_cost = round_cost.max(round.elapsed());
+        if let Some(claimed) = claimed {
+            if *stopping.borrow() {
+                // The shutdown began while the claim ran: give the task back as it was,
+                // without counting an attempt, for a worker of another server.
+                claim.give_back(&claimed).await?;
+                return Ok(StatusCode::NO_CONTENT.into_response());
+            }
+            return Ok(Json(task(&claimed)).into_response());
         }
-        if round >= deadline || *stopping.borrow() {
+        let last = deadline.checked_sub(round_cost).unwrap_or(started);
+        if tokio::time::Instant::now() >= last || *stopping.borrow() {
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
         // Wait for the store's hint that work may be ready or for the pause to end,
         // whichever comes first; the pause grows while nothing comes, so an idle poll
         // costs the store less the longer it waits. A server shutting down answers 204
         // at once rather than holding the shutdown for the rest of `wait_ms`.
-        let timer = (round + pause).min(deadline);
+        let timer = (round + pause).min(last);
         let hinted = tokio::select! {
-            () = store.ready_wait() => Some(true),
+            () = hint.fired() => Some(true),
             () = tokio::time::sleep_until(timer) => Some(false),
             _ = stopping.wait_for(|stop| *stop) => None,
         };
@@ -227,23 +257,46 @@ pub async fn poll(
                 // A hint wakes every waiting poll at once: spread their claims over the
                 // first pause, and claim no sooner than one first pause after the last,
                 // so a poll makes at most one round per first pause however many come.
-                let jitter = POLL_INTERVAL_MIN.mul_f64(fastrand::f64());
-                let at = (round + POLL_INTERVAL_MIN).max(tokio::time::Instant::now() + jitter);
+                let jitter = pause_min.mul_f64(fastrand::f64());
+                let at = (round + pause_min).max(tokio::time::Instant::now() + jitter);
                 tokio::select! {
-                    () = tokio::time::sleep_until(at.min(deadline)) => {}
+                    () = tokio::time::sleep_until(at.min(last)) => {}
                     _ = stopping.wait_for(|stop| *stop) => {}
                 }
                 reap = false;
             }
             Some(false) => {
-                pause = (pause * 2).min(POLL_INTERVAL_MAX);
+                pause = (pause * 2).min(pause_max);
                 reap = true;
             }
         }
-        // No task goes out once the server is shutting down: its worker could not
-        // complete it here.
-        if *stopping.borrow() {
-            return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+}
+
+/// The store's ready hint for one wait. The store's future registers nothing until it is
+/// first polled (its body has not run), so it is polled once when made: a notification
+/// from then on ends the wait, even one sent while the claim before the wait runs.
+struct Hint<'a> {
+    /// `None` once the hint came while being registered (a permit the store had left).
+    wait: Option<Pin<Box<dyn Future<Output = ()> + Send + 'a>>>,
+}
+
+impl<'a> Hint<'a> {
+    async fn register(store: &'a keel::AnyStore) -> Hint<'a> {
+        let mut wait = store.ready_wait();
+        let came = std::future::poll_fn(|cx| Poll::Ready(wait.as_mut().poll(cx).is_ready())).await;
+        Hint { wait: (!came).then_some(wait) }
+    }
+
+    /// A hint that never comes, for a poll that does not wait.
+    fn never() -> Hint<'a> {
+        Hint { wait: Some(Box::pin(std::future::pending::<()>())) }
+    }
+
+    /// Resolves when the hint comes (at once when it came while registering).
+    async fn fired(&mut self) {
+        if let Some(wait) = &mut self.wait {
+            wait.as_mut().await;
         }
     }
 }
@@ -274,7 +327,7 @@ struct Claim<'a> {
 impl Claim<'_> {
     /// One claim round: expired leases reaped when `reap`, then one task claimed, queue
     /// by queue.
-    async fn round(&self, reap: bool) -> Result<Option<serde_json::Value>, ApiError> {
+    async fn round(&self, reap: bool) -> Result<Option<Claimed>, ApiError> {
         let store = self.state.keel.store();
         if reap {
             let reaped = store
@@ -306,25 +359,36 @@ impl Claim<'_> {
                 break;
             }
         }
-        Ok(claimed.map(|claim| {
-            let i = &claim.instance;
-            let waited = now().since(i.eligible_at);
-            metrics::histogram!("keel_queue_wait_time_seconds", "machine" => i.machine.name.clone())
-                .record(waited.as_secs_f64());
-            json!({
-                "id": i.id.0,
-                "token": claim.token().0,
-                "machine": i.machine.name,
-                "version": i.machine.version,
-                "step": i.position,
-                "context": i.context,
-                "attempt": i.attempt,
-                "awaits": i.awaits,
-                "inbox": claim.inbox,
-                "lease_expires_at": i.lease_expires_at,
-            })
-        }))
+        Ok(claimed)
     }
+
+    /// Releases a claim no worker will get, counting no attempt: the task is runnable
+    /// again at once, as it was before the claim.
+    async fn give_back(&self, claim: &Claimed) -> Result<(), ApiError> {
+        let leases = vec![(claim.instance.id, claim.token())];
+        self.state.keel.store().lease_release(LeaseReleaseParams { leases, now: now() }).await?;
+        Ok(())
+    }
+}
+
+/// The task a claim hands the worker, counted in the queue wait time.
+fn task(claim: &Claimed) -> serde_json::Value {
+    let i = &claim.instance;
+    let waited = now().since(i.eligible_at);
+    metrics::histogram!("keel_queue_wait_time_seconds", "machine" => i.machine.name.clone())
+        .record(waited.as_secs_f64());
+    json!({
+        "id": i.id.0,
+        "token": claim.token().0,
+        "machine": i.machine.name,
+        "version": i.machine.version,
+        "step": i.position,
+        "context": i.context,
+        "attempt": i.attempt,
+        "awaits": i.awaits,
+        "inbox": claim.inbox,
+        "lease_expires_at": i.lease_expires_at,
+    })
 }
 
 /// The worker and token every call after the poll names.
@@ -589,4 +653,48 @@ fn holds(row: &keel::Instance, worker: &str, token: i64) -> bool {
 
 fn is_stale(error: &StoreError) -> bool {
     matches!(error.kind, keel::ErrorKind::LeaseLost | keel::ErrorKind::Conflict)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A task claimed for a poll that cannot hand it out (the server began to shut down
+    /// while the claim ran) goes back runnable at once with no attempt counted, and the
+    /// next claim gets it as it was.
+    #[tokio::test]
+    async fn a_claim_given_back_counts_no_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let keel = keel::Keel::connect(&url).await.unwrap();
+        let id = keel
+            .start(keel::NewInstance::new(MachineRef::new("echo", 1), "run"))
+            .await
+            .unwrap()
+            .id();
+        let state = AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
+        let body: PollBody = serde_json::from_str(
+            r#"{"worker":"w1","namespace":"default","machines":[{"name":"echo","version":1}]}"#,
+        )
+        .unwrap();
+        let machines = [MachineRef::new("echo", 1)];
+        let queues = [keel_core::ids::DEFAULT_QUEUE.to_owned()];
+        let claim = Claim {
+            state: &state,
+            body: &body,
+            queues: &queues,
+            machines: &machines,
+            lease: Duration::from_secs(60),
+        };
+        let first = claim.round(false).await.unwrap().expect("the task is claimed");
+        claim.give_back(&first).await.unwrap();
+        let row = keel.get(id).await.unwrap().instance;
+        assert_eq!(
+            (row.status, row.attempt, row.lease_owner),
+            (keel_core::ids::Status::Runnable, 0, None)
+        );
+        let again = claim.round(false).await.unwrap().expect("the task is claimable again");
+        assert_eq!((again.instance.id, again.instance.attempt), (id, 0));
+        assert!(again.token() > first.token(), "a new claim, with a new fencing token");
+    }
 }
