@@ -770,7 +770,6 @@ async fn retry_machine(
     machine: &str,
     delay: Option<Duration>,
 ) -> anyhow::Result<Report> {
-    crate::operate::require_machine(keel, ns, machine, "--machine").await?;
     let counted = dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0);
     let bar = indicatif::ProgressBar::new(counted).with_message("retrying dead letters");
     let (page, pages) = (keel_core::limits::ROWS_BATCH_MAX, crate::operate::RETRY_PAGES_MAX);
@@ -801,7 +800,7 @@ async fn retry_machine(
             "\nStopped after reading {pages} pages of dead letters; more remain, run it again."
         );
     }
-    Ok(Report::ok(
+    let report = Report::ok(
         json!({
             "namespace": ns,
             "machine": machine,
@@ -810,7 +809,10 @@ async fn retry_machine(
             "complete": done.complete,
         }),
         human,
-    ))
+    );
+    // A machine the namespace holds nothing of (a typo, or one not deployed yet) did
+    // nothing, as above: said on stderr and in the JSON, exit 0.
+    crate::operate::note_unknown_machine(keel, ns, machine, report).await
 }
 
 /// Ids a human report names before it says how many more there are.

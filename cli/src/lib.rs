@@ -196,8 +196,8 @@ pub enum Command {
     /// Delete a machine's pending instances (cancelled, with history) or its dead letters.
     #[command(group(clap::ArgGroup::new("what").required(true).args(["pending", "dlq"])))]
     Purge {
-        /// The machine (refused, with the machines the store knows, when the store holds
-        /// no instance, dead letter or worker of it in the namespace).
+        /// The machine (when the store holds no instance, dead letter or recent worker of
+        /// it in the namespace, nothing is done and a warning names the closest known one).
         machine: String,
         /// Cancel every ready or scheduled instance of the machine, and with each its
         /// live descendants (of any machine, running ones included); the report counts
@@ -333,8 +333,8 @@ pub enum DlqCommand {
         /// One dead letter's id.
         #[arg(conflicts_with_all = ["machine", "all"], required_unless_present = "machine")]
         id: Option<String>,
-        /// Every dead letter of this machine (needs `--all`; refused, with the machines the
-        /// store knows, when the store holds nothing of it in the namespace).
+        /// Every dead letter of this machine (needs `--all`; when the store holds nothing of
+        /// it in the namespace, nothing is done and a warning names the closest known one).
         #[arg(long, requires = "all")]
         machine: Option<String>,
         /// Confirms retrying every dead letter of `--machine`.

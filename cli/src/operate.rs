@@ -550,24 +550,26 @@ pub async fn purge(
     pending: bool,
     confirm: bool,
 ) -> anyhow::Result<Report> {
-    // A misspelt machine is said before the confirmation is asked for: confirming it
-    // would only purge nothing.
-    require_machine(keel, ns, machine, "machine").await?;
     if !confirm {
-        bail!(
-            "purge {} for good; add --confirm to proceed",
-            if pending {
-                "cancels every pending instance of the machine"
-            } else {
-                "deletes every dead letter of the machine"
-            }
-        );
+        let what = if pending {
+            "cancels every pending instance of the machine"
+        } else {
+            "deletes every dead letter of the machine"
+        };
+        // A misspelt machine is said before the confirmation is asked for: confirming it
+        // would only purge nothing.
+        let note = match unknown_machine(keel, ns, machine).await? {
+            Some(unknown) => format!("\nNote: {unknown}"),
+            None => String::new(),
+        };
+        bail!("purge {what} for good; add --confirm to proceed{note}");
     }
-    if pending {
-        purge_pending(keel, ns, machine).await
+    let report = if pending {
+        purge_pending(keel, ns, machine).await?
     } else {
-        purge_dlq(keel, ns, machine).await
-    }
+        purge_dlq(keel, ns, machine).await?
+    };
+    note_unknown_machine(keel, ns, machine, report).await
 }
 
 async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
@@ -940,23 +942,27 @@ pub async fn retry_machine_letters(
     Ok(done)
 }
 
-/// Machine names a "no such machine" error lists at most (the closest one is named
-/// besides, wherever it sorts).
+/// Machine names the note about a machine the store holds nothing of lists at most
+/// (the closest one is named besides, wherever it sorts).
 pub const MACHINES_SHOWN_MAX: usize = 20;
 
-/// A machine name the store knows nothing of in a namespace: no instance (in any status),
-/// no dead letter, and no worker seen in the last day declares it. A bulk command refuses
-/// it rather than report "0 affected", which reads as success for a typo.
+/// How far back [`known_names`] looks at ended instances and worker beats: a machine
+/// that ended an instance, or had a worker, within this is known.
+pub const KNOWN_WITHIN: Duration = Duration::from_secs(86_400);
+
+/// A machine name the store holds nothing of in a namespace: no instance (in any status),
+/// no dead letter, and no worker seen in the last day declares it. A bulk command given
+/// one does nothing, as for any machine with nothing to act on, and exits 0 (a machine
+/// defined in code may have nothing stored yet); it says so on stderr, with the closest
+/// known name, and its `--json` report carries the same ([`UnknownMachine::annotate`]),
+/// so a typo never reads as a plain "0 affected".
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnknownMachine {
-    /// The argument at fault as the user typed it: `--machine`, or `machine` for a
-    /// positional one.
-    pub field: &'static str,
     /// The name given.
     pub machine: String,
     /// The namespace looked in.
     pub namespace: String,
-    /// The known name it most likely misspells (`keel::settings::closest`).
+    /// The known name it most likely misspells (`keel_core::config::closest`).
     pub closest: Option<String>,
     /// Names the store knows in the namespace, sorted, at most [`MACHINES_SHOWN_MAX`].
     pub known: Vec<String>,
@@ -966,15 +972,15 @@ pub struct UnknownMachine {
 
 impl std::fmt::Display for UnknownMachine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let UnknownMachine { field, machine, namespace: ns, .. } = self;
+        let UnknownMachine { machine, namespace: ns, .. } = self;
         write!(
             f,
-            "{field}: no machine {machine:?} in namespace {ns:?} (no instance, dead letter or recent worker of it)"
+            "namespace {ns:?} holds nothing of machine {machine:?} (no instance, dead letter or worker seen in the last day)"
         )?;
         if self.known.is_empty() {
             return write!(
                 f,
-                "; the store knows no machine in namespace {ns:?}: check the namespace (-n / KEEL_NAMESPACE) and --database-url"
+                "; the store knows no machine in namespace {ns:?}: check the namespace (-n / KEEL_NAMESPACE) and --database-url."
             );
         }
         let more = match self.known_more {
@@ -982,7 +988,7 @@ impl std::fmt::Display for UnknownMachine {
             n => format!(" and {n} more"),
         };
         match &self.closest {
-            Some(near) => write!(f, "; did you mean {near:?}?")?,
+            Some(near) => write!(f, "; did you mean `{near}`?")?,
             None => f.write_str(".")?,
         }
         write!(
@@ -993,18 +999,26 @@ impl std::fmt::Display for UnknownMachine {
     }
 }
 
-impl std::error::Error for UnknownMachine {}
+impl UnknownMachine {
+    /// Adds to a bulk command's `--json` report what its text says on stderr:
+    /// `unknown_machine: true`, the closest known name (`did_you_mean`, or null) and the
+    /// names known (`machines`, bounded, with `machines_more`).
+    pub fn annotate(&self, json: &mut serde_json::Value) {
+        json["unknown_machine"] = true.into();
+        json["did_you_mean"] = json!(self.closest);
+        json["machines"] = json!(self.known);
+        json["machines_more"] = self.known_more.into();
+    }
+}
 
-/// Refuses `machine` ([`UnknownMachine`], naming `field`) when the store knows nothing of
-/// it in `ns`: no instance in any status, no dead letter, no worker seen within a day of
-/// going stale that declares it for `ns`. An existing machine with nothing to act on
-/// passes: its "0 affected" is the truth.
-pub async fn require_machine(
+/// The machine `machine` when the store holds nothing of it in `ns` ([`UnknownMachine`]):
+/// no instance in any status (one indexed read of at most one row), and then not among
+/// the [`known_names`]. `None`: the store knows it.
+pub async fn unknown_machine(
     keel: &Keel,
     ns: &str,
     machine: &str,
-    field: &'static str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<UnknownMachine>> {
     let any = InstanceListParams {
         namespace: ns.to_owned(),
         machine: Some(machine.to_owned()),
@@ -1012,47 +1026,87 @@ pub async fn require_machine(
         ..InstanceListParams::default()
     };
     if !keel.store().instance_list(any).await?.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
-    let known = known_machines(keel, ns).await?;
+    let known = known_names(keel, ns).await?.machines;
     if known.contains(machine) {
-        return Ok(());
+        return Ok(None);
     }
     let closest = keel::settings::closest(machine, known.iter().map(String::as_str));
-    Err(UnknownMachine {
-        field,
+    Ok(Some(UnknownMachine {
         machine: machine.to_owned(),
         namespace: ns.to_owned(),
         closest: closest.map(str::to_owned),
         known_more: known.len().saturating_sub(MACHINES_SHOWN_MAX),
         known: known.into_iter().take(MACHINES_SHOWN_MAX).collect(),
-    }
-    .into())
+    }))
 }
 
-/// The machine names the store knows in `ns`: those with dead letters, with unfinished
-/// instances, of its newest page of instances (ended ones included), and those declared
-/// for `ns` by the workers `keel workers` lists (live, or stale for less than a day).
-/// Bounded: a handful of grouped reads and one page.
-pub async fn known_machines(keel: &Keel, ns: &str) -> anyhow::Result<BTreeSet<String>> {
-    let mut known = BTreeSet::new();
+/// Finishes the report of a bulk command that acted on `machine` in `ns`: when the store
+/// holds nothing of it ([`unknown_machine`]), prints a warning on stderr and marks the
+/// `--json` report ([`UnknownMachine::annotate`]); else `unknown_machine: false`. The
+/// exit code stays the report's.
+pub async fn note_unknown_machine(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    mut report: Report,
+) -> anyhow::Result<Report> {
+    match unknown_machine(keel, ns, machine).await? {
+        Some(unknown) => {
+            crate::output::warn(&unknown.to_string());
+            unknown.annotate(&mut report.json);
+        }
+        None => report.json["unknown_machine"] = false.into(),
+    }
+    Ok(report)
+}
+
+/// The names the store knows in a namespace (see [`known_names`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KnownNames {
+    /// Machines, sorted.
+    pub machines: BTreeSet<String>,
+    /// Queues, sorted.
+    pub queues: BTreeSet<String>,
+}
+
+/// The machine and queue names the store knows in `ns`, from grouped reads that carry
+/// names and counts, never instance rows: machines with dead letters
+/// (`dead_letter_counts`), with unfinished instances (`queue_stats`, which `keel status`
+/// reads too), with instances ended within [`KNOWN_WITHIN`] (`instance_activity` over
+/// one bucket, on the index of ended instances), and those declared for `ns` by workers
+/// seen within [`KNOWN_WITHIN`] of going stale (at most `WORKER_LIST_MAX`); queues that
+/// hold unfinished instances or have settings (`queue_list`: paused ones). The grouped
+/// reads return one row per name; they scan what they count, as `keel status` does.
+pub async fn known_names(keel: &Keel, ns: &str) -> anyhow::Result<KnownNames> {
+    let mut known = KnownNames::default();
     for count in keel.store().dead_letter_counts(Some(ns.to_owned())).await? {
-        known.insert(count.machine);
+        known.machines.insert(count.machine);
     }
-    for stats in keel.store().queue_stats(Some(ns.to_owned()), now()).await? {
-        known.insert(stats.machine);
+    let now = now();
+    for stats in keel.store().queue_stats(Some(ns.to_owned()), now).await? {
+        known.machines.insert(stats.machine);
+        known.queues.insert(stats.queue);
     }
-    let seen_since = now().minus(WORKER_STALE_AFTER + Duration::from_secs(86_400));
+    for queue in keel.store().queue_list(ns.to_owned()).await? {
+        known.queues.insert(queue.queue);
+    }
+    let until = now.plus(Duration::from_millis(1));
+    let ended = ActivityParams {
+        namespace: Some(ns.to_owned()),
+        since: until.minus(KNOWN_WITHIN),
+        until,
+        bucket: KNOWN_WITHIN,
+    };
+    for bucket in keel.store().instance_activity(ended).await? {
+        known.machines.insert(bucket.machine);
+    }
+    let seen_since = now.minus(WORKER_STALE_AFTER + KNOWN_WITHIN);
     for worker in keel.store().worker_list(seen_since).await? {
         if worker.namespaces.is_empty() || worker.namespaces.iter().any(|n| n == ns) {
-            known.extend(worker.machines.into_iter().map(|m| m.name));
+            known.machines.extend(worker.machines.into_iter().map(|m| m.name));
         }
     }
-    let newest = InstanceListParams {
-        namespace: ns.to_owned(),
-        limit: INSTANCE_LIST_MAX,
-        ..InstanceListParams::default()
-    };
-    known.extend(keel.store().instance_list(newest).await?.into_iter().map(|i| i.machine.name));
     Ok(known)
 }

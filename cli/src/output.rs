@@ -60,21 +60,19 @@ impl PartlyDone {
     }
 }
 
+/// Prints `warning: <text>` on stderr, whichever form `--json` chose for stdout: what a
+/// user should know about a command that still succeeded (a command's `--json` report
+/// carries the same as fields of its own).
+pub fn warn(text: &str) {
+    use std::io::Write as _;
+    // A closed stderr leaves nobody to tell.
+    let _ = writeln!(std::io::stderr(), "warning: {text}");
+}
+
 /// The `--json` body of a failed command: `{"error": …}`, plus what a bulk command had
-/// already done when it failed (see [`PartlyDone`]), or for a machine the store does not
-/// know (see [`UnknownMachine`](crate::operate::UnknownMachine)) the argument at fault
-/// (`field`), the closest known name (`did_you_mean`, or null) and the names known
-/// (`machines`, bounded, with `machines_more`).
+/// already done when it failed (see [`PartlyDone`]).
 pub fn error_body(error: &anyhow::Error) -> Value {
     let mut body = serde_json::json!({ "error": format!("{error:#}") });
-    if let Some(unknown) = error.downcast_ref::<crate::operate::UnknownMachine>() {
-        body["field"] = unknown.field.into();
-        body["machine"] = unknown.machine.clone().into();
-        body["namespace"] = unknown.namespace.clone().into();
-        body["did_you_mean"] = serde_json::json!(unknown.closest);
-        body["machines"] = serde_json::json!(unknown.known);
-        body["machines_more"] = unknown.known_more.into();
-    }
     if let (Some(partly), Some(fields)) = (error.downcast_ref::<PartlyDone>(), body.as_object_mut())
         && let Some(done) = partly.json.as_object()
     {

@@ -815,52 +815,89 @@ fn a_url_without_slashes_keeps_its_password_out_of_errors() {
     }
 }
 
-/// A bulk command given a machine name the store knows nothing of in the namespace (no
-/// instance, dead letter or worker of it) is refused with the argument named, the closest
-/// known name and the names known, exit 1, and nothing changes; a machine the store knows
-/// with nothing to act on is a truthful 0.
+/// A bulk command given a machine name the store holds nothing of in the namespace (no
+/// instance, dead letter or recent worker of it: a typo, or a machine defined in code with
+/// nothing stored yet) does nothing and exits 0 with its usual 0 report, and warns on
+/// stderr naming the machine, the namespace, the closest known machine and the known
+/// ones; `--json` carries the same as fields of the report. Without `--confirm`, `purge`
+/// still refuses, with the same note.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bulk_commands_refuse_a_machine_the_store_does_not_know() {
-    for b in backends("bulk_commands_refuse_a_machine_the_store_does_not_know") {
+async fn bulk_commands_warn_of_a_machine_the_store_holds_nothing_of() {
+    for b in backends("bulk_commands_warn_of_a_machine_the_store_holds_nothing_of") {
         b.run(&["migrate"], 0);
         two_dead_letters(&b).await;
         b.run(&["start", "ticket", "--key", "K"], 0);
 
-        let cases: &[(&[&str], &str)] = &[
-            (&["purge", "refusr", "--dlq", "--confirm"], "machine: no machine \"refusr\""),
-            (&["purge", "refusr", "--dlq"], "machine: no machine \"refusr\""),
-            (&["purge", "tiket", "--pending", "--confirm"], "did you mean \"ticket\"?"),
-            (&["dlq", "retry", "--machine", "refusr", "--all"], "--machine: no machine"),
+        let cases: &[(&[&str], &str, &str)] = &[
+            (
+                &["purge", "refusr", "--dlq", "--confirm"],
+                "Purged 0 dead letter(s) of \"refusr\" in namespace \"default\"",
+                "did you mean `refuser`?",
+            ),
+            (
+                &["purge", "tiket", "--pending", "--confirm"],
+                "Cancelled 0 pending instance(s) of \"tiket\" in namespace \"default\"",
+                "did you mean `ticket`?",
+            ),
+            (
+                &["dlq", "retry", "--machine", "refusr", "--all"],
+                "Retried 0 instance(s) of \"refusr\" in namespace \"default\": none.",
+                "did you mean `refuser`?",
+            ),
+            (
+                &["purge", "reports", "--pending", "--confirm"],
+                "Cancelled 0 pending instance(s) of \"reports\"",
+                "(no instance, dead letter or worker seen in the last day).",
+            ),
         ];
-        for (args, needle) in cases {
-            let (_, err) = b.run(args, 1);
-            assert!(err.contains(needle), "{}: keel {args:?}: {err}", b.name);
+        for (args, report, near) in cases {
+            let (out, err) = b.run(args, 0);
+            assert!(out.contains(report), "{}: keel {args:?}: {out}", b.name);
+            let machine = args[if args[0] == "purge" { 1 } else { 3 }];
+            let warning = format!(
+                "warning: namespace \"default\" holds nothing of machine \"{machine}\" (no instance, dead letter or worker seen in the last day)"
+            );
+            assert!(err.contains(&warning), "{}: keel {args:?}: {err}", b.name);
+            assert!(err.contains(near), "{}: keel {args:?}: {err}", b.name);
             assert!(
                 err.contains("Machines in namespace \"default\": refuser, ticket."),
                 "{}: keel {args:?} lists the known machines: {err}",
                 b.name
             );
         }
-        let body = b.json_code_of(&["purge", "refusr", "--dlq", "--confirm"], 1);
+        let body = b.json(&["purge", "refusr", "--dlq", "--confirm"]);
         assert_eq!(
-            (&body["field"], &body["did_you_mean"], &body["machines"]),
-            (&json!("machine"), &json!("refuser"), &json!(["refuser", "ticket"])),
+            (&body["purged"], &body["unknown_machine"], &body["did_you_mean"], &body["machines"]),
+            (&json!(0), &json!(true), &json!("refuser"), &json!(["refuser", "ticket"])),
             "{}: {body}",
             b.name
         );
-        assert!(body["error"].as_str().unwrap().starts_with("machine: "), "{body}");
-        let (_, err) = b.run(&["-n", "other", "purge", "refuser", "--dlq", "--confirm"], 1);
+        let body = b.json(&["dlq", "retry", "--machine", "refusr", "--all"]);
+        assert_eq!((&body["retried"], &body["unknown_machine"]), (&json!([]), &json!(true)));
+        let body = b.json(&["purge", "reports", "--pending", "--confirm"]);
+        assert_eq!((&body["cancelled"], &body["did_you_mean"]), (&json!(0), &json!(null)));
+        assert_eq!(body["machines_more"], 0, "{}: {body}", b.name);
+        // Without --confirm it still refuses, saying the machine is unknown.
+        let (_, err) = b.run(&["purge", "refusr", "--dlq"], 1);
+        assert!(err.contains("add --confirm to proceed"), "{}: {err}", b.name);
+        assert!(err.contains("Note: namespace \"default\" holds nothing of machine"), "{err}");
+        let (_, err) = b.run(&["-n", "other", "purge", "refuser", "--dlq", "--confirm"], 0);
         assert!(err.contains("the store knows no machine in namespace \"other\""), "{err}");
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 2);
         assert_eq!(b.json(&["status", "--machine", "ticket"])["queues"][0]["ready"], 1);
 
-        // Known machines with nothing to act on: 0, and success.
-        let purged = b.json(&["purge", "ticket", "--dlq", "--confirm"]);
-        assert_eq!(purged["purged"], 0, "{}: {purged}", b.name);
-        let cancelled = b.json(&["purge", "refuser", "--pending", "--confirm"]);
-        assert_eq!(cancelled["cancelled"], 0, "{}: {cancelled}", b.name);
-        let retried = b.json(&["dlq", "retry", "--machine", "ticket", "--all"]);
-        assert_eq!(retried["retried"], json!([]), "{}: {retried}", b.name);
+        // Known machines with nothing to act on: a plain 0, no warning.
+        let cases: &[&[&str]] = &[
+            &["purge", "ticket", "--dlq", "--confirm"],
+            &["purge", "refuser", "--pending", "--confirm"],
+            &["dlq", "retry", "--machine", "ticket", "--all"],
+        ];
+        for args in cases {
+            let (_, err) = b.run(args, 0);
+            assert!(!err.contains("warning"), "{}: keel {args:?}: {err}", b.name);
+            let body = b.json(args);
+            assert_eq!(body["unknown_machine"], false, "{}: keel {args:?}: {body}", b.name);
+        }
     }
 }
 
@@ -942,14 +979,17 @@ fn a_bad_config_file_is_reported_before_an_unreachable_store() {
 }
 
 /// `keel config check` holds the file's machine and queue sections against the machines
-/// the store knows in the namespace, with the rule a worker warns by: a likely misspelling
-/// fails (exit 1) naming the section and the closest name; a section of a machine the
-/// store has not seen is a note.
+/// and queues the store knows in the namespace, with the rule a worker warns by: a likely
+/// misspelling is a warning naming the section and the closest name, a section of a
+/// machine the store has not seen a note; a file that loads exits 0 either way, since the
+/// store cannot know a machine or queue not deployed yet (`order2` next to `order`). A
+/// queue the store holds instances in is in use, even when it resembles the file's.
 #[test]
-fn config_check_names_sections_that_look_like_misspellings() {
-    for b in backends("config_check_names_sections_that_look_like_misspellings") {
+fn config_check_warns_of_sections_that_look_like_misspellings() {
+    for b in backends("config_check_warns_of_sections_that_look_like_misspellings") {
         b.run(&["migrate"], 0);
         b.run(&["start", "order", "--key", "K"], 0);
+        b.run(&["start", "order", "--key", "L", "--queue", "tier1"], 0);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keel.toml");
         let file = |text: &str| {
@@ -962,20 +1002,28 @@ fn config_check_names_sections_that_look_like_misspellings() {
              [queues.paymnts]\nconcurrency = 2\n\
              [machines.checkout.queue]\ntimeout = \"9s\"\n",
         );
-        let (out, _) = b.run(&["--config", &typos, "config", "check"], 1);
+        let (out, _) = b.run(&["--config", &typos, "config", "check"], 0);
         for needle in [
             "valid (3 machine section(s), 1 queue section(s))",
-            "[machines.ordr]: names nothing the store knows in namespace \"default\"; did you mean `order`?",
-            "[queues.paymnts]: names nothing the store knows in namespace \"default\"; did you mean `payments`?",
+            "Warning: [machines.ordr]: names nothing the store knows in namespace \"default\"; did you mean `order`?",
+            "Warning: [queues.paymnts]: names nothing the store knows in namespace \"default\"; did you mean `payments`?",
             "Note: [machines.checkout]: no machine of that name",
         ] {
             assert!(out.contains(needle), "{}: {needle}: {out}", b.name);
         }
-        let body = b.json_code_of(&["--config", &typos, "config", "check"], 1);
-        assert_eq!(body["likely_typos"], 2, "{}: {body}", b.name);
+        let body = b.json(&["--config", &typos, "config", "check"]);
+        assert_eq!((&body["likely_typos"], &body["valid"]), (&json!(2), &json!(true)));
+        // A new machine and queue named next to known ones: warned of, not failed.
+        let new = file("[machines.order2.queue]\nname = \"orders2\"\n[queues.orders2]\n");
+        let (out, _) = b.run(&["--config", &new, "config", "check"], 0);
+        assert!(out.contains("Warning: [machines.order2]"), "{}: {out}", b.name);
+        // `tier1` holds an instance: its section is in use, though close to `tier2`.
+        let tiers = file("[machines.order.queue]\nname = \"tier2\"\n[queues.tier1]\n");
+        let body = b.json(&["--config", &tiers, "config", "check"]);
+        assert_eq!(body["unused"], json!([]), "{}: {body}", b.name);
         let fine = file("[machines.order.queue]\ntimeout = \"5s\"\n[machines.checkout]\n");
         let (out, _) = b.run(&["--config", &fine, "config", "check"], 0);
-        assert!(out.contains("Note: [machines.checkout]"), "{}: {out}", b.name);
+        assert!(out.contains("Note: [machines.checkout]") && !out.contains("Warning"), "{out}");
         let (_, err) = b.run(&["config", "check"], 1);
         assert!(err.contains("--config: name the file to check"), "{err}");
     }

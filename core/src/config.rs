@@ -50,6 +50,7 @@ use crate::duration::serde_human;
 use crate::ids::Priority;
 pub use crate::names::UnknownName;
 use crate::names::name_enum;
+pub use crate::names::{NAME_COMPARE_MAX, closest};
 use crate::retry::{Backoff, Jitter, RetryPolicy};
 
 name_enum! {
@@ -1555,6 +1556,152 @@ impl From<QueueConfig> for PartialQueueConfig {
             // A queue's limits are not part of a step's configuration.
             key_rate_limit: None,
         }
+    }
+}
+
+/// A section of the configuration file that names a machine or queue nothing in use
+/// needs, so none of its keys takes effect there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnusedSection {
+    /// The section as written in the file: `[machines.ordr]`, `[queues.paymnts]`.
+    pub section: String,
+    /// The name it is most likely a misspelling of ([`closest`]), if any.
+    pub closest: Option<String>,
+}
+
+impl UnusedSection {
+    /// A likely misspelling ([`closest`] found a name): worth a warning. Without one, the
+    /// section most likely belongs to another program sharing the file, or to a machine
+    /// not deployed yet.
+    pub fn is_likely_typo(&self) -> bool {
+        self.closest.is_some()
+    }
+}
+
+/// The sections of `config` that the `machines` and `queues` in use leave unused:
+///
+/// - every `[machines.<m>]` whose `m` is not one of `machines`;
+/// - every `[queues.<q>]` whose `q` is not in use, when `q` is a likely misspelling of
+///   one that is. In use: `default`, every one of `queues` (a worker's own claim queues,
+///   or the queues a store holds instances in: names a program chose in code, which the
+///   file cannot show), and the queues `machines` start in or dispatch regions to by the
+///   file (`name`, `parallel_dispatch` `queue`, at the system or the machine's level). A
+///   queue with no close name is left out for the same reason: a program may start
+///   instances in a queue it names only in code.
+///
+/// A file shared by workers serving different machines names machines a given worker
+/// does not register, and a section may be written before its machine is deployed, so
+/// this is a report (a worker logs it, `keel config check` prints it), never a refusal;
+/// a section with a [`closest`] name is the case worth a warning. Pure: the callers
+/// gather the names.
+pub fn unused_sections(
+    config: &KeelConfig,
+    machines: &[&str],
+    queues: &[&str],
+) -> Vec<UnusedSection> {
+    let mut unused = Vec::new();
+    for name in config.machines.keys() {
+        if !machines.contains(&name.as_str()) {
+            unused.push(UnusedSection {
+                section: format!("[machines.{name}]"),
+                closest: closest(name, machines.iter().copied()).map(str::to_owned),
+            });
+        }
+    }
+    let mut used = std::collections::BTreeSet::from([crate::ids::DEFAULT_QUEUE.to_owned()]);
+    used.extend(queues.iter().map(|q| (*q).to_owned()));
+    used.extend(config.queue.name.clone());
+    used.extend(config.parallel_dispatch.queue.clone());
+    for machine in machines {
+        used.extend(config.layered(machine, None).name);
+        used.extend(config.parallel_for(machine).queue);
+    }
+    for queue in config.queues.keys().filter(|q| !used.contains(*q)) {
+        if let Some(near) = closest(queue, used.iter().map(String::as_str)) {
+            unused.push(UnusedSection {
+                section: format!("[queues.{queue}]"),
+                closest: Some(near.to_owned()),
+            });
+        }
+    }
+    unused
+}
+
+#[cfg(test)]
+mod unused_tests {
+    use super::*;
+
+    fn config(text: &str) -> KeelConfig {
+        KeelConfig::from_toml_str(text).expect("a valid file")
+    }
+
+    fn section(section: &str, near: Option<&str>) -> UnusedSection {
+        UnusedSection { section: section.to_owned(), closest: near.map(str::to_owned) }
+    }
+
+    const FILE: &str = "[machines.order.queue]\nname = \"payments\"\n\
+                        [machines.ordr.queue]\ntimeout = \"5s\"\n\
+                        [machines.payment.queue]\ntimeout = \"7s\"\n\
+                        [queues.paymnts]\nconcurrency = 2\n\
+                        [queues.payments]\nconcurrency = 4\n\
+                        [queues.bulk]\nconcurrency = 1\n";
+
+    #[test]
+    fn unused_sections_are_machines_not_in_use_and_queues_close_to_one_in_use() {
+        let check = |machines: &[&str], queues: &[&str], expected: &[UnusedSection]| {
+            let got = unused_sections(&config(FILE), machines, queues);
+            assert_eq!(got, expected, "machines {machines:?}, queues {queues:?}");
+        };
+        check(
+            &["order"],
+            &[],
+            &[
+                section("[machines.ordr]", Some("order")),
+                section("[machines.payment]", None),
+                section("[queues.paymnts]", Some("payments")),
+            ],
+        );
+        check(
+            &["order", "payment"],
+            &[],
+            &[
+                section("[machines.ordr]", Some("order")),
+                section("[queues.paymnts]", Some("payments")),
+            ],
+        );
+        // A queue in use by code (claimed by the worker, or holding instances) is used.
+        check(&["order", "payment", "ordr"], &["paymnts"], &[]);
+        check(
+            &[],
+            &[],
+            &[
+                section("[machines.order]", None),
+                section("[machines.ordr]", None),
+                section("[machines.payment]", None),
+            ],
+        );
+        assert_eq!(
+            unused_sections(&config("[machines.ship]\n"), &[], &[]),
+            [section("[machines.ship]", None)]
+        );
+    }
+
+    #[test]
+    fn a_queue_the_code_claims_from_is_used_even_when_it_resembles_a_file_queue() {
+        let file =
+            config("[machines.order.queue]\nname = \"tier2\"\n[queues.tier1]\nconcurrency = 4\n");
+        assert_eq!(
+            unused_sections(&file, &["order"], &[]),
+            [section("[queues.tier1]", Some("tier2"))],
+            "nothing says tier1 is in use: it looks like a misspelling of tier2"
+        );
+        assert_eq!(unused_sections(&file, &["order"], &["default", "tier1"]), []);
+        // A queue in use is also a name a misspelling is held against.
+        let file = config("[queues.tier1x]\nconcurrency = 4\n");
+        assert_eq!(
+            unused_sections(&file, &[], &["tier1"]),
+            [section("[queues.tier1x]", Some("tier1"))]
+        );
     }
 }
 

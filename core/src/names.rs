@@ -91,3 +91,93 @@ macro_rules! join {
 
 pub(crate) use join;
 pub(crate) use name_enum;
+
+/// Names longer than this (in characters) are never compared by [`closest`]: no machine
+/// or queue name is that long, and the comparison's cost grows with the product of the
+/// two lengths.
+pub const NAME_COMPARE_MAX: usize = 128;
+
+/// The name in `known` that `name` is most likely a misspelling of, if any: the one at
+/// the smallest edit distance (insertions, deletions and substitutions of characters,
+/// case ignored), when that distance is at most a third of `name`'s length (and at least
+/// 1), ties broken by the name that sorts first. `name` itself is never suggested.
+///
+/// This is the one "did you mean" rule of Keel's tools: a worker warning about a
+/// configuration section for a machine it does not register, `keel config check`, and
+/// the `keel` bulk commands given a machine name the store holds nothing of all use it.
+///
+/// ```
+/// use keel_core::config::closest;
+/// assert_eq!(closest("ordr", ["order", "payment"]), Some("order"));
+/// assert_eq!(closest("Order", ["order"]), Some("order"));
+/// assert_eq!(closest("shipping", ["order", "payment"]), None);
+/// ```
+pub fn closest<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let wanted: Vec<char> = name.to_lowercase().chars().collect();
+    if wanted.is_empty() || wanted.len() > NAME_COMPARE_MAX {
+        return None;
+    }
+    let within = (wanted.len() / 3).max(1);
+    let mut best: Option<(usize, &'a str)> = None;
+    for candidate in known {
+        if candidate == name || candidate.chars().count() > NAME_COMPARE_MAX {
+            continue;
+        }
+        let other: Vec<char> = candidate.to_lowercase().chars().collect();
+        let distance = edit_distance(&wanted, &other);
+        let better = best.is_none_or(|(d, b)| (distance, candidate) < (d, b));
+        if distance <= within && better {
+            best = Some((distance, candidate));
+        }
+    }
+    best.map(|(_, name)| name)
+}
+
+/// Levenshtein distance over characters, one row at a time.
+fn edit_distance(a: &[char], b: &[char]) -> usize {
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(diagonal + 1);
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(name: &str, known: &[&str], expected: Option<&str>) {
+        assert_eq!(closest(name, known.iter().copied()), expected, "{name} among {known:?}");
+    }
+
+    #[test]
+    fn closest_is_a_near_name_or_none() {
+        check("ordr", &["order", "payment"], Some("order"));
+        check("ORDER", &["order"], Some("order"));
+        check("order", &["order"], None);
+        check("ab", &["ac", "ad"], Some("ac"));
+        check("a", &["b"], Some("b"));
+        check("shipping", &["order", "payment"], None);
+        check("", &["order"], None);
+        check(&"x".repeat(200), &[&"x".repeat(199)], None);
+        check("paymnts", &["payment", "payments"], Some("payments"));
+    }
+
+    #[test]
+    fn edit_distance_counts_insertions_deletions_and_substitutions() {
+        let d = |a: &str, b: &str| {
+            edit_distance(&a.chars().collect::<Vec<_>>(), &b.chars().collect::<Vec<_>>())
+        };
+        assert_eq!(d("kitten", "sitting"), 3);
+        assert_eq!(d("", "abc"), 3);
+        assert_eq!(d("abc", ""), 3);
+        assert_eq!(d("order", "order"), 0);
+        assert_eq!(d("ordr", "order"), 1);
+    }
+}

@@ -418,8 +418,9 @@ impl Keel {
     /// (`WorkerConfig::with_settings`).
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
         let Some(file) = self.client.settings() else { return self.builder(config) };
+        let own = own_queues(&config);
         match apply(config, file.clone(), GIVEN_SETTINGS) {
-            Ok(config) => self.builder(config),
+            Ok(config) => self.builder(config).claiming(own),
             // Never spawned: `spawn` returns the error.
             Err(e) => self.builder(WorkerConfig::default()).refuse(e),
         }
@@ -441,6 +442,7 @@ impl Keel {
     ) -> Result<WorkerBuilder, Error> {
         let label = || path.map_or_else(|| "$KEEL_CONFIG".to_owned(), |p| p.display().to_string());
         let names_file = path.is_some() || std::env::var_os(settings::CONFIG_VAR).is_some();
+        let own = own_queues(&config);
         let config = match (self.client.settings(), names_file) {
             (Some(given), false) => apply(config, given.clone(), GIVEN_SETTINGS)?,
             (given, _) => match (settings::load(path)?, given) {
@@ -459,7 +461,7 @@ impl Keel {
                 (None, _) => config,
             },
         };
-        Ok(self.builder(config))
+        Ok(self.builder(config).claiming(own))
     }
 
     /// A worker on this store with `config` as it is, and this connection's queue of hints.
@@ -470,6 +472,12 @@ impl Keel {
             None => builder,
         }
     }
+}
+
+/// The queues `config` claims from as the program set them, before a configuration file
+/// adds its own.
+fn own_queues(config: &WorkerConfig) -> Vec<String> {
+    config.queues.iter().map(|(q, _)| q.clone()).collect()
 }
 
 /// `config` with the configuration file `settings` applied; an error names `file`.

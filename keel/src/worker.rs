@@ -66,11 +66,15 @@ pub struct WorkerBuilder {
     /// The configuration file the worker applies, if any: its sections are checked
     /// against the registered machines when the worker starts.
     settings: Option<Arc<KeelConfig>>,
+    /// The queues the program gave the worker to claim from, before the file added its
+    /// own: a `[queues.<q>]` section for one of them is in use.
+    own_queues: Vec<String>,
 }
 
 impl WorkerBuilder {
     pub(crate) fn new(store: AnyStore, clock: AnyClock, config: WorkerConfig) -> Self {
         let settings = config.settings.clone();
+        let own_queues = config.queues.iter().map(|(q, _)| q.clone()).collect();
         WorkerBuilder {
             worker: Worker::new(Arc::new(store), clock, config),
             hint_stats: None,
@@ -78,7 +82,16 @@ impl WorkerBuilder {
             elsewhere: BTreeSet::new(),
             refused: None,
             settings,
+            own_queues,
         }
+    }
+
+    /// This worker with `queues` as the ones its program gave it to claim from: the
+    /// queues of its [`WorkerConfig`] before a configuration file was applied to it (the
+    /// file adds every queue it names).
+    pub(crate) fn claiming(mut self, queues: Vec<String>) -> Self {
+        self.own_queues = queues;
+        self
     }
 
     /// This worker with `error` for [`spawn`](Self::spawn) to return.
@@ -186,7 +199,8 @@ impl WorkerBuilder {
 
     /// The sections of the configuration file this worker applies that name a machine it
     /// neither registers nor declares [`served_elsewhere`](Self::served_elsewhere), or a
-    /// queue that is a likely misspelling of one its machines use
+    /// queue that is a likely misspelling of one in use: one its machines start in or
+    /// dispatch regions to by the file, or one the program gave the worker to claim from
     /// ([`settings::unused_sections`]); empty without a file.
     pub fn unused_sections(&self) -> Vec<UnusedSection> {
         let Some(settings) = &self.settings else { return Vec::new() };
@@ -194,7 +208,8 @@ impl WorkerBuilder {
         names.extend(self.elsewhere.iter().map(String::as_str));
         names.sort_unstable();
         names.dedup();
-        settings::unused_sections(settings, &names)
+        let queues: Vec<&str> = self.own_queues.iter().map(String::as_str).collect();
+        settings::unused_sections(settings, &names, &queues)
     }
 
     /// Runs the worker until the process gets Ctrl-C (SIGINT) or SIGTERM, then shuts it
@@ -234,7 +249,8 @@ fn log_unused(unused: &[UnusedSection]) {
                 section = %section.section,
                 closest = %near,
                 "configuration section {} names no machine or queue of this worker, so none of \
-                 its keys applies here; did you mean `{near}`? Fix the name in the file",
+                 its keys applies here; did you mean `{near}`? If it is misspelt, fix the name \
+                 in the file",
                 section.section
             ),
             None => others.push(section.section.as_str()),

@@ -1,11 +1,12 @@
 //! A worker given a configuration file checks its sections against the machines it
-//! registers: a `[machines.<m>]` or `[queues.<q>]` section no machine of the worker uses,
-//! and that looks like a misspelling of a name it does use, is reported (logged as a
-//! warning at start-up) with that name.
+//! registers and the queues it claims from: a `[machines.<m>]` or `[queues.<q>]` section
+//! nothing of the worker uses, and that looks like a misspelling of a name it does use,
+//! is reported (logged as a warning at start-up) with that name. The rule itself
+//! (`keel_core::config::unused_sections`, `closest`) is tested in keel-core.
 
 use keel::layers::core::config::KeelConfig;
-use keel::settings::{UnusedSection, closest, unused_sections};
-use keel::{Keel, MachineRef, Outcome, StepContext, StepError, StepMachine, json};
+use keel::settings::UnusedSection;
+use keel::{Keel, MachineRef, Outcome, StepContext, StepError, StepMachine, WorkerConfig, json};
 use std::sync::{Arc, Mutex};
 
 struct Order;
@@ -58,21 +59,22 @@ async fn a_worker_reports_the_sections_its_machines_do_not_use() {
     assert_eq!(plain.worker().register(Order).expect("registers").unused_sections(), []);
 }
 
-#[test]
-fn closest_is_a_near_name_or_none() {
-    let check = |name: &str, known: &[&str], expected: Option<&str>| {
-        assert_eq!(closest(name, known.iter().copied()), expected, "{name} among {known:?}");
-    };
-    check("ordr", &["order", "payment"], Some("order"));
-    check("ORDER", &["order"], Some("order"));
-    check("order", &["order"], None);
-    check("ab", &["ac", "ad"], Some("ac"));
-    check("a", &["b"], Some("b"));
-    check("shipping", &["order", "payment"], None);
-    check("", &["order"], None);
-    check(&"x".repeat(200), &[&"x".repeat(199)], None);
-    let unused = unused_sections(&config("[machines.ship]\n"), &[]);
-    assert_eq!(unused, [UnusedSection { section: "[machines.ship]".to_owned(), closest: None }]);
+/// The queues a worker's program gives it to claim from are in use: a `[queues.<q>]`
+/// section for one of them is not a misspelling, even when `q` is close to a queue the
+/// file starts the worker's machines in; the same section on a worker that does not
+/// claim from `q` is still reported.
+#[tokio::test]
+async fn a_queue_the_worker_claims_from_is_in_use() {
+    let file = "[machines.order.queue]\nname = \"tier2\"\n[queues.tier1]\nconcurrency = 4\n";
+    let keel = Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(file));
+    let mut claims = WorkerConfig::default();
+    claims.queues.push(("tier1".to_owned(), 4));
+    let worker = keel.worker_with(claims.clone()).register(Order).expect("registers");
+    assert_eq!(worker.unused_sections(), []);
+    let worker = keel.configured_worker(claims, None).expect("the Keel's file").register(Order);
+    assert_eq!(worker.expect("registers").unused_sections(), []);
+    let other = keel.worker().register(Order).expect("registers");
+    assert_eq!(other.unused_sections(), [typo("[queues.tier1]", "tier2")]);
 }
 
 /// Every event logged while it is the default subscriber, as `LEVEL message`.
@@ -113,8 +115,13 @@ async fn a_starting_worker_warns_of_a_likely_misspelling_and_notes_the_rest() {
     let keel = Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(FILE));
     let worker = keel.worker().register(Order).expect("registers");
     let lines = Lines::default();
-    let handle = tracing::subscriber::with_default(lines.clone(), || worker.spawn())
-        .expect("unused sections are reported, not refused");
+    // The interest cache is rebuilt under this subscriber, so a callsite another test's
+    // thread registered meanwhile cannot keep a stale "never" for it.
+    let handle = tracing::subscriber::with_default(lines.clone(), || {
+        tracing::callsite::rebuild_interest_cache();
+        worker.spawn()
+    })
+    .expect("unused sections are reported, not refused");
     handle.shutdown().await;
     let lines = lines.0.lock().expect("not poisoned").clone();
     let logged = |needle: &str| lines.iter().any(|l| l.contains(needle));
