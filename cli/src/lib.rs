@@ -364,18 +364,33 @@ pub enum SchedulesCommand {
         /// The schedule's name (`[schedules.<name>]`).
         name: String,
     },
-    /// Let every worker fire a paused schedule again, from its first tick after now (a
-    /// fired tick recorded ahead of now, by a clock that ran ahead, is re-anchored at now).
+    /// Let every worker fire a paused schedule again, from its first tick after now. When
+    /// it ends a stored pause, a fired tick recorded more than 5 s ahead of this host's
+    /// clock (by a clock that ran ahead) is re-anchored at now, and the report says so:
+    /// ticks between now and the old record may fire again. Resuming a running schedule
+    /// changes nothing.
     Resume {
         /// The schedule's name (`[schedules.<name>]`).
         name: String,
     },
-    /// Delete the stored states (pause, recorded tick) of schedules the `--config` file no
-    /// longer defines, in the namespaces its schedules act in; they count toward the
-    /// namespace's limit of 1000 stored states until deleted.
+    /// Delete stored states (pause, recorded tick) that no schedule of the `--config` file
+    /// defines, in the namespaces its schedules act in; they count toward the namespace's
+    /// limit of 1000 stored states until deleted. Another deploy's keel.toml in the same
+    /// namespace may still define them: forget one only if no other deploy's file does.
+    /// A state used within the last 24 hours (a recorded tick or a pause or resume) is
+    /// refused unless --force.
     Forget {
-        /// Only these leftover schedules (default: every one `keel schedules` lists).
+        /// The leftover states to delete: `NAME`, or `NAMESPACE/NAME` when the name is
+        /// left over in several namespaces.
+        #[arg(value_name = "NAME", conflicts_with = "all")]
         names: Vec<String>,
+        /// Delete every leftover state `keel schedules` lists.
+        #[arg(long)]
+        all: bool,
+        /// Delete states used within the last 24 hours too (a worker may still serve them:
+        /// its pause is dropped and it fires again).
+        #[arg(long)]
+        force: bool,
     },
 }
 

@@ -7,8 +7,10 @@
 //! under the schedule's namespace; every worker's runner reads them before it fires a
 //! tick. The listing reads the stored states when the store is reachable and says so when
 //! it is not; its next fire time is the one the runners' rule lets through (after a
-//! recorded fired tick too), and it names stored states left over by schedules the file no
-//! longer defines, which `keel schedules forget` deletes.
+//! recorded fired tick too), and it names stored states no schedule of the file defines,
+//! which `keel schedules forget NAME…` (or `--all`) deletes when no other deploy's file
+//! defines them either. A resume that re-anchors a recorded fired tick says so, from what
+//! to what.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -18,7 +20,9 @@ use keel::json;
 use keel_core::Timestamp;
 use keel_core::ports::Store;
 use keel_core::ports::store::{ScheduleForgetParams, SchedulePauseParams, ScheduleState};
-use keel_core::schedule::{Pause, Schedule, ScheduleInfo, plan_forget};
+use keel_core::schedule::{
+    FORGET_QUIET_MS, Pause, Schedule, ScheduleInfo, plan_forget, re_anchored, recently_used,
+};
 
 use crate::commands::{connect, now};
 use crate::output::{Report, table, time};
@@ -47,7 +51,10 @@ pub async fn run(cli: &Cli, command: Option<&SchedulesCommand>) -> anyhow::Resul
         }
         Some(SchedulesCommand::Pause { name }) => set(cli, path, &schedules, name, true).await,
         Some(SchedulesCommand::Resume { name }) => set(cli, path, &schedules, name, false).await,
-        Some(SchedulesCommand::Forget { names }) => forget(cli, path, &schedules, names).await,
+        Some(SchedulesCommand::Forget { names, all, force }) => {
+            let pick = Pick { names, all: *all, force: *force };
+            forget(cli, path, &schedules, pick).await
+        }
     }
 }
 
@@ -64,6 +71,34 @@ pub async fn stored_states<S: Store + ?Sized>(
         }
     }
     Ok(stored)
+}
+
+/// The stored state of the schedule `name` in `namespace`, if any (one bounded read of
+/// the namespace).
+pub async fn state_of<S: Store + ?Sized>(
+    store: &S,
+    namespace: &str,
+    name: &str,
+) -> keel_core::StoreResult<Option<ScheduleState>> {
+    let states = store.schedule_states(namespace.to_owned()).await?;
+    Ok(states.into_iter().find(|s| s.name == name))
+}
+
+/// Most leftover states an error or a note names; the rest are counted.
+const NAMED_MAX: usize = 20;
+
+/// `(namespace, name)` pairs as `name (namespace)`, at most [`NAMED_MAX`] of them, then
+/// how many more there are.
+fn named(pairs: &[(String, String)]) -> String {
+    let mut text: Vec<String> =
+        pairs.iter().take(NAMED_MAX).map(|(ns, name)| format!("{name} ({ns})")).collect();
+    if pairs.len() > NAMED_MAX {
+        text.push(format!(
+            "and {} more (`keel schedules --json` lists them all)",
+            pairs.len() - NAMED_MAX
+        ));
+    }
+    text.join(", ")
 }
 
 /// Each schedule as listed at `now`: the stored state wins over the definition's `paused`.
@@ -159,19 +194,29 @@ pub fn list(
     let mut notes: Vec<String> = Vec::new();
     for i in infos.iter().filter(|i| i.fired_ahead) {
         let through = i.fired_through.map_or_else(String::new, |at| time(at.as_millis()));
+        // Only a resume that ends a stored pause re-anchors the recorded tick.
+        let fix = if i.paused && i.changed_at.is_some() {
+            format!("`keel schedules resume {}` re-anchors it", i.name)
+        } else {
+            format!(
+                "`keel schedules pause {0}` then `keel schedules resume {0}` re-anchors it",
+                i.name
+            )
+        };
         notes.push(format!(
             "\n{} is recorded as fired through {through}, ahead of this clock: no tick fires \
-             before then (a clock ran ahead); `keel schedules resume {}` re-anchors it.",
-            i.name, i.name
+             before then. If a clock ran ahead, {fix} at the resume time (ticks between the \
+             resume and {through} may fire again).",
+            i.name
         ));
     }
     if !leftover.is_empty() {
-        let names: Vec<String> =
-            leftover.iter().map(|(ns, name)| format!("{name} ({ns})")).collect();
         notes.push(format!(
-            "\nStored states of schedules this file does not define: {}. They count toward \
-             their namespace's limit of {} stored states; `keel schedules forget` deletes them.",
-            names.join(", "),
+            "\nStored states that no schedule of this file defines: {}. They count toward their \
+             namespace's limit of {} stored states. Another deploy's keel.toml in the same \
+             namespace may still define them: forget them only if no other deploy's file \
+             defines them (`keel schedules forget NAME…`, or `--all`).",
+            named(&leftover),
             keel_core::schedule::SCHEDULE_STATES_MAX
         ));
     }
@@ -195,6 +240,8 @@ async fn set(
 ) -> anyhow::Result<Report> {
     let schedule = find(schedules, name).map_err(|e| anyhow!("{e} in {}", config.display()))?;
     let keel = connect(cli, false).await?;
+    // Read first, so the report can say what a resume's re-anchor moved the tick from.
+    let before = state_of(keel.store(), schedule.namespace(), name).await?;
     let at = now();
     let state = keel
         .store()
@@ -205,21 +252,34 @@ async fn set(
             now: at,
         })
         .await?;
-    Ok(changed(schedule, &state, at))
+    Ok(changed(schedule, before.as_ref(), &state, at))
 }
 
-/// Deletes the stored states of schedules the file no longer defines: `names` of them, or
-/// every one when `names` is empty. A name the file defines is refused (its state is in
-/// use), and so is one with no stored state.
+/// What `keel schedules forget` was asked to delete.
+#[derive(Debug, Clone, Copy)]
+pub struct Pick<'a> {
+    /// `NAME` or `NAMESPACE/NAME` of leftover states.
+    pub names: &'a [String],
+    /// Every leftover state.
+    pub all: bool,
+    /// Also states used within [`FORGET_QUIET_MS`].
+    pub force: bool,
+}
+
+/// Deletes stored states that no schedule of the file defines: the named ones, or every
+/// one with `--all`. Refused before anything is deleted: neither names nor `--all`, a
+/// name that is not left over (or is left over in several namespaces), and, without
+/// `--force`, a state used within [`FORGET_QUIET_MS`].
 async fn forget(
     cli: &Cli,
     config: &Path,
     schedules: &[Schedule],
-    names: &[String],
+    pick: Pick<'_>,
 ) -> anyhow::Result<Report> {
     let keel = connect(cli, false).await?;
     let stored = stored_states(keel.store(), schedules).await?;
-    let chosen = choose_leftovers(schedules, &leftovers(schedules, &stored), names)
+    let chosen = choose_leftovers(schedules, &leftovers(schedules, &stored), pick)
+        .and_then(|chosen| check_quiet(&stored, &chosen, pick.force, now()).map(|()| chosen))
         .map_err(|e| anyhow!("{e} ({})", config.display()))?;
     let mut by_namespace: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (ns, name) in &chosen {
@@ -234,53 +294,114 @@ async fn forget(
     let listed: Vec<_> =
         chosen.iter().map(|(ns, name)| json!({ "namespace": ns, "name": name })).collect();
     let human = if chosen.is_empty() {
-        "No stored states of schedules this file does not define: nothing to forget.".to_owned()
+        "No stored state is left over (each is of a schedule this file defines): nothing to \
+         forget."
+            .to_owned()
     } else {
-        let names: Vec<String> = chosen.iter().map(|(ns, name)| format!("{name} ({ns})")).collect();
         format!(
             "Forgot {deleted} stored schedule state(s): {}. Their pauses and recorded ticks are \
              gone; a schedule of one of these names added later starts with nothing stored.",
-            names.join(", ")
+            named(&chosen)
         )
     };
     Ok(Report::ok(json!({ "forgotten": listed, "deleted": deleted }), human))
 }
 
-/// Which leftover states `forget` deletes: all of them when `names` is empty, else the
-/// named ones; a name the file defines, or one that is not left over, is an error.
+/// Which leftover states `forget` deletes: every one with `all`, else the named ones. A
+/// name is `NAME` (the leftover of that name, when only one namespace holds it) or
+/// `NAMESPACE/NAME`. Neither names nor `all`, a name that is not left over, one left over
+/// in several namespaces, and one the file defines in that namespace are errors.
 pub fn choose_leftovers(
     schedules: &[Schedule],
     leftover: &[(String, String)],
-    names: &[String],
+    pick: Pick<'_>,
 ) -> Result<Vec<(String, String)>, String> {
-    if names.is_empty() {
+    if pick.all {
         return Ok(leftover.to_vec());
     }
+    let there_are = || {
+        if leftover.is_empty() {
+            "none is left over".to_owned()
+        } else {
+            format!("left over: {}", named(leftover))
+        }
+    };
+    if pick.names.is_empty() {
+        return Err(format!(
+            "forget: name the leftover states to delete (`keel schedules forget NAME…`, or \
+             NAMESPACE/NAME), or pass --all to delete every one; {}. Forget one only if no \
+             other deploy's keel.toml in its namespace defines it",
+            there_are()
+        ));
+    }
     let mut chosen = Vec::new();
-    for name in names {
-        if schedules.iter().any(|s| s.name() == name) {
-            return Err(format!(
-                "{name:?} is a schedule of the file and its stored state is in use; remove its \
-                 [schedules.{name}] section (and stop the workers serving it) before forgetting it"
-            ));
+    for arg in pick.names {
+        let is = |ns: &str, name: &str| arg == name || *arg == format!("{ns}/{name}");
+        let found: Vec<_> = leftover.iter().filter(|(ns, n)| is(ns, n)).cloned().collect();
+        match found.len() {
+            1 => chosen.extend(found),
+            0 => {
+                if let Some(s) = schedules.iter().find(|s| is(s.namespace(), s.name())) {
+                    return Err(format!(
+                        "{arg:?}: this file defines schedule {} in namespace {}, so its stored \
+                         state there is in use; remove its [schedules.{}] section (and stop \
+                         the workers serving it) before forgetting it",
+                        s.name(),
+                        s.namespace(),
+                        s.name()
+                    ));
+                }
+                return Err(format!("{arg:?}: no such stored state is left over; {}", there_are()));
+            }
+            _ => {
+                let choices: Vec<String> =
+                    found.iter().map(|(ns, name)| format!("{ns}/{name}")).collect();
+                return Err(format!(
+                    "{arg:?} is left over in several namespaces; name one as NAMESPACE/NAME: {}",
+                    choices.join(", ")
+                ));
+            }
         }
-        let found: Vec<_> = leftover.iter().filter(|(_, n)| n == name).cloned().collect();
-        if found.is_empty() {
-            let all: Vec<&str> = leftover.iter().map(|(_, n)| n.as_str()).collect();
-            return Err(if all.is_empty() {
-                format!("no stored state named {name:?} is left over: there are none")
-            } else {
-                format!(
-                    "no stored state named {name:?} is left over; those left over are: {}",
-                    all.join(", ")
-                )
-            });
-        }
-        chosen.extend(found);
     }
     chosen.sort();
     chosen.dedup();
     Ok(chosen)
+}
+
+/// Refuses, unless `force`, to forget a chosen state used within [`FORGET_QUIET_MS`]
+/// before `now` ([`recently_used`]): some worker still serves it, and forgetting it would
+/// drop its pause (it fires again) and its recorded tick.
+pub fn check_quiet(
+    stored: &BTreeMap<(String, String), ScheduleState>,
+    chosen: &[(String, String)],
+    force: bool,
+    now: Timestamp,
+) -> Result<(), String> {
+    if force {
+        return Ok(());
+    }
+    let recent: Vec<String> = chosen
+        .iter()
+        .filter_map(|key| {
+            let (field, at) = recently_used(stored.get(key)?, now)?;
+            Some(format!("{} ({}): {field} {}", key.1, key.0, time(at.as_millis())))
+        })
+        .collect();
+    if recent.is_empty() {
+        return Ok(());
+    }
+    let hours = FORGET_QUIET_MS / 3_600_000;
+    let mut shown: Vec<String> = recent.iter().take(NAMED_MAX).cloned().collect();
+    if recent.len() > NAMED_MAX {
+        shown.push(format!("and {} more", recent.len() - NAMED_MAX));
+    }
+    Err(format!(
+        "refusing to forget states used within the last {hours} hours, which some worker (of \
+         another deploy, or one not yet stopped) may still serve: {}. Forgetting one drops its \
+         pause (it fires again) and its recorded tick. Stop the workers that serve it and wait \
+         {hours} hours, or pass --force to delete it anyway; nothing was deleted",
+        shown.join("; ")
+    ))
 }
 
 /// The schedule named `name`, or an error listing the names there are.
@@ -295,9 +416,17 @@ pub fn find<'a>(schedules: &'a [Schedule], name: &str) -> Result<&'a Schedule, S
     })
 }
 
-/// What a pause or resume reports: the stored state and, when running, the next fire.
-pub fn changed(schedule: &Schedule, state: &ScheduleState, now: Timestamp) -> Report {
+/// What a pause or resume reports: the stored state, when running the next fire, and when
+/// the resume re-anchored the recorded fired tick ([`re_anchored`], from the state
+/// `before` it) from what to what.
+pub fn changed(
+    schedule: &Schedule,
+    before: Option<&ScheduleState>,
+    state: &ScheduleState,
+    now: Timestamp,
+) -> Report {
     let info = schedule.info(now, Pause::resolve(false, Some(state)), state.fired_through);
+    let moved = re_anchored(before, state);
     let since = state.changed_at.map_or_else(|| "-".to_owned(), |at| time(at.as_millis()));
     let human = if state.paused {
         format!(
@@ -306,12 +435,21 @@ pub fn changed(schedule: &Schedule, state: &ScheduleState, now: Timestamp) -> Re
         )
     } else {
         let next = info.next_fire.map_or_else(|| "never".to_owned(), |at| time(at.as_millis()));
+        let moved = moved.map_or_else(String::new, |(from, to)| {
+            format!(
+                " Recorded fired tick moved from {} to {} (it lay ahead of this clock); ticks \
+                 between may fire again.",
+                time(from.as_millis()),
+                time(to.as_millis())
+            )
+        });
         format!(
-            "Schedule {} (namespace {}) is running for every worker since {since}; next fire {next}.",
+            "Schedule {} (namespace {}) is running for every worker since {since}; next fire {next}.{moved}",
             state.name, state.namespace
         )
     };
-    Report::ok(json!({ "schedule": info, "state": state }), human)
+    let re_anchored = moved.map(|(from, to)| json!({ "from": from, "to": to }));
+    Report::ok(json!({ "schedule": info, "state": state, "re_anchored": re_anchored }), human)
 }
 
 #[cfg(test)]
@@ -432,17 +570,154 @@ mod tests {
             json!([{ "namespace": "default", "name": "old" }, { "namespace": "default", "name": "renamed-away" }])
         );
         assert!(report.human.contains("old (default), renamed-away (default)"), "{}", report.human);
-        assert!(report.human.contains("keel schedules forget"), "{}", report.human);
+        assert!(report.human.contains("keel schedules forget NAME…"), "{}", report.human);
+        assert!(
+            report.human.contains("forget them only if no other deploy's file defines them"),
+            "{}",
+            report.human
+        );
+        // Running (not stored as paused): only a pause, then a resume, re-anchors it.
+        assert!(
+            report.human.contains(
+                "`keel schedules pause nightly` then `keel schedules resume nightly` re-anchors it"
+            ),
+            "{}",
+            report.human
+        );
 
-        // `forget` takes every leftover, or the named ones; a defined or unknown name is refused.
+        // `forget` takes every leftover with --all, or the named ones; a defined or unknown
+        // name is refused.
         let leftover = leftovers(&schedules, &stored);
-        assert_eq!(choose_leftovers(&schedules, &leftover, &[]).unwrap(), leftover);
-        let one = choose_leftovers(&schedules, &leftover, &["old".into()]).unwrap();
+        assert_eq!(choose_leftovers(&schedules, &leftover, pick(&[], true)).unwrap(), leftover);
+        let one = choose_leftovers(&schedules, &leftover, pick(&["old".into()], false)).unwrap();
         assert_eq!(one, [("default".to_owned(), "old".to_owned())]);
-        let err = choose_leftovers(&schedules, &leftover, &["nightly".into()]).unwrap_err();
+        let err =
+            choose_leftovers(&schedules, &leftover, pick(&["nightly".into()], false)).unwrap_err();
         assert!(err.contains("in use") && err.contains("[schedules.nightly]"), "{err}");
-        let err = choose_leftovers(&schedules, &leftover, &["nope".into()]).unwrap_err();
-        assert!(err.contains("those left over are: old, renamed-away"), "{err}");
+        assert!(err.contains("in namespace default"), "{err}");
+        let err =
+            choose_leftovers(&schedules, &leftover, pick(&["nope".into()], false)).unwrap_err();
+        assert!(err.contains("left over: old (default), renamed-away (default)"), "{err}");
+    }
+
+    fn pick(names: &[String], all: bool) -> Pick<'_> {
+        Pick { names, all, force: false }
+    }
+
+    fn leftover_pairs(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(ns, name)| ((*ns).to_owned(), (*name).to_owned())).collect()
+    }
+
+    /// Without names or --all, `forget` deletes nothing: it names both and lists (a
+    /// bounded number of) the leftovers.
+    #[test]
+    fn forget_without_names_or_all_is_refused_listing_the_leftovers() {
+        let config = KeelConfig::from_toml_str(
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
+        )
+        .unwrap();
+        let schedules = config.schedules().unwrap();
+        let leftover = leftover_pairs(&[("default", "billing"), ("default", "old")]);
+        let none = Pick { names: &[], all: false, force: false };
+        let err = choose_leftovers(&schedules, &leftover, none).unwrap_err();
+        assert!(err.contains("keel schedules forget NAME…") && err.contains("--all"), "{err}");
+        assert!(err.contains("left over: billing (default), old (default)"), "{err}");
+        assert!(err.contains("no other deploy's keel.toml"), "{err}");
+        let err = choose_leftovers(&schedules, &[], none).unwrap_err();
+        assert!(err.contains("none is left over"), "{err}");
+        // A long list is cut, counting the rest.
+        let many: Vec<(String, String)> =
+            (0..25).map(|i| ("default".to_owned(), format!("s{i:02}"))).collect();
+        let err = choose_leftovers(&schedules, &many, none).unwrap_err();
+        assert!(err.contains("s19 (default), and 5 more"), "{err}");
+        assert!(!err.contains("s20"), "{err}");
+    }
+
+    /// A leftover whose name the file defines in another namespace is forgotten by name;
+    /// a name left over in several namespaces is picked as NAMESPACE/NAME.
+    #[test]
+    fn forget_picks_leftovers_by_namespace() {
+        let config = KeelConfig::from_toml_str(
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\n\
+             start = { machine = \"report\", namespace = \"ops\" }\n\n\
+             [schedules.hourly]\ncron = \"0 * * * *\"\nstart = { machine = \"report\" }\n",
+        )
+        .unwrap();
+        let schedules = config.schedules().unwrap();
+        let stored: BTreeMap<_, _> = [("default", "nightly"), ("default", "x"), ("ops", "x")]
+            .into_iter()
+            .map(|(ns, name)| {
+                let state = ScheduleState {
+                    namespace: ns.into(),
+                    name: name.into(),
+                    paused: false,
+                    changed_at: None,
+                    fired_through: None,
+                };
+                ((ns.to_owned(), name.to_owned()), state)
+            })
+            .collect();
+        let leftover = leftovers(&schedules, &stored);
+        assert_eq!(
+            leftover,
+            leftover_pairs(&[("default", "nightly"), ("default", "x"), ("ops", "x")])
+        );
+        let pick = |names: &[&str]| {
+            let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+            choose_leftovers(
+                &schedules,
+                &leftover,
+                Pick { names: &names, all: false, force: false },
+            )
+        };
+        // nightly is defined in ops only: its state in default is a leftover.
+        assert_eq!(pick(&["nightly"]).unwrap(), leftover_pairs(&[("default", "nightly")]));
+        assert_eq!(pick(&["default/nightly"]).unwrap(), leftover_pairs(&[("default", "nightly")]));
+        let err = pick(&["ops/nightly"]).unwrap_err();
+        assert!(err.contains("defines schedule nightly in namespace ops"), "{err}");
+        let err = pick(&["x"]).unwrap_err();
+        assert!(err.contains("several namespaces") && err.contains("default/x, ops/x"), "{err}");
+        assert_eq!(pick(&["ops/x"]).unwrap(), leftover_pairs(&[("ops", "x")]));
+        assert_eq!(
+            pick(&["ops/x", "default/x", "x/x"]).unwrap_err(),
+            "\"x/x\": no such stored state is left over; left over: nightly (default), x \
+             (default), x (ops)"
+        );
+    }
+
+    /// A state used within the last day is refused, naming the field, unless forced.
+    #[test]
+    fn forget_refuses_a_state_used_within_a_day_unless_forced() {
+        let now = Timestamp::from_millis(1_767_225_600_000);
+        let day = FORGET_QUIET_MS;
+        let state = |name: &str, changed_at: Option<i64>, fired_through: Option<i64>| {
+            let state = ScheduleState {
+                namespace: "default".into(),
+                name: name.into(),
+                paused: changed_at.is_some(),
+                changed_at: changed_at.map(|ago| Timestamp::from_millis(now.as_millis() - ago)),
+                fired_through: fired_through
+                    .map(|ago| Timestamp::from_millis(now.as_millis() - ago)),
+            };
+            (("default".to_owned(), name.to_owned()), state)
+        };
+        let stored: BTreeMap<_, _> = [
+            state("quiet", Some(2 * day), Some(day)),
+            state("ticking", None, Some(60_000)),
+            state("paused", Some(3_600_000), Some(3 * day)),
+        ]
+        .into_iter()
+        .collect();
+        let chosen = leftover_pairs(&[("default", "quiet")]);
+        assert_eq!(check_quiet(&stored, &chosen, false, now), Ok(()));
+        let chosen =
+            leftover_pairs(&[("default", "paused"), ("default", "quiet"), ("default", "ticking")]);
+        let err = check_quiet(&stored, &chosen, false, now).unwrap_err();
+        assert!(err.contains("paused (default): changed_at 2025-12-31 23:00:00.000Z"), "{err}");
+        assert!(err.contains("ticking (default): fired_through 2025-12-31 23:59:00.000Z"), "{err}");
+        assert!(!err.contains("quiet"), "{err}");
+        assert!(err.contains("within the last 24 hours") && err.contains("--force"), "{err}");
+        assert_eq!(check_quiet(&stored, &chosen, true, now), Ok(()));
     }
 
     /// `keel schedules forget` deletes the named leftover state, then every other one,
@@ -480,19 +755,100 @@ mod tests {
             let states = keel.store().schedule_states("default".into()).await.unwrap();
             states.into_iter().map(|s| s.name).collect::<Vec<_>>()
         };
-        let forget = |names: &[&str]| SchedulesCommand::Forget {
+        let forget = |names: &[&str], all, force| SchedulesCommand::Forget {
             names: names.iter().map(|n| (*n).to_owned()).collect(),
+            all,
+            force,
         };
-        let report = run(&cli, Some(&forget(&["old"]))).await.unwrap();
+        let report = run(&cli, Some(&forget(&["old"], false, false))).await.unwrap();
         assert_eq!(report.json["deleted"], json!(1), "{}", report.human);
         assert_eq!(names().await, ["gone", "nightly"]);
-        let err = run(&cli, Some(&forget(&["nightly"]))).await.unwrap_err().to_string();
-        assert!(err.contains("in use"), "{err}");
-        let report = run(&cli, Some(&forget(&[]))).await.unwrap();
-        assert_eq!(report.json["forgotten"], json!([{ "namespace": "default", "name": "gone" }]));
+        let err = run(&cli, Some(&forget(&["nightly"], false, false))).await.unwrap_err();
+        assert!(err.to_string().contains("in use"), "{err}");
+        let err = run(&cli, Some(&forget(&[], false, false))).await.unwrap_err().to_string();
+        assert!(err.contains("--all") && err.contains("left over: gone (default)"), "{err}");
+        assert_eq!(names().await, ["gone", "nightly"], "nothing deleted");
+        // A state a worker recorded a tick in just now is refused, unless forced.
+        let recent =
+            ScheduleFiredParams { namespace: "default".into(), name: "fresh".into(), tick: now() };
+        keel.store().schedule_fired(recent).await.unwrap();
+        let err = run(&cli, Some(&forget(&[], true, false))).await.unwrap_err().to_string();
+        assert!(err.contains("fresh (default): fired_through") && err.contains("--force"), "{err}");
+        assert_eq!(names().await, ["fresh", "gone", "nightly"], "nothing deleted");
+        let report = run(&cli, Some(&forget(&[], true, true))).await.unwrap();
+        assert_eq!(
+            report.json["forgotten"],
+            json!([{ "namespace": "default", "name": "fresh" }, { "namespace": "default", "name": "gone" }])
+        );
         assert_eq!(names().await, ["nightly"], "the defined schedule keeps its state");
-        let report = run(&cli, Some(&forget(&[]))).await.unwrap();
+        let report = run(&cli, Some(&forget(&[], true, false))).await.unwrap();
         assert!(report.human.contains("nothing to forget"), "{}", report.human);
+    }
+
+    /// A resume that ends a stored pause and re-anchors a tick recorded ahead says from
+    /// what to what; a repeated resume changes nothing and says nothing of it.
+    #[tokio::test]
+    async fn a_resume_says_when_it_moved_the_recorded_tick() {
+        use clap::Parser as _;
+        use keel_core::ports::store::ScheduleFiredParams;
+        let dir = tempfile::tempdir().unwrap();
+        let toml = dir.path().join("keel.toml");
+        std::fs::write(
+            &toml,
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
+        )
+        .unwrap();
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let options = keel::ConnectOptions::default().migrate(true).create(true);
+        let keel = keel::Keel::connect_with(&url, options).await.unwrap();
+        let ahead = || Timestamp::from_millis(now().as_millis() + 2 * 86_400_000);
+        let fired = |tick| ScheduleFiredParams {
+            namespace: "default".into(),
+            name: "nightly".into(),
+            tick,
+        };
+        let tick = ahead();
+        keel.store().schedule_fired(fired(tick)).await.unwrap();
+        let cli = |command: &str| {
+            Cli::try_parse_from([
+                "keel",
+                "--database-url",
+                &url,
+                "--config",
+                toml.to_str().unwrap(),
+                "schedules",
+                command,
+                "nightly",
+            ])
+            .unwrap()
+        };
+        let resume = SchedulesCommand::Resume { name: "nightly".into() };
+        let pause = SchedulesCommand::Pause { name: "nightly".into() };
+        let report = run(&cli("pause"), Some(&pause)).await.unwrap();
+        assert_eq!(report.json["re_anchored"], json!(null), "{}", report.human);
+        let report = run(&cli("resume"), Some(&resume)).await.unwrap();
+        let resumed_at = report.json["state"]["changed_at"].clone();
+        assert_eq!(
+            report.json["re_anchored"],
+            json!({ "from": tick.as_millis(), "to": resumed_at }),
+            "{}",
+            report.human
+        );
+        let to = time(resumed_at.as_i64().unwrap());
+        let moved = format!(
+            "Recorded fired tick moved from {} to {to} (it lay ahead of this clock); ticks \
+             between may fire again.",
+            time(tick.as_millis())
+        );
+        assert!(report.human.contains(&moved), "{}", report.human);
+        // A worker records a tick ahead again; resuming the running schedule leaves it.
+        let again = ahead();
+        keel.store().schedule_fired(fired(again)).await.unwrap();
+        let report = run(&cli("resume"), Some(&resume)).await.unwrap();
+        assert_eq!(report.json["re_anchored"], json!(null), "{}", report.human);
+        assert_eq!(report.json["state"]["fired_through"], json!(again.as_millis()));
+        assert_eq!(report.json["state"]["changed_at"], resumed_at, "the first resume's time");
+        assert!(!report.human.contains("moved"), "{}", report.human);
     }
 
     #[test]

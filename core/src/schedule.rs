@@ -26,14 +26,17 @@
 //!   definition's `paused` and one worker's handle once set ([`Pause::resolve`]); after
 //!   a stored resume only ticks strictly after the resume time fire, so a worker that did
 //!   not poll while the schedule was paused still fires nothing that fell due in the pause.
-//!   A resume also re-anchors a recorded fired tick that lies ahead of the resume time
-//!   (a clock that ran ahead recorded it): the schedule fires from its next tick after
-//!   the resume, not only once the clock passes the recorded tick.
+//!   A resume that ends a stored pause also re-anchors a recorded fired tick that lies
+//!   ahead of the resume time (a clock that ran ahead recorded it): the schedule fires
+//!   from its next tick after the resume, not only once the clock passes the recorded
+//!   tick. A repeated resume of a running schedule changes nothing, so a caller whose
+//!   clock runs behind cannot move the record below a tick that really fired.
 //! - **What fires next** ([`Schedule::next_fire`]): the first tick after `now`, the resume
 //!   time and the recorded fired tick, the same bound [`Schedule::poll`] applies, so a
 //!   listing never shows a time that will not fire.
 //! - **Leftover states** ([`plan_forget`]): a stored state whose schedule is no longer
-//!   defined still counts toward its namespace's bound until it is forgotten.
+//!   defined still counts toward its namespace's bound until it is forgotten; one used
+//!   within [`FORGET_QUIET_MS`] is still served by some worker ([`recently_used`]).
 
 use crate::config::ConfigError;
 use crate::error::{StoreError, StoreResult};
@@ -107,11 +110,19 @@ impl Pause {
 /// its time is kept, so a second resume does not move the bound of which ticks may fire,
 /// and a second pause does not hide when the first began.
 ///
-/// The recorded fired tick is kept as it is, except on a resume (a first one or a repeat)
+/// The recorded fired tick is kept as it is, except on a resume that ends a stored pause
 /// when it lies ahead of the resume time ([`fired_ahead`]): then it is re-anchored at the
 /// resume time, so the schedule fires from its next tick after the resume rather than
 /// staying silent until the clock passes a tick that a clock running ahead recorded. No
-/// tick at or before the resume time fires either way (the resume time bounds them).
+/// tick at or before the resume time fires either way (the resume time bounds them); the
+/// ticks between the resume time and the old record may fire a second time, which the
+/// report of the resume says ([`re_anchored`]).
+///
+/// The resume time is the caller's clock. A resume of a schedule that is not stored as
+/// paused (a repeat, or a row that only records ticks) never re-anchors: workers record
+/// ticks while it runs, and a caller whose clock runs behind theirs would otherwise move
+/// the record below a tick that really fired, which a catch-up restart then fires again.
+/// To re-anchor a running schedule, pause it, then resume it.
 ///
 /// # Errors
 ///
@@ -124,14 +135,13 @@ pub fn plan_pause(
 ) -> StoreResult<Option<ScheduleState>> {
     p.validate()?;
     let recorded = current.and_then(|c| c.fired_through);
+    let stored_paused = current.is_some_and(|c| c.changed_at.is_some() && c.paused);
     let fired_through = match fired_ahead(recorded, p.now) {
-        Some(_) if !p.paused => Some(p.now),
+        Some(_) if stored_paused && !p.paused => Some(p.now),
         _ => recorded,
     };
     match current {
-        Some(c) if c.changed_at.is_some() && c.paused == p.paused => {
-            Ok((fired_through != recorded).then(|| ScheduleState { fired_through, ..c.clone() }))
-        }
+        Some(c) if c.changed_at.is_some() && c.paused == p.paused => Ok(None),
         None if held >= SCHEDULE_STATES_MAX => Err(full(&p.namespace, "pausing or resuming")),
         _ => Ok(Some(ScheduleState {
             namespace: p.namespace.clone(),
@@ -141,6 +151,35 @@ pub fn plan_pause(
             fired_through,
         })),
     }
+}
+
+/// The recorded fired tick a resume moved back, as `(from, to)`: `before` is the state
+/// read before the resume and `after` the one it stored. Only a resume's re-anchor
+/// ([`plan_pause`]) moves `fired_through` back (a recorded tick only moves forward), so
+/// a lower `after` is that move; `from` is the tick as `before` read it.
+pub fn re_anchored(
+    before: Option<&ScheduleState>,
+    after: &ScheduleState,
+) -> Option<(Timestamp, Timestamp)> {
+    let from = before?.fired_through?;
+    let to = after.fired_through?;
+    (to < from).then_some((from, to))
+}
+
+/// How long after a stored state was last used (a recorded tick, a pause or resume) it
+/// counts as still served by some worker, in milliseconds: a day. A worker records each
+/// tick it fires, so a schedule that fires at least daily and is still served keeps its
+/// `fired_through` within this window; forgetting such a state would drop what that
+/// worker relies on.
+pub const FORGET_QUIET_MS: i64 = 24 * 60 * 60 * 1_000;
+
+/// Which field of `state` shows it was used within [`FORGET_QUIET_MS`] before `now` (or
+/// lies ahead of `now`), and its time: `fired_through` first, then `changed_at`. `None`
+/// when both are older or unset, so forgetting it drops nothing a worker used lately.
+pub fn recently_used(state: &ScheduleState, now: Timestamp) -> Option<(&'static str, Timestamp)> {
+    let recent = |t: Timestamp| now.as_millis().saturating_sub(t.as_millis()) < FORGET_QUIET_MS;
+    let fields = [("fired_through", state.fired_through), ("changed_at", state.changed_at)];
+    fields.into_iter().find_map(|(field, at)| at.filter(|t| recent(*t)).map(|t| (field, t)))
 }
 
 /// The stored states in `namespace` that no schedule of `defined` has: states left over
@@ -1018,18 +1057,30 @@ mod tests {
         let pause = Pause::resolve(false, Some(&resumed));
         let plan = s.poll(Some(ts(T0 + 10)), ts(T0 + MINUTE), pause, resumed.fired_through);
         assert_eq!(plan.fire, Some(ts(T0 + MINUTE)));
-        // Resuming a schedule that runs (a repeat) re-anchors it too, keeping the time of
-        // the first resume; with nothing ahead, a repeat still changes nothing.
+        // The report of the resume sees the move back from the tick read before it.
+        assert_eq!(re_anchored(Some(&paused), &resumed), Some((ts(T0 + 60 * MINUTE), ts(T0 + 10))));
+        assert_eq!(re_anchored(Some(&resumed), &resumed), None);
+        assert_eq!(re_anchored(None, &resumed), None);
+        // Resuming a schedule that runs (a repeat) changes nothing, even with a tick
+        // recorded ahead of the caller's clock: a caller whose clock runs behind the
+        // workers' must not move the record below a tick that really fired.
         let running = ScheduleState { fired_through: Some(ts(T0 + 60 * MINUTE)), ..resumed };
-        let again = plan_pause(Some(&running), 1, &params(false, T0 + 20)).unwrap().unwrap();
-        assert_eq!((again.changed_at, again.fired_through), (Some(ts(T0 + 10)), Some(ts(T0 + 20))));
-        assert_eq!(plan_pause(Some(&again), 1, &params(false, T0 + 30)).unwrap(), None);
-        // A row that only records ticks, resumed: re-anchored and stored as resumed.
+        assert_eq!(plan_pause(Some(&running), 1, &params(false, T0 + 20)).unwrap(), None);
+        // A row that only records ticks is not stored as paused: its resume is stored,
+        // keeping the recorded tick.
         let first = plan_pause(Some(&ahead), 1, &params(false, T0)).unwrap().unwrap();
-        assert_eq!((first.changed_at, first.fired_through), (Some(ts(T0)), Some(ts(T0))));
+        assert_eq!(
+            (first.changed_at, first.fired_through),
+            (Some(ts(T0)), Some(ts(T0 + 60 * MINUTE)))
+        );
+        // Pausing it, then resuming it, re-anchors it.
+        let paused_again = plan_pause(Some(&first), 1, &params(true, T0 + 20)).unwrap().unwrap();
+        let re = plan_pause(Some(&paused_again), 1, &params(false, T0 + 30)).unwrap().unwrap();
+        assert_eq!((re.changed_at, re.fired_through), (Some(ts(T0 + 30)), Some(ts(T0 + 30))));
         // Within the slack of ordinary skew the recorded tick is kept: re-anchoring it
         // would let a tick a worker slightly ahead fired fire again.
         let near = plan_fired(None, 0, &fired(T0 + FIRED_AHEAD_SLACK_MS)).unwrap().unwrap();
+        let near = plan_pause(Some(&near), 1, &params(true, T0 - 10)).unwrap().unwrap();
         let kept = plan_pause(Some(&near), 1, &params(false, T0)).unwrap().unwrap();
         assert_eq!(kept.fired_through, Some(ts(T0 + FIRED_AHEAD_SLACK_MS)));
     }
@@ -1050,6 +1101,32 @@ mod tests {
         let elsewhere = [state("ops", "m")];
         assert_eq!(plan_forget("ops", &elsewhere, &defined), ["m"]);
         assert_eq!(plan_forget("default", &stored[1..2], &defined), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_state_used_within_a_day_counts_as_served() {
+        let state = |changed_at: Option<i64>, fired_through: Option<i64>| ScheduleState {
+            namespace: "default".into(),
+            name: "old".into(),
+            paused: false,
+            changed_at: changed_at.map(ts),
+            fired_through: fired_through.map(ts),
+        };
+        let now = ts(T0 + FORGET_QUIET_MS);
+        // A tick recorded a minute ago, or ahead of this clock: some worker serves it.
+        let ticked = state(None, Some(T0 + FORGET_QUIET_MS - MINUTE));
+        assert_eq!(
+            recently_used(&ticked, now),
+            Some(("fired_through", ts(T0 + FORGET_QUIET_MS - MINUTE)))
+        );
+        let ahead = state(None, Some(T0 + FORGET_QUIET_MS + MINUTE));
+        assert_eq!(recently_used(&ahead, now).map(|(field, _)| field), Some("fired_through"));
+        // A pause or resume stored within the day.
+        let changed = state(Some(T0 + 1), Some(T0));
+        assert_eq!(recently_used(&changed, now), Some(("changed_at", ts(T0 + 1))));
+        // Both a day old or more, or nothing recorded: quiet.
+        assert_eq!(recently_used(&state(Some(T0), Some(T0)), now), None);
+        assert_eq!(recently_used(&state(None, None), now), None);
     }
 
     #[test]

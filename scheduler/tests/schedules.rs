@@ -34,6 +34,7 @@ on_every_store!(
     a_catch_up_restart_does_not_deliver_a_read_broadcast_again,
     a_clock_stepping_back_does_not_fire_a_tick_again,
     a_resume_re_anchors_a_fired_tick_ahead_of_the_clock,
+    a_repeated_resume_from_a_clock_behind_does_not_let_a_restart_fire_a_tick_again,
 );
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -587,5 +588,71 @@ async fn a_resume_re_anchors_a_fired_tick_ahead_of_the_clock<S: TestStore>() {
     h.clock.set(tick.plus(MINUTE));
     polled(&[&a], h.clock.now()).await;
     assert_eq!(started(&h).await, 1, "the next tick after the resume fired");
+    a.shutdown().await;
+}
+
+/// A resume of a running schedule, repeated "to be sure" by a caller whose clock runs two
+/// minutes behind the workers', leaves the recorded fired tick alone: a catch-up restart
+/// after the tick's instance was pruned does not start that tick again.
+async fn a_repeated_resume_from_a_clock_behind_does_not_let_a_restart_fire_a_tick_again<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    let schedule = every_minute(MissedTicks::CatchUp);
+    store_pause(&h, true).await;
+    store_pause(&h, false).await;
+    let a = worker(&h, "a", &schedule);
+    polled(&[&a], h.clock.now()).await;
+    assert_eq!(started(&h).await, 0, "nothing at or before the resume fires");
+    let now = h.clock.advance(MINUTE);
+    polled(&[&a], now).await;
+    assert_eq!(started(&h).await, 1, "the next tick fired");
+    // Bounded wait for the runner to record the tick it fired.
+    let mut recorded = None;
+    for _ in 0..400 {
+        let states = h.store.schedule_states("default".into()).await.expect("states");
+        recorded = states.first().and_then(|s| s.fired_through);
+        if recorded.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let tick = recorded.expect("the fired tick is recorded");
+    // Its run ends and retention prunes it: the tick's uniqueness key goes with the row.
+    let list = InstanceListParams {
+        namespace: "default".into(),
+        machine: Some(report().name),
+        status: None,
+        state: None,
+        business_key: None,
+        before: None,
+        limit: 10,
+    };
+    let runs = h.store.instance_list(list).await.expect("list");
+    h.client.cancel(Cancel::new(runs[0].id)).await.expect("cancel");
+    let prune = PruneParams {
+        namespace: None,
+        machines: Vec::new(),
+        except: Vec::new(),
+        ended_before: h.clock.now().plus(Duration::from_millis(1)),
+        after: None,
+        limit: 10,
+    };
+    assert_eq!(h.store.instance_prune(prune).await.expect("prune").instances, 1);
+    // The repeated resume, by a clock 110 s behind the tick.
+    let behind = Timestamp::from_millis(tick.as_millis() - 110_000);
+    let params = SchedulePauseParams {
+        namespace: "default".into(),
+        name: "every-minute".into(),
+        paused: false,
+        now: behind,
+    };
+    let state = h.store.schedule_pause(params).await.expect("resume again");
+    assert_eq!(state.fired_through, Some(tick), "a repeated resume keeps the recorded tick");
+    // A deploy restarts the worker within the same minute: the tick is not started again.
+    a.shutdown().await;
+    let a = worker(&h, "a", &schedule);
+    polled(&[&a], h.clock.now()).await;
+    assert_eq!(started(&h).await, 0, "the tick ran again: {:?}", a.schedules().counts());
     a.shutdown().await;
 }

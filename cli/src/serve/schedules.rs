@@ -1,6 +1,8 @@
 //! The schedules of `keel serve --config`: listed per namespace with their pause state
 //! (stored states win over the definition) and next fire times, and paused or resumed for
 //! every worker. A name that the configuration does not define in the namespace is 404.
+//! A resume's answer says when it re-anchored the recorded fired tick (`re_anchored`:
+//! from, to), as `keel schedules resume` does.
 
 use std::sync::Arc;
 
@@ -16,7 +18,7 @@ use serde_json::json;
 use super::AppState;
 use super::api::{ApiError, NoQuery};
 use crate::commands::now;
-use crate::schedules_cmd::{changed, infos, stored_states};
+use crate::schedules_cmd::{changed, infos, state_of, stored_states};
 
 /// The configuration's schedules that act in `ns`.
 fn in_namespace(state: &AppState, ns: &str) -> Result<Vec<Schedule>, ApiError> {
@@ -52,13 +54,15 @@ async fn set(
             "no schedule named {name:?} in namespace {ns:?}; the server knows the schedules of the keel.toml that `keel serve --config` names"
         )));
     };
+    // Read first, so the answer can say what a resume's re-anchor moved the tick from.
+    let before = state_of(state.keel.store(), &ns, &name).await?;
     let at = now();
     let stored = state
         .keel
         .store()
         .schedule_pause(SchedulePauseParams { namespace: ns, name, paused, now: at })
         .await?;
-    Ok(Json(changed(schedule, &stored, at).json).into_response())
+    Ok(Json(changed(schedule, before.as_ref(), &stored, at).json).into_response())
 }
 
 /// `POST /v1/namespaces/{ns}/schedules/{name}/pause`.
@@ -77,4 +81,53 @@ pub async fn resume(
     Path((ns, name)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
     set(&state, ns, name, false).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::Timestamp;
+    use keel_core::config::KeelConfig;
+    use keel_core::ports::store::ScheduleFiredParams;
+
+    async fn answer(response: Response) -> serde_json::Value {
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        serde_json::from_slice(&body).unwrap()
+    }
+
+    /// The HTTP resume says when it re-anchored the recorded fired tick, from what to
+    /// what; a repeated resume leaves a tick recorded since alone.
+    #[tokio::test]
+    async fn a_resume_answers_when_it_moved_the_recorded_tick() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let options = keel::ConnectOptions::default().migrate(true).create(true);
+        let keel = keel::Keel::connect_with(&url, options).await.unwrap();
+        let config = KeelConfig::from_toml_str(
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
+        )
+        .unwrap();
+        let metrics = keel::prometheus::install().unwrap();
+        let state = AppState { config, ..AppState::open(keel, "default", metrics) };
+        let ahead = || Timestamp::from_millis(now().as_millis() + 2 * 86_400_000);
+        let fired = |tick| ScheduleFiredParams {
+            namespace: "default".into(),
+            name: "nightly".into(),
+            tick,
+        };
+        let tick = ahead();
+        state.keel.store().schedule_fired(fired(tick)).await.unwrap();
+        let call = |paused| set(&state, "default".into(), "nightly".into(), paused);
+        let paused = answer(call(true).await.unwrap()).await;
+        assert_eq!(paused["re_anchored"], json!(null), "{paused}");
+        let resumed = answer(call(false).await.unwrap()).await;
+        let at = resumed["state"]["changed_at"].clone();
+        assert_eq!(resumed["re_anchored"], json!({ "from": tick.as_millis(), "to": at }));
+        assert_eq!(resumed["state"]["fired_through"], at, "{resumed}");
+        let again = ahead();
+        state.keel.store().schedule_fired(fired(again)).await.unwrap();
+        let repeat = answer(call(false).await.unwrap()).await;
+        assert_eq!(repeat["re_anchored"], json!(null), "{repeat}");
+        assert_eq!(repeat["state"]["fired_through"], json!(again.as_millis()), "{repeat}");
+    }
 }

@@ -1,7 +1,8 @@
 //! Stored schedule states: a pause or resume is kept per (namespace, schedule) for every
 //! worker to read, a repeat of the same change keeps its first time, a fired tick is
-//! recorded as the latest one fired and never moves back, a resume re-anchors a recorded
-//! tick ahead of its time, names are checked, a namespace holds a bounded number of
+//! recorded as the latest one fired and never moves back, a resume that ends a stored
+//! pause re-anchors a recorded tick ahead of its time (a repeated resume never does), names
+//! are checked, a namespace holds a bounded number of
 //! states, and forgetting the states of removed schedules frees their place.
 
 use super::support::{at, expect_invalid_naming, expect_kind};
@@ -190,9 +191,12 @@ pub async fn schedule_fired_rows_share_the_bound_of_a_namespace<S: Store>(s: &S)
     assert_eq!(full[1].fired_through, Some(at(30)), "read back by every worker");
 }
 
-/// A resume re-anchors a recorded fired tick that lies ahead of the resume time (a clock
-/// that ran ahead recorded it) at the resume time, so the schedule fires from its next
-/// tick; a pause keeps it, and a tick within the slack of ordinary skew is kept.
+/// A resume that ends a stored pause re-anchors a recorded fired tick that lies ahead of
+/// the resume time (a clock that ran ahead recorded it) at the resume time, so the
+/// schedule fires from its next tick; a pause keeps it, a tick within the slack of
+/// ordinary skew is kept, and a resume of a schedule not stored as paused (a repeat, or a
+/// row that only records ticks) leaves it: its caller's clock may run behind the
+/// workers' that recorded it.
 pub async fn schedule_resume_re_anchors_a_fired_tick_ahead_of_it<S: Store>(s: &S) {
     let hour = 3_600_000;
     s.schedule_fired(fired("sched-ahead", "nightly", 10 * hour)).await.expect("record ahead");
@@ -206,15 +210,21 @@ pub async fn schedule_resume_re_anchors_a_fired_tick_ahead_of_it<S: Store>(s: &S
     };
     assert_eq!(resumed.expect("resume"), anchored);
     assert_eq!(states(s, "sched-ahead").await, vec![anchored.clone()], "read back as stored");
-    // A repeated resume re-anchors a tick recorded ahead since, keeping the resume's time.
-    s.schedule_fired(fired("sched-ahead", "nightly", 20 * hour)).await.expect("ahead again");
+    // A repeated resume of the running schedule leaves a tick recorded since, however
+    // far ahead of the caller's clock, and keeps the first resume's time.
+    s.schedule_fired(fired("sched-ahead", "nightly", 20 * hour)).await.expect("fired since");
     let again = s.schedule_pause(change("sched-ahead", "nightly", false, 3 * hour)).await;
-    let again_state = ScheduleState { fired_through: Some(at(3 * hour)), ..anchored };
-    assert_eq!(again.expect("resume again"), again_state);
-    assert_eq!(states(s, "sched-ahead").await, vec![again_state]);
+    let running = ScheduleState { fired_through: Some(at(20 * hour)), ..anchored };
+    assert_eq!(again.expect("resume again"), running);
+    assert_eq!(states(s, "sched-ahead").await, vec![running]);
+    // A row that only records ticks is not stored as paused: its resume keeps the tick.
+    s.schedule_fired(fired("sched-ahead", "ticking", 10 * hour)).await.expect("record");
+    let ticking = s.schedule_pause(change("sched-ahead", "ticking", false, hour)).await;
+    assert_eq!(ticking.expect("resume").fired_through, Some(at(10 * hour)));
     // Within the slack of skew between hosts, the recorded tick stays.
     let near = hour + FIRED_AHEAD_SLACK_MS;
     s.schedule_fired(fired("sched-ahead", "skewed", near)).await.expect("record");
+    s.schedule_pause(change("sched-ahead", "skewed", true, hour - 10)).await.expect("pause");
     let kept = s.schedule_pause(change("sched-ahead", "skewed", false, hour)).await;
     assert_eq!(kept.expect("resume").fired_through, Some(at(near)));
 }
@@ -259,6 +269,15 @@ pub async fn schedule_forget_deletes_states_and_frees_their_place<S: Store>(s: &
         ErrorKind::Invalid,
         "full again",
     );
+    // Many names go at once; no names delete nothing.
+    let names: Vec<String> = (2..500).map(|i| format!("s{i:04}")).collect();
+    let deleted = s
+        .schedule_forget(ScheduleForgetParams { namespace: "sched-forget".into(), names })
+        .await
+        .expect("forget many");
+    assert_eq!(deleted, 498);
+    assert_eq!(s.schedule_forget(forget("sched-forget", &[])).await.expect("forget none"), 0);
+    assert_eq!(states(s, "sched-forget").await.len(), SCHEDULE_STATES_MAX - 498);
     // A forgotten schedule starts over: nothing stored for it.
     s.schedule_fired(fired("sched-forget-other", "s0000", 5)).await.expect("record");
     s.schedule_forget(forget("sched-forget-other", &["s0000"])).await.expect("forget");
@@ -275,5 +294,6 @@ pub async fn schedule_forget_deletes_states_and_frees_their_place<S: Store>(s: &
     ] {
         expect_invalid_naming(s.schedule_forget(params.clone()).await, field, &params);
     }
-    assert_eq!(states(s, "sched-forget").await.len(), SCHEDULE_STATES_MAX, "nothing deleted");
+    let held = states(s, "sched-forget").await.len();
+    assert_eq!(held, SCHEDULE_STATES_MAX - 498, "nothing deleted");
 }
