@@ -135,16 +135,20 @@ pub struct Retimed {
     pub history: HistoryEntry,
 }
 
+/// Whether the deployed timer `deployed` is the one an armed timer of spec `armed` follows:
+/// the same state, event and kind.
+fn follows(deployed: &TimerArm, armed: &TimerArm) -> bool {
+    deployed.state == armed.state && deployed.event == armed.event && deployed.kind == armed.kind
+}
+
 /// Moves an armed timer to the duration the deployed definition gives it (`deployed`: the
 /// timers of the instance's machine version that follow deploys, matched by state, event
-/// and kind). The due time counts from the original anchor: the state entry for a timer
-/// that has not fired, the last fire for an `every` timer that has. A due time that is
-/// already past makes the timer due at the next sweep. `None` when no deployed timer
-/// matches or its duration is unchanged.
+/// and kind; the first match counts). The due time counts from the original anchor: the
+/// state entry for a timer that has not fired, the last fire for an `every` timer that
+/// has. A due time that is already past makes the timer due at the next sweep. `None`
+/// when no deployed timer matches, or the first match's duration is unchanged or zero.
 pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
-    let spec = deployed.iter().find(|d| {
-        d.state == timer.spec.state && d.event == timer.spec.event && d.kind == timer.spec.kind
-    })?;
+    let spec = deployed.iter().find(|d| follows(d, &timer.spec))?;
     if spec.interval == timer.spec.interval || spec.interval.is_zero() {
         return None;
     }
@@ -172,6 +176,24 @@ pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
         ..timer.clone()
     };
     Some(Retimed { next, history })
+}
+
+/// The deployed timers a store binds to read only the armed timers a retime may move: of
+/// `deployed`, the first entry of each (state, event, kind) — the one [`retime`] matches —
+/// unless its interval is zero, in `deployed`'s order. [`retime`] moves an armed timer
+/// exactly when one of these has its state, event and kind and another interval, so a
+/// store's filter of "a target of the same state, event and kind with another interval"
+/// reads every timer that moves and no other; the plan still decides each move.
+pub fn retime_targets(deployed: &[TimerArm]) -> Vec<TimerArm> {
+    let mut seen: std::collections::HashSet<(&str, &str, TimerKind)> =
+        std::collections::HashSet::with_capacity(deployed.len());
+    deployed
+        .iter()
+        // Every entry counts as seen, a zero one included: it still hides later duplicates.
+        .filter(|d| seen.insert((d.state.as_str(), d.event.as_str(), d.kind)))
+        .filter(|d| !d.interval.is_zero())
+        .cloned()
+        .collect()
 }
 
 /// Whether an exhausted `every` timer has a `then` event to deliver (without one, the
@@ -437,5 +459,61 @@ mod tests {
         let r = retime(&every, &[faster]).expect("changed");
         assert_eq!(r.next.next_fire_at, Timestamp(24_000));
         assert_eq!(r.next.fire_count, 2);
+    }
+
+    /// (case, deployed list) → the targets a store binds; and for every armed timer, a
+    /// target of its state, event and kind with another interval exists exactly when
+    /// `retime` moves it.
+    #[test]
+    fn retime_targets_are_exactly_what_retime_matches() {
+        type Case = (&'static str, Vec<TimerArm>, Vec<TimerArm>);
+        let arm = |event: &str, kind, secs| TimerArm {
+            state: "awaiting".into(),
+            event: event.into(),
+            kind,
+            interval: Duration::from_secs(secs),
+            max: None,
+            then: None,
+        };
+        let (after, every) = (TimerKind::After, TimerKind::Every);
+        let cases: Vec<Case> = vec![
+            ("empty", vec![], vec![]),
+            (
+                "distinct timers all stay",
+                vec![arm("A", after, 10), arm("B", after, 5), arm("A", every, 7)],
+                vec![arm("A", after, 10), arm("B", after, 5), arm("A", every, 7)],
+            ),
+            (
+                "a duplicate keeps its first entry",
+                vec![arm("A", after, 10), arm("A", after, 20), arm("B", after, 5)],
+                vec![arm("A", after, 10), arm("B", after, 5)],
+            ),
+            ("a zero interval is dropped", vec![arm("A", after, 0)], vec![]),
+            (
+                "a zero first entry hides a later duplicate",
+                vec![arm("A", after, 0), arm("A", after, 20), arm("B", after, 5)],
+                vec![arm("B", after, 5)],
+            ),
+        ];
+        for (case, deployed, want) in cases {
+            let targets = retime_targets(&deployed);
+            assert_eq!(targets, want, "{case}");
+            for kind in [after, every] {
+                for event in ["A", "B", "C"] {
+                    for secs in [0, 5, 7, 10, 20] {
+                        let mut t = row(kind, None, None, 0);
+                        t.spec = arm(event, kind, secs);
+                        let may_move = targets
+                            .iter()
+                            .any(|d| follows(d, &t.spec) && d.interval != t.spec.interval);
+                        assert_eq!(
+                            retime(&t, &deployed).is_some(),
+                            may_move,
+                            "{case}: {event} {kind:?} {secs}s"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

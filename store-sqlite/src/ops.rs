@@ -33,8 +33,8 @@ use keel_core::ports::store::{
 };
 use keel_core::timers::TimerRow;
 use keel_core::{
-    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Status, StepCommit, StoreResult,
-    Timestamp,
+    DeadLetterId, ErrorKind, Instance, InstanceId, NewSignal, Status, StepCommit, StoreError,
+    StoreResult, Timestamp,
 };
 use sqlx::Connection;
 use sqlx::Row;
@@ -1415,11 +1415,11 @@ pub(crate) async fn timer_next_due(
     .transpose()
 }
 
-/// The timers a retime reads: those of the machine version (`t`) that a deployed timer
-/// (the JSON array bound here, `TimerRetimeParams::timers`) of the same state, event and
-/// kind gives another interval. It lets through every timer `timers::retime` would move
-/// (and, should the deployed list name one timer twice, possibly one it would not: the
-/// plan decides), and leaves out the ones already moved, so a second pass reads nothing.
+/// The timers a retime reads: those of the machine version (`t`) that a target (the JSON
+/// array bound here, [`retime_targets`]) of the same state, event and kind gives another
+/// interval. Which deployed entry is a timer's target is the core's
+/// (`timers::retime_targets`), so this reads exactly the timers `timers::retime` moves and
+/// leaves out the ones already moved; the plan still decides each move.
 macro_rules! retime_may_move {
     () => {
         "EXISTS (SELECT 1 FROM json_each(?) d \
@@ -1431,17 +1431,25 @@ macro_rules! retime_may_move {
     };
 }
 
+/// The deployed timers a retime's read binds (`timers::retime_targets` of
+/// `TimerRetimeParams::timers`), as the JSON array `retime_may_move!` reads.
+fn retime_targets(p: &TimerRetimeParams) -> StoreResult<String> {
+    serde_json::to_string(&keel_core::timers::retime_targets(&p.timers))
+        .map_err(|e| StoreError::invalid(format!("timers: {e}")))
+}
+
 /// The page of a retime when no timer of the machine version after the cursor may move
 /// (planned from that empty read), asked on a read connection so that a pass over timers
 /// moved already never takes the writer; `None` when some may move and the page must be
-/// read and written under the writer ([`timers_retime`]).
+/// read and written under the writer ([`timers_retime`]). The question returns no timer,
+/// but to answer it the database still scans every timer after the cursor, of every
+/// machine (no index leads with the machine and its version).
 pub(crate) async fn timers_retime_nothing(
     db: &mut Db<'_>,
     p: &TimerRetimeParams,
 ) -> StoreResult<Option<TimerRetimePage>> {
     p.validate()?;
-    // Deployed timers serialize without fail (strings, numbers and a duration).
-    let deployed = serde_json::to_string(&p.timers).unwrap_or_else(|_| "[]".into());
+    let targets = retime_targets(p)?;
     let any: bool = sqlx::query_scalar(concat!(
         "SELECT EXISTS (SELECT 1 FROM keel_timers t WHERE machine = ? AND machine_version = ? \
            AND id > ? AND ",
@@ -1451,7 +1459,7 @@ pub(crate) async fn timers_retime_nothing(
     .bind(&p.machine.name)
     .bind(p.machine.version)
     .bind(p.after.map_or(0, |t| t.0))
-    .bind(deployed)
+    .bind(targets)
     .fetch_one(&mut *db.conn)
     .await
     .map_err(db.err("looking for timers to retime"))?;
@@ -1466,17 +1474,17 @@ pub(crate) async fn timers_retime_nothing(
 /// may move, the core's plan, and per moved timer its write and history entry. Returns the
 /// page and the earliest new due time.
 ///
-/// The statement reads only the timers `retime_may_move!` lets through — those a deployed
-/// timer of the same state, event and kind gives another duration —, so a pass over a
-/// version whose timers were moved already reads nothing, however many timers it holds;
-/// the core's plan still decides each move.
+/// The statement returns only the timers `retime_may_move!` lets through — those the
+/// core's retime targets give another duration —, so a pass over a version whose timers
+/// were moved already returns and writes none (the database still scans every timer
+/// after the cursor, of every machine, to find that out); the core's plan still decides
+/// each move.
 pub(crate) async fn timers_retime(
     db: &mut Db<'_>,
     p: &TimerRetimeParams,
 ) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
     p.validate()?;
-    // Deployed timers serialize without fail (strings, numbers and a duration).
-    let deployed = serde_json::to_string(&p.timers).unwrap_or_else(|_| "[]".into());
+    let targets = retime_targets(p)?;
     let rows = sqlx::query(concat!(
         "SELECT ",
         timer_cols!(),
@@ -1487,7 +1495,7 @@ pub(crate) async fn timers_retime(
     .bind(&p.machine.name)
     .bind(p.machine.version)
     .bind(p.after.map_or(0, |t| t.0))
-    .bind(deployed)
+    .bind(targets)
     .bind(p.limit as i64)
     .fetch_all(&mut *db.conn)
     .await
@@ -1497,7 +1505,12 @@ pub(crate) async fn timers_retime(
     let mut page = TimerRetimePage { retimed: Vec::new(), next: plan.next };
     let mut earliest: Option<Timestamp> = None;
     for r in &plan.retimed {
-        let before = read.iter().find(|t| t.id == r.next.id).expect("planned from the read");
+        let before = read.iter().find(|t| t.id == r.next.id).ok_or_else(|| {
+            not_read(&format!(
+                "retiming timer {} of machine {} version {}",
+                r.next.id.0, p.machine.name, p.machine.version
+            ))
+        })?;
         if !db.timer_retime(before, &r.next).await? {
             continue;
         }
@@ -1822,7 +1835,9 @@ async fn cancel_one(
         for entry in &planned.history {
             w.record(&planned.row, planned.attempt, entry, p.now);
         }
-        let row_before = before.get(&planned.row.id).expect("planned from the read");
+        let row_before = before.get(&planned.row.id).ok_or_else(|| {
+            not_read(&format!("cancelling instance {} under {}", planned.row.id.0, p.id.0))
+        })?;
         w = update_gathered(db, w, row_before, &planned.row).await?;
         w.signals_drop(planned.row.id);
         w.timers_drop(planned.row.id);
@@ -1830,6 +1845,16 @@ async fn cancel_one(
     db.write(w).await?;
     let more = parents_release(db, &plan.releases, p.now).await?;
     Ok((plan.cancelled(), more))
+}
+
+/// The error for a plan that names a row its read did not return: a bug between this
+/// store and the core's planner, reported (the transaction rolls back) rather than a panic
+/// under the writer.
+fn not_read(doing: &str) -> StoreError {
+    StoreError::invalid(format!(
+        "{doing}: the plan names a row the store's read did not return, so nothing was \
+         written; this is an internal error in Keel, please report it"
+    ))
 }
 
 /// Adds the update of `before` to `after` to `w`; a row with a unique key has its guard

@@ -118,6 +118,24 @@ fn json_text(v: &Value) -> String {
     serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
 }
 
+/// The statement of [`Db::live_descendants`]: the walk (`d`), the kept ids cut in the
+/// walk's order (`kept`), then the kept rows in full.
+const LIVE_DESCENDANTS_SQL: &str = concat!(
+    "WITH RECURSIVE d (id, depth, path) AS ( \
+       SELECT id, 1, printf('%020d', id) FROM keel_instances WHERE parent_id = ? \
+       UNION ALL \
+       SELECT i.id, d.depth + 1, d.path || printf('%020d', i.id) \
+       FROM d JOIN keel_instances i ON i.parent_id = d.id WHERE d.depth < ? \
+     ), kept AS ( \
+       SELECT d.id, d.depth, d.path FROM d JOIN keel_instances s ON s.id = d.id \
+       WHERE s.status NOT IN ('done', 'failed', 'cancelled') \
+       ORDER BY d.depth, d.path LIMIT +? \
+     ) SELECT ",
+    instance_cols!(),
+    ", kept.depth AS depth FROM kept JOIN keel_instances USING (id) \
+     ORDER BY kept.depth, kept.path"
+);
+
 /// A connection inside a transaction, and the file it belongs to (for error messages).
 pub(crate) struct Db<'c> {
     /// The connection.
@@ -446,30 +464,27 @@ impl Db<'_> {
     /// descendants are walked through, so a live grandchild of an ended child is found,
     /// but not returned. The walk's key is each row's path of zero-padded ids from `id`,
     /// whose text order is that walk's order within a level.
+    ///
+    /// The order and the cut use only each descendant's id, depth, path and status (a
+    /// sort that keeps at most `max` entries); only the kept rows are read in full. The
+    /// walk itself is bounded by `depth_max` alone, like the walk it replaced over ended
+    /// descendants: a limit on walked rows would count ended descendants too, so a tree
+    /// with many ended children would lose live descendants that walk cancelled. A tree
+    /// with more live descendants than `max` thus has the id and status of each read, but
+    /// no more than `max` rows decoded.
     pub async fn live_descendants(
         &mut self,
         id: InstanceId,
         depth_max: usize,
         max: usize,
     ) -> StoreResult<Vec<(Instance, usize)>> {
-        let rows = sqlx::query(concat!(
-            "WITH RECURSIVE d (id, depth, path) AS ( \
-               SELECT id, 1, printf('%020d', id) FROM keel_instances WHERE parent_id = ? \
-               UNION ALL \
-               SELECT i.id, d.depth + 1, d.path || printf('%020d', i.id) \
-               FROM d JOIN keel_instances i ON i.parent_id = d.id WHERE d.depth < ? \
-             ) SELECT ",
-            instance_cols!(),
-            ", d.depth AS depth FROM d JOIN keel_instances USING (id) \
-             WHERE status NOT IN ('done', 'failed', 'cancelled') \
-             ORDER BY d.depth, d.path LIMIT +?"
-        ))
-        .bind(id.0)
-        .bind(depth_max as i64)
-        .bind(max as i64)
-        .fetch_all(&mut *self.conn)
-        .await
-        .map_err(self.err("reading descendants"))?;
+        let rows = sqlx::query(LIVE_DESCENDANTS_SQL)
+            .bind(id.0)
+            .bind(depth_max as i64)
+            .bind(max as i64)
+            .fetch_all(&mut *self.conn)
+            .await
+            .map_err(self.err("reading descendants"))?;
         rows.iter()
             .map(|r| {
                 let depth: i64 = self.get(r, "depth")?;
@@ -1259,4 +1274,73 @@ fn bind_instance<'q>(
         .bind(guard)
         .bind(row.invoked_by.clone())
         .bind(i64::from(row.base_priority.level()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Db, LIVE_DESCENDANTS_SQL};
+    use keel_core::{Instance, InstanceId, MachineRef, NewInstance, Status, Timestamp};
+    use sqlx::{Connection, Row, SqliteConnection};
+
+    /// Inserts an instance under `parent` with `status`; returns its id.
+    async fn add(db: &mut Db<'_>, parent: Option<InstanceId>, status: Status) -> InstanceId {
+        let new = NewInstance::new(MachineRef::new("m", 1), "start");
+        let mut row = Instance::from_new(InstanceId(0), &new, parent, Timestamp(0));
+        row.status = status;
+        db.instance_insert(&row).await.expect("insert")
+    }
+
+    /// A cascade's read keeps the order of the breadth-first walk it replaced, which is not
+    /// id order (a later parent's older child comes after an earlier parent's newer one),
+    /// walks through an ended child to its live child, and cuts that order at `max` and
+    /// at `depth_max`. Only the kept ids are read in full: the cut is made on the walk's
+    /// keys before any full row is read.
+    #[tokio::test]
+    async fn live_descendants_keep_the_walk_order_and_cut_it_at_the_bounds() {
+        // (depth_max, max) → the kept descendants with their depths, in order.
+        type Case = (usize, usize, Vec<(InstanceId, usize)>);
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.expect("open");
+        crate::store::migrator().run(&mut conn).await.expect("migrate");
+        let mut db = Db { conn: &mut conn, file: ":memory:" };
+        let live = Status::AwaitingChildren;
+        let root = add(&mut db, None, live).await;
+        let c1 = add(&mut db, Some(root), live).await;
+        let c2 = add(&mut db, Some(root), live).await;
+        let under_c2 = add(&mut db, Some(c2), Status::Runnable).await;
+        let ended = add(&mut db, Some(c1), Status::Done).await;
+        let under_c1 = add(&mut db, Some(c1), Status::Runnable).await;
+        let under_ended = add(&mut db, Some(ended), Status::Runnable).await;
+        assert!(under_c2 < under_c1, "the tree this test needs");
+
+        let cases: [Case; 4] = [
+            (32, 10, vec![(c1, 1), (c2, 1), (under_c1, 2), (under_c2, 2), (under_ended, 3)]),
+            (32, 3, vec![(c1, 1), (c2, 1), (under_c1, 2)]),
+            (2, 10, vec![(c1, 1), (c2, 1), (under_c1, 2), (under_c2, 2)]),
+            (1, 1, vec![(c1, 1)]),
+        ];
+        for (depth_max, max, want) in cases {
+            let got: Vec<(InstanceId, usize)> = db
+                .live_descendants(root, depth_max, max)
+                .await
+                .expect("live_descendants")
+                .into_iter()
+                .map(|(row, depth)| (row.id, depth))
+                .collect();
+            assert_eq!(got, want, "depth_max {depth_max}, max {max}");
+        }
+
+        let plan: Vec<String> =
+            sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {LIVE_DESCENDANTS_SQL}")))
+                .fetch_all(&mut *db.conn)
+                .await
+                .expect("explain")
+                .iter()
+                .map(|r| r.get::<String, _>("detail"))
+                .collect();
+        assert!(
+            plan.iter().any(|step| step == "SCAN kept"),
+            "full rows are read for the kept ids only:\n{}",
+            plan.join("\n")
+        );
+    }
 }

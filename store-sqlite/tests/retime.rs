@@ -1,7 +1,8 @@
 //! Moving armed timers to a deployed definition's durations reads only the timers that
-//! move: a second pass over a machine version whose timers were moved already reads
-//! nothing, whatever their number, and a later deploy that changes a duration again moves
-//! them all again.
+//! move: a second pass over a machine version whose timers were moved already returns no
+//! timer (one empty page), whatever their number, as does a deployed list that names a
+//! timer twice with its current duration first; a later deploy that changes a duration
+//! again moves them all again.
 
 use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::instance::ANY_SIGNAL;
@@ -35,22 +36,28 @@ fn remind() -> TimerArm {
     }
 }
 
-fn params(deadline: Duration, after: Option<TimerId>) -> TimerRetimeParams {
+fn params(timers: Vec<TimerArm>, after: Option<TimerId>) -> TimerRetimeParams {
     TimerRetimeParams {
         machine: MachineRef::new("retimed", 1),
-        timers: vec![expire(deadline), remind()],
+        timers,
         after,
         limit: 2,
         now: at(1_000),
     }
 }
 
-/// One pass, page by page (at most 20 pages); returns every page.
+/// One pass with the deployed deadline `deadline`, page by page; returns every page.
 async fn pass(s: &SqliteStore, deadline: Duration) -> Vec<TimerRetimePage> {
+    pass_with(s, vec![expire(deadline), remind()]).await
+}
+
+/// One pass with the deployed timers `timers`, page by page (at most 20 pages); returns
+/// every page.
+async fn pass_with(s: &SqliteStore, timers: Vec<TimerArm>) -> Vec<TimerRetimePage> {
     let mut pages = Vec::new();
     let mut after = None;
     for _ in 0..20 {
-        let page = s.timers_retime(params(deadline, after)).await.expect("timers_retime");
+        let page = s.timers_retime(params(timers.clone(), after)).await.expect("timers_retime");
         after = page.next;
         pages.push(page);
         if after.is_none() {
@@ -94,6 +101,12 @@ async fn a_second_retime_pass_reads_nothing_and_a_new_duration_moves_every_timer
         let retimed = history.iter().filter(|h| h.entry.kind == "TIMER_RETIMED").count();
         assert_eq!(retimed, 1, "instance {id} recorded one move");
     }
+
+    // A deployed list naming the deadline twice: the first entry counts, and it is the
+    // duration the deadlines have, so none may move and the pass is one empty page.
+    let twice = pass_with(&s, vec![expire(DAY), expire(DAY * 3), remind()]).await;
+    assert_eq!(twice.len(), 1, "a duplicate that the first entry hides reads nothing: {twice:?}");
+    assert!(twice[0].retimed.is_empty(), "nothing moved: {twice:?}");
 
     let third = pass(&s, DAY * 2).await;
     assert_eq!(moved(&third), 6, "a new deployed duration moves every deadline: {third:?}");

@@ -251,11 +251,12 @@ fn due_sql() -> String {
 
 /// A page of a machine version's timers after the cursor that may move, in id order,
 /// locked (waiting for a sweep or commit holding one: the cursor must not pass a timer it
-/// skipped). A timer may move when a deployed timer (`$5`, `TimerRetimeParams::timers`)
-/// of the same state, event and kind gives it another interval: that lets through every
-/// timer `timers::retime` would move (and, should the deployed list name one timer twice,
-/// possibly one it would not: the plan decides), and leaves out the ones already moved, so
-/// a second pass over a version reads nothing however many timers it holds.
+/// skipped). A timer may move when a target (`$5`, `timers::retime_targets` of
+/// `TimerRetimeParams::timers`: which deployed entry each timer follows is the core's) of
+/// the same state, event and kind gives it another interval: exactly the timers
+/// `timers::retime` moves, leaving out the ones already moved. A second pass over a version
+/// therefore returns and locks no timer, though the database still scans the timers
+/// table to find that out (no index leads with the machine); the plan decides each move.
 fn retime_read_sql() -> String {
     format!(
         "SELECT {TIMER_COLS} FROM timers t WHERE t.machine = $1 AND t.machine_version = $2 \
@@ -284,8 +285,8 @@ pub(crate) async fn retime<C: GenericClient + Sync>(
     let read_stmt = c.prepare_cached(&retime_read_sql()).await?;
     let after = p.after.map_or(0, |t| t.0);
     let limit = p.limit as i64;
-    let deployed =
-        serde_json::to_value(&p.timers).map_err(|e| StoreError::invalid(format!("timers: {e}")))?;
+    let deployed = serde_json::to_value(keel_core::timers::retime_targets(&p.timers))
+        .map_err(|e| StoreError::invalid(format!("timers: {e}")))?;
     let (began, found) = tokio::join!(begin(c), async {
         c.query(&read_stmt, &[&p.machine.name, &p.machine.version, &after, &limit, &deployed]).await
     });
@@ -537,8 +538,9 @@ pub(crate) async fn queue_stats<C: GenericClient + Sync>(
 #[cfg(test)]
 mod tests {
     //! A retime reads only the timers that move: a second pass over a machine version
-    //! whose timers were moved already reads nothing, and a later deploy that changes a
-    //! duration again moves them all again.
+    //! whose timers were moved already returns no timer, as does a deployed list that
+    //! names a timer twice with its current duration first, and a later deploy that
+    //! changes a duration again moves them all again.
 
     use super::super::plans::fresh_schema_or_skip;
     use keel_core::chart::{TimerArm, TimerKind};
@@ -567,22 +569,28 @@ mod tests {
         TimerArm { event: "REMIND".into(), kind: TimerKind::Every, ..expire(DAY / 24) }
     }
 
-    fn params(deadline: Duration, after: Option<TimerId>) -> TimerRetimeParams {
+    fn params(timers: Vec<TimerArm>, after: Option<TimerId>) -> TimerRetimeParams {
         TimerRetimeParams {
             machine: MachineRef::new("retimed", 1),
-            timers: vec![expire(deadline), remind()],
+            timers,
             after,
             limit: 2,
             now: at(1_000),
         }
     }
 
-    /// One pass, page by page (at most 20 pages); returns every page.
+    /// One pass with the deployed deadline `deadline`, page by page; returns every page.
     async fn pass<S: Store>(s: &S, deadline: Duration) -> Vec<TimerRetimePage> {
+        pass_with(s, vec![expire(deadline), remind()]).await
+    }
+
+    /// One pass with the deployed timers `timers`, page by page (at most 20 pages); returns
+    /// every page.
+    async fn pass_with<S: Store>(s: &S, timers: Vec<TimerArm>) -> Vec<TimerRetimePage> {
         let mut pages = Vec::new();
         let mut after = None;
         for _ in 0..20 {
-            let page = s.timers_retime(params(deadline, after)).await.expect("timers_retime");
+            let page = s.timers_retime(params(timers.clone(), after)).await.expect("timers_retime");
             after = page.next;
             pages.push(page);
             if after.is_none() {
@@ -617,6 +625,11 @@ mod tests {
         let second = pass(&s, DAY).await;
         assert_eq!(second.len(), 1, "the first page of a second pass is its last: {second:?}");
         assert!(second[0].retimed.is_empty(), "nothing moved again: {second:?}");
+        // A deployed list naming the deadline twice: the first entry counts, and it is the
+        // duration the deadlines have, so none may move and the pass is one empty page.
+        let twice = pass_with(&s, vec![expire(DAY), expire(DAY * 3), remind()]).await;
+        assert_eq!(twice.len(), 1, "a duplicate the first entry hides reads nothing: {twice:?}");
+        assert!(twice[0].retimed.is_empty(), "nothing moved: {twice:?}");
         let third = pass(&s, DAY * 2).await;
         assert_eq!(moved(&third), 6, "a new deployed duration moves every deadline: {third:?}");
     }

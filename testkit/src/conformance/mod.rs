@@ -159,6 +159,7 @@ macro_rules! __store_contract_list {
             cancel_rules_terminal_missing_executing,
             cancel_cascade_reaches_every_live_descendant_of_a_wide_tree,
             cancel_cascade_follows_a_deep_chain_to_the_depth_bound,
+            cancel_cascade_frees_the_keys_of_a_mixed_tree,
             instance_get_and_lookup,
             a_lone_insert_stores_what_a_batch_stores,
             a_batch_insert_answers_in_batch_order,

@@ -200,6 +200,50 @@ pub async fn cancel_cascade_follows_a_deep_chain_to_the_depth_bound<S: Store>(s:
     assert_eq!(get(s, beyond).await, beyond_before, "the level past the bound is untouched");
 }
 
+/// A cascade over children with and without unique keys, in turn, cancels every one of
+/// them once and frees each key: an instance inserted with a cancelled child's key afterwards
+/// is new, and an unrelated holder of another key keeps it.
+pub async fn cancel_cascade_frees_the_keys_of_a_mixed_tree<S: Store>(s: &S) {
+    use keel_core::ids::StatusSet;
+    let ns = "cancel_keys";
+    let keyed = |key: &str| new_in(ns).queue("kids").unique(key, StatusSet::LIVE);
+    let plain = || new_in(ns).queue("kids");
+    let root = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, root, at(10)).await;
+    let mix = vec![plain(), keyed("k-1"), plain(), keyed("k-2"), plain()];
+    let outcome = Outcome::ScheduleChildren {
+        next: "join".into(),
+        children: mix,
+        context: ctx(1),
+        join: keel_core::join::Join::default(),
+    };
+    let kids: Vec<InstanceId> =
+        step(s, &claimed, outcome, at(20)).await.children.iter().map(|c| c.id()).collect();
+    assert_eq!(kids.len(), 5, "every child was inserted: {kids:?}");
+    // Inserted after the root's claim, so that claim cannot pick it.
+    let holder =
+        insert_one(s, new_in(ns).queue("other").unique("k-other", StatusSet::LIVE), at(25)).await;
+
+    let cancelled: BTreeSet<_> =
+        s.instance_cancel(cancel(root, true, at(30))).await.expect("cancel").into_iter().collect();
+    let mut want: BTreeSet<_> = kids.iter().copied().collect();
+    want.insert(root);
+    assert_eq!(cancelled, want, "the root and every child");
+    for id in &kids {
+        let d = get(s, *id).await;
+        assert!(cancelled_from(&d, Some(root)), "{id} records one cascade: {:?}", d.history);
+    }
+    for key in ["k-1", "k-2"] {
+        let again = insert(s, vec![new_in(ns).unique(key, StatusSet::LIVE)], at(40)).await;
+        assert!(
+            matches!(again.as_slice(), [InsertOutcome::Inserted(id)] if !kids.contains(id)),
+            "the cancelled child's key {key} is free: {again:?}"
+        );
+    }
+    let other = insert(s, vec![new_in(ns).unique("k-other", StatusSet::LIVE)], at(40)).await;
+    assert_eq!(other, [InsertOutcome::Existing(holder)], "another key stays held");
+}
+
 /// Cancel: missing → `NotFound`; terminal → nothing; executing → the worker's commit is
 /// `LeaseLost`; without cascade the children go on.
 pub async fn cancel_rules_terminal_missing_executing<S: Store>(s: &S) {

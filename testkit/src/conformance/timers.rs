@@ -411,11 +411,29 @@ pub async fn timer_status_and_queue_stats<S: Store>(s: &S) {
     assert_eq!(stats[1].oldest_ready_at, Some(at(0)));
 }
 
+/// The timers one retime pass of `p` moves, page by page from `p.after` (at most 10 pages).
+async fn retime_pass<S: Store>(
+    s: &S,
+    mut p: keel_core::ports::store::TimerRetimeParams,
+) -> Vec<keel_core::TimerId> {
+    let mut moved = Vec::new();
+    for _ in 0..10 {
+        let page = s.timers_retime(p.clone()).await.expect("a retime page");
+        moved.extend(page.retimed);
+        match page.next {
+            Some(next) => p.after = Some(next),
+            None => return moved,
+        }
+    }
+    panic!("the retime pass did not end within 10 pages; moved so far: {moved:?}");
+}
+
 /// A deploy that changes a timer's duration moves the timers instances of that machine
 /// version already armed, from their original anchor, one page at a time in id order,
 /// recording `TIMER_RETIMED`: a 7-day deadline shortened to 1 day fires at the next sweep
 /// for an instance that has waited 2 days. Other versions, other timers and a second pass
-/// are left alone; a bad page size is refused.
+/// are left alone; of a deployed list that names a timer twice, the first entry counts; a
+/// bad page size is refused.
 pub async fn timers_follow_a_deployed_duration<S: Store>(s: &S) {
     use keel_core::ports::store::TimerRetimeParams;
     let ns = "retime";
@@ -479,6 +497,22 @@ pub async fn timers_follow_a_deployed_duration<S: Store>(s: &S) {
 
     let again = s.timers_retime(params(None)).await.expect("again");
     assert!(again.retimed.is_empty(), "nothing left to move: {again:?}");
+
+    // A deployed list naming a timer twice: the first entry is the one a timer follows.
+    // With the reminders' own duration first nothing moves; with another first, the three
+    // version-1 reminders move to it, whatever the second says.
+    let minute = arm("awaiting", "REMIND", TimerKind::Every, 60, None, None);
+    let deployed = |timers: Vec<TimerArm>| TimerRetimeParams { timers, ..params(None) };
+    let hidden = retime_pass(s, deployed(vec![remind.clone(), minute.clone()])).await;
+    assert_eq!(hidden, [], "the first entry keeps the reminders' duration");
+    let moved = retime_pass(s, deployed(vec![minute.clone(), remind.clone()])).await;
+    assert_eq!(moved.len(), 3, "the first entry moves the reminders: {moved:?}");
+    for id in &ids[..3] {
+        let timers = get(s, *id).await.timers;
+        let reminder = timers.iter().find(|t| t.spec.event == "REMIND").expect("the reminder");
+        assert_eq!(reminder.spec.interval, Duration::from_secs(60), "instance {id}");
+    }
+
     let zero = TimerRetimeParams { limit: 0, ..params(None) };
     let err = s.timers_retime(zero).await.expect_err("a zero page");
     assert!(err.message.contains("limit"), "{}", err.message);
