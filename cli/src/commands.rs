@@ -16,7 +16,7 @@ use keel_core::Timestamp;
 use keel_core::duration;
 use serde::Serialize;
 
-use crate::output::{PartlyDone, Report, age, table, time};
+use crate::output::{PartlyDone, Report, SHOWN_MAX, age, table, time};
 use crate::{Cli, Command, DlqCommand, StartArgs, TimersCommand};
 
 /// Pages of `DEAD_LETTER_BATCH_MAX` one `keel dlq purge` deletes at most.
@@ -436,7 +436,7 @@ async fn cancel(
     let cancelled = keel.cancel(request).await?;
     let human = if cancelled.is_empty() {
         format!("Nothing to cancel: {id} has already ended.")
-    } else if cancelled.len() <= IDS_SHOWN_MAX {
+    } else if cancelled.len() <= SHOWN_MAX {
         format!("Cancelled {}.", ids(&cancelled))
     } else {
         format!("Cancelled {} instances: {}.", cancelled.len(), ids(&cancelled))
@@ -815,19 +815,16 @@ async fn retry_machine(
     crate::operate::note_unknown_machine(keel, ns, machine, report).await
 }
 
-/// Ids a human report names before it says how many more there are.
-pub const IDS_SHOWN_MAX: usize = 20;
-
-/// The first [`IDS_SHOWN_MAX`] of `list`, then how many more (`i1, i2, … and 180 more`);
+/// The first [`SHOWN_MAX`] of `list`, then how many more (`i1, i2, … and 180 more`);
 /// `--json` carries the whole list.
 pub fn ids(list: &[InstanceId]) -> String {
     if list.is_empty() {
         return "none".into();
     }
-    let shown: Vec<String> = list.iter().take(IDS_SHOWN_MAX).map(ToString::to_string).collect();
+    let shown: Vec<String> = list.iter().take(SHOWN_MAX).map(ToString::to_string).collect();
     let mut text = shown.join(", ");
-    if list.len() > IDS_SHOWN_MAX {
-        let _ = write!(text, " … and {} more", list.len() - IDS_SHOWN_MAX);
+    if list.len() > SHOWN_MAX {
+        let _ = write!(text, " … and {} more", list.len() - SHOWN_MAX);
     }
     text
 }

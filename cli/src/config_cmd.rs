@@ -16,7 +16,6 @@
 use anyhow::{Context as _, bail};
 use clap::Subcommand;
 use keel_core::config::{Effective, KeelConfig};
-use keel_core::ports::Store as _;
 use serde_json::json;
 use std::fmt::Write as _;
 
@@ -92,13 +91,7 @@ async fn check(cli: &Cli) -> anyhow::Result<Report> {
     // A machine whose instances all ended long ago is in none of the grouped reads.
     let unseen = config.machines.keys().filter(|m| !known.machines.contains(*m));
     for machine in unseen.take(SECTIONS_PROBED_MAX).cloned().collect::<Vec<_>>() {
-        let any = keel_core::ports::store::InstanceListParams {
-            namespace: ns.to_owned(),
-            machine: Some(machine.clone()),
-            limit: 1,
-            ..Default::default()
-        };
-        if !keel.store().instance_list(any).await?.is_empty() {
+        if crate::operate::has_instances(&keel, ns, &machine).await? {
             known.machines.insert(machine);
         }
     }

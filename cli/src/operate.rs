@@ -28,7 +28,7 @@ use serde::Serialize;
 
 use crate::commands::{capitalized, hint, now, shell_word};
 use crate::definitions::Definitions;
-use crate::output::{PartlyDone, Report, age, table, time};
+use crate::output::{PartlyDone, Report, SHOWN_MAX, age, table, time};
 use crate::{GraphFormat, ListArgs, UpgradeArgs};
 
 /// The window `status` and `health` summarise.
@@ -942,10 +942,6 @@ pub async fn retry_machine_letters(
     Ok(done)
 }
 
-/// Machine names the note about a machine the store holds nothing of lists at most
-/// (the closest one is named besides, wherever it sorts).
-pub const MACHINES_SHOWN_MAX: usize = 20;
-
 /// How far back [`known_names`] looks at ended instances and worker beats: a machine
 /// that ended an instance, or had a worker, within this is known.
 pub const KNOWN_WITHIN: Duration = Duration::from_secs(86_400);
@@ -964,7 +960,8 @@ pub struct UnknownMachine {
     pub namespace: String,
     /// The known name it most likely misspells (`keel_core::config::closest`).
     pub closest: Option<String>,
-    /// Names the store knows in the namespace, sorted, at most [`MACHINES_SHOWN_MAX`].
+    /// Names the store knows in the namespace, sorted, at most [`SHOWN_MAX`] (the
+    /// closest one is named besides, wherever it sorts).
     pub known: Vec<String>,
     /// How many more names were found than `known` lists.
     pub known_more: usize,
@@ -1019,13 +1016,7 @@ pub async fn unknown_machine(
     ns: &str,
     machine: &str,
 ) -> anyhow::Result<Option<UnknownMachine>> {
-    let any = InstanceListParams {
-        namespace: ns.to_owned(),
-        machine: Some(machine.to_owned()),
-        limit: 1,
-        ..InstanceListParams::default()
-    };
-    if !keel.store().instance_list(any).await?.is_empty() {
+    if has_instances(keel, ns, machine).await? {
         return Ok(None);
     }
     let known = known_names(keel, ns).await?.machines;
@@ -1037,8 +1028,8 @@ pub async fn unknown_machine(
         machine: machine.to_owned(),
         namespace: ns.to_owned(),
         closest: closest.map(str::to_owned),
-        known_more: known.len().saturating_sub(MACHINES_SHOWN_MAX),
-        known: known.into_iter().take(MACHINES_SHOWN_MAX).collect(),
+        known_more: known.len().saturating_sub(SHOWN_MAX),
+        known: known.into_iter().take(SHOWN_MAX).collect(),
     }))
 }
 
@@ -1069,6 +1060,18 @@ pub struct KnownNames {
     pub machines: BTreeSet<String>,
     /// Queues, sorted.
     pub queues: BTreeSet<String>,
+}
+
+/// Whether `ns` holds any instance of `machine`, in any status: one indexed read of at
+/// most one row.
+pub async fn has_instances(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<bool> {
+    let any = InstanceListParams {
+        namespace: ns.to_owned(),
+        machine: Some(machine.to_owned()),
+        limit: 1,
+        ..InstanceListParams::default()
+    };
+    Ok(!keel.store().instance_list(any).await?.is_empty())
 }
 
 /// The machine and queue names the store knows in `ns`, from grouped reads that carry

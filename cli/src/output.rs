@@ -69,6 +69,23 @@ pub fn warn(text: &str) {
     let _ = writeln!(std::io::stderr(), "warning: {text}");
 }
 
+/// Names or ids a human report lists before it counts the rest (`--json` carries them all).
+pub const SHOWN_MAX: usize = 20;
+
+/// The first [`SHOWN_MAX`] of `texts`, then `more(n)` for the `n` left out, if any; the
+/// caller joins them with its own separator.
+pub fn first_of(
+    texts: impl ExactSizeIterator<Item = String>,
+    more: impl FnOnce(usize) -> String,
+) -> Vec<String> {
+    let left_out = texts.len().saturating_sub(SHOWN_MAX);
+    let mut shown: Vec<String> = texts.take(SHOWN_MAX).collect();
+    if left_out > 0 {
+        shown.push(more(left_out));
+    }
+    shown
+}
+
 /// The `--json` body of a failed command: `{"error": …}`, plus what a bulk command had
 /// already done when it failed (see [`PartlyDone`]).
 pub fn error_body(error: &anyhow::Error) -> Value {

@@ -25,7 +25,7 @@ use keel_core::schedule::{
 };
 
 use crate::commands::{connect, now};
-use crate::output::{Report, table, time};
+use crate::output::{Report, first_of, table, time};
 use crate::{Cli, SchedulesCommand};
 
 /// Lists the configured schedules, or pauses / resumes one.
@@ -75,7 +75,7 @@ pub async fn stored_states<S: Store + ?Sized>(
 
 /// The stored state of the schedule `name` in `namespace`, if any (one bounded read of
 /// the namespace).
-pub async fn state_of<S: Store + ?Sized>(
+async fn state_of<S: Store + ?Sized>(
     store: &S,
     namespace: &str,
     name: &str,
@@ -84,21 +84,11 @@ pub async fn state_of<S: Store + ?Sized>(
     Ok(states.into_iter().find(|s| s.name == name))
 }
 
-/// Most leftover states an error or a note names; the rest are counted.
-const NAMED_MAX: usize = 20;
-
-/// `(namespace, name)` pairs as `name (namespace)`, at most [`NAMED_MAX`] of them, then
-/// how many more there are.
+/// `(namespace, name)` pairs as `name (namespace)`, at most
+/// [`SHOWN_MAX`](crate::output::SHOWN_MAX) of them, then how many more there are.
 fn named(pairs: &[(String, String)]) -> String {
-    let mut text: Vec<String> =
-        pairs.iter().take(NAMED_MAX).map(|(ns, name)| format!("{name} ({ns})")).collect();
-    if pairs.len() > NAMED_MAX {
-        text.push(format!(
-            "and {} more (`keel schedules --json` lists them all)",
-            pairs.len() - NAMED_MAX
-        ));
-    }
-    text.join(", ")
+    let texts = pairs.iter().map(|(ns, name)| format!("{name} ({ns})"));
+    first_of(texts, |n| format!("and {n} more (`keel schedules --json` lists them all)")).join(", ")
 }
 
 /// Each schedule as listed at `now`: the stored state wins over the definition's `paused`.
@@ -240,14 +230,22 @@ async fn set(
 ) -> anyhow::Result<Report> {
     let schedule = find(schedules, name).map_err(|e| anyhow!("{e} in {}", config.display()))?;
     let keel = connect(cli, false).await?;
+    Ok(set_paused(keel.store(), schedule, paused).await?)
+}
+
+/// Stores a pause or resume of `schedule` for every worker and reports it ([`changed`]).
+pub async fn set_paused<S: Store + ?Sized>(
+    store: &S,
+    schedule: &Schedule,
+    paused: bool,
+) -> keel_core::StoreResult<Report> {
     // Read first, so the report can say what a resume's re-anchor moved the tick from.
-    let before = state_of(keel.store(), schedule.namespace(), name).await?;
+    let before = state_of(store, schedule.namespace(), schedule.name()).await?;
     let at = now();
-    let state = keel
-        .store()
+    let state = store
         .schedule_pause(SchedulePauseParams {
             namespace: schedule.namespace().to_owned(),
-            name: name.to_owned(),
+            name: schedule.name().to_owned(),
             paused,
             now: at,
         })
@@ -391,10 +389,7 @@ pub fn check_quiet(
         return Ok(());
     }
     let hours = FORGET_QUIET_MS / 3_600_000;
-    let mut shown: Vec<String> = recent.iter().take(NAMED_MAX).cloned().collect();
-    if recent.len() > NAMED_MAX {
-        shown.push(format!("and {} more", recent.len() - NAMED_MAX));
-    }
+    let shown = first_of(recent.into_iter(), |n| format!("and {n} more"));
     Err(format!(
         "refusing to forget states used within the last {hours} hours, which some worker (of \
          another deploy, or one not yet stopped) may still serve: {}. Forgetting one drops its \
@@ -452,8 +447,48 @@ pub fn changed(
     Report::ok(json!({ "schedule": info, "state": state, "re_anchored": re_anchored }), human)
 }
 
+/// Set-up shared by the tests of `keel schedules` and of the server's schedules.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::path::PathBuf;
+
+    use keel_core::Timestamp;
+    use keel_core::ports::store::ScheduleFiredParams;
+    use tempfile::TempDir;
+
+    use crate::commands::now;
+
+    /// A configuration with one schedule, `nightly` (namespace default).
+    pub(crate) const NIGHTLY_TOML: &str =
+        "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n";
+
+    /// A temporary directory holding [`NIGHTLY_TOML`] as `keel.toml` and a migrated SQLite
+    /// store: the directory (removed on drop), the file's path, the store's URL and a Keel
+    /// on it.
+    pub(crate) async fn nightly_store() -> (TempDir, PathBuf, String, keel::Keel) {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = dir.path().join("keel.toml");
+        std::fs::write(&toml, NIGHTLY_TOML).unwrap();
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let options = keel::ConnectOptions::default().migrate(true).create(true);
+        let keel = keel::Keel::connect_with(&url, options).await.unwrap();
+        (dir, toml, url, keel)
+    }
+
+    /// Two days ahead of this clock.
+    pub(crate) fn ahead() -> Timestamp {
+        Timestamp::from_millis(now().as_millis() + 2 * 86_400_000)
+    }
+
+    /// `nightly` (namespace default) recorded as fired through `tick`.
+    pub(crate) fn fired(tick: Timestamp) -> ScheduleFiredParams {
+        ScheduleFiredParams { namespace: "default".into(), name: "nightly".into(), tick }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_support::{ahead, fired, nightly_store};
     use super::*;
     use keel_core::config::KeelConfig;
 
@@ -726,16 +761,7 @@ mod tests {
     async fn forget_deletes_the_states_the_file_no_longer_defines() {
         use clap::Parser as _;
         use keel_core::ports::store::ScheduleFiredParams;
-        let dir = tempfile::tempdir().unwrap();
-        let toml = dir.path().join("keel.toml");
-        std::fs::write(
-            &toml,
-            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
-        )
-        .unwrap();
-        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
-        let options = keel::ConnectOptions::default().migrate(true).create(true);
-        let keel = keel::Keel::connect_with(&url, options).await.unwrap();
+        let (_dir, toml, url, keel) = nightly_store().await;
         for name in ["nightly", "old", "gone"] {
             let tick = Timestamp::from_millis(60_000);
             let params =
@@ -790,23 +816,7 @@ mod tests {
     #[tokio::test]
     async fn a_resume_says_when_it_moved_the_recorded_tick() {
         use clap::Parser as _;
-        use keel_core::ports::store::ScheduleFiredParams;
-        let dir = tempfile::tempdir().unwrap();
-        let toml = dir.path().join("keel.toml");
-        std::fs::write(
-            &toml,
-            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
-        )
-        .unwrap();
-        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
-        let options = keel::ConnectOptions::default().migrate(true).create(true);
-        let keel = keel::Keel::connect_with(&url, options).await.unwrap();
-        let ahead = || Timestamp::from_millis(now().as_millis() + 2 * 86_400_000);
-        let fired = |tick| ScheduleFiredParams {
-            namespace: "default".into(),
-            name: "nightly".into(),
-            tick,
-        };
+        let (_dir, toml, url, keel) = nightly_store().await;
         let tick = ahead();
         keel.store().schedule_fired(fired(tick)).await.unwrap();
         let cli = |command: &str| {

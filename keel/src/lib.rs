@@ -417,12 +417,16 @@ impl Keel {
     /// [`with_settings`](Self::with_settings), if any, is applied
     /// (`WorkerConfig::with_settings`).
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
-        let Some(file) = self.client.settings() else { return self.builder(config) };
         let own = own_queues(&config);
+        let Some(file) = self.client.settings() else { return self.builder(config, own) };
         match apply(config, file.clone(), GIVEN_SETTINGS) {
-            Ok(config) => self.builder(config).claiming(own),
+            Ok(config) => self.builder(config, own),
             // Never spawned: `spawn` returns the error.
-            Err(e) => self.builder(WorkerConfig::default()).refuse(e),
+            Err(e) => {
+                let config = WorkerConfig::default();
+                let own = own_queues(&config);
+                self.builder(config, own).refuse(e)
+            }
         }
     }
 
@@ -461,12 +465,14 @@ impl Keel {
                 (None, _) => config,
             },
         };
-        Ok(self.builder(config).claiming(own))
+        Ok(self.builder(config, own))
     }
 
-    /// A worker on this store with `config` as it is, and this connection's queue of hints.
-    fn builder(&self, config: WorkerConfig) -> WorkerBuilder {
-        let builder = WorkerBuilder::new(self.store.clone(), self.clock.clone(), config);
+    /// A worker on this store with `config` as it is, and this connection's queue of hints;
+    /// `own` are the queues the program gave it ([`own_queues`], taken before a file was
+    /// applied).
+    fn builder(&self, config: WorkerConfig, own: Vec<String>) -> WorkerBuilder {
+        let builder = WorkerBuilder::new(self.store.clone(), self.clock.clone(), config, own);
         match &self.hints {
             Some((queue, hints)) => builder.hints_from(Arc::clone(queue), hints.clone()),
             None => builder,

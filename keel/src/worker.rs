@@ -72,9 +72,16 @@ pub struct WorkerBuilder {
 }
 
 impl WorkerBuilder {
-    pub(crate) fn new(store: AnyStore, clock: AnyClock, config: WorkerConfig) -> Self {
+    /// A worker with `config`; `own_queues` are the queues its program gave it to claim
+    /// from, before a configuration file was applied to `config` (the file adds every
+    /// queue it names).
+    pub(crate) fn new(
+        store: AnyStore,
+        clock: AnyClock,
+        config: WorkerConfig,
+        own_queues: Vec<String>,
+    ) -> Self {
         let settings = config.settings.clone();
-        let own_queues = config.queues.iter().map(|(q, _)| q.clone()).collect();
         WorkerBuilder {
             worker: Worker::new(Arc::new(store), clock, config),
             hint_stats: None,
@@ -84,14 +91,6 @@ impl WorkerBuilder {
             settings,
             own_queues,
         }
-    }
-
-    /// This worker with `queues` as the ones its program gave it to claim from: the
-    /// queues of its [`WorkerConfig`] before a configuration file was applied to it (the
-    /// file adds every queue it names).
-    pub(crate) fn claiming(mut self, queues: Vec<String>) -> Self {
-        self.own_queues = queues;
-        self
     }
 
     /// This worker with `error` for [`spawn`](Self::spawn) to return.

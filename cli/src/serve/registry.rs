@@ -3,7 +3,6 @@
 //! in-process ones.
 
 use std::collections::HashMap;
-use std::io::Write as _;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -68,11 +67,11 @@ impl Beats {
             now(),
         );
         if let Err(error) = store.worker_heartbeat(params).await {
-            // A closed stderr (a supervisor that drops it) must not panic the request.
-            let _ = writeln!(
-                std::io::stderr(),
-                "warning: could not record worker {worker:?} in the registry: {error}"
-            );
+            // `warn` ignores a closed stderr, so a supervisor that drops it cannot panic
+            // the request.
+            crate::output::warn(&format!(
+                "could not record worker {worker:?} in the registry: {error}"
+            ));
         }
     }
 }

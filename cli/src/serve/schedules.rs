@@ -10,15 +10,13 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use keel_core::ports::Store;
-use keel_core::ports::store::SchedulePauseParams;
 use keel_core::schedule::Schedule;
 use serde_json::json;
 
 use super::AppState;
 use super::api::{ApiError, NoQuery};
 use crate::commands::now;
-use crate::schedules_cmd::{changed, infos, state_of, stored_states};
+use crate::schedules_cmd::{infos, set_paused, stored_states};
 
 /// The configuration's schedules that act in `ns`.
 fn in_namespace(state: &AppState, ns: &str) -> Result<Vec<Schedule>, ApiError> {
@@ -54,15 +52,7 @@ async fn set(
             "no schedule named {name:?} in namespace {ns:?}; the server knows the schedules of the keel.toml that `keel serve --config` names"
         )));
     };
-    // Read first, so the answer can say what a resume's re-anchor moved the tick from.
-    let before = state_of(state.keel.store(), &ns, &name).await?;
-    let at = now();
-    let stored = state
-        .keel
-        .store()
-        .schedule_pause(SchedulePauseParams { namespace: ns, name, paused, now: at })
-        .await?;
-    Ok(Json(changed(schedule, before.as_ref(), &stored, at).json).into_response())
+    Ok(Json(set_paused(state.keel.store(), schedule, paused).await?.json).into_response())
 }
 
 /// `POST /v1/namespaces/{ns}/schedules/{name}/pause`.
@@ -86,9 +76,9 @@ pub async fn resume(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_core::Timestamp;
+    use crate::schedules_cmd::test_support::{NIGHTLY_TOML, ahead, fired, nightly_store};
     use keel_core::config::KeelConfig;
-    use keel_core::ports::store::ScheduleFiredParams;
+    use keel_core::ports::Store as _;
 
     async fn answer(response: Response) -> serde_json::Value {
         let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
@@ -99,22 +89,10 @@ mod tests {
     /// what; a repeated resume leaves a tick recorded since alone.
     #[tokio::test]
     async fn a_resume_answers_when_it_moved_the_recorded_tick() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
-        let options = keel::ConnectOptions::default().migrate(true).create(true);
-        let keel = keel::Keel::connect_with(&url, options).await.unwrap();
-        let config = KeelConfig::from_toml_str(
-            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
-        )
-        .unwrap();
+        let (_dir, _, _, keel) = nightly_store().await;
+        let config = KeelConfig::from_toml_str(NIGHTLY_TOML).unwrap();
         let metrics = keel::prometheus::install().unwrap();
         let state = AppState { config, ..AppState::open(keel, "default", metrics) };
-        let ahead = || Timestamp::from_millis(now().as_millis() + 2 * 86_400_000);
-        let fired = |tick| ScheduleFiredParams {
-            namespace: "default".into(),
-            name: "nightly".into(),
-            tick,
-        };
         let tick = ahead();
         state.keel.store().schedule_fired(fired(tick)).await.unwrap();
         let call = |paused| set(&state, "default".into(), "nightly".into(), paused);

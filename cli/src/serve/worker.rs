@@ -238,7 +238,7 @@ pub async fn poll(
             return Ok(Json(task(&claimed)).into_response());
         }
         let last = deadline.checked_sub(round_cost).unwrap_or(started);
-        if tokio::time::Instant::now() >= last || *stopping.borrow() {
+        if tokio::time::Instant::now() >= last {
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
         // Wait for the store's hint that work may be ready or for the pause to end,
