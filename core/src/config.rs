@@ -49,8 +49,8 @@ use serde::Deserialize;
 use crate::duration::serde_human;
 use crate::ids::Priority;
 pub use crate::names::UnknownName;
+pub use crate::names::closest;
 use crate::names::name_enum;
-pub use crate::names::{NAME_COMPARE_MAX, closest};
 use crate::retry::{Backoff, Jitter, RetryPolicy};
 
 name_enum! {

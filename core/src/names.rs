@@ -95,7 +95,7 @@ pub(crate) use name_enum;
 /// Names longer than this (in characters) are never compared by [`closest`]: no machine
 /// or queue name is that long, and the comparison's cost grows with the product of the
 /// two lengths.
-pub const NAME_COMPARE_MAX: usize = 128;
+const NAME_COMPARE_MAX: usize = 128;
 
 /// The name in `known` that `name` is most likely a misspelling of, if any: the one at
 /// the smallest edit distance (insertions, deletions and substitutions of characters,

@@ -629,10 +629,8 @@ impl Schedule {
 /// The time no tick at or before may fire: the later of a stored resume's time and the
 /// recorded fired tick. The one bound [`Schedule::poll`] and [`Schedule::next_fire`] share.
 fn fire_bound(pause: Pause, fired_through: Option<Timestamp>) -> Option<Timestamp> {
-    match (pause.since, fired_through) {
-        (Some(a), Some(b)) => Some(a.max(b)),
-        (a, b) => a.or(b),
-    }
+    // `None` orders below any `Some`, so the later of two known times, or the one known.
+    pause.since.max(fired_through)
 }
 
 /// Checks a list of schedules served together: at most [`SCHEDULES_MAX`], names unique.

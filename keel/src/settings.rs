@@ -34,4 +34,4 @@ pub fn load(path: Option<&Path>) -> Result<Option<KeelConfig>, Error> {
 /// The "did you mean" rule and the unused-section report, kept in keel-core so the
 /// worker (which logs the report when it starts) and the `keel` command (`config check`,
 /// and the bulk commands given a machine the store holds nothing of) decide alike.
-pub use keel_core::config::{NAME_COMPARE_MAX, UnusedSection, closest, unused_sections};
+pub use keel_core::config::{UnusedSection, closest, unused_sections};

@@ -136,9 +136,9 @@ impl Schedules {
             .schedules
             .iter()
             .map(|s| {
-                let key = (s.namespace().to_owned(), s.name().to_owned());
-                let fired_through = stored.get(&key).and_then(|st| st.fired_through);
-                s.info(now, pause_of(s, &paused, &stored), fired_through)
+                let state = stored_of(s, &stored);
+                let fired_through = state.and_then(|st| st.fired_through);
+                s.info(now, pause_of(s, &paused, state), fired_through)
             })
             .collect()
     }
@@ -224,15 +224,11 @@ impl Schedules {
             for ((schedule, passed), ahead) in
                 self.inner.schedules.iter().zip(passed.iter_mut()).zip(ahead.iter_mut())
             {
-                let key = (schedule.namespace().to_owned(), schedule.name().to_owned());
-                let fired_through = stored.get(&key).and_then(|s| s.fired_through);
+                let state = stored_of(schedule, &stored);
+                let fired_through = state.and_then(|s| s.fired_through);
                 warn_if_ahead(schedule, fired_through, now, ahead);
-                let plan = schedule.poll(
-                    *passed,
-                    now,
-                    pause_of(schedule, &paused, &stored),
-                    fired_through,
-                );
+                let plan =
+                    schedule.poll(*passed, now, pause_of(schedule, &paused, state), fired_through);
                 let may_fire = schedule.poll(*passed, now, Pause::RUNNING, None).fire.is_some();
                 let handled = match plan.fire {
                     // Without a fresh read a stored pause may be missed: fire nothing yet.
@@ -409,15 +405,22 @@ fn warn_if_ahead(
     );
 }
 
-/// The pause a runner applies to `schedule`: the stored state once set, else this
-/// worker's own flag.
+/// The stored state of `schedule` in `stored`, if the store holds one.
+fn stored_of<'a>(
+    schedule: &Schedule,
+    stored: &'a BTreeMap<(String, String), ScheduleState>,
+) -> Option<&'a ScheduleState> {
+    stored.get(&(schedule.namespace().to_owned(), schedule.name().to_owned()))
+}
+
+/// The pause a runner applies to `schedule`: its stored state (`stored`, from
+/// [`stored_of`]) once set, else this worker's own flag.
 fn pause_of(
     schedule: &Schedule,
     local: &BTreeMap<String, bool>,
-    stored: &BTreeMap<(String, String), ScheduleState>,
+    stored: Option<&ScheduleState>,
 ) -> Pause {
-    let key = (schedule.namespace().to_owned(), schedule.name().to_owned());
-    Pause::resolve(local.get(schedule.name()).copied().unwrap_or(false), stored.get(&key))
+    Pause::resolve(local.get(schedule.name()).copied().unwrap_or(false), stored)
 }
 
 /// Performs one tick's action; `Ok(true)` when this call did it, `Ok(false)` when the

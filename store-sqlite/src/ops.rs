@@ -1111,26 +1111,18 @@ async fn child_insert(
 /// Executes a planned parent release: the parent's barrier counts the ended child against
 /// its row as it stands now (`plan::parent::release`, which may wake it), then the
 /// parent's notice is delivered. A parent that no longer exists is left alone. Returns
-/// the cancels of the children the parent stopped waiting for, which the caller runs in
-/// the same transaction.
+/// the cancels of the children the parent stopped waiting for, and then the notice, which
+/// the caller runs in the same transaction: [`parents_release`] of this one release.
 async fn parent_release(
     db: &mut Db<'_>,
     release: &ParentRelease,
     now: Timestamp,
 ) -> StoreResult<Vec<Then>> {
-    let cancels = match db.instance(release.parent).await? {
-        Some(row) => parent_write(db, plan::parent::release(&row, release, now), now).await?,
-        None => Vec::new(),
-    };
-    let mut then: Vec<Then> = cancels.into_iter().map(Then::Cancel).collect();
-    if let Some(notice) = &release.notice {
-        then.push(Then::Notice(release.parent, notice.clone()));
-    }
-    Ok(then)
+    parents_release(db, std::slice::from_ref(release), now).await
 }
 
-/// Executes a cancel's planned parent releases in order, as [`parent_release`] does one
-/// by one, in a bounded number of statements: every parent is read at once, each release
+/// Executes planned parent releases in order, each as [`parent_release`] describes, in a
+/// bounded number of statements: every parent is read at once, each release
 /// is planned against its parent's row as the releases before it left it, and the changed
 /// parents are written together with their history. Returns what the releases left to do,
 /// in release order.
@@ -1432,25 +1424,25 @@ macro_rules! retime_may_move {
 }
 
 /// The deployed timers a retime's read binds (`timers::retime_targets` of
-/// `TimerRetimeParams::timers`), as the JSON array `retime_may_move!` reads.
-fn retime_targets(p: &TimerRetimeParams) -> StoreResult<String> {
+/// `TimerRetimeParams::timers`), as the JSON array `retime_may_move!` reads. Built once
+/// per page and passed to both [`timers_retime_any`] and [`timers_retime`].
+pub(crate) fn retime_targets(p: &TimerRetimeParams) -> StoreResult<String> {
     serde_json::to_string(&keel_core::timers::retime_targets(&p.timers))
         .map_err(|e| StoreError::invalid(format!("timers: {e}")))
 }
 
-/// The page of a retime when no timer of the machine version after the cursor may move
-/// (planned from that empty read), asked on a read connection so that a pass over timers
-/// moved already never takes the writer; `None` when some may move and the page must be
-/// read and written under the writer ([`timers_retime`]). The question returns no timer,
-/// but to answer it the database still scans every timer after the cursor, of every
-/// machine (no index leads with the machine and its version).
-pub(crate) async fn timers_retime_nothing(
+/// Whether any timer of the machine version after the cursor may move under `targets`
+/// ([`retime_targets`] of `p`, which the caller validated), asked on a read connection so
+/// that a pass over timers moved already never takes the writer: when none may, the page
+/// is empty and the last ([`timers_retime`] would read nothing). The question returns no
+/// timer, but to answer it the database still scans every timer after the cursor, of
+/// every machine (no index leads with the machine and its version).
+pub(crate) async fn timers_retime_any(
     db: &mut Db<'_>,
     p: &TimerRetimeParams,
-) -> StoreResult<Option<TimerRetimePage>> {
-    p.validate()?;
-    let targets = retime_targets(p)?;
-    let any: bool = sqlx::query_scalar(concat!(
+    targets: &str,
+) -> StoreResult<bool> {
+    sqlx::query_scalar(concat!(
         "SELECT EXISTS (SELECT 1 FROM keel_timers t WHERE machine = ? AND machine_version = ? \
            AND id > ? AND ",
         retime_may_move!(),
@@ -1462,29 +1454,24 @@ pub(crate) async fn timers_retime_nothing(
     .bind(targets)
     .fetch_one(&mut *db.conn)
     .await
-    .map_err(db.err("looking for timers to retime"))?;
-    if any {
-        return Ok(None);
-    }
-    let plan = plan::timer::retime(p, &[]);
-    Ok(Some(TimerRetimePage { retimed: Vec::new(), next: plan.next }))
+    .map_err(db.err("looking for timers to retime"))
 }
 
 /// One page of a retime: the machine version's timers after the cursor in id order that
 /// may move, the core's plan, and per moved timer its write and history entry. Returns the
 /// page and the earliest new due time.
 ///
-/// The statement returns only the timers `retime_may_move!` lets through — those the
-/// core's retime targets give another duration —, so a pass over a version whose timers
+/// `p` was validated by the caller, and `targets` is its [`retime_targets`]. The statement
+/// returns only the timers `retime_may_move!` lets through — those the core's retime
+/// targets give another duration —, so a pass over a version whose timers
 /// were moved already returns and writes none (the database still scans every timer
 /// after the cursor, of every machine, to find that out); the core's plan still decides
 /// each move.
 pub(crate) async fn timers_retime(
     db: &mut Db<'_>,
     p: &TimerRetimeParams,
+    targets: &str,
 ) -> StoreResult<(TimerRetimePage, Option<Timestamp>)> {
-    p.validate()?;
-    let targets = retime_targets(p)?;
     let rows = sqlx::query(concat!(
         "SELECT ",
         timer_cols!(),

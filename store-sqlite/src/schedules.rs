@@ -13,12 +13,12 @@ use keel_core::{StoreResult, Timestamp};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
-/// Stores a pause or resume (in the caller's write transaction) and returns the state.
+/// Stores a pause or resume (in the caller's write transaction, `p` checked by the
+/// caller before it began) and returns the state.
 pub(crate) async fn schedule_pause(
     db: &mut Db<'_>,
     p: &SchedulePauseParams,
 ) -> StoreResult<ScheduleState> {
-    p.validate()?;
     let (current, held) = current_and_held(db, &p.namespace, &p.name).await?;
     let Some(next) = plan_pause(current.as_ref(), held, p)? else {
         return Ok(current.expect("an unchanged state is a stored one"));
@@ -41,14 +41,13 @@ pub(crate) async fn schedule_pause(
     Ok(next)
 }
 
-/// Deletes the named states of a namespace (in the caller's write transaction) and
-/// returns how many went.
+/// Deletes the named states of a namespace (in the caller's write transaction, `p`
+/// checked by the caller before it began) and returns how many went.
 pub(crate) async fn schedule_forget(db: &mut Db<'_>, p: &ScheduleForgetParams) -> StoreResult<u64> {
-    p.validate()?;
     if p.names.is_empty() {
         return Ok(0);
     }
-    // One statement for every name: at most SCHEDULE_STATES_MAX of them (checked above),
+    // One statement for every name: at most SCHEDULE_STATES_MAX of them (checked by the caller),
     // passed as one JSON array, so no bound on bound variables applies.
     let names = serde_json::to_string(&p.names)
         .map_err(|e| keel_core::StoreError::invalid(format!("names: {e}")))?;
@@ -64,12 +63,12 @@ pub(crate) async fn schedule_forget(db: &mut Db<'_>, p: &ScheduleForgetParams) -
     Ok(done.rows_affected())
 }
 
-/// Records a fired tick (in the caller's write transaction) and returns the state.
+/// Records a fired tick (in the caller's write transaction, `p` checked by the caller
+/// before it began) and returns the state.
 pub(crate) async fn schedule_fired(
     db: &mut Db<'_>,
     p: &ScheduleFiredParams,
 ) -> StoreResult<ScheduleState> {
-    p.validate()?;
     let (current, held) = current_and_held(db, &p.namespace, &p.name).await?;
     let Some(next) = plan_fired(current.as_ref(), held, p)? else {
         return Ok(current.expect("an unchanged state is a stored one"));

@@ -840,14 +840,18 @@ impl Store for SqliteStore {
         // Every start of every worker passes over each machine version's timers, which
         // were moved already after the first: that finds nothing on a read connection and
         // leaves the writer alone.
+        params.validate()?;
+        let targets = ops::retime_targets(&params)?;
         {
             let mut conn = self.reader().await?;
             let mut db = Db { conn: &mut conn, file: self.file.as_str() };
-            if let Some(page) = ops::timers_retime_nothing(&mut db, &params).await? {
-                return Ok(page);
+            if !ops::timers_retime_any(&mut db, &params, &targets).await? {
+                // Nothing read is the last page: a page has a next cursor only when it
+                // read a full page of timers.
+                return Ok(TimerRetimePage { retimed: Vec::new(), next: None });
             }
         }
-        let (page, earliest) = write_tx!(self, |db| ops::timers_retime(db, &params))?;
+        let (page, earliest) = write_tx!(self, |db| ops::timers_retime(db, &params, &targets))?;
         self.hint_timers(earliest);
         Ok(page)
     }

@@ -1239,12 +1239,18 @@ impl ScheduleForgetParams {
             )));
         }
         check_name("namespace", &self.namespace)?;
-        self.names.iter().try_for_each(|name| check_schedule_names(&self.namespace, name))
+        self.names.iter().try_for_each(|name| check_schedule_name(name))
     }
 }
 
 fn check_schedule_names(namespace: &str, name: &str) -> StoreResult<()> {
     check_name("namespace", namespace)?;
+    check_schedule_name(name)
+}
+
+/// Checks one schedule name: a name, and at most [`crate::schedule::SCHEDULE_NAME_MAX`]
+/// bytes.
+fn check_schedule_name(name: &str) -> StoreResult<()> {
     check_name("name", name)?;
     if name.len() > crate::schedule::SCHEDULE_NAME_MAX {
         return Err(StoreError::invalid(format!(

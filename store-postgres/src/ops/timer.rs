@@ -543,94 +543,10 @@ mod tests {
     //! changes a duration again moves them all again.
 
     use super::super::plans::fresh_schema_or_skip;
-    use keel_core::chart::{TimerArm, TimerKind};
-    use keel_core::instance::ANY_SIGNAL;
-    use keel_core::ports::Store;
-    use keel_core::ports::store::{TimerRetimePage, TimerRetimeParams};
-    use keel_core::{MachineRef, NewInstance, Outcome, StepCommit, TimerId};
-    use keel_testkit::conformance::support::{at, claim_id, commit_ok, insert_one};
-    use std::time::Duration;
-
-    const NS: &str = "retime";
-    const DAY: Duration = Duration::from_secs(86_400);
-
-    fn expire(interval: Duration) -> TimerArm {
-        TimerArm {
-            state: "awaiting".into(),
-            event: "EXPIRE".into(),
-            kind: TimerKind::After,
-            interval,
-            max: None,
-            then: None,
-        }
-    }
-
-    fn remind() -> TimerArm {
-        TimerArm { event: "REMIND".into(), kind: TimerKind::Every, ..expire(DAY / 24) }
-    }
-
-    fn params(timers: Vec<TimerArm>, after: Option<TimerId>) -> TimerRetimeParams {
-        TimerRetimeParams {
-            machine: MachineRef::new("retimed", 1),
-            timers,
-            after,
-            limit: 2,
-            now: at(1_000),
-        }
-    }
-
-    /// One pass with the deployed deadline `deadline`, page by page; returns every page.
-    async fn pass<S: Store>(s: &S, deadline: Duration) -> Vec<TimerRetimePage> {
-        pass_with(s, vec![expire(deadline), remind()]).await
-    }
-
-    /// One pass with the deployed timers `timers`, page by page (at most 20 pages); returns
-    /// every page.
-    async fn pass_with<S: Store>(s: &S, timers: Vec<TimerArm>) -> Vec<TimerRetimePage> {
-        let mut pages = Vec::new();
-        let mut after = None;
-        for _ in 0..20 {
-            let page = s.timers_retime(params(timers.clone(), after)).await.expect("timers_retime");
-            after = page.next;
-            pages.push(page);
-            if after.is_none() {
-                return pages;
-            }
-        }
-        panic!("the pass did not end within 20 pages: {pages:?}");
-    }
-
-    fn moved(pages: &[TimerRetimePage]) -> usize {
-        pages.iter().map(|p| p.retimed.len()).sum()
-    }
 
     #[tokio::test]
     async fn a_second_retime_pass_reads_nothing_and_a_new_duration_moves_every_timer_again() {
         let Some(s) = fresh_schema_or_skip().await else { return };
-        for _ in 0..6 {
-            let new = NewInstance::new(MachineRef::new("retimed", 1), "start").namespace(NS);
-            let id = insert_one(&s, new, at(0)).await;
-            let claimed = claim_id(&s, NS, id, at(5)).await;
-            let park = Outcome::Await {
-                signal: ANY_SIGNAL.into(),
-                context: serde_json::json!({}),
-                step: None,
-            };
-            let mut c = StepCommit::new(id, claimed.token(), park);
-            c.timers_arm = vec![expire(DAY * 7), remind()];
-            commit_ok(&s, c, at(10)).await;
-        }
-        let first = pass(&s, DAY).await;
-        assert_eq!(moved(&first), 6, "every deadline moved, no reminder: {first:?}");
-        let second = pass(&s, DAY).await;
-        assert_eq!(second.len(), 1, "the first page of a second pass is its last: {second:?}");
-        assert!(second[0].retimed.is_empty(), "nothing moved again: {second:?}");
-        // A deployed list naming the deadline twice: the first entry counts, and it is the
-        // duration the deadlines have, so none may move and the pass is one empty page.
-        let twice = pass_with(&s, vec![expire(DAY), expire(DAY * 3), remind()]).await;
-        assert_eq!(twice.len(), 1, "a duplicate the first entry hides reads nothing: {twice:?}");
-        assert!(twice[0].retimed.is_empty(), "nothing moved: {twice:?}");
-        let third = pass(&s, DAY * 2).await;
-        assert_eq!(moved(&third), 6, "a new deployed duration moves every deadline: {third:?}");
+        keel_testkit::conformance::retime_reads_only_the_timers_that_move(&s).await;
     }
 }

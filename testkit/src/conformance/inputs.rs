@@ -4,7 +4,8 @@
 //! field, and writes nothing; a value at the bound is accepted and reads back unchanged.
 
 use super::support::{
-    at, claim, claim_id, claim_params, commit, ctx, deliver, get, insert_one, new_in, row,
+    at, claim, claim_id, claim_params, commit, ctx, deliver, expect_invalid, get, insert_one,
+    new_in, row,
 };
 use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::instance::{HistoryEntry, NewSignal, SignalTarget, UNDECODABLE};
@@ -12,9 +13,8 @@ use keel_core::limits;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{InsertParams, SignalBroadcastParams, SignalDeliverParams};
-use keel_core::{ErrorKind, NewInstance, StepCommit, StoreResult, Timestamp};
+use keel_core::{NewInstance, StepCommit, Timestamp};
 use serde_json::{Value, json};
-use std::fmt::Debug;
 use std::time::Duration;
 
 /// `levels` arrays nested in one another (`[[…]]`).
@@ -29,17 +29,6 @@ fn nested(levels: usize) -> Value {
 /// A context object whose whole nesting is `levels` deep.
 fn deep_ctx(levels: usize) -> Value {
     json!({ "d": nested(levels - 1) })
-}
-
-/// Expects `Invalid` naming `field`.
-fn expect_invalid<T: Debug>(result: StoreResult<T>, field: &str) {
-    match result {
-        Err(e) => {
-            assert_eq!(e.kind, ErrorKind::Invalid, "{field}: wrong error kind ({e})");
-            assert!(e.message.contains(field), "the message names {field}: {}", e.message);
-        }
-        Ok(v) => panic!("{field}: expected Invalid, got Ok({v:?})"),
-    }
 }
 
 async fn insert_invalid<S: Store>(s: &S, new: NewInstance, field: &str) {

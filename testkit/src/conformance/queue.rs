@@ -18,11 +18,12 @@
 //! );
 //! ```
 
+use crate::conformance::support::expect_invalid;
 use crate::conformance::{REQUIRE_BACKENDS_VAR, skip_notice};
 use keel_core::limits::{HINT_BATCH_MAX, HINT_RECEIVE_MAX, HINT_WAIT_MAX, NAME_BYTES_MAX};
 use keel_core::ports::Queue;
 use keel_core::ports::queue::{Delivery, Hint};
-use keel_core::{ErrorKind, InstanceId, Priority, StoreResult};
+use keel_core::{InstanceId, Priority};
 use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio::time::{Instant, sleep};
@@ -165,12 +166,6 @@ async fn drain<Q: Queue>(q: &Q, want: usize) -> BTreeSet<i64> {
         }
     }
     seen
-}
-
-fn expect_invalid<T: std::fmt::Debug>(result: StoreResult<T>, field: &str) {
-    let err = result.expect_err("expected an Invalid error");
-    assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
-    assert!(err.message.contains(field), "the error should name `{field}`: {err}");
 }
 
 /// Reported bounds are enforced at the bound, not beyond or before.

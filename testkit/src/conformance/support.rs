@@ -144,6 +144,18 @@ pub fn expect_kind<T: std::fmt::Debug>(result: StoreResult<T>, kind: ErrorKind, 
     }
 }
 
+/// Expects `result` to be refused as `Invalid` with a message that names `field`
+/// somewhere (a nested field may be named with its path, `instances[0].context`).
+pub fn expect_invalid<T: std::fmt::Debug>(result: StoreResult<T>, field: &str) {
+    match result {
+        Err(e) => {
+            assert_eq!(e.kind, ErrorKind::Invalid, "{field}: wrong error kind ({e})");
+            assert!(e.message.contains(field), "the message names {field}: {}", e.message);
+        }
+        Ok(v) => panic!("{field}: expected Invalid, got Ok({v:?})"),
+    }
+}
+
 /// Expects `result` to be refused as `Invalid` with a message that starts by naming
 /// `field` (`"{field}: …"`); `what` says what was asked, for the failure message.
 pub fn expect_invalid_naming<T: std::fmt::Debug>(
