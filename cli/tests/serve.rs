@@ -210,6 +210,21 @@ impl Server {
         (status, body)
     }
 
+    /// Writes `request` on a new connection left open and returns the answer's head (the
+    /// status line and headers), without waiting for the connection to close.
+    fn answer_head(&self, request: &str) -> String {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(self.addr()).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
+            head.push(byte[0]);
+        }
+        String::from_utf8_lossy(&head).to_ascii_lowercase()
+    }
+
     /// [`Server::raw`] with a JSON answer.
     fn raw_json(&self, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, Value) {
         let (code, text) = self.raw(method, path, None, headers, body);
@@ -1422,6 +1437,31 @@ fn changes_from_other_sites_and_requests_to_other_names_are_refused() {
 }
 
 /// Every route that takes no query string refuses one, naming it, before it acts.
+/// A request refused before its body was read is answered with `Connection: close`: the
+/// server cannot take another request on that connection, and a client that keeps
+/// connections open must not send its next one there.
+#[test]
+fn a_request_refused_before_its_body_is_read_closes_its_connection() {
+    for (name, s) in servers("a_request_refused_before_its_body_is_read", None) {
+        let body = r#"{"machine":"m","at":"a"}"#;
+        let head = |path: &str| {
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                s.addr(),
+                body.len()
+            )
+        };
+        // Refused on its query; the body is never sent.
+        let refused = s.answer_head(&head("/v1/namespaces/default/instances?queue=fast"));
+        assert!(refused.starts_with("http/1.1 400"), "{name}: {refused}");
+        assert!(refused.contains("\r\nconnection: close\r\n"), "{name}: {refused}");
+        // An accepted request keeps its connection open.
+        let accepted = s.answer_head(&(head("/v1/namespaces/default/instances") + body));
+        assert!(accepted.starts_with("http/1.1 201"), "{name}: {accepted}");
+        assert!(!accepted.contains("connection: close"), "{name}: {accepted}");
+    }
+}
+
 #[test]
 fn routes_without_parameters_refuse_a_query_naming_it() {
     for (name, s) in servers("routes_without_parameters_refuse_a_query", None) {

@@ -154,7 +154,31 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(ui::router(Arc::clone(&state)))
         .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), site::check))
+        .layer(axum::middleware::from_fn(close_after_refused_body))
         .with_state(state)
+}
+
+/// An error answer to an HTTP/1 request that carried a body also closes the connection,
+/// and says so (`Connection: close`). Refusals (a stray query, a change from another site,
+/// a missing token, a body too large) are answered before the body is read, and a
+/// connection whose request body was not read to its end cannot carry another request;
+/// without the header a client that keeps connections open would send its next request
+/// on one the server is closing and see it fail with no answer.
+async fn close_after_refused_body(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use axum::http::{HeaderValue, Version, header};
+    let headers = request.headers();
+    let has_body = headers.contains_key(header::TRANSFER_ENCODING)
+        || headers.get(header::CONTENT_LENGTH).is_some_and(|n| n.as_bytes() != b"0");
+    let http1 = request.version() <= Version::HTTP_11;
+    let mut response = next.run(request).await;
+    let status = response.status();
+    if has_body && http1 && (status.is_client_error() || status.is_server_error()) {
+        response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
 }
 
 /// Checks the flags and files, opens the store and runs the server until Ctrl-C or
