@@ -424,6 +424,10 @@ pub struct Macrostep<'d> {
     /// States that were inactive after some microstep of this macrostep: exited to another
     /// state, not re-entered by the same microstep. Their timers belong to a new entry.
     left: BTreeSet<usize>,
+    /// Every state exited by some microstep of this macrostep, self-loops included.
+    exited: BTreeSet<usize>,
+    /// The external event this macrostep processes (`None` for the initial entry).
+    trigger: Option<Event>,
     /// What each history pseudo-state (by index) recorded, loaded from the context.
     history: BTreeMap<usize, Vec<usize>>,
     history_changed: bool,
@@ -446,6 +450,7 @@ impl<'d> Macrostep<'d> {
                 step.running = !configuration.is_final(def);
                 step.start_ids.clone_from(&ids);
                 step.config = ids;
+                step.trigger = Some(event.clone());
                 step.external = Some(event);
             }
             Err(reason) => {
@@ -527,6 +532,8 @@ impl<'d> Macrostep<'d> {
             skip_entry: BTreeSet::new(),
             dispatches: Vec::new(),
             left: BTreeSet::new(),
+            exited: BTreeSet::new(),
+            trigger: None,
             history: BTreeMap::new(),
             history_changed: false,
         }
@@ -545,6 +552,7 @@ impl<'d> Macrostep<'d> {
         let mut step = Self::start(def, configuration, context, Event::new("@resume"), limits);
         if step.done.is_none() {
             step.external = None;
+            step.trigger = None;
             step.internal.extend(events);
         }
         step
@@ -925,6 +933,7 @@ impl<'d> Macrostep<'d> {
             if !self.config.contains(&s) {
                 self.left.insert(s);
             }
+            self.exited.insert(s);
         }
     }
 
@@ -1159,16 +1168,44 @@ impl<'d> Macrostep<'d> {
     }
 
     /// Timers belong to state entries. A state active afterwards arms its timers when it was
-    /// not active before, or when it was left for another state during the macrostep and
-    /// came back (a transit state with `@always`): the deadline counts from this entry. A
-    /// state exited and re-entered by one transition (a self-loop) was never left and keeps
-    /// its timers' original anchor. Child machines follow the net change of the
-    /// configuration only: a renewed delegation state re-arms its `@timeout` but keeps its
-    /// running child.
+    /// not active before, or when it was renewed: left for another state during the
+    /// macrostep and come back (a transit state with `@always`: the deadline counts from
+    /// this entry), or exited and entered again (a self-loop included) while processing an
+    /// event that spent what it had running — a fire of one of its own `after` timers (its
+    /// delegation's `@timeout` included) or the `then` of one of its `every` timers, which
+    /// leaves no timer armed, or the end of its own child machine (`done.invoke.<state>`,
+    /// `fail.state.<state>`). Otherwise a state exited and re-entered by one transition (a
+    /// self-loop) was never left and keeps its timers' original anchor: they are still
+    /// armed. A renewed state's timers are cancelled and armed again.
+    ///
+    /// Child machines follow the net change of the configuration, with one exception: a
+    /// delegation state exited and entered again while processing the end of its own child
+    /// starts a new child (that child is over, so there is nothing to keep: `@fail → same
+    /// state` is a retry). Any other re-entered delegation state (a self-loop on another
+    /// event, a transit state, its own `@timeout`) keeps its running child and re-arms its
+    /// `@timeout`. Nothing is cancelled for a state active afterwards, so a commit never
+    /// cancels the child it starts for the same state.
     fn effects(&self) -> (Vec<TimerArm>, Vec<TimerCancel>, Vec<ChildStart>, Vec<String>) {
         let (mut arm, mut cancel, mut start, mut stop) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let renewed = |s: &usize| self.left.contains(s) && self.start_ids.contains(s);
+        let reentered = |s: &usize| {
+            self.start_ids.contains(s) && self.config.contains(s) && self.exited.contains(s)
+        };
+        let child_over = |s: &usize| reentered(s) && self.ends_child(*s);
+        // Parents first (the arena is in document order): a renewed state's timer cancel
+        // covers its descendants, so every descendant re-entered with it is renewed too.
+        let mut renewals = BTreeSet::new();
+        for &s in &self.start_ids {
+            let renew = self.left.contains(&s)
+                || reentered(&s)
+                    && (self.spends_timer(s)
+                        || self.ends_child(s)
+                        || self.def.parent(s).is_some_and(|p| renewals.contains(&p)));
+            if renew {
+                renewals.insert(s);
+            }
+        }
+        let renewed = |s: &usize| renewals.contains(s);
         for &s in &self.config {
             let entered = !self.start_ids.contains(&s);
             if !entered && !renewed(&s) {
@@ -1177,7 +1214,7 @@ impl<'d> Macrostep<'d> {
             let node = &self.def.states[s];
             arm.extend(entry_timers(node));
             if let Some(d) = &node.delegation
-                && entered
+                && (entered || child_over(&s))
             {
                 start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
             }
@@ -1198,6 +1235,33 @@ impl<'d> Macrostep<'d> {
             }
         }
         (arm, cancel, start, stop)
+    }
+
+    /// Whether the external event is one that leaves a timer of state `s` spent: the fire
+    /// of an `after` timer (an `after` fire deletes its timer) or the `then` of an `every`
+    /// timer (delivered once, after the last fire).
+    fn spends_timer(&self, s: usize) -> bool {
+        let Some(event) = &self.trigger else { return false };
+        entry_timers(&self.def.states[s]).iter().any(|t| {
+            (t.kind == TimerKind::After && t.event == event.name)
+                || t.then.as_deref() == Some(event.name.as_str())
+        })
+    }
+
+    /// Whether the external event reports the end of delegation state `s`'s child:
+    /// `done.invoke.<s>`, or `fail.state.<s>` (for a parallel state, only one naming a child,
+    /// since a failed or timed-out region is reported under the parallel state's name too).
+    fn ends_child(&self, s: usize) -> bool {
+        let node = &self.def.states[s];
+        let Some(event) = &self.trigger else { return false };
+        if node.delegation.is_none() {
+            return false;
+        }
+        if event.name.strip_prefix(DONE_INVOKE) == Some(node.path.as_str()) {
+            return true;
+        }
+        event.name.strip_prefix(FAIL_STATE) == Some(node.path.as_str())
+            && (node.kind != StateKind::Parallel || event.payload.get("child").is_some())
     }
 }
 

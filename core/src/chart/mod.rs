@@ -42,10 +42,22 @@
 //!   when it was not active before, or when it was left for another state and entered again
 //!   within the macrostep (event → transit state → `@always` back: the way to renew a
 //!   deadline). A self-loop exits and re-enters its state in one transition, so it was never
-//!   left and keeps its timers' original anchor; a targetless transition exits
-//!   nothing. A state entered and left within one macrostep arms nothing. Child machines
-//!   follow the net change of the configuration: a state active before and after keeps its
-//!   child.
+//!   left and keeps its timers' original anchor while they are still armed; a targetless
+//!   transition exits nothing. A state exited and entered again (a self-loop included) while
+//!   processing an event that spent one of its timers — the fire of one of its `after`
+//!   timers or its `@timeout`, or the `then` of one of its `every` timers — is renewed like
+//!   a transit state: all its timers (and those of its descendants entered with it) are
+//!   cancelled and armed again, so an `after` transition that targets its own state is a
+//!   polling loop. A state entered and left within one macrostep arms nothing.
+//! - **Child machines follow the net change of the configuration**: a state active before
+//!   and after keeps its running child (a self-loop on another event, a transit state, and
+//!   its own `@timeout` included, which re-arms the deadline). The exception is a
+//!   delegation state exited and entered again while processing the end of its own child
+//!   (`done.invoke.<path>`, or `fail.state.<path>`; for a parallel delegation state only a
+//!   `fail.state` naming a child): that child is over, so a new one starts and the deadline
+//!   counts from the new entry (`@fail → same state` is a retry). A macrostep never
+//!   cancels the child of a state active after it, so a commit never cancels the child it
+//!   starts for that state.
 //! - **Guards are evaluated lazily**, when a microstep's transitions are selected, on the
 //!   context as changed by every action that ran before (SCXML's current data model).
 //! - **One bound**, [`Limits::max_transition_depth`], counts the eventless microsteps and

@@ -344,10 +344,16 @@ impl ParallelBook {
         tasks
     }
 
-    /// Forgets the dispatches of parallel states no longer active; returns their paths.
-    pub fn prune(&mut self, configuration: &Configuration) -> Vec<String> {
-        let gone: Vec<String> =
-            self.active.keys().filter(|p| !configuration.contains(p)).cloned().collect();
+    /// Forgets the dispatches of parallel states no longer active, and of those `exited`
+    /// by the step even if it entered them again (that visit's region tasks are stale, and
+    /// a re-entry that dispatches again starts a new record); returns their paths.
+    pub fn prune(&mut self, configuration: &Configuration, exited: &[&str]) -> Vec<String> {
+        let gone: Vec<String> = self
+            .active
+            .keys()
+            .filter(|p| !configuration.contains(p) || exited.contains(&p.as_str()))
+            .cloned()
+            .collect();
         for p in &gone {
             self.active.remove(p);
         }
@@ -837,7 +843,7 @@ mod tests {
             Err(Skip::MachineLeftParallelState)
         );
         assert_eq!(check(&result.configuration, &book, &again[0].key), Ok(()));
-        assert_eq!(book.prune(&Configuration::from_paths(["idle"])), ["p"]);
+        assert_eq!(book.prune(&Configuration::from_paths(["idle"]), &[]), ["p"]);
         assert_eq!(ParallelBook::take(&mut json!({})), ParallelBook::default());
     }
 

@@ -338,7 +338,9 @@ impl<'d> ChartStep<'d> {
             around.followup.map(|f| finish_report(&f, &result.configuration)).unwrap_or_default();
         after.extend(done_records(&book, &result.internal_events));
         let mut timers_cancel = Vec::new();
-        for gone in book.prune(&result.configuration) {
+        // A parallel state exited in the step loses its visit's dispatch and region timeout,
+        // even when the step entered it again.
+        for gone in book.prune(&result.configuration, &result.exited()) {
             if !self.dispatch.config.region_timeout.is_zero() {
                 timers_cancel.push(timeout_owner(&gone));
             }
@@ -376,7 +378,9 @@ impl<'d> ChartStep<'d> {
                 ));
                 if let Some(timer) = timeout_timer(&self.dispatch.config, &state) {
                     // A re-entered state's previous timer goes (cancels apply before arms).
-                    timers_cancel.push(timer.state.clone());
+                    if !timers_cancel.contains(&timer.state) {
+                        timers_cancel.push(timer.state.clone());
+                    }
                     timers_arm.push(timer);
                 }
             }
@@ -504,6 +508,60 @@ mod tests {
         assert_eq!(plan.position().as_deref(), Some(r#"["out"]"#));
         assert!(plan.book.active.is_empty(), "the dispatch is forgotten: {:?}", plan.book);
         assert_eq!(plan.book.last_dispatch, 1, "dispatch numbers are never reused");
+    }
+
+    /// A parallel state exited and entered again by one step, which dispatches nothing the
+    /// second time, forgets its first visit: that visit's region reports are stale and its
+    /// region timeout is cancelled.
+    #[test]
+    fn a_parallel_state_reentered_without_dispatch_forgets_the_old_dispatch() {
+        let def = Definition::builder("t", 1)
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p"))
+            .parallel("p", |p| {
+                p.state("a", |r| {
+                    r.initial("x")
+                        .state("x", |s| s.entry("ax"))
+                        .state("retry", |s| s.always(|b| b.target("x")))
+                })
+                .state("b", |r| r.initial("x").state("x", |s| s.entry("bx")))
+                .on_to("RESET", "p.a.retry")
+            })
+            .build()
+            .unwrap();
+        let at = |plan: &StepPlan, event: &str| {
+            let configuration = plan.configuration.clone().unwrap();
+            let context = plan.stored_context();
+            ChartStep::event(
+                &def,
+                &configuration,
+                context,
+                Event::new(event),
+                Limits::default(),
+                &timed(),
+            )
+            .unwrap()
+        };
+        let (_, idle) = run(ChartStep::init(&def, json!({}), Limits::default(), &timed()));
+        let idle = idle.unwrap();
+        let (ran, entered) = run(at(&idle, "GO"));
+        let entered = entered.unwrap();
+        assert!(ran.is_empty(), "{ran:?}");
+        assert_eq!(entered.region_tasks.len(), 2);
+        let (ran, reset) = run(at(&entered, "RESET"));
+        let reset = reset.unwrap();
+        assert_eq!(ran, ["bx", "ax"], "nothing dispatched the second time");
+        assert!(reset.region_tasks.is_empty());
+        assert!(reset.book.active.is_empty(), "the first visit is forgotten: {:?}", reset.book);
+        assert_eq!(reset.timers_cancel, ["@timeout:p"]);
+        assert!(reset.timers_arm.is_empty());
+        let configuration = reset.configuration.clone().unwrap();
+        for task in &entered.region_tasks {
+            assert_eq!(
+                super::super::parallel::check(&configuration, &reset.book, &task.key),
+                Err(super::super::parallel::Skip::MachineLeftParallelState)
+            );
+        }
     }
 
     #[test]

@@ -750,6 +750,119 @@ fn a_transit_state_renews_timers_and_a_self_loop_keeps_them() {
     assert!(cancels(&results[3]).is_empty() && arms(&results[3]).is_empty());
 }
 
+fn arms(r: &MacrostepResult) -> Vec<String> {
+    r.timers_to_arm.iter().map(|t| format!("{}:{}", t.state, t.event)).collect()
+}
+
+fn cancels(r: &MacrostepResult) -> Vec<String> {
+    r.timers_to_cancel.iter().map(|t| t.state.clone()).collect()
+}
+
+fn starts(r: &MacrostepResult) -> Vec<String> {
+    r.children_to_start.iter().map(|c| format!("{}:{}", c.state, c.machine)).collect()
+}
+
+/// `@fail → same state` retries: the state re-entered while handling the end of its own
+/// child starts a new child (the old one is over), directly or through a transit state,
+/// and its `@timeout` deadline counts from the new entry. `@done → same state` runs the
+/// job again. Nothing is cancelled, so the commit cannot cancel the child it starts.
+#[test]
+fn a_delegation_state_reentered_on_the_end_of_its_child_starts_a_new_one() {
+    let def = chart()
+        .initial("work")
+        .state("work", |s| {
+            s.machine("job")
+                .on_timeout(Timer::minutes(5), |b| b.target("gave_up"))
+                .on_fail(|b| b.target("work"))
+                .on_done(|b| b.target("work"))
+        })
+        .state("work2", |s| s.machine("job").on_fail(|b| b.target("again")))
+        .state("again", |s| s.always(|b| b.target("work2")))
+        .final_state("gave_up")
+        .build()
+        .unwrap();
+    let failed = Event::fail_state("work", json!({ "child": 7, "status": "failed" }));
+    let results =
+        run(&def, &json!({}), &[failed, Event::done_invoke("work", json!(1))], Limits::default());
+    assert_eq!(starts(&results[0]), ["work:job"]);
+    for r in &results[1..] {
+        assert_eq!(r.exited(), ["work"]);
+        assert_eq!(starts(r), ["work:job"], "a new child for the retry");
+        assert!(
+            r.children_to_cancel.is_empty(),
+            "the old child is over: {:?}",
+            r.children_to_cancel
+        );
+        assert_eq!(cancels(r), ["work"]);
+        assert_eq!(arms(r), ["work:timeout.invoke.work"], "a fresh deadline for the new child");
+    }
+    // Through a transit state.
+    let at = Configuration::from_paths(["work2"]);
+    let failed = Event::fail_state("work2", json!({ "child": 8, "status": "failed" }));
+    let retry =
+        run_to_completion(Macrostep::start(&def, &at, json!({}), failed, Limits::default()), exec);
+    assert_eq!(retry.configuration.leaves(&def), ["work2"]);
+    assert_eq!(starts(&retry), ["work2:job"]);
+    assert!(retry.children_to_cancel.is_empty());
+    // Another event that re-enters the state keeps the running child.
+    let def = chart()
+        .initial("work")
+        .state("work", |s| s.machine("job").on_to("POKE", "work"))
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["POKE"]), Limits::default());
+    assert_eq!(results[1].exited(), ["work"]);
+    assert!(starts(&results[1]).is_empty() && results[1].children_to_cancel.is_empty());
+}
+
+/// `@timeout → same state` keeps the running child (a commit cannot yet cancel a state's
+/// child and start its next one) but arms a new deadline: the fired one is gone.
+#[test]
+fn a_delegation_state_reentered_on_its_timeout_arms_a_new_deadline() {
+    let def = chart()
+        .initial("work")
+        .state("work", |s| s.machine("job").on_timeout(Timer::minutes(5), |b| b.target("work")))
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &[Event::timeout_invoke("work")], Limits::default());
+    assert_eq!(results[1].exited(), ["work"]);
+    assert_eq!(cancels(&results[1]), ["work"]);
+    assert_eq!(arms(&results[1]), ["work:timeout.invoke.work"]);
+    assert!(starts(&results[1]).is_empty() && results[1].children_to_cancel.is_empty());
+}
+
+/// A polling loop: an `after` transition that targets its own state arms its timer again
+/// (the fire deleted it), and so does a `then` that comes back; an `every` self-loop keeps
+/// its still-armed timer and its count. Descendants re-entered with a renewed state are
+/// renewed with it, since the cancel covers them.
+#[test]
+fn a_self_loop_on_a_spent_timer_arms_it_again() {
+    let def = chart()
+        .initial("polling")
+        .state("polling", |s| {
+            s.entry("poll")
+                .on("AGAIN", |t| t.target("polling").after(Timer::minutes(1)))
+                .on("TICK", |t| t.target("polling").every(Timer::minutes(1)).max(3).then("RESTART"))
+                .on_to("RESTART", "polling")
+                .initial("inner")
+                .state("inner", |i| i.on("PING", |t| t.every(Timer::seconds(10)).action("ping")))
+        })
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["AGAIN", "TICK", "RESTART"]), Limits::default());
+    let all = ["polling:AGAIN", "polling:TICK", "polling.inner:PING"];
+    assert_eq!(arms(&results[0]), all);
+    // AGAIN: the `after` timer fired and is gone; the new entry arms it again.
+    assert_eq!(results[1].actions(), ["poll"]);
+    assert_eq!(cancels(&results[1]), ["polling", "polling.inner"]);
+    assert_eq!(arms(&results[1]), all);
+    // TICK: the `every` timer is still armed and keeps counting towards `then`.
+    assert_eq!(results[2].actions(), ["poll"]);
+    assert!(cancels(&results[2]).is_empty() && arms(&results[2]).is_empty());
+    // RESTART: the `then` was delivered, the `every` timer is spent.
+    assert_eq!(arms(&results[3]), all);
+}
+
 #[test]
 fn macrostep_protocol_repeats_pending_action_and_ignores_stray_results() {
     let def = chart().initial("a").state("a", |s| s.on("E", |t| t.action("x"))).build().unwrap();
@@ -904,6 +1017,13 @@ fn validation_errors_name_the_state_and_the_fix() {
             "final state `f` has child states; fix: make it a compound state with a final child",
         ),
         (
+            chart()
+                .initial("a")
+                .state("a", |s| s.on_to("GO", "f"))
+                .final_with("f", |s| s.machine("notify")),
+            "final state `f` delegates to a child machine; fix: delegate from a normal state and go to the final state on its `@done`",
+        ),
+        (
             chart().initial("p").parallel("p", |s| s.state("r1", |r| r.initial("a").leaf("a"))),
             "parallel state `p` has 1 region(s); fix: give it at least two regions or make it a compound state",
         ),
@@ -921,6 +1041,18 @@ fn validation_errors_name_the_state_and_the_fix() {
         assert_eq!(errors.len(), 1, "{errors:?}");
         assert_eq!(errors[0].to_string(), message);
     }
+}
+
+#[test]
+fn a_final_state_with_a_timeout_is_refused_too() {
+    let errors = chart()
+        .initial("a")
+        .state("a", |s| s.on_to("GO", "f"))
+        .final_with("f", |s| s.machine("notify").on_timeout(Timer::minutes(1), |b| b))
+        .build()
+        .expect_err("a final state cannot delegate")
+        .errors;
+    assert!(errors.contains(&ChartError::FinalWithMachine { state: "f".into() }), "{errors:?}");
 }
 
 #[test]

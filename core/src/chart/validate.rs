@@ -178,6 +178,15 @@ pub enum ChartError {
         /// State path.
         state: String,
     },
+    /// A final state that delegates to a child machine (`machine`, its `@timeout`): the
+    /// step that enters it ends the chart, so the child would start under a finished parent.
+    #[error(
+        "final state `{state}` delegates to a child machine; fix: delegate from a normal state and go to the final state on its `@done`"
+    )]
+    FinalWithMachine {
+        /// State path.
+        state: String,
+    },
     /// A parallel state with fewer than two regions.
     #[error(
         "parallel state `{state}` has {regions} region(s); fix: give it at least two regions or make it a compound state"
@@ -524,6 +533,9 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
                 && b.on_timeout.is_empty());
             if has_transitions {
                 flat.errors.push(ChartError::FinalWithTransitions { state: path.clone() });
+            }
+            if b.machine.is_some() || b.timeout.is_some() {
+                flat.errors.push(ChartError::FinalWithMachine { state: path.clone() });
             }
             if !b.children.is_empty() {
                 flat.errors.push(ChartError::FinalWithChildren { state: path });
