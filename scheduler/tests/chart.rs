@@ -296,6 +296,50 @@ async fn a_delegated_child_machines_failure_fires_the_parents_fail() {
     worker.shutdown().await;
 }
 
+/// A payment that is declined on its first try and charged on the next.
+struct FlakyPayment(Arc<std::sync::atomic::AtomicUsize>);
+
+#[async_trait]
+impl StepMachine for FlakyPayment {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("payment", 3)
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Ok(Outcome::Stop { reason: "card declined".into() });
+        }
+        Ok(Outcome::Done { result: json!({ "charged": true }), step: None })
+    }
+}
+
+/// `@fail` back to the delegation state is a retry: a new child starts, and its `@done`
+/// moves the chart on.
+#[tokio::test]
+async fn a_delegation_state_entered_again_on_its_childs_failure_starts_a_new_child() {
+    let h = Harness::new();
+    let def = Definition::builder("checkout", 2)
+        .initial("paying")
+        .state("paying", |s| {
+            s.machine("payment").on_done(|b| b.target("paid")).on_fail(|b| b.target("paying"))
+        })
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    let m = ChartMachine::new(def).with_child_version("payment", 3);
+    let id = h.start(m.new_instance(json!({}))).await;
+    let tries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(m)
+        .register(FlakyPayment(Arc::clone(&tries)));
+    let worker = h.hinted(worker).spawn();
+    h.wait(id, "paid after a retry", |r| r.status == Status::Done).await;
+    let children = h.client.get(id).await.unwrap().children;
+    let statuses: Vec<Status> = children.iter().map(|c| c.status).collect();
+    assert_eq!(statuses, [Status::Failed, Status::Done], "one declined try, then a new child");
+    assert_eq!(tries.load(Ordering::SeqCst), 2);
+    worker.shutdown().await;
+}
+
 #[tokio::test]
 async fn broadcast_reaches_charts_in_a_state() {
     let h = Harness::new();
