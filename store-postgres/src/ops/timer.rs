@@ -376,7 +376,9 @@ const SWEPT: &str = "WITH scope AS (SELECT $1::text AS ns, m FROM unnest($2::tex
 /// sweeps' picks and busy instances; each instance locked and read once), plan the firing
 /// with the core's timer planner, deliver through the normal path with the rows already
 /// held, record history, advance or delete the timers, note the sweep time, and notify
-/// when an instance woke — the writes pipelined with the `COMMIT`. Three round trips.
+/// when an instance woke — the writes pipelined with the `COMMIT`. Three round trips; a sweep
+/// that passes a join deadline writes the fires before it runs the deadlines' cancels, then
+/// commits (a round trip more, besides the cancels' own).
 pub(crate) async fn sweep<C: GenericClient + Sync>(
     c: &C,
     p: &TimerSweepParams,
@@ -420,16 +422,6 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         plan::timer::swept_scopes(p).into_iter().unzip();
     let ns = ns.into_iter().next().unwrap_or_else(|| "*".into());
 
-    // A passed join deadline wakes its parent (held locked above) and cancels the rest of
-    // its children, in this transaction.
-    let mut notices = super::Notices::default();
-    for id in &plan.join_deadlines {
-        let Some(row) = held.get(&id.0) else { continue };
-        let planned = plan::parent::expire(row, p.now);
-        notices.ready |= planned.changed;
-        let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
-        super::admin::run_cancels(c, cancels, &mut notices).await?;
-    }
     let adv = c.prepare_cached(ADVANCE).await?;
     let del = c.prepare_cached(DELETE).await?;
     let swept = c.prepare_cached(SWEPT).await?;
@@ -454,10 +446,36 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         noted?;
         Ok::<_, tokio_postgres::Error>(())
     };
-    let (written, finished) =
-        tokio::join!(writes, signal::finish(c, &delivery, Some((channel, notices))));
+    if plan.join_deadlines.is_empty() {
+        // The common sweep: every write pipelined with the COMMIT.
+        let (written, finished) = tokio::join!(
+            writes,
+            signal::finish(c, &delivery, Some((channel, super::Notices::default())))
+        );
+        written?;
+        finished?;
+        return Ok(report);
+    }
+    // A passed join deadline wakes its parent (held locked above) and cancels the rest of
+    // its children, in this transaction. The fires are written first, as the other stores
+    // do: the delivery was planned from the rows read at the pick, so written after the
+    // cancels it would put a child the deadline cancelled back as it was planned (woken,
+    // with the fire in its inbox). Written before, the cancel reads the delivered row and
+    // drains its inbox. (A fire never wakes or raises a parent waiting on its children, so
+    // the held parent rows are still the ones the deadlines plan from.) This costs one
+    // round trip more, only in a sweep that passes a deadline.
+    let (written, delivered) = tokio::join!(writes, signal::finish(c, &delivery, None));
     written?;
-    finished?;
+    delivered?;
+    let mut notices = super::Notices::ready(delivery.woke());
+    for id in &plan.join_deadlines {
+        let Some(row) = held.get(&id.0) else { continue };
+        let planned = plan::parent::expire(row, p.now);
+        notices.ready |= planned.changed;
+        let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
+        super::admin::run_cancels(c, cancels, &mut notices).await?;
+    }
+    super::end_tx_notices(c, channel, &notices).await?;
     Ok(report)
 }
 

@@ -4,10 +4,12 @@
 //! nothing; bad policies are refused naming the field.
 
 use super::support::{
-    at, claim, claim_id, claim_params, commit, ctx, done, expect_kind, get, insert_one, new_in,
-    row, step,
+    at, claim, claim_id, claim_params, commit, commit_ok, ctx, done, expect_kind, get, insert_one,
+    new_in, row, step,
 };
+use keel_core::chart::{TimerArm, TimerKind};
 use keel_core::history::HistoryKind;
+use keel_core::instance::ANY_SIGNAL;
 use keel_core::join::{Join, JoinState, JoinWoke};
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
@@ -168,6 +170,48 @@ pub async fn join_deadline_wakes_the_parent_once_with_what_finished<S: Store>(s:
     s.timer_sweep(sweep(at(200_000))).await.expect("sweep");
     assert_eq!(wakes(s, parent).await, 1, "exactly once");
     assert!(get(s, parent).await.inbox.is_empty(), "a deadline delivers no event");
+}
+
+/// A sweep that fires a parent's join deadline together with a timer of a child the
+/// deadline cancels (both overdue, as after a sweeper outage) leaves the child cancelled:
+/// the timer's fire is delivered first and drained with the cancel, so the child keeps no
+/// inbox, its timer is gone and no claim hands it out again.
+pub async fn join_deadline_and_a_childs_timer_in_one_sweep_leave_the_child_cancelled<S: Store>(
+    s: &S,
+) {
+    let ns = "join_deadline_child_timer";
+    let (parent, kids) = fan_out(s, ns, 1, Join::all().within(Duration::from_secs(60))).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    // The child parks on any signal with a timer of its own: due at(60_030), after the
+    // parent's deadline at(60_020).
+    let mut park = StepCommit::new(
+        kids[0],
+        claims[&kids[0]].token(),
+        Outcome::Await { signal: ANY_SIGNAL.into(), context: ctx(2), step: None },
+    );
+    park.timers_arm = vec![TimerArm {
+        state: "start".into(),
+        event: "tick".into(),
+        kind: TimerKind::After,
+        interval: Duration::from_secs(60),
+        max: None,
+        then: None,
+    }];
+    commit_ok(s, park, at(30)).await;
+    assert_eq!(row(s, kids[0]).await.status, Status::AwaitingSignal);
+    let sweep = TimerSweepParams {
+        namespace: Some(ns.into()),
+        machines: vec![],
+        limit: 100,
+        now: at(61_000),
+    };
+    s.timer_sweep(sweep).await.expect("sweep");
+    assert_eq!(row(s, parent).await.status, Status::Runnable, "the deadline woke the parent");
+    let child = get(s, kids[0]).await;
+    assert_eq!(child.instance.status, Status::Cancelled, "the child stays cancelled");
+    assert!(child.inbox.is_empty(), "a cancelled child keeps no signal: {:?}", child.inbox);
+    assert!(child.timers.is_empty(), "a cancelled child keeps no timer");
+    assert!(claim_children(s, ns, at(62_000)).await.is_empty(), "nothing to claim");
 }
 
 /// A quorum of 0 or above the children scheduled, or a deadline of zero, is refused naming

@@ -122,6 +122,7 @@ macro_rules! __store_contract_list {
             join_left_running_children_never_count_again,
             join_quorum_out_of_reach_wakes_the_parent_at_the_failure,
             join_deadline_wakes_the_parent_once_with_what_finished,
+            join_deadline_and_a_childs_timer_in_one_sweep_leave_the_child_cancelled,
             join_bad_policies_are_refused_naming_the_field,
             lease_expiry_reap_increments_attempt,
             reap_unexpired_lease_does_nothing,
