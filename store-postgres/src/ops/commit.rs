@@ -87,11 +87,54 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
       last_attempt_at) \
     RETURNING instance_id, id";
 
-/// The live children of the given parents that a delegation state started; the commit
-/// picks those whose state it left.
-const DELEGATED: &str = "SELECT id FROM instances WHERE parent_id = ANY($1::int8[]) \
-    AND invoked_by IS NOT NULL AND status NOT IN ('done', 'failed', 'cancelled') \
-    ORDER BY id LIMIT $2";
+/// The live children that the given parents (`$1`) started from a delegation state they
+/// leave: every delegation state where `$2` is true (the parent fails), else the states
+/// the `($3, $4)` parent and state pairs name (`LeftDelegations::covers`, in SQL). At
+/// most `$5` per parent, so one parent's children cannot use up another's bound, and the
+/// children of states a parent keeps use up none of it. In id order.
+pub(crate) const DELEGATED: &str = "SELECT c.id FROM unnest($1::int8[], $2::bool[]) AS p(id, every) \
+    CROSS JOIN LATERAL ( \
+      SELECT i.id FROM instances i WHERE i.parent_id = p.id AND i.invoked_by IS NOT NULL \
+        AND i.status NOT IN ('done', 'failed', 'cancelled') \
+        AND (p.every OR i.invoked_by IN ( \
+          SELECT l.state FROM unnest($3::int8[], $4::text[]) AS l(parent, state) \
+          WHERE l.parent = p.id)) \
+      ORDER BY i.id LIMIT $5 \
+    ) c ORDER BY c.id";
+
+/// The ids [`DELEGATED`] finds for `leaving`, at most `max` per parent.
+pub(crate) async fn delegated<C: GenericClient + Sync>(
+    c: &C,
+    leaving: &[(InstanceId, LeftDelegations)],
+    max: i64,
+) -> OpResult<Vec<i64>> {
+    let (mut parents, mut every) = (Vec::new(), Vec::new());
+    let (mut left_parent, mut left_state) = (Vec::new(), Vec::new());
+    for (id, left) in leaving {
+        match left {
+            LeftDelegations::None => continue,
+            LeftDelegations::All => every.push(true),
+            LeftDelegations::States(states) => {
+                every.push(false);
+                for state in states {
+                    left_parent.push(id.0);
+                    left_state.push(state.as_str());
+                }
+            }
+        }
+        parents.push(id.0);
+    }
+    if parents.is_empty() {
+        return Ok(Vec::new());
+    }
+    let stmt = c.prepare_cached(DELEGATED).await?;
+    let found = c.query(&stmt, &[&parents, &every, &left_parent, &left_state, &max]).await?;
+    let mut ids: Vec<i64> =
+        found.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
+    // A parent named twice in a batch would list its children twice.
+    ids.dedup();
+    Ok(ids)
+}
 
 /// Who holds each of `keys` now, read after the lock (one statement).
 async fn occupants<C: GenericClient + Sync>(
@@ -457,15 +500,8 @@ async fn cancel_left<C: GenericClient + Sync>(
     now: Timestamp,
     notices: &mut Notices,
 ) -> OpResult<()> {
-    let parents: Vec<i64> = leaving.iter().map(|(id, _)| id.0).collect();
     let max = keel_core::limits::CHILDREN_PER_STEP_MAX as i64;
-    let stmt = c.prepare_cached(DELEGATED).await?;
-    let ids: Vec<i64> = c
-        .query(&stmt, &[&parents, &max])
-        .await?
-        .iter()
-        .map(|r| rows::col(r, 0))
-        .collect::<Result<_, StoreError>>()?;
+    let ids = delegated(c, leaving, max).await?;
     for child in rows::lock_instances(c, &ids).await? {
         let Some((parent, left)) = leaving.iter().find(|(id, _)| Some(*id) == child.parent) else {
             continue;
@@ -566,5 +602,52 @@ mod tests {
     fn the_fire_test_in_sql_uses_the_cores_prefix() {
         let prefix = keel_core::timers::FIRE_KEY_PREFIX;
         assert!(is_fire!().contains(&format!("LIKE '{prefix}%'")), "{}", is_fire!());
+    }
+
+    /// The delegated children a commit batch looks at are bounded per parent, and only
+    /// children of the states a parent leaves count toward its bound: neither a parent
+    /// listed first nor the children of a state it keeps crowd out the ones to cancel.
+    #[tokio::test]
+    async fn delegated_children_are_bounded_per_parent_and_only_for_the_states_left() {
+        use keel_core::InstanceId;
+        use keel_core::plan::cancel::LeftDelegations;
+        use keel_testkit::conformance::support::{at, insert_one, new_in};
+        let Some(s) = super::super::plans::fresh_schema_or_skip().await else { return };
+        let ns = "delegated";
+        let a = insert_one(&s, new_in(ns), at(0)).await;
+        let b = insert_one(&s, new_in(ns), at(0)).await;
+        let mut children = Vec::new();
+        // Lowest ids first: the children of a state `a` keeps, then those of the state it
+        // leaves, then `b`'s.
+        for (parent, state) in [
+            (a, "kept"),
+            (a, "kept"),
+            (a, "kept"),
+            (a, "left"),
+            (a, "left"),
+            (a, "left"),
+            (b, "other"),
+            (b, "other"),
+            (b, "other"),
+        ] {
+            children.push((parent, insert_one(&s, new_in(ns).invoked_by(state), at(0)).await));
+        }
+        let c = s.client().await.expect("a connection");
+        for (parent, child) in &children {
+            c.execute("UPDATE instances SET parent_id = $1 WHERE id = $2", &[&parent.0, &child.0])
+                .await
+                .expect("adopt");
+        }
+        let leaving = [
+            (a, LeftDelegations::States(vec!["left".into()])),
+            (b, LeftDelegations::All),
+            (InstanceId(a.0 + 1_000_000), LeftDelegations::None),
+        ];
+        let found = super::delegated(&c, &leaving, 2).await.expect("lookup");
+        let want: Vec<i64> = [children[3].1, children[4].1, children[6].1, children[7].1]
+            .iter()
+            .map(|id| id.0)
+            .collect();
+        assert_eq!(found, want, "two per parent, of the states left");
     }
 }
