@@ -243,6 +243,27 @@ fn check_schema(schema: &str) -> StoreResult<()> {
     }
 }
 
+/// TCP keepalives for every connection (pooled and listening) when the URL sets none:
+/// first probe after 30 s idle, then every 10 s, the connection given up after 3 missed.
+/// The driver's default (first probe after two hours) lets a connection that a NAT, a
+/// load balancer or a failover dropped without a word look open for hours: the listening
+/// connection would miss every wake-up meanwhile, and a pooled one would hang its next
+/// query. Any `keepalives*` parameter in the URL leaves all three as the URL says.
+fn keepalive_defaults(pg: &mut tokio_postgres::Config) {
+    let untouched = pg.get_keepalives()
+        && pg.get_keepalives_idle() == KEEPALIVE_DRIVER_IDLE
+        && pg.get_keepalives_interval().is_none()
+        && pg.get_keepalives_retries().is_none();
+    if untouched {
+        pg.keepalives_idle(std::time::Duration::from_secs(30))
+            .keepalives_interval(std::time::Duration::from_secs(10))
+            .keepalives_retries(3);
+    }
+}
+
+/// The driver's own first-probe delay, which a URL without `keepalives_idle` gets.
+const KEEPALIVE_DRIVER_IDLE: std::time::Duration = std::time::Duration::from_secs(2 * 60 * 60);
+
 /// The longest channel name PostgreSQL accepts (`NAMEDATALEN - 1`): `LISTEN` cuts a longer
 /// one short while `pg_notify` refuses it, so the two would never meet.
 const CHANNEL_MAX: usize = 63;
@@ -291,6 +312,7 @@ impl PgStore {
             pg.application_name("keel");
         }
         tls.apply(&mut pg);
+        keepalive_defaults(&mut pg);
         let mgr = Manager::from_config(
             pg.clone(),
             connector.clone(),
@@ -326,5 +348,30 @@ impl PgStore {
     /// to enqueue in their own transaction (see [`PgStore::instance_insert_tx`]).
     pub async fn client(&self) -> StoreResult<deadpool_postgres::Client> {
         self.pool.get().await.map_err(|e| error::pool(&e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn keepalives(url: &str) -> (bool, Duration, Option<Duration>, Option<u32>) {
+        let mut pg: tokio_postgres::Config = url.parse().unwrap();
+        keepalive_defaults(&mut pg);
+        (
+            pg.get_keepalives(),
+            pg.get_keepalives_idle(),
+            pg.get_keepalives_interval(),
+            pg.get_keepalives_retries(),
+        )
+    }
+
+    #[test]
+    fn connections_probe_a_silent_peer_within_a_minute_unless_the_url_says_otherwise() {
+        let s = Duration::from_secs;
+        assert_eq!(keepalives("postgres://h/db"), (true, s(30), Some(s(10)), Some(3)));
+        assert_eq!(keepalives("postgres://h/db?keepalives_idle=600"), (true, s(600), None, None));
+        assert!(!keepalives("postgres://h/db?keepalives=0").0);
     }
 }

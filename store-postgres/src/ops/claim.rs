@@ -22,10 +22,13 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
-/// Whether a claim lost a race for a concurrency key (another claimer's row with the same
-/// key became executing after this statement's snapshot): re-running it is correct.
+/// Whether a claim lost a race for a key (another claimer's row with the same concurrency
+/// key, or the same unique key scoped to executing rows, became executing after this
+/// statement's snapshot): re-running it is correct, and the re-run skips that row.
 pub(crate) fn is_key_race(e: &OpError) -> bool {
-    matches!(e, OpError::Pg(e) if is_unique_violation(e, "instances_concurrency"))
+    matches!(e, OpError::Pg(e)
+        if is_unique_violation(e, "instances_concurrency")
+            || is_unique_violation(e, "instances_unique"))
 }
 
 /// The worker's filters (namespaces, queues, machines; empty = any) and the paused-queue
