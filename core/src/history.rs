@@ -40,6 +40,9 @@ pub enum HistoryKind {
     TimerRetimed,
     /// A timer's fire still unread when its state was left was taken out of the inbox.
     TimerWithdrawn,
+    /// A child's notice of its end, still unread when the delegation state that started
+    /// the child was left, was taken out of the inbox.
+    ChildNoticeWithdrawn,
     /// The instance was cancelled (directly or by a cascade).
     Cancelled,
     /// An operator retried the instance's dead letter.
@@ -78,7 +81,7 @@ pub enum HistoryKind {
 
 impl HistoryKind {
     /// Every kind, in declaration order.
-    pub const ALL: [HistoryKind; 31] = [
+    pub const ALL: [HistoryKind; 32] = [
         HistoryKind::StepNext,
         HistoryKind::StepRetry,
         HistoryKind::StepAwait,
@@ -94,6 +97,7 @@ impl HistoryKind {
         HistoryKind::TimerExhausted,
         HistoryKind::TimerRetimed,
         HistoryKind::TimerWithdrawn,
+        HistoryKind::ChildNoticeWithdrawn,
         HistoryKind::Cancelled,
         HistoryKind::DeadLetterRetried,
         HistoryKind::DeadLetterSkipped,
@@ -131,6 +135,7 @@ impl HistoryKind {
             HistoryKind::TimerExhausted => "TIMER_EXHAUSTED",
             HistoryKind::TimerRetimed => "TIMER_RETIMED",
             HistoryKind::TimerWithdrawn => "TIMER_WITHDRAWN",
+            HistoryKind::ChildNoticeWithdrawn => "CHILD_NOTICE_WITHDRAWN",
             HistoryKind::Cancelled => "CANCELLED",
             HistoryKind::DeadLetterRetried => "DEAD_LETTER_RETRIED",
             HistoryKind::DeadLetterSkipped => "DEAD_LETTER_SKIPPED",

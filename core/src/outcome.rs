@@ -682,8 +682,22 @@ pub fn parent_notice(child: &Instance) -> Option<NewSignal> {
     Some(
         NewSignal::new(parent, event.name.clone())
             .payload(event.payload.clone())
-            .dedup_key(format!("child:{}:terminal", child.id.0)),
+            .dedup_key(format!("{NOTICE_KEY_PREFIX}{}{NOTICE_KEY_SUFFIX}", child.id.0)),
     )
+}
+
+/// How the dedup key of a child's notice to its parent begins (`child:<id>:terminal`).
+pub const NOTICE_KEY_PREFIX: &str = "child:";
+/// How the dedup key of a child's notice to its parent ends.
+pub const NOTICE_KEY_SUFFIX: &str = ":terminal";
+
+/// The delegation state a signal is a child's notice about ([`parent_notice`]: its dedup
+/// key is a notice's and its name `done.invoke.<state>` or `fail.state.<state>`), or
+/// `None` when it is not such a notice.
+pub fn notice_state<'a>(dedup_key: Option<&str>, name: &'a str) -> Option<&'a str> {
+    dedup_key.filter(|k| k.starts_with(NOTICE_KEY_PREFIX) && k.ends_with(NOTICE_KEY_SUFFIX))?;
+    name.strip_prefix(crate::chart::DONE_INVOKE)
+        .or_else(|| name.strip_prefix(crate::chart::FAIL_STATE))
 }
 
 /// The row after a claim: executing under a new lease and the next fencing token.

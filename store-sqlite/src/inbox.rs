@@ -17,13 +17,17 @@ use serde_json::json;
 use sqlx::Row;
 use std::collections::HashMap;
 
-/// Whether signal `s` is a timer's fire: its dedup key starts with the fire prefix and its
-/// payload names the state that owned the timer as a string (what `UnreadFire::of` reads).
-/// A payload that is not JSON is no fire.
+/// Whether signal `s` is a fire a commit may withdraw (what `UnreadFire::read` accepts):
+/// a timer's fire, whose dedup key starts with the fire prefix and whose payload names
+/// the state that owned the timer as a string (a payload that is not JSON is no fire), or
+/// a child's notice, whose dedup key is `child:<id>:terminal` and whose name is
+/// `done.invoke.<state>` or `fail.state.<state>`.
 macro_rules! is_fire {
     () => {
-        "(substr(s.dedup_key, 1, 6) = 'timer:' AND \
-          CASE WHEN json_valid(s.payload) THEN json_type(s.payload, '$.state') END = 'text')"
+        "((substr(s.dedup_key, 1, 6) = 'timer:' AND \
+           CASE WHEN json_valid(s.payload) THEN json_type(s.payload, '$.state') END = 'text') \
+          OR (substr(s.dedup_key, 1, 6) = 'child:' AND s.dedup_key LIKE '%:terminal' \
+              AND (substr(s.name, 1, 12) = 'done.invoke.' OR substr(s.name, 1, 11) = 'fail.state.')))"
     };
 }
 
@@ -70,9 +74,12 @@ pub(crate) const FACTS_SQL: &str = concat!(
     asks!()
 );
 
-/// The unread timer fires of the items that may withdraw them, oldest first per item.
+/// The unread timer fires and child notices of the items that may withdraw them, oldest
+/// first per item.
 pub(crate) const FIRES_SQL: &str = concat!(
-    "SELECT s.target_id, s.id, s.name, json_extract(s.payload, '$.state'), s.dedup_key \
+    "SELECT s.target_id, s.id, s.name, \
+       CASE WHEN substr(s.dedup_key, 1, 6) = 'timer:' THEN json_extract(s.payload, '$.state') END, \
+       s.dedup_key \
      FROM ",
     asks!(),
     " JOIN keel_signals s ON ",
@@ -220,11 +227,15 @@ impl Db<'_> {
                 .map_err(self.err("reading unread timer fires"))?;
             for r in &rows {
                 let target: i64 = r.try_get(0).map_err(|e| corrupt(self.file, "target_id", e))?;
-                let fire = UnreadFire {
-                    id: SignalId(r.try_get(1).map_err(|e| corrupt(self.file, "id", e))?),
-                    name: r.try_get(2).map_err(|e| corrupt(self.file, "name", e))?,
-                    state: r.try_get(3).map_err(|e| corrupt(self.file, "payload", e))?,
-                    key: r.try_get(4).map_err(|e| corrupt(self.file, "dedup_key", e))?,
+                let id = SignalId(r.try_get(1).map_err(|e| corrupt(self.file, "id", e))?);
+                let name: String = r.try_get(2).map_err(|e| corrupt(self.file, "name", e))?;
+                let state: Option<String> =
+                    r.try_get(3).map_err(|e| corrupt(self.file, "payload", e))?;
+                let key: Option<String> =
+                    r.try_get(4).map_err(|e| corrupt(self.file, "dedup_key", e))?;
+                // The statement's filter and the core's reading agree, so every row is one.
+                let Some(fire) = UnreadFire::read(id, &name, key.as_deref(), state) else {
+                    continue;
                 };
                 if let Some(f) = out.get_mut(&InstanceId(target)) {
                     f.fires.push(fire);

@@ -93,6 +93,7 @@ pub use definition::{
     Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, HistoryDef,
     HistoryDepth, StateBuilder, StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
+pub(crate) use definition::{DONE_INVOKE, FAIL_STATE};
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use migrate::Migration;
 

@@ -66,44 +66,83 @@ pub struct InboxRead {
     pub withdrawn: Vec<UnreadFire>,
 }
 
-/// A timer's fire waiting unread in the committing instance's inbox.
+/// A signal waiting unread in the committing instance's inbox that belongs to one entry
+/// of a state: a timer's fire, or a delegated child's notice of its end
+/// ([`outcome::parent_notice`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnreadFire {
     /// The signal.
     pub id: SignalId,
     /// Its event.
     pub name: String,
-    /// The state that owned the timer.
+    /// The state that owned the timer, or the delegation state that started the child.
     pub state: String,
-    /// Its dedup key (which timer, which fire).
+    /// Its dedup key (which timer and which fire, or which child).
     pub key: String,
 }
 
 impl UnreadFire {
-    /// The fire `signal` is, or `None` when it is not a timer's fire.
+    /// The fire `signal` is, or `None` when it is neither a timer's fire nor a child's
+    /// notice.
     pub fn of(signal: &Signal) -> Option<Self> {
-        let state = timers::fire_owner(signal.dedup_key.as_deref(), &signal.payload)?;
-        Some(UnreadFire {
-            id: signal.id,
-            name: signal.name.clone(),
-            state: state.to_owned(),
-            key: signal.dedup_key.clone().unwrap_or_default(),
-        })
+        let state =
+            timers::fire_owner(signal.dedup_key.as_deref(), &signal.payload).map(str::to_owned);
+        Self::read(signal.id, &signal.name, signal.dedup_key.as_deref(), state)
+    }
+
+    /// The fire a stored signal is, from its id, name, dedup key and the `state` its
+    /// payload names (a store that reads only these columns); `None` when it is neither a
+    /// timer's fire nor a child's notice.
+    pub fn read(
+        id: SignalId,
+        name: &str,
+        dedup_key: Option<&str>,
+        payload_state: Option<String>,
+    ) -> Option<Self> {
+        let key = dedup_key?;
+        let state = if key.starts_with(timers::FIRE_KEY_PREFIX) {
+            payload_state?
+        } else {
+            outcome::notice_state(Some(key), name)?.to_owned()
+        };
+        Some(UnreadFire { id, name: name.to_owned(), state, key: key.to_owned() })
+    }
+
+    /// Whether this is a child's notice rather than a timer's fire.
+    pub fn is_notice(&self) -> bool {
+        outcome::notice_state(Some(&self.key), &self.name).is_some()
+    }
+
+    /// Whether `commit` leaves the state entry this belongs to: a timer's fire whose
+    /// owner's timers it cancels, or a child's notice whose delegation state it leaves.
+    fn stale(&self, commit: &StepCommit) -> bool {
+        if self.is_notice() {
+            commit.children_cancel.contains(&self.state)
+        } else {
+            timers::cancelled(&self.state, &commit.timers_cancel)
+        }
     }
 
     fn history(&self) -> HistoryEntry {
+        let kind = if self.is_notice() {
+            HistoryKind::ChildNoticeWithdrawn
+        } else {
+            HistoryKind::TimerWithdrawn
+        };
         HistoryEntry::new(
-            HistoryKind::TimerWithdrawn,
+            kind,
             json!({ "signal": self.id, "event": self.name, "state": self.state, "key": self.key }),
         )
     }
 }
 
-/// Whether committing `commit` may withdraw timer fires, so that the store must read the
-/// instance's unread fires for [`InboxRead::with_fires`]: the commit cancels timers and
-/// does not end the instance (an ending instance's whole inbox goes anyway).
+/// Whether committing `commit` may withdraw fires, so that the store must read the
+/// instance's unread fires and child notices for [`InboxRead::with_fires`]: the commit
+/// cancels timers or leaves delegation states, and does not end the instance (an ending
+/// instance's whole inbox goes anyway).
 pub fn withdraws_fires(commit: &StepCommit) -> bool {
-    !commit.timers_cancel.is_empty() && !inbox::drains(&commit.outcome)
+    (!commit.timers_cancel.is_empty() || !commit.children_cancel.is_empty())
+        && !inbox::drains(&commit.outcome)
 }
 
 impl InboxRead {
@@ -133,15 +172,15 @@ impl InboxRead {
             .with_fires(commit, fires)
     }
 
-    /// Completes facts whose `signal_waiting` left timer fires out, given the unread
-    /// `fires` (a store reads both only when [`withdraws_fires`]; otherwise fires count
-    /// like any signal and `fires` is empty). A fire whose timer belonged to a state this
-    /// commit leaves (or one of its descendants) is stale: the state entry it was meant
-    /// for is over, so it is withdrawn, unread, with a `TIMER_WITHDRAWN` entry, even when
-    /// the commit enters the state again. The other fires count toward `signal_waiting`.
+    /// Completes facts whose `signal_waiting` left fires out, given the unread `fires`
+    /// (a store reads both only when [`withdraws_fires`]; otherwise fires count like any
+    /// signal and `fires` is empty). A fire whose timer belonged to a state this commit
+    /// leaves (or one of its descendants), or a child's notice about a delegation state it
+    /// leaves, is stale: the state entry it was meant for is over, so it is withdrawn,
+    /// unread, with a `TIMER_WITHDRAWN` or `CHILD_NOTICE_WITHDRAWN` entry, even when the
+    /// commit enters the state again. The other fires count toward `signal_waiting`.
     pub fn with_fires(mut self, commit: &StepCommit, fires: Vec<UnreadFire>) -> Self {
-        let (withdrawn, kept): (Vec<_>, Vec<_>) =
-            fires.into_iter().partition(|f| timers::cancelled(&f.state, &commit.timers_cancel));
+        let (withdrawn, kept): (Vec<_>, Vec<_>) = fires.into_iter().partition(|f| f.stale(commit));
         if let Outcome::Await { signal, .. } = &commit.outcome {
             self.signal_waiting |= kept.iter().any(|f| outcome::signal_matches(signal, &f.name));
         }

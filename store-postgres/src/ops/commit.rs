@@ -32,11 +32,15 @@ use keel_core::{
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
 
-/// Whether signal `s` is a timer's fire: its dedup key has the fire prefix and its payload
-/// names the state that owned the timer (what `UnreadFire::of` reads).
+/// Whether signal `s` is a fire a commit may withdraw (what `UnreadFire::read` accepts): a
+/// timer's fire, whose dedup key has the fire prefix and whose payload names the state
+/// that owned the timer, or a child's notice, whose dedup key is `child:<id>:terminal` and
+/// whose name is `done.invoke.<state>` or `fail.state.<state>`.
 macro_rules! is_fire {
     () => {
-        "coalesce(s.dedup_key LIKE 'timer:%' AND jsonb_typeof(s.payload->'state') = 'string', false)"
+        "coalesce((s.dedup_key LIKE 'timer:%' AND jsonb_typeof(s.payload->'state') = 'string') \
+           OR (s.dedup_key LIKE 'child:%:terminal' \
+               AND (s.name LIKE 'done.invoke.%' OR s.name LIKE 'fail.state.%')), false)"
     };
 }
 
@@ -53,9 +57,12 @@ const AWAIT_CHECK: &str = concat!(
                       WHERE x.t = s.target_id AND x.s = s.id))"
 );
 
-/// The unread timer fires of the items that may withdraw them, oldest first.
+/// The unread timer fires and child notices of the items that may withdraw them, oldest
+/// first.
 pub(crate) const FIRES: &str = concat!(
-    "SELECT s.target_id, s.id, s.name, s.payload->>'state', s.dedup_key FROM signals s \
+    "SELECT s.target_id, s.id, s.name, \
+       CASE WHEN s.dedup_key LIKE 'timer:%' THEN s.payload->>'state' END, s.dedup_key \
+     FROM signals s \
     WHERE s.target_id = ANY($1::int8[]) AND ",
     is_fire!(),
     " AND NOT EXISTS (SELECT 1 FROM unnest($2::int8[], $3::int8[]) AS x(t, s) \
@@ -258,11 +265,13 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         waiting.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     let mut unread_fires: HashMap<i64, Vec<UnreadFire>> = HashMap::new();
     for r in &fires {
-        let fire = UnreadFire {
-            id: SignalId(rows::col(r, 1)?),
-            name: rows::col(r, 2)?,
-            state: rows::col(r, 3)?,
-            key: rows::col(r, 4)?,
+        let name: String = rows::col(r, 2)?;
+        let key: Option<String> = rows::col(r, 4)?;
+        // The statement's filter and the core's reading agree, so every row is one.
+        let Some(fire) =
+            UnreadFire::read(SignalId(rows::col(r, 1)?), &name, key.as_deref(), rows::col(r, 3)?)
+        else {
+            continue;
         };
         unread_fires.entry(rows::col(r, 0)?).or_default().push(fire);
     }

@@ -118,6 +118,52 @@ pub async fn cancelled_child_reports_failure_to_the_parent<S: Store>(s: &S) {
     assert_eq!(d.instance.status, Status::Runnable);
 }
 
+/// A child's notice of its end still unread when a commit leaves the delegation state
+/// that started it is stale: the commit takes it out of the inbox
+/// (`CHILD_NOTICE_WITHDRAWN`), so the parent never handles the end of work it left, and
+/// it wakes nothing. A notice about a delegation state the commit keeps stays. Here the
+/// children end while the parent runs the step that leaves `pay`.
+pub async fn child_notice_unread_when_its_state_is_left_is_withdrawn<S: Store>(s: &S) {
+    let ns = "notice_withdrawn";
+    let mut parents = Vec::new();
+    for spawned in [&["pay"][..], &["pay", "ship"]] {
+        let parent = insert_one(s, new_in(ns), at(0)).await;
+        let claimed = claim_id(s, ns, parent, at(10)).await;
+        let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["pay"]"#));
+        c.spawn = spawned.iter().map(|state| new_in(ns).invoked_by(*state)).collect();
+        let kids: Vec<InstanceId> =
+            commit_ok(s, c, at(20)).await.spawned.iter().map(|k| k.id()).collect();
+        super::support::send(s, parent, "CANCEL", at(30)).await;
+        parents.push((parent, claim_only(s, ns, parent, at(40)).await, kids));
+    }
+    for (_, _, kids) in &parents {
+        for kid in kids {
+            let c = claim_only(s, ns, *kid, at(50)).await;
+            step(s, &c, Outcome::Stop { reason: "declined".into() }, at(60)).await;
+        }
+    }
+    for (parent, claimed, _) in &parents {
+        assert_eq!(claimed.inbox.len(), 1, "the step read CANCEL only");
+        let mut c = StepCommit::new(*parent, claimed.token(), park_at(r#"["manual"]"#))
+            .consume(claimed.inbox.iter().map(|s| s.id));
+        c.children_cancel = vec!["pay".into()];
+        commit_ok(s, c, at(70)).await;
+    }
+    let d = get(s, parents[0].0).await;
+    assert!(d.inbox.is_empty(), "the stale fail.state.pay is gone: {:?}", d.inbox);
+    assert_eq!(d.instance.status, Status::AwaitingSignal, "a withdrawn notice wakes nothing");
+    let withdrawn: Vec<_> =
+        d.history.iter().filter(|h| h.entry.kind == "CHILD_NOTICE_WITHDRAWN").collect();
+    assert_eq!(withdrawn.len(), 1, "{:?}", d.history);
+    assert_eq!(withdrawn[0].entry.data["event"], json!("fail.state.pay"));
+    assert_eq!(withdrawn[0].entry.data["state"], json!("pay"));
+
+    let d = get(s, parents[1].0).await;
+    let names: Vec<&str> = d.inbox.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["fail.state.ship"], "a notice about a state not left stays");
+    assert_eq!(d.instance.status, Status::Runnable, "and wakes the parent");
+}
+
 /// Broadcast reaches every non-terminal instance of the machine in the state (by step
 /// name, or inside a chart's configuration array), one that is running a step included,
 /// and wakes those waiting for it.

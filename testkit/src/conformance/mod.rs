@@ -175,6 +175,7 @@ macro_rules! __store_contract_list {
             await_with_step_moves_and_parks,
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
+            child_notice_unread_when_its_state_is_left_is_withdrawn,
             leaving_a_delegation_state_cancels_its_children,
             failing_instance_cancels_its_delegated_children,
             signals_reach_a_delegated_child,
