@@ -105,7 +105,9 @@
 //!   whose instance is busy is left for the next sweep (not counted in `processed`). Each
 //!   picked timer goes through the pure `timers::fire`; the deliveries use the normal
 //!   path, and history, timer advance/delete and the sweep record are batch writes
-//!   pipelined with the `COMMIT`.
+//!   pipelined with the `COMMIT`; a sweep that passes a join deadline sends those writes
+//!   first and then runs the deadline's wake and cancels, so a cancel sees (and drains)
+//!   what the sweep delivered to a child.
 //! - **Uniqueness**: `INSERT … ON CONFLICT (unique_guard) DO NOTHING` with ids drawn up
 //!   front, rows sorted by key (concurrent inserters wait in one order and cannot deadlock),
 //!   then one lookup of the occupants; each caller learns its id or the occupant's.
@@ -135,15 +137,21 @@
 //! - **Timestamps** are `timestamptz`, converted from and to keel's millisecond
 //!   [`keel_core::Timestamp`]; values beyond PostgreSQL's range are clamped (year ±200 000).
 //!   Every operation binds the caller's `now`; SQL never reads the clock.
-//! - **Errors**: connection loss, timeouts, cancellations, deadlocks and serialization
-//!   failures are `Unavailable` (retryable); deadlocks and serialization failures are first
+//! - **Errors**: connection loss, timeouts, cancellations, deadlocks, serialization
+//!   failures, a lock not available, a shortage of server resources, system I/O errors
+//!   (class 58), a write refused as read-only (25006: during a failover a connection
+//!   reaches a standby or a demoted primary) and a snapshot too old (72000) are
+//!   `Unavailable` (retryable); data exceptions (class 22) are `Invalid`; anything else
+//!   the server refuses is `Conflict`. Deadlocks and serialization failures are first
 //!   retried internally, up to [`TRANSACTION_RETRIES`] times. A connection dropped inside a
 //!   transaction (error or cancelled future) is detached from the pool, never reused.
 //!
 //! # Known leaks
 //!
 //! - A claim whose rows share a unique key scoped to `executing` (but not `runnable`) takes
-//!   one of them; a commit that would bring a key back into scope over another occupant is
+//!   one of them (two claims racing for such rows: the loser's statement fails on the
+//!   unique index and runs again, as for a concurrency key); a commit that would bring a
+//!   key back into scope over another occupant is
 //!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
 //! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
 //! - A broadcast whose `in_state` filter meets a position that starts with `[` but is not
