@@ -511,7 +511,9 @@ pub fn apply_report<'d>(
                 "exception": exception,
                 "attempts": attempts,
             });
-            let event = Event::fail_state(&key.parallel_state, payload.clone());
+            // Named after the region, so the region's own `@fail` answers it first and the
+            // parallel state's (or an ancestor's) otherwise.
+            let event = Event::fail_state(&key.region, payload.clone());
             ReportPlan::Run {
                 records: vec![HistoryEntry::new(PARALLEL_FAIL, payload)],
                 step: Box::new(Macrostep::start(
