@@ -39,7 +39,8 @@ pub(crate) fn items(params: &InsertParams) -> Vec<Item<'_>> {
 
 /// One statement in its own transaction: insert and read the occupants; then the wake-up.
 /// `BEGIN` (see [`begin_hot`]: a small insert is not planned per call), the statement,
-/// `COMMIT` and the wake-up go out together: one round trip and one flush.
+/// `COMMIT` and the wake-up go out together: one round trip and one flush. A batch with a
+/// unique key sends its `COMMIT` once the occupants are known (a round trip more).
 pub(crate) async fn run<C: GenericClient + Sync>(
     c: &C,
     items: &[Item<'_>],
@@ -59,6 +60,16 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     };
     c.prepare_cached(shape.statement()).await?;
     let ready = Notices::ready(true);
+    if shape == Shape::Keyed {
+        // A key taken by an instance this statement could not see may need a second read
+        // of its occupant, which can still fail; the COMMIT waits for it, so an insert
+        // that reports an error has stored none of its rows (the caller rolls back).
+        let (began, inserted) = tokio::join!(begin, insert_as(c, shape, items, now));
+        began?;
+        let inserted = inserted?;
+        end_tx_notices(c, channel, &ready).await?;
+        return Ok(inserted);
+    }
     // A failed statement aborts the transaction, and the COMMIT then rolls it back.
     let (began, inserted, committed) =
         tokio::join!(begin, insert_as(c, shape, items, now), end_tx_notices(c, channel, &ready));
