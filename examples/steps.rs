@@ -85,7 +85,8 @@ async fn wait_until(
     ids: &[InstanceId],
     done: impl Fn(Status) -> bool,
 ) -> Result<(), keel::Error> {
-    for _ in 0..1_000 {
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(10) {
         let mut all = true;
         for id in ids {
             all &= done(keel.get(*id).await?.instance.status);
@@ -141,7 +142,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // 4. Paid orders ship two parcels each (child instances), join, and complete.
     for id in &ids {
-        keel.wait(*id).await?;
+        if keel.wait_timeout(*id, Duration::from_secs(60)).await?.is_none() {
+            return Err(format!("order {id} has not ended after 60 s").into());
+        }
     }
     let stats = worker.shutdown().await;
 

@@ -39,10 +39,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         keel.send_many(events.map(|e| NewSignal::new(id, e)).collect()).await?;
         ids.push(id);
     }
-    for id in ids {
-        let ended = keel.wait(id).await?;
+    for (n, id) in ids.into_iter().enumerate() {
+        let ended = keel.wait_timeout(id, std::time::Duration::from_secs(60)).await?;
+        let ended = ended.ok_or(format!("ticket {id} has not ended after 60 s"))?;
         let log = ended.result.as_ref().map_or(json!(null), |r| r["log"].clone());
         println!("ticket {id}: {} in {:<9} log {log}", ended.status, ended.state.to_string());
+        let want = if n % 2 == 1 { "closed" } else { "abandoned" }; // a START alone times out
+        if ended.state.to_string() != want {
+            return Err(format!("ticket {id} ended in {} instead of {want}", ended.state).into());
+        }
     }
     worker.shutdown().await;
     Ok(())

@@ -22,9 +22,14 @@ import time
 import urllib.error
 import urllib.request
 
+# Empty polls (204, or 429 from a busy server) in a row before the worker gives up.
+EMPTY_POLLS_MAX = 100
 
-def call(base, path, body, headers=None):
-    """POSTs JSON; returns (status, parsed body or None); `headers` collects the reply's."""
+def call(base, path, body):
+    """POSTs JSON; returns (status, parsed body or None, the reply's headers).
+
+    The headers are an `http.client.HTTPMessage`, whose `get` ignores case (the server
+    sends `retry-after`, a proxy may send `Retry-After`)."""
     data = json.dumps(body).encode()
     request = urllib.request.Request(
         base + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
@@ -32,14 +37,10 @@ def call(base, path, body, headers=None):
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             text = response.read().decode()
-            if headers is not None:
-                headers.update(response.headers)
-            return response.status, json.loads(text) if text else None
+            return response.status, json.loads(text) if text else None, response.headers
     except urllib.error.HTTPError as error:
-        if headers is not None:
-            headers.update(error.headers)
         text = error.read().decode()
-        return error.code, json.loads(text) if text else None
+        return error.code, json.loads(text) if text else None, error.headers
 
 
 def step(task):
@@ -58,7 +59,9 @@ def main():
     parser.add_argument("--base", required=True)
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--worker", default="python-1")
-    parser.add_argument("--tasks", type=int, default=1, help="stop after this many tasks")
+    parser.add_argument("--tasks", type=int, default=1,
+                        help="stop after this many tasks (or after %d empty polls in a row)"
+                        % EMPTY_POLLS_MAX)
     parser.add_argument("--lease-ms", type=int, default=30000)
     parser.add_argument("--wait-ms", type=int, default=5000)
     parser.add_argument("--pause-ms", type=int, default=0, help="sleep inside each step")
@@ -66,37 +69,41 @@ def main():
     args = parser.parse_args()
 
     done = 0
-    polls = 0
+    # Polls in a row that found no task: a worker that never gets one gives up after
+    # EMPTY_POLLS_MAX of them; every task served starts the count again.
+    empty = 0
     while done < args.tasks:
-        polls += 1
-        if polls > 100:
-            print(json.dumps({"error": "no task after 100 polls"}), flush=True)
+        if empty >= EMPTY_POLLS_MAX:
+            print(json.dumps({"error": "no task after %d empty polls" % EMPTY_POLLS_MAX}),
+                  flush=True)
             return 1
-        reply = {}
-        status, task = call(args.base, "/v1/worker/tasks/poll", {
+        status, task, reply = call(args.base, "/v1/worker/tasks/poll", {
             "worker": args.worker,
             "namespace": args.namespace,
             "machines": [{"name": "greeter", "version": 1}],
             "lease_ms": args.lease_ms,
             "wait_ms": args.wait_ms,
-        }, reply)
+        })
         if status == 204:
+            empty += 1
             continue
         if status == 429:
             # Too many polls wait on this server: back off as it asks (at most a minute).
-            retry_after = reply.get("Retry-After", "1")
+            empty += 1
+            retry_after = (reply.get("Retry-After") or "1").strip()
             time.sleep(min(int(retry_after) if retry_after.isdigit() else 1, 60))
             continue
         if status != 200:
             print(json.dumps({"error": "poll failed", "status": status, "body": task}), flush=True)
             return 1
+        empty = 0
         ident = {"worker": args.worker, "token": task["token"]}
         paused = 0
         while paused < args.pause_ms:
             time.sleep(0.1)
             paused += 100
             if args.heartbeat:
-                hb, _ = call(args.base, "/v1/worker/tasks/%d/heartbeat" % task["id"],
+                hb, _, _ = call(args.base, "/v1/worker/tasks/%d/heartbeat" % task["id"],
                              dict(ident, lease_ms=args.lease_ms))
                 if hb != 200:
                     break
@@ -104,12 +111,12 @@ def main():
         if outcome is not None:
             # `seen`: the signals the step was handed; only those can be consumed.
             seen = [signal["id"] for signal in task["inbox"]]
-            status, answer = call(args.base, "/v1/worker/tasks/%d/complete" % task["id"],
-                                  dict(ident, outcome=outcome, seen=seen))
+            status, answer, _ = call(args.base, "/v1/worker/tasks/%d/complete" % task["id"],
+                                     dict(ident, outcome=outcome, seen=seen))
         else:
-            status, answer = call(args.base, "/v1/worker/tasks/%d/fail" % task["id"],
-                                  dict(ident, error=error, retryable=False,
-                                       seen=[signal["id"] for signal in task["inbox"]]))
+            status, answer, _ = call(args.base, "/v1/worker/tasks/%d/fail" % task["id"],
+                                     dict(ident, error=error, retryable=False,
+                                          seen=[signal["id"] for signal in task["inbox"]]))
         print(json.dumps({"task": task["id"], "token": task["token"], "status": status,
                           "answer": answer}), flush=True)
         done += 1
