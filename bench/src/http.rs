@@ -45,13 +45,47 @@ pub async fn http(factory: &Factory, events: usize, steps: usize) -> Result<Repo
             (Keel::from_store((*store).clone()), Some(scratch))
         }
     };
+    // The schema is dropped whether the measurement succeeded or not.
+    let measured = measure(&keel, events, steps).await;
+    if let Some(scratch) = scratch {
+        scratch.drop_schema().await;
+    }
+    let (events_elapsed, steps_elapsed) = measured?;
+    let events_rate = events as f64 / events_elapsed.as_secs_f64();
+    let steps_rate = steps as f64 / steps_elapsed.as_secs_f64();
+    Ok(Report {
+        name: "http",
+        title: format!("keel serve over loopback HTTP/1.1 keep-alive, {CLIENTS} clients"),
+        columns: vec!["measure", "count", "seconds", "per second"],
+        rows: vec![
+            vec![json!("POST …/events accepted (202)"), json!(events), json!(events_elapsed.as_secs_f64()), json!(events_rate)],
+            vec![json!("worker protocol steps (poll + complete)"), json!(steps), json!(steps_elapsed.as_secs_f64()), json!(steps_rate)],
+        ],
+        notes: vec![
+            "clients and server share the machine's cores; compare with `steps` for the in-process figure".into(),
+        ],
+    })
+}
+
+/// Serves the router on a loopback port and times the events, then the steps.
+async fn measure(keel: &Keel, events: usize, steps: usize) -> Result<(Duration, Duration)> {
     let metrics = recorder()?;
     let state = keel_cli::serve::AppState::open(keel.clone(), "default", metrics);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
     let server =
         tokio::spawn(axum::serve(listener, keel_cli::serve::router(Arc::new(state))).into_future());
+    let measured = drive(keel, &base, events, steps).await;
+    server.abort();
+    measured
+}
 
+async fn drive(
+    keel: &Keel,
+    base: &str,
+    events: usize,
+    steps: usize,
+) -> Result<(Duration, Duration)> {
     let mut targets = Vec::with_capacity(TARGETS);
     for _ in 0..TARGETS {
         let new = NewInstance::new(MachineRef::new("bench_events", 1), "@init");
@@ -62,9 +96,9 @@ pub async fn http(factory: &Factory, events: usize, steps: usize) -> Result<Repo
         run_clients(events, move |agent, i| {
             let body =
                 json!({ "instance": targets[i % TARGETS], "event": "TICK", "payload": { "i": i } });
-            let resp = agent.post(&url).send_json(&body)?;
+            let mut resp = agent.post(&url).send_json(&body)?;
             if resp.status().as_u16() != 202 {
-                bail!("events: status {}", resp.status());
+                bail!("events: {}", refused("POST …/events", &mut resp));
             }
             Ok(())
         })
@@ -82,27 +116,10 @@ pub async fn http(factory: &Factory, events: usize, steps: usize) -> Result<Repo
     }
     let done = Arc::new(AtomicUsize::new(0));
     let poll_url = format!("{base}/v1/worker/tasks/poll");
-    let base2 = base.clone();
+    let base2 = base.to_owned();
     let steps_elapsed =
         tokio::task::spawn_blocking(move || run_workers(steps, &done, &poll_url, &base2)).await??;
-    server.abort();
-    if let Some(scratch) = scratch {
-        scratch.drop_schema().await;
-    }
-    let events_rate = events as f64 / events_elapsed.as_secs_f64();
-    let steps_rate = steps as f64 / steps_elapsed.as_secs_f64();
-    Ok(Report {
-        name: "http",
-        title: format!("keel serve over loopback HTTP/1.1 keep-alive, {CLIENTS} clients"),
-        columns: vec!["measure", "count", "seconds", "per second"],
-        rows: vec![
-            vec![json!("POST …/events accepted (202)"), json!(events), json!(events_elapsed.as_secs_f64()), json!(events_rate)],
-            vec![json!("worker protocol steps (poll + complete)"), json!(steps), json!(steps_elapsed.as_secs_f64()), json!(steps_rate)],
-        ],
-        notes: vec![
-            "clients and server share the machine's cores; compare with `steps` for the in-process figure".into(),
-        ],
-    })
+    Ok((events_elapsed, steps_elapsed))
 }
 
 fn agent() -> ureq::Agent {
@@ -164,17 +181,21 @@ fn run_workers(
                         bail!("http workers: not done within 600 s");
                     }
                     let mut resp = agent.post(&poll_url).send_json(&poll)?;
-                    if resp.status().as_u16() == 204 {
-                        continue;
+                    match resp.status().as_u16() {
+                        200 => {}
+                        204 => continue,
+                        _ => bail!("http workers: {}", refused("poll", &mut resp)),
                     }
                     let task: serde_json::Value = resp.body_mut().read_json()?;
                     let body = json!({ "worker": worker, "token": task["token"],
                         "outcome": { "type": "done", "result": {} } });
                     let url = format!("{base}/v1/worker/tasks/{}/complete", task["id"]);
-                    let answer = agent.post(&url).send_json(&body)?;
-                    if answer.status().as_u16() == 200 {
-                        done.fetch_add(1, Ordering::Relaxed);
+                    let mut answer = agent.post(&url).send_json(&body)?;
+                    if answer.status().as_u16() != 200 {
+                        let call = format!("complete of task {}", task["id"]);
+                        bail!("http workers: {}", refused(&call, &mut answer));
                     }
+                    done.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
             })
@@ -184,4 +205,66 @@ fn run_workers(
         h.join().map_err(|_| anyhow::anyhow!("a worker thread panicked"))??;
     }
     Ok(started.elapsed())
+}
+
+/// A call the server refused, with its status and the body the server sent, so a broken
+/// server shows at once rather than as a slow rate or a timeout.
+fn refused(call: &str, resp: &mut ureq::http::Response<ureq::Body>) -> String {
+    let status = resp.status();
+    let body = resp.body_mut().read_to_string().unwrap_or_else(|e| format!("(unreadable: {e})"));
+    format!("{call} answered {status}: {body}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_workers;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A server that answers every request with `status` and `body`.
+    fn answering(status: &'static str, body: &'static str) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for mut stream in listener.incoming().flatten() {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut length = 0;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                    if let Some((name, value)) = line.split_once(':')
+                        && name.eq_ignore_ascii_case("content-length")
+                    {
+                        length = value.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut request = vec![0; length];
+                let _ = reader.read_exact(&mut request);
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        base
+    }
+
+    /// A server refusing the polls stops the workers at once with its status and body,
+    /// rather than after the 600 s bound.
+    #[test]
+    fn a_refused_poll_stops_the_workers_with_the_status_and_body() {
+        // A JSON body, as `keel serve` sends with an error (read as a task, it used to
+        // send the workers to `/tasks/null/complete` until the bound).
+        let base = answering("500 Internal Server Error", r#"{"error":"the store is gone"}"#);
+        let poll = format!("{base}/v1/worker/tasks/poll");
+        let error = run_workers(1, &Arc::new(AtomicUsize::new(0)), &poll, &base).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            r#"http workers: poll answered 500 Internal Server Error: {"error":"the store is gone"}"#
+        );
+    }
 }

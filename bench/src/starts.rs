@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 const SINGLE: usize = 1_000;
 /// Callers starting instances one at a time, all at once, for the concurrent rate.
 const CONCURRENT_STARTERS: usize = 16;
+/// Starts made by the concurrent callers together: [`SINGLE`] shared out evenly (992).
+const CONCURRENT_STARTS: usize = SINGLE / CONCURRENT_STARTERS * CONCURRENT_STARTERS;
 /// Instances per `start_many` call in the bulk run.
 const BULK_CHUNK: usize = 1_000;
 /// Instances the worker parks for the memory figure.
@@ -113,7 +115,7 @@ pub async fn start(factory: &Factory, n: usize, after_others: bool) -> Result<Re
             let client = Arc::clone(&client);
             let machine = machine.clone();
             starters.spawn(async move {
-                for _ in 0..SINGLE / CONCURRENT_STARTERS {
+                for _ in 0..CONCURRENT_STARTS / CONCURRENT_STARTERS {
                     client.start(NewInstance::new(machine.clone(), "run")).await?;
                 }
                 anyhow::Ok(())
@@ -122,7 +124,7 @@ pub async fn start(factory: &Factory, n: usize, after_others: bool) -> Result<Re
         while let Some(done) = starters.join_next().await {
             done??;
         }
-        let concurrent = SINGLE as f64 / started.elapsed().as_secs_f64();
+        let concurrent = CONCURRENT_STARTS as f64 / started.elapsed().as_secs_f64();
 
         let started = Instant::now();
         let mut inserted = 0;
@@ -193,7 +195,7 @@ pub async fn start(factory: &Factory, n: usize, after_others: bool) -> Result<Re
     Ok(Report {
         name: "start",
         title: format!(
-            "Starting instances: {SINGLE} single starts one after another, {SINGLE} more from {CONCURRENT_STARTERS} callers at once, {n} in bulk, then {PARKED} parked by a worker"
+            "Starting instances: {SINGLE} single starts one after another, {CONCURRENT_STARTS} more from {CONCURRENT_STARTERS} callers at once, {n} in bulk, then {PARKED} parked by a worker"
         ),
         columns: vec!["measure", "value", "unit"],
         rows,

@@ -75,7 +75,9 @@ impl Factory {
         Ok(Arc::new(MemoryStore::new()))
     }
 
-    /// A fresh, migrated PostgreSQL schema (dropped when the `Scratch` guard drops).
+    /// A fresh, migrated PostgreSQL schema. The caller drops it with
+    /// [`Scratch::drop_schema`] on every path, failures included (`with_store!` does);
+    /// a `Scratch` dropped without it names the schema it left on the server.
     pub async fn postgres(&self) -> Result<(Arc<PgStore>, Scratch)> {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let url = self.url.clone().expect("checked in new");
@@ -127,7 +129,9 @@ fn named(url: &str) -> String {
 }
 
 /// Runs `$body` with `$store` bound to a fresh store of the factory's kind (the body is
-/// generic code, monomorphised once per store type).
+/// generic code, monomorphised once per store type). On PostgreSQL the body runs as an
+/// async block, so its `?` and `bail!` end the block, not the scenario: the schema is
+/// dropped whether the body succeeds or fails, and the error is returned after.
 #[macro_export]
 macro_rules! with_store {
     ($factory:expr, |$store:ident| $body:expr) => {
@@ -142,9 +146,9 @@ macro_rules! with_store {
             }
             $crate::stores::StoreKind::Postgres => {
                 let ($store, scratch) = $factory.postgres().await?;
-                let out = $body;
+                let out = async { ::anyhow::Ok($body) }.await;
                 scratch.drop_schema().await;
-                out
+                out?
             }
         }
     };
@@ -157,8 +161,20 @@ impl Factory {
     }
 }
 
-/// Drops a benchmark's Postgres schema when the run is over.
+/// A benchmark's Postgres schema, to be dropped with [`Scratch::drop_schema`] when the run
+/// is over, whether it succeeded or failed (dropping needs the async client, which `Drop`
+/// cannot wait for). Dropped without it (a panic), it prints the schema it leaves behind.
 pub struct Scratch(Option<(Arc<PgStore>, String)>);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some((_, schema)) = self.0.take() {
+            eprintln!(
+                "keel-bench: schema {schema} was left on the server; drop it with DROP SCHEMA \"{schema}\" CASCADE"
+            );
+        }
+    }
+}
 
 impl Scratch {
     /// Drops the schema (errors are reported, not fatal: the data is disposable).
@@ -175,5 +191,54 @@ impl Scratch {
                 eprintln!("keel-bench: could not drop schema {schema}: {e}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Factory, StoreKind};
+
+    fn fails() -> anyhow::Result<()> {
+        anyhow::bail!("the scenario failed")
+    }
+
+    /// The benchmark schemas of this process left on the server.
+    async fn left(factory: &Factory) -> anyhow::Result<i64> {
+        let (store, scratch) = factory.postgres().await?;
+        let pattern = format!("keel\\_bench\\_{}\\_%", std::process::id());
+        let row = store
+            .client()
+            .await?
+            .query_one("SELECT count(*) FROM pg_namespace WHERE nspname LIKE $1", &[&pattern])
+            .await?;
+        scratch.drop_schema().await;
+        // Less the one just made to ask.
+        Ok(row.get::<_, i64>(0) - 1)
+    }
+
+    /// A scenario that fails half-way on PostgreSQL returns its error and leaves no schema
+    /// behind.
+    #[tokio::test]
+    async fn a_failing_scenario_still_drops_its_schema() -> anyhow::Result<()> {
+        let Ok(factory) = Factory::new(StoreKind::Postgres).await else {
+            let required = std::env::var("KEEL_REQUIRE_BACKENDS").is_ok_and(|v| v == "1");
+            assert!(!required, "KEEL_REQUIRE_BACKENDS=1 but KEEL_TEST_DATABASE_URL is unset");
+            eprintln!(
+                "SKIPPED a_failing_scenario_still_drops_its_schema: set KEEL_TEST_DATABASE_URL"
+            );
+            return Ok(());
+        };
+        let before = left(&factory).await?;
+        let outcome: anyhow::Result<u8> = async {
+            Ok(with_store!(factory, |store| {
+                let _ = &store;
+                fails()?;
+                1u8
+            }))
+        }
+        .await;
+        assert_eq!(outcome.unwrap_err().to_string(), "the scenario failed");
+        assert_eq!(left(&factory).await?, before, "the failed scenario's schema is gone");
+        Ok(())
     }
 }

@@ -1,7 +1,7 @@
 //! `ui`: how long the dashboard's pages take to answer with many instances in the store —
 //! `keel serve`'s router in-process on a loopback port, one browser-like client asking
 //! for each page in turn (the overview, its live fragment, instance lists first, deep and
-//! filtered, an instance page, the dead letters first and deep), p50 / p99 / max over the
+//! filtered, an instance page, the dead letters first and deep), p50 / p95 / max over the
 //! repeats. [`DEAD_LETTERS`] of the instances are dead-lettered first, so the overview
 //! counts real dead letters and their list has pages to turn.
 
@@ -17,7 +17,8 @@ use crate::stores::{Factory, StoreKind};
 
 /// Instances per start batch.
 const START_BATCH: usize = 1000;
-/// Requests per page.
+/// Timed requests per page (after one untimed). With 20, p95 is the second slowest: a
+/// p99 would be the slowest, the same figure as the max.
 const REPEATS: usize = 20;
 /// The machines the instances are spread over, each with its own queue.
 const MACHINES: [&str; 4] = ["order", "invoice", "shipment", "refund"];
@@ -85,6 +86,45 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
             (Keel::from_store((*store).clone()), Some(scratch), Some(store))
         }
     };
+    // The schema is dropped whether the measurement succeeded or not.
+    let measured = measure(&keel, pg.as_deref(), instances).await;
+    if let Some(scratch) = scratch {
+        scratch.drop_schema().await;
+    }
+    let (timings, letters, fill_secs) = measured?;
+    let rows = timings
+        .iter()
+        .map(|(name, ms)| {
+            vec![
+                json!(name),
+                json!(quantile(ms, 0.5)),
+                json!(quantile(ms, 0.95)),
+                json!(ms.last().copied().unwrap_or_default()),
+            ]
+        })
+        .collect();
+    Ok(Report {
+        name: "ui",
+        title: format!(
+            "dashboard pages with {instances} instances, {letters} of them dead-lettered ({fill_secs:.1} s to fill), {REPEATS} timed requests each after one untimed"
+        ),
+        columns: vec!["page", "p50 ms", "p95 ms", "max ms"],
+        rows,
+        notes: vec![
+            "one client, server in-process on loopback; the time includes rendering the HTML"
+                .into(),
+            "PostgreSQL: the table is analyzed after the bulk fill, as autovacuum would".into(),
+        ],
+    })
+}
+
+/// Fills the store, serves the router on a loopback port and times every page: the
+/// timings per page, the dead letters made and the seconds the fill took.
+async fn measure(
+    keel: &Keel,
+    pg: Option<&keel_store_postgres::PgStore>,
+    instances: usize,
+) -> Result<(Vec<(String, Vec<f64>)>, usize, f64)> {
     let filled = Instant::now();
     let mut n = 0;
     while n < instances {
@@ -102,12 +142,12 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
         keel.start_many(news).await?;
         n += batch;
     }
-    let letters = dead_letter(&keel, DEAD_LETTERS.min(instances / 2)).await?;
+    let letters = dead_letter(keel, DEAD_LETTERS.min(instances / 2)).await?;
     let fill_secs = filled.elapsed().as_secs_f64();
     // A database that has held its rows for a while has planner statistics (autovacuum
     // analyzes after bulk changes); the freshly filled table gets them now, so the figures
     // are for that steady state rather than for the minute after a bulk load.
-    if let Some(store) = &pg {
+    if let Some(store) = pg {
         store.client().await?.batch_execute("ANALYZE instances; ANALYZE dead_letters").await?;
     }
     let metrics = crate::http::recorder()?;
@@ -137,7 +177,6 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
         ),
         ("dead letters of one machine", "/ui/ns/default/dead-letters?machine=refund".into()),
     ];
-    let base2 = base.clone();
     let timings = tokio::task::spawn_blocking(move || -> Result<Vec<(String, Vec<f64>)>> {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -147,13 +186,18 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
         let mut out = Vec::new();
         for (name, path) in pages {
             let mut ms = Vec::with_capacity(REPEATS);
-            for _ in 0..REPEATS {
+            // One request first, checked but not timed: the first answer of a page pays
+            // for caches the later ones find warm.
+            for repeat in 0..=REPEATS {
                 let started = Instant::now();
-                let mut resp = agent.get(&format!("{base2}{path}")).call()?;
+                let mut resp = agent.get(&format!("{base}{path}")).call()?;
                 let body = resp.body_mut().read_to_string()?;
-                ms.push(started.elapsed().as_secs_f64() * 1000.0);
+                let elapsed = started.elapsed().as_secs_f64() * 1000.0;
                 if resp.status().as_u16() != 200 || body.len() < 100 {
                     bail!("{name}: {path} answered {} ({} bytes)", resp.status(), body.len());
+                }
+                if repeat > 0 {
+                    ms.push(elapsed);
                 }
             }
             ms.sort_by(f64::total_cmp);
@@ -161,34 +205,7 @@ pub async fn ui(factory: &Factory, instances: usize) -> Result<Report> {
         }
         Ok(out)
     })
-    .await??;
+    .await;
     server.abort();
-    if let Some(scratch) = scratch {
-        scratch.drop_schema().await;
-    }
-    let rows = timings
-        .iter()
-        .map(|(name, ms)| {
-            vec![
-                json!(name),
-                json!(quantile(ms, 0.5)),
-                json!(quantile(ms, 0.99)),
-                json!(ms.last().copied().unwrap_or_default()),
-            ]
-        })
-        .collect();
-    Ok(Report {
-        name: "ui",
-        title: format!(
-            "dashboard pages with {instances} instances, {} of them dead-lettered ({fill_secs:.1} s to fill), {REPEATS} requests each",
-            letters.len()
-        ),
-        columns: vec!["page", "p50 ms", "p99 ms", "max ms"],
-        rows,
-        notes: vec![
-            "one client, server in-process on loopback; the time includes rendering the HTML"
-                .into(),
-            "PostgreSQL: the table is analyzed after the bulk fill, as autovacuum would".into(),
-        ],
-    })
+    Ok((timings??, letters.len(), fill_secs))
 }
