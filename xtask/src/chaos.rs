@@ -12,7 +12,9 @@
 //! instances not terminal, step commits applied twice, handler executions per committed
 //! step, leases left, inbox rows of terminal instances, timers fired early or twice, and
 //! `@done` per parent. Any lost or hung instance, duplicate commit or duplicate `@done`
-//! fails the run. The verdict is printed and written as JSON under `target/chaos/`.
+//! fails the run. The verdict is printed and written as JSON under `target/chaos/`; each
+//! worker process's stderr is kept beside its side log (`stderr-<id>-<n>.log` in the run
+//! directory) and quoted when a worker fails to start.
 
 use crate::chaos_pg::Cluster;
 use crate::chaos_proxy::{self, ProxyStats};
@@ -146,28 +148,44 @@ impl Drop for WorkerProcess {
 /// How a worker process is started.
 #[derive(Clone)]
 struct Launch {
+    /// The program (this xtask binary, run as `chaos-worker`).
+    program: PathBuf,
     store_args: Vec<String>,
+    /// The run directory: each worker's exec log and its stderr are kept there.
     log_dir: PathBuf,
 }
+
+/// Lines of a failed worker's stderr quoted in the error.
+const STDERR_TAIL_LINES: usize = 20;
 
 impl Launch {
     fn start(&self, id: &str, clock_offset_ms: i64, generation: usize) -> Result<WorkerProcess> {
         let log = self.log_dir.join(format!("exec-{id}-{generation}.log"));
-        let mut child = Command::new(std::env::current_exe()?)
+        let stderr_path = self.log_dir.join(format!("stderr-{id}-{generation}.log"));
+        let stderr = std::fs::File::create(&stderr_path)
+            .with_context(|| format!("could not create {}", stderr_path.display()))?;
+        let mut child = Command::new(&self.program)
             .arg("chaos-worker")
             .args(&self.store_args)
             .args(["--worker-id", id, "--exec-log"])
             .arg(&log)
             .args(["--clock-offset-ms", &clock_offset_ms.to_string()])
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .context("could not start the chaos worker")?;
         let mut line = String::new();
         BufReader::new(child.stdout.take().context("worker stdout")?).read_line(&mut line)?;
         if line.trim() != "ready" {
             let _ = child.kill();
-            bail!("the chaos worker {id} did not start (said {line:?})");
+            let status = child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
+            let said = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            let lines: Vec<&str> = said.lines().collect();
+            let tail = lines[lines.len().saturating_sub(STDERR_TAIL_LINES)..].join("\n");
+            bail!(
+                "the chaos worker {id} did not start (said {line:?} on stdout; {status}); the end of its stderr ({}):\n{tail}",
+                stderr_path.display()
+            );
         }
         Ok(WorkerProcess(Some(child)))
     }
@@ -616,6 +634,7 @@ fn run_postgres(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     let proxy_port = listener.local_addr()?.port();
     rt.spawn(chaos_proxy::serve(listener, cluster.port, CUT_ONE_IN, options.seed, stats.clone()));
     let launch = Launch {
+        program: std::env::current_exe()?,
         store_args: vec![
             "--postgres".into(),
             format!("postgres://postgres@127.0.0.1:{proxy_port}/postgres"),
@@ -740,6 +759,7 @@ fn run_sqlite(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     let mut waves = Waves::new(options.instances);
     faults.note(format!("SQLite file {}", db.display()));
     let launch = Launch {
+        program: std::env::current_exe()?,
         store_args: vec!["--sqlite".into(), db.display().to_string()],
         log_dir: run_dir.to_path_buf(),
     };
@@ -797,6 +817,23 @@ mod tests {
 
     fn args(text: &str) -> Vec<String> {
         text.split_whitespace().map(String::from).collect()
+    }
+
+    /// A worker that exits before it is ready: the error quotes what it wrote to stderr,
+    /// which stays in the run directory.
+    #[test]
+    fn a_worker_that_does_not_start_is_reported_with_its_stderr() {
+        let dir = std::env::temp_dir().join(format!("keel-chaos-stderr-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        // `sh chaos-worker …` fails to open a script named chaos-worker and says so on
+        // stderr, as a chaos worker that cannot reach its store does.
+        let launch = Launch { program: "sh".into(), store_args: Vec::new(), log_dir: dir.clone() };
+        let error = launch.start("w1", 0, 0).err().expect("refused").to_string();
+        let kept = std::fs::read_to_string(dir.join("stderr-w1-0.log")).expect("stderr kept");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(error.starts_with("the chaos worker w1 did not start"), "{error}");
+        assert!(kept.contains("chaos-worker"), "{kept}");
+        assert!(error.ends_with(kept.trim_end()), "{error}\n---\n{kept}");
     }
 
     #[test]

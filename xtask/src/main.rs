@@ -1,8 +1,9 @@
 //! Project tasks, run as `cargo xtask <task>`:
 //!
 //! - `test`: the workspace tests with every backend this machine can reach; prints which
-//!   backend suites ran and which were skipped.
-//! - `ci`: what `.ci/run` runs — checks that every backend is reachable, then fmt, clippy
+//!   backend suites ran and which were skipped (the dashboard's browser test too).
+//! - `ci`: what `.ci/run` runs — checks that every backend (and the browser test's
+//!   chromium) can be used, then fmt, clippy
 //!   (deny warnings), tidy, rustdoc (deny warnings), the tests with `KEEL_REQUIRE_BACKENDS=1`, the `steps`,
 //!   `order` and `ticket` examples on fresh SQLite files, `sim_transfer` on 300 seeds and
 //!   a minute of fuzzing of the chart loaders; with `--chaos` (or `KEEL_CI_CHAOS=1`) also
@@ -34,20 +35,53 @@ const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chao
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = project_root();
+    let rest = args.get(1..).unwrap_or_default();
     match args.first().map(String::as_str) {
-        Some("test") => test(&root, false),
-        Some("ci") => ci(&root, args[1..].iter().any(|a| a == "--chaos")),
+        Some("test") => {
+            refuse_others("test", rest, &[])?;
+            test(&root, false)
+        }
+        Some("ci") => {
+            refuse_others("ci", rest, &["--chaos"])?;
+            ci(&root, rest.iter().any(|a| a == "--chaos"))
+        }
         Some("chaos") => chaos::main(&root, &args[1..]),
         Some("chaos-worker") => chaos_worker::main(&args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("migrate") => migrate(&args[1..]),
         Some("tidy") => {
+            refuse_others("tidy", rest, &[])?;
             let problems = tidy::check(&root)?;
             tidy::report(&problems)
         }
-        Some("json-schema") => json_schema::write(&root),
+        Some("json-schema") => {
+            refuse_others("json-schema", rest, &[])?;
+            json_schema::write(&root)
+        }
         Some(other) => bail!("unknown task {other:?}\n{USAGE}"),
         None => bail!("{USAGE}"),
+    }
+}
+
+/// An error naming the first of `args` that `task` does not take (a typo such as `--chaso`
+/// must not run the task without what was asked for).
+fn refuse_others(task: &str, args: &[String], takes: &[&str]) -> Result<()> {
+    if let Some(other) = args.iter().find(|a| !takes.contains(&a.as_str())) {
+        let takes = if takes.is_empty() { "none".to_owned() } else { takes.join(", ") };
+        bail!("cargo xtask {task}: unknown argument {other:?} (it takes: {takes})\n{USAGE}");
+    }
+    Ok(())
+}
+
+/// Gives `cmd` each backend's variable, or removes it when the backend is skipped (a value
+/// inherited from the shell would otherwise run a suite the summary calls skipped).
+fn backend_env(cmd: &mut Command, backends: &[services::Backend]) {
+    for b in backends {
+        if let Some(url) = &b.url {
+            cmd.env(b.env_var, url);
+        } else {
+            cmd.env_remove(b.env_var);
+        }
     }
 }
 
@@ -82,22 +116,17 @@ fn run(step: &str, mut cmd: Command) -> Result<()> {
 
 fn test(root: &Path, require: bool) -> Result<()> {
     let backends = services::detect(root, require)?;
+    let browser_skipped = services::browser(require)?;
     let mut cmd = cargo(root);
     // Default targets: libraries, binaries, integration tests, examples (built) and doc
     // tests; clippy --all-targets already checks that the benches compile.
     cmd.args(["test", "--workspace"]);
-    for b in &backends {
-        if let Some(url) = &b.url {
-            cmd.env(b.env_var, url);
-        } else {
-            cmd.env_remove(b.env_var);
-        }
-    }
+    backend_env(&mut cmd, &backends);
     if require {
         cmd.env("KEEL_REQUIRE_BACKENDS", "1");
     }
     let result = run("cargo test --workspace", cmd);
-    services::summary(&backends);
+    services::summary(&backends, browser_skipped.as_deref());
     result?;
     // The suites that exercise wake-ups, and the crash test, again with a Redis queue in
     // the loop (their harness reads KEEL_TEST_WORKER_QUEUE): same tests, hints carrying
@@ -114,11 +143,7 @@ fn test(root: &Path, require: bool) -> Result<()> {
     let mut crash = cargo(root);
     crash.args(["test", "-p", "keel-examples", "--test", "crash"]);
     for cmd in [&mut cmd, &mut crash] {
-        for b in &backends {
-            if let Some(url) = &b.url {
-                cmd.env(b.env_var, url);
-            }
-        }
+        backend_env(cmd, &backends);
         cmd.env("KEEL_TEST_REDIS_URL", url).env("KEEL_TEST_WORKER_QUEUE", "redis");
         if require {
             cmd.env("KEEL_REQUIRE_BACKENDS", "1");
@@ -175,6 +200,10 @@ const LOADER_FUZZ_CI_CASES: &str = "90000";
 fn ci(root: &Path, chaos: bool) -> Result<()> {
     let chaos = chaos || std::env::var("KEEL_CI_CHAOS").is_ok_and(|v| v == "1");
     let started = Instant::now();
+    // A missing service fails at once, not after fmt, clippy and rustdoc (the tests check
+    // again when they start).
+    services::detect(root, true)?;
+    services::browser(true)?;
     let mut fmt = cargo(root);
     fmt.args(["fmt", "--all", "--", "--check"]);
     run("cargo fmt --check", fmt)?;
@@ -231,4 +260,30 @@ fn ci(root: &Path, chaos: bool) -> Result<()> {
     }
     eprintln!("ci: all green in {:.0}s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refuse_others;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|a| (*a).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_task_refuses_an_argument_it_does_not_take_by_name() {
+        assert!(refuse_others("ci", &args(&["--chaos"]), &["--chaos"]).is_ok());
+        assert!(refuse_others("test", &args(&[]), &[]).is_ok());
+        let typo = refuse_others("ci", &args(&["--chaos", "--chaso"]), &["--chaos"]).unwrap_err();
+        assert!(
+            typo.to_string()
+                .starts_with("cargo xtask ci: unknown argument \"--chaso\" (it takes: --chaos)"),
+            "{typo}"
+        );
+        let extra = refuse_others("tidy", &args(&["--fix"]), &[]).unwrap_err();
+        assert!(
+            extra.to_string().contains("unknown argument \"--fix\" (it takes: none)"),
+            "{extra}"
+        );
+    }
 }

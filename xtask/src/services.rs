@@ -1,10 +1,14 @@
 //! Which backend services the tests can use. Each backend suite reads its service URL from
 //! an environment variable; `cargo xtask test` fills in the local default when the service
-//! answers there, and `cargo xtask ci` requires every backend whose crate exists.
+//! answers there, and `cargo xtask ci` requires every backend whose crate exists. PostgreSQL
+//! is checked with a real connection (the port answering is not enough: a missing
+//! database or a refused login would fail every suite). The dashboard's browser test
+//! (`cli/tests/ui.rs`) needs chromium and chromedriver on `PATH`, looked for the same way.
 
 use anyhow::{Result, bail};
+use keel_core::redact_url;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// One backend the test suites can talk to.
@@ -32,18 +36,71 @@ const BACKENDS: [(&str, &str, &str, &str); 3] = [
     ("SQS (moto)", "queue-sqs", "KEEL_TEST_SQS_ENDPOINT", "http://127.0.0.1:9324"),
 ];
 
-/// The `host:port` of a service URL (`scheme://[user@]host:port[/...]`).
+/// The `host:port` of a service URL (`scheme://[user@]host[:port][/...]`); without a
+/// port, the scheme's own (5432, 6379, 80, 443).
 pub fn host_port(url: &str) -> Option<String> {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
     let hostport = rest.split(['/', '?']).next()?;
-    (!hostport.is_empty()).then(|| hostport.to_owned())
+    if hostport.is_empty() {
+        return None;
+    }
+    // `host:port` or `[v6]:port` carry a port; `host` and `[v6]` do not.
+    let has_port = hostport.rsplit_once(':').is_some_and(|(host, _)| {
+        !host.is_empty() && (!hostport.starts_with('[') || host.ends_with(']'))
+    });
+    if has_port {
+        return Some(hostport.to_owned());
+    }
+    let port = match scheme {
+        "postgres" | "postgresql" => 5432,
+        "redis" | "rediss" => 6379,
+        "http" => 80,
+        "https" => 443,
+        _ => return Some(hostport.to_owned()),
+    };
+    Some(format!("{hostport}:{port}"))
 }
 
 fn reachable(url: &str) -> bool {
     let Some(hp) = host_port(url) else { return false };
     let Ok(mut addrs) = hp.to_socket_addrs() else { return false };
     addrs.any(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok())
+}
+
+/// How long the PostgreSQL probe may take to connect and log in.
+const PG_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connects to PostgreSQL at `url` as the suites do (`PgStore::connect`); the driver's
+/// reason when it cannot (no such database, a refused login, not PostgreSQL at all).
+fn postgres_usable(url: &str) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("no runtime for the probe: {e}"))?;
+    runtime.block_on(async {
+        let config = keel_store_postgres::PgConfig::new(url).pool_size(1);
+        match tokio::time::timeout(PG_PROBE_TIMEOUT, keel_store_postgres::PgStore::connect(config))
+            .await
+        {
+            Ok(Ok(_store)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer to the login within {PG_PROBE_TIMEOUT:?}")),
+        }
+    })
+}
+
+/// Whether the backend `env_var` serves at `url`: `Err` says why not. A TCP connect for
+/// every backend, then, for PostgreSQL, a real connection.
+fn probe(env_var: &str, url: &str) -> Result<(), String> {
+    if !reachable(url) {
+        return Err("nothing answers there".to_owned());
+    }
+    if env_var == "KEEL_TEST_DATABASE_URL" {
+        postgres_usable(url)
+            .map_err(|e| format!("the port answers, but a PostgreSQL connection fails: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Resolves every backend whose crate exists. With `require`, a backend that cannot be
@@ -57,27 +114,60 @@ pub fn detect(root: &Path, require: bool) -> Result<Vec<Backend>> {
         let configured = std::env::var(env_var).ok().filter(|v| !v.is_empty());
         let url = configured.clone().unwrap_or_else(|| default_url.to_owned());
         let mut b = Backend { name, crate_dir, env_var, url: None, skipped_because: None };
-        if reachable(&url) {
-            b.url = Some(url);
-        } else {
+        if let Err(problem) = probe(env_var, &url) {
+            let shown = redact_url(&url);
             let why = match configured {
-                Some(_) => format!("{env_var}={url} does not answer"),
-                None => format!("{env_var} is unset and nothing answers at {default_url}"),
+                Some(_) => format!("{env_var}={shown}: {problem}"),
+                None => format!("{env_var} is unset, and at {shown}: {problem}"),
             };
             if require {
                 bail!(
-                    "{name} is required but unreachable: {why}. Start it (see .ci/run) or set {env_var}."
+                    "{name} is required but cannot be used: {why}. Start it (see .ci/run), or set {env_var} to one the tests can use."
                 );
             }
             b.skipped_because = Some(why);
+        } else {
+            b.url = Some(url);
         }
         out.push(b);
     }
     Ok(out)
 }
 
-/// Prints which backend suites ran and which were skipped.
-pub fn summary(backends: &[Backend]) {
+/// The first of `names` found as a file in a directory on `PATH` (as `cli/tests/ui.rs`
+/// looks for its browser).
+fn which(names: &[&str]) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    names.iter().find_map(|name| {
+        std::env::split_paths(&path).map(|dir| dir.join(name)).find(|p| p.is_file())
+    })
+}
+
+/// Why the dashboard's browser test (`cli/tests/ui.rs`) will skip itself, `None` when it
+/// will run. With `require`, a missing browser is an error, as the test makes it.
+pub fn browser(require: bool) -> Result<Option<String>> {
+    let chromium = which(&["chromium", "chromium-browser", "google-chrome"]);
+    let driver = which(&["chromedriver", "chromium-driver"]);
+    let missing: Vec<&str> = [(chromium.is_none(), "chromium"), (driver.is_none(), "chromedriver")]
+        .into_iter()
+        .filter_map(|(missing, name)| missing.then_some(name))
+        .collect();
+    if missing.is_empty() {
+        return Ok(None);
+    }
+    let why = format!(
+        "{} not on PATH (apt-get install -y chromium chromium-driver)",
+        missing.join(" and ")
+    );
+    if require {
+        bail!("the dashboard browser test is required but cannot run: {why}");
+    }
+    Ok(Some(why))
+}
+
+/// Prints which backend suites ran and which were skipped, the browser test included
+/// (`browser_skipped`: why it skipped itself, from [`browser`]).
+pub fn summary(backends: &[Backend], browser_skipped: Option<&str>) {
     eprintln!("backend suites:");
     eprintln!("  memory (MemoryStore, MemoryQueue): ran");
     for b in backends {
@@ -94,11 +184,15 @@ pub fn summary(backends: &[Backend]) {
     if backends.is_empty() {
         eprintln!("  (no backend crates in this workspace yet)");
     }
+    match browser_skipped {
+        None => eprintln!("  dashboard browser test (cli/tests/ui.rs): ran"),
+        Some(why) => eprintln!("  dashboard browser test (cli/tests/ui.rs): SKIPPED — {why}"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::host_port;
+    use super::{host_port, probe};
 
     #[test]
     fn host_port_of_service_urls() {
@@ -107,9 +201,50 @@ mod tests {
             ("redis://127.0.0.1:6379", Some("127.0.0.1:6379")),
             ("http://127.0.0.1:9324", Some("127.0.0.1:9324")),
             ("postgres://u:p@db.local:5433/x?sslmode=disable", Some("db.local:5433")),
+            ("postgres://localhost/test", Some("localhost:5432")),
+            ("postgresql://u@[::1]/test", Some("[::1]:5432")),
+            ("postgres://u@[::1]:5433/test", Some("[::1]:5433")),
+            ("redis://localhost", Some("localhost:6379")),
+            ("https://sqs.example.com", Some("sqs.example.com:443")),
             ("", None),
         ] {
             assert_eq!(host_port(url).as_deref(), expected, "{url}");
         }
+    }
+
+    /// A port that accepts connections and closes them at once: it answers, but it is not
+    /// a usable PostgreSQL, and the probe says so rather than reporting the backend as up.
+    #[test]
+    fn a_port_that_answers_is_not_taken_for_a_working_postgres() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                drop(stream);
+            }
+        });
+        let url = format!("postgres://postgres@127.0.0.1:{port}/test");
+        let problem = probe("KEEL_TEST_DATABASE_URL", &url).unwrap_err();
+        assert!(
+            problem.contains("the port answers, but a PostgreSQL connection fails"),
+            "{problem}"
+        );
+        // Other backends are checked by their port alone.
+        assert_eq!(probe("KEEL_TEST_REDIS_URL", &format!("redis://127.0.0.1:{port}")), Ok(()));
+    }
+
+    /// On a machine with the test database: it passes the probe, and a database that does
+    /// not exist on the same server fails it with the server's reason.
+    #[test]
+    fn a_missing_database_on_a_live_server_fails_the_probe_with_the_reason() {
+        let Some(url) = std::env::var("KEEL_TEST_DATABASE_URL").ok().filter(|u| !u.is_empty())
+        else {
+            return;
+        };
+        assert_eq!(probe("KEEL_TEST_DATABASE_URL", &url), Ok(()));
+        let (server, _) = url.rsplit_once('/').expect("the URL names a database");
+        let missing = format!("{server}/keel_xtask_no_such_database");
+        let problem = probe("KEEL_TEST_DATABASE_URL", &missing).unwrap_err();
+        assert!(problem.contains("keel_xtask_no_such_database"), "{problem}");
     }
 }
