@@ -1079,7 +1079,7 @@ async fn commit_one(
         run_then(db, then, now).await?;
     }
     if !plan.children_cancel.is_none() {
-        for child in db.delegated_children(row.id).await? {
+        for child in db.delegated_children(row.id, &plan.children_cancel).await? {
             let Some(child) = db.instance(child).await? else { continue };
             if plan.children_cancel.covers(&child, row.id) {
                 let p = plan.children_cancel.cancel_params(&child, now);

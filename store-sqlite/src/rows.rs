@@ -16,6 +16,7 @@ use keel_core::instance::{
     undecodable, undecodable_error,
 };
 use keel_core::limits;
+use keel_core::plan::cancel::LeftDelegations;
 use keel_core::timers::TimerRow;
 use keel_core::{
     DeadLetterId, FencingToken, Instance, InstanceId, MachineRef, Priority, Revision, Signal,
@@ -493,14 +494,28 @@ impl Db<'_> {
             .collect()
     }
 
-    /// The live children of `id` that carry a delegation state (`invoked_by`), at most
-    /// [`limits::CHILDREN_PER_STEP_MAX`]; the caller picks the ones a commit cancels.
-    pub async fn delegated_children(&mut self, id: InstanceId) -> StoreResult<Vec<InstanceId>> {
+    /// The live children of `id` started from a delegation state that `left` names (any
+    /// delegation state for [`LeftDelegations::All`]), at most
+    /// [`limits::CHILDREN_PER_STEP_MAX`], so the children of states the commit keeps do
+    /// not use up the bound; the caller checks each with [`LeftDelegations::covers`].
+    pub async fn delegated_children(
+        &mut self,
+        id: InstanceId,
+        left: &LeftDelegations,
+    ) -> StoreResult<Vec<InstanceId>> {
+        let states = match left {
+            LeftDelegations::None => return Ok(Vec::new()),
+            LeftDelegations::All => None,
+            LeftDelegations::States(states) => Some(serde_json::json!(states).to_string()),
+        };
         let ids: Vec<i64> = sqlx::query_scalar(
-            "SELECT id FROM keel_instances WHERE parent_id = ? AND invoked_by IS NOT NULL \
-               AND status NOT IN ('done', 'failed', 'cancelled') ORDER BY id LIMIT +?",
+            "SELECT id FROM keel_instances WHERE parent_id = ?1 AND invoked_by IS NOT NULL \
+               AND status NOT IN ('done', 'failed', 'cancelled') \
+               AND (?2 IS NULL OR invoked_by IN (SELECT value FROM json_each(?2))) \
+             ORDER BY id LIMIT +?3",
         )
         .bind(id.0)
+        .bind(states)
         .bind(limits::CHILDREN_PER_STEP_MAX as i64)
         .fetch_all(&mut *self.conn)
         .await

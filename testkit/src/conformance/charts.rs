@@ -261,6 +261,34 @@ pub async fn instance_list_filters_and_pages<S: Store>(s: &S) {
     assert!(err.message.contains("namespace"), "the error names the field: {err}");
 }
 
+/// The children of a delegation state a commit keeps do not crowd out those of the state
+/// it leaves: with a full step's worth of children started from a kept state (lower ids),
+/// leaving another state still cancels that state's child.
+pub async fn leaving_a_delegation_state_cancels_its_child_behind_many_kept_ones<S: Store>(s: &S) {
+    let ns = "spawn_leave_many";
+    // The children run in a namespace of their own, so claims in `ns` find the parent.
+    let kids = "spawn_leave_many_kids";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["working"]"#));
+    c.spawn = (0..limits::CHILDREN_PER_STEP_MAX).map(|_| new_in(kids).invoked_by("kept")).collect();
+    let kept = commit_ok(s, c, at(20)).await.spawned[0].id();
+    super::support::send(s, parent, "GO", at(30)).await;
+    let woken = claim_only(s, ns, parent, at(40)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
+    c.consume = woken.inbox.iter().map(|s| s.id).collect();
+    c.spawn = vec![new_in(kids).invoked_by("paying")];
+    let paying = commit_ok(s, c, at(50)).await.spawned[0].id();
+    super::support::send(s, parent, "GIVE_UP", at(60)).await;
+    let woken = claim_only(s, ns, parent, at(70)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["manual"]"#));
+    c.consume = woken.inbox.iter().map(|s| s.id).collect();
+    c.children_cancel = vec!["paying".into()];
+    commit_ok(s, c, at(80)).await;
+    assert_eq!(row(s, paying).await.status, Status::Cancelled, "the left state's child goes");
+    assert_eq!(row(s, kept).await.status, Status::Runnable, "the kept state's children stay");
+}
+
 /// A commit that leaves a delegation state cancels, in the same transaction, the live
 /// child machines the instance started from it, with their descendants; the parent hears
 /// nothing of it through its inbox (it left that state). A cancelled child's running step

@@ -177,6 +177,7 @@ macro_rules! __store_contract_list {
             cancelled_child_reports_failure_to_the_parent,
             child_notice_unread_when_its_state_is_left_is_withdrawn,
             leaving_a_delegation_state_cancels_its_children,
+            leaving_a_delegation_state_cancels_its_child_behind_many_kept_ones,
             failing_instance_cancels_its_delegated_children,
             signals_reach_a_delegated_child,
             broadcast_reaches_instances_in_state,
