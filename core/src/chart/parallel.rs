@@ -511,9 +511,9 @@ pub fn apply_report<'d>(
                 "exception": exception,
                 "attempts": attempts,
             });
-            // Named after the region, so the region's own `@fail` answers it first and the
-            // parallel state's (or an ancestor's) otherwise.
-            let event = Event::fail_state(&key.region, payload.clone());
+            // Named after the parallel state: a failure is handled once per dispatch, by
+            // the parallel state's `@fail` (or an ancestor's), not inside the region.
+            let event = Event::fail_state(&key.parallel_state, payload.clone());
             ReportPlan::Run {
                 records: vec![HistoryEntry::new(PARALLEL_FAIL, payload)],
                 step: Box::new(Macrostep::start(

@@ -564,61 +564,6 @@ mod tests {
         }
     }
 
-    /// A region task that ran out of tries fails its region: the region's own `@fail`
-    /// answers first, the parallel state's `@fail` when the region has none.
-    #[test]
-    fn a_failed_region_task_reaches_the_regions_own_fail_first() {
-        let chart = |region_handles: bool| {
-            Definition::builder("t", 1)
-                .initial("p")
-                .parallel("p", |p| {
-                    p.state("r1", |r| {
-                        let r = r.initial("a").state("a", |s| s.entry("one"));
-                        if region_handles { r.on_fail(|b| b.action("r1_failed")) } else { r }
-                    })
-                    .state("r2", |r| r.initial("b").state("b", |s| s.entry("two")))
-                    .on_fail(|b| b.target("out"))
-                })
-                .leaf("out")
-                .build()
-                .unwrap()
-        };
-        for (region_handles, ran_want, at_want) in [
-            (true, vec!["r1_failed"], r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#),
-            (false, vec![], r#"["out"]"#),
-        ] {
-            let def = chart(region_handles);
-            let (_, entered) = run(ChartStep::init(&def, json!({}), Limits::default(), &timed()));
-            let entered = entered.unwrap();
-            let key = entered.region_tasks[0].key.clone();
-            assert_eq!(key.region, "p.r1");
-            let report = RegionReport::Failed {
-                key,
-                error: "down".into(),
-                exception: "ActionError".into(),
-                attempts: 3,
-            };
-            let step = ChartStep::event(
-                &def,
-                &entered.configuration.clone().unwrap(),
-                entered.stored_context(),
-                Event::with_payload(REGION_REPORT_EVENT, serde_json::to_value(report).unwrap()),
-                Limits::default(),
-                &timed(),
-            )
-            .unwrap();
-            let (ran, plan) = run(step);
-            let plan = plan.unwrap();
-            assert_eq!(ran, ran_want, "region handles: {region_handles}");
-            assert_eq!(
-                plan.position().as_deref(),
-                Some(at_want),
-                "region handles: {region_handles}"
-            );
-            assert!(kinds(&plan).contains(&"PARALLEL_FAIL"), "{:?}", kinds(&plan));
-        }
-    }
-
     #[test]
     fn runtime_events_with_nothing_to_do_park_and_bad_reports_are_refused() {
         let def = def();
