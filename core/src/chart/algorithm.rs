@@ -1170,21 +1170,21 @@ impl<'d> Macrostep<'d> {
     /// Timers belong to state entries. A state active afterwards arms its timers when it was
     /// not active before, or when it was renewed: left for another state during the
     /// macrostep and come back (a transit state with `@always`: the deadline counts from
-    /// this entry), or exited and entered again (a self-loop included) while processing an
-    /// event that spent what it had running — a fire of one of its own `after` timers (its
-    /// delegation's `@timeout` included) or the `then` of one of its `every` timers, which
-    /// leaves no timer armed, or the end of its own child machine (`done.invoke.<state>`,
-    /// `fail.state.<state>`). Otherwise a state exited and re-entered by one transition (a
-    /// self-loop) was never left and keeps its timers' original anchor: they are still
-    /// armed. A renewed state's timers are cancelled and armed again.
+    /// this entry), or exited and entered again while processing the end of its own child
+    /// machine (a retry: the new child gets a fresh `@timeout`). A renewed state's timers,
+    /// and those of its descendants entered again with it, are cancelled and armed again.
+    /// Otherwise a state exited and re-entered by one transition (a self-loop) keeps its
+    /// timers' original anchors, except a timer whose own fire (or, for an `every` timer,
+    /// whose `then`) the macrostep processes: that timer is gone, so it is armed again from
+    /// this entry, and an `after` transition that targets its own state is a polling loop.
     ///
     /// Child machines follow the net change of the configuration, with one exception: a
     /// delegation state exited and entered again while processing the end of its own child
     /// starts a new child (that child is over, so there is nothing to keep: `@fail → same
     /// state` is a retry). Any other re-entered delegation state (a self-loop on another
-    /// event, a transit state, its own `@timeout`) keeps its running child and re-arms its
-    /// `@timeout`. Nothing is cancelled for a state active afterwards, so a commit never
-    /// cancels the child it starts for the same state.
+    /// event, a transit state, its own `@timeout`) keeps its running child; its own
+    /// `@timeout` fire arms a new deadline. Nothing is cancelled for a state active
+    /// afterwards, so a commit never cancels the child it starts for the same state.
     fn effects(&self) -> (Vec<TimerArm>, Vec<TimerCancel>, Vec<ChildStart>, Vec<String>) {
         let (mut arm, mut cancel, mut start, mut stop) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -1198,8 +1198,7 @@ impl<'d> Macrostep<'d> {
         for &s in &self.start_ids {
             let renew = self.left.contains(&s)
                 || reentered(&s)
-                    && (self.spends_timer(s)
-                        || self.ends_child(s)
+                    && (self.ends_child(s)
                         || self.def.parent(s).is_some_and(|p| renewals.contains(&p)));
             if renew {
                 renewals.insert(s);
@@ -1208,11 +1207,12 @@ impl<'d> Macrostep<'d> {
         let renewed = |s: &usize| renewals.contains(s);
         for &s in &self.config {
             let entered = !self.start_ids.contains(&s);
-            if !entered && !renewed(&s) {
-                continue;
-            }
             let node = &self.def.states[s];
-            arm.extend(entry_timers(node));
+            if entered || renewed(&s) {
+                arm.extend(entry_timers(node));
+            } else if reentered(&s) {
+                arm.extend(self.spent_timers(s));
+            }
             if let Some(d) = &node.delegation
                 && (entered || child_over(&s))
             {
@@ -1237,20 +1237,29 @@ impl<'d> Macrostep<'d> {
         (arm, cancel, start, stop)
     }
 
-    /// Whether the external event is one that leaves a timer of state `s` spent: the fire
-    /// of an `after` timer (an `after` fire deletes its timer) or the `then` of an `every`
-    /// timer (delivered once, after the last fire).
-    fn spends_timer(&self, s: usize) -> bool {
-        let Some(event) = &self.trigger else { return false };
-        entry_timers(&self.def.states[s]).iter().any(|t| {
-            (t.kind == TimerKind::After && t.event == event.name)
-                || t.then.as_deref() == Some(event.name.as_str())
-        })
+    /// The timers of state `s` the external event used up: it is the fire of one of them
+    /// (its payload names `s` as the owner, as every fire's does), and that timer is an
+    /// `after` one (its fire deleted it), or it is the `then` of an `every` one (delivered
+    /// once, after the last fire). An event of the same name sent by anyone else uses up
+    /// nothing.
+    fn spent_timers(&self, s: usize) -> Vec<TimerArm> {
+        let node = &self.def.states[s];
+        let Some(event) = &self.trigger else { return Vec::new() };
+        if event.payload.get("state").and_then(Value::as_str) != Some(node.path.as_str()) {
+            return Vec::new();
+        }
+        entry_timers(node)
+            .into_iter()
+            .filter(|t| {
+                (t.kind == TimerKind::After && t.event == event.name)
+                    || t.then.as_deref() == Some(event.name.as_str())
+            })
+            .collect()
     }
 
     /// Whether the external event reports the end of delegation state `s`'s child:
-    /// `done.invoke.<s>`, or `fail.state.<s>` (for a parallel state, only one naming a child,
-    /// since a failed or timed-out region is reported under the parallel state's name too).
+    /// `done.invoke.<s>`, or a `fail.state.<s>` naming a child (a failed region or a region
+    /// timeout is reported under a parallel state's name too, without one).
     fn ends_child(&self, s: usize) -> bool {
         let node = &self.def.states[s];
         let Some(event) = &self.trigger else { return false };
@@ -1261,7 +1270,7 @@ impl<'d> Macrostep<'d> {
             return true;
         }
         event.name.strip_prefix(FAIL_STATE) == Some(node.path.as_str())
-            && (node.kind != StateKind::Parallel || event.payload.get("child").is_some())
+            && event.payload.get("child").is_some()
     }
 }
 

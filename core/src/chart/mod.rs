@@ -43,20 +43,18 @@
 //!   when it was not active before, or when it was left for another state and entered again
 //!   within the macrostep (event → transit state → `@always` back: the way to renew a
 //!   deadline). A self-loop exits and re-enters its state in one transition, so it was never
-//!   left and keeps its timers' original anchor while they are still armed; a targetless
-//!   transition exits nothing. A state exited and entered again (a self-loop included) while
-//!   processing an event that spent one of its timers — the fire of one of its `after`
-//!   timers or its `@timeout`, or the `then` of one of its `every` timers — is renewed like
-//!   a transit state: all its timers (and those of its descendants entered with it) are
-//!   cancelled and armed again, so an `after` transition that targets its own state is a
-//!   polling loop. A state entered and left within one macrostep arms nothing.
+//!   left and keeps its timers' original anchors; a targetless transition exits nothing.
+//!   The one timer a self-loop's own event used up — the fire of an `after` timer or of
+//!   its `@timeout` (the fire deleted it), or the `then` of an `every` timer — is armed
+//!   again from the new entry, so an `after` transition that targets its own state is a
+//!   polling loop; the state's other timers keep their anchors. A state entered and left
+//!   within one macrostep arms nothing.
 //! - **Child machines follow the net change of the configuration**: a state active before
 //!   and after keeps its running child (a self-loop on another event, a transit state, and
-//!   its own `@timeout` included, which re-arms the deadline). The exception is a
+//!   its own `@timeout` included, which arms a new deadline). The exception is a
 //!   delegation state exited and entered again while processing the end of its own child
-//!   (`done.invoke.<path>`, or `fail.state.<path>`; for a parallel delegation state only a
-//!   `fail.state` naming a child): that child is over, so a new one starts and the deadline
-//!   counts from the new entry (`@fail → same state` is a retry). A macrostep never
+//!   (`done.invoke.<path>`, or a `fail.state.<path>` naming a child): that child is over,
+//!   so a new one starts and the state's timers count from the new entry (`@fail → same state` is a retry). A macrostep never
 //!   cancels the child of a state active after it, so a commit never cancels the child it
 //!   starts for that state.
 //! - **Guards are evaluated lazily**, when a microstep's transitions are selected, on the

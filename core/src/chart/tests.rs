@@ -815,6 +815,11 @@ fn a_delegation_state_reentered_on_the_end_of_its_child_starts_a_new_one() {
     assert!(starts(&results[1]).is_empty() && results[1].children_to_cancel.is_empty());
 }
 
+/// A timer's fire, as the sweep delivers it: its payload names the owning state.
+fn fire_of(event: &str, state: &str) -> Event {
+    Event::with_payload(event, json!({ "timer": 1, "state": state, "fire": 1 }))
+}
+
 /// `@timeout → same state` keeps the running child (a commit cannot yet cancel a state's
 /// child and start its next one) but arms a new deadline: the fired one is gone.
 #[test]
@@ -824,17 +829,18 @@ fn a_delegation_state_reentered_on_its_timeout_arms_a_new_deadline() {
         .state("work", |s| s.machine("job").on_timeout(Timer::minutes(5), |b| b.target("work")))
         .build()
         .unwrap();
-    let results = run(&def, &json!({}), &[Event::timeout_invoke("work")], Limits::default());
+    let fired = fire_of("timeout.invoke.work", "work");
+    let results = run(&def, &json!({}), &[fired], Limits::default());
     assert_eq!(results[1].exited(), ["work"]);
-    assert_eq!(cancels(&results[1]), ["work"]);
+    assert!(cancels(&results[1]).is_empty(), "nothing else of the state is touched");
     assert_eq!(arms(&results[1]), ["work:timeout.invoke.work"]);
     assert!(starts(&results[1]).is_empty() && results[1].children_to_cancel.is_empty());
 }
 
 /// A polling loop: an `after` transition that targets its own state arms its timer again
 /// (the fire deleted it), and so does a `then` that comes back; an `every` self-loop keeps
-/// its still-armed timer and its count. Descendants re-entered with a renewed state are
-/// renewed with it, since the cancel covers them.
+/// its still-armed timer and its count. The state's other timers, and its descendants',
+/// keep their anchors: a self-loop renews only what it used up.
 #[test]
 fn a_self_loop_on_a_spent_timer_arms_it_again() {
     let def = chart()
@@ -844,23 +850,35 @@ fn a_self_loop_on_a_spent_timer_arms_it_again() {
                 .on("AGAIN", |t| t.target("polling").after(Timer::minutes(1)))
                 .on("TICK", |t| t.target("polling").every(Timer::minutes(1)).max(3).then("RESTART"))
                 .on_to("RESTART", "polling")
+                .on("EXPIRE", |t| t.target("expired").after(Timer::days(7)))
                 .initial("inner")
                 .state("inner", |i| i.on("PING", |t| t.every(Timer::seconds(10)).action("ping")))
         })
+        .leaf("expired")
         .build()
         .unwrap();
-    let results = run(&def, &json!({}), &events(&["AGAIN", "TICK", "RESTART"]), Limits::default());
-    let all = ["polling:AGAIN", "polling:TICK", "polling.inner:PING"];
+    let fires = [
+        fire_of("AGAIN", "polling"),
+        fire_of("TICK", "polling"),
+        fire_of("RESTART", "polling"),
+        Event::new("AGAIN"),
+    ];
+    let results = run(&def, &json!({}), &fires, Limits::default());
+    let all = ["polling:AGAIN", "polling:TICK", "polling:EXPIRE", "polling.inner:PING"];
     assert_eq!(arms(&results[0]), all);
-    // AGAIN: the `after` timer fired and is gone; the new entry arms it again.
+    // AGAIN: the `after` timer fired and is gone; the new entry arms it alone again.
     assert_eq!(results[1].actions(), ["poll"]);
-    assert_eq!(cancels(&results[1]), ["polling", "polling.inner"]);
-    assert_eq!(arms(&results[1]), all);
+    assert!(cancels(&results[1]).is_empty(), "EXPIRE and PING keep their anchors");
+    assert_eq!(arms(&results[1]), ["polling:AGAIN"]);
     // TICK: the `every` timer is still armed and keeps counting towards `then`.
     assert_eq!(results[2].actions(), ["poll"]);
     assert!(cancels(&results[2]).is_empty() && arms(&results[2]).is_empty());
     // RESTART: the `then` was delivered, the `every` timer is spent.
-    assert_eq!(arms(&results[3]), all);
+    assert!(cancels(&results[3]).is_empty());
+    assert_eq!(arms(&results[3]), ["polling:TICK"]);
+    // An AGAIN sent by someone else uses up no timer: the armed one stays, none is added.
+    assert_eq!(results[4].actions(), ["poll"]);
+    assert!(cancels(&results[4]).is_empty() && arms(&results[4]).is_empty());
 }
 
 #[test]
