@@ -1,10 +1,10 @@
 //! What a commit needs to know about an instance's inbox, asked in SQL: whether any signal
 //! is there, whether an awaited one is unread, the most urgent unread priority, the unread
-//! timer fires it may withdraw, and for an ending instance how many signals it leaves
-//! unread with the oldest of them. None of these reads a payload or returns more than
-//! [`limits::INBOX_DRAIN_LISTED_MAX`] signals (or the unread fires) per instance, so a
-//! commit of an instance with a long inbox, or with large payloads, costs a scan of its
-//! inbox's index in SQLite rather than decoding every signal in it.
+//! timer fires and child notices it may withdraw, and for an ending instance how many
+//! signals it leaves unread with the oldest of them. None of these reads a payload or
+//! returns more than [`limits::INBOX_DRAIN_LISTED_MAX`] signals (or the unread fires) per
+//! instance, so a commit of an instance with a long inbox, or with large payloads, costs a
+//! scan of its inbox's index in SQLite rather than decoding every signal in it.
 
 use crate::error::corrupt;
 use crate::rows::Db;
@@ -21,13 +21,15 @@ use std::collections::HashMap;
 /// a timer's fire, whose dedup key starts with the fire prefix and whose payload names
 /// the state that owned the timer as a string (a payload that is not JSON is no fire), or
 /// a child's notice, whose dedup key is `child:<id>:terminal` and whose name is
-/// `done.invoke.<state>` or `fail.state.<state>`.
+/// `done.invoke.<state>` or `fail.state.<state>`. Never NULL: a signal without a dedup key
+/// is no fire (a NULL here would leave it out of the await check too).
 macro_rules! is_fire {
     () => {
-        "((substr(s.dedup_key, 1, 6) = 'timer:' AND \
+        "coalesce((substr(s.dedup_key, 1, 6) = 'timer:' AND \
            CASE WHEN json_valid(s.payload) THEN json_type(s.payload, '$.state') END = 'text') \
-          OR (substr(s.dedup_key, 1, 6) = 'child:' AND s.dedup_key LIKE '%:terminal' \
-              AND (substr(s.name, 1, 12) = 'done.invoke.' OR substr(s.name, 1, 11) = 'fail.state.')))"
+          OR (substr(s.dedup_key, 1, 6) = 'child:' AND substr(s.dedup_key, -9) = ':terminal' \
+              AND (substr(s.name, 1, 12) = 'done.invoke.' \
+                   OR substr(s.name, 1, 11) = 'fail.state.')), 0)"
     };
 }
 
@@ -52,7 +54,7 @@ macro_rules! unread {
 /// Per item: whether its inbox holds any signal (consumed ones too); the most urgent
 /// priority among its unread signals, asked only where a signal raised the row's claim
 /// priority above its own (otherwise no pending signal is more urgent than the row's own
-/// priority, which the commit keeps); whether a signal it awaits is unread (timer fires
+/// priority, which the commit keeps); whether a signal it awaits is unread (fires and notices
 /// left out for an item that may withdraw them: [`FIRES_SQL`] reads those); and, for an
 /// item that ends its instance, how many signals it leaves unread.
 pub(crate) const FACTS_SQL: &str = concat!(
@@ -106,7 +108,8 @@ pub(crate) struct Ask<'a> {
     pub consumed: &'a [SignalId],
     /// The signal an `Await` outcome waits for.
     pub awaits: Option<&'a str>,
-    /// The commit may withdraw unread timer fires ([`commit::withdraws_fires`]).
+    /// The commit may withdraw unread timer fires and child notices
+    /// ([`commit::withdraws_fires`]).
     pub fires: bool,
     /// The commit ends the instance ([`inbox::drains`]).
     pub drains: bool,
@@ -224,7 +227,7 @@ impl Db<'_> {
                 .bind(json)
                 .fetch_all(&mut *self.conn)
                 .await
-                .map_err(self.err("reading unread timer fires"))?;
+                .map_err(self.err("reading unread timer fires and child notices"))?;
             for r in &rows {
                 let target: i64 = r.try_get(0).map_err(|e| corrupt(self.file, "target_id", e))?;
                 let id = SignalId(r.try_get(1).map_err(|e| corrupt(self.file, "id", e))?);
@@ -233,7 +236,7 @@ impl Db<'_> {
                     r.try_get(3).map_err(|e| corrupt(self.file, "payload", e))?;
                 let key: Option<String> =
                     r.try_get(4).map_err(|e| corrupt(self.file, "dedup_key", e))?;
-                // The statement's filter and the core's reading agree, so every row is one.
+                // The statement selects what `UnreadFire::read` accepts: every row reads.
                 let Some(fire) = UnreadFire::read(id, &name, key.as_deref(), state) else {
                     continue;
                 };

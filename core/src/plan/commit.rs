@@ -61,7 +61,7 @@ pub struct InboxRead {
     /// unread signal has one), from which the row's claim priority is set again
     /// ([`inbox::claim_priority`]).
     pub pending_priority: Option<crate::ids::Priority>,
-    /// The timer fires this commit takes out of the inbox unread (see
+    /// The timer fires and child notices this commit takes out of the inbox unread (see
     /// [`InboxRead::with_fires`]).
     pub withdrawn: Vec<UnreadFire>,
 }

@@ -3,10 +3,10 @@
 //! The store reads, the core decides, the store writes. Round trip 1 (pipelined):
 //! `BEGIN`, lock the batch's rows (id order, `FOR NO KEY UPDATE`), and, read after the lock
 //! so no delivery can slip in between, the inbox facts of every item (for `Await`, whether
-//! a matching signal outside the consumed set is waiting; for an item that cancels timers,
-//! its unread timer fires, which the core withdraws when their state is left; for an item
-//! that would end its instance, the count and oldest few of its unread signals) and the
-//! emit targets. When
+//! a matching signal outside the consumed set is waiting; for an item that cancels timers
+//! or leaves a delegation state, its unread timer fires and child notices, which the core
+//! withdraws when their state is left; for an item that would end its instance, the
+//! count and oldest few of its unread signals) and the emit targets. When
 //! an item could bring a unique key back into scope, one more statement reads who holds
 //! those keys. The commit planner (`keel_core::plan::commit`) then admits or refuses each
 //! item in batch order; the children of every admitted item go in with one insert; and
@@ -45,7 +45,8 @@ macro_rules! is_fire {
 }
 
 /// Per `Await` item, whether a signal it awaits is unread; for the items in `$5` (those
-/// that may withdraw timer fires) timer fires are left out, [`FIRES`] reads them instead.
+/// that may withdraw fires) timer fires and child notices are left out, [`FIRES`] reads
+/// them instead.
 const AWAIT_CHECK: &str = concat!(
     "SELECT a.id FROM unnest($1::int8[], $2::text[]) AS a(id, name) \
     WHERE EXISTS (SELECT 1 FROM signals s WHERE s.target_id = a.id \
@@ -267,7 +268,7 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     for r in &fires {
         let name: String = rows::col(r, 2)?;
         let key: Option<String> = rows::col(r, 4)?;
-        // The statement's filter and the core's reading agree, so every row is one.
+        // The statement selects what `UnreadFire::read` accepts: every row reads.
         let Some(fire) =
             UnreadFire::read(SignalId(rows::col(r, 1)?), &name, key.as_deref(), rows::col(r, 3)?)
         else {

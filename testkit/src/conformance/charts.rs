@@ -164,6 +164,24 @@ pub async fn child_notice_unread_when_its_state_is_left_is_withdrawn<S: Store>(s
     assert_eq!(d.instance.status, Status::Runnable, "and wakes the parent");
 }
 
+/// A signal sent while a step runs wakes the instance that step parks, also when the
+/// commit leaves a delegation state and cancels timers (and so asks which unread signals
+/// are fires or notices to withdraw): a signal without a dedup key is neither.
+pub async fn a_signal_sent_during_a_step_that_withdraws_fires_still_wakes<S: Store>(s: &S) {
+    let ns = "plain_signal_withdraw";
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    super::support::send(s, id, "APPROVE", at(20)).await;
+    let mut c = StepCommit::new(id, claimed.token(), park_at(r#"["manual"]"#));
+    c.children_cancel = vec!["paying".into()];
+    c.timers_cancel = vec!["paying".into()];
+    commit_ok(s, c, at(30)).await;
+    let d = get(s, id).await;
+    let names: Vec<&str> = d.inbox.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["APPROVE"], "nothing withdrawn");
+    assert_eq!(d.instance.status, Status::Runnable, "the unread APPROVE wakes the instance");
+}
+
 /// Broadcast reaches every non-terminal instance of the machine in the state (by step
 /// name, or inside a chart's configuration array), one that is running a step included,
 /// and wakes those waiting for it.

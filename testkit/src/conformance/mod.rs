@@ -176,6 +176,7 @@ macro_rules! __store_contract_list {
             spawned_children_report_to_the_parent_inbox,
             cancelled_child_reports_failure_to_the_parent,
             child_notice_unread_when_its_state_is_left_is_withdrawn,
+            a_signal_sent_during_a_step_that_withdraws_fires_still_wakes,
             leaving_a_delegation_state_cancels_its_children,
             leaving_a_delegation_state_cancels_its_child_behind_many_kept_ones,
             failing_instance_cancels_its_delegated_children,
