@@ -36,7 +36,8 @@ pub(crate) fn kind_of(e: &tokio_postgres::Error) -> ErrorKind {
 /// The portable kind of an SQLSTATE. A state of the server rather than of the call is
 /// `Unavailable`, so callers retry it:
 /// - `08` connection exceptions, `53` insufficient resources, `57` operator intervention
-///   (shutdown, cancel, crash recovery), `58` system errors (I/O), `40` rollbacks
+///   (shutdown, cancel, crash recovery), `58` system errors (I/O; not `58P01` undefined
+///   file or `58P02` duplicate file), `40` rollbacks
 ///   (deadlock, serialization failure) and `55P03` lock not available;
 /// - `25006` read-only transaction: during a failover a connection reaches a standby or
 ///   a demoted primary, and a later call reaches the new primary;
@@ -48,7 +49,10 @@ pub(crate) fn kind_of(e: &tokio_postgres::Error) -> ErrorKind {
 pub(crate) fn kind_of_code(c: &str) -> ErrorKind {
     const UNAVAILABLE_CLASSES: [&str; 6] = ["08", "53", "57", "58", "40", "72"];
     const UNAVAILABLE_STATES: [&str; 2] = ["55P03", "25006"];
-    if UNAVAILABLE_CLASSES.iter().any(|class| c.starts_with(class))
+    // Of class 58, a file that is missing or already there stays so however often asked.
+    const PERMANENT_STATES: [&str; 2] = ["58P01", "58P02"];
+    if (UNAVAILABLE_CLASSES.iter().any(|class| c.starts_with(class))
+        && !PERMANENT_STATES.contains(&c))
         || UNAVAILABLE_STATES.contains(&c)
     {
         ErrorKind::Unavailable
@@ -153,6 +157,8 @@ mod tests {
             "42P01", // undefined table
             "55000", // object not in prerequisite state
             "55006", // object in use
+            "58P01", // undefined file
+            "58P02", // duplicate file
         ];
         for code in conflict {
             assert_eq!(kind_of_code(code), ErrorKind::Conflict, "{code}");

@@ -139,9 +139,9 @@
 //!   Every operation binds the caller's `now`; SQL never reads the clock.
 //! - **Errors**: connection loss, timeouts, cancellations, deadlocks, serialization
 //!   failures, a lock not available, a shortage of server resources, system I/O errors
-//!   (class 58), a write refused as read-only (25006: during a failover a connection
-//!   reaches a standby or a demoted primary) and a snapshot too old (72000) are
-//!   `Unavailable` (retryable); data exceptions (class 22) are `Invalid`; anything else
+//!   (class 58, but for a missing or duplicate file), a write refused as read-only
+//!   (25006: during a failover a connection reaches a standby or a demoted primary) and a
+//!   snapshot too old (72000) are `Unavailable` (retryable); data exceptions (class 22) are `Invalid`; anything else
 //!   the server refuses is `Conflict`. Deadlocks and serialization failures are first
 //!   retried internally, up to [`TRANSACTION_RETRIES`] times. A connection dropped inside a
 //!   transaction (error or cancelled future) is detached from the pool, never reused.
@@ -256,7 +256,8 @@ fn check_schema(schema: &str) -> StoreResult<()> {
 /// The driver's default (first probe after two hours) lets a connection that a NAT, a
 /// load balancer or a failover dropped without a word look open for hours: the listening
 /// connection would miss every wake-up meanwhile, and a pooled one would hang its next
-/// query. Any `keepalives*` parameter in the URL leaves all three as the URL says.
+/// query. A URL that sets any `keepalives*` parameter to other than the driver's default
+/// keeps all three as it says.
 fn keepalive_defaults(pg: &mut tokio_postgres::Config) {
     let untouched = pg.get_keepalives()
         && pg.get_keepalives_idle() == KEEPALIVE_DRIVER_IDLE
