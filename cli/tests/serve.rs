@@ -211,8 +211,9 @@ impl Server {
     }
 
     /// Writes `request` on a new connection left open and returns the answer's head (the
-    /// status line and headers), without waiting for the connection to close.
-    fn answer_head(&self, request: &str) -> String {
+    /// status line and headers, lower case) and whether the server closed the connection
+    /// after the answer's body (else it kept it open for 2 s).
+    fn answer_head(&self, request: &str) -> (String, bool) {
         use std::io::{Read, Write};
         let mut stream = std::net::TcpStream::connect(self.addr()).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -222,7 +223,16 @@ impl Server {
         while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
             head.push(byte[0]);
         }
-        String::from_utf8_lossy(&head).to_ascii_lowercase()
+        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map_or(0, |n| n.trim().parse().unwrap());
+        let mut body = vec![0u8; length];
+        stream.read_exact(&mut body).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let closed = matches!(stream.read(&mut byte), Ok(0));
+        (head, closed)
     }
 
     /// [`Server::raw`] with a JSON answer.
@@ -1436,10 +1446,9 @@ fn changes_from_other_sites_and_requests_to_other_names_are_refused() {
     }
 }
 
-/// Every route that takes no query string refuses one, naming it, before it acts.
-/// A request refused before its body was read is answered with `Connection: close`: the
-/// server cannot take another request on that connection, and a client that keeps
-/// connections open must not send its next one there.
+/// A request refused before its body was read is answered with `Connection: close`, and
+/// the connection closes: the server cannot take another request on it, and a client that
+/// keeps connections open must not send its next one there.
 #[test]
 fn a_request_refused_before_its_body_is_read_closes_its_connection() {
     for (name, s) in servers("a_request_refused_before_its_body_is_read", None) {
@@ -1452,16 +1461,18 @@ fn a_request_refused_before_its_body_is_read_closes_its_connection() {
             )
         };
         // Refused on its query; the body is never sent.
-        let refused = s.answer_head(&head("/v1/namespaces/default/instances?queue=fast"));
+        let (refused, closed) = s.answer_head(&head("/v1/namespaces/default/instances?queue=fast"));
         assert!(refused.starts_with("http/1.1 400"), "{name}: {refused}");
         assert!(refused.contains("\r\nconnection: close\r\n"), "{name}: {refused}");
+        assert!(closed, "{name}: the server closes the connection it said it would");
         // An accepted request keeps its connection open.
-        let accepted = s.answer_head(&(head("/v1/namespaces/default/instances") + body));
+        let (accepted, closed) = s.answer_head(&(head("/v1/namespaces/default/instances") + body));
         assert!(accepted.starts_with("http/1.1 201"), "{name}: {accepted}");
-        assert!(!accepted.contains("connection: close"), "{name}: {accepted}");
+        assert!(!accepted.contains("connection: close") && !closed, "{name}: {accepted}");
     }
 }
 
+/// Every route that takes no query string refuses one, naming it, before it acts.
 #[test]
 fn routes_without_parameters_refuse_a_query_naming_it() {
     for (name, s) in servers("routes_without_parameters_refuse_a_query", None) {

@@ -161,9 +161,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// An error answer to an HTTP/1 request that carried a body also closes the connection,
 /// and says so (`Connection: close`). Refusals (a stray query, a change from another site,
 /// a missing token, a body too large) are answered before the body is read, and a
-/// connection whose request body was not read to its end cannot carry another request;
-/// without the header a client that keeps connections open would send its next request
-/// on one the server is closing and see it fail with no answer.
+/// connection whose request body had not all arrived by then cannot carry another
+/// request; without the header a client that keeps connections open would send its next
+/// request on one the server is closing and see it fail with no answer. Which error
+/// answers left a body unread is not tracked, so every one closes: a client reconnects
+/// after an error, which costs a connection, never a request.
 async fn close_after_refused_body(
     request: axum::extract::Request,
     next: axum::middleware::Next,
