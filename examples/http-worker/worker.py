@@ -25,6 +25,7 @@ import urllib.request
 # Empty polls (204, or 429 from a busy server) in a row before the worker gives up.
 EMPTY_POLLS_MAX = 100
 
+
 def call(base, path, body):
     """POSTs JSON; returns (status, parsed body or None, the reply's headers).
 
@@ -104,7 +105,7 @@ def main():
             paused += 100
             if args.heartbeat:
                 hb, _, _ = call(args.base, "/v1/worker/tasks/%d/heartbeat" % task["id"],
-                             dict(ident, lease_ms=args.lease_ms))
+                                dict(ident, lease_ms=args.lease_ms))
                 if hb != 200:
                     break
         outcome, error = step(task)
