@@ -371,15 +371,9 @@ async fn renewed_exactly<S: Store>(h: &Harness<S>, ids: &[InstanceId], n: u64, w
     }
 }
 
-async fn a_catch_up_restart_does_not_start_a_tick_again_after_its_instance_was_pruned<
-    S: TestStore,
->() {
-    let h = S::harness().await;
-    let schedule = every_minute(MissedTicks::CatchUp);
-    let a = worker(&h, "a", &schedule);
-    polled(&[&a], h.clock.now()).await;
-    assert_eq!(started(&h).await, 1, "catch-up fired the latest past tick");
-    // Its run ends, and retention prunes it: the tick's uniqueness key goes with the row.
+/// Ends the schedule's one run and lets retention prune it: the tick's uniqueness key
+/// goes with the row.
+async fn cancel_and_prune_the_run<S: Store>(h: &Harness<S>) {
     let list = InstanceListParams {
         namespace: "default".into(),
         machine: Some(report().name),
@@ -401,6 +395,18 @@ async fn a_catch_up_restart_does_not_start_a_tick_again_after_its_instance_was_p
         limit: 10,
     };
     assert_eq!(h.store.instance_prune(prune).await.expect("prune").instances, 1);
+}
+
+async fn a_catch_up_restart_does_not_start_a_tick_again_after_its_instance_was_pruned<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    let schedule = every_minute(MissedTicks::CatchUp);
+    let a = worker(&h, "a", &schedule);
+    polled(&[&a], h.clock.now()).await;
+    assert_eq!(started(&h).await, 1, "catch-up fired the latest past tick");
+    // Its run ends, and retention prunes it: the tick's uniqueness key goes with the row.
+    cancel_and_prune_the_run(&h).await;
     // A deploy restarts the worker within the same minute: the tick is not started again.
     a.shutdown().await;
     let a = worker(&h, "a", &schedule);
@@ -619,26 +625,7 @@ async fn a_repeated_resume_from_a_clock_behind_does_not_let_a_restart_fire_a_tic
     }
     let tick = recorded.expect("the fired tick is recorded");
     // Its run ends and retention prunes it: the tick's uniqueness key goes with the row.
-    let list = InstanceListParams {
-        namespace: "default".into(),
-        machine: Some(report().name),
-        status: None,
-        state: None,
-        business_key: None,
-        before: None,
-        limit: 10,
-    };
-    let runs = h.store.instance_list(list).await.expect("list");
-    h.client.cancel(Cancel::new(runs[0].id)).await.expect("cancel");
-    let prune = PruneParams {
-        namespace: None,
-        machines: Vec::new(),
-        except: Vec::new(),
-        ended_before: h.clock.now().plus(Duration::from_millis(1)),
-        after: None,
-        limit: 10,
-    };
-    assert_eq!(h.store.instance_prune(prune).await.expect("prune").instances, 1);
+    cancel_and_prune_the_run(&h).await;
     // The repeated resume, by a clock 110 s behind the tick.
     let behind = Timestamp::from_millis(tick.as_millis() - 110_000);
     let params = SchedulePauseParams {
