@@ -114,6 +114,18 @@ fn post_poll(base: &str, body: String) -> JoinHandle<Answer> {
     })
 }
 
+/// Starts an `echo` instance, checks that the waiting `poll` is answered with it, and
+/// returns how long after the start the answer came.
+async fn start_and_answer(keel: &Keel, poll: JoinHandle<Answer>, name: &str) -> Duration {
+    let started = Instant::now();
+    let id = keel.start(NewInstance::new(MachineRef::new("echo", 1), "run")).await.unwrap().id();
+    let answer = poll.await.unwrap();
+    let after = started.elapsed();
+    assert_eq!(answer.status, 200, "{name}: {}", answer.body);
+    assert_eq!(answer.body["id"].as_i64(), Some(id.0), "{name}: {}", answer.body);
+    after
+}
+
 /// A poll waiting for work gets a task started while it waits, long before its wait ends:
 /// the wait's back-off and the store's ready hint do not leave it sleeping past the work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,13 +136,7 @@ async fn a_waiting_poll_gets_a_task_started_while_it_waits() {
         served.until_waiting(1, POLLS_WAITING_MAX).await;
         // Let the poll's pause grow past its first steps before the work comes.
         tokio::time::sleep(Duration::from_millis(700)).await;
-        let started = Instant::now();
-        let id =
-            keel.start(NewInstance::new(MachineRef::new("echo", 1), "run")).await.unwrap().id();
-        let answer = poll.await.unwrap();
-        let after = started.elapsed();
-        assert_eq!(answer.status, 200, "{name}: {}", answer.body);
-        assert_eq!(answer.body["id"].as_i64(), Some(id.0), "{name}: {}", answer.body);
+        let after = start_and_answer(&keel, poll, name).await;
         assert!(after < Duration::from_secs(3), "{name}: the task came {after:?} after its start");
         assert_eq!(served.waiting(POLLS_WAITING_MAX), 0, "{name}: the poll gave its place back");
     }
@@ -151,13 +157,7 @@ async fn a_backed_off_poll_gets_a_task_through_the_store_hint() {
         let poll = post_poll(&served.base, poll_body("w1", 30_000));
         served.until_waiting(1, POLLS_WAITING_MAX).await;
         tokio::time::sleep(Duration::from_secs(7)).await;
-        let started = Instant::now();
-        let id =
-            keel.start(NewInstance::new(MachineRef::new("echo", 1), "run")).await.unwrap().id();
-        let answer = poll.await.unwrap();
-        let after = started.elapsed();
-        assert_eq!(answer.status, 200, "{name}: {}", answer.body);
-        assert_eq!(answer.body["id"].as_i64(), Some(id.0), "{name}: {}", answer.body);
+        let after = start_and_answer(&keel, poll, name).await;
         assert!(
             after < Duration::from_secs(5),
             "{name}: the task came {after:?} after its start: the poll slept through the store's ready hint"
