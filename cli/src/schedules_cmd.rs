@@ -492,6 +492,14 @@ mod tests {
     use super::*;
     use keel_core::config::KeelConfig;
 
+    /// A file with one schedule, `nightly`, at 02:00 UTC.
+    fn nightly() -> KeelConfig {
+        KeelConfig::from_toml_str(
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
+        )
+        .unwrap()
+    }
+
     #[test]
     fn lists_each_schedule_with_its_state_and_next_fire_time() {
         let config = KeelConfig::from_toml_str(
@@ -566,11 +574,7 @@ mod tests {
 
     #[test]
     fn the_listing_shows_the_tick_that_fires_and_the_states_left_over() {
-        let config = KeelConfig::from_toml_str(
-            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
-        )
-        .unwrap();
-        let schedules = config.schedules().unwrap();
+        let schedules = nightly().schedules().unwrap();
         let t0 = 1_767_225_600_000_i64; // 2026-01-01T00:00:00Z
         let day = 86_400_000;
         let state = |name: &str, fired_through| {
@@ -647,11 +651,7 @@ mod tests {
     /// bounded number of) the leftovers.
     #[test]
     fn forget_without_names_or_all_is_refused_listing_the_leftovers() {
-        let config = KeelConfig::from_toml_str(
-            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
-        )
-        .unwrap();
-        let schedules = config.schedules().unwrap();
+        let schedules = nightly().schedules().unwrap();
         let leftover = leftover_pairs(&[("default", "billing"), ("default", "old")]);
         let none = Pick { names: &[], all: false, force: false };
         let err = choose_leftovers(&schedules, &leftover, none).unwrap_err();
@@ -863,11 +863,7 @@ mod tests {
 
     #[test]
     fn an_unknown_name_lists_the_names_there_are() {
-        let config = KeelConfig::from_toml_str(
-            "[schedules.nightly]\ncron = \"0 2 * * *\"\nstart = { machine = \"report\" }\n",
-        )
-        .unwrap();
-        let err = find(&config.schedules().unwrap(), "nigthly").unwrap_err();
+        let err = find(&nightly().schedules().unwrap(), "nigthly").unwrap_err();
         assert_eq!(err, "no schedule named \"nigthly\"; the schedules are: nightly");
         let err = find(&[], "x").unwrap_err();
         assert!(err.contains("no [schedules.<name>] section"), "{err}");
