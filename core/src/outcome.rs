@@ -694,8 +694,10 @@ pub const NOTICE_KEY_SUFFIX: &str = ":terminal";
 /// The delegation state a signal is a child's notice about ([`parent_notice`]: its dedup
 /// key is a notice's and its name `done.invoke.<state>` or `fail.state.<state>`), or
 /// `None` when it is not such a notice.
-pub fn notice_state<'a>(dedup_key: Option<&str>, name: &'a str) -> Option<&'a str> {
-    dedup_key.filter(|k| k.starts_with(NOTICE_KEY_PREFIX) && k.ends_with(NOTICE_KEY_SUFFIX))?;
+pub fn notice_state<'a>(dedup_key: &str, name: &'a str) -> Option<&'a str> {
+    if !(dedup_key.starts_with(NOTICE_KEY_PREFIX) && dedup_key.ends_with(NOTICE_KEY_SUFFIX)) {
+        return None;
+    }
     name.strip_prefix(crate::chart::DONE_INVOKE)
         .or_else(|| name.strip_prefix(crate::chart::FAIL_STATE))
 }

@@ -103,14 +103,14 @@ impl UnreadFire {
         let state = if key.starts_with(timers::FIRE_KEY_PREFIX) {
             payload_state?
         } else {
-            outcome::notice_state(Some(key), name)?.to_owned()
+            outcome::notice_state(key, name)?.to_owned()
         };
         Some(UnreadFire { id, name: name.to_owned(), state, key: key.to_owned() })
     }
 
     /// Whether this is a child's notice rather than a timer's fire.
     pub fn is_notice(&self) -> bool {
-        outcome::notice_state(Some(&self.key), &self.name).is_some()
+        outcome::notice_state(&self.key, &self.name).is_some()
     }
 
     /// Whether `commit` leaves the state entry this belongs to: a timer's fire whose
