@@ -519,6 +519,72 @@ async fn a_delegation_timeout_cancels_the_running_child() {
     w.shutdown().await;
 }
 
+/// A payment whose first try hangs until released and whose later tries are charged at
+/// once.
+struct HangsOncePayment(Arc<tokio::sync::Notify>, Arc<std::sync::atomic::AtomicUsize>);
+
+#[async_trait::async_trait]
+impl keel_scheduler::StepMachine for HangsOncePayment {
+    fn machine(&self) -> keel_core::MachineRef {
+        keel_core::MachineRef::new("hanging_payment", 1)
+    }
+    async fn step(
+        &self,
+        _: &keel_scheduler::StepContext,
+    ) -> Result<keel_core::Outcome, keel_scheduler::StepError> {
+        if self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            self.0.notified().await;
+        }
+        Ok(keel_core::Outcome::Done { result: json!({ "charged": true }), step: None })
+    }
+}
+
+/// `@timeout` back to the delegation state is a retry: the hung child is cancelled in the
+/// parent's commit, a new child starts, and its `@done` moves the chart on. The hung
+/// step, released afterwards, cannot commit.
+#[tokio::test]
+async fn a_delegation_state_entered_again_on_its_timeout_retries_its_child() {
+    let h = Harness::new();
+    let s = sweeper(&h);
+    let def = Definition::builder("retrying_order", 1)
+        .initial("paying")
+        .state("paying", |st| {
+            st.machine("hanging_payment")
+                .on_done(|b| b.target("paid"))
+                .on_timeout(Timer::seconds(30), |b| b.target("paying"))
+        })
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    let m = ChartMachine::new(def);
+    let (release, tries) = (Arc::new(tokio::sync::Notify::new()), Arc::default());
+    let config = WorkerConfig { timers: None, ..h.config() };
+    let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+        .register(m.clone())
+        .register(HangsOncePayment(Arc::clone(&release), Arc::clone(&tries)));
+    let w = h.hinted(w).spawn();
+    let id = h.start(m.new_instance(json!({}))).await;
+    h.wait(id, "paying", in_state("paying")).await;
+    let child = loop {
+        let detail = h.client.get(id).await.unwrap();
+        if let Some(c) = detail.children.first() {
+            break c.id;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    h.wait(child, "the first try hanging", |r| r.status == Status::Executing).await;
+    assert_eq!(advance(&h, &s, Duration::from_secs(30)).await, 1, "the deadline fires");
+    h.wait(id, "paid after the retry", |r| r.status == Status::Done).await;
+    let children = h.client.get(id).await.unwrap().children;
+    let statuses: Vec<Status> = children.iter().map(|c| c.status).collect();
+    assert_eq!(statuses, [Status::Cancelled, Status::Done], "the hung try, then a new child");
+    release.notify_waiters();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let late = h.client.get(child).await.unwrap().instance;
+    assert_eq!((late.status, late.result), (Status::Cancelled, None), "the late step lost");
+    w.shutdown().await;
+}
+
 fn deadline(after: Timer, keep_armed: bool) -> ChartMachine {
     let def = Definition::builder("deadline", 1)
         .initial("awaiting")

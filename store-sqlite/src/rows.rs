@@ -503,20 +503,25 @@ impl Db<'_> {
         id: InstanceId,
         left: &LeftDelegations,
     ) -> StoreResult<Vec<InstanceId>> {
-        let states = match left {
+        let (states, started) = match left {
             LeftDelegations::None => return Ok(Vec::new()),
-            LeftDelegations::All => None,
-            LeftDelegations::States(states) => Some(serde_json::json!(states).to_string()),
+            LeftDelegations::All => (None, "[]".to_owned()),
+            LeftDelegations::States { left, started } => (
+                Some(serde_json::json!(left).to_string()),
+                serde_json::json!(started.iter().map(|id| id.0).collect::<Vec<_>>()).to_string(),
+            ),
         };
         let ids: Vec<i64> = sqlx::query_scalar(
             "SELECT id FROM keel_instances WHERE parent_id = ?1 AND invoked_by IS NOT NULL \
                AND status NOT IN ('done', 'failed', 'cancelled') \
                AND (?2 IS NULL OR invoked_by IN (SELECT value FROM json_each(?2))) \
+               AND id NOT IN (SELECT value FROM json_each(?4)) \
              ORDER BY id LIMIT +?3",
         )
         .bind(id.0)
         .bind(states)
         .bind(limits::CHILDREN_PER_STEP_MAX as i64)
+        .bind(started)
         .fetch_all(&mut *self.conn)
         .await
         .map_err(self.err("reading delegated children"))?;

@@ -1171,8 +1171,9 @@ impl<'d> Macrostep<'d> {
     /// not active before, or when it was renewed: left for another state during the
     /// macrostep and come back (a transit state with `@always`: the deadline counts from
     /// this entry), or exited and entered again while processing the end of its own child
-    /// machine (a retry: the new child gets a fresh `@timeout`). A renewed state's timers,
-    /// and those of its descendants entered again with it, are cancelled and armed again.
+    /// machine or its own `@timeout` (a retry: the new child gets a fresh `@timeout`). A
+    /// renewed state's timers, and those of its descendants entered again with it, are
+    /// cancelled and armed again.
     /// Otherwise a state exited and re-entered by one transition (a self-loop) keeps its
     /// timers' original anchors, except a timer whose own fire (or, for an `every` timer,
     /// whose `then`) the macrostep processes: that timer is gone, so it is armed again from
@@ -1180,18 +1181,22 @@ impl<'d> Macrostep<'d> {
     ///
     /// Child machines follow the net change of the configuration, with one exception: a
     /// delegation state exited and entered again while processing the end of its own child
-    /// starts a new child (that child is over, so there is nothing to keep: `@fail → same
-    /// state` is a retry). Any other re-entered delegation state (a self-loop on another
-    /// event, a transit state, its own `@timeout`) keeps its running child; its own
-    /// `@timeout` fire arms a new deadline. Nothing is cancelled for a state active
-    /// afterwards, so a commit never cancels the child it starts for the same state.
+    /// or its own `@timeout` starts a new child, its timers armed afresh (that child is
+    /// over, so there is nothing to keep: `@fail → same state` and `@timeout → same state`
+    /// are retries). The timed-out child, still running, is cancelled in the same commit
+    /// (the stores cancel only children that existed before the commit, never the one it
+    /// starts). Any other re-entered delegation state (a self-loop on another event, a
+    /// transit state) keeps its running child.
     fn effects(&self) -> (Vec<TimerArm>, Vec<TimerCancel>, Vec<ChildStart>, Vec<String>) {
         let (mut arm, mut cancel, mut start, mut stop) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let reentered = |s: &usize| {
             self.start_ids.contains(s) && self.config.contains(s) && self.exited.contains(s)
         };
-        let child_over = |s: &usize| reentered(s) && self.ends_child(*s);
+        // A retried delegation state: its child is over (ended, or out of time), so it
+        // starts a new one; a timed-out child still runs and is cancelled.
+        let timed_out = |s: &usize| reentered(s) && self.own_timeout(*s);
+        let retried = |s: &usize| reentered(s) && (self.ends_child(*s) || self.own_timeout(*s));
         // Parents first (the arena is in document order): a renewed state's timer cancel
         // covers its descendants, so every descendant re-entered with it is renewed too.
         let mut renewals = BTreeSet::new();
@@ -1199,6 +1204,7 @@ impl<'d> Macrostep<'d> {
             let renew = self.left.contains(&s)
                 || reentered(&s)
                     && (self.ends_child(s)
+                        || self.own_timeout(s)
                         || self.def.parent(s).is_some_and(|p| renewals.contains(&p)));
             if renew {
                 renewals.insert(s);
@@ -1214,7 +1220,7 @@ impl<'d> Macrostep<'d> {
                 arm.extend(self.spent_timers(s));
             }
             if let Some(d) = &node.delegation
-                && (entered || child_over(&s))
+                && (entered || retried(&s))
             {
                 start.push(ChildStart { state: node.path.clone(), machine: d.machine.clone() });
             }
@@ -1230,7 +1236,7 @@ impl<'d> Macrostep<'d> {
             if timed {
                 cancel.push(TimerCancel { state: node.path.clone() });
             }
-            if gone && node.delegation.is_some() {
+            if (gone || timed_out(&s)) && node.delegation.is_some() {
                 stop.push(node.path.clone());
             }
         }
@@ -1255,6 +1261,16 @@ impl<'d> Macrostep<'d> {
                     || t.then.as_deref() == Some(event.name.as_str())
             })
             .collect()
+    }
+
+    /// Whether the external event is the fire of delegation state `s`'s own `@timeout`
+    /// (its payload names `s`, as every fire's does).
+    fn own_timeout(&self, s: usize) -> bool {
+        let node = &self.def.states[s];
+        let Some(event) = &self.trigger else { return false };
+        node.delegation.as_ref().is_some_and(|d| d.timeout.is_some())
+            && event.name == Event::timeout_invoke(&node.path).name
+            && event.payload.get("state").and_then(Value::as_str) == Some(node.path.as_str())
     }
 
     /// Whether the external event reports the end of delegation state `s`'s child:

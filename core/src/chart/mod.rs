@@ -50,13 +50,13 @@
 //!   polling loop; the state's other timers keep their anchors. A state entered and left
 //!   within one macrostep arms nothing.
 //! - **Child machines follow the net change of the configuration**: a state active before
-//!   and after keeps its running child (a self-loop on another event, a transit state, and
-//!   its own `@timeout` included, which arms a new deadline). The exception is a
-//!   delegation state exited and entered again while processing the end of its own child
-//!   (`done.invoke.<path>`, or a `fail.state.<path>` naming a child): that child is over,
-//!   so a new one starts and the state's timers count from the new entry (`@fail → same state` is a retry). A macrostep never
-//!   cancels the child of a state active after it, so a commit never cancels the child it
-//!   starts for that state.
+//!   and after keeps its running child (a self-loop on another event, a transit state).
+//!   The exception is a delegation state exited and entered again while processing the
+//!   end of its own child (`done.invoke.<path>`, or a `fail.state.<path>` naming a child)
+//!   or its own `@timeout`: that child is over, so a new one starts and the state's timers
+//!   count from the new entry (`@fail → same state` and `@timeout → same state` are
+//!   retries). A timed-out child still runs, so the same commit cancels it; the stores
+//!   never cancel a child the commit itself starts.
 //! - **Guards are evaluated lazily**, when a microstep's transitions are selected, on the
 //!   context as changed by every action that ran before (SCXML's current data model).
 //! - **One bound**, [`Limits::max_transition_depth`], counts the eventless microsteps and

@@ -820,20 +820,29 @@ fn fire_of(event: &str, state: &str) -> Event {
     Event::with_payload(event, json!({ "timer": 1, "state": state, "fire": 1 }))
 }
 
-/// `@timeout → same state` keeps the running child (a commit cannot yet cancel a state's
-/// child and start its next one) but arms a new deadline: the fired one is gone.
+/// `@timeout → same state` is a retry: the timed-out child is cancelled, a new one starts
+/// with a fresh deadline, and the state's other timers are armed afresh. The same event
+/// sent by someone else (its payload names no owner) is no timeout and retries nothing.
 #[test]
-fn a_delegation_state_reentered_on_its_timeout_arms_a_new_deadline() {
+fn a_delegation_state_reentered_on_its_timeout_retries_its_child() {
     let def = chart()
         .initial("work")
-        .state("work", |s| s.machine("job").on_timeout(Timer::minutes(5), |b| b.target("work")))
+        .state("work", |s| {
+            s.machine("job")
+                .on_timeout(Timer::minutes(5), |b| b.target("work"))
+                .on("NAG", |t| t.after(Timer::minutes(1)).action("nag"))
+        })
         .build()
         .unwrap();
     let fired = fire_of("timeout.invoke.work", "work");
     let results = run(&def, &json!({}), &[fired], Limits::default());
     assert_eq!(results[1].exited(), ["work"]);
-    assert!(cancels(&results[1]).is_empty(), "nothing else of the state is touched");
-    assert_eq!(arms(&results[1]), ["work:timeout.invoke.work"]);
+    assert_eq!(results[1].children_to_cancel, ["work"], "the timed-out child is cancelled");
+    assert_eq!(starts(&results[1]), ["work:job"], "and a new one starts");
+    assert_eq!(cancels(&results[1]), ["work"]);
+    assert_eq!(arms(&results[1]), ["work:NAG", "work:timeout.invoke.work"]);
+    let forged = Event::with_payload("timeout.invoke.work", json!({ "state": "elsewhere" }));
+    let results = run(&def, &json!({}), &[forged], Limits::default());
     assert!(starts(&results[1]).is_empty() && results[1].children_to_cancel.is_empty());
 }
 

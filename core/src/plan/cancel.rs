@@ -97,9 +97,15 @@ pub enum LeftDelegations {
     /// None.
     #[default]
     None,
-    /// The live children started from one of these delegation states, which the commit
-    /// leaves.
-    States(Vec<String>),
+    /// The live children started from one of the delegation states in `left`, which the
+    /// commit leaves, except those in `started`: the children the commit itself starts (a
+    /// state retried after its `@timeout` cancels its old child and starts a new one).
+    States {
+        /// The delegation states left.
+        left: Vec<String>,
+        /// The children this commit inserts, which it never cancels.
+        started: Vec<InstanceId>,
+    },
     /// Every live delegated child: the commit fails the instance.
     All,
 }
@@ -111,7 +117,19 @@ impl LeftDelegations {
         match (fails, states.is_empty()) {
             (true, _) => LeftDelegations::All,
             (false, true) => LeftDelegations::None,
-            (false, false) => LeftDelegations::States(states.to_vec()),
+            (false, false) => {
+                LeftDelegations::States { left: states.to_vec(), started: Vec::new() }
+            }
+        }
+    }
+
+    /// This, sparing `started`: the children the same commit inserts.
+    pub fn sparing(self, started: impl IntoIterator<Item = InstanceId>) -> Self {
+        match self {
+            LeftDelegations::States { left, .. } => {
+                LeftDelegations::States { left, started: started.into_iter().collect() }
+            }
+            other => other,
         }
     }
 
@@ -128,7 +146,9 @@ impl LeftDelegations {
         }
         match self {
             LeftDelegations::None => false,
-            LeftDelegations::States(left) => left.iter().any(|l| l == state),
+            LeftDelegations::States { left, started } => {
+                left.iter().any(|l| l == state) && !started.contains(&child.id)
+            }
             LeftDelegations::All => true,
         }
     }
@@ -140,7 +160,9 @@ impl LeftDelegations {
             LeftDelegations::All => {
                 format!("its parent failed while in the delegation state `{state}`")
             }
-            _ => format!("its parent left the delegation state `{state}`"),
+            _ => format!(
+                "its parent exited the delegation state `{state}` (left it, or retried it on a timeout)"
+            ),
         };
         CancelParams { id: child.id, reason, cascade: true, now }
     }
@@ -265,6 +287,8 @@ mod tests {
         assert!(failed.covers(&child, InstanceId(1)), "a parent that fails takes them all");
         assert!(failed.cancel_params(&child, Timestamp(1)).reason.contains("failed"));
         assert!(LeftDelegations::of(&[], false).is_none());
+        let retried = LeftDelegations::of(&["pay".to_owned()], false).sparing([InstanceId(2)]);
+        assert!(!retried.covers(&child, InstanceId(1)), "started by the same commit");
         child.status = Status::Done;
         assert!(!left.covers(&child, InstanceId(1)), "already ended");
     }

@@ -425,7 +425,11 @@ impl Admitted {
             children_cancel: LeftDelegations::of(
                 &commit.children_cancel,
                 row.status == Status::Failed,
-            ),
+            )
+            .sparing(inserted.iter().filter_map(|o| match o {
+                InsertOutcome::Inserted(id) => Some(*id),
+                InsertOutcome::Existing(_) => None,
+            })),
             receipt,
             row,
         }

@@ -99,7 +99,8 @@ const DEAD_LETTERS: &str = "INSERT INTO dead_letters (instance_id, namespace, ma
 /// leave: every delegation state where `$2` is true (the parent fails), else the states
 /// the `($3, $4)` parent and state pairs name (`LeftDelegations::covers`, in SQL). At
 /// most `$5` per parent, so one parent's children cannot use up another's bound, and the
-/// children of states a parent keeps use up none of it. In id order.
+/// children of states a parent keeps use up none of it. Never one of `$6`, the children
+/// the same commits start. In id order.
 pub(crate) const DELEGATED: &str = "SELECT c.id FROM unnest($1::int8[], $2::bool[]) AS p(id, every) \
     CROSS JOIN LATERAL ( \
       SELECT i.id FROM instances i WHERE i.parent_id = p.id AND i.invoked_by IS NOT NULL \
@@ -107,6 +108,7 @@ pub(crate) const DELEGATED: &str = "SELECT c.id FROM unnest($1::int8[], $2::bool
         AND (p.every OR i.invoked_by IN ( \
           SELECT l.state FROM unnest($3::int8[], $4::text[]) AS l(parent, state) \
           WHERE l.parent = p.id)) \
+        AND i.id <> ALL($6::int8[]) \
       ORDER BY i.id LIMIT $5 \
     ) c ORDER BY c.id";
 
@@ -118,16 +120,18 @@ pub(crate) async fn delegated<C: GenericClient + Sync>(
 ) -> OpResult<Vec<i64>> {
     let (mut parents, mut every) = (Vec::new(), Vec::new());
     let (mut left_parent, mut left_state) = (Vec::new(), Vec::new());
+    let mut spared: Vec<i64> = Vec::new();
     for (id, left) in leaving {
         match left {
             LeftDelegations::None => continue,
             LeftDelegations::All => every.push(true),
-            LeftDelegations::States(states) => {
+            LeftDelegations::States { left, started } => {
                 every.push(false);
-                for state in states {
+                for state in left {
                     left_parent.push(id.0);
                     left_state.push(state.as_str());
                 }
+                spared.extend(started.iter().map(|c| c.0));
             }
         }
         parents.push(id.0);
@@ -136,7 +140,8 @@ pub(crate) async fn delegated<C: GenericClient + Sync>(
         return Ok(Vec::new());
     }
     let stmt = c.prepare_cached(DELEGATED).await?;
-    let found = c.query(&stmt, &[&parents, &every, &left_parent, &left_state, &max]).await?;
+    let found =
+        c.query(&stmt, &[&parents, &every, &left_parent, &left_state, &max, &spared]).await?;
     let mut ids: Vec<i64> =
         found.iter().map(|r| rows::col(r, 0)).collect::<Result<_, StoreError>>()?;
     // A parent named twice in a batch would list its children twice.
@@ -649,15 +654,16 @@ mod tests {
                 .expect("adopt");
         }
         let leaving = [
-            (a, LeftDelegations::States(vec!["left".into()])),
+            // The commit itself started `a`'s first child of "left" (a retry): spared.
+            (a, LeftDelegations::of(&["left".into()], false).sparing([children[3].1])),
             (b, LeftDelegations::All),
             (InstanceId(a.0 + 1_000_000), LeftDelegations::None),
         ];
         let found = super::delegated(&c, &leaving, 2).await.expect("lookup");
-        let want: Vec<i64> = [children[3].1, children[4].1, children[6].1, children[7].1]
+        let want: Vec<i64> = [children[4].1, children[5].1, children[6].1, children[7].1]
             .iter()
             .map(|id| id.0)
             .collect();
-        assert_eq!(found, want, "two per parent, of the states left");
+        assert_eq!(found, want, "two per parent, of the states left, none the commit started");
     }
 }

@@ -307,6 +307,32 @@ pub async fn leaving_a_delegation_state_cancels_its_child_behind_many_kept_ones<
     assert_eq!(row(s, kept).await.status, Status::Runnable, "the kept state's children stay");
 }
 
+/// A commit that leaves a delegation state and enters it again (a retry after the state's
+/// `@timeout`) cancels the child the state had and keeps the one the same commit starts
+/// for it.
+pub async fn a_retried_delegation_state_cancels_its_old_child_and_keeps_the_new<S: Store>(s: &S) {
+    let ns = "spawn_retry";
+    let kids = "spawn_retry_kids";
+    let parent = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
+    c.spawn = vec![new_in(kids).invoked_by("paying")];
+    let old = commit_ok(s, c, at(20)).await.spawned[0].id();
+    super::support::send(s, parent, "timeout.invoke.paying", at(30)).await;
+    let woken = claim_only(s, ns, parent, at(40)).await;
+    let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
+    c.consume = woken.inbox.iter().map(|s| s.id).collect();
+    c.spawn = vec![new_in(kids).invoked_by("paying")];
+    c.children_cancel = vec!["paying".into()];
+    let new = commit_ok(s, c, at(50)).await.spawned[0].id();
+    assert_ne!(old, new);
+    assert_eq!(row(s, old).await.status, Status::Cancelled, "the timed-out child goes");
+    assert_eq!(row(s, new).await.status, Status::Runnable, "the retry's child runs");
+    let p = get(s, parent).await;
+    assert_eq!(p.instance.status, Status::AwaitingSignal);
+    assert!(p.inbox.is_empty(), "no notice of the old child's cancel: {:?}", p.inbox);
+}
+
 /// A commit that leaves a delegation state cancels, in the same transaction, the live
 /// child machines the instance started from it, with their descendants; the parent hears
 /// nothing of it through its inbox (it left that state). A cancelled child's running step

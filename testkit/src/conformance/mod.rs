@@ -179,6 +179,7 @@ macro_rules! __store_contract_list {
             a_signal_sent_during_a_step_that_withdraws_fires_still_wakes,
             leaving_a_delegation_state_cancels_its_children,
             leaving_a_delegation_state_cancels_its_child_behind_many_kept_ones,
+            a_retried_delegation_state_cancels_its_old_child_and_keeps_the_new,
             failing_instance_cancels_its_delegated_children,
             signals_reach_a_delegated_child,
             broadcast_reaches_instances_in_state,
