@@ -6,8 +6,8 @@
 //! start-up.
 //!
 //! `keel config check`: the file as a worker reads it (every level resolved), then its
-//! `[machines.<m>]` and `[queues.<q>]` sections against the machines and queues the store
-//! knows in the namespace, with the rule a worker warns by
+//! `[machines.<m>]`, `[retention.machines.<m>]` and `[queues.<q>]` sections against the
+//! machines and queues the store knows in the namespace, with the rule a worker warns by
 //! (`keel_core::config::unused_sections`). A file that loads exits 0: a section that
 //! looks like a misspelling is a warning, because the store cannot know a machine or
 //! queue that is not deployed yet (`order2` next to `order`, `tier1` next to `tier2`), and
@@ -88,8 +88,11 @@ async fn check(cli: &Cli) -> anyhow::Result<Report> {
     let keel = crate::commands::connect(cli, false).await?;
     let ns = cli.namespace.as_str();
     let mut known = crate::operate::known_names(&keel, ns).await?;
-    // A machine whose instances all ended long ago is in none of the grouped reads.
-    let unseen = config.machines.keys().filter(|m| !known.machines.contains(*m));
+    // A machine whose instances all ended long ago is in none of the grouped reads (the
+    // machines a `[retention.machines.<m>]` keeps are often such).
+    let named: std::collections::BTreeSet<&String> =
+        config.machines.keys().chain(config.retention.machines.keys()).collect();
+    let unseen = named.into_iter().filter(|m| !known.machines.contains(*m));
     for machine in unseen.take(SECTIONS_PROBED_MAX).cloned().collect::<Vec<_>>() {
         if crate::operate::has_instances(&keel, ns, &machine).await? {
             known.machines.insert(machine);

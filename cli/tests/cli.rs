@@ -1017,6 +1017,13 @@ fn config_check_warns_of_sections_that_look_like_misspellings() {
         let new = file("[machines.order2.queue]\nname = \"orders2\"\n[queues.orders2]\n");
         let (out, _) = b.run(&["--config", &new, "config", "check"], 0);
         assert!(out.contains("Warning: [machines.order2]"), "{}: {out}", b.name);
+        // A misspelt retention section would leave `order` under the global retention.
+        let retention = file(
+            "[retention]\nended = \"7 days\"\n[retention.machines.ordr]\nended = \"90 days\"\n",
+        );
+        let (out, _) = b.run(&["--config", &retention, "config", "check"], 0);
+        let needle = "Warning: [retention.machines.ordr]: names nothing the store knows in namespace \"default\"; did you mean `order`?";
+        assert!(out.contains(needle), "{}: {out}", b.name);
         // `tier1` holds an instance: its section is in use, though close to `tier2`.
         let tiers = file("[machines.order.queue]\nname = \"tier2\"\n[queues.tier1]\n");
         let body = b.json(&["--config", &tiers, "config", "check"]);

@@ -1200,6 +1200,31 @@ impl KeelConfig {
                 );
             }
         }
+        // A starvation bound is read only when ranking by priority; on a queue whose
+        // strategy resolves to fifo (its section, else `[queue]` or the environment, else
+        // the default) it would do nothing.
+        for (name, settings) in &self.queues {
+            if settings.starvation_after.is_none()
+                || self.claim_policy(name).strategy != Strategy::Fifo
+            {
+                continue;
+            }
+            let from = if settings.strategy.is_some() {
+                format!("[queues.{name}] strategy")
+            } else if let Some(var) = self.env_overrides.get("strategy") {
+                format!("the environment ({var})")
+            } else if self.queue.strategy.is_some() {
+                "[queue] strategy".to_owned()
+            } else {
+                "the default".to_owned()
+            };
+            return Err(ConfigError::invalid(
+                format!("queues.{name}.starvation_after"),
+                format!(
+                    "applies only to strategy = \"priority\", and this queue's strategy is fifo (from {from}), so it would do nothing; set strategy = \"priority\" under [queues.{name}] (or [queue] for every queue), or remove starvation_after"
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -1234,7 +1259,8 @@ impl KeelConfig {
     }
 
     /// Every queue the file names: the `name` of the system level and of each machine's
-    /// level (where instances start), the `queue` of `[parallel_dispatch]` and of each
+    /// level (where instances start), the `start.queue` of each `[schedules.<name>]`
+    /// (where its ticks start instances), the `queue` of `[parallel_dispatch]` and of each
     /// machine's (where region tasks run) and each `[queues.<q>]` section, in name order. A
     /// worker or poll that takes the file serves these besides what it lists itself.
     pub fn named_queues(&self) -> std::collections::BTreeSet<String> {
@@ -1244,7 +1270,17 @@ impl KeelConfig {
         let regions = std::iter::once(&self.parallel_dispatch)
             .chain(self.machines.values().map(|m| &m.parallel_dispatch))
             .filter_map(|level| level.queue.clone());
-        starts.chain(regions).chain(self.queues.keys().cloned()).collect()
+        starts
+            .chain(self.schedule_queues())
+            .chain(regions)
+            .chain(self.queues.keys().cloned())
+            .collect()
+    }
+
+    /// The queues the file's schedules start instances in (`[schedules.<name>] start =
+    /// { queue = … }`).
+    fn schedule_queues(&self) -> impl Iterator<Item = String> + '_ {
+        self.schedules.values().filter_map(|s| s.start.as_ref()?.queue.clone())
     }
 
     /// The priority the file gives event `event` sent to an instance of `machine`: the
@@ -1563,7 +1599,8 @@ impl From<QueueConfig> for PartialQueueConfig {
 /// needs, so none of its keys takes effect there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnusedSection {
-    /// The section as written in the file: `[machines.ordr]`, `[queues.paymnts]`.
+    /// The section as written in the file: `[machines.ordr]`, `[queues.paymnts]`,
+    /// `[retention.machines.ordr]`.
     pub section: String,
     /// The name it is most likely a misspelling of ([`closest`]), if any.
     pub closest: Option<String>,
@@ -1581,13 +1618,16 @@ impl UnusedSection {
 /// The sections of `config` that the `machines` and `queues` in use leave unused:
 ///
 /// - every `[machines.<m>]` whose `m` is not one of `machines`;
+/// - every `[retention.machines.<m>]` whose `m` is not one of `machines` (a misspelt one
+///   leaves its machine under the global `[retention]`, which may prune it sooner);
 /// - every `[queues.<q>]` whose `q` is not in use, when `q` is a likely misspelling of
 ///   one that is. In use: `default`, every one of `queues` (a worker's own claim queues,
 ///   or the queues a store holds instances in: names a program chose in code, which the
-///   file cannot show), and the queues `machines` start in or dispatch regions to by the
-///   file (`name`, `parallel_dispatch` `queue`, at the system or the machine's level). A
-///   queue with no close name is left out for the same reason: a program may start
-///   instances in a queue it names only in code.
+///   file cannot show), the queues `machines` start in or dispatch regions to by the
+///   file (`name`, `parallel_dispatch` `queue`, at the system or the machine's level),
+///   and the queues the file's schedules start instances in. A queue with no close name
+///   is left out for the same reason: a program may start instances in a queue it names
+///   only in code.
 ///
 /// A file shared by workers serving different machines names machines a given worker
 /// does not register, and a section may be written before its machine is deployed, so
@@ -1600,10 +1640,13 @@ pub fn unused_sections(
     queues: &[&str],
 ) -> Vec<UnusedSection> {
     let mut unused = Vec::new();
-    for name in config.machines.keys() {
+    let sections = config.machines.keys().map(|name| (name, format!("[machines.{name}]")));
+    let retention =
+        config.retention.machines.keys().map(|name| (name, format!("[retention.machines.{name}]")));
+    for (name, section) in sections.chain(retention) {
         if !machines.contains(&name.as_str()) {
             unused.push(UnusedSection {
-                section: format!("[machines.{name}]"),
+                section,
                 closest: closest(name, machines.iter().copied()).map(str::to_owned),
             });
         }
@@ -1612,6 +1655,7 @@ pub fn unused_sections(
     used.extend(queues.iter().map(|q| (*q).to_owned()));
     used.extend(config.queue.name.clone());
     used.extend(config.parallel_dispatch.queue.clone());
+    used.extend(config.schedule_queues());
     for machine in machines {
         used.extend(config.layered(machine, None).name);
         used.extend(config.parallel_for(machine).queue);
@@ -1683,6 +1727,39 @@ mod unused_tests {
         assert_eq!(
             unused_sections(&config("[machines.ship]\n"), &[], &[]),
             [section("[machines.ship]", None)]
+        );
+    }
+
+    #[test]
+    fn a_retention_section_of_a_machine_not_in_use_is_reported_with_the_closest_name() {
+        let file = config(
+            "[retention]\nended = \"7 days\"\n\
+             [retention.machines.ordr]\nended = \"90 days\"\n\
+             [retention.machines.audit]\nhistory_per_instance = 10\n\
+             [retention.machines.mail]\nended = \"1 day\"\n",
+        );
+        assert_eq!(
+            unused_sections(&file, &["order", "mail"], &[]),
+            [
+                section("[retention.machines.audit]", None),
+                section("[retention.machines.ordr]", Some("order")),
+            ],
+            "a misspelt machine leaves `order` under the global 7 days"
+        );
+        assert_eq!(unused_sections(&file, &["order", "mail", "ordr", "audit"], &[]), []);
+    }
+
+    #[test]
+    fn a_queue_a_file_schedule_starts_in_is_used() {
+        let file = config(
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\n\
+             start = { machine = \"report\", queue = \"tier2\" }\n\
+             [queues.tier2]\nconcurrency = 1\n",
+        );
+        assert_eq!(
+            unused_sections(&file, &["report"], &["tier1"]),
+            [],
+            "tier2 is where the schedule starts instances, not a misspelling of tier1"
         );
     }
 
@@ -2529,6 +2606,64 @@ mod applied_tests {
         let named: Vec<String> = config.named_queues().into_iter().collect();
         assert_eq!(named, ["main", "payments", "reports"]);
         assert!(KeelConfig::default().named_queues().is_empty());
+    }
+
+    #[test]
+    fn named_queues_include_where_file_schedules_start_instances() {
+        let config = KeelConfig::from_toml_str(
+            "[schedules.nightly]\ncron = \"0 2 * * *\"\n\
+             start = { machine = \"report\", queue = \"reports\" }\n\
+             [schedules.hourly]\ncron = \"0 * * * *\"\nstart = { machine = \"report\" }\n\
+             [schedules.renew]\ncron = \"0 * * * *\"\n\
+             broadcast = { machine = \"sub\", event = \"renew\" }\n",
+        )
+        .unwrap();
+        let named: Vec<String> = config.named_queues().into_iter().collect();
+        assert_eq!(named, ["reports"], "a worker given the file must claim the schedule's queue");
+    }
+
+    #[test]
+    fn starvation_after_on_a_queue_that_resolves_to_fifo_is_refused_with_the_fix() {
+        let jobs = "[queues.jobs]\nstarvation_after = \"5 minutes\"\n";
+        let refused = |text: &str, env: &[(&str, &str)], from: &str| {
+            let error = KeelConfig::load(text, |var| {
+                env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned())
+            })
+            .expect_err(text)
+            .to_string();
+            assert!(
+                error.starts_with(
+                    "queues.jobs.starvation_after: applies only to strategy = \"priority\""
+                ),
+                "{text}: {error}"
+            );
+            assert!(error.contains(&format!("(from {from})")), "{text}: {error}");
+            assert!(error.contains("set strategy = \"priority\" under [queues.jobs]"), "{error}");
+        };
+        refused(jobs, &[], "the default");
+        refused(&format!("[queue]\nstrategy = \"fifo\"\n{jobs}"), &[], "[queue] strategy");
+        refused(
+            &format!("[queue]\nstrategy = \"priority\"\n{jobs}"),
+            &[("KEEL_QUEUE_STRATEGY", "fifo")],
+            "the environment (KEEL_QUEUE_STRATEGY)",
+        );
+        // Where the strategy resolves to priority, the bound is applied.
+        for (text, env) in [
+            (format!("[queue]\nstrategy = \"priority\"\n{jobs}"), None),
+            (format!("{jobs}strategy = \"priority\"\n"), Some("fifo")),
+            (jobs.to_owned(), Some("priority")),
+        ] {
+            let (config, _) = KeelConfig::load(&text, |var| {
+                (var == "KEEL_QUEUE_STRATEGY").then_some(env).flatten().map(str::to_owned)
+            })
+            .unwrap_or_else(|e| panic!("{text} with {env:?}: {e}"));
+            let policy = config.claim_policy("jobs");
+            assert_eq!(
+                (policy.strategy, policy.starvation_after),
+                (Strategy::Priority, Some(S(300))),
+                "{text}"
+            );
+        }
     }
 
     #[test]
