@@ -28,6 +28,12 @@
 //! the claim loop, or every worker is gone) so cost a bounded amount of memory, and their
 //! work is found by polling and the repair pass as after any other loss.
 //!
+//! A connection that stops answering without being closed (a NAT or firewall that forgot
+//! it, a failover that moved the server's address) is replaced: the kernel's keepalive
+//! probes and, on Linux, its user timeout close such a socket within about 20 s, and
+//! [`TIMEOUTS_BEFORE_RECONNECT`] commands in a row that time out, or a receive's wait
+//! that gets no answer [`RESPONSE_TIMEOUT`] after its end, open a new connection at once.
+//!
 //! It needs Redis 6.0 or later (a receive waits fractions of a second); [`RedisQueue::connect`]
 //! refuses an older server, naming its version.
 //!
@@ -55,8 +61,10 @@ use keel_core::ports::queue::{
     validate_receive, validate_visibility,
 };
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
+use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use std::sync::atomic::{AtomicU64, Ordering};
+use redis::io::tcp::socket2::TcpKeepalive;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -64,6 +72,19 @@ use tokio::time::Instant;
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a (re)connection attempt may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Commands in a row that may time out before the queue drops its connection and opens a
+/// new one. A connection that goes silent without being closed (a NAT or firewall that
+/// forgets it, a failover that moves the server's address, a hung proxy) is otherwise
+/// kept until the kernel gives up on it, which can take a quarter of an hour.
+pub const TIMEOUTS_BEFORE_RECONNECT: u32 = 2;
+/// How long a connection may sit idle before the kernel checks, with keepalive probes,
+/// that the other end is still there.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// The time between two keepalive probes that go unanswered.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long data sent on a connection may stay unacknowledged before the kernel closes it
+/// (Linux only, `TCP_USER_TIMEOUT`); keepalive probes count as data.
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most rounds of one receive that look again at once because they leased only entries
 /// that are not hints.
 const JUNK_ROUNDS_MAX: u32 = 8;
@@ -77,7 +98,8 @@ pub const SERVER_VERSION_MIN: (u32, u32) = (6, 0);
 /// Connection settings.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisQueueConfig {
-    /// A Redis URL, e.g. `redis://127.0.0.1:6379/0`.
+    /// A Redis URL, e.g. `redis://127.0.0.1:6379/0`, or `rediss://cache.example.com:6380/0`
+    /// for TLS (the server's certificate is checked against the system's roots).
     pub url: String,
     /// The queue's name; its keys are `keel:{<name>}:…`.
     pub name: String,
@@ -159,10 +181,25 @@ pub struct RedisQueue {
     /// `created` (`u64::MAX`: never).
     dropped_warned: AtomicU64,
     created: Instant,
-    conn: ConnectionManager,
+    /// Opens the connections, again when one stops answering.
+    client: redis::Client,
+    /// The settings of `conn`.
+    settings: ConnectionManagerConfig,
+    /// The settings of `blocking`.
+    blocking_settings: ConnectionManagerConfig,
+    /// The connection for every command but `BLPOP`. Replaced by a new one after
+    /// [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row; callers take a clone.
+    conn: std::sync::Mutex<ConnectionManager>,
+    /// Commands on `conn` that timed out since the last one that was answered.
+    timeouts: AtomicU32,
+    /// Held while `conn` is being replaced, so that one caller replaces it at a time.
+    reconnecting: tokio::sync::Mutex<()>,
     /// A second connection for `BLPOP`, which would hold up every other command on a
     /// shared connection while it waits.
     blocking: tokio::sync::Mutex<ConnectionManager>,
+    /// Set while a `BLPOP` runs on `blocking`; still set after it when its receive was
+    /// dropped before the reply came, and the server still runs it.
+    blocking_abandoned: AtomicBool,
     /// Woken whenever the receiver holding `blocking` stops waiting (its `BLPOP` returns,
     /// or its receive is dropped), for the receivers that wait while another holds it (several workers of a process share one queue).
     woken: tokio::sync::Notify,
@@ -196,20 +233,36 @@ impl RedisQueue {
                  control characters"
             )));
         }
-        let client = redis::Client::open(config.url.as_str()).map_err(|e| {
-            StoreError::invalid(format!("url {url:?}: {e}; expected redis://host:port[/db]"))
-        })?;
+        let invalid_url = |e: redis::RedisError| {
+            StoreError::invalid(format!(
+                "url {url:?}: {e}; expected redis://host:port[/db], or rediss://host:port[/db] \
+                 for TLS"
+            ))
+        };
+        let info = config.url.as_str().into_connection_info().map_err(invalid_url)?;
+        if matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }) {
+            // TLS (`rediss://`) checks the server's certificate against the system's
+            // roots, with the aws-lc-rs provider unless the process installed another.
+            let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+        }
+        let tcp = info.tcp_settings().clone().set_keepalive(
+            TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL),
+        );
+        #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+        let tcp = tcp.set_user_timeout(TCP_USER_TIMEOUT);
+        let client = redis::Client::open(info.set_tcp_settings(tcp)).map_err(invalid_url)?;
         let unavailable =
             |e: redis::RedisError| StoreError::unavailable(format!("redis at {url}: {e}"));
-        let settings = ConnectionManagerConfig::new()
+        let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CONNECT_TIMEOUT))
             .set_number_of_retries(1);
-        let conn = ConnectionManager::new_with_config(
-            client.clone(),
-            settings.clone().set_response_timeout(Some(RESPONSE_TIMEOUT)),
-        )
-        .await
-        .map_err(unavailable)?;
+        let settings = base.clone().set_response_timeout(Some(RESPONSE_TIMEOUT));
+        let blocking_settings = base.set_response_timeout(Some(
+            keel_core::limits::HINT_WAIT_MAX + RESPONSE_TIMEOUT + RESPONSE_TIMEOUT,
+        ));
+        let conn = ConnectionManager::new_with_config(client.clone(), settings.clone())
+            .await
+            .map_err(unavailable)?;
         match redis::cmd("INFO").arg("server").query_async::<String>(&mut conn.clone()).await {
             Ok(info) => check_server_version(&info)
                 .map_err(|e| StoreError::invalid(format!("redis at {url}: {e}")))?,
@@ -220,13 +273,10 @@ impl RedisQueue {
             }
             Err(e) => return Err(unavailable(e)),
         }
-        let blocking = ConnectionManager::new_with_config(
-            client,
-            settings
-                .set_response_timeout(Some(keel_core::limits::HINT_WAIT_MAX + RESPONSE_TIMEOUT)),
-        )
-        .await
-        .map_err(unavailable)?;
+        let blocking =
+            ConnectionManager::new_with_config(client.clone(), blocking_settings.clone())
+                .await
+                .map_err(unavailable)?;
         let prefix = format!("keel:{{{name}}}");
         let keys = Keys {
             vis: format!("{prefix}:vis"),
@@ -241,8 +291,14 @@ impl RedisQueue {
             dropped: AtomicU64::new(0),
             dropped_warned: AtomicU64::new(u64::MAX),
             created: Instant::now(),
-            conn,
+            client,
+            settings,
+            blocking_settings,
+            conn: std::sync::Mutex::new(conn),
+            timeouts: AtomicU32::new(0),
+            reconnecting: tokio::sync::Mutex::new(()),
             blocking: tokio::sync::Mutex::new(blocking),
+            blocking_abandoned: AtomicBool::new(false),
             woken: tokio::sync::Notify::new(),
         })
     }
@@ -295,27 +351,78 @@ impl RedisQueue {
     /// Deletes every hint of this queue, leased or not (what a `FLUSHALL` does to it).
     pub async fn purge(&self) -> StoreResult<()> {
         let k = &self.keys;
-        redis::cmd("DEL")
-            .arg(&k.vis)
-            .arg(&k.body)
-            .arg(&k.count)
-            .arg(&k.wake)
-            .query_async::<()>(&mut self.conn.clone())
-            .await
-            .map_err(|e| self.unavailable(&e))
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(&k.vis).arg(&k.body).arg(&k.count).arg(&k.wake);
+        self.call(cmd.query_async::<()>(&mut self.conn())).await
     }
 
     /// How many hints the queue holds, leased and delayed ones included.
     pub async fn len(&self) -> StoreResult<u64> {
-        redis::cmd("ZCARD")
-            .arg(&self.keys.vis)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| self.unavailable(&e))
+        let mut cmd = redis::cmd("ZCARD");
+        cmd.arg(&self.keys.vis);
+        self.call(cmd.query_async(&mut self.conn())).await
     }
 
     fn unavailable(&self, e: &redis::RedisError) -> StoreError {
         StoreError::unavailable(format!("redis queue {}: {e}", self.name))
+    }
+
+    /// A handle on the connection for every command but `BLPOP`.
+    fn conn(&self) -> ConnectionManager {
+        self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Runs a command on `conn`. An answer resets the count of timeouts in a row; the
+    /// [`TIMEOUTS_BEFORE_RECONNECT`]th timeout in a row replaces the connection (the
+    /// command still fails: the connection it was sent on is gone).
+    async fn call<T>(
+        &self,
+        command: impl Future<Output = redis::RedisResult<T>>,
+    ) -> StoreResult<T> {
+        match command.await {
+            Ok(value) => {
+                if self.timeouts.load(Ordering::Relaxed) != 0 {
+                    self.timeouts.store(0, Ordering::Relaxed);
+                }
+                Ok(value)
+            }
+            Err(e) => {
+                if e.is_timeout()
+                    && self.timeouts.fetch_add(1, Ordering::Relaxed) + 1
+                        >= TIMEOUTS_BEFORE_RECONNECT
+                {
+                    self.reconnect().await;
+                }
+                Err(self.unavailable(&e))
+            }
+        }
+    }
+
+    /// Replaces `conn` with a new connection, unless another caller is doing so. A
+    /// failed attempt keeps the old one (the next timeout tries again); an attempt takes
+    /// at most two tries of [`CONNECT_TIMEOUT`].
+    async fn reconnect(&self) {
+        let Ok(_only_one) = self.reconnecting.try_lock() else { return };
+        if self.timeouts.load(Ordering::Relaxed) < TIMEOUTS_BEFORE_RECONNECT {
+            return; // replaced by another caller since this one's timeout
+        }
+        match ConnectionManager::new_with_config(self.client.clone(), self.settings.clone()).await {
+            Ok(fresh) => {
+                *self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+                self.timeouts.store(0, Ordering::Relaxed);
+                tracing::warn!(
+                    queue = %self.name,
+                    timeouts = TIMEOUTS_BEFORE_RECONNECT,
+                    "the Redis connection stopped answering; replaced it with a new one"
+                );
+            }
+            Err(e) => tracing::warn!(
+                queue = %self.name,
+                error = %e,
+                "the Redis connection stopped answering and a new one could not be opened; \
+                 trying again at the next timeout"
+            ),
+        }
     }
 
     /// Waits up to `block` for a wake token. A receiver that finds the blocking connection
@@ -335,28 +442,60 @@ impl RedisQueue {
         // is dropped (a caller's timeout, a shutdown), which would otherwise leave them
         // asleep for their whole wait.
         let _wake_the_others = WakeOnDrop(&self.woken);
-        let popped = redis::cmd("BLPOP")
-            .arg(&self.keys.wake)
-            .arg(block.as_secs_f64())
-            .query_async::<Option<(String, String)>>(&mut *conn)
-            .await;
-        drop(conn);
-        popped.map(drop).map_err(|e| self.unavailable(&e))
+        if self.blocking_abandoned.load(Ordering::Relaxed) {
+            // A receive was dropped during its `BLPOP`. The server still runs it on this
+            // connection, where it would take the next wake token, and the `BLPOP` below
+            // would only start once it returns: one token pushed ends it.
+            let mut push = redis::pipe();
+            push.cmd("LPUSH").arg(&self.keys.wake).arg(1).ignore();
+            push.cmd("LTRIM").arg(&self.keys.wake).arg(0).arg(scripts::WAKE_TOKENS_MAX - 1);
+            self.call(push.ignore().query_async::<()>(&mut self.conn())).await?;
+            self.blocking_abandoned.store(false, Ordering::Relaxed);
+        }
+        self.blocking_abandoned.store(true, Ordering::Relaxed);
+        let mut blpop = redis::cmd("BLPOP");
+        blpop.arg(&self.keys.wake).arg(block.as_secs_f64());
+        // The server answers by the end of `block`: a connection that has not answered
+        // well after it has gone silent, and is replaced.
+        let popped = tokio::time::timeout(
+            block + RESPONSE_TIMEOUT,
+            blpop.query_async::<Option<(String, String)>>(&mut *conn),
+        )
+        .await;
+        match popped {
+            Ok(Ok(_)) => {
+                self.blocking_abandoned.store(false, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(Err(e)) if !e.is_timeout() => {
+                self.blocking_abandoned.store(false, Ordering::Relaxed);
+                Err(self.unavailable(&e))
+            }
+            _ => {
+                let fresh = ConnectionManager::new_with_config(
+                    self.client.clone(),
+                    self.blocking_settings.clone(),
+                )
+                .await
+                .map_err(|e| self.unavailable(&e))?;
+                *conn = fresh;
+                self.blocking_abandoned.store(false, Ordering::Relaxed);
+                tracing::warn!(
+                    queue = %self.name,
+                    "the Redis connection of a waiting receive stopped answering; replaced it \
+                     with a new one"
+                );
+                Ok(())
+            }
+        }
     }
 
     async fn reschedule(&self, receipt: &str, ms: u64, wake: bool, what: &str) -> StoreResult<()> {
         let (id, count) = split_receipt(receipt)?;
-        let done: i64 = scripts::RESCHEDULE
-            .key(&self.keys.vis)
-            .key(&self.keys.count)
-            .key(&self.keys.wake)
-            .arg(id)
-            .arg(count)
-            .arg(ms)
-            .arg(u8::from(wake))
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| self.unavailable(&e))?;
+        let mut script = scripts::RESCHEDULE.prepare_invoke();
+        script.key(&self.keys.vis).key(&self.keys.count).key(&self.keys.wake);
+        script.arg(id).arg(count).arg(ms).arg(u8::from(wake));
+        let done: i64 = self.call(script.invoke_async(&mut self.conn())).await?;
         if done == 0 {
             return Err(StoreError::not_found(format!(
                 "{what} of receipt {receipt}: the hint was acked or received again since"
@@ -419,10 +558,7 @@ impl Queue for RedisQueue {
         for hint in &hints {
             call.arg(hint_id(hint)).arg(millis(hint.delay)).arg(encode_body(hint));
         }
-        let dropped = call
-            .invoke_async::<u64>(&mut self.conn.clone())
-            .await
-            .map_err(|e| self.unavailable(&e))?;
+        let dropped = self.call(call.invoke_async::<u64>(&mut self.conn())).await?;
         self.count_dropped(dropped);
         Ok(())
     }
@@ -440,15 +576,10 @@ impl Queue for RedisQueue {
         // hint or the deadline, whichever comes first; the deadline bounds the rounds, and
         // rounds that look again at once are bounded by `JUNK_ROUNDS_MAX`.
         loop {
-            let reply: Vec<redis::Value> = scripts::RECEIVE
-                .key(&self.keys.vis)
-                .key(&self.keys.body)
-                .key(&self.keys.count)
-                .arg(max)
-                .arg(millis(visibility).max(1))
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| self.unavailable(&e))?;
+            let mut script = scripts::RECEIVE.prepare_invoke();
+            script.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count);
+            script.arg(max).arg(millis(visibility).max(1));
+            let reply: Vec<redis::Value> = self.call(script.invoke_async(&mut self.conn())).await?;
             let received = self.parse_receive(&reply)?;
             let had_junk = !received.junk.is_empty();
             if had_junk {
@@ -483,16 +614,16 @@ impl Queue for RedisQueue {
             let (id, count) = split_receipt(receipt)?;
             call.arg(id).arg(count);
         }
-        call.invoke_async::<i64>(&mut self.conn.clone())
-            .await
-            .map(drop)
-            .map_err(|e| self.unavailable(&e))
+        self.call(call.invoke_async::<i64>(&mut self.conn())).await.map(drop)
     }
 
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
         validate_receipts(std::slice::from_ref(&receipt))?;
         validate_nack_delay(delay, &self.capabilities())?;
-        self.reschedule(&receipt, millis(delay), delay.is_zero(), "nack").await
+        // Every nack wakes a waiting receiver, also one with a delay: the receiver looks
+        // again, sees when the hint becomes visible and waits only that long, instead of
+        // its whole wait.
+        self.reschedule(&receipt, millis(delay), true, "nack").await
     }
 
     async fn extend(&self, receipt: String, visibility: Duration) -> StoreResult<()> {
@@ -569,7 +700,7 @@ impl RedisQueue {
         for (id, count) in junk {
             call.arg(id.as_slice()).arg(*count);
         }
-        if let Err(e) = call.invoke_async::<i64>(&mut self.conn.clone()).await {
+        if let Err(e) = self.call(call.invoke_async::<i64>(&mut self.conn())).await {
             tracing::warn!(
                 queue = %self.name,
                 error = %e,

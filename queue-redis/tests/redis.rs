@@ -301,11 +301,182 @@ async fn a_dropped_wait_wakes_the_receivers_behind_it() {
         tokio::spawn(async move { q.receive(10, 5000 * MS, wait).await.unwrap() })
     };
     assert!(holder.await.unwrap().is_err(), "the holder's receive was dropped at its timeout");
-    // Two hints, two wake tokens: the dropped `BLPOP` still pending on the server takes one.
-    q.enqueue(vec![Hint::new(InstanceId(1), 1), Hint::new(InstanceId(2), 1)]).await.unwrap();
+    // One hint, one wake token: the `BLPOP` of the dropped receive, still pending on the
+    // server, must not be the one that takes it.
+    tokio::time::sleep(100 * MS).await;
+    q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
     let got = tokio::time::timeout(wait / 2, waiter)
         .await
         .expect("the waiter was woken, not left asleep for its whole wait")
         .unwrap();
     assert!(!got.is_empty(), "the waiter received the published hints");
+}
+
+/// A TCP proxy in front of a Redis server whose connections can be made to go silent:
+/// still open, still acknowledged by the kernel, but nothing forwarded any more (a NAT
+/// or firewall that forgot them, a hung middlebox). Connections opened after
+/// [`SilencingProxy::silence`] are forwarded as usual.
+struct SilencingProxy {
+    port: u16,
+    open: std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>>>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl SilencingProxy {
+    async fn start(upstream: String) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let open = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let accepting = {
+            let open = std::sync::Arc::clone(&open);
+            tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                        continue;
+                    };
+                    let silent = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    open.lock().unwrap().push(std::sync::Arc::clone(&silent));
+                    let (client_read, client_write) = client.into_split();
+                    let (server_read, server_write) = server.into_split();
+                    for (mut from, mut to) in
+                        [(client_read, server_write), (server_read, client_write)]
+                    {
+                        let silent = std::sync::Arc::clone(&silent);
+                        tokio::spawn(async move {
+                            let mut buf = vec![0u8; 16 * 1024];
+                            loop {
+                                let n = match from.read(&mut buf).await {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(n) => n,
+                                };
+                                if silent.load(std::sync::atomic::Ordering::SeqCst) {
+                                    // Keeps both ends open and forwards nothing.
+                                    std::future::pending::<()>().await;
+                                }
+                                if to.write_all(&buf[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                        });
+                    }
+                }
+            })
+        };
+        SilencingProxy { port, open, accepting }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Every connection open now stops forwarding, in both directions, for good.
+    fn silence(&self) {
+        for silent in self.open.lock().unwrap().iter() {
+            silent.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for SilencingProxy {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+/// A connection that goes silent without being closed is replaced within seconds:
+/// publishing works again well before the kernel would give up on the old connection,
+/// and a waiting receive gets a new connection too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_replaced_within_seconds() {
+    let Ok(url) = std::env::var(URL_VAR) else {
+        let _ = queue_or_skip::<RedisQueue>("redis silent connection", URL_VAR, None);
+        return;
+    };
+    let upstream = url.trim_start_matches("redis://").split('/').next().unwrap().to_owned();
+    let proxy = SilencingProxy::start(upstream).await;
+    let name = format!("test-{:016x}", fastrand::u64(..));
+    let q = RedisQueue::connect(RedisQueueConfig::new(proxy.url(), name)).await.unwrap();
+    q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
+    assert_eq!(q.receive(1, 60_000 * MS, 100 * MS).await.unwrap().len(), 1);
+
+    proxy.silence();
+    let started = std::time::Instant::now();
+    let mut errors = Vec::new();
+    loop {
+        match q.enqueue(vec![Hint::new(InstanceId(2), 1)]).await {
+            Ok(()) => break,
+            Err(e) => errors.push(format!("{:?}: {e}", started.elapsed())),
+        }
+        assert!(
+            started.elapsed() < 15_000 * MS,
+            "publishing still fails 15 s after the connection went silent: {errors:?}"
+        );
+    }
+    // The receive's wait runs on its own connection, silent too: it ends at its time
+    // (with the wait's margin), not with an error, and the next one waits on a new
+    // connection that a publish wakes.
+    let waited = std::time::Instant::now();
+    let got = q.receive(1, 60_000 * MS, 1000 * MS).await.unwrap();
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), [2]);
+    let got = q.receive(1, 60_000 * MS, 1000 * MS).await.unwrap();
+    assert!(got.is_empty(), "{got:?}");
+    assert!(waited.elapsed() < 5000 * MS, "the waits took {:?}", waited.elapsed());
+    let q = std::sync::Arc::new(q);
+    let waiter = {
+        let q = std::sync::Arc::clone(&q);
+        tokio::spawn(async move { q.receive(1, 60_000 * MS, 10_000 * MS).await.unwrap() })
+    };
+    tokio::time::sleep(300 * MS).await;
+    let published = std::time::Instant::now();
+    q.enqueue(vec![Hint::new(InstanceId(3), 1)]).await.unwrap();
+    let got = waiter.await.unwrap();
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), [3]);
+    assert!(published.elapsed() < 2000 * MS, "woken after {:?}", published.elapsed());
+}
+
+/// A hint handed back with a delay (a worker that received it but cannot take it) wakes
+/// a receiver of another handle that is already waiting: it gets the hint soon after the
+/// delay, not at the end of its own wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_hand_back_wakes_a_waiting_receiver() {
+    let Some(a) = queue_or_skip("redis hand-back wake", URL_VAR, fresh_queue().await) else {
+        return;
+    };
+    let url = std::env::var(URL_VAR).unwrap();
+    let b = RedisQueue::connect(RedisQueueConfig::new(&url, a.name())).await.unwrap();
+    a.enqueue(vec![Hint::new(InstanceId(9), 1)]).await.unwrap();
+    let held = a.receive(1, 60_000 * MS, 1000 * MS).await.unwrap();
+    assert_eq!(held.len(), 1);
+    let waiter = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let got = b.receive(1, 30_000 * MS, 5000 * MS).await.unwrap();
+        (got, started.elapsed())
+    });
+    // The other handle is in its wait well before the hand-back.
+    tokio::time::sleep(300 * MS).await;
+    let handed_back = std::time::Instant::now();
+    a.nack(held[0].receipt.clone(), 50 * MS).await.unwrap();
+    let (got, _) = waiter.await.unwrap();
+    let after = handed_back.elapsed();
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), [9]);
+    assert!(after < 1000 * MS, "the waiting receiver got the hint {after:?} after the hand-back");
+}
+
+/// `rediss://` (TLS, as managed Redis services with encryption in transit require) is
+/// built in: a server that is not there is `Unavailable`, and a server that does not
+/// speak TLS fails the handshake, not the URL.
+#[tokio::test]
+async fn rediss_urls_connect_with_tls() {
+    let err = RedisQueue::connect(RedisQueueConfig::new("rediss://:s3cret@127.0.0.1:9/0", "q"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    assert!(err.message.starts_with("redis at rediss://:***@127.0.0.1:9/0: "), "{err}");
+    let Ok(url) = std::env::var(URL_VAR) else { return };
+    // The test server speaks plain RESP: the TLS handshake with it fails.
+    let tls = url.replacen("redis://", "rediss://", 1);
+    let err = RedisQueue::connect(RedisQueueConfig::new(&tls, "q")).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    assert!(!err.message.contains("feature"), "{err}");
 }
