@@ -642,3 +642,92 @@ async fn a_deploy_that_shortens_a_deadline_moves_waiting_timers() {
         w.shutdown().await;
     }
 }
+
+/// `keel_timers_fired_total` against what the store delivered, when one store call of a
+/// sweep fails after others committed.
+mod fired_counter {
+    use super::common::faulty::{Fault, Faulty};
+    use super::{Harness, expiring, fired, in_state};
+    use keel_scheduler::{SweepConfig, Sweeper, Worker, WorkerConfig};
+    use keel_testkit::memory::MemoryStore;
+    use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
+    use serde_json::json;
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    /// A recorder that keeps each counter's total by name, to read what was counted.
+    #[derive(Default)]
+    struct Counters(Mutex<HashMap<String, Arc<AtomicU64>>>);
+
+    impl Counters {
+        fn get(&self, name: &str) -> u64 {
+            self.0.lock().unwrap().get(name).map_or(0, |c| c.load(Ordering::SeqCst))
+        }
+    }
+
+    impl metrics::Recorder for Counters {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            let mut counters = self.0.lock().unwrap();
+            Counter::from_arc(Arc::clone(counters.entry(key.name().to_owned()).or_default()))
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// 150 due timers, batches of 100: the first call fires 100, then a wave of two calls
+    /// runs, one failing and the other firing the last 50. The sweep reports the failure,
+    /// and the counter still counts all 150 fires the store delivered. The recorder is
+    /// this thread's, and the runtime has this one thread, so other tests' sweeps do not
+    /// count in it.
+    #[test]
+    fn fires_committed_before_a_sweep_call_failed_are_counted() {
+        let counters = Counters::default();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let delivered = metrics::with_local_recorder(&counters, || {
+            runtime.block_on(async {
+                // The first store call of the sweep goes through, the second fails.
+                let store = Faulty::new(MemoryStore::new())
+                    .failing("timer_sweep", &[Fault::Pass, Fault::Error]);
+                let h = Harness::with_store(store);
+                let m = expiring();
+                let config = WorkerConfig { timers: None, ..h.config() };
+                let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config);
+                let w = h.hinted(w.register(m.clone())).spawn();
+                let mut ids = Vec::with_capacity(150);
+                for _ in 0..150 {
+                    ids.push(h.start(m.new_instance(json!({}))).await);
+                }
+                for id in &ids {
+                    h.wait(*id, "awaiting", in_state("awaiting")).await;
+                }
+                w.shutdown().await;
+                h.clock.advance(Duration::from_secs(1));
+                let config =
+                    SweepConfig { batch: 100, batches_in_flight: 2, ..SweepConfig::default() };
+                let sweeper = Sweeper::new(Arc::clone(&h.store), h.clock.clone(), config).unwrap();
+                let err = sweeper.sweep(&[]).await.expect_err("the second store call fails");
+                assert!(err.to_string().contains("injected timer_sweep failure"), "{err}");
+                let mut delivered = 0;
+                for id in &ids {
+                    delivered += fired(&h, *id, "EXPIRE").await;
+                }
+                delivered
+            })
+        });
+        assert_eq!(delivered, 150, "the first call and the failing call's sibling committed");
+        assert_eq!(
+            counters.get("keel_timers_fired_total"),
+            150,
+            "every fire the store delivered is counted"
+        );
+    }
+}

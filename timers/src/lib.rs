@@ -14,7 +14,11 @@
 //! **Backpressure.** Before sweeping, the sweeper reads the ready backlog
 //! (`Store::queue_stats`); above `backpressure_threshold` it skips the sweep and logs a
 //! warning. Skipped timers are only late, never lost: they fire on the next sweep below
-//! the threshold.
+//! the threshold. Ready rows in a paused queue do not count: no worker claims them until
+//! the queue is resumed, so they would hold back every timer for as long as the pause
+//! lasts. Only a count above the threshold is checked for paused queues
+//! (`Store::queue_list`, one read per namespace with ready rows, at most
+//! [`PAUSED_QUEUE_READS_MAX`] namespaces, largest backlog first).
 //!
 //! **When it sweeps.** Each [`SweepGroup`] (a set of machine names, or all of them) sleeps
 //! until the earliest due time of its timers (`Store::timer_next_due`, read after each
@@ -41,6 +45,7 @@ use keel_core::limits;
 use keel_core::ports::store::{TimerNextDueParams, TimerSweepParams, TimerSweepReport};
 use keel_core::ports::{Clock, Store};
 use keel_core::{StoreResult, Timestamp};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -79,6 +84,12 @@ pub const BACKPRESSURE_RECHECK: Duration = Duration::from_secs(1);
 /// the sweep after a skipped one counts again.
 pub const BACKLOG_MAX_AGE: Duration = Duration::from_secs(1);
 
+/// The most namespaces whose paused queues one backlog count reads (`Store::queue_list`,
+/// one call each, the namespaces with the most ready rows first). Ready rows of further
+/// namespaces count in full, paused or not: with more namespaces than this holding ready
+/// rows, a paused queue in one of the smaller ones can still hold sweeps back.
+pub const PAUSED_QUEUE_READS_MAX: usize = 100;
+
 /// Machines swept together.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweepGroup {
@@ -113,6 +124,7 @@ pub struct SweepConfig {
     /// busy at once; a store with one writer (SQLite, memory) runs them one after another.
     pub batches_in_flight: usize,
     /// Skip a sweep while more than this many instances are ready to run (default 10 000).
+    /// Instances in a paused queue do not count: they cannot run until it is resumed.
     pub backpressure_threshold: u64,
 }
 
@@ -179,7 +191,7 @@ impl SweepConfig {
 pub enum SweepOutcome {
     /// The ready backlog was above the threshold; nothing was fired.
     Skipped {
-        /// The ready backlog seen.
+        /// The ready backlog seen (outside paused queues).
         backlog: u64,
     },
     /// Fired what was due (up to the per-sweep bound).
@@ -234,10 +246,41 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         {
             return Ok(n);
         }
-        let stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
-        let n = stats.iter().map(|q| q.ready).sum();
+        let n = self.count_backlog(now).await?;
         let keep = (n <= self.config.backpressure_threshold).then(|| (Instant::now(), n));
         *self.backlog.lock().expect("backlog reading lock") = keep;
+        Ok(n)
+    }
+
+    /// Counts the ready rows that workers can claim: every ready row, less those in paused
+    /// queues. Paused queues are looked up only when the whole count is above the
+    /// threshold, in at most [`PAUSED_QUEUE_READS_MAX`] namespaces.
+    async fn count_backlog(&self, now: Timestamp) -> StoreResult<u64> {
+        let stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
+        let mut n: u64 = stats.iter().map(|q| q.ready).sum();
+        if n <= self.config.backpressure_threshold {
+            return Ok(n);
+        }
+        let mut per_namespace: BTreeMap<&str, u64> = BTreeMap::new();
+        for q in stats.iter().filter(|q| q.ready > 0) {
+            *per_namespace.entry(&q.namespace).or_default() += q.ready;
+        }
+        let mut namespaces: Vec<(&str, u64)> = per_namespace.into_iter().collect();
+        namespaces.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        for (namespace, _) in namespaces.into_iter().take(PAUSED_QUEUE_READS_MAX) {
+            let queues = self.store.queue_list(namespace.to_owned()).await?;
+            let paused: BTreeSet<&str> =
+                queues.iter().filter(|q| q.paused).map(|q| q.queue.as_str()).collect();
+            if paused.is_empty() {
+                continue;
+            }
+            let stuck: u64 = stats
+                .iter()
+                .filter(|q| q.namespace == namespace && paused.contains(q.queue.as_str()))
+                .map(|q| q.ready)
+                .sum();
+            n = n.saturating_sub(stuck);
+        }
         Ok(n)
     }
 
@@ -269,6 +312,9 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
                 "timer sweeps resumed: the ready backlog is below the backpressure threshold"
             );
         }
+        // Counted per call as it returns: a later call's failure leaves the fires of the
+        // calls that committed counted.
+        let fired_total = metrics::counter!("keel_timers_fired_total");
         let mut total = TimerSweepReport::default();
         let mut batches = 0;
         // The first batch alone (most sweeps find less than one batch due), then waves.
@@ -292,6 +338,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
             while let Some(joined) = calls.join_next().await {
                 match joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) {
                     Ok(report) => {
+                        fired_total.increment(report.fired);
                         total.fired += report.fired;
                         total.exhausted += report.exhausted;
                         total.processed += report.processed;
@@ -309,7 +356,6 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
             }
             wave = self.config.batches_in_flight;
         }
-        metrics::counter!("keel_timers_fired_total").increment(total.fired);
         if total.processed > 0 {
             tracing::debug!(
                 fired = total.fired,

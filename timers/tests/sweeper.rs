@@ -429,3 +429,44 @@ async fn after_a_skipped_sweep_the_backlog_is_counted_again_and_timers_fire_once
     tx.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(2), task).await.expect("stops on shutdown").unwrap();
 }
+
+/// Ready instances in a paused queue cannot drain until it is resumed, so they do not hold
+/// back the sweep: another machine's `after` timers fire while a queue holding more ready
+/// instances than the threshold is paused, and the same instances count again once it is
+/// resumed.
+#[tokio::test]
+async fn ready_instances_in_a_paused_queue_do_not_hold_back_the_sweep() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let parked = with_timers(&store, "m", 2, clock.now()).await;
+    let pause = |paused| keel_core::ports::store::QueuePauseParams {
+        namespace: keel_core::ids::DEFAULT_NAMESPACE.to_owned(),
+        queue: "bulk".into(),
+        paused,
+        now: clock.now(),
+    };
+    store.queue_pause(pause(true)).await.unwrap();
+    // Five ready instances in the paused queue, over a threshold of 3.
+    let bulk: Vec<NewInstance> = (0..5)
+        .map(|_| NewInstance::new(MachineRef::new("bulk_job", 1), "go").queue("bulk"))
+        .collect();
+    let params = keel_core::ports::store::InsertParams { instances: bulk, now: clock.now() };
+    store.instance_insert(params).await.unwrap();
+    clock.advance(Duration::from_secs(5));
+    let config = SweepConfig { backpressure_threshold: 3, ..SweepConfig::default() };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config.clone()).unwrap();
+    let outcome = sweeper.sweep(&[]).await.unwrap();
+    assert!(
+        matches!(outcome, SweepOutcome::Swept { report, .. } if report.fired == 2),
+        "a paused queue's backlog does not skip the sweep: {outcome:?}"
+    );
+    for id in &parked {
+        assert_eq!(store.instance_get(*id).await.unwrap().inbox.len(), 1, "fired once");
+    }
+
+    // Resumed, the same instances can drain, and count again (with the two the fired
+    // timers woke).
+    store.queue_pause(pause(false)).await.unwrap();
+    let fresh = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    assert_eq!(fresh.sweep(&[]).await.unwrap(), SweepOutcome::Skipped { backlog: 7 });
+}

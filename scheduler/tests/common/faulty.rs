@@ -24,6 +24,8 @@ pub enum Fault {
     Refuse,
     /// Panic, as a store decoder meeting a row it cannot read once did.
     Panic,
+    /// Go through, so that a later call is the one that fails.
+    Pass,
 }
 
 /// Behaviours of a [`Faulty`] store that depend on what a call asks for, or hold for
@@ -120,7 +122,7 @@ impl<S: Store> Faulty<S> {
         self.calls.lock().unwrap().entry(op).or_default().push(Instant::now());
         let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
         match fault {
-            None => Ok(()),
+            None | Some(Fault::Pass) => Ok(()),
             Some(Fault::Error) => Err(StoreError::unavailable(format!("injected {op} failure"))),
             Some(Fault::Refuse) => Err(StoreError::invalid(format!("injected {op} refusal"))),
             Some(Fault::Panic) => panic!("injected {op} panic"),
