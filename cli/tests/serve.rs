@@ -1785,3 +1785,41 @@ fn dashboard_flash_messages_are_the_servers_own() {
         );
     }
 }
+
+/// A remote step whose worker dies with it leaves only an expired lease behind. Once the
+/// expired leases have used up the retry policy's attempts, a poll does not hand the task
+/// out again: it fails it into the dead letters, naming the expired leases.
+#[test]
+fn a_task_whose_leases_used_up_its_attempts_is_dead_lettered_not_handed_out() {
+    let config = "[queue.retry]\nmax_attempts = 2\n";
+    for (name, s) in servers(
+        "a_task_whose_leases_used_up_its_attempts_is_dead_lettered_not_handed_out",
+        Some(config),
+    ) {
+        let ns = "/v1/namespaces/default/instances";
+        let (code, a) = s.post(ns, r#"{"machine":"crashy","at":"call"}"#);
+        assert_eq!(code, 201, "{name}: {a}");
+        let id = a["id"].as_i64().unwrap();
+        let poll = r#"{"worker":"w","namespace":"default","machines":[{"name":"crashy","version":1}],"lease_ms":100}"#;
+        // Two workers take the task and die with it: each lease runs out unreported.
+        for attempt in 0..2 {
+            let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+            assert_eq!((code, task["attempt"].as_i64()), (200, Some(attempt)), "{name}: {task}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        // The next poll reaps the second lease and finds both attempts used up.
+        let (code, task) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 204, "{name}: the task was handed out again: {task}");
+        let (_, row) = s.get_json(&format!("{ns}/{id}"));
+        let row = &row["instance"];
+        assert_eq!(row["status"], "suspended", "{name}: {row}");
+        let error = row["last_error"].as_str().unwrap_or_default();
+        assert!(error.contains("its lease expired 2 times"), "{name}: {error}");
+        assert!(error.contains("may be killing its worker"), "{name}: {error}");
+        let (code, list) = s.get_json("/v1/namespaces/default/dead-letters");
+        assert_eq!(code, 200, "{name}: {list}");
+        let letters = list["dead_letters"].as_array().cloned().unwrap_or_default();
+        assert_eq!(letters.len(), 1, "{name}: {list}");
+        assert_eq!(letters[0]["letter"]["reason"], "non_retryable", "{name}: {list}");
+    }
+}

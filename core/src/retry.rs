@@ -559,6 +559,80 @@ pub fn failed_step(
     step
 }
 
+/// A claimed step whose attempts are used up before it runs ([`attempts_used_up`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptsUsedUp {
+    /// How many of its attempts ended with the lease expiring, with no result from the
+    /// worker that held it.
+    pub leases_expired: u32,
+    /// The step's error: names the expired leases and what they mean.
+    pub message: String,
+}
+
+impl AttemptsUsedUp {
+    /// The kind of failure the step fails with: non-retryable, since one more run would
+    /// go past the policy's bound.
+    pub const KIND: FailureKind = FailureKind::NonRetryable;
+}
+
+/// Checks a claimed step against its retry policy before it runs: `Some` when the row's
+/// `attempt` (0-based) is already `policy.max_attempts` or more.
+///
+/// A failed attempt goes through [`decide`], which dead-letters the failure of the last
+/// allowed attempt, so a retry never leads to an attempt past the bound. Only the
+/// reaper's return of an expired lease ([`crate::outcome::reap`]) counts an attempt
+/// without that decision. A step whose every run takes its worker down with it (a
+/// crash, an abort, running out of memory) therefore reaches this bound through expired
+/// leases alone, and would be run again for ever. Such a step is not run again: the
+/// runtime fails it with [`AttemptsUsedUp::KIND`] and the message returned, through the
+/// same failure handling as any other failed step (by default a dead letter, with the
+/// instance suspended; without dead letters the instance fails). The runtime does not
+/// know which single event the step would have processed, so nothing is skipped.
+///
+/// `leases_expired` counts the attempts below `attempt` that recorded no error of their
+/// own in `row.errors`.
+///
+/// ```
+/// use keel_core::ids::{InstanceId, MachineRef};
+/// use keel_core::instance::{Instance, NewInstance};
+/// use keel_core::retry::{attempts_used_up, RetryPolicy};
+/// use keel_core::Timestamp;
+///
+/// let new = NewInstance::new(MachineRef::new("order", 1), "charge");
+/// let mut row = Instance::from_new(InstanceId(1), &new, None, Timestamp(0));
+/// let policy = RetryPolicy::default(); // 3 attempts: 0, 1 and 2
+/// row.attempt = 2;
+/// assert_eq!(attempts_used_up(&policy, &row), None);
+/// row.attempt = 3; // three leases expired in a row
+/// let used_up = attempts_used_up(&policy, &row).unwrap();
+/// assert_eq!(used_up.leases_expired, 3);
+/// assert!(used_up.message.contains("may be killing its worker"));
+/// ```
+pub fn attempts_used_up(policy: &RetryPolicy, row: &Instance) -> Option<AttemptsUsedUp> {
+    let attempt = u32::try_from(row.attempt).ok()?;
+    let allowed = policy.max_attempts.max(1);
+    if attempt < allowed {
+        return None;
+    }
+    let failed = row.errors.iter().filter(|e| (0..row.attempt).contains(&e.attempt)).count();
+    let leases_expired = attempt.saturating_sub(u32::try_from(failed).unwrap_or(u32::MAX));
+    let step = &row.position;
+    let message = if leases_expired > 0 {
+        format!(
+            "step `{step}` was not run again: its lease expired {leases_expired} times with \
+             no result from the worker holding it, which used up the {allowed} attempts \
+             retry.max_attempts allows; the step may be killing its worker (a crash, an \
+             abort, running out of memory)"
+        )
+    } else {
+        format!(
+            "step `{step}` was not run again: it already ran {attempt} times, and \
+             retry.max_attempts now allows {allowed}"
+        )
+    };
+    Some(AttemptsUsedUp { leases_expired, message })
+}
+
 /// What a runtime does with a step result the store refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefusedCommit {
@@ -867,6 +941,76 @@ mod tests {
         for (store, kind) in refusals {
             assert_eq!(FailureKind::of_refusal(store), kind, "{store:?}");
         }
+    }
+
+    /// Retries never reach the bound (the last allowed attempt's failure dead-letters);
+    /// expired leases do, after exactly `max_attempts` runs, and only then.
+    #[test]
+    fn attempts_are_used_up_only_by_expired_leases_past_the_bound() {
+        use crate::ids::{InstanceId, MachineRef};
+        use crate::instance::{AttemptError, NewInstance};
+        use crate::time::Timestamp;
+        let new = NewInstance::new(MachineRef::new("order", 1), "charge");
+        let fresh = Instance::from_new(InstanceId(7), &new, None, Timestamp(0));
+        for max_attempts in [1, 2, 3, 10] {
+            let policy = RetryPolicy { max_attempts, ..RetryPolicy::default() };
+            // Every run fails: each retry is checked before it runs, and none is refused.
+            let mut row = fresh.clone();
+            loop {
+                assert_eq!(attempts_used_up(&policy, &row), None, "retry at {}", row.attempt);
+                let attempt = u32::try_from(row.attempt).unwrap();
+                match decide(&policy, attempt, FailureKind::Action, 0.0) {
+                    RetryDecision::Retry { .. } => {
+                        row.errors.push(AttemptError {
+                            attempt: row.attempt,
+                            error: "boom".into(),
+                            at: Timestamp(0),
+                        });
+                        row.attempt += 1;
+                    }
+                    decision => {
+                        assert_eq!(
+                            decision,
+                            RetryDecision::DeadLetter { reason: DeadLetterReason::Exhausted }
+                        );
+                        break;
+                    }
+                }
+            }
+            // Every run takes its worker down: the step runs `max_attempts` times, then
+            // is refused, naming the leases.
+            let mut row = fresh.clone();
+            let mut runs = 0;
+            while attempts_used_up(&policy, &row).is_none() {
+                runs += 1;
+                row = crate::outcome::reap(&row, Timestamp(0));
+                assert!(runs <= max_attempts, "ran {runs} times under {max_attempts} attempts");
+            }
+            assert_eq!(runs, max_attempts);
+            let used_up = attempts_used_up(&policy, &row).unwrap();
+            assert_eq!(used_up.leases_expired, max_attempts);
+            assert!(used_up.message.contains(&format!("lease expired {max_attempts} times")));
+            assert!(used_up.message.contains("may be killing its worker"), "{}", used_up.message);
+        }
+        // A failure, then two expired leases: two of the three attempts were leases.
+        let policy = RetryPolicy::default();
+        let mut row = fresh.clone();
+        row.errors.push(AttemptError { attempt: 0, error: "boom".into(), at: Timestamp(0) });
+        row.attempt = 3;
+        assert_eq!(attempts_used_up(&policy, &row).unwrap().leases_expired, 2);
+        // A policy lowered since the step ran: refused, without blaming leases.
+        let mut row = fresh;
+        row.errors = (0..2)
+            .map(|attempt| AttemptError { attempt, error: "boom".into(), at: Timestamp(0) })
+            .collect();
+        row.attempt = 2;
+        let lowered = RetryPolicy { max_attempts: 2, ..policy };
+        let used_up = attempts_used_up(&lowered, &row).unwrap();
+        assert_eq!(used_up.leases_expired, 0);
+        assert_eq!(
+            used_up.message,
+            "step `charge` was not run again: it already ran 2 times, and retry.max_attempts now allows 2"
+        );
     }
 
     #[test]

@@ -24,22 +24,7 @@ pub struct RegistrationError {
 
 impl fmt::Display for RegistrationError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "machine {} cannot run on this worker; missing: {}.",
-            self.machine,
-            self.missing.join(", ")
-        )?;
-        if self.missing.iter().any(|m| m.starts_with("action ")) {
-            f.write_str(" Fix: bind each action with `ChartMachine::action(name, …)`.")?;
-        }
-        if self.missing.iter().any(|m| m.starts_with("delegated machine ")) {
-            f.write_str(
-                " Fix: register each delegated machine on this worker, or declare it with \
-                 `WorkerBuilder::served_elsewhere(name)` when another worker runs it.",
-            )?;
-        }
-        Ok(())
+        f.write_str(&keel_scheduler::machine::cannot_run(&self.machine, &self.missing))
     }
 }
 
@@ -103,16 +88,18 @@ impl WorkerBuilder {
     /// refused here, with every missing name in the error, instead of failing its instances
     /// later.
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
-        let unbound = machine.unbound();
         let name = machine.machine();
-        if !unbound.is_empty() {
+        let delegates = machine.delegates();
+        self.worker = self.worker.register(machine);
+        // The runtime's worker keeps the rule (it refuses to start with such a machine);
+        // here it is said at once, for this machine.
+        if let Some(missing) = self.worker.unbound(&name) {
             return Err(RegistrationError {
                 machine: format!("{} v{}", name.name, name.version),
-                missing: unbound,
+                missing: missing.to_vec(),
             });
         }
-        self.machines.push((name.name.clone(), name.version, machine.delegates()));
-        self.worker = self.worker.register(machine);
+        self.machines.push((name.name.clone(), name.version, delegates));
         // The configuration file's levels for this machine must resolve over what it set
         // in code (a relational rule such as `initial_delay <= max_delay` can span both).
         if let Err(e) = self.worker.check_settings() {

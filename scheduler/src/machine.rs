@@ -276,8 +276,9 @@ pub trait StepMachine: Send + Sync + 'static {
     }
 
     /// What this machine names but was not given, each as `kind `name``, e.g.
-    /// ``action `notify` ``: a worker refuses to register a machine while this is not
-    /// empty. Default: nothing (a step machine's steps are its own code).
+    /// ``action `notify` ``: a worker refuses to start with a machine while this is not
+    /// empty ([`Worker::check`](crate::Worker::check), with [`cannot_run`]'s message).
+    /// Default: nothing (a step machine's steps are its own code).
     fn unbound(&self) -> Vec<String> {
         Vec::new()
     }
@@ -303,4 +304,22 @@ pub trait StepMachine: Send + Sync + 'static {
         let _ = step;
         false
     }
+}
+
+/// Why a worker refuses `machine` (as `name vN`): what it names but was not given
+/// (`missing`, each as ``action `notify` `` or ``delegated machine `payment` ``), and how to
+/// fix each kind.
+pub fn cannot_run(machine: &str, missing: &[String]) -> String {
+    let mut message =
+        format!("machine {machine} cannot run on this worker; missing: {}.", missing.join(", "));
+    if missing.iter().any(|m| m.starts_with("action ")) {
+        message.push_str(" Fix: bind each action with `ChartMachine::action(name, …)`.");
+    }
+    if missing.iter().any(|m| m.starts_with("delegated machine ")) {
+        message.push_str(
+            " Fix: register each delegated machine on this worker, or declare it with \
+             `WorkerBuilder::served_elsewhere(name)` when another worker runs it.",
+        );
+    }
+    message
 }

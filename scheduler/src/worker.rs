@@ -538,6 +538,9 @@ pub struct Worker<S, C> {
     /// The first machine registered more than once: the worker refuses to start (see
     /// [`Worker::check`]).
     registered_twice: Option<MachineRef>,
+    /// The first machine registered that names what it was not given
+    /// ([`StepMachine::unbound`]), with those names: the worker refuses to start.
+    unbound: Option<(MachineRef, Vec<String>)>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
@@ -550,19 +553,31 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             machines: HashMap::new(),
             hints: None,
             registered_twice: None,
+            unbound: None,
         }
     }
 
-    /// Registers a machine; the worker claims only the `(name, version)` pairs it has.
+    /// Registers a machine; the worker claims only the `(name, version)` pairs it has, so
+    /// a worker with no machine claims nothing (it still runs its schedules, timer sweeps,
+    /// pruning and lease reaping).
     /// With a configuration file ([`WorkerConfig::with_settings`]) the machine first takes
     /// the file's settings for it ([`StepMachine::apply_settings`]). A `(name, version)`
     /// registered twice keeps the first machine, and the worker refuses to start
     /// ([`check`](Self::check) names it): which of two machines runs the steps of one
-    /// version must not depend on the order of the calls.
+    /// version must not depend on the order of the calls. A machine that names what it
+    /// was not given ([`StepMachine::unbound`]: a chart's action without code) makes the
+    /// worker refuse to start too, naming each missing piece, rather than fail every
+    /// instance that reaches it.
     #[must_use]
     pub fn register(mut self, mut machine: impl StepMachine) -> Self {
         if let Some(settings) = &self.config.settings {
             machine.apply_settings(settings);
+        }
+        if self.unbound.is_none() {
+            let missing = machine.unbound();
+            if !missing.is_empty() {
+                self.unbound = Some((machine.machine(), missing));
+            }
         }
         match self.machines.entry(machine.machine()) {
             Entry::Occupied(taken) => {
@@ -592,8 +607,16 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         Ok(())
     }
 
+    /// What the machine `machine` registered here names but was not given
+    /// ([`StepMachine::unbound`]), when it is the first such machine registered; the
+    /// message [`check`](Self::check) refuses it with is [`cannot_run`](crate::machine::cannot_run)'s.
+    pub fn unbound(&self, machine: &MachineRef) -> Option<&[String]> {
+        self.unbound.as_ref().filter(|(m, _)| m == machine).map(|(_, missing)| missing.as_slice())
+    }
+
     /// Everything [`spawn`](Self::spawn) checks before it starts anything: each machine
-    /// registered once, the worker's own bounds ([`WorkerConfig::validate`]), its timer
+    /// registered once, every name its machines use bound ([`StepMachine::unbound`]),
+    /// the worker's own bounds ([`WorkerConfig::validate`]), its timer
     /// sweep ([`SweepConfig::validate`]), the configuration file for every registered
     /// machine ([`Self::check_settings`]), its schedules and its retention. The message
     /// names the setting and the fix.
@@ -604,6 +627,10 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
                  (name, version) once, or give the second machine a version of its own",
                 machine.name, machine.version
             ));
+        }
+        if let Some((machine, missing)) = &self.unbound {
+            let name = format!("{} v{}", machine.name, machine.version);
+            return Err(crate::machine::cannot_run(&name, missing));
         }
         self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
         if let Some(timers) = &self.config.timers {
@@ -632,6 +659,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// panicking on it.
     pub fn try_spawn(self) -> Result<WorkerHandle, String> {
         self.check()?;
+        if self.machines.is_empty() {
+            tracing::info!(
+                worker = %self.config.worker_id.0,
+                "this worker registers no machine, so it claims nothing; it runs its \
+                 schedules, timer sweeps, pruning and lease reaping only"
+            );
+        }
         let schedules = self.config.schedules.clone();
         let pruned = Arc::new(PruneStats::default());
         let pruner = self.config.retention.clone().map(|config| {
@@ -853,8 +887,13 @@ async fn run<S: Store, C: Clock + Clone>(
         })
     });
 
-    // Queue hook: the hint loop, when the worker has a queue.
-    let hint_loop = queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx);
+    // Queue hook: the hint loop, when the worker has a queue and a machine to claim
+    // for (a hint claim naming no machine would take any machine's work).
+    let hint_loop = if inner.machines.is_empty() {
+        None
+    } else {
+        queue::spawn_hint_loop(&inner, &shutdown, &queues, &tx)
+    };
     let repair_loop = queue::spawn_repair_loop(&inner, &shutdown);
     {
         let (inner_, stop) = (Arc::clone(&inner), shutdown.clone());
@@ -1214,6 +1253,13 @@ async fn claim_loop<S: Store, C: Clock>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
+    if machines.is_empty() {
+        // A claim naming no machine takes any machine's work: a worker that registers
+        // none claims nothing, and only runs its other loops until shutdown.
+        inner.loop_ok(WorkerLoop::Claim);
+        let _ = shutdown.wait_for(|stopping| *stopping).await;
+        return;
+    }
     // Each queue backs off on its own: one queue whose claims fail waits out its back-off
     // while the others keep their pace.
     let mut backoffs: Vec<QueueBackoff> = queues.iter().map(|_| QueueBackoff::default()).collect();
@@ -1638,9 +1684,16 @@ fn run_step<S: Store, C: Clock>(
             Err(panic) => (catch_panic(|| machine.config()).unwrap_or_default(), Some(panic)),
         };
         let config = inner.step_config(&base, row, event);
-        let result = match panicked {
-            None => guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await,
-            Some(panic) => {
+        // A step whose attempts expired leases used up (it may be taking its worker down
+        // with it) is not run again: it fails through the machine's error handling.
+        let used_up = retry::attempts_used_up(&config.retry, row);
+        let result = match (panicked, used_up) {
+            (_, Some(used_up)) => {
+                tracing::error!(parent: &span, leases_expired = used_up.leases_expired, "{}", used_up.message);
+                Err(StepError::of_kind(retry::AttemptsUsedUp::KIND, used_up.message))
+            }
+            (None, None) => guarded(Arc::clone(&machine), ctx.clone(), config.timeout, &span).await,
+            (Some(panic), None) => {
                 let message = format!("the machine's settings for this step panicked: {panic}");
                 tracing::error!(parent: &span, "{message}");
                 Err(StepError::of_kind(FailureKind::Panic, message))

@@ -49,6 +49,7 @@ on_stores!(
         shutdown_gives_back_steps_claimed_ahead_without_running_them,
         a_next_step_claimed_before_its_last_group_settled_still_runs,
         a_schedule_tick_the_store_refuses_is_dropped_and_the_next_fires,
+        a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -66,6 +67,7 @@ on_stores!(
         quick_steps_are_claimed_ahead_and_still_run_one_at_a_time,
         slow_steps_are_not_claimed_ahead,
         a_next_step_claimed_before_its_last_group_settled_still_runs,
+        a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run,
     ],
 );
 
@@ -761,4 +763,61 @@ async fn a_schedule_tick_the_store_refuses_is_dropped_and_the_next_fires<S: Test
     schedules_passed(&worker, now).await;
     assert_eq!(worker.schedules().counts().fired, 1, "{:?}", worker.schedules().counts());
     worker.shutdown().await;
+}
+
+/// A step that takes its worker down with it (a crash, an abort, running out of memory)
+/// leaves only an expired lease behind, and the reaper hands it back with its attempt
+/// counted. Once the expired leases have used up the retry policy's attempts, the next
+/// worker does not run it again: the instance is dead-lettered and suspended, and the
+/// dead letter names the expired leases. A neighbour claimed alongside runs as usual.
+async fn a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run<S: TestStore>() {
+    use keel_core::plan::claim::ClaimPolicy;
+    use keel_core::ports::store::{ClaimParams, LeaseReapParams};
+    let h = S::harness().await;
+    let id = h.start(NewInstance::new(machine(), "a").context(json!({ "kills": true }))).await;
+    let max_attempts = QueueConfig::default().retry.max_attempts;
+    let lease = Duration::from_secs(30);
+    for dead in 0..max_attempts {
+        let claimed = h
+            .store
+            .instance_claim(ClaimParams {
+                worker: WorkerId(format!("dead-{dead}")),
+                namespaces: vec![],
+                queues: vec![],
+                machines: vec![machine()],
+                limit: 1,
+                lease,
+                now: h.clock.now(),
+                policy: ClaimPolicy::default(),
+            })
+            .await
+            .expect("claim");
+        assert_eq!(claimed.len(), 1, "claimed by dead worker {dead}");
+        // The worker dies with the step: its lease runs out and the reaper returns it.
+        h.clock.advance(lease + Duration::from_secs(1));
+        let params = LeaseReapParams { owner: None, limit: 10, now: h.clock.now() };
+        assert_eq!(h.store.lease_reap(params).await.expect("reap"), vec![id]);
+    }
+    let row = h.client.get(id).await.expect("get").instance;
+    assert_eq!((row.status, row.attempt), (Status::Runnable, max_attempts as i32));
+
+    let neighbour = h.start(NewInstance::new(machine(), "a")).await;
+    let steps = Counted::default();
+    let worker = h.worker(h.config(), steps.clone());
+    h.wait(neighbour, "the neighbour done", |r| r.status == Status::Done).await;
+    let row = h.wait(id, "the dead letter", |r| r.status == Status::Suspended).await;
+    let stats = worker.shutdown().await;
+    assert_eq!(steps.ran.load(Ordering::SeqCst), 1, "only the neighbour's step ran");
+    assert_eq!(stats.failed_steps.load(Ordering::Relaxed), 1);
+    let error = row.last_error.clone().unwrap_or_default();
+    let expected = format!("its lease expired {max_attempts} times");
+    assert!(error.contains(&expected), "last_error: {error}");
+    assert!(error.contains("may be killing its worker"), "last_error: {error}");
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0].letter;
+    assert_eq!((letter.instance, letter.reason.as_str()), (id, "non_retryable"));
+    assert_eq!(letter.attempts, max_attempts as i32 + 1);
+    let last = letter.errors.last().map(|e| e.error.as_str()).unwrap_or_default();
+    assert!(last.contains(&expected), "the dead letter's error: {last}");
 }

@@ -983,3 +983,51 @@ async fn a_lease_taken_away_before_shutdown_is_not_counted_as_released() {
     let stats = worker.shutdown().await;
     assert_eq!(stats.released.load(Ordering::Relaxed), 0);
 }
+
+/// A worker that registers no machine (one kept for schedules, timers and pruning) claims
+/// nothing: another machine's ready instance is left exactly as it was (no claim, no
+/// release, its place in the queue kept), while the worker's other loops run.
+#[tokio::test]
+async fn a_worker_with_no_machine_claims_nothing() {
+    let h = Harness::with_store(Faulty::new(MemoryStore::new()));
+    let id = h.start(new()).await;
+    let before = h.client.get(id).await.unwrap().instance;
+    let worker = h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())).spawn();
+    // About 200 poll intervals of the harness's worker.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let reaper = worker.health().get(WorkerLoop::Reaper).cloned().unwrap_or_default();
+    let stats = worker.shutdown().await;
+    assert_eq!(h.store.calls("instance_claim"), 0, "a claim naming no machine takes any");
+    assert_eq!(stats.released.load(Ordering::Relaxed), 0);
+    let after = h.client.get(id).await.unwrap().instance;
+    assert_eq!(
+        (after.status, after.eligible_at, after.fencing_token, after.attempt),
+        (Status::Runnable, before.eligible_at, before.fencing_token, 0),
+        "the instance was touched"
+    );
+    assert!(reaper.last_success.is_some(), "the reaper ran: {reaper:?}");
+}
+
+/// A chart whose definition names an action no code was bound to is refused when the
+/// worker starts, with the action named and the fix, rather than dead-lettering every
+/// instance that reaches it.
+#[tokio::test]
+async fn a_worker_refuses_to_start_with_an_unbound_action() {
+    let h = Harness::new();
+    let def = Definition::builder("notifier", 1)
+        .initial("idle")
+        .state("idle", |s| s.on("GO", |t| t.target("sent").action("notify")))
+        .final_state("sent")
+        .build()
+        .expect("valid chart");
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(ChartMachine::new(def));
+    let error = worker.check().expect_err("an unbound action is refused");
+    assert_eq!(
+        error,
+        "machine notifier v1 cannot run on this worker; missing: action `notify`. Fix: bind \
+         each action with `ChartMachine::action(name, …)`."
+    );
+    let Err(error) = worker.try_spawn() else { panic!("the worker started") };
+    assert!(error.contains("action `notify`"), "{error}");
+}

@@ -25,10 +25,10 @@ use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    Claim as Claimed, ClaimParams, CommitParams, LeaseExtendParams, LeaseReapParams,
+    Claim as Claimed, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
     LeaseReleaseParams, WORKER_MACHINES_MAX,
 };
-use keel_core::retry::{FailureKind, failed_step};
+use keel_core::retry::{AttemptsUsedUp, FailureKind, attempts_used_up, failed_step};
 use keel_core::{StepCommit, StepFailure};
 use serde::Deserialize;
 use serde_json::json;
@@ -67,6 +67,9 @@ const LEASE_MAX: Duration = Duration::from_secs(3600);
 const WORKER_ID_BYTES_MAX: usize = keel_core::limits::NAME_BYTES_MAX - " (HTTP)".len();
 /// Expired leases returned to runnable per poll.
 const REAP_BATCH: usize = 100;
+/// Most tasks one claim round fails, rather than hands out, because expired leases used
+/// up their attempts; past it the round ends without a task.
+const USED_UP_PER_ROUND: usize = 16;
 
 /// `POST /v1/worker/tasks/poll`.
 #[derive(Debug, Deserialize)]
@@ -338,28 +341,74 @@ impl Claim<'_> {
         // Queue by queue, each under its own settings (claim order, global and per-key
         // limits, rates), as an in-process worker claims; from a random first queue, so
         // a busy one does not keep the others waiting.
+        // A task whose attempts expired leases used up is failed here rather than handed
+        // out, and the queue claimed from again, at most USED_UP_PER_ROUND times a round.
         let queues = self.queues;
         let first = fastrand::usize(..queues.len());
-        let mut claimed = None;
+        let mut used_up = 0;
         for queue in queues.iter().cycle().skip(first).take(queues.len()) {
-            let claims = store
-                .instance_claim(ClaimParams {
-                    worker: WorkerId(self.body.worker.clone()),
-                    namespaces: vec![self.body.namespace.clone()],
-                    queues: vec![queue.clone()],
-                    machines: self.machines.to_vec(),
-                    limit: 1,
-                    lease: self.lease,
-                    now: now(),
-                    policy: self.state.config.claim_policy(queue),
-                })
-                .await?;
-            claimed = claims.into_iter().next();
-            if claimed.is_some() {
-                break;
+            while let Some(claimed) = self.claim_one(queue).await? {
+                if !self.fail_used_up(&claimed).await? {
+                    return Ok(Some(claimed));
+                }
+                used_up += 1;
+                if used_up >= USED_UP_PER_ROUND {
+                    return Ok(None);
+                }
             }
         }
-        Ok(claimed)
+        Ok(None)
+    }
+
+    /// One task of `queue`, if one is ready.
+    async fn claim_one(&self, queue: &str) -> Result<Option<Claimed>, ApiError> {
+        let claims = self
+            .state
+            .keel
+            .store()
+            .instance_claim(ClaimParams {
+                worker: WorkerId(self.body.worker.clone()),
+                namespaces: vec![self.body.namespace.clone()],
+                queues: vec![queue.to_owned()],
+                machines: self.machines.to_vec(),
+                limit: 1,
+                lease: self.lease,
+                now: now(),
+                policy: self.state.config.claim_policy(queue),
+            })
+            .await?;
+        Ok(claims.into_iter().next())
+    }
+
+    /// Whether `claimed`'s attempts were used up by expired leases (its step may be
+    /// taking its worker down with it), as an in-process worker checks before it runs a
+    /// step (`keel_core::retry::attempts_used_up`). If so it is not handed out but failed
+    /// as a remote step's non-retryable failure is, through the machine's retry and
+    /// dead-letter settings: a dead letter naming the expired leases, by default.
+    async fn fail_used_up(&self, claimed: &Claimed) -> Result<bool, ApiError> {
+        let row = &claimed.instance;
+        let config = match self.state.config.queue_for(&row.machine.name, None) {
+            Ok(config) => config,
+            Err(error) => {
+                self.give_back(claimed).await?;
+                return Err(ApiError::bad("config", error.to_string()));
+            }
+        };
+        let Some(used_up) = attempts_used_up(&config.retry, row) else {
+            return Ok(false);
+        };
+        let step = failed_step(&config, row, AttemptsUsedUp::KIND, None, &used_up.message, 0.0);
+        let mut failure = StepFailure::of_step(used_up.message, false, None, &claimed.inbox);
+        failure.dead_letter = step.dead_letter;
+        let mut commit = StepCommit::new(row.id, claimed.token(), step.outcome);
+        commit.failure = Some(failure);
+        commit.history = step.history.into_iter().collect();
+        match commit_counted(self.state, &row.machine.name, commit, true).await {
+            // Stale: another worker took it meanwhile, and checks it again itself.
+            Ok(_) => Ok(true),
+            Err(error) if is_stale(&error) => Ok(true),
+            Err(error) => Err(error.into()),
+        }
     }
 
     /// Releases a claim no worker will get, counting no attempt: the task is runnable
@@ -621,27 +670,35 @@ async fn commit_one(
     failed: bool,
 ) -> Result<Response, ApiError> {
     let id = commit.id;
+    match commit_counted(state, machine, commit, failed).await {
+        Ok(receipt) => Ok(Json(json!({ "id": id.0, "status": receipt.status })).into_response()),
+        Err(error) if is_stale(&error) => Err(stale(id)),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// [`commit_one`]'s commit and metrics, with the store's answer for the one commit.
+async fn commit_counted(
+    state: &AppState,
+    machine: &str,
+    commit: StepCommit,
+    failed: bool,
+) -> Result<CommitReceipt, StoreError> {
     let retry = matches!(commit.outcome, Outcome::Retry { .. });
     let results =
         state.keel.store().step_commit(CommitParams { commits: vec![commit], now: now() }).await?;
-    match results.into_iter().next() {
-        Some(Ok(receipt)) => {
-            let labels = [("machine", machine.to_owned())];
-            metrics::counter!("keel_queue_completed_total", &labels).increment(1);
-            if failed {
-                metrics::counter!("keel_queue_failed_total", &labels).increment(1);
-            }
-            if retry {
-                metrics::counter!("keel_queue_retried_total", &labels).increment(1);
-            }
-            Ok(Json(json!({ "id": id.0, "status": receipt.status })).into_response())
-        }
-        Some(Err(error)) if is_stale(&error) => Err(stale(id)),
-        Some(Err(error)) => Err(error.into()),
-        None => Err(ApiError::from(StoreError::unavailable(
-            "the store returned no result for the commit",
-        ))),
+    let receipt = results.into_iter().next().unwrap_or_else(|| {
+        Err(StoreError::unavailable("the store returned no result for the commit"))
+    })?;
+    let labels = [("machine", machine.to_owned())];
+    metrics::counter!("keel_queue_completed_total", &labels).increment(1);
+    if failed {
+        metrics::counter!("keel_queue_failed_total", &labels).increment(1);
     }
+    if retry {
+        metrics::counter!("keel_queue_retried_total", &labels).increment(1);
+    }
+    Ok(receipt)
 }
 
 /// Whether `worker` still holds the lease of `token`; the store checks the token again
