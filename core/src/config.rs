@@ -221,6 +221,58 @@ impl QueueConfig {
         check_retention(path, self.dead_letter.retention)?;
         self.alerts.validate(&format!("{path}.alerts"))
     }
+
+    /// The first field a machine's configuration set in code (`StepMachine::config`) moves
+    /// away from its default although a machine's configuration does not apply it, with
+    /// where it belongs: `concurrency` and `strategy` are a queue's, `priority` is an
+    /// instance's or an event's, `alerts` are checked from the configuration file. A
+    /// worker applies only `timeout`, `retry`, `dead_letter` and `on_dead_letter` per
+    /// step, so any of these four set in code would silently change nothing.
+    ///
+    /// ```
+    /// use keel_core::config::QueueConfig;
+    ///
+    /// assert_eq!(QueueConfig::default().not_applied_in_code(), None);
+    /// let one_at_a_time = QueueConfig { concurrency: 1, ..QueueConfig::default() };
+    /// let (field, fix) = one_at_a_time.not_applied_in_code().unwrap();
+    /// assert_eq!(field, "concurrency");
+    /// assert!(fix.contains("WorkerConfig::queues"));
+    /// ```
+    pub fn not_applied_in_code(&self) -> Option<(&'static str, &'static str)> {
+        let d = Self::default();
+        if self.concurrency != d.concurrency {
+            return Some((
+                "concurrency",
+                "concurrency belongs to a queue: give the queue's slots per worker in \
+                 WorkerConfig::queues or `[queues.<name>] concurrency`, or a limit across all \
+                 workers with `[queues.<name>] global_concurrency`",
+            ));
+        }
+        if self.strategy != d.strategy {
+            return Some((
+                "strategy",
+                "the claim order belongs to a queue: set `[queues.<name>] strategy` (or \
+                 `[queue] strategy` for every queue) in the configuration file",
+            ));
+        }
+        if self.priority != d.priority {
+            return Some((
+                "priority",
+                "a priority belongs to an instance or an event: set NewInstance::priority or \
+                 NewSignal::priority, or `[machines.<machine>.queue] priority` in the \
+                 configuration file",
+            ));
+        }
+        if self.alerts != d.alerts {
+            return Some((
+                "alerts",
+                "alert thresholds are read by `keel health` and /health from the \
+                 configuration file: set them under `[machines.<machine>.queue.alerts]` (or \
+                 `[queue.alerts]`)",
+            ));
+        }
+        None
+    }
 }
 
 impl Default for QueueConfig {
@@ -458,7 +510,8 @@ fn nested<T: Copy>(base: Option<T>, over: Option<T>, merge: impl Fn(&T, &T) -> T
 pub struct ParallelConfig {
     /// Master switch (default `false`: region entry actions run inline).
     pub enabled: bool,
-    /// The queue region tasks run on (`None` = the default queue).
+    /// The queue region tasks run on (`None` = the parent instance's queue). A worker that
+    /// registers the chart serves this queue too while dispatch is on.
     pub queue: Option<String>,
     /// Timeout of one region task attempt (default 300 s).
     #[serde(with = "seconds_or_human")]
@@ -494,7 +547,9 @@ impl ParallelConfig {
     }
 
     /// The queue settings of region tasks: `job_timeout` per attempt, `job_tries` attempts
-    /// `job_backoff` apart (no jitter), everything else from `base` (the machine's).
+    /// `job_backoff` apart (no jitter), everything else from `base` (the machine's
+    /// configuration with the configuration file's levels applied: these job settings win
+    /// over the file's `timeout` and `retry`).
     pub fn job_config(&self, base: QueueConfig) -> QueueConfig {
         QueueConfig {
             timeout: self.job_timeout,

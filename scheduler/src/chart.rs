@@ -23,7 +23,7 @@ use keel_core::chart::{
     Limits, SharedContext,
 };
 use keel_core::config::QueueConfig;
-use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal, SignalTarget};
+use keel_core::instance::{ANY_SIGNAL, NewInstance, NewSignal, Signal, SignalTarget};
 use keel_core::ports::store::InstanceDetail;
 use keel_core::retry::{self, FailureKind, RetryDecision};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
@@ -144,7 +144,10 @@ impl ChartMachine {
         self
     }
 
-    /// Sets the queue configuration (timeout, retry policy, `on_dead_letter`).
+    /// Sets the queue configuration (timeout, retry policy, dead letters,
+    /// `on_dead_letter`). A worker refuses to start with a machine whose configuration
+    /// sets `concurrency`, `strategy`, `priority` or `alerts`, which belong elsewhere
+    /// (`QueueConfig::not_applied_in_code` says where).
     #[must_use]
     pub fn with_config(mut self, config: QueueConfig) -> Self {
         self.config = config;
@@ -162,7 +165,8 @@ impl ChartMachine {
     /// whose regions (two or more) have entry actions commits the state and starts one
     /// region task per region (a child instance of this machine at
     /// [`REGION_POSITION`]) instead of running the actions
-    /// inline. Register this machine on every worker that should run region tasks.
+    /// inline. Register this machine on every worker that should run region tasks; a
+    /// worker that registers it serves `parallel.queue` (when set) besides its own queues.
     #[must_use]
     pub fn with_parallel(mut self, parallel: ParallelConfig) -> Self {
         self.parallel = parallel;
@@ -178,7 +182,9 @@ impl ChartMachine {
     }
 
     /// Child machines started by delegation states run on `queue` instead of this
-    /// instance's queue (children inherit their parent's namespace and queue otherwise).
+    /// instance's queue (children inherit their parent's namespace and queue otherwise). A
+    /// worker that registers this machine serves `queue` too; it runs there only the
+    /// machines it registers.
     #[must_use]
     pub fn with_child_queue(mut self, machine: &str, queue: &str) -> Self {
         self.child_queues.insert(machine.to_owned(), queue.to_owned());
@@ -391,8 +397,40 @@ impl StepMachine for ChartMachine {
         self.inbox_order
     }
 
-    fn step_config(&self, step: &str) -> QueueConfig {
-        if step == REGION_POSITION { self.parallel.job_config(self.config) } else { self.config }
+    /// A region task runs with its `[parallel_dispatch]` job settings over the
+    /// configuration file's queue levels: `job_timeout`, `job_tries` and `job_backoff` are
+    /// the region tasks' own.
+    fn step_config_over(&self, step: &str, resolved: QueueConfig) -> QueueConfig {
+        if step == REGION_POSITION { self.parallel.job_config(resolved) } else { resolved }
+    }
+
+    /// The start (`@init`) enters the initial states and a region task runs its region's
+    /// entry actions: neither processes an event. Any other step processes the oldest
+    /// signal (in the chart's inbox order).
+    fn event_for<'a>(
+        &self,
+        step: &str,
+        awaits: Option<&str>,
+        inbox: &'a [Signal],
+    ) -> Option<&'a Signal> {
+        let _ = awaits;
+        if step == INIT || step == REGION_POSITION { None } else { inbox.first() }
+    }
+
+    /// The queue region tasks are sent to (when dispatch is on) and the queues delegated
+    /// children are sent to.
+    fn queues_started(&self) -> Vec<String> {
+        let delegated = self.delegated_machines();
+        let regions = self.parallel.queue.iter().filter(|_| self.parallel.enabled);
+        let children = self
+            .child_queues
+            .iter()
+            .filter(|(machine, _)| delegated.contains(machine))
+            .map(|(_, queue)| queue);
+        let mut queues: Vec<String> = regions.chain(children).cloned().collect();
+        queues.sort();
+        queues.dedup();
+        queues
     }
 
     fn wants_parent(&self, step: &str) -> bool {
@@ -407,9 +445,11 @@ impl StepMachine for ChartMachine {
         if ctx.step != REGION_POSITION {
             return Ok(None);
         }
+        // The policy the worker ran the task under (the job settings over the file's), so
+        // the timeout and the tries come from one place.
         let attempt = u32::try_from(ctx.attempt).unwrap_or(0);
-        let policy = self.parallel.job_config(self.config).retry;
-        if let RetryDecision::Retry { delay } = retry::decide(&policy, attempt, error.kind, 0.0) {
+        let decision = retry::decide(&ctx.retry, attempt, error.kind, fastrand::f64());
+        if let RetryDecision::Retry { delay } = decision {
             return Ok(Some(Outcome::Retry { context: ctx.context.clone(), delay }));
         }
         let attempts = attempt + 1;

@@ -6,7 +6,7 @@ use keel_core::SignalId;
 use keel_core::chart::TimerArm;
 use keel_core::config::{KeelConfig, QueueConfig};
 use keel_core::instance::{ChildSummary, HistoryEntry, NewInstance, NewSignal, Signal};
-use keel_core::retry::{ErrorClass, FailureKind};
+use keel_core::retry::{ErrorClass, FailureKind, RetryPolicy};
 use keel_core::{Instance, InstanceId, MachineRef, Outcome};
 use serde_json::Value;
 use std::fmt;
@@ -42,6 +42,13 @@ pub struct StepContext {
     /// ([`StepMachine::wants_parent`]) and the instance has a parent. Read without any
     /// lock: it may be stale by the time the step commits (a pre-check, not a guard).
     pub parent: Option<Instance>,
+    /// The retry policy the step runs under: that of what its machine sets for it in code
+    /// ([`StepMachine::step_config`]), under the configuration file's levels for the
+    /// machine and for the event the step processes ([`StepMachine::event_for`]), under
+    /// what the machine sets over the file ([`StepMachine::step_config_over`]). An error
+    /// handler ([`StepMachine::handle`]) that makes its own retry decision takes it from
+    /// here, so the step's timeout and its tries come from one configuration.
+    pub retry: RetryPolicy,
     /// What the step asked for besides its outcome; goes into the step's own commit.
     pub(crate) effects: Arc<Mutex<Effects>>,
 }
@@ -246,7 +253,10 @@ pub trait StepMachine: Send + Sync + 'static {
         Ok(None)
     }
 
-    /// The queue configuration (timeout, retry policy) for this machine.
+    /// The queue configuration (timeout, retry policy, dead letters) for this machine.
+    /// Only those keys apply to a machine: a worker refuses to start with one that sets
+    /// `concurrency`, `strategy`, `priority` or `alerts` away from the default
+    /// ([`QueueConfig::not_applied_in_code`] says where each belongs).
     fn config(&self) -> QueueConfig {
         QueueConfig::default()
     }
@@ -260,11 +270,49 @@ pub trait StepMachine: Send + Sync + 'static {
         keel_core::inbox::InboxOrder::Arrival
     }
 
-    /// The queue configuration for one step of this machine (timeout, retry policy);
-    /// defaults to [`config`](Self::config). Charts give their region tasks their own.
+    /// The queue configuration for one step of this machine (timeout, retry policy), which
+    /// the configuration file's levels then override; defaults to [`config`](Self::config).
     fn step_config(&self, step: &str) -> QueueConfig {
         let _ = step;
         self.config()
+    }
+
+    /// What this machine sets on one step over every level of the configuration file:
+    /// `resolved` is the step's configuration ([`step_config`](Self::step_config)) with the
+    /// file's levels applied, and the step runs with what this returns. Default: `resolved`
+    /// unchanged. A chart's region tasks take `job_timeout`, `job_tries` and `job_backoff`
+    /// of their `[parallel_dispatch]` here, so those win over the file's `[queue]` timeout
+    /// and retry.
+    fn step_config_over(&self, step: &str, resolved: QueueConfig) -> QueueConfig {
+        let _ = step;
+        resolved
+    }
+
+    /// The inbox signal a step at `step` processes, among `inbox` (the signals it sees, in
+    /// the machine's order) when the instance awaited `awaits`: the configuration file's
+    /// section for that event (`[machines.<name>.events.<event>]`) applies to the step.
+    /// `None`: the step processes no event and runs under the machine's settings. Default:
+    /// the first signal that matches `awaits` (any signal for `*`), and none when the
+    /// instance awaited nothing. A chart's start (`@init`) and its region tasks process no
+    /// event; its other steps process the first signal.
+    fn event_for<'a>(
+        &self,
+        step: &str,
+        awaits: Option<&str>,
+        inbox: &'a [Signal],
+    ) -> Option<&'a Signal> {
+        let _ = step;
+        let awaits = awaits?;
+        inbox.iter().find(|s| awaits == keel_core::instance::ANY_SIGNAL || s.name == awaits)
+    }
+
+    /// Queues this machine starts work in besides the queue of the instance at hand (a
+    /// chart's `ParallelConfig::queue` for its region tasks, its
+    /// `ChartMachine::with_child_queue` queues for delegated children). A worker that
+    /// registers the machine serves each of them, as it serves the queues a configuration
+    /// file names, so that work does not wait in a queue no worker claims. Default: none.
+    fn queues_started(&self) -> Vec<String> {
+        Vec::new()
     }
 
     /// Takes what the configuration file says about this machine beyond its queue

@@ -231,9 +231,9 @@ impl WorkerConfig {
     /// The configuration one step runs with: `base` (what the machine set in code for the
     /// step) under the file's levels for `machine` and `event`. The file is checked on
     /// each machine's own configuration when the worker starts; a step whose machine gives
-    /// it another base (a chart's region tasks, say) on which the file's levels do not
-    /// resolve — a file `max_delay` under the step's own `initial_delay` — runs with
-    /// `base` alone. The worker counts each such step
+    /// it another base ([`StepMachine::step_config`] for that step) on which the file's
+    /// levels do not resolve — a file `max_delay` under the step's own `initial_delay` —
+    /// runs with `base` alone. The worker counts each such step
     /// ([`WorkerStats::settings_unresolved`]) and warns once per machine, step and event,
     /// naming the error.
     pub fn step_config(
@@ -541,6 +541,10 @@ pub struct Worker<S, C> {
     /// The first machine registered that names what it was not given
     /// ([`StepMachine::unbound`]), with those names: the worker refuses to start.
     unbound: Option<(MachineRef, Vec<String>)>,
+    /// The first machine registered whose configuration in code sets a field a machine's
+    /// configuration does not apply ([`QueueConfig::not_applied_in_code`]), as the
+    /// message the worker refuses to start with.
+    not_applied: Option<String>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
@@ -554,6 +558,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             hints: None,
             registered_twice: None,
             unbound: None,
+            not_applied: None,
         }
     }
 
@@ -567,17 +572,53 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// version must not depend on the order of the calls. A machine that names what it
     /// was not given ([`StepMachine::unbound`]: a chart's action without code) makes the
     /// worker refuse to start too, naming each missing piece, rather than fail every
-    /// instance that reaches it.
+    /// instance that reaches it; so does a machine whose [`StepMachine::config`] sets
+    /// `concurrency`, `strategy`, `priority` or `alerts`, which a machine's configuration
+    /// does not apply ([`QueueConfig::not_applied_in_code`] names where each belongs).
+    ///
+    /// The worker serves every queue the machine starts work in
+    /// ([`StepMachine::queues_started`]: a chart's region task queue and delegated
+    /// children's queues) that its configuration does not list yet, with the file's slots
+    /// for it or [`DEFAULT_QUEUE_SLOTS`], as it serves the queues a file names
+    /// ([`WorkerConfig::with_settings`]); otherwise that work would wait where no worker
+    /// claims. It claims only the machines it registers there too.
     #[must_use]
     pub fn register(mut self, mut machine: impl StepMachine) -> Self {
         if let Some(settings) = &self.config.settings {
             machine.apply_settings(settings);
+        }
+        let started = catch_panic(|| machine.queues_started()).unwrap_or_default();
+        for queue in started {
+            if self.config.queues.iter().any(|(q, _)| *q == queue) {
+                continue;
+            }
+            let slots = self.config.settings.as_ref().and_then(|s| s.worker_slots(&queue));
+            let slots = slots.map_or(DEFAULT_QUEUE_SLOTS, |n| n as usize);
+            tracing::info!(
+                machine = %machine.machine().name,
+                queue = %queue,
+                slots,
+                "serving a queue this machine starts work in (region tasks or delegated \
+                 children); list it in WorkerConfig::queues to choose its slots"
+            );
+            self.config.queues.push((queue, slots));
         }
         if self.unbound.is_none() {
             let missing = machine.unbound();
             if !missing.is_empty() {
                 self.unbound = Some((machine.machine(), missing));
             }
+        }
+        if self.not_applied.is_none()
+            && let Some((field, fix)) = machine.config().not_applied_in_code()
+        {
+            let m = machine.machine();
+            self.not_applied = Some(format!(
+                "machine {} v{}: its QueueConfig sets `{field}`, which a machine's \
+                 configuration does not apply (it would change nothing); leave it at its \
+                 default. Fix: {fix}",
+                m.name, m.version
+            ));
         }
         match self.machines.entry(machine.machine()) {
             Entry::Occupied(taken) => {
@@ -615,7 +656,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     }
 
     /// Everything [`spawn`](Self::spawn) checks before it starts anything: each machine
-    /// registered once, every name its machines use bound ([`StepMachine::unbound`]),
+    /// registered once, every name its machines use bound ([`StepMachine::unbound`]), no
+    /// machine configuration in code setting a field it does not apply
+    /// ([`QueueConfig::not_applied_in_code`]),
     /// the worker's own bounds ([`WorkerConfig::validate`]), its timer
     /// sweep ([`SweepConfig::validate`]), the configuration file for every registered
     /// machine ([`Self::check_settings`]), its schedules and its retention. The message
@@ -631,6 +674,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         if let Some((machine, missing)) = &self.unbound {
             let name = format!("{} v{}", machine.name, machine.version);
             return Err(crate::machine::cannot_run(&name, missing));
+        }
+        if let Some(message) = &self.not_applied {
+            return Err(message.clone());
         }
         self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
         if let Some(timers) = &self.config.timers {
@@ -1541,7 +1587,7 @@ async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceI
     }
 }
 
-fn context_of(claim: &Claim) -> StepContext {
+fn context_of(claim: &Claim, retry: retry::RetryPolicy) -> StepContext {
     let row = &claim.instance;
     StepContext {
         id: row.id,
@@ -1556,6 +1602,7 @@ fn context_of(claim: &Claim) -> StepContext {
         children: claim.children.clone(),
         business_key: row.business_key.clone(),
         parent: None,
+        retry,
         effects: Arc::default(),
     }
 }
@@ -1672,18 +1719,19 @@ fn run_step<S: Store, C: Clock>(
         let base = row.base_priority;
         keel_core::inbox::order(&mut claim.inbox, order, base);
         let row = &claim.instance;
-        let mut ctx = context_of(&claim);
-        ctx.parent = parent;
-        // The event the step processes is the first signal it sees; the file's section for
-        // it, if any, overrides the machine's.
-        let event = claim.inbox.first().map(|s| s.name.as_str());
         // A machine whose settings panicked runs under its own configuration (or the
         // defaults, should that panic too), and the step fails as a panicking one.
-        let (base, panicked) = match settings {
-            Ok((_, base)) => (base, None),
-            Err(panic) => (catch_panic(|| machine.config()).unwrap_or_default(), Some(panic)),
+        let resolved =
+            settings.and_then(|(_, base)| step_config(&inner, machine.as_ref(), &claim, &base));
+        let (config, panicked) = match resolved {
+            Ok(config) => (config, None),
+            Err(panic) => {
+                let base = catch_panic(|| machine.config()).unwrap_or_default();
+                (inner.step_config(&base, row, None), Some(panic))
+            }
         };
-        let config = inner.step_config(&base, row, event);
+        let mut ctx = context_of(&claim, config.retry);
+        ctx.parent = parent;
         // A step whose attempts expired leases used up (it may be taking its worker down
         // with it) is not run again: it fails through the machine's error handling.
         let used_up = retry::attempts_used_up(&config.retry, row);
@@ -1827,6 +1875,26 @@ fn step_settings(
         let order = config.inbox_order(&row.machine.name).unwrap_or_else(|| machine.inbox_order());
         (order, machine.step_config(&row.position))
     })
+}
+
+/// The configuration a claimed step runs with: `base` (what its machine sets for the step
+/// in code) under the file's levels for the machine and for the event the machine says
+/// the step processes ([`StepMachine::event_for`]; none for a chart's start), then what
+/// the machine sets over the file ([`StepMachine::step_config_over`]). `Err` is the
+/// message of the panic of the machine's code that says them.
+fn step_config<S, C>(
+    inner: &Inner<S, C>,
+    machine: &dyn StepMachine,
+    claim: &Claim,
+    base: &QueueConfig,
+) -> Result<QueueConfig, String> {
+    let row = &claim.instance;
+    let event = catch_panic(|| {
+        let event = machine.event_for(&row.position, row.awaits.as_deref(), &claim.inbox);
+        event.map(|s| s.name.clone())
+    })?;
+    let resolved = inner.step_config(base, row, event.as_deref());
+    catch_panic(|| machine.step_config_over(&row.position, resolved))
 }
 
 /// Runs `f`, returning the message of its panic instead of unwinding.

@@ -35,6 +35,7 @@ on_every_store!(
     a_key_limit_of_three_holds_across_three_workers,
     priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset,
     inbox_order_priority_takes_the_urgent_event_first,
+    a_charts_start_runs_under_its_machines_settings_not_a_waiting_events,
 );
 
 /// Held by every test of this binary that measures a rate on real time, so they run one
@@ -750,4 +751,41 @@ async fn inbox_order_priority_takes_the_urgent_event_first<S: TestStore>() {
         assert_eq!(row.result.map(|r| r["posted"].clone()), Some(expected), "{what}");
         worker.shutdown().await;
     }
+}
+
+/// A chart's first step enters its initial states and processes no event, so it runs
+/// under the machine's settings even when an event with a section of its own is already
+/// waiting: `go`'s 50 ms timeout and single attempt do not cut the 200 ms entry action
+/// short, and `go` is then processed under them.
+async fn a_charts_start_runs_under_its_machines_settings_not_a_waiting_events<S: TestStore>() {
+    let h = S::harness().await;
+    let file = settings(
+        r#"
+        [machines.opening.queue]
+        timeout = "10 seconds"
+        [machines.opening.events.go.queue]
+        timeout = "50 ms"
+        [machines.opening.events.go.queue.retry]
+        max_attempts = 1
+        "#,
+    );
+    let definition = Definition::builder("opening", 1)
+        .initial("warming")
+        .state("warming", |s| s.entry("warm_up").on_to("go", "open"))
+        .final_state("open")
+        .build()
+        .expect("valid chart");
+    let chart = ChartMachine::new(definition).action("warm_up", |ctx, _| async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        ctx.set("warm", true);
+        Ok(())
+    });
+    let id = h.start(chart.new_instance(json!({}))).await;
+    // Sent before the first step runs: the start's claim sees it in the inbox.
+    h.client.send(NewSignal::new(id, "go")).await.expect("send");
+    let worker = h.worker(h.config().with_settings(file).expect("applied"), chart);
+    let row = h.wait(id, "open", |r| r.status.is_terminal() || r.status == Status::Suspended).await;
+    assert_eq!(row.status, Status::Done, "{:?}", row.errors);
+    assert_eq!(row.result, Some(json!({ "warm": true })));
+    worker.shutdown().await;
 }

@@ -51,6 +51,8 @@ on_every_store!(
     a_region_task_over_its_job_timeout_fails_with_a_timeout_on_its_own_queue,
     the_files_parallel_dispatch_turns_dispatch_on,
     the_files_machine_section_turns_dispatch_off,
+    region_tasks_on_a_queue_set_in_code_are_served_by_the_charts_workers,
+    job_timeout_and_job_tries_win_over_the_files_queue_timeout_and_retry,
 );
 
 /// Two regions, each with an entry action that may raise the event finishing the region.
@@ -857,5 +859,69 @@ async fn the_files_machine_section_turns_dispatch_off<S: TestStore>() {
     assert!(!dispatched(&d));
     assert!(d.children.is_empty(), "no region task: the entry actions ran inline");
     assert!(entries(&h, id, "PARALLEL_DONE").await.is_empty());
+    worker.shutdown().await;
+}
+
+/// `ParallelConfig::queue` set in code sends region tasks to a queue the program did not
+/// list: the workers that register the chart serve it, so the parallel state completes.
+async fn region_tasks_on_a_queue_set_in_code_are_served_by_the_charts_workers<S: TestStore>() {
+    let h = S::harness().await;
+    let m = happy(ParallelConfig { queue: Some("regions".into()), ..config(3) });
+    let id = h.start(m.new_instance(json!({}))).await;
+    // The harness's workers list only the default queue.
+    let worker = spawn(&h, m);
+    let row = h.wait(id, "completed", |r| r.status == Status::Done).await;
+    assert_eq!(row.result.unwrap(), json!({ "inventory": true, "payment": true }));
+    let tasks = region_tasks(&h, id).await;
+    assert_eq!(tasks.len(), 2, "one region task per region");
+    for task in tasks {
+        assert_eq!(h.client.get(task.id).await.unwrap().instance.queue, "regions");
+    }
+    worker.shutdown().await;
+}
+
+/// `[parallel_dispatch] job_timeout` and `job_tries` are the region tasks' own settings:
+/// the file's `[queue]` timeout and retry apply to the chart's other steps, not to them. A
+/// 600 ms region action runs to the end under a 10 s `job_timeout` although `[queue]`
+/// says 200 ms; a failing region action is tried `job_tries` times, not the file's
+/// `max_attempts`.
+async fn job_timeout_and_job_tries_win_over_the_files_queue_timeout_and_retry<S: TestStore>() {
+    let h = S::harness().await;
+    let file = "[queue]\ntimeout = \"200 ms\"\n[queue.retry]\nmax_attempts = 5\n\
+                initial_delay = \"0 seconds\"\n\
+                [parallel_dispatch]\njob_timeout = \"10 seconds\"\njob_tries = 1";
+    let m = happy(config(3)).action("check_inventory", |ctx, _| async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        ctx.set("inventory", true);
+        ctx.raise("INVENTORY_OK");
+        Ok(())
+    });
+    let id = h.start(m.new_instance(json!({}))).await;
+    let worker = spawn_with(&h, m, Some(file));
+    let row = h.wait(id, "completed", |r| r.status == Status::Done).await;
+    assert!(
+        entries(&h, id, "PARALLEL_FAIL").await.is_empty(),
+        "{:?}",
+        entries(&h, id, "PARALLEL_FAIL").await
+    );
+    assert_eq!(row.result.unwrap(), json!({ "inventory": true, "payment": true }));
+    worker.shutdown().await;
+
+    // One try (`job_tries = 1`), although the file's `[queue.retry]` allows five.
+    let h = S::harness().await;
+    let tries = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&tries);
+    let m = happy(config(3)).action("check_inventory", move |_, _| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err(ActionError::new("the warehouse is unreachable")) }
+    });
+    let id = h.start(m.new_instance(json!({}))).await;
+    let worker = spawn_with(&h, m, Some(file));
+    h.wait(id, "failed", |r| r.status == Status::Done).await;
+    assert!(last_configuration(&h, id).await.contains(&json!("failed")));
+    let fails = entries(&h, id, "PARALLEL_FAIL").await;
+    assert_eq!(fails.len(), 1, "{fails:?}");
+    assert_eq!(fails[0]["attempts"], json!(1), "{fails:?}");
+    assert_eq!(tries.load(Ordering::SeqCst), 1);
     worker.shutdown().await;
 }

@@ -1031,3 +1031,97 @@ async fn a_worker_refuses_to_start_with_an_unbound_action() {
     let Err(error) = worker.try_spawn() else { panic!("the worker started") };
     assert!(error.contains("action `notify`"), "{error}");
 }
+
+/// A delegated child that finishes at once.
+struct Charge;
+
+#[async_trait]
+impl StepMachine for Charge {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("charge", 1)
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!({ "charged": true }), step: None })
+    }
+}
+
+/// Children sent with `ChartMachine::with_child_queue` to a queue the program did not list
+/// are served by the worker that registers the chart: the child runs and the parent's
+/// `@done` fires.
+#[tokio::test]
+async fn children_sent_to_a_queue_set_in_code_are_served() {
+    let h = Harness::new();
+    let def = Definition::builder("checkout", 1)
+        .initial("paying")
+        .state("paying", |s| s.machine("charge").on_done(|b| b.target("paid")))
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    let chart = ChartMachine::new(def).with_child_queue("charge", "payments");
+    let id = h.start(chart.new_instance(json!({}))).await;
+    // Only the default queue is listed.
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(chart)
+        .register(Charge);
+    let worker = h.hinted(worker).spawn();
+    h.wait(id, "paid", |r| r.status == Status::Done).await;
+    let children = h.client.get(id).await.unwrap().children;
+    assert_eq!(children.len(), 1);
+    let child = h.client.get(children[0].id).await.unwrap().instance;
+    assert_eq!((child.queue.as_str(), child.status), ("payments", Status::Done));
+    worker.shutdown().await;
+}
+
+/// A machine's configuration in code that sets what a machine's configuration does not
+/// apply (a queue's concurrency or claim order, a priority, alert thresholds) is refused
+/// when the worker starts, naming the field and where it belongs, instead of silently
+/// changing nothing.
+#[test]
+fn a_machine_configuration_setting_what_it_does_not_apply_is_refused() {
+    let h = Harness::new();
+    let def =
+        || Definition::builder("m", 1).initial("a").final_state("a").build().expect("valid chart");
+    let cases = [
+        (
+            "concurrency",
+            QueueConfig { concurrency: 1, ..QueueConfig::default() },
+            "WorkerConfig::queues",
+        ),
+        (
+            "strategy",
+            QueueConfig {
+                strategy: keel_core::config::Strategy::Priority,
+                ..QueueConfig::default()
+            },
+            "[queues.<name>] strategy",
+        ),
+        (
+            "priority",
+            QueueConfig { priority: Priority::High, ..QueueConfig::default() },
+            "NewInstance::priority",
+        ),
+        (
+            "alerts",
+            QueueConfig {
+                alerts: keel_core::config::AlertThresholds {
+                    pending_warning: Some(5),
+                    ..Default::default()
+                },
+                ..QueueConfig::default()
+            },
+            "[machines.<machine>.queue.alerts]",
+        ),
+    ];
+    for (field, config, fix) in cases {
+        let chart = ChartMachine::new(def()).with_config(config);
+        let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config()).register(chart);
+        let refused = worker.check().expect_err(field);
+        assert!(refused.contains(&format!("`{field}`")) && refused.contains(fix), "{refused}");
+        assert!(refused.contains("machine m v1"), "{refused}");
+    }
+    // What a machine's configuration applies is accepted.
+    let applied = QueueConfig { timeout: Duration::from_secs(5), ..QueueConfig::default() };
+    let chart = ChartMachine::new(def()).with_config(applied);
+    let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config()).register(chart);
+    assert_eq!(worker.check(), Ok(()));
+}
