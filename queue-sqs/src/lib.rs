@@ -5,7 +5,10 @@
 //!
 //! # What maps to what
 //!
-//! - A hint is one message whose body is `<instance>|<revision>|<priority>|<group>`.
+//! - A hint is one message whose body is `<instance>|<revision>|<priority>|<group>`. The
+//!   group (the concurrency key) has `%` and the characters SQS refuses in a body
+//!   (control characters other than tab and line breaks, U+FFFE, U+FFFF) written as
+//!   `%XX` per UTF-8 byte, so every key a store accepts can be published.
 //! - Batches are split into SQS's 10 entries per call (send, delete); a receive of more
 //!   than 10 makes further calls without waiting while full pages keep coming.
 //! - Visibility: `receive` sets `VisibilityTimeout`; `extend` and `nack` are
@@ -15,10 +18,17 @@
 //!   none (`delay_max` is zero). Longer or unsupported delays are refused with
 //!   `Invalid`, never shortened: that work stays in the store until it is due.
 //! - FIFO: `MessageGroupId` is the hint's group (its concurrency key) or else the
-//!   instance, and the deduplication id is `<instance>-<revision>`, so the same hint
-//!   published twice within SQS's five-minute window is delivered once. SQS takes 1 to
-//!   128 characters of printable ASCII as a group id; any other key is sent as `h-` and
-//!   a stable hash of it, so one key always maps to one group.
+//!   instance, and the deduplication id is `<instance>-<revision>-<publish>`, where
+//!   `<publish>` is a random number drawn once per [`Queue::enqueue`] call. SQS remembers
+//!   a deduplication id for five minutes even after the message was received and
+//!   deleted, so an id of `<instance>-<revision>` alone would swallow every later hint of
+//!   the same pair for that long: a repair hint after a crash or a returned lease, or a
+//!   parent woken again at the revision it already had. With the publish in the id, the
+//!   same pair twice in one publish is delivered once, each publish is delivered, and
+//!   SQS's own retry of a batch keeps its id and is still dropped. A duplicate costs one
+//!   claim by id that takes nothing, as on a standard queue. SQS takes 1 to 128
+//!   characters of printable ASCII as a group id; any other key is sent as `h-` and a
+//!   stable hash of it, so one key always maps to one group.
 //! - A publish sends every batch of 10 even when SQS refuses entries of one, and then
 //!   reports how many were refused and why.
 //! - Redrive: [`SqsQueue::create`] can create a dead-letter queue and a redrive policy, so
@@ -58,6 +68,7 @@ use keel_core::ports::queue::{
 };
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
 use std::borrow::Cow;
+use std::fmt::Write as _;
 use std::time::Duration;
 
 /// Most entries SQS takes in one batch call (send, delete) and returns from one receive.
@@ -119,8 +130,77 @@ fn encode(hint: &Hint) -> String {
         hint.instance.0,
         hint.revision,
         hint.priority.level(),
-        hint.group.as_deref().unwrap_or("")
+        hint.group.as_deref().map(encode_group).unwrap_or_default()
     )
+}
+
+/// Whether SQS takes `c` in a message body: `#x9 | #xA | #xD | #x20-#xD7FF |
+/// #xE000-#xFFFD | #x10000-#x10FFFF` (a body with any other character is refused with
+/// `InvalidMessageContents`).
+fn body_takes(c: char) -> bool {
+    matches!(c, '\t' | '\n' | '\r' | ' '..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..)
+}
+
+/// The group field of a message body: the concurrency key with `%` and every character SQS
+/// refuses in a body (control characters other than tab and line breaks, U+FFFE, U+FFFF)
+/// written as `%XX` per UTF-8 byte, so any key a store accepts can be published. A key
+/// without such characters is written as it is.
+fn encode_group(group: &str) -> Cow<'_, str> {
+    if group.chars().all(|c| c != '%' && body_takes(c)) {
+        return Cow::Borrowed(group);
+    }
+    let mut out = String::with_capacity(group.len() + 8);
+    for c in group.chars() {
+        if c != '%' && body_takes(c) {
+            out.push(c);
+        } else {
+            let mut bytes = [0; 4];
+            for b in c.encode_utf8(&mut bytes).bytes() {
+                let _ = write!(out, "%{b:02X}");
+            }
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// The concurrency key of a body's group field ([`encode_group`] undone); a `%` not
+/// followed by two hex digits is kept as it is. `None` when the decoded bytes are not
+/// UTF-8.
+fn decode_group(field: &str) -> Option<String> {
+    if !field.contains('%') {
+        return Some(field.to_owned());
+    }
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = match bytes.get(i..i + 3) {
+            Some([b'%', hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
+                std::str::from_utf8(&bytes[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+            }
+            _ => None,
+        };
+        if let Some(b) = hex {
+            out.push(b);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The FIFO `MessageDeduplicationId` of `hint` in publish `publish` (a random number
+/// drawn once per enqueue call): `<instance>-<revision>-<publish in hex>`, at most 58 of
+/// the 128 characters SQS takes. SQS drops a message whose id it saw in the last five
+/// minutes, received and deleted or not, so the id must differ between publishes: a
+/// later hint of the same instance and revision (a repair hint, a parent woken again) is
+/// news the first one did not carry.
+fn dedup_id(hint: &Hint, publish: u64) -> String {
+    format!("{}-{}-{publish:016x}", hint.instance.0, hint.revision)
 }
 
 /// The FIFO `MessageGroupId` of ordering group `group`. SQS takes 1 to 128 characters of
@@ -168,13 +248,8 @@ fn decode(body: &str) -> Option<Hint> {
     let revision = parts.next()?.parse().ok()?;
     let priority = Priority::from_level(parts.next()?.parse().ok()?)?;
     let group = parts.next()?;
-    Some(Hint {
-        instance,
-        revision,
-        delay: Duration::ZERO,
-        priority,
-        group: (!group.is_empty()).then(|| group.to_owned()),
-    })
+    let group = if group.is_empty() { None } else { Some(decode_group(group)?) };
+    Some(Hint { instance, revision, delay: Duration::ZERO, priority, group })
 }
 
 /// Checks that `url` has the form of an SQS queue URL,
@@ -360,6 +435,7 @@ impl SqsQueue {
         &self,
         first: usize,
         hints: &[Hint],
+        publish: u64,
         refused: &mut Refused,
     ) -> StoreResult<()> {
         let mut call = self.client.send_message_batch().queue_url(&self.url);
@@ -372,9 +448,8 @@ impl SqsQueue {
                     Some(group) => group_id(group).into_owned(),
                     None => hint.instance.0.to_string(),
                 };
-                entry = entry
-                    .message_group_id(group)
-                    .message_deduplication_id(format!("{}-{}", hint.instance.0, hint.revision));
+                entry =
+                    entry.message_group_id(group).message_deduplication_id(dedup_id(hint, publish));
             } else if !hint.delay.is_zero() {
                 entry = entry.delay_seconds(secs(hint.delay));
             }
@@ -531,8 +606,9 @@ impl Queue for SqsQueue {
         // One batch after the other, so a group's hints reach a FIFO queue in order. A
         // refused batch does not stop the others: its hints are reported after the last.
         let mut refused = Refused::default();
+        let publish = fastrand::u64(..);
         for (n, chunk) in hints.chunks(SQS_BATCH_MAX).enumerate() {
-            self.send_batch(n * SQS_BATCH_MAX, chunk, &mut refused).await?;
+            self.send_batch(n * SQS_BATCH_MAX, chunk, publish, &mut refused).await?;
         }
         match refused.first {
             None => Ok(()),
@@ -597,7 +673,38 @@ impl Queue for SqsQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::{SQS_GROUP_ID_MAX, check_url, fnv1a64, group_id};
+    use super::{SQS_GROUP_ID_MAX, body_takes, check_url, decode, encode, fnv1a64, group_id};
+    use keel_core::InstanceId;
+    use keel_core::ports::queue::Hint;
+
+    /// Every key a store accepts gives a body SQS takes, and the body gives the key back.
+    #[test]
+    fn every_key_makes_a_body_sqs_takes_and_comes_back() {
+        for key in [
+            "plain-key",
+            "t\u{1}",
+            "100%",
+            "%41",
+            "%+1",
+            "%",
+            "a|b",
+            "\u{FFFE}\u{FFFF}",
+            "tab\there",
+            "日本\u{7f}",
+        ] {
+            let hint = Hint::new(InstanceId(3), 4).group(key);
+            let body = encode(&hint);
+            assert!(body.chars().all(body_takes), "key {key:?} gave body {body:?}");
+            assert_eq!(decode(&body).and_then(|h| h.group).as_deref(), Some(key), "{body:?}");
+        }
+        let level = keel_core::Priority::Normal.level();
+        let body = encode(&Hint::new(InstanceId(3), 4).group("plain key"));
+        assert_eq!(body, format!("3|4|{level}|plain key"), "a key SQS takes is written as it is");
+        // A body written before keys were encoded still decodes: a `%` not followed by two
+        // hex digits is the character itself.
+        let old = decode(&format!("3|4|{level}|50%+off")).and_then(|h| h.group);
+        assert_eq!(old.as_deref(), Some("50%+off"));
+    }
 
     #[test]
     fn only_sqs_queue_urls_open() {

@@ -10,11 +10,6 @@ mod standard {
 mod fifo {
     keel_testkit::queue_conformance_tests!(
         keel_queue_sqs::testing::fresh_fifo_queue(),
-        keel_queue_sqs::testing::ENDPOINT_VAR,
-        except = [
-            queue_republish_while_leased_is_delivered_again => "a FIFO queue drops a publish \
-             whose deduplication id `<instance>-<revision>` it saw in the last five minutes, \
-             acked or not; the repair pass brings such work back",
-        ]
+        keel_queue_sqs::testing::ENDPOINT_VAR
     );
 }

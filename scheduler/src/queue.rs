@@ -183,11 +183,14 @@ impl HintLink {
 
     /// The hint loop failed at the queue or the store: the claim loop carries the load
     /// until hints bring work again, and the loop's failure is recorded; returns how long
-    /// the loop backs off (at least the poll interval).
+    /// the loop backs off. That is the loops' own schedule (from 50 ms, doubling with each
+    /// failure in a row up to 5 s, reset by a success), not the poll interval: a queue
+    /// back after a blip of a second must not leave the hints off for a poll interval
+    /// that a worker with a queue often sets to minutes.
     fn failed<S: Store, C: Clock>(&self, inner: &Inner<S, C>, error: &str) -> Duration {
         self.misses.store(HINT_MISSES_MAX, Ordering::Relaxed);
         self.set_flowing(false);
-        inner.loop_failed(WorkerLoop::Hints, &error).max(inner.config.poll_interval)
+        inner.loop_failed(WorkerLoop::Hints, &error)
     }
 
     /// Records whether the hints bring work; waking the claim loop when they stopped.
@@ -666,48 +669,50 @@ async fn hint_loop<S: Store, C: Clock>(
     }
 }
 
-/// Claim parameters for at most `most` instances from the worker's queues that have free
-/// slots; `None` when no slot is free.
+/// Claim parameters for at most `most` instances, one per worker queue that hints may
+/// claim into and that has a free slot, each bounded by that queue's own free slots and
+/// key limit; empty when no slot is free. A claim by id names rows, not queues, so one
+/// claim spanning every open queue bounded by their summed free slots could take more
+/// rows of one queue than it has slots, and those rows would only be released again.
 fn claim_params<S: Store, C: Clock>(
     inner: &Inner<S, C>,
     queues: &[QueueSlots],
     most: usize,
-) -> Option<ClaimParams> {
-    let open: Vec<&QueueSlots> =
-        queues.iter().filter(|s| s.free() > 0 && inner.config.hints_claim_into(&s.name)).collect();
-    if open.is_empty() {
-        return None;
-    }
-    let free: usize = open.iter().map(|s| s.free()).sum();
-    let limit =
-        free.min(most).min(inner.config.claim_batch).min(keel_core::limits::CLAIM_BATCH_MAX);
-    // One claim spans the open queues, so a key may run as many rows at once as the
-    // strictest of them allows; a hint names rows, so their order does not matter here.
-    let key_limit =
-        open.iter().map(|s| inner.config.claim_policy(&s.name).key_limit).min().unwrap_or(1);
-    (limit > 0).then(|| ClaimParams {
-        worker: inner.config.worker_id.clone(),
-        namespaces: inner.config.namespaces.clone(),
-        queues: open.iter().map(|s| s.name.clone()).collect(),
-        machines: inner.machines.keys().cloned().collect(),
-        limit,
-        lease: inner.config.lease,
-        now: inner.clock.now(),
-        policy: keel_core::plan::claim::ClaimPolicy {
-            key_limit,
-            ..keel_core::plan::claim::ClaimPolicy::default()
-        },
-    })
+) -> Vec<ClaimParams> {
+    let batch = most.min(inner.config.claim_batch).min(keel_core::limits::CLAIM_BATCH_MAX);
+    queues
+        .iter()
+        .filter(|s| inner.config.hints_claim_into(&s.name))
+        .filter_map(|s| {
+            let limit = s.free().min(batch);
+            (limit > 0).then(|| ClaimParams {
+                worker: inner.config.worker_id.clone(),
+                namespaces: inner.config.namespaces.clone(),
+                queues: vec![s.name.clone()],
+                machines: inner.machines.keys().cloned().collect(),
+                limit,
+                lease: inner.config.lease,
+                now: inner.clock.now(),
+                // A hint names rows, so their order does not matter here.
+                policy: keel_core::plan::claim::ClaimPolicy {
+                    key_limit: inner.config.claim_policy(&s.name).key_limit,
+                    ..keel_core::plan::claim::ClaimPolicy::default()
+                },
+            })
+        })
+        .collect()
 }
 
-/// Claims the instances of `deliveries` by id, starts what was claimed and settles every
-/// hint: a claimed one is acked; one that took nothing is acked when its instance is gone
-/// or not ready (stale or a duplicate) and handed back for another worker when it is
-/// ready (`plan::hints::unclaimed`: another worker may serve its machine, namespace or
-/// queue, or have the slot this one lacks). When the store is unavailable the hints are
-/// neither acked nor handed back here: they go back to the caller with the error, which
-/// backs off. Returns how many instances the hints claimed, `None` when no slot was free
-/// or the store refused the claim for good.
+/// Claims the instances of `deliveries` by id, one claim per queue with free slots (the
+/// ids not taken yet, at most that queue's free slots), starts what was claimed and
+/// settles every hint: a claimed one is acked; one that took nothing is acked when its
+/// instance is gone or not ready (stale or a duplicate) and handed back for another
+/// worker when it is ready (`plan::hints::unclaimed`: another worker may serve its
+/// machine, namespace or queue, or have the slot this one lacks). When the store is
+/// unavailable the hints not claimed are neither acked nor handed back here: they go
+/// back to the caller with the error, which backs off (what was claimed before the error
+/// runs, and its hints are acked). Returns how many instances the hints claimed, `None`
+/// when no slot was free or the store refused the claim for good before any was taken.
 async fn claim_hinted<S: Store, C: Clock>(
     inner: &Arc<Inner<S, C>>,
     link: &HintLink,
@@ -715,31 +720,55 @@ async fn claim_hinted<S: Store, C: Clock>(
     tx: &mpsc::Sender<Finished>,
     deliveries: Vec<Delivery>,
 ) -> Result<Option<usize>, (StoreError, Vec<Delivery>)> {
-    let ids: BTreeSet<InstanceId> = deliveries.iter().map(|d| d.hint.instance).collect();
-    let Some(params) = claim_params(inner, queues, ids.len()) else {
+    let mut left: BTreeSet<InstanceId> = deliveries.iter().map(|d| d.hint.instance).collect();
+    let plans = claim_params(inner, queues, left.len());
+    if plans.is_empty() {
         // No slot left after all: hand the hints back for another worker (or a later
         // round of this one).
         link.nack_all(deliveries.into_iter().map(|d| (d.receipt, Duration::ZERO))).await;
         return Ok(None);
-    };
-    let (claimed, taken) =
-        match inner.store.instance_claim_ids(ids.into_iter().collect(), params).await {
-            Ok(claims) => {
-                link.stats.claimed.fetch_add(claims.len() as u64, Ordering::Relaxed);
-                let n = claims.len();
-                let taken: BTreeSet<InstanceId> = claims.iter().map(|c| c.instance.id).collect();
-                launch(inner, queues, tx, claims, false).await;
-                (Some(n), Some(taken))
+    }
+    // At most one claim per worker queue, and none once every id is taken.
+    let mut claims = Vec::new();
+    let mut failure = None;
+    for params in plans {
+        if left.is_empty() {
+            break;
+        }
+        match inner.store.instance_claim_ids(left.iter().copied().collect(), params).await {
+            Ok(taken) => {
+                for claim in &taken {
+                    left.remove(&claim.instance.id);
+                }
+                claims.extend(taken);
             }
-            Err(e) if e.is_retryable() => return Err((e, deliveries)),
             Err(e) => {
-                tracing::warn!(error = %e, "claim by hint refused; dropping the hints");
-                (None, None)
+                failure = Some(e);
+                break;
             }
-        };
-    let (mut done, missed): (Vec<Delivery>, Vec<Delivery>) = deliveries
-        .into_iter()
-        .partition(|d| taken.as_ref().is_none_or(|t| t.contains(&d.hint.instance)));
+        }
+    }
+    let n = claims.len();
+    link.stats.claimed.fetch_add(n as u64, Ordering::Relaxed);
+    let taken: BTreeSet<InstanceId> = claims.iter().map(|c| c.instance.id).collect();
+    if !claims.is_empty() {
+        launch(inner, queues, tx, claims, false).await;
+    }
+    let (mut done, missed): (Vec<Delivery>, Vec<Delivery>) =
+        deliveries.into_iter().partition(|d| taken.contains(&d.hint.instance));
+    let claimed = match failure {
+        None => Some(n),
+        Some(e) if e.is_retryable() => {
+            link.ack(done.into_iter().map(|d| d.receipt).collect()).await;
+            return Err((e, missed));
+        }
+        Some(e) => {
+            tracing::warn!(error = %e, "claim by hint refused; dropping the hints");
+            done.extend(missed);
+            link.ack(done.into_iter().map(|d| d.receipt).collect()).await;
+            return Ok((n > 0).then_some(n));
+        }
+    };
     if !missed.is_empty() {
         done.extend(hand_back(inner, link, missed).await);
     }

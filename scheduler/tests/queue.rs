@@ -57,6 +57,8 @@ struct Flaky<Q> {
     delay: Duration,
     visibility_max: Option<Duration>,
     receives: std::sync::atomic::AtomicU64,
+    /// How many of the next receives fail (an outage of that many calls).
+    failing_receives: std::sync::atomic::AtomicU64,
     nacks: std::sync::atomic::AtomicU64,
     /// Publishes under way now, and the most there ever were at once.
     publishing: Arc<std::sync::atomic::AtomicU64>,
@@ -82,6 +84,7 @@ impl<Q> Flaky<Q> {
             delay: Duration::ZERO,
             visibility_max: None,
             receives: std::sync::atomic::AtomicU64::new(0),
+            failing_receives: std::sync::atomic::AtomicU64::new(0),
             nacks: std::sync::atomic::AtomicU64::new(0),
             publishing: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             publishing_max: std::sync::atomic::AtomicU64::new(0),
@@ -133,6 +136,12 @@ impl<Q: Queue> Queue for Flaky<Q> {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.check()?;
+        let failing = self
+            .failing_receives
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err(StoreError::unavailable("receive failed once (test)"));
+        }
         self.receives.fetch_add(1, Ordering::Relaxed);
         self.hang_while_hanging().await;
         self.inner.receive(max, visibility, wait).await
@@ -668,6 +677,83 @@ mod memory {
         worker.shutdown().await;
     }
 
+    /// One failed receive (a queue server's blip) does not switch the hints off for the
+    /// poll interval: the hint loop tries again after a short back-off, so an instance
+    /// announced after the blip runs by its hints while polling is ten minutes away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_failed_receive_does_not_stop_the_hints_for_a_poll_interval() {
+        let h = MemoryStore::harness().await;
+        let _ticking = Ticking::start(&h.clock);
+        let queue = Arc::new(probe());
+        queue.failing_receives.store(1, Ordering::SeqCst);
+        let setup = Setup { repair_after: None, ..Setup::no_polling(1) };
+        let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
+            .register(Counter)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+        let worker = worker.spawn();
+        claim_loops_ran(&[&worker]).await;
+        let began = tokio::time::Instant::now();
+        while worker.health().get(WorkerLoop::Hints).and_then(|l| l.last_error.clone()).is_none() {
+            assert!(began.elapsed() < Duration::from_secs(10), "the receive never failed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+        let ids = start_all(&client, 1).await;
+        let stats = Arc::clone(worker.stats());
+        finish(&h, &ids, || stats.committed(), Duration::from_secs(5)).await;
+        assert_eq!(claimed(&hints), STEPS as u64 + 1, "every step came by hint");
+        worker.shutdown().await;
+    }
+
+    /// A claim by hint takes no more rows of a queue than that queue has free slots, even
+    /// when the worker's other queues have many: a burst of 40 hints for a queue of 2
+    /// slots, next to a queue of 50, starts 2 and leaves the rest to later hints, rather
+    /// than claiming 40 and giving 38 leases back one store call at a time. The run ends
+    /// with polling ten minutes away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_by_hint_takes_no_more_of_a_queue_than_its_free_slots() {
+        let h = MemoryStore::harness().await;
+        let _ticking = Ticking::start(&h.clock);
+        let queue = Arc::new(MemoryQueue::new());
+        let setup = Setup { limit: Duration::from_secs(60), ..Setup::no_polling(40) };
+        let config = WorkerConfig {
+            queues: vec![("a".to_owned(), 2), ("b".to_owned(), 50)],
+            ..config(&h, setup)
+        };
+        let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Counter)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+        let worker = worker.spawn();
+        claim_loops_ran(&[&worker]).await;
+        let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+        let news = (0..setup.n)
+            .map(|_| {
+                NewInstance::new(MachineRef::new("counter", 1), "count")
+                    .queue("a")
+                    .context(json!({ "n": 0 }))
+            })
+            .collect();
+        let ids: Vec<InstanceId> = client
+            .start_many(news)
+            .await
+            .expect("start")
+            .into_iter()
+            .map(|outcome| {
+                let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
+                id
+            })
+            .collect();
+        let stats = Arc::clone(worker.stats());
+        finish(&h, &ids, || stats.committed(), setup.limit).await;
+        assert_eq!(
+            stats.released.load(Ordering::Relaxed),
+            0,
+            "rows claimed by hint beyond their queue's free slots were given back"
+        );
+        assert!(claimed(&hints) > 0, "no step came by hint");
+        worker.shutdown().await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_whose_queues_are_all_limited_leaves_hints_alone() {
         let queue = Arc::new(probe());
@@ -728,14 +814,17 @@ mod memory {
             "{error}"
         );
 
-        // Once the queue answers again, the same loop receives.
+        // Once the queue answers again, the same loop receives. A receive it began while
+        // the queue still hung gives up only after its margin, and the claim loop (polling
+        // every 50 ms meanwhile) may take an announced instance first, so one announced
+        // instance at a time until one is claimed by its hint.
         queue.hang.store(false, Ordering::SeqCst);
-        let later = start_all(&h.client, 1).await;
-        queue.inner.enqueue(vec![Hint::new(later[0], 1)]).await.expect("enqueue");
         let began = tokio::time::Instant::now();
         while hints.claimed.load(Ordering::Relaxed) == 0 {
             assert!(began.elapsed() < Duration::from_secs(30), "the hint loop did not resume");
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            let later = start_all(&h.client, 1).await;
+            queue.inner.enqueue(vec![Hint::new(later[0], 1)]).await.expect("enqueue");
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         worker.shutdown().await;
     }

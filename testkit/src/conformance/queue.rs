@@ -389,9 +389,9 @@ pub async fn queue_ack_twice_is_harmless<Q: Queue>(q: &Q) {
 /// woken by a child, the target of an event) publishes the same pair again for news that
 /// came after the first publish, so dropping it delays that work until the repair pass.
 ///
-/// A backend that drops a publish whose (instance, revision) it saw within a time window,
-/// even once acked, cannot hold this and lists it under `except`: SQS FIFO, whose
-/// deduplication id is `<instance>-<revision>` for five minutes.
+/// A backend that deduplicates publishes must do so within one publish only: a publish
+/// whose (instance, revision) it saw before, even once acked, is news and must be
+/// delivered (SQS FIFO's deduplication id therefore carries a per-publish nonce).
 pub async fn queue_republish_while_leased_is_delivered_again<Q: Queue>(q: &Q) {
     let u = unit(q);
     let republished = Hint::new(InstanceId(7), 0);
