@@ -739,12 +739,18 @@ pub fn lease_expired(row: &Instance, now: Timestamp) -> bool {
     row.status == Status::Executing && row.lease_expires_at.is_some_and(|t| t < now)
 }
 
+/// The error an attempt records when its lease expired with no result from the worker
+/// holding it ([`reap`]): how [`crate::retry::attempts_used_up`] tells such attempts from
+/// failed ones and from a step's own retries.
+pub const LEASE_EXPIRED_ERROR: &str = "the lease expired with no result from the worker holding it";
+
 /// The row after the reaper returns it (its worker died): runnable now, attempt + 1,
-/// no handler call.
+/// the attempt's error [`LEASE_EXPIRED_ERROR`], no handler call.
 pub fn reap(row: &Instance, now: Timestamp) -> Instance {
     let mut next = row.clone();
     release_lease(&mut next);
     next.status = Status::Runnable;
+    push_error(&mut next.errors, row.attempt, LEASE_EXPIRED_ERROR, now);
     next.attempt = row.attempt + 1;
     next.eligible_at = now;
     next.updated_at = now;

@@ -575,61 +575,65 @@ impl AttemptsUsedUp {
     pub const KIND: FailureKind = FailureKind::NonRetryable;
 }
 
-/// Checks a claimed step against its retry policy before it runs: `Some` when the row's
-/// `attempt` (0-based) is already `policy.max_attempts` or more.
+/// Checks a claimed step before it runs: `Some` when its last attempts all ended with
+/// their lease expiring ([`crate::outcome::reap`] records
+/// [`crate::outcome::LEASE_EXPIRED_ERROR`] for each), `max(policy.max_attempts, 2)` of
+/// them in a row.
 ///
 /// A failed attempt goes through [`decide`], which dead-letters the failure of the last
-/// allowed attempt, so a retry never leads to an attempt past the bound. Only the
-/// reaper's return of an expired lease ([`crate::outcome::reap`]) counts an attempt
-/// without that decision. A step whose every run takes its worker down with it (a
-/// crash, an abort, running out of memory) therefore reaches this bound through expired
-/// leases alone, and would be run again for ever. Such a step is not run again: the
-/// runtime fails it with [`AttemptsUsedUp::KIND`] and the message returned, through the
-/// same failure handling as any other failed step (by default a dead letter, with the
-/// instance suspended; without dead letters the instance fails). The runtime does not
-/// know which single event the step would have processed, so nothing is skipped.
-///
-/// `leases_expired` counts the attempts below `attempt` that recorded no error of their
-/// own in `row.errors`.
+/// allowed attempt; only the reaper counts an attempt without that decision. A step whose
+/// every run takes its worker down with it (a crash, an abort, running out of memory)
+/// would therefore be run again for ever. Such a step is not run again: the runtime fails
+/// it with [`AttemptsUsedUp::KIND`] and the message returned, through the same failure
+/// handling as any other failed step (by default a dead letter, with the instance
+/// suspended; without dead letters the instance fails). A failed attempt or a step's own
+/// [`Outcome::Retry`](crate::Outcome::Retry) in between breaks the run, and at least two
+/// expired leases in a row are needed, so one lost commit (a database failover) never
+/// stops a step even under `max_attempts = 1`. The runtime does not know which single
+/// event the step would have processed, so nothing is skipped.
 ///
 /// ```
 /// use keel_core::ids::{InstanceId, MachineRef};
 /// use keel_core::instance::{Instance, NewInstance};
+/// use keel_core::outcome::reap;
 /// use keel_core::retry::{attempts_used_up, RetryPolicy};
 /// use keel_core::Timestamp;
 ///
 /// let new = NewInstance::new(MachineRef::new("order", 1), "charge");
 /// let mut row = Instance::from_new(InstanceId(1), &new, None, Timestamp(0));
-/// let policy = RetryPolicy::default(); // 3 attempts: 0, 1 and 2
-/// row.attempt = 2;
+/// let policy = RetryPolicy::default(); // 3 attempts
+/// for _ in 0..2 {
+///     row = reap(&row, Timestamp(0));
+/// }
 /// assert_eq!(attempts_used_up(&policy, &row), None);
-/// row.attempt = 3; // three leases expired in a row
+/// row = reap(&row, Timestamp(0)); // three leases expired in a row
 /// let used_up = attempts_used_up(&policy, &row).unwrap();
 /// assert_eq!(used_up.leases_expired, 3);
 /// assert!(used_up.message.contains("may be killing its worker"));
 /// ```
 pub fn attempts_used_up(policy: &RetryPolicy, row: &Instance) -> Option<AttemptsUsedUp> {
-    let attempt = u32::try_from(row.attempt).ok()?;
-    let allowed = policy.max_attempts.max(1);
-    if attempt < allowed {
+    let needed = policy.max_attempts.max(2);
+    let expired = |attempt: i32| {
+        row.errors
+            .iter()
+            .any(|e| e.attempt == attempt && e.error == crate::outcome::LEASE_EXPIRED_ERROR)
+    };
+    // The attempts just before this one, newest first, while each ended in an expired
+    // lease (bounded: the row keeps at most `ATTEMPT_ERRORS_MAX` errors).
+    let run = (1..=crate::limits::ATTEMPT_ERRORS_MAX as i32)
+        .map(|back| row.attempt - back)
+        .take_while(|&attempt| attempt >= 0 && expired(attempt))
+        .count();
+    let leases_expired = u32::try_from(run).unwrap_or(u32::MAX);
+    if leases_expired < needed {
         return None;
     }
-    let failed = row.errors.iter().filter(|e| (0..row.attempt).contains(&e.attempt)).count();
-    let leases_expired = attempt.saturating_sub(u32::try_from(failed).unwrap_or(u32::MAX));
-    let step = &row.position;
-    let message = if leases_expired > 0 {
-        format!(
-            "step `{step}` was not run again: its lease expired {leases_expired} times with \
-             no result from the worker holding it, which used up the {allowed} attempts \
-             retry.max_attempts allows; the step may be killing its worker (a crash, an \
-             abort, running out of memory)"
-        )
-    } else {
-        format!(
-            "step `{step}` was not run again: it already ran {attempt} times, and \
-             retry.max_attempts now allows {allowed}"
-        )
-    };
+    let message = format!(
+        "step `{}` was not run again: its lease expired {leases_expired} times in a row with \
+         no result from the worker holding it (retry.max_attempts is {}); the step may be \
+         killing its worker (a crash, an abort, running out of memory)",
+        row.position, policy.max_attempts
+    );
     Some(AttemptsUsedUp { leases_expired, message })
 }
 
@@ -943,12 +947,14 @@ mod tests {
         }
     }
 
-    /// Retries never reach the bound (the last allowed attempt's failure dead-letters);
-    /// expired leases do, after exactly `max_attempts` runs, and only then.
+    /// Retries never reach the bound (the last allowed attempt's failure dead-letters),
+    /// nor do a step's own retries; expired leases in a row do, after `max_attempts` runs
+    /// (at least two), and only then.
     #[test]
-    fn attempts_are_used_up_only_by_expired_leases_past_the_bound() {
+    fn attempts_are_used_up_only_by_expired_leases_in_a_row() {
         use crate::ids::{InstanceId, MachineRef};
         use crate::instance::{AttemptError, NewInstance};
+        use crate::outcome::reap;
         use crate::time::Timestamp;
         let new = NewInstance::new(MachineRef::new("order", 1), "charge");
         let fresh = Instance::from_new(InstanceId(7), &new, None, Timestamp(0));
@@ -977,40 +983,43 @@ mod tests {
                     }
                 }
             }
-            // Every run takes its worker down: the step runs `max_attempts` times, then
-            // is refused, naming the leases.
+            // Every run takes its worker down: the step runs `max_attempts` times (at
+            // least twice), then is refused, naming the leases.
             let mut row = fresh.clone();
             let mut runs = 0;
             while attempts_used_up(&policy, &row).is_none() {
                 runs += 1;
-                row = crate::outcome::reap(&row, Timestamp(0));
-                assert!(runs <= max_attempts, "ran {runs} times under {max_attempts} attempts");
+                row = reap(&row, Timestamp(0));
+                assert!(runs <= max_attempts.max(2), "ran {runs} times under {max_attempts}");
             }
-            assert_eq!(runs, max_attempts);
+            assert_eq!(runs, max_attempts.max(2));
             let used_up = attempts_used_up(&policy, &row).unwrap();
-            assert_eq!(used_up.leases_expired, max_attempts);
-            assert!(used_up.message.contains(&format!("lease expired {max_attempts} times")));
+            assert_eq!(used_up.leases_expired, max_attempts.max(2));
+            let times = format!("lease expired {} times in a row", max_attempts.max(2));
+            assert!(used_up.message.contains(&times), "{}", used_up.message);
             assert!(used_up.message.contains("may be killing its worker"), "{}", used_up.message);
         }
-        // A failure, then two expired leases: two of the three attempts were leases.
+        // A step that polls with its own `Retry` goes past `max_attempts` and keeps running;
+        // a lease lost between two polls is not a run.
         let policy = RetryPolicy::default();
         let mut row = fresh.clone();
-        row.errors.push(AttemptError { attempt: 0, error: "boom".into(), at: Timestamp(0) });
-        row.attempt = 3;
-        assert_eq!(attempts_used_up(&policy, &row).unwrap().leases_expired, 2);
-        // A policy lowered since the step ran: refused, without blaming leases.
+        for poll in 0..10 {
+            row.attempt += 1; // the step's own Retry: no error recorded
+            if poll % 3 == 0 {
+                row = reap(&row, Timestamp(0));
+            }
+            assert_eq!(attempts_used_up(&policy, &row), None, "poll {poll}");
+        }
+        // A failure breaks the run: two leases after it are not three in a row.
         let mut row = fresh;
-        row.errors = (0..2)
-            .map(|attempt| AttemptError { attempt, error: "boom".into(), at: Timestamp(0) })
-            .collect();
+        row = reap(&row, Timestamp(0));
+        row.errors.push(AttemptError { attempt: 1, error: "boom".into(), at: Timestamp(0) });
         row.attempt = 2;
-        let lowered = RetryPolicy { max_attempts: 2, ..policy };
-        let used_up = attempts_used_up(&lowered, &row).unwrap();
-        assert_eq!(used_up.leases_expired, 0);
-        assert_eq!(
-            used_up.message,
-            "step `charge` was not run again: it already ran 2 times, and retry.max_attempts now allows 2"
-        );
+        row = reap(&reap(&row, Timestamp(0)), Timestamp(0));
+        assert_eq!(row.attempt, 4);
+        assert_eq!(attempts_used_up(&policy, &row), None);
+        row = reap(&row, Timestamp(0));
+        assert_eq!(attempts_used_up(&policy, &row).unwrap().leases_expired, 3);
     }
 
     #[test]

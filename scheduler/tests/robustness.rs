@@ -50,6 +50,7 @@ on_stores!(
         a_next_step_claimed_before_its_last_group_settled_still_runs,
         a_schedule_tick_the_store_refuses_is_dropped_and_the_next_fires,
         a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run,
+        a_step_that_polls_with_retry_runs_past_max_attempts,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -68,6 +69,7 @@ on_stores!(
         slow_steps_are_not_claimed_ahead,
         a_next_step_claimed_before_its_last_group_settled_still_runs,
         a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run,
+        a_step_that_polls_with_retry_runs_past_max_attempts,
     ],
 );
 
@@ -820,4 +822,41 @@ async fn a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run
     assert_eq!(letter.attempts, max_attempts as i32 + 1);
     let last = letter.errors.last().map(|e| e.error.as_str()).unwrap_or_default();
     assert!(last.contains(&expected), "the dead letter's error: {last}");
+}
+
+/// Returns `Outcome::Retry` for its first `polls` runs, then finishes: a step polling for
+/// something outside.
+struct Poller {
+    polls: usize,
+    runs: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl StepMachine for Poller {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("poller", 1)
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if self.runs.fetch_add(1, Ordering::SeqCst) < self.polls {
+            return Ok(Outcome::Retry { context: ctx.context.clone(), delay: Duration::ZERO });
+        }
+        Ok(Outcome::Done { result: json!({ "polled": self.polls }), step: None })
+    }
+}
+
+/// A step's own `Outcome::Retry` counts an attempt without a failure: a step that polls
+/// goes on past `max_attempts` for as long as it wants. Only expired leases in a row stop
+/// a step from running.
+async fn a_step_that_polls_with_retry_runs_past_max_attempts<S: TestStore>() {
+    let h = S::harness().await;
+    let id = h.start(NewInstance::new(MachineRef::new("poller", 1), "poll")).await;
+    let polls = 3 * QueueConfig::default().retry.max_attempts as usize;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = h.worker(h.config(), Poller { polls, runs: Arc::clone(&runs) });
+    let row = h.wait(id, "done after polling", |r| r.status.is_terminal()).await;
+    worker.shutdown().await;
+    assert_eq!((row.status, row.attempt), (Status::Done, polls as i32));
+    assert_eq!(runs.load(Ordering::SeqCst), polls + 1, "every poll ran");
+    let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
+    assert!(letters.is_empty(), "{letters:?}");
 }
