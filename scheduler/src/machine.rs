@@ -292,18 +292,17 @@ pub trait StepMachine: Send + Sync + 'static {
     /// the machine's order) when the instance awaited `awaits`: the configuration file's
     /// section for that event (`[machines.<name>.events.<event>]`) applies to the step.
     /// `None`: the step processes no event and runs under the machine's settings. Default:
-    /// the first signal that matches `awaits` (any signal for `*`), and none when the
-    /// instance awaited nothing. A chart's start (`@init`) and its region tasks process no
-    /// event; its other steps process the first signal.
+    /// the first signal (a failed attempt consumes nothing, so its retries keep the
+    /// event's settings). A chart's start (`@init`) and its region tasks process no event;
+    /// its other steps process the first signal.
     fn event_for<'a>(
         &self,
         step: &str,
         awaits: Option<&str>,
         inbox: &'a [Signal],
     ) -> Option<&'a Signal> {
-        let _ = step;
-        let awaits = awaits?;
-        inbox.iter().find(|s| awaits == keel_core::instance::ANY_SIGNAL || s.name == awaits)
+        let _ = (step, awaits);
+        inbox.first()
     }
 
     /// Queues this machine starts work in besides the queue of the instance at hand (a

@@ -36,6 +36,7 @@ on_every_store!(
     priority_and_queue_from_the_file_fill_what_starts_and_sends_leave_unset,
     inbox_order_priority_takes_the_urgent_event_first,
     a_charts_start_runs_under_its_machines_settings_not_a_waiting_events,
+    an_events_retry_policy_holds_for_every_attempt_of_its_step,
 );
 
 /// Held by every test of this binary that measures a rate on real time, so they run one
@@ -788,4 +789,56 @@ async fn a_charts_start_runs_under_its_machines_settings_not_a_waiting_events<S:
     assert_eq!(row.status, Status::Done, "{:?}", row.errors);
     assert_eq!(row.result, Some(json!({ "warm": true })));
     worker.shutdown().await;
+}
+
+/// Parks for `checkout`, then fails its first `failures` attempts at it.
+struct FlakyCheckout {
+    failures: usize,
+    runs: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl StepMachine for FlakyCheckout {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("flaky", 1)
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.signals.is_empty() {
+            return Ok(Outcome::Await {
+                signal: "checkout".into(),
+                context: json!({}),
+                step: None,
+            });
+        }
+        if self.runs.fetch_add(1, Ordering::SeqCst) < self.failures {
+            return Err(StepError::retryable("the payment provider is busy"));
+        }
+        Ok(Outcome::Done { result: json!("paid"), step: None })
+    }
+}
+
+/// A failed attempt consumes nothing, so every retry of the step still processes the
+/// event, under the event's section: `checkout`'s four attempts hold on the retries too,
+/// not the machine's single one.
+async fn an_events_retry_policy_holds_for_every_attempt_of_its_step<S: TestStore>() {
+    let h = S::harness().await;
+    let file = settings(
+        r#"
+        [machines.flaky.queue.retry]
+        max_attempts = 1
+        [machines.flaky.events.checkout.queue.retry]
+        max_attempts = 4
+        initial_delay = "0 seconds"
+        "#,
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let flaky = FlakyCheckout { failures: 2, runs: Arc::clone(&runs) };
+    let worker = h.worker(h.config().with_settings(file).expect("applied"), flaky);
+    let id = h.start(NewInstance::new(MachineRef::new("flaky", 1), "a")).await;
+    h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
+    h.client.send(NewSignal::new(id, "checkout")).await.expect("send");
+    let row = h.wait(id, "paid", |r| r.status.is_terminal() || r.status == Status::Suspended).await;
+    worker.shutdown().await;
+    assert_eq!(row.status, Status::Done, "{:?}", row.errors);
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "two failed attempts, then the payment");
 }
