@@ -90,6 +90,13 @@ impl WorkerBuilder {
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
         let delegates = machine.delegates();
+        // The worker serves the queues the machine starts work in: they are in use, so a
+        // file section for one is no misspelling.
+        for queue in machine.queues_started() {
+            if !self.own_queues.contains(&queue) {
+                self.own_queues.push(queue);
+            }
+        }
         self.worker = self.worker.register(machine);
         // The runtime's worker keeps the rule (it refuses to start with such a machine);
         // here it is said at once, for this machine.
@@ -234,9 +241,8 @@ fn log_unused(unused: &[UnusedSection]) {
             Some(near) => tracing::warn!(
                 section = %section.section,
                 closest = %near,
-                "configuration section {} names no machine or queue of this worker, so none of \
-                 its keys applies here; did you mean `{near}`? If it is misspelt, fix the name \
-                 in the file",
+                "configuration section {} names no machine or queue of this worker; did you \
+                 mean `{near}`? If it is misspelt, fix the name in the file",
                 section.section
             ),
             None => others.push(section.section.as_str()),
