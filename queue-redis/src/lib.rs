@@ -64,7 +64,7 @@ use keel_core::{InstanceId, Priority, StoreError, StoreResult};
 use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::socket2::TcpKeepalive;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -170,6 +170,16 @@ struct Keys {
     wake: String,
 }
 
+/// The connection for every command but `BLPOP`, and what decides when to replace it.
+struct Current {
+    manager: ConnectionManager,
+    /// How many times the connection was replaced; a command's answer or timeout counts only
+    /// when it came on the connection in use now, not on one already replaced.
+    generation: u64,
+    /// Commands on this connection that timed out since the last one that was answered.
+    timeouts: u32,
+}
+
 /// A `Queue` on Redis.
 pub struct RedisQueue {
     name: String,
@@ -189,9 +199,7 @@ pub struct RedisQueue {
     blocking_settings: ConnectionManagerConfig,
     /// The connection for every command but `BLPOP`. Replaced by a new one after
     /// [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row; callers take a clone.
-    conn: std::sync::Mutex<ConnectionManager>,
-    /// Commands on `conn` that timed out since the last one that was answered.
-    timeouts: AtomicU32,
+    conn: std::sync::Mutex<Current>,
     /// Held while `conn` is being replaced, so that one caller replaces it at a time.
     reconnecting: tokio::sync::Mutex<()>,
     /// A second connection for `BLPOP`, which would hold up every other command on a
@@ -294,8 +302,7 @@ impl RedisQueue {
             client,
             settings,
             blocking_settings,
-            conn: std::sync::Mutex::new(conn),
-            timeouts: AtomicU32::new(0),
+            conn: std::sync::Mutex::new(Current { manager: conn, generation: 0, timeouts: 0 }),
             reconnecting: tokio::sync::Mutex::new(()),
             blocking: tokio::sync::Mutex::new(blocking),
             blocking_abandoned: AtomicBool::new(false),
@@ -353,63 +360,90 @@ impl RedisQueue {
         let k = &self.keys;
         let mut cmd = redis::cmd("DEL");
         cmd.arg(&k.vis).arg(&k.body).arg(&k.count).arg(&k.wake);
-        self.call(cmd.query_async::<()>(&mut self.conn())).await
+        let (generation, mut conn) = self.conn();
+        self.call(generation, cmd.query_async::<()>(&mut conn)).await
     }
 
     /// How many hints the queue holds, leased and delayed ones included.
     pub async fn len(&self) -> StoreResult<u64> {
         let mut cmd = redis::cmd("ZCARD");
         cmd.arg(&self.keys.vis);
-        self.call(cmd.query_async(&mut self.conn())).await
+        let (generation, mut conn) = self.conn();
+        self.call(generation, cmd.query_async(&mut conn)).await
     }
 
     fn unavailable(&self, e: &redis::RedisError) -> StoreError {
         StoreError::unavailable(format!("redis queue {}: {e}", self.name))
     }
 
-    /// A handle on the connection for every command but `BLPOP`.
-    fn conn(&self) -> ConnectionManager {
-        self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    /// The connection for every command but `BLPOP`, locked for a moment (never across
+    /// an `.await`).
+    fn current(&self) -> std::sync::MutexGuard<'_, Current> {
+        self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs a command on `conn`. An answer resets the count of timeouts in a row; the
-    /// [`TIMEOUTS_BEFORE_RECONNECT`]th timeout in a row replaces the connection (the
-    /// command still fails: the connection it was sent on is gone).
+    /// A handle on the connection for every command but `BLPOP`, with its generation, to
+    /// pass to [`Self::call`].
+    fn conn(&self) -> (u64, ConnectionManager) {
+        let current = self.current();
+        (current.generation, current.manager.clone())
+    }
+
+    /// Runs a command on the connection of `generation`. An answer resets the count of
+    /// timeouts in a row; the [`TIMEOUTS_BEFORE_RECONNECT`]th timeout in a row replaces
+    /// the connection (the command still fails: the connection it was sent on is gone).
+    /// Answers and timeouts of a connection already replaced count for nothing: commands
+    /// sent on it before the swap time out after it, and must not replace the new one.
     async fn call<T>(
         &self,
+        generation: u64,
         command: impl Future<Output = redis::RedisResult<T>>,
     ) -> StoreResult<T> {
         match command.await {
             Ok(value) => {
-                if self.timeouts.load(Ordering::Relaxed) != 0 {
-                    self.timeouts.store(0, Ordering::Relaxed);
+                let mut current = self.current();
+                if current.generation == generation {
+                    current.timeouts = 0;
                 }
                 Ok(value)
             }
             Err(e) => {
-                if e.is_timeout()
-                    && self.timeouts.fetch_add(1, Ordering::Relaxed) + 1
-                        >= TIMEOUTS_BEFORE_RECONNECT
-                {
-                    self.reconnect().await;
+                let replace = e.is_timeout() && {
+                    let mut current = self.current();
+                    if current.generation == generation {
+                        current.timeouts = current.timeouts.saturating_add(1);
+                    }
+                    current.generation == generation
+                        && current.timeouts >= TIMEOUTS_BEFORE_RECONNECT
+                };
+                if replace {
+                    self.reconnect(generation).await;
                 }
                 Err(self.unavailable(&e))
             }
         }
     }
 
-    /// Replaces `conn` with a new connection, unless another caller is doing so. A
-    /// failed attempt keeps the old one (the next timeout tries again); an attempt takes
-    /// at most two tries of [`CONNECT_TIMEOUT`].
-    async fn reconnect(&self) {
+    /// Replaces the connection of `generation` with a new one, unless another caller is
+    /// doing so or has done so. A failed attempt keeps the old one (the next timeout
+    /// tries again); an attempt takes at most two tries of [`CONNECT_TIMEOUT`].
+    async fn reconnect(&self, generation: u64) {
         let Ok(_only_one) = self.reconnecting.try_lock() else { return };
-        if self.timeouts.load(Ordering::Relaxed) < TIMEOUTS_BEFORE_RECONNECT {
-            return; // replaced by another caller since this one's timeout
+        {
+            let current = self.current();
+            if current.generation != generation || current.timeouts < TIMEOUTS_BEFORE_RECONNECT {
+                return; // replaced by another caller since this one's timeout
+            }
         }
         match ConnectionManager::new_with_config(self.client.clone(), self.settings.clone()).await {
             Ok(fresh) => {
-                *self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
-                self.timeouts.store(0, Ordering::Relaxed);
+                let old = {
+                    let mut current = self.current();
+                    current.generation += 1;
+                    current.timeouts = 0;
+                    std::mem::replace(&mut current.manager, fresh)
+                };
+                drop(old);
                 tracing::warn!(
                     queue = %self.name,
                     timeouts = TIMEOUTS_BEFORE_RECONNECT,
@@ -445,11 +479,17 @@ impl RedisQueue {
         if self.blocking_abandoned.load(Ordering::Relaxed) {
             // A receive was dropped during its `BLPOP`. The server still runs it on this
             // connection, where it would take the next wake token, and the `BLPOP` below
-            // would only start once it returns: one token pushed ends it.
-            let mut push = redis::pipe();
-            push.cmd("LPUSH").arg(&self.keys.wake).arg(1).ignore();
-            push.cmd("LTRIM").arg(&self.keys.wake).arg(0).arg(scripts::WAKE_TOKENS_MAX - 1);
-            self.call(push.ignore().query_async::<()>(&mut self.conn())).await?;
+            // would only start once it returns. A pushed token would not end it: the
+            // server hands a token to the client blocked longest on the key, often a
+            // receiver of another process. Closing the connection ends it for sure, so
+            // it is replaced by a new one.
+            let fresh = ConnectionManager::new_with_config(
+                self.client.clone(),
+                self.blocking_settings.clone(),
+            )
+            .await
+            .map_err(|e| self.unavailable(&e))?;
+            *conn = fresh;
             self.blocking_abandoned.store(false, Ordering::Relaxed);
         }
         self.blocking_abandoned.store(true, Ordering::Relaxed);
@@ -495,7 +535,8 @@ impl RedisQueue {
         let mut script = scripts::RESCHEDULE.prepare_invoke();
         script.key(&self.keys.vis).key(&self.keys.count).key(&self.keys.wake);
         script.arg(id).arg(count).arg(ms).arg(u8::from(wake));
-        let done: i64 = self.call(script.invoke_async(&mut self.conn())).await?;
+        let (generation, mut conn) = self.conn();
+        let done: i64 = self.call(generation, script.invoke_async(&mut conn)).await?;
         if done == 0 {
             return Err(StoreError::not_found(format!(
                 "{what} of receipt {receipt}: the hint was acked or received again since"
@@ -558,7 +599,8 @@ impl Queue for RedisQueue {
         for hint in &hints {
             call.arg(hint_id(hint)).arg(millis(hint.delay)).arg(encode_body(hint));
         }
-        let dropped = self.call(call.invoke_async::<u64>(&mut self.conn())).await?;
+        let (generation, mut conn) = self.conn();
+        let dropped = self.call(generation, call.invoke_async::<u64>(&mut conn)).await?;
         self.count_dropped(dropped);
         Ok(())
     }
@@ -579,7 +621,9 @@ impl Queue for RedisQueue {
             let mut script = scripts::RECEIVE.prepare_invoke();
             script.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count);
             script.arg(max).arg(millis(visibility).max(1));
-            let reply: Vec<redis::Value> = self.call(script.invoke_async(&mut self.conn())).await?;
+            let (generation, mut conn) = self.conn();
+            let reply: Vec<redis::Value> =
+                self.call(generation, script.invoke_async(&mut conn)).await?;
             let received = self.parse_receive(&reply)?;
             let had_junk = !received.junk.is_empty();
             if had_junk {
@@ -614,7 +658,8 @@ impl Queue for RedisQueue {
             let (id, count) = split_receipt(receipt)?;
             call.arg(id).arg(count);
         }
-        self.call(call.invoke_async::<i64>(&mut self.conn())).await.map(drop)
+        let (generation, mut conn) = self.conn();
+        self.call(generation, call.invoke_async::<i64>(&mut conn)).await.map(drop)
     }
 
     async fn nack(&self, receipt: String, delay: Duration) -> StoreResult<()> {
@@ -700,7 +745,8 @@ impl RedisQueue {
         for (id, count) in junk {
             call.arg(id.as_slice()).arg(*count);
         }
-        if let Err(e) = self.call(call.invoke_async::<i64>(&mut self.conn())).await {
+        let (generation, mut conn) = self.conn();
+        if let Err(e) = self.call(generation, call.invoke_async::<i64>(&mut conn)).await {
             tracing::warn!(
                 queue = %self.name,
                 error = %e,

@@ -312,6 +312,57 @@ async fn a_dropped_wait_wakes_the_receivers_behind_it() {
     assert!(!got.is_empty(), "the waiter received the published hints");
 }
 
+/// A receive dropped during its wait leaves nothing on the server that takes a later
+/// publish's wake token, also when a receiver of another handle (another process) has
+/// been waiting on the queue longer: the server hands a token to the client that waits
+/// longest, so a pushed token would not end the dropped wait. A publish after the drop
+/// reaches a receiver at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_wait_does_not_take_a_later_publish() {
+    let Some(a) = queue_or_skip("redis dropped wait, two handles", URL_VAR, fresh_queue().await)
+    else {
+        return;
+    };
+    let url = std::env::var(URL_VAR).unwrap();
+    let b = RedisQueue::connect(RedisQueueConfig::new(&url, a.name())).await.unwrap();
+    let (a, b) = (std::sync::Arc::new(a), std::sync::Arc::new(b));
+    let wait = 20_000 * MS;
+    // The other handle's receiver waits first, so it has waited longest.
+    let other = {
+        let b = std::sync::Arc::clone(&b);
+        tokio::spawn(async move { b.receive(10, 5000 * MS, wait).await.unwrap() })
+    };
+    tokio::time::sleep(100 * MS).await;
+    let holder = {
+        let a = std::sync::Arc::clone(&a);
+        tokio::spawn(
+            async move { tokio::time::timeout(300 * MS, a.receive(1, 5000 * MS, wait)).await },
+        )
+    };
+    assert!(holder.await.unwrap().is_err(), "the holder's receive was dropped at its timeout");
+    let waiter = {
+        let a = std::sync::Arc::clone(&a);
+        tokio::spawn(async move { a.receive(10, 5000 * MS, wait).await.unwrap() })
+    };
+    tokio::time::sleep(300 * MS).await;
+    let published = std::time::Instant::now();
+    a.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
+    let (other_abort, waiter_abort) = (other.abort_handle(), waiter.abort_handle());
+    let got = tokio::time::timeout(5000 * MS, async {
+        tokio::select! {
+            got = other => got.unwrap(),
+            got = waiter => got.unwrap(),
+        }
+    })
+    .await;
+    other_abort.abort();
+    waiter_abort.abort();
+    let got = got.unwrap_or_else(|_| {
+        panic!("no receiver got the hint within {:?} of its publish", published.elapsed())
+    });
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), [1]);
+}
+
 /// A TCP proxy in front of a Redis server whose connections can be made to go silent:
 /// still open, still acknowledged by the kernel, but nothing forwarded any more (a NAT
 /// or firewall that forgot them, a hung middlebox). Connections opened after
@@ -368,6 +419,11 @@ impl SilencingProxy {
 
     fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// How many connections the proxy has forwarded so far.
+    fn opened(&self) -> usize {
+        self.open.lock().unwrap().len()
     }
 
     /// Every connection open now stops forwarding, in both directions, for good.
@@ -433,6 +489,44 @@ async fn a_silent_connection_is_replaced_within_seconds() {
     let got = waiter.await.unwrap();
     assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), [3]);
     assert!(published.elapsed() < 2000 * MS, "woken after {:?}", published.elapsed());
+}
+
+/// Commands sent on a silent connection shortly before it was replaced time out after
+/// the swap: they do not replace the new, healthy connection once more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_timeouts_of_a_replaced_connection_keep_the_new_one() {
+    let Ok(url) = std::env::var(URL_VAR) else {
+        let _ = queue_or_skip::<RedisQueue>("redis late timeouts", URL_VAR, None);
+        return;
+    };
+    let upstream = url.trim_start_matches("redis://").split('/').next().unwrap().to_owned();
+    let proxy = SilencingProxy::start(upstream).await;
+    let name = format!("test-{:016x}", fastrand::u64(..));
+    let q = RedisQueue::connect(RedisQueueConfig::new(proxy.url(), name)).await.unwrap();
+    let q = std::sync::Arc::new(q);
+    q.len().await.unwrap();
+    let opened = proxy.opened();
+
+    proxy.silence();
+    // The first two commands time out about 2 s from now and replace the connection;
+    // the last two were sent on the old one before that and time out about 1 s later.
+    let mut calls = Vec::new();
+    for after in [0, 100, 1000, 1500] {
+        let q = std::sync::Arc::clone(&q);
+        calls.push(tokio::spawn(async move {
+            tokio::time::sleep(after * MS).await;
+            q.len().await
+        }));
+    }
+    for call in calls {
+        assert!(call.await.unwrap().is_err(), "a command on the silent connection failed");
+    }
+    assert_eq!(q.len().await.unwrap(), 0, "the new connection answers");
+    assert_eq!(
+        proxy.opened(),
+        opened + 1,
+        "one new connection replaced the silent one; the late timeouts opened no other"
+    );
 }
 
 /// A hint handed back with a delay (a worker that received it but cannot take it) wakes

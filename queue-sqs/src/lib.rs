@@ -164,11 +164,12 @@ fn encode_group(group: &str) -> Cow<'_, str> {
 }
 
 /// The concurrency key of a body's group field ([`encode_group`] undone); a `%` not
-/// followed by two hex digits is kept as it is. `None` when the decoded bytes are not
-/// UTF-8.
-fn decode_group(field: &str) -> Option<String> {
+/// followed by two hex digits is kept as it is. A field whose decoded bytes are not
+/// UTF-8 is kept as it is too: a writer from before keys were encoded put the key in
+/// raw, and `sku%E9` is such a key, not a broken body.
+fn decode_group(field: &str) -> String {
     if !field.contains('%') {
-        return Some(field.to_owned());
+        return field.to_owned();
     }
     let bytes = field.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
@@ -190,7 +191,7 @@ fn decode_group(field: &str) -> Option<String> {
             i += 1;
         }
     }
-    String::from_utf8(out).ok()
+    String::from_utf8(out).unwrap_or_else(|_| field.to_owned())
 }
 
 /// The FIFO `MessageDeduplicationId` of `hint` in publish `publish` (a random number
@@ -248,7 +249,7 @@ fn decode(body: &str) -> Option<Hint> {
     let revision = parts.next()?.parse().ok()?;
     let priority = Priority::from_level(parts.next()?.parse().ok()?)?;
     let group = parts.next()?;
-    let group = if group.is_empty() { None } else { Some(decode_group(group)?) };
+    let group = (!group.is_empty()).then(|| decode_group(group));
     Some(Hint { instance, revision, delay: Duration::ZERO, priority, group })
 }
 
@@ -704,6 +705,16 @@ mod tests {
         // hex digits is the character itself.
         let old = decode(&format!("3|4|{level}|50%+off")).and_then(|h| h.group);
         assert_eq!(old.as_deref(), Some("50%+off"));
+        // So does one whose raw key reads as escapes of bytes that are not UTF-8: the
+        // hint is kept, with the key as written.
+        for raw in ["sku%E9", "%FF", "%C3x", "caf%E9-%41"] {
+            let old = decode(&format!("3|4|{level}|{raw}"));
+            assert_eq!(
+                old.and_then(|h| h.group).as_deref(),
+                Some(raw),
+                "old body with key {raw:?}"
+            );
+        }
     }
 
     #[test]
