@@ -435,8 +435,19 @@ async fn a_deadline_fired_behind_the_event_that_renews_it_is_withdrawn<S: TestSt
     w.shutdown().await;
 }
 
-/// A child machine whose step runs until the test lets it go.
-struct HeldPayment(Arc<tokio::sync::Notify>);
+/// A child machine (`held_payment`) whose step runs until the test lets it go: every try,
+/// or with `first_only` only the first (its later tries are charged at once).
+struct HeldPayment {
+    release: Arc<tokio::sync::Notify>,
+    tries: Arc<std::sync::atomic::AtomicUsize>,
+    first_only: bool,
+}
+
+impl HeldPayment {
+    fn new(release: &Arc<tokio::sync::Notify>, first_only: bool) -> Self {
+        HeldPayment { release: Arc::clone(release), tries: Arc::default(), first_only }
+    }
+}
 
 #[async_trait::async_trait]
 impl keel_scheduler::StepMachine for HeldPayment {
@@ -447,7 +458,10 @@ impl keel_scheduler::StepMachine for HeldPayment {
         &self,
         _: &keel_scheduler::StepContext,
     ) -> Result<keel_core::Outcome, keel_scheduler::StepError> {
-        self.0.notified().await;
+        let first = self.tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        if first || !self.first_only {
+            self.release.notified().await;
+        }
         Ok(keel_core::Outcome::Done { result: json!({ "charged": true }), step: None })
     }
 }
@@ -481,7 +495,7 @@ async fn a_delegation_timeout_cancels_the_running_child() {
     };
     let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
         .register(m.clone())
-        .register(HeldPayment(Arc::clone(&release)))
+        .register(HeldPayment::new(&release, false))
         .spawn();
     let start = m.new_instance(json!({})).namespace("shop").queue("orders");
     let id = h.start(start).await;
@@ -519,26 +533,6 @@ async fn a_delegation_timeout_cancels_the_running_child() {
     w.shutdown().await;
 }
 
-/// A payment whose first try hangs until released and whose later tries are charged at
-/// once.
-struct HangsOncePayment(Arc<tokio::sync::Notify>, Arc<std::sync::atomic::AtomicUsize>);
-
-#[async_trait::async_trait]
-impl keel_scheduler::StepMachine for HangsOncePayment {
-    fn machine(&self) -> keel_core::MachineRef {
-        keel_core::MachineRef::new("hanging_payment", 1)
-    }
-    async fn step(
-        &self,
-        _: &keel_scheduler::StepContext,
-    ) -> Result<keel_core::Outcome, keel_scheduler::StepError> {
-        if self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-            self.0.notified().await;
-        }
-        Ok(keel_core::Outcome::Done { result: json!({ "charged": true }), step: None })
-    }
-}
-
 /// `@timeout` back to the delegation state is a retry: the hung child is cancelled in the
 /// parent's commit, a new child starts, and its `@done` moves the chart on. The hung
 /// step, released afterwards, cannot commit.
@@ -549,7 +543,7 @@ async fn a_delegation_state_entered_again_on_its_timeout_retries_its_child() {
     let def = Definition::builder("retrying_order", 1)
         .initial("paying")
         .state("paying", |st| {
-            st.machine("hanging_payment")
+            st.machine("held_payment")
                 .on_done(|b| b.target("paid"))
                 .on_timeout(Timer::seconds(30), |b| b.target("paying"))
         })
@@ -557,11 +551,11 @@ async fn a_delegation_state_entered_again_on_its_timeout_retries_its_child() {
         .build()
         .expect("valid chart");
     let m = ChartMachine::new(def);
-    let (release, tries) = (Arc::new(tokio::sync::Notify::new()), Arc::default());
+    let release = Arc::new(tokio::sync::Notify::new());
     let config = WorkerConfig { timers: None, ..h.config() };
     let w = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
         .register(m.clone())
-        .register(HangsOncePayment(Arc::clone(&release), Arc::clone(&tries)));
+        .register(HeldPayment::new(&release, true));
     let w = h.hinted(w).spawn();
     let id = h.start(m.new_instance(json!({}))).await;
     h.wait(id, "paying", in_state("paying")).await;
