@@ -459,6 +459,17 @@ impl RedisQueue {
         }
     }
 
+    /// Puts a new blocking connection in place of `conn`: closing the old one ends a
+    /// `BLPOP` still running on it.
+    async fn replace_blocking(&self, conn: &mut ConnectionManager) -> StoreResult<()> {
+        *conn =
+            ConnectionManager::new_with_config(self.client.clone(), self.blocking_settings.clone())
+                .await
+                .map_err(|e| self.unavailable(&e))?;
+        self.blocking_abandoned.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Waits up to `block` for a wake token. A receiver that finds the blocking connection
     /// busy waits, as long, for the `BLPOP` of the one holding it to return (a token or its
     /// own time up) and then looks again: one script per wake-up and receiver, not a poll.
@@ -483,14 +494,7 @@ impl RedisQueue {
             // server hands a token to the client blocked longest on the key, often a
             // receiver of another process. Closing the connection ends it for sure, so
             // it is replaced by a new one.
-            let fresh = ConnectionManager::new_with_config(
-                self.client.clone(),
-                self.blocking_settings.clone(),
-            )
-            .await
-            .map_err(|e| self.unavailable(&e))?;
-            *conn = fresh;
-            self.blocking_abandoned.store(false, Ordering::Relaxed);
+            self.replace_blocking(&mut conn).await?;
         }
         self.blocking_abandoned.store(true, Ordering::Relaxed);
         let mut blpop = redis::cmd("BLPOP");
@@ -512,14 +516,7 @@ impl RedisQueue {
                 Err(self.unavailable(&e))
             }
             _ => {
-                let fresh = ConnectionManager::new_with_config(
-                    self.client.clone(),
-                    self.blocking_settings.clone(),
-                )
-                .await
-                .map_err(|e| self.unavailable(&e))?;
-                *conn = fresh;
-                self.blocking_abandoned.store(false, Ordering::Relaxed);
+                self.replace_blocking(&mut conn).await?;
                 tracing::warn!(
                     queue = %self.name,
                     "the Redis connection of a waiting receive stopped answering; replaced it \
