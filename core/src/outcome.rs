@@ -33,7 +33,8 @@ pub enum Outcome {
         /// The new context.
         context: Value,
     },
-    /// Run the same step again after `delay`; attempt + 1 (seed: `:replay`).
+    /// Run the same step again after `delay`; attempt + 1. The instance keeps what it
+    /// awaited, so the next attempt processes (and on success consumes) the same signals.
     Retry {
         /// The context to retry with.
         context: Value,
@@ -514,7 +515,9 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             next.context = context.clone();
             next.eligible_at = now.plus(*delay);
             next.attempt = row.attempt + 1;
-            next.awaits = None;
+            // `awaits` stays: the next attempt processes the same signals (a failed attempt
+            // consumed none), so its success consumes them and they do not wake a later
+            // `Await` a second time.
             let error = commit.failure.as_ref().map(|f| clip_error(&f.error));
             HistoryEntry::new(
                 HistoryKind::StepRetry,

@@ -132,12 +132,16 @@ fn outcome_table() {
             Row { history: hist(&["STEP_NEXT"]), ..base(Status::Runnable, "b", 0, NOW.0) },
         ),
         (
-            "retry: same step, attempt + 1, eligible after delay",
+            "retry: same step, attempt + 1, eligible after delay, what it awaited kept",
             executing(1, 0),
             Outcome::Retry { context: ctx(1), delay: Duration::from_secs(4) },
             None,
             (false, 0),
-            Row { history: hist(&["STEP_RETRY"]), ..base(Status::Runnable, "a", 2, NOW.0 + 4000) },
+            Row {
+                awaits: Some("old"),
+                history: hist(&["STEP_RETRY"]),
+                ..base(Status::Runnable, "a", 2, NOW.0 + 4000)
+            },
         ),
         (
             "retry after an error keeps the error of the attempt",
@@ -147,6 +151,7 @@ fn outcome_table() {
             (false, 0),
             Row {
                 errors: 2,
+                awaits: Some("old"),
                 history: hist(&["STEP_RETRY"]),
                 ..base(Status::Runnable, "a", 2, NOW.0 + 2000)
             },

@@ -37,6 +37,7 @@ on_every_store!(
     inbox_order_priority_takes_the_urgent_event_first,
     a_charts_start_runs_under_its_machines_settings_not_a_waiting_events,
     an_events_retry_policy_holds_for_every_attempt_of_its_step,
+    a_signal_whose_step_succeeded_on_a_retry_is_consumed_once,
 );
 
 /// Held by every test of this binary that measures a rate on real time, so they run one
@@ -791,10 +792,14 @@ async fn a_charts_start_runs_under_its_machines_settings_not_a_waiting_events<S:
     worker.shutdown().await;
 }
 
-/// Parks for `checkout`, then fails its first `failures` attempts at it.
+/// Parks for `checkout`, then fails its first `failures` attempts at it; with
+/// `park_again` it then moves to step `b`, which counts the signals it still sees in
+/// `seen_later` and parks for the next `checkout`, instead of finishing.
 struct FlakyCheckout {
     failures: usize,
     runs: Arc<AtomicUsize>,
+    park_again: bool,
+    seen_later: Arc<AtomicUsize>,
 }
 
 #[async_trait]
@@ -803,15 +808,19 @@ impl StepMachine for FlakyCheckout {
         MachineRef::new("flaky", 1)
     }
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        let park = Outcome::Await { signal: "checkout".into(), context: json!({}), step: None };
+        if ctx.step == "b" {
+            self.seen_later.fetch_add(ctx.signals.len(), Ordering::SeqCst);
+            return Ok(park);
+        }
         if ctx.signals.is_empty() {
-            return Ok(Outcome::Await {
-                signal: "checkout".into(),
-                context: json!({}),
-                step: None,
-            });
+            return Ok(park);
         }
         if self.runs.fetch_add(1, Ordering::SeqCst) < self.failures {
             return Err(StepError::retryable("the payment provider is busy"));
+        }
+        if self.park_again {
+            return Ok(Outcome::Next { step: "b".into(), context: json!({}) });
         }
         Ok(Outcome::Done { result: json!("paid"), step: None })
     }
@@ -832,7 +841,12 @@ async fn an_events_retry_policy_holds_for_every_attempt_of_its_step<S: TestStore
         "#,
     );
     let runs = Arc::new(AtomicUsize::new(0));
-    let flaky = FlakyCheckout { failures: 2, runs: Arc::clone(&runs) };
+    let flaky = FlakyCheckout {
+        failures: 2,
+        runs: Arc::clone(&runs),
+        park_again: false,
+        seen_later: Arc::default(),
+    };
     let worker = h.worker(h.config().with_settings(file).expect("applied"), flaky);
     let id = h.start(NewInstance::new(MachineRef::new("flaky", 1), "a")).await;
     h.wait(id, "parked", |r| r.status == Status::AwaitingSignal).await;
@@ -841,4 +855,32 @@ async fn an_events_retry_policy_holds_for_every_attempt_of_its_step<S: TestStore
     worker.shutdown().await;
     assert_eq!(row.status, Status::Done, "{:?}", row.errors);
     assert_eq!(runs.load(Ordering::SeqCst), 3, "two failed attempts, then the payment");
+}
+
+/// The attempt that succeeds after failed ones consumes the signal they all saw: the next
+/// step does not see it again (the payment is taken once).
+async fn a_signal_whose_step_succeeded_on_a_retry_is_consumed_once<S: TestStore>() {
+    let h = S::harness().await;
+    let file =
+        settings("[machines.flaky.queue.retry]\nmax_attempts = 3\ninitial_delay = \"0 seconds\"\n");
+    let (runs, seen_later) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let flaky = FlakyCheckout {
+        failures: 1,
+        runs: Arc::clone(&runs),
+        park_again: true,
+        seen_later: Arc::clone(&seen_later),
+    };
+    let worker = h.worker(h.config().with_settings(file).expect("applied"), flaky);
+    let id = h.start(NewInstance::new(MachineRef::new("flaky", 1), "a")).await;
+    let parked = |r: &keel_core::Instance| r.status == Status::AwaitingSignal;
+    h.wait(id, "parked", parked).await;
+    h.client.send(NewSignal::new(id, "checkout")).await.expect("send");
+    h.wait(id, "parked at b", |r| r.position == "b" && r.status == Status::AwaitingSignal).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let detail = h.client.get(id).await.expect("get");
+    worker.shutdown().await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "one failed attempt, one payment");
+    assert_eq!(seen_later.load(Ordering::SeqCst), 0, "step b saw the consumed checkout");
+    assert!(detail.inbox.is_empty(), "checkout was consumed: {:?}", detail.inbox);
+    assert_eq!(detail.instance.status, Status::AwaitingSignal);
 }
