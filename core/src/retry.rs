@@ -587,7 +587,7 @@ impl AttemptsUsedUp {
 /// it with [`AttemptsUsedUp::KIND`] and the message returned, through the same failure
 /// handling as any other failed step (by default a dead letter, with the instance
 /// suspended; without dead letters the instance fails). A failed attempt or a step's own
-/// [`Outcome::Retry`](crate::Outcome::Retry) in between breaks the run, and at least two
+/// [`Outcome::Retry`] in between breaks the run, and at least two
 /// expired leases in a row are needed, so one lost commit (a database failover) never
 /// stops a step even under `max_attempts = 1`. The runtime does not know which single
 /// event the step would have processed, so nothing is skipped.
@@ -612,7 +612,8 @@ impl AttemptsUsedUp {
 /// assert!(used_up.message.contains("may be killing its worker"));
 /// ```
 pub fn attempts_used_up(policy: &RetryPolicy, row: &Instance) -> Option<AttemptsUsedUp> {
-    let needed = policy.max_attempts.max(2);
+    // At least two; at most the errors a row keeps, or a large bound could never be met.
+    let needed = policy.max_attempts.clamp(2, crate::limits::ATTEMPT_ERRORS_MAX as u32);
     let expired = |attempt: i32| {
         row.errors
             .iter()
