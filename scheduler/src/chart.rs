@@ -407,13 +407,7 @@ impl StepMachine for ChartMachine {
     /// The start (`@init`) enters the initial states and a region task runs its region's
     /// entry actions: neither processes an event. Any other step processes the oldest
     /// signal (in the chart's inbox order).
-    fn event_for<'a>(
-        &self,
-        step: &str,
-        awaits: Option<&str>,
-        inbox: &'a [Signal],
-    ) -> Option<&'a Signal> {
-        let _ = awaits;
+    fn event_for<'a>(&self, step: &str, inbox: &'a [Signal]) -> Option<&'a Signal> {
         if step == INIT || step == REGION_POSITION { None } else { inbox.first() }
     }
 

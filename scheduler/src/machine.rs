@@ -289,19 +289,13 @@ pub trait StepMachine: Send + Sync + 'static {
     }
 
     /// The inbox signal a step at `step` processes, among `inbox` (the signals it sees, in
-    /// the machine's order) when the instance awaited `awaits`: the configuration file's
-    /// section for that event (`[machines.<name>.events.<event>]`) applies to the step.
-    /// `None`: the step processes no event and runs under the machine's settings. Default:
+    /// the machine's order): the configuration file's section for that event
+    /// (`[machines.<name>.events.<event>]`) applies to the step. `None`: the step processes no event and runs under the machine's settings. Default:
     /// the first signal (a failed attempt consumes nothing, so its retries keep the
     /// event's settings). A chart's start (`@init`) and its region tasks process no event;
     /// its other steps process the first signal.
-    fn event_for<'a>(
-        &self,
-        step: &str,
-        awaits: Option<&str>,
-        inbox: &'a [Signal],
-    ) -> Option<&'a Signal> {
-        let _ = (step, awaits);
+    fn event_for<'a>(&self, step: &str, inbox: &'a [Signal]) -> Option<&'a Signal> {
+        let _ = step;
         inbox.first()
     }
 

@@ -1890,7 +1890,7 @@ fn step_config<S, C>(
 ) -> Result<QueueConfig, String> {
     let row = &claim.instance;
     let event = catch_panic(|| {
-        let event = machine.event_for(&row.position, row.awaits.as_deref(), &claim.inbox);
+        let event = machine.event_for(&row.position, &claim.inbox);
         event.map(|s| s.name.clone())
     })?;
     let resolved = inner.step_config(base, row, event.as_deref());
