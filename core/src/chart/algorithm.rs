@@ -1202,10 +1202,8 @@ impl<'d> Macrostep<'d> {
         let mut renewals = BTreeSet::new();
         for &s in &self.start_ids {
             let renew = self.left.contains(&s)
-                || reentered(&s)
-                    && (self.ends_child(s)
-                        || self.own_timeout(s)
-                        || self.def.parent(s).is_some_and(|p| renewals.contains(&p)));
+                || retried(&s)
+                || reentered(&s) && self.def.parent(s).is_some_and(|p| renewals.contains(&p));
             if renew {
                 renewals.insert(s);
             }
