@@ -22,13 +22,15 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
+use keel_core::config::QueueConfig;
 use keel_core::ids::{FencingToken, WorkerId};
+use keel_core::instance::{Instance, Signal};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     Claim as Claimed, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
     LeaseReleaseParams, WORKER_MACHINES_MAX,
 };
-use keel_core::retry::{AttemptsUsedUp, FailureKind, attempts_used_up, failed_step};
+use keel_core::retry::{AttemptsUsedUp, ErrorClass, FailureKind, attempts_used_up, failed_step};
 use keel_core::{StepCommit, StepFailure};
 use serde::Deserialize;
 use serde_json::json;
@@ -397,12 +399,8 @@ impl Claim<'_> {
         let Some(used_up) = attempts_used_up(&config.retry, row) else {
             return Ok(false);
         };
-        let step = failed_step(&config, row, AttemptsUsedUp::KIND, None, &used_up.message, 0.0);
-        let mut failure = StepFailure::of_step(used_up.message, false, None, &claimed.inbox);
-        failure.dead_letter = step.dead_letter;
-        let mut commit = StepCommit::new(row.id, claimed.token(), step.outcome);
-        commit.failure = Some(failure);
-        commit.history = step.history.into_iter().collect();
+        let failed = Failed { kind: AttemptsUsedUp::KIND, error: used_up.message, draw: 0.0 };
+        let commit = failed.commit(&config, row, claimed.token(), &claimed.inbox);
         match commit_counted(self.state, &row.machine.name, commit, true).await {
             // Stale: another worker took it meanwhile, and checks it again itself.
             Ok(_) => Ok(true),
@@ -648,17 +646,43 @@ pub async fn fail(
     // A remote step reports no single event it was processing, so `skip` suspends too, and
     // with dead letters disabled the instance fails. Its retry delay is jittered as an
     // in-process one is, so remote steps failing together do not retry together.
-    let step = failed_step(&config, row, kind, None, &b.error, fastrand::f64());
     let seen = match &b.seen {
         Some(ids) => seen_in(&detail.inbox, ids)?,
         None => detail.inbox.clone(),
     };
-    let mut failure = StepFailure::of_step(b.error, b.retryable, None, &seen);
-    failure.dead_letter = step.dead_letter;
-    let mut commit = StepCommit::new(id, FencingToken(b.token), step.outcome);
-    commit.failure = Some(failure);
-    commit.history = step.history.into_iter().collect();
+    let failed = Failed { kind, error: b.error, draw: fastrand::f64() };
+    let commit = failed.commit(&config, row, FencingToken(b.token), &seen);
     commit_one(&state, &row.machine.name, commit, true).await
+}
+
+/// A remote step's failure: its kind (retryable or not), its error, and the random draw
+/// its retry delay is jittered with.
+struct Failed {
+    kind: FailureKind,
+    error: String,
+    draw: f64,
+}
+
+impl Failed {
+    /// The commit of this failure of `row`'s step under `config`'s retry and dead-letter
+    /// plan (`keel_core::retry::failed_step`), having seen `seen`. A remote step reports
+    /// no single event it was processing, so `skip` suspends too.
+    fn commit(
+        self,
+        config: &QueueConfig,
+        row: &Instance,
+        token: FencingToken,
+        seen: &[Signal],
+    ) -> StepCommit {
+        let step = failed_step(config, row, self.kind, None, &self.error, self.draw);
+        let retryable = self.kind.class() == ErrorClass::Retryable;
+        let mut failure = StepFailure::of_step(self.error, retryable, None, seen);
+        failure.dead_letter = step.dead_letter;
+        let mut commit = StepCommit::new(row.id, token, step.outcome);
+        commit.failure = Some(failure);
+        commit.history = step.history.into_iter().collect();
+        commit
+    }
 }
 
 /// Commits one remote step's result and counts it in the step metrics an in-process
