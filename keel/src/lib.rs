@@ -451,14 +451,17 @@ impl Keel {
             (Some(given), false) => apply(config, given.clone(), GIVEN_SETTINGS)?,
             (given, _) => match (settings::load(path)?, given) {
                 (Some(loaded), Some(given)) if loaded != *given => {
+                    let differ = settings::differences(&loaded, given).join(", ");
                     return Err(Error::Config {
                         file: label(),
-                        message: "differs from the settings this Keel was given with \
-                                  `Keel::with_settings`, so its client would start instances \
-                                  by one file while this worker served them by the other; give \
-                                  both the same file, or make the worker with \
-                                  `keel.worker_with(config)`, which applies the Keel's"
-                            .to_owned(),
+                        message: format!(
+                            "differs from the settings this Keel was given with \
+                             `Keel::with_settings` (in {differ}), so its client would start \
+                             instances by one file while this worker served them by the \
+                             other; give both the same file (read with the same environment), \
+                             or make the worker with `keel.worker_with(config)`, which \
+                             applies the Keel's"
+                        ),
                     });
                 }
                 (Some(loaded), _) => apply(config, loaded, &label())?,

@@ -35,3 +35,91 @@ pub fn load(path: Option<&Path>) -> Result<Option<KeelConfig>, Error> {
 /// worker (which logs the report when it starts) and the `keel` command (`config check`,
 /// and the bulk commands given a machine the store holds nothing of) decide alike.
 pub use keel_core::config::{UnusedSection, closest, unused_sections};
+
+/// At most this many differences are named in an error.
+const DIFFERENCES_NAMED_MAX: usize = 8;
+
+/// Where `a` and `b` differ, as the sections a user would look at (`[queue]`,
+/// `[machines.order]`, ...) and the environment variables that override a key in only one
+/// of them; at most [`DIFFERENCES_NAMED_MAX`], then `...`.
+pub(crate) fn differences(a: &KeelConfig, b: &KeelConfig) -> Vec<String> {
+    fn keyed<V: PartialEq>(
+        out: &mut Vec<String>,
+        table: &str,
+        a: &std::collections::BTreeMap<String, V>,
+        b: &std::collections::BTreeMap<String, V>,
+    ) {
+        let names: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+        out.extend(names.into_iter().filter(|n| a.get(*n) != b.get(*n)).map(|n| {
+            if n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+                format!("[{table}.{n}]")
+            } else {
+                format!("[{table}.{n:?}]")
+            }
+        }));
+    }
+    let mut out = Vec::new();
+    if a.queue != b.queue {
+        out.push("[queue]".to_owned());
+    }
+    if a.parallel_dispatch != b.parallel_dispatch {
+        out.push("[parallel_dispatch]".to_owned());
+    }
+    if a.retention != b.retention {
+        out.push("[retention]".to_owned());
+    }
+    keyed(&mut out, "machines", &a.machines, &b.machines);
+    keyed(&mut out, "schedules", &a.schedules, &b.schedules);
+    keyed(&mut out, "queues", &a.queues, &b.queues);
+    let vars: std::collections::BTreeSet<&String> =
+        a.env_overrides.values().chain(b.env_overrides.values()).collect();
+    out.extend(
+        vars.into_iter()
+            .filter(|v| {
+                a.env_overrides.values().any(|x| x == *v)
+                    != b.env_overrides.values().any(|x| x == *v)
+            })
+            .map(|v| format!("${v} (set for one of them only)")),
+    );
+    if out.len() > DIFFERENCES_NAMED_MAX {
+        out.truncate(DIFFERENCES_NAMED_MAX);
+        out.push("...".to_owned());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loaded(source: &str, timeout: Option<&str>) -> KeelConfig {
+        let env = |var: &str| (var == "KEEL_QUEUE_TIMEOUT").then(|| timeout.map(str::to_owned))?;
+        KeelConfig::load(source, env).expect("loads").0
+    }
+
+    #[test]
+    fn differences_name_the_sections_and_the_variables_that_differ() {
+        let file =
+            "[machines.order.queue]\nname = \"orders\"\n[queues.orders]\nstrategy = \"fifo\"\n";
+        let same = loaded(file, None);
+        assert_eq!(differences(&same, &loaded(file, None)), Vec::<String>::new());
+
+        let other =
+            "[machines.order.queue]\nname = \"mail\"\n[queues.orders]\nstrategy = \"fifo\"\n";
+        assert_eq!(differences(&same, &loaded(other, None)), ["[machines.order]"]);
+
+        // The same file read where the environment overrides a key: the override is named.
+        assert_eq!(
+            differences(&same, &loaded(file, Some("45s"))),
+            ["[queue]", "$KEEL_QUEUE_TIMEOUT (set for one of them only)"]
+        );
+
+        let many = (0..12)
+            .map(|i| format!("[machines.m{i:02}.queue]\nname = \"q\"\n"))
+            .collect::<Vec<_>>()
+            .concat();
+        let named = differences(&same, &loaded(&many, None));
+        assert_eq!(named.len(), DIFFERENCES_NAMED_MAX + 1, "bounded: {named:?}");
+        assert_eq!(named.last().map(String::as_str), Some("..."));
+    }
+}

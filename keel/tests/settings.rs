@@ -72,6 +72,7 @@ async fn configured_worker_follows_the_keels_file_or_refuses_another() {
     assert!(message.contains(&other.display().to_string()), "names the file: {message}");
     assert!(message.contains("differs from the settings this Keel was given"), "{message}");
     assert!(message.contains("give both the same file"), "the fix: {message}");
+    assert!(message.contains("(in [machines.greeter])"), "says where they differ: {message}");
 
     // The same file, or none named (this test sets no `KEEL_CONFIG`), is the Keel's: its
     // queue is served.
