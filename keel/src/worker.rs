@@ -5,7 +5,9 @@ use crate::settings::{self, UnusedSection};
 use crate::store::AnyStore;
 use crate::{AnyClock, Error};
 use keel_core::config::KeelConfig;
+use keel_core::ids::MachineRef;
 use keel_core::ports::Queue;
+use keel_core::schedule::ScheduleAction;
 use keel_scheduler::worker::WorkerStats;
 use keel_scheduler::{HintConfig, HintStats, StepMachine, Worker, WorkerConfig, WorkerHandle};
 use std::collections::BTreeSet;
@@ -54,6 +56,8 @@ pub struct WorkerBuilder {
     /// The queues the program gave the worker to claim from, before the file added its
     /// own: a `[queues.<q>]` section for one of them is in use.
     own_queues: Vec<String>,
+    /// The schedules this worker fires that start instances: name and what they start.
+    schedule_starts: Vec<(String, MachineRef)>,
 }
 
 impl WorkerBuilder {
@@ -67,6 +71,15 @@ impl WorkerBuilder {
         own_queues: Vec<String>,
     ) -> Self {
         let settings = config.settings.clone();
+        let schedule_starts = config
+            .schedules
+            .schedules()
+            .iter()
+            .filter_map(|s| match s.action() {
+                ScheduleAction::Start(new) => Some((s.name().to_owned(), new.machine.clone())),
+                ScheduleAction::Broadcast(_) => None,
+            })
+            .collect();
         WorkerBuilder {
             worker: Worker::new(Arc::new(store), clock, config),
             hint_stats: None,
@@ -75,6 +88,7 @@ impl WorkerBuilder {
             refused: None,
             settings,
             own_queues,
+            schedule_starts,
         }
     }
 
@@ -185,9 +199,44 @@ impl WorkerBuilder {
         }
         self.check()?;
         let unused = self.unused_sections();
+        let versions = self.schedule_versions();
         let handle = self.worker.try_spawn().map_err(Error::Settings)?;
         log_unused(&unused);
+        for warning in &versions {
+            tracing::warn!("{warning}");
+        }
         Ok(handle)
+    }
+
+    /// The schedules this worker fires that start a version of one of its machines it
+    /// does not register (a schedule left on `version = 1`, the default, after the
+    /// machine moved to version 2, say): each as a message naming the schedule, both
+    /// versions and the fix, logged as a warning at start-up. Not an error: while a
+    /// version rolls out, other workers may still serve the older one. A schedule that
+    /// starts a machine this worker does not register at all is not reported (a node that
+    /// only fires schedules has none).
+    pub fn schedule_versions(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (schedule, start) in &self.schedule_starts {
+            let here: Vec<i32> = self
+                .machines
+                .iter()
+                .filter(|(m, _, _)| *m == start.name)
+                .map(|(_, v, _)| *v)
+                .collect();
+            if here.is_empty() || here.contains(&start.version) {
+                continue;
+            }
+            let registered = here.iter().map(|v| format!("v{v}")).collect::<Vec<_>>().join(", ");
+            let newest = here.iter().max().copied().unwrap_or(start.version);
+            out.push(format!(
+                "schedule `{schedule}` starts `{}` v{}, but this worker registers `{}` \
+                 {registered} only; its instances wait for a worker that registers v{}. If \
+                 v{newest} is meant, set `version = {newest}` in the schedule's start",
+                start.name, start.version, start.name, start.version
+            ));
+        }
+        out
     }
 
     /// The sections of the configuration file this worker applies that name a machine it

@@ -139,3 +139,46 @@ async fn a_starting_worker_warns_of_a_likely_misspelling_and_notes_the_rest() {
         "{lines:#?}"
     );
 }
+
+struct OrderV2;
+
+#[keel::async_trait]
+impl StepMachine for OrderV2 {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("order", 2)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!(null), step: None })
+    }
+}
+
+/// A schedule left on the default `version = 1` after its machine moved to version 2
+/// starts instances no worker of the new deploy runs: the worker says so when it starts,
+/// naming the schedule and the fix.
+#[tokio::test]
+async fn a_worker_warns_of_a_schedule_that_starts_a_version_it_does_not_register() {
+    let file = "[schedules.nightly]\ncron = \"0 3 * * *\"\nstart = { machine = \"order\" }\n";
+    let keel = Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(file));
+    let worker = keel.worker().register(OrderV2).expect("registers");
+    assert_eq!(
+        worker.schedule_versions(),
+        ["schedule `nightly` starts `order` v1, but this worker registers `order` v2 only; \
+             its instances wait for a worker that registers v1. If v2 is meant, set \
+             `version = 2` in the schedule's start"]
+    );
+    let lines = Lines::default();
+    let handle = tracing::subscriber::with_default(lines.clone(), || {
+        tracing::callsite::rebuild_interest_cache();
+        worker.spawn()
+    })
+    .expect("warned about, not refused: older workers may still serve v1");
+    handle.shutdown().await;
+    let lines = lines.0.lock().expect("not poisoned").clone();
+    assert!(lines.iter().any(|l| l.starts_with("WARN schedule `nightly` starts")), "{lines:#?}");
+
+    // The version it starts is registered (beside another), or the worker registers no
+    // machine of that name (a node that only fires schedules): nothing to say.
+    let both = keel.worker().register(Order).expect("v1").register(OrderV2).expect("v2");
+    assert_eq!(both.schedule_versions(), Vec::<String>::new());
+    assert_eq!(keel.worker().schedule_versions(), Vec::<String>::new());
+}
