@@ -13,6 +13,9 @@ struct Server {
     child: Child,
     base: String,
     agent: ureq::Agent,
+    /// The store the server serves, for a test that opens it through the library.
+    url: String,
+    schema: String,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -106,10 +109,23 @@ fn spawn(
         .timeout_global(Some(Duration::from_secs(20)))
         .build()
         .into();
-    Server { child, base, agent, _dir: dir.or(Some(config_dir)) }
+    Server {
+        child,
+        base,
+        agent,
+        url: url.to_owned(),
+        schema: schema.to_owned(),
+        _dir: dir.or(Some(config_dir)),
+    }
 }
 
 impl Server {
+    /// The server's store, opened through the library on `rt`.
+    fn keel(&self, rt: &tokio::runtime::Runtime) -> keel::Keel {
+        let options = keel::ConnectOptions::default().schema(&self.schema);
+        rt.block_on(keel::Keel::connect_with(&self.url, options)).unwrap()
+    }
+
     fn post(&self, path: &str, body: &str) -> (u16, Value) {
         self.post_as("", path, body)
     }
@@ -1821,5 +1837,181 @@ fn a_task_whose_leases_used_up_its_attempts_is_dead_lettered_not_handed_out() {
         let letters = list["dead_letters"].as_array().cloned().unwrap_or_default();
         assert_eq!(letters.len(), 1, "{name}: {list}");
         assert_eq!(letters[0]["letter"]["reason"], "non_retryable", "{name}: {list}");
+    }
+}
+
+/// A poll for one task of `machine` by worker `w`.
+fn poll_for(machine: &str, lease_ms: u64) -> String {
+    format!(
+        r#"{{"worker":"w","namespace":"default","machines":[{{"name":"{machine}","version":1}}],"lease_ms":{lease_ms},"wait_ms":2000}}"#
+    )
+}
+
+/// A remote step runs under the file's settings for the event it processes, picked as an
+/// in-process worker picks it: the first signal in the machine's inbox order, which the
+/// task's inbox is handed in. Here `hello` (5 attempts) overtakes an earlier `other` under
+/// `inbox_order = "priority"`, so its failure is retried, where the machine's single
+/// attempt would dead-letter it; a step that processes `other` gets the machine's.
+#[test]
+fn a_remote_failure_is_retried_under_the_settings_of_the_event_it_processed() {
+    let config = "[machines.greeter]\ninbox_order = \"priority\"\n\
+                  [machines.greeter.queue]\nretry = { max_attempts = 1 }\n\
+                  [machines.greeter.events.hello.queue]\n\
+                  retry = { max_attempts = 5, initial_delay = \"1s\" }\n";
+    for (name, s) in servers(
+        "a_remote_failure_is_retried_under_the_settings_of_the_event_it_processed",
+        Some(config),
+    ) {
+        let ns = "/v1/namespaces/default";
+        let send = |id: i64, event: &str, priority: &str| {
+            let (code, sent) = s.post(
+                &format!("{ns}/events"),
+                &format!(r#"{{"instance":{id},"event":"{event}"{priority}}}"#),
+            );
+            assert_eq!(code, 202, "{name}: {sent}");
+            sent["signal"].as_i64().unwrap()
+        };
+        let fail = |task: &Value, seen: &[i64]| {
+            let (id, token) = (task["id"].as_i64().unwrap(), task["token"].as_i64().unwrap());
+            s.post(
+                &format!("/v1/worker/tasks/{id}/fail"),
+                &format!(
+                    r#"{{"worker":"w","token":{token},"error":"upstream down","seen":{seen:?}}}"#
+                ),
+            )
+        };
+        for (events, status) in
+            [(&["other", "hello"][..], "runnable"), (&["other"][..], "suspended")]
+        {
+            let (code, a) =
+                s.post(&format!("{ns}/instances"), r#"{"machine":"greeter","at":"greet"}"#);
+            assert_eq!(code, 201, "{name}: {a}");
+            let id = a["id"].as_i64().unwrap();
+            let sent: Vec<i64> = events
+                .iter()
+                .map(|e| send(id, e, if *e == "hello" { r#","priority":"critical""# } else { "" }))
+                .collect();
+            let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("greeter", 30_000));
+            assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+            let handed: Vec<&str> = task["inbox"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["name"].as_str().unwrap())
+                .collect();
+            let mut ordered = events.to_vec();
+            ordered.reverse();
+            assert_eq!(handed, ordered, "{name}: the urgent event first: {task}");
+            let (code, answer) = fail(&task, &sent);
+            assert_eq!(
+                (code, answer["status"].as_str()),
+                (200, Some(status)),
+                "{name} {events:?}: {answer}"
+            );
+        }
+    }
+}
+
+/// An event's own `dead_letter = { enabled = false }` applies to a remote step processing
+/// it: its last failure fails the instance, with no dead letter.
+#[test]
+fn a_remote_failure_follows_its_events_dead_letter_setting() {
+    let config = "[machines.greeter.queue]\nretry = { max_attempts = 1 }\n\
+                  [machines.greeter.events.hello.queue]\ndead_letter = { enabled = false }\n";
+    for (name, s) in
+        servers("a_remote_failure_follows_its_events_dead_letter_setting", Some(config))
+    {
+        let ns = "/v1/namespaces/default";
+        let (code, a) = s.post(&format!("{ns}/instances"), r#"{"machine":"greeter","at":"greet"}"#);
+        assert_eq!(code, 201, "{name}: {a}");
+        let id = a["id"].as_i64().unwrap();
+        let (code, sent) =
+            s.post(&format!("{ns}/events"), &format!(r#"{{"instance":{id},"event":"hello"}}"#));
+        assert_eq!(code, 202, "{name}: {sent}");
+        let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("greeter", 30_000));
+        assert_eq!(code, 200, "{name}: {task}");
+        let token = task["token"].as_i64().unwrap();
+        // Without `seen`: the inbox as it stands, whose first signal is the event.
+        let (code, answer) = s.post(
+            &format!("/v1/worker/tasks/{id}/fail"),
+            &format!(r#"{{"worker":"w","token":{token},"error":"no","retryable":false}}"#),
+        );
+        assert_eq!((code, answer["status"].as_str()), (200, Some("failed")), "{name}: {answer}");
+        let (_, letters) = s.get_json(&format!("{ns}/dead-letters"));
+        assert_eq!(letters["dead_letters"], json!([]), "{name}: {letters}");
+    }
+}
+
+/// A step result the store refuses for good (here: it would bring the instance's unique
+/// key back into scope while another instance holds it) fails the step, as it does
+/// in-process, with the store's message; the worker is told so with 422, not told its
+/// lease is gone while it still holds it.
+#[test]
+fn a_result_the_store_refuses_fails_the_step_with_the_stores_message() {
+    use keel::{MachineRef, NewInstance, Status, StatusSet};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (name, s) in
+        servers("a_result_the_store_refuses_fails_the_step_with_the_stores_message", None)
+    {
+        let keel = s.keel(&rt);
+        let keyed = NewInstance::new(MachineRef::new("keyed", 1), "run")
+            .unique(b"k".to_vec(), StatusSet::of(&[Status::Runnable, Status::AwaitingSignal]));
+        let a = rt.block_on(keel.start(keyed)).unwrap().id();
+        let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("keyed", 30_000));
+        assert_eq!((code, task["id"].as_i64()), (200, Some(a.0)), "{name}: {task}");
+        // While `a` executes its key is free, and another instance takes it.
+        let holder = NewInstance::new(MachineRef::new("holder", 1), "run")
+            .unique(b"k".to_vec(), StatusSet::of(&[Status::Runnable]));
+        rt.block_on(keel.start(holder)).unwrap().id();
+        let token = task["token"].as_i64().unwrap();
+        let (code, answer) = s.post(
+            &format!("/v1/worker/tasks/{}/complete", a.0),
+            &format!(r#"{{"worker":"w","token":{token},"outcome":{{"type":"await","signal":"go","context":{{}}}}}}"#),
+        );
+        assert_eq!((code, answer["status"].as_str()), (422, Some("suspended")), "{name}: {answer}");
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert!(error.starts_with("the store refused the step's result: "), "{name}: {error}");
+        assert!(error.contains("occupies it"), "{name}: {error}");
+        let row = rt.block_on(keel.get(a)).unwrap().instance;
+        assert_eq!((row.status, row.lease_owner), (Status::Suspended, None), "{name}");
+        let (_, letters) = s.get_json("/v1/namespaces/default/dead-letters");
+        let letter = &letters["dead_letters"][0]["letter"];
+        assert_eq!(letter["reason"], "non_retryable", "{name}: {letters}");
+        assert!(letter["errors"].to_string().contains("occupies it"), "{name}: {letters}");
+    }
+}
+
+/// A task whose leases used up its attempts is failed at the poll; when the store refuses
+/// every suspension of it (its unique key, back in scope when suspended, is held by
+/// another instance), the instance fails with the store's message instead of coming back
+/// after every lease.
+#[test]
+fn a_used_up_task_the_store_cannot_suspend_fails_rather_than_coming_back() {
+    use keel::{MachineRef, NewInstance, Status, StatusSet};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let config = "[queue.retry]\nmax_attempts = 2\n";
+    for (name, s) in servers(
+        "a_used_up_task_the_store_cannot_suspend_fails_rather_than_coming_back",
+        Some(config),
+    ) {
+        let keel = s.keel(&rt);
+        let crashy = NewInstance::new(MachineRef::new("crashy", 1), "call")
+            .unique(b"k".to_vec(), StatusSet::of(&[Status::Suspended]));
+        let a = rt.block_on(keel.start(crashy)).unwrap().id();
+        for attempt in 0..2 {
+            let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("crashy", 100));
+            assert_eq!((code, task["attempt"].as_i64()), (200, Some(attempt)), "{name}: {task}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let holder = NewInstance::new(MachineRef::new("holder", 1), "run")
+            .unique(b"k".to_vec(), StatusSet::of(&[Status::Runnable]));
+        rt.block_on(keel.start(holder)).unwrap();
+        let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("crashy", 100));
+        assert_eq!(code, 204, "{name}: the task was handed out again: {task}");
+        let row = rt.block_on(keel.get(a)).unwrap().instance;
+        assert_eq!(row.status, Status::Failed, "{name}: {row:?}");
+        let error = row.last_error.unwrap_or_default();
+        assert!(error.contains("its lease expired 2 times"), "{name}: {error}");
+        assert!(error.contains("occupies it"), "{name}: {error}");
     }
 }

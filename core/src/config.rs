@@ -499,6 +499,11 @@ fn nested<T: Copy>(base: Option<T>, over: Option<T>, merge: impl Fn(&T, &T) -> T
     }
 }
 
+/// The position of a region task instance: a child of a chart's own machine that runs one
+/// region's entry actions under [`ParallelConfig::job_config`] (`keel_parallel` re-exports
+/// it as `REGION_POSITION`).
+pub const REGION_POSITION: &str = "@region";
+
 /// Parallel dispatch of region entry actions. Durations accept whole seconds (`300`) or a human
 /// string (`"5 minutes"`).
 ///
@@ -562,6 +567,14 @@ impl ParallelConfig {
             },
             ..base
         }
+    }
+
+    /// What a chart machine under these settings sets on its step at `position` over
+    /// every level of the configuration file (`resolved`): a region task
+    /// ([`REGION_POSITION`]) runs with [`job_config`](Self::job_config), any other step
+    /// with `resolved` unchanged.
+    pub fn over_step(&self, position: &str, resolved: QueueConfig) -> QueueConfig {
+        if position == REGION_POSITION { self.job_config(resolved) } else { resolved }
     }
 
     /// Checks the ranges, naming fields under `path` (e.g. `parallel_dispatch`).
@@ -1386,6 +1399,24 @@ impl KeelConfig {
         event: Option<&str>,
     ) -> Result<QueueConfig, ConfigError> {
         PartialQueueConfig::from(base).overlay(&self.layered(machine, event)).resolve()
+    }
+
+    /// The configuration a step of `machine` at `position` processing `event` runs with
+    /// where only this file is known, not the machine's code (`keel serve` handing steps
+    /// to remote workers): [`step_config`](Self::step_config) over the documented
+    /// defaults, then what a chart sets over the file at that position with the file's
+    /// parallel dispatch settings ([`ParallelConfig::over_step`] of
+    /// [`parallel_for`](Self::parallel_for): a region task's job settings). This is what
+    /// an in-process worker resolves for a machine that sets nothing in code; the event
+    /// a step processes is [`crate::inbox::step_event`].
+    pub fn file_step_config(
+        &self,
+        machine: &str,
+        position: &str,
+        event: Option<&str>,
+    ) -> Result<QueueConfig, ConfigError> {
+        let resolved = self.step_config(QueueConfig::default(), machine, event)?;
+        Ok(self.parallel_for(machine).over_step(position, resolved))
     }
 
     /// The effective configuration of a machine (and optionally one event, and the queue
@@ -2557,6 +2588,27 @@ mod applied_tests {
         let elsewhere = config.step_config(code, "n", None).unwrap();
         assert_eq!((elsewhere.timeout, elsewhere.retry.max_attempts), (S(20), 3));
         assert_eq!(KeelConfig::default().step_config(code, "m", Some("pay")).unwrap(), code);
+    }
+
+    #[test]
+    fn a_step_known_only_by_the_file_takes_its_event_and_a_region_task_its_job_settings() {
+        let config = KeelConfig::from_toml_str(
+            "[machines.m.queue]\nretry = { max_attempts = 1 }\n\
+             [machines.m.events.pay.queue]\nretry = { max_attempts = 5 }\n\
+             dead_letter = { enabled = false }\n\
+             [machines.m.parallel_dispatch]\njob_tries = 7\njob_timeout = 9",
+        )
+        .unwrap();
+        let pay = config.file_step_config("m", "charge", Some("pay")).unwrap();
+        assert_eq!((pay.retry.max_attempts, pay.dead_letter.enabled), (5, false));
+        let step = config.file_step_config("m", "charge", None).unwrap();
+        assert_eq!((step.retry.max_attempts, step.dead_letter.enabled), (1, true));
+        assert_eq!(step, config.queue_for("m", None).unwrap(), "the file over the defaults");
+        let region = config.file_step_config("m", REGION_POSITION, None).unwrap();
+        assert_eq!((region.retry.max_attempts, region.timeout), (7, S(9)));
+        assert_eq!(region.retry.backoff, Backoff::Linear);
+        let other = config.file_step_config("n", REGION_POSITION, None).unwrap();
+        assert_eq!(other, ParallelConfig::default().job_config(QueueConfig::default()));
     }
 
     #[test]

@@ -62,6 +62,19 @@ pub fn order(inbox: &mut [Signal], order: InboxOrder, base: Priority) {
     }
 }
 
+/// The signal a step at `position` processes among `inbox` (the signals it sees, in its
+/// machine's order, [`order`]): the first, except at a chart's start
+/// ([`INIT_POSITION`](crate::chart::INIT_POSITION)) and at a region task
+/// ([`REGION_POSITION`](crate::config::REGION_POSITION)), which process none. The step runs
+/// under the file's section for that event (`[machines.<m>.events.<e>]`); a failed attempt
+/// consumes nothing, so its retries keep the event's settings. `None`: the machine's
+/// settings. An in-process worker decides by this (the default `StepMachine::event_for`
+/// and a chart's), and so does `keel serve` for its remote workers' steps.
+pub fn step_event<'a>(position: &str, inbox: &'a [Signal]) -> Option<&'a Signal> {
+    let none = [crate::chart::INIT_POSITION, crate::config::REGION_POSITION];
+    if none.contains(&position) { None } else { inbox.first() }
+}
+
 /// The history entry kind a drained inbox is recorded under.
 pub const INBOX_DRAINED: &str = HistoryKind::InboxDrained.as_str();
 
@@ -177,6 +190,18 @@ mod tests {
         assert_eq!(ids(&inbox), [2, 1, 4, 3], "unset ranks at the base, arrival within a rank");
         assert_eq!(InboxOrder::default(), InboxOrder::Arrival);
         assert_eq!("priority".parse::<InboxOrder>().unwrap(), InboxOrder::Priority);
+    }
+
+    #[test]
+    fn a_step_processes_the_first_signal_in_its_order_but_a_start_or_region_task_none() {
+        let mut inbox: Vec<Signal> = (1..=3).map(signal).collect();
+        inbox[2].priority = Some(Priority::Critical);
+        assert_eq!(step_event("charge", &inbox).map(|s| s.id.0), Some(1));
+        order(&mut inbox, InboxOrder::Priority, Priority::Normal);
+        assert_eq!(step_event("charge", &inbox).map(|s| s.id.0), Some(3), "the machine's order");
+        assert_eq!(step_event(crate::chart::INIT_POSITION, &inbox), None);
+        assert_eq!(step_event(crate::config::REGION_POSITION, &inbox), None);
+        assert_eq!(step_event("charge", &[]), None);
     }
 
     #[test]

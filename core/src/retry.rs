@@ -28,7 +28,7 @@ use crate::history::HistoryKind;
 use crate::ids::SignalId;
 use crate::instance::{ANY_SIGNAL, HistoryEntry, Instance, Signal, clip_error};
 use crate::names::name_enum;
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, StepCommit, StepFailure};
 
 name_enum! {
     /// How the delay grows between attempts.
@@ -669,6 +669,38 @@ pub const fn refused_commit(kind: ErrorKind) -> RefusedCommit {
         FailureKind::Unavailable => RefusedCommit::Retry,
         failure => RefusedCommit::Fail(failure.class()),
     }
+}
+
+/// The error a step fails with when the store refused its result
+/// ([`RefusedCommit::Fail`]): the store's own message, which says what to fix.
+pub fn refused_error(refusal: &impl std::fmt::Display) -> String {
+    format!("the store refused the step's result: {refusal}")
+}
+
+/// The error of the [`last_resort`] commit: the store refused the step's result
+/// (`first`) and then the failure commit that followed it (`second`).
+pub fn refused_twice_error(
+    first: &impl std::fmt::Display,
+    second: &impl std::fmt::Display,
+) -> String {
+    format!("the store refused the step's result ({first}) and then its failure commit ({second})")
+}
+
+/// The smallest failure commit, for a step whose result and then whose failure commit
+/// (`refused`) the store refused: suspend with a dead letter carrying `error`, keeping the
+/// signals the refused commit named, and nothing else (no context, emits or history, which
+/// may be what the store refused). A NUL in the message is escaped, as some stores refuse
+/// it in text.
+pub fn last_resort(refused: &StepCommit, error: &str) -> StepCommit {
+    let signals = refused.failure.as_ref().map(|f| f.signals.clone()).unwrap_or_default();
+    let failure = StepFailure {
+        error: error.replace('\0', "\\u0000"),
+        retryable: false,
+        dead_letter: true,
+        signals,
+        event: None,
+    };
+    StepCommit::new(refused.id, refused.token, Outcome::Suspend).failure(failure)
 }
 
 #[cfg(test)]

@@ -37,8 +37,9 @@ pub use keel_core::chart::parallel;
 /// in `keel_core::config`: `[parallel_dispatch]`, `[machines.<name>.parallel_dispatch]`).
 pub use keel_core::config::ParallelConfig;
 
-/// The position of a region task instance.
-pub const REGION_POSITION: &str = "@region";
+/// The position of a region task instance (defined with the configuration in the core, which
+/// decides which event a step processes and which settings a region task runs with).
+pub use keel_core::config::REGION_POSITION;
 
 /// The report event, its payload type and the region-timeout timer live with the chart
 /// step in the core, which both produces and consumes them.

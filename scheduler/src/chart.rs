@@ -401,14 +401,15 @@ impl StepMachine for ChartMachine {
     /// configuration file's queue levels: `job_timeout`, `job_tries` and `job_backoff` are
     /// the region tasks' own.
     fn step_config_over(&self, step: &str, resolved: QueueConfig) -> QueueConfig {
-        if step == REGION_POSITION { self.parallel.job_config(resolved) } else { resolved }
+        self.parallel.over_step(step, resolved)
     }
 
     /// The start (`@init`) enters the initial states and a region task runs its region's
-    /// entry actions: neither processes an event. Any other step processes the oldest
-    /// signal (in the chart's inbox order).
+    /// entry actions: neither processes an event. Any other step processes the first
+    /// signal in the chart's inbox order ([`keel_core::inbox::step_event`], as `keel
+    /// serve` decides for remote steps).
     fn event_for<'a>(&self, step: &str, inbox: &'a [Signal]) -> Option<&'a Signal> {
-        if step == INIT || step == REGION_POSITION { None } else { inbox.first() }
+        keel_core::inbox::step_event(step, inbox)
     }
 
     /// The queue region tasks are sent to (when dispatch is on) and the queues delegated

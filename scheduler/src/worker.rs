@@ -2269,10 +2269,7 @@ async fn commit_refused<S: Store, C: Clock>(
     let mut failures = Vec::with_capacity(refused.len());
     for (f, e) in &refused {
         tracing::error!(instance = %f.commit.id, error = %e, "the store refused the step's result; failing the step");
-        let error = StepError::of_kind(
-            FailureKind::of_refusal(e.kind),
-            format!("the store refused the step's result: {e}"),
-        );
+        let error = StepError::of_kind(FailureKind::of_refusal(e.kind), retry::refused_error(e));
         failures.push(guarded_failure(&f.origin, error).await);
     }
     let results = commit_group(inner, failures.clone()).await;
@@ -2282,9 +2279,10 @@ async fn commit_refused<S: Store, C: Clock>(
             inner.stats.refused.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(second) = settle(inner, f, result, true) {
-            last.push((f, last_resort(&commit, &format!(
-                "the store refused the step's result ({first}) and then its failure commit ({second})"
-            ))));
+            last.push((
+                f,
+                retry::last_resort(&commit, &retry::refused_twice_error(first, &second)),
+            ));
         }
     }
     if last.is_empty() {
@@ -2331,22 +2329,6 @@ async fn guarded_failure(origin: &Origin, error: StepError) -> StepCommit {
                 .failure(failure)
         }
     }
-}
-
-/// The smallest failure commit: suspend with a dead letter carrying `error`, keeping the
-/// signals the failed commit named, and nothing else (no context, emits or history, which
-/// may be what the store refused). A NUL in the message is escaped, as some stores refuse
-/// it in text.
-fn last_resort(refused: &StepCommit, error: &str) -> StepCommit {
-    let signals = refused.failure.as_ref().map(|f| f.signals.clone()).unwrap_or_default();
-    let failure = StepFailure {
-        error: error.replace('\0', "\\u0000"),
-        retryable: false,
-        dead_letter: true,
-        signals,
-        event: None,
-    };
-    StepCommit::new(refused.id, refused.token, Outcome::Suspend).failure(failure)
 }
 
 /// One `step_commit` of `commits`, with a result per item (`None`: unknown, the store

@@ -4,9 +4,13 @@
 //! step, and completes it with an outcome or fails it with an error; it heartbeats to keep
 //! a long step's lease. Every call after the poll names the token; once the lease has
 //! been reaped and the instance claimed again, the old token gets 409 and its result is
-//! dropped, exactly as a Rust worker's would be. Failures go through the same retry and
-//! dead-letter plan as in-process steps, with the machine's queue settings from the
-//! configuration file.
+//! dropped, exactly as a Rust worker's would be. A task's inbox is in its machine's order
+//! (the file's `inbox_order`), and a step's settings are the file's for its machine and the
+//! event it processes (`keel_core::inbox::step_event`,
+//! `KeelConfig::file_step_config`), decided as an in-process worker decides them for a
+//! machine that sets nothing in code. Failures go through the same retry and dead-letter
+//! plan as in-process steps; a result the store refuses for good fails the step instead
+//! (`keel_core::retry::refused_commit`), as it does in-process.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,7 +26,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
-use keel_core::config::QueueConfig;
+use keel_core::config::{ConfigError, KeelConfig, QueueConfig};
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::instance::{Instance, Signal};
 use keel_core::ports::Store;
@@ -30,7 +34,9 @@ use keel_core::ports::store::{
     Claim as Claimed, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
     LeaseReleaseParams, WORKER_MACHINES_MAX,
 };
-use keel_core::retry::{AttemptsUsedUp, ErrorClass, FailureKind, attempts_used_up, failed_step};
+use keel_core::retry::{
+    self, AttemptsUsedUp, ErrorClass, FailureKind, RefusedCommit, attempts_used_up, failed_step,
+};
 use keel_core::{StepCommit, StepFailure};
 use serde::Deserialize;
 use serde_json::json;
@@ -379,33 +385,64 @@ impl Claim<'_> {
                 policy: self.state.config.claim_policy(queue),
             })
             .await?;
-        Ok(claims.into_iter().next())
+        let mut claimed = claims.into_iter().next();
+        if let Some(claimed) = &mut claimed {
+            in_step_order(&self.state.config, &claimed.instance, &mut claimed.inbox);
+        }
+        Ok(claimed)
     }
 
     /// Whether `claimed`'s attempts were used up by expired leases (its step may be
     /// taking its worker down with it), as an in-process worker checks before it runs a
     /// step (`keel_core::retry::attempts_used_up`). If so it is not handed out but failed
-    /// as a remote step's non-retryable failure is, through the machine's retry and
-    /// dead-letter settings: a dead letter naming the expired leases, by default.
+    /// as a remote step's non-retryable failure is, through the step's retry and
+    /// dead-letter settings: a dead letter naming the expired leases, by default. Should
+    /// the store refuse that failure, its refusal's failure and the last-resort
+    /// suspension, the instance fails: otherwise it would come back after every lease.
     async fn fail_used_up(&self, claimed: &Claimed) -> Result<bool, ApiError> {
         let row = &claimed.instance;
-        let config = match self.state.config.queue_for(&row.machine.name, None) {
+        let step = Step { state: self.state, row, token: claimed.token(), signals: &claimed.inbox };
+        let config = match step.config() {
             Ok(config) => config,
             Err(error) => {
                 self.give_back(claimed).await?;
-                return Err(ApiError::bad("config", error.to_string()));
+                return Err(error);
             }
         };
         let Some(used_up) = attempts_used_up(&config.retry, row) else {
             return Ok(false);
         };
-        let failed = Failed { kind: AttemptsUsedUp::KIND, error: used_up.message, draw: 0.0 };
+        let failed =
+            Failed { kind: AttemptsUsedUp::KIND, error: used_up.message.clone(), draw: 0.0 };
         let commit = failed.commit(&config, row, claimed.token(), &claimed.inbox);
-        match commit_counted(self.state, &row.machine.name, commit, true).await {
+        let refused = match step.land(commit, true).await {
             // Stale: another worker took it meanwhile, and checks it again itself.
+            Ok(_) | Err(NotLanded::Stale) => return Ok(true),
+            Err(NotLanded::Unavailable(error)) => return Err(error.into()),
+            Err(NotLanded::Refused(refused)) => refused,
+        };
+        let reason = format!(
+            "{}; the store refused to record that ({refused}), so the instance is failed instead",
+            used_up.message
+        );
+        let failure = StepFailure::of_step(reason.clone(), false, None, &claimed.inbox);
+        let stop =
+            StepCommit::new(row.id, claimed.token(), Outcome::Stop { reason }).failure(failure);
+        match commit_counted(self.state, &row.machine.name, stop, true).await {
             Ok(_) => Ok(true),
-            Err(error) if is_stale(&error) => Ok(true),
-            Err(error) => Err(error.into()),
+            Err(error) => match retry::refused_commit(error.kind) {
+                RefusedCommit::Discard => Ok(true),
+                RefusedCommit::Retry => Err(error.into()),
+                RefusedCommit::Fail(_) => {
+                    // Nothing the store takes is left: the lease expires, and the task is
+                    // checked again after it; the poll claims on meanwhile.
+                    crate::output::warn(&format!(
+                        "task {}: {refused}, and then failing the instance ({error}); it is checked again when its lease expires",
+                        row.id
+                    ));
+                    Ok(true)
+                }
+            },
         }
     }
 
@@ -492,17 +529,18 @@ pub async fn heartbeat(
     visible(&state, grant, id).await?;
     let b: HeartbeatBody = body(&read(bytes)?)?;
     let lease = lease(b.lease_ms)?;
-    let held = state
-        .keel
-        .store()
+    let store = state.keel.store();
+    let held = store
         .lease_extend(LeaseExtendParams {
-            worker: WorkerId(b.worker),
+            worker: WorkerId(b.worker.clone()),
             leases: vec![(id, FencingToken(b.token))],
             lease,
             now: now(),
         })
         .await?;
     if held.first().copied().unwrap_or(false) {
+        // A worker busy on a long step heartbeats but does not poll: it is alive.
+        state.beats.lease_held(store, &b.worker).await;
         Ok(Json(json!({ "id": id.0, "lease_ms": b.lease_ms })).into_response())
     } else {
         Err(stale(id))
@@ -601,11 +639,13 @@ pub async fn complete(
     if !holds(row, &b.worker, b.token) {
         return Err(stale(id));
     }
+    let mut inbox = detail.inbox.clone();
+    in_step_order(&state.config, row, &mut inbox);
     // As in-process: a step that does not park again consumes the signals it awaited,
     // among those it was handed.
     let consumes = keel_core::inbox::consumes(&b.outcome, row.awaits.as_deref());
     let seen: Vec<keel::Signal> = match &b.seen {
-        Some(ids) => seen_in(&detail.inbox, ids)?,
+        Some(ids) => seen_in(&inbox, ids)?,
         None if consumes => {
             return Err(ApiError::bad(
                 "seen",
@@ -619,7 +659,10 @@ pub async fn complete(
     };
     let consume = keel_core::inbox::consumed_by(&b.outcome, row.awaits.as_deref(), &seen);
     let commit = StepCommit::new(id, FencingToken(b.token), b.outcome).consume(consume);
-    commit_one(&state, &row.machine.name, commit, false).await
+    // Should the store refuse the result, the step fails having seen what `fail` says.
+    let signals = if b.seen.is_some() { seen } else { inbox };
+    let step = Step { state: &state, row, token: FencingToken(b.token), signals: &signals };
+    commit_one(&step, commit, false).await
 }
 
 /// Commits a failed step through the retry and dead-letter plan: 200, or 409.
@@ -638,21 +681,130 @@ pub async fn fail(
     if !holds(row, &b.worker, b.token) {
         return Err(stale(id));
     }
-    let config = state
-        .config
-        .queue_for(&row.machine.name, None)
-        .map_err(|error| ApiError::bad("config", error.to_string()))?;
     let kind = if b.retryable { FailureKind::Action } else { FailureKind::NonRetryable };
-    // A remote step reports no single event it was processing, so `skip` suspends too, and
-    // with dead letters disabled the instance fails. Its retry delay is jittered as an
-    // in-process one is, so remote steps failing together do not retry together.
+    // The step ran under the settings of the event it processed: the first it was handed
+    // in its machine's order (a failed attempt consumes nothing, so the inbox as it
+    // stands starts with it when `seen` is not given). A remote step reports no single
+    // event it was processing, so `skip` suspends too, and with dead letters disabled
+    // the instance fails. Its retry delay is jittered as an in-process one is, so remote
+    // steps failing together do not retry together.
+    let mut inbox = detail.inbox.clone();
+    in_step_order(&state.config, row, &mut inbox);
     let seen = match &b.seen {
-        Some(ids) => seen_in(&detail.inbox, ids)?,
-        None => detail.inbox.clone(),
+        Some(ids) => seen_in(&inbox, ids)?,
+        None => inbox,
     };
+    let step = Step { state: &state, row, token: FencingToken(b.token), signals: &seen };
+    let config = step.config()?;
     let failed = Failed { kind, error: b.error, draw: fastrand::f64() };
     let commit = failed.commit(&config, row, FencingToken(b.token), &seen);
-    commit_one(&state, &row.machine.name, commit, true).await
+    commit_one(&step, commit, true).await
+}
+
+/// Puts a task's inbox (read in arrival order) in the order its machine's steps see it,
+/// as an in-process worker orders a claim's: the file's `[machines.<m>] inbox_order`, else
+/// arrival order (a remote machine sets nothing in code).
+fn in_step_order(config: &KeelConfig, row: &Instance, inbox: &mut [Signal]) {
+    let order = config.inbox_order(&row.machine.name).unwrap_or_default();
+    keel_core::inbox::order(inbox, order, row.base_priority);
+}
+
+/// The settings a step of `row` runs with, having been handed `signals` (in its machine's
+/// order): the file's for its machine and the event the step processes, decided as an
+/// in-process worker decides them for a machine that sets nothing in code.
+fn step_config(
+    config: &KeelConfig,
+    row: &Instance,
+    signals: &[Signal],
+) -> Result<QueueConfig, ConfigError> {
+    let event = keel_core::inbox::step_event(&row.position, signals).map(|s| s.name.as_str());
+    config.file_step_config(&row.machine.name, &row.position, event)
+}
+
+/// A remote step whose result is being committed: its row, the token it holds, and the
+/// signals it was handed (in its machine's order).
+struct Step<'a> {
+    state: &'a AppState,
+    row: &'a Instance,
+    token: FencingToken,
+    signals: &'a [Signal],
+}
+
+/// A remote step's result that the store took.
+enum Landed {
+    /// As sent.
+    Committed(CommitReceipt),
+    /// Refused for good, and committed as a failure of the step instead, with the error
+    /// the step failed with.
+    FailedInstead(CommitReceipt, String),
+}
+
+/// A remote step's result that the store did not take.
+enum NotLanded {
+    /// The lease is no longer the worker's: the result is stale, drop it.
+    Stale,
+    /// The store could not be reached; the lease is still held.
+    Unavailable(StoreError),
+    /// The store refused the result, the step's failure and the last-resort suspension:
+    /// each refusal, in one message. The lease is still held.
+    Refused(String),
+}
+
+impl Step<'_> {
+    /// The step's settings ([`step_config`]).
+    fn config(&self) -> Result<QueueConfig, ApiError> {
+        step_config(&self.state.config, self.row, self.signals)
+            .map_err(|error| ApiError::bad("config", error.to_string()))
+    }
+
+    /// Commits `commit`, the step's result. One the store refuses for good
+    /// (`keel_core::retry::refused_commit`) fails the step as an in-process worker fails
+    /// it: a non-retryable failure with "the store refused the step's result: …", through
+    /// the step's retry and dead-letter settings; should that be refused too, a
+    /// last-resort suspension carrying only the error (`keel_core::retry::last_resort`).
+    async fn land(&self, commit: StepCommit, failed: bool) -> Result<Landed, NotLanded> {
+        let machine = &self.row.machine.name;
+        let first = match commit_counted(self.state, machine, commit, failed).await {
+            Ok(receipt) => return Ok(Landed::Committed(receipt)),
+            Err(error) => refusal(error)?,
+        };
+        let id = self.row.id;
+        crate::output::warn(&format!(
+            "task {id}: the store refused the step's result; failing the step: {first}"
+        ));
+        let error = retry::refused_error(&first);
+        // Every level resolved at start-up (`check_levels`), so this falls back to the
+        // documented defaults only in theory.
+        let config = self.config().unwrap_or_default();
+        let failed =
+            Failed { kind: FailureKind::of_refusal(first.kind), error, draw: fastrand::f64() };
+        let error = failed.error.clone();
+        let failure = failed.commit(&config, self.row, self.token, self.signals);
+        let second = match commit_counted(self.state, machine, failure.clone(), true).await {
+            Ok(receipt) => return Ok(Landed::FailedInstead(receipt, error)),
+            Err(error) => refusal(error)?,
+        };
+        let error = retry::refused_twice_error(&first, &second);
+        let last = retry::last_resort(&failure, &error);
+        match commit_counted(self.state, machine, last, true).await {
+            Ok(receipt) => Ok(Landed::FailedInstead(receipt, error)),
+            Err(third) => {
+                let third = refusal(third)?;
+                Err(NotLanded::Refused(format!(
+                    "{error}, and then the suspension recording it ({third})"
+                )))
+            }
+        }
+    }
+}
+
+/// A refusal that makes the step fail, or why the result did not land otherwise.
+fn refusal(error: StoreError) -> Result<StoreError, NotLanded> {
+    match retry::refused_commit(error.kind) {
+        RefusedCommit::Discard => Err(NotLanded::Stale),
+        RefusedCommit::Retry => Err(NotLanded::Unavailable(error)),
+        RefusedCommit::Fail(_) => Ok(error),
+    }
 }
 
 /// A remote step's failure: its kind (retryable or not), its error, and the random draw
@@ -685,19 +837,35 @@ impl Failed {
     }
 }
 
-/// Commits one remote step's result and counts it in the step metrics an in-process
-/// worker records, so one dashboard shows the steps of both.
+/// Commits one remote step's result ([`Step::land`]) and counts it in the step metrics an
+/// in-process worker records, so one dashboard shows the steps of both: 200 with the new
+/// status; 422 with the status and the error when the store refused the result for good
+/// and the step was failed instead; 409 when the lease is no longer the worker's; 503
+/// when the store cannot be reached; 500 when the store refused even the step's failure
+/// (nothing was committed; the lease expires).
 async fn commit_one(
-    state: &AppState,
-    machine: &str,
+    step: &Step<'_>,
     commit: StepCommit,
     failed: bool,
 ) -> Result<Response, ApiError> {
     let id = commit.id;
-    match commit_counted(state, machine, commit, failed).await {
-        Ok(receipt) => Ok(Json(json!({ "id": id.0, "status": receipt.status })).into_response()),
-        Err(error) if is_stale(&error) => Err(stale(id)),
-        Err(error) => Err(error.into()),
+    match step.land(commit, failed).await {
+        Ok(Landed::Committed(receipt)) => {
+            Ok(Json(json!({ "id": id.0, "status": receipt.status })).into_response())
+        }
+        Ok(Landed::FailedInstead(receipt, error)) => {
+            let body = json!({ "id": id.0, "status": receipt.status, "error": error });
+            Ok((StatusCode::UNPROCESSABLE_ENTITY, Json(body)).into_response())
+        }
+        Err(NotLanded::Stale) => Err(stale(id)),
+        Err(NotLanded::Unavailable(error)) => Err(error.into()),
+        Err(NotLanded::Refused(refused)) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!(
+                "task {id}: {refused}; nothing was committed: drop this result and poll again (the lease expires and the task is handed out again)"
+            ),
+        )),
     }
 }
 
@@ -730,10 +898,6 @@ async fn commit_counted(
 fn holds(row: &keel::Instance, worker: &str, token: i64) -> bool {
     row.fencing_token == FencingToken(token)
         && row.lease_owner.as_ref().is_some_and(|owner| owner.0 == worker)
-}
-
-fn is_stale(error: &StoreError) -> bool {
-    matches!(error.kind, keel::ErrorKind::LeaseLost | keel::ErrorKind::Conflict)
 }
 
 #[cfg(test)]
@@ -777,5 +941,47 @@ mod tests {
         let again = claim.round(false).await.unwrap().expect("the task is claimable again");
         assert_eq!((again.instance.id, again.instance.attempt), (id, 0));
         assert!(again.token() > first.token(), "a new claim, with a new fencing token");
+    }
+
+    /// A worker busy on one long step heartbeats and does not poll: each heartbeat that
+    /// holds its lease records it in the registry (with what its poll declared), so it
+    /// is not shown stale while it works.
+    #[tokio::test]
+    async fn a_heartbeat_that_holds_its_lease_records_its_worker() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let keel = keel::Keel::connect(&url).await.unwrap();
+        let id = keel
+            .start(keel::NewInstance::new(MachineRef::new("echo", 1), "run"))
+            .await
+            .unwrap()
+            .id();
+        let mut state =
+            AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
+        state.beats = super::super::registry::Beats::every(Duration::ZERO);
+        let state = Arc::new(state);
+        let poll_body =
+            r#"{"worker":"w1","namespace":"default","machines":[{"name":"echo","version":1}]}"#;
+        let answer =
+            poll(NoQuery, State(Arc::clone(&state)), None, Ok(Bytes::from(poll_body))).await;
+        let body = axum::body::to_bytes(answer.unwrap().into_body(), 1 << 20).await.unwrap();
+        let task: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(task["id"], json!(id.0), "{task}");
+        // The registry keeps milliseconds: the heartbeat comes in a later one.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let since = now();
+        let beat = format!(r#"{{"worker":"w1","token":{}}}"#, task["token"]);
+        let path = Path(id.0.to_string());
+        heartbeat(NoQuery, State(Arc::clone(&state)), None, path, Ok(Bytes::from(beat)))
+            .await
+            .unwrap();
+        let workers = keel.store().worker_list(since).await.unwrap();
+        let seen: Vec<_> =
+            workers.iter().map(|w| (w.id.0.as_str(), &w.machines, &w.namespaces)).collect();
+        assert_eq!(
+            seen,
+            [("w1", &vec![MachineRef::new("echo", 1)], &vec!["default".to_owned()])],
+            "the heartbeat recorded the worker with its poll's machines"
+        );
     }
 }
