@@ -13,7 +13,7 @@
 use crate::error::corrupt;
 use crate::inbox::{Ask as InboxAsk, Facts as InboxFacts};
 use crate::rows::{Db, Guard, SignalInsert, Writes, dead_letter_cols, instance_cols, timer_cols};
-use keel_core::instance::{NewDeadLetter, unique_guard};
+use keel_core::instance::{NewDeadLetter, check_batch, unique_guard};
 use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, TimerPlan};
@@ -1335,33 +1335,43 @@ pub(crate) async fn signal_deliver(
     deliver(db, &p.signals, targets, p.now).await
 }
 
+/// The candidates of a broadcast, in id order: the machine's live instances in its
+/// namespace, and with a state, those whose position holds it. The state filter runs in
+/// the statement, so a broadcast to the instances in one state reads those and not every
+/// live instance of the machine; it lets through every instance `position_in_state`
+/// accepts (a position that is the state, or a JSON array of paths that holds it) and the
+/// plan decides among them. Bound to `BROADCAST_MAX + 1` rows: that many is already too
+/// many, so a broadcast that would be refused reads no more than that, and decodes none.
+const BROADCAST_CANDIDATES: &str = "SELECT id, position, status FROM keel_instances \
+     WHERE namespace = ? AND machine = ? \
+       AND status NOT IN ('done', 'failed', 'cancelled') \
+       AND (? IS NULL OR position = ? \
+         OR CASE WHEN substr(position, 1, 1) = '[' AND json_valid(position) \
+           THEN EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?) ELSE 0 END) \
+     ORDER BY id LIMIT +?";
+
 /// One event to every target `plan::deliver::broadcast_targets` picks among the machine's
-/// live instances; nothing when too many match.
+/// live instances; nothing when too many match. The candidates are read up to one past
+/// `BROADCAST_MAX`, and more than `BROADCAST_MAX` of them is refused as the planner
+/// refuses it (`broadcast targets`) before any is decoded: the writer is held for a
+/// bounded read, however many instances the machine has.
 pub(crate) async fn signal_broadcast(
     db: &mut Db<'_>,
     p: &SignalBroadcastParams,
 ) -> StoreResult<BroadcastReport> {
     p.validate()?;
-    // The state filter runs in the statement, so a broadcast to the instances in one state
-    // reads those and not every live instance of the machine. It lets through every
-    // instance `position_in_state` accepts (a position that is the state, or a JSON array
-    // of paths that holds it) and the plan decides among them.
-    let rows = sqlx::query(
-        "SELECT id, position, status FROM keel_instances WHERE namespace = ? AND machine = ? \
-         AND status NOT IN ('done', 'failed', 'cancelled') \
-         AND (? IS NULL OR position = ? \
-           OR CASE WHEN substr(position, 1, 1) = '[' AND json_valid(position) \
-             THEN EXISTS (SELECT 1 FROM json_each(position) WHERE value = ?) ELSE 0 END) \
-         ORDER BY id",
-    )
-    .bind(&p.namespace)
-    .bind(&p.machine)
-    .bind(&p.in_state)
-    .bind(&p.in_state)
-    .bind(&p.in_state)
-    .fetch_all(&mut *db.conn)
-    .await
-    .map_err(db.err("selecting broadcast targets"))?;
+    let cap = limits::BROADCAST_MAX + 1;
+    let rows = sqlx::query(BROADCAST_CANDIDATES)
+        .bind(&p.namespace)
+        .bind(&p.machine)
+        .bind(&p.in_state)
+        .bind(&p.in_state)
+        .bind(&p.in_state)
+        .bind(cap as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("selecting broadcast targets"))?;
+    check_batch("broadcast targets", rows.len(), limits::BROADCAST_MAX)?;
     let mut candidates = Vec::with_capacity(rows.len());
     for r in &rows {
         let id: i64 = r.try_get("id").map_err(|e| corrupt(db.file, "id", e))?;
@@ -1565,9 +1575,10 @@ pub(crate) async fn timer_sweep(
     db.timers_remove(&plan.delete).await?;
     for id in &plan.join_deadlines {
         let Some(row) = db.instance(*id).await? else { continue };
-        for cancel in parent_write(db, plan::parent::expire(&row, p.now), p.now).await? {
-            cancel_with(db, &cancel, plan::cancel::cancel).await?;
-        }
+        // The rest of its children, and what their cancels ask for in turn, under one
+        // bound as a join's wake in a commit.
+        let cancels = parent_write(db, plan::parent::expire(&row, p.now), p.now).await?;
+        run_then(db, cancels.into_iter().map(Then::Cancel).collect(), p.now).await?;
     }
     for (ns, machine) in plan::timer::swept_scopes(p) {
         sqlx::query(
@@ -2159,7 +2170,7 @@ pub(crate) async fn history_trim(
 
 #[cfg(test)]
 mod tests {
-    use super::{PageShape, SWEEP_PICK_SQL, page_sql};
+    use super::{BROADCAST_CANDIDATES, PageShape, SWEEP_PICK_SQL, page_sql};
     use sqlx::{Connection, Row, SqliteConnection};
 
     /// A connection to a fresh in-memory database with the store's schema.
@@ -2261,6 +2272,122 @@ mod tests {
         }
         let plan = plan(&mut conn, crate::inbox::PENDING_SQL).await;
         assert!(plan.contains("LIST SUBQUERY"), "each inbox is not read on its own:\n{plan}");
+    }
+
+    /// A broadcast's candidate read stops at the bound it is given (`BROADCAST_MAX + 1` in
+    /// the store), in id order, and counts only the instances its filters let through: a
+    /// broadcast that is refused for matching too many reads no more than one past the
+    /// limit, under the writer, however many live instances the machine has.
+    #[tokio::test]
+    async fn broadcast_candidates_stop_at_the_bound() {
+        let mut conn = schema().await;
+        // Instances 1..=8 of `order` in `ns`: odd ones in state `open` (as a chart's JSON
+        // array of paths for 1 and 5), even ones in `closed`, and 3 done; then others
+        // that never match.
+        let rows = [
+            (1, "ns", "order", r#"["open","open.idle"]"#, "awaiting_signal"),
+            (2, "ns", "order", "closed", "runnable"),
+            (3, "ns", "order", "open", "done"),
+            (4, "ns", "order", "closed", "runnable"),
+            (5, "ns", "order", r#"["open"]"#, "executing"),
+            (6, "ns", "order", "closed", "runnable"),
+            (7, "ns", "order", "open", "runnable"),
+            (8, "ns", "order", "closed", "suspended"),
+            (9, "ns", "invoice", "open", "runnable"),
+            (10, "other", "order", "open", "runnable"),
+        ];
+        for (id, ns, machine, position, status) in rows {
+            sqlx::query(
+                "INSERT INTO keel_instances (id, namespace, machine, machine_version, queue, \
+                   priority, status, position, context, attempt, errors, revision, \
+                   eligible_at, fencing_token, created_at, updated_at) \
+                 VALUES (?, ?, ?, 1, 'default', 2, ?, ?, '{}', 0, '[]', 0, 0, 0, 0, 0)",
+            )
+            .bind(id)
+            .bind(ns)
+            .bind(machine)
+            .bind(status)
+            .bind(position)
+            .execute(&mut conn)
+            .await
+            .expect("insert an instance");
+        }
+        let read = async |conn: &mut SqliteConnection, state: Option<&str>, bound: i64| {
+            sqlx::query(BROADCAST_CANDIDATES)
+                .bind("ns")
+                .bind("order")
+                .bind(state)
+                .bind(state)
+                .bind(state)
+                .bind(bound)
+                .fetch_all(&mut *conn)
+                .await
+                .expect("read the candidates")
+                .iter()
+                .map(|r| r.get::<i64, _>("id"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(read(&mut conn, None, 100).await, [1, 2, 4, 5, 6, 7, 8], "every live one");
+        assert_eq!(read(&mut conn, None, 3).await, [1, 2, 4], "stops at the bound");
+        assert_eq!(read(&mut conn, Some("open"), 100).await, [1, 5, 7], "in the state");
+        assert_eq!(read(&mut conn, Some("open"), 2).await, [1, 5], "in the state, bounded");
+    }
+
+    /// A broadcast that matches more than `BROADCAST_MAX` live instances is refused as the
+    /// planner refuses it (`Invalid`, naming `broadcast targets`) and stores nothing. It
+    /// reads one row past the bound and decodes none: an instance after that row whose
+    /// position cannot be read (stored as a blob) plays no part in the answer.
+    #[tokio::test]
+    async fn a_broadcast_over_the_bound_is_refused_without_reading_past_it() {
+        use keel_core::ports::store::SignalBroadcastParams;
+        use keel_core::{ErrorKind, Timestamp, limits};
+        let mut conn = schema().await;
+        let matching = limits::BROADCAST_MAX as i64 + 1;
+        sqlx::query(
+            "INSERT INTO keel_instances (id, namespace, machine, machine_version, queue, \
+               priority, status, position, context, attempt, errors, revision, eligible_at, \
+               fencing_token, created_at, updated_at) \
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) \
+             SELECT i, 'ns', 'order', 1, 'default', 2, 'runnable', 'start', '{}', 0, '[]', 0, \
+               0, 0, 0, 0 FROM n",
+        )
+        .bind(matching)
+        .execute(&mut conn)
+        .await
+        .expect("insert the instances");
+        sqlx::query(
+            "INSERT INTO keel_instances (id, namespace, machine, machine_version, queue, \
+               priority, status, position, context, attempt, errors, revision, eligible_at, \
+               fencing_token, created_at, updated_at) \
+             VALUES (?, 'ns', 'order', 1, 'default', 2, 'runnable', X'00', '{}', 0, '[]', 0, \
+               0, 0, 0, 0)",
+        )
+        .bind(matching + 1)
+        .execute(&mut conn)
+        .await
+        .expect("insert an instance whose position cannot be read");
+        let p = SignalBroadcastParams {
+            namespace: "ns".into(),
+            machine: "order".into(),
+            in_state: None,
+            name: "RECALL".into(),
+            payload: serde_json::Value::Null,
+            dedup_key: None,
+            now: Timestamp(1),
+        };
+        let mut db = super::Db { conn: &mut conn, file: "broadcast.db" };
+        let err = super::signal_broadcast(&mut db, &p).await.expect_err("over the bound");
+        let over = format!(
+            "broadcast targets: {matching} items is over the limit of {}",
+            limits::BROADCAST_MAX
+        );
+        assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+        assert!(err.message.starts_with(&over), "expected \"{over}…\", got: {err}");
+        let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM keel_signals")
+            .fetch_one(&mut conn)
+            .await
+            .expect("count the signals");
+        assert_eq!(stored, 0, "a refused broadcast stores nothing");
     }
 
     /// No statement of this crate binds its row limit as a bare parameter: SQLite plans

@@ -676,17 +676,14 @@ impl Store for SqliteStore {
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
         let mut conn = self.reader().await?;
-        let rows = sqlx::query(
-            "SELECT queue, MAX(paused) AS paused FROM ( \
-               SELECT DISTINCT queue, 0 AS paused FROM keel_instances WHERE namespace = ? \
-               UNION ALL SELECT queue, paused FROM keel_queues WHERE namespace = ? \
-             ) GROUP BY queue ORDER BY queue",
-        )
-        .bind(&namespace)
-        .bind(&namespace)
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(|e| map(&self.file, "listing queues", &e))?;
+        // The queues with settings only (a pause or a resume recorded them), as the port
+        // says; a queue without a row is not paused. The instances are not read.
+        let rows =
+            sqlx::query("SELECT queue, paused FROM keel_queues WHERE namespace = ? ORDER BY queue")
+                .bind(&namespace)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| map(&self.file, "listing queues", &e))?;
         rows.iter()
             .map(|r| {
                 let queue: String = r

@@ -73,6 +73,13 @@ pub struct MemoryStore {
     changed: tokio::sync::Notify,
 }
 
+/// What a parent's release leaves to do, in order: cancel the children it stopped waiting
+/// for, then deliver the ending child's notice to the parent.
+enum Then {
+    Cancel(CancelParams),
+    Notice(InstanceId, NewSignal),
+}
+
 impl MemoryStore {
     /// An empty store. Ids of instances, signals and dead letters start at 1.
     pub fn new() -> Self {
@@ -446,7 +453,8 @@ impl State {
         if let Some(release) = barrier_release {
             // The release carries the notice the plan also names separately.
             debug_assert_eq!(release.notice, parent_notice);
-            self.parent_release(&release, now);
+            let then = self.parent_release(&release, now);
+            self.run_then(then, now);
         }
         if !children_cancel.is_none() {
             let left: Vec<keel_core::ports::store::CancelParams> = self
@@ -693,12 +701,26 @@ impl State {
         self.cancel_with(p, plan::cancel::cancel)
     }
 
-    /// Reads what a cancel needs, plans it with `planner` and writes the plan.
+    /// Reads what a cancel needs, plans it with `planner` and writes the plan; then the
+    /// cancels its releases asked for (a parent that woke from a join and cancels the rest
+    /// of its children), as [`State::run_then`] runs them.
     fn cancel_with(
         &mut self,
         p: &CancelParams,
         planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
     ) -> StoreResult<Vec<InstanceId>> {
+        let (cancelled, then) = self.cancel_one(p, planner)?;
+        self.run_then(then, p.now);
+        Ok(cancelled)
+    }
+
+    /// One cancel: reads what it needs, plans it with `planner`, writes the plan and its
+    /// parents' releases. Returns its ids and what the releases left to do.
+    fn cancel_one(
+        &mut self,
+        p: &CancelParams,
+        planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
+    ) -> StoreResult<(Vec<InstanceId>, Vec<Then>)> {
         let mut read = CancelRead { root: self.rows.get(&p.id).cloned(), ..CancelRead::default() };
         if p.cascade {
             // Breadth first down to the depth bound, so the read stays bounded too.
@@ -723,10 +745,40 @@ impl State {
             self.inbox_drop(id);
             self.timers_drop(id);
         }
+        let mut then = Vec::new();
         for r in &plan.releases {
-            self.parent_release(r, p.now);
+            then.extend(self.parent_release(r, p.now));
         }
-        Ok(cancelled)
+        Ok((cancelled, then))
+    }
+
+    /// Runs what parent releases left to do, in order and depth first: a cancel's own
+    /// releases run before the next item. At most [`limits::CANCEL_CASCADE_MAX`] cancels
+    /// run (the ones after that are left, as the SQL stores leave them); notices are
+    /// always delivered.
+    fn run_then(&mut self, then: Vec<Then>, now: Timestamp) {
+        // A stack with the next item on top.
+        let mut stack: Vec<Then> = then.into_iter().rev().collect();
+        let mut cancels = 0;
+        while let Some(next) = stack.pop() {
+            match next {
+                Then::Notice(parent, signal) => {
+                    if self.rows.contains_key(&parent) {
+                        self.deliver_to(parent, &signal, now);
+                    }
+                }
+                Then::Cancel(cancel) => {
+                    if cancels >= limits::CANCEL_CASCADE_MAX {
+                        continue;
+                    }
+                    cancels += 1;
+                    // A child that is gone has nothing left to cancel.
+                    if let Ok((_, further)) = self.cancel_one(&cancel, plan::cancel::cancel) {
+                        stack.extend(further.into_iter().rev());
+                    }
+                }
+            }
+        }
     }
 
     // ----- dead letters -----------------------------------------------------------------
@@ -828,7 +880,8 @@ impl State {
         for id in &plan.join_deadlines {
             if let Some(row) = self.rows.get(id) {
                 let planned = plan::parent::expire(row, p.now);
-                self.parent_apply(planned, p.now);
+                let cancels = self.parent_apply(planned, p.now);
+                self.run_then(cancels.into_iter().map(Then::Cancel).collect(), p.now);
             }
         }
         for scope in plan::timer::swept_scopes(p) {

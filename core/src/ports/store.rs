@@ -209,9 +209,22 @@ pub struct LeaseExtendParams {
 }
 
 impl LeaseExtendParams {
-    /// Checks the batch size: a worker holds at most one claim batch per heartbeat.
+    /// Checks the batch size (a worker holds at most one claim batch per heartbeat) and
+    /// that no lease (instance and token) is named twice: the answer is one flag per lease.
+    /// An instance may be named under several tokens (a worker that still keeps an old
+    /// claim of it); only the live one can be held.
     pub fn validate(&self) -> StoreResult<()> {
-        check_batch("leases", self.leases.len(), limits::COMMIT_BATCH_MAX)
+        check_batch("leases", self.leases.len(), limits::COMMIT_BATCH_MAX)?;
+        let mut seen = std::collections::HashSet::with_capacity(self.leases.len());
+        for (id, token) in &self.leases {
+            if !seen.insert((*id, *token)) {
+                return Err(StoreError::invalid(format!(
+                    "leases: instance {id} is named twice under token {}; name each lease once",
+                    token.0
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1430,7 +1443,9 @@ pub trait Store: Send + Sync + 'static {
     /// Pauses or resumes a queue.
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()>;
 
-    /// Queues with settings in a namespace.
+    /// Queues with settings in a namespace (those a pause or a resume recorded), in name
+    /// order. A queue without settings is not listed, whether or not it holds instances,
+    /// and is not paused.
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>>;
 
     /// Counts of non-terminal instances per (namespace, queue, machine); `None` = every
@@ -1627,7 +1642,7 @@ mod tests {
     #[test]
     fn params_refuse_batches_over_their_bound_naming_the_field() {
         let now = Timestamp(0);
-        let leases = |n: usize| vec![(InstanceId(1), FencingToken(1)); n];
+        let leases = |n: usize| (1..=n as i64).map(|i| (InstanceId(i), FencingToken(1))).collect();
         let worker = WorkerId("w".into());
         let claim = |limit| ClaimParams {
             worker: worker.clone(),
@@ -1655,6 +1670,16 @@ mod tests {
         check(extend(limits::COMMIT_BATCH_MAX + 1).validate(), Err("leases"));
         check(reap(limits::REAP_BATCH_MAX).validate(), Ok(()));
         check(reap(limits::REAP_BATCH_MAX + 1).validate(), Err("limit"));
+        let twice = LeaseExtendParams {
+            leases: vec![(InstanceId(7), FencingToken(2)), (InstanceId(7), FencingToken(2))],
+            ..extend(0)
+        };
+        check(twice.validate(), Err("leases: instance i7 is named twice under token 2"));
+        let stale_and_live = LeaseExtendParams {
+            leases: vec![(InstanceId(7), FencingToken(1)), (InstanceId(7), FencingToken(2))],
+            ..extend(0)
+        };
+        check(stale_and_live.validate(), Ok(()));
         check(release(limits::COMMIT_BATCH_MAX).validate(), Ok(()));
         check(release(limits::COMMIT_BATCH_MAX + 1).validate(), Err("leases"));
         check(sweep(limits::TIMER_SWEEP_BATCH_MAX).validate(), Ok(()));

@@ -55,21 +55,26 @@ pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
     Ok(cancelled)
 }
 
-/// Runs the cancels parent plans asked for, and those they ask for in turn (bounded);
-/// marks in `notices` what they ended and woke.
+/// Runs the cancels parent plans asked for, in the order they were planned, and those they
+/// ask for in turn, depth first (a cancel's own follow-ups run before the next one): the
+/// order the other stores run them in, so each cancelled child's report reaches its parent's
+/// inbox in the same order everywhere, and the bound ([`limits::CANCEL_CASCADE_MAX`] cancels)
+/// cuts the same ones. Marks in `notices` what they ended and woke.
 pub(crate) async fn run_cancels<C: GenericClient + Sync>(
     c: &C,
-    mut more: Vec<CancelParams>,
+    cancels: Vec<CancelParams>,
     notices: &mut Notices,
 ) -> OpResult<()> {
+    // A stack with the next cancel on top.
+    let mut stack: Vec<CancelParams> = cancels.into_iter().rev().collect();
     let mut done = 0;
-    while let Some(next) = more.pop() {
+    while let Some(next) = stack.pop() {
         if done >= limits::CANCEL_CASCADE_MAX {
             break;
         }
         done += 1;
         let (_, further) = cancel_one(c, &next, plan::cancel::cancel, notices).await?;
-        more.extend(further);
+        stack.extend(further.into_iter().rev());
     }
     Ok(())
 }

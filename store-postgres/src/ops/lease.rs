@@ -12,17 +12,20 @@ use keel_core::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleasePa
 /// The heartbeat. Rows are locked in id order first (the order every other write locks
 /// instances in), so two heartbeats naming overlapping rows in different orders, or a
 /// heartbeat and a group commit, wait for each other instead of deadlocking; the update
-/// then touches only rows this statement already holds.
+/// then touches only rows this statement already holds. `held` keeps the ordinal of the
+/// lease that matched the row's token: a lease is named at most once
+/// (`LeaseExtendParams::validate`), so at most one matches a row, and an instance named
+/// under a stale token too answers `false` for that one.
 const EXTEND: &str = "WITH l AS MATERIALIZED ( \
       SELECT * FROM unnest($1::int8[], $2::int8[]) WITH ORDINALITY AS l(id, token, ord)), \
     held AS MATERIALIZED ( \
-      SELECT i.id FROM instances i JOIN l ON l.id = i.id \
+      SELECT i.id, l.ord FROM instances i JOIN l ON l.id = i.id \
       WHERE i.fencing_token = l.token AND i.status = 'executing' AND i.lease_owner = $4 \
       ORDER BY i.id FOR NO KEY UPDATE OF i) \
     UPDATE instances i SET lease_expires_at = $3, updated_at = $5 \
-    FROM held JOIN l ON l.id = held.id \
+    FROM held \
     WHERE i.id = held.id \
-    RETURNING l.ord";
+    RETURNING held.ord";
 
 /// Extends the leases still held by `worker` under the named tokens (one statement; the
 /// caller retries it on a deadlock).

@@ -2,7 +2,8 @@
 //! serialization, and never handing out a row that a live claim holds.
 
 use super::support::{
-    LEASE, at, claim, claim_params, ids, insert, insert_one, new_in, next, order, step, worker,
+    LEASE, at, claim, claim_params, done, ids, insert, insert_one, new_in, next, order, step,
+    worker,
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{QueuePauseParams, QueueState};
@@ -112,6 +113,40 @@ pub async fn paused_queue_not_claimed_until_resumed<S: Store>(s: &S) {
     s.queue_pause(pause(false, at(20))).await.expect("resume");
     assert!(s.queue_list(ns.into()).await.expect("list").contains(&state(false)));
     assert_eq!(ids(&claim(s, claim_params(ns, 10, at(30))).await), vec![held]);
+}
+
+/// `queue_list` lists exactly the queues of its namespace that have settings (a pause or
+/// a resume recorded them), in name order: a queue that only holds instances, running or
+/// ended, is not listed (it is not paused), a queue paused before any instance is in it
+/// is, and a resumed queue stays listed, running.
+pub async fn queue_list_lists_exactly_the_queues_with_settings<S: Store>(s: &S) {
+    let (ns, other_ns) = ("queue_list", "queue_list_other");
+    for queue in ["a", "b", "c"] {
+        insert_one(s, new_in(ns).queue(queue), at(0)).await;
+    }
+    let ended = claim(s, claim_params(ns, 10, at(1))).await;
+    for c in &ended {
+        step(s, c, done(), at(2)).await;
+    }
+    insert_one(s, new_in(other_ns).queue("z"), at(0)).await;
+    let pause = |ns: &str, queue: &str, paused: bool, now| QueuePauseParams {
+        namespace: ns.into(),
+        queue: queue.into(),
+        paused,
+        now,
+    };
+    let list = async || s.queue_list(ns.into()).await.expect("list");
+    let state =
+        |queue: &str, paused| QueueState { namespace: ns.into(), queue: queue.into(), paused };
+    insert_one(s, new_in(ns).queue("b"), at(3)).await;
+    assert_eq!(list().await, Vec::new(), "queues without settings are not listed");
+    s.queue_pause(pause(other_ns, "z", true, at(4))).await.expect("pause elsewhere");
+    s.queue_pause(pause(ns, "b", true, at(5))).await.expect("pause b");
+    s.queue_pause(pause(ns, "empty", true, at(6))).await.expect("pause a queue with no instance");
+    assert_eq!(list().await, [state("b", true), state("empty", true)]);
+    s.queue_pause(pause(ns, "b", false, at(7))).await.expect("resume b");
+    s.queue_pause(pause(ns, "a", false, at(8))).await.expect("resume a, never paused");
+    assert_eq!(list().await, [state("a", false), state("b", false), state("empty", true)]);
 }
 
 /// Rows sharing a `concurrency_key` run one at a time, in `eligible_at` order; other

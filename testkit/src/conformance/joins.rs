@@ -257,8 +257,60 @@ pub async fn join_cancels_the_rest_before_the_deciding_childs_notice<S: Store>(s
         ["fail.state.join", "fail.state.join", "done.invoke.join"],
         "the parent's inbox, in order"
     );
-    let mut cancelled: Vec<i64> =
+    let cancelled: Vec<i64> =
         d.inbox[..2].iter().filter_map(|x| x.payload["child"].as_i64()).collect();
-    cancelled.sort_unstable();
-    assert_eq!(cancelled, [kids[0].0, kids[2].0], "one report per cancelled child");
+    assert_eq!(cancelled, [kids[0].0, kids[2].0], "one report per cancelled child, in order");
+}
+
+/// A parent that schedules delegated children (which report to its inbox) and stops
+/// waiting for them — its quorum met by a step commit, or its deadline passed in a timer
+/// sweep — cancels the rest in the order it scheduled them: their reports reach its inbox
+/// in that order, then (for a quorum) the notice of the child that met it.
+pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: Store>(s: &S) {
+    async fn fan_out_delegated<S: Store>(
+        s: &S,
+        ns: &str,
+        join: Join,
+    ) -> (InstanceId, Vec<InstanceId>) {
+        let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
+        let claimed = claim_id(s, ns, parent, at(10)).await;
+        let children: Vec<NewInstance> = (0..5).map(|_| new_in(ns).invoked_by("join")).collect();
+        let outcome = Outcome::schedule_children("join", children, ctx(1)).with_join(join);
+        let receipt = step(s, &claimed, outcome, at(20)).await;
+        (parent, receipt.children.iter().map(|o| o.id()).collect())
+    }
+    /// The parent's inbox, in order: each signal's name, and the child a failure report
+    /// names (a done notice carries the child's result instead).
+    async fn reports<S: Store>(s: &S, parent: InstanceId) -> Vec<(String, Option<i64>)> {
+        let inbox = get(s, parent).await.inbox;
+        inbox.iter().map(|x| (x.name.clone(), x.payload["child"].as_i64())).collect()
+    }
+    let failed = |kid: InstanceId| ("fail.state.join".to_owned(), Some(kid.0));
+
+    let ns = "join_cancel_order_quorum";
+    let (parent, kids) = fan_out_delegated(s, ns, Join::quorum(1)).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    end(s, &claims, kids[2], done(), at(30)).await;
+    let expected = vec![
+        failed(kids[0]),
+        failed(kids[1]),
+        failed(kids[3]),
+        failed(kids[4]),
+        ("done.invoke.join".to_owned(), None),
+    ];
+    assert_eq!(reports(s, parent).await, expected, "the parent's inbox, in order");
+
+    let ns = "join_cancel_order_deadline";
+    let (parent, kids) =
+        fan_out_delegated(s, ns, Join::all().within(Duration::from_secs(60))).await;
+    let sweep = TimerSweepParams {
+        namespace: Some(ns.into()),
+        machines: vec![],
+        limit: 100,
+        now: at(20 + 60_000),
+    };
+    s.timer_sweep(sweep).await.expect("sweep");
+    assert_eq!(row(s, parent).await.status, Status::Runnable, "the deadline woke the parent");
+    let expected: Vec<_> = kids.iter().map(|k| failed(*k)).collect();
+    assert_eq!(reports(s, parent).await, expected, "the parent's inbox, in order");
 }

@@ -2,8 +2,8 @@
 //! heartbeats under fencing.
 
 use super::support::{
-    LEASE, assert_history_tail, assert_row, at, claim, claim_id, claim_params, get, insert,
-    insert_one, new_in, reap, row, worker,
+    LEASE, assert_history_tail, assert_row, at, claim, claim_id, claim_params, expect_invalid, get,
+    insert, insert_one, new_in, reap, row, worker,
 };
 use keel_core::Status;
 use keel_core::outcome;
@@ -129,4 +129,30 @@ pub async fn heartbeat_extends_and_refuses_stale<S: Store>(s: &S) {
         s.lease_extend(extend("w2", current.token(), at(50_003))).await.expect("extend"),
         vec![true]
     );
+}
+
+/// A heartbeat that names the same lease (instance and token) twice is refused as
+/// `Invalid`, naming `leases` and the instance, and extends nothing. One that names an
+/// instance under a stale token and under its live one (a worker that still keeps an
+/// old claim of it) answers each lease as it stands: the live one held, the stale one not.
+pub async fn heartbeat_naming_a_lease_twice_is_refused_naming_the_field<S: Store>(s: &S) {
+    let ns = "heartbeat_twice";
+    let id = insert_one(s, new_in(ns), at(0)).await;
+    let stale = claim_id(s, ns, id, at(10)).await.token();
+    let released = LeaseReleaseParams { leases: vec![(id, stale)], now: at(20) };
+    assert_eq!(s.lease_release(released).await.expect("release"), vec![true]);
+    let live = claim_id(s, ns, id, at(30)).await.token();
+    let extend =
+        |leases: Vec<_>, now| LeaseExtendParams { worker: worker("w1"), leases, lease: LEASE, now };
+    let before = row(s, id).await;
+    let refused = s.lease_extend(extend(vec![(id, live), (id, live)], at(1_000))).await;
+    expect_invalid(refused.clone(), "leases");
+    let message = refused.expect_err("refused").message;
+    assert!(message.contains(&format!("instance {id}")), "names the instance: {message}");
+    assert_eq!(row(s, id).await, before, "a refused heartbeat extends nothing");
+    let both = s.lease_extend(extend(vec![(id, stale), (id, live)], at(2_000))).await;
+    assert_eq!(both.expect("stale, then live"), [false, true]);
+    let both = s.lease_extend(extend(vec![(id, live), (id, stale)], at(3_000))).await;
+    assert_eq!(both.expect("live, then stale"), [true, false]);
+    assert_eq!(row(s, id).await.lease_expires_at, Some(at(3_000).plus(LEASE)));
 }

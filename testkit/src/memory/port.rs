@@ -2,7 +2,7 @@
 //! operation on the state and wakes waiters. No decisions are made here.
 
 use super::{
-    ActivityBucket, ActivityParams, BTreeMap, BroadcastReport, CancelParams, Claim, ClaimParams,
+    ActivityBucket, ActivityParams, BroadcastReport, CancelParams, Claim, ClaimParams,
     CommitParams, CommitPlanner, CommitReceipt, DeadLetter, DeadLetterFilter, DeadLetterId,
     DeadLetterPurgeParams, DeadLetterRetryParams, DeadLetterSkipParams, DeliveryOutcome,
     HistoryPage, HistoryPageParams, HistoryTrimPage, HistoryTrimParams, InsertOutcome,
@@ -257,21 +257,17 @@ impl Store for MemoryStore {
     }
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
+        // The queues with settings only, in name order (the map's order).
         let state = self.state();
-        let mut queues: BTreeMap<String, bool> = state
-            .rows
-            .values()
-            .filter(|row| row.namespace == namespace)
-            .map(|row| (row.queue.clone(), false))
-            .collect();
-        for ((ns, queue), paused) in &state.queues {
-            if *ns == namespace {
-                queues.insert(queue.clone(), *paused);
-            }
-        }
-        Ok(queues
-            .into_iter()
-            .map(|(queue, paused)| QueueState { namespace: namespace.clone(), queue, paused })
+        Ok(state
+            .queues
+            .iter()
+            .filter(|((ns, _), _)| *ns == namespace)
+            .map(|((_, queue), paused)| QueueState {
+                namespace: namespace.clone(),
+                queue: queue.clone(),
+                paused: *paused,
+            })
             .collect())
     }
 }

@@ -3,8 +3,9 @@
 //! parent-release and timer writes a plan asks for. Bookkeeping only; the plans decide.
 
 use super::{
-    BTreeMap, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId, Signal, SignalId,
-    SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, plan,
+    BTreeMap, CancelParams, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId,
+    Signal, SignalId, SignalTarget, State, Status, Then, TimerId, TimerRow, Timestamp, limits,
+    plan,
 };
 use keel_core::plan::commit::TimerPlan;
 use keel_core::plan::parent::{ParentPlan, ParentRelease};
@@ -151,31 +152,34 @@ impl State {
 
     /// Executes a planned parent release: the parent's barrier counts the ended child
     /// against its row as it stands now (`plan::parent::release`, which may wake it and
-    /// cancel the rest of its barrier), then the parent's notice is delivered. A parent
-    /// that no longer exists is left alone.
-    pub(super) fn parent_release(&mut self, release: &ParentRelease, now: Timestamp) {
-        let Some(row) = self.rows.get(&release.parent) else { return };
+    /// stop waiting for the rest of its barrier). A parent that no longer exists is left
+    /// alone. Returns what is left to do, for `run_then`: the cancels of the children the
+    /// parent stopped waiting for, then the parent's notice (so the reports of the
+    /// cancelled children reach its inbox first).
+    pub(super) fn parent_release(&mut self, release: &ParentRelease, now: Timestamp) -> Vec<Then> {
+        let Some(row) = self.rows.get(&release.parent) else { return Vec::new() };
         let planned = plan::parent::release(row, release, now);
-        self.parent_apply(planned, now);
-        if let Some(notice) = &release.notice {
-            self.deliver_to(release.parent, notice, now);
-        }
+        let mut then: Vec<Then> =
+            self.parent_apply(planned, now).into_iter().map(Then::Cancel).collect();
+        then.extend(release.notice.clone().map(|notice| Then::Notice(release.parent, notice)));
+        then
     }
 
-    /// Writes a parent plan: the row and its history, then the cancels of the children
-    /// it stopped waiting for.
-    pub(super) fn parent_apply(&mut self, planned: ParentPlan, now: Timestamp) {
+    /// Writes a parent plan: the row and its history. Returns the cancels of the children
+    /// it stopped waiting for, for the caller to run (`run_then`).
+    pub(super) fn parent_apply(
+        &mut self,
+        planned: ParentPlan,
+        now: Timestamp,
+    ) -> Vec<CancelParams> {
         if !planned.changed {
-            return;
+            return Vec::new();
         }
         for entry in planned.history {
             self.record(&planned.row, planned.row.attempt, entry, now);
         }
         self.write(planned.row);
-        for cancel in planned.cancel {
-            // A child that is gone has nothing left to cancel.
-            let _ = self.cancel_with(&cancel, plan::cancel::cancel);
-        }
+        planned.cancel
     }
 
     /// Applies a commit's timer changes: cancels first (the timers the plan says it
