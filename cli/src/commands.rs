@@ -7,7 +7,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, anyhow, bail};
 use keel::layers::core::ids::DeadLetterId;
 use keel::layers::core::ports::Store;
-use keel::layers::core::ports::store::{QueuePauseParams, QueueStats};
+use keel::layers::core::ports::store::{
+    DeadLetterPurgeParams, DeadLetterSelector, QueuePauseParams, QueueStats,
+};
 use keel::{
     Cancel, ConnectOptions, DeadLetterFilter, DeadLetterRetry, DeliveryOutcome, InsertOutcome,
     InstanceId, Keel, MachineRef, NewInstance, NewSignal, SignalTarget, Value, json,
@@ -272,10 +274,36 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
     } else {
         format!("Namespace {ns:?}\n{t}")
     };
+    // A pause outlives the queue's work (and a misspelt queue never had any): a paused
+    // queue with no row above is still named, so it is not forgotten until work arrives.
+    let paused = paused_queues(keel, ns).await?;
+    let shown: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.queue.as_str()).collect();
+    let empty: Vec<String> =
+        paused.iter().filter(|q| !shown.contains(q.as_str())).map(|q| shell_word(q)).collect();
+    if !empty.is_empty() {
+        let _ = write!(
+            human,
+            "\nPaused, with nothing unfinished in them: {} (`{}` lets workers claim again).",
+            crate::output::first_of(empty.into_iter(), |n| format!("and {n} more")).join(", "),
+            hint(ns, "resume QUEUE")
+        );
+    }
     if !activity.is_empty() {
         let _ = write!(human, "\nLast hour\n{}", crate::operate::activity_table(&activity));
     }
-    Ok(Report::ok(json!({ "namespace": ns, "queues": rows, "machines": activity }), human))
+    Ok(Report::ok(
+        json!({ "namespace": ns, "queues": rows, "paused_queues": paused, "machines": activity }),
+        human,
+    ))
+}
+
+/// The paused queues of `ns`, sorted: those with unfinished instances and those without.
+async fn paused_queues(keel: &Keel, ns: &str) -> anyhow::Result<Vec<String>> {
+    let queues = keel.store().queue_list(ns.to_owned()).await?;
+    let mut paused: Vec<String> =
+        queues.into_iter().filter(|q| q.paused).map(|q| q.queue).collect();
+    paused.sort();
+    Ok(paused)
 }
 
 async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
@@ -357,7 +385,11 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
     if !context.is_object() {
         bail!("context: must be a JSON object, e.g. --context '{{\"order\":42}}'");
     }
-    let mut new = NewInstance::new(MachineRef::new(&args.machine, args.version), &args.at)
+    let version = match args.version {
+        Some(version) => version,
+        None => default_version(keel, ns, &args.machine).await?,
+    };
+    let mut new = NewInstance::new(MachineRef::new(&args.machine, version), &args.at)
         .namespace(ns)
         .context(context);
     if let Some(key) = &args.key {
@@ -375,11 +407,34 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
         InsertOutcome::Existing(id) => (id, false),
     };
     let human = if inserted {
-        format!("Started {id} ({} v{}).", args.machine, args.version)
+        format!("Started {id} ({} v{version}).", args.machine)
     } else {
         format!("Not started: {id} already holds that unique key.")
     };
-    Ok(Report::ok(json!({ "id": id, "inserted": inserted }), human))
+    Ok(Report::ok(json!({ "id": id, "inserted": inserted, "version": version }), human))
+}
+
+/// The version `keel start M` uses without `--version`: the newest one a live worker
+/// (seen within `WORKER_STALE_AFTER`) serves for `machine` in `ns`, so a start after a
+/// deploy runs on the new code. With no such worker it is 1, and a note on stderr says so
+/// and how to pick another.
+async fn default_version(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<i32> {
+    use keel::layers::core::ports::store::WORKER_STALE_AFTER;
+    let live = keel.store().worker_list(now().minus(WORKER_STALE_AFTER)).await?;
+    let newest = live
+        .iter()
+        .filter(|w| w.namespaces.is_empty() || w.namespaces.iter().any(|n| n == ns))
+        .flat_map(|w| &w.machines)
+        .filter(|m| m.name == machine)
+        .map(|m| m.version)
+        .max();
+    if let Some(version) = newest {
+        return Ok(version);
+    }
+    crate::output::note(&format!(
+        "no live worker serves {machine:?} in namespace {ns:?}, so this starts version 1; `--version N` starts another"
+    ));
+    Ok(1)
 }
 
 async fn send(
@@ -441,7 +496,60 @@ async fn cancel(
     } else {
         format!("Cancelled {} instances: {}.", cancelled.len(), ids(&cancelled))
     };
-    Ok(Report::ok(json!({ "cancelled": cancelled }), human))
+    let cut = cascade_cut(&cancelled);
+    if cut {
+        crate::output::warn(&cascade_cut_note(keel, ns, id, &cancelled).await);
+    }
+    Ok(Report::ok(json!({ "cancelled": cancelled, "complete": !cut }), human))
+}
+
+/// Whether a cascading cancel that returned `cancelled` may have stopped at the store's
+/// bound of [`CANCEL_CASCADE_MAX`](keel_core::limits::CANCEL_CASCADE_MAX) instances (the
+/// root included) with live descendants left. The store returns only the ids, so a
+/// cascade that cancelled exactly the bound is taken as cut (it may have been all there
+/// was). A cut at [`CANCEL_CASCADE_DEPTH_MAX`](keel_core::limits::CANCEL_CASCADE_DEPTH_MAX)
+/// levels is not seen here: the store does not report it.
+pub fn cascade_cut(cancelled: &[InstanceId]) -> bool {
+    cancelled.len() >= keel_core::limits::CANCEL_CASCADE_MAX
+}
+
+/// What the warning of a cut cascade from `root` says: that live descendants may still
+/// run, and how to find and cancel them, by the machines of the last ones it cancelled
+/// (the cut falls after them; one read of at most `ROWS_BATCH_MAX` rows).
+pub async fn cascade_cut_note(
+    keel: &Keel,
+    ns: &str,
+    root: InstanceId,
+    cancelled: &[InstanceId],
+) -> String {
+    let max = keel_core::limits::CANCEL_CASCADE_MAX;
+    let tail = cancelled.len().saturating_sub(keel_core::limits::ROWS_BATCH_MAX);
+    let tail: Vec<InstanceId> =
+        cancelled[tail..].iter().copied().filter(|id| *id != root).collect();
+    // The machines are a hint; a failed read leaves the hint general.
+    let mut machines: Vec<String> = keel
+        .store()
+        .instance_rows(tail)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .map(|row| row.machine.name)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if machines.is_empty() {
+        machines.push("MACHINE".to_owned());
+    }
+    let lists = machines
+        .iter()
+        .take(SHOWN_MAX)
+        .map(|m| format!("`{}`", hint(ns, &format!("list {} --status runnable", shell_word(m)))))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "the cascade from {root} stopped at its bound of {max} instances, so live descendants may still run, and cancelling {root} again does nothing now that it has ended. Find them by machine with {lists} (and the other unfinished statuses: executing, awaiting_signal, awaiting_children, suspended), then `{}` each",
+        hint(ns, "cancel ID --cascade")
+    )
 }
 
 async fn inspect(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Report> {
@@ -627,7 +735,18 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                     // The id alone selects across namespaces: check it is this one's first.
                     let letter = letter_in(keel, ns, &id).await?;
                     let retry = DeadLetterRetry::one(letter.id).after(delay.unwrap_or_default());
-                    let retried = keel.dead_letter_retry(retry).await?;
+                    let retried = keel.dead_letter_retry(retry).await.map_err(|e| {
+                        if !matches!(e.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound)
+                        {
+                            return anyhow::Error::from(e);
+                        }
+                        // Its instance moved on or is gone: the letter only counts against
+                        // `status` and `health` until it is deleted.
+                        anyhow!(
+                            "{e}; this dead letter is left over: `{}` removes it",
+                            hint(ns, &format!("dlq delete {}", letter.id))
+                        )
+                    })?;
                     let human =
                         format!("Retried {} instance(s): {}.", retried.len(), ids(&retried));
                     Ok(Report::ok(json!({ "retried": retried }), human))
@@ -636,6 +755,7 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                 (None, None) => bail!("id: give a dead letter id, or --machine M --all"),
             }
         }
+        DlqCommand::Delete { id } => delete_letter(keel, ns, &id).await,
         DlqCommand::Purge { older_than, confirm } => {
             let age = parse_duration("older-than", Some(&older_than))?.unwrap_or_default();
             if !confirm {
@@ -660,6 +780,50 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
             ))
         }
     }
+}
+
+/// `keel dlq delete ID`: removes one dead letter of `ns` whose instance is no longer
+/// suspended (cancelled, ended, retried through another letter, or gone), so `status` and
+/// `health` stop counting it. A letter whose instance is still suspended is refused: it is
+/// how that instance is retried, so deleting it would leave the instance suspended with
+/// nothing to retry it by.
+async fn delete_letter(keel: &Keel, ns: &str, raw: &str) -> anyhow::Result<Report> {
+    let letter = letter_in(keel, ns, raw).await?;
+    let instance = letter.letter.instance;
+    let row =
+        keel.store().instance_rows(vec![instance]).await?.into_iter().find(|r| r.id == instance);
+    let status = row.as_ref().map(|r| r.status);
+    if status == Some(keel_core::ids::Status::Suspended) {
+        bail!(
+            "id: {} is how the suspended {instance} is retried; retry it (`{}`), or cancel the instance first (`{}`), then delete the letter",
+            letter.id,
+            hint(ns, &format!("dlq retry {}", letter.id)),
+            hint(ns, &format!("cancel {instance}"))
+        );
+    }
+    let removed = keel
+        .store()
+        .dead_letter_purge(DeadLetterPurgeParams {
+            selector: Some(DeadLetterSelector::Id(letter.id)),
+            older_than: None,
+        })
+        .await?;
+    let state = status.map_or_else(|| "gone".to_owned(), |s| s.to_string());
+    let human = if removed == 0 {
+        format!("Nothing to delete: {} was removed meanwhile.", letter.id)
+    } else {
+        format!("Deleted {} ({instance} is {state}).", letter.id)
+    };
+    Ok(Report::ok(
+        json!({
+            "namespace": ns,
+            "dead_letter": letter.id,
+            "instance": instance,
+            "instance_status": status,
+            "deleted": removed > 0,
+        }),
+        human,
+    ))
 }
 
 /// A `keel` command line to suggest, with `-n ns` when `ns` is not the default namespace
@@ -772,7 +936,7 @@ async fn retry_machine(
 ) -> anyhow::Result<Report> {
     let counted = dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0);
     let bar = indicatif::ProgressBar::new(counted).with_message("retrying dead letters");
-    let (page, pages) = (keel_core::limits::ROWS_BATCH_MAX, crate::operate::RETRY_PAGES_MAX);
+    let (page, pages) = (crate::operate::RETRY_PAGE_MAX, crate::operate::RETRY_PAGES_MAX);
     let done = crate::operate::retry_machine_letters(keel, ns, machine, delay, page, pages, |n| {
         bar.inc(n);
     })
@@ -789,9 +953,10 @@ async fn retry_machine(
     if done.stale > 0 {
         let _ = write!(
             human,
-            "\nLeft {} dead letter(s) whose instance is no longer suspended (cancelled, moved on or retried through another letter); `{}` lists them.",
+            "\nLeft {} dead letter(s) whose instance is no longer suspended (cancelled, moved on or retried through another letter) or was already retried by this run; `{}` lists them, `{}` removes one.",
             done.stale,
-            hint(ns, &format!("dlq list --machine {}", shell_word(machine)))
+            hint(ns, &format!("dlq list --machine {}", shell_word(machine))),
+            hint(ns, "dlq delete ID")
         );
     }
     if !done.complete {

@@ -113,8 +113,10 @@ fn millis(d: Option<std::time::Duration>) -> Option<u64> {
 }
 
 /// The findings for the rows and the last hour's activity under the thresholds each
-/// machine resolves to. Processing time is the mean turnaround of the instances that
-/// ended in the last hour; a machine with none has no processing-time finding.
+/// machine resolves to. The oldest ready age is checked per queue and machine; pending
+/// (ready plus scheduled) and dead letters per machine, summed over its queues.
+/// Processing time is the mean turnaround of the instances that ended in the last hour;
+/// a machine with none has no processing-time finding.
 pub fn evaluate(
     config: &KeelConfig,
     rows: &[StatusRow],
@@ -154,28 +156,31 @@ pub fn evaluate(
                 millis(alerts.oldest_ready_age_critical),
             );
         }
-        let pending = row.ready + row.scheduled;
+    }
+    // Pending work and dead letters are held against thresholds set per machine, so they
+    // are summed over the machine's queues (an instance's queue is chosen per start): one
+    // check of each per machine.
+    let mut sums: std::collections::BTreeMap<&str, (u64, u64)> = std::collections::BTreeMap::new();
+    for row in rows {
+        let (pending, dead) = sums.entry(row.machine.as_str()).or_default();
+        *pending += row.ready + row.scheduled;
+        *dead += row.dead_letters;
+    }
+    for (machine, (pending, dead)) in sums {
+        let alerts = alerts_for(config, machine)?;
         check(
             &mut findings,
-            &row.machine,
+            machine,
             "pending",
             Counted::exact(pending),
             alerts.pending_warning,
             alerts.pending_critical,
         );
-    }
-    // Dead letters belong to a machine, not to one of its queues: one check per machine.
-    let mut dead: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
-    for row in rows {
-        *dead.entry(row.machine.as_str()).or_default() += row.dead_letters;
-    }
-    for (machine, count) in dead {
-        let alerts = alerts_for(config, machine)?;
         check(
             &mut findings,
             machine,
             "dead_letters",
-            Counted::exact(count),
+            Counted::exact(dead),
             alerts.dlq_warning,
             alerts.dlq_critical,
         );
@@ -255,4 +260,50 @@ pub async fn run(keel: &Keel, cli: &Cli, config: &KeelConfig) -> anyhow::Result<
     };
     let json = json!({ "status": level, "namespace": cli.namespace, "findings": findings });
     Ok(Report { json, human, code })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(queue: &str, machine: &str, ready: u64, scheduled: u64, oldest: i64) -> StatusRow {
+        StatusRow {
+            namespace: "default".into(),
+            queue: queue.into(),
+            machine: machine.into(),
+            ready,
+            scheduled,
+            executing: 0,
+            waiting: 0,
+            suspended: 0,
+            dead_letters: 0,
+            oldest_ready_age_ms: Some(oldest),
+            paused: false,
+        }
+    }
+
+    /// A machine's instances spread over two queues cross its pending threshold together,
+    /// while the oldest ready age stays a per-queue check.
+    #[test]
+    fn pending_is_summed_over_a_machines_queues() {
+        let config = KeelConfig::from_toml_str(
+            "[queue.alerts]\npending_critical = 10000\noldest_ready_age_warning = \"1m\"\n",
+        )
+        .unwrap();
+        let rows = [
+            row("default", "order", 5_000, 1_000, 1_000),
+            row("bulk", "order", 6_000, 0, 120_000),
+            row("default", "mail", 9_999, 0, 0),
+        ];
+        let findings = evaluate(&config, &rows, &[]).unwrap();
+        let seen: Vec<(&str, &str, u64, Level)> =
+            findings.iter().map(|f| (f.machine.as_str(), f.check, f.value, f.level)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("order", "oldest_ready_age_ms", 120_000, Level::Warning),
+                ("order", "pending", 12_000, Level::Critical),
+            ]
+        );
+    }
 }

@@ -75,9 +75,10 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Per queue and machine: ready, scheduled, executing, waiting, suspended, dead
-    /// letters, oldest ready age and whether the queue is paused; per machine, the last
-    /// hour: completed, failed, average processing time, throughput, stuck leases and
-    /// ready work no live worker can take.
+    /// letters, oldest ready age and whether the queue is paused; paused queues that hold
+    /// nothing unfinished; per machine, the last hour: completed, failed, average
+    /// turnaround (insert to end, waits included), throughput, stuck leases and ready work
+    /// no live worker can take.
     Status {
         /// Only this machine.
         #[arg(long)]
@@ -93,7 +94,7 @@ pub enum Command {
         /// The queue.
         queue: String,
     },
-    /// Dead letters: list, inspect, retry, purge.
+    /// Dead letters: list, inspect, retry, delete, purge.
     #[command(subcommand)]
     Dlq(DlqCommand),
     /// An instance: status, position, context, inbox, timers, children and history.
@@ -136,7 +137,9 @@ pub enum Command {
     Cancel {
         /// An instance id (`i42` or `42`) or `machine:key`.
         target: String,
-        /// Cancel its descendants too.
+        /// Cancel its live descendants too: at most 10 000 instances (the root included)
+        /// and 32 levels deep; a cascade that reaches the count bound warns on stderr and
+        /// reports `"complete": false`.
         #[arg(long)]
         cascade: bool,
         /// Why, recorded in the history.
@@ -193,14 +196,18 @@ pub enum Command {
         #[arg(long)]
         version: Option<u32>,
     },
-    /// Delete a machine's pending instances (cancelled, with history) or its dead letters.
+    /// Cancel a machine's runnable instances (with history) or delete its dead letters.
     #[command(group(clap::ArgGroup::new("what").required(true).args(["pending", "dlq"])))]
     Purge {
         /// The machine (when the store holds no instance, dead letter or recent worker of
         /// it in the namespace, nothing is done and a warning names the closest known one).
         machine: String,
-        /// Cancel every ready or scheduled instance of the machine, and with each its
-        /// live descendants (of any machine, running ones included); the report counts
+        /// Cancel every runnable instance of the machine, not only the backlog: new ones
+        /// that never ran, ones between two steps, ones waiting to retry a failed step
+        /// (back-off), and ones an event woke; not those waiting for an event or for
+        /// children, or suspended. Each is read as runnable, then cancelled, so one a
+        /// worker claims in between is cancelled mid-step. With each, its live
+        /// descendants go too (of any machine, running ones included); the report counts
         /// and names them.
         #[arg(long)]
         pending: bool,
@@ -285,9 +292,10 @@ pub struct UpgradeArgs {
 pub struct StartArgs {
     /// The machine's name.
     pub machine: String,
-    /// The machine's version (1 or more).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..))]
-    pub version: i32,
+    /// The machine's version (1 or more). Without it: the newest version a live worker
+    /// serves for the machine in the namespace, else 1 (a note on stderr says which).
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..))]
+    pub version: Option<i32>,
     /// The initial context, a JSON object.
     #[arg(long)]
     pub context: Option<String>,
@@ -343,6 +351,14 @@ pub enum DlqCommand {
         /// Wait this long before the retry runs (`30s`, `5 minutes`).
         #[arg(long)]
         delay: Option<String>,
+    },
+    /// Delete one dead letter whose instance is no longer suspended (cancelled, ended,
+    /// retried through another letter, or gone), so `status` and `health` stop counting
+    /// it. A letter whose instance is still suspended is refused: retry it, or cancel the
+    /// instance first.
+    Delete {
+        /// Its id (`dl3` or `3`).
+        id: String,
     },
     /// Delete dead letters older than an age (the instances stay suspended).
     Purge {

@@ -16,7 +16,7 @@ use anyhow::{anyhow, bail};
 use keel::layers::scheduler::Stopped;
 use keel::{Cancel, Keel, Migration, json};
 use keel_core::Timestamp;
-use keel_core::ids::{InstanceId, Status};
+use keel_core::ids::{DeadLetterId, InstanceId, Status};
 use keel_core::instance::Instance;
 use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::ports::Store;
@@ -79,7 +79,10 @@ pub struct MachineActivity {
     pub completed_last_hour: u64,
     /// Instances that finished `failed` in the window.
     pub failed_last_hour: u64,
-    /// Mean turnaround (insert to end) of those, in milliseconds.
+    /// Mean turnaround of those, in milliseconds: from each one's insert to its end, so
+    /// queueing, back-off and waits for events or children count, not only the time its
+    /// steps ran (`keel status` and the dashboard label it "avg turnaround"; the name is
+    /// kept for the JSON documents that carry it).
     pub avg_processing_ms: Option<u64>,
     /// Ended instances per minute over the window.
     pub throughput_per_minute: f64,
@@ -303,7 +306,7 @@ pub fn activity_table(rows: &[MachineActivity]) -> String {
         "machine",
         "completed 1h",
         "failed 1h",
-        "avg processing",
+        "avg turnaround",
         "per minute",
         "stuck leases",
         "ready, no worker",
@@ -552,7 +555,7 @@ pub async fn purge(
 ) -> anyhow::Result<Report> {
     if !confirm {
         let what = if pending {
-            "cancels every pending instance of the machine"
+            "cancels every runnable instance of the machine (new, between steps, waiting to retry, woken by an event) and their live descendants"
         } else {
             "deletes every dead letter of the machine"
         };
@@ -607,7 +610,19 @@ async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<R
     let done = done
         .map_err(|failed| PartlyDone::wrap(failed.error, what(&failed.done), body(&failed.done)))?;
     let mut json = body(&done);
-    json["complete"] = json!(done.complete);
+    let cut: Vec<InstanceId> = done.cut.iter().map(|(id, _)| *id).collect();
+    json["complete"] = json!(done.complete && cut.is_empty());
+    json["cascade_cut"] = json!(cut);
+    // A cut cascade leaves descendants a second run cannot reach (their root has ended).
+    for (root, cancelled) in done.cut.iter().take(SHOWN_MAX) {
+        crate::output::warn(&crate::commands::cascade_cut_note(keel, ns, *root, cancelled).await);
+    }
+    if cut.len() > SHOWN_MAX {
+        crate::output::warn(&format!(
+            "{} more cancelled instance(s) stopped their cascade at the same bound; `--json` lists them all in `cascade_cut`",
+            cut.len() - SHOWN_MAX
+        ));
+    }
     let more = if done.complete { "" } else { "; more remain, run it again" };
     let human = capitalized(&what(&done));
     let mut human = format!("{human} (their history records why){more}.");
@@ -629,6 +644,10 @@ struct PendingCancelled {
     /// Their live descendants the cascade cancelled with them (of any machine, in any
     /// status but ended).
     descendants: Vec<InstanceId>,
+    /// The cancelled instances whose cascade reached the store's bound
+    /// ([`crate::commands::cascade_cut`]): live descendants of theirs may be left. The
+    /// first [`SHOWN_MAX`] come with what their cancel returned, the others with nothing.
+    cut: Vec<(InstanceId, Vec<InstanceId>)>,
     /// False when the page bound stopped it with more left.
     complete: bool,
 }
@@ -657,6 +676,11 @@ async fn cancel_pending(
                 // Not in the list when it had already ended (cancelled as a descendant of
                 // an earlier one, or ended on its own since the page was read).
                 Ok(ids) => {
+                    if crate::commands::cascade_cut(&ids) {
+                        // Only the first ones are named in a warning: keep their ids.
+                        let named = done.cut.len() < SHOWN_MAX;
+                        done.cut.push((row.id, if named { ids.clone() } else { Vec::new() }));
+                    }
                     if ids.contains(&row.id) {
                         done.cancelled.push(row.id);
                         on_cancel();
@@ -873,27 +897,41 @@ async fn purge_machine_letters(
 /// What [`retry_machine_letters`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MachineRetried {
-    /// The instances made runnable, in dead-letter order.
+    /// The instances made runnable, in dead-letter order, each once.
     pub retried: Vec<InstanceId>,
     /// Dead letters read and left in place: their instance is no longer suspended
-    /// (cancelled, moved on, or retried through an older letter) or is gone.
+    /// (cancelled, moved on, or retried through an older letter), is gone, or was already
+    /// retried by this run (it failed again since: retrying it again would only repeat
+    /// the failure).
     pub stale: u64,
     /// False when the page bound stopped it with dead letters left to read.
     pub complete: bool,
 }
 
-/// Pages (of [`ROWS_BATCH_MAX`](keel_core::limits::ROWS_BATCH_MAX) dead letters) a
-/// machine-wide retry reads at most: ten million dead letters.
-pub const RETRY_PAGES_MAX: usize = 10_000;
+/// Dead letters a machine-wide retry reads per page at most. A dead letter carries its
+/// event's payload (up to 1 MiB) and the errors of its attempts, and the retry only needs
+/// its id and instance, so pages stay small to bound the memory one page holds.
+pub const RETRY_PAGE_MAX: usize = 100;
+
+/// Pages (of [`RETRY_PAGE_MAX`] dead letters) a machine-wide retry reads at most: ten
+/// million dead letters.
+pub const RETRY_PAGES_MAX: usize = 100_000;
 
 /// Retries every dead letter of `machine` in `ns` whose instance is still suspended,
 /// reading the letters oldest first by id cursor, `page_size` at a time (1 to
-/// [`ROWS_BATCH_MAX`](keel_core::limits::ROWS_BATCH_MAX)), at most `pages_max` pages, calling
-/// `on_page` with each page's size. Each letter is retried by its id; one the store
-/// refuses because its instance is no longer suspended (or is gone) is counted stale and
-/// left, so stale letters, however many and wherever they sit, never hide the ones behind
-/// them (a store's machine-wide retry only looks at the oldest batch). On a store error,
-/// the instances already retried come with the error.
+/// [`RETRY_PAGE_MAX`]), at most `pages_max` pages, calling `on_page` with each page's size.
+///
+/// Only the letters that exist when it starts are read: the newest letter's id is read
+/// first and the walk stops there, so an instance retried here that fails again (and is
+/// dead-lettered again while the walk goes on) is not retried a second time by the same
+/// run, and a run lasts as long as the letters it started with. An instance is retried at
+/// most once per run: a later letter of one already retried is counted stale and left.
+///
+/// Each letter is retried by its id; one the store refuses because its instance is no
+/// longer suspended (or is gone) is counted stale and left, so stale letters, however many
+/// and wherever they sit, never hide the ones behind them (a store's machine-wide retry
+/// only looks at the oldest batch). On a store error, the instances already retried come
+/// with the error.
 pub async fn retry_machine_letters(
     keel: &Keel,
     ns: &str,
@@ -903,25 +941,51 @@ pub async fn retry_machine_letters(
     pages_max: usize,
     mut on_page: impl FnMut(u64),
 ) -> Result<MachineRetried, Stopped<MachineRetried>> {
-    let page_size = page_size.clamp(1, keel_core::limits::ROWS_BATCH_MAX);
+    let page_size = page_size.clamp(1, RETRY_PAGE_MAX);
     let mut done = MachineRetried::default();
+    let filter = |after, before, limit| keel::DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine: Some(machine.to_owned()),
+        after,
+        before,
+        limit,
+    };
+    // The newest letter now: the page of one letter before the end of the id range (a
+    // `before` cursor reads downwards from it; `after` and `before` cannot be combined,
+    // so the walk below reads by `after` and stops at this id itself).
+    let newest = match keel.dead_letters(filter(None, Some(DeadLetterId(i64::MAX)), 1)).await {
+        Ok(letters) => letters.last().map(|d| d.id),
+        Err(error) => return Err(Stopped { done, error }),
+    };
+    let Some(last) = newest else {
+        done.complete = true;
+        return Ok(done);
+    };
+    let mut retried = BTreeSet::new();
     let mut after = None;
     for _ in 0..pages_max {
-        let filter = keel::DeadLetterFilter {
-            namespace: Some(ns.to_owned()),
-            machine: Some(machine.to_owned()),
-            after,
-            before: None,
-            limit: page_size,
-        };
-        let letters = match keel.dead_letters(filter).await {
+        let letters = match keel.dead_letters(filter(after, None, page_size)).await {
             Ok(letters) => letters,
             Err(error) => return Err(Stopped { done, error }),
         };
-        for d in &letters {
+        // Letters recorded since the run began (above `last`) are left to a later run.
+        let in_run = letters.iter().take_while(|d| d.id <= last);
+        let mut read = 0;
+        for d in in_run {
+            read += 1;
+            if retried.contains(&d.letter.instance) {
+                done.stale += 1;
+                continue;
+            }
             let retry = keel::DeadLetterRetry::one(d.id).after(delay.unwrap_or_default());
             match keel.dead_letter_retry(retry).await {
-                Ok(ids) => done.retried.extend(ids),
+                Ok(ids) => {
+                    for id in ids {
+                        if retried.insert(id) {
+                            done.retried.push(id);
+                        }
+                    }
+                }
                 // The store refuses a letter whose instance is no longer suspended (moved
                 // on, cancelled, retried through an older letter) or is gone.
                 Err(e)
@@ -932,8 +996,9 @@ pub async fn retry_machine_letters(
                 Err(error) => return Err(Stopped { done, error }),
             }
         }
-        on_page(letters.len() as u64);
-        if letters.len() < page_size {
+        on_page(read);
+        let reached = letters.last().is_none_or(|d| d.id >= last);
+        if reached || letters.len() < page_size {
             done.complete = true;
             return Ok(done);
         }

@@ -69,6 +69,14 @@ pub fn warn(text: &str) {
     let _ = writeln!(std::io::stderr(), "warning: {text}");
 }
 
+/// Prints `note: <text>` on stderr, whichever form `--json` chose for stdout: a choice a
+/// command made for the user that they may want to make otherwise.
+pub fn note(text: &str) {
+    use std::io::Write as _;
+    // A closed stderr leaves nobody to tell.
+    let _ = writeln!(std::io::stderr(), "note: {text}");
+}
+
 /// Names or ids a human report lists before it counts the rest (`--json` carries them all).
 pub const SHOWN_MAX: usize = 20;
 

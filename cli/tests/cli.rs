@@ -1035,3 +1035,150 @@ fn config_check_warns_of_sections_that_look_like_misspellings() {
         assert!(err.contains("--config: name the file to check"), "{err}");
     }
 }
+
+/// A dead letter whose instance moved on (here: cancelled) is deleted by id, so `status`
+/// and `health` stop counting it; `dlq retry` on it names the command. One whose instance
+/// is still suspended, or of another namespace, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_left_over_dead_letter_is_deleted_by_id_and_stops_counting() {
+    for b in backends("a_left_over_dead_letter_is_deleted_by_id_and_stops_counting") {
+        b.run(&["migrate"], 0);
+        let instance = dead_letters_in(&b, "default", &["a"]).await[0];
+        let letter = b.json(&["dlq", "list"])["dead_letters"][0]["id"].as_i64().unwrap();
+        let dl = format!("dl{letter}");
+
+        let (_, err) = b.run(&["dlq", "delete", &dl], 1);
+        assert!(
+            err.contains(&format!("`keel dlq retry {dl}`"))
+                && err.contains(&format!("`keel cancel {instance}`")),
+            "{}: a suspended instance's letter is how it is retried: {err}",
+            b.name
+        );
+        let (_, err) = b.run(&["-n", "other", "dlq", "delete", &dl], 1);
+        assert!(err.contains(&format!("no dead letter {dl} in namespace \"other\"")), "{err}");
+
+        b.run(&["cancel", &instance.to_string()], 0);
+        let (_, err) = b.run(&["dlq", "retry", &dl], 1);
+        assert!(
+            err.contains("is cancelled, not suspended")
+                && err.contains(&format!("`keel dlq delete {dl}` removes it")),
+            "{}: {err}",
+            b.name
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let config = write_config(&dir, "dlq_warning = 1");
+        b.run(&["health", "--config", &config], 1);
+
+        let deleted = b.json(&["dlq", "delete", &dl]);
+        assert_eq!(
+            (&deleted["deleted"], &deleted["instance"], &deleted["instance_status"]),
+            (&json!(true), &json!(instance.0), &json!("cancelled")),
+            "{}: {deleted}",
+            b.name
+        );
+        let status = b.json(&["status"]);
+        let dead: u64 = status["queues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["dead_letters"].as_u64().unwrap())
+            .sum();
+        assert_eq!(dead, 0, "{}: {status}", b.name);
+        let (out, _) = b.run(&["health", "--config", &config], 0);
+        assert!(out.starts_with("HEALTHY"), "{out}");
+        let (_, err) = b.run(&["dlq", "delete", &dl], 1);
+        assert!(err.contains(&dl), "{}: a deleted letter is gone: {err}", b.name);
+    }
+}
+
+/// The wall clock in the store's unit.
+fn wall_clock() -> keel::layers::core::Timestamp {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    keel::layers::core::Timestamp(ms.as_millis() as i64)
+}
+
+/// `start` without `--version` takes the newest version a live worker serves for the
+/// machine in the namespace, and says it in its output; with no such worker it takes 1
+/// and a note on stderr says so and names `--version`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_without_a_version_takes_the_newest_a_live_worker_serves() {
+    use keel::layers::core::ids::WorkerId;
+    use keel::layers::core::ports::Store;
+    use keel::layers::core::ports::store::WorkerBeatParams;
+    for b in backends("start_without_a_version_takes_the_newest_a_live_worker_serves") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        let now = wall_clock();
+        for (id, namespaces, version) in [
+            ("old", vec![], 1),
+            ("new", vec!["default".to_owned()], 2),
+            ("far", vec!["x".into()], 3),
+        ] {
+            let beat = WorkerBeatParams {
+                id: WorkerId(id.into()),
+                name: id.into(),
+                machines: vec![MachineRef::new("order", version)],
+                namespaces,
+                started_at: now,
+                now,
+                forget_before: now.minus(Duration::from_secs(86_400)),
+            };
+            keel.store().worker_heartbeat(beat).await.unwrap();
+        }
+
+        let (out, err) = b.run(&["start", "order"], 0);
+        assert!(out.starts_with("Started i") && out.contains("(order v2)."), "{}: {out}", b.name);
+        assert!(!err.contains("note:"), "{}: {err}", b.name);
+        let started = b.json(&["start", "order"]);
+        assert_eq!(started["version"], 2, "{}: {started}", b.name);
+        let id = started["id"].as_i64().unwrap().to_string();
+        let shown = b.json(&["inspect", &id]);
+        assert_eq!(shown["instance"]["machine"], json!({ "name": "order", "version": 2 }));
+        assert_eq!(b.json(&["start", "order", "--version", "1"])["version"], 1);
+
+        let (out, err) = b.run(&["start", "lonely"], 0);
+        assert!(out.contains("(lonely v1)."), "{}: {out}", b.name);
+        assert!(
+            err.contains("note: no live worker serves \"lonely\" in namespace \"default\", so this starts version 1; `--version N` starts another"),
+            "{}: {err}",
+            b.name
+        );
+    }
+}
+
+/// A paused queue that holds nothing unfinished (paused ahead of time, or misspelt) is
+/// still named by `status`, in its text and its `--json`.
+#[test]
+fn status_names_a_paused_queue_that_holds_nothing() {
+    for b in backends("status_names_a_paused_queue_that_holds_nothing") {
+        b.run(&["migrate"], 0);
+        b.run(&["start", "ticket", "--version", "1"], 0);
+        b.run(&["pause", "ghost"], 0);
+        b.run(&["pause", "default"], 0);
+        let status = b.json(&["status"]);
+        assert_eq!(status["paused_queues"], json!(["default", "ghost"]), "{}: {status}", b.name);
+        let (out, _) = b.run(&["status"], 0);
+        assert!(
+            out.contains(
+                "Paused, with nothing unfinished in them: ghost (`keel resume QUEUE` lets workers claim again)."
+            ),
+            "{}: {out}",
+            b.name
+        );
+        b.run(&["resume", "ghost"], 0);
+        assert_eq!(b.json(&["status"])["paused_queues"], json!(["default"]));
+        let (out, _) = b.run(&["status"], 0);
+        assert!(!out.contains("Paused, with nothing"), "{}: {out}", b.name);
+
+        b.run(&["-n", "empty", "pause", "later"], 0);
+        let (out, _) = b.run(&["-n", "empty", "status"], 0);
+        assert!(
+            out.contains("No unfinished instances")
+                && out.contains(
+                    "Paused, with nothing unfinished in them: later (`keel -n empty resume QUEUE`"
+                ),
+            "{}: {out}",
+            b.name
+        );
+    }
+}

@@ -300,6 +300,8 @@ async fn workers_activity_and_health_thresholds_come_from_stored_rows() {
         );
         let (out, _) = b.run(&["status"], 0);
         assert!(out.contains("Last hour") && out.contains("1 (v2)"), "{out}");
+        // The mean covers insert to end, waits included: it is named for what it is.
+        assert!(out.contains("avg turnaround") && !out.contains("avg processing"), "{out}");
 
         let config = |alerts: &str| b.file("keel.toml", &format!("[queue.alerts]\n{alerts}\n"));
         b.run(&["health", "--config", &config("oldest_ready_age_critical = \"1 hour\"")], 0);
@@ -1072,4 +1074,176 @@ fn suggested_commands_quote_the_namespace() {
         let (out, _) = b.run(&["-n", "it's", "pause", "nowhere"], 0);
         assert!(out.contains(r"`keel -n 'it'\''s' status`"), "{}: {out}", b.name);
     }
+}
+
+/// The dead letters of `refuser` in the default namespace, oldest first: (letter, instance).
+fn letters(b: &Backend) -> Vec<(i64, i64)> {
+    let listed = b.json(&["dlq", "list", "--machine", "refuser", "--limit", "10000"]);
+    listed["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["id"].as_i64().unwrap(), d["letter"]["instance"].as_i64().unwrap()))
+        .collect()
+}
+
+/// `n` instances of `refuser` dead-lettered by a real worker, which is returned still
+/// running.
+async fn refused(b: &Backend, keel: &Keel, n: usize) -> keel::WorkerHandle {
+    let worker = keel.worker_with(fast()).register(Refuser).unwrap().spawn().unwrap();
+    let mut started = Vec::with_capacity(n);
+    for key in 0..n {
+        let new =
+            NewInstance::new(MachineRef::new("refuser", 1), "charge").business_key(key.to_string());
+        started.push(keel.start(new).await.unwrap().id());
+    }
+    for id in started {
+        wait_for(keel, id, Status::Suspended, b.name).await;
+    }
+    worker
+}
+
+/// A machine-wide retry reads only the dead letters there were when it began: an instance
+/// it retried that fails again while the run goes on (its new letter sorts after the
+/// others) is left for the operator, not retried again by the same run, and each instance
+/// is reported once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_retry_leaves_the_letters_recorded_while_it_runs() {
+    for b in backends("a_machine_retry_leaves_the_letters_recorded_while_it_runs") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        let worker = refused(&b, &keel, 5).await;
+        let before = letters(&b);
+        assert_eq!(before.len(), 5, "{}: {before:?}", b.name);
+        let first_page: Vec<keel::InstanceId> =
+            before[..2].iter().map(|(_, i)| keel::InstanceId(*i)).collect();
+
+        // After the first page (two letters) is retried, the still-running worker fails
+        // both instances again, and only then does the walk go on.
+        let handle = tokio::runtime::Handle::current();
+        let mut worker = Some(worker);
+        let done = keel_cli::operate::retry_machine_letters(
+            &keel,
+            "default",
+            "refuser",
+            None,
+            2,
+            100,
+            |_| {
+                let Some(worker) = worker.take() else { return };
+                tokio::task::block_in_place(|| {
+                    handle.block_on(async {
+                        for id in &first_page {
+                            wait_for(&keel, *id, Status::Suspended, b.name).await;
+                        }
+                        worker.shutdown().await;
+                    });
+                });
+            },
+        )
+        .await
+        .expect("no store error");
+
+        let all: Vec<keel::InstanceId> = before.iter().map(|(_, i)| keel::InstanceId(*i)).collect();
+        assert_eq!((done.retried, done.stale, done.complete), (all, 0, true), "{}", b.name);
+        // The two new letters stay, and their instances stay suspended.
+        let after = letters(&b);
+        let instances: Vec<i64> = after.iter().map(|(_, i)| *i).collect();
+        assert_eq!(instances, [before[0].1, before[1].1], "{}: {after:?}", b.name);
+        assert!(after.iter().all(|(l, _)| *l > before[4].0), "{}: {after:?}", b.name);
+        for id in &first_page {
+            let row = keel.get(*id).await.unwrap().instance;
+            assert_eq!(row.status, Status::Suspended, "{}: {id}", b.name);
+        }
+    }
+}
+
+/// A machine-wide retry reads its dead letters in small pages (each letter carries its
+/// event's payload and every attempt's error), whatever page size it is asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_retry_reads_small_pages() {
+    const N: usize = 150;
+    for b in backends("a_machine_retry_reads_small_pages") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        refused(&b, &keel, N).await.shutdown().await;
+        let mut pages = Vec::new();
+        let done = keel_cli::operate::retry_machine_letters(
+            &keel,
+            "default",
+            "refuser",
+            None,
+            keel::layers::core::limits::ROWS_BATCH_MAX,
+            100,
+            |n| pages.push(n),
+        )
+        .await
+        .expect("no store error");
+        assert_eq!((done.retried.len(), done.complete), (N, true), "{}", b.name);
+        assert_eq!(pages, [100, 50], "{}: page sizes", b.name);
+        assert_eq!(keel_cli::operate::RETRY_PAGE_MAX, 100);
+    }
+}
+
+/// A cascading cancel that reaches the store's bound of instances says so, on stderr and
+/// with `"complete": false`, and names how to find what is left; `purge --pending` too.
+/// SQLite only: the children are attached with SQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cascade_cut_at_its_bound_says_so() {
+    use keel::layers::core::limits::CANCEL_CASCADE_MAX;
+    let b = backends("a_cascade_cut_at_its_bound_says_so").remove(0);
+    assert_eq!(b.name, "sqlite");
+    b.run(&["migrate"], 0);
+    let keel = b.open().await;
+    let mut parents = Vec::new();
+    for machine in ["fanout", "boss"] {
+        let id = b.json(&["start", machine, "--version", "1"])["id"].as_i64().unwrap();
+        // One insert takes at most as many instances as one cascade cancels.
+        for n in [CANCEL_CASCADE_MAX, 5] {
+            insert_many(&keel, MachineRef::new("kid", 1), n, wall_clock()).await;
+        }
+        sqlite_exec(
+            &b.url,
+            format!(
+                "UPDATE keel_instances SET parent_id = {id} WHERE machine = 'kid' AND parent_id IS NULL"
+            ),
+        )
+        .await;
+        parents.push(id);
+    }
+
+    let out = b
+        .keel_cmd()
+        .args(["--json", "cancel", &parents[0].to_string(), "--cascade"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(report["cancelled"].as_array().unwrap().len(), CANCEL_CASCADE_MAX, "{err}");
+    assert_eq!(report["complete"], false, "{err}");
+    let said = format!(
+        "warning: the cascade from i{} stopped at its bound of {CANCEL_CASCADE_MAX} instances",
+        parents[0]
+    );
+    assert!(err.contains(&said), "{err}");
+    assert!(err.contains("`keel list kid --status runnable`"), "{err}");
+    assert!(err.contains("`keel cancel ID --cascade`"), "{err}");
+
+    let out =
+        b.keel_cmd().args(["--json", "purge", "boss", "--pending", "--confirm"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        (&report["cancelled"], &report["complete"], &report["cascade_cut"]),
+        (&json!(1), &json!(false), &json!([parents[1]])),
+        "{err}"
+    );
+    assert!(err.contains(&format!("warning: the cascade from i{} stopped", parents[1])), "{err}");
+
+    // A cascade below the bound is complete.
+    let small = b.json(&["start", "solo", "--version", "1"])["id"].as_i64().unwrap();
+    let report = b.json(&["cancel", &small.to_string(), "--cascade"]);
+    assert_eq!((&report["cancelled"], &report["complete"]), (&json!([small]), &json!(true)));
 }

@@ -36,8 +36,11 @@ pub const DEAD_LETTER_PAGE: usize = 50;
 pub const SECTION_ROWS_MAX: usize = 500;
 /// Most dead letters one "retry selected" touches.
 const RETRY_SELECTED_MAX: usize = 500;
-/// Most store batches one "retry all of a machine" or purge runs.
+/// Most store batches one purge runs.
 const ROUNDS_MAX: usize = 100;
+/// Most pages (of [`RETRY_PAGE_MAX`](crate::operate::RETRY_PAGE_MAX) dead letters) one
+/// "retry all of a machine" reads: 100 000 dead letters.
+const RETRY_PAGES: usize = 1_000;
 
 type Page = Result<Response, Response>;
 
@@ -347,7 +350,7 @@ fn activity_panel(activity: &[crate::operate::MachineActivity]) -> String {
         out.push_str("<p class=\"muted\">Nothing finished or waiting in the last hour.</p>");
         return out;
     }
-    out.push_str("<table id=\"activity\"><tr><th>machine</th><th>completed / min</th><th class=\"num\">completed</th><th>failed / min</th><th class=\"num\">failed</th><th class=\"num\">avg time</th><th class=\"num\">ready, no worker</th></tr>");
+    out.push_str("<table id=\"activity\"><tr><th>machine</th><th>completed / min</th><th class=\"num\">completed</th><th>failed / min</th><th class=\"num\">failed</th><th class=\"num\" title=\"mean time from start to end, waits included\">avg turnaround</th><th class=\"num\">ready, no worker</th></tr>");
     for a in activity {
         let avg = a.avg_processing_ms.map_or_else(|| "—".into(), |ms| age(ms as i64));
         let _ = write!(
@@ -1279,22 +1282,30 @@ pub async fn retry_selected(
         if raw.len() > RETRY_SELECTED_MAX {
             return Err(bad_input(&viewer, &ns, &format!("ids: at most {RETRY_SELECTED_MAX} at once; use \"retry all of a machine\" for more")));
         }
-        // Check every one before retrying any, so a bad id changes nothing.
-        let mut letters = Vec::with_capacity(raw.len());
+        // Check every one before retrying any, so a bad id changes nothing. An id given
+        // twice (`dl5` and `5` too) is one letter, retried once.
+        let mut letters = BTreeSet::new();
         for id in &raw {
-            letters.push(letter_in(&state, &ns, id, &viewer).await?);
+            letters.insert(letter_in(&state, &ns, id, &viewer).await?.id);
         }
         let mut retried = Vec::new();
-        for d in letters {
-            retried.extend(
-                state
-                    .keel
-                    .dead_letter_retry(DeadLetterRetry::one(d.id))
-                    .await
-                    .map_err(|e| store_or_input(&viewer, &ns, &e))?,
-            );
+        for (n, id) in letters.iter().enumerate() {
+            let ids = state.keel.dead_letter_retry(DeadLetterRetry::one(*id)).await.map_err(|e| {
+                if n == 0 {
+                    return store_or_input(&viewer, &ns, &e);
+                }
+                // The letters before this one were retried: say so with the error.
+                let done = format!(
+                    "retried {n} dead letter(s) ({} instance(s) run again)",
+                    retried.len()
+                );
+                let error = crate::output::PartlyDone::wrap(e, done, Value::Null);
+                store_failed(&viewer, &ns, &format!("{error:#}"))
+            })?;
+            retried.extend(ids);
         }
-        let done = Done::Retried { letters: count(raw.len()), instances: count(retried.len()) };
+        let done =
+            Done::Retried { letters: count(letters.len()), instances: count(retried.len()) };
         Ok(back_to_letters(&ns, done))
     }
     .await)
@@ -1327,8 +1338,8 @@ pub async fn retry_machine(
                 &ns,
                 &machine,
                 None,
-                limits::ROWS_BATCH_MAX,
-                ROUNDS_MAX,
+                crate::operate::RETRY_PAGE_MAX,
+                RETRY_PAGES,
                 |_| {},
             )
             .await
@@ -1452,6 +1463,132 @@ mod tests {
             long.contains("GET /v1/namespaces/team%20a%2Fb%3Fc/instances/7/history?before=3"),
             "{long}"
         );
+    }
+
+    /// The activity table names what it shows: the mean time from an instance's start to
+    /// its end, waits included, not the time its steps ran.
+    #[test]
+    fn the_activity_table_says_turnaround() {
+        let a = crate::operate::MachineActivity {
+            machine: "order".into(),
+            completed_last_hour: 2,
+            avg_processing_ms: Some(172_800_000),
+            ..Default::default()
+        };
+        let panel = activity_panel(std::slice::from_ref(&a));
+        assert!(panel.contains(">avg turnaround</th>"), "{panel}");
+        assert!(!panel.contains("avg time"), "{panel}");
+    }
+
+    /// A step machine whose only step fails for good: each instance becomes a dead letter.
+    struct Refuser;
+
+    #[keel::async_trait]
+    impl keel::StepMachine for Refuser {
+        fn machine(&self) -> MachineRef {
+            MachineRef::new("refuser", 1)
+        }
+
+        async fn step(&self, _ctx: &keel::StepContext) -> Result<keel::Outcome, keel::StepError> {
+            Err(keel::StepError::fatal("card declined"))
+        }
+    }
+
+    /// A SQLite store in `dir` with `n` dead letters of `refuser`: the store, its URL and
+    /// the letters, oldest first.
+    async fn dead_letters(
+        dir: &tempfile::TempDir,
+        n: usize,
+    ) -> (keel::Keel, String, Vec<DeadLetter>) {
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let keel = keel::Keel::connect(&url).await.unwrap();
+        let config = keel::WorkerConfig {
+            poll_interval: std::time::Duration::from_millis(20),
+            ..keel::WorkerConfig::named("ui-test")
+        };
+        let worker = keel.worker_with(config).register(Refuser).unwrap().spawn().unwrap();
+        for key in 0..n {
+            let new = keel::NewInstance::new(MachineRef::new("refuser", 1), "charge")
+                .business_key(key.to_string());
+            keel.start(new).await.unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let filter = DeadLetterFilter { limit: 100, ..DeadLetterFilter::default() };
+        let letters = loop {
+            let letters = keel.dead_letters(filter.clone()).await.unwrap();
+            if letters.len() == n {
+                break letters;
+            }
+            assert!(std::time::Instant::now() < deadline, "{} of {n} dead letters", letters.len());
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        };
+        worker.shutdown().await;
+        (keel, url, letters)
+    }
+
+    async fn post_retry_selected(
+        keel: &keel::Keel,
+        ids: &[String],
+    ) -> (StatusCode, String, String) {
+        let state = AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
+        let form = ids.iter().map(|id| ("ids".to_owned(), id.clone())).collect();
+        let response = retry_selected(
+            State(Arc::new(state)),
+            Path("default".to_owned()),
+            Extension(Viewer { grant: None }),
+            Form(form),
+        )
+        .await;
+        let status = response.status();
+        let location = response
+            .headers()
+            .get(axum::http::header::LOCATION)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        (status, location, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// "Retry selected" with one letter ticked twice (as `dl5` and `5`) retries it once
+    /// and counts it once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retry_selected_counts_a_letter_given_twice_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (keel, _, letters) = dead_letters(&dir, 1).await;
+        let id = letters[0].id;
+        let (status, location, body) =
+            post_retry_selected(&keel, &[id.to_string(), id.0.to_string()]).await;
+        assert!(status.is_redirection(), "{status}: {body}");
+        assert!(location.ends_with("?done=retried&n=1&of=1"), "{location}");
+    }
+
+    /// When a later retry of "retry selected" fails, the page says which were retried
+    /// before it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retry_selected_that_fails_part_way_says_what_it_retried() {
+        use sqlx::{ConnectOptions as _, Connection as _};
+        let dir = tempfile::tempdir().unwrap();
+        let (keel, url, letters) = dead_letters(&dir, 2).await;
+        // The second letter's instance cannot be written (a runtime error: an outage).
+        let second = letters[1].letter.instance.0;
+        let path = url.strip_prefix("sqlite://").unwrap();
+        let mut conn =
+            sqlx::sqlite::SqliteConnectOptions::new().filename(path).connect().await.unwrap();
+        let trigger = format!(
+            "CREATE TRIGGER no_retry BEFORE UPDATE ON keel_instances WHEN OLD.id = {second} \
+             BEGIN SELECT abs(-9223372036854775807 - 1); END"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(trigger)).execute(&mut conn).await.unwrap();
+        conn.close().await.unwrap();
+        let ids: Vec<String> = letters.iter().map(|d| d.id.to_string()).collect();
+        let (status, _, body) = post_retry_selected(&keel, &ids).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(
+            body.contains("retried 1 dead letter(s) (1 instance(s) run again), then failed: "),
+            "{body}"
+        );
+        let first = keel.get(letters[0].letter.instance).await.unwrap().instance;
+        assert_eq!(first.status, Status::Runnable, "the first retry was done");
     }
 
     /// The flash a page shows for the query string `raw`.
