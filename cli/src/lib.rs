@@ -205,8 +205,9 @@ pub enum Command {
         /// Cancel every runnable instance of the machine, not only the backlog: new ones
         /// that never ran, ones between two steps, ones waiting to retry a failed step
         /// (back-off), and ones an event woke; not those waiting for an event or for
-        /// children, or suspended. Each is read as runnable, then cancelled, so one a
-        /// worker claims in between is cancelled mid-step. With each, its live
+        /// children, or suspended. Each is cancelled only if it is still runnable when
+        /// its turn comes: one a worker claimed since it was read is left to its step.
+        /// With each, its live
         /// descendants go too (of any machine, running ones included); the report counts
         /// and names them.
         #[arg(long)]

@@ -16,7 +16,7 @@ use anyhow::{anyhow, bail};
 use keel::layers::scheduler::Stopped;
 use keel::{Cancel, Keel, Migration, json};
 use keel_core::Timestamp;
-use keel_core::ids::{DeadLetterId, InstanceId, Status};
+use keel_core::ids::{DeadLetterId, InstanceId, Status, StatusSet};
 use keel_core::instance::Instance;
 use keel_core::limits::INSTANCE_LIST_MAX;
 use keel_core::ports::Store;
@@ -671,10 +671,14 @@ async fn cancel_pending(
             Err(error) => return Err(Stopped { done, error }),
         };
         for row in &page {
-            let request = Cancel::new(row.id).reason("purged with keel purge --pending").cascade();
+            let request = Cancel::new(row.id)
+                .reason("purged with keel purge --pending")
+                .cascade()
+                .only_in(StatusSet::of(&[Status::Runnable]));
             match keel.cancel(request).await {
-                // Not in the list when it had already ended (cancelled as a descendant of
-                // an earlier one, or ended on its own since the page was read).
+                // Not in the list when it is no longer runnable: ended (cancelled as a
+                // descendant of an earlier one, or on its own), or claimed by a worker
+                // since the page was read, which is left to its step.
                 Ok(ids) => {
                     if crate::commands::cascade_cut(&ids) {
                         // Only the first ones are named in a warning: keep their ids.

@@ -12,7 +12,9 @@ use keel_core::ports::store::{
     InstanceDetail, QueuePauseParams, SignalBroadcastParams, SignalDeliverParams,
 };
 use keel_core::ports::{Clock, Queue, Store};
-use keel_core::{DeadLetterId, Instance, InstanceId, Status, StoreError, StoreResult, Timestamp};
+use keel_core::{
+    DeadLetterId, Instance, InstanceId, Status, StatusSet, StoreError, StoreResult, Timestamp,
+};
 use serde_json::Value;
 use std::fmt;
 use std::sync::Arc;
@@ -249,6 +251,7 @@ impl<S: Store, C: Clock> Client<S, C> {
             reason: cancel.reason,
             cascade: cancel.cascade,
             now: self.clock.now(),
+            only_in: cancel.only_in,
         };
         self.store.instance_cancel(params).await
     }
@@ -408,12 +411,13 @@ pub struct Cancel {
     id: InstanceId,
     reason: String,
     cascade: bool,
+    only_in: Option<StatusSet>,
 }
 
 impl Cancel {
     /// Cancels instance `id` alone, with the reason `"cancelled"`.
     pub fn new(id: InstanceId) -> Self {
-        Cancel { id, reason: "cancelled".to_owned(), cascade: false }
+        Cancel { id, reason: "cancelled".to_owned(), cascade: false, only_in: None }
     }
 
     /// Also cancels every non-terminal descendant (children it started, their children…).
@@ -425,6 +429,15 @@ impl Cancel {
     /// The reason, recorded as the instance's last error.
     pub fn reason(mut self, reason: impl Into<String>) -> Self {
         self.reason = reason.into();
+        self
+    }
+
+    /// Cancels only if the instance is, when the cancel runs, in one of `statuses`;
+    /// otherwise nothing is cancelled (an empty result). A tool that listed runnable
+    /// instances and cancels them one by one passes `Runnable`, so an instance a worker
+    /// claimed since the list was read is left to its step.
+    pub fn only_in(mut self, statuses: StatusSet) -> Self {
+        self.only_in = Some(statuses);
         self
     }
 }

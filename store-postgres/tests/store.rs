@@ -126,7 +126,13 @@ async fn waiters_for_results_are_woken_when_instances_end() {
     let (task, ready) = woken(std::sync::Arc::clone(&s));
     ready.await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let cancel = CancelParams { id: ids[0].id(), reason: "test".into(), cascade: false, now: T0 };
+    let cancel = CancelParams {
+        id: ids[0].id(),
+        reason: "test".into(),
+        cascade: false,
+        now: T0,
+        only_in: None,
+    };
     s.instance_cancel(cancel).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), task).await.expect("woken by the cancel").unwrap();
 }
@@ -197,6 +203,7 @@ async fn uniqueness_within_a_batch_and_against_existing_rows() {
         reason: "r".into(),
         cascade: false,
         now: T0,
+        only_in: None,
     })
     .await
     .unwrap();
@@ -451,6 +458,7 @@ async fn invalid_input_gets_a_typed_error_and_writes_nothing() {
             reason: "r".into(),
             cascade: true,
             now: T0,
+            only_in: None,
         })
         .await
         .unwrap_err();
@@ -515,7 +523,13 @@ async fn cancel_cascades_to_descendants() {
     .await
     .unwrap();
     let cancelled = s
-        .instance_cancel(CancelParams { id: parent, reason: "stop".into(), cascade: true, now: T0 })
+        .instance_cancel(CancelParams {
+            id: parent,
+            reason: "stop".into(),
+            cascade: true,
+            now: T0,
+            only_in: None,
+        })
         .await
         .unwrap();
     assert_eq!(cancelled.len(), 3);

@@ -178,6 +178,7 @@ async fn scenario<S: Store>(s: &S) -> Vec<String> {
             reason: "stop".into(),
             cascade: false,
             now: at(16_000),
+            only_in: None,
         })
         .await
         .expect("cancel");
@@ -189,6 +190,7 @@ async fn scenario<S: Store>(s: &S) -> Vec<String> {
             reason: "stop".into(),
             cascade: true,
             now: at(16_500),
+            only_in: None,
         })
         .await
         .expect("cancel");

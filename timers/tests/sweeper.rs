@@ -217,6 +217,7 @@ async fn backpressure_skips_and_logs_then_fires_below_the_threshold() {
         reason: "drained".into(),
         cascade: false,
         now: clock.now(),
+        only_in: None,
     };
     store.instance_cancel(params).await.unwrap();
     assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 5);
@@ -418,6 +419,7 @@ async fn after_a_skipped_sweep_the_backlog_is_counted_again_and_timers_fire_once
             reason: "drained".into(),
             cascade: false,
             now: clock.now(),
+            only_in: None,
         };
         store.instance_cancel(params).await.unwrap();
     }

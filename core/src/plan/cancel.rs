@@ -1,6 +1,7 @@
 //! Cancelling an instance and, with `cascade`, its live descendants.
 //!
-//! A terminal instance is left as it is. Otherwise it is cancelled ([`outcome::cancel`]),
+//! A terminal instance is left as it is, and so is one outside the statuses the cancel
+//! was limited to ([`CancelParams::only_in`]). Otherwise it is cancelled ([`outcome::cancel`]),
 //! then, with `cascade`, its descendants breadth first, at most
 //! [`limits::CANCEL_CASCADE_DEPTH_MAX`] levels below it, skipping terminal ones, and at
 //! most [`limits::CANCEL_CASCADE_MAX`] instances in all. Each cancelled instance records
@@ -59,7 +60,7 @@ pub fn cancel(p: &CancelParams, read: CancelRead) -> StoreResult<CancelPlan> {
         .root
         .ok_or_else(|| StoreError::not_found(format!("instance {} does not exist", p.id)))?;
     let mut plan = CancelPlan::default();
-    if root.status.is_terminal() {
+    if root.status.is_terminal() || p.only_in.is_some_and(|set| !set.contains(root.status)) {
         return Ok(plan);
     }
     let descendants = read
@@ -164,7 +165,7 @@ impl LeftDelegations {
                 "its parent exited the delegation state `{state}` (left it, or retried it on a timeout)"
             ),
         };
-        CancelParams { id: child.id, reason, cascade: true, now }
+        CancelParams { id: child.id, reason, cascade: true, now, only_in: None }
     }
 }
 
@@ -197,7 +198,13 @@ mod tests {
     }
 
     fn params(cascade: bool) -> CancelParams {
-        CancelParams { id: InstanceId(1), reason: "stop".into(), cascade, now: Timestamp(5) }
+        CancelParams {
+            id: InstanceId(1),
+            reason: "stop".into(),
+            cascade,
+            now: Timestamp(5),
+            only_in: None,
+        }
     }
 
     fn read(root: Status) -> CancelRead {

@@ -160,6 +160,7 @@ fn wake(mut row: Instance, mut join: JoinState, why: JoinWoke, now: Timestamp) -
                 ),
                 cascade: true,
                 now,
+                only_in: None,
             })
             .collect(),
         JoinRest::Leave => Vec::new(),

@@ -13,7 +13,8 @@
 
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{
-    DeadLetterId, FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, WorkerId,
+    DeadLetterId, FencingToken, InstanceId, MachineRef, Revision, SignalId, Status, StatusSet,
+    WorkerId,
 };
 use crate::instance::{
     ChildSummary, DeadLetter, HistoryRecord, Instance, NewInstance, NewSignal, Signal,
@@ -606,6 +607,11 @@ pub struct CancelParams {
     pub cascade: bool,
     /// Cancel time.
     pub now: Timestamp,
+    /// Cancel only when the instance is, at the cancel, in one of these statuses; else
+    /// nothing is cancelled (an empty result, as for an instance already ended). An
+    /// operator who read a page of runnable rows cancels with `Runnable` here, so one a
+    /// worker claimed since the read is left to its step. `None`: any live status.
+    pub only_in: Option<StatusSet>,
 }
 
 /// An instance with everything an operator wants to see.

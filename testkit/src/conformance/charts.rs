@@ -110,6 +110,7 @@ pub async fn cancelled_child_reports_failure_to_the_parent<S: Store>(s: &S) {
         reason: "operator".into(),
         cascade: false,
         now: at(30),
+        only_in: None,
     };
     assert_eq!(s.instance_cancel(params).await.expect("cancel"), vec![kid]);
     let d = get(s, parent).await;

@@ -243,6 +243,7 @@ pub async fn dead_letter_skip_consumes_signals<S: Store>(s: &S) {
         reason: "operator".into(),
         cascade: false,
         now: at(41),
+        only_in: None,
     })
     .await
     .expect("cancel");

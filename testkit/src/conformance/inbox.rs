@@ -32,7 +32,7 @@ fn drain_entries(d: &InstanceDetail) -> usize {
 }
 
 fn cancel(id: InstanceId, cascade: bool, now: Timestamp) -> CancelParams {
-    CancelParams { id, reason: "operator".into(), cascade, now }
+    CancelParams { id, reason: "operator".into(), cascade, now, only_in: None }
 }
 
 /// The commit that ends an instance (`Done`, `Stop`) removes every signal still in its

@@ -161,6 +161,7 @@ macro_rules! __store_contract_list {
             dead_letter_purge_older_than,
             cancel_cascade_releases_parent_barrier,
             cancel_rules_terminal_missing_executing,
+            a_cancel_limited_to_runnable_leaves_a_claimed_instance_to_its_step,
             cancel_cascade_reaches_every_live_descendant_of_a_wide_tree,
             cancel_cascade_follows_a_deep_chain_to_the_depth_bound,
             cancel_cascade_frees_the_keys_of_a_mixed_tree,

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use std::collections::BTreeSet;
 
 fn cancel(id: InstanceId, cascade: bool, now: Timestamp) -> CancelParams {
-    CancelParams { id, reason: "operator".into(), cascade, now }
+    CancelParams { id, reason: "operator".into(), cascade, now, only_in: None }
 }
 
 fn schedule(ns: &str, n: usize) -> Outcome {
@@ -280,6 +280,38 @@ pub async fn cancel_rules_terminal_missing_executing<S: Store>(s: &S) {
     let late = StepCommit::new(victim, claimed.token(), done());
     expect_kind(commit(s, late, at(130)).await, ErrorKind::LeaseLost, "commit after cancel");
     assert_eq!(row(s, victim).await.status, Status::Cancelled);
+}
+
+/// A cancel limited to some statuses (`only_in`) cancels nothing when the instance has
+/// left them: an operator's "cancel these runnable rows" leaves one a worker claimed
+/// since the read to its step, whose commit then goes through; a row still runnable is
+/// cancelled, with its cascade.
+pub async fn a_cancel_limited_to_runnable_leaves_a_claimed_instance_to_its_step<S: Store>(s: &S) {
+    let ns = "cancel_only_in";
+    let runnable = keel_core::StatusSet::of(&[Status::Runnable]);
+    let only_runnable = |id, now| CancelParams { only_in: Some(runnable), ..cancel(id, true, now) };
+    let claimed_since = insert_one(s, new_in(ns), at(0)).await;
+    let claimed = claim_id(s, ns, claimed_since, at(10)).await;
+    assert_eq!(
+        s.instance_cancel(only_runnable(claimed_since, at(20))).await.expect("cancel"),
+        Vec::<InstanceId>::new(),
+        "an executing instance is outside the statuses the cancel was limited to"
+    );
+    assert_eq!(row(s, claimed_since).await.status, Status::Executing);
+    assert_eq!(step(s, &claimed, done(), at(30)).await.status, Status::Done, "its step commits");
+
+    let parent = insert_one(s, new_in(ns), at(40)).await;
+    let claimed = claim_id(s, ns, parent, at(50)).await;
+    let kid = step(s, &claimed, schedule(ns, 1), at(60)).await.children[0].id();
+    let waiting = row(s, parent).await.status;
+    assert_eq!(waiting, Status::AwaitingChildren);
+    assert!(s.instance_cancel(only_runnable(parent, at(70))).await.expect("cancel").is_empty());
+    assert_eq!(row(s, kid).await.status, Status::Runnable, "no cascade from a row left alone");
+    assert_eq!(
+        s.instance_cancel(only_runnable(kid, at(80))).await.expect("cancel"),
+        vec![kid],
+        "a row still runnable is cancelled"
+    );
 }
 
 /// A start alone and the same start in a batch store the same row: every field the caller

@@ -119,6 +119,7 @@ pub async fn instance_activity_counts_ended_instances_per_bucket<S: Store>(s: &S
         reason: "operator".into(),
         cascade: false,
         now: at(7),
+        only_in: None,
     })
     .await
     .expect("cancel");

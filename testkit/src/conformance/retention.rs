@@ -129,6 +129,7 @@ pub async fn prune_deletes_exactly_the_instances_ended_before_the_cutoff<S: Stor
         reason: "done".into(),
         cascade: false,
         now: at(400),
+        only_in: None,
     })
     .await
     .expect("cancel");
@@ -148,9 +149,15 @@ pub async fn prune_keeps_an_instance_its_dead_letters_name<S: Store>(s: &S) {
     let id = insert_one(s, new_in(ns), at(0)).await;
     let claimed = claim_id(s, ns, id, at(5)).await;
     let letter = suspend(s, &claimed, "boom", vec![], at(10)).await;
-    s.instance_cancel(CancelParams { id, reason: "gave up".into(), cascade: false, now: at(20) })
-        .await
-        .expect("cancel");
+    s.instance_cancel(CancelParams {
+        id,
+        reason: "gave up".into(),
+        cascade: false,
+        now: at(20),
+        only_in: None,
+    })
+    .await
+    .expect("cancel");
     let (instances, _) = total(&pass(s, ns, at(1_000), 10).await);
     assert_eq!(instances, 0, "kept while its dead letter exists");
     let purge =

@@ -366,6 +366,7 @@ pub async fn timers_dropped_with_terminal_instances<S: Store>(s: &S) {
         reason: "stop".into(),
         cascade: false,
         now: at(50),
+        only_in: None,
     };
     s.instance_cancel(params).await.expect("cancel");
     assert!(get(s, cancelled).await.timers.is_empty());

@@ -80,7 +80,13 @@ pub async fn uniqueness_reinsert_after_key_leaves_scope<S: Store>(s: &S) {
         insert(s, vec![new_in(ns).unique("once", StatusSet::LIVE)], at(22)).await,
         vec![InsertOutcome::Existing(b)]
     );
-    let cancel = CancelParams { id: b, reason: "operator".into(), cascade: false, now: at(30) };
+    let cancel = CancelParams {
+        id: b,
+        reason: "operator".into(),
+        cascade: false,
+        now: at(30),
+        only_in: None,
+    };
     s.instance_cancel(cancel).await.expect("cancel");
     let c = insert(s, vec![new_in(ns).unique("once", StatusSet::LIVE)], at(31)).await;
     assert!(
