@@ -10,9 +10,12 @@ step `greet` answers with a greeting for the context's `name`; a context with
 
 Each finished task prints one JSON line: {"task": id, "status": HTTP status, ...}.
 A 409 means the lease was lost (it expired and another worker took the task): the
-result is dropped, which is what a worker must do. A 429 on a poll means the server
-already holds as many waiting polls as it allows: wait as long as `Retry-After` says,
-then poll again.
+result is dropped, which is what a worker must do. A 422 from complete or fail means
+the store refused the result for good (say, a unique key another instance holds) and
+the step was failed instead, through its retry and dead-letter settings; the answer's
+`status` and `error` say what became of it. Drop the result and poll again, as for
+409. A 429 on a poll means the server already holds as many waiting polls as it
+allows: wait as long as `Retry-After` says, then poll again.
 """
 
 import argparse
