@@ -1407,8 +1407,11 @@ impl KeelConfig {
     /// defaults, then what a chart sets over the file at that position with the file's
     /// parallel dispatch settings ([`ParallelConfig::over_step`] of
     /// [`parallel_for`](Self::parallel_for): a region task's job settings). This is what
-    /// an in-process worker resolves for a machine that sets nothing in code; the event
-    /// a step processes is [`crate::inbox::step_event`].
+    /// an in-process worker resolves for a chart that sets nothing in code, with the
+    /// event [`crate::inbox::step_event`] picks. The server cannot tell a chart's region
+    /// task from a plain machine's step named `@region` or `@init`, so it treats every
+    /// step at those two positions as a chart's (an in-process plain machine keeps its
+    /// own settings and the first signal's there).
     pub fn file_step_config(
         &self,
         machine: &str,

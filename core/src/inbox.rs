@@ -68,8 +68,9 @@ pub fn order(inbox: &mut [Signal], order: InboxOrder, base: Priority) {
 /// ([`REGION_POSITION`](crate::config::REGION_POSITION)), which process none. The step runs
 /// under the file's section for that event (`[machines.<m>.events.<e>]`); a failed attempt
 /// consumes nothing, so its retries keep the event's settings. `None`: the machine's
-/// settings. An in-process worker decides by this (the default `StepMachine::event_for`
-/// and a chart's), and so does `keel serve` for its remote workers' steps.
+/// settings. A chart's `event_for` decides by this, and so does `keel serve` for its
+/// remote workers' steps (a plain machine in process takes the first signal at every
+/// step).
 pub fn step_event<'a>(position: &str, inbox: &'a [Signal]) -> Option<&'a Signal> {
     let none = [crate::chart::INIT_POSITION, crate::config::REGION_POSITION];
     if none.contains(&position) { None } else { inbox.first() }

@@ -291,13 +291,14 @@ pub trait StepMachine: Send + Sync + 'static {
     /// The inbox signal a step at `step` processes, among `inbox` (the signals it sees, in
     /// the machine's order): the configuration file's section for that event
     /// (`[machines.<name>.events.<event>]`) applies to the step. `None`: the step
-    /// processes no event and runs under the machine's settings. Default:
-    /// [`keel_core::inbox::step_event`], the rule `keel serve` applies to remote steps too:
-    /// the first signal (a failed attempt consumes nothing, so its retries keep the
-    /// event's settings), and none at a chart's start (`@init`) or a region task
-    /// (`@region`).
+    /// processes no event and runs under the machine's settings. Default: the first
+    /// signal, whatever the step's name (a failed attempt consumes nothing, so its
+    /// retries keep the event's settings). A chart overrides it with
+    /// [`keel_core::inbox::step_event`], which processes none at the chart's start
+    /// (`@init`) or in a region task (`@region`).
     fn event_for<'a>(&self, step: &str, inbox: &'a [Signal]) -> Option<&'a Signal> {
-        keel_core::inbox::step_event(step, inbox)
+        let _ = step;
+        inbox.first()
     }
 
     /// Queues this machine starts work in besides the queue of the instance at hand (a

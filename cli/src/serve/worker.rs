@@ -619,7 +619,9 @@ fn retryable_by_default() -> bool {
     true
 }
 
-/// Commits a successful step: 200 with the new status, 409 for a stale token.
+/// Commits a successful step: 200 with the new status; 409 for a stale token; 422 when
+/// the store refused the result for good and the step was failed instead; 503 when the
+/// store is unreachable; 500 when even the last-resort suspension was refused.
 pub async fn complete(
     _: NoQuery,
     State(state): State<Arc<AppState>>,
@@ -665,7 +667,8 @@ pub async fn complete(
     commit_one(&step, commit, false).await
 }
 
-/// Commits a failed step through the retry and dead-letter plan: 200, or 409.
+/// Commits a failed step through the retry and dead-letter plan: 200, or 409, 422, 503
+/// and 500 as for [`complete`].
 pub async fn fail(
     _: NoQuery,
     State(state): State<Arc<AppState>>,
@@ -682,9 +685,11 @@ pub async fn fail(
         return Err(stale(id));
     }
     let kind = if b.retryable { FailureKind::Action } else { FailureKind::NonRetryable };
-    // The step ran under the settings of the event it processed: the first it was handed
-    // in its machine's order (a failed attempt consumes nothing, so the inbox as it
-    // stands starts with it when `seen` is not given). A remote step reports no single
+    // The step ran under the settings of the event it processed: the first of `seen`, or
+    // without `seen` the first of the inbox as it stands in its machine's order (a
+    // failed attempt consumes nothing; a more urgent signal delivered since the poll
+    // sorts first under priority order, so a worker that wants the exact event sends
+    // `seen`). A remote step reports no single
     // event it was processing, so `skip` suspends too, and with dead letters disabled
     // the instance fails. Its retry delay is jittered as an in-process one is, so remote
     // steps failing together do not retry together.
