@@ -202,9 +202,11 @@ pub enum MacrostepError {
         /// Whether the action said a retry may succeed.
         retryable: bool,
     },
-    /// The configuration given to [`Macrostep::start`] does not fit the definition.
+    /// The configuration given to [`Macrostep::start`] does not fit the definition. An
+    /// instance runs on the version it was started on, so this means the definition was
+    /// changed under that version.
     #[error(
-        "the stored configuration does not fit definition `{definition}`: {reason}; fix: migrate the instance to this version"
+        "the stored configuration does not fit definition `{definition}`: {reason}; the chart was changed under the same version, so it no longer fits the instances already running on it; fix: restore the states the change removed or moved, or restore this version as it was, publish the change as a new version and move the instances with `Migration::new(old, new)`"
     )]
     IllegalConfiguration {
         /// Definition name and version.

@@ -7,23 +7,29 @@
 //! mapped keeps its path if version `to` has it. It may also transform the context.
 //!
 //! [`Migration::plan`] decides the move of one instance, from its row and its armed timers:
-//! the new configuration (which must be legal in `to`), the context, the recorded history
-//! states (remapped, or dropped where `to` has no counterpart), and the timers — one whose
+//! the new configuration — the mapped states, completed the way entering them would
+//! (their new ancestors, the initial states below a mapped compound state, the regions a
+//! parallel state gained; those states' timers are armed, their entry actions do not run),
+//! which must be legal in `to`, and not final: an instance moved into a final state would
+//! wait there for good — the context, the recorded history
+//! states (remapped, or dropped where `to` has no counterpart or the map moves them out of
+//! the history's parent), and the timers — one whose
 //! owning state and event still exist in the new configuration keeps its due time, one
 //! whose state or event is gone is dropped, and a timer of the new configuration with no
 //! old counterpart is armed from now. Anything it cannot map is a refusal that names the
 //! old state, so a dry run can show it and an apply leaves the instance untouched.
 
 use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, entry_timers};
+use crate::chart::at_or_below;
 use crate::chart::parallel::{ParallelBook, RegionStatus};
 use crate::chart::step::timeout_owner;
-use crate::chart::{Configuration, Definition, INIT_POSITION, TimerArm};
+use crate::chart::{Configuration, Definition, HistoryDepth, INIT_POSITION, StateKind, TimerArm};
 use crate::history::HistoryKind;
 use crate::instance::{HistoryEntry, Instance};
 use crate::timers::TimerRow;
 use crate::{Status, TimerId, Timestamp};
 use serde_json::{Map, Value, json};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -71,6 +77,14 @@ pub enum Refusal {
         /// What is wrong with it.
         reason: String,
     },
+    /// The move would put the instance in a final configuration of the new version: it
+    /// would wait there for good, never finishing (no result, no `done` for a parent).
+    Final {
+        /// The old state whose move lands in the final state.
+        state: String,
+        /// The new version's final state it would land in.
+        target: String,
+    },
     /// The context transform refused the instance's context.
     Context(String),
     /// A child machine was started from a delegation state whose path the move changes:
@@ -109,6 +123,10 @@ impl fmt::Display for Refusal {
                 f,
                 "the mapped states {configuration:?} are not a legal configuration of the new version: {reason}"
             ),
+            Refusal::Final { state, target } => write!(
+                f,
+                "state `{state}` would move to `{target}`, a final state of the new version, where a waiting instance never finishes; map `{state}` to a non-final state with `Migration::map(\"{state}\", …)`, or cancel these instances (`keel cancel <id>`) instead of moving them"
+            ),
             Refusal::Context(why) => write!(f, "the context transform refused: {why}"),
             Refusal::Delegating { state } => write!(
                 f,
@@ -141,6 +159,12 @@ pub struct Move {
     pub old: Configuration,
     /// The new configuration.
     pub new: Configuration,
+    /// The states the move entered to complete the new configuration (new ancestors of a
+    /// mapped state, the initial states below a mapped compound state, the regions a
+    /// parallel state gained), in document order. Their timers are armed; their entry
+    /// actions do not run. The `MIGRATED` history entry lists them under
+    /// `entered_without_entry_actions`.
+    pub entered: Vec<String>,
     /// The instance's timers after the move, replacing all it had: the kept ones (same id,
     /// due time and fire count, under their possibly renamed state) and the newly armed
     /// ones (id 0: the store assigns it).
@@ -252,7 +276,10 @@ impl Migration {
     }
 
     /// The recorded history states, remapped; an entry whose pseudo-state or recorded
-    /// states the new version lacks is dropped (its history state then takes its default).
+    /// states the new version lacks is dropped (its history state then takes its default),
+    /// and so is one whose states the map moved out of the history's parent (for shallow
+    /// history, out of its direct children): restoring it would enter a state the history
+    /// does not own.
     fn remap_history(&self, recorded: &Value) -> Option<Value> {
         let Value::Object(entries) = recorded else { return None };
         let mut out = Map::new();
@@ -261,14 +288,31 @@ impl Migration {
             let new_parent =
                 if parent.is_empty() { Some(String::new()) } else { self.map_path(parent) };
             let Some(new_parent) = new_parent else { continue };
-            let has_pseudo =
-                self.to.state(&new_parent).is_some_and(|n| n.history.iter().any(|h| h.key == name));
+            let depth = self
+                .to
+                .state(&new_parent)
+                .and_then(|n| n.history.iter().find(|h| h.key == name))
+                .map(|h| h.depth);
+            let Some(depth) = depth else { continue };
+            let inside = |s: &str| match depth {
+                HistoryDepth::Shallow => {
+                    s.rsplit_once('.').map_or("", |(p, _)| p) == new_parent.as_str()
+                }
+                HistoryDepth::Deep => {
+                    s != new_parent && (new_parent.is_empty() || at_or_below(s, &new_parent))
+                }
+            };
             let mapped: Option<Vec<Value>> = states.as_array().and_then(|list| {
                 list.iter()
-                    .map(|s| s.as_str().and_then(|s| self.map_path(s)).map(Value::String))
+                    .map(|s| {
+                        s.as_str()
+                            .and_then(|s| self.map_path(s))
+                            .filter(|s| inside(s))
+                            .map(Value::String)
+                    })
                     .collect()
             });
-            if let (true, Some(mapped)) = (has_pseudo, mapped) {
+            if let Some(mapped) = mapped {
                 let new_key = if new_parent.is_empty() {
                     name.to_owned()
                 } else {
@@ -313,11 +357,35 @@ impl Migration {
                 None => return Err(Refusal::Unmapped { state: path.to_owned() }),
             }
         }
-        let new = Configuration::from_paths(paths);
+        let (new, entered) = self.complete(&paths);
         new.check(&self.to).map_err(|reason| Refusal::Illegal {
             configuration: new.paths().map(str::to_owned).collect(),
             reason,
         })?;
+        // A move starts no child machine: a delegation state it enters would wait for good.
+        if let Some((path, machine)) = entered.iter().find_map(|p| {
+            let d = self.to.state(p)?.delegation.as_ref()?;
+            Some((p.clone(), d.machine.clone()))
+        }) {
+            return Err(Refusal::Illegal {
+                configuration: new.paths().map(str::to_owned).collect(),
+                reason: format!(
+                    "the move enters delegation state `{path}`, and a move starts no child machine (`{machine}`); map the instance onto a state inside `{path}`'s parent that does not delegate, or move it once it has left this part of the chart"
+                ),
+            });
+        }
+        if new.is_final(&self.to) {
+            // A top-level final state is a leaf, so exactly one old path maps onto it.
+            let landed = old.paths().find_map(|p| {
+                let to = self.map_path(p)?;
+                self.to
+                    .state(&to)
+                    .is_some_and(|n| n.kind == StateKind::Final && !to.contains('.'))
+                    .then(|| (p.to_owned(), to))
+            });
+            let (state, target) = landed.unwrap_or_default();
+            return Err(Refusal::Final { state, target });
+        }
 
         // What was started under an old path must find that path after the move: a
         // delegated child reports to (and is cancelled with) its state, and a region task
@@ -384,9 +452,60 @@ impl Migration {
 
         let mut moved = row.clone();
         moved.position = new.position();
-        let (row, history) =
+        let (row, mut history) =
             self.moved(moved, context, now, (&old, &new), (kept_n, dropped, armed));
-        Ok(Move { row, history, old, new, timers: all, kept: kept_n, dropped, armed })
+        if !entered.is_empty() {
+            history.data["entered_without_entry_actions"] = json!(entered);
+        }
+        Ok(Move { row, history, old, new, entered, timers: all, kept: kept_n, dropped, armed })
+    }
+
+    /// The mapped `paths` (states of the new version) completed the way entering them
+    /// would complete them: every ancestor of a mapped state, the initial child of an
+    /// active compound state with no active child (and so on down), and every region of an
+    /// active parallel state. Returns the configuration and the states it added, in
+    /// document order: they count as entered, without their entry actions.
+    fn complete(&self, paths: &[String]) -> (Configuration, Vec<String>) {
+        let def = &*self.to;
+        let mut given = BTreeSet::new();
+        let mut active = BTreeSet::from([0]);
+        for path in paths {
+            let Some(&id) = def.by_path.get(path) else { continue };
+            given.insert(id);
+            let mut cur = Some(id);
+            while let Some(s) = cur {
+                active.insert(s);
+                cur = def.parent(s);
+            }
+        }
+        // Each state is added (and looked at) once, so this ends.
+        let mut work: Vec<usize> = active.iter().copied().collect();
+        while let Some(s) = work.pop() {
+            let node = &def.states[s];
+            match node.kind {
+                StateKind::Compound if !node.children.iter().any(|c| active.contains(c)) => {
+                    if let Some(initial) = node.initial
+                        && active.insert(initial)
+                    {
+                        work.push(initial);
+                    }
+                }
+                StateKind::Parallel => {
+                    for &region in &node.children {
+                        if active.insert(region) {
+                            work.push(region);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let entered = active
+            .iter()
+            .filter(|&&s| s != 0 && !given.contains(&s))
+            .map(|&s| def.path(s).to_owned())
+            .collect();
+        (Configuration::from_ids(def, &active), entered)
     }
 
     /// The move of an instance that has not entered the chart yet: it moves as it is and
@@ -410,6 +529,7 @@ impl Migration {
             history,
             old: none.clone(),
             new: none,
+            entered: Vec::new(),
             timers: Vec::new(),
             kept: 0,
             dropped,
@@ -599,6 +719,149 @@ mod tests {
         assert!(!refusal.to_string().contains("map"), "no impossible fix: {refusal}");
     }
 
+    /// A waiting instance moved into a final state would wait there for good: no result,
+    /// no `done` for a parent. The move is refused, naming the state and both fixes, and
+    /// the dry run lists the refusal (its reason is this message).
+    #[test]
+    fn a_move_into_a_final_state_is_refused_naming_the_state_and_the_fix() {
+        let v1 = Definition::builder("m", 1)
+            .initial("open")
+            .state("open", |s| s.on_to("HOLD", "on_hold").on_to("CANCEL", "cancelled"))
+            .state("on_hold", |s| s.on_to("RESUME", "open"))
+            .final_state("cancelled")
+            .build()
+            .expect("valid");
+        let v2 = Definition::builder("m", 2)
+            .initial("open")
+            .state("open", |s| s.on_to("CANCEL", "cancelled"))
+            .final_state("cancelled")
+            .build()
+            .expect("valid");
+        let m = Migration::new(v1, v2).and_then(|m| m.map("on_hold", "cancelled")).expect("valid");
+        let refusal = m.plan(&waiting(r#"["on_hold"]"#, json!({})), &[], Timestamp(5));
+        let expected = Refusal::Final { state: "on_hold".into(), target: "cancelled".into() };
+        assert_eq!(refusal, Err(expected.clone()));
+        let message = expected.to_string();
+        assert!(
+            message.contains("map `on_hold` to a non-final state")
+                && message.contains("keel cancel"),
+            "{message}"
+        );
+        // The other instances still move.
+        let moved = m.plan(&waiting(r#"["open"]"#, json!({})), &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.row.position, r#"["open"]"#);
+    }
+
+    /// A shallow history remembers a direct child of its parent: a record the map moves
+    /// outside that parent is dropped (the history takes its default), so `BACK → q.h`
+    /// cannot land in a top-level state.
+    #[test]
+    fn a_history_record_mapped_outside_its_parent_is_dropped() {
+        let (v1, v2) = versions();
+        let m = Migration::new(v1, v2)
+            .and_then(|m| m.map("p", "q"))
+            .and_then(|m| m.map("p.b", "extra"))
+            .and_then(|m| m.map("out", "extra"))
+            .expect("valid");
+        let row = waiting(r#"["out"]"#, json!({ "@history": { "p.h": ["p.b"] }, "n": 1 }));
+        let moved = m.plan(&row, &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.row.context, json!({ "n": 1 }), "the record is dropped");
+        // A record that stays inside its parent is kept.
+        let row = waiting(r#"["out"]"#, json!({ "@history": { "p.h": ["p.a"] } }));
+        let moved = m.plan(&row, &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.row.context, json!({ "@history": { "q.h": ["q.a"] } }));
+    }
+
+    /// A move completes the configuration the way entering it would: grouping states
+    /// under a new parent enters the parent, a leaf mapped onto a compound state enters its
+    /// initial child, a parallel state that gained a region enters it. The entered states'
+    /// timers are armed; their entry actions do not run, and the history entry says so.
+    #[test]
+    fn a_move_enters_what_the_mapped_states_need_without_entry_actions() {
+        let v1 = Definition::builder("m", 1)
+            .initial("cart")
+            .state("cart", |s| s.on_to("PAY", "payment"))
+            .state("payment", |s| s.on_to("PAID", "paid"))
+            .final_state("paid")
+            .build()
+            .expect("valid");
+        let v2 = Definition::builder("m", 2)
+            .initial("checkout")
+            .state("checkout", |s| {
+                s.initial("cart")
+                    .entry("greet")
+                    .on("REMIND", |t| t.action("remind").after(crate::chart::Timer::hours(1)))
+                    .state("cart", |s| s.on_to("PAY", "payment"))
+                    .state("payment", |s| s.on_to("PAID", "paid"))
+            })
+            .final_state("paid")
+            .build()
+            .expect("valid");
+        let grouped = Migration::new(v1, v2)
+            .and_then(|m| m.map("payment", "checkout.payment"))
+            .expect("valid");
+        let moved = grouped.plan(&waiting(r#"["payment"]"#, json!({})), &[], Timestamp(5));
+        let moved = moved.expect("moves into the new parent");
+        assert_eq!(moved.row.position, r#"["checkout","checkout.payment"]"#);
+        assert_eq!(moved.entered, ["checkout"]);
+        assert_eq!(moved.history.data["entered_without_entry_actions"], json!(["checkout"]));
+        assert_eq!(moved.armed, 1, "the entered state's timer is armed");
+        assert_eq!(
+            (moved.timers[0].spec.state.as_str(), moved.timers[0].spec.event.as_str()),
+            ("checkout", "REMIND")
+        );
+
+        // A leaf onto a compound state: its initial child is entered.
+        let (v1, v2) = versions();
+        let m = Migration::new(v1, v2).and_then(|m| m.map("out", "q")).expect("valid");
+        let moved = m.plan(&waiting(r#"["out"]"#, json!({})), &[], Timestamp(5)).expect("moves");
+        assert_eq!(
+            (moved.new.paths().collect::<Vec<_>>(), moved.entered),
+            (vec!["q", "q.a"], vec!["q.a".to_owned()])
+        );
+
+        // A parallel state that gained a region: the region enters at its initial state.
+        let regions = |v: u32, third: bool| {
+            Definition::builder("m", v)
+                .initial("p")
+                .parallel("p", move |p| {
+                    let p = p
+                        .state("r1", |r| r.initial("a").leaf("a"))
+                        .state("r2", |r| r.initial("b").leaf("b"));
+                    if third { p.state("r3", |r| r.initial("x").leaf("x")) } else { p }
+                })
+                .build()
+                .expect("valid")
+        };
+        let m = Migration::new(regions(1, false), regions(2, true)).expect("valid");
+        let row = waiting(r#"["p","p.r1","p.r1.a","p.r2","p.r2.b"]"#, json!({}));
+        let moved = m.plan(&row, &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.entered, ["p.r3", "p.r3.x"]);
+        assert!(moved.new.check(&regions(2, true)).is_ok());
+    }
+
+    /// A move starts no child machine, so it never enters a delegation state on its own.
+    #[test]
+    fn a_move_that_would_enter_a_delegation_state_is_refused() {
+        let v1 = Definition::builder("m", 1).initial("a").leaf("a").build().expect("valid");
+        let v2 = Definition::builder("m", 2)
+            .initial("g")
+            .state("g", |s| {
+                s.initial("paying")
+                    .state("paying", |s| s.machine("payment").on_done(|b| b.target("a")))
+                    .leaf("a")
+            })
+            .build()
+            .expect("valid");
+        let m = Migration::new(v1, v2).and_then(|m| m.map("a", "g")).expect("valid");
+        let Err(Refusal::Illegal { reason, .. }) =
+            m.plan(&waiting(r#"["a"]"#, json!({})), &[], Timestamp(5))
+        else {
+            panic!("expected a refusal");
+        };
+        assert!(reason.contains("enters delegation state `g.paying`"), "{reason}");
+    }
+
     #[test]
     fn what_cannot_be_mapped_is_refused_by_name() {
         let (v1, v2) = versions();
@@ -607,15 +870,19 @@ mod tests {
         // `p.b` is carried to `q.b`, which version 2 does not have.
         let refusal = m.plan(&waiting(r#"["p","p.b"]"#, json!({})), &[], Timestamp(5));
         assert_eq!(refusal, Err(Refusal::Unmapped { state: "p.b".into() }));
-        // A leaf mapped onto a compound state without its child is no configuration.
-        let m =
-            Migration::new(v1.clone(), v2.clone()).and_then(|m| m.map("out", "q")).expect("valid");
-        let Err(Refusal::Illegal { configuration, .. }) =
-            m.plan(&waiting(r#"["out"]"#, json!({})), &[], Timestamp(5))
+        // A state mapped out of its compound parent, next to it, is no configuration: the
+        // parent (entered at its initial child) and the state are both active at the top.
+        let m = Migration::new(v1.clone(), v2.clone())
+            .and_then(|m| m.map("p", "q"))
+            .and_then(|m| m.map("p.a", "extra"))
+            .expect("valid");
+        let Err(Refusal::Illegal { configuration, reason }) =
+            m.plan(&waiting(r#"["p","p.a"]"#, json!({})), &[], Timestamp(5))
         else {
             panic!("expected an illegal configuration");
         };
-        assert_eq!(configuration, ["q"]);
+        assert_eq!(configuration, ["extra", "q", "q.a"]);
+        assert!(reason.contains("compound `(root)` has 2 active children"), "{reason}");
         assert!(Migration::new(v1.clone(), v1.clone()).is_err(), "same version");
         let err = Migration::new(v1, v2).and_then(|m| m.map("nowhere", "q")).unwrap_err();
         assert!(err.to_string().contains("`nowhere` is not a state of m v1"), "{err}");

@@ -7,9 +7,12 @@
 //! spaces) and `type="internal"`, and `<onentry>` / `<onexit>` / transition content made of
 //! `<raise event="…"/>` and named actions written `<keel:action name="…"/>` in the namespace
 //! [`KEEL_SCXML_NAMESPACE`]. Everything else — the data model, expressions, `<script>`,
-//! `<assign>`, `<send>`, `<invoke>`, `<log>`, conditionals, wildcard events and any other
-//! element or attribute — is refused with an error naming the element and its line, so a
-//! document is never run with part of its meaning dropped.
+//! `<assign>`, `<send>`, `<invoke>`, `<log>`, conditionals, wildcard events, any other
+//! element, any other attribute without a namespace and any attribute in Keel's own
+//! namespace (`keel:machine`, `keel:after`: timers and delegation are added in Rust or the
+//! JSON form) — is refused with an error naming the element and its line, so a document is
+//! never run with part of its meaning dropped. Attributes in other namespaces (an editor's
+//! layout metadata, say) are ignored: they carry nothing Keel would run.
 //!
 //! SCXML ids are global while Keel paths are dotted keys from the top, so each state's key is
 //! its id (which therefore must not contain `.`) and targets are rewritten to full paths.
@@ -145,6 +148,16 @@ impl Importer<'_, '_> {
 
     fn check_attributes(&self, node: Node<'_, '_>, allowed: &[&str]) -> Result<(), ScxmlError> {
         for a in node.attributes() {
+            if a.namespace() == Some(KEEL_SCXML_NAMESPACE) {
+                return Err(self.error(
+                    node,
+                    format!(
+                        "has attribute `keel:{}`; Keel reads no attribute in its own namespace, so it would be dropped",
+                        a.name()
+                    ),
+                    "timers, delegation and the like are not read from SCXML: add them in Rust on the imported builder, or use the JSON form",
+                ));
+            }
             if a.namespace().is_none() && !allowed.contains(&a.name()) {
                 return Err(self.error(
                     node,
@@ -525,6 +538,16 @@ mod tests {
         assert_eq!(imported.action_names(), ["bye", "hello"]);
     }
 
+    /// An editor's metadata in its own namespace carries nothing Keel runs: it is ignored.
+    #[test]
+    fn attributes_in_other_namespaces_are_ignored() {
+        let text = doc(
+            r#"<state id="a" xmlns:qt="urn:qt-editor" qt:geometry="0;0;10;10"><transition event="E" target="b" qt:label="go"/></state><final id="b"/>"#,
+        );
+        let def = ChartBuilder::from_scxml(&text, 1).expect("imports").build().expect("valid");
+        assert_eq!(def.event_alphabet(), ["E"]);
+    }
+
     #[test]
     fn the_first_child_is_initial_when_none_is_named() {
         let text = doc(
@@ -593,6 +616,22 @@ mod tests {
             ),
             (doc(r#"<state id="a"><history id="h"/><state id="b"/></state>"#), 2, "history"),
             (doc(r#"<state id="a"><onentry><keel:action/></onentry></state>"#), 2, "action"),
+            // Keel's own namespace carries no attributes: dropping one would change the
+            // meaning (a delegation, a timer), so it is refused.
+            (
+                doc(
+                    "<state id=\"a\" keel:machine=\"payment\" keel:timeout=\"5m\">\n<transition event=\"E\" target=\"b\"/></state><state id=\"b\"/>",
+                ),
+                2,
+                "state",
+            ),
+            (
+                doc(
+                    "<state id=\"a\">\n<transition event=\"E\" target=\"b\" keel:after=\"10s\"/></state><state id=\"b\"/>",
+                ),
+                3,
+                "transition",
+            ),
             ("<scxml><state id=\"a\"></scxml>".to_owned(), 1, "document"),
             ("<html/>".to_owned(), 1, "html"),
         ];

@@ -586,10 +586,24 @@ fn illegal_configuration_is_reported() {
         assert_eq!(
             message,
             format!(
-                "the stored configuration does not fit definition `test v1`: {reason}; fix: migrate the instance to this version"
+                "the stored configuration does not fit definition `test v1`: {reason}; the chart was changed under the same version, so it no longer fits the instances already running on it; fix: restore the states the change removed or moved, or restore this version as it was, publish the change as a new version and move the instances with `Migration::new(old, new)`"
             )
         );
     }
+    // An instance waiting in `cart` after the chart lost `cart` under the same version: the
+    // fix is not a migration to "this version" (the instance is on it, and a migration
+    // between two definitions of one version is refused).
+    let edited = Definition::builder("order", 1).initial("basket").leaf("basket").build().unwrap();
+    let waiting = Configuration::from_paths(["cart"]);
+    let result = run_to_completion(
+        Macrostep::start(&edited, &waiting, json!({}), Event::new("PAY"), Limits::default()),
+        exec,
+    );
+    let message = result.error.expect("error").to_string();
+    assert!(message.contains("unknown state `cart`"), "{message}");
+    assert!(message.contains("changed under the same version"), "{message}");
+    assert!(message.contains("publish the change as a new version"), "{message}");
+    assert!(!message.contains("migrate the instance to this version"), "{message}");
 }
 
 #[test]
@@ -1070,6 +1084,116 @@ fn validation_errors_name_the_state_and_the_fix() {
     }
 }
 
+/// `@done` that nothing can ever send is refused: an atomic state without a child
+/// machine, a compound state without a final child, a parallel state with a region that
+/// can never finish. With a child machine, or a final child in every region, it builds.
+#[test]
+fn done_that_can_never_fire_is_refused() {
+    let fix = "fix: give it a final child and a transition into it (every region of a parallel state needs one), or delegate it to a child machine with `.machine(\"<name>\")` (JSON: `\"machine\"`)";
+    let region = |r: StateBuilder, fin: bool| {
+        let r = r.initial("a").state("a", |s| s.on_to("A", "b")).leaf("b");
+        if fin { r.final_state("end") } else { r }
+    };
+    let cases: Vec<(ChartBuilder, String)> = vec![
+        (
+            chart().initial("a").state("a", |s| s.on_done(|b| b.target("z"))).leaf("z"),
+            format!(
+                "state `a` has `@done`, which can never fire: it is an atomic state without a child machine, so nothing ever completes it; {fix}"
+            ),
+        ),
+        (
+            chart()
+                .initial("p")
+                .state("p", |s| {
+                    s.initial("w")
+                        .state("w", |s| s.on_to("GO", "x"))
+                        .leaf("x")
+                        .on_done(|b| b.target("z"))
+                })
+                .leaf("z"),
+            format!("state `p` has `@done`, which can never fire: it has no final child; {fix}"),
+        ),
+        (
+            chart()
+                .initial("p")
+                .parallel("p", |p| {
+                    p.state("r1", |r| region(r, true))
+                        .state("r2", |r| region(r, false))
+                        .on_done(|b| b.target("z"))
+                })
+                .leaf("z"),
+            format!(
+                "state `p` has `@done`, which can never fire: its region `p.r2` can never reach a final state, so its regions are never all done; {fix}"
+            ),
+        ),
+    ];
+    for (builder, message) in cases {
+        let errors = builder.build().expect_err(&message).errors;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].to_string(), message);
+    }
+    // The same from JSON.
+    let json = r#"{"name": "t", "version": 1, "initial": "a",
+        "states": [{"key": "a", "@done": [{"target": "z"}]}, {"key": "z"}]}"#;
+    let refused = ChartBuilder::from_json(json).expect("parses").build().unwrap_err();
+    assert!(
+        matches!(&refused.errors[..], [ChartError::DoneNeverFires { state, .. }] if state == "a"),
+        "{refused}"
+    );
+    // A child machine's end, a final child, a nested parallel region with final children.
+    chart()
+        .initial("a")
+        .state("a", |s| s.machine("job").on_done(|b| b.target("z")))
+        .leaf("z")
+        .build()
+        .expect("a delegation state is done when its child is");
+    chart()
+        .initial("p")
+        .parallel("p", |p| {
+            p.state("r1", |r| region(r, true))
+                .parallel("r2", |q| {
+                    q.state("x", |r| region(r, true)).state("y", |r| region(r, true))
+                })
+                .on_done(|b| b.target("z"))
+        })
+        .leaf("z")
+        .build()
+        .expect("every region can finish");
+}
+
+/// An `on` event named like one of Keel's own triggers is refused, naming the builder call
+/// and the JSON key that mean it; the likely slip is `"@done"` inside a JSON `on` list.
+#[test]
+fn on_events_starting_with_at_are_refused() {
+    let message = |event: &str, fix: &str| {
+        format!(
+            "state `a`: transition on `{event}` can never fire: names starting with `@` are reserved for Keel's own triggers, which no `on` entry receives; fix: {fix}"
+        )
+    };
+    for (event, fix) in [
+        ("@done", "use `.on_done(…)` in Rust, or the state's `\"@done\"` key in JSON"),
+        ("@always", "use `.always(…)` in Rust, or the state's `\"@always\"` key in JSON"),
+        ("@fail", "use `.on_fail(…)` in Rust, or the state's `\"@fail\"` key in JSON"),
+        ("@timeout", "use `.on_timeout(…)` in Rust, or the state's `\"@timeout\"` key in JSON"),
+        ("@GO", "rename the event without the leading `@`"),
+    ] {
+        let errors = chart()
+            .initial("a")
+            .state("a", |s| s.on_to(event, "b"))
+            .leaf("b")
+            .build()
+            .expect_err(event)
+            .errors;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].to_string(), message(event, fix));
+    }
+    let json = r#"{"name": "t", "version": 1, "initial": "a", "states": [
+        {"key": "a", "on": [{"event": "@done", "target": "b"}]}, {"key": "b"}]}"#;
+    let refused = ChartBuilder::from_json(json).expect("parses").build().unwrap_err();
+    assert_eq!(refused.errors.len(), 1, "{refused}");
+    assert!(refused.to_string().contains("the state's `\"@done\"` key in JSON"), "{refused}");
+}
+
 #[test]
 fn a_final_state_with_a_timeout_is_refused_too() {
     let errors = chart()
@@ -1140,6 +1264,45 @@ fn shadowed_unguarded_transitions_are_warnings() {
             "state `a`: 2 transitions on `@always` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions",
         ]
     );
+}
+
+/// A transition from one region of a parallel state to a state in a sibling region exits
+/// and re-enters the whole parallel state (SCXML's rule): it builds, with a warning that
+/// says so. A transition within one region, or out of the parallel state, is no warning.
+#[test]
+fn a_transition_into_a_sibling_region_is_a_warning() {
+    let def = chart()
+        .initial("p")
+        .parallel("p", |s| {
+            s.state("r1", |r| {
+                r.initial("a")
+                    .state("a", |s| s.on_to("A", "b"))
+                    .state("b", |s| s.on_to("X", "r2.d").on_to("OUT", "z"))
+            })
+            .state("r2", |r| r.initial("c").state("c", |s| s.on_to("C", "d")).leaf("d"))
+        })
+        .leaf("z")
+        .build()
+        .unwrap();
+    let warnings: Vec<String> = def.warnings().iter().map(ToString::to_string).collect();
+    assert_eq!(
+        def.warnings(),
+        [ChartWarning::CrossRegionTarget {
+            state: "p.r1.b".into(),
+            trigger: "X".into(),
+            target: "p.r2.d".into(),
+            parallel: "p".into(),
+        }],
+        "{warnings:#?}"
+    );
+    assert_eq!(
+        warnings[0],
+        "state `p.r1.b`: transition on `X` targets `p.r2.d` in another region of parallel state `p`, so it exits and re-enters all of `p`: every region restarts at its initial state, and the entry actions and timers of `p` run again; fix: to move only the region of `p.r2.d`, raise an event one of its states handles, or target `p` itself if a restart is meant"
+    );
+    // What the warning says: r1 loses its progress.
+    let results = run(&def, &json!({}), &events(&["A", "X"]), Limits::default());
+    let last = results.last().expect("results");
+    assert_eq!(last.configuration.leaves(&def), ["p.r1.a", "p.r2.d"]);
 }
 
 #[test]
@@ -1455,7 +1618,12 @@ fn multi_targets_that_cannot_all_be_active_are_refused() {
         (
             chart()
                 .initial("a")
-                .state("a", |s| s.initial("w").leaf("w").on_done(|b| b.target("b c.d")))
+                .state("a", |s| {
+                    s.initial("w")
+                        .state("w", |s| s.on_to("FIN", "fin"))
+                        .final_state("fin")
+                        .on_done(|b| b.target("b c.d"))
+                })
                 .leaf("b")
                 .state("c", |s| s.initial("d").leaf("d")),
             format!(

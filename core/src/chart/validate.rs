@@ -242,6 +242,31 @@ pub enum ChartError {
         /// State path.
         state: String,
     },
+    /// A state with `@done` that nothing can ever make done: no child machine reports to
+    /// it and no final state completes it.
+    #[error(
+        "state `{state}` has `@done`, which can never fire: {reason}; fix: give it a final child and a transition into it (every region of a parallel state needs one), or delegate it to a child machine with `.machine(\"<name>\")` (JSON: `\"machine\"`)"
+    )]
+    DoneNeverFires {
+        /// State path.
+        state: String,
+        /// Why it is never done.
+        reason: String,
+    },
+    /// An `on` event whose name starts with `@`: those names are the triggers Keel
+    /// generates (`@done`, `@fail`, `@timeout`, `@always`), which an `on` entry never
+    /// receives.
+    #[error(
+        "state `{state}`: transition on `{event}` can never fire: names starting with `@` are reserved for Keel's own triggers, which no `on` entry receives; fix: {fix}"
+    )]
+    ReservedEventName {
+        /// State path.
+        state: String,
+        /// The event as written.
+        event: String,
+        /// The builder call (and JSON key) that means what was written.
+        fix: String,
+    },
     /// A history pseudo-state that cannot work as written.
     #[error("state `{state}`: history `{history}` {problem}; fix: {fix}")]
     InvalidHistory {
@@ -279,6 +304,21 @@ pub enum ChartWarning {
         trigger: String,
         /// How many unguarded transitions share the trigger.
         count: usize,
+    },
+    /// A transition from one region of a parallel state to a state in a sibling region:
+    /// its domain is outside the parallel state, so it exits and re-enters all of it.
+    #[error(
+        "state `{state}`: transition on `{trigger}` targets `{target}` in another region of parallel state `{parallel}`, so it exits and re-enters all of `{parallel}`: every region restarts at its initial state, and the entry actions and timers of `{parallel}` run again; fix: to move only the region of `{target}`, raise an event one of its states handles, or target `{parallel}` itself if a restart is meant"
+    )]
+    CrossRegionTarget {
+        /// Source state path.
+        state: String,
+        /// Event name or `@always` / `@done` / `@fail` / `@timeout`.
+        trigger: String,
+        /// The target's path.
+        target: String,
+        /// The parallel state both lie in.
+        parallel: String,
     },
 }
 
@@ -442,7 +482,46 @@ pub(crate) fn build_unchecked(builder: ChartBuilder) -> Result<Definition, Valid
     };
     def.warnings = unreachable(&def);
     def.warnings.extend(shadowed(&def));
+    def.warnings.extend(cross_region(&def));
     Ok(def)
+}
+
+/// Transitions from one region of a parallel state into a sibling region, in document
+/// order. The transition's domain is the nearest compound ancestor of both, which is
+/// outside the parallel state, so the whole parallel state is exited and entered again.
+fn cross_region(def: &Definition) -> Vec<ChartWarning> {
+    let mut out = Vec::new();
+    for t in &def.transitions {
+        for &target in &t.targets {
+            let (anchor, written) = match target {
+                TargetRef::State(s) => (s, def.path(s).to_owned()),
+                TargetRef::History(h) => (def.histories[h].parent, def.histories[h].path.clone()),
+            };
+            let src = t.source;
+            if anchor == src || def.is_descendant(anchor, src) || def.is_descendant(src, anchor) {
+                continue;
+            }
+            // The nearest state containing both (the root always does).
+            let mut common = def.parent(src);
+            while let Some(p) = common {
+                if def.is_descendant(anchor, p) {
+                    break;
+                }
+                common = def.parent(p);
+            }
+            if let Some(p) = common
+                && def.kind(p) == StateKind::Parallel
+            {
+                out.push(ChartWarning::CrossRegionTarget {
+                    state: display(def.path(src)),
+                    trigger: trigger_label(&t.trigger),
+                    target: written,
+                    parallel: display(def.path(p)),
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Triggers with more than one unguarded transition in one state, in document order.
@@ -544,6 +623,33 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
         StateKind::Atomic => {}
     }
     let b = flat.builders[id];
+    if id != 0
+        && !b.on_done.is_empty()
+        && b.machine.is_none()
+        && b.kind != StateKind::Final
+        && let Some(reason) = never_done(flat, id)
+    {
+        flat.errors
+            .push(ChartError::DoneNeverFires { state: display(&flat.states[id].path), reason });
+    }
+    for (event, _, _) in &b.on {
+        if let Some(trigger) = event.strip_prefix('@') {
+            let fix = match trigger {
+                "done" => "use `.on_done(…)` in Rust, or the state's `\"@done\"` key in JSON",
+                "always" => "use `.always(…)` in Rust, or the state's `\"@always\"` key in JSON",
+                "fail" => "use `.on_fail(…)` in Rust, or the state's `\"@fail\"` key in JSON",
+                "timeout" => {
+                    "use `.on_timeout(…)` in Rust, or the state's `\"@timeout\"` key in JSON"
+                }
+                _ => "rename the event without the leading `@`",
+            };
+            flat.errors.push(ChartError::ReservedEventName {
+                state: display(&flat.states[id].path),
+                event: event.clone(),
+                fix: fix.to_owned(),
+            });
+        }
+    }
     if !b.on_timeout.is_empty() && b.machine.is_none() {
         flat.errors
             .push(ChartError::TimeoutWithoutMachine { state: display(&flat.states[id].path) });
@@ -552,6 +658,41 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
         && let Some(e) = timer_error(&display(&flat.states[id].path), "@timeout", t)
     {
         flat.errors.push(e);
+    }
+}
+
+/// Why state `id` (without a child machine) can never be done, if it cannot: an atomic
+/// state is done only through a child machine, a compound state when it reaches a final
+/// child, and a parallel state when every region has.
+fn never_done(flat: &Flat<'_>, id: usize) -> Option<String> {
+    let node = &flat.states[id];
+    match node.kind {
+        StateKind::Atomic => Some(
+            "it is an atomic state without a child machine, so nothing ever completes it"
+                .to_owned(),
+        ),
+        StateKind::Compound if !can_finish(flat, id) => Some("it has no final child".to_owned()),
+        StateKind::Parallel => node.children.iter().find(|&&r| !can_finish(flat, r)).map(|&r| {
+            format!(
+                "its region `{}` can never reach a final state, so its regions are never all done",
+                display(&flat.states[r].path)
+            )
+        }),
+        _ => None,
+    }
+}
+
+/// Whether state `s` can ever be complete as a region or compound state: a final state is,
+/// a compound state with a final child can be, a parallel state when each region can be.
+fn can_finish(flat: &Flat<'_>, s: usize) -> bool {
+    let node = &flat.states[s];
+    match node.kind {
+        StateKind::Final => true,
+        StateKind::Atomic => false,
+        StateKind::Compound => {
+            node.children.iter().any(|&c| flat.states[c].kind == StateKind::Final)
+        }
+        StateKind::Parallel => node.children.iter().all(|&r| can_finish(flat, r)),
     }
 }
 

@@ -198,7 +198,7 @@ fn a_record_this_definition_cannot_read_is_refused() {
         let result = run_to_completion(step, exec);
         let error = result.error.expect("refused").to_string();
         assert!(error.contains(reason), "{error}");
-        assert!(error.contains("migrate"), "{error}");
+        assert!(error.contains("publish the change as a new version"), "{error}");
     }
 }
 

@@ -122,7 +122,8 @@ fn transitions(rng: &mut Rng, node: &mut Node, paths: &[String]) {
             node.branches.push(branch(rng, paths, eventless));
         }
     }
-    if matches!(node.kind, Kind::Compound | Kind::Parallel) && rng.below(2) == 0 {
+    // `@done` only where it can fire (validation refuses it elsewhere).
+    if matches!(node.kind, Kind::Compound | Kind::Parallel) && rng.below(2) == 0 && finishes(node) {
         let mut done = branch(rng, paths, true);
         done.guard = *rng.pick(&GUARDS);
         done.action = *rng.pick(&ACTIONS[..5]);
@@ -130,6 +131,17 @@ fn transitions(rng: &mut Rng, node: &mut Node, paths: &[String]) {
     }
     for child in &mut node.children {
         transitions(rng, child, paths);
+    }
+}
+
+/// Whether `node` can ever be complete: a final state is, a compound state with a final
+/// child can be, a parallel state when every region can be.
+fn finishes(node: &Node) -> bool {
+    match node.kind {
+        Kind::Final => true,
+        Kind::Atomic => false,
+        Kind::Compound => node.children.iter().any(|c| c.kind == Kind::Final),
+        Kind::Parallel => node.children.iter().all(finishes),
     }
 }
 
