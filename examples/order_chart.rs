@@ -4,6 +4,7 @@
 //! `order-chart.dot` (Graphviz), `order-chart.svg` and its JSON form `order-chart.json`.
 
 use keel_core::chart::{ActionError, Definition, Timer};
+use keel_core::config::ParallelConfig;
 use keel_scheduler::ChartMachine;
 
 /// cart → awaiting_payment (expires after 7 days) → processing (inventory ∥ payment, with
@@ -66,8 +67,23 @@ pub fn definition_with_expiry(expiry: Timer) -> Definition {
         .expect("the order chart is valid")
 }
 
-/// The chart with its actions, the payment deadline set to `expiry`. Actions are async and may call other systems; here they
-/// only touch the context and raise the events the chart waits for.
+/// [`machine`] with parallel dispatch on, as the `order` example runs it: entering
+/// `processing` starts one task per region to run its entry actions (`reserve_stock`,
+/// `charge_card`), and a region task that fails for good — a declined card — is reported
+/// to the order as `fail.state.processing`, which the chart's `@fail` answers: it retries
+/// the payment twice (`count_retry`), then fails the order (`alert`).
+pub fn dispatched(expiry: Timer) -> ChartMachine {
+    machine(expiry).with_parallel(ParallelConfig::enabled())
+}
+
+/// The chart with its actions, the payment deadline set to `expiry`, the regions' entry
+/// actions run inline (see [`dispatched`] for the other way). Actions are async and may
+/// call other systems; here they only touch the context and raise the events the chart
+/// waits for.
+///
+/// `@fail` answers failed region tasks and child machines, not the chart's own actions:
+/// inline, a declined card's error fails the step itself, which is retried and then
+/// dead-lettered like any step's error.
 pub fn machine(expiry: Timer) -> ChartMachine {
     ChartMachine::new(definition_with_expiry(expiry))
         .action("add_item", |ctx, event| async move {
@@ -90,9 +106,15 @@ pub fn machine(expiry: Timer) -> ChartMachine {
             Ok(())
         })
         .action("charge_card", |ctx, _| async move {
-            if ctx.get_as::<bool>("card_ok") == Some(true) {
-                ctx.set("charged", true); // a call to the payment provider
-                ctx.raise("PAYMENT_CAPTURED");
+            // A call to the payment provider: captured, declined for good, or no answer
+            // yet (`card_ok` unset), when the 6-hourly `RETRY_PAYMENT` asks again.
+            match ctx.get_as::<bool>("card_ok") {
+                Some(true) => {
+                    ctx.set("charged", true);
+                    ctx.raise("PAYMENT_CAPTURED");
+                }
+                Some(false) => return Err(ActionError::permanent("card declined")),
+                None => {}
             }
             Ok(())
         })
@@ -101,8 +123,12 @@ pub fn machine(expiry: Timer) -> ChartMachine {
             Ok(())
         })
         .action("count_retry", |ctx, _| async move {
+            // Back in `awaiting_payment`, pay again at once: `PAY` is handled in this same
+            // step, so the order passes through `awaiting_payment` (its expiry is not armed)
+            // and `processing` charges the card anew.
             let n = ctx.get_as::<u32>("retries").unwrap_or(0);
             ctx.set("retries", n + 1);
+            ctx.raise("PAY");
             Ok(())
         })
         .action("alert", |ctx, _| async move {
