@@ -162,10 +162,27 @@ pub async fn status_and_activity(
     machine: Option<&str>,
     now: Timestamp,
 ) -> anyhow::Result<(Vec<StatusRow>, Vec<crate::operate::MachineActivity>)> {
+    let (rows, activity, _) = status_activity_and_queues(keel, ns, machine, now).await?;
+    Ok((rows, activity))
+}
+
+/// [`status_and_activity`], with the queues that hold unfinished instances of any machine
+/// (the rows are filtered to `machine`; this set is not).
+async fn status_activity_and_queues(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    now: Timestamp,
+) -> anyhow::Result<(
+    Vec<StatusRow>,
+    Vec<crate::operate::MachineActivity>,
+    std::collections::BTreeSet<String>,
+)> {
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
     let rows = status_rows_from(keel, ns, machine, &stats, now).await?;
     let activity = crate::operate::activity_from(keel, ns, machine, now, &stats).await?;
-    Ok((rows, activity))
+    let busy = stats.into_iter().map(|s| s.queue).collect();
+    Ok((rows, activity, busy))
 }
 
 /// [`status_rows`] from queue counts already read at `now`.
@@ -242,7 +259,7 @@ async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<St
 }
 
 async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<Report> {
-    let (rows, activity) = status_and_activity(keel, ns, machine, now()).await?;
+    let (rows, activity, busy) = status_activity_and_queues(keel, ns, machine, now()).await?;
     let mut t = table(&[
         "queue",
         "machine",
@@ -275,11 +292,12 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
         format!("Namespace {ns:?}\n{t}")
     };
     // A pause outlives the queue's work (and a misspelt queue never had any): a paused
-    // queue with no row above is still named, so it is not forgotten until work arrives.
+    // queue with no unfinished instance is still named, so it is not forgotten until work
+    // arrives. Whether it is empty is decided over every machine, not the `--machine`
+    // rows above: another machine's work in it is still unfinished.
     let paused = paused_queues(keel, ns).await?;
-    let shown: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.queue.as_str()).collect();
     let empty: Vec<String> =
-        paused.iter().filter(|q| !shown.contains(q.as_str())).map(|q| shell_word(q)).collect();
+        paused.iter().filter(|q| !busy.contains(q.as_str())).map(|q| shell_word(q)).collect();
     if !empty.is_empty() {
         let _ = write!(
             human,

@@ -109,6 +109,13 @@ async fn check(cli: &Cli) -> anyhow::Result<Report> {
     );
     for section in &unused {
         let _ = match &section.closest {
+            // The store knows a queue only while it holds unfinished instances or has
+            // settings (a pause): one whose instances have all ended is not in use here.
+            Some(near) if section.section.starts_with("[queues.") => write!(
+                human,
+                "\nWarning: {}: names no queue with unfinished instances or settings in namespace {ns:?}; did you mean `{near}`? Fix it if it is misspelt; a queue not deployed yet, or whose instances have all ended, is fine.",
+                section.section
+            ),
             Some(near) => write!(
                 human,
                 "\nWarning: {}: names nothing the store knows in namespace {ns:?}; did you mean `{near}`? Fix it if it is misspelt; a machine or queue not deployed yet is fine.",

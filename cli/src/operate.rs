@@ -912,6 +912,71 @@ pub struct MachineRetried {
     pub complete: bool,
 }
 
+/// Dead letters retried one at a time under one rule, by `keel dlq retry --machine M --all`
+/// ([`retry_machine_letters`]) and by the dashboard's "retry selected". An instance runs
+/// again at most once per run: a later letter of one already retried is counted stale and
+/// left, without asking the store. A letter the store refuses because its instance is no
+/// longer suspended (cancelled, moved on, retried through another letter) or is gone is
+/// counted stale and left too, so a stale letter never stops the letters after it; such a
+/// letter only counts against `status` and `health` until `keel dlq delete ID` removes it.
+#[derive(Debug, Clone, Default)]
+pub struct LetterRetries {
+    retried: Vec<InstanceId>,
+    seen: BTreeSet<InstanceId>,
+    stale: u64,
+}
+
+impl LetterRetries {
+    /// Retries `letter`, a dead letter of `instance`, making the instance runnable after
+    /// `delay`. Only a store error other than the refusals above is returned; what was
+    /// retried before it stays counted here.
+    pub async fn retry(
+        &mut self,
+        keel: &Keel,
+        letter: DeadLetterId,
+        instance: InstanceId,
+        delay: Duration,
+    ) -> Result<(), keel::StoreError> {
+        if self.seen.contains(&instance) {
+            self.stale += 1;
+            return Ok(());
+        }
+        match keel.dead_letter_retry(keel::DeadLetterRetry::one(letter).after(delay)).await {
+            Ok(ids) => {
+                for id in ids {
+                    if self.seen.insert(id) {
+                        self.retried.push(id);
+                    }
+                }
+                Ok(())
+            }
+            // The store refuses a letter whose instance is no longer suspended (moved on,
+            // cancelled, retried through an older letter) or is gone.
+            Err(e) if matches!(e.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound) => {
+                self.stale += 1;
+                Ok(())
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// The instances made runnable, in the order their letters were retried, each once.
+    pub fn retried(&self) -> &[InstanceId] {
+        &self.retried
+    }
+
+    /// Letters left in place: their instance was no longer suspended, was gone, or was
+    /// already retried by this run.
+    pub fn stale(&self) -> u64 {
+        self.stale
+    }
+
+    /// What a machine-wide retry did, from these retries.
+    fn machine(&self, complete: bool) -> MachineRetried {
+        MachineRetried { retried: self.retried.clone(), stale: self.stale, complete }
+    }
+}
+
 /// Dead letters a machine-wide retry reads per page at most. A dead letter carries its
 /// event's payload (up to 1 MiB) and the errors of its attempts, and the retry only needs
 /// its id and instance, so pages stay small to bound the memory one page holds.
@@ -946,7 +1011,7 @@ pub async fn retry_machine_letters(
     mut on_page: impl FnMut(u64),
 ) -> Result<MachineRetried, Stopped<MachineRetried>> {
     let page_size = page_size.clamp(1, RETRY_PAGE_MAX);
-    let mut done = MachineRetried::default();
+    let mut done = LetterRetries::default();
     let filter = |after, before, limit| keel::DeadLetterFilter {
         namespace: Some(ns.to_owned()),
         machine: Some(machine.to_owned()),
@@ -959,56 +1024,35 @@ pub async fn retry_machine_letters(
     // so the walk below reads by `after` and stops at this id itself).
     let newest = match keel.dead_letters(filter(None, Some(DeadLetterId(i64::MAX)), 1)).await {
         Ok(letters) => letters.last().map(|d| d.id),
-        Err(error) => return Err(Stopped { done, error }),
+        Err(error) => return Err(Stopped { done: done.machine(false), error }),
     };
     let Some(last) = newest else {
-        done.complete = true;
-        return Ok(done);
+        return Ok(done.machine(true));
     };
-    let mut retried = BTreeSet::new();
     let mut after = None;
     for _ in 0..pages_max {
         let letters = match keel.dead_letters(filter(after, None, page_size)).await {
             Ok(letters) => letters,
-            Err(error) => return Err(Stopped { done, error }),
+            Err(error) => return Err(Stopped { done: done.machine(false), error }),
         };
         // Letters recorded since the run began (above `last`) are left to a later run.
         let in_run = letters.iter().take_while(|d| d.id <= last);
         let mut read = 0;
         for d in in_run {
             read += 1;
-            if retried.contains(&d.letter.instance) {
-                done.stale += 1;
-                continue;
-            }
-            let retry = keel::DeadLetterRetry::one(d.id).after(delay.unwrap_or_default());
-            match keel.dead_letter_retry(retry).await {
-                Ok(ids) => {
-                    for id in ids {
-                        if retried.insert(id) {
-                            done.retried.push(id);
-                        }
-                    }
-                }
-                // The store refuses a letter whose instance is no longer suspended (moved
-                // on, cancelled, retried through an older letter) or is gone.
-                Err(e)
-                    if matches!(e.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound) =>
-                {
-                    done.stale += 1;
-                }
-                Err(error) => return Err(Stopped { done, error }),
+            let delay = delay.unwrap_or_default();
+            if let Err(error) = done.retry(keel, d.id, d.letter.instance, delay).await {
+                return Err(Stopped { done: done.machine(false), error });
             }
         }
         on_page(read);
         let reached = letters.last().is_none_or(|d| d.id >= last);
         if reached || letters.len() < page_size {
-            done.complete = true;
-            return Ok(done);
+            return Ok(done.machine(true));
         }
         after = letters.last().map(|d| d.id);
     }
-    Ok(done)
+    Ok(done.machine(false))
 }
 
 /// How far back [`known_names`] looks at ended instances and worker beats: a machine

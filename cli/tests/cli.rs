@@ -1006,7 +1006,7 @@ fn config_check_warns_of_sections_that_look_like_misspellings() {
         for needle in [
             "valid (3 machine section(s), 1 queue section(s))",
             "Warning: [machines.ordr]: names nothing the store knows in namespace \"default\"; did you mean `order`?",
-            "Warning: [queues.paymnts]: names nothing the store knows in namespace \"default\"; did you mean `payments`?",
+            "Warning: [queues.paymnts]: names no queue with unfinished instances or settings in namespace \"default\"; did you mean `payments`?",
             "Note: [machines.checkout]: no machine of that name",
         ] {
             assert!(out.contains(needle), "{}: {needle}: {out}", b.name);
@@ -1033,6 +1033,28 @@ fn config_check_warns_of_sections_that_look_like_misspellings() {
         assert!(out.contains("Note: [machines.checkout]") && !out.contains("Warning"), "{out}");
         let (_, err) = b.run(&["config", "check"], 1);
         assert!(err.contains("--config: name the file to check"), "{err}");
+    }
+}
+
+/// The store knows a queue by its unfinished instances and its settings only, so a
+/// `[queues.<q>]` section whose instances have all ended (a batch queue idle between
+/// runs) that resembles a queue in use is warned of with those words, which say why and
+/// that it is fine, not as a name the store never saw.
+#[test]
+fn config_check_says_a_queue_is_known_by_its_unfinished_instances() {
+    for b in backends("config_check_says_a_queue_is_known_by_its_unfinished_instances") {
+        b.run(&["migrate"], 0);
+        let ended = b.json(&["start", "order", "--key", "A", "--queue", "batch1"]);
+        b.run(&["cancel", &ended["id"].to_string()], 0);
+        b.run(&["start", "order", "--key", "B", "--queue", "batch2"], 0);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.toml");
+        std::fs::write(&path, "[queues.batch1]\nconcurrency = 1\n[queues.batch2]\n").unwrap();
+        let config = path.display().to_string();
+        let (out, _) = b.run(&["--config", &config, "config", "check"], 0);
+        let needle = "Warning: [queues.batch1]: names no queue with unfinished instances or settings in namespace \"default\"; did you mean `batch2`? Fix it if it is misspelt; a queue not deployed yet, or whose instances have all ended, is fine.";
+        assert!(out.contains(needle), "{}: {out}", b.name);
+        assert!(!out.contains("names nothing the store knows"), "{}: {out}", b.name);
     }
 }
 
@@ -1180,5 +1202,25 @@ fn status_names_a_paused_queue_that_holds_nothing() {
             "{}: {out}",
             b.name
         );
+
+        // `--machine` narrows the rows, not what a queue holds: a paused queue with
+        // another machine's work in it is not empty, and one with nothing in it still is.
+        b.run(&["-n", "mixed", "start", "mail", "--version", "1", "--queue", "bulk"], 0);
+        b.run(&["-n", "mixed", "pause", "bulk"], 0);
+        b.run(&["-n", "mixed", "pause", "idle"], 0);
+        let (out, _) = b.run(&["-n", "mixed", "status", "--machine", "order"], 0);
+        assert!(
+            out.contains("Paused, with nothing unfinished in them: idle (")
+                && !out.contains("bulk"),
+            "{}: {out}",
+            b.name
+        );
+        let (out, _) = b.run(&["-n", "mixed", "status", "--machine", "mail"], 0);
+        assert!(
+            out.contains("Paused, with nothing unfinished in them: idle ("),
+            "{}: {out}",
+            b.name
+        );
+        assert!(out.contains("bulk") && out.contains("PAUSED"), "{}: {out}", b.name);
     }
 }

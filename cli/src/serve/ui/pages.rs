@@ -11,7 +11,7 @@ use axum::Form;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use keel::{DeadLetterFilter, DeadLetterRetry, InstanceId, StoreError};
+use keel::{DeadLetterFilter, InstanceId, StoreError};
 use keel_core::duration;
 use keel_core::ids::{DeadLetterId, Status};
 use keel_core::instance::DeadLetter;
@@ -93,10 +93,12 @@ pub struct Flash {
 enum Done {
     QueuePaused,
     QueueResumed,
-    /// Dead letters retried by id, and the instances that runs again.
+    /// Dead letters ticked and retried by id, the instances that run again, and the
+    /// letters left because their instance was no longer suspended.
     Retried {
         letters: u64,
         instances: u64,
+        stale: u64,
     },
     /// A machine's dead letters retried: the instances, the letters left because their
     /// instance moved on, and whether the round bound stopped it.
@@ -119,8 +121,9 @@ impl Done {
         let (code, n, of, stale, older_ms, more) = match self {
             Done::QueuePaused => ("queue-paused", None, None, None, None, false),
             Done::QueueResumed => ("queue-resumed", None, None, None, None, false),
-            Done::Retried { letters, instances } => {
-                ("retried", Some(letters), Some(instances), None, None, false)
+            Done::Retried { letters, instances, stale } => {
+                let stale = (stale > 0).then_some(stale);
+                ("retried", Some(letters), Some(instances), stale, None, false)
             }
             Done::RetriedMachine { instances, stale, more } => {
                 ("retried-machine", None, Some(instances), Some(stale), None, more)
@@ -148,7 +151,11 @@ impl Done {
         Some(match f.done.as_deref()? {
             "queue-paused" => Done::QueuePaused,
             "queue-resumed" => Done::QueueResumed,
-            "retried" => Done::Retried { letters: count(&f.n)?, instances: count(&f.of)? },
+            "retried" => Done::Retried {
+                letters: count(&f.n)?,
+                instances: count(&f.of)?,
+                stale: if f.stale.is_some() { count(&f.stale)? } else { 0 },
+            },
             "retried-machine" => {
                 Done::RetriedMachine { instances: count(&f.of)?, stale: count(&f.stale)?, more }
             }
@@ -157,20 +164,29 @@ impl Done {
         })
     }
 
-    fn message(self) -> String {
+    /// The words for this outcome in namespace `ns` (for the commands it suggests).
+    fn message(self, ns: &str) -> String {
+        // Letters a retry left: what they are and how to remove them.
+        let left = |n: u64| match n {
+            0 => String::new(),
+            n => format!(
+                " {n} dead letter(s) left: their instance is no longer suspended; `{}` removes one.",
+                crate::commands::hint(ns, "dlq delete ID")
+            ),
+        };
         match self {
             Done::QueuePaused => "Queue paused.".into(),
             Done::QueueResumed => "Queue resumed.".into(),
-            Done::Retried { letters, instances } => {
+            Done::Retried { letters, instances, stale: 0 } => {
                 format!("Retried {letters} dead letter(s): {instances} instance(s) run again.")
             }
+            Done::Retried { letters, instances, stale } => format!(
+                "Retried {} of {letters} dead letter(s): {instances} instance(s) run again.{}",
+                letters.saturating_sub(stale),
+                left(stale)
+            ),
             Done::RetriedMachine { instances, stale, more } => {
-                let stale = match stale {
-                    0 => String::new(),
-                    n => {
-                        format!(" {n} dead letter(s) left: their instance is no longer suspended.")
-                    }
-                };
+                let stale = left(stale);
                 let more = if more { " More remain, retry again." } else { "" };
                 format!("Retried {instances} instance(s) of the machine.{stale}{more}")
             }
@@ -183,10 +199,11 @@ impl Done {
     }
 }
 
-/// The message of the outcome `f` names; nothing for an unknown or incomplete one.
-fn flash(f: &Flash) -> String {
+/// The message of the outcome `f` names on a page of namespace `ns`; nothing for an
+/// unknown or incomplete one.
+fn flash(f: &Flash, ns: &str) -> String {
     Done::parse(f)
-        .map(|done| format!("<div class=\"flash\">{}</div>", esc(&done.message())))
+        .map(|done| format!("<div class=\"flash\">{}</div>", esc(&done.message(ns))))
         .unwrap_or_default()
 }
 
@@ -258,7 +275,7 @@ pub async fn overview(
         let body = format!(
             "<h1>Namespace {}</h1>{}<div data-live=\"{}\">{inner}</div><p id=\"live-status\" class=\"live-status\"></p>",
             esc(&ns),
-            flash(&flash_msg),
+            flash(&flash_msg, &ns),
             esc(&ns_url(&ns, "/fragments/overview")),
         );
         Ok(page("Overview", Some(&ns), &viewer, &body).into_response())
@@ -1064,7 +1081,7 @@ pub async fn dead_letters(
     };
     let mut body = format!(
         "<h1>Dead letters</h1>{}<form class=\"filters\" method=\"get\" action=\"{}\"><label>machine<input name=\"machine\" value=\"{}\"></label><button>Filter</button></form>",
-        flash(&f.flash),
+        flash(&f.flash, &ns),
         esc(&ns_url(&ns, "/dead-letters")),
         esc(&f.machine),
     );
@@ -1255,12 +1272,17 @@ pub async fn retry_one(
     flat(
         async {
             let d = letter_in(&state, &ns, &id, &viewer).await?;
-            let retried = state
-                .keel
-                .dead_letter_retry(DeadLetterRetry::one(d.id))
+            // A letter whose instance moved on is left and said so, as "retry selected"
+            // says it.
+            let mut done = crate::operate::LetterRetries::default();
+            done.retry(&state.keel, d.id, d.letter.instance, std::time::Duration::ZERO)
                 .await
                 .map_err(|e| store_or_input(&viewer, &ns, &e))?;
-            let done = Done::Retried { letters: 1, instances: count(retried.len()) };
+            let done = Done::Retried {
+                letters: 1,
+                instances: count(done.retried().len()),
+                stale: done.stale(),
+            };
             Ok(back_to_letters(&ns, done))
         }
         .await,
@@ -1284,28 +1306,41 @@ pub async fn retry_selected(
         }
         // Check every one before retrying any, so a bad id changes nothing. An id given
         // twice (`dl5` and `5` too) is one letter, retried once.
-        let mut letters = BTreeSet::new();
+        let mut letters = BTreeMap::new();
         for id in &raw {
-            letters.insert(letter_in(&state, &ns, id, &viewer).await?.id);
+            let d = letter_in(&state, &ns, id, &viewer).await?;
+            letters.insert(d.id, d.letter.instance);
         }
-        let mut retried = Vec::new();
-        for (n, id) in letters.iter().enumerate() {
-            let ids = state.keel.dead_letter_retry(DeadLetterRetry::one(*id)).await.map_err(|e| {
+        // The rule `keel dlq retry --machine M --all` follows: a letter whose instance is
+        // no longer suspended, or whose instance an earlier ticked letter retried, is
+        // left and counted, not a reason to stop.
+        let mut done = crate::operate::LetterRetries::default();
+        for (n, (id, instance)) in letters.iter().enumerate() {
+            let retry = done.retry(&state.keel, *id, *instance, std::time::Duration::ZERO).await;
+            retry.map_err(|e| {
                 if n == 0 {
                     return store_or_input(&viewer, &ns, &e);
                 }
-                // The letters before this one were retried: say so with the error.
+                // The letters before this one were retried or left: say so with the error.
+                let stale = done.stale();
+                let left = match stale {
+                    0 => String::new(),
+                    k => format!(", and left {k} whose instance is no longer suspended"),
+                };
                 let done = format!(
-                    "retried {n} dead letter(s) ({} instance(s) run again)",
-                    retried.len()
+                    "retried {} dead letter(s) ({} instance(s) run again){left}",
+                    count(n).saturating_sub(stale),
+                    done.retried().len()
                 );
                 let error = crate::output::PartlyDone::wrap(e, done, Value::Null);
                 store_failed(&viewer, &ns, &format!("{error:#}"))
             })?;
-            retried.extend(ids);
         }
-        let done =
-            Done::Retried { letters: count(letters.len()), instances: count(retried.len()) };
+        let done = Done::Retried {
+            letters: count(letters.len()),
+            instances: count(done.retried().len()),
+            stale: done.stale(),
+        };
         Ok(back_to_letters(&ns, done))
     }
     .await)
@@ -1562,6 +1597,41 @@ mod tests {
         assert!(location.ends_with("?done=retried&n=1&of=1"), "{location}");
     }
 
+    /// "Retry selected" with a letter whose instance is no longer suspended among those
+    /// ticked retries the others and says that one was left, naming how to remove it, as
+    /// `keel dlq retry --machine M --all` does; retrying that letter alone says the same.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retry_selected_leaves_a_letter_whose_instance_moved_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (keel, _, letters) = dead_letters(&dir, 3).await;
+        let moved_on = letters[1].letter.instance;
+        keel.cancel(keel::Cancel::new(moved_on)).await.unwrap();
+        let ids: Vec<String> = letters.iter().map(|d| d.id.to_string()).collect();
+        let (status, location, body) = post_retry_selected(&keel, &ids).await;
+        assert!(status.is_redirection(), "{status}: {body}");
+        assert!(location.ends_with("?done=retried&n=3&of=2&stale=1"), "{location}");
+        for (d, want) in letters.iter().zip([Status::Runnable, Status::Cancelled, Status::Runnable])
+        {
+            let row = keel.get(d.letter.instance).await.unwrap().instance;
+            assert_eq!(row.status, want, "{}", d.letter.instance);
+        }
+        let left = keel.dead_letters(DeadLetterFilter { limit: 10, ..Default::default() });
+        let left: Vec<DeadLetterId> = left.await.unwrap().iter().map(|d| d.id).collect();
+        assert_eq!(left, [letters[1].id]);
+
+        let state = AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
+        let response = retry_one(
+            State(Arc::new(state)),
+            Path(("default".to_owned(), letters[1].id.to_string())),
+            Extension(Viewer { grant: None }),
+        )
+        .await;
+        let location = response.headers().get(axum::http::header::LOCATION).cloned();
+        assert!(response.status().is_redirection(), "{}", response.status());
+        let location = location.unwrap();
+        assert!(location.to_str().unwrap().ends_with("?done=retried&n=1&of=0&stale=1"));
+    }
+
     /// When a later retry of "retry selected" fails, the page says which were retried
     /// before it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1594,7 +1664,7 @@ mod tests {
     /// The flash a page shows for the query string `raw`.
     fn flash_of(raw: &str) -> String {
         let f: Flash = serde_urlencoded::from_str(raw).unwrap();
-        flash(&f)
+        flash(&f, "default")
     }
 
     #[test]
@@ -1602,22 +1672,30 @@ mod tests {
         let all = [
             Done::QueuePaused,
             Done::QueueResumed,
-            Done::Retried { letters: 2, instances: 1 },
+            Done::Retried { letters: 2, instances: 1, stale: 0 },
+            Done::Retried { letters: 3, instances: 2, stale: 1 },
             Done::RetriedMachine { instances: 5, stale: 1, more: true },
             Done::Purged { letters: 3, older_ms: 7 * 86_400_000, more: false },
         ];
         for done in all {
             let query = done.query();
             let shown = flash_of(query.strip_prefix('?').unwrap_or_default());
-            assert_eq!(shown, format!("<div class=\"flash\">{}</div>", esc(&done.message())));
+            assert_eq!(
+                shown,
+                format!("<div class=\"flash\">{}</div>", esc(&done.message("default")))
+            );
         }
         assert_eq!(
             flash_of("done=purged&n=3&older_ms=604800000"),
             "<div class=\"flash\">Purged 3 dead letter(s) older than 1 week.</div>"
         );
         assert!(flash_of("done=retried-machine&of=5&stale=1&more=1").contains(
-            "Retried 5 instance(s) of the machine. 1 dead letter(s) left: their instance is no longer suspended. More remain, retry again."
+            "Retried 5 instance(s) of the machine. 1 dead letter(s) left: their instance is no longer suspended; `keel dlq delete ID` removes one. More remain, retry again."
         ));
+        assert_eq!(
+            flash_of("done=retried&n=3&of=2&stale=1"),
+            "<div class=\"flash\">Retried 2 of 3 dead letter(s): 2 instance(s) run again. 1 dead letter(s) left: their instance is no longer suspended; `keel dlq delete ID` removes one.</div>"
+        );
         // Free text, an unknown code, a count that is not a number, or a missing count
         // show nothing.
         for raw in [
@@ -1625,6 +1703,7 @@ mod tests {
             "done=Queue+paused.",
             "done=retried&n=2&of=one",
             "done=retried&n=2",
+            "done=retried&n=2&of=1&stale=x",
             "done=purged&n=-1&older_ms=1",
             "",
         ] {
