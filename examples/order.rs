@@ -130,7 +130,7 @@ async fn run(keel: &Keel, chart: &ChartMachine) -> Result<BTreeMap<String, usize
     for h in sample.history.iter().filter(|h| h.entry.kind == HistoryKind::Macrostep.as_str()) {
         let records = h.entry.data["records"].as_array().map_or(0, Vec::len);
         println!(
-            "  rev {:>2}  {:<10} {records:>2} records",
+            "  rev {:>2}  {:<16} {records:>2} records",
             h.revision.0,
             h.entry.data["event"].as_str().unwrap_or("(start)")
         );

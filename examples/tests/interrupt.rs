@@ -88,6 +88,13 @@ fn ctrl_c_during_the_order_example_then_a_rerun_gives_the_full_tally() {
         output.contains(r#"final tally: {"cancelled": 30, "completed": 60, "failed": 10}"#),
         "{output}"
     );
+    // The history listing reads as a table: its record counts line up, whatever the
+    // event (`parallel.region` is the longest the order chart delivers).
+    let rows: Vec<&str> = output.lines().filter(|l| l.starts_with("  rev ")).collect();
+    assert!(rows.len() > 1, "a history listing:\n{output}");
+    let column = |row: &str| row.find(" records").expect("a record count");
+    assert!(rows.iter().any(|row| row.contains("parallel.region")), "{output}");
+    assert!(rows.iter().all(|row| column(row) == column(rows[0])), "{}", rows.join("\n"));
 }
 
 trait WaitBounded {

@@ -966,7 +966,9 @@ impl<'d> Macrostep<'d> {
     }
 
     /// SCXML `enterStates` (without history and donedata): parents first, `done.state.*`
-    /// queued right after the final state's entry actions.
+    /// queued right after the final state's entry actions — for the final state's parent,
+    /// then for each enclosing parallel state that is now complete (a parallel region
+    /// finishing completes the parallel states above it, not only its own).
     fn enter(&mut self, set: &BTreeSet<usize>) {
         for &s in set {
             if s == 0 || !self.config.insert(s) {
@@ -997,11 +999,18 @@ impl<'d> Macrostep<'d> {
                 continue;
             }
             self.ops.push_back(Op::Raise(Event::done_state(self.def.path(parent))));
-            if let Some(grand) = self.def.parent(parent)
-                && self.def.kind(grand) == StateKind::Parallel
-                && self.def.states[grand].children.iter().all(|&c| self.in_final_state(c))
+            // A parallel ancestor whose regions are now all final is done too, and so on up
+            // through parallel states used as regions of a parallel state: a nested
+            // parallel region finishing last completes the outer one. The walk climbs the
+            // ancestors, so it ends.
+            let mut up = self.def.parent(parent);
+            while let Some(p) = up
+                && p != 0
+                && self.def.kind(p) == StateKind::Parallel
+                && self.in_final_state(p)
             {
-                self.ops.push_back(Op::Raise(Event::done_state(self.def.path(grand))));
+                self.ops.push_back(Op::Raise(Event::done_state(self.def.path(p))));
+                up = self.def.parent(p);
             }
         }
     }

@@ -10,20 +10,27 @@
 //! the new configuration — the mapped states, completed the way entering them would
 //! (their new ancestors, the initial states below a mapped compound state, the regions a
 //! parallel state gained; those states' timers are armed, their entry actions do not run),
-//! which must be legal in `to`, and not final: an instance moved into a final state would
-//! wait there for good — the context, the recorded history
+//! which must be legal in `to`, and must enter no delegation state whose child was not
+//! already running (a move starts no child machine) and no final state the instance was not
+//! already in (a move raises no `done` event): the instance would wait there for good — the
+//! context, the recorded history
 //! states (remapped, or dropped where `to` has no counterpart or the map moves them out of
 //! the history's parent), and the timers — one whose
 //! owning state and event still exist in the new configuration keeps its due time, one
 //! whose state or event is gone is dropped, and a timer of the new configuration with no
-//! old counterpart is armed from now. Anything it cannot map is a refusal that names the
+//! old counterpart is armed from now — unless its state stays active and the old version
+//! had a timer on that event there that fires without leaving the state (a one-shot timer
+//! of a targetless transition, a recurring one with a `max`): that timer has fired (or
+//! used up its `max`), and stays spent. Anything it cannot map is a refusal that names the
 //! old state, so a dry run can show it and an apply leaves the instance untouched.
 
 use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, entry_timers};
 use crate::chart::at_or_below;
 use crate::chart::parallel::{ParallelBook, RegionStatus};
 use crate::chart::step::timeout_owner;
-use crate::chart::{Configuration, Definition, HistoryDepth, INIT_POSITION, StateKind, TimerArm};
+use crate::chart::{
+    Configuration, Definition, HistoryDepth, INIT_POSITION, StateKind, TimerArm, TimerKind,
+};
 use crate::history::HistoryKind;
 use crate::instance::{HistoryEntry, Instance};
 use crate::timers::TimerRow;
@@ -77,10 +84,12 @@ pub enum Refusal {
         /// What is wrong with it.
         reason: String,
     },
-    /// The move would put the instance in a final configuration of the new version: it
-    /// would wait there for good, never finishing (no result, no `done` for a parent).
+    /// The move would put the instance in a final state of the new version that was not
+    /// already active, and final, before the move: a move raises no `done` event, so the
+    /// instance would wait there for good (no result, no `done` for a parent).
     Final {
-        /// The old state whose move lands in the final state.
+        /// The old state whose move lands in (or, by completing the configuration, enters)
+        /// the final state.
         state: String,
         /// The new version's final state it would land in.
         target: String,
@@ -125,7 +134,7 @@ impl fmt::Display for Refusal {
             ),
             Refusal::Final { state, target } => write!(
                 f,
-                "state `{state}` would move to `{target}`, a final state of the new version, where a waiting instance never finishes; map `{state}` to a non-final state with `Migration::map(\"{state}\", …)`, or cancel these instances (`keel cancel <id>`) instead of moving them"
+                "state `{state}` would move to `{target}`, a final state of the new version; a move raises no `done` event for it, so the waiting instance would never finish or leave; map `{state}` to a non-final state with `Migration::map(\"{state}\", …)`, or cancel these instances (`keel cancel <id>`) instead of moving them"
             ),
             Refusal::Context(why) => write!(f, "the context transform refused: {why}"),
             Refusal::Delegating { state } => write!(
@@ -362,15 +371,28 @@ impl Migration {
             configuration: new.paths().map(str::to_owned).collect(),
             reason,
         })?;
-        // A move starts no child machine: a delegation state it enters would wait for good.
-        if let Some((path, machine)) = entered.iter().find_map(|p| {
+        // What was started under an old path must find that path after the move: a
+        // delegated child reports to (and is cancelled with) its state, and a region task
+        // reports to its parallel state and the regions it entered.
+        for path in old.paths() {
+            let delegating = self.from.state(path).is_some_and(|n| n.delegation.is_some());
+            if delegating && self.map_path(path).as_deref() != Some(path) {
+                return Err(Refusal::Delegating { state: path.to_owned() });
+            }
+        }
+        // A move starts no child machine: a delegation state of the new configuration
+        // waits for good unless its child was started before the move, that is the same
+        // state was active, and delegating, in the old version.
+        let started =
+            |p: &str| old.contains(p) && self.from.state(p).is_some_and(|n| n.delegation.is_some());
+        if let Some((path, machine)) = new.paths().find_map(|p| {
             let d = self.to.state(p)?.delegation.as_ref()?;
-            Some((p.clone(), d.machine.clone()))
+            (!started(p)).then(|| (p.to_owned(), d.machine.clone()))
         }) {
             return Err(Refusal::Illegal {
                 configuration: new.paths().map(str::to_owned).collect(),
                 reason: format!(
-                    "the move enters delegation state `{path}`, and a move starts no child machine (`{machine}`); map the instance onto a state inside `{path}`'s parent that does not delegate, or move it once it has left this part of the chart"
+                    "the move enters delegation state `{path}`, which delegates in the new version but had no child machine running before the move, and a move starts no child machine (`{machine}`); map the instance onto a state that does not delegate, or move it once it has left this part of the chart"
                 ),
             });
         }
@@ -386,16 +408,31 @@ impl Migration {
             let (state, target) = landed.unwrap_or_default();
             return Err(Refusal::Final { state, target });
         }
-
-        // What was started under an old path must find that path after the move: a
-        // delegated child reports to (and is cancelled with) its state, and a region task
-        // reports to its parallel state and the regions it entered.
-        for path in old.paths() {
-            let delegating = self.from.state(path).is_some_and(|n| n.delegation.is_some());
-            if delegating && self.map_path(path).as_deref() != Some(path) {
-                return Err(Refusal::Delegating { state: path.to_owned() });
-            }
+        // A move raises no `done.state` event: a final state it puts the instance in (a
+        // compound's final child, a region's last final state) never completes its parent.
+        // Only a final state that was already active, and final, before the move may stay.
+        let was_final = |p: &str| {
+            old.paths().any(|q| {
+                self.from.state(q).is_some_and(|n| n.kind == StateKind::Final)
+                    && self.map_path(q).as_deref() == Some(p)
+            })
+        };
+        if let Some(target) = new
+            .paths()
+            .find(|p| self.to.state(p).is_some_and(|n| n.kind == StateKind::Final) && !was_final(p))
+        {
+            // The old state whose move reaches it: the one mapped onto it or onto its
+            // nearest ancestor.
+            let state = old
+                .paths()
+                .filter_map(|q| Some((q, self.map_path(q)?)))
+                .filter(|(_, to)| at_or_below(target, to))
+                .max_by_key(|(_, to)| to.len())
+                .map(|(q, _)| q.to_owned())
+                .unwrap_or_default();
+            return Err(Refusal::Final { state, target: target.to_owned() });
         }
+
         let mut book_of = row.context.clone();
         let book = ParallelBook::take(&mut book_of);
         for (state, record) in &book.active {
@@ -441,10 +478,30 @@ impl Migration {
                 None => dropped += 1,
             }
         }
+        // A timer of a state that stays active, with no row left, whose old state had a
+        // timer on that event that can fire without leaving the state (a one-shot one with
+        // a targetless branch, or a recurring one with a `max`), has fired (or used up its
+        // `max`): arming it again would fire it twice. A missing row of a timer whose firing
+        // leaves the state means it was never armed, and it is armed.
+        let fired_in_place = |t: &crate::chart::TransitionDef| {
+            t.timer.as_ref().is_some_and(|spec| match spec.kind {
+                TimerKind::After => t.branches.iter().any(|b| b.target.is_none()),
+                TimerKind::Every => spec.max.is_some(),
+            })
+        };
+        let spent = |w: &TimerArm| {
+            !entered.contains(&w.state)
+                && old.paths().any(|q| {
+                    self.map_path(q).as_deref() == Some(w.state.as_str())
+                        && self.from.state(q).is_some_and(|n| {
+                            n.on.iter().any(|t| t.event == w.event && fired_in_place(t))
+                        })
+                })
+        };
         let (kept_n, mut all) = (kept.len(), kept);
         let mut armed = 0;
         for (spec, taken) in wanted.into_iter().zip(taken) {
-            if !taken {
+            if !taken && !spent(&spec) {
                 armed += 1;
                 all.push(TimerRow::armed(TimerId(0), row.id, &row.namespace, &machine, spec, now));
             }
@@ -860,6 +917,111 @@ mod tests {
             panic!("expected a refusal");
         };
         assert!(reason.contains("enters delegation state `g.paying`"), "{reason}");
+    }
+
+    /// A state that delegates in the new version but not in the old one has no child
+    /// machine running: moving onto it, even unmapped under its own path, is refused, while
+    /// a state that was already delegating keeps its child and moves.
+    #[test]
+    fn a_move_onto_a_state_that_gained_a_delegation_is_refused() {
+        let v1 = Definition::builder("m", 1)
+            .initial("a")
+            .state("a", |s| s.on_to("GO", "z"))
+            .final_state("z")
+            .build()
+            .expect("valid");
+        let v2 = Definition::builder("m", 2)
+            .initial("a")
+            .state("a", |s| s.machine("job").on_done(|b| b.target("z")))
+            .final_state("z")
+            .build()
+            .expect("valid");
+        let m = Migration::new(v1, v2).expect("valid");
+        let Err(Refusal::Illegal { configuration, reason }) =
+            m.plan(&waiting(r#"["a"]"#, json!({})), &[], Timestamp(5))
+        else {
+            panic!("expected a refusal");
+        };
+        assert_eq!(configuration, ["a"]);
+        assert!(
+            reason.contains("enters delegation state `a`")
+                && reason.contains("(`job`)")
+                && reason.contains("map the instance onto a state that does not delegate"),
+            "{reason}"
+        );
+        let kept = Migration::new(delegating(1, "paying", "p"), delegating(2, "paying", "p"))
+            .expect("valid");
+        let moved = kept.plan(&waiting(r#"["paying"]"#, json!({})), &[], Timestamp(5));
+        assert_eq!(moved.expect("its child keeps running").row.position, r#"["paying"]"#);
+    }
+
+    /// `p` runs regions `r1` (a → done1) and `r2` (b → done2) and leaves for `end` on
+    /// `@done`.
+    fn regions_to_finish(v: u32) -> Definition {
+        Definition::builder("m", v)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("r1", |r| {
+                    r.initial("a").state("a", |s| s.on_to("A", "done1")).final_state("done1")
+                })
+                .state("r2", |r| {
+                    r.initial("b").state("b", |s| s.on_to("B", "done2")).final_state("done2")
+                })
+                .on_done(|b| b.target("end"))
+            })
+            .final_state("end")
+            .build()
+            .expect("valid")
+    }
+
+    /// A move raises no `done` event, so moving a region onto its final state (which would
+    /// complete `p`) would leave the instance waiting for ever: refused like a move into a
+    /// top-level final state. A region already in its final state moves as it is.
+    #[test]
+    fn a_move_onto_a_nested_final_state_is_refused() {
+        let m = Migration::new(regions_to_finish(1), regions_to_finish(2))
+            .and_then(|m| m.map("p.r2.b", "p.r2.done2"))
+            .expect("valid");
+        let row = waiting(r#"["p","p.r1","p.r1.done1","p.r2","p.r2.b"]"#, json!({}));
+        let refusal = m.plan(&row, &[], Timestamp(5));
+        let expected = Refusal::Final { state: "p.r2.b".into(), target: "p.r2.done2".into() };
+        assert_eq!(refusal, Err(expected));
+
+        let unmapped = Migration::new(regions_to_finish(1), regions_to_finish(2)).expect("valid");
+        let moved = unmapped.plan(&row, &[], Timestamp(5)).expect("moves");
+        assert_eq!(moved.row.position, row.position);
+    }
+
+    /// A state that stays active keeps its live timers. One that fires without leaving it
+    /// and has no row left (a targetless one-shot timer, a recurring one past its `max`)
+    /// already fired, and is not armed again; one whose firing leaves the state was never
+    /// armed, and is; so is a timer the new version added.
+    #[test]
+    fn a_move_does_not_rearm_a_timer_that_already_fired() {
+        use crate::chart::Timer;
+        let chart = |v: u32, nudge: bool| {
+            Definition::builder("m", v)
+                .initial("a")
+                .state("a", move |s| {
+                    let s = s
+                        .on("REMIND", |t| t.action("remind").after(Timer::hours(1)))
+                        .on("PING", |t| t.action("ping").every(Timer::minutes(5)).max(3))
+                        .on("ESCALATE", |t| t.target("b").after(Timer::hours(3)));
+                    if nudge {
+                        s.on("NUDGE", |t| t.action("nudge").after(Timer::hours(2)))
+                    } else {
+                        s
+                    }
+                })
+                .leaf("b")
+                .build()
+                .expect("valid")
+        };
+        let m = Migration::new(chart(1, false), chart(2, true)).expect("valid");
+        let moved = m.plan(&waiting(r#"["a"]"#, json!({})), &[], Timestamp(5)).expect("moves");
+        let events: Vec<_> = moved.timers.iter().map(|t| t.spec.event.as_str()).collect();
+        assert_eq!(events, ["ESCALATE", "NUDGE"], "REMIND and PING fired before the move");
+        assert_eq!((moved.kept, moved.armed), (0, 2));
     }
 
     #[test]

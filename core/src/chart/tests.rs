@@ -419,6 +419,34 @@ fn parallel_done_event_order() {
     assert_eq!(names, ["done.state.p.r1", "done.state.p.r2", "done.state.p"]);
 }
 
+/// A parallel state used as a region completes its parent when it finishes last: its
+/// `done.state` is followed by the outer parallel state's, and the outer `@done` fires,
+/// whichever region finishes last.
+#[test]
+fn a_nested_parallel_region_finishing_last_completes_the_outer_parallel_state() {
+    let region = |r: StateBuilder, event: &'static str| {
+        r.initial("a").state("a", move |s| s.on_to(event, "f")).final_state("f")
+    };
+    let def = chart()
+        .initial("p")
+        .parallel("p", |p| {
+            p.state("r1", |r| region(r, "A"))
+                .parallel("r2", |q| q.state("x", |r| region(r, "X")).state("y", |r| region(r, "Y")))
+                .on_done(|b| b.target("z"))
+        })
+        .leaf("z")
+        .build()
+        .expect("valid");
+    for order in [["A", "X", "Y"], ["X", "A", "Y"], ["X", "Y", "A"]] {
+        let results = run(&def, &json!({}), &events(&order), Limits::default());
+        let last = results.last().expect("ran");
+        assert_eq!(last.configuration.leaves(&def), ["z"], "after {order:?}");
+        let names: Vec<&str> = last.internal_events.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names.last(), Some(&"done.state.p"), "after {order:?}: {names:?}");
+        assert_eq!(names.iter().filter(|n| **n == "done.state.p").count(), 1, "{names:?}");
+    }
+}
+
 #[test]
 fn conditional_done_and_fail() {
     let def = || {
@@ -1163,11 +1191,12 @@ fn done_that_can_never_fire_is_refused() {
 
 /// An `on` event named like one of Keel's own triggers is refused, naming the builder call
 /// and the JSON key that mean it; the likely slip is `"@done"` inside a JSON `on` list.
+/// Any other name starting with `@` is a signal name a caller can send, and still builds.
 #[test]
-fn on_events_starting_with_at_are_refused() {
+fn on_events_named_like_keel_triggers_are_refused() {
     let message = |event: &str, fix: &str| {
         format!(
-            "state `a`: transition on `{event}` can never fire: names starting with `@` are reserved for Keel's own triggers, which no `on` entry receives; fix: {fix}"
+            "state `a`: transition on `{event}` can never fire: `{event}` is one of Keel's own triggers (`@done`, `@always`, `@fail`, `@timeout`), which no `on` entry receives; fix: {fix}"
         )
     };
     for (event, fix) in [
@@ -1175,7 +1204,6 @@ fn on_events_starting_with_at_are_refused() {
         ("@always", "use `.always(…)` in Rust, or the state's `\"@always\"` key in JSON"),
         ("@fail", "use `.on_fail(…)` in Rust, or the state's `\"@fail\"` key in JSON"),
         ("@timeout", "use `.on_timeout(…)` in Rust, or the state's `\"@timeout\"` key in JSON"),
-        ("@GO", "rename the event without the leading `@`"),
     ] {
         let errors = chart()
             .initial("a")
@@ -1192,6 +1220,17 @@ fn on_events_starting_with_at_are_refused() {
     let refused = ChartBuilder::from_json(json).expect("parses").build().unwrap_err();
     assert_eq!(refused.errors.len(), 1, "{refused}");
     assert!(refused.to_string().contains("the state's `\"@done\"` key in JSON"), "{refused}");
+
+    // A signal named `@GO` is delivered to `on("@GO")` like any other name.
+    let def = chart()
+        .initial("a")
+        .state("a", |s| s.on_to("@GO", "b"))
+        .leaf("b")
+        .build()
+        .expect("`@GO` is an ordinary signal name");
+    let results = run(&def, &json!({}), &events(&["@GO"]), Limits::default());
+    let done = results.last().expect("ran");
+    assert_eq!(done.configuration.leaves(&def), ["b"]);
 }
 
 #[test]

@@ -253,11 +253,11 @@ pub enum ChartError {
         /// Why it is never done.
         reason: String,
     },
-    /// An `on` event whose name starts with `@`: those names are the triggers Keel
-    /// generates (`@done`, `@fail`, `@timeout`, `@always`), which an `on` entry never
-    /// receives.
+    /// An `on` event named like one of the triggers Keel generates (`@done`, `@fail`,
+    /// `@timeout`, `@always`), which an `on` entry never receives. Other names starting
+    /// with `@` are ordinary signal names.
     #[error(
-        "state `{state}`: transition on `{event}` can never fire: names starting with `@` are reserved for Keel's own triggers, which no `on` entry receives; fix: {fix}"
+        "state `{state}`: transition on `{event}` can never fire: `{event}` is one of Keel's own triggers (`@done`, `@always`, `@fail`, `@timeout`), which no `on` entry receives; fix: {fix}"
     )]
     ReservedEventName {
         /// State path.
@@ -633,22 +633,20 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
             .push(ChartError::DoneNeverFires { state: display(&flat.states[id].path), reason });
     }
     for (event, _, _) in &b.on {
-        if let Some(trigger) = event.strip_prefix('@') {
-            let fix = match trigger {
-                "done" => "use `.on_done(…)` in Rust, or the state's `\"@done\"` key in JSON",
-                "always" => "use `.always(…)` in Rust, or the state's `\"@always\"` key in JSON",
-                "fail" => "use `.on_fail(…)` in Rust, or the state's `\"@fail\"` key in JSON",
-                "timeout" => {
-                    "use `.on_timeout(…)` in Rust, or the state's `\"@timeout\"` key in JSON"
-                }
-                _ => "rename the event without the leading `@`",
-            };
-            flat.errors.push(ChartError::ReservedEventName {
-                state: display(&flat.states[id].path),
-                event: event.clone(),
-                fix: fix.to_owned(),
-            });
-        }
+        // Only the four trigger names are Keel's: any other `@…` name is a signal name a
+        // caller can send, and an `on` entry receives it.
+        let fix = match event.as_str() {
+            "@done" => "use `.on_done(…)` in Rust, or the state's `\"@done\"` key in JSON",
+            "@always" => "use `.always(…)` in Rust, or the state's `\"@always\"` key in JSON",
+            "@fail" => "use `.on_fail(…)` in Rust, or the state's `\"@fail\"` key in JSON",
+            "@timeout" => "use `.on_timeout(…)` in Rust, or the state's `\"@timeout\"` key in JSON",
+            _ => continue,
+        };
+        flat.errors.push(ChartError::ReservedEventName {
+            state: display(&flat.states[id].path),
+            event: event.clone(),
+            fix: fix.to_owned(),
+        });
     }
     if !b.on_timeout.is_empty() && b.machine.is_none() {
         flat.errors
