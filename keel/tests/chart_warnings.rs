@@ -2,8 +2,10 @@
 //! on a worker logs each warning of its definition once, at `warn` level, naming the
 //! machine and its version. The warnings themselves are tested in keel-core.
 
+mod common;
+
+use common::Lines;
 use keel::{ChartMachine, Definition, Keel};
-use std::sync::{Arc, Mutex};
 
 /// A chart with a state nothing leads to (`archived`) and a transition from one region of
 /// a parallel state into the other (`checks.legal.asked` → `checks.finance.approved`).
@@ -30,39 +32,6 @@ fn chart() -> ChartMachine {
         .build()
         .expect("warnings do not stop the build");
     ChartMachine::new(def)
-}
-
-/// Every event logged while it is the default subscriber, as `LEVEL message`.
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<String>>>);
-
-struct Message<'a>(&'a mut String);
-
-impl tracing::field::Visit for Message<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        if field.name() == "message" {
-            *self.0 = format!("{value:?}");
-        }
-    }
-}
-
-impl tracing::Subscriber for Lines {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut message = String::new();
-        event.record(&mut Message(&mut message));
-        let line = format!("{} {message}", event.metadata().level());
-        self.0.lock().expect("not poisoned").push(line);
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 #[tokio::test]

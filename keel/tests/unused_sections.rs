@@ -4,10 +4,12 @@
 //! is reported (logged as a warning at start-up) with that name. The rule itself
 //! (`keel_core::config::unused_sections`, `closest`) is tested in keel-core.
 
+mod common;
+
+use common::Lines;
 use keel::layers::core::config::KeelConfig;
 use keel::settings::UnusedSection;
 use keel::{Keel, MachineRef, Outcome, StepContext, StepError, StepMachine, WorkerConfig, json};
-use std::sync::{Arc, Mutex};
 
 struct Order;
 
@@ -75,39 +77,6 @@ async fn a_queue_the_worker_claims_from_is_in_use() {
     assert_eq!(worker.expect("registers").unused_sections(), []);
     let other = keel.worker().register(Order).expect("registers");
     assert_eq!(other.unused_sections(), [typo("[queues.tier1]", "tier2")]);
-}
-
-/// Every event logged while it is the default subscriber, as `LEVEL message`.
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<String>>>);
-
-struct Message<'a>(&'a mut String);
-
-impl tracing::field::Visit for Message<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        if field.name() == "message" {
-            *self.0 = format!("{value:?}");
-        }
-    }
-}
-
-impl tracing::Subscriber for Lines {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut message = String::new();
-        event.record(&mut Message(&mut message));
-        let line = format!("{} {message}", event.metadata().level());
-        self.0.lock().expect("not poisoned").push(line);
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 #[tokio::test]

@@ -909,11 +909,9 @@ fn holds(row: &keel::Instance, worker: &str, token: i64) -> bool {
 mod tests {
     use super::*;
 
-    /// A task claimed for a poll that cannot hand it out (the server began to shut down
-    /// while the claim ran) goes back runnable at once with no attempt counted, and the
-    /// next claim gets it as it was.
-    #[tokio::test]
-    async fn a_claim_given_back_counts_no_attempt() {
+    /// A store in a temporary directory (kept while the first value lives) holding one
+    /// runnable task of `echo` v1.
+    async fn echo_task() -> (tempfile::TempDir, keel::Keel, InstanceId) {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("keel.db").display());
         let keel = keel::Keel::connect(&url).await.unwrap();
@@ -922,6 +920,15 @@ mod tests {
             .await
             .unwrap()
             .id();
+        (dir, keel, id)
+    }
+
+    /// A task claimed for a poll that cannot hand it out (the server began to shut down
+    /// while the claim ran) goes back runnable at once with no attempt counted, and the
+    /// next claim gets it as it was.
+    #[tokio::test]
+    async fn a_claim_given_back_counts_no_attempt() {
+        let (_dir, keel, id) = echo_task().await;
         let state = AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
         let body: PollBody = serde_json::from_str(
             r#"{"worker":"w1","namespace":"default","machines":[{"name":"echo","version":1}]}"#,
@@ -953,14 +960,7 @@ mod tests {
     /// is not shown stale while it works.
     #[tokio::test]
     async fn a_heartbeat_that_holds_its_lease_records_its_worker() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
-        let keel = keel::Keel::connect(&url).await.unwrap();
-        let id = keel
-            .start(keel::NewInstance::new(MachineRef::new("echo", 1), "run"))
-            .await
-            .unwrap()
-            .id();
+        let (_dir, keel, id) = echo_task().await;
         let mut state =
             AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
         state.beats = super::super::registry::Beats::every(Duration::ZERO);
