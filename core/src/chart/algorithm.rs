@@ -1088,41 +1088,11 @@ impl<'d> Macrostep<'d> {
     }
 
     fn add_descendants(&self, s: usize, set: &mut BTreeSet<usize>) {
-        set.insert(s);
-        let node = &self.def.states[s];
-        match node.kind {
-            StateKind::Compound => {
-                if let Some(initial) = node.initial {
-                    self.add_descendants(initial, set);
-                }
-            }
-            StateKind::Parallel => {
-                for &child in &node.children {
-                    if !set.iter().any(|&x| self.def.is_descendant(x, child)) {
-                        self.add_descendants(child, set);
-                    }
-                }
-            }
-            _ => {}
-        }
+        add_descendants(self.def, s, set);
     }
 
     fn add_ancestors(&self, s: usize, upto: Option<usize>, set: &mut BTreeSet<usize>) {
-        let mut anc = self.def.parent(s);
-        while let Some(a) = anc {
-            if Some(a) == upto {
-                break;
-            }
-            set.insert(a);
-            if self.def.kind(a) == StateKind::Parallel {
-                for &child in &self.def.states[a].children {
-                    if !set.iter().any(|&x| x == child || self.def.is_descendant(x, child)) {
-                        self.add_descendants(child, set);
-                    }
-                }
-            }
-            anc = self.def.parent(a);
-        }
+        add_ancestors(self.def, s, upto, set);
     }
 
     fn finish(&mut self, error: Option<MacrostepError>) {
@@ -1327,5 +1297,53 @@ pub fn run_to_completion(
             }
             Next::Done(result) => return *result,
         }
+    }
+}
+
+/// Adds `s` to `set` with what entering it enters below it: a compound state's initial
+/// state, every region of a parallel state that `set` holds nothing of yet, and so on
+/// down.
+pub(super) fn add_descendants(def: &Definition, s: usize, set: &mut BTreeSet<usize>) {
+    set.insert(s);
+    let node = &def.states[s];
+    match node.kind {
+        StateKind::Compound => {
+            if let Some(initial) = node.initial {
+                add_descendants(def, initial, set);
+            }
+        }
+        StateKind::Parallel => {
+            for &child in &node.children {
+                if !set.iter().any(|&x| def.is_descendant(x, child)) {
+                    add_descendants(def, child, set);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Adds the ancestors of `s` up to (not including) `upto` to `set`, with the regions of
+/// each parallel ancestor that `set` holds nothing of yet ([`add_descendants`]).
+pub(super) fn add_ancestors(
+    def: &Definition,
+    s: usize,
+    upto: Option<usize>,
+    set: &mut BTreeSet<usize>,
+) {
+    let mut anc = def.parent(s);
+    while let Some(a) = anc {
+        if Some(a) == upto {
+            break;
+        }
+        set.insert(a);
+        if def.kind(a) == StateKind::Parallel {
+            for &child in &def.states[a].children {
+                if !set.iter().any(|&x| x == child || def.is_descendant(x, child)) {
+                    add_descendants(def, child, set);
+                }
+            }
+        }
+        anc = def.parent(a);
     }
 }

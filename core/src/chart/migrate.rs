@@ -24,7 +24,7 @@
 //! used up its `max`), and stays spent. Anything it cannot map is a refusal that names the
 //! old state, so a dry run can show it and an apply leaves the instance untouched.
 
-use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, entry_timers};
+use crate::chart::algorithm::{HISTORY_CONTEXT_KEY, add_ancestors, add_descendants, entry_timers};
 use crate::chart::at_or_below;
 use crate::chart::parallel::{ParallelBook, RegionStatus};
 use crate::chart::step::timeout_owner;
@@ -396,18 +396,6 @@ impl Migration {
                 ),
             });
         }
-        if new.is_final(&self.to) {
-            // A top-level final state is a leaf, so exactly one old path maps onto it.
-            let landed = old.paths().find_map(|p| {
-                let to = self.map_path(p)?;
-                self.to
-                    .state(&to)
-                    .is_some_and(|n| n.kind == StateKind::Final && !to.contains('.'))
-                    .then(|| (p.to_owned(), to))
-            });
-            let (state, target) = landed.unwrap_or_default();
-            return Err(Refusal::Final { state, target });
-        }
         // A move raises no `done.state` event: a final state it puts the instance in (a
         // compound's final child, a region's last final state) never completes its parent.
         // Only a final state that was already active, and final, before the move may stay.
@@ -524,38 +512,24 @@ impl Migration {
     /// document order: they count as entered, without their entry actions.
     fn complete(&self, paths: &[String]) -> (Configuration, Vec<String>) {
         let def = &*self.to;
-        let mut given = BTreeSet::new();
+        let given: BTreeSet<usize> =
+            paths.iter().filter_map(|path| def.by_path.get(path).copied()).collect();
+        // Entered the way a transition enters its targets: each deepest given state with
+        // what entering it enters below it, then the ancestors of each with the regions of
+        // parallel ancestors that hold nothing yet. Every given leaf is in the set before
+        // any ancestor is added, so a region a given state already covers is not entered
+        // by its initial state too.
+        let leaves: Vec<usize> = given
+            .iter()
+            .copied()
+            .filter(|&s| !given.iter().any(|&d| d != s && def.is_descendant(d, s)))
+            .collect();
         let mut active = BTreeSet::from([0]);
-        for path in paths {
-            let Some(&id) = def.by_path.get(path) else { continue };
-            given.insert(id);
-            let mut cur = Some(id);
-            while let Some(s) = cur {
-                active.insert(s);
-                cur = def.parent(s);
-            }
+        for &s in &leaves {
+            add_descendants(def, s, &mut active);
         }
-        // Each state is added (and looked at) once, so this ends.
-        let mut work: Vec<usize> = active.iter().copied().collect();
-        while let Some(s) = work.pop() {
-            let node = &def.states[s];
-            match node.kind {
-                StateKind::Compound if !node.children.iter().any(|c| active.contains(c)) => {
-                    if let Some(initial) = node.initial
-                        && active.insert(initial)
-                    {
-                        work.push(initial);
-                    }
-                }
-                StateKind::Parallel => {
-                    for &region in &node.children {
-                        if active.insert(region) {
-                            work.push(region);
-                        }
-                    }
-                }
-                _ => {}
-            }
+        for &s in &leaves {
+            add_ancestors(def, s, None, &mut active);
         }
         let entered = active
             .iter()
