@@ -58,6 +58,17 @@ pub(crate) fn differences(a: &KeelConfig, b: &KeelConfig) -> Vec<String> {
             }
         }));
     }
+    // Every field named, so a section added to the file does not compile until it is
+    // compared here too.
+    let KeelConfig {
+        queue: _,
+        machines: _,
+        parallel_dispatch: _,
+        schedules: _,
+        retention: _,
+        queues: _,
+        env_overrides: _,
+    } = a;
     let mut out = Vec::new();
     if a.queue != b.queue {
         out.push("[queue]".to_owned());

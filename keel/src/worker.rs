@@ -38,15 +38,6 @@ impl fmt::Debug for RegistrationError {
 
 impl std::error::Error for RegistrationError {}
 
-/// The build warnings of `machine`'s chart definition, when it is a
-/// [`ChartMachine`](keel_scheduler::ChartMachine) (other machines have none).
-fn chart_warnings(machine: &(impl StepMachine + 'static)) -> Vec<keel_core::chart::ChartWarning> {
-    let any: &dyn std::any::Any = machine;
-    any.downcast_ref::<keel_scheduler::ChartMachine>()
-        .map(|chart| chart.definition().warnings().to_vec())
-        .unwrap_or_default()
-}
-
 /// A worker being put together: register machines, then [`spawn`](Self::spawn) it or
 /// [`run`](Self::run) it until the process is asked to stop.
 pub struct WorkerBuilder {
@@ -109,17 +100,21 @@ impl WorkerBuilder {
 
     /// Registers a machine. A chart whose definition names actions that were not bound is
     /// refused here, with every missing name in the error, instead of failing its instances
-    /// later. A [`ChartMachine`](keel_scheduler::ChartMachine)'s definition warnings
-    /// (`Definition::warnings`: an unreachable state, a shadowed transition, a transition
-    /// into a sibling region) are logged here, once each, at `warn` level with the
-    /// machine and its version; they never stop the worker.
+    /// later. The machine's definition warnings ([`StepMachine::warnings`]: a chart's
+    /// unreachable state, shadowed transition, transition into a sibling region) are
+    /// logged here, once each, at `warn` level with the machine and its version; they
+    /// never stop the worker.
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
         let delegates = machine.delegates();
-        let warnings = chart_warnings(&machine);
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
-        for queue in machine.queues_started() {
+        // Read as the runtime's worker reads it: a machine that panics here serves nothing
+        // more, and is not refused for it.
+        let started =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| machine.queues_started()))
+                .unwrap_or_default();
+        for queue in started {
             if !self.own_queues.contains(&queue) {
                 self.own_queues.push(queue);
             }
@@ -141,15 +136,6 @@ impl WorkerBuilder {
                 machine: format!("{} v{}", name.name, name.version),
                 missing: vec![format!("a usable configuration ({e})")],
             });
-        }
-        for warning in &warnings {
-            tracing::warn!(
-                machine = %name.name,
-                version = name.version,
-                "chart {} v{}: {warning}",
-                name.name,
-                name.version
-            );
         }
         Ok(self)
     }

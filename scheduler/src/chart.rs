@@ -389,6 +389,11 @@ impl StepMachine for ChartMachine {
         self.delegated_machines()
     }
 
+    fn warnings(&self) -> Vec<String> {
+        let (name, version) = (self.definition.name(), self.definition.version());
+        self.definition.warnings().iter().map(|w| format!("chart {name} v{version}: {w}")).collect()
+    }
+
     fn config(&self) -> QueueConfig {
         self.config
     }

@@ -333,6 +333,14 @@ pub trait StepMachine: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// What is likely a slip in this machine's definition, each as a line naming the
+    /// machine (a chart's `Definition::warnings`: a state nothing leads to, a shadowed
+    /// transition, a transition into a sibling region). A worker that registers the
+    /// machine logs each once at `warn` level; they never stop it. Default: none.
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Machines this one starts as children by name (chart delegation states). A worker
     /// checks at start-up that each is registered with it or declared as served by
     /// another worker.

@@ -603,6 +603,10 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             );
             self.config.queues.push((queue, slots));
         }
+        let m = machine.machine();
+        for warning in catch_panic(|| machine.warnings()).unwrap_or_default() {
+            tracing::warn!(machine = %m.name, version = m.version, "{warning}");
+        }
         if self.unbound.is_none() {
             let missing = machine.unbound();
             if !missing.is_empty() {
