@@ -8,7 +8,7 @@ use anyhow::{Context as _, anyhow, bail};
 use keel::layers::core::ids::DeadLetterId;
 use keel::layers::core::ports::Store;
 use keel::layers::core::ports::store::{
-    DeadLetterPurgeParams, DeadLetterSelector, QueuePauseParams, QueueStats,
+    DeadLetterPurgeParams, DeadLetterSelector, QueuePauseParams, QueueState, QueueStats,
 };
 use keel::{
     Cancel, ConnectOptions, DeadLetterFilter, DeadLetterRetry, DeliveryOutcome, InsertOutcome,
@@ -151,7 +151,8 @@ pub async fn status_rows(
 ) -> anyhow::Result<Vec<StatusRow>> {
     let now = now();
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
-    status_rows_from(keel, ns, machine, &stats, now).await
+    let queues = keel.store().queue_list(ns.to_owned()).await?;
+    status_rows_from(keel, ns, machine, &stats, &queues, now).await
 }
 
 /// The status rows and the last hour of `ns` at `now`, from one read of the queue counts:
@@ -162,51 +163,60 @@ pub async fn status_and_activity(
     machine: Option<&str>,
     now: Timestamp,
 ) -> anyhow::Result<(Vec<StatusRow>, Vec<crate::operate::MachineActivity>)> {
-    let (rows, activity, _) = status_activity_and_queues(keel, ns, machine, now).await?;
-    Ok((rows, activity))
+    let status = status_activity_and_queues(keel, ns, machine, now).await?;
+    Ok((status.rows, status.activity))
+}
+
+/// What `keel status` shows, from one read of the queue counts and one of the queue list.
+struct StatusRead {
+    /// The status rows, filtered to the `machine` asked for.
+    rows: Vec<StatusRow>,
+    /// The last hour, per machine.
+    activity: Vec<crate::operate::MachineActivity>,
+    /// The queues that hold unfinished instances of any machine (not only `machine`'s).
+    busy: std::collections::BTreeSet<String>,
+    /// The paused queues, sorted: those with unfinished instances and those without.
+    paused: Vec<String>,
 }
 
 /// [`status_and_activity`], with the queues that hold unfinished instances of any machine
-/// (the rows are filtered to `machine`; this set is not).
+/// (the rows are filtered to `machine`; this set is not) and the paused queues, both read
+/// with the rows so they agree with them.
 async fn status_activity_and_queues(
     keel: &Keel,
     ns: &str,
     machine: Option<&str>,
     now: Timestamp,
-) -> anyhow::Result<(
-    Vec<StatusRow>,
-    Vec<crate::operate::MachineActivity>,
-    std::collections::BTreeSet<String>,
-)> {
+) -> anyhow::Result<StatusRead> {
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now).await?;
-    let rows = status_rows_from(keel, ns, machine, &stats, now).await?;
+    let queues = keel.store().queue_list(ns.to_owned()).await?;
+    let rows = status_rows_from(keel, ns, machine, &stats, &queues, now).await?;
     let activity = crate::operate::activity_from(keel, ns, machine, now, &stats).await?;
     let busy = stats.into_iter().map(|s| s.queue).collect();
-    Ok((rows, activity, busy))
+    let mut paused: Vec<String> =
+        queues.into_iter().filter(|q| q.paused).map(|q| q.queue).collect();
+    paused.sort();
+    Ok(StatusRead { rows, activity, busy, paused })
 }
 
-/// [`status_rows`] from queue counts already read at `now`.
+/// [`status_rows`] from queue counts and the queue list already read at `now`.
 async fn status_rows_from(
     keel: &Keel,
     ns: &str,
     machine: Option<&str>,
     stats: &[QueueStats],
+    queues: &[QueueState],
     now: Timestamp,
 ) -> anyhow::Result<Vec<StatusRow>> {
-    let paused: BTreeMap<String, bool> = keel
-        .store()
-        .queue_list(ns.to_owned())
-        .await?
-        .into_iter()
-        .map(|q| (q.queue, q.paused))
-        .collect();
+    let paused: BTreeMap<&str, bool> =
+        queues.iter().map(|q| (q.queue.as_str(), q.paused)).collect();
     let dead = dead_letter_counts(keel, ns).await?;
     let mut rows: BTreeMap<(String, String), StatusRow> = BTreeMap::new();
     for s in stats {
         rows.insert(
             (s.queue.clone(), s.machine.clone()),
             StatusRow {
-                paused: paused.get(&s.queue).copied().unwrap_or(false),
+                paused: paused.get(s.queue.as_str()).copied().unwrap_or(false),
                 dead_letters: dead.get(&s.machine).copied().unwrap_or(0),
                 oldest_ready_age_ms: s.oldest_ready_at.map(|at| now.0 - at.0),
                 namespace: s.namespace.clone(),
@@ -259,7 +269,8 @@ async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<St
 }
 
 async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<Report> {
-    let (rows, activity, busy) = status_activity_and_queues(keel, ns, machine, now()).await?;
+    let StatusRead { rows, activity, busy, paused } =
+        status_activity_and_queues(keel, ns, machine, now()).await?;
     let mut t = table(&[
         "queue",
         "machine",
@@ -295,7 +306,6 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
     // queue with no unfinished instance is still named, so it is not forgotten until work
     // arrives. Whether it is empty is decided over every machine, not the `--machine`
     // rows above: another machine's work in it is still unfinished.
-    let paused = paused_queues(keel, ns).await?;
     let empty: Vec<String> =
         paused.iter().filter(|q| !busy.contains(q.as_str())).map(|q| shell_word(q)).collect();
     if !empty.is_empty() {
@@ -313,15 +323,6 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
         json!({ "namespace": ns, "queues": rows, "paused_queues": paused, "machines": activity }),
         human,
     ))
-}
-
-/// The paused queues of `ns`, sorted: those with unfinished instances and those without.
-async fn paused_queues(keel: &Keel, ns: &str) -> anyhow::Result<Vec<String>> {
-    let queues = keel.store().queue_list(ns.to_owned()).await?;
-    let mut paused: Vec<String> =
-        queues.into_iter().filter(|q| q.paused).map(|q| q.queue).collect();
-    paused.sort();
-    Ok(paused)
 }
 
 async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
@@ -437,11 +438,10 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
 /// deploy runs on the new code. With no such worker it is 1, and a note on stderr says so
 /// and how to pick another.
 async fn default_version(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<i32> {
-    use keel::layers::core::ports::store::WORKER_STALE_AFTER;
-    let live = keel.store().worker_list(now().minus(WORKER_STALE_AFTER)).await?;
+    let live = crate::operate::live_workers(keel, now()).await?;
     let newest = live
         .iter()
-        .filter(|w| w.namespaces.is_empty() || w.namespaces.iter().any(|n| n == ns))
+        .filter(|w| w.claims_from(ns))
         .flat_map(|w| &w.machines)
         .filter(|m| m.name == machine)
         .map(|m| m.version)
@@ -754,12 +754,9 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                     let letter = letter_in(keel, ns, &id).await?;
                     let retry = DeadLetterRetry::one(letter.id).after(delay.unwrap_or_default());
                     let retried = keel.dead_letter_retry(retry).await.map_err(|e| {
-                        if !matches!(e.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound)
-                        {
+                        if !crate::operate::letter_left_over(&e) {
                             return anyhow::Error::from(e);
                         }
-                        // Its instance moved on or is gone: the letter only counts against
-                        // `status` and `health` until it is deleted.
                         anyhow!(
                             "{e}; this dead letter is left over: `{}` removes it",
                             hint(ns, &format!("dlq delete {}", letter.id))

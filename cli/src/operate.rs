@@ -210,7 +210,8 @@ pub async fn activity_within(
     Ok(out.into_values().filter(|a| machine.is_none_or(|m| a.machine == m)).collect())
 }
 
-async fn live_workers(keel: &Keel, now: Timestamp) -> anyhow::Result<Vec<WorkerRecord>> {
+/// The workers seen within [`WORKER_STALE_AFTER`] of `now`.
+pub(crate) async fn live_workers(keel: &Keel, now: Timestamp) -> anyhow::Result<Vec<WorkerRecord>> {
     Ok(keel.store().worker_list(now.minus(WORKER_STALE_AFTER)).await?)
 }
 
@@ -912,6 +913,13 @@ pub struct MachineRetried {
     pub complete: bool,
 }
 
+/// Whether the store refused a dead-letter retry because the letter is left over: its
+/// instance is no longer suspended (moved on, cancelled, retried through an older letter)
+/// or is gone. Such a letter only counts against `status` and `health` until it is deleted.
+pub(crate) fn letter_left_over(error: &keel::StoreError) -> bool {
+    matches!(error.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound)
+}
+
 /// Dead letters retried one at a time under one rule, by `keel dlq retry --machine M --all`
 /// ([`retry_machine_letters`]) and by the dashboard's "retry selected". An instance runs
 /// again at most once per run: a later letter of one already retried is counted stale and
@@ -952,7 +960,7 @@ impl LetterRetries {
             }
             // The store refuses a letter whose instance is no longer suspended (moved on,
             // cancelled, retried through an older letter) or is gone.
-            Err(e) if matches!(e.kind, keel::ErrorKind::Conflict | keel::ErrorKind::NotFound) => {
+            Err(e) if letter_left_over(&e) => {
                 self.stale += 1;
                 Ok(())
             }
@@ -1220,7 +1228,7 @@ pub async fn known_names(keel: &Keel, ns: &str) -> anyhow::Result<KnownNames> {
     }
     let seen_since = now.minus(WORKER_STALE_AFTER + KNOWN_WITHIN);
     for worker in keel.store().worker_list(seen_since).await? {
-        if worker.namespaces.is_empty() || worker.namespaces.iter().any(|n| n == ns) {
+        if worker.claims_from(ns) {
             known.machines.extend(worker.machines.into_iter().map(|m| m.name));
         }
     }

@@ -929,10 +929,14 @@ pub struct WorkerRecord {
 }
 
 impl WorkerRecord {
+    /// Whether it claims from `namespace`: it names it, or names none (every namespace).
+    pub fn claims_from(&self, namespace: &str) -> bool {
+        self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace)
+    }
+
     /// Whether it serves `machine` in `namespace`.
     pub fn serves(&self, namespace: &str, machine: &MachineRef) -> bool {
-        (self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace))
-            && self.machines.contains(machine)
+        self.claims_from(namespace) && self.machines.contains(machine)
     }
 }
 

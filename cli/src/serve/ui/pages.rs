@@ -309,10 +309,7 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
     let (rows, activity) = counts.map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
     let timers = timers.map_err(|e| store_failed(viewer, ns, &e))?;
     let seen = seen.map_err(|e| store_failed(viewer, ns, &e))?;
-    let workers: Vec<_> = seen
-        .into_iter()
-        .filter(|w| w.namespaces.is_empty() || w.namespaces.iter().any(|n| n == ns))
-        .collect();
+    let workers: Vec<_> = seen.into_iter().filter(|w| w.claims_from(ns)).collect();
     let mut out = String::new();
     out.push_str(&totals_panel(&rows));
     out.push_str(&health_panel(state, &rows, &activity));
