@@ -522,13 +522,9 @@ async fn cancel(
 }
 
 /// Whether a cascading cancel that returned `cancelled` may have stopped at the store's
-/// bound of [`CANCEL_CASCADE_MAX`](keel_core::limits::CANCEL_CASCADE_MAX) instances (the
-/// root included) with live descendants left. The store returns only the ids, so a
-/// cascade that cancelled exactly the bound is taken as cut (it may have been all there
-/// was). A cut at [`CANCEL_CASCADE_DEPTH_MAX`](keel_core::limits::CANCEL_CASCADE_DEPTH_MAX)
-/// levels is not seen here: the store does not report it.
+/// bound with live descendants left (`keel_core::plan::cancel::may_be_cut`).
 pub fn cascade_cut(cancelled: &[InstanceId]) -> bool {
-    cancelled.len() >= keel_core::limits::CANCEL_CASCADE_MAX
+    keel_core::plan::cancel::may_be_cut(cancelled.len())
 }
 
 /// What the warning of a cut cascade from `root` says: that live descendants may still

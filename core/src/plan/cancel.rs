@@ -47,6 +47,15 @@ pub struct CancelPlan {
     pub releases: Vec<ParentRelease>,
 }
 
+/// Whether a cascading cancel that cancelled `cancelled` instances (the root included) may
+/// have stopped at [`limits::CANCEL_CASCADE_MAX`] with live descendants left: a store
+/// returns only the ids, so a cascade that cancelled exactly the bound is taken as cut (it
+/// may have been all there was). A cut at [`limits::CANCEL_CASCADE_DEPTH_MAX`] levels is
+/// not seen this way.
+pub fn may_be_cut(cancelled: usize) -> bool {
+    cancelled >= limits::CANCEL_CASCADE_MAX
+}
+
 impl CancelPlan {
     /// The ids cancelled: the caller's result.
     pub fn cancelled(&self) -> Vec<InstanceId> {
