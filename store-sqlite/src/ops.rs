@@ -1670,23 +1670,25 @@ pub(crate) async fn migrate(db: &mut Db<'_>, p: &MigrateParams) -> StoreResult<M
     Ok(MigratePage { items: plan.items, last })
 }
 
+/// A prune page: the rows after a cursor, with what still refers to each (a live parent,
+/// children, dead letters), every question answered along an index.
+const PRUNE_PAGE_SQL: &str = "SELECT i.id, i.namespace, i.machine, i.status, i.updated_at, \
+       EXISTS (SELECT 1 FROM keel_instances q WHERE q.id = i.parent_id \
+               AND q.status NOT IN ('done', 'failed', 'cancelled')) AS parent_live, \
+       EXISTS (SELECT 1 FROM keel_instances c WHERE c.parent_id = i.id) AS has_children, \
+       EXISTS (SELECT 1 FROM keel_dead_letters d WHERE d.instance_id = i.id) AS has_dead \
+     FROM keel_instances i WHERE i.id > ? ORDER BY i.id LIMIT +?";
+
 /// One page of pruning: read the page's rows with what still refers to them, let
 /// `plan::prune` decide, delete each chosen instance with its history, inbox and timers.
 pub(crate) async fn prune(db: &mut Db<'_>, p: &PruneParams) -> StoreResult<PrunePage> {
     p.validate()?;
-    let rows = sqlx::query(
-        "SELECT i.id, i.namespace, i.machine, i.status, i.updated_at, \
-           EXISTS (SELECT 1 FROM keel_instances q WHERE q.id = i.parent_id \
-                   AND q.status NOT IN ('done', 'failed', 'cancelled')) AS parent_live, \
-           EXISTS (SELECT 1 FROM keel_instances c WHERE c.parent_id = i.id) AS has_children, \
-           EXISTS (SELECT 1 FROM keel_dead_letters d WHERE d.instance_id = i.id) AS has_dead \
-         FROM keel_instances i WHERE i.id > ? ORDER BY i.id LIMIT +?",
-    )
-    .bind(p.after.map_or(i64::MIN, |a| a.0))
-    .bind(p.limit as i64)
-    .fetch_all(&mut *db.conn)
-    .await
-    .map_err(db.err("reading instances to prune"))?;
+    let rows = sqlx::query(PRUNE_PAGE_SQL)
+        .bind(p.after.map_or(i64::MIN, |a| a.0))
+        .bind(p.limit as i64)
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("reading instances to prune"))?;
     let mut read = Vec::with_capacity(rows.len());
     for r in &rows {
         let status: String = r.try_get("status").map_err(db.err("reading a status"))?;
@@ -2170,7 +2172,7 @@ pub(crate) async fn history_trim(
 
 #[cfg(test)]
 mod tests {
-    use super::{BROADCAST_CANDIDATES, PageShape, SWEEP_PICK_SQL, page_sql};
+    use super::{BROADCAST_CANDIDATES, PRUNE_PAGE_SQL, PageShape, SWEEP_PICK_SQL, page_sql};
     use sqlx::{Connection, Row, SqliteConnection};
 
     /// A connection to a fresh in-memory database with the store's schema.
@@ -2211,6 +2213,24 @@ mod tests {
                 "expected a walk of {index}, got:\n{plan}\nfor {sql}"
             );
             assert!(!plan.contains("TEMP B-TREE"), "the page sorts its rows:\n{plan}\nfor {sql}");
+        }
+    }
+
+    /// A prune page asks of each row it reads whether a dead letter still holds it along
+    /// the letters' instance index, and an instance's delete checks the letters' foreign
+    /// key along it too: neither reads the whole dead-letter table under the writer.
+    #[tokio::test]
+    async fn a_prune_page_finds_each_rows_dead_letters_along_an_index() {
+        let mut conn = schema().await;
+        for sql in [PRUNE_PAGE_SQL, "SELECT 1 FROM keel_dead_letters WHERE instance_id = ?"] {
+            let plan = plan(&mut conn, sql).await;
+            assert!(
+                !plan.lines().any(|l| l
+                    .trim_start_matches(|c: char| !c.is_alphabetic())
+                    .starts_with("SCAN")),
+                "a statement reads a whole table:\n{plan}\nfor {sql}"
+            );
+            assert!(plan.contains("keel_dead_letters_instance"), "no walk of the index:\n{plan}");
         }
     }
 

@@ -98,6 +98,11 @@ pub(crate) fn migrator() -> Migrator {
             "schedule fired ticks",
             include_str!("../migrations/0012_schedule_fired_ticks.sql"),
         ),
+        migration(
+            13,
+            "dead letters by instance",
+            include_str!("../migrations/0013_dead_letters_by_instance.sql"),
+        ),
     ])
 }
 
