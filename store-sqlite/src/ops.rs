@@ -18,7 +18,7 @@ use keel_core::limits;
 use keel_core::plan::claim::{self, CandidateRead, ClaimPlanner};
 use keel_core::plan::commit::{self, ChildInsert, CommitPlanner, CommitRead, TimerPlan};
 use keel_core::plan::history::TrimCandidate;
-use keel_core::plan::parent::{ParentPlan, ParentRelease};
+use keel_core::plan::parent::{FollowUp, FollowUps, NextFollowUp, ParentPlan, ParentRelease};
 use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -1076,7 +1076,7 @@ async fn commit_one(
     }
     if let Some(release) = &plan.barrier_release {
         let then = parent_release(db, release, now).await?;
-        run_then(db, then, now).await?;
+        run_then(db, FollowUps::new(then), now).await?;
     }
     if !plan.children_cancel.is_none() {
         for child in db.delegated_children(row.id, &plan.children_cancel).await? {
@@ -1117,7 +1117,7 @@ async fn parent_release(
     db: &mut Db<'_>,
     release: &ParentRelease,
     now: Timestamp,
-) -> StoreResult<Vec<Then>> {
+) -> StoreResult<Vec<FollowUp>> {
     parents_release(db, std::slice::from_ref(release), now).await
 }
 
@@ -1130,7 +1130,7 @@ async fn parents_release(
     db: &mut Db<'_>,
     releases: &[ParentRelease],
     now: Timestamp,
-) -> StoreResult<Vec<Then>> {
+) -> StoreResult<Vec<FollowUp>> {
     let mut ids: Vec<InstanceId> = releases.iter().map(|r| r.parent).collect();
     ids.sort_unstable();
     ids.dedup();
@@ -1145,6 +1145,7 @@ async fn parents_release(
     let mut then = Vec::new();
     let mut w = Writes::default();
     for release in releases {
+        let mut cancels = Vec::new();
         if let Some(row) = rows.get(&release.parent) {
             let planned = plan::parent::release(row, release, now);
             if planned.changed {
@@ -1154,13 +1155,11 @@ async fn parents_release(
                 if seen.insert(release.parent) {
                     changed.push(release.parent);
                 }
-                then.extend(planned.cancel.into_iter().map(Then::Cancel));
+                cancels = planned.cancel;
                 rows.insert(release.parent, planned.row);
             }
         }
-        if let Some(notice) = &release.notice {
-            then.push(Then::Notice(release.parent, notice.clone()));
-        }
+        then.extend(release.follow_ups(cancels));
     }
     for id in changed {
         w = update_gathered(db, w, &read[&id], &rows[&id]).await?;
@@ -1169,41 +1168,19 @@ async fn parents_release(
     Ok(then)
 }
 
-/// What a parent's release leaves to do, in order: cancel the children it stopped waiting
-/// for, then deliver the ending child's notice to the parent (so the reports of the
-/// cancelled children reach its inbox first).
-enum Then {
-    Cancel(CancelParams),
-    Notice(InstanceId, NewSignal),
-}
-
-/// Runs what releases left to do, depth first: a cancel's own releases run before the
-/// next item. Cancels are bounded by the cascade's bound; notices are always delivered.
-async fn run_then(db: &mut Db<'_>, then: Vec<Then>, now: Timestamp) -> StoreResult<()> {
-    let mut stack: Vec<Then> = then.into_iter().rev().collect();
-    let mut cancels = 0;
-    while let Some(next) = stack.pop() {
-        match next {
-            Then::Notice(parent, signal) => {
-                // A run of notices is one delivery batch: the batch's rules are the rules
-                // of delivering its signals one after another.
-                let (mut signals, mut targets) = (vec![signal], vec![Some(parent)]);
-                while signals.len() < limits::DELIVER_BATCH_MAX
-                    && let Some(Then::Notice(..)) = stack.last()
-                {
-                    let Some(Then::Notice(parent, signal)) = stack.pop() else { break };
-                    signals.push(signal);
-                    targets.push(Some(parent));
-                }
+/// Runs what releases left to do ([`FollowUps`]: in order, depth first, cancels under the
+/// cascade's bound, notices always delivered).
+async fn run_then(db: &mut Db<'_>, mut run: FollowUps, now: Timestamp) -> StoreResult<()> {
+    while let Some(step) = run.next_step() {
+        match step {
+            NextFollowUp::Notices(batch) => {
+                let (signals, targets): (Vec<_>, Vec<_>) =
+                    batch.into_iter().map(|(parent, signal)| (signal, Some(parent))).unzip();
                 deliver(db, &signals, targets, now).await?;
             }
-            Then::Cancel(cancel) => {
-                if cancels >= limits::CANCEL_CASCADE_MAX {
-                    continue;
-                }
-                cancels += 1;
+            NextFollowUp::Cancel(cancel) => {
                 let (_, further) = cancel_one(db, &cancel, plan::cancel::cancel).await?;
-                stack.extend(further.into_iter().rev());
+                run.then(further);
             }
         }
     }
@@ -1578,7 +1555,7 @@ pub(crate) async fn timer_sweep(
         // The rest of its children, and what their cancels ask for in turn, under one
         // bound as a join's wake in a commit.
         let cancels = parent_write(db, plan::parent::expire(&row, p.now), p.now).await?;
-        run_then(db, cancels.into_iter().map(Then::Cancel).collect(), p.now).await?;
+        run_then(db, FollowUps::cancels(cancels), p.now).await?;
     }
     for (ns, machine) in plan::timer::swept_scopes(p) {
         sqlx::query(
@@ -1796,7 +1773,7 @@ async fn cancel_with(
     planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
 ) -> StoreResult<Vec<InstanceId>> {
     let (cancelled, then) = cancel_one(db, p, planner).await?;
-    run_then(db, then, p.now).await?;
+    run_then(db, FollowUps::new(then), p.now).await?;
     Ok(cancelled)
 }
 
@@ -1809,7 +1786,7 @@ async fn cancel_one(
     db: &mut Db<'_>,
     p: &CancelParams,
     planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
-) -> StoreResult<(Vec<InstanceId>, Vec<Then>)> {
+) -> StoreResult<(Vec<InstanceId>, Vec<FollowUp>)> {
     let mut read = CancelRead { root: db.instance(p.id).await?, ..CancelRead::default() };
     if p.cascade && read.root.as_ref().is_some_and(|r| !r.status.is_terminal()) {
         // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.

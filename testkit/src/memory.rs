@@ -30,6 +30,7 @@ use keel_core::plan::commit::{
     self, ChildInsert, CommitPlan, CommitPlanner, CommitRead, InboxRead, TimerPlan,
 };
 use keel_core::plan::history::TrimCandidate;
+use keel_core::plan::parent::{FollowUp, FollowUps, NextFollowUp};
 use keel_core::plan::prune::PruneCandidate;
 use keel_core::plan::{
     self, RowWrite, cancel::CancelRead, deliver::DeliverRead, insert::InsertRead,
@@ -71,13 +72,6 @@ pub struct MemoryStore {
     hinted: tokio::sync::Notify,
     /// Wake-ups for `instance_change_wait` (every write may change a status).
     changed: tokio::sync::Notify,
-}
-
-/// What a parent's release leaves to do, in order: cancel the children it stopped waiting
-/// for, then deliver the ending child's notice to the parent.
-enum Then {
-    Cancel(CancelParams),
-    Notice(InstanceId, NewSignal),
 }
 
 impl MemoryStore {
@@ -454,7 +448,7 @@ impl State {
             // The release carries the notice the plan also names separately.
             debug_assert_eq!(release.notice, parent_notice);
             let then = self.parent_release(&release, now);
-            self.run_then(then, now);
+            self.run_then(FollowUps::new(then), now);
         }
         if !children_cancel.is_none() {
             let left: Vec<keel_core::ports::store::CancelParams> = self
@@ -710,7 +704,7 @@ impl State {
         planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
     ) -> StoreResult<Vec<InstanceId>> {
         let (cancelled, then) = self.cancel_one(p, planner)?;
-        self.run_then(then, p.now);
+        self.run_then(FollowUps::new(then), p.now);
         Ok(cancelled)
     }
 
@@ -720,7 +714,7 @@ impl State {
         &mut self,
         p: &CancelParams,
         planner: fn(&CancelParams, CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
-    ) -> StoreResult<(Vec<InstanceId>, Vec<Then>)> {
+    ) -> StoreResult<(Vec<InstanceId>, Vec<FollowUp>)> {
         let mut read = CancelRead { root: self.rows.get(&p.id).cloned(), ..CancelRead::default() };
         if p.cascade {
             // Breadth first down to the depth bound, so the read stays bounded too.
@@ -752,29 +746,22 @@ impl State {
         Ok((cancelled, then))
     }
 
-    /// Runs what parent releases left to do, in order and depth first: a cancel's own
-    /// releases run before the next item. At most [`limits::CANCEL_CASCADE_MAX`] cancels
-    /// run (the ones after that are left, as the SQL stores leave them); notices are
-    /// always delivered.
-    fn run_then(&mut self, then: Vec<Then>, now: Timestamp) {
-        // A stack with the next item on top.
-        let mut stack: Vec<Then> = then.into_iter().rev().collect();
-        let mut cancels = 0;
-        while let Some(next) = stack.pop() {
-            match next {
-                Then::Notice(parent, signal) => {
-                    if self.rows.contains_key(&parent) {
-                        self.deliver_to(parent, &signal, now);
+    /// Runs what parent releases left to do ([`FollowUps`]: in order, depth first, cancels
+    /// under the cascade's bound, notices always delivered).
+    fn run_then(&mut self, mut run: FollowUps, now: Timestamp) {
+        while let Some(step) = run.next_step() {
+            match step {
+                NextFollowUp::Notices(batch) => {
+                    for (parent, signal) in batch {
+                        if self.rows.contains_key(&parent) {
+                            self.deliver_to(parent, &signal, now);
+                        }
                     }
                 }
-                Then::Cancel(cancel) => {
-                    if cancels >= limits::CANCEL_CASCADE_MAX {
-                        continue;
-                    }
-                    cancels += 1;
+                NextFollowUp::Cancel(cancel) => {
                     // A child that is gone has nothing left to cancel.
                     if let Ok((_, further)) = self.cancel_one(&cancel, plan::cancel::cancel) {
-                        stack.extend(further.into_iter().rev());
+                        run.then(further);
                     }
                 }
             }
@@ -881,7 +868,7 @@ impl State {
             if let Some(row) = self.rows.get(id) {
                 let planned = plan::parent::expire(row, p.now);
                 let cancels = self.parent_apply(planned, p.now);
-                self.run_then(cancels.into_iter().map(Then::Cancel).collect(), p.now);
+                self.run_then(FollowUps::cancels(cancels), p.now);
             }
         }
         for scope in plan::timer::swept_scopes(p) {

@@ -11,6 +11,7 @@ use crate::history::HistoryKind;
 use crate::ids::{InstanceId, Status};
 use crate::instance::{HistoryEntry, Instance, NewSignal};
 use crate::join::{JoinRest, JoinState, JoinWoke};
+use crate::limits;
 use crate::outcome;
 use crate::ports::store::CancelParams;
 use crate::time::Timestamp;
@@ -117,6 +118,116 @@ pub fn expire(parent: &Instance, now: Timestamp) -> ParentPlan {
     let mut row = parent.clone();
     row.updated_at = now;
     wake(row, join, JoinWoke::Deadline, now)
+}
+
+/// One thing a parent's release leaves for the store to do, in the transaction that ended
+/// the child, after the parent's row is written.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FollowUp {
+    /// Cancel a child the parent stopped waiting for, with its descendants
+    /// ([`super::cancel::cancel`]).
+    Cancel(CancelParams),
+    /// Deliver the ended child's notice to its parent's inbox, through the ordinary
+    /// delivery rules; dropped when the parent no longer exists.
+    Notice {
+        /// The parent.
+        parent: InstanceId,
+        /// The notice.
+        signal: NewSignal,
+    },
+}
+
+impl ParentRelease {
+    /// What this release leaves to do once its parent's plan is written, in order: cancel
+    /// the children `cancels` names (the ones the parent stopped waiting for, empty when
+    /// the parent did not wake or is gone), then deliver the ended child's notice, so the
+    /// reports of the cancelled children reach the parent's inbox before it.
+    pub fn follow_ups(&self, cancels: Vec<CancelParams>) -> impl Iterator<Item = FollowUp> {
+        let notice =
+            self.notice.clone().map(|signal| FollowUp::Notice { parent: self.parent, signal });
+        cancels.into_iter().map(FollowUp::Cancel).chain(notice)
+    }
+}
+
+/// The next step of a [`FollowUps`] run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NextFollowUp {
+    /// Cancel this instance; hand what its releases leave to do to [`FollowUps::then`]
+    /// before asking for the next step.
+    Cancel(CancelParams),
+    /// Deliver these notices, each to its parent, as one batch (at most
+    /// [`limits::DELIVER_BATCH_MAX`]): a batch delivers as if its notices were delivered
+    /// one after another.
+    Notices(Vec<(InstanceId, NewSignal)>),
+}
+
+/// What the releases of one transaction leave to do, run in order and depth first: what a
+/// cancel's own releases leave to do runs before the next item, so every store cancels the
+/// same children and fills each parent's inbox in the same order. At most
+/// [`limits::CANCEL_CASCADE_MAX`] cancels run; the ones past the bound are dropped (and
+/// [`FollowUps::cut`] says so), while notices are always delivered. The run is bounded: a
+/// cancel's follow-ups come only from a cancel that ran.
+#[derive(Debug, Default)]
+pub struct FollowUps {
+    /// The items left, the next one on top.
+    stack: Vec<FollowUp>,
+    /// Cancels handed out so far.
+    cancels: usize,
+    /// Whether a cancel was dropped at the bound.
+    cut: bool,
+}
+
+impl FollowUps {
+    /// A run of `items`, in their order.
+    pub fn new(items: impl IntoIterator<Item = FollowUp>) -> Self {
+        let mut run = Self::default();
+        run.then(items);
+        run
+    }
+
+    /// A run of `cancels` alone (the children a join's deadline stopped waiting for).
+    pub fn cancels(cancels: Vec<CancelParams>) -> Self {
+        Self::new(cancels.into_iter().map(FollowUp::Cancel))
+    }
+
+    /// Puts `items` (what the cancel just handed out left to do) before the rest.
+    pub fn then(&mut self, items: impl IntoIterator<Item = FollowUp>) {
+        let items: Vec<FollowUp> = items.into_iter().collect();
+        self.stack.extend(items.into_iter().rev());
+    }
+
+    /// The next step, `None` once the run is over.
+    pub fn next_step(&mut self) -> Option<NextFollowUp> {
+        loop {
+            match self.stack.pop()? {
+                FollowUp::Cancel(cancel) => {
+                    if self.cancels >= limits::CANCEL_CASCADE_MAX {
+                        self.cut = true;
+                        continue;
+                    }
+                    self.cancels += 1;
+                    return Some(NextFollowUp::Cancel(cancel));
+                }
+                FollowUp::Notice { parent, signal } => {
+                    let mut batch = vec![(parent, signal)];
+                    while batch.len() < limits::DELIVER_BATCH_MAX
+                        && matches!(self.stack.last(), Some(FollowUp::Notice { .. }))
+                    {
+                        let Some(FollowUp::Notice { parent, signal }) = self.stack.pop() else {
+                            break;
+                        };
+                        batch.push((parent, signal));
+                    }
+                    return Some(NextFollowUp::Notices(batch));
+                }
+            }
+        }
+    }
+
+    /// Whether a cancel was dropped at [`limits::CANCEL_CASCADE_MAX`].
+    pub fn cut(&self) -> bool {
+        self.cut
+    }
 }
 
 fn unchanged(parent: &Instance) -> ParentPlan {
@@ -293,5 +404,95 @@ mod tests {
         let after = release(&woke.row, &end(3, Status::Cancelled), Timestamp(10_002));
         assert!(!after.changed, "the cancelled rest does not count");
         assert!(!expire(&row(1, None, Status::AwaitingChildren), Timestamp(1)).changed);
+    }
+
+    fn cancel_of(id: i64) -> CancelParams {
+        CancelParams {
+            id: InstanceId(id),
+            reason: "stopped waiting".into(),
+            cascade: true,
+            now: Timestamp(0),
+            only_in: None,
+        }
+    }
+
+    fn notice_to(parent: i64, name: &str) -> FollowUp {
+        FollowUp::Notice {
+            parent: InstanceId(parent),
+            signal: NewSignal::new(InstanceId(parent), name),
+        }
+    }
+
+    /// Runs `run`, answering each cancel with what `further` says it leaves to do; returns
+    /// the steps as text, in order.
+    fn steps(mut run: FollowUps, further: impl Fn(i64) -> Vec<FollowUp>) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(step) = run.next_step() {
+            match step {
+                NextFollowUp::Cancel(c) => {
+                    out.push(format!("cancel {}", c.id.0));
+                    run.then(further(c.id.0));
+                }
+                NextFollowUp::Notices(batch) => {
+                    let names: Vec<&str> = batch.iter().map(|(_, s)| s.name.as_str()).collect();
+                    out.push(format!("notices {}", names.join(",")));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_release_cancels_the_rest_before_its_notice_reaches_the_parent() {
+        let mut delegated = row(3, Some(1), Status::Done);
+        delegated.invoked_by = Some("work".into());
+        let release = ended(&delegated).expect("a release");
+        let items: Vec<FollowUp> = release.follow_ups(vec![cancel_of(4), cancel_of(5)]).collect();
+        assert!(
+            matches!(&items[..], [FollowUp::Cancel(a), FollowUp::Cancel(b), FollowUp::Notice { parent, .. }]
+            if a.id == InstanceId(4) && b.id == InstanceId(5) && *parent == InstanceId(1))
+        );
+        let quiet = end(6, Status::Failed);
+        assert_eq!(quiet.follow_ups(Vec::new()).count(), 0, "no cancels and no notice: nothing");
+    }
+
+    #[test]
+    fn follow_ups_run_depth_first_and_batch_runs_of_notices() {
+        let run = FollowUps::new([
+            FollowUp::Cancel(cancel_of(10)),
+            notice_to(1, "a"),
+            FollowUp::Cancel(cancel_of(20)),
+            notice_to(1, "b"),
+        ]);
+        // Cancelling 10 wakes its own parent, which cancels 11 and hears of 10's end.
+        let further = |id: i64| match id {
+            10 => vec![FollowUp::Cancel(cancel_of(11)), notice_to(10, "c")],
+            _ => Vec::new(),
+        };
+        assert_eq!(
+            steps(run, further),
+            ["cancel 10", "cancel 11", "notices c,a", "cancel 20", "notices b"],
+            "a cancel's follow-ups run before the next item; adjacent notices go as one batch"
+        );
+    }
+
+    #[test]
+    fn cancels_past_the_bound_are_dropped_and_said_while_notices_still_arrive() {
+        let max = limits::CANCEL_CASCADE_MAX;
+        let mut items: Vec<FollowUp> =
+            (0..max as i64 + 2).map(|i| FollowUp::Cancel(cancel_of(i))).collect();
+        items.push(notice_to(1, "last"));
+        let mut run = FollowUps::new(items);
+        let (mut cancels, mut notices) = (0, 0);
+        while let Some(step) = run.next_step() {
+            match step {
+                NextFollowUp::Cancel(_) => cancels += 1,
+                NextFollowUp::Notices(batch) => notices += batch.len(),
+            }
+        }
+        assert_eq!((cancels, notices, run.cut()), (max, 1, true));
+        let mut within = FollowUps::cancels(vec![cancel_of(1)]);
+        while within.next_step().is_some() {}
+        assert!(!within.cut(), "a run within the bound is not cut");
     }
 }

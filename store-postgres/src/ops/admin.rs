@@ -10,6 +10,7 @@ use crate::rows::{
 use deadpool_postgres::GenericClient;
 use keel_core::instance::{DeadLetter, Instance, SignalTarget, check_batch};
 use keel_core::plan;
+use keel_core::plan::parent::{FollowUp, FollowUps, NextFollowUp};
 use keel_core::ports::store::{
     CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, InstanceDetail, InstanceListParams, QueuePauseParams,
@@ -41,9 +42,9 @@ pub(crate) async fn cancel<C: GenericClient + Sync>(
 
 /// A cancel inside the caller's transaction, planned by `planner`: locks, reads, plans and
 /// writes, and marks in `notices` what the caller's commit must announce (instances
-/// ended; work made ready). The cancels its parent releases ask for (a parent woken from
-/// a join cancels the rest of its children) run after it, each an ordinary cascading
-/// cancel, at most [`limits::CANCEL_CASCADE_MAX`] of them.
+/// ended; work made ready). What its parent releases leave to do (a parent woken from a
+/// join cancels the rest of its children; a parent hears of a child's end) runs after it,
+/// as [`run_follow_ups`] runs it.
 pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
     c: &C,
     p: &CancelParams,
@@ -51,30 +52,35 @@ pub(crate) async fn cancel_locked<C: GenericClient + Sync>(
     notices: &mut Notices,
 ) -> OpResult<Vec<InstanceId>> {
     let (cancelled, more) = cancel_one(c, p, planner, notices).await?;
-    run_cancels(c, more, notices).await?;
+    run_follow_ups(c, FollowUps::new(more), p.now, notices).await?;
     Ok(cancelled)
 }
 
-/// Runs the cancels parent plans asked for, in the order they were planned, and those they
-/// ask for in turn, depth first (a cancel's own follow-ups run before the next one): the
-/// order the other stores run them in, so each cancelled child's report reaches its parent's
-/// inbox in the same order everywhere, and the bound ([`limits::CANCEL_CASCADE_MAX`] cancels)
-/// cuts the same ones. Marks in `notices` what they ended and woke.
-pub(crate) async fn run_cancels<C: GenericClient + Sync>(
+/// Runs what parent releases left to do ([`FollowUps`]: in order and depth first, a
+/// cancel's own follow-ups before the next item, cancels under the cascade's bound), the
+/// order every store runs them in, so each parent's inbox fills in the same order
+/// everywhere and the bound cuts the same cancels. Marks in `notices` what they ended and
+/// woke.
+pub(crate) async fn run_follow_ups<C: GenericClient + Sync>(
     c: &C,
-    cancels: Vec<CancelParams>,
+    mut run: FollowUps,
+    now: keel_core::Timestamp,
     notices: &mut Notices,
 ) -> OpResult<()> {
-    // A stack with the next cancel on top.
-    let mut stack: Vec<CancelParams> = cancels.into_iter().rev().collect();
-    let mut done = 0;
-    while let Some(next) = stack.pop() {
-        if done >= limits::CANCEL_CASCADE_MAX {
-            break;
+    while let Some(step) = run.next_step() {
+        match step {
+            NextFollowUp::Cancel(next) => {
+                let (_, further) = cancel_one(c, &next, plan::cancel::cancel, notices).await?;
+                run.then(further);
+            }
+            NextFollowUp::Notices(batch) => {
+                let (signals, targets): (Vec<_>, Vec<_>) =
+                    batch.into_iter().map(|(parent, signal)| (signal, Some(parent))).unzip();
+                let delivery = signal::plan_resolved(c, &signals, &targets, now).await?;
+                signal::finish(c, &delivery, None).await?;
+                notices.ready |= delivery.woke();
+            }
         }
-        done += 1;
-        let (_, further) = cancel_one(c, &next, plan::cancel::cancel, notices).await?;
-        stack.extend(further.into_iter().rev());
     }
     Ok(())
 }
@@ -85,15 +91,15 @@ pub(crate) const JOINED_PARENTS: &str =
     "SELECT id FROM instances WHERE id = ANY($1::int8[]) AND context ? '@join'";
 
 /// Counts ended children on their parents: the plain barrier in one statement, the
-/// parents with a join state through the planner. Returns the cancels the woken parents
-/// ask for and whether a parent woke.
+/// parents with a join state through the planner. Returns what the releases leave to do,
+/// in release order ([`plan::parent::ParentRelease::follow_ups`]).
 pub(crate) async fn release_all<C: GenericClient + Sync>(
     c: &C,
     releases: &[plan::parent::ParentRelease],
     now: keel_core::Timestamp,
-) -> OpResult<(Vec<CancelParams>, bool)> {
+) -> OpResult<Vec<FollowUp>> {
     if releases.is_empty() {
-        return Ok((Vec::new(), false));
+        return Ok(Vec::new());
     }
     let parents: Vec<i64> = releases.iter().map(|r| r.parent.0).collect();
     let stmt = c.prepare_cached(JOINED_PARENTS).await?;
@@ -105,21 +111,32 @@ pub(crate) async fn release_all<C: GenericClient + Sync>(
         .collect::<Result<_, StoreError>>()?;
     let plain: Vec<i64> = parents.iter().copied().filter(|p| !joined.contains(p)).collect();
     release_parents(c, &plain, now).await?;
-    let joined: Vec<plan::parent::ParentRelease> =
+    let with_join: Vec<plan::parent::ParentRelease> =
         releases.iter().filter(|r| joined.contains(&r.parent.0)).cloned().collect();
-    let (cancels, _) = release_joined(c, &joined, now).await?;
-    Ok((cancels, !parents.is_empty()))
+    // One answer per release with a join state, in their order.
+    let (cancels, _) = release_joined(c, &with_join, now).await?;
+    let mut cancels = cancels.into_iter();
+    let mut out = Vec::new();
+    for r in releases {
+        let mine = if joined.contains(&r.parent.0) {
+            cancels.next().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        out.extend(r.follow_ups(mine));
+    }
+    Ok(out)
 }
 
 /// Counts ended children on parents that keep a join state: locks the parents (id
 /// order), applies `plan::parent::release` per child in order, and writes the changed
-/// rows and their history. Returns the cancels the woken parents ask for, and whether a
-/// parent woke.
+/// rows and their history. Returns, per release in order, the cancels its woken parent
+/// asks for, and whether a parent woke.
 pub(crate) async fn release_joined<C: GenericClient + Sync>(
     c: &C,
     releases: &[plan::parent::ParentRelease],
     now: keel_core::Timestamp,
-) -> OpResult<(Vec<CancelParams>, bool)> {
+) -> OpResult<(Vec<Vec<CancelParams>>, bool)> {
     if releases.is_empty() {
         return Ok((Vec::new(), false));
     }
@@ -130,19 +147,23 @@ pub(crate) async fn release_joined<C: GenericClient + Sync>(
         lock_instances(c, &ids).await?.into_iter().map(|r| (r.id.0, r)).collect();
     let mut changed = Vec::new();
     let mut history = HistoryWrite::default();
-    let mut cancels = Vec::new();
+    let mut cancels = Vec::with_capacity(releases.len());
     let mut woke = false;
     for r in releases {
-        let Some(row) = rows.get(&r.parent.0) else { continue };
+        let Some(row) = rows.get(&r.parent.0) else {
+            cancels.push(Vec::new());
+            continue;
+        };
         let planned = plan::parent::release(row, r, now);
         if !planned.changed {
+            cancels.push(Vec::new());
             continue;
         }
         woke |= planned.row.status == Status::Runnable && row.status != Status::Runnable;
         for entry in planned.history {
             history.push(&planned.row, planned.row.attempt, now, entry);
         }
-        cancels.extend(planned.cancel);
+        cancels.push(planned.cancel);
         if !changed.contains(&r.parent.0) {
             changed.push(r.parent.0);
         }
@@ -173,14 +194,14 @@ pub(crate) async fn write_parent_plan<C: GenericClient + Sync>(
     Ok(planned.cancel)
 }
 
-/// One cancel: its ids, whether it made work ready, and the cancels its parent releases
-/// ask for.
+/// One cancel: its ids, and what its parent releases leave to do (the cancels a woken
+/// parent asks for, and the notices of the ended children, in release order).
 async fn cancel_one<C: GenericClient + Sync>(
     c: &C,
     p: &CancelParams,
     planner: fn(&CancelParams, plan::cancel::CancelRead) -> StoreResult<plan::cancel::CancelPlan>,
     notices: &mut Notices,
-) -> OpResult<(Vec<InstanceId>, Vec<CancelParams>)> {
+) -> OpResult<(Vec<InstanceId>, Vec<FollowUp>)> {
     // The root's parent, when it keeps a join state, is locked first (id order), as a
     // step commit does: the cancel's release counts on it, and a sibling's commit that
     // wakes it may cancel this root.
@@ -243,11 +264,9 @@ async fn cancel_one<C: GenericClient + Sync>(
         }
     }
     // The plan's releases run after every cancelled row is written, as the plan says: the
-    // barrier counts go in one statement that applies the parent release rule in SQL, and
-    // the notices are delivered as one batch.
-    let parents: Vec<i64> = plan.releases.iter().map(|r| r.parent.0).collect();
-    let (parent_notices, targets): (Vec<_>, Vec<_>) =
-        plan.releases.iter().filter_map(|r| r.notice.clone().map(|n| (n, Some(r.parent)))).unzip();
+    // barrier counts go in one statement that applies the parent release rule in SQL; the
+    // notices are left, with the cancels of woken parents, for the caller's run.
+    let parents = !plan.releases.is_empty();
     let next: Vec<Instance> = plan.rows.into_iter().map(|w| w.row).collect();
     let drop_timers =
         c.prepare_cached("DELETE FROM timers WHERE instance_id = ANY($1::int8[])").await?;
@@ -257,13 +276,11 @@ async fn cancel_one<C: GenericClient + Sync>(
     write_history(c, &history).await?;
     c.execute(&drop_timers, &[&cancelled]).await?;
     c.execute(&drain, &[&cancelled, &whole]).await?;
-    let (more, _) = release_all(c, &plan.releases, p.now).await?;
-    let delivery = signal::plan_resolved(c, &parent_notices, &targets, p.now).await?;
-    signal::finish(c, &delivery, None).await?;
+    let more = release_all(c, &plan.releases, p.now).await?;
     // Announced after the caller's commit: waiters for these results re-read them, and
     // claimers look for the parents this woke.
     notices.ended = true;
-    notices.ready |= !parents.is_empty() || delivery.woke();
+    notices.ready |= parents;
     Ok((next.iter().map(|r| r.id).collect(), more))
 }
 

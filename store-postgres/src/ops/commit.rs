@@ -25,6 +25,7 @@ use keel_core::instance::{Instance, NewDeadLetter, NewSignal, SignalTarget};
 use keel_core::outcome::{Outcome, StepCommit};
 use keel_core::plan::cancel::LeftDelegations;
 use keel_core::plan::commit::{self, CommitPlanner, CommitRead, InboxRead, TimerPlan, UnreadFire};
+use keel_core::plan::parent::FollowUps;
 use keel_core::ports::store::{CommitReceipt, InsertOutcome};
 use keel_core::{
     DeadLetterId, InstanceId, Priority, SignalId, Status, StoreError, StoreResult, Timestamp,
@@ -485,7 +486,8 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         // plain ones above; the children a woken parent stops waiting for are cancelled
         // in this transaction.
         let (cancels, _) = admin::release_joined(c, &join_releases, now).await?;
-        admin::run_cancels(c, cancels, &mut notices).await?;
+        let run = FollowUps::cancels(cancels.concat());
+        admin::run_follow_ups(c, run, now, &mut notices).await?;
         if delivered {
             let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
             signal::finish(c, &plan, None).await?;

@@ -473,7 +473,8 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         let planned = plan::parent::expire(row, p.now);
         notices.ready |= planned.changed;
         let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
-        super::admin::run_cancels(c, cancels, &mut notices).await?;
+        let run = keel_core::plan::parent::FollowUps::cancels(cancels);
+        super::admin::run_follow_ups(c, run, p.now, &mut notices).await?;
     }
     super::end_tx_notices(c, channel, &notices).await?;
     Ok(report)

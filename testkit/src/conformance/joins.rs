@@ -13,7 +13,7 @@ use keel_core::instance::ANY_SIGNAL;
 use keel_core::join::{Join, JoinState, JoinWoke};
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
-use keel_core::ports::store::{Claim, TimerSweepParams};
+use keel_core::ports::store::{CancelParams, Claim, TimerSweepParams};
 use keel_core::{ErrorKind, InstanceId, NewInstance, Status, StepCommit, Timestamp};
 use std::collections::HashMap;
 use std::time::Duration;
@@ -263,9 +263,10 @@ pub async fn join_cancels_the_rest_before_the_deciding_childs_notice<S: Store>(s
 }
 
 /// A parent that schedules delegated children (which report to its inbox) and stops
-/// waiting for them — its quorum met by a step commit, or its deadline passed in a timer
-/// sweep — cancels the rest in the order it scheduled them: their reports reach its inbox
-/// in that order, then (for a quorum) the notice of the child that met it.
+/// waiting for them — its quorum met by a step commit, put out of reach by an operator's
+/// cancel, or its deadline passed in a timer sweep — cancels the rest in the order it
+/// scheduled them: their reports reach its inbox in that order, then (for a quorum) the
+/// notice of the child that settled it.
 pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: Store>(s: &S) {
     async fn fan_out_delegated<S: Store>(
         s: &S,
@@ -298,6 +299,20 @@ pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: S
         failed(kids[4]),
         ("done.invoke.join".to_owned(), None),
     ];
+    assert_eq!(reports(s, parent).await, expected, "the parent's inbox, in order");
+
+    let ns = "join_cancel_order_operator";
+    let (parent, kids) = fan_out_delegated(s, ns, Join::quorum(5)).await;
+    let cancel = CancelParams {
+        id: kids[1],
+        reason: "operator".into(),
+        cascade: true,
+        now: at(30),
+        only_in: None,
+    };
+    s.instance_cancel(cancel).await.expect("cancel one child");
+    assert_eq!(row(s, parent).await.status, Status::Runnable, "the quorum is out of reach");
+    let expected = [kids[0], kids[2], kids[3], kids[4], kids[1]].map(failed).to_vec();
     assert_eq!(reports(s, parent).await, expected, "the parent's inbox, in order");
 
     let ns = "join_cancel_order_deadline";

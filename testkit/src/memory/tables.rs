@@ -4,11 +4,10 @@
 
 use super::{
     BTreeMap, CancelParams, ChildSummary, HistoryEntry, HistoryRecord, Instance, InstanceId,
-    Signal, SignalId, SignalTarget, State, Status, Then, TimerId, TimerRow, Timestamp, limits,
-    plan,
+    Signal, SignalId, SignalTarget, State, Status, TimerId, TimerRow, Timestamp, limits, plan,
 };
 use keel_core::plan::commit::TimerPlan;
-use keel_core::plan::parent::{ParentPlan, ParentRelease};
+use keel_core::plan::parent::{FollowUp, ParentPlan, ParentRelease};
 
 impl State {
     /// Writes a row and keeps every index in step with its new status.
@@ -156,13 +155,15 @@ impl State {
     /// alone. Returns what is left to do, for `run_then`: the cancels of the children the
     /// parent stopped waiting for, then the parent's notice (so the reports of the
     /// cancelled children reach its inbox first).
-    pub(super) fn parent_release(&mut self, release: &ParentRelease, now: Timestamp) -> Vec<Then> {
+    pub(super) fn parent_release(
+        &mut self,
+        release: &ParentRelease,
+        now: Timestamp,
+    ) -> Vec<FollowUp> {
         let Some(row) = self.rows.get(&release.parent) else { return Vec::new() };
         let planned = plan::parent::release(row, release, now);
-        let mut then: Vec<Then> =
-            self.parent_apply(planned, now).into_iter().map(Then::Cancel).collect();
-        then.extend(release.notice.clone().map(|notice| Then::Notice(release.parent, notice)));
-        then
+        let cancels = self.parent_apply(planned, now);
+        release.follow_ups(cancels).collect()
     }
 
     /// Writes a parent plan: the row and its history. Returns the cancels of the children
