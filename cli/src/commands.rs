@@ -804,7 +804,7 @@ async fn delete_letter(keel: &Keel, ns: &str, raw: &str) -> anyhow::Result<Repor
     let row =
         keel.store().instance_rows(vec![instance]).await?.into_iter().find(|r| r.id == instance);
     let status = row.as_ref().map(|r| r.status);
-    if status == Some(keel_core::ids::Status::Suspended) {
+    if keel_core::plan::dead_letter::retries_its_instance(status) {
         bail!(
             "id: {} is how the suspended {instance} is retried; retry it (`{}`), or cancel the instance first (`{}`), then delete the letter",
             letter.id,
@@ -817,6 +817,7 @@ async fn delete_letter(keel: &Keel, ns: &str, raw: &str) -> anyhow::Result<Repor
         .dead_letter_purge(DeadLetterPurgeParams {
             selector: Some(DeadLetterSelector::Id(letter.id)),
             older_than: None,
+            keep_suspended: false,
         })
         .await?;
     let state = status.map_or_else(|| "gone".to_owned(), |s| s.to_string());

@@ -885,6 +885,7 @@ async fn purge_machine_letters(
                     machine: machine.to_owned(),
                 }),
                 older_than,
+                keep_suspended: false,
             })
             .await
             .map_err(|error| Stopped {

@@ -379,8 +379,11 @@ impl<S: Store, C: Clock> Client<S, C> {
     /// that many); returns how many went. For one namespace, purge machine by machine with
     /// `DeadLetterSelector::Machine` through the store.
     pub async fn dead_letter_purge_older_than(&self, age: Duration) -> StoreResult<u64> {
-        let params =
-            DeadLetterPurgeParams { selector: None, older_than: Some(self.clock.now().minus(age)) };
+        let params = DeadLetterPurgeParams {
+            selector: None,
+            older_than: Some(self.clock.now().minus(age)),
+            keep_suspended: false,
+        };
         self.store.dead_letter_purge(params).await
     }
 

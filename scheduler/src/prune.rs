@@ -324,6 +324,9 @@ impl Pruner {
                     machine: d.machine.clone(),
                 }),
                 older_than: Some(now.minus(d.keep)),
+                // A letter is how its suspended instance is retried: retention leaves it
+                // until the instance is retried or cancelled.
+                keep_suspended: true,
             };
             // Each call purges at most the store's batch bound; a full batch means more may
             // be left, so go on, within the same page bound as instances, and stop between

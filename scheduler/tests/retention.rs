@@ -16,7 +16,9 @@ use keel_core::instance::NewInstance;
 use keel_core::ports::Store;
 use keel_core::retention::{MachineRetention, RetentionConfig};
 use keel_core::{ErrorKind, InstanceId, Outcome, Status};
-use keel_scheduler::{StepContext, StepError, StepMachine, WorkerConfig, WorkerHandle};
+use keel_scheduler::{
+    Cancel, DeadLetterRetry, StepContext, StepError, StepMachine, WorkerConfig, WorkerHandle,
+};
 use serde_json::json;
 use std::time::Duration;
 
@@ -128,11 +130,12 @@ async fn the_pruner_removes_exactly_the_instances_ended_before_the_retention<S: 
 }
 
 /// A worker with `config` (pruning every 20 ms, nothing ended pruned) over a `quick`
-/// instance that failed for good: returns once its one dead letter is written.
+/// instance that failed for good: returns once its one dead letter is written, with the
+/// instance (suspended).
 async fn one_dead_letter<S: TestStore>(
     h: &Harness<S>,
     file: Option<keel_core::config::KeelConfig>,
-) -> WorkerHandle {
+) -> (WorkerHandle, InstanceId) {
     let every =
         RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
     let mut config = WorkerConfig { retention: Some(every), ..h.config() };
@@ -144,7 +147,12 @@ async fn one_dead_letter<S: TestStore>(
         .start(NewInstance::new(MachineRef::new("quick", 1), "go").context(json!({ "fail": true })))
         .await;
     h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
-    worker
+    (worker, id)
+}
+
+/// An operator gives up on `id`: its letter then only records what happened.
+async fn give_up<S: TestStore>(h: &Harness<S>, id: InstanceId) {
+    h.client.cancel(Cancel::new(id).reason("gave up")).await.expect("cancel");
 }
 
 /// How many dead letters the store holds (at most 10).
@@ -156,11 +164,21 @@ async fn letters<S: TestStore>(h: &Harness<S>) -> usize {
 async fn dead_letters_go_after_their_machine_retention<S: TestStore>() {
     let h = S::harness().await;
     // No `ended`: instances are kept; dead letters still go after their retention.
-    let worker = one_dead_letter(&h, None).await;
+    let (worker, id) = one_dead_letter(&h, None).await;
     let before = worker.pruned().runs;
     runs_after(&worker, before, 1).await;
     assert_eq!(letters(&h).await, 1, "younger than its retention");
-    // The machine keeps dead letters two hours.
+    // The machine keeps dead letters two hours; the instance is still suspended, and its
+    // letter is how it is retried, so it stays.
+    h.clock.advance(2 * HOUR + Duration::from_secs(1));
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert_eq!(letters(&h).await, 1, "kept: its instance is still suspended");
+    let retried = h.client.dead_letter_retry(DeadLetterRetry::machine("quick")).await;
+    assert_eq!(retried.expect("retry"), [id], "the old letter still retries its instance");
+    h.wait(id, "dead-lettered again", |r| r.status == Status::Suspended).await;
+    // Given up on, its new letter goes once past the retention.
+    give_up(&h, id).await;
     h.clock.advance(2 * HOUR + Duration::from_secs(1));
     let before = worker.pruned().runs;
     runs_after(&worker, before, 2).await;
@@ -178,7 +196,8 @@ async fn the_files_dead_letter_retention_wins_over_the_code<S: TestStore>() {
     )
     .expect("valid file")
     .0;
-    let worker = one_dead_letter(&h, Some(file)).await;
+    let (worker, id) = one_dead_letter(&h, Some(file)).await;
+    give_up(&h, id).await;
     h.clock.advance(Duration::from_secs(9 * 60));
     let before = worker.pruned().runs;
     runs_after(&worker, before, 2).await;
@@ -205,6 +224,7 @@ async fn a_worker_of_every_namespace_purges_dead_letters_in_every_namespace<S: T
             .context(json!({ "fail": true }));
         let id = h.start(failing).await;
         h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+        give_up(&h, id).await;
     }
     assert_eq!(letters(&h).await, 2);
     // Past the machine's two hours: the letters of both namespaces go.

@@ -1855,12 +1855,11 @@ async fn update_gathered(
 // ----- dead letters ----------------------------------------------------------------------
 
 /// The dead letters a selector names, oldest first, bounded; with `instance_status`, only
-/// those whose instance is in it; with `older_than`, only those created before it.
+/// those whose instance is in it.
 async fn letters(
     db: &mut Db<'_>,
     selector: Option<&DeadLetterSelector>,
     instance_status: Option<Status>,
-    older_than: Option<Timestamp>,
 ) -> StoreResult<Vec<(DeadLetterId, NewDeadLetter, Timestamp)>> {
     let (id, ns, machine) = match selector {
         None => (None, None, None),
@@ -1877,7 +1876,6 @@ async fn letters(
            AND (? IS NULL OR machine = ?) \
            AND (? IS NULL OR EXISTS (SELECT 1 FROM keel_instances i \
                                      WHERE i.id = keel_dead_letters.instance_id AND i.status = ?)) \
-           AND (? IS NULL OR created_at < ?) \
          ORDER BY id LIMIT +?"
     ))
     .bind(id)
@@ -1888,8 +1886,6 @@ async fn letters(
     .bind(&machine)
     .bind(instance_status.map(Status::name))
     .bind(instance_status.map(Status::name))
-    .bind(older_than.map(|t| t.0))
-    .bind(older_than.map(|t| t.0))
     .bind(limits::DEAD_LETTER_BATCH_MAX as i64)
     .fetch_all(&mut *db.conn)
     .await
@@ -1903,7 +1899,7 @@ pub(crate) async fn dead_letter_retry(
 ) -> StoreResult<Vec<InstanceId>> {
     p.validate()?;
     let status = p.instance_status();
-    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector), status, None)
+    let letters: Vec<(DeadLetterId, InstanceId)> = letters(db, Some(&p.selector), status)
         .await?
         .into_iter()
         .map(|(id, letter, _)| (id, letter.instance))
@@ -1943,8 +1939,48 @@ pub(crate) async fn dead_letter_purge(
     p: &DeadLetterPurgeParams,
 ) -> StoreResult<u64> {
     p.validate()?;
-    let letters = letters(db, p.selector.as_ref(), None, p.older_than).await?;
-    let gone = plan::dead_letter::purge(p, letters.into_iter().map(|(id, _, at)| (id, at)));
+    let (id, ns, machine) = match &p.selector {
+        None => (None, None, None),
+        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
+        Some(DeadLetterSelector::Machine { namespace, machine }) => {
+            (None, Some(namespace.clone()), Some(machine.clone()))
+        }
+    };
+    // The plan's conditions are in the read too, so the page holds only purgeable letters
+    // (a page of kept ones would hide older purgeable letters behind it).
+    let rows = sqlx::query(
+        "SELECT d.id, d.created_at, i.status FROM keel_dead_letters d \
+           LEFT JOIN keel_instances i ON i.id = d.instance_id \
+         WHERE (? IS NULL OR d.id = ?) AND (? IS NULL OR d.namespace = ?) \
+           AND (? IS NULL OR d.machine = ?) AND (? IS NULL OR d.created_at < ?) \
+           AND (? = 0 OR i.status IS NULL OR i.status <> 'suspended') \
+         ORDER BY d.id LIMIT +?",
+    )
+    .bind(id)
+    .bind(id)
+    .bind(&ns)
+    .bind(&ns)
+    .bind(&machine)
+    .bind(&machine)
+    .bind(p.older_than.map(|t| t.0))
+    .bind(p.older_than.map(|t| t.0))
+    .bind(p.keep_suspended)
+    .bind(limits::DEAD_LETTER_BATCH_MAX as i64)
+    .fetch_all(&mut *db.conn)
+    .await
+    .map_err(db.err("selecting dead letters to purge"))?;
+    let mut letters = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let id: i64 = r.try_get("id").map_err(db.err("reading a dead letter id"))?;
+        let at: i64 = r.try_get("created_at").map_err(db.err("reading a dead letter time"))?;
+        let status: Option<String> = r.try_get("status").map_err(db.err("reading a status"))?;
+        let status = match status {
+            Some(s) => Some(s.parse::<Status>().map_err(|e| corrupt(db.file, "status", e))?),
+            None => None,
+        };
+        letters.push((DeadLetterId(id), Timestamp(at), status));
+    }
+    let gone = plan::dead_letter::purge(p, letters);
     for id in &gone {
         db.dead_letter_remove(*id).await?;
     }

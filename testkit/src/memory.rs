@@ -827,7 +827,9 @@ impl State {
 
     fn dead_letter_purge(&mut self, p: &DeadLetterPurgeParams) -> StoreResult<u64> {
         p.validate()?;
-        let letters = self.letters(p.selector.as_ref()).map(|d| (d.id, d.created_at));
+        let letters = self
+            .letters(p.selector.as_ref())
+            .map(|d| (d.id, d.created_at, self.rows.get(&d.letter.instance).map(|r| r.status)));
         let gone = plan::dead_letter::purge(p, letters);
         for id in &gone {
             self.dead_letters.remove(id);

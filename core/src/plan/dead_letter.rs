@@ -10,7 +10,7 @@
 use super::RowWrite;
 use crate::error::{StoreError, StoreResult};
 use crate::history::HistoryKind;
-use crate::ids::{DeadLetterId, InstanceId, SignalId};
+use crate::ids::{DeadLetterId, InstanceId, SignalId, Status};
 use crate::instance::{DeadLetter, HistoryEntry, Instance};
 use crate::limits;
 use crate::outcome;
@@ -118,17 +118,30 @@ pub fn skip(
     })
 }
 
-/// Plans a purge: among `letters` (the `(letter, created_at)` pairs the selector matched,
-/// oldest first), those created before `older_than` (all, without it), at most
-/// [`limits::DEAD_LETTER_BATCH_MAX`].
+/// Whether a letter still stands for its instance: the instance (`None` when it is gone) is
+/// suspended, and the letter is how it is retried. Such a letter is left by a purge that
+/// keeps them ([`DeadLetterPurgeParams::keep_suspended`]) and by `keel dlq delete`; a
+/// letter whose instance was cancelled, ended or retried through another letter only
+/// records what happened.
+pub fn retries_its_instance(instance: Option<Status>) -> bool {
+    instance == Some(Status::Suspended)
+}
+
+/// Plans a purge: among `letters` (each letter's id, its `created_at` and its instance's
+/// status, `None` when the instance is gone; those the selector matched, oldest first),
+/// those created before `older_than` (all, without it), less those whose instance they
+/// still retry when the purge keeps them, at most [`limits::DEAD_LETTER_BATCH_MAX`]. A
+/// store whose read stops at a page applies the same two conditions in the read, so a
+/// page of kept letters does not hide older purgeable ones behind it.
 pub fn purge(
     p: &DeadLetterPurgeParams,
-    letters: impl IntoIterator<Item = (DeadLetterId, Timestamp)>,
+    letters: impl IntoIterator<Item = (DeadLetterId, Timestamp, Option<Status>)>,
 ) -> Vec<DeadLetterId> {
     letters
         .into_iter()
-        .filter(|(_, created_at)| p.older_than.is_none_or(|t| *created_at < t))
-        .map(|(id, _)| id)
+        .filter(|(_, created_at, _)| p.older_than.is_none_or(|t| *created_at < t))
+        .filter(|(_, _, instance)| !(p.keep_suspended && retries_its_instance(*instance)))
+        .map(|(id, _, _)| id)
         .take(limits::DEAD_LETTER_BATCH_MAX)
         .collect()
 }
@@ -137,7 +150,7 @@ pub fn purge(
 mod tests {
     use super::*;
     use crate::ErrorKind;
-    use crate::ids::{MachineRef, Status};
+    use crate::ids::MachineRef;
     use crate::instance::{NewDeadLetter, NewInstance};
     use std::time::Duration;
 
@@ -220,13 +233,42 @@ mod tests {
 
     #[test]
     fn a_purge_takes_letters_older_than_the_cutoff() {
-        let letters = || [(DeadLetterId(1), Timestamp(10)), (DeadLetterId(2), Timestamp(20))];
+        let letters = || {
+            [
+                (DeadLetterId(1), Timestamp(10), Some(Status::Cancelled)),
+                (DeadLetterId(2), Timestamp(20), None),
+            ]
+        };
         let p = |older: Option<i64>| DeadLetterPurgeParams {
             selector: None,
             older_than: older.map(Timestamp),
+            keep_suspended: false,
         };
         assert_eq!(purge(&p(None), letters()), [DeadLetterId(1), DeadLetterId(2)]);
         assert_eq!(purge(&p(Some(20)), letters()), [DeadLetterId(1)]);
         assert_eq!(purge(&p(Some(10)), letters()), []);
+    }
+
+    #[test]
+    fn a_purge_that_keeps_suspended_instances_leaves_the_letters_they_are_retried_by() {
+        let letters = || {
+            [
+                (DeadLetterId(1), Timestamp(10), Some(Status::Suspended)),
+                (DeadLetterId(2), Timestamp(10), Some(Status::Cancelled)),
+                (DeadLetterId(3), Timestamp(10), Some(Status::Runnable)),
+                (DeadLetterId(4), Timestamp(10), None),
+            ]
+        };
+        let p = |keep_suspended| DeadLetterPurgeParams {
+            selector: None,
+            older_than: Some(Timestamp(20)),
+            keep_suspended,
+        };
+        assert_eq!(
+            purge(&p(true), letters()),
+            [DeadLetterId(2), DeadLetterId(3), DeadLetterId(4)],
+            "the suspended instance keeps its letter; the others only record what happened"
+        );
+        assert_eq!(purge(&p(false), letters()).len(), 4, "an operator's purge takes them all");
     }
 }

@@ -1158,6 +1158,12 @@ pub struct DeadLetterPurgeParams {
     pub selector: Option<DeadLetterSelector>,
     /// Only those created before this time (retention pruning).
     pub older_than: Option<Timestamp>,
+    /// Leave the letters whose instance is still suspended
+    /// ([`crate::plan::dead_letter::retries_its_instance`]): such a letter is how its
+    /// instance is retried, so purging it would leave the instance waiting for an operator
+    /// with nothing to retry it by. Retention sets it; an operator purging by hand
+    /// chooses (`false` purges them too, and their instances stay suspended).
+    pub keep_suspended: bool,
 }
 
 impl DeadLetterPurgeParams {
@@ -1734,7 +1740,8 @@ mod tests {
         check(retry(machine(""), Duration::ZERO).validate(), Err("selector.namespace"));
         let long = limits::RETRY_DELAY_MAX + Duration::from_secs(1);
         check(retry(DeadLetterSelector::Id(DeadLetterId(1)), long).validate(), Err("delay"));
-        let purge = |selector| DeadLetterPurgeParams { selector, older_than: None };
+        let purge =
+            |selector| DeadLetterPurgeParams { selector, older_than: None, keep_suspended: false };
         check(purge(None).validate(), Ok(()));
         check(purge(Some(machine(""))).validate(), Err("selector.namespace"));
     }

@@ -648,7 +648,9 @@ pub(crate) async fn dead_letter_skip<C: GenericClient + Sync>(
     Ok(id)
 }
 
-/// Purges dead letters.
+/// Purges dead letters as `plan::dead_letter::purge` decides, in one transaction: the
+/// letters the selector matches (their conditions also in the read, so a page holds only
+/// purgeable ones) are locked with their instances' statuses, planned, and deleted.
 pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
     c: &C,
     p: &DeadLetterPurgeParams,
@@ -662,16 +664,30 @@ pub(crate) async fn dead_letter_purge<C: GenericClient + Sync>(
         }
     };
     let limit = limits::DEAD_LETTER_BATCH_MAX as i64;
-    let stmt = c
+    begin(c).await?;
+    let read = c
         .prepare_cached(
-            "DELETE FROM dead_letters WHERE id IN (SELECT id FROM dead_letters \
-               WHERE ($1::int8 IS NULL OR id = $1) AND ($2::text IS NULL OR namespace = $2) \
-                 AND ($3::text IS NULL OR machine = $3) \
-                 AND ($4::timestamptz IS NULL OR created_at < $4) \
-               ORDER BY id LIMIT $5)",
+            "SELECT d.id, d.created_at, i.status::text FROM dead_letters d \
+               LEFT JOIN instances i ON i.id = d.instance_id \
+             WHERE ($1::int8 IS NULL OR d.id = $1) AND ($2::text IS NULL OR d.namespace = $2) \
+               AND ($3::text IS NULL OR d.machine = $3) \
+               AND ($4::timestamptz IS NULL OR d.created_at < $4) \
+               AND (NOT $5::bool OR i.status IS DISTINCT FROM 'suspended') \
+             ORDER BY d.id LIMIT $6 FOR UPDATE OF d",
         )
         .await?;
-    Ok(c.execute(&stmt, &[&id, &ns, &machine, &older, &limit]).await?)
+    let keep = p.keep_suspended;
+    let mut letters = Vec::new();
+    for r in c.query(&read, &[&id, &ns, &machine, &older, &keep, &limit]).await? {
+        let status: Option<String> = rows::col(&r, 2)?;
+        let status = status.as_deref().map(rows::status).transpose()?;
+        letters.push((DeadLetterId(rows::col(&r, 0)?), rows::from_ts(rows::col(&r, 1)?), status));
+    }
+    let gone: Vec<i64> = plan::dead_letter::purge(p, letters).iter().map(|d| d.0).collect();
+    let delete = c.prepare_cached("DELETE FROM dead_letters WHERE id = ANY($1::int8[])").await?;
+    let n = c.execute(&delete, &[&gone]).await?;
+    end_tx(c, None).await?;
+    Ok(n)
 }
 
 /// Pauses or resumes a queue.

@@ -516,8 +516,7 @@ impl Store for PgStore {
 
     async fn dead_letter_purge(&self, params: DeadLetterPurgeParams) -> StoreResult<u64> {
         params.validate()?;
-        let conn = self.client().await?;
-        admin::dead_letter_purge(&conn, &params).await.map_err(StoreError::from)
+        in_tx!(self, |c| admin::dead_letter_purge(c, &params))
     }
 
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {

@@ -191,6 +191,7 @@ pub async fn dead_letter_machine_operations_reach_past_a_full_batch<S: Store>(s:
         .dead_letter_purge(DeadLetterPurgeParams {
             selector: Some(billing),
             older_than: Some(at(500)),
+            keep_suspended: false,
         })
         .await
         .expect("purge");
@@ -256,6 +257,75 @@ pub async fn dead_letter_skip_consumes_signals<S: Store>(s: &S) {
     assert_eq!(row(s, gone).await.status, Status::Cancelled);
 }
 
+/// A purge that keeps suspended instances (what retention runs) leaves each letter whose
+/// instance is still suspended, since it is how that instance is retried, and purges the
+/// letters whose instance was cancelled, finished or is gone, also behind a full batch of
+/// kept letters; an operator's purge takes them all.
+pub async fn a_purge_keeping_suspended_instances_leaves_the_letters_they_are_retried_by<
+    S: Store,
+>(
+    s: &S,
+) {
+    let ns = "dlq_purge_keeps_suspended";
+    let batch = limits::COMMIT_BATCH_MAX.min(limits::CLAIM_BATCH_MAX);
+    let mut kept = 0;
+    while kept < limits::DEAD_LETTER_BATCH_MAX {
+        let n = batch.min(limits::DEAD_LETTER_BATCH_MAX - kept);
+        let news = (0..n).map(|_| NewInstance::new(MachineRef::new("billing", 1), "start"));
+        insert(s, news.map(|new| new.namespace(ns)).collect(), at(10)).await;
+        let claims = claim(s, claim_params(ns, n, at(11))).await;
+        assert_eq!(claims.len(), n, "claimed the batch just inserted");
+        let commits = claims
+            .iter()
+            .map(|c| {
+                StepCommit::new(c.instance.id, c.token(), Outcome::Suspend).failure(failure(
+                    "bad",
+                    true,
+                    vec![],
+                ))
+            })
+            .collect();
+        let receipts =
+            s.step_commit(CommitParams { commits, now: at(12) }).await.expect("step_commit");
+        for r in receipts {
+            assert!(r.expect("commit accepted").dead_letter.is_some(), "a letter was recorded");
+        }
+        kept += n;
+    }
+    let (stuck, stuck_letter) = suspended(s, ns, "billing", at(20)).await;
+    let (given_up, given_up_letter) = suspended(s, ns, "billing", at(20)).await;
+    s.instance_cancel(CancelParams {
+        id: given_up,
+        reason: "gave up".into(),
+        cascade: false,
+        now: at(30),
+        only_in: None,
+    })
+    .await
+    .expect("cancel");
+    let billing = DeadLetterSelector::Machine { namespace: ns.into(), machine: "billing".into() };
+    let retention = DeadLetterPurgeParams {
+        selector: Some(billing.clone()),
+        older_than: Some(at(500)),
+        keep_suspended: true,
+    };
+    assert_eq!(
+        s.dead_letter_purge(retention.clone()).await.expect("purge"),
+        1,
+        "only the cancelled instance's letter goes, behind a full batch of kept ones"
+    );
+    expect_kind(s.dead_letter_get(given_up_letter).await, ErrorKind::NotFound, "it went");
+    assert_eq!(s.dead_letter_get(stuck_letter).await.expect("kept").letter.instance, stuck);
+    assert_eq!(s.dead_letter_purge(retention).await.expect("purge"), 0, "nothing more to take");
+    let by_hand = |id| DeadLetterPurgeParams {
+        selector: Some(DeadLetterSelector::Id(id)),
+        older_than: None,
+        keep_suspended: false,
+    };
+    assert_eq!(s.dead_letter_purge(by_hand(stuck_letter)).await.expect("purge"), 1);
+    assert_eq!(row(s, stuck).await.status, Status::Suspended, "a purge leaves instances alone");
+}
+
 /// Purge removes letters older than the cutoff (by selector too) and leaves instances
 /// alone.
 pub async fn dead_letter_purge_older_than<S: Store>(s: &S) {
@@ -263,7 +333,11 @@ pub async fn dead_letter_purge_older_than<S: Store>(s: &S) {
     let (i1, _) = suspended(s, ns, "billing", at(10)).await;
     let (_, l2) = suspended(s, ns, "billing", at(20)).await;
     let (_, l3) = suspended(s, ns, "order", at(30)).await;
-    let purge = |selector, older_than| DeadLetterPurgeParams { selector, older_than };
+    let purge = |selector, older_than| DeadLetterPurgeParams {
+        selector,
+        older_than,
+        keep_suspended: false,
+    };
     assert_eq!(
         s.dead_letter_purge(purge(None, Some(at(20)))).await.expect("purge"),
         1,

@@ -159,6 +159,7 @@ macro_rules! __store_contract_list {
             dead_letter_machine_operations_reach_past_a_full_batch,
             dead_letter_skip_consumes_signals,
             dead_letter_purge_older_than,
+            a_purge_keeping_suspended_instances_leaves_the_letters_they_are_retried_by,
             cancel_cascade_releases_parent_barrier,
             cancel_rules_terminal_missing_executing,
             a_cancel_limited_to_runnable_leaves_a_claimed_instance_to_its_step,

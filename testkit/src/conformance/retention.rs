@@ -160,8 +160,11 @@ pub async fn prune_keeps_an_instance_its_dead_letters_name<S: Store>(s: &S) {
     .expect("cancel");
     let (instances, _) = total(&pass(s, ns, at(1_000), 10).await);
     assert_eq!(instances, 0, "kept while its dead letter exists");
-    let purge =
-        DeadLetterPurgeParams { selector: Some(DeadLetterSelector::Id(letter)), older_than: None };
+    let purge = DeadLetterPurgeParams {
+        selector: Some(DeadLetterSelector::Id(letter)),
+        older_than: None,
+        keep_suspended: false,
+    };
     s.dead_letter_purge(purge).await.expect("purge");
     let (instances, _) = total(&pass(s, ns, at(1_000), 10).await);
     assert_eq!(instances, 1, "pruned once its dead letter is gone");
