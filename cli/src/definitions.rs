@@ -126,6 +126,18 @@ impl Definitions {
         Ok(Definitions { charts })
     }
 
+    /// What building the charts found that is allowed but likely a mistake (a state
+    /// nothing enters, a transition that can never be taken), each naming its chart:
+    /// `door v1: state ...`. A worker logs the same for the charts it registers.
+    pub fn warnings(&self) -> Vec<String> {
+        self.charts
+            .iter()
+            .flat_map(|c| {
+                c.warnings().iter().map(move |w| format!("{} v{}: {w}", c.name(), c.version()))
+            })
+            .collect()
+    }
+
     /// Whether the file names any version of `machine`.
     pub fn has_machine(&self, machine: &str) -> bool {
         self.charts.iter().any(|c| c.name() == machine)
@@ -190,6 +202,15 @@ mod tests {
             many.find("door", Some(1), "--version").expect("v1").event_alphabet(),
             ["CLOSE", "OPEN"]
         );
+    }
+
+    #[test]
+    fn warnings_name_their_chart() {
+        assert_eq!(Definitions::parse(DOOR).expect("door").warnings(), Vec::<String>::new());
+        let stray = DOOR.replace(r#"{ "key": "open","#, r#"{ "key": "lost" }, { "key": "open","#);
+        let warnings = Definitions::parse(&stray).expect("a chart with a stray state").warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("door v1: state `lost` is unreachable"), "{warnings:?}");
     }
 
     #[test]

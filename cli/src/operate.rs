@@ -540,8 +540,19 @@ pub fn graph(
         GraphFormat::Mermaid => ("mermaid", chart.to_mermaid()),
         GraphFormat::Dot => ("dot", chart.to_dot()),
     };
+    // The chart is drawn as it is; what it likely got wrong goes to stderr (and `warnings`).
+    let warnings: Vec<String> = chart.warnings().iter().map(ToString::to_string).collect();
+    for w in &warnings {
+        crate::output::warn(&format!("{machine} v{}: {w}", chart.version()));
+    }
     Ok(Report::ok(
-        json!({ "machine": machine, "version": chart.version(), "format": name, "diagram": text }),
+        json!({
+            "machine": machine,
+            "version": chart.version(),
+            "format": name,
+            "diagram": text,
+            "warnings": warnings,
+        }),
         text,
     ))
 }

@@ -375,6 +375,23 @@ async fn graph_draws_and_upgrade_moves_instances_from_a_definitions_file() {
             b.json(&["graph", "door", "--format", "dot", "--version", "1", "--definitions", &defs]);
         assert_eq!((dot["format"].as_str(), dot["version"].as_u64()), (Some("dot"), Some(1)));
         assert!(dot["diagram"].as_str().unwrap().starts_with("digraph"), "{dot}");
+        assert_eq!(dot["warnings"], json!([]), "a sound chart draws without warnings");
+        // A chart with a state nothing enters still draws; stderr and `warnings` say so.
+        let stray = b.file(
+            "stray.json",
+            r#"{ "name": "gate", "version": 1, "initial": "shut", "states": [
+                { "key": "shut", "on": [ { "event": "OPEN", "target": "open" } ] },
+                { "key": "open" }, { "key": "lost" } ] }"#,
+        );
+        let (out, err) = b.run(&["graph", "gate", "--definitions", &stray], 0);
+        assert!(out.contains("stateDiagram-v2"), "{out}");
+        assert!(
+            err.contains("warning: gate v1: state `lost` is unreachable"),
+            "{}: stderr: {err}",
+            b.name
+        );
+        let body = b.json(&["graph", "gate", "--definitions", &stray]);
+        assert_eq!(body["warnings"].as_array().map(Vec::len), Some(1), "{body}");
         let broken = b.file("broken.json", "[{\"name\": \"door\"}]");
         for (args, code, needle) in [
             (

@@ -231,6 +231,9 @@ pub async fn run(
         std::io::stderr(),
         "dashboard: http://{bound}/ui ({loaded} chart definition(s) loaded)"
     );
+    for w in state.definitions.iter().flat_map(crate::definitions::Definitions::warnings) {
+        crate::output::warn(&w);
+    }
     serve_until(listener, state, keel::shutdown_signal()).await.context("the HTTP server stopped")
 }
 
