@@ -37,6 +37,11 @@
 //! It needs Redis 6.0 or later (a receive waits fractions of a second); [`RedisQueue::connect`]
 //! refuses an older server, naming its version.
 //!
+//! [`RedisQueue::connect`] needs the server to answer. [`RedisQueue::connect_lazy`] opens
+//! the connections on first use instead: a worker started while Redis is down runs its
+//! steps by polling the store, its queue calls fail with `Unavailable` until the server
+//! answers, and hints flow from then on.
+//!
 //! What it does not do, and says so in [`QueueCapabilities`]: priorities and ordered
 //! groups (hints visible at the same time come in publish order across all groups).
 //!
@@ -219,10 +224,73 @@ impl std::fmt::Debug for RedisQueue {
     }
 }
 
+/// What a queue is made of before its connections are opened: the checked settings.
+struct Prepared {
+    name: String,
+    capacity: u64,
+    /// The URL without its password, for messages.
+    url: String,
+    client: redis::Client,
+    settings: ConnectionManagerConfig,
+    blocking_settings: ConnectionManagerConfig,
+}
+
 impl RedisQueue {
     /// Connects to the server and checks that it answers and is Redis 6.0 or later.
-    /// Errors show the URL without its password.
+    /// Errors show the URL without its password. A server that is not there fails this
+    /// with `Unavailable`; [`RedisQueue::connect_lazy`] gives a queue that connects when
+    /// the server is there.
     pub async fn connect(config: RedisQueueConfig) -> StoreResult<Self> {
+        let p = Self::prepare(config)?;
+        let url = &p.url;
+        let unavailable =
+            |e: redis::RedisError| StoreError::unavailable(format!("redis at {url}: {e}"));
+        let conn = ConnectionManager::new_with_config(p.client.clone(), p.settings.clone())
+            .await
+            .map_err(unavailable)?;
+        match redis::cmd("INFO").arg("server").query_async::<String>(&mut conn.clone()).await {
+            Ok(info) => check_server_version(&info)
+                .map_err(|e| StoreError::invalid(format!("redis at {url}: {e}")))?,
+            // A server that does not answer was reported above; one that refuses `INFO`
+            // (a proxy, a renamed command) cannot be checked.
+            Err(e) if e.code().is_some() => {
+                tracing::debug!(error = %e, "could not read the Redis server's version");
+            }
+            Err(e) => return Err(unavailable(e)),
+        }
+        let blocking =
+            ConnectionManager::new_with_config(p.client.clone(), p.blocking_settings.clone())
+                .await
+                .map_err(unavailable)?;
+        Ok(Self::assemble(p, conn, blocking))
+    }
+
+    /// A queue that opens its connections on first use, without waiting for the server:
+    /// a process that starts while Redis is down (a failover, a maintenance window, a
+    /// deploy that starts both together) still gets its queue. Until the server answers,
+    /// every call fails with `Unavailable`, which a worker treats as a queue that is down:
+    /// its claim loop polls the store and its hint loop tries again, and hints flow once
+    /// the server is there. Only the settings are checked here (`Invalid`, naming the
+    /// field). The server's version is not: on a server older than Redis 6.0 receives
+    /// fail with the server's error.
+    #[allow(
+        clippy::unused_async,
+        reason = "async like `connect`, and so called where a Tokio runtime runs: the \
+                  connections' tasks are spawned on it"
+    )]
+    pub async fn connect_lazy(config: RedisQueueConfig) -> StoreResult<Self> {
+        let p = Self::prepare(config)?;
+        let url = p.url.clone();
+        let lazy = |settings: &ConnectionManagerConfig| {
+            ConnectionManager::new_lazy_with_config(p.client.clone(), settings.clone())
+                .map_err(|e| StoreError::invalid(format!("url {url:?}: {e}")))
+        };
+        let (conn, blocking) = (lazy(&p.settings)?, lazy(&p.blocking_settings)?);
+        Ok(Self::assemble(p, conn, blocking))
+    }
+
+    /// Checks the settings and builds the client, without connecting.
+    fn prepare(config: RedisQueueConfig) -> StoreResult<Prepared> {
         let name = config.name;
         if config.capacity == 0 {
             return Err(StoreError::invalid(format!(
@@ -259,8 +327,6 @@ impl RedisQueue {
         #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
         let tcp = tcp.set_user_timeout(TCP_USER_TIMEOUT);
         let client = redis::Client::open(info.set_tcp_settings(tcp)).map_err(invalid_url)?;
-        let unavailable =
-            |e: redis::RedisError| StoreError::unavailable(format!("redis at {url}: {e}"));
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CONNECT_TIMEOUT))
             .set_number_of_retries(1);
@@ -268,23 +334,12 @@ impl RedisQueue {
         let blocking_settings = base.set_response_timeout(Some(
             keel_core::limits::HINT_WAIT_MAX + RESPONSE_TIMEOUT + RESPONSE_TIMEOUT,
         ));
-        let conn = ConnectionManager::new_with_config(client.clone(), settings.clone())
-            .await
-            .map_err(unavailable)?;
-        match redis::cmd("INFO").arg("server").query_async::<String>(&mut conn.clone()).await {
-            Ok(info) => check_server_version(&info)
-                .map_err(|e| StoreError::invalid(format!("redis at {url}: {e}")))?,
-            // A server that does not answer was reported above; one that refuses `INFO`
-            // (a proxy, a renamed command) cannot be checked.
-            Err(e) if e.code().is_some() => {
-                tracing::debug!(error = %e, "could not read the Redis server's version");
-            }
-            Err(e) => return Err(unavailable(e)),
-        }
-        let blocking =
-            ConnectionManager::new_with_config(client.clone(), blocking_settings.clone())
-                .await
-                .map_err(unavailable)?;
+        Ok(Prepared { name, capacity: config.capacity, url, client, settings, blocking_settings })
+    }
+
+    /// The queue on connections `conn` and `blocking`.
+    fn assemble(p: Prepared, conn: ConnectionManager, blocking: ConnectionManager) -> Self {
+        let Prepared { name, capacity, client, settings, blocking_settings, .. } = p;
         let prefix = format!("keel:{{{name}}}");
         let keys = Keys {
             vis: format!("{prefix}:vis"),
@@ -292,10 +347,10 @@ impl RedisQueue {
             count: format!("{prefix}:count"),
             wake: format!("{prefix}:wake"),
         };
-        Ok(RedisQueue {
+        RedisQueue {
             name,
             keys,
-            capacity: config.capacity,
+            capacity,
             dropped: AtomicU64::new(0),
             dropped_warned: AtomicU64::new(u64::MAX),
             created: Instant::now(),
@@ -307,7 +362,7 @@ impl RedisQueue {
             blocking: tokio::sync::Mutex::new(blocking),
             blocking_abandoned: AtomicBool::new(false),
             woken: tokio::sync::Notify::new(),
-        })
+        }
     }
 
     /// What every Redis queue can do: any delay at 1 ms, no priorities, no ordered groups.
@@ -317,6 +372,7 @@ impl RedisQueue {
         priorities: false,
         visibility_max: None,
         resolution: Duration::from_millis(1),
+        hints_per_round_trip: keel_core::limits::HINT_BATCH_MAX,
     };
 
     /// The queue's name.

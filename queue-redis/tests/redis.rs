@@ -73,6 +73,54 @@ async fn bad_url_name_and_server_down() {
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
 }
 
+/// A lazy queue is made while its server is down: its calls are `Unavailable` until the
+/// server answers, and then hints flow without making the queue again. Its settings are
+/// still checked at once.
+#[tokio::test]
+async fn a_lazy_queue_is_made_while_the_server_is_down_and_works_once_it_is_up() {
+    let err = RedisQueue::connect_lazy(RedisQueueConfig::new("http://x", "q")).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(err.message.starts_with("url"), "{err}");
+    let err = RedisQueue::connect_lazy(RedisQueueConfig::new("redis://127.0.0.1:9", "a{b}"))
+        .await
+        .unwrap_err();
+    assert!(err.message.starts_with("name"), "{err}");
+    let on = std::env::var(URL_VAR).is_ok();
+    let server = on.then(keel_queue_redis::testing::PrivateServer::start);
+    let Some(mut server) = queue_or_skip("redis lazy connect", URL_VAR, server) else { return };
+    server.shutdown();
+    let q = RedisQueue::connect_lazy(RedisQueueConfig::new(server.url(), "lazy"))
+        .await
+        .expect("a lazy queue is made while its server is down");
+    let err = q.receive(1, 1000 * MS, 10 * MS).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    let err = q.enqueue(vec![Hint::new(InstanceId(42), 1)]).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    server.restart();
+    // The connections are opened again on their own; a call may still meet the attempt
+    // made while the server was down.
+    let mut published = Err(err);
+    for _ in 0..50 {
+        published = q.enqueue(vec![Hint::new(InstanceId(42), 1)]).await;
+        if published.is_ok() {
+            break;
+        }
+        tokio::time::sleep(100 * MS).await;
+    }
+    published.expect("a publish once the server is up");
+    let mut got = Vec::new();
+    for _ in 0..50 {
+        if let Ok(page) = q.receive(1, 5000 * MS, 100 * MS).await
+            && !page.is_empty()
+        {
+            got = page;
+            break;
+        }
+    }
+    let instances: Vec<i64> = got.iter().map(|d| d.hint.instance.0).collect();
+    assert_eq!(instances, [42], "the hint published once the server was up is received");
+}
+
 /// Entries under the queue's keys that are not hints (written by something else, edited
 /// by hand, or encoded by another version) are removed when received, and the good hints
 /// leased with them are handed out in the same receive, or at once behind them.

@@ -31,6 +31,10 @@
 //!   stable hash of it, so one key always maps to one group.
 //! - A publish sends every batch of 10 even when SQS refuses entries of one, and then
 //!   reports how many were refused and why.
+//! - A received message that is not a hint (another application's message on a URL meant
+//!   for it, a hint of a newer Keel) is deleted, so that it cannot hold up a FIFO group,
+//!   logged at `warn` with the queue URL and message id at most once a minute, and counted
+//!   ([`SqsQueue::discarded`]).
 //! - Redrive: [`SqsQueue::create`] can create a dead-letter queue and a redrive policy, so
 //!   a hint that keeps failing to be acked leaves the main queue after `max_receives`.
 //!
@@ -69,7 +73,9 @@ use keel_core::ports::queue::{
 use keel_core::{InstanceId, Priority, StoreError, StoreResult};
 use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Most entries SQS takes in one batch call (send, delete) and returns from one receive.
 pub const SQS_BATCH_MAX: usize = 10;
@@ -107,6 +113,47 @@ pub struct SqsQueue {
     client: Client,
     url: String,
     fifo: bool,
+    /// Messages received that were not hints (shared by the clones of this handle).
+    discards: Arc<Discards>,
+}
+
+/// How many received messages were not hints, and when the last warning about one was
+/// given.
+#[derive(Debug)]
+struct Discards {
+    count: AtomicU64,
+    /// Seconds from `since` to the last warning (`u64::MAX`: never).
+    warned: AtomicU64,
+    since: Instant,
+}
+
+impl Discards {
+    fn new() -> Arc<Self> {
+        Arc::new(Discards {
+            count: AtomicU64::new(0),
+            warned: AtomicU64::new(u64::MAX),
+            since: Instant::now(),
+        })
+    }
+
+    /// Counts one message that is not a hint; whether to warn about it: the first time,
+    /// then at most once a minute.
+    fn count(&self) -> bool {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let now = self.since.elapsed().as_secs();
+        let last = self.warned.load(Ordering::Relaxed);
+        (last == u64::MAX || now >= last.saturating_add(60))
+            && self.warned.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    }
+}
+
+/// The first characters of a message body, for a log line.
+fn body_start(body: &str) -> &str {
+    const SHOWN: usize = 64;
+    match body.char_indices().nth(SHOWN) {
+        Some((end, _)) => &body[..end],
+        None => body,
+    }
 }
 
 fn unavailable<E: std::error::Error + 'static>(what: &str, url: &str, e: &E) -> StoreError {
@@ -298,7 +345,7 @@ impl SqsQueue {
         let region = client.config().region().map(|r| r.as_ref().to_owned());
         check_url(&url, region.as_deref()).map_err(StoreError::invalid)?;
         let fifo = is_fifo(&url);
-        Ok(SqsQueue { client, url, fifo })
+        Ok(SqsQueue { client, url, fifo, discards: Discards::new() })
     }
 
     /// Creates queue `name` (FIFO when it ends in `.fifo`) if it does not exist. With
@@ -370,12 +417,27 @@ impl SqsQueue {
         check_url(url, None).map_err(|e| {
             StoreError::unavailable(format!("sqs CreateQueue on {name}: the answer's {e}"))
         })?;
-        Ok(SqsQueue { client: client.clone(), url: url.to_owned(), fifo })
+        Ok(SqsQueue {
+            client: client.clone(),
+            url: url.to_owned(),
+            fifo,
+            discards: Discards::new(),
+        })
     }
 
     /// The queue's URL.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// How many received messages this handle (and its clones) deleted because they were
+    /// not Keel hints: a body that is not `<instance>|<revision>|<priority level>|<group>`,
+    /// such as another application's message on a queue URL meant for it, or a hint of a
+    /// newer Keel that this one cannot read. Each is also logged at `warn`, at most once a
+    /// minute. A message whose delete failed comes back after its visibility and counts
+    /// again.
+    pub fn discarded(&self) -> u64 {
+        self.discards.count.load(Ordering::Relaxed)
     }
 
     /// The dead-letter queue of a queue made by [`SqsQueue::create`] with `max_receives`.
@@ -541,22 +603,43 @@ impl SqsQueue {
             let (Some(body), Some(receipt)) = (message.body(), message.receipt_handle()) else {
                 continue;
             };
-            let Some(hint) = decode(body) else {
-                // Not a hint of ours: delete it so it cannot block a FIFO group forever. A
-                // failed delete does not cost the good hints of the page, which are
-                // leased already: the message comes back after its visibility and is
-                // deleted then.
-                let _ = self.delete_batch(&[receipt.to_owned()]).await;
-                continue;
-            };
             let receive_count = message
                 .attributes()
                 .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(1);
+            let Some(hint) = decode(body) else {
+                // Not a hint of ours: delete it so it cannot block a FIFO group forever. A
+                // failed delete does not cost the good hints of the page, which are
+                // leased already: the message comes back after its visibility and is
+                // deleted then.
+                self.discard(message.message_id().unwrap_or_default(), body, receive_count);
+                let _ = self.delete_batch(&[receipt.to_owned()]).await;
+                continue;
+            };
             deliveries.push(Delivery { hint, receipt: receipt.to_owned(), receive_count });
         }
         Ok(deliveries)
+    }
+
+    /// Counts a received message that is not a hint and says so: at `warn` the first
+    /// time and then at most once a minute, at `debug` otherwise.
+    fn discard(&self, message_id: &str, body: &str, receive_count: u32) {
+        if self.discards.count() {
+            tracing::warn!(
+                queue = %self.url,
+                message_id,
+                body = body_start(body),
+                receive_count,
+                discarded = self.discarded(),
+                "deleting a message that is not a Keel hint (expected body \
+                 `<instance>|<revision>|<priority level>|<group>`); only Keel should write to \
+                 this queue: check that its URL is not another application's queue (said at \
+                 most once a minute; `SqsQueue::discarded` counts them all)"
+            );
+        } else {
+            tracing::debug!(queue = %self.url, message_id, "deleting a message that is not a Keel hint");
+        }
     }
 
     async fn change_visibility(
@@ -599,6 +682,7 @@ impl Queue for SqsQueue {
             priorities: false,
             visibility_max: Some(SQS_VISIBILITY_MAX),
             resolution: Duration::from_secs(1),
+            hints_per_round_trip: SQS_BATCH_MAX,
         }
     }
 

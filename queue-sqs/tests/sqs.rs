@@ -584,3 +584,57 @@ async fn an_ack_tries_every_batch_and_then_reports_the_failure() {
     let expected: Vec<String> = (11..=25).map(|i| format!("r{i}")).collect();
     assert_eq!(deleted, expected, "the batches after the failed one were deleted");
 }
+
+/// Captured log lines.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A message that is not a hint is deleted, counted and logged with the queue and its
+/// message id (at most once a minute: the second one is only counted); the hints of its
+/// page are delivered.
+#[tokio::test(flavor = "current_thread")]
+async fn a_foreign_message_is_deleted_counted_and_logged() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber =
+        tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let deletes = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&deletes);
+    let q = scripted_sqs(move |target, body| {
+        if target == "ReceiveMessage" {
+            let page = [
+                ("r0".to_owned(), "not a hint".to_owned()),
+                ("r1".to_owned(), hint_body(1)),
+                ("r2".to_owned(), "9|9|not a level|".to_owned()),
+            ];
+            ("200 OK", messages(&page))
+        } else {
+            seen.lock().unwrap().push(body.to_owned());
+            ("200 OK", r#"{"Successful":[{"Id":"0"}],"Failed":[]}"#.to_owned())
+        }
+    });
+    let got = q.receive(10, S, S).await.unwrap();
+    let instances: Vec<i64> = got.iter().map(|d| d.hint.instance.0).collect();
+    assert_eq!(instances, [1]);
+    assert_eq!(q.discarded(), 2, "both messages that are not hints are counted");
+    assert_eq!(q.clone().discarded(), 2, "a clone shares the count");
+    assert_eq!(deletes.lock().unwrap().len(), 2, "both were deleted");
+    let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let warnings: Vec<&str> = logged.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning a minute: {logged}");
+    let warning = warnings[0];
+    assert!(warning.contains("not a Keel hint"), "{warning}");
+    assert!(warning.contains("message_id=\"m-r0\""), "{warning}");
+    assert!(warning.contains(q.url()), "{warning}");
+}

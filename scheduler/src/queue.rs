@@ -52,7 +52,8 @@ use tokio::sync::{Notify, Semaphore, mpsc, watch};
 pub const RECEIVE_MARGIN: Duration = Duration::from_secs(5);
 /// How long a publish, ack or hand-back call to the queue may take before the worker or
 /// client gives up on it (the hints then wait for polling, the repair pass or their
-/// visibility, as after any failed call).
+/// visibility, as after any failed call). A publish is made of calls of at most 10 hints,
+/// one round trip each on every backend, and each call has this bound of its own.
 pub const QUEUE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most publishes one worker (or one client and its clones) has under way at once; the
 /// hints of a commit, start or send beyond them are dropped and counted.
@@ -298,7 +299,7 @@ impl Publisher {
         };
         let queue = Arc::clone(&self.queue);
         Some(tokio::spawn(async move {
-            let published = publish(queue.as_ref(), hints).await;
+            let published = publish(&queue, hints).await;
             drop(slot);
             done(published);
         }))
@@ -426,38 +427,69 @@ pub(crate) struct Published {
     pub(crate) failed: u64,
     /// Hints left to the store because their delay is longer than the queue keeps.
     pub(crate) held_back: u64,
+    /// Whether a queue call got no answer within [`QUEUE_CALL_TIMEOUT`], which ended the
+    /// publish (its unsent hints count as failed).
+    pub(crate) stalled: bool,
 }
 
-/// Publishes `hints` in batches of `HINT_BATCH_MAX`, leaving delays the queue cannot keep
-/// to the store. A failure only costs latency: the repair pass and polling find the work.
-/// A batch the queue does not take within [`QUEUE_CALL_TIMEOUT`] ends the publish: the
-/// batches after it would wait on the same queue, and count as failed too.
-pub(crate) async fn publish(queue: &dyn Queue, hints: Vec<Hint>) -> Published {
+/// Queue calls one publish has under way at once on a queue without ordered groups. A
+/// queue with ordered groups gets one call after the other, so the hints of a group
+/// arrive in publish order.
+pub(crate) const PUBLISH_CALLS_MAX: usize = 4;
+
+/// Publishes `hints` in calls of one round trip each (the queue's
+/// `hints_per_round_trip`, so that [`QUEUE_CALL_TIMEOUT`] bounds one round trip and never
+/// a whole publish of up to `HINT_BATCH_MAX` hints), up to [`PUBLISH_CALLS_MAX`] at
+/// once (one at a time on a queue with ordered groups), leaving delays the queue cannot
+/// keep to the store. A failure only costs latency: the repair pass and polling find the
+/// work. A refused call counts its own hints as failed and the others go on. A call the
+/// queue does not answer within [`QUEUE_CALL_TIMEOUT`] ends the publish: the calls under
+/// way finish (each within its own bound), no further call is made, since it would wait
+/// on the same queue, and the hints not taken count as failed.
+pub(crate) async fn publish(queue: &Arc<dyn Queue>, hints: Vec<Hint>) -> Published {
     let total = hints.len() as u64;
-    let hints = hints::publishable(hints, queue.capabilities().delay_max);
-    let mut out = Published { held_back: total - hints.len() as u64, ..Published::default() };
-    let mut left = hints.len() as u64;
-    for chunk in hints.chunks(keel_core::limits::HINT_BATCH_MAX) {
-        let n = chunk.len() as u64;
-        left -= n;
-        let publishing = tokio::time::timeout(QUEUE_CALL_TIMEOUT, queue.enqueue(chunk.to_vec()));
-        let (error, hung) = match publishing.await {
-            Ok(Ok(())) => {
-                out.taken += n;
-                continue;
-            }
-            Ok(Err(e)) => (e.to_string(), false),
-            Err(_) => (format!("the queue did not answer within {QUEUE_CALL_TIMEOUT:?}"), true),
-        };
-        if publish_warning_due() {
-            tracing::warn!(error = %error, "publishing hints failed; the repair pass or polling takes the work (said at most once a minute)");
-        } else {
-            tracing::debug!(error = %error, "publishing hints failed");
+    let caps = queue.capabilities();
+    let hints = hints::publishable(hints, caps.delay_max);
+    let publishable = hints.len() as u64;
+    let mut out = Published { held_back: total - publishable, ..Published::default() };
+    let at_once = if caps.ordered_groups { 1 } else { PUBLISH_CALLS_MAX };
+    let mut chunks = hints.chunks(caps.hints_per_round_trip.max(1));
+    let mut calls = tokio::task::JoinSet::new();
+    let mut first_error: Option<String> = None;
+    loop {
+        while !out.stalled && calls.len() < at_once {
+            let Some(chunk) = chunks.next() else { break };
+            let (queue, chunk) = (Arc::clone(queue), chunk.to_vec());
+            calls.spawn(async move {
+                let n = chunk.len() as u64;
+                (n, tokio::time::timeout(QUEUE_CALL_TIMEOUT, queue.enqueue(chunk)).await)
+            });
         }
-        out.failed += n;
-        if hung {
-            out.failed += left;
-            break;
+        let Some(joined) = calls.join_next().await else { break };
+        match joined {
+            Ok((n, Ok(Ok(())))) => out.taken += n,
+            Ok((_, Ok(Err(e)))) => {
+                first_error.get_or_insert_with(|| e.to_string());
+            }
+            Ok((_, Err(_))) => {
+                out.stalled = true;
+                first_error.get_or_insert_with(|| {
+                    format!("the queue did not answer within {QUEUE_CALL_TIMEOUT:?}")
+                });
+            }
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => {
+                // Cancelled: the runtime is shutting down, and so is this publish.
+                out.stalled = true;
+            }
+        }
+    }
+    out.failed = publishable - out.taken;
+    if let Some(error) = first_error {
+        if publish_warning_due() {
+            tracing::warn!(error = %error, taken = out.taken, failed = out.failed, "publishing hints failed; the repair pass or polling takes the work (said at most once a minute)");
+        } else {
+            tracing::debug!(error = %error, taken = out.taken, failed = out.failed, "publishing hints failed");
         }
     }
     out
@@ -540,6 +572,9 @@ async fn repair_pass<S: Store, C: Clock>(
     cover: &mut Cover,
 ) -> StoreResult<()> {
     let now = inner.clock.now();
+    // Where the walk stood before this pass: a page that fails goes again next pass, and
+    // a walk that failed on its first page is not counted as begun.
+    let (walk_started, walk_previous) = (cover.started, cover.previous);
     if cover.cursor.is_none() {
         cover.previous = cover.started;
         cover.started = Some(now);
@@ -557,6 +592,13 @@ async fn repair_pass<S: Store, C: Clock>(
         return Ok(());
     }
     for _ in 0..REPAIR_PAGES_MAX {
+        let page_from = cover.cursor;
+        let rewind = |cover: &mut Cover| {
+            cover.cursor = page_from;
+            if page_from.is_none() {
+                (cover.started, cover.previous) = (walk_started, walk_previous);
+            }
+        };
         let params = ReadyStaleParams {
             namespaces: inner.config.namespaces.clone(),
             queues: queues.clone(),
@@ -566,7 +608,13 @@ async fn repair_pass<S: Store, C: Clock>(
             limit: READY_STALE_BATCH_MAX,
             now,
         };
-        let rows = inner.store.instance_ready_stale(params).await?;
+        let rows = match inner.store.instance_ready_stale(params).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                rewind(cover);
+                return Err(e);
+            }
+        };
         let full = rows.len() == READY_STALE_BATCH_MAX;
         cover.cursor = if full { rows.last().map(|r| r.id) } else { None };
         let hints: Vec<Hint> = rows
@@ -578,13 +626,21 @@ async fn repair_pass<S: Store, C: Clock>(
             .map(hints::repair_hint)
             .collect();
         if !hints.is_empty() {
-            let published = publish(link.queue.as_ref(), hints).await;
+            let published = publish(&link.queue, hints).await;
             link.stats.count(published);
             link.stats.repaired.fetch_add(published.taken, Ordering::Relaxed);
-            if published.failed > 0 {
-                return Err(keel_core::StoreError::unavailable(
-                    "the queue refused the repair pass's hints; trying again next pass",
-                ));
+            // Hints the queue took are announced: a page it took part of is done (the
+            // rest waits for a later look, like any lost hint). A page it took none of,
+            // or that it stopped answering during, goes again next pass.
+            if published.stalled || (published.taken == 0 && published.failed > 0) {
+                rewind(cover);
+                return Err(keel_core::StoreError::unavailable(format!(
+                    "the queue took {} of the repair pass's {} hints{}; this page goes again \
+                     next pass",
+                    published.taken,
+                    published.taken + published.failed,
+                    if published.stalled { " and stopped answering" } else { "" }
+                )));
             }
         }
         if !full {
@@ -804,4 +860,165 @@ async fn hand_back<S: Store, C: Clock>(
     link.stats.handed_back.fetch_add(back.len() as u64, Ordering::Relaxed);
     link.nack_all(back).await;
     drop
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PUBLISH_CALLS_MAX, Published, publish};
+    use async_trait::async_trait;
+    use keel_core::ports::Queue;
+    use keel_core::ports::queue::{Delivery, Hint, QueueCapabilities};
+    use keel_core::{InstanceId, StoreError, StoreResult};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    /// A queue that sends each batch of `round_trip` hints (10 unless set) as one round trip
+    /// of `per_batch`, one after the other (as SQS does), refuses the hint of instance
+    /// `refuse` (sending the rest) and records what it took, its calls and how many it had
+    /// under way at once.
+    struct Slow {
+        per_batch: Duration,
+        round_trip: usize,
+        calls: AtomicUsize,
+        ordered: bool,
+        refuse: Option<InstanceId>,
+        taken: Mutex<Vec<InstanceId>>,
+        under_way: AtomicUsize,
+        most_under_way: AtomicUsize,
+    }
+
+    impl Slow {
+        fn new(per_batch: Duration) -> Self {
+            Slow {
+                per_batch,
+                round_trip: 10,
+                calls: AtomicUsize::new(0),
+                ordered: false,
+                refuse: None,
+                taken: Mutex::new(Vec::new()),
+                under_way: AtomicUsize::new(0),
+                most_under_way: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Queue for Slow {
+        fn capabilities(&self) -> QueueCapabilities {
+            QueueCapabilities {
+                delay_max: Some(Duration::from_secs(900)),
+                ordered_groups: self.ordered,
+                priorities: false,
+                visibility_max: Some(Duration::from_secs(3600)),
+                resolution: Duration::from_secs(1),
+                hints_per_round_trip: self.round_trip,
+            }
+        }
+        async fn enqueue(&self, hints: Vec<Hint>) -> StoreResult<()> {
+            let now = self.under_way.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_under_way.fetch_max(now, Ordering::SeqCst);
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let mut refused = 0;
+            for batch in hints.chunks(self.round_trip) {
+                tokio::time::sleep(self.per_batch).await;
+                let mut taken = self.taken.lock().unwrap();
+                for hint in batch {
+                    if Some(hint.instance) == self.refuse {
+                        refused += 1;
+                    } else {
+                        taken.push(hint.instance);
+                    }
+                }
+            }
+            self.under_way.fetch_sub(1, Ordering::SeqCst);
+            if refused > 0 {
+                return Err(StoreError::unavailable(format!(
+                    "{refused} of {} hints refused, the others were sent",
+                    hints.len()
+                )));
+            }
+            Ok(())
+        }
+        async fn receive(&self, _: usize, _: Duration, _: Duration) -> StoreResult<Vec<Delivery>> {
+            Ok(Vec::new())
+        }
+        async fn ack(&self, _: Vec<String>) -> StoreResult<()> {
+            Ok(())
+        }
+        async fn nack(&self, _: String, _: Duration) -> StoreResult<()> {
+            Ok(())
+        }
+        async fn extend(&self, _: String, _: Duration) -> StoreResult<()> {
+            Ok(())
+        }
+    }
+
+    fn hints(n: i64) -> Vec<Hint> {
+        (1..=n).map(|i| Hint::new(InstanceId(i), 1)).collect()
+    }
+
+    /// A publish of 1 000 hints to a queue that needs 100 round trips of 110 ms for them
+    /// (11 s in a row, over the 10 s a queue call may take) is taken whole: the time limit
+    /// bounds one round trip, not the publish.
+    #[tokio::test]
+    async fn a_large_publish_to_a_slow_queue_is_taken_whole() {
+        let slow = Arc::new(Slow::new(Duration::from_millis(110)));
+        let queue: Arc<dyn Queue> = Arc::clone(&slow) as Arc<dyn Queue>;
+        let published = publish(&queue, hints(1_000)).await;
+        assert_eq!(
+            published,
+            Published { taken: 1_000, failed: 0, held_back: 0, stalled: false },
+            "every hint of a large publish is taken and counted as taken"
+        );
+        assert_eq!(slow.taken.lock().unwrap().len(), 1_000);
+        assert!(slow.most_under_way.load(Ordering::SeqCst) <= PUBLISH_CALLS_MAX);
+    }
+
+    /// A queue that takes a whole batch in one round trip (Redis) gets the publish in one
+    /// call, not in calls of SQS's ten.
+    #[tokio::test]
+    async fn a_queue_that_takes_a_batch_in_one_round_trip_gets_one_call() {
+        let mut slow = Slow::new(Duration::ZERO);
+        slow.round_trip = 1_000;
+        let slow = Arc::new(slow);
+        let queue: Arc<dyn Queue> = Arc::clone(&slow) as Arc<dyn Queue>;
+        assert_eq!(publish(&queue, hints(1_000)).await.taken, 1_000);
+        assert_eq!(slow.calls.load(Ordering::SeqCst), 1, "one call for one round trip");
+        let queue: Arc<dyn Queue> = Arc::new(Slow::new(Duration::ZERO));
+        assert_eq!(publish(&queue, hints(25)).await.taken, 25);
+    }
+
+    /// One hint the queue refuses costs the hints of its own call, never the publish:
+    /// the others are sent and counted as taken.
+    #[tokio::test]
+    async fn one_refused_hint_costs_only_its_call() {
+        let mut slow = Slow::new(Duration::ZERO);
+        slow.refuse = Some(InstanceId(500));
+        let slow = Arc::new(slow);
+        let queue: Arc<dyn Queue> = Arc::clone(&slow) as Arc<dyn Queue>;
+        let published = publish(&queue, hints(1_000)).await;
+        let call = slow.capabilities().hints_per_round_trip as u64;
+        assert_eq!(
+            (published.taken, published.failed),
+            (1_000 - call, call),
+            "one refused hint counts only its call's hints as failed"
+        );
+        assert_eq!(slow.taken.lock().unwrap().len(), 999, "every other hint was sent");
+    }
+
+    /// A queue with ordered groups gets one call after the other, so a group's hints
+    /// arrive in publish order.
+    #[tokio::test]
+    async fn ordered_queues_get_one_call_at_a_time_in_order() {
+        let mut slow = Slow::new(Duration::from_millis(1));
+        slow.ordered = true;
+        let slow = Arc::new(slow);
+        let queue: Arc<dyn Queue> = Arc::clone(&slow) as Arc<dyn Queue>;
+        let published = publish(&queue, hints(95)).await;
+        assert_eq!(published.taken, 95);
+        assert_eq!(slow.most_under_way.load(Ordering::SeqCst), 1);
+        let order: Vec<i64> = slow.taken.lock().unwrap().iter().map(|i| i.0).collect();
+        assert_eq!(order, (1..=95).collect::<Vec<_>>());
+    }
 }

@@ -507,6 +507,40 @@ async fn server_down_then_back<S: TestStore>(
     worker.shutdown().await;
 }
 
+/// See `redis::a_worker_started_while_redis_is_down_polls_then_takes_hints`: `server` is
+/// down and `queue` was made lazily on it.
+async fn started_while_the_server_is_down<S: TestStore>(
+    mut server: keel_queue_redis::testing::PrivateServer,
+    queue: Arc<keel_queue_redis::RedisQueue>,
+) {
+    let h = S::harness().await;
+    let _ticking = Ticking::start(&h.clock);
+    let setup = Setup::hinted(100);
+    let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config(&h, setup))
+        .register(Counter)
+        .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+    let worker = worker.spawn();
+    let stats = Arc::clone(worker.stats());
+    let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
+    let during = start_all(&client, 100).await;
+    finish(&h, &during, || stats.committed(), Duration::from_secs(30)).await;
+    assert_eq!(hints.received.load(Ordering::Relaxed), 0, "received while down");
+
+    server.restart();
+    let back = tokio::time::Instant::now();
+    // One announced instance at a time until one is claimed by its hint: the queue
+    // connected and the hint loop receives.
+    let mut probes = Vec::new();
+    while claimed(&hints) == 0 {
+        assert!(back.elapsed() < Duration::from_secs(20), "hints never flowed");
+        probes.extend(start_all(&client, 1).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let all: Vec<InstanceId> = during.iter().chain(&probes).copied().collect();
+    finish(&h, &all, || stats.committed(), setup.limit).await;
+    worker.shutdown().await;
+}
+
 /// A machine the counting worker does not serve.
 struct Elsewhere;
 
@@ -989,6 +1023,25 @@ mod redis {
     async fn server_down_for_30_s_falls_back_to_polling_then_resumes() {
         let Some((server, q)) = private("server_down_for_30_s").await else { return };
         super::server_down_then_back::<MemoryStore>(server, q).await;
+    }
+
+    /// A worker whose process starts while Redis is down, on a queue made with
+    /// `connect_lazy`, runs its steps by polling, and by hints once the server is up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_started_while_redis_is_down_polls_then_takes_hints() {
+        let on = std::env::var(keel_queue_redis::testing::URL_VAR).is_ok();
+        let Some(mut server) = keel_testkit::conformance::queue::queue_or_skip(
+            "redis::a_worker_started_while_redis_is_down",
+            keel_queue_redis::testing::URL_VAR,
+            on.then(PrivateServer::start),
+        ) else {
+            return;
+        };
+        server.shutdown();
+        let queue = RedisQueue::connect_lazy(RedisQueueConfig::new(server.url(), "lazy"))
+            .await
+            .expect("a lazy queue is made while its server is down");
+        super::started_while_the_server_is_down::<MemoryStore>(server, Arc::new(queue)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -138,6 +138,7 @@ impl Queue for MemoryQueue {
             priorities: true,
             visibility_max: None,
             resolution: Duration::from_millis(1),
+            hints_per_round_trip: keel_core::limits::HINT_BATCH_MAX,
         }
     }
 

@@ -38,6 +38,12 @@ pub struct QueueCapabilities {
     /// The unit delays and leases are kept in; shorter non-zero values are rounded up to
     /// it (SQS counts whole seconds).
     pub resolution: Duration,
+    /// The most hints the backend takes in one round trip (SQS: 10, one send batch; Redis:
+    /// one script call takes a whole [`HINT_BATCH_MAX`] batch). `enqueue` accepts up to
+    /// `HINT_BATCH_MAX` whatever this says and makes as many round trips as it needs;
+    /// a caller that bounds each call's time splits a publish into calls of this many, so
+    /// its bound covers one round trip.
+    pub hints_per_round_trip: usize,
 }
 
 /// A hint to publish.
@@ -248,6 +254,7 @@ mod tests {
             priorities: false,
             visibility_max: Some(Duration::from_secs(3600)),
             resolution: Duration::from_secs(1),
+            hints_per_round_trip: 10,
         }
     }
 
