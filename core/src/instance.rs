@@ -384,6 +384,17 @@ impl From<InstanceId> for SignalTarget {
     }
 }
 
+/// How the dedup keys of the engine's own signals begin, each with what it keys: a
+/// timer's fires ([`crate::timers::FIRE_KEY_PREFIX`]) and a child machine's notice to its
+/// parent ([`crate::outcome::NOTICE_KEY_PREFIX`]). The engine tells those signals from a
+/// sender's by this prefix (an unread fire is withdrawn when its state is left; a second
+/// fire or notice under a taken key is a duplicate), so a sender's signal may not use one
+/// ([`NewSignal::validate`]).
+pub const RESERVED_DEDUP_KEY_PREFIXES: [(&str, &str); 2] = [
+    (crate::timers::FIRE_KEY_PREFIX, "timer fires"),
+    (crate::outcome::NOTICE_KEY_PREFIX, "a child machine's notice to its parent"),
+];
+
 /// A signal (or chart event) to deliver into an instance's inbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NewSignal {
@@ -440,6 +451,11 @@ impl NewSignal {
 
     /// [`validate`](Self::validate) with another bound on the payload's nesting (a step
     /// commit's emits use [`limits::JSON_DEPTH_STORED_MAX`]).
+    ///
+    /// Every signal a sender gives goes through here (a delivery, a broadcast, a step's
+    /// emits); the engine's own signals (timer fires, a child's notice to its parent) are
+    /// built by the core and never do, so the dedup-key prefixes that tell them apart
+    /// ([`RESERVED_DEDUP_KEY_PREFIXES`]) are refused here.
     pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.name"), &self.name)?;
         if self.name == ANY_SIGNAL {
@@ -449,6 +465,14 @@ impl NewSignal {
         }
         if let Some(k) = &self.dedup_key {
             check_name(&format!("{field}.dedup_key"), k)?;
+            if let Some((prefix, owner)) =
+                RESERVED_DEDUP_KEY_PREFIXES.iter().find(|(prefix, _)| k.starts_with(prefix))
+            {
+                return Err(StoreError::invalid(format!(
+                    "{field}.dedup_key: {k:?} begins with {prefix:?}, which is reserved for \
+                     {owner} (the engine would take this signal for one); use another prefix"
+                )));
+            }
         }
         match &self.target {
             SignalTarget::Id(_) => {}

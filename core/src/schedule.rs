@@ -14,7 +14,9 @@
 //!   key ([`Schedule::tick_key`]): the uniqueness key of the started instance (occupied in
 //!   every status, so a finished run still holds it) or the dedup key of the broadcast
 //!   event. The store's uniqueness rule makes the second firing a no-op while that key is
-//!   held.
+//!   held. The key names the schedule's namespace as well as its name: uniqueness keys are
+//!   global in a store, and services sharing one, each in its own namespace, may name
+//!   their schedules alike.
 //! - **Exactly once across restarts and clock steps**: those keys do not last (a read
 //!   event frees its dedup key, a pruned instance its uniqueness key), so after a tick
 //!   fires the runner records it in the schedule's stored state ([`plan_fired`]:
@@ -42,6 +44,7 @@ use crate::config::ConfigError;
 use crate::error::{StoreError, StoreResult};
 use crate::ids::{DEFAULT_NAMESPACE, MachineRef, StatusSet};
 use crate::instance::NewInstance;
+use crate::limits;
 use crate::ports::store::{ScheduleFiredParams, SchedulePauseParams, ScheduleState};
 use crate::time::Timestamp;
 use croner::Cron;
@@ -55,6 +58,10 @@ pub const SCHEDULES_MAX: usize = 1_000;
 
 /// Longest schedule name, in bytes (the name is part of every tick key).
 pub const SCHEDULE_NAME_MAX: usize = 100;
+
+/// The widest tick a key is written for (the most digits a time in milliseconds takes):
+/// [`Schedule::new`] checks that a key of this tick fits a uniqueness key.
+const WIDEST_TICK: Timestamp = Timestamp(i64::MIN);
 
 /// Where [`Schedule::new`] looks for a pattern's first match (2000-01-01T00:00:00Z): any
 /// fixed time works, as a pattern without a year field repeats with the calendar.
@@ -461,6 +468,19 @@ impl Schedule {
                 ),
             ));
         }
+        // Refused once here, rather than by the store at every tick.
+        let widest = schedule.tick_key(WIDEST_TICK).len();
+        if widest > limits::NAME_BYTES_MAX {
+            return Err(fail(
+                "name",
+                format!(
+                    "in namespace {:?} its tick keys take up to {widest} bytes, and a key holds \
+                     at most {}: shorten the schedule's name or the namespace",
+                    schedule.namespace(),
+                    limits::NAME_BYTES_MAX
+                ),
+            ));
+        }
         Ok(schedule)
     }
 
@@ -573,9 +593,14 @@ impl Schedule {
     }
 
     /// The key that makes one tick fire once across all workers: the uniqueness key of the
-    /// instance it starts, or the dedup key of the event it broadcasts.
+    /// instance it starts, or the dedup key of the event it broadcasts:
+    /// `schedule:<namespace length>:<namespace>:<name>:<tick in ms>`, such as
+    /// `schedule:7:billing:nightly:1767229200000`. Uniqueness keys are global in a store,
+    /// so a schedule of the same name in another namespace keys its ticks apart; the
+    /// length keeps the parts apart whatever characters a namespace holds.
     pub fn tick_key(&self, tick: Timestamp) -> String {
-        format!("schedule:{}:{}", self.name, tick.as_millis())
+        let namespace = self.namespace();
+        format!("schedule:{}:{namespace}:{}:{}", namespace.len(), self.name, tick.as_millis())
     }
 
     /// The instance a tick starts (for a starting schedule), keyed by the tick.
@@ -637,7 +662,8 @@ fn fire_bound(pause: Pause, fired_through: Option<Timestamp>) -> Option<Timestam
 ///
 /// # Errors
 ///
-/// Too many schedules, or two with one name (their ticks would share keys).
+/// Too many schedules, or two with one name (a worker's pause handle, listing and metrics
+/// know its schedules by name).
 pub fn check_schedules(schedules: &[Schedule]) -> Result<(), ScheduleError> {
     if schedules.len() > SCHEDULES_MAX {
         return Err(ScheduleError {
@@ -655,7 +681,9 @@ pub fn check_schedules(schedules: &[Schedule]) -> Result<(), ScheduleError> {
             return Err(ScheduleError {
                 name: s.name.clone(),
                 field: "name",
-                reason: "two schedules have this name; rename one (the name keys its ticks)".into(),
+                reason: "two schedules have this name; rename one (a worker knows its schedules \
+                         by name)"
+                    .into(),
             });
         }
     }
@@ -941,11 +969,50 @@ mod tests {
         assert_eq!(s.next_after(ts(T0 + 1)), Some(ts(T0 + MINUTE)));
         assert_eq!(s.latest_at_or_before(ts(T0 + MINUTE - 1)), Some(ts(T0)));
         assert_eq!(s.poll(None, ts(T0 + 1), Pause::RUNNING, None).next, Some(ts(T0 + MINUTE)));
-        assert_eq!(s.tick_key(ts(T0)), format!("schedule:m:{T0}"));
+        assert_eq!(s.tick_key(ts(T0)), format!("schedule:7:default:m:{T0}"));
         let new = s.instance_for(ts(T0)).unwrap();
         let unique = new.unique.unwrap();
-        assert_eq!(unique.key, format!("schedule:m:{T0}").into_bytes());
+        assert_eq!(unique.key, format!("schedule:7:default:m:{T0}").into_bytes());
         assert_eq!(unique.scope, StatusSet::ALL, "a finished run keeps its tick taken");
+    }
+
+    #[test]
+    fn a_tick_key_names_its_namespace() {
+        let start = |namespace: &str, name: &str| {
+            let new = NewInstance::new(MachineRef::new("report", 1), "@init").namespace(namespace);
+            Schedule::new(name, "* * * * *", "UTC", ScheduleAction::Start(new)).unwrap()
+        };
+        let broadcast = |namespace: &str| {
+            let action = ScheduleAction::Broadcast(BroadcastAction {
+                namespace: namespace.into(),
+                machine: "subscription".into(),
+                in_state: None,
+                event: "renew".into(),
+                payload: Value::Null,
+            });
+            Schedule::new("nightly", "* * * * *", "UTC", action).unwrap()
+        };
+        // Uniqueness keys are global in every store: two services sharing one, each in its
+        // own namespace, may both name a schedule `nightly`.
+        let (a, b) = (start("team-a", "nightly"), start("team-b", "nightly"));
+        assert_ne!(a.tick_key(ts(T0)), b.tick_key(ts(T0)), "a tick key names its namespace");
+        let (a, b) = (broadcast("team-a"), broadcast("team-b"));
+        assert_ne!(a.tick_key(ts(T0)), b.tick_key(ts(T0)), "a tick key names its namespace");
+        // A namespace may hold `:`: where it ends is never in doubt.
+        let (a, b) = (start("a:b", "c"), start("a", "b:c"));
+        assert_ne!(a.tick_key(ts(T0)), b.tick_key(ts(T0)));
+        // A namespace and name too long for a uniqueness key are refused at once, not at
+        // every tick.
+        let long = "n".repeat(crate::limits::NAME_BYTES_MAX - 20);
+        let new = NewInstance::new(MachineRef::new("report", 1), "@init").namespace(long);
+        let err = Schedule::new("nightly-report", "* * * * *", "UTC", ScheduleAction::Start(new))
+            .unwrap_err();
+        assert_eq!(err.field, "name", "{err}");
+        assert!(err.reason.contains("shorten"), "{err}");
+        // The widest tick key of the longest name in a namespace of a usual length fits.
+        let name = "x".repeat(SCHEDULE_NAME_MAX);
+        let s = start(&"n".repeat(100), &name);
+        assert!(s.tick_key(ts(i64::MIN)).len() <= crate::limits::NAME_BYTES_MAX);
     }
 
     #[test]

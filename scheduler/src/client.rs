@@ -200,9 +200,7 @@ impl<S: Store, C: Clock> Client<S, C> {
         let target = signal.target.clone();
         let mut out = self.send_many(vec![signal]).await?;
         match out.pop() {
-            Some(DeliveryOutcome::TargetMissing) => {
-                Err(StoreError::not_found(format!("no instance for signal target {target:?}")))
-            }
+            Some(DeliveryOutcome::TargetMissing) => Err(StoreError::not_found(missing(&target))),
             Some(outcome) => Ok(outcome),
             None => Err(StoreError::unavailable("store returned no delivery outcome")),
         }
@@ -481,6 +479,25 @@ impl DeadLetterRetry {
     pub fn after(mut self, delay: Duration) -> Self {
         self.delay = delay;
         self
+    }
+}
+
+/// What [`Client::send`] says when `target` is not there: the instance as the `keel`
+/// command line names it, and what to check.
+fn missing(target: &SignalTarget) -> String {
+    match target {
+        SignalTarget::Id(id) => format!(
+            "no instance {id}; check the id (`keel list MACHINE` lists a machine's instances): \
+             it is not in this store, or it ended and was pruned"
+        ),
+        SignalTarget::Key { namespace, machine, key } => format!(
+            "no instance of machine {machine:?} with key {key:?} in namespace {namespace:?}; \
+             check the machine, the key and the namespace, or start one with that business key"
+        ),
+        SignalTarget::Child { parent, state } => format!(
+            "no child of {parent} started by state {state:?}; check that {parent} exists and \
+             has entered that delegation state (its child starts then)"
+        ),
     }
 }
 

@@ -35,6 +35,7 @@ on_every_store!(
     a_clock_stepping_back_does_not_fire_a_tick_again,
     a_resume_re_anchors_a_fired_tick_ahead_of_the_clock,
     a_repeated_resume_from_a_clock_behind_does_not_let_a_restart_fire_a_tick_again,
+    same_named_schedules_in_two_namespaces_each_start_their_own_tick,
 );
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -642,4 +643,46 @@ async fn a_repeated_resume_from_a_clock_behind_does_not_let_a_restart_fire_a_tic
     polled(&[&a], h.clock.now()).await;
     assert_eq!(started(&h).await, 0, "the tick ran again: {:?}", a.schedules().counts());
     a.shutdown().await;
+}
+
+/// Ready instances of the report machine in `namespace`.
+async fn started_in<S: Store>(h: &Harness<S>, namespace: &str) -> u64 {
+    let stats = h.store.queue_stats(None, h.clock.now()).await.expect("queue stats");
+    stats
+        .iter()
+        .filter(|q| q.namespace == namespace && q.machine == report().name)
+        .map(|q| q.ready)
+        .sum()
+}
+
+/// Two services share one store, each in its own namespace, and each defines a schedule
+/// named `nightly` on the same pattern: every tick starts one instance in each namespace,
+/// and neither takes the other's tick for its own.
+async fn same_named_schedules_in_two_namespaces_each_start_their_own_tick<S: TestStore>() {
+    let h = S::harness().await;
+    let nightly = |namespace: &str| {
+        let start = NewInstance::new(report(), "run").namespace(namespace);
+        Schedule::new("nightly", "* * * * *", "UTC", ScheduleAction::Start(start))
+            .expect("a valid schedule")
+    };
+    let a = worker(&h, "a", &nightly("team-a"));
+    let b = worker(&h, "b", &nightly("team-b"));
+    polled(&[&a, &b], h.clock.now()).await;
+    for tick in 1..=2 {
+        let now = h.clock.advance(MINUTE);
+        polled(&[&a, &b], now).await;
+        let counts = (started_in(&h, "team-a").await, started_in(&h, "team-b").await);
+        assert_eq!(
+            counts,
+            (tick, tick),
+            "each namespace's schedule starts its own tick: {:?} {:?}",
+            a.schedules().counts(),
+            b.schedules().counts()
+        );
+    }
+    let (ca, cb) = (a.schedules().counts(), b.schedules().counts());
+    assert_eq!((ca.fired, cb.fired), (2, 2), "{ca:?} {cb:?}");
+    assert_eq!(ca.already_fired + cb.already_fired, 0, "{ca:?} {cb:?}");
+    a.shutdown().await;
+    b.shutdown().await;
 }

@@ -1747,6 +1747,41 @@ mod tests {
     }
 
     #[test]
+    fn senders_may_not_use_the_dedup_keys_of_timer_fires_and_child_notices() {
+        use crate::outcome::{NOTICE_KEY_PREFIX, Outcome, StepCommit, validate_commit_shape};
+        use crate::timers::FIRE_KEY_PREFIX;
+        let keyed = |key: &str| NewSignal::new(InstanceId(1), "PING").dedup_key(key);
+        let deliver =
+            |key: &str| SignalDeliverParams { signals: vec![keyed(key)], now: Timestamp(0) };
+        let broadcast = |key: &str| SignalBroadcastParams {
+            namespace: "ns".into(),
+            machine: "m".into(),
+            in_state: None,
+            name: "PING".into(),
+            payload: serde_json::Value::Null,
+            dedup_key: Some(key.into()),
+            now: Timestamp(0),
+        };
+        let emit = |key: &str| {
+            let done = Outcome::Done { result: serde_json::Value::Null, step: None };
+            let mut commit = StepCommit::new(InstanceId(2), crate::FencingToken(1), done);
+            commit.emit.push(keyed(key));
+            validate_commit_shape(&commit)
+        };
+        for key in [format!("{FIRE_KEY_PREFIX}7:1"), format!("{NOTICE_KEY_PREFIX}3:terminal")] {
+            check(deliver(&key).validate(), Err("signals[0].dedup_key:"));
+            check(broadcast(&key).validate(), Err("broadcast.dedup_key:"));
+            check(emit(&key), Err("emit[0].dedup_key:"));
+            let message = deliver(&key).validate().unwrap_err().message;
+            assert!(message.contains("use another prefix"), "{message}");
+        }
+        // A key that only mentions them further in is the sender's own.
+        check(deliver("my-timer:7:1").validate(), Ok(()));
+        check(broadcast("schedule:3:ns:nightly:0").validate(), Ok(()));
+        check(emit("order-child:3"), Ok(()));
+    }
+
+    #[test]
     fn dead_letter_pages_take_one_cursor_and_a_bounded_size() {
         let page = |limit: usize, after: Option<i64>, before: Option<i64>| DeadLetterFilter {
             namespace: Some("ns".into()),
