@@ -554,7 +554,8 @@ pub async fn timers(factory: &Factory, n: usize) -> Result<Report> {
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
                 }
-                keel_timers::SweepOutcome::Skipped { .. } => {
+                keel_timers::SweepOutcome::Skipped { .. }
+                | keel_timers::SweepOutcome::Overdue { .. } => {
                     unreachable!("no backpressure in the benchmark")
                 }
             }

@@ -17,6 +17,7 @@ use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::VecDeque;
+use std::time::Duration;
 
 /// An armed timer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,9 +98,7 @@ pub fn fire_owner<'a>(dedup_key: Option<&str>, payload: &'a serde_json::Value) -
 ///   (`TIMER_EXHAUSTED`) and the timer is gone.
 pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
     let spec = &timer.spec;
-    let exhausted =
-        spec.kind == TimerKind::Every && spec.max.is_some_and(|max| timer.fire_count >= max);
-    if exhausted {
+    if exhausted(timer) {
         let event = spec.then.clone().unwrap_or_default();
         let signal = NewSignal::new(timer.instance, event.clone())
             .payload(json!({ "timer": timer.id, "state": spec.state, "fires": timer.fire_count }))
@@ -124,6 +123,72 @@ pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
         ..timer.clone()
     });
     Fired { signal, history, next }
+}
+
+/// Whether a due `every` + `max` timer has used up its `max` fires, so its next due time
+/// delivers `then` and ends it.
+fn exhausted(timer: &TimerRow) -> bool {
+    timer.spec.kind == TimerKind::Every && timer.spec.max.is_some_and(|max| timer.fire_count >= max)
+}
+
+/// Whether a due timer of a suspended (dead-lettered) instance is held rather than fired:
+/// every tick of an `every` timer except an exhausted timer's `then`. A suspended instance
+/// runs nothing until an operator retries it, which may be days away; its repeating timers
+/// would otherwise fill its inbox with one fire per interval, all replayed by the retry.
+/// An `after` timer and a `then` still deliver once each, as they would to a live instance:
+/// one signal each, waiting for the retry.
+pub fn held_while_suspended(timer: &TimerRow) -> bool {
+    timer.spec.kind == TimerKind::Every && !exhausted(timer)
+}
+
+/// A held tick ([`held_while_suspended`]) at `now`: nothing is delivered, recorded or
+/// counted (the fire count, and so `max`, counts only fires the instance received), and
+/// the timer is due again one interval later, so it never stays due. After a retry the
+/// instance's next fire comes at most one interval later: missed intervals are not
+/// back-filled, as for a late sweep.
+pub fn hold(timer: &TimerRow, now: Timestamp) -> TimerRow {
+    TimerRow { next_fire_at: now.plus(timer.spec.interval), ..timer.clone() }
+}
+
+/// What the ready backlog lets one sweep of a group of timers do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backpressure {
+    /// The backlog is at or below the threshold: fire everything due.
+    Sweep,
+    /// The backlog is above the threshold, but the group's earliest due timer is overdue by
+    /// more than the group's cadence: fire one batch, soonest due first. Backpressure
+    /// delays timers; it never stops them.
+    OneBatch,
+    /// The backlog is above the threshold and no due timer is overdue by more than the
+    /// cadence: fire nothing now, count the backlog again shortly.
+    Skip,
+}
+
+/// Decides what a sweep does, given the ready backlog of the machines it covers, the
+/// backpressure threshold, how long the earliest due timer it covers has been due (`None`
+/// when none is due) and the group's cadence (the longest it goes without a sweep). While
+/// the backlog stays above the threshold, each due timer still fires about one cadence
+/// after its due time at the latest: a backlog nobody claims (a queue no worker serves, a
+/// machine taken out of service) never stops timers for good.
+pub fn backpressure(
+    backlog: u64,
+    threshold: u64,
+    overdue: Option<Duration>,
+    cadence: Duration,
+) -> Backpressure {
+    if backlog <= threshold {
+        Backpressure::Sweep
+    } else if overdue.is_some_and(|late| late > cadence) {
+        Backpressure::OneBatch
+    } else {
+        Backpressure::Skip
+    }
+}
+
+/// How long a timer due at `due` has been due at `now`; `None` when it is not due yet.
+pub fn overdue_by(due: Timestamp, now: Timestamp) -> Option<Duration> {
+    let ms = i128::from(now.0) - i128::from(due.0);
+    (ms >= 0).then(|| Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX)))
 }
 
 /// What following the deployed definition does to one armed timer.
@@ -377,6 +442,54 @@ mod tests {
             assert_eq!(fired.next.map(|n| (n.next_fire_at.0, n.fire_count)), next, "{case}");
             assert_eq!(delivers(&fire(&timer, Timestamp(now))), !event.is_empty(), "{case}");
         }
+    }
+
+    /// (case, timer) → held on a suspended instance; a held tick moves the due time one
+    /// interval past the sweep and keeps the count.
+    #[test]
+    fn a_suspended_instance_holds_only_repeating_ticks() {
+        let cases = [
+            ("after: delivers once", row(TimerKind::After, None, None, 0), false),
+            ("every: held", row(TimerKind::Every, None, None, 4), true),
+            ("every+max below max: held", row(TimerKind::Every, Some(3), Some("GIVE_UP"), 2), true),
+            (
+                "every+max exhausted: then once",
+                row(TimerKind::Every, Some(3), Some("GIVE_UP"), 3),
+                false,
+            ),
+        ];
+        for (case, timer, held) in cases {
+            assert_eq!(held_while_suspended(&timer), held, "{case}");
+        }
+        let every = row(TimerKind::Every, None, None, 4);
+        let next = hold(&every, Timestamp(95_000));
+        assert_eq!((next.next_fire_at, next.fire_count), (Timestamp(105_000), 4));
+        assert_eq!(TimerRow { next_fire_at: every.next_fire_at, ..next }, every, "nothing else");
+    }
+
+    /// (case, backlog, overdue ms, cadence ms) → what the sweep does; threshold 10.
+    #[test]
+    fn backpressure_only_delays() {
+        use Backpressure::{OneBatch, Skip, Sweep};
+        let cases = [
+            ("at the threshold", 10, None, 60_000, Sweep),
+            ("below, overdue", 3, Some(999_999), 60_000, Sweep),
+            ("above, nothing due", 11, None, 60_000, Skip),
+            ("above, just due", 11, Some(0), 60_000, Skip),
+            ("above, overdue by the cadence", 11, Some(60_000), 60_000, Skip),
+            ("above, overdue past the cadence", 11, Some(60_001), 60_000, OneBatch),
+            ("above, a day overdue", u64::MAX, Some(86_400_000), 60_000, OneBatch),
+        ];
+        for (case, backlog, overdue, cadence, want) in cases {
+            let overdue = overdue.map(Duration::from_millis);
+            let got = backpressure(backlog, 10, overdue, Duration::from_millis(cadence));
+            assert_eq!(got, want, "{case}");
+        }
+        assert_eq!(overdue_by(Timestamp(5_000), Timestamp(4_999)), None, "not due yet");
+        assert_eq!(overdue_by(Timestamp(5_000), Timestamp(5_000)), Some(Duration::ZERO));
+        assert_eq!(overdue_by(Timestamp(5_000), Timestamp(65_000)), Some(Duration::from_secs(60)));
+        let far = overdue_by(Timestamp(i64::MIN), Timestamp(i64::MAX));
+        assert_eq!(far, Some(Duration::from_millis(u64::MAX)), "no overflow");
     }
 
     #[test]

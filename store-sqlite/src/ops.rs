@@ -1533,8 +1533,8 @@ pub(crate) async fn timer_sweep(
     } else {
         db.instances(&owners).await?.into_iter().map(|r| (r.id, r)).collect()
     };
-    let live = |id: InstanceId| owned.get(&id).is_some_and(|r| !r.status.is_terminal());
-    let plan = plan::timer::sweep(p, &due, live);
+    let owner = |id: InstanceId| owned.get(&id).map(|r| r.status);
+    let plan = plan::timer::sweep(p, &due, owner);
     let (delivered, rows) = deliver_rows(db, &plan.signals, plan.targets(), p.now, owned).await?;
     let mut w = Writes::default();
     for (instance, entry) in &plan.history {

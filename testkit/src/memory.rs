@@ -853,8 +853,8 @@ impl State {
             .collect();
         due.sort_by_key(|t| (t.next_fire_at, t.id));
         due.truncate(p.limit);
-        let live = |id| self.rows.get(&id).is_some_and(|r| !r.status.is_terminal());
-        let plan = plan::timer::sweep(p, &due, live);
+        let owner = |id| self.rows.get(&id).map(|r| r.status);
+        let plan = plan::timer::sweep(p, &due, owner);
         let delivered = self.deliver(&plan.signals, plan.targets(), p.now);
         for (instance, entry) in &plan.history {
             let row = self.rows[instance].clone();

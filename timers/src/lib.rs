@@ -11,14 +11,19 @@
 //! row locks see to that — so a deployment may run the sweeper on every worker or on
 //! dedicated nodes.
 //!
-//! **Backpressure.** Before sweeping, the sweeper reads the ready backlog
-//! (`Store::queue_stats`); above `backpressure_threshold` it skips the sweep and logs a
-//! warning. Skipped timers are only late, never lost: they fire on the next sweep below
-//! the threshold. Ready rows in a paused queue do not count: no worker claims them until
-//! the queue is resumed, so they would hold back every timer for as long as the pause
-//! lasts. Only a count above the threshold is checked for paused queues
-//! (`Store::queue_list`, one read per namespace with ready rows, at most
-//! [`PAUSED_QUEUE_READS_MAX`] namespaces, largest backlog first).
+//! **Backpressure.** Before sweeping, the sweeper reads the ready backlog of the machines
+//! the sweep covers (`Store::queue_stats`, filtered to the group's machines: another
+//! machine's backlog never holds a group back); above `backpressure_threshold` it skips
+//! the sweep and logs a warning. Skipping only delays: once the group's earliest due timer
+//! is overdue by more than the group's cadence, a sweep fires one batch anyway (soonest due
+//! first; [`keel_core::timers::backpressure`] decides), so a backlog that never drains —
+//! runnable instances in a queue no worker serves, a machine taken out of service — makes
+//! timers at most about one cadence late, never lost. Ready rows in a paused queue do not
+//! count: no worker claims them until the queue is resumed, so they would hold back every
+//! timer for as long as the pause lasts. Only a count above the threshold is checked for
+//! paused queues (`Store::queue_list`, one read per namespace with ready rows, at most
+//! [`PAUSED_QUEUE_READS_MAX`] namespaces, largest backlog first), and only a count above
+//! the threshold reads the group's earliest due time.
 //!
 //! **When it sweeps.** Each [`SweepGroup`] (a set of machine names, or all of them) sleeps
 //! until the earliest due time of its timers (`Store::timer_next_due`, read after each
@@ -34,7 +39,9 @@
 //! **Precision.** With [`SweepConfig::default`] a due timer is fired within [`SWEEP_GAP`]
 //! plus one sweep's duration of its due time — well within a second — and never before it.
 //! It fires later only while the ready backlog is above the backpressure threshold (then
-//! within about [`BACKPRESSURE_RECHECK`] of the backlog falling below it), or when no
+//! within about [`BACKPRESSURE_RECHECK`] of the backlog falling below it, and while it
+//! stays above, one batch of the group's most overdue timers about every
+//! [`BACKPRESSURE_RECHECK`] once they are a cadence late), or when no
 //! sweeper heard of it (hints lost, or armed by another process on the same SQLite file),
 //! and then at the latest one cadence (a minute by default) after it fell due.
 //! Sleeping is measured against the injected clock, re-read at least every
@@ -44,9 +51,9 @@
 use keel_core::limits;
 use keel_core::ports::store::{TimerNextDueParams, TimerSweepParams, TimerSweepReport};
 use keel_core::ports::{Clock, Store};
+use keel_core::timers::{self, Backpressure};
 use keel_core::{StoreResult, Timestamp};
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -90,6 +97,11 @@ pub const BACKLOG_MAX_AGE: Duration = Duration::from_secs(1);
 /// rows, a paused queue in one of the smaller ones can still hold sweeps back.
 pub const PAUSED_QUEUE_READS_MAX: usize = 100;
 
+/// The most machine sets whose backlog readings a sweeper keeps (one per group in the run
+/// loop; [`Sweeper::sweep`] may be called with others). Past it the readings are dropped
+/// and counted afresh.
+pub const BACKLOG_READINGS_MAX: usize = 64;
+
 /// Machines swept together.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweepGroup {
@@ -123,8 +135,10 @@ pub struct SweepConfig {
     /// A burst of due timers is then fired sooner, at the cost of that many connections
     /// busy at once; a store with one writer (SQLite, memory) runs them one after another.
     pub batches_in_flight: usize,
-    /// Skip a sweep while more than this many instances are ready to run (default 10 000).
-    /// Instances in a paused queue do not count: they cannot run until it is resumed.
+    /// Skip a group's sweep while more than this many instances of its machines are ready
+    /// to run (default 10 000), until its earliest due timer is overdue by more than its
+    /// cadence: then one batch fires per sweep. Instances in a paused queue do not count:
+    /// they cannot run until it is resumed.
     pub backpressure_threshold: u64,
 }
 
@@ -191,8 +205,16 @@ impl SweepConfig {
 pub enum SweepOutcome {
     /// The ready backlog was above the threshold; nothing was fired.
     Skipped {
-        /// The ready backlog seen (outside paused queues).
+        /// The ready backlog seen (of the sweep's machines, outside paused queues).
         backlog: u64,
+    },
+    /// The ready backlog was above the threshold, but the earliest due timer was overdue
+    /// by more than the group's cadence: one batch, soonest due first, was fired anyway.
+    Overdue {
+        /// The ready backlog seen (of the sweep's machines, outside paused queues).
+        backlog: u64,
+        /// What the batch fired.
+        report: TimerSweepReport,
     },
     /// Fired what was due (up to the per-sweep bound).
     Swept {
@@ -208,19 +230,25 @@ pub struct Sweeper<S, C> {
     store: Arc<S>,
     clock: C,
     config: SweepConfig,
+    /// Per machine set swept (sorted; empty = every machine), what backpressure knows.
+    pressure: Mutex<HashMap<Vec<String>, Pressure>>,
+}
+
+/// What backpressure knows of one machine set.
+#[derive(Debug, Clone, Copy, Default)]
+struct Pressure {
     /// The last ready-backlog reading that let a sweep run, and when it was taken.
-    backlog: Mutex<Option<(Instant, u64)>>,
-    /// The last sweep was skipped for backpressure: a run of skipped sweeps logs its
-    /// warning once, and the sweep that ends it says so.
-    skipping: std::sync::atomic::AtomicBool,
+    reading: Option<(Instant, u64)>,
+    /// The last sweep was held back (skipped, or one batch only): a run of such sweeps
+    /// logs its warning once, and the sweep that ends it says so.
+    held: bool,
 }
 
 impl<S: Store, C: Clock> Sweeper<S, C> {
     /// A sweeper; `config` must pass [`SweepConfig::validate`].
     pub fn new(store: Arc<S>, clock: C, config: SweepConfig) -> Result<Self, String> {
         config.validate()?;
-        let skipping = std::sync::atomic::AtomicBool::new(false);
-        Ok(Sweeper { store, clock, config, backlog: Mutex::new(None), skipping })
+        Ok(Sweeper { store, clock, config, pressure: Mutex::new(HashMap::new()) })
     }
 
     /// The configuration.
@@ -229,34 +257,128 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     }
 
     /// One sweep of `machines` (empty = all) at the clock's current time. The ready
-    /// backlog is counted first, unless a reading younger than [`BACKLOG_MAX_AGE`] let
-    /// the previous sweep run.
+    /// backlog of those machines is counted first, unless a reading younger than
+    /// [`BACKLOG_MAX_AGE`] let their previous sweep run. Above the threshold, the sweep is
+    /// skipped, or fires one batch when their earliest due timer is overdue by more than
+    /// the cadence of the group of exactly these machines (the shortest configured cadence
+    /// when no group has them).
     pub async fn sweep(&self, machines: &[String]) -> StoreResult<SweepOutcome> {
         let now = self.clock.now();
-        let backlog = self.backlog(now).await?;
-        self.sweep_with_backlog(machines, backlog, now).await
+        let mut key = machines.to_vec();
+        key.sort();
+        key.dedup();
+        let backlog = self.backlog(&key, now).await?;
+        let threshold = self.config.backpressure_threshold;
+        let overdue = if backlog > threshold {
+            self.next_due(machines).await?.and_then(|due| timers::overdue_by(due, now))
+        } else {
+            None
+        };
+        let decision = timers::backpressure(backlog, threshold, overdue, self.cadence_of(&key));
+        let was_held = self
+            .pressure(&key, |p| std::mem::replace(&mut p.held, decision != Backpressure::Sweep));
+        match decision {
+            Backpressure::Skip => {
+                if was_held {
+                    tracing::debug!(backlog, threshold, "timer sweep skipped again");
+                } else {
+                    tracing::warn!(
+                        backlog,
+                        threshold,
+                        ?machines,
+                        "timer sweep skipped: the ready backlog is above the backpressure threshold; due timers fire on a later sweep, at the latest one batch at a time once they are a cadence late"
+                    );
+                }
+                Ok(SweepOutcome::Skipped { backlog })
+            }
+            Backpressure::OneBatch => {
+                let late_ms =
+                    overdue.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                if was_held {
+                    tracing::debug!(
+                        backlog,
+                        threshold,
+                        late_ms,
+                        "timer sweep held back again: one batch of overdue timers"
+                    );
+                } else {
+                    tracing::warn!(
+                        backlog,
+                        threshold,
+                        late_ms,
+                        ?machines,
+                        "timer sweep held back: the ready backlog is above the backpressure threshold, but timers are overdue by more than the cadence; firing one batch per sweep"
+                    );
+                }
+                let (report, _) = self.fire(machines, now, 1).await?;
+                Ok(SweepOutcome::Overdue { backlog, report })
+            }
+            Backpressure::Sweep => {
+                if was_held {
+                    tracing::info!(
+                        backlog,
+                        threshold,
+                        ?machines,
+                        "timer sweeps resumed: the ready backlog is below the backpressure threshold"
+                    );
+                }
+                let (report, batches) =
+                    self.fire(machines, now, self.config.batches_per_sweep).await?;
+                Ok(SweepOutcome::Swept { report, batches })
+            }
+        }
     }
 
-    /// The ready backlog that backpressure compares with its threshold: a recent reading
-    /// at or below the threshold, else a fresh count.
-    async fn backlog(&self, now: Timestamp) -> StoreResult<u64> {
-        let recent = *self.backlog.lock().expect("backlog reading lock");
+    /// The cadence of the group of exactly `machines` (sorted, deduplicated), else the
+    /// shortest configured one.
+    fn cadence_of(&self, machines: &[String]) -> Duration {
+        let same = |g: &&SweepGroup| {
+            let mut m = g.machines.clone();
+            m.sort();
+            m.dedup();
+            m == machines
+        };
+        let groups = &self.config.groups;
+        groups
+            .iter()
+            .find(same)
+            .or_else(|| groups.iter().min_by_key(|g| g.cadence))
+            .map_or(SweepConfig::default().groups[0].cadence, |g| g.cadence)
+    }
+
+    /// Runs `f` on what backpressure knows of the machine set `key`.
+    fn pressure<T>(&self, key: &[String], f: impl FnOnce(&mut Pressure) -> T) -> T {
+        let mut all = self.pressure.lock().expect("backpressure lock");
+        if all.len() >= BACKLOG_READINGS_MAX && !all.contains_key(key) {
+            all.clear();
+        }
+        f(all.entry(key.to_vec()).or_default())
+    }
+
+    /// The ready backlog of the machine set `key` that backpressure compares with its
+    /// threshold: a recent reading at or below the threshold, else a fresh count.
+    async fn backlog(&self, key: &[String], now: Timestamp) -> StoreResult<u64> {
+        let recent = self.pressure(key, |p| p.reading);
         if let Some((read_at, n)) = recent
             && read_at.elapsed() < BACKLOG_MAX_AGE
         {
             return Ok(n);
         }
-        let n = self.count_backlog(now).await?;
+        let n = self.count_backlog(key, now).await?;
         let keep = (n <= self.config.backpressure_threshold).then(|| (Instant::now(), n));
-        *self.backlog.lock().expect("backlog reading lock") = keep;
+        self.pressure(key, |p| p.reading = keep);
         Ok(n)
     }
 
-    /// Counts the ready rows that workers can claim: every ready row, less those in paused
-    /// queues. Paused queues are looked up only when the whole count is above the
-    /// threshold, in at most [`PAUSED_QUEUE_READS_MAX`] namespaces.
-    async fn count_backlog(&self, now: Timestamp) -> StoreResult<u64> {
-        let stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
+    /// Counts the ready rows of `machines` (empty = every machine) that workers can claim:
+    /// every such ready row, less those in paused queues. Paused queues are looked up only
+    /// when the whole count is above the threshold, in at most [`PAUSED_QUEUE_READS_MAX`]
+    /// namespaces.
+    async fn count_backlog(&self, machines: &[String], now: Timestamp) -> StoreResult<u64> {
+        let mut stats = self.store.queue_stats(self.config.namespace.clone(), now).await?;
+        if !machines.is_empty() {
+            stats.retain(|q| machines.contains(&q.machine));
+        }
         let mut n: u64 = stats.iter().map(|q| q.ready).sum();
         if n <= self.config.backpressure_threshold {
             return Ok(n);
@@ -284,34 +406,14 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         Ok(n)
     }
 
-    /// One sweep at `now`, given the ready backlog.
-    async fn sweep_with_backlog(
+    /// Fires what is due of `machines` at `now` in at most `batches_max` store calls;
+    /// returns the totals and the calls made.
+    async fn fire(
         &self,
         machines: &[String],
-        backlog: u64,
         now: Timestamp,
-    ) -> StoreResult<SweepOutcome> {
-        let threshold = self.config.backpressure_threshold;
-        let was_skipping = self.skipping.swap(backlog > threshold, Ordering::Relaxed);
-        if backlog > threshold {
-            if was_skipping {
-                tracing::debug!(backlog, threshold, "timer sweep skipped again");
-            } else {
-                tracing::warn!(
-                    backlog,
-                    threshold,
-                    "timer sweep skipped: the ready backlog is above the backpressure threshold; due timers fire on a later sweep"
-                );
-            }
-            return Ok(SweepOutcome::Skipped { backlog });
-        }
-        if was_skipping {
-            tracing::info!(
-                backlog,
-                threshold,
-                "timer sweeps resumed: the ready backlog is below the backpressure threshold"
-            );
-        }
+        batches_max: usize,
+    ) -> StoreResult<(TimerSweepReport, usize)> {
         // Counted per call as it returns: a later call's failure leaves the fires of the
         // calls that committed counted.
         let fired_total = metrics::counter!("keel_timers_fired_total");
@@ -319,8 +421,8 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         let mut batches = 0;
         // The first batch alone (most sweeps find less than one batch due), then waves.
         let mut wave = 1;
-        while batches < self.config.batches_per_sweep {
-            let n = wave.min(self.config.batches_per_sweep - batches);
+        while batches < batches_max {
+            let n = wave.min(batches_max - batches);
             let params = TimerSweepParams {
                 namespace: self.config.namespace.clone(),
                 machines: machines.to_vec(),
@@ -364,7 +466,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
                 "timer sweep"
             );
         }
-        Ok(SweepOutcome::Swept { report: total, batches })
+        Ok((total, batches))
     }
 
     /// One sweep of every group, in order.
@@ -427,7 +529,8 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         plan.last = Some(Instant::now());
         plan.skipped = false;
         match self.sweep(machines).await {
-            Ok(SweepOutcome::Skipped { .. }) => {
+            // Held back: count the backlog again shortly, whatever is due.
+            Ok(SweepOutcome::Skipped { .. } | SweepOutcome::Overdue { .. }) => {
                 plan.skipped = true;
                 plan.due = None;
             }
@@ -466,8 +569,9 @@ struct GroupPlan {
     last: Option<Instant>,
     /// The earliest due time of its timers as far as it knows (`None`: none known).
     due: Option<Timestamp>,
-    /// Its last sweep was skipped for backpressure: it counts the backlog again after
-    /// [`BACKPRESSURE_RECHECK`] (or its cadence, if sooner), whatever is due.
+    /// Its last sweep was held back for backpressure (skipped, or one batch only): it
+    /// counts the backlog again after [`BACKPRESSURE_RECHECK`] (or its cadence, if
+    /// sooner), whatever is due.
     skipped: bool,
 }
 

@@ -1,5 +1,6 @@
 //! The sweeper on `MemoryStore` + `VirtualClock`: batching (in waves), backpressure (skipped and
-//! logged, fired on the next sweep below the threshold; a recent reading reused),
+//! logged, fired on the next sweep below the threshold; a recent reading reused; only the
+//! group's machines counted; one batch once timers are a cadence late),
 //! configuration bounds, the cadence loop, and the run loop's sleeping until the earliest
 //! due time.
 
@@ -80,7 +81,7 @@ async fn with_timers_after(
 
 fn fired(outcome: SweepOutcome) -> u64 {
     match outcome {
-        SweepOutcome::Swept { report, .. } => report.fired,
+        SweepOutcome::Swept { report, .. } | SweepOutcome::Overdue { report, .. } => report.fired,
         SweepOutcome::Skipped { .. } => 0,
     }
 }
@@ -96,7 +97,7 @@ async fn a_sweep_fires_everything_due_in_bounded_batches() {
     clock.advance(Duration::from_secs(1));
     match sweeper.sweep(&[]).await.unwrap() {
         SweepOutcome::Swept { report, batches } => assert_eq!((report.fired, batches), (250, 3)),
-        other @ SweepOutcome::Skipped { .. } => panic!("{other:?}"),
+        other => panic!("{other:?}"),
     }
     let bounded = Sweeper::new(
         Arc::clone(&store),
@@ -128,12 +129,12 @@ async fn a_burst_is_swept_in_waves_of_batches_each_timer_once() {
     // One batch, then a wave of three, then the last two the bound leaves.
     match sweeper.sweep(&[]).await.unwrap() {
         SweepOutcome::Swept { report, batches } => assert_eq!((report.fired, batches), (60, 6)),
-        other @ SweepOutcome::Skipped { .. } => panic!("{other:?}"),
+        other => panic!("{other:?}"),
     }
     // 35 left: one batch, then a wave of three, one of which comes back short.
     match sweeper.sweep(&[]).await.unwrap() {
         SweepOutcome::Swept { report, batches } => assert_eq!((report.fired, batches), (35, 4)),
-        other @ SweepOutcome::Skipped { .. } => panic!("{other:?}"),
+        other => panic!("{other:?}"),
     }
     for id in ids {
         let inbox = store.instance_get(id).await.unwrap().inbox;
@@ -471,4 +472,75 @@ async fn ready_instances_in_a_paused_queue_do_not_hold_back_the_sweep() {
     store.queue_pause(pause(false)).await.unwrap();
     let fresh = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
     assert_eq!(fresh.sweep(&[]).await.unwrap(), SweepOutcome::Skipped { backlog: 7 });
+}
+
+/// Inserts `n` ready instances of `machine` in `queue`, which no worker in these tests
+/// claims.
+async fn unclaimed(store: &MemoryStore, machine: &str, queue: &str, n: usize, now: Timestamp) {
+    let instances =
+        (0..n).map(|_| NewInstance::new(MachineRef::new(machine, 1), "go").queue(queue)).collect();
+    let params = keel_core::ports::store::InsertParams { instances, now };
+    store.instance_insert(params).await.unwrap();
+}
+
+/// Another machine's backlog does not hold a group back: runnable instances nobody
+/// claims (a retired machine) do not stop the timers of the machines the group sweeps.
+#[tokio::test]
+async fn a_backlog_nobody_claims_does_not_stop_timers_forever() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    with_timers(&store, "m", 3, clock.now()).await;
+    unclaimed(&store, "orphan", "default", 2, clock.now()).await;
+    let config = SweepConfig {
+        backpressure_threshold: 1,
+        groups: vec![SweepGroup { machines: vec!["m".into()], cadence: Duration::from_secs(60) }],
+        ..SweepConfig::default()
+    };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    clock.advance(Duration::from_secs(24 * 3_600));
+    let outcome = sweeper.sweep(&["m".to_owned()]).await.unwrap();
+    assert!(
+        matches!(outcome, SweepOutcome::Swept { report, .. } if report.fired == 3),
+        "a day overdue, held back by another machine's unclaimed rows: {outcome:?}"
+    );
+}
+
+/// A group's own backlog that never drains (its instances sit in a queue no worker
+/// serves) skips its sweeps only while its timers are less than a cadence late; after
+/// that each sweep fires one batch, soonest due first, so every timer fires at last.
+#[tokio::test]
+async fn a_backlog_that_never_drains_only_delays_timers_by_about_a_cadence() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = VirtualClock::new(T0);
+    let parked = with_timers(&store, "m", 3, clock.now()).await;
+    unclaimed(&store, "m", "misspelt", 2, clock.now()).await;
+    let minute = Duration::from_secs(60);
+    let config = SweepConfig {
+        backpressure_threshold: 1,
+        batch: 2,
+        groups: vec![SweepGroup { machines: vec!["m".into()], cadence: minute }],
+        ..SweepConfig::default()
+    };
+    let sweeper = Sweeper::new(Arc::clone(&store), clock.clone(), config).unwrap();
+    let m = ["m".to_owned()];
+    clock.advance(Duration::from_secs(31));
+    let outcome = sweeper.sweep(&m).await.unwrap();
+    assert_eq!(outcome, SweepOutcome::Skipped { backlog: 2 }, "half a cadence late: skipped");
+    clock.advance(minute);
+    let outcome = sweeper.sweep(&m).await.unwrap();
+    assert!(
+        matches!(outcome, SweepOutcome::Overdue { backlog: 2, report } if report.fired == 2),
+        "a cadence late: one batch fires despite the backlog: {outcome:?}"
+    );
+    // The two woken instances add to the backlog; the last timer still fires.
+    let outcome = sweeper.sweep(&m).await.unwrap();
+    assert!(
+        matches!(outcome, SweepOutcome::Overdue { backlog: 4, report } if report.fired == 1),
+        "the next batch: {outcome:?}"
+    );
+    for id in &parked {
+        assert_eq!(store.instance_get(*id).await.unwrap().inbox.len(), 1, "fired once");
+    }
+    let outcome = sweeper.sweep(&m).await.unwrap();
+    assert_eq!(outcome, SweepOutcome::Skipped { backlog: 5 }, "nothing due: skipped");
 }

@@ -1,13 +1,16 @@
 //! The timer sweep: what firing a batch of due timers delivers, records and leaves armed.
 //!
 //! Per due timer, soonest first: a timer whose instance is gone or terminal is deleted
-//! without firing; any other fires ([`timers::fire`]): its event is delivered into the
-//! instance's inbox under the fire's dedup key (so a re-run sweep is harmless), the fire is
-//! recorded in the instance's history, and the timer is advanced or deleted. Only events
-//! actually stored count as fired (or, for an exhausted `every` + `max` timer, exhausted).
+//! without firing; a repeating tick of a suspended instance is held
+//! ([`timers::held_while_suspended`], [`timers::hold`]): nothing delivered or recorded, the
+//! timer due again one interval later; any other fires ([`timers::fire`]): its event is
+//! delivered into the instance's inbox under the fire's dedup key (so a re-run sweep is
+//! harmless), the fire is recorded in the instance's history, and the timer is advanced or
+//! deleted. Only events actually stored count as fired (or, for an exhausted `every` +
+//! `max` timer, exhausted).
 
 use crate::history::HistoryKind;
-use crate::ids::{InstanceId, TimerId};
+use crate::ids::{InstanceId, Status, TimerId};
 use crate::instance::{HistoryEntry, NewSignal};
 use crate::ports::store::{DeliveryOutcome, TimerRetimeParams, TimerSweepParams, TimerSweepReport};
 use crate::timers::{self, TimerRow};
@@ -84,18 +87,47 @@ impl SweepPlan {
     }
 }
 
+/// What a sweep knows of a due timer's instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// Missing or terminal: its timers are deleted without firing.
+    Gone,
+    /// Suspended (dead-lettered): its repeating ticks are held.
+    Suspended,
+    /// Any other status: its timers fire.
+    Live,
+}
+
+impl From<Option<Status>> for Owner {
+    /// The instance's status as the store holds it (`None`: no such instance).
+    fn from(status: Option<Status>) -> Self {
+        match status {
+            None => Owner::Gone,
+            Some(s) if s.is_terminal() => Owner::Gone,
+            Some(Status::Suspended) => Owner::Suspended,
+            Some(_) => Owner::Live,
+        }
+    }
+}
+
 /// Plans firing `due`, the timers a store picked (due at `p.now`, in scope, soonest first,
-/// at most `p.limit`); `live` says whether a timer's instance exists and is not terminal.
+/// at most `p.limit`); `owner` gives each timer's instance as the store holds it: its
+/// status, `None` when it is missing ([`Owner`]).
 pub fn sweep(
     p: &TimerSweepParams,
     due: &[TimerRow],
-    live: impl Fn(InstanceId) -> bool,
+    owner: impl Fn(InstanceId) -> Option<Status>,
 ) -> SweepPlan {
     let mut plan = SweepPlan::default();
     for timer in due.iter().take(p.limit) {
         plan.processed += 1;
-        if !live(timer.instance) {
+        let owner = Owner::from(owner(timer.instance));
+        if owner == Owner::Gone {
             plan.delete.push(timer.id);
+            continue;
+        }
+        if owner == Owner::Suspended && timers::held_while_suspended(timer) {
+            plan.advance.push(timers::hold(timer, p.now));
             continue;
         }
         if timer.spec.event == crate::join::DEADLINE_EVENT {
@@ -171,7 +203,7 @@ mod tests {
             timer(3, 2, false, None, 0),
             timer(4, 1, true, Some(2), 2),
         ];
-        let plan = sweep(&p, &due, |i| i == InstanceId(1));
+        let plan = sweep(&p, &due, |i| (i == InstanceId(1)).then_some(Status::Runnable));
         assert_eq!(plan.processed, 4);
         assert_eq!(plan.delete, [TimerId(1), TimerId(3), TimerId(4)]);
         assert_eq!(plan.advance.len(), 1);
@@ -191,6 +223,40 @@ mod tests {
         let dup = DeliveryOutcome::Duplicate { id: SignalId(9), target: InstanceId(1) };
         let report = plan.report(&[delivered(1), dup, delivered(2)]);
         assert_eq!(report, TimerSweepReport { fired: 1, exhausted: 1, processed: 4 });
+    }
+
+    /// A suspended instance's repeating timer is held — nothing delivered or recorded, due
+    /// again one interval later, its count kept — while its `after` timer and an exhausted
+    /// timer's `then` deliver once; a terminal instance's timers go.
+    #[test]
+    fn a_suspended_instance_gets_no_repeating_fires() {
+        let p = TimerSweepParams { namespace: None, machines: vec![], limit: 10, now: NOW };
+        let due = [
+            timer(1, 1, true, None, 3),
+            timer(2, 1, false, None, 0),
+            timer(3, 1, true, Some(2), 2),
+            timer(4, 2, true, None, 0),
+            timer(5, 3, true, None, 0),
+        ];
+        let status = |i: InstanceId| match i.0 {
+            1 => Some(Status::Suspended),
+            2 => Some(Status::Done),
+            _ => None,
+        };
+        let plan = sweep(&p, &due, status);
+        assert_eq!(plan.processed, 5);
+        let names: Vec<&str> = plan.signals.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["tick", "done"], "the after timer and the then, once each");
+        assert_eq!(plan.history.len(), 2, "a held tick records nothing");
+        assert_eq!(plan.delete, [TimerId(2), TimerId(3), TimerId(4), TimerId(5)]);
+        let held: Vec<(TimerId, u32, Timestamp)> =
+            plan.advance.iter().map(|t| (t.id, t.fire_count, t.next_fire_at)).collect();
+        assert_eq!(held, [(TimerId(1), 3, Timestamp(11_000))], "held: not due again at once");
+
+        // The same timers of a runnable instance fire.
+        let live =
+            sweep(&p, &due, |i: InstanceId| (i == InstanceId(1)).then_some(Status::Runnable));
+        assert_eq!(live.signals.len(), 3);
     }
 
     #[test]

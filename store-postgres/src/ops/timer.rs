@@ -405,8 +405,8 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
             held.insert(row.id.0, row);
         }
     }
-    let live = |id: InstanceId| held.get(&id.0).is_some_and(|r| !r.status.is_terminal());
-    let plan = plan::timer::sweep(p, &due, live);
+    let owner = |id: InstanceId| held.get(&id.0).map(|r| r.status);
+    let plan = plan::timer::sweep(p, &due, owner);
     let adv_id: Vec<i64> = plan.advance.iter().map(|t| t.id.0).collect();
     let adv_n: Vec<i32> = plan.advance.iter().map(|t| t.fire_count as i32).collect();
     let adv_due: Vec<_> = plan.advance.iter().map(|t| ts(t.next_fire_at)).collect();

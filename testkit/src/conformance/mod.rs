@@ -44,6 +44,7 @@ mod registry;
 mod retention;
 mod schedules;
 mod signals;
+mod timer_suspended;
 mod timers;
 mod uniqueness;
 
@@ -65,6 +66,7 @@ pub use registry::*;
 pub use retention::*;
 pub use schedules::*;
 pub use signals::*;
+pub use timer_suspended::*;
 pub use timers::*;
 pub use uniqueness::*;
 
@@ -201,6 +203,7 @@ macro_rules! __store_contract_list {
             timers_dropped_with_terminal_instances,
             timer_status_and_queue_stats,
             timers_follow_a_deployed_duration,
+            timer_every_is_held_while_its_instance_is_suspended,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             prune_deletes_exactly_the_instances_ended_before_the_cutoff,
             prune_keeps_an_instance_its_dead_letters_name,
