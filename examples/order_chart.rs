@@ -3,9 +3,7 @@
 //! failed. Its renderings are checked in under `docs/`: `order-chart.mmd` (Mermaid),
 //! `order-chart.dot` (Graphviz), `order-chart.svg` and its JSON form `order-chart.json`.
 
-use keel_core::chart::{ActionError, Definition, Timer};
-use keel_core::config::ParallelConfig;
-use keel_scheduler::ChartMachine;
+use keel::{ActionError, ChartMachine, Definition, ParallelConfig, Timer};
 
 /// cart → awaiting_payment (expires after 7 days) → processing (inventory ∥ payment, with
 /// `@done` and conditional `@fail`) → completed / cancelled / failed.

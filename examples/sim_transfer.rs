@@ -1,6 +1,9 @@
 //! Your own machine under simulated faults: a money transfer written as step functions,
 //! run by Keel's deterministic simulator on the in-memory store with three simulated
 //! workers that crash, lose leases, run on skewed clocks and get duplicate signals.
+//! The simulator takes synchronous step functions over the claimed row and its inbox (and
+//! charts with synchronous actions, `SimChart`), not a `StepMachine` or a `ChartMachine`:
+//! a machine written as one is written again in this form to be simulated.
 //!
 //! After every simulated event the simulator checks Keel's rules (fencing, one commit per
 //! step, nothing lost or hung) and the invariant written here: money is never created or
@@ -13,11 +16,11 @@
 //! SIM_SEED=42 cargo run -p keel-examples --example sim_transfer
 //! ```
 
-use keel_core::{
-    Instance, MachineRef, NewInstance, NewSignal, Outcome, Signal, SignalTarget, Status, StepCommit,
+use keel::layers::core::StepCommit;
+use keel::layers::testkit::sim::Simulation;
+use keel::{
+    Instance, MachineRef, NewInstance, NewSignal, Outcome, Signal, SignalTarget, Status, json,
 };
-use keel_testkit::sim::Simulation;
-use serde_json::json;
 use std::time::Instant;
 
 const AMOUNT: i64 = 250;

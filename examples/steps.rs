@@ -160,7 +160,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         detail.instance.business_key.as_deref().unwrap_or("-")
     );
     for h in &detail.history {
-        let data = serde_json::to_string(&h.entry.data).unwrap_or_default();
+        let data = &h.entry.data;
         println!("  rev {:>2}  attempt {}  {:<24} {data}", h.revision.0, h.attempt, h.entry.kind);
     }
     println!("result: {}", detail.instance.result.clone().unwrap_or_default());

@@ -159,7 +159,7 @@ impl RetryPolicy {
 }
 
 impl Default for RetryPolicy {
-    /// Seed 001 §6.4: 3 attempts, exponential from 1 second, capped at 5 minutes, no jitter.
+    /// 3 attempts, exponential from 1 second, capped at 5 minutes, no jitter.
     fn default() -> Self {
         Self {
             max_attempts: 3,
@@ -730,9 +730,9 @@ mod tests {
         let lin = |initial, max, jitter| policy(Linear, initial, max, jitter);
         #[rustfmt::skip]
         let cases: &[(RetryPolicy, f64, &[Duration])] = &[
-            // Seed 001 §8.2: 1 s, 2 s, 4 s …, here capped at 5 min from the defaults.
+            // The default policy doubles each delay: 1 s, 2 s, 4 s …, capped at 5 min.
             (RetryPolicy::default(),         0.0,  &[S(1), S(2), S(4), S(8), S(16), S(32), S(64), S(128), S(256), S(300), S(300)]),
-            // Seed 001 §8.3: linear is the same delay every time.
+            // Linear is the same delay every time.
             (lin(S(1), S(60), NoJitter),     0.0,  &[S(1), S(1), S(1), S(1)]),
             (exp(MS(100), S(1), NoJitter),   0.0,  &[MS(100), MS(200), MS(400), MS(800), S(1), S(1)]),
             // An initial delay above the cap is capped from the start, in both modes.

@@ -84,6 +84,12 @@
 //! Redis (feature `redis`) or Amazon SQS (feature `sqs`), given with [`Keel::with_queue`];
 //! see [`queue`]. The database stays the only source of truth.
 //!
+//! Two copies of one program on one host that share a store need distinct worker names,
+//! such as `keel.worker_with(WorkerConfig::named("billing-1"))`, each kept across restarts:
+//! a starting worker takes back the leases held under its id, and the default id
+//! ([`WorkerConfig::worker_id`]) is the host and the program's name, so a second copy
+//! would take the first one's live work and run those steps twice.
+//!
 //! ```toml
 //! [dependencies]
 //! keel = { version = "0.1", features = ["postgres"] }
@@ -149,15 +155,18 @@ pub use async_trait::async_trait;
 pub use serde_json::{Value, json};
 
 pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
+pub use keel_core::config::{KeelConfig, ParallelConfig, QueueConfig};
+pub use keel_core::inbox::InboxOrder;
 pub use keel_core::instance::{NewInstance, NewSignal, Signal, SignalTarget};
 pub use keel_core::join::Join;
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
+pub use keel_core::retry::{Backoff, Jitter, RetryPolicy};
 pub use keel_core::schedule::{
     BroadcastAction, MissedTicks, Schedule, ScheduleAction, ScheduleError, ScheduleInfo,
 };
 pub use keel_core::{
-    ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Status, StatusSet,
-    StoreError, StoreResult,
+    ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Priority, Status, StatusSet,
+    StoreError, StoreResult, WorkerId,
 };
 pub use keel_scheduler::worker::WorkerStats;
 pub use keel_scheduler::{
@@ -167,8 +176,8 @@ pub use keel_scheduler::{
 };
 
 /// The layers under this crate, for what it does not re-export: the pure semantics
-/// (chart definitions in full, outcomes, retry policies, the `Store` port), the runtime,
-/// and each backend enabled by a feature.
+/// (chart definitions in full, outcomes, the rest of the configuration types, the `Store`
+/// port), the runtime, and each backend enabled by a feature.
 pub mod layers {
     pub use keel_core as core;
     pub use keel_scheduler as scheduler;
@@ -387,7 +396,7 @@ impl Keel {
     /// first) makes that worker's [`spawn`](WorkerBuilder::spawn) fail with
     /// [`Error::Config`], before anything runs.
     #[must_use]
-    pub fn with_settings(mut self, settings: keel_core::config::KeelConfig) -> Keel {
+    pub fn with_settings(mut self, settings: KeelConfig) -> Keel {
         self.client = self.client.with_settings(settings);
         self
     }
@@ -408,7 +417,10 @@ impl Keel {
     }
 
     /// A worker on this store with the default [`WorkerConfig`] (and the file given to
-    /// [`with_settings`](Self::with_settings), if any).
+    /// [`with_settings`](Self::with_settings), if any). Its id is the host and the
+    /// program's name: a second copy of the program on this host sharing the store needs
+    /// [`worker_with`](Self::worker_with)`(WorkerConfig::named(..))`, or each copy would
+    /// take back the other's live leases when it starts.
     pub fn worker(&self) -> WorkerBuilder {
         self.worker_with(WorkerConfig::default())
     }
@@ -490,11 +502,7 @@ fn own_queues(config: &WorkerConfig) -> Vec<String> {
 }
 
 /// `config` with the configuration file `settings` applied; an error names `file`.
-fn apply(
-    config: WorkerConfig,
-    settings: keel_core::config::KeelConfig,
-    file: &str,
-) -> Result<WorkerConfig, Error> {
+fn apply(config: WorkerConfig, settings: KeelConfig, file: &str) -> Result<WorkerConfig, Error> {
     config
         .with_settings(settings)
         .map_err(|e| Error::Config { file: file.to_owned(), message: e.to_string() })

@@ -16,6 +16,9 @@
 //!    planned from (files outside this repository, their section numbers or reference
 //!    documents): a reader of Keel cannot follow such a citation, so the rule is said in
 //!    our own words where it applies.
+//! 7. The example programs (the files directly under `examples/`, except the crash-test
+//!    worker, which drives stores below the facade on purpose) name Keel only through the
+//!    `keel` crate: a user copies them into a project whose one dependency is `keel`.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -95,6 +98,9 @@ pub fn check(root: &Path) -> Result<Vec<String>> {
         }
         if rel.replace('\\', "/") != "xtask/src/tidy.rs" {
             problems.extend(cites_outside(&rel, &text));
+        }
+        if is_example_program(&rel) {
+            problems.extend(examples_use_the_facade(&rel, &text));
         }
     }
     for doc in ["README.md", "ARCHITECTURE.md"] {
@@ -209,14 +215,52 @@ pub fn ignores_have_reasons(label: &str, text: &str) -> Vec<String> {
         .collect()
 }
 
-/// Rule 6: lines citing material outside the repository ([`OUTSIDE_CITATIONS`]).
+/// Rule 6: lines citing material outside the repository ([`OUTSIDE_CITATIONS`]), in any
+/// letter case (`Seed 001` as well as `seed 001`).
 pub fn cites_outside(label: &str, text: &str) -> Vec<String> {
     text.lines()
         .enumerate()
         .filter_map(|(i, l)| {
-            let cited = OUTSIDE_CITATIONS.iter().find(|c| l.contains(*c))?;
+            let line = l.to_lowercase();
+            let cited = OUTSIDE_CITATIONS.iter().find(|c| line.contains(&c.to_lowercase()))?;
             Some(format!(
                 "{label}:{}: cites `{cited}`, which is outside this repository; say the rule in our own words",
+                i + 1
+            ))
+        })
+        .collect()
+}
+
+/// The crates under the facade, as user code would name them.
+pub const INNER_CRATES: &[&str] = &[
+    "keel_core",
+    "keel_scheduler",
+    "keel_testkit",
+    "keel_store_sqlite",
+    "keel_store_postgres",
+    "keel_queue_redis",
+    "keel_queue_sqs",
+];
+
+/// Whether `rel` (a path from the repository root) is an example program a user copies
+/// (rule 7): a file directly under `examples/`, other than the crash-test worker.
+pub fn is_example_program(rel: &str) -> bool {
+    let rel = rel.replace('\\', "/");
+    rel.strip_prefix("examples/").is_some_and(|f| !f.contains('/'))
+        && rel != "examples/crash_worker.rs"
+}
+
+/// Rule 7: lines of an example program that name a crate under the facade
+/// ([`INNER_CRATES`]) instead of `keel`. Comments are skipped.
+pub fn examples_use_the_facade(label: &str, text: &str) -> Vec<String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim_start().starts_with("//"))
+        .filter_map(|(i, l)| {
+            let inner = INNER_CRATES.iter().find(|c| l.contains(&format!("{c}::")))?;
+            Some(format!(
+                "{label}:{}: names `{inner}`; an example uses the `keel` crate only (its root, \
+                 or `keel::layers::…` for what the root does not re-export)",
                 i + 1
             ))
         })
@@ -376,6 +420,31 @@ mod tests {
         let seed = format!("see {}4 for more", OUTSIDE_CITATIONS[2]);
         assert_eq!(cites_outside("README.md", &seed).len(), 1);
         assert!(cites_outside("a.rs", "//! A simulator seed replays exactly.\n").is_empty());
+    }
+
+    #[test]
+    fn examples_name_keel_only() {
+        assert!(is_example_program("examples/order_chart.rs"));
+        assert!(!is_example_program("examples/tests/crash.rs"));
+        assert!(!is_example_program("examples/crash_worker.rs"));
+        assert!(!is_example_program("keel/src/lib.rs"));
+        let bad = "//! An example.\nuse keel_core::config::ParallelConfig;\n// keel_core:: in a comment\n";
+        let problems = examples_use_the_facade("examples/x.rs", bad);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("examples/x.rs:2: names `keel_core`"), "{}", problems[0]);
+        assert!(examples_use_the_facade("examples/x.rs", "use keel::ParallelConfig;\n").is_empty());
+    }
+
+    #[test]
+    fn citations_are_found_in_any_letter_case() {
+        let seed = OUTSIDE_CITATIONS[2];
+        let capital = format!("{}{}", seed[..1].to_uppercase(), &seed[1..]);
+        let doc = format!("//! Retries.\n    /// {capital}1 §6.4: 3 attempts.\nfn f() {{}}\n");
+        let problems = cites_outside("core/src/retry.rs", &doc);
+        assert_eq!(problems.len(), 1, "a capitalised citation is still one: {problems:?}");
+        assert!(problems[0].starts_with("core/src/retry.rs:2: cites"), "{}", problems[0]);
+        let design = OUTSIDE_CITATIONS[1].to_lowercase();
+        assert_eq!(cites_outside("README.md", &format!("see {design}")).len(), 1);
     }
 
     #[test]
