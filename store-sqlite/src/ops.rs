@@ -1854,6 +1854,20 @@ async fn update_gathered(
 
 // ----- dead letters ----------------------------------------------------------------------
 
+/// A dead-letter selector as the three values its statements bind (each `NULL` when the
+/// selector does not narrow by it): a letter's id, its namespace and machine.
+fn selector_binds(
+    selector: Option<&DeadLetterSelector>,
+) -> (Option<i64>, Option<String>, Option<String>) {
+    match selector {
+        None => (None, None, None),
+        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
+        Some(DeadLetterSelector::Machine { namespace, machine }) => {
+            (None, Some(namespace.clone()), Some(machine.clone()))
+        }
+    }
+}
+
 /// The dead letters a selector names, oldest first, bounded; with `instance_status`, only
 /// those whose instance is in it.
 async fn letters(
@@ -1861,13 +1875,7 @@ async fn letters(
     selector: Option<&DeadLetterSelector>,
     instance_status: Option<Status>,
 ) -> StoreResult<Vec<(DeadLetterId, NewDeadLetter, Timestamp)>> {
-    let (id, ns, machine) = match selector {
-        None => (None, None, None),
-        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
-        Some(DeadLetterSelector::Machine { namespace, machine }) => {
-            (None, Some(namespace.clone()), Some(machine.clone()))
-        }
-    };
+    let (id, ns, machine) = selector_binds(selector);
     let rows = sqlx::query(concat!(
         "SELECT ",
         dead_letter_cols!(),
@@ -1939,13 +1947,7 @@ pub(crate) async fn dead_letter_purge(
     p: &DeadLetterPurgeParams,
 ) -> StoreResult<u64> {
     p.validate()?;
-    let (id, ns, machine) = match &p.selector {
-        None => (None, None, None),
-        Some(DeadLetterSelector::Id(id)) => (Some(id.0), None, None),
-        Some(DeadLetterSelector::Machine { namespace, machine }) => {
-            (None, Some(namespace.clone()), Some(machine.clone()))
-        }
-    };
+    let (id, ns, machine) = selector_binds(p.selector.as_ref());
     // The plan's conditions are in the read too, so the page holds only purgeable letters
     // (a page of kept ones would hide older purgeable letters behind it).
     let rows = sqlx::query(

@@ -353,6 +353,9 @@ pub(crate) async fn run<C: GenericClient + Sync>(
     let mut parents = Vec::new();
     let mut emits: Vec<NewSignal> = Vec::new();
     let mut emit_targets_ok: Vec<Option<InstanceId>> = Vec::new();
+    // Which of `emits` are an ended child's notice to its parent (the others are outbox
+    // signals): a commit with joins delivers the two apart, around its releases.
+    let mut is_notice: Vec<bool> = Vec::new();
     let mut timers = timer::TimerWrite::default();
     let mut ended = false;
     let mut leaving: Vec<(InstanceId, LeftDelegations)> = Vec::new();
@@ -398,12 +401,14 @@ pub(crate) async fn run<C: GenericClient + Sync>(
         for (signal, target) in &plan.emits {
             emits.push(signal.clone());
             emit_targets_ok.push(Some(*target));
+            is_notice.push(false);
         }
         if let Some(notice) = &plan.parent_notice
             && let SignalTarget::Id(parent) = notice.target
         {
             emits.push(notice.clone());
             emit_targets_ok.push(Some(parent));
+            is_notice.push(true);
         }
         if !plan.children_cancel.is_none() {
             leaving.push((row.id, plan.children_cancel.clone()));
@@ -482,17 +487,24 @@ pub(crate) async fn run<C: GenericClient + Sync>(
             signal::finish(c, &plan, Some((channel, notices))).await?;
         }
     } else {
-        // Barriers with a join state are counted before the notices arrive, like the
-        // plain ones above; the children a woken parent stops waiting for are cancelled
-        // in this transaction.
-        let (cancels, _) = admin::release_joined(c, &join_releases, now).await?;
-        let run = FollowUps::cancels(cancels.concat());
-        admin::run_follow_ups(c, run, now, &mut notices).await?;
-        if delivered {
-            let plan = signal::plan_resolved(c, &emits, &emit_targets_ok, now).await?;
-            signal::finish(c, &plan, None).await?;
-            notices.ready |= plan.woke();
+        // In the order every store runs a commit item in: its outbox signals; then what its
+        // barrier release leaves (the children a woken parent stops waiting for, cancelled
+        // under one bound per release, then the ended child's notice to its parent); then
+        // the delegated children it left, cancelled. (Across the items of one batch, every
+        // item's outbox goes before the first release.)
+        let mut outbox = (Vec::new(), Vec::new());
+        let mut to_parents = (Vec::new(), Vec::new());
+        for ((signal, target), notice) in emits.into_iter().zip(emit_targets_ok).zip(is_notice) {
+            let side = if notice { &mut to_parents } else { &mut outbox };
+            side.0.push(signal);
+            side.1.push(target);
         }
+        deliver_within(c, &outbox.0, &outbox.1, now, &mut notices).await?;
+        let (cancels, _) = admin::release_joined(c, &join_releases, now).await?;
+        for cancels in cancels {
+            admin::run_follow_ups(c, FollowUps::cancels(cancels), now, &mut notices).await?;
+        }
+        deliver_within(c, &to_parents.0, &to_parents.1, now, &mut notices).await?;
         cancel_left(c, &leaving, now, &mut notices).await?;
         end_tx_notices(c, channel, &notices).await?;
     }
@@ -529,6 +541,24 @@ async fn cancel_left<C: GenericClient + Sync>(
         let p = left.cancel_params(&child, now);
         admin::cancel_locked(c, &p, keel_core::plan::cancel::left_delegation, notices).await?;
     }
+    Ok(())
+}
+
+/// Delivers `signals` (each to its resolved target) as one batch inside the caller's
+/// transaction, marking in `notices` whether it woke anything.
+async fn deliver_within<C: GenericClient + Sync>(
+    c: &C,
+    signals: &[NewSignal],
+    targets: &[Option<InstanceId>],
+    now: Timestamp,
+    notices: &mut Notices,
+) -> OpResult<()> {
+    if signals.is_empty() {
+        return Ok(());
+    }
+    let plan = signal::plan_resolved(c, signals, targets, now).await?;
+    signal::finish(c, &plan, None).await?;
+    notices.ready |= plan.woke();
     Ok(())
 }
 

@@ -14,7 +14,7 @@ use keel_core::join::{Join, JoinState, JoinWoke};
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{CancelParams, Claim, TimerSweepParams};
-use keel_core::{ErrorKind, InstanceId, NewInstance, Status, StepCommit, Timestamp};
+use keel_core::{ErrorKind, InstanceId, NewInstance, NewSignal, Status, StepCommit, Timestamp};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -266,7 +266,7 @@ pub async fn join_cancels_the_rest_before_the_deciding_childs_notice<S: Store>(s
 /// waiting for them — its quorum met by a step commit, put out of reach by an operator's
 /// cancel, or its deadline passed in a timer sweep — cancels the rest in the order it
 /// scheduled them: their reports reach its inbox in that order, then (for a quorum) the
-/// notice of the child that settled it.
+/// notice of the child that settled it; what the deciding commit emitted comes first.
 pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: Store>(s: &S) {
     async fn fan_out_delegated<S: Store>(
         s: &S,
@@ -291,8 +291,13 @@ pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: S
     let ns = "join_cancel_order_quorum";
     let (parent, kids) = fan_out_delegated(s, ns, Join::quorum(1)).await;
     let claims = claim_children(s, ns, at(25)).await;
-    end(s, &claims, kids[2], done(), at(30)).await;
+    // The deciding child also emits to its parent: a commit's outbox goes before what its
+    // release leaves to do.
+    let hello = NewSignal::new(parent, "hello");
+    let decided = StepCommit::new(kids[2], claims[&kids[2]].token(), done()).emit(hello);
+    commit_ok(s, decided, at(30)).await;
     let expected = vec![
+        ("hello".to_owned(), None),
         failed(kids[0]),
         failed(kids[1]),
         failed(kids[3]),
