@@ -83,9 +83,10 @@ name_enum! {
 pub struct DeadLetterConfig {
     /// Whether failed events are kept at all.
     pub enabled: bool,
-    /// How long an entry is kept before the pruner removes it, once its instance was
-    /// cancelled or ended: an entry whose instance is still suspended stays, since it is
-    /// how that instance is retried.
+    /// How long an entry is kept before the pruner removes it, once its instance is no
+    /// longer suspended (cancelled, ended, retried through another entry, or gone): an
+    /// entry whose instance is still suspended stays, since it is how that instance is
+    /// retried.
     pub retention: Duration,
 }
 

@@ -167,9 +167,10 @@ pub enum Backpressure {
 /// Decides what a sweep does, given the ready backlog of the machines it covers, the
 /// backpressure threshold, how long the earliest due timer it covers has been due (`None`
 /// when none is due) and the group's cadence (the longest it goes without a sweep). While
-/// the backlog stays above the threshold, each due timer still fires about one cadence
-/// after its due time at the latest: a backlog nobody claims (a queue no worker serves, a
-/// machine taken out of service) never stops timers for good.
+/// the backlog stays above the threshold, once the earliest due timer is a cadence late
+/// each sweep fires one batch of the most overdue timers: a backlog nobody claims (a queue
+/// no worker serves, a machine taken out of service) delays timers, by about a cadence
+/// when fewer fall due than those batches fire, and never stops them for good.
 pub fn backpressure(
     backlog: u64,
     threshold: u64,
@@ -209,8 +210,8 @@ fn follows(deployed: &TimerArm, armed: &TimerArm) -> bool {
 /// Moves an armed timer to the duration the deployed definition gives it (`deployed`: the
 /// timers of the instance's machine version that follow deploys, matched by state, event
 /// and kind; the first match counts). The due time counts from the original anchor: the
-/// state entry for a timer that has not fired, the last fire for an `every` timer that
-/// has. A due time that is already past makes the timer due at the next sweep. `None`
+/// state entry for a timer that has not fired, the last fire (or tick held while its
+/// instance was suspended, [`hold`]) for an `every` timer that has. A due time that is already past makes the timer due at the next sweep. `None`
 /// when no deployed timer matches, or the first match's duration is unchanged or zero.
 pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
     let spec = deployed.iter().find(|d| follows(d, &timer.spec))?;

@@ -155,11 +155,15 @@ pub use async_trait::async_trait;
 pub use serde_json::{Value, json};
 
 pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
-pub use keel_core::config::{KeelConfig, ParallelConfig, QueueConfig};
+pub use keel_core::config::{
+    AlertThresholds, DeadLetterConfig, KeelConfig, OnDeadLetter, ParallelConfig, QueueConfig,
+    Strategy,
+};
 pub use keel_core::inbox::InboxOrder;
 pub use keel_core::instance::{NewInstance, NewSignal, Signal, SignalTarget};
 pub use keel_core::join::Join;
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
+pub use keel_core::retention::{MachineRetention, RetentionConfig};
 pub use keel_core::retry::{Backoff, Jitter, RetryPolicy};
 pub use keel_core::schedule::{
     BroadcastAction, MissedTicks, Schedule, ScheduleAction, ScheduleError, ScheduleInfo,

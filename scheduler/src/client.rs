@@ -375,7 +375,9 @@ impl<S: Store, C: Clock> Client<S, C> {
     /// Purges dead letters older than `age` in every namespace, at most
     /// [`keel_core::limits::DEAD_LETTER_BATCH_MAX`] per call (call again while it returns
     /// that many); returns how many went. For one namespace, purge machine by machine with
-    /// `DeadLetterSelector::Machine` through the store.
+    /// `DeadLetterSelector::Machine` through the store. Letters whose instance is still
+    /// suspended go too, and those instances stay suspended with nothing to retry them by
+    /// (retry or cancel them first); the worker's own retention keeps such letters.
     pub async fn dead_letter_purge_older_than(&self, age: Duration) -> StoreResult<u64> {
         let params = DeadLetterPurgeParams {
             selector: None,

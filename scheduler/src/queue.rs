@@ -52,8 +52,9 @@ use tokio::sync::{Notify, Semaphore, mpsc, watch};
 pub const RECEIVE_MARGIN: Duration = Duration::from_secs(5);
 /// How long a publish, ack or hand-back call to the queue may take before the worker or
 /// client gives up on it (the hints then wait for polling, the repair pass or their
-/// visibility, as after any failed call). A publish is made of calls of at most 10 hints,
-/// one round trip each on every backend, and each call has this bound of its own.
+/// visibility, as after any failed call). A publish is made of calls of one round trip each
+/// (the queue's `hints_per_round_trip`: 10 hints on SQS, a whole batch on Redis), and each
+/// call has this bound of its own.
 pub const QUEUE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most publishes one worker (or one client and its clones) has under way at once; the
 /// hints of a commit, start or send beyond them are dropped and counted.
@@ -453,7 +454,8 @@ pub(crate) async fn publish(queue: &Arc<dyn Queue>, hints: Vec<Hint>) -> Publish
     let publishable = hints.len() as u64;
     let mut out = Published { held_back: total - publishable, ..Published::default() };
     let at_once = if caps.ordered_groups { 1 } else { PUBLISH_CALLS_MAX };
-    let mut chunks = hints.chunks(caps.hints_per_round_trip.max(1));
+    let per_call = caps.hints_per_round_trip.clamp(1, keel_core::limits::HINT_BATCH_MAX);
+    let mut chunks = hints.chunks(per_call);
     let mut calls = tokio::task::JoinSet::new();
     let mut first_error: Option<String> = None;
     loop {

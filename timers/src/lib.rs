@@ -17,8 +17,9 @@
 //! the sweep and logs a warning. Skipping only delays: once the group's earliest due timer
 //! is overdue by more than the group's cadence, a sweep fires one batch anyway (soonest due
 //! first; [`keel_core::timers::backpressure`] decides), so a backlog that never drains —
-//! runnable instances in a queue no worker serves, a machine taken out of service — makes
-//! timers at most about one cadence late, never lost. Ready rows in a paused queue do not
+//! runnable instances in a queue no worker serves, a machine taken out of service — delays
+//! timers (by about a cadence while fewer fall due than one batch a recheck fires), never
+//! stops them. Ready rows in a paused queue do not
 //! count: no worker claims them until the queue is resumed, so they would hold back every
 //! timer for as long as the pause lasts. Only a count above the threshold is checked for
 //! paused queues (`Store::queue_list`, one read per namespace with ready rows, at most
@@ -97,9 +98,9 @@ pub const BACKLOG_MAX_AGE: Duration = Duration::from_secs(1);
 /// rows, a paused queue in one of the smaller ones can still hold sweeps back.
 pub const PAUSED_QUEUE_READS_MAX: usize = 100;
 
-/// The most machine sets whose backlog readings a sweeper keeps (one per group in the run
-/// loop; [`Sweeper::sweep`] may be called with others). Past it the readings are dropped
-/// and counted afresh.
+/// The most machine sets, beyond its configured groups, whose backlog readings a sweeper
+/// keeps ([`Sweeper::sweep`] may be called with other sets). Past it the readings are
+/// dropped and counted afresh.
 pub const BACKLOG_READINGS_MAX: usize = 64;
 
 /// Machines swept together.
@@ -349,7 +350,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     /// Runs `f` on what backpressure knows of the machine set `key`.
     fn pressure<T>(&self, key: &[String], f: impl FnOnce(&mut Pressure) -> T) -> T {
         let mut all = self.pressure.lock().expect("backpressure lock");
-        if all.len() >= BACKLOG_READINGS_MAX && !all.contains_key(key) {
+        if all.len() >= self.config.groups.len() + BACKLOG_READINGS_MAX && !all.contains_key(key) {
             all.clear();
         }
         f(all.entry(key.to_vec()).or_default())

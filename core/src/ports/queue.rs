@@ -41,8 +41,9 @@ pub struct QueueCapabilities {
     /// The most hints the backend takes in one round trip (SQS: 10, one send batch; Redis:
     /// one script call takes a whole [`HINT_BATCH_MAX`] batch). `enqueue` accepts up to
     /// `HINT_BATCH_MAX` whatever this says and makes as many round trips as it needs;
-    /// a caller that bounds each call's time splits a publish into calls of this many, so
-    /// its bound covers one round trip.
+    /// a caller that bounds each call's time splits a publish into calls of this many (at
+    /// most `HINT_BATCH_MAX`, at least 1, whatever this says), so its bound covers one
+    /// round trip.
     pub hints_per_round_trip: usize,
 }
 
