@@ -284,6 +284,16 @@ fn events_are_accepted_validated_and_scoped_to_their_namespace() {
             &format!(r#"{{"instance":{id},"event":"PING","dedup_key":"p"}}"#),
         );
         assert_eq!((code, dup["duplicate"].as_bool()), (202, Some(true)), "{name}: {dup}");
+        // A key of the engine's own is refused, naming the body's field.
+        let (code, refused) = s.post(
+            "/v1/namespaces/a/events",
+            &format!(r#"{{"instance":{id},"event":"PING","dedup_key":"timer:1:1"}}"#),
+        );
+        assert_eq!(
+            (code, refused["field"].as_str()),
+            (400, Some("dedup_key")),
+            "{name}: {refused}"
+        );
 
         let (code, detail) = s.get_json(&format!("/v1/namespaces/a/instances/{id}"));
         assert_eq!(code, 200, "{name}: {detail}");

@@ -198,7 +198,7 @@ impl<S: Store, C: Clock> Client<S, C> {
     /// processed).
     pub async fn send(&self, signal: NewSignal) -> StoreResult<DeliveryOutcome> {
         let target = signal.target.clone();
-        let mut out = self.send_many(vec![signal]).await?;
+        let mut out = self.send_many(vec![signal]).await.map_err(one_signal)?;
         match out.pop() {
             Some(DeliveryOutcome::TargetMissing) => Err(StoreError::not_found(missing(&target))),
             Some(outcome) => Ok(outcome),
@@ -482,6 +482,16 @@ impl DeadLetterRetry {
         self.delay = delay;
         self
     }
+}
+
+/// An error about a batch of one, as the sender of that one signal reads it: the batch
+/// names the signal's fields `signals[0].<field>` (`signals[0].dedup_key`), while the
+/// caller passed one signal, or a command line or request body with a bare `dedup_key`.
+fn one_signal(mut e: StoreError) -> StoreError {
+    if let Some(bare) = e.message.strip_prefix("signals[0].") {
+        e.message = bare.to_owned();
+    }
+    e
 }
 
 /// What [`Client::send`] says when `target` is not there: the instance as the `keel`
