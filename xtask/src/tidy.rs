@@ -216,7 +216,7 @@ pub fn ignores_have_reasons(label: &str, text: &str) -> Vec<String> {
 }
 
 /// Rule 6: lines citing material outside the repository ([`OUTSIDE_CITATIONS`]), in any
-/// letter case (`Seed 001` as well as `seed 001`).
+/// letter case, so a capitalised citation is caught as well as a lower-case one.
 pub fn cites_outside(label: &str, text: &str) -> Vec<String> {
     text.lines()
         .enumerate()
