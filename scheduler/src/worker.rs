@@ -29,6 +29,7 @@ use keel_core::instance::{Instance, check_name};
 use keel_core::limits;
 use keel_core::outcome::{Outcome, StepCommit, StepFailure};
 use keel_core::plan::claim::ClaimPolicy;
+use keel_core::plan::lease::ReapHold;
 use keel_core::ports::store::{
     Claim, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
     LeaseReleaseParams, WORKER_BEAT_INTERVAL, WorkerBeatParams,
@@ -465,7 +466,14 @@ struct Inner<S, C> {
     /// The (machine, step, event) whose file settings did not resolve, warned about once
     /// each (at most [`UNRESOLVED_WARNED_MAX`]).
     unresolved: Mutex<BTreeSet<(String, String, Option<String>)>>,
+    /// Leases of results the store could not take while it was unreachable, given back
+    /// by the heartbeat once it answers (at most [`GIVE_BACK_MAX`]).
+    give_back: Mutex<Vec<(InstanceId, FencingToken)>>,
 }
+
+/// Most leases a worker keeps to give back after an outage; past it the oldest are left
+/// to expire (each then counts an attempt its step did not fail).
+const GIVE_BACK_MAX: usize = 100_000;
 
 /// Most distinct (machine, step, event) a worker warns about for file settings that do not
 /// resolve on a step's own settings; past it, such steps are only counted.
@@ -512,6 +520,16 @@ impl<S, C: Clock> Inner<S, C> {
     /// Records a successful iteration of `which`.
     fn loop_ok(&self, which: WorkerLoop) {
         self.health.success(which, self.clock.now());
+    }
+
+    /// Keeps the lease of a result the store could not take, to give back once it
+    /// answers again ([`give_back_leases`]).
+    fn give_back(&self, id: InstanceId, token: FencingToken) {
+        let mut leases = self.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if leases.len() >= GIVE_BACK_MAX {
+            leases.remove(0);
+        }
+        leases.push((id, token));
     }
 
     /// Records and logs a failed iteration of `which`; returns how long the loop waits
@@ -768,6 +786,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             health: Arc::clone(&health),
             hints: self.hints,
             unresolved: Mutex::default(),
+            give_back: Mutex::default(),
         });
         let join = tokio::spawn(run(inner, shutdown_rx, pruner));
         Ok(WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned })
@@ -962,6 +981,13 @@ async fn run<S: Store, C: Clock + Clone>(
     drain(&inner).await;
     drop(tx);
     let _ = committer.await;
+    // Results the store could not take: their leases go back now, if it answers.
+    let left = std::mem::take(
+        &mut *inner.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    for chunk in left.chunks(limits::COMMIT_BATCH_MAX) {
+        release(&inner, chunk.to_vec()).await;
+    }
     beat_stop.send_replace(true);
     let _ = heartbeat.await;
     let _ = reaper.await;
@@ -2164,8 +2190,10 @@ async fn dispatch<S: Store, C: Clock>(
 
 /// Commits a group of step results. A result the store refuses becomes a non-retryable
 /// failure of its step, committed in a second round (see [`commit_refused`]); results that
-/// cannot be committed at all (the store stayed unavailable) are dropped: their leases
-/// expire and the reaper re-runs the steps (at-least-once).
+/// cannot be committed at all are dropped and their steps re-run (at-least-once): when
+/// the store stayed unavailable their leases are given back once it answers again
+/// (counting no attempt), and a result lost with a panicking store call leaves its lease
+/// to expire.
 async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, batch: Vec<Finished>) {
     if batch.is_empty() {
         return;
@@ -2199,7 +2227,8 @@ async fn flush<S: Store, C: Clock>(inner: &Inner<S, C>, batch: Vec<Finished>) {
 /// A group of results being committed. Dropping it — after the commit, or while the
 /// committer unwinds from a panic — takes the steps out of the running set and frees
 /// their slots, so a group that is lost never has its leases kept alive by the heartbeat:
-/// they expire and the reaper re-runs the steps.
+/// they are given back (the store was unreachable) or expire (anything else), and the
+/// steps re-run.
 struct Settled<'a, S, C> {
     inner: &'a Inner<S, C>,
     batch: Vec<Finished>,
@@ -2251,7 +2280,10 @@ fn settle<S: Store, C: Clock>(
                 None
             }
             RefusedCommit::Retry => {
-                tracing::warn!(instance = %f.commit.id, error = %e, "commit item failed; the lease will expire and the step re-run");
+                // The worker lives: the step's lease is given back, not left to expire,
+                // so the step runs again without counting an attempt it did not fail.
+                tracing::warn!(instance = %f.commit.id, error = %e, "commit failed; the lease is given back once the store answers, and the step re-run");
+                inner.give_back(f.commit.id, f.origin.claim.token());
                 None
             }
             RefusedCommit::Fail(_) => Some(e),
@@ -2353,16 +2385,19 @@ async fn commit_group<S: Store, C: Clock>(
             );
             vec![None; n]
         }
-        Err(None) => vec![None; n],
-        Err(Some(e)) if n == 1 => vec![Some(Err(e))],
-        Err(Some(e)) => {
+        Err(CallFailed::Panicked) => vec![None; n],
+        // Each item ends as the store left it: unreachable (its lease is given back once
+        // the store answers), or refused with the call.
+        Err(CallFailed::Unavailable(e)) => vec![Some(Err(e)); n],
+        Err(CallFailed::Refused(e)) if n == 1 => vec![Some(Err(e))],
+        Err(CallFailed::Refused(e)) => {
             tracing::warn!(error = %e, items = n, "the store refused a whole group commit; committing its items one by one");
             let mut out = Vec::with_capacity(n);
             for commit in commits {
                 out.push(match commit_call(inner, std::slice::from_ref(&commit)).await {
                     Ok(mut receipts) if receipts.len() == 1 => receipts.pop(),
-                    Ok(_) | Err(None) => None,
-                    Err(Some(e)) => Some(Err(e)),
+                    Ok(_) | Err(CallFailed::Panicked) => None,
+                    Err(CallFailed::Unavailable(e) | CallFailed::Refused(e)) => Some(Err(e)),
                 });
             }
             out
@@ -2370,12 +2405,23 @@ async fn commit_group<S: Store, C: Clock>(
     }
 }
 
+/// How one `step_commit` call failed.
+enum CallFailed {
+    /// The store stayed unavailable through every try; the last error.
+    Unavailable(StoreError),
+    /// The store panicked: whether it committed is unknown.
+    Panicked,
+    /// The store refused the call as a whole.
+    Refused(StoreError),
+}
+
 /// One `step_commit` call, tried up to [`COMMIT_TRIES`] times while the store is
-/// unavailable. `Err(None)`: still unavailable; `Err(Some(e))`: refused as a whole.
+/// unavailable.
 async fn commit_call<S: Store, C: Clock>(
     inner: &Inner<S, C>,
     commits: &[StepCommit],
-) -> Result<Vec<StoreResult<CommitReceipt>>, Option<StoreError>> {
+) -> Result<Vec<StoreResult<CommitReceipt>>, CallFailed> {
+    let mut unavailable = None;
     for attempt in 0..COMMIT_TRIES {
         let params = CommitParams { commits: commits.to_vec(), now: inner.clock.now() };
         // In its own task, so a store that panics (on a row it cannot decode, say) fails
@@ -2394,24 +2440,27 @@ async fn commit_call<S: Store, C: Clock>(
                 } else {
                     tracing::warn!(error = %e, attempt, "group commit failed");
                 }
+                unavailable = Some(e);
             }
             Ok(Err(e)) => {
                 // The store answered: the committer works, the group was refused.
                 inner.loop_ok(WorkerLoop::Committer);
-                return Err(Some(e));
+                return Err(CallFailed::Refused(e));
             }
             Err(join) => {
                 let panic = panic_message(join);
                 inner.loop_failed(WorkerLoop::Committer, &format!("step_commit panicked: {panic}"));
-                return Err(None);
+                return Err(CallFailed::Panicked);
             }
         }
     }
     inner.loop_failed(
         WorkerLoop::Committer,
-        &format!("group commit still failing after {COMMIT_TRIES} tries; the leases will expire and the steps re-run"),
+        &format!("group commit still failing after {COMMIT_TRIES} tries; its leases are given back once the store answers again, and the steps re-run"),
     );
-    Err(None)
+    Err(CallFailed::Unavailable(
+        unavailable.unwrap_or_else(|| StoreError::unavailable("group commit not tried")),
+    ))
 }
 
 async fn heartbeat_loop<S: Store, C: Clock>(
@@ -2432,7 +2481,7 @@ async fn heartbeat_loop<S: Store, C: Clock>(
             .filter(|(_, f)| !f.lost)
             .map(|(id, f)| (*id, f.token))
             .collect();
-        let mut failure = None;
+        let mut failure = give_back_leases(&inner).await.err();
         for chunk in leases.chunks(limits::COMMIT_BATCH_MAX) {
             if let Err(e) = heartbeat(&inner, chunk).await {
                 failure = Some(e);
@@ -2488,35 +2537,90 @@ async fn heartbeat<S: Store, C: Clock>(
     Ok(())
 }
 
+/// Gives back the leases of results the store could not take while it was unreachable,
+/// a bounded page at a time: each step runs again at once, counting no attempt, rather
+/// than waiting for its lease to expire and counting one it did not fail. Leases the
+/// store no longer counts as this worker's (the result landed after all, or a reaper took
+/// the lease) are skipped by the store. On failure the leases not given back are kept
+/// for the next try.
+async fn give_back_leases<S: Store, C: Clock>(inner: &Inner<S, C>) -> StoreResult<()> {
+    let take = || {
+        let mut leases = inner.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::mem::take(&mut *leases)
+    };
+    let pending = take();
+    let mut chunks = pending.chunks(limits::COMMIT_BATCH_MAX);
+    while let Some(chunk) = chunks.next() {
+        let params = LeaseReleaseParams { leases: chunk.to_vec(), now: inner.clock.now() };
+        match inner.store.lease_release(params).await {
+            Ok(released) => {
+                let n = released.into_iter().filter(|held| *held).count();
+                inner.stats.released.fetch_add(n as u64, Ordering::Relaxed);
+                if n > 0 {
+                    tracing::info!(
+                        count = n,
+                        "gave back the leases of results the store could not take; their steps run again"
+                    );
+                }
+            }
+            Err(e) => {
+                let mut leases =
+                    inner.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let rest = chunk.iter().chain(chunks.by_ref().flatten()).copied();
+                let kept: Vec<_> = rest.chain(leases.drain(..)).collect();
+                let over = kept.len().saturating_sub(GIVE_BACK_MAX);
+                leases.extend(kept.into_iter().skip(over));
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn reap_loop<S: Store, C: Clock>(
     inner: Arc<Inner<S, C>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut pause = inner.config.reap_interval;
     let mut last_beat: Option<Instant> = None;
+    // After the store was unreachable, leases get a lease period to be renewed before
+    // any is reaped (see `ReapHold`).
+    let mut hold = ReapHold::default();
     loop {
-        // The registry beat rides on the reaper's cadence, at most once per interval.
-        if last_beat.is_none_or(|at| at.elapsed() >= WORKER_BEAT_INTERVAL) {
+        // The registry beat rides on the reaper's cadence, at most once per interval;
+        // while the store is down it is also how the reaper learns it is back.
+        if hold.probing() || last_beat.is_none_or(|at| at.elapsed() >= WORKER_BEAT_INTERVAL) {
             last_beat = Some(Instant::now());
-            beat(&inner).await;
+            match beat(&inner).await {
+                Err(e) if e.is_retryable() => hold.unreachable(),
+                Ok(()) | Err(_) => hold.answered(inner.clock.now(), inner.config.lease),
+            }
         }
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
+        }
+        if !hold.may_reap(inner.clock.now()) {
+            continue;
         }
         pause = match reap(&inner, None).await {
             Ok(_) => {
                 inner.loop_ok(WorkerLoop::Reaper);
                 inner.config.reap_interval
             }
-            Err(e) => inner.loop_failed(WorkerLoop::Reaper, &e).max(inner.config.reap_interval),
+            Err(e) => {
+                if e.is_retryable() {
+                    hold.unreachable();
+                }
+                inner.loop_failed(WorkerLoop::Reaper, &e).max(inner.config.reap_interval)
+            }
         };
     }
 }
 
 /// Records this worker in the store's worker registry (what `keel workers` lists). A
 /// failure is logged and never stops the worker: the registry is for people.
-async fn beat<S: Store, C: Clock>(inner: &Inner<S, C>) {
+async fn beat<S: Store, C: Clock>(inner: &Inner<S, C>) -> StoreResult<()> {
     let mut machines: Vec<MachineRef> = inner.machines.keys().cloned().collect();
     machines.sort();
     let params = WorkerBeatParams::at(
@@ -2527,9 +2631,11 @@ async fn beat<S: Store, C: Clock>(inner: &Inner<S, C>) {
         inner.started_at,
         inner.clock.now(),
     );
-    if let Err(e) = inner.store.worker_heartbeat(params).await {
+    let beat = inner.store.worker_heartbeat(params).await;
+    if let Err(e) = &beat {
         tracing::warn!(error = %e, "could not record this worker in the worker registry");
     }
+    beat
 }
 
 /// One page of leases returned to runnable (expired ones, or all of `owner`'s); returns

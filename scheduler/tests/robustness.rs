@@ -51,6 +51,7 @@ on_stores!(
         a_schedule_tick_the_store_refuses_is_dropped_and_the_next_fires,
         a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run,
         a_step_that_polls_with_retry_runs_past_max_attempts,
+        outages_longer_than_a_lease_cost_the_steps_under_way_no_attempt,
     ],
     postgres: [
         a_context_over_the_size_limit_is_dead_lettered_and_its_neighbours_finish,
@@ -70,6 +71,7 @@ on_stores!(
         a_next_step_claimed_before_its_last_group_settled_still_runs,
         a_step_whose_leases_expired_max_attempts_times_is_dead_lettered_not_run,
         a_step_that_polls_with_retry_runs_past_max_attempts,
+        outages_longer_than_a_lease_cost_the_steps_under_way_no_attempt,
     ],
 );
 
@@ -859,4 +861,90 @@ async fn a_step_that_polls_with_retry_runs_past_max_attempts<S: TestStore>() {
     assert_eq!(runs.load(Ordering::SeqCst), polls + 1, "every poll ran");
     let letters = h.client.dead_letters(DeadLetterFilter::default()).await.expect("dead letters");
     assert!(letters.is_empty(), "{letters:?}");
+}
+
+/// A step that runs until the test lets it finish (one permit per run), counting its
+/// runs.
+#[derive(Clone)]
+struct Gated {
+    go: Arc<tokio::sync::Semaphore>,
+    ran: Arc<AtomicUsize>,
+}
+
+impl Default for Gated {
+    fn default() -> Self {
+        Gated { go: Arc::new(tokio::sync::Semaphore::new(0)), ran: Arc::default() }
+    }
+}
+
+#[async_trait]
+impl StepMachine for Gated {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        self.ran.fetch_add(1, Ordering::SeqCst);
+        self.go.acquire().await.expect("the gate stays open").forget();
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+/// Polls `cond` every 5 ms for at most 5 s of real time; panics naming `what` if it
+/// never holds.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..1_000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A store that cannot be reached for longer than a lease (a database failover, a
+/// restart) costs the steps under way no attempt: the worker gives back the leases of the
+/// results it could not commit once the store answers again, and its reaper, having seen
+/// the store down, leaves expired leases alone for a lease period so it does not take
+/// them first. As many outages in a row under one step as its retry policy allows
+/// attempts neither count an attempt nor suspend it as a step that kills its worker.
+async fn outages_longer_than_a_lease_cost_the_steps_under_way_no_attempt<S: TestStore>() {
+    let h = Harness::with_store(Faulty::new(S::fresh().await));
+    let id = h.start(NewInstance::new(machine(), "a")).await;
+    let steps = Gated::default();
+    let config = WorkerConfig { timers: None, ..h.config() };
+    let lease = config.lease;
+    let worker = h.worker(config, steps.clone());
+    let outages = QueueConfig::default().retry.max_attempts as usize;
+    for outage in 1..=outages {
+        until(&format!("run {outage} of the step"), || steps.ran.load(Ordering::SeqCst) == outage)
+            .await;
+        // The store goes down; the step finishes, and its group commit is tried until the
+        // committer gives up.
+        h.store.down.store(true, Ordering::SeqCst);
+        let commits = h.store.calls("step_commit");
+        steps.go.add_permits(1);
+        until("the committer to give up", || h.store.calls("step_commit") >= commits + 5).await;
+        // The outage outlasts the lease, and the reaper finds the store down (reaping, or
+        // asking whether it is back).
+        h.clock.advance(lease + Duration::from_secs(1));
+        let reaper_calls = || h.store.calls("lease_reap") + h.store.calls("worker_heartbeat");
+        let before = reaper_calls();
+        until("the reaper to call during the outage", || reaper_calls() > before).await;
+        h.store.down.store(false, Ordering::SeqCst);
+    }
+    until("the last run", || steps.ran.load(Ordering::SeqCst) == outages + 1).await;
+    steps.go.add_permits(1);
+    let row = h.wait(id, "done", |r| r.status == Status::Done).await;
+    let history = h.client.get(id).await.expect("get").history;
+    let kinds: Vec<&str> = history.iter().map(|r| r.entry.kind.as_str()).collect();
+    assert!(!kinds.contains(&"LEASE_EXPIRED"), "a lease was reaped: {kinds:?}");
+    assert_eq!(row.revision.0, 1, "committed once");
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.reaped.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        stats.released.load(Ordering::Relaxed),
+        outages as u64,
+        "one lease given back per outage"
+    );
 }

@@ -9,7 +9,9 @@ use crate::ids::{FencingToken, InstanceId, Status};
 use crate::instance::Instance;
 use crate::outcome;
 use crate::ports::store::{LeaseExtendParams, LeaseReapParams, LeaseReleaseParams};
+use crate::time::Timestamp;
 use std::collections::HashMap;
+use std::time::Duration;
 
 /// The writes of a heartbeat or a release: per requested lease whether it was still held,
 /// and the rows to write (one per lease held, in request order).
@@ -94,6 +96,83 @@ pub fn reap(p: &LeaseReapParams, executing: impl IntoIterator<Item = Instance>) 
         .collect()
 }
 
+/// When a reaper may return expired leases, given what it saw of the store.
+///
+/// While the store cannot be reached no worker can renew a lease or record a result, so
+/// leases run out through no fault of their steps or of the workers holding them. Were
+/// the first reap after the store came back to take them, every step under way during
+/// an outage would count an attempt, and a step that lived through a few outages in a
+/// row would look as if it kept killing its worker. So a reaper whose store call failed
+/// as unavailable holds off: it reaps again only one lease period after the store next
+/// answered it, which leaves every live worker time to renew its leases and give back
+/// the results it could not commit. Only the leases of workers that did not come back
+/// are then reaped.
+///
+/// ```
+/// use keel_core::Timestamp;
+/// use keel_core::plan::lease::ReapHold;
+/// use std::time::Duration;
+///
+/// let lease = Duration::from_secs(30);
+/// let mut hold = ReapHold::default();
+/// assert!(hold.may_reap(Timestamp(0)));
+/// hold.unreachable(); // a reap failed: the store is down
+/// assert!(!hold.may_reap(Timestamp(60_000)));
+/// assert!(hold.probing());
+/// hold.answered(Timestamp(60_000), lease); // the store is back
+/// assert!(!hold.may_reap(Timestamp(89_999)));
+/// assert!(hold.may_reap(Timestamp(90_000)));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReapHold {
+    state: HoldState,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum HoldState {
+    /// The store answered the last call: reap as usual.
+    #[default]
+    Open,
+    /// A call failed as unavailable, and none has been answered since.
+    Down,
+    /// The store answered again; leases get until then to be renewed.
+    Until(Timestamp),
+}
+
+impl ReapHold {
+    /// A store call failed as unavailable: no reaping until the store answers again and
+    /// a lease period has passed.
+    pub fn unreachable(&mut self) {
+        self.state = HoldState::Down;
+    }
+
+    /// The store answered a call at `now` (with a result or a refusal): after an outage
+    /// the hold ends one `lease` later.
+    pub fn answered(&mut self, now: Timestamp, lease: Duration) {
+        if self.state == HoldState::Down {
+            self.state = HoldState::Until(now.plus(lease));
+        }
+    }
+
+    /// Whether the store has not answered since it failed: the reaper asks it something
+    /// that takes no lease (a worker registry beat) to learn when it is back.
+    pub fn probing(&self) -> bool {
+        self.state == HoldState::Down
+    }
+
+    /// Whether a reap may run at `now`.
+    pub fn may_reap(&mut self, now: Timestamp) -> bool {
+        match self.state {
+            HoldState::Open => true,
+            HoldState::Until(until) if now >= until => {
+                self.state = HoldState::Open;
+                true
+            }
+            HoldState::Down | HoldState::Until(_) => false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,5 +247,29 @@ mod tests {
         let w = reap(&p(None, 1), executing()).remove(0);
         assert_eq!((w.row.status, w.row.attempt, w.attempt), (Status::Runnable, 3, 2));
         assert_eq!(w.history.len(), 1);
+    }
+
+    #[test]
+    fn a_reaper_that_saw_the_store_down_waits_a_lease_after_it_answers_again() {
+        let lease = Duration::from_secs(30);
+        let mut hold = ReapHold::default();
+        // Answers while open change nothing.
+        hold.answered(NOW, lease);
+        assert!(hold.may_reap(NOW) && !hold.probing());
+        hold.unreachable();
+        // Down: no reap however long it stays down, and more failures change nothing.
+        assert!(!hold.may_reap(NOW.plus(Duration::from_secs(3_600))));
+        hold.unreachable();
+        assert!(hold.probing());
+        hold.answered(Timestamp(5_000), lease);
+        assert!(!hold.probing());
+        // Later answers do not push the end of the hold back.
+        hold.answered(Timestamp(20_000), lease);
+        assert!(!hold.may_reap(Timestamp(34_999)));
+        assert!(hold.may_reap(Timestamp(35_000)));
+        // Open again: reaps go on, and a new failure holds again.
+        assert!(hold.may_reap(Timestamp(35_001)));
+        hold.unreachable();
+        assert!(!hold.may_reap(Timestamp(36_000)));
     }
 }

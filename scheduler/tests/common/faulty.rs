@@ -12,7 +12,7 @@ use keel_core::timers::TimerHint;
 use keel_core::{DeadLetterId, InstanceId, StoreError, StoreResult, Timestamp};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// What a [`Faulty`] store does on one call of an operation.
@@ -75,6 +75,8 @@ pub struct Faulty<S> {
     pub calls: Mutex<HashMap<&'static str, Vec<Instant>>>,
     /// Rows handed out as `foreign` so far.
     pub foreign: AtomicUsize,
+    /// While set, every call fails as unavailable (after it is noted): an outage.
+    pub down: AtomicBool,
 }
 
 impl<S: Store> Faulty<S> {
@@ -98,6 +100,7 @@ impl<S: Store> Faulty<S> {
             faults: Mutex::default(),
             calls: Mutex::default(),
             foreign: AtomicUsize::new(0),
+            down: AtomicBool::new(false),
         }
     }
 
@@ -120,6 +123,9 @@ impl<S: Store> Faulty<S> {
     /// Notes the call, then does its fault, if one is due.
     fn gate(&self, op: &'static str) -> StoreResult<()> {
         self.calls.lock().unwrap().entry(op).or_default().push(Instant::now());
+        if self.down.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable(format!("injected outage: {op}")));
+        }
         let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
         match fault {
             None | Some(Fault::Pass) => Ok(()),
@@ -319,6 +325,7 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.instance_activity(p).await
     }
     async fn worker_heartbeat(&self, p: s::WorkerBeatParams) -> StoreResult<()> {
+        self.gate("worker_heartbeat")?;
         self.inner.worker_heartbeat(p).await
     }
     async fn worker_list(&self, seen_since: Timestamp) -> StoreResult<Vec<s::WorkerRecord>> {
