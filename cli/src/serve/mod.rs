@@ -72,6 +72,8 @@ pub struct AppState {
     /// Set once the server shuts down, so waiting long polls answer at once and no poll
     /// hands out a task.
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// Whether polls may reap expired leases, after the store was unreachable.
+    pub reap_gate: worker::ReapGate,
 }
 
 impl AppState {
@@ -92,6 +94,7 @@ impl AppState {
             poll_interval_min: POLL_INTERVAL_MIN,
             poll_interval_max: POLL_INTERVAL_MAX,
             stopping: tokio::sync::watch::Sender::new(false),
+            reap_gate: worker::ReapGate::default(),
         }
     }
 

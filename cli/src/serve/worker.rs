@@ -29,6 +29,7 @@ use keel::{InstanceId, MachineRef, Outcome, StoreError};
 use keel_core::config::{ConfigError, KeelConfig, QueueConfig};
 use keel_core::ids::{FencingToken, WorkerId};
 use keel_core::instance::{Instance, Signal};
+use keel_core::plan::lease::ReapHold;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
     Claim as Claimed, ClaimParams, CommitParams, CommitReceipt, LeaseExtendParams, LeaseReapParams,
@@ -326,6 +327,39 @@ fn too_many_waiting(wait_ms: u64) -> Response {
     response
 }
 
+/// When the server's polls may reap expired leases: after the store was unreachable,
+/// leases get a lease period from when it answers again to be renewed before any is
+/// reaped (see [`ReapHold`]), the longest lease this server handed out.
+#[derive(Debug, Default)]
+pub struct ReapGate {
+    state: std::sync::Mutex<(ReapHold, Duration)>,
+}
+
+impl ReapGate {
+    fn with<T>(&self, f: impl FnOnce(&mut ReapHold, &mut Duration) -> T) -> T {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (hold, longest) = &mut *state;
+        f(hold, longest)
+    }
+
+    /// A poll hands out leases of `lease`.
+    fn handed_out(&self, lease: Duration) {
+        self.with(|_, longest| *longest = (*longest).max(lease));
+    }
+
+    fn may_reap(&self, now: keel_core::Timestamp) -> bool {
+        self.with(|hold, _| hold.may_reap(now))
+    }
+
+    fn unreachable(&self) {
+        self.with(|hold, _| hold.unreachable());
+    }
+
+    fn answered(&self, now: keel_core::Timestamp) {
+        self.with(|hold, longest| hold.answered(now, (*longest).max(LEASE_MIN)));
+    }
+}
+
 /// What one poll claims with.
 struct Claim<'a> {
     state: &'a AppState,
@@ -340,10 +374,19 @@ impl Claim<'_> {
     /// by queue.
     async fn round(&self, reap: bool) -> Result<Option<Claimed>, ApiError> {
         let store = self.state.keel.store();
-        if reap {
-            let reaped = store
-                .lease_reap(LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() })
-                .await?;
+        let gate = &self.state.reap_gate;
+        gate.handed_out(self.lease);
+        if reap && gate.may_reap(now()) {
+            let params = LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() };
+            let reaped = match store.lease_reap(params).await {
+                Ok(reaped) => reaped,
+                Err(e) => {
+                    if e.is_retryable() {
+                        gate.unreachable();
+                    }
+                    return Err(e.into());
+                }
+            };
             metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
         }
         // Queue by queue, each under its own settings (claim order, global and per-key
@@ -384,7 +427,20 @@ impl Claim<'_> {
                 now: now(),
                 policy: self.state.config.claim_policy(queue),
             })
-            .await?;
+            .await;
+        let gate = &self.state.reap_gate;
+        let claims = match claims {
+            Ok(claims) => {
+                gate.answered(now());
+                claims
+            }
+            Err(e) => {
+                if e.is_retryable() {
+                    gate.unreachable();
+                }
+                return Err(e.into());
+            }
+        };
         let mut claimed = claims.into_iter().next();
         if let Some(claimed) = &mut claimed {
             in_step_order(&self.state.config, &claimed.instance, &mut claimed.inbox);
