@@ -656,6 +656,21 @@ mod tests {
             r#"[{"key": "a", "machine": "m", "@timeout": [{"target": "a"}]}]"#,
             "state `a`: has `@timeout` branches but no `timeout`; fix: add `timeout`",
         );
+        // An `initial` that could never be used is refused, not ignored.
+        check(
+            r#"[{"key": "a", "initial": "x"}]"#,
+            "state `a` names initial `x` but has no child states, so there is nothing to start in; fix: add the child states",
+        );
+        check(
+            r#"[{"key": "a", "type": "final", "initial": "x"}]"#,
+            "state `a` names initial `x` but has no child states",
+        );
+        check(
+            r#"[{"key": "a", "type": "parallel", "initial": "r", "states": [
+                {"key": "r", "initial": "x", "states": [{"key": "x"}]},
+                {"key": "s", "initial": "y", "states": [{"key": "y"}]}]}]"#,
+            "parallel state `a` names initial `r`, but a parallel state enters all of its regions at once; fix: drop `initial`",
+        );
         // Everything else is the builder's own validation, naming the state path.
         check(
             r#"[{"key": "a", "initial": "b", "states": [{"key": "b", "on": [{"event": "E", "target": "nowhere"}]}]}]"#,

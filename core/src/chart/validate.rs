@@ -60,6 +60,26 @@ pub enum ChartError {
         /// The children's keys, comma separated.
         children: String,
     },
+    /// `initial` on a state that has no child to start in: an atomic or final state.
+    #[error(
+        "state `{state}` names initial `{initial}` but has no child states, so there is nothing to start in; fix: add the child states (the state becomes compound), or drop `initial`"
+    )]
+    InitialWithoutChildren {
+        /// State path.
+        state: String,
+        /// The initial key as written.
+        initial: String,
+    },
+    /// `initial` on a parallel state, which enters every region.
+    #[error(
+        "parallel state `{state}` names initial `{initial}`, but a parallel state enters all of its regions at once; fix: drop `initial`"
+    )]
+    InitialOnParallel {
+        /// State path.
+        state: String,
+        /// The initial key as written.
+        initial: String,
+    },
     /// `max` given without `every`.
     #[error(
         "state `{state}`: transition on `{event}` has `max` but no `every` timer; fix: add `.every(Timer::…)` or drop `max`"
@@ -588,6 +608,12 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
             }
         },
         StateKind::Parallel => {
+            if let Some(initial) = &b.initial {
+                flat.errors.push(ChartError::InitialOnParallel {
+                    state: path.clone(),
+                    initial: initial.clone(),
+                });
+            }
             if b.children.len() < 2 {
                 flat.errors.push(ChartError::ParallelTooFewRegions {
                     state: path.clone(),
@@ -617,10 +643,25 @@ fn check_structure(flat: &mut Flat<'_>, id: usize) {
                 flat.errors.push(ChartError::FinalWithMachine { state: path.clone() });
             }
             if !b.children.is_empty() {
-                flat.errors.push(ChartError::FinalWithChildren { state: path });
+                flat.errors.push(ChartError::FinalWithChildren { state: path.clone() });
+            }
+            if let Some(initial) = &b.initial
+                && b.children.is_empty()
+            {
+                flat.errors.push(ChartError::InitialWithoutChildren {
+                    state: path,
+                    initial: initial.clone(),
+                });
             }
         }
-        StateKind::Atomic => {}
+        StateKind::Atomic => {
+            if let Some(initial) = &b.initial {
+                flat.errors.push(ChartError::InitialWithoutChildren {
+                    state: path,
+                    initial: initial.clone(),
+                });
+            }
+        }
     }
     let b = flat.builders[id];
     if id != 0
