@@ -110,10 +110,14 @@ async fn current_and_held<C: GenericClient + Sync>(
 }
 
 /// Takes the lock that serializes changes of a namespace's states (until the transaction
-/// ends).
+/// ends). Its key names the schema too: deployments in two schemas of one database share
+/// the advisory lock space, and must not wait for each other's namespaces.
 async fn lock_namespace<C: GenericClient + Sync>(c: &C, namespace: &str) -> OpResult<()> {
     let lock = c
-        .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('keel.schedule_states.' || $1))")
+        .prepare_cached(
+            "SELECT pg_advisory_xact_lock(hashtextextended(\
+             'keel schedule_states ' || current_schema() || ' ' || $1, 0))",
+        )
         .await?;
     c.execute(&lock, &[&namespace]).await?;
     Ok(())
@@ -142,4 +146,37 @@ fn state(r: &Row) -> Result<ScheduleState, StoreError> {
         changed_at: col::<Option<SystemTime>>(r, 3)?.map(from_ts),
         fired_through: col::<Option<SystemTime>>(r, 4)?.map(from_ts),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{begin, lock_namespace};
+    use crate::ops::plans::fresh_schema_or_skip;
+    use std::time::Duration;
+
+    /// Two deployments in two schemas of one database: a change to one's `default`
+    /// namespace does not wait for the other's, while a second change in the same schema
+    /// does.
+    #[tokio::test]
+    async fn a_namespace_lock_holds_up_its_own_schema_only() {
+        let Some(a) = fresh_schema_or_skip().await else { return };
+        let Some(b) = fresh_schema_or_skip().await else { return };
+        let holder = a.client().await.expect("client");
+        begin(&holder).await.expect("begin");
+        lock_namespace(&holder, "default").await.expect("lock");
+
+        let other = b.client().await.expect("client");
+        begin(&other).await.expect("begin");
+        let taken =
+            tokio::time::timeout(Duration::from_secs(10), lock_namespace(&other, "default"));
+        assert!(taken.await.is_ok(), "the other schema's `default` waited for this one's");
+        other.batch_execute("ROLLBACK").await.expect("rollback");
+
+        let same = a.client().await.expect("client");
+        begin(&same).await.expect("begin");
+        let waited =
+            tokio::time::timeout(Duration::from_millis(300), lock_namespace(&same, "default"));
+        assert!(waited.await.is_err(), "a second change in the same schema did not wait");
+        holder.batch_execute("ROLLBACK").await.expect("rollback");
+    }
 }
