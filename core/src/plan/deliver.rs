@@ -226,13 +226,20 @@ pub fn broadcast_targets<'a>(
 }
 
 /// What a broadcast did, from the outcomes of delivering its event to every target:
-/// duplicates by dedup key are not counted as delivered.
+/// duplicates by dedup key are matched but not counted as delivered; a target that ended
+/// before the event reached it is neither.
 pub fn broadcast_report(outcomes: &[DeliveryOutcome]) -> BroadcastReport {
     let mut report = BroadcastReport::default();
     for o in outcomes {
-        if let DeliveryOutcome::Delivered { woke, .. } = o {
-            report.delivered += 1;
-            report.woke += u64::from(*woke);
+        match o {
+            DeliveryOutcome::Delivered { woke, .. } => {
+                report.matched += 1;
+                report.delivered += 1;
+                report.woke += u64::from(*woke);
+            }
+            DeliveryOutcome::Duplicate { .. } => report.matched += 1,
+            // A target that ended (or went) before the event reached it is not addressed.
+            DeliveryOutcome::TargetTerminal { .. } | DeliveryOutcome::TargetMissing => {}
         }
     }
     report
@@ -360,7 +367,7 @@ mod tests {
             duplicate(7, 4),
             DeliveryOutcome::TargetMissing,
         ]);
-        assert_eq!(report, BroadcastReport { delivered: 2, woke: 1 });
+        assert_eq!(report, BroadcastReport { matched: 3, delivered: 2, woke: 1 });
     }
 
     #[test]

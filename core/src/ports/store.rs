@@ -590,6 +590,9 @@ impl SignalBroadcastParams {
 /// What a broadcast did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BroadcastReport {
+    /// Instances the event was addressed to: the live instances of the machine (in the
+    /// state asked for) when it was delivered, duplicates included.
+    pub matched: u64,
     /// Instances that got the event (duplicates by dedup key not counted).
     pub delivered: u64,
     /// Of those, instances it woke.

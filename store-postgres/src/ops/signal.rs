@@ -360,6 +360,7 @@ pub(crate) static BROADCAST: LazyLock<String> = LazyLock::new(|| {
            RETURNING i.id \
          ) \
          SELECT (SELECT n FROM n), (SELECT count(*) FROM ins), (SELECT count(*) FROM woke), \
+           (SELECT count(*) FROM t), \
            (SELECT count(*) FROM (SELECT pg_notify($9, '') FROM woke LIMIT 1) x)"
     )
 });
@@ -393,6 +394,7 @@ pub(crate) async fn broadcast<C: GenericClient + Sync>(
         check_batch("broadcast targets", matched as usize, limits::BROADCAST_MAX)?;
     }
     Ok(BroadcastReport {
+        matched: rows::col::<i64>(&r, 3)? as u64,
         delivered: rows::col::<i64>(&r, 1)? as u64,
         woke: rows::col::<i64>(&r, 2)? as u64,
     })

@@ -10,7 +10,7 @@ use keel_core::limits;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    InsertOutcome, InstanceListParams, LeaseReleaseParams, SignalBroadcastParams,
+    BroadcastReport, InsertOutcome, InstanceListParams, LeaseReleaseParams, SignalBroadcastParams,
 };
 use keel_core::{ErrorKind, InstanceId, MachineRef, NewInstance, Status, StepCommit, Timestamp};
 use serde_json::json;
@@ -220,14 +220,16 @@ pub async fn broadcast_reaches_instances_in_state<S: Store>(s: &S) {
         now: at(20),
     };
     let report = s.signal_broadcast(params("open.idle")).await.expect("broadcast");
-    assert_eq!((report.delivered, report.woke), (2, 1));
+    assert_eq!((report.matched, report.delivered, report.woke), (2, 2, 1));
     assert_eq!(row(s, parked).await.status, Status::Runnable);
     assert_eq!(row(s, running.instance.id).await.status, Status::Executing);
     for (id, n) in [(parked, 1), (runnable, 1), (elsewhere, 0), (finished, 0), (other_machine, 0)] {
         assert_eq!(get(s, id).await.inbox.len(), n, "inbox of {id}");
     }
     let again = s.signal_broadcast(params("open.idle")).await.expect("broadcast");
-    assert_eq!(again.delivered, 0, "the dedup key holds per target");
+    assert_eq!((again.matched, again.delivered), (2, 0), "the dedup key holds per target");
+    let nobody = s.signal_broadcast(params("shipped")).await.expect("broadcast");
+    assert_eq!(nobody, BroadcastReport::default(), "no instance in that state");
     let bad = SignalBroadcastParams { name: String::new(), ..params("open") };
     assert_eq!(s.signal_broadcast(bad).await.expect_err("empty name").kind, ErrorKind::Invalid);
 }
