@@ -64,7 +64,8 @@ struct Book {
 /// What a runner did so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ScheduleCounts {
-    /// Ticks this runner fired first (an instance started, or a broadcast that delivered).
+    /// Ticks this runner fired first (an instance started, or a broadcast that delivered
+    /// or found no instance to address).
     pub fired: u64,
     /// Ticks another worker had fired already (the key was taken).
     pub already_fired: u64,
@@ -320,11 +321,19 @@ impl Schedules {
             // the runner goes on with its other schedules at their own times.
             Err(e) if !e.is_retryable() => {
                 self.inner.failed.fetch_add(1, Ordering::Relaxed);
+                let fix = match schedule.action() {
+                    ScheduleAction::Broadcast(_) => {
+                        "a broadcast over the store's limit: narrow it with `state`, or start one instance that fans out"
+                    }
+                    ScheduleAction::Start(_) => {
+                        "the store's error names what it refused in the instance the schedule starts: fix `start` in the schedule"
+                    }
+                };
                 tracing::error!(
                     schedule = schedule.name(),
                     tick = %tick,
                     error = %e,
-                    "the store refused this tick of schedules.{}; it is dropped (a broadcast over the store's limit: narrow it with `state`, or start one instance that fans out)",
+                    "the store refused this tick of schedules.{}; it is dropped ({fix})",
                     schedule.name()
                 );
                 true
@@ -449,7 +458,9 @@ async fn fire_tick<S: Store + ?Sized>(
                     now,
                 })
                 .await?;
-            Ok(report.delivered > 0)
+            // A broadcast that found no instance to address did the tick all the same:
+            // nobody fired it before.
+            Ok(report.delivered > 0 || report.matched == 0)
         }
     }
 }

@@ -36,6 +36,7 @@ on_every_store!(
     a_resume_re_anchors_a_fired_tick_ahead_of_the_clock,
     a_repeated_resume_from_a_clock_behind_does_not_let_a_restart_fire_a_tick_again,
     same_named_schedules_in_two_namespaces_each_start_their_own_tick,
+    a_broadcast_tick_with_nobody_in_the_state_counts_as_fired_not_as_another_workers,
 );
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -685,4 +686,22 @@ async fn same_named_schedules_in_two_namespaces_each_start_their_own_tick<S: Tes
     assert_eq!(ca.already_fired + cb.already_fired, 0, "{ca:?} {cb:?}");
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// A broadcast tick that finds no instance in the state did its tick: the runner counts
+/// it as fired, not as a tick another worker fired first (which would send an operator
+/// looking for a second worker).
+async fn a_broadcast_tick_with_nobody_in_the_state_counts_as_fired_not_as_another_workers<
+    S: TestStore,
+>() {
+    let h = S::harness().await;
+    let a = worker(&h, "a", &renewals(MissedTicks::Skip));
+    polled(&[&a], h.clock.now()).await;
+    for _ in 0..2 {
+        let now = h.clock.advance(MINUTE);
+        polled(&[&a], now).await;
+    }
+    let counts = a.schedules().counts();
+    assert_eq!((counts.fired, counts.already_fired, counts.failed), (2, 0, 0), "{counts:?}");
+    a.shutdown().await;
 }
