@@ -17,8 +17,10 @@
 //!
 //! A hint published again while it is leased is queued again: the receiver's receipt goes
 //! stale, so its ack does not remove news that came after its delivery. An entry under the
-//! queue's keys that is not a hint is removed when received, with a warning, and does not
-//! hold up the hints received with it.
+//! queue's keys that is not a hint (written by another application or a script) is removed
+//! when received and does not hold up the hints received with it. The removals are
+//! counted ([`RedisQueue::junk_removed`]) and logged at `warn` at most once a minute,
+//! naming the queue, its key and one such entry.
 //!
 //! A queue holds at most its capacity ([`RedisQueueConfig::capacity`], 100 000 hints by
 //! default): a publish that takes it over removes the hints that have been visible the
@@ -93,6 +95,10 @@ pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most rounds of one receive that look again at once because they leased only entries
 /// that are not hints.
 const JUNK_ROUNDS_MAX: u32 = 8;
+/// The least time, in seconds, between two warnings of one kind from one queue handle.
+const WARNING_INTERVAL_SECS: u64 = 60;
+/// The most characters of an entry's id that a warning shows.
+const ENTRY_SHOWN_MAX: usize = 64;
 
 /// The capacity of a queue whose settings name none.
 pub const CAPACITY_DEFAULT: u64 = 100_000;
@@ -195,6 +201,11 @@ pub struct RedisQueue {
     /// When the last warning about dropped hints was given, in seconds since
     /// `created` (`u64::MAX`: never).
     dropped_warned: AtomicU64,
+    /// Entries under the queue's keys that receives removed because they were not hints.
+    junk_removed: AtomicU64,
+    /// When the last warning about removed entries was given, in seconds since `created`
+    /// (`u64::MAX`: never).
+    junk_warned: AtomicU64,
     created: Instant,
     /// Opens the connections, again when one stops answering.
     client: redis::Client,
@@ -353,6 +364,8 @@ impl RedisQueue {
             capacity,
             dropped: AtomicU64::new(0),
             dropped_warned: AtomicU64::new(u64::MAX),
+            junk_removed: AtomicU64::new(0),
+            junk_warned: AtomicU64::new(u64::MAX),
             created: Instant::now(),
             client,
             settings,
@@ -386,20 +399,33 @@ impl RedisQueue {
         self.dropped.load(Ordering::Relaxed)
     }
 
+    /// How many entries under the queue's keys this handle's receives removed because
+    /// they were not Keel hints: an id that is not `<instance>:<revision>` or a body that
+    /// is not `<priority level>|<group>`, written by another application or a script that
+    /// uses the same keys, or by a Keel version that encodes hints differently. Each
+    /// removal is counted here; the warning about them is logged at most once a minute.
+    /// An entry whose removal failed comes back after its lease and is counted when it is
+    /// removed.
+    pub fn junk_removed(&self) -> u64 {
+        self.junk_removed.load(Ordering::Relaxed)
+    }
+
+    /// Whether a warning given at most once a minute is due, `warned` holding when the
+    /// last one was given; claims it when it is, so that one caller gives it.
+    fn warning_due(&self, warned: &AtomicU64) -> bool {
+        let now = self.created.elapsed().as_secs();
+        let last = warned.load(Ordering::Relaxed);
+        (last == u64::MAX || now >= last.saturating_add(WARNING_INTERVAL_SECS))
+            && warned.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    }
+
     /// Counts `n` hints removed over capacity, warning at most once a minute.
     fn count_dropped(&self, n: u64) {
         if n == 0 {
             return;
         }
         self.dropped.fetch_add(n, Ordering::Relaxed);
-        let now = self.created.elapsed().as_secs();
-        let last = self.dropped_warned.load(Ordering::Relaxed);
-        if (last == u64::MAX || now >= last.saturating_add(60))
-            && self
-                .dropped_warned
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.warning_due(&self.dropped_warned) {
             tracing::warn!(
                 queue = %self.name,
                 capacity = self.capacity,
@@ -778,40 +804,82 @@ impl RedisQueue {
     }
 
     /// Removes entries that are not hints (with their body and receive count), unless
-    /// they were published again since they were leased, and says so at `warn`. A
-    /// failed removal is only logged: the entry comes back after its lease and is
+    /// they were published again since they were leased, and counts the ones removed. A
+    /// failed removal is logged each time (it comes only when the server stops answering,
+    /// which the other calls report as well): the entry comes back after its lease and is
     /// removed then.
     async fn remove_junk(&self, junk: &[(Vec<u8>, i64)]) {
-        for (id, count) in junk {
-            tracing::warn!(
-                queue = %self.name,
-                key = %self.keys.vis,
-                entry = %String::from_utf8_lossy(id),
-                receive_count = count,
-                "removing a queue entry that is not a Keel hint (expected id \
-                 `<instance>:<revision>` and body `<priority level>|<group>`); only Keel \
-                 should write under these keys"
-            );
-        }
+        let Some((example, _)) = junk.first() else { return };
         let mut call = scripts::ACK.prepare_invoke();
         call.key(&self.keys.vis).key(&self.keys.body).key(&self.keys.count);
         for (id, count) in junk {
             call.arg(id.as_slice()).arg(*count);
         }
         let (generation, mut conn) = self.conn();
-        if let Err(e) = self.call(generation, call.invoke_async::<i64>(&mut conn)).await {
-            tracing::warn!(
+        match self.call(generation, call.invoke_async::<u64>(&mut conn)).await {
+            Ok(removed) => self.count_junk(removed, example),
+            Err(e) => tracing::warn!(
                 queue = %self.name,
                 error = %e,
                 "could not remove entries that are not Keel hints; trying again after their lease"
+            ),
+        }
+    }
+
+    /// Counts `n` removed entries that were not hints, `example` the id of one of them,
+    /// warning at most once a minute: an application that writes under the queue's keys
+    /// would otherwise fill the log with one line per entry.
+    fn count_junk(&self, n: u64, example: &[u8]) {
+        if n == 0 {
+            return;
+        }
+        self.junk_removed.fetch_add(n, Ordering::Relaxed);
+        if self.warning_due(&self.junk_warned) {
+            tracing::warn!(
+                queue = %self.name,
+                key = %self.keys.vis,
+                entry = %entry_start(example),
+                removed = self.junk_removed(),
+                "removed entries under the queue's keys that are not Keel hints (a hint has \
+                 id `<instance>:<revision>` and body `<priority level>|<group>`); only Keel \
+                 should write under these keys: stop the application or script that writes \
+                 there, or give Keel a database or queue name of its own (said at most once \
+                 a minute; `RedisQueue::junk_removed` counts them all)"
+            );
+        } else {
+            tracing::debug!(
+                queue = %self.name,
+                removed = n,
+                "removed entries under the queue's keys that are not Keel hints"
             );
         }
     }
 }
 
+/// The start of an entry's id, for a log line: at most [`ENTRY_SHOWN_MAX`] characters,
+/// bytes that are not UTF-8 shown as U+FFFD.
+fn entry_start(id: &[u8]) -> String {
+    let text = String::from_utf8_lossy(id);
+    match text.char_indices().nth(ENTRY_SHOWN_MAX) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.into_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{RedisQueueConfig, check_server_version};
+    use super::{ENTRY_SHOWN_MAX, RedisQueueConfig, check_server_version, entry_start};
+
+    /// A warning about an entry that is not a hint shows its id readably and briefly,
+    /// whatever was written there.
+    #[test]
+    fn entry_ids_in_warnings_are_short_and_readable() {
+        assert_eq!(entry_start(b"x:y"), "x:y");
+        assert_eq!(entry_start(b"\xff:1"), "\u{fffd}:1");
+        let long = "é".repeat(10_000);
+        let shown = entry_start(long.as_bytes());
+        assert_eq!(shown, format!("{}…", "é".repeat(ENTRY_SHOWN_MAX)));
+    }
 
     #[test]
     fn servers_older_than_6_0_are_refused_naming_their_version() {

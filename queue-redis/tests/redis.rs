@@ -121,25 +121,72 @@ async fn a_lazy_queue_is_made_while_the_server_is_down_and_works_once_it_is_up()
     assert_eq!(instances, [42], "the hint published once the server was up is received");
 }
 
+/// Every event logged while it is the default subscriber of the thread, as its level
+/// and its fields (`name=value`, the message last).
+#[derive(Clone, Default)]
+struct Logged(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Logged {
+    fn at(&self, level: tracing::Level) -> Vec<String> {
+        let prefix = format!("{level} ");
+        let lines = self.0.lock().unwrap();
+        lines.iter().filter(|l| l.starts_with(&prefix)).cloned().collect()
+    }
+}
+
+struct Fields<'a>(&'a mut Vec<String>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push(format!("{}={value:?}", field.name()));
+    }
+}
+
+impl tracing::Subscriber for Logged {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Vec::new();
+        event.record(&mut Fields(&mut fields));
+        let line = format!("{} {}", event.metadata().level(), fields.join(" "));
+        self.0.lock().unwrap().push(line);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 /// Entries under the queue's keys that are not hints (written by something else, edited
 /// by hand, or encoded by another version) are removed when received, and the good hints
-/// leased with them are handed out in the same receive, or at once behind them.
-#[tokio::test]
-async fn entries_that_are_not_hints_are_removed_and_good_hints_still_arrive() {
+/// leased with them are handed out in the same receive, or at once behind them. Every
+/// removal is counted, and the warning about them is given once a minute, not once per
+/// entry: it names the queue, its key, one entry and the count so far.
+#[tokio::test(flavor = "current_thread")]
+async fn entries_that_are_not_hints_are_removed_counted_and_good_hints_still_arrive() {
     let Some(q) = queue_or_skip("redis junk entries", URL_VAR, fresh_queue().await) else {
         return;
     };
+    let logged = Logged::default();
+    let _guard = tracing::subscriber::set_default(logged.clone());
     let url = std::env::var(URL_VAR).unwrap();
     let conn = redis::aio::ConnectionManager::new(redis::Client::open(url).unwrap()).await.unwrap();
     let prefix = format!("keel:{{{}}}", q.name());
     let (vis, body, count) =
         (format!("{prefix}:vis"), format!("{prefix}:body"), format!("{prefix}:count"));
-    // An id that is not `<instance>:<revision>`, and a good id with a body of another
-    // encoding; both visible since the epoch, so they come before any real hint.
+    // An id that is not `<instance>:<revision>`, a good id with a body of another
+    // encoding, an id without a revision and an id that is not UTF-8; all visible since
+    // the epoch, so they come before any real hint.
+    let junk: [(&[u8], &str); 4] =
+        [(b"x:y", "junk"), (b"5:1", "no-priority-level"), (b"7", "0|"), (b"\xff:1", "0|")];
     let plant = |mut conn: redis::aio::ConnectionManager| {
         let (vis, body) = (vis.clone(), body.clone());
         async move {
-            for (id, text) in [("x:y", "junk"), ("5:1", "no-priority-level")] {
+            for (id, text) in junk {
                 redis::cmd("HSET").arg(&body).arg(id).arg(text).exec_async(&mut conn).await?;
                 redis::cmd("ZADD").arg(&vis).arg(0).arg(id).exec_async(&mut conn).await?;
             }
@@ -147,7 +194,9 @@ async fn entries_that_are_not_hints_are_removed_and_good_hints_still_arrive() {
         }
     };
     let fields = |key: String, mut conn: redis::aio::ConnectionManager| async move {
-        let mut names: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+        let names: Vec<Vec<u8>> = redis::cmd("HKEYS").arg(&key).query_async(&mut conn).await?;
+        let mut names: Vec<String> =
+            names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect();
         names.sort();
         redis::RedisResult::Ok(names)
     };
@@ -160,6 +209,7 @@ async fn entries_that_are_not_hints_are_removed_and_good_hints_still_arrive() {
     assert_eq!(q.len().await.unwrap(), 1, "the junk entries are still queued");
     assert_eq!(fields(body.clone(), conn.clone()).await.unwrap(), ["1:1"]);
     assert_eq!(fields(count.clone(), conn.clone()).await.unwrap(), ["1:1"]);
+    assert_eq!(q.junk_removed(), 4, "every entry that is not a hint is counted");
     q.ack(vec![got[0].receipt.clone()]).await.unwrap();
     assert_eq!(q.len().await.unwrap(), 0);
 
@@ -172,6 +222,19 @@ async fn entries_that_are_not_hints_are_removed_and_good_hints_still_arrive() {
     q.ack(vec![got[0].receipt.clone()]).await.unwrap();
     assert!(fields(body, conn.clone()).await.unwrap().is_empty());
     assert!(fields(count, conn).await.unwrap().is_empty());
+    assert_eq!(q.junk_removed(), 8, "the entries removed by later receives add up");
+
+    let warnings = logged.at(tracing::Level::WARN);
+    assert_eq!(warnings.len(), 1, "one warning a minute, not one per entry: {warnings:?}");
+    let warning = &warnings[0];
+    assert!(warning.contains(&format!("queue={}", q.name())), "{warning}");
+    assert!(warning.contains(&format!("key={vis}")), "{warning}");
+    assert!(warning.contains("removed=4"), "the count so far: {warning}");
+    let example = ["x:y", "5:1", "7", "\u{fffd}:1"];
+    assert!(example.iter().any(|id| warning.contains(&format!("entry={id} "))), "{warning}");
+    assert!(warning.contains("`<instance>:<revision>`"), "what a hint looks like: {warning}");
+    assert!(warning.contains("only Keel should write under these keys"), "{warning}");
+    assert!(warning.contains("`RedisQueue::junk_removed` counts them all"), "{warning}");
 }
 
 /// A URL's password never shows in an error: not when the server is down, not when the
