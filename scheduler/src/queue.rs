@@ -46,6 +46,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
+use tokio::time::error::Elapsed;
 
 /// How much longer than its wait a receive may take before the hint loop gives up on it
 /// and counts it as failed.
@@ -455,34 +456,50 @@ pub(crate) async fn publish(queue: &Arc<dyn Queue>, hints: Vec<Hint>) -> Publish
     let mut out = Published { held_back: total - publishable, ..Published::default() };
     let at_once = if caps.ordered_groups { 1 } else { PUBLISH_CALLS_MAX };
     let per_call = caps.hints_per_round_trip.clamp(1, keel_core::limits::HINT_BATCH_MAX);
-    let mut chunks = hints.chunks(per_call);
-    let mut calls = tokio::task::JoinSet::new();
     let mut first_error: Option<String> = None;
-    loop {
-        while !out.stalled && calls.len() < at_once {
-            let Some(chunk) = chunks.next() else { break };
-            let (queue, chunk) = (Arc::clone(queue), chunk.to_vec());
-            calls.spawn(async move {
-                let n = chunk.len() as u64;
-                (n, tokio::time::timeout(QUEUE_CALL_TIMEOUT, queue.enqueue(chunk)).await)
-            });
-        }
-        let Some(joined) = calls.join_next().await else { break };
-        match joined {
-            Ok((n, Ok(Ok(())))) => out.taken += n,
-            Ok((_, Ok(Err(e)))) => {
+    let mut settle =
+        |out: &mut Published, n: u64, answer: Result<StoreResult<()>, Elapsed>| match answer {
+            Ok(Ok(())) => out.taken += n,
+            Ok(Err(e)) => {
                 first_error.get_or_insert_with(|| e.to_string());
             }
-            Ok((_, Err(_))) => {
+            Err(_) => {
                 out.stalled = true;
                 first_error.get_or_insert_with(|| {
                     format!("the queue did not answer within {QUEUE_CALL_TIMEOUT:?}")
                 });
             }
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => {
-                // Cancelled: the runtime is shutting down, and so is this publish.
-                out.stalled = true;
+        };
+    if hints.len() <= per_call {
+        // One round trip (the usual publish of a group commit): made here, no task spawned.
+        if !hints.is_empty() {
+            let n = hints.len() as u64;
+            settle(
+                &mut out,
+                n,
+                tokio::time::timeout(QUEUE_CALL_TIMEOUT, queue.enqueue(hints)).await,
+            );
+        }
+    } else {
+        let mut chunks = hints.chunks(per_call);
+        let mut calls = tokio::task::JoinSet::new();
+        loop {
+            while !out.stalled && calls.len() < at_once {
+                let Some(chunk) = chunks.next() else { break };
+                let (queue, chunk) = (Arc::clone(queue), chunk.to_vec());
+                calls.spawn(async move {
+                    let n = chunk.len() as u64;
+                    (n, tokio::time::timeout(QUEUE_CALL_TIMEOUT, queue.enqueue(chunk)).await)
+                });
+            }
+            let Some(joined) = calls.join_next().await else { break };
+            match joined {
+                Ok((n, answer)) => settle(&mut out, n, answer),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => {
+                    // Cancelled: the runtime is shutting down, and so is this publish.
+                    out.stalled = true;
+                }
             }
         }
     }
@@ -989,6 +1006,13 @@ mod tests {
         assert_eq!(slow.calls.load(Ordering::SeqCst), 1, "one call for one round trip");
         let queue: Arc<dyn Queue> = Arc::new(Slow::new(Duration::ZERO));
         assert_eq!(publish(&queue, hints(25)).await.taken, 25);
+        // A one-call publish the queue refuses counts its hints as failed.
+        let mut refusing = Slow::new(Duration::ZERO);
+        (refusing.round_trip, refusing.refuse) = (1_000, Some(InstanceId(7)));
+        let queue: Arc<dyn Queue> = Arc::new(refusing);
+        let published = publish(&queue, hints(20)).await;
+        assert_eq!((published.taken, published.failed, published.stalled), (0, 20, false));
+        assert_eq!(publish(&queue, Vec::new()).await, Published::default(), "nothing to send");
     }
 
     /// One hint the queue refuses costs the hints of its own call, never the publish:
