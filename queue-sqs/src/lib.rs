@@ -27,8 +27,11 @@
 //!   same pair twice in one publish is delivered once, each publish is delivered, and
 //!   SQS's own retry of a batch keeps its id and is still dropped. A duplicate costs one
 //!   claim by id that takes nothing, as on a standard queue. SQS takes 1 to 128
-//!   characters of printable ASCII as a group id; any other key is sent as `h-` and a
-//!   stable hash of it, so one key always maps to one group.
+//!   characters of printable ASCII as a group id: a key's group is `k-<key>` when that
+//!   fits, else `h-` and a stable hash of the key ([`group_id`]), and the group of an
+//!   instance's hints without a key is `i-<id>` ([`instance_group_id`]). So one key
+//!   always maps to one group, and no key shares a group with an instance or with the
+//!   hashed form of another key.
 //! - A publish sends every batch of 10 even when SQS refuses entries of one, and then
 //!   reports how many were refused and why.
 //! - A received message that is not a hint (another application's message on a URL meant
@@ -251,23 +254,37 @@ fn dedup_id(hint: &Hint, publish: u64) -> String {
     format!("{}-{}-{publish:016x}", hint.instance.0, hint.revision)
 }
 
-/// The FIFO `MessageGroupId` of ordering group `group`. SQS takes 1 to 128 characters of
-/// printable ASCII (`!` to `~`), while a concurrency key may be any text up to 256 bytes.
-/// A group that SQS takes is sent as it is; any other is sent as `h-` and the FNV-1a
-/// 64-bit hash of its bytes in hex, so the same key always gives the same group and its
-/// hints stay in order. Two keys whose hashes collide share one group: their hints are
-/// then ordered together, which delays but never loses one.
-pub fn group_id(group: &str) -> Cow<'_, str> {
-    let valid = (1..=SQS_GROUP_ID_MAX).contains(&group.len())
-        && group.bytes().all(|b| (b'!'..=b'~').contains(&b));
-    if valid { Cow::Borrowed(group) } else { Cow::Owned(format!("h-{:016x}", fnv1a64(group))) }
+/// The FIFO `MessageGroupId` of the hints of ordering group `group` (a concurrency key).
+/// SQS takes 1 to 128 characters of printable ASCII (`!` to `~`), while a concurrency key
+/// may be any text up to 256 bytes. A key is sent as `k-<key>` when that is an id SQS
+/// takes (the key is at most 126 characters, all of them `!` to `~`); any other key is
+/// sent as `h-` and the FNV-1a 64-bit hash of its bytes in 16 hex digits, so the same key
+/// always gives the same group and its hints stay in order.
+///
+/// Every group id starts with `k-`, `h-` or, for the hints of an instance without a key,
+/// `i-` ([`instance_group_id`]), so the three kinds never meet: a key `42` is not in the
+/// group of instance 42, and a key spelled like a hash (`h-…`) is sent as `k-h-…`, not in
+/// the hashed group. Two `k-` ids are equal only for equal keys. Only two hashed keys
+/// can share a group, when their hashes collide: their hints are then ordered together,
+/// which delays but never loses one.
+pub fn group_id(group: &str) -> String {
+    let fits =
+        group.len() + 2 <= SQS_GROUP_ID_MAX && group.bytes().all(|b| (b'!'..=b'~').contains(&b));
+    if fits { format!("k-{group}") } else { format!("h-{:016x}", fnv1a64(group)) }
 }
 
-/// FNV-1a over the bytes of `text`: the same value on every platform and every version,
-/// which `std`'s hashers do not promise.
+/// The FIFO `MessageGroupId` of the hints of `instance` when they have no concurrency
+/// key: `i-` and the id in decimal (at most 22 characters), never equal to a key's group
+/// ([`group_id`]), so an instance's hints and a key's hints never wait on each other.
+pub fn instance_group_id(instance: InstanceId) -> String {
+    format!("i-{}", instance.0)
+}
+
 /// The largest receive count SQS takes in a redrive policy (`maxReceiveCount`).
 pub const MAX_RECEIVES_MAX: u32 = 1_000;
 
+/// FNV-1a over the bytes of `text`: the same value on every platform and every version,
+/// which `std`'s hashers do not promise.
 fn fnv1a64(text: &str) -> u64 {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -508,8 +525,8 @@ impl SqsQueue {
                 .message_body(encode(hint));
             if self.fifo {
                 let group = match &hint.group {
-                    Some(group) => group_id(group).into_owned(),
-                    None => hint.instance.0.to_string(),
+                    Some(group) => group_id(group),
+                    None => instance_group_id(hint.instance),
                 };
                 entry =
                     entry.message_group_id(group).message_deduplication_id(dedup_id(hint, publish));
@@ -758,7 +775,10 @@ impl Queue for SqsQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::{SQS_GROUP_ID_MAX, body_takes, check_url, decode, encode, fnv1a64, group_id};
+    use super::{
+        SQS_GROUP_ID_MAX, body_takes, check_url, decode, encode, fnv1a64, group_id,
+        instance_group_id,
+    };
     use keel_core::InstanceId;
     use keel_core::ports::queue::Hint;
 
@@ -843,24 +863,55 @@ mod tests {
     #[test]
     fn every_key_maps_to_a_group_id_sqs_takes_and_always_the_same_one() {
         let long = "k".repeat(200);
-        let keys = ["a b", "tenant Acme", "café", "日本", "tab\there", "", long.as_str()];
+        let keys = ["a b", "tenant Acme", "café", "日本", "tab\there", long.as_str()];
         for key in keys {
             let id = group_id(key);
             assert!(sqs_takes(&id), "key {key:?} gave group id {id:?}");
-            assert!(id.starts_with("h-"), "key {key:?} is not a valid id, so it is hashed");
+            assert!(id.starts_with("h-"), "key {key:?} does not fit after `k-`, so it is hashed");
             assert_eq!(id, group_id(key), "key {key:?} gave two different ids");
         }
         assert_ne!(group_id("a b"), group_id("a  b"), "different keys, different groups");
         assert_ne!(group_id(&long), group_id(&"k".repeat(201)));
+        for instance in [0, 1, 42, i64::MAX, i64::MIN] {
+            let id = instance_group_id(InstanceId(instance));
+            assert!(sqs_takes(&id), "instance {instance} gave group id {id:?}");
+        }
     }
 
     #[test]
-    fn keys_sqs_takes_are_used_as_they_are() {
-        let longest = "x".repeat(SQS_GROUP_ID_MAX);
-        for key in ["tenant-42", "a", "!~{}|:#", "1234", longest.as_str()] {
-            assert_eq!(group_id(key), key);
+    fn keys_that_fit_are_sent_behind_k() {
+        let longest = "x".repeat(SQS_GROUP_ID_MAX - 2);
+        for key in ["tenant-42", "a", "", "!~{}|:#", "1234", longest.as_str()] {
+            assert_eq!(group_id(key), format!("k-{key}"));
+            assert!(sqs_takes(&group_id(key)), "key {key:?}");
         }
-        assert_ne!(group_id(&"x".repeat(SQS_GROUP_ID_MAX + 1)), "x".repeat(SQS_GROUP_ID_MAX + 1));
+        let too_long = "x".repeat(SQS_GROUP_ID_MAX - 1);
+        assert_eq!(group_id(&too_long), format!("h-{:016x}", fnv1a64(&too_long)));
+        assert_eq!(instance_group_id(InstanceId(42)), "i-42");
+        assert_eq!(instance_group_id(InstanceId(-7)), "i--7");
+    }
+
+    /// A key never shares a FIFO group with an instance's hints, nor with the hashed
+    /// group of another key, whatever it is spelled like.
+    #[test]
+    fn no_key_shares_a_group_with_an_instance_or_a_hashed_key() {
+        let hashed = group_id("a b");
+        assert!(hashed.starts_with("h-"), "{hashed}");
+        let instance = instance_group_id(InstanceId(42));
+        for key in ["42", &instance, &hashed, "k-42"] {
+            let id = group_id(key);
+            assert_ne!(id, instance, "key {key:?} and instance 42");
+            assert_ne!(id, hashed, "key {key:?} and key \"a b\"");
+        }
+        assert_ne!(group_id("42"), group_id("k-42"), "different keys, different groups");
+        // A key equal to the group id of another key is still its own group.
+        assert_ne!(group_id(&group_id("tenant-42")), group_id("tenant-42"));
+        for id in [0, 1, 42, -1, i64::MAX, i64::MIN] {
+            let instance = instance_group_id(InstanceId(id));
+            for key in [id.to_string(), instance.clone()] {
+                assert_ne!(group_id(&key), instance, "key {key:?} and instance {id}");
+            }
+        }
     }
 
     /// The hash must never change between versions: a group id that changed during a

@@ -154,6 +154,40 @@ async fn fifo_takes_any_concurrency_key_as_its_group() {
     assert_eq!(key_a_b, [1, 2, 3], "one key's hints in publish order");
 }
 
+/// On a FIFO queue a concurrency key never shares a group with an instance's hints or
+/// with another key's hashed group: a key "42" is not held up behind the leased hint of
+/// instance 42, nor a key spelled like the hashed group of "a b" behind a hint of "a b".
+/// Each receive takes one hint and keeps its lease, so a second hint of a shared group
+/// would not be delivered until the first is acked.
+#[tokio::test]
+async fn fifo_key_groups_never_meet_instance_or_hashed_groups() {
+    let Some(q) =
+        queue_or_skip("sqs fifo disjoint groups", ENDPOINT_VAR, fresh_queue_with(true, None).await)
+    else {
+        return;
+    };
+    let hashed = keel_queue_sqs::group_id("a b");
+    assert!(hashed.starts_with("h-"), "\"a b\" is hashed: {hashed}");
+    q.enqueue(vec![
+        Hint::new(InstanceId(42), 1),
+        Hint::new(InstanceId(1), 1).group("42"),
+        Hint::new(InstanceId(2), 1).group("a b"),
+        Hint::new(InstanceId(3), 1).group(hashed.as_str()),
+    ])
+    .await
+    .unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        if seen.len() == 4 {
+            break;
+        }
+        let got = q.receive(1, 60 * S, S).await.unwrap();
+        seen.extend(got.iter().map(|d| d.hint.instance.0));
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [1, 2, 3, 42], "every group's head arrives while the others are leased");
+}
+
 /// A stand-in SQS endpoint that answers `SendMessageBatch` only: it refuses the entry of
 /// instance 1, refuses as a whole a batch that holds instance 15, accepts every other
 /// entry and records its instance. It serves at most 100 connections, one call each.
