@@ -562,10 +562,17 @@ async fn a_failed_second_page_keeps_the_first() {
     assert_eq!(*pages.lock().unwrap(), 2, "the second page was asked for");
 }
 
+/// The tests that meet a message that is not a hint take turns: `tracing` decides once
+/// per call site whether anyone listens, so a warning first reached on one test's thread
+/// while another test is installing its log capture can be decided as unheard, and the
+/// capturing test then finds no warning.
+static FOREIGN_WARNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A message that is not a hint is deleted; when that delete fails, the good hints of its
 /// page are still delivered.
 #[tokio::test]
 async fn a_failed_delete_of_a_foreign_message_keeps_the_hints() {
+    let _turn = FOREIGN_WARNING.lock().await;
     let deletes = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&deletes);
     let q = scripted_sqs(move |target, body| {
@@ -638,11 +645,14 @@ impl Write for Logs {
 /// page are delivered.
 #[tokio::test(flavor = "current_thread")]
 async fn a_foreign_message_is_deleted_counted_and_logged() {
+    let _turn = FOREIGN_WARNING.lock().await;
     let logs = Logs::default();
     let writer = logs.clone();
     let subscriber =
         tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
     let _guard = tracing::subscriber::set_default(subscriber);
+    // A call site an earlier test decided as unheard is decided again, with this capture.
+    tracing::callsite::rebuild_interest_cache();
     let deletes = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&deletes);
     let q = scripted_sqs(move |target, body| {
