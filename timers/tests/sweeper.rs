@@ -180,6 +180,7 @@ async fn backpressure_skips_and_logs_then_fires_below_the_threshold() {
     let logs = Buffer::default();
     let subscriber = tracing_subscriber::fmt().with_writer(logs.clone()).with_ansi(false).finish();
     let _guard = tracing::subscriber::set_default(subscriber);
+    tracing::callsite::rebuild_interest_cache();
 
     let store = Arc::new(MemoryStore::new());
     let clock = VirtualClock::new(T0);
@@ -390,6 +391,7 @@ async fn after_a_skipped_sweep_the_backlog_is_counted_again_and_timers_fire_once
         .with_max_level(tracing::Level::DEBUG)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
+    tracing::callsite::rebuild_interest_cache();
     let store = Arc::new(MemoryStore::new());
     let clock = VirtualClock::new(T0);
     let parked = with_timers(&store, "m", 2, clock.now()).await;

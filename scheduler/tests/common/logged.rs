@@ -14,7 +14,11 @@ impl Logged {
         let writer = logged.clone();
         let subscriber =
             tracing_subscriber::fmt().with_writer(move || writer.clone()).without_time().finish();
-        (logged, tracing::subscriber::set_default(subscriber))
+        let guard = tracing::subscriber::set_default(subscriber);
+        // Call sites another test's thread reached with nobody listening are decided
+        // again, now that this capture listens.
+        tracing::callsite::rebuild_interest_cache();
+        (logged, guard)
     }
 
     /// Everything logged so far.
