@@ -26,6 +26,12 @@ const PURGE_PAGES_MAX: usize = 1_000;
 
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<Report> {
+    // Every command reads and checks its configuration file before it opens the store, as
+    // `serve` does: a broken keel.toml is the more basic error, and an unreachable store
+    // (a connect timeout) must not hide it. `graph` and `upgrade` read it before their
+    // definitions file too; `health`, `schedules`, `config` and `serve` read it themselves
+    // below.
+    let file = settings(&cli)?;
     if let Command::Graph { machine, format, definitions, version } = &cli.command {
         return crate::operate::graph(machine, *format, definitions, *version);
     }
@@ -36,9 +42,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
     if let Command::Config(command) = &cli.command {
         return crate::config_cmd::run(&cli, command).await;
     }
-    // Every command reads and checks its configuration file before it opens the store,
-    // as `serve` does: a broken keel.toml is the more basic error, and an unreachable
-    // store (a connect timeout) must not hide it.
     if matches!(cli.command, Command::Health) {
         let config = crate::health::thresholds(&cli)?;
         let keel = crate::health::connect(&cli).await?;
@@ -49,11 +52,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         crate::serve::run(&cli, *listen, tokens.as_deref(), definitions.as_deref()).await?;
         return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
     }
-    // What the caller of `start` or `send` leaves unset takes the file's priority and queue.
-    let file = match cli.command {
-        Command::Start(_) | Command::Send { .. } => keel::settings::load(cli.config.as_deref())?,
-        _ => None,
-    };
     let mut keel = connect(&cli, migrate).await?;
     if let Some(file) = file {
         keel = keel.with_settings(file);
@@ -82,7 +80,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             json!({ "migrated": true, "store": keel.describe() }),
             format!("The store is up to date: {}.", keel.describe()),
         )),
-        Command::List(args) => crate::operate::list(&keel, ns, args).await,
+        Command::List(args) => {
+            let (machine, first) = (args.machine.clone(), args.after.is_none());
+            let report = crate::operate::list(&keel, ns, args).await?;
+            let empty = report.json["instances"].as_array().is_none_or(Vec::is_empty);
+            unknown_if_empty(&keel, ns, Some(&machine), first && empty, report).await
+        }
         Command::Workers { stale_after } => crate::operate::workers(&keel, &stale_after).await,
         Command::Purge { machine, pending, dlq: _, confirm } => {
             crate::operate::purge(&keel, ns, &machine, pending, confirm).await
@@ -94,6 +97,34 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         | Command::Schedules { .. }
         | Command::Config(_) => {
             unreachable!("handled above")
+        }
+    }
+}
+
+/// The configuration file `--config` (or `KEEL_CONFIG`) names, read and checked the way
+/// a worker reads it ([`crate::config_cmd::load`]), for the commands that do not read it
+/// themselves. What `start` or `send` leaves unset takes the file's queue and priority, so
+/// for them it is returned (also when only `KEEL_QUEUE_*` overrides are set, as a worker
+/// applies them). The other commands take nothing from it, yet a file that is missing or
+/// does not load is still an error naming it: a user who named a file expects it to be
+/// the one in force, and a command that runs silently past a broken file hides a deploy
+/// that will fail. A file that loads is accepted, as `KEEL_CONFIG` is often set for a
+/// whole environment.
+fn settings(cli: &Cli) -> anyhow::Result<Option<keel_core::config::KeelConfig>> {
+    match cli.command {
+        Command::Health
+        | Command::Schedules { .. }
+        | Command::Config(_)
+        | Command::Serve { .. } => Ok(None),
+        Command::Start(_) | Command::Send { .. } => {
+            let (config, overrides) = crate::config_cmd::load(cli)?;
+            Ok((cli.config.is_some() || !overrides.is_empty()).then_some(config))
+        }
+        _ => {
+            if cli.config.is_some() {
+                crate::config_cmd::load(cli)?;
+            }
+            Ok(None)
         }
     }
 }
@@ -319,10 +350,33 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
     if !activity.is_empty() {
         let _ = write!(human, "\nLast hour\n{}", crate::operate::activity_table(&activity));
     }
-    Ok(Report::ok(
+    let empty = rows.is_empty() && activity.is_empty();
+    let report = Report::ok(
         json!({ "namespace": ns, "queues": rows, "paused_queues": paused, "machines": activity }),
         human,
-    ))
+    );
+    unknown_if_empty(keel, ns, machine, empty, report).await
+}
+
+/// Finishes the report of a listing filtered to `machine` (`list`, `status --machine`,
+/// `dlq list --machine`): an `empty` first page may be a misspelt machine, so when the
+/// store holds nothing of it the listing warns on stderr with the closest known name and
+/// its `--json` report says so ([`crate::operate::note_unknown_machine`]). A page with
+/// rows needs no look-up: `unknown_machine` is false. Without `machine` the report is
+/// left as it is.
+async fn unknown_if_empty(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    empty: bool,
+    mut report: Report,
+) -> anyhow::Result<Report> {
+    let Some(machine) = machine else { return Ok(report) };
+    if empty {
+        return crate::operate::note_unknown_machine(keel, ns, machine, report).await;
+    }
+    report.json["unknown_machine"] = false.into();
+    Ok(report)
 }
 
 async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
@@ -345,15 +399,28 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
     // Pausing a queue before anything runs in it is allowed; a typo looks the same, so
     // say so rather than let an operator believe the busy queue stopped.
     let known = !in_queue.is_empty();
+    let mut near = None;
     if !known {
+        // The closest queue that holds unfinished work or has settings (a pause).
+        let settings = keel.store().queue_list(ns.to_owned()).await?;
+        let names: std::collections::BTreeSet<&str> = stats
+            .iter()
+            .map(|s| s.queue.as_str())
+            .chain(settings.iter().map(|q| q.queue.as_str()))
+            .collect();
+        near = keel::settings::closest(queue, names).map(str::to_owned);
+        let check = match &near {
+            Some(n) => format!("check the name, did you mean `{n}`?"),
+            None => "check the name".to_owned(),
+        };
         let _ = write!(
             human,
-            "\nNote: no unfinished instance is in queue {queue:?} in namespace {ns:?}; check the name (`{}` lists the queues in use).",
+            "\nNote: no unfinished instance is in queue {queue:?} in namespace {ns:?}; {check} (`{}` lists the queues in use).",
             hint(ns, "status")
         );
     }
     Ok(Report::ok(
-        json!({ "namespace": ns, "queue": queue, "paused": paused, "pending": pending, "in_use": known }),
+        json!({ "namespace": ns, "queue": queue, "paused": paused, "pending": pending, "in_use": known, "did_you_mean": near }),
         human,
     ))
 }
@@ -711,7 +778,11 @@ async fn timers(keel: &Keel, ns: &str) -> anyhow::Result<Report> {
 async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Report> {
     match command {
         DlqCommand::List { machine, limit, after } => {
-            dead_letter_page(keel, ns, machine, limit, after.as_deref()).await
+            let first = after.is_none();
+            let report =
+                dead_letter_page(keel, ns, machine.clone(), limit, after.as_deref()).await?;
+            let empty = report.json["dead_letters"].as_array().is_none_or(Vec::is_empty);
+            unknown_if_empty(keel, ns, machine.as_deref(), first && empty, report).await
         }
         DlqCommand::Inspect { id } => {
             let d = letter_in(keel, ns, &id).await?;

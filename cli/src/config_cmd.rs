@@ -49,8 +49,12 @@ pub enum ConfigCommand {
 pub fn load(cli: &Cli) -> anyhow::Result<(KeelConfig, Vec<Effective>)> {
     let (text, name) = match &cli.config {
         Some(path) => (
-            std::fs::read_to_string(path)
-                .with_context(|| format!("--config: cannot read {}", path.display()))?,
+            std::fs::read_to_string(path).map_err(|e| {
+                anyhow::anyhow!(
+                    "--config: cannot read {}: {e}; fix the path given by --config or KEEL_CONFIG",
+                    path.display()
+                )
+            })?,
             path.display().to_string(),
         ),
         None => (String::new(), "(no file: defaults)".to_owned()),

@@ -58,7 +58,8 @@ pub struct Cli {
 
     /// The configuration file (TOML): `alerts` for `health` and `serve`'s `/health`, the
     /// queue and priority defaults of `start` and `send`, the schedules of `schedules` and
-    /// `serve`, everything for `config show`.
+    /// `serve`, everything for `config show`. Every other command takes nothing from it
+    /// but still refuses a file that is missing or does not load.
     #[arg(long, env = "KEEL_CONFIG", global = true)]
     pub config: Option<PathBuf>,
 

@@ -343,11 +343,7 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
     if args.limit == 0 || args.limit > INSTANCE_LIST_MAX {
         bail!("--limit: {} is out of range; give 1 to {INSTANCE_LIST_MAX}", args.limit);
     }
-    let status = args
-        .status
-        .as_deref()
-        .map(|s| s.parse::<Status>().map_err(|e| anyhow!("--status: {e}")))
-        .transpose()?;
+    let status = args.status.as_deref().map(parse_status).transpose()?;
     let before = args
         .after
         .as_deref()
@@ -408,8 +404,8 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
         if let Some(state) = &args.state {
             let _ = write!(more, " --state {}", shell_word(state));
         }
-        if let Some(status) = &args.status {
-            let _ = write!(more, " --status {}", shell_word(status));
+        if let Some(status) = status {
+            let _ = write!(more, " --status {status}");
         }
         if args.limit != LIST_PAGE_DEFAULT {
             let _ = write!(more, " --limit {}", args.limit);
@@ -420,6 +416,22 @@ pub async fn list(keel: &Keel, ns: &str, args: ListArgs) -> anyhow::Result<Repor
         json!({ "namespace": ns, "machine": args.machine, "instances": items, "next": next }),
         human,
     ))
+}
+
+/// Reads `--status`: one of the instance statuses ([`Status::ALL`]), case ignored. The
+/// error names the flag, the value, every accepted value and, when one is close
+/// (`keel_core::config::closest`), the one meant.
+pub fn parse_status(raw: &str) -> anyhow::Result<Status> {
+    let word = raw.trim();
+    if let Some(status) = Status::ALL.into_iter().find(|s| s.name().eq_ignore_ascii_case(word)) {
+        return Ok(status);
+    }
+    let names = Status::ALL.map(Status::name);
+    let near = match keel::settings::closest(word, names) {
+        Some(near) => format!(" (did you mean `{near}`?)"),
+        None => String::new(),
+    };
+    bail!("--status: unknown value {raw:?}{near}; accepted: {}", names.join(", "))
 }
 
 /// `keel history`: one page of `id`'s history, newest first, and the cursor to the next,

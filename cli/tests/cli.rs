@@ -978,6 +978,86 @@ fn a_bad_config_file_is_reported_before_an_unreachable_store() {
     assert!(err.contains("critical: the store cannot be reached"), "{err}");
 }
 
+/// Every command line a user can type, each one's own arguments.
+const EVERY_COMMAND: &[&[&str]] = &[
+    &["status"],
+    &["status", "--machine", "ticket"],
+    &["pause", "q"],
+    &["resume", "q"],
+    &["dlq", "list"],
+    &["dlq", "inspect", "dl1"],
+    &["dlq", "retry", "dl1"],
+    &["dlq", "retry", "--machine", "ticket", "--all"],
+    &["dlq", "delete", "dl1"],
+    &["dlq", "purge", "--older-than", "7d", "--confirm"],
+    &["inspect", "i1"],
+    &["history", "i1"],
+    &["start", "ticket"],
+    &["send", "i1", "PING"],
+    &["cancel", "i1"],
+    &["timers", "status"],
+    &["health"],
+    &["migrate"],
+    &["config", "show", "--machine", "ticket"],
+    &["config", "check"],
+    &["list", "ticket"],
+    &["workers"],
+    &["graph", "ticket", "--definitions", "/nonexistent/charts.json"],
+    &["purge", "ticket", "--pending", "--confirm"],
+    &["upgrade", "ticket", "--from", "1", "--to", "2", "--definitions", "/nonexistent/c.json"],
+    &["schedules"],
+    &["schedules", "pause", "nightly"],
+    &["schedules", "resume", "nightly"],
+    &["schedules", "forget", "--all"],
+    &["serve", "--listen", "127.0.0.1:0"],
+];
+
+/// `--config` (or `KEEL_CONFIG`) is checked by every command, also those that take
+/// nothing from the file: a path that names no file, or a file that does not load, is an
+/// error naming the path (before the store is opened and before any other file is read),
+/// never a command that runs as if no file had been given.
+#[test]
+fn every_command_refuses_a_config_file_that_is_missing_or_broken() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.toml").display().to_string();
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[queue]\ntimeout = \"soon\"\n").unwrap();
+    let broken = broken.display().to_string();
+    let b = Backend {
+        name: "unreachable",
+        url: "postgres://postgres@127.0.0.1:1/nothing".into(),
+        schema: "keel".into(),
+        _dir: None,
+    };
+    for command in EVERY_COMMAND {
+        for (file, needle) in [(&missing, "--config: cannot read"), (&broken, "timeout")] {
+            let mut args = vec!["--config", file.as_str()];
+            args.extend_from_slice(command);
+            let (_, err) = b.run(&args, 1);
+            assert!(err.contains(file.as_str()), "keel {args:?} names the file: {err}");
+            assert!(err.contains(needle), "keel {args:?}: {err}");
+            let body = b.json_code_of(&args, 1);
+            assert!(body["error"].as_str().unwrap().contains(file.as_str()), "{args:?}: {body}");
+        }
+        // The same file named by the variable.
+        let out = b.keel_cmd().env("KEEL_CONFIG", &missing).args(*command).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "KEEL_CONFIG keel {command:?}: {err}");
+        assert!(err.contains(&missing) && err.contains("KEEL_CONFIG"), "{command:?}: {err}");
+    }
+    // A file that loads is accepted by a command that takes nothing from it.
+    for b in backends("every_command_refuses_a_config_file_that_is_missing_or_broken") {
+        let good = dir.path().join(format!("good-{}.toml", b.name));
+        std::fs::write(&good, "[queue]\ntimeout = \"30 seconds\"\n").unwrap();
+        let good = good.display().to_string();
+        b.run(&["--config", &good, "migrate"], 0);
+        b.run(&["--config", &good, "start", "ticket"], 0);
+        let listed = b.json(&["--config", &good, "list", "ticket"]);
+        assert_eq!(listed["instances"].as_array().unwrap().len(), 1, "{}: {listed}", b.name);
+        assert_eq!(b.json(&["--config", &good, "status"])["queues"][0]["ready"], 1);
+    }
+}
+
 /// `keel config check` holds the file's machine and queue sections against the machines
 /// and queues the store knows in the namespace, with the rule a worker warns by: a likely
 /// misspelling is a warning naming the section and the closest name, a section of a

@@ -246,6 +246,66 @@ async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_lette
     }
 }
 
+/// A listing filter given a name that matches nothing says what was probably meant:
+/// `--status` names the flag, the value, every status and the close one (case is
+/// ignored); a machine (`list`, `status --machine`, `dlq list --machine`) or queue
+/// (`pause`, `resume`) the store holds nothing of is still answered, with the closest
+/// known name on stderr and in `--json`.
+#[test]
+fn listing_filters_name_what_a_misspelt_value_meant() {
+    const STATUSES: &str = "accepted: runnable, executing, awaiting_signal, \
+                            awaiting_children, suspended, done, failed, cancelled";
+    for b in backends("listing_filters_name_what_a_misspelt_value_meant") {
+        b.run(&["migrate"], 0);
+        b.run(&["start", "ticket", "--queue", "billing"], 0);
+
+        let (_, err) = b.run(&["list", "ticket", "--status", "runnabel"], 1);
+        let meant = r#"--status: unknown value "runnabel" (did you mean `runnable`?)"#;
+        assert!(err.contains(meant) && err.contains(STATUSES), "{}: {err}", b.name);
+        let body = b.json_code(&["list", "ticket", "--status", "awaiting-signal"], 1);
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains("did you mean `awaiting_signal`?"), "{}: {body}", b.name);
+        // Nothing close: every status is still named.
+        let (_, err) = b.run(&["list", "ticket", "--status", "sleeping"], 1);
+        assert!(err.contains(STATUSES) && !err.contains("did you mean"), "{err}");
+        assert_eq!(ids(&b.json(&["list", "ticket", "--status", "RUNNABLE"])).len(), 1);
+
+        for args in [
+            &["list", "tickt"][..],
+            &["status", "--machine", "tickt"],
+            &["dlq", "list", "--machine", "tickt"],
+        ] {
+            let (_, err) = b.run(args, 0);
+            assert!(
+                err.contains(r#"holds nothing of machine "tickt""#)
+                    && err.contains("did you mean `ticket`?"),
+                "{}: keel {args:?}: {err}",
+                b.name
+            );
+            let body = b.json(args);
+            assert_eq!(body["unknown_machine"], true, "{}: keel {args:?}: {body}", b.name);
+            assert_eq!(body["did_you_mean"], "ticket", "{}: keel {args:?}: {body}", b.name);
+        }
+        // A known machine with nothing to list is not a typo.
+        for args in [
+            &["list", "ticket"][..],
+            &["list", "ticket", "--status", "done"],
+            &["status", "--machine", "ticket"],
+            &["dlq", "list", "--machine", "ticket"],
+        ] {
+            let (_, err) = b.run(args, 0);
+            assert!(!err.contains("warning"), "{}: keel {args:?}: {err}", b.name);
+            assert_eq!(b.json(args)["unknown_machine"], false, "{}: keel {args:?}", b.name);
+        }
+
+        let (out, _) = b.run(&["pause", "biling"], 0);
+        assert!(out.contains("did you mean `billing`?"), "{}: {out}", b.name);
+        assert_eq!(b.json(&["resume", "biling"])["did_you_mean"], "billing");
+        assert_eq!(b.json(&["pause", "billing"])["did_you_mean"], Value::Null);
+        b.run(&["resume", "billing"], 0);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_activity_and_health_thresholds_come_from_stored_rows() {
     for b in backends("workers_activity_and_health_thresholds") {
