@@ -327,6 +327,9 @@ pub struct Schedule {
     cron: Cron,
     zone_name: String,
     zone: TimeZone,
+    /// The pattern names its hours (not every hour): its ticks keep to the wall clock
+    /// across daylight-saving changes (see [`Schedule::next_after`]).
+    wall_clock: bool,
     action: ScheduleAction,
     missed: MissedTicks,
     paused: bool,
@@ -451,6 +454,7 @@ impl Schedule {
             cron: parsed,
             zone_name: time_zone.to_owned(),
             zone,
+            wall_clock: names_its_hours(cron),
             action,
             missed: MissedTicks::Skip,
             paused: false,
@@ -529,17 +533,140 @@ impl Schedule {
 
     /// The first tick strictly after `t`; `None` when the pattern never matches again
     /// within the search bound of the cron library (a few years).
+    ///
+    /// A pattern that names its hours (`"30 2 * * *"`, `"15,45 2 * * *"`, `"0 9-17 * * *"`)
+    /// keeps to the wall clock when the time zone changes to or from daylight-saving time,
+    /// as cron does: each time it names fires once a day. In the hour the clocks skip,
+    /// the times it names there fire once, at the change; in the hour the clocks repeat,
+    /// they fire in its first pass only. A pattern that runs every hour (`"*/10 * * * *"`)
+    /// follows real time: it fires in both passes of a repeated hour, and not at all in a
+    /// skipped one.
     pub fn next_after(&self, t: Timestamp) -> Option<Timestamp> {
-        let zoned = self.zoned(t)?;
-        let next = self.cron.find_next_occurrence(&zoned, false).ok()?;
-        Some(Timestamp::from_millis(next.timestamp().as_millisecond()))
+        let mut from = self.zoned(t)?;
+        let mut inclusive = false;
+        let mut next = None;
+        // Each skip jumps past a whole repeated hour, and such hours are months apart.
+        for _ in 0..REPEATED_SKIPS_MAX {
+            let tick = self.search(&from, inclusive, true)?;
+            let Some((_, end)) = self.repeated_pass(tick) else {
+                next = Some(tick);
+                break;
+            };
+            (from, inclusive) = (end.to_zoned(self.zone.clone()), true);
+        }
+        let next = next?;
+        let after = jiff::Timestamp::from_millisecond(t.as_millis()).ok()?;
+        let skipped = self
+            .zone
+            .following(after)
+            .take_while(|change| change.timestamp() < next)
+            .take(CHANGES_SEARCHED_MAX)
+            .map(|change| change.timestamp())
+            .find(|&change| self.names_a_skipped_time(change));
+        Some(millis(skipped.unwrap_or(next)))
     }
 
-    /// The latest tick at or before `t`.
+    /// The latest tick at or before `t`: the same ticks as [`Schedule::next_after`] gives.
     pub fn latest_at_or_before(&self, t: Timestamp) -> Option<Timestamp> {
-        let zoned = self.zoned(t)?;
-        let previous = self.cron.find_previous_occurrence(&zoned, true).ok()?;
-        Some(Timestamp::from_millis(previous.timestamp().as_millisecond()))
+        let mut from = self.zoned(t)?;
+        let mut latest = None;
+        for _ in 0..REPEATED_SKIPS_MAX {
+            let tick = self.search(&from, true, false)?;
+            let Some((start, _)) = self.repeated_pass(tick) else {
+                latest = Some(tick);
+                break;
+            };
+            let before = start.checked_sub(jiff::SignedDuration::from_nanos(1)).ok()?;
+            from = before.to_zoned(self.zone.clone());
+        }
+        let latest = latest?;
+        let at = jiff::Timestamp::from_millisecond(t.as_millis()).ok()?;
+        // Changes strictly before `at + 1 ns`: at or before `at`.
+        let upto = at.checked_add(jiff::SignedDuration::from_nanos(1)).ok()?;
+        let skipped = self
+            .zone
+            .preceding(upto)
+            .take_while(|change| change.timestamp() > latest)
+            .take(CHANGES_SEARCHED_MAX)
+            .map(|change| change.timestamp())
+            .find(|&change| self.names_a_skipped_time(change));
+        Some(millis(skipped.unwrap_or(latest)))
+    }
+
+    /// The cron library's next (`forward`) or previous tick from `from`. A wall time the
+    /// clocks repeat stands for two instants, and the library may answer the one on the
+    /// wrong side of `from`; the other one is then the answer.
+    fn search(
+        &self,
+        from: &jiff::Zoned,
+        inclusive: bool,
+        forward: bool,
+    ) -> Option<jiff::Timestamp> {
+        let found = if forward {
+            self.cron.find_next_occurrence(from, inclusive).ok()?
+        } else {
+            self.cron.find_previous_occurrence(from, inclusive).ok()?
+        };
+        let (start, tick) = (from.timestamp(), found.timestamp());
+        let beyond = |t: jiff::Timestamp| match (forward, inclusive) {
+            (true, true) => t < start,
+            (true, false) => t <= start,
+            (false, true) => t > start,
+            (false, false) => t >= start,
+        };
+        if !beyond(tick) {
+            return Some(tick);
+        }
+        let both = self.zone.to_ambiguous_zoned(found.datetime());
+        let other = if forward { both.later() } else { both.earlier() }.ok()?.timestamp();
+        (!beyond(other)).then_some(other)
+    }
+
+    /// When `tick` lies in the second pass of an hour the clocks repeat and the pattern
+    /// keeps to the wall clock: that pass's start and end (a tick there fired already in
+    /// the first pass).
+    fn repeated_pass(&self, tick: jiff::Timestamp) -> Option<(jiff::Timestamp, jiff::Timestamp)> {
+        if !self.wall_clock {
+            return None;
+        }
+        let upto = tick.checked_add(jiff::SignedDuration::from_nanos(1)).ok()?;
+        let change = self.zone.preceding(upto).next()?.timestamp();
+        let (before, after) = self.offsets_around(change)?;
+        let repeated = before.seconds() - after.seconds();
+        if repeated <= 0 {
+            return None;
+        }
+        let end = change.checked_add(jiff::SignedDuration::from_secs(i64::from(repeated))).ok()?;
+        (tick < end).then_some((change, end))
+    }
+
+    /// Whether the clocks skip forward at `change` and the pattern, keeping to the wall
+    /// clock, names a time they skip: that time fires once, at the change.
+    fn names_a_skipped_time(&self, change: jiff::Timestamp) -> bool {
+        if !self.wall_clock {
+            return false;
+        }
+        let Some((before, after)) = self.offsets_around(change) else { return false };
+        let skipped = after.seconds() - before.seconds();
+        if skipped <= 0 {
+            return false;
+        }
+        // The skipped wall times, read as plain times (in UTC, which skips none).
+        let first = before.to_datetime(change);
+        let Ok(end) = first.checked_add(jiff::SignedDuration::from_secs(i64::from(skipped))) else {
+            return false;
+        };
+        let Ok(first) = first.to_zoned(TimeZone::UTC) else { return false };
+        self.cron.find_next_occurrence(&first, true).is_ok_and(|named| named.datetime() < end)
+    }
+
+    /// The zone's offsets just before and at `change`.
+    fn offsets_around(
+        &self,
+        change: jiff::Timestamp,
+    ) -> Option<(jiff::tz::Offset, jiff::tz::Offset)> {
+        let before = change.checked_sub(jiff::SignedDuration::from_nanos(1)).ok()?;
+        Some((self.zone.to_offset(before), self.zone.to_offset(change)))
     }
 
     /// The one rule of a schedule runner's poll. `passed` is the time up to which this
@@ -649,6 +776,31 @@ impl Schedule {
         let ts = jiff::Timestamp::from_millisecond(t.as_millis()).ok()?;
         Some(ts.to_zoned(self.zone.clone()))
     }
+}
+
+/// Most repeated-hour passes one tick search skips in a row. Clock changes come months
+/// apart, so one is the most a search meets; the bound only keeps the loop finite.
+const REPEATED_SKIPS_MAX: usize = 4;
+
+/// Most clock changes searched between two ticks of the cron pattern for a skipped time
+/// it names; a pattern that fires at least once a year meets two at most.
+const CHANGES_SEARCHED_MAX: usize = 16;
+
+fn millis(t: jiff::Timestamp) -> Timestamp {
+    Timestamp::from_millis(t.as_millisecond())
+}
+
+/// Whether a cron pattern names its hours, rather than running every hour: five fields
+/// (minute first) or six (seconds first) whose hour field is not `*`, or a nickname other
+/// than `@hourly`.
+fn names_its_hours(cron: &str) -> bool {
+    let fields: Vec<&str> = cron.split_whitespace().collect();
+    let hour = match fields.len() {
+        5 => fields[1],
+        6 => fields[2],
+        _ => return !cron.trim().eq_ignore_ascii_case("@hourly"),
+    };
+    !matches!(hour, "*" | "*/1" | "?")
 }
 
 /// The time no tick at or before may fire: the later of a stored resume's time and the
@@ -1028,6 +1180,131 @@ mod tests {
         // 2026-07-01T00:00:00Z, summer: UTC+2, so 02:00 in Paris is midnight UTC.
         let july = 1_782_864_000_000;
         assert_eq!(paris.next_after(ts(july - 1)), Some(ts(july)));
+    }
+
+    /// The ticks of `cron` in `zone` from `from` (exclusive) up to `until`, as UTC times
+    /// (`2026-03-29T01:00:00Z`), checking on the way that the latest tick at or before
+    /// each tick is that tick, and just before it the tick before.
+    fn ticks(cron: &str, zone: &str, from: &str, until: &str) -> Vec<String> {
+        let new = NewInstance::new(MachineRef::new("report", 1), "@init");
+        let s = Schedule::new("d", cron, zone, ScheduleAction::Start(new)).unwrap();
+        let at = |text: &str| ts(text.parse::<jiff::Timestamp>().unwrap().as_millisecond());
+        let (mut t, until) = (at(from), at(until));
+        let mut out = Vec::new();
+        while let Some(next) = s.next_after(t).filter(|next| *next <= until) {
+            assert_eq!(s.latest_at_or_before(next), Some(next), "{cron} in {zone}");
+            if !out.is_empty() {
+                let before = s.latest_at_or_before(Timestamp(next.0 - 1));
+                assert_eq!(before, Some(t), "{cron} in {zone}: the tick before {next:?}");
+            }
+            out.push(jiff::Timestamp::from_millisecond(next.0).unwrap().to_string());
+            t = next;
+            assert!(out.len() < 5_000, "{cron}: runaway");
+        }
+        out
+    }
+
+    #[test]
+    fn named_hours_keep_to_the_wall_clock_across_daylight_saving_changes() {
+        // Paris, 2026: 02:00-03:00 is skipped on 29 March (01:00Z) and repeated on
+        // 25 October (first pass 00:00-01:00Z, second 01:00-02:00Z).
+        let (spring, fall) = (
+            ("2026-03-28T12:00Z", "2026-03-30T12:00Z"),
+            ("2026-10-24T12:00Z", "2026-10-26T12:00Z"),
+        );
+        let paris =
+            |cron: &str, (from, until): (&str, &str)| ticks(cron, "Europe/Paris", from, until);
+        // One time a night: in the skipped hour, at the change; in the repeated one, once.
+        assert_eq!(paris("30 2 * * *", spring), ["2026-03-29T01:00:00Z", "2026-03-30T00:30:00Z"]);
+        assert_eq!(paris("30 2 * * *", fall), ["2026-10-25T00:30:00Z", "2026-10-26T01:30:00Z"]);
+        // A list in the skipped hour fires once at the change (the cron library alone
+        // fired none that night), and each time in the repeated hour once (it fired each
+        // twice).
+        assert_eq!(
+            paris("15,45 2 * * *", spring),
+            ["2026-03-29T01:00:00Z", "2026-03-30T00:15:00Z", "2026-03-30T00:45:00Z"]
+        );
+        assert_eq!(
+            paris("15,45 2 * * *", fall),
+            [
+                "2026-10-25T00:15:00Z",
+                "2026-10-25T00:45:00Z",
+                "2026-10-26T01:15:00Z",
+                "2026-10-26T01:45:00Z"
+            ]
+        );
+        // A range over the change: 01:30, then 02:30 (skipped) at the change, 03:30.
+        assert_eq!(
+            paris("30 1-3 * * *", ("2026-03-28T23:00Z", "2026-03-29T12:00Z")),
+            ["2026-03-29T00:30:00Z", "2026-03-29T01:00:00Z", "2026-03-29T01:30:00Z"]
+        );
+        assert_eq!(
+            paris("30 1-3 * * *", ("2026-10-24T22:00Z", "2026-10-25T12:00Z")),
+            ["2026-10-24T23:30:00Z", "2026-10-25T00:30:00Z", "2026-10-25T02:30:00Z"]
+        );
+        assert_eq!(
+            paris("*/20 2 * * *", ("2026-10-24T22:00Z", "2026-10-25T12:00Z")),
+            ["2026-10-25T00:00:00Z", "2026-10-25T00:20:00Z", "2026-10-25T00:40:00Z"]
+        );
+        // Every hour follows real time: both passes of the repeated hour, none skipped.
+        assert_eq!(
+            paris("30 * * * *", ("2026-10-24T23:00Z", "2026-10-25T03:00Z")),
+            [
+                "2026-10-24T23:30:00Z",
+                "2026-10-25T00:30:00Z",
+                "2026-10-25T01:30:00Z",
+                "2026-10-25T02:30:00Z"
+            ]
+        );
+        assert_eq!(
+            paris("30 * * * *", ("2026-03-28T23:00Z", "2026-03-29T03:00Z")),
+            [
+                "2026-03-28T23:30:00Z",
+                "2026-03-29T00:30:00Z",
+                "2026-03-29T01:30:00Z",
+                "2026-03-29T02:30:00Z"
+            ]
+        );
+        // Seconds too: every second of the repeated 02:00 minute fires once.
+        let seconds = paris("* 0 2 * * *", ("2026-10-24T22:00Z", "2026-10-25T12:00Z"));
+        assert_eq!((seconds.len(), seconds[0].as_str()), (60, "2026-10-25T00:00:00Z"));
+    }
+
+    #[test]
+    fn a_year_of_wall_clock_ticks_names_each_time_once_a_day_in_zones_that_change() {
+        // New York's changes come at 02:00 too; Lord Howe moves its clocks by half an
+        // hour; Sydney is south, changing in April and October; UTC never changes.
+        for zone in ["America/New_York", "Australia/Lord_Howe", "Australia/Sydney", "UTC"] {
+            for (cron, per_day) in [("30 2 * * *", 1), ("15,45 2 * * *", 2), ("0 1-3 * * *", 3)] {
+                let all = ticks(cron, zone, "2026-01-01T00:00Z", "2027-01-01T00:00Z");
+                let tz = TimeZone::get(zone).unwrap();
+                let mut per_date = std::collections::BTreeMap::<jiff::civil::Date, usize>::new();
+                for tick in &all {
+                    let local = tick.parse::<jiff::Timestamp>().unwrap().to_zoned(tz.clone());
+                    *per_date.entry(local.date()).or_default() += 1;
+                }
+                assert!(per_date.len() >= 364, "{cron} in {zone}: {} dates", per_date.len());
+                // The nights the clocks skip forward: the skipped times a pattern names
+                // there fire once between them, at the change.
+                let start = "2026-01-01T00:00Z".parse::<jiff::Timestamp>().unwrap();
+                let skip_nights: Vec<jiff::civil::Date> = tz
+                    .following(start)
+                    .take_while(|c| c.timestamp().as_second() < 1_798_761_600)
+                    .filter(|c| {
+                        let before = c.timestamp() - jiff::SignedDuration::from_nanos(1);
+                        tz.to_offset(before) < c.offset()
+                    })
+                    .map(|c| c.timestamp().to_zoned(tz.clone()).date())
+                    .collect();
+                for (date, n) in &per_date {
+                    if skip_nights.contains(date) {
+                        assert!((1..=per_day).contains(n), "{cron} in {zone} on {date}: {n}");
+                    } else {
+                        assert_eq!(*n, per_day, "{cron} in {zone} on {date}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
