@@ -2591,9 +2591,16 @@ async fn reap_loop<S: Store, C: Clock>(
         // while the store is down it is also how the reaper learns it is back.
         if hold.probing() || last_beat.is_none_or(|at| at.elapsed() >= WORKER_BEAT_INTERVAL) {
             last_beat = Some(Instant::now());
+            let probing = hold.probing();
             match beat(&inner).await {
                 Err(e) if e.is_retryable() => hold.unreachable(),
-                Ok(()) | Err(_) => hold.answered(inner.clock.now(), inner.config.lease),
+                Ok(()) | Err(_) => {
+                    hold.answered(inner.clock.now(), inner.config.lease);
+                    // The store answers again: the reaper works, it only holds off.
+                    if probing {
+                        inner.loop_ok(WorkerLoop::Reaper);
+                    }
+                }
             }
         }
         tokio::select! {
