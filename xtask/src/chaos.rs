@@ -10,7 +10,8 @@
 //! random points 20 times. Then faults stop, the workers drain the work (bounded), and the
 //! checker counts, from the database and the workers' side log of handler executions:
 //! instances not terminal, step commits applied twice, handler executions per committed
-//! step, leases left, inbox rows of terminal instances, timers fired early or twice, and
+//! step, leases left, leases the reaper took from parents, inbox rows of terminal
+//! instances, timers fired early or twice, and
 //! `@done` per parent. Any lost or hung instance, duplicate commit or duplicate `@done`
 //! fails the run. The verdict is printed and written as JSON under `target/chaos/`; each
 //! worker process's stderr is kept beside its side log (`stderr-<id>-<n>.log` in the run
@@ -226,6 +227,8 @@ struct Tally {
     executions: u64,
     max_executions_of_one_step: u64,
     leases_left: u64,
+    leases_expired: u64,
+    most_leases_expired_of_one_parent: u64,
     terminal_inbox_rows: u64,
     timers_fired: u64,
     timers_early: u64,
@@ -257,6 +260,8 @@ impl Tally {
             "executions_per_commit": ratio(self.executions, self.commits),
             "max_executions_of_one_step": self.max_executions_of_one_step,
             "leases_left": self.leases_left,
+            "parent_leases_expired": self.leases_expired,
+            "most_leases_expired_of_one_parent": self.most_leases_expired_of_one_parent,
             "terminal_inbox_rows": self.terminal_inbox_rows,
             "timers_fired": self.timers_fired,
             "timers_fired_early": self.timers_early,
@@ -307,6 +312,10 @@ async fn check<S: Store>(store: &S, parents: &[InstanceId], log_dir: &Path) -> R
         }
         let kinds =
             |k: HistoryKind| d.history.iter().filter(|h| k.is(&h.entry.kind)).count() as u64;
+        // Leases the reaper took from a parent: its worker died, or lost the store.
+        let expired = kinds(HistoryKind::LeaseExpired);
+        t.leases_expired += expired;
+        t.most_leases_expired_of_one_parent = t.most_leases_expired_of_one_parent.max(expired);
         let (next, sched, done) = (
             kinds(HistoryKind::StepNext),
             kinds(HistoryKind::StepScheduleChildren),
@@ -557,7 +566,7 @@ pub fn main(root: &Path, args: &[String]) -> Result<()> {
 }
 
 fn print_table(t: &Tally, report: &Value) {
-    let rows: [(&str, String, bool); 15] = [
+    let rows: [(&str, String, bool); 16] = [
         ("instances (parents + children)", t.instances.to_string(), false),
         ("not terminal (lost or hung)", t.not_terminal.to_string(), t.not_terminal > 0),
         ("step commits applied twice", t.duplicate_commits.to_string(), t.duplicate_commits > 0),
@@ -578,6 +587,11 @@ fn print_table(t: &Tally, report: &Value) {
         ("executions per commit", format!("{:.3}", ratio(t.executions, t.commits)), false),
         ("most executions of one step", t.max_executions_of_one_step.to_string(), false),
         ("leases left", t.leases_left.to_string(), false),
+        (
+            "parent leases expired / most of one",
+            format!("{} / {}", t.leases_expired, t.most_leases_expired_of_one_parent),
+            false,
+        ),
         ("inbox rows of terminal instances", t.terminal_inbox_rows.to_string(), false),
         (
             "timers fired / early / twice",
