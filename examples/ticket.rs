@@ -6,7 +6,11 @@ use keel::{ChartMachine, Definition, Keel, NewSignal, Timer, json};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("KEEL_DATABASE_URL").unwrap_or_else(|_| "sqlite://ticket.db".into());
+    // Unset or empty: the SQLite file (an empty URL would name no store at all).
+    let url = std::env::var("KEEL_DATABASE_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+        .unwrap_or_else(|| "sqlite://ticket.db".into());
     let keel = Keel::connect(&url).await?;
     let chart = Definition::builder("ticket", 1)
         .guard("assigned", |ctx, _| ctx.get("assignee").is_some_and(keel::Value::is_string))

@@ -206,7 +206,9 @@ pub mod layers {
 /// use keel::queue::HintConfig;
 /// use std::sync::Arc;
 ///
-/// let hints = RedisQueue::connect(RedisQueueConfig::new("redis://127.0.0.1:6379", "orders")).await?;
+/// // `connect_lazy` gives the queue even while Redis is down (its calls fail until it is
+/// // back, and the worker polls meanwhile); `connect` fails at once instead.
+/// let hints = RedisQueue::connect_lazy(RedisQueueConfig::new("redis://127.0.0.1:6379", "orders")).await?;
 /// let keel = keel::Keel::connect("postgres://app@db/app").await?
 ///     .with_queue(Arc::new(hints), HintConfig::default())?;
 /// # Ok(()) }
