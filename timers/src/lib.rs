@@ -116,8 +116,9 @@ pub struct SweepGroup {
 /// How the sweeper runs.
 ///
 /// The default — one group of every machine, a one-minute fallback cadence — fires a due
-/// timer within about a second of its due time (see the crate docs for the precision and
-/// its exceptions); a shorter cadence only shortens the wait when wake-ups are lost.
+/// timer within about [`SWEEP_GAP`] (100 ms) plus one sweep's duration of its due time
+/// (see the crate docs for the precision and its exceptions); a shorter cadence only
+/// shortens the wait when wake-ups are lost.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweepConfig {
     /// Only this namespace (`None` = all).
