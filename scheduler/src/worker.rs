@@ -469,11 +469,20 @@ struct Inner<S, C> {
     /// Leases of results the store could not take while it was unreachable, given back
     /// by the heartbeat once it answers (at most [`GIVE_BACK_MAX`]).
     give_back: Mutex<Vec<(InstanceId, FencingToken)>>,
+    /// Per instance, the results given back in a row without one committing (at most
+    /// [`GIVE_BACK_MAX`] instances; past it the counts start over).
+    given_back: Mutex<HashMap<InstanceId, u32>>,
 }
 
 /// Most leases a worker keeps to give back after an outage; past it the oldest are left
 /// to expire (each then counts an attempt its step did not fail).
 const GIVE_BACK_MAX: usize = 100_000;
+
+/// Most results of one instance given back in a row. A commit that fails as unavailable
+/// every time while the store answers everything else (a statement that always times
+/// out) is no outage: after this many its lease is left to expire, so the attempts count
+/// and the retry policy ends the loop.
+const GIVE_BACKS_IN_A_ROW_MAX: u32 = 3;
 
 /// Most distinct (machine, step, event) a worker warns about for file settings that do not
 /// resolve on a step's own settings; past it, such steps are only counted.
@@ -523,13 +532,36 @@ impl<S, C: Clock> Inner<S, C> {
     }
 
     /// Keeps the lease of a result the store could not take, to give back once it
-    /// answers again ([`give_back_leases`]).
-    fn give_back(&self, id: InstanceId, token: FencingToken) {
+    /// answers again ([`give_back_leases`]); `false` when the instance's results were
+    /// given back [`GIVE_BACKS_IN_A_ROW_MAX`] times in a row already, and its lease is
+    /// left to expire.
+    fn give_back(&self, id: InstanceId, token: FencingToken) -> bool {
+        {
+            let mut counts =
+                self.given_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if counts.len() >= GIVE_BACK_MAX && !counts.contains_key(&id) {
+                counts.clear();
+            }
+            let count = counts.entry(id).or_default();
+            if *count >= GIVE_BACKS_IN_A_ROW_MAX {
+                return false;
+            }
+            *count += 1;
+        }
         let mut leases = self.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if leases.len() >= GIVE_BACK_MAX {
             leases.remove(0);
         }
         leases.push((id, token));
+        true
+    }
+
+    /// A result of `id` committed: its give-backs in a row start over.
+    fn committed(&self, id: InstanceId) {
+        let mut counts = self.given_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !counts.is_empty() {
+            counts.remove(&id);
+        }
     }
 
     /// Records and logs a failed iteration of `which`; returns how long the loop waits
@@ -787,6 +819,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             hints: self.hints,
             unresolved: Mutex::default(),
             give_back: Mutex::default(),
+            given_back: Mutex::default(),
         });
         let join = tokio::spawn(run(inner, shutdown_rx, pruner));
         Ok(WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned })
@@ -2262,6 +2295,7 @@ fn settle<S: Store, C: Clock>(
     let labels = [("machine", f.machine.clone())];
     match result {
         Some(Ok(_)) => {
+            inner.committed(f.commit.id);
             inner.stats.committed.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("keel_queue_completed_total", &labels).increment(1);
             if failed {
@@ -2281,9 +2315,13 @@ fn settle<S: Store, C: Clock>(
             }
             RefusedCommit::Retry => {
                 // The worker lives: the step's lease is given back, not left to expire,
-                // so the step runs again without counting an attempt it did not fail.
-                tracing::warn!(instance = %f.commit.id, error = %e, "commit failed; the lease is given back once the store answers, and the step re-run");
-                inner.give_back(f.commit.id, f.origin.claim.token());
+                // so the step runs again without counting an attempt it did not fail
+                // (the committer has said why, once for the group).
+                if inner.give_back(f.commit.id, f.origin.claim.token()) {
+                    tracing::debug!(instance = %f.commit.id, error = %e, "commit failed; the lease is given back once the store answers, and the step re-run");
+                } else {
+                    tracing::warn!(instance = %f.commit.id, error = %e, "commit failed as unavailable {GIVE_BACKS_IN_A_ROW_MAX} times in a row while the store answered; the lease is left to expire and the attempt counts");
+                }
                 None
             }
             RefusedCommit::Fail(_) => Some(e),
@@ -2481,11 +2519,15 @@ async fn heartbeat_loop<S: Store, C: Clock>(
             .filter(|(_, f)| !f.lost)
             .map(|(id, f)| (*id, f.token))
             .collect();
-        let mut failure = give_back_leases(&inner).await.err();
+        let mut failure = None;
         for chunk in leases.chunks(limits::COMMIT_BATCH_MAX) {
             if let Err(e) = heartbeat(&inner, chunk).await {
                 failure = Some(e);
             }
+        }
+        // After the running steps' leases, which are the ones running out.
+        if let Err(e) = give_back_leases(&inner).await {
+            failure = Some(e);
         }
         pause = match failure {
             None => {
@@ -2541,8 +2583,8 @@ async fn heartbeat<S: Store, C: Clock>(
 /// a bounded page at a time: each step runs again at once, counting no attempt, rather
 /// than waiting for its lease to expire and counting one it did not fail. Leases the
 /// store no longer counts as this worker's (the result landed after all, or a reaper took
-/// the lease) are skipped by the store. On failure the leases not given back are kept
-/// for the next try.
+/// the lease) are skipped by the store. While the store is unavailable the leases not
+/// given back are kept for the next try; a page it refuses is left to expire.
 async fn give_back_leases<S: Store, C: Clock>(inner: &Inner<S, C>) -> StoreResult<()> {
     let take = || {
         let mut leases = inner.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -2563,7 +2605,8 @@ async fn give_back_leases<S: Store, C: Clock>(inner: &Inner<S, C>) -> StoreResul
                     );
                 }
             }
-            Err(e) => {
+            // The store is still out of reach: keep the rest for the next try.
+            Err(e) if e.is_retryable() => {
                 let mut leases =
                     inner.give_back.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 let rest = chunk.iter().chain(chunks.by_ref().flatten()).copied();
@@ -2571,6 +2614,10 @@ async fn give_back_leases<S: Store, C: Clock>(inner: &Inner<S, C>) -> StoreResul
                 let over = kept.len().saturating_sub(GIVE_BACK_MAX);
                 leases.extend(kept.into_iter().skip(over));
                 return Err(e);
+            }
+            // Refused: it would be refused every time, so this page is left to expire.
+            Err(e) => {
+                tracing::warn!(error = %e, leases = chunk.len(), "the store refused to take back leases; they expire instead");
             }
         }
     }
@@ -2587,25 +2634,24 @@ async fn reap_loop<S: Store, C: Clock>(
     // any is reaped (see `ReapHold`).
     let mut hold = ReapHold::default();
     loop {
-        // The registry beat rides on the reaper's cadence, at most once per interval;
-        // while the store is down it is also how the reaper learns it is back.
-        if hold.probing() || last_beat.is_none_or(|at| at.elapsed() >= WORKER_BEAT_INTERVAL) {
+        // The registry beat rides on the reaper's cadence, at most once per interval.
+        if last_beat.is_none_or(|at| at.elapsed() >= WORKER_BEAT_INTERVAL) {
             last_beat = Some(Instant::now());
-            let probing = hold.probing();
-            match beat(&inner).await {
-                Err(e) if e.is_retryable() => hold.unreachable(),
-                Ok(()) | Err(_) => {
-                    hold.answered(inner.clock.now(), inner.config.lease);
-                    // The store answers again: the reaper works, it only holds off.
-                    if probing {
-                        inner.loop_ok(WorkerLoop::Reaper);
-                    }
-                }
-            }
+            let _ = beat(&inner).await;
         }
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
+        }
+        if hold.probing() {
+            // Down: a beat (which takes no lease) tells when the store is back.
+            last_beat = Some(Instant::now());
+            if answers(&beat(&inner).await) {
+                hold.answered(inner.clock.now(), inner.config.lease);
+                // The reaper works; it only holds off.
+                inner.loop_ok(WorkerLoop::Reaper);
+            }
+            continue;
         }
         if !hold.may_reap(inner.clock.now()) {
             continue;
@@ -2616,13 +2662,21 @@ async fn reap_loop<S: Store, C: Clock>(
                 inner.config.reap_interval
             }
             Err(e) => {
-                if e.is_retryable() {
+                // The store out of reach, or only the reap failing? A store that answers
+                // the beat is up: the reap failed on its own, and no hold starts.
+                if e.is_retryable() && !answers(&beat(&inner).await) {
                     hold.unreachable();
                 }
                 inner.loop_failed(WorkerLoop::Reaper, &e).max(inner.config.reap_interval)
             }
         };
     }
+}
+
+/// Whether the store answered a call (with a result or a refusal), rather than being
+/// out of reach.
+fn answers<T>(result: &StoreResult<T>) -> bool {
+    !matches!(result, Err(e) if e.is_retryable())
 }
 
 /// Records this worker in the store's worker registry (what `keel workers` lists). A

@@ -755,6 +755,30 @@ async fn a_group_commit_gives_up_right_after_its_last_try() {
     assert_eq!(row.attempt, 0, "a run the store could not record counts no attempt: {row:?}");
 }
 
+/// A commit that fails as unavailable every time while the store answers everything else
+/// is no outage: the step's lease is given back three times in a row, then left to
+/// expire, so the reaper counts the attempt and the retry policy can end the loop.
+#[tokio::test]
+async fn a_commit_that_always_fails_is_given_back_three_times_then_counts_attempts() {
+    let hooks = StoreHooks { commits_unavailable: true, ..StoreHooks::default() };
+    let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
+    let worker = h.worker(h.config(), steps(|_| done()));
+    let id = h.start(new()).await;
+    // Four runs of five tries each: three given back, the fourth left to its lease.
+    let four = || h.store.calls("step_commit") >= 20;
+    assert!(within(Duration::from_secs(10), four).await, "the step did not run four times");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.store.calls("step_commit"), 20, "a fifth run came without the lease expiring");
+    assert_eq!(h.status(id).await, Status::Executing, "the fourth lease is left to expire");
+    // Past the lease the reaper takes it, counting the attempt.
+    h.clock.advance(Duration::from_secs(31));
+    let row = h.wait(id, "the reaped lease", |r| r.attempt == 1).await;
+    let history = h.client.get(id).await.unwrap().history;
+    assert!(history.iter().any(|r| r.entry.kind == "LEASE_EXPIRED"), "{row:?}");
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.released.load(Ordering::Relaxed), 3, "three leases given back");
+}
+
 /// A chart named `name` whose one transition waits a day: it has a timer that follows
 /// deploys.
 fn deadline_chart(name: &str) -> ChartMachine {

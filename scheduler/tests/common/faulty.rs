@@ -122,8 +122,11 @@ impl<S: Store> Faulty<S> {
 
     /// Notes the call, then does its fault, if one is due.
     fn gate(&self, op: &'static str) -> StoreResult<()> {
+        // Read before the call is noted: a test that sees the call noted during an outage
+        // knows the call failed, even if it ends the outage at once.
+        let down = self.down.load(Ordering::SeqCst);
         self.calls.lock().unwrap().entry(op).or_default().push(Instant::now());
-        if self.down.load(Ordering::SeqCst) {
+        if down {
             return Err(StoreError::unavailable(format!("injected outage: {op}")));
         }
         let fault = self.faults.lock().unwrap().get_mut(op).and_then(VecDeque::pop_front);
