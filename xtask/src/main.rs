@@ -32,10 +32,30 @@ use std::time::Instant;
 
 const USAGE: &str = "usage: cargo xtask <test|ci [--chaos]|tidy|json-schema|chaos [--minutes N] [--store postgres|sqlite] [--seed S] [--instances N]|bench [steps|chart|timers|parallel|start|http|ui|prune|fairness|store] [--store memory|sqlite|postgres] [--queue redis|sqs] [more: cargo xtask bench --help]|migrate --database-url URL [--schema NAME]>";
 
+/// What each task does, for `cargo xtask --help`.
+const TASKS: &str = "\
+tasks:
+  test         every test on every backend it can reach; says which it skipped
+  ci [--chaos] what .ci/run runs: checks services, fmt, clippy, tidy, docs, every test
+               with every backend required, the examples; --chaos adds the short chaos runs
+  tidy         architecture and style rules checked by code
+  json-schema  writes docs/chart-definition.schema.json
+  chaos        worker processes killed and PostgreSQL crashed under load, then a checker
+  bench        the benchmarks (release build): cargo xtask bench --help
+  migrate      applies the PostgreSQL migrations to a database";
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = project_root();
     let rest = args.get(1..).unwrap_or_default();
+    // Help for every task but `bench`, whose own binary answers `--help`.
+    let asks_help = |a: &String| matches!(a.as_str(), "--help" | "-h" | "help");
+    if args.first().is_none_or(asks_help)
+        || (args.first().is_some_and(|t| t != "bench") && rest.iter().any(asks_help))
+    {
+        println!("{USAGE}\n{TASKS}");
+        return Ok(());
+    }
     match args.first().map(String::as_str) {
         Some("test") => {
             refuse_others("test", rest, &[])?;
@@ -59,7 +79,7 @@ fn main() -> Result<()> {
             json_schema::write(&root)
         }
         Some(other) => bail!("unknown task {other:?}\n{USAGE}"),
-        None => bail!("{USAGE}"),
+        None => unreachable!("no task prints the help above"),
     }
 }
 
