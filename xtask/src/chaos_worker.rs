@@ -11,8 +11,10 @@
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use keel_core::chart::{TimerArm, TimerKind};
+use keel_core::config::QueueConfig;
 use keel_core::instance::NewInstance;
 use keel_core::ports::Clock;
+use keel_core::retry::RetryPolicy;
 use keel_core::{MachineRef, Outcome, StatusSet, Timestamp, WorkerId};
 use keel_scheduler::{StepContext, StepError, StepMachine, SystemClock, Worker, WorkerConfig};
 use keel_store_postgres::{PgConfig, PgStore};
@@ -77,10 +79,25 @@ fn with_trail(context: &Value, step: &str) -> Value {
     next
 }
 
+/// The machines' settings: the default but for more attempts. A step whose worker dies
+/// holding it counts an attempt, and after `max_attempts` such deaths in a row it is
+/// suspended as a step that kills its worker. This run kills a worker every 3 to 8
+/// seconds, far more often than any fleet loses one, so three kills can land on one step
+/// in a row by chance; the run checks that nothing is lost or doubled, not that rule
+/// (the worker's own tests do).
+fn chaos_config() -> QueueConfig {
+    let retry = RetryPolicy { max_attempts: 10, ..RetryPolicy::default() };
+    QueueConfig { retry, ..QueueConfig::default() }
+}
+
 #[async_trait]
 impl StepMachine for Parent {
     fn machine(&self) -> MachineRef {
         parent_machine()
+    }
+
+    fn config(&self) -> QueueConfig {
+        chaos_config()
     }
 
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
@@ -145,6 +162,10 @@ struct Child(Arc<ExecLog>);
 impl StepMachine for Child {
     fn machine(&self) -> MachineRef {
         child_machine()
+    }
+
+    fn config(&self) -> QueueConfig {
+        chaos_config()
     }
 
     async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
