@@ -13,7 +13,7 @@ mod common;
 
 use async_trait::async_trait;
 use common::faulty::{Fault, Faulty};
-use common::{Harness, TestStore};
+use common::{Harness, TestStore, eventually};
 use keel_core::chart::{ActionError, Definition, Event};
 use keel_core::config::{OnDeadLetter, QueueConfig};
 use keel_core::instance::NewInstance;
@@ -890,18 +890,6 @@ impl StepMachine for Gated {
     }
 }
 
-/// Polls `cond` every 5 ms for at most 5 s of real time; panics naming `what` if it
-/// never holds.
-async fn until(what: &str, cond: impl Fn() -> bool) {
-    for _ in 0..1_000 {
-        if cond() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// A store that cannot be reached for longer than a lease (a database failover, a
 /// restart) costs the steps under way no attempt: the worker gives back the leases of the
 /// results it could not commit once the store answers again, and its reaper, having seen
@@ -917,23 +905,26 @@ async fn outages_longer_than_a_lease_cost_the_steps_under_way_no_attempt<S: Test
     let worker = h.worker(config, steps.clone());
     let outages = QueueConfig::default().retry.max_attempts as usize;
     for outage in 1..=outages {
-        until(&format!("run {outage} of the step"), || steps.ran.load(Ordering::SeqCst) == outage)
-            .await;
+        eventually(&format!("run {outage} of the step"), || {
+            steps.ran.load(Ordering::SeqCst) == outage
+        })
+        .await;
         // The store goes down; the step finishes, and its group commit is tried until the
         // committer gives up.
         h.store.down.store(true, Ordering::SeqCst);
         let commits = h.store.calls("step_commit");
         steps.go.add_permits(1);
-        until("the committer to give up", || h.store.calls("step_commit") >= commits + 5).await;
+        eventually("the committer to give up", || h.store.calls("step_commit") >= commits + 5)
+            .await;
         // The outage outlasts the lease, and the reaper finds the store down (reaping, or
         // asking whether it is back).
         h.clock.advance(lease + Duration::from_secs(1));
         let reaper_calls = || h.store.calls("lease_reap") + h.store.calls("worker_heartbeat");
         let before = reaper_calls();
-        until("the reaper to call during the outage", || reaper_calls() > before).await;
+        eventually("the reaper to call during the outage", || reaper_calls() > before).await;
         h.store.down.store(false, Ordering::SeqCst);
     }
-    until("the last run", || steps.ran.load(Ordering::SeqCst) == outages + 1).await;
+    eventually("the last run", || steps.ran.load(Ordering::SeqCst) == outages + 1).await;
     steps.go.add_permits(1);
     let row = h.wait(id, "done", |r| r.status == Status::Done).await;
     let history = h.client.get(id).await.expect("get").history;
@@ -943,7 +934,7 @@ async fn outages_longer_than_a_lease_cost_the_steps_under_way_no_attempt<S: Test
     // Holding off is no failure: the reaper reads as healthy once the store answers.
     let reaper_ok =
         || worker.health().get(WorkerLoop::Reaper).is_some_and(|r| r.consecutive_failures == 0);
-    until("the reaper to read as healthy", reaper_ok).await;
+    eventually("the reaper to read as healthy", reaper_ok).await;
     let stats = worker.shutdown().await;
     assert_eq!(stats.reaped.load(Ordering::Relaxed), 0);
     assert_eq!(

@@ -8,8 +8,8 @@
 mod common;
 
 use async_trait::async_trait;
-use common::Harness;
 use common::faulty::{Fault, Faulty, Hooks};
+use common::{Harness, eventually};
 use keel_core::instance::NewInstance;
 use keel_core::ports::store::LeaseReapParams;
 use keel_core::ports::{Clock, Store};
@@ -61,17 +61,6 @@ impl StepMachine for WaitsFor {
         self.0.notified().await;
         Ok(done())
     }
-}
-
-/// Polls `cond` every 5 ms for at most 5 s of real time.
-async fn eventually(what: &str, cond: impl Fn() -> bool) {
-    for _ in 0..1_000 {
-        if cond() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 #[tokio::test]

@@ -240,6 +240,18 @@ impl TestStore for keel_store_postgres::PgStore {
 
 /// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
 /// `KEEL_REQUIRE_BACKENDS=1`.
+/// Polls `cond` every 5 ms for at most 5 s of real time; panics naming `what` if it
+/// never holds.
+pub async fn eventually(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..1_000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
 pub fn postgres_available(test: &str) -> bool {
     if keel_store_postgres::testing::database_url().is_some() {
         return true;
