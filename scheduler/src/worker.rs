@@ -759,6 +759,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// panicking on it.
     pub fn try_spawn(self) -> Result<WorkerHandle, String> {
         self.check()?;
+        if let Some(sweep) = &self.config.timers {
+            sweep.warn_uncovered(self.machines.keys().map(|m| m.name.as_str()));
+        }
         if self.machines.is_empty() {
             tracing::info!(
                 worker = %self.config.worker_id.0,

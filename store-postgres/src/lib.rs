@@ -102,7 +102,8 @@
 //!   picks the due timers `FOR UPDATE SKIP LOCKED` (concurrent sweeps split them) and locks
 //!   each one's instance `FOR NO KEY UPDATE SKIP LOCKED` — a sweep never waits for a lock,
 //!   so it cannot deadlock with a commit (instance, then timers) or another sweep; a timer
-//!   whose instance is busy is left for the next sweep (not counted in `processed`). Each
+//!   whose instance is busy is left for the next sweep (counted in `picked`, not in
+//!   `processed`). Each
 //!   picked timer goes through the pure `timers::fire`; the deliveries use the normal
 //!   path, and history, timer advance/delete and the sweep record are batch writes
 //!   pipelined with the `COMMIT`; a sweep that passes a join deadline sends those writes
@@ -157,7 +158,8 @@
 //! - A broadcast whose `in_state` filter meets a position that starts with `[` but is not
 //!   JSON fails (`position::jsonb`); chart positions are always JSON arrays.
 //! - A sweep leaves a due timer whose instance is locked at that moment for the next
-//!   sweep, so `processed < limit` does not prove that nothing is due.
+//!   sweep, so `processed < limit` does not prove that nothing is due (`picked < limit`
+//!   does).
 //! - Within one commit batch, an `Await` item checks its inbox before the batch's own
 //!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
 //!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry

@@ -200,6 +200,43 @@ impl SweepConfig {
         }
         Ok(())
     }
+
+    /// The machines of `registered` whose timers no group sweeps: each named by no group,
+    /// when no group is a catch-all (no machine list). Sorted, each once.
+    pub fn uncovered<'a>(&self, registered: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        if self.groups.iter().any(|g| g.machines.is_empty()) {
+            return Vec::new();
+        }
+        let swept: BTreeSet<&str> =
+            self.groups.iter().flat_map(|g| g.machines.iter().map(String::as_str)).collect();
+        let missed: BTreeSet<&str> =
+            registered.into_iter().filter(|m| !swept.contains(m)).collect();
+        missed.into_iter().map(str::to_owned).collect()
+    }
+
+    /// Logs a warning for each machine [`uncovered`](Self::uncovered) leaves out, and
+    /// returns them. A worker calls it once when it starts its sweeper, with the machines
+    /// it registered. Not an error: a sweeper elsewhere (a dedicated sweep node) may cover
+    /// them.
+    pub fn warn_uncovered<'a>(&self, registered: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        let missed = self.uncovered(registered);
+        for machine in &missed {
+            tracing::warn!(
+                machine = %machine,
+                "timers of machine {machine:?} are not swept by this worker: no timer sweep \
+                 group names it; add it to a group's machines, or add a group without a \
+                 machine list, unless a sweeper elsewhere covers it"
+            );
+        }
+        missed
+    }
+}
+
+/// Whether a batch came back short, so nothing more is due: fewer timers than `batch`
+/// picked. A timer left for a later sweep because a commit held its instance counts as
+/// picked though not processed; a store that reports no `picked` is judged by `processed`.
+fn came_back_short(report: &TimerSweepReport, batch: usize) -> bool {
+    report.picked.max(report.processed) < batch as u64
 }
 
 /// What one sweep did.
@@ -446,7 +483,8 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
                         total.fired += report.fired;
                         total.exhausted += report.exhausted;
                         total.processed += report.processed;
-                        short |= report.processed < self.config.batch as u64;
+                        total.picked += report.picked;
+                        short |= came_back_short(&report, self.config.batch);
                     }
                     Err(e) => failed = failed.or(Some(e)),
                 }
@@ -652,6 +690,43 @@ mod tests {
             let at = plan.sweep_at(cadence, now, Timestamp(10_000));
             assert_eq!(at.duration_since(now).as_millis(), want, "{case}");
         }
+    }
+
+    /// A batch is short when fewer timers than the batch were picked: timers left for a
+    /// busy instance fill it as much as processed ones (a store that reports no `picked`
+    /// is judged by `processed`).
+    #[test]
+    fn a_batch_is_short_by_the_timers_picked() {
+        let report =
+            |processed, picked| TimerSweepReport { processed, picked, ..Default::default() };
+        let cases = [
+            ("all processed", report(10, 10), false),
+            ("two busy instances", report(8, 10), false),
+            ("fewer due", report(7, 7), true),
+            ("no picked reported, full", report(10, 0), false),
+            ("no picked reported, short", report(3, 0), true),
+        ];
+        for (case, r, short) in cases {
+            assert_eq!(came_back_short(&r, 10), short, "{case}");
+        }
+    }
+
+    /// A machine is uncovered only when no group names it and no group is a catch-all.
+    #[test]
+    fn machines_in_no_group_are_uncovered() {
+        let group = |machines: &[&str]| SweepGroup {
+            machines: machines.iter().map(|m| (*m).to_owned()).collect(),
+            cadence: Duration::from_secs(60),
+        };
+        let config = |groups| SweepConfig { groups, ..SweepConfig::default() };
+        let registered = ["order", "invoice", "mail", "order"];
+        assert!(SweepConfig::default().uncovered(registered).is_empty(), "the default");
+        let named = config(vec![group(&["order"]), group(&["invoice"])]);
+        assert_eq!(named.uncovered(registered), ["mail"]);
+        let catch_all = config(vec![group(&["order"]), group(&[])]);
+        assert!(catch_all.uncovered(registered).is_empty(), "a group without a list");
+        let none = config(vec![group(&["other"])]);
+        assert_eq!(none.uncovered(registered), ["invoice", "mail", "order"], "sorted, once");
     }
 
     #[test]

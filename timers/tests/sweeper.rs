@@ -225,6 +225,33 @@ async fn backpressure_skips_and_logs_then_fires_below_the_threshold() {
     assert_eq!(fired(sweeper.sweep(&[]).await.unwrap()), 5);
 }
 
+/// A machine no group sweeps is named in one warning, with the fix; a covered one is not.
+#[test]
+fn a_machine_in_no_sweep_group_is_warned_about_once() {
+    let logs = Buffer::default();
+    let subscriber = tracing_subscriber::fmt().with_writer(logs.clone()).with_ansi(false).finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    tracing::callsite::rebuild_interest_cache();
+    let config = SweepConfig {
+        groups: vec![SweepGroup {
+            machines: vec!["order".into()],
+            cadence: Duration::from_secs(60),
+        }],
+        ..SweepConfig::default()
+    };
+    assert_eq!(config.warn_uncovered(["order", "mail", "mail"]), ["mail"]);
+    let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(logged.matches("WARN").count(), 1, "{logged}");
+    assert!(
+        logged.contains("machine=mail")
+            && logged.contains("add it to a group")
+            && logged.contains("a group without a machine list"),
+        "{logged}"
+    );
+    assert!(!logged.contains("machine=order"), "{logged}");
+    assert!(SweepConfig::default().warn_uncovered(["order", "mail"]).is_empty());
+}
+
 /// A sweep right after one that the backlog let run reuses that reading instead of
 /// counting the instance table again; once the reading is older than `BACKLOG_MAX_AGE`
 /// the sweep counts again and sees the new backlog.

@@ -53,9 +53,14 @@ pub struct SweepPlan {
     pub advance: Vec<TimerRow>,
     /// Timers to delete.
     pub delete: Vec<TimerId>,
-    /// Instances whose join deadline timer fired: the store applies
-    /// [`super::parent::expire`] to each row (locked, as it stands) and executes the
-    /// resulting plan, in the same transaction. No event is delivered for them.
+    /// Instances whose join deadline timer fired, each once (in the order of its first
+    /// such timer), however many of its deadline timers were due: a parent keeps the
+    /// deadline timer of a barrier that settled early, so one of an earlier barrier and
+    /// one of the open barrier may fall due together. The store applies
+    /// [`super::parent::expire`] to each row as it stands at that point of the transaction
+    /// (after the fires and the deadlines before it are written, not as read at the pick)
+    /// and executes the resulting plan, in the same transaction. No event is delivered for
+    /// them.
     pub join_deadlines: Vec<InstanceId>,
 }
 
@@ -72,8 +77,14 @@ impl SweepPlan {
     }
 
     /// The sweep's report, given the outcome of delivering [`SweepPlan::signals`].
+    /// Its `picked` is `processed`: a store that leaves picked timers for a later sweep
+    /// (PostgreSQL, for a busy instance) adds them.
     pub fn report(&self, delivered: &[DeliveryOutcome]) -> TimerSweepReport {
-        let mut report = TimerSweepReport { processed: self.processed, ..Default::default() };
+        let mut report = TimerSweepReport {
+            processed: self.processed,
+            picked: self.processed,
+            ..Default::default()
+        };
         for (o, exhausted) in delivered.iter().zip(&self.exhausted) {
             if matches!(o, DeliveryOutcome::Delivered { .. }) {
                 if *exhausted {
@@ -131,8 +142,11 @@ pub fn sweep(
             continue;
         }
         if timer.spec.event == crate::join::DEADLINE_EVENT {
-            // A join deadline wakes the parent rather than delivering an event.
-            plan.join_deadlines.push(timer.instance);
+            // A join deadline wakes the parent rather than delivering an event; a parent
+            // with two due deadline timers is woken (or found settled) once.
+            if !plan.join_deadlines.contains(&timer.instance) {
+                plan.join_deadlines.push(timer.instance);
+            }
             plan.delete.push(timer.id);
             continue;
         }
@@ -222,7 +236,7 @@ mod tests {
         };
         let dup = DeliveryOutcome::Duplicate { id: SignalId(9), target: InstanceId(1) };
         let report = plan.report(&[delivered(1), dup, delivered(2)]);
-        assert_eq!(report, TimerSweepReport { fired: 1, exhausted: 1, processed: 4 });
+        assert_eq!(report, TimerSweepReport { fired: 1, exhausted: 1, processed: 4, picked: 4 });
     }
 
     /// A suspended instance's repeating timer is held — nothing delivered or recorded, due
@@ -257,6 +271,28 @@ mod tests {
         let live =
             sweep(&p, &due, |i: InstanceId| (i == InstanceId(1)).then_some(Status::Runnable));
         assert_eq!(live.signals.len(), 3);
+    }
+
+    /// A join deadline timer of `instance`.
+    fn deadline(id: i64, instance: i64) -> TimerRow {
+        let mut t = timer(id, instance, false, None, 0);
+        t.spec.state = crate::join::DEADLINE_OWNER.into();
+        t.spec.event = crate::join::DEADLINE_EVENT.into();
+        t
+    }
+
+    /// Two due deadline timers of one parent (an earlier barrier's, never cancelled, and
+    /// the open barrier's) wake it once: one join deadline, both timers deleted, no event.
+    #[test]
+    fn two_due_deadline_timers_of_one_parent_yield_one_join_deadline() {
+        let p = TimerSweepParams { namespace: None, machines: vec![], limit: 10, now: NOW };
+        let due = [deadline(1, 7), timer(2, 8, false, None, 0), deadline(3, 7), deadline(4, 8)];
+        let plan = sweep(&p, &due, |_| Some(Status::AwaitingChildren));
+        assert_eq!(plan.join_deadlines, [InstanceId(7), InstanceId(8)], "each parent once");
+        assert_eq!(plan.delete, [TimerId(1), TimerId(2), TimerId(3), TimerId(4)]);
+        let names: Vec<&str> = plan.signals.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["tick"], "a deadline delivers no event");
+        assert_eq!(plan.processed, 4);
     }
 
     #[test]

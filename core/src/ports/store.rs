@@ -709,9 +709,12 @@ pub struct TimerSweepReport {
     pub fired: u64,
     /// `every` + `max` timers that ran out (their `then` delivered).
     pub exhausted: u64,
-    /// Timers processed (fired, exhausted or found stale), at most `limit`. Equal to
-    /// `limit` means more may be due.
+    /// Timers processed (fired, exhausted, held or found stale), at most `limit`.
     pub processed: u64,
+    /// Timers the sweep picked, at most `limit`: the processed ones, plus those left for a
+    /// later sweep because a commit held their instance (PostgreSQL never waits for that
+    /// lock). Equal to `limit` means more may be due, even when `processed` is less.
+    pub picked: u64,
 }
 
 /// Which timers [`Store::timer_next_due`] looks at: the ones a sweep with the same

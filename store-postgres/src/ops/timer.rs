@@ -351,6 +351,10 @@ const ADVANCE: &str = "UPDATE timers t SET fire_count = u.n, next_fire_at = u.du
 
 const DELETE: &str = "DELETE FROM timers WHERE id = ANY($1::int8[])";
 
+/// A join deadline's parent as this transaction has left it (its lock taken at the pick).
+static REREAD: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {} FROM instances WHERE id = $1", rows::INSTANCE_COLS));
+
 /// Notes the sweep time of each swept scope. Every sweeper of a scope writes the same row,
 /// so a row another sweep holds is left to it (`SKIP LOCKED`: that sweep notes about the
 /// same time) instead of waiting for its commit; sweeps never queue behind one another
@@ -417,7 +421,9 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
         history.push(row, row.attempt, p.now, entry.clone());
     }
     let delivery = signal::plan_held(c, &plan.signals, &plan.targets(), &held, p.now).await?;
-    let report = plan.report(&delivery.outcomes);
+    let mut report = plan.report(&delivery.outcomes);
+    // Every picked timer, those of busy instances too: a batch they fill is not short.
+    report.picked = found.len() as u64;
     let (ns, machines): (Vec<String>, Vec<String>) =
         plan::timer::swept_scopes(p).into_iter().unzip();
     let ns = ns.into_iter().next().unwrap_or_else(|| "*".into());
@@ -463,14 +469,22 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     // with the fire in its inbox). Written before, the cancel reads the delivered row and
     // drains its inbox. (A fire never wakes or raises a parent waiting on its children, so
     // the held parent rows are still the ones the deadlines plan from.) This costs one
-    // round trip more, only in a sweep that passes a deadline.
+    // round trip more, only in a sweep that passes a deadline. Each parent (locked at the
+    // pick, listed once) is read again before its deadline is planned: an earlier
+    // deadline's cancels may have changed it (a parent that is also a cancelled child of
+    // another), and a row as read at the pick would be written back over that.
     let (written, delivered) = tokio::join!(writes, signal::finish(c, &delivery, None));
     written?;
     delivered?;
     let mut notices = super::Notices::ready(delivery.woke());
+    let reread = c.prepare_cached(&REREAD).await?;
     for id in &plan.join_deadlines {
-        let Some(row) = held.get(&id.0) else { continue };
-        let planned = plan::parent::expire(row, p.now);
+        if !held.contains_key(&id.0) {
+            continue;
+        }
+        let Some(found) = c.query_opt(&reread, &[&id.0]).await? else { continue };
+        let row = rows::instance(&found)?;
+        let planned = plan::parent::expire(&row, p.now);
         notices.ready |= planned.changed;
         let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
         let run = keel_core::plan::parent::FollowUps::cancels(cancels);
@@ -559,9 +573,146 @@ mod tests {
     //! A retime reads only the timers that move: a second pass over a machine version
     //! whose timers were moved already returns no timer, as does a deployed list that
     //! names a timer twice with its current duration first, and a later deploy that
-    //! changes a duration again moves them all again.
+    //! changes a duration again moves them all again. A sweep wakes a parent with two due
+    //! join deadline timers once, and leaves a child an earlier deadline of the same
+    //! sweep cancelled as it is; a timer of a busy instance counts as picked.
 
     use super::super::plans::fresh_schema_or_skip;
+    use keel_core::chart::{TimerArm, TimerKind};
+    use keel_core::history::HistoryKind;
+    use keel_core::instance::ANY_SIGNAL;
+    use keel_core::join::{Join, JoinState, JoinWoke};
+    use keel_core::outcome::Outcome;
+    use keel_core::ports::Store;
+    use keel_core::ports::store::TimerSweepParams;
+    use keel_core::{InstanceId, Status, StepCommit};
+    use keel_testkit::conformance::support::{
+        at, claim, claim_id, claim_params, commit_ok, ctx, done, get, insert_one, new_in, row, step,
+    };
+    use std::time::Duration;
+
+    fn sweep_at(ns: &str, limit: usize, now: keel_core::Timestamp) -> TimerSweepParams {
+        TimerSweepParams { namespace: Some(ns.into()), machines: vec![], limit, now }
+    }
+
+    /// A first barrier that settled before its deadline keeps its deadline timer; when it
+    /// and the second barrier's deadline timer fall due in one sweep, the parent wakes
+    /// once: one JOIN_WOKE per barrier, the second barrier's children cancelled.
+    #[tokio::test]
+    async fn two_due_join_deadline_timers_of_one_parent_wake_it_once() {
+        let Some(s) = fresh_schema_or_skip().await else { return };
+        let ns = "join_two_deadlines";
+        let within = || Join::all().within(Duration::from_secs(60));
+        let parent = insert_one(&s, new_in(ns).queue("parents"), at(0)).await;
+        let claimed = claim_id(&s, ns, parent, at(10)).await;
+        let first =
+            Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
+        let kid = step(&s, &claimed, first, at(20)).await.children[0].id();
+        let mut params = claim_params(ns, 10, at(25));
+        params.queues = vec!["default".into()];
+        let kid_claim = claim(&s, params).await.remove(0);
+        assert_eq!(kid_claim.instance.id, kid);
+        step(&s, &kid_claim, done(), at(30)).await;
+        assert_eq!(row(&s, parent).await.status, Status::Runnable, "the first barrier settled");
+        // A second barrier with a deadline; the first one's deadline timer is still armed.
+        let claimed = claim_id(&s, ns, parent, at(40)).await;
+        let kids = vec![new_in(ns), new_in(ns)];
+        let second = Outcome::schedule_children("again", kids, ctx(2)).with_join(within());
+        let receipt = step(&s, &claimed, second, at(41)).await;
+        let second_kids: Vec<InstanceId> = receipt.children.iter().map(|o| o.id()).collect();
+        assert_eq!(get(&s, parent).await.timers.len(), 2, "both deadline timers armed");
+
+        let report = s.timer_sweep(sweep_at(ns, 100, at(61_000))).await.expect("sweep");
+        assert_eq!((report.processed, report.fired), (2, 0));
+        let detail = get(&s, parent).await;
+        let wakes =
+            detail.history.iter().filter(|h| HistoryKind::JoinWoke.is(&h.entry.kind)).count();
+        assert_eq!(wakes, 2, "one wake per barrier: {:#?}", detail.history);
+        assert_eq!(detail.instance.status, Status::Runnable);
+        let state = JoinState::of(&detail.instance.context).expect("join state");
+        assert_eq!((state.woke, state.unfinished), (Some(JoinWoke::Deadline), 2));
+        for k in second_kids {
+            assert_eq!(row(&s, k).await.status, Status::Cancelled);
+        }
+        assert!(detail.timers.is_empty(), "both deadline timers gone");
+    }
+
+    /// A parent's deadline that cancels a child which is itself a parent whose deadline
+    /// falls due in the same sweep leaves that child cancelled: its deadline is planned
+    /// from the row as the first one left it, not as read at the pick (which would wake
+    /// the cancelled child and write it back runnable).
+    #[tokio::test]
+    async fn a_deadline_does_not_wake_a_child_an_earlier_deadline_of_the_sweep_cancelled() {
+        let Some(s) = fresh_schema_or_skip().await else { return };
+        let ns = "join_nested_deadlines";
+        let within = || Join::all().within(Duration::from_secs(60));
+        let parent = insert_one(&s, new_in(ns).queue("parents"), at(0)).await;
+        let claimed = claim_id(&s, ns, parent, at(10)).await;
+        let outer =
+            Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
+        let middle = step(&s, &claimed, outer, at(20)).await.children[0].id();
+        let mut params = claim_params(ns, 10, at(25));
+        params.queues = vec!["default".into()];
+        let middle_claim = claim(&s, params).await.remove(0);
+        assert_eq!(middle_claim.instance.id, middle);
+        let inner =
+            Outcome::schedule_children("inner", vec![new_in(ns)], ctx(2)).with_join(within());
+        let leaf = step(&s, &middle_claim, inner, at(30)).await.children[0].id();
+
+        // The parent's deadline (due at 60 020) comes first, then the middle one's (60 030).
+        let report = s.timer_sweep(sweep_at(ns, 100, at(61_000))).await.expect("sweep");
+        assert_eq!(report.processed, 2);
+        let woken = row(&s, parent).await;
+        assert_eq!(woken.status, Status::Runnable, "the parent's deadline woke it");
+        let detail = get(&s, middle).await;
+        assert_eq!(
+            detail.instance.status,
+            Status::Cancelled,
+            "the cancelled child stays cancelled: {:#?}",
+            detail.history
+        );
+        let wakes =
+            detail.history.iter().filter(|h| HistoryKind::JoinWoke.is(&h.entry.kind)).count();
+        assert_eq!(wakes, 0, "a cancelled child is not woken");
+        assert_eq!(row(&s, leaf).await.status, Status::Cancelled);
+    }
+
+    /// A timer whose instance a commit holds is left for the next sweep: not processed,
+    /// but picked, so a batch it fills is reported full.
+    #[tokio::test]
+    async fn a_timer_of_a_busy_instance_counts_as_picked_not_processed() {
+        let Some(s) = fresh_schema_or_skip().await else { return };
+        let ns = "busy_timer";
+        let mut ids = Vec::new();
+        for n in 0..2 {
+            let id = insert_one(&s, new_in(ns), at(n)).await;
+            let claimed = claim_id(&s, ns, id, at(10)).await;
+            let park = Outcome::Await { signal: ANY_SIGNAL.into(), context: ctx(1), step: None };
+            let mut c = StepCommit::new(id, claimed.token(), park);
+            c.timers_arm = vec![TimerArm {
+                state: "start".into(),
+                event: "tick".into(),
+                kind: TimerKind::After,
+                interval: Duration::from_secs(1),
+                max: None,
+                then: None,
+            }];
+            commit_ok(&s, c, at(20)).await;
+            ids.push(id);
+        }
+        // Another transaction holds the first instance, as a commit would.
+        let holder = s.client().await.expect("a connection");
+        holder.batch_execute("BEGIN").await.expect("begin");
+        holder
+            .execute("SELECT 1 FROM instances WHERE id = $1 FOR UPDATE", &[&ids[0].0])
+            .await
+            .expect("lock");
+        let report = s.timer_sweep(sweep_at(ns, 2, at(5_000))).await.expect("sweep");
+        assert_eq!((report.processed, report.fired, report.picked), (1, 1, 2), "{report:?}");
+        holder.batch_execute("ROLLBACK").await.expect("rollback");
+        let report = s.timer_sweep(sweep_at(ns, 2, at(5_000))).await.expect("sweep");
+        assert_eq!((report.processed, report.fired, report.picked), (1, 1, 1), "{report:?}");
+    }
 
     #[tokio::test]
     async fn a_second_retime_pass_reads_nothing_and_a_new_duration_moves_every_timer_again() {
