@@ -8,13 +8,19 @@
 //! schedule's stored state (`Store::schedule_fired`), which every runner reads before it
 //! fires: a restart set to catch up, or another worker, then never fires that tick again,
 //! even once its broadcast was read or its instance pruned (which frees the tick's key).
+//! A runner fires a tick only on states read after its previous fire: a poll that fires
+//! several schedules reads a schedule's namespace again before firing it when an earlier
+//! fire of the poll came after the read (that fire, a broadcast to many instances say,
+//! may take seconds, and another worker may fire and record the later tick meanwhile).
+//! So the window in which two workers both fire a tick stays one store round trip.
 //! A tick whose store call failed is tried again at the next poll, under the same key,
 //! unless a later tick fell due meanwhile: then the later one fires instead, as a runner
 //! always fires only the latest tick due (ticks it missed are not made up one by one).
 //!
 //! A pause or resume stored for the fleet (`Store::schedule_pause`, what `keel schedules
 //! pause` and the HTTP API call) reaches every worker: before a poll fires any tick, the
-//! runner reads the stored states of its schedules' namespaces, and a stored state wins
+//! runner reads the stored states of its schedules' namespaces (and a namespace again
+//! before a later tick of the same poll, as above), and a stored state wins
 //! over `paused` in the definition and over this worker's handle ([`Pause::resolve`]).
 //! [`Schedules::pause`] and [`Schedules::resume`] act on this worker only, for a schedule
 //! with nothing stored.
@@ -23,7 +29,7 @@ use keel_core::ports::store::{
     InsertOutcome, InsertParams, ScheduleFiredParams, ScheduleState, SignalBroadcastParams,
 };
 use keel_core::ports::{Clock, Store};
-use keel_core::schedule::{Pause, Schedule, ScheduleAction, ScheduleInfo};
+use keel_core::schedule::{Pause, Schedule, ScheduleAction, ScheduleInfo, TickPlan};
 use keel_core::{StoreResult, Timestamp};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,7 +45,8 @@ pub const CLOCK_CHECK: Duration = Duration::from_millis(250);
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// How stale the stored pause states a runner last read may get while no tick is due
-/// (they are read again before every tick it fires); what its handle lists.
+/// (they are read again before every poll that may fire a tick, and a namespace's again
+/// before each tick that follows another fire of the poll); what its handle lists.
 pub const STATES_REFRESH: Duration = Duration::from_secs(5);
 
 /// A worker's schedules and their run-time state: pause flags, what each runner fired,
@@ -182,9 +189,14 @@ impl Schedules {
     /// once (at most one tick each), then sleeps until the earliest next tick, re-reading
     /// the clock at least every [`CLOCK_CHECK`]. A poll that may fire a tick first reads
     /// the stored states (pauses and fired ticks); when that read fails, no tick fires and
-    /// the poll is tried again after [`RETRY_AFTER`]. A fired tick is then recorded in the
-    /// stored state; a record that fails is logged and counted, not retried: this runner
-    /// already passed the tick, and its next fired tick records past it.
+    /// the poll is tried again after [`RETRY_AFTER`]. After a poll fired a tick, it reads
+    /// the namespace of the next schedule with a tick due again before firing it (at most
+    /// one read per schedule and poll), so a tick another worker fired, or a pause stored,
+    /// while this one fired the earlier tick is seen; when that read fails, the rest of
+    /// the poll fires nothing and is tried again after [`RETRY_AFTER`]. A fired tick is
+    /// then recorded in the stored state; a record that fails is logged and counted, not
+    /// retried: this runner already passed the tick, and its next fired tick records past
+    /// it.
     pub async fn run<S: Store + ?Sized, C: Clock>(
         self,
         store: Arc<S>,
@@ -219,22 +231,48 @@ impl Schedules {
             } else {
                 true
             };
-            let stored = self.inner.stored.lock().expect("schedule book lock").clone();
+            let mut stored = self.inner.stored.lock().expect("schedule book lock").clone();
+            // The namespaces whose states were read since this poll's latest fire: a fire
+            // takes a store call (a broadcast to many instances may take seconds), during
+            // which another worker may fire and record a later schedule's tick, or a pause
+            // may be stored, so a tick fires only on states read after the previous fire.
+            let mut fresh: BTreeSet<&str> = if due || stale {
+                self.inner.schedules.iter().map(Schedule::namespace).collect()
+            } else {
+                BTreeSet::new()
+            };
+            let mut read_ok = read_ok;
             let mut wake: Option<Timestamp> = None;
             let mut all_handled = true;
             for ((schedule, passed), ahead) in
                 self.inner.schedules.iter().zip(passed.iter_mut()).zip(ahead.iter_mut())
             {
-                let state = stored_of(schedule, &stored);
-                let fired_through = state.and_then(|s| s.fired_through);
-                warn_if_ahead(schedule, fired_through, now, ahead);
-                let plan =
-                    schedule.poll(*passed, now, pause_of(schedule, &paused, state), fired_through);
                 let may_fire = schedule.poll(*passed, now, Pause::RUNNING, None).fire.is_some();
+                let mut plan = plan_of(schedule, *passed, now, &paused, &stored);
+                if plan.fire.is_some() && read_ok && !fresh.contains(schedule.namespace()) {
+                    let ns = schedule.namespace();
+                    match self.read_namespace(&*store, ns).await {
+                        Some(states) => {
+                            replace_namespace(&mut stored, ns, states.clone());
+                            let mut book = self.inner.stored.lock().expect("schedule book lock");
+                            replace_namespace(&mut book, ns, states);
+                            fresh.insert(ns);
+                            plan = plan_of(schedule, *passed, now, &paused, &stored);
+                        }
+                        // The rest of this poll fires nothing: it is tried again after
+                        // RETRY_AFTER, as after a failed read at its start.
+                        None => read_ok = false,
+                    }
+                }
+                warn_if_ahead(schedule, fired_through_of(schedule, &stored), now, ahead);
                 let handled = match plan.fire {
                     // Without a fresh read a stored pause may be missed: fire nothing yet.
                     _ if may_fire && !read_ok => false,
-                    Some(tick) => self.fire(&*store, schedule, tick, now).await,
+                    Some(tick) => {
+                        let handled = self.fire(&*store, schedule, tick, now).await;
+                        fresh.clear();
+                        handled
+                    }
                     None => true,
                 };
                 if handled {
@@ -272,25 +310,36 @@ impl Schedules {
             self.inner.schedules.iter().map(Schedule::namespace).collect();
         let mut stored = BTreeMap::new();
         for ns in namespaces {
-            match store.schedule_states(ns.to_owned()).await {
-                Ok(states) => {
-                    for s in states {
-                        stored.insert((s.namespace.clone(), s.name.clone()), s);
-                    }
-                }
-                Err(e) => {
-                    self.inner.failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        namespace = ns,
-                        error = %e,
-                        "reading the stored schedule states failed; no tick fires until they are read"
-                    );
-                    return false;
-                }
+            let Some(states) = self.read_namespace(store, ns).await else {
+                return false;
+            };
+            for s in states {
+                stored.insert((s.namespace.clone(), s.name.clone()), s);
             }
         }
         *self.inner.stored.lock().expect("schedule book lock") = stored;
         true
+    }
+
+    /// Reads the stored states of namespace `ns`; `None` (logged and counted) when the
+    /// read failed.
+    async fn read_namespace<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        ns: &str,
+    ) -> Option<Vec<ScheduleState>> {
+        match store.schedule_states(ns.to_owned()).await {
+            Ok(states) => Some(states),
+            Err(e) => {
+                self.inner.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    namespace = ns,
+                    error = %e,
+                    "reading the stored schedule states failed; no tick fires until they are read"
+                );
+                None
+            }
+        }
     }
 
     /// Fires one tick; `true` when it is done (by this worker or another) or refused for
@@ -412,6 +461,44 @@ fn warn_if_ahead(
         schedule.namespace(),
         schedule.name()
     );
+}
+
+/// What `schedule` does at `now` after `passed`, by the pause and fired tick `stored`
+/// holds for it.
+fn plan_of(
+    schedule: &Schedule,
+    passed: Option<Timestamp>,
+    now: Timestamp,
+    paused: &BTreeMap<String, bool>,
+    stored: &BTreeMap<(String, String), ScheduleState>,
+) -> TickPlan {
+    let state = stored_of(schedule, stored);
+    schedule.poll(
+        passed,
+        now,
+        pause_of(schedule, paused, state),
+        state.and_then(|s| s.fired_through),
+    )
+}
+
+/// The tick `stored` records as fired for `schedule`.
+fn fired_through_of(
+    schedule: &Schedule,
+    stored: &BTreeMap<(String, String), ScheduleState>,
+) -> Option<Timestamp> {
+    stored_of(schedule, stored).and_then(|s| s.fired_through)
+}
+
+/// Puts `states`, just read for namespace `ns`, in place of what `stored` held for it.
+fn replace_namespace(
+    stored: &mut BTreeMap<(String, String), ScheduleState>,
+    ns: &str,
+    states: Vec<ScheduleState>,
+) {
+    stored.retain(|(namespace, _), _| namespace != ns);
+    for s in states {
+        stored.insert((s.namespace.clone(), s.name.clone()), s);
+    }
 }
 
 /// The stored state of `schedule` in `stored`, if the store holds one.

@@ -12,15 +12,18 @@ use common::logged::Logged;
 use common::{Harness, TestStore};
 use keel_core::ids::MachineRef;
 use keel_core::instance::NewInstance;
-use keel_core::ports::store::{InstanceListParams, PruneParams, SchedulePauseParams};
+use keel_core::instance::{DeadLetter, Instance, SignalTarget};
+use keel_core::ports::store::{self as s, InstanceListParams, PruneParams, SchedulePauseParams};
 use keel_core::ports::{Clock, Store};
 use keel_core::schedule::{BroadcastAction, MissedTicks, Schedule, ScheduleAction};
-use keel_core::{InstanceId, Outcome, Status, Timestamp, WorkerId};
+use keel_core::timers::TimerHint;
+use keel_core::{DeadLetterId, InstanceId, Outcome, Status, StoreResult, Timestamp, WorkerId};
 use keel_scheduler::{
     Cancel, Schedules, StepContext, StepError, StepMachine, Worker, WorkerConfig, WorkerHandle,
 };
 use serde_json::json;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 on_every_store!(
@@ -55,11 +58,16 @@ fn every_minute(missed: MissedTicks) -> Schedule {
 /// A worker serving `schedule` that claims from another queue: the instances it starts
 /// stay ready, so the test counts them.
 fn worker<S: Store>(h: &Harness<S>, name: &str, schedule: &Schedule) -> WorkerHandle {
+    worker_of(h, name, vec![schedule.clone()])
+}
+
+/// The same serving `schedules`, in this order.
+fn worker_of<S: Store>(h: &Harness<S>, name: &str, schedules: Vec<Schedule>) -> WorkerHandle {
     let config = WorkerConfig {
         worker_id: WorkerId(name.into()),
         timers: None,
         queues: vec![("elsewhere".into(), 1)],
-        schedules: Schedules::new(vec![schedule.clone()]),
+        schedules: Schedules::new(schedules),
         ..h.config()
     };
     Worker::new(Arc::clone(&h.store), h.clock.clone(), config).spawn()
@@ -704,4 +712,136 @@ async fn a_broadcast_tick_with_nobody_in_the_state_counts_as_fired_not_as_anothe
     let counts = a.schedules().counts();
     assert_eq!((counts.fired, counts.already_fired, counts.failed), (2, 0, 0), "{counts:?}");
     a.shutdown().await;
+}
+
+/// A store that holds back every insert of a report instance while `hold` is set (a
+/// schedule's fire that takes long, as a broadcast to 50 000 instances does) and passes
+/// every other call on to the store inside.
+struct Held<S> {
+    inner: S,
+    hold: tokio::sync::watch::Sender<bool>,
+    /// Inserts held back so far.
+    blocked: AtomicUsize,
+}
+
+impl<S> Held<S> {
+    fn new(inner: S) -> Self {
+        Held { inner, hold: tokio::sync::watch::channel(false).0, blocked: AtomicUsize::new(0) }
+    }
+}
+
+macro_rules! held_store {
+    ($($op:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
+        #[async_trait]
+        impl<S: Store> Store for Held<S> {
+            fn capabilities(&self) -> s::StoreCapabilities {
+                self.inner.capabilities()
+            }
+            async fn instance_insert(
+                &self,
+                p: s::InsertParams,
+            ) -> StoreResult<Vec<s::InsertOutcome>> {
+                if p.instances.iter().any(|i| i.machine == report()) && *self.hold.borrow() {
+                    self.blocked.fetch_add(1, Ordering::SeqCst);
+                    let mut hold = self.hold.subscribe();
+                    while *hold.borrow_and_update() {
+                        hold.changed().await.expect("the store keeps the sender");
+                    }
+                }
+                self.inner.instance_insert(p).await
+            }
+            async fn ready_wait(&self) {
+                self.inner.ready_wait().await;
+            }
+            async fn instance_change_wait(&self) {
+                self.inner.instance_change_wait().await;
+            }
+            $(async fn $op(&self, $($arg: $ty),*) -> $ret {
+                self.inner.$op($($arg),*).await
+            })*
+        }
+    };
+}
+
+held_store! {
+    instance_claim(p: s::ClaimParams) -> StoreResult<Vec<s::Claim>>;
+    instance_claim_ids(ids: Vec<InstanceId>, p: s::ClaimParams) -> StoreResult<Vec<s::Claim>>;
+    instance_ready_stale(p: s::ReadyStaleParams) -> StoreResult<Vec<Instance>>;
+    step_commit(p: s::CommitParams) -> StoreResult<Vec<StoreResult<s::CommitReceipt>>>;
+    lease_extend(p: s::LeaseExtendParams) -> StoreResult<Vec<bool>>;
+    lease_reap(p: s::LeaseReapParams) -> StoreResult<Vec<InstanceId>>;
+    lease_release(p: s::LeaseReleaseParams) -> StoreResult<Vec<bool>>;
+    signal_deliver(p: s::SignalDeliverParams) -> StoreResult<Vec<s::DeliveryOutcome>>;
+    signal_broadcast(p: s::SignalBroadcastParams) -> StoreResult<s::BroadcastReport>;
+    instance_cancel(p: s::CancelParams) -> StoreResult<Vec<InstanceId>>;
+    instance_get(id: InstanceId) -> StoreResult<s::InstanceDetail>;
+    instance_rows(ids: Vec<InstanceId>) -> StoreResult<Vec<Instance>>;
+    instance_list(p: s::InstanceListParams) -> StoreResult<Vec<Instance>>;
+    instance_lookup(t: SignalTarget) -> StoreResult<Option<InstanceId>>;
+    dead_letter_list(f: s::DeadLetterFilter) -> StoreResult<Vec<DeadLetter>>;
+    dead_letter_get(id: DeadLetterId) -> StoreResult<DeadLetter>;
+    dead_letter_retry(p: s::DeadLetterRetryParams) -> StoreResult<Vec<InstanceId>>;
+    dead_letter_skip(p: s::DeadLetterSkipParams) -> StoreResult<InstanceId>;
+    dead_letter_purge(p: s::DeadLetterPurgeParams) -> StoreResult<u64>;
+    dead_letter_counts(ns: Option<String>) -> StoreResult<Vec<s::DeadLetterCount>>;
+    queue_pause(p: s::QueuePauseParams) -> StoreResult<()>;
+    queue_list(ns: String) -> StoreResult<Vec<s::QueueState>>;
+    queue_stats(ns: Option<String>, now: Timestamp) -> StoreResult<Vec<s::QueueStats>>;
+    schedule_pause(p: s::SchedulePauseParams) -> StoreResult<s::ScheduleState>;
+    schedule_states(ns: String) -> StoreResult<Vec<s::ScheduleState>>;
+    schedule_fired(p: s::ScheduleFiredParams) -> StoreResult<s::ScheduleState>;
+    schedule_forget(p: s::ScheduleForgetParams) -> StoreResult<u64>;
+    timer_sweep(p: s::TimerSweepParams) -> StoreResult<s::TimerSweepReport>;
+    timers_retime(p: s::TimerRetimeParams) -> StoreResult<s::TimerRetimePage>;
+    timer_next_due(p: s::TimerNextDueParams) -> StoreResult<Option<Timestamp>>;
+    instance_migrate(p: s::MigrateParams) -> StoreResult<s::MigratePage>;
+    instance_activity(p: s::ActivityParams) -> StoreResult<Vec<s::ActivityBucket>>;
+    worker_heartbeat(p: s::WorkerBeatParams) -> StoreResult<()>;
+    worker_list(seen_since: Timestamp) -> StoreResult<Vec<s::WorkerRecord>>;
+    instance_prune(p: s::PruneParams) -> StoreResult<s::PrunePage>;
+    history_page(p: s::HistoryPageParams) -> StoreResult<s::HistoryPage>;
+    history_trim(p: s::HistoryTrimParams) -> StoreResult<s::HistoryTrimPage>;
+    timer_status(ns: Option<String>, now: Timestamp) -> StoreResult<Vec<s::TimerStatus>>;
+    timer_hint_wait(seen: u64) -> TimerHint;
+}
+
+/// A poll that fires two schedules fires the second on states read after the first
+/// fired. Worker b serves a starting schedule, then a broadcasting one; its start of the
+/// report run is held back after it read the states. Meanwhile worker a broadcasts the
+/// same tick, records it, and the subscriptions read it (their inbox no longer holds its
+/// dedup key): b, once its start goes through, does not broadcast that tick again.
+#[tokio::test]
+async fn a_tick_another_worker_fired_during_a_slow_earlier_fire_is_not_fired_again() {
+    let h = Harness::with_store(Held::new(keel_testkit::MemoryStore::new()));
+    let (runner, ids) = subscriptions(&h).await;
+    let b = worker_of(&h, "b", vec![every_minute(MissedTicks::Skip), renewals(MissedTicks::Skip)]);
+    polled(&[&b], h.clock.now()).await;
+    h.store.hold.send_replace(true);
+    let now = h.clock.advance(MINUTE);
+    for _ in 0..400 {
+        if h.store.blocked.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.store.blocked.load(Ordering::SeqCst), 1, "b is starting the tick's report run");
+    // a starts now and catches up: it broadcasts the tick b has yet to reach, and records it.
+    let a = worker(&h, "a", &renewals(MissedTicks::CatchUp));
+    polled(&[&a], now).await;
+    renewed(&h, &ids, 1).await;
+    h.store.hold.send_replace(false);
+    polled(&[&a, &b], now).await;
+    renewed_exactly(&h, &ids, 1, "after b's slow start").await;
+    let (ca, cb) = (a.schedules().counts(), b.schedules().counts());
+    assert_eq!((ca.fired, ca.already_fired), (1, 0), "a broadcast the tick: {ca:?}");
+    assert_eq!((cb.fired, cb.already_fired, cb.failed), (1, 0, 0), "b only started: {cb:?}");
+    assert_eq!(started(&h).await, 1);
+    // The next tick is delivered once, and b's report run starts.
+    let now = h.clock.advance(MINUTE);
+    polled(&[&a, &b], now).await;
+    renewed(&h, &ids, 2).await;
+    assert_eq!(started(&h).await, 2);
+    a.shutdown().await;
+    b.shutdown().await;
+    runner.shutdown().await;
 }
