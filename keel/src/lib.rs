@@ -154,7 +154,7 @@ pub use worker::{RegistrationError, WorkerBuilder};
 pub use async_trait::async_trait;
 pub use serde_json::{Value, json};
 
-pub use keel_core::chart::{ActionError, Definition, Event, Migration, Timer};
+pub use keel_core::chart::{ActionError, Definition, Event, Limits, Migration, Timer};
 pub use keel_core::config::{
     AlertThresholds, DeadLetterConfig, KeelConfig, OnDeadLetter, ParallelConfig, QueueConfig,
     Strategy,
@@ -163,25 +163,29 @@ pub use keel_core::inbox::InboxOrder;
 pub use keel_core::instance::{NewInstance, NewSignal, Signal, SignalTarget};
 pub use keel_core::join::Join;
 pub use keel_core::ports::store::{DeadLetterFilter, DeliveryOutcome, InsertOutcome};
+pub use keel_core::ports::{Clock, Store};
 pub use keel_core::retention::{MachineRetention, RetentionConfig};
 pub use keel_core::retry::{Backoff, Jitter, RetryPolicy};
 pub use keel_core::schedule::{
     BroadcastAction, MissedTicks, Schedule, ScheduleAction, ScheduleError, ScheduleInfo,
 };
 pub use keel_core::{
-    ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Priority, Status, StatusSet,
-    StoreError, StoreResult, WorkerId,
+    DeadLetterId, ErrorKind, HistoryKind, Instance, InstanceId, MachineRef, Outcome, Priority,
+    Status, StatusSet, StoreError, StoreResult, Timestamp, WorkerId,
 };
 pub use keel_scheduler::worker::WorkerStats;
 pub use keel_scheduler::{
     ActionContext, Broadcast, Cancel, ChartMachine, DeadLetterRetry, Ended, NonRetryable,
-    Schedules, StateValue, StepContext, StepError, StepMachine, SweepConfig, WorkerConfig,
-    WorkerHandle,
+    Schedules, StateValue, StepContext, StepError, StepMachine, SweepConfig, SweepGroup,
+    WorkerConfig, WorkerHandle,
 };
+/// The clock `Keel::testing` takes: tests move time with [`VirtualClock::advance`].
+#[cfg(feature = "testkit")]
+pub use keel_testkit::VirtualClock;
 
 /// The layers under this crate, for what it does not re-export: the pure semantics
-/// (chart definitions in full, outcomes, the rest of the configuration types, the `Store`
-/// port), the runtime, and each backend enabled by a feature.
+/// (chart definitions in full, outcomes, the rest of the configuration types, the rest of
+/// the ports), the runtime, and each backend enabled by a feature.
 pub mod layers {
     pub use keel_core as core;
     pub use keel_scheduler as scheduler;
@@ -222,8 +226,6 @@ pub mod queue {
     pub use keel_scheduler::{HintConfig, HintStats};
 }
 
-use keel_core::Timestamp;
-use keel_core::ports::{Clock, Store};
 use keel_scheduler::SystemClock;
 use std::sync::Arc;
 
@@ -357,9 +359,10 @@ impl Keel {
     }
 
     /// The in-memory store driven by `clock`: tests move time with
-    /// [`VirtualClock::advance`](keel_testkit::VirtualClock::advance) instead of sleeping.
+    /// [`VirtualClock::advance`] instead of sleeping; a worker's timer sweep reads the
+    /// clock at least every 250 ms, so a timer the advance makes due fires about that soon.
     #[cfg(feature = "testkit")]
-    pub fn testing(clock: keel_testkit::VirtualClock) -> Keel {
+    pub fn testing(clock: VirtualClock) -> Keel {
         Self::assemble(
             AnyStore::new(keel_testkit::MemoryStore::new()),
             AnyClock::new(clock),

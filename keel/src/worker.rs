@@ -20,7 +20,7 @@ use std::sync::Arc;
 pub struct RegistrationError {
     /// The machine, as `name vN`.
     pub machine: String,
-    /// Each missing piece, as ``action `notify` `` or ``delegated machine `payment` ``.
+    /// Each missing piece, as ``action `notify` `` or ``delegated machine `payment` v1``.
     pub missing: Vec<String>,
 }
 
@@ -44,8 +44,9 @@ pub struct WorkerBuilder {
     worker: Worker<AnyStore, AnyClock>,
     /// The queue link's counters, when the worker has a queue.
     hint_stats: Option<Arc<HintStats>>,
-    /// Registered machines: name, version and the machines they delegate to.
-    machines: Vec<(String, i32, Vec<String>)>,
+    /// Registered machines: name, version and the machines they delegate to, each in the
+    /// version its children run.
+    machines: Vec<(String, i32, Vec<MachineRef>)>,
     elsewhere: BTreeSet<String>,
     /// Why this worker must not start, found while it was made (a configuration file it
     /// cannot apply); [`spawn`](Self::spawn) returns it.
@@ -163,20 +164,21 @@ impl WorkerBuilder {
     }
 
     /// Declares that `machine` (a chart's delegated child machine) is served by another
-    /// worker, so this one may start without it.
+    /// worker, so this one may start without it: every version of it, since this worker
+    /// cannot know which versions the other serves.
     pub fn served_elsewhere(mut self, machine: impl Into<String>) -> Self {
         self.elsewhere.insert(machine.into());
         self
     }
 
-    /// Checks that every delegated machine is registered here or served elsewhere.
+    /// Checks that every delegated machine is registered here, in the version its
+    /// children run, or served elsewhere.
     fn check(&self) -> Result<(), RegistrationError> {
-        let here: BTreeSet<&str> = self.machines.iter().map(|(m, _, _)| m.as_str()).collect();
         for (machine, version, delegates) in &self.machines {
             let missing: Vec<String> = delegates
                 .iter()
-                .filter(|d| !here.contains(d.as_str()) && !self.elsewhere.contains(*d))
-                .map(|d| format!("delegated machine `{d}`"))
+                .filter(|d| !self.elsewhere.contains(&d.name))
+                .filter_map(|d| self.unserved(machine, &d.name, d.version))
                 .collect();
             if !missing.is_empty() {
                 return Err(RegistrationError {
@@ -188,9 +190,33 @@ impl WorkerBuilder {
         Ok(())
     }
 
+    /// What is missing for `chart`'s children of `delegated` `version` to run here, as a
+    /// piece of a [`RegistrationError`]; `None` when this worker serves them.
+    fn unserved(&self, chart: &str, delegated: &str, version: i32) -> Option<String> {
+        let here: Vec<i32> =
+            self.machines.iter().filter(|(m, _, _)| m == delegated).map(|(_, v, _)| *v).collect();
+        if here.contains(&version) {
+            return None;
+        }
+        if here.is_empty() {
+            return Some(format!("delegated machine `{delegated}` v{version}"));
+        }
+        let registered = here.iter().map(|v| format!("v{v}")).collect::<Vec<_>>().join(", ");
+        let newest = here.iter().max().copied().unwrap_or(version);
+        Some(format!(
+            "delegated machine `{delegated}` v{version} (chart `{chart}` starts its children \
+             as v{version}, but this worker registers `{delegated}` {registered} only, so they \
+             would never run and the parent would wait for them forever; if v{newest} is \
+             meant, give the chart `.with_child_version(\"{delegated}\", {newest})`, else \
+             register `{delegated}` v{version} too)"
+        ))
+    }
+
     /// Starts the worker's tasks on the current tokio runtime; stop it with
     /// [`WorkerHandle::shutdown`]. Refuses, before anything runs, a delegated machine
-    /// nobody serves ([`Error::Registration`]) and a [`WorkerConfig`] out of its bounds
+    /// nobody serves, or serves in another version than the chart's children run
+    /// ([`ChartMachine::with_child_version`](keel_scheduler::ChartMachine::with_child_version),
+    /// else 1) ([`Error::Registration`]), and a [`WorkerConfig`] out of its bounds
     /// (a zero lease, a heartbeat not under the lease, an invalid timer sweep, schedule or
     /// retention: [`Error::Settings`], naming the field), and a configuration file given
     /// to [`Keel::with_settings`](crate::Keel::with_settings) that the worker cannot apply

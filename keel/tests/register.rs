@@ -3,7 +3,10 @@
 //! settings out of their bounds, naming the field, as errors rather than panics.
 
 use keel::queue::HintConfig;
-use keel::{ChartMachine, Definition, Error, Keel, RegistrationError, SweepConfig, WorkerConfig};
+use keel::{
+    ChartMachine, Definition, Error, Keel, MachineRef, NewInstance, Outcome, RegistrationError,
+    StepContext, StepError, StepMachine, SweepConfig, WorkerConfig, json,
+};
 use std::time::Duration;
 
 fn chart() -> Definition {
@@ -48,11 +51,98 @@ async fn spawn_lists_every_delegated_machine_nobody_serves() {
         .action("pay", |_, _| async { Ok(()) });
     let builder = keel.worker().register(machine.clone()).expect("every action is bound");
     let Err(Error::Registration(error)) = builder.spawn() else { panic!("a registration error") };
-    check(Err::<(), _>(error), "claim v2", &["delegated machine `assessment`"]);
+    check(Err::<(), _>(error), "claim v2", &["delegated machine `assessment` v1"]);
 
     // Declared as served by another worker, it starts.
     let worker = keel.worker().register(machine).unwrap().served_elsewhere("assessment");
     worker.spawn().expect("starts").shutdown().await;
+}
+
+/// A payment machine in version 2 only.
+struct PaymentV2;
+
+#[keel::async_trait]
+impl StepMachine for PaymentV2 {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("payment", 2)
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+fn checkout() -> ChartMachine {
+    let def = Definition::builder("checkout", 1)
+        .initial("paying")
+        .state("paying", |s| s.machine("payment").on_done(|b| b.target("paid")))
+        .final_state("paid")
+        .build()
+        .expect("valid chart");
+    ChartMachine::new(def)
+}
+
+/// A chart's children run `payment` v1 unless it says otherwise: a worker that serves
+/// only v2 would start children nobody claims, and the parent would wait forever.
+#[tokio::test]
+async fn spawn_refuses_a_delegated_machine_served_only_in_another_version() {
+    let keel = keel().await;
+    let builder = keel.worker().register(checkout()).unwrap().register(PaymentV2).unwrap();
+    let Err(Error::Registration(error)) = builder.spawn() else {
+        panic!("payment v1 is not served: a registration error")
+    };
+    let message = error.to_string();
+    assert_eq!(error.machine, "checkout v1", "{message}");
+    assert_eq!(error.missing.len(), 1, "{message}");
+    assert!(error.missing[0].starts_with("delegated machine `payment` v1 ("), "{message}");
+    for part in [
+        "chart `checkout`",
+        "registers `payment` v2 only",
+        "with_child_version(\"payment\", 2)",
+        "register `payment` v1",
+        "Fix:",
+    ] {
+        assert!(message.contains(part), "the message says {part:?}: {message}");
+    }
+
+    // The version it serves, or declared as served elsewhere: it starts.
+    let chart = checkout().with_child_version("payment", 2);
+    let worker = keel.worker().register(chart).unwrap().register(PaymentV2).unwrap();
+    worker.spawn().expect("payment v2 is served").shutdown().await;
+    let worker = keel.worker().register(checkout()).unwrap().register(PaymentV2).unwrap();
+    let worker = worker.served_elsewhere("payment");
+    worker.spawn().expect("payment is served elsewhere").shutdown().await;
+}
+
+/// `with_child_version` and `with_child_queue` for a machine the chart does not delegate
+/// to (a typo) would do nothing; the chart is refused, with the name it likely means.
+#[tokio::test]
+async fn child_settings_for_a_machine_the_chart_does_not_start_are_refused() {
+    let keel = keel().await;
+    let cases = [
+        (checkout().with_child_version("paymnet", 2), "with_child_version"),
+        (checkout().with_child_queue("paymnet", "payments"), "with_child_queue"),
+    ];
+    for (chart, call) in cases {
+        let Err(error) = keel.worker().register(chart) else { panic!("{call}: refused") };
+        let message = error.to_string();
+        assert_eq!(error.machine, "checkout v1", "{message}");
+        assert_eq!(error.missing.len(), 1, "{message}");
+        for part in ["`paymnet`", call, "did you mean `payment`?"] {
+            assert!(message.contains(part), "the message says {part:?}: {message}");
+        }
+    }
+}
+
+/// `start` takes one instance: its error names the field as the caller wrote it, without
+/// the batch's `instances[0].`, as `send` does for its signal.
+#[tokio::test]
+async fn a_single_start_error_names_the_field_without_the_batch_prefix() {
+    let keel = keel().await;
+    let error = keel.start(NewInstance::new(MachineRef::new("order", 1), "")).await.unwrap_err();
+    assert_eq!(error.message, "position: must not be empty");
+    let error =
+        keel.start_many(vec![NewInstance::new(MachineRef::new("order", 1), "")]).await.unwrap_err();
+    assert_eq!(error.message, "instances[0].position: must not be empty", "a batch keeps it");
 }
 
 #[tokio::test]

@@ -174,7 +174,9 @@ impl ChartMachine {
     }
 
     /// Child machines started by delegation states run this version of `machine`
-    /// (default 1).
+    /// (default 1). A `machine` no delegation state of the chart starts (a misspelt name)
+    /// makes the chart unrunnable: [`StepMachine::unbound`] names it, with the delegated
+    /// machine it most likely means, and a worker refuses to register the chart.
     #[must_use]
     pub fn with_child_version(mut self, machine: &str, version: i32) -> Self {
         self.child_versions.insert(machine.to_owned(), version);
@@ -184,7 +186,8 @@ impl ChartMachine {
     /// Child machines started by delegation states run on `queue` instead of this
     /// instance's queue (children inherit their parent's namespace and queue otherwise). A
     /// worker that registers this machine serves `queue` too; it runs there only the
-    /// machines it registers.
+    /// machines it registers. A `machine` no delegation state of the chart starts is
+    /// refused as for [`with_child_version`](Self::with_child_version).
     #[must_use]
     pub fn with_child_queue(mut self, machine: &str, queue: &str) -> Self {
         self.child_queues.insert(machine.to_owned(), queue.to_owned());
@@ -213,6 +216,58 @@ impl ChartMachine {
         names.sort();
         names.dedup();
         names
+    }
+
+    /// The machines the definition's delegation states start, each with the version its
+    /// children run ([`with_child_version`](Self::with_child_version), else 1), sorted by
+    /// name. A worker checks these against the machines it serves: a child of a version
+    /// nobody serves would never run, and its parent would wait for it forever.
+    pub fn delegated_refs(&self) -> Vec<MachineRef> {
+        self.delegated_machines()
+            .into_iter()
+            .map(|name| {
+                let version = self.child_version(&name);
+                MachineRef::new(name, version)
+            })
+            .collect()
+    }
+
+    /// The version children of `machine` run.
+    fn child_version(&self, machine: &str) -> i32 {
+        self.child_versions.get(machine).copied().unwrap_or(1)
+    }
+
+    /// Names given to [`with_child_version`](Self::with_child_version) or
+    /// [`with_child_queue`](Self::with_child_queue) that no delegation state starts, each
+    /// as a piece [`StepMachine::unbound`] reports.
+    fn undelegated_settings(&self) -> Vec<String> {
+        let delegated = self.delegated_machines();
+        let mut unknown: Vec<(&str, &str)> = self
+            .child_versions
+            .keys()
+            .map(|m| (m.as_str(), "with_child_version"))
+            .chain(self.child_queues.keys().map(|m| (m.as_str(), "with_child_queue")))
+            .filter(|(m, _)| !delegated.iter().any(|d| d == m))
+            .collect();
+        unknown.sort_unstable();
+        unknown
+            .into_iter()
+            .map(|(machine, call)| {
+                let near =
+                    keel_core::config::closest(machine, delegated.iter().map(String::as_str))
+                        .map_or_else(String::new, |near| format!("did you mean `{near}`? "));
+                let delegates = if delegated.is_empty() {
+                    "it delegates to none".to_owned()
+                } else {
+                    let names: Vec<String> = delegated.iter().map(|d| format!("`{d}`")).collect();
+                    format!("it delegates to {}", names.join(", "))
+                };
+                format!(
+                    "a delegation state starting `{machine}`, which `{call}` names ({delegates}; \
+                     {near}fix the name or remove the call)"
+                )
+            })
+            .collect()
     }
 
     /// A new instance of this machine whose context is `context` serialized. The context
@@ -329,7 +384,7 @@ impl ChartMachine {
             ctx.cancel_children(state);
         }
         for child in &plan.children {
-            let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
+            let version = self.child_version(&child.machine);
             let spawn = ctx
                 .child(MachineRef::new(&child.machine, version), INIT)
                 .context(json!({ "parent": ctx.id, "state": child.state }))
@@ -378,15 +433,16 @@ impl StepMachine for ChartMachine {
     }
 
     fn unbound(&self) -> Vec<String> {
-        self.missing_actions().into_iter().map(|a| format!("action `{a}`")).collect()
+        let actions = self.missing_actions().into_iter().map(|a| format!("action `{a}`"));
+        actions.chain(self.undelegated_settings()).collect()
     }
 
     fn followed_timers(&self) -> Vec<keel_core::chart::TimerArm> {
         self.definition.followed_timers()
     }
 
-    fn delegates(&self) -> Vec<String> {
-        self.delegated_machines()
+    fn delegates(&self) -> Vec<MachineRef> {
+        self.delegated_refs()
     }
 
     fn warnings(&self) -> Vec<String> {

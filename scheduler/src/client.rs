@@ -169,7 +169,7 @@ impl<S: Store, C: Clock> Client<S, C> {
 
     /// Starts one instance; the new id, or the occupant of its unique key.
     pub async fn start(&self, instance: NewInstance) -> StoreResult<InsertOutcome> {
-        let mut out = self.start_many(vec![instance]).await?;
+        let mut out = self.start_many(vec![instance]).await.map_err(one_instance)?;
         out.pop().ok_or_else(|| StoreError::unavailable("store returned no insert outcome"))
     }
 
@@ -489,6 +489,16 @@ impl DeadLetterRetry {
 /// caller passed one signal, or a command line or request body with a bare `dedup_key`.
 fn one_signal(mut e: StoreError) -> StoreError {
     if let Some(bare) = e.message.strip_prefix("signals[0].") {
+        e.message = bare.to_owned();
+    }
+    e
+}
+
+/// An error about a batch of one, as the starter of that one instance reads it: the batch
+/// names the instance's fields `instances[0].<field>` (`instances[0].position`), while
+/// [`Client::start`]'s caller passed one instance.
+fn one_instance(mut e: StoreError) -> StoreError {
+    if let Some(bare) = e.message.strip_prefix("instances[0].") {
         e.message = bare.to_owned();
     }
     e

@@ -341,10 +341,11 @@ pub trait StepMachine: Send + Sync + 'static {
         Vec::new()
     }
 
-    /// Machines this one starts as children by name (chart delegation states). A worker
-    /// checks at start-up that each is registered with it or declared as served by
-    /// another worker.
-    fn delegates(&self) -> Vec<String> {
+    /// Machines this one starts as children (chart delegation states), each in the
+    /// version its children run. A worker checks at start-up that each is registered with
+    /// it in that version, or declared as served by another worker: a child of a version
+    /// nobody serves would never run, and its parent would wait for it for ever.
+    fn delegates(&self) -> Vec<MachineRef> {
         Vec::new()
     }
 
@@ -358,7 +359,7 @@ pub trait StepMachine: Send + Sync + 'static {
 }
 
 /// Why a worker refuses `machine` (as `name vN`): what it names but was not given
-/// (`missing`, each as ``action `notify` `` or ``delegated machine `payment` ``), and how to
+/// (`missing`, each as ``action `notify` `` or ``delegated machine `payment` v1``), and how to
 /// fix each kind.
 pub fn cannot_run(machine: &str, missing: &[String]) -> String {
     let mut message =
