@@ -361,7 +361,7 @@ fn bad_input_gets_400_naming_the_field_and_stores_nothing() {
             ),
             (events, format!(r#"{{"instance":{id}}}"#), 400, "event"),
             (events, format!(r#"{{"instance":{id},"event":7}}"#), 400, "event"),
-            (events, format!(r#"{{"instance":{id},"event":""}}"#), 400, "name"),
+            (events, format!(r#"{{"instance":{id},"event":""}}"#), 400, "event"),
             (events, format!(r#"{{"instance":{id},"event":"X","colour":1}}"#), 400, "colour"),
             (events, r#"{"event":"X"}"#.into(), 400, "instance"),
             (events, r#"{"instance":-3,"event":"X"}"#.into(), 400, "instance"),
@@ -407,6 +407,111 @@ fn bad_input_gets_400_naming_the_field_and_stores_nothing() {
         assert!(answer.starts_with("HTTP/1.1 413"), "{name}: {answer}");
         assert!(answer.contains(r#""field":"body""#), "{name}: {answer}");
         assert_eq!(s.get_json(&format!("/v1/namespaces/a/instances/{id}")).1, before, "{name}");
+    }
+}
+
+/// A 400 names the request's own field or path parameter, in the API's JSON shape: never
+/// a store-internal path (`instances[0].business_key`), never a plain-text rejection, and
+/// a namespace no store can hold is the client's mistake, not a 503.
+#[test]
+fn a_400_names_the_requests_own_field_or_parameter() {
+    for (name, s) in servers("a_400_names_the_requests_own_field_or_parameter", None) {
+        let (code, started) =
+            s.post("/v1/namespaces/a/instances", r#"{"machine":"ticket","key":"K"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let id = started["id"].as_i64().unwrap();
+        let events = "/v1/namespaces/a/events";
+        let instances = "/v1/namespaces/a/instances";
+        let poll = "/v1/worker/tasks/poll";
+        let cases: Vec<(&str, String, &str)> = vec![
+            (instances, r#"{"machine":"ticket","key":""}"#.into(), "key"),
+            (instances, r#"{"machine":"ticket","at":""}"#.into(), "at"),
+            (instances, r#"{"machine":"ticket","queue":""}"#.into(), "queue"),
+            (instances, r#"{"machine":"ticket","version":0}"#.into(), "version"),
+            (instances, r#"{"machine":"ticket","version":-3}"#.into(), "version"),
+            (events, format!(r#"{{"instance":{id},"event":""}}"#), "event"),
+            (events, r#"{"machine":"ticket","key":"","event":"X"}"#.into(), "key"),
+            (events, r#"{"machine":"","key":"K","event":"X"}"#.into(), "machine"),
+            (
+                poll,
+                r#"{"worker":"w","namespace":"a","machines":[{"name":"ticket","version":0}]}"#
+                    .into(),
+                "machines[0].version",
+            ),
+        ];
+        for (path, body, field) in &cases {
+            let (code, answer) = s.post(path, body);
+            assert_eq!(
+                (code, answer["field"].as_str()),
+                (400, Some(*field)),
+                "{name}: POST {path} {body}: {answer}"
+            );
+            let error = answer["error"].as_str().unwrap_or_default();
+            assert!(error.starts_with(&format!("{field}:")), "{name}: {body}: {answer}");
+        }
+        let (_, list) = s.get_json("/v1/namespaces/a/machines/ticket/instances");
+        assert_eq!(list["instances"].as_array().map(Vec::len), Some(1), "{name}: {list}");
+
+        let long = "n".repeat(257);
+        for path in [
+            format!("/v1/namespaces/{long}/status"),
+            format!("/v1/namespaces/{long}/activity"),
+            "/v1/namespaces/a%00b/status".to_owned(),
+            "/v1/namespaces/a%00b/activity".to_owned(),
+            "/v1/namespaces/%FF/status".to_owned(),
+            "/v1/namespaces/%FF/instances".to_owned(),
+        ] {
+            let (code, answer) = if path.ends_with("/instances") {
+                s.post(&path, r#"{"machine":"ticket"}"#)
+            } else {
+                s.get_json(&path)
+            };
+            assert_eq!(
+                (code, answer["field"].as_str()),
+                (400, Some("namespace")),
+                "{name}: {path}: {answer}"
+            );
+        }
+        let (code, answer) = s.get_json("/v1/namespaces/a/instances/%FF");
+        assert_eq!((code, answer["field"].as_str()), (400, Some("id")), "{name}: {answer}");
+
+        // A cancel says whether its cascade reached every live descendant.
+        let (code, answer) =
+            s.post(&format!("/v1/namespaces/a/instances/{id}/cancel"), r#"{"cascade":true}"#);
+        assert_eq!(code, 200, "{name}: {answer}");
+        assert_eq!(answer["cancelled"], json!([id]), "{name}: {answer}");
+        assert_eq!(answer["complete"], json!(true), "{name}: {answer}");
+    }
+}
+
+/// A heartbeat without `lease_ms` extends by the lease the worker's poll asked for, never
+/// by the 30 s default below it: the task is not reaped under a worker still running it.
+#[test]
+fn a_heartbeat_without_lease_ms_never_shortens_the_polled_lease() {
+    for (name, s) in servers("a_heartbeat_without_lease_ms_never_shortens_the_polled_lease", None) {
+        let ns = "/v1/namespaces/default/instances";
+        let (code, a) = s.post(ns, r#"{"machine":"long","at":"run"}"#);
+        assert_eq!(code, 201, "{name}: {a}");
+        let id = a["id"].as_i64().unwrap();
+        let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("long", 600_000));
+        assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+        let granted = task["lease_expires_at"].as_i64().unwrap();
+        let token = task["token"].as_i64().unwrap();
+        let (code, beat) = s.post(
+            &format!("/v1/worker/tasks/{id}/heartbeat"),
+            &format!(r#"{{"worker":"w","token":{token}}}"#),
+        );
+        assert_eq!(code, 200, "{name}: {beat}");
+        assert!(beat["lease_ms"].as_u64().unwrap_or(0) >= 600_000, "{name}: {beat}");
+        let (_, row) = s.get_json(&format!("{ns}/{id}"));
+        let expires = row["instance"]["lease_expires_at"].as_i64().unwrap();
+        assert!(expires >= granted, "{name}: the lease shrank from {granted} to {expires}");
+        // One that names `lease_ms` gets what it asked for.
+        let (code, beat) = s.post(
+            &format!("/v1/worker/tasks/{id}/heartbeat"),
+            &format!(r#"{{"worker":"w","token":{token},"lease_ms":1000}}"#),
+        );
+        assert_eq!((code, beat["lease_ms"].as_u64()), (200, Some(1000)), "{name}: {beat}");
     }
 }
 
@@ -1739,6 +1844,12 @@ fn the_root_address_and_its_token_link_reach_the_dashboard() {
         assert_eq!((at.as_str(), code), ("/ui/ns/a", 200), "{name}: signed in");
         let (at, _, _) = browse(&s, "/ui/login", &mut jar);
         assert_eq!(at, "/ui/ns/a", "{name}: the form is not shown again once signed in");
+        // A mistyped dashboard address is the dashboard's page, not the API's JSON.
+        for typo in ["/ui/ns/a/typo", "/ui/typo"] {
+            let (at, code, page) = browse(&s, typo, &mut jar);
+            assert_eq!((at.as_str(), code), (typo, 404), "{name}: {page}");
+            assert!(page.contains("<h1>Not found</h1>"), "{name}: {typo}: {page}");
+        }
         let (at, code, page3) = browse(&s, "/?token=not-a-token-of-this-server", &mut None);
         assert_eq!((at.as_str(), code), ("/ui", 401), "{name}: {page3}");
         assert!(page3.contains("this token is not in the server"), "{name}: {page3}");

@@ -11,7 +11,8 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::FromRequestParts;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Extension, Path, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Extension, State};
 use axum::http::request::Parts;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -80,6 +81,93 @@ impl IntoResponse for ApiError {
 }
 
 type ApiResult = Result<Response, ApiError>;
+
+/// A store error about a request body, with the store's field path (`instances[0].position`,
+/// `signals[0].name`, `target.key`, or the same without its prefix) rewritten to the
+/// body's own name for it (`renames`: store path → body field), in `field` and at the
+/// head of the message. A path `renames` does not list is kept as it is.
+fn renamed(error: StoreError, renames: &[(&str, &str)]) -> ApiError {
+    let mut api = ApiError::from(error);
+    let Some(field) = api.field.clone() else {
+        return api;
+    };
+    let bare = field
+        .strip_prefix("instances[0].")
+        .or_else(|| field.strip_prefix("signals[0]."))
+        .unwrap_or(&field);
+    if let Some((_, body)) = renames.iter().find(|(store, _)| *store == bare) {
+        if let Some(rest) = api.message.strip_prefix(field.as_str()) {
+            api.message = format!("{body}{rest}");
+        }
+        api.field = Some((*body).to_owned());
+    }
+    api
+}
+
+/// The store's names for a start's fields, and the body's.
+const START_FIELDS: &[(&str, &str)] = &[
+    ("namespace", "namespace"),
+    ("machine.name", "machine"),
+    ("machine.version", "version"),
+    ("position", "at"),
+    ("business_key", "key"),
+    ("queue", "queue"),
+    ("context", "context"),
+    ("priority", "priority"),
+];
+
+/// The store's names for an event's fields, and the body's.
+const EVENT_FIELDS: &[(&str, &str)] = &[
+    ("name", "event"),
+    ("payload", "payload"),
+    ("dedup_key", "dedup_key"),
+    ("priority", "priority"),
+    ("target.machine", "machine"),
+    ("target.key", "key"),
+    ("target.namespace", "namespace"),
+];
+
+/// `axum`'s path extractor answering a parameter it cannot take (invalid UTF-8 after
+/// percent-decoding, say) with 400 in the API's JSON shape, naming the parameter.
+pub struct Path<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for Path<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(Path(value)),
+            Err(rejection) => Err(path_rejected(rejection)),
+        }
+    }
+}
+
+fn path_rejected(rejection: PathRejection) -> ApiError {
+    use axum::extract::path::ErrorKind as Kind;
+    let PathRejection::FailedToDeserializePathParams(failed) = rejection else {
+        return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, rejection.body_text());
+    };
+    let param = match failed.kind() {
+        Kind::InvalidUtf8InPathParam { key }
+        | Kind::ParseErrorAtKey { key, .. }
+        | Kind::DeserializeError { key, .. } => key.clone(),
+        _ => "path".to_owned(),
+    };
+    // The routes call the namespace `{ns}`; every error names it `namespace`.
+    let param = if param == "ns" { "namespace".to_owned() } else { param };
+    let why = match failed.kind() {
+        Kind::InvalidUtf8InPathParam { .. } => {
+            "is not valid UTF-8 once percent-decoded; percent-encode the UTF-8 bytes of the name"
+                .to_owned()
+        }
+        kind => kind.to_string(),
+    };
+    ApiError::bad(&param, format!("{param}: {why}"))
+}
 
 /// Parses a JSON body; the error names the field at fault (its path in the document).
 pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
@@ -221,16 +309,22 @@ async fn target(state: &AppState, ns: &str, b: &EventBody) -> Result<InstanceId,
             Ok(id)
         }
         (None, Some(machine), Some(key)) => {
+            // A name no instance can hold is a 400 naming it, as for a start, not a 404.
+            for (field, value) in [("machine", machine), ("key", key)] {
+                keel_core::instance::check_name(field, value).map_err(ApiError::from)?;
+            }
             let target = SignalTarget::Key {
                 namespace: ns.to_owned(),
                 machine: machine.clone(),
                 key: key.clone(),
             };
-            state.keel.lookup(target).await?.ok_or_else(|| {
-                ApiError::not_found(format!(
-                    "no instance of machine {machine:?} with key {key:?} in namespace {ns:?}"
-                ))
-            })
+            state.keel.lookup(target).await.map_err(|e| renamed(e, EVENT_FIELDS))?.ok_or_else(
+                || {
+                    ApiError::not_found(format!(
+                        "no instance of machine {machine:?} with key {key:?} in namespace {ns:?}"
+                    ))
+                },
+            )
         }
         _ => Err(ApiError::bad(
             "instance",
@@ -314,7 +408,7 @@ pub async fn send_event(
     if let Some(priority) = b.priority {
         signal = signal.priority(priority);
     }
-    match state.keel.send(signal).await? {
+    match state.keel.send(signal).await.map_err(|e| renamed(e, EVENT_FIELDS))? {
         DeliveryOutcome::Delivered { id: signal, target, .. } => Ok((
             StatusCode::ACCEPTED,
             Json(json!({ "signal": signal.0, "instance": target.0, "duplicate": false })),
@@ -367,6 +461,15 @@ pub async fn start_instance(
     bytes: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let b: StartBody = body(&read(bytes)?)?;
+    if b.version < 1 {
+        return Err(ApiError::bad(
+            "version",
+            format!(
+                "version: {} is not a version; versions start at 1 (leave it out for 1)",
+                b.version
+            ),
+        ));
+    }
     if let Some(defs) = &state.definitions {
         if !defs.has_machine(&b.machine) {
             return Err(unknown_machine(&b.machine));
@@ -400,7 +503,7 @@ pub async fn start_instance(
     if let Some(priority) = b.priority {
         new = new.priority(priority);
     }
-    Ok(match state.keel.start(new).await? {
+    Ok(match state.keel.start(new).await.map_err(|e| renamed(e, START_FIELDS))? {
         InsertOutcome::Inserted(id) => {
             (StatusCode::CREATED, Json(json!({ "id": id.0, "inserted": true }))).into_response()
         }
@@ -489,8 +592,12 @@ pub async fn cancel_instance(
         }
         cancel = cancel.cascade();
     }
-    let cancelled: Vec<i64> = state.keel.cancel(cancel).await?.iter().map(|i| i.0).collect();
-    Ok(Json(json!({ "cancelled": cancelled })).into_response())
+    let cancelled = state.keel.cancel(cancel).await?;
+    // A cascade that stopped at the store's bound may leave live descendants running, as
+    // `keel cancel --cascade` warns; `complete` says whether it may have.
+    let complete = !(b.cascade && crate::commands::cascade_cut(&cancelled));
+    let cancelled: Vec<i64> = cancelled.iter().map(|i| i.0).collect();
+    Ok(Json(json!({ "cancelled": cancelled, "complete": complete })).into_response())
 }
 
 /// Most instances a cascading cancel by a token scoped to some namespaces reads to check

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use keel::DeadLetterRetry;
 use keel_core::ids::DeadLetterId;
@@ -14,7 +14,7 @@ use keel_core::ports::store::QueuePauseParams;
 use serde_json::json;
 
 use super::AppState;
-use super::api::{ApiError, NoQuery};
+use super::api::{ApiError, NoQuery, Path};
 use crate::commands::{now, status_rows};
 
 /// Most dead letters one list returns.
@@ -26,10 +26,26 @@ pub async fn status(
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
 ) -> Result<Response, ApiError> {
-    let rows = status_rows(&state.keel, &ns, None).await.map_err(|error| {
-        ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
-    })?;
+    namespace(&ns)?;
+    let rows = status_rows(&state.keel, &ns, None).await.map_err(unavailable)?;
     Ok(Json(json!({ "namespace": ns, "queues": rows })).into_response())
+}
+
+/// The URL's namespace, checked as the store checks names: one it could never hold (empty,
+/// too long, a control character) is the client's mistake, 400 naming `namespace`.
+fn namespace(ns: &str) -> Result<(), ApiError> {
+    keel_core::instance::check_name("namespace", ns).map_err(ApiError::from)
+}
+
+/// A read's error: the store's own kind when it is a store error (`Invalid` is 400 naming
+/// the field, as in [`report_error`]), else 503, the store being out of reach.
+fn unavailable(error: anyhow::Error) -> ApiError {
+    match error.downcast::<keel::StoreError>() {
+        Ok(store) => ApiError::from(store),
+        Err(error) => {
+            ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
+        }
+    }
 }
 
 async fn set_paused(
@@ -169,10 +185,9 @@ pub async fn activity(
     State(state): State<Arc<AppState>>,
     Path(ns): Path<String>,
 ) -> Result<Response, ApiError> {
+    namespace(&ns)?;
     let machines =
-        crate::operate::activity(&state.keel, &ns, None, now()).await.map_err(|error| {
-            ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
-        })?;
+        crate::operate::activity(&state.keel, &ns, None, now()).await.map_err(unavailable)?;
     Ok(Json(json!({
         "namespace": ns,
         "window_ms": crate::operate::ACTIVITY_WINDOW.as_millis() as u64,

@@ -28,6 +28,8 @@ struct Seen {
     /// The namespace and machines its last poll declared, which a heartbeat records again.
     namespace: String,
     machines: Vec<MachineRef>,
+    /// The lease its last poll asked for, which a heartbeat without one extends by.
+    lease: Duration,
 }
 
 /// When each remote worker was first seen and last recorded, and what it last declared.
@@ -58,6 +60,7 @@ impl Beats {
         worker: &str,
         namespace: &str,
         machines: Vec<MachineRef>,
+        lease: Duration,
     ) -> Option<WorkerBeatParams> {
         let mut machines = machines;
         machines.sort();
@@ -66,6 +69,7 @@ impl Beats {
         if let Some(record) = seen.get_mut(worker) {
             namespace.clone_into(&mut record.namespace);
             record.machines = machines;
+            record.lease = lease;
             return self.due(worker, record);
         }
         if seen.len() >= REMEMBERED_MAX
@@ -79,6 +83,7 @@ impl Beats {
             recorded: Instant::now(),
             namespace: namespace.to_owned(),
             machines,
+            lease,
         };
         let params = beat(worker, &record);
         seen.insert(worker.to_owned(), record);
@@ -101,15 +106,23 @@ impl Beats {
         Some(beat(worker, record))
     }
 
-    /// Records a polling worker when it is due; a failure is logged, never returned.
+    /// The lease `worker`'s last poll asked for, when this server remembers it polling.
+    pub fn lease(&self, worker: &str) -> Option<Duration> {
+        let seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        seen.get(worker).map(|record| record.lease)
+    }
+
+    /// Records a polling worker when it is due, and the lease it asked for; a failure is
+    /// logged, never returned.
     pub async fn poll<S: Store>(
         &self,
         store: &S,
         worker: &str,
         namespace: &str,
         machines: Vec<MachineRef>,
+        lease: Duration,
     ) {
-        if let Some(params) = self.polled(worker, namespace, machines) {
+        if let Some(params) = self.polled(worker, namespace, machines, lease) {
             record(store, worker, params).await;
         }
     }
@@ -152,18 +165,22 @@ async fn record<S: Store>(store: &S, worker: &str, params: WorkerBeatParams) {
 mod tests {
     use super::*;
 
+    const LEASE: Duration = Duration::from_secs(30);
+
     #[test]
     fn a_heartbeat_beats_with_the_last_poll_declaration_once_per_interval() {
         let beats = Beats::every(Duration::from_secs(3600));
         assert!(beats.held("w").is_none(), "a worker never seen polling is not recorded");
-        let first = beats.polled("w", "a", vec![MachineRef::new("m", 1)]).expect("first beat");
+        let first =
+            beats.polled("w", "a", vec![MachineRef::new("m", 1)], LEASE).expect("first beat");
         assert_eq!((first.machines.len(), first.namespaces), (1, vec!["a".to_owned()]));
         assert!(beats.held("w").is_none(), "not due within the interval");
-        assert!(beats.polled("w", "b", vec![MachineRef::new("n", 2)]).is_none());
+        assert!(beats.polled("w", "b", vec![MachineRef::new("n", 2)], LEASE).is_none());
 
         let beats = Beats::every(Duration::ZERO);
-        let first = beats.polled("w", "a", vec![MachineRef::new("m", 1)]).expect("first beat");
-        beats.polled("w", "b", vec![MachineRef::new("n", 2), MachineRef::new("n", 2)]);
+        let first =
+            beats.polled("w", "a", vec![MachineRef::new("m", 1)], LEASE).expect("first beat");
+        beats.polled("w", "b", vec![MachineRef::new("n", 2), MachineRef::new("n", 2)], LEASE);
         let held = beats.held("w").expect("due");
         assert_eq!(held.machines, vec![MachineRef::new("n", 2)], "the last poll's machines");
         assert_eq!(held.namespaces, vec!["b".to_owned()]);

@@ -7,14 +7,14 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use keel_core::schedule::Schedule;
 use serde_json::json;
 
 use super::AppState;
-use super::api::{ApiError, NoQuery};
+use super::api::{ApiError, NoQuery, Path};
 use crate::commands::now;
 use crate::schedules_cmd::{infos, set_paused, stored_states};
 

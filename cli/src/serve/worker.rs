@@ -21,8 +21,8 @@ use std::time::Duration;
 use axum::Extension;
 use axum::Json;
 use axum::body::Bytes;
+use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use keel::{InstanceId, MachineRef, Outcome, StoreError};
@@ -43,7 +43,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::AppState;
-use super::api::{ApiError, NoQuery, body, read};
+use super::api::{ApiError, NoQuery, Path, body, read};
 use super::auth::Grant;
 use crate::commands::now;
 
@@ -169,6 +169,13 @@ pub async fn poll(
     }
     for (i, m) in b.machines.iter().enumerate() {
         named(format!("machines[{i}].name"), &m.name)?;
+        if m.version < 1 {
+            let field = format!("machines[{i}].version");
+            return Err(ApiError::bad(
+                &field,
+                format!("{field}: {} is not a version; versions start at 1", m.version),
+            ));
+        }
     }
     let queues = if let Some(queues) = &b.queues {
         if queues.is_empty() || queues.len() > POLL_QUEUES_MAX {
@@ -208,7 +215,7 @@ pub async fn poll(
     let store = state.keel.store();
     let declared: Vec<MachineRef> =
         b.machines.iter().map(|m| MachineRef::new(&m.name, m.version)).collect();
-    state.beats.poll(store, &b.worker, &b.namespace, declared.clone()).await;
+    state.beats.poll(store, &b.worker, &b.namespace, declared.clone(), lease).await;
     let claim = Claim { state: &state, body: &b, queues: &queues, machines: &declared, lease };
     let started = tokio::time::Instant::now();
     let deadline = started + Duration::from_millis(b.wait_ms);
@@ -537,8 +544,11 @@ fn task(claim: &Claimed) -> serde_json::Value {
 pub struct HeartbeatBody {
     worker: String,
     token: i64,
-    #[serde(default = "default_lease")]
-    lease_ms: u64,
+    /// Without it: the lease this worker's last poll here asked for (30 s when this
+    /// server has not seen it poll), and never less than what is left of the lease it
+    /// holds, so a heartbeat never shortens a lease.
+    #[serde(default)]
+    lease_ms: Option<u64>,
 }
 
 /// A task of a namespace the token does not see is "not found", like a missing one.
@@ -573,6 +583,26 @@ fn stale(id: InstanceId) -> ApiError {
     ))
 }
 
+/// The lease a heartbeat without `lease_ms` extends by: the one `worker`'s last poll here
+/// asked for ([`default_lease`] when this server has not seen it poll, say it polled
+/// another server behind the same balancer), and at least what is left of the lease the
+/// task holds, so the heartbeat never brings its expiry closer; at most [`LEASE_MAX`].
+async fn unnamed_lease(
+    state: &AppState,
+    id: InstanceId,
+    worker: &str,
+) -> Result<Duration, ApiError> {
+    let asked = state.beats.lease(worker).unwrap_or_else(|| Duration::from_millis(default_lease()));
+    let rows = state.keel.store().instance_rows(vec![id]).await?;
+    let at = now();
+    let left = rows
+        .iter()
+        .find(|row| row.id == id)
+        .and_then(|row| row.lease_expires_at)
+        .map_or(Duration::ZERO, |expires| expires.since(at));
+    Ok(asked.max(left).clamp(LEASE_MIN, LEASE_MAX))
+}
+
 /// Extends a task's lease: 200, or 409 when the token is stale.
 pub async fn heartbeat(
     _: NoQuery,
@@ -584,8 +614,11 @@ pub async fn heartbeat(
     let id = task_id(&id)?;
     visible(&state, grant, id).await?;
     let b: HeartbeatBody = body(&read(bytes)?)?;
-    let lease = lease(b.lease_ms)?;
     let store = state.keel.store();
+    let lease = match b.lease_ms {
+        Some(ms) => lease(ms)?,
+        None => unnamed_lease(&state, id, &b.worker).await?,
+    };
     let held = store
         .lease_extend(LeaseExtendParams {
             worker: WorkerId(b.worker.clone()),
@@ -597,7 +630,7 @@ pub async fn heartbeat(
     if held.first().copied().unwrap_or(false) {
         // A worker busy on a long step heartbeats but does not poll: it is alive.
         state.beats.lease_held(store, &b.worker).await;
-        Ok(Json(json!({ "id": id.0, "lease_ms": b.lease_ms })).into_response())
+        Ok(Json(json!({ "id": id.0, "lease_ms": lease.as_millis() as u64 })).into_response())
     } else {
         Err(stale(id))
     }

@@ -24,7 +24,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 
 use super::AppState;
 use super::auth::{Access, Grant};
@@ -85,7 +85,8 @@ pub fn router(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/dead-letters/{id}/retry", post(pages::retry_one))
         .route("/queues/{queue}/pause", post(pages::pause))
         .route("/queues/{queue}/resume", post(pages::resume))
-        .route_layer(from_fn_with_state(Arc::clone(&state), scope));
+        .route_layer(from_fn_with_state(Arc::clone(&state), scope))
+        .fallback(unknown);
     Router::new()
         .route("/ui", get(home))
         .route("/ui/", get(home))
@@ -95,6 +96,9 @@ pub fn router(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/ui/assets/live.js", get(script))
         .route("/ui/ns/{ns}/", get(without_slash))
         .nest("/ui/ns/{ns}", scoped)
+        // A mistyped dashboard address is the dashboard's own "not found" page, for a
+        // signed-in browser too (the API's answers are JSON and want a bearer header).
+        .route("/ui/{*rest}", any(unknown))
         .layer(from_fn_with_state(state, authenticate))
         // Outside authentication: the cookie is scoped to `/ui`, so a browser never sends
         // it here, and `/` only hands over to `/ui`, `?token=` included.
@@ -116,6 +120,11 @@ pub(super) fn refused_page(message: &str) -> Response {
         html::esc(message)
     );
     html::page("Refused", None, &Viewer { grant: None }, &body).into_response()
+}
+
+/// An address under `/ui` that is no page.
+async fn unknown(request: Request) -> Response {
+    pages::not_found(request.extensions().get::<Viewer>())
 }
 
 /// `/ui/ns/{ns}/` is the overview at `/ui/ns/{ns}`.
