@@ -467,12 +467,12 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     // do: the delivery was planned from the rows read at the pick, so written after the
     // cancels it would put a child the deadline cancelled back as it was planned (woken,
     // with the fire in its inbox). Written before, the cancel reads the delivered row and
-    // drains its inbox. (A fire never wakes or raises a parent waiting on its children, so
-    // the held parent rows are still the ones the deadlines plan from.) This costs one
-    // round trip more, only in a sweep that passes a deadline. Each parent (locked at the
-    // pick, listed once) is read again before its deadline is planned: an earlier
-    // deadline's cancels may have changed it (a parent that is also a cancelled child of
-    // another), and a row as read at the pick would be written back over that.
+    // drains its inbox. (A fire never wakes or raises a parent waiting on its children.)
+    // This costs one round trip more, only in a sweep that passes a deadline. Each parent
+    // (locked at the pick, listed once) is read again before its deadline is planned, one
+    // read per deadline: an earlier deadline's cancels may have changed it (a parent that
+    // is also a cancelled child of another), and a row as read at the pick would be
+    // written back over that.
     let (written, delivered) = tokio::join!(writes, signal::finish(c, &delivery, None));
     written?;
     delivered?;
@@ -573,108 +573,21 @@ mod tests {
     //! A retime reads only the timers that move: a second pass over a machine version
     //! whose timers were moved already returns no timer, as does a deployed list that
     //! names a timer twice with its current duration first, and a later deploy that
-    //! changes a duration again moves them all again. A sweep wakes a parent with two due
-    //! join deadline timers once, and leaves a child an earlier deadline of the same
-    //! sweep cancelled as it is; a timer of a busy instance counts as picked.
+    //! changes a duration again moves them all again. A timer of a busy instance counts as
+    //! picked.
 
     use super::super::plans::fresh_schema_or_skip;
+    use keel_core::StepCommit;
     use keel_core::chart::{TimerArm, TimerKind};
-    use keel_core::history::HistoryKind;
     use keel_core::instance::ANY_SIGNAL;
-    use keel_core::join::{Join, JoinState, JoinWoke};
     use keel_core::outcome::Outcome;
     use keel_core::ports::Store;
     use keel_core::ports::store::TimerSweepParams;
-    use keel_core::{InstanceId, Status, StepCommit};
-    use keel_testkit::conformance::support::{
-        at, claim, claim_id, claim_params, commit_ok, ctx, done, get, insert_one, new_in, row, step,
-    };
+    use keel_testkit::conformance::support::{at, claim_id, commit_ok, ctx, insert_one, new_in};
     use std::time::Duration;
 
     fn sweep_at(ns: &str, limit: usize, now: keel_core::Timestamp) -> TimerSweepParams {
         TimerSweepParams { namespace: Some(ns.into()), machines: vec![], limit, now }
-    }
-
-    /// A first barrier that settled before its deadline keeps its deadline timer; when it
-    /// and the second barrier's deadline timer fall due in one sweep, the parent wakes
-    /// once: one JOIN_WOKE per barrier, the second barrier's children cancelled.
-    #[tokio::test]
-    async fn two_due_join_deadline_timers_of_one_parent_wake_it_once() {
-        let Some(s) = fresh_schema_or_skip().await else { return };
-        let ns = "join_two_deadlines";
-        let within = || Join::all().within(Duration::from_secs(60));
-        let parent = insert_one(&s, new_in(ns).queue("parents"), at(0)).await;
-        let claimed = claim_id(&s, ns, parent, at(10)).await;
-        let first =
-            Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
-        let kid = step(&s, &claimed, first, at(20)).await.children[0].id();
-        let mut params = claim_params(ns, 10, at(25));
-        params.queues = vec!["default".into()];
-        let kid_claim = claim(&s, params).await.remove(0);
-        assert_eq!(kid_claim.instance.id, kid);
-        step(&s, &kid_claim, done(), at(30)).await;
-        assert_eq!(row(&s, parent).await.status, Status::Runnable, "the first barrier settled");
-        // A second barrier with a deadline; the first one's deadline timer is still armed.
-        let claimed = claim_id(&s, ns, parent, at(40)).await;
-        let kids = vec![new_in(ns), new_in(ns)];
-        let second = Outcome::schedule_children("again", kids, ctx(2)).with_join(within());
-        let receipt = step(&s, &claimed, second, at(41)).await;
-        let second_kids: Vec<InstanceId> = receipt.children.iter().map(|o| o.id()).collect();
-        assert_eq!(get(&s, parent).await.timers.len(), 2, "both deadline timers armed");
-
-        let report = s.timer_sweep(sweep_at(ns, 100, at(61_000))).await.expect("sweep");
-        assert_eq!((report.processed, report.fired), (2, 0));
-        let detail = get(&s, parent).await;
-        let wakes =
-            detail.history.iter().filter(|h| HistoryKind::JoinWoke.is(&h.entry.kind)).count();
-        assert_eq!(wakes, 2, "one wake per barrier: {:#?}", detail.history);
-        assert_eq!(detail.instance.status, Status::Runnable);
-        let state = JoinState::of(&detail.instance.context).expect("join state");
-        assert_eq!((state.woke, state.unfinished), (Some(JoinWoke::Deadline), 2));
-        for k in second_kids {
-            assert_eq!(row(&s, k).await.status, Status::Cancelled);
-        }
-        assert!(detail.timers.is_empty(), "both deadline timers gone");
-    }
-
-    /// A parent's deadline that cancels a child which is itself a parent whose deadline
-    /// falls due in the same sweep leaves that child cancelled: its deadline is planned
-    /// from the row as the first one left it, not as read at the pick (which would wake
-    /// the cancelled child and write it back runnable).
-    #[tokio::test]
-    async fn a_deadline_does_not_wake_a_child_an_earlier_deadline_of_the_sweep_cancelled() {
-        let Some(s) = fresh_schema_or_skip().await else { return };
-        let ns = "join_nested_deadlines";
-        let within = || Join::all().within(Duration::from_secs(60));
-        let parent = insert_one(&s, new_in(ns).queue("parents"), at(0)).await;
-        let claimed = claim_id(&s, ns, parent, at(10)).await;
-        let outer =
-            Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
-        let middle = step(&s, &claimed, outer, at(20)).await.children[0].id();
-        let mut params = claim_params(ns, 10, at(25));
-        params.queues = vec!["default".into()];
-        let middle_claim = claim(&s, params).await.remove(0);
-        assert_eq!(middle_claim.instance.id, middle);
-        let inner =
-            Outcome::schedule_children("inner", vec![new_in(ns)], ctx(2)).with_join(within());
-        let leaf = step(&s, &middle_claim, inner, at(30)).await.children[0].id();
-
-        // The parent's deadline (due at 60 020) comes first, then the middle one's (60 030).
-        let report = s.timer_sweep(sweep_at(ns, 100, at(61_000))).await.expect("sweep");
-        assert_eq!(report.processed, 2);
-        let woken = row(&s, parent).await;
-        assert_eq!(woken.status, Status::Runnable, "the parent's deadline woke it");
-        let detail = get(&s, middle).await;
-        assert_eq!(
-            detail.instance.status,
-            Status::Cancelled,
-            "the cancelled child stays cancelled: {:#?}",
-            detail.history
-        );
-        let wakes =
-            detail.history.iter().filter(|h| HistoryKind::JoinWoke.is(&h.entry.kind)).count();
-        assert_eq!(wakes, 0, "a cancelled child is not woken");
-        assert_eq!(row(&s, leaf).await.status, Status::Cancelled);
     }
 
     /// A timer whose instance a commit holds is left for the next sweep: not processed,

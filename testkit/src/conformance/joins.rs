@@ -334,3 +334,81 @@ pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: S
     let expected: Vec<_> = kids.iter().map(|k| failed(*k)).collect();
     assert_eq!(reports(s, parent).await, expected, "the parent's inbox, in order");
 }
+
+/// A first barrier that settled before its deadline keeps its deadline timer; when it
+/// and the second barrier's deadline timer fall due in one sweep, the parent wakes
+/// once: one JOIN_WOKE per barrier, the second barrier's children cancelled.
+pub async fn join_two_due_deadline_timers_of_one_parent_wake_it_once<S: Store>(s: &S) {
+    let ns = "join_two_deadlines";
+    let within = || Join::all().within(Duration::from_secs(60));
+    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let first = Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
+    let kid = step(s, &claimed, first, at(20)).await.children[0].id();
+    let mut params = claim_params(ns, 10, at(25));
+    params.queues = vec!["default".into()];
+    let kid_claim = claim(s, params).await.remove(0);
+    assert_eq!(kid_claim.instance.id, kid);
+    step(s, &kid_claim, done(), at(30)).await;
+    assert_eq!(row(s, parent).await.status, Status::Runnable, "the first barrier settled");
+    // A second barrier with a deadline; the first one's deadline timer is still armed.
+    let claimed = claim_id(s, ns, parent, at(40)).await;
+    let kids = vec![new_in(ns), new_in(ns)];
+    let second = Outcome::schedule_children("again", kids, ctx(2)).with_join(within());
+    let receipt = step(s, &claimed, second, at(41)).await;
+    let second_kids: Vec<InstanceId> = receipt.children.iter().map(|o| o.id()).collect();
+    assert_eq!(get(s, parent).await.timers.len(), 2, "both deadline timers armed");
+
+    let report = s.timer_sweep(sweep(ns, at(61_000))).await.expect("sweep");
+    assert_eq!((report.processed, report.fired), (2, 0));
+    let detail = get(s, parent).await;
+    assert_eq!(wakes(s, parent).await, 2, "one wake per barrier: {:#?}", detail.history);
+    assert_eq!(detail.instance.status, Status::Runnable);
+    let state = join_of(&detail.instance);
+    assert_eq!((state.woke, state.unfinished), (Some(JoinWoke::Deadline), 2));
+    for k in second_kids {
+        assert_eq!(row(s, k).await.status, Status::Cancelled);
+    }
+    assert!(detail.timers.is_empty(), "both deadline timers gone");
+}
+
+/// A parent's deadline that cancels a child which is itself a parent whose deadline
+/// falls due in the same sweep leaves that child cancelled: its deadline is planned
+/// from the row as the first one left it, not as read at the pick (which would wake
+/// the cancelled child and write it back runnable).
+pub async fn join_a_deadline_leaves_a_child_an_earlier_deadline_of_the_sweep_cancelled<S: Store>(
+    s: &S,
+) {
+    let ns = "join_nested_deadlines";
+    let within = || Join::all().within(Duration::from_secs(60));
+    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
+    let claimed = claim_id(s, ns, parent, at(10)).await;
+    let outer = Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
+    let middle = step(s, &claimed, outer, at(20)).await.children[0].id();
+    let mut params = claim_params(ns, 10, at(25));
+    params.queues = vec!["default".into()];
+    let middle_claim = claim(s, params).await.remove(0);
+    assert_eq!(middle_claim.instance.id, middle);
+    let inner = Outcome::schedule_children("inner", vec![new_in(ns)], ctx(2)).with_join(within());
+    let leaf = step(s, &middle_claim, inner, at(30)).await.children[0].id();
+
+    // The parent's deadline (due at 60 020) comes first, then the middle one's (60 030).
+    let report = s.timer_sweep(sweep(ns, at(61_000))).await.expect("sweep");
+    assert_eq!(report.processed, 2);
+    let woken = row(s, parent).await;
+    assert_eq!(woken.status, Status::Runnable, "the parent's deadline woke it");
+    let detail = get(s, middle).await;
+    assert_eq!(
+        detail.instance.status,
+        Status::Cancelled,
+        "the cancelled child stays cancelled: {:#?}",
+        detail.history
+    );
+    assert_eq!(wakes(s, middle).await, 0, "a cancelled child is not woken");
+    assert_eq!(row(s, leaf).await.status, Status::Cancelled);
+}
+
+/// A sweep of `ns`'s timers due at `now`.
+fn sweep(ns: &str, now: Timestamp) -> TimerSweepParams {
+    TimerSweepParams { namespace: Some(ns.into()), machines: vec![], limit: 100, now }
+}

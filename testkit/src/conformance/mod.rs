@@ -126,6 +126,8 @@ macro_rules! __store_contract_list {
             join_quorum_out_of_reach_wakes_the_parent_at_the_failure,
             join_deadline_wakes_the_parent_once_with_what_finished,
             join_deadline_and_a_childs_timer_in_one_sweep_leave_the_child_cancelled,
+            join_two_due_deadline_timers_of_one_parent_wake_it_once,
+            join_a_deadline_leaves_a_child_an_earlier_deadline_of_the_sweep_cancelled,
             join_bad_policies_are_refused_naming_the_field,
             lease_expiry_reap_increments_attempt,
             reap_unexpired_lease_does_nothing,
