@@ -158,8 +158,9 @@
 //! - A broadcast whose `in_state` filter meets a position that starts with `[` but is not
 //!   JSON fails (`position::jsonb`); chart positions are always JSON arrays.
 //! - A sweep leaves a due timer whose instance is locked at that moment for the next
-//!   sweep, so `processed < limit` does not prove that nothing is due (`picked < limit`
-//!   does).
+//!   sweep, so `processed < limit` does not prove that nothing is due; nor does `picked <
+//!   limit` quite, as due timers another transaction holds (another sweep, a retime, a
+//!   commit changing them) are not picked.
 //! - Within one commit batch, an `Await` item checks its inbox before the batch's own
 //!   outbox emits are delivered; an emit from an earlier item of the same batch then wakes
 //!   the parked row right after (same final row, but its receipt and `STEP_AWAIT` entry

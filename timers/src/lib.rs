@@ -224,19 +224,21 @@ impl SweepConfig {
             tracing::warn!(
                 machine = %machine,
                 "timers of machine {machine:?} are not swept by this worker: no timer sweep \
-                 group names it; add it to a group's machines, or add a group without a \
-                 machine list, unless a sweeper elsewhere covers it"
+                 group names it; if it arms timers or join deadlines, add it to a group's \
+                 machines, or add a group without a machine list, unless a sweeper elsewhere \
+                 covers it"
             );
         }
         missed
     }
 }
 
-/// Whether a batch came back short, so nothing more is due: fewer timers than `batch`
-/// picked. A timer left for a later sweep because a commit held its instance counts as
-/// picked though not processed; a store that reports no `picked` is judged by `processed`.
+/// Whether the sweep stops after this batch: fewer timers than `batch` picked (a timer
+/// left for a later sweep because a commit held its instance counts as picked though not
+/// processed; a store that reports no `picked` is judged by `processed`), or none of them
+/// processed (every one held: the next batch would pick the same timers again).
 fn came_back_short(report: &TimerSweepReport, batch: usize) -> bool {
-    report.picked.max(report.processed) < batch as u64
+    report.processed == 0 || report.picked.max(report.processed) < batch as u64
 }
 
 /// What one sweep did.
@@ -702,6 +704,7 @@ mod tests {
         let cases = [
             ("all processed", report(10, 10), false),
             ("two busy instances", report(8, 10), false),
+            ("every instance busy", report(0, 10), true),
             ("fewer due", report(7, 7), true),
             ("no picked reported, full", report(10, 0), false),
             ("no picked reported, short", report(3, 0), true),
