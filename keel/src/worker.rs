@@ -20,7 +20,8 @@ use std::sync::Arc;
 pub struct RegistrationError {
     /// The machine, as `name vN`.
     pub machine: String,
-    /// Each missing piece, as ``action `notify` `` or ``delegated machine `payment` v1``.
+    /// Each missing piece, as ``action `notify` ``, ``delegated machine `payment` v1`` or
+    /// ``a delegation state starting `paymnet`, which `with_child_version` names (…)``.
     pub missing: Vec<String>,
 }
 

@@ -342,9 +342,10 @@ pub trait StepMachine: Send + Sync + 'static {
     }
 
     /// Machines this one starts as children (chart delegation states), each in the
-    /// version its children run. A worker checks at start-up that each is registered with
-    /// it in that version, or declared as served by another worker: a child of a version
-    /// nobody serves would never run, and its parent would wait for it for ever.
+    /// version its children run. The `keel` facade's `WorkerBuilder::spawn` checks that
+    /// each is registered with it in that version, or declared as served by another
+    /// worker: a child of a version nobody serves would never run, and its parent would
+    /// wait for it for ever. Default: none.
     fn delegates(&self) -> Vec<MachineRef> {
         Vec::new()
     }

@@ -12,7 +12,8 @@
 //! several schedules reads a schedule's namespace again before firing it when an earlier
 //! fire of the poll came after the read (that fire, a broadcast to many instances say,
 //! may take seconds, and another worker may fire and record the later tick meanwhile).
-//! So the window in which two workers both fire a tick stays one store round trip.
+//! So the window in which two workers both fire a tick is one worker's read to the
+//! other's record of the tick: about one store call (as long as a large broadcast's).
 //! A tick whose store call failed is tried again at the next poll, under the same key,
 //! unless a later tick fell due meanwhile: then the later one fires instead, as a runner
 //! always fires only the latest tick due (ticks it missed are not made up one by one).

@@ -489,7 +489,10 @@ pub async fn start_instance(
     }
     let context = b.context.unwrap_or_else(|| json!({}));
     if !context.is_object() {
-        return Err(ApiError::bad("context", "must be a JSON object such as {\"order\": 42}"));
+        return Err(ApiError::bad(
+            "context",
+            "context: must be a JSON object such as {\"order\": 42}",
+        ));
     }
     let mut new = NewInstance::new(MachineRef::new(&b.machine, b.version), &b.at)
         .namespace(&ns)
