@@ -469,22 +469,29 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     // with the fire in its inbox). Written before, the cancel reads the delivered row and
     // drains its inbox. (A fire never wakes or raises a parent waiting on its children.)
     // This costs one round trip more, only in a sweep that passes a deadline. Each parent
-    // (locked at the pick, listed once) is read again before its deadline is planned, one
-    // read per deadline: an earlier deadline's cancels may have changed it (a parent that
-    // is also a cancelled child of another), and a row as read at the pick would be
-    // written back over that.
+    // (locked at the pick, listed once) is read again before its deadline is planned once
+    // an earlier deadline of the sweep has written: its cancels may have changed it (a
+    // parent that is also a cancelled child of another), and a row as read at the pick
+    // would be written back over that.
     let (written, delivered) = tokio::join!(writes, signal::finish(c, &delivery, None));
     written?;
     delivered?;
     let mut notices = super::Notices::ready(delivery.woke());
-    let reread = c.prepare_cached(&REREAD).await?;
+    // Until a deadline of this loop writes, every parent is as picked.
+    let mut wrote = false;
     for id in &plan.join_deadlines {
-        if !held.contains_key(&id.0) {
-            continue;
-        }
-        let Some(found) = c.query_opt(&reread, &[&id.0]).await? else { continue };
-        let row = rows::instance(&found)?;
-        let planned = plan::parent::expire(&row, p.now);
+        let Some(picked) = held.get(&id.0) else { continue };
+        let reread;
+        let row = if wrote {
+            let stmt = c.prepare_cached(&REREAD).await?;
+            let Some(found) = c.query_opt(&stmt, &[&id.0]).await? else { continue };
+            reread = rows::instance(&found)?;
+            &reread
+        } else {
+            picked
+        };
+        let planned = plan::parent::expire(row, p.now);
+        wrote |= planned.changed;
         notices.ready |= planned.changed;
         let cancels = super::admin::write_parent_plan(c, planned, p.now).await?;
         let run = keel_core::plan::parent::FollowUps::cancels(cancels);
