@@ -552,19 +552,19 @@ pub struct HeartbeatBody {
 }
 
 /// A task of a namespace the token does not see is "not found", like a missing one.
+/// Returns the row when it had to be read (a token scoped to some namespaces).
 async fn visible(
     state: &AppState,
     grant: Option<Extension<Grant>>,
     id: InstanceId,
-) -> Result<(), ApiError> {
+) -> Result<Option<Instance>, ApiError> {
     let Some(Extension(grant)) = grant else {
-        return Ok(());
+        return Ok(None);
     };
     let rows = state.keel.store().instance_rows(vec![id]).await?;
-    if rows.iter().any(|row| row.id == id && grant.sees(&row.namespace)) {
-        Ok(())
-    } else {
-        Err(ApiError::not_found(format!("no task {id}")))
+    match rows.into_iter().find(|row| row.id == id && grant.sees(&row.namespace)) {
+        Some(row) => Ok(Some(row)),
+        None => Err(ApiError::not_found(format!("no task {id}"))),
     }
 }
 
@@ -587,17 +587,20 @@ fn stale(id: InstanceId) -> ApiError {
 /// asked for ([`default_lease`] when this server has not seen it poll, say it polled
 /// another server behind the same balancer), and at least what is left of the lease the
 /// task holds, so the heartbeat never brings its expiry closer; at most [`LEASE_MAX`].
+/// `read` is the task's row when the caller has read it already.
 async fn unnamed_lease(
     state: &AppState,
     id: InstanceId,
     worker: &str,
+    read: Option<Instance>,
 ) -> Result<Duration, ApiError> {
     let asked = state.beats.lease(worker).unwrap_or_else(|| Duration::from_millis(default_lease()));
-    let rows = state.keel.store().instance_rows(vec![id]).await?;
+    let row = match read {
+        Some(row) => Some(row),
+        None => state.keel.store().instance_rows(vec![id]).await?.into_iter().find(|r| r.id == id),
+    };
     let at = now();
-    let left = rows
-        .iter()
-        .find(|row| row.id == id)
+    let left = row
         .and_then(|row| row.lease_expires_at)
         .map_or(Duration::ZERO, |expires| expires.since(at));
     Ok(asked.max(left).clamp(LEASE_MIN, LEASE_MAX))
@@ -612,12 +615,12 @@ pub async fn heartbeat(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let id = task_id(&id)?;
-    visible(&state, grant, id).await?;
+    let seen = visible(&state, grant, id).await?;
     let b: HeartbeatBody = body(&read(bytes)?)?;
     let store = state.keel.store();
     let lease = match b.lease_ms {
         Some(ms) => lease(ms)?,
-        None => unnamed_lease(&state, id, &b.worker).await?,
+        None => unnamed_lease(&state, id, &b.worker, seen).await?,
     };
     let held = store
         .lease_extend(LeaseExtendParams {
