@@ -82,46 +82,35 @@ impl IntoResponse for ApiError {
 
 type ApiResult = Result<Response, ApiError>;
 
-/// A store error about a request body, with the store's field path (`instances[0].position`,
-/// `signals[0].name`, `target.key`, or the same without its prefix) rewritten to the
-/// body's own name for it (`renames`: store path → body field), in `field` and at the
-/// head of the message. A path `renames` does not list is kept as it is.
+/// A store error about a request body, with the store's field path (`position`, `name`,
+/// `target.key`) rewritten to the body's own name for it (`renames`: store path → body
+/// field), in `field` and at the head of the message. A path `renames` does not list is
+/// kept as it is.
 fn renamed(error: StoreError, renames: &[(&str, &str)]) -> ApiError {
     let mut api = ApiError::from(error);
-    let Some(field) = api.field.clone() else {
-        return api;
-    };
-    let bare = field
-        .strip_prefix("instances[0].")
-        .or_else(|| field.strip_prefix("signals[0]."))
-        .unwrap_or(&field);
-    if let Some((_, body)) = renames.iter().find(|(store, _)| *store == bare) {
-        if let Some(rest) = api.message.strip_prefix(field.as_str()) {
+    let found = api.field.as_deref().and_then(|f| renames.iter().find(|(store, _)| *store == f));
+    if let Some(&(store, body)) = found {
+        if let Some(rest) = api.message.strip_prefix(store) {
             api.message = format!("{body}{rest}");
         }
-        api.field = Some((*body).to_owned());
+        api.field = Some(body.to_owned());
     }
     api
 }
 
-/// The store's names for a start's fields, and the body's.
+/// The store's names for a start's fields that the body names otherwise (the client's
+/// single start already drops the batch's `instances[0].`).
 const START_FIELDS: &[(&str, &str)] = &[
-    ("namespace", "namespace"),
     ("machine.name", "machine"),
     ("machine.version", "version"),
     ("position", "at"),
     ("business_key", "key"),
-    ("queue", "queue"),
-    ("context", "context"),
-    ("priority", "priority"),
 ];
 
-/// The store's names for an event's fields, and the body's.
+/// The store's names for an event's fields that the body names otherwise (the client's
+/// single send already drops the batch's `signals[0].`).
 const EVENT_FIELDS: &[(&str, &str)] = &[
     ("name", "event"),
-    ("payload", "payload"),
-    ("dedup_key", "dedup_key"),
-    ("priority", "priority"),
     ("target.machine", "machine"),
     ("target.key", "key"),
     ("target.namespace", "namespace"),
