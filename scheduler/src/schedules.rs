@@ -314,9 +314,7 @@ impl Schedules {
             let Some(states) = self.read_namespace(store, ns).await else {
                 return false;
             };
-            for s in states {
-                stored.insert((s.namespace.clone(), s.name.clone()), s);
-            }
+            replace_namespace(&mut stored, ns, states);
         }
         *self.inner.stored.lock().expect("schedule book lock") = stored;
         true

@@ -341,15 +341,9 @@ pub async fn join_cancels_the_rest_in_the_order_the_children_were_scheduled<S: S
 pub async fn join_two_due_deadline_timers_of_one_parent_wake_it_once<S: Store>(s: &S) {
     let ns = "join_two_deadlines";
     let within = || Join::all().within(Duration::from_secs(60));
-    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
-    let claimed = claim_id(s, ns, parent, at(10)).await;
-    let first = Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
-    let kid = step(s, &claimed, first, at(20)).await.children[0].id();
-    let mut params = claim_params(ns, 10, at(25));
-    params.queues = vec!["default".into()];
-    let kid_claim = claim(s, params).await.remove(0);
-    assert_eq!(kid_claim.instance.id, kid);
-    step(s, &kid_claim, done(), at(30)).await;
+    let (parent, kids) = fan_out(s, ns, 1, within()).await;
+    let claims = claim_children(s, ns, at(25)).await;
+    end(s, &claims, kids[0], done(), at(30)).await;
     assert_eq!(row(s, parent).await.status, Status::Runnable, "the first barrier settled");
     // A second barrier with a deadline; the first one's deadline timer is still armed.
     let claimed = claim_id(s, ns, parent, at(40)).await;
@@ -381,16 +375,11 @@ pub async fn join_a_deadline_leaves_a_child_an_earlier_deadline_of_the_sweep_can
 ) {
     let ns = "join_nested_deadlines";
     let within = || Join::all().within(Duration::from_secs(60));
-    let parent = insert_one(s, new_in(ns).queue("parents"), at(0)).await;
-    let claimed = claim_id(s, ns, parent, at(10)).await;
-    let outer = Outcome::schedule_children("join", vec![new_in(ns)], ctx(1)).with_join(within());
-    let middle = step(s, &claimed, outer, at(20)).await.children[0].id();
-    let mut params = claim_params(ns, 10, at(25));
-    params.queues = vec!["default".into()];
-    let middle_claim = claim(s, params).await.remove(0);
-    assert_eq!(middle_claim.instance.id, middle);
+    let (parent, kids) = fan_out(s, ns, 1, within()).await;
+    let middle = kids[0];
+    let claims = claim_children(s, ns, at(25)).await;
     let inner = Outcome::schedule_children("inner", vec![new_in(ns)], ctx(2)).with_join(within());
-    let leaf = step(s, &middle_claim, inner, at(30)).await.children[0].id();
+    let leaf = step(s, &claims[&middle], inner, at(30)).await.children[0].id();
 
     // The parent's deadline (due at 60 020) comes first, then the middle one's (60 030).
     let report = s.timer_sweep(sweep(ns, at(61_000))).await.expect("sweep");
