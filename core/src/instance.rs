@@ -319,7 +319,7 @@ impl NewInstance {
     pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.namespace"), &self.namespace)?;
         check_name(&format!("{field}.machine.name"), &self.machine.name)?;
-        check_name(&format!("{field}.position"), &self.position)?;
+        check_position(&format!("{field}.position"), &self.position)?;
         check_name(&format!("{field}.queue"), &self.queue)?;
         check_object_within(&format!("{field}.context"), &self.context, depth_max)?;
         for (name, value) in [
@@ -650,6 +650,22 @@ pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
             "{field}: is {} bytes; the limit is {} bytes",
             value.len(),
             limits::NAME_BYTES_MAX
+        )));
+    }
+    Ok(())
+}
+
+/// A position check: a name ([`check_name`]) that, when it starts with `[`, is a chart's
+/// JSON array of active state paths, since that is how every reader
+/// ([`position_in_state`], the stores' state filters) takes such a position. A step or
+/// state named `[x` would be stored as-is and then break those readers.
+pub fn check_position(field: &str, value: &str) -> StoreResult<()> {
+    check_name(field, value)?;
+    if value.starts_with('[') && serde_json::from_str::<Vec<String>>(value).is_err() {
+        return Err(StoreError::invalid(format!(
+            "{field}: {value:?} starts with `[`, which marks a chart's JSON array of active \
+             states (like [\"a.b\",\"c\"]), but is not one; a step or state name cannot \
+             start with `[`"
         )));
     }
     Ok(())

@@ -12,8 +12,8 @@ use crate::history::HistoryKind;
 use crate::ids::{FencingToken, InstanceId, Revision, SignalId, Status, WorkerId};
 use crate::instance::{
     ANY_SIGNAL, AttemptError, HistoryEntry, Instance, NewDeadLetter, NewInstance, NewSignal,
-    Signal, check_batch, check_name, check_object_within, check_record_within, check_size_within,
-    clip_error, scrub_nul,
+    Signal, check_batch, check_name, check_object_within, check_position, check_record_within,
+    check_size_within, clip_error, scrub_nul,
 };
 use crate::join::{JOIN_KEY, Join};
 use crate::limits;
@@ -323,15 +323,15 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
         check_object_within("outcome.context", ctx, depth)?;
     }
     match &commit.outcome {
-        Outcome::Next { step, .. } => check_name("outcome.step", step)?,
+        Outcome::Next { step, .. } => check_position("outcome.step", step)?,
         Outcome::Await { signal, step, .. } => {
             check_name("outcome.signal", signal)?;
             if let Some(step) = step {
-                check_name("outcome.step", step)?;
+                check_position("outcome.step", step)?;
             }
         }
         Outcome::ScheduleChildren { next, children, join, .. } => {
-            check_name("outcome.next", next)?;
+            check_position("outcome.next", next)?;
             check_batch("outcome.children", children.len(), limits::CHILDREN_PER_STEP_MAX)?;
             join.validate("outcome.join", children.len())?;
             for (i, c) in children.iter().enumerate() {
@@ -341,7 +341,7 @@ pub fn validate_commit_shape(commit: &StepCommit) -> StoreResult<()> {
         Outcome::Done { result, step } => {
             check_size_within("outcome.result", result, depth)?;
             if let Some(step) = step {
-                check_name("outcome.step", step)?;
+                check_position("outcome.step", step)?;
             }
         }
         Outcome::Suspend => {

@@ -150,6 +150,39 @@ pub async fn nul_characters_rejected_everywhere<S: Store>(s: &S) {
     assert_eq!(note.entry.data, json!({ "error\u{fffd}": "x\u{fffd}y" }), "NUL replaced");
 }
 
+/// A position that starts with `[` is a chart's JSON array of active states, and every
+/// store reads it so when it filters by state: one that is not such an array is refused
+/// where it comes in (a start, a step's next position), naming the field, so that no
+/// stored row can break a state filter later. An array position is matched by each of
+/// its states.
+pub async fn a_position_opening_with_a_bracket_must_be_a_chart_configuration<S: Store>(s: &S) {
+    let ns = "bracket_position";
+    let at_position = |position: &str| NewInstance { position: position.into(), ..new_in(ns) };
+    insert_invalid(s, at_position("[x"), "instances[0].position").await;
+    insert_invalid(s, at_position("[1]"), "instances[0].position").await;
+    let id = insert_one(s, new_in(ns).business_key("k1"), at(0)).await;
+    let claimed = claim_id(s, ns, id, at(10)).await;
+    let next = Outcome::Next { step: "[oops".into(), context: ctx(1) };
+    commit_invalid(s, StepCommit::new(id, claimed.token(), next), "outcome.step").await;
+    assert_eq!(row(s, id).await, claimed.instance, "a rejected commit changed the row");
+
+    let chart = insert_one(s, at_position(r#"["open.idle","audit"]"#), at(1)).await;
+    let reach = |state: &str| SignalBroadcastParams {
+        namespace: ns.into(),
+        machine: new_in(ns).machine.name,
+        in_state: Some(state.into()),
+        name: "E".into(),
+        payload: Value::Null,
+        dedup_key: None,
+        now: at(30),
+    };
+    s.signal_broadcast(reach("audit")).await.expect("a broadcast by one of the chart's states");
+    s.signal_broadcast(reach("[x")).await.expect("a broadcast to a state nobody is in");
+    let names: Vec<String> =
+        get(s, chart).await.inbox.iter().map(|signal| signal.name.clone()).collect();
+    assert_eq!(names, ["E"], "the chart in `audit` got the broadcast once");
+}
+
 /// Text that JSON has to escape (quotes, backslashes, control characters, characters
 /// outside the basic plane) and numbers at the edges of their types read back exactly as
 /// they went in: a signal's name, payload and dedup key, delivered or emitted by a commit,

@@ -178,6 +178,7 @@ macro_rules! __store_contract_list {
             batch_over_limit_rejected,
             json_nested_too_deep_rejected_everywhere,
             nul_characters_rejected_everywhere,
+            a_position_opening_with_a_bracket_must_be_a_chart_configuration,
             escaped_text_and_edge_numbers_read_back_unchanged,
             undecodable_marker_key_reserved,
             time_and_delay_bounds_enforced,
