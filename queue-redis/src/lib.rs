@@ -35,6 +35,11 @@
 //! probes and, on Linux, its user timeout close such a socket within about 20 s, and
 //! [`TIMEOUTS_BEFORE_RECONNECT`] commands in a row that time out, or a receive's wait
 //! that gets no answer [`RESPONSE_TIMEOUT`] after its end, open a new connection at once.
+//! So does a command that the server refuses because it no longer takes writes
+//! (`READONLY`: a primary that a failover turned into a replica; `MASTERDOWN`: a replica
+//! cut off from its primary): when the URL's name or address has moved to the new
+//! primary, the new connection reaches it, and the queue works again without a restart.
+//! The command that was refused still fails.
 //!
 //! It needs Redis 6.0 or later (a receive waits fractions of a second); [`RedisQueue::connect`]
 //! refuses an older server, naming its version.
@@ -189,6 +194,57 @@ struct Current {
     generation: u64,
     /// Commands on this connection that timed out since the last one that was answered.
     timeouts: u32,
+    /// The server on this connection refused a command because it takes no writes (see
+    /// [`Failure::NoWrites`]); a later answer to a read does not clear it.
+    refused: bool,
+}
+
+impl Current {
+    /// Whether the connection is to be replaced.
+    fn due(&self) -> bool {
+        self.refused || self.timeouts >= TIMEOUTS_BEFORE_RECONNECT
+    }
+}
+
+/// What a failed command says about the connection it was sent on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// No answer in time: the connection may have gone silent. It is replaced after
+    /// [`TIMEOUTS_BEFORE_RECONNECT`] of these in a row.
+    Timeout,
+    /// The server answered that it takes no writes: `READONLY` (a primary that a failover
+    /// turned into a replica, or a URL that names a replica) or `MASTERDOWN` (a replica
+    /// cut off from its primary). redis-rs keeps such a connection, and every write would
+    /// fail on it until the process restarts; a new one reaches the new primary when the
+    /// URL's name or address moved to it. Replaced at once. `LOADING` is not one of these:
+    /// a server loading its data answers once it is done, and one that comes back as a
+    /// replica answers `READONLY` then.
+    NoWrites,
+    /// Anything else (a closed connection, which redis-rs reopens by itself, or an error
+    /// of the command): the connection is kept.
+    Other,
+}
+
+/// How a script's error from Redis before 7.0 reads when it tried to write on a
+/// read-only replica: the code is `ERR`, and this is in its message.
+const READONLY_IN_SCRIPT: &str = "READONLY You can't write against a read only replica";
+
+fn failure(e: &redis::RedisError) -> Failure {
+    use redis::{ErrorKind, ServerErrorKind};
+    if e.is_timeout() {
+        return Failure::Timeout;
+    }
+    match e.kind() {
+        ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown) => {
+            Failure::NoWrites
+        }
+        ErrorKind::Server(ServerErrorKind::ResponseError)
+            if e.detail().is_some_and(|d| d.contains(READONLY_IN_SCRIPT)) =>
+        {
+            Failure::NoWrites
+        }
+        _ => Failure::Other,
+    }
 }
 
 /// A `Queue` on Redis.
@@ -214,7 +270,8 @@ pub struct RedisQueue {
     /// The settings of `blocking`.
     blocking_settings: ConnectionManagerConfig,
     /// The connection for every command but `BLPOP`. Replaced by a new one after
-    /// [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row; callers take a clone.
+    /// [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row, or at once when its server takes
+    /// no writes ([`Failure::NoWrites`]); callers take a clone.
     conn: std::sync::Mutex<Current>,
     /// Held while `conn` is being replaced, so that one caller replaces it at a time.
     reconnecting: tokio::sync::Mutex<()>,
@@ -370,7 +427,12 @@ impl RedisQueue {
             client,
             settings,
             blocking_settings,
-            conn: std::sync::Mutex::new(Current { manager: conn, generation: 0, timeouts: 0 }),
+            conn: std::sync::Mutex::new(Current {
+                manager: conn,
+                generation: 0,
+                timeouts: 0,
+                refused: false,
+            }),
             reconnecting: tokio::sync::Mutex::new(()),
             blocking: tokio::sync::Mutex::new(blocking),
             blocking_abandoned: AtomicBool::new(false),
@@ -472,10 +534,11 @@ impl RedisQueue {
     }
 
     /// Runs a command on the connection of `generation`. An answer resets the count of
-    /// timeouts in a row; the [`TIMEOUTS_BEFORE_RECONNECT`]th timeout in a row replaces
-    /// the connection (the command still fails: the connection it was sent on is gone).
-    /// Answers and timeouts of a connection already replaced count for nothing: commands
-    /// sent on it before the swap time out after it, and must not replace the new one.
+    /// timeouts in a row; the [`TIMEOUTS_BEFORE_RECONNECT`]th timeout in a row, or a
+    /// refusal by a server that takes no writes ([`Failure::NoWrites`]), replaces the
+    /// connection (the command still fails: the connection it was sent on is gone).
+    /// Answers, timeouts and refusals of a connection already replaced count for nothing:
+    /// commands sent on it before the swap fail after it, and must not replace the new one.
     async fn call<T>(
         &self,
         generation: u64,
@@ -490,16 +553,22 @@ impl RedisQueue {
                 Ok(value)
             }
             Err(e) => {
-                let replace = e.is_timeout() && {
+                let failure = failure(&e);
+                let replace = failure != Failure::Other && {
                     let mut current = self.current();
                     if current.generation == generation {
-                        current.timeouts = current.timeouts.saturating_add(1);
+                        match failure {
+                            Failure::Timeout => {
+                                current.timeouts = current.timeouts.saturating_add(1);
+                            }
+                            Failure::NoWrites => current.refused = true,
+                            Failure::Other => {}
+                        }
                     }
-                    current.generation == generation
-                        && current.timeouts >= TIMEOUTS_BEFORE_RECONNECT
+                    current.generation == generation && current.due()
                 };
                 if replace {
-                    self.reconnect(generation).await;
+                    self.reconnect(generation, &e).await;
                 }
                 Err(self.unavailable(&e))
             }
@@ -507,36 +576,44 @@ impl RedisQueue {
     }
 
     /// Replaces the connection of `generation` with a new one, unless another caller is
-    /// doing so or has done so. A failed attempt keeps the old one (the next timeout
-    /// tries again); an attempt takes at most two tries of [`CONNECT_TIMEOUT`].
-    async fn reconnect(&self, generation: u64) {
+    /// doing so or has done so; `cause` is the error that made it due. A failed attempt
+    /// keeps the old one (the next timeout or refusal tries again); an attempt takes at
+    /// most two tries of [`CONNECT_TIMEOUT`].
+    async fn reconnect(&self, generation: u64, cause: &redis::RedisError) {
         let Ok(_only_one) = self.reconnecting.try_lock() else { return };
         {
             let current = self.current();
-            if current.generation != generation || current.timeouts < TIMEOUTS_BEFORE_RECONNECT {
-                return; // replaced by another caller since this one's timeout
+            if current.generation != generation || !current.due() {
+                return; // replaced by another caller since this one's failure
             }
         }
+        let why = match failure(cause) {
+            Failure::NoWrites => {
+                "the Redis server of the connection takes no writes (a replica now?)"
+            }
+            _ => "the Redis connection stopped answering",
+        };
         match ConnectionManager::new_with_config(self.client.clone(), self.settings.clone()).await {
             Ok(fresh) => {
                 let old = {
                     let mut current = self.current();
                     current.generation += 1;
                     current.timeouts = 0;
+                    current.refused = false;
                     std::mem::replace(&mut current.manager, fresh)
                 };
                 drop(old);
                 tracing::warn!(
                     queue = %self.name,
-                    timeouts = TIMEOUTS_BEFORE_RECONNECT,
-                    "the Redis connection stopped answering; replaced it with a new one"
+                    error = %cause,
+                    "{why}; replaced it with a new one"
                 );
             }
             Err(e) => tracing::warn!(
                 queue = %self.name,
                 error = %e,
-                "the Redis connection stopped answering and a new one could not be opened; \
-                 trying again at the next timeout"
+                cause = %cause,
+                "{why}, and a new one could not be opened; trying again at the next failure"
             ),
         }
     }
@@ -592,6 +669,20 @@ impl RedisQueue {
             Ok(Ok(_)) => {
                 self.blocking_abandoned.store(false, Ordering::Relaxed);
                 Ok(())
+            }
+            Ok(Err(e)) if failure(&e) == Failure::NoWrites => {
+                // The wait was refused, not run: the server takes no writes (`BLPOP` is
+                // one), and redis-rs keeps the connection. A new one reaches the new
+                // primary of a failover; this receive still fails, so that a URL that
+                // names a replica for good does not open a connection per round.
+                self.replace_blocking(&mut conn).await?;
+                tracing::warn!(
+                    queue = %self.name,
+                    error = %e,
+                    "the Redis server of a waiting receive's connection takes no writes (a \
+                     replica now?); replaced it with a new one"
+                );
+                Err(self.unavailable(&e))
             }
             Ok(Err(e)) if !e.is_timeout() => {
                 self.blocking_abandoned.store(false, Ordering::Relaxed);
@@ -868,7 +959,41 @@ fn entry_start(id: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{ENTRY_SHOWN_MAX, RedisQueueConfig, check_server_version, entry_start};
+    use super::{
+        ENTRY_SHOWN_MAX, Failure, READONLY_IN_SCRIPT, RedisQueueConfig, check_server_version,
+        entry_start, failure,
+    };
+    use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+    /// A server that takes no writes (a primary turned replica by a failover, a replica
+    /// cut off from its primary) gets the connection replaced at once, also when the
+    /// refusal comes wrapped in a script error of Redis before 7.0; a timeout counts
+    /// toward a replacement; anything else keeps the connection.
+    #[test]
+    fn refusals_of_a_server_that_takes_no_writes_replace_the_connection() {
+        let server = |kind| RedisError::from((ErrorKind::Server(kind), "server error"));
+        assert_eq!(failure(&server(ServerErrorKind::ReadOnly)), Failure::NoWrites);
+        assert_eq!(failure(&server(ServerErrorKind::MasterDown)), Failure::NoWrites);
+        let old_script = RedisError::from((
+            ErrorKind::Server(ServerErrorKind::ResponseError),
+            "server error",
+            format!(
+                "Error running script (call to f_0123): @user_script:2: -{READONLY_IN_SCRIPT}."
+            ),
+        ));
+        assert_eq!(failure(&old_script), Failure::NoWrites);
+        let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        assert_eq!(failure(&timeout), Failure::Timeout);
+        for other in [
+            server(ServerErrorKind::BusyLoading),
+            server(ServerErrorKind::NoScript),
+            server(ServerErrorKind::ResponseError),
+            RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+            RedisError::from((ErrorKind::UnexpectedReturnType, "type")),
+        ] {
+            assert_eq!(failure(&other), Failure::Other, "{other}");
+        }
+    }
 
     /// A warning about an entry that is not a hint shows its id readably and briefly,
     /// whatever was written there.

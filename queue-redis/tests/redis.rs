@@ -477,10 +477,13 @@ async fn a_dropped_wait_does_not_take_a_later_publish() {
 /// A TCP proxy in front of a Redis server whose connections can be made to go silent:
 /// still open, still acknowledged by the kernel, but nothing forwarded any more (a NAT
 /// or firewall that forgot them, a hung middlebox). Connections opened after
-/// [`SilencingProxy::silence`] are forwarded as usual.
+/// [`SilencingProxy::silence`] are forwarded as usual. New connections can be sent to
+/// another server ([`SilencingProxy::redirect`], a failover that moved a name or an
+/// address), while the open ones stay with the old one.
 struct SilencingProxy {
     port: u16,
     open: std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>>>,
+    upstream: std::sync::Arc<std::sync::Mutex<String>>,
     accepting: tokio::task::JoinHandle<()>,
 }
 
@@ -490,11 +493,14 @@ impl SilencingProxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let open = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let upstream = std::sync::Arc::new(std::sync::Mutex::new(upstream));
         let accepting = {
             let open = std::sync::Arc::clone(&open);
+            let upstream = std::sync::Arc::clone(&upstream);
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
-                    let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    let to = upstream.lock().unwrap().clone();
+                    let Ok(server) = tokio::net::TcpStream::connect(&to).await else {
                         continue;
                     };
                     let silent = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -525,7 +531,12 @@ impl SilencingProxy {
                 }
             })
         };
-        SilencingProxy { port, open, accepting }
+        SilencingProxy { port, open, upstream, accepting }
+    }
+
+    /// Connections opened from now on go to `upstream` (`host:port`).
+    fn redirect(&self, upstream: String) {
+        *self.upstream.lock().unwrap() = upstream;
     }
 
     fn url(&self) -> String {
@@ -640,6 +651,97 @@ async fn late_timeouts_of_a_replaced_connection_keep_the_new_one() {
     );
 }
 
+/// `host:port` of a `redis://host:port[/db]` URL.
+fn host_port(url: &str) -> String {
+    url.trim_start_matches("redis://").split('/').next().unwrap().to_owned()
+}
+
+/// After a failover that leaves the old primary up as a replica (its connections still
+/// open, every write refused with `READONLY`) and moves the URL's address to the new
+/// primary, the queue works again at once, without a restart: the command refused on
+/// the old connection fails, and the connection is replaced once, however many commands
+/// were refused on it. A waiting receive's connection is replaced as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_turned_replica_by_a_failover_is_left_for_the_new_primary() {
+    let on = std::env::var(URL_VAR).is_ok();
+    let servers = on.then(|| {
+        (
+            keel_queue_redis::testing::PrivateServer::start(),
+            keel_queue_redis::testing::PrivateServer::start(),
+        )
+    });
+    let Some((old, new)) = queue_or_skip("redis failover", URL_VAR, servers) else { return };
+    let proxy = SilencingProxy::start(host_port(&old.url())).await;
+    let q = RedisQueue::connect(RedisQueueConfig::new(proxy.url(), "failover")).await.unwrap();
+    let q = std::sync::Arc::new(q);
+    q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
+    assert_eq!(q.receive(1, 60_000 * MS, 100 * MS).await.unwrap().len(), 1);
+    assert!(q.receive(1, 60_000 * MS, 50 * MS).await.unwrap().is_empty());
+    let opened = proxy.opened();
+
+    // The failover: the address moves to the new primary, and the old one, still up with
+    // the queue's connections open, becomes a replica (of a primary it cannot reach, so
+    // that it stays one and answers at once).
+    proxy.redirect(host_port(&new.url()));
+    let mut old_conn =
+        redis::aio::ConnectionManager::new(redis::Client::open(old.url()).unwrap()).await.unwrap();
+    redis::cmd("REPLICAOF").arg("127.0.0.1").arg(9).exec_async(&mut old_conn).await.unwrap();
+
+    // Publishes sent together on the old connection: the refused ones fail naming the
+    // refusal, and the connection is replaced once.
+    let publishes: Vec<_> = (10..14)
+        .map(|n| {
+            let q = std::sync::Arc::clone(&q);
+            tokio::spawn(async move { q.enqueue(vec![Hint::new(InstanceId(n), 1)]).await })
+        })
+        .collect();
+    let mut refused = 0;
+    for publish in publishes {
+        if let Err(e) = publish.await.unwrap() {
+            assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+            assert!(e.message.contains("read only replica"), "{e}");
+            refused += 1;
+        }
+    }
+    assert!(refused >= 1, "the old primary refused the publishes sent to it");
+    q.enqueue(vec![Hint::new(InstanceId(2), 1)])
+        .await
+        .expect("a publish after the refusal goes to the new primary");
+    assert_eq!(proxy.opened(), opened + 1, "one new connection, not one per refusal");
+    let mut new_conn =
+        redis::aio::ConnectionManager::new(redis::Client::open(new.url()).unwrap()).await.unwrap();
+    let on_new: u64 =
+        redis::cmd("ZCARD").arg("keel:{failover}:vis").query_async(&mut new_conn).await.unwrap();
+    assert!(on_new >= 1, "the publish landed on the new primary");
+
+    // The waiting receive's connection is still with the old primary: its wait is
+    // refused once, and the next one waits on the new primary, where a publish wakes it.
+    q.purge().await.unwrap();
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        match q.receive(1, 60_000 * MS, 100 * MS).await {
+            Ok(got) => {
+                assert!(got.is_empty(), "{got:?}");
+                break;
+            }
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    assert_eq!(errors.len(), 1, "one wait refused, then waits on the new primary: {errors:?}");
+    assert!(errors[0].contains("read only replica"), "{errors:?}");
+    let waiter = {
+        let q = std::sync::Arc::clone(&q);
+        tokio::spawn(async move { q.receive(1, 60_000 * MS, 10_000 * MS).await.unwrap() })
+    };
+    tokio::time::sleep(300 * MS).await;
+    let published = std::time::Instant::now();
+    q.enqueue(vec![Hint::new(InstanceId(3), 1)]).await.unwrap();
+    let got = waiter.await.unwrap();
+    assert_eq!(got.iter().map(|d| d.hint.instance.0).collect::<Vec<_>>(), [3]);
+    assert!(published.elapsed() < 2000 * MS, "woken after {:?}", published.elapsed());
+    assert_eq!(proxy.opened(), opened + 2, "one new connection for the waits");
+}
+
 /// A hint handed back with a delay (a worker that received it but cannot take it) wakes
 /// a receiver of another handle that is already waiting: it gets the hint soon after the
 /// delay, not at the end of its own wait.
@@ -678,7 +780,8 @@ async fn rediss_urls_connect_with_tls() {
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
     assert!(err.message.starts_with("redis at rediss://:***@127.0.0.1:9/0: "), "{err}");
-    let Ok(url) = std::env::var(URL_VAR) else { return };
+    let url = std::env::var(URL_VAR).ok();
+    let Some(url) = queue_or_skip("redis TLS handshake", URL_VAR, url) else { return };
     // The test server speaks plain RESP: the TLS handshake with it fails.
     let tls = url.replacen("redis://", "rediss://", 1);
     let err = RedisQueue::connect(RedisQueueConfig::new(&tls, "q")).await.unwrap_err();
