@@ -375,12 +375,15 @@ impl SqsQueue {
     ) -> StoreResult<Self> {
         let fifo = is_fifo(name);
         let base = name.strip_suffix(".fifo").unwrap_or(name);
+        let max = base_name_max(fifo, max_receives.is_some());
         if base.is_empty()
-            || base.len() > 70
+            || base.len() > max
             || !base.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         {
+            let dlq = if max_receives.is_some() { " (the `-dlq` queue takes 4 more)" } else { "" };
             return Err(StoreError::invalid(format!(
-                "name {name:?}: 1 to 70 letters, digits, `-` or `_`, then `.fifo` for a FIFO queue"
+                "name {name:?}: 1 to {max} letters, digits, `-` or `_`{dlq}, then `.fifo` for a \
+                 FIFO queue; SQS allows {SQS_QUEUE_NAME_MAX} characters in a queue name"
             )));
         }
         let redrive = match max_receives {
@@ -771,6 +774,16 @@ impl Queue for SqsQueue {
         validate_visibility(visibility, &self.capabilities())?;
         self.change_visibility(receipt, secs(visibility), "extend").await
     }
+}
+
+/// How long SQS lets a queue's name be, `.fifo` included.
+const SQS_QUEUE_NAME_MAX: usize = 80;
+
+/// How long the name of a queue [`SqsQueue::create`] makes may be before `.fifo`: what is
+/// left of SQS's bound after `.fifo` and, with a redrive policy, the dead-letter queue's
+/// `-dlq`, so both queues' names fit.
+fn base_name_max(fifo: bool, dlq: bool) -> usize {
+    SQS_QUEUE_NAME_MAX - if fifo { ".fifo".len() } else { 0 } - if dlq { "-dlq".len() } else { 0 }
 }
 
 #[cfg(test)]

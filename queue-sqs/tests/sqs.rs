@@ -98,6 +98,26 @@ async fn bad_name_and_dead_endpoint() {
     let err = SqsQueue::create(client.clone(), "no spaces", None).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Invalid);
     assert!(err.message.starts_with("name"), "{err}");
+    // SQS takes 80 characters, `.fifo` included; a dead-letter queue adds `-dlq`.
+    for (name, max_receives, limit) in [
+        ("a".repeat(81), None, Some(80)),
+        (format!("{}.fifo", "a".repeat(76)), None, Some(75)),
+        ("a".repeat(77), Some(3), Some(76)),
+        (format!("{}.fifo", "a".repeat(72)), Some(3), Some(71)),
+        ("a".repeat(80), None, None),
+        (format!("{}.fifo", "a".repeat(75)), None, None),
+        (format!("{}.fifo", "a".repeat(71)), Some(3), None),
+    ] {
+        let err = SqsQueue::create(client.clone(), &name, max_receives).await.unwrap_err();
+        match limit {
+            Some(limit) => {
+                assert_eq!(err.kind, ErrorKind::Invalid, "{name}: {err}");
+                assert!(err.message.contains(&format!("1 to {limit} letters")), "{err}");
+            }
+            // Past the name check: the call to the dead endpoint fails.
+            None => assert_eq!(err.kind, ErrorKind::Unavailable, "{name}: {err}"),
+        }
+    }
     let err = SqsQueue::create(client.clone(), "hints", Some(1_001)).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Invalid, "refused before any call: {err}");
     assert!(err.message.starts_with("max_receives: 1001") && err.message.contains("1 to 1000"));
