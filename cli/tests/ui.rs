@@ -370,6 +370,28 @@ async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
         .await
         .unwrap_or_else(|e| panic!("{store}: a read token's resume changed the queue: {e}"));
 
+    // A queue paused with nothing in it (ahead of a deploy) is listed, counted in the
+    // card and resumed from its own row; once resumed, it leaves the list.
+    assert_eq!(post_status(base, "/v1/namespaces/a/queues/deploy/pause", TOKEN_A), 200, "{store}");
+    c.refresh().await.unwrap();
+    c.wait()
+        .for_element(Locator::Css("tr[data-queue=\"deploy\"] .badge.paused"))
+        .await
+        .unwrap_or_else(|e| panic!("{store}: the empty paused queue is not listed: {e}"));
+    let overview = source(c).await;
+    let card = "<div class=\"k\">paused queues</div><div class=\"v\">2</div>";
+    assert!(overview.contains(card), "{store}: jobs and deploy are counted: {overview}");
+    shot(c, store, "paused-empty-queue").await;
+    c.find(Locator::Css("tr[data-queue=\"deploy\"] button[data-queue=\"deploy\"]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    c.wait().for_element(Locator::Css(".flash")).await.unwrap();
+    let overview = source(c).await;
+    assert!(!overview.contains("data-queue=\"deploy\""), "{store}: resumed: {overview}");
+
     // Token a sees nothing of namespace b, on any page or fragment, by either path.
     let b_paths = [
         "/ui/ns/b".to_owned(),

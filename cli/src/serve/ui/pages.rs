@@ -17,7 +17,7 @@ use keel_core::ids::{DeadLetterId, Status};
 use keel_core::instance::DeadLetter;
 use keel_core::limits;
 use keel_core::ports::Store;
-use keel_core::ports::store::{InstanceDetail, InstanceListParams, QueuePauseParams};
+use keel_core::ports::store::{InstanceDetail, InstanceListParams, QueuePauseParams, QueueState};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -300,22 +300,27 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
     // The panels' reads are independent: the queue counts (read once for the totals, the
     // queues and the last hour), the timers and the worker registry go out together.
     let since = at.minus(std::time::Duration::from_secs(86_400));
-    let (counts, timers, seen) = tokio::join!(
+    let (counts, timers, seen, settings) = tokio::join!(
         status_and_activity(&state.keel, ns, None, at),
         store.timer_status(Some(ns.to_owned()), at),
         // Workers seen in the last day, live ones first; those that claim from this namespace.
         store.worker_list(since),
+        // The queues with settings (a pause or a resume recorded): one row per queue, so
+        // a paused queue with nothing unfinished in it is still shown, with its Resume.
+        store.queue_list(ns.to_owned()),
     );
     let (rows, activity) = counts.map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
     let timers = timers.map_err(|e| store_failed(viewer, ns, &e))?;
     let seen = seen.map_err(|e| store_failed(viewer, ns, &e))?;
+    let settings = settings.map_err(|e| store_failed(viewer, ns, &e))?;
+    let idle = idle_paused(&rows, &settings);
     let workers: Vec<_> = seen.into_iter().filter(|w| w.claims_from(ns)).collect();
     let mut out = String::new();
-    out.push_str(&totals_panel(&rows));
+    out.push_str(&totals_panel(&rows, &idle));
     out.push_str(&health_panel(state, &rows, &activity));
     out.push_str(&activity_panel(&activity));
     out.push_str(&workers_panel(&workers, at));
-    out.push_str(&queues_panel(ns, &rows, viewer));
+    out.push_str(&queues_panel(ns, &rows, &idle, viewer));
     if !timers.is_empty() {
         out.push_str("<h2>Timers</h2><table><tr><th>machine</th><th class=\"num\">armed</th><th class=\"num\">overdue</th><th>next due</th><th>last sweep</th></tr>");
         for t in &timers {
@@ -334,11 +339,28 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
     Ok(out)
 }
 
-fn totals_panel(rows: &[StatusRow]) -> String {
+/// The paused queues of `settings` that no row names: paused with nothing unfinished in
+/// them (paused ahead of a deploy, or a name no work has used yet), in name order.
+fn idle_paused(rows: &[StatusRow], settings: &[QueueState]) -> Vec<String> {
+    let busy: BTreeSet<&str> = rows.iter().map(|r| r.queue.as_str()).collect();
+    let idle: BTreeSet<&str> = settings
+        .iter()
+        .filter(|q| q.paused && !busy.contains(q.queue.as_str()))
+        .map(|q| q.queue.as_str())
+        .collect();
+    idle.into_iter().map(str::to_owned).collect()
+}
+
+/// The cards; `idle` are the paused queues with no row, counted with the rows' ones.
+fn totals_panel(rows: &[StatusRow], idle: &[String]) -> String {
     let sum = |f: fn(&StatusRow) -> u64| rows.iter().map(f).sum::<u64>();
     let oldest = rows.iter().filter_map(|r| r.oldest_ready_age_ms).max();
-    let paused: BTreeSet<&str> =
-        rows.iter().filter(|r| r.paused).map(|r| r.queue.as_str()).collect();
+    let paused: BTreeSet<&str> = rows
+        .iter()
+        .filter(|r| r.paused)
+        .map(|r| r.queue.as_str())
+        .chain(idle.iter().map(String::as_str))
+        .collect();
     let card = |k: &str, v: String| {
         format!("<div class=\"card\"><div class=\"k\">{k}</div><div class=\"v\">{v}</div></div>")
     };
@@ -488,27 +510,31 @@ fn findings_panel(findings: anyhow::Result<Vec<health::Finding>>) -> String {
     }
 }
 
-fn queues_panel(ns: &str, rows: &[StatusRow], viewer: &Viewer) -> String {
-    if rows.is_empty() {
+/// The Pause or Resume button of `queue` for a viewer who operates; nothing otherwise
+/// (and nothing for the queue-less row of a machine's dead letters).
+fn queue_action(ns: &str, queue: &str, paused: bool, viewer: &Viewer) -> String {
+    if !viewer.operates() || queue.is_empty() {
+        return String::new();
+    }
+    let (path, label) = if paused { ("resume", "Resume") } else { ("pause", "Pause") };
+    format!(
+        "<form class=\"inline\" method=\"post\" action=\"{}\"><button data-queue=\"{}\">{label}</button></form>",
+        esc(&ns_url(ns, &format!("/queues/{}/{path}", seg(queue)))),
+        esc(queue)
+    )
+}
+
+/// A row per queue and machine with unfinished work or dead letters, then a row per
+/// paused queue with nothing unfinished (`idle`, at most [`SECTION_ROWS_MAX`] of them).
+fn queues_panel(ns: &str, rows: &[StatusRow], idle: &[String], viewer: &Viewer) -> String {
+    if rows.is_empty() && idle.is_empty() {
         return "<h2>Queues and machines</h2><p class=\"muted\">No unfinished instances and no dead letters in this namespace.</p>".into();
     }
     let mut out = String::from(
         "<h2>Queues and machines</h2><table id=\"queues\"><tr><th>queue</th><th>machine</th><th class=\"num\">ready</th><th class=\"num\">scheduled</th><th class=\"num\">running</th><th class=\"num\">waiting</th><th class=\"num\">suspended</th><th class=\"num\">dead letters</th><th>oldest ready</th><th>state</th><th></th></tr>",
     );
     for r in rows {
-        let action = match (viewer.operates(), r.queue.is_empty(), r.paused) {
-            (false, _, _) | (_, true, _) => String::new(),
-            (true, false, true) => format!(
-                "<form class=\"inline\" method=\"post\" action=\"{}\"><button data-queue=\"{}\">Resume</button></form>",
-                esc(&ns_url(ns, &format!("/queues/{}/resume", seg(&r.queue)))),
-                esc(&r.queue)
-            ),
-            (true, false, false) => format!(
-                "<form class=\"inline\" method=\"post\" action=\"{}\"><button data-queue=\"{}\">Pause</button></form>",
-                esc(&ns_url(ns, &format!("/queues/{}/pause", seg(&r.queue)))),
-                esc(&r.queue)
-            ),
-        };
+        let action = queue_action(ns, &r.queue, r.paused, viewer);
         let machine_link = ns_url(ns, &format!("/instances{}", query(&[("machine", &r.machine)])));
         let _ = write!(
             out,
@@ -526,7 +552,23 @@ fn queues_panel(ns: &str, rows: &[StatusRow], viewer: &Viewer) -> String {
             link = esc(&machine_link),
         );
     }
+    for q in idle.iter().take(SECTION_ROWS_MAX) {
+        let _ = write!(
+            out,
+            "<tr data-queue=\"{q}\" data-machine=\"\" class=\"idle\"><td>{q}</td><td class=\"muted\">nothing unfinished</td><td class=\"num\">0</td><td class=\"num\">0</td><td class=\"num\">0</td><td class=\"num\">0</td><td class=\"num\">0</td><td class=\"num\"></td><td></td><td>{}</td><td>{}</td></tr>",
+            badge("paused"),
+            queue_action(ns, q, true, viewer),
+            q = esc(q),
+        );
+    }
     out.push_str("</table>");
+    if idle.len() > SECTION_ROWS_MAX {
+        let _ = write!(
+            out,
+            "<p class=\"muted\">{} more paused queue(s) with nothing unfinished not shown.</p>",
+            idle.len() - SECTION_ROWS_MAX
+        );
+    }
     out
 }
 
@@ -826,16 +868,24 @@ fn instance_live(state: &AppState, ns: &str, shown: &Shown) -> String {
         }
         None => out.push_str(&position_panel(d)),
     }
-    let _ = write!(out, "<h2>Context</h2><pre id=\"context\">{}</pre>", json(&i.context));
-    if let Some(result) = &i.result {
-        let _ = write!(out, "<h2>Result</h2><pre>{}</pre>", json(result));
-    }
+    out.push_str(&values_panel(i));
     out.push_str("</div><div>");
     out.push_str(&inbox_panel(d));
     out.push_str(&timers_panel(d));
     out.push_str(&children_panel(ns, d, shown.children_hidden));
     out.push_str("</div></div>");
     out.push_str(&history_panel(d));
+    out
+}
+
+/// The instance's context and its result, each cut at [`PRE_BYTES_MAX`].
+fn values_panel(i: &keel_core::instance::Instance) -> String {
+    let (context, note) = json_cut(&i.context, &i.namespace, i.id);
+    let mut out = format!("<h2>Context</h2><pre id=\"context\">{context}</pre>{note}");
+    if let Some(result) = &i.result {
+        let (result, note) = json_cut(result, &i.namespace, i.id);
+        let _ = write!(out, "<h2>Result</h2><pre>{result}</pre>{note}");
+    }
     out
 }
 
@@ -875,12 +925,44 @@ fn position_panel(d: &InstanceDetail) -> String {
     )
 }
 
-fn more(total: usize) -> String {
-    if total > SECTION_ROWS_MAX {
-        format!("<p class=\"muted\">{} more not shown.</p>", total - SECTION_ROWS_MAX)
-    } else {
-        String::new()
+/// The note under a section of `total` rows read from the store; `cut` when the store
+/// returned as many as its bound lets it, so the list may go on: what is past the shown
+/// rows is then a lower bound ("at least"), never a count.
+fn more(total: usize, cut: bool) -> String {
+    let hidden = total.saturating_sub(SECTION_ROWS_MAX);
+    match (hidden, cut) {
+        (0, false) => String::new(),
+        (0, true) => "<p class=\"muted\">More may exist beyond these.</p>".into(),
+        (n, true) => format!("<p class=\"muted\">At least {n} more not shown.</p>"),
+        (n, false) => format!("<p class=\"muted\">{n} more not shown.</p>"),
     }
+}
+
+/// Most bytes of one JSON value (context, result, a payload, a history entry's data)
+/// the instance page prints; live updates fetch the page again every few seconds.
+pub const PRE_BYTES_MAX: usize = 8 * 1024;
+
+/// `value` as pretty JSON, escaped, cut at [`PRE_BYTES_MAX`] bytes (on a character
+/// boundary), and the note for after its `<pre>`: how many bytes were left out and where
+/// instance `id` of namespace `ns` is read in full. Nothing is left out: no note.
+fn json_cut(value: &Value, ns: &str, id: InstanceId) -> (String, String) {
+    let text = serde_json::to_string_pretty(value).unwrap_or_default();
+    if text.len() <= PRE_BYTES_MAX {
+        return (esc(&text), String::new());
+    }
+    let mut end = PRE_BYTES_MAX;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let command = crate::commands::hint(ns, &format!("inspect {id} --json"));
+    let note = format!(
+        "<p class=\"muted cut\">{} more bytes not shown: <code>{}</code> or <code>GET /v1/namespaces/{}/instances/{}</code> returns all of it.</p>",
+        text.len() - end,
+        esc(&command),
+        esc(&seg(ns)),
+        id.0,
+    );
+    (esc(&text[..end]) + "…", note)
 }
 
 fn inbox_panel(d: &InstanceDetail) -> String {
@@ -891,17 +973,17 @@ fn inbox_panel(d: &InstanceDetail) -> String {
         "<h2>Inbox</h2><table id=\"inbox\"><tr><th>signal</th><th>event</th><th>received</th></tr>",
     );
     for s in d.inbox.iter().take(SECTION_ROWS_MAX) {
+        let (payload, note) = json_cut(&s.payload, &d.instance.namespace, d.instance.id);
         let _ = write!(
             out,
-            "<tr><td>{}</td><td><details data-key=\"s{}\"><summary>{}</summary><pre>{}</pre></details></td><td>{}</td></tr>",
+            "<tr><td>{}</td><td><details data-key=\"s{}\"><summary>{}</summary><pre>{payload}</pre>{note}</details></td><td>{}</td></tr>",
             s.id,
             s.id,
             esc(&s.name),
-            json(&s.payload),
             time(s.inserted_at.0)
         );
     }
-    out + "</table>" + &more(d.inbox.len())
+    out + "</table>" + &more(d.inbox.len(), d.inbox.len() >= limits::INBOX_LIST_MAX)
 }
 
 fn timers_panel(d: &InstanceDetail) -> String {
@@ -922,11 +1004,11 @@ fn timers_panel(d: &InstanceDetail) -> String {
             esc(&short(&spec.to_string(), 120))
         );
     }
-    out + "</table>" + &more(d.timers.len())
+    out + "</table>" + &more(d.timers.len(), d.timers.len() >= limits::TIMER_LIST_MAX)
 }
 
-fn children_panel(ns: &str, d: &InstanceDetail, hidden: usize) -> String {
-    let hidden = match hidden {
+fn children_panel(ns: &str, d: &InstanceDetail, hidden_count: usize) -> String {
+    let hidden = match hidden_count {
         0 => String::new(),
         n => format!(
             "<p class=\"muted\" id=\"children-hidden\">{n} child(ren) in namespaces this token does not see are not shown.</p>"
@@ -950,7 +1032,9 @@ fn children_panel(ns: &str, d: &InstanceDetail, hidden: usize) -> String {
             esc(&short(&c.position, 80)),
         );
     }
-    out + "</table>" + &more(d.children.len()) + &hidden
+    // The store's bound counts the children read, those left out here included.
+    let cut = d.children.len() + hidden_count >= limits::CHILDREN_LIST_MAX;
+    out + "</table>" + &more(d.children.len(), cut) + &hidden
 }
 
 fn history_panel(d: &InstanceDetail) -> String {
@@ -960,15 +1044,15 @@ fn history_panel(d: &InstanceDetail) -> String {
     let mut out = String::from("<h2>History</h2><ol class=\"timeline\" id=\"history\">");
     let skip = d.history.len().saturating_sub(SECTION_ROWS_MAX);
     for h in d.history.iter().skip(skip) {
+        let (data, note) = json_cut(&h.entry.data, &d.instance.namespace, d.instance.id);
         let _ = write!(
             out,
-            "<li><details data-key=\"h{}\"><summary><time>{}</time> <span class=\"kind\">{}</span> <span class=\"muted\">rev {} · attempt {}</span></summary><pre>{}</pre></details></li>",
+            "<li><details data-key=\"h{}\"><summary><time>{}</time> <span class=\"kind\">{}</span> <span class=\"muted\">rev {} · attempt {}</span></summary><pre>{data}</pre>{note}</details></li>",
             h.seq,
             time(h.at.0),
             esc(&h.entry.kind),
             h.revision.0,
             h.attempt,
-            json(&h.entry.data),
         );
     }
     out.push_str("</ol>");
@@ -1706,6 +1790,188 @@ mod tests {
         ] {
             assert_eq!(flash_of(raw), "", "{raw}");
         }
+    }
+
+    /// The `paused queues` card's number.
+    fn paused_card(page: &str) -> &str {
+        let card = "<div class=\"k\">paused queues</div><div class=\"v\">";
+        let at = page.find(card).expect("the paused queues card") + card.len();
+        page[at..].split('<').next().unwrap_or_default()
+    }
+
+    /// A queue paused with nothing unfinished in it (paused ahead of a deploy) is on the
+    /// overview with its Resume button and counted in the card, as a paused queue with
+    /// work is; a resumed queue with nothing in it is not listed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_queue_with_nothing_unfinished_is_shown_with_its_resume() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let keel = keel::Keel::connect(&url).await.unwrap();
+        let new = keel::NewInstance::new(MachineRef::new("m", 1), "go").queue("busy");
+        keel.start(new).await.unwrap();
+        let pause = |queue: &str, paused: bool| QueuePauseParams {
+            namespace: "default".into(),
+            queue: queue.into(),
+            paused,
+            now: now(),
+        };
+        for (queue, paused) in [("busy", true), ("deploy", true), ("calm", true), ("calm", false)] {
+            keel.store().queue_pause(pause(queue, paused)).await.unwrap();
+        }
+        let state = AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap());
+        let response = overview_fragment(
+            State(Arc::new(state)),
+            Path("default".to_owned()),
+            Extension(Viewer { grant: None }),
+        )
+        .await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(paused_card(&body), "2", "{body}");
+        let row = body.split("<tr data-queue=\"deploy\"").nth(1).expect("a row for deploy");
+        let row = row.split("</tr>").next().unwrap_or_default();
+        assert!(row.contains(&badge("paused")), "{row}");
+        assert!(
+            row.contains("action=\"/ui/ns/default/queues/deploy/resume\"")
+                && row.contains(">Resume</button>"),
+            "{row}"
+        );
+        assert!(body.contains("<tr data-queue=\"busy\" data-machine=\"m\">"), "{body}");
+        assert!(!body.contains("data-queue=\"calm\""), "{body}");
+        // With no unfinished instance at all, the panel still lists the paused queue.
+        let only = idle_paused(
+            &[],
+            &[QueueState { namespace: "default".into(), queue: "deploy".into(), paused: true }],
+        );
+        let panel = queues_panel("default", &[], &only, &Viewer { grant: None });
+        assert!(panel.contains("/ui/ns/default/queues/deploy/resume"), "{panel}");
+        assert_eq!(paused_card(&totals_panel(&[], &only)), "1");
+    }
+
+    /// The note under a section the store cut at its bound says "at least": 5 000 pending
+    /// signals read as the store's first 1 000 are not "500 more".
+    #[test]
+    fn sections_the_store_cut_say_at_least_how_many_more() {
+        let signal = |n: usize| keel_core::instance::Signal {
+            id: keel_core::ids::SignalId(n as i64),
+            target: InstanceId(7),
+            name: "PING".into(),
+            payload: serde_json::json!({}),
+            dedup_key: None,
+            priority: None,
+            inserted_at: keel_core::Timestamp(0),
+        };
+        let mut d = detail(0);
+        d.inbox = (1..=limits::INBOX_LIST_MAX).map(signal).collect();
+        let cut = limits::INBOX_LIST_MAX - SECTION_ROWS_MAX;
+        assert!(inbox_panel(&d).ends_with(&format!("At least {cut} more not shown.</p>")));
+        d.inbox.truncate(SECTION_ROWS_MAX + 100);
+        assert!(inbox_panel(&d).ends_with("<p class=\"muted\">100 more not shown.</p>"));
+        d.inbox.truncate(SECTION_ROWS_MAX);
+        assert!(inbox_panel(&d).ends_with("</table>"));
+
+        let child = |n: usize| {
+            let new = NewInstance::new(MachineRef::new("c", 1), "start").namespace("ops");
+            let row =
+                Instance::from_new(InstanceId(100 + n as i64), &new, None, keel_core::Timestamp(0));
+            keel_core::instance::ChildSummary::of(&row)
+        };
+        d.children = (0..limits::CHILDREN_LIST_MAX).map(child).collect();
+        let panel = children_panel("ops", &d, 0);
+        assert!(panel.contains(&format!("At least {cut} more not shown.")), "{panel}");
+        // Children of namespaces the token does not see were read too: still cut.
+        d.children.truncate(limits::CHILDREN_LIST_MAX - 3);
+        let panel = children_panel("ops", &d, 3);
+        assert!(panel.contains(&format!("At least {} more not shown.", cut - 3)), "{panel}");
+        d.children.truncate(SECTION_ROWS_MAX + 1);
+        let panel = children_panel("ops", &d, 0);
+        assert!(panel.contains("<p class=\"muted\">1 more not shown.</p>"), "{panel}");
+
+        // Timers use the same note.
+        assert_eq!(
+            more(limits::TIMER_LIST_MAX, true),
+            format!("<p class=\"muted\">At least {cut} more not shown.</p>")
+        );
+        assert_eq!(more(SECTION_ROWS_MAX, false), "");
+    }
+
+    /// Undoes [`esc`].
+    fn unescape(text: &str) -> String {
+        text.replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&quot;", "\"")
+            .replace("&#39;", "'")
+            .replace("&amp;", "&")
+    }
+
+    /// The text of the first `<pre>` after `from` in `html`, unescaped, and the note after it.
+    fn pre_after<'a>(html: &'a str, from: &str) -> (String, &'a str) {
+        let rest = &html[html.find(from).expect(from)..];
+        let start = rest.find("<pre").unwrap();
+        let rest = &rest[start..];
+        let body = &rest[rest.find('>').unwrap() + 1..];
+        let end = body.find("</pre>").unwrap();
+        (unescape(&body[..end]), &body[end + "</pre>".len()..])
+    }
+
+    /// Checks that `shown` (a `<pre>`'s text and what follows it) is `value` cut at
+    /// [`PRE_BYTES_MAX`] on a character boundary, with a note naming the bytes left out and
+    /// where to read all of it.
+    fn assert_cut(value: &Value, (shown, after): (String, &str)) {
+        let full = serde_json::to_string_pretty(value).unwrap();
+        let kept = shown.strip_suffix('…').expect("a cut value ends in …");
+        assert!(kept.len() <= PRE_BYTES_MAX && kept.len() > PRE_BYTES_MAX - 4, "{}", kept.len());
+        assert!(full.starts_with(kept));
+        let note = after.split("</p>").next().unwrap_or_default();
+        let left = full.len() - kept.len();
+        assert!(note.contains(&format!(">{left} more bytes not shown: ")), "{note}");
+        assert!(
+            note.contains("<code>keel -n ops inspect i7 --json</code>")
+                && note.contains("<code>GET /v1/namespaces/ops/instances/7</code>"),
+            "{note}"
+        );
+    }
+
+    /// Context, result, inbox payloads and history data longer than [`PRE_BYTES_MAX`]
+    /// are cut, still escaped, with a note of what was left out; shorter ones are whole.
+    #[test]
+    fn long_values_on_the_instance_page_are_cut_with_a_note() {
+        // Two-byte characters and markup: the cut lands on a character boundary and the
+        // kept text is escaped.
+        let big = serde_json::json!({ "blob": "<b>é".repeat(5_000) });
+        let small = serde_json::json!({ "note": "<i>short</i>" });
+        let mut d = detail(0);
+        d.instance.context = big.clone();
+        d.instance.result = Some(small.clone());
+        let panel = values_panel(&d.instance);
+        assert!(!panel.contains("<b>") && !panel.contains("<i>"), "markup is escaped");
+        assert_cut(&big, pre_after(&panel, "<h2>Context</h2>"));
+        let (result, after) = pre_after(&panel, "<h2>Result</h2>");
+        assert_eq!(result, serde_json::to_string_pretty(&small).unwrap());
+        assert!(!after.contains("more bytes"), "{after}");
+        assert!(panel.len() < 3 * PRE_BYTES_MAX, "{}", panel.len());
+
+        d.inbox = vec![keel_core::instance::Signal {
+            id: keel_core::ids::SignalId(1),
+            target: InstanceId(7),
+            name: "BIG".into(),
+            payload: big.clone(),
+            dedup_key: None,
+            priority: None,
+            inserted_at: keel_core::Timestamp(0),
+        }];
+        let panel = inbox_panel(&d);
+        assert!(!panel.contains("<b>"), "markup is escaped");
+        assert_cut(&big, pre_after(&panel, "<summary>BIG</summary>"));
+
+        let mut d = detail(2);
+        d.history[1].entry = HistoryEntry::new("STEP_NEXT", big.clone());
+        let panel = history_panel(&d);
+        assert!(!panel.contains("<b>"), "markup is escaped");
+        assert_cut(&big, pre_after(&panel, "data-key=\"h2\""));
+        let (first, _) = pre_after(&panel, "data-key=\"h1\"");
+        assert_eq!(first, "{}");
     }
 
     #[test]
