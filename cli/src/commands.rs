@@ -86,9 +86,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
             let empty = report.json["instances"].as_array().is_none_or(Vec::is_empty);
             unknown_if_empty(&keel, ns, Some(&machine), first && empty, report).await
         }
-        Command::Workers { stale_after } => crate::operate::workers(&keel, &stale_after).await,
-        Command::Purge { machine, pending, dlq: _, confirm } => {
-            crate::operate::purge(&keel, ns, &machine, pending, confirm).await
+        Command::Workers { stale_after, all_namespaces } => {
+            let only = (!all_namespaces).then_some(ns);
+            crate::operate::workers_in(&keel, only, &stale_after).await
+        }
+        Command::Purge { machine, pending, dlq: _, include_suspended, confirm } => {
+            crate::operate::purge(&keel, ns, &machine, pending, include_suspended, confirm).await
         }
         Command::Upgrade(args) => crate::operate::upgrade(&keel, ns, args).await,
         Command::Health
@@ -379,40 +382,66 @@ async fn unknown_if_empty(
     Ok(report)
 }
 
+/// `keel pause Q` / `keel resume Q`. A pause is stored as the queue's settings row. A
+/// resume writes only over a row a pause stored: resuming a queue with no settings has
+/// nothing to undo, and writing would make a misspelt name a queue with settings (one
+/// `status` and the did-you-mean hints then treat as known). When such a queue holds
+/// unfinished work the resume is a no-op said as one (exit 0: it is running, as asked);
+/// when it holds none either, nothing of that name exists, so it is an error naming the
+/// closest queue (which may be the paused one the user meant to resume).
 async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
-    keel.store()
-        .queue_pause(QueuePauseParams {
-            namespace: ns.to_owned(),
-            queue: queue.to_owned(),
-            paused,
-            now: now(),
-        })
-        .await?;
+    let settings = keel.store().queue_list(ns.to_owned()).await?;
+    let stored = settings.iter().find(|q| q.namespace == ns && q.queue == queue);
+    let was_paused = stored.is_some_and(|q| q.paused);
+    let write = paused || was_paused;
+    if write {
+        keel.store()
+            .queue_pause(QueuePauseParams {
+                namespace: ns.to_owned(),
+                queue: queue.to_owned(),
+                paused,
+                now: now(),
+            })
+            .await?;
+    }
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now()).await?;
     let in_queue: Vec<_> = stats.iter().filter(|s| s.queue == queue).collect();
     let pending: u64 = in_queue.iter().map(|s| s.ready + s.scheduled).sum();
-    let mut human = if paused {
-        format!("Queue {queue:?} in namespace {ns:?}: PAUSED ({pending} pending)")
-    } else {
-        format!("Queue {queue:?} in namespace {ns:?}: running ({pending} pending)")
-    };
     // Pausing a queue before anything runs in it is allowed; a typo looks the same, so
     // say so rather than let an operator believe the busy queue stopped.
     let known = !in_queue.is_empty();
-    let mut near = None;
-    if !known {
+    let near = if known {
+        None
+    } else {
         // The closest queue that holds unfinished work or has settings (a pause).
-        let settings = keel.store().queue_list(ns.to_owned()).await?;
         let names: std::collections::BTreeSet<&str> = stats
             .iter()
             .map(|s| s.queue.as_str())
             .chain(settings.iter().map(|q| q.queue.as_str()))
+            .filter(|q| *q != queue)
             .collect();
-        near = keel::settings::closest(queue, names).map(str::to_owned);
-        let check = match &near {
-            Some(n) => format!("check the name, did you mean `{n}`?"),
-            None => "check the name".to_owned(),
-        };
+        keel::settings::closest(queue, names).map(str::to_owned)
+    };
+    let check = match &near {
+        Some(n) => format!("check the name, did you mean `{n}`?"),
+        None => "check the name".to_owned(),
+    };
+    if !write && !known && stored.is_none() {
+        bail!(
+            "queue: {queue:?} in namespace {ns:?} is not paused and holds no unfinished instance, so nothing was resumed; {check} (`{}` lists the queues in use and the paused ones)",
+            hint(ns, "status")
+        );
+    }
+    let mut human = if paused {
+        format!("Queue {queue:?} in namespace {ns:?}: PAUSED ({pending} pending)")
+    } else if write {
+        format!("Queue {queue:?} in namespace {ns:?}: running ({pending} pending)")
+    } else {
+        format!(
+            "Queue {queue:?} in namespace {ns:?}: running ({pending} pending); it was not paused, nothing changed"
+        )
+    };
+    if !known {
         let _ = write!(
             human,
             "\nNote: no unfinished instance is in queue {queue:?} in namespace {ns:?}; {check} (`{}` lists the queues in use).",
@@ -420,7 +449,7 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
         );
     }
     Ok(Report::ok(
-        json!({ "namespace": ns, "queue": queue, "paused": paused, "pending": pending, "in_use": known, "did_you_mean": near }),
+        json!({ "namespace": ns, "queue": queue, "paused": paused, "changed": paused != was_paused, "pending": pending, "in_use": known, "did_you_mean": near }),
         human,
     ))
 }
@@ -471,8 +500,8 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
     if !context.is_object() {
         bail!("context: must be a JSON object, e.g. --context '{{\"order\":42}}'");
     }
-    let version = match args.version {
-        Some(version) => version,
+    let (version, note) = match args.version {
+        Some(version) => (version, None),
         None => default_version(keel, ns, &args.machine).await?,
     };
     let mut new = NewInstance::new(MachineRef::new(&args.machine, version), &args.at)
@@ -492,19 +521,38 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
         InsertOutcome::Inserted(id) => (id, true),
         InsertOutcome::Existing(id) => (id, false),
     };
-    let human = if inserted {
-        format!("Started {id} ({} v{version}).", args.machine)
-    } else {
-        format!("Not started: {id} already holds that unique key.")
+    if inserted {
+        // Said only for an instance this start created: it is the version it runs.
+        if let Some(note) = note {
+            crate::output::note(&note);
+        }
+        let human = format!("Started {id} ({} v{version}).", args.machine);
+        return Ok(Report::ok(json!({ "id": id, "inserted": true, "version": version }), human));
+    }
+    // The key's holder runs the version it was started on, not the one this start chose.
+    let held = keel.store().instance_rows(vec![id]).await?.into_iter().find(|r| r.id == id);
+    let held = held.map(|r| r.machine);
+    let human = match &held {
+        Some(m) => {
+            format!("Not started: {id} ({} v{}) already holds that unique key.", m.name, m.version)
+        }
+        None => format!("Not started: {id} already holds that unique key."),
     };
-    Ok(Report::ok(json!({ "id": id, "inserted": inserted, "version": version }), human))
+    Ok(Report::ok(
+        json!({ "id": id, "inserted": false, "version": held.map(|m| m.version) }),
+        human,
+    ))
 }
 
 /// The version `keel start M` uses without `--version`: the newest one a live worker
 /// (seen within `WORKER_STALE_AFTER`) serves for `machine` in `ns`, so a start after a
-/// deploy runs on the new code. With no such worker it is 1, and a note on stderr says so
-/// and how to pick another.
-async fn default_version(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<i32> {
+/// deploy runs on the new code. With no such worker it is 1, with the note (for stderr, once
+/// an instance is started) that says so and how to pick another.
+async fn default_version(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+) -> anyhow::Result<(i32, Option<String>)> {
     let live = crate::operate::live_workers(keel, now()).await?;
     let newest = live
         .iter()
@@ -514,12 +562,12 @@ async fn default_version(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result
         .map(|m| m.version)
         .max();
     if let Some(version) = newest {
-        return Ok(version);
+        return Ok((version, None));
     }
-    crate::output::note(&format!(
+    let note = format!(
         "no live worker serves {machine:?} in namespace {ns:?}, so this starts version 1; `--version N` starts another"
-    ));
-    Ok(1)
+    );
+    Ok((1, Some(note)))
 }
 
 async fn send(
@@ -838,15 +886,34 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
             }
         }
         DlqCommand::Delete { id } => delete_letter(keel, ns, &id).await,
-        DlqCommand::Purge { older_than, confirm } => {
+        DlqCommand::Purge { older_than, include_suspended, confirm } => {
             let age = parse_duration("older-than", Some(&older_than))?.unwrap_or_default();
-            if !confirm {
-                bail!("purge deletes dead letters for good; add --confirm to proceed");
-            }
-            let bar = indicatif::ProgressBar::new_spinner().with_message("purging dead letters");
-            let done = crate::operate::purge_old_dead_letters(keel, ns, age, PURGE_PAGES_MAX).await;
-            bar.finish_and_clear();
             let older = duration::format(age);
+            if !confirm {
+                // Counted first (grouped counts, not a read of every letter), so the purge
+                // is confirmed knowing what it may touch.
+                let letters: u64 = dead_letter_counts(keel, ns).await?.values().sum();
+                let stats = keel.store().queue_stats(Some(ns.to_owned()), now()).await?;
+                let suspended: u64 =
+                    stats.iter().filter(|s| s.namespace == ns).map(|s| s.suspended).sum();
+                let kept = if include_suspended {
+                    format!(
+                        "those of its {suspended} suspended instance(s) included, which would have nothing left to retry them by"
+                    )
+                } else {
+                    format!("except those of its {suspended} suspended instance(s), which stay")
+                };
+                bail!(
+                    "purge deletes dead letters older than {older} for good: of the {letters} dead letter(s) in namespace {ns:?}, those older than {older}, {kept}; add --confirm to proceed"
+                );
+            }
+            let keep = !include_suspended;
+            let cutoff = now().minus(age);
+            let bar = indicatif::ProgressBar::new_spinner().with_message("purging dead letters");
+            let done =
+                crate::operate::purge_dead_letters_before(keel, ns, cutoff, PURGE_PAGES_MAX, keep)
+                    .await;
+            bar.finish_and_clear();
             let what = |n: u64| {
                 format!("purged {n} dead letter(s) older than {older} in namespace {ns:?}")
             };
@@ -856,9 +923,24 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                 PartlyDone::wrap(failed.error, what(n), json)
             })?;
             let more = if complete { "" } else { "; more remain, run it again" };
+            // Counted only after a complete purge: before it, what is left is not only
+            // the kept.
+            let kept = if keep && complete {
+                crate::operate::kept_letters(keel, ns, None, Some(cutoff)).await
+            } else {
+                None
+            };
+            let kept_line = crate::operate::kept_line(kept, ns, "dlq retry ID");
             Ok(Report::ok(
-                json!({ "namespace": ns, "purged": purged, "complete": complete }),
-                format!("{}{more}.", capitalized(&what(purged))),
+                json!({
+                    "namespace": ns,
+                    "purged": purged,
+                    "complete": complete,
+                    "include_suspended": include_suspended,
+                    "kept_suspended": kept.map(|k| k.count),
+                    "kept_at_least": kept.is_some_and(|k| k.at_least),
+                }),
+                format!("{}{more}.{kept_line}", capitalized(&what(purged))),
             ))
         }
     }
@@ -888,12 +970,18 @@ async fn delete_letter(keel: &Keel, ns: &str, raw: &str) -> anyhow::Result<Repor
         .dead_letter_purge(DeadLetterPurgeParams {
             selector: Some(DeadLetterSelector::Id(letter.id)),
             older_than: None,
-            keep_suspended: false,
+            // The check above read the instance's status before this write: an instance
+            // suspended again since (retried through another letter, failed again) keeps
+            // the letter.
+            keep_suspended: true,
         })
         .await?;
     let state = status.map_or_else(|| "gone".to_owned(), |s| s.to_string());
     let human = if removed == 0 {
-        format!("Nothing to delete: {} was removed meanwhile.", letter.id)
+        format!(
+            "Nothing deleted: {} was removed meanwhile, or {instance} is suspended again (it is then how {instance} is retried).",
+            letter.id
+        )
     } else {
         format!("Deleted {} ({instance} is {state}).", letter.id)
     };
@@ -938,6 +1026,10 @@ pub fn capitalized(text: &str) -> String {
 /// Dead letters `keel dlq list` shows when no `--limit` is given.
 pub const DLQ_LIST_DEFAULT: usize = 100;
 
+/// Most dead letters one `keel dlq list` page (and `GET …/dead-letters`) returns: each
+/// carries its event's payload and every attempt's error, so a page stays a page.
+pub const DLQ_LIST_MAX: usize = 1_000;
+
 /// The dead letter `raw` names (`dl3` or `3`) when it belongs to namespace `ns`; another
 /// namespace's letter is "not found", as a missing one is.
 async fn letter_in(
@@ -963,9 +1055,10 @@ pub async fn dead_letter_page(
     limit: usize,
     after: Option<&str>,
 ) -> anyhow::Result<Report> {
-    let max = keel_core::limits::DEAD_LETTER_BATCH_MAX;
-    if limit == 0 || limit > max {
-        bail!("--limit: {limit} is out of range; give 1 to {max}");
+    if limit == 0 || limit > DLQ_LIST_MAX {
+        bail!(
+            "--limit: {limit} is out of range; give 1 to {DLQ_LIST_MAX} and page on with --after (the `next` id)"
+        );
     }
     let after = after.map(|raw| parse_id("--after", "dl", raw).map(DeadLetterId)).transpose()?;
     let filter = DeadLetterFilter {

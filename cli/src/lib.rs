@@ -177,11 +177,15 @@ pub enum Command {
     },
     /// Instances of a machine, newest first, a page at a time.
     List(ListArgs),
-    /// Workers seen by heartbeat: live or stale, and the machines each serves.
+    /// Workers seen by heartbeat that claim from the namespace: live or stale, and the
+    /// machines each serves.
     Workers {
         /// Seen within this long counts as live (`30s`, `2m`).
         #[arg(long, default_value = "60s")]
         stale_after: String,
+        /// Every worker, whichever namespaces it claims from.
+        #[arg(long)]
+        all_namespaces: bool,
     },
     /// Draw a chart from a definitions file as Mermaid or Graphviz DOT.
     Graph {
@@ -213,9 +217,14 @@ pub enum Command {
         /// and names them.
         #[arg(long)]
         pending: bool,
-        /// Delete every dead letter of the machine (its instances stay suspended).
+        /// Delete the machine's dead letters, except those whose instance is still
+        /// suspended (a letter is the only way to retry its instance).
         #[arg(long)]
         dlq: bool,
+        /// With `--dlq`, delete the letters of still suspended instances too: those
+        /// instances stay suspended with nothing to retry them by (cancel them instead).
+        #[arg(long, requires = "dlq")]
+        include_suspended: bool,
         /// Confirms the purge.
         #[arg(long)]
         confirm: bool,
@@ -326,7 +335,7 @@ pub enum DlqCommand {
         /// Only this machine.
         #[arg(long)]
         machine: Option<String>,
-        /// Most to show (1 to 10 000).
+        /// Most to show (1 to 1000).
         #[arg(long, default_value_t = commands::DLQ_LIST_DEFAULT)]
         limit: usize,
         /// Only dead letters after this one (`dl42` or `42`): the `next` of the last page.
@@ -362,11 +371,16 @@ pub enum DlqCommand {
         /// Its id (`dl3` or `3`).
         id: String,
     },
-    /// Delete dead letters older than an age (the instances stay suspended).
+    /// Delete dead letters older than an age, except those whose instance is still
+    /// suspended (a letter is the only way to retry its instance).
     Purge {
         /// The age (`7d`, `12 hours`).
         #[arg(long)]
         older_than: String,
+        /// Delete the letters of still suspended instances too: those instances stay
+        /// suspended with nothing to retry them by (cancel them instead).
+        #[arg(long)]
+        include_suspended: bool,
         /// Confirms the deletion.
         #[arg(long)]
         confirm: bool,

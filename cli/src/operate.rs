@@ -489,14 +489,29 @@ pub async fn history(
     Ok(Report::ok(json!({ "instance": id, "entries": page.entries, "next": page.next }), human))
 }
 
-/// `keel workers`.
+/// `GET /v1/workers`: every worker, whichever namespaces it claims from.
 pub async fn workers(keel: &Keel, stale_after: &str) -> anyhow::Result<Report> {
+    workers_in(keel, None, stale_after).await
+}
+
+/// `keel workers`: those that claim from `ns` (every worker when it is `None`, as with
+/// `--all-namespaces`).
+pub async fn workers_in(
+    keel: &Keel,
+    ns: Option<&str>,
+    stale_after: &str,
+) -> anyhow::Result<Report> {
     let stale =
         keel_core::duration::parse(stale_after).map_err(|e| anyhow!("--stale-after: {e}"))?;
     let now = now();
     // Stale workers are listed for a day past the threshold, then left out.
     let shown_since = now.minus(stale + Duration::from_secs(86_400));
-    let list = keel.store().worker_list(shown_since).await?;
+    let read = keel.store().worker_list(shown_since).await?;
+    // The store returns at most its bound, most recently seen first: past it, the counts
+    // are lower bounds.
+    let at_least = read.len() >= keel_core::ports::store::WORKER_LIST_MAX;
+    let (list, others): (Vec<WorkerRecord>, Vec<WorkerRecord>) =
+        read.into_iter().partition(|w| ns.is_none_or(|ns| w.claims_from(ns)));
     let mut t =
         table(&["worker", "name", "state", "last seen", "started", "machines", "namespaces"]);
     let mut items = Vec::with_capacity(list.len());
@@ -528,13 +543,42 @@ pub async fn workers(keel: &Keel, stale_after: &str) -> anyhow::Result<Report> {
             "namespaces": w.namespaces,
         }));
     }
-    let human = if list.is_empty() {
-        "No workers have reported in the last day.".to_owned()
-    } else {
-        format!("{live} live, {stale_count} stale (not seen for {stale_after})\n{t}")
+    let bound = if at_least { "at least " } else { "" };
+    let scope = match ns {
+        None => "in any namespace".to_owned(),
+        Some(ns) => format!("claiming from namespace {ns:?}"),
     };
+    let mut human = if list.is_empty() {
+        format!("No workers {scope} have reported in the last day.")
+    } else {
+        format!(
+            "{bound}{live} live, {bound}{stale_count} stale (not seen for {stale_after}), {scope}\n{t}"
+        )
+    };
+    if !others.is_empty() {
+        let _ = write!(
+            human,
+            "\n{bound}{} more claim only from other namespaces (`keel workers --all-namespaces` lists them).",
+            others.len()
+        );
+    }
+    if at_least {
+        let _ = write!(
+            human,
+            "\nThe store lists at most {} workers: there may be more.",
+            keel_core::ports::store::WORKER_LIST_MAX
+        );
+    }
     Ok(Report::ok(
-        json!({ "live": live, "stale": stale_count, "stale_after_ms": stale.as_millis() as u64, "workers": items }),
+        json!({
+            "namespace": ns,
+            "live": live,
+            "stale": stale_count,
+            "other_namespaces": others.len(),
+            "at_least": at_least,
+            "stale_after_ms": stale.as_millis() as u64,
+            "workers": items,
+        }),
         human,
     ))
 }
@@ -575,13 +619,40 @@ pub async fn purge(
     ns: &str,
     machine: &str,
     pending: bool,
+    include_suspended: bool,
     confirm: bool,
 ) -> anyhow::Result<Report> {
     if !confirm {
-        let what = if pending {
-            "cancels every runnable instance of the machine (new, between steps, waiting to retry, woken by an event) and their live descendants"
+        // Counted first, so the purge is confirmed knowing what it touches.
+        let (what, count) = if pending {
+            let n = machine_stats(keel, ns, machine)
+                .await?
+                .iter()
+                .map(|s| s.ready + s.scheduled)
+                .sum::<u64>();
+            (
+                "cancels every runnable instance of the machine (new, between steps, waiting to retry, woken by an event) and their live descendants",
+                format!("{n} runnable in namespace {ns:?} now, descendants not counted"),
+            )
         } else {
-            "deletes every dead letter of the machine"
+            let letters = letter_count(keel, ns, machine).await?;
+            let suspended: u64 =
+                machine_stats(keel, ns, machine).await?.iter().map(|s| s.suspended).sum();
+            if include_suspended {
+                (
+                    "deletes every dead letter of the machine, those of its suspended instances included,",
+                    format!(
+                        "{letters} dead letter(s) in namespace {ns:?} now; its {suspended} suspended instance(s) would have nothing left to retry them by"
+                    ),
+                )
+            } else {
+                (
+                    "deletes every dead letter of the machine, except those of its still suspended instances,",
+                    format!(
+                        "{letters} dead letter(s) in namespace {ns:?} now; those of its {suspended} suspended instance(s) stay"
+                    ),
+                )
+            }
         };
         // A misspelt machine is said before the confirmation is asked for: confirming it
         // would only purge nothing.
@@ -589,14 +660,29 @@ pub async fn purge(
             Some(unknown) => format!("\nNote: {unknown}"),
             None => String::new(),
         };
-        bail!("purge {what} for good; add --confirm to proceed{note}");
+        bail!("purge {what} for good ({count}); add --confirm to proceed{note}");
     }
     let report = if pending {
         purge_pending(keel, ns, machine).await?
     } else {
-        purge_dlq(keel, ns, machine).await?
+        purge_dlq(keel, ns, machine, !include_suspended).await?
     };
     note_unknown_machine(keel, ns, machine, report).await
+}
+
+/// `machine`'s counts in `ns`, one row per queue it has unfinished instances in.
+async fn machine_stats(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Vec<QueueStats>> {
+    let stats = keel.store().queue_stats(Some(ns.to_owned()), now()).await?;
+    Ok(stats.into_iter().filter(|s| s.namespace == ns && s.machine == machine).collect())
+}
+
+/// How many dead letters `machine` holds in `ns` (one grouped count).
+async fn letter_count(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<u64> {
+    let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await?;
+    Ok(counts
+        .into_iter()
+        .find(|c| c.namespace == ns && c.machine == machine)
+        .map_or(0, |c| c.count))
 }
 
 async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
@@ -727,18 +813,17 @@ async fn cancel_pending(
     Ok(done)
 }
 
-async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
-    let counted = keel
-        .store()
-        .dead_letter_counts(Some(ns.to_owned()))
-        .await?
-        .into_iter()
-        .find(|c| c.machine == machine)
-        .map_or(0, |c| c.count);
+async fn purge_dlq(
+    keel: &Keel,
+    ns: &str,
+    machine: &str,
+    keep_suspended: bool,
+) -> anyhow::Result<Report> {
+    let counted = letter_count(keel, ns, machine).await?;
     let bar = indicatif::ProgressBar::new(counted).with_message("deleting dead letters");
     let mut pages_left = PAGES_MAX;
-    let done =
-        purge_machine_letters(keel, ns, machine, None, &mut pages_left, |n| bar.inc(n)).await;
+    let scope = LetterScope { ns, machine, older_than: None, keep_suspended };
+    let done = purge_machine_letters(keel, scope, &mut pages_left, |n| bar.inc(n)).await;
     bar.finish_and_clear();
     let what = |n: u64| format!("purged {n} dead letter(s) of {machine:?} in namespace {ns:?}");
     let OldLettersPurged { purged, complete } = done.map_err(|failed| {
@@ -747,9 +832,28 @@ async fn purge_dlq(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Repor
     })?;
     let more = if complete { "" } else { "; more remain, run it again" };
     let human = capitalized(&what(purged));
-    let tail = format!("; the instances stay suspended{more}.");
+    // Counted only after a complete purge: before it, what is left is not only the kept.
+    let kept = if keep_suspended && complete {
+        kept_letters(keel, ns, Some(machine), None).await
+    } else {
+        None
+    };
+    let tail = if keep_suspended {
+        let retry = format!("dlq retry --machine {} --all", shell_word(machine));
+        format!("{more}.{}", kept_line(kept, ns, &retry))
+    } else {
+        format!("; the instances stay suspended{more}.")
+    };
     Ok(Report::ok(
-        json!({ "namespace": ns, "machine": machine, "purged": purged, "complete": complete }),
+        json!({
+            "namespace": ns,
+            "machine": machine,
+            "purged": purged,
+            "complete": complete,
+            "include_suspended": !keep_suspended,
+            "kept_suspended": kept.map(|k| k.count),
+            "kept_at_least": kept.is_some_and(|k| k.at_least),
+        }),
         format!("{human}{tail}"),
     ))
 }
@@ -846,16 +950,30 @@ pub struct OldLettersPurged {
 }
 
 /// Deletes namespace `ns`'s dead letters created more than `age` ago, machine by machine
-/// and a page (`DEAD_LETTER_BATCH_MAX`) at a time, at most `pages_max` pages in all. The
-/// one purge of `keel dlq purge` and the dashboard's form; other namespaces are untouched.
-/// On a store error, what was deleted before it comes with the error.
+/// and a page (`DEAD_LETTER_BATCH_MAX`) at a time, at most `pages_max` pages in all,
+/// keeping those whose instance is still suspended: such a letter is the only way to
+/// retry its instance. The purge of the dashboard's form; other namespaces are
+/// untouched. On a store error, what was deleted before it comes with the error.
 pub async fn purge_old_dead_letters(
     keel: &Keel,
     ns: &str,
     age: Duration,
     pages_max: usize,
 ) -> Result<OldLettersPurged, Stopped<OldLettersPurged>> {
-    let cutoff = now().minus(age);
+    purge_dead_letters_before(keel, ns, now().minus(age), pages_max, true).await
+}
+
+/// Deletes namespace `ns`'s dead letters created before `cutoff`, as
+/// [`purge_old_dead_letters`] does; `keep_suspended` false deletes those whose instance
+/// is still suspended too (`keel dlq purge --include-suspended`), leaving those instances
+/// with nothing to retry them by.
+pub async fn purge_dead_letters_before(
+    keel: &Keel,
+    ns: &str,
+    cutoff: Timestamp,
+    pages_max: usize,
+    keep_suspended: bool,
+) -> Result<OldLettersPurged, Stopped<OldLettersPurged>> {
     let nothing = OldLettersPurged { purged: 0, complete: false };
     let machines: BTreeSet<String> = keel
         .store()
@@ -868,12 +986,13 @@ pub async fn purge_old_dead_letters(
         .collect();
     let (mut purged, mut pages_left) = (0, pages_max);
     for machine in machines {
-        let done = purge_machine_letters(keel, ns, &machine, Some(cutoff), &mut pages_left, |_| {})
-            .await
-            .map_err(|failed| Stopped {
+        let scope = LetterScope { ns, machine: &machine, older_than: Some(cutoff), keep_suspended };
+        let done = purge_machine_letters(keel, scope, &mut pages_left, |_| {}).await.map_err(
+            |failed| Stopped {
                 done: OldLettersPurged { purged: purged + failed.done.purged, complete: false },
                 error: failed.error,
-            })?;
+            },
+        )?;
         purged += done.purged;
         if !done.complete {
             return Ok(OldLettersPurged { purged, complete: false });
@@ -882,14 +1001,23 @@ pub async fn purge_old_dead_letters(
     Ok(OldLettersPurged { purged, complete: true })
 }
 
-/// Deletes `machine`'s dead letters in `ns` (those created before `older_than`, or all)
-/// a page (`DEAD_LETTER_BATCH_MAX`) at a time while `pages_left` lasts, calling `on_page`
-/// with each page's count; `complete` is false when the pages ran out first.
+/// Which dead letters [`purge_machine_letters`] deletes.
+struct LetterScope<'a> {
+    ns: &'a str,
+    machine: &'a str,
+    /// Only those created before it (all, without it).
+    older_than: Option<Timestamp>,
+    /// Leave those whose instance is still suspended.
+    keep_suspended: bool,
+}
+
+/// Deletes `machine`'s dead letters in `ns` (those created before `older_than`, or all;
+/// not those of a still suspended instance when `keep_suspended`) a page
+/// (`DEAD_LETTER_BATCH_MAX`) at a time while `pages_left` lasts, calling `on_page` with
+/// each page's count; `complete` is false when the pages ran out first.
 async fn purge_machine_letters(
     keel: &Keel,
-    ns: &str,
-    machine: &str,
-    older_than: Option<Timestamp>,
+    scope: LetterScope<'_>,
     pages_left: &mut usize,
     mut on_page: impl FnMut(u64),
 ) -> Result<OldLettersPurged, Stopped<OldLettersPurged>> {
@@ -904,11 +1032,11 @@ async fn purge_machine_letters(
             .store()
             .dead_letter_purge(DeadLetterPurgeParams {
                 selector: Some(DeadLetterSelector::Machine {
-                    namespace: ns.to_owned(),
-                    machine: machine.to_owned(),
+                    namespace: scope.ns.to_owned(),
+                    machine: scope.machine.to_owned(),
                 }),
-                older_than,
-                keep_suspended: false,
+                older_than: scope.older_than,
+                keep_suspended: scope.keep_suspended,
             })
             .await
             .map_err(|error| Stopped {
@@ -920,6 +1048,65 @@ async fn purge_machine_letters(
         if n < page {
             return Ok(OldLettersPurged { purged, complete: true });
         }
+    }
+}
+
+/// Most dead letters read to count those a purge kept ([`kept_letters`]).
+const KEPT_READ_MAX: usize = 1_000;
+
+/// Dead letters a purge that keeps suspended instances' letters left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KeptLetters {
+    /// Letters created before the purge's cutoff still there after it.
+    pub count: u64,
+    /// True when the bounded read stopped first: `count` is a lower bound.
+    pub at_least: bool,
+}
+
+/// How many of `ns`'s dead letters (of `machine`, or all) created before `older_than`
+/// (all, without it) are left after a complete purge that kept the letters of suspended
+/// instances: those are the kept ones (give or take letters recorded meanwhile). Reads
+/// at most [`KEPT_READ_MAX`] letters, oldest first (ids follow creation time), after one
+/// grouped count says whether there is anything to read. `None` when a read fails: the
+/// purge itself is done, only the count is missing.
+pub async fn kept_letters(
+    keel: &Keel,
+    ns: &str,
+    machine: Option<&str>,
+    older_than: Option<Timestamp>,
+) -> Option<KeptLetters> {
+    let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await.ok()?;
+    let left: u64 = counts
+        .iter()
+        .filter(|c| c.namespace == ns && machine.is_none_or(|m| c.machine == m))
+        .map(|c| c.count)
+        .sum();
+    if left == 0 {
+        return Some(KeptLetters { count: 0, at_least: false });
+    }
+    let filter = keel_core::ports::store::DeadLetterFilter {
+        namespace: Some(ns.to_owned()),
+        machine: machine.map(str::to_owned),
+        limit: KEPT_READ_MAX,
+        ..Default::default()
+    };
+    let page = keel.store().dead_letter_list(filter).await.ok()?;
+    let old = |d: &keel_core::instance::DeadLetter| older_than.is_none_or(|t| d.created_at < t);
+    let count = page.iter().filter(|d| old(d)).count() as u64;
+    let at_least = page.len() == KEPT_READ_MAX && page.last().is_some_and(old);
+    Some(KeptLetters { count, at_least })
+}
+
+/// The line a purge that kept suspended instances' letters adds, naming how to act on
+/// them (`retry` is the retry command for them); empty when none were kept.
+pub fn kept_line(kept: Option<KeptLetters>, ns: &str, retry: &str) -> String {
+    match kept {
+        Some(KeptLetters { count: 0, .. }) | None => String::new(),
+        Some(KeptLetters { count, at_least }) => format!(
+            "\nKept {}{count} dead letter(s) whose instance is still suspended (a letter is the only way to retry it): retry them with `{}`, or cancel the instances.",
+            if at_least { "at least " } else { "" },
+            hint(ns, retry)
+        ),
     }
 }
 

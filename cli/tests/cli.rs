@@ -134,6 +134,23 @@ fn instances_start_receive_events_pause_and_cancel() {
         assert_eq!(b.json(&["status"])["queues"][0]["paused"], true);
         let (out, _) = b.run(&["resume", "default"], 0);
         assert!(out.contains("running (2 pending)"), "{out}");
+        // Resuming a queue that is not paused writes nothing: a running one says so, and
+        // a name with no pause and no work (a typo) is an error naming the closest queue,
+        // every time (no settings row makes the typo a known queue).
+        let again = b.json(&["resume", "default"]);
+        assert_eq!((&again["changed"], &again["pending"]), (&json!(false), &json!(2)), "{again}");
+        let (out, _) = b.run(&["resume", "default"], 0);
+        assert!(out.contains("running (2 pending); it was not paused, nothing changed"), "{out}");
+        for _ in 0..2 {
+            let (_, err) = b.run(&["resume", "defaul"], 1);
+            assert!(
+                err.contains(
+                    "queue: \"defaul\" in namespace \"default\" is not paused and holds no unfinished instance, so nothing was resumed; check the name, did you mean `default`?"
+                ),
+                "{}: {err}",
+                b.name
+            );
+        }
         assert_eq!(b.json(&["status", "--machine", "ticket"])["queues"][0]["paused"], false);
         assert_eq!(b.json(&["status", "--machine", "nothing"])["queues"], json!([]));
 
@@ -302,7 +319,16 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 1);
         // Another namespace's dead letters are not this purge's business.
         two_dead_letters_in(&b, "other").await;
+        // The one left is how its still suspended instance is retried: kept, and said.
         let purged = b.json(&["dlq", "purge", "--older-than", "0s", "--confirm"]);
+        assert_eq!(
+            (&purged["purged"], &purged["kept_suspended"], &purged["complete"]),
+            (&json!(0), &json!(1), &json!(true)),
+            "{}: {purged}",
+            b.name
+        );
+        let purged =
+            b.json(&["dlq", "purge", "--older-than", "0s", "--include-suspended", "--confirm"]);
         assert_eq!(
             (&purged["purged"], &purged["namespace"], &purged["complete"]),
             (&json!(1), &json!("default"), &json!(true)),
@@ -314,8 +340,19 @@ async fn dead_letters_drive_health_and_can_be_retried_and_purged() {
         assert_eq!(other["dead_letters"].as_array().unwrap().len(), 2, "{}: {other}", b.name);
         let (out, _) = b.run(&["-n", "other", "dlq", "list", "--limit", "1"], 0);
         assert!(out.contains("More: keel -n other dlq list --limit 1 --after dl"), "{out}");
-        let (out, _) =
-            b.run(&["-n", "other", "dlq", "purge", "--older-than", "0s", "--confirm"], 0);
+        let (out, _) = b.run(
+            &[
+                "-n",
+                "other",
+                "dlq",
+                "purge",
+                "--older-than",
+                "0s",
+                "--include-suspended",
+                "--confirm",
+            ],
+            0,
+        );
         assert!(out.contains("Purged 2 dead letter(s) older than"), "{out}");
         assert!(out.contains(r#"in namespace "other""#), "{out}");
     }
@@ -922,7 +959,8 @@ fn numeric_flags_out_of_range_name_the_flag_and_the_range() {
             ),
             (&["history", "ticket:K", "--limit", "1001"], "--limit: 1001 is out of range"),
             (&["list", "ticket", "--limit", "0"], "--limit: 0 is out of range; give 1 to 1000"),
-            (&["dlq", "list", "--limit", "10001"], "--limit: 10001 is out of range; give 1 to"),
+            // Each letter carries its payload and errors: a page is capped as the API's is.
+            (&["dlq", "list", "--limit", "1001"], "--limit: 1001 is out of range; give 1 to 1000"),
             (&["dlq", "retry", "1", "--delay", "400d"], "--delay: 400 days is longer than"),
             (
                 &["dlq", "retry", "--machine", "ticket", "--all", "--delay", "400d"],
@@ -1243,6 +1281,63 @@ async fn start_without_a_version_takes_the_newest_a_live_worker_serves() {
         assert!(
             err.contains("note: no live worker serves \"lonely\" in namespace \"default\", so this starts version 1; `--version N` starts another"),
             "{}: {err}",
+            b.name
+        );
+
+        // `--key` is a business key, not a uniqueness claim: a second start with it starts
+        // another instance, on the version this start chose, and `M:K` names the newest.
+        let first = b.json(&["start", "lonely", "--key", "K", "--version", "3"]);
+        let again = b.json(&["start", "lonely", "--key", "K"]);
+        assert_eq!((&again["inserted"], &again["version"]), (&json!(true), &json!(1)));
+        assert_ne!(first["id"], again["id"], "{}", b.name);
+        assert_eq!(b.json(&["inspect", "lonely:K"])["instance"]["id"], again["id"]);
+
+        // `keel workers` lists those that claim from the namespace (every namespace's
+        // with --all-namespaces) and counts the others.
+        let names = |doc: &Value| -> Vec<String> {
+            let mut all: Vec<String> = doc["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|w| w["name"].as_str().unwrap().to_owned())
+                .collect();
+            all.sort();
+            all
+        };
+        let fleet = b.json(&["workers"]);
+        assert_eq!(names(&fleet), ["new", "old"], "{}: {fleet}", b.name);
+        assert_eq!((&fleet["other_namespaces"], &fleet["at_least"]), (&json!(1), &json!(false)));
+        assert_eq!(names(&b.json(&["-n", "x", "workers"])), ["far", "old"], "{}", b.name);
+        let every = b.json(&["workers", "--all-namespaces"]);
+        assert_eq!(names(&every), ["far", "new", "old"], "{}: {every}", b.name);
+        let (out, _) = b.run(&["workers"], 0);
+        assert!(
+            out.contains("2 live, 0 stale (not seen for 60s), claiming from namespace \"default\"")
+                && out.contains("1 more claim only from other namespaces"),
+            "{}: {out}",
+            b.name
+        );
+        // At the store's bound, the counts are lower bounds.
+        let max = keel::layers::core::ports::store::WORKER_LIST_MAX;
+        for n in 0..max {
+            let beat = WorkerBeatParams {
+                id: WorkerId(format!("w{n}")),
+                name: format!("w{n}"),
+                machines: vec![MachineRef::new("order", 1)],
+                namespaces: vec![],
+                started_at: now,
+                now,
+                forget_before: now.minus(Duration::from_secs(86_400)),
+            };
+            keel.store().worker_heartbeat(beat).await.unwrap();
+        }
+        let full = b.json(&["workers", "--all-namespaces"]);
+        assert_eq!(full["at_least"], true, "{}", b.name);
+        let (out, _) = b.run(&["workers", "--all-namespaces"], 0);
+        assert!(
+            out.starts_with("at least 1000 live, at least 0 stale")
+                && out.contains("The store lists at most 1000 workers: there may be more."),
+            "{}: {out}",
             b.name
         );
     }

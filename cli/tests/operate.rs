@@ -239,8 +239,13 @@ async fn list_pages_and_filters_and_purge_cancels_pending_and_deletes_dead_lette
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"].as_array().unwrap().len(), 2);
         let (_, err) = b.run(&["purge", "refuser", "--dlq"], 1);
         assert!(err.contains("deletes every dead letter"), "{err}");
+        // Both instances are still suspended: their letters are how they are retried.
         let purged = b.json(&["purge", "refuser", "--dlq", "--confirm"]);
+        assert_eq!((&purged["purged"], &purged["complete"]), (&json!(0), &json!(true)), "{purged}");
+        assert_eq!(purged["kept_suspended"], 2, "{}: {purged}", b.name);
+        let purged = b.json(&["purge", "refuser", "--dlq", "--include-suspended", "--confirm"]);
         assert_eq!((&purged["purged"], &purged["complete"]), (&json!(2), &json!(true)), "{purged}");
+        assert_eq!(purged["kept_suspended"], Value::Null, "{}: {purged}", b.name);
         assert_eq!(b.json(&["dlq", "list"])["dead_letters"], json!([]));
         assert_eq!(ids(&b.json(&["list", "refuser", "--status", "suspended"])).len(), 2);
     }
@@ -311,7 +316,10 @@ async fn workers_activity_and_health_thresholds_come_from_stored_rows() {
     for b in backends("workers_activity_and_health_thresholds") {
         b.run(&["migrate"], 0);
         let (out, _) = b.run(&["workers"], 0);
-        assert!(out.contains("No workers have reported"), "{out}");
+        assert!(
+            out.contains("No workers claiming from namespace \"default\" have reported"),
+            "{out}"
+        );
 
         let keel = b.open().await;
         let worker = keel.worker_with(fast()).register(Echo).unwrap().spawn().unwrap();
@@ -823,17 +831,19 @@ async fn bulk_commands_that_fail_part_way_say_what_they_already_did() {
     assert_eq!((&body["retried"], &body["stale"]), (&json!([]), &json!(0)), "{body}");
     sqlite_exec(&b.url, "DROP TRIGGER no_retry".to_owned()).await;
 
-    // dlq purge goes machine by machine: alpha's letter goes, beta's delete fails.
+    // dlq purge goes machine by machine: alpha's letter goes, beta's delete fails. Their
+    // instances are still suspended, so only --include-suspended deletes their letters.
     sqlite_exec(&b.url, failing("no_purge", "DELETE", "keel_dead_letters", "OLD.machine = 'beta'"))
         .await;
-    let (_, err) = b.run(&["dlq", "purge", "--older-than", "0s", "--confirm"], 1);
+    let args = ["dlq", "purge", "--older-than", "0s", "--include-suspended", "--confirm"];
+    let (_, err) = b.run(&args, 1);
     assert!(
         err.contains(
             "error: purged 1 dead letter(s) older than 0 seconds in namespace \"default\", then failed: "
         ),
         "{err}"
     );
-    let body = b.json_code(&["purge", "beta", "--dlq", "--confirm"], 1);
+    let body = b.json_code(&["purge", "beta", "--dlq", "--include-suspended", "--confirm"], 1);
     assert_eq!((&body["purged"], &body["machine"]), (&json!(0), &json!("beta")), "{body}");
     assert!(
         body["error"].as_str().unwrap().starts_with("purged 0 dead letter(s) of \"beta\""),
@@ -1155,7 +1165,7 @@ fn suggested_commands_quote_the_namespace() {
 
 /// The dead letters of `refuser` in the default namespace, oldest first: (letter, instance).
 fn letters(b: &Backend) -> Vec<(i64, i64)> {
-    let listed = b.json(&["dlq", "list", "--machine", "refuser", "--limit", "10000"]);
+    let listed = b.json(&["dlq", "list", "--machine", "refuser", "--limit", "1000"]);
     listed["dead_letters"]
         .as_array()
         .unwrap()
@@ -1327,4 +1337,88 @@ async fn a_cascade_cut_at_its_bound_says_so() {
     let small = b.json(&["start", "solo", "--version", "1"])["id"].as_i64().unwrap();
     let report = b.json(&["cancel", &small.to_string(), "--cascade"]);
     assert_eq!((&report["cancelled"], &report["complete"]), (&json!([small]), &json!(true)));
+}
+
+/// A purge of dead letters (`keel dlq purge`, `keel purge M --dlq`, and the dashboard's
+/// through `purge_old_dead_letters`) keeps the letters of instances that are still
+/// suspended, the only way to retry them, and says how many it kept and what to do with
+/// them; `--include-suspended` deletes them too. Without `--confirm`, the refusal says
+/// how many letters and suspended instances there are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_keep_the_dead_letters_of_suspended_instances() {
+    for b in backends("purges_keep_the_dead_letters_of_suspended_instances") {
+        b.run(&["migrate"], 0);
+        let keel = b.open().await;
+        refused(&b, &keel, 3).await.shutdown().await;
+        let all = letters(&b);
+        assert_eq!(all.len(), 3, "{}: {all:?}", b.name);
+        // One instance cancelled: its letter only records what happened.
+        let (_, gone) = all[0];
+        b.run(&["cancel", &gone.to_string()], 0);
+
+        let (_, err) = b.run(&["purge", "refuser", "--dlq"], 1);
+        assert!(
+            err.contains(
+                "(3 dead letter(s) in namespace \"default\" now; those of its 2 suspended instance(s) stay); add --confirm to proceed"
+            ),
+            "{}: {err}",
+            b.name
+        );
+        let (_, err) = b.run(&["purge", "refuser", "--dlq", "--include-suspended"], 1);
+        assert!(err.contains("would have nothing left to retry them by"), "{}: {err}", b.name);
+        let (_, err) = b.run(&["purge", "refuser", "--pending"], 1);
+        assert!(err.contains("(0 runnable in namespace \"default\" now"), "{}: {err}", b.name);
+        let (_, err) = b.run(&["dlq", "purge", "--older-than", "0s"], 1);
+        assert!(
+            err.contains("of the 3 dead letter(s) in namespace \"default\", those older than")
+                && err.contains("except those of its 2 suspended instance(s), which stay"),
+            "{}: {err}",
+            b.name
+        );
+        assert_eq!(letters(&b).len(), 3, "{}: a refusal deletes nothing", b.name);
+
+        let purged = b.json(&["dlq", "purge", "--older-than", "0s", "--confirm"]);
+        assert_eq!(
+            (&purged["purged"], &purged["kept_suspended"], &purged["complete"]),
+            (&json!(1), &json!(2), &json!(true)),
+            "{}: {purged}",
+            b.name
+        );
+        let left: Vec<i64> = letters(&b).into_iter().map(|(_, i)| i).collect();
+        assert_eq!(left, [all[1].1, all[2].1], "{}: the suspended ones' letters stay", b.name);
+        let (out, _) = b.run(&["dlq", "purge", "--older-than", "0s", "--confirm"], 0);
+        assert!(
+            out.contains(
+                "\nKept 2 dead letter(s) whose instance is still suspended (a letter is the only way to retry it): retry them with `keel dlq retry ID`, or cancel the instances."
+            ),
+            "{}: {out}",
+            b.name
+        );
+        let (out, _) = b.run(&["purge", "refuser", "--dlq", "--confirm"], 0);
+        assert!(
+            out.contains("Purged 0 dead letter(s) of \"refuser\" in namespace \"default\".")
+                && out.contains("retry them with `keel dlq retry --machine refuser --all`"),
+            "{}: {out}",
+            b.name
+        );
+        // The dashboard's purge keeps them too.
+        let done = keel_cli::operate::purge_old_dead_letters(&keel, "default", Duration::ZERO, 10)
+            .await
+            .unwrap();
+        assert_eq!((done.purged, done.complete), (0, true), "{}", b.name);
+        assert_eq!(letters(&b).len(), 2, "{}", b.name);
+        // A kept letter still retries its instance.
+        let retried = b.json(&["dlq", "retry", &letters(&b)[0].0.to_string()]);
+        assert_eq!(retried["retried"], json!([all[1].1]), "{}: {retried}", b.name);
+
+        let purged =
+            b.json(&["dlq", "purge", "--older-than", "0s", "--include-suspended", "--confirm"]);
+        assert_eq!(
+            (&purged["purged"], &purged["kept_suspended"]),
+            (&json!(1), &Value::Null),
+            "{}: {purged}",
+            b.name
+        );
+        assert_eq!(letters(&b), [], "{}", b.name);
+    }
 }
