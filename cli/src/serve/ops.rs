@@ -17,8 +17,9 @@ use super::AppState;
 use super::api::{ApiError, NoQuery, Path};
 use crate::commands::{now, status_rows};
 
-/// Most dead letters one list returns.
-const DEAD_LETTER_PAGE: usize = 1000;
+/// Most dead letters one list returns (each carries its event and its attempts' errors),
+/// the same bound as `keel dlq list`.
+const DEAD_LETTER_PAGE: usize = crate::commands::DLQ_LIST_MAX;
 
 /// Per queue and machine counts, as `keel status --json`.
 pub async fn status(

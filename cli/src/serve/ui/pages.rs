@@ -1229,7 +1229,7 @@ pub async fn dead_letters(
     if viewer.operates() {
         let _ = write!(
             body,
-            "<h2>Purge</h2><form method=\"post\" action=\"{}\" data-confirm=\"Delete these dead letters for good?\"><p>Delete this namespace's dead letters older than <input name=\"older_than\" value=\"7d\" size=\"8\"> (the instances stay suspended). <label><input type=\"checkbox\" name=\"confirm\" value=\"yes\" required> I understand this cannot be undone</label> <button class=\"danger\">Purge</button></p></form>",
+            "<h2>Purge</h2><form method=\"post\" action=\"{}\" data-confirm=\"Delete these dead letters for good?\"><p>Delete this namespace's dead letters older than <input name=\"older_than\" value=\"7d\" size=\"8\"> (the letters of instances still suspended stay: a letter is how its instance is retried). <label><input type=\"checkbox\" name=\"confirm\" value=\"yes\" required> I understand this cannot be undone</label> <button class=\"danger\">Purge</button></p></form>",
             esc(&ns_url(&ns, "/dead-letters/purge"))
         );
     }
