@@ -516,7 +516,7 @@ async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report>
     if let Some(priority) = args.priority {
         new = new.priority(priority);
     }
-    let outcome = keel.start(new).await?;
+    let outcome = keel.start(new).await.map_err(|e| flagged(e, START_FLAGS))?;
     let (id, inserted) = match outcome {
         InsertOutcome::Inserted(id) => (id, true),
         InsertOutcome::Existing(id) => (id, false),
@@ -570,6 +570,36 @@ async fn default_version(
     Ok((1, Some(note)))
 }
 
+/// The store's names for a start's fields, and the argument of `keel start` that gives
+/// each (the client's single start already drops the batch's `instances[0].`).
+const START_FLAGS: &[(&str, &str)] = &[
+    ("machine.name", "machine"),
+    ("machine.version", "--version"),
+    ("position", "--at"),
+    ("business_key", "--key"),
+    ("queue", "--queue"),
+    ("context", "--context"),
+];
+
+/// The store's names for an event's fields, and the argument of `keel send` that gives
+/// each.
+const SEND_FLAGS: &[(&str, &str)] =
+    &[("name", "EVENT"), ("payload", "--payload"), ("dedup_key", "--dedup-key")];
+
+/// A refusal of bad input that names the store's field (`business_key: must not be
+/// empty`) said with the argument the user typed (`--key: must not be empty`); any other
+/// error as it is.
+fn flagged(error: keel_core::StoreError, flags: &[(&str, &str)]) -> anyhow::Error {
+    if error.kind == keel_core::ErrorKind::Invalid {
+        for (field, flag) in flags {
+            if let Some(rest) = error.message.strip_prefix(field).filter(|r| r.starts_with(':')) {
+                return anyhow!("{flag}{rest}");
+            }
+        }
+    }
+    error.into()
+}
+
 async fn send(
     keel: &Keel,
     ns: &str,
@@ -590,7 +620,7 @@ async fn send(
     if let Some(priority) = priority {
         signal = signal.priority(priority);
     }
-    match keel.send(signal).await? {
+    match keel.send(signal).await.map_err(|e| flagged(e, SEND_FLAGS))? {
         DeliveryOutcome::Delivered { id: signal, target, woke } => Ok(Report::ok(
             json!({ "outcome": "delivered", "signal": signal, "target": target, "woke": woke }),
             format!(
@@ -898,13 +928,13 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                     stats.iter().filter(|s| s.namespace == ns).map(|s| s.suspended).sum();
                 let kept = if include_suspended {
                     format!(
-                        "those of its {suspended} suspended instance(s) included, which would have nothing left to retry them by"
+                        "the letters of its {suspended} suspended instance(s) go too, leaving them nothing to be retried by"
                     )
                 } else {
-                    format!("except those of its {suspended} suspended instance(s), which stay")
+                    format!("the letters of its {suspended} suspended instance(s) stay")
                 };
                 bail!(
-                    "purge deletes dead letters older than {older} for good: of the {letters} dead letter(s) in namespace {ns:?}, those older than {older}, {kept}; add --confirm to proceed"
+                    "purge deletes the dead letters older than {older} in namespace {ns:?} for good (it holds {letters} dead letter(s) of any age now; {kept}); add --confirm to proceed"
                 );
             }
             let keep = !include_suspended;
