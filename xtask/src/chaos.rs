@@ -149,7 +149,8 @@ impl Drop for WorkerProcess {
 /// How a worker process is started.
 #[derive(Clone)]
 struct Launch {
-    /// The program (this xtask binary, run as `chaos-worker`).
+    /// The program: a copy of this xtask binary in the run directory, run
+    /// as `chaos-worker`.
     program: PathBuf,
     store_args: Vec<String>,
     /// The run directory: each worker's exec log and its stderr are kept there.
@@ -160,6 +161,19 @@ struct Launch {
 const STDERR_TAIL_LINES: usize = 20;
 
 impl Launch {
+    /// Workers are launched from a copy of this binary kept in the run
+    /// directory, not from the binary itself: a build elsewhere that shares
+    /// the target directory (another checkout's `cargo xtask …`) replaces
+    /// `target/debug/xtask` while a run takes minutes, and every later
+    /// restart would then fail to launch, or launch a different program.
+    fn new(run_dir: &Path, store_args: Vec<String>) -> Result<Launch> {
+        let me = std::env::current_exe().context("could not find the running xtask binary")?;
+        let program = run_dir.join("chaos-worker-bin");
+        std::fs::copy(&me, &program)
+            .with_context(|| format!("could not copy {} to {}", me.display(), program.display()))?;
+        Ok(Launch { program, store_args, log_dir: run_dir.to_path_buf() })
+    }
+
     fn start(&self, id: &str, clock_offset_ms: i64, generation: usize) -> Result<WorkerProcess> {
         let log = self.log_dir.join(format!("exec-{id}-{generation}.log"));
         let stderr_path = self.log_dir.join(format!("stderr-{id}-{generation}.log"));
@@ -647,16 +661,15 @@ fn run_postgres(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let proxy_port = listener.local_addr()?.port();
     rt.spawn(chaos_proxy::serve(listener, cluster.port, CUT_ONE_IN, options.seed, stats.clone()));
-    let launch = Launch {
-        program: std::env::current_exe()?,
-        store_args: vec![
+    let launch = Launch::new(
+        run_dir,
+        vec![
             "--postgres".into(),
             format!("postgres://postgres@127.0.0.1:{proxy_port}/postgres"),
             "--schema".into(),
             schema.into(),
         ],
-        log_dir: run_dir.to_path_buf(),
-    };
+    )?;
     let mut slots = Vec::new();
     for i in 0..PG_WORKERS {
         let base = format!("chaos-w{i}");
@@ -772,11 +785,7 @@ fn run_sqlite(options: &Options, run_dir: &Path) -> Result<(Tally, Value)> {
     let store = rt.block_on(SqliteStore::open(&db))?;
     let mut waves = Waves::new(options.instances);
     faults.note(format!("SQLite file {}", db.display()));
-    let launch = Launch {
-        program: std::env::current_exe()?,
-        store_args: vec!["--sqlite".into(), db.display().to_string()],
-        log_dir: run_dir.to_path_buf(),
-    };
+    let launch = Launch::new(run_dir, vec!["--sqlite".into(), db.display().to_string()])?;
     let mut slot = Slot {
         base: "chaos-sqlite".into(),
         id: "chaos-sqlite".into(),
