@@ -9,8 +9,10 @@
 //! it trims every instance's history to its newest `history_per_instance` entries
 //! ([`RetentionConfig::trim_passes`]: pages of `Store::history_trim`, each deleting at
 //! most `retention.batch` rows, under the same pause and page bound), and purges the dead
-//! letters older than each registered machine's `dead_letter.retention`, in calls bounded
-//! by the store. Every row removed is counted in `keel_pruned_rows_total{kind}` and in
+//! letters older than each registered machine's `dead_letter.retention` — and those of
+//! each machine it does not register but whose section of its configuration file sets a
+//! `dead_letter.retention` ([`named_dead_letter_retentions`]) — in calls bounded by the
+//! store. Every row removed is counted in `keel_pruned_rows_total{kind}` and in
 //! [`PruneCounts`].
 //!
 //! Several workers may prune at once: a row is deleted once (the other worker's page finds
@@ -102,6 +104,27 @@ pub struct DeadLetterRetention {
     pub machine: String,
     /// How long its dead letters are kept.
     pub keep: Duration,
+}
+
+/// The dead-letter retentions `settings` sets explicitly for machines not in
+/// `registered`: each `[machines.<name>.queue.dead_letter] retention` of a machine this
+/// worker does not run, by machine name. A worker with retention on purges those
+/// machines' letters too (a machine served only by HTTP workers has no pruner of its
+/// own); a machine it neither registers nor names keeps its letters, since another
+/// worker's policy for it may differ from this one's defaults.
+pub fn named_dead_letter_retentions(
+    settings: &keel_core::config::KeelConfig,
+    registered: &std::collections::BTreeSet<&str>,
+) -> Vec<(String, Duration)> {
+    settings
+        .machines
+        .iter()
+        .filter(|(name, _)| !registered.contains(name.as_str()))
+        .filter_map(|(name, machine)| {
+            let keep = machine.queue.dead_letter.and_then(|d| d.retention)?;
+            Some((name.clone(), keep))
+        })
+        .collect()
 }
 
 /// A worker's pruner.

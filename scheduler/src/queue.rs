@@ -318,8 +318,10 @@ impl HintStats {
 
 /// Whether the worker's hints are flowing (its last receive claimed work): then slots
 /// freed by commits are left to the hint loop, and the claim loop only polls (the repair
-/// path). Without a queue, while the queue fails, and while its hints bring nothing, the
-/// claim loop refills freed slots itself as usual.
+/// path), except the slots of a queue hints never claim into (a queue-wide limit), which
+/// the claim loop still refills the moment they free. Without a queue, while the queue
+/// fails, and while its hints bring nothing, the claim loop refills freed slots itself as
+/// usual.
 pub(super) fn hints_flowing<S, C>(inner: &Inner<S, C>) -> bool {
     inner.hints.as_ref().is_some_and(|link| link.flowing.load(Ordering::Relaxed))
 }
@@ -558,7 +560,7 @@ async fn repair_loop<S: Store, C: Clock>(
         if *shutdown.borrow() {
             return;
         }
-        match repair_pass(&inner, &link, bound, &mut cover).await {
+        match repair_pass(&inner, &link, bound, &mut cover, &shutdown).await {
             Ok(()) => inner.loop_ok(WorkerLoop::Repair),
             Err(e) => {
                 let pause = inner.loop_failed(WorkerLoop::Repair, &format!("repair pass: {e}"));
@@ -584,11 +586,15 @@ struct Cover {
 
 /// One repair pass: up to `REPAIR_PAGES_MAX` pages from where the last one stopped; of
 /// each page, the instances `plan::hints::repair_due` picks are published as one batch.
+/// Once `shutdown` turns true the pass stops before its next page, the cursor left where
+/// it stood (as after a failed page), so a worker shutting down waits for one page, not
+/// for a walk over a huge backlog.
 async fn repair_pass<S: Store, C: Clock>(
     inner: &Inner<S, C>,
     link: &HintLink,
     bound: Duration,
     cover: &mut Cover,
+    shutdown: &watch::Receiver<bool>,
 ) -> StoreResult<()> {
     let now = inner.clock.now();
     // Where the walk stood before this pass: a page that fails goes again next pass, and
@@ -618,6 +624,10 @@ async fn repair_pass<S: Store, C: Clock>(
                 (cover.started, cover.previous) = (walk_started, walk_previous);
             }
         };
+        if *shutdown.borrow() {
+            rewind(cover);
+            return Ok(());
+        }
         let params = ReadyStaleParams {
             namespaces: inner.config.namespaces.clone(),
             queues: queues.clone(),

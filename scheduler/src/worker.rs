@@ -792,6 +792,37 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
                     });
                 }
             }
+            // Machines this worker does not run but its file names with a dead-letter
+            // retention (served by HTTP workers, say, which prune nothing): their letters
+            // go under that retention, in the same namespaces. Machines neither registered
+            // nor named keep theirs: this worker's defaults are not their policy.
+            let registered: BTreeSet<&str> =
+                self.machines.keys().map(|m| m.name.as_str()).collect();
+            let named = self
+                .config
+                .settings
+                .as_deref()
+                .map(|s| crate::prune::named_dead_letter_retentions(s, &registered))
+                .unwrap_or_default();
+            if !named.is_empty() {
+                let names: Vec<&str> = named.iter().map(|(m, _)| m.as_str()).collect();
+                tracing::info!(
+                    worker = %self.config.worker_id.0,
+                    machines = ?names,
+                    "this worker also purges the dead letters of these machines, which it does \
+                     not register, under the dead-letter retention its configuration file sets \
+                     for each"
+                );
+            }
+            for (machine, keep) in named {
+                for namespace in &namespaces {
+                    dead_letters.push(DeadLetterRetention {
+                        namespace: namespace.clone(),
+                        machine: machine.clone(),
+                        keep,
+                    });
+                }
+            }
             dead_letters
                 .sort_by(|a, b| (&a.namespace, &a.machine).cmp(&(&b.namespace, &b.machine)));
             dead_letters.dedup_by(|a, b| a.namespace == b.namespace && a.machine == b.machine);
@@ -947,8 +978,14 @@ async fn run<S: Store, C: Clock + Clone>(
     // Sized by concurrency alone, a worker of concurrency 1 could hand in only two results
     // while its commit lanes were busy: each lane that came free then took a group of
     // three, and a run of small groups, one flush each, kept the lanes busy for good.
-    let queues: Arc<Vec<QueueSlots>> =
-        Arc::new(inner.config.queues.iter().map(|(q, n)| QueueSlots::new(q, *n)).collect());
+    let queues: Arc<Vec<QueueSlots>> = Arc::new(
+        inner
+            .config
+            .queues
+            .iter()
+            .map(|(q, n)| QueueSlots::new(q, *n, !inner.config.hints_claim_into(q)))
+            .collect(),
+    );
     let held = queues
         .iter()
         .map(|slots| QueueSlots::held_max(slots.concurrency))
@@ -1157,13 +1194,19 @@ const CLAIM_WAIT_MAX: usize = 50;
 struct SlotFreed {
     claims: Notify,
     hints: Notify,
+    /// A slot of a queue hints never claim into was given back: the claim loop alone
+    /// refills it, so it is woken for it even while hints flow for the other queues.
+    unhinted: Notify,
 }
 
 impl SlotFreed {
-    /// Slots were given back.
-    fn notify(&self) {
+    /// Slots were given back; `unhinted`: some of a queue hints do not claim into.
+    fn notify(&self, unhinted: bool) {
         self.claims.notify_one();
         self.hints.notify_one();
+        if unhinted {
+            self.unhinted.notify_one();
+        }
     }
 }
 
@@ -1185,6 +1228,9 @@ struct QueueSlots {
 struct Pace {
     running: Arc<Semaphore>,
     waiting: AtomicUsize,
+    /// Hints never claim into this queue (a queue-wide limit): only the claim loop
+    /// refills its freed slots.
+    unhinted: bool,
     /// A moving average of the queue's recent step run times, in microseconds;
     /// `u64::MAX` until a step ran.
     step_micros: AtomicU64,
@@ -1201,7 +1247,8 @@ impl Pace {
 }
 
 impl QueueSlots {
-    fn new(name: &str, concurrency: usize) -> Self {
+    /// `unhinted`: hints never claim into the queue ([`WorkerConfig::hints_claim_into`]).
+    fn new(name: &str, concurrency: usize, unhinted: bool) -> Self {
         QueueSlots {
             name: name.to_owned(),
             concurrency,
@@ -1209,6 +1256,7 @@ impl QueueSlots {
             pace: Arc::new(Pace {
                 running: Arc::new(Semaphore::new(concurrency)),
                 waiting: AtomicUsize::new(0),
+                unhinted,
                 step_micros: AtomicU64::new(u64::MAX),
             }),
         }
@@ -1353,7 +1401,7 @@ impl<S, C> Drop for Running<S, C> {
         // the semaphore, find no free slot and go back to sleep until the next poll.
         drop(self.permit.take());
         self.inner.running.fetch_sub(1, Ordering::SeqCst);
-        self.inner.slot_freed.notify();
+        self.inner.slot_freed.notify(self.pace.unhinted);
     }
 }
 
@@ -1441,6 +1489,11 @@ async fn claim_loop<S: Store, C: Clock>(
                 // repairs; when they stop, the slots are this loop's again at once.
                 () = inner.slot_freed.claims.notified(), if full && !queue::hints_flowing(&inner) => {}
                 () = queue::hints_stopped(&inner), if full && queue::hints_flowing(&inner) => {}
+                // A queue hints never claim into (a queue-wide limit) is this loop's alone,
+                // hints flowing for the other queues or not, and a worker with a queue
+                // polls slowly: a step of it that ends or commits (its next step ready
+                // now) wakes this loop, full or not.
+                () = inner.slot_freed.unhinted.notified(), if inner.hints.is_some() => {}
                 _ = shutdown.changed() => {}
             }
         }
@@ -2282,8 +2335,13 @@ impl<S, C> Drop for Settled<'_, S, C> {
                 remove_claim_entry(&mut in_flight, f.commit.id, f.origin.claim.token());
             }
         }
+        let unhinted = self.inner.hints.is_some()
+            && self
+                .batch
+                .iter()
+                .any(|f| !self.inner.config.hints_claim_into(&f.origin.claim.instance.queue));
         self.batch.clear(); // frees the slots
-        self.inner.slot_freed.notify();
+        self.inner.slot_freed.notify(unhinted);
     }
 }
 
@@ -2724,7 +2782,7 @@ mod tests {
 
     /// A queue of `concurrency` slots whose steps ran for `micros` each, all slots free.
     fn quick_queue(concurrency: usize, micros: u64) -> QueueSlots {
-        let slots = QueueSlots::new("q", concurrency);
+        let slots = QueueSlots::new("q", concurrency, false);
         slots.pace.step_micros.store(micros, Ordering::Relaxed);
         slots
     }
@@ -2742,7 +2800,7 @@ mod tests {
         assert_eq!(quick_queue(100, 10).worth_claiming(250, ahead), CLAIM_WAIT_MAX);
         assert_eq!(quick_queue(500, 10).worth_claiming(250, ahead), CLAIM_WAIT_MAX);
         // A queue whose steps have not run yet claims nothing ahead.
-        let fresh = QueueSlots::new("q", 1);
+        let fresh = QueueSlots::new("q", 1, false);
         assert_eq!(fresh.worth_claiming(250, ahead), 1);
     }
 
@@ -2755,14 +2813,19 @@ mod tests {
         tokio::pin!(claims, hints);
         claims.as_mut().enable();
         hints.as_mut().enable();
-        freed.notify();
+        freed.notify(false);
         let within = Duration::from_secs(1);
         tokio::time::timeout(within, hints).await.expect("the hint loop is woken");
         tokio::time::timeout(within, claims).await.expect("the claim loop is woken too");
         // Neither asleep: each finds the wake-up at its next wait.
-        freed.notify();
+        freed.notify(false);
         tokio::time::timeout(within, freed.hints.notified()).await.expect("kept for hints");
         tokio::time::timeout(within, freed.claims.notified()).await.expect("kept for claims");
+        // Only a slot of a queue hints never claim into wakes the claim loop's third wait.
+        let short = Duration::from_millis(20);
+        assert!(tokio::time::timeout(short, freed.unhinted.notified()).await.is_err());
+        freed.notify(true);
+        tokio::time::timeout(within, freed.unhinted.notified()).await.expect("unhinted woken");
     }
 
     #[test]

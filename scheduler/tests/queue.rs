@@ -45,6 +45,51 @@ impl StepMachine for Counter {
     }
 }
 
+/// Counts like `Counter` (machine `plodder`), its first step taking 100 ms: long enough
+/// for the hints of another queue to be flowing by the time it ends.
+struct Plodder;
+
+#[async_trait]
+impl StepMachine for Plodder {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("plodder", 1)
+    }
+    async fn step(&self, ctx: &StepContext) -> Result<Outcome, StepError> {
+        if ctx.context["n"].as_i64() == Some(0) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Counter.step(ctx).await
+    }
+}
+
+/// Sleeps a minute a step: holds its slot for the whole of a test.
+struct Sleeper;
+
+#[async_trait]
+impl StepMachine for Sleeper {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("sleeper", 1)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+/// Steps forever, a few milliseconds a step: keeps the hints of its queue flowing.
+struct Spinner;
+
+#[async_trait]
+impl StepMachine for Spinner {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("spinner", 1)
+    }
+    async fn step(&self, _ctx: &StepContext) -> Result<Outcome, StepError> {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        Ok(Outcome::Next { step: "spin".into(), context: json!({}) })
+    }
+}
+
 /// A queue in front of another that can publish every hint twice, can be "down" and can
 /// hang (no call of it ever returns); it counts receives, nacks and the publishes under
 /// way at once, takes `delay` to publish (a slow queue server) and keeps a lease at most
@@ -793,6 +838,116 @@ mod memory {
         let queue = Arc::new(probe());
         super::a_worker_whose_queues_are_all_limited_leaves_hints_alone(&queue).await;
         assert_eq!(queue.inner.len(), 5, "a memory queue keeps what no worker takes");
+    }
+
+    /// A shutdown during a repair pass over a huge backlog (every page full, each taking
+    /// 100 ms: a whole pass of a hundred pages would take ten seconds) waits for the page
+    /// under way, not for the pass, and reads no page after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_stops_a_long_repair_pass_between_pages() {
+        use common::faulty::{Faulty, Hooks};
+        let hooks =
+            Hooks { ready_stale_full_after: Some(Duration::from_millis(100)), ..Hooks::default() };
+        let h = Harness::with_store(Faulty::hooked(MemoryStore::new(), hooks));
+        let queue = Arc::new(MemoryQueue::new());
+        let setup = Setup { repair_after: Some(Duration::from_millis(200)), ..Setup::hinted(2) };
+        // One slot: the first instance holds it, the second stays ready for the repair
+        // pass to find.
+        let config = WorkerConfig {
+            queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), 1)],
+            shutdown_grace: Duration::from_millis(50),
+            ..config(&h, setup)
+        };
+        let (worker, _) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Sleeper)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+        let worker = worker.spawn();
+        for _ in 0..setup.n {
+            h.start(NewInstance::new(MachineRef::new("sleeper", 1), "sleep")).await;
+        }
+        // Both have been ready for far longer than the repair bound.
+        h.clock.advance(Duration::from_secs(60));
+        let began = tokio::time::Instant::now();
+        while h.store.calls("instance_ready_stale") < 3 {
+            assert!(began.elapsed() < Duration::from_secs(10), "no repair pass under way");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let stats = tokio::time::timeout(Duration::from_secs(3), worker.shutdown()).await;
+        assert!(stats.is_ok(), "shutdown waited for the whole repair pass");
+        let read = h.store.calls("instance_ready_stale");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(h.store.calls("instance_ready_stale"), read, "the pass went on after shutdown");
+    }
+
+    /// A worker serving a queue hints feed (`a`) and a queue with a queue-wide limit (`b`,
+    /// which hints never claim into) refills `b` the moment one of its slots frees, while
+    /// hints flow for `a` the whole time: `b`'s steps run one after the other at step
+    /// speed, not one per poll interval (ten minutes here).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_limited_queue_next_to_a_hinted_one_refills_while_hints_flow() {
+        let h = MemoryStore::harness().await;
+        let _ticking = Ticking::start(&h.clock);
+        let queue = Arc::new(MemoryQueue::new());
+        let setup = Setup::no_polling(10);
+        let settings =
+            keel_core::config::KeelConfig::from_toml_str("[queues.b]\nglobal_concurrency = 100\n")
+                .unwrap();
+        let config = WorkerConfig {
+            queues: vec![("a".to_owned(), 2), ("b".to_owned(), 1)],
+            ..config(&h, setup)
+        }
+        .with_settings(settings)
+        .unwrap();
+        // Started before the worker, by a client without the queue: the claim loop's first
+        // pass takes them; only `a`'s steps are hinted after that, and they flow by the
+        // time the first of `b`'s (100 ms) ends.
+        let plain = Client::new(Arc::clone(&h.store), h.clock.clone());
+        for _ in 0..8 {
+            let spin = NewInstance::new(MachineRef::new("spinner", 1), "spin").queue("a");
+            plain.start(spin).await.expect("start");
+        }
+        let news = (0..setup.n)
+            .map(|_| {
+                NewInstance::new(MachineRef::new("plodder", 1), "count")
+                    .queue("b")
+                    .context(json!({ "n": 0 }))
+            })
+            .collect();
+        let ids: Vec<InstanceId> = plain
+            .start_many(news)
+            .await
+            .expect("start")
+            .into_iter()
+            .map(|outcome| {
+                let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
+                id
+            })
+            .collect();
+        let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
+            .register(Plodder)
+            .register(Spinner)
+            .with_queue(Arc::clone(&queue) as Arc<dyn Queue>, hint_config(setup));
+        let worker = worker.spawn();
+        let done = |rows: &[keel_core::instance::Instance]| {
+            rows.iter().filter(|r| r.status == Status::Done).count()
+        };
+        let began = tokio::time::Instant::now();
+        loop {
+            let rows = h.store.instance_rows(ids.clone()).await.expect("rows");
+            if done(&rows) == ids.len() {
+                break;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(20),
+                "{} of {} instances of the limited queue done after 20 s (hints claimed {})",
+                done(&rows),
+                ids.len(),
+                claimed(&hints)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(claimed(&hints) > 0, "hints never flowed for queue a");
+        worker.shutdown().await;
     }
 
     /// A queue that never answers stops neither the hint loop nor the worker: a receive

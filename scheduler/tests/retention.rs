@@ -17,9 +17,11 @@ use keel_core::ports::Store;
 use keel_core::retention::{MachineRetention, RetentionConfig};
 use keel_core::{ErrorKind, InstanceId, Outcome, Status};
 use keel_scheduler::{
-    Cancel, DeadLetterRetry, StepContext, StepError, StepMachine, WorkerConfig, WorkerHandle,
+    Cancel, DeadLetterRetry, StepContext, StepError, StepMachine, Worker, WorkerConfig,
+    WorkerHandle,
 };
 use serde_json::json;
+use std::sync::Arc;
 use std::time::Duration;
 
 on_every_store!(
@@ -27,6 +29,7 @@ on_every_store!(
     dead_letters_go_after_their_machine_retention,
     the_files_dead_letter_retention_wins_over_the_code,
     a_worker_of_every_namespace_purges_dead_letters_in_every_namespace,
+    a_worker_purges_the_dead_letters_of_machines_its_file_names_only,
     history_is_trimmed_to_the_newest_entries_per_instance,
     a_worker_prunes_only_the_namespaces_it_serves,
     shutdown_waits_for_one_prune_page_not_the_whole_run,
@@ -233,6 +236,75 @@ async fn a_worker_of_every_namespace_purges_dead_letters_in_every_namespace<S: T
     runs_after(&worker, before, 2).await;
     assert_eq!(letters(&h).await, 0, "a dead letter outside namespace default was kept");
     assert_eq!(worker.pruned().dead_letters, 2);
+    worker.shutdown().await;
+}
+
+/// The instances whose dead letters the store holds (at most 10), oldest letter first.
+async fn lettered<S: TestStore>(h: &Harness<S>) -> Vec<InstanceId> {
+    let filter = keel_core::ports::store::DeadLetterFilter { limit: 10, ..Default::default() };
+    let letters = h.client.dead_letters(filter).await.expect("dead letters");
+    letters.iter().map(|l| l.letter.instance).collect()
+}
+
+/// A machine no pruning worker registers (served by HTTP workers, say) has its dead
+/// letters purged by a worker whose configuration file names it with a dead-letter
+/// retention; a machine it neither registers nor names keeps its letters, under no
+/// default of this worker's (neither the file's system level nor the built-in seven
+/// days), and a letter whose instance is still suspended stays as ever.
+async fn a_worker_purges_the_dead_letters_of_machines_its_file_names_only<S: TestStore>() {
+    let h = S::harness().await;
+    // Another worker, pruning nothing, runs `remote` and `stranger` and dead-letters
+    // three of their instances; two are given up on.
+    let other = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+        .register(Quick("remote"))
+        .register(Quick("stranger"));
+    let other = h.hinted(other).spawn();
+    let failing = |machine: &str| {
+        NewInstance::new(MachineRef::new(machine, 1), "go").context(json!({ "fail": true }))
+    };
+    let remote = h.start(failing("remote")).await;
+    let suspended = h.start(failing("remote")).await;
+    let stranger = h.start(failing("stranger")).await;
+    for id in [remote, suspended, stranger] {
+        h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+    }
+    other.shutdown().await;
+    give_up(&h, remote).await;
+    give_up(&h, stranger).await;
+    // The pruning worker runs `quick` only; its file names `remote`.
+    let file = keel_core::config::KeelConfig::load(
+        "[queue.dead_letter]\nretention = \"1 hour\"\n\
+         [machines.remote.queue.dead_letter]\nretention = \"10 minutes\"\n",
+        |_| None,
+    )
+    .expect("valid file")
+    .0;
+    let every =
+        RetentionConfig { interval: Duration::from_millis(20), ..RetentionConfig::default() };
+    let config =
+        WorkerConfig { retention: Some(every), ..h.config() }.with_settings(file).expect("applied");
+    let (logged, guard) = common::logged::Logged::capture();
+    let worker = h.worker(config, Quick("quick"));
+    drop(guard);
+    let said = logged.text();
+    assert!(
+        said.contains("purges the dead letters of these machines")
+            && said.contains(r#"machines=["remote"]"#),
+        "the start says which machines it purges for: {said}"
+    );
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    assert_eq!(lettered(&h).await.len(), 3, "younger than every retention");
+    // Past `remote`'s ten minutes, the file's hour and the built-in seven days.
+    h.clock.advance(QueueConfig::default().dead_letter.retention + HOUR);
+    let before = worker.pruned().runs;
+    runs_after(&worker, before, 2).await;
+    let mut left = lettered(&h).await;
+    left.sort();
+    let mut kept = vec![suspended, stranger];
+    kept.sort();
+    assert_eq!(left, kept, "only the given-up letter of the named machine goes");
+    assert_eq!(worker.pruned().dead_letters, 1);
     worker.shutdown().await;
 }
 

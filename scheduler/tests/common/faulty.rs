@@ -45,6 +45,9 @@ pub struct Hooks {
     pub claims_unavailable_in: Vec<String>,
     /// `instance_claim_ids` fails as unavailable.
     pub claim_ids_unavailable: bool,
+    /// `instance_ready_stale` answers after this pause, and a page it finds anything on
+    /// comes back full (its first row over and over), as on a huge backlog.
+    pub ready_stale_full_after: Option<Duration>,
 }
 
 /// The store wrapper. A reap is noted as `lease_reap_owner` when it names an owner (a
@@ -183,7 +186,19 @@ impl<S: Store> Store for Faulty<S> {
         self.inner.instance_claim_ids(ids, p).await
     }
     async fn instance_ready_stale(&self, p: s::ReadyStaleParams) -> StoreResult<Vec<Instance>> {
-        self.inner.instance_ready_stale(p).await
+        let Some(pause) = self.hooks.ready_stale_full_after else {
+            return self.inner.instance_ready_stale(p).await;
+        };
+        self.calls.lock().unwrap().entry("instance_ready_stale").or_default().push(Instant::now());
+        tokio::time::sleep(pause).await;
+        // From the start each time: the page is the same rows again.
+        let limit = p.limit;
+        let mut rows =
+            self.inner.instance_ready_stale(s::ReadyStaleParams { after: None, ..p }).await?;
+        if let Some(first) = rows.first().cloned() {
+            rows.resize(limit, first);
+        }
+        Ok(rows)
     }
     async fn step_commit(
         &self,
