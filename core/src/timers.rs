@@ -131,21 +131,22 @@ fn exhausted(timer: &TimerRow) -> bool {
     timer.spec.kind == TimerKind::Every && timer.spec.max.is_some_and(|max| timer.fire_count >= max)
 }
 
-/// Whether a due timer of a suspended (dead-lettered) instance is held rather than fired:
-/// every tick of an `every` timer except an exhausted timer's `then`. A suspended instance
-/// runs nothing until an operator retries it, which may be days away; its repeating timers
-/// would otherwise fill its inbox with one fire per interval, all replayed by the retry.
+/// Whether a due timer of a held instance — suspended (dead-lettered), or in a paused queue
+/// ([`crate::plan::timer::Owner::Held`]) — is held rather than fired: every tick of an
+/// `every` timer except an exhausted timer's `then`. Such an instance runs nothing until an
+/// operator retries it or resumes its queue, which may be days away; its repeating timers
+/// would otherwise fill its inbox with one fire per interval, all replayed at once after.
 /// An `after` timer and a `then` still deliver once each, as they would to a live instance:
-/// one signal each, waiting for the retry.
+/// one signal each, waiting for the retry or the resume.
 pub fn held_while_suspended(timer: &TimerRow) -> bool {
     timer.spec.kind == TimerKind::Every && !exhausted(timer)
 }
 
 /// A held tick ([`held_while_suspended`]) at `now`: nothing is delivered, recorded or
 /// counted (the fire count, and so `max`, counts only fires the instance received), and
-/// the timer is due again one interval later, so it never stays due. After a retry the
-/// instance's next fire comes at most one interval later: missed intervals are not
-/// back-filled, as for a late sweep.
+/// the timer is due again one interval later, so it never stays due. After a retry or a
+/// resume the instance's next fire comes at most one interval later: missed intervals are
+/// not back-filled, as for a late sweep.
 pub fn hold(timer: &TimerRow, now: Timestamp) -> TimerRow {
     TimerRow { next_fire_at: now.plus(timer.spec.interval), ..timer.clone() }
 }
@@ -211,7 +212,8 @@ fn follows(deployed: &TimerArm, armed: &TimerArm) -> bool {
 /// timers of the instance's machine version that follow deploys, matched by state, event
 /// and kind; the first match counts). The due time counts from the original anchor: the
 /// state entry for a timer that has not fired, the last fire (or tick held while its
-/// instance was suspended, [`hold`]) for an `every` timer that has. A due time that is already past makes the timer due at the next sweep. `None`
+/// instance was suspended or its queue paused, [`hold`]) for an `every` timer that has. A
+/// due time that is already past makes the timer due at the next sweep. `None`
 /// when no deployed timer matches, or the first match's duration is unchanged or zero.
 pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
     let spec = deployed.iter().find(|d| follows(d, &timer.spec))?;

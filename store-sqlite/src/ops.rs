@@ -1505,8 +1505,17 @@ const SWEEP_PICK_SQL: &str = concat!(
      ORDER BY next_fire_at, id LIMIT +?"
 );
 
+/// The paused queues, `(namespace, queue)`: a handful of rows, read once per sweep.
+async fn paused_queues(db: &mut Db<'_>) -> StoreResult<Vec<(String, String)>> {
+    sqlx::query_as("SELECT namespace, queue FROM keel_queues WHERE paused")
+        .fetch_all(&mut *db.conn)
+        .await
+        .map_err(db.err("reading the paused queues"))
+}
+
 /// Fires due timers in (due time, id) order as the core's sweep plan says
-/// (`plan::timer::sweep`); timers of missing or terminal instances are deleted silently.
+/// (`plan::timer::sweep`); timers of missing or terminal instances are deleted silently,
+/// and the repeating ticks of suspended instances and of instances in paused queues held.
 /// Records the sweep time per (namespace or `*`, machine or `*`).
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
@@ -1533,7 +1542,8 @@ pub(crate) async fn timer_sweep(
     } else {
         db.instances(&owners).await?.into_iter().map(|r| (r.id, r)).collect()
     };
-    let owner = |id: InstanceId| owned.get(&id).map(|r| r.status);
+    let paused = if owners.is_empty() { Vec::new() } else { paused_queues(db).await? };
+    let owner = |id: InstanceId| plan::timer::Owner::of(owned.get(&id), &paused);
     let plan = plan::timer::sweep(p, &due, owner);
     let (delivered, rows) = deliver_rows(db, &plan.signals, plan.targets(), p.now, owned).await?;
     let mut w = Writes::default();

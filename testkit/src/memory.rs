@@ -853,7 +853,9 @@ impl State {
             .collect();
         due.sort_by_key(|t| (t.next_fire_at, t.id));
         due.truncate(p.limit);
-        let owner = |id| self.rows.get(&id).map(|r| r.status);
+        let paused: Vec<(String, String)> =
+            self.queues.iter().filter(|(_, paused)| **paused).map(|(q, _)| q.clone()).collect();
+        let owner = |id| plan::timer::Owner::of(self.rows.get(&id), &paused);
         let plan = plan::timer::sweep(p, &due, owner);
         let delivered = self.deliver(&plan.signals, plan.targets(), p.now);
         for (instance, entry) in &plan.history {

@@ -1,7 +1,8 @@
 //! The timer sweep: what firing a batch of due timers delivers, records and leaves armed.
 //!
 //! Per due timer, soonest first: a timer whose instance is gone or terminal is deleted
-//! without firing; a repeating tick of a suspended instance is held
+//! without firing; a repeating tick of an instance that runs nothing until an operator
+//! acts — suspended, or in a paused queue ([`Owner::Held`]) — is held
 //! ([`timers::held_while_suspended`], [`timers::hold`]): nothing delivered or recorded, the
 //! timer due again one interval later; any other fires ([`timers::fire`]): its event is
 //! delivered into the instance's inbox under the fire's dedup key (so a re-run sweep is
@@ -11,7 +12,7 @@
 
 use crate::history::HistoryKind;
 use crate::ids::{InstanceId, Status, TimerId};
-use crate::instance::{HistoryEntry, NewSignal};
+use crate::instance::{HistoryEntry, Instance, NewSignal};
 use crate::ports::store::{DeliveryOutcome, TimerRetimeParams, TimerSweepParams, TimerSweepReport};
 use crate::timers::{self, TimerRow};
 
@@ -103,41 +104,57 @@ impl SweepPlan {
 pub enum Owner {
     /// Missing or terminal: its timers are deleted without firing.
     Gone,
-    /// Suspended (dead-lettered): its repeating ticks are held.
-    Suspended,
-    /// Any other status: its timers fire.
+    /// Runs nothing until an operator acts — suspended (dead-lettered), or live in a
+    /// paused queue: its repeating ticks are held ([`timers::held_while_suspended`]).
+    Held,
+    /// Any other: its timers fire.
     Live,
 }
 
-impl From<Option<Status>> for Owner {
-    /// The instance's status as the store holds it (`None`: no such instance).
-    fn from(status: Option<Status>) -> Self {
-        match status {
+impl Owner {
+    /// A due timer's instance as the store holds it (`None`: no such instance), given the
+    /// `(namespace, queue)` pairs paused when the sweep read them (`Store::queue_pause`;
+    /// a store reads them once per sweep, and there are few).
+    pub fn of(row: Option<&Instance>, paused: &[(String, String)]) -> Owner {
+        match row {
             None => Owner::Gone,
-            Some(s) if s.is_terminal() => Owner::Gone,
-            Some(Status::Suspended) => Owner::Suspended,
+            Some(r) if r.status.is_terminal() => Owner::Gone,
+            Some(r) if r.status == Status::Suspended => Owner::Held,
+            Some(r) if paused.iter().any(|(ns, q)| *ns == r.namespace && *q == r.queue) => {
+                Owner::Held
+            }
             Some(_) => Owner::Live,
         }
     }
 }
 
 /// Plans firing `due`, the timers a store picked (due at `p.now`, in scope, soonest first,
-/// at most `p.limit`); `owner` gives each timer's instance as the store holds it: its
-/// status, `None` when it is missing ([`Owner`]).
+/// at most `p.limit`); `owner` gives each timer's instance as the store holds it
+/// ([`Owner::of`]).
 pub fn sweep(
     p: &TimerSweepParams,
     due: &[TimerRow],
-    owner: impl Fn(InstanceId) -> Option<Status>,
+    owner: impl Fn(InstanceId) -> Owner,
 ) -> SweepPlan {
     let mut plan = SweepPlan::default();
     for timer in due.iter().take(p.limit) {
         plan.processed += 1;
-        let owner = Owner::from(owner(timer.instance));
+        let owner = owner(timer.instance);
         if owner == Owner::Gone {
             plan.delete.push(timer.id);
             continue;
         }
-        if owner == Owner::Suspended && timers::held_while_suspended(timer) {
+        // Only repeating ticks are held, whichever way the instance is held. Its `after`
+        // timer and an exhausted timer's `then` deliver once each: one signal waiting for
+        // the retry or the resume. A join deadline (an `after` timer) is never held either:
+        // for a suspended parent it changes nothing ([`super::parent::expire`] acts only on
+        // a parent awaiting its children) and the timer goes; a parent awaiting its
+        // children in a paused queue is settled at its deadline as if running — the barrier
+        // closes with what has finished and, under `rest: cancel`, the children still
+        // pending (whose own queues may be running) are cancelled, once, rather than run on
+        // past the deadline for as long as the pause lasts. The woken parent runs its next
+        // step when its queue is resumed.
+        if owner == Owner::Held && timers::held_while_suspended(timer) {
             plan.advance.push(timers::hold(timer, p.now));
             continue;
         }
@@ -217,7 +234,7 @@ mod tests {
             timer(3, 2, false, None, 0),
             timer(4, 1, true, Some(2), 2),
         ];
-        let plan = sweep(&p, &due, |i| (i == InstanceId(1)).then_some(Status::Runnable));
+        let plan = sweep(&p, &due, |i| owner(i, (i == InstanceId(1)).then_some(Status::Runnable)));
         assert_eq!(plan.processed, 4);
         assert_eq!(plan.delete, [TimerId(1), TimerId(3), TimerId(4)]);
         assert_eq!(plan.advance.len(), 1);
@@ -257,7 +274,7 @@ mod tests {
             2 => Some(Status::Done),
             _ => None,
         };
-        let plan = sweep(&p, &due, status);
+        let plan = sweep(&p, &due, |i| owner(i, status(i)));
         assert_eq!(plan.processed, 5);
         let names: Vec<&str> = plan.signals.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["tick", "done"], "the after timer and the then, once each");
@@ -268,9 +285,52 @@ mod tests {
         assert_eq!(held, [(TimerId(1), 3, Timestamp(11_000))], "held: not due again at once");
 
         // The same timers of a runnable instance fire.
-        let live =
-            sweep(&p, &due, |i: InstanceId| (i == InstanceId(1)).then_some(Status::Runnable));
+        let live = sweep(&p, &due, |i| owner(i, (i == InstanceId(1)).then_some(Status::Runnable)));
         assert_eq!(live.signals.len(), 3);
+    }
+
+    /// An instance row of `status`, in queue `q` of namespace `ns`.
+    fn instance(id: InstanceId, status: Status, ns: &str, q: &str) -> Instance {
+        use crate::instance::NewInstance;
+        let new = NewInstance::new(MachineRef::new("m", 1), "s").namespace(ns).queue(q);
+        let mut row = Instance::from_new(id, &new, None, NOW);
+        row.status = status;
+        row
+    }
+
+    /// What a sweep knows of instance `i` of status `status` (`None`: missing), in queue
+    /// `q` of `ns`, no queue paused.
+    fn owner(i: InstanceId, status: Option<Status>) -> Owner {
+        Owner::of(status.map(|s| instance(i, s, "ns", "q")).as_ref(), &[])
+    }
+
+    /// An instance in a paused queue is held as a suspended one is, whatever its
+    /// (non-terminal) status; the pause is per namespace and queue; a terminal or missing
+    /// instance is gone either way.
+    #[test]
+    fn a_paused_queue_holds_its_instances() {
+        let paused = [("ns".to_owned(), "mail".to_owned())];
+        let of = |status, ns, q| Owner::of(Some(&instance(InstanceId(1), status, ns, q)), &paused);
+        assert_eq!(of(Status::AwaitingSignal, "ns", "mail"), Owner::Held);
+        assert_eq!(of(Status::Runnable, "ns", "mail"), Owner::Held);
+        assert_eq!(of(Status::AwaitingChildren, "ns", "mail"), Owner::Held);
+        assert_eq!(of(Status::Suspended, "ns", "bulk"), Owner::Held);
+        assert_eq!(of(Status::AwaitingSignal, "ns", "bulk"), Owner::Live, "another queue");
+        assert_eq!(of(Status::AwaitingSignal, "other", "mail"), Owner::Live, "another namespace");
+        assert_eq!(of(Status::Done, "ns", "mail"), Owner::Gone);
+        assert_eq!(Owner::of(None, &paused), Owner::Gone);
+
+        // The same timers as for a suspended instance: held alike.
+        let p = TimerSweepParams { namespace: None, machines: vec![], limit: 10, now: NOW };
+        let due = [timer(1, 1, true, None, 3), timer(2, 1, false, None, 0), deadline(3, 1)];
+        let plan = sweep(&p, &due, |_| of(Status::AwaitingChildren, "ns", "mail"));
+        let names: Vec<&str> = plan.signals.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["tick"], "the after timer, once");
+        assert_eq!(plan.history.len(), 1, "a held tick records nothing");
+        assert_eq!(plan.join_deadlines, [InstanceId(1)], "a join deadline still fires");
+        let held: Vec<(TimerId, u32, Timestamp)> =
+            plan.advance.iter().map(|t| (t.id, t.fire_count, t.next_fire_at)).collect();
+        assert_eq!(held, [(TimerId(1), 3, Timestamp(11_000))]);
     }
 
     /// A join deadline timer of `instance`.
@@ -287,7 +347,7 @@ mod tests {
     fn two_due_deadline_timers_of_one_parent_yield_one_join_deadline() {
         let p = TimerSweepParams { namespace: None, machines: vec![], limit: 10, now: NOW };
         let due = [deadline(1, 7), timer(2, 8, false, None, 0), deadline(3, 7), deadline(4, 8)];
-        let plan = sweep(&p, &due, |_| Some(Status::AwaitingChildren));
+        let plan = sweep(&p, &due, |i| owner(i, Some(Status::AwaitingChildren)));
         assert_eq!(plan.join_deadlines, [InstanceId(7), InstanceId(8)], "each parent once");
         assert_eq!(plan.delete, [TimerId(1), TimerId(2), TimerId(3), TimerId(4)]);
         let names: Vec<&str> = plan.signals.iter().map(|s| s.name.as_str()).collect();

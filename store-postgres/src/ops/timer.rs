@@ -351,6 +351,11 @@ const ADVANCE: &str = "UPDATE timers t SET fire_count = u.n, next_fire_at = u.du
 
 const DELETE: &str = "DELETE FROM timers WHERE id = ANY($1::int8[])";
 
+/// The paused queues, `(namespace, queue)`: a handful of rows, read once per sweep in the
+/// pick's round trip, for the planner to hold the repeating ticks of their instances
+/// (`plan::timer::Owner::of`).
+const PAUSED: &str = "SELECT namespace, queue FROM queues WHERE paused";
+
 /// A join deadline's parent as this transaction has left it (its lock taken at the pick).
 static REREAD: LazyLock<String> =
     LazyLock::new(|| format!("SELECT {} FROM instances WHERE id = $1", rows::INSTANCE_COLS));
@@ -377,7 +382,8 @@ const SWEPT: &str = "WITH scope AS (SELECT $1::text AS ns, m FROM unnest($2::tex
     ON CONFLICT (namespace, machine) DO NOTHING";
 
 /// One sweep transaction: pick the due timers with their instances (skipping other
-/// sweeps' picks and busy instances; each instance locked and read once), plan the firing
+/// sweeps' picks and busy instances; each instance locked and read once) and read the
+/// paused queues in the same round trip, plan the firing
 /// with the core's timer planner, deliver through the normal path with the rows already
 /// held, record history, advance or delete the timers, note the sweep time, and notify
 /// when an instance woke — the writes pipelined with the `COMMIT`. Three round trips; a sweep
@@ -389,13 +395,18 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<TimerSweepReport> {
     let due = c.prepare_cached(&DUE).await?;
+    let paused_stmt = c.prepare_cached(PAUSED).await?;
     let limit = p.limit as i64;
     let now_ts = ts(p.now);
-    let (began, picked) = tokio::join!(begin_hot(c, p.limit), async {
-        c.query(&due, &[&now_ts, &p.namespace, &p.machines, &limit]).await
-    });
+    let (began, picked, paused) = tokio::join!(
+        begin_hot(c, p.limit),
+        async { c.query(&due, &[&now_ts, &p.namespace, &p.machines, &limit]).await },
+        async { c.query(&paused_stmt, &[]).await }
+    );
     began?;
     let found = picked?;
+    let paused: Vec<(String, String)> =
+        paused?.iter().map(|r| Ok((col(r, 0)?, col(r, 1)?))).collect::<Result<_, StoreError>>()?;
     let mut due = Vec::new();
     let mut held: HashMap<i64, Instance> = HashMap::new();
     for r in &found {
@@ -409,7 +420,7 @@ pub(crate) async fn sweep<C: GenericClient + Sync>(
             held.insert(row.id.0, row);
         }
     }
-    let owner = |id: InstanceId| held.get(&id.0).map(|r| r.status);
+    let owner = |id: InstanceId| plan::timer::Owner::of(held.get(&id.0), &paused);
     let plan = plan::timer::sweep(p, &due, owner);
     let adv_id: Vec<i64> = plan.advance.iter().map(|t| t.id.0).collect();
     let adv_n: Vec<i32> = plan.advance.iter().map(|t| t.fire_count as i32).collect();

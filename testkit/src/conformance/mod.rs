@@ -207,6 +207,7 @@ macro_rules! __store_contract_list {
             timer_status_and_queue_stats,
             timers_follow_a_deployed_duration,
             timer_every_is_held_while_its_instance_is_suspended,
+            timer_every_is_held_while_its_queue_is_paused,
             migration_dry_run_reports_and_apply_moves_mapped_instances,
             prune_deletes_exactly_the_instances_ended_before_the_cutoff,
             prune_keeps_an_instance_its_dead_letters_name,

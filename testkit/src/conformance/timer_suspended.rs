@@ -1,7 +1,8 @@
-//! Timer contracts for a suspended (dead-lettered) instance: its repeating timers are held
-//! — no fire delivered, recorded or counted, the timer due again one interval after each
-//! held tick — while an `after` timer delivers once; after a retry the repeating timer
-//! fires again at its next tick.
+//! Timer contracts for an instance that runs nothing until an operator acts — suspended
+//! (dead-lettered), or in a paused queue: its repeating timers are held — no fire
+//! delivered, recorded or counted, the timer due again one interval after each held tick —
+//! while an `after` timer delivers once; after a retry or a resume the repeating timer
+//! fires again at its next tick, once.
 
 use super::support::{at, claim_id, commit_ok, ctx, get, insert_one, new_in, suspend};
 use keel_core::chart::{TimerArm, TimerKind};
@@ -9,10 +10,11 @@ use keel_core::instance::ANY_SIGNAL;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    DeadLetterRetryParams, DeadLetterSelector, TimerNextDueParams, TimerSweepParams,
+    DeadLetterRetryParams, DeadLetterSelector, QueuePauseParams, TimerNextDueParams,
+    TimerSweepParams,
 };
 use keel_core::timers::FIRE_KEY_PREFIX;
-use keel_core::{Status, StepCommit, Timestamp};
+use keel_core::{InstanceId, Status, StepCommit, Timestamp};
 use std::time::Duration;
 
 /// How many minutes the instance stays suspended, one sweep a minute.
@@ -104,4 +106,98 @@ pub async fn timer_every_is_held_while_its_instance_is_suspended<S: Store>(s: &S
     let d = get(s, id).await;
     let keys: Vec<Option<&str>> = d.inbox.iter().map(|m| m.dedup_key.as_deref()).collect();
     assert_eq!(keys, [Some(format!("{FIRE_KEY_PREFIX}{}:1", timer.0).as_str())]);
+}
+
+/// An instance of `queue` in `ns`, parked at `at(10)` in a state with `every 1m REMIND`
+/// and `after 90s EXPIRE`.
+async fn parked_with_timers<S: Store>(s: &S, ns: &str, queue: &str) -> InstanceId {
+    let id = insert_one(s, new_in(ns).queue(queue), at(0)).await;
+    let claimed = claim_id(s, ns, id, at(5)).await;
+    let mut c = StepCommit::new(id, claimed.token(), park());
+    c.timers_arm = vec![
+        arm("REMIND", TimerKind::Every, Duration::from_secs(60)),
+        arm("EXPIRE", TimerKind::After, Duration::from_secs(90)),
+    ];
+    commit_ok(s, c, at(10)).await;
+    id
+}
+
+/// The timer fires in an instance's inbox, by event name, in arrival order.
+async fn fires<S: Store>(s: &S, id: InstanceId) -> Vec<String> {
+    get(s, id)
+        .await
+        .inbox
+        .iter()
+        .filter(|m| m.dedup_key.as_deref().is_some_and(|k| k.starts_with(FIRE_KEY_PREFIX)))
+        .map(|m| m.name.clone())
+        .collect()
+}
+
+/// How many minutes the queue stays paused, one sweep a minute.
+const PAUSED_SWEEPS: usize = 20;
+
+/// Three instances parked with `every 1m REMIND` and `after 90s EXPIRE`: one in the queue
+/// `mail`, which is then paused, one in another queue of the namespace, one in a queue
+/// `mail` of another namespace. Twenty sweeps a minute apart deliver the paused queue's
+/// instance `EXPIRE` once and no `REMIND`, record no fire of it, and leave its timer armed,
+/// due one interval after the last sweep, its count kept; the two others get every tick.
+/// After the queue is resumed, the next due sweep delivers one `REMIND` (fire 1), not the
+/// twenty held ones.
+pub async fn timer_every_is_held_while_its_queue_is_paused<S: Store>(s: &S) {
+    let (ns, other_ns) = ("timer_paused_queue", "timer_paused_queue_other");
+    let minute = Duration::from_secs(60);
+    let held = parked_with_timers(s, ns, "mail").await;
+    let free = parked_with_timers(s, ns, "bulk").await;
+    let elsewhere = parked_with_timers(s, other_ns, "mail").await;
+    let remind = get(s, held)
+        .await
+        .timers
+        .iter()
+        .find(|t| t.spec.event == "REMIND")
+        .expect("the every timer is armed")
+        .id;
+    let pause = |paused: bool, now| QueuePauseParams {
+        namespace: ns.into(),
+        queue: "mail".into(),
+        paused,
+        now,
+    };
+    s.queue_pause(pause(true, at(20))).await.expect("queue_pause");
+
+    let mut now = at(10);
+    for _ in 0..PAUSED_SWEEPS {
+        now = now.plus(minute);
+        sweep(s, ns, now).await;
+        sweep(s, other_ns, now).await;
+    }
+    assert_eq!(
+        fires(s, held).await,
+        ["EXPIRE"],
+        "a paused queue's instance gets its after timer once and no repeating tick"
+    );
+    let d = get(s, held).await;
+    let recorded = d.history.iter().filter(|h| h.entry.kind == "TIMER_FIRED").count();
+    assert_eq!(recorded, 1, "a held tick records nothing");
+    assert_eq!(d.timers.len(), 1, "the every timer stays armed");
+    assert_eq!(d.timers[0].fire_count, 0, "held ticks are not fires");
+    assert_eq!(d.timers[0].next_fire_at, now.plus(minute), "due one interval after the sweep");
+    let ticks = |f: Vec<String>| f.iter().filter(|n| *n == "REMIND").count();
+    assert_eq!(ticks(fires(s, free).await), PAUSED_SWEEPS, "another queue's instance ticks");
+    assert_eq!(
+        ticks(fires(s, elsewhere).await),
+        PAUSED_SWEEPS,
+        "a queue of the same name in another namespace ticks"
+    );
+    let next = TimerNextDueParams { namespace: Some(ns.into()), machines: vec![] };
+    let due = s.timer_next_due(next).await.expect("timer_next_due");
+    assert_eq!(due, Some(now.plus(minute)), "a held timer is not left due");
+
+    s.queue_pause(pause(false, now.plus(Duration::from_secs(1)))).await.expect("resume");
+    sweep(s, ns, now.plus(minute)).await;
+    assert_eq!(fires(s, held).await, ["EXPIRE", "REMIND"], "one tick after the resume");
+    let d = get(s, held).await;
+    let key = format!("{FIRE_KEY_PREFIX}{}:1", remind.0);
+    let tick = d.inbox.iter().find(|m| m.name == "REMIND").expect("the tick");
+    assert_eq!(tick.dedup_key.as_deref(), Some(key.as_str()), "the first fire, not a backlog");
+    assert_eq!(d.timers[0].fire_count, 1);
 }
