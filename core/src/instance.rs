@@ -661,14 +661,22 @@ pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
 /// state named `[x` would be stored as-is and then break those readers.
 pub fn check_position(field: &str, value: &str) -> StoreResult<()> {
     check_name(field, value)?;
-    if value.starts_with('[') && serde_json::from_str::<Vec<String>>(value).is_err() {
-        return Err(StoreError::invalid(format!(
+    if !value.starts_with('[') {
+        return Ok(());
+    }
+    match serde_json::from_str::<Vec<String>>(value) {
+        Err(_) => Err(StoreError::invalid(format!(
             "{field}: {value:?} starts with `[`, which marks a chart's JSON array of active \
              states (like [\"a.b\",\"c\"]), but is not one; a step or state name cannot \
              start with `[`"
-        )));
+        ))),
+        // `check_name` saw no NUL in the text, but JSON can write one as `\u0000`, and
+        // PostgreSQL cannot read such JSON as `jsonb`.
+        Ok(paths) if paths.iter().any(|p| p.contains('\0')) => Err(StoreError::invalid(format!(
+            "{field}: {value:?} holds a state path with a NUL character (\\u0000)"
+        ))),
+        Ok(_) => Ok(()),
     }
-    Ok(())
 }
 
 /// Checks that `value` is a JSON object within the payload size limit.

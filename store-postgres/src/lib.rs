@@ -155,8 +155,10 @@
 //!   key back into scope over another occupant is
 //!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
 //! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
-//! - A broadcast whose `in_state` filter meets a position that starts with `[` but is not
-//!   JSON fails (`position::jsonb`); chart positions are always JSON arrays.
+//! - A broadcast or list whose `in_state` filter meets a position that starts with `[` but
+//!   is not JSON `jsonb` reads fails (`position::jsonb`). Starts and commits refuse such
+//!   positions (`instance::check_position`), so only a row stored before that check can
+//!   hold one.
 //! - A sweep leaves a due timer whose instance is locked at that moment for the next
 //!   sweep, so `processed < limit` does not prove that nothing is due; nor does `picked <
 //!   limit` quite, as due timers another transaction holds (another sweep, a retime, a

@@ -1075,7 +1075,11 @@ fn validation_errors_name_the_state_and_the_fix() {
         ),
         (
             chart().initial("a.b").leaf("a.b"),
-            "state key `a.b` under `(root)` is invalid; fix: use a non-empty key without `.`",
+            "state key `a.b` under `(root)` is invalid; fix: use a non-empty key without `.` or NUL characters",
+        ),
+        (
+            chart().initial("a\0b").leaf("a\0b"),
+            "state key `a\0b` under `(root)` is invalid; fix: use a non-empty key without `.` or NUL characters",
         ),
         (
             chart().initial("a").leaf("a").final_with("f", |s| s.on_to("E", "a")),

@@ -174,8 +174,11 @@ pub enum ChartError {
         /// The duplicated path.
         state: String,
     },
-    /// A state key that is empty or contains a dot.
-    #[error("state key `{key}` under `{state}` is invalid; fix: use a non-empty key without `.`")]
+    /// A state key that is empty or contains a dot or a NUL character.
+    #[error(
+        "state key `{key}` under `{state}` is invalid; fix: use a non-empty key without `.` \
+         or NUL characters"
+    )]
     InvalidStateKey {
         /// Parent state path.
         state: String,
@@ -378,6 +381,13 @@ struct Flat<'a> {
     errors: Vec<ChartError>,
 }
 
+/// Whether `key` may name a state: not empty, no `.` (it separates a path's keys) and no
+/// NUL (a chart's position is the JSON array of its active paths, and PostgreSQL refuses
+/// a NUL in JSON text).
+fn valid_key(key: &str) -> bool {
+    !key.is_empty() && !key.contains('.') && !key.contains('\0')
+}
+
 impl<'a> Flat<'a> {
     fn push(&mut self, b: &'a StateBuilder, parent: Option<usize>) -> usize {
         let path = match parent {
@@ -385,7 +395,7 @@ impl<'a> Flat<'a> {
             None => String::new(),
         };
         if let Some(p) = parent
-            && (b.key.is_empty() || b.key.contains('.'))
+            && !valid_key(&b.key)
         {
             self.errors.push(ChartError::InvalidStateKey {
                 state: display(&self.states[p].path),
@@ -423,7 +433,7 @@ impl<'a> Flat<'a> {
         }
         for h in &b.history {
             let path = join(&self.states[id].path, &h.key);
-            if h.key.is_empty() || h.key.contains('.') {
+            if !valid_key(&h.key) {
                 self.errors.push(ChartError::InvalidStateKey {
                     state: display(&self.states[id].path),
                     key: h.key.clone(),

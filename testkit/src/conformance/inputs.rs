@@ -160,6 +160,8 @@ pub async fn a_position_opening_with_a_bracket_must_be_a_chart_configuration<S: 
     let at_position = |position: &str| NewInstance { position: position.into(), ..new_in(ns) };
     insert_invalid(s, at_position("[x"), "instances[0].position").await;
     insert_invalid(s, at_position("[1]"), "instances[0].position").await;
+    // JSON can carry a NUL the text check cannot see; PostgreSQL's `jsonb` refuses it.
+    insert_invalid(s, at_position(r#"["a\u0000b"]"#), "instances[0].position").await;
     let id = insert_one(s, new_in(ns).business_key("k1"), at(0)).await;
     let claimed = claim_id(s, ns, id, at(10)).await;
     let next = Outcome::Next { step: "[oops".into(), context: ctx(1) };
