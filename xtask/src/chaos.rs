@@ -157,6 +157,10 @@ struct Launch {
     log_dir: PathBuf,
 }
 
+/// The copy of this binary a run launches its workers from, in its run directory; removed
+/// when the run ends (it is as large as the debug build).
+const WORKER_BIN: &str = "chaos-worker-bin";
+
 /// Lines of a failed worker's stderr quoted in the error.
 const STDERR_TAIL_LINES: usize = 20;
 
@@ -167,8 +171,15 @@ impl Launch {
     /// `target/debug/xtask` while a run takes minutes, and every later
     /// restart would then fail to launch, or launch a different program.
     fn new(run_dir: &Path, store_args: Vec<String>) -> Result<Launch> {
-        let me = std::env::current_exe().context("could not find the running xtask binary")?;
-        let program = run_dir.join("chaos-worker-bin");
+        // `/proc/self/exe` reads the running binary even after its file was replaced
+        // (`current_exe` then names a path that is gone).
+        let proc_exe = Path::new("/proc/self/exe");
+        let me = if proc_exe.exists() {
+            proc_exe.to_path_buf()
+        } else {
+            std::env::current_exe().context("could not find the running xtask binary")?
+        };
+        let program = run_dir.join(WORKER_BIN);
         std::fs::copy(&me, &program)
             .with_context(|| format!("could not copy {} to {}", me.display(), program.display()))?;
         Ok(Launch { program, store_args, log_dir: run_dir.to_path_buf() })
@@ -557,10 +568,13 @@ pub fn main(root: &Path, args: &[String]) -> Result<()> {
         options.instances, options.minutes, options.seed, options.seed
     );
     let started = Instant::now();
-    let (tally, mut report) = match options.store {
-        StoreKind::Postgres => run_postgres(&options, &run_dir)?,
-        StoreKind::Sqlite => run_sqlite(&options, &run_dir)?,
+    let ran = match options.store {
+        StoreKind::Postgres => run_postgres(&options, &run_dir),
+        StoreKind::Sqlite => run_sqlite(&options, &run_dir),
     };
+    // Every worker has stopped by now, whatever the outcome.
+    let _ = std::fs::remove_file(run_dir.join(WORKER_BIN));
+    let (tally, mut report) = ran?;
     let failed = tally.failed();
     report["store"] = json!(name);
     report["seed"] = json!(options.seed);
