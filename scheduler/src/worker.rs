@@ -1423,10 +1423,16 @@ async fn claim_loop<S: Store, C: Clock>(
     // Each queue backs off on its own: one queue whose claims fail waits out its back-off
     // while the others keep their pace.
     let mut backoffs: Vec<QueueBackoff> = queues.iter().map(|_| QueueBackoff::default()).collect();
+    // Woken for a queue hints never claim into while hints flow: only such queues are
+    // this round's (the others' freed slots are the hints' while they flow).
+    let mut only_unhinted = false;
     while !*shutdown.borrow() {
         let mut claimed = 0;
         let mut full = true;
         for (slots, backoff) in queues.iter().zip(&mut backoffs) {
+            if only_unhinted && !slots.pace.unhinted {
+                continue;
+            }
             let queue = &slots.name;
             match backoff.retry_at {
                 Some(at) if Instant::now() < at => continue,
@@ -1478,24 +1484,26 @@ async fn claim_loop<S: Store, C: Clock>(
             inner.loop_ok(WorkerLoop::Claim);
         }
         let retry_at = backoffs.iter().filter_map(|b| b.retry_at).min();
+        only_unhinted = false;
         if claimed == 0 || full {
             let retry_at = retry_at.map(tokio::time::Instant::from_std);
-            tokio::select! {
-                () = inner.store.ready_wait(), if inner.config.notifications => {}
-                () = tokio::time::sleep(inner.config.poll_interval) => {}
+            let for_unhinted = tokio::select! {
+                () = inner.store.ready_wait(), if inner.config.notifications => false,
+                () = tokio::time::sleep(inner.config.poll_interval) => false,
                 // A queue backing off comes back when its back-off ends.
-                () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {}
+                () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => false,
                 // Queue hook: while hints bring work, freed slots are theirs and polling
                 // repairs; when they stop, the slots are this loop's again at once.
-                () = inner.slot_freed.claims.notified(), if full && !queue::hints_flowing(&inner) => {}
-                () = queue::hints_stopped(&inner), if full && queue::hints_flowing(&inner) => {}
+                () = inner.slot_freed.claims.notified(), if full && !queue::hints_flowing(&inner) => false,
+                () = queue::hints_stopped(&inner), if full && queue::hints_flowing(&inner) => false,
                 // A queue hints never claim into (a queue-wide limit) is this loop's alone,
                 // hints flowing for the other queues or not, and a worker with a queue
                 // polls slowly: a step of it that ends or commits (its next step ready
                 // now) wakes this loop, full or not.
-                () = inner.slot_freed.unhinted.notified(), if inner.hints.is_some() => {}
-                _ = shutdown.changed() => {}
-            }
+                () = inner.slot_freed.unhinted.notified(), if inner.hints.is_some() => true,
+                _ = shutdown.changed() => false,
+            };
+            only_unhinted = for_unhinted && queue::hints_flowing(&inner);
         }
     }
 }
