@@ -382,19 +382,30 @@ async fn unknown_if_empty(
     Ok(report)
 }
 
-/// `keel pause Q` / `keel resume Q`. A pause is stored as the queue's settings row. A
-/// resume writes only over a row a pause stored: resuming a queue with no settings has
-/// nothing to undo, and writing would make a misspelt name a queue with settings (one
-/// `status` and the did-you-mean hints then treat as known). When such a queue holds
-/// unfinished work the resume is a no-op said as one (exit 0: it is running, as asked);
-/// when it holds none either, nothing of that name exists, so it is an error naming the
-/// closest queue (which may be the paused one the user meant to resume).
-async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
+/// What [`set_paused`] found and did.
+pub struct PauseChange {
+    /// The queue's stored settings said paused before the call.
+    pub was_paused: bool,
+    /// The settings row was written (every pause; a resume only over a stored pause).
+    pub written: bool,
+    /// The namespace's stored queue settings, as read before the write.
+    pub settings: Vec<QueueState>,
+}
+
+/// Pauses or resumes a queue; the one place the CLI, the HTTP API and the dashboard do
+/// it. A pause always writes the queue's settings row. A resume writes only over a stored
+/// pause: with nothing paused there is nothing to undo, and writing would give a misspelt
+/// name settings, after which it counts as a known queue.
+pub async fn set_paused(
+    keel: &Keel,
+    ns: &str,
+    queue: &str,
+    paused: bool,
+) -> Result<PauseChange, keel::StoreError> {
     let settings = keel.store().queue_list(ns.to_owned()).await?;
-    let stored = settings.iter().find(|q| q.namespace == ns && q.queue == queue);
-    let was_paused = stored.is_some_and(|q| q.paused);
-    let write = paused || was_paused;
-    if write {
+    let was_paused = settings.iter().any(|q| q.namespace == ns && q.queue == queue && q.paused);
+    let written = paused || was_paused;
+    if written {
         keel.store()
             .queue_pause(QueuePauseParams {
                 namespace: ns.to_owned(),
@@ -404,6 +415,20 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
             })
             .await?;
     }
+    Ok(PauseChange { was_paused, written, settings })
+}
+
+/// `keel pause Q` / `keel resume Q`. A pause is stored as the queue's settings row. A
+/// resume writes only over a row a pause stored: resuming a queue with no settings has
+/// nothing to undo, and writing would make a misspelt name a queue with settings (one
+/// `status` and the did-you-mean hints then treat as known). When such a queue holds
+/// unfinished work the resume is a no-op said as one (exit 0: it is running, as asked);
+/// when it holds none either, nothing of that name exists, so it is an error naming the
+/// closest queue (which may be the paused one the user meant to resume).
+async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
+    let PauseChange { was_paused, written: write, settings } =
+        set_paused(keel, ns, queue, paused).await?;
+    let stored = settings.iter().find(|q| q.namespace == ns && q.queue == queue);
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now()).await?;
     let in_queue: Vec<_> = stats.iter().filter(|s| s.queue == queue).collect();
     let pending: u64 = in_queue.iter().map(|s| s.ready + s.scheduled).sum();
@@ -486,19 +511,23 @@ async fn resolve(keel: &Keel, ns: &str, target: &str) -> anyhow::Result<Instance
     Ok(id)
 }
 
-fn parse_json(field: &str, input: &str) -> anyhow::Result<Value> {
+/// Reads a flag's JSON; the error names the flag as typed (`--context`), as the store's
+/// refusals of the same value do.
+fn parse_json(flag: &str, input: &str) -> anyhow::Result<Value> {
     serde_json::from_str(input).map_err(|error| {
-        anyhow!("{field}: not valid JSON ({error}); quote it for the shell, e.g. --{field} '{{\"a\":1}}'")
+        anyhow!(
+            "{flag}: not valid JSON ({error}); quote it for the shell, e.g. {flag} '{{\"a\":1}}'"
+        )
     })
 }
 
 async fn start(keel: &Keel, ns: &str, args: StartArgs) -> anyhow::Result<Report> {
     let context = match args.context.as_deref() {
-        Some(text) => parse_json("context", text)?,
+        Some(text) => parse_json("--context", text)?,
         None => json!({}),
     };
     if !context.is_object() {
-        bail!("context: must be a JSON object, e.g. --context '{{\"order\":42}}'");
+        bail!("--context: must be a JSON object, e.g. --context '{{\"order\":42}}'");
     }
     let (version, note) = match args.version {
         Some(version) => (version, None),
@@ -612,7 +641,7 @@ async fn send(
     let id = resolve(keel, ns, target).await?;
     let mut signal = NewSignal::new(id, event);
     if let Some(text) = payload {
-        signal = signal.payload(parse_json("payload", text)?);
+        signal = signal.payload(parse_json("--payload", text)?);
     }
     if let Some(key) = dedup_key {
         signal = signal.dedup_key(key);

@@ -509,7 +509,11 @@ pub async fn workers_in(
     let read = keel.store().worker_list(shown_since).await?;
     // The store returns at most its bound, most recently seen first: past it, the counts
     // are lower bounds.
-    let at_least = read.len() >= keel_core::ports::store::WORKER_LIST_MAX;
+    let max = keel_core::ports::store::WORKER_LIST_MAX;
+    let at_least = read.len() >= max;
+    // The read is ordered by last seen: once it holds a stale worker, every live one (seen
+    // later) is in it, so only the stale count can fall short of the truth.
+    let live_at_least = at_least && read.iter().all(|w| w.last_seen_at >= now.minus(stale));
     let (list, others): (Vec<WorkerRecord>, Vec<WorkerRecord>) =
         read.into_iter().partition(|w| ns.is_none_or(|ns| w.claims_from(ns)));
     let mut t =
@@ -548,12 +552,20 @@ pub async fn workers_in(
         None => "in any namespace".to_owned(),
         Some(ns) => format!("claiming from namespace {ns:?}"),
     };
-    let mut human = if list.is_empty() {
+    let mut human = if list.is_empty() && at_least {
+        format!("No workers {scope} are among the {max} most recently seen workers.")
+    } else if list.is_empty() {
         format!("No workers {scope} have reported in the last day.")
     } else {
-        format!(
-            "{bound}{live} live, {bound}{stale_count} stale (not seen for {stale_after}), {scope}\n{t}"
-        )
+        let live_bound = if live_at_least { "at least " } else { "" };
+        let stale_text = match (at_least, stale_count) {
+            (false, _) => format!("{stale_count} stale (not seen for {stale_after})"),
+            (true, 0) => {
+                format!("0 stale (not seen for {stale_after}) among the {max} most recently seen")
+            }
+            (true, _) => format!("at least {stale_count} stale (not seen for {stale_after})"),
+        };
+        format!("{live_bound}{live} live, {stale_text}, {scope}\n{t}")
     };
     if !others.is_empty() {
         let _ = write!(
@@ -563,11 +575,7 @@ pub async fn workers_in(
         );
     }
     if at_least {
-        let _ = write!(
-            human,
-            "\nThe store lists at most {} workers: there may be more.",
-            keel_core::ports::store::WORKER_LIST_MAX
-        );
+        let _ = write!(human, "\nThe store lists at most {max} workers: there may be more.");
     }
     Ok(Report::ok(
         json!({
@@ -576,6 +584,7 @@ pub async fn workers_in(
             "stale": stale_count,
             "other_namespaces": others.len(),
             "at_least": at_least,
+            "live_at_least": live_at_least,
             "stale_after_ms": stale.as_millis() as u64,
             "workers": items,
         }),
@@ -1052,7 +1061,7 @@ async fn purge_machine_letters(
 }
 
 /// Most dead letters read to count those a purge kept ([`kept_letters`]).
-const KEPT_READ_MAX: usize = 1_000;
+pub const KEPT_READ_MAX: usize = 1_000;
 
 /// Dead letters a purge that keeps suspended instances' letters left behind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -1065,9 +1074,10 @@ pub struct KeptLetters {
 
 /// How many of `ns`'s dead letters (of `machine`, or all) created before `older_than`
 /// (all, without it) are left after a complete purge that kept the letters of suspended
-/// instances: those are the kept ones (give or take letters recorded meanwhile). Reads
-/// at most [`KEPT_READ_MAX`] letters, oldest first (ids follow creation time), after one
-/// grouped count says whether there is anything to read. `None` when a read fails: the
+/// instances: those are the kept ones (give or take letters recorded meanwhile). Without
+/// a cutoff the grouped count of letters left is the answer; with one, it reads at most
+/// [`KEPT_READ_MAX`] letters, oldest first (ids follow creation time), when that count
+/// says there is anything to read. `None` when a read fails: the
 /// purge itself is done, only the count is missing.
 pub async fn kept_letters(
     keel: &Keel,
@@ -1081,8 +1091,9 @@ pub async fn kept_letters(
         .filter(|c| c.namespace == ns && machine.is_none_or(|m| c.machine == m))
         .map(|c| c.count)
         .sum();
-    if left == 0 {
-        return Some(KeptLetters { count: 0, at_least: false });
+    // Without a cutoff every letter left is a kept one: the grouped count is exact.
+    if left == 0 || older_than.is_none() {
+        return Some(KeptLetters { count: left, at_least: false });
     }
     let filter = keel_core::ports::store::DeadLetterFilter {
         namespace: Some(ns.to_owned()),

@@ -386,7 +386,11 @@ fn bad_input_is_refused_with_the_field_named_and_nothing_changes() {
 
         let cases: &[(&[&str], i32, &str)] = &[
             (&["send", "1; DROP TABLE instances", "X"], 1, "target:"),
-            (&["send", "ticket:K", "X", "--payload", "{not json"], 1, "payload: not valid JSON"),
+            (
+                &["send", "ticket:K", "X", "--payload", "{not json"],
+                1,
+                "error: --payload: not valid JSON",
+            ),
             (&["send", "ticket:nobody", "X"], 1, "no instance of machine \"ticket\""),
             (&["send", "i999999", "X"], 1, "no instance i999999"),
             (&["send", "ticket:K", ""], 1, "error: EVENT: must not be empty"),
@@ -394,8 +398,12 @@ fn bad_input_is_refused_with_the_field_named_and_nothing_changes() {
             (&["start", "ticket", "--key", ""], 1, "error: --key: must not be empty"),
             (&["start", "ticket", "--queue", ""], 1, "error: --queue: must not be empty"),
             (&["start", "ticket", "--at", "[x"], 1, "error: --at: \"[x\" starts with `[`"),
-            (&["start", "ticket", "--context", "[1,2]"], 1, "context: must be a JSON object"),
-            (&["start", "ticket", "--context", "{\"a\":"], 1, "context: not valid JSON"),
+            (
+                &["start", "ticket", "--context", "[1,2]"],
+                1,
+                "error: --context: must be a JSON object",
+            ),
+            (&["start", "ticket", "--context", "{\"a\":"], 1, "error: --context: not valid JSON"),
             (&["start", "", "--key", "Z"], 1, "machine"),
             (&["start", "ticket", "--version", "0"], 2, "--version"),
             (&["start", "ticket", "--version=-3"], 2, "--version"),
@@ -419,7 +427,7 @@ fn bad_input_is_refused_with_the_field_named_and_nothing_changes() {
             .unwrap();
         assert_eq!(out.status.code(), Some(1));
         let body: Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert!(body["error"].as_str().unwrap().contains("payload"), "{body}");
+        assert!(body["error"].as_str().unwrap().starts_with("--payload: not valid JSON"), "{body}");
 
         let after = b.json(&["inspect", "ticket:K"]);
         assert_eq!(before, after, "{}: bad input changed the instance", b.name);
@@ -1321,26 +1329,38 @@ async fn start_without_a_version_takes_the_newest_a_live_worker_serves() {
             "{}: {out}",
             b.name
         );
-        // At the store's bound, the counts are lower bounds.
+        // At the store's bound, the counts are lower bounds: the 1000 workers seen last,
+        // all live and claiming only from `busy`, hide those seen before them.
         let max = keel::layers::core::ports::store::WORKER_LIST_MAX;
+        let later = now.plus(Duration::from_secs(1));
         for n in 0..max {
             let beat = WorkerBeatParams {
                 id: WorkerId(format!("w{n}")),
                 name: format!("w{n}"),
                 machines: vec![MachineRef::new("order", 1)],
-                namespaces: vec![],
-                started_at: now,
-                now,
-                forget_before: now.minus(Duration::from_secs(86_400)),
+                namespaces: vec!["busy".into()],
+                started_at: later,
+                now: later,
+                forget_before: later.minus(Duration::from_secs(86_400)),
             };
             keel.store().worker_heartbeat(beat).await.unwrap();
         }
         let full = b.json(&["workers", "--all-namespaces"]);
-        assert_eq!(full["at_least"], true, "{}", b.name);
+        assert_eq!((&full["at_least"], &full["live_at_least"]), (&json!(true), &json!(true)));
         let (out, _) = b.run(&["workers", "--all-namespaces"], 0);
         assert!(
-            out.starts_with("at least 1000 live, at least 0 stale")
-                && out.contains("The store lists at most 1000 workers: there may be more."),
+            out.starts_with(
+                "at least 1000 live, 0 stale (not seen for 60s) among the 1000 most recently seen, in any namespace"
+            ) && out.contains("The store lists at most 1000 workers: there may be more."),
+            "{}: {out}",
+            b.name
+        );
+        // `default`'s workers were seen before the 1000: not "none reported", but none
+        // among those the store listed.
+        let (out, _) = b.run(&["workers"], 0);
+        assert!(
+            out.starts_with("No workers claiming from namespace \"default\" are among the 1000 most recently seen workers.")
+                && out.contains("at least 1000 more claim only from other namespaces"),
             "{}: {out}",
             b.name
         );

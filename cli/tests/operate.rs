@@ -1401,15 +1401,32 @@ async fn purges_keep_the_dead_letters_of_suspended_instances() {
             "{}: {out}",
             b.name
         );
-        // The dashboard's purge keeps them too.
+        // A keeping purge with something to delete deletes it and keeps the rest.
+        b.run(&["cancel", &all[1].1.to_string()], 0);
+        let purged = b.json(&["purge", "refuser", "--dlq", "--confirm"]);
+        assert_eq!(
+            (&purged["purged"], &purged["kept_suspended"], &purged["complete"]),
+            (&json!(1), &json!(1), &json!(true)),
+            "{}: {purged}",
+            b.name
+        );
+        let left: Vec<i64> = letters(&b).into_iter().map(|(_, i)| i).collect();
+        assert_eq!(left, [all[2].1], "{}: the suspended one's letter stays", b.name);
+
+        // The dashboard's purge keeps them too, and deletes the others.
+        refused(&b, &keel, 2).await.shutdown().await;
+        let fresh: Vec<i64> = letters(&b).into_iter().map(|(_, i)| i).skip(1).collect();
+        assert_eq!(fresh.len(), 2, "{}: {fresh:?}", b.name);
+        b.run(&["cancel", &fresh[0].to_string()], 0);
         let done = keel_cli::operate::purge_old_dead_letters(&keel, "default", Duration::ZERO, 10)
             .await
             .unwrap();
-        assert_eq!((done.purged, done.complete), (0, true), "{}", b.name);
-        assert_eq!(letters(&b).len(), 2, "{}", b.name);
+        assert_eq!((done.purged, done.complete), (1, true), "{}", b.name);
+        let left: Vec<i64> = letters(&b).into_iter().map(|(_, i)| i).collect();
+        assert_eq!(left, [all[2].1, fresh[1]], "{}", b.name);
         // A kept letter still retries its instance.
         let retried = b.json(&["dlq", "retry", &letters(&b)[0].0.to_string()]);
-        assert_eq!(retried["retried"], json!([all[1].1]), "{}: {retried}", b.name);
+        assert_eq!(retried["retried"], json!([all[2].1]), "{}: {retried}", b.name);
 
         let purged =
             b.json(&["dlq", "purge", "--older-than", "0s", "--include-suspended", "--confirm"]);

@@ -1923,6 +1923,35 @@ fn dashboard_flash_messages_are_the_servers_own() {
     }
 }
 
+/// A resume, over HTTP or from the dashboard, writes only over a stored pause: resuming a
+/// name that is not paused (a typo) stores nothing, so it does not become a known queue.
+#[test]
+fn a_resume_of_a_queue_that_is_not_paused_stores_nothing() {
+    use keel::layers::core::ports::Store as _;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (name, s) in servers("a_resume_of_a_queue_that_is_not_paused_stores_nothing", None) {
+        let (code, answer) = s.post("/v1/namespaces/default/queues/defualt/resume", "");
+        let expected = json!({ "namespace": "default", "queue": "defualt", "paused": false, "changed": false });
+        assert_eq!((code, &answer), (200, &expected), "{name}");
+        let url = format!("{}/ui/ns/default/queues/defualt/resume", s.base);
+        let resp = s.agent.post(&url).send("").unwrap();
+        assert_eq!(resp.status().as_u16(), 200, "{name}: the dashboard's resume");
+        let keel = s.keel(&rt);
+        let stored = rt.block_on(keel.store().queue_list("default".into())).unwrap();
+        assert!(stored.iter().all(|q| q.queue != "defualt"), "{name}: {stored:?}");
+
+        // A pause writes, and a resume over it writes and says it changed something.
+        let (code, answer) = s.post("/v1/namespaces/default/queues/jobs/pause", "");
+        assert_eq!((code, &answer["changed"]), (200, &json!(true)), "{name}: {answer}");
+        let (code, answer) = s.post("/v1/namespaces/default/queues/jobs/pause", "");
+        assert_eq!((code, &answer["changed"]), (200, &json!(false)), "{name}: {answer}");
+        let (code, answer) = s.post("/v1/namespaces/default/queues/jobs/resume", "");
+        assert_eq!((code, &answer["changed"]), (200, &json!(true)), "{name}: {answer}");
+        let stored = rt.block_on(keel.store().queue_list("default".into())).unwrap();
+        assert!(stored.iter().any(|q| q.queue == "jobs" && !q.paused), "{name}: {stored:?}");
+    }
+}
+
 /// A remote step whose worker dies with it leaves only an expired lease behind. Once the
 /// expired leases have used up the retry policy's attempts, a poll does not hand the task
 /// out again: it fails it into the dead letters, naming the expired leases.

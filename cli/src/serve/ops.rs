@@ -10,7 +10,6 @@ use keel::DeadLetterRetry;
 use keel_core::ids::DeadLetterId;
 use keel_core::instance::DeadLetter;
 use keel_core::ports::Store;
-use keel_core::ports::store::QueuePauseParams;
 use serde_json::json;
 
 use super::AppState;
@@ -55,17 +54,11 @@ async fn set_paused(
     queue: String,
     paused: bool,
 ) -> Result<Response, ApiError> {
-    state
-        .keel
-        .store()
-        .queue_pause(QueuePauseParams {
-            namespace: ns.clone(),
-            queue: queue.clone(),
-            paused,
-            now: now(),
-        })
-        .await?;
-    Ok(Json(json!({ "namespace": ns, "queue": queue, "paused": paused })).into_response())
+    // A resume of a queue that is not paused writes nothing (see `commands::set_paused`).
+    let change = crate::commands::set_paused(&state.keel, &ns, &queue, paused).await?;
+    let changed = paused != change.was_paused;
+    Ok(Json(json!({ "namespace": ns, "queue": queue, "paused": paused, "changed": changed }))
+        .into_response())
 }
 
 /// Pauses a queue.

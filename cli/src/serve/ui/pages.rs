@@ -17,7 +17,7 @@ use keel_core::ids::{DeadLetterId, Status};
 use keel_core::instance::DeadLetter;
 use keel_core::limits;
 use keel_core::ports::Store;
-use keel_core::ports::store::{InstanceDetail, InstanceListParams, QueuePauseParams, QueueState};
+use keel_core::ports::store::{InstanceDetail, InstanceListParams, QueueState};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -579,10 +579,9 @@ async fn set_paused(
     paused: bool,
     viewer: &Viewer,
 ) -> Response {
-    let params =
-        QueuePauseParams { namespace: ns.to_owned(), queue: queue.to_owned(), paused, now: now() };
-    match state.keel.store().queue_pause(params).await {
-        Ok(()) => {
+    // A resume of a queue that is not paused writes nothing (see `commands::set_paused`).
+    match crate::commands::set_paused(&state.keel, ns, queue, paused).await {
+        Ok(_) => {
             let done = if paused { Done::QueuePaused } else { Done::QueueResumed };
             Redirect::to(&format!("{}{}", ns_url(ns, ""), done.query())).into_response()
         }
@@ -1809,7 +1808,7 @@ mod tests {
         let keel = keel::Keel::connect(&url).await.unwrap();
         let new = keel::NewInstance::new(MachineRef::new("m", 1), "go").queue("busy");
         keel.start(new).await.unwrap();
-        let pause = |queue: &str, paused: bool| QueuePauseParams {
+        let pause = |queue: &str, paused: bool| keel_core::ports::store::QueuePauseParams {
             namespace: "default".into(),
             queue: queue.into(),
             paused,
