@@ -299,12 +299,24 @@ async fn start_all<S: Store, C: keel_core::ports::Clock>(
                 NewInstance::new(MachineRef::new("counter", 1), "count").context(json!({ "n": 0 }))
             })
             .collect();
-        for outcome in client.start_many(news).await.expect("start") {
-            let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
-            ids.push(id);
-        }
+        ids.extend(inserted(client, news).await);
     }
     ids
+}
+
+/// Starts `news` in one batch; the ids, each newly inserted.
+async fn inserted<S: Store, C: keel_core::ports::Clock>(
+    client: &Client<S, C>,
+    news: Vec<NewInstance>,
+) -> Vec<InstanceId> {
+    let outcomes = client.start_many(news).await.expect("start");
+    outcomes
+        .into_iter()
+        .map(|outcome| {
+            let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
+            id
+        })
+        .collect()
 }
 
 /// Waits (bounded) until every instance is done; checks each committed exactly its
@@ -812,16 +824,7 @@ mod memory {
                     .context(json!({ "n": 0 }))
             })
             .collect();
-        let ids: Vec<InstanceId> = client
-            .start_many(news)
-            .await
-            .expect("start")
-            .into_iter()
-            .map(|outcome| {
-                let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
-                id
-            })
-            .collect();
+        let ids = inserted(&client, news).await;
         let stats = Arc::clone(worker.stats());
         finish(&h, &ids, || stats.committed(), setup.limit).await;
         assert_eq!(
@@ -913,16 +916,7 @@ mod memory {
                     .context(json!({ "n": 0 }))
             })
             .collect();
-        let ids: Vec<InstanceId> = plain
-            .start_many(news)
-            .await
-            .expect("start")
-            .into_iter()
-            .map(|outcome| {
-                let InsertOutcome::Inserted(id) = outcome else { panic!("{outcome:?}") };
-                id
-            })
-            .collect();
+        let ids = inserted(&plain, news).await;
         let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
             .register(Plodder)
             .register(Spinner)

@@ -6,6 +6,7 @@
 
 use super::support::{at, claim_id, commit_ok, ctx, get, insert_one, new_in, suspend};
 use keel_core::chart::{TimerArm, TimerKind};
+use keel_core::ids::{DEFAULT_QUEUE, TimerId};
 use keel_core::instance::ANY_SIGNAL;
 use keel_core::outcome::Outcome;
 use keel_core::ports::Store;
@@ -41,21 +42,8 @@ async fn sweep<S: Store>(s: &S, ns: &str, now: Timestamp) -> u64 {
 pub async fn timer_every_is_held_while_its_instance_is_suspended<S: Store>(s: &S) {
     let ns = "timer_suspended";
     let minute = Duration::from_secs(60);
-    let id = insert_one(s, new_in(ns), at(0)).await;
-    let claimed = claim_id(s, ns, id, at(5)).await;
-    let mut c = StepCommit::new(id, claimed.token(), park());
-    c.timers_arm = vec![
-        arm("REMIND", TimerKind::Every, minute),
-        arm("EXPIRE", TimerKind::After, Duration::from_secs(90)),
-    ];
-    commit_ok(s, c, at(10)).await;
-    let timer = get(s, id)
-        .await
-        .timers
-        .iter()
-        .find(|t| t.spec.event == "REMIND")
-        .expect("the every timer is armed")
-        .id;
+    let id = parked_with_timers(s, ns, DEFAULT_QUEUE).await;
+    let timer = remind_timer(s, id).await;
     super::support::send(s, id, "GO", at(20)).await;
     let claimed = claim_id(s, ns, id, at(30)).await;
     let read = claimed.inbox.iter().map(|m| m.id).collect();
@@ -122,6 +110,17 @@ async fn parked_with_timers<S: Store>(s: &S, ns: &str, queue: &str) -> InstanceI
     id
 }
 
+/// The id of the `every 1m REMIND` timer [`parked_with_timers`] armed.
+async fn remind_timer<S: Store>(s: &S, id: InstanceId) -> TimerId {
+    get(s, id)
+        .await
+        .timers
+        .iter()
+        .find(|t| t.spec.event == "REMIND")
+        .expect("the every timer is armed")
+        .id
+}
+
 /// The timer fires in an instance's inbox, by event name, in arrival order.
 async fn fires<S: Store>(s: &S, id: InstanceId) -> Vec<String> {
     get(s, id)
@@ -149,13 +148,7 @@ pub async fn timer_every_is_held_while_its_queue_is_paused<S: Store>(s: &S) {
     let held = parked_with_timers(s, ns, "mail").await;
     let free = parked_with_timers(s, ns, "bulk").await;
     let elsewhere = parked_with_timers(s, other_ns, "mail").await;
-    let remind = get(s, held)
-        .await
-        .timers
-        .iter()
-        .find(|t| t.spec.event == "REMIND")
-        .expect("the every timer is armed")
-        .id;
+    let remind = remind_timer(s, held).await;
     let pause = |paused: bool, now| QueuePauseParams {
         namespace: ns.into(),
         queue: "mail".into(),
