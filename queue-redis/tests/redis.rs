@@ -571,7 +571,7 @@ async fn a_silent_connection_is_replaced_within_seconds() {
         let _ = queue_or_skip::<RedisQueue>("redis silent connection", URL_VAR, None);
         return;
     };
-    let upstream = url.trim_start_matches("redis://").split('/').next().unwrap().to_owned();
+    let upstream = host_port(&url);
     let proxy = SilencingProxy::start(upstream).await;
     let name = format!("test-{:016x}", fastrand::u64(..));
     let q = RedisQueue::connect(RedisQueueConfig::new(proxy.url(), name)).await.unwrap();
@@ -608,7 +608,7 @@ async fn a_silent_connection_is_replaced_within_seconds() {
 /// wait, within 2 s of the publish: its wait is on a live connection.
 async fn a_publish_wakes_a_waiting_receive(q: &std::sync::Arc<RedisQueue>) {
     let waiter = {
-        let q = std::sync::Arc::clone(&q);
+        let q = std::sync::Arc::clone(q);
         tokio::spawn(async move { q.receive(1, 60_000 * MS, 10_000 * MS).await.unwrap() })
     };
     tokio::time::sleep(300 * MS).await;
@@ -627,7 +627,7 @@ async fn late_timeouts_of_a_replaced_connection_keep_the_new_one() {
         let _ = queue_or_skip::<RedisQueue>("redis late timeouts", URL_VAR, None);
         return;
     };
-    let upstream = url.trim_start_matches("redis://").split('/').next().unwrap().to_owned();
+    let upstream = host_port(&url);
     let proxy = SilencingProxy::start(upstream).await;
     let name = format!("test-{:016x}", fastrand::u64(..));
     let q = RedisQueue::connect(RedisQueueConfig::new(proxy.url(), name)).await.unwrap();

@@ -304,6 +304,17 @@ async fn start_all<S: Store, C: keel_core::ports::Clock>(
     ids
 }
 
+/// `n` new instances of `machine` v1 at step `count` in `queue`, context `{"n": 0}`.
+fn counts(machine: &str, queue: &str, n: usize) -> Vec<NewInstance> {
+    (0..n)
+        .map(|_| {
+            NewInstance::new(MachineRef::new(machine, 1), "count")
+                .queue(queue)
+                .context(json!({ "n": 0 }))
+        })
+        .collect()
+}
+
 /// Starts `news` in one batch; the ids, each newly inserted.
 async fn inserted<S: Store, C: keel_core::ports::Clock>(
     client: &Client<S, C>,
@@ -817,13 +828,7 @@ mod memory {
         let worker = worker.spawn();
         claim_loops_ran(&[&worker]).await;
         let client = h.client.clone().with_queue(Arc::clone(&queue) as Arc<dyn Queue>);
-        let news = (0..setup.n)
-            .map(|_| {
-                NewInstance::new(MachineRef::new("counter", 1), "count")
-                    .queue("a")
-                    .context(json!({ "n": 0 }))
-            })
-            .collect();
+        let news = counts("counter", "a", setup.n);
         let ids = inserted(&client, news).await;
         let stats = Arc::clone(worker.stats());
         finish(&h, &ids, || stats.committed(), setup.limit).await;
@@ -909,13 +914,7 @@ mod memory {
             let spin = NewInstance::new(MachineRef::new("spinner", 1), "spin").queue("a");
             plain.start(spin).await.expect("start");
         }
-        let news = (0..setup.n)
-            .map(|_| {
-                NewInstance::new(MachineRef::new("plodder", 1), "count")
-                    .queue("b")
-                    .context(json!({ "n": 0 }))
-            })
-            .collect();
+        let news = counts("plodder", "b", setup.n);
         let ids = inserted(&plain, news).await;
         let (worker, hints) = Worker::new(Arc::clone(&h.store), h.clock.clone(), config)
             .register(Plodder)
