@@ -527,9 +527,14 @@ pub fn position_in_state(position: &str, state: &str) -> bool {
     if position == state {
         return true;
     }
-    position.starts_with('[')
-        && serde_json::from_str::<Vec<String>>(position)
-            .is_ok_and(|paths| paths.iter().any(|p| p == state))
+    chart_paths(position)
+        .is_some_and(|paths| paths.is_ok_and(|paths| paths.iter().any(|p| p == state)))
+}
+
+/// A position read as a chart's configuration: `None` when it does not start with `[`
+/// (a step's or state's name), else the JSON array of active paths it should be.
+fn chart_paths(position: &str) -> Option<Result<Vec<String>, serde_json::Error>> {
+    position.starts_with('[').then(|| serde_json::from_str::<Vec<String>>(position))
 }
 
 /// What a parent sees of a child after its barrier released.
@@ -661,21 +666,18 @@ pub fn check_name(field: &str, value: &str) -> StoreResult<()> {
 /// state named `[x` would be stored as-is and then break those readers.
 pub fn check_position(field: &str, value: &str) -> StoreResult<()> {
     check_name(field, value)?;
-    if !value.starts_with('[') {
-        return Ok(());
-    }
-    match serde_json::from_str::<Vec<String>>(value) {
-        Err(_) => Err(StoreError::invalid(format!(
+    match chart_paths(value) {
+        Some(Err(_)) => Err(StoreError::invalid(format!(
             "{field}: {value:?} starts with `[`, which marks a chart's JSON array of active \
              states (like [\"a.b\",\"c\"]), but is not one; a step or state name cannot \
              start with `[`"
         ))),
         // `check_name` saw no NUL in the text, but JSON can write one as `\u0000`, and
         // PostgreSQL cannot read such JSON as `jsonb`.
-        Ok(paths) if paths.iter().any(|p| p.contains('\0')) => Err(StoreError::invalid(format!(
-            "{field}: {value:?} holds a state path with a NUL character (\\u0000)"
-        ))),
-        Ok(_) => Ok(()),
+        Some(Ok(paths)) if paths.iter().any(|p| p.contains('\0')) => Err(StoreError::invalid(
+            format!("{field}: {value:?} holds a state path with a NUL character (\\u0000)"),
+        )),
+        None | Some(Ok(_)) => Ok(()),
     }
 }
 
