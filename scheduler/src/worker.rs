@@ -778,24 +778,18 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             } else {
                 self.config.namespaces.iter().cloned().map(Some).collect()
             };
-            let mut dead_letters = Vec::new();
-            for (machine, m) in &self.machines {
-                for namespace in &namespaces {
-                    dead_letters.push(DeadLetterRetention {
-                        namespace: namespace.clone(),
-                        machine: machine.name.clone(),
-                        keep: self
-                            .config
-                            .step_config(m.config(), &machine.name, None)
-                            .dead_letter
-                            .retention,
-                    });
-                }
-            }
-            // Machines this worker does not run but its file names with a dead-letter
-            // retention (served by HTTP workers, say, which prune nothing): their letters
-            // go under that retention, in the same namespaces. Machines neither registered
-            // nor named keep theirs: this worker's defaults are not their policy.
+            // Each registered machine's retention; then machines this worker does not run
+            // but its file names with a dead-letter retention (served by HTTP workers, say,
+            // which prune nothing), under that retention. Machines neither registered nor
+            // named keep their letters: this worker's defaults are not their policy.
+            let mut keeps: Vec<(String, Duration)> = self
+                .machines
+                .iter()
+                .map(|(machine, m)| {
+                    let config = self.config.step_config(m.config(), &machine.name, None);
+                    (machine.name.clone(), config.dead_letter.retention)
+                })
+                .collect();
             let registered: BTreeSet<&str> =
                 self.machines.keys().map(|m| m.name.as_str()).collect();
             let named = self
@@ -814,7 +808,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
                      for each"
                 );
             }
-            for (machine, keep) in named {
+            keeps.extend(named);
+            let mut dead_letters = Vec::new();
+            for (machine, keep) in keeps {
                 for namespace in &namespaces {
                     dead_letters.push(DeadLetterRetention {
                         namespace: namespace.clone(),
@@ -918,6 +914,8 @@ struct Finished {
     failed: bool,
     /// What the step ran with, kept to turn a result the store refuses into a failure.
     origin: Origin,
+    /// Its queue is one hints never claim into ([`Pace::unhinted`]).
+    unhinted: bool,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -1910,6 +1908,7 @@ fn run_step<S: Store, C: Clock>(
         };
         // The step is done running: its slot goes to the next claim while this result waits
         // for its group commit.
+        let unhinted = running.pace.unhinted;
         drop(running);
         let machine_name = row.machine.name.clone();
         // Room in the committer's channel first, then the result: a `send` future would hold
@@ -1930,7 +1929,14 @@ fn run_step<S: Store, C: Clock>(
             entry.finished = true;
         }
         let origin = Origin { claim, ctx, machine, config };
-        room.send(Finished { commit, machine: machine_name, failed, origin, _permit: permit });
+        room.send(Finished {
+            commit,
+            machine: machine_name,
+            failed,
+            origin,
+            unhinted,
+            _permit: permit,
+        });
         unfinished.handed_over();
     }
 }
@@ -2343,11 +2349,7 @@ impl<S, C> Drop for Settled<'_, S, C> {
                 remove_claim_entry(&mut in_flight, f.commit.id, f.origin.claim.token());
             }
         }
-        let unhinted = self.inner.hints.is_some()
-            && self
-                .batch
-                .iter()
-                .any(|f| !self.inner.config.hints_claim_into(&f.origin.claim.instance.queue));
+        let unhinted = self.batch.iter().any(|f| f.unhinted);
         self.batch.clear(); // frees the slots
         self.inner.slot_freed.notify(unhinted);
     }
