@@ -392,7 +392,8 @@ impl<S: Store, C: Clock> Client<S, C> {
         self.queue_set(namespace, queue, true).await
     }
 
-    /// Resumes claiming from a queue.
+    /// Resumes claiming from a queue. A queue that was never paused is left as it is (no
+    /// settings are recorded for it).
     pub async fn queue_resume(&self, namespace: &str, queue: &str) -> StoreResult<()> {
         self.queue_set(namespace, queue, false).await
     }

@@ -2006,18 +2006,25 @@ pub(crate) async fn queue_pause(
     p: &keel_core::ports::store::QueuePauseParams,
 ) -> StoreResult<()> {
     p.validate()?;
-    sqlx::query(
-        "INSERT INTO keel_queues (namespace, queue, paused, updated_at) VALUES (?, ?, ?, ?) \
-         ON CONFLICT (namespace, queue) DO UPDATE SET paused = excluded.paused, \
-         updated_at = excluded.updated_at",
-    )
-    .bind(&p.namespace)
-    .bind(&p.queue)
-    .bind(p.paused)
-    .bind(p.now.0)
-    .execute(&mut *db.conn)
-    .await
-    .map_err(db.err("pausing a queue"))?;
+    // A pause records the queue; a resume changes a recorded one only and records none.
+    let query = if p.paused {
+        sqlx::query(
+            "INSERT INTO keel_queues (namespace, queue, paused, updated_at) VALUES (?, ?, 1, ?) \
+             ON CONFLICT (namespace, queue) DO UPDATE SET paused = 1, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(&p.namespace)
+        .bind(&p.queue)
+        .bind(p.now.0)
+    } else {
+        sqlx::query(
+            "UPDATE keel_queues SET paused = 0, updated_at = ? WHERE namespace = ? AND queue = ?",
+        )
+        .bind(p.now.0)
+        .bind(&p.namespace)
+        .bind(&p.queue)
+    };
+    query.execute(&mut *db.conn).await.map_err(db.err("pausing a queue"))?;
     Ok(())
 }
 

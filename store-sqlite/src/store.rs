@@ -681,7 +681,7 @@ impl Store for SqliteStore {
 
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>> {
         let mut conn = self.reader().await?;
-        // The queues with settings only (a pause or a resume recorded them), as the port
+        // The queues with settings only (a pause recorded them), as the port
         // says; a queue without a row is not paused. The instances are not read.
         let rows =
             sqlx::query("SELECT queue, paused FROM keel_queues WHERE namespace = ? ORDER BY queue")

@@ -1179,7 +1179,10 @@ impl DeadLetterPurgeParams {
     }
 }
 
-/// Pause or resume claiming from a queue.
+/// Pause or resume claiming from a queue. A pause records the queue's settings (creating
+/// them if the queue had none); a resume only changes settings a pause recorded and never
+/// creates any, so resuming a queue that was never paused (a misspelt name, say) changes
+/// nothing and does not make it appear in [`Store::queue_list`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueuePauseParams {
     /// Namespace.
@@ -1462,10 +1465,13 @@ pub trait Store: Send + Sync + 'static {
             .collect())
     }
 
-    /// Pauses or resumes a queue.
+    /// Pauses or resumes a queue. A pause records the queue's settings, creating them if
+    /// needed; a resume sets `paused = false` on recorded settings only and creates none,
+    /// so resuming a never-paused queue is a no-op that leaves it out of
+    /// [`Store::queue_list`]. Either way it is not an error.
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()>;
 
-    /// Queues with settings in a namespace (those a pause or a resume recorded), in name
+    /// Queues with settings in a namespace (those a pause recorded, resumed or not), in name
     /// order. A queue without settings is not listed, whether or not it holds instances,
     /// and is not paused.
     async fn queue_list(&self, namespace: String) -> StoreResult<Vec<QueueState>>;

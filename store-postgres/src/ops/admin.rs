@@ -697,13 +697,16 @@ pub(crate) async fn queue_pause<C: GenericClient + Sync>(
     channel: &str,
 ) -> OpResult<()> {
     begin(c).await?;
+    // A pause records the queue; a resume changes a recorded one only and records none.
     let stmt = c
-        .prepare_cached(
-            "INSERT INTO queues (namespace, queue, paused, updated_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (namespace, queue) DO UPDATE SET paused = $3, updated_at = $4",
-        )
+        .prepare_cached(if p.paused {
+            "INSERT INTO queues (namespace, queue, paused, updated_at) VALUES ($1, $2, true, $3) \
+             ON CONFLICT (namespace, queue) DO UPDATE SET paused = true, updated_at = $3"
+        } else {
+            "UPDATE queues SET paused = false, updated_at = $3 WHERE namespace = $1 AND queue = $2"
+        })
         .await?;
-    c.execute(&stmt, &[&p.namespace, &p.queue, &p.paused, &ts(p.now)]).await?;
+    c.execute(&stmt, &[&p.namespace, &p.queue, &ts(p.now)]).await?;
     end_tx(c, (!p.paused).then_some(channel)).await?;
     Ok(())
 }

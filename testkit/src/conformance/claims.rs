@@ -115,10 +115,10 @@ pub async fn paused_queue_not_claimed_until_resumed<S: Store>(s: &S) {
     assert_eq!(ids(&claim(s, claim_params(ns, 10, at(30))).await), vec![held]);
 }
 
-/// `queue_list` lists exactly the queues of its namespace that have settings (a pause or
-/// a resume recorded them), in name order: a queue that only holds instances, running or
-/// ended, is not listed (it is not paused), a queue paused before any instance is in it
-/// is, and a resumed queue stays listed, running.
+/// `queue_list` lists exactly the queues of its namespace that have settings (a pause
+/// recorded them), in name order: a queue that only holds instances, running or ended,
+/// is not listed (it is not paused), a queue paused before any instance is in it is, a
+/// resumed queue stays listed, running, and resuming a never-paused queue lists nothing.
 pub async fn queue_list_lists_exactly_the_queues_with_settings<S: Store>(s: &S) {
     let (ns, other_ns) = ("queue_list", "queue_list_other");
     for queue in ["a", "b", "c"] {
@@ -146,7 +146,43 @@ pub async fn queue_list_lists_exactly_the_queues_with_settings<S: Store>(s: &S) 
     assert_eq!(list().await, [state("b", true), state("empty", true)]);
     s.queue_pause(pause(ns, "b", false, at(7))).await.expect("resume b");
     s.queue_pause(pause(ns, "a", false, at(8))).await.expect("resume a, never paused");
-    assert_eq!(list().await, [state("a", false), state("b", false), state("empty", true)]);
+    assert_eq!(list().await, [state("b", false), state("empty", true)]);
+}
+
+/// Resuming records no settings: a resume of a queue that was never paused (one holding
+/// instances, a misspelt name, one paused only in another namespace) leaves `queue_list`
+/// without it and its instances claimable, while a pause then a resume, even twice, leaves
+/// the one row, running, and the queue's instances claimable again.
+pub async fn queue_resume_records_no_settings<S: Store>(s: &S) {
+    let (ns, other_ns) = ("queue_resume", "queue_resume_other");
+    let pause = |ns: &str, queue: &str, paused: bool, now| QueuePauseParams {
+        namespace: ns.into(),
+        queue: queue.into(),
+        paused,
+        now,
+    };
+    let list = async || s.queue_list(ns.into()).await.expect("list");
+    let state =
+        |queue: &str, paused| QueueState { namespace: ns.into(), queue: queue.into(), paused };
+    let busy = insert_one(s, new_in(ns).queue("busy"), at(0)).await;
+    s.queue_pause(pause(other_ns, "elsewhere", true, at(1))).await.expect("pause elsewhere");
+    for queue in ["busy", "misspelt", "elsewhere"] {
+        s.queue_pause(pause(ns, queue, false, at(2))).await.expect("resume, never paused");
+    }
+    assert_eq!(list().await, Vec::new(), "a resume recorded a queue that was never paused");
+    assert_eq!(
+        s.queue_list(other_ns.into()).await.expect("list"),
+        [QueueState { namespace: other_ns.into(), queue: "elsewhere".into(), paused: true }],
+        "a resume in one namespace touched another"
+    );
+    assert_eq!(ids(&claim(s, claim_params(ns, 10, at(3))).await), vec![busy]);
+    let held = insert_one(s, new_in(ns).queue("mail"), at(4)).await;
+    s.queue_pause(pause(ns, "mail", true, at(5))).await.expect("pause");
+    assert!(claim(s, claim_params(ns, 10, at(6))).await.is_empty(), "a paused queue was claimed");
+    s.queue_pause(pause(ns, "mail", false, at(7))).await.expect("resume");
+    s.queue_pause(pause(ns, "mail", false, at(8))).await.expect("resume again");
+    assert_eq!(list().await, [state("mail", false)]);
+    assert_eq!(ids(&claim(s, claim_params(ns, 10, at(9))).await), vec![held]);
 }
 
 /// Rows sharing a `concurrency_key` run one at a time, in `eligible_at` order; other

@@ -145,6 +145,7 @@ macro_rules! __store_contract_list {
             claim_filters_namespace_queue_machine,
             paused_queue_not_claimed_until_resumed,
             queue_list_lists_exactly_the_queues_with_settings,
+            queue_resume_records_no_settings,
             concurrency_key_serializes,
             claim_never_returns_held_row,
             claim_order_fifo_ignores_priority,

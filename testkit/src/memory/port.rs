@@ -170,7 +170,14 @@ impl Store for MemoryStore {
 
     async fn queue_pause(&self, params: QueuePauseParams) -> StoreResult<()> {
         params.validate()?;
-        self.state().queues.insert((params.namespace, params.queue), params.paused);
+        let mut state = self.state();
+        if params.paused {
+            state.queues.insert((params.namespace, params.queue), true);
+        } else if let Some(paused) = state.queues.get_mut(&(params.namespace, params.queue)) {
+            // A resume changes a recorded queue only; it records none.
+            *paused = false;
+        }
+        drop(state);
         self.wake(Ok(()))
     }
 
