@@ -202,21 +202,38 @@ pub async fn status_and_activity(
 }
 
 /// What `keel status` shows, from one read of the queue counts and one of the queue list.
-struct StatusRead {
+pub(crate) struct StatusRead {
     /// The status rows, filtered to the `machine` asked for.
-    rows: Vec<StatusRow>,
+    pub(crate) rows: Vec<StatusRow>,
     /// The last hour, per machine.
-    activity: Vec<crate::operate::MachineActivity>,
+    pub(crate) activity: Vec<crate::operate::MachineActivity>,
     /// The queues that hold unfinished instances of any machine (not only `machine`'s).
-    busy: std::collections::BTreeSet<String>,
+    pub(crate) busy: std::collections::BTreeSet<String>,
     /// The paused queues, sorted: those with unfinished instances and those without.
-    paused: Vec<String>,
+    pub(crate) paused: Vec<String>,
+}
+
+impl StatusRead {
+    /// The paused queues with nothing unfinished in them, in name order.
+    pub(crate) fn idle_paused(&self) -> Vec<String> {
+        idle_paused(&self.paused, &self.busy)
+    }
+}
+
+/// The queues of `paused` that `busy` does not hold: paused with nothing unfinished in
+/// them (paused ahead of a deploy, or a name no work has used yet), in `paused`'s order.
+/// `keel status` and the dashboard's overview both name these.
+pub(crate) fn idle_paused(
+    paused: &[String],
+    busy: &std::collections::BTreeSet<String>,
+) -> Vec<String> {
+    paused.iter().filter(|q| !busy.contains(q.as_str())).cloned().collect()
 }
 
 /// [`status_and_activity`], with the queues that hold unfinished instances of any machine
 /// (the rows are filtered to `machine`; this set is not) and the paused queues, both read
 /// with the rows so they agree with them.
-async fn status_activity_and_queues(
+pub(crate) async fn status_activity_and_queues(
     keel: &Keel,
     ns: &str,
     machine: Option<&str>,
@@ -297,14 +314,18 @@ async fn status_rows_from(
 }
 
 /// Dead letters per machine of `ns`, counted by the store (every one, not a page).
-async fn dead_letter_counts(keel: &Keel, ns: &str) -> anyhow::Result<BTreeMap<String, u64>> {
+pub(crate) async fn dead_letter_counts(
+    keel: &Keel,
+    ns: &str,
+) -> anyhow::Result<BTreeMap<String, u64>> {
     let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await?;
     Ok(counts.into_iter().map(|c| (c.machine, c.count)).collect())
 }
 
 async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<Report> {
-    let StatusRead { rows, activity, busy, paused } =
-        status_activity_and_queues(keel, ns, machine, now()).await?;
+    let status = status_activity_and_queues(keel, ns, machine, now()).await?;
+    let idle = status.idle_paused();
+    let StatusRead { rows, activity, paused, .. } = status;
     let mut t = table(&[
         "queue",
         "machine",
@@ -340,8 +361,7 @@ async fn status(keel: &Keel, ns: &str, machine: Option<&str>) -> anyhow::Result<
     // queue with no unfinished instance is still named, so it is not forgotten until work
     // arrives. Whether it is empty is decided over every machine, not the `--machine`
     // rows above: another machine's work in it is still unfinished.
-    let empty: Vec<String> =
-        paused.iter().filter(|q| !busy.contains(q.as_str())).map(|q| shell_word(q)).collect();
+    let empty: Vec<String> = idle.iter().map(|q| shell_word(q)).collect();
     if !empty.is_empty() {
         let _ = write!(
             human,
@@ -386,16 +406,18 @@ async fn unknown_if_empty(
 pub struct PauseChange {
     /// The queue's stored settings said paused before the call.
     pub was_paused: bool,
-    /// The settings row was written (every pause; a resume only over a stored pause).
-    pub written: bool,
+    /// The call changed whether the queue is paused (a pause of a running queue, a resume
+    /// of a paused one).
+    pub changed: bool,
     /// The namespace's stored queue settings, as read before the write.
     pub settings: Vec<QueueState>,
 }
 
 /// Pauses or resumes a queue; the one place the CLI, the HTTP API and the dashboard do
-/// it. A pause always writes the queue's settings row. A resume writes only over a stored
-/// pause: with nothing paused there is nothing to undo, and writing would give a misspelt
-/// name settings, after which it counts as a known queue.
+/// it. A pause always writes the queue's settings row. A resume only updates a stored row
+/// (the store never creates one for it): with nothing paused there is nothing to undo, and
+/// creating a row would give a misspelt name settings, after which it counts as a known
+/// queue. The settings are read first only to report what was paused before.
 pub async fn set_paused(
     keel: &Keel,
     ns: &str,
@@ -404,30 +426,26 @@ pub async fn set_paused(
 ) -> Result<PauseChange, keel::StoreError> {
     let settings = keel.store().queue_list(ns.to_owned()).await?;
     let was_paused = settings.iter().any(|q| q.namespace == ns && q.queue == queue && q.paused);
-    let written = paused || was_paused;
-    if written {
-        keel.store()
-            .queue_pause(QueuePauseParams {
-                namespace: ns.to_owned(),
-                queue: queue.to_owned(),
-                paused,
-                now: now(),
-            })
-            .await?;
-    }
-    Ok(PauseChange { was_paused, written, settings })
+    keel.store()
+        .queue_pause(QueuePauseParams {
+            namespace: ns.to_owned(),
+            queue: queue.to_owned(),
+            paused,
+            now: now(),
+        })
+        .await?;
+    Ok(PauseChange { was_paused, changed: paused != was_paused, settings })
 }
 
 /// `keel pause Q` / `keel resume Q`. A pause is stored as the queue's settings row. A
-/// resume writes only over a row a pause stored: resuming a queue with no settings has
-/// nothing to undo, and writing would make a misspelt name a queue with settings (one
+/// resume only updates a stored row: resuming a queue with no settings has nothing to
+/// undo, and creating a row would make a misspelt name a queue with settings (one
 /// `status` and the did-you-mean hints then treat as known). When such a queue holds
 /// unfinished work the resume is a no-op said as one (exit 0: it is running, as asked);
 /// when it holds none either, nothing of that name exists, so it is an error naming the
 /// closest queue (which may be the paused one the user meant to resume).
 async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Result<Report> {
-    let PauseChange { was_paused, written: write, settings } =
-        set_paused(keel, ns, queue, paused).await?;
+    let PauseChange { was_paused, changed, settings } = set_paused(keel, ns, queue, paused).await?;
     let stored = settings.iter().find(|q| q.namespace == ns && q.queue == queue);
     let stats = keel.store().queue_stats(Some(ns.to_owned()), now()).await?;
     let in_queue: Vec<_> = stats.iter().filter(|s| s.queue == queue).collect();
@@ -451,7 +469,7 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
         Some(n) => format!("check the name, did you mean `{n}`?"),
         None => "check the name".to_owned(),
     };
-    if !write && !known && stored.is_none() {
+    if !paused && !was_paused && !known && stored.is_none() {
         bail!(
             "queue: {queue:?} in namespace {ns:?} is not paused and holds no unfinished instance, so nothing was resumed; {check} (`{}` lists the queues in use and the paused ones)",
             hint(ns, "status")
@@ -459,7 +477,7 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
     }
     let mut human = if paused {
         format!("Queue {queue:?} in namespace {ns:?}: PAUSED ({pending} pending)")
-    } else if write {
+    } else if was_paused {
         format!("Queue {queue:?} in namespace {ns:?}: running ({pending} pending)")
     } else {
         format!(
@@ -474,7 +492,7 @@ async fn pause(keel: &Keel, ns: &str, queue: &str, paused: bool) -> anyhow::Resu
         );
     }
     Ok(Report::ok(
-        json!({ "namespace": ns, "queue": queue, "paused": paused, "changed": paused != was_paused, "pending": pending, "in_use": known, "did_you_mean": near }),
+        json!({ "namespace": ns, "queue": queue, "paused": paused, "changed": changed, "pending": pending, "in_use": known, "did_you_mean": near }),
         human,
     ))
 }
@@ -997,7 +1015,7 @@ async fn dlq(keel: &Keel, ns: &str, command: DlqCommand) -> anyhow::Result<Repor
                     "complete": complete,
                     "include_suspended": include_suspended,
                     "kept_suspended": kept.map(|k| k.count),
-                    "kept_at_least": kept.is_some_and(|k| k.at_least),
+                    "kept_at_least": kept.is_some_and(|k| !k.complete),
                 }),
                 format!("{}{more}.{kept_line}", capitalized(&what(purged))),
             ))

@@ -489,13 +489,8 @@ pub async fn history(
     Ok(Report::ok(json!({ "instance": id, "entries": page.entries, "next": page.next }), human))
 }
 
-/// `GET /v1/workers`: every worker, whichever namespaces it claims from.
-pub async fn workers(keel: &Keel, stale_after: &str) -> anyhow::Result<Report> {
-    workers_in(keel, None, stale_after).await
-}
-
 /// `keel workers`: those that claim from `ns` (every worker when it is `None`, as with
-/// `--all-namespaces`).
+/// `--all-namespaces` and `GET /v1/workers`).
 pub async fn workers_in(
     keel: &Keel,
     ns: Option<&str>,
@@ -687,11 +682,7 @@ async fn machine_stats(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<V
 
 /// How many dead letters `machine` holds in `ns` (one grouped count).
 async fn letter_count(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<u64> {
-    let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await?;
-    Ok(counts
-        .into_iter()
-        .find(|c| c.namespace == ns && c.machine == machine)
-        .map_or(0, |c| c.count))
+    Ok(crate::commands::dead_letter_counts(keel, ns).await?.get(machine).copied().unwrap_or(0))
 }
 
 async fn purge_pending(keel: &Keel, ns: &str, machine: &str) -> anyhow::Result<Report> {
@@ -861,7 +852,7 @@ async fn purge_dlq(
             "complete": complete,
             "include_suspended": !keep_suspended,
             "kept_suspended": kept.map(|k| k.count),
-            "kept_at_least": kept.is_some_and(|k| k.at_least),
+            "kept_at_least": kept.is_some_and(|k| !k.complete),
         }),
         format!("{human}{tail}"),
     ))
@@ -1063,37 +1054,29 @@ async fn purge_machine_letters(
 /// Most dead letters read to count those a purge kept ([`kept_letters`]).
 pub const KEPT_READ_MAX: usize = 1_000;
 
-/// Dead letters a purge that keeps suspended instances' letters left behind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct KeptLetters {
-    /// Letters created before the purge's cutoff still there after it.
-    pub count: u64,
-    /// True when the bounded read stopped first: `count` is a lower bound.
-    pub at_least: bool,
-}
-
 /// How many of `ns`'s dead letters (of `machine`, or all) created before `older_than`
 /// (all, without it) are left after a complete purge that kept the letters of suspended
 /// instances: those are the kept ones (give or take letters recorded meanwhile). Without
 /// a cutoff the grouped count of letters left is the answer; with one, it reads at most
 /// [`KEPT_READ_MAX`] letters, oldest first (ids follow creation time), when that count
-/// says there is anything to read. `None` when a read fails: the
-/// purge itself is done, only the count is missing.
+/// says there is anything to read, and the count is not `complete` when that read
+/// stopped first with older letters left. `None` when a read fails: the purge itself is
+/// done, only the count is missing.
 pub async fn kept_letters(
     keel: &Keel,
     ns: &str,
     machine: Option<&str>,
     older_than: Option<Timestamp>,
-) -> Option<KeptLetters> {
-    let counts = keel.store().dead_letter_counts(Some(ns.to_owned())).await.ok()?;
+) -> Option<Counted> {
+    let counts = crate::commands::dead_letter_counts(keel, ns).await.ok()?;
     let left: u64 = counts
         .iter()
-        .filter(|c| c.namespace == ns && machine.is_none_or(|m| c.machine == m))
-        .map(|c| c.count)
+        .filter(|(name, _)| machine.is_none_or(|m| name.as_str() == m))
+        .map(|(_, count)| count)
         .sum();
     // Without a cutoff every letter left is a kept one: the grouped count is exact.
     if left == 0 || older_than.is_none() {
-        return Some(KeptLetters { count: left, at_least: false });
+        return Some(Counted::exact(left));
     }
     let filter = keel_core::ports::store::DeadLetterFilter {
         namespace: Some(ns.to_owned()),
@@ -1104,18 +1087,18 @@ pub async fn kept_letters(
     let page = keel.store().dead_letter_list(filter).await.ok()?;
     let old = |d: &keel_core::instance::DeadLetter| older_than.is_none_or(|t| d.created_at < t);
     let count = page.iter().filter(|d| old(d)).count() as u64;
-    let at_least = page.len() == KEPT_READ_MAX && page.last().is_some_and(old);
-    Some(KeptLetters { count, at_least })
+    let cut = page.len() == KEPT_READ_MAX && page.last().is_some_and(old);
+    Some(Counted { count, complete: !cut })
 }
 
 /// The line a purge that kept suspended instances' letters adds, naming how to act on
 /// them (`retry` is the retry command for them); empty when none were kept.
-pub fn kept_line(kept: Option<KeptLetters>, ns: &str, retry: &str) -> String {
+pub fn kept_line(kept: Option<Counted>, ns: &str, retry: &str) -> String {
     match kept {
-        Some(KeptLetters { count: 0, .. }) | None => String::new(),
-        Some(KeptLetters { count, at_least }) => format!(
-            "\nKept {}{count} dead letter(s) whose instance is still suspended (a letter is the only way to retry it): retry them with `{}`, or cancel the instances.",
-            if at_least { "at least " } else { "" },
+        Some(Counted { count: 0, .. }) | None => String::new(),
+        Some(kept) => format!(
+            "\nKept {} dead letter(s) whose instance is still suspended (a letter is the only way to retry it): retry them with `{}`, or cancel the instances.",
+            kept.text(),
             hint(ns, retry)
         ),
     }

@@ -56,9 +56,10 @@ async fn set_paused(
 ) -> Result<Response, ApiError> {
     // A resume of a queue that is not paused writes nothing (see `commands::set_paused`).
     let change = crate::commands::set_paused(&state.keel, &ns, &queue, paused).await?;
-    let changed = paused != change.was_paused;
-    Ok(Json(json!({ "namespace": ns, "queue": queue, "paused": paused, "changed": changed }))
-        .into_response())
+    Ok(Json(
+        json!({ "namespace": ns, "queue": queue, "paused": paused, "changed": change.changed }),
+    )
+    .into_response())
 }
 
 /// Pauses a queue.
@@ -250,8 +251,9 @@ pub async fn history(
 /// Workers seen by heartbeat, live and stale (every namespace: a token that sees them all).
 pub async fn workers(_: NoQuery, State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
     let stale = keel_core::ports::store::WORKER_STALE_AFTER.as_secs();
-    let report =
-        crate::operate::workers(&state.keel, &format!("{stale}s")).await.map_err(|error| {
+    let report = crate::operate::workers_in(&state.keel, None, &format!("{stale}s"))
+        .await
+        .map_err(|error| {
             ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, None, format!("{error:#}"))
         })?;
     Ok(Json(report.json).into_response())

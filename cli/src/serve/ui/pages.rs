@@ -17,13 +17,13 @@ use keel_core::ids::{DeadLetterId, Status};
 use keel_core::instance::DeadLetter;
 use keel_core::limits;
 use keel_core::ports::Store;
-use keel_core::ports::store::{InstanceDetail, InstanceListParams, QueueState};
+use keel_core::ports::store::{InstanceDetail, InstanceListParams};
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::html::{badge, esc, json, ns_url, page, query, seg};
 use super::{AppState, Viewer, WithStatus, charts, with_cookie};
-use crate::commands::{StatusRow, now, status_and_activity};
+use crate::commands::{StatusRead, StatusRow, now, status_activity_and_queues};
 use crate::health::{self, Level};
 use crate::output::{age, time};
 use crate::serve::scope::{hide_unseen_children, in_namespace};
@@ -297,23 +297,23 @@ pub async fn overview_fragment(
 async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<String, Response> {
     let at = now();
     let store = state.keel.store();
-    // The panels' reads are independent: the queue counts (read once for the totals, the
-    // queues and the last hour), the timers and the worker registry go out together.
+    // The panels' reads are independent: the queue counts and the queue list (read once
+    // for the totals, the queues, the paused ones and the last hour), the timers and the
+    // worker registry go out together.
     let since = at.minus(std::time::Duration::from_secs(86_400));
-    let (counts, timers, seen, settings) = tokio::join!(
-        status_and_activity(&state.keel, ns, None, at),
+    let (counts, timers, seen) = tokio::join!(
+        // The queue list names the paused queues with nothing unfinished in them too, so
+        // such a queue is still shown, with its Resume.
+        status_activity_and_queues(&state.keel, ns, None, at),
         store.timer_status(Some(ns.to_owned()), at),
         // Workers seen in the last day, live ones first; those that claim from this namespace.
         store.worker_list(since),
-        // The queues with settings (a pause or a resume recorded): one row per queue, so
-        // a paused queue with nothing unfinished in it is still shown, with its Resume.
-        store.queue_list(ns.to_owned()),
     );
-    let (rows, activity) = counts.map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
+    let counts = counts.map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
     let timers = timers.map_err(|e| store_failed(viewer, ns, &e))?;
     let seen = seen.map_err(|e| store_failed(viewer, ns, &e))?;
-    let settings = settings.map_err(|e| store_failed(viewer, ns, &e))?;
-    let idle = idle_paused(&rows, &settings);
+    let idle = counts.idle_paused();
+    let StatusRead { rows, activity, .. } = counts;
     let workers: Vec<_> = seen.into_iter().filter(|w| w.claims_from(ns)).collect();
     let mut out = String::new();
     out.push_str(&totals_panel(&rows, &idle));
@@ -337,18 +337,6 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
         out.push_str("</table>");
     }
     Ok(out)
-}
-
-/// The paused queues of `settings` that no row names: paused with nothing unfinished in
-/// them (paused ahead of a deploy, or a name no work has used yet), in name order.
-fn idle_paused(rows: &[StatusRow], settings: &[QueueState]) -> Vec<String> {
-    let busy: BTreeSet<&str> = rows.iter().map(|r| r.queue.as_str()).collect();
-    let idle: BTreeSet<&str> = settings
-        .iter()
-        .filter(|q| q.paused && !busy.contains(q.queue.as_str()))
-        .map(|q| q.queue.as_str())
-        .collect();
-    idle.into_iter().map(str::to_owned).collect()
 }
 
 /// The cards; `idle` are the paused queues with no row, counted with the rows' ones.
@@ -1839,10 +1827,7 @@ mod tests {
         assert!(body.contains("<tr data-queue=\"busy\" data-machine=\"m\">"), "{body}");
         assert!(!body.contains("data-queue=\"calm\""), "{body}");
         // With no unfinished instance at all, the panel still lists the paused queue.
-        let only = idle_paused(
-            &[],
-            &[QueueState { namespace: "default".into(), queue: "deploy".into(), paused: true }],
-        );
+        let only = crate::commands::idle_paused(&["deploy".to_owned()], &BTreeSet::new());
         let panel = queues_panel("default", &[], &only, &Viewer { grant: None });
         assert!(panel.contains("/ui/ns/default/queues/deploy/resume"), "{panel}");
         assert_eq!(paused_card(&totals_panel(&[], &only)), "1");
