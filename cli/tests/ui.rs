@@ -388,7 +388,8 @@ async fn drive(c: &Client, store: &str, base: &str, seeded: &Seeded) {
         .click()
         .await
         .unwrap();
-    c.wait().for_element(Locator::Css(".flash")).await.unwrap();
+    // The page still shows the pause's flash until the resume's page replaces it.
+    until("the resume's page", || async { source(c).await.contains("Queue resumed.") }).await;
     let overview = source(c).await;
     assert!(!overview.contains("data-queue=\"deploy\""), "{store}: resumed: {overview}");
 
