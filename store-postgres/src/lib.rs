@@ -153,7 +153,14 @@
 //!   one of them (two claims racing for such rows: the loser's statement fails on the
 //!   unique index and runs again, as for a concurrency key); a commit that would bring a
 //!   key back into scope over another occupant is
-//!   a per-item `Conflict`. Transitions outside commits (reap, release) do not check that.
+//!   a per-item `Conflict`. Transitions outside commits do not check that: a reap, a
+//!   release, a delivery or broadcast that wakes its target, a parent woken by its
+//!   children's ends, and a dead-letter retry or skip that moves a row into a key's scope
+//!   while another instance holds the key fail on the unique index with `Conflict` (the
+//!   whole call or commit batch), where SQLite and `MemoryStore` store the row without the
+//!   key and the first holder keeps it. Only a key scoped to a status such a transition
+//!   enters but not to the one it leaves (say `runnable` without `awaiting_signal`) meets this;
+//!   `StatusSet::LIVE` (every unfinished status) stays clear of it.
 //! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
 //! - A broadcast or list whose `in_state` filter meets a position that starts with `[` but
 //!   is not JSON `jsonb` reads fails (`position::jsonb`). Starts and commits refuse such
