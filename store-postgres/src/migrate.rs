@@ -16,8 +16,10 @@ pub const SCHEMA_VERSION: i32 = 12;
 const HISTORY_TABLE: &str = "keel_schema_history";
 
 impl PgStore {
-    /// Creates the schema if needed and applies pending migrations. Safe to call from many
-    /// processes at once: the run holds a session advisory lock keyed by the schema name.
+    /// Creates the schema if it is missing and applies pending migrations. Safe to call from
+    /// many processes at once: the run holds a session advisory lock keyed by the schema
+    /// name (a run that finds it taken logs that it waits). A role that owns an existing
+    /// schema needs no CREATE privilege on the database.
     /// Fails with `Conflict` when the database was migrated by a newer build.
     pub async fn migrate(&self) -> StoreResult<()> {
         let (mut client, conn) = self.pg.connect(self.tls.clone()).await.map_err(|e| pg(&e))?;
@@ -61,10 +63,25 @@ impl PgStore {
 
     async fn migrate_on(&self, client: &mut tokio_postgres::Client) -> StoreResult<()> {
         let key = format!("keel.migrate.{}", self.schema);
-        client
-            .execute("SELECT pg_advisory_lock(hashtext($1))", &[&key])
+        let took: bool = client
+            .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
             .await
+            .map_err(|e| pg(&e))?
+            .try_get(0)
             .map_err(|e| pg(&e))?;
+        if !took {
+            // Another process is migrating this schema (or died holding the lock on a
+            // connection the server has not yet closed): say why start-up pauses.
+            tracing::info!(
+                schema = %self.schema,
+                "waiting for another process's migration of schema {:?}",
+                self.schema
+            );
+            client
+                .execute("SELECT pg_advisory_lock(hashtext($1))", &[&key])
+                .await
+                .map_err(|e| pg(&e))?;
+        }
         let result = self.migrate_locked(client).await;
         let unlock = client.execute("SELECT pg_advisory_unlock(hashtext($1))", &[&key]).await;
         result?;
@@ -73,10 +90,26 @@ impl PgStore {
     }
 
     async fn migrate_locked(&self, client: &mut tokio_postgres::Client) -> StoreResult<()> {
-        client
-            .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema))
+        // The schema is created only when missing: `CREATE SCHEMA IF NOT EXISTS` needs the
+        // CREATE privilege on the database even when the schema exists, which a role that
+        // owns its schema but nothing else lacks. The name is compared as stored (no
+        // identifier parsing), and `check_schema` allows only lowercase letters, digits and
+        // `_`, so the quoted name below is the same one.
+        let present: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
+                &[&self.schema],
+            )
             .await
+            .map_err(|e| pg(&e))?
+            .try_get(0)
             .map_err(|e| pg(&e))?;
+        if !present {
+            client
+                .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema))
+                .await
+                .map_err(|e| pg(&e))?;
+        }
         if let Some(v) = applied_version(client, &self.schema).await?
             && v > SCHEMA_VERSION
         {

@@ -1,7 +1,7 @@
 //! Operator paths: cancel (+ cascade), inspect, lookup, dead letters, queue pause/resume.
 //! Each state change locks its rows, applies the pure transition and writes back.
 
-use super::{Notices, begin, end_tx, end_tx_notices, signal, timer};
+use super::{Notices, begin, begin_snapshot, commit_tx, end_tx, end_tx_notices, signal, timer};
 use crate::error::OpResult;
 use crate::rows::{
     self, CHILD_COLS, DEAD_LETTER_COLS, HISTORY_COLS, HistoryWrite, INSTANCE_COLS, SIGNAL_COLS,
@@ -20,12 +20,25 @@ use keel_core::{DeadLetterId, InstanceId, Status, StoreError, StoreResult, limit
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
-const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth) AS ( \
-      SELECT id, 1 FROM instances WHERE parent_id = $1 \
+/// The live descendants of `$1` for a cascading cancel, each with its depth below it
+/// (children at depth 1): breadth first, a parent's children in id order after those of
+/// the parents before it (the walk the SQLite and memory stores make), down to `$2` levels
+/// and at most `$3` rows. Ended descendants are walked through but not returned. The walk's
+/// key is each row's path of ids from the root (an `int8[]`, whose order within a level is
+/// that walk's order), so a cut at the bound keeps the same set in every store.
+const DESCENDANTS: &str = "WITH RECURSIVE d(id, depth, path) AS ( \
+      SELECT id, 1, ARRAY[id] FROM instances WHERE parent_id = $1 \
       UNION ALL \
-      SELECT i.id, d.depth + 1 FROM instances i JOIN d ON i.parent_id = d.id WHERE d.depth < $2 \
-    ) SELECT id, depth FROM d JOIN instances USING (id) \
-      WHERE status NOT IN ('done', 'failed', 'cancelled') ORDER BY d.depth, id LIMIT $3";
+      SELECT i.id, d.depth + 1, d.path || i.id FROM instances i JOIN d ON i.parent_id = d.id \
+      WHERE d.depth < $2 \
+    ) SELECT d.id, d.depth FROM d JOIN instances s ON s.id = d.id \
+      WHERE s.status NOT IN ('done', 'failed', 'cancelled') ORDER BY d.depth, d.path LIMIT $3";
+
+/// Most times a cascade reads its descendants again after locking the ones it found: a
+/// descendant's step that committed while the cancel waited for its lock may have started
+/// children the earlier read could not see. Each round locks the live descendants that
+/// appeared; the cascade stops when a read finds none, or after this many rounds.
+const DESCENDANT_ROUNDS_MAX: usize = 8;
 
 /// Cancels an instance and, with `cascade`, its non-terminal descendants.
 pub(crate) async fn cancel<C: GenericClient + Sync>(
@@ -219,19 +232,41 @@ async fn cancel_one<C: GenericClient + Sync>(
     let mut read = plan::cancel::CancelRead { root, ..Default::default() };
     if live && p.cascade {
         let stmt = c.prepare_cached(DESCENDANTS).await?;
+        // Prepared before the rounds, so each round's lock and read go out in that order.
+        let lock = c.prepare_cached(&rows::LOCK_INSTANCES).await?;
         // The cascade touches at most CANCEL_CASCADE_MAX instances, the root included.
         let max = limits::CANCEL_CASCADE_MAX as i64 - 1;
         let depth = limits::CANCEL_CASCADE_DEPTH_MAX as i32;
-        let found: Vec<(i64, i32)> = c
-            .query(&stmt, &[&p.id.0, &depth, &max])
-            .await?
-            .iter()
-            .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
-            .collect::<Result<_, StoreError>>()?;
-        let mut ids_sorted: Vec<i64> = found.iter().map(|f| f.0).collect();
-        ids_sorted.sort_unstable();
-        let mut locked: HashMap<i64, Instance> =
-            lock_instances(c, &ids_sorted).await?.into_iter().map(|r| (r.id.0, r)).collect();
+        let args: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&p.id.0, &depth, &max];
+        let decode = |found: Vec<tokio_postgres::Row>| {
+            found
+                .iter()
+                .map(|r| Ok((rows::col(r, 0)?, rows::col(r, 1)?)))
+                .collect::<Result<Vec<(i64, i32)>, StoreError>>()
+        };
+        let mut found = decode(c.query(&stmt, &args).await?)?;
+        let mut locked: HashMap<i64, Instance> = HashMap::new();
+        // Lock what the read found that is not locked yet, then read again (pipelined
+        // behind the lock, so it runs once the locks are held): a step of a descendant
+        // that committed while this waited for its lock may have started children the
+        // read before could not see, and they must not stay live under a cancelled
+        // parent. Rows locked stay as read (their writers wait for this transaction).
+        for _ in 0..DESCENDANT_ROUNDS_MAX {
+            let mut fresh: Vec<i64> =
+                found.iter().map(|f| f.0).filter(|id| !locked.contains_key(id)).collect();
+            if fresh.is_empty() {
+                break;
+            }
+            fresh.sort_unstable();
+            let (locks, again) = tokio::join!(async { c.query(&lock, &[&fresh]).await }, async {
+                c.query(&stmt, &args).await
+            });
+            for r in &locks? {
+                let r = rows::instance(r)?;
+                locked.insert(r.id.0, r);
+            }
+            found = decode(again?)?;
+        }
         read.descendants = found
             .iter()
             .filter_map(|(id, depth)| locked.remove(id).map(|r| (r, *depth as usize)))
@@ -284,7 +319,9 @@ async fn cancel_one<C: GenericClient + Sync>(
     Ok((next.iter().map(|r| r.id).collect(), more))
 }
 
-/// An instance with its inbox, children and history.
+/// An instance with its inbox, children, history and timers, read from one snapshot: a
+/// `REPEATABLE READ, READ ONLY` transaction whose `BEGIN`, reads and `COMMIT` are
+/// pipelined (one round trip once the statements are prepared).
 pub(crate) async fn get<C: GenericClient + Sync>(
     c: &C,
     id: InstanceId,
@@ -311,14 +348,19 @@ pub(crate) async fn get<C: GenericClient + Sync>(
         ))
         .await?;
     let timers = c.prepare_cached(&timer::list_sql()).await?;
-    let (found, inbox_rows, child_rows, history_rows, timer_rows) = tokio::join!(
+    let (b, found, inbox_rows, child_rows, history_rows, timer_rows, committed) = tokio::join!(
+        begin_snapshot(c),
         async { c.query_opt(&row, &[&id.0]).await },
         async { c.query(&inbox, &[&id.0]).await },
         async { c.query(&children, &[&id.0]).await },
         async { c.query(&history, &[&id.0]).await },
         async { c.query(&timers, &[&id.0]).await },
+        commit_tx(c),
     );
-    let Some(r) = found? else {
+    b?;
+    let found = found?;
+    committed?;
+    let Some(r) = found else {
         return Err(StoreError::not_found(format!("instance {id} does not exist")).into());
     };
     Ok(InstanceDetail {

@@ -6,7 +6,7 @@
 //! deletes the oldest entries it names. Nothing is locked but the deleted history rows:
 //! commits only append newer entries, which the bound `seq <= through` never reaches.
 
-use super::{begin, end_tx};
+use super::{begin, begin_snapshot, commit_tx, end_tx};
 use crate::error::OpResult;
 use crate::rows::{self, HISTORY_COLS};
 use deadpool_postgres::GenericClient;
@@ -48,14 +48,22 @@ pub(crate) async fn page<C: GenericClient + Sync>(
         .await?;
     let before = p.before.unwrap_or(i64::MAX);
     let limit = p.read_limit() as i64;
-    let (found, read) =
-        tokio::join!(async { c.query_opt(&exists, &[&p.instance.0]).await }, async {
-            c.query(&entries, &[&p.instance.0, &before, &limit]).await
-        },);
-    if found?.is_none() {
+    // One snapshot for both reads (pipelined with their `BEGIN` and `COMMIT`), so a page
+    // is never empty because its instance was inserted between them, nor read from an
+    // instance the check saw gone.
+    let (b, found, read, committed) = tokio::join!(
+        begin_snapshot(c),
+        async { c.query_opt(&exists, &[&p.instance.0]).await },
+        async { c.query(&entries, &[&p.instance.0, &before, &limit]).await },
+        commit_tx(c),
+    );
+    b?;
+    let (found, read) = (found?, read?);
+    committed?;
+    if found.is_none() {
         return Err(StoreError::not_found(format!("instance {} does not exist", p.instance)).into());
     }
-    let read = read?.iter().map(rows::history).collect::<Result<Vec<_>, _>>()?;
+    let read = read.iter().map(rows::history).collect::<Result<Vec<_>, _>>()?;
     Ok(plan::history::page(p, read))
 }
 

@@ -313,6 +313,12 @@ pub(crate) async fn begin<C: GenericClient + Sync>(c: &C) -> OpResult<()> {
     c.batch_execute("BEGIN").await.map_err(OpError::from)
 }
 
+/// `BEGIN` of a read-only transaction that reads one snapshot (`REPEATABLE READ`), as a
+/// pipelined future: several reads that must agree with each other.
+pub(crate) async fn begin_snapshot<C: GenericClient + Sync>(c: &C) -> OpResult<()> {
+    c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY").await.map_err(OpError::from)
+}
+
 /// Largest batch (rows a transaction's statements take as arrays) that runs its
 /// statements' generic plans (see [`begin_hot`]). A generic plan cannot see an array's
 /// length and assumes about a hundred elements; up to that it plans no worse than a
@@ -449,14 +455,12 @@ impl Store for PgStore {
     }
 
     async fn instance_get(&self, id: InstanceId) -> StoreResult<InstanceDetail> {
-        let conn = self.client().await?;
-        admin::get(&conn, id).await.map_err(StoreError::from)
+        in_tx!(self, |c| admin::get(c, id))
     }
 
     async fn history_page(&self, params: HistoryPageParams) -> StoreResult<HistoryPage> {
         params.validate()?;
-        let conn = self.client().await?;
-        history::page(&conn, &params).await.map_err(StoreError::from)
+        in_tx!(self, |c| history::page(c, &params))
     }
 
     async fn history_trim(&self, params: HistoryTrimParams) -> StoreResult<HistoryTrimPage> {
