@@ -92,8 +92,9 @@ pub fn fire_owner<'a>(dedup_key: Option<&str>, payload: &'a serde_json::Value) -
 
 /// Fires a due timer at `now`:
 /// - `after`: delivers its event once, then the timer is gone;
-/// - `every`: delivers its event and is due again `interval` after this fire (missed
-///   intervals are not back-filled);
+/// - `every`: delivers its event and is due again at its next tick, the first
+///   `due + k·interval` after `now` ([`next_tick`]): a late sweep does not delay the ticks
+///   after it, and missed intervals are not back-filled;
 /// - `every` + `max`: after `max` fires, the next due time delivers `then` exactly once
 ///   (`TIMER_EXHAUSTED`) and the timer is gone.
 pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
@@ -119,7 +120,7 @@ pub fn fire(timer: &TimerRow, now: Timestamp) -> Fired {
     );
     let next = (spec.kind == TimerKind::Every).then(|| TimerRow {
         fire_count: n,
-        next_fire_at: now.plus(spec.interval),
+        next_fire_at: next_tick(timer.next_fire_at, spec.interval, now),
         ..timer.clone()
     });
     Fired { signal, history, next }
@@ -144,11 +145,34 @@ pub fn held_while_suspended(timer: &TimerRow) -> bool {
 
 /// A held tick ([`held_while_suspended`]) at `now`: nothing is delivered, recorded or
 /// counted (the fire count, and so `max`, counts only fires the instance received), and
-/// the timer is due again one interval later, so it never stays due. After a retry or a
-/// resume the instance's next fire comes at most one interval later: missed intervals are
-/// not back-filled, as for a late sweep.
+/// the timer is due again at its next tick after `now` ([`next_tick`]), so it never stays
+/// due. After a retry or a resume the instance's next fire comes at most one interval
+/// later, on the same ticks as if it had never been held: missed intervals are not
+/// back-filled, as for a late sweep.
 pub fn hold(timer: &TimerRow, now: Timestamp) -> TimerRow {
-    TimerRow { next_fire_at: now.plus(timer.spec.interval), ..timer.clone() }
+    TimerRow {
+        next_fire_at: next_tick(timer.next_fire_at, timer.spec.interval, now),
+        ..timer.clone()
+    }
+}
+
+/// The next due time of an `every` timer due at `due` that fires or is held at `now`: the
+/// first `due + k·interval` (k ≥ 1) after `now`. Ticks stay `interval` apart on the grid
+/// that starts at the state entry, however late a sweep is: a late sweep does not push
+/// the ticks after it later, and the ticks missed while no sweep ran are skipped, not
+/// back-filled or bunched. O(1), saturating at the end of time; an interval under a
+/// millisecond (the stores' resolution) makes the timer due again at `now`.
+pub fn next_tick(due: Timestamp, interval: Duration, now: Timestamp) -> Timestamp {
+    let step = i128::try_from(interval.as_millis()).unwrap_or(i128::MAX);
+    if step == 0 {
+        return now;
+    }
+    let (due, now) = (i128::from(due.0), i128::from(now.0));
+    // Whole intervals from `due` to `now`: the first tick after `now` is one more. Both
+    // fit an i128 with room: `late` is under 2^65, `step` under 2^75.
+    let k = if now < due { 1 } else { (now - due) / step + 1 };
+    let next = due.saturating_add(k.saturating_mul(step));
+    Timestamp(i64::try_from(next).unwrap_or(i64::MAX))
 }
 
 /// What the ready backlog lets one sweep of a group of timers do.
@@ -211,19 +235,25 @@ fn follows(deployed: &TimerArm, armed: &TimerArm) -> bool {
 /// Moves an armed timer to the duration the deployed definition gives it (`deployed`: the
 /// timers of the instance's machine version that follow deploys, matched by state, event
 /// and kind; the first match counts). The due time counts from the original anchor: the
-/// state entry for a timer that has not fired, the last fire (or tick held while its
-/// instance was suspended or its queue paused, [`hold`]) for an `every` timer that has. A
-/// due time that is already past makes the timer due at the next sweep. `None`
+/// state entry for an `after` timer, the last tick for an `every` timer — its last fire,
+/// or its last tick held while its instance was suspended or its queue paused ([`hold`]),
+/// even before its first fire — or its state entry while it has neither. A due time that
+/// is already past makes the timer due at the next sweep. `None`
 /// when no deployed timer matches, or the first match's duration is unchanged or zero.
 pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
     let spec = deployed.iter().find(|d| follows(d, &timer.spec))?;
     if spec.interval == timer.spec.interval || spec.interval.is_zero() {
         return None;
     }
-    let anchor = if timer.fire_count == 0 {
-        timer.armed_at
+    // The last tick of an `every` timer, fired or held; a held timer that never fired
+    // has moved past its state entry.
+    let last = timer.next_fire_at.minus(timer.spec.interval);
+    let anchor = if timer.fire_count > 0 {
+        last
+    } else if timer.spec.kind == TimerKind::Every {
+        last.max(timer.armed_at)
     } else {
-        timer.next_fire_at.minus(timer.spec.interval)
+        timer.armed_at
     };
     let due = anchor.plus(spec.interval);
     let history = HistoryEntry::new(
@@ -407,16 +437,16 @@ mod tests {
                 ("TICK", "timer:4:1", "TIMER_FIRED", None),
             ),
             (
-                "every: next counts from this fire",
+                "every: next is one interval after this due time, not after the sweep",
                 row(TimerKind::Every, None, None, 0),
                 13_000,
-                ("TICK", "timer:4:1", "TIMER_FIRED", Some((23_000, 1))),
+                ("TICK", "timer:4:1", "TIMER_FIRED", Some((20_000, 1))),
             ),
             (
                 "every: a late sweep does not back-fill",
                 row(TimerKind::Every, None, None, 1),
                 95_000,
-                ("TICK", "timer:4:2", "TIMER_FIRED", Some((105_000, 2))),
+                ("TICK", "timer:4:2", "TIMER_FIRED", Some((100_000, 2))),
             ),
             (
                 "every+max: the max-th fire is an ordinary fire",
@@ -447,8 +477,8 @@ mod tests {
         }
     }
 
-    /// (case, timer) → held on a suspended instance; a held tick moves the due time one
-    /// interval past the sweep and keeps the count.
+    /// (case, timer) → held on a suspended instance; a held tick moves the due time to the
+    /// first tick after the sweep and keeps the count.
     #[test]
     fn a_suspended_instance_holds_only_repeating_ticks() {
         let cases = [
@@ -466,8 +496,85 @@ mod tests {
         }
         let every = row(TimerKind::Every, None, None, 4);
         let next = hold(&every, Timestamp(95_000));
-        assert_eq!((next.next_fire_at, next.fire_count), (Timestamp(105_000), 4));
+        assert_eq!((next.next_fire_at, next.fire_count), (Timestamp(100_000), 4));
         assert_eq!(TimerRow { next_fire_at: every.next_fire_at, ..next }, every, "nothing else");
+    }
+
+    /// (case, due, interval ms, sweep time) → the next due time of an `every` timer: the
+    /// first `due + k·interval` (k ≥ 1) after the sweep, so ticks keep the phase of the
+    /// state entry however late the sweep is, never bunch after an outage, and never
+    /// overflow.
+    #[test]
+    fn every_ticks_stay_on_the_grid_of_the_state_entry() {
+        let max = i64::MAX;
+        let cases: Vec<(&str, i64, u64, i64, i64)> = vec![
+            ("on time", 10_000, 10_000, 10_000, 20_000),
+            ("a late sweep keeps the phase", 10_000, 10_000, 10_150, 20_000),
+            ("late by just under an interval", 10_000, 10_000, 19_999, 20_000),
+            (
+                "late by exactly an interval: that tick merges into this fire",
+                10_000,
+                10_000,
+                20_000,
+                30_000,
+            ),
+            ("an outage skips missed ticks", 10_000, 10_000, 95_000, 100_000),
+            ("a sweep before the due time", 10_000, 10_000, 9_000, 20_000),
+            ("one millisecond", 5, 1, 1_000, 1_001),
+            ("sub-millisecond interval", 5, 0, 1_000, 1_000),
+            ("a huge interval saturates", 10_000, u64::MAX, 10_000, max),
+            ("near the end of time", max - 5, 10, max - 5, max),
+            ("from the start of time", i64::MIN, 1, max, max),
+            ("a year late, one-second ticks", 0, 1_000, 31_536_000_123, 31_536_001_000),
+        ];
+        for (case, due, interval, now, want) in cases {
+            let interval = if interval == 0 {
+                Duration::from_micros(500)
+            } else {
+                Duration::from_millis(interval)
+            };
+            let got = next_tick(Timestamp(due), interval, Timestamp(now));
+            assert_eq!(got, Timestamp(want), "{case}");
+            let mut t = row(TimerKind::Every, None, None, 1);
+            t.spec.interval = interval;
+            t.next_fire_at = Timestamp(due);
+            let fired = fire(&t, Timestamp(now)).next.expect("an every timer stays");
+            assert_eq!(fired.next_fire_at, Timestamp(want), "fire: {case}");
+            assert_eq!(hold(&t, Timestamp(now)).next_fire_at, Timestamp(want), "hold: {case}");
+        }
+        // Many late sweeps in a row: each tick stays on the grid, none drifts.
+        let mut t = row(TimerKind::Every, None, None, 0);
+        for n in 1..=50_i64 {
+            let late = 1 + (n * 37) % 120;
+            let next = fire(&t, t.next_fire_at.plus(Duration::from_millis(late as u64)));
+            t = next.next.expect("an every timer stays");
+            assert_eq!(t.next_fire_at, Timestamp(10_000 * (n + 1)), "tick {n}");
+        }
+    }
+
+    /// A held `every` timer that never fired moves to the deployed interval from its last
+    /// held tick, not from the state entry it held past.
+    #[test]
+    fn retime_of_a_held_every_timer_counts_from_its_last_held_tick() {
+        let mut t = row(TimerKind::Every, None, None, 0);
+        for now in [10_000, 20_000, 30_000, 40_000, 50_000] {
+            t = hold(&t, Timestamp(now));
+        }
+        assert_eq!(t.next_fire_at, Timestamp(60_000));
+        let deployed = |secs| TimerArm { interval: Duration::from_secs(secs), ..t.spec.clone() };
+        let slower = retime(&t, &[deployed(20)]).expect("changed");
+        assert_eq!(slower.next.next_fire_at, Timestamp(70_000), "from the held tick at 50s");
+        let faster = retime(&t, &[deployed(4)]).expect("changed");
+        assert_eq!(faster.next.next_fire_at, Timestamp(54_000));
+        // Never armed-and-held: the state entry is still the anchor.
+        let fresh = row(TimerKind::Every, None, None, 0);
+        let r = retime(&fresh, &[deployed(20)]).expect("changed");
+        assert_eq!(r.next.next_fire_at, Timestamp(20_000), "from the state entry");
+        // An `after` timer always counts from the state entry.
+        let after = row(TimerKind::After, None, None, 0);
+        let r =
+            retime(&after, &[TimerArm { interval: Duration::from_secs(3), ..after.spec.clone() }]);
+        assert_eq!(r.expect("changed").next.next_fire_at, Timestamp(3_000));
     }
 
     /// (case, backlog, overdue ms, cadence ms) → what the sweep does; threshold 10.

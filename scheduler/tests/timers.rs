@@ -102,13 +102,13 @@ async fn an_after_timer_fires_once_after_its_duration() {
     assert_eq!(
         advance(&h, &s, Duration::from_secs(5)).await,
         1,
-        "one at 9 s, counted from the last fire"
+        "the one due at 8 s, swept at 9 s"
     );
     h.wait(id, "reminded twice", |r| r.context["reminders"] == json!(2)).await;
     assert_eq!(
         advance(&h, &s, Duration::from_secs(1)).await,
         1,
-        "the expiry at 10 s; the next reminder is due at 13 s"
+        "the expiry at 10 s; the next reminder is due at 12 s"
     );
     let row = h.wait(id, "expired", |r| r.status == Status::Done).await;
     assert!(in_state("expired")(&row) || row.result.is_some());

@@ -555,7 +555,7 @@ impl TestMachine {
 
     /// Moves the virtual clock forward by `by`, firing every timer that falls due, in due
     /// order (ties in arming order), each as a normal `send`: `after` fires once per state
-    /// entry, `every` fires each interval counted from its last fire (no back-fill), and
+    /// entry, `every` fires each interval after the state entry (no back-fill), and
     /// after `max` fires the next due time sends `then` once and the timer stops (as the
     /// durable sweep does). Leaving a state cancels its timers.
     /// Panics when a fired event's macrostep fails, like `send`.

@@ -119,7 +119,8 @@ impl fmt::Display for Timer {
 pub enum TimerKind {
     /// One-shot: fires once, `interval` after the state was entered.
     After,
-    /// Recurring: fires every `interval` (counted from the last fire) while the state is active.
+    /// Recurring: fires every `interval` (on the ticks of the state entry) while the state is
+    /// active.
     Every,
 }
 

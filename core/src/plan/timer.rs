@@ -4,7 +4,7 @@
 //! without firing; a repeating tick of an instance that runs nothing until an operator
 //! acts — suspended, or in a paused queue ([`Owner::Held`]) — is held
 //! ([`timers::held_while_suspended`], [`timers::hold`]): nothing delivered or recorded, the
-//! timer due again one interval later; any other fires ([`timers::fire`]): its event is
+//! timer due again at its next tick; any other fires ([`timers::fire`]): its event is
 //! delivered into the instance's inbox under the fire's dedup key (so a re-run sweep is
 //! harmless), the fire is recorded in the instance's history, and the timer is advanced or
 //! deleted. Only events actually stored count as fired (or, for an exhausted `every` +
@@ -257,7 +257,7 @@ mod tests {
     }
 
     /// A suspended instance's repeating timer is held — nothing delivered or recorded, due
-    /// again one interval later, its count kept — while its `after` timer and an exhausted
+    /// again at its next tick, its count kept — while its `after` timer and an exhausted
     /// timer's `then` deliver once; a terminal instance's timers go.
     #[test]
     fn a_suspended_instance_gets_no_repeating_fires() {

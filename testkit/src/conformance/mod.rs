@@ -197,7 +197,7 @@ macro_rules! __store_contract_list {
             instance_list_filters_and_pages,
             timer_after_fires_once,
             timer_cancelled_when_state_left,
-            timer_every_counts_from_last_fire,
+            timer_every_ticks_on_the_grid_of_its_state_entry,
             timer_every_max_then_once,
             timer_concurrent_sweeps_deliver_once,
             timer_cancel_and_arm_in_one_commit_renews,

@@ -1,5 +1,5 @@
 //! Timer contracts: armed and cancelled by commits, fired by sweeps
-//! exactly once per fire, `every` counted from the last fire without back-fill, `max` +
+//! exactly once per fire, `every` on the grid of its state entry without back-fill, `max` +
 //! `then` delivered once, the status and stats a sweep service relies on, and what a
 //! sweeper sleeps on: the earliest due time and the hints of commits that arm timers.
 
@@ -117,17 +117,19 @@ pub async fn timer_cancelled_when_state_left<S: Store>(s: &S) {
     assert_eq!(inbox_names(s, id).await, ["NUDGE"]);
 }
 
-/// `every`: the next fire counts from the last fire; an immediate re-sweep does not fire;
-/// a late sweep does not back-fill missed intervals.
-pub async fn timer_every_counts_from_last_fire<S: Store>(s: &S) {
+/// `every`: the ticks stay on the grid of the state entry (a late sweep does not push the
+/// next tick later); an immediate re-sweep does not fire; a late sweep does not back-fill
+/// missed intervals.
+pub async fn timer_every_ticks_on_the_grid_of_its_state_entry<S: Store>(s: &S) {
     let ns = "timer_every";
     let id = armed(s, ns, vec![arm("polling", "POLL", TimerKind::Every, 10, None, None)]).await;
     assert_eq!(sweep(s, ns, at(12_000)).await.fired, 1, "first fire at entry + 10 s");
     assert_eq!(sweep(s, ns, at(12_001)).await.fired, 0, "an immediate re-sweep does not fire");
-    assert_eq!(get(s, id).await.timers[0].next_fire_at, at(22_000), "counted from the last fire");
+    let next = get(s, id).await.timers[0].next_fire_at;
+    assert_eq!(next, at(20_010), "entry + 20 s, not the late sweep + 10 s");
     assert_eq!(sweep(s, ns, at(95_000)).await.fired, 1, "one fire for many missed intervals");
     let t = &get(s, id).await.timers[0];
-    assert_eq!((t.fire_count, t.next_fire_at), (2, at(105_000)));
+    assert_eq!((t.fire_count, t.next_fire_at), (2, at(100_010)), "the first tick after 95 s");
     assert_eq!(inbox_names(s, id).await, ["POLL", "POLL"]);
 }
 
@@ -287,8 +289,8 @@ pub async fn timer_next_due_is_the_earliest_in_scope<S: Store>(s: &S) {
     assert_eq!(sweep(s, ns, at(25_000)).await.fired, 1);
     assert_eq!(
         due(next_due(Some(ns), &[])).await,
-        Some(at(45_000)),
-        "the every timer counts from its fire"
+        Some(at(40_010)),
+        "the every timer's next tick on the grid of its state entry"
     );
     settle(s, ns, id, at(30_000), vec!["a".into()]).await;
     assert_eq!(due(next_due(Some(ns), &[])).await, None, "leaving the state cancels both");
