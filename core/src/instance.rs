@@ -395,6 +395,16 @@ pub const RESERVED_DEDUP_KEY_PREFIXES: [(&str, &str); 2] = [
     (crate::outcome::NOTICE_KEY_PREFIX, "a child machine's notice to its parent"),
 ];
 
+/// How the names of the engine's own chart events begin: a state's completion
+/// (`done.state.<path>`), a child machine's end (`done.invoke.<path>`, `fail.state.<path>`),
+/// a delegation's `@timeout` (`timeout.invoke.<path>`) and a parallel state's region timeout
+/// (`parallel.timeout.<path>`). Those events fire `@done`, `@fail` and `@timeout`, so a
+/// sender's signal may not use one ([`NewSignal::validate`]): it would fire them early.
+/// A region's report (`parallel.region`) is sent through the same path as a sender's
+/// signal, and its payload is checked on arrival, so it stays allowed.
+pub const RESERVED_SIGNAL_NAME_PREFIXES: [&str; 5] =
+    ["done.state.", "done.invoke.", "fail.state.", "timeout.invoke.", "parallel.timeout."];
+
 /// A signal (or chart event) to deliver into an instance's inbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NewSignal {
@@ -454,13 +464,24 @@ impl NewSignal {
     ///
     /// Every signal a sender gives goes through here (a delivery, a broadcast, a step's
     /// emits); the engine's own signals (timer fires, a child's notice to its parent) are
-    /// built by the core and never do, so the dedup-key prefixes that tell them apart
-    /// ([`RESERVED_DEDUP_KEY_PREFIXES`]) are refused here.
+    /// built by the core and never do, so the names of the engine's own events
+    /// ([`RESERVED_SIGNAL_NAME_PREFIXES`]) and the dedup-key prefixes that tell its signals
+    /// apart ([`RESERVED_DEDUP_KEY_PREFIXES`]) are refused here.
     pub fn validate_within(&self, field: &str, depth_max: usize) -> StoreResult<()> {
         check_name(&format!("{field}.name"), &self.name)?;
         if self.name == ANY_SIGNAL {
             return Err(StoreError::invalid(format!(
                 "{field}.name: \"{ANY_SIGNAL}\" is reserved for awaiting any signal; use a real event name"
+            )));
+        }
+        if let Some(prefix) =
+            RESERVED_SIGNAL_NAME_PREFIXES.iter().find(|prefix| self.name.starts_with(*prefix))
+        {
+            return Err(StoreError::invalid(format!(
+                "{field}.name: {:?} begins with {prefix:?}, which is reserved for the engine's \
+                 own events (it would fire `@done`, `@fail` or `@timeout` early); use another \
+                 event name",
+                self.name
             )));
         }
         if let Some(k) = &self.dedup_key {

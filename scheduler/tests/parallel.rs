@@ -699,9 +699,12 @@ async fn the_region_timeout_fails_a_stuck_parallel_state_once<S: TestStore>() {
             json!({ "parallel_state_id": "processing", "timeout_seconds": 120, "stalled_regions": ["processing.payment"] })
         ]
     );
-    // Without @fail the machine stays; a second firing is a no-op.
+    // Without @fail the machine stays. The timer's event cannot be sent by a client (the
+    // engine's own event names are reserved), so nothing fires it a second time.
     let before = entries(&h, id, "MACROSTEP").await.len();
-    h.client.send(NewSignal::new(id, "parallel.timeout.processing")).await.unwrap();
+    let refused = h.client.send(NewSignal::new(id, "parallel.timeout.processing")).await;
+    let refused = refused.expect_err("an engine event name is refused");
+    assert!(refused.to_string().contains("reserved"), "{refused}");
     settled(&h, id).await;
     assert_eq!(entries(&h, id, "PARALLEL_REGION_TIMEOUT").await.len(), 1);
     assert_eq!(entries(&h, id, "MACROSTEP").await.len(), before);

@@ -185,9 +185,11 @@ pub enum MacrostepError {
     MaxTransitionDepthExceeded {
         /// The configured bound.
         limit: usize,
-        /// A state active when the bound was hit.
+        /// The source states of the transitions the microstep over the bound would take
+        /// (`, `-separated when there are several): the states that loop.
         state: String,
-        /// The event being processed when the bound was hit.
+        /// The event that microstep processes (the one just taken off the queue for a
+        /// raise loop; the last event processed for an `@always` loop).
         event: String,
     },
     /// An action returned an error; the caller decides whether to retry the macrostep.
@@ -423,6 +425,8 @@ pub struct Macrostep<'d> {
     dispatch: bool,
     skip_entry: BTreeSet<usize>,
     dispatches: Vec<(usize, usize, Vec<usize>, Event)>,
+    /// The transitions the last microstep that took any took (named by a depth error).
+    last_sources: Vec<usize>,
     /// States that were inactive after some microstep of this macrostep: exited to another
     /// state, not re-entered by the same microstep. Their timers belong to a new entry.
     left: BTreeSet<usize>,
@@ -533,6 +537,7 @@ impl<'d> Macrostep<'d> {
             dispatch: false,
             skip_entry: BTreeSet::new(),
             dispatches: Vec::new(),
+            last_sources: Vec::new(),
             left: BTreeSet::new(),
             exited: BTreeSet::new(),
             trigger: None,
@@ -662,15 +667,17 @@ impl<'d> Macrostep<'d> {
         }
         let selected = self.select(false);
         if !selected.is_empty() {
-            self.count_depth()?;
+            self.count_depth(&selected)?;
             self.microstep(&selected);
             return Ok(true);
         }
         if let Some(event) = self.internal.pop_front() {
-            self.count_depth()?;
-            self.records.push(Record::Event { name: event.name.clone(), internal: true });
+            // The event is taken off the queue before the count, so that the depth error
+            // names it and the states that handle it.
             self.current = event;
             let selected = self.select(true);
+            self.count_depth(&selected)?;
+            self.records.push(Record::Event { name: self.current.name.clone(), internal: true });
             self.microstep(&selected);
             return Ok(true);
         }
@@ -682,19 +689,23 @@ impl<'d> Macrostep<'d> {
         self.records.push(Record::Unhandled { name: event.name });
     }
 
-    fn count_depth(&mut self) -> Result<(), MacrostepError> {
+    /// Counts one more microstep, about to take `selected` on the current event; over the
+    /// bound, the error names the sources of `selected` (or, for an internal event nothing
+    /// handles, those of the microstep before) and the current event.
+    fn count_depth(&mut self, selected: &[usize]) -> Result<(), MacrostepError> {
         self.depth += 1;
         if self.depth > self.limits.max_transition_depth {
-            let leaf = self
-                .config
-                .iter()
-                .rev()
-                .find(|&&s| self.def.states[s].children.is_empty())
-                .copied()
-                .unwrap_or(0);
+            let sources = if selected.is_empty() { &self.last_sources } else { selected };
+            let mut states: Vec<&str> = Vec::new();
+            for &t in sources {
+                let path = self.def.path(self.def.transitions[t].source);
+                if !states.contains(&path) {
+                    states.push(path);
+                }
+            }
             return Err(MacrostepError::MaxTransitionDepthExceeded {
                 limit: self.limits.max_transition_depth,
-                state: self.def.path(leaf).to_owned(),
+                state: states.join(", "),
                 event: self.current.name.clone(),
             });
         }
@@ -886,6 +897,9 @@ impl<'d> Macrostep<'d> {
     }
 
     fn microstep(&mut self, transitions: &[usize]) {
+        if !transitions.is_empty() {
+            self.last_sources = transitions.to_vec();
+        }
         for &t in transitions {
             let tr = &self.def.transitions[t];
             let event =
@@ -897,6 +911,12 @@ impl<'d> Macrostep<'d> {
             }));
         }
         let exits = self.exit_set(transitions);
+        // A planned dispatch whose parallel state or entered states this microstep exits
+        // is over: its region tasks would be stale, and a re-entry of the parallel state
+        // plans its own (otherwise both would go out and run the entry actions twice).
+        self.dispatches.retain(|(p, _, entered, _)| {
+            !exits.contains(p) && !entered.iter().any(|x| exits.contains(x))
+        });
         self.record_history(&exits);
         for &s in exits.iter().rev() {
             let node = &self.def.states[s];

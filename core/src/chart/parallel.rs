@@ -795,6 +795,86 @@ mod tests {
         assert!(regions.is_empty());
     }
 
+    /// Runs `GO` from `idle` in dispatch mode; the `mark` action sets `looped`.
+    fn go_marking(def: &Definition) -> MacrostepResult {
+        let config = Configuration::from_paths(["idle"]);
+        let step = Macrostep::start(def, &config, json!({}), Event::new("GO"), Limits::default())
+            .dispatch_regions(true);
+        run_to_completion(step, |request, _| {
+            Ok(if request.name == "mark" {
+                ActionResult::empty().set("looped", true)
+            } else {
+                ActionResult::empty()
+            })
+        })
+    }
+
+    fn dispatched(def: &Definition, result: &MacrostepResult) -> Vec<(String, Vec<String>)> {
+        result
+            .regions_to_dispatch
+            .iter()
+            .map(|r| (r.region.clone(), r.actions(def).into_iter().map(|a| a.name).collect()))
+            .collect()
+    }
+
+    /// A parallel state exited and entered again within one macrostep dispatches its
+    /// regions once, for the visit that stays.
+    #[test]
+    fn a_parallel_state_re_entered_in_one_macrostep_dispatches_its_regions_once() {
+        let d = Definition::builder("again", 1)
+            .guard("first", |ctx, _| ctx.get_as::<bool>("looped") != Some(true))
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p"))
+            .parallel("p", |p| {
+                p.entry("@raise:AGAIN")
+                    .on("AGAIN", |b| b.guard("first").action("mark").target("p"))
+                    .state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                    .state("b", |r| r.initial("y").state("y", |s| s.entry("by")))
+            })
+            .build()
+            .unwrap();
+        let result = go_marking(&d);
+        assert_eq!(result.actions(), ["mark"]);
+        assert_eq!(
+            dispatched(&d, &result),
+            [("p.a".to_owned(), vec!["ax".to_owned()]), ("p.b".to_owned(), vec!["by".to_owned()])],
+            "one task per region, each entry action once"
+        );
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        assert_eq!(tasks.len(), 2);
+        assert!(tasks.iter().all(|t| t.key.dispatch == 1));
+        assert_eq!(book.active["p"].regions.len(), 2);
+        assert!(tasks.iter().all(|t| check(&result.configuration, &book, &t.key).is_ok()));
+    }
+
+    /// A region whose entered state is exited and entered again in the same macrostep ran
+    /// that entry inline the second time: its task is not sent as well.
+    #[test]
+    fn a_region_re_entered_in_one_macrostep_is_not_dispatched_as_well() {
+        let d = Definition::builder("region_again", 1)
+            .guard("first", |ctx, _| ctx.get_as::<bool>("looped") != Some(true))
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p"))
+            .parallel("p", |p| {
+                p.entry("@raise:AGAIN")
+                    .state("a", |r| {
+                        r.initial("x").state("x", |s| {
+                            s.entry("ax")
+                                .on("AGAIN", |b| b.guard("first").action("mark").target("x"))
+                        })
+                    })
+                    .state("b", |r| r.initial("y").state("y", |s| s.entry("by")))
+                    .state("c", |r| r.initial("z").state("z", |s| s.entry("cz")))
+            })
+            .build()
+            .unwrap();
+        let result = go_marking(&d);
+        assert_eq!(result.actions(), ["mark", "ax"], "the second entry of `x` ran inline");
+        let regions: Vec<String> = dispatched(&d, &result).into_iter().map(|(r, _)| r).collect();
+        assert_eq!(regions, ["p.b", "p.c"]);
+    }
+
     /// A failure inside a region goes to the innermost `@fail` on the failing state's own
     /// ancestor chain: a targetless handler on the failing state keeps the parallel
     /// state's `@fail` (reached by a sibling region's leaf before) from also running.

@@ -315,6 +315,50 @@ fn always_chains_until_stable_and_guards_see_fresh_context() {
     );
 }
 
+/// The depth error names the state whose transition loops (in a parallel chart, the
+/// looping region's, not the last active leaf's) and the event being processed.
+#[test]
+fn depth_error_names_the_looping_state_and_the_event_being_processed() {
+    let def = chart()
+        .initial("p")
+        .parallel("p", |p| {
+            p.state("r1", |r| {
+                r.initial("x")
+                    .state("x", |s| s.always(|b| b.target("y")))
+                    .state("y", |s| s.always(|b| b.target("x")))
+            })
+            .state("r2", |r| r.initial("quiet").leaf("quiet"))
+        })
+        .build()
+        .unwrap();
+    let step = Macrostep::init(&def, json!({}), Limits { max_transition_depth: 5 });
+    let result = run_to_completion(step, exec);
+    let Some(MacrostepError::MaxTransitionDepthExceeded { limit, state, event }) = result.error
+    else {
+        panic!("depth error: {:?}", result.error);
+    };
+    assert_eq!(limit, 5);
+    // Five microsteps ran (x→y, y→x, x→y, y→x, x→y): the sixth is from `y`.
+    assert_eq!(state, "p.r1.y", "the looping region's state, not `p.r2.quiet`");
+    assert_eq!(event, "@init");
+
+    // A raise loop: the event at the limit is the one just taken off the queue.
+    let def = chart()
+        .initial("a")
+        .state("a", |s| {
+            s.on("PING", |t| t.action("raise:PONG")).on("PONG", |t| t.action("raise:PING"))
+        })
+        .build()
+        .unwrap();
+    let results = run(&def, &json!({}), &events(&["PING"]), Limits { max_transition_depth: 3 });
+    let Some(MacrostepError::MaxTransitionDepthExceeded { state, event, .. }) = &results[1].error
+    else {
+        panic!("depth error: {:?}", results[1].error);
+    };
+    // PONG (1), PING (2), PONG (3), then PING goes over the limit.
+    assert_eq!((state.as_str(), event.as_str()), ("a", "PING"));
+}
+
 #[test]
 fn always_loop_hits_the_depth_limit() {
     let looping = || {
@@ -1022,6 +1066,20 @@ fn validation_errors_name_the_state_and_the_fix() {
             "state `a`: transition on `E` has both `after` and `every`; fix: keep one timer per event",
         ),
         (
+            chart().initial("a").state("a", |s| {
+                s.on("REMIND", |t| t.guard("yes").action("x").after(Timer::hours(1)))
+                    .on("REMIND", |t| t.action("y").after(Timer::days(1)))
+            }),
+            "state `a`: two transitions on `REMIND` have timers, and timers are told apart by state and event (a restart would give the second the first's duration); fix: put both branches under one `on` with one timer, or use distinct events",
+        ),
+        (
+            chart().initial("a").state("a", |s| {
+                s.on("REMIND", |t| t.action("x").after(Timer::hours(1)))
+                    .on("REMIND", |t| t.action("y").every(Timer::days(1)))
+            }),
+            "state `a`: two transitions on `REMIND` have timers, and timers are told apart by state and event (a restart would give the second the first's duration); fix: put both branches under one `on` with one timer, or use distinct events",
+        ),
+        (
             chart()
                 .initial("a")
                 .state("a", |s| s.on("E", |t| t.action("x").after(Timer::seconds(0)))),
@@ -1172,6 +1230,25 @@ fn done_that_can_never_fire_is_refused() {
         matches!(&refused.errors[..], [ChartError::DoneNeverFires { state, .. }] if state == "a"),
         "{refused}"
     );
+    // Two timed transitions on one event in one state, from JSON.
+    let json = r#"{"name": "t", "version": 1, "initial": "a",
+        "states": [{"key": "a", "on": [
+            {"event": "REMIND", "actions": ["x"], "after": {"amount": 1, "unit": "hours"}},
+            {"event": "REMIND", "actions": ["y"], "after": {"amount": 1, "unit": "days"}}]}]}"#;
+    let refused = ChartBuilder::from_json(json).expect("parses").build().unwrap_err();
+    assert!(
+        matches!(&refused.errors[..], [ChartError::DuplicateTimedEvent { state, event }]
+            if state == "a" && event == "REMIND"),
+        "{refused}"
+    );
+    // One timed and one untimed transition on the same event stay allowed.
+    chart()
+        .initial("a")
+        .state("a", |s| {
+            s.on("REMIND", |t| t.action("x").after(Timer::hours(1))).on("REMIND", |t| t.action("y"))
+        })
+        .build()
+        .expect("one timer per event");
     // A child machine's end, a final child, a nested parallel region with final children.
     chart()
         .initial("a")
@@ -1812,4 +1889,32 @@ fn a_final_state_directly_under_a_parallel_state_is_refused() {
         })
         .build()
         .expect("a compound region with a final child");
+}
+
+/// A sender may not use the names of the engine's own events: they would fire `@done`,
+/// `@fail` or `@timeout` early. A region's report, sent the same way, stays allowed.
+#[test]
+fn senders_may_not_use_the_engines_own_event_names() {
+    use crate::ids::InstanceId;
+    use crate::instance::{NewSignal, RESERVED_SIGNAL_NAME_PREFIXES};
+    let engine = [
+        Event::done_state("pay").name,
+        Event::done_invoke("pay", Value::Null).name,
+        Event::fail_state("pay", Value::Null).name,
+        Event::timeout_invoke("pay").name,
+        step::timeout_event("pay"),
+    ];
+    for name in &engine {
+        assert!(
+            RESERVED_SIGNAL_NAME_PREFIXES.iter().any(|p| name.starts_with(p)),
+            "{name} is reserved"
+        );
+        let err = NewSignal::new(InstanceId(1), name.as_str()).validate("signal").unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains("signal.name"), "{message}");
+        assert!(message.contains("reserved for the engine's own events"), "{message}");
+    }
+    for name in [step::REGION_REPORT_EVENT, "done", "done.stateless", "PAY", "failed.state.x"] {
+        NewSignal::new(InstanceId(1), name).validate("signal").expect(name);
+    }
 }

@@ -132,6 +132,18 @@ pub enum ChartError {
         /// Event name.
         event: String,
     },
+    /// Two timed transitions on one event in one state: timers are told apart by state,
+    /// event and kind, so the second could not be told from the first (a restart would
+    /// retime it to the first's duration).
+    #[error(
+        "state `{state}`: two transitions on `{event}` have timers, and timers are told apart by state and event (a restart would give the second the first's duration); fix: put both branches under one `on` with one timer, or use distinct events"
+    )]
+    DuplicateTimedEvent {
+        /// State path.
+        state: String,
+        /// Event name.
+        event: String,
+    },
     /// A non-positive timer duration.
     #[error(
         "state `{state}`: timer on `{event}` is `{timer}`, which is not positive (InvalidTimerDefinition); fix: use a duration of at least 1 unit"
@@ -767,9 +779,16 @@ fn check_timers(flat: &mut Flat<'_>, id: usize, alphabet: &BTreeSet<&str>) -> Ve
     let b = flat.builders[id];
     let state = display(&flat.states[id].path);
     let mut out = Vec::with_capacity(b.on.len());
+    // Timers are told apart by state, event and kind (a retime after a restart moves an
+    // armed timer to the first deployed one that matches), so one event has one timer.
+    let mut timed: BTreeSet<&str> = BTreeSet::new();
+    let mut doubled: BTreeSet<&str> = BTreeSet::new();
     for (event, branches, raw) in &b.on {
         let RawTimer { timer, both, max, then, keep_armed } = raw;
         let err = |e: fn(String, String) -> ChartError| e(state.clone(), event.clone());
+        if timer.is_some() && !timed.insert(event.as_str()) && doubled.insert(event.as_str()) {
+            flat.errors.push(err(|state, event| ChartError::DuplicateTimedEvent { state, event }));
+        }
         if *both {
             flat.errors.push(err(|state, event| ChartError::ConflictingTimers { state, event }));
         }

@@ -321,7 +321,7 @@ pub async fn a_retried_delegation_state_cancels_its_old_child_and_keeps_the_new<
     let mut c = StepCommit::new(parent, claimed.token(), park_at(r#"["paying"]"#));
     c.spawn = vec![new_in(kids).invoked_by("paying")];
     let old = commit_ok(s, c, at(20)).await.spawned[0].id();
-    super::support::send(s, parent, "timeout.invoke.paying", at(30)).await;
+    super::support::send(s, parent, "DEADLINE", at(30)).await;
     let woken = claim_only(s, ns, parent, at(40)).await;
     let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["paying"]"#));
     c.consume = woken.inbox.iter().map(|s| s.id).collect();
@@ -358,7 +358,7 @@ pub async fn leaving_a_delegation_state_cancels_its_children<S: Store>(s: &S) {
     let running = claim_only(s, ns, paying, at(36)).await;
 
     // The parent's deadline fires: it leaves `paying` for `cancelled_order`.
-    super::support::send(s, parent, "timeout.invoke.paying", at(40)).await;
+    super::support::send(s, parent, "DEADLINE", at(40)).await;
     let woken = claim_only(s, ns, parent, at(50)).await;
     let mut c = StepCommit::new(parent, woken.token(), park_at(r#"["cancelled_order"]"#));
     c.consume = woken.inbox.iter().map(|s| s.id).collect();
