@@ -82,8 +82,11 @@ impl WorkerBuilder {
                 ScheduleAction::Broadcast(_) => None,
             })
             .collect();
+        // Each worker wraps the store anew; workers of one `Keel` (or of clones of one
+        // store) share what it wraps, which keeps their ids apart.
+        let shared = Arc::clone(store.inner());
         WorkerBuilder {
-            worker: Worker::new(Arc::new(store), clock, config),
+            worker: Worker::new(Arc::new(store), clock, config).with_store_identity(&shared),
             hint_stats: None,
             machines: Vec::new(),
             elsewhere: BTreeSet::new(),
@@ -105,9 +108,22 @@ impl WorkerBuilder {
     /// later. The machine's definition warnings ([`StepMachine::warnings`]: a chart's
     /// unreachable state, shadowed transition, transition into a sibling region) are
     /// logged here, once each, at `warn` level with the machine and its version; they
-    /// never stop the worker.
+    /// never stop the worker. A `(name, version)` registered here already is refused too:
+    /// which of two machines runs the steps of one version must not depend on the order
+    /// of the calls.
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
+        if self.machines.iter().any(|(m, v, _)| *m == name.name && *v == name.version) {
+            return Err(RegistrationError {
+                machine: format!("{} v{}", name.name, name.version),
+                missing: vec![format!(
+                    "a (name, version) of its own (`{}` v{} is registered on this worker \
+                     already; register each (name, version) once, or give the second machine \
+                     a version of its own)",
+                    name.name, name.version
+                )],
+            });
+        }
         let delegates = machine.delegates();
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
@@ -221,7 +237,10 @@ impl WorkerBuilder {
     /// (a zero lease, a heartbeat not under the lease, an invalid timer sweep, schedule or
     /// retention: [`Error::Settings`], naming the field), and a configuration file given
     /// to [`Keel::with_settings`](crate::Keel::with_settings) that the worker cannot apply
-    /// ([`Error::Config`]).
+    /// ([`Error::Config`]). A worker id that a running worker on the same store in this
+    /// process already uses is refused too ([`Error::Settings`], naming the id), unless it
+    /// is the default id, which is numbered instead (see
+    /// [`WorkerConfig::worker_id`](keel_scheduler::WorkerConfig::worker_id)).
     ///
     /// A section of the configuration file that no machine of this worker uses (see
     /// [`unused_sections`](Self::unused_sections)) is logged when the worker starts: a

@@ -221,3 +221,63 @@ async fn worker_settings_out_of_bounds_are_errors_that_name_the_field() {
     let error = keel.worker().with_queue(queue, zero).err().expect("a zero wait");
     assert!(error.to_string().contains("wait: must be more than zero"), "{error}");
 }
+
+/// A `(name, version)` registered twice is refused at the second registration, naming
+/// the machine and its version, as a registration error (not a settings one at spawn).
+#[tokio::test]
+async fn a_machine_version_registered_twice_is_a_registration_error() {
+    let keel = keel().await;
+    let once = keel.worker().register(Counter).expect("the first registration");
+    let Err(error) = once.register(Counter) else { panic!("registered twice") };
+    assert_eq!(error.machine, "counter v1");
+    let message = error.to_string();
+    assert!(message.contains("counter v1") && message.contains("registered"), "{message}");
+    let as_error: Error = error.into();
+    assert!(matches!(as_error, Error::Registration(_)), "{as_error:?}");
+}
+
+/// Counts its steps; each takes a while.
+struct Counter;
+
+static COUNTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[keel::async_trait]
+impl StepMachine for Counter {
+    fn machine(&self) -> MachineRef {
+        MachineRef::new("counter", 1)
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        COUNTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(Outcome::Done { result: json!({}), step: None })
+    }
+}
+
+/// Two workers of one `Keel` with the default id: the second is numbered, so its start
+/// leaves the first's live lease alone and the step runs once.
+#[tokio::test]
+async fn two_default_workers_of_one_keel_run_a_step_once() {
+    let keel = keel().await;
+    let id = keel.start(NewInstance::new(MachineRef::new("counter", 1), "go")).await.unwrap().id();
+    let fast =
+        || WorkerConfig { poll_interval: Duration::from_millis(10), ..WorkerConfig::default() };
+    let first = keel.worker_with(fast()).register(Counter).unwrap().spawn().unwrap();
+    for _ in 0..500 {
+        if COUNTED.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let second = keel.worker_with(fast()).register(Counter).unwrap().spawn().unwrap();
+    for _ in 0..500 {
+        if keel.get(id).await.unwrap().instance.status == keel::Status::Done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    second.shutdown().await;
+    first.shutdown().await;
+    assert_eq!(keel.get(id).await.unwrap().instance.status, keel::Status::Done);
+    assert_eq!(COUNTED.load(std::sync::atomic::Ordering::SeqCst), 1, "the step ran once");
+}

@@ -80,7 +80,8 @@ impl<S: Store, C: Clock> Client<S, C> {
 
     /// The priorities the settings give the signals of a batch that carry none. A
     /// signal's machine is known from a business-key target; the other targets are looked
-    /// up (one read of their rows), only for events some machine's section prioritizes.
+    /// up (their rows read [`keel_core::limits::ROWS_BATCH_MAX`] at a time), only for events some
+    /// machine's section prioritizes.
     async fn event_priorities(&self, signals: &mut [NewSignal]) -> StoreResult<()> {
         let Some(settings) = &self.settings else { return Ok(()) };
         let wanted = |s: &NewSignal| s.priority.is_none() && settings.names_event_priority(&s.name);
@@ -98,12 +99,12 @@ impl<S: Store, C: Clock> Client<S, C> {
         let mut read: Vec<InstanceId> = ids.iter().flatten().copied().collect();
         read.sort_unstable();
         read.dedup();
-        let machines: std::collections::HashMap<InstanceId, String> = if read.is_empty() {
-            std::collections::HashMap::new()
-        } else {
-            let rows = self.store.instance_rows(read).await?;
-            rows.into_iter().map(|r| (r.id, r.machine.name)).collect()
-        };
+        // A batch may target more instances than one read returns.
+        let mut machines = std::collections::HashMap::<InstanceId, String>::new();
+        for chunk in read.chunks(keel_core::limits::ROWS_BATCH_MAX) {
+            let rows = self.store.instance_rows(chunk.to_vec()).await?;
+            machines.extend(rows.into_iter().map(|r| (r.id, r.machine.name)));
+        }
         for (s, id) in signals.iter_mut().zip(ids) {
             if !wanted(s) {
                 continue;
@@ -375,14 +376,16 @@ impl<S: Store, C: Clock> Client<S, C> {
     /// Purges dead letters older than `age` in every namespace, at most
     /// [`keel_core::limits::DEAD_LETTER_BATCH_MAX`] per call (call again while it returns
     /// that many); returns how many went. For one namespace, purge machine by machine with
-    /// `DeadLetterSelector::Machine` through the store. Letters whose instance is still
-    /// suspended go too, and those instances stay suspended with nothing to retry them by
-    /// (retry or cancel them first); the worker's own retention keeps such letters.
+    /// `DeadLetterSelector::Machine` through the store. The letters of instances still
+    /// suspended are kept, as the worker's retention, the CLI and the dashboard keep them:
+    /// a letter is the only handle to retry its instance. To delete those too (their
+    /// instances then stay suspended with nothing to retry them by; retry or cancel them
+    /// first), call the store's `dead_letter_purge` with `keep_suspended: false`.
     pub async fn dead_letter_purge_older_than(&self, age: Duration) -> StoreResult<u64> {
         let params = DeadLetterPurgeParams {
             selector: None,
             older_than: Some(self.clock.now().minus(age)),
-            keep_suspended: false,
+            keep_suspended: true,
         };
         self.store.dead_letter_purge(params).await
     }

@@ -70,6 +70,16 @@ pub struct WorkerConfig {
     /// workers on one host that share a store must have different ids (see
     /// [`WorkerConfig::named`]), or each would take back the other's live leases when it
     /// starts.
+    ///
+    /// Within one process the worker keeps ids apart itself, per store (workers given one
+    /// shared store, or made from one `Keel`): a worker with the default id whose id is
+    /// already in use by a running worker on its store takes the lowest free
+    /// `<host>/<program>/2`, `/3`, …, so a program that spawns its workers in the same
+    /// order gets the same ids after a restart and still reclaims its own leases. A worker
+    /// given any other id (`WorkerConfig::named`, or this field set) that a running worker
+    /// on its store in this process already uses is refused at spawn. An id is in use from
+    /// the worker's spawn until its task ends (shutdown, handle dropped and the background
+    /// shutdown over, or the task ended by a panic or its runtime's end).
     pub worker_id: WorkerId,
     /// Namespaces to claim from (empty = any).
     pub namespaces: Vec<String>,
@@ -358,6 +368,12 @@ impl WorkerConfig {
     /// The defaults, with the worker id [`worker_id_for`]`(name)`: give each worker
     /// process on one host its own `name` (for example `"billing"` and `"shipping"`), and
     /// keep it when the process restarts.
+    ///
+    /// The id is taken as given: a second worker spawned in this process on the same store
+    /// with this name while the first still runs is refused at spawn (the error names the
+    /// id), since each would take back the other's live leases. Give each of them its own
+    /// name, or leave the id at its default, which this process numbers itself
+    /// (`<host>/<program>/2`, … — see [`WorkerConfig::worker_id`]).
     pub fn named(name: &str) -> Self {
         WorkerConfig { worker_id: worker_id_for(name), ..WorkerConfig::default() }
     }
@@ -581,6 +597,8 @@ impl<S, C: Clock> Inner<S, C> {
 /// A worker under construction: add machines, then [`Worker::spawn`].
 pub struct Worker<S, C> {
     store: Arc<S>,
+    /// The store as the rule that keeps worker ids apart in this process knows it.
+    store_identity: StoreIdentity,
     clock: C,
     config: WorkerConfig,
     machines: HashMap<MachineRef, Arc<dyn StepMachine>>,
@@ -600,8 +618,10 @@ pub struct Worker<S, C> {
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// A worker over `store` with `config`.
     pub fn new(store: Arc<S>, clock: C, config: WorkerConfig) -> Self {
+        let store_identity = StoreIdentity::of(&store);
         Worker {
             store,
+            store_identity,
             clock,
             config,
             machines: HashMap::new(),
@@ -610,6 +630,20 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             unbound: None,
             not_applied: None,
         }
+    }
+
+    /// Tells the worker that its store forwards to `shared`, a store other workers in this
+    /// process may be given wrapped differently (each in an `Arc` of its own, say): workers
+    /// whose stores are one `shared` allocation keep their ids apart
+    /// ([`WorkerConfig::worker_id`]). Without it, a worker's store is the `Arc` given to
+    /// [`Worker::new`].
+    #[must_use]
+    pub fn with_store_identity<T: ?Sized + Send + Sync + 'static>(
+        mut self,
+        shared: &Arc<T>,
+    ) -> Self {
+        self.store_identity = StoreIdentity::of(shared);
+        self
     }
 
     /// Registers a machine; the worker claims only the `(name, version)` pairs it has, so
@@ -757,8 +791,20 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
 
     /// [`spawn`](Self::spawn), returning what [`check`](Self::check) refuses instead of
     /// panicking on it.
-    pub fn try_spawn(self) -> Result<WorkerHandle, String> {
+    pub fn try_spawn(mut self) -> Result<WorkerHandle, String> {
         self.check()?;
+        let default = self.config.worker_id == worker_id_for(&program_name());
+        let live = LiveId::take(&self.store_identity, &self.config.worker_id, default)?;
+        if live.id != self.config.worker_id.0 {
+            tracing::info!(
+                worker = %live.id,
+                taken = %self.config.worker_id.0,
+                "another worker on this store in this process runs under the default id; \
+                 this one takes the next free number (the same one after a restart when the \
+                 program spawns its workers in the same order)"
+            );
+            self.config.worker_id = WorkerId(live.id.clone());
+        }
         if let Some(sweep) = &self.config.timers {
             sweep.warn_uncovered(self.machines.keys().map(|m| m.name.as_str()));
         }
@@ -851,7 +897,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             give_back: Mutex::default(),
             given_back: Mutex::default(),
         });
-        let join = tokio::spawn(run(inner, shutdown_rx, pruner));
+        let join = tokio::spawn(run(inner, shutdown_rx, pruner, live));
         Ok(WorkerHandle { shutdown: shutdown_tx, join, stats, health, schedules, pruned })
     }
 }
@@ -949,6 +995,8 @@ async fn run<S: Store, C: Clock + Clone>(
     inner: Arc<Inner<S, C>>,
     handle: watch::Receiver<bool>,
     pruner: Option<Pruner>,
+    // Frees the worker's id when this task ends, however it ends.
+    _live: LiveId,
 ) {
     // The loops stop on a signal of the worker's own, turned on by `shutdown()` or by the
     // handle's channel closing (the handle was dropped). Its sender lives as long as this
@@ -1129,6 +1177,77 @@ async fn supervise<S: Store, C: Clock, F, Fut>(
         }
     }
     inner.health.stopped(which);
+}
+
+/// A store as the id rule knows it: the address of the shared allocation, and a handle
+/// that keeps it alive (so no other store takes the address while an id names it).
+#[derive(Clone)]
+struct StoreIdentity {
+    address: usize,
+    _alive: Arc<dyn Send + Sync>,
+}
+
+impl StoreIdentity {
+    fn of<T: ?Sized + Send + Sync + 'static>(store: &Arc<T>) -> Self {
+        StoreIdentity {
+            address: Arc::as_ptr(store).cast::<()>() as usize,
+            _alive: Arc::new(Arc::clone(store)),
+        }
+    }
+}
+
+/// The worker ids in use in this process, each with the address of its store.
+static LIVE_IDS: Mutex<BTreeSet<(usize, String)>> = Mutex::new(BTreeSet::new());
+
+fn live_ids() -> std::sync::MutexGuard<'static, BTreeSet<(usize, String)>> {
+    LIVE_IDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A worker id in use on one store in this process, until this is dropped (with the
+/// worker's task).
+struct LiveId {
+    store: StoreIdentity,
+    id: String,
+}
+
+impl LiveId {
+    /// Takes `id` on `store`. A `default` id in use takes the lowest free `<id>/<n>`
+    /// (from 2); any other id in use is refused, naming it.
+    fn take(store: &StoreIdentity, id: &WorkerId, default: bool) -> Result<LiveId, String> {
+        let mut live = live_ids();
+        let taken = |live: &BTreeSet<(usize, String)>, id: &str| {
+            live.contains(&(store.address, id.to_owned()))
+        };
+        let id = if !taken(&live, &id.0) {
+            id.0.clone()
+        } else if default {
+            // Some number is free: the set is finite.
+            let mut n = 2u64;
+            loop {
+                let candidate = format!("{}/{n}", id.0);
+                if !taken(&live, &candidate) {
+                    break candidate;
+                }
+                n += 1;
+            }
+        } else {
+            return Err(format!(
+                "worker id `{}` is in use by another running worker on this store in this \
+                 process; each would take back the other's live leases when it starts. Give \
+                 each worker its own id (WorkerConfig::named(\"...\")), leave the id at its \
+                 default (this process numbers those), or shut the other worker down first",
+                id.0
+            ));
+        };
+        live.insert((store.address, id.clone()));
+        Ok(LiveId { store: store.clone(), id })
+    }
+}
+
+impl Drop for LiveId {
+    fn drop(&mut self) {
+        live_ids().remove(&(self.store.address, std::mem::take(&mut self.id)));
+    }
 }
 
 /// Takes back every lease this worker id still holds (a restart after a crash), a page at

@@ -67,3 +67,37 @@ async fn a_send_to_a_missing_target_names_it_as_an_operator_does() {
         "{err}"
     );
 }
+
+/// A batch targeting more instances by id than one read of rows returns, through a
+/// client whose file gives an event a priority, is sent whole: the targets' machines are
+/// read a page at a time, and each signal carries its event's priority.
+#[tokio::test]
+async fn a_batch_over_one_read_of_rows_gets_its_event_priorities() {
+    use keel_core::Priority;
+    use keel_core::config::KeelConfig;
+    let h = Harness::new();
+    let (file, _) =
+        KeelConfig::load("[machines.shop.events.cancel.queue]\npriority = \"critical\"\n", |_| {
+            None
+        })
+        .expect("an event priority is applied");
+    let client = h.client.clone().with_settings(file);
+    let n = keel_core::limits::ROWS_BATCH_MAX + 500;
+    let new = vec![NewInstance::new(MachineRef::new("shop", 1), "open"); n];
+    let ids: Vec<InstanceId> = client
+        .start_many(new)
+        .await
+        .expect("start")
+        .into_iter()
+        .map(keel_core::ports::store::InsertOutcome::id)
+        .collect();
+    let signals: Vec<NewSignal> = ids.iter().map(|id| NewSignal::new(*id, "cancel")).collect();
+    let sent = client.send_many(signals).await.expect("a batch over one read of rows is sent");
+    assert_eq!(sent.len(), n);
+    assert!(sent.iter().all(|s| matches!(s, DeliveryOutcome::Delivered { .. })), "all delivered");
+    for id in [ids[0], ids[n - 1]] {
+        let inbox = client.get(id).await.expect("get").inbox;
+        assert_eq!(inbox.len(), 1);
+        assert_eq!(inbox[0].priority, Some(Priority::Critical), "the event's priority");
+    }
+}

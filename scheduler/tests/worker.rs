@@ -1162,3 +1162,111 @@ fn a_machine_configuration_setting_what_it_does_not_apply_is_refused() {
     let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config()).register(chart);
     assert_eq!(worker.check(), Ok(()));
 }
+
+/// A machine whose steps count their runs and take a while.
+struct SlowCounted(Arc<AtomicUsize>, Duration);
+
+#[async_trait]
+impl StepMachine for SlowCounted {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(self.1).await;
+        done()
+    }
+}
+
+/// Two workers spawned in one process on one store with the default id: the second is
+/// numbered (`<id>/2`) instead of taking the first's id, so its start-up reclaim leaves
+/// the first's live lease alone and the first's step runs once. Once both stopped, the
+/// default id is free again.
+#[tokio::test]
+async fn workers_with_the_default_id_on_one_store_are_numbered_and_keep_their_leases() {
+    let h = Harness::new();
+    let default = WorkerConfig::default().worker_id;
+    let config = WorkerConfig { worker_id: default.clone(), ..h.config() };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let slow = || SlowCounted(Arc::clone(&runs), Duration::from_millis(500));
+    let id = h.start(new()).await;
+    let first = h.worker(config.clone(), slow());
+    let row = h.wait(id, "leased by the first", |r| r.lease_owner.is_some()).await;
+    assert_eq!(row.lease_owner.as_ref(), Some(&default));
+    // The second serves another queue: what it claims is its own.
+    let second = WorkerConfig { queues: vec![("second".into(), 1)], ..config.clone() };
+    let second = h.worker(second, slow());
+    let other = h.start(new().queue("second")).await;
+    let row = h.wait(other, "leased by the second", |r| r.lease_owner.is_some()).await;
+    assert_eq!(row.lease_owner, Some(WorkerId(format!("{}/2", default.0))), "numbered");
+    for id in [id, other] {
+        h.wait(id, "done", |r| r.status == Status::Done).await;
+    }
+    let first = first.shutdown().await;
+    second.shutdown().await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each step ran once");
+    assert_eq!(first.lease_lost.load(Ordering::Relaxed), 0, "the first kept its lease");
+    // Both stopped: the next worker with the default id takes it as it is.
+    let third = h.worker(config, slow());
+    let again = h.start(new()).await;
+    let row = h.wait(again, "leased by the third", |r| r.lease_owner.is_some()).await;
+    assert_eq!(row.lease_owner, Some(default));
+    third.shutdown().await;
+}
+
+/// A worker given an id that a running worker on the same store in this process uses is
+/// refused at spawn, naming the id and `WorkerConfig::named`; another store has ids of
+/// its own, and the id is free again once its worker stopped, by shutdown or by its
+/// handle being dropped.
+#[tokio::test]
+async fn a_named_worker_id_in_use_on_the_same_store_is_refused_until_its_worker_stops() {
+    let h = Harness::new();
+    let config = WorkerConfig { worker_id: WorkerId("twin".into()), ..h.config() };
+    let spawn = |h: &Harness| {
+        Worker::new(Arc::clone(&h.store), h.clock.clone(), config.clone())
+            .register(steps(|_| done()))
+            .try_spawn()
+    };
+    let first = spawn(&h).expect("the first starts");
+    let Err(error) = spawn(&h) else { panic!("a second worker `twin` started on the store") };
+    assert!(error.contains("`twin`") && error.contains("WorkerConfig::named"), "{error}");
+    let elsewhere = Harness::new();
+    spawn(&elsewhere).expect("another store has ids of its own").shutdown().await;
+    first.shutdown().await;
+    let second = spawn(&h).expect("free once the first shut down");
+    drop(second);
+    let mut freed = None;
+    for _ in 0..500 {
+        if let Ok(worker) = spawn(&h) {
+            freed = Some(worker);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    freed.expect("free once the dropped worker stopped").shutdown().await;
+}
+
+/// The client's purge by age keeps the letters of instances still suspended (a letter is
+/// the only handle to retry its instance), as the worker's retention does; the store's
+/// purge with `keep_suspended: false` deletes those too.
+#[tokio::test]
+async fn the_clients_purge_by_age_keeps_the_letters_of_suspended_instances() {
+    use keel_core::ports::store::DeadLetterPurgeParams;
+    let h = Harness::new();
+    let config = WorkerConfig { retention: None, ..h.config() };
+    let worker = h.worker(config, steps(|_| Err(StepError::fatal("refused"))));
+    let (kept, purged) = (h.start(new()).await, h.start(new()).await);
+    for id in [kept, purged] {
+        h.wait(id, "dead-lettered", |r| r.status == Status::Suspended).await;
+    }
+    worker.shutdown().await;
+    h.client.cancel(keel_scheduler::Cancel::new(purged)).await.expect("cancel");
+    h.clock.advance(Duration::from_secs(3_600));
+    let gone = h.client.dead_letter_purge_older_than(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(gone, 1, "only the letter of the cancelled instance");
+    let left = h.client.dead_letters(DeadLetterFilter::default()).await.unwrap();
+    let left: Vec<InstanceId> = left.iter().map(|l| l.letter.instance).collect();
+    assert_eq!(left, [kept], "the suspended instance keeps its letter");
+    let all = DeadLetterPurgeParams { selector: None, older_than: None, keep_suspended: false };
+    assert_eq!(h.store.dead_letter_purge(all).await.unwrap(), 1, "the store's purge takes it");
+}
