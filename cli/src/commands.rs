@@ -9,6 +9,7 @@ use keel::layers::core::ids::DeadLetterId;
 use keel::layers::core::ports::Store;
 use keel::layers::core::ports::store::{
     DeadLetterPurgeParams, DeadLetterSelector, QueuePauseParams, QueueState, QueueStats,
+    WorkerRecord,
 };
 use keel::{
     Cancel, ConnectOptions, DeadLetterFilter, DeadLetterRetry, DeliveryOutcome, InsertOutcome,
@@ -601,20 +602,24 @@ async fn default_version(
     machine: &str,
 ) -> anyhow::Result<(i32, Option<String>)> {
     let live = crate::operate::live_workers(keel, now()).await?;
-    let newest = live
-        .iter()
-        .filter(|w| w.claims_from(ns))
-        .flat_map(|w| &w.machines)
-        .filter(|m| m.name == machine)
-        .map(|m| m.version)
-        .max();
-    if let Some(version) = newest {
+    if let Some(version) = newest_served(&live, ns, machine) {
         return Ok((version, None));
     }
     let note = format!(
         "no live worker serves {machine:?} in namespace {ns:?}, so this starts version 1; `--version N` starts another"
     );
     Ok((1, Some(note)))
+}
+
+/// The newest version of `machine` that one of `workers` serves in `ns`.
+pub(crate) fn newest_served(workers: &[WorkerRecord], ns: &str, machine: &str) -> Option<i32> {
+    workers
+        .iter()
+        .filter(|w| w.claims_from(ns))
+        .flat_map(|w| &w.machines)
+        .filter(|m| m.name == machine)
+        .map(|m| m.version)
+        .max()
 }
 
 /// The store's names for a start's fields, and the argument of `keel start` that gives

@@ -1136,6 +1136,9 @@ fn serve_refuses_a_public_address_without_tokens_and_bad_tokens_files() {
 const DOORS: &str = r#"[
   { "name": "door", "version": 1, "initial": "closed", "states": [
     { "key": "closed", "on": [ { "event": "OPEN", "target": "open" } ] },
+    { "key": "open", "on": [ { "event": "CLOSE", "target": "closed" } ] } ] },
+  { "name": "door", "version": 2, "initial": "closed", "states": [
+    { "key": "closed", "on": [ { "event": "OPEN", "target": "open" } ] },
     { "key": "open", "on": [ { "event": "CLOSE", "target": "closed" } ] } ] } ]"#;
 
 #[test]
@@ -1145,6 +1148,7 @@ fn with_definitions_unknown_machines_versions_and_events_get_400_naming_the_fiel
         let (code, started) =
             s.post(&format!("{ns}/instances"), r#"{"machine":"door","key":"d1"}"#);
         assert_eq!(code, 201, "{name}: {started}");
+        assert_eq!(started["version"], 2, "{name}: without a version, the file's newest");
         let id = started["id"].as_i64().unwrap();
         let cases = [
             (format!(r#"{{"instance":{id},"event":"KNOCK"}}"#), "event", "has no event \"KNOCK\""),
@@ -1191,6 +1195,27 @@ fn with_definitions_unknown_machines_versions_and_events_get_400_naming_the_fiel
         assert_eq!(door["completed_per_minute"].as_array().unwrap().len(), 60);
         let (code, workers) = s.get_json("/v1/workers");
         assert_eq!((code, workers["live"].as_u64()), (200, Some(0)), "{name}: {workers}");
+    }
+}
+
+#[test]
+fn a_start_without_a_version_runs_the_newest_one_a_live_worker_serves() {
+    for (name, s) in servers("a_start_without_a_version", None) {
+        let start = |body: &str| {
+            let (code, started) = s.post("/v1/namespaces/default/instances", body);
+            assert_eq!(code, 201, "{name}: {body}: {started}");
+            started["version"].as_i64()
+        };
+        let greet = r#"{"machine":"greet","at":"run"}"#;
+        assert_eq!(start(greet), Some(1), "{name}: no live worker serves greet yet");
+        let poll = r#"{"worker":"py-2","namespace":"default","machines":[{"name":"greet","version":2},{"name":"greet","version":3},{"name":"other","version":9}],"wait_ms":0}"#;
+        let (code, _) = s.post("/v1/worker/tasks/poll", poll);
+        assert_eq!(code, 204, "{name}: the version 1 instance is not this worker's");
+        assert_eq!(start(greet), Some(3), "{name}: the newest version served");
+        assert_eq!(start(r#"{"machine":"greet","at":"run","version":2}"#), Some(2), "{name}");
+        let elsewhere = r#"{"machine":"greet","at":"run"}"#;
+        let (code, started) = s.post("/v1/namespaces/other/instances", elsewhere);
+        assert_eq!((code, started["version"].as_i64()), (201, Some(1)), "{name}: {started}");
     }
 }
 

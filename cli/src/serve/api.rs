@@ -21,6 +21,7 @@ use keel::{
     NewSignal, SignalTarget, StoreError, Value,
 };
 use keel_core::ports::Store;
+use keel_core::ports::store::WORKER_STALE_AFTER;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -422,8 +423,8 @@ pub async fn send_event(
 #[serde(deny_unknown_fields)]
 pub struct StartBody {
     machine: String,
-    #[serde(default = "first_version")]
-    version: i32,
+    #[serde(default)]
+    version: Option<i32>,
     #[serde(default)]
     context: Option<Value>,
     key: Option<String>,
@@ -432,10 +433,6 @@ pub struct StartBody {
     queue: Option<String>,
     #[serde(default)]
     priority: Option<keel_core::Priority>,
-}
-
-fn first_version() -> i32 {
-    1
 }
 
 fn chart_start() -> String {
@@ -450,32 +447,45 @@ pub async fn start_instance(
     bytes: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let b: StartBody = body(&read(bytes)?)?;
-    if b.version < 1 {
+    if let Some(version) = b.version.filter(|v| *v < 1) {
         return Err(ApiError::bad(
             "version",
             format!(
-                "version: {} is not a version; versions start at 1 (leave it out for 1)",
-                b.version
+                "version: {version} is not a version; versions start at 1 (leave it out for the newest one served)"
             ),
         ));
     }
-    if let Some(defs) = &state.definitions {
-        if !defs.has_machine(&b.machine) {
-            return Err(unknown_machine(&b.machine));
+    let version = match (&state.definitions, b.version) {
+        (Some(defs), version) => {
+            if !defs.has_machine(&b.machine) {
+                return Err(unknown_machine(&b.machine));
+            }
+            let held = defs.versions(&b.machine);
+            let newest = held.last().map_or(1, |v| i32::try_from(*v).unwrap_or(i32::MAX));
+            let version = version.unwrap_or(newest);
+            if defs.get(&b.machine, u32::try_from(version).unwrap_or(0)).is_none() {
+                return Err(ApiError::bad(
+                    "version",
+                    format!(
+                        "version: {} has no version {version} in the definitions file (it holds {held:?})",
+                        b.machine,
+                    ),
+                ));
+            }
+            version
         }
-        let version = u32::try_from(b.version).unwrap_or(0);
-        if defs.get(&b.machine, version).is_none() {
-            return Err(ApiError::bad(
-                "version",
-                format!(
-                    "version: {} has no version {} in the definitions file (it holds {:?})",
-                    b.machine,
-                    b.version,
-                    defs.versions(&b.machine)
-                ),
-            ));
+        (None, Some(version)) => version,
+        // As `keel start` without `--version`: the newest version a live worker serves
+        // here, so a start after a deploy runs the new code; 1 when none is live.
+        (None, None) => {
+            let live = state
+                .keel
+                .store()
+                .worker_list(crate::commands::now().minus(WORKER_STALE_AFTER))
+                .await?;
+            crate::commands::newest_served(&live, &ns, &b.machine).unwrap_or(1)
         }
-    }
+    };
     let context = b.context.unwrap_or_else(|| json!({}));
     if !context.is_object() {
         return Err(ApiError::bad(
@@ -483,7 +493,7 @@ pub async fn start_instance(
             "context: must be a JSON object such as {\"order\": 42}",
         ));
     }
-    let mut new = NewInstance::new(MachineRef::new(&b.machine, b.version), &b.at)
+    let mut new = NewInstance::new(MachineRef::new(&b.machine, version), &b.at)
         .namespace(&ns)
         .context(context);
     if let Some(key) = b.key {
@@ -497,7 +507,8 @@ pub async fn start_instance(
     }
     Ok(match state.keel.start(new).await.map_err(|e| renamed(e, START_FIELDS))? {
         InsertOutcome::Inserted(id) => {
-            (StatusCode::CREATED, Json(json!({ "id": id.0, "inserted": true }))).into_response()
+            (StatusCode::CREATED, Json(json!({ "id": id.0, "inserted": true, "version": version })))
+                .into_response()
         }
         InsertOutcome::Existing(id) => {
             (StatusCode::OK, Json(json!({ "id": id.0, "inserted": false }))).into_response()
