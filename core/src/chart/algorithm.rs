@@ -898,7 +898,8 @@ impl<'d> Macrostep<'d> {
 
     fn microstep(&mut self, transitions: &[usize]) {
         if !transitions.is_empty() {
-            self.last_sources = transitions.to_vec();
+            self.last_sources.clear();
+            self.last_sources.extend_from_slice(transitions);
         }
         for &t in transitions {
             let tr = &self.def.transitions[t];
@@ -911,11 +912,18 @@ impl<'d> Macrostep<'d> {
             }));
         }
         let exits = self.exit_set(transitions);
-        // A planned dispatch whose parallel state or entered states this microstep exits
-        // is over: its region tasks would be stale, and a re-entry of the parallel state
+        // A planned dispatch whose parallel state this microstep exits is over: a re-entry
         // plans its own (otherwise both would go out and run the entry actions twice).
-        self.dispatches.retain(|(p, _, entered, _)| {
-            !exits.contains(p) && !entered.iter().any(|x| exits.contains(x))
+        // States of a region this microstep exits leave its dispatch: entered again, they
+        // run their entry inline; the region's states that stay keep their dispatched
+        // entry, so it still runs once, and a dispatch left with no entry action is over.
+        let def = self.def;
+        self.dispatches.retain_mut(|(p, _, entered, _)| {
+            if exits.contains(p) {
+                return false;
+            }
+            entered.retain(|x| !exits.contains(x));
+            entered.iter().any(|&x| !def.states[x].entry.is_empty())
         });
         self.record_history(&exits);
         for &s in exits.iter().rev() {

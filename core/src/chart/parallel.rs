@@ -875,6 +875,46 @@ mod tests {
         assert_eq!(regions, ["p.b", "p.c"]);
     }
 
+    /// A region state that stays while its child is exited and entered again in the same
+    /// macrostep keeps its dispatched entry action: it runs once, in the region's task,
+    /// and the child's second entry runs inline. So does one whose child moves on.
+    #[test]
+    fn a_region_state_that_stays_keeps_its_dispatched_entry() {
+        for (case, again) in [("re-entered", "x"), ("moved on", "w")] {
+            let d = Definition::builder("region_stays", 1)
+                .guard("first", |ctx, _| ctx.get_as::<bool>("looped") != Some(true))
+                .initial("idle")
+                .state("idle", |s| s.on_to("GO", "p"))
+                .parallel("p", |p| {
+                    p.entry("@raise:AGAIN")
+                        .state("a", |r| {
+                            r.entry("reserve")
+                                .initial("x")
+                                .state("x", |s| {
+                                    s.entry("ax").on("AGAIN", |b| {
+                                        b.guard("first").action("mark").target(again)
+                                    })
+                                })
+                                .state("w", |s| s.entry("aw"))
+                        })
+                        .state("b", |r| r.initial("y").state("y", |s| s.entry("by")))
+                })
+                .build()
+                .unwrap();
+            let result = go_marking(&d);
+            let inline = if again == "x" { "ax" } else { "aw" };
+            assert_eq!(result.actions(), ["mark", inline], "{case}");
+            assert_eq!(
+                dispatched(&d, &result),
+                [
+                    ("p.a".to_owned(), vec!["reserve".to_owned()]),
+                    ("p.b".to_owned(), vec!["by".to_owned()])
+                ],
+                "{case}: `reserve` runs once, in the region's task"
+            );
+        }
+    }
+
     /// A failure inside a region goes to the innermost `@fail` on the failing state's own
     /// ancestor chain: a targetless handler on the failing state keeps the parallel
     /// state's `@fail` (reached by a sibling region's leaf before) from also running.
