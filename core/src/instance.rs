@@ -402,8 +402,13 @@ pub const RESERVED_DEDUP_KEY_PREFIXES: [(&str, &str); 2] = [
 /// sender's signal may not use one ([`NewSignal::validate`]): it would fire them early.
 /// A region's report (`parallel.region`) is sent through the same path as a sender's
 /// signal, and its payload is checked on arrival, so it stays allowed.
-pub const RESERVED_SIGNAL_NAME_PREFIXES: [&str; 5] =
-    ["done.state.", "done.invoke.", "fail.state.", "timeout.invoke.", "parallel.timeout."];
+pub const RESERVED_SIGNAL_NAME_PREFIXES: [&str; 5] = [
+    crate::chart::definition::DONE_STATE,
+    crate::chart::definition::DONE_INVOKE,
+    crate::chart::definition::FAIL_STATE,
+    crate::chart::definition::TIMEOUT_INVOKE,
+    crate::chart::step::TIMEOUT_EVENT_PREFIX,
+];
 
 /// A signal (or chart event) to deliver into an instance's inbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

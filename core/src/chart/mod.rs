@@ -70,7 +70,7 @@
 mod algorithm;
 mod configuration;
 mod context;
-mod definition;
+pub(crate) mod definition;
 mod diagram;
 mod json;
 mod mermaid;

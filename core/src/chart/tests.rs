@@ -1070,14 +1070,14 @@ fn validation_errors_name_the_state_and_the_fix() {
                 s.on("REMIND", |t| t.guard("yes").action("x").after(Timer::hours(1)))
                     .on("REMIND", |t| t.action("y").after(Timer::days(1)))
             }),
-            "state `a`: two transitions on `REMIND` have timers, and timers are told apart by state and event (a restart would give the second the first's duration); fix: put both branches under one `on` with one timer, or use distinct events",
+            "state `a`: two transitions on `REMIND` have timers, but a state has one timer per event: a fire is only the event, taken by whichever transition on it is enabled, and a deploy's new durations and `keep_armed` find timers by their event; fix: put both branches under one `on` with one timer, or use distinct events",
         ),
         (
             chart().initial("a").state("a", |s| {
                 s.on("REMIND", |t| t.action("x").after(Timer::hours(1)))
                     .on("REMIND", |t| t.action("y").every(Timer::days(1)))
             }),
-            "state `a`: two transitions on `REMIND` have timers, and timers are told apart by state and event (a restart would give the second the first's duration); fix: put both branches under one `on` with one timer, or use distinct events",
+            "state `a`: two transitions on `REMIND` have timers, but a state has one timer per event: a fire is only the event, taken by whichever transition on it is enabled, and a deploy's new durations and `keep_armed` find timers by their event; fix: put both branches under one `on` with one timer, or use distinct events",
         ),
         (
             chart()

@@ -132,11 +132,11 @@ pub enum ChartError {
         /// Event name.
         event: String,
     },
-    /// Two timed transitions on one event in one state: timers are told apart by state,
-    /// event and kind, so the second could not be told from the first (a restart would
-    /// retime it to the first's duration).
+    /// Two timed transitions on one event in one state: a fire is only the event (taken by
+    /// whichever transition on it is enabled), and retimes and `keep_armed` find timers by
+    /// their event, so a state has one timer per event.
     #[error(
-        "state `{state}`: two transitions on `{event}` have timers, and timers are told apart by state and event (a restart would give the second the first's duration); fix: put both branches under one `on` with one timer, or use distinct events"
+        "state `{state}`: two transitions on `{event}` have timers, but a state has one timer per event: a fire is only the event, taken by whichever transition on it is enabled, and a deploy's new durations and `keep_armed` find timers by their event; fix: put both branches under one `on` with one timer, or use distinct events"
     )]
     DuplicateTimedEvent {
         /// State path.
@@ -779,8 +779,8 @@ fn check_timers(flat: &mut Flat<'_>, id: usize, alphabet: &BTreeSet<&str>) -> Ve
     let b = flat.builders[id];
     let state = display(&flat.states[id].path);
     let mut out = Vec::with_capacity(b.on.len());
-    // Timers are told apart by state, event and kind (a retime after a restart moves an
-    // armed timer to the first deployed one that matches), so one event has one timer.
+    // One timer per event: a fire is only the event, and retimes and `keep_armed` find
+    // timers by it.
     let mut timed: BTreeSet<&str> = BTreeSet::new();
     let mut doubled: BTreeSet<&str> = BTreeSet::new();
     for (event, branches, raw) in &b.on {
