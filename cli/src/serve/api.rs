@@ -21,7 +21,7 @@ use keel::{
     NewSignal, SignalTarget, StoreError, Value,
 };
 use keel_core::ports::Store;
-use keel_core::ports::store::WORKER_STALE_AFTER;
+use keel_core::ports::store::{WORKER_STALE_AFTER, WorkerRecord};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -439,6 +439,34 @@ fn chart_start() -> String {
     "@init".to_owned()
 }
 
+/// How long a start without a version reuses its read of the live workers: a burst of
+/// starts reads the store once a second, and a worker's record is written only every
+/// few seconds anyway.
+const SERVED_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The live workers a start without a version picks its version from, read at most once
+/// per [`SERVED_FRESH`].
+#[derive(Default)]
+pub struct ServedVersions(std::sync::Mutex<Option<(std::time::Instant, Arc<Vec<WorkerRecord>>)>>);
+
+impl ServedVersions {
+    /// The newest version of `machine` a live worker serves in `ns`, else 1.
+    async fn newest(&self, keel: &keel::Keel, ns: &str, machine: &str) -> Result<i32, StoreError> {
+        let lock = || self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let fresh = lock()
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < SERVED_FRESH)
+            .map(|(_, w)| Arc::clone(w));
+        if let Some(live) = fresh {
+            return Ok(crate::commands::newest_served(&live, ns, machine).unwrap_or(1));
+        }
+        let since = crate::commands::now().minus(WORKER_STALE_AFTER);
+        let live = Arc::new(keel.store().worker_list(since).await?);
+        *lock() = Some((std::time::Instant::now(), Arc::clone(&live)));
+        Ok(crate::commands::newest_served(&live, ns, machine).unwrap_or(1))
+    }
+}
+
 /// Starts an instance: 201 with its id, or 200 with the existing one's.
 pub async fn start_instance(
     _: NoQuery,
@@ -460,31 +488,26 @@ pub async fn start_instance(
             if !defs.has_machine(&b.machine) {
                 return Err(unknown_machine(&b.machine));
             }
+            // The machine is in the file, so it holds at least one version.
             let held = defs.versions(&b.machine);
-            let newest = held.last().map_or(1, |v| i32::try_from(*v).unwrap_or(i32::MAX));
-            let version = version.unwrap_or(newest);
-            if defs.get(&b.machine, u32::try_from(version).unwrap_or(0)).is_none() {
-                return Err(ApiError::bad(
-                    "version",
-                    format!(
-                        "version: {} has no version {version} in the definitions file (it holds {held:?})",
-                        b.machine,
-                    ),
-                ));
+            match version {
+                None => held.last().map_or(1, |v| i32::try_from(*v).unwrap_or(i32::MAX)),
+                Some(v) if u32::try_from(v).is_ok_and(|v| held.contains(&v)) => v,
+                Some(v) => {
+                    return Err(ApiError::bad(
+                        "version",
+                        format!(
+                            "version: {} has no version {v} in the definitions file (it holds {held:?})",
+                            b.machine,
+                        ),
+                    ));
+                }
             }
-            version
         }
         (None, Some(version)) => version,
         // As `keel start` without `--version`: the newest version a live worker serves
         // here, so a start after a deploy runs the new code; 1 when none is live.
-        (None, None) => {
-            let live = state
-                .keel
-                .store()
-                .worker_list(crate::commands::now().minus(WORKER_STALE_AFTER))
-                .await?;
-            crate::commands::newest_served(&live, &ns, &b.machine).unwrap_or(1)
-        }
+        (None, None) => state.served.newest(&state.keel, &ns, &b.machine).await?,
     };
     let context = b.context.unwrap_or_else(|| json!({}));
     if !context.is_object() {

@@ -74,6 +74,9 @@ pub struct AppState {
     pub stopping: tokio::sync::watch::Sender<bool>,
     /// Whether polls may reap expired leases, after the store was unreachable.
     pub reap_gate: worker::ReapGate,
+    /// The live workers' versions a start without a version picks from (read once a
+    /// second at most).
+    pub served: api::ServedVersions,
 }
 
 impl AppState {
@@ -95,6 +98,7 @@ impl AppState {
             poll_interval_max: POLL_INTERVAL_MAX,
             stopping: tokio::sync::watch::Sender::new(false),
             reap_gate: worker::ReapGate::default(),
+            served: api::ServedVersions::default(),
         }
     }
 
