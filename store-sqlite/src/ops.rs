@@ -1517,10 +1517,12 @@ async fn paused_queues(db: &mut Db<'_>) -> StoreResult<Vec<(String, String)>> {
 /// (`plan::timer::sweep`); timers of missing or terminal instances are deleted silently,
 /// and the repeating ticks of suspended instances and of instances in paused queues held.
 /// Records the sweep time per (namespace or `*`, machine or `*`).
+/// A timer sweep; with its report, whether it made an instance runnable (a delivered
+/// fire, or an expired join deadline that wakes its parent and delivers nothing).
 pub(crate) async fn timer_sweep(
     db: &mut Db<'_>,
     p: &TimerSweepParams,
-) -> StoreResult<TimerSweepReport> {
+) -> StoreResult<(TimerSweepReport, bool)> {
     p.validate()?;
     let machines = serde_json::to_string(&p.machines).unwrap_or_default();
     let rows = sqlx::query(SWEEP_PICK_SQL)
@@ -1560,11 +1562,14 @@ pub(crate) async fn timer_sweep(
     }
     db.write(w).await?;
     db.timers_remove(&plan.delete).await?;
+    let mut woke = false;
     for id in &plan.join_deadlines {
         let Some(row) = db.instance(*id).await? else { continue };
         // The rest of its children, and what their cancels ask for in turn, under one
         // bound as a join's wake in a commit.
-        let cancels = parent_write(db, plan::parent::expire(&row, p.now), p.now).await?;
+        let planned = plan::parent::expire(&row, p.now);
+        woke |= planned.changed;
+        let cancels = parent_write(db, planned, p.now).await?;
         run_then(db, FollowUps::cancels(cancels), p.now).await?;
     }
     for (ns, machine) in plan::timer::swept_scopes(p) {
@@ -1580,7 +1585,8 @@ pub(crate) async fn timer_sweep(
         .map_err(db.err("recording a timer sweep"))?;
     }
     let report = plan.report(&delivered);
-    Ok(report)
+    let woke = woke || report.fired + report.exhausted > 0;
+    Ok((report, woke))
 }
 
 // ----- leases ----------------------------------------------------------------------------

@@ -831,12 +831,10 @@ impl Store for SqliteStore {
     }
 
     async fn timer_sweep(&self, params: TimerSweepParams) -> StoreResult<TimerSweepReport> {
-        let out = write_tx!(self, |db| ops::timer_sweep(db, &params))?;
         // Not only a delivered fire makes an instance runnable: an expired join deadline
-        // delivers nothing and wakes its parent. `processed` counts every timer the sweep
-        // acted on; a sweep that only held or dropped timers wakes the workers for nothing,
-        // which costs one empty claim.
-        if out.processed > 0 {
+        // delivers nothing and wakes its parent.
+        let (out, woke) = write_tx!(self, |db| ops::timer_sweep(db, &params))?;
+        if woke {
             self.wake();
         }
         Ok(out)
