@@ -267,6 +267,17 @@ async fn cancel_one<C: GenericClient + Sync>(
             }
             found = decode(again?)?;
         }
+        // Rounds used up while children kept coming: what the last read found is locked
+        // and cancelled too, with no read after it.
+        let mut rest: Vec<i64> =
+            found.iter().map(|f| f.0).filter(|id| !locked.contains_key(id)).collect();
+        if !rest.is_empty() {
+            rest.sort_unstable();
+            for r in &c.query(&lock, &[&rest]).await? {
+                let r = rows::instance(r)?;
+                locked.insert(r.id.0, r);
+            }
+        }
         read.descendants = found
             .iter()
             .filter_map(|(id, depth)| locked.remove(id).map(|r| (r, *depth as usize)))
