@@ -430,14 +430,8 @@ impl Keel {
     /// program's name: a second copy of the program on this host sharing the store needs
     /// [`worker_with`](Self::worker_with)`(WorkerConfig::named(..))`, or each copy would
     /// take back the other's live leases when it starts.
-    ///
-    /// Within one process, workers of this `Keel` are kept apart: a second worker spawned
-    /// with the default id while the first runs takes `<host>/<program>/2` (then `/3`, …,
-    /// the lowest number free), so a program that spawns its workers in the same order
-    /// gets the same ids after a restart. A worker given an id with `WorkerConfig::named`
-    /// that a running worker of this store already uses is refused at
-    /// [`spawn`](WorkerBuilder::spawn) ([`Error::Settings`], naming the id). An id is free
-    /// again once its worker has stopped.
+    /// Within one process, workers of this `Keel` are kept apart for you (see
+    /// [`WorkerConfig::worker_id`](keel_scheduler::WorkerConfig::worker_id)).
     pub fn worker(&self) -> WorkerBuilder {
         self.worker_with(WorkerConfig::default())
     }

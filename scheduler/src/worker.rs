@@ -368,12 +368,8 @@ impl WorkerConfig {
     /// The defaults, with the worker id [`worker_id_for`]`(name)`: give each worker
     /// process on one host its own `name` (for example `"billing"` and `"shipping"`), and
     /// keep it when the process restarts.
-    ///
-    /// The id is taken as given: a second worker spawned in this process on the same store
-    /// with this name while the first still runs is refused at spawn (the error names the
-    /// id), since each would take back the other's live leases. Give each of them its own
-    /// name, or leave the id at its default, which this process numbers itself
-    /// (`<host>/<program>/2`, … — see [`WorkerConfig::worker_id`]).
+    /// Within one process, a second running worker of the same store with this name is
+    /// refused at spawn (see [`WorkerConfig::worker_id`]).
     pub fn named(name: &str) -> Self {
         WorkerConfig { worker_id: worker_id_for(name), ..WorkerConfig::default() }
     }
@@ -1239,6 +1235,14 @@ impl LiveId {
                 id.0
             ));
         };
+        if id.len() > keel_core::limits::NAME_BYTES_MAX {
+            return Err(format!(
+                "worker id `{id}`: numbered because another running worker on this store uses \
+                 the default id, it is over {} bytes; give each worker a shorter id \
+                 (WorkerConfig::named(\"...\"))",
+                keel_core::limits::NAME_BYTES_MAX
+            ));
+        }
         live.insert((store.address, id.clone()));
         Ok(LiveId { store: store.clone(), id })
     }
