@@ -160,7 +160,9 @@ pub fn hold(timer: &TimerRow, now: Timestamp) -> TimerRow {
 /// first `due + k·interval` (k ≥ 1) after `now`. Ticks stay `interval` apart on the grid
 /// that starts at the state entry, however late a sweep is: a late sweep does not push
 /// the ticks after it later, and the ticks missed while no sweep ran are skipped, not
-/// back-filled or bunched. O(1), saturating at the end of time; an interval under a
+/// back-filled or bunched. A fire late by most of an interval comes shortly before the
+/// next tick, which fires on time: two fires can be closer than an interval, as with
+/// any fixed-rate timer. O(1), saturating at the end of time; an interval under a
 /// millisecond (the stores' resolution) makes the timer due again at `now`.
 pub fn next_tick(due: Timestamp, interval: Duration, now: Timestamp) -> Timestamp {
     let step = i128::try_from(interval.as_millis()).unwrap_or(i128::MAX);
@@ -502,7 +504,7 @@ mod tests {
 
     /// (case, due, interval ms, sweep time) → the next due time of an `every` timer: the
     /// first `due + k·interval` (k ≥ 1) after the sweep, so ticks keep the phase of the
-    /// state entry however late the sweep is, never bunch after an outage, and never
+    /// state entry however late the sweep is, never pile up after an outage, and never
     /// overflow.
     #[test]
     fn every_ticks_stay_on_the_grid_of_the_state_entry() {

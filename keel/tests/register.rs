@@ -269,12 +269,7 @@ async fn two_default_workers_of_one_keel_run_a_step_once() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let second = keel.worker_with(fast()).register(Counter).unwrap().spawn().unwrap();
-    for _ in 0..500 {
-        if keel.get(id).await.unwrap().instance.status == keel::Status::Done {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    keel.wait_timeout(id, Duration::from_secs(5)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
     second.shutdown().await;
     first.shutdown().await;

@@ -1,6 +1,6 @@
 //! Timer contracts for an instance that runs nothing until an operator acts — suspended
 //! (dead-lettered), or in a paused queue: its repeating timers are held — no fire
-//! delivered, recorded or counted, the timer due again one interval after each held tick —
+//! delivered, recorded or counted, the timer due again at its next tick after each held tick —
 //! while an `after` timer delivers once; after a retry or a resume the repeating timer
 //! fires again at its next tick, once.
 
@@ -74,7 +74,11 @@ pub async fn timer_every_is_held_while_its_instance_is_suspended<S: Store>(s: &S
     assert_eq!(recorded, 1, "a held tick records nothing");
     assert_eq!(d.timers.len(), 1, "the every timer stays armed");
     assert_eq!(d.timers[0].fire_count, 0, "held ticks are not fires");
-    assert_eq!(d.timers[0].next_fire_at, now.plus(minute), "due one interval after the sweep");
+    assert_eq!(
+        d.timers[0].next_fire_at,
+        now.plus(minute),
+        "due at its next tick (the sweep fell on one)"
+    );
     let next = TimerNextDueParams { namespace: Some(ns.into()), machines: vec![] };
     let due = s.timer_next_due(next).await.expect("timer_next_due");
     assert_eq!(due, Some(now.plus(minute)), "a held timer is not left due");
@@ -139,7 +143,7 @@ const PAUSED_SWEEPS: usize = 20;
 /// `mail`, which is then paused, one in another queue of the namespace, one in a queue
 /// `mail` of another namespace. Twenty sweeps a minute apart deliver the paused queue's
 /// instance `EXPIRE` once and no `REMIND`, record no fire of it, and leave its timer armed,
-/// due one interval after the last sweep, its count kept; the two others get every tick.
+/// due at its next tick after the last sweep, its count kept; the two others get every tick.
 /// After the queue is resumed, the next due sweep delivers one `REMIND` (fire 1), not the
 /// twenty held ones.
 pub async fn timer_every_is_held_while_its_queue_is_paused<S: Store>(s: &S) {
@@ -173,7 +177,11 @@ pub async fn timer_every_is_held_while_its_queue_is_paused<S: Store>(s: &S) {
     assert_eq!(recorded, 1, "a held tick records nothing");
     assert_eq!(d.timers.len(), 1, "the every timer stays armed");
     assert_eq!(d.timers[0].fire_count, 0, "held ticks are not fires");
-    assert_eq!(d.timers[0].next_fire_at, now.plus(minute), "due one interval after the sweep");
+    assert_eq!(
+        d.timers[0].next_fire_at,
+        now.plus(minute),
+        "due at its next tick (the sweep fell on one)"
+    );
     let ticks = |f: Vec<String>| f.iter().filter(|n| *n == "REMIND").count();
     assert_eq!(ticks(fires(s, free).await), PAUSED_SWEEPS, "another queue's instance ticks");
     assert_eq!(
