@@ -7,7 +7,7 @@ use super::support::{
 };
 use keel_core::ports::Store;
 use keel_core::ports::store::{QueuePauseParams, QueueState};
-use keel_core::{MachineRef, NewInstance, Priority};
+use keel_core::{MachineRef, NewInstance, Priority, Timestamp};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -91,14 +91,9 @@ pub async fn paused_queue_not_claimed_until_resumed<S: Store>(s: &S) {
     let held = insert_one(s, new_in(ns).queue("mail"), at(0)).await;
     let free = insert_one(s, new_in(ns).queue("bulk"), at(0)).await;
     let elsewhere = insert_one(s, new_in(other_ns).queue("mail"), at(0)).await;
-    let pause = |paused: bool, now| QueuePauseParams {
-        namespace: ns.into(),
-        queue: "mail".into(),
-        paused,
-        now,
-    };
+    let pause = |paused: bool, now| pause(ns, "mail", paused, now);
     s.queue_pause(pause(true, at(1))).await.expect("pause");
-    let state = |paused| QueueState { namespace: ns.into(), queue: "mail".into(), paused };
+    let state = |paused| queue_state(ns, "mail", paused);
     assert!(s.queue_list(ns.into()).await.expect("list").contains(&state(true)));
     assert_eq!(
         ids(&claim(s, claim_params(ns, 10, at(10))).await),
@@ -115,6 +110,16 @@ pub async fn paused_queue_not_claimed_until_resumed<S: Store>(s: &S) {
     assert_eq!(ids(&claim(s, claim_params(ns, 10, at(30))).await), vec![held]);
 }
 
+/// A pause (`paused`) or resume of `queue` in `ns` at `now`.
+fn pause(ns: &str, queue: &str, paused: bool, now: Timestamp) -> QueuePauseParams {
+    QueuePauseParams { namespace: ns.into(), queue: queue.into(), paused, now }
+}
+
+/// `queue` of `ns` as `queue_list` lists it.
+fn queue_state(ns: &str, queue: &str, paused: bool) -> QueueState {
+    QueueState { namespace: ns.into(), queue: queue.into(), paused }
+}
+
 /// `queue_list` lists exactly the queues of its namespace that have settings (a pause
 /// recorded them), in name order: a queue that only holds instances, running or ended,
 /// is not listed (it is not paused), a queue paused before any instance is in it is, a
@@ -129,15 +134,8 @@ pub async fn queue_list_lists_exactly_the_queues_with_settings<S: Store>(s: &S) 
         step(s, c, done(), at(2)).await;
     }
     insert_one(s, new_in(other_ns).queue("z"), at(0)).await;
-    let pause = |ns: &str, queue: &str, paused: bool, now| QueuePauseParams {
-        namespace: ns.into(),
-        queue: queue.into(),
-        paused,
-        now,
-    };
     let list = async || s.queue_list(ns.into()).await.expect("list");
-    let state =
-        |queue: &str, paused| QueueState { namespace: ns.into(), queue: queue.into(), paused };
+    let state = |queue: &str, paused| queue_state(ns, queue, paused);
     insert_one(s, new_in(ns).queue("b"), at(3)).await;
     assert_eq!(list().await, Vec::new(), "queues without settings are not listed");
     s.queue_pause(pause(other_ns, "z", true, at(4))).await.expect("pause elsewhere");
@@ -155,15 +153,8 @@ pub async fn queue_list_lists_exactly_the_queues_with_settings<S: Store>(s: &S) 
 /// the one row, running, and the queue's instances claimable again.
 pub async fn queue_resume_records_no_settings<S: Store>(s: &S) {
     let (ns, other_ns) = ("queue_resume", "queue_resume_other");
-    let pause = |ns: &str, queue: &str, paused: bool, now| QueuePauseParams {
-        namespace: ns.into(),
-        queue: queue.into(),
-        paused,
-        now,
-    };
     let list = async || s.queue_list(ns.into()).await.expect("list");
-    let state =
-        |queue: &str, paused| QueueState { namespace: ns.into(), queue: queue.into(), paused };
+    let state = |queue: &str, paused| queue_state(ns, queue, paused);
     let busy = insert_one(s, new_in(ns).queue("busy"), at(0)).await;
     s.queue_pause(pause(other_ns, "elsewhere", true, at(1))).await.expect("pause elsewhere");
     for queue in ["busy", "misspelt", "elsewhere"] {
@@ -277,13 +268,7 @@ pub async fn ready_stale_returns_instances_ready_for_the_bound<S: Store>(s: &S) 
     let _elsewhere = insert_one(s, new_in("ready_stale_other"), at(0)).await;
     let _paused = insert_one(s, new_in(ns).queue("ready_stale_paused"), at(0)).await;
     let young = insert_one(s, new_in(ns), at(80)).await;
-    let pause = QueuePauseParams {
-        namespace: ns.into(),
-        queue: "ready_stale_paused".into(),
-        paused: true,
-        now: at(0),
-    };
-    s.queue_pause(pause).await.expect("pause");
+    s.queue_pause(pause(ns, "ready_stale_paused", true, at(0))).await.expect("pause");
     let held = claim(s, claim_params(ns, 1, at(5))).await;
     assert_eq!(ids(&held), vec![busy]);
 
