@@ -46,25 +46,6 @@ fn cancel(id: InstanceId) -> CancelParams {
     CancelParams { id, reason: "stop".into(), cascade: true, now: T0, only_in: None }
 }
 
-/// Waits until some backend waits for a lock `pid` holds.
-async fn until_blocked_by(c: &deadpool_postgres::Client, pid: i32) {
-    for _ in 0..500 {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                &[&pid],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if n > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("nothing waited for backend {pid}");
-}
-
 /// A role that owns its (existing) schema but has no CREATE privilege on the database
 /// migrates it, and migrates it again with nothing to do.
 #[tokio::test]
@@ -113,7 +94,7 @@ async fn a_migration_waits_for_one_holding_the_lock() {
     let pid: i32 = c.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
     let store = PgStore::connect(PgConfig::new(url).schema(schema).pool_size(1)).await.unwrap();
     let run = tokio::spawn(async move { store.migrate().await.map(|()| store) });
-    until_blocked_by(&c, pid).await;
+    common::until_blocked_by(&c, pid).await;
     assert!(!run.is_finished());
     c.execute("SELECT pg_advisory_unlock(hashtext($1))", &[&key]).await.unwrap();
     let store = tokio::time::timeout(Duration::from_secs(60), run).await.unwrap().unwrap().unwrap();
@@ -148,7 +129,7 @@ async fn a_cascade_cancels_children_started_while_it_waited() {
         .get::<_, i64>(0);
     let store = s.clone();
     let run = tokio::spawn(async move { store.instance_cancel(cancel(root)).await });
-    until_blocked_by(&setup, pid).await;
+    common::until_blocked_by(&setup, pid).await;
     tx.commit().await.unwrap();
     let cancelled: HashSet<i64> = run.await.unwrap().unwrap().iter().map(|id| id.0).collect();
     assert_eq!(cancelled, HashSet::from([root.0, child, grandchild]));

@@ -639,22 +639,7 @@ async fn a_target_deleted_while_its_key_is_looked_up_is_missing() {
     });
     // The delivery has looked the key up and now waits for the row's lock.
     let watcher = s.client().await.unwrap();
-    let mut waiting = 0i64;
-    for _ in 0..500 {
-        waiting = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                &[&holder_pid],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(waiting > 0, "the delivery never waited for the row lock");
+    common::until_blocked_by(&watcher, holder_pid).await;
     holder.execute("DELETE FROM instances WHERE id = $1", &[&id.0]).await.unwrap();
     holder.batch_execute("COMMIT").await.unwrap();
     let out = delivery.await.expect("the delivery does not panic").unwrap();

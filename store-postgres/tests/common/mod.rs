@@ -36,3 +36,22 @@ pub async fn store_with(pool_size: usize) -> Option<PgStore> {
 pub async fn store() -> Option<PgStore> {
     store_with(8).await
 }
+
+/// Waits until some backend waits for a lock `pid` holds.
+pub async fn until_blocked_by(c: &deadpool_postgres::Client, pid: i32) {
+    for _ in 0..500 {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("nothing waited for backend {pid}");
+}
