@@ -251,13 +251,19 @@ async fn cancel_one<C: GenericClient + Sync>(
         // that committed while this waited for its lock may have started children the
         // read before could not see, and they must not stay live under a cancelled
         // parent. Rows locked stay as read (their writers wait for this transaction).
-        for _ in 0..DESCENDANT_ROUNDS_MAX {
+        // Once the rounds are used up while children kept coming, what the last read
+        // found is locked and cancelled too, with no read after it.
+        for round in 0..=DESCENDANT_ROUNDS_MAX {
             let mut fresh: Vec<i64> =
                 found.iter().map(|f| f.0).filter(|id| !locked.contains_key(id)).collect();
             if fresh.is_empty() {
                 break;
             }
             fresh.sort_unstable();
+            if round == DESCENDANT_ROUNDS_MAX {
+                locked.extend(lock_instances(c, &fresh).await?.into_iter().map(|r| (r.id.0, r)));
+                break;
+            }
             let (locks, again) = tokio::join!(async { c.query(&lock, &[&fresh]).await }, async {
                 c.query(&stmt, &args).await
             });
@@ -266,17 +272,6 @@ async fn cancel_one<C: GenericClient + Sync>(
                 locked.insert(r.id.0, r);
             }
             found = decode(again?)?;
-        }
-        // Rounds used up while children kept coming: what the last read found is locked
-        // and cancelled too, with no read after it.
-        let mut rest: Vec<i64> =
-            found.iter().map(|f| f.0).filter(|id| !locked.contains_key(id)).collect();
-        if !rest.is_empty() {
-            rest.sort_unstable();
-            for r in &c.query(&lock, &[&rest]).await? {
-                let r = rows::instance(r)?;
-                locked.insert(r.id.0, r);
-            }
         }
         read.descendants = found
             .iter()
