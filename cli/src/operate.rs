@@ -211,8 +211,11 @@ pub async fn activity_within(
 }
 
 /// The workers seen within [`WORKER_STALE_AFTER`] of `now`.
-pub(crate) async fn live_workers(keel: &Keel, now: Timestamp) -> anyhow::Result<Vec<WorkerRecord>> {
-    Ok(keel.store().worker_list(now.minus(WORKER_STALE_AFTER)).await?)
+pub(crate) async fn live_workers(
+    keel: &Keel,
+    now: Timestamp,
+) -> Result<Vec<WorkerRecord>, keel::StoreError> {
+    keel.store().worker_list(now.minus(WORKER_STALE_AFTER)).await
 }
 
 fn list_params(ns: &str, machine: &str, status: Status) -> InstanceListParams {

@@ -21,7 +21,7 @@ use keel::{
     NewSignal, SignalTarget, StoreError, Value,
 };
 use keel_core::ports::Store;
-use keel_core::ports::store::{WORKER_STALE_AFTER, WorkerRecord};
+use keel_core::ports::store::WorkerRecord;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -457,12 +457,13 @@ impl ServedVersions {
             .as_ref()
             .filter(|(at, _)| at.elapsed() < SERVED_FRESH)
             .map(|(_, w)| Arc::clone(w));
-        if let Some(live) = fresh {
-            return Ok(crate::commands::newest_served(&live, ns, machine).unwrap_or(1));
-        }
-        let since = crate::commands::now().minus(WORKER_STALE_AFTER);
-        let live = Arc::new(keel.store().worker_list(since).await?);
-        *lock() = Some((std::time::Instant::now(), Arc::clone(&live)));
+        let live = if let Some(live) = fresh {
+            live
+        } else {
+            let live = Arc::new(crate::operate::live_workers(keel, crate::commands::now()).await?);
+            *lock() = Some((std::time::Instant::now(), Arc::clone(&live)));
+            live
+        };
         Ok(crate::commands::newest_served(&live, ns, machine).unwrap_or(1))
     }
 }
