@@ -113,17 +113,6 @@ impl WorkerBuilder {
     /// of the calls.
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
-        if self.machines.iter().any(|(m, v, _)| *m == name.name && *v == name.version) {
-            return Err(RegistrationError {
-                machine: format!("{} v{}", name.name, name.version),
-                missing: vec![format!(
-                    "a (name, version) of its own (`{}` v{} is registered on this worker \
-                     already; register each (name, version) once, or give the second machine \
-                     a version of its own)",
-                    name.name, name.version
-                )],
-            });
-        }
         let delegates = machine.delegates();
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
@@ -138,8 +127,19 @@ impl WorkerBuilder {
             }
         }
         self.worker = self.worker.register(machine);
-        // The runtime's worker keeps the rule (it refuses to start with such a machine);
-        // here it is said at once, for this machine.
+        // The runtime's worker keeps the rules (it refuses to start with such a machine);
+        // here they are said at once, for this machine.
+        if self.worker.registered_twice() == Some(&name) {
+            return Err(RegistrationError {
+                machine: format!("{} v{}", name.name, name.version),
+                missing: vec![format!(
+                    "a (name, version) of its own (`{}` v{} is registered on this worker \
+                     already; register each (name, version) once, or give the second machine \
+                     a version of its own)",
+                    name.name, name.version
+                )],
+            });
+        }
         if let Some(missing) = self.worker.unbound(&name) {
             return Err(RegistrationError {
                 machine: format!("{} v{}", name.name, name.version),

@@ -142,10 +142,15 @@ pub struct WorkerConfig {
 /// A queue's slots on one worker when neither the program nor the file sets them.
 pub const DEFAULT_QUEUE_SLOTS: usize = 10;
 
+/// The id of a worker given none: [`worker_id_for`] the program's name.
+fn default_worker_id() -> WorkerId {
+    worker_id_for(&program_name())
+}
+
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            worker_id: worker_id_for(&program_name()),
+            worker_id: default_worker_id(),
             namespaces: Vec::new(),
             queues: vec![(keel_core::ids::DEFAULT_QUEUE.to_owned(), DEFAULT_QUEUE_SLOTS)],
             claim_batch: 250,
@@ -739,6 +744,12 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         self.unbound.as_ref().filter(|(m, _)| m == machine).map(|(_, missing)| missing.as_slice())
     }
 
+    /// The first (name, version) registered here twice, which [`check`](Self::check)
+    /// refuses.
+    pub fn registered_twice(&self) -> Option<&MachineRef> {
+        self.registered_twice.as_ref()
+    }
+
     /// Everything [`spawn`](Self::spawn) checks before it starts anything: each machine
     /// registered once, every name its machines use bound ([`StepMachine::unbound`]), no
     /// machine configuration in code setting a field it does not apply
@@ -789,7 +800,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// panicking on it.
     pub fn try_spawn(mut self) -> Result<WorkerHandle, String> {
         self.check()?;
-        let default = self.config.worker_id == worker_id_for(&program_name());
+        let default = self.config.worker_id == default_worker_id();
         let live = LiveId::take(&self.store_identity, &self.config.worker_id, default)?;
         if live.id != self.config.worker_id.0 {
             tracing::info!(
