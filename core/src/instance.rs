@@ -403,10 +403,10 @@ pub const RESERVED_DEDUP_KEY_PREFIXES: [(&str, &str); 2] = [
 /// A region's report (`parallel.region`) is sent through the same path as a sender's
 /// signal, and its payload is checked on arrival, so it stays allowed.
 pub const RESERVED_SIGNAL_NAME_PREFIXES: [&str; 5] = [
-    crate::chart::definition::DONE_STATE,
-    crate::chart::definition::DONE_INVOKE,
-    crate::chart::definition::FAIL_STATE,
-    crate::chart::definition::TIMEOUT_INVOKE,
+    crate::chart::DONE_STATE,
+    crate::chart::DONE_INVOKE,
+    crate::chart::FAIL_STATE,
+    crate::chart::TIMEOUT_INVOKE,
     crate::chart::step::TIMEOUT_EVENT_PREFIX,
 ];
 

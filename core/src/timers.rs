@@ -247,13 +247,10 @@ pub fn retime(timer: &TimerRow, deployed: &[TimerArm]) -> Option<Retimed> {
     if spec.interval == timer.spec.interval || spec.interval.is_zero() {
         return None;
     }
-    // The last tick of an `every` timer, fired or held; a held timer that never fired
-    // has moved past its state entry.
-    let last = timer.next_fire_at.minus(timer.spec.interval);
-    let anchor = if timer.fire_count > 0 {
-        last
-    } else if timer.spec.kind == TimerKind::Every {
-        last.max(timer.armed_at)
+    // The last tick of an `every` timer, fired or held (never before its state entry;
+    // only an `every` timer outlives a fire); an `after` timer counts from the entry.
+    let anchor = if timer.spec.kind == TimerKind::Every {
+        timer.next_fire_at.minus(timer.spec.interval).max(timer.armed_at)
     } else {
         timer.armed_at
     };

@@ -70,7 +70,7 @@
 mod algorithm;
 mod configuration;
 mod context;
-pub(crate) mod definition;
+mod definition;
 mod diagram;
 mod json;
 mod mermaid;
@@ -92,7 +92,7 @@ pub use definition::{
     Branch, BranchBuilder, ChartBuilder, Definition, Delegation, Event, Guard, HistoryDef,
     HistoryDepth, StateBuilder, StateKind, StateNode, TransitionBuilder, TransitionDef,
 };
-pub(crate) use definition::{DONE_INVOKE, FAIL_STATE};
+pub(crate) use definition::{DONE_INVOKE, DONE_STATE, FAIL_STATE, TIMEOUT_INVOKE};
 pub use json::{BranchJson, ChartJson, DefinitionJsonError, StateJson, TransitionJson};
 pub use migrate::Migration;
 
