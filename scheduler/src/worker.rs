@@ -753,8 +753,9 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// Everything [`spawn`](Self::spawn) checks before it starts anything: each machine
     /// registered once, every name its machines use bound ([`StepMachine::unbound`]), no
     /// machine configuration in code setting a field it does not apply
-    /// ([`QueueConfig::not_applied_in_code`]),
-    /// the worker's own bounds ([`WorkerConfig::validate`]), its timer
+    /// ([`QueueConfig::not_applied_in_code`]), every machine's configuration in code
+    /// within its bounds ([`QueueConfig::validate`]: a timeout over zero, a retry policy
+    /// within its bounds, …), the worker's own bounds ([`WorkerConfig::validate`]), its timer
     /// sweep ([`SweepConfig::validate`]), the configuration file for every registered
     /// machine ([`Self::check_settings`]), its schedules and its retention. The message
     /// names the setting and the fix.
@@ -772,6 +773,15 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         }
         if let Some(message) = &self.not_applied {
             return Err(message.clone());
+        }
+        // Checked with or without a configuration file: without one, a step runs with
+        // exactly what its machine set in code.
+        let mut machines: Vec<_> = self.machines.iter().collect();
+        machines.sort_by(|a, b| a.0.cmp(b.0));
+        for (m, machine) in machines {
+            machine.config().validate("QueueConfig").map_err(|e| {
+                format!("machine {} v{}: invalid configuration in code: {e}", m.name, m.version)
+            })?;
         }
         self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
         if let Some(timers) = &self.config.timers {
@@ -1824,10 +1834,21 @@ const RELEASE_TRIES: u32 = 3;
 /// Gives `leases` back; counts those the store released (a lease another worker took in
 /// the meantime is not this worker's to give back). A store that fails for a moment is
 /// asked again a bounded number of times: a lease not given back waits for its expiry,
-/// and its step then counts an attempt it never made.
+/// and its step then counts an attempt it never made. The leases go in calls of at most
+/// [`limits::COMMIT_BATCH_MAX`], the most one release takes (shutdown may give back more).
 async fn release<S: Store, C: Clock>(inner: &Inner<S, C>, leases: Vec<(InstanceId, FencingToken)>) {
+    for chunk in leases.chunks(limits::COMMIT_BATCH_MAX) {
+        release_batch(inner, chunk).await;
+    }
+}
+
+/// [`release`] of at most [`limits::COMMIT_BATCH_MAX`] leases in one call.
+async fn release_batch<S: Store, C: Clock>(
+    inner: &Inner<S, C>,
+    leases: &[(InstanceId, FencingToken)],
+) {
     for attempt in 1..=RELEASE_TRIES {
-        let params = LeaseReleaseParams { leases: leases.clone(), now: inner.clock.now() };
+        let params = LeaseReleaseParams { leases: leases.to_vec(), now: inner.clock.now() };
         match inner.store.lease_release(params).await {
             Ok(released) => {
                 let n = released.into_iter().filter(|held| *held).count() as u64;
@@ -1891,10 +1912,25 @@ async fn launch<S: Store, C: Clock>(
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         let task =
             tokio::spawn(run_step(Arc::clone(inner), claim, parent, (slot, permit), tx.clone()));
-        in_flight.insert(
-            id,
-            InFlight { token, task, committing: false, waiting, finished: false, lost: false },
-        );
+        let entry =
+            InFlight { token, task, committing: false, waiting, finished: false, lost: false };
+        // An older claim of the instance still running here lost its lease (the store
+        // gave the instance out again): its result can no longer commit, and left running
+        // it would run the step a second time beside this one, out of reach of shutdown.
+        if let Some(old) = in_flight.insert(id, entry)
+            && old.token != token
+            && !old.finished
+            && !old.task.is_finished()
+        {
+            tracing::warn!(
+                instance = %id,
+                old_token = old.token.0,
+                token = token.0,
+                "claimed again while an older claim of the instance still runs here (its \
+                 lease was lost); stopping the older run"
+            );
+            old.task.abort();
+        }
     }
 }
 
@@ -2176,10 +2212,13 @@ fn step_span(row: &Instance) -> tracing::Span {
     tracing::info_span!("step", instance = %row.id, machine = %row.machine, step = %row.position, attempt = row.attempt)
 }
 
-/// Runs the step in its own task, so a panic becomes an error and a timeout cancels it,
-/// also a step that blocks its thread (the wait for the task still ends on time). The
-/// task is spawned at once, the context moving into it, so the future returned holds only
-/// the task's handle and the timer, and adds little to the step's own task.
+/// Runs the step in its own task, so a panic becomes an error and a timeout cancels it.
+/// A step that blocks its thread cannot be cancelled: on a multi-threaded runtime with
+/// another thread free its timeout is still reported on time, but the step runs on and
+/// keeps its thread until it returns (see [`in_step_task`]); steps must not block their
+/// thread, and put blocking work in `tokio::task::spawn_blocking`. The task is spawned
+/// at once, the context moving into it, so the future returned holds only the task's
+/// handle and the timer, and adds little to the step's own task.
 fn guarded(
     machine: Arc<dyn StepMachine>,
     ctx: StepContext,
@@ -2220,7 +2259,10 @@ impl Stopped {
 /// names the instance), and returns its output waited for at most `timeout`: a task that
 /// runs out of time is aborted, one that panics gives the panic's message. Dropping the
 /// returned future (the step's own task aborted at the end of the shutdown grace) aborts
-/// the task too, so user code never runs on after its lease was given back.
+/// the task too. Aborting stops a task only where it awaits: a step that blocks its
+/// thread (a long computation, a blocking call) keeps running, and keeps its thread,
+/// until it returns, after its timeout and after its lease was given back. Steps must
+/// not block their thread; blocking work belongs in `tokio::task::spawn_blocking`.
 fn in_step_task<F>(
     work: F,
     span: tracing::Span,

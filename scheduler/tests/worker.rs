@@ -1270,3 +1270,121 @@ async fn the_clients_purge_by_age_keeps_the_letters_of_suspended_instances() {
     let all = DeadLetterPurgeParams { selector: None, older_than: None, keep_suspended: false };
     assert_eq!(h.store.dead_letter_purge(all).await.unwrap(), 1, "the store's purge takes it");
 }
+
+/// Shutdown gives back the leases of more steps than one release call takes (a store
+/// refuses more than `COMMIT_BATCH_MAX` leases in one call): every step still running
+/// is runnable again at once, without counting an attempt, rather than waiting for its
+/// lease to expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_gives_back_more_leases_than_one_release_call_takes() {
+    let h = Harness::new();
+    let n = keel_core::limits::COMMIT_BATCH_MAX + 100;
+    let instances = vec![new(); n];
+    let ids: Vec<InstanceId> = h
+        .store
+        .instance_insert(InsertParams { instances, now: h.clock.now() })
+        .await
+        .unwrap()
+        .iter()
+        .map(|inserted| inserted.id())
+        .collect();
+    assert_eq!(ids.len(), n);
+    let started = Arc::new(AtomicUsize::new(0));
+    let config = WorkerConfig {
+        queues: vec![("default".into(), n)],
+        shutdown_grace: Duration::from_millis(50),
+        ..h.config()
+    };
+    let worker =
+        h.worker(config.clone(), SlowCounted(Arc::clone(&started), Duration::from_secs(60)));
+    let all_running = within(Duration::from_secs(10), || started.load(Ordering::SeqCst) == n);
+    assert!(all_running.await, "{} of {n} steps started", started.load(Ordering::SeqCst));
+    let stats = worker.shutdown().await;
+    assert_eq!(stats.released.load(Ordering::Relaxed), n as u64);
+    let params = LeaseReapParams { owner: Some(config.worker_id), limit: 10, now: h.clock.now() };
+    let left = h.store.lease_reap(params).await.unwrap();
+    assert!(left.is_empty(), "{} leases were left to expire", left.len());
+    for id in ids {
+        let row = h.client.get(id).await.unwrap().instance;
+        assert_eq!((row.status, row.attempt, row.lease_owner), (Status::Runnable, 0, None));
+    }
+}
+
+/// A machine's configuration in code is checked when the worker starts even with no
+/// configuration file: a zero timeout (every step would time out at once) or a retry
+/// delay over its bound is refused at spawn, naming the machine and the field.
+#[tokio::test]
+async fn a_machine_configuration_in_code_out_of_bounds_is_refused_at_spawn() {
+    let h = Harness::new();
+    let over = keel_core::limits::RETRY_DELAY_MAX + Duration::from_secs(86_400);
+    let cases = [
+        ("timeout", QueueConfig { timeout: Duration::ZERO, ..QueueConfig::default() }),
+        (
+            "retry.max_delay",
+            QueueConfig {
+                retry: RetryPolicy { max_delay: over, ..RetryPolicy::default() },
+                ..QueueConfig::default()
+            },
+        ),
+    ];
+    for (field, config) in cases {
+        assert!(h.config().settings.is_none());
+        let worker = Worker::new(Arc::clone(&h.store), h.clock.clone(), h.config())
+            .register(Fn_(|_: &StepContext| done(), config));
+        let refused = worker.try_spawn().err().unwrap_or_else(|| panic!("{field} accepted"));
+        assert!(refused.contains(&format!("{field}:")), "{refused}");
+        assert!(refused.contains("machine m v1"), "{refused}");
+    }
+}
+
+/// A machine whose steps count how many run at once, and take a minute.
+struct Overlapping {
+    started: Arc<AtomicUsize>,
+    live: Arc<AtomicUsize>,
+}
+
+/// Counts a running step down when its run ends or is aborted.
+struct Live(Arc<AtomicUsize>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl StepMachine for Overlapping {
+    fn machine(&self) -> MachineRef {
+        machine()
+    }
+    async fn step(&self, _: &StepContext) -> Result<Outcome, StepError> {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.live.fetch_add(1, Ordering::SeqCst);
+        let _live = Live(Arc::clone(&self.live));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        done()
+    }
+}
+
+/// A step whose lease was lost while it still runs here, its instance then claimed again
+/// by the same worker: the older run is stopped, so the step does not run twice at once.
+#[tokio::test]
+async fn a_step_claimed_again_while_its_lost_run_still_runs_here_stops_the_older_run() {
+    let h = Harness::new();
+    let (started, live) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let config = WorkerConfig { shutdown_grace: Duration::from_millis(50), ..h.config() };
+    let machine = Overlapping { started: Arc::clone(&started), live: Arc::clone(&live) };
+    let worker = h.worker(config.clone(), machine);
+    let id = h.start(new()).await;
+    assert!(within(Duration::from_secs(5), || started.load(Ordering::SeqCst) == 1).await);
+    // The lease is taken away behind the worker's back (as a reaper elsewhere would),
+    // and the same worker claims the instance again.
+    let params =
+        LeaseReapParams { owner: Some(config.worker_id.clone()), limit: 10, now: h.clock.now() };
+    assert_eq!(h.store.lease_reap(params).await.unwrap(), vec![id]);
+    assert!(within(Duration::from_secs(5), || started.load(Ordering::SeqCst) == 2).await);
+    let one = within(Duration::from_secs(1), || live.load(Ordering::SeqCst) == 1);
+    assert!(one.await, "{} runs of the step at once", live.load(Ordering::SeqCst));
+    worker.shutdown().await;
+    assert_eq!(live.load(Ordering::SeqCst), 0, "a run outlived the shutdown");
+}
