@@ -18,14 +18,14 @@
 //!   [`timeout_owner`]`(path)` and firing [`timeout_event`]`(path)`; it is cancelled when
 //!   the parallel state is left.
 //!
-//! # Seed lock settings and Keel leases
+//! # No database-lock settings: leases order the results
 //!
-//! The seed serializes region results with a database lock (`lock_timeout` 30 s to wait,
-//! `lock_ttl` 60 s before a stale lock is cleaned up). Keel needs neither: results are
-//! events in the parent's inbox, applied one at a time by whichever worker holds the
-//! parent's **lease**; nobody waits on a lock (so no `lock_timeout`), and a crashed holder's
-//! lease expires after `WorkerConfig::lease` and the reaper hands the row to another worker
-//! (the `lock_ttl`); fencing tokens reject a stale holder's late commit.
+//! Region results are never serialized with a database lock, so there is no lock wait
+//! (`lock_timeout`) or stale-lock lifetime (`lock_ttl`) to set. Results are events in the
+//! parent's inbox, applied one at a time by whichever worker holds the parent's **lease**;
+//! nobody waits on a lock, and a crashed holder's lease expires after
+//! `WorkerConfig::lease`, when the reaper hands the row to another worker; fencing tokens
+//! reject a stale holder's late commit.
 
 use keel_core::InstanceId;
 use keel_core::chart::parallel::{RegionReport, RegionTask};

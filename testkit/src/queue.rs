@@ -187,12 +187,16 @@ impl Queue for MemoryQueue {
     async fn ack(&self, receipts: Vec<String>) -> StoreResult<()> {
         validate_receipts(&receipts)?;
         let parsed = receipts.iter().map(|r| parse_receipt(r)).collect::<StoreResult<Vec<_>>>()?;
-        let mut state = self.state.lock().expect("queue lock");
-        for (seq, count) in parsed {
-            if state.entries.get(&seq).is_some_and(|e| e.receive_count == count) {
-                state.entries.remove(&seq);
+        {
+            let mut state = self.state.lock().expect("queue lock");
+            for (seq, count) in parsed {
+                if state.entries.get(&seq).is_some_and(|e| e.receive_count == count) {
+                    state.entries.remove(&seq);
+                }
             }
         }
+        // An acked group head unblocks the next hint of its group: wake waiting receivers.
+        self.published.notify_waiters();
         Ok(())
     }
 

@@ -14,7 +14,18 @@
 //!   (nothing lost, nothing hung), and a terminal instance keeps no inbox rows or timers;
 //! - each invariant you register, over every instance's row (status, position, context).
 //!
-//! A failure names the seed, the violated rule and the shortest event trace the simulator
+//! Each step runs as the worker runs it: a commit that names no signals to consume consumes
+//! the ones the step saw that match what the instance awaited (none when it parks again).
+//!
+//! One worker rule is left out: the worker does not run a step again whose last attempts
+//! all ended with an expired lease (as many in a row as its retry policy's `max_attempts`,
+//! at least two) and fails it instead, by default suspending the instance with a dead
+//! letter. The simulator's clock jumps and crashes expire leases far more often than a
+//! healthy deployment does, so with that rule most runs would end with suspended
+//! instances; here such a step is simply run again. Test that rule against a worker.
+//!
+//! A failure (a panic in your step, signal or invariant function included) names the
+//! seed, the violated rule and the shortest event trace the simulator
 //! could shrink the run to. The same seed replays the same run exactly: set `SIM_SEED=<seed>`
 //! and [`Simulation::check_seeds`] runs that seed alone and prints its trace.
 //!
@@ -62,6 +73,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::ops::Range;
+use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -357,13 +369,22 @@ impl<S: Store> Simulation<S> {
                 let seed = text.trim().parse::<u64>().unwrap_or_else(|_| {
                     panic!("SIM_SEED: `{text}` is not a seed; set it to a whole number such as SIM_SEED=42, or unset it to run the whole sweep")
                 });
-                let (result, lines) = self.replay(&self.generate(seed), true);
-                println!("SIM_SEED={seed}: {} events", lines.len());
-                for (i, line) in lines.iter().enumerate() {
-                    println!("  {:>3}. {line}", i + 1);
-                }
-                if let Err((_, v)) = result {
-                    println!("  broke `{}`: {}", v.kind, v.detail);
+                let replayed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    self.replay(&self.generate(seed), true)
+                }));
+                match replayed {
+                    Ok((result, lines)) => {
+                        println!("SIM_SEED={seed}: {} events", lines.len());
+                        for (i, line) in lines.iter().enumerate() {
+                            println!("  {:>3}. {line}", i + 1);
+                        }
+                        if let Err((_, v)) = result {
+                            println!("  broke `{}`: {}", v.kind, v.detail);
+                        }
+                    }
+                    Err(payload) => {
+                        println!("SIM_SEED={seed}: panicked: {}", panic_message(&*payload));
+                    }
                 }
                 vec![seed]
             }
@@ -371,12 +392,19 @@ impl<S: Store> Simulation<S> {
         };
         let mut sweep = SimSweep::default();
         for seed in seeds {
-            match self.run(seed) {
-                Ok(report) => {
+            // A panic in user code (a step, the signal source, an invariant) fails the seed
+            // too, named so that it can be replayed.
+            let ran = std::panic::catch_unwind(AssertUnwindSafe(|| self.run(seed)));
+            match ran {
+                Ok(Ok(report)) => {
                     sweep.seeds += 1;
                     sweep.total.add(&report);
                 }
-                Err(failure) => panic!("{failure}"),
+                Ok(Err(failure)) => panic!("{failure}"),
+                Err(payload) => panic!(
+                    "simulation failed: seed {seed} panicked: {}\nreplay this run exactly with SIM_SEED={seed} and the same test",
+                    panic_message(&*payload)
+                ),
             }
         }
         sweep
@@ -648,6 +676,12 @@ impl<'a, S: Store> World<'a, S> {
         let mut commit = step(row, &claim.inbox);
         commit.id = row.id;
         commit.token = claim.token();
+        // As the worker does: a step that names no signals to consume consumes the ones it
+        // saw that match what the instance awaited (none when it parks again).
+        if commit.consume.is_empty() {
+            commit.consume =
+                keel_core::inbox::consumed_by(&commit.outcome, row.awaits.as_deref(), &claim.inbox);
+        }
         self.report.executions += 1;
         let line = format!(
             "{} runs {} at `{}` (revision {}, token {}) -> {}",
@@ -1024,6 +1058,15 @@ fn outcome_name(commit: &StepCommit) -> String {
         Outcome::Stop { reason } => format!("stop: {reason}"),
         Outcome::Suspend => "suspend".to_owned(),
     }
+}
+
+/// The message a panic was given, when it was a string.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_owned())
 }
 
 fn list(ids: &[InstanceId]) -> String {

@@ -407,3 +407,157 @@ mod charts {
         );
     }
 }
+
+/// A machine that waits for `go` twice: `first` then `second` record the id of the `go`
+/// each step saw. The worker consumes the signal a step saw when the step does not park
+/// again, so the second wait needs a second `go`.
+mod consumption {
+    use super::*;
+
+    fn twice() -> MachineRef {
+        MachineRef::new("twice", 1)
+    }
+
+    fn twice_step(row: &Instance, inbox: &[Signal]) -> StepCommit {
+        let mut ctx = row.context.clone();
+        let go = inbox.iter().find(|s| s.name == "go");
+        let park = |ctx, step: &str| Outcome::Await {
+            signal: "go".into(),
+            context: ctx,
+            step: Some(step.into()),
+        };
+        let outcome = match (row.position.as_str(), go) {
+            ("start", _) => park(ctx, "got_first"),
+            ("got_first", Some(signal)) => {
+                ctx["first"] = json!(signal.id.0);
+                Outcome::Next { step: "wait_again".into(), context: ctx }
+            }
+            ("wait_again", _) => park(ctx, "got_second"),
+            ("got_second", Some(signal)) => {
+                ctx["second"] = json!(signal.id.0);
+                Outcome::Done { result: ctx, step: None }
+            }
+            (position, None) => park(ctx, position),
+            (position, Some(_)) => Outcome::Stop { reason: format!("unknown step {position}") },
+        };
+        // No explicit `consume`: the default rule applies.
+        StepCommit::new(row.id, row.fencing_token, outcome)
+    }
+
+    fn sim() -> Simulation {
+        Simulation::new()
+            .machine(twice(), twice_step)
+            .start(NewInstance::new(twice(), "start"))
+            .start(NewInstance::new(twice(), "start"))
+            .signals(|row| {
+                // One `go` per wait, deduplicated per wait.
+                vec![
+                    NewSignal::new(SignalTarget::Id(row.id), "go")
+                        .dedup_key(format!("go-{}-{}", row.id, row.position)),
+                ]
+            })
+            .invariant("each wait is woken by its own go", |row| {
+                let Some(result) = row.result.as_ref().filter(|_| row.status == Status::Done)
+                else {
+                    return Ok(());
+                };
+                if result["first"] == result["second"] {
+                    return Err(format!("both waits saw signal {}", result["first"]));
+                }
+                Ok(())
+            })
+    }
+
+    #[test]
+    fn a_step_consumes_the_awaited_signal_it_saw_without_naming_it() {
+        let sweep = sim().check_seeds(0..100);
+        assert_eq!(sweep.total.instances, 2 * 100);
+        // Two deliveries per instance at least: the first `go` cannot wake the second wait.
+        assert!(sweep.total.delivered >= 2 * 2 * 100, "{:?}", sweep.total);
+    }
+}
+
+/// A panic in user code fails the seed by name, so that it can be replayed.
+#[test]
+fn a_panicking_step_names_its_seed() {
+    let sim = Simulation::new()
+        .machine(payment(), |_row: &Instance, _inbox: &[Signal]| -> StepCommit {
+            panic!("the step exploded")
+        })
+        .start(NewInstance::new(payment(), "reserve"))
+        .config(SimConfig { events: 20, ..SimConfig::default() });
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.check_seeds(3..4)))
+        .expect_err("the step panics");
+    let text = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default();
+    assert!(
+        text.contains("seed 3")
+            && text.contains("SIM_SEED=3")
+            && text.contains("the step exploded"),
+        "{text}"
+    );
+}
+
+/// Charts in the simulator cancel the children of a delegation state they leave, as the
+/// durable runtime does, and start children at the version the chart names.
+mod chart_children {
+    use super::*;
+    use keel_core::chart::Definition;
+    use keel_testkit::sim::SimChart;
+
+    /// `working` delegates to `shipping` (version 2), whose instances wait for a signal
+    /// nobody sends; `CANCEL` leaves `working`, which must cancel the child.
+    fn parent() -> SimChart {
+        let def = Definition::builder("sim_parent", 1)
+            .initial("working")
+            .state("working", |s| {
+                s.machine("shipping")
+                    .on_to("CANCEL", "cancelled")
+                    .on("done.invoke.working", |t| t.target("shipped"))
+            })
+            .final_state("shipped")
+            .final_state("cancelled")
+            .build()
+            .unwrap();
+        SimChart::new(def).with_child_version("shipping", 2)
+    }
+
+    fn sim() -> Simulation {
+        let chart = parent();
+        let start = chart.new_instance(json!({}));
+        Simulation::new()
+            .chart(chart)
+            .machine(MachineRef::new("shipping", 2), |row: &Instance, _inbox: &[Signal]| {
+                let park = Outcome::Await {
+                    signal: "never".into(),
+                    context: row.context.clone(),
+                    step: None,
+                };
+                StepCommit::new(row.id, row.fencing_token, park)
+            })
+            .start(start.clone())
+            .start(start)
+            .signals(|row| {
+                if row.machine.name != "sim_parent" {
+                    return Vec::new();
+                }
+                vec![NewSignal::new(SignalTarget::Id(row.id), "CANCEL").dedup_key("cancel")]
+            })
+            .invariant("children run version 2", |row| {
+                if row.machine.name == "shipping" && row.machine.version != 2 {
+                    return Err(format!("child runs {}", row.machine));
+                }
+                Ok(())
+            })
+    }
+
+    #[test]
+    fn leaving_a_delegation_state_cancels_its_child() {
+        let sweep = sim().check_seeds(0..50);
+        // Each parent and its child: the child ends only by being cancelled.
+        assert_eq!(sweep.total.instances, 2 * 2 * 50, "{:?}", sweep.total);
+    }
+}

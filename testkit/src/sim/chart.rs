@@ -28,6 +28,7 @@ pub struct SimChart {
     actions: HashMap<String, Box<SyncAction>>,
     limits: Limits,
     parallel: ParallelConfig,
+    child_versions: HashMap<String, i32>,
 }
 
 impl SimChart {
@@ -38,6 +39,7 @@ impl SimChart {
             actions: HashMap::new(),
             limits: Limits::default(),
             parallel: ParallelConfig::default(),
+            child_versions: HashMap::new(),
         }
     }
 
@@ -48,6 +50,14 @@ impl SimChart {
         action: impl Fn(&SharedContext, &Event) -> Result<(), ActionError> + 'static,
     ) -> Self {
         self.actions.insert(name.into(), Box::new(action));
+        self
+    }
+
+    /// Child machines started by delegation states run this version of `machine`
+    /// (default 1), as with the durable runtime's `ChartMachine::with_child_version`.
+    #[must_use]
+    pub fn with_child_version(mut self, machine: &str, version: i32) -> Self {
+        self.child_versions.insert(machine.to_owned(), version);
         self
     }
 
@@ -137,11 +147,13 @@ impl SimChart {
         commit.history = plan.history;
         commit.timers_cancel = plan.timers_cancel;
         commit.timers_arm = plan.timers_arm;
+        commit.children_cancel = plan.children_cancel;
         commit.spawn = plan
             .children
             .iter()
             .map(|child| {
-                NewInstance::new(MachineRef::new(&child.machine, 1), CHART_INIT)
+                let version = self.child_versions.get(&child.machine).copied().unwrap_or(1);
+                NewInstance::new(MachineRef::new(&child.machine, version), CHART_INIT)
                     .context(json!({ "parent": row.id, "state": child.state }))
                     .invoked_by(&child.state)
             })
