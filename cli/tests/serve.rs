@@ -2192,3 +2192,51 @@ fn a_used_up_task_the_store_cannot_suspend_fails_rather_than_coming_back() {
         assert!(error.contains("occupies it"), "{name}: {error}");
     }
 }
+
+/// A body is one JSON document: anything but whitespace after it (garbage, or a second
+/// document) is a 400 naming `body`, nothing done; trailing whitespace is fine.
+#[test]
+fn a_body_with_data_after_its_document_is_refused_naming_body() {
+    for (name, s) in servers("a_body_with_data_after_its_document_is_refused_naming_body", None) {
+        let ns = "/v1/namespaces/default/instances";
+        let start = r#"{"machine":"echo","at":"run"}"#;
+        let poll =
+            r#"{"worker":"w","namespace":"default","machines":[{"name":"echo","version":1}]}"#;
+        for (path, body) in [
+            (ns, format!("{start} garbage")),
+            (ns, format!("{start}{start}")),
+            ("/v1/worker/tasks/poll", format!("{poll} {poll}")),
+        ] {
+            let (code, answer) = s.post(path, &body);
+            assert_eq!(code, 400, "{name}: {path} {body}: {answer}");
+            assert_eq!(answer["field"], "body", "{name}: {path} {body}: {answer}");
+        }
+        let (_, list) = s.get_json("/v1/namespaces/default/machines/echo/instances");
+        assert_eq!(list["instances"], json!([]), "{name}: nothing was started: {list}");
+        let (code, answer) = s.post(ns, &format!("{start} \n"));
+        assert_eq!(code, 201, "{name}: {answer}");
+    }
+}
+
+/// A heartbeat for a task that does not exist is 404, as `complete` and `fail` answer,
+/// not the 409 of a lease that is no longer the worker's.
+#[test]
+fn a_heartbeat_for_a_task_that_does_not_exist_is_not_found() {
+    for (name, s) in servers("a_heartbeat_for_a_task_that_does_not_exist_is_not_found", None) {
+        let body = r#"{"worker":"w","token":1,"lease_ms":1000}"#;
+        let (code, answer) = s.post("/v1/worker/tasks/999999/heartbeat", body);
+        assert_eq!(code, 404, "{name}: {answer}");
+        let (code, answer) = s.post(
+            "/v1/worker/tasks/999999/complete",
+            r#"{"worker":"w","token":1,"outcome":{"type":"done","result":{}}}"#,
+        );
+        assert_eq!(code, 404, "{name}: {answer}");
+        // A task that exists but whose lease is not the worker's is still 409.
+        let (code, a) =
+            s.post("/v1/namespaces/default/instances", r#"{"machine":"echo","at":"run"}"#);
+        assert_eq!(code, 201, "{name}: {a}");
+        let id = a["id"].as_i64().unwrap();
+        let (code, answer) = s.post(&format!("/v1/worker/tasks/{id}/heartbeat"), body);
+        assert_eq!(code, 409, "{name}: {answer}");
+    }
+}

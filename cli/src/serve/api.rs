@@ -162,7 +162,10 @@ fn path_rejected(rejection: PathRejection) -> ApiError {
 /// Parses a JSON body; the error names the field at fault (its path in the document).
 pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut de).map_err(|error| named(error, "body"))
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|error| named(error, "body"))?;
+    // One JSON document and nothing after it but whitespace.
+    de.end().map_err(|error| ApiError::bad("body", format!("body: {error}")))?;
+    Ok(value)
 }
 
 /// A query string's parameters, or 400 naming the parameter at fault, as for bodies.

@@ -365,6 +365,28 @@ impl ReapGate {
     fn answered(&self, now: keel_core::Timestamp) {
         self.with(|hold, longest| hold.answered(now, (*longest).max(LEASE_MIN)));
     }
+
+    /// Learns from a store call's `result`: a retryable error says the store cannot be
+    /// reached, anything else (a result or a refusal) that it answered.
+    fn saw<T>(&self, result: &Result<T, StoreError>) {
+        match result {
+            Err(error) if error.is_retryable() => self.unreachable(),
+            _ => self.answered(now()),
+        }
+    }
+}
+
+/// A store call made for a worker, its answer told to the [`ReapGate`]: heartbeats and
+/// results show whether the store can be reached as polls do, so after an outage every
+/// worker that lived through it mid-step gets a lease period to renew its lease, even
+/// when none of them polled.
+async fn gated<T>(
+    state: &AppState,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let result = call.await;
+    state.reap_gate.saw(&result);
+    result
 }
 
 /// What one poll claims with.
@@ -385,15 +407,7 @@ impl Claim<'_> {
         gate.handed_out(self.lease);
         if reap && gate.may_reap(now()) {
             let params = LeaseReapParams { owner: None, limit: REAP_BATCH, now: now() };
-            let reaped = match store.lease_reap(params).await {
-                Ok(reaped) => reaped,
-                Err(e) => {
-                    if e.is_retryable() {
-                        gate.unreachable();
-                    }
-                    return Err(e.into());
-                }
-            };
+            let reaped = gated(self.state, store.lease_reap(params)).await?;
             metrics::counter!("keel_leases_reaped_total").increment(reaped.len() as u64);
         }
         // Queue by queue, each under its own settings (claim order, global and per-key
@@ -420,34 +434,18 @@ impl Claim<'_> {
 
     /// One task of `queue`, if one is ready.
     async fn claim_one(&self, queue: &str) -> Result<Option<Claimed>, ApiError> {
-        let claims = self
-            .state
-            .keel
-            .store()
-            .instance_claim(ClaimParams {
-                worker: WorkerId(self.body.worker.clone()),
-                namespaces: vec![self.body.namespace.clone()],
-                queues: vec![queue.to_owned()],
-                machines: self.machines.to_vec(),
-                limit: 1,
-                lease: self.lease,
-                now: now(),
-                policy: self.state.config.claim_policy(queue),
-            })
-            .await;
-        let gate = &self.state.reap_gate;
-        let claims = match claims {
-            Ok(claims) => {
-                gate.answered(now());
-                claims
-            }
-            Err(e) => {
-                if e.is_retryable() {
-                    gate.unreachable();
-                }
-                return Err(e.into());
-            }
-        };
+        let store = self.state.keel.store();
+        let claim = store.instance_claim(ClaimParams {
+            worker: WorkerId(self.body.worker.clone()),
+            namespaces: vec![self.body.namespace.clone()],
+            queues: vec![queue.to_owned()],
+            machines: self.machines.to_vec(),
+            limit: 1,
+            lease: self.lease,
+            now: now(),
+            policy: self.state.config.claim_policy(queue),
+        });
+        let claims = gated(self.state, claim).await?;
         let mut claimed = claims.into_iter().next();
         if let Some(claimed) = &mut claimed {
             in_step_order(&self.state.config, &claimed.instance, &mut claimed.inbox);
@@ -513,7 +511,9 @@ impl Claim<'_> {
     /// again at once, as it was before the claim.
     async fn give_back(&self, claim: &Claimed) -> Result<(), ApiError> {
         let leases = vec![(claim.instance.id, claim.token())];
-        self.state.keel.store().lease_release(LeaseReleaseParams { leases, now: now() }).await?;
+        let release =
+            self.state.keel.store().lease_release(LeaseReleaseParams { leases, now: now() });
+        gated(self.state, release).await?;
         Ok(())
     }
 }
@@ -561,10 +561,10 @@ async fn visible(
     let Some(Extension(grant)) = grant else {
         return Ok(None);
     };
-    let rows = state.keel.store().instance_rows(vec![id]).await?;
+    let rows = gated(state, state.keel.store().instance_rows(vec![id])).await?;
     match rows.into_iter().find(|row| row.id == id && grant.sees(&row.namespace)) {
         Some(row) => Ok(Some(row)),
-        None => Err(ApiError::not_found(format!("no task {id}"))),
+        None => Err(no_task(id)),
     }
 }
 
@@ -575,6 +575,10 @@ fn task_id(raw: &str) -> Result<InstanceId, ApiError> {
             format!("id: {raw:?} is not a task id; use the \"id\" the poll returned"),
         )
     })
+}
+
+fn no_task(id: InstanceId) -> ApiError {
+    ApiError::not_found(format!("no task {id}"))
 }
 
 fn stale(id: InstanceId) -> ApiError {
@@ -595,9 +599,11 @@ async fn unnamed_lease(
     read: Option<Instance>,
 ) -> Result<Duration, ApiError> {
     let asked = state.beats.lease(worker).unwrap_or_else(|| Duration::from_millis(default_lease()));
-    let row = match read {
-        Some(row) => Some(row),
-        None => state.keel.store().instance_rows(vec![id]).await?.into_iter().find(|r| r.id == id),
+    let row = if read.is_some() {
+        read
+    } else {
+        let rows = gated(state, state.keel.store().instance_rows(vec![id])).await?;
+        rows.into_iter().find(|r| r.id == id)
     };
     let at = now();
     let left = row
@@ -606,7 +612,8 @@ async fn unnamed_lease(
     Ok(asked.max(left).clamp(LEASE_MIN, LEASE_MAX))
 }
 
-/// Extends a task's lease: 200, or 409 when the token is stale.
+/// Extends a task's lease: 200, 409 when the token is stale, or 404 when there is no such
+/// task (as `complete` and `fail` answer).
 pub async fn heartbeat(
     _: NoQuery,
     State(state): State<Arc<AppState>>,
@@ -622,21 +629,24 @@ pub async fn heartbeat(
         Some(ms) => lease(ms)?,
         None => unnamed_lease(&state, id, &b.worker, seen).await?,
     };
-    let held = store
-        .lease_extend(LeaseExtendParams {
-            worker: WorkerId(b.worker.clone()),
-            leases: vec![(id, FencingToken(b.token))],
-            lease,
-            now: now(),
-        })
-        .await?;
+    // The lease may now run this long: after an outage, the gate's hold covers it.
+    state.reap_gate.handed_out(lease);
+    let extend = store.lease_extend(LeaseExtendParams {
+        worker: WorkerId(b.worker.clone()),
+        leases: vec![(id, FencingToken(b.token))],
+        lease,
+        now: now(),
+    });
+    let held = gated(&state, extend).await?;
     if held.first().copied().unwrap_or(false) {
         // A worker busy on a long step heartbeats but does not poll: it is alive.
         state.beats.lease_held(store, &b.worker).await;
-        Ok(Json(json!({ "id": id.0, "lease_ms": lease.as_millis() as u64 })).into_response())
-    } else {
-        Err(stale(id))
+        return Ok(
+            Json(json!({ "id": id.0, "lease_ms": lease.as_millis() as u64 })).into_response()
+        );
     }
+    let rows = gated(&state, store.instance_rows(vec![id])).await?;
+    if rows.iter().any(|row| row.id == id) { Err(stale(id)) } else { Err(no_task(id)) }
 }
 
 /// `POST …/complete`: the step's outcome, as the `Outcome` JSON (`{"type": "done", …}`),
@@ -728,7 +738,7 @@ pub async fn complete(
     if let Some(grant) = &scope {
         children_within(grant, &b.outcome)?;
     }
-    let detail = state.keel.get(id).await?;
+    let detail = gated(&state, state.keel.get(id)).await?;
     let row = &detail.instance;
     if !holds(row, &b.worker, b.token) {
         return Err(stale(id));
@@ -771,7 +781,7 @@ pub async fn fail(
     let id = task_id(&id)?;
     visible(&state, grant, id).await?;
     let b: FailBody = body(&read(bytes)?)?;
-    let detail = state.keel.get(id).await?;
+    let detail = gated(&state, state.keel.get(id)).await?;
     let row = &detail.instance;
     if !holds(row, &b.worker, b.token) {
         return Err(stale(id));
@@ -974,8 +984,9 @@ async fn commit_counted(
     failed: bool,
 ) -> Result<CommitReceipt, StoreError> {
     let retry = matches!(commit.outcome, Outcome::Retry { .. });
-    let results =
-        state.keel.store().step_commit(CommitParams { commits: vec![commit], now: now() }).await?;
+    let step_commit =
+        state.keel.store().step_commit(CommitParams { commits: vec![commit], now: now() });
+    let results = gated(state, step_commit).await?;
     let receipt = results.into_iter().next().unwrap_or_else(|| {
         Err(StoreError::unavailable("the store returned no result for the commit"))
     })?;
@@ -1080,5 +1091,64 @@ mod tests {
             [("w1", &vec![MachineRef::new("echo", 1)], &vec!["default".to_owned()])],
             "the heartbeat recorded the worker with its poll's machines"
         );
+    }
+
+    /// Runs one SQL statement on the SQLite file at `url`.
+    async fn sqlite_exec(url: &str, sql: &str) {
+        use sqlx::{ConnectOptions as _, Connection as _};
+        let path = url.strip_prefix("sqlite://").expect("a SQLite URL");
+        let mut conn =
+            sqlx::sqlite::SqliteConnectOptions::new().filename(path).connect().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())).execute(&mut conn).await.unwrap();
+        conn.close().await.unwrap();
+    }
+
+    /// While every HTTP worker is mid-step no poll comes, so the server learns of a store
+    /// outage from their heartbeats (and results): the first poll after the store is back
+    /// leaves the leases that ran out meanwhile to be renewed, rather than reaping them
+    /// and handing their steps out a second time.
+    #[tokio::test]
+    async fn a_heartbeat_that_met_an_outage_holds_the_next_polls_reap() {
+        let (dir, keel, id) = echo_task().await;
+        let url = format!("sqlite://{}", dir.path().join("keel.db").display());
+        let state =
+            Arc::new(AppState::open(keel.clone(), "default", keel::prometheus::install().unwrap()));
+        let poll_as = |worker: &str| {
+            let body = format!(
+                r#"{{"worker":"{worker}","namespace":"default","machines":[{{"name":"echo","version":1}}],"lease_ms":150}}"#
+            );
+            poll(NoQuery, State(Arc::clone(&state)), None, Ok(Bytes::from(body)))
+        };
+        let answer = poll_as("w1").await.unwrap();
+        let body = axum::body::to_bytes(answer.into_body(), 1 << 20).await.unwrap();
+        let task: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(task["id"], json!(id.0), "{task}");
+        let beat = format!(r#"{{"worker":"w1","token":{},"lease_ms":150}}"#, task["token"]);
+        let heartbeat = || {
+            let path = Path(id.0.to_string());
+            let bytes = Ok(Bytes::from(beat.clone()));
+            heartbeat(NoQuery, State(Arc::clone(&state)), None, path, bytes)
+        };
+        // The store fails every write of the task's row as an outage (a runtime error in
+        // a trigger): the heartbeat gets 503, and the lease runs out meanwhile.
+        sqlite_exec(
+            &url,
+            &format!(
+                "CREATE TRIGGER outage BEFORE UPDATE ON keel_instances WHEN OLD.id = {} \
+                 BEGIN SELECT abs(-9223372036854775807 - 1); END",
+                id.0
+            ),
+        )
+        .await;
+        let error = heartbeat().await.expect_err("the store is out of reach");
+        assert_eq!(error.into_response().status(), StatusCode::SERVICE_UNAVAILABLE);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        sqlite_exec(&url, "DROP TRIGGER outage").await;
+        // Back: another worker's poll does not take the task whose lease ran out.
+        let answer = poll_as("w2").await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NO_CONTENT, "the task was handed out twice");
+        heartbeat().await.expect("the worker mid-step renews its lease");
+        let row = keel.get(id).await.unwrap().instance;
+        assert_eq!((row.attempt, row.lease_owner), (0, Some(WorkerId("w1".to_owned()))));
     }
 }
