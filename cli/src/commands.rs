@@ -48,9 +48,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         let keel = crate::health::connect(&cli).await?;
         return crate::health::run(&keel, &cli, &config).await;
     }
-    if let Command::Serve { listen, tokens, definitions } = &cli.command {
+    if let Command::Serve { listen, tokens, definitions, no_worker } = &cli.command {
         // The flags and files are checked before the store is opened.
-        crate::serve::run(&cli, *listen, tokens.as_deref(), definitions.as_deref()).await?;
+        let (tokens, definitions) = (tokens.as_deref(), definitions.as_deref());
+        crate::serve::run(&cli, *listen, tokens, definitions, !*no_worker).await?;
         return Ok(Report::ok(json!({ "stopped": true }), "Stopped."));
     }
     let mut keel = connect(&cli, migrate).await?;

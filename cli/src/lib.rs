@@ -174,6 +174,13 @@ pub enum Command {
         /// get 400, and the dashboard draws those charts for their instances.
         #[arg(long, env = "KEEL_DEFINITIONS")]
         definitions: Option<PathBuf>,
+        /// Run no background worker. By default the server also runs one that runs no
+        /// steps but fires due timers and join deadlines, fires the `--config`
+        /// schedules and applies the `--config` retention, in every namespace, so HTTP
+        /// workers alone need no Rust program beside them. Running it beside in-process
+        /// workers that do the same is safe.
+        #[arg(long)]
+        no_worker: bool,
     },
     /// Instances of a machine, newest first, a page at a time.
     List(ListArgs),

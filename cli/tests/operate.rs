@@ -613,6 +613,8 @@ async fn metrics_show_armed_and_due_timers_and_how_late_the_sweep_runs() {
                 "serve",
                 "--listen",
                 "127.0.0.1:0",
+                // The server's own worker would sweep the due timer.
+                "--no-worker",
             ])
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())

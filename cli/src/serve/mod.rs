@@ -197,6 +197,7 @@ pub async fn run(
     listen: SocketAddr,
     tokens: Option<&std::path::Path>,
     definitions: Option<&std::path::Path>,
+    background_worker: bool,
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
     let definitions = definitions.map(crate::definitions::Definitions::load).transpose()?;
@@ -241,7 +242,41 @@ pub async fn run(
     for w in state.definitions.iter().flat_map(crate::definitions::Definitions::warnings) {
         crate::output::warn(&w);
     }
-    serve_until(listener, state, keel::shutdown_signal()).await.context("the HTTP server stopped")
+    let worker = background_worker.then(|| housekeeping(&state.keel)).transpose()?;
+    let served = serve_until(listener, state, keel::shutdown_signal()).await;
+    if let Some(worker) = worker {
+        // It runs no steps, so its shutdown only stops its sweeps, schedules and pruner.
+        worker.shutdown().await;
+    }
+    served.context("the HTTP server stopped")
+}
+
+/// The server's own worker: no machines, so it claims nothing, but it fires due timers
+/// and join deadlines in every namespace, fires the file's schedules and applies the
+/// file's retention (the `Keel` carries the file). Without it, a deployment whose steps
+/// all run in HTTP workers would have nothing that fires a timer.
+fn housekeeping(keel: &Keel) -> anyhow::Result<keel::WorkerHandle> {
+    let config = keel::WorkerConfig {
+        // The server samples the store's counts into its gauges on every scrape; a second
+        // sampler would write the same gauges on its own schedule.
+        stats_interval: None,
+        // It holds no lease. Its lease period is how long its reaper holds off after the
+        // store was out of reach; HTTP workers may hold leases of up to an hour, so it
+        // leaves reaping after an outage to the polls, which hold off for the leases they
+        // handed out.
+        lease: worker::LEASE_MAX,
+        ..keel::WorkerConfig::named("keel-serve")
+    };
+    let id = config.worker_id.0.clone();
+    let handle = keel
+        .worker_with(config)
+        .spawn()
+        .context("the server's worker did not start (--no-worker serves without it)")?;
+    let _ = writeln!(
+        std::io::stderr(),
+        "worker {id}: fires timers, join deadlines, schedules and retention; runs no steps (--no-worker turns it off)"
+    );
+    Ok(handle)
 }
 
 async fn health_handler(_: api::NoQuery, State(state): State<Arc<AppState>>) -> Response {
