@@ -903,6 +903,23 @@ fn a_token_starts_children_only_in_its_namespaces_and_paths_match_decoded() {
     }
 }
 
+/// A task carries the step's timeout by the file, which only the remote worker can
+/// enforce: the machine's where it sets one, else the default.
+#[test]
+fn a_task_carries_the_steps_timeout_by_the_file() {
+    let config = "[machines.slow.queue]\ntimeout = \"5 seconds\"\n";
+    for (name, s) in servers("a_task_carries_the_steps_timeout_by_the_file", Some(config)) {
+        let ns = "/v1/namespaces/default/instances";
+        for (machine, expected) in [("slow", 5_000), ("quick", 30_000)] {
+            let (code, started) = s.post(ns, &format!(r#"{{"machine":"{machine}","at":"run"}}"#));
+            assert_eq!(code, 201, "{name}: {started}");
+            let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for(machine, 30_000));
+            assert_eq!(code, 200, "{name}: {task}");
+            assert_eq!(task["timeout_ms"], json!(expected), "{name}: {machine}: {task}");
+        }
+    }
+}
+
 /// With only HTTP workers, the server's own worker fires timers: a fan-out's join
 /// deadline wakes the parent, whose children nobody runs, and it is handed out again at
 /// its next step.

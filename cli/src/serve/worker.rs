@@ -254,7 +254,7 @@ pub async fn poll(
                 claim.give_back(&claimed).await?;
                 return Ok(StatusCode::NO_CONTENT.into_response());
             }
-            return Ok(Json(task(&claimed)).into_response());
+            return Ok(Json(task(&state.config, &claimed)).into_response());
         }
         let last = deadline.checked_sub(round_cost).unwrap_or(started);
         if tokio::time::Instant::now() >= last {
@@ -518,9 +518,14 @@ impl Claim<'_> {
     }
 }
 
-/// The task a claim hands the worker, counted in the queue wait time.
-fn task(claim: &Claimed) -> serde_json::Value {
+/// The task a claim hands the worker, counted in the queue wait time. `timeout_ms` is
+/// the step's `timeout` by the file, for the machine and the event the step processes,
+/// as an in-process worker would stop the step after it: the server cannot stop a remote
+/// step, so the worker is told (`null` if the file's levels for it do not resolve; the
+/// result then fails with that error).
+fn task(config: &KeelConfig, claim: &Claimed) -> serde_json::Value {
     let i = &claim.instance;
+    let timeout = step_config(config, i, &claim.inbox).ok().map(|c| c.timeout.as_millis() as u64);
     let waited = now().since(i.eligible_at);
     metrics::histogram!("keel_queue_wait_time_seconds", "machine" => i.machine.name.clone())
         .record(waited.as_secs_f64());
@@ -535,6 +540,7 @@ fn task(claim: &Claimed) -> serde_json::Value {
         "awaits": i.awaits,
         "inbox": claim.inbox,
         "lease_expires_at": i.lease_expires_at,
+        "timeout_ms": timeout,
     })
 }
 
