@@ -1912,25 +1912,10 @@ async fn launch<S: Store, C: Clock>(
         let mut in_flight = inner.in_flight.lock().expect("in_flight lock");
         let task =
             tokio::spawn(run_step(Arc::clone(inner), claim, parent, (slot, permit), tx.clone()));
-        let entry =
-            InFlight { token, task, committing: false, waiting, finished: false, lost: false };
-        // An older claim of the instance still running here lost its lease (the store
-        // gave the instance out again): its result can no longer commit, and left running
-        // it would run the step a second time beside this one, out of reach of shutdown.
-        if let Some(old) = in_flight.insert(id, entry)
-            && old.token != token
-            && !old.finished
-            && !old.task.is_finished()
-        {
-            tracing::warn!(
-                instance = %id,
-                old_token = old.token.0,
-                token = token.0,
-                "claimed again while an older claim of the instance still runs here (its \
-                 lease was lost); stopping the older run"
-            );
-            old.task.abort();
-        }
+        in_flight.insert(
+            id,
+            InFlight { token, task, committing: false, waiting, finished: false, lost: false },
+        );
     }
 }
 
