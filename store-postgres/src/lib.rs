@@ -21,8 +21,11 @@
 //! - `status` enum: the eight statuses an instance can have.
 //! - `instances`: one row per instance. `context`/`result`/`errors` are `jsonb`; `revision`
 //!   counts accepted commits; `fencing_token` grows on every claim; `unique_key bytea` +
-//!   `unique_scope status[]` feed a generated `unique_guard` column (the key while the status
-//!   is in scope, else NULL) under the partial unique index `instances_unique`.
+//!   `unique_scope status[]` feed a `unique_guard` column (the key while the status is in
+//!   scope, else NULL) under the partial unique index `instances_unique`, written by a
+//!   trigger (V13): on insert from the row alone, on update only while no other row holds
+//!   the key, so a row the store returns to its key's scope (a reaped or given-back lease,
+//!   a wake-up) while another holds it runs without it instead of breaking the index.
 //!   Partial hot indexes: `instances_pick` (runnable rows, claim order), `instances_lease`
 //!   (executing rows by lease expiry, for the reaper, which also finds a restarted
 //!   worker's leases there: V10 dropped the by-owner index that cost every claim one more
@@ -153,14 +156,10 @@
 //!   one of them (two claims racing for such rows: the loser's statement fails on the
 //!   unique index and runs again, as for a concurrency key); a commit that would bring a
 //!   key back into scope over another occupant is
-//!   a per-item `Conflict`. Transitions outside commits do not check that: a reap, a
-//!   release, a delivery or broadcast that wakes its target, a parent woken by its
-//!   children's ends, and a dead-letter retry or skip that moves a row into a key's scope
-//!   while another instance holds the key fail on the unique index with `Conflict` (the
-//!   whole call or commit batch), where SQLite and `MemoryStore` store the row without the
-//!   key and the first holder keeps it. Only a key scoped to a status such a transition
-//!   enters but not to the one it leaves (say `runnable` without `awaiting_signal`) meets this;
-//!   `StatusSet::LIVE` (every unfinished status) stays clear of it.
+//!   a per-item `Conflict`. Transitions outside commits (a reap, a release, a wake-up, a
+//!   dead-letter retry) store the row without the key while another holds it, as SQLite
+//!   and `MemoryStore` do; only two rows entering one key's scope at the same moment in
+//!   two transactions still meet the index, and the later call fails with `Conflict`.
 //! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
 //! - A broadcast or list whose `in_state` filter meets a position that starts with `[` but
 //!   is not JSON `jsonb` reads fails (`position::jsonb`). Starts and commits refuse such

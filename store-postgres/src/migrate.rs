@@ -10,7 +10,7 @@ use keel_core::{StoreError, StoreResult};
 refinery::embed_migrations!("migrations");
 
 /// The newest schema version this build knows (the highest `V<n>__` migration).
-pub const SCHEMA_VERSION: i32 = 12;
+pub const SCHEMA_VERSION: i32 = 13;
 
 /// The table refinery records applied migrations in (inside the store's schema).
 const HISTORY_TABLE: &str = "keel_schema_history";

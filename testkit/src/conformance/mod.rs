@@ -139,6 +139,7 @@ macro_rules! __store_contract_list {
             uniqueness_within_one_batch,
             uniqueness_reinsert_after_key_leaves_scope,
             uniqueness_commit_bringing_a_held_key_back_conflicts,
+            uniqueness_reap_and_release_into_a_held_key_keep_the_holder,
             claim_passes_over_rows_whose_unique_key_a_running_row_holds,
             claim_order_priority_then_eligible_at,
             claim_skips_future_eligible_at,

@@ -2,13 +2,16 @@
 //! in scope, within a batch too, and frees when the occupant leaves its scope.
 
 use super::support::{
-    at, await_signal, claim, claim_id, claim_params, commit, commit_ok, done, expect_kind, get,
-    ids, insert, insert_one, new_in, next, step,
+    LEASE, at, await_signal, claim, claim_id, claim_params, commit, commit_ok, done, expect_kind,
+    get, ids, insert, insert_one, new_in, next, step,
 };
 use keel_core::ids::StatusSet;
 use keel_core::ports::Store;
-use keel_core::ports::store::{CancelParams, CommitParams, InsertOutcome};
+use keel_core::ports::store::{
+    CancelParams, CommitParams, InsertOutcome, LeaseReapParams, LeaseReleaseParams,
+};
 use keel_core::{ErrorKind, Status, StepCommit};
+use std::time::Duration;
 
 /// A key conflicts while its occupant's status is in scope (runnable, executing) and not
 /// once it is out of scope (awaiting a signal); empty scopes and absent keys never do.
@@ -102,6 +105,44 @@ pub async fn uniqueness_reinsert_after_key_leaves_scope<S: Store>(s: &S) {
         vec![InsertOutcome::Existing(forever)],
         "scope ALL never frees"
     );
+}
+
+/// A lease the reaper takes back, or a worker gives back, returns its instance to
+/// runnable even when another instance took its key meanwhile (a scope that leaves out
+/// `executing`): the instance that holds the key keeps it, the returned one runs without
+/// it, and the other leases of the same call come back too.
+pub async fn uniqueness_reap_and_release_into_a_held_key_keep_the_holder<S: Store>(s: &S) {
+    let ns = "unique_reap";
+    let scope = StatusSet::of(&[Status::Runnable]);
+    let first = insert_one(s, new_in(ns).unique("r", scope), at(0)).await;
+    let second = insert_one(s, new_in(ns).unique("g", scope), at(1)).await;
+    let plain = insert_one(s, new_in(ns), at(2)).await;
+    let claims = claim(s, claim_params(ns, 3, at(10))).await;
+    assert_eq!(ids(&claims), vec![first, second, plain]);
+    let mut holders = Vec::new();
+    for key in ["r", "g"] {
+        match insert(s, vec![new_in(ns).unique(key, scope)], at(11)).await[..] {
+            [InsertOutcome::Inserted(id)] => holders.push(id),
+            ref other => panic!("executing is out of scope, so `{key}` is free: {other:?}"),
+        }
+    }
+    let leases = vec![(second, claims[1].token())];
+    let released = s.lease_release(LeaseReleaseParams { leases, now: at(12) }).await;
+    assert_eq!(released.expect("a release into a held key"), vec![true]);
+    let expired = at(10).plus(LEASE).plus(Duration::from_millis(1));
+    let reap = LeaseReapParams { owner: None, limit: 100, now: expired };
+    let mut reaped = s.lease_reap(reap).await.expect("a reap into a held key");
+    reaped.sort_unstable();
+    let mut expected = vec![first, plain];
+    expected.sort_unstable();
+    assert_eq!(reaped, expected, "every expired lease comes back");
+    for id in [first, second] {
+        assert_eq!(get(s, id).await.instance.status, Status::Runnable, "{id} returned");
+    }
+    for (key, holder) in ["r", "g"].into_iter().zip(holders) {
+        let again = insert(s, vec![new_in(ns).unique(key, scope)], expired).await;
+        assert_eq!(again, vec![InsertOutcome::Existing(holder)], "the holder keeps `{key}`");
+    }
 }
 
 /// A claim takes a key whose scope leaves out `executing` out of scope, so another instance
