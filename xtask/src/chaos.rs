@@ -200,8 +200,19 @@ impl Launch {
             .stderr(stderr)
             .spawn()
             .context("could not start the chaos worker")?;
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().context("worker stdout")?).read_line(&mut line)?;
+        // The worker says `ready` once connected (its own connect budget is two minutes);
+        // a worker that hangs before that must not hang the run.
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let read = BufReader::new(stdout).read_line(&mut line).map(|_| line);
+            let _ = tx.send(read);
+        });
+        let line = match rx.recv_timeout(READY_WITHIN) {
+            Ok(read) => read?,
+            Err(_) => format!("nothing within {} s", READY_WITHIN.as_secs()),
+        };
         if line.trim() != "ready" {
             let _ = child.kill();
             let status = child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
@@ -239,12 +250,18 @@ impl Slot {
     }
 }
 
+/// How long a started worker may take to say `ready`: its connect budget and a margin.
+const READY_WITHIN: Duration = Duration::from_secs(180);
+
 /// The checker's counts, and the faults injected.
 #[derive(Debug, Default)]
 struct Tally {
     instances: u64,
     not_terminal: u64,
     not_terminal_examples: Vec<String>,
+    /// Parents and children that ended other than done: every step of the workload
+    /// succeeds, so a failed or cancelled one is a fault turned into an ending.
+    not_done: u64,
     duplicate_commits: u64,
     revision_mismatch: u64,
     wrong_trail: u64,
@@ -265,11 +282,15 @@ struct Tally {
 impl Tally {
     fn failed(&self) -> bool {
         self.not_terminal > 0
+            || self.not_done > 0
             || self.duplicate_commits > 0
             || self.revision_mismatch > 0
             || self.wrong_trail > 0
             || self.parents_done_not_once > 0
             || self.children_not_terminal > 0
+            || self.leases_left > 0
+            || self.terminal_inbox_rows > 0
+            || self.timers_twice > 0
     }
 
     fn json(&self) -> Value {
@@ -277,6 +298,7 @@ impl Tally {
             "instances": self.instances,
             "not_terminal": self.not_terminal,
             "not_terminal_examples": self.not_terminal_examples,
+            "not_done": self.not_done,
             "duplicate_commits": self.duplicate_commits,
             "revision_vs_history_mismatch": self.revision_mismatch,
             "wrong_trail": self.wrong_trail,
@@ -355,6 +377,9 @@ async fn check<S: Store>(store: &S, parents: &[InstanceId], log_dir: &Path) -> R
         let expected_next = (STEPS - 2) as u64; // every step but the fan-out and the last
         t.duplicate_commits +=
             next.saturating_sub(expected_next) + sched.saturating_sub(1) + done.saturating_sub(1);
+        if row.status.is_terminal() && row.status != Status::Done {
+            t.not_done += 1;
+        }
         if row.status == Status::Done {
             if done != 1 {
                 t.parents_done_not_once += 1;
@@ -392,6 +417,7 @@ async fn check<S: Store>(store: &S, parents: &[InstanceId], log_dir: &Path) -> R
         for child in &d.children {
             if child.status.is_terminal() {
                 t.commits += 1;
+                t.not_done += u64::from(child.status != Status::Done);
             } else {
                 t.children_not_terminal += 1;
                 t.not_terminal += 1;
@@ -594,9 +620,10 @@ pub fn main(root: &Path, args: &[String]) -> Result<()> {
 }
 
 fn print_table(t: &Tally, report: &Value) {
-    let rows: [(&str, String, bool); 16] = [
+    let rows: [(&str, String, bool); 17] = [
         ("instances (parents + children)", t.instances.to_string(), false),
         ("not terminal (lost or hung)", t.not_terminal.to_string(), t.not_terminal > 0),
+        ("ended other than done", t.not_done.to_string(), t.not_done > 0),
         ("step commits applied twice", t.duplicate_commits.to_string(), t.duplicate_commits > 0),
         ("revision ≠ step history", t.revision_mismatch.to_string(), t.revision_mismatch > 0),
         ("finished with a wrong step trail", t.wrong_trail.to_string(), t.wrong_trail > 0),
@@ -614,17 +641,21 @@ fn print_table(t: &Tally, report: &Value) {
         ("handler executions (at-least-once)", t.executions.to_string(), false),
         ("executions per commit", format!("{:.3}", ratio(t.executions, t.commits)), false),
         ("most executions of one step", t.max_executions_of_one_step.to_string(), false),
-        ("leases left", t.leases_left.to_string(), false),
+        ("leases left", t.leases_left.to_string(), t.leases_left > 0),
         (
             "parent leases expired / most of one",
             format!("{} / {}", t.leases_expired, t.most_leases_expired_of_one_parent),
             false,
         ),
-        ("inbox rows of terminal instances", t.terminal_inbox_rows.to_string(), false),
+        (
+            "inbox rows of terminal instances",
+            t.terminal_inbox_rows.to_string(),
+            t.terminal_inbox_rows > 0,
+        ),
         (
             "timers fired / early / twice",
             format!("{} / {} / {}", t.timers_fired, t.timers_early, t.timers_twice),
-            false,
+            t.timers_twice > 0,
         ),
         ("drain after faults", format!("{} s", report["drain_seconds"]), false),
     ];
