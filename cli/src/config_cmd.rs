@@ -11,7 +11,9 @@
 //! (`keel_core::config::unused_sections`). A file that loads exits 0: a section that
 //! looks like a misspelling is a warning, because the store cannot know a machine or
 //! queue that is not deployed yet (`order2` next to `order`, `tier1` next to `tier2`), and
-//! failing a correct file would stop the deploy that brings it.
+//! failing a correct file would stop the deploy that brings it. With `--definitions`, the
+//! `[machines.<m>.events.<e>]` sections of each chart the file defines are held against
+//! the events of its versions there too (`keel_core::config::unused_event_sections`).
 
 use anyhow::{Context as _, bail};
 use clap::Subcommand;
@@ -41,7 +43,13 @@ pub enum ConfigCommand {
     /// Check the file as a worker reads it (exit 1 when it does not load), then its
     /// machine and queue sections against the names the store knows in the namespace:
     /// a section that looks like a misspelling of a known name is a warning (exit 0).
-    Check,
+    Check {
+        /// Chart definitions (JSON: one chart or an array, or a directory of such files):
+        /// each chart's `[machines.<m>.events.<e>]` sections are held against the events
+        /// of its versions there, and one naming none of them is reported.
+        #[arg(long, env = "KEEL_DEFINITIONS")]
+        definitions: Option<std::path::PathBuf>,
+    },
 }
 
 /// Reads the file `--config` names (none: the defaults) and applies the environment
@@ -69,7 +77,7 @@ pub async fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
         ConfigCommand::Show { machine, event, queue } => {
             show(cli, machine, event.as_deref(), queue.as_deref())
         }
-        ConfigCommand::Check => check(cli).await,
+        ConfigCommand::Check { definitions } => check(cli, definitions.as_deref()).await,
     }
 }
 
@@ -79,17 +87,28 @@ pub async fn run(cli: &Cli, command: &ConfigCommand) -> anyhow::Result<Report> {
 pub const SECTIONS_PROBED_MAX: usize = 100;
 
 /// `keel config check`. The file is read and resolved before the store is opened, so a
-/// broken file is reported whether or not the store answers; that is the only failure
-/// (exit 1). Sections are then held against the names the store knows: a likely
+/// broken file is reported whether or not the store answers (exit 1); a store that
+/// cannot be reached then fails too, saying the file is valid. Sections are then held
+/// against the names the store knows: a likely
 /// misspelling is a warning, a machine the store has not seen that resembles none a note.
-async fn check(cli: &Cli) -> anyhow::Result<Report> {
+async fn check(cli: &Cli, definitions: Option<&std::path::Path>) -> anyhow::Result<Report> {
     let Some(path) = &cli.config else {
         bail!("--config: name the file to check (or set KEEL_CONFIG)");
     };
     let file = path.display().to_string();
     let (config, _) = load(cli)?;
     config.check_levels().with_context(|| format!("configuration {file}"))?;
-    let keel = crate::commands::connect(cli, false).await?;
+    let charts = match definitions {
+        Some(path) => crate::definitions::Definitions::load(path)?,
+        None => crate::definitions::Definitions::default(),
+    };
+    let unused_events = unused_event_sections(&config, &charts);
+    let keel = crate::commands::connect(cli, false).await.with_context(|| {
+        format!(
+            "{file} is valid, but its sections could not be held against the store's \
+             machines and queues"
+        )
+    })?;
     let ns = cli.namespace.as_str();
     let mut known = crate::operate::known_names(&keel, ns).await?;
     // A machine whose instances all ended long ago is in none of the grouped reads (the
@@ -104,8 +123,8 @@ async fn check(cli: &Cli) -> anyhow::Result<Report> {
     }
     let machines: Vec<&str> = known.machines.iter().map(String::as_str).collect();
     let queues: Vec<&str> = known.queues.iter().map(String::as_str).collect();
-    let unused = keel::settings::unused_sections(&config, &machines, &queues);
-    let typos = unused.iter().filter(|u| u.is_likely_typo()).count();
+    let mut unused = keel::settings::unused_sections(&config, &machines, &queues);
+    let typos = unused.iter().chain(&unused_events).filter(|u| u.is_likely_typo()).count();
     let mut human = format!(
         "{file}: valid ({} machine section(s), {} queue section(s)).",
         config.machines.len(),
@@ -132,6 +151,21 @@ async fn check(cli: &Cli) -> anyhow::Result<Report> {
             ),
         };
     }
+    for section in &unused_events {
+        let _ = match &section.closest {
+            Some(near) => write!(
+                human,
+                "\nWarning: {}: names no event of that chart in the definitions, so it never takes effect; did you mean `{near}`? Fix it if it is misspelt.",
+                section.section
+            ),
+            None => write!(
+                human,
+                "\nNote: {}: names no event of that chart in the definitions (an event of a version not given, or misspelt).",
+                section.section
+            ),
+        };
+    }
+    unused.extend(unused_events);
     let json = json!({
         "file": file,
         "namespace": ns,
@@ -142,6 +176,27 @@ async fn check(cli: &Cli) -> anyhow::Result<Report> {
         "likely_typos": typos,
     });
     Ok(Report::ok(json, human))
+}
+
+/// The event sections of `config` that name no event of their chart in `charts`, the
+/// events of every version of a chart taken together; machines `charts` does not define
+/// are not checked (a step machine's events are not known up front).
+fn unused_event_sections(
+    config: &KeelConfig,
+    charts: &crate::definitions::Definitions,
+) -> Vec<keel::settings::UnusedSection> {
+    let mut events: std::collections::BTreeMap<&str, Vec<String>> =
+        std::collections::BTreeMap::new();
+    for chart in charts.charts() {
+        events.entry(chart.name()).or_default().extend(chart.event_alphabet());
+    }
+    events
+        .into_iter()
+        .flat_map(|(machine, names)| {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            keel::settings::unused_event_sections(config, machine, &names)
+        })
+        .collect()
 }
 
 /// `keel config show`.
@@ -207,4 +262,31 @@ fn show(
         })).collect::<Vec<_>>(),
     });
     Ok(Report::ok(json, human))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ORDER: &str = r#"{ "name": "order", "version": 1, "initial": "cart", "states": [
+        { "key": "cart", "on": [ { "event": "checkout", "target": "paid" } ] },
+        { "key": "paid" } ] }"#;
+
+    #[test]
+    fn an_event_section_naming_no_event_of_a_given_chart_is_reported() {
+        let config = KeelConfig::from_toml_str(
+            "[machines.order.events.chekout.queue]\nretry = { max_attempts = 10 }\n\
+             [machines.order.events.checkout.queue]\ntimeout = \"5s\"\n\
+             [machines.mail.events.sendd.queue]\ntimeout = \"5s\"\n",
+        )
+        .expect("a valid file");
+        let charts = crate::definitions::Definitions::parse(ORDER).expect("a chart");
+        let unused = unused_event_sections(&config, &charts);
+        assert_eq!(unused.len(), 1, "{unused:?}");
+        assert_eq!(unused[0].section, "[machines.order.events.chekout]");
+        assert_eq!(unused[0].closest.as_deref(), Some("checkout"));
+        // No definitions: no chart's events are known, nothing is reported.
+        let none = crate::definitions::Definitions::default();
+        assert!(unused_event_sections(&config, &none).is_empty());
+    }
 }

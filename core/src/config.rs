@@ -1763,6 +1763,41 @@ pub fn unused_sections(
     unused
 }
 
+/// The `[machines.<machine>.events.<e>]` sections of `config` whose `e` is none of `events`,
+/// the names of every event `machine`'s steps can process (for a chart, its
+/// [`Definition::event_alphabet`](crate::chart::Definition::event_alphabet): every event a
+/// transition names, those its `after` and `every` timers deliver included),
+/// each with the event it is most likely a misspelling of ([`closest`]), if any. A step
+/// takes an event's section by the name of the signal it processes, so a section naming
+/// an event the machine does not have never takes effect: a misspelt one leaves that event
+/// under the machine's settings.
+///
+/// The engine's own chart events (`done.invoke.<path>`, `fail.state.<path>`,
+/// `timeout.invoke.<path>`, `parallel.timeout.<path>`, `parallel.region`) are never
+/// reported: they reach the inbox like a sender's signal, so a section may name them.
+/// Only call this for a machine whose events are all known: a step machine's events are
+/// whatever its senders send, so none of its event sections can be held against a list.
+pub fn unused_event_sections(
+    config: &KeelConfig,
+    machine: &str,
+    events: &[&str],
+) -> Vec<UnusedSection> {
+    let Some(section) = config.machines.get(machine) else { return Vec::new() };
+    let engine = |event: &str| {
+        event == crate::chart::step::REGION_REPORT_EVENT
+            || crate::instance::RESERVED_SIGNAL_NAME_PREFIXES.iter().any(|p| event.starts_with(p))
+    };
+    section
+        .events
+        .keys()
+        .filter(|event| !events.contains(&event.as_str()) && !engine(event))
+        .map(|event| UnusedSection {
+            section: format!("[machines.{machine}.events.{event}]"),
+            closest: closest(event, events.iter().copied()).map(str::to_owned),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod unused_tests {
     use super::*;
@@ -1871,6 +1906,50 @@ mod unused_tests {
             unused_sections(&file, &[], &["tier1"]),
             [section("[queues.tier1x]", Some("tier1"))]
         );
+    }
+
+    fn order_chart() -> crate::chart::Definition {
+        use crate::chart::{Definition, Timer};
+        Definition::builder("order", 1)
+            .initial("cart")
+            .state("cart", |s| {
+                s.on_to("checkout", "paying")
+                    .on("remind", |t| t.every(Timer::hours(1)).max(3).then("give_up"))
+                    .on_to("give_up", "paid")
+            })
+            .state("paying", |s| {
+                s.on_to("pay", "paid").on("expire", |t| t.target("paid").after(Timer::days(1)))
+            })
+            .final_state("paid")
+            .build()
+            .expect("a valid chart")
+    }
+
+    #[test]
+    fn an_event_section_naming_no_event_of_the_chart_is_reported_with_the_closest_event() {
+        let file = config(
+            "[machines.order.events.chekout.queue]\nretry = { max_attempts = 10 }\n\
+             [machines.order.events.checkout.queue]\ntimeout = \"5s\"\n\
+             [machines.order.events.give_up.queue]\ntimeout = \"5s\"\n\
+             [machines.order.events.shipping.queue]\ntimeout = \"5s\"\n\
+             [machines.order.events.\"done.invoke.paying\".queue]\ntimeout = \"5s\"\n\
+             [machines.order.events.\"parallel.region\".queue]\ntimeout = \"5s\"\n\
+             [machines.ship.events.chekout.queue]\ntimeout = \"5s\"\n",
+        );
+        let events = order_chart().event_alphabet();
+        assert_eq!(events, ["checkout", "expire", "give_up", "pay", "remind"], "timer events too");
+        let events: Vec<&str> = events.iter().map(String::as_str).collect();
+        assert_eq!(
+            unused_event_sections(&file, "order", &events),
+            [
+                section("[machines.order.events.chekout]", Some("checkout")),
+                section("[machines.order.events.shipping]", None),
+            ],
+            "the engine's own events and the events the chart has are in use"
+        );
+        assert_eq!(unused_event_sections(&file, "payment", &events), []);
+        // The machine-level check is unchanged: event sections are not machine sections.
+        assert_eq!(unused_sections(&file, &["order", "ship"], &[]), []);
     }
 }
 

@@ -34,7 +34,7 @@ pub fn load(path: Option<&Path>) -> Result<Option<KeelConfig>, Error> {
 /// The "did you mean" rule and the unused-section report, kept in keel-core so the
 /// worker (which logs the report when it starts) and the `keel` command (`config check`,
 /// and the bulk commands given a machine the store holds nothing of) decide alike.
-pub use keel_core::config::{UnusedSection, closest, unused_sections};
+pub use keel_core::config::{UnusedSection, closest, unused_event_sections, unused_sections};
 
 /// At most this many differences are named in an error.
 const DIFFERENCES_NAMED_MAX: usize = 8;

@@ -48,6 +48,10 @@ pub struct WorkerBuilder {
     /// Registered machines: name, version and the machines they delegate to, each in the
     /// version its children run.
     machines: Vec<(String, i32, Vec<MachineRef>)>,
+    /// The events of each registered machine, by name, in registration order: a chart's
+    /// ([`Definition::event_alphabet`](keel_core::chart::Definition::event_alphabet)), or
+    /// `None` for a step machine, whose events are whatever its senders send.
+    events: Vec<(String, Option<Vec<String>>)>,
     elsewhere: BTreeSet<String>,
     /// Why this worker must not start, found while it was made (a configuration file it
     /// cannot apply); [`spawn`](Self::spawn) returns it.
@@ -89,6 +93,7 @@ impl WorkerBuilder {
             worker: Worker::new(Arc::new(store), clock, config).with_store_identity(&shared),
             hint_stats: None,
             machines: Vec::new(),
+            events: Vec::new(),
             elsewhere: BTreeSet::new(),
             refused: None,
             settings,
@@ -114,6 +119,10 @@ impl WorkerBuilder {
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
         let delegates = machine.delegates();
+        // A chart's events are known up front; any other machine's are not.
+        let events = (&machine as &dyn std::any::Any)
+            .downcast_ref::<keel_scheduler::ChartMachine>()
+            .map(|chart| chart.definition().event_alphabet());
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
         // Read as the runtime's worker reads it: a machine that panics here serves nothing
@@ -147,6 +156,7 @@ impl WorkerBuilder {
             });
         }
         self.machines.push((name.name.clone(), name.version, delegates));
+        self.events.push((name.name.clone(), events));
         // The configuration file's levels for this machine must resolve over what it set
         // in code (a relational rule such as `initial_delay <= max_delay` can span both).
         if let Err(e) = self.worker.check_settings() {
@@ -252,10 +262,12 @@ impl WorkerBuilder {
             return Err(error);
         }
         self.check()?;
-        let unused = self.unused_sections();
+        let unused = self.unused_machine_sections();
+        let unused_events = self.unused_event_sections();
         let versions = self.schedule_versions();
         let handle = self.worker.try_spawn().map_err(Error::Settings)?;
         log_unused(&unused);
+        log_unused_events(&unused_events);
         for warning in &versions {
             tracing::warn!("{warning}");
         }
@@ -297,8 +309,17 @@ impl WorkerBuilder {
     /// neither registers nor declares [`served_elsewhere`](Self::served_elsewhere), or a
     /// queue that is a likely misspelling of one in use: one its machines start in or
     /// dispatch regions to by the file, or one the program gave the worker to claim from
-    /// ([`settings::unused_sections`]); empty without a file.
+    /// ([`settings::unused_sections`]); then the `[machines.<m>.events.<e>]` sections of
+    /// the charts it registers that name an event the chart does not have
+    /// ([`settings::unused_event_sections`]). Empty without a file.
     pub fn unused_sections(&self) -> Vec<UnusedSection> {
+        let mut unused = self.unused_machine_sections();
+        unused.extend(self.unused_event_sections());
+        unused
+    }
+
+    /// The machine, retention and queue sections of [`unused_sections`](Self::unused_sections).
+    fn unused_machine_sections(&self) -> Vec<UnusedSection> {
         let Some(settings) = &self.settings else { return Vec::new() };
         let mut names: Vec<&str> = self.machines.iter().map(|(m, _, _)| m.as_str()).collect();
         names.extend(self.elsewhere.iter().map(String::as_str));
@@ -306,6 +327,33 @@ impl WorkerBuilder {
         names.dedup();
         let queues: Vec<&str> = self.own_queues.iter().map(String::as_str).collect();
         settings::unused_sections(settings, &names, &queues)
+    }
+
+    /// The event sections of [`unused_sections`](Self::unused_sections): for each machine
+    /// whose every registered version is a chart, and that no other worker serves (its
+    /// versions there may have other events), the sections naming none of the events of
+    /// those versions. A step machine's events are not known, so its sections are not held
+    /// against anything.
+    fn unused_event_sections(&self) -> Vec<UnusedSection> {
+        let Some(settings) = &self.settings else { return Vec::new() };
+        let mut by_machine: std::collections::BTreeMap<&str, Option<BTreeSet<&str>>> =
+            std::collections::BTreeMap::new();
+        for (machine, events) in &self.events {
+            let known = by_machine.entry(machine.as_str()).or_insert_with(|| Some(BTreeSet::new()));
+            match (known.as_mut(), events) {
+                (Some(known), Some(events)) => known.extend(events.iter().map(String::as_str)),
+                _ => *known = None,
+            }
+        }
+        by_machine
+            .into_iter()
+            .filter(|(machine, _)| !self.elsewhere.contains(*machine))
+            .filter_map(|(machine, events)| Some((machine, events?)))
+            .flat_map(|(machine, events)| {
+                let events: Vec<&str> = events.into_iter().collect();
+                settings::unused_event_sections(settings, machine, &events)
+            })
+            .collect()
     }
 
     /// Runs the worker until the process gets Ctrl-C (SIGINT) or SIGTERM, then shuts it
@@ -332,6 +380,33 @@ impl WorkerBuilder {
                 Ok(stats)
             }
         }
+    }
+}
+
+/// Logs the event sections [`WorkerBuilder::unused_sections`] found: each likely
+/// misspelling as a warning of its own, the others together as one information line.
+fn log_unused_events(unused: &[UnusedSection]) {
+    let mut others = Vec::new();
+    for section in unused {
+        match &section.closest {
+            Some(near) => tracing::warn!(
+                section = %section.section,
+                closest = %near,
+                "configuration section {} names no event of that chart on this worker, so it \
+                 never takes effect; did you mean `{near}`? If it is misspelt, fix the name in \
+                 the file",
+                section.section
+            ),
+            None => others.push(section.section.as_str()),
+        }
+    }
+    if !others.is_empty() {
+        tracing::info!(
+            sections = %others.join(", "),
+            "configuration sections for events the charts of this worker do not have (events \
+             of other versions, or misspelt): {}",
+            others.join(", ")
+        );
     }
 }
 

@@ -151,3 +151,68 @@ async fn a_worker_warns_of_a_schedule_that_starts_a_version_it_does_not_register
     assert_eq!(both.schedule_versions(), Vec::<String>::new());
     assert_eq!(keel.worker().schedule_versions(), Vec::<String>::new());
 }
+
+/// The chart `order`, whose only event is `checkout` (and its `after` timer's `expire`).
+fn order_chart() -> keel::ChartMachine {
+    let chart = keel::Definition::builder("order", 1)
+        .initial("cart")
+        .state("cart", |s| {
+            s.on_to("checkout", "paid")
+                .on("expire", |t| t.target("paid").after(keel::Timer::days(1)))
+        })
+        .final_state("paid")
+        .build()
+        .expect("a valid chart");
+    keel::ChartMachine::new(chart)
+}
+
+const EVENTS_FILE: &str = "[machines.order.events.chekout.queue]\nretry = { max_attempts = 10 }\n\
+                           [machines.order.events.checkout.queue]\ntimeout = \"5s\"\n\
+                           [machines.order.events.expire.queue]\ntimeout = \"5s\"\n\
+                           [machines.order.events.refund.queue]\ntimeout = \"5s\"\n";
+
+/// A step takes an event's section by the name of the signal it processes: a section
+/// naming an event the registered chart does not have never takes effect, and a likely
+/// misspelling of one it has is warned of with that event, at start-up.
+#[tokio::test]
+async fn a_worker_reports_an_event_section_naming_no_event_of_its_chart() {
+    let keel =
+        Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(EVENTS_FILE));
+    let worker = keel.worker().register(order_chart()).expect("registers");
+    assert_eq!(
+        worker.unused_sections(),
+        [
+            typo("[machines.order.events.chekout]", "checkout"),
+            UnusedSection { section: "[machines.order.events.refund]".to_owned(), closest: None },
+        ],
+        "`checkout` and the timer's `expire` are the chart's events"
+    );
+    let lines = Lines::default();
+    let handle = tracing::subscriber::with_default(lines.clone(), || {
+        tracing::callsite::rebuild_interest_cache();
+        worker.spawn()
+    })
+    .expect("unused sections are reported, not refused");
+    handle.shutdown().await;
+    let lines = lines.0.lock().expect("not poisoned").clone();
+    let logged = |needle: &str| lines.iter().any(|l| l.contains(needle));
+    assert!(
+        logged("WARN configuration section [machines.order.events.chekout] names no event")
+            && logged("did you mean `checkout`?"),
+        "{lines:#?}"
+    );
+    assert!(
+        logged(
+            "INFO configuration sections for events the charts of this worker do not have (events of other versions, or misspelt): [machines.order.events.refund]"
+        ),
+        "{lines:#?}"
+    );
+
+    // A step machine's events are not known up front, nor are those of the versions
+    // another worker serves: their event sections are not reported.
+    assert_eq!(keel.worker().register(Order).expect("registers").unused_sections(), []);
+    let elsewhere = keel.worker().register(order_chart()).expect("registers");
+    assert_eq!(elsewhere.served_elsewhere("order").unused_sections(), []);
+    let mixed = keel.worker().register(order_chart()).expect("v1").register(OrderV2);
+    assert_eq!(mixed.expect("v2").unused_sections(), []);
+}
