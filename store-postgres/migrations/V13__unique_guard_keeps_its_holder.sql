@@ -6,6 +6,9 @@
 -- by a trigger: on insert as before (a second holder is refused, as inserts report
 -- duplicates), and on update the key only when no other row holds it, so the row that
 -- holds the key keeps it and the returning row runs without it, as the other stores do.
+-- A claim that brings a key scoped to executing (and not runnable) into scope still
+-- takes it or fails on the index: two claims racing for such keys must not both run
+-- (the losing claim runs again and skips the row).
 ALTER TABLE instances ALTER COLUMN unique_guard DROP EXPRESSION;
 
 CREATE FUNCTION instances_unique_guard() RETURNS trigger
@@ -17,6 +20,8 @@ DECLARE
                       THEN NEW.unique_key END;
 BEGIN
   IF TG_OP = 'UPDATE' AND guard IS NOT NULL AND OLD.unique_guard IS DISTINCT FROM guard
+     AND NOT (OLD.status = 'runnable' AND NEW.status = 'executing'
+              AND NOT 'runnable' = ANY (NEW.unique_scope))
      AND EXISTS (SELECT 1 FROM instances o WHERE o.unique_guard = guard AND o.id <> NEW.id) THEN
     guard := NULL;
   END IF;

@@ -317,6 +317,68 @@ async fn concurrency_keys_hold_under_eight_claimers() {
     assert_eq!(total, 200);
 }
 
+/// Unique keys scoped to executing alone hold under eight claimers: a claim that loses
+/// the race for a key (another claim took it after this one's snapshot) is refused by the
+/// index and runs again, never running two rows of one key at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unique_keys_scoped_to_executing_hold_under_eight_claimers() {
+    let Some(s) = common::store_with(12).await else { return };
+    let running = StatusSet::of(&[Status::Executing]);
+    let rows = (0..200).map(|i| new("a").unique(format!("u{}", i % 5).into_bytes(), running));
+    insert(&s, rows.collect()).await;
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let db = s.client().await.unwrap();
+            let (mut done, mut idle) = (0, 0);
+            while idle < 20 {
+                let claims = s.instance_claim(claim(&format!("w{w}"), 10)).await.unwrap();
+                if claims.is_empty() {
+                    idle += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                idle = 0;
+                for c in &claims {
+                    // Read while this claim's row still runs: it must be its key's only one.
+                    let key = c.instance.unique.as_ref().unwrap().key.clone();
+                    let count: i64 = db
+                        .query_one(
+                            "SELECT count(*) FROM instances \
+                             WHERE status = 'executing' AND unique_key = $1",
+                            &[&key],
+                        )
+                        .await
+                        .unwrap()
+                        .get(0);
+                    assert_eq!(count, 1, "two rows of one key running at once");
+                }
+                let commits = claims
+                    .iter()
+                    .map(|c| {
+                        StepCommit::new(
+                            c.instance.id,
+                            c.token(),
+                            Outcome::Done { result: json!(null), step: None },
+                        )
+                    })
+                    .collect();
+                for r in s.step_commit(CommitParams { commits, now: T0 }).await.unwrap() {
+                    r.unwrap();
+                    done += 1;
+                }
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    assert_eq!(total, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifty_children_completing_concurrently_release_the_parent_once() {
     let Some(s) = common::store_with(24).await else { return };
