@@ -105,6 +105,12 @@ pub struct WorkerConfig {
     pub poll_interval: Duration,
     /// Reaper period.
     pub reap_interval: Duration,
+    /// Return expired leases, of any worker, to runnable every `reap_interval` (default
+    /// `true`). Off, the worker still records itself in the worker registry on that
+    /// cadence; leave it off only where something else reaps (`keel serve`'s own worker
+    /// does: the server's polls reap, holding off after an outage for the leases they
+    /// handed out).
+    pub reap_expired: bool,
     /// Most step results per group commit (default 250).
     pub commit_batch: usize,
     /// Longest a finished step waits for its group commit while other steps are still
@@ -159,6 +165,7 @@ impl Default for WorkerConfig {
             heartbeat: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
             reap_interval: Duration::from_secs(5),
+            reap_expired: true,
             commit_batch: 250,
             commit_interval: Duration::from_millis(2),
             commits_in_flight: 4,
@@ -2197,11 +2204,8 @@ fn step_span(row: &Instance) -> tracing::Span {
     tracing::info_span!("step", instance = %row.id, machine = %row.machine, step = %row.position, attempt = row.attempt)
 }
 
-/// Runs the step in its own task, so a panic becomes an error and a timeout cancels it.
-/// A step that blocks its thread cannot be cancelled: on a multi-threaded runtime with
-/// another thread free its timeout is still reported on time, but the step runs on and
-/// keeps its thread until it returns (see [`in_step_task`]); steps must not block their
-/// thread, and put blocking work in `tokio::task::spawn_blocking`. The task is spawned
+/// Runs the step in its own task, so a panic becomes an error and a timeout cancels it
+/// (a step that blocks its thread cannot be: see [`in_step_task`]). The task is spawned
 /// at once, the context moving into it, so the future returned holds only the task's
 /// handle and the timer, and adds little to the step's own task.
 fn guarded(
@@ -2874,6 +2878,9 @@ async fn reap_loop<S: Store, C: Clock>(
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
             _ = shutdown.changed() => return,
+        }
+        if !inner.config.reap_expired {
+            continue;
         }
         if hold.probing() {
             // Down: a beat (which takes no lease) tells when the store is back.

@@ -1336,3 +1336,34 @@ async fn a_machine_configuration_in_code_out_of_bounds_is_refused_at_spawn() {
         assert!(refused.contains("machine m v1"), "{refused}");
     }
 }
+
+/// A worker with `reap_expired` off leaves another worker's expired lease alone (where
+/// something else reaps), and still records itself in the worker registry.
+#[tokio::test]
+async fn a_worker_that_does_not_reap_leaves_an_expired_lease_alone() {
+    let h = Harness::new();
+    let id = h.start(new()).await;
+    let params = ClaimParams {
+        worker: WorkerId("dead".into()),
+        namespaces: vec![],
+        queues: vec![],
+        machines: vec![],
+        limit: 1,
+        lease: Duration::from_secs(30),
+        now: h.clock.now(),
+        policy: keel_core::plan::claim::ClaimPolicy::default(),
+    };
+    assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
+    h.clock.advance(Duration::from_secs(31));
+    let config = WorkerConfig { reap_expired: false, ..h.config() };
+    let worker = h.worker(config.clone(), steps(|_| done()));
+    // Several reap periods go by.
+    tokio::time::sleep(config.reap_interval * 5).await;
+    assert_eq!(h.status(id).await, Status::Executing, "the expired lease was reaped");
+    let listed = h.store.worker_list(keel_core::Timestamp(0)).await.unwrap();
+    assert!(
+        listed.iter().any(|w| w.id == config.worker_id),
+        "the worker records itself all the same"
+    );
+    worker.shutdown().await;
+}

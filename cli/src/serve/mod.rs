@@ -197,7 +197,7 @@ pub async fn run(
     listen: SocketAddr,
     tokens: Option<&std::path::Path>,
     definitions: Option<&std::path::Path>,
-    background_worker: bool,
+    server_worker: bool,
 ) -> anyhow::Result<()> {
     let tokens = tokens.map(auth::load).transpose()?;
     let definitions = definitions.map(crate::definitions::Definitions::load).transpose()?;
@@ -242,7 +242,8 @@ pub async fn run(
     for w in state.definitions.iter().flat_map(crate::definitions::Definitions::warnings) {
         crate::output::warn(&w);
     }
-    let worker = background_worker.then(|| housekeeping(&state.keel)).transpose()?;
+    let worker =
+        server_worker.then(|| start_server_worker(&state.keel, &state.config)).transpose()?;
     let served = serve_until(listener, state, keel::shutdown_signal()).await;
     if let Some(worker) = worker {
         // It runs no steps, so its shutdown only stops its sweeps, schedules and pruner.
@@ -251,27 +252,28 @@ pub async fn run(
     served.context("the HTTP server stopped")
 }
 
-/// The server's own worker: no machines, so it claims nothing, but it fires due timers
-/// and join deadlines in every namespace, fires the file's schedules and applies the
-/// file's retention (the `Keel` carries the file). Without it, a deployment whose steps
-/// all run in HTTP workers would have nothing that fires a timer.
-fn housekeeping(keel: &Keel) -> anyhow::Result<keel::WorkerHandle> {
+/// The server worker: no machines, so it claims nothing, but it fires due timers and join
+/// deadlines in every namespace, fires the file's schedules and applies the file's
+/// retention (the `Keel` carries `file`). Without it, a deployment whose steps all run in
+/// HTTP workers would have nothing that fires a timer.
+fn start_server_worker(keel: &Keel, file: &KeelConfig) -> anyhow::Result<keel::WorkerHandle> {
     let config = keel::WorkerConfig {
         // The server samples the store's counts into its gauges on every scrape; a second
         // sampler would write the same gauges on its own schedule.
         stats_interval: None,
-        // It holds no lease. Its lease period is how long its reaper holds off after the
-        // store was out of reach; HTTP workers may hold leases of up to an hour, so it
-        // leaves reaping after an outage to the polls, which hold off for the leases they
-        // handed out.
-        lease: worker::LEASE_MAX,
+        // The polls reap, holding off after an outage for the leases they handed out; a
+        // second reaper would not.
+        reap_expired: false,
         ..keel::WorkerConfig::named("keel-serve")
     };
     let id = config.worker_id.0.clone();
-    let handle = keel
-        .worker_with(config)
+    // The file's machines run elsewhere (in HTTP or in-process workers): their sections
+    // are no misspellings.
+    let named = file.machines.keys().chain(file.retention.machines.keys());
+    let builder = named.fold(keel.worker_with(config), |b, m| b.served_elsewhere(m.clone()));
+    let handle = builder
         .spawn()
-        .context("the server's worker did not start (--no-worker serves without it)")?;
+        .context("the server worker did not start (--no-worker serves without it)")?;
     let _ = writeln!(
         std::io::stderr(),
         "worker {id}: fires timers, join deadlines, schedules and retention; runs no steps (--no-worker turns it off)"

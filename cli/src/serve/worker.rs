@@ -71,7 +71,7 @@ pub const POLL_INTERVAL_MAX: Duration = Duration::from_secs(1);
 const POLL_RETRY_AFTER_SECS: u64 = 1;
 /// Shortest and longest lease a worker may ask for.
 const LEASE_MIN: Duration = Duration::from_millis(100);
-pub(crate) const LEASE_MAX: Duration = Duration::from_secs(3600);
+const LEASE_MAX: Duration = Duration::from_secs(3600);
 /// The longest worker id a poll takes: the registry's name limit less ` (HTTP)`.
 const WORKER_ID_BYTES_MAX: usize = keel_core::limits::NAME_BYTES_MAX - " (HTTP)".len();
 /// Expired leases returned to runnable per poll.
