@@ -94,9 +94,11 @@ pub fn consumed_by(outcome: &Outcome, awaits: Option<&str>, inbox: &[Signal]) ->
 }
 
 /// Whether committing `outcome` consumes signals at all: the instance awaited one and the
-/// step does not park again. A remote worker must then say which signals it was handed.
+/// step neither parks again nor asks to be retried (a retry keeps what it awaited, so the
+/// next attempt processes the same signals). A remote worker must then say which signals
+/// it was handed.
 pub fn consumes(outcome: &Outcome, awaits: Option<&str>) -> bool {
-    awaits.is_some() && !matches!(outcome, Outcome::Await { .. })
+    awaits.is_some() && !matches!(outcome, Outcome::Await { .. } | Outcome::Retry { .. })
 }
 
 /// Whether a delivery to `row` is stored: only a non-terminal instance's inbox is open.
