@@ -920,12 +920,12 @@ fn a_task_carries_the_steps_timeout_by_the_file() {
     }
 }
 
-/// With only HTTP workers, the server's own worker fires timers: a fan-out's join
+/// With only HTTP workers, the server worker fires timers: a fan-out's join
 /// deadline wakes the parent, whose children nobody runs, and it is handed out again at
 /// its next step.
 #[test]
-fn the_servers_worker_fires_a_join_deadline_with_only_http_workers() {
-    for (name, s) in servers("the_servers_worker_fires_a_join_deadline", None) {
+fn the_server_worker_fires_a_join_deadline_with_only_http_workers() {
+    for (name, s) in servers("the_server_worker_fires_a_join_deadline", None) {
         let ns = "/v1/namespaces/default/instances";
         let (code, started) = s.post(ns, r#"{"machine":"fan","at":"split"}"#);
         assert_eq!(code, 201, "{name}: {started}");
@@ -946,22 +946,17 @@ fn the_servers_worker_fires_a_join_deadline_with_only_http_workers() {
             "{name}: {answer}"
         );
         // Nobody serves `kid`; the deadline alone wakes the parent at `gather`.
-        let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("fan", 30_000));
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        let task = if code == 200 {
-            task
-        } else {
-            loop {
-                let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("fan", 30_000));
-                if code == 200 {
-                    break task;
-                }
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{name}: the join deadline never woke the parent: {}",
-                    s.get_json(&format!("{ns}/{id}")).1
-                );
+        let task = loop {
+            let (code, task) = s.post("/v1/worker/tasks/poll", &poll_for("fan", 30_000));
+            if code == 200 {
+                break task;
             }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: the join deadline never woke the parent: {}",
+                s.get_json(&format!("{ns}/{id}")).1
+            );
         };
         assert_eq!(
             (task["id"].as_i64(), task["step"].as_str()),

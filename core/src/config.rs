@@ -1763,34 +1763,22 @@ pub fn unused_sections(
     unused
 }
 
-/// The `[machines.<machine>.events.<e>]` sections of `config` whose `e` is none of `events`,
-/// the names of every event `machine`'s steps can process (for a chart, its
-/// [`Definition::event_alphabet`](crate::chart::Definition::event_alphabet): every event a
-/// transition names, those its `after` and `every` timers deliver included),
-/// each with the event it is most likely a misspelling of ([`closest`]), if any. A step
-/// takes an event's section by the name of the signal it processes, so a section naming
-/// an event the machine does not have never takes effect: a misspelt one leaves that event
-/// under the machine's settings.
-///
-/// The engine's own chart events (`done.invoke.<path>`, `fail.state.<path>`,
-/// `timeout.invoke.<path>`, `parallel.timeout.<path>`, `parallel.region`) are never
-/// reported: they reach the inbox like a sender's signal, so a section may name them.
-/// Only call this for a machine whose events are all known: a step machine's events are
-/// whatever its senders send, so none of its event sections can be held against a list.
+/// The `[machines.<machine>.events.<e>]` sections of `config` whose `e` is none of
+/// `events`, every event `machine`'s steps can process, each with the event it most
+/// likely misspells ([`closest`]). A step takes an event's section by the name of the
+/// signal it processes, so such a section never takes effect. The engine's own chart
+/// events ([`is_engine_event`](crate::instance::is_engine_event)) are never reported.
+/// Only for a machine whose events are all known (a chart), not a step machine's.
 pub fn unused_event_sections(
     config: &KeelConfig,
     machine: &str,
     events: &[&str],
 ) -> Vec<UnusedSection> {
     let Some(section) = config.machines.get(machine) else { return Vec::new() };
-    let engine = |event: &str| {
-        event == crate::chart::step::REGION_REPORT_EVENT
-            || crate::instance::RESERVED_SIGNAL_NAME_PREFIXES.iter().any(|p| event.starts_with(p))
-    };
     section
         .events
         .keys()
-        .filter(|event| !events.contains(&event.as_str()) && !engine(event))
+        .filter(|e| !events.contains(&e.as_str()) && !crate::instance::is_engine_event(e))
         .map(|event| UnusedSection {
             section: format!("[machines.{machine}.events.{event}]"),
             closest: closest(event, events.iter().copied()).map(str::to_owned),

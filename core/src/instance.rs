@@ -410,6 +410,13 @@ pub const RESERVED_SIGNAL_NAME_PREFIXES: [&str; 5] = [
     crate::chart::step::TIMEOUT_EVENT_PREFIX,
 ];
 
+/// Whether `name` is one of the engine's own chart events: one beginning with a
+/// [`RESERVED_SIGNAL_NAME_PREFIXES`] prefix, or a region's report.
+pub fn is_engine_event(name: &str) -> bool {
+    name == crate::chart::step::REGION_REPORT_EVENT
+        || RESERVED_SIGNAL_NAME_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
 /// A signal (or chart event) to deliver into an instance's inbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NewSignal {

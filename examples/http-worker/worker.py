@@ -20,13 +20,18 @@ the step was failed instead, through its retry and dead-letter settings; the ans
 409. A 429 on a poll means the server already holds as many waiting polls as it
 allows: wait as long as `Retry-After` says, then poll again.
 
+A task carries `timeout_ms`, the step's timeout by the server's configuration file:
+the server cannot stop a remote step, so a worker whose steps can run long stops the
+step then and fails it. This example's step returns at once, so it does not need to.
+
 When the server cannot be reached or answers 502, 503 or 504, the worker waits (a
 backoff doubling up to BACKOFF_MAX seconds) and tries again: a poll polls again, and a
 complete or fail is sent again while the lease lasts, because the lease is still the
 worker's (a retry whose first try did commit gets 409). A 400, 401 or 403 will not go
 away by trying again: the worker prints why and exits with status 1. With
 `--heartbeat`, it extends the lease about every third of `--lease-ms` during the pause;
-a 409 there means the lease is gone, so the task is dropped without running the step.
+a 409 (or 404) there means the lease (or the task) is gone, so the task is dropped
+without running the step.
 """
 
 import argparse
@@ -112,7 +117,7 @@ def step(task):
 def pause(args, task, ident, lease_ends):
     """Sleeps `--pause-ms`, heartbeating about every third of the lease with
     `--heartbeat`. Returns (None, lease end) to go on, or the (status, body) that ends
-    the task: 409, the lease is lost; a FATAL status."""
+    the task: 409, the lease is lost; 404, the task is gone; a FATAL status."""
     end = time.monotonic() + args.pause_ms / 1000
     every = args.lease_ms / 3000
     beat = time.monotonic() + every
@@ -126,7 +131,7 @@ def pause(args, task, ident, lease_ends):
         if status == 200:
             lease_ends = sent + (answer or {}).get("lease_ms", args.lease_ms) / 1000
             beat = sent + every
-        elif status == 409 or status in FATAL:
+        elif status in (404, 409) or status in FATAL:
             return (status, answer), lease_ends
         else:
             # 503 or no answer: the lease is still held until it ends; try again soon.
@@ -209,7 +214,7 @@ def main():
             status, answer = ended
             if status in FATAL:
                 return fatal("heartbeat failed", status, answer)
-            # 409: the lease is gone, so the step is not run; the task is someone else's.
+            # 409 or 404: the lease or the task is gone, so the step is not run.
         else:
             outcome, error = step(task)
             # `seen`: the signals the step was handed; only those can be consumed.

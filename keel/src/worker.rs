@@ -119,10 +119,7 @@ impl WorkerBuilder {
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
         let delegates = machine.delegates();
-        // A chart's events are known up front; any other machine's are not.
-        let events = (&machine as &dyn std::any::Any)
-            .downcast_ref::<keel_scheduler::ChartMachine>()
-            .map(|chart| chart.definition().event_alphabet());
+        let events = machine.events();
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
         // Read as the runtime's worker reads it: a machine that panics here serves nothing
@@ -266,8 +263,17 @@ impl WorkerBuilder {
         let unused_events = self.unused_event_sections();
         let versions = self.schedule_versions();
         let handle = self.worker.try_spawn().map_err(Error::Settings)?;
-        log_unused(&unused);
-        log_unused_events(&unused_events);
+        log_unused(
+            &unused,
+            "machine or queue of this worker",
+            "machines this worker does not register (served by other workers, or misspelt)",
+        );
+        log_unused(
+            &unused_events,
+            "event of that chart on this worker, so it never takes effect",
+            "events the charts of this worker do not have (events of other versions, or \
+             misspelt)",
+        );
         for warning in &versions {
             tracing::warn!("{warning}");
         }
@@ -383,55 +389,28 @@ impl WorkerBuilder {
     }
 }
 
-/// Logs the event sections [`WorkerBuilder::unused_sections`] found: each likely
-/// misspelling as a warning of its own, the others together as one information line.
-fn log_unused_events(unused: &[UnusedSection]) {
-    let mut others = Vec::new();
-    for section in unused {
-        match &section.closest {
-            Some(near) => tracing::warn!(
-                section = %section.section,
-                closest = %near,
-                "configuration section {} names no event of that chart on this worker, so it \
-                 never takes effect; did you mean `{near}`? If it is misspelt, fix the name in \
-                 the file",
-                section.section
-            ),
-            None => others.push(section.section.as_str()),
-        }
-    }
-    if !others.is_empty() {
-        tracing::info!(
-            sections = %others.join(", "),
-            "configuration sections for events the charts of this worker do not have (events \
-             of other versions, or misspelt): {}",
-            others.join(", ")
-        );
-    }
-}
-
 /// Logs what [`WorkerBuilder::unused_sections`] found: each likely misspelling as a
-/// warning of its own, the other sections together as one information line.
-fn log_unused(unused: &[UnusedSection]) {
-    let mut others = Vec::new();
+/// warning of its own (the section "names no {`names`}"), the other sections together as
+/// one information line ("configuration sections for {`others`}").
+fn log_unused(unused: &[UnusedSection], names: &str, others: &str) {
+    let mut rest = Vec::new();
     for section in unused {
         match &section.closest {
             Some(near) => tracing::warn!(
                 section = %section.section,
                 closest = %near,
-                "configuration section {} names no machine or queue of this worker; did you \
-                 mean `{near}`? If it is misspelt, fix the name in the file",
+                "configuration section {} names no {names}; did you mean `{near}`? If it is \
+                 misspelt, fix the name in the file",
                 section.section
             ),
-            None => others.push(section.section.as_str()),
+            None => rest.push(section.section.as_str()),
         }
     }
-    if !others.is_empty() {
+    if !rest.is_empty() {
         tracing::info!(
-            sections = %others.join(", "),
-            "configuration sections for machines this worker does not register (served by \
-             other workers, or misspelt): {}",
-            others.join(", ")
+            sections = %rest.join(", "),
+            "configuration sections for {others}: {}",
+            rest.join(", ")
         );
     }
 }

@@ -21,7 +21,7 @@
 //! # No database-lock settings: leases order the results
 //!
 //! Region results are never serialized with a database lock, so there is no lock wait
-//! (`lock_timeout`) or stale-lock lifetime (`lock_ttl`) to set. Results are events in the
+//! or stale-lock lifetime to set. Results are events in the
 //! parent's inbox, applied one at a time by whichever worker holds the parent's **lease**;
 //! nobody waits on a lock, and a crashed holder's lease expires after
 //! `WorkerConfig::lease`, when the reaper hands the row to another worker; fencing tokens

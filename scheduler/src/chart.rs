@@ -445,6 +445,10 @@ impl StepMachine for ChartMachine {
         self.delegated_refs()
     }
 
+    fn events(&self) -> Option<Vec<String>> {
+        Some(self.definition.event_alphabet())
+    }
+
     fn warnings(&self) -> Vec<String> {
         let (name, version) = (self.definition.name(), self.definition.version());
         self.definition.warnings().iter().map(|w| format!("chart {name} v{version}: {w}")).collect()

@@ -341,6 +341,14 @@ pub trait StepMachine: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Every event this machine's steps can process, when that is known up front (a
+    /// chart's `Definition::event_alphabet`); the `keel` facade holds the configuration
+    /// file's event sections against them. Default `None`: a step machine processes
+    /// whatever its senders send.
+    fn events(&self) -> Option<Vec<String>> {
+        None
+    }
+
     /// Machines this one starts as children (chart delegation states), each in the
     /// version its children run. The `keel` facade's `WorkerBuilder::spawn` checks that
     /// each is registered with it in that version, or declared as served by another

@@ -23,9 +23,8 @@
 //!   counts accepted commits; `fencing_token` grows on every claim; `unique_key bytea` +
 //!   `unique_scope status[]` feed a `unique_guard` column (the key while the status is in
 //!   scope, else NULL) under the partial unique index `instances_unique`, written by a
-//!   trigger (V13): on insert from the row alone, on update only while no other row holds
-//!   the key, so a row the store returns to its key's scope (a reaped or given-back lease,
-//!   a wake-up) while another holds it runs without it instead of breaking the index.
+//!   trigger: on insert from the row alone, on update only while no other row holds the
+//!   key (a row returned to its key's scope while another holds it runs without it).
 //!   Partial hot indexes: `instances_pick` (runnable rows, claim order), `instances_lease`
 //!   (executing rows by lease expiry, for the reaper, which also finds a restarted
 //!   worker's leases there: V10 dropped the by-owner index that cost every claim one more

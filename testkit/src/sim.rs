@@ -16,13 +16,13 @@
 //!
 //! Each step runs as the worker runs it: a commit that names no signals to consume consumes
 //! the ones the step saw that match what the instance awaited (none when it parks again).
+//! Unlike the worker's `StepContext::consume`, an empty list cannot mean "consume
+//! nothing" here.
 //!
-//! One worker rule is left out: the worker does not run a step again whose last attempts
-//! all ended with an expired lease (as many in a row as its retry policy's `max_attempts`,
-//! at least two) and fails it instead, by default suspending the instance with a dead
-//! letter. The simulator's clock jumps and crashes expire leases far more often than a
-//! healthy deployment does, so with that rule most runs would end with suspended
-//! instances; here such a step is simply run again. Test that rule against a worker.
+//! One worker rule is left out: a step whose attempts keep ending with an expired lease
+//! (`keel_core::retry::attempts_used_up`) is not run again but failed. The simulator's
+//! clock jumps and crashes expire leases far more often than a healthy deployment does,
+//! so here such a step is simply run again; test that rule against a worker.
 //!
 //! A failure (a panic in your step, signal or invariant function included) names the
 //! seed, the violated rule and the shortest event trace the simulator
@@ -676,8 +676,7 @@ impl<'a, S: Store> World<'a, S> {
         let mut commit = step(row, &claim.inbox);
         commit.id = row.id;
         commit.token = claim.token();
-        // As the worker does: a step that names no signals to consume consumes the ones it
-        // saw that match what the instance awaited (none when it parks again).
+        // What the step saw and awaited, as the worker consumes it (see the module docs).
         if commit.consume.is_empty() {
             commit.consume =
                 keel_core::inbox::consumed_by(&commit.outcome, row.awaits.as_deref(), &claim.inbox);
