@@ -349,11 +349,9 @@ async fn a_result_whose_lease_was_lost_is_discarded() {
     assert_eq!(row.result, Some(json!("from the other worker")));
 }
 
-#[tokio::test]
-async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
-    let h = Harness::new();
-    let id = h.start(new()).await;
-    // A worker claims it and dies.
+/// The one ready instance claimed with a 30 s lease by a worker `dead` that never comes
+/// back.
+async fn claimed_by_a_dead_worker(h: &Harness) {
     let params = ClaimParams {
         worker: WorkerId("dead".into()),
         namespaces: vec![],
@@ -365,6 +363,14 @@ async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
         policy: keel_core::plan::claim::ClaimPolicy::default(),
     };
     assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn the_reaper_returns_a_dead_workers_lease_and_the_step_reruns() {
+    let h = Harness::new();
+    let id = h.start(new()).await;
+    // A worker claims it and dies.
+    claimed_by_a_dead_worker(&h).await;
     let worker = h.worker(h.config(), steps(|_| done()));
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(h.status(id).await, Status::Executing, "an unexpired lease is left alone");
@@ -1343,17 +1349,7 @@ async fn a_machine_configuration_in_code_out_of_bounds_is_refused_at_spawn() {
 async fn a_worker_that_does_not_reap_leaves_an_expired_lease_alone() {
     let h = Harness::new();
     let id = h.start(new()).await;
-    let params = ClaimParams {
-        worker: WorkerId("dead".into()),
-        namespaces: vec![],
-        queues: vec![],
-        machines: vec![],
-        limit: 1,
-        lease: Duration::from_secs(30),
-        now: h.clock.now(),
-        policy: keel_core::plan::claim::ClaimPolicy::default(),
-    };
-    assert_eq!(h.store.instance_claim(params).await.unwrap().len(), 1);
+    claimed_by_a_dead_worker(&h).await;
     h.clock.advance(Duration::from_secs(31));
     let config = WorkerConfig { reap_expired: false, ..h.config() };
     let worker = h.worker(config.clone(), steps(|_| done()));

@@ -8,7 +8,8 @@ use keel_core::instance::{NewInstance, NewSignal};
 use keel_core::outcome::{Outcome, StepCommit};
 use keel_core::ports::Store;
 use keel_core::ports::store::{
-    ClaimParams, CommitParams, DeliveryOutcome, InsertOutcome, InsertParams, SignalDeliverParams,
+    Claim, ClaimParams, CommitParams, DeliveryOutcome, InsertOutcome, InsertParams,
+    SignalDeliverParams,
 };
 use keel_core::{ErrorKind, InstanceId, MachineRef, Status, StatusSet, Timestamp, WorkerId};
 use keel_store_postgres::PgStore;
@@ -263,17 +264,19 @@ async fn eight_claimers_never_claim_a_row_twice() {
     assert_eq!(seen.len(), ROWS);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrency_keys_hold_under_eight_claimers() {
-    let Some(s) = common::store_with(12).await else { return };
-    insert(&s, (0..200).map(|i| new("a").concurrency_key(format!("k{}", i % 5))).collect()).await;
-    let running: Arc<Mutex<HashSet<String>>> = Arc::default();
+/// Eight claimers take rows ten at a time until twenty claims in a row find none; each
+/// hands the rows it claimed to `check` while they run, then commits them done. Returns
+/// how many were committed.
+async fn drain_with_eight_claimers<F, Fut>(s: &PgStore, check: F) -> usize
+where
+    F: Fn(Vec<Claim>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Vec<Claim>> + Send,
+{
     let mut tasks = Vec::new();
     for w in 0..8 {
-        let (s, running) = (s.clone(), running.clone());
+        let (s, check) = (s.clone(), check.clone());
         tasks.push(tokio::spawn(async move {
-            let mut done = 0;
-            let mut idle = 0;
+            let (mut done, mut idle) = (0, 0);
             while idle < 20 {
                 let claims = s.instance_claim(claim(&format!("w{w}"), 10)).await.unwrap();
                 if claims.is_empty() {
@@ -282,17 +285,8 @@ async fn concurrency_keys_hold_under_eight_claimers() {
                     continue;
                 }
                 idle = 0;
-                for c in &claims {
-                    let key = c.instance.concurrency_key.clone().unwrap();
-                    assert!(
-                        running.lock().unwrap().insert(key.clone()),
-                        "two claims of key {key} at once"
-                    );
-                }
-                for c in &claims {
-                    running.lock().unwrap().remove(c.instance.concurrency_key.as_deref().unwrap());
-                }
-                let commits = claims
+                let commits = check(claims)
+                    .await
                     .iter()
                     .map(|c| {
                         StepCommit::new(
@@ -314,6 +308,31 @@ async fn concurrency_keys_hold_under_eight_claimers() {
     for t in tasks {
         total += t.await.unwrap();
     }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrency_keys_hold_under_eight_claimers() {
+    let Some(s) = common::store_with(12).await else { return };
+    insert(&s, (0..200).map(|i| new("a").concurrency_key(format!("k{}", i % 5))).collect()).await;
+    let running: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let total = drain_with_eight_claimers(&s, move |claims: Vec<Claim>| {
+        let running = running.clone();
+        async move {
+            for c in &claims {
+                let key = c.instance.concurrency_key.clone().unwrap();
+                assert!(
+                    running.lock().unwrap().insert(key.clone()),
+                    "two claims of key {key} at once"
+                );
+            }
+            for c in &claims {
+                running.lock().unwrap().remove(c.instance.concurrency_key.as_deref().unwrap());
+            }
+            claims
+        }
+    })
+    .await;
     assert_eq!(total, 200);
 }
 
@@ -326,56 +345,29 @@ async fn unique_keys_scoped_to_executing_hold_under_eight_claimers() {
     let running = StatusSet::of(&[Status::Executing]);
     let rows = (0..200).map(|i| new("a").unique(format!("u{}", i % 5).into_bytes(), running));
     insert(&s, rows.collect()).await;
-    let mut tasks = Vec::new();
-    for w in 0..8 {
-        let s = s.clone();
-        tasks.push(tokio::spawn(async move {
-            let db = s.client().await.unwrap();
-            let (mut done, mut idle) = (0, 0);
-            while idle < 20 {
-                let claims = s.instance_claim(claim(&format!("w{w}"), 10)).await.unwrap();
-                if claims.is_empty() {
-                    idle += 1;
-                    tokio::task::yield_now().await;
-                    continue;
-                }
-                idle = 0;
-                for c in &claims {
-                    // Read while this claim's row still runs: it must be its key's only one.
-                    let key = c.instance.unique.as_ref().unwrap().key.clone();
-                    let count: i64 = db
-                        .query_one(
-                            "SELECT count(*) FROM instances \
-                             WHERE status = 'executing' AND unique_key = $1",
-                            &[&key],
-                        )
-                        .await
-                        .unwrap()
-                        .get(0);
-                    assert_eq!(count, 1, "two rows of one key running at once");
-                }
-                let commits = claims
-                    .iter()
-                    .map(|c| {
-                        StepCommit::new(
-                            c.instance.id,
-                            c.token(),
-                            Outcome::Done { result: json!(null), step: None },
-                        )
-                    })
-                    .collect();
-                for r in s.step_commit(CommitParams { commits, now: T0 }).await.unwrap() {
-                    r.unwrap();
-                    done += 1;
-                }
+    let store = s.clone();
+    let total = drain_with_eight_claimers(&s, move |claims: Vec<Claim>| {
+        let store = store.clone();
+        async move {
+            let db = store.client().await.unwrap();
+            for c in &claims {
+                // Read while this claim's row still runs: it must be its key's only one.
+                let key = c.instance.unique.as_ref().unwrap().key.clone();
+                let count: i64 = db
+                    .query_one(
+                        "SELECT count(*) FROM instances \
+                         WHERE status = 'executing' AND unique_key = $1",
+                        &[&key],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                assert_eq!(count, 1, "two rows of one key running at once");
             }
-            done
-        }));
-    }
-    let mut total = 0;
-    for t in tasks {
-        total += t.await.unwrap();
-    }
+            claims
+        }
+    })
+    .await;
     assert_eq!(total, 200);
 }
 
