@@ -40,6 +40,10 @@
 //!   ([`SqsQueue::discarded`]).
 //! - Redrive: [`SqsQueue::create`] can create a dead-letter queue and a redrive policy, so
 //!   a hint that keeps failing to be acked leaves the main queue after `max_receives`.
+//!   Every hand-back of a hint (a worker that cannot take its instance returns it, up to
+//!   [`HAND_BACK_MAX`] times) is a receive too, so `max_receives` must be at least
+//!   [`MAX_RECEIVES_MIN`] (`HAND_BACK_MAX + 1`): with less, hints of ready work would move
+//!   to the dead-letter queue in normal operation.
 //!
 //! There is no `aws-config` here: build the client with the credential chain you use
 //! (`aws_config::load_from_env().await` gives an `SdkConfig`, then
@@ -50,7 +54,7 @@
 //! # async fn demo() -> keel_core::StoreResult<()> {
 //! use keel_queue_sqs::{SqsQueue, static_client};
 //! let client = static_client("http://127.0.0.1:9324", "us-east-1");
-//! let queue = SqsQueue::create(client, "keel-hints.fifo", Some(5)).await?;
+//! let queue = SqsQueue::create(client, "keel-hints.fifo", Some(25)).await?;
 //! # let _ = queue;
 //! # Ok(()) }
 //! ```
@@ -68,6 +72,7 @@ use aws_sdk_sqs::types::{
     DeleteMessageBatchRequestEntry, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
+use keel_core::plan::hints::HAND_BACK_MAX;
 use keel_core::ports::Queue;
 use keel_core::ports::queue::{
     Delivery, Hint, QueueCapabilities, round_up, validate_enqueue, validate_nack_delay,
@@ -283,6 +288,13 @@ pub fn instance_group_id(instance: InstanceId) -> String {
 /// The largest receive count SQS takes in a redrive policy (`maxReceiveCount`).
 pub const MAX_RECEIVES_MAX: u32 = 1_000;
 
+/// The smallest `max_receives` [`SqsQueue::create`] takes: one more than
+/// [`HAND_BACK_MAX`]. A worker whose claim by id did not take a ready instance hands its
+/// hint back (up to `HAND_BACK_MAX` times) and drops it on the next receive; each
+/// hand-back counts as a receive, so a lower redrive count would move hints of ready work
+/// to the dead-letter queue in normal operation.
+pub const MAX_RECEIVES_MIN: u32 = HAND_BACK_MAX + 1;
+
 /// FNV-1a over the bytes of `text`: the same value on every platform and every version,
 /// which `std`'s hashers do not promise.
 fn fnv1a64(text: &str) -> u64 {
@@ -367,7 +379,11 @@ impl SqsQueue {
 
     /// Creates queue `name` (FIFO when it ends in `.fifo`) if it does not exist. With
     /// `max_receives`, also creates `<name>-dlq` and a redrive policy: a hint received
-    /// that many times without an ack moves there.
+    /// that many times without an ack moves there. `max_receives` is
+    /// [`MAX_RECEIVES_MIN`] (21) to [`MAX_RECEIVES_MAX`] (1000), as every hand-back of a
+    /// hint between workers is a receive; a lower one is refused with `Invalid`, before
+    /// any call. Creating again with the same name and `max_receives` (a restart) gives
+    /// the same queue.
     pub async fn create(
         client: Client,
         name: &str,
@@ -388,14 +404,18 @@ impl SqsQueue {
         }
         let redrive = match max_receives {
             None => None,
-            Some(0) => {
-                return Err(StoreError::invalid(
-                    "max_receives: 0 would move every hint to the dead-letter queue; use 1 or more",
-                ));
+            Some(n) if n < MAX_RECEIVES_MIN => {
+                return Err(StoreError::invalid(format!(
+                    "max_receives: {n} is too low: a worker hands a hint it cannot take back up \
+                     to {HAND_BACK_MAX} times, and each hand-back counts as a receive, so hints \
+                     of ready work would move to the dead-letter queue; use at least \
+                     {MAX_RECEIVES_MIN} (e.g. 25)"
+                )));
             }
             Some(n) if n > MAX_RECEIVES_MAX => {
                 return Err(StoreError::invalid(format!(
-                    "max_receives: {n} is more than SQS allows in a redrive policy; use 1 to {MAX_RECEIVES_MAX}"
+                    "max_receives: {n} is more than SQS allows in a redrive policy; use \
+                     {MAX_RECEIVES_MIN} to {MAX_RECEIVES_MAX}"
                 )));
             }
             Some(n) => {
@@ -428,7 +448,8 @@ impl SqsQueue {
             Some("QueueAlreadyExists" | "QueueNameExists") => StoreError::invalid(format!(
                 "name {name:?}: a queue of that name already exists with other attributes \
                  (FIFO or redrive policy); delete or rename the queue, or pass the \
-                 max_receives it was created with ({})",
+                 max_receives it was created with, or change its RedrivePolicy with \
+                 SetQueueAttributes ({})",
                 DisplayErrorContext(&e)
             )),
             _ => unavailable("CreateQueue", name, &e),
@@ -678,16 +699,12 @@ impl SqsQueue {
             .await
         {
             Ok(_) => Ok(()),
-            Err(e)
-                if matches!(e.code(), Some("ReceiptHandleIsInvalid" | "MessageNotInflight"))
-                    || e.code().is_some_and(|c| c.ends_with("MessageNotInflight")) =>
-            {
-                Err(StoreError::not_found(format!(
-                    "{what} on {}: the hint was acked or received again since ({})",
-                    self.url,
-                    e.code().unwrap_or_default()
-                )))
-            }
+            Err(e) if receipt_gone(e.code(), e.message()) => Err(StoreError::not_found(format!(
+                "{what} on {}: the hint was acked or received again since, or its receipt \
+                 expired ({})",
+                self.url,
+                e.code().unwrap_or_default()
+            ))),
             Err(e) => Err(unavailable("ChangeMessageVisibility", &self.url, &e)),
         }
     }
@@ -776,6 +793,29 @@ impl Queue for SqsQueue {
     }
 }
 
+/// Whether a `ChangeMessageVisibility` error with `code` and `message` says that the
+/// receipt no longer names a message this receiver holds (acked, received again, or
+/// expired), so the lease is gone (`NotFound`) rather than SQS being out of reach. SQS
+/// says so with `ReceiptHandleIsInvalid`, `MessageNotInflight`
+/// (`AWS.SimpleQueueService.MessageNotInflight`), or `InvalidParameterValue` about the
+/// receipt handle: "Value … for parameter ReceiptHandle is invalid. Reason: The receipt
+/// handle has expired." or "… Message does not exist or is not available for visibility
+/// timeout change.". An `InvalidParameterValue` about anything else (the timeout) is not.
+fn receipt_gone(code: Option<&str>, message: Option<&str>) -> bool {
+    let Some(code) = code else { return false };
+    // A code may come with a prefix (`AWS.SimpleQueueService.`, `com.amazonaws.sqs#`).
+    match code.rsplit(['.', '#']).next().unwrap_or(code) {
+        "ReceiptHandleIsInvalid" | "MessageNotInflight" => true,
+        "InvalidParameterValue" => {
+            let message = message.unwrap_or_default().to_ascii_lowercase();
+            ["receipthandle", "receipt handle", "not available for visibility timeout change"]
+                .iter()
+                .any(|about| message.contains(about))
+        }
+        _ => false,
+    }
+}
+
 /// How long SQS lets a queue's name be, `.fifo` included.
 const SQS_QUEUE_NAME_MAX: usize = 80;
 
@@ -790,7 +830,7 @@ fn base_name_max(fifo: bool, dlq: bool) -> usize {
 mod tests {
     use super::{
         SQS_GROUP_ID_MAX, body_takes, check_url, decode, encode, fnv1a64, group_id,
-        instance_group_id,
+        instance_group_id, receipt_gone,
     };
     use keel_core::InstanceId;
     use keel_core::ports::queue::Hint;
@@ -925,6 +965,58 @@ mod tests {
                 assert_ne!(group_id(&key), instance, "key {key:?} and instance {id}");
             }
         }
+    }
+
+    /// A stale or expired receipt is `NotFound` whichever way SQS says so; an error about
+    /// anything else stays what it was.
+    #[test]
+    fn a_stale_receipt_is_told_apart_from_other_visibility_errors() {
+        let gone = [
+            ("ReceiptHandleIsInvalid", "The input receipt handle is invalid."),
+            ("AWS.SimpleQueueService.ReceiptHandleIsInvalid", ""),
+            ("MessageNotInflight", ""),
+            ("AWS.SimpleQueueService.MessageNotInflight", "Message is not in flight."),
+            (
+                "InvalidParameterValue",
+                "Value AQEBzbVv for parameter ReceiptHandle is invalid. Reason: The receipt \
+                 handle has expired.",
+            ),
+            (
+                "InvalidParameterValue",
+                "Value AQEBzbVv for parameter ReceiptHandle is invalid. Reason: Message does \
+                 not exist or is not available for visibility timeout change.",
+            ),
+            ("InvalidParameterValue", "The receipt handle has expired."),
+            (
+                "InvalidParameterValue",
+                "Message does not exist or is not available for visibility timeout change",
+            ),
+            ("AWS.SimpleQueueService.InvalidParameterValue", "The receipt handle has expired."),
+        ];
+        for (code, message) in gone {
+            assert!(receipt_gone(Some(code), Some(message)), "{code}: {message}");
+        }
+        let other = [
+            (
+                "InvalidParameterValue",
+                "Value 43201 for parameter VisibilityTimeout is invalid. Reason: Must be \
+                 between 0 and 43200.",
+            ),
+            (
+                "InvalidParameterValue",
+                "Value 43200 for parameter VisibilityTimeout is invalid. Reason: Total \
+                 VisibilityTimeout for the message is beyond the limit [43200 seconds]",
+            ),
+            ("InvalidParameterValue", ""),
+            ("AWS.SimpleQueueService.NonExistentQueue", "The specified queue does not exist."),
+            ("ThrottlingException", "Rate exceeded for receipt handle"),
+            ("", "The receipt handle has expired."),
+        ];
+        for (code, message) in other {
+            assert!(!receipt_gone(Some(code), Some(message)), "{code}: {message}");
+        }
+        assert!(!receipt_gone(Some("InvalidParameterValue"), None));
+        assert!(!receipt_gone(None, Some("The receipt handle has expired.")));
     }
 
     /// The hash must never change between versions: a group id that changed during a

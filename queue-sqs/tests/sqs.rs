@@ -5,7 +5,7 @@ use keel_core::ports::Queue;
 use keel_core::ports::queue::Hint;
 use keel_core::{ErrorKind, InstanceId};
 use keel_queue_sqs::testing::{ENDPOINT_VAR, fresh_queue_with};
-use keel_queue_sqs::{SqsQueue, static_client};
+use keel_queue_sqs::{MAX_RECEIVES_MIN, SqsQueue, static_client};
 use keel_testkit::conformance::queue::queue_or_skip;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -15,22 +15,26 @@ use std::time::Duration;
 const S: Duration = Duration::from_secs(1);
 
 /// A hint received `max_receives` times without an ack moves to the dead-letter queue;
-/// the repair pass (not the DLQ) is what brings its work back.
+/// the repair pass (not the DLQ) is what brings its work back. With the smallest
+/// `max_receives`, a hint handed back as often as a worker hands one back (each a nack, as
+/// here) is still delivered once more, for the worker to drop.
 #[tokio::test]
 async fn unacked_hint_moves_to_the_dead_letter_queue() {
+    let max = MAX_RECEIVES_MIN;
     let Some(q) =
-        queue_or_skip("sqs redrive", ENDPOINT_VAR, fresh_queue_with(false, Some(2)).await)
+        queue_or_skip("sqs redrive", ENDPOINT_VAR, fresh_queue_with(false, Some(max)).await)
     else {
         return;
     };
     q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap();
-    for n in 1..=2 {
+    for n in 1..=max {
         let got = q.receive(1, S, 3 * S).await.unwrap();
         assert_eq!(got.len(), 1, "receive {n}");
         assert_eq!(got[0].receive_count, n);
+        // Handed back, visible again at once.
+        q.nack(got[0].receipt.clone(), Duration::ZERO).await.unwrap();
     }
-    tokio::time::sleep(S + Duration::from_millis(200)).await;
-    assert!(q.receive(1, S, S).await.unwrap().is_empty(), "redriven after two receives");
+    assert!(q.receive(1, S, S).await.unwrap().is_empty(), "redriven after {max} receives");
     let dlq = q.dead_letter_queue().await.unwrap();
     let dead = dlq.receive(1, S, 2 * S).await.unwrap();
     assert_eq!(dead.len(), 1);
@@ -102,11 +106,11 @@ async fn bad_name_and_dead_endpoint() {
     for (name, max_receives, limit) in [
         ("a".repeat(81), None, Some(80)),
         (format!("{}.fifo", "a".repeat(76)), None, Some(75)),
-        ("a".repeat(77), Some(3), Some(76)),
-        (format!("{}.fifo", "a".repeat(72)), Some(3), Some(71)),
+        ("a".repeat(77), Some(25), Some(76)),
+        (format!("{}.fifo", "a".repeat(72)), Some(25), Some(71)),
         ("a".repeat(80), None, None),
         (format!("{}.fifo", "a".repeat(75)), None, None),
-        (format!("{}.fifo", "a".repeat(71)), Some(3), None),
+        (format!("{}.fifo", "a".repeat(71)), Some(25), None),
     ] {
         let err = SqsQueue::create(client.clone(), &name, max_receives).await.unwrap_err();
         match limit {
@@ -120,7 +124,22 @@ async fn bad_name_and_dead_endpoint() {
     }
     let err = SqsQueue::create(client.clone(), "hints", Some(1_001)).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Invalid, "refused before any call: {err}");
-    assert!(err.message.starts_with("max_receives: 1001") && err.message.contains("1 to 1000"));
+    assert!(err.message.starts_with("max_receives: 1001"), "{err}");
+    assert!(err.message.contains(&format!("use {MAX_RECEIVES_MIN} to 1000")), "{err}");
+    // Fewer receives than a hint is handed back between workers would dead-letter hints
+    // of ready work: refused before any call, naming the bound and the fix.
+    for n in [0, 1, 5, MAX_RECEIVES_MIN - 1] {
+        let err = SqsQueue::create(client.clone(), "hints", Some(n)).await.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Invalid, "max_receives {n}: {err}");
+        assert!(err.message.starts_with(&format!("max_receives: {n} is too low")), "{err}");
+        let bound = MAX_RECEIVES_MIN - 1;
+        assert!(err.message.contains(&format!("back up to {bound} times")), "{err}");
+        assert!(err.message.contains(&format!("use at least {MAX_RECEIVES_MIN}")), "{err}");
+    }
+    for n in [MAX_RECEIVES_MIN, 1_000] {
+        let err = SqsQueue::create(client.clone(), "hints", Some(n)).await.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Unavailable, "max_receives {n} is taken: {err}");
+    }
     let q = SqsQueue::open(client, "http://127.0.0.1:9/000000000000/nowhere").unwrap();
     let err = q.enqueue(vec![Hint::new(InstanceId(1), 1)]).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
@@ -339,7 +358,7 @@ async fn create_over_a_queue_with_other_attributes_names_the_fix() {
     let name = q.url().rsplit('/').next().unwrap().to_owned();
     let endpoint = std::env::var(ENDPOINT_VAR).unwrap();
     let err =
-        SqsQueue::create(static_client(&endpoint, "us-east-1"), &name, Some(3)).await.unwrap_err();
+        SqsQueue::create(static_client(&endpoint, "us-east-1"), &name, Some(25)).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
     assert!(
         err.message.starts_with(&format!(
@@ -348,6 +367,37 @@ async fn create_over_a_queue_with_other_attributes_names_the_fix() {
         "{err}"
     );
     assert!(err.message.contains("delete or rename the queue"), "{err}");
+}
+
+/// Creating a queue with a dead-letter queue again, with the same name and
+/// `max_receives`, gives the same queues, as a process restart does.
+#[tokio::test]
+async fn create_again_with_the_same_max_receives_gives_the_same_queue() {
+    let Some(first) =
+        queue_or_skip("sqs create again", ENDPOINT_VAR, fresh_queue_with(true, Some(25)).await)
+    else {
+        return;
+    };
+    let name = first.url().rsplit('/').next().unwrap().to_owned();
+    let endpoint = std::env::var(ENDPOINT_VAR).unwrap();
+    let again =
+        SqsQueue::create(static_client(&endpoint, "us-east-1"), &name, Some(25)).await.unwrap();
+    assert_eq!(again.url(), first.url());
+    let dlq = again.dead_letter_queue().await.unwrap();
+    assert_eq!(dlq.url(), first.dead_letter_queue().await.unwrap().url());
+    // A hint sent through one handle is received through the other.
+    first.enqueue(vec![Hint::new(InstanceId(5), 1)]).await.unwrap();
+    let got = again.receive(1, 5 * S, 3 * S).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].hint.instance, InstanceId(5));
+    // A standard queue too.
+    let Some(standard) = fresh_queue_with(false, Some(MAX_RECEIVES_MIN)).await else { return };
+    let name = standard.url().rsplit('/').next().unwrap().to_owned();
+    let again =
+        SqsQueue::create(static_client(&endpoint, "us-east-1"), &name, Some(MAX_RECEIVES_MIN))
+            .await
+            .unwrap();
+    assert_eq!(again.url(), standard.url());
 }
 
 /// A stand-in SQS endpoint for `ReceiveMessage` and `DeleteMessageBatch`: `answer` gets
