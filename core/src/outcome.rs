@@ -574,9 +574,15 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         }
         Outcome::Suspend => {
             next.last_error = commit.failure.as_ref().map(|f| clip_error(&f.error));
+            // After a failure, the attempts that failed (a step's own polls are not
+            // counted, as the retry decision does not count them); else every run.
+            let attempts = match &commit.failure {
+                Some(_) => crate::retry::failed_attempts(row) + 1,
+                None => u32::try_from(row.attempt + 1).unwrap_or(u32::MAX),
+            };
             HistoryEntry::new(
                 HistoryKind::StepSuspended,
-                json!({ "step": row.position, "attempts": row.attempt + 1 }),
+                json!({ "step": row.position, "attempts": attempts }),
             )
         }
     };
@@ -588,9 +594,11 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         let mut all = row.errors.clone();
         push_error(&mut all, row.attempt, &f.error, now);
         let reason = if f.retryable { "exhausted" } else { "non_retryable" };
+        // The attempts that failed, this one included, as the retry decision counts them.
+        let attempts = crate::retry::failed_attempts(row) + 1;
         history.push(HistoryEntry::new(
             HistoryKind::DeadLettered,
-            json!({ "reason": reason, "attempts": row.attempt + 1, "error": clip_error(&f.error) }),
+            json!({ "reason": reason, "attempts": attempts, "error": clip_error(&f.error) }),
         ));
         NewDeadLetter {
             instance: row.id,
@@ -601,7 +609,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
             event: f.event.as_ref().map(scrub_nul),
             correlation_id: row.correlation_id.clone(),
             reason: reason.to_owned(),
-            attempts: row.attempt + 1,
+            attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
             first_attempt_at: all.first().map_or(now, |e| e.at),
             last_attempt_at: now,
             errors: all,

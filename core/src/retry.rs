@@ -2,7 +2,9 @@
 //!
 //! Attempts are counted from 0. With `max_attempts = 3` a step runs at attempts 0, 1 and 2;
 //! the failure of attempt 2 sends it to the dead-letter queue. A non-retryable failure goes
-//! to the dead-letter queue at once, whatever attempt it was.
+//! to the dead-letter queue at once, whatever attempt it was. Only failures use up the
+//! attempts ([`failed_attempts`]): a step polling with its own `Retry` runs as long as it
+//! wants and keeps its whole budget for when it fails.
 //!
 //! Everything here is a plain function of its inputs. Jitter needs randomness, so the caller
 //! passes in a uniform random number in `[0, 1)`; tests pass fixed values.
@@ -45,20 +47,58 @@ name_enum! {
 ///
 /// Each kind shrinks the computed delay `d` by a random share, so jitter never lengthens a
 /// delay beyond `max_delay`.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+///
+/// Written in configuration as `"none"`, `"full"`, `"equal"` or a bare number; anything
+/// else is refused with a message listing those.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Jitter {
     /// Exactly `d`.
     #[default]
     None,
-    /// Uniform in `[0, d)` ("full jitter").
+    /// Uniform in `(0, d]` ("full jitter").
     Full,
-    /// Uniform in `[d/2, d)` ("equal jitter").
+    /// Uniform in `(d/2, d]` ("equal jitter").
     Equal,
     /// Uniform in `(d·(1 − f), d]` for a fraction `f` in `[0, 1]`; `Full` is `Fraction(1.0)`
     /// and `Equal` is `Fraction(0.5)`. Written as a bare number in configuration.
     #[serde(untagged)]
     Fraction(f64),
+}
+
+/// What a jitter value may be, as a deserialization error says it.
+const JITTER_EXPECTED: &str = "\"none\", \"full\", \"equal\" or a number from 0.0 to 1.0";
+
+impl<'de> Deserialize<'de> for Jitter {
+    /// A name (`"none"`, `"full"`, `"equal"`) or a number (an integer counts). The range of
+    /// a number is checked by [`RetryPolicy::validate`], which names the field.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Jitter;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(JITTER_EXPECTED)
+            }
+            fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<Jitter, E> {
+                match value {
+                    "none" => Ok(Jitter::None),
+                    "full" => Ok(Jitter::Full),
+                    "equal" => Ok(Jitter::Equal),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(value), &self)),
+                }
+            }
+            fn visit_f64<E: serde::de::Error>(self, value: f64) -> Result<Jitter, E> {
+                Ok(Jitter::Fraction(value))
+            }
+            fn visit_i64<E: serde::de::Error>(self, value: i64) -> Result<Jitter, E> {
+                Ok(Jitter::Fraction(value as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, value: u64) -> Result<Jitter, E> {
+                Ok(Jitter::Fraction(value as f64))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 impl Jitter {
@@ -492,8 +532,31 @@ pub struct FailedStep {
     pub history: Option<HistoryEntry>,
 }
 
+/// How many earlier attempts of `row`'s step failed, the one failing now not counted: the
+/// 0-based number of the failure now being decided, as [`decide`] and
+/// [`RetryPolicy::delay_for`] take it.
+///
+/// Failures, not runs, use up `max_attempts`: a step's own [`Outcome::Retry`] (a step
+/// polling) counts an attempt on the row but records no error, so it is not counted here.
+/// A failed attempt and an expired lease each record an error with the attempt's number,
+/// and the errors are cleared whenever the step moves on, so the failures are the distinct
+/// attempt numbers among the row's errors. When the row holds as many errors as it keeps
+/// ([`crate::limits::ATTEMPT_ERRORS_MAX`]), older ones may have been dropped, so the count
+/// falls back to `row.attempt`, which is never less: any `max_attempts` is still reached.
+pub fn failed_attempts(row: &Instance) -> u32 {
+    if row.errors.len() >= crate::limits::ATTEMPT_ERRORS_MAX {
+        return u32::try_from(row.attempt).unwrap_or(0);
+    }
+    let mut attempts: Vec<i32> = row.errors.iter().map(|e| e.attempt).collect();
+    attempts.sort_unstable();
+    attempts.dedup();
+    u32::try_from(attempts.len()).unwrap_or(u32::MAX)
+}
+
 /// Decides what follows the failure of a step of `row` that ran under `config`: the
-/// [`plan_failure`] of its attempt, then what the commit carries for that plan.
+/// [`plan_failure`] of its failure count ([`failed_attempts`]), then what the commit
+/// carries for that plan; a step that polled with its own `Retry` before failing keeps
+/// its whole retry budget.
 ///
 /// `processing` is the one event the step was processing (a chart's transition), `None`
 /// for a step machine's step or a chart's start; `error` is the step's error message.
@@ -523,9 +586,9 @@ pub fn failed_step(
         FailureKind::LeaseLost | FailureKind::Unavailable => FailureKind::Action,
         kind => kind,
     };
-    let attempt = u32::try_from(row.attempt).unwrap_or(0);
-    let plan = plan_failure(config, attempt, kind, processing.is_some(), random);
-    let attempts = row.attempt + 1;
+    let failed = failed_attempts(row);
+    let plan = plan_failure(config, failed, kind, processing.is_some(), random);
+    let attempts = i32::try_from(failed.saturating_add(1)).unwrap_or(i32::MAX);
     let wait_next =
         || Outcome::Await { signal: ANY_SIGNAL.into(), context: row.context.clone(), step: None };
     let mut step =
@@ -1152,6 +1215,14 @@ mod tests {
                 "{kind:?}"
             );
         }
+        // Two failed attempts so far: the third is the last.
+        for attempt in 0..2 {
+            row.errors.push(crate::instance::AttemptError {
+                attempt,
+                error: "boom".into(),
+                at: Timestamp(0),
+            });
+        }
         row.attempt = 2;
         // The last attempt: suspended with a dead letter, or the event skipped.
         let step = failed_step(&suspend, &row, FailureKind::Action, Some(&event), "boom", 0.0);
@@ -1203,5 +1274,195 @@ mod tests {
         let failure = crate::StepFailure::of_step("boom", false, None, &inbox);
         assert_eq!((failure.signals, failure.event), (vec![SignalId(9), SignalId(10)], None));
         assert!(!failure.dead_letter && !failure.retryable);
+    }
+
+    /// A row of step `charge` at attempt 0 with no errors.
+    fn fresh_row() -> Instance {
+        use crate::ids::{InstanceId, MachineRef};
+        use crate::instance::NewInstance;
+        let new = NewInstance::new(MachineRef::new("order", 1), "charge");
+        Instance::from_new(InstanceId(7), &new, None, crate::time::Timestamp(0))
+    }
+
+    /// Applies `commit`'s outcome to `row` as the store does, with `failure` when given.
+    fn commit(
+        row: &Instance,
+        outcome: Outcome,
+        failure: Option<StepFailure>,
+    ) -> crate::outcome::Applied {
+        let mut commit = StepCommit::new(row.id, row.fencing_token, outcome);
+        commit.failure = failure;
+        let facts = crate::outcome::ApplyFacts {
+            now: crate::time::Timestamp(0),
+            signal_waiting: false,
+            children_inserted: 0,
+        };
+        crate::outcome::apply(row, &commit, facts)
+    }
+
+    /// The step polls: its own `Retry`, with no failure.
+    fn poll(row: &Instance) -> Instance {
+        commit(row, Outcome::Retry { context: row.context.clone(), delay: S(0) }, None).row
+    }
+
+    /// The step fails (retryably) and the worker commits what [`failed_step`] plans under
+    /// `config`; returns the plan and what the commit applied.
+    fn fail(config: &QueueConfig, row: &Instance) -> (FailedStep, crate::outcome::Applied) {
+        let step = failed_step(config, row, FailureKind::Action, None, "boom", 0.0);
+        let mut failure = StepFailure::of_step("boom", true, None, &[]);
+        failure.dead_letter = step.dead_letter;
+        let applied = commit(row, step.outcome.clone(), Some(failure));
+        (step, applied)
+    }
+
+    fn disabled_dead_letters() -> QueueConfig {
+        let mut config = QueueConfig::default();
+        config.dead_letter.enabled = false;
+        config
+    }
+
+    /// A step that polled with its own `Retry` up to and past `max_attempts` still has its
+    /// whole budget when it first fails: it is retried after the first delay, not
+    /// dead-lettered.
+    #[test]
+    fn polls_do_not_use_up_the_attempts_of_a_later_failure() {
+        let config = QueueConfig::default();
+        assert_eq!(config.retry.max_attempts, 3);
+        let mut row = fresh_row();
+        for _ in 0..3 {
+            row = poll(&row);
+        }
+        assert_eq!((row.attempt, row.errors.len()), (3, 0), "a poll records no error");
+        assert_eq!(failed_attempts(&row), 0);
+        let (step, applied) = fail(&config, &row);
+        assert_eq!(
+            (step.outcome, step.dead_letter),
+            (Outcome::Retry { context: row.context.clone(), delay: S(1) }, false)
+        );
+        assert_eq!(applied.dead_letter, None);
+        assert_eq!(failed_attempts(&applied.row), 1);
+    }
+
+    /// Three failures use up `max_attempts = 3`: the third is dead-lettered as exhausted
+    /// after 3 attempts, and the dead letter and its history entry say 3 whether or not
+    /// the step polled in between.
+    #[test]
+    fn three_failures_use_up_three_attempts() {
+        for (config, polls) in
+            [(QueueConfig::default(), 0), (QueueConfig::default(), 2), (disabled_dead_letters(), 0)]
+        {
+            let mut row = fresh_row();
+            for delay in [S(1), S(2)] {
+                let (step, applied) = fail(&config, &row);
+                assert_eq!(step.outcome, Outcome::Retry { context: row.context.clone(), delay });
+                row = applied.row;
+                for _ in 0..polls {
+                    row = poll(&row);
+                }
+            }
+            assert_eq!(failed_attempts(&row), 2);
+            let (step, applied) = fail(&config, &row);
+            if config.dead_letter.enabled {
+                assert_eq!((step.outcome, step.dead_letter), (Outcome::Suspend, true));
+                let letter = applied.dead_letter.expect("a dead letter");
+                assert_eq!((letter.reason.as_str(), letter.attempts), ("exhausted", 3));
+                assert_eq!(letter.errors.len(), 3);
+                let said: Vec<_> =
+                    applied.history.iter().filter_map(|h| h.data.get("attempts")).collect();
+                assert_eq!(said, [&serde_json::json!(3), &serde_json::json!(3)], "{polls} polls");
+            } else {
+                assert_eq!(
+                    step.history,
+                    Some(discard_record(DeadLetterReason::Exhausted, 3, "boom", "charge", None))
+                );
+                assert_eq!(
+                    step.outcome,
+                    Outcome::Stop {
+                        reason: discard_stop_reason(DeadLetterReason::Exhausted, 3, "boom")
+                    }
+                );
+            }
+        }
+    }
+
+    /// Failures among polls: only the failures count, for the budget, for the back-off
+    /// delay (1 s, then 2 s) and for the attempts reported.
+    #[test]
+    fn only_failures_among_polls_count() {
+        let config = disabled_dead_letters();
+        let mut row = poll(&fresh_row());
+        let mut delays = Vec::new();
+        for _ in 0..2 {
+            let (step, applied) = fail(&config, &row);
+            let Outcome::Retry { delay, .. } = step.outcome else {
+                panic!("a retry after {} failures: {step:?}", failed_attempts(&row));
+            };
+            delays.push(delay);
+            row = poll(&poll(&applied.row));
+        }
+        assert_eq!(delays, [S(1), S(2)]);
+        assert_eq!((row.attempt, failed_attempts(&row)), (7, 2));
+        let (step, _) = fail(&config, &row);
+        assert_eq!(
+            step.history,
+            Some(discard_record(DeadLetterReason::Exhausted, 3, "boom", "charge", None))
+        );
+        // Moving on clears the errors, and with them the count.
+        let next = Outcome::Next { step: "ship".into(), context: row.context.clone() };
+        assert_eq!(failed_attempts(&commit(&row, next, None).row), 0);
+    }
+
+    /// Below the errors a row keeps, the failures are counted; once it holds that many
+    /// (older ones may be gone), `row.attempt` is, so a large `max_attempts` still ends.
+    #[test]
+    fn a_full_error_list_counts_attempts_instead() {
+        use crate::instance::AttemptError;
+        use crate::limits::ATTEMPT_ERRORS_MAX;
+        let max = ATTEMPT_ERRORS_MAX as i32;
+        let mut config = QueueConfig::default();
+        config.retry.max_attempts = 150;
+        let at = crate::time::Timestamp(0);
+        let error = |attempt| AttemptError { attempt, error: "boom".into(), at };
+        let mut row = fresh_row();
+        row.attempt = 150;
+        // One fewer than the cap, with polls between: 99 failures, the 100th is retried.
+        row.errors = (0..max - 1).map(|n| error(150 - (max - 1) + n - 1)).collect();
+        assert_eq!(failed_attempts(&row), ATTEMPT_ERRORS_MAX as u32 - 1);
+        let (step, _) = fail(&config, &row);
+        assert!(matches!(step.outcome, Outcome::Retry { .. }), "{step:?}");
+        // At the cap: attempt 150 of 150 allowed has failed.
+        row.errors = (0..max).map(|n| error(150 - max + n)).collect();
+        assert_eq!(failed_attempts(&row), 150);
+        let (step, applied) = fail(&config, &row);
+        assert_eq!((step.outcome, step.dead_letter), (Outcome::Suspend, true));
+        assert_eq!(applied.dead_letter.map(|l| l.attempts), Some(151));
+        // Duplicate attempt numbers count once.
+        row.errors = vec![error(0), error(0), error(2)];
+        assert_eq!(failed_attempts(&row), 2);
+    }
+
+    /// A jitter value that is none of the accepted ones is refused with the list of them,
+    /// naming the key; an integer is a number.
+    #[test]
+    fn a_bad_jitter_lists_the_accepted_values() {
+        use crate::config::KeelConfig;
+        for (value, found) in [
+            ("\"half\"", "invalid value: string \"half\""),
+            ("true", "invalid type: boolean `true`"),
+        ] {
+            let source = format!("[queue.retry]\njitter = {value}");
+            let error = KeelConfig::from_toml_str(&source).unwrap_err().to_string();
+            let expected = format!(
+                "{found}, expected \"none\", \"full\", \"equal\" or a number from 0.0 to 1.0"
+            );
+            assert!(error.starts_with("queue.retry.jitter: "), "{error}");
+            assert!(error.contains(&expected), "{error}");
+        }
+        let config = KeelConfig::from_toml_str("[queue.retry]\njitter = 1").unwrap();
+        assert_eq!(config.queue.retry.and_then(|r| r.jitter), Some(Jitter::Fraction(1.0)));
+        let config = KeelConfig::from_toml_str("[queue.retry]\njitter = \"equal\"").unwrap();
+        assert_eq!(config.queue.retry.and_then(|r| r.jitter), Some(Jitter::Equal));
+        let json = serde_json::to_string(&[Jitter::None, Jitter::Full, Jitter::Fraction(0.25)]);
+        assert_eq!(json.unwrap(), r#"["none","full",0.25]"#);
     }
 }
