@@ -114,7 +114,7 @@ async fn check(cli: &Cli, definitions: Option<&std::path::Path>) -> anyhow::Resu
     // A machine whose instances all ended long ago is in none of the grouped reads (the
     // machines a `[retention.machines.<m>]` keeps are often such).
     let named: std::collections::BTreeSet<&String> =
-        config.machines.keys().chain(config.retention.machines.keys()).collect();
+        config.machines.keys().chain(config.retention_machines()).collect();
     let unseen = named.into_iter().filter(|m| !known.machines.contains(*m));
     for machine in unseen.take(SECTIONS_PROBED_MAX).cloned().collect::<Vec<_>>() {
         if crate::operate::has_instances(&keel, ns, &machine).await? {

@@ -181,7 +181,7 @@ fn ordered<T: PartialOrd + fmt::Debug>(
         (Some(warning), Some(critical)) if warning > critical => Err(ConfigError::invalid(
             format!("{path}.{name}_warning"),
             format!(
-                "must not exceed {path}.{name}_critical ({warning:?} > {critical:?}); a warning should fire before the critical alert"
+                "must not exceed {name}_critical ({warning:?} > {critical:?}); a warning should fire before the critical alert"
             ),
         )),
         _ => Ok(()),
@@ -776,8 +776,10 @@ pub struct KeelConfig {
     pub parallel_dispatch: PartialParallelConfig,
     /// Schedules by name (`[schedules.<name>]`).
     pub schedules: BTreeMap<String, crate::schedule::ScheduleConfig>,
-    /// How long ended instances are kept (`[retention]`).
-    pub retention: crate::retention::RetentionConfig,
+    /// How long ended instances are kept (`[retention]`); `None` when the file has no
+    /// `[retention]` section. A section present (`Some`) replaces the retention a worker
+    /// was given in code as a whole, even one whose values are all the defaults.
+    pub retention: Option<crate::retention::RetentionConfig>,
     /// Settings of each queue, by queue name (`[queues.<name>]`): claim order and limits.
     pub queues: BTreeMap<String, QueueSettings>,
     /// System-level keys set from the environment ([`ENV_OVERRIDES`]), key → variable,
@@ -817,8 +819,16 @@ impl KeelConfig {
                     .validate(&format!("machines.{machine_name}.events.{event_name}.queue"))?;
             }
         }
-        self.retention.validate()?;
+        if let Some(retention) = &self.retention {
+            retention.validate()?;
+        }
         self.schedules().map(drop)
+    }
+
+    /// The machines the file gives a retention of their own (`[retention.machines.<m>]`),
+    /// in name order; none without a `[retention]` section.
+    pub fn retention_machines(&self) -> impl Iterator<Item = &String> {
+        self.retention.iter().flat_map(|retention| retention.machines.keys())
     }
 
     /// The schedules of `[schedules.<name>]`, checked and ready to serve.
@@ -856,32 +866,56 @@ impl KeelConfig {
     /// rule relating fields of two levels (warning ≤ critical, `initial_delay` ≤
     /// `max_delay`) fails at start-up naming the level, not on some later request.
     pub fn check_levels(&self) -> Result<(), ConfigError> {
-        let at = |level: &str, error: ConfigError| match error {
-            ConfigError::Invalid { path, reason } => {
-                let field = path.strip_prefix("queue").unwrap_or(&path);
-                ConfigError::invalid(format!("{level}{field}"), reason)
-            }
-            other @ ConfigError::Toml { .. } => other,
-        };
-        self.queue.resolve().map_err(|e| at("queue", e))?;
+        self.queue.resolve()?;
         for (machine, section) in &self.machines {
-            self.queue_for(machine, None)
-                .map_err(|e| at(&format!("machines.{machine}.queue"), e))?;
+            self.queue_for(machine, None)?;
             for event in section.events.keys() {
-                self.queue_for(machine, Some(event))
-                    .map_err(|e| at(&format!("machines.{machine}.events.{event}.queue"), e))?;
+                self.queue_for(machine, Some(event))?;
             }
         }
         Ok(())
     }
 
-    /// The complete queue configuration for a machine, or for one of its events.
+    /// The complete queue configuration for a machine, or for one of its events: the
+    /// file's levels over the documented defaults. A rule the merge breaks is named at the
+    /// deepest level the file has for them.
     pub fn queue_for(
         &self,
         machine: &str,
         event: Option<&str>,
     ) -> Result<QueueConfig, ConfigError> {
-        self.layered(machine, event).resolve()
+        self.layered(machine, event).resolve().map_err(|e| self.at_level(machine, event, false, e))
+    }
+
+    /// Names an error of a merged configuration (which [`PartialQueueConfig::resolve`]
+    /// reports under `queue`, whichever level set the value) at the deepest level the file
+    /// has for `machine` and `event`: `machines.<m>.events.<e>.queue` when it has a section
+    /// for that event, else `machines.<m>.queue` when it has one for the machine, else
+    /// `queue`. A rule relating two fields (`initial_delay` ≤ `max_delay`, warning ≤
+    /// critical) may take them from two levels; the deepest is where a fix usually goes.
+    /// `over_code`: the file's levels resolve on their own and break the rule only over
+    /// what the program set in code, which the path then says.
+    fn at_level(
+        &self,
+        machine: &str,
+        event: Option<&str>,
+        over_code: bool,
+        error: ConfigError,
+    ) -> ConfigError {
+        let (path, reason) = match error {
+            ConfigError::Invalid { path, reason } => (path, reason),
+            other @ ConfigError::Toml { .. } => return other,
+        };
+        let level = match self.machines.get(machine) {
+            Some(section) => match event.filter(|e| section.events.contains_key(*e)) {
+                Some(event) => format!("machines.{machine}.events.{event}.queue"),
+                None => format!("machines.{machine}.queue"),
+            },
+            None => "queue".to_owned(),
+        };
+        let field = path.strip_prefix("queue").unwrap_or(&path);
+        let note = if over_code { " (over the machine's settings in code)" } else { "" };
+        ConfigError::invalid(format!("{level}{field}{note}"), reason)
     }
 }
 
@@ -1197,9 +1231,15 @@ impl KeelConfig {
                 source: Source::Env(var.to_owned()),
             });
         }
+        // The file was checked when read, so what fails now is a variable's value: name
+        // the variable (`KEEL_QUEUE_CONCURRENCY`), not the key it sets.
         self.queue.validate("queue").map_err(|e| match e {
             ConfigError::Invalid { path, reason } => {
-                ConfigError::invalid(format!("{path} (from the environment)"), reason)
+                let var = path.strip_prefix("queue.").and_then(|key| self.env_overrides.get(key));
+                match var {
+                    Some(var) => ConfigError::invalid(var.clone(), reason),
+                    None => ConfigError::invalid(format!("{path} (from the environment)"), reason),
+                }
             }
             other @ ConfigError::Toml { .. } => other,
         })?;
@@ -1401,7 +1441,12 @@ impl KeelConfig {
         machine: &str,
         event: Option<&str>,
     ) -> Result<QueueConfig, ConfigError> {
-        PartialQueueConfig::from(base).overlay(&self.layered(machine, event)).resolve()
+        let file = self.layered(machine, event);
+        PartialQueueConfig::from(base).overlay(&file).resolve().map_err(|error| {
+            // When the file's levels resolve on their own, the code's values are involved.
+            let over_code = file.resolve().is_ok();
+            self.at_level(machine, event, over_code, error)
+        })
     }
 
     /// The configuration a step of `machine` at `position` processing `event` runs with
@@ -1734,7 +1779,7 @@ pub fn unused_sections(
     let mut unused = Vec::new();
     let sections = config.machines.keys().map(|name| (name, format!("[machines.{name}]")));
     let retention =
-        config.retention.machines.keys().map(|name| (name, format!("[retention.machines.{name}]")));
+        config.retention_machines().map(|name| (name, format!("[retention.machines.{name}]")));
     for (name, section) in sections.chain(retention) {
         if !machines.contains(&name.as_str()) {
             unused.push(UnusedSection {
@@ -2336,13 +2381,16 @@ mod tests {
                 "[queue.retry]\nmax_delay = \"1 minute\"\n[machines.m.queue.retry]\ninitial_delay = \"2 minutes\"",
                 "m",
                 None,
-                &["queue.retry.initial_delay: must not exceed max_delay (2 minutes > 1 minute)"],
+                // Named at the deepest level the file has for the machine.
+                &[
+                    "machines.m.queue.retry.initial_delay: must not exceed max_delay (2 minutes > 1 minute)",
+                ],
             ),
             (
                 "[queue.alerts]\ndlq_warning = 60\ndlq_critical = 50",
                 "m",
                 None,
-                &["queue.alerts.dlq_warning: must not exceed queue.alerts.dlq_critical (60 > 50)"],
+                &["queue.alerts.dlq_warning: must not exceed dlq_critical (60 > 50)"],
             ),
             // Syntax errors keep toml's line and column.
             ("[queue]\nconcurrency = = 3", "m", None, &["TOML parse error at line 2"]),
@@ -2363,11 +2411,11 @@ mod tests {
         let cases: &[(&str, &str)] = &[
             (
                 "[queue.alerts]\npending_warning = 100\npending_critical = 10",
-                "queue.alerts.pending_warning: must not exceed queue.alerts.pending_critical (100 > 10)",
+                "queue.alerts.pending_warning: must not exceed pending_critical (100 > 10)",
             ),
             (
                 "[queue.alerts]\npending_critical = 10\n[machines.m.queue.alerts]\npending_warning = 100",
-                "machines.m.queue.alerts.pending_warning: ",
+                "machines.m.queue.alerts.pending_warning: must not exceed pending_critical (100 > 10)",
             ),
             (
                 "[queue.retry]\nmax_delay = \"1 minute\"\n[machines.m.events.e.queue.retry]\ninitial_delay = \"2 minutes\"",
@@ -2725,10 +2773,120 @@ mod applied_tests {
         let zero =
             KeelConfig::load("", |var| (var == "KEEL_QUEUE_CONCURRENCY").then(|| "0".to_owned()));
         assert!(
-            zero.unwrap_err()
-                .to_string()
-                .starts_with("queue.concurrency (from the environment): must be at least 1")
+            zero.unwrap_err().to_string().starts_with(
+                "KEEL_QUEUE_CONCURRENCY: must be at least 1 and at most 10000 (got 0)"
+            )
         );
+        let none = KeelConfig::load("", |var| {
+            (var == "KEEL_QUEUE_RETRY_MAX_ATTEMPTS").then(|| "0".to_owned())
+        });
+        let error = none.unwrap_err().to_string();
+        assert!(error.starts_with("KEEL_QUEUE_RETRY_MAX_ATTEMPTS: must be at least 1"), "{error}");
+    }
+
+    #[test]
+    fn a_rule_the_merge_breaks_names_the_files_deepest_level_and_the_code_under_it() {
+        let code = QueueConfig {
+            retry: RetryPolicy { max_delay: S(10), ..RetryPolicy::default() },
+            ..QueueConfig::default()
+        };
+        let config = KeelConfig::from_toml_str(
+            "[machines.order.queue.retry]
+initial_delay = \"1 minute\"
+\
+             [machines.order.events.pay.queue]
+timeout = \"5 seconds\"",
+        )
+        .unwrap();
+        // The file alone resolves: only the code's max_delay breaks the rule.
+        config.check_levels().unwrap();
+        let error = |config: &KeelConfig, base: QueueConfig, machine: &str, event: Option<&str>| {
+            config.step_config(base, machine, event).unwrap_err().to_string()
+        };
+        let over_code = "(over the machine's settings in code): must not exceed max_delay";
+        assert_eq!(
+            error(&config, code, "order", None),
+            "machines.order.queue.retry.initial_delay (over the machine's settings in code): \
+             must not exceed max_delay (1 minute > 10 seconds)"
+        );
+        let at_event = error(&config, code, "order", Some("pay"));
+        assert!(
+            at_event.starts_with(&format!(
+                "machines.order.events.pay.queue.retry.initial_delay {over_code}"
+            )),
+            "{at_event}"
+        );
+        // An event the file has no section for: the machine's level.
+        let at_machine = error(&config, code, "order", Some("ship"));
+        assert!(
+            at_machine
+                .starts_with(&format!("machines.order.queue.retry.initial_delay {over_code}")),
+            "{at_machine}"
+        );
+        // A machine the file has no section for: the system level.
+        let system = KeelConfig::from_toml_str(
+            "[queue.retry]
+initial_delay = \"1 minute\"",
+        )
+        .unwrap();
+        let at_system = error(&system, code, "order", None);
+        assert!(
+            at_system.starts_with(&format!("queue.retry.initial_delay {over_code}")),
+            "{at_system}"
+        );
+        // The file's levels break the rule on their own: no word of the code.
+        let file = KeelConfig::from_toml_str(
+            "[queue.retry]
+max_delay = \"10 seconds\"
+\
+             [machines.order.queue.retry]
+initial_delay = \"1 minute\"",
+        )
+        .unwrap();
+        for base in [code, QueueConfig::default()] {
+            let alone = error(&file, base, "order", None);
+            assert!(
+                alone.starts_with(
+                    "machines.order.queue.retry.initial_delay: must not exceed max_delay"
+                ),
+                "{alone}"
+            );
+        }
+        assert!(
+            file.queue_for("order", Some("pay"))
+                .unwrap_err()
+                .to_string()
+                .starts_with("machines.order.queue.retry.initial_delay: ")
+        );
+    }
+
+    #[test]
+    fn a_retention_section_is_kept_even_when_it_sets_only_the_defaults() {
+        use crate::retention::RetentionConfig;
+        assert_eq!(KeelConfig::from_toml_str("").unwrap().retention, None);
+        let defaults = KeelConfig::from_toml_str(
+            "[retention]
+interval = \"1 minute\"",
+        )
+        .unwrap();
+        assert_eq!(defaults.retention, Some(RetentionConfig::default()));
+        assert_eq!(
+            KeelConfig::from_toml_str("[retention]").unwrap().retention,
+            Some(RetentionConfig::default())
+        );
+        let own = KeelConfig::from_toml_str(
+            "[retention.machines.audit]
+ended = \"1 day\"",
+        )
+        .unwrap();
+        assert_eq!(own.retention_machines().collect::<Vec<_>>(), ["audit"]);
+        let bad = KeelConfig::from_toml_str(
+            "[retention]
+batch = 0",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(bad.starts_with("retention.batch: "), "{bad}");
     }
     #[test]
     fn the_files_dead_letter_retention_and_parallel_dispatch_resolve_with_their_source() {

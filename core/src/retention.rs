@@ -207,7 +207,7 @@ mod tests {
 
     fn config(source: &str) -> RetentionConfig {
         let config = crate::config::KeelConfig::from_toml_str(source).expect("valid");
-        config.retention
+        config.retention.expect("a [retention] section")
     }
 
     #[test]

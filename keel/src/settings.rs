@@ -11,8 +11,10 @@ use std::path::{Path, PathBuf};
 pub const CONFIG_VAR: &str = "KEEL_CONFIG";
 
 /// Loads the configuration file at `path`, or at `$KEEL_CONFIG` when `path` is `None`.
-/// `Ok(None)`: neither names a file (the documented defaults apply, still with the
-/// environment overrides when any is set).
+/// `Ok(None)`: no file named and no `KEEL_*` override ([`ENV_OVERRIDES`]) set; with
+/// overrides and no file, `Some` of the defaults with them applied.
+///
+/// [`ENV_OVERRIDES`]: keel_core::config::ENV_OVERRIDES
 pub fn load(path: Option<&Path>) -> Result<Option<KeelConfig>, Error> {
     let path: Option<PathBuf> =
         path.map(Path::to_path_buf).or_else(|| std::env::var_os(CONFIG_VAR).map(PathBuf::from));
@@ -124,6 +126,11 @@ mod tests {
             differences(&same, &loaded(file, Some("45s"))),
             ["[queue]", "$KEEL_QUEUE_TIMEOUT (set for one of them only)"]
         );
+
+        // A `[retention]` section of defaults is not the same as none: it replaces the
+        // retention set in code.
+        let retention = loaded("[retention]\ninterval = \"1 minute\"\n", None);
+        assert_eq!(differences(&retention, &loaded("", None)), ["[retention]"]);
 
         let many = (0..12)
             .map(|i| format!("[machines.m{i:02}.queue]\nname = \"q\"\n"))

@@ -189,13 +189,14 @@ impl WorkerConfig {
     /// where the file starts instances, and each `[queues.<q>]` section), gives each queue
     /// the slots the file sets for it (`[queues.<q>] concurrency`, else `[queue]
     /// concurrency`, else the default 10), and keeps the file for the claim policy of
-    /// each queue and the configuration of each step. A `[retention]` section that sets
-    /// anything replaces [`WorkerConfig::retention`] (and turns the pruner on).
+    /// each queue and the configuration of each step. A `[retention]` section replaces
+    /// [`WorkerConfig::retention`] as a whole (and turns the pruner on), even one whose
+    /// values are all the defaults; a key it leaves out takes its default, not the code's.
     pub fn with_settings(mut self, settings: KeelConfig) -> Result<Self, ConfigError> {
         settings.check_applied()?;
-        if settings.retention != RetentionConfig::default() {
-            settings.retention.validate()?;
-            self.retention = Some(settings.retention.clone());
+        if let Some(retention) = &settings.retention {
+            retention.validate()?;
+            self.retention = Some(retention.clone());
         }
         // The file starts instances in its queues; a worker that did not serve them would
         // leave those instances ready for ever.

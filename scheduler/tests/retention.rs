@@ -498,3 +498,31 @@ async fn a_failing_prune_page_does_not_stop_the_trims_and_purges_after_it() {
     assert_eq!(store.calls("history_trim"), 1, "the trim pass still ran");
     assert_eq!(store.calls("dead_letter_purge"), 1, "the purge still ran");
 }
+
+/// A `[retention]` section in the file replaces the retention set in code as a whole, even
+/// when its values are the defaults, and turns on a pruner the code turned off; a file
+/// without the section keeps the code's.
+#[test]
+fn a_files_retention_section_equal_to_the_defaults_still_replaces_the_codes() {
+    let file = |toml: &str| keel_core::config::KeelConfig::from_toml_str(toml).expect("valid");
+    let hourly = RetentionConfig { ended: Some(HOUR), ..retention(HOUR) };
+    let hourly = RetentionConfig { interval: HOUR, ..hourly };
+    let code = WorkerConfig { retention: Some(hourly.clone()), ..WorkerConfig::default() };
+    let off = WorkerConfig { retention: None, ..WorkerConfig::default() };
+    let defaults = "[retention]\ninterval = \"1 minute\"";
+    let applied = |config: &WorkerConfig, toml: &str| {
+        config.clone().with_settings(file(toml)).expect("applied").retention
+    };
+    assert_eq!(applied(&code, defaults), Some(RetentionConfig::default()));
+    assert_eq!(applied(&off, defaults), Some(RetentionConfig::default()));
+    assert_eq!(applied(&off, "[retention]"), Some(RetentionConfig::default()));
+    // A section that sets one key: the others take their defaults, not the code's.
+    let day = Duration::from_secs(86_400);
+    assert_eq!(
+        applied(&code, "[retention]\nended = \"1 day\""),
+        Some(RetentionConfig { ended: Some(day), ..RetentionConfig::default() })
+    );
+    // No section: what the code set stays, the pruner off included.
+    assert_eq!(applied(&code, "[queue]\ntimeout = \"5 seconds\""), Some(hourly));
+    assert_eq!(applied(&off, ""), None);
+}

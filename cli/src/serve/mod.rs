@@ -269,7 +269,7 @@ fn start_server_worker(keel: &Keel, file: &KeelConfig) -> anyhow::Result<keel::W
     let id = config.worker_id.0.clone();
     // The file's machines run elsewhere (in HTTP or in-process workers): their sections
     // are no misspellings.
-    let named = file.machines.keys().chain(file.retention.machines.keys());
+    let named = file.machines.keys().chain(file.retention_machines());
     let builder = named.fold(keel.worker_with(config), |b, m| b.served_elsewhere(m.clone()));
     let handle = builder
         .spawn()
