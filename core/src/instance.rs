@@ -195,9 +195,15 @@ pub struct NewInstance {
     pub context: Value,
     /// Optional business key.
     pub business_key: Option<String>,
-    /// Queue (default `"default"`).
+    /// Queue (default `"default"`). Set it with the [`queue`](Self::queue) builder: a
+    /// value assigned to this field directly is replaced by the queue a configuration file
+    /// sets for the machine (`[queue] name`, or the machine's), when the client or worker
+    /// starting it has one, unless [`given`](Self::given)`.queue` is set too.
     pub queue: String,
-    /// Priority (default normal).
+    /// Priority (default normal). Set it with the [`priority`](Self::priority) builder: a
+    /// value assigned to this field directly is replaced by the priority a configuration
+    /// file sets for the machine, when the client or worker starting it has one, unless
+    /// [`given`](Self::given)`.priority` is set too.
     pub priority: Priority,
     /// Optional per-key serialization.
     pub concurrency_key: Option<String>,
@@ -543,7 +549,10 @@ pub struct Signal {
 }
 
 impl Signal {
-    /// The payload deserialized as `P`.
+    /// The payload deserialized as `P`. In a step, prefer `StepContext::payload_as`
+    /// (keel-scheduler): a payload that does not fit never will, and there it is a
+    /// non-retryable error naming the event, while this serde error turns into a retryable
+    /// one through `?`.
     pub fn payload_as<P: serde::de::DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
         serde_json::from_value(self.payload.clone())
     }

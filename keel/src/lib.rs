@@ -109,11 +109,14 @@
 //! Contexts and payloads are JSON in the store; code can stay typed at both ends.
 //! Start with [`NewInstance::context_of`] or [`ChartMachine::new_instance_of`], send with
 //! [`NewSignal::payload_of`]; read with [`StepContext::context_as`],
-//! [`Signal::payload_as`], [`Event::payload_as`] and, in chart actions and guards,
-//! `ctx.get_as` / `ctx.set_from` and `ChartBuilder::guard_typed`; answer with
-//! [`Outcome::next_with`], [`Outcome::await_with`] or [`Outcome::done_with`]; read the
-//! result with [`Ended::result_as`]. A serde error inside a step is a retryable
-//! [`StepError`] through `?`; a context that does not fit its type is a fatal one.
+//! [`StepContext::payload_as`] (a signal's payload, in a step), [`Event::payload_as`] and,
+//! in chart actions and guards, `ctx.get_as` / `ctx.set_from` and
+//! `ChartBuilder::guard_typed`; answer with [`Outcome::next_with`], [`Outcome::await_with`]
+//! or [`Outcome::done_with`]; read the result with [`Ended::result_as`]. A context or a
+//! payload read through the [`StepContext`] that does not fit its type is a fatal
+//! [`StepError`] naming the instance (and the event): it will not fit on a later attempt
+//! either. Any other serde error inside a step, [`Signal::payload_as`]'s included, is a
+//! retryable [`StepError`] through `?`.
 //!
 //! ## Logs and metrics
 //!
@@ -361,6 +364,12 @@ impl Keel {
     /// The in-memory store driven by `clock`: tests move time with
     /// [`VirtualClock::advance`] instead of sleeping; a worker's timer sweep reads the
     /// clock at least every 250 ms, so a timer the advance makes due fires about that soon.
+    ///
+    /// Everything else the engine times is on that clock too: retry back-offs, delayed
+    /// starts and leases. A step that fails once is tried again only after an `advance`
+    /// past its back-off, however long the test waits; a delayed start runs once the clock
+    /// reaches it; and an `advance` past the lease while a step runs expires its lease, so
+    /// the reaper may hand the step to a worker again and run it a second time.
     #[cfg(feature = "testkit")]
     pub fn testing(clock: VirtualClock) -> Keel {
         Self::assemble(
@@ -438,11 +447,19 @@ impl Keel {
 
     /// A worker on this store with `config`, to which the file given to
     /// [`with_settings`](Self::with_settings), if any, is applied
-    /// (`WorkerConfig::with_settings`).
+    /// (`WorkerConfig::with_settings`). A `config` that carries a file of its own
+    /// ([`WorkerConfig::settings`](keel_scheduler::WorkerConfig::settings)) different
+    /// from the `Keel`'s makes the worker's [`spawn`](WorkerBuilder::spawn) fail with
+    /// [`Error::Config`]: the client would start instances by one file while the worker
+    /// served them by the other.
     pub fn worker_with(&self, config: WorkerConfig) -> WorkerBuilder {
         let own = own_queues(&config);
         let Some(file) = self.client.settings() else { return self.builder(config, own) };
-        match apply(config, file.clone(), GIVEN_SETTINGS) {
+        let applied = match own_settings_differ(&config, file) {
+            Some(e) => Err(e),
+            None => apply(config, file.clone(), GIVEN_SETTINGS),
+        };
+        match applied {
             Ok(config) => self.builder(config, own),
             // Never spawned: `spawn` returns the error.
             Err(e) => {
@@ -461,7 +478,9 @@ impl Keel {
     /// and its workers follow one file: with no `path` and no `$KEEL_CONFIG` the worker
     /// applies the `Keel`'s file; a file named here is read as above and must equal the
     /// `Keel`'s, else this is an [`Error::Config`] (the client would start instances in
-    /// queues by one file while the worker served them by the other).
+    /// queues by one file while the worker served them by the other). So must a file
+    /// `config` carries already
+    /// ([`WorkerConfig::settings`](keel_scheduler::WorkerConfig::settings)).
     pub fn configured_worker(
         &self,
         config: WorkerConfig,
@@ -470,22 +489,16 @@ impl Keel {
         let label = || path.map_or_else(|| "$KEEL_CONFIG".to_owned(), |p| p.display().to_string());
         let names_file = path.is_some() || std::env::var_os(settings::CONFIG_VAR).is_some();
         let own = own_queues(&config);
+        if let Some(e) =
+            self.client.settings().and_then(|given| own_settings_differ(&config, given))
+        {
+            return Err(e);
+        }
         let config = match (self.client.settings(), names_file) {
             (Some(given), false) => apply(config, given.clone(), GIVEN_SETTINGS)?,
             (given, _) => match (settings::load(path)?, given) {
                 (Some(loaded), Some(given)) if loaded != *given => {
-                    let differ = settings::differences(&loaded, given).join(", ");
-                    return Err(Error::Config {
-                        file: label(),
-                        message: format!(
-                            "differs from the settings this Keel was given with \
-                             `Keel::with_settings` (in {differ}), so its client would start \
-                             instances by one file while this worker served them by the \
-                             other; give both the same file (read with the same environment), \
-                             or make the worker with `keel.worker_with(config)`, which \
-                             applies the Keel's"
-                        ),
-                    });
+                    return Err(differs_from_given(label(), &loaded, given));
                 }
                 (Some(loaded), _) => apply(config, loaded, &label())?,
                 (None, _) => config,
@@ -510,6 +523,29 @@ impl Keel {
 /// adds its own.
 fn own_queues(config: &WorkerConfig) -> Vec<String> {
     config.queues.iter().map(|(q, _)| q.clone()).collect()
+}
+
+/// The error for a worker's configuration file (`file` names it) that is not the one its
+/// `Keel` was given (`given`).
+fn differs_from_given(file: String, other: &KeelConfig, given: &KeelConfig) -> Error {
+    let differ = settings::differences(other, given).join(", ");
+    Error::Config {
+        file,
+        message: format!(
+            "differs from the settings this Keel was given with `Keel::with_settings` (in \
+             {differ}), so its client would start instances by one file while this worker \
+             served them by the other; give both the same file (read with the same \
+             environment), or give the worker no file of its own: \
+             `keel.worker_with(config)` with `config.settings` unset applies the Keel's"
+        ),
+    }
+}
+
+/// The error when `config` carries a configuration file of its own
+/// (`WorkerConfig::with_settings`) that is not `given`, the `Keel`'s.
+fn own_settings_differ(config: &WorkerConfig, given: &KeelConfig) -> Option<Error> {
+    let own = config.settings.as_deref().filter(|own| *own != given)?;
+    Some(differs_from_given("`WorkerConfig::settings`".to_owned(), own, given))
 }
 
 /// `config` with the configuration file `settings` applied; an error names `file`.

@@ -39,6 +39,24 @@ impl fmt::Debug for RegistrationError {
 
 impl std::error::Error for RegistrationError {}
 
+/// What is wrong with a machine's configuration in code, as a piece of a
+/// [`RegistrationError`]: a field a machine's configuration does not apply
+/// ([`QueueConfig::not_applied_in_code`](keel_core::config::QueueConfig::not_applied_in_code)),
+/// or a value out of its bounds
+/// ([`QueueConfig::validate`](keel_core::config::QueueConfig::validate)); `None` when it
+/// is usable. The runtime's worker refuses to start on the same two checks.
+fn code_config_problem(config: &keel_core::config::QueueConfig) -> Option<String> {
+    if let Some((field, fix)) = config.not_applied_in_code() {
+        return Some(format!(
+            "a configuration in code it applies (its QueueConfig sets `{field}`, which a \
+             machine's configuration does not apply, so it would change nothing; leave it at \
+             its default. Fix: {fix})"
+        ));
+    }
+    let error = config.validate("QueueConfig").err()?;
+    Some(format!("a valid configuration in code ({error})"))
+}
+
 /// A worker being put together: register machines, then [`spawn`](Self::spawn) it or
 /// [`run`](Self::run) it until the process is asked to stop.
 pub struct WorkerBuilder {
@@ -110,16 +128,21 @@ impl WorkerBuilder {
 
     /// Registers a machine. A chart whose definition names actions that were not bound is
     /// refused here, with every missing name in the error, instead of failing its instances
-    /// later. The machine's definition warnings ([`StepMachine::warnings`]: a chart's
-    /// unreachable state, shadowed transition, transition into a sibling region) are
-    /// logged here, once each, at `warn` level with the machine and its version; they
-    /// never stop the worker. A `(name, version)` registered here already is refused too:
-    /// which of two machines runs the steps of one version must not depend on the order
-    /// of the calls.
+    /// later; so is a machine whose configuration in code ([`StepMachine::config`]) is out
+    /// of its bounds (a zero timeout, a retry policy out of range, …) or sets a field a
+    /// machine's configuration does not apply (`concurrency`, `strategy`, `priority`,
+    /// `alerts`), naming the field and the fix. The machine's definition warnings
+    /// ([`StepMachine::warnings`]: a chart's unreachable state, shadowed transition,
+    /// transition into a sibling region) are logged here, once each, at `warn` level with
+    /// the machine and its version; they never stop the worker. A `(name, version)`
+    /// registered here already is refused too: which of two machines runs the steps of one
+    /// version must not depend on the order of the calls.
     pub fn register(mut self, machine: impl StepMachine) -> Result<Self, RegistrationError> {
         let name = machine.machine();
         let delegates = machine.delegates();
         let events = machine.events();
+        // Checked below as the runtime's worker checks it when it starts.
+        let in_code = machine.config();
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
         // Read as the runtime's worker reads it: a machine that panics here serves nothing
@@ -150,6 +173,12 @@ impl WorkerBuilder {
             return Err(RegistrationError {
                 machine: format!("{} v{}", name.name, name.version),
                 missing: missing.to_vec(),
+            });
+        }
+        if let Some(problem) = code_config_problem(&in_code) {
+            return Err(RegistrationError {
+                machine: format!("{} v{}", name.name, name.version),
+                missing: vec![problem],
             });
         }
         self.machines.push((name.name.clone(), name.version, delegates));

@@ -10,6 +10,7 @@ use keel_core::ports::store::{
     BroadcastReport, CancelParams, DeadLetterFilter, DeadLetterPurgeParams, DeadLetterRetryParams,
     DeadLetterSelector, DeadLetterSkipParams, DeliveryOutcome, InsertOutcome, InsertParams,
     InstanceDetail, QueuePauseParams, SignalBroadcastParams, SignalDeliverParams,
+    WORKER_STALE_AFTER, WorkerRecord,
 };
 use keel_core::ports::{Clock, Queue, Store};
 use keel_core::{
@@ -29,6 +30,9 @@ pub const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
 pub const WAIT_WAKE_GAP: Duration = Duration::from_millis(10);
 /// The longest pause between two reads of a wait's polling.
 pub const WAIT_POLL_MAX: Duration = Duration::from_millis(250);
+/// How long a wait sees its instance runnable and due before it looks, once, whether a
+/// live worker serves the instance's machine and version (see [`Client::wait_timeout`]).
+pub const WAIT_UNSERVED_AFTER: Duration = Duration::from_secs(10);
 
 /// A handle applications use to talk to Keel.
 pub struct Client<S: Store, C: Clock> {
@@ -273,6 +277,14 @@ impl<S: Store, C: Clock> Client<S, C> {
 
     /// Like [`wait`](Self::wait), but returns `Ok(None)` when `id` is still running after
     /// `timeout`. `NotFound` when there is no such instance.
+    ///
+    /// A wait that has seen its instance runnable and due for [`WAIT_UNSERVED_AFTER`]
+    /// looks once in the store's worker registry: when workers were seen within
+    /// `WORKER_STALE_AFTER` but none of them serves the instance's machine and version in
+    /// its namespace, it logs a warning naming them and the versions live workers do serve
+    /// (an instance started in a version no worker registers waits until one does). With
+    /// no live worker at all it says nothing (the workers may not have started yet). It
+    /// keeps waiting either way.
     pub async fn wait_timeout(
         &self,
         id: InstanceId,
@@ -285,6 +297,10 @@ impl<S: Store, C: Clock> Client<S, C> {
             .checked_add(timeout)
             .unwrap_or_else(|| start + Duration::from_secs(30 * 365 * 86_400));
         let mut pause = WAIT_POLL_MIN;
+        // Since when this wait has seen the instance runnable and due, until the one look
+        // at the worker registry.
+        let mut runnable_since: Option<tokio::time::Instant> = None;
+        let mut looked = false;
         loop {
             // Listen before reading: polling the wake-up once registers this waiter with
             // the store, so a change that lands between the read and the wait still wakes it.
@@ -296,6 +312,17 @@ impl<S: Store, C: Clock> Client<S, C> {
             let row = self.row(id).await?;
             if row.status.is_terminal() {
                 return Ok(Some(Ended::from_row(row)));
+            }
+            if !looked {
+                if row.status == Status::Runnable && row.eligible_at <= self.clock.now() {
+                    let since = *runnable_since.get_or_insert(read_at);
+                    if read_at.duration_since(since) >= WAIT_UNSERVED_AFTER {
+                        looked = true;
+                        self.warn_if_unserved(&row).await;
+                    }
+                } else {
+                    runnable_since = None;
+                }
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
@@ -319,6 +346,28 @@ impl<S: Store, C: Clock> Client<S, C> {
         }
     }
 
+    /// Logs a warning when no live worker serves `row`'s machine and version in its
+    /// namespace, naming the versions live workers serve; silent when one does, or when
+    /// the store keeps no worker registry or cannot be read.
+    async fn warn_if_unserved(&self, row: &Instance) {
+        let live = match self.store.worker_list(self.clock.now().minus(WORKER_STALE_AFTER)).await {
+            Ok(live) => live,
+            Err(e) => {
+                tracing::debug!(error = %e, "wait: the worker registry could not be read");
+                return;
+            }
+        };
+        if let Some(warning) = unserved_warning(row, &live) {
+            tracing::warn!(
+                instance = %row.id,
+                machine = %row.machine.name,
+                version = row.machine.version,
+                namespace = %row.namespace,
+                "{warning}"
+            );
+        }
+    }
+
     /// The current state of instance `id`: its active chart configuration (or, for a step
     /// machine, its current step), like a statechart snapshot's value.
     pub async fn state(&self, id: InstanceId) -> StoreResult<StateValue> {
@@ -330,7 +379,7 @@ impl<S: Store, C: Clock> Client<S, C> {
             .instance_rows(vec![id])
             .await?
             .pop()
-            .ok_or_else(|| StoreError::not_found(format!("no instance with id {id}")))
+            .ok_or_else(|| StoreError::not_found(missing(&SignalTarget::Id(id))))
     }
 
     /// An instance with its inbox, children and history.
@@ -508,8 +557,46 @@ fn one_instance(mut e: StoreError) -> StoreError {
     e
 }
 
-/// What [`Client::send`] says when `target` is not there: the instance as the `keel`
-/// command line names it, and what to check.
+/// What a wait logs when none of the `live` workers serves `row`'s machine and version in
+/// its namespace; `None` when one does.
+fn unserved_warning(row: &Instance, live: &[WorkerRecord]) -> Option<String> {
+    let (ns, m) = (&row.namespace, &row.machine);
+    // With no live worker at all the registry says nothing about versions: every worker
+    // may be between beats of a clock that jumped (a test's virtual clock), or not started
+    // yet; the warning is for a machine or version the running workers do not serve.
+    if live.is_empty() || live.iter().any(|w| w.serves(ns, m)) {
+        return None;
+    }
+    let mut versions: Vec<i32> = live
+        .iter()
+        .filter(|w| w.claims_from(ns))
+        .flat_map(|w| &w.machines)
+        .filter(|other| other.name == m.name)
+        .map(|other| other.version)
+        .collect();
+    versions.sort_unstable();
+    versions.dedup();
+    let served = if versions.is_empty() {
+        format!("no live worker serves any version of {:?} there", m.name)
+    } else {
+        let listed = versions.iter().map(|v| format!("v{v}")).collect::<Vec<_>>().join(", ");
+        format!("live workers serve {:?} {listed} there", m.name)
+    };
+    Some(format!(
+        "instance {} has been runnable for {} s and no live worker serves {:?} v{} in \
+         namespace {ns:?} ({served}), so it waits until a worker registers that machine and \
+         version; start a version a worker serves, or register v{} on a worker",
+        row.id,
+        WAIT_UNSERVED_AFTER.as_secs(),
+        m.name,
+        m.version,
+        m.version
+    ))
+}
+
+/// What [`Client::send`] (and [`Client::wait`] and [`Client::state`], given an id) says
+/// when `target` is not there: the instance as the `keel` command line names it, and what
+/// to check.
 fn missing(target: &SignalTarget) -> String {
     match target {
         SignalTarget::Id(id) => format!(
@@ -680,6 +767,39 @@ impl fmt::Display for StateValue {
 #[cfg(test)]
 mod tests {
     use super::StateValue;
+
+    #[test]
+    fn a_wait_warns_of_a_version_no_live_worker_serves() {
+        use keel_core::ports::store::WorkerRecord;
+        use keel_core::{Instance, InstanceId, MachineRef, Timestamp, WorkerId};
+        let new = keel_core::instance::NewInstance::new(MachineRef::new("order", 2), "start");
+        let row = Instance::from_new(InstanceId(7), &new, None, Timestamp(0));
+        let worker = |namespaces: Vec<String>, machines: Vec<MachineRef>| WorkerRecord {
+            id: WorkerId("w".into()),
+            name: "w".into(),
+            machines,
+            namespaces,
+            started_at: Timestamp(0),
+            last_seen_at: Timestamp(0),
+        };
+        let v1 = worker(Vec::new(), vec![MachineRef::new("order", 1)]);
+        let elsewhere = worker(vec!["other".into()], vec![MachineRef::new("order", 3)]);
+        let warning = super::unserved_warning(&row, &[v1.clone(), elsewhere.clone()])
+            .expect("no worker serves v2 in the default namespace");
+        assert!(
+            warning.starts_with(
+                "instance i7 has been runnable for 10 s and no live worker serves \"order\" v2 \
+                 in namespace \"default\" (live workers serve \"order\" v1 there)"
+            ),
+            "{warning}"
+        );
+        let none = super::unserved_warning(&row, std::slice::from_ref(&elsewhere))
+            .expect("no worker serves order in the default namespace");
+        assert!(none.contains("(no live worker serves any version of \"order\" there)"), "{none}");
+        assert_eq!(super::unserved_warning(&row, &[]), None, "no live worker at all");
+        let v2 = worker(Vec::new(), vec![MachineRef::new("order", 2)]);
+        assert_eq!(super::unserved_warning(&row, &[v1, v2]), None);
+    }
 
     #[test]
     fn state_value_reads_chart_and_step_positions() {

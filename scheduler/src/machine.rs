@@ -144,6 +144,26 @@ impl StepContext {
         })
     }
 
+    /// The payload of the inbox signal `signal` deserialized as `P`. A payload that does
+    /// not fit `P` is a non-retryable error naming the event, the signal and this
+    /// instance (it will not fit on the next attempt either), and the signal is marked as
+    /// the one this step processes ([`processing`](Self::processing)): its dead letter
+    /// holds the event, and the `skip` policy consumes it. Prefer this to
+    /// [`Signal::payload_as`] with `?`, which makes the same error a retryable one.
+    pub fn payload_as<P: serde::de::DeserializeOwned>(
+        &self,
+        signal: &Signal,
+    ) -> Result<P, StepError> {
+        signal.payload_as().map_err(|e| {
+            self.processing(signal);
+            StepError::fatal(format!(
+                "the payload of event {:?} (signal {}) to instance {} does not fit the \
+                 step's payload type: {e}",
+                signal.name, signal.id, self.id
+            ))
+        })
+    }
+
     /// The first inbox signal named `name`, if any.
     pub fn signal(&self, name: &str) -> Option<&Signal> {
         self.signals.iter().find(|s| s.name == name)
