@@ -68,7 +68,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::History(args) => {
             let id = resolve(&keel, ns, &args.target).await?;
             let before = args.before.as_deref();
-            crate::operate::history(&keel, ns, &args.target, id, before, args.limit).await
+            crate::operate::history(&keel, ns, id, before, args.limit).await
         }
         Command::Start(args) => start(&keel, ns, args).await,
         Command::Send { target, event, payload, dedup_key, priority } => {

@@ -438,11 +438,12 @@ pub fn parse_status(raw: &str) -> anyhow::Result<Status> {
 }
 
 /// `keel history`: one page of `id`'s history, newest first, and the cursor to the next,
-/// older page. `target` is how the caller named the instance (for the "More:" hint).
+/// older page. The "More:" hint names the instance by its id, as `keel inspect` does, not
+/// by how the caller named it: a business key may pass to a newer instance between pages,
+/// and the cursor belongs to this one.
 pub async fn history(
     keel: &Keel,
     ns: &str,
-    target: &str,
     id: InstanceId,
     before: Option<&str>,
     limit: usize,
@@ -483,7 +484,7 @@ pub async fn history(
         t.to_string()
     };
     if let Some(next) = page.next {
-        let mut more = format!("history {}", shell_word(target));
+        let mut more = format!("history {id}");
         if limit != HISTORY_PAGE_DEFAULT {
             let _ = write!(more, " --limit {limit}");
         }

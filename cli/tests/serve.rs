@@ -1899,6 +1899,93 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
     }
 }
 
+const LINK_TOKENS: &str = r#"
+[[tokens]]
+token = "token-for-namespace-b"
+namespaces = ["b"]
+access = "read"
+
+[[tokens]]
+token = "worker-for-every-namespace"
+namespaces = ["*"]
+access = "operate"
+"#;
+
+/// On the dashboard a child and a parent in another namespace are linked under their own
+/// namespace, and a parent the token may not see is named without a link.
+#[test]
+fn parents_and_children_are_linked_under_their_own_namespace() {
+    let (b, all) = ("token-for-namespace-b", "worker-for-every-namespace");
+    for (name, s) in servers_with("linked_under_their_own_namespace", None, Some(LINK_TOKENS)) {
+        let (code, started) =
+            s.post_as(all, "/v1/namespaces/a/instances", r#"{"machine":"parent","at":"spawn"}"#);
+        assert_eq!(code, 201, "{name}: {started}");
+        let parent = started["id"].as_i64().unwrap();
+        let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"parent","version":1}]}"#;
+        let (code, task) = s.post_as(all, "/v1/worker/tasks/poll", poll);
+        assert_eq!((code, task["id"].as_i64()), (200, Some(parent)), "{name}: {task}");
+        let child = r#"{"namespace":"b","machine":{"name":"greeter","version":1},"position":"greet","context":{},"business_key":null,"queue":"default","priority":"normal","concurrency_key":null,"unique":null,"eligible_at":null,"correlation_id":null,"invoked_by":null}"#;
+        let done = format!(
+            r#"{{"worker":"w","token":{},"outcome":{{"type":"schedule_children","next":"after","context":{{}},"children":[{child}]}}}}"#,
+            task["token"]
+        );
+        let (code, answer) = s.post_as(all, &format!("/v1/worker/tasks/{parent}/complete"), &done);
+        assert_eq!(code, 200, "{name}: {answer}");
+        let (_, detail) = s.get_as(all, &format!("/v1/namespaces/a/instances/{parent}"));
+        let detail: Value = serde_json::from_str(&detail).unwrap();
+        let child = detail["children"][0]["id"].as_i64().unwrap();
+
+        let (code, page) = s.get_as(all, &format!("/ui/ns/a/instances/{parent}"));
+        assert_eq!(code, 200, "{name}: {page}");
+        assert!(page.contains(&format!("href=\"/ui/ns/b/instances/{child}\"")), "{name}: {page}");
+        let (code, page) = s.get_as(all, &format!("/ui/ns/b/instances/{child}/fragment"));
+        assert_eq!(code, 200, "{name}: {page}");
+        let link = format!("parent <a href=\"/ui/ns/a/instances/{parent}\">i{parent}</a>");
+        assert!(page.contains(&link), "{name}: {page}");
+        // A token for b sees the child, and its parent in a only by id.
+        let (code, page) = s.get_as(b, &format!("/ui/ns/b/instances/{child}/fragment"));
+        assert_eq!(code, 200, "{name}: {page}");
+        assert!(page.contains(&format!(" · parent i{parent}</p>")), "{name}: {page}");
+        assert!(!page.contains("/ui/ns/a/"), "{name}: {page}");
+    }
+}
+
+/// Every dashboard answer forbids framing by another site: pages, fragments, assets, the
+/// login form and the sign-in redirect.
+#[test]
+fn dashboard_answers_may_not_be_framed() {
+    let frame_headers = |s: &Server, path: &str| {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_redirects(0)
+            .build()
+            .into();
+        let response = agent.get(&format!("{}{path}", s.base)).call().unwrap();
+        let header =
+            |name: &str| response.headers().get(name).map(|v| v.to_str().unwrap().to_owned());
+        (response.status().as_u16(), header("x-frame-options"), header("content-security-policy"))
+    };
+    let deny = (Some("DENY".to_owned()), Some("frame-ancestors 'none'".to_owned()));
+    for (name, s) in servers("dashboard_answers_may_not_be_framed", None) {
+        for (path, status) in [
+            ("/ui/ns/default", 200),
+            ("/ui/ns/default/fragments/overview", 200),
+            ("/ui/assets/live.js", 200),
+            ("/ui/assets/style.css", 200),
+            ("/ui/typo", 404),
+        ] {
+            let (code, frame, csp) = frame_headers(&s, path);
+            assert_eq!((code, (frame, csp)), (status, deny.clone()), "{name}: {path}");
+        }
+    }
+    for (name, s) in servers_with("dashboard_answers_may_not_be_framed", None, Some(TOKENS)) {
+        for (path, status) in [("/ui/login", 200), ("/ui/ns/a", 303), ("/ui/assets/live.js", 200)] {
+            let (code, frame, csp) = frame_headers(&s, path);
+            assert_eq!((code, (frame, csp)), (status, deny.clone()), "{name}: {path}");
+        }
+    }
+}
+
 /// A browser that follows redirects and sends a cookie only under its `Path`, as browsers
 /// do; from `start`, the final address, status and page.
 fn browse(s: &Server, start: &str, jar: &mut Option<(String, String)>) -> (String, u16, String) {

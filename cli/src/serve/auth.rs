@@ -28,6 +28,9 @@ use super::api::ApiError;
 
 /// Shortest secret accepted.
 const TOKEN_BYTES_MIN: usize = 16;
+/// Longest secret accepted: the dashboard keeps a token hex-encoded in a cookie and reads
+/// back at most twice this many characters.
+pub(super) const TOKEN_BYTES_MAX: usize = 1024;
 /// Most tokens in a file.
 const TOKENS_MAX: usize = 1000;
 
@@ -91,6 +94,11 @@ pub fn load(path: &Path) -> anyhow::Result<Vec<Grant>> {
         if grant.token.len() < TOKEN_BYTES_MIN {
             bail!(
                 "--tokens: tokens[{i}].token is shorter than {TOKEN_BYTES_MIN} bytes; use a long random secret"
+            );
+        }
+        if grant.token.len() > TOKEN_BYTES_MAX {
+            bail!(
+                "--tokens: tokens[{i}].token is longer than {TOKEN_BYTES_MAX} bytes; use a shorter random secret"
             );
         }
         if grant.namespaces.is_empty() {
@@ -179,5 +187,30 @@ mod tests {
         assert!(!same(b"secret-secret-01", b"secret-secret-02"));
         assert!(!same(b"secret-secret-01", b"secret-secret-0"));
         assert!(!same(b"", b"x"));
+    }
+
+    fn load_text(text: &str) -> anyhow::Result<Vec<Grant>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("tokens.toml");
+        std::fs::write(&path, text)?;
+        load(&path)
+    }
+
+    fn one_token(token: &str) -> String {
+        format!("[[tokens]]\ntoken = \"{token}\"\nnamespaces = [\"*\"]\naccess = \"read\"\n")
+    }
+
+    #[test]
+    fn tokens_longer_than_the_cookie_holds_are_refused() {
+        let longest = "a".repeat(TOKEN_BYTES_MAX);
+        assert_eq!(load_text(&one_token(&longest)).map(|g| g.len()).ok(), Some(1));
+        let too_long = "a".repeat(TOKEN_BYTES_MAX + 1);
+        let err = load_text(&one_token(&too_long)).err().map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some(
+                "--tokens: tokens[0].token is longer than 1024 bytes; use a shorter random secret"
+            )
+        );
     }
 }

@@ -242,7 +242,7 @@ pub async fn history(
     let id = super::api::parse_id(&raw)?;
     super::api::instance_in(&state, &ns, id).await?;
     let limit = q.limit.unwrap_or(crate::operate::HISTORY_PAGE_DEFAULT);
-    match crate::operate::history(&state.keel, &ns, &raw, id, q.before.as_deref(), limit).await {
+    match crate::operate::history(&state.keel, &ns, id, q.before.as_deref(), limit).await {
         Ok(report) => Ok(Json(report.json).into_response()),
         Err(error) => Err(report_error(error)),
     }

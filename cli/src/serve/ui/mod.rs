@@ -22,7 +22,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
-use axum::middleware::{Next, from_fn_with_state};
+use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{any, get, post};
 
@@ -100,9 +100,24 @@ pub fn router(state: Arc<AppState>) -> Router<Arc<AppState>> {
         // signed-in browser too (the API's answers are JSON and want a bearer header).
         .route("/ui/{*rest}", any(unknown))
         .layer(from_fn_with_state(state, authenticate))
+        // Outermost, so sign-in redirects and refusals carry them too.
+        .layer(from_fn(no_framing))
         // Outside authentication: the cookie is scoped to `/ui`, so a browser never sends
         // it here, and `/` only hands over to `/ui`, `?token=` included.
         .route("/", get(root))
+}
+
+/// No other site may show a dashboard page in a frame: a framed page's buttons post to
+/// its own origin, so a click lured through an overlay would pause or retry for real.
+async fn no_framing(request: Request, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("frame-ancestors 'none'"),
+    );
+    response
 }
 
 /// `/` is the dashboard at `/ui`, with the same query (`/?token=…` signs in there).
@@ -265,7 +280,7 @@ fn hex(text: &str) -> String {
 }
 
 fn unhex(text: &str) -> Option<String> {
-    if !text.len().is_multiple_of(2) || text.len() > 2048 {
+    if !text.len().is_multiple_of(2) || text.len() > 2 * super::auth::TOKEN_BYTES_MAX {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..text.len())

@@ -26,7 +26,7 @@ use super::{AppState, Viewer, WithStatus, charts, with_cookie};
 use crate::commands::{StatusRead, StatusRow, now, status_activity_and_queues};
 use crate::health::{self, Level};
 use crate::output::{age, time};
-use crate::serve::scope::{hide_unseen_children, in_namespace};
+use crate::serve::scope::in_namespace;
 
 /// Instances per page.
 pub const INSTANCE_PAGE: usize = 50;
@@ -309,17 +309,18 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
         // Workers seen in the last day, live ones first; those that claim from this namespace.
         store.worker_list(since),
     );
-    let counts = counts.map_err(|e| store_failed(viewer, ns, &format!("{e:#}")))?;
-    let timers = timers.map_err(|e| store_failed(viewer, ns, &e))?;
-    let seen = seen.map_err(|e| store_failed(viewer, ns, &e))?;
+    let counts = counts.map_err(|e| read_failed(viewer, ns, &e))?;
+    let timers = timers.map_err(|e| store_or_input(viewer, ns, &e))?;
+    let seen = seen.map_err(|e| store_or_input(viewer, ns, &e))?;
     let idle = counts.idle_paused();
     let StatusRead { rows, activity, .. } = counts;
+    let bound = WorkersBound::of(&seen, at);
     let workers: Vec<_> = seen.into_iter().filter(|w| w.claims_from(ns)).collect();
     let mut out = String::new();
     out.push_str(&totals_panel(&rows, &idle));
     out.push_str(&health_panel(state, &rows, &activity));
     out.push_str(&activity_panel(&activity));
-    out.push_str(&workers_panel(&workers, at));
+    out.push_str(&workers_panel(&workers, at, bound));
     out.push_str(&queues_panel(ns, &rows, &idle, viewer));
     if !timers.is_empty() {
         out.push_str("<h2>Timers</h2><table><tr><th>machine</th><th class=\"num\">armed</th><th class=\"num\">overdue</th><th>next due</th><th>last sweep</th></tr>");
@@ -412,19 +413,60 @@ fn sparkline(points: &[u64], class: &str) -> String {
     )
 }
 
+/// Whether the store's worker list stopped at its bound, as `keel workers` reads it.
+#[derive(Debug, Clone, Copy)]
+struct WorkersBound {
+    /// The list holds [`WORKER_LIST_MAX`](keel_core::ports::store::WORKER_LIST_MAX)
+    /// workers: there may be more, so the counts are lower bounds.
+    at_least: bool,
+    /// Every worker read is live, so live ones may have been left out too. (The list is
+    /// most recently seen first: once it holds a stale worker, it holds every live one.)
+    live_at_least: bool,
+}
+
+impl WorkersBound {
+    fn of(read: &[keel_core::ports::store::WorkerRecord], now: keel_core::Timestamp) -> Self {
+        let stale_before = now.minus(keel_core::ports::store::WORKER_STALE_AFTER);
+        let at_least = read.len() >= keel_core::ports::store::WORKER_LIST_MAX;
+        let live_at_least = at_least && read.iter().all(|w| w.last_seen_at >= stale_before);
+        Self { at_least, live_at_least }
+    }
+}
+
 /// Workers seen by heartbeat that claim from this namespace: live ones, then stale ones.
 fn workers_panel(
     workers: &[keel_core::ports::store::WorkerRecord],
     now: keel_core::Timestamp,
+    bound: WorkersBound,
 ) -> String {
+    let max = keel_core::ports::store::WORKER_LIST_MAX;
     let stale_before = now.minus(keel_core::ports::store::WORKER_STALE_AFTER);
     let live = workers.iter().filter(|w| w.last_seen_at >= stale_before).count();
-    let mut out = format!(
-        "<h2>Workers</h2><p id=\"workers-seen\">{live} live, {} stale</p>",
-        workers.len() - live
-    );
+    let stale = workers.len() - live;
+    let live_text = if bound.live_at_least { "at least " } else { "" };
+    let stale_text = match (bound.at_least, stale) {
+        (false, _) => format!("{stale} stale"),
+        (true, 0) => format!("0 stale among the {max} most recently seen"),
+        (true, _) => format!("at least {stale} stale"),
+    };
+    let note = if bound.at_least {
+        format!(
+            "<p class=\"muted\" id=\"workers-bound\">The store lists at most {max} workers: there may be more.</p>"
+        )
+    } else {
+        String::new()
+    };
+    let mut out =
+        format!("<h2>Workers</h2><p id=\"workers-seen\">{live_text}{live} live, {stale_text}</p>");
     if workers.is_empty() {
-        out.push_str("<p class=\"muted\">No worker has reported in the last day.</p>");
+        if bound.at_least {
+            let _ = write!(
+                out,
+                "<p class=\"muted\">No worker claiming from this namespace is among the {max} most recently seen workers.</p>{note}"
+            );
+        } else {
+            out.push_str("<p class=\"muted\">No worker has reported in the last day.</p>");
+        }
         return out;
     }
     out.push_str(
@@ -446,7 +488,7 @@ fn workers_panel(
         );
     }
     out.push_str("</table>");
-    out
+    out + &note
 }
 
 fn health_panel(
@@ -582,6 +624,17 @@ fn store_or_input(viewer: &Viewer, ns: &str, e: &StoreError) -> Response {
         bad_input(viewer, ns, &e.message)
     } else {
         store_failed(viewer, ns, e)
+    }
+}
+
+/// [`store_or_input`] for a read that wraps the store's errors: a refused input (a
+/// namespace the store will not take, say) is the 400 page, anything else the 503 page.
+fn read_failed(viewer: &Viewer, ns: &str, e: &anyhow::Error) -> Response {
+    match e.downcast_ref::<StoreError>() {
+        Some(store) if store.kind == keel::ErrorKind::Invalid => {
+            bad_input(viewer, ns, &format!("{e:#}"))
+        }
+        _ => store_failed(viewer, ns, &format!("{e:#}")),
     }
 }
 
@@ -763,15 +816,32 @@ async fn detail_in(
         Ok(None) => return Err(not_found(Some(viewer))),
         Err(e) => return Err(store_failed(viewer, ns, &e)),
     };
-    // Children in namespaces the viewer does not see are left out, and counted.
-    let hidden = if viewer.sees_all() {
-        0
-    } else {
-        hide_unseen_children(state.keel.store(), &mut detail, |n| viewer.sees(n))
-            .await
-            .map_err(|e| store_failed(viewer, ns, &e))?
-    };
-    Ok(Shown { detail, children_hidden: hidden })
+    // The namespaces of its children and its parent, read by id: each is linked under its
+    // own namespace. Children in namespaces the viewer does not see are left out, and
+    // counted; so is a child whose row is gone by now, unless the viewer sees everything.
+    let mut ids: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
+    ids.extend(detail.instance.parent);
+    let mut homes =
+        namespaces_of(state.keel.store(), &ids).await.map_err(|e| store_failed(viewer, ns, &e))?;
+    homes.retain(|_, home| viewer.sees(home));
+    let before = detail.children.len();
+    detail.children.retain(|c| homes.contains_key(&c.id) || viewer.sees_all());
+    let hidden = before - detail.children.len();
+    Ok(Shown { detail, children_hidden: hidden, homes })
+}
+
+/// The namespace of each of `ids` whose row exists, read in batches.
+async fn namespaces_of(
+    store: &keel::AnyStore,
+    ids: &[InstanceId],
+) -> Result<BTreeMap<InstanceId, String>, StoreError> {
+    let mut homes = BTreeMap::new();
+    for batch in ids.chunks(limits::ROWS_BATCH_MAX) {
+        for row in store.instance_rows(batch.to_vec()).await? {
+            homes.insert(row.id, row.namespace);
+        }
+    }
+    Ok(homes)
 }
 
 /// An instance's detail as the viewer may see it.
@@ -779,6 +849,8 @@ struct Shown {
     detail: InstanceDetail,
     /// Its children left out because the viewer does not see their namespace.
     children_hidden: usize,
+    /// The namespace of its parent and of each child shown, when the viewer sees it.
+    homes: BTreeMap<InstanceId, String>,
 }
 
 /// `GET /ui/ns/{ns}/instances/{id}`.
@@ -834,11 +906,15 @@ fn instance_live(state: &AppState, ns: &str, shown: &Shown) -> String {
             .as_deref()
             .map(|e| format!(" · last error: <code>{}</code>", esc(e)))
             .unwrap_or_default(),
+        // A parent the viewer may not see (or that is gone) is named without a link.
         i.parent
-            .map(|p| format!(
-                " · parent <a href=\"{}\">{p}</a>",
-                esc(&ns_url(ns, &format!("/instances/{}", p.0)))
-            ))
+            .map(|p| match shown.homes.get(&p) {
+                Some(home) => format!(
+                    " · parent <a href=\"{}\">{p}</a>",
+                    esc(&ns_url(home, &format!("/instances/{}", p.0)))
+                ),
+                None => format!(" · parent {p}"),
+            })
             .unwrap_or_default(),
     );
     out.push_str("<div class=\"grid2\"><div>");
@@ -859,7 +935,7 @@ fn instance_live(state: &AppState, ns: &str, shown: &Shown) -> String {
     out.push_str("</div><div>");
     out.push_str(&inbox_panel(d));
     out.push_str(&timers_panel(d));
-    out.push_str(&children_panel(ns, d, shown.children_hidden));
+    out.push_str(&children_panel(ns, d, shown.children_hidden, &shown.homes));
     out.push_str("</div></div>");
     out.push_str(&history_panel(d));
     out
@@ -994,7 +1070,13 @@ fn timers_panel(d: &InstanceDetail) -> String {
     out + "</table>" + &more(d.timers.len(), d.timers.len() >= limits::TIMER_LIST_MAX)
 }
 
-fn children_panel(ns: &str, d: &InstanceDetail, hidden_count: usize) -> String {
+/// `homes` names each child's namespace (a child missing from it is linked under `ns`).
+fn children_panel(
+    ns: &str,
+    d: &InstanceDetail,
+    hidden_count: usize,
+    homes: &BTreeMap<InstanceId, String>,
+) -> String {
     let hidden = match hidden_count {
         0 => String::new(),
         n => format!(
@@ -1012,7 +1094,10 @@ fn children_panel(ns: &str, d: &InstanceDetail, hidden_count: usize) -> String {
         let _ = write!(
             out,
             "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>",
-            esc(&ns_url(ns, &format!("/instances/{}", c.id.0))),
+            esc(&ns_url(
+                homes.get(&c.id).map_or(ns, String::as_str),
+                &format!("/instances/{}", c.id.0)
+            )),
             c.id,
             esc(&c.machine.to_string()),
             badge(c.status.name()),
@@ -1862,14 +1947,14 @@ mod tests {
             keel_core::instance::ChildSummary::of(&row)
         };
         d.children = (0..limits::CHILDREN_LIST_MAX).map(child).collect();
-        let panel = children_panel("ops", &d, 0);
+        let panel = children_panel("ops", &d, 0, &BTreeMap::new());
         assert!(panel.contains(&format!("At least {cut} more not shown.")), "{panel}");
         // Children of namespaces the token does not see were read too: still cut.
         d.children.truncate(limits::CHILDREN_LIST_MAX - 3);
-        let panel = children_panel("ops", &d, 3);
+        let panel = children_panel("ops", &d, 3, &BTreeMap::new());
         assert!(panel.contains(&format!("At least {} more not shown.", cut - 3)), "{panel}");
         d.children.truncate(SECTION_ROWS_MAX + 1);
-        let panel = children_panel("ops", &d, 0);
+        let panel = children_panel("ops", &d, 0, &BTreeMap::new());
         assert!(panel.contains("<p class=\"muted\">1 more not shown.</p>"), "{panel}");
 
         // Timers use the same note.
@@ -1878,6 +1963,72 @@ mod tests {
             format!("<p class=\"muted\">At least {cut} more not shown.</p>")
         );
         assert_eq!(more(SECTION_ROWS_MAX, false), "");
+    }
+
+    /// At the store's bound the workers panel gives lower bounds, as `keel workers` does.
+    #[test]
+    fn the_workers_panel_says_at_least_when_the_store_list_is_full() {
+        use keel_core::ports::store::{WORKER_LIST_MAX, WORKER_STALE_AFTER, WorkerRecord};
+        let now = keel_core::Timestamp(10_000_000);
+        let worker = |n: usize, live: bool| WorkerRecord {
+            id: keel_core::ids::WorkerId(format!("w{n}")),
+            name: format!("w{n}"),
+            machines: vec![],
+            namespaces: vec![],
+            started_at: keel_core::Timestamp(0),
+            last_seen_at: if live {
+                now
+            } else {
+                now.minus(WORKER_STALE_AFTER + std::time::Duration::from_secs(1))
+            },
+        };
+        let few: Vec<_> = (0..3).map(|n| worker(n, n < 2)).collect();
+        let panel = workers_panel(&few, now, WorkersBound::of(&few, now));
+        assert!(panel.contains(">2 live, 1 stale</p>"), "{panel}");
+        assert!(!panel.contains("at most"), "{panel}");
+
+        let full: Vec<_> = (0..WORKER_LIST_MAX).map(|n| worker(n, n < 10)).collect();
+        let panel = workers_panel(&full, now, WorkersBound::of(&full, now));
+        let stale = WORKER_LIST_MAX - 10;
+        assert!(panel.contains(&format!(">10 live, at least {stale} stale</p>")), "{panel}");
+        assert!(
+            panel.ends_with(&format!(
+                "The store lists at most {WORKER_LIST_MAX} workers: there may be more.</p>"
+            )),
+            "{panel}"
+        );
+
+        let live: Vec<_> = (0..WORKER_LIST_MAX).map(|n| worker(n, true)).collect();
+        let panel = workers_panel(&live, now, WorkersBound::of(&live, now));
+        let seen = format!(
+            ">at least {WORKER_LIST_MAX} live, 0 stale among the {WORKER_LIST_MAX} most recently seen</p>"
+        );
+        assert!(panel.contains(&seen), "{panel}");
+
+        // None of the full list claims from this namespace.
+        let panel = workers_panel(&[], now, WorkersBound::of(&full, now));
+        assert!(
+            panel.contains(&format!(
+                "No worker claiming from this namespace is among the {WORKER_LIST_MAX} most recently seen workers."
+            )),
+            "{panel}"
+        );
+    }
+
+    /// A child in another namespace is linked under its own namespace.
+    #[test]
+    fn children_are_linked_under_their_own_namespace() {
+        let child = |n: i64| {
+            let new = NewInstance::new(MachineRef::new("c", 1), "start").namespace("ops");
+            let row = Instance::from_new(InstanceId(n), &new, None, keel_core::Timestamp(0));
+            keel_core::instance::ChildSummary::of(&row)
+        };
+        let mut d = detail(0);
+        d.children = vec![child(101), child(102)];
+        let homes = BTreeMap::from([(InstanceId(102), "billing".to_owned())]);
+        let panel = children_panel("ops", &d, 0, &homes);
+        assert!(panel.contains("href=\"/ui/ns/ops/instances/101\""), "{panel}");
+        assert!(panel.contains("href=\"/ui/ns/billing/instances/102\""), "{panel}");
     }
 
     /// Undoes [`esc`].

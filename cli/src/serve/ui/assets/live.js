@@ -1,7 +1,8 @@
 // Keel dashboard live updates: every element with data-live="URL" is re-fetched and its
 // content replaced, at most once per POLL_MS, only while the tab is visible. After an
-// error the wait doubles up to MAX_MS; a page stops polling after MAX_POLLS refreshes
-// (about an hour) and says so. Open <details> stay open across refreshes.
+// error (a lapsed sign-in included) the wait doubles up to MAX_MS; a page stops polling
+// after MAX_POLLS refreshes (about an hour) and says so. Open <details> stay open across
+// refreshes.
 (function () {
   "use strict";
   var POLL_MS = 5000, MAX_MS = 60000, MAX_POLLS = 720;
@@ -15,6 +16,11 @@
     el.querySelectorAll("details[open][data-key]").forEach(function (d) { open[d.dataset.key] = true; });
     return fetch(el.dataset.live, { credentials: "same-origin", headers: { "Accept": "text/html" } })
       .then(function (r) {
+        // An expired or revoked sign-in sends the fragment to the login form: say so
+        // rather than show the form inside the panel.
+        if (r.redirected || (r.url && new URL(r.url).pathname === "/ui/login")) {
+          throw new Error("signed out; reload the page");
+        }
         if (!r.ok) throw new Error("HTTP " + r.status);
         return r.text();
       })
