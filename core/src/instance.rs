@@ -549,10 +549,9 @@ pub struct Signal {
 }
 
 impl Signal {
-    /// The payload deserialized as `P`. In a step, prefer `StepContext::payload_as`
-    /// (keel-scheduler): a payload that does not fit never will, and there it is a
-    /// non-retryable error naming the event, while this serde error turns into a retryable
-    /// one through `?`.
+    /// The payload deserialized as `P`, or serde's error, which names neither the event
+    /// nor the signal. A payload that does not fit never will, however often a step is
+    /// retried: a runtime's typed reader should fail the step for good, naming both.
     pub fn payload_as<P: serde::de::DeserializeOwned>(&self) -> Result<P, serde_json::Error> {
         serde_json::from_value(self.payload.clone())
     }
@@ -665,7 +664,8 @@ pub struct NewDeadLetter {
     pub correlation_id: Option<String>,
     /// Why it was dead-lettered: `exhausted` or `non_retryable`.
     pub reason: String,
-    /// Number of attempts made.
+    /// How many attempts failed, the last one included (a step's own polls with
+    /// `Outcome::Retry` are not failures and are not counted).
     pub attempts: i32,
     /// Every attempt's error, oldest first.
     pub errors: Vec<AttemptError>,

@@ -649,6 +649,8 @@ pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
     next.last_error = Some(error.clone());
     next.updated_at = now;
     next.revision = Revision(row.revision.0 + 1);
+    // Counted as every other dead letter counts: the attempts that failed, this one included.
+    let attempts = crate::retry::failed_attempts(row) + 1;
     let mut errors = row.errors.clone();
     push_error(&mut errors, row.attempt, &error, now);
     next.errors.clone_from(&errors);
@@ -656,7 +658,7 @@ pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
         HistoryEntry::new(HistoryKind::RowUndecodable, json!({ "error": error })),
         HistoryEntry::new(
             HistoryKind::DeadLettered,
-            json!({ "reason": UNDECODABLE_REASON, "attempts": row.attempt + 1, "error": error }),
+            json!({ "reason": UNDECODABLE_REASON, "attempts": attempts, "error": error }),
         ),
     ];
     let dead_letter = NewDeadLetter {
@@ -668,7 +670,7 @@ pub fn undecodable_row(row: &Instance, error: &str, now: Timestamp) -> Applied {
         event: None,
         correlation_id: row.correlation_id.clone(),
         reason: UNDECODABLE_REASON.to_owned(),
-        attempts: row.attempt + 1,
+        attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
         first_attempt_at: errors.first().map_or(now, |e| e.at),
         last_attempt_at: now,
         errors,

@@ -1,7 +1,7 @@
 //! Retry policy, backoff schedule and the retry-or-dead-letter decision.
 //!
-//! Attempts are counted from 0. With `max_attempts = 3` a step runs at attempts 0, 1 and 2;
-//! the failure of attempt 2 sends it to the dead-letter queue. A non-retryable failure goes
+//! Failures are counted from 0. With `max_attempts = 3` a step may fail twice and run
+//! again; its third failure sends it to the dead-letter queue. A non-retryable failure goes
 //! to the dead-letter queue at once, whatever attempt it was. Only failures use up the
 //! attempts ([`failed_attempts`]): a step polling with its own `Retry` runs as long as it
 //! wants and keeps its whole budget for when it fails.
@@ -116,7 +116,9 @@ impl Jitter {
 /// A user's retry configuration, as written in a configuration file.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryPolicy {
-    /// How many times the step runs in total, the first run included. At least 1.
+    /// How many attempts of a step may fail (an expired lease counts as one) before the
+    /// last failure is dead-lettered. At least 1. A step's own `Outcome::Retry` (polling)
+    /// does not count, so a polling step may run many more times.
     pub max_attempts: u32,
     /// How the delay grows.
     pub backoff: Backoff,
@@ -541,16 +543,22 @@ pub struct FailedStep {
 /// A failed attempt and an expired lease each record an error with the attempt's number,
 /// and the errors are cleared whenever the step moves on, so the failures are the distinct
 /// attempt numbers among the row's errors. When the row holds as many errors as it keeps
-/// ([`crate::limits::ATTEMPT_ERRORS_MAX`]), older ones may have been dropped, so the count
-/// falls back to `row.attempt`, which is never less: any `max_attempts` is still reached.
+/// ([`crate::limits::ATTEMPT_ERRORS_MAX`]), older ones may have been dropped: every dropped
+/// one came before the oldest kept, so at most that attempt's number of them, and the
+/// count adds that number. It is then never less than the failures (any `max_attempts`
+/// is still reached) and never counts a poll made after the oldest kept error.
 pub fn failed_attempts(row: &Instance) -> u32 {
-    if row.errors.len() >= crate::limits::ATTEMPT_ERRORS_MAX {
-        return u32::try_from(row.attempt).unwrap_or(0);
-    }
     let mut attempts: Vec<i32> = row.errors.iter().map(|e| e.attempt).collect();
     attempts.sort_unstable();
     attempts.dedup();
-    u32::try_from(attempts.len()).unwrap_or(u32::MAX)
+    let kept = u32::try_from(attempts.len()).unwrap_or(u32::MAX);
+    let dropped = match attempts.first() {
+        Some(&oldest) if row.errors.len() >= crate::limits::ATTEMPT_ERRORS_MAX => {
+            u32::try_from(oldest).unwrap_or(0)
+        }
+        _ => 0,
+    };
+    kept.saturating_add(dropped)
 }
 
 /// Decides what follows the failure of a step of `row` that ran under `config`: the
@@ -589,8 +597,13 @@ pub fn failed_step(
     let failed = failed_attempts(row);
     let plan = plan_failure(config, failed, kind, processing.is_some(), random);
     let attempts = i32::try_from(failed.saturating_add(1)).unwrap_or(i32::MAX);
-    let wait_next =
-        || Outcome::Await { signal: ANY_SIGNAL.into(), context: row.context.clone(), step: None };
+    // Back to waiting at the same position for what it awaited (a chart awaits any
+    // signal): a step machine waiting for one event is not made to take every other.
+    let wait_next = || Outcome::Await {
+        signal: row.awaits.clone().unwrap_or_else(|| ANY_SIGNAL.into()),
+        context: row.context.clone(),
+        step: None,
+    };
     let mut step =
         FailedStep { outcome: Outcome::Suspend, dead_letter: false, consume: None, history: None };
     match (plan, processing) {
@@ -1201,6 +1214,8 @@ mod tests {
         };
         let wait_next =
             Outcome::Await { signal: ANY_SIGNAL.into(), context: row.context.clone(), step: None };
+        let wait_pay =
+            Outcome::Await { signal: "PAY".into(), context: row.context.clone(), step: None };
         let suspend = config(OnDeadLetter::Suspend, true);
         let skip = config(OnDeadLetter::Skip, true);
         let disabled = config(OnDeadLetter::Suspend, false);
@@ -1232,6 +1247,11 @@ mod tests {
             (step.outcome, step.dead_letter, step.consume, step.history),
             (wait_next.clone(), true, Some(SignalId(9)), None)
         );
+        // A step machine waiting for one event goes back to waiting for that one, so its
+        // next success consumes none of the others it did not await.
+        let awaiting = Instance { awaits: Some("PAY".into()), ..row.clone() };
+        let step = failed_step(&skip, &awaiting, FailureKind::Action, Some(&event), "boom", 0.0);
+        assert_eq!((step.outcome, step.consume), (wait_pay, Some(SignalId(9))));
         // Nothing to skip: suspended.
         let step = failed_step(&skip, &row, FailureKind::Action, None, "boom", 0.0);
         assert_eq!((step.outcome, step.dead_letter, step.consume), (Outcome::Suspend, true, None));

@@ -431,6 +431,10 @@ fn lifecycle_table() {
 #[test]
 fn an_undecodable_row_fails_alone_into_the_dead_letter_queue() {
     let mut row = executing(2, 1);
+    // Two failed attempts before this claim: the dead letter counts them and this one.
+    row.errors = (0..2)
+        .map(|attempt| keel_core::instance::AttemptError { attempt, error: "boom".into(), at: NOW })
+        .collect();
     row.context = keel_core::instance::undecodable("context", "recursion limit exceeded");
     let damage = row.damage().expect("the marker is seen as damage");
     assert_eq!(damage, "context: recursion limit exceeded");
