@@ -225,6 +225,34 @@ impl QueueConfig {
         self.alerts.validate(&format!("{path}.alerts"))
     }
 
+    /// Why a machine's configuration set in code (`StepMachine::config`) cannot be used,
+    /// or `None`: a field a machine's configuration does not apply
+    /// ([`not_applied_in_code`](Self::not_applied_in_code)), or a value out of its bounds
+    /// ([`validate`](Self::validate)). Runtimes refuse such a machine, naming it before
+    /// this reason.
+    ///
+    /// ```
+    /// use keel_core::config::QueueConfig;
+    /// use std::time::Duration;
+    ///
+    /// assert_eq!(QueueConfig::default().problem_in_code(), None);
+    /// let zero = QueueConfig { timeout: Duration::ZERO, ..QueueConfig::default() };
+    /// assert_eq!(
+    ///     zero.problem_in_code().unwrap(),
+    ///     "invalid configuration in code: QueueConfig.timeout: must be greater than zero, e.g. \"30 seconds\""
+    /// );
+    /// ```
+    pub fn problem_in_code(&self) -> Option<String> {
+        if let Some((field, fix)) = self.not_applied_in_code() {
+            return Some(format!(
+                "its QueueConfig sets `{field}`, which a machine's configuration does not \
+                 apply (it would change nothing); leave it at its default. Fix: {fix}"
+            ));
+        }
+        let error = self.validate("QueueConfig").err()?;
+        Some(format!("invalid configuration in code: {error}"))
+    }
+
     /// The first field a machine's configuration set in code (`StepMachine::config`) moves
     /// away from its default although a machine's configuration does not apply it, with
     /// where it belongs: `concurrency` and `strategy` are a queue's, `priority` is an

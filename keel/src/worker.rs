@@ -39,24 +39,6 @@ impl fmt::Debug for RegistrationError {
 
 impl std::error::Error for RegistrationError {}
 
-/// What is wrong with a machine's configuration in code, as a piece of a
-/// [`RegistrationError`]: a field a machine's configuration does not apply
-/// ([`QueueConfig::not_applied_in_code`](keel_core::config::QueueConfig::not_applied_in_code)),
-/// or a value out of its bounds
-/// ([`QueueConfig::validate`](keel_core::config::QueueConfig::validate)); `None` when it
-/// is usable. The runtime's worker refuses to start on the same two checks.
-fn code_config_problem(config: &keel_core::config::QueueConfig) -> Option<String> {
-    if let Some((field, fix)) = config.not_applied_in_code() {
-        return Some(format!(
-            "a configuration in code it applies (its QueueConfig sets `{field}`, which a \
-             machine's configuration does not apply, so it would change nothing; leave it at \
-             its default. Fix: {fix})"
-        ));
-    }
-    let error = config.validate("QueueConfig").err()?;
-    Some(format!("a valid configuration in code ({error})"))
-}
-
 /// A worker being put together: register machines, then [`spawn`](Self::spawn) it or
 /// [`run`](Self::run) it until the process is asked to stop.
 pub struct WorkerBuilder {
@@ -175,7 +157,7 @@ impl WorkerBuilder {
                 missing: missing.to_vec(),
             });
         }
-        if let Some(problem) = code_config_problem(&in_code) {
+        if let Some(problem) = in_code.problem_in_code() {
             return Err(RegistrationError {
                 machine: format!("{} v{}", name.name, name.version),
                 missing: vec![problem],

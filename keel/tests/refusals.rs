@@ -69,8 +69,8 @@ async fn register_refuses_a_machine_configuration_in_code_that_cannot_apply() {
     assert_eq!(e.machine, "greeter v1");
     assert_eq!(
         e.to_string(),
-        "machine greeter v1 cannot run on this worker; missing: a valid configuration in code \
-         (QueueConfig.timeout: must be greater than zero, e.g. \"30 seconds\")."
+        "machine greeter v1 cannot run on this worker; missing: invalid configuration in code: \
+         QueueConfig.timeout: must be greater than zero, e.g. \"30 seconds\"."
     );
 
     let one = QueueConfig { concurrency: 1, ..QueueConfig::default() };

@@ -618,9 +618,9 @@ pub struct Worker<S, C> {
     /// The first machine registered that names what it was not given
     /// ([`StepMachine::unbound`]), with those names: the worker refuses to start.
     unbound: Option<(MachineRef, Vec<String>)>,
-    /// The first machine registered whose configuration in code sets a field a machine's
-    /// configuration does not apply ([`QueueConfig::not_applied_in_code`]), as the
-    /// message the worker refuses to start with.
+    /// The first machine registered whose configuration in code cannot be used
+    /// ([`QueueConfig::problem_in_code`]: a field a machine's configuration does not
+    /// apply, or a value out of bounds), as the message the worker refuses to start with.
     not_applied: Option<String>,
 }
 
@@ -667,7 +667,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
     /// worker refuse to start too, naming each missing piece, rather than fail every
     /// instance that reaches it; so does a machine whose [`StepMachine::config`] sets
     /// `concurrency`, `strategy`, `priority` or `alerts`, which a machine's configuration
-    /// does not apply ([`QueueConfig::not_applied_in_code`] names where each belongs).
+    /// does not apply ([`QueueConfig::not_applied_in_code`] names where each belongs), or
+    /// a value out of its bounds ([`QueueConfig::problem_in_code`]).
     ///
     /// The worker serves every queue the machine starts work in
     /// ([`StepMachine::queues_started`]: a chart's region task queue and delegated
@@ -706,16 +707,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
                 self.unbound = Some((machine.machine(), missing));
             }
         }
+        // Checked with or without a configuration file: without one, a step runs with
+        // exactly what its machine set in code.
         if self.not_applied.is_none()
-            && let Some((field, fix)) = machine.config().not_applied_in_code()
+            && let Some(problem) = machine.config().problem_in_code()
         {
             let m = machine.machine();
-            self.not_applied = Some(format!(
-                "machine {} v{}: its QueueConfig sets `{field}`, which a machine's \
-                 configuration does not apply (it would change nothing); leave it at its \
-                 default. Fix: {fix}",
-                m.name, m.version
-            ));
+            self.not_applied = Some(format!("machine {} v{}: {problem}", m.name, m.version));
         }
         match self.machines.entry(machine.machine()) {
             Entry::Occupied(taken) => {
@@ -781,15 +779,6 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         }
         if let Some(message) = &self.not_applied {
             return Err(message.clone());
-        }
-        // Checked with or without a configuration file: without one, a step runs with
-        // exactly what its machine set in code.
-        let mut machines: Vec<_> = self.machines.iter().collect();
-        machines.sort_by(|a, b| a.0.cmp(b.0));
-        for (m, machine) in machines {
-            machine.config().validate("QueueConfig").map_err(|e| {
-                format!("machine {} v{}: invalid configuration in code: {e}", m.name, m.version)
-            })?;
         }
         self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
         if let Some(timers) = &self.config.timers {
