@@ -409,7 +409,9 @@ impl SqsQueue {
                     "max_receives: {n} is too low: a worker hands a hint it cannot take back up \
                      to {HAND_BACK_MAX} times, and each hand-back counts as a receive, so hints \
                      of ready work would move to the dead-letter queue; use at least \
-                     {MAX_RECEIVES_MIN} (e.g. 25)"
+                     {MAX_RECEIVES_MIN} (e.g. 25); a queue already created with a lower bound \
+                     keeps it: raise its RedrivePolicy's maxReceiveCount with \
+                     SetQueueAttributes first, or use SqsQueue::open on it"
                 )));
             }
             Some(n) if n > MAX_RECEIVES_MAX => {
@@ -611,7 +613,9 @@ impl SqsQueue {
             call.send().await.map_err(|e| unavailable("DeleteMessageBatch", &self.url, &e))?;
         // A receipt that is no longer valid belongs to a hint that is gone or was handed
         // to someone else: the ack has nothing left to do.
-        if let Some(failed) = out.failed().iter().find(|f| f.code() != "ReceiptHandleIsInvalid") {
+        if let Some(failed) =
+            out.failed().iter().find(|f| !receipt_gone(Some(f.code()), f.message()))
+        {
             return Err(StoreError::unavailable(format!(
                 "sqs DeleteMessageBatch on {}: {} {}",
                 self.url,
@@ -793,7 +797,8 @@ impl Queue for SqsQueue {
     }
 }
 
-/// Whether a `ChangeMessageVisibility` error with `code` and `message` says that the
+/// Whether a `ChangeMessageVisibility` error (or a failed entry of a
+/// `DeleteMessageBatch`) with `code` and `message` says that the
 /// receipt no longer names a message this receiver holds (acked, received again, or
 /// expired), so the lease is gone (`NotFound`) rather than SQS being out of reach. SQS
 /// says so with `ReceiptHandleIsInvalid`, `MessageNotInflight`

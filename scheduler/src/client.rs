@@ -314,7 +314,7 @@ impl<S: Store, C: Clock> Client<S, C> {
                 return Ok(Some(Ended::from_row(row)));
             }
             if !looked {
-                if row.status == Status::Runnable && row.eligible_at <= self.clock.now() {
+                if keel_core::outcome::claimable(&row, self.clock.now()) {
                     let since = *runnable_since.get_or_insert(read_at);
                     if read_at.duration_since(since) >= WAIT_UNSERVED_AFTER {
                         looked = true;
