@@ -493,6 +493,48 @@ pub async fn history(
     Ok(Report::ok(json!({ "instance": id, "entries": page.entries, "next": page.next }), human))
 }
 
+/// Whether the store's worker list stopped at its bound
+/// ([`WORKER_LIST_MAX`](keel_core::ports::store::WORKER_LIST_MAX)), and so which counts
+/// of live and stale workers are lower bounds (`keel workers` and the dashboard).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkersBound {
+    /// The list holds as many workers as the store returns: there may be more.
+    pub at_least: bool,
+    /// Every worker read is live, so live ones may have been left out too. (The list is
+    /// most recently seen first: once it holds a stale worker, it holds every live one,
+    /// and only the stale count can fall short.)
+    pub live_at_least: bool,
+}
+
+impl WorkersBound {
+    /// Said under the counts when the list is at its bound.
+    pub fn note() -> String {
+        let max = keel_core::ports::store::WORKER_LIST_MAX;
+        format!("The store lists at most {max} workers: there may be more.")
+    }
+
+    /// The bound of `read`, a worker list the store returned, where a worker last seen at
+    /// or after `live_since` is live.
+    pub fn of(read: &[WorkerRecord], live_since: keel_core::Timestamp) -> Self {
+        let at_least = read.len() >= keel_core::ports::store::WORKER_LIST_MAX;
+        let live_at_least = at_least && read.iter().all(|w| w.last_seen_at >= live_since);
+        Self { at_least, live_at_least }
+    }
+
+    /// `"{live} live, {stale} {stale_label}"`, with "at least" where a count is a lower
+    /// bound.
+    pub fn counts(self, live: usize, stale: usize, stale_label: &str) -> String {
+        let max = keel_core::ports::store::WORKER_LIST_MAX;
+        let live_bound = if self.live_at_least { "at least " } else { "" };
+        let stale_text = match (self.at_least, stale) {
+            (false, _) => format!("{stale} {stale_label}"),
+            (true, 0) => format!("0 {stale_label} among the {max} most recently seen"),
+            (true, _) => format!("at least {stale} {stale_label}"),
+        };
+        format!("{live_bound}{live} live, {stale_text}")
+    }
+}
+
 /// `keel workers`: those that claim from `ns` (every worker when it is `None`, as with
 /// `--all-namespaces` and `GET /v1/workers`).
 pub async fn workers_in(
@@ -506,13 +548,9 @@ pub async fn workers_in(
     // Stale workers are listed for a day past the threshold, then left out.
     let shown_since = now.minus(stale + Duration::from_secs(86_400));
     let read = keel.store().worker_list(shown_since).await?;
-    // The store returns at most its bound, most recently seen first: past it, the counts
-    // are lower bounds.
     let max = keel_core::ports::store::WORKER_LIST_MAX;
-    let at_least = read.len() >= max;
-    // The read is ordered by last seen: once it holds a stale worker, every live one (seen
-    // later) is in it, so only the stale count can fall short of the truth.
-    let live_at_least = at_least && read.iter().all(|w| w.last_seen_at >= now.minus(stale));
+    let bound = WorkersBound::of(&read, now.minus(stale));
+    let WorkersBound { at_least, live_at_least } = bound;
     let (list, others): (Vec<WorkerRecord>, Vec<WorkerRecord>) =
         read.into_iter().partition(|w| ns.is_none_or(|ns| w.claims_from(ns)));
     let mut t =
@@ -546,7 +584,7 @@ pub async fn workers_in(
             "namespaces": w.namespaces,
         }));
     }
-    let bound = if at_least { "at least " } else { "" };
+    let others_bound = if at_least { "at least " } else { "" };
     let scope = match ns {
         None => "in any namespace".to_owned(),
         Some(ns) => format!("claiming from namespace {ns:?}"),
@@ -556,25 +594,19 @@ pub async fn workers_in(
     } else if list.is_empty() {
         format!("No workers {scope} have reported in the last day.")
     } else {
-        let live_bound = if live_at_least { "at least " } else { "" };
-        let stale_text = match (at_least, stale_count) {
-            (false, _) => format!("{stale_count} stale (not seen for {stale_after})"),
-            (true, 0) => {
-                format!("0 stale (not seen for {stale_after}) among the {max} most recently seen")
-            }
-            (true, _) => format!("at least {stale_count} stale (not seen for {stale_after})"),
-        };
-        format!("{live_bound}{live} live, {stale_text}, {scope}\n{t}")
+        let counts =
+            bound.counts(live, stale_count, &format!("stale (not seen for {stale_after})"));
+        format!("{counts}, {scope}\n{t}")
     };
     if !others.is_empty() {
         let _ = write!(
             human,
-            "\n{bound}{} more claim only from other namespaces (`keel workers --all-namespaces` lists them).",
+            "\n{others_bound}{} more claim only from other namespaces (`keel workers --all-namespaces` lists them).",
             others.len()
         );
     }
     if at_least {
-        let _ = write!(human, "\nThe store lists at most {max} workers: there may be more.");
+        let _ = write!(human, "\n{}", WorkersBound::note());
     }
     Ok(Report::ok(
         json!({

@@ -7,7 +7,7 @@
 //! The same holds for the rows an instance's detail carries: a parent may have children
 //! in other namespaces, and those are left out for a caller that does not see them.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use keel::{AnyStore, ErrorKind, StoreError};
 use keel_core::ids::InstanceId;
@@ -99,10 +99,34 @@ pub async fn hide_unseen_children(
     sees: impl Fn(&str) -> bool,
 ) -> Result<usize, StoreError> {
     let ids: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
-    let (seen, _) = split_by_namespace(store, &ids, sees).await?;
+    let homes = namespaces_of(store, &ids).await?;
+    Ok(hide_children(detail, &homes, sees))
+}
+
+/// [`hide_unseen_children`] over namespaces already read ([`namespaces_of`]): a child is
+/// kept when its row was found in a namespace `sees` allows.
+pub fn hide_children(
+    detail: &mut InstanceDetail,
+    homes: &BTreeMap<InstanceId, String>,
+    sees: impl Fn(&str) -> bool,
+) -> usize {
     let before = detail.children.len();
-    detail.children.retain(|c| seen.contains(&c.id));
-    Ok(before - detail.children.len())
+    detail.children.retain(|c| homes.get(&c.id).is_some_and(|home| sees(home)));
+    before - detail.children.len()
+}
+
+/// The namespace of each of `ids` whose row exists, read by id in batches.
+pub async fn namespaces_of(
+    store: &AnyStore,
+    ids: &[InstanceId],
+) -> Result<BTreeMap<InstanceId, String>, StoreError> {
+    let mut homes = BTreeMap::new();
+    for batch in ids.chunks(ROWS_BATCH_MAX) {
+        for row in store.instance_rows(batch.to_vec()).await? {
+            homes.insert(row.id, row.namespace);
+        }
+    }
+    Ok(homes)
 }
 
 #[cfg(test)]

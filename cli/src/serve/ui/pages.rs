@@ -25,8 +25,9 @@ use super::html::{badge, esc, json, ns_url, page, query, seg};
 use super::{AppState, Viewer, WithStatus, charts, with_cookie};
 use crate::commands::{StatusRead, StatusRow, now, status_activity_and_queues};
 use crate::health::{self, Level};
+use crate::operate::WorkersBound;
 use crate::output::{age, time};
-use crate::serve::scope::in_namespace;
+use crate::serve::scope::{self, in_namespace};
 
 /// Instances per page.
 pub const INSTANCE_PAGE: usize = 50;
@@ -314,7 +315,7 @@ async fn overview_html(state: &AppState, ns: &str, viewer: &Viewer) -> Result<St
     let seen = seen.map_err(|e| store_or_input(viewer, ns, &e))?;
     let idle = counts.idle_paused();
     let StatusRead { rows, activity, .. } = counts;
-    let bound = WorkersBound::of(&seen, at);
+    let bound = WorkersBound::of(&seen, at.minus(keel_core::ports::store::WORKER_STALE_AFTER));
     let workers: Vec<_> = seen.into_iter().filter(|w| w.claims_from(ns)).collect();
     let mut out = String::new();
     out.push_str(&totals_panel(&rows, &idle));
@@ -413,26 +414,6 @@ fn sparkline(points: &[u64], class: &str) -> String {
     )
 }
 
-/// Whether the store's worker list stopped at its bound, as `keel workers` reads it.
-#[derive(Debug, Clone, Copy)]
-struct WorkersBound {
-    /// The list holds [`WORKER_LIST_MAX`](keel_core::ports::store::WORKER_LIST_MAX)
-    /// workers: there may be more, so the counts are lower bounds.
-    at_least: bool,
-    /// Every worker read is live, so live ones may have been left out too. (The list is
-    /// most recently seen first: once it holds a stale worker, it holds every live one.)
-    live_at_least: bool,
-}
-
-impl WorkersBound {
-    fn of(read: &[keel_core::ports::store::WorkerRecord], now: keel_core::Timestamp) -> Self {
-        let stale_before = now.minus(keel_core::ports::store::WORKER_STALE_AFTER);
-        let at_least = read.len() >= keel_core::ports::store::WORKER_LIST_MAX;
-        let live_at_least = at_least && read.iter().all(|w| w.last_seen_at >= stale_before);
-        Self { at_least, live_at_least }
-    }
-}
-
 /// Workers seen by heartbeat that claim from this namespace: live ones, then stale ones.
 fn workers_panel(
     workers: &[keel_core::ports::store::WorkerRecord],
@@ -443,21 +424,13 @@ fn workers_panel(
     let stale_before = now.minus(keel_core::ports::store::WORKER_STALE_AFTER);
     let live = workers.iter().filter(|w| w.last_seen_at >= stale_before).count();
     let stale = workers.len() - live;
-    let live_text = if bound.live_at_least { "at least " } else { "" };
-    let stale_text = match (bound.at_least, stale) {
-        (false, _) => format!("{stale} stale"),
-        (true, 0) => format!("0 stale among the {max} most recently seen"),
-        (true, _) => format!("at least {stale} stale"),
-    };
     let note = if bound.at_least {
-        format!(
-            "<p class=\"muted\" id=\"workers-bound\">The store lists at most {max} workers: there may be more.</p>"
-        )
+        format!("<p class=\"muted\" id=\"workers-bound\">{}</p>", WorkersBound::note())
     } else {
         String::new()
     };
-    let mut out =
-        format!("<h2>Workers</h2><p id=\"workers-seen\">{live_text}{live} live, {stale_text}</p>");
+    let counts = bound.counts(live, stale, "stale");
+    let mut out = format!("<h2>Workers</h2><p id=\"workers-seen\">{counts}</p>");
     if workers.is_empty() {
         if bound.at_least {
             let _ = write!(
@@ -817,31 +790,16 @@ async fn detail_in(
         Err(e) => return Err(store_failed(viewer, ns, &e)),
     };
     // The namespaces of its children and its parent, read by id: each is linked under its
-    // own namespace. Children in namespaces the viewer does not see are left out, and
-    // counted; so is a child whose row is gone by now, unless the viewer sees everything.
+    // own namespace. Children the API would leave out (in namespaces the viewer does not
+    // see, or gone by now) are left out here too, and counted.
     let mut ids: Vec<InstanceId> = detail.children.iter().map(|c| c.id).collect();
     ids.extend(detail.instance.parent);
-    let mut homes =
-        namespaces_of(state.keel.store(), &ids).await.map_err(|e| store_failed(viewer, ns, &e))?;
+    let mut homes = scope::namespaces_of(state.keel.store(), &ids)
+        .await
+        .map_err(|e| store_failed(viewer, ns, &e))?;
+    let hidden = scope::hide_children(&mut detail, &homes, |home| viewer.sees(home));
     homes.retain(|_, home| viewer.sees(home));
-    let before = detail.children.len();
-    detail.children.retain(|c| homes.contains_key(&c.id) || viewer.sees_all());
-    let hidden = before - detail.children.len();
     Ok(Shown { detail, children_hidden: hidden, homes })
-}
-
-/// The namespace of each of `ids` whose row exists, read in batches.
-async fn namespaces_of(
-    store: &keel::AnyStore,
-    ids: &[InstanceId],
-) -> Result<BTreeMap<InstanceId, String>, StoreError> {
-    let mut homes = BTreeMap::new();
-    for batch in ids.chunks(limits::ROWS_BATCH_MAX) {
-        for row in store.instance_rows(batch.to_vec()).await? {
-            homes.insert(row.id, row.namespace);
-        }
-    }
-    Ok(homes)
 }
 
 /// An instance's detail as the viewer may see it.
@@ -1983,12 +1941,13 @@ mod tests {
             },
         };
         let few: Vec<_> = (0..3).map(|n| worker(n, n < 2)).collect();
-        let panel = workers_panel(&few, now, WorkersBound::of(&few, now));
+        let panel = workers_panel(&few, now, WorkersBound::of(&few, now.minus(WORKER_STALE_AFTER)));
         assert!(panel.contains(">2 live, 1 stale</p>"), "{panel}");
         assert!(!panel.contains("at most"), "{panel}");
 
         let full: Vec<_> = (0..WORKER_LIST_MAX).map(|n| worker(n, n < 10)).collect();
-        let panel = workers_panel(&full, now, WorkersBound::of(&full, now));
+        let panel =
+            workers_panel(&full, now, WorkersBound::of(&full, now.minus(WORKER_STALE_AFTER)));
         let stale = WORKER_LIST_MAX - 10;
         assert!(panel.contains(&format!(">10 live, at least {stale} stale</p>")), "{panel}");
         assert!(
@@ -1999,14 +1958,15 @@ mod tests {
         );
 
         let live: Vec<_> = (0..WORKER_LIST_MAX).map(|n| worker(n, true)).collect();
-        let panel = workers_panel(&live, now, WorkersBound::of(&live, now));
+        let panel =
+            workers_panel(&live, now, WorkersBound::of(&live, now.minus(WORKER_STALE_AFTER)));
         let seen = format!(
             ">at least {WORKER_LIST_MAX} live, 0 stale among the {WORKER_LIST_MAX} most recently seen</p>"
         );
         assert!(panel.contains(&seen), "{panel}");
 
         // None of the full list claims from this namespace.
-        let panel = workers_panel(&[], now, WorkersBound::of(&full, now));
+        let panel = workers_panel(&[], now, WorkersBound::of(&full, now.minus(WORKER_STALE_AFTER)));
         assert!(
             panel.contains(&format!(
                 "No worker claiming from this namespace is among the {WORKER_LIST_MAX} most recently seen workers."
