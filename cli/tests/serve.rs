@@ -1775,10 +1775,49 @@ namespaces = ["a"]
 access = "operate"
 
 [[tokens]]
+token = "token-for-namespace-b"
+namespaces = ["b"]
+access = "read"
+
+[[tokens]]
 token = "worker-for-every-namespace"
 namespaces = ["*"]
 access = "operate"
 "#;
+
+/// A child `greeter` v1 at `greet` in namespace `ns` with `context`, as a worker's
+/// `schedule_children` outcome lists it.
+fn greeter_child(ns: &str, context: &str) -> String {
+    format!(
+        r#"{{"namespace":"{ns}","machine":{{"name":"greeter","version":1}},"position":"greet","context":{context},"business_key":null,"queue":"default","priority":"normal","concurrency_key":null,"unique":null,"eligible_at":null,"correlation_id":null,"invoked_by":null}}"#
+    )
+}
+
+/// Starts a `parent` in namespace a with `starter`'s token, then, as the HTTP worker with
+/// the token `worker`, claims it and completes it by scheduling `children` (child JSON,
+/// comma-separated); returns the parent's id.
+fn parent_with_children(
+    s: &Server,
+    name: &str,
+    starter: &str,
+    worker: &str,
+    children: &str,
+) -> i64 {
+    let (code, started) =
+        s.post_as(starter, "/v1/namespaces/a/instances", r#"{"machine":"parent","at":"spawn"}"#);
+    assert_eq!(code, 201, "{name}: {started}");
+    let id = started["id"].as_i64().unwrap();
+    let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"parent","version":1}]}"#;
+    let (code, task) = s.post_as(worker, "/v1/worker/tasks/poll", poll);
+    assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
+    let done = format!(
+        r#"{{"worker":"w","token":{},"outcome":{{"type":"schedule_children","next":"after","context":{{}},"children":[{children}]}}}}"#,
+        task["token"]
+    );
+    let (code, answer) = s.post_as(worker, &format!("/v1/worker/tasks/{id}/complete"), &done);
+    assert_eq!(code, 200, "{name}: {answer}");
+    id
+}
 
 /// A parent in `a` may have children in `b` (started by a worker that sees both). A token
 /// for `a` sees the parent without them, and cannot cancel them through it; a token for
@@ -1787,29 +1826,14 @@ access = "operate"
 fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_parent() {
     let (a, all) = ("token-for-namespace-a", "worker-for-every-namespace");
     for (name, s) in servers_with("children_in_other_namespaces", None, Some(CHILD_TOKENS)) {
-        let starts = "/v1/namespaces/a/instances";
-        let child = |ns: &str, secret: &str| {
-            format!(
-                r#"{{"namespace":"{ns}","machine":{{"name":"greeter","version":1}},"position":"greet","context":{{"secret":"{secret}"}},"business_key":null,"queue":"default","priority":"normal","concurrency_key":null,"unique":null,"eligible_at":null,"correlation_id":null,"invoked_by":null}}"#
-            )
-        };
-        let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"parent","version":1}]}"#;
+        let child =
+            |ns: &str, secret: &str| greeter_child(ns, &format!(r#"{{"secret":"{secret}"}}"#));
         // One parent with a child in a and one in b, one with a child in a only.
-        let mut parents = Vec::new();
         let mixed = || format!("{},{}", child("a", "for-a"), child("b", "only-for-b"));
-        for children in [mixed(), child("a", "for-a"), mixed()] {
-            let (_, started) = s.post_as(a, starts, r#"{"machine":"parent","at":"spawn"}"#);
-            let id = started["id"].as_i64().unwrap();
-            parents.push(id);
-            let (code, task) = s.post_as(all, "/v1/worker/tasks/poll", poll);
-            assert_eq!((code, task["id"].as_i64()), (200, Some(id)), "{name}: {task}");
-            let done = format!(
-                r#"{{"worker":"w","token":{},"outcome":{{"type":"schedule_children","next":"after","context":{{}},"children":[{children}]}}}}"#,
-                task["token"]
-            );
-            let (code, answer) = s.post_as(all, &format!("/v1/worker/tasks/{id}/complete"), &done);
-            assert_eq!(code, 200, "{name}: {answer}");
-        }
+        let parents: Vec<i64> = [mixed(), child("a", "for-a"), mixed()]
+            .iter()
+            .map(|children| parent_with_children(&s, &name, a, all, children))
+            .collect();
         let (parent, lonely, ended_in_b) = (parents[0], parents[1], parents[2]);
         let detail_of = |token: &str, parent: i64| {
             let (code, text) = s.get_as(token, &format!("/v1/namespaces/a/instances/{parent}"));
@@ -1899,38 +1923,13 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
     }
 }
 
-const LINK_TOKENS: &str = r#"
-[[tokens]]
-token = "token-for-namespace-b"
-namespaces = ["b"]
-access = "read"
-
-[[tokens]]
-token = "worker-for-every-namespace"
-namespaces = ["*"]
-access = "operate"
-"#;
-
 /// On the dashboard a child and a parent in another namespace are linked under their own
 /// namespace, and a parent the token may not see is named without a link.
 #[test]
 fn parents_and_children_are_linked_under_their_own_namespace() {
     let (b, all) = ("token-for-namespace-b", "worker-for-every-namespace");
-    for (name, s) in servers_with("linked_under_their_own_namespace", None, Some(LINK_TOKENS)) {
-        let (code, started) =
-            s.post_as(all, "/v1/namespaces/a/instances", r#"{"machine":"parent","at":"spawn"}"#);
-        assert_eq!(code, 201, "{name}: {started}");
-        let parent = started["id"].as_i64().unwrap();
-        let poll = r#"{"worker":"w","namespace":"a","machines":[{"name":"parent","version":1}]}"#;
-        let (code, task) = s.post_as(all, "/v1/worker/tasks/poll", poll);
-        assert_eq!((code, task["id"].as_i64()), (200, Some(parent)), "{name}: {task}");
-        let child = r#"{"namespace":"b","machine":{"name":"greeter","version":1},"position":"greet","context":{},"business_key":null,"queue":"default","priority":"normal","concurrency_key":null,"unique":null,"eligible_at":null,"correlation_id":null,"invoked_by":null}"#;
-        let done = format!(
-            r#"{{"worker":"w","token":{},"outcome":{{"type":"schedule_children","next":"after","context":{{}},"children":[{child}]}}}}"#,
-            task["token"]
-        );
-        let (code, answer) = s.post_as(all, &format!("/v1/worker/tasks/{parent}/complete"), &done);
-        assert_eq!(code, 200, "{name}: {answer}");
+    for (name, s) in servers_with("linked_under_their_own_namespace", None, Some(CHILD_TOKENS)) {
+        let parent = parent_with_children(&s, &name, all, all, &greeter_child("b", "{}"));
         let (_, detail) = s.get_as(all, &format!("/v1/namespaces/a/instances/{parent}"));
         let detail: Value = serde_json::from_str(&detail).unwrap();
         let child = detail["children"][0]["id"].as_i64().unwrap();
