@@ -1061,12 +1061,10 @@ mod tests {
     /// (at least two), and only then.
     #[test]
     fn attempts_are_used_up_only_by_expired_leases_in_a_row() {
-        use crate::ids::{InstanceId, MachineRef};
-        use crate::instance::{AttemptError, NewInstance};
+        use crate::instance::AttemptError;
         use crate::outcome::reap;
         use crate::time::Timestamp;
-        let new = NewInstance::new(MachineRef::new("order", 1), "charge");
-        let fresh = Instance::from_new(InstanceId(7), &new, None, Timestamp(0));
+        let fresh = fresh_row();
         for max_attempts in [1, 2, 3, 10] {
             let policy = RetryPolicy { max_attempts, ..RetryPolicy::default() };
             // Every run fails: each retry is checked before it runs, and none is refused.
