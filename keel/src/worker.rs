@@ -123,8 +123,6 @@ impl WorkerBuilder {
         let name = machine.machine();
         let delegates = machine.delegates();
         let events = machine.events();
-        // Checked below as the runtime's worker checks it when it starts.
-        let in_code = machine.config();
         // The worker serves the queues the machine starts work in: they are in use, so a
         // file section for one is no misspelling.
         // Read as the runtime's worker reads it: a machine that panics here serves nothing
@@ -157,10 +155,10 @@ impl WorkerBuilder {
                 missing: missing.to_vec(),
             });
         }
-        if let Some(problem) = in_code.problem_in_code() {
+        if let Some(problem) = self.worker.config_problem(&name) {
             return Err(RegistrationError {
                 machine: format!("{} v{}", name.name, name.version),
-                missing: vec![problem],
+                missing: vec![problem.to_owned()],
             });
         }
         self.machines.push((name.name.clone(), name.version, delegates));

@@ -620,8 +620,8 @@ pub struct Worker<S, C> {
     unbound: Option<(MachineRef, Vec<String>)>,
     /// The first machine registered whose configuration in code cannot be used
     /// ([`QueueConfig::problem_in_code`]: a field a machine's configuration does not
-    /// apply, or a value out of bounds), as the message the worker refuses to start with.
-    not_applied: Option<String>,
+    /// apply, or a value out of bounds), with that reason: the worker refuses to start.
+    config_problem: Option<(MachineRef, String)>,
 }
 
 impl<S: Store, C: Clock + Clone> Worker<S, C> {
@@ -637,7 +637,7 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             hints: None,
             registered_twice: None,
             unbound: None,
-            not_applied: None,
+            config_problem: None,
         }
     }
 
@@ -709,11 +709,10 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         }
         // Checked with or without a configuration file: without one, a step runs with
         // exactly what its machine set in code.
-        if self.not_applied.is_none()
+        if self.config_problem.is_none()
             && let Some(problem) = machine.config().problem_in_code()
         {
-            let m = machine.machine();
-            self.not_applied = Some(format!("machine {} v{}: {problem}", m.name, m.version));
+            self.config_problem = Some((machine.machine(), problem));
         }
         match self.machines.entry(machine.machine()) {
             Entry::Occupied(taken) => {
@@ -750,6 +749,13 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
         self.unbound.as_ref().filter(|(m, _)| m == machine).map(|(_, missing)| missing.as_slice())
     }
 
+    /// Why `machine`'s configuration in code cannot be used
+    /// ([`QueueConfig::problem_in_code`]), when it is the first machine registered here
+    /// with such a configuration, which [`check`](Self::check) refuses.
+    pub fn config_problem(&self, machine: &MachineRef) -> Option<&str> {
+        self.config_problem.as_ref().filter(|(m, _)| m == machine).map(|(_, p)| p.as_str())
+    }
+
     /// The first (name, version) registered here twice, which [`check`](Self::check)
     /// refuses.
     pub fn registered_twice(&self) -> Option<&MachineRef> {
@@ -777,8 +783,8 @@ impl<S: Store, C: Clock + Clone> Worker<S, C> {
             let name = format!("{} v{}", machine.name, machine.version);
             return Err(crate::machine::cannot_run(&name, missing));
         }
-        if let Some(message) = &self.not_applied {
-            return Err(message.clone());
+        if let Some((m, problem)) = &self.config_problem {
+            return Err(format!("machine {} v{}: {problem}", m.name, m.version));
         }
         self.config.validate().map_err(|e| format!("invalid worker configuration: {e}"))?;
         if let Some(timers) = &self.config.timers {
