@@ -501,6 +501,9 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         .iter()
         .map(|h| HistoryEntry::new(h.kind.clone(), scrub_nul(&h.data)))
         .collect();
+    // After a failure, the attempts that failed, this one included (a step's own polls
+    // are not failures), as the retry decision counts them.
+    let failed_attempts = commit.failure.as_ref().map(|_| crate::retry::failed_attempts(row) + 1);
     let engine_entry = match &commit.outcome {
         Outcome::Next { step, context } => {
             next.position.clone_from(step);
@@ -574,12 +577,9 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         }
         Outcome::Suspend => {
             next.last_error = commit.failure.as_ref().map(|f| clip_error(&f.error));
-            // After a failure, the attempts that failed (a step's own polls are not
-            // counted, as the retry decision does not count them); else every run.
-            let attempts = match &commit.failure {
-                Some(_) => crate::retry::failed_attempts(row) + 1,
-                None => u32::try_from(row.attempt + 1).unwrap_or(u32::MAX),
-            };
+            // After a failure, the attempts that failed; else every run.
+            let attempts = failed_attempts
+                .unwrap_or_else(|| u32::try_from(row.attempt + 1).unwrap_or(u32::MAX));
             HistoryEntry::new(
                 HistoryKind::StepSuspended,
                 json!({ "step": row.position, "attempts": attempts }),
@@ -594,8 +594,7 @@ pub fn apply(row: &Instance, commit: &StepCommit, facts: ApplyFacts) -> Applied 
         let mut all = row.errors.clone();
         push_error(&mut all, row.attempt, &f.error, now);
         let reason = if f.retryable { "exhausted" } else { "non_retryable" };
-        // The attempts that failed, this one included, as the retry decision counts them.
-        let attempts = crate::retry::failed_attempts(row) + 1;
+        let attempts = failed_attempts.unwrap_or(1);
         history.push(HistoryEntry::new(
             HistoryKind::DeadLettered,
             json!({ "reason": reason, "attempts": attempts, "error": clip_error(&f.error) }),
