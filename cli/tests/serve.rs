@@ -1832,7 +1832,7 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
         let mixed = || format!("{},{}", child("a", "for-a"), child("b", "only-for-b"));
         let parents: Vec<i64> = [mixed(), child("a", "for-a"), mixed()]
             .iter()
-            .map(|children| parent_with_children(&s, &name, a, all, children))
+            .map(|children| parent_with_children(&s, name, a, all, children))
             .collect();
         let (parent, lonely, ended_in_b) = (parents[0], parents[1], parents[2]);
         let detail_of = |token: &str, parent: i64| {
@@ -1929,7 +1929,7 @@ fn children_in_other_namespaces_are_neither_shown_nor_cancelled_through_their_pa
 fn parents_and_children_are_linked_under_their_own_namespace() {
     let (b, all) = ("token-for-namespace-b", "worker-for-every-namespace");
     for (name, s) in servers_with("linked_under_their_own_namespace", None, Some(CHILD_TOKENS)) {
-        let parent = parent_with_children(&s, &name, all, all, &greeter_child("b", "{}"));
+        let parent = parent_with_children(&s, name, all, all, &greeter_child("b", "{}"));
         let (_, detail) = s.get_as(all, &format!("/v1/namespaces/a/instances/{parent}"));
         let detail: Value = serde_json::from_str(&detail).unwrap();
         let child = detail["children"][0]["id"].as_i64().unwrap();

@@ -78,16 +78,23 @@ pub async fn split_by_namespace(
     sees: impl Fn(&str) -> bool,
 ) -> Result<(HashSet<InstanceId>, Vec<Instance>), StoreError> {
     let (mut seen, mut unseen) = (HashSet::new(), Vec::new());
-    for batch in ids.chunks(ROWS_BATCH_MAX) {
-        for row in store.instance_rows(batch.to_vec()).await? {
-            if sees(&row.namespace) {
-                seen.insert(row.id);
-            } else {
-                unseen.push(row);
-            }
+    for row in rows_of(store, ids).await? {
+        if sees(&row.namespace) {
+            seen.insert(row.id);
+        } else {
+            unseen.push(row);
         }
     }
     Ok((seen, unseen))
+}
+
+/// The rows of `ids` that exist, read by id in batches.
+async fn rows_of(store: &AnyStore, ids: &[InstanceId]) -> Result<Vec<Instance>, StoreError> {
+    let mut rows = Vec::with_capacity(ids.len());
+    for batch in ids.chunks(ROWS_BATCH_MAX) {
+        rows.extend(store.instance_rows(batch.to_vec()).await?);
+    }
+    Ok(rows)
 }
 
 /// Leaves out of `detail.children` every child in a namespace `sees` refuses, and returns
@@ -120,13 +127,7 @@ pub async fn namespaces_of(
     store: &AnyStore,
     ids: &[InstanceId],
 ) -> Result<BTreeMap<InstanceId, String>, StoreError> {
-    let mut homes = BTreeMap::new();
-    for batch in ids.chunks(ROWS_BATCH_MAX) {
-        for row in store.instance_rows(batch.to_vec()).await? {
-            homes.insert(row.id, row.namespace);
-        }
-    }
-    Ok(homes)
+    Ok(rows_of(store, ids).await?.into_iter().map(|row| (row.id, row.namespace)).collect())
 }
 
 #[cfg(test)]
