@@ -146,7 +146,12 @@
 //!   (25006: during a failover a connection reaches a standby or a demoted primary) and a
 //!   snapshot too old (72000) are `Unavailable` (retryable); data exceptions (class 22) are `Invalid`; anything else
 //!   the server refuses is `Conflict`. Deadlocks and serialization failures are first
-//!   retried internally, up to [`TRANSACTION_RETRIES`] times. A connection dropped inside a
+//!   retried internally, up to [`TRANSACTION_RETRIES`] times, as is a claim that lost the
+//!   race for a concurrency or unique key to another worker; one that loses it every time
+//!   is `Unavailable` too (try the claim again). A migration step that fails on the
+//!   connection or the server takes the kind of that error; a stored migration history that
+//!   differs from this build's is `Conflict`, and a schema newer than this build is
+//!   `Invalid`. A connection dropped inside a
 //!   transaction (error or cancelled future) is detached from the pool, never reused.
 //!
 //! # Known leaks
@@ -158,7 +163,8 @@
 //!   a per-item `Conflict`. Transitions outside commits (a reap, a release, a wake-up, a
 //!   dead-letter retry) store the row without the key while another holds it, as SQLite
 //!   and `MemoryStore` do; only two rows entering one key's scope at the same moment in
-//!   two transactions still meet the index, and the later call fails with `Conflict`.
+//!   two transactions still meet the index, and the later call fails with `Conflict` (a
+//!   claim instead runs again, as above).
 //! - `queue_list`, `queue_stats` and `timer_status` scan (operator paths, not indexed).
 //! - A broadcast or list whose `in_state` filter meets a position that starts with `[` but
 //!   is not JSON `jsonb` reads fails (`position::jsonb`). Starts and commits refuse such

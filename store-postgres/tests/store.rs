@@ -59,9 +59,28 @@ async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
     )
     .await
     .unwrap();
+    // A deployment problem (upgrade Keel), as on SQLite: `Invalid`, from both entry points.
+    let err = s.migrate().await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+    assert!(err.message.contains("newer"), "{err}");
+    assert!(err.message.contains("upgrade keel"), "{err}");
+    let err = s.check_migrated().await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+    assert!(err.message.contains("newer"), "{err}");
+}
+
+/// A schema whose recorded migrations differ from this build's is refused as a `Conflict`
+/// (retrying will not help), naming the history table.
+#[tokio::test]
+async fn migrate_refuses_a_divergent_history() {
+    let Some(s) = common::store().await else { return };
+    let c = s.client().await.unwrap();
+    c.batch_execute("UPDATE keel_schema_history SET checksum = '1' WHERE version = 1")
+        .await
+        .unwrap();
     let err = s.migrate().await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Conflict, "{err}");
-    assert!(err.message.contains("newer"), "{err}");
+    assert!(err.message.contains("keel_schema_history"), "{err}");
 }
 
 #[tokio::test]

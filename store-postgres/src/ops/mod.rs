@@ -162,6 +162,9 @@ impl PgStore {
                 {
                     tries += 1;
                 }
+                // Losing the race for a key every time is still a race, not a refusal of
+                // this claim: a later claim finds the winners' rows leased and takes others.
+                Err(e) if claim::is_key_race(&e) => return Err(lost_key_race(tries + 1, e)),
                 Err(e) => return Err(StoreError::from(e)),
                 Ok(claimed) => {
                     drop(conn);
@@ -198,6 +201,18 @@ impl PgStore {
         notify(tx, &self.channel).await?;
         Ok(out)
     }
+}
+
+/// A claim that lost the race for a key on each of its `attempts`. Still a race, not a
+/// refusal of this claim: a later claim finds the winners' rows leased and takes others,
+/// so the error is retryable.
+fn lost_key_race(attempts: u32, last: OpError) -> StoreError {
+    let last = StoreError::from(last);
+    StoreError::unavailable(format!(
+        "claim lost the race for a concurrency or uniqueness key {attempts} times in a row \
+         (another worker took the same key each time; last: {}); retry the claim",
+        last.message
+    ))
 }
 
 /// Sends the store's one wake-up for this transaction.
@@ -621,5 +636,42 @@ impl Store for PgStore {
 
     async fn timer_hint_wait(&self, seen: u64) -> TimerHint {
         self.wait_timer_hint(seen).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{claim, lost_key_race};
+    use crate::error::OpError;
+    use keel_core::ErrorKind;
+
+    /// A claim that keeps losing the race for a key gives up with a retryable error that
+    /// says so, not with the unique violation's `Conflict`.
+    #[tokio::test]
+    async fn a_claim_that_keeps_losing_a_key_race_is_retryable() {
+        let Some(s) = crate::testing::fresh_schema().await else {
+            let var = keel_testkit::conformance::REQUIRE_BACKENDS_VAR;
+            assert!(std::env::var(var).as_deref() != Ok("1"), "{var}=1 but no database is set");
+            return;
+        };
+        let c = s.client().await.expect("a connection");
+        // The same failure a lost race meets: a unique violation on an index of that name
+        // (here on a session's own table, so the store's tables are left alone).
+        let race = c
+            .batch_execute(
+                "CREATE TEMP TABLE race (k int); \
+                 CREATE UNIQUE INDEX instances_concurrency ON race (k); \
+                 INSERT INTO race VALUES (1), (1)",
+            )
+            .await
+            .expect_err("a duplicate key is refused");
+        let race = OpError::Pg(race);
+        assert!(claim::is_key_race(&race), "{race:?}");
+        let attempts = crate::TRANSACTION_RETRIES + 1;
+        let e = lost_key_race(attempts, race);
+        assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+        assert!(e.message.contains("lost the race"), "{e}");
+        assert!(e.message.contains(&format!("{attempts} times")), "{e}");
+        assert!(e.message.contains("retry"), "{e}");
     }
 }
