@@ -134,12 +134,15 @@
 //! ## Timer precision
 //!
 //! `after` and `every` timers are rows in the store, fired by the sweeper each worker runs
-//! (see [`WorkerConfig::timers`]). A due timer never fires early; with the default settings
-//! it fires within about 100 ms plus one sweep's duration of its due time. It fires later
-//! only while the ready backlog is above the sweeper's backpressure threshold, or when no
-//! sweeper in the process heard of it (a timer armed by another process on the same SQLite
-//! file): then at the latest one sweep cadence (60 s by default) after it fell due.
-//! Time is kept in milliseconds since the epoch; run NTP on every worker host.
+//! (see [`WorkerConfig::timers`]). A timer never fires before its due time by the clock of
+//! the worker that sweeps it; with the default settings it fires within about 100 ms plus
+//! one sweep's duration of its due time. It fires later only while the ready backlog is
+//! above the sweeper's backpressure threshold, or when no sweeper in the process heard of
+//! it (a timer armed by another process on the same SQLite file): then at the latest one
+//! sweep cadence (60 s by default) after it fell due.
+//! Time is kept in milliseconds since the epoch, read from each process's clock: the due
+//! time from the clock of the process that armed the timer, so clock skew between hosts
+//! shifts fires by that skew, earlier or later. Run NTP on every worker host.
 
 mod connect;
 #[cfg(feature = "prometheus")]

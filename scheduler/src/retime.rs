@@ -3,6 +3,8 @@
 //! (`Store::timers_retime`), so a deploy that shortens a 7-day deadline to 1 day applies to
 //! instances already waiting, counted from their original anchor. Transitions marked
 //! `keep_armed` are left alone. Every worker does it; a second pass finds nothing to move.
+//! The worker's sweeper starts sweeping only once this pass has ended (done, given up, or
+//! panicked), so its first sweep does not fire a timer under a duration the deploy changed.
 
 use super::Inner;
 use keel_core::limits;

@@ -1037,7 +1037,20 @@ async fn run<S: Store, C: Clock + Clone>(
     // A restarted worker first takes back what it held before it crashed, before it
     // claims anything new under the same id.
     reclaim_own_leases(&inner).await;
-    let retiming = tokio::spawn(retime::retime_all(Arc::clone(&inner)));
+    // The sweeper's first sweep waits for the start-up retime: after a deploy that
+    // lengthens a timer, a sweep before it would fire timers due only under the old
+    // duration. The gate opens when the retime ends, whether it moved everything or gave
+    // up (it is bounded), and also if it panicked or was aborted (the sender is dropped),
+    // so a failed retime never keeps timers from firing. It stays open: a restarted
+    // sweeper passes at once.
+    let (retimed, retime_gate) = watch::channel(false);
+    let retiming = tokio::spawn({
+        let inner = Arc::clone(&inner);
+        async move {
+            retime::retime_all(inner).await;
+            retimed.send_replace(true);
+        }
+    });
 
     // Room for every result that can exist at once: each holds one of its queue's lease
     // slots until its group commit lands, so a step never waits to hand its result in.
@@ -1071,11 +1084,19 @@ async fn run<S: Store, C: Clock + Clone>(
     let heartbeat = spawn_loop(&inner, WorkerLoop::Heartbeat, &beat, heartbeat_loop);
     let reaper = spawn_loop(&inner, WorkerLoop::Reaper, &shutdown, reap_loop);
     let sweeper = inner.config.timers.clone().map(|config| {
-        spawn_loop(&inner, WorkerLoop::Sweeper, &shutdown, move |inner, stop| {
+        spawn_loop(&inner, WorkerLoop::Sweeper, &shutdown, move |inner, mut stop| {
             let sweeper =
                 Sweeper::new(Arc::clone(&inner.store), inner.clock.clone(), config.clone())
                     .expect("validated by Worker::spawn");
-            sweeper.run(stop)
+            let mut gate = retime_gate.clone();
+            async move {
+                tokio::select! {
+                    // Done, or the sender is gone (the retime panicked or was aborted).
+                    _ = gate.wait_for(|done| *done) => {}
+                    _ = stop.wait_for(|stopping| *stopping) => return,
+                }
+                sweeper.run(stop).await;
+            }
         })
     });
     let scheduler = (!inner.config.schedules.schedules().is_empty()).then(|| {

@@ -38,13 +38,15 @@
 //! that is sooner), so its due timers fire about a second after the backlog has drained.
 //!
 //! **Precision.** With [`SweepConfig::default`] a due timer is fired within [`SWEEP_GAP`]
-//! plus one sweep's duration of its due time — well within a second — and never before it.
-//! It fires later only while the ready backlog is above the backpressure threshold (then
-//! within about [`BACKPRESSURE_RECHECK`] of the backlog falling below it, and while it
-//! stays above, one batch of the group's most overdue timers about every
-//! [`BACKPRESSURE_RECHECK`] once they are a cadence late), or when no
-//! sweeper heard of it (hints lost, or armed by another process on the same SQLite file),
-//! and then at the latest one cadence (a minute by default) after it fell due.
+//! plus one sweep's duration of its due time — well within a second — and never before it
+//! by the sweeping worker's clock. The due time comes from the clock of the process that
+//! armed the timer, so clock skew between hosts shifts fires by that skew (earlier or
+//! later); run NTP on every worker host. It fires later only while the ready backlog is
+//! above the backpressure threshold (then within about [`BACKPRESSURE_RECHECK`] of the
+//! backlog falling below it, and while it stays above, one batch of the group's most
+//! overdue timers about every [`BACKPRESSURE_RECHECK`] once they are a cadence late), or
+//! when no sweeper heard of it (hints lost, or armed by another process on the same SQLite
+//! file), and then at the latest one cadence (a minute by default) after it fell due.
 //! Sleeping is measured against the injected clock, re-read at least every
 //! [`CLOCK_CHECK`] without touching the store, so a clock that jumps (or a virtual clock a
 //! test moves) is noticed promptly.
@@ -62,6 +64,12 @@ use tokio::time::Instant;
 
 /// The most batches of one sweep that may run at once ([`SweepConfig::batches_in_flight`]).
 pub const BATCHES_IN_FLIGHT_MAX: usize = 16;
+
+/// The most batches one sweep may run ([`SweepConfig::batches_per_sweep`]): a million
+/// timers at the default batch of 100. A sweep holds its group, the other groups and the
+/// sweeper's shutdown until it ends, so it must end; what is left fires in the next sweep,
+/// [`SWEEP_GAP`] later.
+pub const BATCHES_PER_SWEEP_MAX: usize = 10_000;
 
 /// The shortest cadence a group may have.
 pub const CADENCE_MIN: Duration = Duration::from_millis(100);
@@ -128,7 +136,8 @@ pub struct SweepConfig {
     pub groups: Vec<SweepGroup>,
     /// Most timers one store call fires (default 100).
     pub batch: usize,
-    /// Most batches one sweep runs before the group pauses for [`SWEEP_GAP`] (default 100).
+    /// Most batches one sweep runs before the group pauses for [`SWEEP_GAP`] (default 100,
+    /// at most [`BATCHES_PER_SWEEP_MAX`]).
     pub batches_per_sweep: usize,
     /// Most batches of one sweep running at once (default 2, at most
     /// [`BATCHES_IN_FLIGHT_MAX`]). A sweep runs its first batch alone; while batches come
@@ -167,8 +176,11 @@ impl SweepConfig {
                 self.batch
             ));
         }
-        if self.batches_per_sweep == 0 {
-            return Err("timers.batches_per_sweep: must be at least 1".to_owned());
+        if self.batches_per_sweep == 0 || self.batches_per_sweep > BATCHES_PER_SWEEP_MAX {
+            return Err(format!(
+                "timers.batches_per_sweep: must be 1 to {BATCHES_PER_SWEEP_MAX} (got {})",
+                self.batches_per_sweep
+            ));
         }
         if self.batches_in_flight == 0 || self.batches_in_flight > BATCHES_IN_FLIGHT_MAX {
             return Err(format!(
@@ -531,7 +543,9 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
 
     /// Runs until `shutdown` turns true: each group sweeps at once, then whenever its
     /// earliest timer falls due (at least [`SWEEP_GAP`] after its last sweep), and at the
-    /// latest one cadence after its last sweep. Store errors are logged and retried after
+    /// latest one cadence after its last sweep. Groups sweep one at a time; when several
+    /// are due at once, the one that swept longest ago goes first, so a group whose sweeps
+    /// run long does not hold the others back. Store errors are logged and retried after
     /// [`RETRY_AFTER`]; they never end the loop.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut plans = vec![GroupPlan::default(); self.config.groups.len()];
@@ -539,13 +553,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         let mut hints = self.store.timer_hint_wait(cursor);
         while !*shutdown.borrow() {
             let (now, now_ts) = (Instant::now(), self.clock.now());
-            let (i, at) = plans
-                .iter()
-                .zip(&self.config.groups)
-                .map(|(p, g)| p.sweep_at(g.cadence, now, now_ts))
-                .enumerate()
-                .min_by_key(|(_, at)| *at)
-                .expect("at least one group");
+            let (i, at) = next_sweep(&plans, &self.config.groups, now, now_ts);
             if at <= now {
                 self.sweep_group(i, &mut plans[i]).await;
                 continue;
@@ -602,6 +610,27 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
             }
         }
     }
+}
+
+/// Which group sweeps next, and when: the group whose sweep comes soonest. Groups whose
+/// sweep is already due all count as due now, and among them the one that swept longest
+/// ago (or never) goes first, so while one group's sweeps take longer than [`SWEEP_GAP`],
+/// the overdue groups take turns rather than the first of them sweeping every time.
+fn next_sweep(
+    plans: &[GroupPlan],
+    groups: &[SweepGroup],
+    now: Instant,
+    now_ts: Timestamp,
+) -> (usize, Instant) {
+    plans
+        .iter()
+        .zip(groups)
+        .map(|(p, g)| (p.sweep_at(g.cadence, now, now_ts), p.last))
+        .enumerate()
+        // `None` (never swept) orders before any instant; equal keys keep the lower index.
+        .min_by_key(|(_, (at, last))| ((*at).max(now), *last))
+        .map(|(i, (at, _))| (i, at))
+        .expect("at least one group")
 }
 
 /// What one group knows about its next sweep.
@@ -730,6 +759,49 @@ mod tests {
         assert!(catch_all.uncovered(registered).is_empty(), "a group without a list");
         let none = config(vec![group(&["other"])]);
         assert_eq!(none.uncovered(registered), ["invoice", "mail", "order"], "sorted, once");
+    }
+
+    /// Two groups with timers overdue, each sweep taking longer than [`SWEEP_GAP`]: both
+    /// are due again whenever a sweep ends, and they take turns, the one that swept
+    /// longest ago first (a never-swept group before any other).
+    #[test]
+    fn overdue_groups_take_turns() {
+        let minute = Duration::from_secs(60);
+        let groups = vec![
+            SweepGroup { machines: vec!["a".to_owned()], cadence: minute },
+            SweepGroup { machines: vec!["b".to_owned()], cadence: minute },
+        ];
+        let now_ts = Timestamp(10_000);
+        let overdue = GroupPlan { due: Some(Timestamp(9_000)), ..GroupPlan::default() };
+        let mut plans = vec![overdue; 2];
+        let mut now = Instant::now();
+        let mut order = Vec::new();
+        for _ in 0..6 {
+            let (i, at) = next_sweep(&plans, &groups, now, now_ts);
+            assert!(at <= now, "an overdue group sweeps at once");
+            order.push(i);
+            plans[i].last = Some(now);
+            now += SWEEP_GAP * 3;
+        }
+        assert_eq!(order, [0, 1, 0, 1, 0, 1]);
+
+        // A group past its cadence fallback is no more urgent than one with a due timer:
+        // the one swept longest ago still goes first.
+        let mut plans = vec![overdue; 2];
+        plans[0].last = Some(now - minute * 3);
+        plans[1] = GroupPlan { last: Some(now - minute * 2), ..GroupPlan::default() };
+        assert_eq!(next_sweep(&plans, &groups, now, now_ts).0, 0, "swept 3 minutes ago");
+        plans[0].last = Some(now - Duration::from_secs(1));
+        assert_eq!(next_sweep(&plans, &groups, now, now_ts).0, 1, "swept 2 minutes ago");
+
+        // Nothing due: the soonest sweep comes first, whatever the last sweeps.
+        let plan = |due, ago| GroupPlan {
+            due: Some(Timestamp(due)),
+            last: Some(now - Duration::from_millis(ago)),
+            skipped: false,
+        };
+        let plans = [plan(10_500, 10_000), plan(10_200, 200)];
+        assert_eq!(next_sweep(&plans, &groups, now, now_ts), (1, now + Duration::from_millis(200)));
     }
 
     #[test]

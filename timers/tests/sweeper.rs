@@ -293,7 +293,11 @@ fn configuration_bounds_name_the_field() {
         ),
         (
             SweepConfig { batches_per_sweep: 0, ..SweepConfig::default() },
-            "timers.batches_per_sweep: must be at least 1",
+            "timers.batches_per_sweep: must be 1 to 10000 (got 0)",
+        ),
+        (
+            SweepConfig { batches_per_sweep: 10_001, ..SweepConfig::default() },
+            "timers.batches_per_sweep: must be 1 to 10000 (got 10001)",
         ),
         (
             SweepConfig { batches_in_flight: 0, ..SweepConfig::default() },
@@ -330,6 +334,11 @@ fn configuration_bounds_name_the_field() {
         assert!(err.starts_with(expected), "{err}");
     }
     assert!(SweepConfig::default().validate().is_ok());
+    let most = SweepConfig {
+        batches_per_sweep: keel_timers::BATCHES_PER_SWEEP_MAX,
+        ..SweepConfig::default()
+    };
+    assert!(most.validate().is_ok(), "the maximum itself is allowed");
 }
 
 #[tokio::test]

@@ -445,8 +445,11 @@ impl TransitionBuilder {
     /// sweeper sleeps until the earliest due timer and a commit arming an earlier one wakes
     /// it); it is later only when the ready backlog is above the sweeper's backpressure
     /// threshold or no sweeper heard of the timer, and then at the latest at the sweep
-    /// cadence (a minute by default). It is never early. The event goes through the inbox,
-    /// so it is processed after the events that arrived before it.
+    /// cadence (a minute by default). It is never early by the clock of the worker that
+    /// sweeps it; the due time is counted on the clock of the process whose commit entered
+    /// the state, so clock skew between hosts shifts the fire by that skew (run NTP on
+    /// every host). The event goes through the inbox, so it is processed after the events
+    /// that arrived before it.
     pub fn after(mut self, timer: Timer) -> Self {
         self.extra_timer |= self.timer.is_some();
         self.timer = Some((TimerKind::After, timer));
