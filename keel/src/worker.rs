@@ -115,7 +115,8 @@ impl WorkerBuilder {
     /// machine's configuration does not apply (`concurrency`, `strategy`, `priority`,
     /// `alerts`), naming the field and the fix. The machine's definition warnings
     /// ([`StepMachine::warnings`]: a chart's unreachable state, shadowed transition,
-    /// transition into a sibling region) are logged here, once each, at `warn` level with
+    /// transition into a sibling region, a dispatched parallel state no `@fail` answers)
+    /// are logged here, once each, at `warn` level with
     /// the machine and its version; they never stop the worker. A `(name, version)`
     /// registered here already is refused too: which of two machines runs the steps of one
     /// version must not depend on the order of the calls.

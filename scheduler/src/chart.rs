@@ -15,7 +15,7 @@
 use crate::machine::{StepContext, StepError, StepMachine};
 use async_trait::async_trait;
 use keel_core::chart::parallel::{
-    ParallelBook, RegionReport, RegionRun, Skip, action_failure, check,
+    ParallelBook, RegionReport, RegionRun, Skip, action_failure, check, unhandled_region_failures,
 };
 use keel_core::chart::step::{ChartStep, MACROSTEP, StepPlan};
 use keel_core::chart::{
@@ -449,9 +449,17 @@ impl StepMachine for ChartMachine {
         Some(self.definition.event_alphabet())
     }
 
+    /// The definition's warnings and, with parallel dispatch on (in code or by the
+    /// settings the worker applied first), one for each parallel state whose region
+    /// failures no `@fail` answers: such an instance would stay in the state silently.
     fn warnings(&self) -> Vec<String> {
         let (name, version) = (self.definition.name(), self.definition.version());
-        self.definition.warnings().iter().map(|w| format!("chart {name} v{version}: {w}")).collect()
+        let definition = self.definition.warnings().iter().map(ToString::to_string);
+        let unanswered = unhandled_region_failures(&self.definition)
+            .into_iter()
+            .filter(|_| self.parallel.enabled)
+            .map(unanswered_failure);
+        definition.chain(unanswered).map(|w| format!("chart {name} v{version}: {w}")).collect()
     }
 
     fn config(&self) -> QueueConfig {
@@ -568,6 +576,13 @@ impl StepMachine for ChartMachine {
     }
 }
 
+/// The warning for parallel state `state`, dispatched with no `@fail` on it or an ancestor.
+fn unanswered_failure(state: &str) -> String {
+    format!(
+        "parallel state `{state}` runs its regions as region tasks, but neither it nor an ancestor has `@fail`: a region task that runs out of tries raises `fail.state.{state}`, which nothing handles, so the instance stays in `{state}` with only `PARALLEL_FAIL` in its history to say why; fix: add `@fail` on `{state}` (`.on_fail(|b| b.target(\"…\"))`, JSON `\"@fail\"`)"
+    )
+}
+
 /// The region task's lock-free pre-check against the parent's row: `Some(reason)` when
 /// its work is no longer wanted.
 fn precheck(parent: &Instance, task: &RegionTaskContext) -> Option<&'static str> {
@@ -590,4 +605,35 @@ pub fn dispatched(detail: &InstanceDetail) -> bool {
         .rev()
         .find(|r| r.entry.kind == MACROSTEP)
         .is_some_and(|r| r.entry.data["dispatched"] == json!(true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A parallel state with entry work in both regions and no `@fail` anywhere above.
+    fn hanging() -> Definition {
+        Definition::builder("hangs", 2)
+            .initial("p")
+            .parallel("p", |p| {
+                p.state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                    .state("b", |r| r.initial("y").state("y", |s| s.entry("by")))
+            })
+            .build()
+            .expect("valid chart")
+    }
+
+    #[test]
+    fn with_dispatch_on_a_parallel_state_no_fail_answers_is_warned_of() {
+        let inline = ChartMachine::new(hanging());
+        assert!(inline.warnings().is_empty(), "inline entry has no region task to fail");
+        let dispatched = ChartMachine::new(hanging()).with_parallel(ParallelConfig::enabled());
+        let warnings = dispatched.warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("chart hangs v2: parallel state `p` runs its regions as region tasks, but neither it nor an ancestor has `@fail`"),
+            "{warnings:?}"
+        );
+        assert!(warnings[0].contains("fix: add `@fail` on `p` (`.on_fail("), "{warnings:?}");
+    }
 }

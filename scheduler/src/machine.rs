@@ -355,7 +355,8 @@ pub trait StepMachine: Send + Sync + 'static {
 
     /// What is likely a slip in this machine's definition, each as a line naming the
     /// machine (a chart's `Definition::warnings`: a state nothing leads to, a shadowed
-    /// transition, a transition into a sibling region). A worker that registers the
+    /// transition, a transition into a sibling region; and, with parallel dispatch on, a
+    /// parallel state whose failed region tasks no `@fail` answers). A worker that registers the
     /// machine logs each once at `warn` level; they never stop it. Default: none.
     fn warnings(&self) -> Vec<String> {
         Vec::new()

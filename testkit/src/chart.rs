@@ -213,7 +213,12 @@ impl TestMachine {
 
     /// Makes the pending task of `region` fail for good with `error` (its report reaches
     /// the parent even if the pre-check would skip it, like a task that started and then
-    /// ran out of tries).
+    /// ran out of tries). The parent's under-lock guard decides what the failure does: it
+    /// fires `@fail` (with `PARALLEL_FAIL`) once per dispatch; a failure of a region that
+    /// moved on since dispatch (an event advanced it) is discarded with
+    /// `PARALLEL_REGION_GUARD_ABORT` (`region_already_advanced`), like a late success; and
+    /// one for a visit that is over, a region whose result was applied, or a dispatch that
+    /// already failed or timed out does nothing.
     pub fn fail_region(&mut self, region: &str, error: &str) -> &mut Self {
         let task = self.take_region(region);
         let report = RegionReport::Failed {

@@ -268,10 +268,10 @@ pub struct DispatchRecord {
     pub dispatch: u64,
     /// Dispatched regions by path.
     pub regions: BTreeMap<String, RegionStatus>,
-    /// `PARALLEL_FAIL` was recorded (later failures are no-ops).
+    /// `PARALLEL_FAIL` was recorded (later failures and the region timeout are no-ops).
     #[serde(default)]
     pub failed: bool,
-    /// The region timeout was handled (a second firing is a no-op).
+    /// The region timeout was handled (a second firing and later failures are no-ops).
     #[serde(default)]
     pub timed_out: bool,
 }
@@ -493,16 +493,40 @@ pub fn apply_report<'d>(
             }
         }
         RegionReport::Failed { key, error, exception, attempts } => {
-            let Some(record) = book
+            // One failure, one `@fail` per dispatch: once a region failed or the region
+            // timeout fired, a later failure of the same visit raises nothing new.
+            let handled = book
                 .active
-                .get_mut(&key.parallel_state)
-                .filter(|r| r.dispatch == key.dispatch && !r.failed)
-            else {
-                return ReportPlan::Noop;
-            };
-            if !configuration.contains(&key.parallel_state) {
+                .get(&key.parallel_state)
+                .is_some_and(|r| r.dispatch == key.dispatch && (r.failed || r.timed_out));
+            if handled {
                 return ReportPlan::Noop;
             }
+            match check(configuration, book, key) {
+                Ok(()) => {}
+                // The region moved on (an event advanced it while the task ran its last
+                // try): the work that failed is no longer wanted, as a late success's is not.
+                Err(skip @ Skip::RegionAlreadyAdvanced) => {
+                    return ReportPlan::Abort(HistoryEntry::new(
+                        PARALLEL_REGION_GUARD_ABORT,
+                        json!({
+                            "region_id": key.region,
+                            "reason": skip.reason(),
+                            "discarded_context": [],
+                            "discarded_events": 0,
+                            "work_was_discarded": false,
+                            "error": error,
+                        }),
+                    ));
+                }
+                // A visit that is over, or a region whose result was applied already.
+                Err(Skip::MachineLeftParallelState | Skip::AlreadyApplied) => {
+                    return ReportPlan::Noop;
+                }
+            }
+            let Some(record) = book.active.get_mut(&key.parallel_state) else {
+                return ReportPlan::Noop;
+            };
             record.failed = true;
             record.regions.insert(key.region.clone(), RegionStatus::Failed);
             let payload = json!({
@@ -570,7 +594,8 @@ pub fn done_records(book: &ParallelBook, internal_events: &[Event]) -> Vec<Histo
 }
 
 /// The region timeout of `parallel_state` is due. `None` (a no-op) when that state is not
-/// active under a dispatch any more, the timeout was handled already, or every region is
+/// active under a dispatch any more, the timeout was handled already, a region of the
+/// dispatch failed already (its `@fail` was the dispatch's one), or every region is
 /// final; else the `PARALLEL_REGION_TIMEOUT` entry and the macrostep that delivers `@fail`.
 pub fn timeout<'d>(
     def: &'d Definition,
@@ -581,7 +606,8 @@ pub fn timeout<'d>(
     timeout_seconds: u64,
     limits: Limits,
 ) -> Option<(HistoryEntry, Box<Macrostep<'d>>)> {
-    let record = book.active.get_mut(parallel_state).filter(|r| !r.timed_out)?;
+    // A dispatch whose region failed already had its one `@fail`.
+    let record = book.active.get_mut(parallel_state).filter(|r| !r.timed_out && !r.failed)?;
     let &id = def.by_path.get(parallel_state)?;
     if !configuration.contains(parallel_state) {
         return None;
@@ -612,6 +638,33 @@ pub fn timeout<'d>(
         limits,
     );
     Some((HistoryEntry::new(PARALLEL_REGION_TIMEOUT, payload), Box::new(step)))
+}
+
+/// The parallel states whose region failures no `@fail` answers, in document order: a
+/// parallel state the runtime may dispatch (no `@always` on it or an ancestor, and at
+/// least two regions with an entry action in a state that is not final) with no `@fail`
+/// branch on it or on an ancestor. A region task of one that runs out of tries raises
+/// `fail.state.<path>`, which nothing handles, so the instance stays in the parallel state
+/// with no sign of it but the `PARALLEL_FAIL` entry. A runtime with dispatch on warns of
+/// each once; the fix is a `@fail` on the state (`.on_fail(…)`, JSON `"@fail"`).
+pub fn unhandled_region_failures(def: &Definition) -> Vec<&str> {
+    let ancestors = |s: usize| std::iter::successors(Some(s), |&x| def.parent(x));
+    let has_entry = |region: usize| {
+        def.states.iter().enumerate().any(|(x, node)| {
+            (x == region || def.is_descendant(x, region))
+                && node.kind != StateKind::Final
+                && !node.entry.is_empty()
+        })
+    };
+    def.states
+        .iter()
+        .enumerate()
+        .filter(|(_, node)| node.kind == StateKind::Parallel)
+        .filter(|&(p, _)| ancestors(p).all(|a| def.states[a].always.is_empty()))
+        .filter(|(_, node)| node.children.iter().filter(|&&r| has_entry(r)).count() >= 2)
+        .filter(|&(p, _)| ancestors(p).all(|a| def.states[a].on_fail.is_empty()))
+        .map(|(_, node)| node.path.as_str())
+        .collect()
 }
 
 fn region_final(def: &Definition, configuration: &Configuration, s: usize) -> bool {
@@ -1033,5 +1086,164 @@ mod tests {
         };
         let names: Vec<&str> = raised.iter().map(|e| e.name.as_str()).collect();
         assert_eq!(names, ["A_READY", "AFTER"], "raised in action order");
+    }
+
+    /// A region task that runs out of tries after its region moved on (an event advanced
+    /// it during the last try) is discarded like a late success: no `@fail` for work
+    /// nobody wants, a guard abort on record, and the dispatch can still fail for real.
+    #[test]
+    fn a_failure_of_a_region_that_moved_on_is_discarded_not_failed() {
+        let d = def(true);
+        let result = go(&d, "GO");
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        let key = |region: &str| tasks.iter().find(|t| t.key.region == region).unwrap().key.clone();
+        let failed = |key: RegionKey| RegionReport::Failed {
+            key,
+            error: "boom".into(),
+            exception: "ActionError".into(),
+            attempts: 3,
+        };
+        let step = Macrostep::start(
+            &d,
+            &result.configuration,
+            json!({}),
+            Event::new("B"),
+            Limits::default(),
+        );
+        let moved = run_to_completion(step, |_, _| Ok(ActionResult::empty()));
+        assert!(moved.configuration.contains("p.b.y"), "the event advanced region b");
+
+        let late = failed(key("p.b"));
+        let apply = |book: &mut ParallelBook, report: &RegionReport| {
+            apply_report(&d, &moved.configuration, &moved.context, book, report, Limits::default())
+        };
+        let ReportPlan::Abort(entry) = apply(&mut book, &late) else {
+            panic!("the failure is discarded, no `fail.state.p` raised");
+        };
+        assert_eq!(entry.kind, PARALLEL_REGION_GUARD_ABORT);
+        assert_eq!(
+            entry.data,
+            json!({
+                "region_id": "p.b",
+                "reason": "region_already_advanced",
+                "discarded_context": [],
+                "discarded_events": 0,
+                "work_was_discarded": false,
+                "error": "boom",
+            })
+        );
+        assert!(!book.active["p"].failed, "the dispatch did not fail");
+
+        // The sibling, still where it was dispatched, fails the parallel state.
+        let ReportPlan::Run { records, step, .. } = apply(&mut book, &failed(key("p.a"))) else {
+            panic!("a failure of a region still at its entered states fails the dispatch");
+        };
+        assert_eq!(records[0].kind, PARALLEL_FAIL);
+        let after = run_to_completion(*step, |_, _| Ok(ActionResult::empty()));
+        assert!(after.unhandled, "`fail.state.p` was raised (nothing answers it here)");
+        assert!(book.active["p"].failed);
+        assert!(matches!(apply(&mut book, &late), ReportPlan::Noop), "handled once");
+    }
+
+    /// A chart whose parallel state `p` answers a failure without leaving (`@fail` is
+    /// targetless), so the dispatch's record stays after its `@fail`.
+    fn staying_on_failure() -> Definition {
+        Definition::builder("stays", 1)
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p"))
+            .parallel("p", |p| {
+                p.state("a", |r| {
+                    r.initial("x")
+                        .state("x", |s| s.entry("ax").on_to("A", "fin"))
+                        .final_state("fin")
+                })
+                .state("b", |r| {
+                    r.initial("y")
+                        .state("y", |s| s.entry("by").on_to("B", "fin"))
+                        .final_state("fin")
+                })
+                .on_fail(|b| b.action("note_failure"))
+            })
+            .build()
+            .unwrap()
+    }
+
+    /// One failure, one `@fail` per dispatch: the region timeout after a region failed,
+    /// and a region failure after the region timeout fired, raise nothing new.
+    #[test]
+    fn a_dispatch_fails_once_whether_a_region_or_the_timeout_fails_it_first() {
+        let d = staying_on_failure();
+        let result = go(&d, "GO");
+        let config = &result.configuration;
+        let failed = |key: &RegionKey| RegionReport::Failed {
+            key: key.clone(),
+            error: "boom".into(),
+            exception: "ActionError".into(),
+            attempts: 3,
+        };
+        let due = |book: &mut ParallelBook| {
+            timeout(&d, config, &json!({}), book, "p", 60, Limits::default()).is_some()
+        };
+
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        let plan = apply_report(
+            &d,
+            config,
+            &json!({}),
+            &mut book,
+            &failed(&tasks[0].key),
+            Limits::default(),
+        );
+        let ReportPlan::Run { step, .. } = plan else { panic!("the failure fires @fail") };
+        let after = run_to_completion(*step, |_, _| Ok(ActionResult::empty()));
+        assert_eq!(after.actions(), ["note_failure"]);
+        assert!(after.configuration.contains("p.a.x"), "the targetless @fail stays in `p`");
+        assert!(!due(&mut book), "the timeout after the failure is a no-op");
+
+        let mut book = ParallelBook::default();
+        let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
+        assert!(due(&mut book), "the timeout fires @fail");
+        let plan = apply_report(
+            &d,
+            config,
+            &json!({}),
+            &mut book,
+            &failed(&tasks[1].key),
+            Limits::default(),
+        );
+        assert!(matches!(plan, ReportPlan::Noop), "the failure after the timeout is a no-op");
+    }
+
+    #[test]
+    fn parallel_states_no_fail_answers_are_listed() {
+        let d = Definition::builder("hangs", 1)
+            .initial("idle")
+            .state("idle", |s| s.on_to("GO", "p").on_to("Q", "q").on_to("W", "outer"))
+            // Dispatchable, no @fail anywhere above: listed.
+            .parallel("p", |p| {
+                p.state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                    .state("b", |r| r.entry("b").initial("y").leaf("y"))
+            })
+            // One region with entry work: never dispatched.
+            .parallel("q", |p| {
+                p.state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                    .state("b", |r| r.initial("y").leaf("y"))
+            })
+            // An ancestor's @fail answers the inner parallel state's failures.
+            .state("outer", |s| {
+                s.initial("inner")
+                    .parallel("inner", |p| {
+                        p.state("a", |r| r.initial("x").state("x", |s| s.entry("ax")))
+                            .state("b", |r| r.initial("y").state("y", |s| s.entry("by")))
+                    })
+                    .on_fail(|b| b.target("idle"))
+            })
+            .build()
+            .unwrap();
+        assert_eq!(unhandled_region_failures(&d), ["p"]);
+        assert!(unhandled_region_failures(&staying_on_failure()).is_empty(), "its own @fail");
+        assert_eq!(unhandled_region_failures(&def(true)), ["p"]);
     }
 }

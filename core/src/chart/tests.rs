@@ -1359,13 +1359,18 @@ fn timers_at_the_limits_are_valid() {
     assert!(def.warnings().is_empty());
 }
 
+/// A transition after an unguarded one on the same trigger in the same state can never be
+/// taken, whether it has a guard or not; guarded ones before an unguarded fallback are fine.
 #[test]
-fn shadowed_unguarded_transitions_are_warnings() {
+fn transitions_after_an_unguarded_one_are_shadowed_warnings() {
     let def = chart()
         .initial("a")
         .state("a", |s| {
             s.on_to("GO", "b")
                 .on_to("GO", "c")
+                .on_to("PICK", "b")
+                .on("PICK", |t| t.guard("ok").target("c"))
+                .on("PICK", |t| t.target("b"))
                 .on("CHECK", |t| t.guard("ok").target("b").branch(|b| b.target("c")))
                 .always(|b| b.guard("ok").target("b"))
                 .always(|b| b.target("c"))
@@ -1377,12 +1382,15 @@ fn shadowed_unguarded_transitions_are_warnings() {
         .build()
         .unwrap();
     let warnings: Vec<String> = def.warnings().iter().map(ToString::to_string).collect();
+    let shadowed = |count: usize, trigger: &str| {
+        format!(
+            "state `a`: {count} transition(s) on `{trigger}` come after one without a guard, which is always taken first, so they can never be taken; fix: move the unguarded transition last (as the fallback), give it a guard, or remove the transitions after it"
+        )
+    };
+    assert_eq!(warnings, [shadowed(1, "GO"), shadowed(2, "PICK"), shadowed(1, "@always")]);
     assert_eq!(
-        warnings,
-        [
-            "state `a`: 2 transitions on `GO` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions",
-            "state `a`: 2 transitions on `@always` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions",
-        ]
+        def.warnings()[1],
+        ChartWarning::ShadowedTransition { state: "a".into(), trigger: "PICK".into(), count: 2 }
     );
 }
 

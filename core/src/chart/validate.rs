@@ -327,17 +327,17 @@ pub enum ChartWarning {
         /// State path.
         state: String,
     },
-    /// A state has more than one transition without a guard on the same trigger: the first
-    /// is always taken, so the others can never run.
+    /// A state has transitions (guarded or not) on a trigger after one without a guard on
+    /// it: the unguarded one is always taken first, so the later ones can never run.
     #[error(
-        "state `{state}`: {count} transitions on `{trigger}` have no guard, so only the first can ever be taken; fix: add a guard to all but the last, or remove the extra transitions"
+        "state `{state}`: {count} transition(s) on `{trigger}` come after one without a guard, which is always taken first, so they can never be taken; fix: move the unguarded transition last (as the fallback), give it a guard, or remove the transitions after it"
     )]
     ShadowedTransition {
         /// State path.
         state: String,
         /// Event name or `@always` / `@done` / `@fail` / `@timeout`.
         trigger: String,
-        /// How many unguarded transitions share the trigger.
+        /// How many transitions on the trigger come after its first unguarded one.
         count: usize,
     },
     /// A transition from one region of a parallel state to a state in a sibling region:
@@ -566,22 +566,22 @@ fn cross_region(def: &Definition) -> Vec<ChartWarning> {
     out
 }
 
-/// Triggers with more than one unguarded transition in one state, in document order.
+/// Triggers of one state with transitions after the first unguarded one on them (which is
+/// always taken, so the later ones, guarded or not, never are), in document order.
 fn shadowed(def: &Definition) -> Vec<ChartWarning> {
     let mut out = Vec::new();
     for node in &def.states {
+        // Per trigger, in order of its first unguarded transition: how many come after it.
         let mut counts: Vec<(&Trigger, usize)> = Vec::new();
         for &t in &node.transitions {
             let t = &def.transitions[t];
-            if !t.guards.is_empty() {
-                continue;
-            }
             match counts.iter_mut().find(|(trigger, _)| **trigger == t.trigger) {
                 Some((_, n)) => *n += 1,
-                None => counts.push((&t.trigger, 1)),
+                None if t.guards.is_empty() => counts.push((&t.trigger, 0)),
+                None => {}
             }
         }
-        out.extend(counts.into_iter().filter(|(_, n)| *n > 1).map(|(trigger, count)| {
+        out.extend(counts.into_iter().filter(|(_, n)| *n > 0).map(|(trigger, count)| {
             ChartWarning::ShadowedTransition {
                 state: display(&node.path),
                 trigger: trigger_label(trigger),
