@@ -159,7 +159,8 @@ where
     Ok(started.elapsed())
 }
 
-/// `CLIENTS` HTTP workers polling and completing until `total` steps are done.
+/// `CLIENTS` HTTP workers polling and completing until `total` steps are done; the time
+/// until the last step completed (not until every worker's last empty poll returned).
 fn run_workers(
     total: usize,
     done: &Arc<AtomicUsize>,
@@ -168,9 +169,11 @@ fn run_workers(
 ) -> Result<Duration> {
     let started = Instant::now();
     let deadline = started + Duration::from_secs(600);
+    let last_done: Arc<OnceLock<Duration>> = Arc::new(OnceLock::new());
     let handles: Vec<_> = (0..CLIENTS)
         .map(|w| {
             let (done, poll_url, base) = (Arc::clone(done), poll_url.to_owned(), base.to_owned());
+            let last_done = Arc::clone(&last_done);
             std::thread::spawn(move || -> Result<()> {
                 let agent = agent();
                 let worker = format!("bench-{w}");
@@ -195,7 +198,9 @@ fn run_workers(
                         let call = format!("complete of task {}", task["id"]);
                         bail!("http workers: {}", refused(&call, &mut answer));
                     }
-                    done.fetch_add(1, Ordering::Relaxed);
+                    if done.fetch_add(1, Ordering::Relaxed) + 1 >= total {
+                        let _ = last_done.set(started.elapsed());
+                    }
                 }
                 Ok(())
             })
@@ -204,7 +209,7 @@ fn run_workers(
     for h in handles {
         h.join().map_err(|_| anyhow::anyhow!("a worker thread panicked"))??;
     }
-    Ok(started.elapsed())
+    Ok(last_done.get().copied().unwrap_or_else(|| started.elapsed()))
 }
 
 /// A call the server refused, with its status and the body the server sent, so a broken

@@ -17,7 +17,7 @@
 //! - `start`: single start p50 / p99, bulk start rate, and the process's memory with a
 //!   worker holding 10 000 parked instances;
 //! - `ui`: the dashboard's pages with `--ui-instances` (default 100 000) instances in the
-//!   store — p50 / p99 / max per page.
+//!   store — p50 / p95 / max per page.
 //! - `fairness` (PostgreSQL only): claim latency with N ready rows on one busy concurrency
 //!   key and one ready row on another (`--fairness-rows`, default 100 000).
 //! - `prune` (PostgreSQL only): pruning N ended instances while claiming — claim latency
@@ -59,7 +59,7 @@ struct Cli {
     /// wake-ups).
     #[arg(long, value_enum, default_value_t = queues::QueueKind::None)]
     queue: queues::QueueKind,
-    /// Instances for `steps` (default 50 000).
+    /// Instances for `steps`, and the bulk-start count in `start` (default 50 000).
     #[arg(long, default_value_t = 50_000)]
     instances: usize,
     /// Worker concurrencies for `steps` (default 1,10,100,500).

@@ -11,11 +11,11 @@
 //! checker counts, from the database and the workers' side log of handler executions:
 //! instances not terminal, step commits applied twice, handler executions per committed
 //! step, leases left, leases the reaper took from parents, inbox rows of terminal
-//! instances, timers fired early or twice, and
-//! `@done` per parent. Any lost or hung instance, duplicate commit or duplicate `@done`
-//! fails the run. The verdict is printed and written as JSON under `target/chaos/`; each
-//! worker process's stderr is kept beside its side log (`stderr-<id>-<n>.log` in the run
-//! directory) and quoted when a worker fails to start.
+//! instances, timers fired early or twice, and `@done` per parent. Any lost or hung
+//! instance, duplicate commit, duplicate `@done`, or timer fired early (by its recorded
+//! times) or twice fails the run. The verdict is printed and written as JSON under
+//! `target/chaos/`; each worker process's stderr is kept beside its side log
+//! (`stderr-<id>-<n>.log` in the run directory) and quoted when a worker fails to start.
 
 use crate::chaos_pg::Cluster;
 use crate::chaos_proxy::{self, ProxyStats};
@@ -290,6 +290,7 @@ impl Tally {
             || self.children_not_terminal > 0
             || self.leases_left > 0
             || self.terminal_inbox_rows > 0
+            || self.timers_early > 0
             || self.timers_twice > 0
     }
 
@@ -321,6 +322,14 @@ impl Tally {
 
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { (a as f64 / b as f64 * 1000.0).round() / 1000.0 }
+}
+
+/// Whether a `TIMER_FIRED` record's data shows a fire before the timer was due: its sweep
+/// time `at` is before its due time `due`. A record without both cannot show it fired on
+/// time, and counts as early.
+fn fired_early(data: &Value) -> bool {
+    let (at, due) = (data["at"].as_i64(), data["due"].as_i64());
+    at.zip(due).is_none_or(|(at, due)| at < due)
 }
 
 /// Counts executions per (instance, step) in the side logs.
@@ -405,12 +414,7 @@ async fn check<S: Store>(store: &S, parents: &[InstanceId], log_dir: &Path) -> R
             d.history.iter().filter(|h| HistoryKind::TimerFired.is(&h.entry.kind)).collect();
         t.timers_fired += fired.len() as u64;
         t.timers_twice += (fired.len() as u64).saturating_sub(1);
-        t.timers_early += fired
-            .iter()
-            .filter(|h| {
-                h.entry.data["at"].as_i64().unwrap_or(0) < h.entry.data["due"].as_i64().unwrap_or(0)
-            })
-            .count() as u64;
+        t.timers_early += fired.iter().filter(|h| fired_early(&h.entry.data)).count() as u64;
         if row.status == Status::Done && d.children.len() != CHILDREN {
             t.children_not_terminal += 1;
         }
@@ -655,7 +659,7 @@ fn print_table(t: &Tally, report: &Value) {
         (
             "timers fired / early / twice",
             format!("{} / {} / {}", t.timers_fired, t.timers_early, t.timers_twice),
-            t.timers_twice > 0,
+            t.timers_early > 0 || t.timers_twice > 0,
         ),
         ("drain after faults", format!("{} s", report["drain_seconds"]), false),
     ];
@@ -914,6 +918,22 @@ mod tests {
         assert!(error("--seed").contains("--seed needs a value"));
         let ok = parse(&args("--store sqlite --seed 9")).expect("valid");
         assert_eq!((ok.store, ok.seed, ok.instances), (StoreKind::Sqlite, 9, 1_000));
+    }
+
+    /// A timer fired before it was due fails the run, as one fired twice does; a fire
+    /// record without its times counts as early.
+    #[test]
+    fn a_timer_fired_early_or_twice_fails_the_run() {
+        let clean = Tally { instances: 1, timers_fired: 1, ..Tally::default() };
+        assert!(!clean.failed(), "{clean:?}");
+        assert!(Tally { timers_early: 1, ..Tally::default() }.failed());
+        assert!(Tally { timers_twice: 1, ..Tally::default() }.failed());
+        assert!(!fired_early(&json!({ "due": 1_000, "at": 1_000 })));
+        assert!(!fired_early(&json!({ "due": 1_000, "at": 1_500 })));
+        assert!(fired_early(&json!({ "due": 1_000, "at": 999 })));
+        assert!(fired_early(&json!({ "due": 1_000 })));
+        assert!(fired_early(&json!({ "at": 1_000 })));
+        assert!(fired_early(&json!({})));
     }
 
     #[test]

@@ -21,13 +21,24 @@ pub struct Cluster {
 
 /// The newest `/usr/lib/postgresql/<version>/bin` that has `initdb`.
 fn find_bin() -> Result<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+    let found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .context("PostgreSQL server binaries not found under /usr/lib/postgresql; install the postgresql package")?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|bin| bin.join("initdb").exists())
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|dir| dir.join("bin").join("initdb").exists())
         .collect();
-    found.sort();
-    found.pop().context("no initdb under /usr/lib/postgresql/*/bin; install the postgresql package")
+    newest(found)
+        .map(|dir| dir.join("bin"))
+        .context("no initdb under /usr/lib/postgresql/*/bin; install the postgresql package")
+}
+
+/// The version directory (`…/9.6`, `…/16`) with the highest version, compared part by part
+/// as numbers (16 is newer than 9.6); a name that is not a version comes last.
+fn newest(dirs: Vec<PathBuf>) -> Option<PathBuf> {
+    let version = |dir: &PathBuf| -> Option<Vec<u64>> {
+        let name = dir.file_name()?.to_str()?;
+        name.split('.').map(|part| part.parse().ok()).collect()
+    };
+    dirs.into_iter().max_by(|a, b| version(a).cmp(&version(b)).then_with(|| a.cmp(b)))
 }
 
 /// A loopback port nobody listens on right now.
@@ -153,5 +164,25 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.stop_immediate();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::newest;
+    use std::path::PathBuf;
+
+    #[test]
+    fn the_newest_server_is_chosen_by_version_number_not_by_name() {
+        let dirs = |names: &[&str]| -> Vec<PathBuf> {
+            names.iter().map(|n| PathBuf::from("/usr/lib/postgresql").join(n)).collect()
+        };
+        let pick = |names: &[&str]| newest(dirs(names)).map(|d| d.display().to_string());
+        let path = |name: &str| Some(format!("/usr/lib/postgresql/{name}"));
+        assert_eq!(pick(&["9.6", "16", "10"]), path("16"));
+        assert_eq!(pick(&["16", "9.6"]), path("16"));
+        assert_eq!(pick(&["notes", "9.6"]), path("9.6"));
+        assert_eq!(pick(&["15", "17"]), path("17"));
+        assert_eq!(pick(&[]), None);
     }
 }

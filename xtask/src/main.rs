@@ -148,7 +148,8 @@ fn test(root: &Path, require: bool) -> Result<()> {
     let result = run("cargo test --workspace", cmd);
     services::summary(&backends, browser_skipped.as_deref());
     result?;
-    // The suites that exercise wake-ups, and the crash test, again with a Redis queue in
+    // The suites that exercise wake-ups (parents woken by their children and by join
+    // deadlines, and sends, among them), and the crash test, again with a Redis queue in
     // the loop (their harness reads KEEL_TEST_WORKER_QUEUE): same tests, hints carrying
     // the work.
     let Some(redis) = backends.iter().find(|b| b.env_var == "KEEL_TEST_REDIS_URL") else {
@@ -157,7 +158,17 @@ fn test(root: &Path, require: bool) -> Result<()> {
     let Some(url) = &redis.url else { return Ok(()) };
     let mut cmd = cargo(root);
     cmd.args(["test", "-p", "keel-scheduler"]);
-    for suite in ["worker", "robustness", "terminal", "timers", "chart", "same_step", "parallel"] {
+    for suite in [
+        "worker",
+        "robustness",
+        "terminal",
+        "timers",
+        "chart",
+        "same_step",
+        "parallel",
+        "joins",
+        "send",
+    ] {
         cmd.args(["--test", suite]);
     }
     let mut crash = cargo(root);
@@ -195,21 +206,87 @@ fn migrate(args: &[String]) -> Result<()> {
 
 /// `cargo xtask bench [steps|chart|timers|store ...] [--store memory|sqlite|postgres] [...]`:
 /// the engine benchmarks in release mode (`keel-bench`), and `store` for the Postgres
-/// store's claim + commit micro-benchmark.
+/// store's claim + commit micro-benchmark. With `store` named, `keel-bench` runs only when
+/// a scenario of its own is named too; `--help` only asks `keel-bench` for its help.
 fn bench(root: &Path, args: &[String]) -> Result<()> {
-    let (store_bench, rest): (Vec<&String>, Vec<&String>) =
-        args.iter().partition(|a| *a == "store");
-    if !store_bench.is_empty() {
-        let mut cmd = cargo(root);
-        cmd.args(["bench", "-p", "keel-store-postgres", "--bench", "store"]);
-        run("store micro-benchmark", cmd)?;
-        if rest.is_empty() {
+    let split = split_bench_args(args);
+    // Help is keel-bench's to give, without running anything.
+    if split.store && !split.help {
+        store_bench(root)?;
+        if !split.scenario {
+            let rest: Vec<&str> = split.rest.iter().map(String::as_str).collect();
+            let store_named = [&["--store", "postgres"][..], &["--store=postgres"][..]];
+            if !rest.is_empty() && !store_named.contains(&rest.as_slice()) {
+                eprintln!(
+                    "bench: the store micro-benchmark takes no options; ignored {} (name a keel-bench scenario to run one with them)",
+                    split.rest.join(" ")
+                );
+            }
             return Ok(());
         }
     }
     let mut cmd = cargo(root);
-    cmd.args(["run", "--release", "--quiet", "-p", "keel-bench", "--"]).args(rest);
+    cmd.args(["run", "--release", "--quiet", "-p", "keel-bench", "--"]).args(&split.rest);
     run("keel-bench", cmd)
+}
+
+/// The variables the store micro-benchmark (`store-postgres/benches/store.rs`) reads its
+/// database from, in order.
+const STORE_BENCH_URL_VARS: [&str; 2] = ["KEEL_BENCH_DATABASE_URL", "KEEL_TEST_DATABASE_URL"];
+
+/// The store micro-benchmark; said to be skipped, not "ok", when it has no database (the
+/// benchmark itself then only prints that it skipped).
+fn store_bench(root: &Path) -> Result<()> {
+    let has_url =
+        STORE_BENCH_URL_VARS.iter().any(|v| std::env::var(v).is_ok_and(|u| !u.is_empty()));
+    if !has_url {
+        eprintln!(
+            "<== store micro-benchmark: SKIPPED — set {} (or {}) to a PostgreSQL database",
+            STORE_BENCH_URL_VARS[0], STORE_BENCH_URL_VARS[1]
+        );
+        return Ok(());
+    }
+    let mut cmd = cargo(root);
+    cmd.args(["bench", "-p", "keel-store-postgres", "--bench", "store"]);
+    run("store micro-benchmark", cmd)
+}
+
+/// `cargo xtask bench` arguments: whether the store micro-benchmark is named, and what
+/// goes to `keel-bench`.
+#[derive(Debug, PartialEq)]
+struct BenchArgs {
+    /// `store` was named as a scenario.
+    store: bool,
+    /// The rest names one of `keel-bench`'s own scenarios.
+    scenario: bool,
+    /// The rest asks for `keel-bench`'s help.
+    help: bool,
+    /// Everything but `store`, in order, for `keel-bench`.
+    rest: Vec<String>,
+}
+
+/// Splits `cargo xtask bench` arguments. Every `keel-bench` option but `--help`/`-h`
+/// takes a value, as the next argument or after `=`; what is left are scenario names. A
+/// value is never taken for a scenario (`--out store` names a directory).
+fn split_bench_args(args: &[String]) -> BenchArgs {
+    let mut split = BenchArgs { store: false, scenario: false, help: false, rest: Vec::new() };
+    let mut value_next = false;
+    for arg in args {
+        if value_next {
+            value_next = false;
+        } else if matches!(arg.as_str(), "--help" | "-h") {
+            split.help = true;
+        } else if arg.starts_with('-') {
+            value_next = !arg.contains('=');
+        } else if arg == "store" {
+            split.store = true;
+            continue;
+        } else {
+            split.scenario = true;
+        }
+        split.rest.push(arg.clone());
+    }
+    split
 }
 
 /// `cargo xtask ci [--chaos]`; with `--chaos` (or `KEEL_CI_CHAOS=1`) it ends with a short
@@ -284,7 +361,7 @@ fn ci(root: &Path, chaos: bool) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::refuse_others;
+    use super::{BenchArgs, refuse_others, split_bench_args};
 
     fn args(list: &[&str]) -> Vec<String> {
         list.iter().map(|a| (*a).to_owned()).collect()
@@ -305,5 +382,40 @@ mod tests {
             extra.to_string().contains("unknown argument \"--fix\" (it takes: none)"),
             "{extra}"
         );
+    }
+
+    #[test]
+    fn bench_runs_keel_bench_only_for_a_scenario_of_its_own_beside_store() {
+        let split = |list: &[&str]| split_bench_args(&args(list));
+        let only = |store, scenario, help, rest: &[&str]| BenchArgs {
+            store,
+            scenario,
+            help,
+            rest: args(rest),
+        };
+        // `store` alone, or with options only: no keel-bench run.
+        assert_eq!(split(&["store"]), only(true, false, false, &[]));
+        assert_eq!(
+            split(&["store", "--store", "postgres"]),
+            only(true, false, false, &["--store", "postgres"])
+        );
+        assert_eq!(
+            split(&["--store=postgres", "store"]),
+            only(true, false, false, &["--store=postgres"])
+        );
+        // A scenario beside it, before or after the options.
+        assert_eq!(
+            split(&["store", "--store", "postgres", "fairness"]),
+            only(true, true, false, &["--store", "postgres", "fairness"])
+        );
+        assert_eq!(split(&["timers", "store"]), only(true, true, false, &["timers"]));
+        // An option's value is not a scenario, `store` included.
+        assert_eq!(
+            split(&["--out", "store", "--instances", "10"]),
+            only(false, false, false, &["--out", "store", "--instances", "10"])
+        );
+        assert_eq!(split(&["store", "--help"]), only(true, false, true, &["--help"]));
+        // Without `store`, keel-bench gets everything (its default scenarios when none).
+        assert_eq!(split(&[]), only(false, false, false, &[]));
     }
 }

@@ -122,8 +122,14 @@ pub fn detect(root: &Path, require: bool) -> Result<Vec<Backend>> {
                 None => format!("{env_var} is unset, and at {shown}: {problem}"),
             };
             if require {
+                // The usual cause on a fresh local server: the `test` database is missing.
+                let create = if env_var == "KEEL_TEST_DATABASE_URL" {
+                    " (a local server without the test database: `createdb -h 127.0.0.1 -U postgres test`)"
+                } else {
+                    ""
+                };
                 bail!(
-                    "{name} is required but cannot be used: {why}. Start it (see .ci/run), or set {env_var} to one the tests can use."
+                    "{name} is required but cannot be used: {why}. Start it (see .ci/run){create}, or set {env_var} to one the tests can use."
                 );
             }
             b.skipped_because = Some(why);
@@ -169,31 +175,67 @@ pub fn browser(require: bool) -> Result<Option<String>> {
 /// Prints which backend suites ran and which were skipped, the browser test included
 /// (`browser_skipped`: why it skipped itself, from [`browser`]).
 pub fn summary(backends: &[Backend], browser_skipped: Option<&str>) {
-    eprintln!("backend suites:");
-    eprintln!("  memory (MemoryStore, MemoryQueue): ran");
+    for line in summary_lines(backends, browser_skipped) {
+        eprintln!("{line}");
+    }
+}
+
+/// The lines [`summary`] prints. A URL is shown with its password hidden: CI logs keep it.
+fn summary_lines(backends: &[Backend], browser_skipped: Option<&str>) -> Vec<String> {
+    let mut lines =
+        vec!["backend suites:".to_owned(), "  memory (MemoryStore, MemoryQueue): ran".to_owned()];
     for b in backends {
-        match (&b.url, &b.skipped_because) {
-            (Some(url), _) => eprintln!("  {} ({}): ran against {url}", b.name, b.crate_dir),
-            (None, why) => eprintln!(
+        lines.push(match (&b.url, &b.skipped_because) {
+            (Some(url), _) => {
+                format!("  {} ({}): ran against {}", b.name, b.crate_dir, redact_url(url))
+            }
+            (None, why) => format!(
                 "  {} ({}): SKIPPED — {}",
                 b.name,
                 b.crate_dir,
                 why.as_deref().unwrap_or("unavailable")
             ),
-        }
+        });
     }
     if backends.is_empty() {
-        eprintln!("  (no backend crates in this workspace yet)");
+        lines.push("  (no backend crates in this workspace yet)".to_owned());
     }
-    match browser_skipped {
-        None => eprintln!("  dashboard browser test (cli/tests/ui.rs): ran"),
-        Some(why) => eprintln!("  dashboard browser test (cli/tests/ui.rs): SKIPPED — {why}"),
-    }
+    lines.push(match browser_skipped {
+        None => "  dashboard browser test (cli/tests/ui.rs): ran".to_owned(),
+        Some(why) => format!("  dashboard browser test (cli/tests/ui.rs): SKIPPED — {why}"),
+    });
+    lines
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{host_port, probe};
+    use super::{Backend, host_port, probe, summary_lines};
+
+    /// A backend URL carrying a password is printed with the password hidden, as the
+    /// skipped line and the error already print it.
+    #[test]
+    fn the_summary_hides_a_password_in_a_backend_url() {
+        let backend = |name, url: &str| Backend {
+            name,
+            crate_dir: "store-postgres",
+            env_var: "KEEL_TEST_DATABASE_URL",
+            url: Some(url.to_owned()),
+            skipped_because: None,
+        };
+        let backends = [
+            backend("PostgreSQL", "postgres://keel:hunter2@db.local:5432/test"),
+            backend("Redis", "redis://:hunter2@127.0.0.1:6379"),
+        ];
+        let text = summary_lines(&backends, None).join("\n");
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(
+            text.contains(
+                "PostgreSQL (store-postgres): ran against postgres://keel:***@db.local:5432/test"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("ran against redis://:***@127.0.0.1:6379"), "{text}");
+    }
 
     #[test]
     fn host_port_of_service_urls() {
