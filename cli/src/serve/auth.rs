@@ -50,7 +50,8 @@ pub enum Access {
 pub struct Grant {
     token: String,
     namespaces: Vec<String>,
-    access: Access,
+    /// Optional only so that a missing value gets an error naming the accepted ones.
+    access: Option<Access>,
 }
 
 impl Grant {
@@ -61,7 +62,8 @@ impl Grant {
 
     /// What it may do.
     pub fn access(&self) -> Access {
-        self.access
+        // `load` refuses a grant without one, so a loaded grant always has it.
+        self.access.unwrap_or(Access::Read)
     }
 
     /// The namespaces it names (`"*"` = every one).
@@ -104,6 +106,11 @@ pub fn load(path: &Path) -> anyhow::Result<Vec<Grant>> {
         if grant.namespaces.is_empty() {
             bail!(
                 "--tokens: tokens[{i}].namespaces is empty; name the namespaces it may use, or \"*\""
+            );
+        }
+        if grant.access.is_none() {
+            bail!(
+                "--tokens: tokens[{i}].access is missing; set access = \"read\" or access = \"operate\""
             );
         }
     }
@@ -165,7 +172,7 @@ pub async fn check(
         _ if !grant.sees_all() => return ApiError::not_found("not found").into_response(),
         _ => {}
     }
-    if write && grant.access == Access::Read {
+    if write && grant.access() == Access::Read {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             Some("authorization"),
@@ -212,5 +219,20 @@ mod tests {
                 "--tokens: tokens[0].token is longer than 1024 bytes; use a shorter random secret"
             )
         );
+    }
+
+    #[test]
+    fn a_token_without_access_names_the_accepted_values() {
+        let text = "[[tokens]]\ntoken = \"0123456789abcdef\"\nnamespaces = [\"*\"]\n";
+        let err = load_text(text).err().map(|e| format!("{e:#}"));
+        assert_eq!(
+            err.as_deref(),
+            Some(
+                "--tokens: tokens[0].access is missing; set access = \"read\" or access = \"operate\""
+            )
+        );
+        let wrong = text.to_owned() + "access = \"write\"\n";
+        let err = load_text(&wrong).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(err.contains("`read`") && err.contains("`operate`"), "{err}");
     }
 }
