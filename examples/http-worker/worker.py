@@ -228,6 +228,12 @@ def main():
                                         lease_ends)
             if status in FATAL:
                 return fatal("complete or fail refused", status, answer)
+            if status in TRY_AGAIN:
+                # Never landed before the lease ran out: the task comes back to a poll once
+                # its lease ends, so it is not counted as served.
+                print(json.dumps({"error": "result not committed", "task": task["id"],
+                                  "status": status, "answer": answer}), flush=True)
+                continue
         print(json.dumps({"task": task["id"], "token": task["token"], "status": status,
                           "answer": answer}), flush=True)
         done += 1
