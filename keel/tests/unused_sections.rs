@@ -9,7 +9,10 @@ mod common;
 use common::Lines;
 use keel::layers::core::config::KeelConfig;
 use keel::settings::UnusedSection;
-use keel::{Keel, MachineRef, Outcome, StepContext, StepError, StepMachine, WorkerConfig, json};
+use keel::{
+    Keel, MachineRef, Outcome, StepContext, StepError, StepMachine, WorkerBuilder, WorkerConfig,
+    json,
+};
 
 struct Order;
 
@@ -29,6 +32,21 @@ fn config(text: &str) -> KeelConfig {
 
 fn typo(section: &str, near: &str) -> UnusedSection {
     UnusedSection { section: section.to_owned(), closest: Some(near.to_owned()) }
+}
+
+/// Starts `worker` under a subscriber that keeps what it logs, stops it, and returns
+/// the lines: what a worker reports at start-up never stops it.
+async fn logged_at_start(worker: WorkerBuilder) -> Vec<String> {
+    let lines = Lines::default();
+    // The interest cache is rebuilt under this subscriber, so a callsite another test's
+    // thread registered meanwhile cannot keep a stale "never" for it.
+    let handle = tracing::subscriber::with_default(lines.clone(), || {
+        tracing::callsite::rebuild_interest_cache();
+        worker.spawn()
+    })
+    .expect("reported at start-up, not refused");
+    handle.shutdown().await;
+    lines.0.lock().expect("not poisoned").clone()
 }
 
 const FILE: &str = "[machines.order.queue]\nname = \"payments\"\n\
@@ -83,16 +101,7 @@ async fn a_queue_the_worker_claims_from_is_in_use() {
 async fn a_starting_worker_warns_of_a_likely_misspelling_and_notes_the_rest() {
     let keel = Keel::connect("sqlite::memory:").await.expect("opens").with_settings(config(FILE));
     let worker = keel.worker().register(Order).expect("registers");
-    let lines = Lines::default();
-    // The interest cache is rebuilt under this subscriber, so a callsite another test's
-    // thread registered meanwhile cannot keep a stale "never" for it.
-    let handle = tracing::subscriber::with_default(lines.clone(), || {
-        tracing::callsite::rebuild_interest_cache();
-        worker.spawn()
-    })
-    .expect("unused sections are reported, not refused");
-    handle.shutdown().await;
-    let lines = lines.0.lock().expect("not poisoned").clone();
+    let lines = logged_at_start(worker).await;
     let logged = |needle: &str| lines.iter().any(|l| l.contains(needle));
     assert!(
         logged(
@@ -135,14 +144,8 @@ async fn a_worker_warns_of_a_schedule_that_starts_a_version_it_does_not_register
              its instances wait for a worker that registers v1. If v2 is meant, set \
              `version = 2` in the schedule's start"]
     );
-    let lines = Lines::default();
-    let handle = tracing::subscriber::with_default(lines.clone(), || {
-        tracing::callsite::rebuild_interest_cache();
-        worker.spawn()
-    })
-    .expect("warned about, not refused: older workers may still serve v1");
-    handle.shutdown().await;
-    let lines = lines.0.lock().expect("not poisoned").clone();
+    // Warned about, not refused: older workers may still serve v1.
+    let lines = logged_at_start(worker).await;
     assert!(lines.iter().any(|l| l.starts_with("WARN schedule `nightly` starts")), "{lines:#?}");
 
     // The version it starts is registered (beside another), or the worker registers no
@@ -187,14 +190,7 @@ async fn a_worker_reports_an_event_section_naming_no_event_of_its_chart() {
         ],
         "`checkout` and the timer's `expire` are the chart's events"
     );
-    let lines = Lines::default();
-    let handle = tracing::subscriber::with_default(lines.clone(), || {
-        tracing::callsite::rebuild_interest_cache();
-        worker.spawn()
-    })
-    .expect("unused sections are reported, not refused");
-    handle.shutdown().await;
-    let lines = lines.0.lock().expect("not poisoned").clone();
+    let lines = logged_at_start(worker).await;
     let logged = |needle: &str| lines.iter().any(|l| l.contains(needle));
     assert!(
         logged("WARN configuration section [machines.order.events.chekout] names no event")
