@@ -5,9 +5,9 @@
 mod common;
 
 use common::faulty::{Fault, Faulty};
-use common::{Harness, eventually};
+use common::{Harness, eventually, in_state};
 use keel_core::chart::{Definition, Timer};
-use keel_core::{Instance, InstanceId, Status};
+use keel_core::{InstanceId, Status};
 use keel_scheduler::{ChartMachine, SweepConfig, Worker, WorkerConfig, WorkerHandle};
 use keel_testkit::memory::MemoryStore;
 use serde_json::json;
@@ -31,14 +31,6 @@ fn deadline(after: Timer) -> ChartMachine {
 fn worker(h: &H, m: ChartMachine, timers: Option<SweepConfig>) -> WorkerHandle {
     let config = WorkerConfig { timers, ..h.config() };
     h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn()
-}
-
-fn in_state(state: &'static str) -> impl Fn(&Instance) -> bool {
-    move |r| {
-        r.status != Status::Executing
-            && serde_json::from_str::<Vec<String>>(&r.position)
-                .is_ok_and(|p| p.iter().any(|s| s == state))
-    }
 }
 
 async fn history_has(h: &H, id: InstanceId, kind: &str) -> usize {

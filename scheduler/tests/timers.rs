@@ -9,8 +9,7 @@
 #[macro_use]
 mod common;
 
-use common::{Harness, TestStore};
-use keel_core::Instance;
+use common::{Harness, TestStore, in_state};
 use keel_core::chart::{Definition, Timer};
 use keel_core::ports::{Clock, Store};
 use keel_core::{InstanceId, NewSignal, Status};
@@ -30,14 +29,6 @@ fn worker(h: &Harness, m: ChartMachine) -> WorkerHandle {
     // The test sweeps by hand: no sweeper inside the worker.
     let config = WorkerConfig { timers: None, ..h.config() };
     h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn()
-}
-
-fn in_state(state: &'static str) -> impl Fn(&Instance) -> bool {
-    move |r| {
-        r.status != Status::Executing
-            && serde_json::from_str::<Vec<String>>(&r.position)
-                .is_ok_and(|p| p.iter().any(|s| s == state))
-    }
 }
 
 /// Moves time, sweeps once, and returns how many timer events were delivered.

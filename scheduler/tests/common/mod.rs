@@ -238,8 +238,15 @@ impl TestStore for keel_store_postgres::PgStore {
     }
 }
 
-/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
-/// `KEEL_REQUIRE_BACKENDS=1`.
+/// Whether a row rests (is not running a step) with `state` among its active states.
+pub fn in_state(state: &'static str) -> impl Fn(&Instance) -> bool {
+    move |r| {
+        r.status != Status::Executing
+            && serde_json::from_str::<Vec<String>>(&r.position)
+                .is_ok_and(|p| p.iter().any(|s| s == state))
+    }
+}
+
 /// Polls `cond` every 5 ms for at most 5 s of real time; panics naming `what` if it
 /// never holds.
 pub async fn eventually(what: &str, cond: impl Fn() -> bool) {
@@ -252,6 +259,8 @@ pub async fn eventually(what: &str, cond: impl Fn() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
+/// Whether `KEEL_TEST_DATABASE_URL` is set; if not, says so loudly, and fails under
+/// `KEEL_REQUIRE_BACKENDS=1`.
 pub fn postgres_available(test: &str) -> bool {
     if keel_store_postgres::testing::database_url().is_some() {
         return true;
