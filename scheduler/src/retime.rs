@@ -4,7 +4,8 @@
 //! instances already waiting, counted from their original anchor. Transitions marked
 //! `keep_armed` are left alone. Every worker does it; a second pass finds nothing to move.
 //! The worker's sweeper starts sweeping only once this pass has ended (done, given up, or
-//! panicked), so its first sweep does not fire a timer under a duration the deploy changed.
+//! panicked), or after a minute at most, so its first sweep does not fire a timer under a
+//! duration the deploy changed.
 
 use super::Inner;
 use keel_core::limits;

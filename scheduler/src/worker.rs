@@ -1002,6 +1002,9 @@ pub const WORKER_PERIOD_MAX: Duration = Duration::from_secs(366 * 86_400);
 
 /// How many times a group commit is tried while the store is unavailable.
 const COMMIT_TRIES: u32 = 5;
+/// Longest a worker's sweeper waits for the start-up retime before its first sweep: a
+/// retime the store holds up must not keep the worker's timers from firing.
+const RETIME_WAIT_MAX: Duration = Duration::from_secs(60);
 
 /// How many times a starting worker tries to take back its own old leases before it
 /// leaves them to expire.
@@ -1090,9 +1093,19 @@ async fn run<S: Store, C: Clock + Clone>(
                     .expect("validated by Worker::spawn");
             let mut gate = retime_gate.clone();
             async move {
+                let opened = tokio::time::timeout(RETIME_WAIT_MAX, gate.wait_for(|done| *done));
                 tokio::select! {
-                    // Done, or the sender is gone (the retime panicked or was aborted).
-                    _ = gate.wait_for(|done| *done) => {}
+                    // Done, or the sender is gone (the retime panicked or was aborted); or
+                    // still running: a retime held up by the store (a lock wait, a stalled
+                    // connection) must not keep this worker's timers from firing.
+                    opened = opened => if opened.is_err() {
+                        tracing::warn!(
+                            waited_s = RETIME_WAIT_MAX.as_secs(),
+                            "the start-up retime has not ended; sweeping timers without \
+                             waiting for it (a timer whose duration the deploy changed may \
+                             fire under the old one until it ends)"
+                        );
+                    },
                     _ = stop.wait_for(|stopping| *stopping) => return,
                 }
                 sweeper.run(stop).await;
