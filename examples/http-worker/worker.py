@@ -170,6 +170,8 @@ def main():
     args = parser.parse_args()
 
     done = 0
+    # Tasks whose complete or fail got no answer saying it landed before the lease ended.
+    unconfirmed = 0
     # Polls in a row that found no task: a worker that never gets one gives up after
     # EMPTY_POLLS_MAX of them; every task served starts the count again.
     empty = 0
@@ -229,15 +231,18 @@ def main():
             if status in FATAL:
                 return fatal("complete or fail refused", status, answer)
             if status in TRY_AGAIN:
-                # Never landed before the lease ran out: the task comes back to a poll once
-                # its lease ends, so it is not counted as served.
-                print(json.dumps({"error": "result not committed", "task": task["id"],
+                # No answer said the result landed before the lease ran out: it may have
+                # (an answer lost on the way back) or not (the task then comes back to a
+                # poll once its lease ends). Said as an error, and in the exit status.
+                print(json.dumps({"error": "result not confirmed", "task": task["id"],
                                   "status": status, "answer": answer}), flush=True)
+                unconfirmed += 1
+                done += 1
                 continue
         print(json.dumps({"task": task["id"], "token": task["token"], "status": status,
                           "answer": answer}), flush=True)
         done += 1
-    return 0
+    return 1 if unconfirmed else 0
 
 
 if __name__ == "__main__":

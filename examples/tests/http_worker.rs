@@ -238,18 +238,18 @@ fn a_503_on_complete_is_sent_again_until_it_is_taken() {
 }
 
 #[test]
-fn a_result_not_handed_in_before_the_lease_ends_is_not_counted_as_served() {
-    // Two 503s use up a 600 ms lease (the next backoff would outlast it): the result never
-    // landed, so the worker says so and polls again; the task it gets then completes.
+fn a_result_not_confirmed_before_the_lease_ends_is_an_error_and_fails_the_run() {
+    // Two 503s use up a 600 ms lease (the next backoff would outlast it): nothing said the
+    // result landed, so the worker says so, serves the next task, and exits with status 1.
     let script = Script {
         complete: |n| if n < 2 { Reply::Status(503) } else { Reply::Status(200) },
         ..Script::polls(|_| Reply::Task)
     };
     let (base, log) = serve(script);
-    let out = worker_with(&base, 1, &["--lease-ms", "600"], None);
-    assert!(out.status.success(), "{out:?}");
+    let out = worker_with(&base, 2, &["--lease-ms", "600"], None);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains(r#"{"error": "result not committed", "task": 1"#), "{stdout}");
+    assert!(stdout.contains(r#"{"error": "result not confirmed", "task": 1"#), "{stdout}");
     let lines = task_lines(&out);
     assert_eq!(lines.len(), 1, "{stdout}");
     assert!(lines[0].contains(r#""task": 2"#) && lines[0].contains(r#""status": 200"#));
