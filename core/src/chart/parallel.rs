@@ -21,12 +21,14 @@
 //! Everything here is deterministic: the same inputs give the same records, so the
 //! in-memory `TestMachine` and the durable runtime share it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
-use super::algorithm::{ActionError, ActionPhase, ActionRequest, Limits, Macrostep};
+use super::algorithm::{
+    ActionError, ActionPhase, ActionRequest, Limits, Macrostep, add_descendants,
+};
 use super::configuration::Configuration;
 use super::context::{ActionResult, ChartContext};
 use super::definition::{Definition, Event, StateKind};
@@ -437,6 +439,26 @@ pub struct Followup {
     pub context_changed: bool,
 }
 
+/// The `PARALLEL_REGION_GUARD_ABORT` entry of a report whose work is no longer wanted:
+/// why (`skip`), and the context keys and raised events it would have brought.
+fn guard_abort(
+    key: &RegionKey,
+    skip: Skip,
+    discarded: &[&str],
+    discarded_events: usize,
+) -> HistoryEntry {
+    HistoryEntry::new(
+        PARALLEL_REGION_GUARD_ABORT,
+        json!({
+            "region_id": key.region,
+            "reason": skip.reason(),
+            "discarded_context": discarded,
+            "discarded_events": discarded_events,
+            "work_was_discarded": !discarded.is_empty() || discarded_events > 0,
+        }),
+    )
+}
+
 /// Applies a region's report to the parent's fresh `configuration` and `context` (without
 /// the book), updating `book`. See [`ReportPlan`].
 pub fn apply_report<'d>(
@@ -454,16 +476,7 @@ pub fn apply_report<'d>(
                 Err(Skip::AlreadyApplied) => return ReportPlan::Noop,
                 Err(skip) => {
                     let discarded: Vec<&str> = diff.keys().into_iter().collect();
-                    return ReportPlan::Abort(HistoryEntry::new(
-                        PARALLEL_REGION_GUARD_ABORT,
-                        json!({
-                            "region_id": key.region,
-                            "reason": skip.reason(),
-                            "discarded_context": discarded,
-                            "discarded_events": raised.len(),
-                            "work_was_discarded": !discarded.is_empty() || !raised.is_empty(),
-                        }),
-                    ));
+                    return ReportPlan::Abort(guard_abort(key, skip, &discarded, raised.len()));
                 }
             }
             let baseline_value = Value::Object(baseline.clone());
@@ -507,17 +520,9 @@ pub fn apply_report<'d>(
                 // The region moved on (an event advanced it while the task ran its last
                 // try): the work that failed is no longer wanted, as a late success's is not.
                 Err(skip @ Skip::RegionAlreadyAdvanced) => {
-                    return ReportPlan::Abort(HistoryEntry::new(
-                        PARALLEL_REGION_GUARD_ABORT,
-                        json!({
-                            "region_id": key.region,
-                            "reason": skip.reason(),
-                            "discarded_context": [],
-                            "discarded_events": 0,
-                            "work_was_discarded": false,
-                            "error": error,
-                        }),
-                    ));
+                    let mut entry = guard_abort(key, skip, &[], 0);
+                    entry.data["error"] = json!(error);
+                    return ReportPlan::Abort(entry);
                 }
                 // A visit that is over, or a region whose result was applied already.
                 Err(Skip::MachineLeftParallelState | Skip::AlreadyApplied) => {
@@ -646,28 +651,16 @@ pub fn timeout<'d>(
 /// initial states down, has an entry action and neither `@always` nor a final state, as
 /// the macrostep's dispatch rule asks) with no `@fail` branch on it or on an ancestor.
 /// A state dispatched only when a transition enters it below its initial states is not
-/// listed: the warning stays for what certainly happens. A region task of one that runs out of tries raises
-/// `fail.state.<path>`, which nothing handles, so the instance stays in the parallel state
-/// with no sign of it but the `PARALLEL_FAIL` entry. A runtime with dispatch on warns of
+/// listed: the warning stays for what certainly happens. A region task of one that runs
+/// out of tries raises `fail.state.<path>`, which nothing handles, so the instance stays
+/// in the parallel state with no sign of it but the `PARALLEL_FAIL` entry. A runtime with dispatch on warns of
 /// each once; the fix is a `@fail` on the state (`.on_fail(…)`, JSON `"@fail"`).
 pub fn unhandled_region_failures(def: &Definition) -> Vec<&str> {
     let ancestors = |s: usize| std::iter::successors(Some(s), |&x| def.parent(x));
-    // What entering `region` by default enters: the region, its initial child and so on
-    // down (every region of a parallel state among them). Each state is visited once.
-    let default_entry = |region: usize| {
-        let (mut entered, mut next) = (Vec::new(), vec![region]);
-        while let Some(x) = next.pop() {
-            entered.push(x);
-            let node = &def.states[x];
-            match node.kind {
-                StateKind::Parallel => next.extend(node.children.iter().copied()),
-                _ => next.extend(node.initial),
-            }
-        }
-        entered
-    };
+    // What entering `region` by default enters, as the macrostep enters it.
     let has_entry = |region: usize| {
-        let entered = default_entry(region);
+        let mut entered = BTreeSet::new();
+        add_descendants(def, region, &mut entered);
         entered.iter().any(|&x| !def.states[x].entry.is_empty())
             && !entered.iter().any(|&x| {
                 !def.states[x].always.is_empty() || def.states[x].kind == StateKind::Final
@@ -1105,6 +1098,16 @@ mod tests {
         assert_eq!(names, ["A_READY", "AFTER"], "raised in action order");
     }
 
+    /// The report of a region task that used up its three tries on `boom`.
+    fn failed(key: RegionKey) -> RegionReport {
+        RegionReport::Failed {
+            key,
+            error: "boom".into(),
+            exception: "ActionError".into(),
+            attempts: 3,
+        }
+    }
+
     /// A region task that runs out of tries after its region moved on (an event advanced
     /// it during the last try) is discarded like a late success: no `@fail` for work
     /// nobody wants, a guard abort on record, and the dispatch can still fail for real.
@@ -1115,12 +1118,6 @@ mod tests {
         let mut book = ParallelBook::default();
         let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
         let key = |region: &str| tasks.iter().find(|t| t.key.region == region).unwrap().key.clone();
-        let failed = |key: RegionKey| RegionReport::Failed {
-            key,
-            error: "boom".into(),
-            exception: "ActionError".into(),
-            attempts: 3,
-        };
         let step = Macrostep::start(
             &d,
             &result.configuration,
@@ -1193,26 +1190,17 @@ mod tests {
         let d = staying_on_failure();
         let result = go(&d, "GO");
         let config = &result.configuration;
-        let failed = |key: &RegionKey| RegionReport::Failed {
-            key: key.clone(),
-            error: "boom".into(),
-            exception: "ActionError".into(),
-            attempts: 3,
-        };
         let due = |book: &mut ParallelBook| {
             timeout(&d, config, &json!({}), book, "p", 60, Limits::default()).is_some()
         };
 
+        let apply = |book: &mut ParallelBook, report: &RegionReport| {
+            apply_report(&d, config, &json!({}), book, report, Limits::default())
+        };
+
         let mut book = ParallelBook::default();
         let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
-        let plan = apply_report(
-            &d,
-            config,
-            &json!({}),
-            &mut book,
-            &failed(&tasks[0].key),
-            Limits::default(),
-        );
+        let plan = apply(&mut book, &failed(tasks[0].key.clone()));
         let ReportPlan::Run { step, .. } = plan else { panic!("the failure fires @fail") };
         let after = run_to_completion(*step, |_, _| Ok(ActionResult::empty()));
         assert_eq!(after.actions(), ["note_failure"]);
@@ -1222,14 +1210,7 @@ mod tests {
         let mut book = ParallelBook::default();
         let tasks = book.dispatch(&result.regions_to_dispatch, &json!({}));
         assert!(due(&mut book), "the timeout fires @fail");
-        let plan = apply_report(
-            &d,
-            config,
-            &json!({}),
-            &mut book,
-            &failed(&tasks[1].key),
-            Limits::default(),
-        );
+        let plan = apply(&mut book, &failed(tasks[1].key.clone()));
         assert!(matches!(plan, ReportPlan::Noop), "the failure after the timeout is a no-op");
     }
 
