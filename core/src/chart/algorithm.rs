@@ -1052,13 +1052,8 @@ impl<'d> Macrostep<'d> {
     /// final state (which raises `done.state`). Nothing is dispatched when `p` or one of its
     /// ancestors has `@always` (the whole parallel state may be left at once).
     fn plan_dispatch(&mut self, p: usize, set: &BTreeSet<usize>) {
-        let eventless = |s: usize| !self.def.states[s].always.is_empty();
-        let mut up = Some(p);
-        while let Some(s) = up {
-            if eventless(s) {
-                return;
-            }
-            up = self.def.parent(s);
+        if eventless_at_or_above(self.def, p) {
+            return;
         }
         let regions: Vec<(usize, Vec<usize>)> = self.def.states[p]
             .children
@@ -1073,10 +1068,7 @@ impl<'d> Macrostep<'d> {
                     .collect();
                 (r, entered)
             })
-            .filter(|(_, entered)| entered.iter().any(|&x| !self.def.states[x].entry.is_empty()))
-            .filter(|(_, entered)| {
-                !entered.iter().any(|&x| eventless(x) || self.def.kind(x) == StateKind::Final)
-            })
+            .filter(|(_, entered)| region_dispatches(self.def, entered))
             .collect();
         if regions.len() < 2 {
             return;
@@ -1326,6 +1318,22 @@ pub fn run_to_completion(
             Next::Done(result) => return *result,
         }
     }
+}
+
+/// Whether `s` or one of its ancestors has `@always`: a parallel state there is never
+/// dispatched, since the whole of it may be left at once.
+pub(super) fn eventless_at_or_above(def: &Definition, s: usize) -> bool {
+    std::iter::successors(Some(s), |&x| def.parent(x)).any(|x| !def.states[x].always.is_empty())
+}
+
+/// Whether a region whose newly entered states are `entered` is one a region task takes:
+/// it has entry work, and it cannot move on by itself within the step (no state with
+/// `@always`, no final state, which raises `done.state`).
+pub(super) fn region_dispatches(def: &Definition, entered: &[usize]) -> bool {
+    entered.iter().any(|&x| !def.states[x].entry.is_empty())
+        && !entered
+            .iter()
+            .any(|&x| !def.states[x].always.is_empty() || def.kind(x) == StateKind::Final)
 }
 
 /// Adds `s` to `set` with what entering it enters below it: a compound state's initial

@@ -28,6 +28,7 @@ use serde_json::{Map, Value, json};
 
 use super::algorithm::{
     ActionError, ActionPhase, ActionRequest, Limits, Macrostep, add_descendants,
+    eventless_at_or_above, region_dispatches,
 };
 use super::configuration::Configuration;
 use super::context::{ActionResult, ChartContext};
@@ -278,6 +279,14 @@ pub struct DispatchRecord {
     pub timed_out: bool,
 }
 
+impl DispatchRecord {
+    /// Whether this dispatch had its one `@fail` already, from a region that failed or
+    /// from the region timeout: a later failure or timeout raises nothing new.
+    pub fn fail_handled(&self) -> bool {
+        self.failed || self.timed_out
+    }
+}
+
 /// The runtime's bookkeeping of dispatched parallel states, kept in the context under
 /// [`BOOK_KEY`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -511,7 +520,7 @@ pub fn apply_report<'d>(
             let handled = book
                 .active
                 .get(&key.parallel_state)
-                .is_some_and(|r| r.dispatch == key.dispatch && (r.failed || r.timed_out));
+                .is_some_and(|r| r.dispatch == key.dispatch && r.fail_handled());
             if handled {
                 return ReportPlan::Noop;
             }
@@ -529,9 +538,8 @@ pub fn apply_report<'d>(
                     return ReportPlan::Noop;
                 }
             }
-            let Some(record) = book.active.get_mut(&key.parallel_state) else {
-                return ReportPlan::Noop;
-            };
+            let record =
+                book.active.get_mut(&key.parallel_state).expect("`check` found the record");
             record.failed = true;
             record.regions.insert(key.region.clone(), RegionStatus::Failed);
             let payload = json!({
@@ -612,7 +620,7 @@ pub fn timeout<'d>(
     limits: Limits,
 ) -> Option<(HistoryEntry, Box<Macrostep<'d>>)> {
     // A dispatch whose region failed already had its one `@fail`.
-    let record = book.active.get_mut(parallel_state).filter(|r| !r.timed_out && !r.failed)?;
+    let record = book.active.get_mut(parallel_state).filter(|r| !r.fail_handled())?;
     let &id = def.by_path.get(parallel_state)?;
     if !configuration.contains(parallel_state) {
         return None;
@@ -656,23 +664,23 @@ pub fn timeout<'d>(
 /// in the parallel state with no sign of it but the `PARALLEL_FAIL` entry. A runtime with dispatch on warns of
 /// each once; the fix is a `@fail` on the state (`.on_fail(…)`, JSON `"@fail"`).
 pub fn unhandled_region_failures(def: &Definition) -> Vec<&str> {
-    let ancestors = |s: usize| std::iter::successors(Some(s), |&x| def.parent(x));
-    // What entering `region` by default enters, as the macrostep enters it.
-    let has_entry = |region: usize| {
+    // A region entered by default enters what the macrostep would enter with it.
+    let dispatches = |region: usize| {
         let mut entered = BTreeSet::new();
         add_descendants(def, region, &mut entered);
-        entered.iter().any(|&x| !def.states[x].entry.is_empty())
-            && !entered.iter().any(|&x| {
-                !def.states[x].always.is_empty() || def.states[x].kind == StateKind::Final
-            })
+        region_dispatches(def, &entered.into_iter().collect::<Vec<_>>())
+    };
+    let answered = |p: usize| {
+        std::iter::successors(Some(p), |&x| def.parent(x))
+            .any(|a| !def.states[a].on_fail.is_empty())
     };
     def.states
         .iter()
         .enumerate()
         .filter(|(_, node)| node.kind == StateKind::Parallel)
-        .filter(|&(p, _)| ancestors(p).all(|a| def.states[a].always.is_empty()))
-        .filter(|(_, node)| node.children.iter().filter(|&&r| has_entry(r)).count() >= 2)
-        .filter(|&(p, _)| ancestors(p).all(|a| def.states[a].on_fail.is_empty()))
+        .filter(|&(p, _)| !eventless_at_or_above(def, p))
+        .filter(|(_, node)| node.children.iter().filter(|&&r| dispatches(r)).count() >= 2)
+        .filter(|&(p, _)| !answered(p))
         .map(|(_, node)| node.path.as_str())
         .collect()
 }
