@@ -455,10 +455,12 @@ impl StepMachine for ChartMachine {
     fn warnings(&self) -> Vec<String> {
         let (name, version) = (self.definition.name(), self.definition.version());
         let definition = self.definition.warnings().iter().map(ToString::to_string);
-        let unanswered = unhandled_region_failures(&self.definition)
-            .into_iter()
-            .filter(|_| self.parallel.enabled)
-            .map(unanswered_failure);
+        let unanswered = if self.parallel.enabled {
+            unhandled_region_failures(&self.definition)
+        } else {
+            Vec::new()
+        };
+        let unanswered = unanswered.into_iter().map(unanswered_failure);
         definition.chain(unanswered).map(|w| format!("chart {name} v{version}: {w}")).collect()
     }
 

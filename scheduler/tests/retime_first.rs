@@ -8,10 +8,9 @@ use common::faulty::{Fault, Faulty};
 use common::{Harness, eventually, in_state};
 use keel_core::chart::{Definition, Timer};
 use keel_core::{InstanceId, Status};
-use keel_scheduler::{ChartMachine, SweepConfig, Worker, WorkerConfig, WorkerHandle};
+use keel_scheduler::{ChartMachine, SweepConfig, WorkerConfig, WorkerHandle};
 use keel_testkit::memory::MemoryStore;
 use serde_json::json;
-use std::sync::Arc;
 use std::time::Duration;
 
 type H = Harness<Faulty<MemoryStore>>;
@@ -29,8 +28,7 @@ fn deadline(after: Timer) -> ChartMachine {
 }
 
 fn worker(h: &H, m: ChartMachine, timers: Option<SweepConfig>) -> WorkerHandle {
-    let config = WorkerConfig { timers, ..h.config() };
-    h.hinted(Worker::new(Arc::clone(&h.store), h.clock.clone(), config).register(m)).spawn()
+    h.worker(WorkerConfig { timers, ..h.config() }, m)
 }
 
 async fn history_has(h: &H, id: InstanceId, kind: &str) -> usize {
